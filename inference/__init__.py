@@ -1,1 +1,63 @@
-"""hearth: inference package."""
+"""hearth's inference core: load a model's layer range or head, run it with per-session KV caches, sample.
+
+Pure compute, no network (besides resolving a hub id into the local snapshot cache). Typical use:
+
+    runner = load_layer_range("path/or/org/name", 4, 7)          # a shard host: layers 4..7 inclusive
+    hidden = runner.forward(session_id, hidden, start_pos, "prefill" | "decode", layers=(lo, hi))
+
+    head = load_head("path/or/org/name")                          # the orchestrator
+    ids = head.encode_chat(messages) or head.encode_prompt(text)
+    hidden = head.embed(ids) -> ... shards ... -> token = head.sample(head.logits(hidden), params, generator)
+    delta = stream.push(token)  # stream = head.text_stream(params, ids): text deltas + stop rules
+"""
+
+from .architectures import ArchitectureAdapter, adapter_for, supported_architectures
+from .checkpoint import ModelInfo, resolve_dtype, resolve_model_path
+from .checksum import weights_sha256
+from .detokenizer import FINISH_LENGTH, FINISH_STOP, TextDelta, TextStream
+from .errors import (
+    CheckpointError,
+    InferenceError,
+    RunnerClosedError,
+    SessionStateError,
+    SessionTooLargeError,
+    UnsupportedArchitectureError,
+)
+from .head import Head
+from .loading import load_head, load_layer_range
+from .local import LocalModel, load_full
+from .runner import DEFAULT_CACHE_BUDGET_BYTES, DEFAULT_SESSION_TTL_S, STEP_KINDS, LayerRangeRunner
+from .sampling import SamplingParams, sample_token
+from .sessions import EvictedSession
+
+__all__ = [
+    "DEFAULT_CACHE_BUDGET_BYTES",
+    "DEFAULT_SESSION_TTL_S",
+    "FINISH_LENGTH",
+    "FINISH_STOP",
+    "STEP_KINDS",
+    "ArchitectureAdapter",
+    "CheckpointError",
+    "EvictedSession",
+    "Head",
+    "InferenceError",
+    "LayerRangeRunner",
+    "LocalModel",
+    "ModelInfo",
+    "RunnerClosedError",
+    "SamplingParams",
+    "SessionStateError",
+    "SessionTooLargeError",
+    "TextDelta",
+    "TextStream",
+    "UnsupportedArchitectureError",
+    "adapter_for",
+    "load_full",
+    "load_head",
+    "load_layer_range",
+    "resolve_dtype",
+    "resolve_model_path",
+    "sample_token",
+    "supported_architectures",
+    "weights_sha256",
+]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Awaitable, Callable
 
 import nats
 from nats.aio.client import Client as NatsClient
@@ -22,17 +23,26 @@ def default_nats_url() -> str:
     return os.environ.get(NATS_URL_ENV, DEFAULT_NATS_URL)
 
 
-async def connect_nats(url: str | None = None, *, name: str = "hearth") -> NatsClient:
+async def connect_nats(
+    url: str | None = None,
+    *,
+    name: str = "hearth",
+    on_reconnected: Callable[[], Awaitable[None] | None] | None = None,
+) -> NatsClient:
     """Connect with unlimited reconnects: a broker restart must never end a hearth process."""
     target = url or default_nats_url()
 
-    async def on_disconnected() -> None:
+    async def disconnected() -> None:
         log.warning("%s: disconnected from NATS %s", name, target)
 
-    async def on_reconnected() -> None:
+    async def reconnected() -> None:
         log.info("%s: reconnected to NATS %s", name, target)
+        if on_reconnected is not None:
+            result = on_reconnected()
+            if result is not None:
+                await result
 
-    async def on_error(error: Exception) -> None:
+    async def errored(error: Exception) -> None:
         log.warning("%s: NATS error: %s", name, error)
 
     return await nats.connect(
@@ -43,7 +53,7 @@ async def connect_nats(url: str | None = None, *, name: str = "hearth") -> NatsC
         max_reconnect_attempts=-1,
         allow_reconnect=True,
         pending_size=pending_buffer_bytes,
-        disconnected_cb=on_disconnected,
-        reconnected_cb=on_reconnected,
-        error_cb=on_error,
+        disconnected_cb=disconnected,
+        reconnected_cb=reconnected,
+        error_cb=errored,
     )

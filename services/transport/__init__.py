@@ -1,1 +1,56 @@
-"""hearth: services/transport package."""
+"""Activation transport of DESIGN.md §6: frames over core NATS, the ack-window sender, the receiver, ack watching.
+
+A hop i of pipeline P receives on ``hearth.act.P.i`` and acks on ``hearth.ack.P.i``; the orchestrator
+is the source (it sends into hop 0) and the sink (its receiver is hop ``len(hops)``). A shard host::
+
+    async with ActivationReceiver(nc, P, i) as inbound, AckWindowSender(nc, P, i + 1) as outbound:
+        async for received in inbound:
+            output = await asyncio.to_thread(run_layers, received.info, received.tensor)
+            await outbound.send(received.info, output)   # same session and step, forwarded
+
+The orchestrator sends with ``AckWindowSender(nc, P, 0)``, reads results with
+``ActivationReceiver(nc, P, len(hops))`` and watches ``AckObserver(nc, P, sink_hop=len(hops))``.
+"""
+
+from services.transport.acks import AckObserver, StepProgress
+from services.transport.errors import FrameError, TransportClosed, TransportError, TransportTimeout
+from services.transport.frames import (
+    AckHeader,
+    EncodedStep,
+    FrameHeader,
+    FrameKind,
+    StepInfo,
+    WireDtype,
+    decode_frames,
+    encode_step,
+    wire_dtype_from_setting,
+)
+from services.transport.receiver import ActivationReceiver, ReceivedStep
+from services.transport.sender import AckWindowSender, SentStep
+from services.transport.stats import LatencySamples, LatencySummary, ReceiverStats, SenderStats
+
+__all__ = [
+    "AckHeader",
+    "AckObserver",
+    "AckWindowSender",
+    "ActivationReceiver",
+    "EncodedStep",
+    "FrameError",
+    "FrameHeader",
+    "FrameKind",
+    "LatencySamples",
+    "LatencySummary",
+    "ReceivedStep",
+    "ReceiverStats",
+    "SenderStats",
+    "SentStep",
+    "StepInfo",
+    "StepProgress",
+    "TransportClosed",
+    "TransportError",
+    "TransportTimeout",
+    "WireDtype",
+    "decode_frames",
+    "encode_step",
+    "wire_dtype_from_setting",
+]

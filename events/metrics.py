@@ -1,0 +1,17 @@
+"""Prometheus counters for the event log itself (defined here because events/ must not import services/)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter
+
+events_undecodable_total = Counter(
+    "hearth_events_undecodable_total",
+    "Messages on an event subject that did not decode into a known event (skipped, never fatal).",
+    ["stream"],
+)
+
+events_published_total = Counter(
+    "hearth_events_published_total",
+    "Events acknowledged by JetStream, by event type (duplicates dropped by the server included).",
+    ["type"],
+)

@@ -1,0 +1,105 @@
+"""The two JetStream streams of DESIGN.md §3 and `ensure_streams`, which creates or updates them idempotently."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from nats.js import JetStreamContext
+from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
+from nats.js.errors import APIError, NotFoundError
+
+from events.subjects import INTEGRITY_EVENTS_WILDCARD, PIPELINE_EVENTS_WILDCARD, SHARD_EVENTS_WILDCARD
+
+log = logging.getLogger(__name__)
+
+SHARDS_STREAM = "HEARTH_SHARDS"
+PIPELINES_STREAM = "HEARTH_PIPELINES"
+ALL_STREAMS: tuple[str, ...] = (SHARDS_STREAM, PIPELINES_STREAM)
+
+seconds_per_day = 24 * 3600
+shards_max_age_s = 7 * seconds_per_day
+pipelines_max_age_s = 30 * seconds_per_day
+# Caps heartbeats per shard subject; it applies to every subject of the stream (advertised/withdrawn too),
+# which is harmless because those are rare.
+shards_max_msgs_per_subject = 1000
+# A re-publish with the same Nats-Msg-Id inside this window is dropped by the server.
+duplicate_window_s = 120.0
+
+# JetStream error code for "stream name already in use with a different configuration".
+_STREAM_NAME_IN_USE_ERR_CODE = 10058
+
+
+@dataclass(frozen=True)
+class StreamSpec:
+    """What one hearth stream must look like; `config()` renders it for the JetStream API."""
+
+    name: str
+    subjects: tuple[str, ...]
+    max_age_s: float
+    max_msgs_per_subject: int = -1
+    description: str = ""
+
+    def config(self, *, replicas: int = 1) -> StreamConfig:
+        return StreamConfig(
+            name=self.name,
+            description=self.description,
+            subjects=list(self.subjects),
+            retention=RetentionPolicy.LIMITS,
+            storage=StorageType.FILE,
+            discard=DiscardPolicy.OLD,
+            max_age=self.max_age_s,
+            max_msgs_per_subject=self.max_msgs_per_subject,
+            duplicate_window=duplicate_window_s,
+            num_replicas=replicas,
+            allow_direct=True,
+        )
+
+
+SHARDS_STREAM_SPEC = StreamSpec(
+    name=SHARDS_STREAM,
+    subjects=(SHARD_EVENTS_WILDCARD,),
+    max_age_s=shards_max_age_s,
+    max_msgs_per_subject=shards_max_msgs_per_subject,
+    description="hearth shard lifecycle: advertised, heartbeat (capped per subject), withdrawn",
+)
+PIPELINES_STREAM_SPEC = StreamSpec(
+    name=PIPELINES_STREAM,
+    subjects=(PIPELINE_EVENTS_WILDCARD, INTEGRITY_EVENTS_WILDCARD),
+    max_age_s=pipelines_max_age_s,
+    description="hearth pipeline lifecycle and integrity detections",
+)
+STREAM_SPECS: tuple[StreamSpec, ...] = (SHARDS_STREAM_SPEC, PIPELINES_STREAM_SPEC)
+
+
+def stream_for_subject(subject: str) -> str:
+    """The stream an event subject belongs to (raises ValueError for a subject outside both)."""
+    if subject.startswith("hearth.events.shard."):
+        return SHARDS_STREAM
+    if subject.startswith(("hearth.events.pipeline.", "hearth.events.integrity.")):
+        return PIPELINES_STREAM
+    raise ValueError(f"subject {subject!r} belongs to no hearth stream")
+
+
+async def ensure_streams(js: JetStreamContext, *, replicas: int = 1) -> None:
+    """Create both streams, or bring an existing one to the current spec; safe when processes race."""
+    for spec in STREAM_SPECS:
+        await _ensure_stream(js, spec.config(replicas=replicas))
+
+
+async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
+    try:
+        # An identical add is a no-op on the server, so two processes starting together both succeed.
+        await js.add_stream(config)
+        log.debug("stream %s ensured", config.name)
+        return
+    except APIError as error:
+        if error.err_code != _STREAM_NAME_IN_USE_ERR_CODE:
+            raise
+    # It exists with another configuration (an older hearth, or replicas differ): update it in place.
+    try:
+        await js.update_stream(config)
+        log.info("stream %s updated to the current spec", config.name)
+    except NotFoundError:
+        # Deleted between our add and update: create it.
+        await js.add_stream(config)

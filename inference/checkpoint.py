@@ -1,0 +1,175 @@
+"""Finding a checkpoint (local folder or hub cache), describing it, reading only chosen tensors from it."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from .errors import CheckpointError
+
+SAFETENSORS_INDEX_NAME = "model.safetensors.index.json"
+SAFETENSORS_SINGLE_NAME = "model.safetensors"
+# What a snapshot needs for hearth: config, weights, tokenizer and chat template files; never *.bin/*.pt.
+HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "tokenizer*"]
+HUB_DOWNLOAD_WORKERS = 4
+
+_DTYPE_NAMES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a shard advertises and an orchestrator checks about a loaded model."""
+
+    model_id: str
+    path: Path
+    architecture: str
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    dtype: torch.dtype
+    tie_word_embeddings: bool
+
+    @property
+    def dtype_name(self) -> str:
+        """The compute dtype as a plain string, e.g. "float32" (for events and wire headers)."""
+        return str(self.dtype).removeprefix("torch.")
+
+
+def resolve_dtype(dtype: torch.dtype | str | None, config_dtype: torch.dtype | str | None) -> torch.dtype:
+    """The compute dtype: an explicit choice, else the checkpoint's own ("auto"), else float32."""
+    chosen = config_dtype if dtype is None or dtype == "auto" else dtype
+    if chosen is None or chosen == "auto":
+        return torch.float32
+    if isinstance(chosen, torch.dtype):
+        return chosen
+    name = str(chosen).removeprefix("torch.").lower()
+    if name not in _DTYPE_NAMES:
+        raise ValueError(f"unknown dtype {chosen!r}; use one of {sorted(_DTYPE_NAMES)} or 'auto'")
+    return _DTYPE_NAMES[name]
+
+
+def _looks_like_local_path(model: str) -> bool:
+    # Hub ids are "name" or "org/name"; anything else with a path shape was meant as a folder.
+    return model.startswith((".", "/", "~")) or model.count("/") > 1 or (os.sep != "/" and os.sep in model)
+
+
+def resolve_model_path(
+    model: str | Path,
+    *,
+    revision: str | None = None,
+    cache_dir: str | Path | None = None,
+    local_files_only: bool | None = None,
+) -> Path:
+    """The local folder of a checkpoint given as a folder or a hub id ("org/name").
+
+    A hub id is looked up in the huggingface_hub snapshot cache first (so a machine that already has the
+    model starts without any network), and downloaded only when it is missing and downloads are allowed
+    (``local_files_only`` false and ``HF_HUB_OFFLINE`` unset), like ``from_pretrained`` users expect.
+    """
+    if isinstance(model, Path) or Path(model).expanduser().is_dir():
+        path = Path(model).expanduser()
+        if not path.is_dir():
+            raise CheckpointError(f"checkpoint folder {path} does not exist")
+        return path.resolve()
+    if _looks_like_local_path(model):
+        raise CheckpointError(f"checkpoint folder {model} does not exist")
+
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    offline = local_files_only
+    if offline is None:
+        offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
+    kwargs = dict(revision=revision, cache_dir=cache_dir, allow_patterns=HUB_ALLOW_PATTERNS)
+    try:
+        return Path(snapshot_download(model, local_files_only=True, **kwargs))
+    except HFValidationError as exc:
+        raise CheckpointError(f"{model!r} is neither a checkpoint folder nor a valid hub model id") from exc
+    except LocalEntryNotFoundError as exc:
+        if offline:
+            raise CheckpointError(
+                f"model {model!r} is neither a local folder nor in the local hub cache "
+                "(and downloads are disabled)"
+            ) from exc
+    try:
+        return Path(snapshot_download(model, max_workers=HUB_DOWNLOAD_WORKERS, **kwargs))
+    except Exception as exc:  # the hub client raises many network error types; all mean "not available"
+        raise CheckpointError(
+            f"model {model!r} is neither a local folder nor fetchable from the hub: {exc}"
+        ) from exc
+
+
+def read_config_dict(path: Path) -> dict:
+    """The raw config.json of a checkpoint folder."""
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise CheckpointError(f"{path} has no config.json")
+    return json.loads(config_file.read_text())
+
+
+class SafetensorsCheckpoint:
+    """Which file holds each tensor of a single-file or sharded safetensors checkpoint; reads tensors by name.
+
+    Tensors are read through safetensors' memory map one by one, so only the bytes of the requested
+    tensors are ever touched; ``bytes_read`` counts them.
+    """
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.bytes_read = 0
+        self._file_of: dict[str, Path] = {}
+        index_file = path / SAFETENSORS_INDEX_NAME
+        if index_file.is_file():
+            weight_map = json.loads(index_file.read_text())["weight_map"]
+            self._file_of = {name: path / file_name for name, file_name in weight_map.items()}
+            return
+        files = [path / SAFETENSORS_SINGLE_NAME] if (path / SAFETENSORS_SINGLE_NAME).is_file() else []
+        files = files or sorted(path.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(
+                f"{path} has no safetensors weights (only safetensors checkpoints are supported)"
+            )
+        for file in files:
+            with safe_open(file, framework="pt") as handle:
+                for name in handle.keys():
+                    self._file_of[name] = file
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._file_of
+
+    def names(self) -> set[str]:
+        """Every tensor name in the checkpoint."""
+        return set(self._file_of)
+
+    def read(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
+        """The named tensors, each copied out of its file; a missing name is a CheckpointError."""
+        by_file: dict[Path, list[str]] = defaultdict(list)
+        for name in names:
+            if name not in self._file_of:
+                raise CheckpointError(f"tensor {name} is missing from the checkpoint in {self.path}")
+            by_file[self._file_of[name]].append(name)
+        tensors: dict[str, torch.Tensor] = {}
+        for file, file_names in by_file.items():
+            with safe_open(file, framework="pt", device="cpu") as handle:
+                for name in file_names:
+                    tensor = handle.get_tensor(name)
+                    self.bytes_read += tensor.numel() * tensor.element_size()
+                    tensors[name] = tensor
+        return tensors

@@ -1,0 +1,28 @@
+"""Exception types raised by the inference core, so callers can map them to wire error codes."""
+
+
+class InferenceError(Exception):
+    """Base class of every error the inference core raises on purpose."""
+
+
+class UnsupportedArchitectureError(InferenceError):
+    """The checkpoint's architecture has no adapter; raised at load time, before any weight is read."""
+
+
+class CheckpointError(InferenceError):
+    """The checkpoint folder is missing, incomplete or in a format hearth cannot read."""
+
+
+class SessionStateError(InferenceError):
+    """A step does not fit the session's cache (unknown session, or start_pos != tokens already cached).
+
+    The usual cause is an evicted or reset session; the orchestrator recovers by re-prefilling.
+    """
+
+
+class SessionTooLargeError(InferenceError):
+    """One session alone would need more KV-cache bytes than the runner's whole budget."""
+
+
+class RunnerClosedError(InferenceError):
+    """The runner was closed; its weights and caches are gone."""

@@ -1,0 +1,147 @@
+"""Head: the orchestrator's part — tokenizer, chat template, embedding, final norm + lm_head, sampling."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from .architectures import ArchitectureAdapter
+from .checkpoint import ModelInfo
+from .detokenizer import TextStream
+from .errors import InferenceError
+from .sampling import SamplingParams, sample_token
+
+
+class Head:
+    """Embedding, final norm and lm_head of one model, with its tokenizer; stateless, so safe to share.
+
+    ``embed`` turns token ids into the hidden states that enter layer 0; ``logits`` turns the hidden
+    states that leave the last layer into next-token logits (last position only); ``sample`` picks a
+    token; ``text_stream`` turns picked tokens into text deltas and applies stop rules.
+    """
+
+    def __init__(
+        self,
+        *,
+        info: ModelInfo,
+        config: PretrainedConfig,
+        adapter: ArchitectureAdapter,
+        embed_tokens: nn.Module,
+        final_norm: nn.Module,
+        lm_head: nn.Module,
+        tokenizer=None,
+        eos_token_ids: Iterable[int] = (),
+        checkpoint_bytes_read: int = 0,
+    ):
+        self.info = info
+        self._config = config
+        self._adapter = adapter
+        self._embed_tokens = embed_tokens
+        self._final_norm = final_norm
+        self._lm_head = lm_head
+        self._tokenizer = tokenizer
+        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        self.checkpoint_bytes_read = checkpoint_bytes_read
+
+    # ----------------------------------------------------------------- tensors
+
+    def embed(self, token_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        """Hidden states ``[1, T, hidden_size]`` entering layer 0 for the given token ids."""
+        ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(1, -1)
+        if ids.numel() == 0:
+            raise ValueError("token_ids must not be empty")
+        if int(ids.min()) < 0 or int(ids.max()) >= self.info.vocab_size:
+            raise ValueError(f"token ids must be in [0, {self.info.vocab_size})")
+        with torch.inference_mode():
+            return self._embed_tokens(ids)
+
+    def logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Float32 next-token logits ``[vocab]`` from the LAST position of ``[1, T, hidden_size]`` states."""
+        if (
+            hidden_states.dim() != 3
+            or hidden_states.shape[0] != 1
+            or hidden_states.shape[2] != self.info.hidden_size
+        ):
+            raise ValueError(
+                f"hidden_states must have shape [1, T, {self.info.hidden_size}], "
+                f"got {list(hidden_states.shape)}"
+            )
+        with torch.inference_mode():
+            last = hidden_states[:, -1:, :].to(self.info.dtype)
+            logits = self._lm_head(self._final_norm(last))
+            logits = self._adapter.postprocess_logits(logits, self._config)
+            # Same cast as generate(): scores are float32 whatever the compute dtype.
+            return logits[0, -1].to(dtype=torch.float32)
+
+    def sample(
+        self, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
+    ) -> int:
+        """The next token id for these logits under ``params`` (greedy when temperature is 0)."""
+        return sample_token(logits, params, generator)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the embedding, final norm and lm_head weights (a tied lm_head counts once)."""
+        seen: set[int] = set()
+        total = 0
+        for module in (self._embed_tokens, self._final_norm, self._lm_head):
+            for tensor in module.parameters():
+                if tensor.data_ptr() not in seen:
+                    seen.add(tensor.data_ptr())
+                    total += tensor.numel() * tensor.element_size()
+        return total
+
+    # ----------------------------------------------------------------- text
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            raise InferenceError(f"no tokenizer was found for {self.info.model_id} in {self.info.path}")
+        return self._tokenizer
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """Token ids of a raw prompt, exactly as ``tokenizer(text)["input_ids"]``."""
+        if not isinstance(text, str):
+            raise ValueError("prompt must be a string")
+        return list(self.tokenizer(text)["input_ids"])
+
+    def encode_chat(
+        self, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = True
+    ) -> list[int]:
+        """Token ids of a conversation through the chat template (assistant prompt appended)."""
+        if not messages or any(
+            not isinstance(m, Mapping)
+            or not isinstance(m.get("role"), str)
+            or not isinstance(m.get("content"), str)
+            for m in messages
+        ):
+            raise ValueError("messages must be a non-empty list of {'role': str, 'content': str}")
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise InferenceError(f"{self.info.model_id} has no chat template; send a raw prompt instead")
+        encoded = self.tokenizer.apply_chat_template(
+            [dict(m) for m in messages],
+            add_generation_prompt=add_generation_prompt,
+            tokenize=True,
+            return_dict=True,
+        )
+        return list(encoded["input_ids"])
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """Text of token ids, special tokens skipped."""
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+
+    def stop_token_ids(self, params: SamplingParams) -> frozenset[int]:
+        """The model's end-of-sequence ids plus the request's own stop ids."""
+        return self.eos_token_ids | frozenset(params.stop_token_ids)
+
+    def text_stream(self, params: SamplingParams, prompt_ids: Sequence[int] = ()) -> TextStream:
+        """A fresh detokenizer/stop checker for one request (give the prompt ids for correct first spaces)."""
+        return TextStream(
+            self.tokenizer,
+            stop_strings=params.stop,
+            stop_token_ids=self.stop_token_ids(params),
+            prompt_ids=prompt_ids,
+        )

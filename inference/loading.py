@@ -1,0 +1,265 @@
+"""Building a runner or a head from a checkpoint: a meta-device skeleton, then only the needed tensors.
+
+The whole ``*ForCausalLM`` is first instantiated on the meta device (no memory, public transformers
+classes, so the layers are exactly the ones from_pretrained would build); then only the wanted modules
+receive real tensors, read one by one from the safetensors files. Like ``from_pretrained``, tensors
+that need no dtype conversion stay memory-mapped from the checkpoint files: they become resident when
+first used and are shared through the page cache by every process that maps the same file, so a
+checkpoint must not be rewritten in place while it is being served.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PretrainedConfig
+
+from .architectures import ArchitectureAdapter, adapter_for
+from .checkpoint import ModelInfo, SafetensorsCheckpoint, read_config_dict, resolve_dtype, resolve_model_path
+from .errors import CheckpointError
+from .head import Head
+from .runner import DEFAULT_CACHE_BUDGET_BYTES, DEFAULT_SESSION_TTL_S, LayerRangeRunner
+from .sessions import EvictedSession
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Skeleton:
+    """A checkpoint opened for partial loading: config, adapter, and a model whose tensors live on meta."""
+
+    info: ModelInfo
+    config: PretrainedConfig
+    adapter: ArchitectureAdapter
+    model: nn.Module
+    checkpoint: SafetensorsCheckpoint
+    module_names: dict[int, str]
+
+    def name_of(self, module: nn.Module) -> str:
+        return self.module_names[id(module)]
+
+    def materialize(self, module: nn.Module) -> list[str]:
+        """Read the module's parameters and persistent buffers from the checkpoint; returns their names."""
+        prefix = self.name_of(module) + "."
+        local_names = list(module.state_dict(keep_vars=True))
+        checkpoint_names = [prefix + name for name in local_names]
+        tensors = self.checkpoint.read(checkpoint_names)
+        state = {local: _to_dtype(tensors[prefix + local], self.info.dtype) for local in local_names}
+        module.load_state_dict(state, strict=True, assign=True)
+        module.requires_grad_(False)
+        return checkpoint_names
+
+
+def _to_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return tensor.to(dtype) if tensor.is_floating_point() and tensor.dtype != dtype else tensor
+
+
+def _open_skeleton(
+    model: str | Path,
+    *,
+    dtype: torch.dtype | str | None,
+    attn_implementation: str | None,
+    model_id: str | None,
+    revision: str | None,
+    cache_dir: str | Path | None,
+    local_files_only: bool | None,
+) -> _Skeleton:
+    path = resolve_model_path(
+        model, revision=revision, cache_dir=cache_dir, local_files_only=local_files_only
+    )
+    raw_config = read_config_dict(path)
+    # Refuse unsupported families from config.json alone: before transformers parses it, before any weight.
+    adapter = adapter_for(_RawConfigView(raw_config))
+    config = AutoConfig.from_pretrained(path)
+    compute_dtype = resolve_dtype(dtype, getattr(config, "dtype", None))
+    checkpoint = SafetensorsCheckpoint(path)
+    skeleton_kwargs = {"dtype": compute_dtype}
+    if attn_implementation is not None:
+        skeleton_kwargs["attn_implementation"] = attn_implementation
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config, **skeleton_kwargs)
+    skeleton.eval()
+    config = skeleton.config
+    if isinstance(model, Path) or Path(str(model)).expanduser().is_dir():
+        default_id = path.name
+    else:
+        default_id = str(model)
+    info = ModelInfo(
+        model_id=model_id or default_id,
+        path=path,
+        architecture=adapter.architecture,
+        model_type=config.model_type,
+        num_layers=config.num_hidden_layers,
+        hidden_size=config.hidden_size,
+        vocab_size=config.vocab_size,
+        dtype=compute_dtype,
+        tie_word_embeddings=bool(getattr(config.get_text_config(), "tie_word_embeddings", False)),
+    )
+    module_names = {id(module): name for name, module in skeleton.named_modules()}
+    return _Skeleton(info, config, adapter, skeleton, checkpoint, module_names)
+
+
+class _RawConfigView:
+    """Just enough of config.json for adapter lookup, without asking transformers to parse it."""
+
+    def __init__(self, raw: dict):
+        self.model_type = raw.get("model_type")
+        self.architectures = raw.get("architectures")
+
+
+def _assert_materialized(module: nn.Module, what: str) -> None:
+    leftovers = [name for name, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta]
+    if leftovers:
+        raise CheckpointError(f"{what}: tensors {leftovers} were not loaded")
+
+
+def load_layer_range(
+    model: str | Path,
+    lo: int,
+    hi: int,
+    *,
+    dtype: torch.dtype | str | None = None,
+    attn_implementation: str | None = None,
+    cache_budget_bytes: int = DEFAULT_CACHE_BUDGET_BYTES,
+    session_ttl_s: float = DEFAULT_SESSION_TTL_S,
+    model_id: str | None = None,
+    revision: str | None = None,
+    cache_dir: str | Path | None = None,
+    local_files_only: bool | None = None,
+    on_evict: Callable[[EvictedSession], None] | None = None,
+    clock: Callable[[], float] = time.monotonic,
+) -> LayerRangeRunner:
+    """A runner holding decoder layers ``lo..hi`` (inclusive) of ``model`` and nothing else.
+
+    ``model`` is a checkpoint folder or a hub id. ``dtype`` None/"auto" uses the checkpoint's dtype.
+    ``attn_implementation`` None picks transformers' default for the family (sdpa, or eager for Gemma 2).
+    Only the tensors of layers lo..hi are read from the (single-file or sharded) safetensors files.
+    """
+    skeleton = _open_skeleton(
+        model,
+        dtype=dtype,
+        attn_implementation=attn_implementation,
+        model_id=model_id,
+        revision=revision,
+        cache_dir=cache_dir,
+        local_files_only=local_files_only,
+    )
+    num_layers = skeleton.info.num_layers
+    if not (0 <= lo <= hi < num_layers):
+        raise ValueError(
+            f"layer range {lo}-{hi} is not inside 0-{num_layers - 1} of {skeleton.info.model_id}"
+        )
+    decoder = skeleton.model.get_decoder()
+    layers: dict[int, nn.Module] = {}
+    loaded_names: list[str] = []
+    for layer_index in range(lo, hi + 1):
+        layer = decoder.layers[layer_index]
+        loaded_names += skeleton.materialize(layer)
+        _assert_materialized(layer, f"layer {layer_index}")
+        layers[layer_index] = layer
+    # The rotary module only holds inverse frequencies derived from the config: build it for real.
+    rotary_embedding = type(decoder.rotary_emb)(config=skeleton.config)
+    logger.info(
+        "loaded layers %d-%d of %s (%d bytes read)",
+        lo,
+        hi,
+        skeleton.info.model_id,
+        skeleton.checkpoint.bytes_read,
+    )
+    return LayerRangeRunner(
+        info=skeleton.info,
+        config=skeleton.config,
+        adapter=skeleton.adapter,
+        layers=layers,
+        rotary_embedding=rotary_embedding,
+        loaded_tensor_names=tuple(loaded_names),
+        layer_name_prefix=skeleton.name_of(decoder.layers) + ".",
+        checkpoint_bytes_read=skeleton.checkpoint.bytes_read,
+        cache_budget_bytes=cache_budget_bytes,
+        session_ttl_s=session_ttl_s,
+        clock=clock,
+        on_evict=on_evict,
+    )
+
+
+def load_head(
+    model: str | Path,
+    *,
+    dtype: torch.dtype | str | None = None,
+    model_id: str | None = None,
+    revision: str | None = None,
+    cache_dir: str | Path | None = None,
+    local_files_only: bool | None = None,
+    load_tokenizer: bool = True,
+) -> Head:
+    """The orchestrator's part of ``model``: tokenizer, embedding, final norm and lm_head (tied or not)."""
+    skeleton = _open_skeleton(
+        model,
+        dtype=dtype,
+        attn_implementation=None,
+        model_id=model_id,
+        revision=revision,
+        cache_dir=cache_dir,
+        local_files_only=local_files_only,
+    )
+    decoder = skeleton.model.get_decoder()
+    embed_tokens = skeleton.model.get_input_embeddings()
+    lm_head = skeleton.model.get_output_embeddings()
+    final_norm = decoder.norm
+    skeleton.materialize(embed_tokens)
+    skeleton.adapter.materialize_embedding_buffers(embed_tokens)
+    skeleton.materialize(final_norm)
+    lm_head_name = skeleton.name_of(lm_head) + ".weight"
+    if skeleton.info.tie_word_embeddings or lm_head_name not in skeleton.checkpoint:
+        if not skeleton.info.tie_word_embeddings:
+            raise CheckpointError(
+                f"{lm_head_name} is missing and the config does not tie it to the embedding"
+            )
+        lm_head.weight = embed_tokens.weight
+    else:
+        skeleton.materialize(lm_head)
+    for what, module in (("embedding", embed_tokens), ("final norm", final_norm), ("lm_head", lm_head)):
+        _assert_materialized(module, what)
+    tokenizer = _load_tokenizer(skeleton.info.path) if load_tokenizer else None
+    return Head(
+        info=skeleton.info,
+        config=skeleton.config,
+        adapter=skeleton.adapter,
+        embed_tokens=embed_tokens,
+        final_norm=final_norm,
+        lm_head=lm_head,
+        tokenizer=tokenizer,
+        eos_token_ids=_eos_token_ids(skeleton.info.path, skeleton.config, tokenizer),
+        checkpoint_bytes_read=skeleton.checkpoint.bytes_read,
+    )
+
+
+def _load_tokenizer(path: Path):
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        logger.warning("no usable tokenizer in %s: %s", path, exc)
+        return None
+
+
+def _eos_token_ids(path: Path, config: PretrainedConfig, tokenizer) -> set[int]:
+    """End-of-sequence ids as generate() uses them: generation_config.json, config, and the tokenizer's."""
+    candidates: list = []
+    if (path / "generation_config.json").is_file():
+        candidates.append(GenerationConfig.from_pretrained(path).eos_token_id)
+    candidates.append(getattr(config, "eos_token_id", None))
+    if tokenizer is not None:
+        candidates.append(tokenizer.eos_token_id)
+    ids: set[int] = set()
+    for candidate in candidates:
+        if isinstance(candidate, int):
+            ids.add(candidate)
+        elif isinstance(candidate, (list, tuple)):
+            ids.update(int(t) for t in candidate)
+    return ids

@@ -1,0 +1,315 @@
+"""LayerRangeRunner: runs a contiguous range of decoder layers for many sessions, each with a KV cache."""
+
+from __future__ import annotations
+
+import operator
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Literal
+
+import torch
+from torch import nn
+from transformers import DynamicCache, PretrainedConfig
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+from .architectures import FULL_ATTENTION, SLIDING_ATTENTION, ArchitectureAdapter
+from .checkpoint import ModelInfo
+from .errors import RunnerClosedError, SessionStateError, SessionTooLargeError
+from .sessions import EvictedSession, SessionCaches
+
+StepKind = Literal["prefill", "decode"]
+STEP_KINDS: tuple[str, ...] = ("prefill", "decode")
+
+DEFAULT_CACHE_BUDGET_BYTES = 1 << 30
+DEFAULT_SESSION_TTL_S = 600.0
+
+_MASK_BUILDERS = {
+    FULL_ATTENTION: create_causal_mask,
+    SLIDING_ATTENTION: create_sliding_window_causal_mask,
+}
+
+
+class LayerRangeRunner:
+    """Decoder layers ``layer_lo..layer_hi`` (inclusive, global indices) plus per-session KV caches.
+
+    ``forward`` takes the hidden states entering ``layer_lo`` (or the first layer of a requested
+    sub-range) and returns those leaving the last layer run. Every public method takes one lock, so
+    the runner can be driven from worker threads (e.g. ``asyncio.to_thread``); steps run one at a time.
+
+    Cache rules: a ``prefill`` at ``start_pos`` 0 (re)starts the session; any other step must continue
+    it exactly (``start_pos`` equal to the tokens already cached in every layer it runs), otherwise
+    ``SessionStateError``. Sessions idle longer than ``session_ttl_s`` are evicted, and the least
+    recently used ones are evicted when all caches together exceed ``cache_budget_bytes``.
+    """
+
+    def __init__(
+        self,
+        *,
+        info: ModelInfo,
+        config: PretrainedConfig,
+        adapter: ArchitectureAdapter,
+        layers: dict[int, nn.Module],
+        rotary_embedding: nn.Module,
+        loaded_tensor_names: tuple[str, ...],
+        layer_name_prefix: str = "model.layers.",
+        checkpoint_bytes_read: int = 0,
+        cache_budget_bytes: int = DEFAULT_CACHE_BUDGET_BYTES,
+        session_ttl_s: float = DEFAULT_SESSION_TTL_S,
+        clock: Callable[[], float] = time.monotonic,
+        on_evict: Callable[[EvictedSession], None] | None = None,
+    ):
+        self.info = info
+        self.layer_lo = min(layers)
+        self.layer_hi = max(layers)
+        self.loaded_tensor_names = loaded_tensor_names
+        self._layer_prefix = layer_name_prefix
+        self.checkpoint_bytes_read = checkpoint_bytes_read
+        self._config = config
+        self._layers = layers
+        self._rotary_embedding = rotary_embedding
+        self._attention_types = adapter.attention_types(config)
+        unknown = set(self._attention_types[self.layer_lo : self.layer_hi + 1]) - set(_MASK_BUILDERS)
+        if unknown:
+            raise ValueError(f"attention types {sorted(unknown)} are not supported by LayerRangeRunner")
+        self._kv_bytes_per_token_per_layer = _kv_bytes_per_token_per_layer(config, info.dtype)
+        # Re-entrant so an on_evict callback may read the runner's accounting without deadlocking.
+        self._lock = threading.RLock()
+        self._closed = False
+        self._caches = SessionCaches(
+            lambda: DynamicCache(config=config),
+            range(self.layer_lo, self.layer_hi + 1),
+            budget_bytes=cache_budget_bytes,
+            ttl_s=session_ttl_s,
+            clock=clock,
+            on_evict=on_evict,
+        )
+
+    # ----------------------------------------------------------------- compute
+
+    def forward(
+        self,
+        session_id: str,
+        hidden_states: torch.Tensor,
+        start_pos: int,
+        kind: StepKind = "prefill",
+        layers: tuple[int, int] | None = None,
+    ) -> torch.Tensor:
+        """Run one step of a session through the loaded layers (or the inclusive sub-range ``layers``).
+
+        ``hidden_states`` is ``[1, T, hidden_size]`` for the T tokens at positions
+        ``start_pos .. start_pos+T-1``; the result has the same shape, in the model's dtype.
+        """
+        if kind not in STEP_KINDS:
+            raise ValueError(f"kind must be one of {STEP_KINDS}, got {kind!r}")
+        if not isinstance(session_id, str) or not session_id:
+            raise ValueError("session_id must be a non-empty string")
+        start_pos = _as_position(start_pos)
+        with self._lock:
+            self._check_open()
+            run_lo, run_hi = self._validate_sub_range(layers)
+            hidden_states = self._validate_hidden_states(hidden_states)
+            num_tokens = hidden_states.shape[1]
+            self._caches.evict_expired()
+            if kind == "prefill" and start_pos == 0:
+                self._check_fits(num_tokens, run_lo, run_hi, already_cached_bytes=0)
+                session = self._caches.start(session_id)
+            else:
+                session = self._caches.get(session_id)
+                if session is None:
+                    raise SessionStateError(
+                        f"session {session_id!r} has no cache on layers {self.layer_lo}-{self.layer_hi} "
+                        "(never prefilled, reset or evicted); re-prefill from position 0"
+                    )
+                self._check_continues(session_id, session.cache, start_pos, run_lo, run_hi)
+                self._check_fits(num_tokens, run_lo, run_hi, already_cached_bytes=session.cached_bytes)
+            try:
+                with torch.inference_mode():
+                    output = self._run_layers(session.cache, hidden_states, start_pos, run_lo, run_hi)
+            except BaseException:
+                # A half-updated cache would silently corrupt the next step; the caller re-prefills instead.
+                self._caches.drop(session_id)
+                raise
+            self._caches.record_use(session_id)
+            self._caches.enforce_budget(keep=session_id)
+            return output
+
+    def _run_layers(
+        self, cache: DynamicCache, hidden_states: torch.Tensor, start_pos: int, run_lo: int, run_hi: int
+    ) -> torch.Tensor:
+        num_tokens = hidden_states.shape[1]
+        position_ids = torch.arange(start_pos, start_pos + num_tokens, device=hidden_states.device).unsqueeze(
+            0
+        )
+        position_embeddings = self._rotary_embedding(hidden_states, position_ids)
+        masks = {}
+        for layer_index in range(run_lo, run_hi + 1):
+            attention_type = self._attention_types[layer_index]
+            if attention_type not in masks:
+                # Sized against a layer this runner actually fills: the cache's other layers stay empty.
+                masks[attention_type] = _MASK_BUILDERS[attention_type](
+                    config=self._config,
+                    inputs_embeds=hidden_states,
+                    attention_mask=None,
+                    past_key_values=cache,
+                    position_ids=position_ids,
+                    layer_idx=layer_index,
+                )
+        for layer_index in range(run_lo, run_hi + 1):
+            output = self._layers[layer_index](
+                hidden_states,
+                attention_mask=masks[self._attention_types[layer_index]],
+                position_ids=position_ids,
+                past_key_values=cache,
+                position_embeddings=position_embeddings,
+            )
+            hidden_states = output[0] if isinstance(output, tuple) else output
+        return hidden_states
+
+    # ----------------------------------------------------------------- sessions
+
+    def reset(self, session_id: str) -> int:
+        """Drop a session's cache (a no-op for an unknown session); returns the bytes freed."""
+        with self._lock:
+            return self._caches.drop(session_id)
+
+    def evict_expired(self) -> list[EvictedSession]:
+        """Drop sessions idle longer than the TTL now (also done at the start of every step)."""
+        with self._lock:
+            return self._caches.evict_expired()
+
+    def session_bytes(self, session_id: str) -> int:
+        """KV-cache bytes held for one session (0 if unknown)."""
+        with self._lock:
+            return self._caches.session_bytes(session_id)
+
+    @property
+    def cache_bytes(self) -> int:
+        """KV-cache bytes held for all sessions together."""
+        with self._lock:
+            return self._caches.total_bytes
+
+    @property
+    def cache_budget_bytes(self) -> int:
+        return self._caches.budget_bytes
+
+    @property
+    def evictions_total(self) -> int:
+        """Sessions evicted so far (TTL or budget; resets are not evictions)."""
+        with self._lock:
+            return self._caches.evictions_total
+
+    def session_ids(self) -> list[str]:
+        """Live sessions, least recently used first."""
+        with self._lock:
+            return self._caches.session_ids()
+
+    def cached_tokens(self, session_id: str) -> int:
+        """Tokens a session has cached (in the layers it runs; 0 if unknown)."""
+        with self._lock:
+            session = self._caches.get(session_id)
+            if session is None:
+                return 0
+            return max(
+                session.cache.layers[i].get_seq_length() for i in range(self.layer_lo, self.layer_hi + 1)
+            )
+
+    # ----------------------------------------------------------------- weights & lifecycle
+
+    @property
+    def num_layers(self) -> int:
+        """How many layers this runner holds."""
+        return self.layer_hi - self.layer_lo + 1
+
+    def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The loaded layer parameters under their checkpoint names (``model.layers.<i>.…``)."""
+        for layer_index, layer in self._layers.items():
+            for name, parameter in layer.named_parameters():
+                yield f"{self._layer_prefix}{layer_index}.{name}", parameter
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the loaded layer weights (what this shard holds in memory besides caches)."""
+        return sum(
+            t.numel() * t.element_size() for layer in self._layers.values() for t in layer.parameters()
+        )
+
+    def close(self) -> None:
+        """Free every cache and the weights; later calls raise RunnerClosedError."""
+        with self._lock:
+            self._caches.drop_all()
+            self._layers = {}
+            self._closed = True
+
+    def __enter__(self) -> LayerRangeRunner:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    # ----------------------------------------------------------------- checks
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RunnerClosedError(f"runner for layers {self.layer_lo}-{self.layer_hi} is closed")
+
+    def _validate_sub_range(self, layers: tuple[int, int] | None) -> tuple[int, int]:
+        if layers is None:
+            return self.layer_lo, self.layer_hi
+        run_lo, run_hi = layers
+        if not (self.layer_lo <= run_lo <= run_hi <= self.layer_hi):
+            raise ValueError(
+                f"layers {run_lo}-{run_hi} are not inside the loaded range {self.layer_lo}-{self.layer_hi}"
+            )
+        return run_lo, run_hi
+
+    def _validate_hidden_states(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if not isinstance(hidden_states, torch.Tensor) or not hidden_states.is_floating_point():
+            raise ValueError("hidden_states must be a floating-point tensor")
+        shape = tuple(hidden_states.shape)
+        if len(shape) != 3 or shape[0] != 1 or shape[1] < 1 or shape[2] != self.info.hidden_size:
+            raise ValueError(
+                f"hidden_states must have shape [1, T>=1, {self.info.hidden_size}], got {list(shape)}"
+            )
+        return hidden_states.to(self.info.dtype)
+
+    def _check_continues(
+        self, session_id: str, cache: DynamicCache, start_pos: int, run_lo: int, run_hi: int
+    ) -> None:
+        for layer_index in range(run_lo, run_hi + 1):
+            cached = cache.layers[layer_index].get_seq_length()
+            if cached != start_pos:
+                raise SessionStateError(
+                    f"session {session_id!r}: layer {layer_index} has {cached} cached tokens but the step "
+                    f"starts at position {start_pos}; re-prefill from position 0"
+                )
+
+    def _check_fits(self, num_tokens: int, run_lo: int, run_hi: int, *, already_cached_bytes: int) -> None:
+        # Upper bound (sliding-window layers stop growing); enough to refuse a hopeless session up front.
+        projected = already_cached_bytes + num_tokens * self._kv_bytes_per_token_per_layer * (
+            run_hi - run_lo + 1
+        )
+        if projected > self._caches.budget_bytes:
+            raise SessionTooLargeError(
+                f"this step would take the session's KV cache to ~{projected} bytes, more than the runner's "
+                f"whole budget of {self._caches.budget_bytes} bytes"
+            )
+
+
+def _as_position(start_pos) -> int:
+    """``start_pos`` as a plain int (numpy and torch integers accepted), or ValueError."""
+    if isinstance(start_pos, bool):
+        raise ValueError(f"start_pos must be a non-negative int, got {start_pos!r}")
+    try:
+        position = operator.index(start_pos)
+    except TypeError:
+        raise ValueError(f"start_pos must be a non-negative int, got {start_pos!r}") from None
+    if position < 0:
+        raise ValueError(f"start_pos must be a non-negative int, got {start_pos!r}")
+    return position
+
+
+def _kv_bytes_per_token_per_layer(config: PretrainedConfig, dtype: torch.dtype) -> int:
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return 2 * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()

@@ -1,0 +1,79 @@
+"""Sampling parameters and next-token choice: greedy, temperature, top-k, top-p, per-request seeds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+DEFAULT_MAX_TOKENS = 64
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request picks its tokens and when it stops.
+
+    ``temperature == 0`` is greedy (argmax, as ``generate(do_sample=False)``), whatever top-k/top-p say.
+    ``top_k == 0`` and ``top_p == 1.0`` switch those filters off. The same ``seed`` gives the same tokens
+    for the same logits; ``None`` draws a fresh seed. ``stop`` strings end the text before the match;
+    ``stop_token_ids`` add to the model's own end-of-sequence ids.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    stop: tuple[str, ...] = field(default=())
+    stop_token_ids: tuple[int, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        # Accept lists from JSON-shaped callers while keeping the dataclass hashable and immutable.
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if not self.temperature >= 0.0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty strings")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def make_generator(self) -> torch.Generator:
+        """A CPU generator for one request: seeded from ``seed``, or freshly random when it is None."""
+        generator = torch.Generator(device="cpu")
+        if self.seed is None:
+            generator.seed()
+        else:
+            generator.manual_seed(self.seed)
+        return generator
+
+
+def sample_token(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
+) -> int:
+    """Next token id from 1-D logits ``[vocab]``, filtered like transformers: temperature, top-k, top-p."""
+    if logits.dim() != 1:
+        raise ValueError(f"logits must be 1-D [vocab], got shape {list(logits.shape)}")
+    if params.greedy:
+        return int(torch.argmax(logits))
+    scores = logits.float() / params.temperature
+    if params.top_k > 0 and params.top_k < scores.numel():
+        kth_best = torch.topk(scores, params.top_k).values[-1]
+        scores = scores.masked_fill(scores < kth_best, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_scores, sorted_indices = torch.sort(scores, descending=False)
+        cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
+        remove_sorted = cumulative <= (1.0 - params.top_p)
+        remove_sorted[-1] = False  # the most likely token always survives
+        remove = remove_sorted.scatter(0, sorted_indices, remove_sorted)
+        scores = scores.masked_fill(remove, float("-inf"))
+    probabilities = torch.softmax(scores, dim=-1)
+    return int(torch.multinomial(probabilities, num_samples=1, generator=generator))

@@ -1,0 +1,160 @@
+"""Per-session KV caches of one layer range: byte accounting, idle TTL and LRU eviction under a budget."""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+from transformers import DynamicCache
+
+logger = logging.getLogger(__name__)
+
+EVICT_REASON_TTL = "ttl"
+EVICT_REASON_BUDGET = "budget"
+
+
+@dataclass(frozen=True)
+class EvictedSession:
+    """A session whose cache was dropped, why, and how many bytes that freed."""
+
+    session_id: str
+    reason: str
+    freed_bytes: int
+
+
+@dataclass
+class _Session:
+    cache: DynamicCache
+    last_used_s: float
+    cached_bytes: int = 0
+
+
+def kv_cache_bytes(cache: DynamicCache, layer_indices: Iterable[int]) -> int:
+    """Bytes of the storages behind the keys and values of the given cache layers (shared storages once)."""
+    seen_storages: set[int] = set()
+    total = 0
+    for layer_index in layer_indices:
+        layer = cache.layers[layer_index]
+        for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            storage = tensor.untyped_storage()
+            if storage.nbytes() == 0 or storage.data_ptr() in seen_storages:
+                continue
+            seen_storages.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
+
+
+class SessionCaches:
+    """The caches of every live session of one runner; not thread-safe on its own (the runner locks).
+
+    ``on_evict`` is called (under the runner's lock) for every TTL or budget eviction; keep it quick.
+
+    Sessions are kept in least-recently-used order. ``evict_expired`` drops sessions idle longer than
+    ``ttl_s``; ``enforce_budget`` drops the least recently used ones until the total fits ``budget_bytes``.
+    """
+
+    def __init__(
+        self,
+        make_cache: Callable[[], DynamicCache],
+        layer_indices: range,
+        *,
+        budget_bytes: int,
+        ttl_s: float,
+        clock: Callable[[], float],
+        on_evict: Callable[[EvictedSession], None] | None = None,
+    ):
+        if budget_bytes <= 0:
+            raise ValueError(f"budget_bytes must be positive, got {budget_bytes}")
+        if ttl_s <= 0:
+            raise ValueError(f"ttl_s must be positive, got {ttl_s}")
+        self._make_cache = make_cache
+        self._layer_indices = layer_indices
+        self.budget_bytes = budget_bytes
+        self.ttl_s = ttl_s
+        self._clock = clock
+        self._on_evict = on_evict
+        self._sessions: OrderedDict[str, _Session] = OrderedDict()
+        self.evictions_total = 0
+
+    def __contains__(self, session_id: str) -> bool:
+        return session_id in self._sessions
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def session_ids(self) -> list[str]:
+        """Live sessions, least recently used first."""
+        return list(self._sessions)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(session.cached_bytes for session in self._sessions.values())
+
+    def session_bytes(self, session_id: str) -> int:
+        """Cached bytes of one session (0 when it does not exist)."""
+        session = self._sessions.get(session_id)
+        return session.cached_bytes if session else 0
+
+    def get(self, session_id: str) -> _Session | None:
+        return self._sessions.get(session_id)
+
+    def start(self, session_id: str) -> _Session:
+        """A fresh, empty cache for the session, replacing any older one."""
+        self.drop(session_id)
+        session = _Session(cache=self._make_cache(), last_used_s=self._clock())
+        self._sessions[session_id] = session
+        return session
+
+    def record_use(self, session_id: str) -> None:
+        """Re-measure a session after a step and mark it most recently used."""
+        session = self._sessions[session_id]
+        session.cached_bytes = kv_cache_bytes(session.cache, self._layer_indices)
+        session.last_used_s = self._clock()
+        self._sessions.move_to_end(session_id)
+
+    def drop(self, session_id: str) -> int:
+        """Forget a session at the caller's request (no eviction callback); returns the bytes it held."""
+        session = self._sessions.pop(session_id, None)
+        return session.cached_bytes if session else 0
+
+    def drop_all(self) -> int:
+        """Forget every session; returns the bytes they held."""
+        return sum(self.drop(session_id) for session_id in list(self._sessions))
+
+    def evict_expired(self) -> list[EvictedSession]:
+        """Drop every session idle for longer than ttl_s."""
+        deadline = self._clock() - self.ttl_s
+        expired = [sid for sid, session in self._sessions.items() if session.last_used_s < deadline]
+        return [self._evict(session_id, EVICT_REASON_TTL) for session_id in expired]
+
+    def enforce_budget(self, keep: str | None = None) -> list[EvictedSession]:
+        """Drop least recently used sessions (never ``keep``) until the total fits the budget."""
+        evicted = []
+        for session_id in list(self._sessions):
+            if self.total_bytes <= self.budget_bytes:
+                break
+            if session_id != keep:
+                evicted.append(self._evict(session_id, EVICT_REASON_BUDGET))
+        return evicted
+
+    def _evict(self, session_id: str, reason: str) -> EvictedSession:
+        freed = self.drop(session_id)
+        self.evictions_total += 1
+        event = EvictedSession(session_id, reason, freed)
+        self._notify(event)
+        return event
+
+    def _notify(self, event: EvictedSession) -> None:
+        logger.debug(
+            "kv cache evicted: session=%s reason=%s bytes=%d",
+            event.session_id,
+            event.reason,
+            event.freed_bytes,
+        )
+        if self._on_evict is not None:
+            self._on_evict(event)

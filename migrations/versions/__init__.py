@@ -1,0 +1,1 @@
+"""Alembic revisions of the read-model schema (a package only so installed wheels include them)."""

@@ -1,0 +1,66 @@
+"""Read-only queries over the read models that services need (routing candidates, positions)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from readmodels.projection import PROJECTION_NAME, load_positions
+from readmodels.tables import Shard, ShardHealth
+
+
+@dataclass(frozen=True)
+class ShardCandidate:
+    """One advertised shard of a model with its latest heartbeat (None fields when it never sent one)."""
+
+    shard_id: str
+    model_id: str
+    weights_sha256: str
+    node_id: str
+    layer_lo: int
+    layer_hi: int
+    total_layers: int
+    control_subject: str
+    hop_weight: float
+    max_concurrent_streams: int
+    status: str
+    advertised_at: int
+    expires_at: int
+    last_seen: int | None
+    queue_depth: int | None
+    active_streams: int | None
+
+
+def shards_of_model(session: Session, model_id: str) -> list[ShardCandidate]:
+    """Every shard ever advertised for `model_id` (withdrawn and expired ones included), with its health."""
+    rows = session.execute(
+        select(
+            Shard.shard_id,
+            Shard.model_id,
+            Shard.weights_sha256,
+            Shard.node_id,
+            Shard.layer_lo,
+            Shard.layer_hi,
+            Shard.total_layers,
+            Shard.control_subject,
+            Shard.hop_weight,
+            Shard.max_concurrent_streams,
+            Shard.status,
+            Shard.advertised_at,
+            Shard.expires_at,
+            ShardHealth.last_seen,
+            ShardHealth.queue_depth,
+            ShardHealth.active_streams,
+        )
+        .outerjoin(ShardHealth, ShardHealth.shard_id == Shard.shard_id)
+        .where(Shard.model_id == model_id)
+        .order_by(Shard.shard_id)
+    )
+    return [ShardCandidate(*row) for row in rows]
+
+
+def projection_positions(session: Session, projection: str = PROJECTION_NAME) -> dict[str, int]:
+    """The last applied sequence per stream of `projection`."""
+    return load_positions(session, projection)

@@ -1,0 +1,149 @@
+"""SQLAlchemy declarative tables of the read models (DESIGN.md §4); the schema itself is created only by Alembic.
+
+Conventions, chosen so Grafana's SQLite datasource can read the tables directly:
+- instants are INTEGER epoch seconds (floored), or epoch milliseconds in a column whose name ends in `_ms`
+  *and* `_at_ms`; plain `*_ms` columns without `_at` are durations in milliseconds (`construct_ms`, `ttft_ms`);
+- lists of shard ids (hops) are JSON text;
+- every value is derived from event contents (never the wall clock), so replaying the log gives identical rows.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import Float, Index, Integer, MetaData, String, Text
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+# Stable constraint names so Alembic autogenerate and batch migrations on SQLite can refer to them.
+naming_convention = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=naming_convention)
+
+
+class Shard(Base):
+    """One advertised layer range of one model on one node; withdrawn rows are kept for the audit trail."""
+
+    __tablename__ = "shards"
+
+    shard_id: Mapped[str] = mapped_column(String, primary_key=True)
+    model_id: Mapped[str] = mapped_column(String, nullable=False)
+    weights_sha256: Mapped[str] = mapped_column(String, nullable=False)
+    node_id: Mapped[str] = mapped_column(String, nullable=False)
+    layer_lo: Mapped[int] = mapped_column(Integer, nullable=False)
+    layer_hi: Mapped[int] = mapped_column(Integer, nullable=False, comment="inclusive")
+    total_layers: Mapped[int] = mapped_column(Integer, nullable=False)
+    dtype: Mapped[str] = mapped_column(String, nullable=False)
+    memory_required_mb: Mapped[float] = mapped_column(Float, nullable=False)
+    max_concurrent_streams: Mapped[int] = mapped_column(Integer, nullable=False)
+    control_subject: Mapped[str] = mapped_column(String, nullable=False)
+    hop_weight: Mapped[float] = mapped_column(Float, nullable=False)
+    ttl_s: Mapped[float] = mapped_column(Float, nullable=False)
+    status: Mapped[str] = mapped_column(String, nullable=False, comment="advertised | withdrawn")
+    advertised_at: Mapped[int] = mapped_column(Integer, nullable=False, comment="epoch s")
+    expires_at: Mapped[int] = mapped_column(Integer, nullable=False, comment="epoch s, advertised_at + ttl_s")
+    withdrawn_at: Mapped[int | None] = mapped_column(Integer, comment="epoch s")
+    withdrawn_reason: Mapped[str | None] = mapped_column(Text)
+
+    __table_args__ = (Index(None, "model_id", "status"),)
+
+
+class ShardHealth(Base):
+    """The latest heartbeat of each shard."""
+
+    __tablename__ = "shard_health"
+
+    shard_id: Mapped[str] = mapped_column(String, primary_key=True)
+    last_seen: Mapped[int] = mapped_column(Integer, nullable=False, comment="epoch s of the latest heartbeat")
+    queue_depth: Mapped[int] = mapped_column(Integer, nullable=False)
+    active_streams: Mapped[int] = mapped_column(Integer, nullable=False)
+    p95_latency_ms: Mapped[float] = mapped_column(Float, nullable=False, comment="duration")
+    tokens_served_total: Mapped[int] = mapped_column(Integer, nullable=False)
+
+
+class Pipeline(Base):
+    """One chat call's pipeline, from construction to its end (completed, aborted or fallen back to local)."""
+
+    __tablename__ = "pipelines"
+
+    pipeline_id: Mapped[str] = mapped_column(String, primary_key=True)
+    request_id: Mapped[str | None] = mapped_column(String)
+    model_id: Mapped[str | None] = mapped_column(String)
+    weights_sha256: Mapped[str | None] = mapped_column(String)
+    orchestrator_node_id: Mapped[str] = mapped_column(String, nullable=False)
+    status: Mapped[str] = mapped_column(
+        String, nullable=False,
+        comment="constructed | streaming | degraded | fallback_local | completed | aborted",
+    )
+    hops: Mapped[str] = mapped_column(Text, nullable=False, comment="JSON list of shard_ids, current hops")
+    construct_ms: Mapped[float | None] = mapped_column(Float, comment="duration")
+    ttft_ms: Mapped[float | None] = mapped_column(Float, comment="duration")
+    prompt_tokens: Mapped[int | None] = mapped_column(Integer)
+    completion_tokens: Mapped[int | None] = mapped_column(Integer)
+    duration_ms: Mapped[float | None] = mapped_column(Float, comment="duration")
+    tokens_per_second: Mapped[float | None] = mapped_column(Float)
+    finish_reason: Mapped[str | None] = mapped_column(String)
+    failovers: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
+    fell_back_to_local: Mapped[int] = mapped_column(Integer, nullable=False, default=0, comment="0/1")
+    fallback_reason: Mapped[str | None] = mapped_column(Text)
+    last_shard_status: Mapped[str | None] = mapped_column(String, comment="degraded | healthy")
+    last_shard_status_shard_id: Mapped[str | None] = mapped_column(String)
+    error_code: Mapped[str | None] = mapped_column(String)
+    error_reason: Mapped[str | None] = mapped_column(Text)
+    constructed_at: Mapped[int | None] = mapped_column(Integer, comment="epoch s")
+    first_token_at: Mapped[int | None] = mapped_column(Integer, comment="epoch s")
+    finished_at: Mapped[int | None] = mapped_column(Integer, comment="epoch s")
+    updated_at: Mapped[int] = mapped_column(Integer, nullable=False, comment="epoch s of the latest event")
+
+    __table_args__ = (Index(None, "status"), Index(None, "constructed_at"))
+
+
+class Failover(Base):
+    """The n-th failover (1-based) of one pipeline."""
+
+    __tablename__ = "failovers"
+
+    pipeline_id: Mapped[str] = mapped_column(String, primary_key=True)
+    n: Mapped[int] = mapped_column(Integer, primary_key=True)
+    failed_shard_id: Mapped[str] = mapped_column(String, nullable=False)
+    replacement_hops: Mapped[str] = mapped_column(Text, nullable=False, comment="JSON list of shard_ids")
+    reason: Mapped[str] = mapped_column(Text, nullable=False)
+    resumed_at_token: Mapped[int] = mapped_column(Integer, nullable=False)
+    occurred_at: Mapped[int] = mapped_column(Integer, nullable=False, comment="epoch s")
+
+
+class ShardStats(Base):
+    """Per-shard reputation counters.
+
+    `tokens_served` comes from the shards stream, the other counters from the pipelines stream; each column
+    is written from one stream only, so the rows do not depend on how the two streams interleave.
+    """
+
+    __tablename__ = "shard_stats"
+
+    shard_id: Mapped[str] = mapped_column(String, primary_key=True)
+    tokens_served: Mapped[int] = mapped_column(
+        Integer, nullable=False, default=0, comment="tokens_served_total of the latest heartbeat"
+    )
+    pipelines_joined: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
+    failovers_caused: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
+    corruption_detections: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
+
+
+class ProjectionPosition(Base):
+    """The last stream sequence a projection applied; written in the same transaction as the rows."""
+
+    __tablename__ = "projection_positions"
+
+    projection: Mapped[str] = mapped_column(String, primary_key=True)
+    stream: Mapped[str] = mapped_column(String, primary_key=True)
+    last_seq: Mapped[int] = mapped_column(Integer, nullable=False)
+    last_event_at: Mapped[int | None] = mapped_column(Integer, comment="epoch s the stream stored that message")
+
+
+all_tables = Base.metadata.sorted_tables

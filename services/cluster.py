@@ -1,0 +1,173 @@
+"""LocalCluster: starts and stops a whole hearth mesh on one machine as real processes (demo, bench, e2e tests)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from services.common.nats_server import EmbeddedNatsServer
+
+process_ready_timeout_s = 120.0
+process_stop_timeout_s = 15.0
+ready_poll_interval_s = 0.05
+
+
+class ClusterError(RuntimeError):
+    """A process of the cluster did not start; the message carries the tail of its log."""
+
+
+def even_layer_ranges(num_layers: int, shards: int) -> list[tuple[int, int]]:
+    """Split layers 0..num_layers-1 into `shards` contiguous ranges whose sizes differ by at most one."""
+    if not 1 <= shards <= num_layers:
+        raise ValueError(f"cannot split {num_layers} layers into {shards} shards")
+    base, extra = divmod(num_layers, shards)
+    ranges, lo = [], 0
+    for index in range(shards):
+        size = base + (1 if index < extra else 0)
+        ranges.append((lo, lo + size - 1))
+        lo += size
+    return ranges
+
+
+def quiet_torch_environment(threads: int | None) -> dict[str, str]:
+    """Environment for a torch child process sharing few cores with others.
+
+    OpenMP's default busy-wait keeps idle threads spinning for a while after each op; with several torch
+    processes taking turns on two cores, that spinning steals the time of the process that has work.
+    """
+    env = {"OMP_WAIT_POLICY": "PASSIVE", "KMP_BLOCKTIME": "0", "TOKENIZERS_PARALLELISM": "false"}
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    return env
+
+
+@dataclass
+class ManagedProcess:
+    name: str
+    popen: subprocess.Popen
+    log_path: Path
+    ready_file: Path | None = None
+
+    def log_tail(self, chars: int = 3000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    @property
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def signal(self, signum: int) -> None:
+        if self.alive:
+            self.popen.send_signal(signum)
+
+    def stop(self, timeout_s: float = process_stop_timeout_s) -> int | None:
+        if self.alive:
+            self.popen.send_signal(signal.SIGCONT)  # a frozen process cannot act on SIGTERM
+            self.popen.terminate()
+            try:
+                self.popen.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(timeout=timeout_s)
+        return self.popen.returncode
+
+
+@dataclass
+class LocalCluster:
+    """`start_*` methods launch processes; `close()` stops everything this object started, newest first."""
+
+    work_dir: Path | None = None
+    nats_url: str | None = None
+    torch_threads: int | None = None
+    log_level: str = "INFO"
+    extra_env: dict[str, str] = field(default_factory=dict)
+    processes: list[ManagedProcess] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._tmp = None
+        if self.work_dir is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="hearth-cluster-")
+            self.work_dir = Path(self._tmp.name)
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        self.nats: EmbeddedNatsServer | None = None
+
+    # ------------------------------------------------------------------ processes
+
+    def start_nats(self) -> str:
+        self.nats = EmbeddedNatsServer(store_dir=self.work_dir / "nats").start()
+        self.nats_url = self.nats.url
+        return self.nats_url
+
+    def _spawn(self, name: str, args: list[str], *, wait_ready: bool = True) -> ManagedProcess:
+        if self.nats_url is None:
+            raise ClusterError("start NATS (or give nats_url) before starting hearth processes")
+        log_path = self.work_dir / f"{name}.log"
+        ready_file = self.work_dir / f"{name}.ready"
+        ready_file.unlink(missing_ok=True)
+        env = {**os.environ, **quiet_torch_environment(self.torch_threads), **self.extra_env,
+               "HEARTH_NATS_URL": self.nats_url, "PYTHONUNBUFFERED": "1"}
+        command = [sys.executable, "-m", "services.cli", "--log-level", self.log_level, *args,
+                   "--nats", self.nats_url, "--ready-file", str(ready_file)]
+        with open(log_path, "ab") as log_file:
+            popen = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     env=env, cwd=str(Path(__file__).resolve().parents[1]))
+        process = ManagedProcess(name, popen, log_path, ready_file)
+        self.processes.append(process)
+        if wait_ready:
+            self.wait_ready(process)
+        return process
+
+    def wait_ready(self, process: ManagedProcess, timeout_s: float = process_ready_timeout_s) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not process.ready_file.exists():
+            if not process.alive:
+                raise ClusterError(f"{process.name} exited with {process.popen.returncode}:\n{process.log_tail()}")
+            if time.monotonic() > deadline:
+                raise ClusterError(f"{process.name} not ready within {timeout_s} s:\n{process.log_tail()}")
+            time.sleep(ready_poll_interval_s)
+
+    def start_shard(self, model: str, lo: int, hi: int, *, node_id: str, extra_args: list[str] = (),
+                    wait_ready: bool = True) -> ManagedProcess:
+        args = ["shard", "--model", model, "--layers", f"{lo}-{hi}", "--node-id", node_id, *extra_args]
+        if self.torch_threads:
+            args += ["--torch-threads", str(self.torch_threads)]
+        return self._spawn(f"shard-{node_id}-{lo}-{hi}", args, wait_ready=wait_ready)
+
+    def start_orchestrator(self, *, node_id: str = "orchestrator", extra_args: list[str] = (),
+                           wait_ready: bool = True) -> ManagedProcess:
+        args = ["orchestrator", "--node-id", node_id, *extra_args]
+        if self.torch_threads:
+            args += ["--torch-threads", str(self.torch_threads)]
+        return self._spawn(f"orchestrator-{node_id}", args, wait_ready=wait_ready)
+
+    def start_projector(self, db_path: Path, *, wait_ready: bool = True) -> ManagedProcess:
+        return self._spawn("projector", ["projector", "--db", str(db_path)], wait_ready=wait_ready)
+
+    def wait_all_ready(self) -> None:
+        for process in self.processes:
+            self.wait_ready(process)
+
+    def close(self) -> None:
+        for process in reversed(self.processes):
+            process.stop()
+        self.processes.clear()
+        if self.nats is not None:
+            self.nats.close()
+            self.nats = None
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def __enter__(self) -> "LocalCluster":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,99 @@
+"""A small async client for `llm.chat.request`: publish a request, iterate the frames from its inbox."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from nats.aio.client import Client as NatsClient
+
+from services.common.chat_protocol import (
+    CHAT_REQUEST_SUBJECT,
+    FINAL_FRAME_TYPES,
+    ChatFrame,
+    ChatRequest,
+    DoneFrame,
+    ErrorFrame,
+    PipelineAbortedFrame,
+    TokenDeltaFrame,
+    decode_frame,
+)
+
+# Generous: the first frame can wait for a model head to load on the orchestrator.
+first_frame_timeout_s = 120.0
+frame_gap_timeout_s = 60.0
+
+
+class ChatTimeout(TimeoutError):
+    """No frame arrived within the allowed gap."""
+
+
+async def stream_chat_raw(
+    nc: NatsClient,
+    payload: bytes,
+    *,
+    first_frame_timeout: float = first_frame_timeout_s,
+    frame_gap_timeout: float = frame_gap_timeout_s,
+) -> AsyncIterator[ChatFrame]:
+    """Publish raw request bytes (valid or not) and yield frames until a final one; for tests and tools."""
+    inbox = nc.new_inbox()
+    subscription = await nc.subscribe(inbox)
+    try:
+        await nc.publish(CHAT_REQUEST_SUBJECT, payload, reply=inbox)
+        timeout = first_frame_timeout
+        while True:
+            try:
+                message = await subscription.next_msg(timeout=timeout)
+            except (asyncio.TimeoutError, TimeoutError) as error:
+                raise ChatTimeout(f"no frame from the orchestrator within {timeout} s") from error
+            frame = decode_frame(message.data)
+            yield frame
+            if frame.type in FINAL_FRAME_TYPES:
+                return
+            timeout = frame_gap_timeout
+    finally:
+        await subscription.unsubscribe()
+
+
+async def stream_chat(nc: NatsClient, request: ChatRequest, **timeouts: float) -> AsyncIterator[ChatFrame]:
+    async for frame in stream_chat_raw(nc, request.model_dump_json(exclude_none=True).encode(), **timeouts):
+        yield frame
+
+
+@dataclass
+class ChatResult:
+    """Everything one call streamed, collected."""
+
+    frames: list[ChatFrame] = field(default_factory=list)
+
+    @property
+    def text(self) -> str:
+        return "".join(f.text for f in self.frames if isinstance(f, TokenDeltaFrame))
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [f.token_id for f in self.frames if isinstance(f, TokenDeltaFrame)]
+
+    @property
+    def final(self) -> ChatFrame | None:
+        return self.frames[-1] if self.frames else None
+
+    @property
+    def ok(self) -> bool:
+        return isinstance(self.final, DoneFrame)
+
+    def frames_of(self, frame_type: str) -> list[ChatFrame]:
+        return [f for f in self.frames if f.type == frame_type]
+
+    @property
+    def error(self) -> ErrorFrame | PipelineAbortedFrame | None:
+        final = self.final
+        return final if isinstance(final, (ErrorFrame, PipelineAbortedFrame)) else None
+
+
+async def chat(nc: NatsClient, request: ChatRequest, **timeouts: float) -> ChatResult:
+    result = ChatResult()
+    async for frame in stream_chat(nc, request, **timeouts):
+        result.frames.append(frame)
+    return result

@@ -1,0 +1,160 @@
+"""The client protocol of DESIGN.md §7: the `llm.chat.request` message and the frames streamed back."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
+
+CHAT_REQUEST_SUBJECT = "llm.chat.request"
+max_tokens_limit = 8192
+max_prompt_chars = 1_000_000
+
+ErrorCode = Literal[
+    "experimental_disabled", "shard_unavailable", "pipeline_stalled", "weights_mismatch", "bad_request",
+    "internal_error", "overloaded",
+]
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["system", "user", "assistant"]
+    content: str = Field(max_length=max_prompt_chars)
+
+
+class ChatParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    fallback_to_local: bool = True
+
+
+class ChatRequest(BaseModel):
+    """One chat call; exactly one of `messages` (chat template applied) or `prompt` (raw text)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    request_id: str = Field(default_factory=lambda: uuid.uuid4().hex, min_length=1, max_length=128)
+    model: str = Field(min_length=1, max_length=512)
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    prompt: str | None = Field(default=None, min_length=1, max_length=max_prompt_chars)
+    max_tokens: int = Field(default=128, ge=1, le=max_tokens_limit)
+    temperature: float = Field(default=0.0, ge=0.0, le=10.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0)
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    stop: list[str] = Field(default_factory=list, max_length=16)
+    params: ChatParams = Field(default_factory=ChatParams)
+
+    @model_validator(mode="after")
+    def _exactly_one_input(self) -> "ChatRequest":
+        if (self.messages is None) == (self.prompt is None):
+            raise ValueError("a request carries exactly one of 'messages' or 'prompt'")
+        return self
+
+
+class BadRequest(ValueError):
+    """A request that cannot be served as sent; the message names the offending field."""
+
+
+def parse_chat_request(data: bytes) -> ChatRequest:
+    """Decode and validate a request, turning any problem into a BadRequest that names the field."""
+    try:
+        return ChatRequest.model_validate_json(data)
+    except ValidationError as error:
+        raise BadRequest(describe_validation_error(error)) from None
+
+
+def describe_validation_error(error: ValidationError) -> str:
+    problems = []
+    for item in error.errors(include_url=False):
+        location = ".".join(str(part) for part in item["loc"])
+        if item["type"] == "json_invalid":
+            problems.append(f"body is not valid JSON: {item['msg']}")
+        elif location:
+            problems.append(f"field '{location}': {item['msg']}")
+        else:
+            problems.append(item["msg"])
+    return "; ".join(problems)
+
+
+class _Frame(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    seq: int = Field(ge=0)
+
+
+class PipelineFrame(_Frame):
+    type: Literal["pipeline"] = "pipeline"
+    pipeline_id: str
+    hops: list[str]
+
+
+class TokenDeltaFrame(_Frame):
+    type: Literal["token_delta"] = "token_delta"
+    text: str
+    token_id: int
+    # Which shard hosts ran the step that produced this token (shard ids, in hop order).
+    hops: list[str] | None = None
+
+
+class ShardStatusFrame(_Frame):
+    type: Literal["shard_status"] = "shard_status"
+    shard_id: str
+    status: Literal["degraded", "healthy"]
+    reason: str
+
+
+class ShardFailoverFrame(_Frame):
+    type: Literal["shard_failover"] = "shard_failover"
+    failed_shard_id: str
+    replacement_hops: list[str]
+    resumed_at_token: int
+
+
+class PipelineAbortedFrame(_Frame):
+    type: Literal["pipeline_aborted"] = "pipeline_aborted"
+    code: ErrorCode
+    reason: str
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class Timing(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    ttft_ms: float | None = None
+    tokens_per_second: float | None = None
+    duration_ms: float | None = None
+
+
+class DoneFrame(_Frame):
+    type: Literal["done"] = "done"
+    finish_reason: Literal["stop", "length", "fallback_stop", "fallback_length"] | str
+    usage: Usage
+    timing: Timing = Field(default_factory=Timing)
+
+
+class ErrorFrame(_Frame):
+    type: Literal["error"] = "error"
+    code: ErrorCode
+    message: str
+
+
+ChatFrame = Annotated[
+    Union[PipelineFrame, TokenDeltaFrame, ShardStatusFrame, ShardFailoverFrame, PipelineAbortedFrame,
+          DoneFrame, ErrorFrame],
+    Field(discriminator="type"),
+]
+_frame_adapter: TypeAdapter[ChatFrame] = TypeAdapter(ChatFrame)
+FINAL_FRAME_TYPES = frozenset({"done", "error", "pipeline_aborted"})
+
+
+def decode_frame(data: bytes | dict[str, Any]) -> ChatFrame:
+    if isinstance(data, dict):
+        return _frame_adapter.validate_python(data)
+    return _frame_adapter.validate_json(data)

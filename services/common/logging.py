@@ -1,0 +1,32 @@
+"""One logging setup for every hearth command: level from the caller, timestamps, logger names, stderr."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+LOG_LEVEL_ENV = "HEARTH_LOG_LEVEL"
+LOG_FORMAT = "%(asctime)s %(levelname)-7s %(name)s: %(message)s"
+# Chatty third-party loggers that would drown hearth's own lines at DEBUG.
+QUIETER_LOGGERS = ("asyncio", "nats", "alembic.runtime.migration", "urllib3", "filelock")
+
+
+def parse_log_level(level: str | int) -> int:
+    """`"info"`, `"DEBUG"`, `20` → a logging level number; ValueError for anything else."""
+    if isinstance(level, int):
+        return level
+    text = level.strip().upper()
+    if text.isdigit():
+        return int(text)
+    number = logging.getLevelName(text)
+    if not isinstance(number, int):
+        raise ValueError(f"unknown log level {level!r} (use DEBUG, INFO, WARNING, ERROR or CRITICAL)")
+    return number
+
+
+def configure_logging(level: str | int = "INFO") -> None:
+    """Send log records at `level` and above to stderr in one format; safe to call more than once."""
+    number = parse_log_level(level)
+    logging.basicConfig(level=number, format=LOG_FORMAT, stream=sys.stderr, force=True)
+    for name in QUIETER_LOGGERS:
+        logging.getLogger(name).setLevel(max(number, logging.WARNING))

@@ -1,0 +1,106 @@
+"""Prometheus helpers for hearth processes: get-or-create collectors on one registry, and the /metrics server."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import start_http_server as _prometheus_start_http_server
+
+log = logging.getLogger(__name__)
+
+default_metrics_host = "0.0.0.0"
+
+_Collector = TypeVar("_Collector", Counter, Gauge, Histogram)
+# (registry id, name) -> collector: lets modules that are imported twice (tests, plugins) share one collector
+# instead of failing with "Duplicated timeseries".
+_created: dict[tuple[int, str], Counter | Gauge | Histogram] = {}
+_created_lock = threading.Lock()
+
+
+def _get_or_create(
+    kind: type[_Collector],
+    name: str,
+    documentation: str,
+    labelnames: Sequence[str],
+    registry: CollectorRegistry,
+    **kwargs,
+) -> _Collector:
+    key = (id(registry), name)
+    with _created_lock:
+        existing = _created.get(key)
+        if existing is not None:
+            if not isinstance(existing, kind):
+                raise ValueError(f"metric {name} already exists as a {type(existing).__name__}")
+            return existing
+        collector = kind(name, documentation, labelnames=tuple(labelnames), registry=registry, **kwargs)
+        _created[key] = collector
+        return collector
+
+
+def counter(
+    name: str, documentation: str, labelnames: Sequence[str] = (), *, registry: CollectorRegistry = REGISTRY
+) -> Counter:
+    return _get_or_create(Counter, name, documentation, labelnames, registry)
+
+
+def gauge(
+    name: str, documentation: str, labelnames: Sequence[str] = (), *, registry: CollectorRegistry = REGISTRY
+) -> Gauge:
+    return _get_or_create(Gauge, name, documentation, labelnames, registry)
+
+
+def histogram(
+    name: str,
+    documentation: str,
+    labelnames: Sequence[str] = (),
+    *,
+    buckets: Sequence[float] = Histogram.DEFAULT_BUCKETS,
+    registry: CollectorRegistry = REGISTRY,
+) -> Histogram:
+    return _get_or_create(Histogram, name, documentation, labelnames, registry, buckets=tuple(buckets))
+
+
+def render_metrics(registry: CollectorRegistry = REGISTRY) -> str:
+    """The registry in the Prometheus text format (what /metrics serves)."""
+    return generate_latest(registry).decode()
+
+
+def sample_value(name: str, labels: dict[str, str] | None = None, *, registry: CollectorRegistry = REGISTRY) -> float:
+    """Current value of one sample (0.0 when it has not been created yet); for tests and CLIs."""
+    value = registry.get_sample_value(name, labels or {})
+    return 0.0 if value is None else value
+
+
+@dataclass
+class MetricsServer:
+    """A running /metrics HTTP server; `stop()` shuts it down."""
+
+    host: str
+    port: int
+    _server: WSGIServer
+    _thread: threading.Thread
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}/metrics"
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5.0)
+
+
+def start_metrics_server(
+    port: int, *, host: str = default_metrics_host, registry: CollectorRegistry = REGISTRY
+) -> MetricsServer:
+    """Serve `registry` on http://host:port/metrics from a daemon thread; port 0 picks a free port."""
+    server, thread = _prometheus_start_http_server(port, addr=host, registry=registry)
+    bound_port = server.server_address[1]
+    log.info("metrics on http://%s:%d/metrics", host, bound_port)
+    return MetricsServer(host=host, port=bound_port, _server=server, _thread=thread)

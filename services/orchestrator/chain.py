@@ -1,0 +1,237 @@
+"""Step executors: HopChain pumps one step through remote shard hops and watches for stalls and corruption;
+LocalChain runs it on a whole local model (the fallback)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+
+import torch
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+
+from inference import LocalModel
+from services.common.control_protocol import (
+    CloseHop,
+    ControlReply,
+    IntegrityNotice,
+    OpenHop,
+    integrity_subject,
+)
+from services.orchestrator.router import Hop
+from services.transport import (
+    AckObserver,
+    AckWindowSender,
+    ActivationReceiver,
+    FrameKind,
+    StepInfo,
+    TransportError,
+    TransportTimeout,
+    wire_dtype_from_setting,
+)
+from services.transport.integrity import NormBounds
+
+log = logging.getLogger(__name__)
+
+control_timeout_s = 5.0
+# How often a waiting step looks at the acks to see whether a hop holds it too long.
+stall_poll_fraction = 0.25
+
+
+class HopFailure(Exception):
+    """A hop stalled, refused, or produced corrupted activations; `shard_id` is the one to route around."""
+
+    def __init__(self, shard_id: str, reason: str, *, kind: str = "stalled", check: str | None = None) -> None:
+        super().__init__(f"{shard_id}: {reason}")
+        self.shard_id = shard_id
+        self.reason = reason
+        self.kind = kind  # stalled | refused | corrupt
+        self.check = check
+
+
+class OpenRefused(HopFailure):
+    def __init__(self, shard_id: str, code: str, message: str) -> None:
+        super().__init__(shard_id, f"refused: {code}: {message}", kind="refused")
+        self.code = code
+
+
+@dataclass(frozen=True)
+class StepTimeouts:
+    step_timeout_s: float
+    prefill_timeout_per_token_s: float = 0.01
+
+    def for_step(self, kind: FrameKind, tokens: int) -> float:
+        if kind is FrameKind.prefill:
+            return self.step_timeout_s + self.prefill_timeout_per_token_s * tokens
+        return self.step_timeout_s
+
+
+class HopChain:
+    """One epoch of a pipeline: the opened hops, the sender into hop 0 and the sink after the last hop."""
+
+    def __init__(
+        self,
+        nc: NatsClient,
+        pipeline_id: str,
+        hops: list[Hop],
+        *,
+        model_id: str,
+        weights_sha256: str,
+        timeouts: StepTimeouts,
+        wire_dtype: str = "auto",
+        window_chunks: int = 16,
+        chunk_bytes: int | None = None,
+        sink_bounds: NormBounds | None = None,
+    ) -> None:
+        self.nc = nc
+        self.pipeline_id = pipeline_id
+        self.hops = hops
+        self.model_id = model_id
+        self.weights_sha256 = weights_sha256
+        self.timeouts = timeouts
+        self.wire_dtype = wire_dtype
+        self.session_id = uuid.uuid4().hex[:16]
+        self.sink_bounds = sink_bounds or NormBounds()
+        self._sender = AckWindowSender(nc, pipeline_id, 0, window_chunks=window_chunks,
+                                       ack_timeout_s=timeouts.step_timeout_s, chunk_bytes=chunk_bytes,
+                                       wire_dtype=wire_dtype_from_setting(wire_dtype))
+        self._sink = ActivationReceiver(nc, pipeline_id, len(hops))
+        self._observer = AckObserver(nc, pipeline_id, sink_hop=len(hops))
+        self._integrity_sub = None
+        self._notices: list[IntegrityNotice] = []
+        self._notice_arrived = asyncio.Event()
+        self._opened: list[Hop] = []
+        self._step = 0
+
+    @property
+    def shard_ids(self) -> list[str]:
+        return [hop.shard_id for hop in self.hops]
+
+    async def open(self) -> None:
+        """Subscribe the sink first (so no output is lost), then open every hop; a refusal raises OpenRefused."""
+        await self._sink.start()
+        await self._observer.start()
+        await self._sender.start()
+        self._integrity_sub = await self.nc.subscribe(integrity_subject(self.pipeline_id), cb=self._on_notice)
+        replies = await asyncio.gather(*(self._open_hop(i, hop) for i, hop in enumerate(self.hops)),
+                                       return_exceptions=True)
+        for hop, reply in zip(self.hops, replies):
+            if isinstance(reply, ControlReply) and reply.ok:
+                self._opened.append(hop)
+        for hop, reply in zip(self.hops, replies):
+            if isinstance(reply, BaseException):
+                raise HopFailure(hop.shard_id, f"did not answer open: {reply!r}", kind="refused")
+            if not reply.ok:
+                raise OpenRefused(hop.shard_id, reply.code or "refused", reply.message)
+
+    async def _open_hop(self, index: int, hop: Hop) -> ControlReply:
+        request = OpenHop(
+            pipeline_id=self.pipeline_id, session_id=self.session_id, hop=index, hop_count=len(self.hops),
+            model_id=self.model_id, weights_sha256=self.weights_sha256, layer_lo=hop.layer_lo_to_run,
+            layer_hi=hop.layer_hi_to_run, wire_dtype=self.wire_dtype,
+        )
+        message = await self.nc.request(hop.control_subject, request.model_dump_json().encode(),
+                                        timeout=control_timeout_s)
+        return ControlReply.model_validate_json(message.data)
+
+    async def close(self) -> None:
+        """Close every opened hop (best effort, concurrently) and drop this chain's subscriptions."""
+        await asyncio.gather(*(self._close_hop(hop) for hop in self._opened), return_exceptions=True)
+        self._opened = []
+        for closer in (self._sender.close, self._sink.close, self._observer.close):
+            with contextlib.suppress(Exception):
+                await closer()
+        if self._integrity_sub is not None:
+            with contextlib.suppress(Exception):
+                await self._integrity_sub.unsubscribe()
+            self._integrity_sub = None
+
+    async def _close_hop(self, hop: Hop) -> None:
+        request = CloseHop(pipeline_id=self.pipeline_id)
+        with contextlib.suppress(Exception):
+            await self.nc.request(hop.control_subject, request.model_dump_json().encode(), timeout=control_timeout_s)
+
+    async def _on_notice(self, msg: Msg) -> None:
+        try:
+            notice = IntegrityNotice.model_validate_json(msg.data)
+        except Exception:
+            return
+        if notice.session_id == self.session_id:
+            self._notices.append(notice)
+            self._notice_arrived.set()
+
+    def _raise_for_notices(self) -> None:
+        if self._notices:
+            notice = self._notices[0]
+            # Hop i saw corrupted input: hop i-1 produced it (hop 0's input comes from us).
+            culprit = self.hops[max(notice.hop - 1, 0)]
+            raise HopFailure(culprit.shard_id, f"hop {notice.hop} received activations failing the "
+                             f"{notice.check} check", kind="corrupt", check=notice.check)
+
+    async def step(self, kind: FrameKind, pos: int, hidden: torch.Tensor) -> torch.Tensor:
+        """Send one step into hop 0 and return what leaves the last hop, or raise HopFailure."""
+        self._step += 1
+        info = StepInfo(session=self.session_id, step=self._step, kind=kind, pos=pos)
+        timeout_s = self.timeouts.for_step(kind, int(hidden.shape[1]))
+        try:
+            await self._sender.send(info, hidden)
+        except TransportTimeout as error:
+            raise HopFailure(self.hops[0].shard_id, f"hop 0 did not ack: {error}") from None
+        sent_at = time.monotonic()
+        poll_s = max(0.01, self.timeouts.step_timeout_s * stall_poll_fraction)
+        while True:
+            self._raise_for_notices()
+            try:
+                received = await self._sink.next_step(timeout_s=poll_s)
+            except TransportTimeout:
+                self._check_stall(info, sent_at, timeout_s)
+                continue
+            except TransportError as error:
+                raise HopFailure(self.hops[-1].shard_id, f"sink failed: {error}") from None
+            if received.session != self.session_id or received.step != self._step:
+                continue
+            self._raise_for_notices()
+            failed_check = self.sink_bounds.check(received.tensor)
+            if failed_check is not None:
+                raise HopFailure(self.hops[-1].shard_id, f"output failed the {failed_check} check",
+                                 kind="corrupt", check=failed_check)
+            return received.tensor
+
+    def _check_stall(self, info: StepInfo, sent_at: float, timeout_s: float) -> None:
+        progress = self._observer.progress(info.session, info.step)
+        now = time.monotonic()
+        if progress is None:
+            holder, since = 0, sent_at
+        else:
+            # Acked by hop h: hop h holds it until hop h+1 acks. Acked by the sink hop: we are just slow.
+            holder, since = progress.hop, progress.last_ack_monotonic
+            if holder >= len(self.hops):
+                return
+        if now - since > timeout_s:
+            hop = self.hops[holder]
+            raise HopFailure(hop.shard_id, f"step {info.step} not passed on within {timeout_s:.1f} s")
+
+    def transport_summary(self) -> dict[str, object]:
+        return {"sender": self._sender.stats, "sink": self._sink.stats}
+
+
+class LocalChain:
+    """The same step interface over a whole model on this machine (local fallback)."""
+
+    def __init__(self, local: LocalModel) -> None:
+        self.local = local
+        self.session_id = "local-" + uuid.uuid4().hex[:16]
+        self.shard_ids: list[str] = []
+
+    async def open(self) -> None:
+        return None
+
+    async def step(self, kind: FrameKind, pos: int, hidden: torch.Tensor) -> torch.Tensor:
+        return await asyncio.to_thread(self.local.runner.forward, self.session_id, hidden, pos, kind.value)
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self.local.runner.reset, self.session_id)

@@ -1,0 +1,272 @@
+"""PipelineRun: one chat request from routing to `done`: embed, pump steps through a chain, sample, stream,
+fail over (re-prefilling prompt plus generated tokens), fall back to a local model, record events."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from events.models import (
+    EventEnvelope,
+    IntegrityCorruptionDetected,
+    PipelineAborted,
+    PipelineCompleted,
+    PipelineConstructed,
+    PipelineFailover,
+    PipelineFallbackLocal,
+    PipelineFirstToken,
+    PipelineShardStatus,
+)
+from inference import SamplingParams
+from services.common.chat_protocol import (
+    ChatRequest,
+    DoneFrame,
+    PipelineAbortedFrame,
+    PipelineFrame,
+    ShardFailoverFrame,
+    ShardStatusFrame,
+    Timing,
+    TokenDeltaFrame,
+    Usage,
+)
+from services.orchestrator.catalog import LoadedModel
+from services.orchestrator.chain import HopChain, HopFailure, LocalChain, OpenRefused, StepTimeouts
+from services.orchestrator.router import RoutingError, ShardRouter
+from services.transport import FrameKind
+from services.transport.integrity import NormBounds
+
+log = logging.getLogger(__name__)
+
+# Refusals (a shard at capacity) are routed around without counting as failovers, but not forever.
+max_open_attempts = 8
+
+
+@dataclass(frozen=True)
+class PipelinePolicy:
+    step_timeout_s: float = 10.0
+    prefill_timeout_per_token_s: float = 0.01
+    fallback_to_local: bool = True
+    fallback_to_local_after_failures: int = 2
+    wire_dtype: str = "auto"
+    window_chunks: int = 16
+    chunk_bytes: int | None = None
+
+
+@dataclass
+class GenerationState:
+    prompt_ids: list[int]
+    generated: list[int] = field(default_factory=list)
+    first_token_at: float | None = None
+
+
+class PipelineRun:
+    """Serves one request; every frame goes through `emit`, every event through `record`."""
+
+    def __init__(
+        self,
+        *,
+        nc,
+        node_id: str,
+        request: ChatRequest,
+        model: LoadedModel,
+        router: ShardRouter,
+        policy: PipelinePolicy,
+        emit: Callable[[object], Awaitable[None]],
+        record: Callable[[EventEnvelope], Awaitable[None]],
+        local_model_lookup: Callable[[], Awaitable[object | None]],
+        sink_bounds: NormBounds,
+    ) -> None:
+        self.nc = nc
+        self.node_id = node_id
+        self.request = request
+        self.model = model
+        self.router = router
+        self.policy = policy
+        self.emit = emit
+        self.record = record
+        self.local_model_lookup = local_model_lookup
+        self.sink_bounds = sink_bounds
+        self.pipeline_id = "p-" + uuid.uuid4().hex[:16]
+        self.started = time.perf_counter()
+        self.failovers = 0
+        self.excluded: set[str] = set()
+        self.chain: HopChain | LocalChain | None = None
+
+    # ------------------------------------------------------------------ entry
+
+    async def run(self) -> None:
+        head = self.model.head
+        request = self.request
+        if request.messages is not None:
+            messages = [m.model_dump() for m in request.messages]
+            prompt_ids = await asyncio.to_thread(head.encode_chat, messages)
+        else:
+            prompt_ids = await asyncio.to_thread(head.encode_prompt, request.prompt)
+        params = SamplingParams(temperature=request.temperature, top_k=request.top_k, top_p=request.top_p,
+                                seed=request.seed, max_tokens=request.max_tokens, stop=tuple(request.stop))
+        state = GenerationState(prompt_ids=list(prompt_ids))
+        generator = params.make_generator()
+        text_stream = head.text_stream(params, prompt_ids)
+        try:
+            self.chain = await self._build_chain(first=True)
+        except RoutingError as error:
+            if not await self._try_fallback(state, params, generator, text_stream, reason=error.message):
+                await self._abort(error.code, error.message)
+            return
+        while True:
+            try:
+                finish_reason = await self._generate(self.chain, state, params, generator, text_stream)
+                await self._complete(state, finish_reason)
+                return
+            except HopFailure as failure:
+                if not await self._fail_over(failure, state):
+                    if not await self._try_fallback(state, params, generator, text_stream,
+                                                    reason=f"{self.failovers} failovers; last: {failure.reason}"):
+                        await self._abort("shard_unavailable", f"no replacement for {failure.shard_id}: "
+                                          f"{failure.reason}")
+                    return
+
+    async def close(self) -> None:
+        """Free every hop's session (called whatever way the request ended)."""
+        chain, self.chain = self.chain, None
+        if chain is not None:
+            await chain.close()
+
+    # ------------------------------------------------------------------ routing
+
+    async def _build_chain(self, *, first: bool) -> HopChain:
+        """Pick and open hops; shards refusing to open are excluded and routed around."""
+        started = time.perf_counter()
+        for _attempt in range(max_open_attempts):
+            hops = await asyncio.to_thread(self.router.pick, self.model.model_id, self.model.weights_sha256,
+                                           self.excluded)
+            chain = HopChain(
+                self.nc, self.pipeline_id, hops, model_id=self.model.model_id,
+                weights_sha256=self.model.weights_sha256,
+                timeouts=StepTimeouts(self.policy.step_timeout_s, self.policy.prefill_timeout_per_token_s),
+                wire_dtype=self.policy.wire_dtype, window_chunks=self.policy.window_chunks,
+                chunk_bytes=self.policy.chunk_bytes, sink_bounds=self.sink_bounds,
+            )
+            try:
+                await chain.open()
+            except HopFailure as failure:
+                await chain.close()
+                log.info("pipeline %s: %s; routing around it", self.pipeline_id, failure)
+                self.excluded.add(failure.shard_id)
+                continue
+            construct_ms = (time.perf_counter() - started) * 1000.0
+            if first:
+                await self.record(PipelineConstructed(
+                    node_id=self.node_id, pipeline_id=self.pipeline_id, request_id=self.request.request_id,
+                    model_id=self.model.model_id, weights_sha256=self.model.weights_sha256,
+                    hops=chain.shard_ids, construct_ms=construct_ms))
+                await self.emit(PipelineFrame(seq=0, pipeline_id=self.pipeline_id, hops=chain.shard_ids))
+            self.construct_ms = construct_ms
+            return chain
+        raise RoutingError("shard_unavailable", f"every candidate shard refused after {max_open_attempts} tries")
+
+    async def _fail_over(self, failure: HopFailure, state: GenerationState) -> bool:
+        """Mark the shard degraded, route around it, reopen; False when the call must fall back or abort."""
+        log.warning("pipeline %s: %s", self.pipeline_id, failure)
+        if failure.kind == "corrupt" and failure.check:
+            await self.record(IntegrityCorruptionDetected(
+                node_id=self.node_id, pipeline_id=self.pipeline_id, shard_id=failure.shard_id,
+                check=failure.check))
+        await self.record(PipelineShardStatus(node_id=self.node_id, pipeline_id=self.pipeline_id,
+                                              shard_id=failure.shard_id, status="degraded", reason=failure.reason))
+        await self.emit(ShardStatusFrame(seq=0, shard_id=failure.shard_id, status="degraded",
+                                         reason=failure.reason))
+        await self.close()
+        self.excluded.add(failure.shard_id)
+        self.failovers += 1
+        if self.failovers > self.policy.fallback_to_local_after_failures:
+            return False
+        try:
+            self.chain = await self._build_chain(first=False)
+        except RoutingError:
+            return False
+        await self.record(PipelineFailover(
+            node_id=self.node_id, pipeline_id=self.pipeline_id, failed_shard_id=failure.shard_id,
+            replacement_hops=self.chain.shard_ids, reason=failure.kind, resumed_at_token=len(state.generated)))
+        await self.emit(ShardFailoverFrame(seq=0, failed_shard_id=failure.shard_id,
+                                           replacement_hops=self.chain.shard_ids,
+                                           resumed_at_token=len(state.generated)))
+        return True
+
+    async def _try_fallback(self, state, params, generator, text_stream, *, reason: str) -> bool:
+        if not (self.policy.fallback_to_local and self.request.params.fallback_to_local):
+            return False
+        local = await self.local_model_lookup()
+        if local is None:
+            return False
+        await self.close()
+        await self.record(PipelineFallbackLocal(node_id=self.node_id, pipeline_id=self.pipeline_id, reason=reason))
+        self.chain = LocalChain(local)
+        finish_reason = await self._generate(self.chain, state, params, generator, text_stream)
+        await self._complete(state, finish_reason)
+        return True
+
+    # ------------------------------------------------------------------ generation
+
+    async def _generate(self, chain, state: GenerationState, params: SamplingParams, generator,
+                        text_stream) -> str:
+        """Re-prefill everything known so far through `chain`, then decode until a stop or max_tokens."""
+        head = self.model.head
+        known = state.prompt_ids + state.generated
+        hidden = await asyncio.to_thread(head.embed, known)
+        output = await chain.step(FrameKind.prefill, 0, hidden)
+        while True:
+            token_id = await asyncio.to_thread(self._sample, output, params, generator)
+            state.generated.append(token_id)
+            delta = text_stream.push(token_id)
+            if state.first_token_at is None:
+                state.first_token_at = time.perf_counter()
+                await self.record(PipelineFirstToken(node_id=self.node_id, pipeline_id=self.pipeline_id,
+                                                     ttft_ms=(state.first_token_at - self.started) * 1000.0))
+            if delta.text or not delta.finished:
+                await self.emit(TokenDeltaFrame(seq=0, text=delta.text, token_id=token_id, hops=chain.shard_ids))
+            if delta.finished:
+                return delta.finish_reason or "stop"
+            if len(state.generated) >= params.max_tokens:
+                tail = text_stream.finish("length")
+                if tail.text:
+                    await self.emit(TokenDeltaFrame(seq=0, text=tail.text, token_id=token_id,
+                                                    hops=chain.shard_ids))
+                return "length"
+            position = len(state.prompt_ids) + len(state.generated) - 1
+            hidden = await asyncio.to_thread(head.embed, [token_id])
+            output = await chain.step(FrameKind.decode, position, hidden)
+
+    def _sample(self, output: torch.Tensor, params: SamplingParams, generator) -> int:
+        head = self.model.head
+        return head.sample(head.logits(output), params, generator)
+
+    # ------------------------------------------------------------------ endings
+
+    async def _complete(self, state: GenerationState, finish_reason: str) -> None:
+        duration_s = time.perf_counter() - self.started
+        decode_s = time.perf_counter() - (state.first_token_at or self.started)
+        completion = len(state.generated)
+        tokens_per_second = (completion - 1) / decode_s if completion > 1 and decode_s > 0 else 0.0
+        ttft_ms = ((state.first_token_at or time.perf_counter()) - self.started) * 1000.0
+        await self.record(PipelineCompleted(
+            node_id=self.node_id, pipeline_id=self.pipeline_id, prompt_tokens=len(state.prompt_ids),
+            completion_tokens=completion, duration_ms=duration_s * 1000.0,
+            tokens_per_second=tokens_per_second, finish_reason=finish_reason))
+        await self.emit(DoneFrame(
+            seq=0, finish_reason=finish_reason,
+            usage=Usage(prompt_tokens=len(state.prompt_ids), completion_tokens=completion),
+            timing=Timing(ttft_ms=ttft_ms, tokens_per_second=tokens_per_second, duration_ms=duration_s * 1000.0,
+                          construct_ms=getattr(self, "construct_ms", None), failovers=self.failovers),
+        ))
+
+    async def _abort(self, code: str, reason: str) -> None:
+        await self.record(PipelineAborted(node_id=self.node_id, pipeline_id=self.pipeline_id, code=code,
+                                          reason=reason))
+        await self.emit(PipelineAbortedFrame(seq=0, code=code, reason=reason))

@@ -1,0 +1,191 @@
+"""ShardRouter: picks the chain of shards that covers every layer of a model, from the read model (DESIGN.md §5).
+
+Rules, in order:
+1. candidates are the shards of the model with matching weights_sha256 that are advertised (not withdrawn),
+   not expired (`now < expires_at`), alive (latest heartbeat, or the advertisement itself when no heartbeat
+   came yet, at most `health_timeout_s` old), not excluded, and with `active_streams < max_concurrent_streams`;
+2. greedy cover from layer 0: among the candidates holding the next uncovered layer, take the lowest cost
+   (queue depth, then hop_weight, then the longest reach, then shard_id so ties are stable) and run it from
+   that layer to its layer_hi;
+3. a shard on the orchestrator's own node is not hop 0 unless `allow_self_as_shard`;
+4. a layer no candidate can run is `shard_unavailable`, or `weights_mismatch` when a shard with other
+   weights would otherwise have been usable; the message names the uncovered layers.
+
+All instants are epoch seconds (the read model floors them to whole seconds).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Literal
+
+from sqlalchemy.orm import Session
+
+from readmodels.queries import ShardCandidate, shards_of_model
+
+RoutingErrorCode = Literal["shard_unavailable", "weights_mismatch"]
+
+
+@dataclass(frozen=True)
+class Hop:
+    """One step of a pipeline: which shard, how to reach it, and the exact layers (inclusive) it must run."""
+
+    shard_id: str
+    control_subject: str
+    node_id: str
+    layer_lo_to_run: int
+    layer_hi_to_run: int
+
+
+class RoutingError(Exception):
+    """No pipeline can be built; `code` is the client-facing error code of DESIGN.md §7."""
+
+    def __init__(self, code: RoutingErrorCode, message: str, *, uncovered_layers: tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.uncovered_layers = uncovered_layers
+
+
+def format_layer_ranges(layers: Iterable[int]) -> str:
+    """[0, 1, 2, 5, 7, 8] -> '0-2, 5, 7-8'."""
+    ranges: list[list[int]] = []
+    for layer in sorted(set(layers)):
+        if ranges and layer == ranges[-1][1] + 1:
+            ranges[-1][1] = layer
+        else:
+            ranges.append([layer, layer])
+    return ", ".join(str(lo) if lo == hi else f"{lo}-{hi}" for lo, hi in ranges)
+
+
+class ShardRouter:
+    """Stateless between calls: every `pick` reads the current read model through `session_factory`."""
+
+    def __init__(
+        self,
+        session_factory: Callable[[], Session],
+        *,
+        health_timeout_s: float,
+        allow_self_as_shard: bool,
+        self_node_id: str,
+        clock: Callable[[], float] = time.time,
+        max_hops: int | None = None,
+    ) -> None:
+        self._session_factory = session_factory
+        self.health_timeout_s = health_timeout_s
+        self.allow_self_as_shard = allow_self_as_shard
+        self.self_node_id = self_node_id
+        self._clock = clock
+        self.max_hops = max_hops
+
+    def pick(self, model_id: str, weights_sha256: str, exclude: Iterable[str] = ()) -> list[Hop]:
+        """The hops covering layers 0..total_layers-1 of `model_id`, or RoutingError."""
+        with self._session_factory() as session:
+            shards = shards_of_model(session, model_id)
+        return self.plan(shards, model_id, weights_sha256, exclude=exclude, now=self._clock())
+
+    def plan(
+        self,
+        shards: list[ShardCandidate],
+        model_id: str,
+        weights_sha256: str,
+        *,
+        exclude: Iterable[str] = (),
+        now: float,
+    ) -> list[Hop]:
+        """The routing decision itself, on rows already read (pure, for tests and what-if tools)."""
+        excluded = set(exclude)
+        usable = [s for s in shards if s.shard_id not in excluded and self._usable(s, now)]
+        candidates = [s for s in usable if s.weights_sha256 == weights_sha256]
+        mismatched = [s for s in usable if s.weights_sha256 != weights_sha256]
+        total_layers = _total_layers(candidates) or _total_layers(mismatched) or _total_layers(shards)
+        if total_layers is None:
+            raise RoutingError(
+                "shard_unavailable", f"no shard of model {model_id!r} has been advertised"
+            )
+
+        hops: list[Hop] = []
+        cursor = 0
+        while cursor < total_layers:
+            holding = [s for s in candidates if s.layer_lo <= cursor <= s.layer_hi]
+            if not hops and not self.allow_self_as_shard:
+                holding = [s for s in holding if s.node_id != self.self_node_id]
+            if not holding:
+                self._fail(model_id, weights_sha256, candidates, mismatched, total_layers, cursor)
+            best = min(
+                holding,
+                key=lambda s: (s.queue_depth or 0, s.hop_weight, -s.layer_hi, s.shard_id),
+            )
+            layer_hi_to_run = min(best.layer_hi, total_layers - 1)
+            hops.append(
+                Hop(
+                    shard_id=best.shard_id,
+                    control_subject=best.control_subject,
+                    node_id=best.node_id,
+                    layer_lo_to_run=cursor,
+                    layer_hi_to_run=layer_hi_to_run,
+                )
+            )
+            cursor = layer_hi_to_run + 1
+        if self.max_hops is not None and len(hops) > self.max_hops:
+            raise RoutingError(
+                "shard_unavailable",
+                f"covering the {total_layers} layers of {model_id!r} needs {len(hops)} shards, "
+                f"more than max_shards_per_request={self.max_hops}",
+            )
+        return hops
+
+    def _usable(self, shard: ShardCandidate, now: float) -> bool:
+        if shard.status != "advertised" or now >= shard.expires_at:
+            return False
+        # The advertisement is itself a sign of life, so a shard is routable before its first heartbeat.
+        last_seen = max(shard.advertised_at, shard.last_seen or shard.advertised_at)
+        if now - last_seen > self.health_timeout_s:
+            return False
+        return (shard.active_streams or 0) < shard.max_concurrent_streams
+
+    def _fail(
+        self,
+        model_id: str,
+        weights_sha256: str,
+        candidates: list[ShardCandidate],
+        mismatched: list[ShardCandidate],
+        total_layers: int,
+        cursor: int,
+    ) -> None:
+        uncovered = [
+            layer for layer in range(total_layers)
+            if not any(s.layer_lo <= layer <= s.layer_hi for s in candidates)
+        ]
+        if not uncovered:
+            # Every layer has a holder, but the ones holding `cursor` are this node's own, barred from hop 0.
+            reach = max(s.layer_hi for s in candidates if s.layer_lo <= cursor <= s.layer_hi)
+            uncovered = list(range(cursor, min(reach, total_layers - 1) + 1))
+            reason = (
+                f"layers {format_layer_ranges(uncovered)} of {model_id!r} are held only by this node "
+                f"({self.self_node_id}), which may not be hop 0 (allow_self_as_shard is off)"
+            )
+            raise RoutingError("shard_unavailable", reason, uncovered_layers=tuple(uncovered))
+        layers = format_layer_ranges(uncovered)
+        covered_elsewhere = [
+            layer for layer in uncovered if any(s.layer_lo <= layer <= s.layer_hi for s in mismatched)
+        ]
+        if mismatched:
+            others = sorted({s.weights_sha256[:12] for s in mismatched})
+            raise RoutingError(
+                "weights_mismatch",
+                f"no healthy shard with weights {weights_sha256[:12]}… covers layers {layers} of {model_id!r}"
+                f" ({len(covered_elsewhere)} of them are served with other weights: {', '.join(others)})",
+                uncovered_layers=tuple(uncovered),
+            )
+        raise RoutingError(
+            "shard_unavailable",
+            f"no healthy shard covers layers {layers} of {model_id!r} (of {total_layers})",
+            uncovered_layers=tuple(uncovered),
+        )
+
+
+def _total_layers(shards: list[ShardCandidate]) -> int | None:
+    return max((s.total_layers for s in shards), default=None)

@@ -1,0 +1,47 @@
+"""Deliberate misbehaviour a shard host can be started with, so failover and integrity checks are testable."""
+
+from __future__ import annotations
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class ShardFault(BaseModel):
+    """`--fault` of `hearth shard`, e.g. `nan`, `scale=10000`, `delay_s=2.5`, `after_steps=3,nan`.
+
+    Faults start after `after_steps` healthy steps so a test can break a shard mid-generation.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    nan: bool = False
+    scale: float | None = Field(default=None, gt=0)
+    delay_s: float = Field(default=0.0, ge=0)
+    after_steps: int = Field(default=0, ge=0)
+    steps_seen: int = 0
+
+    @classmethod
+    def parse(cls, spec: str | None) -> "ShardFault":
+        if not spec:
+            return cls()
+        fields: dict[str, object] = {}
+        for part in spec.split(","):
+            name, _, value = part.strip().partition("=")
+            fields[name] = value if value else True
+        return cls.model_validate(fields)
+
+    @property
+    def active(self) -> bool:
+        return self.steps_seen >= self.after_steps
+
+    def corrupt(self, output: torch.Tensor) -> torch.Tensor:
+        active = self.active
+        self.steps_seen += 1
+        if not active:
+            return output
+        if self.nan:
+            output = output.clone()
+            output.view(-1)[0] = float("nan")
+        if self.scale is not None:
+            output = output * self.scale
+        return output

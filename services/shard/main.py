@@ -1,0 +1,94 @@
+"""The `hearth shard` process: load one layer range, connect, serve until SIGINT/SIGTERM, withdraw."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import signal
+import socket
+
+from events.subjects import shard_control_subject, shard_id_for
+from inference import load_layer_range, weights_sha256
+from services.common.nats_connection import connect_nats
+from services.shard.faults import ShardFault
+from services.shard.server import ShardIdentity, ShardServer, advertisement_ttl_s, heartbeat_interval_s
+
+log = logging.getLogger(__name__)
+
+_layer_range_re = re.compile(r"^\s*(\d+)\s*-\s*(\d+)\s*$")
+
+
+def parse_layer_range(text: str) -> tuple[int, int]:
+    """`LO-HI`, inclusive, e.g. `0-7`."""
+    match = _layer_range_re.match(text)
+    if not match:
+        raise ValueError(f"layers must look like LO-HI (e.g. 0-7), got {text!r}")
+    lo, hi = int(match.group(1)), int(match.group(2))
+    if hi < lo:
+        raise ValueError(f"layer range {text!r}: HI must be >= LO")
+    return lo, hi
+
+
+def default_node_id() -> str:
+    """A stable id of this machine: its host name."""
+    return socket.gethostname() or "node"
+
+
+def configure_torch_threads(threads: int | None) -> None:
+    import torch
+
+    if threads:
+        torch.set_num_threads(threads)
+
+
+async def run_shard(
+    *,
+    model: str,
+    layers: str,
+    nats_url: str | None,
+    node_id: str | None = None,
+    model_id: str | None = None,
+    max_streams: int = 4,
+    hop_weight: float = 1.0,
+    dtype: str | None = None,
+    heartbeat_s: float = heartbeat_interval_s,
+    ttl_s: float = advertisement_ttl_s,
+    fault: str | None = None,
+    torch_threads: int | None = None,
+    ready_file: str | None = None,
+) -> None:
+    lo, hi = parse_layer_range(layers)
+    configure_torch_threads(torch_threads)
+    node = node_id or default_node_id()
+    runner = await asyncio.to_thread(load_layer_range, model, lo, hi, dtype=dtype, model_id=model_id)
+    info = runner.info
+    digest = await asyncio.to_thread(weights_sha256, info.path)
+    shard_id = shard_id_for(info.model_id, lo, hi, node)
+    identity = ShardIdentity(
+        shard_id=shard_id, model_id=info.model_id, node_id=node, weights_sha256=digest, layer_lo=lo,
+        layer_hi=hi, total_layers=info.num_layers, dtype=info.dtype_name,
+        memory_required_mb=round(runner.checkpoint_bytes_read / 2**20, 3),
+        control_subject=shard_control_subject(node, shard_id),
+    )
+    server_ref: list[ShardServer] = []
+    nc = await connect_nats(nats_url, name=f"hearth-shard {shard_id}",
+                            on_reconnected=lambda: server_ref[0].request_readvertise() if server_ref else None)
+    server = ShardServer(nc, runner, identity, max_concurrent_streams=max_streams, hop_weight=hop_weight,
+                         heartbeat_interval_s=heartbeat_s, ttl_s=ttl_s, fault=ShardFault.parse(fault))
+    server_ref.append(server)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    try:
+        await server.start()
+        print(f"shard {shard_id} ready (layers {lo}-{hi} of {info.num_layers}, weights {digest[:12]})", flush=True)
+        if ready_file:
+            with open(ready_file, "w") as handle:
+                handle.write(shard_id)
+        await stop.wait()
+    finally:
+        await server.stop("shutdown")
+        await nc.drain()
+        runner.close()

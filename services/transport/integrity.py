@@ -1,0 +1,38 @@
+"""Sanity checks on every received activation: NaN, Inf, and per-position L2 norms far outside the bounds seen so far."""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+
+IntegrityCheck = Literal["nan", "inf", "norm"]
+
+# An honest hop's per-position norms stay within a small factor of what it produced before; a corrupted
+# one (activations multiplied by 1e4, garbage bytes) lands orders of magnitude away.
+norm_bound_factor = 50.0
+
+
+class NormBounds:
+    """Running max of per-position L2 norms at one point of the pipeline (one hop's output)."""
+
+    def __init__(self, factor: float = norm_bound_factor) -> None:
+        self.factor = factor
+        self.max_norm: float | None = None
+
+    def check(self, hidden: torch.Tensor) -> IntegrityCheck | None:
+        """The failed check's name, or None; learns the bounds from frames that pass."""
+        values = hidden.detach().float()
+        if torch.isnan(values).any():
+            return "nan"
+        if torch.isinf(values).any():
+            return "inf"
+        norms = values.reshape(-1, values.shape[-1]).norm(dim=-1)
+        largest = float(norms.max()) if norms.numel() else 0.0
+        if not math.isfinite(largest):
+            return "inf"
+        if self.max_norm is not None and largest > self.max_norm * self.factor:
+            return "norm"
+        self.max_norm = largest if self.max_norm is None else max(self.max_norm, largest)
+        return None

@@ -1,0 +1,356 @@
+"""ActivationReceiver: takes one hop's frames, acks each chunk, and hands out complete steps in arrival order."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+
+import torch
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from events.subjects import ack_subject, activation_subject
+from services.transport.errors import FrameError, TransportClosed, TransportError, TransportTimeout
+from services.transport.frames import (
+    AckHeader,
+    AddOutcome,
+    FrameHeader,
+    FrameKind,
+    StepAssembler,
+    StepInfo,
+    WireDtype,
+)
+from services.transport.stats import ReceiverStats
+
+log = logging.getLogger(__name__)
+
+default_max_ready_steps = 8
+default_ready_wait_timeout_s = 30.0
+# A pipeline receiver that hears nothing this long ends `async for` with TransportTimeout: its
+# orchestrator is gone (matches host.shard_eviction_idle_seconds).
+default_idle_timeout_s = 600.0
+default_max_step_bytes = 512 * 1024 * 1024
+default_max_partial_steps = 64
+default_max_tracked_sessions = 4096
+subscribe_flush_timeout_s = 5.0
+# Restoring a compute dtype (int8 dequantisation, dtype casts) of steps at least this large runs in a
+# worker thread so the event loop keeps serving other hops meanwhile.
+decode_offload_bytes = 1024 * 1024
+
+StepKey = tuple[str, int]
+
+
+@dataclass(frozen=True)
+class ReceivedStep:
+    """One complete step: its header (as sent in chunk 0), the restored tensor (None for reset) and timings."""
+
+    header: FrameHeader
+    tensor: torch.Tensor | None
+    first_sent_ns: int | None
+    completed_ns: int
+    wire_s: float | None
+    decode_s: float
+
+    @property
+    def info(self) -> StepInfo:
+        return self.header.info
+
+    @property
+    def session(self) -> str:
+        return self.header.session
+
+    @property
+    def step(self) -> int:
+        return self.header.step
+
+    @property
+    def kind(self) -> FrameKind:
+        return self.header.kind
+
+    @property
+    def pos(self) -> int:
+        return self.header.pos
+
+    @property
+    def wire_dtype(self) -> WireDtype | None:
+        return self.header.dtype
+
+
+class _PartialStep:
+    __slots__ = ("assembler", "decode_s", "last_arrival_ns")
+
+    def __init__(self, assembler: StepAssembler) -> None:
+        self.assembler = assembler
+        self.decode_s = 0.0
+        self.last_arrival_ns = 0
+
+
+class ActivationReceiver:
+    """Subscribes to ``hearth.act.<pipeline_id>.<hop>`` and acks on ``hearth.ack.<pipeline_id>.<hop>``.
+
+    Steps come out whole (``await receiver.next_step(timeout_s)`` or ``async for step in receiver``) in
+    the order they complete. Per session, a step at or below the newest step already handed out is
+    stale: its chunks are acked (so the sender's window frees) but never handed out again; duplicates
+    of chunks already placed are acked and dropped. When a newer step of a session completes, older
+    unfinished steps of that session are abandoned. Step numbers stay monotonic across a reset.
+
+    Backpressure: at most `max_ready_steps` complete steps wait for the consumer; beyond that the
+    receiver stops taking (and acking) frames, which blocks the sender once its window is full. A step
+    that finds no room within `ready_wait_timeout_s` is dropped (counted in stats.dropped_steps).
+    """
+
+    def __init__(
+        self,
+        nc: NatsClient,
+        pipeline_id: str,
+        hop: int,
+        *,
+        max_ready_steps: int = default_max_ready_steps,
+        ready_wait_timeout_s: float = default_ready_wait_timeout_s,
+        idle_timeout_s: float = default_idle_timeout_s,
+        max_step_bytes: int = default_max_step_bytes,
+        max_partial_steps: int = default_max_partial_steps,
+        max_tracked_sessions: int = default_max_tracked_sessions,
+    ) -> None:
+        if max_ready_steps < 1:
+            raise ValueError(f"max_ready_steps must be at least 1, got {max_ready_steps}")
+        self.nc = nc
+        self.pipeline_id = pipeline_id
+        self.hop = hop
+        self.max_ready_steps = max_ready_steps
+        self.ready_wait_timeout_s = ready_wait_timeout_s
+        self.idle_timeout_s = idle_timeout_s
+        self.max_step_bytes = max_step_bytes
+        self.max_partial_steps = max_partial_steps
+        self.max_tracked_sessions = max_tracked_sessions
+        self.subject = activation_subject(pipeline_id, hop)
+        self.ack_subject = ack_subject(pipeline_id, hop)
+        self.stats = ReceiverStats()
+        self._partial: dict[StepKey, _PartialStep] = {}
+        self._newest_delivered: OrderedDict[str, int] = OrderedDict()
+        self._ready: deque[ReceivedStep] = deque()
+        self._getters: deque[asyncio.Future[None]] = deque()
+        self._room_waiter: asyncio.Future[None] | None = None
+        self._sub: Subscription | None = None
+        self._closed = False
+
+    async def start(self) -> "ActivationReceiver":
+        if self._sub is None:
+            self._sub = await self.nc.subscribe(self.subject, cb=self._on_frame)
+            # Frames published after start() returns must reach this subscription.
+            await self.nc.flush(timeout=subscribe_flush_timeout_s)
+        return self
+
+    async def __aenter__(self) -> "ActivationReceiver":
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    @property
+    def ready_steps(self) -> int:
+        return len(self._ready)
+
+    async def next_step(self, timeout_s: float | None = None) -> ReceivedStep:
+        """The next complete step; TransportTimeout after `timeout_s` (default idle_timeout_s),
+        TransportClosed once closed and drained."""
+        limit_s = self.idle_timeout_s if timeout_s is None else timeout_s
+        deadline = time.perf_counter() + limit_s
+        while not self._ready:
+            if self._closed:
+                raise TransportClosed(f"receiver of hop {self.hop} of pipeline {self.pipeline_id} is closed")
+            remaining_s = deadline - time.perf_counter()
+            getter = asyncio.get_running_loop().create_future()
+            self._getters.append(getter)
+            try:
+                if remaining_s <= 0:
+                    raise asyncio.TimeoutError
+                await asyncio.wait_for(getter, remaining_s)
+            except asyncio.TimeoutError:
+                raise TransportTimeout(
+                    f"hop {self.hop} of pipeline {self.pipeline_id}: no complete step within {limit_s} s",
+                    pipeline_id=self.pipeline_id,
+                    hop=self.hop,
+                    waited_s=limit_s,
+                ) from None
+            finally:
+                if getter in self._getters:
+                    self._getters.remove(getter)
+        received = self._ready.popleft()
+        room_waiter = self._room_waiter
+        if room_waiter is not None and not room_waiter.done():
+            room_waiter.set_result(None)
+        return received
+
+    def __aiter__(self) -> "ActivationReceiver":
+        return self
+
+    async def __anext__(self) -> ReceivedStep:
+        try:
+            return await self.next_step()
+        except TransportClosed:
+            raise StopAsyncIteration from None
+
+    def forget_session(self, session: str) -> None:
+        """Drop a finished session's partial steps and its stale-step watermark."""
+        for key in [key for key in self._partial if key[0] == session]:
+            del self._partial[key]
+        self._newest_delivered.pop(session, None)
+
+    async def close(self) -> None:
+        """Unsubscribe (which cancels the subscription's task) and wake every waiter."""
+        if self._closed:
+            return
+        self._closed = True
+        for getter in self._getters:
+            if not getter.done():
+                getter.set_result(None)
+        if self._room_waiter is not None and not self._room_waiter.done():
+            self._room_waiter.set_exception(TransportClosed("receiver closed"))
+        sub, self._sub = self._sub, None
+        if sub is not None and not self.nc.is_closed:
+            try:
+                await sub.unsubscribe()
+            except Exception as error:  # a closing connection may refuse; the sub dies with it
+                log.debug("unsubscribe from %s failed: %s", self.subject, error)
+        self._partial.clear()
+
+    async def _on_frame(self, msg: Msg) -> None:
+        arrived_ns = time.time_ns()
+        started = time.perf_counter()
+        try:
+            header = FrameHeader.from_nats_headers(msg.headers)
+            if header.pipeline_id != self.pipeline_id or header.hop != self.hop:
+                raise FrameError(
+                    f"frame for pipeline {header.pipeline_id} hop {header.hop} arrived on {self.subject}"
+                )
+        except FrameError as error:
+            self._bad_frame(error)
+            return
+        key = (header.session, header.step)
+        newest = self._newest_delivered.get(header.session)
+        if newest is not None and header.step <= newest:
+            self.stats.stale_chunks += 1
+            await self._ack(header)
+            return
+        partial = self._partial.get(key)
+        if partial is None:
+            if header.total_bytes > self.max_step_bytes:
+                self._bad_frame(FrameError(
+                    f"step {header.step} (session {header.session}) of {header.total_bytes} bytes exceeds "
+                    f"max_step_bytes {self.max_step_bytes}"
+                ))
+                return
+            if len(self._partial) >= self.max_partial_steps:
+                self._abandon(next(iter(self._partial)), "too many unfinished steps")
+            partial = _PartialStep(StepAssembler(header))
+            self._partial[key] = partial
+        try:
+            outcome = partial.assembler.add(header, msg.data)
+        except FrameError as error:
+            self._partial.pop(key, None)
+            self.stats.dropped_steps += 1
+            self._bad_frame(error)
+            return
+        partial.last_arrival_ns = arrived_ns
+        if outcome is AddOutcome.duplicate:
+            self.stats.duplicate_chunks += 1
+            await self._ack(header)
+            return
+        self.stats.chunks_received += 1
+        self.stats.bytes_received += len(msg.data)
+        if outcome is AddOutcome.added:
+            partial.decode_s += time.perf_counter() - started
+            await self._ack(header)
+            return
+        del self._partial[key]
+        try:
+            received = await self._complete(partial, started)
+        except (FrameError, RuntimeError, ValueError) as error:
+            self.stats.dropped_steps += 1
+            self._bad_frame(FrameError(f"step {header.step} (session {header.session}) could not be restored: {error}"))
+            return
+        if not await self._wait_for_room(received):
+            return
+        self._deliver(received)
+        await self._ack(header)
+
+    async def _complete(self, partial: _PartialStep, started: float) -> ReceivedStep:
+        assembler = partial.assembler
+        first = assembler.header
+        needs_conversion = first.dtype is not None and first.restored_dtype is not first.dtype
+        if needs_conversion and first.total_bytes >= decode_offload_bytes:
+            tensor = await asyncio.to_thread(assembler.tensor)
+        else:
+            tensor = assembler.tensor()
+        decode_s = partial.decode_s + (time.perf_counter() - started)
+        first_sent_ns = assembler.first_sent_ns
+        wire_s = None
+        if first_sent_ns is not None:
+            wire_s = max(0, partial.last_arrival_ns - first_sent_ns) / 1e9
+            self.stats.wire.add(wire_s)
+        self.stats.decode.add(decode_s)
+        return ReceivedStep(first, tensor, first_sent_ns, partial.last_arrival_ns, wire_s, decode_s)
+
+    async def _wait_for_room(self, received: ReceivedStep) -> bool:
+        """Hold this frame (and every later one, and their acks) until the consumer takes a step."""
+        if len(self._ready) < self.max_ready_steps:
+            return True
+        deadline = time.perf_counter() + self.ready_wait_timeout_s
+        while len(self._ready) >= self.max_ready_steps:
+            remaining_s = deadline - time.perf_counter()
+            waiter = asyncio.get_running_loop().create_future()
+            self._room_waiter = waiter
+            try:
+                if remaining_s <= 0:
+                    raise asyncio.TimeoutError
+                await asyncio.wait_for(waiter, remaining_s)
+            except asyncio.TimeoutError:
+                self.stats.dropped_steps += 1
+                log.warning(
+                    "hop %s of pipeline %s: consumer took no step for %s s; dropping step %s of session %s",
+                    self.hop, self.pipeline_id, self.ready_wait_timeout_s, received.step, received.session,
+                )
+                return False
+            except TransportClosed:
+                return False
+            finally:
+                self._room_waiter = None
+        return True
+
+    def _deliver(self, received: ReceivedStep) -> None:
+        session, step = received.session, received.step
+        self._newest_delivered[session] = step
+        self._newest_delivered.move_to_end(session)
+        while len(self._newest_delivered) > self.max_tracked_sessions:
+            self._newest_delivered.popitem(last=False)
+        for key in [key for key in self._partial if key[0] == session and key[1] < step]:
+            self._abandon(key, f"step {step} completed first")
+        self._ready.append(received)
+        self.stats.steps_received += 1
+        while self._getters:
+            getter = self._getters.popleft()
+            if not getter.done():
+                getter.set_result(None)
+                break
+
+    def _abandon(self, key: StepKey, reason: str) -> None:
+        if self._partial.pop(key, None) is not None:
+            self.stats.dropped_steps += 1
+            log.warning("hop %s of pipeline %s: abandoning step %s of session %s: %s",
+                        self.hop, self.pipeline_id, key[1], key[0], reason)
+
+    def _bad_frame(self, error: TransportError) -> None:
+        self.stats.bad_frames += 1
+        log.warning("hop %s of pipeline %s: dropping frame: %s", self.hop, self.pipeline_id, error)
+
+    async def _ack(self, header: FrameHeader) -> None:
+        ack = AckHeader.for_frame(header, acked_ns=time.time_ns())
+        try:
+            await self.nc.publish(self.ack_subject, b"", headers=ack.to_nats_headers())
+        except Exception as error:  # a lost ack only delays the sender (it times out and reports the hop)
+            log.warning("hop %s of pipeline %s: ack publish failed: %s", self.hop, self.pipeline_id, error)

@@ -1,0 +1,81 @@
+"""Per-hop transport timing (serialise, wire, deserialise, ack round trip) and counters, with p50/p95."""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+default_latency_samples = 4096
+
+
+@dataclass(frozen=True)
+class LatencySummary:
+    count: int
+    p50_ms: float | None
+    p95_ms: float | None
+    max_ms: float | None
+
+
+class LatencySamples:
+    """The most recent `max_samples` durations (seconds in, milliseconds out), for percentiles."""
+
+    def __init__(self, max_samples: int = default_latency_samples) -> None:
+        self._samples: deque[float] = deque(maxlen=max_samples)
+        self.count = 0
+
+    def add(self, seconds: float) -> None:
+        self._samples.append(seconds)
+        self.count += 1
+
+    def clear(self) -> None:
+        self._samples.clear()
+
+    def percentile_ms(self, fraction: float) -> float | None:
+        """Nearest-rank percentile over the kept samples, in milliseconds; None when there are none."""
+        if not self._samples:
+            return None
+        ordered = sorted(self._samples)
+        rank = min(len(ordered) - 1, max(0, math.ceil(fraction * len(ordered)) - 1))
+        return ordered[rank] * 1000.0
+
+    def summary(self) -> LatencySummary:
+        if not self._samples:
+            return LatencySummary(self.count, None, None, None)
+        return LatencySummary(
+            count=self.count,
+            p50_ms=self.percentile_ms(0.50),
+            p95_ms=self.percentile_ms(0.95),
+            max_ms=max(self._samples) * 1000.0,
+        )
+
+
+@dataclass
+class SenderStats:
+    """What one AckWindowSender did: `encode` is tensor -> wire bytes, `ack_rtt` publish -> ack received."""
+
+    steps_sent: int = 0
+    chunks_sent: int = 0
+    bytes_sent: int = 0
+    window_waits: int = 0
+    timeouts: int = 0
+    bad_acks: int = 0
+    encode: LatencySamples = field(default_factory=LatencySamples)
+    window_wait: LatencySamples = field(default_factory=LatencySamples)
+    ack_rtt: LatencySamples = field(default_factory=LatencySamples)
+
+
+@dataclass
+class ReceiverStats:
+    """What one ActivationReceiver saw: `wire` is first chunk published -> last chunk in hand (same clock
+    on both ends, time.time_ns), `decode` is header parsing + reassembly + dtype restore of a step."""
+
+    steps_received: int = 0
+    chunks_received: int = 0
+    bytes_received: int = 0
+    duplicate_chunks: int = 0
+    stale_chunks: int = 0
+    bad_frames: int = 0
+    dropped_steps: int = 0
+    wire: LatencySamples = field(default_factory=LatencySamples)
+    decode: LatencySamples = field(default_factory=LatencySamples)

@@ -1,0 +1,236 @@
+"""Unit tests of the read-model projection: each handler's rows, exactly-once positions, determinism."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from events.consume import SkippedMessage
+from events.models import (
+    IntegrityCorruptionDetected,
+    PipelineAborted,
+    PipelineCompleted,
+    PipelineFailover,
+    PipelineFallbackLocal,
+    PipelineFirstToken,
+    PipelineShardStatus,
+    ShardWithdrawn,
+)
+from events.streams import PIPELINES_STREAM, SHARDS_STREAM
+from readmodels.projection import ReadModelProjection, epoch_s, hops_after_failover, load_positions
+from readmodels.tables import Failover, Pipeline, Shard, ShardHealth, ShardStats
+from tests.readmodel_helpers import (
+    T0,
+    LogBuilder,
+    advertised,
+    apply_all,
+    at,
+    constructed,
+    dump_rows,
+    heartbeat,
+    migrated_engine,
+)
+
+
+@pytest.fixture
+def engine(tmp_path):
+    engine = migrated_engine(tmp_path / "rm.db")
+    yield engine
+    engine.dispose()
+
+
+def get(engine, model, key):
+    with Session(engine) as session:
+        return session.get(model, key)
+
+
+def test_advertised_shard_row_and_expiry(engine):
+    log = LogBuilder()
+    shard = advertised(0, 3, "kitchen", t=0.7, ttl_s=90.5)
+    apply_all(engine, [log.stored(shard)])
+    row = get(engine, Shard, shard.shard_id)
+    assert (row.layer_lo, row.layer_hi, row.node_id, row.status) == (0, 3, "kitchen", "advertised")
+    assert row.advertised_at == epoch_s(T0) == int(T0.timestamp())
+    assert row.expires_at == int(T0.timestamp() + 0.7 + 90.5)
+    assert row.withdrawn_at is None
+
+
+def test_withdrawn_then_readvertised(engine):
+    log = LogBuilder()
+    shard = advertised(0, 3, "kitchen")
+    withdrawn = ShardWithdrawn(shard_id=shard.shard_id, reason="shutdown", node_id="kitchen", occurred_at=at(5))
+    apply_all(engine, [log.stored(shard), log.stored(withdrawn)])
+    row = get(engine, Shard, shard.shard_id)
+    assert (row.status, row.withdrawn_at, row.withdrawn_reason) == ("withdrawn", epoch_s(at(5)), "shutdown")
+    again = advertised(0, 3, "kitchen", t=10)
+    apply_all(engine, [log.stored(again)])
+    row = get(engine, Shard, shard.shard_id)
+    assert (row.status, row.withdrawn_at, row.advertised_at) == ("advertised", None, epoch_s(at(10)))
+
+
+def test_heartbeats_keep_the_latest_values(engine):
+    log = LogBuilder()
+    shard = advertised(0, 3, "kitchen")
+    apply_all(engine, [
+        log.stored(shard),
+        log.stored(heartbeat(shard.shard_id, t=1, queue_depth=3, active_streams=1, tokens=100)),
+        log.stored(heartbeat(shard.shard_id, t=2, queue_depth=1, active_streams=2, tokens=250)),
+    ])
+    health = get(engine, ShardHealth, shard.shard_id)
+    assert (health.last_seen, health.queue_depth, health.active_streams, health.tokens_served_total) == (
+        epoch_s(at(2)), 1, 2, 250)
+    assert get(engine, ShardStats, shard.shard_id).tokens_served == 250
+
+
+def test_pipeline_lifecycle_with_failover(engine):
+    log = LogBuilder()
+    a, b, c = "m:0-3@a", "m:4-7@b", "m:4-7@c"
+    events = [
+        constructed("p1", [a, b], t=2),
+        PipelineFirstToken(pipeline_id="p1", ttft_ms=40.0, node_id="hub", occurred_at=at(3)),
+        PipelineShardStatus(pipeline_id="p1", shard_id=b, status="degraded", reason="stalled", node_id="hub",
+                            occurred_at=at(4)),
+    ]
+    apply_all(engine, [log.stored(e) for e in events])
+    assert get(engine, Pipeline, "p1").status == "degraded"
+    events = [
+        PipelineFailover(pipeline_id="p1", failed_shard_id=b, replacement_hops=[c], reason="stalled",
+                         resumed_at_token=5, node_id="hub", occurred_at=at(5)),
+        PipelineCompleted(pipeline_id="p1", prompt_tokens=7, completion_tokens=9, duration_ms=800.0,
+                          tokens_per_second=11.25, finish_reason="length", node_id="hub", occurred_at=at(6)),
+    ]
+    apply_all(engine, [log.stored(e) for e in events])
+    row = get(engine, Pipeline, "p1")
+    assert row.status == "completed"
+    assert json.loads(row.hops) == [a, c]
+    assert (row.failovers, row.ttft_ms, row.construct_ms, row.completion_tokens) == (1, 40.0, 3.5, 9)
+    assert (row.constructed_at, row.first_token_at, row.finished_at) == (
+        epoch_s(at(2)), epoch_s(at(3)), epoch_s(at(6)))
+    assert (row.last_shard_status, row.last_shard_status_shard_id) == ("degraded", b)
+    failover = get(engine, Failover, ("p1", 1))
+    assert (failover.failed_shard_id, json.loads(failover.replacement_hops), failover.resumed_at_token) == (
+        b, [c], 5)
+    stats = {s: get(engine, ShardStats, s) for s in (a, b, c)}
+    assert [stats[s].pipelines_joined for s in (a, b, c)] == [1, 1, 1]
+    assert [stats[s].failovers_caused for s in (a, b, c)] == [0, 1, 0]
+
+
+def test_aborted_and_fallback_pipelines(engine):
+    log = LogBuilder()
+    events = [
+        constructed("p2", ["m:0-7@a"]),
+        PipelineAborted(pipeline_id="p2", code="shard_unavailable", reason="no shard covers layers 4-7",
+                        node_id="hub", occurred_at=at(3)),
+        constructed("p3", ["m:0-7@a"]),
+        PipelineFallbackLocal(pipeline_id="p3", reason="2 failovers", node_id="hub", occurred_at=at(4)),
+        # A late status report must not resurrect an ended pipeline.
+        PipelineShardStatus(pipeline_id="p2", shard_id="m:0-7@a", status="degraded", reason="late",
+                            node_id="hub", occurred_at=at(5)),
+    ]
+    apply_all(engine, [log.stored(e) for e in events])
+    aborted = get(engine, Pipeline, "p2")
+    assert (aborted.status, aborted.error_code, aborted.finished_at) == ("aborted", "shard_unavailable",
+                                                                          epoch_s(at(3)))
+    fallback = get(engine, Pipeline, "p3")
+    assert (fallback.status, fallback.fell_back_to_local, fallback.fallback_reason) == ("fallback_local", 1,
+                                                                                       "2 failovers")
+    assert get(engine, ShardStats, "m:0-7@a").pipelines_joined == 2
+
+
+def test_corruption_detections_are_counted_per_shard(engine):
+    log = LogBuilder()
+    events = [
+        IntegrityCorruptionDetected(pipeline_id="p4", shard_id="m:0-3@a", check=check, node_id="hub",
+                                    occurred_at=at(i))
+        for i, check in enumerate(["nan", "inf", "norm"])
+    ]
+    apply_all(engine, [log.stored(e) for e in events])
+    assert get(engine, ShardStats, "m:0-3@a").corruption_detections == 3
+    assert get(engine, Pipeline, "p4") is None
+
+
+def test_redelivered_and_older_messages_are_no_ops(engine):
+    log = LogBuilder()
+    shard = advertised(0, 3, "kitchen")
+    messages = [log.stored(shard), log.stored(constructed("p1", [shard.shard_id])),
+                log.stored(constructed("p2", [shard.shard_id]))]
+    assert apply_all(engine, messages) == 3
+    before = dump_rows(engine)
+    assert apply_all(engine, messages) == 0
+    assert apply_all(engine, [messages[1]]) == 0
+    assert dump_rows(engine) == before
+    assert get(engine, ShardStats, shard.shard_id).pipelines_joined == 2
+    with Session(engine) as session:
+        assert load_positions(session) == {SHARDS_STREAM: 1, PIPELINES_STREAM: 2}
+
+
+def test_undecodable_message_moves_the_position_only(engine):
+    skipped = SkippedMessage(stream=PIPELINES_STREAM, seq=1, subject="hearth.events.pipeline.x.bogus",
+                             time=T0, error="unknown type")
+    assert apply_all(engine, [skipped]) == 1
+    with Session(engine) as session:
+        assert load_positions(session) == {PIPELINES_STREAM: 1}
+    assert all(not rows for table, rows in dump_rows(engine, include_positions=False).items())
+
+
+def test_rows_and_position_roll_back_together(engine):
+    log = LogBuilder()
+    shard = advertised(0, 3, "kitchen")
+    with pytest.raises(RuntimeError), Session(engine) as session, session.begin():
+        assert ReadModelProjection().apply(session, log.stored(shard))
+        raise RuntimeError("crash before commit")
+    assert all(not rows for rows in dump_rows(engine).values())
+
+
+def _sample_log():
+    log = LogBuilder()
+    a, b = advertised(0, 3, "a"), advertised(4, 7, "b")
+    c = advertised(4, 7, "c", t=1)
+    shard_events = [a, b, c, heartbeat(a.shard_id, tokens=10), heartbeat(b.shard_id, tokens=20),
+                    ShardWithdrawn(shard_id=b.shard_id, reason="bye", node_id="b", occurred_at=at(9)),
+                    heartbeat(a.shard_id, t=9, tokens=30)]
+    pipeline_events = [
+        constructed("p1", [a.shard_id, b.shard_id]),
+        PipelineFirstToken(pipeline_id="p1", ttft_ms=12.0, node_id="hub", occurred_at=at(3)),
+        PipelineFailover(pipeline_id="p1", failed_shard_id=b.shard_id, replacement_hops=[c.shard_id],
+                         reason="stalled", resumed_at_token=2, node_id="hub", occurred_at=at(4)),
+        IntegrityCorruptionDetected(pipeline_id="p1", shard_id=b.shard_id, check="nan", node_id="hub",
+                                    occurred_at=at(4)),
+        PipelineCompleted(pipeline_id="p1", prompt_tokens=3, completion_tokens=4, duration_ms=50.0,
+                          tokens_per_second=80.0, finish_reason="stop", node_id="hub", occurred_at=at(5)),
+    ]
+    return [log.stored(e) for e in shard_events], [log.stored(e) for e in pipeline_events]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_rows_do_not_depend_on_stream_interleaving_or_batching(tmp_path, seed):
+    shard_messages, pipeline_messages = _sample_log()
+    reference = migrated_engine(tmp_path / "reference.db")
+    apply_all(reference, shard_messages + pipeline_messages)
+
+    rng = random.Random(seed)
+    queues = [list(shard_messages), list(pipeline_messages)]
+    interleaved = []
+    while any(queues):
+        queue = rng.choice([q for q in queues if q])
+        interleaved.append(queue.pop(0))
+    shuffled = migrated_engine(tmp_path / "shuffled.db")
+    position = 0
+    while position < len(interleaved):
+        size = rng.randint(1, 4)
+        apply_all(shuffled, interleaved[position:position + size])
+        position += size
+    assert dump_rows(shuffled) == dump_rows(reference)
+    reference.dispose()
+    shuffled.dispose()
+
+
+def test_hops_after_failover_splices_or_replaces():
+    assert hops_after_failover(["a", "b", "c"], "b", ["x", "y"]) == ["a", "x", "y", "c"]
+    # A full repick repeats a surviving hop: it is the new hop list.
+    assert hops_after_failover(["a", "b"], "b", ["a", "z"]) == ["a", "z"]
+    assert hops_after_failover([], "b", ["z"]) == ["z"]
