@@ -177,6 +177,117 @@ def projector_command(
     run_until_stopped(lambda stop_event: run_projector(db, url, metrics_port, stop_event=stop_event))
 
 
+ReadyFileOption = Annotated[
+    Optional[Path],
+    typer.Option("--ready-file", help="Write this file once the process serves (for scripts and tests).",
+                 show_default=False),
+]
+TorchThreadsOption = Annotated[
+    Optional[int],
+    typer.Option("--torch-threads", min=1, help="torch intra-op threads (default: torch's choice).",
+                 show_default=False),
+]
+DEFAULT_CHAT_MODEL = "hearth-tiny-llama"
+
+
+@app.command("shard")
+def shard_command(
+    ctx: typer.Context,
+    model: Annotated[str, typer.Option("--model", help="Checkpoint folder or hub model id.")],
+    layers: Annotated[str, typer.Option("--layers", help="Inclusive layer range to host, e.g. 0-7.")],
+    nats_url: NatsUrlOption = None,
+    max_streams: Annotated[int, typer.Option("--max-streams", min=1, help="Concurrent pipelines served.")] = 4,
+    node_id: Annotated[
+        Optional[str], typer.Option("--node-id", help="This host's id (default: the machine's host name).")
+    ] = None,
+    model_id: Annotated[
+        Optional[str], typer.Option("--model-id", help="Id to advertise (default: folder name or hub id).")
+    ] = None,
+    hop_weight: Annotated[float, typer.Option("--hop-weight", help="1.0 = same LAN; larger = farther.")] = 1.0,
+    dtype: Annotated[Optional[str], typer.Option("--dtype", help="Compute dtype (default: checkpoint's).")] = None,
+    heartbeat_s: Annotated[float, typer.Option("--heartbeat-s", help="Seconds between heartbeats.")] = 2.0,
+    ttl_s: Annotated[float, typer.Option("--ttl-s", help="Advertisement time-to-live, seconds.")] = 60.0,
+    fault: Annotated[
+        Optional[str], typer.Option("--fault", hidden=True, help="Testing only: nan, scale=X, delay_s=S, after_steps=N.")
+    ] = None,
+    torch_threads: TorchThreadsOption = None,
+    ready_file: ReadyFileOption = None,
+) -> None:
+    """Host one contiguous layer range of a model: advertise it, heartbeat, serve activation streams."""
+    from services.common.lifecycle import run_until_stopped
+    from services.shard.main import run_shard
+
+    url = resolve_nats_url(ctx, nats_url)
+    run_until_stopped(lambda stop_event: run_shard(
+        model=model, layers=layers, nats_url=url, node_id=node_id, model_id=model_id, max_streams=max_streams,
+        hop_weight=hop_weight, dtype=dtype, heartbeat_s=heartbeat_s, ttl_s=ttl_s, fault=fault,
+        torch_threads=torch_threads, ready_file=str(ready_file) if ready_file else None, stop_event=stop_event,
+    ))
+
+
+@app.command("orchestrator")
+def orchestrator_command(
+    ctx: typer.Context,
+    nats_url: NatsUrlOption = None,
+    local_model: Annotated[
+        Optional[str], typer.Option("--local-model", help="A model this machine may run whole (local fallback).")
+    ] = None,
+    node_id: Annotated[
+        Optional[str], typer.Option("--node-id", help="This orchestrator's id (default: host name).")
+    ] = None,
+    db: Annotated[
+        Optional[Path], typer.Option("--db", help="Routing read-model file (default: a temporary one).")
+    ] = None,
+    models_dir: Annotated[
+        Optional[list[Path]], typer.Option("--models-dir", help="Folder holding checkpoints by name (repeatable).")
+    ] = None,
+    preload: Annotated[
+        Optional[list[str]], typer.Option("--preload", help="Load this model's head before serving (repeatable).")
+    ] = None,
+    step_timeout_s: Annotated[
+        Optional[float], typer.Option("--step-timeout-s", help="A hop holding a step longer is stalled.")
+    ] = None,
+    torch_threads: TorchThreadsOption = None,
+    ready_file: ReadyFileOption = None,
+) -> None:
+    """Answer llm.chat.request: route over shard hosts, embed and sample locally, stream frames back."""
+    from services.common.lifecycle import run_until_stopped
+    from services.orchestrator.main import config_from_settings, run_orchestrator
+    from services.shard.main import configure_torch_threads, default_node_id
+
+    configure_torch_threads(torch_threads)
+    config = config_from_settings(
+        settings(ctx), node_id=node_id or default_node_id(), db_path=db, local_model=local_model,
+        model_search_dirs=list(models_dir or []), step_timeout_s=step_timeout_s,
+    )
+    url = resolve_nats_url(ctx, nats_url)
+    run_until_stopped(lambda stop_event: run_orchestrator(
+        config, url, preload=list(preload or []), ready_file=str(ready_file) if ready_file else None,
+        stop_event=stop_event,
+    ))
+
+
+@app.command("chat")
+def chat_command(
+    ctx: typer.Context,
+    prompt: Annotated[str, typer.Argument(help="What to say (a user message, or raw text with --raw).")],
+    model: Annotated[str, typer.Option("--model", help="Model id, as the shard hosts advertise it.")] = DEFAULT_CHAT_MODEL,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", min=1, help="Most tokens to generate.")] = 128,
+    temperature: Annotated[float, typer.Option("--temperature", min=0.0, help="0 = greedy.")] = 0.0,
+    seed: Annotated[Optional[int], typer.Option("--seed", help="Makes sampling reproducible.")] = None,
+    raw: Annotated[bool, typer.Option("--raw", help="Send PROMPT as raw text, no chat template.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print every frame as one JSON line.")] = False,
+    nats_url: NatsUrlOption = None,
+) -> None:
+    """Send one chat request and print the answer as it streams."""
+    from services.common.chat_client import run_chat_command
+
+    url = resolve_nats_url(ctx, nats_url)
+    code = run_chat_command(url, prompt=prompt, model=model, max_tokens=max_tokens, temperature=temperature,
+                            seed=seed, raw=raw, as_json=as_json)
+    raise typer.Exit(code)
+
+
 def main() -> None:
     app()
 

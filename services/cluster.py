@@ -106,7 +106,8 @@ class LocalCluster:
         self.nats_url = self.nats.url
         return self.nats_url
 
-    def _spawn(self, name: str, args: list[str], *, wait_ready: bool = True) -> ManagedProcess:
+    def _spawn(self, name: str, args: list[str], *, wait_ready: bool = True,
+               writes_ready_file: bool = True) -> ManagedProcess:
         if self.nats_url is None:
             raise ClusterError("start NATS (or give nats_url) before starting hearth processes")
         log_path = self.work_dir / f"{name}.log"
@@ -115,11 +116,13 @@ class LocalCluster:
         env = {**os.environ, **quiet_torch_environment(self.torch_threads), **self.extra_env,
                "HEARTH_NATS_URL": self.nats_url, "PYTHONUNBUFFERED": "1"}
         command = [sys.executable, "-m", "services.cli", "--log-level", self.log_level, *args,
-                   "--nats", self.nats_url, "--ready-file", str(ready_file)]
+                   "--nats", self.nats_url]
+        if writes_ready_file:
+            command += ["--ready-file", str(ready_file)]
         with open(log_path, "ab") as log_file:
             popen = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      env=env, cwd=str(Path(__file__).resolve().parents[1]))
-        process = ManagedProcess(name, popen, log_path, ready_file)
+        process = ManagedProcess(name, popen, log_path, ready_file if writes_ready_file else None)
         self.processes.append(process)
         if wait_ready:
             self.wait_ready(process)
@@ -127,6 +130,8 @@ class LocalCluster:
 
     def wait_ready(self, process: ManagedProcess, timeout_s: float = process_ready_timeout_s) -> None:
         deadline = time.monotonic() + timeout_s
+        if process.ready_file is None:
+            return
         while not process.ready_file.exists():
             if not process.alive:
                 raise ClusterError(f"{process.name} exited with {process.popen.returncode}:\n{process.log_tail()}")
@@ -148,8 +153,8 @@ class LocalCluster:
             args += ["--torch-threads", str(self.torch_threads)]
         return self._spawn(f"orchestrator-{node_id}", args, wait_ready=wait_ready)
 
-    def start_projector(self, db_path: Path, *, wait_ready: bool = True) -> ManagedProcess:
-        return self._spawn("projector", ["projector", "--db", str(db_path)], wait_ready=wait_ready)
+    def start_projector(self, db_path: Path) -> ManagedProcess:
+        return self._spawn("projector", ["projector", "--db", str(db_path)], writes_ready_file=False)
 
     def wait_all_ready(self) -> None:
         for process in self.processes:

@@ -97,3 +97,47 @@ async def chat(nc: NatsClient, request: ChatRequest, **timeouts: float) -> ChatR
     async for frame in stream_chat(nc, request, **timeouts):
         result.frames.append(frame)
     return result
+
+
+def run_chat_command(nats_url: str, *, prompt: str, model: str, max_tokens: int, temperature: float,
+                     seed: int | None, raw: bool, as_json: bool) -> int:
+    """`hearth chat`: stream one answer to stdout; exit code 0 on `done`, 1 on an error frame, 2 on timeout."""
+    import sys
+
+    from services.common.chat_protocol import ChatMessage
+    from services.common.nats_connection import connect_nats
+
+    if raw:
+        request = ChatRequest(model=model, prompt=prompt, max_tokens=max_tokens, temperature=temperature, seed=seed)
+    else:
+        request = ChatRequest(model=model, messages=[ChatMessage(role="user", content=prompt)],
+                              max_tokens=max_tokens, temperature=temperature, seed=seed)
+
+    async def run() -> int:
+        nc = await connect_nats(nats_url, name="hearth-chat")
+        try:
+            async for frame in stream_chat(nc, request):
+                if as_json:
+                    print(frame.model_dump_json(exclude_none=True), flush=True)
+                elif isinstance(frame, TokenDeltaFrame):
+                    sys.stdout.write(frame.text)
+                    sys.stdout.flush()
+                elif isinstance(frame, DoneFrame):
+                    timing = frame.timing
+                    print(f"\n[{frame.finish_reason}: {frame.usage.completion_tokens} tokens, "
+                          f"{timing.tokens_per_second or 0:.1f} tokens/s, ttft {timing.ttft_ms or 0:.0f} ms]",
+                          file=sys.stderr)
+                elif isinstance(frame, (ErrorFrame, PipelineAbortedFrame)):
+                    message = frame.message if isinstance(frame, ErrorFrame) else frame.reason
+                    print(f"\nerror {frame.code}: {message}", file=sys.stderr)
+                    return 1
+                elif frame.type in ("shard_status", "shard_failover"):
+                    print(f"\n[{frame.type}: {frame.model_dump_json(exclude={'seq', 'type'})}]", file=sys.stderr)
+            return 0
+        except ChatTimeout as error:
+            print(f"error: {error}", file=sys.stderr)
+            return 2
+        finally:
+            await nc.close()
+
+    return asyncio.run(run())

@@ -81,6 +81,7 @@ class PipelineRun:
         record: Callable[[EventEnvelope], Awaitable[None]],
         local_model_lookup: Callable[[], Awaitable[object | None]],
         sink_bounds: NormBounds,
+        catch_up: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.nc = nc
         self.node_id = node_id
@@ -92,6 +93,7 @@ class PipelineRun:
         self.record = record
         self.local_model_lookup = local_model_lookup
         self.sink_bounds = sink_bounds
+        self.catch_up = catch_up
         self.pipeline_id = "p-" + uuid.uuid4().hex[:16]
         self.started = time.perf_counter()
         self.failovers = 0
@@ -144,8 +146,7 @@ class PipelineRun:
         """Pick and open hops; shards refusing to open are excluded and routed around."""
         started = time.perf_counter()
         for _attempt in range(max_open_attempts):
-            hops = await asyncio.to_thread(self.router.pick, self.model.model_id, self.model.weights_sha256,
-                                           self.excluded)
+            hops = await self._pick()
             chain = HopChain(
                 self.nc, self.pipeline_id, hops, model_id=self.model.model_id,
                 weights_sha256=self.model.weights_sha256,
@@ -170,6 +171,18 @@ class PipelineRun:
             self.construct_ms = construct_ms
             return chain
         raise RoutingError("shard_unavailable", f"every candidate shard refused after {max_open_attempts} tries")
+
+    async def _pick(self):
+        pick = self.router.pick
+        try:
+            return await asyncio.to_thread(pick, self.model.model_id, self.model.weights_sha256, self.excluded)
+        except RoutingError:
+            if self.catch_up is None:
+                raise
+        # The read model may trail the event log by a few milliseconds (a shard that just advertised):
+        # decide "unavailable" only on a caught-up read model.
+        await self.catch_up()
+        return await asyncio.to_thread(pick, self.model.model_id, self.model.weights_sha256, self.excluded)
 
     async def _fail_over(self, failure: HopFailure, state: GenerationState) -> bool:
         """Mark the shard degraded, route around it, reopen; False when the call must fall back or abort."""
@@ -229,16 +242,15 @@ class PipelineRun:
                 state.first_token_at = time.perf_counter()
                 await self.record(PipelineFirstToken(node_id=self.node_id, pipeline_id=self.pipeline_id,
                                                      ttft_ms=(state.first_token_at - self.started) * 1000.0))
-            if delta.text or not delta.finished:
-                await self.emit(TokenDeltaFrame(seq=0, text=delta.text, token_id=token_id, hops=chain.shard_ids))
-            if delta.finished:
-                return delta.finish_reason or "stop"
-            if len(state.generated) >= params.max_tokens:
-                tail = text_stream.finish("length")
-                if tail.text:
-                    await self.emit(TokenDeltaFrame(seq=0, text=tail.text, token_id=token_id,
-                                                    hops=chain.shard_ids))
-                return "length"
+            text, finish_reason = delta.text, (delta.finish_reason or "stop") if delta.finished else None
+            if finish_reason is None and len(state.generated) >= params.max_tokens:
+                # Release text held back for a possible stop string together with the last token.
+                text += text_stream.finish("length").text
+                finish_reason = "length"
+            if text or not delta.finished:
+                await self.emit(TokenDeltaFrame(seq=0, text=text, token_id=token_id, hops=chain.shard_ids))
+            if finish_reason is not None:
+                return finish_reason
             position = len(state.prompt_ids) + len(state.generated) - 1
             hidden = await asyncio.to_thread(head.embed, [token_id])
             output = await chain.step(FrameKind.decode, position, hidden)

@@ -34,6 +34,7 @@ log = logging.getLogger(__name__)
 ORCHESTRATOR_QUEUE_GROUP = "hearth-orchestrators"
 # Leaves room for the head to load on the first request of a model.
 request_deadline_s = 3600.0
+catch_up_timeout_s = 2.0
 
 
 @dataclass
@@ -114,6 +115,12 @@ class Orchestrator:
         except Exception as error:  # losing an audit event must not fail the user's call
             log.warning("event %s not recorded: %s", event.type, error)  # type: ignore[attr-defined]
 
+    async def _catch_up(self) -> None:
+        try:
+            await self.projector.wait_until_caught_up(timeout_s=catch_up_timeout_s)
+        except (asyncio.TimeoutError, TimeoutError):
+            log.warning("routing read model still behind the event log after %s s", catch_up_timeout_s)
+
     async def _on_request(self, msg: Msg) -> None:
         task = asyncio.create_task(self._serve(msg), name="chat-request")
         self._requests.add(task)
@@ -154,6 +161,7 @@ class Orchestrator:
                 policy=self.config.policy, emit=emitter.emit, record=self.record,
                 local_model_lookup=lambda: self.catalog.local_model_for(model),
                 sink_bounds=self._sink_bounds.setdefault(model.model_id, NormBounds()),
+                catch_up=self._catch_up,
             )
             try:
                 await run.run()

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
-import signal
 import socket
 
 from events.subjects import shard_control_subject, shard_id_for
@@ -16,6 +16,7 @@ from services.shard.server import ShardIdentity, ShardServer, advertisement_ttl_
 
 log = logging.getLogger(__name__)
 
+drain_timeout_s = 5.0
 _layer_range_re = re.compile(r"^\s*(\d+)\s*-\s*(\d+)\s*$")
 
 
@@ -57,6 +58,7 @@ async def run_shard(
     fault: str | None = None,
     torch_threads: int | None = None,
     ready_file: str | None = None,
+    stop_event: asyncio.Event,
 ) -> None:
     lo, hi = parse_layer_range(layers)
     configure_torch_threads(torch_threads)
@@ -77,18 +79,15 @@ async def run_shard(
     server = ShardServer(nc, runner, identity, max_concurrent_streams=max_streams, hop_weight=hop_weight,
                          heartbeat_interval_s=heartbeat_s, ttl_s=ttl_s, fault=ShardFault.parse(fault))
     server_ref.append(server)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, stop.set)
     try:
         await server.start()
         print(f"shard {shard_id} ready (layers {lo}-{hi} of {info.num_layers}, weights {digest[:12]})", flush=True)
         if ready_file:
             with open(ready_file, "w") as handle:
                 handle.write(shard_id)
-        await stop.wait()
+        await stop_event.wait()
     finally:
         await server.stop("shutdown")
-        await nc.drain()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(nc.drain(), timeout=drain_timeout_s)
         runner.close()
