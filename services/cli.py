@@ -218,10 +218,12 @@ def shard_command(
     from services.shard.main import run_shard
 
     url = resolve_nats_url(ctx, nats_url)
+    transport = settings(ctx).transport
     run_until_stopped(lambda stop_event: run_shard(
         model=model, layers=layers, nats_url=url, node_id=node_id, model_id=model_id, max_streams=max_streams,
         hop_weight=hop_weight, dtype=dtype, heartbeat_s=heartbeat_s, ttl_s=ttl_s, fault=fault,
-        torch_threads=torch_threads, ready_file=str(ready_file) if ready_file else None, stop_event=stop_event,
+        torch_threads=torch_threads, ready_file=str(ready_file) if ready_file else None,
+        window_chunks=transport.window_chunks, chunk_bytes=transport.chunk_bytes, stop_event=stop_event,
     ))
 
 

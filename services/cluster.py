@@ -101,8 +101,9 @@ class LocalCluster:
 
     # ------------------------------------------------------------------ processes
 
-    def start_nats(self) -> str:
-        self.nats = EmbeddedNatsServer(store_dir=self.work_dir / "nats").start()
+    def start_nats(self, **server_options) -> str:
+        """Start an embedded nats-server (options as EmbeddedNatsServer's, e.g. max_payload_bytes)."""
+        self.nats = EmbeddedNatsServer(store_dir=self.work_dir / "nats", **server_options).start()
         self.nats_url = self.nats.url
         return self.nats_url
 

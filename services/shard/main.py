@@ -58,6 +58,8 @@ async def run_shard(
     fault: str | None = None,
     torch_threads: int | None = None,
     ready_file: str | None = None,
+    window_chunks: int = 16,
+    chunk_bytes: int | None = None,
     stop_event: asyncio.Event,
 ) -> None:
     lo, hi = parse_layer_range(layers)
@@ -77,7 +79,8 @@ async def run_shard(
     nc = await connect_nats(nats_url, name=f"hearth-shard {shard_id}",
                             on_reconnected=lambda: server_ref[0].request_readvertise() if server_ref else None)
     server = ShardServer(nc, runner, identity, max_concurrent_streams=max_streams, hop_weight=hop_weight,
-                         heartbeat_interval_s=heartbeat_s, ttl_s=ttl_s, fault=ShardFault.parse(fault))
+                         heartbeat_interval_s=heartbeat_s, ttl_s=ttl_s, fault=ShardFault.parse(fault),
+                         window_chunks=window_chunks, chunk_bytes=chunk_bytes)
     server_ref.append(server)
     try:
         await server.start()

@@ -1,0 +1,71 @@
+"""Fixtures for end-to-end tests: tiny checkpoints and a LocalCluster of real hearth processes."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+from services.cluster import LocalCluster
+from services.common.nats_connection import connect_nats
+from tests.unit.inference_tiny_models import write_tiny_model
+
+TINY_MODEL_NAME = "tiny-llama"
+TINY_LAYERS = 6
+THREE_SHARD_RANGES = [(0, 1), (2, 3), (4, 5)]
+
+
+@pytest.fixture(scope="session")
+def tiny_models_dir(tmp_path_factory) -> Path:
+    """A folder holding `tiny-llama` (6 layers) as a real checkpoint: processes load it by name or path."""
+    folder = tmp_path_factory.mktemp("models")
+    # Long enough positions for the 600-token prompt test.
+    write_tiny_model(folder / TINY_MODEL_NAME, "llama", max_position_embeddings=1024)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path(tiny_models_dir) -> Path:
+    return tiny_models_dir / TINY_MODEL_NAME
+
+
+@pytest.fixture
+def cluster(tmp_path) -> Iterator[LocalCluster]:
+    """An empty LocalCluster with its own nats-server; every process it starts is stopped at the end."""
+    with LocalCluster(work_dir=tmp_path / "cluster", torch_threads=1) as local_cluster:
+        local_cluster.start_nats()
+        try:
+            yield local_cluster
+        finally:
+            # Dump process logs on failure for diagnosis (pytest shows captured output of failed tests).
+            for process in local_cluster.processes:
+                print(f"----- {process.name} -----\n{process.log_tail(4000)}")
+
+
+def start_three_shards(cluster: LocalCluster, model_path: Path, *, node_prefix: str = "host",
+                       extra_args: list[str] = ()) -> list:
+    shards = [
+        cluster.start_shard(str(model_path), lo, hi, node_id=f"{node_prefix}{index}", extra_args=list(extra_args),
+                            wait_ready=False)
+        for index, (lo, hi) in enumerate(THREE_SHARD_RANGES)
+    ]
+    return shards
+
+
+def start_orchestrator(cluster: LocalCluster, models_dir: Path, *, extra_args: list[str] = (),
+                       wait_ready: bool = False):
+    return cluster.start_orchestrator(
+        extra_args=["--models-dir", str(models_dir), "--preload", TINY_MODEL_NAME, *extra_args],
+        wait_ready=wait_ready,
+    )
+
+
+@pytest.fixture
+async def client(cluster) -> AsyncIterator:
+    nc = await connect_nats(cluster.nats_url, name="e2e-client")
+    try:
+        yield nc
+    finally:
+        await asyncio.wait_for(nc.close(), timeout=5)
