@@ -38,6 +38,8 @@ log = logging.getLogger(__name__)
 # Heartbeats let us notice a vanished consumer (server restart) within ~3 intervals.
 consumer_idle_heartbeat_s = 2.0
 missed_heartbeats_before_reset = 3
+# How often a quiet reader checks for a reconnect, missing heartbeats or its idle timeout.
+quiet_check_interval_s = 0.5
 # Safety net for a reader that dies without deleting its consumer.
 consumer_inactive_threshold_s = 30.0
 jetstream_api_timeout_s = 5.0
@@ -212,6 +214,8 @@ class _OrderedPushReader:
         self._expected_consumer_seq = 1
         self._last_activity = time.monotonic()
         self._last_data = time.monotonic()
+        self._reconnects_at_creation = 0
+        self._waiting_since = time.monotonic()
 
     async def open(self) -> bool:
         """Create the first consumer; False when nothing is there to read and the read is bounded."""
@@ -220,6 +224,8 @@ class _OrderedPushReader:
 
     async def next_data_message(self) -> Msg:
         """The next in-order data message; handles flow control, heartbeats and resets on the way."""
+        # Time the caller spent between messages is not silence on the wire.
+        self._waiting_since = time.monotonic()
         while True:
             delivery = self._queue.get_nowait() if not self._queue.empty() else await self._wait_for_message()
             if delivery is None:
@@ -254,16 +260,20 @@ class _OrderedPushReader:
     async def _wait_for_message(self) -> tuple[int, Msg] | None:
         silence_limit_s = consumer_idle_heartbeat_s * missed_heartbeats_before_reset
         try:
-            return await asyncio.wait_for(self._queue.get(), timeout=consumer_idle_heartbeat_s)
+            return await asyncio.wait_for(self._queue.get(), timeout=quiet_check_interval_s)
         except asyncio.TimeoutError:
             pass
         now = time.monotonic()
-        if not self._follow and now - self._last_data > self._idle_timeout_s:
+        if not self._follow and now - max(self._last_data, self._waiting_since) > self._idle_timeout_s:
             raise StreamReadStalled(
                 f"no message from {self._stream} for {self._idle_timeout_s} s "
                 f"(waiting for stream seq >= {self._next_stream_seq})"
             )
-        if now - self._last_activity > silence_limit_s:
+        if self._nc.stats["reconnects"] != self._reconnects_at_creation:
+            # The server may have restarted and lost our in-memory consumer: don't wait for heartbeats to tell.
+            log.info("%s: reconnected to NATS, recreating the consumer", self._stream)
+            await self._reset()
+        elif now - max(self._last_activity, self._waiting_since) > silence_limit_s:
             log.info("%s: no heartbeat for %.1f s, recreating the consumer", self._stream, silence_limit_s)
             await self._reset()
         return None
@@ -312,6 +322,7 @@ class _OrderedPushReader:
                 wait_s = min(wait_s * 2, recreate_retry_max_s)
 
     async def _create_consumer(self) -> int:
+        reconnects = self._nc.stats["reconnects"]
         inbox = self._nc.new_inbox()
         name = f"hearth-read-{uuid.uuid4().hex[:16]}"
         queue = self._queue
@@ -353,6 +364,7 @@ class _OrderedPushReader:
         self._subscription = subscription
         self._consumer_name = info.name
         self._expected_consumer_seq = 1
+        self._reconnects_at_creation = reconnects
         self._last_activity = time.monotonic()
         self._last_data = self._last_activity
         log.debug("%s: consumer %s from seq %d", self._stream, info.name, self._next_stream_seq)

@@ -212,6 +212,10 @@ def shard_command(
     ] = None,
     torch_threads: TorchThreadsOption = None,
     ready_file: ReadyFileOption = None,
+    metrics_port: Annotated[
+        Optional[int], typer.Option("--metrics-port", help="Serve Prometheus /metrics (per-step transport "
+                                    "and compute histograms) on this port.", show_default=False)
+    ] = None,
 ) -> None:
     """Host one contiguous layer range of a model: advertise it, heartbeat, serve activation streams."""
     from services.common.lifecycle import run_until_stopped
@@ -223,7 +227,8 @@ def shard_command(
         model=model, layers=layers, nats_url=url, node_id=node_id, model_id=model_id, max_streams=max_streams,
         hop_weight=hop_weight, dtype=dtype, heartbeat_s=heartbeat_s, ttl_s=ttl_s, fault=fault,
         torch_threads=torch_threads, ready_file=str(ready_file) if ready_file else None,
-        window_chunks=transport.window_chunks, chunk_bytes=transport.chunk_bytes, stop_event=stop_event,
+        window_chunks=transport.window_chunks, chunk_bytes=transport.chunk_bytes, metrics_port=metrics_port,
+        stop_event=stop_event,
     ))
 
 
@@ -288,6 +293,68 @@ def chat_command(
     code = run_chat_command(url, prompt=prompt, model=model, max_tokens=max_tokens, temperature=temperature,
                             seed=seed, raw=raw, as_json=as_json)
     raise typer.Exit(code)
+
+
+@app.command("demo")
+def demo_command(
+    ctx: typer.Context,
+    model: Annotated[
+        Optional[str], typer.Option("--model", help="Checkpoint folder, hub id in the local cache, or "
+                                    "random:<shape> (default: the bundled models/hearth-tiny-llama).",
+                                    show_default=False)
+    ] = None,
+    shards: Annotated[int, typer.Option("--shards", min=1, help="Shard hosts; the layers are split evenly.")] = 3,
+    prompt: Annotated[str, typer.Option("--prompt", help="What to ask.")] = "Tell me a fortune.",
+    max_tokens: Annotated[int, typer.Option("--max-tokens", min=1, help="Most tokens to generate.")] = 48,
+    serve: Annotated[bool, typer.Option("--serve", help="Keep the mesh running after the answer (Ctrl-C stops).")] = False,
+    raw: Annotated[bool, typer.Option("--raw", help="Send the prompt as raw text, no chat template.")] = False,
+    torch_threads: TorchThreadsOption = None,
+) -> None:
+    """Run the whole mesh on this machine (NATS, projector, shard hosts, orchestrator) and stream one answer."""
+    from services.demo import DemoRun
+
+    code = DemoRun(model=model, shards=shards, prompt=prompt, max_tokens=max_tokens, serve=serve, raw=raw,
+                   torch_threads=torch_threads, log_level=_state(ctx).log_level).run()
+    raise typer.Exit(code)
+
+
+@app.command("bench")
+def bench_command(
+    model: Annotated[
+        Optional[str], typer.Option("--model", help="Checkpoint folder, hub id in the local cache, or random:<shape> "
+                                    "(llama-250m, tinyllama-1.1b, tiny) for random weights (default: the bundled model).",
+                                    show_default=False)
+    ] = None,
+    shards: Annotated[int, typer.Option("--shards", min=1, help="Shard processes; the layers are split evenly.")] = 3,
+    prompt_tokens: Annotated[int, typer.Option("--prompt-tokens", min=1, help="Prompt length in tokens.")] = 64,
+    new_tokens: Annotated[int, typer.Option("--new-tokens", min=2, help="Tokens to generate per request.")] = 32,
+    sessions: Annotated[int, typer.Option("--sessions", min=1, help="Concurrent sessions (1 skips that part).")] = 4,
+    repeats: Annotated[int, typer.Option("--repeats", min=1, help="Measured rounds of monolithic + pipeline.")] = 3,
+    torch_threads: TorchThreadsOption = None,
+    env: Annotated[
+        Optional[list[str]], typer.Option("--env", help="KEY=VALUE for the started processes' environment, e.g. "
+                                          "OMP_WAIT_POLICY=ACTIVE (repeatable).", show_default=False)
+    ] = None,
+    cache_dir: Annotated[
+        Optional[Path], typer.Option("--cache-dir", help="Where random:<shape> checkpoints are written "
+                                     "(default $HEARTH_CACHE_DIR or ~/.cache/hearth).", show_default=False)
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+) -> None:
+    """Monolithic generate() vs the distributed pipeline on this machine: tokens/s, ratio, TTFT, construction,
+    per-hop transport overhead, and concurrent sessions."""
+    from services.bench import BenchOptions, run_bench_command
+
+    child_env = {}
+    for item in env or []:
+        key, separator, value = item.partition("=")
+        if not separator or not key:
+            raise typer.BadParameter(f"expected KEY=VALUE, got {item!r}", param_hint="--env")
+        child_env[key] = value
+    options = BenchOptions(model=model, shards=shards, prompt_tokens=prompt_tokens, new_tokens=new_tokens,
+                           sessions=sessions, repeats=repeats, torch_threads=torch_threads, child_env=child_env,
+                           cache_dir=cache_dir)
+    raise typer.Exit(run_bench_command(options, as_json=as_json))
 
 
 def main() -> None:

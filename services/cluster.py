@@ -90,6 +90,9 @@ class LocalCluster:
     log_level: str = "INFO"
     extra_env: dict[str, str] = field(default_factory=dict)
     processes: list[ManagedProcess] = field(default_factory=list)
+    # True: every process runs in its own session, out of reach of the terminal's Ctrl-C, so the owner
+    # (hearth demo) stops them in order (clients before the broker) instead of all dying at once.
+    start_new_session: bool = False
 
     def __post_init__(self) -> None:
         self._tmp = None
@@ -103,6 +106,7 @@ class LocalCluster:
 
     def start_nats(self, **server_options) -> str:
         """Start an embedded nats-server (options as EmbeddedNatsServer's, e.g. max_payload_bytes)."""
+        server_options.setdefault("start_new_session", self.start_new_session)
         self.nats = EmbeddedNatsServer(store_dir=self.work_dir / "nats", **server_options).start()
         self.nats_url = self.nats.url
         return self.nats_url
@@ -122,7 +126,8 @@ class LocalCluster:
             command += ["--ready-file", str(ready_file)]
         with open(log_path, "ab") as log_file:
             popen = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env=env, cwd=str(Path(__file__).resolve().parents[1]))
+                                     env=env, cwd=str(Path(__file__).resolve().parents[1]),
+                                     start_new_session=self.start_new_session)
         process = ManagedProcess(name, popen, log_path, ready_file if writes_ready_file else None)
         self.processes.append(process)
         if wait_ready:

@@ -1,4 +1,10 @@
-"""Request/reply messages on a shard's control subject (DESIGN.md §6): open and close a pipeline hop."""
+"""Request/reply messages on a shard's control subject (DESIGN.md §6): open, close and inspect pipeline hops.
+
+Besides §6's `open` and `close`, a shard answers `stat` with a ShardStat: what it holds open right now.
+The orchestrator uses it as a liveness probe when a step stalls (a frozen or dead shard does not answer,
+so the stall is blamed on it rather than on the hop feeding it), and tests use it to check that every
+session and its KV cache is freed when a request ends.
+"""
 
 from __future__ import annotations
 
@@ -39,13 +45,25 @@ class OpenHop(BaseModel):
 
 
 class CloseHop(BaseModel):
+    """Close a pipeline's hop and free its session's cache; with `session_id`, only if that session is the open one
+    (so a late close of a session that a failover already replaced never closes its successor)."""
+
     model_config = ConfigDict(extra="forbid")
 
     op: Literal["close"] = "close"
     pipeline_id: str = Field(pattern=SUBJECT_TOKEN_PATTERN)
+    session_id: str | None = Field(default=None, pattern=SUBJECT_TOKEN_PATTERN)
 
 
-ControlRequest = Annotated[Union[OpenHop, CloseHop], Field(discriminator="op")]
+class StatShard(BaseModel):
+    """Ask a shard what it holds open; answered with a ShardStat."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    op: Literal["stat"] = "stat"
+
+
+ControlRequest = Annotated[Union[OpenHop, CloseHop, StatShard], Field(discriminator="op")]
 control_request_adapter: TypeAdapter[ControlRequest] = TypeAdapter(ControlRequest)
 
 
@@ -54,6 +72,16 @@ class ControlReply(BaseModel):
     code: RefusalCode | None = None
     message: str = ""
     shard_id: str = ""
+
+
+class ShardStat(BaseModel):
+    """A shard's answer to `stat`: its open hops and the sessions its runner still caches."""
+
+    shard_id: str
+    active_streams: int = Field(ge=0)
+    open_pipelines: list[str] = Field(default_factory=list)
+    cached_sessions: int = Field(ge=0)
+    cache_bytes: int = Field(ge=0)
 
 
 def integrity_subject(pipeline_id: str) -> str:

@@ -24,9 +24,26 @@ def parse_log_level(level: str | int) -> int:
     return number
 
 
+class _CurrentStderrHandler(logging.StreamHandler):
+    """Writes to whatever sys.stderr is at emit time (test runners and CLIs swap it)."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    @property  # type: ignore[override]
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value) -> None:
+        pass
+
+
 def configure_logging(level: str | int = "INFO") -> None:
     """Send log records at `level` and above to stderr in one format; safe to call more than once."""
     number = parse_log_level(level)
-    logging.basicConfig(level=number, format=LOG_FORMAT, stream=sys.stderr, force=True)
+    handler = _CurrentStderrHandler()
+    handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    logging.basicConfig(level=number, handlers=[handler], force=True)
     for name in QUIETER_LOGGERS:
         logging.getLogger(name).setLevel(max(number, logging.WARNING))

@@ -67,6 +67,7 @@ class EmbeddedNatsServer:
         store_dir: str | Path | None = None,
         host: str = "127.0.0.1",
         max_payload_bytes: int = 8 * 1024 * 1024,
+        start_new_session: bool = False,
     ) -> None:
         self.host = host
         self.port = port or free_tcp_port(host)
@@ -76,6 +77,8 @@ class EmbeddedNatsServer:
             store_dir = self._owned_tmp.name
         self.store_dir = Path(store_dir)
         self.max_payload_bytes = max_payload_bytes
+        # True: the server does not get the terminal's Ctrl-C, so its owner can stop it after its clients.
+        self.start_new_session = start_new_session
         self._process: subprocess.Popen | None = None
 
     @property
@@ -110,6 +113,7 @@ class EmbeddedNatsServer:
             stdout=self._log_file,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
+            start_new_session=self.start_new_session,
         )
         self._wait_until_accepting(log_path)
         log.info("nats-server %s listening on %s (store %s)", binary, self.url, self.store_dir)

@@ -1,5 +1,12 @@
 """Step executors: HopChain pumps one step through remote shard hops and watches for stalls and corruption;
-LocalChain runs it on a whole local model (the fallback)."""
+LocalChain runs it on a whole local model (the fallback).
+
+Who is to blame for a stalled step: the acks say which hop last took the step in (hop h), but not whether
+h is slow or the hop after it never received h's output (it died, or is frozen with its connection still
+open). So when a step has not moved on within the step timeout, the chain probes hops h and h+1 with a
+`stat` control request: a hop that does not answer within `probe_timeout_s` (or has no responder at all)
+is the culprit; when both answer, h holds the step and is the one to route around.
+"""
 
 from __future__ import annotations
 
@@ -20,6 +27,8 @@ from services.common.control_protocol import (
     ControlReply,
     IntegrityNotice,
     OpenHop,
+    ShardStat,
+    StatShard,
     integrity_subject,
 )
 from services.orchestrator.router import Hop
@@ -33,13 +42,16 @@ from services.transport import (
     TransportTimeout,
     wire_dtype_from_setting,
 )
-from services.transport.integrity import NormBounds
+from services.transport.integrity import NormBounds, count_integrity_failure
 
 log = logging.getLogger(__name__)
 
 control_timeout_s = 5.0
-# How often a waiting step looks at the acks to see whether a hop holds it too long.
-stall_poll_fraction = 0.25
+# How often (as a fraction of the step timeout) a waiting step looks at the acks for a hop holding it too long.
+stall_poll_fraction = 0.1
+# A live shard answers `stat` in milliseconds; one that has not within this is frozen or gone.
+probe_timeout_s = 0.5
+close_flush_timeout_s = 2.0
 
 
 class HopFailure(Exception):
@@ -105,6 +117,7 @@ class HopChain:
         self._notices: list[IntegrityNotice] = []
         self._notice_arrived = asyncio.Event()
         self._opened: list[Hop] = []
+        self._open_sent = False
         self._step = 0
 
     @property
@@ -117,6 +130,7 @@ class HopChain:
         await self._observer.start()
         await self._sender.start()
         self._integrity_sub = await self.nc.subscribe(integrity_subject(self.pipeline_id), cb=self._on_notice)
+        self._open_sent = True
         replies = await asyncio.gather(*(self._open_hop(i, hop) for i, hop in enumerate(self.hops)),
                                        return_exceptions=True)
         for hop, reply in zip(self.hops, replies):
@@ -139,9 +153,23 @@ class HopChain:
         return ControlReply.model_validate_json(message.data)
 
     async def close(self) -> None:
-        """Close every opened hop (best effort, concurrently) and drop this chain's subscriptions."""
-        await asyncio.gather(*(self._close_hop(hop) for hop in self._opened), return_exceptions=True)
-        self._opened = []
+        """Tell every opened hop to close this session (free its KV cache) and drop this chain's subscriptions.
+
+        Closes are published without waiting for answers: a dead or frozen hop must not hold up a failover,
+        and because each names this chain's session, a close that a shard reads late never closes a newer
+        session of the same pipeline (the re-open after a failover reaches the shard after it anyway: one
+        connection, one subject, so NATS keeps the order).
+        """
+        # Every hop, not only those that confirmed: one whose answer to `open` timed out may still open late.
+        hops, self._opened = (self.hops if self._open_sent else []), []
+        self._open_sent = False
+        request = CloseHop(pipeline_id=self.pipeline_id, session_id=self.session_id).model_dump_json().encode()
+        for hop in hops:
+            with contextlib.suppress(Exception):
+                await self.nc.publish(hop.control_subject, request)
+        if hops:
+            with contextlib.suppress(Exception):
+                await self.nc.flush(timeout=close_flush_timeout_s)
         for closer in (self._sender.close, self._sink.close, self._observer.close):
             with contextlib.suppress(Exception):
                 await closer()
@@ -149,11 +177,6 @@ class HopChain:
             with contextlib.suppress(Exception):
                 await self._integrity_sub.unsubscribe()
             self._integrity_sub = None
-
-    async def _close_hop(self, hop: Hop) -> None:
-        request = CloseHop(pipeline_id=self.pipeline_id)
-        with contextlib.suppress(Exception):
-            await self.nc.request(hop.control_subject, request.model_dump_json().encode(), timeout=control_timeout_s)
 
     async def _on_notice(self, msg: Msg) -> None:
         try:
@@ -185,23 +208,45 @@ class HopChain:
         poll_s = max(0.01, self.timeouts.step_timeout_s * stall_poll_fraction)
         while True:
             self._raise_for_notices()
-            try:
-                received = await self._sink.next_step(timeout_s=poll_s)
-            except TransportTimeout:
-                self._check_stall(info, sent_at, timeout_s)
+            received = await self._next_output(poll_s)
+            if received is None:
+                await self._check_stall(info, sent_at, timeout_s)
                 continue
-            except TransportError as error:
-                raise HopFailure(self.hops[-1].shard_id, f"sink failed: {error}") from None
             if received.session != self.session_id or received.step != self._step:
                 continue
             self._raise_for_notices()
             failed_check = self.sink_bounds.check(received.tensor)
             if failed_check is not None:
+                count_integrity_failure(failed_check, "sink")
                 raise HopFailure(self.hops[-1].shard_id, f"output failed the {failed_check} check",
                                  kind="corrupt", check=failed_check)
             return received.tensor
 
-    def _check_stall(self, info: StepInfo, sent_at: float, timeout_s: float) -> None:
+    async def _next_output(self, wait_s: float):
+        """The next step leaving the last hop, or None after `wait_s` or as soon as an integrity notice arrives."""
+        if self._notices:
+            return None
+        self._notice_arrived.clear()
+        output = asyncio.ensure_future(self._sink.next_step(timeout_s=wait_s))
+        notice = asyncio.ensure_future(self._notice_arrived.wait())
+        try:
+            await asyncio.wait((output, notice), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            notice.cancel()
+            if not output.done():
+                # Cancelling is safe: a step that completes meanwhile stays queued in the receiver.
+                output.cancel()
+            await asyncio.gather(output, notice, return_exceptions=True)
+        if output.cancelled():
+            return None
+        try:
+            return output.result()
+        except TransportTimeout:
+            return None
+        except TransportError as error:
+            raise HopFailure(self.hops[-1].shard_id, f"sink failed: {error}") from None
+
+    async def _check_stall(self, info: StepInfo, sent_at: float, timeout_s: float) -> None:
         progress = self._observer.progress(info.session, info.step)
         now = time.monotonic()
         if progress is None:
@@ -212,8 +257,33 @@ class HopChain:
             if holder >= len(self.hops):
                 return
         if now - since > timeout_s:
-            hop = self.hops[holder]
-            raise HopFailure(hop.shard_id, f"step {info.step} not passed on within {timeout_s:.1f} s")
+            # Hop 0 never acked: nobody after it is involved. Otherwise the next hop may be the one gone.
+            suspects = [holder] if progress is None else [holder, holder + 1]
+            culprit = await self._blame([i for i in suspects if i < len(self.hops)])
+            hop = self.hops[culprit]
+            if culprit == holder:
+                reason = f"step {info.step} not passed on within {timeout_s:.1f} s"
+            else:
+                reason = f"does not answer; step {info.step} not taken in within {timeout_s:.1f} s"
+            raise HopFailure(hop.shard_id, reason)
+
+    async def _blame(self, suspects: list[int]) -> int:
+        """The first suspect hop that does not answer a probe; the first suspect when every one answers."""
+        answers = await asyncio.gather(*(self.probe(self.hops[i]) for i in suspects))
+        for index, answered in zip(suspects, answers):
+            if not answered:
+                return index
+        return suspects[0]
+
+    async def probe(self, hop: Hop, timeout_s: float = probe_timeout_s) -> bool:
+        """Whether the hop's shard answers a `stat` request within `timeout_s` (no responder: False at once)."""
+        try:
+            message = await self.nc.request(hop.control_subject, StatShard().model_dump_json().encode(),
+                                            timeout=timeout_s)
+            ShardStat.model_validate_json(message.data)
+        except Exception:
+            return False
+        return True
 
     def transport_summary(self) -> dict[str, object]:
         return {"sender": self._sender.stats, "sink": self._sink.stats}

@@ -4,6 +4,7 @@ fail over (re-prefilling prompt plus generated tokens), fall back to a local mod
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -37,6 +38,7 @@ from services.common.chat_protocol import (
 )
 from services.orchestrator.catalog import LoadedModel
 from services.orchestrator.chain import HopChain, HopFailure, LocalChain, OpenRefused, StepTimeouts
+from services.orchestrator.health import RecentFailures
 from services.orchestrator.router import RoutingError, ShardRouter
 from services.transport import FrameKind
 from services.transport.integrity import NormBounds
@@ -82,6 +84,7 @@ class PipelineRun:
         local_model_lookup: Callable[[], Awaitable[object | None]],
         sink_bounds: NormBounds,
         catch_up: Callable[[], Awaitable[None]] | None = None,
+        recent_failures: RecentFailures | None = None,
     ) -> None:
         self.nc = nc
         self.node_id = node_id
@@ -94,6 +97,7 @@ class PipelineRun:
         self.local_model_lookup = local_model_lookup
         self.sink_bounds = sink_bounds
         self.catch_up = catch_up
+        self.recent_failures = recent_failures
         self.pipeline_id = "p-" + uuid.uuid4().hex[:16]
         self.started = time.perf_counter()
         self.failovers = 0
@@ -174,15 +178,21 @@ class PipelineRun:
 
     async def _pick(self):
         pick = self.router.pick
+        model_id, weights = self.model.model_id, self.model.weights_sha256
+        penalised = self.recent_failures.current() - self.excluded if self.recent_failures else set()
+        if penalised:
+            # Shards that just failed other requests are the last resort, not a reason to give up.
+            with contextlib.suppress(RoutingError):
+                return await asyncio.to_thread(pick, model_id, weights, self.excluded | penalised)
         try:
-            return await asyncio.to_thread(pick, self.model.model_id, self.model.weights_sha256, self.excluded)
+            return await asyncio.to_thread(pick, model_id, weights, self.excluded)
         except RoutingError:
             if self.catch_up is None:
                 raise
         # The read model may trail the event log by a few milliseconds (a shard that just advertised):
         # decide "unavailable" only on a caught-up read model.
         await self.catch_up()
-        return await asyncio.to_thread(pick, self.model.model_id, self.model.weights_sha256, self.excluded)
+        return await asyncio.to_thread(pick, model_id, weights, self.excluded)
 
     async def _fail_over(self, failure: HopFailure, state: GenerationState) -> bool:
         """Mark the shard degraded, route around it, reopen; False when the call must fall back or abort."""
@@ -197,13 +207,17 @@ class PipelineRun:
                                          reason=failure.reason))
         await self.close()
         self.excluded.add(failure.shard_id)
-        self.failovers += 1
-        if self.failovers > self.policy.fallback_to_local_after_failures:
+        if self.recent_failures is not None:
+            self.recent_failures.add(failure.shard_id)
+        # `fallback_to_local_after_failures` failovers are allowed; the failure after them falls back.
+        if self.failovers >= self.policy.fallback_to_local_after_failures:
             return False
         try:
             self.chain = await self._build_chain(first=False)
-        except RoutingError:
+        except RoutingError as error:
+            log.warning("pipeline %s: no replacement for %s: %s", self.pipeline_id, failure.shard_id, error.message)
             return False
+        self.failovers += 1
         await self.record(PipelineFailover(
             node_id=self.node_id, pipeline_id=self.pipeline_id, failed_shard_id=failure.shard_id,
             replacement_hops=self.chain.shard_ids, reason=failure.kind, resumed_at_token=len(state.generated)))
@@ -277,6 +291,11 @@ class PipelineRun:
             timing=Timing(ttft_ms=ttft_ms, tokens_per_second=tokens_per_second, duration_ms=duration_s * 1000.0,
                           construct_ms=getattr(self, "construct_ms", None), failovers=self.failovers),
         ))
+
+    async def record_client_gone(self) -> None:
+        """The run was cancelled because nobody reads its frames any more: record how it ended."""
+        await self.record(PipelineAborted(node_id=self.node_id, pipeline_id=self.pipeline_id, code="client_gone",
+                                          reason="the client stopped listening"))
 
     async def _abort(self, code: str, reason: str) -> None:
         await self.record(PipelineAborted(node_id=self.node_id, pipeline_id=self.pipeline_id, code=code,

@@ -1,5 +1,11 @@
 """The orchestrator service: answers `llm.chat.request` in a queue group, validates, routes over its in-process
-read model, runs each request as a PipelineRun, and streams frames to the request's reply subject."""
+read model, runs each request as a PipelineRun, and streams frames to the request's reply subject.
+
+A client that goes away (its connection closed, or it stopped reading and unsubscribed its inbox) is noticed
+through NATS "no responders": every frame is published with a reply subject of ours, and when nobody listens
+on the client's inbox any more the server answers that publish with a 503 status. The run is then cancelled
+and, as for every other ending, every hop's session is closed and its KV cache freed.
+"""
 
 from __future__ import annotations
 
@@ -25,6 +31,7 @@ from services.common.chat_protocol import (
     parse_chat_request,
 )
 from services.orchestrator.catalog import ModelCatalog, UnknownModel
+from services.orchestrator.health import RecentFailures
 from services.orchestrator.pipeline import PipelinePolicy, PipelineRun
 from services.orchestrator.router import ShardRouter
 from services.transport.integrity import NormBounds
@@ -34,6 +41,7 @@ log = logging.getLogger(__name__)
 ORCHESTRATOR_QUEUE_GROUP = "hearth-orchestrators"
 # Leaves room for the head to load on the first request of a model.
 request_deadline_s = 3600.0
+NO_RESPONDERS_STATUS = "503"
 catch_up_timeout_s = 2.0
 
 
@@ -52,17 +60,36 @@ class OrchestratorConfig:
 
 
 class FrameEmitter:
-    """Numbers frames (monotonic `seq`) and publishes them to one reply subject."""
+    """Numbers frames (monotonic `seq`) and publishes them to one reply subject; `client_gone` is set when the
+    server reports that nobody listens there any more (see the module docstring)."""
 
     def __init__(self, nc: NatsClient, reply_subject: str) -> None:
         self.nc = nc
         self.reply_subject = reply_subject
         self.seq = 0
+        self.client_gone = asyncio.Event()
+        self._status_inbox: str | None = None
+        self._status_sub = None
+
+    async def start(self) -> "FrameEmitter":
+        self._status_inbox = self.nc.new_inbox()
+        self._status_sub = await self.nc.subscribe(self._status_inbox, cb=self._on_status)
+        return self
+
+    async def _on_status(self, msg: Msg) -> None:
+        if msg.headers and msg.headers.get("Status") == NO_RESPONDERS_STATUS:
+            self.client_gone.set()
 
     async def emit(self, frame) -> None:
         numbered = frame.model_copy(update={"seq": self.seq})
         self.seq += 1
-        await self.nc.publish(self.reply_subject, numbered.model_dump_json().encode())
+        await self.nc.publish(self.reply_subject, numbered.model_dump_json().encode(), reply=self._status_inbox or "")
+
+    async def close(self) -> None:
+        sub, self._status_sub = self._status_sub, None
+        if sub is not None:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
 
 
 class Orchestrator:
@@ -82,6 +109,7 @@ class Orchestrator:
         self._requests: set[asyncio.Task] = set()
         # Per (model, last layer) bounds of the activations that reach us, shared by all requests.
         self._sink_bounds: dict[str, NormBounds] = {}
+        self.recent_failures = RecentFailures(config.health_timeout_s)
 
     async def start(self) -> None:
         await ensure_streams(self.js)
@@ -130,7 +158,7 @@ class Orchestrator:
         if not msg.reply:
             log.warning("chat request without a reply subject dropped")
             return
-        emitter = FrameEmitter(self.nc, msg.reply)
+        emitter = await FrameEmitter(self.nc, msg.reply).start()
         try:
             await asyncio.wait_for(self._serve_request(msg, emitter), timeout=request_deadline_s)
         except asyncio.CancelledError:
@@ -139,6 +167,8 @@ class Orchestrator:
             log.exception("request failed")
             with contextlib.suppress(Exception):
                 await emitter.emit(ErrorFrame(seq=0, code="internal_error", message=str(error)[:500]))
+        finally:
+            await emitter.close()
 
     async def _serve_request(self, msg: Msg, emitter: FrameEmitter) -> None:
         try:
@@ -161,9 +191,27 @@ class Orchestrator:
                 policy=self.config.policy, emit=emitter.emit, record=self.record,
                 local_model_lookup=lambda: self.catalog.local_model_for(model),
                 sink_bounds=self._sink_bounds.setdefault(model.model_id, NormBounds()),
-                catch_up=self._catch_up,
+                catch_up=self._catch_up, recent_failures=self.recent_failures,
             )
             try:
-                await run.run()
+                await self._run_while_client_listens(run, emitter)
             finally:
-                await run.close()
+                # Shielded: a cancelled request (shutdown) must still free its hops' sessions.
+                await asyncio.shield(run.close())
+
+    async def _run_while_client_listens(self, run: PipelineRun, emitter: FrameEmitter) -> None:
+        work = asyncio.create_task(run.run(), name=f"pipeline-{run.pipeline_id}")
+        gone = asyncio.create_task(emitter.client_gone.wait(), name=f"client-watch-{run.pipeline_id}")
+        try:
+            await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            # Only the client leaving (or our own cancellation, which propagates from the wait) stops the work.
+            gone.cancel()
+            if not work.done():
+                work.cancel()
+            await asyncio.gather(work, gone, return_exceptions=True)
+        if work.cancelled():
+            log.info("pipeline %s: the client went away; closing its hops", run.pipeline_id)
+            await run.record_client_gone()
+            return
+        work.result()

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 from pathlib import Path
 
-from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
+from prometheus_client import REGISTRY, CollectorRegistry
 from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential
 
 from readmodels.runner import Projector
+from services.common.metrics import default_metrics_host, start_metrics_server
 from services.common.nats_connection import connect_nats
 from services.projector.metrics import ProjectorCollector
 
-__all__ = ["Projector", "run_projector"]
+__all__ = ["Projector", "run_projector", "main"]
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +29,7 @@ async def run_projector(
     *,
     stop_event: asyncio.Event | None = None,
     registry: CollectorRegistry = REGISTRY,
-    metrics_host: str = "0.0.0.0",
+    metrics_host: str = default_metrics_host,
 ) -> None:
     """Run until `stop_event` is set (or forever): migrate `db_path`, follow both streams, serve /metrics.
 
@@ -39,7 +39,8 @@ async def run_projector(
     stop_event = stop_event or asyncio.Event()
     nc = None
     async for attempt in AsyncRetrying(
-        retry=retry_if_exception_type(Exception), wait=wait_exponential(multiplier=0.2, max=connect_retry_max_wait_s)
+        retry=retry_if_exception_type(Exception),
+        wait=wait_exponential(multiplier=0.2, max=connect_retry_max_wait_s),
     ):
         with attempt:
             if stop_event.is_set():
@@ -47,18 +48,16 @@ async def run_projector(
             nc = await connect_nats(nats_url, name="hearth-projector")
     projector = Projector(db_path, nc.jetstream())
     collector = ProjectorCollector(projector)
-    http_server = None
+    metrics_server = None
     try:
         await projector.start()
         registry.register(collector)
         if metrics_port is not None:
-            http_server, _thread = start_http_server(metrics_port, addr=metrics_host, registry=registry)
-            log.info("projector metrics on http://%s:%d/metrics", metrics_host, metrics_port)
+            metrics_server = start_metrics_server(metrics_port, host=metrics_host, registry=registry)
         await stop_event.wait()
     finally:
-        if http_server is not None:
-            http_server.shutdown()
-            http_server.server_close()
+        if metrics_server is not None:
+            metrics_server.stop()
         try:
             registry.unregister(collector)
         except KeyError:
@@ -72,14 +71,9 @@ async def run_projector(
 
 
 def main(db: Path, nats_url: str | None = None, metrics_port: int | None = None) -> None:
-    """Entry point for `python -m services.projector` and `hearth projector`: stops cleanly on SIGTERM/SIGINT."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    """Entry point for `python -m services.projector`: runs until SIGTERM/SIGINT, then stops cleanly."""
+    from services.common.lifecycle import run_until_stopped
+    from services.common.logging import configure_logging
 
-    async def run() -> None:
-        stop_event = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(signum, stop_event.set)
-        await run_projector(db, nats_url, metrics_port, stop_event=stop_event)
-
-    asyncio.run(run())
+    configure_logging()
+    run_until_stopped(lambda stop_event: run_projector(db, nats_url, metrics_port, stop_event=stop_event))

@@ -19,6 +19,7 @@ from typing import Annotated, Optional
 import typer
 
 NATS_URL_ENV = "HEARTH_NATS_URL"
+connect_timeout_s = 5.0
 
 app = typer.Typer(
     name="hearth-replay",
@@ -112,11 +113,25 @@ def _run(coroutine) -> int:
 
 
 async def _connect(url: str):
+    import logging
+
     import nats
 
-    # One attempt, no reconnect loop: a reader should fail fast and say so when the broker is not there.
-    return await nats.connect(servers=[url], name="hearth-replay", connect_timeout=5, allow_reconnect=False,
-                              max_reconnect_attempts=0)
+    log = logging.getLogger("hearth.replay")
+
+    async def on_error(error: Exception) -> None:
+        log.debug("NATS: %s", error)
+
+    # Two quick attempts and no reconnect loop: a reader should fail fast and say so when the broker is away.
+    return await nats.connect(
+        servers=[url],
+        name="hearth-replay",
+        connect_timeout=connect_timeout_s,
+        allow_reconnect=False,
+        max_reconnect_attempts=1,
+        reconnect_time_wait=0.2,
+        error_cb=on_error,
+    )
 
 
 @contextlib.asynccontextmanager

@@ -10,6 +10,7 @@ import socket
 
 from events.subjects import shard_control_subject, shard_id_for
 from inference import load_layer_range, weights_sha256
+from services.common.metrics import start_metrics_server
 from services.common.nats_connection import connect_nats
 from services.shard.faults import ShardFault
 from services.shard.server import ShardIdentity, ShardServer, advertisement_ttl_s, heartbeat_interval_s
@@ -60,6 +61,7 @@ async def run_shard(
     ready_file: str | None = None,
     window_chunks: int = 16,
     chunk_bytes: int | None = None,
+    metrics_port: int | None = None,
     stop_event: asyncio.Event,
 ) -> None:
     lo, hi = parse_layer_range(layers)
@@ -82,8 +84,12 @@ async def run_shard(
                          heartbeat_interval_s=heartbeat_s, ttl_s=ttl_s, fault=ShardFault.parse(fault),
                          window_chunks=window_chunks, chunk_bytes=chunk_bytes)
     server_ref.append(server)
+    metrics_server = None
     try:
         await server.start()
+        if metrics_port is not None:
+            metrics_server = start_metrics_server(metrics_port)
+            print(f"shard {shard_id} metrics on {metrics_server.url}", flush=True)
         print(f"shard {shard_id} ready (layers {lo}-{hi} of {info.num_layers}, weights {digest[:12]})", flush=True)
         if ready_file:
             with open(ready_file, "w") as handle:
@@ -91,6 +97,8 @@ async def run_shard(
         await stop_event.wait()
     finally:
         await server.stop("shutdown")
+        if metrics_server is not None:
+            metrics_server.stop()
         with contextlib.suppress(Exception):
             await asyncio.wait_for(nc.drain(), timeout=drain_timeout_s)
         runner.close()

@@ -1,4 +1,13 @@
-"""ShardServer: hosts one layer range, advertises and heartbeats it, and serves pipeline hops over NATS."""
+"""ShardServer: hosts one layer range, advertises and heartbeats it, and serves pipeline hops over NATS.
+
+Integrity: every step's input is checked (NaN, Inf, per-position L2 norm far above what this shard has
+received before) before its layers run. The norm bounds are kept per shard, across pipelines, keyed by
+the first layer the hop runs (the input of layer L has the same scale whoever sends it, and a shard used
+from different first layers sees different inputs): a per-pipeline bound would learn nothing before a
+pipeline's first frame, so a shard corrupting from its first step on would pass. A failing step is not
+run or passed on; an IntegrityNotice goes to `integrity_subject(pipeline_id)`, where the orchestrator
+blames the hop that produced the frame and fails over away from it.
+"""
 
 from __future__ import annotations
 
@@ -18,8 +27,18 @@ from events.models import ShardAdvertised, ShardHeartbeat, ShardWithdrawn
 from events.publish import publish_event
 from events.streams import ensure_streams
 from inference import LayerRangeRunner
-from services.common.control_protocol import CloseHop, ControlReply, OpenHop, control_request_adapter
+from services.common.control_protocol import (
+    CloseHop,
+    ControlReply,
+    IntegrityNotice,
+    OpenHop,
+    ShardStat,
+    StatShard,
+    control_request_adapter,
+    integrity_subject,
+)
 from services.shard.faults import ShardFault
+from services.shard.metrics import ShardStepMetrics
 from services.transport import (
     AckWindowSender,
     ActivationReceiver,
@@ -30,6 +49,7 @@ from services.transport import (
     TransportTimeout,
     wire_dtype_from_setting,
 )
+from services.transport.integrity import NormBounds, count_integrity_failure
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +58,8 @@ advertisement_ttl_s = 60.0
 # A hop whose orchestrator went away without closing it is dropped after this long without a step.
 hop_idle_timeout_s = 600.0
 hop_ack_timeout_s = 30.0
+# How long closing a hop waits for its serving task to end (a step being computed finishes first).
+hop_close_timeout_s = 5.0
 latency_samples_kept = 256
 
 
@@ -63,6 +85,7 @@ class _OpenHop:
     receiver: ActivationReceiver
     sender: AckWindowSender
     task: asyncio.Task | None = None
+    closed: bool = False
 
 
 @dataclass
@@ -107,7 +130,10 @@ class ShardServer:
         self.chunk_bytes = chunk_bytes
         self.fault = fault or ShardFault()
         self.stats = _ServingStats()
+        self.step_metrics = ShardStepMetrics(identity.shard_id)
         self._hops: dict[str, _OpenHop] = {}
+        # Running bounds of the inputs received, per first layer run (see the module docstring).
+        self._input_bounds: dict[int, NormBounds] = {}
         self._control_sub = None
         self._background: list[asyncio.Task] = []
         self._readvertise = asyncio.Event()
@@ -200,16 +226,30 @@ class ShardServer:
         except ValidationError as error:
             await self._reply(msg, ControlReply(ok=False, code="bad_request", message=str(error)[:500]))
             return
+        if isinstance(request, StatShard):
+            await self._reply(msg, await self.stat())
+            return
         if isinstance(request, CloseHop):
-            await self._close_hop(request.pipeline_id)
+            hop = self._hops.get(request.pipeline_id)
+            # A close naming an older session (sent before a failover re-opened this pipeline) is stale.
+            if hop is not None and request.session_id in (None, hop.request.session_id):
+                await self._close_hop(request.pipeline_id)
             await self._reply(msg, ControlReply(ok=True))
             return
         await self._reply(msg, await self._open_hop(request))
 
-    async def _reply(self, msg: Msg, reply: ControlReply) -> None:
+    async def _reply(self, msg: Msg, reply: ControlReply | ShardStat) -> None:
         if msg.reply:
             reply.shard_id = self.identity.shard_id
             await msg.respond(reply.model_dump_json().encode())
+
+    async def stat(self) -> ShardStat:
+        """What this shard holds right now (answers `stat`; also a liveness probe for the orchestrator)."""
+        cached_sessions, cache_bytes = await asyncio.to_thread(
+            lambda: (len(self.runner.session_ids()), self.runner.cache_bytes))
+        return ShardStat(shard_id=self.identity.shard_id, active_streams=self.active_streams,
+                         open_pipelines=sorted(self._hops), cached_sessions=cached_sessions,
+                         cache_bytes=cache_bytes)
 
     async def _open_hop(self, request: OpenHop) -> ControlReply:
         ident = self.identity
@@ -243,12 +283,15 @@ class ShardServer:
         hop = self._hops.pop(pipeline_id, None)
         if hop is None:
             return
-        if hop.task is not None and hop.task is not asyncio.current_task():
-            hop.task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await hop.task
+        # Not only a cancel: on Python 3.11 a wait_for inside the serving loop can swallow a cancellation that
+        # lands just as a step arrives. The flag and the closed receiver end the loop whatever it was awaiting.
+        hop.closed = True
         await hop.receiver.close()
         await hop.sender.close()
+        if hop.task is not None and hop.task is not asyncio.current_task():
+            hop.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, asyncio.TimeoutError, Exception):
+                await asyncio.wait_for(asyncio.shield(hop.task), timeout=hop_close_timeout_s)
         freed = await asyncio.to_thread(self.runner.reset, hop.request.session_id)
         log.info("closed pipeline %s (freed %d cache bytes)", pipeline_id, freed)
 
@@ -268,6 +311,8 @@ class ShardServer:
                 return
             except TransportClosed:
                 return
+            if hop.closed:
+                return
             if received.session != request.session_id:
                 continue  # a frame of an earlier session of this pipeline (before a failover)
             try:
@@ -286,6 +331,8 @@ class ShardServer:
             await asyncio.to_thread(self.runner.reset, request.session_id)
             await hop.sender.send(received.info, None)
             return
+        if not await self._input_is_sound(hop, received):
+            return
         started = time.perf_counter()
         self.stats.steps_in_compute += 1
         try:
@@ -298,9 +345,27 @@ class ShardServer:
         finally:
             self.stats.steps_in_compute -= 1
         output = self.fault.corrupt(output)
-        self.stats.step_latencies_s.append(time.perf_counter() - started)
+        compute_s = time.perf_counter() - started
+        self.stats.step_latencies_s.append(compute_s)
         self.stats.tokens_served_total += int(received.tensor.shape[1])
-        await hop.sender.send(received.info, output)
+        sent = await hop.sender.send(received.info, output)
+        self.step_metrics.observe(received.kind.value, wire_s=received.wire_s, deserialize_s=received.decode_s,
+                                  serialize_s=sent.encode_s, compute_s=compute_s)
+
+    async def _input_is_sound(self, hop: _OpenHop, received: ReceivedStep) -> bool:
+        """Check the step's input; on failure tell the orchestrator and drop the step (never run garbage)."""
+        request = hop.request
+        bounds = self._input_bounds.setdefault(request.layer_lo, NormBounds())
+        failed_check = await asyncio.to_thread(bounds.check, received.tensor)
+        if failed_check is None:
+            return True
+        count_integrity_failure(failed_check, "hop_input")
+        log.warning("pipeline %s hop %d: step %d input failed the %s check; dropped", request.pipeline_id,
+                    request.hop, received.step, failed_check)
+        notice = IntegrityNotice(pipeline_id=request.pipeline_id, session_id=request.session_id, hop=request.hop,
+                                 step=received.step, check=failed_check)
+        await self.nc.publish(integrity_subject(request.pipeline_id), notice.model_dump_json().encode())
+        return False
 
 
 def tensor_norm_summary(tensor: torch.Tensor) -> str:

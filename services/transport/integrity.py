@@ -7,11 +7,24 @@ from typing import Literal
 
 import torch
 
+from services.common.metrics import counter
+
 IntegrityCheck = Literal["nan", "inf", "norm"]
 
 # An honest hop's per-position norms stay within a small factor of what it produced before; a corrupted
 # one (activations multiplied by 1e4, garbage bytes) lands orders of magnitude away.
 norm_bound_factor = 50.0
+
+integrity_failures_total = counter(
+    "hearth_integrity_failures_total",
+    "Received activation frames that failed a sanity check, by check and where they were checked "
+    "(`sink`: the orchestrator, after the last hop; `hop_input`: a shard, before running its layers).",
+    ["check", "checked_at"],
+)
+
+
+def count_integrity_failure(check: IntegrityCheck, checked_at: str) -> None:
+    integrity_failures_total.labels(check=check, checked_at=checked_at).inc()
 
 
 class NormBounds:

@@ -1,0 +1,358 @@
+"""`hearth demo`: the whole mesh on one machine (embedded NATS, projector, N shard hosts, an orchestrator)
+streaming one answer and showing which shard hosts ran its steps.
+
+Every part is a real `hearth ...` process started through services.cluster.LocalCluster, exactly as on
+separate machines, only all on loopback; their logs go to files in the demo's work directory. The
+layers are split evenly (services.cluster.even_layer_ranges): shard host i serves range i.
+
+Output: progress lines while starting go to stderr; the hop chain, the streamed answer (with an inline
+mark wherever the chain of shard hosts changes, e.g. after a failover), and a summary go to stdout.
+Exit code 0 after a complete answer (or, with --serve, after Ctrl-C), 1 when something failed to start
+or the answer ended in an error, 130 when interrupted before the answer was complete.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+import sqlite3
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+from services.cluster import ClusterError, LocalCluster, ManagedProcess, even_layer_ranges
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+BUNDLED_MODELS_DIR = REPO_ROOT / "models"
+BUNDLED_MODEL_NAME = "hearth-tiny-llama"
+default_prompt = "Tell me a fortune."
+default_max_tokens = 48
+default_shards = 3
+demo_ready_timeout_s = 300.0
+progress_poll_interval_s = 0.1
+read_model_wait_s = 3.0
+ORCHESTRATOR_NODE_ID = "demo-orchestrator"
+EXIT_INTERRUPTED = 130
+
+
+class DemoError(RuntimeError):
+    """The demo cannot run as asked (missing model, bad shard count); the message says what to do."""
+
+
+class _Stop(Exception):
+    """SIGTERM reached the demo: stop everything as for Ctrl-C."""
+
+
+@dataclass(frozen=True)
+class DemoModel:
+    path: Path
+    num_layers: int
+    has_chat_template: bool
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+
+def resolve_demo_model(spec: str | None) -> DemoModel:
+    """The checkpoint folder for --model: the bundled model when None, a folder, a name under models/,
+    `random:<shape>` (see services.bench), or a hub id already in the local cache (never downloads)."""
+    if spec is None:
+        path = BUNDLED_MODELS_DIR / BUNDLED_MODEL_NAME
+        if not (path / "config.json").is_file():
+            raise DemoError(f"the bundled model {path} is missing: train it with "
+                            "`.venv/bin/python scripts/train_tiny_model.py` or pass --model PATH")
+    elif spec.startswith("random:"):
+        from services.bench import random_checkpoint
+
+        path = random_checkpoint(spec)
+    elif Path(spec).expanduser().is_dir():
+        path = Path(spec).expanduser()
+    elif (BUNDLED_MODELS_DIR / spec / "config.json").is_file():
+        path = BUNDLED_MODELS_DIR / spec
+    else:
+        from inference import CheckpointError, resolve_model_path
+
+        try:
+            path = resolve_model_path(spec, local_files_only=True)
+        except CheckpointError as error:
+            raise DemoError(f"model {spec!r} is neither a folder nor in the local hub cache: {error}") from None
+    path = path.resolve()
+    return DemoModel(path=path, num_layers=_num_layers(path), has_chat_template=_has_chat_template(path))
+
+
+def _num_layers(path: Path) -> int:
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as error:
+        raise DemoError(f"{path}/config.json is unreadable: {error}") from None
+    layers = config.get("num_hidden_layers") or (config.get("text_config") or {}).get("num_hidden_layers")
+    if not isinstance(layers, int) or layers < 1:
+        raise DemoError(f"{path}/config.json has no num_hidden_layers")
+    return layers
+
+
+def _has_chat_template(path: Path) -> bool:
+    if (path / "chat_template.jinja").is_file() or (path / "chat_template.json").is_file():
+        return True
+    try:
+        return bool(json.loads((path / "tokenizer_config.json").read_text()).get("chat_template"))
+    except (OSError, ValueError):
+        return False
+
+
+def shard_label(shard_id: str) -> str:
+    """`model:0-1@demo-host-0` -> `demo-host-0 [layers 0-1]`."""
+    head, _, node = shard_id.rpartition("@")
+    layers = head.rpartition(":")[2]
+    return f"{node or shard_id} [layers {layers}]" if head else shard_id
+
+
+def chain_text(hops: list[str]) -> str:
+    return " -> ".join(["orchestrator", *(shard_label(hop) for hop in hops), "orchestrator"])
+
+
+def _say(text: str = "") -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+@dataclass
+class DemoRun:
+    """One invocation of `hearth demo`; `run()` returns the process exit code."""
+
+    model: str | None = None
+    shards: int = default_shards
+    prompt: str = default_prompt
+    max_tokens: int = default_max_tokens
+    serve: bool = False
+    raw: bool = False
+    torch_threads: int | None = None
+    work_dir: Path | None = None
+    log_level: str = "INFO"
+
+    def run(self) -> int:
+        # This process only supervises and prints; its own INFO lines would bury the answer (the
+        # processes it starts log to files in the work directory at the chosen level).
+        logging.getLogger().setLevel(max(logging.getLogger().level, logging.ERROR))
+        # Ctrl-C works even when started from a script that ignores SIGINT; SIGTERM and a closed
+        # terminal (SIGHUP) stop everything the same way.
+        previous_int = signal.signal(signal.SIGINT, signal.default_int_handler)
+        previous_term = signal.signal(signal.SIGTERM, _raise_stop)
+        previous_hup = signal.signal(signal.SIGHUP, _raise_stop)
+        cluster: LocalCluster | None = None
+        answered = False
+        try:
+            demo_model = resolve_demo_model(self.model)
+            if not 1 <= self.shards <= demo_model.num_layers:
+                raise DemoError(f"--shards must be between 1 and the model's {demo_model.num_layers} layers")
+            cluster = LocalCluster(work_dir=self.work_dir, torch_threads=self.torch_threads,
+                                   log_level=self.log_level, start_new_session=True)
+            self._start(cluster, demo_model)
+            answered = asyncio.run(self._ask(cluster.nats_url, demo_model))
+            if self.serve:
+                self._serve_until_stopped(cluster, demo_model)
+            return 0 if answered else 1
+        except DemoError as error:
+            _say(f"hearth demo: {error}")
+            return 1
+        except ClusterError as error:
+            _say(f"hearth demo: {error}")
+            return 1
+        except (KeyboardInterrupt, _Stop):
+            _say("\ninterrupted")
+            return 0 if (self.serve and answered) else EXIT_INTERRUPTED
+        finally:
+            # A second Ctrl-C must not cut the shutdown short and leave processes behind.
+            for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+                signal.signal(signum, signal.SIG_IGN)
+            try:
+                if cluster is not None:
+                    _say("stopping every process the demo started ...")
+                    stopped_at = time.monotonic()
+                    # SIGTERM to all first so they shut down side by side, then wait for each (newest first).
+                    for process in cluster.processes:
+                        process.signal(signal.SIGTERM)
+                    cluster.close()
+                    _say(f"stopped in {time.monotonic() - stopped_at:.1f} s")
+            finally:
+                signal.signal(signal.SIGINT, previous_int)
+                signal.signal(signal.SIGTERM, previous_term)
+                signal.signal(signal.SIGHUP, previous_hup)
+
+    # ------------------------------------------------------------------ start-up
+
+    def _start(self, cluster: LocalCluster, model: DemoModel) -> None:
+        ranges = even_layer_ranges(model.num_layers, self.shards)
+        total = 3 + len(ranges)
+        _say(f"hearth demo: {model.name} ({model.num_layers} layers) over {len(ranges)} shard hosts "
+             f"on this machine; logs in {cluster.work_dir}")
+        started = time.monotonic()
+        url = cluster.start_nats()
+        _say(f"  [1/{total}] nats-server (JetStream) listening on {url}")
+        db_path = cluster.work_dir / "readmodel.sqlite"
+        self.read_model_path = db_path
+        cluster.start_projector(db_path)
+        _say(f"  [2/{total}] projector following the event streams into {db_path.name}")
+        waiting: dict[str, tuple[ManagedProcess, str]] = {}
+        for index, (lo, hi) in enumerate(ranges):
+            node_id = f"demo-host-{index}"
+            process = cluster.start_shard(str(model.path), lo, hi, node_id=node_id, wait_ready=False)
+            waiting[process.name] = (process, f"shard host {node_id}: layers {lo}-{hi}")
+        orchestrator = cluster.start_orchestrator(
+            node_id=ORCHESTRATOR_NODE_ID, extra_args=["--preload", str(model.path)], wait_ready=False)
+        waiting[orchestrator.name] = (orchestrator, "orchestrator: embedding, lm_head and sampling")
+        _say(f"  starting {len(waiting)} processes (each loads torch and its part of the model) ...")
+        done = 2
+        deadline = time.monotonic() + demo_ready_timeout_s
+        while waiting:
+            for name, (process, what) in list(waiting.items()):
+                if process.ready_file is not None and process.ready_file.exists():
+                    done += 1
+                    _say(f"  [{done}/{total}] {what} ready after {time.monotonic() - started:.1f} s")
+                    del waiting[name]
+                elif not process.alive:
+                    raise ClusterError(f"{process.name} exited with {process.popen.returncode}:\n"
+                                       f"{process.log_tail()}")
+            if waiting and time.monotonic() > deadline:
+                names = ", ".join(waiting)
+                raise ClusterError(f"not ready within {demo_ready_timeout_s:.0f} s: {names}")
+            time.sleep(progress_poll_interval_s)
+
+    # ------------------------------------------------------------------ the answer
+
+    def _request(self, model: DemoModel):
+        from services.common.chat_protocol import ChatMessage, ChatRequest
+
+        if self.raw or not model.has_chat_template:
+            return ChatRequest(model=str(model.path), prompt=self.prompt, max_tokens=self.max_tokens)
+        return ChatRequest(model=str(model.path), messages=[ChatMessage(role="user", content=self.prompt)],
+                           max_tokens=self.max_tokens)
+
+    async def _ask(self, nats_url: str, model: DemoModel) -> bool:
+        """Stream one answer to stdout; True when it ended with `done`."""
+        from services.common.chat_client import ChatTimeout, stream_chat_raw
+        from services.common.nats_connection import connect_nats
+
+        request = self._request(model)
+        nc = await connect_nats(nats_url, name="hearth-demo")
+        view = _AnswerView(self)
+        try:
+            print(f"\n> {self.prompt}" + ("" if request.messages else "   (raw prompt: no chat template)"))
+            # stream_chat_raw directly: closing it here unsubscribes before the connection closes.
+            frames = stream_chat_raw(nc, request.model_dump_json(exclude_none=True).encode())
+            async with contextlib.aclosing(frames):
+                async for frame in frames:
+                    outcome = view.show(frame)
+                    if outcome is not None:
+                        return outcome
+            return False
+        except ChatTimeout as error:
+            print(f"\nerror: {error}")
+            return False
+        finally:
+            await asyncio.wait_for(nc.close(), timeout=5)
+
+    def _summarise(self, done, steps_per_host: Counter[str], pipeline_id: str | None) -> None:
+        timing = done.timing
+        construct_ms = getattr(timing, "construct_ms", None)
+        print(f"\n\n[{done.finish_reason}: {done.usage.completion_tokens} tokens, "
+              f"{timing.tokens_per_second or 0:.1f} tokens/s, first token after {timing.ttft_ms or 0:.0f} ms"
+              + (f", pipeline built in {construct_ms:.1f} ms" if construct_ms is not None else "") + "]")
+        if steps_per_host:
+            print("steps run per shard host: " + ", ".join(f"{host} {count}" for host, count in
+                                                         sorted(steps_per_host.items())))
+        recorded = self._read_model_row(pipeline_id) if pipeline_id else None
+        if recorded is not None:
+            print(f"read model (hearth projector): pipeline {pipeline_id} {recorded}")
+        sys.stdout.flush()
+
+    def _read_model_row(self, pipeline_id: str) -> str | None:
+        """The projector's row for this pipeline, once the events reached it (None if not in time)."""
+        deadline = time.monotonic() + read_model_wait_s
+        while time.monotonic() < deadline:
+            try:
+                with sqlite3.connect(f"file:{self.read_model_path}?mode=ro", uri=True, timeout=1.0) as db:
+                    row = db.execute("SELECT status, completion_tokens FROM pipelines WHERE pipeline_id = ?",
+                                     (pipeline_id,)).fetchone()
+            except sqlite3.Error:
+                row = None
+            if row is not None and row[0] != "running" and row[1] is not None:
+                return f"{row[0]}, {row[1]} tokens"
+            time.sleep(0.1)
+        return None
+
+    # ------------------------------------------------------------------ --serve
+
+    def _serve_until_stopped(self, cluster: LocalCluster, model: DemoModel) -> None:
+        model_option = "" if model.path == (BUNDLED_MODELS_DIR / BUNDLED_MODEL_NAME).resolve() \
+            else f" --model {model.path}"
+        raw_option = "" if model.has_chat_template else " --raw"
+        print(f"\nThe mesh keeps running. NATS: {cluster.nats_url}")
+        print(f"Try:  hearth chat --nats {cluster.nats_url}{model_option}{raw_option} \"Tell me a joke.\"")
+        print("Ctrl-C stops everything.", flush=True)
+        while True:
+            if cluster.nats is not None and not cluster.nats.is_running():
+                raise ClusterError("nats-server exited")
+            for process in cluster.processes:
+                if not process.alive:
+                    raise ClusterError(f"{process.name} exited with {process.popen.returncode}:\n"
+                                       f"{process.log_tail()}")
+            time.sleep(0.5)
+
+
+class _AnswerView:
+    """Prints the frames of one answer: the hop chain once, the text, marks where the chain changes."""
+
+    def __init__(self, demo: DemoRun) -> None:
+        self.demo = demo
+        self.current_hops: list[str] | None = None
+        self.steps_per_host: Counter[str] = Counter()
+        self.pipeline_id: str | None = None
+
+    def show(self, frame) -> bool | None:
+        """Print one frame; True/False once the answer is complete/failed, None while it streams."""
+        from services.common.chat_protocol import (
+            DoneFrame,
+            ErrorFrame,
+            PipelineAbortedFrame,
+            PipelineFrame,
+            ShardFailoverFrame,
+            ShardStatusFrame,
+            TokenDeltaFrame,
+        )
+
+        out = sys.stdout
+        if isinstance(frame, PipelineFrame):
+            self.pipeline_id, self.current_hops = frame.pipeline_id, list(frame.hops)
+            print(f"pipeline {frame.pipeline_id}: {chain_text(frame.hops)}")
+            print("(each generated token runs through this chain; a change is marked [[via ...]])\n")
+        elif isinstance(frame, TokenDeltaFrame):
+            hops = list(frame.hops or [])
+            if hops and self.current_hops is not None and hops != self.current_hops:
+                out.write(f" [[via {' -> '.join(shard_label(h) for h in hops)}]] ")
+            if hops:
+                self.current_hops = hops
+            self.steps_per_host.update(shard_label(h) for h in hops)
+            out.write(frame.text)
+            out.flush()
+        elif isinstance(frame, ShardStatusFrame):
+            out.write(f" [[{shard_label(frame.shard_id)} {frame.status}: {frame.reason}]] ")
+        elif isinstance(frame, ShardFailoverFrame):
+            out.write(f" [[failover after token {frame.resumed_at_token}: {chain_text(frame.replacement_hops)}]] ")
+        elif isinstance(frame, DoneFrame):
+            self.demo._summarise(frame, self.steps_per_host, self.pipeline_id)
+            return True
+        elif isinstance(frame, (ErrorFrame, PipelineAbortedFrame)):
+            message = frame.message if isinstance(frame, ErrorFrame) else frame.reason
+            print(f"\nerror {frame.code}: {message}")
+            return False
+        return None
+
+
+def _raise_stop(signum, frame) -> None:
+    raise _Stop()

@@ -1,0 +1,291 @@
+"""Shared pieces of the failover e2e tests: a mesh of real shard processes with replicas, streaming a request
+while doing something to a shard at the k-th token, asking shards what they hold, reading events back."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import sqlite3
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from nats.aio.client import Client as NatsClient
+from prometheus_client.parser import text_string_to_metric_families
+
+from events.consume import StoredEvent, read_stream
+from events.streams import PIPELINES_STREAM, SHARDS_STREAM
+from events.subjects import shard_control_subject
+from services.cluster import LocalCluster, ManagedProcess
+from services.common.chat_client import stream_chat
+from services.common.chat_protocol import ChatParams, ChatRequest, TokenDeltaFrame
+from services.common.control_protocol import ShardStat, StatShard
+from tests.e2e.conftest import TINY_MODEL_NAME, start_orchestrator
+
+STEP_TIMEOUT_S = 1.0
+HEALTH_TIMEOUT_S = 5.0
+HEARTBEAT_S = 0.5
+# Re-advertised every ttl/3 = 2 s.
+SHARD_TTL_S = 6.0
+# The router prefers the lowest hop_weight when queue depths tie: PREFERRED shards are the primaries a test
+# breaks, REPLICA shards take over.
+PREFERRED_WEIGHT = 0.5
+PRIMARY_WEIGHT = 1.0
+REPLICA_WEIGHT = 2.0
+
+PROMPT = "the quick brown fox jumps over"
+MAX_TOKENS = 24
+# The action (kill, freeze, ...) happens when this many tokens have streamed.
+ACT_AFTER_TOKENS = 3
+stat_timeout_s = 2.0
+release_timeout_s = 10.0
+event_wait_timeout_s = 15.0
+
+
+def failover_env() -> dict[str, str]:
+    return {"HEARTH_RESEARCH__DISTRIBUTED_INFERENCE__SHARD_HEALTH_TIMEOUT_SECONDS": str(HEALTH_TIMEOUT_S)}
+
+
+@dataclass
+class ShardHandle:
+    process: ManagedProcess
+    node_id: str
+    lo: int
+    hi: int
+    metrics_port: int | None = None
+
+    @property
+    def shard_id(self) -> str:
+        return self.process.ready_file.read_text().strip()
+
+    @property
+    def control_subject(self) -> str:
+        return shard_control_subject(self.node_id, self.shard_id)
+
+
+@dataclass
+class FailoverMesh:
+    """A LocalCluster plus the bookkeeping the tests need: shards by node id, the orchestrator, paths."""
+
+    cluster: LocalCluster
+    models_dir: Path
+    shards: dict[str, ShardHandle] = field(default_factory=dict)
+    orchestrator: ManagedProcess | None = None
+    orchestrator_db: Path | None = None
+
+    @property
+    def model_path(self) -> Path:
+        return self.models_dir / TINY_MODEL_NAME
+
+    def start_shard(self, node_id: str, lo: int, hi: int, *, hop_weight: float, fault: str | None = None,
+                    metrics_port: int | None = None, wait_ready: bool = True) -> ShardHandle:
+        args = ["--hop-weight", str(hop_weight), "--heartbeat-s", str(HEARTBEAT_S), "--ttl-s", str(SHARD_TTL_S)]
+        if fault:
+            args += ["--fault", fault]
+        if metrics_port is not None:
+            args += ["--metrics-port", str(metrics_port)]
+        process = self.cluster.start_shard(str(self.model_path), lo, hi, node_id=node_id, extra_args=args,
+                                           wait_ready=wait_ready)
+        handle = ShardHandle(process, node_id, lo, hi, metrics_port)
+        self.shards[node_id] = handle
+        return handle
+
+    def start_orchestrator(self, *, local_model: bool = True) -> ManagedProcess:
+        # A routing read model the tests can look into (WAL: reading never blocks the orchestrator's projector).
+        self.orchestrator_db = self.cluster.work_dir / "orchestrator-routing.sqlite"
+        args = ["--step-timeout-s", str(STEP_TIMEOUT_S), "--db", str(self.orchestrator_db)]
+        if local_model:
+            args += ["--local-model", TINY_MODEL_NAME]
+        self.orchestrator = start_orchestrator(self.cluster, self.models_dir, extra_args=args)
+        return self.orchestrator
+
+    def stop_shard(self, handle: ShardHandle) -> None:
+        handle.process.stop()
+        self.shards.pop(handle.node_id, None)
+
+    def live_shards(self) -> list[ShardHandle]:
+        return [handle for handle in self.shards.values() if handle.process.alive]
+
+    def routing_row(self, table: str, shard_id: str) -> dict | None:
+        """A row of the orchestrator's own read model (`shards`, `shard_health`, `shard_stats`)."""
+        if self.orchestrator_db is None or not self.orchestrator_db.exists():
+            return None
+        with contextlib.closing(sqlite3.connect(f"file:{self.orchestrator_db}?mode=ro", uri=True, timeout=5)) as db:
+            db.row_factory = sqlite3.Row
+            try:
+                row = db.execute(f"SELECT * FROM {table} WHERE shard_id = ?", (shard_id,)).fetchone()
+            except sqlite3.OperationalError:  # not migrated yet
+                return None
+        return dict(row) if row is not None else None
+
+    async def wait_routing(self, table: str, shard_id: str, predicate: Callable[[dict], bool],
+                           timeout_s: float = event_wait_timeout_s) -> dict:
+        """Wait until the orchestrator's read model has a row for the shard that satisfies `predicate`."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            row = self.routing_row(table, shard_id)
+            if row is not None and predicate(row):
+                return row
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{table} row of {shard_id} is still {row} after {timeout_s} s")
+            await asyncio.sleep(0.05)
+
+    async def wait_advertised(self, handle: ShardHandle) -> None:
+        """The orchestrator routes with this shard's (latest) advertisement."""
+        await self.wait_routing("shards", handle.shard_id, lambda row: row["status"] == "advertised")
+
+
+@contextlib.contextmanager
+def failover_mesh(tmp_path_factory, models_dir: Path, name: str) -> Iterator[FailoverMesh]:
+    work_dir = tmp_path_factory.mktemp(name)
+    with LocalCluster(work_dir=work_dir / "cluster", torch_threads=1, extra_env=failover_env()) as cluster:
+        cluster.start_nats()
+        mesh = FailoverMesh(cluster, models_dir)
+        try:
+            yield mesh
+        finally:
+            for process in cluster.processes:
+                print(f"----- {process.name} -----\n{process.log_tail(6000)}")
+
+
+def chat_request(*, fallback_to_local: bool = False, max_tokens: int = MAX_TOKENS) -> ChatRequest:
+    return ChatRequest(model=TINY_MODEL_NAME, prompt=PROMPT, max_tokens=max_tokens, temperature=0.0,
+                       params=ChatParams(fallback_to_local=fallback_to_local))
+
+
+@dataclass
+class StreamedCall:
+    """Every frame of one call, with the monotonic instant each arrived and when the action ran."""
+
+    frames: list = field(default_factory=list)
+    arrived_at: list[float] = field(default_factory=list)
+    acted_at: float | None = None
+
+    def of_type(self, frame_type: str) -> list:
+        return [f for f in self.frames if f.type == frame_type]
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [f.token_id for f in self.frames if isinstance(f, TokenDeltaFrame)]
+
+    @property
+    def final(self):
+        return self.frames[-1] if self.frames else None
+
+    @property
+    def pipeline_id(self) -> str:
+        return self.of_type("pipeline")[0].pipeline_id
+
+    @property
+    def first_hops(self) -> list[str]:
+        return self.of_type("pipeline")[0].hops
+
+    def longest_token_gap_s(self) -> float:
+        """The longest wait between two consecutive token_delta frames: the pause a failover costs."""
+        times = [t for f, t in zip(self.frames, self.arrived_at) if isinstance(f, TokenDeltaFrame)]
+        return max((b - a for a, b in zip(times, times[1:])), default=0.0)
+
+    def seconds_from_action_to_end(self) -> float:
+        return self.arrived_at[-1] - self.acted_at
+
+
+async def stream_with_action(
+    nc: NatsClient,
+    request: ChatRequest,
+    action: Callable[[], Awaitable[None] | None] | None = None,
+    *,
+    after_tokens: int = ACT_AFTER_TOKENS,
+) -> StreamedCall:
+    """Stream one call; right after the `after_tokens`-th token_delta arrives, run `action` (once)."""
+    call = StreamedCall()
+    tokens = 0
+    async for frame in stream_chat(nc, request, first_frame_timeout=60.0, frame_gap_timeout=30.0):
+        call.frames.append(frame)
+        call.arrived_at.append(time.monotonic())
+        if isinstance(frame, TokenDeltaFrame):
+            tokens += 1
+            if tokens == after_tokens and action is not None:
+                call.acted_at = time.monotonic()
+                result = action()
+                if result is not None:
+                    await result
+    return call
+
+
+async def shard_stat(nc: NatsClient, handle: ShardHandle, timeout_s: float = stat_timeout_s) -> ShardStat:
+    message = await nc.request(handle.control_subject, StatShard().model_dump_json().encode(), timeout=timeout_s)
+    return ShardStat.model_validate_json(message.data)
+
+
+async def wait_until_released(nc: NatsClient, handles: list[ShardHandle],
+                              timeout_s: float = release_timeout_s) -> dict[str, ShardStat]:
+    """Poll `stat` until no shard holds an open hop or a cached session; the last answers otherwise."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = {handle.node_id: await shard_stat(nc, handle) for handle in handles}
+        if all(s.active_streams == 0 and s.cached_sessions == 0 for s in stats.values()):
+            return stats
+        if time.monotonic() > deadline:
+            return stats
+        await asyncio.sleep(0.05)
+
+
+async def read_events(nc: NatsClient, stream: str, subject_filter: str | list[str] | None = None) -> list[StoredEvent]:
+    js = nc.jetstream()
+    async with contextlib.aclosing(read_stream(js, stream, subject_filter=subject_filter)) as items:
+        return [item async for item in items if isinstance(item, StoredEvent)]
+
+
+async def pipeline_events(nc: NatsClient, pipeline_id: str) -> list[StoredEvent]:
+    return await read_events(nc, PIPELINES_STREAM, [f"hearth.events.pipeline.{pipeline_id}.>",
+                                                    f"hearth.events.integrity.{pipeline_id}.>"])
+
+
+async def wait_for_event(nc: NatsClient, stream: str, predicate: Callable[[StoredEvent], bool],
+                         timeout_s: float = event_wait_timeout_s) -> StoredEvent:
+    """Follow `stream` from its start until an event matches (the match may be stored already)."""
+    js = nc.jetstream()
+
+    async def first_match() -> StoredEvent:
+        async with contextlib.aclosing(read_stream(js, stream, follow=True)) as items:
+            async for item in items:
+                if isinstance(item, StoredEvent) and predicate(item):
+                    return item
+        raise AssertionError("stream ended")
+
+    return await asyncio.wait_for(first_match(), timeout=timeout_s)
+
+
+def scrape_metric(port: int, name: str, labels: dict[str, str]) -> float:
+    """One sample from a process's /metrics (0.0 when absent)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    return 0.0
+
+
+def replay_pipeline(nats_url: str, pipeline_id: str) -> list[dict]:
+    """`hearth-replay pipeline ID --output jsonl`, parsed."""
+    completed = subprocess.run(
+        [sys.executable, "-m", "services.replay.cli", "pipeline", pipeline_id, "--output", "jsonl", "--nats",
+         nats_url], capture_output=True, text=True, timeout=60, cwd=str(Path(__file__).resolve().parents[2]),
+    )
+    assert completed.returncode == 0, completed.stderr
+    return [json.loads(line) for line in completed.stdout.splitlines() if line.strip()]
+
+
+__all__ = [
+    "ACT_AFTER_TOKENS", "HEALTH_TIMEOUT_S", "MAX_TOKENS", "PIPELINES_STREAM", "PREFERRED_WEIGHT", "PRIMARY_WEIGHT",
+    "REPLICA_WEIGHT", "SHARDS_STREAM", "STEP_TIMEOUT_S", "FailoverMesh", "ShardHandle", "StreamedCall",
+    "chat_request", "failover_mesh", "pipeline_events", "read_events", "replay_pipeline", "scrape_metric",
+    "shard_stat",
+    "stream_with_action", "wait_for_event", "wait_until_released",
+]

@@ -1,0 +1,136 @@
+"""The `hearth` command as processes: `hearth nats` starts and stops on signals, `db upgrade`, `projector` wiring."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from events import SHARDS_STREAM, ensure_streams, publish_event, stream_last_seq
+from events.models import ShardHeartbeat
+from services.cli import app
+from services.common.nats_connection import connect_nats
+from services.common.nats_server import free_tcp_port
+
+pytestmark = pytest.mark.integration
+
+BIN = Path(sys.executable).parent
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
+
+
+def heartbeat(n: int) -> ShardHeartbeat:
+    return ShardHeartbeat(node_id="node-a", shard_id="tiny/m:0-1@node-a", queue_depth=0, active_streams=0,
+                          p95_latency_ms=1.0, tokens_served_total=n)
+
+
+async def _publish_and_count(url: str, n: int) -> int:
+    nc = await connect_nats(url, name="test-hearth-cli")
+    try:
+        js = nc.jetstream()
+        await ensure_streams(js)
+        for i in range(n):
+            await publish_event(js, heartbeat(i))
+        return await stream_last_seq(js, SHARDS_STREAM)
+    finally:
+        await nc.close()
+
+
+def port_is_open(port: int) -> bool:
+    with socket.socket() as sock:
+        sock.settimeout(0.2)
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+def start_hearth_nats(port: int, store: Path) -> tuple[subprocess.Popen, str]:
+    process = subprocess.Popen(
+        [str(BIN / "hearth"), "nats", "--port", str(port), "--store", str(store)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV,
+    )
+    url = process.stdout.readline().strip()
+    if not url:
+        process.kill()
+        raise AssertionError(f"hearth nats printed no URL: {process.stderr.read()}")
+    return process, url
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_hearth_nats_serves_jetstream_and_stops_cleanly_on_a_signal_keeping_its_store(tmp_path, signum):
+    port = free_tcp_port()
+    store = tmp_path / "store"
+    process, url = start_hearth_nats(port, store)
+    try:
+        assert url == f"nats://127.0.0.1:{port}"
+        assert asyncio.run(_publish_and_count(url, 3)) == 3
+
+        process.send_signal(signum)
+        assert process.wait(timeout=15) == 0
+        assert not port_is_open(port)
+
+        # The same store on restart: the events are still there (file storage).
+        process, url = start_hearth_nats(port, store)
+        assert asyncio.run(_publish_and_count(url, 1)) == 4
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            process.wait(timeout=15)
+    assert not port_is_open(port)
+
+
+def test_hearth_nats_reports_a_port_in_use(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run(
+            [str(BIN / "hearth"), "nats", "--port", str(port), "--store", str(tmp_path / "s")],
+            capture_output=True, text=True, timeout=60, env=ENV,
+        )
+    assert result.returncode == 1
+    assert "hearth nats:" in result.stderr
+
+
+def test_hearth_db_upgrade_creates_the_read_model_schema(tmp_path):
+    db = tmp_path / "read.sqlite"
+    result = CliRunner().invoke(app, ["db", "upgrade", "--db", str(db)])
+    assert result.exit_code == 0, result.output
+    with sqlite3.connect(db) as connection:
+        tables = {row[0] for row in connection.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    assert {"shards", "shard_health", "pipelines", "projection_positions", "alembic_version"} <= tables
+
+
+def test_hearth_projector_follows_the_log_into_sqlite_and_stops_on_sigterm(nats_url, tmp_path):
+    db = tmp_path / "projected.sqlite"
+    asyncio.run(_publish_and_count(nats_url, 2))
+    process = subprocess.Popen(
+        [str(BIN / "hearth"), "projector", "--db", str(db)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**ENV, "HEARTH_NATS_URL": nats_url},
+    )
+    try:
+        deadline = time.monotonic() + 30
+        positions = {}
+        while time.monotonic() < deadline and positions.get(SHARDS_STREAM) != 2:
+            assert process.poll() is None, process.stderr.read()
+            if db.exists():
+                try:
+                    with sqlite3.connect(db) as connection:
+                        rows = connection.execute("SELECT stream, last_seq FROM projection_positions")
+                        positions = dict(rows)
+                except sqlite3.OperationalError:
+                    pass  # the schema is still being created
+            time.sleep(0.1)
+        assert positions.get(SHARDS_STREAM) == 2
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=20) == 0, process.stderr.read()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()

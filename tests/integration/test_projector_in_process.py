@@ -1,0 +1,44 @@
+"""The in-process Projector as the orchestrator uses it: publish, wait for the position, route on the rows."""
+
+from __future__ import annotations
+
+import pytest
+
+from events.publish import publish_event
+from events.streams import SHARDS_STREAM, ensure_streams
+from readmodels.runner import Projector
+from services.common.nats_connection import connect_nats
+from services.orchestrator.router import RoutingError, ShardRouter
+from tests.readmodel_helpers import MODEL_ID, WEIGHTS_SHA, advertised, heartbeat
+
+pytestmark = pytest.mark.integration
+
+
+async def test_wait_for_position_then_route_on_what_was_just_published(nats_url, tmp_path):
+    nc = await connect_nats(nats_url, name="test-orchestrator")
+    js = nc.jetstream()
+    await ensure_streams(js)
+    try:
+        async with Projector(tmp_path / "routing.db", js) as projector:
+            low, high = advertised(0, 3, "a"), advertised(4, 7, "b")
+            for event in (low, high):
+                ack = await publish_event(js, event)
+            await projector.wait_for_position(ack.stream, ack.seq, timeout_s=10)
+            ack = await publish_event(js, heartbeat(high.shard_id, t=1, active_streams=2))  # b is now at capacity
+            await projector.wait_for_position(ack.stream, ack.seq, timeout_s=10)
+
+            router = ShardRouter(projector.session_factory, health_timeout_s=3600, allow_self_as_shard=False,
+                                 self_node_id="hub", clock=lambda: low.occurred_at.timestamp() + 2)
+            with pytest.raises(RoutingError) as error:
+                router.pick(MODEL_ID, WEIGHTS_SHA)
+            assert (error.value.code, error.value.uncovered_layers) == ("shard_unavailable", (4, 5, 6, 7))
+
+            ack = await publish_event(js, heartbeat(high.shard_id, t=2, active_streams=0))
+            await projector.wait_for_position(ack.stream, ack.seq, timeout_s=10)
+            assert [hop.shard_id for hop in router.pick(MODEL_ID, WEIGHTS_SHA)] == [low.shard_id, high.shard_id]
+            assert projector.positions[SHARDS_STREAM] == ack.seq
+
+            with pytest.raises(TimeoutError):
+                await projector.wait_for_position(SHARDS_STREAM, ack.seq + 1, timeout_s=0.3)
+    finally:
+        await nc.close()

@@ -1,0 +1,62 @@
+"""`hearth` and `hearth-replay` start without torch: commands import their modules only when they run."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BIN = Path(sys.executable).parent
+HEAVY_MODULES = ("torch", "transformers")
+
+
+def loaded_heavy_modules(code: str) -> list[str]:
+    probe = f"{code}\nimport sys\nprint('LOADED=' + ','.join(m for m in {HEAVY_MODULES!r} if m in sys.modules))"
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    marker = result.stdout.strip().splitlines()[-1]
+    assert marker.startswith("LOADED="), result.stdout
+    return [name for name in marker.removeprefix("LOADED=").split(",") if name]
+
+
+def test_importing_the_hearth_cli_does_not_load_torch():
+    assert loaded_heavy_modules("import services.cli") == []
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["services.replay.cli", "--help"],
+        ["services.replay.cli", "events", "--help"],
+        ["services.replay.cli", "rebuild", "--help"],
+        ["services.cli", "--help"],
+        ["services.cli", "nats", "--help"],
+        ["services.cli", "projector", "--help"],
+        ["services.cli", "db", "upgrade", "--help"],
+    ],
+)
+def test_help_of_the_light_commands_does_not_load_torch(argv):
+    module, *args = argv
+    code = (
+        f"import sys; sys.argv = ['prog', *{args!r}]\n"
+        f"import {module} as cli\n"
+        "try:\n    cli.main()\nexcept SystemExit as exit_:\n    assert exit_.code in (0, None), exit_.code\n"
+    )
+    assert loaded_heavy_modules(code) == []
+
+
+def test_the_replay_modules_and_the_projector_do_not_load_torch():
+    code = (
+        "import services.replay.cli, services.replay.query, services.replay.reports\n"
+        "import services.projector.main, readmodels.rebuild, events"
+    )
+    assert loaded_heavy_modules(code) == []
+
+
+@pytest.mark.parametrize("script", ["hearth", "hearth-replay"])
+def test_installed_entry_points_show_help(script):
+    result = subprocess.run([str(BIN / script), "--help"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "Usage" in result.stdout

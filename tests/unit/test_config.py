@@ -1,0 +1,151 @@
+"""Configuration: DESIGN.md §9 defaults, the TOML file, HEARTH_* environment overrides, and loud errors."""
+
+from __future__ import annotations
+
+import pydantic
+import pytest
+
+from services.common.config import ConfigError, HearthSettings, load_settings
+
+FULL_TOML = """
+[research]
+enable = false
+
+[research.distributed_inference]
+enabled = true
+max_shards_per_request = 3
+shard_health_timeout_seconds = 12.5
+fallback_to_local = false
+fallback_to_local_after_failures = 1
+activation_dtype = "int8"
+allow_self_as_shard = false
+max_concurrent_pipelines = 2
+
+[research.distributed_inference.host]
+serve_shards = true
+shard_eviction_idle_seconds = 60
+shard_max_memory_mb = 512
+
+[transport]
+window_chunks = 4
+chunk_bytes = 65536
+step_timeout_s = 2.5
+
+[nats]
+url = "nats://10.0.0.5:4222"
+"""
+
+
+@pytest.fixture(autouse=True)
+def clean_environment(monkeypatch):
+    for name in ("HEARTH_CONFIG", "HEARTH_NATS_URL"):
+        monkeypatch.delenv(name, raising=False)
+    import os
+
+    for name in list(os.environ):
+        if name.upper().startswith(("HEARTH_RESEARCH", "HEARTH_TRANSPORT", "HEARTH_NATS__")):
+            monkeypatch.delenv(name)
+
+
+def test_defaults_are_those_of_the_specification():
+    settings = load_settings()
+    research = settings.research
+    assert research.enable is True
+    di = research.distributed_inference
+    assert (di.enabled, di.max_shards_per_request, di.shard_health_timeout_seconds) == (True, 16, 30)
+    assert (di.fallback_to_local, di.fallback_to_local_after_failures) == (True, 2)
+    assert (di.activation_dtype, di.allow_self_as_shard, di.max_concurrent_pipelines) == ("auto", False, 4)
+    assert (di.host.serve_shards, di.host.shard_eviction_idle_seconds, di.host.shard_max_memory_mb) == (
+        False, 600, 20000,
+    )
+    assert (settings.transport.window_chunks, settings.transport.chunk_bytes) == (16, 1024 * 1024)
+    assert settings.transport.step_timeout_s > 0
+    assert settings.nats.url == "nats://127.0.0.1:4222"
+
+
+def test_every_key_of_the_toml_file_is_read(tmp_path):
+    path = tmp_path / "hearth.toml"
+    path.write_text(FULL_TOML)
+    settings = load_settings(path)
+    di = settings.research.distributed_inference
+    assert settings.research.enable is False
+    assert (di.max_shards_per_request, di.shard_health_timeout_seconds, di.fallback_to_local) == (3, 12.5, False)
+    assert (di.fallback_to_local_after_failures, di.activation_dtype, di.max_concurrent_pipelines) == (1, "int8", 2)
+    assert (di.host.serve_shards, di.host.shard_eviction_idle_seconds, di.host.shard_max_memory_mb) == (True, 60, 512)
+    assert (settings.transport.window_chunks, settings.transport.chunk_bytes) == (4, 65536)
+    assert settings.transport.step_timeout_s == 2.5
+    assert settings.nats.url == "nats://10.0.0.5:4222"
+
+
+def test_environment_variables_override_the_file_and_keep_its_other_keys(tmp_path, monkeypatch):
+    path = tmp_path / "hearth.toml"
+    path.write_text(FULL_TOML)
+    monkeypatch.setenv("HEARTH_RESEARCH__DISTRIBUTED_INFERENCE__ALLOW_SELF_AS_SHARD", "true")
+    monkeypatch.setenv("HEARTH_RESEARCH__DISTRIBUTED_INFERENCE__HOST__SHARD_MAX_MEMORY_MB", "1024")
+    monkeypatch.setenv("HEARTH_TRANSPORT__WINDOW_CHUNKS", "32")
+    monkeypatch.setenv("hearth_research__enable", "true")  # names are case-insensitive
+
+    settings = load_settings(path)
+
+    di = settings.research.distributed_inference
+    assert di.allow_self_as_shard is True
+    assert di.host.shard_max_memory_mb == 1024
+    assert di.host.serve_shards is True and di.max_shards_per_request == 3  # still from the file
+    assert settings.transport.window_chunks == 32 and settings.transport.chunk_bytes == 65536
+    assert settings.research.enable is True
+
+
+def test_the_file_comes_from_HEARTH_CONFIG_when_no_path_is_given(tmp_path, monkeypatch):
+    path = tmp_path / "from-env.toml"
+    path.write_text("[transport]\nwindow_chunks = 7\n")
+    monkeypatch.setenv("HEARTH_CONFIG", str(path))
+    assert load_settings().transport.window_chunks == 7
+    # An explicit path wins over the variable.
+    other = tmp_path / "explicit.toml"
+    other.write_text("[transport]\nwindow_chunks = 9\n")
+    assert load_settings(other).transport.window_chunks == 9
+
+
+def test_keyword_overrides_win_over_everything(tmp_path, monkeypatch):
+    monkeypatch.setenv("HEARTH_TRANSPORT__WINDOW_CHUNKS", "32")
+    settings = load_settings(transport={"window_chunks": 2})
+    assert settings.transport.window_chunks == 2
+
+
+def test_nats_url_defaults_to_HEARTH_NATS_URL(monkeypatch):
+    monkeypatch.setenv("HEARTH_NATS_URL", "nats://example:4333")
+    assert load_settings().nats.url == "nats://example:4333"
+
+
+def test_a_missing_file_is_an_error(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_settings(tmp_path / "nope.toml")
+
+
+@pytest.mark.parametrize(
+    "toml, field",
+    [
+        ("[research]\nenabel = true\n", "enabel"),
+        ("[research.distributed_inference]\nactivation_dtype = \"bf8\"\n", "activation_dtype"),
+        ("[transport]\nwindow_chunks = 0\n", "window_chunks"),
+        ("[unknown_section]\nx = 1\n", "unknown_section"),
+    ],
+)
+def test_typos_and_invalid_values_are_rejected_with_the_field_named(tmp_path, toml, field):
+    path = tmp_path / "bad.toml"
+    path.write_text(toml)
+    with pytest.raises(pydantic.ValidationError, match=field):
+        load_settings(path)
+
+
+def test_an_invalid_environment_value_is_rejected(monkeypatch):
+    monkeypatch.setenv("HEARTH_TRANSPORT__STEP_TIMEOUT_S", "soon")
+    with pytest.raises(pydantic.ValidationError, match="step_timeout_s"):
+        load_settings()
+
+
+def test_settings_are_immutable():
+    settings = load_settings()
+    assert isinstance(settings, HearthSettings)
+    with pytest.raises(pydantic.ValidationError):
+        settings.transport.window_chunks = 3
