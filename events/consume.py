@@ -129,6 +129,8 @@ async def read_stream(
             return
         while True:
             msg = await reader.next_data_message()
+            if msg is None:
+                return
             metadata = msg.metadata
             seq = metadata.sequence.stream
             if seq > end_seq:
@@ -216,17 +218,23 @@ class _OrderedPushReader:
         self._last_data = time.monotonic()
         self._reconnects_at_creation = 0
         self._waiting_since = time.monotonic()
+        self._nothing_left = False
 
     async def open(self) -> bool:
         """Create the first consumer; False when nothing is there to read and the read is bounded."""
         num_pending = await self._create_consumer_retrying()
         return self._follow or num_pending > 0
 
-    async def next_data_message(self) -> Msg:
-        """The next in-order data message; handles flow control, heartbeats and resets on the way."""
+    async def next_data_message(self) -> Msg | None:
+        """The next in-order data message (None: a bounded read found nothing left after a reset).
+
+        Handles flow control, heartbeats and consumer resets on the way.
+        """
         # Time the caller spent between messages is not silence on the wire.
         self._waiting_since = time.monotonic()
         while True:
+            if self._nothing_left:
+                return None
             delivery = self._queue.get_nowait() if not self._queue.empty() else await self._wait_for_message()
             if delivery is None:
                 continue
@@ -303,7 +311,9 @@ class _OrderedPushReader:
 
     async def _reset(self) -> None:
         await self._discard_consumer()
-        await self._create_consumer_retrying()
+        num_pending = await self._create_consumer_retrying()
+        # E.g. the remaining messages expired (max_age) while we were reconnecting.
+        self._nothing_left = not self._follow and num_pending == 0
 
     async def _create_consumer_retrying(self) -> int:
         """Create a fresh consumer from the next needed sequence; returns its num_pending."""

@@ -10,7 +10,7 @@ from nats.js import JetStreamContext
 from nats.js.api import PubAck
 from tenacity import (
     AsyncRetrying,
-    before_sleep_log,
+    RetryCallState,
     retry_if_exception_type,
     stop_after_attempt,
     stop_after_delay,
@@ -53,11 +53,19 @@ async def publish_event(
     target = subject or event_subject(event)
     payload = encode_event(event)
     headers = {MSG_ID_HEADER: event.event_id}
+
+    def log_retry(state: RetryCallState) -> None:
+        log.warning(
+            "publishing %s %s to %s failed (%s); attempt %d of %d in %.2f s",
+            event.type, event.event_id, target, state.outcome.exception(),  # type: ignore[attr-defined]
+            state.attempt_number + 1, max_attempts, state.next_action.sleep if state.next_action else 0.0,
+        )
+
     retrying = AsyncRetrying(
         retry=retry_if_exception_type(TRANSIENT_PUBLISH_ERRORS),
         stop=stop_after_attempt(max_attempts) | stop_after_delay(publish_total_deadline_s),
         wait=wait_exponential(multiplier=publish_retry_initial_wait_s, max=publish_retry_max_wait_s),
-        before_sleep=before_sleep_log(log, logging.WARNING),
+        before_sleep=log_retry,
         reraise=True,
     )
     async for attempt in retrying:

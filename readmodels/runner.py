@@ -113,6 +113,12 @@ class Projector:
         for task in tasks:
             task.cancel()
         await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), timeout=stop_timeout_s)
+        # The applier may have been restarting followers while we cancelled it.
+        leftovers = list(self._followers.values())
+        self._followers.clear()
+        for task in leftovers:
+            task.cancel()
+        await asyncio.gather(*leftovers, return_exceptions=True)
         if self.engine is not None:
             self.engine.dispose()
         log.info("projector %s stopped at %s", self.projection.name, self.positions)
@@ -163,6 +169,8 @@ class Projector:
             self._handed_over[stream] = self.positions[stream]
 
     def _start_follower(self, stream: str) -> None:
+        if not self._started:
+            return
         self._followers[stream] = asyncio.create_task(self._follow(stream), name=f"projector-follow-{stream}")
 
     async def _follow(self, stream: str) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import platform
 import random
 import sys
@@ -145,23 +146,24 @@ async def bench(n: int, seed: int) -> dict:
         load_s = await load(js, events)
 
         live = Path(tmp) / "live.db"
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         projector = Projector(live, js)
         await projector.start()
         stored = sum((await projector.wait_until_caught_up(catch_up_timeout_s)).values())
-        project_s = time.perf_counter() - started
+        project_s, project_cpu_s = time.perf_counter() - started, time.process_time() - cpu_started
         projected = sum(projector.applied_total.values())
         batches = projector.batches_total
         await projector.stop()
 
         rebuilt = Path(tmp) / "rebuilt.db"
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         applied = await rebuild_database(js, rebuilt)
-        rebuild_s = time.perf_counter() - started
+        rebuild_s, rebuild_cpu_s = time.perf_counter() - started, time.process_time() - cpu_started
         differences = diff_databases(rebuilt, live, include_positions=True)
         await nc.close()
     return dict(n=n, mix=mix, load_s=load_s, stored=stored, projected=projected, project_s=project_s,
-                batches=batches, rebuild_s=rebuild_s, applied=applied, differences=len(differences))
+                project_cpu_s=project_cpu_s, batches=batches, rebuild_s=rebuild_s, rebuild_cpu_s=rebuild_cpu_s,
+                applied=applied, differences=len(differences), load_average=os.getloadavg())
 
 
 def main() -> None:
@@ -181,10 +183,13 @@ def main() -> None:
           f"last sequences sum to {result['stored']}")
     print(f"- projector catch-up from an empty database: {result['projected']} events in {result['project_s']:.2f} s "
           f"= **{result['projected'] / result['project_s']:,.0f} events/s** ({result['batches']} transactions, "
-          f"start-up and migration included)")
+          f"start-up and migration included; {result['project_cpu_s']:.2f} s CPU in this process)")
     print(f"- rebuild of the whole log into a fresh database: {result['applied']} events in "
-          f"**{result['rebuild_s']:.2f} s** ({result['applied'] / result['rebuild_s']:,.0f} events/s)")
+          f"**{result['rebuild_s']:.2f} s** ({result['applied'] / result['rebuild_s']:,.0f} events/s; "
+          f"{result['rebuild_cpu_s']:.2f} s CPU)")
     print(f"- rows differing between projector and rebuild: {result['differences']}")
+    print(f"- 1/5/15-min load average at the end (the 2 cores are shared): "
+          f"{' / '.join(f'{x:.1f}' for x in result['load_average'])}")
 
 
 if __name__ == "__main__":

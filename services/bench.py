@@ -40,16 +40,18 @@ import os
 import platform
 import shutil
 import statistics
+import subprocess
 import sys
 import time
 import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel
 
-from services.cluster import LocalCluster, even_layer_ranges
+from services.cluster import LocalCluster, even_layer_ranges, quiet_torch_environment
 from services.common.nats_server import free_tcp_port
 from services.shard.metrics import DESERIALIZE_METRIC, SERIALIZE_METRIC, TRANSPORT_METRIC, WIRE_METRIC
 
@@ -190,18 +192,56 @@ class GenerationTiming:
         return self.token_times_s[-1]
 
 
+class MonolithicJob(BaseModel):
+    """One request to the monolithic worker (a JSON line on its stdin)."""
+
+    kind: Literal["prompt", "generate"]
+    prompt_tokens: int = 0
+    variant: int = 0
+    prompt: str = ""
+    new_tokens: int = 0
+
+
+class MonolithicReply(BaseModel):
+    """The worker's answer (a JSON line on its stdout)."""
+
+    ok: bool = True
+    error: str | None = None
+    prompt: str | None = None
+    prompt_ids: list[int] = []
+    token_times_s: list[float] = []
+
+
+class MonolithicInfo(BaseModel):
+    """The first line the worker prints, once the model is loaded."""
+
+    parameters: int
+    dtype: str
+    torch_threads: int
+    torch_version: str
+
+
 class MonolithicModel:
     """The whole model via transformers' from_pretrained; generate() greedy, timed by a streamer."""
 
     def __init__(self, path: Path) -> None:
         import torch
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self._torch = torch
+        self.path = path
         self.model = AutoModelForCausalLM.from_pretrained(path, dtype="auto").eval()
-        self.parameters = sum(p.numel() for p in self.model.parameters())
-        self.dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")
-        self.threads = torch.get_num_threads()
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.info = MonolithicInfo(parameters=sum(p.numel() for p in self.model.parameters()),
+                                   dtype=str(next(self.model.parameters()).dtype).removeprefix("torch."),
+                                   torch_threads=torch.get_num_threads(), torch_version=torch.__version__)
+
+    def handle(self, job: MonolithicJob) -> MonolithicReply:
+        if job.kind == "prompt":
+            text, ids = build_prompt(self.tokenizer, self.path, job.prompt_tokens, job.variant)
+            return MonolithicReply(prompt=text, prompt_ids=ids)
+        ids = list(self.tokenizer(job.prompt)["input_ids"])  # exactly as the orchestrator encodes a raw prompt
+        return MonolithicReply(prompt_ids=ids, token_times_s=self.generate(ids, job.new_tokens).token_times_s)
 
     def generate(self, prompt_ids: Sequence[int], new_tokens: int) -> GenerationTiming:
         from transformers.generation.streamers import BaseStreamer
@@ -227,6 +267,80 @@ class MonolithicModel:
             self.model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
                                 max_new_tokens=new_tokens, do_sample=False, streamer=_Stamps())
         return timing
+
+
+def monolithic_worker_main(model_path: str, torch_threads: int | None) -> None:
+    """`python -m services.bench PATH [THREADS]`: load the model, answer MonolithicJob lines until stdin closes.
+
+    Runs in its own process so that it gets the same OpenMP environment as the shard processes (libgomp
+    reads it once, when torch loads) and so that the bench process itself stays free of torch.
+    """
+    replies = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
+    sys.stdout = sys.stderr  # anything a library prints must not corrupt the reply stream
+    if torch_threads:
+        import torch
+
+        torch.set_num_threads(torch_threads)
+    model = MonolithicModel(Path(model_path))
+    replies.write(model.info.model_dump_json() + "\n")
+    for line in sys.stdin:
+        try:
+            reply = model.handle(MonolithicJob.model_validate_json(line))
+        except Exception as error:  # reported to the bench, which stops with the message
+            reply = MonolithicReply(ok=False, error=f"{type(error).__name__}: {error}")
+        replies.write(reply.model_dump_json() + "\n")
+
+
+class MonolithicWorker:
+    """The bench's handle on the worker process (services.bench as a module)."""
+
+    def __init__(self, model_path: Path, env: dict[str, str], torch_threads: int | None, log_path: Path) -> None:
+        self._log = open(log_path, "ab")
+        command = [sys.executable, "-m", "services.bench", str(model_path)]
+        if torch_threads:
+            command.append(str(torch_threads))
+        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
+                                        env={**os.environ, **env}, text=True, bufsize=1,
+                                        cwd=str(Path(__file__).resolve().parents[1]))
+        self.log_path = log_path
+        self.info: MonolithicInfo | None = None
+
+    def wait_ready(self) -> MonolithicInfo:
+        self.info = MonolithicInfo.model_validate_json(self._read_line())
+        return self.info
+
+    def _read_line(self) -> str:
+        line = self.process.stdout.readline()
+        if not line:
+            tail = self.log_path.read_text(errors="replace")[-3000:]
+            raise BenchError(f"the monolithic worker exited with {self.process.poll()}:\n{tail}")
+        return line
+
+    def ask(self, job: MonolithicJob) -> MonolithicReply:
+        self.process.stdin.write(job.model_dump_json() + "\n")
+        self.process.stdin.flush()
+        reply = MonolithicReply.model_validate_json(self._read_line())
+        if not reply.ok:
+            raise BenchError(f"monolithic worker: {reply.error}")
+        return reply
+
+    def prompt(self, prompt_tokens: int, variant: int = 0) -> tuple[str, list[int]]:
+        reply = self.ask(MonolithicJob(kind="prompt", prompt_tokens=prompt_tokens, variant=variant))
+        return reply.prompt or "", reply.prompt_ids
+
+    def generate(self, prompt: str, new_tokens: int) -> GenerationTiming:
+        reply = self.ask(MonolithicJob(kind="generate", prompt=prompt, new_tokens=new_tokens))
+        return GenerationTiming(token_times_s=reply.token_times_s)
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.stdin.close()
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._log.close()
 
 
 async def pipeline_generation(nc, model_ref: str, prompt: str, new_tokens: int) -> GenerationTiming:
@@ -447,6 +561,8 @@ class BenchOptions:
     sessions: int = default_sessions
     repeats: int = default_repeats
     torch_threads: int | None = None
+    # None: the same as torch_threads (the baseline gets the shard processes' thread settings).
+    monolithic_threads: int | None = None
     child_env: dict[str, str] = field(default_factory=dict)
     cache_dir: Path | None = None
     step_timeout_s: float = bench_step_timeout_s
@@ -480,18 +596,24 @@ class Bench:
         started_at = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
         load_before = _load_average()
         max_streams = max(4, options.sessions)
+        process_env = {**quiet_torch_environment(options.torch_threads), **options.child_env}
         env = {"HEARTH_RESEARCH__DISTRIBUTED_INFERENCE__MAX_CONCURRENT_PIPELINES": str(max_streams),
                **options.child_env}
         with LocalCluster(torch_threads=options.torch_threads, extra_env=env, log_level="WARNING") as cluster:
             metrics_urls, hop_of = self._start(cluster, resolved, max_streams)
-            _progress(f"loading the whole model for generate() in this process ({resolved.path}) ...")
-            monolithic = MonolithicModel(resolved.path)
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(resolved.path)
-            self._wait_ready(cluster)
-            report = asyncio.run(self._measure(cluster, resolved, monolithic, tokenizer, metrics_urls, hop_of))
+            monolithic_threads = options.monolithic_threads or options.torch_threads
+            _progress(f"loading the whole model for generate() in a worker process ({resolved.path}) ...")
+            worker = MonolithicWorker(resolved.path, process_env, monolithic_threads,
+                                      cluster.work_dir / "monolithic.log")
+            try:
+                worker.wait_ready()
+                self._wait_ready(cluster)
+                report = asyncio.run(self._measure(cluster, resolved, worker, metrics_urls, hop_of))
+            finally:
+                worker.close()
         report.started_at = started_at
+        report.settings["process_env"] = process_env
+        report.settings["monolithic_torch_threads"] = worker.info.torch_threads if worker.info else None
         report.machine["load_average_before"] = load_before
         report.machine["load_average_after"] = _load_average()
         report.targets = self._targets(report)
@@ -524,16 +646,16 @@ class Bench:
 
     # -------------------------------------------------------------- measuring
 
-    async def _measure(self, cluster, model, monolithic: MonolithicModel, tokenizer, metrics_urls, hop_of) -> BenchReport:
+    async def _measure(self, cluster, model, worker: MonolithicWorker, metrics_urls, hop_of) -> BenchReport:
         from services.common.nats_connection import connect_nats
 
         options = self.options
         model_ref = str(model.path)
-        prompt, prompt_ids = build_prompt(tokenizer, model.path, options.prompt_tokens)
+        prompt, prompt_ids = await asyncio.to_thread(worker.prompt, options.prompt_tokens)
         nc = await connect_nats(cluster.nats_url, name="hearth-bench")
         try:
             _progress("warming up both ...")
-            await asyncio.to_thread(monolithic.generate, prompt_ids, warmup_new_tokens)
+            await asyncio.to_thread(worker.generate, prompt, warmup_new_tokens)
             await pipeline_generation(nc, model_ref, prompt, warmup_new_tokens)
             before = await self._scrape(metrics_urls)
             mono_runs, pipe_runs = [], []
@@ -541,7 +663,7 @@ class Bench:
                 order = ("monolithic", "pipeline") if round_index % 2 == 0 else ("pipeline", "monolithic")
                 for which in order:
                     if which == "monolithic":
-                        run = await asyncio.to_thread(monolithic.generate, prompt_ids, options.new_tokens)
+                        run = await asyncio.to_thread(worker.generate, prompt, options.new_tokens)
                         mono_runs.append(run)
                     else:
                         run = await pipeline_generation(nc, model_ref, prompt, options.new_tokens)
@@ -553,7 +675,7 @@ class Bench:
             delta = {key: histogram.minus(before.get(key)) for key, histogram in after.items()}
             concurrent = None
             if options.sessions > 1:
-                concurrent = await self._concurrent(nc, model_ref, tokenizer, model.path, metrics_urls, hop_of,
+                concurrent = await self._concurrent(nc, model_ref, worker, metrics_urls, hop_of,
                                                     statistics.median(r.decode_tokens_per_s for r in pipe_runs),
                                                     statistics.median(r.end_s for r in pipe_runs))
         finally:
@@ -561,18 +683,16 @@ class Bench:
         mono, pipe = _side(mono_runs), _side(pipe_runs)
         ratios = [p.decode_tokens_per_s / m.decode_tokens_per_s for p, m in zip(pipe_runs, mono_runs)]
         constructs = sorted(r.construct_ms for r in pipe_runs if r.construct_ms is not None)
-        import torch
-
+        info = worker.info
         return BenchReport(
             started_at="",
             machine={"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                     "torch": torch.__version__, "monolithic_torch_threads": monolithic.threads},
+                     "torch": info.torch_version},
             model={"spec": options.model or "bundled", "path": str(model.path), "layers": model.num_layers,
-                   "parameters": monolithic.parameters, "dtype": monolithic.dtype},
+                   "parameters": info.parameters, "dtype": info.dtype},
             settings={"shards": options.shards, "layer_ranges": even_layer_ranges(model.num_layers, options.shards),
                       "prompt_tokens": len(prompt_ids), "new_tokens": options.new_tokens, "repeats": options.repeats,
                       "sessions": options.sessions, "process_torch_threads": options.torch_threads,
-                      "process_env": {**_cluster_env_defaults(options.torch_threads), **options.child_env},
                       "step_timeout_s": options.step_timeout_s},
             monolithic=mono,
             pipeline=pipe,
@@ -594,10 +714,10 @@ class Bench:
             merged.update(await asyncio.to_thread(scrape_histograms, url))
         return merged
 
-    async def _concurrent(self, nc, model_ref, tokenizer, model_path, metrics_urls, hop_of,
+    async def _concurrent(self, nc, model_ref, worker: MonolithicWorker, metrics_urls, hop_of,
                           single_decode_tps: float, single_end_s: float) -> ConcurrentFigures:
         options = self.options
-        prompts = [build_prompt(tokenizer, model_path, options.prompt_tokens, variant=i + 1)[0]
+        prompts = [(await asyncio.to_thread(worker.prompt, options.prompt_tokens, i + 1))[0]
                    for i in range(options.sessions)]
         _progress(f"{options.sessions} concurrent sessions ...")
         before = await self._scrape(metrics_urls)
@@ -622,11 +742,10 @@ class Bench:
             _progress(f"  session {index}: ttft {timing.ttft_ms:8.1f} ms, finished after {timing.end_s:6.2f} s, "
                       f"{timing.tokens} tokens")
         total_tokens = sum(timing.tokens for _, timing in results)
-        single_tokens = options.new_tokens
         return ConcurrentFigures(
             sessions=sessions, wall_s=wall_s, aggregate_tokens_per_s=total_tokens / wall_s,
             single_session_decode_tokens_per_s=single_decode_tps,
-            single_session_end_to_end_tokens_per_s=single_tokens / single_end_s,
+            single_session_end_to_end_tokens_per_s=options.new_tokens / single_end_s,
             transport=transport_figures(delta, "decode", hop_of),
         )
 
@@ -661,12 +780,6 @@ class Bench:
         return checks
 
 
-def _cluster_env_defaults(threads: int | None) -> dict[str, str]:
-    from services.cluster import quiet_torch_environment
-
-    return quiet_torch_environment(threads)
-
-
 # ---------------------------------------------------------------------------------------------- output
 
 
@@ -675,7 +788,7 @@ def format_report(report: BenchReport) -> str:
     model, settings = report.model, report.settings
     lines.append(f"hearth bench  {report.started_at}  ({report.machine['cpus']} CPUs, torch {report.machine['torch']}, "
                  f"load average {report.machine.get('load_average_before')} -> {report.machine.get('load_average_after')})")
-    lines.append(f"model {model['spec']}: {model['layers']} layers, {model['parameters'] / 1e6:.0f}M parameters, "
+    lines.append(f"model {model['spec']}: {model['layers']} layers, {model['parameters'] / 1e6:.1f}M parameters, "
                  f"{model['dtype']}; {settings['shards']} shards {settings['layer_ranges']}; prompt "
                  f"{settings['prompt_tokens']} tokens, {settings['new_tokens']} new tokens, {settings['repeats']} rounds")
     lines.append("")
@@ -735,6 +848,11 @@ def run_bench_command(options: BenchOptions, *, as_json: bool) -> int:
     from services.cluster import ClusterError
     from services.demo import DemoError
 
+    import logging
+
+    # Progress and the report are this process's output; its library log lines (a NATS disconnect on
+    # close) would only clutter them. The processes it starts log to files in their work directory.
+    logging.getLogger().setLevel(max(logging.getLogger().level, logging.ERROR))
     try:
         report = Bench(options).run()
     except (BenchError, ClusterError, DemoError) as error:
@@ -745,3 +863,7 @@ def run_bench_command(options: BenchOptions, *, as_json: bool) -> int:
         return 130
     print(report.model_dump_json(indent=2) if as_json else format_report(report))
     return 0
+
+
+if __name__ == "__main__":
+    monolithic_worker_main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else None)

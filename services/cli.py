@@ -38,7 +38,7 @@ NatsUrlOption = Annotated[
     typer.Option(
         "--nats",
         envvar=NATS_URL_ENV,
-        help="NATS server URL (default: [nats] url of the configuration, nats://127.0.0.1:4222).",
+        help="NATS server URL (default: nats.url of the configuration, else nats://127.0.0.1:4222).",
         show_default=False,
     ),
 ]
@@ -331,6 +331,10 @@ def bench_command(
     sessions: Annotated[int, typer.Option("--sessions", min=1, help="Concurrent sessions (1 skips that part).")] = 4,
     repeats: Annotated[int, typer.Option("--repeats", min=1, help="Measured rounds of monolithic + pipeline.")] = 3,
     torch_threads: TorchThreadsOption = None,
+    monolithic_threads: Annotated[
+        Optional[int], typer.Option("--monolithic-threads", min=1, help="torch threads of the generate() baseline "
+                                    "(default: the same as --torch-threads).", show_default=False)
+    ] = None,
     env: Annotated[
         Optional[list[str]], typer.Option("--env", help="KEY=VALUE for the started processes' environment, e.g. "
                                           "OMP_WAIT_POLICY=ACTIVE (repeatable).", show_default=False)
@@ -352,7 +356,8 @@ def bench_command(
             raise typer.BadParameter(f"expected KEY=VALUE, got {item!r}", param_hint="--env")
         child_env[key] = value
     options = BenchOptions(model=model, shards=shards, prompt_tokens=prompt_tokens, new_tokens=new_tokens,
-                           sessions=sessions, repeats=repeats, torch_threads=torch_threads, child_env=child_env,
+                           sessions=sessions, repeats=repeats, torch_threads=torch_threads,
+                           monolithic_threads=monolithic_threads, child_env=child_env,
                            cache_dir=cache_dir)
     raise typer.Exit(run_bench_command(options, as_json=as_json))
 

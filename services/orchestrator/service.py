@@ -4,7 +4,9 @@ read model, runs each request as a PipelineRun, and streams frames to the reques
 A client that goes away (its connection closed, or it stopped reading and unsubscribed its inbox) is noticed
 through NATS "no responders": every frame is published with a reply subject of ours, and when nobody listens
 on the client's inbox any more the server answers that publish with a 503 status. The run is then cancelled
-and, as for every other ending, every hop's session is closed and its KV cache freed.
+and, as for every other ending, every hop's session is closed and its KV cache freed. Right after our own
+connection reconnected (a broker restart) the client may simply not have resubscribed yet, so 503s within
+`client_resubscribe_grace_s` of a reconnect are not taken as the client leaving.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import asyncio
 import contextlib
 import logging
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,6 +45,7 @@ ORCHESTRATOR_QUEUE_GROUP = "hearth-orchestrators"
 # Leaves room for the head to load on the first request of a model.
 request_deadline_s = 3600.0
 NO_RESPONDERS_STATUS = "503"
+client_resubscribe_grace_s = 5.0
 catch_up_timeout_s = 2.0
 
 
@@ -70,6 +74,8 @@ class FrameEmitter:
         self.client_gone = asyncio.Event()
         self._status_inbox: str | None = None
         self._status_sub = None
+        self._reconnects = nc.stats["reconnects"]
+        self._reconnect_noticed_at = float("-inf")
 
     async def start(self) -> "FrameEmitter":
         self._status_inbox = self.nc.new_inbox()
@@ -77,10 +83,18 @@ class FrameEmitter:
         return self
 
     async def _on_status(self, msg: Msg) -> None:
-        if msg.headers and msg.headers.get("Status") == NO_RESPONDERS_STATUS:
+        if msg.headers and msg.headers.get("Status") == NO_RESPONDERS_STATUS and not self._reconnected_recently():
             self.client_gone.set()
 
+    def _reconnected_recently(self) -> bool:
+        count = self.nc.stats["reconnects"]
+        now = time.monotonic()
+        if count != self._reconnects:
+            self._reconnects, self._reconnect_noticed_at = count, now
+        return now - self._reconnect_noticed_at < client_resubscribe_grace_s
+
     async def emit(self, frame) -> None:
+        self._reconnected_recently()
         numbered = frame.model_copy(update={"seq": self.seq})
         self.seq += 1
         await self.nc.publish(self.reply_subject, numbered.model_dump_json().encode(), reply=self._status_inbox or "")

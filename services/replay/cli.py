@@ -34,7 +34,7 @@ NatsUrlOption = Annotated[
     typer.Option(
         "--nats",
         envvar=NATS_URL_ENV,
-        help="NATS server URL (default: [nats] url of the configuration, nats://127.0.0.1:4222).",
+        help="NATS server URL (default: nats.url of the configuration, else nats://127.0.0.1:4222).",
         show_default=False,
     ),
 ]
@@ -144,7 +144,15 @@ async def _jetstream(url: str):
             await nc.close()
 
 
-@app.command("events")
+EVENTS_HELP = (
+    "Print stored events (with stream, sequence, subject, time); stops at the end of the log unless --follow.\n\n"
+    "Without --stream both streams are read, merged by the time the server stored each message; with --follow "
+    "they are interleaved as messages arrive. --from-seq/--to-seq apply to each stream's own sequence numbers, "
+    "so they are most useful with one --stream."
+)
+
+
+@app.command("events", help=EVENTS_HELP)
 def events_command(
     ctx: typer.Context,
     stream: Annotated[

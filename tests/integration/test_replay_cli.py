@@ -276,21 +276,23 @@ def _read_line(process: subprocess.Popen, timeout_s: float) -> str:
     raise AssertionError("no output in time")
 
 
-def test_events_follow_prints_new_events_and_stops_cleanly_on_sigterm(nats_url):
-    seed_examples(nats_url)
+def test_events_follow_prints_new_events_of_both_streams_and_stops_cleanly_on_sigterm(nats_url):
+    records = seed_examples(nats_url)
     process = subprocess.Popen(
-        [str(BIN / "hearth-replay"), "events", "--follow", "-o", "jsonl", "--stream", SHARDS_STREAM,
-         "--nats", nats_url],
+        [str(BIN / "hearth-replay"), "events", "--follow", "-o", "jsonl", "--nats", nats_url],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     try:
-        backlog = [json.loads(_read_line(process, 30)) for _ in range(3)]
-        assert [row["seq"] for row in backlog] == [1, 2, 3]
+        backlog = [json.loads(_read_line(process, 30)) for _ in records]
+        assert {row["event"]["event_id"] for row in backlog} == {r["event"]["event_id"] for r in records}
+        for stream in (SHARDS_STREAM, PIPELINES_STREAM):  # each stream in its own order
+            seqs = [row["seq"] for row in backlog if row["stream"] == stream]
+            assert seqs == sorted(seqs)
         fresh = shard_history()[1]
         publish(nats_url, [(None, fresh)])
         row = json.loads(_read_line(process, 15))
         assert row["seq"] == 4 and row["event"]["event_id"] == fresh.event_id
-        assert consumer_counts(nats_url)[SHARDS_STREAM] == 1
+        assert consumer_counts(nats_url) == {SHARDS_STREAM: 1, PIPELINES_STREAM: 1}
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=15) == 130
     finally:

@@ -21,7 +21,13 @@ from events.models import (
     ShardWithdrawn,
 )
 from events.streams import PIPELINES_STREAM, SHARDS_STREAM
-from readmodels.projection import ReadModelProjection, epoch_s, hops_after_failover, load_positions
+from readmodels.projection import (
+    ConcurrentProjectionError,
+    ReadModelProjection,
+    epoch_s,
+    hops_after_failover,
+    load_positions,
+)
 from readmodels.tables import Failover, Pipeline, Shard, ShardHealth, ShardStats
 from tests.readmodel_helpers import (
     T0,
@@ -230,7 +236,33 @@ def test_rows_do_not_depend_on_stream_interleaving_or_batching(tmp_path, seed):
 
 
 def test_hops_after_failover_splices_or_replaces():
-    assert hops_after_failover(["a", "b", "c"], "b", ["x", "y"]) == ["a", "x", "y", "c"]
-    # A full repick repeats a surviving hop: it is the new hop list.
-    assert hops_after_failover(["a", "b"], "b", ["a", "z"]) == ["a", "z"]
-    assert hops_after_failover([], "b", ["z"]) == ["z"]
+    a, b, c = "m:0-3@a", "m:4-5@b", "m:6-7@c"
+    x, y = "m:4-4@x", "m:5-5@y"
+    # Only the failed shard's replacement: spliced in at its place.
+    assert hops_after_failover([a, b, c], b, [x, y]) == [a, x, y, c]
+    # A whole new chain: it repeats a surviving hop, or its layers span the chain, or nothing survives.
+    assert hops_after_failover([a, b, c], b, [a, "m:4-7@z"]) == [a, "m:4-7@z"]
+    assert hops_after_failover([a, b, c], b, ["m:0-7@z"]) == ["m:0-7@z"]
+    assert hops_after_failover([b], b, [x, y]) == [x, y]
+    assert hops_after_failover([], b, [x]) == [x]
+
+
+def test_a_concurrent_projector_cannot_apply_the_same_event_twice(engine):
+    """Two projectors on one file: the one whose stored position moved under it rolls its batch back."""
+    log = LogBuilder()
+    shard_id = "m:0-7@a"
+    first, second = log.stored(constructed("p0", [shard_id])), log.stored(constructed("p1", [shard_id]))
+    apply_all(engine, [first])
+
+    class InterleavedProjection(ReadModelProjection):
+        """Lets another projector commit the same event after this one has read its positions."""
+
+        def handle(self, event, rows):
+            apply_all(engine, [second])
+            return super().handle(event, rows)
+
+    with pytest.raises(ConcurrentProjectionError), Session(engine) as session, session.begin():
+        InterleavedProjection().apply_many(session, [second])
+    with Session(engine) as session:
+        assert load_positions(session) == {PIPELINES_STREAM: 2}
+    assert get(engine, ShardStats, shard_id).pipelines_joined == 2
