@@ -1,4 +1,4 @@
-"""Alembic environment for the read-model schema: migrates the SQLite file named by the config or `-x db=PATH`."""
+"""Alembic environment for the read-model schema: migrates the SQLite file of the config or `-x db=PATH`."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Opens read-model SQLite databases (WAL, so readers never block the projector) and migrates them with Alembic."""
+"""Opens read-model SQLite files (WAL: readers never block the projector) and migrates them with Alembic."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def database_url(path: str | Path) -> str:
 
 
 def open_engine(path: str | Path) -> Engine:
-    """An engine on the SQLite file at `path` with WAL, synchronous=NORMAL and a busy timeout on every connection."""
+    """An engine on the SQLite file `path`; every connection gets WAL, synchronous=NORMAL, a busy timeout."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     engine = create_engine(
         database_url(path),

@@ -103,10 +103,14 @@ class _TableSql:
         self.select_one = f"SELECT {', '.join(self.columns)} FROM {table.name} WHERE {where}"
         placeholders = ", ".join("?" for _ in self.columns)
         # Every write carries the whole row, so REPLACE is an upsert (no foreign keys point at these rows).
-        self.replace = f"INSERT OR REPLACE INTO {table.name} ({', '.join(self.columns)}) VALUES ({placeholders})"
+        self.replace = (
+            f"INSERT OR REPLACE INTO {table.name} ({', '.join(self.columns)}) VALUES ({placeholders})"
+        )
 
 
-_TABLE_SQL = {table.name: _TableSql(table) for table in (SHARDS, SHARD_HEALTH, SHARD_STATS, PIPELINES, FAILOVERS)}
+_TABLE_SQL = {
+    table.name: _TableSql(table) for table in (SHARDS, SHARD_HEALTH, SHARD_STATS, PIPELINES, FAILOVERS)
+}
 
 
 class BatchRows:
@@ -128,7 +132,7 @@ class BatchRows:
         return rows[key]
 
     def edit(self, table: Table, key: Any, new_row: Callable[[], Row] | None = None) -> Row | None:
-        """The row to change in place (created with `new_row()` if missing; None if missing and no factory)."""
+        """The row to change in place: created with `new_row()` if missing (None without a factory)."""
         row = self.get(table, key)
         if row is None:
             if new_row is None:
@@ -147,7 +151,8 @@ class BatchRows:
         for name, dirty in self._dirty.items():
             if dirty:
                 sql = _TABLE_SQL[name]
-                self._cursor.executemany(sql.replace, [tuple(row[c] for c in sql.columns) for row in dirty.values()])
+                values = [tuple(row[column] for column in sql.columns) for row in dirty.values()]
+                self._cursor.executemany(sql.replace, values)
                 dirty.clear()
 
     def close(self) -> None:
@@ -169,7 +174,7 @@ class ReadModelProjection:
     # ---- applying messages -------------------------------------------------------------------------------
 
     def apply(self, session: Session, message: StoredEvent | SkippedMessage) -> bool:
-        """Apply one message inside the session's transaction (the caller commits); False if already applied."""
+        """Apply one message in the session's transaction (the caller commits); False if applied before."""
         return self.apply_many(session, (message,)) == 1
 
     def apply_many(self, session: Session, messages: Iterable[StoredEvent | SkippedMessage]) -> int:
@@ -214,7 +219,8 @@ class ReadModelProjection:
             if previous_seq is None:
                 # A concurrent first insert fails on the primary key, rolling our batch back.
                 cursor.execute(
-                    f"INSERT INTO {POSITIONS.name} (projection, stream, last_seq, last_event_at) VALUES (?, ?, ?, ?)",
+                    f"INSERT INTO {POSITIONS.name} (projection, stream, last_seq, last_event_at) "
+                    "VALUES (?, ?, ?, ?)",
                     (self.name, stream, last_seq, last_event_at),
                 )
                 return
@@ -277,10 +283,12 @@ class ReadModelProjection:
 
     @handle.register
     def _shard_withdrawn(self, event: ShardWithdrawn, rows: BatchRows) -> None:
-        # A withdrawal whose advertisement has aged out of the log has no row to mark; nothing to route anyway.
+        # A withdrawal whose advertisement aged out of the log has no row to mark; nothing to route anyway.
         shard = rows.edit(SHARDS, event.shard_id)
         if shard is not None:
-            shard.update(status="withdrawn", withdrawn_at=epoch_s(event.occurred_at), withdrawn_reason=event.reason)
+            shard.update(
+                status="withdrawn", withdrawn_at=epoch_s(event.occurred_at), withdrawn_reason=event.reason
+            )
 
     @handle.register
     def _pipeline_constructed(self, event: PipelineConstructed, rows: BatchRows) -> None:
@@ -324,7 +332,8 @@ class ReadModelProjection:
             resumed_at_token=event.resumed_at_token,
             occurred_at=epoch_s(event.occurred_at),
         ))
-        pipeline["hops"] = json.dumps(hops_after_failover(current_hops, event.failed_shard_id, event.replacement_hops))
+        new_hops = hops_after_failover(current_hops, event.failed_shard_id, event.replacement_hops)
+        pipeline["hops"] = json.dumps(new_hops)
         _set_live_status(pipeline)
         newly_joined = [s for s in dict.fromkeys(event.replacement_hops) if s not in current_hops]
         self._count(rows, newly_joined, "pipelines_joined")
@@ -352,7 +361,10 @@ class ReadModelProjection:
     @handle.register
     def _pipeline_aborted(self, event: PipelineAborted, rows: BatchRows) -> None:
         self._pipeline(rows, event).update(
-            status="aborted", error_code=event.code, error_reason=event.reason, finished_at=epoch_s(event.occurred_at)
+            status="aborted",
+            error_code=event.code,
+            error_reason=event.reason,
+            finished_at=epoch_s(event.occurred_at),
         )
 
     @handle.register
@@ -367,8 +379,14 @@ class ReadModelProjection:
 
         def new_pipeline() -> Row:
             row: Row = {column: None for column in _TABLE_SQL[PIPELINES.name].columns}
-            row.update(pipeline_id=event.pipeline_id, orchestrator_node_id=event.node_id, status="constructed",
-                       hops="[]", failovers=0, fell_back_to_local=0)
+            row.update(
+                pipeline_id=event.pipeline_id,
+                orchestrator_node_id=event.node_id,
+                status="constructed",
+                hops="[]",
+                failovers=0,
+                fell_back_to_local=0,
+            )
             return row
 
         pipeline = rows.edit(PIPELINES, event.pipeline_id, new_pipeline)
@@ -395,7 +413,9 @@ def _hops(pipeline: Row) -> list[str]:
     return json.loads(pipeline["hops"]) if pipeline["hops"] else []
 
 
-def hops_after_failover(current_hops: list[str], failed_shard_id: str, replacement_hops: list[str]) -> list[str]:
+def hops_after_failover(
+    current_hops: list[str], failed_shard_id: str, replacement_hops: list[str]
+) -> list[str]:
     """The pipeline's hops after a failover.
 
     Producers use `replacement_hops` in two ways: DESIGN.md §3's example lists only the shards taking over

@@ -108,7 +108,8 @@ class RowDifference:
         if self.kind == "extra_in_live":
             return f"{where}: extra in live, the log has no such row ({_brief(self.live_row)})"
         changes = "; ".join(
-            f"{column}: live {self.live_row[column]!r}, log {self.new_row[column]!r}" for column in self.columns
+            f"{column}: live {self.live_row[column]!r}, log {self.new_row[column]!r}"
+            for column in self.columns
         )
         return f"{where}: {changes}"
 
@@ -119,7 +120,9 @@ def _brief(row: dict[str, Any] | None, limit: int = 6) -> str:
     return shown + (", …" if len(items) > limit else "")
 
 
-def diff_databases(new_path: str | Path, live_path: str | Path, *, include_positions: bool = False) -> list[RowDifference]:
+def diff_databases(
+    new_path: str | Path, live_path: str | Path, *, include_positions: bool = False
+) -> list[RowDifference]:
     """Every row that differs between two read-model databases, per table, ordered by table and key."""
     for path in (new_path, live_path):
         if not Path(path).is_file():
@@ -143,9 +146,13 @@ def diff_databases(new_path: str | Path, live_path: str | Path, *, include_posit
                 new_row, live_row = new_rows.get(key), live_rows.get(key)
                 key_dict = dict(zip(key_columns, key))
                 if live_row is None:
-                    differences.append(RowDifference(table.name, key_dict, "missing_in_live", new_row=new_row))
+                    differences.append(
+                        RowDifference(table.name, key_dict, "missing_in_live", new_row=new_row)
+                    )
                 elif new_row is None:
-                    differences.append(RowDifference(table.name, key_dict, "extra_in_live", live_row=live_row))
+                    differences.append(
+                        RowDifference(table.name, key_dict, "extra_in_live", live_row=live_row)
+                    )
                 elif new_row != live_row:
                     columns = tuple(c for c in new_row if new_row[c] != live_row.get(c))
                     differences.append(

@@ -46,7 +46,10 @@ Message = StoredEvent | SkippedMessage
 
 
 class Projector:
-    """Keeps the read model at `db_path` up to date with the event streams; start() once, stop() at the end."""
+    """Keeps the read model at `db_path` up to date with the event streams; start() once, stop() at the end.
+
+    `session_factory` (after start) reads the same database, e.g. for ShardRouter.
+    """
 
     def __init__(
         self,
@@ -153,7 +156,7 @@ class Projector:
         return targets
 
     def lag(self, stream: str) -> int:
-        """Events stored in `stream` but not applied yet (as of the last poll of the stream's last sequence)."""
+        """Events stored in `stream` but not applied yet (as of the last poll of its last sequence)."""
         return max(0, self.stream_last_seqs[stream] - self.positions[stream])
 
     # ---- internals --------------------------------------------------------------------------------------
@@ -178,7 +181,8 @@ class Projector:
         while True:
             from_seq = self._handed_over[stream] + 1
             try:
-                async with contextlib.aclosing(read_stream(self._js, stream, from_seq=from_seq, follow=True)) as reader:
+                messages = read_stream(self._js, stream, from_seq=from_seq, follow=True)
+                async with contextlib.aclosing(messages) as reader:
                     async for message in reader:
                         await self._queue.put(message)
                         self._handed_over[stream] = message.seq
@@ -262,7 +266,9 @@ class Projector:
         while True:
             for stream in self.streams:
                 try:
-                    last_seq = await asyncio.wait_for(stream_last_seq(self._js, stream), timeout=stream_info_timeout_s)
+                    last_seq = await asyncio.wait_for(
+                        stream_last_seq(self._js, stream), timeout=stream_info_timeout_s
+                    )
                 except asyncio.CancelledError:
                     raise
                 except Exception as error:

@@ -1,10 +1,10 @@
-"""SQLAlchemy declarative tables of the read models (DESIGN.md §4); the schema itself is created only by Alembic.
+"""SQLAlchemy declarative tables of the read models (DESIGN.md §4); the schema is created only by Alembic.
 
 Conventions, chosen so Grafana's SQLite datasource can read the tables directly:
-- instants are INTEGER epoch seconds (floored), or epoch milliseconds in a column whose name ends in `_ms`
-  *and* `_at_ms`; plain `*_ms` columns without `_at` are durations in milliseconds (`construct_ms`, `ttft_ms`);
+- instants are INTEGER epoch seconds (floored), or epoch milliseconds in a column named `*_at_ms`;
+  other `*_ms` columns are durations in milliseconds (`construct_ms`, `ttft_ms`, `p95_latency_ms`);
 - lists of shard ids (hops) are JSON text;
-- every value is derived from event contents (never the wall clock), so replaying the log gives identical rows.
+- every value is derived from event contents (never the wall clock), so a replay gives identical rows.
 """
 
 from __future__ import annotations
@@ -143,7 +143,9 @@ class ProjectionPosition(Base):
     projection: Mapped[str] = mapped_column(String, primary_key=True)
     stream: Mapped[str] = mapped_column(String, primary_key=True)
     last_seq: Mapped[int] = mapped_column(Integer, nullable=False)
-    last_event_at: Mapped[int | None] = mapped_column(Integer, comment="epoch s the stream stored that message")
+    last_event_at: Mapped[int | None] = mapped_column(
+        Integer, comment="epoch s the stream stored that message"
+    )
 
 
 all_tables = Base.metadata.sorted_tables

@@ -53,7 +53,7 @@ from pydantic import BaseModel
 
 from services.cluster import LocalCluster, even_layer_ranges, quiet_torch_environment
 from services.common.nats_server import free_tcp_port
-from services.shard.metrics import DESERIALIZE_METRIC, SERIALIZE_METRIC, TRANSPORT_METRIC, WIRE_METRIC
+from services.shard.metrics import COMPUTE_METRIC, DESERIALIZE_METRIC, SERIALIZE_METRIC, TRANSPORT_METRIC, WIRE_METRIC
 
 RANDOM_SHAPES: dict[str, dict[str, int]] = {
     # ~271M parameters (205M in the layers); the shape of scripts/bench_inference_memory.py.
@@ -380,14 +380,21 @@ class Histogram:
 
     bounds_s: list[float]
     cumulative: list[float]
+    sum_s: float = 0.0
 
     def minus(self, earlier: "Histogram | None") -> "Histogram":
         if earlier is None:
             return self
-        return Histogram(self.bounds_s, [a - b for a, b in zip(self.cumulative, earlier.cumulative)])
+        return Histogram(self.bounds_s, [a - b for a, b in zip(self.cumulative, earlier.cumulative)],
+                         self.sum_s - earlier.sum_s)
 
     def plus(self, other: "Histogram") -> "Histogram":
-        return Histogram(self.bounds_s, [a + b for a, b in zip(self.cumulative, other.cumulative)])
+        return Histogram(self.bounds_s, [a + b for a, b in zip(self.cumulative, other.cumulative)],
+                         self.sum_s + other.sum_s)
+
+    @property
+    def mean_ms(self) -> float | None:
+        return self.sum_s / self.count * 1000.0 if self.count else None
 
     @property
     def count(self) -> int:
@@ -429,16 +436,20 @@ def scrape_histograms(url: str) -> dict[MetricKey, Histogram]:
     with urllib.request.urlopen(url, timeout=metrics_scrape_timeout_s) as response:
         text = response.read().decode()
     rows: dict[MetricKey, list[tuple[float, float]]] = {}
+    sums: dict[MetricKey, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if not sample.name.endswith("_bucket") or not sample.name.startswith("hearth_shard_step_"):
+            if not sample.name.startswith("hearth_shard_step_"):
                 continue
-            key = (sample.name.removesuffix("_bucket"), sample.labels["shard_id"], sample.labels["kind"])
-            rows.setdefault(key, []).append((float(sample.labels["le"]), sample.value))
+            if sample.name.endswith("_bucket"):
+                key = (sample.name.removesuffix("_bucket"), sample.labels["shard_id"], sample.labels["kind"])
+                rows.setdefault(key, []).append((float(sample.labels["le"]), sample.value))
+            elif sample.name.endswith("_sum"):
+                sums[(sample.name.removesuffix("_sum"), sample.labels["shard_id"], sample.labels["kind"])] = sample.value
     histograms = {}
     for key, buckets in rows.items():
         buckets.sort()
-        histograms[key] = Histogram([b for b, _ in buckets], [c for _, c in buckets])
+        histograms[key] = Histogram([b for b, _ in buckets], [c for _, c in buckets], sums.get(key, 0.0))
     return histograms
 
 
@@ -469,6 +480,8 @@ class TransportFigures(BaseModel):
     wire_p95_ms: float | None
     deserialize_p95_ms: float | None
     serialize_p95_ms: float | None
+    mean_ms: float | None = None
+    compute_mean_ms: float | None = None
 
 
 class SessionFigures(BaseModel):
@@ -530,6 +543,9 @@ def transport_figures(delta: dict[MetricKey, Histogram], kind: str, hop_of: dict
             total = total.plus(histogram)
         return total
 
+    def _mean(histogram: Histogram | None) -> float | None:
+        return histogram.mean_ms if histogram is not None else None
+
     def q(histogram: Histogram | None, fraction: float) -> float | None:
         return histogram.quantile_ms(fraction) if histogram is not None else None
 
@@ -545,6 +561,7 @@ def transport_figures(delta: dict[MetricKey, Histogram], kind: str, hop_of: dict
             wire_p50_ms=q(wire, 0.5), wire_p95_ms=q(wire, 0.95),
             deserialize_p95_ms=q(pick(DESERIALIZE_METRIC, shard_id), 0.95),
             serialize_p95_ms=q(pick(SERIALIZE_METRIC, shard_id), 0.95),
+            mean_ms=overall.mean_ms, compute_mean_ms=_mean(pick(COMPUTE_METRIC, shard_id)),
         ))
     return rows
 
@@ -808,12 +825,13 @@ def format_report(report: BenchReport) -> str:
         lines.append("")
         lines.append(f"{title} (wire + deserialise + serialise; ms):")
         lines.append(f"  {'hop':34s}{'steps':>7s}{'p50':>8s}{'p95':>8s}{'<=1ms':>8s}{'wire p50':>10s}{'wire p95':>10s}"
-                     f"{'deser p95':>10s}{'ser p95':>9s}")
+                     f"{'deser p95':>10s}{'ser p95':>9s}{'mean':>8s}{'compute mean':>14s}")
         for row in rows:
             label = f"{row.hop}: {row.shard_id}" if row.hop is not None else "all hops"
             lines.append(f"  {label[:34]:34s}{row.steps:7d}{_ms(row.p50_ms):>8s}{_ms(row.p95_ms):>8s}"
                          f"{_pct(row.share_at_most_1ms):>8s}{_ms(row.wire_p50_ms):>10s}{_ms(row.wire_p95_ms):>10s}"
-                         f"{_ms(row.deserialize_p95_ms):>10s}{_ms(row.serialize_p95_ms):>9s}")
+                         f"{_ms(row.deserialize_p95_ms):>10s}{_ms(row.serialize_p95_ms):>9s}{_ms(row.mean_ms):>8s}"
+                         f"{_ms(row.compute_mean_ms):>14s}")
     if report.concurrent is not None:
         c = report.concurrent
         lines.append("")

@@ -105,7 +105,10 @@ def upgrade() -> None:
         "shard_stats",
         sa.Column("shard_id", sa.String(), nullable=False),
         sa.Column(
-            "tokens_served", sa.Integer(), nullable=False, comment="tokens_served_total of the latest heartbeat"
+            "tokens_served",
+            sa.Integer(),
+            nullable=False,
+            comment="tokens_served_total of the latest heartbeat",
         ),
         sa.Column("pipelines_joined", sa.Integer(), nullable=False),
         sa.Column("failovers_caused", sa.Integer(), nullable=False),

@@ -249,13 +249,14 @@ class PipelineRun:
         hidden = await asyncio.to_thread(head.embed, known)
         output = await chain.step(FrameKind.prefill, 0, hidden)
         while True:
-            token_id = await asyncio.to_thread(self._sample, output, params, generator)
+            # One worker-thread trip per token (hand-offs cost most on a busy machine): sample, and embed
+            # the sampled token for the next step (wasted only on the last token).
+            token_id, next_hidden = await asyncio.to_thread(self._sample_and_embed, output, params, generator)
             state.generated.append(token_id)
             delta = text_stream.push(token_id)
-            if state.first_token_at is None:
+            first_token = state.first_token_at is None
+            if first_token:
                 state.first_token_at = time.perf_counter()
-                await self.record(PipelineFirstToken(node_id=self.node_id, pipeline_id=self.pipeline_id,
-                                                     ttft_ms=(state.first_token_at - self.started) * 1000.0))
             text, finish_reason = delta.text, (delta.finish_reason or "stop") if delta.finished else None
             if finish_reason is None and len(state.generated) >= params.max_tokens:
                 # Release text held back for a possible stop string together with the last token.
@@ -263,15 +264,22 @@ class PipelineRun:
                 finish_reason = "length"
             if text or not delta.finished:
                 await self.emit(TokenDeltaFrame(seq=0, text=text, token_id=token_id, hops=chain.shard_ids))
+            if first_token:
+                # After the frame: the JetStream publish waits for an fsync the client need not wait for.
+                await self.record(PipelineFirstToken(node_id=self.node_id, pipeline_id=self.pipeline_id,
+                                                     ttft_ms=(state.first_token_at - self.started) * 1000.0))
             if finish_reason is not None:
                 return finish_reason
             position = len(state.prompt_ids) + len(state.generated) - 1
-            hidden = await asyncio.to_thread(head.embed, [token_id])
-            output = await chain.step(FrameKind.decode, position, hidden)
+            output = await chain.step(FrameKind.decode, position, next_hidden)
 
     def _sample(self, output: torch.Tensor, params: SamplingParams, generator) -> int:
         head = self.model.head
         return head.sample(head.logits(output), params, generator)
+
+    def _sample_and_embed(self, output: torch.Tensor, params: SamplingParams, generator) -> tuple[int, torch.Tensor]:
+        token_id = self._sample(output, params, generator)
+        return token_id, self.model.head.embed([token_id])
 
     # ------------------------------------------------------------------ endings
 

@@ -1,9 +1,10 @@
-"""ShardRouter: picks the chain of shards that covers every layer of a model, from the read model (DESIGN.md §5).
+"""ShardRouter: picks the chain of shards covering every layer of a model, from the read model (DESIGN.md §5).
 
 Rules, in order:
 1. candidates are the shards of the model with matching weights_sha256 that are advertised (not withdrawn),
    not expired (`now < expires_at`), alive (latest heartbeat, or the advertisement itself when no heartbeat
-   came yet, at most `health_timeout_s` old), not excluded, and with `active_streams < max_concurrent_streams`;
+   came yet, at most `health_timeout_s` old), not excluded, and with
+   `active_streams < max_concurrent_streams`;
 2. greedy cover from layer 0: among the candidates holding the next uncovered layer, take the lowest cost
    (queue depth, then hop_weight, then the longest reach, then shard_id so ties are stable) and run it from
    that layer to its layer_hi;
@@ -42,7 +43,9 @@ class Hop:
 class RoutingError(Exception):
     """No pipeline can be built; `code` is the client-facing error code of DESIGN.md §7."""
 
-    def __init__(self, code: RoutingErrorCode, message: str, *, uncovered_layers: tuple[int, ...] = ()) -> None:
+    def __init__(
+        self, code: RoutingErrorCode, message: str, *, uncovered_layers: tuple[int, ...] = ()
+    ) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
@@ -176,7 +179,8 @@ class ShardRouter:
             others = sorted({s.weights_sha256[:12] for s in mismatched})
             raise RoutingError(
                 "weights_mismatch",
-                f"no healthy shard with weights {weights_sha256[:12]}… covers layers {layers} of {model_id!r}"
+                f"no healthy shard with weights {weights_sha256[:12]}… covers layers {layers} "
+                f"of {model_id!r}"
                 f" ({len(covered_elsewhere)} of them are served with other weights: {', '.join(others)})",
                 uncovered_layers=tuple(uncovered),
             )

@@ -1,4 +1,4 @@
-"""`python -m services.projector --db PATH [--nats-url URL] [--metrics-port N]`: the projector without the hearth CLI."""
+"""`python -m services.projector --db PATH [--nats-url URL] [--metrics-port N]`: projector without the CLI."""
 
 from __future__ import annotations
 
@@ -15,7 +15,9 @@ app = typer.Typer(add_completion=False)
 @app.command()
 def projector(
     db: Path = typer.Option(..., help="SQLite read-model database (created and migrated if missing)"),
-    nats_url: Optional[str] = typer.Option(None, "--nats-url", "--nats", help="NATS URL (default $HEARTH_NATS_URL)"),
+    nats_url: Optional[str] = typer.Option(
+        None, "--nats-url", "--nats", help="NATS URL (default $HEARTH_NATS_URL)"
+    ),
     metrics_port: Optional[int] = typer.Option(None, help="serve Prometheus metrics on this port"),
 ) -> None:
     main(db, nats_url, metrics_port)

@@ -1,4 +1,4 @@
-"""Prometheus view of a running Projector: applied events, positions and lag per stream, read at scrape time."""
+"""Prometheus view of a running Projector: applied events, positions, lag per stream, read at scrape time."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ class ProjectorCollector(Collector):
         labels = ["projection", "stream"]
         applied = CounterMetricFamily(
             "hearth_projector_applied_events",
-            "Stream messages applied to the read model (undecodable ones, which only move the position, included).",
+            "Stream messages applied to the read model (undecodable ones only move the position).",
             labels=labels,
         )
         skipped = CounterMetricFamily(

@@ -331,19 +331,19 @@ class ShardServer:
             await asyncio.to_thread(self.runner.reset, request.session_id)
             await hop.sender.send(received.info, None)
             return
-        if not await self._input_is_sound(hop, received):
-            return
         started = time.perf_counter()
         self.stats.steps_in_compute += 1
         try:
             if self.fault.delay_s and self.fault.active:
                 await asyncio.sleep(self.fault.delay_s)
-            output = await asyncio.to_thread(
-                self.runner.forward, request.session_id, received.tensor, received.pos, received.kind.value,
-                (request.layer_lo, request.layer_hi),
-            )
+            # One worker-thread trip per step (on a busy machine every hand-off costs a wake-up): the input
+            # check, then the layers only if it passed.
+            failed_check, output = await asyncio.to_thread(self._check_and_forward, request, received)
         finally:
             self.stats.steps_in_compute -= 1
+        if failed_check is not None:
+            await self._report_unsound_input(hop, received, failed_check)
+            return
         output = self.fault.corrupt(output)
         compute_s = time.perf_counter() - started
         self.stats.step_latencies_s.append(compute_s)
@@ -352,20 +352,24 @@ class ShardServer:
         self.step_metrics.observe(received.kind.value, wire_s=received.wire_s, deserialize_s=received.decode_s,
                                   serialize_s=sent.encode_s, compute_s=compute_s)
 
-    async def _input_is_sound(self, hop: _OpenHop, received: ReceivedStep) -> bool:
-        """Check the step's input; on failure tell the orchestrator and drop the step (never run garbage)."""
-        request = hop.request
+    def _check_and_forward(self, request: OpenHop, received: ReceivedStep) -> tuple[str | None, torch.Tensor | None]:
+        """In a worker thread: check the step's input and run the layers only if it is sound (never garbage)."""
         bounds = self._input_bounds.setdefault(request.layer_lo, NormBounds())
-        failed_check = await asyncio.to_thread(bounds.check, received.tensor)
-        if failed_check is None:
-            return True
+        failed_check = bounds.check(received.tensor)
+        if failed_check is not None:
+            return failed_check, None
+        return None, self.runner.forward(request.session_id, received.tensor, received.pos, received.kind.value,
+                                         (request.layer_lo, request.layer_hi))
+
+    async def _report_unsound_input(self, hop: _OpenHop, received: ReceivedStep, failed_check) -> None:
+        """Tell the orchestrator that a step's input failed a check; the step was dropped."""
+        request = hop.request
         count_integrity_failure(failed_check, "hop_input")
         log.warning("pipeline %s hop %d: step %d input failed the %s check; dropped", request.pipeline_id,
                     request.hop, received.step, failed_check)
         notice = IntegrityNotice(pipeline_id=request.pipeline_id, session_id=request.session_id, hop=request.hop,
                                  step=received.step, check=failed_check)
         await self.nc.publish(integrity_subject(request.pipeline_id), notice.model_dump_json().encode())
-        return False
 
 
 def tensor_norm_summary(tensor: torch.Tensor) -> str:

@@ -141,9 +141,11 @@ class FailoverMesh:
 
 
 @contextlib.contextmanager
-def failover_mesh(tmp_path_factory, models_dir: Path, name: str) -> Iterator[FailoverMesh]:
+def failover_mesh(tmp_path_factory, models_dir: Path, name: str,
+                  extra_env: dict[str, str] | None = None) -> Iterator[FailoverMesh]:
     work_dir = tmp_path_factory.mktemp(name)
-    with LocalCluster(work_dir=work_dir / "cluster", torch_threads=1, extra_env=failover_env()) as cluster:
+    env = {**failover_env(), **(extra_env or {})}
+    with LocalCluster(work_dir=work_dir / "cluster", torch_threads=1, extra_env=env) as cluster:
         cluster.start_nats()
         mesh = FailoverMesh(cluster, models_dir)
         try:
@@ -194,14 +196,22 @@ class StreamedCall:
         return self.arrived_at[-1] - self.acted_at
 
 
+Action = Callable[[], Awaitable[None] | None]
+
+
 async def stream_with_action(
     nc: NatsClient,
     request: ChatRequest,
-    action: Callable[[], Awaitable[None] | None] | None = None,
+    action: Action | None = None,
     *,
     after_tokens: int = ACT_AFTER_TOKENS,
+    more_actions: dict[int, Action] | None = None,
 ) -> StreamedCall:
-    """Stream one call; right after the `after_tokens`-th token_delta arrives, run `action` (once)."""
+    """Stream one call; right after the `after_tokens`-th token_delta arrives, run `action` (once), and after
+    the n-th token each of `more_actions[n]`. `acted_at` is when the first action ran."""
+    actions = dict(more_actions or {})
+    if action is not None:
+        actions[after_tokens] = action
     call = StreamedCall()
     tokens = 0
     async for frame in stream_chat(nc, request, first_frame_timeout=60.0, frame_gap_timeout=30.0):
@@ -209,9 +219,10 @@ async def stream_with_action(
         call.arrived_at.append(time.monotonic())
         if isinstance(frame, TokenDeltaFrame):
             tokens += 1
-            if tokens == after_tokens and action is not None:
-                call.acted_at = time.monotonic()
-                result = action()
+            if tokens in actions:
+                if call.acted_at is None:
+                    call.acted_at = time.monotonic()
+                result = actions.pop(tokens)()
                 if result is not None:
                     await result
     return call

@@ -1,8 +1,9 @@
 """Failover when a shard host dies (SIGKILL) mid-generation, with and without a replica, and hygiene: every way a
 request ends frees the sessions on every hop. One mesh of real processes serves the whole module:
 primaries p0-p2 (hop_weight 1) and replicas r0-r2 (hop_weight 2) over layers 0-1, 2-3, 4-5, and an orchestrator
-with a 1 s step timeout that may fall back to a local copy of the model. Tests run in file order and consume
-the mesh: each kill test kills another primary, the no-replica tests kill replica r1."""
+with a 1 s step timeout that may fall back to a local copy of the model, here after one failover
+(fallback_to_local_after_failures = 1). Tests run in file order and consume the mesh: each kill test kills
+another primary, the no-replica tests kill replica r1, the last test kills r0."""
 
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ pytestmark = pytest.mark.timeout(600)
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory, tiny_models_dir):
-    with failover_mesh(tmp_path_factory, tiny_models_dir, "failover-kill") as mesh:
+    env = {"HEARTH_RESEARCH__DISTRIBUTED_INFERENCE__FALLBACK_TO_LOCAL_AFTER_FAILURES": "1"}
+    with failover_mesh(tmp_path_factory, tiny_models_dir, "failover-kill", extra_env=env) as mesh:
         for index, (lo, hi) in enumerate(THREE_SHARD_RANGES):
             mesh.start_shard(f"p{index}", lo, hi, hop_weight=PRIMARY_WEIGHT, wait_ready=False)
             mesh.start_shard(f"r{index}", lo, hi, hop_weight=REPLICA_WEIGHT, wait_ready=False)
@@ -158,5 +160,30 @@ async def test_no_replica_mid_generation_falls_back_to_the_local_model(mesh, ref
     types = [e.event.type for e in await pipeline_events(nc, call.pipeline_id)]
     assert types.index("pipeline.shard_status") < types.index("pipeline.fallback_local") < types.index(
         "pipeline.completed")
+    stats = await wait_until_released(nc, mesh.live_shards())
+    assert all(s.active_streams == 0 and s.cached_sessions == 0 for s in stats.values()), stats
+
+
+async def test_a_failure_after_the_allowed_failovers_falls_back_to_the_local_model(mesh, reference, nc):
+    # One failover is allowed in this module: the second failure of the call goes local.
+    # Layers 2-3 lost both their shards above: a fresh one covers them.
+    fresh = [mesh.start_shard("p0-again", 0, 1, hop_weight=PRIMARY_WEIGHT, wait_ready=False),
+             mesh.start_shard("r1-again", 2, 3, hop_weight=REPLICA_WEIGHT, wait_ready=False)]
+    for handle in fresh:
+        await asyncio.to_thread(mesh.cluster.wait_ready, handle.process)
+        await mesh.wait_advertised(handle)
+    first, second = fresh[0], mesh.shards["r0"]
+    call = await stream_with_action(nc, chat_request(fallback_to_local=True),
+                                    lambda: first.process.signal(signal.SIGKILL),
+                                    more_actions={2 * ACT_AFTER_TOKENS: lambda: second.process.signal(signal.SIGKILL)})
+
+    assert first.shard_id in call.first_hops
+    assert call.final.type == "done", call.final
+    assert [f.failed_shard_id for f in call.of_type("shard_failover")] == [first.shard_id]
+    assert [f.shard_id for f in call.of_type("shard_status")] == [first.shard_id, second.shard_id]
+    assert call.token_ids == reference.token_ids
+    types = [e.event.type for e in await pipeline_events(nc, call.pipeline_id)]
+    assert types.count("pipeline.failover") == 1 and "pipeline.fallback_local" in types
+    assert types[-1] == "pipeline.completed"
     stats = await wait_until_released(nc, mesh.live_shards())
     assert all(s.active_streams == 0 and s.cached_sessions == 0 for s in stats.values()), stats

@@ -6,7 +6,6 @@ import json
 import random
 
 import pytest
-from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from events.consume import SkippedMessage
