@@ -142,39 +142,21 @@ class IntegrityCorruptionDetected(_PipelineEvent):
     check: Literal["nan", "inf", "norm"]
 
 
-Event = Annotated[
-    Union[
-        ShardAdvertised,
-        ShardHeartbeat,
-        ShardWithdrawn,
-        PipelineConstructed,
-        PipelineFirstToken,
-        PipelineShardStatus,
-        PipelineFailover,
-        PipelineFallbackLocal,
-        PipelineCompleted,
-        PipelineAborted,
-        IntegrityCorruptionDetected,
-    ],
-    Field(discriminator="type"),
-]
-
-EVENT_TYPES: dict[str, type[EventEnvelope]] = {
-    model.model_fields["type"].default: model
-    for model in (
-        ShardAdvertised,
-        ShardHeartbeat,
-        ShardWithdrawn,
-        PipelineConstructed,
-        PipelineFirstToken,
-        PipelineShardStatus,
-        PipelineFailover,
-        PipelineFallbackLocal,
-        PipelineCompleted,
-        PipelineAborted,
-        IntegrityCorruptionDetected,
-    )
-}
+EVENT_CLASSES: tuple[type[EventEnvelope], ...] = (
+    ShardAdvertised,
+    ShardHeartbeat,
+    ShardWithdrawn,
+    PipelineConstructed,
+    PipelineFirstToken,
+    PipelineShardStatus,
+    PipelineFailover,
+    PipelineFallbackLocal,
+    PipelineCompleted,
+    PipelineAborted,
+    IntegrityCorruptionDetected,
+)
+Event = Annotated[Union[EVENT_CLASSES], Field(discriminator="type")]  # type: ignore[valid-type]
+EVENT_TYPES: dict[str, type[EventEnvelope]] = {model.model_fields["type"].default: model for model in EVENT_CLASSES}
 
 _event_adapter: TypeAdapter[Event] = TypeAdapter(Event)
 

@@ -8,7 +8,7 @@ import sys
 LOG_LEVEL_ENV = "HEARTH_LOG_LEVEL"
 LOG_FORMAT = "%(asctime)s %(levelname)-7s %(name)s: %(message)s"
 # Chatty third-party loggers that would drown hearth's own lines at DEBUG.
-QUIETER_LOGGERS = ("asyncio", "nats", "alembic.runtime.migration", "urllib3", "filelock")
+QUIETER_LOGGERS = ("asyncio", "nats", "alembic.runtime.migration", "alembic.runtime.plugins", "urllib3", "filelock")
 
 
 def parse_log_level(level: str | int) -> int:
