@@ -1,10 +1,12 @@
-"""Measures the pause a client sees when a shard host dies mid-generation and the orchestrator fails over.
+"""Measures the pause a client sees when a shard host dies (or freezes) mid-generation and the orchestrator
+fails over.
 
 Real processes on this machine (services.cluster.LocalCluster): nats-server, an orchestrator with
 `--step-timeout-s`, replica shards r0-r2 (hop_weight 2) over the three layer ranges of a tiny random Llama,
 and for every kill a fresh preferred shard (hop_weight 1) over one range (rotating first, middle, last hop).
-Each round streams one greedy request and SIGKILLs the preferred shard right after the client has received
-`--kill-after-tokens` tokens. Every round must complete with exactly one `shard_failover` and the same tokens
+Each round streams one greedy request and SIGKILLs the preferred shard (`--signal stop`: SIGSTOPs it, so its
+connection stays open and only the step timeout and the liveness probe can tell) right after the client has
+received `--kill-after-tokens` tokens. Every round must complete with exactly one `shard_failover` and the same tokens
 as an uninterrupted run, or the bench fails.
 
 Reported per round and as p50/p95 (client-side instants, monotonic clock):
@@ -13,7 +15,8 @@ Reported per round and as p50/p95 (client-side instants, monotonic clock):
 - detection: kill -> `shard_status: degraded`; repair: degraded -> `shard_failover` (repick, open hops);
   re-prefill: `shard_failover` -> next token (prompt + generated tokens through the new chain, one sample).
 
-Usage: .venv/bin/python scripts/bench_failover.py [--kills 12] [--step-timeout-s 1.0] [--markdown]
+Usage: .venv/bin/python scripts/bench_failover.py [--kills 12] [--signal kill|stop] [--step-timeout-s 1.0]
+       [--markdown]
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import platform
 import signal
 import sqlite3
@@ -125,7 +129,8 @@ async def run_rounds(cluster: LocalCluster, model_path: Path, db_path: Path, arg
                 extra_args=["--hop-weight", "1.0", "--heartbeat-s", str(heartbeat_s)])
             shard_id = victim.ready_file.read_text().strip()
             await wait_routable(db_path, shard_id)
-            frames, times, killed_at = await stream(nc, request, lambda: victim.signal(signal.SIGKILL),
+            signum = signal.SIGKILL if args.signal == "kill" else signal.SIGSTOP
+            frames, times, killed_at = await stream(nc, request, lambda: victim.signal(signum),
                                                     args.kill_after_tokens)
             tokens = [f.token_id for f in frames if isinstance(f, TokenDeltaFrame)]
             failovers = [f for f in frames if f.type == "shard_failover"]
@@ -136,10 +141,10 @@ async def run_rounds(cluster: LocalCluster, model_path: Path, db_path: Path, arg
                 raise RuntimeError(f"round {number}: failed over from {failovers[0].failed_shard_id}, not {shard_id}")
             result = measure(hop, frames, times, killed_at)
             rounds.append(result)
-            print(f"round {number:2d} hop {hop}: pause {result.pause_s * 1000:7.0f} ms  kill->resume "
+            print(f"round {number:2d} hop {hop}: pause {result.pause_s * 1000:7.0f} ms  signal->resume "
                   f"{result.kill_to_resume_s * 1000:7.0f} ms  (detect {result.detection_s * 1000:.0f}, repair "
                   f"{result.repair_s * 1000:.0f}, re-prefill {result.reprefill_s * 1000:.0f})", flush=True)
-            await asyncio.to_thread(victim.stop)
+            await asyncio.to_thread(victim.stop)  # SIGCONT first when frozen
     finally:
         await nc.close()
     return rounds
@@ -150,14 +155,15 @@ def report(rounds: list[Round], args, command: str) -> str:
         return (f"| {name} | {percentile(values, 50) * 1000:.0f} | {percentile(values, 95) * 1000:.0f} | "
                 f"{max(values) * 1000:.0f} |")
 
-    load = " ".join(f"{x:.1f}" for x in __import__("os").getloadavg())
+    what = "dies (SIGKILL)" if args.signal == "kill" else "freezes (SIGSTOP)"
+    load = " ".join(f"{x:.1f}" for x in os.getloadavg())
     lines = [
-        "## Failover: the pause a client sees when a shard host dies mid-generation",
+        f"## Failover: the pause a client sees when a shard host {what} mid-generation",
         "",
         f"Measured {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC on {platform.machine()}, "
-        f"{__import__('os').cpu_count()} CPUs (load average {load} at the end, shared with other work), "
-        f"Python {platform.python_version()}. {len(rounds)} SIGKILLs of the preferred shard (first, middle and "
-        f"last hop in turn) after {args.kill_after_tokens} streamed tokens of a {args.max_tokens}-token greedy "
+        f"{os.cpu_count()} CPUs (load average {load} at the end, shared with other work), "
+        f"Python {platform.python_version()}. {len(rounds)} SIG{args.signal.upper()}s of the preferred shard "
+        f"(first, middle and last hop in turn) after {args.kill_after_tokens} streamed tokens of a {args.max_tokens}-token greedy "
         f"request; tiny random Llama (6 layers, hidden 64) on 3 hops, one replica per hop; step timeout "
         f"{args.step_timeout_s} s. Every round completed with exactly one `shard_failover` and the tokens of an "
         "uninterrupted run. Client-side instants.",
@@ -169,8 +175,8 @@ def report(rounds: list[Round], args, command: str) -> str:
         "| figure | p50 ms | p95 ms | max ms |",
         "|---|---:|---:|---:|",
         row("pause (token before -> token after the failover)", [r.pause_s for r in rounds]),
-        row("kill -> first token after it", [r.kill_to_resume_s for r in rounds]),
-        row("detection (kill -> shard_status degraded)", [r.detection_s for r in rounds]),
+        row("signal -> first token after it", [r.kill_to_resume_s for r in rounds]),
+        row("detection (signal -> shard_status degraded)", [r.detection_s for r in rounds]),
         row("repair (degraded -> shard_failover: repick, open)", [r.repair_s for r in rounds]),
         row("re-prefill (shard_failover -> next token)", [r.reprefill_s for r in rounds]),
         "",
@@ -187,6 +193,8 @@ def main() -> int:
     parser.add_argument("--step-timeout-s", type=float, default=1.0)
     parser.add_argument("--kill-after-tokens", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--signal", choices=("kill", "stop"), default="kill",
+                        help="SIGKILL the shard host (it dies) or SIGSTOP it (frozen, connection open)")
     parser.add_argument("--markdown", action="store_true", help="print the BENCHMARKS.md section at the end")
     args = parser.parse_args()
     if args.kills < 1:

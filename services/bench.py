@@ -39,6 +39,7 @@ import math
 import os
 import platform
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -171,6 +172,7 @@ class GenerationTiming:
     """One generation as its caller saw it: seconds from the call to each token."""
 
     token_times_s: list[float] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
     construct_ms: float | None = None
 
     @property
@@ -210,6 +212,7 @@ class MonolithicReply(BaseModel):
     prompt: str | None = None
     prompt_ids: list[int] = []
     token_times_s: list[float] = []
+    token_ids: list[int] = []
 
 
 class MonolithicInfo(BaseModel):
@@ -241,7 +244,8 @@ class MonolithicModel:
             text, ids = build_prompt(self.tokenizer, self.path, job.prompt_tokens, job.variant)
             return MonolithicReply(prompt=text, prompt_ids=ids)
         ids = list(self.tokenizer(job.prompt)["input_ids"])  # exactly as the orchestrator encodes a raw prompt
-        return MonolithicReply(prompt_ids=ids, token_times_s=self.generate(ids, job.new_tokens).token_times_s)
+        timing = self.generate(ids, job.new_tokens)
+        return MonolithicReply(prompt_ids=ids, token_times_s=timing.token_times_s, token_ids=timing.token_ids)
 
     def generate(self, prompt_ids: Sequence[int], new_tokens: int) -> GenerationTiming:
         from transformers.generation.streamers import BaseStreamer
@@ -258,6 +262,7 @@ class MonolithicModel:
                     self.prompt_seen = True
                     return
                 timing.token_times_s.append(time.perf_counter() - started)
+                timing.token_ids.extend(int(token) for token in value.reshape(-1).tolist())
 
             def end(self) -> None:
                 pass
@@ -330,7 +335,11 @@ class MonolithicWorker:
 
     def generate(self, prompt: str, new_tokens: int) -> GenerationTiming:
         reply = self.ask(MonolithicJob(kind="generate", prompt=prompt, new_tokens=new_tokens))
-        return GenerationTiming(token_times_s=reply.token_times_s)
+        return GenerationTiming(token_times_s=reply.token_times_s, token_ids=reply.token_ids)
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
 
     def close(self) -> None:
         if self.process.poll() is None:
@@ -357,6 +366,7 @@ async def pipeline_generation(nc, model_ref: str, prompt: str, new_tokens: int) 
         async for frame in frames:
             if isinstance(frame, TokenDeltaFrame):
                 timing.token_times_s.append(time.perf_counter() - started)
+                timing.token_ids.append(frame.token_id)
             elif isinstance(frame, DoneFrame):
                 timing.construct_ms = getattr(frame.timing, "construct_ms", None)
                 return timing
@@ -514,6 +524,7 @@ class BenchReport(BaseModel):
     settings: dict[str, object]
     monolithic: Side
     pipeline: Side
+    greedy_outputs_match: bool
     ratio_median: float
     ratio_of_medians: float
     pipeline_overhead_ms_per_token: float
@@ -622,11 +633,19 @@ class Bench:
             _progress(f"loading the whole model for generate() in a worker process ({resolved.path}) ...")
             worker = MonolithicWorker(resolved.path, process_env, monolithic_threads,
                                       cluster.work_dir / "monolithic.log")
+            def interrupt(signum, frame) -> None:
+                # A generate() in the worker would keep asyncio.run's shutdown waiting for its thread.
+                worker.kill()
+                raise KeyboardInterrupt
+
+            previous_handlers = {signum: signal.signal(signum, interrupt) for signum in (signal.SIGINT, signal.SIGTERM)}
             try:
                 worker.wait_ready()
                 self._wait_ready(cluster)
                 report = asyncio.run(self._measure(cluster, resolved, worker, metrics_urls, hop_of))
             finally:
+                for signum, handler in previous_handlers.items():
+                    signal.signal(signum, handler)
                 worker.close()
         report.started_at = started_at
         report.settings["process_env"] = process_env
@@ -713,6 +732,7 @@ class Bench:
                       "step_timeout_s": options.step_timeout_s},
             monolithic=mono,
             pipeline=pipe,
+            greedy_outputs_match=all(r.token_ids == mono_runs[0].token_ids for r in [*mono_runs, *pipe_runs]),
             ratio_median=statistics.median(ratios),
             ratio_of_medians=pipe.decode_tokens_per_s_median / mono.decode_tokens_per_s_median,
             pipeline_overhead_ms_per_token=1000.0 / pipe.decode_tokens_per_s_median
@@ -814,6 +834,8 @@ def format_report(report: BenchReport) -> str:
                  f"{report.monolithic.ttft_ms_median:10.1f}")
     lines.append(f"{'pipeline (' + str(settings['shards']) + ' shard processes)':34s}"
                  f"{report.pipeline.decode_tokens_per_s_median:16.2f}{report.pipeline.ttft_ms_median:10.1f}")
+    lines.append("greedy outputs: " + ("identical in every run" if report.greedy_outputs_match
+                                       else "DIFFER between runs (see --json)"))
     lines.append(f"ratio pipeline / monolithic: {report.ratio_median:.3f} (median of rounds; ratio of medians "
                  f"{report.ratio_of_medians:.3f}); pipeline overhead {report.pipeline_overhead_ms_per_token:.2f} ms/token")
     if report.construct_ms_p50 is not None:

@@ -209,10 +209,14 @@ class DemoRun:
         _say(f"  starting {len(waiting)} processes (each loads torch and its part of the model) ...")
         done = 2
         deadline = time.monotonic() + demo_ready_timeout_s
+        # On a terminal, one line that keeps counting seconds shows the start-up is alive.
+        ticker = sys.stderr.isatty()
         while waiting:
             for name, (process, what) in list(waiting.items()):
                 if process.ready_file is not None and process.ready_file.exists():
                     done += 1
+                    if ticker:
+                        sys.stderr.write("\r\033[K")
                     _say(f"  [{done}/{total}] {what} ready after {time.monotonic() - started:.1f} s")
                     del waiting[name]
                 elif not process.alive:
@@ -221,6 +225,9 @@ class DemoRun:
             if waiting and time.monotonic() > deadline:
                 names = ", ".join(waiting)
                 raise ClusterError(f"not ready within {demo_ready_timeout_s:.0f} s: {names}")
+            if ticker and waiting:
+                sys.stderr.write(f"\r\033[K  ... {time.monotonic() - started:4.0f} s, waiting for {len(waiting)}")
+                sys.stderr.flush()
             time.sleep(progress_poll_interval_s)
 
     # ------------------------------------------------------------------ the answer

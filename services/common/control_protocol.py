@@ -45,8 +45,8 @@ class OpenHop(BaseModel):
 
 
 class CloseHop(BaseModel):
-    """Close a pipeline's hop and free its session's cache; with `session_id`, only if that session is the open one
-    (so a late close of a session that a failover already replaced never closes its successor)."""
+    """Close a pipeline's hop and free its session's cache; with `session_id`, only if that session is the
+    open one (so a late close of a session that a failover already replaced never closes its successor)."""
 
     model_config = ConfigDict(extra="forbid")
 

@@ -3,9 +3,10 @@ LocalChain runs it on a whole local model (the fallback).
 
 Who is to blame for a stalled step: the acks say which hop last took the step in (hop h), but not whether
 h is slow or the hop after it never received h's output (it died, or is frozen with its connection still
-open). So when a step has not moved on within the step timeout, the chain probes hops h and h+1 with a
-`stat` control request: a hop that does not answer within `probe_timeout_s` (or has no responder at all)
-is the culprit; when both answer, h holds the step and is the one to route around.
+open). So the chain probes hops h and h+1 with a `stat` control request: a hop that does not answer within
+the probe's time (or has no responder at all) is the culprit; when both answer, h holds the step and is the
+one to route around. The probe starts `probe_timeout_s` (at most half the step timeout) before the step
+times out, so the verdict is there when it does: a stall is declared within the step timeout.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from services.transport.integrity import NormBounds, count_integrity_failure
 log = logging.getLogger(__name__)
 
 control_timeout_s = 5.0
-# How often (as a fraction of the step timeout) a waiting step looks at the acks for a hop holding it too long.
+# How often (a fraction of the step timeout) a waiting step looks at the acks for a hop holding it too long.
 stall_poll_fraction = 0.1
 # A live shard answers `stat` in milliseconds; one that has not within this is frozen or gone.
 probe_timeout_s = 0.5
@@ -116,8 +117,10 @@ class HopChain:
         self._integrity_sub = None
         self._notices: list[IntegrityNotice] = []
         self._notice_arrived = asyncio.Event()
-        self._opened: list[Hop] = []
         self._open_sent = False
+        # The liveness probe of the step currently held too long: (step, holder hop) and its task.
+        self._probe_key: tuple[int, int] | None = None
+        self._probe: asyncio.Task | None = None
         self._step = 0
 
     @property
@@ -133,9 +136,6 @@ class HopChain:
         self._open_sent = True
         replies = await asyncio.gather(*(self._open_hop(i, hop) for i, hop in enumerate(self.hops)),
                                        return_exceptions=True)
-        for hop, reply in zip(self.hops, replies):
-            if isinstance(reply, ControlReply) and reply.ok:
-                self._opened.append(hop)
         for hop, reply in zip(self.hops, replies):
             if isinstance(reply, BaseException):
                 raise HopFailure(hop.shard_id, f"did not answer open: {reply!r}", kind="refused")
@@ -153,20 +153,21 @@ class HopChain:
         return ControlReply.model_validate_json(message.data)
 
     async def close(self) -> None:
-        """Tell every opened hop to close this session (free its KV cache) and drop this chain's subscriptions.
+        """Tell every hop asked to open to close this session (freeing its KV cache); drop the subscriptions.
 
         Closes are published without waiting for answers: a dead or frozen hop must not hold up a failover,
         and because each names this chain's session, a close that a shard reads late never closes a newer
         session of the same pipeline (the re-open after a failover reaches the shard after it anyway: one
         connection, one subject, so NATS keeps the order).
         """
+        self._cancel_probe()
         # Every hop, not only those that confirmed: one whose answer to `open` timed out may still open late.
-        hops, self._opened = (self.hops if self._open_sent else []), []
+        hops = self.hops if self._open_sent else []
         self._open_sent = False
-        request = CloseHop(pipeline_id=self.pipeline_id, session_id=self.session_id).model_dump_json().encode()
+        request = CloseHop(pipeline_id=self.pipeline_id, session_id=self.session_id)
         for hop in hops:
             with contextlib.suppress(Exception):
-                await self.nc.publish(hop.control_subject, request)
+                await self.nc.publish(hop.control_subject, request.model_dump_json().encode())
         if hops:
             with contextlib.suppress(Exception):
                 await self.nc.flush(timeout=close_flush_timeout_s)
@@ -198,6 +199,7 @@ class HopChain:
     async def step(self, kind: FrameKind, pos: int, hidden: torch.Tensor) -> torch.Tensor:
         """Send one step into hop 0 and return what leaves the last hop, or raise HopFailure."""
         self._step += 1
+        self._cancel_probe()
         info = StepInfo(session=self.session_id, step=self._step, kind=kind, pos=pos)
         timeout_s = self.timeouts.for_step(kind, int(hidden.shape[1]))
         try:
@@ -223,7 +225,7 @@ class HopChain:
             return received.tensor
 
     async def _next_output(self, wait_s: float):
-        """The next step leaving the last hop, or None after `wait_s` or as soon as an integrity notice arrives."""
+        """The next step out of the last hop; None after `wait_s` or once an integrity notice arrives."""
         if self._notices:
             return None
         self._notice_arrived.clear()
@@ -256,10 +258,16 @@ class HopChain:
             holder, since = progress.hop, progress.last_ack_monotonic
             if holder >= len(self.hops):
                 return
-        if now - since > timeout_s:
-            # Hop 0 never acked: nobody after it is involved. Otherwise the next hop may be the one gone.
-            suspects = [holder] if progress is None else [holder, holder + 1]
-            culprit = await self._blame([i for i in suspects if i < len(self.hops)])
+        # Hop 0 never acked: nobody after it is involved. Otherwise the next hop may be the one gone.
+        suspects = [i for i in ([holder] if progress is None else [holder, holder + 1]) if i < len(self.hops)]
+        held_s = now - since
+        probe_s = min(probe_timeout_s, self.timeouts.step_timeout_s / 2)
+        if len(suspects) > 1 and held_s > timeout_s - probe_s and self._probe_key != (info.step, holder):
+            self._cancel_probe()
+            self._probe_key = (info.step, holder)
+            self._probe = asyncio.create_task(self._probe_all(suspects, probe_s), name="hop-probe")
+        if held_s > timeout_s:
+            culprit = await self._blame(suspects)
             hop = self.hops[culprit]
             if culprit == holder:
                 reason = f"step {info.step} not passed on within {timeout_s:.1f} s"
@@ -269,14 +277,25 @@ class HopChain:
 
     async def _blame(self, suspects: list[int]) -> int:
         """The first suspect hop that does not answer a probe; the first suspect when every one answers."""
-        answers = await asyncio.gather(*(self.probe(self.hops[i]) for i in suspects))
+        if len(suspects) == 1:
+            return suspects[0]
+        probe, self._probe, self._probe_key = self._probe, None, None
+        answers = await (probe if probe is not None else self._probe_all(suspects, probe_timeout_s))
         for index, answered in zip(suspects, answers):
             if not answered:
                 return index
         return suspects[0]
 
+    async def _probe_all(self, suspects: list[int], timeout_s: float) -> list[bool]:
+        return list(await asyncio.gather(*(self.probe(self.hops[i], timeout_s) for i in suspects)))
+
+    def _cancel_probe(self) -> None:
+        if self._probe is not None:
+            self._probe.cancel()
+        self._probe, self._probe_key = None, None
+
     async def probe(self, hop: Hop, timeout_s: float = probe_timeout_s) -> bool:
-        """Whether the hop's shard answers a `stat` request within `timeout_s` (no responder: False at once)."""
+        """Whether the hop's shard answers `stat` within `timeout_s` (no responder at all: False at once)."""
         try:
             message = await self.nc.request(hop.control_subject, StatShard().model_dump_json().encode(),
                                             timeout=timeout_s)

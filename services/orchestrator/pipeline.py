@@ -215,7 +215,8 @@ class PipelineRun:
         try:
             self.chain = await self._build_chain(first=False)
         except RoutingError as error:
-            log.warning("pipeline %s: no replacement for %s: %s", self.pipeline_id, failure.shard_id, error.message)
+            log.warning("pipeline %s: no replacement for %s: %s", self.pipeline_id, failure.shard_id,
+                        error.message)
             return False
         self.failovers += 1
         await self.record(PipelineFailover(
@@ -302,8 +303,8 @@ class PipelineRun:
 
     async def record_client_gone(self) -> None:
         """The run was cancelled because nobody reads its frames any more: record how it ended."""
-        await self.record(PipelineAborted(node_id=self.node_id, pipeline_id=self.pipeline_id, code="client_gone",
-                                          reason="the client stopped listening"))
+        await self.record(PipelineAborted(node_id=self.node_id, pipeline_id=self.pipeline_id,
+                                          code="client_gone", reason="the client stopped listening"))
 
     async def _abort(self, code: str, reason: str) -> None:
         await self.record(PipelineAborted(node_id=self.node_id, pipeline_id=self.pipeline_id, code=code,

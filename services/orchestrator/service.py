@@ -83,7 +83,8 @@ class FrameEmitter:
         return self
 
     async def _on_status(self, msg: Msg) -> None:
-        if msg.headers and msg.headers.get("Status") == NO_RESPONDERS_STATUS and not self._reconnected_recently():
+        no_responders = msg.headers is not None and msg.headers.get("Status") == NO_RESPONDERS_STATUS
+        if no_responders and not self._reconnected_recently():
             self.client_gone.set()
 
     def _reconnected_recently(self) -> bool:
@@ -97,7 +98,8 @@ class FrameEmitter:
         self._reconnected_recently()
         numbered = frame.model_copy(update={"seq": self.seq})
         self.seq += 1
-        await self.nc.publish(self.reply_subject, numbered.model_dump_json().encode(), reply=self._status_inbox or "")
+        await self.nc.publish(self.reply_subject, numbered.model_dump_json().encode(),
+                              reply=self._status_inbox or "")
 
     async def close(self) -> None:
         sub, self._status_sub = self._status_sub, None
@@ -219,7 +221,7 @@ class Orchestrator:
         try:
             await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
         finally:
-            # Only the client leaving (or our own cancellation, which propagates from the wait) stops the work.
+            # Only the client leaving (or our own cancellation, propagated by the wait) stops the work.
             gone.cancel()
             if not work.done():
                 work.cancel()

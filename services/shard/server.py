@@ -284,7 +284,7 @@ class ShardServer:
         if hop is None:
             return
         # Not only a cancel: on Python 3.11 a wait_for inside the serving loop can swallow a cancellation that
-        # lands just as a step arrives. The flag and the closed receiver end the loop whatever it was awaiting.
+        # lands just as a step arrives. The flag and the closed receiver end the loop whatever it awaited.
         hop.closed = True
         await hop.receiver.close()
         await hop.sender.close()
@@ -367,8 +367,8 @@ class ShardServer:
         count_integrity_failure(failed_check, "hop_input")
         log.warning("pipeline %s hop %d: step %d input failed the %s check; dropped", request.pipeline_id,
                     request.hop, received.step, failed_check)
-        notice = IntegrityNotice(pipeline_id=request.pipeline_id, session_id=request.session_id, hop=request.hop,
-                                 step=received.step, check=failed_check)
+        notice = IntegrityNotice(pipeline_id=request.pipeline_id, session_id=request.session_id,
+                                 hop=request.hop, step=received.step, check=failed_check)
         await self.nc.publish(integrity_subject(request.pipeline_id), notice.model_dump_json().encode())
 
 

@@ -77,6 +77,7 @@ class FailoverMesh:
     shards: dict[str, ShardHandle] = field(default_factory=dict)
     orchestrator: ManagedProcess | None = None
     orchestrator_db: Path | None = None
+    projector_db: Path | None = None
 
     @property
     def model_path(self) -> Path:
@@ -134,6 +135,15 @@ class FailoverMesh:
             if time.monotonic() > deadline:
                 raise AssertionError(f"{table} row of {shard_id} is still {row} after {timeout_s} s")
             await asyncio.sleep(0.05)
+
+    def wait_all_advertised(self, timeout_s: float = event_wait_timeout_s) -> None:
+        """Block until the orchestrator routes with every started shard (for module fixtures, before any call)."""
+        deadline = time.monotonic() + timeout_s
+        for handle in self.shards.values():
+            while (row := self.routing_row("shards", handle.shard_id)) is None or row["status"] != "advertised":
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"the orchestrator does not know {handle.shard_id} after {timeout_s} s")
+                time.sleep(0.05)
 
     async def wait_advertised(self, handle: ShardHandle) -> None:
         """The orchestrator routes with this shard's (latest) advertisement."""
@@ -246,7 +256,8 @@ async def wait_until_released(nc: NatsClient, handles: list[ShardHandle],
         await asyncio.sleep(0.05)
 
 
-async def read_events(nc: NatsClient, stream: str, subject_filter: str | list[str] | None = None) -> list[StoredEvent]:
+async def read_events(nc: NatsClient, stream: str,
+                      subject_filter: str | list[str] | None = None) -> list[StoredEvent]:
     js = nc.jetstream()
     async with contextlib.aclosing(read_stream(js, stream, subject_filter=subject_filter)) as items:
         return [item async for item in items if isinstance(item, StoredEvent)]

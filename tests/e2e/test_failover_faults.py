@@ -1,16 +1,22 @@
 """Failover from shards that stay connected but misbehave: frozen (SIGSTOP), slow (`--fault delay_s`), returning
-NaN or activations x 1e4; and routing health: re-advertisement, withdrawal. One mesh serves the module:
-honest shards h0-h2 (hop_weight 1, with /metrics) over layers 0-1, 2-3, 4-5 and an orchestrator with a 1 s step
-timeout. Each test starts its own preferred shard x (hop_weight 0.5, so it is the one routed to), breaks it
-mid-generation, and stops it at the end (a stopped shard withdraws)."""
+NaN or activations x 1e4; routing health: re-advertisement, withdrawal; and, last, a broker restart mid-run.
+One mesh serves the module: honest shards h0-h2 (hop_weight 1, with /metrics) over layers 0-1, 2-3, 4-5, an
+orchestrator with a 1 s step timeout, and a `hearth projector` process. Each fault test starts its own
+preferred shard x (hop_weight 0.5, so it is the one routed to), breaks it mid-generation, and stops it at the
+end (a stopped shard withdraws)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
+import sqlite3
+import time
+from pathlib import Path
 
 import pytest
 
+from events.consume import stream_last_seq
 from events.models import ShardAdvertised, ShardWithdrawn
 from services.common.nats_connection import connect_nats
 from services.common.nats_server import free_tcp_port
@@ -18,6 +24,7 @@ from tests.e2e.conftest import THREE_SHARD_RANGES
 from tests.e2e.failover_support import (
     ACT_AFTER_TOKENS,
     MAX_TOKENS,
+    PIPELINES_STREAM,
     PREFERRED_WEIGHT,
     PRIMARY_WEIGHT,
     SHARD_TTL_S,
@@ -33,6 +40,31 @@ from tests.e2e.failover_support import (
 )
 
 pytestmark = pytest.mark.timeout(600)
+# The projectors' ordered consumers notice a vanished consumer after ~3 missed 2 s idle heartbeats.
+resume_timeout_s = 45.0
+
+
+def query(db_path: Path, sql: str, *args) -> list[sqlite3.Row]:
+    if not db_path.exists():
+        return []
+    with contextlib.closing(sqlite3.connect(f"file:{db_path}?mode=ro", uri=True, timeout=5)) as db:
+        db.row_factory = sqlite3.Row
+        try:
+            return db.execute(sql, args).fetchall()
+        except sqlite3.OperationalError:  # not migrated yet
+            return []
+
+
+def positions(db_path: Path) -> dict[str, int]:
+    return {row["stream"]: row["last_seq"] for row in query(db_path, "SELECT * FROM projection_positions")}
+
+
+async def wait_for_positions(db_path: Path, targets: dict[str, int], timeout_s: float = resume_timeout_s) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not all(positions(db_path).get(stream, 0) >= seq for stream, seq in targets.items()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{db_path.name} at {positions(db_path)}, expected at least {targets}")
+        await asyncio.sleep(0.1)
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +74,10 @@ def mesh(tmp_path_factory, tiny_models_dir):
             mesh.start_shard(f"h{index}", lo, hi, hop_weight=PRIMARY_WEIGHT, metrics_port=free_tcp_port(),
                              wait_ready=False)
         mesh.start_orchestrator(local_model=False)
+        mesh.projector_db = mesh.cluster.work_dir / "projector.sqlite"
+        mesh.cluster.start_projector(mesh.projector_db)
         mesh.cluster.wait_all_ready()
+        mesh.wait_all_advertised()
         yield mesh
 
 
@@ -76,7 +111,8 @@ async def preferred(mesh):
 
     async def start(node_id: str, hop: int, fault: str | None = None):
         lo, hi = THREE_SHARD_RANGES[hop]
-        handle = await asyncio.to_thread(mesh.start_shard, node_id, lo, hi, hop_weight=PREFERRED_WEIGHT, fault=fault)
+        handle = await asyncio.to_thread(mesh.start_shard, node_id, lo, hi, hop_weight=PREFERRED_WEIGHT,
+                                         fault=fault)
         started.append(handle)
         await mesh.wait_advertised(handle)
         return handle
@@ -179,3 +215,62 @@ async def test_shards_re_advertise_within_their_ttl(mesh, nc):
     withdrawals = [e for e in await read_events(nc, SHARDS_STREAM)
                    if isinstance(e.event, ShardWithdrawn) and e.event.shard_id == shard_id]
     assert withdrawals == []
+
+
+async def test_nats_restart_mid_run(mesh, reference):
+    """Last in the module: restarting nats-server disturbs everything connected to it."""
+    nc = await connect_nats(mesh.cluster.nats_url, name="failover-test")
+    try:
+        js = nc.jetstream()
+
+        before: dict[str, int] = {}
+
+        async def restart_broker() -> None:
+            for stream in (SHARDS_STREAM, PIPELINES_STREAM):
+                before[stream] = await stream_last_seq(js, stream)
+            await asyncio.to_thread(mesh.cluster.nats.restart)
+
+        # A request streaming while the broker goes away ends cleanly: completed, or aborted with a code.
+        in_flight = await stream_with_action(nc, chat_request(), restart_broker)
+        assert in_flight.final.type in ("done", "pipeline_aborted"), in_flight.final
+        if in_flight.final.type == "done":
+            assert in_flight.token_ids == reference.token_ids
+        else:
+            assert in_flight.final.code == "shard_unavailable"
+
+        # Every shard host advertises again once reconnected.
+        readvertised = {}
+        for handle in mesh.live_shards():
+            def advertised_again(item, shard_id=handle.shard_id) -> bool:
+                return (isinstance(item.event, ShardAdvertised) and item.event.shard_id == shard_id
+                        and item.seq > before[SHARDS_STREAM])
+
+            event = await wait_for_event(nc, SHARDS_STREAM, advertised_again, timeout_s=resume_timeout_s)
+            readvertised[handle.shard_id] = event.seq
+
+        # The orchestrator's projector resumed (it routes on what came after the restart), and so did the
+        # standalone one.
+        await wait_for_positions(mesh.orchestrator_db, {SHARDS_STREAM: max(readvertised.values())})
+        after = await stream_with_action(nc, chat_request())
+        assert after.final.type == "done", after.final
+        assert after.token_ids == reference.token_ids
+
+        targets = {stream: await stream_last_seq(js, stream) for stream in (SHARDS_STREAM, PIPELINES_STREAM)}
+        await wait_for_positions(mesh.projector_db, targets)
+
+        # Nothing stored before the restart is missing: every pipeline in the log is a row, and one that ended
+        # before the restart has the status its last event gives it.
+        logged = [item for item in await read_events(nc, PIPELINES_STREAM) if item.seq <= before[PIPELINES_STREAM]]
+        assert len({item.event.pipeline_id for item in logged}) >= 2, "too few pipelines before the restart"
+        ended = {item.event.pipeline_id: item.event.type.split(".")[1] for item in logged
+                 if item.event.type in ("pipeline.completed", "pipeline.aborted")}
+        for db in (mesh.projector_db, mesh.orchestrator_db):
+            rows = {row["pipeline_id"]: row["status"] for row in query(db, "SELECT * FROM pipelines")}
+            for item in logged:
+                assert item.event.pipeline_id in rows, (db.name, item.event.type, item.seq)
+            assert {pipeline_id: rows[pipeline_id] for pipeline_id in ended} == ended, db.name
+            assert rows[reference.pipeline_id] == "completed"
+            shard_rows = {row["shard_id"]: row["status"] for row in query(db, "SELECT * FROM shards")}
+            assert all(shard_rows.get(h.shard_id) == "advertised" for h in mesh.live_shards()), shard_rows
+    finally:
+        await asyncio.wait_for(nc.close(), timeout=5)

@@ -41,6 +41,7 @@ def mesh(tmp_path_factory, tiny_models_dir):
             mesh.start_shard(f"r{index}", lo, hi, hop_weight=REPLICA_WEIGHT, wait_ready=False)
         mesh.start_orchestrator(local_model=True)
         mesh.cluster.wait_all_ready()
+        mesh.wait_all_advertised()
         yield mesh
 
 
@@ -173,9 +174,9 @@ async def test_a_failure_after_the_allowed_failovers_falls_back_to_the_local_mod
         await asyncio.to_thread(mesh.cluster.wait_ready, handle.process)
         await mesh.wait_advertised(handle)
     first, second = fresh[0], mesh.shards["r0"]
-    call = await stream_with_action(nc, chat_request(fallback_to_local=True),
-                                    lambda: first.process.signal(signal.SIGKILL),
-                                    more_actions={2 * ACT_AFTER_TOKENS: lambda: second.process.signal(signal.SIGKILL)})
+    call = await stream_with_action(
+        nc, chat_request(fallback_to_local=True), lambda: first.process.signal(signal.SIGKILL),
+        more_actions={2 * ACT_AFTER_TOKENS: lambda: second.process.signal(signal.SIGKILL)})
 
     assert first.shard_id in call.first_hops
     assert call.final.type == "done", call.final

@@ -1,0 +1,59 @@
+"""`hearth bench --json` end to end on a tiny random shape: every figure is present and describes the same run.
+
+No speed is asserted here (BENCHMARKS.md holds the measured figures); the test checks that the bench
+measures what it says: the same greedy tokens on both sides, one transport sample per hop and step, and
+concurrent sessions that all finish.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from services.bench import RANDOM_MARKER_FILE, BenchReport
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+NEW_TOKENS = 5
+REPEATS = 2
+SESSIONS = 2
+SHARDS = 3
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_bench_json_report_on_a_random_tiny_shape(tmp_path):
+    completed = subprocess.run(
+        [sys.executable, "-m", "services.cli", "bench", "--model", "random:tiny", "--cache-dir", str(tmp_path),
+         "--shards", str(SHARDS), "--prompt-tokens", "12", "--new-tokens", str(NEW_TOKENS), "--repeats", str(REPEATS),
+         "--sessions", str(SESSIONS), "--torch-threads", "1", "--json"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=240,
+    )
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    report = BenchReport.model_validate_json(completed.stdout)
+    assert (tmp_path / "random-models" / "tiny" / RANDOM_MARKER_FILE).is_file()
+
+    assert report.settings["prompt_tokens"] == 12  # the word-level tokenizer gives exactly the asked length
+    assert report.greedy_outputs_match
+    for side in (report.monolithic, report.pipeline):
+        assert len(side.runs) == REPEATS
+        assert all(run.tokens == NEW_TOKENS and run.decode_tokens_per_s > 0 for run in side.runs)
+    assert all(run.construct_ms is not None and run.construct_ms > 0 for run in report.pipeline.runs)
+    assert report.ratio_median > 0
+
+    hops = [row for row in report.transport_decode if row.hop is not None]
+    assert [row.hop for row in hops] == list(range(SHARDS))
+    # Every measured decode step passed every hop once: (new tokens - 1) decode steps per run.
+    assert all(row.steps == REPEATS * (NEW_TOKENS - 1) for row in hops)
+    pooled = report.transport_decode[-1]
+    assert pooled.shard_id == "all" and pooled.steps == SHARDS * REPEATS * (NEW_TOKENS - 1)
+    assert pooled.p50_ms is not None and 0 < pooled.p50_ms <= pooled.p95_ms
+    assert all(row.steps == REPEATS for row in report.transport_prefill if row.hop is not None)
+
+    concurrent = report.concurrent
+    assert concurrent is not None and len(concurrent.sessions) == SESSIONS
+    assert all(session.tokens == NEW_TOKENS for session in concurrent.sessions)
+    assert concurrent.aggregate_tokens_per_s > 0
+    assert {check.target.split(" ")[0] for check in report.targets} >= {"decode", "per-hop", "pipeline"}

@@ -1,0 +1,75 @@
+"""The arithmetic of `hearth bench`: percentiles from Prometheus buckets, timing figures, prompt lengths."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from services.bench import GenerationTiming, Histogram, transport_figures
+from services.shard.metrics import COMPUTE_METRIC, TRANSPORT_METRIC, WIRE_METRIC
+
+BOUNDS_S = [0.0005, 0.001, 0.002, math.inf]
+
+
+def histogram(counts_per_bucket: list[int], sum_s: float = 0.0) -> Histogram:
+    cumulative, total = [], 0
+    for count in counts_per_bucket:
+        total += count
+        cumulative.append(total)
+    return Histogram(BOUNDS_S, cumulative, sum_s)
+
+
+def test_quantile_interpolates_inside_the_bucket_holding_the_rank():
+    h = histogram([50, 40, 10, 0])  # 100 observations
+    assert h.quantile_ms(0.5) == pytest.approx(0.5)  # rank 50: the top of the first bucket
+    assert h.quantile_ms(0.95) == pytest.approx(1.5)  # rank 95: halfway through (1 ms, 2 ms]
+    assert h.quantile_ms(0.25) == pytest.approx(0.25)  # inside the first bucket, from 0
+
+
+def test_quantile_in_the_overflow_bucket_reports_the_last_finite_bound():
+    h = histogram([0, 0, 1, 9])
+    assert h.quantile_ms(0.95) == pytest.approx(2.0)
+
+
+def test_share_at_most_a_bucket_bound_is_exact_and_other_bounds_are_refused():
+    h = histogram([50, 40, 10, 0])
+    assert h.share_at_most(0.001) == pytest.approx(0.9)
+    with pytest.raises(ValueError):
+        h.share_at_most(0.0015)
+
+
+def test_a_window_is_the_difference_of_two_scrapes():
+    earlier = histogram([10, 0, 0, 0], sum_s=0.003)
+    later = histogram([10, 5, 1, 0], sum_s=0.0115)
+    window = later.minus(earlier)
+    assert window.count == 6
+    assert window.cumulative == [0, 5, 6, 6]
+    assert window.mean_ms == pytest.approx(8.5 / 6)
+    assert histogram([0, 0, 0, 0]).quantile_ms(0.5) is None
+
+
+def test_transport_figures_per_hop_and_pooled():
+    delta = {
+        (TRANSPORT_METRIC, "m:0-1@a", "decode"): histogram([10, 0, 0, 0], sum_s=0.004),
+        (TRANSPORT_METRIC, "m:2-3@b", "decode"): histogram([0, 10, 0, 0], sum_s=0.008),
+        (TRANSPORT_METRIC, "m:2-3@b", "prefill"): histogram([0, 0, 0, 3]),
+        (WIRE_METRIC, "m:0-1@a", "decode"): histogram([10, 0, 0, 0]),
+        (COMPUTE_METRIC, "m:0-1@a", "decode"): histogram([0, 0, 0, 10], sum_s=0.5),
+    }
+    rows = transport_figures(delta, "decode", {"m:0-1@a": 0, "m:2-3@b": 1})
+    assert [(row.hop, row.shard_id, row.steps) for row in rows] == [(0, "m:0-1@a", 10), (1, "m:2-3@b", 10),
+                                                                     (None, "all", 20)]
+    assert rows[0].p95_ms == pytest.approx(0.475)
+    assert rows[1].share_at_most_1ms == 1.0
+    assert rows[2].p50_ms == pytest.approx(0.5)
+    assert rows[2].mean_ms == pytest.approx(0.6)
+    assert rows[0].compute_mean_ms == pytest.approx(50.0)
+    assert rows[1].wire_p50_ms is None
+
+
+def test_generation_timing_counts_decode_rate_from_the_first_token_on():
+    timing = GenerationTiming(token_times_s=[0.5, 0.6, 0.7, 0.9])
+    assert timing.ttft_ms == pytest.approx(500.0)
+    assert timing.decode_tokens_per_s == pytest.approx(3 / 0.4)
+    assert GenerationTiming(token_times_s=[0.5]).decode_tokens_per_s == 0.0
