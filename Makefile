@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.hearth-installed
 
-.PHONY: install test test-unit test-integration test-e2e demo bench clean
+.PHONY: install test test-unit test-integration test-e2e lint demo bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,6 +27,9 @@ test-integration: $(STAMP)
 
 test-e2e: $(STAMP)
 	$(PY) -m pytest -q tests/e2e
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
 
 demo: $(STAMP)
 	$(VENV)/bin/hearth demo

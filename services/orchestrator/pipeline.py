@@ -37,7 +37,7 @@ from services.common.chat_protocol import (
     Usage,
 )
 from services.orchestrator.catalog import LoadedModel
-from services.orchestrator.chain import HopChain, HopFailure, LocalChain, OpenRefused, StepTimeouts
+from services.orchestrator.chain import HopChain, HopFailure, LocalChain, StepTimeouts
 from services.orchestrator.health import RecentFailures
 from services.orchestrator.router import RoutingError, ShardRouter
 from services.transport import FrameKind

@@ -1,4 +1,4 @@
-"""Sanity checks on every received activation: NaN, Inf, and per-position L2 norms far outside the bounds seen so far."""
+"""Sanity checks on every received activation: NaN, Inf, and per-position L2 norms far outside past bounds."""
 
 from __future__ import annotations
 

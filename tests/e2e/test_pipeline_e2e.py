@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
-from pathlib import Path
 
 import pytest
 import torch
