@@ -347,10 +347,8 @@ def write_word_list(fortunes: list[Fortune], path: Path, min_count: int) -> int:
     words = sorted(word for word, count in counts.items() if count >= min_count)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(
-        "# Words that occur at least %d times in the hearth-tiny-llama training corpus (Debian fortunes,\n"
-        "# BSD licence); written by scripts/train_tiny_model.py --word-list-out.\n" % min_count
-        + "\n".join(words)
-        + "\n",
+        f"# Words that occur at least {min_count} times in the hearth-tiny-llama training corpus (Debian\n"
+        "# fortunes, BSD licence); written by scripts/train_tiny_model.py --word-list-out.\n" + "\n".join(words) + "\n",
         encoding="utf-8",
     )
     return len(words)
@@ -401,7 +399,7 @@ fortune." or "Tell me something about science." (the topic is the fortune file's
 ## Training
 
 {steps} steps of AdamW (peak learning rate {lr}, {warmup} warm-up steps, cosine decay), batches of
-{batch} windows of {window} tokens, seed {seed}, {threads} CPU threads, deterministic torch algorithms.
+{batch} windows of {window} tokens, seed {seed}, torch threads: {threads}, deterministic torch algorithms.
 
 | | |
 |---|---|
@@ -431,9 +429,9 @@ def main(
         Path, typer.Option(help="Folder with the fortune files (Debian: /usr/share/games/fortunes).")
     ] = DEFAULT_CORPUS_DIR,
     out: Annotated[Path, typer.Option(help="Output folder for model, tokenizer and model card.")] = DEFAULT_OUT_DIR,
-    files: Annotated[
-        str, typer.Option(help="Comma-separated fortune files to train on, in this order.")
-    ] = ",".join(DEFAULT_CORPUS_FILES),
+    files: Annotated[str, typer.Option(help="Comma-separated fortune files to train on, in this order.")] = ",".join(
+        DEFAULT_CORPUS_FILES
+    ),
     steps: Annotated[int, typer.Option(help="Optimizer steps.")] = 2000,
     batch_size: Annotated[int, typer.Option(help="Windows per batch.")] = 8,
     window_tokens: Annotated[int, typer.Option(help="Tokens per training window.")] = 256,
@@ -599,9 +597,7 @@ def main(
     (out / "training_manifest.json").write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
 
     command = " ".join([".venv/bin/python scripts/train_tiny_model.py", *map(shlex.quote, sys.argv[1:])])
-    files_size_bytes = sum(
-        file.stat().st_size for file in out.iterdir() if file.is_file() and file.name != "README.md"
-    )
+    files_size_bytes = sum(file.stat().st_size for file in out.iterdir() if file.is_file() and file.name != "README.md")
     card = MODEL_CARD.format(
         layers=layers,
         hidden=hidden_size,

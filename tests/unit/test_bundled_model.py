@@ -17,7 +17,7 @@ MODELS_BUDGET_BYTES = 25 * 1024 * 1024
 WORD_LIST_PATH = Path(__file__).parent / "data" / "fortune_words.txt"
 ANSWER_TOKENS = 20
 MIN_DISTINCT_WORDS = 5
-MIN_KNOWN_WORD_SHARE = 0.6
+MIN_KNOWN_WORD_SHARE = 0.85
 CHAT_PROMPTS = ("Tell me a fortune.", "Tell me something about science.", "Hello!")
 WORD_RE = re.compile(r"[A-Za-z]+")
 
