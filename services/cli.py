@@ -343,6 +343,10 @@ def bench_command(
         Optional[Path], typer.Option("--cache-dir", help="Where random:<shape> checkpoints are written "
                                      "(default $HEARTH_CACHE_DIR or ~/.cache/hearth).", show_default=False)
     ] = None,
+    library_defaults: Annotated[
+        bool, typer.Option("--library-defaults/--no-library-defaults", help="Also time generate() as a plain "
+                           "transformers user runs it: no OMP settings, torch's own thread count.")
+    ] = True,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
 ) -> None:
     """Monolithic generate() vs the distributed pipeline on this machine: tokens/s, ratio, TTFT, construction,
@@ -357,7 +361,8 @@ def bench_command(
         child_env[key] = value
     options = BenchOptions(model=model, shards=shards, prompt_tokens=prompt_tokens, new_tokens=new_tokens,
                            sessions=sessions, repeats=repeats, torch_threads=torch_threads,
-                           monolithic_threads=monolithic_threads, child_env=child_env,
+                           monolithic_threads=monolithic_threads, library_defaults_baseline=library_defaults,
+                           child_env=child_env,
                            cache_dir=cache_dir)
     raise typer.Exit(run_bench_command(options, as_json=as_json))
 

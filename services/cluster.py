@@ -40,6 +40,13 @@ def quiet_torch_environment(threads: int | None) -> dict[str, str]:
 
     OpenMP's default busy-wait keeps idle threads spinning for a while after each op; with several torch
     processes taking turns on two cores, that spinning steals the time of the process that has work.
+
+    Measured with `hearth bench` on a 2-core VM (BENCHMARKS.md, "Thread settings"): spinning (libgomp's
+    default, OMP_WAIT_POLICY=ACTIVE, or even GOMP_SPINCOUNT=10000) made both generate() and the pipeline
+    several times slower whenever another process wanted a core; PASSIVE never did. With PASSIVE, torch's
+    own thread count (all cores) gave the fastest single-session decode (TinyLlama-1.1B shape: 5.3 vs
+    3.4 tokens/s with one thread per process), so `threads=None` stays the default; one thread per
+    process gives more aggregate throughput to many concurrent sessions on small models.
     """
     env = {"OMP_WAIT_POLICY": "PASSIVE", "KMP_BLOCKTIME": "0", "TOKENIZERS_PARALLELISM": "false"}
     if threads:
