@@ -5,11 +5,14 @@ One invocation, one model, one prompt:
 
 1. starts nats-server, N shard hosts (layers split evenly, each with ``--metrics-port``) and an
    orchestrator as real `hearth` processes (services.cluster.LocalCluster), and loads the whole model
-   with ``AutoModelForCausalLM.from_pretrained`` in this process for the monolithic baseline;
-2. warms both up, then runs ``--repeats`` rounds of [monolithic generate(), pipeline request] with the
-   same prompt ids and greedy decoding, alternating which goes first so drifting machine load hits
-   both alike. Time is measured where a user sees it: for generate() by a streamer that timestamps
-   every token, for the pipeline by the client timestamping every `token_delta` frame. Decode tokens/s
+   with ``AutoModelForCausalLM.from_pretrained`` in a worker process (``python -m services.bench``)
+   that gets the shard processes' OpenMP environment and thread count, and in a second one with this
+   shell's environment and torch's own thread count ("library defaults"; --no-library-defaults skips it);
+2. warms all up, then runs ``--repeats`` rounds of [generate(), generate() with library defaults,
+   pipeline request] with the same prompt ids and greedy decoding, rotating which goes first so
+   drifting machine load hits all alike. Time is measured where a user sees it: for generate() by a
+   streamer that timestamps every token, for the pipeline by the client timestamping every
+   `token_delta` frame. Decode tokens/s
    is (tokens - 1) / (last token time - first token time); time to first token runs from the call
    (generate() / publishing the request) to the first token;
 3. reads pipeline construction ms from each `done` frame (timing.construct_ms, as in the
@@ -34,6 +37,7 @@ so every run generates exactly ``--new-tokens``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -362,7 +366,7 @@ async def pipeline_generation(nc, model_ref: str, prompt: str, new_tokens: int) 
     timing = GenerationTiming()
     started = time.perf_counter()
     frames = stream_chat_raw(nc, request.model_dump_json(exclude_none=True).encode())
-    async with _aclosing(frames):
+    async with contextlib.aclosing(frames):
         async for frame in frames:
             if isinstance(frame, TokenDeltaFrame):
                 timing.token_times_s.append(time.perf_counter() - started)
@@ -373,12 +377,6 @@ async def pipeline_generation(nc, model_ref: str, prompt: str, new_tokens: int) 
             elif isinstance(frame, (ErrorFrame, PipelineAbortedFrame)):
                 raise BenchError(f"pipeline request failed: {frame.model_dump_json()}")
     raise BenchError("the frame stream ended without `done`")
-
-
-def _aclosing(generator):
-    import contextlib
-
-    return contextlib.aclosing(generator)
 
 
 # ---------------------------------------------------------------------------------------------- metrics
@@ -455,7 +453,8 @@ def scrape_histograms(url: str) -> dict[MetricKey, Histogram]:
                 key = (sample.name.removesuffix("_bucket"), sample.labels["shard_id"], sample.labels["kind"])
                 rows.setdefault(key, []).append((float(sample.labels["le"]), sample.value))
             elif sample.name.endswith("_sum"):
-                sums[(sample.name.removesuffix("_sum"), sample.labels["shard_id"], sample.labels["kind"])] = sample.value
+                key = (sample.name.removesuffix("_sum"), sample.labels["shard_id"], sample.labels["kind"])
+                sums[key] = sample.value
     histograms = {}
     for key, buckets in rows.items():
         buckets.sort()
@@ -827,12 +826,14 @@ class Bench:
         pooled = next((row for row in report.transport_decode if row.shard_id == "all"), None)
         if pooled is not None and pooled.p95_ms is not None:
             checks.append(TargetCheck(target=f"per-hop transport overhead p95 <= {transport_target_p95_ms} ms (decode)",
-                                      measured=f"p95 {pooled.p95_ms:.3f} ms, {100 * (pooled.share_at_most_1ms or 0):.1f}% "
+                                      measured=f"p95 {pooled.p95_ms:.3f} ms, "
+                                               f"{100 * (pooled.share_at_most_1ms or 0):.1f}% "
                                                f"of {pooled.steps} hop-steps <= 1 ms",
                                       met=pooled.p95_ms <= transport_target_p95_ms))
         if report.construct_ms_max is not None:
             checks.append(TargetCheck(target=f"pipeline construction <= {construct_target_ms:.0f} ms",
-                                      measured=f"p50 {report.construct_ms_p50:.1f} ms, max {report.construct_ms_max:.1f} ms",
+                                      measured=f"p50 {report.construct_ms_p50:.1f} ms, "
+                                               f"max {report.construct_ms_max:.1f} ms",
                                       met=report.construct_ms_max <= construct_target_ms))
         if report.concurrent is not None:
             c = report.concurrent
@@ -860,10 +861,12 @@ def format_report(report: BenchReport) -> str:
     lines = []
     model, settings = report.model, report.settings
     lines.append(f"hearth bench  {report.started_at}  ({report.machine['cpus']} CPUs, torch {report.machine['torch']}, "
-                 f"load average {report.machine.get('load_average_before')} -> {report.machine.get('load_average_after')})")
+                 f"load average {report.machine.get('load_average_before')} -> "
+                 f"{report.machine.get('load_average_after')})")
     lines.append(f"model {model['spec']}: {model['layers']} layers, {model['parameters'] / 1e6:.1f}M parameters, "
                  f"{model['dtype']}; {settings['shards']} shards {settings['layer_ranges']}; prompt "
-                 f"{settings['prompt_tokens']} tokens, {settings['new_tokens']} new tokens, {settings['repeats']} rounds")
+                 f"{settings['prompt_tokens']} tokens, {settings['new_tokens']} new tokens, "
+                 f"{settings['repeats']} rounds")
     lines.append("")
     lines.append(f"{'':34s}{'decode tokens/s':>16s}{'ttft ms':>10s}")
     lines.append(f"{'generate(), same thread settings':34s}{report.monolithic.decode_tokens_per_s_median:16.2f}"
@@ -879,11 +882,13 @@ def format_report(report: BenchReport) -> str:
     lines.append("greedy outputs: " + ("identical in every run" if report.greedy_outputs_match
                                        else "DIFFER between runs (see --json)"))
     lines.append(f"ratio pipeline / monolithic: {report.ratio_median:.3f} (median of rounds; ratio of medians "
-                 f"{report.ratio_of_medians:.3f}); pipeline overhead {report.pipeline_overhead_ms_per_token:.2f} ms/token")
+                 f"{report.ratio_of_medians:.3f}); pipeline overhead "
+                 f"{report.pipeline_overhead_ms_per_token:.2f} ms/token")
     if report.ratio_vs_library_defaults is not None:
         lines.append(f"ratio pipeline / generate() with library defaults: {report.ratio_vs_library_defaults:.3f}")
     if report.construct_ms_p50 is not None:
-        lines.append(f"pipeline construction: p50 {report.construct_ms_p50:.1f} ms, max {report.construct_ms_max:.1f} ms")
+        lines.append(f"pipeline construction: p50 {report.construct_ms_p50:.1f} ms, "
+                     f"max {report.construct_ms_max:.1f} ms")
     for title, rows in (("per-hop transport overhead, decode steps", report.transport_decode),
                         ("per-hop transport overhead, prefill steps", report.transport_prefill)):
         if not rows:
@@ -907,7 +912,8 @@ def format_report(report: BenchReport) -> str:
         for s in c.sessions:
             lines.append(f"  session {s.session}: first token after {s.ttft_ms:8.1f} ms, finished after "
                          f"{s.finished_ms:9.1f} ms, {s.tokens} tokens"
-                         + ("  <- first token only after another session finished" if s.first_token_after_another_finished else ""))
+                         + ("  <- first token only after another session finished"
+                            if s.first_token_after_another_finished else ""))
         pooled = next((row for row in c.transport if row.shard_id == "all"), None)
         if pooled is not None:
             lines.append(f"  transport overhead under load (decode, all hops): p50 {_ms(pooled.p50_ms)} ms, "

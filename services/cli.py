@@ -306,7 +306,9 @@ def demo_command(
     shards: Annotated[int, typer.Option("--shards", min=1, help="Shard hosts; the layers are split evenly.")] = 3,
     prompt: Annotated[str, typer.Option("--prompt", help="What to ask.")] = "Tell me a fortune.",
     max_tokens: Annotated[int, typer.Option("--max-tokens", min=1, help="Most tokens to generate.")] = 48,
-    serve: Annotated[bool, typer.Option("--serve", help="Keep the mesh running after the answer (Ctrl-C stops).")] = False,
+    serve: Annotated[
+        bool, typer.Option("--serve", help="Keep the mesh running after the answer (Ctrl-C stops).")
+    ] = False,
     raw: Annotated[bool, typer.Option("--raw", help="Send the prompt as raw text, no chat template.")] = False,
     torch_threads: TorchThreadsOption = None,
 ) -> None:
@@ -322,7 +324,8 @@ def demo_command(
 def bench_command(
     model: Annotated[
         Optional[str], typer.Option("--model", help="Checkpoint folder, hub id in the local cache, or random:<shape> "
-                                    "(llama-250m, tinyllama-1.1b, tiny) for random weights (default: the bundled model).",
+                                    "(llama-250m, tinyllama-1.1b, tiny) for random weights (default: the bundled "
+                                    "model).",
                                     show_default=False)
     ] = None,
     shards: Annotated[int, typer.Option("--shards", min=1, help="Shard processes; the layers are split evenly.")] = 3,

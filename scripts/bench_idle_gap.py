@@ -1,0 +1,62 @@
+"""Measures what a pause between decode steps costs the next step: back-to-back vs after an idle gap.
+
+In a pipeline on one machine each shard process computes one step, then waits while the other hops
+compute theirs; a monolithic generate() never waits. This times the same decode step of one layer range
+(a shard's share of a `random:<shape>` checkpoint from services.bench) in one process, back to back and
+after sleeping between steps, with the OpenMP environment it was started with:
+
+    OMP_WAIT_POLICY=PASSIVE .venv/bin/python scripts/bench_idle_gap.py --shape llama-250m --layers 0-4 --threads 1 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from inference import load_head, load_layer_range
+from services.bench import random_checkpoint
+
+prompt_tokens = 64
+
+
+def step_ms(runner, head, gap_s: float, steps: int) -> float:
+    """Median decode-step time (ms) when each step follows `gap_s` seconds of sleep."""
+    runner.forward("gap", head.embed(list(range(5, 5 + prompt_tokens))), 0, "prefill")
+    hidden = head.embed([7])
+    times = []
+    for index in range(steps):
+        started = time.perf_counter()
+        runner.forward("gap", hidden, prompt_tokens + index, "decode")
+        times.append(time.perf_counter() - started)
+        if gap_s:
+            time.sleep(gap_s)
+    runner.reset("gap")
+    return statistics.median(times) * 1000.0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="llama-250m")
+    parser.add_argument("--layers", default="0-4", help="inclusive range, e.g. 0-4 (a third of 16 layers)")
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--gaps-ms", type=float, nargs="+", default=[0, 20, 60, 250])
+    parser.add_argument("--steps", type=int, default=15)
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+    lo, hi = (int(part) for part in args.layers.split("-"))
+    path = random_checkpoint(f"random:{args.shape}")
+    runner, head = load_layer_range(path, lo, hi), load_head(path)
+    print(f"| threads | {' | '.join(f'gap {gap:g} ms' for gap in args.gaps_ms)} |")
+    print(f"|---:|{'---:|' * len(args.gaps_ms)}")
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        for _ in range(args.rounds):
+            cells = [f"{step_ms(runner, head, gap / 1000.0, args.steps):.1f} ms" for gap in args.gaps_ms]
+            print(f"| {threads} | {' | '.join(cells)} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
