@@ -208,7 +208,8 @@ def shard_command(
     heartbeat_s: Annotated[float, typer.Option("--heartbeat-s", help="Seconds between heartbeats.")] = 2.0,
     ttl_s: Annotated[float, typer.Option("--ttl-s", help="Advertisement time-to-live, seconds.")] = 60.0,
     fault: Annotated[
-        Optional[str], typer.Option("--fault", hidden=True, help="Testing only: nan, scale=X, delay_s=S, after_steps=N.")
+        Optional[str],
+        typer.Option("--fault", hidden=True, help="Testing only: nan, scale=X, delay_s=S, after_steps=N."),
     ] = None,
     torch_threads: TorchThreadsOption = None,
     ready_file: ReadyFileOption = None,
@@ -278,7 +279,9 @@ def orchestrator_command(
 def chat_command(
     ctx: typer.Context,
     prompt: Annotated[str, typer.Argument(help="What to say (a user message, or raw text with --raw).")],
-    model: Annotated[str, typer.Option("--model", help="Model id, as the shard hosts advertise it.")] = DEFAULT_CHAT_MODEL,
+    model: Annotated[
+        str, typer.Option("--model", help="Model id, as the shard hosts advertise it.")
+    ] = DEFAULT_CHAT_MODEL,
     max_tokens: Annotated[int, typer.Option("--max-tokens", min=1, help="Most tokens to generate.")] = 128,
     temperature: Annotated[float, typer.Option("--temperature", min=0.0, help="0 = greedy.")] = 0.0,
     seed: Annotated[Optional[int], typer.Option("--seed", help="Makes sampling reproducible.")] = None,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -57,8 +58,11 @@ async def stream_chat_raw(
 
 
 async def stream_chat(nc: NatsClient, request: ChatRequest, **timeouts: float) -> AsyncIterator[ChatFrame]:
-    async for frame in stream_chat_raw(nc, request.model_dump_json(exclude_none=True).encode(), **timeouts):
-        yield frame
+    payload = request.model_dump_json(exclude_none=True).encode()
+    # aclosing: a caller that stops early unsubscribes the inbox now, not at garbage collection.
+    async with contextlib.aclosing(stream_chat_raw(nc, payload, **timeouts)) as frames:
+        async for frame in frames:
+            yield frame
 
 
 @dataclass

@@ -52,12 +52,20 @@ class ModelCatalog:
         except CheckpointError as error:
             raise UnknownModel(f"unknown model {model!r}: {error}") from None
 
+    def advertised_id(self, model: str, path: Path) -> str | None:
+        """The model id shards loading `model` advertise: the hub id itself, or None (the folder's name)."""
+        as_given = Path(model).expanduser()
+        if as_given.is_dir() or any(path == (d / model).resolve() for d in self.search_dirs):
+            return None
+        return model
+
     async def get(self, model: str) -> LoadedModel:
         lock = self._locks.setdefault(model, asyncio.Lock())
         async with lock:
             if model not in self._loaded:
                 path = await asyncio.to_thread(self.resolve, model)
-                head = await asyncio.to_thread(load_head, path)
+                # A hub id names the model as the shards advertise it; the snapshot folder's name would not.
+                head = await asyncio.to_thread(load_head, path, model_id=self.advertised_id(model, path))
                 digest = await asyncio.to_thread(weights_sha256, path)
                 self._loaded[model] = LoadedModel(head.info.model_id, path, head, digest)
                 log.info("loaded head of %s (weights %s)", head.info.model_id, digest[:12])
@@ -70,7 +78,8 @@ class ModelCatalog:
         async with self._local_lock:
             if self._local is None:
                 path = await asyncio.to_thread(self.resolve, self.local_model_spec)
-                self._local = await asyncio.to_thread(load_full, path)
+                self._local = await asyncio.to_thread(
+                    load_full, path, model_id=self.advertised_id(self.local_model_spec, path))
                 self._local_digest = await asyncio.to_thread(weights_sha256, path)
         if self._local.info.model_id != loaded.model_id or self._local_digest != loaded.weights_sha256:
             return None

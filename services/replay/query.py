@@ -1,4 +1,4 @@
-"""Selects messages from the event log for hearth-replay: which streams, subject and type filters, time windows, merging.
+"""Selects messages from the event log for hearth-replay: streams, subject and type filters, time windows, merging.
 
 Reading is always through `events.consume.read_stream`, so no durable consumer is ever created.
 Several streams are merged by the time the server stored each message (each stream is already in

@@ -106,6 +106,7 @@ async def test_a_republished_event_is_stored_once(js):
     first = await publish_event(js, event)
     second = await publish_event(js, event)
     later = await publish_event(js, heartbeat(8))
+    assert not later.duplicate and later.seq == first.seq + 1
 
     assert not first.duplicate and second.duplicate and second.seq == first.seq
     items = await read_all(js, SHARDS_STREAM)
