@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pytest
 from nats.aio.client import Client as NatsClient
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -25,6 +26,7 @@ from services.cluster import LocalCluster, ManagedProcess
 from services.common.chat_client import stream_chat
 from services.common.chat_protocol import ChatParams, ChatRequest, TokenDeltaFrame
 from services.common.control_protocol import ShardStat, StatShard
+from services.common.nats_connection import connect_nats
 from tests.e2e.conftest import TINY_MODEL_NAME, start_orchestrator
 
 STEP_TIMEOUT_S = 1.0
@@ -311,3 +313,26 @@ __all__ = [
     "shard_stat",
     "stream_with_action", "wait_for_event", "wait_until_released",
 ]
+
+
+def run_reference_call(nats_url: str):
+    """One uninterrupted greedy call of chat_request(): what every failed-over run must reproduce."""
+
+    async def run():
+        client = await connect_nats(nats_url, name="failover-reference")
+        try:
+            return await stream_with_action(client, chat_request())
+        finally:
+            await client.close()
+
+    return asyncio.run(run())
+
+
+@pytest.fixture
+async def nc(mesh):
+    """A client connection to the module's mesh (`mesh` is each test module's own fixture)."""
+    client = await connect_nats(mesh.cluster.nats_url, name="failover-test")
+    try:
+        yield client
+    finally:
+        await asyncio.wait_for(client.close(), timeout=5)

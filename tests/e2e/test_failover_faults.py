@@ -21,7 +21,9 @@ from events.models import ShardAdvertised, ShardWithdrawn
 from services.common.nats_connection import connect_nats
 from services.common.nats_server import free_tcp_port
 from tests.e2e.conftest import THREE_SHARD_RANGES
-from tests.e2e.failover_support import (
+from tests.e2e.failover_support import (  # noqa: F401 (nc is a fixture)
+    nc,
+    run_reference_call,
     ACT_AFTER_TOKENS,
     MAX_TOKENS,
     PIPELINES_STREAM,
@@ -81,25 +83,9 @@ def mesh(tmp_path_factory, tiny_models_dir):
         yield mesh
 
 
-@pytest.fixture
-async def nc(mesh):
-    client = await connect_nats(mesh.cluster.nats_url, name="failover-test")
-    try:
-        yield client
-    finally:
-        await asyncio.wait_for(client.close(), timeout=5)
-
-
 @pytest.fixture(scope="module")
 def reference(mesh):
-    async def run():
-        client = await connect_nats(mesh.cluster.nats_url, name="failover-reference")
-        try:
-            return await stream_with_action(client, chat_request())
-        finally:
-            await client.close()
-
-    call = asyncio.run(run())
+    call = run_reference_call(mesh.cluster.nats_url)
     assert call.final.type == "done" and len(call.token_ids) == MAX_TOKENS, call.final
     return call
 

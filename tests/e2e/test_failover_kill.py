@@ -13,9 +13,10 @@ import signal
 import pytest
 
 from services.common.chat_client import stream_chat
-from services.common.nats_connection import connect_nats
 from tests.e2e.conftest import THREE_SHARD_RANGES
-from tests.e2e.failover_support import (
+from tests.e2e.failover_support import (  # noqa: F401 (nc is a fixture)
+    nc,
+    run_reference_call,
     ACT_AFTER_TOKENS,
     MAX_TOKENS,
     PRIMARY_WEIGHT,
@@ -45,27 +46,11 @@ def mesh(tmp_path_factory, tiny_models_dir):
         yield mesh
 
 
-@pytest.fixture
-async def nc(mesh):
-    client = await connect_nats(mesh.cluster.nats_url, name="failover-test")
-    try:
-        yield client
-    finally:
-        await asyncio.wait_for(client.close(), timeout=5)
-
-
 @pytest.fixture(scope="module")
 def reference(mesh):
     """The uninterrupted greedy run every failed-over run must reproduce token for token."""
 
-    async def run():
-        client = await connect_nats(mesh.cluster.nats_url, name="failover-reference")
-        try:
-            return await stream_with_action(client, chat_request())
-        finally:
-            await client.close()
-
-    call = asyncio.run(run())
+    call = run_reference_call(mesh.cluster.nats_url)
     assert call.final.type == "done", call.final
     # Long enough that the kill after ACT_AFTER_TOKENS tokens lands mid-generation.
     assert call.final.finish_reason == "length" and len(call.token_ids) == MAX_TOKENS
