@@ -4,24 +4,26 @@ Keeping imports inside the command functions is what lets `hearth nats`, `hearth
 `hearth-replay` start without loading torch (tests/unit/test_cli_imports.py checks it).
 
 Adding a command: write a function decorated with `@app.command("name")` (or a sub-app with
-`app.add_typer`), take `--nats` through `NatsUrlOption`, read the configuration with `settings(ctx)`,
-and import the service module inside the function body.
+`app.add_typer`), take `--nats` through `NatsUrlOption` and read the configuration with `settings(ctx)`
+(both from services.common.cli_options), and import the service module inside the function body.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Optional
+from typing import Annotated, Optional
 
 import typer
 
-if TYPE_CHECKING:
-    from services.common.config import HearthSettings
-
-NATS_URL_ENV = "HEARTH_NATS_URL"
-CONFIG_ENV = "HEARTH_CONFIG"
-LOG_LEVEL_ENV = "HEARTH_LOG_LEVEL"
+from services.common.cli_options import (
+    ConfigOption,
+    LogLevelOption,
+    NatsUrlOption,
+    apply_top_level_options,
+    cli_state,
+    resolve_nats_url,
+    settings,
+)
 
 app = typer.Typer(
     name="hearth",
@@ -33,65 +35,6 @@ app = typer.Typer(
 db_app = typer.Typer(help="Manage a read-model SQLite database.", no_args_is_help=True)
 app.add_typer(db_app, name="db")
 
-NatsUrlOption = Annotated[
-    Optional[str],
-    typer.Option(
-        "--nats",
-        envvar=NATS_URL_ENV,
-        help="NATS server URL (default: nats.url of the configuration, else nats://127.0.0.1:4222).",
-        show_default=False,
-    ),
-]
-ConfigOption = Annotated[
-    Optional[Path],
-    typer.Option(
-        "--config",
-        envvar=CONFIG_ENV,
-        help="TOML configuration file (DESIGN.md §9); HEARTH_* environment variables override it.",
-        show_default=False,
-    ),
-]
-LogLevelOption = Annotated[
-    str, typer.Option("--log-level", envvar=LOG_LEVEL_ENV, help="DEBUG, INFO, WARNING or ERROR.")
-]
-
-
-@dataclass
-class CliState:
-    """What the top-level options decided, handed to every command through typer's context."""
-
-    config_path: Path | None
-    log_level: str
-    _settings: "HearthSettings | None" = None
-
-    def settings(self) -> "HearthSettings":
-        if self._settings is None:
-            from services.common.config import ConfigError, load_settings
-
-            try:
-                self._settings = load_settings(self.config_path)
-            except ConfigError as error:
-                raise typer.BadParameter(str(error), param_hint="--config") from error
-        return self._settings
-
-
-def settings(ctx: typer.Context) -> "HearthSettings":
-    """The configuration for this invocation (file from --config/HEARTH_CONFIG, then env overrides)."""
-    return _state(ctx).settings()
-
-
-def resolve_nats_url(ctx: typer.Context, nats_url: str | None) -> str:
-    """--nats / $HEARTH_NATS_URL if given, else the configuration's [nats] url."""
-    return nats_url or settings(ctx).nats.url
-
-
-def _state(ctx: typer.Context) -> CliState:
-    root = ctx.find_root()
-    if not isinstance(root.obj, CliState):
-        root.obj = CliState(config_path=None, log_level="INFO")
-    return root.obj
-
-
 @app.callback()
 def main_options(
     ctx: typer.Context,
@@ -99,13 +42,7 @@ def main_options(
     log_level: LogLevelOption = "INFO",
 ) -> None:
     """hearth: run one LLM across the machines of a community mesh (sharded layers over NATS)."""
-    from services.common.logging import configure_logging
-
-    try:
-        configure_logging(log_level)
-    except ValueError as error:
-        raise typer.BadParameter(str(error), param_hint="--log-level") from error
-    ctx.obj = CliState(config_path=config, log_level=log_level)
+    apply_top_level_options(ctx, config, log_level)
 
 
 @app.command("nats")
@@ -319,7 +256,7 @@ def demo_command(
     from services.demo import DemoRun
 
     code = DemoRun(model=model, shards=shards, prompt=prompt, max_tokens=max_tokens, serve=serve, raw=raw,
-                   torch_threads=torch_threads, log_level=_state(ctx).log_level).run()
+                   torch_threads=torch_threads, log_level=cli_state(ctx).log_level).run()
     raise typer.Exit(code)
 
 

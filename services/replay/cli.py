@@ -18,7 +18,15 @@ from typing import Annotated, Optional
 
 import typer
 
-NATS_URL_ENV = "HEARTH_NATS_URL"
+from services.common.cli_options import (
+    ConfigOption,
+    LogLevelOption,
+    NatsUrlOption,
+    apply_top_level_options,
+    resolve_nats_url,
+    settings,
+)
+
 connect_timeout_s = 5.0
 
 app = typer.Typer(
@@ -29,68 +37,19 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
-NatsUrlOption = Annotated[
-    Optional[str],
-    typer.Option(
-        "--nats",
-        envvar=NATS_URL_ENV,
-        help="NATS server URL (default: nats.url of the configuration, else nats://127.0.0.1:4222).",
-        show_default=False,
-    ),
-]
-
-
 class OutputFormat(str, Enum):
     table = "table"
     jsonl = "jsonl"
 
 
-class _State:
-    def __init__(self, config_path: Path | None) -> None:
-        self.config_path = config_path
-        self._settings = None
-
-    def settings(self):
-        if self._settings is None:
-            from services.common.config import ConfigError, load_settings
-
-            try:
-                self._settings = load_settings(self.config_path)
-            except ConfigError as error:
-                raise typer.BadParameter(str(error), param_hint="--config") from error
-        return self._settings
-
-
-def _settings(ctx: typer.Context):
-    state = ctx.find_root().obj
-    if not isinstance(state, _State):
-        state = ctx.find_root().obj = _State(None)
-    return state.settings()
-
-
-def _nats_url(ctx: typer.Context, nats_url: str | None) -> str:
-    return nats_url or _settings(ctx).nats.url
-
-
 @app.callback()
 def main_options(
     ctx: typer.Context,
-    config: Annotated[
-        Optional[Path],
-        typer.Option("--config", envvar="HEARTH_CONFIG", help="TOML configuration file.", show_default=False),
-    ] = None,
-    log_level: Annotated[
-        str, typer.Option("--log-level", envvar="HEARTH_LOG_LEVEL", help="DEBUG, INFO, WARNING or ERROR.")
-    ] = "WARNING",
+    config: ConfigOption = None,
+    log_level: LogLevelOption = "WARNING",
 ) -> None:
     """Read hearth's event log (audit, debugging) and rebuild read models from it."""
-    from services.common.logging import configure_logging
-
-    try:
-        configure_logging(log_level)
-    except ValueError as error:
-        raise typer.BadParameter(str(error), param_hint="--log-level") from error
-    ctx.obj = _State(config)
+    apply_top_level_options(ctx, config, log_level)
 
 
 def _fail(message: str, code: int = 2) -> typer.Exit:
@@ -205,7 +164,7 @@ def events_command(
         follow=follow,
         limit=limit,
     )
-    url = _nats_url(ctx, nats_url)
+    url = resolve_nats_url(ctx, nats_url)
     code = _run(_print_events(url, query, output))
     raise typer.Exit(code)
 
@@ -244,7 +203,7 @@ def pipeline_command(
 
     if not re.match(SUBJECT_TOKEN_PATTERN, pipeline_id):
         raise _fail(f"pipeline_id {pipeline_id!r} must match {SUBJECT_TOKEN_PATTERN}")
-    raise typer.Exit(_run(_print_pipeline(_nats_url(ctx, nats_url), pipeline_id, output)))
+    raise typer.Exit(_run(_print_pipeline(resolve_nats_url(ctx, nats_url), pipeline_id, output)))
 
 
 async def _print_pipeline(url: str, pipeline_id: str, output: OutputFormat) -> int:
@@ -299,8 +258,8 @@ def shard_command(
     key = shard if re.fullmatch(r"[0-9a-f]{4,64}", shard) else shard_key(shard)
     timeout_s = health_timeout_s
     if timeout_s is None:
-        timeout_s = _settings(ctx).research.distributed_inference.shard_health_timeout_seconds
-    raise typer.Exit(_run(_print_shard(_nats_url(ctx, nats_url), shard, key, float(timeout_s))))
+        timeout_s = settings(ctx).research.distributed_inference.shard_health_timeout_seconds
+    raise typer.Exit(_run(_print_shard(resolve_nats_url(ctx, nats_url), shard, key, float(timeout_s))))
 
 
 async def _print_shard(url: str, shard: str, key: str, health_timeout_s: float) -> int:
@@ -342,7 +301,7 @@ def rebuild_command(
         raise _fail(f"no read-model database at {diff}")
     if db.exists() and not force:
         raise _fail(f"{db} exists; a rebuild writes a fresh database (use --force to replace it)")
-    raise typer.Exit(_run(_rebuild(_nats_url(ctx, nats_url), db, diff, force)))
+    raise typer.Exit(_run(_rebuild(resolve_nats_url(ctx, nats_url), db, diff, force)))
 
 
 async def _rebuild(url: str, db: Path, diff: Path | None, force: bool) -> int:
