@@ -304,9 +304,6 @@ class HopChain:
             return False
         return True
 
-    def transport_summary(self) -> dict[str, object]:
-        return {"sender": self._sender.stats, "sink": self._sink.stats}
-
 
 class LocalChain:
     """The same step interface over a whole model on this machine (local fallback)."""

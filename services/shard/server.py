@@ -370,8 +370,3 @@ class ShardServer:
         notice = IntegrityNotice(pipeline_id=request.pipeline_id, session_id=request.session_id,
                                  hop=request.hop, step=received.step, check=failed_check)
         await self.nc.publish(integrity_subject(request.pipeline_id), notice.model_dump_json().encode())
-
-
-def tensor_norm_summary(tensor: torch.Tensor) -> str:
-    """For DEBUG logs only: a shape and norm, never the values."""
-    return f"shape={tuple(tensor.shape)} norm={float(tensor.float().norm()):.3g}"
