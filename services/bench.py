@@ -56,6 +56,7 @@ from typing import Literal
 
 from pydantic import BaseModel
 
+from services.common.lifecycle import run_event_loop
 from services.cluster import LocalCluster, even_layer_ranges, quiet_torch_environment
 from services.common.nats_server import free_tcp_port
 from services.shard.metrics import COMPUTE_METRIC, DESERIALIZE_METRIC, SERIALIZE_METRIC, TRANSPORT_METRIC, WIRE_METRIC
@@ -653,7 +654,7 @@ class Bench:
                 for each in workers:
                     each.wait_ready()
                 self._wait_ready(cluster)
-                report = asyncio.run(self._measure(cluster, resolved, worker, defaults_worker, metrics_urls, hop_of))
+                report = run_event_loop(self._measure(cluster, resolved, worker, defaults_worker, metrics_urls, hop_of))
             finally:
                 for signum, handler in previous_handlers.items():
                     signal.signal(signum, handler)

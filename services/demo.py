@@ -25,6 +25,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+from services.common.lifecycle import run_event_loop
 from services.cluster import ClusterError, LocalCluster, ManagedProcess, even_layer_ranges
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -153,7 +154,7 @@ class DemoRun:
             cluster = LocalCluster(work_dir=self.work_dir, torch_threads=self.torch_threads,
                                    log_level=self.log_level, start_new_session=True)
             self._start(cluster, demo_model)
-            answered = asyncio.run(self._ask(cluster.nats_url, demo_model))
+            answered = run_event_loop(self._ask(cluster.nats_url, demo_model))
             if self.serve:
                 self._serve_until_stopped(cluster, demo_model)
             return 0 if answered else 1

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from nats.aio.client import Client as NatsClient
 
+from services.common.lifecycle import run_event_loop
 from services.common.chat_protocol import (
     CHAT_REQUEST_SUBJECT,
     FINAL_FRAME_TYPES,
@@ -144,4 +145,4 @@ def run_chat_command(nats_url: str, *, prompt: str, model: str, max_tokens: int,
         finally:
             await nc.close()
 
-    return asyncio.run(run())
+    return run_event_loop(run())

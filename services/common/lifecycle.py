@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
@@ -10,10 +11,26 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# libuv's event loop (uvloop) is used where it is installed: every activation frame crosses two event loops
+# per hop, and uvloop cuts a NATS round trip on loopback from ~0.36 to ~0.28 ms on the project's 2-core VM
+# (BENCHMARKS.md, "Compute thread and OpenMP spinning"). HEARTH_ASYNCIO_LOOP=asyncio picks the stdlib loop.
+EVENT_LOOP_ENV = "HEARTH_ASYNCIO_LOOP"
+
+
+def run_event_loop(coroutine: Coroutine[Any, Any, T]) -> T:
+    """asyncio.run with uvloop's loop when available (and not switched off by HEARTH_ASYNCIO_LOOP=asyncio)."""
+    if os.environ.get(EVENT_LOOP_ENV, "uvloop") != "asyncio":
+        try:
+            import uvloop
+        except ImportError:  # not on this platform (uvloop has no Windows build): the stdlib loop is fine
+            pass
+        else:
+            return uvloop.run(coroutine)
+    return asyncio.run(coroutine)
 
 
 def run_until_stopped(main: Callable[[asyncio.Event], Awaitable[T]]) -> T:
-    """asyncio.run `main(stop_event)`; SIGINT/SIGTERM set the event, and `main` finishes its own shutdown."""
+    """Run `main(stop_event)` (run_event_loop); SIGINT/SIGTERM set the event; `main` does its own shutdown."""
 
     async def runner() -> T:
         stop_event = asyncio.Event()
@@ -26,7 +43,7 @@ def run_until_stopped(main: Callable[[asyncio.Event], Awaitable[T]]) -> T:
             for signum in STOP_SIGNALS:
                 loop.remove_signal_handler(signum)
 
-    return asyncio.run(runner())
+    return run_event_loop(runner())
 
 
 class Interrupted(Exception):
@@ -34,7 +51,7 @@ class Interrupted(Exception):
 
 
 def run_cancelling_on_signal(coroutine: Coroutine[Any, Any, T]) -> T:
-    """asyncio.run `coroutine`; SIGINT/SIGTERM cancel it (its `finally` blocks run) and raise Interrupted."""
+    """Run `coroutine` (run_event_loop); SIGINT/SIGTERM cancel it (its `finally` runs) and raise Interrupted."""
 
     async def runner() -> T:
         task = asyncio.ensure_future(coroutine)
@@ -57,4 +74,4 @@ def run_cancelling_on_signal(coroutine: Coroutine[Any, Any, T]) -> T:
             for signum in STOP_SIGNALS:
                 loop.remove_signal_handler(signum)
 
-    return asyncio.run(runner())
+    return run_event_loop(runner())

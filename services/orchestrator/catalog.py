@@ -9,6 +9,8 @@ from pathlib import Path
 
 from inference import CheckpointError, Head, LocalModel, load_full, load_head, resolve_model_path, weights_sha256
 
+from services.common.compute import on_compute_thread
+
 log = logging.getLogger(__name__)
 
 BUNDLED_MODELS_DIR = Path(__file__).resolve().parents[2] / "models"
@@ -65,7 +67,7 @@ class ModelCatalog:
             if model not in self._loaded:
                 path = await asyncio.to_thread(self.resolve, model)
                 # A hub id names the model as the shards advertise it; the snapshot folder's name would not.
-                head = await asyncio.to_thread(load_head, path, model_id=self.advertised_id(model, path))
+                head = await on_compute_thread(load_head, path, model_id=self.advertised_id(model, path))
                 digest = await asyncio.to_thread(weights_sha256, path)
                 self._loaded[model] = LoadedModel(head.info.model_id, path, head, digest)
                 log.info("loaded head of %s (weights %s)", head.info.model_id, digest[:12])
@@ -78,7 +80,7 @@ class ModelCatalog:
         async with self._local_lock:
             if self._local is None:
                 path = await asyncio.to_thread(self.resolve, self.local_model_spec)
-                self._local = await asyncio.to_thread(
+                self._local = await on_compute_thread(
                     load_full, path, model_id=self.advertised_id(self.local_model_spec, path))
                 self._local_digest = await asyncio.to_thread(weights_sha256, path)
         if self._local.info.model_id != loaded.model_id or self._local_digest != loaded.weights_sha256:

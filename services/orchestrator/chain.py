@@ -23,6 +23,7 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
 from inference import LocalModel
+from services.common.compute import on_compute_thread
 from services.common.control_protocol import (
     CloseHop,
     ControlReply,
@@ -317,7 +318,7 @@ class LocalChain:
         return None
 
     async def step(self, kind: FrameKind, pos: int, hidden: torch.Tensor) -> torch.Tensor:
-        return await asyncio.to_thread(self.local.runner.forward, self.session_id, hidden, pos, kind.value)
+        return await on_compute_thread(self.local.runner.forward, self.session_id, hidden, pos, kind.value)
 
     async def close(self) -> None:
-        await asyncio.to_thread(self.local.runner.reset, self.session_id)
+        await on_compute_thread(self.local.runner.reset, self.session_id)

@@ -25,6 +25,7 @@ from events.models import (
     PipelineShardStatus,
 )
 from inference import SamplingParams
+from services.common.compute import on_compute_thread
 from services.common.chat_protocol import (
     ChatRequest,
     DoneFrame,
@@ -111,9 +112,9 @@ class PipelineRun:
         request = self.request
         if request.messages is not None:
             messages = [m.model_dump() for m in request.messages]
-            prompt_ids = await asyncio.to_thread(head.encode_chat, messages)
+            prompt_ids = await on_compute_thread(head.encode_chat, messages)
         else:
-            prompt_ids = await asyncio.to_thread(head.encode_prompt, request.prompt)
+            prompt_ids = await on_compute_thread(head.encode_prompt, request.prompt)
         params = SamplingParams(temperature=request.temperature, top_k=request.top_k, top_p=request.top_p,
                                 seed=request.seed, max_tokens=request.max_tokens, stop=tuple(request.stop))
         state = GenerationState(prompt_ids=list(prompt_ids))
@@ -247,12 +248,12 @@ class PipelineRun:
         """Re-prefill everything known so far through `chain`, then decode until a stop or max_tokens."""
         head = self.model.head
         known = state.prompt_ids + state.generated
-        hidden = await asyncio.to_thread(head.embed, known)
+        hidden = await on_compute_thread(head.embed, known)
         output = await chain.step(FrameKind.prefill, 0, hidden)
         while True:
             # One worker-thread trip per token (hand-offs cost most on a busy machine): sample, and embed
             # the sampled token for the next step (wasted only on the last token).
-            token_id, next_hidden = await asyncio.to_thread(self._sample_and_embed, output, params, generator)
+            token_id, next_hidden = await on_compute_thread(self._sample_and_embed, output, params, generator)
             state.generated.append(token_id)
             delta = text_stream.push(token_id)
             first_token = state.first_token_at is None

@@ -10,6 +10,7 @@ import socket
 
 from events.subjects import shard_control_subject, shard_id_for
 from inference import load_layer_range, weights_sha256
+from services.common.compute import on_compute_thread
 from services.common.metrics import start_metrics_server
 from services.common.nats_connection import connect_nats
 from services.shard.faults import ShardFault
@@ -67,7 +68,7 @@ async def run_shard(
     lo, hi = parse_layer_range(layers)
     configure_torch_threads(torch_threads)
     node = node_id or default_node_id()
-    runner = await asyncio.to_thread(load_layer_range, model, lo, hi, dtype=dtype, model_id=model_id)
+    runner = await on_compute_thread(load_layer_range, model, lo, hi, dtype=dtype, model_id=model_id)
     info = runner.info
     digest = await asyncio.to_thread(weights_sha256, info.path)
     shard_id = shard_id_for(info.model_id, lo, hi, node)

@@ -27,6 +27,7 @@ from events.models import ShardAdvertised, ShardHeartbeat, ShardWithdrawn
 from events.publish import publish_event
 from events.streams import ensure_streams
 from inference import LayerRangeRunner
+from services.common.compute import on_compute_thread
 from services.common.control_protocol import (
     CloseHop,
     ControlReply,
@@ -292,7 +293,7 @@ class ShardServer:
             hop.task.cancel()
             with contextlib.suppress(asyncio.CancelledError, asyncio.TimeoutError, Exception):
                 await asyncio.wait_for(asyncio.shield(hop.task), timeout=hop_close_timeout_s)
-        freed = await asyncio.to_thread(self.runner.reset, hop.request.session_id)
+        freed = await on_compute_thread(self.runner.reset, hop.request.session_id)
         log.info("closed pipeline %s (freed %d cache bytes)", pipeline_id, freed)
 
     # ---------------------------------------------------------------- compute
@@ -307,7 +308,7 @@ class ShardServer:
                 self._hops.pop(request.pipeline_id, None)
                 await hop.receiver.close()
                 await hop.sender.close()
-                await asyncio.to_thread(self.runner.reset, request.session_id)
+                await on_compute_thread(self.runner.reset, request.session_id)
                 return
             except TransportClosed:
                 return
@@ -328,7 +329,7 @@ class ShardServer:
     async def _run_step(self, hop: _OpenHop, received: ReceivedStep) -> None:
         request = hop.request
         if received.kind is FrameKind.reset:
-            await asyncio.to_thread(self.runner.reset, request.session_id)
+            await on_compute_thread(self.runner.reset, request.session_id)
             await hop.sender.send(received.info, None)
             return
         started = time.perf_counter()
@@ -338,7 +339,7 @@ class ShardServer:
                 await asyncio.sleep(self.fault.delay_s)
             # One worker-thread trip per step (on a busy machine every hand-off costs a wake-up): the input
             # check, then the layers only if it passed.
-            failed_check, output = await asyncio.to_thread(self._check_and_forward, request, received)
+            failed_check, output = await on_compute_thread(self._check_and_forward, request, received)
         finally:
             self.stats.steps_in_compute -= 1
         if failed_check is not None:

@@ -1,0 +1,40 @@
+"""The compute thread (one OpenMP team per process) and the event loop every hearth process runs on."""
+
+import asyncio
+import threading
+
+import pytest
+import torch
+
+from services.common.compute import COMPUTE_THREAD_NAME, on_compute_thread
+from services.common.lifecycle import EVENT_LOOP_ENV, run_event_loop
+
+
+def test_every_call_runs_on_the_same_named_thread_off_the_event_loop() -> None:
+    async def main() -> set[str]:
+        loop_thread = threading.current_thread().name
+        names = await asyncio.gather(*(on_compute_thread(lambda: threading.current_thread().name) for _ in range(8)))
+        assert loop_thread not in names
+        return set(names)
+
+    names = asyncio.run(main())
+    assert len(names) == 1 and next(iter(names)).startswith(COMPUTE_THREAD_NAME)
+
+
+def test_arguments_results_and_exceptions_cross_the_thread() -> None:
+    async def main() -> torch.Tensor:
+        with pytest.raises(ZeroDivisionError):
+            await on_compute_thread(lambda: 1 / 0)
+        return await on_compute_thread(torch.full, (2,), fill_value=3.0)
+
+    assert torch.equal(asyncio.run(main()), torch.tensor([3.0, 3.0]))
+
+
+def test_services_run_on_uvloop_unless_told_otherwise(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def loop_module() -> str:
+        return type(asyncio.get_running_loop()).__module__
+
+    monkeypatch.delenv(EVENT_LOOP_ENV, raising=False)
+    assert run_event_loop(loop_module()).startswith("uvloop")
+    monkeypatch.setenv(EVENT_LOOP_ENV, "asyncio")
+    assert run_event_loop(loop_module()).startswith("asyncio")
