@@ -124,6 +124,12 @@ TorchThreadsOption = Annotated[
     typer.Option("--torch-threads", min=1, help="torch intra-op threads (default: torch's choice).",
                  show_default=False),
 ]
+BusyThreadsOption = Annotated[
+    Optional[int],
+    typer.Option("--busy-threads", min=1, show_default=False,
+                 help="Intra-op threads per step while this process serves more than one stream (default: all "
+                      "of them). Set 1 when several hearth processes share this machine's cores."),
+]
 DEFAULT_CHAT_MODEL = "hearth-tiny-llama"
 
 
@@ -149,6 +155,7 @@ def shard_command(
         typer.Option("--fault", hidden=True, help="Testing only: nan, scale=X, delay_s=S, after_steps=N."),
     ] = None,
     torch_threads: TorchThreadsOption = None,
+    busy_threads: BusyThreadsOption = None,
     ready_file: ReadyFileOption = None,
     metrics_port: Annotated[
         Optional[int], typer.Option("--metrics-port", help="Serve Prometheus /metrics (per-step transport "
@@ -164,7 +171,7 @@ def shard_command(
     run_until_stopped(lambda stop_event: run_shard(
         model=model, layers=layers, nats_url=url, node_id=node_id, model_id=model_id, max_streams=max_streams,
         hop_weight=hop_weight, dtype=dtype, heartbeat_s=heartbeat_s, ttl_s=ttl_s, fault=fault,
-        torch_threads=torch_threads, ready_file=str(ready_file) if ready_file else None,
+        torch_threads=torch_threads, busy_threads=busy_threads, ready_file=str(ready_file) if ready_file else None,
         window_chunks=transport.window_chunks, chunk_bytes=transport.chunk_bytes, metrics_port=metrics_port,
         stop_event=stop_event,
     ))
@@ -193,6 +200,7 @@ def orchestrator_command(
         Optional[float], typer.Option("--step-timeout-s", help="A hop holding a step longer is stalled.")
     ] = None,
     torch_threads: TorchThreadsOption = None,
+    busy_threads: BusyThreadsOption = None,
     ready_file: ReadyFileOption = None,
 ) -> None:
     """Answer llm.chat.request: route over shard hosts, embed and sample locally, stream frames back."""
@@ -205,6 +213,7 @@ def orchestrator_command(
         settings(ctx), node_id=node_id or default_node_id(), db_path=db, local_model=local_model,
         model_search_dirs=list(models_dir or []), step_timeout_s=step_timeout_s,
     )
+    config.busy_threads = busy_threads
     url = resolve_nats_url(ctx, nats_url)
     run_until_stopped(lambda stop_event: run_orchestrator(
         config, url, preload=list(preload or []), ready_file=str(ready_file) if ready_file else None,

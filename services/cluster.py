@@ -35,20 +35,28 @@ def even_layer_ranges(num_layers: int, shards: int) -> list[tuple[int, int]]:
     return ranges
 
 
+# While a process serves several streams, its steps run on one intra-op thread so the hops of concurrent
+# sessions use the cores side by side (services.common.compute.StepThreads).
+shared_machine_busy_threads = 1
+# libgomp's spin before a waiting OpenMP thread sleeps, in spin iterations (about 0.5-1 ms here).
+openmp_spin_count = 20000
+
+
 def quiet_torch_environment(threads: int | None) -> dict[str, str]:
     """Environment for a torch child process sharing few cores with others.
 
-    OpenMP's default busy-wait keeps idle threads spinning for a while after each op; with several torch
-    processes taking turns on two cores, that spinning steals the time of the process that has work.
-
-    Measured with `hearth bench` on a 2-core VM (BENCHMARKS.md, "Thread settings"): spinning (libgomp's
-    default, OMP_WAIT_POLICY=ACTIVE, or even GOMP_SPINCOUNT=10000) made both generate() and the pipeline
-    several times slower whenever another process wanted a core; PASSIVE never did. With PASSIVE, torch's
-    own thread count (all cores) gave the fastest single-session decode (TinyLlama-1.1B shape: 5.3 vs
-    3.4 tokens/s with one thread per process), so `threads=None` stays the default; one thread per
-    process gives more aggregate throughput to many concurrent sessions on small models.
+    A single session's step runs in one process while the others wait, so it may use every core: its OpenMP
+    threads spin briefly between parallel regions (GOMP_SPINCOUNT) instead of sleeping on a futex after each
+    of the hundreds of regions of a step, each wake-up costing an inter-processor interrupt to a halted vCPU
+    (`hearth bench`, llama-250m: 15 -> 20 tokens/s for the pipeline, 18 -> 24 for generate()). Spinning long
+    (libgomp's default of ~300000 iterations, or OMP_WAIT_POLICY=ACTIVE) steals the cores from the next hop
+    once a step is done, so the spin is short and the wait policy passive beyond it; and while a process
+    serves several streams its steps use one thread (`--busy-threads`, shared_machine_busy_threads), since
+    teams of spinning threads time-slicing two cores collapse (BENCHMARKS.md, "Compute thread and OpenMP
+    spinning").
     """
-    env = {"OMP_WAIT_POLICY": "PASSIVE", "KMP_BLOCKTIME": "0", "TOKENIZERS_PARALLELISM": "false"}
+    env = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": str(openmp_spin_count), "KMP_BLOCKTIME": "0",
+           "TOKENIZERS_PARALLELISM": "false"}
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
     return env
@@ -154,14 +162,15 @@ class LocalCluster:
 
     def start_shard(self, model: str, lo: int, hi: int, *, node_id: str, extra_args: list[str] = (),
                     wait_ready: bool = True) -> ManagedProcess:
-        args = ["shard", "--model", model, "--layers", f"{lo}-{hi}", "--node-id", node_id, *extra_args]
+        args = ["shard", "--model", model, "--layers", f"{lo}-{hi}", "--node-id", node_id,
+                "--busy-threads", str(shared_machine_busy_threads), *extra_args]
         if self.torch_threads:
             args += ["--torch-threads", str(self.torch_threads)]
         return self._spawn(f"shard-{node_id}-{lo}-{hi}", args, wait_ready=wait_ready)
 
     def start_orchestrator(self, *, node_id: str = "orchestrator", extra_args: list[str] = (),
                            wait_ready: bool = True) -> ManagedProcess:
-        args = ["orchestrator", "--node-id", node_id, *extra_args]
+        args = ["orchestrator", "--node-id", node_id, "--busy-threads", str(shared_machine_busy_threads), *extra_args]
         if self.torch_threads:
             args += ["--torch-threads", str(self.torch_threads)]
         return self._spawn(f"orchestrator-{node_id}", args, wait_ready=wait_ready)

@@ -17,6 +17,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
+import torch
+
 T = TypeVar("T")
 
 COMPUTE_THREAD_NAME = "hearth-compute"
@@ -38,3 +40,33 @@ async def on_compute_thread(function: Callable[..., T], /, *args, **kwargs) -> T
     """Run `function(*args, **kwargs)` on the compute thread without blocking the event loop."""
     loop = asyncio.get_running_loop()
     return await loop.run_in_executor(compute_executor(), functools.partial(function, *args, **kwargs))
+
+
+def use_intra_op_threads(threads: int) -> None:
+    """On the compute thread: run the next torch ops with `threads` intra-op threads (free when unchanged)."""
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
+class StepThreads:
+    """How many intra-op threads a step gets: all of this process's while it serves one stream, `busy_threads`
+    while it serves several.
+
+    Why: processes that share a machine's cores (a mesh on one box: demo, bench, tests) compute the hops of
+    concurrent sessions side by side. Two OpenMP teams of two threads on two cores then time-slice, and a
+    team whose threads wait spinning for a descheduled partner wastes its slices (4 sessions of llama-250m:
+    12.6 tokens/s aggregate vs 19.6 for one session; BENCHMARKS.md, "Compute thread and OpenMP spinning").
+    With one thread per step while busy, the hops use the cores in parallel instead. A process alone on its
+    machine leaves `busy_threads` unset: its steps run one at a time anyway, so fewer threads only slow them.
+    """
+
+    def __init__(self, busy_threads: int | None = None) -> None:
+        if busy_threads is not None and busy_threads < 1:
+            raise ValueError(f"busy_threads must be at least 1, not {busy_threads}")
+        self.busy_threads = busy_threads
+        self.alone_threads = torch.get_num_threads()
+
+    def for_streams(self, active_streams: int) -> int:
+        if self.busy_threads is not None and active_streams > 1:
+            return min(self.busy_threads, self.alone_threads)
+        return self.alone_threads

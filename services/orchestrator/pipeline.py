@@ -25,7 +25,7 @@ from events.models import (
     PipelineShardStatus,
 )
 from inference import SamplingParams
-from services.common.compute import on_compute_thread
+from services.common.compute import on_compute_thread, use_intra_op_threads
 from services.common.chat_protocol import (
     ChatRequest,
     DoneFrame,
@@ -86,6 +86,7 @@ class PipelineRun:
         sink_bounds: NormBounds,
         catch_up: Callable[[], Awaitable[None]] | None = None,
         recent_failures: RecentFailures | None = None,
+        step_threads: Callable[[], int] | None = None,
     ) -> None:
         self.nc = nc
         self.node_id = node_id
@@ -97,6 +98,8 @@ class PipelineRun:
         self.record = record
         self.local_model_lookup = local_model_lookup
         self.sink_bounds = sink_bounds
+        # Intra-op threads for this run's next compute step (fewer while other pipelines run; see StepThreads).
+        self.step_threads = step_threads
         self.catch_up = catch_up
         self.recent_failures = recent_failures
         self.pipeline_id = "p-" + uuid.uuid4().hex[:16]
@@ -253,7 +256,8 @@ class PipelineRun:
         while True:
             # One worker-thread trip per token (hand-offs cost most on a busy machine): sample, and embed
             # the sampled token for the next step (wasted only on the last token).
-            token_id, next_hidden = await on_compute_thread(self._sample_and_embed, output, params, generator)
+            token_id, next_hidden = await on_compute_thread(self._sample_and_embed, output, params, generator,
+                                                            self.step_threads() if self.step_threads else None)
             state.generated.append(token_id)
             delta = text_stream.push(token_id)
             first_token = state.first_token_at is None
@@ -279,7 +283,10 @@ class PipelineRun:
         head = self.model.head
         return head.sample(head.logits(output), params, generator)
 
-    def _sample_and_embed(self, output: torch.Tensor, params: SamplingParams, generator) -> tuple[int, torch.Tensor]:
+    def _sample_and_embed(self, output: torch.Tensor, params: SamplingParams, generator,
+                          threads: int | None = None) -> tuple[int, torch.Tensor]:
+        if threads is not None:
+            use_intra_op_threads(threads)
         token_id = self._sample(output, params, generator)
         return token_id, self.model.head.embed([token_id])
 

@@ -27,6 +27,7 @@ from events.models import EventEnvelope
 from events.publish import publish_event
 from events.streams import ensure_streams
 from readmodels.runner import Projector
+from services.common.compute import StepThreads
 from services.common.chat_protocol import (
     CHAT_REQUEST_SUBJECT,
     BadRequest,
@@ -61,6 +62,8 @@ class OrchestratorConfig:
     policy: PipelinePolicy = field(default_factory=PipelinePolicy)
     model_search_dirs: list[Path] = field(default_factory=list)
     local_model: str | None = None
+    # Intra-op threads per step while several pipelines run (services.common.compute.StepThreads).
+    busy_threads: int | None = None
 
 
 class FrameEmitter:
@@ -126,6 +129,8 @@ class Orchestrator:
         # Per (model, last layer) bounds of the activations that reach us, shared by all requests.
         self._sink_bounds: dict[str, NormBounds] = {}
         self.recent_failures = RecentFailures(config.health_timeout_s)
+        self.step_threads = StepThreads(config.busy_threads)
+        self._running_pipelines = 0
 
     async def start(self) -> None:
         await ensure_streams(self.js)
@@ -201,19 +206,28 @@ class Orchestrator:
         except UnknownModel as error:
             await emitter.emit(ErrorFrame(seq=0, code="bad_request", message=f"field 'model': {error}"))
             return
-        async with self._slots:
+        async with self._slots, self._counted_as_running():
             run = PipelineRun(
                 nc=self.nc, node_id=self.config.node_id, request=request, model=model, router=self.router,
                 policy=self.config.policy, emit=emitter.emit, record=self.record,
                 local_model_lookup=lambda: self.catalog.local_model_for(model),
                 sink_bounds=self._sink_bounds.setdefault(model.model_id, NormBounds()),
                 catch_up=self._catch_up, recent_failures=self.recent_failures,
+                step_threads=lambda: self.step_threads.for_streams(self._running_pipelines),
             )
             try:
                 await self._run_while_client_listens(run, emitter)
             finally:
                 # Shielded: a cancelled request (shutdown) must still free its hops' sessions.
                 await asyncio.shield(run.close())
+
+    @contextlib.asynccontextmanager
+    async def _counted_as_running(self):
+        self._running_pipelines += 1
+        try:
+            yield
+        finally:
+            self._running_pipelines -= 1
 
     async def _run_while_client_listens(self, run: PipelineRun, emitter: FrameEmitter) -> None:
         work = asyncio.create_task(run.run(), name=f"pipeline-{run.pipeline_id}")

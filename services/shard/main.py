@@ -10,7 +10,7 @@ import socket
 
 from events.subjects import shard_control_subject, shard_id_for
 from inference import load_layer_range, weights_sha256
-from services.common.compute import on_compute_thread
+from services.common.compute import StepThreads, on_compute_thread
 from services.common.metrics import start_metrics_server
 from services.common.nats_connection import connect_nats
 from services.shard.faults import ShardFault
@@ -59,6 +59,7 @@ async def run_shard(
     ttl_s: float = advertisement_ttl_s,
     fault: str | None = None,
     torch_threads: int | None = None,
+    busy_threads: int | None = None,
     ready_file: str | None = None,
     window_chunks: int = 16,
     chunk_bytes: int | None = None,
@@ -83,7 +84,8 @@ async def run_shard(
                             on_reconnected=lambda: server_ref[0].request_readvertise() if server_ref else None)
     server = ShardServer(nc, runner, identity, max_concurrent_streams=max_streams, hop_weight=hop_weight,
                          heartbeat_interval_s=heartbeat_s, ttl_s=ttl_s, fault=ShardFault.parse(fault),
-                         window_chunks=window_chunks, chunk_bytes=chunk_bytes)
+                         window_chunks=window_chunks, chunk_bytes=chunk_bytes,
+                         step_threads=StepThreads(busy_threads))
     server_ref.append(server)
     metrics_server = None
     try:

@@ -27,7 +27,7 @@ from events.models import ShardAdvertised, ShardHeartbeat, ShardWithdrawn
 from events.publish import publish_event
 from events.streams import ensure_streams
 from inference import LayerRangeRunner
-from services.common.compute import on_compute_thread
+from services.common.compute import StepThreads, on_compute_thread, use_intra_op_threads
 from services.common.control_protocol import (
     CloseHop,
     ControlReply,
@@ -118,6 +118,7 @@ class ShardServer:
         window_chunks: int = 16,
         chunk_bytes: int | None = None,
         fault: ShardFault | None = None,
+        step_threads: StepThreads | None = None,
     ) -> None:
         self.nc = nc
         self.js = nc.jetstream()
@@ -130,6 +131,7 @@ class ShardServer:
         self.window_chunks = window_chunks
         self.chunk_bytes = chunk_bytes
         self.fault = fault or ShardFault()
+        self.step_threads = step_threads or StepThreads()
         self.stats = _ServingStats()
         self.step_metrics = ShardStepMetrics(identity.shard_id)
         self._hops: dict[str, _OpenHop] = {}
@@ -339,7 +341,8 @@ class ShardServer:
                 await asyncio.sleep(self.fault.delay_s)
             # One worker-thread trip per step (on a busy machine every hand-off costs a wake-up): the input
             # check, then the layers only if it passed.
-            failed_check, output = await on_compute_thread(self._check_and_forward, request, received)
+            threads = self.step_threads.for_streams(len(self._hops))
+            failed_check, output = await on_compute_thread(self._check_and_forward, request, received, threads)
         finally:
             self.stats.steps_in_compute -= 1
         if failed_check is not None:
@@ -353,8 +356,10 @@ class ShardServer:
         self.step_metrics.observe(received.kind.value, wire_s=received.wire_s, deserialize_s=received.decode_s,
                                   serialize_s=sent.encode_s, compute_s=compute_s)
 
-    def _check_and_forward(self, request: OpenHop, received: ReceivedStep) -> tuple[str | None, torch.Tensor | None]:
-        """In a worker thread: check the step's input and run the layers only if it is sound (never garbage)."""
+    def _check_and_forward(self, request: OpenHop, received: ReceivedStep,
+                           threads: int) -> tuple[str | None, torch.Tensor | None]:
+        """On the compute thread: check the step's input and run the layers only if it is sound (never garbage)."""
+        use_intra_op_threads(threads)
         bounds = self._input_bounds.setdefault(request.layer_lo, NormBounds())
         failed_check = bounds.check(received.tensor)
         if failed_check is not None:

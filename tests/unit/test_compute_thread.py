@@ -6,7 +6,7 @@ import threading
 import pytest
 import torch
 
-from services.common.compute import COMPUTE_THREAD_NAME, on_compute_thread
+from services.common.compute import COMPUTE_THREAD_NAME, StepThreads, on_compute_thread, use_intra_op_threads
 from services.common.lifecycle import EVENT_LOOP_ENV, run_event_loop
 
 
@@ -38,3 +38,23 @@ def test_services_run_on_uvloop_unless_told_otherwise(monkeypatch: pytest.Monkey
     assert run_event_loop(loop_module()).startswith("uvloop")
     monkeypatch.setenv(EVENT_LOOP_ENV, "asyncio")
     assert run_event_loop(loop_module()).startswith("asyncio")
+
+
+def test_step_threads_narrow_only_while_several_streams_are_served() -> None:
+    alone = torch.get_num_threads()
+    assert StepThreads().for_streams(4) == alone, "without busy_threads nothing changes"
+    policy = StepThreads(busy_threads=1)
+    assert [policy.for_streams(n) for n in (0, 1, 2, 5)] == [alone, alone, 1, 1]
+    assert StepThreads(busy_threads=alone + 8).for_streams(3) == alone, "never more threads than alone"
+    with pytest.raises(ValueError):
+        StepThreads(busy_threads=0)
+
+
+def test_the_thread_count_is_set_on_the_compute_thread() -> None:
+    async def main() -> tuple[int, int]:
+        await on_compute_thread(use_intra_op_threads, 1)
+        narrowed = await on_compute_thread(torch.get_num_threads)
+        await on_compute_thread(use_intra_op_threads, 2)
+        return narrowed, await on_compute_thread(torch.get_num_threads)
+
+    assert asyncio.run(main()) == (1, 2)
