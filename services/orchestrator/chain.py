@@ -42,6 +42,7 @@ from services.transport import (
     StepInfo,
     TransportError,
     TransportTimeout,
+    WaitInterrupted,
     wire_dtype_from_setting,
 )
 from services.transport.integrity import NormBounds, count_integrity_failure
@@ -117,7 +118,6 @@ class HopChain:
         self._observer = AckObserver(nc, pipeline_id, sink_hop=len(hops))
         self._integrity_sub = None
         self._notices: list[IntegrityNotice] = []
-        self._notice_arrived = asyncio.Event()
         self._open_sent = False
         # The liveness probe of the step currently held too long: (step, holder hop) and its task.
         self._probe_key: tuple[int, int] | None = None
@@ -187,7 +187,7 @@ class HopChain:
             return
         if notice.session_id == self.session_id:
             self._notices.append(notice)
-            self._notice_arrived.set()
+            self._sink.interrupt_waiters()
 
     def _raise_for_notices(self) -> None:
         if self._notices:
@@ -229,22 +229,10 @@ class HopChain:
         """The next step out of the last hop; None after `wait_s` or once an integrity notice arrives."""
         if self._notices:
             return None
-        self._notice_arrived.clear()
-        output = asyncio.ensure_future(self._sink.next_step(timeout_s=wait_s))
-        notice = asyncio.ensure_future(self._notice_arrived.wait())
         try:
-            await asyncio.wait((output, notice), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            notice.cancel()
-            if not output.done():
-                # Cancelling is safe: a step that completes meanwhile stays queued in the receiver.
-                output.cancel()
-            await asyncio.gather(output, notice, return_exceptions=True)
-        if output.cancelled():
-            return None
-        try:
-            return output.result()
-        except TransportTimeout:
+            # Awaited directly (no helper tasks): on every token this is the orchestrator's critical path.
+            return await self._sink.next_step(timeout_s=wait_s)
+        except (TransportTimeout, WaitInterrupted):
             return None
         except TransportError as error:
             raise HopFailure(self.hops[-1].shard_id, f"sink failed: {error}") from None

@@ -13,7 +13,7 @@ The orchestrator sends with ``AckWindowSender(nc, P, 0)``, reads results with
 """
 
 from services.transport.acks import AckObserver, StepProgress
-from services.transport.errors import FrameError, TransportClosed, TransportError, TransportTimeout
+from services.transport.errors import FrameError, TransportClosed, TransportError, TransportTimeout, WaitInterrupted
 from services.transport.frames import (
     AckHeader,
     EncodedStep,
@@ -49,6 +49,7 @@ __all__ = [
     "TransportClosed",
     "TransportError",
     "TransportTimeout",
+    "WaitInterrupted",
     "WireDtype",
     "decode_frames",
     "encode_step",

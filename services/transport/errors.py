@@ -34,5 +34,9 @@ class TransportTimeout(TransportError, TimeoutError):
         self.in_flight_chunks = in_flight_chunks
 
 
+class WaitInterrupted(TransportError):
+    """A wait for the next step was cut short by `interrupt_waiters()`: something else needs attention."""
+
+
 class TransportClosed(TransportError):
     """The sender, receiver or observer was closed while (or before) it was used."""

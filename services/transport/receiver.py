@@ -14,7 +14,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from events.subjects import ack_subject, activation_subject
-from services.transport.errors import FrameError, TransportClosed, TransportError, TransportTimeout
+from services.transport.errors import FrameError, TransportClosed, TransportError, TransportTimeout, WaitInterrupted
 from services.transport.frames import (
     AckHeader,
     AddOutcome,
@@ -134,6 +134,7 @@ class ActivationReceiver:
         self._newest_delivered: OrderedDict[str, int] = OrderedDict()
         self._ready: deque[ReceivedStep] = deque()
         self._getters: deque[asyncio.Future[None]] = deque()
+        self._interrupted = False
         self._room_waiter: asyncio.Future[None] | None = None
         self._sub: Subscription | None = None
         self._closed = False
@@ -163,13 +164,18 @@ class ActivationReceiver:
         while not self._ready:
             if self._closed:
                 raise TransportClosed(f"receiver of hop {self.hop} of pipeline {self.pipeline_id} is closed")
+            if self._interrupted:
+                self._interrupted = False
+                raise WaitInterrupted(f"wait for hop {self.hop} of pipeline {self.pipeline_id} interrupted")
             remaining_s = deadline - time.perf_counter()
             getter = asyncio.get_running_loop().create_future()
             self._getters.append(getter)
             try:
                 if remaining_s <= 0:
                     raise asyncio.TimeoutError
-                await asyncio.wait_for(getter, remaining_s)
+                # asyncio.timeout rather than wait_for: the step is handed over one loop iteration sooner.
+                async with asyncio.timeout(remaining_s):
+                    await getter
             except asyncio.TimeoutError:
                 raise TransportTimeout(
                     f"hop {self.hop} of pipeline {self.pipeline_id}: no complete step within {limit_s} s",
@@ -321,6 +327,14 @@ class ActivationReceiver:
             finally:
                 self._room_waiter = None
         return True
+
+    def interrupt_waiters(self) -> None:
+        """Make the pending (or, if none, the next) next_step() without a step ready raise WaitInterrupted."""
+        self._interrupted = True
+        while self._getters:
+            getter = self._getters.popleft()
+            if not getter.done():
+                getter.set_result(None)
 
     def _deliver(self, received: ReceivedStep) -> None:
         session, step = received.session, received.step

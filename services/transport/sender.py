@@ -132,6 +132,9 @@ class AckWindowSender:
             window_wait_s = await self._publish(encoded)
         finally:
             self._send_lock.release()
+        # nats-py writes to the socket from its flusher task, which runs only when we yield: yield now, so the
+        # frames leave before the caller's bookkeeping rather than after it (they are the critical path).
+        await asyncio.sleep(0)
         self.stats.steps_sent += 1
         return SentStep(info, encoded.chunk_count, encoded.total_bytes, encode_s, window_wait_s)
 

@@ -114,3 +114,30 @@ async def test_a_consumer_that_stops_taking_steps_stops_the_acks_and_the_sender(
 
     assert [received.step for received in taken] == [0, 1, 2, 4]
     assert [received.tensor.flatten()[0].item() for received in taken] == [0.0, 1.0, 2.0, 4.0]
+
+
+async def test_interrupting_a_wait_for_the_next_step_ends_it_at_once_and_only_once(connections):
+    from services.transport import WaitInterrupted
+
+    source, hop = connections
+    receiver = ActivationReceiver(hop, PIPELINE, 0)
+    sender = AckWindowSender(source, PIPELINE, 0, window_chunks=4, ack_timeout_s=wait_s)
+    await receiver.start()
+    await sender.start()
+    try:
+        waiting = asyncio.create_task(receiver.next_step(timeout_s=wait_s))
+        await until(lambda: receiver._getters)
+        receiver.interrupt_waiters()
+        with pytest.raises(WaitInterrupted):
+            await asyncio.wait_for(waiting, 1.0)
+        with pytest.raises(TransportTimeout):
+            await receiver.next_step(timeout_s=0.05)  # the interruption was used up
+        receiver.interrupt_waiters()  # nobody waiting: the next wait without a ready step ends at once
+        with pytest.raises(WaitInterrupted):
+            await receiver.next_step(timeout_s=wait_s)
+        await sender.send(StepInfo(session="s1", step=1, kind=FrameKind.decode), torch.ones(1, 1, 8))
+        received = await receiver.next_step(timeout_s=wait_s)
+        assert received.step == 1 and torch.equal(received.tensor, torch.ones(1, 1, 8))
+    finally:
+        await sender.close()
+        await receiver.close()
