@@ -36,13 +36,15 @@ class NormBounds:
 
     def check(self, hidden: torch.Tensor) -> IntegrityCheck | None:
         """The failed check's name, or None; learns the bounds from frames that pass."""
-        values = hidden.detach().float()
-        # One reduction and one sync on the fast path (this runs on every hop of every token): a NaN or an
-        # Inf anywhere makes its position's norm NaN or Inf, and only then is it worth telling which.
-        norms = values.reshape(-1, values.shape[-1]).norm(dim=-1)
-        largest = float(norms.max()) if norms.numel() else 0.0
+        # Three torch calls on the fast path: this runs on every hop of every token, with caches cold after the
+        # layers (each call ~40 us there). A NaN or an Inf anywhere makes its position's norm NaN or Inf, and
+        # only then is it worth telling which. Half-precision inputs are reduced in float32.
+        if hidden.numel() == 0:
+            return None  # nothing to check, nothing to learn from
+        norms = torch.linalg.vector_norm(hidden.detach(), dim=-1, dtype=torch.float32)
+        largest = norms.max().item()
         if not math.isfinite(largest):
-            return "nan" if bool(torch.isnan(values).any()) else "inf"
+            return "nan" if bool(torch.isnan(hidden).any()) else "inf"
         if self.max_norm is not None and largest > self.max_norm * self.factor:
             return "norm"
         self.max_norm = largest if self.max_norm is None else max(self.max_norm, largest)

@@ -39,3 +39,10 @@ def test_half_precision_frames_are_checked_in_float32() -> None:
     corrupted = honest_step(5).to(torch.float16)
     corrupted[0, 0, 0] = float("nan")
     assert bounds.check(corrupted) == "nan"
+
+
+def test_an_empty_frame_passes_without_teaching_a_zero_bound() -> None:
+    bounds = NormBounds()
+    assert bounds.check(torch.empty(1, 0, 64)) is None
+    assert bounds.max_norm is None
+    assert bounds.check(honest_step(6)) is None
