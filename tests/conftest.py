@@ -39,3 +39,15 @@ def nats_url(request, tmp_path) -> Iterator[str]:
     else:
         server = request.getfixturevalue("nats_server")
         yield server.url
+
+
+@pytest.fixture
+async def connections(nats_url):
+    """Two clients, as two processes would have: one sends (the source), one receives (the hop)."""
+    from services.common.nats_connection import connect_nats
+
+    source = await connect_nats(nats_url, name="test-source")
+    hop = await connect_nats(nats_url, name="test-hop")
+    yield source, hop
+    await source.close()
+    await hop.close()

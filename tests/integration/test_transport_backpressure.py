@@ -7,7 +7,6 @@ import asyncio
 import pytest
 import torch
 
-from services.common.nats_connection import connect_nats
 from services.transport import (
     AckHeader,
     AckWindowSender,
@@ -23,14 +22,6 @@ pytestmark = pytest.mark.integration
 PIPELINE = "pipe-bp"
 wait_s = 5.0
 
-
-@pytest.fixture
-async def connections(nats_url):
-    source = await connect_nats(nats_url, name="test-source")
-    hop = await connect_nats(nats_url, name="test-hop")
-    yield source, hop
-    await source.close()
-    await hop.close()
 
 
 async def until(condition, timeout_s: float = wait_s) -> None:

@@ -27,15 +27,6 @@ PIPELINE = "pipe-rt"
 wait_s = 5.0
 
 
-@pytest.fixture
-async def connections(nats_url):
-    """Two clients, as two processes would have: one sends, one receives."""
-    source = await connect_nats(nats_url, name="test-source")
-    hop = await connect_nats(nats_url, name="test-hop")
-    yield source, hop
-    await source.close()
-    await hop.close()
-
 
 async def test_prefill_activation_crosses_in_several_chunks_bitwise(connections):
     source, hop = connections
