@@ -24,11 +24,8 @@ Hearth-Dtype           wire dtype of the payload: ``float32``, ``bfloat16``, ``f
 Hearth-Compute-Dtype   dtype the receiver restores (``float32``, ``bfloat16``, ``float16``); absent
                        means "same as Hearth-Dtype"
 Hearth-Shape           comma-separated tensor shape, e.g. ``1,600,1024``
-Hearth-Offset          byte offset of this chunk's payload inside the step's wire bytes (required
-                       when a step has several chunks; absent means 0)
-Hearth-Bytes           size in bytes of the step's whole wire payload (absent means the size that
-                       dtype, shape and int8 block imply; senders omit it, and Hearth-Offset, on
-                       one-chunk steps: every header costs each hop's parser ~10-20 us with cold caches)
+Hearth-Offset          byte offset of this chunk's payload inside the step's wire bytes
+Hearth-Bytes           size in bytes of the step's whole wire payload
 Hearth-Int8-Block      elements per quantisation block (only with Hearth-Dtype ``int8``)
 Hearth-Sent-Ns         ``time.time_ns()`` when the chunk was published (wire-time instrumentation;
                        only meaningful when sender and receiver share a clock)
@@ -255,7 +252,7 @@ class FrameHeader(BaseModel):
             headers[HEADER_COMPUTE_DTYPE] = self.compute_dtype.value
         if self.shape is not None:
             headers[HEADER_SHAPE] = ",".join(str(dim) for dim in self.shape)
-        if self.kind is not FrameKind.reset and self.chunk_count > 1:
+        if self.kind is not FrameKind.reset:
             headers[HEADER_OFFSET] = str(self.offset)
             headers[HEADER_BYTES] = str(self.total_bytes)
         if self.int8_block is not None:
@@ -285,17 +282,13 @@ class FrameHeader(BaseModel):
             "dtype": _enum_header(headers, HEADER_DTYPE, WireDtype, required=False),
             "compute_dtype": _enum_header(headers, HEADER_COMPUTE_DTYPE, WireDtype, required=False),
             "shape": _shape_header(headers),
-            "offset": _int_header(headers, HEADER_OFFSET, required=chunk_count_of(chunk_match) > 1) or 0,
-            "total_bytes": _int_header(headers, HEADER_BYTES, required=False),
+            "offset": _int_header(headers, HEADER_OFFSET, required=False) or 0,
+            "total_bytes": _int_header(headers, HEADER_BYTES, required=False) or 0,
             "int8_block": _int_header(headers, HEADER_INT8_BLOCK, required=False),
             "sent_ns": _int_header(headers, HEADER_SENT_NS, required=False),
         }
         if fields["compute_dtype"] is None and fields["dtype"] is not WireDtype.int8:
             fields["compute_dtype"] = fields["dtype"]
-        if fields["total_bytes"] is None:
-            dtype, shape, block = fields["dtype"], fields["shape"], fields["int8_block"]
-            implied = dtype is not None and shape is not None and (dtype is not WireDtype.int8 or block)
-            fields["total_bytes"] = wire_nbytes(dtype, shape, block) if implied else 0
         try:
             return cls(**fields)
         except ValidationError as error:
@@ -328,10 +321,6 @@ def _describe(error: ValidationError) -> str:
         name = _FIELD_HEADERS.get(str(location[0]), str(location[0])) if location else "headers"
         parts.append(f"{name}: {detail['msg']}")
     return "; ".join(parts)
-
-
-def chunk_count_of(chunk_match: re.Match) -> int:
-    return int(chunk_match.group(2))
 
 
 def _required(headers: Mapping[str, str], name: str) -> str:

@@ -294,23 +294,3 @@ def test_any_shape_and_chunk_size_round_trips_bitwise(shape, chunk_bytes, dtype,
     assert all(len(payload) <= chunk_bytes for _, payload in frames)
     random.Random(seed).shuffle(frames)
     assert torch.equal(bits(decode_frames(frames)[1]), bits(tensor))
-
-
-def test_one_chunk_steps_leave_offset_and_bytes_implied_and_chunked_steps_must_say_them():
-    single = encode_step(PREFILL, torch.randn(1, 3, 8))
-    headers = single.header(PIPELINE, 1, 0).to_nats_headers()
-    assert HEADER_BYTES not in headers and "Hearth-Offset" not in headers
-    parsed = FrameHeader.from_nats_headers(headers)
-    assert parsed.total_bytes == 3 * 8 * 4 and parsed.offset == 0
-
-    chunked = encode_step(PREFILL, torch.randn(1, 3, 8), chunk_bytes=40)
-    second = chunked.header(PIPELINE, 1, 1).to_nats_headers()
-    assert second[HEADER_BYTES] == "96" and second["Hearth-Offset"] == "40"
-    assert FrameHeader.from_nats_headers(second).offset == 40
-    del second["Hearth-Offset"]
-    with pytest.raises(FrameError, match="missing header Hearth-Offset"):
-        FrameHeader.from_nats_headers(second)
-
-    quantized = encode_step(PREFILL, torch.randn(1, 3, 8), wire_dtype=WireDtype.int8)
-    implied = FrameHeader.from_nats_headers(quantized.header(PIPELINE, 1, 0).to_nats_headers())
-    assert implied.total_bytes == quantized.total_bytes
