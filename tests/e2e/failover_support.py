@@ -147,6 +147,13 @@ class FailoverMesh:
                     raise AssertionError(f"the orchestrator does not know {handle.shard_id} after {timeout_s} s")
                 time.sleep(0.05)
 
+    async def wait_idle_in_routing(self, handle: ShardHandle) -> None:
+        """The orchestrator's read model shows the shard idle. Routing prefers the lowest queue depth before
+        hop_weight, and a heartbeat sampled while the shard computed a step of an earlier test reports 1 until
+        the next heartbeat (every HEARTBEAT_S): a test that needs this shard routed to waits for it."""
+        await self.wait_routing("shard_health", handle.shard_id,
+                                lambda row: row["queue_depth"] == 0 and row["active_streams"] == 0)
+
     async def wait_advertised(self, handle: ShardHandle) -> None:
         """The orchestrator routes with this shard's (latest) advertisement."""
         await self.wait_routing("shards", handle.shard_id, lambda row: row["status"] == "advertised")

@@ -78,6 +78,7 @@ async def test_a_client_that_goes_away_has_its_hops_closed(mesh, reference, nc):
 async def test_sigkill_mid_generation_fails_over_to_the_replica_token_for_token(mesh, reference, nc, hop):
     victim = mesh.shards[f"p{hop}"]
     replica = mesh.shards[f"r{hop}"]
+    await mesh.wait_idle_in_routing(victim)  # it served the previous test's call
     call = await stream_with_action(nc, chat_request(), lambda: victim.process.signal(signal.SIGKILL))
 
     assert victim.shard_id in call.first_hops
