@@ -211,9 +211,8 @@ def orchestrator_command(
     configure_torch_threads(torch_threads)
     config = config_from_settings(
         settings(ctx), node_id=node_id or default_node_id(), db_path=db, local_model=local_model,
-        model_search_dirs=list(models_dir or []), step_timeout_s=step_timeout_s,
+        model_search_dirs=list(models_dir or []), step_timeout_s=step_timeout_s, busy_threads=busy_threads,
     )
-    config.busy_threads = busy_threads
     url = resolve_nats_url(ctx, nats_url)
     run_until_stopped(lambda stop_event: run_orchestrator(
         config, url, preload=list(preload or []), ready_file=str(ready_file) if ready_file else None,

@@ -3,9 +3,11 @@
 Why not `asyncio.to_thread`: its pool hands work to whichever of several threads is free, and libgomp keeps
 a separate OpenMP team for every thread that starts parallel work. Once a process has more OpenMP threads
 than the machine has cores, libgomp stops spinning between parallel regions ("throttled" waiting) and every
-region pays a futex wake-up, which on a small VM costs a step a third of its speed (BENCHMARKS.md, "Compute
-thread and OpenMP spinning"). One long-lived thread keeps one team, and the steps of a process run one at a
-time anyway (a layer range or a head is not shared by two computations at once).
+region pays a futex wake-up, which on a small VM costs a decode step about a quarter of its speed
+(BENCHMARKS.md, "Compute thread and OpenMP spinning"). One long-lived thread keeps one team, and the steps
+of a process run one at a time anyway (a layer range or a head is not shared by two computations at once).
+Loading a model runs there too (torch may start parallel regions while loading, and a second team would bring
+the throttling back); the cost: an orchestrator loading a head or its fallback model delays its other pipelines.
 """
 
 from __future__ import annotations

@@ -12,8 +12,9 @@ T = TypeVar("T")
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 # libuv's event loop (uvloop) is used where it is installed: every activation frame crosses two event loops
-# per hop, and uvloop cuts a NATS round trip on loopback from ~0.36 to ~0.28 ms on the project's 2-core VM
-# (BENCHMARKS.md, "Compute thread and OpenMP spinning"). HEARTH_ASYNCIO_LOOP=asyncio picks the stdlib loop.
+# per hop, and uvloop cuts a back-to-back NATS round trip on loopback from ~0.39 to ~0.26 ms on the project's
+# 2-core VM (less after an idle gap; BENCHMARKS.md, "Compute thread and OpenMP spinning").
+# HEARTH_ASYNCIO_LOOP=asyncio picks the stdlib loop.
 EVENT_LOOP_ENV = "HEARTH_ASYNCIO_LOOP"
 
 

@@ -41,6 +41,7 @@ def config_from_settings(
     local_model: str | None = None,
     model_search_dirs: list[Path] | None = None,
     step_timeout_s: float | None = None,
+    busy_threads: int | None = None,
 ) -> OrchestratorConfig:
     """The orchestrator's configuration from the TOML/env settings plus command-line overrides."""
     research = settings.research
@@ -64,4 +65,5 @@ def config_from_settings(
         policy=policy,
         model_search_dirs=list(model_search_dirs or []),
         local_model=local_model,
+        busy_threads=busy_threads,
     )
