@@ -15,12 +15,12 @@ from nats.aio.subscription import Subscription
 from events.subjects import all_acks_subject
 from services.transport.errors import FrameError, TransportClosed, TransportTimeout
 from services.transport.frames import AckHeader
+from services.transport.subscription import SubscribingEndpoint
 
 log = logging.getLogger(__name__)
 
 default_max_steps_per_session = 256
 default_max_sessions = 1024
-subscribe_flush_timeout_s = 5.0
 
 
 @dataclass
@@ -44,7 +44,7 @@ class StepProgress:
         return self.chunks_acked >= self.chunk_count
 
 
-class AckObserver:
+class AckObserver(SubscribingEndpoint):
     """Listens on ``hearth.ack.<pipeline_id>.*`` and keeps, per (session, step), the highest acking hop.
 
     With `sink_hop` = number of shard hops (the orchestrator's own receiver acks as that hop), a step
@@ -73,17 +73,8 @@ class AckObserver:
         self._sub: Subscription | None = None
         self._closed = False
 
-    async def start(self) -> "AckObserver":
-        if self._sub is None:
-            self._sub = await self.nc.subscribe(self.subject, cb=self._on_ack)
-            await self.nc.flush(timeout=subscribe_flush_timeout_s)
-        return self
-
-    async def __aenter__(self) -> "AckObserver":
-        return await self.start()
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
+    def _subscription(self):
+        return self.subject, self._on_ack
 
     def progress(self, session: str, step: int) -> StepProgress | None:
         steps = self._sessions.get(session)

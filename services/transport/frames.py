@@ -237,15 +237,9 @@ class FrameHeader(BaseModel):
         return self.compute_dtype or self.dtype
 
     def to_nats_headers(self) -> dict[str, str]:
-        headers = {
-            HEADER_PIPELINE: self.pipeline_id,
-            HEADER_HOP: str(self.hop),
-            HEADER_SESSION: self.session,
-            HEADER_STEP: str(self.step),
-            HEADER_CHUNK: f"{self.chunk_index}/{self.chunk_count}",
-            HEADER_KIND: self.kind.value,
-            HEADER_POS: str(self.pos),
-        }
+        headers = _identity_headers(self)
+        headers[HEADER_KIND] = self.kind.value
+        headers[HEADER_POS] = str(self.pos)
         if self.dtype is not None:
             headers[HEADER_DTYPE] = self.dtype.value
         if self.compute_dtype is not None and self.compute_dtype is not self.dtype:
@@ -264,21 +258,10 @@ class FrameHeader(BaseModel):
     @classmethod
     def from_nats_headers(cls, headers: Mapping[str, str] | None) -> "FrameHeader":
         """Parse and validate a frame's headers; a FrameError names the offending header."""
-        if not headers:
-            raise FrameError("frame has no headers (expected Hearth-* headers of DESIGN.md §6)")
-        chunk_text = _required(headers, HEADER_CHUNK)
-        chunk_match = _CHUNK_RE.match(chunk_text)
-        if not chunk_match:
-            raise FrameError(f"header {HEADER_CHUNK}: expected 'i/n', got {chunk_text!r}")
         fields: dict[str, Any] = {
-            "pipeline_id": _required(headers, HEADER_PIPELINE),
-            "hop": _int_header(headers, HEADER_HOP),
-            "session": _required(headers, HEADER_SESSION),
-            "step": _int_header(headers, HEADER_STEP),
+            **_identity_fields(headers, "frame"),
             "kind": _enum_header(headers, HEADER_KIND, FrameKind),
             "pos": _int_header(headers, HEADER_POS),
-            "chunk_index": int(chunk_match.group(1)),
-            "chunk_count": int(chunk_match.group(2)),
             "dtype": _enum_header(headers, HEADER_DTYPE, WireDtype, required=False),
             "compute_dtype": _enum_header(headers, HEADER_COMPUTE_DTYPE, WireDtype, required=False),
             "shape": _shape_header(headers),
@@ -321,6 +304,35 @@ def _describe(error: ValidationError) -> str:
         name = _FIELD_HEADERS.get(str(location[0]), str(location[0])) if location else "headers"
         parts.append(f"{name}: {detail['msg']}")
     return "; ".join(parts)
+
+
+def _identity_headers(message: "FrameHeader | AckHeader") -> dict[str, str]:
+    """The headers a frame and its ack share: which pipeline, hop, session, step and chunk."""
+    return {
+        HEADER_PIPELINE: message.pipeline_id,
+        HEADER_HOP: str(message.hop),
+        HEADER_SESSION: message.session,
+        HEADER_STEP: str(message.step),
+        HEADER_CHUNK: f"{message.chunk_index}/{message.chunk_count}",
+    }
+
+
+def _identity_fields(headers: Mapping[str, str] | None, kind: str) -> dict[str, Any]:
+    """Those shared fields parsed from a `kind` ("frame" or "ack") message's headers; FrameError names the header."""
+    if not headers:
+        raise FrameError(f"{kind} has no headers (expected Hearth-* headers of DESIGN.md §6)")
+    chunk_text = _required(headers, HEADER_CHUNK)
+    chunk_match = _CHUNK_RE.match(chunk_text)
+    if not chunk_match:
+        raise FrameError(f"{kind} header {HEADER_CHUNK}: expected 'i/n', got {chunk_text!r}")
+    return {
+        "pipeline_id": _required(headers, HEADER_PIPELINE),
+        "hop": _int_header(headers, HEADER_HOP),
+        "session": _required(headers, HEADER_SESSION),
+        "step": _int_header(headers, HEADER_STEP),
+        "chunk_index": int(chunk_match.group(1)),
+        "chunk_count": int(chunk_match.group(2)),
+    }
 
 
 def _required(headers: Mapping[str, str], name: str) -> str:
@@ -633,37 +645,18 @@ class AckHeader(BaseModel):
         )
 
     def to_nats_headers(self) -> dict[str, str]:
-        headers = {
-            HEADER_PIPELINE: self.pipeline_id,
-            HEADER_HOP: str(self.hop),
-            HEADER_SESSION: self.session,
-            HEADER_STEP: str(self.step),
-            HEADER_CHUNK: f"{self.chunk_index}/{self.chunk_count}",
-        }
+        headers = _identity_headers(self)
         if self.acked_ns is not None:
             headers[HEADER_ACKED_NS] = str(self.acked_ns)
         return headers
 
     @classmethod
     def from_nats_headers(cls, headers: Mapping[str, str] | None) -> "AckHeader":
-        if not headers:
-            raise FrameError("ack has no headers (expected Hearth-* headers of DESIGN.md §6)")
-        chunk_text = _required(headers, HEADER_CHUNK)
-        chunk_match = _CHUNK_RE.match(chunk_text)
-        if not chunk_match:
-            raise FrameError(f"ack header {HEADER_CHUNK}: expected 'i/n', got {chunk_text!r}")
-        chunk_index, chunk_count = int(chunk_match.group(1)), int(chunk_match.group(2))
+        fields = _identity_fields(headers, "ack")
+        chunk_index, chunk_count = fields["chunk_index"], fields["chunk_count"]
         if chunk_index >= chunk_count:
             raise FrameError(f"ack header {HEADER_CHUNK}: index {chunk_index} must be below count {chunk_count}")
         try:
-            return cls(
-                pipeline_id=_required(headers, HEADER_PIPELINE),
-                hop=_int_header(headers, HEADER_HOP),
-                session=_required(headers, HEADER_SESSION),
-                step=_int_header(headers, HEADER_STEP),
-                chunk_index=chunk_index,
-                chunk_count=chunk_count,
-                acked_ns=_int_header(headers, HEADER_ACKED_NS, required=False),
-            )
+            return cls(**fields, acked_ns=_int_header(headers, HEADER_ACKED_NS, required=False))
         except ValidationError as error:
             raise FrameError(f"bad ack headers: {_describe(error)}") from None

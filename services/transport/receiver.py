@@ -25,6 +25,7 @@ from services.transport.frames import (
     WireDtype,
 )
 from services.transport.stats import ReceiverStats
+from services.transport.subscription import SubscribingEndpoint
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +37,6 @@ default_idle_timeout_s = 600.0
 default_max_step_bytes = 512 * 1024 * 1024
 default_max_partial_steps = 64
 default_max_tracked_sessions = 4096
-subscribe_flush_timeout_s = 5.0
 # Restoring a compute dtype (int8 dequantisation, dtype casts) of steps at least this large runs in a
 # worker thread so the event loop keeps serving other hops meanwhile.
 decode_offload_bytes = 1024 * 1024
@@ -89,7 +89,7 @@ class _PartialStep:
         self.last_arrival_ns = 0
 
 
-class ActivationReceiver:
+class ActivationReceiver(SubscribingEndpoint):
     """Subscribes to ``hearth.act.<pipeline_id>.<hop>`` and acks on ``hearth.ack.<pipeline_id>.<hop>``.
 
     Steps come out whole (``await receiver.next_step(timeout_s)`` or ``async for step in receiver``) in
@@ -139,18 +139,8 @@ class ActivationReceiver:
         self._sub: Subscription | None = None
         self._closed = False
 
-    async def start(self) -> "ActivationReceiver":
-        if self._sub is None:
-            self._sub = await self.nc.subscribe(self.subject, cb=self._on_frame)
-            # Frames published after start() returns must reach this subscription.
-            await self.nc.flush(timeout=subscribe_flush_timeout_s)
-        return self
-
-    async def __aenter__(self) -> "ActivationReceiver":
-        return await self.start()
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
+    def _subscription(self):
+        return self.subject, self._on_frame
 
     @property
     def ready_steps(self) -> int:

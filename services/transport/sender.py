@@ -28,6 +28,7 @@ from services.transport.frames import (
     encode_step,
 )
 from services.transport.stats import SenderStats
+from services.transport.subscription import SubscribingEndpoint
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +52,7 @@ class SentStep:
     window_wait_s: float
 
 
-class AckWindowSender:
+class AckWindowSender(SubscribingEndpoint):
     """Sends steps to ``hearth.act.<pipeline_id>.<hop>`` and frees its window on ``hearth.ack.<pipeline_id>.<hop>``.
 
     At most `window_chunks` chunks are un-acked at any time; send() waits (at most `ack_timeout_s` per
@@ -91,25 +92,19 @@ class AckWindowSender:
         self._space_waiter: asyncio.Future[None] | None = None
         self._drained_waiters: list[asyncio.Future[None]] = []
         self._send_lock = asyncio.Lock()
-        self._ack_sub: Subscription | None = None
+        self._sub: Subscription | None = None
         self._closed = False
 
     @property
     def in_flight_chunks(self) -> int:
         return len(self._in_flight)
 
-    async def start(self) -> "AckWindowSender":
-        if self._ack_sub is None:
-            self._ack_sub = await self.nc.subscribe(self.ack_subject, cb=self._on_ack)
-            # The server must know the ack subscription before the first frame can be acked.
-            await self.nc.flush(timeout=self.ack_timeout_s)
-        return self
+    def _subscription(self):
+        # The server must know the ack subscription before the first frame can be acked.
+        return self.ack_subject, self._on_ack
 
-    async def __aenter__(self) -> "AckWindowSender":
-        return await self.start()
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
+    def _start_flush_timeout_s(self) -> float:
+        return self.ack_timeout_s
 
     async def send(
         self,
@@ -121,7 +116,7 @@ class AckWindowSender:
         """Publish one step (all its chunks); returns once every chunk is published, not acked."""
         if self._closed:
             raise TransportClosed(f"sender to hop {self.hop} of pipeline {self.pipeline_id} is closed")
-        if self._ack_sub is None:
+        if self._sub is None:
             raise TransportError("AckWindowSender.start() must be awaited before send()")
         started = time.perf_counter()
         encoded = await self._encode(info, tensor, wire_dtype or self.wire_dtype)
@@ -192,7 +187,7 @@ class AckWindowSender:
         for waiter in [self._space_waiter, *self._drained_waiters]:
             if waiter is not None and not waiter.done():
                 waiter.set_exception(error)
-        sub, self._ack_sub = self._ack_sub, None
+        sub, self._sub = self._sub, None
         if sub is not None and not self.nc.is_closed:
             try:
                 await sub.unsubscribe()

@@ -1,0 +1,46 @@
+"""The start/stop shape shared by the transport's subscribers (receiver, sender's ack side, ack observer).
+
+`start()` subscribes once and flushes, so that whatever is published after it returns reaches the
+subscription; every subscriber is also an async context manager that closes on exit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Self
+
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+subscribe_flush_timeout_s = 5.0
+
+
+class SubscribingEndpoint:
+    """Base of a transport endpoint that lives on one NATS subscription (`_sub`, None until started)."""
+
+    nc: NatsClient
+    _sub: Subscription | None
+
+    def _subscription(self) -> tuple[str, Callable[[Msg], Awaitable[None]]]:
+        """The subject to subscribe to and the callback for its messages."""
+        raise NotImplementedError
+
+    def _start_flush_timeout_s(self) -> float:
+        return subscribe_flush_timeout_s
+
+    async def start(self) -> Self:
+        if self._sub is None:
+            subject, callback = self._subscription()
+            self._sub = await self.nc.subscribe(subject, cb=callback)
+            await self.nc.flush(timeout=self._start_flush_timeout_s())
+        return self
+
+    async def close(self) -> None:
+        raise NotImplementedError
+
+    async def __aenter__(self) -> Self:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
