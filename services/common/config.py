@@ -75,6 +75,11 @@ class TransportSettings(_Section):
     step_timeout_s: float = Field(
         default=10.0, gt=0, description="a hop that has not passed a step on within this is stalled"
     )
+    gone_check_after_s: float = Field(
+        default=0.5, gt=0,
+        description="a step held this long makes the orchestrator check that the hops holding it are still "
+                    "connected (a dead host is failed over at once instead of after step_timeout_s)",
+    )
 
 
 class NatsSettings(_Section):

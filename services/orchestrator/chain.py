@@ -7,12 +7,19 @@ open). So the chain probes hops h and h+1 with a `stat` control request: a hop t
 the probe's time (or has no responder at all) is the culprit; when both answer, h holds the step and is the
 one to route around. The probe starts `probe_timeout_s` (at most half the step timeout) before the step
 times out, so the verdict is there when it does: a stall is declared within the step timeout.
+
+A host that died (killed, crashed, unplugged) need not wait that long: its NATS connection is gone, and
+with it the subscription on its control subject, so a request there fails at once with "no responders".
+Once a step has been held `gone_check_after_s` (far longer than a step normally takes, far shorter than
+the step timeout), the chain asks the suspects once; one without a responder is failed over right away.
+A frozen or merely slow host still has its connection and is left to the step timeout.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import logging
 import time
 import uuid
@@ -21,6 +28,7 @@ from dataclasses import dataclass
 import torch
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
+from nats.errors import NoRespondersError
 
 from inference import LocalModel
 from services.common.compute import on_compute_thread
@@ -54,6 +62,8 @@ control_timeout_s = 5.0
 stall_poll_fraction = 0.1
 # A live shard answers `stat` in milliseconds; one that has not within this is frozen or gone.
 probe_timeout_s = 0.5
+# "No responders" comes back at once; an answer slower than this is no evidence that the host is gone.
+gone_check_timeout_s = 0.25
 close_flush_timeout_s = 2.0
 
 
@@ -68,6 +78,12 @@ class HopFailure(Exception):
         self.check = check
 
 
+class ProbeOutcome(enum.Enum):
+    answered = "answered"
+    no_responder = "no_responder"  # nothing subscribes to its control subject: the host is gone
+    silent = "silent"  # no answer in time: frozen, overloaded, or the answer was lost
+
+
 class OpenRefused(HopFailure):
     def __init__(self, shard_id: str, code: str, message: str) -> None:
         super().__init__(shard_id, f"refused: {code}: {message}", kind="refused")
@@ -78,6 +94,7 @@ class OpenRefused(HopFailure):
 class StepTimeouts:
     step_timeout_s: float
     prefill_timeout_per_token_s: float = 0.01
+    gone_check_after_s: float = 0.5
 
     def for_step(self, kind: FrameKind, tokens: int) -> float:
         if kind is FrameKind.prefill:
@@ -122,6 +139,8 @@ class HopChain:
         # The liveness probe of the step currently held too long: (step, holder hop) and its task.
         self._probe_key: tuple[int, int] | None = None
         self._probe: asyncio.Task | None = None
+        # The (step, holder hop) whose suspects were already checked for a lost connection.
+        self._gone_checked: tuple[int, int] | None = None
         self._step = 0
 
     @property
@@ -208,7 +227,8 @@ class HopChain:
         except TransportTimeout as error:
             raise HopFailure(self.hops[0].shard_id, f"hop 0 did not ack: {error}") from None
         sent_at = time.monotonic()
-        poll_s = max(0.01, self.timeouts.step_timeout_s * stall_poll_fraction)
+        poll_s = max(0.01, min(self.timeouts.step_timeout_s * stall_poll_fraction,
+                               self.timeouts.gone_check_after_s / 2))
         while True:
             self._raise_for_notices()
             received = await self._next_output(poll_s)
@@ -250,6 +270,13 @@ class HopChain:
         # Hop 0 never acked: nobody after it is involved. Otherwise the next hop may be the one gone.
         suspects = [i for i in ([holder] if progress is None else [holder, holder + 1]) if i < len(self.hops)]
         held_s = now - since
+        if held_s > self.timeouts.gone_check_after_s and self._gone_checked != (info.step, holder):
+            self._gone_checked = (info.step, holder)
+            for index, outcome in zip(suspects, await self._probe_outcomes(suspects, gone_check_timeout_s)):
+                if outcome is ProbeOutcome.no_responder:
+                    raise HopFailure(self.hops[index].shard_id,
+                                     f"no longer connected (no responder on its control subject); step "
+                                     f"{info.step} held {held_s:.2f} s")
         probe_s = min(probe_timeout_s, self.timeouts.step_timeout_s / 2)
         if len(suspects) > 1 and held_s > timeout_s - probe_s and self._probe_key != (info.step, holder):
             self._cancel_probe()
@@ -276,22 +303,28 @@ class HopChain:
         return suspects[0]
 
     async def _probe_all(self, suspects: list[int], timeout_s: float) -> list[bool]:
-        return list(await asyncio.gather(*(self.probe(self.hops[i], timeout_s) for i in suspects)))
+        outcomes = await self._probe_outcomes(suspects, timeout_s)
+        return [outcome is ProbeOutcome.answered for outcome in outcomes]
+
+    async def _probe_outcomes(self, suspects: list[int], timeout_s: float) -> list[ProbeOutcome]:
+        return list(await asyncio.gather(*(self.probe_outcome(self.hops[i], timeout_s) for i in suspects)))
 
     def _cancel_probe(self) -> None:
         if self._probe is not None:
             self._probe.cancel()
         self._probe, self._probe_key = None, None
 
-    async def probe(self, hop: Hop, timeout_s: float = probe_timeout_s) -> bool:
-        """Whether the hop's shard answers `stat` within `timeout_s` (no responder at all: False at once)."""
+    async def probe_outcome(self, hop: Hop, timeout_s: float = probe_timeout_s) -> ProbeOutcome:
+        """How the hop's shard reacts to `stat`: answers, has no responder (gone), or stays silent."""
         try:
             message = await self.nc.request(hop.control_subject, StatShard().model_dump_json().encode(),
                                             timeout=timeout_s)
             ShardStat.model_validate_json(message.data)
-        except Exception:
-            return False
-        return True
+        except NoRespondersError:
+            return ProbeOutcome.no_responder
+        except Exception:  # a timeout, a closed connection, or an answer that is not a ShardStat
+            return ProbeOutcome.silent
+        return ProbeOutcome.answered
 
 
 class LocalChain:

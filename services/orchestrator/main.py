@@ -48,6 +48,7 @@ def config_from_settings(
     distributed = research.distributed_inference
     policy = PipelinePolicy(
         step_timeout_s=step_timeout_s or settings.transport.step_timeout_s,
+        gone_check_after_s=settings.transport.gone_check_after_s,
         fallback_to_local=distributed.fallback_to_local,
         fallback_to_local_after_failures=distributed.fallback_to_local_after_failures,
         wire_dtype=distributed.activation_dtype,

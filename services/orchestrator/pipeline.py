@@ -54,6 +54,7 @@ max_open_attempts = 8
 class PipelinePolicy:
     step_timeout_s: float = 10.0
     prefill_timeout_per_token_s: float = 0.01
+    gone_check_after_s: float = 0.5
     fallback_to_local: bool = True
     fallback_to_local_after_failures: int = 2
     wire_dtype: str = "auto"
@@ -158,7 +159,8 @@ class PipelineRun:
             chain = HopChain(
                 self.nc, self.pipeline_id, hops, model_id=self.model.model_id,
                 weights_sha256=self.model.weights_sha256,
-                timeouts=StepTimeouts(self.policy.step_timeout_s, self.policy.prefill_timeout_per_token_s),
+                timeouts=StepTimeouts(self.policy.step_timeout_s, self.policy.prefill_timeout_per_token_s,
+                                      self.policy.gone_check_after_s),
                 wire_dtype=self.policy.wire_dtype, window_chunks=self.policy.window_chunks,
                 chunk_bytes=self.policy.chunk_bytes, sink_bounds=self.sink_bounds,
             )

@@ -91,6 +91,8 @@ async def test_sigkill_mid_generation_fails_over_to_the_replica_token_for_token(
     assert failovers[0].resumed_at_token >= ACT_AFTER_TOKENS
     degraded = call.of_type("shard_status")
     assert [(f.shard_id, f.status) for f in degraded] == [(victim.shard_id, "degraded")]
+    # Found dead by its missing control responder (gone_check_after_s), not by waiting out the step timeout.
+    assert "no longer connected" in degraded[0].reason, degraded[0].reason
     assert call.token_ids == reference.token_ids
     assert call.final.timing.failovers == 1
 
