@@ -64,6 +64,8 @@ stall_poll_fraction = 0.1
 probe_timeout_s = 0.5
 # "No responders" comes back at once; an answer slower than this is no evidence that the host is gone.
 gone_check_timeout_s = 0.25
+# What `[transport] gone_check_after_s` defaults to where no settings are given (tests, the library API).
+default_gone_check_after_s = 0.5
 close_flush_timeout_s = 2.0
 
 
@@ -94,7 +96,7 @@ class OpenRefused(HopFailure):
 class StepTimeouts:
     step_timeout_s: float
     prefill_timeout_per_token_s: float = 0.01
-    gone_check_after_s: float = 0.5
+    gone_check_after_s: float = default_gone_check_after_s
 
     def for_step(self, kind: FrameKind, tokens: int) -> float:
         if kind is FrameKind.prefill:

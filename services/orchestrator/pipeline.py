@@ -38,7 +38,7 @@ from services.common.chat_protocol import (
     Usage,
 )
 from services.orchestrator.catalog import LoadedModel
-from services.orchestrator.chain import HopChain, HopFailure, LocalChain, StepTimeouts
+from services.orchestrator.chain import HopChain, HopFailure, LocalChain, StepTimeouts, default_gone_check_after_s
 from services.orchestrator.health import RecentFailures
 from services.orchestrator.router import RoutingError, ShardRouter
 from services.transport import FrameKind
@@ -54,7 +54,7 @@ max_open_attempts = 8
 class PipelinePolicy:
     step_timeout_s: float = 10.0
     prefill_timeout_per_token_s: float = 0.01
-    gone_check_after_s: float = 0.5
+    gone_check_after_s: float = default_gone_check_after_s
     fallback_to_local: bool = True
     fallback_to_local_after_failures: int = 2
     wire_dtype: str = "auto"
