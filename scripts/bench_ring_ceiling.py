@@ -31,28 +31,23 @@ prompt_tokens = 64
 frame_header = struct.Struct("ii")  # (position of the first token, number of tokens); n < 0 stops
 
 
-def split_layers(num_layers: int, parts: int) -> list[tuple[int, int]]:
-    """Contiguous inclusive ranges, the earlier ones one layer longer (as `hearth bench` splits)."""
-    base, extra = divmod(num_layers, parts)
-    ranges, lo = [], 0
-    for part in range(parts):
-        hi = lo + base + (1 if part < extra else 0) - 1
-        ranges.append((lo, hi))
-        lo = hi + 1
-    return ranges
+def read_hidden(message: bytes, hidden_size: int):
+    """A ring frame's hidden states ``[1, tokens, hidden_size]`` and where the compute trailer starts."""
+    import torch
+
+    tokens = frame_header.unpack_from(message)[1]
+    hidden_end = frame_header.size + tokens * hidden_size * 4
+    hidden = torch.frombuffer(bytearray(message[frame_header.size:hidden_end]), dtype=torch.float32)
+    return hidden.view(1, tokens, hidden_size), hidden_end
 
 
 def stage_step(runner, message: bytes) -> bytes | None:
     """Run one ring frame through a layer range, appending its compute seconds; None for the stop frame."""
-    import torch
-
     started = time.perf_counter()
     pos, tokens = frame_header.unpack_from(message)
     if tokens < 0:
         return None
-    hidden_end = frame_header.size + tokens * runner.info.hidden_size * 4
-    hidden = torch.frombuffer(bytearray(message[frame_header.size:hidden_end]), dtype=torch.float32)
-    hidden = hidden.view(1, tokens, runner.info.hidden_size)
+    hidden, hidden_end = read_hidden(message, runner.info.hidden_size)
     if pos == 0:
         runner.reset("ring")
     output = runner.forward("ring", hidden, pos, "prefill" if tokens > 1 else "decode")
@@ -129,13 +124,9 @@ class Head:
         return message
 
     def next_token(self, message: bytes) -> int:
-        import torch
-
         started = time.perf_counter()
-        tokens = frame_header.unpack_from(message)[1]
-        hidden_end = frame_header.size + tokens * self.head.info.hidden_size * 4
-        hidden = torch.frombuffer(bytearray(message[frame_header.size:hidden_end]), dtype=torch.float32)
-        token = int(self.head.logits(hidden.view(1, tokens, -1)).argmax())
+        hidden, hidden_end = read_hidden(message, self.head.info.hidden_size)
+        token = int(self.head.logits(hidden).argmax())
         self.compute_s += sum(struct.unpack(f"{(len(message) - hidden_end) // 8}d", message[hidden_end:]))
         self.compute_s += time.perf_counter() - started
         return token
@@ -263,9 +254,10 @@ def main() -> None:
     from transformers import AutoConfig
 
     from services.bench import random_checkpoint
+    from services.cluster import even_layer_ranges
 
     path = str(random_checkpoint(f"random:{args.shape}"))
-    ranges = split_layers(AutoConfig.from_pretrained(path).num_hidden_layers, args.shards)
+    ranges = even_layer_ranges(AutoConfig.from_pretrained(path).num_hidden_layers, args.shards)
     context = mp.get_context("spawn")
     results = {}
     for mode in args.modes:
