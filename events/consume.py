@@ -1,11 +1,9 @@
 """Reads events back from JetStream in stream order (projector, replay, rebuild) without leaving a consumer behind.
 
-`read_stream` drives its own ordered push consumer: an ephemeral, in-memory, ack-less consumer with flow
-control and idle heartbeats, the same recipe as the official clients' "ordered consumer". Any gap in the
-consumer sequence, a missed heartbeat (the server restarted, the consumer vanished) or a deletion
-notice makes it recreate the consumer from the next stream sequence it still needs, so the caller sees
-every stored message exactly once and in order. The consumer is deleted when the iterator is closed;
-if the process dies instead, the server drops it after `consumer_inactive_threshold_s`.
+`read_stream` reads through events.ordered_reader.OrderedPushReader (our own ordered push consumer; its
+module says why nats-py's is not used), so the caller sees every stored message exactly once and in
+order, across consumer losses and nats-server restarts, and no consumer stays behind once the iterator
+is closed.
 
 Messages that do not decode into an event are logged, counted in `hearth_events_undecodable_total`
 and yielded as `SkippedMessage`, so a reader can still move its position past them.
@@ -13,48 +11,32 @@ and yielded as `SkippedMessage`, so a reader can still move its position past th
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
-import time
-import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import datetime
 
-import nats.errors
-from nats.aio.client import Client as NatsClient
-from nats.aio.msg import Msg
-from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, ReplayPolicy
 from pydantic import ValidationError
 
 from events.metrics import events_undecodable_total
 from events.models import Event, decode_event
+from events.ordered_reader import OrderedPushReader, StreamReadStalled
+
+__all__ = [
+    "SkippedMessage",
+    "StoredEvent",
+    "StreamReadStalled",
+    "decode_stored_message",
+    "read_stream",
+    "stream_last_seq",
+]
 
 log = logging.getLogger(__name__)
 
-# Heartbeats let us notice a vanished consumer (server restart) within ~3 intervals.
-consumer_idle_heartbeat_s = 2.0
-missed_heartbeats_before_reset = 3
-# How often a quiet reader checks for a reconnect, missing heartbeats or its idle timeout.
-quiet_check_interval_s = 0.5
-# Safety net for a reader that dies without deleting its consumer.
-consumer_inactive_threshold_s = 30.0
-jetstream_api_timeout_s = 5.0
-consumer_delete_timeout_s = 2.0
-recreate_retry_initial_s = 0.25
-recreate_retry_max_s = 2.0
 # Without --follow: give up (StreamReadStalled) when no expected message arrives for this long.
 default_idle_timeout_s = 15.0
-
-_STATUS_HEADER = "Status"
-_DESCRIPTION_HEADER = "Description"
-_CONSUMER_STALLED_HEADER = "Nats-Consumer-Stalled"
-_LAST_CONSUMER_HEADER = "Nats-Last-Consumer"
-_CONTROL_STATUS = "100"
-_CONFLICT_STATUS = "409"
 
 
 @dataclass(frozen=True)
@@ -78,10 +60,6 @@ class SkippedMessage:
     subject: str
     time: datetime
     error: str
-
-
-class StreamReadStalled(TimeoutError):
-    """A bounded read (follow=False) saw no expected message for `idle_timeout_s`."""
 
 
 async def stream_last_seq(js: JetStreamContext, stream: str) -> int:
@@ -115,7 +93,7 @@ async def read_stream(
         end_seq = min(end_seq, await stream_last_seq(js, stream))
         if from_seq > end_seq:
             return
-    reader = _OrderedPushReader(
+    reader = OrderedPushReader(
         js,
         stream,
         start_seq=from_seq,
@@ -179,229 +157,3 @@ def _as_filter_list(subject_filter: str | Sequence[str] | None) -> list[str]:
     if isinstance(subject_filter, str):
         return [subject_filter]
     return list(subject_filter)
-
-
-def _core_client(js: JetStreamContext) -> NatsClient:
-    # nats-py exposes no public accessor for the connection behind a JetStreamContext.
-    return js._nc  # noqa: SLF001
-
-
-class _OrderedPushReader:
-    """One ordered push consumer at a time on `stream`; recreated from the next needed sequence on any gap."""
-
-    def __init__(
-        self,
-        js: JetStreamContext,
-        stream: str,
-        *,
-        start_seq: int,
-        start_time: datetime | None,
-        filters: list[str],
-        follow: bool,
-        idle_timeout_s: float,
-    ) -> None:
-        self._js = js
-        self._nc = _core_client(js)
-        self._stream = stream
-        self._next_stream_seq = start_seq
-        self._start_time = start_time
-        self._filters = filters
-        self._follow = follow
-        self._idle_timeout_s = idle_timeout_s
-        # Deliveries are tagged with the consumer generation that received them.
-        self._queue: asyncio.Queue[tuple[int, Msg]] = asyncio.Queue()
-        self._generation = 0
-        self._subscription: Subscription | None = None
-        self._consumer_name: str | None = None
-        self._expected_consumer_seq = 1
-        self._last_activity = time.monotonic()
-        self._last_data = time.monotonic()
-        self._reconnects_at_creation = 0
-        self._waiting_since = time.monotonic()
-        self._nothing_left = False
-
-    async def open(self) -> bool:
-        """Create the first consumer; False when nothing is there to read and the read is bounded."""
-        num_pending = await self._create_consumer_retrying()
-        return self._follow or num_pending > 0
-
-    async def next_data_message(self) -> Msg | None:
-        """The next in-order data message (None: a bounded read found nothing left after a reset).
-
-        Handles flow control, heartbeats and consumer resets on the way.
-        """
-        # Time the caller spent between messages is not silence on the wire.
-        self._waiting_since = time.monotonic()
-        while True:
-            if self._nothing_left:
-                return None
-            delivery = self._queue.get_nowait() if not self._queue.empty() else await self._wait_for_message()
-            if delivery is None:
-                continue
-            generation, msg = delivery
-            if generation != self._generation:
-                continue  # a late delivery to a consumer we already replaced
-            self._last_activity = time.monotonic()
-            status = msg.headers.get(_STATUS_HEADER) if msg.headers else None
-            if status:
-                await self._handle_status(msg, status)
-                continue
-            try:
-                metadata = msg.metadata
-            except nats.errors.NotJSMessageError:
-                log.debug("ignoring a non-JetStream message on %s", msg.subject)
-                continue
-            if metadata.sequence.consumer != self._expected_consumer_seq:
-                log.info(
-                    "%s: consumer sequence gap (got %d, expected %d), resuming at stream seq %d",
-                    self._stream, metadata.sequence.consumer, self._expected_consumer_seq,
-                    self._next_stream_seq,
-                )
-                await self._reset()
-                continue
-            self._expected_consumer_seq += 1
-            self._next_stream_seq = metadata.sequence.stream + 1
-            self._start_time = None
-            self._last_data = self._last_activity
-            return msg
-
-    async def _wait_for_message(self) -> tuple[int, Msg] | None:
-        silence_limit_s = consumer_idle_heartbeat_s * missed_heartbeats_before_reset
-        try:
-            return await asyncio.wait_for(self._queue.get(), timeout=quiet_check_interval_s)
-        except asyncio.TimeoutError:
-            pass
-        now = time.monotonic()
-        if not self._follow and now - max(self._last_data, self._waiting_since) > self._idle_timeout_s:
-            raise StreamReadStalled(
-                f"no message from {self._stream} for {self._idle_timeout_s} s "
-                f"(waiting for stream seq >= {self._next_stream_seq})"
-            )
-        if self._nc.stats["reconnects"] != self._reconnects_at_creation:
-            # The server may have restarted and lost our in-memory consumer: don't wait for heartbeats to tell.
-            log.info("%s: reconnected to NATS, recreating the consumer", self._stream)
-            await self._reset()
-        elif now - max(self._last_activity, self._waiting_since) > silence_limit_s:
-            log.info("%s: no heartbeat for %.1f s, recreating the consumer", self._stream, silence_limit_s)
-            await self._reset()
-        return None
-
-    async def _handle_status(self, msg: Msg, status: str) -> None:
-        headers = msg.headers or {}
-        if status == _CONTROL_STATUS:
-            if msg.reply:
-                # A flow-control request; everything before it has been taken off the queue.
-                await self._nc.publish(msg.reply)
-                return
-            stalled_reply = headers.get(_CONSUMER_STALLED_HEADER)
-            if stalled_reply:
-                await self._nc.publish(stalled_reply)
-            last_consumer_seq = headers.get(_LAST_CONSUMER_HEADER)
-            if last_consumer_seq is not None and int(last_consumer_seq) != self._expected_consumer_seq - 1:
-                if int(last_consumer_seq) >= self._expected_consumer_seq:
-                    log.info("%s: heartbeat reports missed messages, resetting", self._stream)
-                    await self._reset()
-            return
-        if status == _CONFLICT_STATUS:
-            log.info("%s: consumer %s: %s; recreating", self._stream, self._consumer_name,
-                     headers.get(_DESCRIPTION_HEADER, "conflict"))
-            await self._reset()
-            return
-        log.debug("%s: ignoring status %s %s", self._stream, status, headers.get(_DESCRIPTION_HEADER, ""))
-
-    async def _reset(self) -> None:
-        await self._discard_consumer()
-        num_pending = await self._create_consumer_retrying()
-        # E.g. the remaining messages expired (max_age) while we were reconnecting.
-        self._nothing_left = not self._follow and num_pending == 0
-
-    async def _create_consumer_retrying(self) -> int:
-        """Create a fresh consumer from the next needed sequence; returns its num_pending."""
-        wait_s = recreate_retry_initial_s
-        first_failure_at: float | None = None
-        while True:
-            try:
-                return await self._create_consumer()
-            except (nats.errors.Error, asyncio.TimeoutError) as error:
-                now = time.monotonic()
-                first_failure_at = first_failure_at or now
-                if not self._follow and now - first_failure_at > self._idle_timeout_s:
-                    raise StreamReadStalled(f"cannot create a consumer on {self._stream}: {error}") from error
-                log.warning("%s: creating a consumer failed (%s); retrying in %.2f s", self._stream, error, wait_s)
-                await asyncio.sleep(wait_s)
-                wait_s = min(wait_s * 2, recreate_retry_max_s)
-
-    async def _create_consumer(self) -> int:
-        reconnects = self._nc.stats["reconnects"]
-        inbox = self._nc.new_inbox()
-        name = f"hearth-read-{uuid.uuid4().hex[:16]}"
-        queue = self._queue
-        self._generation += 1
-        generation = self._generation
-
-        async def enqueue(msg: Msg) -> None:
-            queue.put_nowait((generation, msg))
-
-        # Subscribe before creating the consumer, so no delivery can precede our interest.
-        subscription = await self._nc.subscribe(inbox, cb=enqueue)
-        config = ConsumerConfig(
-            name=name,
-            deliver_subject=inbox,
-            ack_policy=AckPolicy.NONE,
-            max_deliver=1,
-            flow_control=True,
-            idle_heartbeat=consumer_idle_heartbeat_s,
-            mem_storage=True,
-            num_replicas=1,
-            inactive_threshold=consumer_inactive_threshold_s,
-            replay_policy=ReplayPolicy.INSTANT,
-        )
-        if self._start_time is not None:
-            config.deliver_policy = DeliverPolicy.BY_START_TIME
-            config.opt_start_time = self._start_time.astimezone(timezone.utc)
-        else:
-            config.deliver_policy = DeliverPolicy.BY_START_SEQUENCE
-            config.opt_start_seq = self._next_stream_seq
-        if len(self._filters) == 1:
-            config.filter_subject = self._filters[0]
-        elif self._filters:
-            config.filter_subjects = list(self._filters)
-        try:
-            info = await self._js.add_consumer(self._stream, config=config, timeout=jetstream_api_timeout_s)
-        except BaseException:
-            await _quietly(subscription.unsubscribe())
-            raise
-        self._subscription = subscription
-        self._consumer_name = info.name
-        self._expected_consumer_seq = 1
-        self._reconnects_at_creation = reconnects
-        self._last_activity = time.monotonic()
-        self._last_data = self._last_activity
-        log.debug("%s: consumer %s from seq %d", self._stream, info.name, self._next_stream_seq)
-        return int(info.num_pending or 0)
-
-    async def _discard_consumer(self) -> None:
-        subscription, self._subscription = self._subscription, None
-        name, self._consumer_name = self._consumer_name, None
-        if subscription is not None:
-            await _quietly(subscription.unsubscribe())
-        while not self._queue.empty():
-            self._queue.get_nowait()
-        if name is not None and not self._nc.is_closed:
-            try:
-                await asyncio.wait_for(
-                    self._js.delete_consumer(self._stream, name), timeout=consumer_delete_timeout_s
-                )
-            except (nats.errors.Error, asyncio.TimeoutError) as error:
-                # It is in-memory and ack-less: the server drops it after the inactive threshold.
-                log.debug("%s: could not delete consumer %s: %s", self._stream, name, error)
-
-    async def close(self) -> None:
-        await self._discard_consumer()
-
-
-async def _quietly(awaitable) -> None:
-    try:
-        await awaitable
-    except (nats.errors.Error, asyncio.TimeoutError):
-        pass

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import Counter
+from prometheus_client import Counter, Gauge
 
 events_undecodable_total = Counter(
     "hearth_events_undecodable_total",
@@ -14,4 +14,9 @@ events_published_total = Counter(
     "hearth_events_published_total",
     "Events acknowledged by JetStream, by event type (duplicates dropped by the server included).",
     ["type"],
+)
+
+event_outbox_depth = Gauge(
+    "hearth_event_outbox_depth",
+    "Audit events recorded by this process and waiting to be written to JetStream.",
 )

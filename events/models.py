@@ -1,4 +1,4 @@
-"""The event vocabulary of DESIGN.md §3: one pydantic model per event type, in one discriminated union."""
+"""The event vocabulary of docs/events.md: one pydantic model per event type, in one discriminated union."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The two JetStream streams of DESIGN.md §3 and `ensure_streams`, which creates or updates them idempotently."""
+"""The two JetStream streams of docs/events.md and `ensure_streams`, which creates or updates them idempotently."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Subject names for events, shard control and activations (DESIGN.md §3 and §6), and the shard_key digest."""
+"""Subject names for events, shard control and activations (docs/design.md §3, §6), and the shard_key digest."""
 
 from __future__ import annotations
 

@@ -6,9 +6,8 @@ method per type, dispatched with functools.singledispatchmethod) and then moves 
 forward; messages at or below the position (redeliveries, a replay over an up-to-date database) are no-ops.
 The caller commits once, so a crash between two batches leaves rows and positions consistent.
 
-Handlers do not talk SQL: they edit plain dict rows held by a `BatchRows` unit of work, which loads each
-touched row once per batch and writes every changed row back with one executemany per table, then the
-positions. That keeps a heartbeat at a few microseconds instead of two SQL statements.
+Handlers do not talk SQL: they edit plain dict rows held by a readmodels.batch_rows.BatchRows unit of
+work, flushed before the positions (readmodels.positions) are moved.
 
 Determinism: every stored value comes from the event (instants from `occurred_at`, never the wall clock),
 each table column is written from one stream only, and rows are keyed on the payload (shard_id,
@@ -24,13 +23,11 @@ from __future__ import annotations
 import json
 import logging
 import math
-import re
 from collections.abc import Callable, Iterable
 from datetime import datetime
 from functools import singledispatchmethod
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import Table
 from sqlalchemy.orm import Session
 
 from events.models import (
@@ -47,116 +44,30 @@ from events.models import (
     ShardHeartbeat,
     ShardWithdrawn,
 )
-from readmodels.tables import Failover, Pipeline, ProjectionPosition, Shard, ShardHealth, ShardStats
+from readmodels.batch_rows import (
+    FAILOVERS,
+    PIPELINES,
+    SHARD_HEALTH,
+    SHARD_STATS,
+    SHARDS,
+    TABLE_SQL,
+    BatchRows,
+    Row,
+)
+from readmodels.pipeline_hops import hops_after_failover
+from readmodels.positions import PROJECTION_NAME, load_positions, save_position
 
 if TYPE_CHECKING:
     from events.consume import SkippedMessage, StoredEvent
 
 log = logging.getLogger(__name__)
 
-PROJECTION_NAME = "readmodels"
-
 TERMINAL_PIPELINE_STATUSES = frozenset({"completed", "aborted"})
-
-SHARDS: Table = Shard.__table__
-SHARD_HEALTH: Table = ShardHealth.__table__
-SHARD_STATS: Table = ShardStats.__table__
-PIPELINES: Table = Pipeline.__table__
-FAILOVERS: Table = Failover.__table__
-POSITIONS: Table = ProjectionPosition.__table__
-
-Row = dict[str, Any]
-
-
-class ConcurrentProjectionError(RuntimeError):
-    """Another writer moved this projection's position during our transaction; the batch was not applied."""
 
 
 def epoch_s(instant: datetime) -> int:
     """Floor to whole epoch seconds (the read models' INTEGER timestamp convention)."""
     return math.floor(instant.timestamp())
-
-
-def load_positions(session: Session, projection: str = PROJECTION_NAME) -> dict[str, int]:
-    """The last applied sequence per stream (streams never applied are absent)."""
-    cursor = _dbapi_cursor(session)
-    try:
-        cursor.execute(f"SELECT stream, last_seq FROM {POSITIONS.name} WHERE projection = ?", (projection,))
-        return dict(cursor.fetchall())
-    finally:
-        cursor.close()
-
-
-def _dbapi_cursor(session: Session):
-    # The session's own connection, so reads and writes share its transaction.
-    return session.connection().connection.cursor()
-
-
-class _TableSql:
-    """Prebuilt SQL for one table: load a row by primary key, write rows back whole."""
-
-    def __init__(self, table: Table) -> None:
-        self.table = table
-        self.columns = [column.name for column in table.columns]
-        self.key_columns = [column.name for column in table.primary_key.columns]
-        where = " AND ".join(f"{name} = ?" for name in self.key_columns)
-        self.select_one = f"SELECT {', '.join(self.columns)} FROM {table.name} WHERE {where}"
-        placeholders = ", ".join("?" for _ in self.columns)
-        # Every write carries the whole row, so REPLACE is an upsert (no foreign keys point at these rows).
-        self.replace = (
-            f"INSERT OR REPLACE INTO {table.name} ({', '.join(self.columns)}) VALUES ({placeholders})"
-        )
-
-
-_TABLE_SQL = {
-    table.name: _TableSql(table) for table in (SHARDS, SHARD_HEALTH, SHARD_STATS, PIPELINES, FAILOVERS)
-}
-
-
-class BatchRows:
-    """The rows one batch touches: each loaded at most once, edited in memory, written back by `flush()`."""
-
-    def __init__(self, session: Session) -> None:
-        self._cursor = _dbapi_cursor(session)
-        self._rows: dict[str, dict[Any, Row | None]] = {name: {} for name in _TABLE_SQL}
-        self._dirty: dict[str, dict[Any, Row]] = {name: {} for name in _TABLE_SQL}
-
-    def get(self, table: Table, key: Any) -> Row | None:
-        """The current row (None if there is none); edit it only through `edit` or `put`."""
-        rows = self._rows[table.name]
-        if key not in rows:
-            sql = _TABLE_SQL[table.name]
-            self._cursor.execute(sql.select_one, key if isinstance(key, tuple) else (key,))
-            found = self._cursor.fetchone()
-            rows[key] = dict(zip(sql.columns, found)) if found is not None else None
-        return rows[key]
-
-    def edit(self, table: Table, key: Any, new_row: Callable[[], Row] | None = None) -> Row | None:
-        """The row to change in place: created with `new_row()` if missing (None without a factory)."""
-        row = self.get(table, key)
-        if row is None:
-            if new_row is None:
-                return None
-            row = new_row()
-            self._rows[table.name][key] = row
-        self._dirty[table.name][key] = row
-        return row
-
-    def put(self, table: Table, key: Any, row: Row) -> None:
-        """Replace the whole row (no need to load it first)."""
-        self._rows[table.name][key] = row
-        self._dirty[table.name][key] = row
-
-    def flush(self) -> None:
-        for name, dirty in self._dirty.items():
-            if dirty:
-                sql = _TABLE_SQL[name]
-                values = [tuple(row[column] for column in sql.columns) for row in dirty.values()]
-                self._cursor.executemany(sql.replace, values)
-                dirty.clear()
-
-    def close(self) -> None:
-        self._cursor.close()
 
 
 def _new_stats(shard_id: str) -> Callable[[], Row]:
@@ -208,34 +119,8 @@ class ReadModelProjection:
         finally:
             rows.close()
         for stream, at in last_event_at.items():
-            self._save_position(session, stream, stored_positions.get(stream), positions[stream], at)
+            save_position(session, self.name, stream, stored_positions.get(stream), positions[stream], at)
         return applied
-
-    def _save_position(
-        self, session: Session, stream: str, previous_seq: int | None, last_seq: int, last_event_at: int
-    ) -> None:
-        cursor = _dbapi_cursor(session)
-        try:
-            if previous_seq is None:
-                # A concurrent first insert fails on the primary key, rolling our batch back.
-                cursor.execute(
-                    f"INSERT INTO {POSITIONS.name} (projection, stream, last_seq, last_event_at) "
-                    "VALUES (?, ?, ?, ?)",
-                    (self.name, stream, last_seq, last_event_at),
-                )
-                return
-            # Guarded by the value we read: if another projector advanced it meanwhile, nothing matches.
-            cursor.execute(
-                f"UPDATE {POSITIONS.name} SET last_seq = ?, last_event_at = ? "
-                "WHERE projection = ? AND stream = ? AND last_seq = ?",
-                (last_seq, last_event_at, self.name, stream, previous_seq),
-            )
-            if cursor.rowcount != 1:
-                raise ConcurrentProjectionError(
-                    f"projection {self.name!r} position of {stream} moved under us (expected {previous_seq})"
-                )
-        finally:
-            cursor.close()
 
     # ---- one handler per event type ---------------------------------------------------------------------
 
@@ -378,7 +263,7 @@ class ReadModelProjection:
         """The pipeline row of this event, created if an earlier event of it has aged out of the log."""
 
         def new_pipeline() -> Row:
-            row: Row = {column: None for column in _TABLE_SQL[PIPELINES.name].columns}
+            row: Row = {column: None for column in TABLE_SQL[PIPELINES.name].columns}
             row.update(
                 pipeline_id=event.pipeline_id,
                 orchestrator_node_id=event.node_id,
@@ -411,42 +296,3 @@ def _set_live_status(pipeline: Row, *, degraded: bool = False) -> None:
 
 def _hops(pipeline: Row) -> list[str]:
     return json.loads(pipeline["hops"]) if pipeline["hops"] else []
-
-
-def hops_after_failover(
-    current_hops: list[str], failed_shard_id: str, replacement_hops: list[str]
-) -> list[str]:
-    """The pipeline's hops after a failover.
-
-    Producers use `replacement_hops` in two ways: DESIGN.md §3's example lists only the shards taking over
-    the failed shard's layers (hops [A 0-11, B 12-23], B fails, replacement [C 12-23] -> [A, C]), while an
-    orchestrator that repicks the whole chain lists every new hop. It is read as the whole new chain when
-    it repeats a surviving hop, when nothing survives, or when its layers (from the shard ids,
-    `<model>:<lo>-<hi>@<node>`) reach from the chain's first layer to its last; otherwise it is spliced in
-    at the failed shard's place.
-    """
-    surviving = [shard_id for shard_id in current_hops if shard_id != failed_shard_id]
-    if failed_shard_id not in current_hops or not surviving or set(replacement_hops) & set(surviving):
-        return list(replacement_hops)
-    chain_span, replacement_span = _layer_span(current_hops), _layer_span(replacement_hops)
-    if chain_span is not None and replacement_span is not None:
-        if replacement_span[0] <= chain_span[0] and replacement_span[1] >= chain_span[1]:
-            return list(replacement_hops)
-    index = current_hops.index(failed_shard_id)
-    return current_hops[:index] + list(replacement_hops) + current_hops[index + 1:]
-
-
-_SHARD_ID_RE = re.compile(r"^(?P<model>.+):(?P<lo>\d+)-(?P<hi>\d+)@(?P<node>.+)$")
-
-
-def _layer_span(shard_ids: list[str]) -> tuple[int, int] | None:
-    """(lowest lo, highest hi) of the layer ranges named in the shard ids; None if one does not parse."""
-    ranges = []
-    for shard_id in shard_ids:
-        match = _SHARD_ID_RE.match(shard_id)
-        if match is None:
-            return None
-        ranges.append((int(match["lo"]), int(match["hi"])))
-    if not ranges:
-        return None
-    return min(lo for lo, _ in ranges), max(hi for _, hi in ranges)

@@ -35,7 +35,16 @@ class ShardCandidate:
 
 def shards_of_model(session: Session, model_id: str) -> list[ShardCandidate]:
     """Every shard ever advertised for `model_id` (withdrawn and expired ones included), with its health."""
-    rows = session.execute(
+    return _shards(session, Shard.model_id == model_id)
+
+
+def all_shards(session: Session) -> list[ShardCandidate]:
+    """Every shard ever advertised, of every model (withdrawn and expired ones included), with its health."""
+    return _shards(session, None)
+
+
+def _shards(session: Session, condition) -> list[ShardCandidate]:
+    query = (
         select(
             Shard.shard_id,
             Shard.model_id,
@@ -55,10 +64,11 @@ def shards_of_model(session: Session, model_id: str) -> list[ShardCandidate]:
             ShardHealth.active_streams,
         )
         .outerjoin(ShardHealth, ShardHealth.shard_id == Shard.shard_id)
-        .where(Shard.model_id == model_id)
-        .order_by(Shard.shard_id)
+        .order_by(Shard.model_id, Shard.shard_id)
     )
-    return [ShardCandidate(*row) for row in rows]
+    if condition is not None:
+        query = query.where(condition)
+    return [ShardCandidate(*row) for row in session.execute(query)]
 
 
 def projection_positions(session: Session, projection: str = PROJECTION_NAME) -> dict[str, int]:

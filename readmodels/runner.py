@@ -1,7 +1,7 @@
 """Projector: follows both event streams from the stored positions and applies them to a SQLite read model.
 
 It lives in readmodels/ (not services/projector/) so the orchestrator can run the same projector in-process
-for its routing read model (DESIGN.md §1 forbids services importing each other). It is given a JetStream
+for its routing read model (docs/design.md §1 forbids services importing each other). It is given a JetStream
 context and never opens connections itself; metrics are read from its public counters by a collector
 (services/projector/metrics.py), so this module imports neither nats nor prometheus-client.
 
@@ -113,15 +113,11 @@ class Projector:
         tasks = list(self._followers.values()) + self._tasks
         self._followers.clear()
         self._tasks = []
-        for task in tasks:
-            task.cancel()
-        await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), timeout=stop_timeout_s)
+        await _cancel_within(tasks, stop_timeout_s)
         # The applier may have been restarting followers while we cancelled it.
         leftovers = list(self._followers.values())
         self._followers.clear()
-        for task in leftovers:
-            task.cancel()
-        await asyncio.gather(*leftovers, return_exceptions=True)
+        await _cancel_within(leftovers, stop_timeout_s)
         if self.engine is not None:
             self.engine.dispose()
         log.info("projector %s stopped at %s", self.projection.name, self.positions)
@@ -276,3 +272,15 @@ class Projector:
                     continue
                 self.stream_last_seqs[stream] = max(last_seq, self.positions[stream])
             await asyncio.sleep(lag_poll_interval_s)
+
+
+async def _cancel_within(tasks: list[asyncio.Task], timeout_s: float) -> None:
+    """Cancel `tasks` and wait at most `timeout_s` for them to end. Not wait_for(gather(...)): on Python 3.11
+    a task whose own wait_for swallowed the cancellation never ends, and wait_for would wait for it forever."""
+    for task in tasks:
+        task.cancel()
+    if not tasks:
+        return
+    _done, pending = await asyncio.wait(tasks, timeout=timeout_s)
+    if pending:
+        log.warning("%d projector task(s) did not stop within %s s", len(pending), timeout_s)

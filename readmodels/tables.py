@@ -1,4 +1,4 @@
-"""SQLAlchemy declarative tables of the read models (DESIGN.md §4); the schema is created only by Alembic.
+"""SQLAlchemy declarative tables of the read models (docs/design.md §4); the schema is created only by Alembic.
 
 Conventions, chosen so Grafana's SQLite datasource can read the tables directly:
 - instants are INTEGER epoch seconds (floored), or epoch milliseconds in a column named `*_at_ms`;

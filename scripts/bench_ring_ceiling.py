@@ -1,13 +1,13 @@
 """How fast can any 3-process pipeline decode on this machine? Rings of bare processes vs one process.
 
-Runs greedy decode of a `random:<shape>` checkpoint (services.bench) three ways, with hearth's layer
+Runs greedy decode of a `random:<shape>` checkpoint (services.random_models) three ways, with hearth's layer
 runner and head but none of hearth's services:
 
 - ``mono``: one process runs the head and all layers (what generate() does, minus its overhead);
 - ``pipe``: the head process and 3 layer-range processes pass hidden states round a ring of OS pipes,
   each computing on its main thread: the least any multi-process pipeline can add here;
 - ``nats``: the same ring through a nats-server with nats-py on uvloop, torch on one worker thread per
-  process (services.common.compute), no acks, checks or bookkeeping: the least a NATS pipeline can add.
+  process (inference.compute_thread), no acks, checks or bookkeeping: the least a NATS pipeline can add.
 
 The gap between ``pipe`` and ``mono`` is what splitting a model across processes costs on this machine
 before any transport; the gap between ``nats`` and hearth's pipeline is what hearth's own code costs.
@@ -73,7 +73,7 @@ def pipe_stage(path: str, lo: int, hi: int, threads: int, inbound, outbound) -> 
 
 
 def nats_stage(path: str, lo: int, hi: int, threads: int, url: str, index: int) -> None:
-    from services.common.compute import on_compute_thread
+    from inference.compute_thread import on_compute_thread
     from services.common.lifecycle import run_event_loop
 
     runner = load_stage(path, lo, hi, threads)
@@ -138,6 +138,8 @@ class Generation:
 
     tokens_per_s: float
     overhead_s: list[float]
+    # Tokens over the sum of the step times (hearth bench's way: a slow token counts in full).
+    mean_tokens_per_s: float = 0.0
 
 
 async def timed_generation(step, head: Head, new_tokens: int) -> Generation:
@@ -150,7 +152,7 @@ async def timed_generation(step, head: Head, new_tokens: int) -> Generation:
         token = await step([token], prompt_tokens + index)
         times.append(time.perf_counter() - started)
         overheads.append(times[-1] - head.compute_s)
-    return Generation(1.0 / statistics.median(times), overheads)
+    return Generation(1.0 / statistics.median(times), overheads, len(times) / sum(times))
 
 
 async def timed_generations(step, head: Head, rounds: int, new_tokens: int) -> list[Generation]:
@@ -189,7 +191,7 @@ def run_pipe(path: str, ranges, threads: int, rounds: int, new_tokens: int) -> l
 
 
 def run_nats(path: str, ranges, threads: int, rounds: int, new_tokens: int) -> list[Generation]:
-    from services.common.compute import on_compute_thread
+    from inference.compute_thread import on_compute_thread
     from services.common.lifecycle import run_event_loop
     from services.common.nats_server import EmbeddedNatsServer
 
@@ -243,7 +245,7 @@ def run_mode(mode: str, *args) -> list[Generation]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", default="llama-250m", help="a services.bench random shape")
+    parser.add_argument("--shape", default="llama-250m", help="a services.random_models shape")
     parser.add_argument("--shards", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2, help="intra-op threads of every process")
     parser.add_argument("--modes", nargs="+", choices=["mono", "pipe", "nats"], default=["mono", "pipe", "nats"])
@@ -253,7 +255,7 @@ def main() -> None:
 
     from transformers import AutoConfig
 
-    from services.bench import random_checkpoint
+    from services.random_models import random_checkpoint
     from services.cluster import even_layer_ranges
 
     path = str(random_checkpoint(f"random:{args.shape}"))

@@ -36,28 +36,36 @@ are shared, two threads waiting on each other ran more than ten times slower tha
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
-import os
 import random
-import re
 import shlex
 import sys
 import time
-from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
 
-# Tokenizer training is parallel (rayon); pin it before `tokenizers` is imported so the merge order
-# can never depend on scheduling.
-os.environ.setdefault("RAYON_NUM_THREADS", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# First: tiny_model.tokenizer pins the tokenizer's thread pool before anything imports `tokenizers`.
+from tiny_model.tokenizer import (
+    BOS_TOKEN,
+    EOS_TOKEN,
+    PAD_TOKEN,
+    build_sample_texts,
+    encode_samples,
+    train_tokenizer,
+    wrap_tokenizer,
+)
 
 import torch  # noqa: E402
 import typer  # noqa: E402
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers  # noqa: E402
+from tiny_model.card import MODEL_CARD  # noqa: E402
+from tiny_model.corpus import (  # noqa: E402
+    DEFAULT_CORPUS_DIR,
+    DEFAULT_CORPUS_FILES,
+    corpus_digest,
+    load_fortunes,
+    write_word_list,
+)
 from transformers import (  # noqa: E402
     GenerationConfig,
     LlamaConfig,
@@ -66,234 +74,8 @@ from transformers import (  # noqa: E402
 )
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_CORPUS_DIR = Path("/usr/share/games/fortunes")
 DEFAULT_OUT_DIR = REPO_ROOT / "models" / "hearth-tiny-llama"
 MODEL_SIZE_LIMIT_BYTES = 25 * 1024 * 1024
-
-# Fortune files that are prose or verse; left out: ascii-art (pictures), perl (code), linux/linuxcookie,
-# debian and knghtbrd (IRC logs full of nicknames and shell), translate-me (non-English), zippy (noise).
-DEFAULT_CORPUS_FILES = (
-    "art",
-    "computers",
-    "cookie",
-    "definitions",
-    "disclaimer",
-    "drugs",
-    "education",
-    "ethnic",
-    "food",
-    "fortunes",
-    "goedel",
-    "humorists",
-    "kids",
-    "law",
-    "literature",
-    "love",
-    "magic",
-    "medicine",
-    "men-women",
-    "miscellaneous",
-    "news",
-    "paradoxum",
-    "people",
-    "pets",
-    "platitudes",
-    "politics",
-    "pratchett",
-    "riddles",
-    "science",
-    "songs-poems",
-    "sports",
-    "startrek",
-    "tao",
-    "wisdom",
-    "work",
-)
-
-PAD_TOKEN = "<|pad|>"
-BOS_TOKEN = "<|begin|>"
-EOS_TOKEN = "<|end|>"
-ROLE_TOKENS = {"system": "<|system|>", "user": "<|user|>", "assistant": "<|assistant|>"}
-SPECIAL_TOKENS = [PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, *ROLE_TOKENS.values()]
-
-# Every message is "<|role|>\n" + content + "<|end|>\n"; the generation prompt opens an assistant turn.
-CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% for message in messages %}"
-    "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
-    "{{ raise_exception('Unknown role: ' + message['role']) }}"
-    "{% endif %}"
-    "{{ '<|' + message['role'] + '|>\n' + message['content'] + eos_token + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
-)
-
-GENERIC_PROMPTS = (
-    "Tell me a fortune.",
-    "Say something wise.",
-    "Tell me something.",
-    "Tell me a story.",
-    "Tell me a joke.",
-    "Share a quote.",
-    "Give me some advice.",
-    "What do you think?",
-    "Hello!",
-    "Hi, who are you?",
-    "Say something.",
-    "Write a short poem.",
-    "Can you say something funny?",
-    "What is the meaning of life?",
-    "I need a fortune cookie.",
-)
-TOPIC_PROMPTS = (
-    "Tell me something about {topic}.",
-    "Say something about {topic}.",
-    "What do you know about {topic}?",
-)
-# File name -> topic phrase for the topic prompts; files without an entry only get generic prompts.
-TOPICS = {
-    "computers": "computers",
-    "drugs": "drugs",
-    "education": "education",
-    "food": "food",
-    "humorists": "humor",
-    "kids": "kids",
-    "law": "the law",
-    "literature": "literature",
-    "love": "love",
-    "magic": "magic",
-    "medicine": "medicine",
-    "men-women": "men and women",
-    "news": "the news",
-    "people": "people",
-    "pets": "pets",
-    "politics": "politics",
-    "riddles": "riddles",
-    "science": "science",
-    "songs-poems": "poems",
-    "sports": "sports",
-    "startrek": "Star Trek",
-    "tao": "the Tao",
-    "wisdom": "wisdom",
-    "work": "work",
-}
-SYSTEM_PROMPTS = (
-    "You are a helpful assistant.",
-    "You are hearth, a small model that tells fortunes.",
-    "You are a friendly assistant.",
-)
-
-WORD_RE = re.compile(r"[A-Za-z]+")
-
-
-@dataclass(frozen=True)
-class Fortune:
-    """One fortune cookie and the file (category) it came from."""
-
-    category: str
-    text: str
-
-
-def normalize_fortune(raw: str) -> str:
-    """Trims each line and collapses runs of blanks, keeping line breaks (verse needs them)."""
-    lines = [re.sub(r"[ \t]+", " ", line).strip() for line in raw.splitlines()]
-    return "\n".join(lines).strip()
-
-
-def is_prose(text: str, max_fortune_chars: int) -> bool:
-    """Keeps fortunes that read as text: not too long, mostly letters, no drawings or code."""
-    if not 20 <= len(text) <= max_fortune_chars:
-        return False
-    letters_and_spaces = sum(1 for ch in text if ch.isalpha() or ch in " \n")
-    if letters_and_spaces / len(text) < 0.8:
-        return False
-    return not re.search(r"[|_\\/#<>{}=~^]{3,}", text)
-
-
-def load_fortunes(corpus_dir: Path, file_names: list[str], max_fortune_chars: int) -> list[Fortune]:
-    """Reads the fortune files in the given (fixed) order and returns the filtered fortunes."""
-    fortunes: list[Fortune] = []
-    for name in file_names:
-        path = corpus_dir / name
-        if not path.is_file():
-            raise FileNotFoundError(
-                f"{path} is missing; install the corpus with "
-                "`apt-get update && apt-get install -y fortunes-min fortunes`"
-            )
-        raw = path.read_text(encoding="utf-8", errors="replace")
-        for chunk in re.split(r"^%\s*$", raw, flags=re.MULTILINE):
-            text = normalize_fortune(chunk)
-            if is_prose(text, max_fortune_chars):
-                fortunes.append(Fortune(category=name, text=text))
-    return fortunes
-
-
-def corpus_digest(corpus_dir: Path, file_names: list[str]) -> dict[str, str]:
-    """The sha256 of every corpus file, so a retrain can tell whether it saw the same data."""
-    return {name: hashlib.sha256((corpus_dir / name).read_bytes()).hexdigest() for name in file_names}
-
-
-def train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
-    """A byte-level BPE tokenizer (every string round-trips) whose first ids are the special tokens."""
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        min_frequency=2,
-        special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(texts, trainer=trainer)
-    # A raw prompt is tokenized like a plain-text training sample: it starts with <|begin|>.
-    bos_id = tokenizer.token_to_id(BOS_TOKEN)
-    tokenizer.post_processor = processors.TemplateProcessing(
-        single=f"{BOS_TOKEN} $A",
-        pair=f"{BOS_TOKEN} $A $B",
-        special_tokens=[(BOS_TOKEN, bos_id)],
-    )
-    return tokenizer
-
-
-def wrap_tokenizer(tokenizer: Tokenizer, context_tokens: int) -> PreTrainedTokenizerFast:
-    """The transformers tokenizer that `AutoTokenizer.from_pretrained` gives back after saving."""
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer,
-        bos_token=BOS_TOKEN,
-        eos_token=EOS_TOKEN,
-        pad_token=PAD_TOKEN,
-        additional_special_tokens=list(ROLE_TOKENS.values()),
-        chat_template=CHAT_TEMPLATE,
-        model_max_length=context_tokens,
-        clean_up_tokenization_spaces=False,
-    )
-
-
-def build_sample_texts(fortunes: list[Fortune], chat_fraction: float, rng: random.Random) -> list[str]:
-    """Each fortune becomes one training text: a chat exchange (with probability chat_fraction) or plain."""
-    texts = []
-    for fortune in fortunes:
-        if rng.random() >= chat_fraction:
-            texts.append(f"{BOS_TOKEN}{fortune.text}{EOS_TOKEN}")
-            continue
-        topic = TOPICS.get(fortune.category)
-        if topic is not None and rng.random() < 0.5:
-            prompt = rng.choice(TOPIC_PROMPTS).format(topic=topic)
-        else:
-            prompt = rng.choice(GENERIC_PROMPTS)
-        turns = []
-        if rng.random() < 0.15:
-            turns.append(("system", rng.choice(SYSTEM_PROMPTS)))
-        turns += [("user", prompt), ("assistant", fortune.text)]
-        body = "".join(f"{ROLE_TOKENS[role]}\n{content}{EOS_TOKEN}\n" for role, content in turns)
-        texts.append(f"{BOS_TOKEN}{body}")
-    return texts
-
-
-def encode_samples(tokenizer: Tokenizer, texts: list[str]) -> list[list[int]]:
-    """Token ids of every sample; the texts carry their own special tokens, so none are added."""
-    return [encoding.ids for encoding in tokenizer.encode_batch(texts, add_special_tokens=False)]
 
 
 def pack_epoch(samples: list[list[int]], window_tokens: int, rng: random.Random) -> torch.Tensor:
@@ -339,89 +121,6 @@ def greedy_chat(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, pro
 def directory_size_bytes(path: Path) -> int:
     """Bytes of all files below path."""
     return sum(file.stat().st_size for file in path.rglob("*") if file.is_file())
-
-
-def write_word_list(fortunes: list[Fortune], path: Path, min_count: int) -> int:
-    """Writes the lower-cased words that occur at least min_count times in the corpus, one per line."""
-    counts = Counter(word.lower() for fortune in fortunes for word in WORD_RE.findall(fortune.text))
-    words = sorted(word for word, count in counts.items() if count >= min_count)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(
-        f"# Words that occur at least {min_count} times in the hearth-tiny-llama training corpus (Debian\n"
-        "# fortunes, BSD licence); written by scripts/train_tiny_model.py --word-list-out.\n" + "\n".join(words) + "\n",
-        encoding="utf-8",
-    )
-    return len(words)
-
-
-MODEL_CARD = """\
-# hearth-tiny-llama
-
-A tiny Llama model bundled with hearth so that `hearth demo` and the tests can stream readable English
-without any network access. It is a toy: it answers every message with something that reads like a
-fortune cookie, often nonsensical, and knows nothing. Do not use it for anything but demos and tests.
-
-## Architecture
-
-| | |
-|---|---|
-| class | `LlamaForCausalLM` (plain transformers, no custom code) |
-| layers | {layers} (the demo splits them into shards of two) |
-| hidden size / intermediate size | {hidden} / {intermediate} |
-| attention heads / key-value heads | {heads} / {kv_heads} (grouped-query attention) |
-| context | {context} positions, RoPE |
-| vocabulary | {vocab} byte-level BPE tokens, untied input and output embeddings |
-| parameters | {params:,} |
-| dtype | float32, safetensors |
-| size on disk | {size_mb:.1f} MB (weights, tokenizer, configs) |
-
-The tokenizer is byte-level, so every string round-trips. Special tokens: `<|begin|>` (bos, added to
-raw prompts), `<|end|>` (eos, ends every turn), `<|pad|>`, and the role markers `<|system|>`,
-`<|user|>`, `<|assistant|>`. The chat template renders
-
-```
-<|begin|><|user|>
-Tell me a fortune.<|end|>
-<|assistant|>
-```
-
-for `apply_chat_template(messages, add_generation_prompt=True)`.
-
-## Training data and licence
-
-{fortunes} fortunes from Debian's `fortunes` and `fortunes-min` packages (files in
-`/usr/share/games/fortunes`: {files}), filtered to prose and verse of at most {max_chars} characters.
-The packages are in Debian main; `/usr/share/doc/fortunes/copyright` puts them under the BSD licence of
-the Regents of the University of California (clause 3 deleted). Each fortune was used either as plain
-text or, with probability {chat_fraction}, as the assistant's answer to a short request such as "Tell me a
-fortune." or "Tell me something about science." (the topic is the fortune file's name).
-
-## Training
-
-{steps} steps of AdamW (peak learning rate {lr}, {warmup} warm-up steps, cosine decay), batches of
-{batch} windows of {window} tokens, seed {seed}, torch threads: {threads}, deterministic torch algorithms.
-
-| | |
-|---|---|
-| final training loss (mean of the last {log_every} steps) | {train_loss:.3f} |
-| held-out loss ({val_windows} windows) | {val_loss:.3f} |
-
-Greedy answer to "Tell me a fortune.":
-
-```
-{sample}
-```
-
-## Retrain
-
-```sh
-apt-get update && apt-get install -y fortunes-min fortunes
-{command}
-```
-
-The same command on the same torch build and thread count reproduces the same tokenizer and weights;
-`training_manifest.json` records the arguments, the sha256 of every corpus file and the library versions.
-"""
 
 
 def main(

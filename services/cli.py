@@ -10,19 +10,24 @@ Adding a command: write a function decorated with `@app.command("name")` (or a s
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
 from services.common.cli_options import (
+    STOPPING_HELP,
     ConfigOption,
     LogLevelOption,
     NatsUrlOption,
+    WaitForNatsOption,
     apply_top_level_options,
     cli_state,
+    long_running,
     resolve_nats_url,
     settings,
+    wait_for_nats,
 )
 
 app = typer.Typer(
@@ -34,6 +39,8 @@ app = typer.Typer(
 )
 db_app = typer.Typer(help="Manage a read-model SQLite database.", no_args_is_help=True)
 app.add_typer(db_app, name="db")
+# Decorated with @long_running: SIGINT/SIGTERM stop them quietly from the moment `hearth` starts.
+LONG_RUNNING_COMMANDS = ("projector", "shard", "orchestrator")
 
 @app.callback()
 def main_options(
@@ -42,6 +49,10 @@ def main_options(
     log_level: LogLevelOption = "INFO",
 ) -> None:
     """hearth: run one LLM across the machines of a community mesh (sharded layers over NATS)."""
+    from services.common.lifecycle import default_stop_signals
+
+    if ctx.invoked_subcommand not in LONG_RUNNING_COMMANDS:
+        default_stop_signals()  # SIGINT/SIGTERM as in any Python program; the others keep main()'s handlers
     apply_top_level_options(ctx, config, log_level)
 
 
@@ -97,7 +108,8 @@ def db_upgrade_command(
     typer.echo(f"{db}: schema at the latest revision")
 
 
-@app.command("projector")
+@app.command("projector", epilog=STOPPING_HELP)
+@long_running("hearth projector")
 def projector_command(
     ctx: typer.Context,
     db: Annotated[Path, typer.Option("--db", help="SQLite read-model file to keep up to date.")],
@@ -105,13 +117,17 @@ def projector_command(
     metrics_port: Annotated[
         Optional[int], typer.Option("--metrics-port", help="Serve Prometheus /metrics on this port.")
     ] = None,
+    wait_for_nats_flag: WaitForNatsOption = False,
 ) -> None:
     """Follow both event streams and keep a SQLite read model up to date until SIGINT/SIGTERM."""
     from services.common.lifecycle import run_until_stopped
     from services.projector.main import run_projector
 
+    wait_for_nats(ctx, wait_for_nats_flag)
     url = resolve_nats_url(ctx, nats_url)
-    run_until_stopped(lambda stop_event: run_projector(db, url, metrics_port, stop_event=stop_event))
+    nats_settings = settings(ctx).nats
+    run_until_stopped(lambda stop_event: run_projector(db, url, metrics_port, stop_event=stop_event,
+                                                       nats_settings=nats_settings))
 
 
 ReadyFileOption = Annotated[
@@ -130,16 +146,18 @@ BusyThreadsOption = Annotated[
                  help="Intra-op threads per step while this process serves more than one stream (default: all "
                       "of them). Set 1 when several hearth processes share this machine's cores."),
 ]
-DEFAULT_CHAT_MODEL = "hearth-tiny-llama"
 
 
-@app.command("shard")
+@app.command("shard", epilog=STOPPING_HELP)
+@long_running("hearth shard")
 def shard_command(
     ctx: typer.Context,
     model: Annotated[str, typer.Option("--model", help="Checkpoint folder or hub model id.")],
     layers: Annotated[str, typer.Option("--layers", help="Inclusive layer range to host, e.g. 0-7.")],
     nats_url: NatsUrlOption = None,
-    max_streams: Annotated[int, typer.Option("--max-streams", min=1, help="Concurrent pipelines served.")] = 4,
+    max_streams: Annotated[Optional[int], typer.Option(
+        "--max-streams", min=1, help="Concurrent pipelines served (default: [shard] max_concurrent_streams).",
+        show_default=False)] = None,
     node_id: Annotated[
         Optional[str], typer.Option("--node-id", help="This host's id (default: the machine's host name).")
     ] = None,
@@ -148,11 +166,15 @@ def shard_command(
     ] = None,
     hop_weight: Annotated[float, typer.Option("--hop-weight", help="1.0 = same LAN; larger = farther.")] = 1.0,
     dtype: Annotated[Optional[str], typer.Option("--dtype", help="Compute dtype (default: checkpoint's).")] = None,
-    heartbeat_s: Annotated[float, typer.Option("--heartbeat-s", help="Seconds between heartbeats.")] = 2.0,
-    ttl_s: Annotated[float, typer.Option("--ttl-s", help="Advertisement time-to-live, seconds.")] = 60.0,
+    heartbeat_s: Annotated[Optional[float], typer.Option(
+        "--heartbeat-s", help="Seconds between heartbeats (default: [shard] heartbeat_interval_s).",
+        show_default=False)] = None,
+    ttl_s: Annotated[Optional[float], typer.Option(
+        "--ttl-s", help="Advertisement time-to-live, seconds (default: [shard] advertisement_ttl_s).",
+        show_default=False)] = None,
     fault: Annotated[
         Optional[str],
-        typer.Option("--fault", hidden=True, help="Testing only: nan, scale=X, delay_s=S, after_steps=N."),
+        typer.Option("--fault", hidden=True, help="Testing only: nan, scale=X, delay_s=S, fail, after_steps=N."),
     ] = None,
     torch_threads: TorchThreadsOption = None,
     busy_threads: BusyThreadsOption = None,
@@ -161,23 +183,24 @@ def shard_command(
         Optional[int], typer.Option("--metrics-port", help="Serve Prometheus /metrics (per-step transport "
                                     "and compute histograms) on this port.", show_default=False)
     ] = None,
+    wait_for_nats_flag: WaitForNatsOption = False,
 ) -> None:
     """Host one contiguous layer range of a model: advertise it, heartbeat, serve activation streams."""
     from services.common.lifecycle import run_until_stopped
     from services.shard.main import run_shard
 
+    wait_for_nats(ctx, wait_for_nats_flag)
     url = resolve_nats_url(ctx, nats_url)
-    transport = settings(ctx).transport
     run_until_stopped(lambda stop_event: run_shard(
-        model=model, layers=layers, nats_url=url, node_id=node_id, model_id=model_id, max_streams=max_streams,
-        hop_weight=hop_weight, dtype=dtype, heartbeat_s=heartbeat_s, ttl_s=ttl_s, fault=fault,
-        torch_threads=torch_threads, busy_threads=busy_threads, ready_file=str(ready_file) if ready_file else None,
-        window_chunks=transport.window_chunks, chunk_bytes=transport.chunk_bytes, metrics_port=metrics_port,
-        stop_event=stop_event,
+        model=model, layers=layers, nats_url=url, settings=settings(ctx), node_id=node_id, model_id=model_id,
+        max_streams=max_streams, hop_weight=hop_weight, dtype=dtype, heartbeat_s=heartbeat_s, ttl_s=ttl_s,
+        fault=fault, torch_threads=torch_threads, busy_threads=busy_threads,
+        ready_file=str(ready_file) if ready_file else None, metrics_port=metrics_port, stop_event=stop_event,
     ))
 
 
-@app.command("orchestrator")
+@app.command("orchestrator", epilog=STOPPING_HELP)
+@long_running("hearth orchestrator")
 def orchestrator_command(
     ctx: typer.Context,
     nats_url: NatsUrlOption = None,
@@ -202,21 +225,22 @@ def orchestrator_command(
     torch_threads: TorchThreadsOption = None,
     busy_threads: BusyThreadsOption = None,
     ready_file: ReadyFileOption = None,
+    wait_for_nats_flag: WaitForNatsOption = False,
 ) -> None:
     """Answer llm.chat.request: route over shard hosts, embed and sample locally, stream frames back."""
     from services.common.lifecycle import run_until_stopped
-    from services.orchestrator.main import config_from_settings, run_orchestrator
+    from services.orchestrator.main import OrchestratorOptions, run_orchestrator, with_step_timeout
     from services.shard.main import configure_torch_threads, default_node_id
 
+    wait_for_nats(ctx, wait_for_nats_flag)
     configure_torch_threads(torch_threads)
-    config = config_from_settings(
-        settings(ctx), node_id=node_id or default_node_id(), db_path=db, local_model=local_model,
-        model_search_dirs=list(models_dir or []), step_timeout_s=step_timeout_s, busy_threads=busy_threads,
-    )
+    options = OrchestratorOptions(node_id=node_id or default_node_id(), db_path=db,
+                                  model_search_dirs=tuple(models_dir or ()), local_model=local_model,
+                                  busy_threads=busy_threads)
     url = resolve_nats_url(ctx, nats_url)
     run_until_stopped(lambda stop_event: run_orchestrator(
-        config, url, preload=list(preload or []), ready_file=str(ready_file) if ready_file else None,
-        stop_event=stop_event,
+        with_step_timeout(settings(ctx), step_timeout_s), options, url, preload=list(preload or []),
+        ready_file=str(ready_file) if ready_file else None, stop_event=stop_event,
     ))
 
 
@@ -225,8 +249,9 @@ def chat_command(
     ctx: typer.Context,
     prompt: Annotated[str, typer.Argument(help="What to say (a user message, or raw text with --raw).")],
     model: Annotated[
-        str, typer.Option("--model", help="Model id, as the shard hosts advertise it.")
-    ] = DEFAULT_CHAT_MODEL,
+        Optional[str], typer.Option("--model", help="Model id, as the shard hosts advertise it (default: the one "
+                                    "model the mesh serves; `hearth models` lists them).", show_default=False)
+    ] = None,
     max_tokens: Annotated[int, typer.Option("--max-tokens", min=1, help="Most tokens to generate.")] = 128,
     temperature: Annotated[float, typer.Option("--temperature", min=0.0, help="0 = greedy.")] = 0.0,
     seed: Annotated[Optional[int], typer.Option("--seed", help="Makes sampling reproducible.")] = None,
@@ -234,16 +259,35 @@ def chat_command(
     as_json: Annotated[bool, typer.Option("--json", help="Print every frame as one JSON line.")] = False,
     nats_url: NatsUrlOption = None,
 ) -> None:
-    """Send one chat request and print the answer as it streams."""
-    from services.common.chat_client import run_chat_command
+    """Send one chat request and print the answer as it streams (stdout; status lines on stderr).
+
+    Exit code 0 after a complete answer, 1 on an error, 2 when no answer came in time (NATS unreachable
+    within nats.connect_timeout_s, or no orchestrator)."""
+    from services.common.chat_command import run_chat_command
 
     url = resolve_nats_url(ctx, nats_url)
     code = run_chat_command(url, prompt=prompt, model=model, max_tokens=max_tokens, temperature=temperature,
-                            seed=seed, raw=raw, as_json=as_json)
+                            seed=seed, raw=raw, as_json=as_json, nats_settings=settings(ctx).nats)
     raise typer.Exit(code)
 
 
-@app.command("demo")
+@app.command("models")
+def models_command(
+    ctx: typer.Context,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the answer as JSON.")] = False,
+    nats_url: NatsUrlOption = None,
+) -> None:
+    """List the models the mesh can serve now (asks llm.models): layer coverage, context length, the default.
+
+    Exit code 0 with an answer, 2 when none came (NATS unreachable within nats.connect_timeout_s, or no
+    orchestrator listening)."""
+    from services.common.chat_command import run_models_command
+
+    url = resolve_nats_url(ctx, nats_url)
+    raise typer.Exit(run_models_command(url, as_json=as_json, settings=settings(ctx)))
+
+
+@app.command("demo", epilog="SIGINT (Ctrl-C) or SIGTERM stops every process it started within 2 s, exit code 0.")
 def demo_command(
     ctx: typer.Context,
     model: Annotated[
@@ -302,7 +346,7 @@ def bench_command(
 ) -> None:
     """Monolithic generate() vs the distributed pipeline on this machine: tokens/s, ratio, TTFT, construction,
     per-hop transport overhead, and concurrent sessions."""
-    from services.bench import BenchOptions, run_bench_command
+    from services.bench.command import BenchOptions, run_bench_command
 
     child_env = {}
     for item in env or []:
@@ -319,7 +363,13 @@ def bench_command(
 
 
 def main() -> None:
-    app()
+    from services.common.lifecycle import STOP_EXIT_CODE, StopRequested, raise_on_stop_signals
+
+    raise_on_stop_signals()  # a stop while `hearth` starts up (before any command runs) ends it quietly
+    try:
+        app()
+    except StopRequested:
+        sys.exit(STOP_EXIT_CODE)
 
 
 if __name__ == "__main__":

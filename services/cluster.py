@@ -36,7 +36,7 @@ def even_layer_ranges(num_layers: int, shards: int) -> list[tuple[int, int]]:
 
 
 # While a process serves several streams, its steps run on one intra-op thread so the hops of concurrent
-# sessions use the cores side by side (services.common.compute.StepThreads).
+# sessions use the cores side by side (inference.compute_thread.StepThreads).
 shared_machine_busy_threads = 1
 # libgomp's spin before a waiting OpenMP thread sleeps, in spin iterations (about 0.3 ms on the project's VM).
 openmp_spin_count = 20000

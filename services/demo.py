@@ -7,13 +7,13 @@ layers are split evenly (services.cluster.even_layer_ranges): shard host i serve
 
 Output: progress lines while starting go to stderr; the hop chain, the streamed answer (with an inline
 mark wherever the chain of shard hosts changes, e.g. after a failover), and a summary go to stdout.
-Exit code 0 after a complete answer (or, with --serve, after Ctrl-C), 1 when something failed to start
-or the answer ended in an error, 130 when interrupted before the answer was complete.
+Exit code 0 after a complete answer and after a requested stop (Ctrl-C, SIGTERM, a closed terminal) at
+any point, 1 when something failed to start or the answer ended in an error. A stop ends every process
+the demo started within about 2 s (each stops within services.common.lifecycle.stop_deadline_s).
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
@@ -25,8 +25,9 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.common.lifecycle import run_event_loop
+from services.common.lifecycle import STOP_EXIT_CODE, Interrupted, run_cancelling_on_signal
 from services.cluster import ClusterError, LocalCluster, ManagedProcess, even_layer_ranges
+from services.random_models import random_checkpoint
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BUNDLED_MODELS_DIR = REPO_ROOT / "models"
@@ -38,7 +39,6 @@ demo_ready_timeout_s = 300.0
 progress_poll_interval_s = 0.1
 read_model_wait_s = 3.0
 ORCHESTRATOR_NODE_ID = "demo-orchestrator"
-EXIT_INTERRUPTED = 130
 
 
 class DemoError(RuntimeError):
@@ -62,15 +62,13 @@ class DemoModel:
 
 def resolve_demo_model(spec: str | None) -> DemoModel:
     """The checkpoint folder for --model: the bundled model when None, a folder, a name under models/,
-    `random:<shape>` (see services.bench), or a hub id already in the local cache (never downloads)."""
+    `random:<shape>` (see services.random_models), or a hub id already in the local cache (never downloads)."""
     if spec is None:
         path = BUNDLED_MODELS_DIR / BUNDLED_MODEL_NAME
         if not (path / "config.json").is_file():
             raise DemoError(f"the bundled model {path} is missing: train it with "
                             "`.venv/bin/python scripts/train_tiny_model.py` or pass --model PATH")
     elif spec.startswith("random:"):
-        from services.bench import random_checkpoint
-
         path = random_checkpoint(spec)
     elif Path(spec).expanduser().is_dir():
         path = Path(spec).expanduser()
@@ -146,7 +144,6 @@ class DemoRun:
         previous_term = signal.signal(signal.SIGTERM, _raise_stop)
         previous_hup = signal.signal(signal.SIGHUP, _raise_stop)
         cluster: LocalCluster | None = None
-        answered = False
         try:
             demo_model = resolve_demo_model(self.model)
             if not 1 <= self.shards <= demo_model.num_layers:
@@ -154,7 +151,11 @@ class DemoRun:
             cluster = LocalCluster(work_dir=self.work_dir, torch_threads=self.torch_threads,
                                    log_level=self.log_level, start_new_session=True)
             self._start(cluster, demo_model)
-            answered = run_event_loop(self._ask(cluster.nats_url, demo_model))
+            # Signals cancel the answer's loop (not raise inside it); _Stop after, as everywhere else.
+            try:
+                answered = run_cancelling_on_signal(self._ask(cluster.nats_url, demo_model))
+            except Interrupted:
+                raise _Stop() from None
             if self.serve:
                 self._serve_until_stopped(cluster, demo_model)
             return 0 if answered else 1
@@ -166,7 +167,7 @@ class DemoRun:
             return 1
         except (KeyboardInterrupt, _Stop):
             _say("\ninterrupted")
-            return 0 if (self.serve and answered) else EXIT_INTERRUPTED
+            return STOP_EXIT_CODE
         finally:
             # A second Ctrl-C must not cut the shutdown short and leave processes behind.
             for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
@@ -243,8 +244,8 @@ class DemoRun:
 
     async def _ask(self, nats_url: str, model: DemoModel) -> bool:
         """Stream one answer to stdout; True when it ended with `done`."""
-        from services.common.chat_client import ChatTimeout, stream_chat_raw
-        from services.common.nats_connection import connect_nats
+        from services.common.chat_client import stream_chat_raw
+        from services.common.nats_connection import close_quietly, connect_nats
 
         request = self._request(model)
         nc = await connect_nats(nats_url, name="hearth-demo")
@@ -259,11 +260,8 @@ class DemoRun:
                     if outcome is not None:
                         return outcome
             return False
-        except ChatTimeout as error:
-            print(f"\nerror: {error}")
-            return False
         finally:
-            await asyncio.wait_for(nc.close(), timeout=5)
+            await close_quietly(nc)
 
     def _summarise(self, done, steps_per_host: Counter[str], pipeline_id: str | None) -> None:
         timing = done.timing

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from nats.aio.client import Client as NatsClient
 
-from services.common.lifecycle import run_event_loop
+from services.common.config import ClientSettings
 from services.common.chat_protocol import (
     CHAT_REQUEST_SUBJECT,
     FINAL_FRAME_TYPES,
@@ -17,45 +17,77 @@ from services.common.chat_protocol import (
     ChatRequest,
     DoneFrame,
     ErrorFrame,
+    MODELS_REQUEST_SUBJECT,
+    KeepaliveFrame,
+    ModelsReply,
+    ModelsRequest,
     PipelineAbortedFrame,
     TokenDeltaFrame,
     decode_frame,
 )
 
-# Generous: the first frame can wait for a model head to load on the orchestrator.
-first_frame_timeout_s = 120.0
-frame_gap_timeout_s = 60.0
+_client_defaults = ClientSettings()
+NO_RESPONDERS_STATUS = "503"
 
 
-class ChatTimeout(TimeoutError):
-    """No frame arrived within the allowed gap."""
+def _ending(code: str, message: str, after_seq: int) -> ErrorFrame:
+    """An error frame this client makes up itself when the orchestrator cannot send one."""
+    return ErrorFrame(seq=after_seq + 1, code=code, message=message)
 
 
 async def stream_chat_raw(
     nc: NatsClient,
     payload: bytes,
     *,
-    first_frame_timeout: float = first_frame_timeout_s,
-    frame_gap_timeout: float = frame_gap_timeout_s,
+    first_frame_timeout: float = _client_defaults.first_frame_timeout_s,
+    frame_gap_timeout: float = _client_defaults.silence_timeout_s,
+    include_keepalives: bool = False,
 ) -> AsyncIterator[ChatFrame]:
-    """Publish raw request bytes (valid or not) and yield frames until a final one; for tests and tools."""
+    """Publish raw request bytes (valid or not) and yield frames until a final one; for tests and tools.
+
+    The orchestrator sends a frame or a keepalive at least every `[transport] keepalive_interval_s`, so a
+    silence of `frame_gap_timeout` means it is gone: the stream then ends with an `orchestrator_gone` error
+    frame of its own (as it does at once when no orchestrator listens at all). A silence while our own
+    connection to the broker was down proves nothing and is waited out. Frames lost while the broker was away
+    (a gap in `seq`) end the stream with `pipeline_stalled`: the text would be missing a piece.
+    """
     inbox = nc.new_inbox()
     subscription = await nc.subscribe(inbox)
     try:
         await nc.publish(CHAT_REQUEST_SUBJECT, payload, reply=inbox)
-        timeout = first_frame_timeout
+        timeout, last_seq = first_frame_timeout, -1
+        reconnects = nc.stats["reconnects"]
         while True:
             try:
                 message = await subscription.next_msg(timeout=timeout)
-            except (asyncio.TimeoutError, TimeoutError) as error:
-                raise ChatTimeout(f"no frame from the orchestrator within {timeout} s") from error
+            except (asyncio.TimeoutError, TimeoutError):
+                if not nc.is_connected or nc.stats["reconnects"] != reconnects:
+                    reconnects = nc.stats["reconnects"]
+                    continue
+                yield _ending("orchestrator_gone", f"no frame and no keepalive from the orchestrator for "
+                                                   f"{timeout} s", last_seq)
+                return
+            if message.headers and message.headers.get("Status") == NO_RESPONDERS_STATUS:
+                yield _ending("orchestrator_gone", f"no orchestrator is listening on {CHAT_REQUEST_SUBJECT}",
+                              last_seq)
+                return
             frame = decode_frame(message.data)
+            timeout = frame_gap_timeout
+            if isinstance(frame, KeepaliveFrame):
+                if include_keepalives:
+                    yield frame
+                continue
+            if frame.seq != last_seq + 1:
+                yield _ending("pipeline_stalled", f"frames {last_seq + 1}-{frame.seq - 1} were lost while the "
+                                                  f"connection to the NATS broker was down", last_seq)
+                return
+            last_seq = frame.seq
             yield frame
             if frame.type in FINAL_FRAME_TYPES:
                 return
-            timeout = frame_gap_timeout
     finally:
-        await subscription.unsubscribe()
+        with contextlib.suppress(Exception):
+            await subscription.unsubscribe()
 
 
 async def stream_chat(nc: NatsClient, request: ChatRequest, **timeouts: float) -> AsyncIterator[ChatFrame]:
@@ -104,45 +136,8 @@ async def chat(nc: NatsClient, request: ChatRequest, **timeouts: float) -> ChatR
     return result
 
 
-def run_chat_command(nats_url: str, *, prompt: str, model: str, max_tokens: int, temperature: float,
-                     seed: int | None, raw: bool, as_json: bool) -> int:
-    """`hearth chat`: stream one answer to stdout; exit code 0 on `done`, 1 on an error frame, 2 on timeout."""
-    import sys
-
-    from services.common.chat_protocol import ChatMessage
-    from services.common.nats_connection import connect_nats
-
-    if raw:
-        request = ChatRequest(model=model, prompt=prompt, max_tokens=max_tokens, temperature=temperature, seed=seed)
-    else:
-        request = ChatRequest(model=model, messages=[ChatMessage(role="user", content=prompt)],
-                              max_tokens=max_tokens, temperature=temperature, seed=seed)
-
-    async def run() -> int:
-        nc = await connect_nats(nats_url, name="hearth-chat")
-        try:
-            async for frame in stream_chat(nc, request):
-                if as_json:
-                    print(frame.model_dump_json(exclude_none=True), flush=True)
-                elif isinstance(frame, TokenDeltaFrame):
-                    sys.stdout.write(frame.text)
-                    sys.stdout.flush()
-                elif isinstance(frame, DoneFrame):
-                    timing = frame.timing
-                    print(f"\n[{frame.finish_reason}: {frame.usage.completion_tokens} tokens, "
-                          f"{timing.tokens_per_second or 0:.1f} tokens/s, ttft {timing.ttft_ms or 0:.0f} ms]",
-                          file=sys.stderr)
-                elif isinstance(frame, (ErrorFrame, PipelineAbortedFrame)):
-                    message = frame.message if isinstance(frame, ErrorFrame) else frame.reason
-                    print(f"\nerror {frame.code}: {message}", file=sys.stderr)
-                    return 1
-                elif frame.type in ("shard_status", "shard_failover"):
-                    print(f"\n[{frame.type}: {frame.model_dump_json(exclude={'seq', 'type'})}]", file=sys.stderr)
-            return 0
-        except ChatTimeout as error:
-            print(f"error: {error}", file=sys.stderr)
-            return 2
-        finally:
-            await nc.close()
-
-    return run_event_loop(run())
+async def list_models(nc: NatsClient, timeout_s: float = _client_defaults.first_frame_timeout_s) -> ModelsReply:
+    """Ask `llm.models` which models the mesh can serve now. Raises nats' NoRespondersError when no orchestrator
+    listens, and its TimeoutError when none answers within `timeout_s`."""
+    message = await nc.request(MODELS_REQUEST_SUBJECT, ModelsRequest().model_dump_json().encode(), timeout=timeout_s)
+    return ModelsReply.model_validate_json(message.data)

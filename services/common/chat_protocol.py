@@ -1,4 +1,4 @@
-"""The client protocol of DESIGN.md §7: the `llm.chat.request` message and the frames streamed back."""
+"""The client protocol of docs/protocol.md: the `llm.chat.request` message and the frames streamed back."""
 
 from __future__ import annotations
 
@@ -8,12 +8,13 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
 CHAT_REQUEST_SUBJECT = "llm.chat.request"
+MODELS_REQUEST_SUBJECT = "llm.models"
 max_tokens_limit = 8192
 max_prompt_chars = 1_000_000
 
 ErrorCode = Literal[
     "experimental_disabled", "shard_unavailable", "pipeline_stalled", "weights_mismatch", "bad_request",
-    "internal_error", "overloaded",
+    "internal_error", "overloaded", "orchestrator_gone",
 ]
 
 
@@ -36,7 +37,8 @@ class ChatRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     request_id: str = Field(default_factory=lambda: uuid.uuid4().hex, min_length=1, max_length=128)
-    model: str = Field(min_length=1, max_length=512)
+    # May be left out when the mesh serves exactly one model (ModelsReply.default_model).
+    model: str | None = Field(default=None, min_length=1, max_length=512)
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     prompt: str | None = Field(default=None, min_length=1, max_length=max_prompt_chars)
     max_tokens: int = Field(default=128, ge=1, le=max_tokens_limit)
@@ -139,6 +141,13 @@ class DoneFrame(_Frame):
     timing: Timing = Field(default_factory=Timing)
 
 
+class KeepaliveFrame(_Frame):
+    """Sent when no other frame went out for `[transport] keepalive_interval_s` (a slow step, a failover, a head
+    loading): a client that hears nothing at all for `[client] silence_timeout_s` knows the orchestrator is gone."""
+
+    type: Literal["keepalive"] = "keepalive"
+
+
 class ErrorFrame(_Frame):
     type: Literal["error"] = "error"
     code: ErrorCode
@@ -147,7 +156,7 @@ class ErrorFrame(_Frame):
 
 ChatFrame = Annotated[
     Union[PipelineFrame, TokenDeltaFrame, ShardStatusFrame, ShardFailoverFrame, PipelineAbortedFrame,
-          DoneFrame, ErrorFrame],
+          DoneFrame, ErrorFrame, KeepaliveFrame],
     Field(discriminator="type"),
 ]
 _frame_adapter: TypeAdapter[ChatFrame] = TypeAdapter(ChatFrame)
@@ -158,3 +167,36 @@ def decode_frame(data: bytes | dict[str, Any]) -> ChatFrame:
     if isinstance(data, dict):
         return _frame_adapter.validate_python(data)
     return _frame_adapter.validate_json(data)
+
+
+class ModelsRequest(BaseModel):
+    """A request on `llm.models` (an empty body is one too): which models can the mesh serve now?"""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class ServedModel(BaseModel):
+    """One model the mesh knows of: which of its layers live shard hosts cover right now."""
+
+    id: str
+    total_layers: int = Field(ge=0)
+    # Inclusive [lo, hi] layer ranges covered by live shards with the same weights, merged and sorted.
+    covered_layers: list[tuple[int, int]] = Field(default_factory=list)
+    # Every layer is covered: a pipeline can be built now.
+    complete: bool
+    weights_sha256: str | None = None
+    # Positions the model takes (prompt plus generated tokens); None when the orchestrator cannot read its config.
+    context_length: int | None = None
+    # The orchestrator can also run it whole by itself (local fallback).
+    runnable_locally: bool = False
+
+
+class ModelsReply(BaseModel):
+    """The answer on `llm.models`; `default_model` is what a request without `model` gets (set when exactly one
+    model can be served now)."""
+
+    models: list[ServedModel]
+    default_model: str | None = None
+
+
+DISCOVERY_MESSAGES = (ModelsRequest, ModelsReply)

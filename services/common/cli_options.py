@@ -3,16 +3,21 @@ the per-invocation settings they lead to (typer only; commands import their heav
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Optional, TypeVar
 
 import typer
+
+from services.common.config import NATS_URL_ENV
 
 if TYPE_CHECKING:
     from services.common.config import HearthSettings
 
-NATS_URL_ENV = "HEARTH_NATS_URL"
+F = TypeVar("F", bound=Callable[..., Any])
+
 CONFIG_ENV = "HEARTH_CONFIG"
 LOG_LEVEL_ENV = "HEARTH_LOG_LEVEL"
 
@@ -30,10 +35,24 @@ ConfigOption = Annotated[
     typer.Option(
         "--config",
         envvar=CONFIG_ENV,
-        help="TOML configuration file (DESIGN.md §9); HEARTH_* environment variables override it.",
+        help="TOML configuration file (docs/configuration.md); HEARTH_* environment variables override it.",
         show_default=False,
     ),
 ]
+WaitForNatsOption = Annotated[
+    bool,
+    typer.Option(
+        "--wait-for-nats",
+        help="Keep trying to reach NATS instead of exiting after nats.connect_timeout_s "
+             "(as nats.wait_for_broker = true in the configuration does).",
+    ),
+]
+# What the help of every long-running command says about stopping it.
+STOPPING_HELP = ("SIGINT (Ctrl-C) or SIGTERM stops it within 2 s with exit code 0. NATS unreachable for "
+                 "nats.connect_timeout_s of the configuration ends it with one line and exit code 1, unless "
+                 "--wait-for-nats.")
+EXIT_BROKER_UNREACHABLE = 1
+EXIT_REFUSED = 1
 LogLevelOption = Annotated[
     str, typer.Option("--log-level", envvar=LOG_LEVEL_ENV, help="DEBUG, INFO, WARNING or ERROR.")
 ]
@@ -80,6 +99,51 @@ def cli_state(ctx: typer.Context) -> CliState:
 def settings(ctx: typer.Context) -> "HearthSettings":
     """The configuration for this invocation (file from --config/HEARTH_CONFIG, then env overrides)."""
     return cli_state(ctx).settings()
+
+
+def wait_for_nats(ctx: typer.Context, wait: bool) -> None:
+    """`--wait-for-nats` given: this invocation's settings say [nats] wait_for_broker = true."""
+    if wait:
+        state = cli_state(ctx)
+        current = state.settings()
+        state._settings = current.model_copy(
+            update={"nats": current.nats.model_copy(update={"wait_for_broker": True})})
+
+
+def long_running(command: str) -> Callable[[F], F]:
+    """Decorate a long-running command: SIGINT/SIGTERM end it with exit code 0 and no traceback in any state
+    (services.common.lifecycle), an unreachable broker ends it with one line naming the URL, exit code 1."""
+
+    def decorate(function: F) -> F:
+        @functools.wraps(function)
+        def command_body(*args, **kwargs):
+            from services.common.lifecycle import (
+                CommandRefused,
+                StopRequested,
+                end_stopped_process,
+                stop_requested,
+                stop_signals_raise,
+            )
+            from services.common.nats_connection import BrokerUnreachable
+
+            try:
+                with stop_signals_raise():
+                    result = function(*args, **kwargs)
+            except StopRequested:
+                end_stopped_process()
+            except BrokerUnreachable as error:
+                typer.echo(f"{command}: {error}", err=True)
+                raise typer.Exit(EXIT_BROKER_UNREACHABLE) from None
+            except CommandRefused as error:
+                typer.echo(f"{command}: {error}", err=True)
+                raise typer.Exit(EXIT_REFUSED) from None
+            if stop_requested():
+                end_stopped_process()
+            return result
+
+        return command_body  # type: ignore[return-value]
+
+    return decorate
 
 
 def resolve_nats_url(ctx: typer.Context, nats_url: str | None) -> str:

@@ -1,4 +1,4 @@
-"""hearth's configuration (DESIGN.md §9): one TOML file, overridable by `HEARTH_*` environment variables.
+"""hearth's configuration (docs/configuration.md): one TOML file, overridable by `HEARTH_*` environment variables.
 
 Where the file comes from: `load_settings(path)`, else `$HEARTH_CONFIG`, else no file (defaults).
 Precedence, highest first: keyword arguments to `load_settings`, environment variables, the TOML file,
@@ -22,12 +22,17 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-from services.common.nats_connection import default_nats_url
 
 CONFIG_PATH_ENV = "HEARTH_CONFIG"
+DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
+NATS_URL_ENV = "HEARTH_NATS_URL"
 ENV_PREFIX = "HEARTH_"
 ENV_NESTED_DELIMITER = "__"
 MiB = 1024 * 1024
+
+
+def default_nats_url() -> str:
+    return os.environ.get(NATS_URL_ENV, DEFAULT_NATS_URL)
 
 
 class ConfigError(ValueError):
@@ -41,9 +46,18 @@ class _Section(BaseModel):
 class HostSettings(_Section):
     """[research.distributed_inference.host]: whether and how this machine serves shards."""
 
-    serve_shards: bool = False
-    shard_eviction_idle_seconds: float = Field(default=600, gt=0)
-    shard_max_memory_mb: float = Field(default=20000, gt=0)
+    # The spec's default (false) stays; starting `hearth shard` by hand is consent, so only an explicit
+    # `serve_shards = false` (file or env) makes it refuse (`serve_shards_refused`).
+    serve_shards: bool = Field(default=False, description="set to false: `hearth shard` refuses to start here")
+    shard_eviction_idle_seconds: float = Field(
+        default=600, gt=0, description="a hop that has received no step for this long is closed, its cache freed")
+    shard_max_memory_mb: float = Field(
+        default=20000, gt=0, description="a shard whose layer range needs more than this refuses to start")
+
+
+def serve_shards_refused(host: HostSettings) -> bool:
+    """True when this host's configuration explicitly forbids serving shards."""
+    return "serve_shards" in host.model_fields_set and not host.serve_shards
 
 
 class DistributedInferenceSettings(_Section):
@@ -68,7 +82,7 @@ class ResearchSettings(_Section):
 
 
 class TransportSettings(_Section):
-    """[transport]: the activation transport of DESIGN.md §6."""
+    """[transport]: the activation transport of docs/design.md §6."""
 
     window_chunks: int = Field(default=16, ge=1, description="un-acked chunks in flight per hop")
     chunk_bytes: int = Field(default=1 * MiB, ge=1024, description="largest payload of one frame")
@@ -80,12 +94,100 @@ class TransportSettings(_Section):
         description="a step held this long makes the orchestrator check that the hops holding it are still "
                     "connected (a dead host is failed over at once instead of after step_timeout_s)",
     )
+    prefill_timeout_per_token_s: float = Field(
+        default=0.01, ge=0, description="added to step_timeout_s per prompt token of a prefill step")
+    control_timeout_s: float = Field(default=5.0, gt=0, description="how long an open/close/stat request waits")
+    probe_timeout_s: float = Field(
+        default=0.5, gt=0, description="a shard that does not answer a liveness probe within this is frozen or gone")
+    gone_check_timeout_s: float = Field(
+        default=0.25, gt=0, description="'no responders' comes back at once; a slower answer proves nothing")
+    hop_ack_timeout_s: float = Field(
+        default=30.0, gt=0, description="a shard waits this long for the next hop to ack before giving a step up")
+    keepalive_interval_s: float = Field(
+        default=0.5, gt=0,
+        description="the orchestrator tells its client and its hops it is alive at least this often")
+    orphan_timeout_s: float = Field(
+        default=5.0, gt=0,
+        description="a shard drops a hop whose orchestrator sent no frame and no keepalive for this long")
+    int8_block_elems: int = Field(
+        default=64, ge=1, description="elements per quantisation block when the wire dtype is int8")
+    subscribe_timeout_s: float = Field(
+        default=5.0, gt=0, description="how long starting a sender, receiver or ack observer waits for the broker")
+    max_ready_steps: int = Field(
+        default=8, ge=1,
+        description="complete steps a receiver holds for its consumer; beyond that it stops acking (backpressure)")
+    ready_wait_timeout_s: float = Field(
+        default=30.0, gt=0, description="a complete step that finds no room for this long is dropped")
+    max_step_bytes: int = Field(
+        default=512 * MiB, ge=1, description="a receiver drops a step whose wire payload is larger than this")
+    max_partial_steps: int = Field(
+        default=64, ge=1, description="unfinished steps a receiver assembles at once; the oldest is abandoned")
+    max_tracked_sessions: int = Field(
+        default=4096, ge=1, description="sessions whose newest delivered step a receiver remembers")
+    ack_observer_max_sessions: int = Field(
+        default=1024, ge=1, description="sessions whose step progress an ack observer remembers")
+    ack_observer_max_steps_per_session: int = Field(
+        default=256, ge=1, description="steps per session whose progress an ack observer remembers")
 
 
 class NatsSettings(_Section):
     """[nats]: where the broker is; `--nats` and `$HEARTH_NATS_URL` on the command line win over this."""
 
     url: str = Field(default_factory=default_nats_url)
+    connect_timeout_s: float = Field(
+        default=10.0, gt=0,
+        description="a long-running command that cannot reach the broker within this exits with one line")
+    wait_for_broker: bool = Field(default=False, description="true: keep trying to reach the broker forever")
+    reconnect_wait_s: float = Field(default=0.5, gt=0, description="pause between reconnect attempts")
+    close_timeout_s: float = Field(
+        default=1.0, gt=0, description="how long closing a connection may take (the broker may be gone)")
+    drain_timeout_s: float = Field(
+        default=1.0, gt=0, description="at shutdown, how long flushing what we published may take before closing")
+
+
+class OrchestratorSettings(_Section):
+    """[orchestrator]: how one orchestrator serves its calls."""
+
+    request_deadline_s: float = Field(
+        default=3600.0, gt=0, description="a call still running after this ends (leaves room to load a head)")
+    client_resubscribe_grace_s: float = Field(
+        default=5.0, ge=0, description="after a reconnect, 'no responders' on a client inbox is not yet a leave")
+    catch_up_timeout_s: float = Field(
+        default=2.0, gt=0, description="how long routing waits for its read model to reach the event log's end")
+    event_queue_max: int = Field(
+        default=10000, ge=1, description="audit events waiting to be written; a full queue holds the call back")
+    event_retry_wait_s: float = Field(
+        default=1.0, gt=0, description="pause before writing an audit event again after a failed write")
+    event_flush_timeout_s: float = Field(
+        default=1.5, gt=0, description="at shutdown, how long the audit events still queued may take to write")
+    event_publish_delay_s: float = Field(
+        default=0.0, ge=0, description="testing only: every audit event write waits this long first")
+    broker_wait_s: float = Field(
+        default=30.0, gt=0,
+        description="a call whose broker connection dropped waits this long for it (and its hops) to come back")
+    max_broker_repairs: int = Field(
+        default=3, ge=0, description="rebuilds of a call's pipeline after the broker connection was lost")
+
+
+class ShardSettings(_Section):
+    """[shard]: how a shard host announces itself."""
+
+    heartbeat_interval_s: float = Field(default=2.0, gt=0, description="between shard.heartbeat events")
+    advertisement_ttl_s: float = Field(default=60.0, gt=0, description="an advertisement expires after this")
+    max_concurrent_streams: int = Field(default=4, ge=1, description="pipelines one shard serves at once")
+    hop_close_timeout_s: float = Field(
+        default=5.0, gt=0, description="closing a hop waits this long for a step being computed to finish")
+    withdraw_timeout_s: float = Field(default=2.0, gt=0, description="how long stopping waits to say it leaves")
+
+
+class ClientSettings(_Section):
+    """[client]: how `hearth chat` (and services.common.chat_client) waits for frames."""
+
+    first_frame_timeout_s: float = Field(
+        default=10.0, gt=0, description="no frame at all within this: no orchestrator took the call")
+    silence_timeout_s: float = Field(
+        default=2.5, gt=0,
+        description="no frame and no keepalive for this long after the first: the orchestrator is gone")
 
 
 class HearthSettings(BaseSettings):
@@ -102,6 +204,9 @@ class HearthSettings(BaseSettings):
     research: ResearchSettings = ResearchSettings()
     transport: TransportSettings = TransportSettings()
     nats: NatsSettings = Field(default_factory=NatsSettings)
+    orchestrator: OrchestratorSettings = OrchestratorSettings()
+    shard: ShardSettings = ShardSettings()
+    client: ClientSettings = ClientSettings()
 
     @classmethod
     def settings_customise_sources(

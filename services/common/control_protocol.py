@@ -1,4 +1,4 @@
-"""Request/reply messages on a shard's control subject (DESIGN.md §6): open, close and inspect pipeline hops.
+"""Request/reply messages on a shard's control subject (docs/protocol.md): open, close and inspect pipeline hops.
 
 Besides §6's `open` and `close`, a shard answers `stat` with a ShardStat: what it holds open right now.
 The orchestrator uses it as a liveness probe when a step stalls (a frozen or dead shard does not answer,
@@ -84,15 +84,35 @@ class ShardStat(BaseModel):
     cache_bytes: int = Field(ge=0)
 
 
-def integrity_subject(pipeline_id: str) -> str:
-    return f"hearth.integrity.{pipeline_id}"
+def hop_notice_subject(pipeline_id: str) -> str:
+    """Where a pipeline's hops tell its orchestrator at once that a step will not come out of them."""
+    return f"hearth.notice.{pipeline_id}"
 
 
-class IntegrityNotice(BaseModel):
-    """A hop found its input corrupted: the hop before it (or the orchestrator, for hop 0) produced it."""
+def keepalive_subject(pipeline_id: str) -> str:
+    """Where a pipeline's orchestrator says it is still alive (empty payload, every keepalive_interval_s): a
+    shard drops a hop that heard neither a step nor a keepalive for orphan_timeout_s."""
+    return f"hearth.keepalive.{pipeline_id}"
+
+
+HopProblem = Literal["input_failed_check", "step_failed"]
+
+
+class HopNotice(BaseModel):
+    """A hop could not pass a step on: its input failed a check (the hop before it, or the orchestrator for
+    hop 0, produced it) or its own computation raised (this hop is at fault)."""
 
     pipeline_id: str = Field(pattern=SUBJECT_TOKEN_PATTERN)
     session_id: str
     hop: int = Field(ge=0)
     step: int = Field(ge=0)
-    check: Literal["nan", "inf", "norm"]
+    problem: HopProblem
+    check: Literal["nan", "inf", "norm"] | None = None
+    # The exception's type and first line; never tensor contents.
+    message: str = Field(default="", max_length=500)
+
+    @model_validator(mode="after")
+    def _check_named_when_input_failed(self) -> "HopNotice":
+        if (self.problem == "input_failed_check") != (self.check is not None):
+            raise ValueError("check is given exactly when the problem is input_failed_check")
+        return self

@@ -1,16 +1,26 @@
-"""Runs a command's async main until SIGINT/SIGTERM, so every hearth process shuts down the same clean way."""
+"""Runs a command's async main until SIGINT/SIGTERM, so every hearth process shuts down the same clean way:
+a requested stop ends the process within stop_deadline_s, with exit code 0 and no traceback."""
 
 from __future__ import annotations
 
 import asyncio
+import atexit
+import contextlib
 import os
 import signal
-from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any, TypeVar
+import sys
+import threading
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
+from typing import Any, NoReturn, TypeVar
 
 T = TypeVar("T")
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# A requested stop (SIGINT/SIGTERM) is a success: the process did what it was asked.
+STOP_EXIT_CODE = 0
+# Once a stop is requested, the process is gone after this long whatever it is doing (loading a model on
+# a worker thread, waiting for a broker that is down): its own shutdown gets until then.
+stop_deadline_s = 1.5
 # libuv's event loop (uvloop) is used where it is installed: every activation frame crosses two event loops
 # per hop, and uvloop cuts a back-to-back NATS round trip on loopback from ~0.39 to ~0.26 ms on the project's
 # 2-core VM (less after an idle gap; BENCHMARKS.md, "Compute thread and OpenMP spinning").
@@ -30,19 +40,152 @@ def run_event_loop(coroutine: Coroutine[Any, Any, T]) -> T:
     return asyncio.run(coroutine)
 
 
-def run_until_stopped(main: Callable[[asyncio.Event], Awaitable[T]]) -> T:
-    """Run `main(stop_event)` (run_event_loop); SIGINT/SIGTERM set the event; `main` does its own shutdown."""
+class CommandRefused(RuntimeError):
+    """A command cannot do what it was asked (a model that does not load, a range that does not fit): the
+    command line prints the message as one line and exits 1."""
 
-    async def runner() -> T:
-        stop_event = asyncio.Event()
-        loop = asyncio.get_running_loop()
+
+class StopRequested(BaseException):
+    """SIGINT/SIGTERM arrived before the event loop ran (while importing, say); BaseException like
+    KeyboardInterrupt, so no `except Exception` on the way swallows it."""
+
+
+_deadline_lock = threading.Lock()
+_deadline_timer: threading.Timer | None = None
+
+
+def start_stop_deadline(seconds: float | None = None) -> None:
+    """Exit the process (STOP_EXIT_CODE) `seconds` from now unless it has ended by then; idempotent.
+
+    The shutdown a process does itself (withdraw, drain, flush) is bounded by its own timeouts; this is the
+    bound on everything else: a worker thread still loading weights keeps an interpreter from exiting.
+    """
+    global _deadline_timer
+    with _deadline_lock:
+        if _deadline_timer is not None:
+            return
+        _deadline_timer = threading.Timer(stop_deadline_s if seconds is None else seconds, _exit_now)
+        _deadline_timer.daemon = True
+        _deadline_timer.start()
+
+
+def stop_requested() -> bool:
+    """True once SIGINT/SIGTERM asked this process to stop."""
+    return _deadline_timer is not None
+
+
+def end_stopped_process() -> NoReturn:
+    """After a requested stop's own shutdown: run the atexit handlers, flush, exit with STOP_EXIT_CODE.
+
+    This skips the interpreter's teardown of every loaded module (about 1.2 s once torch and transformers
+    are imported, on the project's VM) and the join of a worker thread still loading weights nobody needs.
+    """
+    with contextlib.suppress(Exception):
+        atexit._run_exitfuncs()  # logging's flush, temporary directories
+    _exit_now()
+
+
+def _exit_now() -> NoReturn:
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(STOP_EXIT_CODE)
+
+
+def _raise_stop(signum: int, frame: object) -> None:
+    start_stop_deadline()
+    raise StopRequested(signum)
+
+
+def raise_on_stop_signals() -> None:
+    """From now on SIGINT/SIGTERM raise StopRequested in the main thread (and start the stop deadline)."""
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, _raise_stop)
+
+
+def default_stop_signals() -> None:
+    """SIGINT raises KeyboardInterrupt again and SIGTERM ends the process, as in any Python program."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+@contextlib.contextmanager
+def stop_signals_raise() -> Iterator[None]:
+    """Inside: SIGINT/SIGTERM raise StopRequested in the main thread (and start the stop deadline), so a
+    stop during imports or set-up ends the command at once; the handlers from before are back after it."""
+    previous = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
+    raise_on_stop_signals()
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            if handler is not None:
+                signal.signal(signum, handler)
+
+
+@contextlib.contextmanager
+def _loop_signal_handlers(loop: asyncio.AbstractEventLoop, handler: Callable[..., None], *args: Any) -> Iterator[None]:
+    """`handler(*args, signum)` for SIGINT/SIGTERM while inside; the Python-level handlers from before after."""
+    previous = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
+    for signum in STOP_SIGNALS:
+        loop.add_signal_handler(signum, handler, *args, signum)
+    try:
+        yield
+    finally:
         for signum in STOP_SIGNALS:
-            loop.add_signal_handler(signum, stop_event.set)
-        try:
-            return await main(stop_event)
-        finally:
-            for signum in STOP_SIGNALS:
-                loop.remove_signal_handler(signum)
+            loop.remove_signal_handler(signum)
+            if previous[signum] is not None:
+                signal.signal(signum, previous[signum])
+
+
+class Stopped(Exception):
+    """The stop event was set while `unless_stopped` waited: the command ends without serving."""
+
+
+# How long an abandoned start-up step (a connect, say) may take to wind down once cancelled.
+abandon_timeout_s = 1.0
+
+
+async def unless_stopped(awaitable: Awaitable[T], stop_event: asyncio.Event) -> T:
+    """Await a start-up step (connecting, loading a model) unless `stop_event` is set first: then cancel it
+    and raise Stopped, which run_until_stopped turns into a normal stop.
+
+    A step running on a worker thread goes on there until it finishes; the stop deadline ends the process.
+    """
+    step = asyncio.ensure_future(awaitable)
+    stop_wait = asyncio.ensure_future(stop_event.wait())
+    try:
+        # No timeout of its own: the step has its own (connect_timeout_s) or is meant to take its time.
+        await asyncio.wait({step, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stop_wait.cancel()
+        if not step.done():
+            step.cancel()
+            await asyncio.wait({step}, timeout=abandon_timeout_s)
+    if step.done() and not step.cancelled():
+        return step.result()
+    raise Stopped("stopped while starting")
+
+
+def run_until_stopped(main: Callable[[asyncio.Event], Awaitable[T]]) -> T | None:
+    """Run `main(stop_event)` (run_event_loop) until it returns; None after a requested stop.
+
+    SIGINT/SIGTERM set the event and start the stop deadline; `main` does its own shutdown, and wraps
+    its start-up steps in `unless_stopped` so that a stop before it serves ends it as well.
+    """
+
+    async def runner() -> T | None:
+        stop_event = asyncio.Event()
+
+        def stop(signum: int) -> None:
+            start_stop_deadline()
+            stop_event.set()
+
+        with _loop_signal_handlers(asyncio.get_running_loop(), stop):
+            try:
+                return await main(stop_event)
+            except Stopped:
+                return None
 
     return run_event_loop(runner())
 
@@ -56,23 +199,18 @@ def run_cancelling_on_signal(coroutine: Coroutine[Any, Any, T]) -> T:
 
     async def runner() -> T:
         task = asyncio.ensure_future(coroutine)
-        loop = asyncio.get_running_loop()
         signalled: list[int] = []
 
         def cancel(signum: int) -> None:
             signalled.append(signum)
             task.cancel()
 
-        for signum in STOP_SIGNALS:
-            loop.add_signal_handler(signum, cancel, signum)
-        try:
-            return await task
-        except asyncio.CancelledError:
-            if signalled:
-                raise Interrupted(f"stopped by signal {signalled[0]}") from None
-            raise
-        finally:
-            for signum in STOP_SIGNALS:
-                loop.remove_signal_handler(signum)
+        with _loop_signal_handlers(asyncio.get_running_loop(), cancel):
+            try:
+                return await task
+            except asyncio.CancelledError:
+                if signalled:
+                    raise Interrupted(f"stopped by signal {signalled[0]}") from None
+                raise
 
     return run_event_loop(runner())

@@ -1,26 +1,37 @@
-"""Opens the NATS client connection every hearth process uses: reconnect forever, log state changes."""
+"""Opens the NATS client connection every hearth process uses: a first connect bounded by [nats]
+connect_timeout_s (or patient with wait_for_broker), then reconnects forever, logging state changes once."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
-import os
 from collections.abc import Awaitable, Callable
 
-import nats
+from nats import errors as nats_errors
 from nats.aio.client import Client as NatsClient
+
+from services.common.config import DEFAULT_NATS_URL, NATS_URL_ENV, NatsSettings, default_nats_url
+
+__all__ = ["DEFAULT_NATS_URL", "NATS_URL_ENV", "BrokerUnreachable", "close_quietly", "connect_nats",
+           "default_nats_url", "drain_or_close"]
+_nats_defaults = NatsSettings()
 
 log = logging.getLogger(__name__)
 
-DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
-NATS_URL_ENV = "HEARTH_NATS_URL"
-connect_timeout_s = 5.0
-reconnect_wait_s = 0.5
 # Payloads up to this size are buffered while disconnected, so a broker restart loses no publish.
 pending_buffer_bytes = 64 * 1024 * 1024
+# Errors that announce a disconnect the disconnected callback reports anyway.
+_DISCONNECTING_ERRORS = (nats_errors.UnexpectedEOF, nats_errors.StaleConnectionError)
 
 
-def default_nats_url() -> str:
-    return os.environ.get(NATS_URL_ENV, DEFAULT_NATS_URL)
+class BrokerUnreachable(ConnectionError):
+    """The first connect did not reach the broker within [nats] connect_timeout_s (wait_for_broker was off)."""
+
+    def __init__(self, url: str, timeout_s: float) -> None:
+        super().__init__(f"cannot reach NATS at {url} within {timeout_s:g} s")
+        self.url = url
+        self.timeout_s = timeout_s
 
 
 async def connect_nats(
@@ -28,12 +39,42 @@ async def connect_nats(
     *,
     name: str = "hearth",
     on_reconnected: Callable[[], Awaitable[None] | None] | None = None,
+    settings: NatsSettings | None = None,
+    wait_for_broker: bool | None = None,
 ) -> NatsClient:
-    """Connect with unlimited reconnects: a broker restart must never end a hearth process."""
-    target = url or default_nats_url()
+    """Connect to `url` (else settings' url); BrokerUnreachable when the first connect takes longer than
+    `settings.connect_timeout_s`, unless `wait_for_broker` (default: the settings') says to wait forever.
+
+    nats-py makes the attempts (max_reconnect_attempts=-1, reconnect_time_wait, connect_timeout per
+    attempt); this only bounds them in time. Once connected, a broker restart never ends the process:
+    the client reconnects forever. A failed attempt or reconnect is logged once, not once per attempt;
+    closing the connection ourselves logs nothing above DEBUG.
+    """
+    if settings is None:
+        settings = _nats_defaults
+    wait = settings.wait_for_broker if wait_for_broker is None else wait_for_broker
+    target = url or settings.url
+    nc = NatsClient()
+    state = {"connected": False, "told_waiting": False}
+
+    async def errored(error: Exception) -> None:
+        if not state["connected"]:
+            if wait and not state["told_waiting"]:
+                state["told_waiting"] = True
+                log.warning("%s: NATS at %s is not reachable yet (%s); waiting for it", name, target, error)
+            else:
+                log.debug("%s: connecting to NATS %s failed: %s", name, target, error)
+        elif nc.is_reconnecting or nc.is_closed or isinstance(error, _DISCONNECTING_ERRORS):
+            # The disconnected callback says it once; each failed reconnect attempt is no news.
+            log.debug("%s: NATS error while reconnecting: %s", name, error)
+        else:
+            log.warning("%s: NATS error: %s", name, error)
 
     async def disconnected() -> None:
-        log.warning("%s: disconnected from NATS %s", name, target)
+        if nc.is_closed:  # we closed (or drained) it ourselves
+            log.debug("%s: closed the NATS connection to %s", name, target)
+        else:
+            log.warning("%s: disconnected from NATS %s; reconnecting", name, target)
 
     async def reconnected() -> None:
         log.info("%s: reconnected to NATS %s", name, target)
@@ -42,14 +83,11 @@ async def connect_nats(
             if result is not None:
                 await result
 
-    async def errored(error: Exception) -> None:
-        log.warning("%s: NATS error: %s", name, error)
-
-    return await nats.connect(
+    connecting = nc.connect(
         servers=[target],
         name=name,
-        connect_timeout=connect_timeout_s,
-        reconnect_time_wait=reconnect_wait_s,
+        connect_timeout=settings.connect_timeout_s,
+        reconnect_time_wait=settings.reconnect_wait_s,
         max_reconnect_attempts=-1,
         allow_reconnect=True,
         pending_size=pending_buffer_bytes,
@@ -57,3 +95,36 @@ async def connect_nats(
         reconnected_cb=reconnected,
         error_cb=errored,
     )
+    try:
+        if wait:
+            await connecting
+        else:
+            await asyncio.wait_for(connecting, timeout=settings.connect_timeout_s)
+    except asyncio.TimeoutError:
+        await close_quietly(nc)
+        raise BrokerUnreachable(target, settings.connect_timeout_s) from None
+    except BaseException:  # cancelled (a requested stop) or a refusal nats-py does not retry
+        await close_quietly(nc)
+        raise
+    state["connected"] = True
+    if state["told_waiting"]:
+        log.info("%s: connected to NATS %s", name, target)
+    return nc
+
+
+async def close_quietly(nc: NatsClient, timeout_s: float = _nats_defaults.close_timeout_s) -> None:
+    """Close a client without waiting long or raising (its broker may be gone, its first connect given up)."""
+    with contextlib.suppress(Exception, asyncio.CancelledError):
+        await asyncio.wait_for(nc.close(), timeout=timeout_s)
+
+
+async def drain_or_close(nc: NatsClient, timeout_s: float) -> None:
+    """At shutdown: drain the connection (nats-py flushes what we published, then closes) within `timeout_s`
+    (`[nats] drain_timeout_s`), else just close it; never raises (the broker may be gone)."""
+    if nc.is_closed:
+        return
+    try:
+        await asyncio.wait_for(nc.drain(), timeout=timeout_s)
+    except Exception as error:
+        log.debug("draining the NATS connection failed (%s); closing it", error)
+        await close_quietly(nc)

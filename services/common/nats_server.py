@@ -46,7 +46,7 @@ def free_tcp_port(host: str = "127.0.0.1") -> int:
 
 
 def render_server_config(*, host: str, port: int, store_dir: Path, max_payload_bytes: int) -> str:
-    # sync_interval "always": every acknowledged event is fsynced before the ack (DESIGN.md §2).
+    # sync_interval "always": every acknowledged event is fsynced before the ack (docs/design.md §2).
     return (
         f'listen: "{host}:{port}"\n'
         f"max_payload: {max_payload_bytes}\n"

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from inference import CheckpointError, Head, LocalModel, load_full, load_head, resolve_model_path, weights_sha256
 
-from services.common.compute import on_compute_thread
+from inference.compute_thread import on_compute_thread
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +60,16 @@ class ModelCatalog:
         if as_given.is_dir() or any(path == (d / model).resolve() for d in self.search_dirs):
             return None
         return model
+
+    def local_model_id(self) -> str | None:
+        """The id of the model this orchestrator may run whole (local fallback), as shards would advertise it."""
+        if self.local_model_spec is None:
+            return None
+        try:
+            path = self.resolve(self.local_model_spec)
+        except UnknownModel:
+            return None
+        return self.advertised_id(self.local_model_spec, path) or path.name
 
     async def get(self, model: str) -> LoadedModel:
         lock = self._locks.setdefault(model, asyncio.Lock())

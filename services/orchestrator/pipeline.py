@@ -1,20 +1,23 @@
-"""PipelineRun: one chat request from routing to `done`: embed, pump steps through a chain, sample, stream,
-fail over (re-prefilling prompt plus generated tokens), fall back to a local model, record events."""
+"""PipelineRun: one Call from routing to its final frame: embed, pump steps through a chain, sample, stream;
+on a StepFailure, repair the chain (fail over away from the shard at fault, or rebuild it after the broker
+came back) and re-prefill the prompt plus every generated token; fall back to a local model; record events.
+
+The router is asked once per construction or repair: one read of the candidates, then every refusal while
+opening is routed around in memory on the same rows (ShardRouter.plan); a second read comes only after
+catching up with the event log, when the first rows could not cover the model.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
-import uuid
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
+from nats.aio.client import Client as NatsClient
 
 from events.models import (
-    EventEnvelope,
     IntegrityCorruptionDetected,
     PipelineAborted,
     PipelineCompleted,
@@ -24,10 +27,11 @@ from events.models import (
     PipelineFirstToken,
     PipelineShardStatus,
 )
-from inference import SamplingParams
-from services.common.compute import on_compute_thread, use_intra_op_threads
+from events.outbox import EventOutbox
+from inference import SamplingParams, TextStream
+from inference.compute_thread import StepThreads, on_compute_thread, use_intra_op_threads
+from readmodels.runner import Projector
 from services.common.chat_protocol import (
-    ChatRequest,
     DoneFrame,
     PipelineAbortedFrame,
     PipelineFrame,
@@ -37,286 +41,306 @@ from services.common.chat_protocol import (
     TokenDeltaFrame,
     Usage,
 )
-from services.orchestrator.catalog import LoadedModel
-from services.orchestrator.chain import HopChain, HopFailure, LocalChain, StepTimeouts, default_gone_check_after_s
+from services.common.config import HearthSettings
+from services.orchestrator.call import Call
+from services.orchestrator.catalog import ModelCatalog
+from services.orchestrator.chain import HopChain, LocalChain
 from services.orchestrator.health import RecentFailures
-from services.orchestrator.router import RoutingError, ShardRouter
+from services.orchestrator.router import Hop, RoutingError, ShardRouter
+from services.orchestrator.stall import StepFailure
 from services.transport import FrameKind
 from services.transport.integrity import NormBounds
 
 log = logging.getLogger(__name__)
 
-# Refusals (a shard at capacity) are routed around without counting as failovers, but not forever.
-max_open_attempts = 8
 
+@dataclass
+class RunContext:
+    """What every call of one orchestrator shares."""
 
-@dataclass(frozen=True)
-class PipelinePolicy:
-    step_timeout_s: float = 10.0
-    prefill_timeout_per_token_s: float = 0.01
-    gone_check_after_s: float = default_gone_check_after_s
-    fallback_to_local: bool = True
-    fallback_to_local_after_failures: int = 2
-    wire_dtype: str = "auto"
-    window_chunks: int = 16
-    chunk_bytes: int | None = None
+    nc: NatsClient
+    node_id: str
+    settings: HearthSettings
+    router: ShardRouter
+    projector: Projector
+    catalog: ModelCatalog
+    outbox: EventOutbox
+    recent_failures: RecentFailures
+    step_threads: StepThreads
+    # Per model: bounds of the activations that reach us (the sink's integrity check), shared by all calls.
+    sink_bounds: dict[str, NormBounds]
+    running_calls: int = 0
 
 
 @dataclass
-class GenerationState:
-    prompt_ids: list[int]
-    generated: list[int] = field(default_factory=list)
-    first_token_at: float | None = None
+class Decoding:
+    """One call's sampling state: parameters, random generator, detokenizer and stop rules."""
+
+    params: SamplingParams
+    generator: torch.Generator | None
+    text_stream: TextStream
 
 
 class PipelineRun:
-    """Serves one request; every frame goes through `emit`, every event through `record`."""
+    """Serves one Call; frames go to `call.client`, events to the context's outbox."""
 
-    def __init__(
-        self,
-        *,
-        nc,
-        node_id: str,
-        request: ChatRequest,
-        model: LoadedModel,
-        router: ShardRouter,
-        policy: PipelinePolicy,
-        emit: Callable[[object], Awaitable[None]],
-        record: Callable[[EventEnvelope], Awaitable[None]],
-        local_model_lookup: Callable[[], Awaitable[object | None]],
-        sink_bounds: NormBounds,
-        catch_up: Callable[[], Awaitable[None]] | None = None,
-        recent_failures: RecentFailures | None = None,
-        step_threads: Callable[[], int] | None = None,
-    ) -> None:
-        self.nc = nc
-        self.node_id = node_id
-        self.request = request
-        self.model = model
-        self.router = router
-        self.policy = policy
-        self.emit = emit
-        self.record = record
-        self.local_model_lookup = local_model_lookup
-        self.sink_bounds = sink_bounds
-        # Intra-op threads for this run's next compute step (fewer while other pipelines run; see StepThreads).
-        self.step_threads = step_threads
-        self.catch_up = catch_up
-        self.recent_failures = recent_failures
-        self.pipeline_id = "p-" + uuid.uuid4().hex[:16]
-        self.started = time.perf_counter()
-        self.failovers = 0
-        self.excluded: set[str] = set()
+    def __init__(self, call: Call, ctx: RunContext) -> None:
+        self.call = call
+        self.ctx = ctx
+        self.transport = ctx.settings.transport
+        self.policy = ctx.settings.research.distributed_inference
         self.chain: HopChain | LocalChain | None = None
 
-    # ------------------------------------------------------------------ entry
-
     async def run(self) -> None:
-        head = self.model.head
-        request = self.request
+        call, head = self.call, self.call.model.head
+        request = call.request
         if request.messages is not None:
             messages = [m.model_dump() for m in request.messages]
-            prompt_ids = await on_compute_thread(head.encode_chat, messages)
+            call.prompt_ids = list(await on_compute_thread(head.encode_chat, messages))
         else:
-            prompt_ids = await on_compute_thread(head.encode_prompt, request.prompt)
+            call.prompt_ids = list(await on_compute_thread(head.encode_prompt, request.prompt))
         params = SamplingParams(temperature=request.temperature, top_k=request.top_k, top_p=request.top_p,
                                 seed=request.seed, max_tokens=request.max_tokens, stop=tuple(request.stop))
-        state = GenerationState(prompt_ids=list(prompt_ids))
-        generator = params.make_generator()
-        text_stream = head.text_stream(params, prompt_ids)
+        decoding = Decoding(params, params.make_generator(), head.text_stream(params, call.prompt_ids))
         try:
-            self.chain = await self._build_chain(first=True)
+            self.chain = await self._construct()
         except RoutingError as error:
-            if not await self._try_fallback(state, params, generator, text_stream, reason=error.message):
-                await self._abort(error.code, error.message)
+            await self._fall_back_or_abort(decoding, error.code, error.message)
             return
+        await self._record(PipelineConstructed(
+            node_id=self.ctx.node_id, pipeline_id=call.pipeline_id, request_id=request.request_id,
+            model_id=call.model.model_id, weights_sha256=call.model.weights_sha256, hops=self.chain.shard_ids,
+            construct_ms=call.construct_ms))
+        await call.client.send(PipelineFrame(seq=0, pipeline_id=call.pipeline_id, hops=self.chain.shard_ids))
         while True:
-            try:
-                finish_reason = await self._generate(self.chain, state, params, generator, text_stream)
-                await self._complete(state, finish_reason)
+            outcome = await self._generate(self.chain, decoding)
+            if isinstance(outcome, str):
+                await self._complete(outcome)
                 return
-            except HopFailure as failure:
-                if not await self._fail_over(failure, state):
-                    if not await self._try_fallback(state, params, generator, text_stream,
-                                                    reason=f"{self.failovers} failovers; last: {failure.reason}"):
-                        await self._abort("shard_unavailable", f"no replacement for {failure.shard_id}: "
-                                          f"{failure.reason}")
-                    return
+            if not await self._repair(outcome, decoding):
+                return
+
+    async def keep_alive(self) -> None:
+        """Tell the hops of the current chain that this call lives (the client is told by the service)."""
+        if self.chain is not None:
+            await self.chain.keep_alive()
 
     async def close(self) -> None:
-        """Free every hop's session (called whatever way the request ended)."""
+        """Free every hop's session (called whatever way the call ended)."""
         chain, self.chain = self.chain, None
         if chain is not None:
             await chain.close()
 
     # ------------------------------------------------------------------ routing
 
-    async def _build_chain(self, *, first: bool) -> HopChain:
-        """Pick and open hops; shards refusing to open are excluded and routed around."""
+    async def _construct(self) -> HopChain:
+        """Open a chain over what the router plans, routing around refusals; RoutingError when nothing covers
+        the model any more."""
+        call = self.call
         started = time.perf_counter()
-        for _attempt in range(max_open_attempts):
-            hops = await self._pick()
-            chain = HopChain(
-                self.nc, self.pipeline_id, hops, model_id=self.model.model_id,
-                weights_sha256=self.model.weights_sha256,
-                timeouts=StepTimeouts(self.policy.step_timeout_s, self.policy.prefill_timeout_per_token_s,
-                                      self.policy.gone_check_after_s),
-                wire_dtype=self.policy.wire_dtype, window_chunks=self.policy.window_chunks,
-                chunk_bytes=self.policy.chunk_bytes, sink_bounds=self.sink_bounds,
-            )
+        router, model_id = self.ctx.router, call.model.model_id
+        candidates = await asyncio.to_thread(router.candidates, model_id)
+        caught_up = False
+        while True:
             try:
-                await chain.open()
-            except HopFailure as failure:
-                await chain.close()
-                log.info("pipeline %s: %s; routing around it", self.pipeline_id, failure)
-                self.excluded.add(failure.shard_id)
+                hops = self._plan(candidates)
+            except RoutingError:
+                if caught_up:
+                    raise
+                # The read model may trail the event log by milliseconds (a shard that just advertised):
+                # decide "unavailable" only on a caught-up one.
+                await self._catch_up()
+                candidates, caught_up = await asyncio.to_thread(router.candidates, model_id), True
                 continue
-            construct_ms = (time.perf_counter() - started) * 1000.0
-            if first:
-                await self.record(PipelineConstructed(
-                    node_id=self.node_id, pipeline_id=self.pipeline_id, request_id=self.request.request_id,
-                    model_id=self.model.model_id, weights_sha256=self.model.weights_sha256,
-                    hops=chain.shard_ids, construct_ms=construct_ms))
-                await self.emit(PipelineFrame(seq=0, pipeline_id=self.pipeline_id, hops=chain.shard_ids))
-            self.construct_ms = construct_ms
-            return chain
-        raise RoutingError("shard_unavailable", f"every candidate shard refused after {max_open_attempts} tries")
+            chain = self._chain_over(hops)
+            failure = await chain.open()
+            if failure is None:
+                call.construct_ms = (time.perf_counter() - started) * 1000.0
+                return chain
+            await chain.close()
+            if failure.shard_id is None:
+                raise RoutingError("shard_unavailable", failure.reason)
+            log.info("pipeline %s: %s; routing around it", call.pipeline_id, failure)
+            call.excluded.add(failure.shard_id)
 
-    async def _pick(self):
-        pick = self.router.pick
-        model_id, weights = self.model.model_id, self.model.weights_sha256
-        penalised = self.recent_failures.current() - self.excluded if self.recent_failures else set()
+    def _chain_over(self, hops: list[Hop]) -> HopChain:
+        model = self.call.model
+        return HopChain(self.ctx.nc, self.call.pipeline_id, hops, model_id=model.model_id,
+                        weights_sha256=model.weights_sha256, transport=self.transport,
+                        wire_dtype=self.policy.activation_dtype,
+                        sink_bounds=self.ctx.sink_bounds.setdefault(model.model_id, NormBounds()))
+
+    async def _catch_up(self) -> None:
+        timeout_s = self.ctx.settings.orchestrator.catch_up_timeout_s
+        try:
+            await self.ctx.projector.wait_until_caught_up(timeout_s=timeout_s)
+        except (asyncio.TimeoutError, TimeoutError):
+            log.warning("routing read model still behind the event log after %s s", timeout_s)
+
+    def _plan(self, candidates) -> list[Hop]:
+        router, model = self.ctx.router, self.call.model
+        excluded = self.call.excluded
+        penalised = self.ctx.recent_failures.current() - excluded
         if penalised:
             # Shards that just failed other requests are the last resort, not a reason to give up.
-            with contextlib.suppress(RoutingError):
-                return await asyncio.to_thread(pick, model_id, weights, self.excluded | penalised)
-        try:
-            return await asyncio.to_thread(pick, model_id, weights, self.excluded)
-        except RoutingError:
-            if self.catch_up is None:
-                raise
-        # The read model may trail the event log by a few milliseconds (a shard that just advertised):
-        # decide "unavailable" only on a caught-up read model.
-        await self.catch_up()
-        return await asyncio.to_thread(pick, model_id, weights, self.excluded)
+            try:
+                return router.plan(candidates, model.model_id, model.weights_sha256, exclude=excluded | penalised,
+                                   now=router.now())
+            except RoutingError:
+                pass
+        return router.plan(candidates, model.model_id, model.weights_sha256, exclude=excluded, now=router.now())
 
-    async def _fail_over(self, failure: HopFailure, state: GenerationState) -> bool:
-        """Mark the shard degraded, route around it, reopen; False when the call must fall back or abort."""
-        log.warning("pipeline %s: %s", self.pipeline_id, failure)
+    # ------------------------------------------------------------------ repair
+
+    async def _repair(self, failure: StepFailure, decoding: Decoding) -> bool:
+        """Replace the failed chain; False when the call has ended instead (fallback ran, or aborted)."""
+        if failure.shard_id is None:
+            return await self._rebuild_after_broker_loss(failure, decoding)
+        call, ctx = self.call, self.ctx
+        log.warning("pipeline %s: %s", call.pipeline_id, failure)
         if failure.kind == "corrupt" and failure.check:
-            await self.record(IntegrityCorruptionDetected(
-                node_id=self.node_id, pipeline_id=self.pipeline_id, shard_id=failure.shard_id,
-                check=failure.check))
-        await self.record(PipelineShardStatus(node_id=self.node_id, pipeline_id=self.pipeline_id,
-                                              shard_id=failure.shard_id, status="degraded", reason=failure.reason))
-        await self.emit(ShardStatusFrame(seq=0, shard_id=failure.shard_id, status="degraded",
-                                         reason=failure.reason))
+            await self._record(IntegrityCorruptionDetected(node_id=ctx.node_id, pipeline_id=call.pipeline_id,
+                                                           shard_id=failure.shard_id, check=failure.check))
+        await self._record(PipelineShardStatus(node_id=ctx.node_id, pipeline_id=call.pipeline_id,
+                                               shard_id=failure.shard_id, status="degraded", reason=failure.reason))
+        await call.client.send(ShardStatusFrame(seq=0, shard_id=failure.shard_id, status="degraded",
+                                                reason=failure.reason))
         await self.close()
-        self.excluded.add(failure.shard_id)
-        if self.recent_failures is not None:
-            self.recent_failures.add(failure.shard_id)
+        call.excluded.add(failure.shard_id)
+        ctx.recent_failures.add(failure.shard_id)
         # `fallback_to_local_after_failures` failovers are allowed; the failure after them falls back.
-        if self.failovers >= self.policy.fallback_to_local_after_failures:
+        if call.failovers >= self.policy.fallback_to_local_after_failures:
+            await self._fall_back_or_abort(decoding, "shard_unavailable",
+                                           f"{call.failovers} failovers; last: {failure}")
             return False
         try:
-            self.chain = await self._build_chain(first=False)
+            self.chain = await self._construct()
         except RoutingError as error:
-            log.warning("pipeline %s: no replacement for %s: %s", self.pipeline_id, failure.shard_id,
-                        error.message)
+            await self._fall_back_or_abort(decoding, "shard_unavailable",
+                                           f"no replacement for {failure.shard_id}: {error.message}")
             return False
-        self.failovers += 1
-        await self.record(PipelineFailover(
-            node_id=self.node_id, pipeline_id=self.pipeline_id, failed_shard_id=failure.shard_id,
-            replacement_hops=self.chain.shard_ids, reason=failure.kind, resumed_at_token=len(state.generated)))
-        await self.emit(ShardFailoverFrame(seq=0, failed_shard_id=failure.shard_id,
-                                           replacement_hops=self.chain.shard_ids,
-                                           resumed_at_token=len(state.generated)))
+        call.failovers += 1
+        resumed_at = len(call.generated)
+        await self._record(PipelineFailover(
+            node_id=ctx.node_id, pipeline_id=call.pipeline_id, failed_shard_id=failure.shard_id,
+            replacement_hops=self.chain.shard_ids, reason=failure.kind, resumed_at_token=resumed_at))
+        await call.client.send(ShardFailoverFrame(seq=0, failed_shard_id=failure.shard_id,
+                                                  replacement_hops=self.chain.shard_ids, resumed_at_token=resumed_at))
         return True
 
-    async def _try_fallback(self, state, params, generator, text_stream, *, reason: str) -> bool:
-        if not (self.policy.fallback_to_local and self.request.params.fallback_to_local):
-            return False
-        local = await self.local_model_lookup()
-        if local is None:
-            return False
+    async def _rebuild_after_broker_loss(self, failure: StepFailure, decoding: Decoding) -> bool:
+        """Our broker connection dropped mid-step: no shard is to blame. Once we (and the same hops, and the
+        client) are reachable again, reopen the same hops and carry on; `pipeline_stalled` naming the broker
+        when that does not happen within `[orchestrator] broker_wait_s`."""
+        call, nc = self.call, self.ctx.nc
+        settings = self.ctx.settings
+        hops = list(self.chain.hops) if isinstance(self.chain, HopChain) else None
         await self.close()
-        await self.record(PipelineFallbackLocal(node_id=self.node_id, pipeline_id=self.pipeline_id, reason=reason))
+        call.broker_repairs += 1
+        log.warning("pipeline %s: %s; rebuilding it once the broker is back", call.pipeline_id, failure)
+        if hops is None or call.broker_repairs > settings.orchestrator.max_broker_repairs:
+            await self._abort("pipeline_stalled", f"{failure.reason} (rebuilt {call.broker_repairs - 1} times)")
+            return False
+        deadline = time.monotonic() + settings.orchestrator.broker_wait_s
+        while time.monotonic() < deadline:
+            if nc.is_connected and await call.client.reachable(settings.transport.control_timeout_s):
+                chain = self._chain_over(hops)
+                reopened = await chain.open()
+                if reopened is None:
+                    self.chain = chain
+                    return True
+                await chain.close()
+                if reopened.kind == "refused":  # a shard answered and said no: route around it as usual
+                    return await self._repair(reopened, decoding)
+            # The hops' own connections may come back a little after ours.
+            await asyncio.sleep(settings.nats.reconnect_wait_s)
+        await self._abort("pipeline_stalled", f"{failure.reason}; not back within "
+                                              f"{settings.orchestrator.broker_wait_s:.0f} s")
+        return False
+
+    async def _fall_back_or_abort(self, decoding: Decoding, code: str, reason: str) -> None:
+        call = self.call
+        local = None
+        if self.policy.fallback_to_local and call.request.params.fallback_to_local:
+            local = await self.ctx.catalog.local_model_for(call.model)
+        if local is None:
+            await self._abort(code, reason)
+            return
+        await self.close()
+        await self._record(PipelineFallbackLocal(node_id=self.ctx.node_id, pipeline_id=call.pipeline_id,
+                                                 reason=reason))
         self.chain = LocalChain(local)
-        finish_reason = await self._generate(self.chain, state, params, generator, text_stream)
-        await self._complete(state, finish_reason)
-        return True
+        await self._complete(await self._generate(self.chain, decoding))
 
     # ------------------------------------------------------------------ generation
 
-    async def _generate(self, chain, state: GenerationState, params: SamplingParams, generator,
-                        text_stream) -> str:
-        """Re-prefill everything known so far through `chain`, then decode until a stop or max_tokens."""
-        head = self.model.head
-        known = state.prompt_ids + state.generated
-        hidden = await on_compute_thread(head.embed, known)
+    async def _generate(self, chain: HopChain | LocalChain, decoding: Decoding) -> str | StepFailure:
+        """Re-prefill everything known so far through `chain`, then decode until a stop or max_tokens; the
+        finish reason, or the failure that stopped the chain."""
+        call, head = self.call, self.call.model.head
+        params = decoding.params
+        hidden = await on_compute_thread(head.embed, call.known_ids)
         output = await chain.step(FrameKind.prefill, 0, hidden)
         while True:
+            if isinstance(output, StepFailure):
+                return output
             # One worker-thread trip per token (hand-offs cost most on a busy machine): sample, and embed
             # the sampled token for the next step (wasted only on the last token).
-            token_id, next_hidden = await on_compute_thread(self._sample_and_embed, output, params, generator,
-                                                            self.step_threads() if self.step_threads else None)
-            state.generated.append(token_id)
-            delta = text_stream.push(token_id)
-            first_token = state.first_token_at is None
+            threads = self.ctx.step_threads.for_streams(self.ctx.running_calls)
+            token_id, next_hidden = await on_compute_thread(self._sample_and_embed, output, decoding, threads)
+            call.generated.append(token_id)
+            delta = decoding.text_stream.push(token_id)
+            first_token = call.first_token_at is None
             if first_token:
-                state.first_token_at = time.perf_counter()
+                call.first_token_at = time.perf_counter()
             text, finish_reason = delta.text, (delta.finish_reason or "stop") if delta.finished else None
-            if finish_reason is None and len(state.generated) >= params.max_tokens:
+            if finish_reason is None and len(call.generated) >= params.max_tokens:
                 # Release text held back for a possible stop string together with the last token.
-                text += text_stream.finish("length").text
+                text += decoding.text_stream.finish("length").text
                 finish_reason = "length"
             if text or not delta.finished:
-                await self.emit(TokenDeltaFrame(seq=0, text=text, token_id=token_id, hops=chain.shard_ids))
+                await call.client.send(TokenDeltaFrame(seq=0, text=text, token_id=token_id, hops=chain.shard_ids))
             if first_token:
-                # After the frame: the JetStream publish waits for an fsync the client need not wait for.
-                await self.record(PipelineFirstToken(node_id=self.node_id, pipeline_id=self.pipeline_id,
-                                                     ttft_ms=(state.first_token_at - self.started) * 1000.0))
+                await self._record(PipelineFirstToken(node_id=self.ctx.node_id, pipeline_id=call.pipeline_id,
+                                                      ttft_ms=call.ttft_ms()))
             if finish_reason is not None:
                 return finish_reason
-            position = len(state.prompt_ids) + len(state.generated) - 1
+            # The position of the token just sampled, which the next step feeds in.
+            position = len(call.prompt_ids) + len(call.generated) - 1
             output = await chain.step(FrameKind.decode, position, next_hidden)
 
-    def _sample(self, output: torch.Tensor, params: SamplingParams, generator) -> int:
-        head = self.model.head
-        return head.sample(head.logits(output), params, generator)
-
-    def _sample_and_embed(self, output: torch.Tensor, params: SamplingParams, generator,
-                          threads: int | None = None) -> tuple[int, torch.Tensor]:
-        if threads is not None:
-            use_intra_op_threads(threads)
-        token_id = self._sample(output, params, generator)
-        return token_id, self.model.head.embed([token_id])
+    def _sample_and_embed(self, output: torch.Tensor, decoding: Decoding, threads: int) -> tuple[int, torch.Tensor]:
+        use_intra_op_threads(threads)
+        head = self.call.model.head
+        token_id = head.sample(head.logits(output), decoding.params, decoding.generator)
+        return token_id, head.embed([token_id])
 
     # ------------------------------------------------------------------ endings
 
-    async def _complete(self, state: GenerationState, finish_reason: str) -> None:
-        duration_s = time.perf_counter() - self.started
-        decode_s = time.perf_counter() - (state.first_token_at or self.started)
-        completion = len(state.generated)
-        tokens_per_second = (completion - 1) / decode_s if completion > 1 and decode_s > 0 else 0.0
-        ttft_ms = ((state.first_token_at or time.perf_counter()) - self.started) * 1000.0
-        await self.record(PipelineCompleted(
-            node_id=self.node_id, pipeline_id=self.pipeline_id, prompt_tokens=len(state.prompt_ids),
-            completion_tokens=completion, duration_ms=duration_s * 1000.0,
-            tokens_per_second=tokens_per_second, finish_reason=finish_reason))
-        await self.emit(DoneFrame(
+    async def _record(self, event) -> None:
+        await self.ctx.outbox.record(event)
+
+    async def _complete(self, finish_reason: str) -> None:
+        call = self.call
+        duration_ms = call.seconds_since_start() * 1000.0
+        tokens_per_second = call.decode_tokens_per_second()
+        await call.client.send(DoneFrame(
             seq=0, finish_reason=finish_reason,
-            usage=Usage(prompt_tokens=len(state.prompt_ids), completion_tokens=completion),
-            timing=Timing(ttft_ms=ttft_ms, tokens_per_second=tokens_per_second, duration_ms=duration_s * 1000.0,
-                          construct_ms=getattr(self, "construct_ms", None), failovers=self.failovers),
+            usage=Usage(prompt_tokens=len(call.prompt_ids), completion_tokens=call.completion_tokens),
+            timing=Timing(ttft_ms=call.ttft_ms(), tokens_per_second=tokens_per_second, duration_ms=duration_ms,
+                          construct_ms=call.construct_ms, failovers=call.failovers),
         ))
+        await self._record(PipelineCompleted(
+            node_id=self.ctx.node_id, pipeline_id=call.pipeline_id, prompt_tokens=len(call.prompt_ids),
+            completion_tokens=call.completion_tokens, duration_ms=duration_ms,
+            tokens_per_second=tokens_per_second, finish_reason=finish_reason))
 
     async def record_client_gone(self) -> None:
         """The run was cancelled because nobody reads its frames any more: record how it ended."""
-        await self.record(PipelineAborted(node_id=self.node_id, pipeline_id=self.pipeline_id,
-                                          code="client_gone", reason="the client stopped listening"))
+        await self._record(PipelineAborted(node_id=self.ctx.node_id, pipeline_id=self.call.pipeline_id,
+                                           code="client_gone", reason="the client stopped listening"))
 
     async def _abort(self, code: str, reason: str) -> None:
-        await self.record(PipelineAborted(node_id=self.node_id, pipeline_id=self.pipeline_id, code=code,
-                                          reason=reason))
-        await self.emit(PipelineAbortedFrame(seq=0, code=code, reason=reason))
+        await self._record(PipelineAborted(node_id=self.ctx.node_id, pipeline_id=self.call.pipeline_id, code=code,
+                                           reason=reason))
+        await self.call.client.send(PipelineAbortedFrame(seq=0, code=code, reason=reason))

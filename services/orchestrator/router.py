@@ -1,4 +1,4 @@
-"""ShardRouter: picks the chain of shards covering every layer of a model, from the read model (DESIGN.md §5).
+"""ShardRouter: picks the chain of shards covering every layer of a model, from the read model (docs/design.md §5).
 
 Rules, in order:
 1. candidates are the shards of the model with matching weights_sha256 that are advertised (not withdrawn),
@@ -24,7 +24,7 @@ from typing import Literal
 
 from sqlalchemy.orm import Session
 
-from readmodels.queries import ShardCandidate, shards_of_model
+from readmodels.queries import ShardCandidate, all_shards, shards_of_model
 
 RoutingErrorCode = Literal["shard_unavailable", "weights_mismatch"]
 
@@ -41,7 +41,7 @@ class Hop:
 
 
 class RoutingError(Exception):
-    """No pipeline can be built; `code` is the client-facing error code of DESIGN.md §7."""
+    """No pipeline can be built; `code` is the client-facing error code of docs/protocol.md."""
 
     def __init__(
         self, code: RoutingErrorCode, message: str, *, uncovered_layers: tuple[int, ...] = ()
@@ -85,9 +85,28 @@ class ShardRouter:
 
     def pick(self, model_id: str, weights_sha256: str, exclude: Iterable[str] = ()) -> list[Hop]:
         """The hops covering layers 0..total_layers-1 of `model_id`, or RoutingError."""
+        return self.plan(self.candidates(model_id), model_id, weights_sha256, exclude=exclude, now=self.now())
+
+    def candidates(self, model_id: str) -> list[ShardCandidate]:
+        """One read of the model's shards from the read model (`plan` decides on them, as often as needed)."""
         with self._session_factory() as session:
-            shards = shards_of_model(session, model_id)
-        return self.plan(shards, model_id, weights_sha256, exclude=exclude, now=self._clock())
+            return shards_of_model(session, model_id)
+
+    def all_candidates(self) -> list[ShardCandidate]:
+        """One read of every model's shards (model discovery)."""
+        with self._session_factory() as session:
+            return all_shards(session)
+
+    def now(self) -> float:
+        return self._clock()
+
+    def alive(self, shard: ShardCandidate, now: float) -> bool:
+        """Advertised, not expired, and heard from within the health timeout (busy or not)."""
+        if shard.status != "advertised" or now >= shard.expires_at:
+            return False
+        # The advertisement is itself a sign of life, so a shard is routable before its first heartbeat.
+        last_seen = max(shard.advertised_at, shard.last_seen or shard.advertised_at)
+        return now - last_seen <= self.health_timeout_s
 
     def plan(
         self,
@@ -141,13 +160,7 @@ class ShardRouter:
         return hops
 
     def _usable(self, shard: ShardCandidate, now: float) -> bool:
-        if shard.status != "advertised" or now >= shard.expires_at:
-            return False
-        # The advertisement is itself a sign of life, so a shard is routable before its first heartbeat.
-        last_seen = max(shard.advertised_at, shard.last_seen or shard.advertised_at)
-        if now - last_seen > self.health_timeout_s:
-            return False
-        return (shard.active_streams or 0) < shard.max_concurrent_streams
+        return self.alive(shard, now) and (shard.active_streams or 0) < shard.max_concurrent_streams
 
     def _fail(
         self,

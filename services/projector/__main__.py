@@ -7,12 +7,14 @@ from typing import Optional
 
 import typer
 
+from services.common.cli_options import long_running
 from services.projector.main import main
 
 app = typer.Typer(add_completion=False)
 
 
 @app.command()
+@long_running("projector")
 def projector(
     db: Path = typer.Option(..., help="SQLite read-model database (created and migrated if missing)"),
     nats_url: Optional[str] = typer.Option(

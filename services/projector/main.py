@@ -7,19 +7,21 @@ import logging
 from pathlib import Path
 
 from prometheus_client import REGISTRY, CollectorRegistry
-from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential
 
 from readmodels.runner import Projector
+from services.common.config import NatsSettings
+from services.common.lifecycle import Stopped, unless_stopped
 from services.common.metrics import default_metrics_host, start_metrics_server
-from services.common.nats_connection import connect_nats
+from services.common.nats_connection import close_quietly, connect_nats, drain_or_close
 from services.projector.metrics import ProjectorCollector
 
 __all__ = ["Projector", "run_projector", "main"]
 
 log = logging.getLogger(__name__)
 
-connect_retry_max_wait_s = 5.0
-drain_timeout_s = 5.0
+# Stopping the followers normally takes milliseconds; a follower that missed its cancellation (asyncio.wait_for
+# in Python 3.11 can swallow one) is cancelled again when this runs out, so a stop stays inside the deadline.
+projector_stop_timeout_s = 1.0
 
 
 async def run_projector(
@@ -30,22 +32,21 @@ async def run_projector(
     stop_event: asyncio.Event | None = None,
     registry: CollectorRegistry = REGISTRY,
     metrics_host: str = default_metrics_host,
+    nats_settings: NatsSettings | None = None,
 ) -> None:
     """Run until `stop_event` is set (or forever): migrate `db_path`, follow both streams, serve /metrics.
 
-    A broker that is down at start is waited for; once connected, broker restarts are survived by the
+    A broker that is down at start is waited for as `nats_settings` say (connect_timeout_s, then
+    BrokerUnreachable; or wait_for_broker); once connected, broker restarts are survived by the
     connection's reconnects and the reader's consumer recreation, resuming from the stored positions.
     """
     stop_event = stop_event or asyncio.Event()
-    nc = None
-    async for attempt in AsyncRetrying(
-        retry=retry_if_exception_type(Exception),
-        wait=wait_exponential(multiplier=0.2, max=connect_retry_max_wait_s),
-    ):
-        with attempt:
-            if stop_event.is_set():
-                return
-            nc = await connect_nats(nats_url, name="hearth-projector")
+    settings = nats_settings or NatsSettings()
+    try:
+        nc = await unless_stopped(connect_nats(nats_url, name="hearth-projector", settings=settings),
+                                  stop_event)
+    except Stopped:
+        return
     projector = Projector(db_path, nc.jetstream())
     collector = ProjectorCollector(projector)
     metrics_server = None
@@ -62,18 +63,24 @@ async def run_projector(
             registry.unregister(collector)
         except KeyError:
             pass  # start() failed before it was registered
-        await projector.stop()
+        if not nc.is_connected:
+            # The broker is gone: closing first spares the stop waiting for it to delete the consumers.
+            await close_quietly(nc, settings.close_timeout_s)
         try:
-            await asyncio.wait_for(nc.drain(), timeout=drain_timeout_s)
-        except Exception as error:  # closing anyway; the broker may be gone
-            log.debug("projector: draining the NATS connection failed: %s", error)
-            await nc.close()
+            await asyncio.wait_for(projector.stop(), timeout=projector_stop_timeout_s)
+        except asyncio.TimeoutError:
+            log.debug("projector: stopping the followers took over %.1f s", projector_stop_timeout_s)
+        await drain_or_close(nc, settings.drain_timeout_s)
+
 
 
 def main(db: Path, nats_url: str | None = None, metrics_port: int | None = None) -> None:
     """Entry point for `python -m services.projector`: runs until SIGTERM/SIGINT, then stops cleanly."""
+    from services.common.config import load_settings
     from services.common.lifecycle import run_until_stopped
     from services.common.logging import configure_logging
 
     configure_logging()
-    run_until_stopped(lambda stop_event: run_projector(db, nats_url, metrics_port, stop_event=stop_event))
+    nats_settings = load_settings().nats
+    run_until_stopped(lambda stop_event: run_projector(db, nats_url, metrics_port, stop_event=stop_event,
+                                                       nats_settings=nats_settings))

@@ -7,7 +7,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 
 class ShardFault(BaseModel):
-    """`--fault` of `hearth shard`, e.g. `nan`, `scale=10000`, `delay_s=2.5`, `after_steps=3,nan`.
+    """`--fault` of `hearth shard`, e.g. `nan`, `scale=10000`, `delay_s=2.5`, `fail`, `after_steps=3,nan`.
+
+    `fail` makes every step raise (as a crashing kernel or an out-of-memory error would) instead of passing
+    anything on.
 
     Faults start after `after_steps` healthy steps so a test can break a shard mid-generation.
     """
@@ -15,6 +18,7 @@ class ShardFault(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     nan: bool = False
+    fail: bool = False
     scale: float | None = Field(default=None, gt=0)
     delay_s: float = Field(default=0.0, ge=0)
     after_steps: int = Field(default=0, ge=0)
@@ -33,6 +37,11 @@ class ShardFault(BaseModel):
     @property
     def active(self) -> bool:
         return self.steps_seen >= self.after_steps
+
+    def raise_if_failing(self) -> None:
+        """On the compute thread, before the layers run: raise when the `fail` fault is active."""
+        if self.fail and self.active:
+            raise RuntimeError("injected step failure (--fault fail)")
 
     def corrupt(self, output: torch.Tensor) -> torch.Tensor:
         active = self.active

@@ -1,4 +1,4 @@
-"""Activation transport of DESIGN.md §6: frames over core NATS, the ack-window sender, the receiver, ack watching.
+"""Activation transport of docs/design.md §6: frames over core NATS, the ack-window sender, the receiver, ack watching.
 
 A hop i of pipeline P receives on ``hearth.act.P.i`` and acks on ``hearth.ack.P.i``; the orchestrator
 is the source (it sends into hop 0) and the sink (its receiver is hop ``len(hops)``). A shard host::
@@ -14,20 +14,12 @@ The orchestrator sends with ``AckWindowSender(nc, P, 0)``, reads results with
 
 from services.transport.acks import AckObserver, StepProgress
 from services.transport.errors import FrameError, TransportClosed, TransportError, TransportTimeout, WaitInterrupted
-from services.transport.frames import (
-    AckHeader,
-    EncodedStep,
-    FrameHeader,
-    FrameKind,
-    StepInfo,
-    WireDtype,
-    decode_frames,
-    encode_step,
-    wire_dtype_from_setting,
-)
+from services.transport.frames import EncodedStep, decode_frames, encode_step
+from services.transport.headers import AckHeader, FrameHeader, FrameKind, StepInfo
 from services.transport.receiver import ActivationReceiver, ReceivedStep
 from services.transport.sender import AckWindowSender, SentStep
 from services.transport.stats import LatencySamples, LatencySummary, ReceiverStats, SenderStats
+from services.transport.wire import WireDtype, wire_dtype_from_setting
 
 __all__ = [
     "AckHeader",

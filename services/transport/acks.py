@@ -13,14 +13,14 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from events.subjects import all_acks_subject
+from services.common.config import TransportSettings
 from services.transport.errors import FrameError, TransportClosed, TransportTimeout
-from services.transport.frames import AckHeader
+from services.transport.headers import AckHeader
 from services.transport.subscription import SubscribingEndpoint
 
 log = logging.getLogger(__name__)
 
-default_max_steps_per_session = 256
-default_max_sessions = 1024
+_defaults = TransportSettings()
 
 
 @dataclass
@@ -58,8 +58,8 @@ class AckObserver(SubscribingEndpoint):
         pipeline_id: str,
         *,
         sink_hop: int | None = None,
-        max_steps_per_session: int = default_max_steps_per_session,
-        max_sessions: int = default_max_sessions,
+        max_steps_per_session: int = _defaults.ack_observer_max_steps_per_session,
+        max_sessions: int = _defaults.ack_observer_max_sessions,
     ) -> None:
         self.nc = nc
         self.pipeline_id = pipeline_id
@@ -145,12 +145,7 @@ class AckObserver(SubscribingEndpoint):
                 if not waiter.done():
                     waiter.set_exception(TransportClosed(f"ack observer of pipeline {self.pipeline_id} closed"))
         self._waiters.clear()
-        sub, self._sub = self._sub, None
-        if sub is not None and not self.nc.is_closed:
-            try:
-                await sub.unsubscribe()
-            except Exception as error:  # a closing connection may refuse; the sub dies with it
-                log.debug("unsubscribe from %s failed: %s", self.subject, error)
+        await self._unsubscribe()
 
     def record(self, ack: AckHeader, *, now_monotonic: float | None = None) -> StepProgress:
         """Fold one ack into the progress table (the subscription calls this; exposed for reuse)."""

@@ -8,7 +8,7 @@ class TransportError(RuntimeError):
 
 
 class FrameError(TransportError, ValueError):
-    """A frame (or ack) whose headers or payload do not follow DESIGN.md §6; the message names the header."""
+    """A frame (or ack) whose headers or payload do not follow docs/protocol.md; the message names the header."""
 
 
 class TransportTimeout(TransportError, TimeoutError):

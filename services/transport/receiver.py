@@ -14,32 +14,20 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from events.subjects import ack_subject, activation_subject
+from services.common.config import HostSettings, TransportSettings
 from services.transport.errors import FrameError, TransportClosed, TransportError, TransportTimeout, WaitInterrupted
-from services.transport.frames import (
-    AckHeader,
-    AddOutcome,
-    FrameHeader,
-    FrameKind,
-    StepAssembler,
-    StepInfo,
-    WireDtype,
-)
+from services.transport.frames import AddOutcome, StepAssembler
+from services.transport.headers import AckHeader, FrameHeader, FrameKind, StepInfo
 from services.transport.stats import ReceiverStats
 from services.transport.subscription import SubscribingEndpoint
+from services.transport.wire import WireDtype, conversion_offload_bytes
 
 log = logging.getLogger(__name__)
 
-default_max_ready_steps = 8
-default_ready_wait_timeout_s = 30.0
+_defaults = TransportSettings()
 # A pipeline receiver that hears nothing this long ends `async for` with TransportTimeout: its
-# orchestrator is gone (matches host.shard_eviction_idle_seconds).
-default_idle_timeout_s = 600.0
-default_max_step_bytes = 512 * 1024 * 1024
-default_max_partial_steps = 64
-default_max_tracked_sessions = 4096
-# Restoring a compute dtype (int8 dequantisation, dtype casts) of steps at least this large runs in a
-# worker thread so the event loop keeps serving other hops meanwhile.
-decode_offload_bytes = 1024 * 1024
+# orchestrator is gone (the host's eviction idle time).
+_default_idle_timeout_s = HostSettings.model_fields["shard_eviction_idle_seconds"].default
 
 StepKey = tuple[str, int]
 
@@ -109,12 +97,12 @@ class ActivationReceiver(SubscribingEndpoint):
         pipeline_id: str,
         hop: int,
         *,
-        max_ready_steps: int = default_max_ready_steps,
-        ready_wait_timeout_s: float = default_ready_wait_timeout_s,
-        idle_timeout_s: float = default_idle_timeout_s,
-        max_step_bytes: int = default_max_step_bytes,
-        max_partial_steps: int = default_max_partial_steps,
-        max_tracked_sessions: int = default_max_tracked_sessions,
+        max_ready_steps: int = _defaults.max_ready_steps,
+        ready_wait_timeout_s: float = _defaults.ready_wait_timeout_s,
+        idle_timeout_s: float = _default_idle_timeout_s,
+        max_step_bytes: int = _defaults.max_step_bytes,
+        max_partial_steps: int = _defaults.max_partial_steps,
+        max_tracked_sessions: int = _defaults.max_tracked_sessions,
     ) -> None:
         if max_ready_steps < 1:
             raise ValueError(f"max_ready_steps must be at least 1, got {max_ready_steps}")
@@ -207,12 +195,7 @@ class ActivationReceiver(SubscribingEndpoint):
                 getter.set_result(None)
         if self._room_waiter is not None and not self._room_waiter.done():
             self._room_waiter.set_exception(TransportClosed("receiver closed"))
-        sub, self._sub = self._sub, None
-        if sub is not None and not self.nc.is_closed:
-            try:
-                await sub.unsubscribe()
-            except Exception as error:  # a closing connection may refuse; the sub dies with it
-                log.debug("unsubscribe from %s failed: %s", self.subject, error)
+        await self._unsubscribe()
         self._partial.clear()
 
     async def _on_frame(self, msg: Msg) -> None:
@@ -279,7 +262,7 @@ class ActivationReceiver(SubscribingEndpoint):
         assembler = partial.assembler
         first = assembler.header
         needs_conversion = first.dtype is not None and first.restored_dtype is not first.dtype
-        if needs_conversion and first.total_bytes >= decode_offload_bytes:
+        if needs_conversion and first.total_bytes >= conversion_offload_bytes:
             tensor = await asyncio.to_thread(assembler.tensor)
         else:
             tensor = assembler.tensor()

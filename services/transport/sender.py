@@ -13,30 +13,19 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from events.subjects import ack_subject, activation_subject
+from services.common.config import TransportSettings
 from services.transport.errors import FrameError, TransportClosed, TransportError, TransportTimeout
-from services.transport.frames import (
-    HEADER_CHUNK,
-    HEADER_OFFSET,
-    HEADER_SENT_NS,
-    AckHeader,
-    EncodedStep,
-    FrameKind,
-    StepInfo,
-    WireDtype,
-    default_int8_block_elems,
-    effective_chunk_bytes,
-    encode_step,
-)
+from services.transport.frames import EncodedStep, effective_chunk_bytes, encode_step
+from services.transport.headers import HEADER_CHUNK, HEADER_OFFSET, HEADER_SENT_NS, AckHeader, FrameKind, StepInfo
 from services.transport.stats import SenderStats
 from services.transport.subscription import SubscribingEndpoint
+from services.transport.wire import WireDtype, conversion_offload_bytes
 
 log = logging.getLogger(__name__)
 
-default_window_chunks = 16
-default_ack_timeout_s = 10.0
-# Dtype conversion / int8 quantisation of tensors at least this large runs in a worker thread, so a
-# prefill-sized step never stalls the event loop; smaller ones are cheaper inline than a thread hop.
-encode_offload_bytes = 1024 * 1024
+# The defaults live in the settings model; ack_timeout_s defaults to the step timeout (a hop that holds a
+# step longer than that is stalled anyway, so waiting longer for its ack buys nothing).
+_defaults = TransportSettings()
 
 ChunkKey = tuple[str, int, int]  # (session, step, chunk index): what an ack names
 
@@ -67,11 +56,11 @@ class AckWindowSender(SubscribingEndpoint):
         pipeline_id: str,
         hop: int,
         *,
-        window_chunks: int = default_window_chunks,
-        ack_timeout_s: float = default_ack_timeout_s,
+        window_chunks: int = _defaults.window_chunks,
+        ack_timeout_s: float = _defaults.step_timeout_s,
         chunk_bytes: int | None = None,
         wire_dtype: WireDtype | None = None,
-        int8_block: int = default_int8_block_elems,
+        int8_block: int = _defaults.int8_block_elems,
     ) -> None:
         if window_chunks < 1:
             raise ValueError(f"window_chunks must be at least 1, got {window_chunks}")
@@ -187,19 +176,14 @@ class AckWindowSender(SubscribingEndpoint):
         for waiter in [self._space_waiter, *self._drained_waiters]:
             if waiter is not None and not waiter.done():
                 waiter.set_exception(error)
-        sub, self._sub = self._sub, None
-        if sub is not None and not self.nc.is_closed:
-            try:
-                await sub.unsubscribe()
-            except Exception as unsubscribe_error:  # a closing connection may refuse; the sub dies with it
-                log.debug("ack unsubscribe on %s failed: %s", self.ack_subject, unsubscribe_error)
+        await self._unsubscribe()
 
     async def _encode(self, info: StepInfo, tensor: torch.Tensor | None, wire_dtype: WireDtype | None) -> EncodedStep:
         needs_conversion = (
             tensor is not None
             and wire_dtype is not None
             and wire_dtype.torch_dtype != tensor.dtype
-            and tensor.numel() * tensor.element_size() >= encode_offload_bytes
+            and tensor.numel() * tensor.element_size() >= conversion_offload_bytes
         )
         arguments = dict(wire_dtype=wire_dtype, chunk_bytes=self.chunk_bytes, int8_block=self.int8_block)
         if needs_conversion:

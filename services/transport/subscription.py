@@ -6,6 +6,7 @@ subscription; every subscriber is also an async context manager that closes on e
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable
 from typing import Self
 
@@ -13,7 +14,11 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-subscribe_flush_timeout_s = 5.0
+from services.common.config import TransportSettings
+
+log = logging.getLogger(__name__)
+
+_subscribe_timeout_s = TransportSettings().subscribe_timeout_s
 
 
 class SubscribingEndpoint:
@@ -27,7 +32,7 @@ class SubscribingEndpoint:
         raise NotImplementedError
 
     def _start_flush_timeout_s(self) -> float:
-        return subscribe_flush_timeout_s
+        return _subscribe_timeout_s
 
     async def start(self) -> Self:
         if self._sub is None:
@@ -38,6 +43,15 @@ class SubscribingEndpoint:
 
     async def close(self) -> None:
         raise NotImplementedError
+
+    async def _unsubscribe(self) -> None:
+        """Drop the subscription (once); a connection that is closing may refuse, and the sub dies with it."""
+        sub, self._sub = self._sub, None
+        if sub is not None and not self.nc.is_closed:
+            try:
+                await sub.unsubscribe()
+            except Exception as error:
+                log.debug("unsubscribe from %s failed: %s", sub.subject, error)
 
     async def __aenter__(self) -> Self:
         return await self.start()

@@ -15,14 +15,15 @@ from tests.unit.inference_tiny_models import write_tiny_model
 TINY_MODEL_NAME = "tiny-llama"
 TINY_LAYERS = 6
 THREE_SHARD_RANGES = [(0, 1), (2, 3), (4, 5)]
+# Long enough positions for the 600-token prompt test.
+TINY_CONTEXT_LENGTH = 1024
 
 
 @pytest.fixture(scope="session")
 def tiny_models_dir(tmp_path_factory) -> Path:
     """A folder holding `tiny-llama` (6 layers) as a real checkpoint: processes load it by name or path."""
     folder = tmp_path_factory.mktemp("models")
-    # Long enough positions for the 600-token prompt test.
-    write_tiny_model(folder / TINY_MODEL_NAME, "llama", max_position_embeddings=1024)
+    write_tiny_model(folder / TINY_MODEL_NAME, "llama", max_position_embeddings=TINY_CONTEXT_LENGTH)
     return folder
 
 

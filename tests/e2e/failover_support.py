@@ -225,6 +225,8 @@ async def stream_with_action(
     *,
     after_tokens: int = ACT_AFTER_TOKENS,
     more_actions: dict[int, Action] | None = None,
+    first_frame_timeout: float = 60.0,
+    frame_gap_timeout: float = 30.0,
 ) -> StreamedCall:
     """Stream one call; right after the `after_tokens`-th token_delta arrives, run `action` (once), and after
     the n-th token each of `more_actions[n]`. `acted_at` is when the first action ran."""
@@ -233,7 +235,8 @@ async def stream_with_action(
         actions[after_tokens] = action
     call = StreamedCall()
     tokens = 0
-    async for frame in stream_chat(nc, request, first_frame_timeout=60.0, frame_gap_timeout=30.0):
+    async for frame in stream_chat(nc, request, first_frame_timeout=first_frame_timeout,
+                                   frame_gap_timeout=frame_gap_timeout):
         call.frames.append(frame)
         call.arrived_at.append(time.monotonic())
         if isinstance(frame, TokenDeltaFrame):
@@ -272,9 +275,21 @@ async def read_events(nc: NatsClient, stream: str,
         return [item async for item in items if isinstance(item, StoredEvent)]
 
 
-async def pipeline_events(nc: NatsClient, pipeline_id: str) -> list[StoredEvent]:
+async def pipeline_events(nc: NatsClient, pipeline_id: str, *, ended: bool = True) -> list[StoredEvent]:
+    """The pipeline's events; with `ended`, once its final event (completed or aborted) is stored: audit events
+    are written after the call's frames (events/outbox.py), so the last frame can arrive before them."""
+    if ended:
+        await wait_for_pipeline_end(nc, pipeline_id)
     return await read_events(nc, PIPELINES_STREAM, [f"hearth.events.pipeline.{pipeline_id}.>",
                                                     f"hearth.events.integrity.{pipeline_id}.>"])
+
+
+async def wait_for_pipeline_end(nc: NatsClient, pipeline_id: str, timeout_s: float = event_wait_timeout_s) -> None:
+    def final_event(item: StoredEvent) -> bool:
+        event = item.event
+        return event.type in ("pipeline.completed", "pipeline.aborted") and event.pipeline_id == pipeline_id
+
+    await wait_for_event(nc, PIPELINES_STREAM, final_event, timeout_s=timeout_s)
 
 
 async def wait_for_event(nc: NatsClient, stream: str, predicate: Callable[[StoredEvent], bool],
@@ -318,7 +333,7 @@ __all__ = [
     "REPLICA_WEIGHT", "SHARDS_STREAM", "STEP_TIMEOUT_S", "FailoverMesh", "ShardHandle", "StreamedCall",
     "chat_request", "failover_mesh", "pipeline_events", "read_events", "replay_pipeline", "scrape_metric",
     "shard_stat",
-    "stream_with_action", "wait_for_event", "wait_until_released",
+    "stream_with_action", "wait_for_event", "wait_for_pipeline_end", "wait_until_released",
 ]
 
 

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from services.bench import RANDOM_MARKER_FILE, BenchReport
+from services.bench.report import BenchReport
+from services.random_models import RANDOM_MARKER_FILE
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 NEW_TOKENS = 5

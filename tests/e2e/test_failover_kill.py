@@ -27,6 +27,7 @@ from tests.e2e.failover_support import (  # noqa: F401 (nc is a fixture)
     pipeline_events,
     replay_pipeline,
     stream_with_action,
+    wait_for_pipeline_end,
     wait_until_released,
 )
 
@@ -97,6 +98,7 @@ async def test_sigkill_mid_generation_fails_over_to_the_replica_token_for_token(
     assert call.final.timing.failovers == 1
 
     # Audit: the replayed timeline has the failover in its place.
+    await wait_for_pipeline_end(nc, call.pipeline_id)
     types = [record["event"]["type"] for record in replay_pipeline(mesh.cluster.nats_url, call.pipeline_id)]
     lifecycle = [t for t in types if t in ("pipeline.constructed", "pipeline.shard_status", "pipeline.failover",
                                            "pipeline.completed")]

@@ -5,16 +5,18 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from services.cluster import LocalCluster
-from services.common.chat_client import chat, stream_chat_raw
+from services.common.chat_client import chat, list_models, stream_chat_raw
 from services.common.chat_protocol import ChatMessage, ChatRequest
 from services.common.nats_connection import connect_nats
-from tests.e2e.conftest import TINY_MODEL_NAME, start_orchestrator, start_three_shards
+from tests.e2e.conftest import TINY_CONTEXT_LENGTH, TINY_MODEL_NAME, start_orchestrator, start_three_shards
 from tests.unit.inference_tiny_models import write_tiny_model
 
 pytestmark = pytest.mark.e2e
@@ -110,6 +112,29 @@ async def test_three_concurrent_requests_all_complete(mesh_client, reference):
         assert result.ok, result.final
         assert result.token_ids == greedy_reference(model, tokenizer(prompt)["input_ids"], 12)
     assert len({r.frames_of("pipeline")[0].pipeline_id for r in results}) == 3
+
+
+async def test_the_mesh_says_which_models_it_serves_and_a_request_may_leave_model_out(mesh_client, running_mesh,
+                                                                                      reference):
+    reply = await list_models(mesh_client)
+    served = {model.id: model for model in reply.models}
+    assert set(served) == {TINY_MODEL_NAME}
+    tiny = served[TINY_MODEL_NAME]
+    assert (tiny.complete, tiny.total_layers, tiny.covered_layers) == (True, 6, [(0, 5)])
+    assert tiny.context_length == TINY_CONTEXT_LENGTH and tiny.runnable_locally is False
+    assert reply.default_model == TINY_MODEL_NAME
+
+    model, tokenizer = reference
+    result = await chat(mesh_client, ChatRequest(prompt="the lazy dog", max_tokens=6))
+    assert result.ok, result.final
+    assert result.token_ids == greedy_reference(model, tokenizer("the lazy dog")["input_ids"], 6)
+
+    completed = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "services.cli", "models", "--nats",
+                                                         running_mesh.nats_url], capture_output=True, text=True,
+                                        timeout=60)
+    assert completed.returncode == 0, completed.stderr
+    assert f"default model: {TINY_MODEL_NAME}" in completed.stdout
+    assert "0-5 of 6" in completed.stdout
 
 
 MALFORMED_REQUESTS = [

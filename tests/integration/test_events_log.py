@@ -31,7 +31,7 @@ from services.common.nats_connection import connect_nats
 
 pytestmark = pytest.mark.integration
 
-EXAMPLES_PATH = Path("/work/shared/examples/events.jsonl")
+EXAMPLES_PATH = Path(__file__).resolve().parents[2] / "docs" / "examples" / "events.jsonl"
 UNDECODABLE_METRIC = "hearth_events_undecodable_total"
 
 

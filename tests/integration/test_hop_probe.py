@@ -1,11 +1,11 @@
-"""HopChain.probe_outcome against a real nats-server: an answering shard, a gone one, a silent one."""
+"""probe_outcome (the stall watch's liveness probe) against a real nats-server: answering, gone, silent."""
 
 from __future__ import annotations
 
 import asyncio
 
 from services.common.control_protocol import ShardStat
-from services.orchestrator.chain import HopChain, ProbeOutcome, StepTimeouts
+from services.orchestrator.stall import ProbeOutcome, probe_outcome
 from services.orchestrator.router import Hop
 
 
@@ -28,10 +28,8 @@ async def test_probe_tells_a_gone_shard_from_a_silent_one(connections):
     await shard.subscribe(answering.control_subject, cb=answer)
     await shard.subscribe(silent.control_subject, cb=ignore)
     await shard.flush()
-    chain = HopChain(orchestrator, "probe-test", [answering, gone, silent], model_id="m",
-                     weights_sha256="0" * 64, timeouts=StepTimeouts(step_timeout_s=1.0))
 
-    assert await chain.probe_outcome(answering, 1.0) is ProbeOutcome.answered
+    assert await probe_outcome(orchestrator, answering, 1.0) is ProbeOutcome.answered
     # Nobody subscribes to the gone shard's subject: the server says so at once, long before the timeout.
-    assert await asyncio.wait_for(chain.probe_outcome(gone, 30.0), 5.0) is ProbeOutcome.no_responder
-    assert await chain.probe_outcome(silent, 0.2) is ProbeOutcome.silent
+    assert await asyncio.wait_for(probe_outcome(orchestrator, gone, 30.0), 5.0) is ProbeOutcome.no_responder
+    assert await probe_outcome(orchestrator, silent, 0.2) is ProbeOutcome.silent

@@ -22,7 +22,7 @@ from services.replay.cli import app
 
 pytestmark = pytest.mark.integration
 
-EXAMPLES_PATH = Path("/work/shared/examples/events.jsonl")
+EXAMPLES_PATH = Path(__file__).resolve().parents[2] / "docs" / "examples" / "events.jsonl"
 BIN = Path(sys.executable).parent
 runner = CliRunner()
 

@@ -6,7 +6,8 @@ import math
 
 import pytest
 
-from services.bench import GenerationTiming, Histogram, transport_figures
+from services.bench.timing import GenerationTiming
+from services.bench.transport_metrics import Histogram, transport_figures
 from services.shard.metrics import COMPUTE_METRIC, TRANSPORT_METRIC, WIRE_METRIC
 
 BOUNDS_S = [0.0005, 0.001, 0.002, math.inf]

@@ -6,7 +6,7 @@ import threading
 import pytest
 import torch
 
-from services.common.compute import COMPUTE_THREAD_NAME, StepThreads, on_compute_thread, use_intra_op_threads
+from inference.compute_thread import COMPUTE_THREAD_NAME, StepThreads, on_compute_thread, use_intra_op_threads
 from services.common.lifecycle import EVENT_LOOP_ENV, run_event_loop
 
 

@@ -1,4 +1,4 @@
-"""Configuration: DESIGN.md §9 defaults, the TOML file, HEARTH_* environment overrides, and loud errors."""
+"""Configuration: docs/design.md §9 defaults, the TOML file, HEARTH_* environment overrides, and loud errors."""
 
 from __future__ import annotations
 

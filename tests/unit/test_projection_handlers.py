@@ -20,13 +20,9 @@ from events.models import (
     ShardWithdrawn,
 )
 from events.streams import PIPELINES_STREAM, SHARDS_STREAM
-from readmodels.projection import (
-    ConcurrentProjectionError,
-    ReadModelProjection,
-    epoch_s,
-    hops_after_failover,
-    load_positions,
-)
+from readmodels.pipeline_hops import hops_after_failover
+from readmodels.positions import ConcurrentProjectionError, load_positions
+from readmodels.projection import ReadModelProjection, epoch_s
 from readmodels.tables import Failover, Pipeline, Shard, ShardHealth, ShardStats
 from tests.readmodel_helpers import (
     T0,

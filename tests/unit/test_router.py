@@ -1,4 +1,4 @@
-"""Unit tests of ShardRouter (DESIGN.md §5) on an Alembic-created read model filled by the projection."""
+"""Unit tests of ShardRouter (docs/design.md §5) on an Alembic-created read model filled by the projection."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from services.transport.acks import AckObserver
-from services.transport.frames import AckHeader
+from services.transport.headers import AckHeader
 from services.transport.stats import LatencySamples
 
 PIPELINE = "pipe-obs"

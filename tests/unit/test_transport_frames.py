@@ -10,7 +10,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from services.transport.errors import FrameError
+from services.common.config import TransportSettings
 from services.transport.frames import (
+    AddOutcome,
+    StepAssembler,
+    decode_frames,
+    effective_chunk_bytes,
+    encode_step,
+    header_budget_bytes,
+)
+from services.transport.headers import (
     HEADER_BYTES,
     HEADER_CHUNK,
     HEADER_COMPUTE_DTYPE,
@@ -21,19 +30,11 @@ from services.transport.frames import (
     HEADER_SHAPE,
     HEADER_STEP,
     AckHeader,
-    AddOutcome,
     FrameHeader,
     FrameKind,
-    StepAssembler,
     StepInfo,
-    WireDtype,
-    decode_frames,
-    default_chunk_bytes,
-    effective_chunk_bytes,
-    encode_step,
-    header_budget_bytes,
-    wire_dtype_from_setting,
 )
+from services.transport.wire import WireDtype, wire_dtype_from_setting
 
 PIPELINE = "pipe-1"
 PREFILL = StepInfo(session="sess-1", step=3, kind=FrameKind.prefill, pos=0)
@@ -159,7 +160,7 @@ def test_reset_step_has_no_payload_and_decodes_to_none():
 
 
 def test_chunk_size_never_exceeds_server_max_payload():
-    assert effective_chunk_bytes(None, None) == default_chunk_bytes == 1024 * 1024
+    assert effective_chunk_bytes(None, None) == TransportSettings().chunk_bytes == 1024 * 1024
     assert effective_chunk_bytes(None, 8 * 1024 * 1024) == 1024 * 1024
     assert effective_chunk_bytes(None, 64 * 1024) == 64 * 1024 - header_budget_bytes
     with pytest.raises(ValueError, match="positive"):

@@ -1,0 +1,169 @@
+"""The `hearth bench` report: its figures as pydantic models (the --json output) and their text rendering."""
+
+from __future__ import annotations
+
+import statistics
+
+from pydantic import BaseModel
+
+from services.bench.timing import GenerationTiming
+
+
+class RunFigures(BaseModel):
+    decode_tokens_per_s: float
+    ttft_ms: float
+    tokens: int
+    construct_ms: float | None = None
+
+
+class Side(BaseModel):
+    runs: list[RunFigures]
+    decode_tokens_per_s_median: float
+    ttft_ms_median: float
+
+
+class TransportFigures(BaseModel):
+    hop: int | None
+    shard_id: str
+    steps: int
+    p50_ms: float | None
+    p95_ms: float | None
+    share_at_most_1ms: float | None
+    wire_p50_ms: float | None
+    wire_p95_ms: float | None
+    deserialize_p95_ms: float | None
+    serialize_p95_ms: float | None
+    mean_ms: float | None = None
+    compute_mean_ms: float | None = None
+
+
+class SessionFigures(BaseModel):
+    session: int
+    tokens: int
+    ttft_ms: float
+    finished_ms: float
+    first_token_after_another_finished: bool
+
+
+class ConcurrentFigures(BaseModel):
+    sessions: list[SessionFigures]
+    wall_s: float
+    aggregate_tokens_per_s: float
+    single_session_decode_tokens_per_s: float
+    single_session_end_to_end_tokens_per_s: float
+    transport: list[TransportFigures]
+
+
+class TargetCheck(BaseModel):
+    target: str
+    measured: str
+    met: bool
+
+
+class BenchReport(BaseModel):
+    started_at: str
+    machine: dict[str, object]
+    model: dict[str, object]
+    settings: dict[str, object]
+    monolithic: Side
+    pipeline: Side
+    greedy_outputs_match: bool
+    # generate() with this shell's environment and torch's default threads (no hearth thread settings).
+    monolithic_library_defaults: Side | None = None
+    ratio_vs_library_defaults: float | None = None
+    ratio_median: float
+    ratio_of_medians: float
+    pipeline_overhead_ms_per_token: float
+    construct_ms_p50: float | None
+    construct_ms_max: float | None
+    transport_decode: list[TransportFigures]
+    transport_prefill: list[TransportFigures]
+    concurrent: ConcurrentFigures | None
+    targets: list[TargetCheck]
+
+
+def side_figures(runs: list[GenerationTiming]) -> Side:
+    figures = [RunFigures(decode_tokens_per_s=r.decode_tokens_per_s, ttft_ms=r.ttft_ms, tokens=r.tokens,
+                          construct_ms=r.construct_ms) for r in runs]
+    return Side(runs=figures, decode_tokens_per_s_median=statistics.median(r.decode_tokens_per_s for r in runs),
+                ttft_ms_median=statistics.median(r.ttft_ms for r in runs))
+
+
+def format_report(report: BenchReport) -> str:
+    lines = []
+    model, settings = report.model, report.settings
+    lines.append(f"hearth bench  {report.started_at}  ({report.machine['cpus']} CPUs, torch {report.machine['torch']}, "
+                 f"load average {report.machine.get('load_average_before')} -> "
+                 f"{report.machine.get('load_average_after')})")
+    lines.append(f"model {model['spec']}: {model['layers']} layers, {model['parameters'] / 1e6:.1f}M parameters, "
+                 f"{model['dtype']}; {settings['shards']} shards {settings['layer_ranges']}; prompt "
+                 f"{settings['prompt_tokens']} tokens, {settings['new_tokens']} new tokens, "
+                 f"{settings['repeats']} rounds")
+    lines.append("")
+    lines.append(f"{'':34s}{'decode tokens/s':>16s}{'ttft ms':>10s}")
+    lines.append(f"{'generate(), same thread settings':34s}{report.monolithic.decode_tokens_per_s_median:16.2f}"
+                 f"{report.monolithic.ttft_ms_median:10.1f}   ({settings.get('monolithic_torch_threads')} threads, "
+                 f"{_env_text(settings.get('process_env') or {})})")
+    if report.monolithic_library_defaults is not None:
+        lines.append(f"{'generate(), library defaults':34s}"
+                     f"{report.monolithic_library_defaults.decode_tokens_per_s_median:16.2f}"
+                     f"{report.monolithic_library_defaults.ttft_ms_median:10.1f}"
+                     f"   ({settings.get('library_defaults_torch_threads')} threads, no OMP settings)")
+    lines.append(f"{'pipeline (' + str(settings['shards']) + ' shard processes)':34s}"
+                 f"{report.pipeline.decode_tokens_per_s_median:16.2f}{report.pipeline.ttft_ms_median:10.1f}")
+    lines.append("greedy outputs: " + ("identical in every run" if report.greedy_outputs_match
+                                       else "DIFFER between runs (see --json)"))
+    lines.append(f"ratio pipeline / monolithic: {report.ratio_median:.3f} (median of rounds; ratio of medians "
+                 f"{report.ratio_of_medians:.3f}); pipeline overhead "
+                 f"{report.pipeline_overhead_ms_per_token:.2f} ms/token")
+    if report.ratio_vs_library_defaults is not None:
+        lines.append(f"ratio pipeline / generate() with library defaults: {report.ratio_vs_library_defaults:.3f}")
+    if report.construct_ms_p50 is not None:
+        lines.append(f"pipeline construction: p50 {report.construct_ms_p50:.1f} ms, "
+                     f"max {report.construct_ms_max:.1f} ms")
+    for title, rows in (("per-hop transport overhead, decode steps", report.transport_decode),
+                        ("per-hop transport overhead, prefill steps", report.transport_prefill)):
+        if not rows:
+            continue
+        lines.append("")
+        lines.append(f"{title} (wire + deserialise + serialise; ms):")
+        lines.append(f"  {'hop':34s}{'steps':>7s}{'p50':>8s}{'p95':>8s}{'<=1ms':>8s}{'wire p50':>10s}{'wire p95':>10s}"
+                     f"{'deser p95':>10s}{'ser p95':>9s}{'mean':>8s}{'compute mean':>14s}")
+        for row in rows:
+            label = f"{row.hop}: {row.shard_id}" if row.hop is not None else "all hops"
+            lines.append(f"  {label[:34]:34s}{row.steps:7d}{_ms(row.p50_ms):>8s}{_ms(row.p95_ms):>8s}"
+                         f"{_pct(row.share_at_most_1ms):>8s}{_ms(row.wire_p50_ms):>10s}{_ms(row.wire_p95_ms):>10s}"
+                         f"{_ms(row.deserialize_p95_ms):>10s}{_ms(row.serialize_p95_ms):>9s}{_ms(row.mean_ms):>8s}"
+                         f"{_ms(row.compute_mean_ms):>14s}")
+    if report.concurrent is not None:
+        c = report.concurrent
+        lines.append("")
+        lines.append(f"{len(c.sessions)} concurrent sessions: aggregate {c.aggregate_tokens_per_s:.2f} tokens/s over "
+                     f"{c.wall_s:.2f} s (single session: {c.single_session_decode_tokens_per_s:.2f} decode, "
+                     f"{c.single_session_end_to_end_tokens_per_s:.2f} end to end)")
+        for s in c.sessions:
+            lines.append(f"  session {s.session}: first token after {s.ttft_ms:8.1f} ms, finished after "
+                         f"{s.finished_ms:9.1f} ms, {s.tokens} tokens"
+                         + ("  <- first token only after another session finished"
+                            if s.first_token_after_another_finished else ""))
+        pooled = next((row for row in c.transport if row.shard_id == "all"), None)
+        if pooled is not None:
+            lines.append(f"  transport overhead under load (decode, all hops): p50 {_ms(pooled.p50_ms)} ms, "
+                         f"p95 {_ms(pooled.p95_ms)} ms")
+    lines.append("")
+    lines.append("targets:")
+    for check in report.targets:
+        lines.append(f"  [{'met' if check.met else 'MISSED'}] {check.target}: {check.measured}")
+    return "\n".join(lines)
+
+
+def _env_text(env: dict) -> str:
+    return " ".join(f"{key}={value}" for key, value in env.items() if key.startswith(("OMP_", "GOMP_", "KMP_")))
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.1f}%"

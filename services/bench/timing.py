@@ -1,0 +1,32 @@
+"""One timed generation as its caller saw it, and the decode tokens/s and time to first token that follow from it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class GenerationTiming:
+    """One generation as its caller saw it: seconds from the call to each token."""
+
+    token_times_s: list[float] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    construct_ms: float | None = None
+
+    @property
+    def tokens(self) -> int:
+        return len(self.token_times_s)
+
+    @property
+    def ttft_ms(self) -> float:
+        return self.token_times_s[0] * 1000.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        if self.tokens < 2:
+            return 0.0
+        return (self.tokens - 1) / (self.token_times_s[-1] - self.token_times_s[0])
+
+    @property
+    def end_s(self) -> float:
+        return self.token_times_s[-1]

@@ -1,0 +1,146 @@
+"""Per-hop transport overhead: the shard hosts' step histograms scraped from Prometheus, turned into p50/p95 figures.
+
+Each shard host observes, for every step, its inbound wire time, deserialisation and serialisation
+(services/shard/metrics.py); the bench scrapes the histograms before and after a measurement and
+reports quantiles of the difference (linear interpolation inside buckets, like PromQL).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import urllib.request
+from dataclasses import dataclass
+
+from services.bench.report import TransportFigures
+from services.shard.metrics import COMPUTE_METRIC, DESERIALIZE_METRIC, SERIALIZE_METRIC, TRANSPORT_METRIC, WIRE_METRIC
+
+metrics_scrape_timeout_s = 5.0
+
+
+@dataclass
+class Histogram:
+    """Cumulative bucket counts of one labelled histogram (upper bounds ascending, +Inf last)."""
+
+    bounds_s: list[float]
+    cumulative: list[float]
+    sum_s: float = 0.0
+
+    def minus(self, earlier: "Histogram | None") -> "Histogram":
+        if earlier is None:
+            return self
+        return Histogram(self.bounds_s, [a - b for a, b in zip(self.cumulative, earlier.cumulative)],
+                         self.sum_s - earlier.sum_s)
+
+    def plus(self, other: "Histogram") -> "Histogram":
+        return Histogram(self.bounds_s, [a + b for a, b in zip(self.cumulative, other.cumulative)],
+                         self.sum_s + other.sum_s)
+
+    @property
+    def mean_ms(self) -> float | None:
+        return self.sum_s / self.count * 1000.0 if self.count else None
+
+    @property
+    def count(self) -> int:
+        return int(self.cumulative[-1]) if self.cumulative else 0
+
+    def quantile_ms(self, fraction: float) -> float | None:
+        """Like PromQL histogram_quantile: linear inside the bucket holding the rank."""
+        total = self.count
+        if total == 0:
+            return None
+        rank = fraction * total
+        previous_bound, previous_count = 0.0, 0.0
+        for bound, count in zip(self.bounds_s, self.cumulative):
+            if count >= rank:
+                if math.isinf(bound):
+                    return previous_bound * 1000.0
+                width = count - previous_count
+                inside = (rank - previous_count) / width if width else 1.0
+                return (previous_bound + (bound - previous_bound) * inside) * 1000.0
+            previous_bound, previous_count = bound, count
+        return previous_bound * 1000.0
+
+    def share_at_most(self, bound_s: float) -> float | None:
+        """Exact share of observations <= bound_s (bound_s must be a bucket bound)."""
+        if self.count == 0:
+            return None
+        for bound, count in zip(self.bounds_s, self.cumulative):
+            if math.isclose(bound, bound_s):
+                return count / self.count
+        raise ValueError(f"{bound_s} is not a bucket bound")
+
+
+MetricKey = tuple[str, str, str]  # (metric, shard_id, kind)
+
+
+def scrape_histograms(url: str) -> dict[MetricKey, Histogram]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url, timeout=metrics_scrape_timeout_s) as response:
+        text = response.read().decode()
+    rows: dict[MetricKey, list[tuple[float, float]]] = {}
+    sums: dict[MetricKey, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if not sample.name.startswith("hearth_shard_step_"):
+                continue
+            if sample.name.endswith("_bucket"):
+                key = (sample.name.removesuffix("_bucket"), sample.labels["shard_id"], sample.labels["kind"])
+                rows.setdefault(key, []).append((float(sample.labels["le"]), sample.value))
+            elif sample.name.endswith("_sum"):
+                key = (sample.name.removesuffix("_sum"), sample.labels["shard_id"], sample.labels["kind"])
+                sums[key] = sample.value
+    histograms = {}
+    for key, buckets in rows.items():
+        buckets.sort()
+        histograms[key] = Histogram([b for b, _ in buckets], [c for _, c in buckets], sums.get(key, 0.0))
+    return histograms
+
+
+async def scrape_hosts(metrics_urls: dict[str, str]) -> dict[MetricKey, Histogram]:
+    """The step histograms of every shard host, merged (each host labels its own by shard_id)."""
+    merged: dict[MetricKey, Histogram] = {}
+    for url in metrics_urls.values():
+        merged.update(await asyncio.to_thread(scrape_histograms, url))
+    return merged
+
+
+def histogram_deltas(after: dict[MetricKey, Histogram],
+                     before: dict[MetricKey, Histogram]) -> dict[MetricKey, Histogram]:
+    """What was observed between two scrapes."""
+    return {key: histogram.minus(before.get(key)) for key, histogram in after.items()}
+
+
+def transport_figures(delta: dict[MetricKey, Histogram], kind: str, hop_of: dict[str, int]) -> list[TransportFigures]:
+    """Per shard, then pooled over all hops (shard_id "all")."""
+    def pick(metric: str, shard_id: str | None) -> Histogram | None:
+        chosen = [h for (m, s, k), h in delta.items() if m == metric and k == kind and shard_id in (None, s)]
+        if not chosen:
+            return None
+        total = chosen[0]
+        for histogram in chosen[1:]:
+            total = total.plus(histogram)
+        return total
+
+    def _mean(histogram: Histogram | None) -> float | None:
+        return histogram.mean_ms if histogram is not None else None
+
+    def q(histogram: Histogram | None, fraction: float) -> float | None:
+        return histogram.quantile_ms(fraction) if histogram is not None else None
+
+    rows = []
+    for shard_id in [*sorted(hop_of, key=hop_of.get), None]:
+        overall = pick(TRANSPORT_METRIC, shard_id)
+        if overall is None or overall.count == 0:
+            continue
+        wire = pick(WIRE_METRIC, shard_id)
+        rows.append(TransportFigures(
+            hop=hop_of.get(shard_id) if shard_id else None, shard_id=shard_id or "all", steps=overall.count,
+            p50_ms=q(overall, 0.5), p95_ms=q(overall, 0.95), share_at_most_1ms=overall.share_at_most(0.001),
+            wire_p50_ms=q(wire, 0.5), wire_p95_ms=q(wire, 0.95),
+            deserialize_p95_ms=q(pick(DESERIALIZE_METRIC, shard_id), 0.95),
+            serialize_p95_ms=q(pick(SERIALIZE_METRIC, shard_id), 0.95),
+            mean_ms=overall.mean_ms, compute_mean_ms=_mean(pick(COMPUTE_METRIC, shard_id)),
+        ))
+    return rows

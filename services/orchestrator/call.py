@@ -1,0 +1,147 @@
+"""Call: everything one `llm.chat.request` is while the orchestrator serves it (the request, its model, its
+pipeline id, the tokens so far, its timing, its failovers, what the client was sent) and ClientStream,
+which numbers and publishes the call's frames to the client's inbox.
+
+A client that goes away (its connection closed, or it stopped reading and unsubscribed its inbox) is noticed
+through NATS "no responders": every frame is published with a reply subject of ours, and when nobody listens
+on the client's inbox any more the server answers that publish with a 503 status. Right after our own
+connection reconnected (a broker restart) the client may simply not have resubscribed yet, so 503s within
+`client_resubscribe_grace_s` of a reconnect are not taken as the client leaving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+
+from services.common.chat_protocol import ChatRequest, KeepaliveFrame, TokenDeltaFrame
+from services.orchestrator.catalog import LoadedModel
+
+NO_RESPONDERS_STATUS = "503"
+# Event-loop turns after a flush for a subscription callback to run (its message is already read).
+status_dispatch_yields = 3
+
+
+class ClientStream:
+    """Numbers frames (monotonic `seq`), publishes them to one reply subject, and notices the client leaving."""
+
+    def __init__(self, nc: NatsClient, reply_subject: str, *, resubscribe_grace_s: float) -> None:
+        self.nc = nc
+        self.reply_subject = reply_subject
+        self.resubscribe_grace_s = resubscribe_grace_s
+        self.seq = 0
+        self.tokens_sent = 0
+        self.last_sent_at = time.monotonic()
+        self.client_gone = asyncio.Event()
+        self._missed_frames = 0
+        self._status_inbox: str | None = None
+        self._status_sub = None
+        self._reconnects = nc.stats["reconnects"]
+        self._reconnect_noticed_at = float("-inf")
+
+    async def start(self) -> "ClientStream":
+        self._status_inbox = self.nc.new_inbox()
+        self._status_sub = await self.nc.subscribe(self._status_inbox, cb=self._on_status)
+        return self
+
+    async def send(self, frame) -> None:
+        self._reconnected_recently()
+        if isinstance(frame, KeepaliveFrame):
+            # Not numbered (it repeats the last seq): a lost keepalive is no gap in what the client must see.
+            numbered = frame.model_copy(update={"seq": max(self.seq - 1, 0)})
+        else:
+            numbered = frame.model_copy(update={"seq": self.seq})
+            self.seq += 1
+        if isinstance(frame, TokenDeltaFrame):
+            self.tokens_sent += 1
+        self.last_sent_at = time.monotonic()
+        await self.nc.publish(self.reply_subject, numbered.model_dump_json().encode(),
+                              reply=self._status_inbox or "")
+
+    async def keep_alive(self, interval_s: float) -> None:
+        """A keepalive frame when nothing else went out for `interval_s`."""
+        if time.monotonic() - self.last_sent_at >= interval_s:
+            await self.send(KeepaliveFrame(seq=0))
+
+    async def reachable(self, timeout_s: float) -> bool:
+        """Whether the client's inbox has a subscriber again (after a broker restart the client resubscribes
+        when its own connection is back): a keepalive that nobody received comes back as "no responders",
+        which the server sends before it answers the flush's ping."""
+        missed = self._missed_frames
+        await self.send(KeepaliveFrame(seq=0))
+        try:
+            await self.nc.flush(timeout=timeout_s)
+        except Exception:
+            return False
+        # The status message has been read off the socket; let its subscription's callback run.
+        for _ in range(status_dispatch_yields):
+            await asyncio.sleep(0)
+        return self._missed_frames == missed
+
+    async def close(self) -> None:
+        sub, self._status_sub = self._status_sub, None
+        if sub is not None:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+    async def _on_status(self, msg: Msg) -> None:
+        no_responders = msg.headers is not None and msg.headers.get("Status") == NO_RESPONDERS_STATUS
+        if not no_responders:
+            return
+        self._missed_frames += 1
+        if not self._reconnected_recently():
+            self.client_gone.set()
+
+    def _reconnected_recently(self) -> bool:
+        count = self.nc.stats["reconnects"]
+        now = time.monotonic()
+        if count != self._reconnects:
+            self._reconnects, self._reconnect_noticed_at = count, now
+        return now - self._reconnect_noticed_at < self.resubscribe_grace_s
+
+
+@dataclass
+class Call:
+    """One request from arrival to its final frame; PipelineRun reads and advances it."""
+
+    request: ChatRequest
+    model: LoadedModel
+    client: ClientStream
+    pipeline_id: str = field(default_factory=lambda: "p-" + uuid.uuid4().hex[:16])
+    started: float = field(default_factory=time.perf_counter)
+    prompt_ids: list[int] = field(default_factory=list)
+    # Every token sampled (the end-of-sequence token too): what a repaired pipeline re-prefills.
+    generated: list[int] = field(default_factory=list)
+    first_token_at: float | None = None
+    construct_ms: float | None = None
+    failovers: int = 0
+    broker_repairs: int = 0
+    # Shards this call routes around: they failed or refused it.
+    excluded: set[str] = field(default_factory=set)
+
+    @property
+    def known_ids(self) -> list[int]:
+        """The prompt and everything generated: the input of a (re-)prefill."""
+        return self.prompt_ids + self.generated
+
+    @property
+    def completion_tokens(self) -> int:
+        """Tokens the client received (an end-of-sequence token that produced no text is not one)."""
+        return self.client.tokens_sent
+
+    def seconds_since_start(self) -> float:
+        return time.perf_counter() - self.started
+
+    def ttft_ms(self) -> float:
+        return ((self.first_token_at or time.perf_counter()) - self.started) * 1000.0
+
+    def decode_tokens_per_second(self) -> float:
+        decode_s = time.perf_counter() - (self.first_token_at or self.started)
+        tokens = self.completion_tokens
+        return (tokens - 1) / decode_s if tokens > 1 and decode_s > 0 else 0.0

@@ -1,0 +1,137 @@
+"""StallWatch: decides, while a step is held somewhere in a chain, which hop is to blame and when.
+
+Who is to blame for a stalled step: the acks say which hop last took the step in (hop h), but not whether
+h is slow or the hop after it never received h's output (it died, or is frozen with its connection still
+open). So the watch probes hops h and h+1 with a `stat` control request: a hop that does not answer within
+the probe's time (or has no responder at all) is the culprit; when both answer, h holds the step and is the
+one to route around. The probe starts `probe_timeout_s` (at most half the step timeout) before the step
+times out, so the verdict is there when it does: a stall is declared within the step timeout.
+
+A host that died (killed, crashed, unplugged) need not wait that long: its NATS connection is gone, and
+with it the subscription on its control subject, so a request there fails at once with "no responders".
+Once a step has been held `gone_check_after_s` (far longer than a step normally takes, far shorter than
+the step timeout), the watch asks the suspects once; one without a responder is failed over right away.
+A frozen or merely slow host still has its connection and is left to the step timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+from nats.aio.client import Client as NatsClient
+from nats.errors import NoRespondersError
+
+from services.common.config import TransportSettings
+from services.common.control_protocol import ShardStat, StatShard
+from services.orchestrator.router import Hop
+from services.transport import AckObserver, StepInfo
+
+FailureKind = Literal["stalled", "step_failed", "corrupt", "gone", "refused", "broker"]
+
+
+@dataclass(frozen=True)
+class StepFailure:
+    """Why a step (or an open) did not come through, and whom to route around: `shard_id` is None when the
+    broker connection was lost and no shard is to blame."""
+
+    kind: FailureKind
+    shard_id: str | None
+    reason: str
+    check: str | None = None
+
+    def __str__(self) -> str:
+        return f"{self.shard_id}: {self.reason}" if self.shard_id else self.reason
+
+
+class ProbeOutcome(enum.Enum):
+    answered = "answered"
+    no_responder = "no_responder"  # nothing subscribes to its control subject: the host is gone
+    silent = "silent"  # no answer in time: frozen, overloaded, or the answer was lost
+
+
+async def probe_outcome(nc: NatsClient, hop: Hop, timeout_s: float) -> ProbeOutcome:
+    """How the hop's shard reacts to `stat`: answers, has no responder (gone), or stays silent."""
+    try:
+        message = await nc.request(hop.control_subject, StatShard().model_dump_json().encode(), timeout=timeout_s)
+        ShardStat.model_validate_json(message.data)
+    except NoRespondersError:
+        return ProbeOutcome.no_responder
+    except Exception:  # a timeout, a closed connection, or an answer that is not a ShardStat
+        return ProbeOutcome.silent
+    return ProbeOutcome.answered
+
+
+class StallWatch:
+    """Looked at by HopChain every poll while a step is outstanding; gives a StepFailure once one is due."""
+
+    def __init__(self, nc: NatsClient, hops: list[Hop], observer: AckObserver, transport: TransportSettings) -> None:
+        self.nc = nc
+        self.hops = hops
+        self.observer = observer
+        self.transport = transport
+        # The liveness probe of the step currently held too long: (step, holder hop) and its task.
+        self._probe_key: tuple[int, int] | None = None
+        self._probe: asyncio.Task | None = None
+        # The (step, holder hop) whose suspects were already checked for a lost connection.
+        self._gone_checked: tuple[int, int] | None = None
+
+    def cancel(self) -> None:
+        if self._probe is not None:
+            self._probe.cancel()
+        self._probe, self._probe_key = None, None
+
+    async def check(self, info: StepInfo, sent_at: float, timeout_s: float) -> StepFailure | None:
+        progress = self.observer.progress(info.session, info.step)
+        now = time.monotonic()
+        if progress is None:
+            holder, since = 0, sent_at
+        else:
+            # Acked by hop h: hop h holds it until hop h+1 acks. Acked by the sink hop: we are just slow.
+            holder, since = progress.hop, progress.last_ack_monotonic
+            if holder >= len(self.hops):
+                return None
+        # Hop 0 never acked: nobody after it is involved. Otherwise the next hop may be the one gone.
+        suspects = [i for i in ([holder] if progress is None else [holder, holder + 1]) if i < len(self.hops)]
+        held_s = now - since
+        if held_s > self.transport.gone_check_after_s and self._gone_checked != (info.step, holder):
+            self._gone_checked = (info.step, holder)
+            outcomes = await self._outcomes(suspects, self.transport.gone_check_timeout_s)
+            for index, outcome in zip(suspects, outcomes):
+                if outcome is ProbeOutcome.no_responder:
+                    return StepFailure("gone", self.hops[index].shard_id,
+                                       f"no longer connected (no responder on its control subject); step "
+                                       f"{info.step} held {held_s:.2f} s")
+        probe_s = min(self.transport.probe_timeout_s, self.transport.step_timeout_s / 2)
+        if len(suspects) > 1 and held_s > timeout_s - probe_s and self._probe_key != (info.step, holder):
+            self.cancel()
+            self._probe_key = (info.step, holder)
+            self._probe = asyncio.create_task(self._answered(suspects, probe_s), name="hop-probe")
+        if held_s <= timeout_s:
+            return None
+        culprit = await self._blame(suspects)
+        if culprit == holder:
+            reason = f"step {info.step} not passed on within {timeout_s:.1f} s"
+        else:
+            reason = f"does not answer; step {info.step} not taken in within {timeout_s:.1f} s"
+        return StepFailure("stalled", self.hops[culprit].shard_id, reason)
+
+    async def _blame(self, suspects: list[int]) -> int:
+        """The first suspect hop that does not answer a probe; the first suspect when every one answers."""
+        if len(suspects) == 1:
+            return suspects[0]
+        probe, self._probe, self._probe_key = self._probe, None, None
+        answers = await (probe if probe is not None else self._answered(suspects, self.transport.probe_timeout_s))
+        for index, answered in zip(suspects, answers):
+            if not answered:
+                return index
+        return suspects[0]
+
+    async def _answered(self, suspects: list[int], timeout_s: float) -> list[bool]:
+        return [outcome is ProbeOutcome.answered for outcome in await self._outcomes(suspects, timeout_s)]
+
+    async def _outcomes(self, suspects: list[int], timeout_s: float) -> list[ProbeOutcome]:
+        return list(await asyncio.gather(*(probe_outcome(self.nc, self.hops[i], timeout_s) for i in suspects)))

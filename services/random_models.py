@@ -1,0 +1,75 @@
+"""Randomly initialised Llama checkpoints of named shapes (`random:<shape>`), written once to a cache folder.
+
+`hearth bench`, `hearth demo --model random:<shape>` and the scripts under scripts/ run on them: each is
+written with save_pretrained to ``$HEARTH_CACHE_DIR`` (default ~/.cache/hearth)/random-models/<shape>,
+with a word-level tokenizer (token i is the word ``t<i>``) so prompts have exactly the requested length
+and no end-of-sequence token, so every generation runs to its full length.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+RANDOM_SHAPES: dict[str, dict[str, int]] = {
+    # ~271M parameters (205M in the layers); the shape of scripts/bench_inference_memory.py.
+    "llama-250m": dict(hidden_size=1024, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=16,
+                       intermediate_size=2816, vocab_size=32000),
+    # TinyLlama-1.1B's shape (1.1B parameters).
+    "tinyllama-1.1b": dict(hidden_size=2048, num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4,
+                           intermediate_size=5632, vocab_size=32000),
+    # For tests of the bench itself: seconds to write and run.
+    "tiny": dict(hidden_size=64, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=128, vocab_size=512),
+}
+RANDOM_PREFIX = "random:"
+RANDOM_MARKER_FILE = "hearth-random-shape.json"
+random_max_positions = 4096
+random_init_seed = 0
+CACHE_DIR_ENV = "HEARTH_CACHE_DIR"
+
+
+class UnknownRandomShape(ValueError):
+    """`random:<shape>` names no shape of RANDOM_SHAPES."""
+
+
+def cache_root(cache_dir: Path | None = None) -> Path:
+    if cache_dir is not None:
+        return Path(cache_dir)
+    return Path(os.environ.get(CACHE_DIR_ENV) or Path.home() / ".cache" / "hearth")
+
+
+def random_checkpoint(spec: str, cache_dir: Path | None = None) -> Path:
+    """The folder of `random:<shape>`, writing it (random fp32 weights + word-level tokenizer) on first use."""
+    shape = spec.removeprefix(RANDOM_PREFIX)
+    if shape not in RANDOM_SHAPES:
+        raise UnknownRandomShape(f"unknown random shape {shape!r}; known: {', '.join(sorted(RANDOM_SHAPES))}")
+    folder = cache_root(cache_dir) / "random-models" / shape
+    if (folder / RANDOM_MARKER_FILE).is_file():
+        return folder
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    dims = RANDOM_SHAPES[shape]
+    config = LlamaConfig(**dims, max_position_embeddings=random_max_positions, bos_token_id=None,
+                         eos_token_id=None, pad_token_id=None, tie_word_embeddings=False)
+    staging = folder.with_name(folder.name + f".writing-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    print(f"writing random checkpoint {spec} to {folder} (once) ...", file=sys.stderr, flush=True)
+    torch.manual_seed(random_init_seed)
+    model = LlamaForCausalLM(config).to(torch.float32).eval()
+    model.save_pretrained(staging)
+    del model
+    vocab = {f"t{index}": index for index in range(dims["vocab_size"])}
+    word_tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
+    word_tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=word_tokenizer, unk_token="t0").save_pretrained(staging)
+    (staging / RANDOM_MARKER_FILE).write_text(json.dumps({"shape": shape, **dims, "seed": random_init_seed}))
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(folder, ignore_errors=True)
+    staging.rename(folder)
+    return folder

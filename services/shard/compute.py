@@ -1,0 +1,124 @@
+"""ShardCompute: runs one step of a hop on the compute thread (input check, injected faults, the layers) and
+keeps what the shard reports about its work (tokens served, step latencies, sessions and cache bytes).
+
+Integrity: every step's input is checked (NaN, Inf, per-position L2 norm far above what this shard has
+received before) before its layers run. The norm bounds are kept per shard, across pipelines, keyed by
+the first layer the hop runs (the input of layer L has the same scale whoever sends it, and a shard used
+from different first layers sees different inputs): a per-pipeline bound would learn nothing before a
+pipeline's first frame, so a shard corrupting from its first step on would pass.
+
+Why a cache snapshot: the runner's lock is held for a whole forward, so asking the runner how many sessions
+it caches would make a liveness probe wait behind a long prefill. The compute thread records the figures
+after every step and reset instead, and `stat` reads them without waiting for anything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from inference import LayerRangeRunner
+from inference.compute_thread import StepThreads, on_compute_thread, use_intra_op_threads
+from services.common.control_protocol import OpenHop
+from services.shard.faults import ShardFault
+from services.shard.metrics import ShardStepMetrics
+from services.transport import ReceivedStep
+from services.transport.integrity import NormBounds
+
+latency_samples_kept = 256
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What a step produced: its output, or the check its input failed (then nothing was run)."""
+
+    output: torch.Tensor | None
+    failed_check: str | None
+    compute_s: float
+
+
+@dataclass
+class CacheSnapshot:
+    sessions: int = 0
+    cache_bytes: int = 0
+
+
+@dataclass
+class ServingStats:
+    tokens_served_total: int = 0
+    steps_in_compute: int = 0
+    step_latencies_s: deque = field(default_factory=lambda: deque(maxlen=latency_samples_kept))
+
+    def p95_latency_ms(self) -> float:
+        if not self.step_latencies_s:
+            return 0.0
+        ordered = sorted(self.step_latencies_s)
+        return 1000.0 * ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))]
+
+
+class ShardCompute:
+    """The shard's layer runner behind one door: every torch call of the shard goes through here."""
+
+    def __init__(self, runner: LayerRangeRunner, shard_id: str, *, fault: ShardFault | None = None,
+                 step_threads: StepThreads | None = None) -> None:
+        self.runner = runner
+        self.fault = fault or ShardFault()
+        self.step_threads = step_threads or StepThreads()
+        self.stats = ServingStats()
+        self.step_metrics = ShardStepMetrics(shard_id)
+        self.cache = CacheSnapshot()
+        # Hops open on this shard (set by the server): steps get fewer threads while several run (StepThreads).
+        self.active_streams = 0
+        # Running bounds of the inputs received, per first layer run (see the module docstring).
+        self._input_bounds: dict[int, NormBounds] = {}
+
+    async def run(self, request: OpenHop, received: ReceivedStep) -> StepResult:
+        """Check and run one prefill/decode step; raises what the layers raise (the caller reports it)."""
+        started = time.perf_counter()
+        self.stats.steps_in_compute += 1
+        try:
+            if self.fault.delay_s and self.fault.active:
+                await asyncio.sleep(self.fault.delay_s)
+            # One worker-thread trip per step (on a busy machine every hand-off costs a wake-up): the input
+            # check, then the layers only if it passed.
+            threads = self.step_threads.for_streams(self.active_streams)
+            failed_check, output = await on_compute_thread(self._check_and_forward, request, received, threads)
+        finally:
+            self.stats.steps_in_compute -= 1
+        compute_s = time.perf_counter() - started
+        if failed_check is None:
+            output = self.fault.corrupt(output)
+            self.stats.step_latencies_s.append(compute_s)
+            self.stats.tokens_served_total += int(received.tensor.shape[1])
+        return StepResult(output, failed_check, compute_s)
+
+    async def reset(self, session_id: str) -> int:
+        """Drop a session's KV cache; the bytes freed."""
+        return await on_compute_thread(self._reset_and_measure, session_id)
+
+    def _check_and_forward(self, request: OpenHop, received: ReceivedStep,
+                           threads: int) -> tuple[str | None, torch.Tensor | None]:
+        """On the compute thread: check the step's input and run the layers only if it is sound (never garbage)."""
+        use_intra_op_threads(threads)
+        bounds = self._input_bounds.setdefault(request.layer_lo, NormBounds())
+        failed_check = bounds.check(received.tensor)
+        if failed_check is not None:
+            return failed_check, None
+        self.fault.raise_if_failing()
+        try:
+            return None, self.runner.forward(request.session_id, received.tensor, received.pos,
+                                             received.kind.value, (request.layer_lo, request.layer_hi))
+        finally:
+            self._measure_cache()
+
+    def _reset_and_measure(self, session_id: str) -> int:
+        freed = self.runner.reset(session_id)
+        self._measure_cache()
+        return freed
+
+    def _measure_cache(self) -> None:
+        self.cache = CacheSnapshot(sessions=len(self.runner.session_ids()), cache_bytes=self.runner.cache_bytes)

@@ -1,0 +1,309 @@
+"""The fault edges of the hearth commands, as real processes: an unreachable broker is one line naming its
+URL and exit code 1 after nats.connect_timeout_s (with --wait-for-nats: one waiting line, not one per
+attempt); SIGTERM/SIGINT end shard, orchestrator, projector and demo within 2 s in every state (waiting
+for the broker, loading layers, serving, broker gone) with exit code 0 and no traceback; `hearth chat`
+ends quietly, and fails in one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from services.cluster import LocalCluster
+from services.common.nats_server import free_tcp_port
+from tests.e2e.test_demo import processes_mentioning, work_dir_of
+
+pytestmark = pytest.mark.integration
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+HEARTH = str(Path(sys.executable).parent / "hearth")
+MODEL = REPO_ROOT / "models" / "hearth-tiny-llama"
+CONNECT_TIMEOUT_S = 1.0
+STOP_WITHIN_S = 2.0
+start_timeout_s = 120.0
+exit_timeout_s = 30.0
+ENV = {**{k: v for k, v in os.environ.items() if k not in ("HEARTH_NATS_URL", "HEARTH_CONFIG")},
+       "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "HEARTH_NATS__CONNECT_TIMEOUT_S": str(CONNECT_TIMEOUT_S)}
+LOG_RECORD = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (DEBUG|INFO|WARNING|ERROR|CRITICAL) ")
+WAITING_LINE = "is not reachable yet"
+ATTEMPT_LINE = "connecting to NATS"
+
+needs_model = pytest.mark.skipif(not (MODEL / "config.json").is_file(), reason="the bundled model is not trained")
+
+# Stands for a big checkpoint still being read: the shard's layer load never finishes on its worker thread.
+LOADING_SHARD = """
+import sys, threading
+import inference
+def load_forever(*args, **kwargs):
+    print("fake load started", flush=True)
+    threading.Event().wait(600)
+inference.load_layer_range = load_forever
+from services.cli import main
+sys.argv[0] = "hearth"
+main()
+"""
+
+
+class Process:
+    """A started command whose stdout and stderr lines are collected, with their arrival time, as they come."""
+
+    def __init__(self, args: list[str], **env: str) -> None:
+        self.popen = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      stdin=subprocess.DEVNULL, cwd=REPO_ROOT, env={**ENV, **env})
+        self.lines: dict[str, list[tuple[float, str]]] = {"stdout": [], "stderr": []}
+        self.changed = threading.Condition()
+        self.readers = [threading.Thread(target=self._read, args=(name,), daemon=True) for name in self.lines]
+        for reader in self.readers:
+            reader.start()
+
+    def _read(self, name: str) -> None:
+        for line in getattr(self.popen, name):
+            with self.changed:
+                self.lines[name].append((time.monotonic(), line.rstrip("\n")))
+                self.changed.notify_all()
+        with self.changed:
+            self.changed.notify_all()
+
+    def text(self, name: str) -> str:
+        with self.changed:
+            return "\n".join(line for _, line in self.lines[name])
+
+    def matching(self, text: str) -> list[tuple[float, str]]:
+        with self.changed:
+            return [(at, line) for name in self.lines for at, line in self.lines[name] if text in line]
+
+    def wait_for(self, text: str, *, count: int = 1, timeout_s: float = start_timeout_s) -> float:
+        """When the `count`-th line containing `text` arrived; fails if the process ends or time runs out."""
+        deadline = time.monotonic() + timeout_s
+
+        def seen() -> bool:
+            return len(self.matching(text)) >= count or self.popen.poll() is not None
+
+        with self.changed:
+            self.changed.wait_for(seen, timeout=max(0.0, deadline - time.monotonic()))
+        found = self.matching(text)
+        assert len(found) >= count, f"no {count} x {text!r} (exit {self.popen.poll()}):\n{self.output()}"
+        return found[count - 1][0]
+
+    def stop(self, signum: int) -> tuple[int, float]:
+        """Send `signum`; the exit code and the seconds until the process was gone."""
+        sent = time.monotonic()
+        self.popen.send_signal(signum)
+        code = self.popen.wait(timeout=exit_timeout_s)
+        return code, time.monotonic() - sent
+
+    def finish(self) -> int:
+        code = self.popen.wait(timeout=exit_timeout_s + start_timeout_s)
+        for reader in self.readers:
+            reader.join(timeout=5)
+        return code
+
+    def output(self) -> str:
+        return f"stdout:\n{self.text('stdout')}\nstderr:\n{self.text('stderr')}"
+
+    def close(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.kill()
+            self.popen.wait(timeout=exit_timeout_s)
+
+
+@pytest.fixture
+def started() -> Iterator[Callable[..., Process]]:
+    processes: list[Process] = []
+
+    def start(args: list[str], **env: str) -> Process:
+        processes.append(Process(args, **env))
+        return processes[-1]
+
+    yield start
+    for process in processes:
+        process.close()
+
+
+def signal_name(value: object) -> str:
+    return value.name if isinstance(value, signal.Signals) else str(value)
+
+
+def unreachable_url() -> str:
+    return f"nats://127.0.0.1:{free_tcp_port()}"  # nothing listens there
+
+
+def command_args(command: str, url: str, tmp_path: Path, *extra: str) -> list[str]:
+    if command == "shard":
+        args = ["shard", "--model", str(MODEL), "--layers", "0-1", "--node-id", "faults-host",
+                "--torch-threads", "1", "--busy-threads", "1"]
+    elif command == "orchestrator":
+        args = ["orchestrator", "--node-id", "faults-orchestrator", "--torch-threads", "1"]
+    else:
+        args = ["projector", "--db", str(tmp_path / "read.sqlite")]
+    return [HEARTH, *extra, *args, "--nats", url]
+
+
+READY_LINE = {"shard": "shard hearth-tiny-llama:0-1@faults-host ready",
+              "orchestrator": "orchestrator faults-orchestrator ready", "projector": "projector readmodels on"}
+
+
+def non_log_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.strip() and not LOG_RECORD.match(line)]
+
+
+def assert_stopped_cleanly(process: Process, code: int, seconds: float) -> None:
+    print(f"stopped in {seconds:.2f} s with exit code {code}")
+    assert code == 0, process.output()
+    assert seconds <= STOP_WITHIN_S, f"took {seconds:.2f} s to stop\n{process.output()}"
+    process.finish()
+    assert "Traceback" not in process.text("stderr"), process.output()
+
+
+# ---------------------------------------------------------------------------------------------- broker unreachable
+
+
+@needs_model
+@pytest.mark.parametrize("command", ["shard", "orchestrator", "projector"])
+def test_an_unreachable_broker_ends_the_command_with_one_line_naming_it(command, tmp_path, started):
+    url = unreachable_url()
+    process = started(command_args(command, url, tmp_path, "--log-level", "DEBUG"))
+    first_attempt = process.wait_for(ATTEMPT_LINE)
+    expected = f"hearth {command}: cannot reach NATS at {url} within {CONNECT_TIMEOUT_S:g} s"
+    given_up = process.wait_for(expected)
+    assert process.finish() == 1, process.output()
+    assert CONNECT_TIMEOUT_S - 0.2 <= given_up - first_attempt <= CONNECT_TIMEOUT_S + 0.75, process.output()
+    assert non_log_lines(process.text("stderr")) == [expected]
+    assert process.text("stdout") == ""
+    assert not [line for line in process.text("stderr").splitlines() if " WARNING " in line or " ERROR " in line]
+    assert "Traceback" not in process.text("stderr")
+
+
+@needs_model
+@pytest.mark.parametrize(("command", "signum"), [("shard", signal.SIGTERM), ("orchestrator", signal.SIGTERM),
+                                                 ("projector", signal.SIGINT)], ids=signal_name)
+def test_a_stop_while_waiting_for_the_broker_ends_the_command(command, signum, tmp_path, started):
+    process = started(command_args(command, unreachable_url(), tmp_path, "--log-level", "DEBUG") + ["--wait-for-nats"])
+    process.wait_for(WAITING_LINE)
+    # Attempts every reconnect_wait_s (0.5 s), past connect_timeout_s: still waiting, and said so once.
+    process.wait_for(ATTEMPT_LINE, count=3)
+    assert process.popen.poll() is None, process.output()
+    assert len(process.matching(WAITING_LINE)) == 1, process.output()
+    assert_stopped_cleanly(process, *process.stop(signum))
+    assert "cannot reach" not in process.text("stderr")
+
+
+@needs_model
+def test_a_stop_while_the_shard_loads_its_layers_ends_it(tmp_path, started):
+    args = [sys.executable, "-c", LOADING_SHARD, *command_args("shard", unreachable_url(), tmp_path)[1:]]
+    process = started(args)
+    process.wait_for("fake load started")
+    assert_stopped_cleanly(process, *process.stop(signal.SIGTERM))
+
+
+# ---------------------------------------------------------------------------------------------- serving
+
+
+@needs_model
+@pytest.mark.parametrize(("command", "signum"), [("shard", signal.SIGTERM), ("orchestrator", signal.SIGINT),
+                                                 ("projector", signal.SIGTERM)], ids=signal_name)
+def test_a_stop_while_serving_ends_the_command_quietly(command, signum, nats_url, tmp_path, started):
+    process = started(command_args(command, nats_url, tmp_path))
+    process.wait_for(READY_LINE[command])
+    assert_stopped_cleanly(process, *process.stop(signum))
+    assert " WARNING " not in process.text("stderr"), process.output()
+
+
+@needs_model
+@pytest.mark.parametrize("command", ["shard", "orchestrator", "projector"])
+def test_a_stop_with_the_broker_gone_ends_the_command(command, nats_server, tmp_path, started):
+    process = started(command_args(command, nats_server.url, tmp_path))
+    process.wait_for(READY_LINE[command])
+    nats_server.stop()
+    process.wait_for("disconnected from NATS")
+    assert_stopped_cleanly(process, *process.stop(signal.SIGTERM))
+
+
+# ---------------------------------------------------------------------------------------------- hearth chat
+
+
+@pytest.fixture(scope="module")
+def mesh_url(tmp_path_factory) -> Iterator[str]:
+    """NATS, one shard host serving every layer of the bundled model, and an orchestrator."""
+    if not (MODEL / "config.json").is_file():
+        pytest.skip("the bundled model is not trained")
+    layers = json.loads((MODEL / "config.json").read_text())["num_hidden_layers"]
+    with LocalCluster(work_dir=tmp_path_factory.mktemp("mesh"), torch_threads=1) as cluster:
+        cluster.start_nats()
+        cluster.start_shard(str(MODEL), 0, layers - 1, node_id="faults-host", wait_ready=False)
+        cluster.start_orchestrator(node_id="faults-orchestrator", extra_args=["--preload", str(MODEL)],
+                                   wait_ready=False)
+        cluster.wait_all_ready()
+        yield cluster.nats_url
+
+
+def chat(url: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([HEARTH, "chat", "--nats", url, *args], capture_output=True, text=True, env=ENV,
+                          cwd=REPO_ROOT, timeout=exit_timeout_s + start_timeout_s)
+
+
+def test_chat_against_a_live_mesh_ends_quietly(mesh_url):
+    result = chat(mesh_url, "--max-tokens", "4", "Tell me a fortune.")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip()
+    # Only the summary: no "disconnected" warning for closing our own connection, no traceback.
+    assert re.fullmatch(r"\[(length|stop): \d+ tokens, .*\]", result.stderr.strip()), result.stderr
+
+
+def test_chat_with_an_unknown_model_is_one_line_and_a_failure(mesh_url):
+    result = chat(mesh_url, "--model", "nope", "Tell me a fortune.")
+    assert result.returncode == 1, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error bad_request: field 'model': "), result.stderr
+
+
+def test_chat_with_an_unreachable_broker_is_one_line_and_a_failure():
+    url = unreachable_url()
+    result = chat(url, "Tell me a fortune.")
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [f"hearth chat: cannot reach NATS at {url} within 1 s"]
+
+
+# ---------------------------------------------------------------------------------------------- hearth demo
+
+
+@needs_model
+@pytest.mark.parametrize("state", ["starting", "serving"])
+def test_a_stop_ends_hearth_demo_and_everything_it_started(state, started):
+    process = started([HEARTH, "demo", "--serve", "--max-tokens", "4", "--torch-threads", "1"])
+    process.wait_for("starting 4 processes" if state == "starting" else "Ctrl-C stops everything.",
+                     timeout_s=2 * start_timeout_s)
+    work_dir = work_dir_of(process.text("stderr"))
+    assert_stopped_cleanly(process, *process.stop(signal.SIGTERM))
+    assert processes_mentioning(work_dir) == []
+
+
+@needs_model
+@pytest.mark.parametrize(
+    ("layers", "env", "expected"),
+    [
+        ("0-5", {"HEARTH_RESEARCH__DISTRIBUTED_INFERENCE__HOST__SERVE_SHARDS": "false"}, "serve_shards = false"),
+        ("0-5", {"HEARTH_RESEARCH__DISTRIBUTED_INFERENCE__HOST__SHARD_MAX_MEMORY_MB": "1"},
+         "more than shard_max_memory_mb = 1 MB"),
+        ("0-9", {}, "layer range 0-9 is not inside 0-5"),
+    ],
+    ids=["serve-shards-false", "over-memory-limit", "range-outside-model"],
+)
+def test_a_shard_that_may_not_serve_says_why_in_one_line(layers, env, expected):
+    completed = subprocess.run([HEARTH, "shard", "--model", str(MODEL), "--layers", layers, "--nats",
+                                "nats://127.0.0.1:9"], capture_output=True, text=True, env={**ENV, **env},
+                               timeout=exit_timeout_s, cwd=REPO_ROOT)
+    assert completed.returncode == 1, completed.stderr
+    said = [line for line in completed.stderr.splitlines() if not LOG_RECORD.match(line)]
+    assert len(said) == 1 and said[0].startswith("hearth shard: ") and expected in said[0], completed.stderr
+    assert "Traceback" not in completed.stderr
