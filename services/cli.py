@@ -362,6 +362,19 @@ def bench_command(
     raise typer.Exit(run_bench_command(options, as_json=as_json))
 
 
+@app.command("schema")
+def schema_command(
+    out: Annotated[Path, typer.Option("--out", help="Docs folder to write into.")] = Path("docs"),
+    check: Annotated[
+        bool, typer.Option("--check", help="Write nothing; exit 1 listing the files that differ from the models.")
+    ] = False,
+) -> None:
+    """Generate the JSON Schemas of the wire messages (docs/schemas/) and docs/configuration.md from the models."""
+    from services.schema import run_schema_command
+
+    raise typer.Exit(run_schema_command(out, check=check))
+
+
 def main() -> None:
     from services.common.lifecycle import STOP_EXIT_CODE, StopRequested, raise_on_stop_signals
 
