@@ -1,0 +1,134 @@
+"""End to end with a client that shares no code with hearth: clients/node/hearth_client.mjs against a real mesh."""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import json
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from services.cluster import LocalCluster
+from services.common.chat_client import chat
+from services.common.chat_protocol import ChatRequest
+from services.common.nats_connection import connect_nats
+from tests.e2e.conftest import TINY_MODEL_NAME, start_orchestrator, start_three_shards
+
+ROOT = Path(__file__).resolve().parents[2]
+CLIENT_DIR = ROOT / "clients" / "node"
+SCRIPT = CLIENT_DIR / "hearth_client.mjs"
+PROMPT = "the lazy dog"
+MAX_TOKENS = 8
+# Two busy cores shared with other test runs: generous waits (the protocol's defaults are 10 s and 2.5 s).
+NODE_TIMEOUT_ARGS = ["--connect-timeout", "30", "--first-frame-timeout", "30", "--silence-timeout", "10"]
+NPM_CI_TIMEOUT_S = 300
+
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.skipif(shutil.which("node") is None or shutil.which("npm") is None,
+                       reason="node or npm is not on PATH: the Node.js client (clients/node) cannot run"),
+]
+
+
+@pytest.fixture(scope="module")
+def node_client() -> list[str]:
+    """`node hearth_client.mjs`, after `npm ci` from the committed lock when node_modules is missing or stale."""
+    installed = CLIENT_DIR / "node_modules" / ".package-lock.json"
+    # One `npm ci` at a time on this machine: it deletes node_modules first, under any other run's feet.
+    with open(Path(tempfile.gettempdir()) / "hearth-node-client-npm-ci.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not installed.exists() or installed.stat().st_mtime < (CLIENT_DIR / "package-lock.json").stat().st_mtime:
+            completed = subprocess.run(["npm", "ci", "--no-audit", "--no-fund"], cwd=CLIENT_DIR, capture_output=True,
+                                       text=True, timeout=NPM_CI_TIMEOUT_S)
+            assert completed.returncode == 0, f"npm ci in {CLIENT_DIR} failed:\n{completed.stdout}\n{completed.stderr}"
+    return ["node", str(SCRIPT)]
+
+
+@pytest.fixture(scope="module")
+def running_mesh(tmp_path_factory, tiny_models_dir):
+    """nats-server, 3 shard hosts and an orchestrator serving the tiny model."""
+    with LocalCluster(work_dir=tmp_path_factory.mktemp("node-mesh"), torch_threads=1) as mesh:
+        mesh.start_nats()
+        start_three_shards(mesh, tiny_models_dir / TINY_MODEL_NAME)
+        start_orchestrator(mesh, tiny_models_dir)
+        try:
+            mesh.wait_all_ready()
+            yield mesh
+        finally:
+            for process in mesh.processes:
+                print(f"----- {process.name} -----\n{process.log_tail(3000)}")
+
+
+def run_node(node_client: list[str], mesh: LocalCluster, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*node_client, "--nats", mesh.nats_url, *NODE_TIMEOUT_ARGS, *args], capture_output=True,
+                          text=True, timeout=120)
+
+
+def greedy_reference(model_path: Path, prompt: str, new_tokens: int) -> tuple[list[int], str]:
+    """Token ids and text of transformers' own greedy generate() on the same checkpoint; the text decoded as the
+    orchestrator decodes it (special tokens skipped)."""
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    prompt_ids = tokenizer(prompt)["input_ids"]
+    with torch.inference_mode():
+        output = model.generate(torch.tensor([prompt_ids]), max_new_tokens=new_tokens, do_sample=False,
+                                pad_token_id=0)
+    ids = output[0, len(prompt_ids):].tolist()
+    return ids, tokenizer.decode(ids, skip_special_tokens=True)
+
+
+async def test_node_client_discovers_the_model_and_streams_what_generate_and_the_python_client_get(
+    node_client, running_mesh, tiny_models_dir
+):
+    completed = await asyncio.to_thread(run_node, node_client, running_mesh, "--max-tokens", str(MAX_TOKENS), PROMPT)
+    assert completed.returncode == 0, f"stdout: {completed.stdout}\nstderr: {completed.stderr}"
+    summary = json.loads(completed.stdout.strip().splitlines()[-1])
+
+    assert summary["models"] == [TINY_MODEL_NAME] and summary["default_model"] == TINY_MODEL_NAME
+    assert {"pipeline", "token_delta", "done"} <= set(summary["frame_types"])
+    assert summary["frame_types"][-1] == "done"
+    assert summary["text"]
+
+    reference_ids, reference_text = greedy_reference(tiny_models_dir / TINY_MODEL_NAME, PROMPT, MAX_TOKENS)
+    assert summary["token_ids"] == reference_ids
+    assert summary["text"] == reference_text
+    assert summary["usage"]["completion_tokens"] == len(reference_ids)
+
+    # The bundled Python client, same request on the same mesh, gets the same answer.
+    nc = await connect_nats(running_mesh.nats_url, name="e2e-python-client")
+    try:
+        result = await chat(nc, ChatRequest(prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0.0),
+                            first_frame_timeout=30)
+    finally:
+        await asyncio.wait_for(nc.close(), timeout=5)
+    assert result.ok, result.final
+    assert (summary["text"], summary["token_ids"]) == (result.text, result.token_ids)
+    assert summary["finish_reason"] == result.final.finish_reason
+    assert summary["usage"] == result.final.usage.model_dump()
+
+
+def test_node_client_refuses_a_request_that_breaks_the_schema(node_client, running_mesh):
+    completed = run_node(node_client, running_mesh, "--self-test-invalid", PROMPT)
+    assert completed.returncode == 2, completed.stderr
+    assert "the chat request breaks llm.chat.request.json: /max_tokens must be integer" in completed.stderr
+    assert completed.stdout == ""
+
+
+def test_node_client_validates_every_frame_against_the_schema_its_type_names(node_client, running_mesh, tmp_path):
+    # The same schemas with one field hearth does not send made required in frame.token_delta.json.
+    schemas = shutil.copytree(ROOT / "docs" / "schemas", tmp_path / "schemas")
+    token_delta = json.loads((schemas / "frame.token_delta.json").read_text())
+    token_delta["required"].append("not_sent_by_hearth")
+    (schemas / "frame.token_delta.json").write_text(json.dumps(token_delta))
+
+    completed = run_node(node_client, running_mesh, "--schemas", str(schemas), "--max-tokens", "2", PROMPT)
+    assert completed.returncode == 2, completed.stderr
+    assert "a 'token_delta' frame breaks frame.token_delta.json" in completed.stderr
+    assert "must have required property 'not_sent_by_hearth'" in completed.stderr
+    assert completed.stdout == ""
