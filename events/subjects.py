@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from dataclasses import dataclass
 
 from events.models import EventEnvelope
 
@@ -28,29 +29,64 @@ def event_subject(event: EventEnvelope) -> str:
     """Where an event is published: shard events by shard_key, pipeline/integrity events by pipeline_id."""
     family, kind = event.type.split(".", 1)  # type: ignore[attr-defined]
     if family == "shard":
-        return f"{EVENTS_PREFIX}.shard.{shard_key(event.shard_id)}.{kind}"  # type: ignore[attr-defined]
+        # The emitting node leads, so a broker permission can say "a shard host publishes only its own events".
+        return (f"{EVENTS_PREFIX}.shard.{node_token(event.node_id)}."  # type: ignore[attr-defined]
+                f"{shard_key(event.shard_id)}.{kind}")  # type: ignore[attr-defined]
     if family in ("pipeline", "integrity"):
         return f"{EVENTS_PREFIX}.{family}.{event.pipeline_id}.{kind}"  # type: ignore[attr-defined]
     raise ValueError(f"no subject for event type {event.type!r}")  # type: ignore[attr-defined]
 
 
+def event_type_filter(event_type: str) -> str:
+    """The subject filter that selects every event of one type, e.g. `shard.heartbeat` (any node, any shard)."""
+    family, kind = event_type.split(".", 1)
+    wildcards = "*.*" if family == "shard" else "*"  # shard events: node and shard_key; others: pipeline_id
+    return f"{EVENTS_PREFIX}.{family}.{wildcards}.{kind}"
+
+
+def shard_events_filter(shard_key_hex: str) -> str:
+    """Every event of one shard, whichever node published it."""
+    return f"{EVENTS_PREFIX}.shard.*.{shard_key_hex}.>"
+
+
+def shard_events_subject_of_node(node_id: str) -> str:
+    """Every shard event a node may publish (its broker permission)."""
+    return f"{EVENTS_PREFIX}.shard.{node_token(node_id)}.>"
+
+
 def shard_control_subject(node_id: str, shard_id: str) -> str:
-    return f"hearth.ctl.{_token(node_id)}.{shard_key(shard_id)}"
+    return f"hearth.ctl.{node_token(node_id)}.{shard_key(shard_id)}"
 
 
-def activation_subject(pipeline_id: str, hop: int) -> str:
-    return f"hearth.act.{pipeline_id}.{hop}"
+# Processes that talk to each other without a community (transport tests, benches) share this node token.
+LOCAL_NODE = "local"
 
 
-def ack_subject(pipeline_id: str, hop: int) -> str:
-    return f"hearth.ack.{pipeline_id}.{hop}"
+@dataclass(frozen=True)
+class LinkNodes:
+    """The two ends of the activation link into one hop: the node that sends the hop its input (the previous
+    hop's host, or the orchestrator for hop 0) and the node that receives it (the hop's host, or the
+    orchestrator for the sink). Each end's subject carries its own node, so a broker permission lets a host
+    subscribe only to the activations sent to it and the acks sent back to it."""
+
+    sender: str = LOCAL_NODE
+    receiver: str = LOCAL_NODE
+
+
+def activation_subject(pipeline_id: str, hop: int, nodes: LinkNodes = LinkNodes()) -> str:
+    return f"hearth.act.{node_token(nodes.receiver)}.{pipeline_id}.{hop}"
+
+
+def ack_subject(pipeline_id: str, hop: int, nodes: LinkNodes = LinkNodes()) -> str:
+    return f"hearth.ack.{node_token(nodes.sender)}.{pipeline_id}.{hop}"
 
 
 def all_acks_subject(pipeline_id: str) -> str:
-    return f"hearth.ack.{pipeline_id}.*"
+    """Every hop's acks of one pipeline, whoever sent into the hop (the orchestrator watches them for stalls)."""
+    return f"hearth.ack.*.{pipeline_id}.*"
 
 
-def _token(text: str) -> str:
+def node_token(text: str) -> str:
     """Make free text (a node id) usable as one subject token."""
     safe = "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in text)
     return safe or "_"

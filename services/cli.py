@@ -16,6 +16,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from services.community_cli import community_app
 from services.common.cli_options import (
     STOPPING_HELP,
     ConfigOption,
@@ -39,6 +40,7 @@ app = typer.Typer(
 )
 db_app = typer.Typer(help="Manage a read-model SQLite database.", no_args_is_help=True)
 app.add_typer(db_app, name="db")
+app.add_typer(community_app, name="community")
 # Decorated with @long_running: SIGINT/SIGTERM stop them quietly from the moment `hearth` starts.
 LONG_RUNNING_COMMANDS = ("projector", "shard", "orchestrator")
 

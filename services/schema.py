@@ -221,6 +221,9 @@ def default_of(field: FieldInfo, where: str) -> tuple[Any, str | None]:
 
 
 def type_name(annotation: Any) -> str:
+    options = typing.get_args(annotation)
+    if type(None) in options and len(options) == 2:  # `X | None`: an optional X
+        return type_name(next(option for option in options if option is not type(None))) + " (optional)"
     if typing.get_origin(annotation) is Literal:
         return "one of " + ", ".join(f"`{toml_value(choice)}`" for choice in typing.get_args(annotation))
     return _TOML_TYPES.get(annotation, getattr(annotation, "__name__", str(annotation)))
@@ -238,7 +241,7 @@ def constraint_of(field: FieldInfo) -> str:
 
 def _default_cell(field: FieldInfo, key: str, where: str) -> str:
     value, variable = default_of(field, where)
-    cell = f"`{toml_value(value)}`"
+    cell = "unset" if value is None else f"`{toml_value(value)}`"
     if variable is not None:
         cell += f" (or `${variable}`)"
     if unit_of(key) == "bytes" and isinstance(value, int) and value >= 1024 * 1024 and value % (1024 * 1024) == 0:
@@ -259,7 +262,9 @@ def example_toml() -> str:
         if section.path:
             lines.append(f"[{section.table}]")
         for key, field in section.keys():
-            lines.append(f"{key} = {toml_value(default_of(field, f'{section.table}.{key}')[0])}")
+            default = default_of(field, f"{section.table}.{key}")[0]
+            # TOML has no null: a key that is unset by default is shown commented out.
+            lines.append(f'# {key} = ""' if default is None else f"{key} = {toml_value(default)}")
     return "\n".join(lines) + "\n"
 
 

@@ -143,6 +143,12 @@ class NatsSettings(_Section):
         default=1.0, gt=0, description="how long closing a connection may take (the broker may be gone)")
     drain_timeout_s: float = Field(
         default=1.0, gt=0, description="at shutdown, how long flushing what we published may take before closing")
+    creds_file: Path | None = Field(
+        default=None, description="this member's nkey seed file (`hearth community add` writes it; --creds)")
+    roster_file: Path | None = Field(
+        default=None, description="the community roster (default: roster.json beside the key's keys/ folder)")
+    insecure: bool = Field(
+        default=False, description="true: run on an open broker without credentials (warned at every start)")
 
 
 class OrchestratorSettings(_Section):

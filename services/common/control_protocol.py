@@ -13,6 +13,7 @@ from typing import Annotated, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
 from events.models import SUBJECT_TOKEN_PATTERN
+from events.subjects import LOCAL_NODE
 
 RefusalCode = Literal["at_capacity", "weights_mismatch", "bad_range", "bad_request", "unknown_pipeline"]
 
@@ -34,6 +35,10 @@ class OpenHop(BaseModel):
     # Wire dtype for this hop's output: "auto" keeps the compute dtype (lossless).
     wire_dtype: Literal["auto", "fp16", "fp32", "int8"] = "auto"
     max_session_tokens: int = Field(default=8192, ge=1)
+    # The nodes this hop receives from and sends to (the previous and next hop's hosts, or the orchestrator at
+    # either end): activation and ack subjects carry the node they are addressed to (events/subjects.py).
+    upstream_node: str = Field(default=LOCAL_NODE, pattern=SUBJECT_TOKEN_PATTERN)
+    downstream_node: str = Field(default=LOCAL_NODE, pattern=SUBJECT_TOKEN_PATTERN)
 
     @model_validator(mode="after")
     def _ordered(self) -> "OpenHop":

@@ -12,9 +12,10 @@ from nats import errors as nats_errors
 from nats.aio.client import Client as NatsClient
 
 from services.common.config import DEFAULT_NATS_URL, NATS_URL_ENV, NatsSettings, default_nats_url
+from services.common.identity import load_identity
 
-__all__ = ["DEFAULT_NATS_URL", "NATS_URL_ENV", "BrokerUnreachable", "close_quietly", "connect_nats",
-           "default_nats_url", "drain_or_close"]
+__all__ = ["DEFAULT_NATS_URL", "NATS_URL_ENV", "BrokerRefusedCredentials", "BrokerUnreachable", "close_quietly",
+           "connect_nats", "default_nats_url", "drain_or_close"]
 _nats_defaults = NatsSettings()
 
 log = logging.getLogger(__name__)
@@ -32,6 +33,17 @@ class BrokerUnreachable(ConnectionError):
         super().__init__(f"cannot reach NATS at {url} within {timeout_s:g} s")
         self.url = url
         self.timeout_s = timeout_s
+
+
+class BrokerRefusedCredentials(BrokerUnreachable):
+    """The broker answered, but refused the connection: no credentials, or a key it does not know."""
+
+    def __init__(self, url: str, creds_file: object) -> None:
+        ConnectionError.__init__(self, f"NATS at {url} refused the connection (authorization violation): "
+                                 + (f"its configuration does not know the key in {creds_file}" if creds_file
+                                    else "it needs credentials; give --creds FILE"))
+        self.url = url
+        self.timeout_s = 0.0
 
 
 async def connect_nats(
@@ -56,10 +68,13 @@ async def connect_nats(
     target = url or settings.url
     nc = NatsClient()
     state = {"connected": False, "told_waiting": False}
+    refused = asyncio.Event()  # the broker said our credentials are not good: no point trying again
 
     async def errored(error: Exception) -> None:
         if not state["connected"]:
-            if wait and not state["told_waiting"]:
+            if "authorization violation" in str(error).lower():
+                refused.set()
+            elif wait and not state["told_waiting"]:
                 state["told_waiting"] = True
                 log.warning("%s: NATS at %s is not reachable yet (%s); waiting for it", name, target, error)
             else:
@@ -83,8 +98,14 @@ async def connect_nats(
             if result is not None:
                 await result
 
+    credentials = {}
+    if settings.creds_file is not None:
+        identity = load_identity(settings.creds_file, settings.roster_file)
+        # Our own inbox prefix: the broker lets a member subscribe to `_INBOX.<name>.>` and nothing wider.
+        credentials = {"nkeys_seed_str": identity.key.seed.decode(), "inbox_prefix": identity.inbox_prefix}
     connecting = nc.connect(
         servers=[target],
+        **credentials,
         name=name,
         connect_timeout=settings.connect_timeout_s,
         reconnect_time_wait=settings.reconnect_wait_s,
@@ -95,17 +116,24 @@ async def connect_nats(
         reconnected_cb=reconnected,
         error_cb=errored,
     )
+    connect_task = asyncio.ensure_future(connecting)
+    refusal_task = asyncio.ensure_future(refused.wait())
     try:
-        if wait:
-            await connecting
-        else:
-            await asyncio.wait_for(connecting, timeout=settings.connect_timeout_s)
-    except asyncio.TimeoutError:
-        await close_quietly(nc)
-        raise BrokerUnreachable(target, settings.connect_timeout_s) from None
+        await asyncio.wait((connect_task, refusal_task), timeout=None if wait else settings.connect_timeout_s,
+                           return_when=asyncio.FIRST_COMPLETED)
+        if not connect_task.done():
+            connect_task.cancel()
+            await close_quietly(nc)
+            if refused.is_set():
+                raise BrokerRefusedCredentials(target, settings.creds_file)
+            raise BrokerUnreachable(target, settings.connect_timeout_s)
+        connect_task.result()
     except BaseException:  # cancelled (a requested stop) or a refusal nats-py does not retry
+        connect_task.cancel()
         await close_quietly(nc)
         raise
+    finally:
+        refusal_task.cancel()
     state["connected"] = True
     if state["told_waiting"]:
         log.info("%s: connected to NATS %s", name, target)

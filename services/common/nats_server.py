@@ -45,7 +45,9 @@ def free_tcp_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-def render_server_config(*, host: str, port: int, store_dir: Path, max_payload_bytes: int) -> str:
+def render_server_config(*, host: str, port: int, store_dir: Path, max_payload_bytes: int,
+                         authorization: str | None = None) -> str:
+    """The server's configuration; `authorization` is the block `hearth community nats-config` renders."""
     # sync_interval "always": every acknowledged event is fsynced before the ack (docs/design.md §2).
     return (
         f'listen: "{host}:{port}"\n'
@@ -54,6 +56,7 @@ def render_server_config(*, host: str, port: int, store_dir: Path, max_payload_b
         f'  store_dir: "{store_dir}"\n'
         "  sync_interval: always\n"
         "}\n"
+        + (authorization or "")
     )
 
 
@@ -68,8 +71,11 @@ class EmbeddedNatsServer:
         host: str = "127.0.0.1",
         max_payload_bytes: int = 8 * 1024 * 1024,
         start_new_session: bool = False,
+        authorization: str | None = None,
     ) -> None:
         self.host = host
+        # None: an open broker (anyone may do anything); else the rendered authorization block.
+        self.authorization = authorization
         self.port = port or free_tcp_port(host)
         self._owned_tmp: tempfile.TemporaryDirectory | None = None
         if store_dir is None:
@@ -96,15 +102,7 @@ class EmbeddedNatsServer:
         if self.is_running():
             return self
         self.store_dir.mkdir(parents=True, exist_ok=True)
-        config_path = self.store_dir / "hearth-nats.conf"
-        config_path.write_text(
-            render_server_config(
-                host=self.host,
-                port=self.port,
-                store_dir=self.store_dir / "jetstream",
-                max_payload_bytes=self.max_payload_bytes,
-            )
-        )
+        config_path = self._write_config()
         binary = find_nats_server_binary()
         log_path = self.store_dir / "nats-server.log"
         self._log_file = open(log_path, "ab")
@@ -118,6 +116,21 @@ class EmbeddedNatsServer:
         self._wait_until_accepting(log_path)
         log.info("nats-server %s listening on %s (store %s)", binary, self.url, self.store_dir)
         return self
+
+    def _write_config(self) -> Path:
+        config_path = self.store_dir / "hearth-nats.conf"
+        config_path.write_text(render_server_config(
+            host=self.host, port=self.port, store_dir=self.store_dir / "jetstream",
+            max_payload_bytes=self.max_payload_bytes, authorization=self.authorization))
+        return config_path
+
+    def reload(self, authorization: str | None) -> None:
+        """Rewrite the configuration with new authorization and have the running server reload it (SIGHUP);
+        connections it now refuses are closed by the server, the others carry on."""
+        self.authorization = authorization
+        self._write_config()
+        if self.is_running():
+            self._process.send_signal(signal.SIGHUP)
 
     def _wait_until_accepting(self, log_path: Path) -> None:
         deadline = time.monotonic() + server_start_timeout_s

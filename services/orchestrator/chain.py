@@ -23,6 +23,7 @@ from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 
 from inference import LocalModel
+from events.subjects import LinkNodes, node_token
 from inference.compute_thread import on_compute_thread
 from services.common.config import TransportSettings
 from services.common.control_protocol import (
@@ -58,9 +59,11 @@ shortest_poll_s = 0.01
 class HopChain:
     """One epoch of a pipeline: the opened hops, the sender into hop 0 and the sink after the last hop."""
 
-    def __init__(self, nc: NatsClient, pipeline_id: str, hops: list[Hop], *, model_id: str, weights_sha256: str,
-                 transport: TransportSettings, wire_dtype: str = "auto", sink_bounds: NormBounds | None = None) -> None:
+    def __init__(self, nc: NatsClient, pipeline_id: str, hops: list[Hop], *, node_id: str, model_id: str,
+                 weights_sha256: str, transport: TransportSettings, wire_dtype: str = "auto",
+                 sink_bounds: NormBounds | None = None) -> None:
         self.nc = nc
+        self.node_id = node_id
         self.pipeline_id = pipeline_id
         self.hops = hops
         self.model_id = model_id
@@ -69,10 +72,12 @@ class HopChain:
         self.wire_dtype = wire_dtype
         self.session_id = uuid.uuid4().hex[:16]
         self.sink_bounds = sink_bounds or NormBounds()
-        self._sender = AckWindowSender(nc, pipeline_id, 0, window_chunks=transport.window_chunks,
+        self._sender = AckWindowSender(nc, pipeline_id, 0, nodes=LinkNodes(sender=node_id, receiver=hops[0].node_id),
+                                       window_chunks=transport.window_chunks,
                                        ack_timeout_s=transport.step_timeout_s, chunk_bytes=transport.chunk_bytes,
                                        wire_dtype=wire_dtype_from_setting(wire_dtype))
-        self._sink = ActivationReceiver(nc, pipeline_id, len(hops))
+        self._sink = ActivationReceiver(nc, pipeline_id, len(hops),
+                                        nodes=LinkNodes(sender=hops[-1].node_id, receiver=node_id))
         self._observer = AckObserver(nc, pipeline_id, sink_hop=len(hops))
         self._watch = StallWatch(nc, hops, self._observer, transport)
         self._notice_sub = None
@@ -110,6 +115,8 @@ class HopChain:
             pipeline_id=self.pipeline_id, session_id=self.session_id, hop=index, hop_count=len(self.hops),
             model_id=self.model_id, weights_sha256=self.weights_sha256, layer_lo=hop.layer_lo_to_run,
             layer_hi=hop.layer_hi_to_run, wire_dtype=self.wire_dtype,
+            upstream_node=node_token(self.hops[index - 1].node_id if index > 0 else self.node_id),
+            downstream_node=node_token(self.hops[index + 1].node_id if index + 1 < len(self.hops) else self.node_id),
         )
         message = await self.nc.request(hop.control_subject, request.model_dump_json().encode(),
                                         timeout=self.transport.control_timeout_s)

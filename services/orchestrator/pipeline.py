@@ -165,7 +165,7 @@ class PipelineRun:
 
     def _chain_over(self, hops: list[Hop]) -> HopChain:
         model = self.call.model
-        return HopChain(self.ctx.nc, self.call.pipeline_id, hops, model_id=model.model_id,
+        return HopChain(self.ctx.nc, self.call.pipeline_id, hops, node_id=self.ctx.node_id, model_id=model.model_id,
                         weights_sha256=model.weights_sha256, transport=self.transport,
                         wire_dtype=self.policy.activation_dtype,
                         sink_bounds=self.ctx.sink_bounds.setdefault(model.model_id, NormBounds()))

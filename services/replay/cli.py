@@ -119,7 +119,7 @@ def events_command(
         typer.Option("--stream", help="HEARTH_SHARDS or HEARTH_PIPELINES (repeatable; default both)."),
     ] = None,
     subject: Annotated[
-        Optional[str], typer.Option("--subject", help="NATS subject filter, e.g. 'hearth.events.shard.*.withdrawn'.")
+        Optional[str], typer.Option("--subject", help="NATS subject filter, e.g. 'hearth.events.shard.*.*.withdrawn'.")
     ] = None,
     event_type: Annotated[
         Optional[list[str]],
@@ -265,7 +265,7 @@ def shard_command(
 async def _print_shard(url: str, shard: str, key: str, health_timeout_s: float) -> int:
     from events.consume import StoredEvent, read_stream
     from events.streams import SHARDS_STREAM
-    from events.subjects import EVENTS_PREFIX
+    from events.subjects import shard_events_filter
     from services.replay.query import existing_streams
     from services.replay.reports import shard_report
 
@@ -273,7 +273,7 @@ async def _print_shard(url: str, shard: str, key: str, health_timeout_s: float) 
         present, _ = await existing_streams(js, [SHARDS_STREAM])
         events: list[StoredEvent] = []
         if present:
-            subject = f"{EVENTS_PREFIX}.shard.{key}.>"
+            subject = shard_events_filter(key)
             async with contextlib.aclosing(read_stream(js, SHARDS_STREAM, subject_filter=subject)) as items:
                 events = [item async for item in items if isinstance(item, StoredEvent)]
     if not events:

@@ -20,7 +20,7 @@ import nats.js.errors
 from events.consume import SkippedMessage, StoredEvent, read_stream
 from events.models import EVENT_TYPES
 from events.streams import ALL_STREAMS, STREAM_SPECS
-from events.subjects import EVENTS_PREFIX
+from events.subjects import EVENTS_PREFIX, event_type_filter
 
 LogItem = StoredEvent | SkippedMessage
 
@@ -56,8 +56,7 @@ def parse_timestamp(text: str) -> datetime:
 def subject_for_type(event_type: str) -> str:
     """The subject filter that selects one event type (`pipeline.completed`) or family (`shard`)."""
     if event_type in EVENT_TYPES:
-        family, kind = event_type.split(".", 1)
-        return f"{EVENTS_PREFIX}.{family}.*.{kind}"
+        return event_type_filter(event_type)
     if event_type in _EVENT_FAMILIES:
         return f"{EVENTS_PREFIX}.{event_type}.>"
     known = ", ".join(sorted(EVENT_TYPES) + _EVENT_FAMILIES)

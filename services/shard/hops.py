@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
+from events.subjects import LinkNodes
 from services.common.config import TransportSettings
 from services.common.control_protocol import HopNotice, HopProblem, OpenHop, hop_notice_subject, keepalive_subject
 from services.shard.compute import ShardCompute
@@ -54,14 +55,17 @@ class HopLimits:
 class ServedHop:
     """An opened hop: its receiver, its sender to the next hop, its keepalive subscription and serving task."""
 
-    def __init__(self, nc: NatsClient, request: OpenHop, compute: ShardCompute, limits: HopLimits) -> None:
+    def __init__(self, nc: NatsClient, request: OpenHop, compute: ShardCompute, limits: HopLimits,
+                 node_id: str) -> None:
         self.nc = nc
         self.request = request
         self.compute = compute
         self.limits = limits
         self.receiver = ActivationReceiver(nc, request.pipeline_id, request.hop,
+                                           nodes=LinkNodes(sender=request.upstream_node, receiver=node_id),
                                            idle_timeout_s=limits.idle_timeout_s)
         self.sender = AckWindowSender(nc, request.pipeline_id, request.hop + 1,
+                                      nodes=LinkNodes(sender=node_id, receiver=request.downstream_node),
                                       window_chunks=limits.transport.window_chunks,
                                       ack_timeout_s=limits.transport.hop_ack_timeout_s,
                                       chunk_bytes=limits.transport.chunk_bytes,

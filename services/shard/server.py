@@ -230,7 +230,7 @@ class ShardServer:
         limit = self.settings.max_concurrent_streams
         if len(self._hops) >= limit:
             return ControlReply(ok=False, code="at_capacity", message=f"{len(self._hops)} of {limit} streams in use")
-        hop = ServedHop(self.nc, request, self.compute, self.limits)
+        hop = ServedHop(self.nc, request, self.compute, self.limits, self.identity.node_id)
         self._hops[request.pipeline_id] = hop
         self.compute.active_streams = len(self._hops)
         await hop.start()

@@ -45,7 +45,7 @@ class StepProgress:
 
 
 class AckObserver(SubscribingEndpoint):
-    """Listens on ``hearth.ack.<pipeline_id>.*`` and keeps, per (session, step), the highest acking hop.
+    """Listens on ``hearth.ack.*.<pipeline_id>.*`` and keeps, per (session, step), the highest acking hop.
 
     With `sink_hop` = number of shard hops (the orchestrator's own receiver acks as that hop), a step
     whose highest hop is below the sink and whose last ack is older than `step_timeout_s` is held by

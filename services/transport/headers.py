@@ -1,7 +1,7 @@
 """The NATS header codec of docs/protocol.md: FrameHeader and AckHeader <-> ``Hearth-*`` headers, validated on
 the way in.
 
-One frame is one core-NATS message on ``hearth.act.<pipeline_id>.<hop>``. Its headers carry the
+One frame is one core-NATS message on ``hearth.act.<receiving node>.<pipeline_id>.<hop>``. Its headers carry the
 metadata below; its payload is a slice of the step's wire bytes (services.transport.wire), cut and put
 back together by services.transport.frames.
 
@@ -28,7 +28,7 @@ Hearth-Sent-Ns         ``time.time_ns()`` when the chunk was published (wire-tim
                        only meaningful when sender and receiver share a clock)
 =====================  ==========================================================================
 
-An ack is an empty-payload message on ``hearth.ack.<pipeline_id>.<hop>`` (see AckHeader).
+An ack is an empty-payload message on ``hearth.ack.<sending node>.<pipeline_id>.<hop>`` (see AckHeader).
 """
 
 from __future__ import annotations
@@ -288,15 +288,15 @@ def _shape_header(headers: Mapping[str, str]) -> tuple[int, ...] | None:
 
 
 class AckHeader(BaseModel):
-    """An ack: an empty-payload message on ``hearth.ack.<pipeline_id>.<hop>`` saying "hop `hop` holds chunk
-    `chunk_index`/`chunk_count` of (session, step)".
+    """An ack: an empty-payload message on ``hearth.ack.<sending node>.<pipeline_id>.<hop>`` saying "hop `hop`
+    holds chunk `chunk_index`/`chunk_count` of (session, step)".
 
     Headers: Hearth-Pipeline, Hearth-Hop (the hop that acks, i.e. the receiver), Hearth-Session,
     Hearth-Step, Hearth-Chunk (``i/n``) and Hearth-Acked-Ns (``time.time_ns()`` at the receiver). A
     receiver acks a chunk once it has placed it (or knows it as a duplicate or stale chunk); the chunk
     that completes a step is acked once the step has been queued for the hop's consumer, so a consumer
     that stops taking steps stops the acks, and the sender's window turns that into backpressure.
-    The sender frees its window on acks; the orchestrator watches ``hearth.ack.<pipeline_id>.*`` to see
+    The sender frees its window on acks; the orchestrator watches ``hearth.ack.*.<pipeline_id>.*`` to see
     which hop last took each step (AckObserver).
     """
 

@@ -13,7 +13,7 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from events.subjects import ack_subject, activation_subject
+from events.subjects import LinkNodes, ack_subject, activation_subject
 from services.common.config import HostSettings, TransportSettings
 from services.transport.errors import FrameError, TransportClosed, TransportError, TransportTimeout, WaitInterrupted
 from services.transport.frames import AddOutcome, StepAssembler
@@ -78,7 +78,8 @@ class _PartialStep:
 
 
 class ActivationReceiver(SubscribingEndpoint):
-    """Subscribes to ``hearth.act.<pipeline_id>.<hop>`` and acks on ``hearth.ack.<pipeline_id>.<hop>``.
+    """Subscribes to ``hearth.act.<receiver node>.<pipeline_id>.<hop>`` and acks on
+    ``hearth.ack.<sender node>.<pipeline_id>.<hop>`` (``nodes``: the two ends of the link).
 
     Steps come out whole (``await receiver.next_step(timeout_s)`` or ``async for step in receiver``) in
     the order they complete. Per session, a step at or below the newest step already handed out is
@@ -97,6 +98,7 @@ class ActivationReceiver(SubscribingEndpoint):
         pipeline_id: str,
         hop: int,
         *,
+        nodes: LinkNodes = LinkNodes(),
         max_ready_steps: int = _defaults.max_ready_steps,
         ready_wait_timeout_s: float = _defaults.ready_wait_timeout_s,
         idle_timeout_s: float = _default_idle_timeout_s,
@@ -115,8 +117,9 @@ class ActivationReceiver(SubscribingEndpoint):
         self.max_step_bytes = max_step_bytes
         self.max_partial_steps = max_partial_steps
         self.max_tracked_sessions = max_tracked_sessions
-        self.subject = activation_subject(pipeline_id, hop)
-        self.ack_subject = ack_subject(pipeline_id, hop)
+        self.nodes = nodes
+        self.subject = activation_subject(pipeline_id, hop, nodes)
+        self.ack_subject = ack_subject(pipeline_id, hop, nodes)
         self.stats = ReceiverStats()
         self._partial: dict[StepKey, _PartialStep] = {}
         self._newest_delivered: OrderedDict[str, int] = OrderedDict()

@@ -12,7 +12,7 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from events.subjects import ack_subject, activation_subject
+from events.subjects import LinkNodes, ack_subject, activation_subject
 from services.common.config import TransportSettings
 from services.transport.errors import FrameError, TransportClosed, TransportError, TransportTimeout
 from services.transport.frames import EncodedStep, effective_chunk_bytes, encode_step
@@ -42,7 +42,8 @@ class SentStep:
 
 
 class AckWindowSender(SubscribingEndpoint):
-    """Sends steps to ``hearth.act.<pipeline_id>.<hop>`` and frees its window on ``hearth.ack.<pipeline_id>.<hop>``.
+    """Sends steps to ``hearth.act.<receiving node>.<pipeline_id>.<hop>`` and frees its window on
+    ``hearth.ack.<sending node>.<pipeline_id>.<hop>``.
 
     At most `window_chunks` chunks are un-acked at any time; send() waits (at most `ack_timeout_s` per
     wait, then TransportTimeout) for acks before publishing more. Concurrent send() calls are served one
@@ -56,6 +57,7 @@ class AckWindowSender(SubscribingEndpoint):
         pipeline_id: str,
         hop: int,
         *,
+        nodes: LinkNodes = LinkNodes(),
         window_chunks: int = _defaults.window_chunks,
         ack_timeout_s: float = _defaults.step_timeout_s,
         chunk_bytes: int | None = None,
@@ -74,8 +76,9 @@ class AckWindowSender(SubscribingEndpoint):
         self.chunk_bytes = effective_chunk_bytes(chunk_bytes, nc.max_payload or None)
         self.wire_dtype = wire_dtype
         self.int8_block = int8_block
-        self.subject = activation_subject(pipeline_id, hop)
-        self.ack_subject = ack_subject(pipeline_id, hop)
+        self.nodes = nodes
+        self.subject = activation_subject(pipeline_id, hop, nodes)
+        self.ack_subject = ack_subject(pipeline_id, hop, nodes)
         self.stats = SenderStats()
         self._in_flight: dict[ChunkKey, float] = {}
         self._space_waiter: asyncio.Future[None] | None = None

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from events.subjects import LinkNodes
 from inference import weights_sha256
 from services.cluster import LocalCluster, ManagedProcess
 from services.common.chat_protocol import ChatMessage, ChatParams, ChatRequest
@@ -118,8 +119,8 @@ async def test_a_liveness_probe_is_answered_while_the_shard_runs_a_long_prefill(
         pipeline_id=pipeline_id, session_id=session_id, hop=0, hop_count=1, model_id=long_context_model.name,
         weights_sha256=digest, layer_lo=0, layer_hi=3).model_dump_json().encode(), timeout=5)
     assert ControlReply.model_validate_json(reply.data).ok
-    sink = ActivationReceiver(nc, pipeline_id, 1)
-    sender = AckWindowSender(nc, pipeline_id, 0)
+    sink = ActivationReceiver(nc, pipeline_id, 1, nodes=LinkNodes(sender=wide.node_id))
+    sender = AckWindowSender(nc, pipeline_id, 0, nodes=LinkNodes(receiver=wide.node_id))
     await sink.start()
     await sender.start()
     try:

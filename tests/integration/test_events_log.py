@@ -199,7 +199,7 @@ async def test_bounded_reads_honour_sequences_filters_and_stop_at_the_end_as_of_
     # A filter that matches nothing ends at once instead of waiting.
     assert await read_all(js, SHARDS_STREAM, subject_filter="hearth.events.shard.nothing.>") == []
     # Several filters at once.
-    both = [odd_subject, "hearth.events.shard.*.withdrawn"]
+    both = [odd_subject, "hearth.events.shard.*.*.withdrawn"]
     assert [i.seq for i in await read_all(js, SHARDS_STREAM, subject_filter=both)] == [1, 3, 5]
     # An empty stream is read as empty.
     assert await read_all(js, PIPELINES_STREAM) == []

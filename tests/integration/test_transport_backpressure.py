@@ -7,6 +7,7 @@ import asyncio
 import pytest
 import torch
 
+from events.subjects import ack_subject, activation_subject
 from services.transport import (
     AckHeader,
     AckWindowSender,
@@ -39,7 +40,7 @@ async def test_sender_blocks_after_exactly_window_chunks_then_raises_transport_t
     async def silent_hop(msg):  # takes frames, never acks
         arrived.append(FrameHeader.from_nats_headers(msg.headers))
 
-    sub = await hop.subscribe(f"hearth.act.{PIPELINE}.1", cb=silent_hop)
+    sub = await hop.subscribe(activation_subject(PIPELINE, 1), cb=silent_hop)
     await hop.flush()
     async with AckWindowSender(source, PIPELINE, 1, window_chunks=4, ack_timeout_s=0.4, chunk_bytes=1024) as sender:
         step = StepInfo(session="s1", step=7, kind=FrameKind.prefill)
@@ -65,7 +66,7 @@ async def test_acks_reopen_the_window_and_the_blocked_send_completes(connections
     async def hold(msg):
         held.append(FrameHeader.from_nats_headers(msg.headers))
 
-    sub = await hop.subscribe(f"hearth.act.{PIPELINE}.0", cb=hold)
+    sub = await hop.subscribe(activation_subject(PIPELINE, 0), cb=hold)
     await hop.flush()
     async with AckWindowSender(source, PIPELINE, 0, window_chunks=2, ack_timeout_s=wait_s, chunk_bytes=100) as sender:
         sending = asyncio.ensure_future(
@@ -77,7 +78,7 @@ async def test_acks_reopen_the_window_and_the_blocked_send_completes(connections
 
         for frame in list(held):  # the hop catches up and acks what it has
             ack = AckHeader.for_frame(frame)
-            await hop.publish(f"hearth.ack.{PIPELINE}.0", b"", headers=ack.to_nats_headers())
+            await hop.publish(ack_subject(PIPELINE, 0), b"", headers=ack.to_nats_headers())
         sent = await asyncio.wait_for(sending, wait_s)
         await until(lambda: len(held) == 4)
         assert sent.chunk_count == 4 and [frame.chunk_index for frame in held] == [0, 1, 2, 3]

@@ -8,6 +8,7 @@ import contextlib
 import pytest
 import torch
 
+from events.subjects import activation_subject
 from services.common.nats_connection import connect_nats
 from services.transport import (
     AckObserver,
@@ -118,7 +119,7 @@ async def test_two_sessions_interleaved_on_one_pipeline_do_not_mix(clients):
     async def watch(msg):
         wire_order.append(msg.headers["Hearth-Session"])
 
-    watcher = await hop_client.subscribe(f"hearth.act.{PIPELINE}.0", cb=watch)
+    watcher = await hop_client.subscribe(activation_subject(PIPELINE, 0), cb=watch)
     async with ActivationReceiver(hop_client, PIPELINE, 0) as receiver, AckWindowSender(
         orchestrator, PIPELINE, 0, chunk_bytes=256, window_chunks=3
     ) as sender_a, AckWindowSender(second_source, PIPELINE, 0, chunk_bytes=256, window_chunks=3) as sender_b:

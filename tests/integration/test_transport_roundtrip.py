@@ -7,6 +7,7 @@ import asyncio
 import pytest
 import torch
 
+from events.subjects import ack_subject
 from services.common.nats_connection import connect_nats
 from services.common.nats_server import EmbeddedNatsServer
 from services.transport import (
@@ -87,7 +88,7 @@ async def test_duplicates_and_stale_steps_are_acked_but_handed_out_once(connecti
     async def collect(msg):
         acks.append(AckHeader.from_nats_headers(msg.headers))
 
-    ack_sub = await source.subscribe(f"hearth.ack.{PIPELINE}.0", cb=collect)
+    ack_sub = await source.subscribe(ack_subject(PIPELINE, 0), cb=collect)
     async with ActivationReceiver(hop, PIPELINE, 0) as receiver:
         subject = receiver.subject
 

@@ -138,7 +138,13 @@ def test_the_example_file_on_the_page_is_complete_and_loads_to_the_defaults(tmp_
         return [key for name, value in table.items()
                 for key in (flat(value, (*path, name)) if isinstance(value, dict) else [(*path, name)])]
 
-    assert sorted(flat(parsed)) == sorted(settings_keys())
+    commented_out = re.findall(r"^\[(\w+)\]$|^# (\w+) = ", example, re.M)
+    unset_keys, table = [], None
+    for section, key in commented_out:  # keys unset by default appear as `# key = ""` (TOML has no null)
+        table = section or table
+        if key:
+            unset_keys.append((table, key))
+    assert sorted(flat(parsed) + unset_keys) == sorted(settings_keys())
     path = tmp_path / "hearth.toml"
     path.write_text(example, encoding="utf-8")
     assert load_settings(path) == load_settings()

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("inference", "events", "readmodels", "services")
+PACKAGES = ("inference", "events", "readmodels", "services", "trust")
 HEAVY_MODULES = ("torch", "transformers")
 
 
@@ -45,6 +45,7 @@ class Rule:
 
 
 RULES = (
+    Rule("trust", ("inference", "events", "readmodels", "services", "torch", "nats")),
     Rule("inference", ("nats", "events", "readmodels", "services")),
     Rule("events", ("inference", "readmodels", "services", "torch")),
     Rule("readmodels", ("inference", "services", "torch")),
@@ -57,7 +58,7 @@ RULES = (
 )
 
 # Modules whose whole import must leave torch and transformers unloaded (they start fast, run where no model is).
-LIGHT_PACKAGES = ("events", "readmodels", "services.common", "services.projector", "services.replay")
+LIGHT_PACKAGES = ("events", "readmodels", "services.common", "services.projector", "services.replay", "trust")
 LIGHT_MODULES = ("services.cli",)
 
 

@@ -82,7 +82,7 @@ def test_parse_timestamp_accepts_rfc3339_and_treats_naive_times_as_utc():
 
 def test_types_map_to_subject_filters():
     assert subject_for_type("pipeline.completed") == "hearth.events.pipeline.*.completed"
-    assert subject_for_type("shard.heartbeat") == "hearth.events.shard.*.heartbeat"
+    assert subject_for_type("shard.heartbeat") == "hearth.events.shard.*.*.heartbeat"
     assert subject_for_type("integrity.corruption_detected") == "hearth.events.integrity.*.corruption_detected"
     assert subject_for_type("shard") == "hearth.events.shard.>"
     with pytest.raises(QueryError, match="unknown event type"):
@@ -106,7 +106,7 @@ def test_select_streams_reads_only_the_streams_a_filter_can_match():
     both = select_streams()
     assert both == [StreamSelection(SHARDS_STREAM), StreamSelection(PIPELINES_STREAM)]
     assert select_streams(types=["shard.withdrawn"]) == [
-        StreamSelection(SHARDS_STREAM, ("hearth.events.shard.*.withdrawn",))
+        StreamSelection(SHARDS_STREAM, ("hearth.events.shard.*.*.withdrawn",))
     ]
     assert select_streams(types=["pipeline", "integrity"]) == [StreamSelection(PIPELINES_STREAM)]
     assert select_streams(subject="hearth.events.>") == both

@@ -1,0 +1,111 @@
+"""`hearth community`: create a community, add members (each with an nkey), list them, and render the NATS
+server's authorization block from the roster."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+community_app = typer.Typer(help="Manage a community: its roster, member keys and the broker's permissions.",
+                            no_args_is_help=True)
+DirOption = Annotated[Path, typer.Option("--dir", help="The community folder (roster.json, keys/, system.nk).")]
+DEFAULT_COMMUNITY_DIR = Path("community")
+
+
+def _fail(message: str) -> None:
+    typer.echo(f"hearth community: {message}", err=True)
+    raise typer.Exit(1)
+
+
+@community_app.command("init")
+def init_command(
+    name: Annotated[str, typer.Option("--name", help="The community's name, e.g. 'elm-street'.")],
+    directory: DirOption = DEFAULT_COMMUNITY_DIR,
+) -> None:
+    """Create a community folder: an empty roster and the server's system key (system.nk, mode 0600)."""
+    from trust.community import Community
+    from trust.roster import RosterError
+
+    try:
+        community = Community.init(directory, name)
+    except (RosterError, ValueError) as error:
+        _fail(str(error))
+    typer.echo(f"created community {name!r} in {directory}: roster {community.roster_path}, "
+               f"system key {community.system_key_path} (keep it with the broker; never share it)")
+
+
+@community_app.command("add")
+def add_command(
+    name: Annotated[str, typer.Option("--name", help="Member name: its node id and inbox token ([A-Za-z0-9_-]).")],
+    role: Annotated[str, typer.Option("--role", help="shard | orchestrator | projector | client | auditor")],
+    trust: Annotated[Optional[str], typer.Option(
+        "--trust", help="member | trusted | steward (default: trusted for shard, orchestrator and projector; "
+                        "member otherwise). Only trusted or higher may serve shards or orchestrate.",
+        show_default=False)] = None,
+    public_key: Annotated[Optional[str], typer.Option(
+        "--public-key", help="The member's own nkey public key (U...), when it made its key itself; else a key "
+                             "pair is generated and its seed written to keys/NAME.nk (mode 0600).")] = None,
+    directory: DirOption = DEFAULT_COMMUNITY_DIR,
+) -> None:
+    """Add a member to the roster; then run `hearth community nats-config` and reload the broker."""
+    from trust.community import Community
+    from trust.keys import KeyFileError
+    from trust.roster import ROLES, TRUST_ORDER, RosterError
+
+    if role not in ROLES:
+        _fail(f"--role must be one of {', '.join(ROLES)}, not {role!r}")
+    if trust is not None and trust not in TRUST_ORDER:
+        _fail(f"--trust must be one of {', '.join(TRUST_ORDER)}, not {trust!r}")
+    try:
+        added = Community(directory).add(name, role, trust=trust, public_key=public_key)  # type: ignore[arg-type]
+    except (RosterError, KeyFileError, ValueError) as error:
+        _fail(str(error))
+    member = added.member
+    where = f"; its key: {added.seed_file} (give it to {name}, then delete it here)" if added.seed_file else ""
+    typer.echo(f"added {member.name} as {member.role} ({member.trust}), public key {member.public_key}{where}")
+
+
+@community_app.command("list")
+def list_command(directory: DirOption = DEFAULT_COMMUNITY_DIR) -> None:
+    """Print the roster: name, role, trust, public key."""
+    from trust.community import Community
+    from trust.roster import RosterError
+
+    try:
+        roster = Community(directory).roster()
+    except RosterError as error:
+        _fail(str(error))
+    typer.echo(f"community {roster.community!r}: {len(roster.members)} members")
+    for member in roster.members:
+        typer.echo(f"{member.name:24} {member.role:13} {member.trust:8} {member.public_key}")
+
+
+@community_app.command("nats-config")
+def nats_config_command(
+    directory: DirOption = DEFAULT_COMMUNITY_DIR,
+    out: Annotated[Optional[Path], typer.Option("--out", help="Write to this file (default: stdout).")] = None,
+) -> None:
+    """Render nats-server's authorization block (one nkey user per member, permissions by role); include it
+    in the server's configuration and reload the server (`nats-server --signal reload`)."""
+    from services.common.nats_permissions import refused_members, render_authorization
+    from trust.community import Community
+    from trust.keys import KeyFileError
+    from trust.roster import RosterError
+
+    community = Community(directory)
+    try:
+        roster = community.roster()
+        system_key = community.system_key().public_key if community.system_key_path.exists() else None
+    except (RosterError, KeyFileError) as error:
+        _fail(str(error))
+    for member in refused_members(roster):
+        typer.echo(f"warning: {member.name} ({member.role}, {member.trust}) gets no broker user: only trusted "
+                   "or higher may serve shards or orchestrate", err=True)
+    text = render_authorization(roster, system_public_key=system_key)
+    if out is None:
+        typer.echo(text, nl=False)
+    else:
+        out.write_text(text)
+        typer.echo(f"wrote {out}", err=True)

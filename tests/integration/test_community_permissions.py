@@ -1,0 +1,129 @@
+"""The broker enforces the community's roles: a real nats-server configured by `render_authorization` refuses
+a connection without credentials and refuses each member what its role may not do."""
+
+from __future__ import annotations
+
+import asyncio
+
+import nats
+import pytest
+from nats.errors import NoServersError
+
+from events.subjects import shard_events_subject_of_node
+from services.common.config import NatsSettings
+from services.common.nats_connection import BrokerRefusedCredentials, connect_nats
+from services.common.nats_permissions import render_authorization
+from services.common.nats_server import EmbeddedNatsServer
+from trust.community import Community
+from trust.keys import MemberKey
+
+pytestmark = pytest.mark.integration
+VIOLATION_WAIT_S = 2.0
+
+
+@pytest.fixture
+def community_server(tmp_path):
+    community = Community.init(tmp_path / "community", "test-community")
+    for name, role in (("shard-a", "shard"), ("shard-b", "shard"), ("orch", "orchestrator"), ("alice", "client"),
+                       ("eve", "auditor")):
+        community.add(name, role)
+    community.add("untrusted-host", "shard", trust="member")
+    authorization = render_authorization(community.roster(), system_public_key=community.system_key().public_key)
+    with EmbeddedNatsServer(store_dir=tmp_path / "nats", authorization=authorization) as server:
+        yield community, server
+
+
+class Member:
+    """A raw nats-py connection as one member, collecting the permission errors the server sends."""
+
+    def __init__(self, community: Community, name: str) -> None:
+        self.community, self.name = community, name
+        self.errors: list[str] = []
+        self.violation = asyncio.Event()
+
+    async def connect(self, url: str):
+        async def on_error(error: Exception) -> None:
+            self.errors.append(str(error))
+            if "permissions violation" in str(error).lower():
+                self.violation.set()
+
+        seed = (self.community.directory / "keys" / f"{self.name}.nk").read_text()
+        self.nc = await nats.connect(url, nkeys_seed_str=seed, inbox_prefix=f"_INBOX.{self.name}",
+                                     error_cb=on_error, allow_reconnect=False, connect_timeout=2)
+        return self
+
+    async def refused(self, action) -> bool:
+        """Whether the server answers `action` (a subscribe or publish) with a permissions violation."""
+        self.violation.clear()
+        await action(self.nc)
+        await self.nc.flush(timeout=VIOLATION_WAIT_S)
+        try:
+            await asyncio.wait_for(self.violation.wait(), VIOLATION_WAIT_S)
+        except asyncio.TimeoutError:
+            return False
+        return True
+
+
+async def test_no_credentials_no_connection(community_server):
+    _, server = community_server
+    with pytest.raises((NoServersError, nats.errors.Error, OSError)):
+        await nats.connect(server.url, allow_reconnect=False, connect_timeout=2, max_reconnect_attempts=0)
+
+
+async def test_a_member_below_trusted_cannot_serve_shards(community_server):
+    community, server = community_server
+    with pytest.raises((NoServersError, nats.errors.Error, OSError)):
+        await Member(community, "untrusted-host").connect(server.url)
+
+
+async def test_each_role_gets_only_its_own_subjects(community_server):
+    community, server = community_server
+    shard = await Member(community, "shard-a").connect(server.url)
+    client = await Member(community, "alice").connect(server.url)
+    auditor = await Member(community, "eve").connect(server.url)
+    try:
+        # Nobody in the roster may read everything.
+        for member in (shard, client, auditor):
+            assert await member.refused(lambda nc: nc.subscribe(">")), member.name
+        # A shard host: its own control subject yes, another's no; its own events yes, another's no.
+        assert not await shard.refused(lambda nc: nc.subscribe("hearth.ctl.shard-a.abc"))
+        assert await shard.refused(lambda nc: nc.subscribe("hearth.ctl.shard-b.abc"))
+        assert await shard.refused(lambda nc: nc.subscribe("hearth.act.shard-b.p1.0"))
+        assert not await shard.refused(lambda nc: nc.publish(
+            shard_events_subject_of_node("shard-a").replace(">", "k.heartbeat"), b"{}"))
+        assert await shard.refused(lambda nc: nc.publish(
+            shard_events_subject_of_node("shard-b").replace(">", "k.advertised"), b"{}"))
+        assert await shard.refused(lambda nc: nc.publish("hearth.events.pipeline.p1.completed", b"{}"))
+        # A client: asks, and hears only on its own inbox.
+        assert not await client.refused(lambda nc: nc.publish("llm.chat.request", b"{}"))
+        assert await client.refused(lambda nc: nc.subscribe("llm.chat.request"))
+        assert await client.refused(lambda nc: nc.subscribe("_INBOX.shard-a.x"))
+        assert await client.refused(lambda nc: nc.publish("hearth.ctl.shard-a.abc", b"{}"))
+        # An auditor reads the streams' API, but publishes nothing into the log.
+        assert await auditor.refused(lambda nc: nc.publish("hearth.events.pipeline.p1.completed", b"{}"))
+    finally:
+        for member in (shard, client, auditor):
+            await member.nc.close()
+
+
+async def test_connect_nats_logs_in_with_the_member_key_and_its_own_inbox(community_server):
+    community, server = community_server
+    settings = NatsSettings(url=server.url, creds_file=community.directory / "keys" / "alice.nk", connect_timeout_s=5)
+    nc = await connect_nats(settings=settings, name="test-alice")
+    try:
+        assert nc.new_inbox().startswith("_INBOX.alice.")
+        # A request through the member's own inbox works end to end (no responders: the broker answered).
+        with pytest.raises(nats.errors.NoRespondersError):
+            await nc.request("llm.models", b"{}", timeout=2)
+    finally:
+        await nc.close()
+
+
+async def test_connect_nats_says_at_once_that_the_broker_refused_unknown_credentials(community_server, tmp_path):
+    _, server = community_server
+    stranger = tmp_path / "stranger" / "keys" / "mallory.nk"
+    MemberKey.generate().save(stranger)
+    started = asyncio.get_running_loop().time()
+    with pytest.raises(BrokerRefusedCredentials, match="refused the connection"):
+        await connect_nats(settings=NatsSettings(url=server.url, creds_file=stranger, connect_timeout_s=10))
+    assert asyncio.get_running_loop().time() - started < 5

@@ -1,0 +1,122 @@
+"""A member's Ed25519 key pair as a NATS nkey: create it, keep its seed in a mode-0600 file, sign, and verify a
+signature from a public key alone.
+
+The seed file is the same one nats-server's nkey authentication reads (`nkeys_seed` in nats-py), so one file
+both logs a process into the broker and signs what it says. nkeys' own KeyPair cannot verify from a public key
+without the seed, so verification decodes the public key and uses PyNaCl (which nkeys itself builds on).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import os
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+
+import nacl.exceptions
+import nacl.signing
+import nkeys
+
+SEED_FILE_MODE = 0o600
+USER_PUBLIC_KEY_LENGTH = 56  # base32 of prefix byte + 32 key bytes + 2 CRC bytes
+PUBLIC_KEY_PATTERN = r"^U[A-Z2-7]{55}$"
+
+
+class KeyFileError(ValueError):
+    """A seed file is missing, unreadable, readable by others, or not a NATS user seed."""
+
+
+@dataclass(frozen=True)
+class MemberKey:
+    """A member's signing key: the nkey seed (secret) and the public key derived from it (`U...`)."""
+
+    seed: bytes
+    public_key: str
+
+    @classmethod
+    def generate(cls) -> "MemberKey":
+        return cls.from_seed(nkeys.encode_seed(secrets.token_bytes(32), nkeys.PREFIX_BYTE_USER))
+
+    @classmethod
+    def from_seed(cls, seed: bytes) -> "MemberKey":
+        try:
+            pair = nkeys.from_seed(bytearray(seed.strip()))
+            public_key = pair.public_key.decode()
+        except (nkeys.NkeysError, binascii.Error, ValueError) as error:
+            raise KeyFileError(f"not a NATS nkey seed ({type(error).__name__})") from None
+        if not public_key.startswith("U"):
+            raise KeyFileError("the seed is not a NATS user seed (its public key does not start with U)")
+        return cls(seed=bytes(seed.strip()), public_key=public_key)
+
+    @classmethod
+    def load(cls, path: Path) -> "MemberKey":
+        """Read a seed file; refuse one that others may read (as ssh does), so a leaked seed is not silent."""
+        try:
+            mode = path.stat().st_mode & 0o777
+            data = path.read_bytes()
+        except OSError as error:
+            raise KeyFileError(f"cannot read the key file {path}: {error.strerror}") from None
+        if mode & 0o077:
+            raise KeyFileError(f"the key file {path} is readable by others (mode {mode:o}); run chmod 600 on it")
+        try:
+            return cls.from_seed(data)
+        except KeyFileError as error:
+            raise KeyFileError(f"{path}: {error}") from None
+
+    def save(self, path: Path) -> None:
+        """Write the seed to a new file created with mode 0600 (never replacing an existing key)."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, SEED_FILE_MODE)
+        except FileExistsError:
+            raise KeyFileError(f"{path} exists; not replacing a key") from None
+        with os.fdopen(descriptor, "wb") as handle:
+            handle.write(self.seed + b"\n")
+
+    def sign(self, data: bytes) -> bytes:
+        return nkeys.from_seed(bytearray(self.seed)).sign(data)
+
+    def sign_b64(self, data: bytes) -> str:
+        return base64.b64encode(self.sign(data)).decode()
+
+    def __repr__(self) -> str:  # never the seed
+        return f"MemberKey(public_key={self.public_key!r})"
+
+
+def _verify_key(public_key: str) -> nacl.signing.VerifyKey:
+    if len(public_key) != USER_PUBLIC_KEY_LENGTH or not public_key.startswith("U"):
+        raise ValueError("not a NATS user public key")
+    raw = base64.b32decode(public_key)
+    body, checksum = raw[:-2], raw[-2:]
+    if nkeys.crc16(bytearray(body)).to_bytes(2, "little") != checksum or body[0] != nkeys.PREFIX_BYTE_USER:
+        raise ValueError("not a NATS user public key (bad checksum or prefix)")
+    return nacl.signing.VerifyKey(bytes(body[1:]))
+
+
+def check_public_key(public_key: str) -> str:
+    """`public_key` if it is a well-formed NATS user public key; ValueError otherwise."""
+    try:
+        _verify_key(public_key)
+    except (ValueError, binascii.Error) as error:
+        raise ValueError(f"not a NATS user public key: {error}") from None
+    return public_key
+
+
+def verify(public_key: str, data: bytes, signature: bytes) -> bool:
+    """True when `signature` is `public_key`'s Ed25519 signature of `data`; False for any bad input."""
+    try:
+        _verify_key(public_key).verify(data, signature)
+    except (ValueError, binascii.Error, nacl.exceptions.BadSignatureError, nacl.exceptions.ValueError,
+            nacl.exceptions.TypeError):
+        return False
+    return True
+
+
+def verify_b64(public_key: str, data: bytes, signature_b64: str) -> bool:
+    try:
+        signature = base64.b64decode(signature_b64, validate=True)
+    except (binascii.Error, ValueError):
+        return False
+    return verify(public_key, data, signature)
