@@ -16,18 +16,22 @@ from typing import Annotated, Optional
 
 import typer
 
-from services.community_cli import community_app
+from services.community_cli import community_app, nats_command
 from services.common.cli_options import (
     STOPPING_HELP,
     ConfigOption,
+    CredsOption,
+    InsecureOption,
     LogLevelOption,
     NatsUrlOption,
     WaitForNatsOption,
     apply_top_level_options,
     cli_state,
     long_running,
+    node_id_for,
     resolve_nats_url,
     settings,
+    use_credentials,
     wait_for_nats,
 )
 
@@ -58,45 +62,7 @@ def main_options(
     apply_top_level_options(ctx, config, log_level)
 
 
-@app.command("nats")
-def nats_command(
-    port: Annotated[int, typer.Option("--port", help="Client port to listen on.")] = 4222,
-    store: Annotated[
-        Path, typer.Option("--store", help="Directory for JetStream data (kept across restarts).")
-    ] = Path(".hearth/nats"),
-    host: Annotated[
-        str, typer.Option("--host", help="Interface to listen on; 0.0.0.0 to accept other machines.")
-    ] = "127.0.0.1",
-) -> None:
-    """Run an embedded nats-server with JetStream (fsync on every write) until SIGINT/SIGTERM."""
-    import signal
-    import threading
-
-    from services.common.nats_server import EmbeddedNatsServer, NatsServerError
-
-    stop_requested = threading.Event()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: stop_requested.set())
-    server = EmbeddedNatsServer(port=port, store_dir=store, host=host)
-    try:
-        server.start()
-    except NatsServerError as error:
-        typer.echo(f"hearth nats: {error}", err=True)
-        raise typer.Exit(1) from error
-    typer.echo(server.url)
-    typer.echo(f"JetStream store: {server.store_dir.resolve()}  (Ctrl-C to stop)", err=True)
-    exit_code = 0
-    try:
-        while not stop_requested.wait(timeout=0.5):
-            # A terminal's Ctrl-C reaches nats-server too; that exit is a requested stop, not a crash.
-            if not server.is_running() and not stop_requested.wait(timeout=0.5):
-                typer.echo("hearth nats: nats-server exited unexpectedly", err=True)
-                exit_code = 1
-                break
-    finally:
-        server.stop()
-    if exit_code:
-        raise typer.Exit(exit_code)
+app.command("nats")(nats_command)
 
 
 @db_app.command("upgrade")
@@ -120,12 +86,15 @@ def projector_command(
         Optional[int], typer.Option("--metrics-port", help="Serve Prometheus /metrics on this port.")
     ] = None,
     wait_for_nats_flag: WaitForNatsOption = False,
+    creds: CredsOption = None,
+    insecure: InsecureOption = False,
 ) -> None:
     """Follow both event streams and keep a SQLite read model up to date until SIGINT/SIGTERM."""
     from services.common.lifecycle import run_until_stopped
     from services.projector.main import run_projector
 
     wait_for_nats(ctx, wait_for_nats_flag)
+    node_id_for("hearth projector", use_credentials(ctx, "hearth projector", creds, insecure), None, "projector")
     url = resolve_nats_url(ctx, nats_url)
     nats_settings = settings(ctx).nats
     run_until_stopped(lambda stop_event: run_projector(db, url, metrics_port, stop_event=stop_event,
@@ -186,12 +155,15 @@ def shard_command(
                                     "and compute histograms) on this port.", show_default=False)
     ] = None,
     wait_for_nats_flag: WaitForNatsOption = False,
+    creds: CredsOption = None,
+    insecure: InsecureOption = False,
 ) -> None:
     """Host one contiguous layer range of a model: advertise it, heartbeat, serve activation streams."""
     from services.common.lifecycle import run_until_stopped
     from services.shard.main import run_shard
 
     wait_for_nats(ctx, wait_for_nats_flag)
+    node_id = node_id_for("hearth shard", use_credentials(ctx, "hearth shard", creds, insecure), node_id, "shard")
     url = resolve_nats_url(ctx, nats_url)
     run_until_stopped(lambda stop_event: run_shard(
         model=model, layers=layers, nats_url=url, settings=settings(ctx), node_id=node_id, model_id=model_id,
@@ -228,6 +200,8 @@ def orchestrator_command(
     busy_threads: BusyThreadsOption = None,
     ready_file: ReadyFileOption = None,
     wait_for_nats_flag: WaitForNatsOption = False,
+    creds: CredsOption = None,
+    insecure: InsecureOption = False,
 ) -> None:
     """Answer llm.chat.request: route over shard hosts, embed and sample locally, stream frames back."""
     from services.common.lifecycle import run_until_stopped
@@ -235,6 +209,8 @@ def orchestrator_command(
     from services.shard.main import configure_torch_threads, default_node_id
 
     wait_for_nats(ctx, wait_for_nats_flag)
+    node_id = node_id_for("hearth orchestrator", use_credentials(ctx, "hearth orchestrator", creds, insecure), node_id,
+                          "orchestrator")
     configure_torch_threads(torch_threads)
     options = OrchestratorOptions(node_id=node_id or default_node_id(), db_path=db,
                                   model_search_dirs=tuple(models_dir or ()), local_model=local_model,
@@ -260,6 +236,8 @@ def chat_command(
     raw: Annotated[bool, typer.Option("--raw", help="Send PROMPT as raw text, no chat template.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print every frame as one JSON line.")] = False,
     nats_url: NatsUrlOption = None,
+    creds: CredsOption = None,
+    insecure: InsecureOption = False,
 ) -> None:
     """Send one chat request and print the answer as it streams (stdout; status lines on stderr).
 
@@ -267,6 +245,7 @@ def chat_command(
     within nats.connect_timeout_s, or no orchestrator)."""
     from services.common.chat_command import run_chat_command
 
+    use_credentials(ctx, "hearth chat", creds, insecure)
     url = resolve_nats_url(ctx, nats_url)
     code = run_chat_command(url, prompt=prompt, model=model, max_tokens=max_tokens, temperature=temperature,
                             seed=seed, raw=raw, as_json=as_json, nats_settings=settings(ctx).nats)
@@ -278,6 +257,8 @@ def models_command(
     ctx: typer.Context,
     as_json: Annotated[bool, typer.Option("--json", help="Print the answer as JSON.")] = False,
     nats_url: NatsUrlOption = None,
+    creds: CredsOption = None,
+    insecure: InsecureOption = False,
 ) -> None:
     """List the models the mesh can serve now (asks llm.models): layer coverage, context length, the default.
 
@@ -285,6 +266,7 @@ def models_command(
     orchestrator listening)."""
     from services.common.chat_command import run_models_command
 
+    use_credentials(ctx, "hearth models", creds, insecure)
     url = resolve_nats_url(ctx, nats_url)
     raise typer.Exit(run_models_command(url, as_json=as_json, settings=settings(ctx)))
 

@@ -11,7 +11,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.common.config import NatsSettings
+from services.common.nats_permissions import render_authorization
 from services.common.nats_server import EmbeddedNatsServer
+from trust.community import Community
+from trust.roster import Role
 
 process_ready_timeout_s = 120.0
 process_stop_timeout_s = 15.0
@@ -108,6 +112,9 @@ class LocalCluster:
     # True: every process runs in its own session, out of reach of the terminal's Ctrl-C, so the owner
     # (hearth demo) stops them in order (clients before the broker) instead of all dying at once.
     start_new_session: bool = False
+    # Secure by default: a throwaway community in work_dir/community, every process logs in with its own member
+    # key and the broker enforces each role's permissions. False: an open broker (no credentials at all).
+    secure: bool = True
 
     def __post_init__(self) -> None:
         self._tmp = None
@@ -116,24 +123,77 @@ class LocalCluster:
             self.work_dir = Path(self._tmp.name)
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self.nats: EmbeddedNatsServer | None = None
+        self.community: Community | None = None
+        if self.secure:
+            community_dir = self.work_dir / "community"
+            self.community = (Community(community_dir) if (community_dir / "roster.json").exists()
+                              else Community.init(community_dir, "local"))
+
+    # ------------------------------------------------------------------ credentials
+
+    def _authorization(self) -> str | None:
+        if self.community is None:
+            return None
+        return render_authorization(self.community.roster(),
+                                    system_public_key=self.community.system_key().public_key)
+
+    def member_key(self, name: str, role: Role) -> Path | None:
+        """The key file of member `name` (added with `role` on first use, the broker reloaded); None when open."""
+        if self.community is None:
+            return None
+        existing = self.community.roster().by_name(name)
+        if existing is None:
+            self.community.add(name, role)
+            if self.nats is not None:
+                self.nats.reload(self._authorization())
+        elif existing.role != role:
+            raise ClusterError(f"member {name} is a {existing.role}, not a {role}")
+        return self.community.directory / "keys" / f"{name}.nk"
+
+    def credentials_env(self, creds_file: Path | None) -> dict[str, str]:
+        """Environment that makes a hearth process log in with `creds_file`, or run with --insecure when the
+        cluster's broker is open."""
+        if creds_file is None:
+            return {"HEARTH_NATS__INSECURE": "1"} if self.community is None else {}
+        env = {"HEARTH_NATS__CREDS_FILE": str(creds_file)}
+        if self.community is not None and creds_file.parent.name == "keys":
+            env["HEARTH_NATS__ROSTER_FILE"] = str(self.community.roster_path)
+        return env
+
+    @property
+    def system_creds(self) -> Path | None:
+        """The server's system user's key: may watch and do everything (tests and the demo's own checks)."""
+        return self.community.system_key_path if self.community is not None else None
+
+    def nats_settings(self, creds_file: Path | None = None) -> NatsSettings:
+        """Settings for connect_nats to this cluster's broker, as `creds_file`'s member (default: the system
+        user, which tests use to watch everything)."""
+        return NatsSettings(url=self.nats_url, creds_file=creds_file or self.system_creds,
+                            roster_file=self.community.roster_path if creds_file and self.community else None)
+
+    def client_env(self, name: str = "local-client") -> dict[str, str]:
+        """Environment for a `hearth chat`/`hearth models` child process as client member `name`."""
+        return self.credentials_env(self.member_key(name, "client"))
 
     # ------------------------------------------------------------------ processes
 
     def start_nats(self, **server_options) -> str:
         """Start an embedded nats-server (options as EmbeddedNatsServer's, e.g. max_payload_bytes)."""
         server_options.setdefault("start_new_session", self.start_new_session)
-        self.nats = EmbeddedNatsServer(store_dir=self.work_dir / "nats", **server_options).start()
+        self.nats = EmbeddedNatsServer(store_dir=self.work_dir / "nats", authorization=self._authorization(),
+                                       **server_options).start()
         self.nats_url = self.nats.url
         return self.nats_url
 
-    def _spawn(self, name: str, args: list[str], *, wait_ready: bool = True,
-               writes_ready_file: bool = True) -> ManagedProcess:
+    def _spawn(self, name: str, args: list[str], *, wait_ready: bool = True, writes_ready_file: bool = True,
+               member: tuple[str, Role] | None = None) -> ManagedProcess:
         if self.nats_url is None:
             raise ClusterError("start NATS (or give nats_url) before starting hearth processes")
         log_path = self.work_dir / f"{name}.log"
         ready_file = self.work_dir / f"{name}.ready"
         ready_file.unlink(missing_ok=True)
-        env = {**os.environ, **quiet_torch_environment(self.torch_threads), **self.extra_env,
+        credentials = self.credentials_env(self.member_key(*member) if member else None)
+        env = {**os.environ, **quiet_torch_environment(self.torch_threads), **self.extra_env, **credentials,
                "HEARTH_NATS_URL": self.nats_url, "PYTHONUNBUFFERED": "1"}
         command = [sys.executable, "-m", "services.cli", "--log-level", self.log_level, *args,
                    "--nats", self.nats_url]
@@ -166,17 +226,19 @@ class LocalCluster:
                 "--busy-threads", str(shared_machine_busy_threads), *extra_args]
         if self.torch_threads:
             args += ["--torch-threads", str(self.torch_threads)]
-        return self._spawn(f"shard-{node_id}-{lo}-{hi}", args, wait_ready=wait_ready)
+        return self._spawn(f"shard-{node_id}-{lo}-{hi}", args, wait_ready=wait_ready, member=(node_id, "shard"))
 
     def start_orchestrator(self, *, node_id: str = "orchestrator", extra_args: list[str] = (),
                            wait_ready: bool = True) -> ManagedProcess:
         args = ["orchestrator", "--node-id", node_id, "--busy-threads", str(shared_machine_busy_threads), *extra_args]
         if self.torch_threads:
             args += ["--torch-threads", str(self.torch_threads)]
-        return self._spawn(f"orchestrator-{node_id}", args, wait_ready=wait_ready)
+        return self._spawn(f"orchestrator-{node_id}", args, wait_ready=wait_ready,
+                           member=(node_id, "orchestrator"))
 
     def start_projector(self, db_path: Path) -> ManagedProcess:
-        return self._spawn("projector", ["projector", "--db", str(db_path)], writes_ready_file=False)
+        return self._spawn("projector", ["projector", "--db", str(db_path)], writes_ready_file=False,
+                           member=("projector", "projector"))
 
     def wait_all_ready(self) -> None:
         for process in self.processes:

@@ -39,6 +39,8 @@ demo_ready_timeout_s = 300.0
 progress_poll_interval_s = 0.1
 read_model_wait_s = 3.0
 ORCHESTRATOR_NODE_ID = "demo-orchestrator"
+# The member the demo asks as, and whose key it prints for `hearth chat --creds`.
+DEMO_CLIENT = "you"
 
 
 class DemoError(RuntimeError):
@@ -153,7 +155,7 @@ class DemoRun:
             self._start(cluster, demo_model)
             # Signals cancel the answer's loop (not raise inside it); _Stop after, as everywhere else.
             try:
-                answered = run_cancelling_on_signal(self._ask(cluster.nats_url, demo_model))
+                answered = run_cancelling_on_signal(self._ask(cluster, demo_model))
             except Interrupted:
                 raise _Stop() from None
             if self.serve:
@@ -242,13 +244,14 @@ class DemoRun:
         return ChatRequest(model=str(model.path), messages=[ChatMessage(role="user", content=self.prompt)],
                            max_tokens=self.max_tokens)
 
-    async def _ask(self, nats_url: str, model: DemoModel) -> bool:
+    async def _ask(self, cluster: LocalCluster, model: DemoModel) -> bool:
         """Stream one answer to stdout; True when it ended with `done`."""
         from services.common.chat_client import stream_chat_raw
         from services.common.nats_connection import close_quietly, connect_nats
 
         request = self._request(model)
-        nc = await connect_nats(nats_url, name="hearth-demo")
+        nc = await connect_nats(cluster.nats_url, name="hearth-demo",
+                                settings=cluster.nats_settings(cluster.member_key(DEMO_CLIENT, "client")))
         view = _AnswerView(self)
         try:
             print(f"\n> {self.prompt}" + ("" if request.messages else "   (raw prompt: no chat template)"))
@@ -298,8 +301,10 @@ class DemoRun:
         model_option = "" if model.path == (BUNDLED_MODELS_DIR / BUNDLED_MODEL_NAME).resolve() \
             else f" --model {model.path}"
         raw_option = "" if model.has_chat_template else " --raw"
-        print(f"\nThe mesh keeps running. NATS: {cluster.nats_url}")
-        print(f"Try:  hearth chat --nats {cluster.nats_url}{model_option}{raw_option} \"Tell me a joke.\"")
+        creds = cluster.member_key(DEMO_CLIENT, "client")
+        print(f"\nThe mesh keeps running. NATS: {cluster.nats_url}; client credentials: {creds}")
+        print(f"Try:  hearth chat --nats {cluster.nats_url} --creds {creds}{model_option}{raw_option} "
+              "\"Tell me a joke.\"")
         print("Ctrl-C stops everything.", flush=True)
         while True:
             if cluster.nats is not None and not cluster.nats.is_running():

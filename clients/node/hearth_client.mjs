@@ -3,23 +3,55 @@
 // streams one `llm.chat.request`, checks the request, the reply and every frame against the published
 // JSON Schemas (docs/schemas, draft 2020-12) and prints one JSON summary line. See docs/protocol.md.
 //
-//   node hearth_client.mjs [--nats URL] [--model ID] [--max-tokens N] PROMPT...
+//   node hearth_client.mjs [--nats URL] [--creds FILE --inbox-prefix _INBOX.NAME] [--model ID] [--max-tokens N] PROMPT...
+//
+// A secure mesh (the default) only lets in members: --creds names the member's nkey seed file
+// (`keys/NAME.nk`, one `SU...` line) and --inbox-prefix the only inbox the broker lets that member
+// subscribe to (`_INBOX.NAME`). See --help.
 //
 // Exit codes: 0 the stream ended with `done`; 1 it ended with `error` or `pipeline_aborted` (the summary
-// is still printed); 2 a schema violation, a seq gap, a timeout, no orchestrator, or bad arguments.
+// is still printed); 2 a schema violation, a seq gap, a timeout, no orchestrator, a refused login or
+// permission, or bad arguments.
 import { randomUUID } from "node:crypto";
 import { readFileSync } from "node:fs";
 import { fileURLToPath } from "node:url";
 import { parseArgs } from "node:util";
-import { connect, createInbox } from "@nats-io/transport-node";
+import { connect, createInbox, nkeyAuthenticator, nkeys } from "@nats-io/transport-node";
 import Ajv2020 from "ajv/dist/2020.js";
 
 const FINAL_FRAME_TYPES = new Set(["done", "error", "pipeline_aborted"]); // docs/protocol.md, "Frames"
 
 class Failure extends Error {}
 
+const USAGE = `usage: node hearth_client.mjs [options] PROMPT...
+
+Asks llm.models which models the mesh serves, streams one llm.chat.request and prints one JSON summary line,
+checking the request, the reply and every frame against docs/schemas.
+
+options:
+  --nats URL                  NATS server (default: $HEARTH_NATS_URL, $NATS_URL or nats://127.0.0.1:4222)
+  --creds FILE                log in with this member's nkey seed file (keys/NAME.nk: one SU... line);
+                              needed on a secure mesh, which refuses anonymous connections
+  --inbox-prefix PREFIX       reply inboxes under PREFIX instead of _INBOX; a secure mesh lets member NAME
+                              subscribe only to _INBOX.NAME.>, so pass _INBOX.NAME with --creds
+  --model ID                  model to ask for (default: the mesh's default_model)
+  --max-tokens N              tokens to generate (default 16)
+  --connect-timeout S         seconds to connect, and to wait for the llm.models reply (default 10)
+  --first-frame-timeout S     seconds to wait for the first frame (default 10)
+  --silence-timeout S         seconds to wait between frames; keepalives reset it (default 2.5)
+  --schemas DIR               the JSON Schemas (default: docs/schemas of this repository)
+  --self-test-invalid         send a request that breaks the schema, to prove the check is real
+  -h, --help                  print this and exit
+
+exit codes: 0 done; 1 error or pipeline_aborted (the summary is still printed); 2 a schema violation, a lost
+frame, a timeout, no orchestrator, a refused login or permission, or bad arguments.
+`;
+
 const OPTIONS = {
+  help: { type: "boolean", short: "h", default: false },
   nats: { type: "string", default: process.env.HEARTH_NATS_URL ?? process.env.NATS_URL ?? "nats://127.0.0.1:4222" },
+  creds: { type: "string" }, // nkey seed file; default: connect anonymously (only an open broker allows that)
+  "inbox-prefix": { type: "string" }, // default: nats.js's _INBOX
   model: { type: "string" }, // default: leave `model` out, so the mesh's default_model serves the call
   "max-tokens": { type: "string", default: "16" },
   "connect-timeout": { type: "string", default: "10" }, // seconds; also the wait for the llm.models reply
@@ -36,6 +68,39 @@ const seconds = (name) => {
   if (!(value > 0)) throw new Failure(`--${name} must be a positive number of seconds, not ${opts[name]}`);
   return value * 1000;
 };
+
+// ---------------------------------------------------------------- credentials
+function nkeySeed(file) {
+  let seed;
+  try {
+    seed = readFileSync(file, "utf8").trim();
+  } catch (err) {
+    throw new Failure(`cannot read the --creds file ${file}: ${err.message}`);
+  }
+  try {
+    nkeys.fromSeed(new TextEncoder().encode(seed)); // refuse a bad file here, not as a puzzling login error
+  } catch {
+    throw new Failure(`the --creds file ${file} does not hold an nkey seed (one line starting with 'SU')`);
+  }
+  return new TextEncoder().encode(seed);
+}
+
+// What a refused login or subscription means for this client, in words.
+function explainNatsError(err) {
+  const text = `${err?.name ?? ""} ${err?.message ?? err} ${err?.cause?.message ?? ""}`.toLowerCase();
+  if (text.includes("authorization") || text.includes("authentication")) {
+    return opts.creds
+      ? `NATS at ${opts.nats} refused the login with ${opts.creds} (authorization violation): is it a member of `
+        + "this mesh's community?"
+      : `NATS at ${opts.nats} refused an anonymous login (authorization violation): pass --creds with a member's `
+        + "nkey seed file, and --inbox-prefix _INBOX.<member>";
+  }
+  if (text.includes("permission")) {
+    return `NATS refused a permission (${err.message}): a secure mesh lets a member subscribe only to `
+      + `_INBOX.<member>.>, so pass --inbox-prefix _INBOX.<member> for the member of --creds`;
+  }
+  return null;
+}
 
 // ---------------------------------------------------------------- schemas, found through index.json
 let schemaDir, index, ajv;
@@ -84,7 +149,7 @@ async function listModels(nc) {
   try {
     reply = (await nc.request("llm.models", JSON.stringify(body), { timeout: seconds("connect-timeout") })).json();
   } catch (err) {
-    throw new Failure(`no answer on llm.models: ${err.message}`);
+    throw new Failure(explainNatsError(err) ?? `no answer on llm.models: ${err.message}`);
   }
   if (reply?.type === "error") {
     throw new Failure(`llm.models refused: ${JSON.stringify(check(frameSchema("error"), reply, "an error frame"))}`);
@@ -94,7 +159,7 @@ async function listModels(nc) {
 }
 
 async function streamChat(nc, request) {
-  const inbox = createInbox();
+  const inbox = createInbox(opts["inbox-prefix"]);
   const subscription = nc.subscribe(inbox);
   const frames = subscription[Symbol.asyncIterator]();
   nc.publish("llm.chat.request", JSON.stringify(request), { reply: inbox });
@@ -129,16 +194,23 @@ async function main() {
   try {
     ({ values: opts, positionals } = parseArgs({ options: OPTIONS, allowPositionals: true }));
   } catch (err) {
-    throw new Failure(err.message);
+    throw new Failure(`${err.message}\n${USAGE}`);
+  }
+  if (opts.help) {
+    process.stdout.write(USAGE);
+    return 0;
   }
   loadSchemaIndex(opts.schemas);
   const prompt = positionals.join(" ");
   if (!prompt) throw new Failure("give a prompt: node hearth_client.mjs [--nats URL] PROMPT...");
+  const connectOptions = { servers: opts.nats, timeout: seconds("connect-timeout"), name: "hearth-node-client" };
+  if (opts.creds) connectOptions.authenticator = nkeyAuthenticator(nkeySeed(opts.creds));
+  if (opts["inbox-prefix"]) connectOptions.inboxPrefix = opts["inbox-prefix"];
   let nc;
   try {
-    nc = await connect({ servers: opts.nats, timeout: seconds("connect-timeout"), name: "hearth-node-client" });
+    nc = await connect(connectOptions);
   } catch (err) {
-    throw new Failure(`cannot reach NATS at ${opts.nats}: ${err.message}`);
+    throw new Failure(explainNatsError(err) ?? `cannot reach NATS at ${opts.nats}: ${err.message}`);
   }
   try {
     const models = await listModels(nc);

@@ -162,7 +162,7 @@ class Bench:
         options = self.options
         model_ref = str(model.path)
         prompt, prompt_ids = await asyncio.to_thread(worker.prompt, options.prompt_tokens)
-        nc = await connect_nats(cluster.nats_url, name="hearth-bench")
+        nc = await connect_nats(cluster.nats_url, name="hearth-bench", settings=cluster.nats_settings())
         try:
             _progress("warming up both ...")
             await asyncio.to_thread(worker.generate, prompt, warmup_new_tokens)

@@ -149,3 +149,57 @@ def long_running(command: str) -> Callable[[F], F]:
 def resolve_nats_url(ctx: typer.Context, nats_url: str | None) -> str:
     """--nats / $HEARTH_NATS_URL if given, else the configuration's [nats] url."""
     return nats_url or settings(ctx).nats.url
+
+
+CredsOption = Annotated[
+    Optional[Path],
+    typer.Option("--creds", help="This member's key file (`hearth community add` writes it); also [nats] "
+                                 "creds_file or $HEARTH_NATS__CREDS_FILE.", show_default=False),
+]
+InsecureOption = Annotated[
+    bool,
+    typer.Option("--insecure", help="Use an open broker without credentials: anyone on it can read prompts and "
+                                    "forge routing (for a single machine; warned at every start)."),
+]
+
+
+def use_credentials(ctx: typer.Context, command: str, creds: Path | None, insecure: bool):
+    """Secure by default: this invocation logs in with `--creds` (or the configured key) and returns its
+    Identity; with neither a key nor `--insecure` it ends with one line; `--insecure` warns and returns None."""
+    import logging
+
+    from services.common.identity import IdentityError, load_identity
+
+    state = cli_state(ctx)
+    current = state.settings()
+    updates = {key: value for key, value in (("creds_file", creds), ("insecure", insecure or None)) if value}
+    nats_settings = current.nats.model_copy(update=updates)
+    state._settings = current.model_copy(update={"nats": nats_settings})
+    if nats_settings.creds_file is None:
+        if not nats_settings.insecure:
+            typer.echo(f"{command}: no credentials: give --creds FILE (a member key from `hearth community add`), "
+                       "or --insecure to use an open broker", err=True)
+            raise typer.Exit(EXIT_REFUSED)
+        logging.getLogger("hearth").warning(
+            "%s: running without credentials (--insecure): anyone who reaches the broker can read prompts and "
+            "activations and forge routing", command)
+        return None
+    try:
+        return load_identity(nats_settings.creds_file, nats_settings.roster_file)
+    except IdentityError as error:
+        typer.echo(f"{command}: {error}", err=True)
+        raise typer.Exit(EXIT_REFUSED) from None
+
+
+def node_id_for(command: str, identity, node_id: str | None, role: str) -> str | None:
+    """A host's node id is its member name (broker permissions name it); None: the default (host name)."""
+    if identity is None or identity.member is None:
+        return node_id
+    if identity.member.role != role:
+        typer.echo(f"{command}: the key belongs to {identity.name}, a {identity.member.role}, not a {role}", err=True)
+        raise typer.Exit(EXIT_REFUSED)
+    if node_id is not None and node_id != identity.name:
+        typer.echo(f"{command}: --node-id {node_id} differs from the member name {identity.name}; a host's node id "
+                   "is its member name", err=True)
+        raise typer.Exit(EXIT_REFUSED)
+    return identity.name

@@ -35,6 +35,15 @@ class BrokerUnreachable(ConnectionError):
         self.timeout_s = timeout_s
 
 
+def credential_options(settings: NatsSettings) -> dict:
+    """nats-py connect() options that log in as the member whose key `settings.creds_file` holds (none without)."""
+    if settings.creds_file is None:
+        return {}
+    identity = load_identity(settings.creds_file, settings.roster_file)
+    # Our own inbox prefix: the broker lets a member subscribe to `_INBOX.<name>.>` and nothing wider.
+    return {"nkeys_seed_str": identity.key.seed.decode(), "inbox_prefix": identity.inbox_prefix}
+
+
 class BrokerRefusedCredentials(BrokerUnreachable):
     """The broker answered, but refused the connection: no credentials, or a key it does not know."""
 
@@ -98,14 +107,9 @@ async def connect_nats(
             if result is not None:
                 await result
 
-    credentials = {}
-    if settings.creds_file is not None:
-        identity = load_identity(settings.creds_file, settings.roster_file)
-        # Our own inbox prefix: the broker lets a member subscribe to `_INBOX.<name>.>` and nothing wider.
-        credentials = {"nkeys_seed_str": identity.key.seed.decode(), "inbox_prefix": identity.inbox_prefix}
     connecting = nc.connect(
         servers=[target],
-        **credentials,
+        **credential_options(settings),
         name=name,
         connect_timeout=settings.connect_timeout_s,
         reconnect_time_wait=settings.reconnect_wait_s,

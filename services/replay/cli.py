@@ -76,6 +76,9 @@ async def _connect(url: str):
 
     import nats
 
+    from services.common.config import load_settings
+    from services.common.nats_connection import credential_options
+
     log = logging.getLogger("hearth.replay")
 
     async def on_error(error: Exception) -> None:
@@ -90,6 +93,8 @@ async def _connect(url: str):
         max_reconnect_attempts=1,
         reconnect_time_wait=0.2,
         error_cb=on_error,
+        # The member key from $HEARTH_NATS__CREDS_FILE (an auditor's, on a community mesh).
+        **credential_options(load_settings(None).nats),
     )
 
 

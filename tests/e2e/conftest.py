@@ -65,7 +65,7 @@ def start_orchestrator(cluster: LocalCluster, models_dir: Path, *, extra_args: l
 
 @pytest.fixture
 async def client(cluster) -> AsyncIterator:
-    nc = await connect_nats(cluster.nats_url, name="e2e-client")
+    nc = await connect_nats(cluster.nats_url, name="e2e-client", settings=cluster.nats_settings())
     try:
         yield nc
     finally:

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import sqlite3
+import os
 import subprocess
 import sys
 import time
@@ -318,11 +319,12 @@ def scrape_metric(port: int, name: str, labels: dict[str, str]) -> float:
     return 0.0
 
 
-def replay_pipeline(nats_url: str, pipeline_id: str) -> list[dict]:
-    """`hearth-replay pipeline ID --output jsonl`, parsed."""
+def replay_pipeline(cluster: LocalCluster, pipeline_id: str) -> list[dict]:
+    """`hearth-replay pipeline ID --output jsonl` (as the cluster's system user), parsed."""
     completed = subprocess.run(
         [sys.executable, "-m", "services.replay.cli", "pipeline", pipeline_id, "--output", "jsonl", "--nats",
-         nats_url], capture_output=True, text=True, timeout=60, cwd=str(Path(__file__).resolve().parents[2]),
+         cluster.nats_url], capture_output=True, text=True, timeout=60, cwd=str(Path(__file__).resolve().parents[2]),
+        env={**os.environ, **cluster.credentials_env(cluster.system_creds)},
     )
     assert completed.returncode == 0, completed.stderr
     return [json.loads(line) for line in completed.stdout.splitlines() if line.strip()]
@@ -337,11 +339,11 @@ __all__ = [
 ]
 
 
-def run_reference_call(nats_url: str):
+def run_reference_call(cluster: LocalCluster):
     """One uninterrupted greedy call of chat_request(): what every failed-over run must reproduce."""
 
     async def run():
-        client = await connect_nats(nats_url, name="failover-reference")
+        client = await connect_nats(cluster.nats_url, name="failover-reference", settings=cluster.nats_settings())
         try:
             return await stream_with_action(client, chat_request())
         finally:
@@ -353,7 +355,7 @@ def run_reference_call(nats_url: str):
 @pytest.fixture
 async def nc(mesh):
     """A client connection to the module's mesh (`mesh` is each test module's own fixture)."""
-    client = await connect_nats(mesh.cluster.nats_url, name="failover-test")
+    client = await connect_nats(mesh.cluster.nats_url, name="failover-test", settings=mesh.cluster.nats_settings())
     try:
         yield client
     finally:

@@ -87,7 +87,7 @@ def mesh(tmp_path_factory, tiny_models_dir):
 
 @pytest.fixture(scope="module")
 def reference(mesh):
-    call = run_reference_call(mesh.cluster.nats_url)
+    call = run_reference_call(mesh.cluster)
     assert call.final.type == "done" and len(call.token_ids) == MAX_TOKENS, call.final
     return call
 
@@ -221,7 +221,7 @@ async def test_shards_re_advertise_within_their_ttl(mesh, nc):
 
 async def test_nats_restart_mid_run(mesh, reference):
     """Last in the module: restarting nats-server disturbs everything connected to it."""
-    nc = await connect_nats(mesh.cluster.nats_url, name="failover-test")
+    nc = await connect_nats(mesh.cluster.nats_url, name="failover-test", settings=mesh.cluster.nats_settings())
     try:
         js = nc.jetstream()
 

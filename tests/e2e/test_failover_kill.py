@@ -51,7 +51,7 @@ def mesh(tmp_path_factory, tiny_models_dir):
 def reference(mesh):
     """The uninterrupted greedy run every failed-over run must reproduce token for token."""
 
-    call = run_reference_call(mesh.cluster.nats_url)
+    call = run_reference_call(mesh.cluster)
     assert call.final.type == "done", call.final
     # Long enough that the kill after ACT_AFTER_TOKENS tokens lands mid-generation.
     assert call.final.finish_reason == "length" and len(call.token_ids) == MAX_TOKENS
@@ -99,7 +99,7 @@ async def test_sigkill_mid_generation_fails_over_to_the_replica_token_for_token(
 
     # Audit: the replayed timeline has the failover in its place.
     await wait_for_pipeline_end(nc, call.pipeline_id)
-    types = [record["event"]["type"] for record in replay_pipeline(mesh.cluster.nats_url, call.pipeline_id)]
+    types = [record["event"]["type"] for record in replay_pipeline(mesh.cluster, call.pipeline_id)]
     lifecycle = [t for t in types if t in ("pipeline.constructed", "pipeline.shard_status", "pipeline.failover",
                                            "pipeline.completed")]
     assert lifecycle == ["pipeline.constructed", "pipeline.shard_status", "pipeline.failover",

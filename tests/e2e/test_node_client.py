@@ -25,6 +25,7 @@ CLIENT_DIR = ROOT / "clients" / "node"
 SCRIPT = CLIENT_DIR / "hearth_client.mjs"
 PROMPT = "the lazy dog"
 MAX_TOKENS = 8
+NODE_MEMBER = "node-client"
 # Two busy cores shared with other test runs: generous waits (the protocol's defaults are 10 s and 2.5 s).
 NODE_TIMEOUT_ARGS = ["--connect-timeout", "30", "--first-frame-timeout", "30", "--silence-timeout", "10"]
 NPM_CI_TIMEOUT_S = 300
@@ -52,7 +53,7 @@ def node_client() -> list[str]:
 
 @pytest.fixture(scope="module")
 def running_mesh(tmp_path_factory, tiny_models_dir):
-    """nats-server, 3 shard hosts and an orchestrator serving the tiny model."""
+    """nats-server (secure: members only), 3 shard hosts and an orchestrator serving the tiny model."""
     with LocalCluster(work_dir=tmp_path_factory.mktemp("node-mesh"), torch_threads=1) as mesh:
         mesh.start_nats()
         start_three_shards(mesh, tiny_models_dir / TINY_MODEL_NAME)
@@ -65,9 +66,15 @@ def running_mesh(tmp_path_factory, tiny_models_dir):
                 print(f"----- {process.name} -----\n{process.log_tail(3000)}")
 
 
-def run_node(node_client: list[str], mesh: LocalCluster, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([*node_client, "--nats", mesh.nats_url, *NODE_TIMEOUT_ARGS, *args], capture_output=True,
-                          text=True, timeout=120)
+def node_credentials(mesh: LocalCluster) -> list[str]:
+    """The Node client's login on the secure mesh: client member `node-client`'s nkey seed and its own inboxes."""
+    return ["--creds", str(mesh.member_key(NODE_MEMBER, "client")), "--inbox-prefix", f"_INBOX.{NODE_MEMBER}"]
+
+
+def run_node(node_client: list[str], mesh: LocalCluster, *args: str, login: bool = True) -> subprocess.CompletedProcess:
+    credentials = node_credentials(mesh) if login else []
+    return subprocess.run([*node_client, "--nats", mesh.nats_url, *credentials, *NODE_TIMEOUT_ARGS, *args],
+                          capture_output=True, text=True, timeout=120)
 
 
 def greedy_reference(model_path: Path, prompt: str, new_tokens: int) -> tuple[list[int], str]:
@@ -101,7 +108,7 @@ async def test_node_client_discovers_the_model_and_streams_what_generate_and_the
     assert summary["usage"]["completion_tokens"] == len(reference_ids)
 
     # The bundled Python client, same request on the same mesh, gets the same answer.
-    nc = await connect_nats(running_mesh.nats_url, name="e2e-python-client")
+    nc = await connect_nats(running_mesh.nats_url, name="e2e-python-client", settings=running_mesh.nats_settings())
     try:
         result = await chat(nc, ChatRequest(prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0.0),
                             first_frame_timeout=30)
@@ -131,4 +138,12 @@ def test_node_client_validates_every_frame_against_the_schema_its_type_names(nod
     assert completed.returncode == 2, completed.stderr
     assert "a 'token_delta' frame breaks frame.token_delta.json" in completed.stderr
     assert "must have required property 'not_sent_by_hearth'" in completed.stderr
+    assert completed.stdout == ""
+
+
+def test_the_mesh_refuses_the_node_client_without_credentials(node_client, running_mesh):
+    assert running_mesh.community is not None, "the mesh fixture must run a secure (members only) broker"
+    completed = run_node(node_client, running_mesh, "--max-tokens", "2", PROMPT, login=False)
+    assert completed.returncode == 2, f"stdout: {completed.stdout}\nstderr: {completed.stderr}"
+    assert "refused an anonymous login (authorization violation)" in completed.stderr
     assert completed.stdout == ""

@@ -4,6 +4,7 @@ prefill, concurrency, request validation, and routing errors."""
 from __future__ import annotations
 
 import asyncio
+import os
 import json
 import subprocess
 import sys
@@ -45,7 +46,7 @@ def running_mesh(tmp_path_factory, tiny_models_dir):
 
 @pytest.fixture
 async def mesh_client(running_mesh):
-    nc = await connect_nats(running_mesh.nats_url, name="e2e-client")
+    nc = await connect_nats(running_mesh.nats_url, name="e2e-client", settings=running_mesh.nats_settings())
     yield nc
     await asyncio.wait_for(nc.close(), timeout=5)
 
@@ -131,7 +132,7 @@ async def test_the_mesh_says_which_models_it_serves_and_a_request_may_leave_mode
 
     completed = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "services.cli", "models", "--nats",
                                                          running_mesh.nats_url], capture_output=True, text=True,
-                                        timeout=60)
+                                        timeout=60, env={**os.environ, **running_mesh.client_env()})
     assert completed.returncode == 0, completed.stderr
     assert f"default model: {TINY_MODEL_NAME}" in completed.stdout
     assert "0-5 of 6" in completed.stdout

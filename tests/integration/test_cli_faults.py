@@ -33,9 +33,11 @@ STOP_WITHIN_S = 2.0
 start_timeout_s = 120.0
 exit_timeout_s = 30.0
 ENV = {**{k: v for k, v in os.environ.items() if k not in ("HEARTH_NATS_URL", "HEARTH_CONFIG")},
-       "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "HEARTH_NATS__CONNECT_TIMEOUT_S": str(CONNECT_TIMEOUT_S)}
+       "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "HEARTH_NATS__CONNECT_TIMEOUT_S": str(CONNECT_TIMEOUT_S),
+       "HEARTH_NATS__INSECURE": "1"}  # an open broker: these tests are about faults, not credentials
 LOG_RECORD = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (DEBUG|INFO|WARNING|ERROR|CRITICAL) ")
 WAITING_LINE = "is not reachable yet"
+INSECURE_WARNING = "running without credentials (--insecure)"  # logged at every start on an open broker
 ATTEMPT_LINE = "connecting to NATS"
 
 needs_model = pytest.mark.skipif(not (MODEL / "config.json").is_file(), reason="the bundled model is not trained")
@@ -76,7 +78,7 @@ class Process:
 
     def text(self, name: str) -> str:
         with self.changed:
-            return "\n".join(line for _, line in self.lines[name])
+            return "\n".join(line for _, line in self.lines[name] if INSECURE_WARNING not in line)
 
     def matching(self, text: str) -> list[tuple[float, str]]:
         with self.changed:
@@ -180,7 +182,8 @@ def test_an_unreachable_broker_ends_the_command_with_one_line_naming_it(command,
     assert CONNECT_TIMEOUT_S - 0.2 <= given_up - first_attempt <= CONNECT_TIMEOUT_S + 0.75, process.output()
     assert non_log_lines(process.text("stderr")) == [expected]
     assert process.text("stdout") == ""
-    assert not [line for line in process.text("stderr").splitlines() if " WARNING " in line or " ERROR " in line]
+    assert not [line for line in process.text("stderr").splitlines()
+                if (" WARNING " in line or " ERROR " in line) and INSECURE_WARNING not in line]
     assert "Traceback" not in process.text("stderr")
 
 
@@ -238,7 +241,8 @@ def mesh_url(tmp_path_factory) -> Iterator[str]:
     if not (MODEL / "config.json").is_file():
         pytest.skip("the bundled model is not trained")
     layers = json.loads((MODEL / "config.json").read_text())["num_hidden_layers"]
-    with LocalCluster(work_dir=tmp_path_factory.mktemp("mesh"), torch_threads=1) as cluster:
+    # An open broker (secure=False): these tests are about how the commands end, and run them with --insecure.
+    with LocalCluster(work_dir=tmp_path_factory.mktemp("mesh"), torch_threads=1, secure=False) as cluster:
         cluster.start_nats()
         cluster.start_shard(str(MODEL), 0, layers - 1, node_id="faults-host", wait_ready=False)
         cluster.start_orchestrator(node_id="faults-orchestrator", extra_args=["--preload", str(MODEL)],
@@ -248,8 +252,11 @@ def mesh_url(tmp_path_factory) -> Iterator[str]:
 
 
 def chat(url: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([HEARTH, "chat", "--nats", url, *args], capture_output=True, text=True, env=ENV,
-                          cwd=REPO_ROOT, timeout=exit_timeout_s + start_timeout_s)
+    completed = subprocess.run([HEARTH, "chat", "--nats", url, *args], capture_output=True, text=True, env=ENV,
+                               cwd=REPO_ROOT, timeout=exit_timeout_s + start_timeout_s)
+    completed.stderr = "".join(line for line in completed.stderr.splitlines(keepends=True)
+                               if INSECURE_WARNING not in line)
+    return completed
 
 
 def test_chat_against_a_live_mesh_ends_quietly(mesh_url):

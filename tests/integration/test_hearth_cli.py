@@ -24,7 +24,7 @@ from services.common.nats_server import free_tcp_port
 pytestmark = pytest.mark.integration
 
 BIN = Path(sys.executable).parent
-ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "HEARTH_NATS__INSECURE": "1"}  # an open broker
 
 
 def heartbeat(n: int) -> ShardHeartbeat:

@@ -232,7 +232,7 @@ def test_shard_reports_advertisement_gaps_over_the_health_timeout_and_withdrawal
     from_config = runner.invoke(app, ["--config", str(config), "shard", SHARD_ID, "--nats", nats_url])
     assert from_config.exit_code == 0 and from_config.stdout.count("without heartbeat") == 0
 
-    by_key = replay(nats_url, "shard", event_subject(other).split(".")[3])
+    by_key = replay(nats_url, "shard", event_subject(other).split(".")[4])  # hearth.events.shard.<node>.<key>.<kind>
     assert by_key.exit_code == 0 and "tiny/m:4-7@node-b" in by_key.stdout
     assert replay(nats_url, "shard", "tiny/none:0-1@x").exit_code == 1
     assert consumer_counts(nats_url) == {SHARDS_STREAM: 0, PIPELINES_STREAM: 0}
