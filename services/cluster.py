@@ -14,6 +14,7 @@ from pathlib import Path
 from services.common.config import NatsSettings
 from services.common.nats_permissions import render_authorization
 from services.common.nats_server import EmbeddedNatsServer
+from services.common.tls_files import TlsFiles, write_throwaway_ca
 from trust.community import Community
 from trust.roster import Role
 
@@ -115,6 +116,8 @@ class LocalCluster:
     # Secure by default: a throwaway community in work_dir/community, every process logs in with its own member
     # key and the broker enforces each role's permissions. False: an open broker (no credentials at all).
     secure: bool = True
+    # True: the broker speaks only TLS (certificates from a throwaway CA in work_dir/tls) and verifies clients.
+    tls: bool = False
 
     def __post_init__(self) -> None:
         self._tmp = None
@@ -128,6 +131,13 @@ class LocalCluster:
             community_dir = self.work_dir / "community"
             self.community = (Community(community_dir) if (community_dir / "roster.json").exists()
                               else Community.init(community_dir, "local"))
+        self.tls_files: TlsFiles | None = write_throwaway_ca(self.work_dir / "tls") if self.tls else None
+
+    def _tls_settings(self) -> dict[str, Path]:
+        if self.tls_files is None:
+            return {}
+        return {"tls_ca_file": self.tls_files.ca_file, "tls_cert_file": self.tls_files.client_cert_file,
+                "tls_key_file": self.tls_files.client_key_file}
 
     # ------------------------------------------------------------------ credentials
 
@@ -153,9 +163,10 @@ class LocalCluster:
     def credentials_env(self, creds_file: Path | None) -> dict[str, str]:
         """Environment that makes a hearth process log in with `creds_file`, or run with --insecure when the
         cluster's broker is open."""
+        env = {f"HEARTH_NATS__{key.upper()}": str(path) for key, path in self._tls_settings().items()}
         if creds_file is None:
-            return {"HEARTH_NATS__INSECURE": "1"} if self.community is None else {}
-        env = {"HEARTH_NATS__CREDS_FILE": str(creds_file)}
+            return {**env, "HEARTH_NATS__INSECURE": "1"} if self.community is None else env
+        env["HEARTH_NATS__CREDS_FILE"] = str(creds_file)
         if self.community is not None and creds_file.parent.name == "keys":
             env["HEARTH_NATS__ROSTER_FILE"] = str(self.community.roster_path)
         return env
@@ -169,7 +180,8 @@ class LocalCluster:
         """Settings for connect_nats to this cluster's broker, as `creds_file`'s member (default: the system
         user, which tests use to watch everything)."""
         return NatsSettings(url=self.nats_url, creds_file=creds_file or self.system_creds,
-                            roster_file=self.community.roster_path if creds_file and self.community else None)
+                            roster_file=self.community.roster_path if creds_file and self.community else None,
+                            **self._tls_settings())
 
     def client_env(self, name: str = "local-client") -> dict[str, str]:
         """Environment for a `hearth chat`/`hearth models` child process as client member `name`."""
@@ -181,6 +193,7 @@ class LocalCluster:
         """Start an embedded nats-server (options as EmbeddedNatsServer's, e.g. max_payload_bytes)."""
         server_options.setdefault("start_new_session", self.start_new_session)
         self.nats = EmbeddedNatsServer(store_dir=self.work_dir / "nats", authorization=self._authorization(),
+                                       tls_block=self.tls_files.server_block() if self.tls_files else None,
                                        **server_options).start()
         self.nats_url = self.nats.url
         return self.nats_url

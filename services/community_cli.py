@@ -122,6 +122,11 @@ def nats_command(
     community: Annotated[Optional[Path], typer.Option(
         "--community", help="Community folder: only its members may connect, each with its role's permissions "
                             "(rendered from its roster, as `hearth community nats-config` does).")] = None,
+    tls_cert: Annotated[Optional[Path], typer.Option("--tls-cert", help="Serve TLS only, with this certificate "
+                                                     "(PEM; with --tls-key).")] = None,
+    tls_key: Annotated[Optional[Path], typer.Option("--tls-key", help="The certificate's private key (PEM).")] = None,
+    tls_ca: Annotated[Optional[Path], typer.Option("--tls-ca", help="Verify client certificates against this CA "
+                                                   "(PEM); members then need [nats] tls_cert_file too.")] = None,
 ) -> None:
     """Run an embedded nats-server with JetStream (fsync on every write) until SIGINT/SIGTERM."""
     import signal
@@ -144,7 +149,15 @@ def nats_command(
             authorization = render_authorization(folder.roster(), system_public_key=folder.system_key().public_key)
         except (RosterError, KeyFileError) as error:
             _fail(str(error))
-    server = EmbeddedNatsServer(port=port, store_dir=store, host=host, authorization=authorization)
+    tls_block = None
+    if (tls_cert is None) != (tls_key is None) or (tls_ca is not None and tls_cert is None):
+        _fail("TLS needs --tls-cert and --tls-key (and --tls-ca only with them)")
+    if tls_cert is not None:
+        from services.common.tls_files import server_tls_block
+
+        tls_block = server_tls_block(tls_cert, tls_key, tls_ca)
+    server = EmbeddedNatsServer(port=port, store_dir=store, host=host, authorization=authorization,
+                                tls_block=tls_block)
     try:
         server.start()
     except NatsServerError as error:

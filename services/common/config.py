@@ -149,6 +149,11 @@ class NatsSettings(_Section):
         default=None, description="the community roster (default: roster.json beside the key's keys/ folder)")
     insecure: bool = Field(
         default=False, description="true: run on an open broker without credentials (warned at every start)")
+    tls_ca_file: Path | None = Field(
+        default=None, description="CA certificate (PEM) that signed the broker's: set it to connect over TLS")
+    tls_cert_file: Path | None = Field(
+        default=None, description="this member's client certificate (PEM), for a broker that verifies clients")
+    tls_key_file: Path | None = Field(default=None, description="the client certificate's private key (PEM)")
 
 
 class OrchestratorSettings(_Section):

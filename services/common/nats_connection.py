@@ -13,6 +13,7 @@ from nats.aio.client import Client as NatsClient
 
 from services.common.config import DEFAULT_NATS_URL, NATS_URL_ENV, NatsSettings, default_nats_url
 from services.common.identity import load_identity
+from services.common.tls_files import client_ssl_context
 
 __all__ = ["DEFAULT_NATS_URL", "NATS_URL_ENV", "BrokerRefusedCredentials", "BrokerUnreachable", "close_quietly",
            "connect_nats", "default_nats_url", "drain_or_close"]
@@ -36,12 +37,17 @@ class BrokerUnreachable(ConnectionError):
 
 
 def credential_options(settings: NatsSettings) -> dict:
-    """nats-py connect() options that log in as the member whose key `settings.creds_file` holds (none without)."""
+    """nats-py connect() options for TLS (given a CA) and for logging in as the member whose key
+    `settings.creds_file` holds (neither without)."""
+    options: dict = {}
+    context = client_ssl_context(settings.tls_ca_file, settings.tls_cert_file, settings.tls_key_file)
+    if context is not None:
+        options["tls"] = context
     if settings.creds_file is None:
-        return {}
+        return options
     identity = load_identity(settings.creds_file, settings.roster_file)
     # Our own inbox prefix: the broker lets a member subscribe to `_INBOX.<name>.>` and nothing wider.
-    return {"nkeys_seed_str": identity.key.seed.decode(), "inbox_prefix": identity.inbox_prefix}
+    return {**options, "nkeys_seed_str": identity.key.seed.decode(), "inbox_prefix": identity.inbox_prefix}
 
 
 class BrokerRefusedCredentials(BrokerUnreachable):

@@ -46,8 +46,9 @@ def free_tcp_port(host: str = "127.0.0.1") -> int:
 
 
 def render_server_config(*, host: str, port: int, store_dir: Path, max_payload_bytes: int,
-                         authorization: str | None = None) -> str:
-    """The server's configuration; `authorization` is the block `hearth community nats-config` renders."""
+                         authorization: str | None = None, tls_block: str | None = None) -> str:
+    """The server's configuration; `authorization` is the block `hearth community nats-config` renders,
+    `tls_block` a `tls { ... }` block (services/common/tls_files.py)."""
     # sync_interval "always": every acknowledged event is fsynced before the ack (docs/design.md §2).
     return (
         f'listen: "{host}:{port}"\n'
@@ -56,6 +57,7 @@ def render_server_config(*, host: str, port: int, store_dir: Path, max_payload_b
         f'  store_dir: "{store_dir}"\n'
         "  sync_interval: always\n"
         "}\n"
+        + (tls_block or "")
         + (authorization or "")
     )
 
@@ -72,8 +74,11 @@ class EmbeddedNatsServer:
         max_payload_bytes: int = 8 * 1024 * 1024,
         start_new_session: bool = False,
         authorization: str | None = None,
+        tls_block: str | None = None,
     ) -> None:
         self.host = host
+        # None: plain TCP; else nats-server's `tls { ... }` block (services/common/tls_files.py).
+        self.tls_block = tls_block
         # None: an open broker (anyone may do anything); else the rendered authorization block.
         self.authorization = authorization
         self.port = port or free_tcp_port(host)
@@ -121,7 +126,7 @@ class EmbeddedNatsServer:
         config_path = self.store_dir / "hearth-nats.conf"
         config_path.write_text(render_server_config(
             host=self.host, port=self.port, store_dir=self.store_dir / "jetstream",
-            max_payload_bytes=self.max_payload_bytes, authorization=self.authorization))
+            max_payload_bytes=self.max_payload_bytes, authorization=self.authorization, tls_block=self.tls_block))
         return config_path
 
     def reload(self, authorization: str | None) -> None:

@@ -18,8 +18,11 @@ from typer.testing import CliRunner
 from events import SHARDS_STREAM, ensure_streams, publish_event, stream_last_seq
 from events.models import ShardHeartbeat
 from services.cli import app
-from services.common.nats_connection import connect_nats
+from services.common.config import NatsSettings
+from services.common.nats_connection import BrokerUnreachable, connect_nats
 from services.common.nats_server import free_tcp_port
+from services.common.tls_files import write_throwaway_ca
+from trust.community import Community
 
 pytestmark = pytest.mark.integration
 
@@ -50,9 +53,9 @@ def port_is_open(port: int) -> bool:
         return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
-def start_hearth_nats(port: int, store: Path) -> tuple[subprocess.Popen, str]:
+def start_hearth_nats(port: int, store: Path, *options: str) -> tuple[subprocess.Popen, str]:
     process = subprocess.Popen(
-        [str(BIN / "hearth"), "nats", "--port", str(port), "--store", str(store)],
+        [str(BIN / "hearth"), "nats", "--port", str(port), "--store", str(store), *options],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV,
     )
     url = process.stdout.readline().strip()
@@ -134,3 +137,27 @@ def test_hearth_projector_follows_the_log_into_sqlite_and_stops_on_sigterm(nats_
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def test_hearth_nats_for_a_community_over_tls_admits_members_only(tmp_path):
+    community = Community.init(tmp_path / "community", "cli-test")
+    alice = community.add("alice", "client").seed_file
+    tls = write_throwaway_ca(tmp_path / "tls")
+    process, url = start_hearth_nats(free_tcp_port(), tmp_path / "store", "--community", str(community.directory),
+                                     "--tls-cert", str(tls.server_cert_file), "--tls-key", str(tls.server_key_file),
+                                     "--tls-ca", str(tls.ca_file))
+    tls_files = {"tls_ca_file": tls.ca_file, "tls_cert_file": tls.client_cert_file,
+                 "tls_key_file": tls.client_key_file}
+
+    async def connect_as(creds: Path | None) -> None:
+        nc = await connect_nats(url, name="cli-test", settings=NatsSettings(
+            url=url, creds_file=creds, connect_timeout_s=3, **tls_files))
+        await nc.close()
+
+    try:
+        asyncio.run(connect_as(alice))
+        with pytest.raises(BrokerUnreachable):  # refused at once, or never let in within the timeout
+            asyncio.run(connect_as(None))
+    finally:
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=15) == 0

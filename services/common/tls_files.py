@@ -1,0 +1,112 @@
+"""TLS for NATS connections: the client's ssl context from the [nats] tls_* files, and a throwaway certificate
+authority (CA, a server certificate for the broker's host names, a client certificate) for the demo and tests."""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import ssl
+from dataclasses import dataclass
+from pathlib import Path
+
+throwaway_validity_days = 7
+
+
+class TlsConfigError(ValueError):
+    """The configured TLS files are incomplete or unreadable."""
+
+
+def client_ssl_context(ca_file: Path | None, cert_file: Path | None, key_file: Path | None) -> ssl.SSLContext | None:
+    """None without a CA (plain TCP); else a context that trusts `ca_file` and, given both, presents the client
+    certificate (for a broker that verifies clients)."""
+    if ca_file is None:
+        if cert_file or key_file:
+            raise TlsConfigError("tls_cert_file/tls_key_file need tls_ca_file (the CA that signed the broker's cert)")
+        return None
+    if (cert_file is None) != (key_file is None):
+        raise TlsConfigError("give both tls_cert_file and tls_key_file, or neither")
+    try:
+        context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=str(ca_file))
+        if cert_file is not None:
+            context.load_cert_chain(str(cert_file), str(key_file))
+    except (OSError, ssl.SSLError) as error:
+        raise TlsConfigError(f"cannot use the TLS files: {error}") from None
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    return context
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """Where a throwaway CA wrote its files."""
+
+    ca_file: Path
+    server_cert_file: Path
+    server_key_file: Path
+    client_cert_file: Path
+    client_key_file: Path
+
+    def server_block(self) -> str:
+        return server_tls_block(self.server_cert_file, self.server_key_file, self.ca_file)
+
+
+def server_tls_block(cert_file: Path, key_file: Path, client_ca_file: Path | None = None) -> str:
+    """nats-server's `tls { ... }` block: TLS only, with client certificates verified against `client_ca_file`."""
+    lines = [f'  cert_file: "{cert_file.resolve()}"', f'  key_file: "{key_file.resolve()}"']
+    if client_ca_file is not None:
+        lines += [f'  ca_file: "{client_ca_file.resolve()}"', "  verify: true"]
+    return "tls {\n" + "\n".join([*lines, "  timeout: 2"]) + "\n}\n"
+
+
+def write_throwaway_ca(directory: Path, host_names: tuple[str, ...] = ("localhost", "127.0.0.1")) -> TlsFiles:
+    """A new CA with one server certificate (for `host_names`) and one client certificate, keys mode 0600."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    directory.mkdir(parents=True, exist_ok=True)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    valid_until = now + datetime.timedelta(days=throwaway_validity_days)
+
+    def name(common_name: str) -> x509.Name:
+        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
+
+    def write_key(path: Path, key) -> None:
+        path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+        path.chmod(0o600)
+
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = name("hearth throwaway CA")
+    ca_cert = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name)
+               .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
+               .not_valid_before(now).not_valid_after(valid_until)
+               .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+               .sign(ca_key, hashes.SHA256()))
+
+    def issue(common_name: str, usage, alt_names: list) -> tuple[bytes, object]:
+        key = ec.generate_private_key(ec.SECP256R1())
+        builder = (x509.CertificateBuilder().subject_name(name(common_name)).issuer_name(ca_cert.subject)
+                   .public_key(key.public_key()).serial_number(x509.random_serial_number())
+                   .not_valid_before(now).not_valid_after(valid_until)
+                   .add_extension(x509.ExtendedKeyUsage([usage]), critical=False))
+        if alt_names:
+            builder = builder.add_extension(x509.SubjectAlternativeName(alt_names), critical=False)
+        return builder.sign(ca_key, hashes.SHA256()).public_bytes(serialization.Encoding.PEM), key
+
+    alt_names = []
+    for host in host_names:
+        try:
+            alt_names.append(x509.IPAddress(ipaddress.ip_address(host)))
+        except ValueError:
+            alt_names.append(x509.DNSName(host))
+    files = TlsFiles(directory / "ca.pem", directory / "server.pem", directory / "server-key.pem",
+                     directory / "client.pem", directory / "client-key.pem")
+    files.ca_file.write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
+    server_pem, server_key = issue("hearth broker", ExtendedKeyUsageOID.SERVER_AUTH, alt_names)
+    files.server_cert_file.write_bytes(server_pem)
+    write_key(files.server_key_file, server_key)
+    client_pem, client_key = issue("hearth member", ExtendedKeyUsageOID.CLIENT_AUTH, [])
+    files.client_cert_file.write_bytes(client_pem)
+    write_key(files.client_key_file, client_key)
+    return files
