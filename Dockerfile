@@ -7,6 +7,7 @@ COPY readmodels readmodels
 COPY migrations migrations
 COPY inference inference
 COPY services services
+COPY trust trust
 COPY models models
 # Point pip at a CPU-only torch index where you have one; the default index's build is much larger.
 RUN pip install --no-cache-dir torch==2.13.0 && pip install --no-cache-dir .

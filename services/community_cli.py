@@ -12,6 +12,7 @@ community_app = typer.Typer(help="Manage a community: its roster, member keys an
                             no_args_is_help=True)
 DirOption = Annotated[Path, typer.Option("--dir", help="The community folder (roster.json, keys/, system.nk).")]
 DEFAULT_COMMUNITY_DIR = Path("community")
+tls_validity_days = 365
 
 
 def _fail(message: str) -> None:
@@ -80,6 +81,23 @@ def list_command(directory: DirOption = DEFAULT_COMMUNITY_DIR) -> None:
     typer.echo(f"community {roster.community!r}: {len(roster.members)} members")
     for member in roster.members:
         typer.echo(f"{member.name:24} {member.role:13} {member.trust:8} {member.public_key}")
+
+
+@community_app.command("tls")
+def tls_command(
+    host: Annotated[list[str], typer.Option("--host", help="A name or address the broker is reached by "
+                                            "(repeat); e.g. --host nats --host 192.168.1.10.")],
+    directory: DirOption = DEFAULT_COMMUNITY_DIR,
+) -> None:
+    """Make a small certificate authority in DIR/tls: a broker certificate for the given hosts and one client
+    certificate for the members (for a LAN without a CA of its own; keys mode 0600)."""
+    from services.common.tls_files import write_throwaway_ca
+
+    if (directory / "tls" / "ca.pem").exists():
+        _fail(f"{directory / 'tls'} already holds a CA; not replacing it")
+    files = write_throwaway_ca(directory / "tls", tuple(host), validity_days=tls_validity_days)
+    typer.echo(f"wrote {files.ca_file}, {files.server_cert_file} (for {', '.join(host)}) and {files.client_cert_file};"
+               f" valid {tls_validity_days} days")
 
 
 @community_app.command("nats-config")

@@ -57,7 +57,8 @@ def server_tls_block(cert_file: Path, key_file: Path, client_ca_file: Path | Non
     return "tls {\n" + "\n".join([*lines, "  timeout: 2"]) + "\n}\n"
 
 
-def write_throwaway_ca(directory: Path, host_names: tuple[str, ...] = ("localhost", "127.0.0.1")) -> TlsFiles:
+def write_throwaway_ca(directory: Path, host_names: tuple[str, ...] = ("localhost", "127.0.0.1"), *,
+                       validity_days: int = throwaway_validity_days) -> TlsFiles:
     """A new CA with one server certificate (for `host_names`) and one client certificate, keys mode 0600."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
@@ -66,7 +67,7 @@ def write_throwaway_ca(directory: Path, host_names: tuple[str, ...] = ("localhos
 
     directory.mkdir(parents=True, exist_ok=True)
     now = datetime.datetime.now(datetime.timezone.utc)
-    valid_until = now + datetime.timedelta(days=throwaway_validity_days)
+    valid_until = now + datetime.timedelta(days=validity_days)
 
     def name(common_name: str) -> x509.Name:
         return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
