@@ -19,6 +19,7 @@ server_start_timeout_s = 15.0
 server_stop_timeout_s = 10.0
 # Small on purpose: tests restart servers, and a dead server must be noticed quickly.
 readiness_poll_interval_s = 0.02
+_RELOADED_LINE = "Reloaded server configuration"
 
 
 class NatsServerError(RuntimeError):
@@ -134,8 +135,19 @@ class EmbeddedNatsServer:
         connections it now refuses are closed by the server, the others carry on."""
         self.authorization = authorization
         self._write_config()
-        if self.is_running():
-            self._process.send_signal(signal.SIGHUP)
+        if not self.is_running():
+            return
+        log_path = self.store_dir / "nats-server.log"
+        reloads_before = log_path.read_text(errors="replace").count(_RELOADED_LINE)
+        self._process.send_signal(signal.SIGHUP)
+        # The signal is handled asynchronously: a client that connects before the reload is applied would be
+        # judged by the old users, so wait for the server to say it is done.
+        deadline = time.monotonic() + server_start_timeout_s
+        while log_path.read_text(errors="replace").count(_RELOADED_LINE) <= reloads_before:
+            if time.monotonic() > deadline or not self.is_running():
+                raise NatsServerError(f"nats-server did not reload its configuration within "
+                                      f"{server_start_timeout_s} s:\n{log_path.read_text(errors='replace')[-2000:]}")
+            time.sleep(readiness_poll_interval_s)
 
     def _wait_until_accepting(self, log_path: Path) -> None:
         deadline = time.monotonic() + server_start_timeout_s

@@ -127,3 +127,14 @@ async def test_connect_nats_says_at_once_that_the_broker_refused_unknown_credent
     with pytest.raises(BrokerRefusedCredentials, match="refused the connection"):
         await connect_nats(settings=NatsSettings(url=server.url, creds_file=stranger, connect_timeout_s=10))
     assert asyncio.get_running_loop().time() - started < 5
+
+
+async def test_a_member_added_while_the_broker_runs_can_connect_at_once(community_server):
+    community, server = community_server
+    for index in range(5):  # the reload is asynchronous in nats-server: reload() must wait for it each time
+        added = community.add(f"late-{index}", "client")
+        server.reload(render_authorization(community.roster(),
+                                           system_public_key=community.system_key().public_key))
+        nc = await connect_nats(settings=NatsSettings(url=server.url, creds_file=added.seed_file,
+                                                      connect_timeout_s=5))
+        await nc.close()
