@@ -20,3 +20,10 @@ event_outbox_depth = Gauge(
     "hearth_event_outbox_depth",
     "Audit events recorded by this process and waiting to be written to JetStream.",
 )
+
+events_rejected_total = Counter(
+    "hearth_events_rejected_total",
+    "Events a projection did not apply because their signature, signer, role, node or time failed the "
+    "community's check (events/signing.py); each is also a row of the rejected_events read model.",
+    ["reason"],
+)

@@ -7,11 +7,34 @@ import uuid
 from datetime import datetime, timezone
 from typing import Annotated, Any, Callable, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, field_validator
+
+from trust.keys import PUBLIC_KEY_PATTERN, USER_PUBLIC_KEY_LENGTH
 
 # Subject tokens may not carry dots, spaces or wildcards; pipeline ids become subject tokens.
 SUBJECT_TOKEN_PATTERN = r"^[A-Za-z0-9_-]{1,128}$"
 _subject_token_re = re.compile(SUBJECT_TOKEN_PATTERN)
+
+# Every string and list an event carries is bounded (docs/events.md, "Limits"), so no event, forged or buggy, can
+# fill the log or a read model: the largest event fits the streams' max_msg_size (events/streams.py).
+max_id_chars = 256  # node ids, model ids, digests, subjects, request ids
+max_shard_id_chars = 2 * max_id_chars + 32  # "<model_id>:<lo>-<hi>@<node_id>"
+max_label_chars = 64  # dtypes, statuses, codes, finish reasons
+max_reason_chars = 2000  # free text; an emitter's longer text is cut to this, never refused
+max_event_hops = 64  # hops of a pipeline (also the most [research.distributed_inference] max_shards_per_request)
+max_signature_chars = 128  # an Ed25519 signature is 88 base64 characters; a longer one is refused
+
+
+def _cut_to_reason_chars(value: object) -> object:
+    return value[:max_reason_chars] if isinstance(value, str) else value
+
+
+Id = Annotated[str, Field(max_length=max_id_chars)]
+ShardId = Annotated[str, Field(max_length=max_shard_id_chars)]
+Label = Annotated[str, Field(max_length=max_label_chars)]
+# A reason is for people to read: cut rather than refused, so a long error text never loses its event.
+Reason = Annotated[str, BeforeValidator(_cut_to_reason_chars), Field(max_length=max_reason_chars)]
+Hops = Annotated[list[ShardId], Field(max_length=max_event_hops)]
 
 
 def new_event_id() -> str:
@@ -30,7 +53,12 @@ class EventEnvelope(BaseModel):
     event_id: str = Field(default_factory=new_event_id, min_length=1, max_length=64)
     version: int = 1
     occurred_at: datetime = Field(default_factory=utc_now)
-    node_id: str = Field(min_length=1, max_length=256)
+    node_id: str = Field(min_length=1, max_length=max_id_chars)
+    # Who vouches for the event (events/signing.py): the emitting member's nkey and its Ed25519 signature
+    # (base64) over the event's canonical bytes. Absent on an open (--insecure) mesh; a community's
+    # projectors apply only events signed by a member whose role may emit them (docs/events.md, "Signatures").
+    signer: str | None = Field(default=None, max_length=USER_PUBLIC_KEY_LENGTH, pattern=PUBLIC_KEY_PATTERN)
+    signature: str | None = Field(default=None, max_length=max_signature_chars)
 
     @field_validator("occurred_at")
     @classmethod
@@ -46,7 +74,7 @@ class EventEnvelope(BaseModel):
 
 
 class _PipelineEvent(EventEnvelope):
-    pipeline_id: str
+    pipeline_id: str = Field(max_length=128)
 
     @field_validator("pipeline_id")
     @classmethod
@@ -58,23 +86,23 @@ class _PipelineEvent(EventEnvelope):
 
 class ShardAdvertised(EventEnvelope):
     type: Literal["shard.advertised"] = "shard.advertised"
-    shard_id: str
-    model_id: str
-    weights_sha256: str
+    shard_id: ShardId
+    model_id: Id
+    weights_sha256: Id
     layer_lo: int = Field(ge=0)
     layer_hi: int = Field(ge=0, description="inclusive")
     total_layers: int = Field(ge=1)
-    dtype: str
+    dtype: Label
     memory_required_mb: float = Field(ge=0)
     max_concurrent_streams: int = Field(ge=1)
-    control_subject: str
+    control_subject: Id
     hop_weight: float = Field(default=1.0, gt=0)
     ttl_s: float = Field(gt=0)
 
 
 class ShardHeartbeat(EventEnvelope):
     type: Literal["shard.heartbeat"] = "shard.heartbeat"
-    shard_id: str
+    shard_id: ShardId
     queue_depth: int = Field(ge=0)
     active_streams: int = Field(ge=0)
     p95_latency_ms: float = Field(ge=0)
@@ -83,17 +111,19 @@ class ShardHeartbeat(EventEnvelope):
 
 class ShardWithdrawn(EventEnvelope):
     type: Literal["shard.withdrawn"] = "shard.withdrawn"
-    shard_id: str
-    reason: str
+    shard_id: ShardId
+    reason: Reason
 
 
 class PipelineConstructed(_PipelineEvent):
     type: Literal["pipeline.constructed"] = "pipeline.constructed"
-    request_id: str
-    model_id: str
-    weights_sha256: str
-    hops: list[str]
+    request_id: Id
+    model_id: Id
+    weights_sha256: Id
+    hops: Hops
     construct_ms: float = Field(ge=0)
+    # The roster name of the member whose signed call this is (None on an open mesh).
+    caller: Id | None = None
 
 
 class PipelineFirstToken(_PipelineEvent):
@@ -103,22 +133,22 @@ class PipelineFirstToken(_PipelineEvent):
 
 class PipelineShardStatus(_PipelineEvent):
     type: Literal["pipeline.shard_status"] = "pipeline.shard_status"
-    shard_id: str
+    shard_id: ShardId
     status: Literal["degraded", "healthy"]
-    reason: str
+    reason: Reason
 
 
 class PipelineFailover(_PipelineEvent):
     type: Literal["pipeline.failover"] = "pipeline.failover"
-    failed_shard_id: str
-    replacement_hops: list[str]
-    reason: str
+    failed_shard_id: ShardId
+    replacement_hops: Hops
+    reason: Reason
     resumed_at_token: int = Field(ge=0)
 
 
 class PipelineFallbackLocal(_PipelineEvent):
     type: Literal["pipeline.fallback_local"] = "pipeline.fallback_local"
-    reason: str
+    reason: Reason
 
 
 class PipelineCompleted(_PipelineEvent):
@@ -127,19 +157,20 @@ class PipelineCompleted(_PipelineEvent):
     completion_tokens: int = Field(ge=0)
     duration_ms: float = Field(ge=0)
     tokens_per_second: float = Field(ge=0)
-    finish_reason: str
+    finish_reason: Label
 
 
 class PipelineAborted(_PipelineEvent):
     type: Literal["pipeline.aborted"] = "pipeline.aborted"
-    code: str
-    reason: str
+    code: Label
+    reason: Reason
 
 
 class IntegrityCorruptionDetected(_PipelineEvent):
     type: Literal["integrity.corruption_detected"] = "integrity.corruption_detected"
-    shard_id: str
-    check: Literal["nan", "inf", "norm"]
+    shard_id: ShardId
+    # `shape`: a step whose declared shape, dtype or size did not fit the pipeline (refused on arrival).
+    check: Literal["nan", "inf", "norm", "shape"]
 
 
 EVENT_CLASSES: tuple[type[EventEnvelope], ...] = (

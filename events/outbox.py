@@ -20,6 +20,7 @@ from nats.js import JetStreamContext
 from events.metrics import event_outbox_depth
 from events.models import EventEnvelope
 from events.publish import publish_event
+from trust.keys import MemberKey
 
 log = logging.getLogger(__name__)
 
@@ -28,8 +29,10 @@ class EventOutbox:
     """One ordered, bounded queue of events and the task that writes it."""
 
     def __init__(self, js: JetStreamContext, *, max_queued: int, retry_wait_s: float,
-                 publish_delay_s: float = 0.0) -> None:
+                 publish_delay_s: float = 0.0, signing_key: MemberKey | None = None) -> None:
         self.js = js
+        # Events are signed by the writer task, off the caller's path, like the write itself.
+        self.signing_key = signing_key
         self.retry_wait_s = retry_wait_s
         # Testing only: every write waits this long first, as a slow or distant broker would make it.
         self.publish_delay_s = publish_delay_s
@@ -87,7 +90,7 @@ class EventOutbox:
         failures = 0
         while True:
             try:
-                await publish_event(self.js, event)
+                await publish_event(self.js, event, signing_key=self.signing_key)
                 return
             except Exception as error:  # publish_event already retried the transient ones; keep the order
                 failures += 1

@@ -1,4 +1,5 @@
-"""Publishes one event to JetStream with its event_id as `Nats-Msg-Id`, retrying transient failures."""
+"""Publishes one event to JetStream with its event_id as `Nats-Msg-Id`, signed by the emitting member's key
+when it has one, retrying transient failures."""
 
 from __future__ import annotations
 
@@ -19,7 +20,9 @@ from tenacity import (
 
 from events.metrics import events_published_total
 from events.models import EventEnvelope, encode_event
+from events.signing import sign_event
 from events.subjects import event_subject
+from trust.keys import MemberKey
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +51,12 @@ async def publish_event(
     subject: str | None = None,
     timeout_s: float = publish_timeout_s,
     max_attempts: int = publish_max_attempts,
+    signing_key: MemberKey | None = None,
 ) -> PubAck:
-    """Publish `event` on its subject (or `subject`) and return the ack; `ack.duplicate` marks a dropped re-publish."""
+    """Publish `event` on its subject (or `subject`) and return the ack; `ack.duplicate` marks a dropped re-publish.
+    With `signing_key` (a community member's) the event goes out signed by it; without, unsigned."""
+    if signing_key is not None:
+        event = sign_event(event, signing_key)
     target = subject or event_subject(event)
     payload = encode_event(event)
     headers = {MSG_ID_HEADER: event.event_id}

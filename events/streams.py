@@ -18,8 +18,16 @@ PIPELINES_STREAM = "HEARTH_PIPELINES"
 ALL_STREAMS: tuple[str, ...] = (SHARDS_STREAM, PIPELINES_STREAM)
 
 seconds_per_day = 24 * 3600
+MiB = 1024 * 1024
 shards_max_age_s = 7 * seconds_per_day
 pipelines_max_age_s = 30 * seconds_per_day
+# The largest event the server stores: every event field is bounded (events/models.py), so even an event with
+# every field at its limit, in characters JSON escapes to six bytes, stays below it (tests/unit/test_event_limits.py);
+# an honest one is a few hundred bytes. Nothing larger, from a buggy or a forging publisher, is ever stored.
+event_max_msg_bytes = 256 * 1024
+# Each stream's whole size on disk; beyond it the oldest messages go (discard old), as they do past max_age.
+shards_max_bytes = 256 * MiB
+pipelines_max_bytes = 1024 * MiB
 # Caps heartbeats per shard subject; it applies to every subject of the stream (advertised/withdrawn too),
 # which is harmless because those are rare.
 shards_max_msgs_per_subject = 1000
@@ -37,6 +45,8 @@ class StreamSpec:
     name: str
     subjects: tuple[str, ...]
     max_age_s: float
+    max_bytes: int
+    max_msg_bytes: int = event_max_msg_bytes
     max_msgs_per_subject: int = -1
     description: str = ""
 
@@ -49,6 +59,8 @@ class StreamSpec:
             storage=StorageType.FILE,
             discard=DiscardPolicy.OLD,
             max_age=self.max_age_s,
+            max_bytes=self.max_bytes,
+            max_msg_size=self.max_msg_bytes,
             max_msgs_per_subject=self.max_msgs_per_subject,
             duplicate_window=duplicate_window_s,
             num_replicas=replicas,
@@ -60,6 +72,7 @@ SHARDS_STREAM_SPEC = StreamSpec(
     name=SHARDS_STREAM,
     subjects=(SHARD_EVENTS_WILDCARD,),
     max_age_s=shards_max_age_s,
+    max_bytes=shards_max_bytes,
     max_msgs_per_subject=shards_max_msgs_per_subject,
     description="hearth shard lifecycle: advertised, heartbeat (capped per subject), withdrawn",
 )
@@ -67,6 +80,7 @@ PIPELINES_STREAM_SPEC = StreamSpec(
     name=PIPELINES_STREAM,
     subjects=(PIPELINE_EVENTS_WILDCARD, INTEGRITY_EVENTS_WILDCARD),
     max_age_s=pipelines_max_age_s,
+    max_bytes=pipelines_max_bytes,
     description="hearth pipeline lifecycle and integrity detections",
 )
 STREAM_SPECS: tuple[StreamSpec, ...] = (SHARDS_STREAM_SPEC, PIPELINES_STREAM_SPEC)

@@ -97,6 +97,10 @@ class Head:
     # ----------------------------------------------------------------- text
 
     @property
+    def has_tokenizer(self) -> bool:
+        return self._tokenizer is not None
+
+    @property
     def tokenizer(self):
         if self._tokenizer is None:
             raise InferenceError(f"no tokenizer was found for {self.info.model_id} in {self.info.path}")

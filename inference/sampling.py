@@ -65,6 +65,10 @@ def sample_token(
     if params.greedy:
         return int(torch.argmax(logits))
     scores = logits.float() / params.temperature
+    if not bool(torch.isfinite(scores).all()):
+        # A temperature so small (1e-300) that the division overflows float32 puts all the probability on the
+        # best token: the limit of sampling as the temperature goes to 0, which every top-k/top-p filter keeps.
+        return int(torch.argmax(logits))
     if params.top_k > 0 and params.top_k < scores.numel():
         kth_best = torch.topk(scores, params.top_k).values[-1]
         scores = scores.masked_fill(scores < kth_best, float("-inf"))

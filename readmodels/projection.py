@@ -24,6 +24,7 @@ import json
 import logging
 import math
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from datetime import datetime
 from functools import singledispatchmethod
 from typing import TYPE_CHECKING, Any
@@ -44,9 +45,11 @@ from events.models import (
     ShardHeartbeat,
     ShardWithdrawn,
 )
+from events.signing import EventVerifier, RejectionReason
 from readmodels.batch_rows import (
     FAILOVERS,
     PIPELINES,
+    REJECTED_EVENTS,
     SHARD_HEALTH,
     SHARD_STATS,
     SHARDS,
@@ -65,6 +68,16 @@ log = logging.getLogger(__name__)
 TERMINAL_PIPELINE_STATUSES = frozenset({"completed", "aborted"})
 
 
+@dataclass(frozen=True)
+class Rejection:
+    """One event a batch did not apply, and why (the row it left in rejected_events)."""
+
+    stream: str
+    seq: int
+    event_type: str
+    reason: RejectionReason
+
+
 def epoch_s(instant: datetime) -> int:
     """Floor to whole epoch seconds (the read models' INTEGER timestamp convention)."""
     return math.floor(instant.timestamp())
@@ -79,8 +92,10 @@ def _new_stats(shard_id: str) -> Callable[[], Row]:
 class ReadModelProjection:
     """Event handlers for the read-model tables plus the position bookkeeping that makes them exactly once."""
 
-    def __init__(self, name: str = PROJECTION_NAME) -> None:
+    def __init__(self, name: str = PROJECTION_NAME, *, verifier: EventVerifier | None = None) -> None:
         self.name = name
+        # None (an open mesh, no roster): every decodable event is applied, as before events were signed.
+        self.verifier = verifier
 
     # ---- applying messages -------------------------------------------------------------------------------
 
@@ -88,12 +103,15 @@ class ReadModelProjection:
         """Apply one message in the session's transaction (the caller commits); False if applied before."""
         return self.apply_many(session, (message,)) == 1
 
-    def apply_many(self, session: Session, messages: Iterable[StoredEvent | SkippedMessage]) -> int:
+    def apply_many(self, session: Session, messages: Iterable[StoredEvent | SkippedMessage], *,
+                   rejections: list[Rejection] | None = None) -> int:
         """Apply messages (any mix of streams, each stream in sequence order) inside the session's current
         transaction, then write each touched stream's new position in that same transaction.
 
-        Returns how many messages moved a position (skipped, undecodable ones included). The caller commits;
-        if it rolls back instead, neither rows nor positions change.
+        With a verifier, an event that fails it is not applied: it becomes a rejected_events row (and is
+        appended to `rejections`, for the caller to count once it has committed) and its position advances.
+        Returns how many messages moved a position (skipped, undecodable and rejected ones included). The
+        caller commits; if it rolls back instead, neither rows nor positions change.
         """
         stored_positions = load_positions(session, self.name)
         positions = dict(stored_positions)
@@ -110,6 +128,10 @@ class ReadModelProjection:
                         "%s: skipping undecodable message %s #%d on %s: %s",
                         self.name, message.stream, message.seq, message.subject, message.error,
                     )
+                elif (reason := self._rejection(message)) is not None:
+                    self._reject(message, reason, rows)
+                    if rejections is not None:
+                        rejections.append(Rejection(message.stream, message.seq, event.type, reason))
                 else:
                     self.handle(event, rows)
                 positions[message.stream] = message.seq
@@ -121,6 +143,30 @@ class ReadModelProjection:
         for stream, at in last_event_at.items():
             save_position(session, self.name, stream, stored_positions.get(stream), positions[stream], at)
         return applied
+
+    def _rejection(self, message: StoredEvent) -> RejectionReason | None:
+        if self.verifier is None:
+            return None
+        # The broker's storage time bounds occurred_at (not this process's clock), so a replay of the log
+        # rejects exactly what the live projection rejected.
+        return self.verifier.rejection(message.event, received_at=message.time,
+                                       stored_data=getattr(message, "data", b""))
+
+    def _reject(self, message: StoredEvent, reason: RejectionReason, rows: BatchRows) -> None:
+        event = message.event
+        log.warning("%s: rejected %s #%d %s %s from node %s (signer %s): %s", self.name, message.stream,
+                    message.seq, event.type, event.event_id, event.node_id, event.signer or "none", reason)
+        rows.put(REJECTED_EVENTS, (message.stream, message.seq), dict(
+            stream=message.stream,
+            stream_seq=message.seq,
+            event_id=event.event_id,
+            type=event.type,
+            node_id=event.node_id,
+            signer=event.signer,
+            reason=reason,
+            occurred_at=epoch_s(event.occurred_at),
+            rejected_at=epoch_s(message.time),
+        ))
 
     # ---- one handler per event type ---------------------------------------------------------------------
 

@@ -22,6 +22,7 @@ from sqlalchemy import select, text
 from sqlalchemy.orm import sessionmaker
 
 from events.consume import SkippedMessage, StoredEvent, read_stream
+from events.signing import EventVerifier
 from events.streams import ALL_STREAMS
 from readmodels.db import open_engine, upgrade_database
 from readmodels.projection import PROJECTION_NAME, ReadModelProjection
@@ -41,15 +42,17 @@ async def rebuild_database(
     streams: Iterable[str] = ALL_STREAMS,
     projection_name: str = PROJECTION_NAME,
     batch_events: int = rebuild_batch_events,
+    verifier: EventVerifier | None = None,
 ) -> int:
     """Create a fresh read model at `db_path` from every message the streams hold now; returns how many
-    messages were applied. Refuses an existing file unless `overwrite` (which deletes it first)."""
+    messages were applied. Refuses an existing file unless `overwrite` (which deletes it first). Give the
+    `verifier` the live projector uses, or the events it rejected are applied here."""
     path = Path(db_path)
     _prepare_fresh_path(path, overwrite=overwrite)
     await asyncio.to_thread(upgrade_database, path)
     engine = open_engine(path)
     session_factory = sessionmaker(engine)
-    projection = ReadModelProjection(projection_name)
+    projection = ReadModelProjection(projection_name, verifier=verifier)
 
     def apply(batch: list[StoredEvent | SkippedMessage]) -> int:
         with session_factory() as session, session.begin():

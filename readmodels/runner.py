@@ -3,7 +3,8 @@
 It lives in readmodels/ (not services/projector/) so the orchestrator can run the same projector in-process
 for its routing read model (docs/design.md §1 forbids services importing each other). It is given a JetStream
 context and never opens connections itself; metrics are read from its public counters by a collector
-(services/projector/metrics.py), so this module imports neither nats nor prometheus-client.
+(services/projector/metrics.py), so this module imports neither nats nor prometheus-client (events it rejects
+are counted in events.metrics' `hearth_events_rejected_total`, shared with every process that projects).
 
 Flow: one follower task per stream reads `read_stream(..., follow=True)` from `position + 1` into a bounded
 queue; one applier task drains the queue in batches of up to `batch_max_events` and applies each batch in a
@@ -26,9 +27,11 @@ from typing import Any
 from sqlalchemy.orm import Session, sessionmaker
 
 from events.consume import SkippedMessage, StoredEvent, read_stream, stream_last_seq
+from events.metrics import events_rejected_total
+from events.signing import EventVerifier
 from events.streams import ALL_STREAMS, ensure_streams
 from readmodels.db import open_engine, upgrade_database
-from readmodels.projection import PROJECTION_NAME, ReadModelProjection, load_positions
+from readmodels.projection import PROJECTION_NAME, ReadModelProjection, Rejection, load_positions
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +51,8 @@ Message = StoredEvent | SkippedMessage
 class Projector:
     """Keeps the read model at `db_path` up to date with the event streams; start() once, stop() at the end.
 
-    `session_factory` (after start) reads the same database, e.g. for ShardRouter.
+    `session_factory` (after start) reads the same database, e.g. for ShardRouter. With a `verifier` (a
+    community's roster) only events that pass it are applied; the others become rejected_events rows.
     """
 
     def __init__(
@@ -60,10 +64,11 @@ class Projector:
         streams: Iterable[str] = ALL_STREAMS,
         create_streams: bool = True,
         batch_max_events: int = batch_max_events,
+        verifier: EventVerifier | None = None,
     ) -> None:
         self.db_path = Path(db_path)
         self._js = js
-        self.projection = projection or ReadModelProjection(PROJECTION_NAME)
+        self.projection = projection or ReadModelProjection(PROJECTION_NAME, verifier=verifier)
         self.streams: tuple[str, ...] = tuple(streams)
         self._create_streams = create_streams
         self._batch_max_events = batch_max_events
@@ -74,6 +79,7 @@ class Projector:
         self.stream_last_seqs: dict[str, int] = {stream: 0 for stream in self.streams}
         self.applied_total: dict[str, int] = {stream: 0 for stream in self.streams}
         self.skipped_total: dict[str, int] = {stream: 0 for stream in self.streams}
+        self.rejected_total: dict[str, int] = {}  # by reason
         self.batches_total = 0
         self.apply_failures_total = 0
         self._handed_over: dict[str, int] = {}
@@ -223,9 +229,14 @@ class Projector:
         await self._record(batch, newly_applied)
 
     def _apply_batch(self, batch: list[Message]) -> list[Message]:
+        rejections: list[Rejection] = []
         with self.session_factory() as session, session.begin():
             positions = load_positions(session, self.projection.name)
-            self.projection.apply_many(session, batch)
+            self.projection.apply_many(session, batch, rejections=rejections)
+        # Counted only now that the transaction committed: a batch rolled back and applied again counts once.
+        for rejection in rejections:
+            self.rejected_total[rejection.reason] = self.rejected_total.get(rejection.reason, 0) + 1
+            events_rejected_total.labels(reason=rejection.reason).inc()
         # The same rule apply_many follows, to tell which messages this transaction actually applied.
         newly_applied = []
         for message in batch:

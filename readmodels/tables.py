@@ -148,4 +148,29 @@ class ProjectionPosition(Base):
     )
 
 
+class RejectedEvent(Base):
+    """An event a projection did not apply: unsigned, signed by a non-member, by a role that may not emit its
+    type, for another node, or dated in the future (events/signing.py). Its position still advanced."""
+
+    __tablename__ = "rejected_events"
+
+    stream: Mapped[str] = mapped_column(String, primary_key=True)
+    stream_seq: Mapped[int] = mapped_column(Integer, primary_key=True)
+    event_id: Mapped[str] = mapped_column(String, nullable=False)
+    type: Mapped[str] = mapped_column(String, nullable=False)
+    node_id: Mapped[str] = mapped_column(String, nullable=False, comment="the node the event claims")
+    signer: Mapped[str | None] = mapped_column(String, comment="the public key it names (NULL: unsigned)")
+    reason: Mapped[str] = mapped_column(
+        String, nullable=False,
+        comment="unsigned | unknown_signer | bad_signature | role_may_not_emit | node_mismatch | future_dated",
+    )
+    occurred_at: Mapped[int] = mapped_column(Integer, nullable=False, comment="epoch s the event claims")
+    rejected_at: Mapped[int] = mapped_column(
+        Integer, nullable=False,
+        comment="epoch s the stream stored it (from the log, not the clock, so a rebuild gives the same row)",
+    )
+
+    __table_args__ = (Index(None, "reason"),)
+
+
 all_tables = Base.metadata.sorted_tables

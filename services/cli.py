@@ -90,6 +90,7 @@ def projector_command(
     insecure: InsecureOption = False,
 ) -> None:
     """Follow both event streams and keep a SQLite read model up to date until SIGINT/SIGTERM."""
+    from services.common.event_trust import event_verifier
     from services.common.lifecycle import run_until_stopped
     from services.projector.main import run_projector
 
@@ -97,8 +98,9 @@ def projector_command(
     node_id_for("hearth projector", use_credentials(ctx, "hearth projector", creds, insecure), None, "projector")
     url = resolve_nats_url(ctx, nats_url)
     nats_settings = settings(ctx).nats
+    verifier = event_verifier(settings(ctx))  # None on an open mesh: every event is applied
     run_until_stopped(lambda stop_event: run_projector(db, url, metrics_port, stop_event=stop_event,
-                                                       nats_settings=nats_settings))
+                                                       nats_settings=nats_settings, verifier=verifier))
 
 
 ReadyFileOption = Annotated[
@@ -145,7 +147,8 @@ def shard_command(
         show_default=False)] = None,
     fault: Annotated[
         Optional[str],
-        typer.Option("--fault", hidden=True, help="Testing only: nan, scale=X, delay_s=S, fail, after_steps=N."),
+        typer.Option("--fault", hidden=True,
+                     help="Testing only: nan, scale=X, delay_s=S, fail, empty, misshape, after_steps=N."),
     ] = None,
     torch_threads: TorchThreadsOption = None,
     busy_threads: BusyThreadsOption = None,
@@ -327,6 +330,8 @@ def bench_command(
                            "transformers user runs it: no OMP settings, torch's own thread count.")
     ] = True,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+    insecure: Annotated[bool, typer.Option("--insecure", help="Run the mesh open: no credentials, signatures or "
+                                           "activation MACs (to measure what they cost).")] = False,
 ) -> None:
     """Monolithic generate() vs the distributed pipeline on this machine: tokens/s, ratio, TTFT, construction,
     per-hop transport overhead, and concurrent sessions."""
@@ -341,8 +346,7 @@ def bench_command(
     options = BenchOptions(model=model, shards=shards, prompt_tokens=prompt_tokens, new_tokens=new_tokens,
                            sessions=sessions, repeats=repeats, torch_threads=torch_threads,
                            monolithic_threads=monolithic_threads, library_defaults_baseline=library_defaults,
-                           child_env=child_env,
-                           cache_dir=cache_dir)
+                           child_env=child_env, cache_dir=cache_dir, secure=not insecure)
     raise typer.Exit(run_bench_command(options, as_json=as_json))
 
 

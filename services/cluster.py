@@ -144,8 +144,7 @@ class LocalCluster:
     def _authorization(self) -> str | None:
         if self.community is None:
             return None
-        return render_authorization(self.community.roster(),
-                                    system_public_key=self.community.system_key().public_key)
+        return render_authorization(self.community.roster())
 
     def member_key(self, name: str, role: Role) -> Path | None:
         """The key file of member `name` (added with `role` on first use, the broker reloaded); None when open."""
@@ -180,7 +179,7 @@ class LocalCluster:
         """Settings for connect_nats to this cluster's broker, as `creds_file`'s member (default: the system
         user, which tests use to watch everything)."""
         return NatsSettings(url=self.nats_url, creds_file=creds_file or self.system_creds,
-                            roster_file=self.community.roster_path if creds_file and self.community else None,
+                            roster_file=self.community.roster_path if self.community else None,
                             **self._tls_settings())
 
     def client_env(self, name: str = "local-client") -> dict[str, str]:

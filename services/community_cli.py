@@ -10,7 +10,7 @@ import typer
 
 community_app = typer.Typer(help="Manage a community: its roster, member keys and the broker's permissions.",
                             no_args_is_help=True)
-DirOption = Annotated[Path, typer.Option("--dir", help="The community folder (roster.json, keys/, system.nk).")]
+DirOption = Annotated[Path, typer.Option("--dir", help="The community folder (roster.json, keys/).")]
 DEFAULT_COMMUNITY_DIR = Path("community")
 tls_validity_days = 365
 
@@ -25,7 +25,8 @@ def init_command(
     name: Annotated[str, typer.Option("--name", help="The community's name, e.g. 'elm-street'.")],
     directory: DirOption = DEFAULT_COMMUNITY_DIR,
 ) -> None:
-    """Create a community folder: an empty roster and the server's system key (system.nk, mode 0600)."""
+    """Create a community folder: a roster whose one member is `system`, the steward's own key (keys/system.nk,
+    mode 0600), which the broker lets do anything."""
     from trust.community import Community
     from trust.roster import RosterError
 
@@ -115,13 +116,12 @@ def nats_config_command(
     community = Community(directory)
     try:
         roster = community.roster()
-        system_key = community.system_key().public_key if community.system_key_path.exists() else None
     except (RosterError, KeyFileError) as error:
         _fail(str(error))
     for member in refused_members(roster):
         typer.echo(f"warning: {member.name} ({member.role}, {member.trust}) gets no broker user: only trusted "
                    "or higher may serve shards or orchestrate", err=True)
-    text = render_authorization(roster, system_public_key=system_key)
+    text = render_authorization(roster)
     if out is None:
         typer.echo(text, nl=False)
     else:
@@ -164,7 +164,7 @@ def nats_command(
 
         try:
             folder = Community(community)
-            authorization = render_authorization(folder.roster(), system_public_key=folder.system_key().public_key)
+            authorization = render_authorization(folder.roster())
         except (RosterError, KeyFileError) as error:
             _fail(str(error))
     tls_block = None

@@ -1,5 +1,5 @@
-"""A community folder on disk: `roster.json` (shared with every member), `keys/<name>.nk` for the member keys
-generated here (each mode 0600, handed to its member), and `system.nk`, the server's system user's key."""
+"""A community folder on disk: `roster.json` (shared with every member) and `keys/<name>.nk` for the member keys
+generated here (each mode 0600, handed to its member), among them `keys/system.nk`, the steward's own key."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from pathlib import Path
 from trust.keys import MemberKey
 from trust.roster import (
     ROSTER_FILE,
+    SYSTEM_MEMBER,
     Member,
     Role,
     Roster,
@@ -19,7 +20,6 @@ from trust.roster import (
     seed_path,
 )
 
-SYSTEM_KEY_FILE = "system.nk"
 
 
 @dataclass(frozen=True)
@@ -38,17 +38,17 @@ class Community:
 
     @property
     def system_key_path(self) -> Path:
-        return self.directory / SYSTEM_KEY_FILE
+        return seed_path(self.directory, SYSTEM_MEMBER)
 
     @classmethod
     def init(cls, directory: Path, name: str) -> "Community":
-        """A new community with no members yet and a fresh system key; refuses to overwrite one."""
+        """A new community whose one member is the steward's system key; refuses to overwrite one."""
         community = cls(directory)
         if community.roster_path.exists():
             raise RosterError(f"{community.roster_path} exists: {directory} already holds a community")
         directory.mkdir(parents=True, exist_ok=True)
-        MemberKey.generate().save(community.system_key_path)
         new_roster(name).save(community.roster_path)
+        community.add(SYSTEM_MEMBER, "system")
         return community
 
     def roster(self) -> Roster:

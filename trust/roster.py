@@ -14,14 +14,17 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from trust.keys import PUBLIC_KEY_PATTERN, check_public_key
 
-Role = Literal["shard", "orchestrator", "projector", "client", "auditor"]
+Role = Literal["shard", "orchestrator", "projector", "client", "auditor", "system"]
+# The roles `hearth community add` gives; `system` is the steward's own key, made once by `community init`, which
+# the broker lets do anything (watch every subject, manage the streams) and the orchestrator answers.
 ROLES: tuple[Role, ...] = ("shard", "orchestrator", "projector", "client", "auditor")
+SYSTEM_MEMBER = "system"
 TrustLevel = Literal["member", "trusted", "steward"]
 TRUST_ORDER: dict[TrustLevel, int] = {"member": 0, "trusted": 1, "steward": 2}
 # Hosts that serve shards or orchestrate see activations (from which a prompt can be recovered), so a steward
 # adding one vouches for it; people who only ask questions or read the log start as plain members.
 DEFAULT_TRUST: dict[Role, TrustLevel] = {"shard": "trusted", "orchestrator": "trusted", "projector": "trusted",
-                                         "client": "member", "auditor": "member"}
+                                         "client": "member", "auditor": "member", "system": "steward"}
 # A name becomes a NATS subject token (node ids, inbox prefixes), so no dots, wildcards or spaces.
 MEMBER_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$"
 ROSTER_FILE = "roster.json"

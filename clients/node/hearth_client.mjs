@@ -9,17 +9,24 @@
 // (`keys/NAME.nk`, one `SU...` line) and --inbox-prefix the only inbox the broker lets that member
 // subscribe to (`_INBOX.NAME`). See --help.
 //
+// A community mesh also wants every `llm.chat.request` signed by a member: with --creds each one carries the
+// Hearth-Caller* headers (the member's public key, a time, a nonce and an Ed25519 signature over subject,
+// reply inbox, time, nonce and body; services/common/call_signing.py is the reference), and the orchestrator
+// answers an unsigned or badly signed call with an `error` frame of code `unauthorized`.
+//
 // Exit codes: 0 the stream ended with `done`; 1 it ended with `error` or `pipeline_aborted` (the summary
 // is still printed); 2 a schema violation, a seq gap, a timeout, no orchestrator, a refused login or
-// permission, or bad arguments.
-import { randomUUID } from "node:crypto";
+// permission, or bad arguments. An `unauthorized` error frame also says why on stderr (exit code 1).
+import { randomBytes, randomUUID } from "node:crypto";
 import { readFileSync } from "node:fs";
 import { fileURLToPath } from "node:url";
 import { parseArgs } from "node:util";
-import { connect, createInbox, nkeyAuthenticator, nkeys } from "@nats-io/transport-node";
+import { fromSeed } from "@nats-io/nkeys";
+import { connect, createInbox, headers, nkeyAuthenticator } from "@nats-io/transport-node";
 import Ajv2020 from "ajv/dist/2020.js";
 
 const FINAL_FRAME_TYPES = new Set(["done", "error", "pipeline_aborted"]); // docs/protocol.md, "Frames"
+const CHAT_REQUEST_SUBJECT = "llm.chat.request";
 
 class Failure extends Error {}
 
@@ -31,7 +38,8 @@ checking the request, the reply and every frame against docs/schemas.
 options:
   --nats URL                  NATS server (default: $HEARTH_NATS_URL, $NATS_URL or nats://127.0.0.1:4222)
   --creds FILE                log in with this member's nkey seed file (keys/NAME.nk: one SU... line);
-                              needed on a secure mesh, which refuses anonymous connections
+                              needed on a secure mesh, which refuses anonymous connections; each chat
+                              request is then signed with the same key (Hearth-Caller* headers)
   --inbox-prefix PREFIX       reply inboxes under PREFIX instead of _INBOX; a secure mesh lets member NAME
                               subscribe only to _INBOX.NAME.>, so pass _INBOX.NAME with --creds
   --model ID                  model to ask for (default: the mesh's default_model)
@@ -60,6 +68,9 @@ const OPTIONS = {
   schemas: { type: "string", default: fileURLToPath(new URL("../../docs/schemas/", import.meta.url)) },
   // Proves the validation is real: sends max_tokens as a string, which the request schema must refuse.
   "self-test-invalid": { type: "boolean", default: false },
+  // Testing only, left out of --help: do not sign the chat request even with --creds, to prove the orchestrator
+  // checks signatures (it must answer `unauthorized`). No real client has a reason to use it.
+  "no-sign": { type: "boolean", default: false },
 };
 let opts;
 
@@ -69,7 +80,9 @@ const seconds = (name) => {
   return value * 1000;
 };
 
-// ---------------------------------------------------------------- credentials
+// ---------------------------------------------------------------- credentials and signed calls
+const encoder = new TextEncoder();
+
 function nkeySeed(file) {
   let seed;
   try {
@@ -78,11 +91,41 @@ function nkeySeed(file) {
     throw new Failure(`cannot read the --creds file ${file}: ${err.message}`);
   }
   try {
-    nkeys.fromSeed(new TextEncoder().encode(seed)); // refuse a bad file here, not as a puzzling login error
-  } catch {
-    throw new Failure(`the --creds file ${file} does not hold an nkey seed (one line starting with 'SU')`);
+    if (!fromSeed(encoder.encode(seed)).getPublicKey().startsWith("U")) throw new Error("not a user seed");
+  } catch { // refuse a bad file here, not as a puzzling login error
+    throw new Failure(`the --creds file ${file} does not hold a member's nkey seed (one line starting with 'SU')`);
   }
-  return new TextEncoder().encode(seed);
+  return encoder.encode(seed);
+}
+
+// The headers that sign one call, as services/common/call_signing.py builds them: the signature covers
+// "hearth-call\n" + subject + "\n" + reply inbox + "\n" + time + "\n" + nonce + "\n" followed by the exact body
+// bytes published, so neither the body nor the inbox the answer goes to can be changed, and the nonce (with
+// the time) keeps the call from being replayed.
+function signedCallHeaders(keyPair, subject, reply, body) {
+  const time = (Date.now() / 1000).toFixed(3); // unix seconds, 3 decimals
+  const nonce = randomBytes(16).toString("hex"); // 32 hex characters
+  const preamble = encoder.encode(`hearth-call\n${subject}\n${reply}\n${time}\n${nonce}\n`);
+  const signed = new Uint8Array(preamble.length + body.length);
+  signed.set(preamble);
+  signed.set(body, preamble.length);
+  const signedHeaders = headers();
+  signedHeaders.set("Hearth-Caller", keyPair.getPublicKey());
+  signedHeaders.set("Hearth-Caller-Time", time);
+  signedHeaders.set("Hearth-Caller-Nonce", nonce);
+  signedHeaders.set("Hearth-Caller-Signature", Buffer.from(keyPair.sign(signed)).toString("base64"));
+  return signedHeaders;
+}
+
+// What an `unauthorized` error frame means for this client, in words.
+function explainUnauthorized(frame) {
+  const why = opts.creds
+    ? (opts["no-sign"]
+      ? "the call was sent unsigned (--no-sign, testing only)"
+      : `the call was signed with the key of ${opts.creds}: is that member in this community's roster, with the `
+        + "trust this mesh asks of callers, and is this machine's clock right?")
+    : "the call was not signed: pass --creds with a member's nkey seed file";
+  return `the orchestrator refused the call as unauthorized (${frame.message}); ${why}`;
 }
 
 // What a refused login or subscription means for this client, in words.
@@ -158,11 +201,14 @@ async function listModels(nc) {
     "llm.models reply");
 }
 
-async function streamChat(nc, request) {
+async function streamChat(nc, request, keyPair) {
   const inbox = createInbox(opts["inbox-prefix"]);
   const subscription = nc.subscribe(inbox);
   const frames = subscription[Symbol.asyncIterator]();
-  nc.publish("llm.chat.request", JSON.stringify(request), { reply: inbox });
+  const body = encoder.encode(JSON.stringify(request)); // the exact bytes signed are the bytes published
+  const publishOptions = { reply: inbox };
+  if (keyPair) publishOptions.headers = signedCallHeaders(keyPair, CHAT_REQUEST_SUBJECT, inbox, body);
+  nc.publish(CHAT_REQUEST_SUBJECT, body, publishOptions);
   const seen = [];
   let lastSeq = -1;
   try {
@@ -170,7 +216,7 @@ async function streamChat(nc, request) {
       const waitMs = seen.length ? seconds("silence-timeout") : seconds("first-frame-timeout");
       const { value: msg, done } = await within(waitMs, `a frame after seq ${lastSeq} on ${inbox}`, frames.next());
       if (done) throw new Failure("the reply subscription closed before a final frame");
-      if (msg.headers?.code === 503) throw new Failure("no orchestrator is listening on llm.chat.request");
+      if (msg.headers?.code === 503) throw new Failure(`no orchestrator is listening on ${CHAT_REQUEST_SUBJECT}`);
       let frame;
       try {
         frame = msg.json();
@@ -204,7 +250,12 @@ async function main() {
   const prompt = positionals.join(" ");
   if (!prompt) throw new Failure("give a prompt: node hearth_client.mjs [--nats URL] PROMPT...");
   const connectOptions = { servers: opts.nats, timeout: seconds("connect-timeout"), name: "hearth-node-client" };
-  if (opts.creds) connectOptions.authenticator = nkeyAuthenticator(nkeySeed(opts.creds));
+  let keyPair = null; // signs each chat request; its own copy of the seed, apart from the login's
+  if (opts.creds) {
+    const seed = nkeySeed(opts.creds);
+    connectOptions.authenticator = nkeyAuthenticator(seed.slice());
+    if (!opts["no-sign"]) keyPair = fromSeed(seed);
+  }
   if (opts["inbox-prefix"]) connectOptions.inboxPrefix = opts["inbox-prefix"];
   let nc;
   try {
@@ -226,9 +277,12 @@ async function main() {
       max_tokens: opts["self-test-invalid"] ? String(maxTokens) : maxTokens,
       temperature: 0,
     };
-    check(schemaFile((e) => e.subject === "llm.chat.request", "llm.chat.request"), request, "the chat request");
-    const frames = await streamChat(nc, request);
+    check(schemaFile((e) => e.subject === CHAT_REQUEST_SUBJECT, CHAT_REQUEST_SUBJECT), request, "the chat request");
+    const frames = await streamChat(nc, request, keyPair);
     const final = frames.at(-1);
+    if (final.type === "error" && final.code === "unauthorized") {
+      console.error(`hearth_client: ${explainUnauthorized(final)}`);
+    }
     const deltas = frames.filter((f) => f.type === "token_delta");
     console.log(JSON.stringify({
       models: models.models.map((m) => m.id),

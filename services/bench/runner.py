@@ -55,6 +55,8 @@ class BenchOptions:
     child_env: dict[str, str] = field(default_factory=dict)
     cache_dir: Path | None = None
     step_timeout_s: float = bench_step_timeout_s
+    # False: an open mesh with no credentials, signatures or activation MACs, to measure what security costs.
+    secure: bool = True
 
 
 def _progress(text: str) -> None:
@@ -87,8 +89,9 @@ class Bench:
         max_streams = max(4, options.sessions)
         process_env = {**quiet_torch_environment(options.torch_threads), **options.child_env}
         env = {"HEARTH_RESEARCH__DISTRIBUTED_INFERENCE__MAX_CONCURRENT_PIPELINES": str(max_streams),
-               **options.child_env}
-        with LocalCluster(torch_threads=options.torch_threads, extra_env=env, log_level="WARNING") as cluster:
+               **({} if options.secure else {"HEARTH_TRANSPORT__ACTIVATION_MACS": "false"}), **options.child_env}
+        with LocalCluster(torch_threads=options.torch_threads, extra_env=env, log_level="WARNING",
+                          secure=options.secure) as cluster:
             metrics_urls, hop_of = self._start(cluster, resolved, max_streams)
             monolithic_threads = options.monolithic_threads or options.torch_threads
             _progress(f"loading the whole model for generate() in a worker process ({resolved.path}) ...")

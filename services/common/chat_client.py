@@ -9,7 +9,9 @@ from dataclasses import dataclass, field
 
 from nats.aio.client import Client as NatsClient
 
+from services.common.call_signing import signed_call_headers
 from services.common.config import ClientSettings
+from services.common.nats_connection import connection_identity
 from services.common.chat_protocol import (
     CHAT_REQUEST_SUBJECT,
     FINAL_FRAME_TYPES,
@@ -53,8 +55,12 @@ async def stream_chat_raw(
     """
     inbox = nc.new_inbox()
     subscription = await nc.subscribe(inbox)
+    identity = connection_identity(nc)
+    # On a community mesh every call is signed by the member the connection logged in as (the orchestrator
+    # answers `unauthorized` otherwise); the signature covers the inbox, so the answer cannot be redirected.
+    headers = signed_call_headers(identity.key, CHAT_REQUEST_SUBJECT, inbox, payload) if identity else None
     try:
-        await nc.publish(CHAT_REQUEST_SUBJECT, payload, reply=inbox)
+        await nc.publish(CHAT_REQUEST_SUBJECT, payload, reply=inbox, headers=headers)
         timeout, last_seq = first_frame_timeout, -1
         reconnects = nc.stats["reconnects"]
         while True:

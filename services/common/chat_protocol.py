@@ -2,19 +2,36 @@
 
 from __future__ import annotations
 
+import sys
 import uuid
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
 CHAT_REQUEST_SUBJECT = "llm.chat.request"
 MODELS_REQUEST_SUBJECT = "llm.models"
 max_tokens_limit = 8192
 max_prompt_chars = 1_000_000
+max_stop_strings = 16
+max_stop_chars = 256
+# Beyond any vocabulary; a larger value would only ever mean "off" (as 0 does) and overflow torch's int64 arguments.
+max_top_k = 2**31 - 1
+
+
+def _not_subnormal(value: float) -> float:
+    # A subnormal temperature (1e-320) overflows every logit it divides; such values are never meant.
+    if value != 0.0 and abs(value) < sys.float_info.min:
+        raise ValueError(f"subnormal numbers (below {sys.float_info.min:.3g} in magnitude) are not accepted")
+    return value
+
+
+# Finite (no NaN, no Infinity) and not subnormal: what a sampling parameter may be.
+FiniteFloat = Annotated[float, Field(allow_inf_nan=False), AfterValidator(_not_subnormal)]
+StopString = Annotated[str, Field(min_length=1, max_length=max_stop_chars)]
 
 ErrorCode = Literal[
     "experimental_disabled", "shard_unavailable", "pipeline_stalled", "weights_mismatch", "bad_request",
-    "internal_error", "overloaded", "orchestrator_gone",
+    "internal_error", "overloaded", "orchestrator_gone", "unauthorized",
 ]
 
 
@@ -42,11 +59,11 @@ class ChatRequest(BaseModel):
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     prompt: str | None = Field(default=None, min_length=1, max_length=max_prompt_chars)
     max_tokens: int = Field(default=128, ge=1, le=max_tokens_limit)
-    temperature: float = Field(default=0.0, ge=0.0, le=10.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=0)
+    temperature: FiniteFloat = Field(default=0.0, ge=0.0, le=10.0)
+    top_p: FiniteFloat = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0, le=max_top_k)
     seed: int | None = Field(default=None, ge=0, lt=2**63)
-    stop: list[str] = Field(default_factory=list, max_length=16)
+    stop: list[StopString] = Field(default_factory=list, max_length=max_stop_strings)
     params: ChatParams = Field(default_factory=ChatParams)
 
     @model_validator(mode="after")

@@ -22,6 +22,8 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from events.models import max_event_hops
+
 
 CONFIG_PATH_ENV = "HEARTH_CONFIG"
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
@@ -29,6 +31,9 @@ NATS_URL_ENV = "HEARTH_NATS_URL"
 ENV_PREFIX = "HEARTH_"
 ENV_NESTED_DELIMITER = "__"
 MiB = 1024 * 1024
+# The smallest chunk a sender may cut a step into: receivers refuse a step that claims more chunks than its
+# size needs at this chunk size (services/transport/limits.py).
+smallest_chunk_bytes = 1024
 
 
 def default_nats_url() -> str:
@@ -64,7 +69,8 @@ class DistributedInferenceSettings(_Section):
     """[research.distributed_inference]: routing, health and failover of sharded pipelines."""
 
     enabled: bool = True
-    max_shards_per_request: int = Field(default=16, ge=1)
+    # At most what a pipeline event may list (events.models.max_event_hops).
+    max_shards_per_request: int = Field(default=16, ge=1, le=max_event_hops)
     shard_health_timeout_seconds: float = Field(default=30, gt=0)
     fallback_to_local: bool = True
     fallback_to_local_after_failures: int = Field(default=2, ge=0)
@@ -85,7 +91,9 @@ class TransportSettings(_Section):
     """[transport]: the activation transport of docs/design.md §6."""
 
     window_chunks: int = Field(default=16, ge=1, description="un-acked chunks in flight per hop")
-    chunk_bytes: int = Field(default=1 * MiB, ge=1024, description="largest payload of one frame")
+    activation_macs: bool = Field(
+        default=True, description="MAC every frame and ack with per-link keys; false only to measure their cost")
+    chunk_bytes: int = Field(default=1 * MiB, ge=smallest_chunk_bytes, description="largest payload of one frame")
     step_timeout_s: float = Field(
         default=10.0, gt=0, description="a hop that has not passed a step on within this is stalled"
     )
@@ -159,6 +167,9 @@ class NatsSettings(_Section):
 class OrchestratorSettings(_Section):
     """[orchestrator]: how one orchestrator serves its calls."""
 
+    min_caller_trust: Literal["member", "trusted", "steward"] = Field(
+        default="member", description="on a community mesh, the least trust a caller's signed call needs")
+
     request_deadline_s: float = Field(
         default=3600.0, gt=0, description="a call still running after this ends (leaves room to load a head)")
     client_resubscribe_grace_s: float = Field(
@@ -176,6 +187,9 @@ class OrchestratorSettings(_Section):
     broker_wait_s: float = Field(
         default=30.0, gt=0,
         description="a call whose broker connection dropped waits this long for it (and its hops) to come back")
+    max_request_bytes: int = Field(
+        default=1 * MiB, ge=1024,
+        description="an `llm.chat.request` body larger than this is refused (`bad_request`) before it is parsed")
     max_broker_repairs: int = Field(
         default=3, ge=0, description="rebuilds of a call's pipeline after the broker connection was lost")
 
@@ -201,6 +215,15 @@ class ClientSettings(_Section):
         description="no frame and no keepalive for this long after the first: the orchestrator is gone")
 
 
+class EventsSettings(_Section):
+    """[events]: what a projector accepts from the event log of a community mesh (events/signing.py)."""
+
+    max_clock_skew_s: float = Field(
+        default=30.0, gt=0,
+        description="an event whose occurred_at is more than this after the broker stored it is rejected "
+                    "(future_dated), so no timestamp can pin routing")
+
+
 class HearthSettings(BaseSettings):
     """Everything configurable in hearth; obtain it with `load_settings()`."""
 
@@ -218,6 +241,7 @@ class HearthSettings(BaseSettings):
     orchestrator: OrchestratorSettings = OrchestratorSettings()
     shard: ShardSettings = ShardSettings()
     client: ClientSettings = ClientSettings()
+    events: EventsSettings = EventsSettings()
 
     @classmethod
     def settings_customise_sources(

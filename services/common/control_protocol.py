@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 from events.models import SUBJECT_TOKEN_PATTERN
 from events.subjects import LOCAL_NODE
 
+LINK_KEY_PATTERN = r"^[A-Za-z0-9_-]{43}=$"
 RefusalCode = Literal["at_capacity", "weights_mismatch", "bad_range", "bad_request", "unknown_pipeline"]
 
 
@@ -39,6 +40,10 @@ class OpenHop(BaseModel):
     # either end): activation and ack subjects carry the node they are addressed to (events/subjects.py).
     upstream_node: str = Field(default=LOCAL_NODE, pattern=SUBJECT_TOKEN_PATTERN)
     downstream_node: str = Field(default=LOCAL_NODE, pattern=SUBJECT_TOKEN_PATTERN)
+    # Fresh keys (urlsafe base64 of 32 bytes) for the MACs on this hop's inbound and outbound links: this
+    # control subject is readable by this shard alone, so no other member can forge or alter its activations.
+    inbound_link_key: str | None = Field(default=None, pattern=LINK_KEY_PATTERN)
+    outbound_link_key: str | None = Field(default=None, pattern=LINK_KEY_PATTERN)
 
     @model_validator(mode="after")
     def _ordered(self) -> "OpenHop":
@@ -112,7 +117,7 @@ class HopNotice(BaseModel):
     hop: int = Field(ge=0)
     step: int = Field(ge=0)
     problem: HopProblem
-    check: Literal["nan", "inf", "norm"] | None = None
+    check: Literal["nan", "inf", "norm", "shape"] | None = None
     # The exception's type and first line; never tensor contents.
     message: str = Field(default="", max_length=500)
 

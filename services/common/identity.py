@@ -37,7 +37,7 @@ def default_roster_for(creds_file: Path) -> Path | None:
 
 def load_identity(creds_file: Path, roster_file: Path | None = None) -> Identity:
     """The identity in `creds_file`, named by the roster (given, or the one beside the key); a key with no
-    roster to look it up in goes by its file's name (the system user's key, `community/system.nk`)."""
+    roster to look it up in goes by its file's name."""
     try:
         key = MemberKey.load(creds_file)
     except KeyFileError as error:

@@ -6,13 +6,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import weakref
 from collections.abc import Awaitable, Callable
 
 from nats import errors as nats_errors
 from nats.aio.client import Client as NatsClient
 
 from services.common.config import DEFAULT_NATS_URL, NATS_URL_ENV, NatsSettings, default_nats_url
-from services.common.identity import load_identity
+from services.common.identity import Identity, load_identity
 from services.common.tls_files import client_ssl_context
 
 __all__ = ["DEFAULT_NATS_URL", "NATS_URL_ENV", "BrokerRefusedCredentials", "BrokerUnreachable", "close_quietly",
@@ -34,6 +35,15 @@ class BrokerUnreachable(ConnectionError):
         super().__init__(f"cannot reach NATS at {url} within {timeout_s:g} s")
         self.url = url
         self.timeout_s = timeout_s
+
+
+# Who each connection logged in as: the chat client signs its calls with that member's key.
+_identities: "weakref.WeakKeyDictionary[NatsClient, Identity]" = weakref.WeakKeyDictionary()
+
+
+def connection_identity(nc: NatsClient) -> Identity | None:
+    """The member `nc` logged in as (connect_nats), or None on an open broker."""
+    return _identities.get(nc)
 
 
 def credential_options(settings: NatsSettings) -> dict:
@@ -145,6 +155,8 @@ async def connect_nats(
     finally:
         refusal_task.cancel()
     state["connected"] = True
+    if settings.creds_file is not None:
+        _identities[nc] = load_identity(settings.creds_file, settings.roster_file)
     if state["told_waiting"]:
         log.info("%s: connected to NATS %s", name, target)
     return nc

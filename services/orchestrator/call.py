@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-import uuid
+import secrets
 from dataclasses import dataclass, field
 
 from nats.aio.client import Client as NatsClient
@@ -26,6 +26,7 @@ from services.orchestrator.catalog import LoadedModel
 NO_RESPONDERS_STATUS = "503"
 # Event-loop turns after a flush for a subscription callback to run (its message is already read).
 status_dispatch_yields = 3
+pipeline_id_random_bytes = 16
 
 
 class ClientStream:
@@ -113,7 +114,10 @@ class Call:
     request: ChatRequest
     model: LoadedModel
     client: ClientStream
-    pipeline_id: str = field(default_factory=lambda: "p-" + uuid.uuid4().hex[:16])
+    # The roster name of the member who signed the call (None on an open mesh): recorded, never the prompt.
+    caller: str | None = None
+    # 128 random bits: the pipeline's activation subjects carry it, so it must not be guessable.
+    pipeline_id: str = field(default_factory=lambda: "p-" + secrets.token_hex(pipeline_id_random_bytes))
     started: float = field(default_factory=time.perf_counter)
     prompt_ids: list[int] = field(default_factory=list)
     # Every token sampled (the end-of-sequence token too): what a repaired pipeline re-prefills.

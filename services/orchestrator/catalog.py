@@ -1,23 +1,51 @@
-"""ModelCatalog: resolves a requested model name to its head, tokenizer and weights digest, loading on first use."""
+"""ModelCatalog: resolves a model name to its head, tokenizer and weights digest, loading on first use.
+
+Two doors, because a request is not the operator. What the operator configured (`--preload`, `--local-model`)
+may be a folder path. A name in a request is only ever looked up in the catalog: a configured name, the id of
+a loaded model, a folder name inside a models folder (`--models-dir`, `models/`), or a hub id (`org/name`)
+already in the local hub cache. A request's name is never opened as a path, and what a request is told about
+a name it may not use carries no path of this machine.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from inference import CheckpointError, Head, LocalModel, load_full, load_head, resolve_model_path, weights_sha256
-
+from inference.checkpoint import HUB_ALLOW_PATTERNS
 from inference.compute_thread import on_compute_thread
+from inference.token_bounds import TokenLowerBound
 
 log = logging.getLogger(__name__)
 
 BUNDLED_MODELS_DIR = Path(__file__).resolve().parents[2] / "models"
+# One path component that cannot climb out of its folder ("." and ".." start with a dot) or name a hidden one.
+FOLDER_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+# A hub id, "org/name": two such components.
+HUB_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
+# config.json keys that give a model's context length, in the order architectures use them.
+CONTEXT_LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
 
 
 class UnknownModel(LookupError):
-    """No checkpoint of that name can be found on this orchestrator's machine."""
+    """No model of that name is in this orchestrator's catalog; the message names no path."""
+
+
+def context_length(config_path: Path) -> int | None:
+    """Positions the model takes (prompt plus generated tokens), from its config.json; None when unknown."""
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, ValueError):
+        return None
+    for key in CONTEXT_LENGTH_KEYS:
+        if isinstance(config.get(key), int) and config[key] > 0:
+            return config[key]
+    return None
 
 
 @dataclass(frozen=True)
@@ -26,6 +54,10 @@ class LoadedModel:
     path: Path
     head: Head
     weights_sha256: str
+    # Positions the model takes; None when its config does not say (then no context check is possible).
+    context_length: int | None = None
+    # How many tokens a text needs at least, without tokenizing it (None: the head has no tokenizer).
+    token_bound: TokenLowerBound | None = None
 
 
 class ModelCatalog:
@@ -34,6 +66,8 @@ class ModelCatalog:
     def __init__(self, search_dirs: list[Path] | None = None, local_model: str | None = None) -> None:
         self.search_dirs = [Path(d) for d in (search_dirs or [])] + [BUNDLED_MODELS_DIR]
         self.local_model_spec = local_model
+        # What the operator named (preloads, the local model): a request may name these as they were given.
+        self._configured: set[str] = {local_model} if local_model else set()
         self._loaded: dict[str, LoadedModel] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._local: LocalModel | None = None
@@ -71,17 +105,74 @@ class ModelCatalog:
             return None
         return self.advertised_id(self.local_model_spec, path) or path.name
 
+    def catalog_path(self, name: str) -> Path | None:
+        """The folder of a catalog name (see the module docstring), or None; never takes `name` as a path."""
+        if FOLDER_NAME_PATTERN.match(name):
+            for directory in self.search_dirs:
+                candidate = directory / name
+                if (candidate / "config.json").is_file():
+                    return candidate.resolve()
+        if HUB_ID_PATTERN.match(name) and ".." not in name:
+            from huggingface_hub import snapshot_download
+
+            try:
+                return Path(snapshot_download(name, local_files_only=True, allow_patterns=HUB_ALLOW_PATTERNS))
+            except Exception:  # not in the cache, or not a valid id: not in the catalog either way
+                return None
+        return None
+
+    def path_of_id(self, model_id: str) -> Path | None:
+        """The folder of a model id that shard hosts advertise, looked up as a request's name is (never as a
+        path), or None."""
+        for loaded in list(self._loaded.values()):
+            if loaded.model_id == model_id:
+                return loaded.path
+        if self.local_model_spec is not None and model_id == self.local_model_id():
+            return self.resolve(self.local_model_spec)
+        return self.catalog_path(model_id)
+
     async def get(self, model: str) -> LoadedModel:
+        """The model an operator named (a path, a folder name or a hub id), loaded on first use."""
         lock = self._locks.setdefault(model, asyncio.Lock())
         async with lock:
             if model not in self._loaded:
                 path = await asyncio.to_thread(self.resolve, model)
                 # A hub id names the model as the shards advertise it; the snapshot folder's name would not.
-                head = await on_compute_thread(load_head, path, model_id=self.advertised_id(model, path))
-                digest = await asyncio.to_thread(weights_sha256, path)
-                self._loaded[model] = LoadedModel(head.info.model_id, path, head, digest)
-                log.info("loaded head of %s (weights %s)", head.info.model_id, digest[:12])
+                await self._load(model, path, self.advertised_id(model, path))
             return self._loaded[model]
+
+    async def get_requested(self, name: str) -> LoadedModel:
+        """The model a request names, from the catalog only; UnknownModel (naming no path) otherwise."""
+        if name in self._configured:
+            try:
+                return await self.get(name)
+            except UnknownModel:  # its message may carry the operator's paths
+                raise UnknownModel(f"model {name!r} cannot be found on this orchestrator") from None
+        for loaded in list(self._loaded.values()):
+            if loaded.model_id == name:
+                return loaded
+        path = await asyncio.to_thread(self.catalog_path, name)
+        if path is None:
+            raise UnknownModel(f"unknown model {name!r}: not one this orchestrator serves (ask llm.models; a model "
+                               f"is named by its id, never by a path)")
+        # Only names that exist get a lock: a flood of made-up names leaves nothing behind.
+        lock = self._locks.setdefault(name, asyncio.Lock())
+        async with lock:
+            if name not in self._loaded:
+                try:
+                    await self._load(name, path, name if HUB_ID_PATTERN.match(name) else None)
+                except Exception as error:
+                    log.warning("model %s could not be loaded from %s: %s", name, path, error)
+                    raise UnknownModel(f"model {name!r} cannot be loaded on this orchestrator") from None
+            return self._loaded[name]
+
+    async def _load(self, key: str, path: Path, model_id: str | None) -> None:
+        head = await on_compute_thread(load_head, path, model_id=model_id)
+        digest = await asyncio.to_thread(weights_sha256, path)
+        bound = await on_compute_thread(TokenLowerBound, head.tokenizer) if head.has_tokenizer else None
+        length = await asyncio.to_thread(context_length, path / "config.json")
+        self._loaded[key] = LoadedModel(head.info.model_id, path, head, digest, length, bound)
+        log.info("loaded head of %s (weights %s)", head.info.model_id, digest[:12])
 
     async def local_model_for(self, loaded: LoadedModel) -> LocalModel | None:
         """The whole model for local fallback, when this orchestrator was given the same checkpoint."""
@@ -98,6 +189,7 @@ class ModelCatalog:
         return self._local
 
     async def preload(self, model: str) -> None:
+        self._configured.add(model)
         await self.get(model)
         if self.local_model_spec:
             await self.local_model_for(self._loaded[model])

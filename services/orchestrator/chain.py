@@ -40,14 +40,18 @@ from services.transport import (
     AckObserver,
     AckWindowSender,
     ActivationReceiver,
+    FrameHeader,
     FrameKind,
     StepInfo,
+    StepLimits,
+    StepRefusal,
     TransportError,
     TransportTimeout,
     WaitInterrupted,
     wire_dtype_from_setting,
 )
 from services.transport.integrity import NormBounds, count_integrity_failure
+from services.transport.mac import encode_link_key, new_link_key
 
 log = logging.getLogger(__name__)
 
@@ -56,12 +60,17 @@ stall_poll_fraction = 0.1
 shortest_poll_s = 0.01
 
 
+
+def _encoded(link_key: bytes | None) -> str | None:
+    return encode_link_key(link_key) if link_key is not None else None
+
 class HopChain:
     """One epoch of a pipeline: the opened hops, the sender into hop 0 and the sink after the last hop."""
 
     def __init__(self, nc: NatsClient, pipeline_id: str, hops: list[Hop], *, node_id: str, model_id: str,
                  weights_sha256: str, transport: TransportSettings, wire_dtype: str = "auto",
-                 sink_bounds: NormBounds | None = None) -> None:
+                 sink_bounds: NormBounds | None = None, hidden_size: int | None = None,
+                 max_session_tokens: int | None = None) -> None:
         self.nc = nc
         self.node_id = node_id
         self.pipeline_id = pipeline_id
@@ -71,14 +80,27 @@ class HopChain:
         self.transport = transport
         self.wire_dtype = wire_dtype
         self.session_id = uuid.uuid4().hex[:16]
+        # One fresh MAC key per link (into hop i; the last into our sink), told only to the link's two ends.
+        self.link_keys = [new_link_key() if transport.activation_macs else None for _ in range(len(hops) + 1)]
         self.sink_bounds = sink_bounds or NormBounds()
         self._sender = AckWindowSender(nc, pipeline_id, 0, nodes=LinkNodes(sender=node_id, receiver=hops[0].node_id),
+                                       link_key=self.link_keys[0],
                                        window_chunks=transport.window_chunks,
                                        ack_timeout_s=transport.step_timeout_s, chunk_bytes=transport.chunk_bytes,
                                        wire_dtype=wire_dtype_from_setting(wire_dtype))
+        # Every hop and the sink know what a step of this call can be: [1, tokens, hidden] within its positions.
+        self.max_session_tokens = max_session_tokens
+        step_limits = None
+        if hidden_size is not None and max_session_tokens is not None:
+            step_limits = StepLimits.for_pipeline(hidden_size=hidden_size, max_tokens=max_session_tokens,
+                                                  activation_dtype=wire_dtype)
         self._sink = ActivationReceiver(nc, pipeline_id, len(hops),
-                                        nodes=LinkNodes(sender=hops[-1].node_id, receiver=node_id))
-        self._observer = AckObserver(nc, pipeline_id, sink_hop=len(hops))
+                                        nodes=LinkNodes(sender=hops[-1].node_id, receiver=node_id),
+                                        step_limits=step_limits, on_refused=self._on_refused_output,
+                                        link_key=self.link_keys[len(hops)])
+        self._refused_output: StepFailure | None = None
+        self._observer = AckObserver(nc, pipeline_id, sink_hop=len(hops),
+                                     link_keys=dict(enumerate(self.link_keys)) if transport.activation_macs else None)
         self._watch = StallWatch(nc, hops, self._observer, transport)
         self._notice_sub = None
         self._notices: list[HopNotice] = []
@@ -111,12 +133,16 @@ class HopChain:
         return None
 
     async def _open_hop(self, index: int, hop: Hop) -> ControlReply:
+        # The hop refuses steps beyond the call's positions (without it, OpenHop's default bound).
+        session_bound = {} if self.max_session_tokens is None else {"max_session_tokens": self.max_session_tokens}
         request = OpenHop(
             pipeline_id=self.pipeline_id, session_id=self.session_id, hop=index, hop_count=len(self.hops),
             model_id=self.model_id, weights_sha256=self.weights_sha256, layer_lo=hop.layer_lo_to_run,
-            layer_hi=hop.layer_hi_to_run, wire_dtype=self.wire_dtype,
+            layer_hi=hop.layer_hi_to_run, wire_dtype=self.wire_dtype, **session_bound,
             upstream_node=node_token(self.hops[index - 1].node_id if index > 0 else self.node_id),
             downstream_node=node_token(self.hops[index + 1].node_id if index + 1 < len(self.hops) else self.node_id),
+            inbound_link_key=_encoded(self.link_keys[index]),
+            outbound_link_key=_encoded(self.link_keys[index + 1]),
         )
         message = await self.nc.request(hop.control_subject, request.model_dump_json().encode(),
                                         timeout=self.transport.control_timeout_s)
@@ -162,6 +188,15 @@ class HopChain:
             self._notices.append(notice)
             self._sink.interrupt_waiters()
 
+    async def _on_refused_output(self, header: FrameHeader, refusal: StepRefusal) -> None:
+        """The last hop sent a step of this chain's session that does not fit the pipeline (empty, mis-shaped,
+        another dtype or size): the step fails at once, blaming it, instead of waiting for a timeout."""
+        if header.session == self.session_id and header.step == self._step and self._refused_output is None:
+            self._refused_output = StepFailure("corrupt", self.hops[-1].shard_id,
+                                               f"its output of step {header.step} was refused: {refusal.message}",
+                                               check="shape")
+            self._sink.interrupt_waiters()
+
     def _notice_failure(self) -> StepFailure:
         notice = self._notices[0]
         if notice.problem == "step_failed":
@@ -169,8 +204,9 @@ class HopChain:
                                f"step {notice.step} failed on it: {notice.message}")
         # Hop i saw corrupted input: hop i-1 produced it (hop 0's input comes from us).
         culprit = self.hops[max(notice.hop - 1, 0)]
+        detail = f": {notice.message}" if notice.message else ""
         return StepFailure("corrupt", culprit.shard_id,
-                           f"hop {notice.hop} received activations failing the {notice.check} check",
+                           f"hop {notice.hop} received activations failing the {notice.check} check{detail}",
                            check=notice.check)
 
     def _broker_failure(self, epoch: int, doing: str) -> StepFailure | None:
@@ -205,6 +241,8 @@ class HopChain:
         while True:
             if self._notices:
                 return self._notice_failure()
+            if self._refused_output is not None:
+                return self._refused_output
             received = await self._next_output(poll_s)
             if isinstance(received, StepFailure):
                 return received
@@ -225,8 +263,8 @@ class HopChain:
             return received.tensor
 
     async def _next_output(self, wait_s: float):
-        """The next step out of the last hop; None after `wait_s` or once a hop notice arrives."""
-        if self._notices:
+        """The next step out of the last hop; None after `wait_s` or once a hop notice or a refusal arrives."""
+        if self._notices or self._refused_output is not None:
             return None
         try:
             # Awaited directly (no helper tasks): on every token this is the orchestrator's critical path.

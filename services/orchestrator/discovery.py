@@ -9,20 +9,15 @@ the servable one when there is exactly one.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections import defaultdict
-from pathlib import Path
 
 from readmodels.queries import ShardCandidate
 from services.common.chat_protocol import ModelsReply, ServedModel
-from services.orchestrator.catalog import ModelCatalog, UnknownModel
+from services.orchestrator.catalog import ModelCatalog, context_length
 from services.orchestrator.router import ShardRouter
 
 log = logging.getLogger(__name__)
-
-# config.json keys that give a model's context length, in the order architectures use them.
-CONTEXT_LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
 
 
 def covered_ranges(shards: list[ShardCandidate], total_layers: int) -> list[tuple[int, int]]:
@@ -52,17 +47,6 @@ def served_model(model_id: str, shards: list[ShardCandidate]) -> ServedModel:
                        complete=_covered_count(ranges) == total_layers)
 
 
-def context_length(config_path: Path) -> int | None:
-    try:
-        config = json.loads(config_path.read_text())
-    except (OSError, ValueError):
-        return None
-    for key in CONTEXT_LENGTH_KEYS:
-        if isinstance(config.get(key), int):
-            return config[key]
-    return None
-
-
 async def describe_models(router: ShardRouter, catalog: ModelCatalog) -> ModelsReply:
     """What `llm.models` answers now."""
     rows = await asyncio.to_thread(router.all_candidates)
@@ -79,10 +63,11 @@ async def describe_models(router: ShardRouter, catalog: ModelCatalog) -> ModelsR
     described = []
     for model_id in sorted(models):
         length = None
-        try:
-            path = await asyncio.to_thread(catalog.resolve, model_id)
+        # Advertised ids come from other members: looked up in the catalog only, never opened as paths.
+        path = await asyncio.to_thread(catalog.path_of_id, model_id)
+        if path is not None:
             length = await asyncio.to_thread(context_length, path / "config.json")
-        except UnknownModel:
+        else:
             log.debug("model %s is not on this orchestrator's disk; its context length is unknown", model_id)
         described.append(models[model_id].model_copy(update={"context_length": length}))
     servable = [m.id for m in described if m.complete or m.runnable_locally]

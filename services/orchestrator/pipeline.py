@@ -92,13 +92,9 @@ class PipelineRun:
         self.chain: HopChain | LocalChain | None = None
 
     async def run(self) -> None:
+        # The prompt was tokenized when the call was admitted (services/orchestrator/admission.py).
         call, head = self.call, self.call.model.head
         request = call.request
-        if request.messages is not None:
-            messages = [m.model_dump() for m in request.messages]
-            call.prompt_ids = list(await on_compute_thread(head.encode_chat, messages))
-        else:
-            call.prompt_ids = list(await on_compute_thread(head.encode_prompt, request.prompt))
         params = SamplingParams(temperature=request.temperature, top_k=request.top_k, top_p=request.top_p,
                                 seed=request.seed, max_tokens=request.max_tokens, stop=tuple(request.stop))
         decoding = Decoding(params, params.make_generator(), head.text_stream(params, call.prompt_ids))
@@ -110,7 +106,7 @@ class PipelineRun:
         await self._record(PipelineConstructed(
             node_id=self.ctx.node_id, pipeline_id=call.pipeline_id, request_id=request.request_id,
             model_id=call.model.model_id, weights_sha256=call.model.weights_sha256, hops=self.chain.shard_ids,
-            construct_ms=call.construct_ms))
+            construct_ms=call.construct_ms, caller=call.caller))
         await call.client.send(PipelineFrame(seq=0, pipeline_id=call.pipeline_id, hops=self.chain.shard_ids))
         while True:
             outcome = await self._generate(self.chain, decoding)
@@ -165,10 +161,13 @@ class PipelineRun:
 
     def _chain_over(self, hops: list[Hop]) -> HopChain:
         model = self.call.model
+        # No step of this call reaches beyond its prompt plus max_tokens: every hop refuses frames that would.
         return HopChain(self.ctx.nc, self.call.pipeline_id, hops, node_id=self.ctx.node_id, model_id=model.model_id,
                         weights_sha256=model.weights_sha256, transport=self.transport,
                         wire_dtype=self.policy.activation_dtype,
-                        sink_bounds=self.ctx.sink_bounds.setdefault(model.model_id, NormBounds()))
+                        sink_bounds=self.ctx.sink_bounds.setdefault(model.model_id, NormBounds()),
+                        hidden_size=model.head.info.hidden_size,
+                        max_session_tokens=len(self.call.prompt_ids) + self.call.request.max_tokens)
 
     async def _catch_up(self) -> None:
         timeout_s = self.ctx.settings.orchestrator.catch_up_timeout_s

@@ -33,6 +33,10 @@ from services.common.chat_protocol import (
     parse_chat_request,
 )
 from services.common.config import HearthSettings
+from services.common.call_signing import CallRefused
+from services.common.event_trust import call_verifier, event_signing_key, event_verifier
+from services.common.metrics import counter
+from services.orchestrator.admission import admit_prompt
 from services.orchestrator.call import Call, ClientStream
 from services.orchestrator.catalog import ModelCatalog, UnknownModel
 from services.orchestrator.discovery import describe_models
@@ -41,6 +45,8 @@ from services.orchestrator.pipeline import PipelineRun, RunContext
 from services.orchestrator.router import ShardRouter
 
 log = logging.getLogger(__name__)
+calls_refused_total = counter("hearth_calls_refused_total", "Calls refused as unauthorized, by reason", ["reason"])
+calls_by_caller_total = counter("hearth_calls_total", "Signed calls accepted, by the calling member", ["caller"])
 
 ORCHESTRATOR_QUEUE_GROUP = "hearth-orchestrators"
 error_message_chars = 500
@@ -64,10 +70,15 @@ class Orchestrator:
             self._tmp_dir = tempfile.TemporaryDirectory(prefix="hearth-orchestrator-")
             db_path = Path(self._tmp_dir.name) / "routing.sqlite"
         self.db_path = db_path
-        self.projector = Projector(db_path, self.js)
+        # Routing reads only events the community's roster vouches for (none rejected on an open mesh), and
+        # this orchestrator's own events go out signed by its member key.
+        self.projector = Projector(db_path, self.js, verifier=event_verifier(settings))
         self.outbox = EventOutbox(self.js, max_queued=settings.orchestrator.event_queue_max,
                                   retry_wait_s=settings.orchestrator.event_retry_wait_s,
-                                  publish_delay_s=settings.orchestrator.event_publish_delay_s)
+                                  publish_delay_s=settings.orchestrator.event_publish_delay_s,
+                                  signing_key=event_signing_key(settings.nats))
+        # Calls must be signed by a roster member on a community mesh; None on an open one.
+        self.call_verifier = call_verifier(settings)
         self._slots = asyncio.Semaphore(distributed.max_concurrent_pipelines)
         self._subscription = None
         self._models_subscription = None
@@ -120,10 +131,15 @@ class Orchestrator:
     async def _answer_models(self, msg: Msg) -> None:
         if not msg.reply:
             return
+        limit = self.settings.orchestrator.max_request_bytes
         try:
-            if msg.data.strip():
-                ModelsRequest.model_validate_json(msg.data)
-            reply = await describe_models(self.context.router, self.catalog)
+            if len(msg.data) > limit:
+                reply = ErrorFrame(seq=0, code="bad_request",
+                                   message=f"body: {len(msg.data)} bytes is over max_request_bytes {limit}")
+            else:
+                if msg.data.strip():
+                    ModelsRequest.model_validate_json(msg.data)
+                reply = await describe_models(self.context.router, self.catalog)
         except ValidationError as error:
             reply = ErrorFrame(seq=0, code="bad_request", message=describe_validation_error(error))
         with contextlib.suppress(Exception):  # the asker or the broker is gone: nobody to tell
@@ -164,6 +180,21 @@ class Orchestrator:
                 await client.keep_alive(interval_s)
 
     async def _serve_request(self, msg: Msg, client: ClientStream) -> None:
+        limit = self.settings.orchestrator.max_request_bytes
+        if len(msg.data) > limit:
+            # Refused before parsing: a large body costs many times its size once decoded.
+            await client.send(ErrorFrame(seq=0, code="bad_request", message=(
+                f"body: {len(msg.data)} bytes is over max_request_bytes {limit}")))
+            return
+        caller = None
+        if self.call_verifier is not None:
+            checked = self.call_verifier.check(msg.subject, msg.reply, msg.data, msg.headers)
+            if isinstance(checked, CallRefused):
+                calls_refused_total.labels(checked.reason).inc()
+                await client.send(ErrorFrame(seq=0, code="unauthorized", message=checked.message))
+                return
+            caller = checked.name
+            calls_by_caller_total.labels(caller).inc()  # roster names only: a bounded label set
         try:
             request = parse_chat_request(msg.data)
         except BadRequest as error:
@@ -183,11 +214,16 @@ class Orchestrator:
                 return
             request = request.model_copy(update={"model": served.default_model})
         try:
-            model = await self.catalog.get(request.model)
+            model = await self.catalog.get_requested(request.model)
+            prompt_ids = await admit_prompt(request, model)
         except UnknownModel as error:
             await client.send(ErrorFrame(seq=0, code="bad_request", message=f"field 'model': {error}"))
             return
-        run = PipelineRun(Call(request=request, model=model, client=client), self.context)
+        except BadRequest as error:
+            await client.send(ErrorFrame(seq=0, code="bad_request", message=str(error)))
+            return
+        run = PipelineRun(Call(request=request, model=model, client=client, prompt_ids=prompt_ids, caller=caller),
+                          self.context)
         async with self._slots, self._counted_as_running():
             try:
                 await self._run_while_client_listens(run)

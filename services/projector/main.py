@@ -8,6 +8,7 @@ from pathlib import Path
 
 from prometheus_client import REGISTRY, CollectorRegistry
 
+from events.signing import EventVerifier
 from readmodels.runner import Projector
 from services.common.config import NatsSettings
 from services.common.lifecycle import Stopped, unless_stopped
@@ -33,8 +34,11 @@ async def run_projector(
     registry: CollectorRegistry = REGISTRY,
     metrics_host: str = default_metrics_host,
     nats_settings: NatsSettings | None = None,
+    verifier: EventVerifier | None = None,
 ) -> None:
     """Run until `stop_event` is set (or forever): migrate `db_path`, follow both streams, serve /metrics.
+    With a `verifier` (the community's roster) only events that pass it are applied; the others are kept in
+    rejected_events and counted in `hearth_events_rejected_total`.
 
     A broker that is down at start is waited for as `nats_settings` say (connect_timeout_s, then
     BrokerUnreachable; or wait_for_broker); once connected, broker restarts are survived by the
@@ -47,7 +51,7 @@ async def run_projector(
                                   stop_event)
     except Stopped:
         return
-    projector = Projector(db_path, nc.jetstream())
+    projector = Projector(db_path, nc.jetstream(), verifier=verifier)
     collector = ProjectorCollector(projector)
     metrics_server = None
     try:
@@ -77,10 +81,12 @@ async def run_projector(
 def main(db: Path, nats_url: str | None = None, metrics_port: int | None = None) -> None:
     """Entry point for `python -m services.projector`: runs until SIGTERM/SIGINT, then stops cleanly."""
     from services.common.config import load_settings
+    from services.common.event_trust import event_verifier
     from services.common.lifecycle import run_until_stopped
     from services.common.logging import configure_logging
 
     configure_logging()
-    nats_settings = load_settings().nats
+    settings = load_settings()
+    verifier = event_verifier(settings)
     run_until_stopped(lambda stop_event: run_projector(db, nats_url, metrics_port, stop_event=stop_event,
-                                                       nats_settings=nats_settings))
+                                                       nats_settings=settings.nats, verifier=verifier))

@@ -306,10 +306,14 @@ def rebuild_command(
         raise _fail(f"no read-model database at {diff}")
     if db.exists() and not force:
         raise _fail(f"{db} exists; a rebuild writes a fresh database (use --force to replace it)")
-    raise typer.Exit(_run(_rebuild(resolve_nats_url(ctx, nats_url), db, diff, force)))
+    from services.common.event_trust import event_verifier
+
+    # The live projectors' check (when the community's roster is at hand), so the rebuilt rows match theirs.
+    verifier = event_verifier(settings(ctx))
+    raise typer.Exit(_run(_rebuild(resolve_nats_url(ctx, nats_url), db, diff, force, verifier)))
 
 
-async def _rebuild(url: str, db: Path, diff: Path | None, force: bool) -> int:
+async def _rebuild(url: str, db: Path, diff: Path | None, force: bool, verifier=None) -> int:
     import asyncio
 
     from events.streams import ALL_STREAMS
@@ -320,7 +324,7 @@ async def _rebuild(url: str, db: Path, diff: Path | None, force: bool) -> int:
         present, missing = await existing_streams(js, ALL_STREAMS)
         for name in missing:
             typer.echo(f"hearth-replay: stream {name} does not exist yet; nothing to read from it", err=True)
-        applied = await rebuild_database(js, db, overwrite=force, streams=present)
+        applied = await rebuild_database(js, db, overwrite=force, streams=present, verifier=verifier)
     typer.echo(f"rebuilt {db} from {applied} messages")
     if diff is None:
         return 0
@@ -332,6 +336,43 @@ async def _rebuild(url: str, db: Path, diff: Path | None, force: bool) -> int:
         return 1
     typer.echo(f"no differences between {db} and {diff}")
     return 0
+
+
+@app.command("verify")
+def verify_command(
+    ctx: typer.Context,
+    roster: Annotated[Optional[Path], typer.Option(
+        "--roster", help="The community roster (default: nats.roster_file, or the one beside the key).",
+        show_default=False)] = None,
+    nats_url: NatsUrlOption = None,
+) -> None:
+    """Check every stored event: signed by a roster member whose role may emit it, for its own node, not dated
+    more than events.max_clock_skew_s after it was stored. Prints each bad one; exit 1 if there is any."""
+    from events.signing import EventVerifier
+    from services.common.event_trust import community_roster_file
+    from trust.roster import Roster, RosterError
+
+    current = settings(ctx)
+    roster_file = roster or community_roster_file(current.nats)
+    if roster_file is None:
+        raise _fail("verify needs the community roster: give --roster FILE (or [nats] roster_file)")
+    try:
+        verifier = EventVerifier(Roster.load(roster_file), max_clock_skew_s=current.events.max_clock_skew_s)
+    except RosterError as error:
+        raise _fail(str(error)) from error
+    raise typer.Exit(_run(_verify(resolve_nats_url(ctx, nats_url), verifier)))
+
+
+async def _verify(url: str, verifier) -> int:
+    from events.streams import ALL_STREAMS
+    from services.replay.query import existing_streams
+    from services.replay.verify import verify_streams
+
+    async with _jetstream(url) as js:
+        present, _ = await existing_streams(js, ALL_STREAMS)
+        report = await verify_streams(js, verifier, present, on_bad=lambda bad: typer.echo(bad.line()))
+    typer.echo(report.summary())
+    return 0 if report.ok else 1
 
 
 def main() -> None:

@@ -10,7 +10,8 @@ from events.consume import SkippedMessage, StoredEvent
 
 LogItem = StoredEvent | SkippedMessage
 
-ENVELOPE_FIELDS = frozenset({"event_id", "type", "version", "occurred_at", "node_id"})
+# The signature fields are envelope too: a table row about what happened does not need 150 characters of key.
+ENVELOPE_FIELDS = frozenset({"event_id", "type", "version", "occurred_at", "node_id", "signer", "signature"})
 # Fields that name the subject of an event; shown first in the summary.
 IDENTITY_FIELDS = ("shard_id", "pipeline_id")
 max_value_chars = 80

@@ -10,7 +10,8 @@ class ShardFault(BaseModel):
     """`--fault` of `hearth shard`, e.g. `nan`, `scale=10000`, `delay_s=2.5`, `fail`, `after_steps=3,nan`.
 
     `fail` makes every step raise (as a crashing kernel or an out-of-memory error would) instead of passing
-    anything on.
+    anything on. `empty` passes on a tensor without positions (`[1, 0, hidden]`) and `misshape` one whose hidden
+    dimension is one short: a faulty sender the next hop (or the orchestrator) must refuse at once.
 
     Faults start after `after_steps` healthy steps so a test can break a shard mid-generation.
     """
@@ -19,6 +20,8 @@ class ShardFault(BaseModel):
 
     nan: bool = False
     fail: bool = False
+    empty: bool = False
+    misshape: bool = False
     scale: float | None = Field(default=None, gt=0)
     delay_s: float = Field(default=0.0, ge=0)
     after_steps: int = Field(default=0, ge=0)
@@ -53,4 +56,8 @@ class ShardFault(BaseModel):
             output.view(-1)[0] = float("nan")
         if self.scale is not None:
             output = output * self.scale
+        if self.empty:
+            output = output[:, :0, :]
+        if self.misshape:
+            output = output[..., :-1]
         return output

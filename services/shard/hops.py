@@ -30,16 +30,27 @@ from services.shard.compute import ShardCompute
 from services.transport import (
     AckWindowSender,
     ActivationReceiver,
+    FrameHeader,
     FrameKind,
     ReceivedStep,
+    StepLimits,
+    StepRefusal,
     TransportClosed,
     TransportError,
     TransportTimeout,
     wire_dtype_from_setting,
 )
 from services.transport.integrity import count_integrity_failure
+from services.transport.mac import decode_link_key
 
 log = logging.getLogger(__name__)
+
+# The HopNotice check sent when this hop's input was refused for its declared shape, dtype or size (the message
+# says which); like the others, it blames the hop before this one.
+refused_input_check = "shape"
+# HopNotice refuses a longer message: ours are cut to fit rather than lost.
+notice_message_chars = next(bound.max_length for bound in HopNotice.model_fields["message"].metadata
+                            if hasattr(bound, "max_length"))
 
 
 @dataclass(frozen=True)
@@ -52,6 +63,10 @@ class HopLimits:
     transport: TransportSettings
 
 
+def _link_key(encoded: str | None) -> bytes | None:
+    return decode_link_key(encoded) if encoded is not None else None
+
+
 class ServedHop:
     """An opened hop: its receiver, its sender to the next hop, its keepalive subscription and serving task."""
 
@@ -61,11 +76,20 @@ class ServedHop:
         self.request = request
         self.compute = compute
         self.limits = limits
+        # Steps of this pipeline are [1, tokens, hidden] within the session's positions: anything else is refused
+        # before the receiver allocates for it, and a refused step of our session is reported at once.
+        step_limits = StepLimits.for_pipeline(hidden_size=compute.runner.info.hidden_size,
+                                              max_tokens=request.max_session_tokens,
+                                              activation_dtype=request.wire_dtype)
         self.receiver = ActivationReceiver(nc, request.pipeline_id, request.hop,
                                            nodes=LinkNodes(sender=request.upstream_node, receiver=node_id),
-                                           idle_timeout_s=limits.idle_timeout_s)
+                                           link_key=_link_key(request.inbound_link_key),
+                                           idle_timeout_s=limits.idle_timeout_s, step_limits=step_limits,
+                                           on_refused=self._on_refused_input)
+        self._last_refused_step: int | None = None
         self.sender = AckWindowSender(nc, request.pipeline_id, request.hop + 1,
                                       nodes=LinkNodes(sender=node_id, receiver=request.downstream_node),
+                                      link_key=_link_key(request.outbound_link_key),
                                       window_chunks=limits.transport.window_chunks,
                                       ack_timeout_s=limits.transport.hop_ack_timeout_s,
                                       chunk_bytes=limits.transport.chunk_bytes,
@@ -163,10 +187,25 @@ class ServedHop:
                         received.step, error)
             return None
 
+    async def _on_refused_input(self, header: FrameHeader, refusal: StepRefusal) -> None:
+        """A step of this hop's session that does not fit the pipeline (empty, mis-shaped, another dtype or size):
+        the hop before sent it, so the orchestrator hears it at once instead of waiting for the step to time out."""
+        if header.session != self.request.session_id or header.step == self._last_refused_step:
+            return  # another session's frame (none of ours to fail), or a further chunk of a step already reported
+        self._last_refused_step = header.step
+        log.warning("pipeline %s hop %d: step %d input refused: %s", self.pipeline_id, self.request.hop,
+                    header.step, refusal.message)
+        await self._publish_notice(header.step, "input_failed_check", check=refused_input_check,
+                                   message=f"input refused: {refusal.message}")
+
     async def _notify(self, received: ReceivedStep, problem: HopProblem, *, check: str | None = None,
                       message: str = "") -> None:
+        await self._publish_notice(received.step, problem, check=check, message=message)
+
+    async def _publish_notice(self, step: int, problem: HopProblem, *, check: str | None = None,
+                              message: str = "") -> None:
         notice = HopNotice(pipeline_id=self.pipeline_id, session_id=self.request.session_id, hop=self.request.hop,
-                           step=received.step, problem=problem, check=check, message=message)
+                           step=step, problem=problem, check=check, message=message[:notice_message_chars])
         try:
             await self.nc.publish(hop_notice_subject(self.pipeline_id), notice.model_dump_json().encode())
         except Exception as error:  # the broker is gone too: the orchestrator's stall watch takes over

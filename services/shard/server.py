@@ -23,6 +23,7 @@ from events.models import ShardAdvertised, ShardHeartbeat, ShardWithdrawn
 from events.publish import publish_event
 from events.streams import ensure_streams
 from services.common.config import HearthSettings
+from services.common.event_trust import event_signing_key
 from services.common.control_protocol import (
     CloseHop,
     ControlReply,
@@ -67,6 +68,8 @@ class ShardServer:
         self.settings = settings.shard
         self.control_timeout_s = settings.transport.control_timeout_s
         self.hop_weight = hop_weight
+        # This host's member key signs its advertisements, heartbeats and withdrawals (None on an open mesh).
+        self.signing_key = event_signing_key(settings.nats)
         self.limits = HopLimits(
             idle_timeout_s=settings.research.distributed_inference.host.shard_eviction_idle_seconds,
             orphan_timeout_s=settings.transport.orphan_timeout_s, close_timeout_s=settings.shard.hop_close_timeout_s,
@@ -108,7 +111,7 @@ class ShardServer:
             total_layers=ident.total_layers, dtype=ident.dtype, memory_required_mb=ident.memory_required_mb,
             max_concurrent_streams=self.settings.max_concurrent_streams, control_subject=ident.control_subject,
             hop_weight=self.hop_weight, ttl_s=self.settings.advertisement_ttl_s,
-        ))
+        ), signing_key=self.signing_key)
 
     async def heartbeat(self) -> None:
         stats = self.compute.stats
@@ -117,7 +120,7 @@ class ShardServer:
             node_id=self.identity.node_id, shard_id=self.identity.shard_id, queue_depth=queue_depth,
             active_streams=self.active_streams, p95_latency_ms=stats.p95_latency_ms(),
             tokens_served_total=stats.tokens_served_total,
-        ))
+        ), signing_key=self.signing_key)
 
     async def _heartbeat_loop(self) -> None:
         while True:
@@ -170,7 +173,8 @@ class ShardServer:
         try:
             await publish_event(self.js, ShardWithdrawn(
                 node_id=self.identity.node_id, shard_id=self.identity.shard_id, reason=reason),
-                timeout_s=self.settings.withdraw_timeout_s, max_attempts=withdraw_max_attempts)
+                timeout_s=self.settings.withdraw_timeout_s, max_attempts=withdraw_max_attempts,
+                signing_key=self.signing_key)
         except Exception as error:
             log.warning("withdrawal not published: %s", error)
 

@@ -16,7 +16,9 @@ from services.transport.acks import AckObserver, StepProgress
 from services.transport.errors import FrameError, TransportClosed, TransportError, TransportTimeout, WaitInterrupted
 from services.transport.frames import EncodedStep, decode_frames, encode_step
 from services.transport.headers import AckHeader, FrameHeader, FrameKind, StepInfo
-from services.transport.receiver import ActivationReceiver, ReceivedStep
+from services.transport.limits import StepLimits, StepRefusal
+from services.transport.frames import ReceivedStep
+from services.transport.receiver import ActivationReceiver
 from services.transport.sender import AckWindowSender, SentStep
 from services.transport.stats import LatencySamples, LatencySummary, ReceiverStats, SenderStats
 from services.transport.wire import WireDtype, wire_dtype_from_setting
@@ -37,7 +39,9 @@ __all__ = [
     "SenderStats",
     "SentStep",
     "StepInfo",
+    "StepLimits",
     "StepProgress",
+    "StepRefusal",
     "TransportClosed",
     "TransportError",
     "TransportTimeout",

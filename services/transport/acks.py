@@ -16,6 +16,7 @@ from events.subjects import all_acks_subject
 from services.common.config import TransportSettings
 from services.transport.errors import FrameError, TransportClosed, TransportTimeout
 from services.transport.headers import AckHeader
+from services.transport.mac import mac_is_valid
 from services.transport.subscription import SubscribingEndpoint
 
 log = logging.getLogger(__name__)
@@ -58,12 +59,15 @@ class AckObserver(SubscribingEndpoint):
         pipeline_id: str,
         *,
         sink_hop: int | None = None,
+        link_keys: dict[int, bytes] | None = None,
         max_steps_per_session: int = _defaults.ack_observer_max_steps_per_session,
         max_sessions: int = _defaults.ack_observer_max_sessions,
     ) -> None:
         self.nc = nc
         self.pipeline_id = pipeline_id
         self.sink_hop = sink_hop
+        # hop -> the key of the link into it: an ack without that link's MAC says nothing about the hop.
+        self.link_keys = link_keys
         self.max_steps_per_session = max_steps_per_session
         self.max_sessions = max_sessions
         self.subject = all_acks_subject(pipeline_id)
@@ -180,6 +184,9 @@ class AckObserver(SubscribingEndpoint):
             ack = AckHeader.from_nats_headers(msg.headers)
             if ack.pipeline_id != self.pipeline_id:
                 raise FrameError(f"ack for pipeline {ack.pipeline_id} on {msg.subject}")
+            key = self.link_keys.get(ack.hop) if self.link_keys is not None else None
+            if self.link_keys is not None and (key is None or not mac_is_valid(key, msg.headers, msg.data)):
+                raise FrameError(f"ack for hop {ack.hop} without its link's MAC on {msg.subject}")
         except FrameError as error:
             self.bad_acks += 1
             log.warning("ignoring bad ack on %s: %s", msg.subject, error)

@@ -196,3 +196,39 @@ def decode_frames(frames: Iterable[tuple[FrameHeader, bytes | memoryview]]) -> t
         missing = sorted(set(range(assembler.header.chunk_count)) - assembler.received)
         raise FrameError(f"step {assembler.header.step} is missing chunks {missing}")
     return assembler.header.info, assembler.tensor()
+
+
+@dataclass(frozen=True)
+class ReceivedStep:
+    """One complete step: its header (as sent in chunk 0), the restored tensor (None for reset) and timings."""
+
+    header: FrameHeader
+    tensor: torch.Tensor | None
+    first_sent_ns: int | None
+    completed_ns: int
+    wire_s: float | None
+    decode_s: float
+
+    @property
+    def info(self) -> StepInfo:
+        return self.header.info
+
+    @property
+    def session(self) -> str:
+        return self.header.session
+
+    @property
+    def step(self) -> int:
+        return self.header.step
+
+    @property
+    def kind(self) -> FrameKind:
+        return self.header.kind
+
+    @property
+    def pos(self) -> int:
+        return self.header.pos
+
+    @property
+    def wire_dtype(self) -> WireDtype | None:
+        return self.header.dtype

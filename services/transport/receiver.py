@@ -6,21 +6,23 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict, deque
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
 
-import torch
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from events.subjects import LinkNodes, ack_subject, activation_subject
 from services.common.config import HostSettings, TransportSettings
+from services.common.metrics import counter
 from services.transport.errors import FrameError, TransportClosed, TransportError, TransportTimeout, WaitInterrupted
-from services.transport.frames import AddOutcome, StepAssembler
-from services.transport.headers import AckHeader, FrameHeader, FrameKind, StepInfo
+from services.transport.frames import AddOutcome, ReceivedStep, StepAssembler
+from services.transport.headers import AckHeader, FrameHeader
+from services.transport.mac import mac_is_valid, with_mac
+from services.transport.limits import StepLimits, StepRefusal
 from services.transport.stats import ReceiverStats
 from services.transport.subscription import SubscribingEndpoint
-from services.transport.wire import WireDtype, conversion_offload_bytes
+from services.transport.wire import conversion_offload_bytes
 
 log = logging.getLogger(__name__)
 
@@ -30,42 +32,19 @@ _defaults = TransportSettings()
 _default_idle_timeout_s = HostSettings.model_fields["shard_eviction_idle_seconds"].default
 
 StepKey = tuple[str, int]
+# Called with a refused frame's header and why it was refused (a hop tells its orchestrator about its session's).
+RefusalListener = Callable[[FrameHeader, StepRefusal], Awaitable[None]]
+# Partial steps whose declared bytes may be held at once, in steps of the largest size the pipeline allows: a
+# pipeline assembles one step per hop at a time, so anything beyond is abandoned, oldest first.
+partial_budget_steps = 2
+refusal_log_every = 100
 
-
-@dataclass(frozen=True)
-class ReceivedStep:
-    """One complete step: its header (as sent in chunk 0), the restored tensor (None for reset) and timings."""
-
-    header: FrameHeader
-    tensor: torch.Tensor | None
-    first_sent_ns: int | None
-    completed_ns: int
-    wire_s: float | None
-    decode_s: float
-
-    @property
-    def info(self) -> StepInfo:
-        return self.header.info
-
-    @property
-    def session(self) -> str:
-        return self.header.session
-
-    @property
-    def step(self) -> int:
-        return self.header.step
-
-    @property
-    def kind(self) -> FrameKind:
-        return self.header.kind
-
-    @property
-    def pos(self) -> int:
-        return self.header.pos
-
-    @property
-    def wire_dtype(self) -> WireDtype | None:
-        return self.header.dtype
+frames_refused_total = counter(
+    "hearth_activation_frames_refused_total",
+    "Activation frames refused before anything was allocated for them, because the step they declare does not "
+    "fit the pipeline (`shape`, `positions`, `dtype`, `chunks`, `size`).",
+    ["reason"],
+)
 
 
 class _PartialStep:
@@ -90,6 +69,13 @@ class ActivationReceiver(SubscribingEndpoint):
     Backpressure: at most `max_ready_steps` complete steps wait for the consumer; beyond that the
     receiver stops taking (and acking) frames, which blocks the sender once its window is full. A step
     that finds no room within `ready_wait_timeout_s` is dropped (counted in stats.dropped_steps).
+
+    Memory: a frame that starts a step is checked before anything is allocated for the step: against
+    `step_limits` (the pipeline's hidden size, positions, wire dtype and chunk count, services/transport/limits.py)
+    and `max_step_bytes`. A refused frame is dropped, counted (stats.refused_frames and
+    `hearth_activation_frames_refused_total`) and, when `on_refused` is given, reported to it, so a hop can fail
+    its session's step at once instead of waiting for it. Unfinished steps together hold at most
+    `max_partial_bytes` (two of the largest steps); the oldest is abandoned to make room.
     """
 
     def __init__(
@@ -105,6 +91,9 @@ class ActivationReceiver(SubscribingEndpoint):
         max_step_bytes: int = _defaults.max_step_bytes,
         max_partial_steps: int = _defaults.max_partial_steps,
         max_tracked_sessions: int = _defaults.max_tracked_sessions,
+        step_limits: StepLimits | None = None,
+        on_refused: RefusalListener | None = None,
+        link_key: bytes | None = None,
     ) -> None:
         if max_ready_steps < 1:
             raise ValueError(f"max_ready_steps must be at least 1, got {max_ready_steps}")
@@ -114,10 +103,16 @@ class ActivationReceiver(SubscribingEndpoint):
         self.max_ready_steps = max_ready_steps
         self.ready_wait_timeout_s = ready_wait_timeout_s
         self.idle_timeout_s = idle_timeout_s
-        self.max_step_bytes = max_step_bytes
+        # The pipeline's own bound, when it is known, is far below the transport-wide one.
+        self.max_step_bytes = min(max_step_bytes, step_limits.max_step_bytes) if step_limits else max_step_bytes
+        self.max_partial_bytes = partial_budget_steps * self.max_step_bytes
         self.max_partial_steps = max_partial_steps
+        self.step_limits = step_limits
+        self._on_refused = on_refused
         self.max_tracked_sessions = max_tracked_sessions
         self.nodes = nodes
+        # With a key, only frames carrying its MAC are taken, and acks carry it too (services/transport/mac.py).
+        self.link_key = link_key
         self.subject = activation_subject(pipeline_id, hop, nodes)
         self.ack_subject = ack_subject(pipeline_id, hop, nodes)
         self.stats = ReceiverStats()
@@ -204,6 +199,9 @@ class ActivationReceiver(SubscribingEndpoint):
     async def _on_frame(self, msg: Msg) -> None:
         arrived_ns = time.time_ns()
         started = time.perf_counter()
+        if self.link_key is not None and not mac_is_valid(self.link_key, msg.headers, msg.data):
+            self._unauthenticated()
+            return
         try:
             header = FrameHeader.from_nats_headers(msg.headers)
             if header.pipeline_id != self.pipeline_id or header.hop != self.hop:
@@ -221,14 +219,13 @@ class ActivationReceiver(SubscribingEndpoint):
             return
         partial = self._partial.get(key)
         if partial is None:
-            if header.total_bytes > self.max_step_bytes:
-                self._bad_frame(FrameError(
-                    f"step {header.step} (session {header.session}) of {header.total_bytes} bytes exceeds "
-                    f"max_step_bytes {self.max_step_bytes}"
-                ))
+            refusal = self._refusal(header)
+            if refusal is not None:
+                await self._refuse(header, refusal)
                 return
             if len(self._partial) >= self.max_partial_steps:
                 self._abandon(next(iter(self._partial)), "too many unfinished steps")
+            self._make_room_for(header.total_bytes)
             partial = _PartialStep(StepAssembler(header))
             self._partial[key] = partial
         try:
@@ -328,11 +325,50 @@ class ActivationReceiver(SubscribingEndpoint):
                 getter.set_result(None)
                 break
 
+    def _refusal(self, header: FrameHeader) -> StepRefusal | None:
+        """Why the step this frame starts cannot be taken in (checked before anything is allocated for it)."""
+        if self.step_limits is not None:
+            refusal = self.step_limits.refusal(header)
+            if refusal is not None:
+                return refusal
+        if header.total_bytes > self.max_step_bytes:
+            return StepRefusal("size", f"step of {header.total_bytes} bytes exceeds max_step_bytes "
+                                       f"{self.max_step_bytes}")
+        return None
+
+    async def _refuse(self, header: FrameHeader, refusal: StepRefusal) -> None:
+        self.stats.refused_frames += 1
+        frames_refused_total.labels(reason=refusal.reason).inc()
+        # The first refusal and every hundredth are warned about: a flood of forged frames must not flood the log.
+        refused = self.stats.refused_frames
+        log.log(logging.WARNING if refused == 1 or refused % refusal_log_every == 0 else logging.DEBUG,
+                "hop %s of pipeline %s: refusing step %s of session %s (%d refused so far): %s", self.hop,
+                self.pipeline_id, header.step, header.session, refused, refusal.message)
+        if self._on_refused is not None:
+            await self._on_refused(header, refusal)
+
+    def _make_room_for(self, step_bytes: int) -> None:
+        """Abandon the oldest unfinished steps until this one's bytes fit the partial-step budget."""
+        held = sum(partial.assembler.header.total_bytes for partial in self._partial.values())
+        while self._partial and held + step_bytes > self.max_partial_bytes:
+            oldest = next(iter(self._partial))
+            held -= self._partial[oldest].assembler.header.total_bytes
+            self._abandon(oldest, "unfinished steps would hold more than max_partial_bytes")
+
     def _abandon(self, key: StepKey, reason: str) -> None:
         if self._partial.pop(key, None) is not None:
             self.stats.dropped_steps += 1
             log.warning("hop %s of pipeline %s: abandoning step %s of session %s: %s",
                         self.hop, self.pipeline_id, key[1], key[0], reason)
+
+    def _unauthenticated(self) -> None:
+        """A frame without this link's MAC: not ours to read, however well formed (forged or injected)."""
+        self.stats.unauthenticated_frames += 1
+        frames_refused_total.labels(reason="mac").inc()
+        dropped = self.stats.unauthenticated_frames
+        log.log(logging.WARNING if dropped == 1 or dropped % refusal_log_every == 0 else logging.DEBUG,
+                "hop %s of pipeline %s: dropping a frame without a valid MAC (%d so far)", self.hop,
+                self.pipeline_id, dropped)
 
     def _bad_frame(self, error: TransportError) -> None:
         self.stats.bad_frames += 1
@@ -340,7 +376,10 @@ class ActivationReceiver(SubscribingEndpoint):
 
     async def _ack(self, header: FrameHeader) -> None:
         ack = AckHeader.for_frame(header, acked_ns=time.time_ns())
+        headers = ack.to_nats_headers()
+        if self.link_key is not None:
+            with_mac(self.link_key, headers, b"")
         try:
-            await self.nc.publish(self.ack_subject, b"", headers=ack.to_nats_headers())
+            await self.nc.publish(self.ack_subject, b"", headers=headers)
         except Exception as error:  # a lost ack only delays the sender (it times out and reports the hop)
             log.warning("hop %s of pipeline %s: ack publish failed: %s", self.hop, self.pipeline_id, error)

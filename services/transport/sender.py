@@ -17,6 +17,7 @@ from services.common.config import TransportSettings
 from services.transport.errors import FrameError, TransportClosed, TransportError, TransportTimeout
 from services.transport.frames import EncodedStep, effective_chunk_bytes, encode_step
 from services.transport.headers import HEADER_CHUNK, HEADER_OFFSET, HEADER_SENT_NS, AckHeader, FrameKind, StepInfo
+from services.transport.mac import HEADER_MAC, mac_is_valid, message_mac
 from services.transport.stats import SenderStats
 from services.transport.subscription import SubscribingEndpoint
 from services.transport.wire import WireDtype, conversion_offload_bytes
@@ -63,6 +64,7 @@ class AckWindowSender(SubscribingEndpoint):
         chunk_bytes: int | None = None,
         wire_dtype: WireDtype | None = None,
         int8_block: int = _defaults.int8_block_elems,
+        link_key: bytes | None = None,
     ) -> None:
         if window_chunks < 1:
             raise ValueError(f"window_chunks must be at least 1, got {window_chunks}")
@@ -77,6 +79,8 @@ class AckWindowSender(SubscribingEndpoint):
         self.wire_dtype = wire_dtype
         self.int8_block = int8_block
         self.nodes = nodes
+        # With a key, every frame carries its MAC and only acks carrying it free the window.
+        self.link_key = link_key
         self.subject = activation_subject(pipeline_id, hop, nodes)
         self.ack_subject = ack_subject(pipeline_id, hop, nodes)
         self.stats = SenderStats()
@@ -216,6 +220,8 @@ class AckWindowSender(SubscribingEndpoint):
             if HEADER_OFFSET in headers:
                 headers[HEADER_OFFSET] = str(encoded.offsets[index])
             headers[HEADER_SENT_NS] = str(time.time_ns())
+            if self.link_key is not None:
+                headers[HEADER_MAC] = message_mac(self.link_key, headers, chunk)
             key = (info.session, info.step, index)
             self._in_flight[key] = time.perf_counter()
             try:
@@ -264,6 +270,10 @@ class AckWindowSender(SubscribingEndpoint):
         )
 
     async def _on_ack(self, msg: Msg) -> None:
+        if self.link_key is not None and not mac_is_valid(self.link_key, msg.headers, msg.data):
+            self.stats.bad_acks += 1
+            log.debug("ignoring an ack without this link's MAC on %s", self.ack_subject)
+            return
         try:
             ack = AckHeader.from_nats_headers(msg.headers)
         except FrameError as error:

@@ -76,6 +76,10 @@ class ReceiverStats:
     duplicate_chunks: int = 0
     stale_chunks: int = 0
     bad_frames: int = 0
+    # Frames whose declared step does not fit the pipeline (StepLimits): dropped before anything was allocated.
+    refused_frames: int = 0
+    # Frames without the link's MAC (forged or injected): dropped before their headers were read.
+    unauthenticated_frames: int = 0
     dropped_steps: int = 0
     wire: LatencySamples = field(default_factory=LatencySamples)
     decode: LatencySamples = field(default_factory=LatencySamples)

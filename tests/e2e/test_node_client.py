@@ -147,3 +147,17 @@ def test_the_mesh_refuses_the_node_client_without_credentials(node_client, runni
     assert completed.returncode == 2, f"stdout: {completed.stdout}\nstderr: {completed.stderr}"
     assert "refused an anonymous login (authorization violation)" in completed.stderr
     assert completed.stdout == ""
+
+
+def test_the_orchestrator_refuses_the_node_clients_call_unsigned(node_client, running_mesh):
+    # Logged in as a member (llm.models answers), but the chat request goes out without the Hearth-Caller*
+    # headers (--no-sign, testing only): the orchestrator checks signatures, so it answers `unauthorized`.
+    assert running_mesh.community is not None, "the mesh fixture must run a community (signed calls) mesh"
+    completed = run_node(node_client, running_mesh, "--no-sign", "--max-tokens", "2", PROMPT)
+    assert completed.returncode == 1, f"stdout: {completed.stdout}\nstderr: {completed.stderr}"
+    summary = json.loads(completed.stdout.strip().splitlines()[-1])
+    assert summary["models"] == [TINY_MODEL_NAME]
+    assert summary["frame_types"] == ["error"] and summary["text"] == "" and summary["token_ids"] == []
+    assert summary["error"]["type"] == "error" and summary["error"]["code"] == "unauthorized"
+    assert "not signed" in summary["error"]["detail"]
+    assert "the orchestrator refused the call as unauthorized" in completed.stderr

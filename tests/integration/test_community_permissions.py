@@ -28,7 +28,7 @@ def community_server(tmp_path):
                        ("eve", "auditor")):
         community.add(name, role)
     community.add("untrusted-host", "shard", trust="member")
-    authorization = render_authorization(community.roster(), system_public_key=community.system_key().public_key)
+    authorization = render_authorization(community.roster())
     with EmbeddedNatsServer(store_dir=tmp_path / "nats", authorization=authorization) as server:
         yield community, server
 
@@ -133,8 +133,7 @@ async def test_a_member_added_while_the_broker_runs_can_connect_at_once(communit
     community, server = community_server
     for index in range(5):  # the reload is asynchronous in nats-server: reload() must wait for it each time
         added = community.add(f"late-{index}", "client")
-        server.reload(render_authorization(community.roster(),
-                                           system_public_key=community.system_key().public_key))
+        server.reload(render_authorization(community.roster()))
         nc = await connect_nats(settings=NatsSettings(url=server.url, creds_file=added.seed_file,
                                                       connect_timeout_s=5))
         await nc.close()

@@ -1,0 +1,61 @@
+"""Keyed BLAKE2b MACs for the activation transport: each link (sender -> hop) gets a fresh key when its pipeline
+is opened, every frame and ack on that link carries a MAC over its headers and payload, and a receiver drops
+whatever fails it, so a member that may publish on activation subjects still cannot inject or alter a step."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import hmac
+import secrets
+from collections.abc import Mapping
+
+HEADER_MAC = "Hearth-Mac"
+link_key_bytes = 32
+mac_digest_bytes = 16
+
+
+class LinkKeyError(ValueError):
+    """A link key on the wire is not base64 of the right length."""
+
+
+def new_link_key() -> bytes:
+    return secrets.token_bytes(link_key_bytes)
+
+
+def encode_link_key(key: bytes) -> str:
+    return base64.urlsafe_b64encode(key).decode()
+
+
+def decode_link_key(text: str) -> bytes:
+    try:
+        key = base64.urlsafe_b64decode(text.encode())
+    except (binascii.Error, ValueError):
+        raise LinkKeyError("a link key is not base64") from None
+    if len(key) != link_key_bytes:
+        raise LinkKeyError(f"a link key has {len(key)} bytes, not {link_key_bytes}")
+    return key
+
+
+def message_mac(key: bytes, headers: Mapping[str, str], payload: bytes | memoryview) -> str:
+    """The MAC of one message: every header but the MAC itself, in name order (so transport reordering of
+    headers does not matter), then the payload."""
+    digest = hashlib.blake2b(key=key, digest_size=mac_digest_bytes)
+    for name in sorted(headers):
+        if name != HEADER_MAC:
+            digest.update(f"{name}:{headers[name]}\n".encode())
+    digest.update(b"\n")
+    digest.update(payload)
+    return digest.hexdigest()
+
+
+def with_mac(key: bytes, headers: dict[str, str], payload: bytes | memoryview) -> dict[str, str]:
+    headers[HEADER_MAC] = message_mac(key, headers, payload)
+    return headers
+
+
+def mac_is_valid(key: bytes, headers: Mapping[str, str] | None, payload: bytes | memoryview) -> bool:
+    if not headers or HEADER_MAC not in headers:
+        return False
+    return hmac.compare_digest(headers[HEADER_MAC], message_mac(key, headers, payload))
