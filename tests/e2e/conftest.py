@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -53,6 +54,26 @@ def start_three_shards(cluster: LocalCluster, model_path: Path, *, node_prefix: 
         for index, (lo, hi) in enumerate(THREE_SHARD_RANGES)
     ]
     return shards
+
+
+@contextlib.contextmanager
+def three_shard_mesh(work_dir: Path, models_dir: Path, *, nats_options: dict | None = None,
+                     orchestrator_args: list[str] = (), projector_db: Path | None = None,
+                     **cluster_options) -> Iterator[LocalCluster]:
+    """A ready mesh of real processes: nats-server, 3 shard hosts of the tiny model, an orchestrator (and a
+    projector given `projector_db`); the processes' logs are printed when it closes (shown for failed tests)."""
+    with LocalCluster(work_dir=work_dir, torch_threads=1, **cluster_options) as mesh:
+        mesh.start_nats(**(nats_options or {}))
+        start_three_shards(mesh, models_dir / TINY_MODEL_NAME)
+        start_orchestrator(mesh, models_dir, extra_args=list(orchestrator_args))
+        if projector_db is not None:
+            mesh.start_projector(projector_db)
+        try:
+            mesh.wait_all_ready()
+            yield mesh
+        finally:
+            for process in mesh.processes:
+                print(f"----- {process.name} -----\n{process.log_tail(3000)}")
 
 
 def start_orchestrator(cluster: LocalCluster, models_dir: Path, *, extra_args: list[str] = (),

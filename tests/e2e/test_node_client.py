@@ -18,7 +18,7 @@ from services.cluster import LocalCluster
 from services.common.chat_client import chat
 from services.common.chat_protocol import ChatRequest
 from services.common.nats_connection import connect_nats
-from tests.e2e.conftest import TINY_MODEL_NAME, start_orchestrator, start_three_shards
+from tests.e2e.conftest import TINY_MODEL_NAME, three_shard_mesh
 
 ROOT = Path(__file__).resolve().parents[2]
 CLIENT_DIR = ROOT / "clients" / "node"
@@ -54,16 +54,8 @@ def node_client() -> list[str]:
 @pytest.fixture(scope="module")
 def running_mesh(tmp_path_factory, tiny_models_dir):
     """nats-server (secure: members only), 3 shard hosts and an orchestrator serving the tiny model."""
-    with LocalCluster(work_dir=tmp_path_factory.mktemp("node-mesh"), torch_threads=1) as mesh:
-        mesh.start_nats()
-        start_three_shards(mesh, tiny_models_dir / TINY_MODEL_NAME)
-        start_orchestrator(mesh, tiny_models_dir)
-        try:
-            mesh.wait_all_ready()
-            yield mesh
-        finally:
-            for process in mesh.processes:
-                print(f"----- {process.name} -----\n{process.log_tail(3000)}")
+    with three_shard_mesh(tmp_path_factory.mktemp("node-mesh"), tiny_models_dir) as mesh:
+        yield mesh
 
 
 def node_credentials(mesh: LocalCluster) -> list[str]:

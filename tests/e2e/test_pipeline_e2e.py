@@ -13,11 +13,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from services.cluster import LocalCluster
 from services.common.chat_client import chat, list_models, stream_chat_raw
 from services.common.chat_protocol import ChatMessage, ChatRequest
 from services.common.nats_connection import connect_nats
-from tests.e2e.conftest import TINY_CONTEXT_LENGTH, TINY_MODEL_NAME, start_orchestrator, start_three_shards
+from tests.e2e.conftest import TINY_CONTEXT_LENGTH, TINY_MODEL_NAME, start_orchestrator, three_shard_mesh
 from tests.unit.inference_tiny_models import write_tiny_model
 
 pytestmark = pytest.mark.e2e
@@ -32,16 +31,9 @@ NEW_TOKENS = 20
 def running_mesh(tmp_path_factory, tiny_models_dir):
     """One mesh for the module: nats-server (64 KiB max payload), 3 shard hosts, an orchestrator."""
     work_dir = tmp_path_factory.mktemp("mesh")
-    with LocalCluster(work_dir=work_dir, torch_threads=1) as mesh:
-        mesh.start_nats(max_payload_bytes=SMALL_MAX_PAYLOAD_BYTES)
-        start_three_shards(mesh, tiny_models_dir / TINY_MODEL_NAME)
-        start_orchestrator(mesh, tiny_models_dir)
-        try:
-            mesh.wait_all_ready()
-            yield mesh
-        finally:
-            for process in mesh.processes:
-                print(f"----- {process.name} -----\n{process.log_tail(3000)}")
+    with three_shard_mesh(work_dir, tiny_models_dir,
+                          nats_options={"max_payload_bytes": SMALL_MAX_PAYLOAD_BYTES}) as mesh:
+        yield mesh
 
 
 @pytest.fixture

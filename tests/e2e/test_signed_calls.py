@@ -14,7 +14,7 @@ from services.common.call_signing import signed_call_headers
 from services.common.chat_client import chat
 from services.common.chat_protocol import CHAT_REQUEST_SUBJECT, ChatRequest, decode_frame
 from services.common.nats_connection import connect_nats
-from tests.e2e.conftest import TINY_MODEL_NAME, start_orchestrator, start_three_shards
+from tests.e2e.conftest import TINY_MODEL_NAME, three_shard_mesh
 from tests.e2e.failover_support import pipeline_events
 from trust.keys import MemberKey
 
@@ -25,11 +25,7 @@ FRAME_WAIT_S = 20
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory, tiny_models_dir):
-    with LocalCluster(work_dir=tmp_path_factory.mktemp("signed-calls"), torch_threads=1) as cluster:
-        cluster.start_nats()
-        start_three_shards(cluster, tiny_models_dir / TINY_MODEL_NAME)
-        start_orchestrator(cluster, tiny_models_dir)
-        cluster.wait_all_ready()
+    with three_shard_mesh(tmp_path_factory.mktemp("signed-calls"), tiny_models_dir) as cluster:
         yield cluster
 
 

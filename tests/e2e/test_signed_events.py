@@ -28,7 +28,7 @@ from services.cluster import LocalCluster
 from services.common.chat_client import chat
 from services.common.chat_protocol import ChatRequest
 from services.common.nats_connection import connect_nats
-from tests.e2e.conftest import TINY_MODEL_NAME, TINY_LAYERS, start_orchestrator, start_three_shards
+from tests.e2e.conftest import TINY_MODEL_NAME, TINY_LAYERS, three_shard_mesh
 from trust.keys import MemberKey
 
 pytestmark = pytest.mark.e2e
@@ -47,17 +47,9 @@ def signed_mesh(tmp_path_factory, tiny_models_dir):
     """One community mesh for the module; the orchestrator's routing read model and a projector's are files
     the tests read."""
     work_dir = tmp_path_factory.mktemp("signed-mesh")
-    with LocalCluster(work_dir=work_dir, torch_threads=1) as mesh:
-        mesh.start_nats()
-        start_three_shards(mesh, tiny_models_dir / TINY_MODEL_NAME)
-        start_orchestrator(mesh, tiny_models_dir, extra_args=["--db", str(work_dir / "routing.sqlite")])
-        mesh.start_projector(work_dir / "projector.sqlite")
-        try:
-            mesh.wait_all_ready()
-            yield mesh
-        finally:
-            for process in mesh.processes:
-                print(f"----- {process.name} -----\n{process.log_tail(3000)}")
+    with three_shard_mesh(work_dir, tiny_models_dir, orchestrator_args=["--db", str(work_dir / "routing.sqlite")],
+                          projector_db=work_dir / "projector.sqlite") as mesh:
+        yield mesh
 
 
 def read_models(mesh: LocalCluster) -> dict[str, Path]:

@@ -13,11 +13,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from services.cluster import LocalCluster
 from services.common.chat_client import chat
 from services.common.chat_protocol import ChatRequest
 from services.common.nats_connection import connect_nats
-from tests.e2e.conftest import TINY_MODEL_NAME, start_orchestrator, start_three_shards
+from tests.e2e.conftest import TINY_MODEL_NAME, three_shard_mesh
 
 pytestmark = pytest.mark.e2e
 PROMPT = "the quick brown fox"
@@ -26,16 +25,8 @@ NEW_TOKENS = 8
 
 @pytest.fixture(scope="module")
 def tls_mesh(tmp_path_factory, tiny_models_dir):
-    with LocalCluster(work_dir=tmp_path_factory.mktemp("tls-mesh"), torch_threads=1, tls=True) as mesh:
-        mesh.start_nats()
-        start_three_shards(mesh, tiny_models_dir / TINY_MODEL_NAME)
-        start_orchestrator(mesh, tiny_models_dir)
-        try:
-            mesh.wait_all_ready()
-            yield mesh
-        finally:
-            for process in mesh.processes:
-                print(f"----- {process.name} -----\n{process.log_tail(3000)}")
+    with three_shard_mesh(tmp_path_factory.mktemp("tls-mesh"), tiny_models_dir, tls=True) as mesh:
+        yield mesh
 
 
 async def test_the_mesh_answers_over_tls_as_it_does_in_the_clear(tls_mesh, tiny_models_dir):
