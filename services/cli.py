@@ -41,8 +41,10 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # Help texts name configuration tables as `[shard]`: shown as written, not read as markup.
+    rich_markup_mode=None,
 )
-db_app = typer.Typer(help="Manage a read-model SQLite database.", no_args_is_help=True)
+db_app = typer.Typer(help="Manage a read-model SQLite database.", no_args_is_help=True, rich_markup_mode=None)
 app.add_typer(db_app, name="db")
 app.add_typer(community_app, name="community")
 # Decorated with @long_running: SIGINT/SIGTERM stop them quietly from the moment `hearth` starts.

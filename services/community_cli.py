@@ -9,6 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 community_app = typer.Typer(help="Manage a community: its roster, member keys and the broker's permissions.",
+                            rich_markup_mode=None,
                             no_args_is_help=True)
 DirOption = Annotated[Path, typer.Option("--dir", help="The community folder (roster.json, keys/).")]
 DEFAULT_COMMUNITY_DIR = Path("community")

@@ -9,6 +9,8 @@ with `--follow` the two are interleaved as messages arrive.
 
 from __future__ import annotations
 
+import os
+
 import contextlib
 import sys
 from datetime import datetime, timezone
@@ -20,6 +22,7 @@ import typer
 
 from services.common.cli_options import (
     ConfigOption,
+    CredsOption,
     LogLevelOption,
     NatsUrlOption,
     apply_top_level_options,
@@ -35,6 +38,8 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    # Help texts name configuration tables as `[shard]`: shown as written, not read as markup.
+    rich_markup_mode=None,
 )
 
 class OutputFormat(str, Enum):
@@ -47,9 +52,13 @@ def main_options(
     ctx: typer.Context,
     config: ConfigOption = None,
     log_level: LogLevelOption = "WARNING",
+    creds: CredsOption = None,
 ) -> None:
     """Read hearth's event log (audit, debugging) and rebuild read models from it."""
     apply_top_level_options(ctx, config, log_level)
+    if creds is not None:
+        # The connection reads [nats] from the settings; this invocation's --creds wins over file and env.
+        os.environ["HEARTH_NATS__CREDS_FILE"] = str(creds)
 
 
 def _fail(message: str, code: int = 2) -> typer.Exit:
