@@ -83,6 +83,16 @@ def epoch_s(instant: datetime) -> int:
     return math.floor(instant.timestamp())
 
 
+def _older_than_what_is_known(row: Row | None, event: EventEnvelope, *time_columns: str) -> bool:
+    """A shard's state follows its newest event: one older (by a whole second) than a time the row already
+    holds is history, not news. A correctly signed old event re-published after the broker's de-duplication
+    window (a replay) therefore changes nothing: an old withdrawal cannot hide a shard advertised since."""
+    if row is None:
+        return False
+    occurred_s = epoch_s(event.occurred_at)
+    return any(row.get(column) is not None and row[column] > occurred_s for column in time_columns)
+
+
 def _new_stats(shard_id: str) -> Callable[[], Row]:
     return lambda: dict(
         shard_id=shard_id, tokens_served=0, pipelines_joined=0, failovers_caused=0, corruption_detections=0
@@ -177,6 +187,8 @@ class ReadModelProjection:
 
     @handle.register
     def _shard_advertised(self, event: ShardAdvertised, rows: BatchRows) -> None:
+        if _older_than_what_is_known(rows.get(SHARDS, event.shard_id), event, "advertised_at", "withdrawn_at"):
+            return
         rows.put(SHARDS, event.shard_id, dict(
             shard_id=event.shard_id,
             model_id=event.model_id,
@@ -200,6 +212,8 @@ class ReadModelProjection:
 
     @handle.register
     def _shard_heartbeat(self, event: ShardHeartbeat, rows: BatchRows) -> None:
+        if _older_than_what_is_known(rows.get(SHARD_HEALTH, event.shard_id), event, "last_seen"):
+            return
         rows.put(SHARD_HEALTH, event.shard_id, dict(
             shard_id=event.shard_id,
             last_seen=epoch_s(event.occurred_at),
@@ -215,6 +229,8 @@ class ReadModelProjection:
     @handle.register
     def _shard_withdrawn(self, event: ShardWithdrawn, rows: BatchRows) -> None:
         # A withdrawal whose advertisement aged out of the log has no row to mark; nothing to route anyway.
+        if _older_than_what_is_known(rows.get(SHARDS, event.shard_id), event, "advertised_at"):
+            return
         shard = rows.edit(SHARDS, event.shard_id)
         if shard is not None:
             shard.update(

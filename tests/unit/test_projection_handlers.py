@@ -73,6 +73,22 @@ def test_withdrawn_then_readvertised(engine):
     assert (row.status, row.withdrawn_at, row.advertised_at) == ("advertised", None, epoch_s(at(10)))
 
 
+def test_an_old_event_replayed_later_changes_nothing(engine):
+    """A correctly signed event re-published after the broker's de-duplication window is history, not news."""
+    log = LogBuilder()
+    first = advertised(0, 3, "kitchen", t=0)
+    old_withdrawal = ShardWithdrawn(shard_id=first.shard_id, reason="shutdown", node_id="kitchen", occurred_at=at(5))
+    readvertised = advertised(0, 3, "kitchen", t=30)
+    apply_all(engine, [log.stored(first), log.stored(old_withdrawal), log.stored(readvertised)])
+    assert get(engine, Shard, first.shard_id).status == "advertised"
+    # Replayed: the withdrawal (t=5), the first advertisement (t=0), an old heartbeat.
+    apply_all(engine, [log.stored(old_withdrawal), log.stored(first), log.stored(heartbeat(first.shard_id, t=40)),
+                       log.stored(heartbeat(first.shard_id, t=10))])
+    row = get(engine, Shard, first.shard_id)
+    assert (row.status, row.advertised_at, row.withdrawn_at) == ("advertised", epoch_s(at(30)), None)
+    assert get(engine, ShardHealth, first.shard_id).last_seen == epoch_s(at(40))
+
+
 def test_heartbeats_keep_the_latest_values(engine):
     log = LogBuilder()
     shard = advertised(0, 3, "kitchen")
