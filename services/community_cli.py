@@ -16,8 +16,8 @@ DEFAULT_COMMUNITY_DIR = Path("community")
 tls_validity_days = 365
 
 
-def _fail(message: str) -> None:
-    typer.echo(f"hearth community: {message}", err=True)
+def _fail(message: str, command: str = "hearth community") -> None:
+    typer.echo(f"{command}: {message}", err=True)
     raise typer.Exit(1)
 
 
@@ -167,10 +167,10 @@ def nats_command(
             folder = Community(community)
             authorization = render_authorization(folder.roster())
         except (RosterError, KeyFileError) as error:
-            _fail(str(error))
+            _fail(str(error), "hearth nats")
     tls_block = None
     if (tls_cert is None) != (tls_key is None) or (tls_ca is not None and tls_cert is None):
-        _fail("TLS needs --tls-cert and --tls-key (and --tls-ca only with them)")
+        _fail("TLS needs --tls-cert and --tls-key (and --tls-ca only with them)", "hearth nats")
     if tls_cert is not None:
         from services.common.tls_files import server_tls_block
 

@@ -12,7 +12,7 @@ import base64
 import binascii
 import os
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import nacl.exceptions
@@ -34,6 +34,11 @@ class MemberKey:
 
     seed: bytes
     public_key: str
+    # The key pair decoded from the seed once: decoding it again costs as much as a signature.
+    _pair: nkeys.KeyPair = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_pair", nkeys.from_seed(bytearray(self.seed)))
 
     @classmethod
     def generate(cls) -> "MemberKey":
@@ -76,7 +81,7 @@ class MemberKey:
             handle.write(self.seed + b"\n")
 
     def sign(self, data: bytes) -> bytes:
-        return nkeys.from_seed(bytearray(self.seed)).sign(data)
+        return self._pair.sign(data)
 
     def sign_b64(self, data: bytes) -> str:
         return base64.b64encode(self.sign(data)).decode()

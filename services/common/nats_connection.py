@@ -46,16 +46,17 @@ def connection_identity(nc: NatsClient) -> Identity | None:
     return _identities.get(nc)
 
 
-def credential_options(settings: NatsSettings) -> dict:
+def credential_options(settings: NatsSettings, identity: Identity | None = None) -> dict:
     """nats-py connect() options for TLS (given a CA) and for logging in as the member whose key
-    `settings.creds_file` holds (neither without)."""
+    `settings.creds_file` holds (neither without); `identity`: that key, already loaded."""
     options: dict = {}
     context = client_ssl_context(settings.tls_ca_file, settings.tls_cert_file, settings.tls_key_file)
     if context is not None:
         options["tls"] = context
-    if settings.creds_file is None:
+    if identity is None and settings.creds_file is not None:
+        identity = load_identity(settings.creds_file, settings.roster_file)
+    if identity is None:
         return options
-    identity = load_identity(settings.creds_file, settings.roster_file)
     # Our own inbox prefix: the broker lets a member subscribe to `_INBOX.<name>.>` and nothing wider.
     return {**options, "nkeys_seed_str": identity.key.seed.decode(), "inbox_prefix": identity.inbox_prefix}
 
@@ -123,9 +124,10 @@ async def connect_nats(
             if result is not None:
                 await result
 
+    identity = load_identity(settings.creds_file, settings.roster_file) if settings.creds_file else None
     connecting = nc.connect(
         servers=[target],
-        **credential_options(settings),
+        **credential_options(settings, identity),
         name=name,
         connect_timeout=settings.connect_timeout_s,
         reconnect_time_wait=settings.reconnect_wait_s,
@@ -155,8 +157,8 @@ async def connect_nats(
     finally:
         refusal_task.cancel()
     state["connected"] = True
-    if settings.creds_file is not None:
-        _identities[nc] = load_identity(settings.creds_file, settings.roster_file)
+    if identity is not None:
+        _identities[nc] = identity
     if state["told_waiting"]:
         log.info("%s: connected to NATS %s", name, target)
     return nc
