@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.hearth-installed
 
-.PHONY: install test test-unit test-integration test-e2e lint demo bench clean
+.PHONY: install tools test test-unit test-integration test-e2e lint demo bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -16,7 +16,23 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# promtool and prometheus from Debian's `prometheus` package, unpacked into the venv (no root, no install): the
+# metrics tests run them (tests/e2e/test_metrics.py) and skip, saying why, where apt-get cannot fetch it.
+PROMETHEUS_DIR := $(VENV)/tools/prometheus
+PROMTOOL := $(PROMETHEUS_DIR)/usr/bin/promtool
+
+tools: $(PROMTOOL)
+
+$(PROMTOOL):
+	rm -rf $(PROMETHEUS_DIR).download && mkdir -p $(PROMETHEUS_DIR).download
+	cd $(PROMETHEUS_DIR).download && { apt-get download prometheus 2>/dev/null \
+		|| { apt-get update -qq 2>/dev/null && apt-get download prometheus; }; } \
+		&& dpkg-deb -x prometheus_*.deb ../prometheus \
+		|| echo "make tools: could not fetch Debian's prometheus package; the tests that need it will skip"
+	rm -rf $(PROMETHEUS_DIR).download
+
 test: $(STAMP)
+	-$(MAKE) --no-print-directory tools
 	$(PY) -m pytest -q
 
 test-unit: $(STAMP)
@@ -26,6 +42,7 @@ test-integration: $(STAMP)
 	$(PY) -m pytest -q tests/integration
 
 test-e2e: $(STAMP)
+	-$(MAKE) --no-print-directory tools
 	$(PY) -m pytest -q tests/e2e
 
 lint: $(STAMP)

@@ -23,6 +23,7 @@ from services.common.cli_options import (
     CredsOption,
     InsecureOption,
     LogLevelOption,
+    MetricsPortOption,
     NatsUrlOption,
     WaitForNatsOption,
     apply_top_level_options,
@@ -84,9 +85,7 @@ def projector_command(
     ctx: typer.Context,
     db: Annotated[Path, typer.Option("--db", help="SQLite read-model file to keep up to date.")],
     nats_url: NatsUrlOption = None,
-    metrics_port: Annotated[
-        Optional[int], typer.Option("--metrics-port", help="Serve Prometheus /metrics on this port.")
-    ] = None,
+    metrics_port: MetricsPortOption = 0,
     wait_for_nats_flag: WaitForNatsOption = False,
     creds: CredsOption = None,
     insecure: InsecureOption = False,
@@ -155,10 +154,7 @@ def shard_command(
     torch_threads: TorchThreadsOption = None,
     busy_threads: BusyThreadsOption = None,
     ready_file: ReadyFileOption = None,
-    metrics_port: Annotated[
-        Optional[int], typer.Option("--metrics-port", help="Serve Prometheus /metrics (per-step transport "
-                                    "and compute histograms) on this port.", show_default=False)
-    ] = None,
+    metrics_port: MetricsPortOption = 0,
     wait_for_nats_flag: WaitForNatsOption = False,
     creds: CredsOption = None,
     insecure: InsecureOption = False,
@@ -204,6 +200,7 @@ def orchestrator_command(
     torch_threads: TorchThreadsOption = None,
     busy_threads: BusyThreadsOption = None,
     ready_file: ReadyFileOption = None,
+    metrics_port: MetricsPortOption = 0,
     wait_for_nats_flag: WaitForNatsOption = False,
     creds: CredsOption = None,
     insecure: InsecureOption = False,
@@ -219,7 +216,7 @@ def orchestrator_command(
     configure_torch_threads(torch_threads)
     options = OrchestratorOptions(node_id=node_id or default_node_id(), db_path=db,
                                   model_search_dirs=tuple(models_dir or ()), local_model=local_model,
-                                  busy_threads=busy_threads)
+                                  busy_threads=busy_threads, metrics_port=metrics_port)
     url = resolve_nats_url(ctx, nats_url)
     run_until_stopped(lambda stop_event: run_orchestrator(
         with_step_timeout(settings(ctx), step_timeout_s), options, url, preload=list(preload or []),
@@ -334,6 +331,9 @@ def bench_command(
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
     insecure: Annotated[bool, typer.Option("--insecure", help="Run the mesh open: no credentials, signatures or "
                                            "activation MACs (to measure what they cost).")] = False,
+    metrics: Annotated[bool, typer.Option("--metrics/--no-metrics", help="Run the processes with /metrics on (the "
+                                          "per-hop transport figures come from them) or off (to measure what they "
+                                          "cost).")] = True,
 ) -> None:
     """Monolithic generate() vs the distributed pipeline on this machine: tokens/s, ratio, TTFT, construction,
     per-hop transport overhead, and concurrent sessions."""
@@ -348,7 +348,8 @@ def bench_command(
     options = BenchOptions(model=model, shards=shards, prompt_tokens=prompt_tokens, new_tokens=new_tokens,
                            sessions=sessions, repeats=repeats, torch_threads=torch_threads,
                            monolithic_threads=monolithic_threads, library_defaults_baseline=library_defaults,
-                           child_env=child_env, cache_dir=cache_dir, secure=not insecure)
+                           child_env=child_env, cache_dir=cache_dir, secure=not insecure,
+                           metrics=metrics)
     raise typer.Exit(run_bench_command(options, as_json=as_json))
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from services.common.config import NatsSettings
 from services.common.nats_permissions import render_authorization
-from services.common.nats_server import EmbeddedNatsServer
+from services.common.nats_server import EmbeddedNatsServer, free_tcp_port
 from services.common.tls_files import TlsFiles, write_throwaway_ca
 from trust.community import Community
 from trust.roster import Role
@@ -67,12 +67,29 @@ def quiet_torch_environment(threads: int | None) -> dict[str, str]:
     return env
 
 
+def _metrics_port_in(args: list[str]) -> int | None:
+    """The port a `--metrics-port` among `args` names (the last one wins, as for the command), or None."""
+    port = None
+    for index, arg in enumerate(args):
+        if arg == "--metrics-port" and index + 1 < len(args):
+            port = int(args[index + 1])
+        elif arg.startswith("--metrics-port="):
+            port = int(arg.partition("=")[2])
+    return port
+
+
 @dataclass
 class ManagedProcess:
     name: str
     popen: subprocess.Popen
     log_path: Path
     ready_file: Path | None = None
+    # Where it serves Prometheus /metrics on 127.0.0.1 (None: it serves none).
+    metrics_port: int | None = None
+
+    @property
+    def metrics_url(self) -> str | None:
+        return f"http://127.0.0.1:{self.metrics_port}/metrics" if self.metrics_port else None
 
     def log_tail(self, chars: int = 3000) -> str:
         try:
@@ -118,6 +135,8 @@ class LocalCluster:
     secure: bool = True
     # True: the broker speaks only TLS (certificates from a throwaway CA in work_dir/tls) and verifies clients.
     tls: bool = False
+    # True: every hearth process serves /metrics on a free port (`--metrics-port`) unless its arguments name one.
+    metrics: bool = True
 
     def __post_init__(self) -> None:
         self._tmp = None
@@ -211,11 +230,16 @@ class LocalCluster:
                    "--nats", self.nats_url]
         if writes_ready_file:
             command += ["--ready-file", str(ready_file)]
+        metrics_port = _metrics_port_in(args)
+        if metrics_port is None and self.metrics:
+            metrics_port = free_tcp_port()
+            command += ["--metrics-port", str(metrics_port)]
         with open(log_path, "ab") as log_file:
             popen = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      env=env, cwd=str(Path(__file__).resolve().parents[1]),
                                      start_new_session=self.start_new_session)
-        process = ManagedProcess(name, popen, log_path, ready_file if writes_ready_file else None)
+        process = ManagedProcess(name, popen, log_path, ready_file if writes_ready_file else None,
+                                 metrics_port=metrics_port or None)
         self.processes.append(process)
         if wait_ready:
             self.wait_ready(process)
@@ -251,6 +275,12 @@ class LocalCluster:
     def start_projector(self, db_path: Path) -> ManagedProcess:
         return self._spawn("projector", ["projector", "--db", str(db_path)], writes_ready_file=False,
                            member=("projector", "projector"))
+
+    def metrics_urls(self) -> dict[str, str]:
+        """Each running process's /metrics URL, by process name (e.g. `shard-host0-0-1`, `orchestrator-orchestrator`,
+        `projector`); processes started without metrics are left out."""
+        return {process.name: process.metrics_url for process in self.processes
+                if process.metrics_url is not None and process.alive}
 
     def wait_all_ready(self) -> None:
         for process in self.processes:

@@ -22,7 +22,6 @@ from services.bench.timing import GenerationTiming
 from services.bench.transport_metrics import histogram_deltas, scrape_hosts, transport_figures
 from services.cluster import LocalCluster, even_layer_ranges, quiet_torch_environment
 from services.common.lifecycle import run_event_loop
-from services.common.nats_server import free_tcp_port
 from services.demo import resolve_demo_model
 from services.random_models import RANDOM_PREFIX, random_checkpoint
 
@@ -57,6 +56,9 @@ class BenchOptions:
     step_timeout_s: float = bench_step_timeout_s
     # False: an open mesh with no credentials, signatures or activation MACs, to measure what security costs.
     secure: bool = True
+    # False: every process runs with --metrics-port 0 (no /metrics, no per-step observations), to measure what
+    # metrics cost; the per-hop transport figures, read from the shards' metrics, are then left out.
+    metrics: bool = True
 
 
 def _progress(text: str) -> None:
@@ -91,7 +93,7 @@ class Bench:
         env = {"HEARTH_RESEARCH__DISTRIBUTED_INFERENCE__MAX_CONCURRENT_PIPELINES": str(max_streams),
                **({} if options.secure else {"HEARTH_TRANSPORT__ACTIVATION_MACS": "false"}), **options.child_env}
         with LocalCluster(torch_threads=options.torch_threads, extra_env=env, log_level="WARNING",
-                          secure=options.secure) as cluster:
+                          secure=options.secure, metrics=options.metrics) as cluster:
             metrics_urls, hop_of = self._start(cluster, resolved, max_streams)
             monolithic_threads = options.monolithic_threads or options.torch_threads
             _progress(f"loading the whole model for generate() in a worker process ({resolved.path}) ...")
@@ -140,12 +142,12 @@ class Bench:
         cluster.start_nats()
         metrics_urls, hop_of = {}, {}
         for index, (lo, hi) in enumerate(ranges):
-            port = free_tcp_port()
             node_id = f"bench-host-{index}"
-            cluster.start_shard(str(model.path), lo, hi, node_id=node_id, wait_ready=False,
-                                extra_args=["--metrics-port", str(port), "--max-streams", str(max_streams)])
+            process = cluster.start_shard(str(model.path), lo, hi, node_id=node_id, wait_ready=False,
+                                          extra_args=["--max-streams", str(max_streams)])
             shard_id = f"{model.name}:{lo}-{hi}@{node_id}"
-            metrics_urls[shard_id] = f"http://127.0.0.1:{port}/metrics"
+            if process.metrics_url is not None:
+                metrics_urls[shard_id] = process.metrics_url
             hop_of[shard_id] = index
         cluster.start_orchestrator(node_id="bench-orchestrator", wait_ready=False, extra_args=[
             "--preload", str(model.path), "--step-timeout-s", str(options.step_timeout_s)])
@@ -213,7 +215,7 @@ class Bench:
             settings={"shards": options.shards, "layer_ranges": even_layer_ranges(model.num_layers, options.shards),
                       "prompt_tokens": len(prompt_ids), "new_tokens": options.new_tokens, "repeats": options.repeats,
                       "sessions": options.sessions, "process_torch_threads": options.torch_threads,
-                      "step_timeout_s": options.step_timeout_s},
+                      "step_timeout_s": options.step_timeout_s, "metrics": options.metrics},
             monolithic=mono,
             pipeline=pipe,
             greedy_outputs_match=all(r.token_ids == mono_runs[0].token_ids

@@ -39,6 +39,11 @@ ConfigOption = Annotated[
         show_default=False,
     ),
 ]
+MetricsPortOption = Annotated[
+    int,
+    typer.Option("--metrics-port", min=0, max=65535,
+                 help="Serve Prometheus /metrics on this port, on every interface (docs/metrics.md); 0 = off."),
+]
 WaitForNatsOption = Annotated[
     bool,
     typer.Option(

@@ -9,10 +9,22 @@ from dataclasses import dataclass
 from typing import TypeVar
 from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    REGISTRY,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client import start_http_server as _prometheus_start_http_server
 
 log = logging.getLogger(__name__)
+
+# No `<name>_created` sample beside every counter and histogram: Prometheus does not use them, and they would
+# double what every scrape carries.
+disable_created_metrics()
 
 default_metrics_host = "0.0.0.0"
 
@@ -88,7 +100,9 @@ class MetricsServer:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}/metrics"
+        """Where to scrape it from this machine (a server on every interface is reached on the loopback)."""
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
+        return f"http://{host}:{self.port}/metrics"
 
     def stop(self) -> None:
         self._server.shutdown()
@@ -104,3 +118,33 @@ def start_metrics_server(
     bound_port = server.server_address[1]
     log.info("metrics on http://%s:%d/metrics", host, bound_port)
     return MetricsServer(host=host, port=bound_port, _server=server, _thread=thread)
+
+
+# Off in a process started with `--metrics-port 0`: nobody can scrape it, so the observations made for every step
+# (shard step histograms, each hop's latency at the orchestrator) are skipped; rare counters are kept regardless.
+_observed = True
+
+
+def metrics_observed() -> bool:
+    """Whether per-step observations are worth making in this process (see `serve_process_metrics`)."""
+    return _observed
+
+
+def set_metrics_observed(observed: bool) -> None:
+    global _observed
+    _observed = observed
+
+
+def serve_process_metrics(port: int | None, process: str, *, host: str = default_metrics_host,
+                          registry: CollectorRegistry = REGISTRY) -> MetricsServer | None:
+    """A long-running process's `--metrics-port`: serve /metrics on `port` and print where; for 0 serve nothing and
+    stop the per-step observations; for None (a service run in-process, e.g. by a test) serve nothing."""
+    if port is None:
+        return None
+    if port == 0:
+        set_metrics_observed(False)
+        return None
+    set_metrics_observed(True)
+    server = start_metrics_server(port, host=host, registry=registry)
+    print(f"{process} metrics on {server.url}", flush=True)
+    return server

@@ -22,6 +22,7 @@ from nats.aio.msg import Msg
 
 from services.common.chat_protocol import ChatRequest, KeepaliveFrame, TokenDeltaFrame
 from services.orchestrator.catalog import LoadedModel
+from services.orchestrator.metrics import final_frame_code
 
 NO_RESPONDERS_STATUS = "503"
 # Event-loop turns after a flush for a subscription callback to run (its message is already read).
@@ -38,6 +39,8 @@ class ClientStream:
         self.resubscribe_grace_s = resubscribe_grace_s
         self.seq = 0
         self.tokens_sent = 0
+        # "ok" or the error code of the final frame sent (None: none yet), for hearth_requests_total.
+        self.final_code: str | None = None
         self.last_sent_at = time.monotonic()
         self.client_gone = asyncio.Event()
         self._missed_frames = 0
@@ -61,6 +64,8 @@ class ClientStream:
             self.seq += 1
         if isinstance(frame, TokenDeltaFrame):
             self.tokens_sent += 1
+        else:
+            self.final_code = final_frame_code(frame) or self.final_code
         self.last_sent_at = time.monotonic()
         await self.nc.publish(self.reply_subject, numbered.model_dump_json().encode(),
                               reply=self._status_inbox or "")

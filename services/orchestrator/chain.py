@@ -34,6 +34,7 @@ from services.common.control_protocol import (
     hop_notice_subject,
     keepalive_subject,
 )
+from services.orchestrator.metrics import HopLatencies
 from services.orchestrator.router import Hop
 from services.orchestrator.stall import StallWatch, StepFailure
 from services.transport import (
@@ -102,6 +103,7 @@ class HopChain:
         self._observer = AckObserver(nc, pipeline_id, sink_hop=len(hops),
                                      link_keys=dict(enumerate(self.link_keys)) if transport.activation_macs else None)
         self._watch = StallWatch(nc, hops, self._observer, transport)
+        self._latencies = HopLatencies(self.shard_ids)
         self._notice_sub = None
         self._notices: list[HopNotice] = []
         self._open_sent = False
@@ -260,6 +262,9 @@ class HopChain:
                 count_integrity_failure(failed_check, "sink")
                 return StepFailure("corrupt", self.hops[-1].shard_id, f"output failed the {failed_check} check",
                                    check=failed_check)
+            progress = self._observer.progress(self.session_id, self._step)
+            if progress is not None:
+                self._latencies.observe(progress.first_ack_at, time.monotonic())
             return received.tensor
 
     async def _next_output(self, wait_s: float):

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from services.common.config import HearthSettings
 from services.common.lifecycle import unless_stopped
+from services.common.metrics import serve_process_metrics
 from services.common.nats_connection import connect_nats, drain_or_close
 from services.orchestrator.service import Orchestrator
 
@@ -23,6 +24,8 @@ class OrchestratorOptions:
     local_model: str | None = None
     # Intra-op threads per step while several calls run (inference.compute_thread.StepThreads).
     busy_threads: int | None = None
+    # --metrics-port: 0 serves no /metrics (and skips per-step observations); None leaves metrics as they are.
+    metrics_port: int | None = None
 
 
 def with_step_timeout(settings: HearthSettings, step_timeout_s: float | None) -> HearthSettings:
@@ -41,7 +44,9 @@ async def run_orchestrator(settings: HearthSettings, options: OrchestratorOption
     orchestrator = Orchestrator(nc, settings, node_id=options.node_id, db_path=options.db_path,
                                 model_search_dirs=list(options.model_search_dirs), local_model=options.local_model,
                                 busy_threads=options.busy_threads)
+    metrics_server = None
     try:
+        metrics_server = serve_process_metrics(options.metrics_port, f"orchestrator {options.node_id}")
         await orchestrator.start()
         for model in preload:
             await orchestrator.catalog.preload(model)
@@ -51,5 +56,7 @@ async def run_orchestrator(settings: HearthSettings, options: OrchestratorOption
                 handle.write(options.node_id)
         await stop_event.wait()
     finally:
+        if metrics_server is not None:
+            metrics_server.stop()
         await orchestrator.stop()
         await drain_or_close(nc, settings.nats.drain_timeout_s)

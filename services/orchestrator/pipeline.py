@@ -46,6 +46,7 @@ from services.orchestrator.call import Call
 from services.orchestrator.catalog import ModelCatalog
 from services.orchestrator.chain import HopChain, LocalChain
 from services.orchestrator.health import RecentFailures
+from services.orchestrator.metrics import observe_event
 from services.orchestrator.router import Hop, RoutingError, ShardRouter
 from services.orchestrator.stall import StepFailure
 from services.transport import FrameKind
@@ -317,6 +318,7 @@ class PipelineRun:
     # ------------------------------------------------------------------ endings
 
     async def _record(self, event) -> None:
+        observe_event(event)
         await self.ctx.outbox.record(event)
 
     async def _complete(self, finish_reason: str) -> None:

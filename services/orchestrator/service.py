@@ -41,12 +41,15 @@ from services.orchestrator.call import Call, ClientStream
 from services.orchestrator.catalog import ModelCatalog, UnknownModel
 from services.orchestrator.discovery import describe_models
 from services.orchestrator.health import RecentFailures
+from services.orchestrator.metrics import calls_in_flight, count_request
 from services.orchestrator.pipeline import PipelineRun, RunContext
 from services.orchestrator.router import ShardRouter
 
 log = logging.getLogger(__name__)
 calls_refused_total = counter("hearth_calls_refused_total", "Calls refused as unauthorized, by reason", ["reason"])
 calls_by_caller_total = counter("hearth_calls_total", "Signed calls accepted, by the calling member", ["caller"])
+for _reason in ("unsigned", "unknown_signer", "bad_signature", "stale", "replayed", "untrusted"):
+    calls_refused_total.labels(_reason)  # read 0, not nothing, before any refusal
 
 ORCHESTRATOR_QUEUE_GROUP = "hearth-orchestrators"
 error_message_chars = 500
@@ -167,6 +170,7 @@ class Orchestrator:
             with contextlib.suppress(Exception):
                 await client.send(ErrorFrame(seq=0, code="internal_error", message=str(error)[:error_message_chars]))
         finally:
+            count_request(client.final_code, client.client_gone.is_set())
             keepalive.cancel()
             await asyncio.gather(keepalive, return_exceptions=True)
             await client.close()
@@ -234,10 +238,12 @@ class Orchestrator:
     @contextlib.asynccontextmanager
     async def _counted_as_running(self):
         self.context.running_calls += 1
+        calls_in_flight.inc()
         try:
             yield
         finally:
             self.context.running_calls -= 1
+            calls_in_flight.dec()
 
     async def _keep_hops_told(self, run: PipelineRun) -> None:
         interval_s = self.settings.transport.keepalive_interval_s

@@ -20,7 +20,7 @@ def projector(
     nats_url: Optional[str] = typer.Option(
         None, "--nats-url", "--nats", help="NATS URL (default $HEARTH_NATS_URL)"
     ),
-    metrics_port: Optional[int] = typer.Option(None, help="serve Prometheus metrics on this port"),
+    metrics_port: int = typer.Option(0, "--metrics-port", min=0, help="serve Prometheus metrics on this port (0: off)"),
 ) -> None:
     main(db, nats_url, metrics_port)
 

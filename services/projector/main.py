@@ -12,7 +12,7 @@ from events.signing import EventVerifier
 from readmodels.runner import Projector
 from services.common.config import NatsSettings
 from services.common.lifecycle import Stopped, unless_stopped
-from services.common.metrics import default_metrics_host, start_metrics_server
+from services.common.metrics import default_metrics_host, serve_process_metrics
 from services.common.nats_connection import close_quietly, connect_nats, drain_or_close
 from services.projector.metrics import ProjectorCollector
 
@@ -57,8 +57,7 @@ async def run_projector(
     try:
         await projector.start()
         registry.register(collector)
-        if metrics_port is not None:
-            metrics_server = start_metrics_server(metrics_port, host=metrics_host, registry=registry)
+        metrics_server = serve_process_metrics(metrics_port, "projector", host=metrics_host, registry=registry)
         await stop_event.wait()
     finally:
         if metrics_server is not None:
@@ -78,7 +77,7 @@ async def run_projector(
 
 
 
-def main(db: Path, nats_url: str | None = None, metrics_port: int | None = None) -> None:
+def main(db: Path, nats_url: str | None = None, metrics_port: int = 0) -> None:
     """Entry point for `python -m services.projector`: runs until SIGTERM/SIGINT, then stops cleanly."""
     from services.common.config import load_settings
     from services.common.event_trust import event_verifier

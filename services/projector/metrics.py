@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from events.models import EVENT_TYPES
 from readmodels.runner import Projector
 
 
@@ -37,6 +38,11 @@ class ProjectorCollector(Collector):
         lag = GaugeMetricFamily(
             "hearth_projector_lag_events", "Stream last sequence minus the applied position.", labels=labels
         )
+        lag_seconds = GaugeMetricFamily(
+            "hearth_projector_lag_seconds",
+            "Age of the oldest message read from the stream and not applied yet (0: everything read is applied).",
+            labels=labels,
+        )
         for stream in projector.streams:
             values = [name, stream]
             applied.add_metric(values, projector.applied_total[stream])
@@ -44,6 +50,16 @@ class ProjectorCollector(Collector):
             position.add_metric(values, projector.positions[stream])
             last_seq.add_metric(values, projector.stream_last_seqs[stream])
             lag.add_metric(values, projector.lag(stream))
+            lag_seconds.add_metric(values, projector.lag_seconds(stream))
+        by_type = CounterMetricFamily(
+            "hearth_projector_events_applied",
+            "Events applied to the read model, by event type (rejected and undecodable ones are not).",
+            labels=["event_type"],
+        )
+        # Every known type from the start, so a rate over one that has not happened yet reads 0, not nothing.
+        applied_by_type = {**dict.fromkeys(EVENT_TYPES, 0), **projector.applied_by_type}
+        for event_type, count in sorted(applied_by_type.items()):
+            by_type.add_metric([event_type], count)
         batches = CounterMetricFamily(
             "hearth_projector_batches", "Transactions committed by the projector.", labels=["projection"]
         )
@@ -54,4 +70,4 @@ class ProjectorCollector(Collector):
             labels=["projection"],
         )
         failures.add_metric([name], projector.apply_failures_total)
-        yield from (applied, skipped, position, last_seq, lag, batches, failures)
+        yield from (applied, by_type, skipped, position, last_seq, lag, lag_seconds, batches, failures)

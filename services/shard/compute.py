@@ -25,7 +25,7 @@ from inference import LayerRangeRunner
 from inference.compute_thread import StepThreads, on_compute_thread, use_intra_op_threads
 from services.common.control_protocol import OpenHop
 from services.shard.faults import ShardFault
-from services.shard.metrics import ShardStepMetrics
+from services.shard.metrics import ShardStepMetrics, watch_serving
 from services.transport import ReceivedStep
 from services.transport.integrity import NormBounds
 
@@ -66,6 +66,7 @@ class ShardCompute:
     def __init__(self, runner: LayerRangeRunner, shard_id: str, *, fault: ShardFault | None = None,
                  step_threads: StepThreads | None = None) -> None:
         self.runner = runner
+        self.shard_id = shard_id
         self.fault = fault or ShardFault()
         self.step_threads = step_threads or StepThreads()
         self.stats = ServingStats()
@@ -75,6 +76,11 @@ class ShardCompute:
         self.active_streams = 0
         # Running bounds of the inputs received, per first layer run (see the module docstring).
         self._input_bounds: dict[int, NormBounds] = {}
+        watch_serving(self)
+
+    def serving_figures(self) -> tuple[int, int, int]:
+        """Hops open, KV-cache bytes and tokens served, for the metrics (read without waiting for the runner)."""
+        return self.active_streams, self.cache.cache_bytes, self.stats.tokens_served_total
 
     async def run(self, request: OpenHop, received: ReceivedStep) -> StepResult:
         """Check and run one prefill/decode step; raises what the layers raise (the caller reports it)."""

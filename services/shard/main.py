@@ -12,7 +12,7 @@ from inference import InferenceError, load_layer_range, weights_sha256
 from inference.compute_thread import StepThreads, on_compute_thread
 from services.common.config import HearthSettings, serve_shards_refused
 from services.common.lifecycle import CommandRefused, unless_stopped
-from services.common.metrics import start_metrics_server
+from services.common.metrics import serve_process_metrics
 from services.common.nats_connection import connect_nats, drain_or_close
 from services.shard.faults import ShardFault
 from services.shard.compute import ShardCompute
@@ -125,9 +125,7 @@ async def run_shard(
     metrics_server = None
     try:
         await server.start()
-        if metrics_port is not None:
-            metrics_server = start_metrics_server(metrics_port)
-            print(f"shard {shard_id} metrics on {metrics_server.url}", flush=True)
+        metrics_server = serve_process_metrics(metrics_port, f"shard {shard_id}")
         print(f"shard {shard_id} ready (layers {lo}-{hi} of {info.num_layers}, weights {digest[:12]})", flush=True)
         if ready_file:
             with open(ready_file, "w") as handle:

@@ -14,13 +14,24 @@ All durations are in seconds, labelled with the shard id and the step kind (`pre
 * ``hearth_shard_step_compute_seconds``: running the step's layers (worker thread included).
 
 Buckets are 0.1 ms apart up to 1 ms so a percentile near the 1 ms target is read to within 0.1 ms.
+
+What a shard serves is read at scrape time from its ShardCompute (ShardServingCollector), costing nothing per step:
+``hearth_shard_active_sessions`` (hops open), ``hearth_shard_kv_cache_bytes`` and
+``hearth_shard_tokens_served_total`` (the reputation signal its heartbeats carry), all labelled by shard id.
 """
 
 from __future__ import annotations
 
-from prometheus_client import REGISTRY, CollectorRegistry
+import threading
+import weakref
+from collections.abc import Iterator
+from typing import Protocol
 
-from services.common.metrics import histogram
+from prometheus_client import REGISTRY, CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from services.common.metrics import histogram, metrics_observed
 
 transport_buckets_s = (
     0.00005, 0.0001, 0.0002, 0.0003, 0.0004, 0.0005, 0.0006, 0.0007, 0.0008, 0.0009, 0.001,
@@ -55,13 +66,69 @@ class ShardStepMetrics:
                                     buckets=transport_buckets_s, registry=registry)
         self._compute = histogram(COMPUTE_METRIC, "Running a step's layers on this host.", STEP_LABELS,
                                   buckets=compute_buckets_s, registry=registry)
+        self._children: dict[str, tuple] = {}
 
     def observe(self, kind: str, *, wire_s: float | None, deserialize_s: float, serialize_s: float,
                 compute_s: float) -> None:
-        labels = (self.shard_id, kind)
-        self._deserialize.labels(*labels).observe(deserialize_s)
-        self._serialize.labels(*labels).observe(serialize_s)
-        self._compute.labels(*labels).observe(compute_s)
+        if not metrics_observed():
+            return
+        children = self._children.get(kind)
+        if children is None:  # labels() costs as much as an observation: looked up once per kind
+            children = self._children[kind] = tuple(
+                metric.labels(self.shard_id, kind)
+                for metric in (self._deserialize, self._serialize, self._compute, self._wire, self._transport))
+        deserialize, serialize, compute, wire, transport = children
+        deserialize.observe(deserialize_s)
+        serialize.observe(serialize_s)
+        compute.observe(compute_s)
         if wire_s is not None:  # a sender that stamps no send time (older peer): nothing to add up
-            self._wire.labels(*labels).observe(wire_s)
-            self._transport.labels(*labels).observe(wire_s + deserialize_s + serialize_s)
+            wire.observe(wire_s)
+            transport.observe(wire_s + deserialize_s + serialize_s)
+
+
+class ServingFigures(Protocol):
+    """What ShardServingCollector reads off a shard (services/shard/compute.py's ShardCompute)."""
+
+    shard_id: str
+
+    def serving_figures(self) -> tuple[int, int, int]:
+        """(hops open, KV-cache bytes, tokens served since start)."""
+
+
+class ShardServingCollector(Collector):
+    """Reads every live shard of this process (usually one) at scrape time."""
+
+    def __init__(self) -> None:
+        self._shards: weakref.WeakSet = weakref.WeakSet()
+
+    def watch(self, shard: ServingFigures) -> None:
+        self._shards.add(shard)
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["shard_id"]
+        sessions = GaugeMetricFamily("hearth_shard_active_sessions", "Pipeline hops (sessions) this shard serves now.",
+                                     labels=labels)
+        cache = GaugeMetricFamily("hearth_shard_kv_cache_bytes", "Bytes of KV cache this shard holds for its sessions.",
+                                  labels=labels)
+        tokens = CounterMetricFamily("hearth_shard_tokens_served", "Token positions run through this shard's layers "
+                                     "(prefill and decode): the reputation signal of its heartbeats.", labels=labels)
+        for shard in list(self._shards):
+            open_hops, cache_bytes, served = shard.serving_figures()
+            sessions.add_metric([shard.shard_id], open_hops)
+            cache.add_metric([shard.shard_id], cache_bytes)
+            tokens.add_metric([shard.shard_id], served)
+        yield from (sessions, cache, tokens)
+
+
+_serving_collectors: dict[int, ShardServingCollector] = {}
+_serving_lock = threading.Lock()
+
+
+def watch_serving(shard: ServingFigures, *, registry: CollectorRegistry = REGISTRY) -> None:
+    """Expose `shard`'s serving figures on `registry` for as long as the shard lives."""
+    with _serving_lock:
+        collector = _serving_collectors.get(id(registry))
+        if collector is None:
+            collector = _serving_collectors[id(registry)] = ShardServingCollector()
+            registry.register(collector)
+    collector.watch(shard)

@@ -34,6 +34,8 @@ class StepProgress:
     chunk_count: int
     last_ack_monotonic: float
     acked_chunks: set[int] = field(default_factory=set)
+    # hop -> when its first ack of this step was seen: how long each hop held the step (the orchestrator's metric).
+    first_ack_at: dict[int, float] = field(default_factory=dict)
 
     @property
     def chunks_acked(self) -> int:
@@ -166,6 +168,8 @@ class AckObserver(SubscribingEndpoint):
             progress = steps[ack.step] = StepProgress(ack.session, ack.step, ack.hop, ack.chunk_count, now)
             while len(steps) > self.max_steps_per_session:
                 steps.popitem(last=False)
+        if ack.hop not in progress.first_ack_at:
+            progress.first_ack_at[ack.hop] = now
         if ack.hop > progress.hop:
             progress.hop, progress.chunk_count = ack.hop, ack.chunk_count
             progress.acked_chunks.clear()

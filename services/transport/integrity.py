@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 
@@ -21,6 +21,9 @@ integrity_failures_total = counter(
     "(`sink`: the orchestrator, after the last hop; `hop_input`: a shard, before running its layers).",
     ["check", "checked_at"],
 )
+for _check in get_args(IntegrityCheck):  # read 0, not nothing, before any failure
+    for _checked_at in ("sink", "hop_input"):
+        integrity_failures_total.labels(check=_check, checked_at=_checked_at)
 
 
 def count_integrity_failure(check: IntegrityCheck, checked_at: str) -> None:

@@ -45,6 +45,8 @@ frames_refused_total = counter(
     "fit the pipeline (`shape`, `positions`, `dtype`, `chunks`, `size`).",
     ["reason"],
 )
+for _reason in ("shape", "positions", "dtype", "chunks", "size", "mac"):  # read 0, not nothing, before any refusal
+    frames_refused_total.labels(reason=_reason)
 
 
 class _PartialStep:

@@ -1,0 +1,118 @@
+"""The metrics the orchestrator and the shards derive (services/orchestrator/metrics.py, services/shard/metrics.py),
+the `--metrics-port` switch and LocalCluster's reading of it."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from events.models import IntegrityCorruptionDetected, PipelineFailover, PipelineFallbackLocal, PipelineFirstToken
+from services.cluster import _metrics_port_in
+from services.common.chat_protocol import DoneFrame, ErrorFrame, KeepaliveFrame, Timing, Usage
+from services.common.metrics import (
+    metrics_observed,
+    render_metrics,
+    sample_value,
+    serve_process_metrics,
+    set_metrics_observed,
+)
+from services.orchestrator.metrics import HopLatencies, count_request, final_frame_code, observe_event
+from services.shard.metrics import watch_serving
+
+SHARDS = ["m:0-1@a", "m:2-3@b", "m:4-5@c"]
+
+
+@pytest.fixture
+def observing():
+    """Per-step observations on for the test, as they were afterwards."""
+    before = metrics_observed()
+    set_metrics_observed(True)
+    assert serve_process_metrics(None, "test") is None and metrics_observed()  # None leaves them as they are
+    yield
+    set_metrics_observed(before)
+
+
+def latency_count(shard_id: str) -> float:
+    return sample_value("hearth_shard_latency_seconds_count", {"shard_id": shard_id})
+
+
+def test_each_hop_is_timed_from_its_first_ack_to_the_next_hops_or_to_the_output(observing):
+    latencies = HopLatencies(SHARDS)
+    counts = [latency_count(shard) for shard in SHARDS]
+    total_before = sample_value("hearth_shard_latency_seconds_sum", {"shard_id": SHARDS[1]})
+    # Hop 2's ack was not seen: hop 1 has no end, hop 2 no start; hop 0 and the sink's arrival still count.
+    latencies.observe({0: 10.0, 1: 10.25}, output_at=11.0)
+    assert [latency_count(shard) - before for shard, before in zip(SHARDS, counts)] == [1, 0, 0]
+    latencies.observe({0: 20.0, 1: 20.25, 2: 20.75}, output_at=21.0)
+    assert [latency_count(shard) - before for shard, before in zip(SHARDS, counts)] == [2, 1, 1]
+    assert sample_value("hearth_shard_latency_seconds_sum", {"shard_id": SHARDS[1]}) - total_before == 0.5
+
+
+def test_metrics_port_0_turns_the_per_step_observations_off(observing):
+    latencies = HopLatencies(SHARDS)
+    before = latency_count(SHARDS[0])
+    assert serve_process_metrics(0, "test") is None
+    latencies.observe({0: 1.0, 1: 2.0, 2: 3.0}, output_at=4.0)
+    assert latency_count(SHARDS[0]) == before
+
+
+def test_a_calls_events_feed_the_orchestrator_metrics(observing):
+    common = {"node_id": "orch", "pipeline_id": "p-1"}
+    before = {
+        "ttft": sample_value("hearth_first_token_seconds_count"),
+        "failovers": sample_value("hearth_failovers_total", {"reason": "stalled"}),
+        "fallbacks": sample_value("hearth_fallback_to_local_total"),
+        "corrupt": sample_value("hearth_shard_corruption_detected_total", {"shard_id": SHARDS[0], "check": "nan"}),
+    }
+    observe_event(PipelineFirstToken(ttft_ms=250.0, **common))
+    observe_event(PipelineFailover(failed_shard_id=SHARDS[0], replacement_hops=SHARDS[1:], reason="stalled",
+                                   resumed_at_token=3, **common))
+    observe_event(PipelineFallbackLocal(reason="no shards", **common))
+    observe_event(IntegrityCorruptionDetected(shard_id=SHARDS[0], check="nan", **common))
+    assert sample_value("hearth_first_token_seconds_count") == before["ttft"] + 1
+    assert sample_value("hearth_failovers_total", {"reason": "stalled"}) == before["failovers"] + 1
+    assert sample_value("hearth_fallback_to_local_total") == before["fallbacks"] + 1
+    assert sample_value("hearth_shard_corruption_detected_total",
+                        {"shard_id": SHARDS[0], "check": "nan"}) == before["corrupt"] + 1
+
+
+def test_a_call_is_counted_by_its_final_frame_or_by_why_it_had_none():
+    done = DoneFrame(seq=3, finish_reason="stop", usage=Usage(prompt_tokens=1, completion_tokens=1),
+                     timing=Timing(ttft_ms=1.0, tokens_per_second=1.0, duration_ms=1.0))
+    assert final_frame_code(done) == "ok"
+    assert final_frame_code(ErrorFrame(seq=0, code="overloaded", message="busy")) == "overloaded"
+    assert final_frame_code(KeepaliveFrame(seq=0)) is None
+    for code, gone, label in (("ok", False, "ok"), (None, True, "client_gone"), (None, False, "orchestrator_gone")):
+        before = sample_value("hearth_requests_total", {"code": label})
+        count_request(code, gone)
+        assert sample_value("hearth_requests_total", {"code": label}) == before + 1
+    # Every error code reads 0 from the start, not nothing.
+    assert 'hearth_requests_total{code="shard_unavailable"}' in render_metrics()
+
+
+def test_a_shards_serving_figures_are_read_at_scrape_time():
+    class Shard:
+        shard_id = "m:0-5@x"
+        figures = (2, 4096, 17)
+
+        def serving_figures(self):
+            return self.figures
+
+    registry = CollectorRegistry()
+    shard = Shard()
+    watch_serving(shard, registry=registry)
+    labels = {"shard_id": shard.shard_id}
+    assert sample_value("hearth_shard_active_sessions", labels, registry=registry) == 2
+    assert sample_value("hearth_shard_kv_cache_bytes", labels, registry=registry) == 4096
+    shard.figures = (0, 0, 40)
+    assert sample_value("hearth_shard_tokens_served_total", labels, registry=registry) == 40
+    assert sample_value("hearth_shard_active_sessions", labels, registry=registry) == 0
+
+
+@pytest.mark.parametrize(("args", "port"), [
+    (["shard", "--layers", "0-1"], None),
+    (["shard", "--metrics-port", "9101"], 9101),
+    (["projector", "--metrics-port=0", "--metrics-port", "9"], 9),
+])
+def test_local_cluster_reads_a_metrics_port_given_in_the_arguments(args, port):
+    assert _metrics_port_in(args) == port
