@@ -311,6 +311,8 @@ def bench_command(
     new_tokens: Annotated[int, typer.Option("--new-tokens", min=2, help="Tokens to generate per request.")] = 32,
     sessions: Annotated[int, typer.Option("--sessions", min=1, help="Concurrent sessions (1 skips that part).")] = 4,
     repeats: Annotated[int, typer.Option("--repeats", min=1, help="Measured rounds of monolithic + pipeline.")] = 3,
+    burst: Annotated[int, typer.Option("--burst", min=0, help="Then send this many requests at once: completed and "
+                                       "refused, queue wait and time to first token (0 skips it).")] = 0,
     torch_threads: TorchThreadsOption = None,
     monolithic_threads: Annotated[
         Optional[int], typer.Option("--monolithic-threads", min=1, help="torch threads of the generate() baseline "
@@ -336,7 +338,7 @@ def bench_command(
                                           "cost).")] = True,
 ) -> None:
     """Monolithic generate() vs the distributed pipeline on this machine: tokens/s, ratio, TTFT, construction,
-    per-hop transport overhead, and concurrent sessions."""
+    per-hop transport overhead, concurrent sessions, and a burst (--burst)."""
     from services.bench.command import BenchOptions, run_bench_command
 
     child_env = {}
@@ -349,7 +351,7 @@ def bench_command(
                            sessions=sessions, repeats=repeats, torch_threads=torch_threads,
                            monolithic_threads=monolithic_threads, library_defaults_baseline=library_defaults,
                            child_env=child_env, cache_dir=cache_dir, secure=not insecure,
-                           metrics=metrics)
+                           metrics=metrics, burst=burst)
     raise typer.Exit(run_bench_command(options, as_json=as_json))
 
 

@@ -228,6 +228,7 @@ async function streamChat(nc, request, keyPair) {
       if (frame.type === "keepalive") continue; // not numbered: it repeats the last seq
       if (frame.seq !== lastSeq + 1) throw new Failure(`frames were lost: seq ${frame.seq} after ${lastSeq}`);
       lastSeq = frame.seq;
+      if (frame.type === "queued") console.error(`[queued: ${frame.position} of ${frame.queued_requests}]`);
       if (FINAL_FRAME_TYPES.has(frame.type)) return seen;
     }
   } finally {
@@ -294,7 +295,8 @@ async function main() {
       usage: final.usage ?? null,
       ...(final.type === "done"
         ? {}
-        : { error: { type: final.type, code: final.code, detail: final.message ?? final.reason } }),
+        : { error: { type: final.type, code: final.code, detail: final.message ?? final.reason,
+                     ...(final.retry_after_s != null ? { retry_after_s: final.retry_after_s } : {}) } }),
     }));
     return final.type === "done" ? 0 : 1;
   } finally {

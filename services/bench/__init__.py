@@ -25,7 +25,11 @@ One invocation, one model, one prompt:
 5. sends K requests at once (different prompts of the same length) and reports the aggregate
    tokens/s (all tokens / wall time from the first request to the last `done`) and each session's
    time to first token and finish, and whether any session produced its first token only after
-   another one had finished.
+   another one had finished;
+6. with ``--burst N``, sends N copies of the greedy request at once (more than the mesh runs at once) and
+   reports how many completed and were refused, whether every answer equals the solo run's, p50/p95 of
+   the queue wait (the orchestrator's, from each `done` frame) and of the time to first token (the
+   client's, queue wait included), and the largest queue position a call was told.
 
 ``--model`` is a checkpoint folder, a name under models/, a hub id in the local cache, or
 ``random:<shape>`` (services.random_models): a randomly initialised Llama written once with
@@ -36,6 +40,6 @@ end-of-sequence token, so every run generates exactly ``--new-tokens``.
 Modules: ``command`` (the `hearth bench` entry), ``runner`` (the Bench: start, rounds, concurrent
 sessions), ``monolithic`` (the generate() worker and its handle; ``__main__`` starts the worker),
 ``pipeline`` (one timed request through the orchestrator), ``timing`` (one timed generation),
-``prompts``, ``transport_metrics`` (scraped histograms -> per-hop figures), ``report`` (models and
-text), ``targets`` (verdicts), ``errors``.
+``burst`` (the burst part), ``prompts``, ``transport_metrics`` (scraped histograms -> per-hop figures),
+``report`` (models and text), ``targets`` (verdicts), ``errors``.
 """

@@ -9,24 +9,39 @@ from services.bench.errors import BenchError
 from services.bench.timing import GenerationTiming
 
 
-async def pipeline_generation(nc, model_ref: str, prompt: str, new_tokens: int) -> GenerationTiming:
-    """One raw-prompt greedy request through the orchestrator, timed at the client."""
+async def pipeline_generation(nc, model_ref: str, prompt: str, new_tokens: int, *,
+                              refusal_is_error: bool = True, **timeouts: float) -> GenerationTiming:
+    """One raw-prompt greedy request through the orchestrator, timed at the client; a call that does not
+    complete raises BenchError, or (`refusal_is_error` False) comes back with its `error_code`."""
     from services.common.chat_client import stream_chat_raw
-    from services.common.chat_protocol import ChatRequest, DoneFrame, ErrorFrame, PipelineAbortedFrame, TokenDeltaFrame
+    from services.common.chat_protocol import (
+        ChatRequest,
+        DoneFrame,
+        ErrorFrame,
+        PipelineAbortedFrame,
+        QueuedFrame,
+        TokenDeltaFrame,
+    )
 
     request = ChatRequest(model=model_ref, prompt=prompt, max_tokens=new_tokens, temperature=0.0,
                           params={"fallback_to_local": False})
     timing = GenerationTiming()
     started = time.perf_counter()
-    frames = stream_chat_raw(nc, request.model_dump_json(exclude_none=True).encode())
+    frames = stream_chat_raw(nc, request.model_dump_json(exclude_none=True).encode(), **timeouts)
     async with contextlib.aclosing(frames):
         async for frame in frames:
             if isinstance(frame, TokenDeltaFrame):
                 timing.token_times_s.append(time.perf_counter() - started)
                 timing.token_ids.append(frame.token_id)
+            elif isinstance(frame, QueuedFrame):
+                timing.queue_positions.append(frame.position)
             elif isinstance(frame, DoneFrame):
                 timing.construct_ms = getattr(frame.timing, "construct_ms", None)
+                timing.queue_wait_ms = frame.timing.queue_wait_ms
                 return timing
             elif isinstance(frame, (ErrorFrame, PipelineAbortedFrame)):
-                raise BenchError(f"pipeline request failed: {frame.model_dump_json()}")
+                if refusal_is_error:
+                    raise BenchError(f"pipeline request failed: {frame.model_dump_json()}")
+                timing.error_code = frame.code
+                return timing
     raise BenchError("the frame stream ended without `done`")

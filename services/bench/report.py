@@ -6,6 +6,7 @@ import statistics
 
 from pydantic import BaseModel
 
+from services.bench.burst import BurstFigures, burst_lines
 from services.bench.timing import GenerationTiming
 
 
@@ -80,6 +81,8 @@ class BenchReport(BaseModel):
     transport_prefill: list[TransportFigures]
     concurrent: ConcurrentFigures | None
     targets: list[TargetCheck]
+    # `--burst N`: N requests sent at once (services/bench/burst.py).
+    burst: BurstFigures | None = None
 
 
 def side_figures(runs: list[GenerationTiming]) -> Side:
@@ -150,6 +153,9 @@ def format_report(report: BenchReport) -> str:
         if pooled is not None:
             lines.append(f"  transport overhead under load (decode, all hops): p50 {_ms(pooled.p50_ms)} ms, "
                          f"p95 {_ms(pooled.p95_ms)} ms")
+    if report.burst is not None:
+        lines.append("")
+        lines.extend(burst_lines(report.burst))
     lines.append("")
     lines.append("targets:")
     for check in report.targets:

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.bench.burst import run_burst
 from services.bench.errors import BenchError
 from services.bench.monolithic import MonolithicWorker
 from services.bench.pipeline import pipeline_generation
@@ -59,6 +60,8 @@ class BenchOptions:
     # False: every process runs with --metrics-port 0 (no /metrics, no per-step observations), to measure what
     # metrics cost; the per-hop transport figures, read from the shards' metrics, are then left out.
     metrics: bool = True
+    # Requests sent at once after the other parts (0: none), to measure admission.
+    burst: int = 0
 
 
 def _progress(text: str) -> None:
@@ -90,7 +93,9 @@ class Bench:
         load_before = _load_average()
         max_streams = max(4, options.sessions)
         process_env = {**quiet_torch_environment(options.torch_threads), **options.child_env}
+        # The bench is one caller: it may run as many calls as the orchestrator.
         env = {"HEARTH_RESEARCH__DISTRIBUTED_INFERENCE__MAX_CONCURRENT_PIPELINES": str(max_streams),
+               "HEARTH_ORCHESTRATOR__MAX_STREAMS_PER_CALLER": str(max_streams),
                **({} if options.secure else {"HEARTH_TRANSPORT__ACTIVATION_MACS": "false"}), **options.child_env}
         with LocalCluster(torch_threads=options.torch_threads, extra_env=env, log_level="WARNING",
                           secure=options.secure, metrics=options.metrics) as cluster:
@@ -200,6 +205,11 @@ class Bench:
                 concurrent = await self._concurrent(nc, model_ref, worker, metrics_urls, hop_of,
                                                     statistics.median(r.decode_tokens_per_s for r in pipe_runs),
                                                     statistics.median(r.end_s for r in pipe_runs))
+            burst = None
+            if options.burst:
+                _progress(f"a burst of {options.burst} requests sent at once ...")
+                burst = await run_burst(nc, model_ref, prompt, options.burst, options.new_tokens,
+                                        pipe_runs[0].token_ids)
         finally:
             await asyncio.wait_for(nc.close(), timeout=5)
         mono, pipe = side_figures(mono_runs), side_figures(pipe_runs)
@@ -234,6 +244,7 @@ class Bench:
             transport_prefill=transport_figures(delta, "prefill", hop_of),
             concurrent=concurrent,
             targets=[],
+            burst=burst,
         )
 
     async def _concurrent(self, nc, model_ref, worker: MonolithicWorker, metrics_urls, hop_of,

@@ -44,4 +44,11 @@ def target_checks(report: BenchReport) -> list[TargetCheck]:
             measured=f"latest first token {max(s.ttft_ms for s in c.sessions):.0f} ms, earliest finish "
                      f"{min(s.finished_ms for s in c.sessions):.0f} ms" + (f"; waited: {waited}" if waited else ""),
             met=not waited))
+    if report.burst is not None:
+        burst = report.burst
+        checks.append(TargetCheck(
+            target=f"burst: {burst.requests} requests sent at once all complete (none refused)",
+            measured=f"{burst.completed} completed, {sum(burst.refused.values())} refused; queue wait p50 "
+                     f"{burst.queue_wait_ms_p50 or 0:.0f} ms, p95 {burst.queue_wait_ms_p95 or 0:.0f} ms",
+            met=burst.completed == burst.requests and burst.outputs_match_solo))
     return checks

@@ -12,6 +12,11 @@ class GenerationTiming:
     token_times_s: list[float] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     construct_ms: float | None = None
+    # What the orchestrator said the call waited in its queue (done frame), and the places it was told.
+    queue_wait_ms: float | None = None
+    queue_positions: list[int] = field(default_factory=list)
+    # The code of the final frame when the call did not complete (None: it did).
+    error_code: str | None = None
 
     @property
     def tokens(self) -> int:
@@ -19,7 +24,7 @@ class GenerationTiming:
 
     @property
     def ttft_ms(self) -> float:
-        return self.token_times_s[0] * 1000.0
+        return self.token_times_s[0] * 1000.0 if self.token_times_s else float("nan")
 
     @property
     def decode_tokens_per_s(self) -> float:

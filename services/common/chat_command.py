@@ -17,6 +17,7 @@ from services.common.chat_protocol import (
     DoneFrame,
     ErrorFrame,
     PipelineAbortedFrame,
+    QueuedFrame,
     TokenDeltaFrame,
     describe_validation_error,
 )
@@ -68,8 +69,12 @@ async def _chat(nats_url: str, request: ChatRequest, *, as_json: bool, nats_sett
                     text.end()
                     _say(f"[{frame.finish_reason}: {frame.usage.completion_tokens} tokens, "
                          f"{timing.tokens_per_second or 0:.1f} tokens/s, ttft {timing.ttft_ms or 0:.0f} ms]")
+                elif isinstance(frame, QueuedFrame):
+                    _say(f"[queued: position {frame.position} of {frame.queued_requests}]")
                 elif isinstance(frame, (ErrorFrame, PipelineAbortedFrame)):
                     message = frame.message if isinstance(frame, ErrorFrame) else frame.reason
+                    if isinstance(frame, ErrorFrame) and frame.retry_after_s is not None:
+                        message += f" (retry after {frame.retry_after_s:g} s)"
                     text.end()
                     _say(f"error {frame.code}: {message}")
                     # No orchestrator answered, or it went silent: no answer in time, as for a broker away.

@@ -147,6 +147,8 @@ class Timing(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     ttft_ms: float | None = None
+    # How long the call waited in the orchestrator's queue before it started.
+    queue_wait_ms: float | None = None
     tokens_per_second: float | None = None
     duration_ms: float | None = None
 
@@ -165,15 +167,27 @@ class KeepaliveFrame(_Frame):
     type: Literal["keepalive"] = "keepalive"
 
 
+class QueuedFrame(_Frame):
+    """The call waits for room (the mesh runs as many calls as it can); sent when it joins the queue and again
+    whenever its place changes. `position` 1 is the next call to start."""
+
+    type: Literal["queued"] = "queued"
+    position: int = Field(ge=1)
+    # Calls waiting on this orchestrator in all (this one included).
+    queued_requests: int = Field(ge=1)
+
+
 class ErrorFrame(_Frame):
     type: Literal["error"] = "error"
     code: ErrorCode
     message: str
+    # With `overloaded`: how long the client should wait before sending the call again.
+    retry_after_s: float | None = Field(default=None, ge=0)
 
 
 ChatFrame = Annotated[
     Union[PipelineFrame, TokenDeltaFrame, ShardStatusFrame, ShardFailoverFrame, PipelineAbortedFrame,
-          DoneFrame, ErrorFrame, KeepaliveFrame],
+          DoneFrame, ErrorFrame, KeepaliveFrame, QueuedFrame],
     Field(discriminator="type"),
 ]
 _frame_adapter: TypeAdapter[ChatFrame] = TypeAdapter(ChatFrame)

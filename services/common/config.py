@@ -192,6 +192,22 @@ class OrchestratorSettings(_Section):
         description="an `llm.chat.request` body larger than this is refused (`bad_request`) before it is parsed")
     max_broker_repairs: int = Field(
         default=3, ge=0, description="rebuilds of a call's pipeline after the broker connection was lost")
+    max_queued_requests: int = Field(
+        default=256, ge=0,
+        description="calls waiting for room beyond those running; one more is answered `overloaded`")
+    max_streams_per_caller: int = Field(
+        default=4, ge=1,
+        description="calls of one caller (a roster member; all unsigned callers together) running at once; "
+                    "the rest of its calls wait in the queue")
+    overloaded_retry_after_s: float = Field(
+        default=5.0, gt=0, description="`retry_after_s` an `overloaded` answer suggests to its client")
+    at_capacity_retry_s: float = Field(
+        default=0.5, gt=0,
+        description="a shard that answered `at_capacity` is tried again after this, or when one of our own "
+                    "streams on it ends, whichever comes first")
+    at_capacity_max_wait_s: float = Field(
+        default=120.0, gt=0,
+        description="a call that found no shard with room for this long is answered `overloaded`")
 
 
 class ShardSettings(_Section):

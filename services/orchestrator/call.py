@@ -128,6 +128,8 @@ class Call:
     # Every token sampled (the end-of-sequence token too): what a repaired pipeline re-prefills.
     generated: list[int] = field(default_factory=list)
     first_token_at: float | None = None
+    # How long the call waited in the orchestrator's queue before it started (services/orchestrator/queue.py).
+    queue_wait_s: float | None = None
     construct_ms: float | None = None
     failovers: int = 0
     broker_repairs: int = 0
@@ -146,6 +148,9 @@ class Call:
 
     def seconds_since_start(self) -> float:
         return time.perf_counter() - self.started
+
+    def queue_wait_ms(self) -> float | None:
+        return None if self.queue_wait_s is None else self.queue_wait_s * 1000.0
 
     def ttft_ms(self) -> float:
         return ((self.first_token_at or time.perf_counter()) - self.started) * 1000.0

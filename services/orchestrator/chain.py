@@ -131,7 +131,8 @@ class HopChain:
                 return self._broker_failure(epoch, "opening the pipeline") or StepFailure(
                     "refused", hop.shard_id, f"did not answer open: {reply!r}")
             if not reply.ok:
-                return StepFailure("refused", hop.shard_id, f"refused: {reply.code or 'refused'}: {reply.message}")
+                return StepFailure("refused", hop.shard_id, f"refused: {reply.code or 'refused'}: {reply.message}",
+                                   code=reply.code)
         return None
 
     async def _open_hop(self, index: int, hop: Hop) -> ControlReply:

@@ -43,6 +43,7 @@ from services.common.chat_protocol import (
 )
 from services.common.config import HearthSettings
 from services.orchestrator.call import Call
+from services.orchestrator.capacity import ShardLoad
 from services.orchestrator.catalog import ModelCatalog
 from services.orchestrator.chain import HopChain, LocalChain
 from services.orchestrator.health import RecentFailures
@@ -70,6 +71,8 @@ class RunContext:
     step_threads: StepThreads
     # Per model: bounds of the activations that reach us (the sink's integrity check), shared by all calls.
     sink_bounds: dict[str, NormBounds]
+    # The streams this orchestrator holds on each shard and the shards that just refused it (live routing room).
+    load: ShardLoad
     running_calls: int = 0
 
 
@@ -91,6 +94,8 @@ class PipelineRun:
         self.transport = ctx.settings.transport
         self.policy = ctx.settings.research.distributed_inference
         self.chain: HopChain | LocalChain | None = None
+        # The shards of the open chain counted in the context's ShardLoad (released on close).
+        self._held: list[str] = []
 
     async def run(self) -> None:
         # The prompt was tokenized when the call was admitted (services/orchestrator/admission.py).
@@ -127,12 +132,21 @@ class PipelineRun:
         chain, self.chain = self.chain, None
         if chain is not None:
             await chain.close()
+        held, self._held = self._held, []
+        if held:
+            # After the closes went out: the shards read them before any later open of ours.
+            self.ctx.load.release(held)
+
+    def _opened(self, chain: HopChain) -> HopChain:
+        self.ctx.load.hold(chain.shard_ids)
+        self._held = list(chain.shard_ids)
+        return chain
 
     # ------------------------------------------------------------------ routing
 
     async def _construct(self) -> HopChain:
-        """Open a chain over what the router plans, routing around refusals; RoutingError when nothing covers
-        the model any more."""
+        """Open a chain over what the router plans, routing around refusals and waiting while the shards that
+        could serve are full; RoutingError when nothing covers the model any more (or room never came)."""
         call = self.call
         started = time.perf_counter()
         router, model_id = self.ctx.router, call.model.model_id
@@ -142,23 +156,45 @@ class PipelineRun:
             try:
                 hops = self._plan(candidates)
             except RoutingError:
-                if caught_up:
+                if not caught_up:
+                    # The read model may trail the event log by milliseconds (a shard that just advertised):
+                    # decide "unavailable" only on a caught-up one.
+                    await self._catch_up()
+                    candidates, caught_up = await asyncio.to_thread(router.candidates, model_id), True
+                    continue
+                if not self._only_room_lacks(candidates):
                     raise
-                # The read model may trail the event log by milliseconds (a shard that just advertised):
-                # decide "unavailable" only on a caught-up one.
-                await self._catch_up()
-                candidates, caught_up = await asyncio.to_thread(router.candidates, model_id), True
+                waited_s, settings = time.perf_counter() - started, self.ctx.settings.orchestrator
+                if waited_s > settings.at_capacity_max_wait_s:
+                    raise RoutingError("overloaded", f"no shard had room for this call within {waited_s:.0f} s "
+                                                     f"(at_capacity_max_wait_s); retry later")
+                await self.ctx.load.wait_for_room(settings.at_capacity_retry_s)
+                candidates = await asyncio.to_thread(router.candidates, model_id)
                 continue
             chain = self._chain_over(hops)
             failure = await chain.open()
             if failure is None:
                 call.construct_ms = (time.perf_counter() - started) * 1000.0
-                return chain
+                return self._opened(chain)
             await chain.close()
             if failure.shard_id is None:
                 raise RoutingError("shard_unavailable", failure.reason)
+            if failure.code == "at_capacity":
+                # Full for now (another orchestrator's streams): a replica, or a wait; never a reason to fail.
+                log.info("pipeline %s: %s; trying a replica or waiting", call.pipeline_id, failure)
+                self.ctx.load.refused(failure.shard_id)
+                continue
             log.info("pipeline %s: %s; routing around it", call.pipeline_id, failure)
             call.excluded.add(failure.shard_id)
+
+    def _only_room_lacks(self, candidates) -> bool:
+        """Whether a chain could be planned if every shard had room (then waiting for room is worth it)."""
+        router, model = self.ctx.router, self.call.model
+        try:
+            router.plan(candidates, model.model_id, model.weights_sha256, exclude=self.call.excluded, now=router.now())
+        except RoutingError:
+            return False
+        return True
 
     def _chain_over(self, hops: list[Hop]) -> HopChain:
         model = self.call.model
@@ -185,10 +221,11 @@ class PipelineRun:
             # Shards that just failed other requests are the last resort, not a reason to give up.
             try:
                 return router.plan(candidates, model.model_id, model.weights_sha256, exclude=excluded | penalised,
-                                   now=router.now())
+                                   now=router.now(), load=self.ctx.load)
             except RoutingError:
                 pass
-        return router.plan(candidates, model.model_id, model.weights_sha256, exclude=excluded, now=router.now())
+        return router.plan(candidates, model.model_id, model.weights_sha256, exclude=excluded, now=router.now(),
+                           load=self.ctx.load)
 
     # ------------------------------------------------------------------ repair
 
@@ -247,7 +284,7 @@ class PipelineRun:
                 chain = self._chain_over(hops)
                 reopened = await chain.open()
                 if reopened is None:
-                    self.chain = chain
+                    self.chain = self._opened(chain)
                     return True
                 await chain.close()
                 if reopened.kind == "refused":  # a shard answered and said no: route around it as usual
@@ -329,7 +366,8 @@ class PipelineRun:
             seq=0, finish_reason=finish_reason,
             usage=Usage(prompt_tokens=len(call.prompt_ids), completion_tokens=call.completion_tokens),
             timing=Timing(ttft_ms=call.ttft_ms(), tokens_per_second=tokens_per_second, duration_ms=duration_ms,
-                          construct_ms=call.construct_ms, failovers=call.failovers),
+                          construct_ms=call.construct_ms, failovers=call.failovers,
+                          queue_wait_ms=call.queue_wait_ms()),
         ))
         await self._record(PipelineCompleted(
             node_id=self.ctx.node_id, pipeline_id=call.pipeline_id, prompt_tokens=len(call.prompt_ids),

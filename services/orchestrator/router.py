@@ -4,10 +4,11 @@ Rules, in order:
 1. candidates are the shards of the model with matching weights_sha256 that are advertised (not withdrawn),
    not expired (`now < expires_at`), alive (latest heartbeat, or the advertisement itself when no heartbeat
    came yet, at most `health_timeout_s` old), not excluded, and with
-   `active_streams < max_concurrent_streams`;
+   room by this orchestrator's live knowledge (ShardLoad: the streams it holds there and recent
+   `at_capacity` refusals; a heartbeat's `active_streams` is seconds old and not used);
 2. greedy cover from layer 0: among the candidates holding the next uncovered layer, take the lowest cost
-   (queue depth, then hop_weight, then the longest reach, then shard_id so ties are stable) and run it from
-   that layer to its layer_hi;
+   (streams we hold on it now, so replicas share the load, then queue depth, then hop_weight, then the
+   longest reach, then shard_id so ties are stable) and run it from that layer to its layer_hi;
 3. a shard on the orchestrator's own node is not hop 0 unless `allow_self_as_shard`;
 4. a layer no candidate can run is `shard_unavailable`, or `weights_mismatch` when a shard with other
    weights would otherwise have been usable; the message names the uncovered layers.
@@ -25,8 +26,9 @@ from typing import Literal
 from sqlalchemy.orm import Session
 
 from readmodels.queries import ShardCandidate, all_shards, shards_of_model
+from services.orchestrator.capacity import ShardLoad
 
-RoutingErrorCode = Literal["shard_unavailable", "weights_mismatch"]
+RoutingErrorCode = Literal["shard_unavailable", "weights_mismatch", "overloaded"]
 
 
 @dataclass(frozen=True)
@@ -116,10 +118,13 @@ class ShardRouter:
         *,
         exclude: Iterable[str] = (),
         now: float,
+        load: ShardLoad | None = None,
     ) -> list[Hop]:
-        """The routing decision itself, on rows already read (pure, for tests and what-if tools)."""
+        """The routing decision itself, on rows already read (pure, for tests and what-if tools); `load`: the
+        live room of each shard (None: every live shard has room)."""
         excluded = set(exclude)
-        usable = [s for s in shards if s.shard_id not in excluded and self._usable(s, now)]
+        usable = [s for s in shards if s.shard_id not in excluded and self.alive(s, now)
+                  and (load is None or load.has_room(s))]
         candidates = [s for s in usable if s.weights_sha256 == weights_sha256]
         mismatched = [s for s in usable if s.weights_sha256 != weights_sha256]
         total_layers = _total_layers(candidates) or _total_layers(mismatched) or _total_layers(shards)
@@ -138,7 +143,8 @@ class ShardRouter:
                 self._fail(model_id, weights_sha256, candidates, mismatched, total_layers, cursor)
             best = min(
                 holding,
-                key=lambda s: (s.queue_depth or 0, s.hop_weight, -s.layer_hi, s.shard_id),
+                key=lambda s: (load.held(s.shard_id) if load else 0, s.queue_depth or 0, s.hop_weight,
+                               -s.layer_hi, s.shard_id),
             )
             layer_hi_to_run = min(best.layer_hi, total_layers - 1)
             hops.append(
@@ -158,9 +164,6 @@ class ShardRouter:
                 f"more than max_shards_per_request={self.max_hops}",
             )
         return hops
-
-    def _usable(self, shard: ShardCandidate, now: float) -> bool:
-        return self.alive(shard, now) and (shard.active_streams or 0) < shard.max_concurrent_streams
 
     def _fail(
         self,

@@ -29,6 +29,7 @@ from services.common.chat_protocol import (
     BadRequest,
     ErrorFrame,
     ModelsRequest,
+    QueuedFrame,
     describe_validation_error,
     parse_chat_request,
 )
@@ -38,11 +39,13 @@ from services.common.event_trust import call_verifier, event_signing_key, event_
 from services.common.metrics import counter
 from services.orchestrator.admission import admit_prompt
 from services.orchestrator.call import Call, ClientStream
+from services.orchestrator.capacity import ShardLoad
 from services.orchestrator.catalog import ModelCatalog, UnknownModel
 from services.orchestrator.discovery import describe_models
 from services.orchestrator.health import RecentFailures
 from services.orchestrator.metrics import calls_in_flight, count_request
 from services.orchestrator.pipeline import PipelineRun, RunContext
+from services.orchestrator.queue import FairQueue, LeftQueue, Overloaded
 from services.orchestrator.router import ShardRouter
 
 log = logging.getLogger(__name__)
@@ -82,7 +85,11 @@ class Orchestrator:
                                   signing_key=event_signing_key(settings.nats))
         # Calls must be signed by a roster member on a community mesh; None on an open one.
         self.call_verifier = call_verifier(settings)
-        self._slots = asyncio.Semaphore(distributed.max_concurrent_pipelines)
+        # Calls beyond what may run now wait here, round-robin by caller (services/orchestrator/queue.py).
+        limits = settings.orchestrator
+        self.queue = FairQueue(max_running=distributed.max_concurrent_pipelines,
+                               max_per_caller=limits.max_streams_per_caller, max_queued=limits.max_queued_requests,
+                               retry_after_s=limits.overloaded_retry_after_s)
         self._subscription = None
         self._models_subscription = None
         self._requests: set[asyncio.Task] = set()
@@ -103,7 +110,8 @@ class Orchestrator:
             nc=self.nc, node_id=self.node_id, settings=self.settings, router=router, projector=self.projector,
             catalog=self.catalog, outbox=self.outbox,
             recent_failures=RecentFailures(distributed.shard_health_timeout_seconds),
-            step_threads=self._step_threads, sink_bounds={})
+            step_threads=self._step_threads, sink_bounds={},
+            load=ShardLoad(retry_s=self.settings.orchestrator.at_capacity_retry_s))
         self._subscription = await self.nc.subscribe(CHAT_REQUEST_SUBJECT, queue=ORCHESTRATOR_QUEUE_GROUP,
                                                      cb=self._on_request)
         self._models_subscription = await self.nc.subscribe(MODELS_REQUEST_SUBJECT, queue=ORCHESTRATOR_QUEUE_GROUP,
@@ -120,6 +128,7 @@ class Orchestrator:
             task.cancel()
         if self._requests:
             await asyncio.gather(*self._requests, return_exceptions=True)
+        await self.queue.close()
         await self.outbox.stop(self.settings.orchestrator.event_flush_timeout_s)
         await self.projector.stop()
         self.catalog.close()
@@ -226,14 +235,21 @@ class Orchestrator:
         except BadRequest as error:
             await client.send(ErrorFrame(seq=0, code="bad_request", message=str(error)))
             return
-        run = PipelineRun(Call(request=request, model=model, client=client, prompt_ids=prompt_ids, caller=caller),
-                          self.context)
-        async with self._slots, self._counted_as_running():
-            try:
-                await self._run_while_client_listens(run)
-            finally:
-                # Shielded: a cancelled request (shutdown) must still free its hops' sessions.
-                await asyncio.shield(run.close())
+        try:
+            async with self.queue.place(caller, _position_teller(client), client.client_gone) as admission:
+                run = PipelineRun(Call(request=request, model=model, client=client, prompt_ids=prompt_ids,
+                                       caller=caller, queue_wait_s=admission.queue_wait_s), self.context)
+                async with self._counted_as_running():
+                    try:
+                        await self._run_while_client_listens(run)
+                    finally:
+                        # Shielded: a cancelled request (shutdown) must still free its hops' sessions.
+                        await asyncio.shield(run.close())
+        except Overloaded as error:
+            await client.send(ErrorFrame(seq=0, code="overloaded", message=str(error),
+                                         retry_after_s=error.retry_after_s))
+        except LeftQueue:
+            log.info("request %s: the client went away while it was queued", request.request_id)
 
     @contextlib.asynccontextmanager
     async def _counted_as_running(self):
@@ -270,3 +286,13 @@ class Orchestrator:
             await run.record_client_gone()
             return
         work.result()
+
+
+def _position_teller(client: ClientStream):
+    """Tells the client its place in the queue (a `queued` frame) each time it changes."""
+
+    async def tell(position: int, queued: int) -> None:
+        with contextlib.suppress(Exception):  # the client or the broker is gone: its call leaves the queue anyway
+            await client.send(QueuedFrame(seq=0, position=position, queued_requests=queued))
+
+    return tell

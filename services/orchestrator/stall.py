@@ -42,6 +42,8 @@ class StepFailure:
     shard_id: str | None
     reason: str
     check: str | None = None
+    # The code of a shard's refusal to open (`at_capacity`, `weights_mismatch`, ...), when it refused.
+    code: str | None = None
 
     def __str__(self) -> str:
         return f"{self.shard_id}: {self.reason}" if self.shard_id else self.reason

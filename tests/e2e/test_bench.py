@@ -21,6 +21,8 @@ NEW_TOKENS = 5
 REPEATS = 2
 SESSIONS = 2
 SHARDS = 3
+# More than the mesh runs at once (4): some wait in the queue.
+BURST = 8
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -29,7 +31,7 @@ def test_bench_json_report_on_a_random_tiny_shape(tmp_path):
     completed = subprocess.run(
         [sys.executable, "-m", "services.cli", "bench", "--model", "random:tiny", "--cache-dir", str(tmp_path),
          "--shards", str(SHARDS), "--prompt-tokens", "12", "--new-tokens", str(NEW_TOKENS), "--repeats", str(REPEATS),
-         "--sessions", str(SESSIONS), "--torch-threads", "1", "--json"],
+         "--sessions", str(SESSIONS), "--torch-threads", "1", "--burst", str(BURST), "--json"],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=240,
     )
     assert completed.returncode == 0, completed.stderr[-4000:]
@@ -57,4 +59,10 @@ def test_bench_json_report_on_a_random_tiny_shape(tmp_path):
     assert concurrent is not None and len(concurrent.sessions) == SESSIONS
     assert all(session.tokens == NEW_TOKENS for session in concurrent.sessions)
     assert concurrent.aggregate_tokens_per_s > 0
-    assert {check.target.split(" ")[0] for check in report.targets} >= {"decode", "per-hop", "pipeline"}
+    assert {check.target.split(" ")[0] for check in report.targets} >= {"decode", "per-hop", "pipeline", "burst:"}
+
+    burst = report.burst
+    assert burst is not None and burst.requests == BURST
+    assert burst.completed == BURST and burst.refused == {} and burst.outputs_match_solo
+    assert burst.largest_queue_position >= 1  # some waited, and were told their place
+    assert 0 < burst.queue_wait_ms_p50 <= burst.queue_wait_ms_p95

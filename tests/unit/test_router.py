@@ -7,6 +7,7 @@ from sqlalchemy.orm import sessionmaker
 
 from events.models import ShardWithdrawn
 from readmodels.projection import epoch_s
+from services.orchestrator.capacity import ShardLoad
 from services.orchestrator.router import Hop, RoutingError, ShardRouter, format_layer_ranges
 from tests.readmodel_helpers import (
     MODEL_ID,
@@ -88,10 +89,32 @@ def test_unusable_shards_are_skipped(mesh):
         shard_id=f"{MODEL_ID}:0-7@withdrawn", reason="shutdown", node_id="withdrawn", occurred_at=at(3)))])
     mesh.add(0, 7, "expiring", ttl_s=4.0)
     mesh.add(0, 7, "stale", heartbeat_t=-40.0, t=-40.0)
-    mesh.add(0, 7, "full", active_streams=2)  # max_concurrent_streams is 2
     mesh.add(0, 7, "excluded")
     mesh.add(0, 7, "fine", queue_depth=5)
     assert mesh.pick(exclude=[f"{MODEL_ID}:0-7@excluded"]) == [("fine", 0, 7)]
+
+
+def test_a_heartbeat_saying_full_is_stale_and_live_load_decides(mesh):
+    full = mesh.add(0, 7, "reported-full", active_streams=2)  # max_concurrent_streams is 2
+    other = mesh.add(0, 7, "other", queue_depth=3)
+    router = mesh.router()
+    load = ShardLoad(retry_s=60.0)
+
+    def pick() -> list[str]:
+        hops = router.plan(router.candidates(MODEL_ID), MODEL_ID, WEIGHTS_SHA, now=mesh.now, load=load)
+        return [hop.shard_id for hop in hops]
+
+    assert pick() == [full]  # the heartbeat's active_streams is not trusted
+    load.hold([full])
+    assert pick() == [other]  # replicas share the load: fewest streams held by us first
+    load.hold([other])
+    load.refused(full)  # another orchestrator fills it
+    assert pick() == [other]
+    load.hold([other])  # two held: `other` is full too
+    with pytest.raises(RoutingError):
+        pick()
+    load.release([full])  # one of our streams on it ended: room again
+    assert pick() == [full]
 
 
 def test_freshly_advertised_shard_is_routable_before_its_first_heartbeat(mesh):

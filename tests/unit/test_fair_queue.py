@@ -1,0 +1,128 @@
+"""Unit tests of FairQueue (services/orchestrator/queue.py): round-robin by caller, per-caller limit, the bound,
+positions, and calls that leave while waiting."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from services.orchestrator.queue import FairQueue, LeftQueue, Overloaded
+
+
+class Recorder:
+    """Runs calls through a queue; each holds its place until released, and records its start order and the
+    positions it was told."""
+
+    def __init__(self, queue: FairQueue) -> None:
+        self.queue = queue
+        self.started: list[str] = []
+        self.positions: dict[str, list[int]] = {}
+        self._release: dict[str, asyncio.Event] = {}
+        self.tasks: dict[str, asyncio.Task] = {}
+
+    def submit(self, name: str, caller: str | None, gone: asyncio.Event | None = None) -> asyncio.Task:
+        self._release[name] = asyncio.Event()
+
+        async def told(position: int, queued: int) -> None:
+            self.positions.setdefault(name, []).append(position)
+
+        async def call() -> str:
+            async with self.queue.place(caller, told, gone):
+                self.started.append(name)
+                await self._release[name].wait()
+            return name
+
+        task = asyncio.create_task(call())
+        self.tasks[name] = task
+        return task
+
+    async def finish(self, name: str) -> None:
+        self._release[name].set()
+        await self.tasks[name]
+        await settle()
+
+
+async def settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+def fair_queue(**limits) -> FairQueue:
+    return FairQueue(**{"max_running": 1, "max_per_caller": 10, "max_queued": 10, "retry_after_s": 3.0, **limits})
+
+
+async def test_waiting_calls_start_round_robin_by_caller():
+    recorder = Recorder(fair_queue())
+    recorder.submit("running", "alice")
+    for index in range(3):
+        recorder.submit(f"alice-{index}", "alice")
+    await settle()
+    recorder.submit("bob-0", "bob")
+    recorder.submit("bob-1", "bob")
+    recorder.submit("carol-0", "carol")
+    await settle()
+    # Told their place in start order: alice's burst does not hold bob's and carol's first calls back.
+    assert {name: told[-1] for name, told in recorder.positions.items()} == {
+        "alice-0": 1, "bob-0": 2, "carol-0": 3, "alice-1": 4, "bob-1": 5, "alice-2": 6}
+    for name in ["running", "alice-0", "bob-0", "carol-0", "alice-1", "bob-1"]:
+        await recorder.finish(name)
+    assert recorder.started == ["running", "alice-0", "bob-0", "carol-0", "alice-1", "bob-1", "alice-2"]
+    # Told again at every change: back as other callers' first calls came in ahead, then up as calls started.
+    assert recorder.positions["alice-2"] == [3, 4, 5, 6, 5, 4, 3, 2, 1]
+    await recorder.finish("alice-2")
+    assert recorder.queue.running == 0 and recorder.queue.queued == 0
+
+
+async def test_a_caller_at_its_limit_waits_while_another_caller_starts():
+    recorder = Recorder(fair_queue(max_running=4, max_per_caller=2))
+    for index in range(3):
+        recorder.submit(f"alice-{index}", "alice")
+    await settle()
+    assert recorder.started == ["alice-0", "alice-1"]
+    assert recorder.positions == {"alice-2": [1]}
+    recorder.submit("bob-0", "bob")
+    await settle()
+    assert recorder.started[-1] == "bob-0"  # room overall, and bob is under his own limit
+    await recorder.finish("alice-0")
+    assert recorder.started[-1] == "alice-2"
+    for name in ["alice-1", "alice-2", "bob-0"]:
+        await recorder.finish(name)
+
+
+async def test_beyond_the_bound_a_call_is_overloaded_with_retry_after():
+    recorder = Recorder(fair_queue(max_queued=2, retry_after_s=7.5))
+    recorder.submit("running", None)
+    recorder.submit("queued-1", None)
+    recorder.submit("queued-2", None)
+    await settle()
+    refused = recorder.submit("refused", None)
+    with pytest.raises(Overloaded) as error:
+        await refused
+    assert error.value.retry_after_s == 7.5
+    assert recorder.queue.queued == 2
+    for name in ["running", "queued-1", "queued-2"]:
+        await recorder.finish(name)
+
+
+async def test_a_call_whose_client_left_or_was_cancelled_leaves_the_queue():
+    recorder = Recorder(fair_queue())
+    gone = asyncio.Event()
+    recorder.submit("running", "a")
+    leaving = recorder.submit("leaving", "b", gone)
+    cancelled = recorder.submit("cancelled", "c")
+    recorder.submit("next", "d")
+    await settle()
+    assert recorder.positions["next"][-1] == 3
+    gone.set()
+    cancelled.cancel()
+    with pytest.raises(LeftQueue):
+        await leaving
+    with pytest.raises(asyncio.CancelledError):
+        await cancelled
+    await settle()
+    assert recorder.positions["next"][-1] == 1
+    await recorder.finish("running")
+    assert recorder.started == ["running", "next"]
+    await recorder.finish("next")
+    assert recorder.queue.running == 0 and recorder.queue.queued == 0
