@@ -14,7 +14,7 @@ from typing import Any
 from sqlalchemy import Table
 from sqlalchemy.orm import Session
 
-from readmodels.tables import Failover, Pipeline, RejectedEvent, Shard, ShardHealth, ShardStats
+from readmodels.tables import EventCount, Failover, Pipeline, RejectedEvent, Shard, ShardHealth, ShardStats
 
 SHARDS: Table = Shard.__table__
 SHARD_HEALTH: Table = ShardHealth.__table__
@@ -22,6 +22,7 @@ SHARD_STATS: Table = ShardStats.__table__
 PIPELINES: Table = Pipeline.__table__
 FAILOVERS: Table = Failover.__table__
 REJECTED_EVENTS: Table = RejectedEvent.__table__
+EVENT_COUNTS: Table = EventCount.__table__
 
 Row = dict[str, Any]
 
@@ -49,7 +50,7 @@ class TableSql:
 
 TABLE_SQL = {
     table.name: TableSql(table)
-    for table in (SHARDS, SHARD_HEALTH, SHARD_STATS, PIPELINES, FAILOVERS, REJECTED_EVENTS)
+    for table in (SHARDS, SHARD_HEALTH, SHARD_STATS, PIPELINES, FAILOVERS, REJECTED_EVENTS, EVENT_COUNTS)
 }
 
 

@@ -47,6 +47,7 @@ from events.models import (
 )
 from events.signing import EventVerifier, RejectionReason
 from readmodels.batch_rows import (
+    EVENT_COUNTS,
     FAILOVERS,
     PIPELINES,
     REJECTED_EVENTS,
@@ -144,6 +145,7 @@ class ReadModelProjection:
                         rejections.append(Rejection(message.stream, message.seq, event.type, reason))
                 else:
                     self.handle(event, rows)
+                    _count_event(event, rows)
                 positions[message.stream] = message.seq
                 last_event_at[message.stream] = epoch_s(message.time)
                 applied += 1
@@ -344,6 +346,12 @@ class ReadModelProjection:
     def _count(rows: BatchRows, shard_ids: Iterable[str], column: str) -> None:
         for shard_id in shard_ids:
             rows.edit(SHARD_STATS, shard_id, _new_stats(shard_id))[column] += 1
+
+
+def _count_event(event: EventEnvelope, rows: BatchRows) -> None:
+    """One more applied event of its type in the minute it occurred (event_counts)."""
+    key = (epoch_s(event.occurred_at) // 60 * 60, event.type)
+    rows.edit(EVENT_COUNTS, key, lambda: dict(minute=key[0], type=key[1], events=0))["events"] += 1
 
 
 def _set_live_status(pipeline: Row, *, degraded: bool = False) -> None:

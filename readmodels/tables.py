@@ -173,4 +173,15 @@ class RejectedEvent(Base):
     __table_args__ = (Index(None, "reason"),)
 
 
+class EventCount(Base):
+    """How many events of one type a projection applied per minute of their `occurred_at` (the Event log
+    dashboard's events per type per minute). Rejected events are counted in rejected_events instead."""
+
+    __tablename__ = "event_counts"
+
+    minute: Mapped[int] = mapped_column(Integer, primary_key=True, comment="epoch s, a multiple of 60")
+    type: Mapped[str] = mapped_column(String, primary_key=True)
+    events: Mapped[int] = mapped_column(Integer, nullable=False)
+
+
 all_tables = Base.metadata.sorted_tables

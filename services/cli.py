@@ -17,6 +17,7 @@ from typing import Annotated, Optional
 import typer
 
 from services.community_cli import community_app, nats_command
+from services.dashboards.cli import dashboards_app, status_command
 from services.common.cli_options import (
     STOPPING_HELP,
     ConfigOption,
@@ -48,6 +49,7 @@ app = typer.Typer(
 db_app = typer.Typer(help="Manage a read-model SQLite database.", no_args_is_help=True, rich_markup_mode=None)
 app.add_typer(db_app, name="db")
 app.add_typer(community_app, name="community")
+app.add_typer(dashboards_app, name="dashboards")
 # Decorated with @long_running: SIGINT/SIGTERM stop them quietly from the moment `hearth` starts.
 LONG_RUNNING_COMMANDS = ("projector", "shard", "orchestrator")
 
@@ -66,6 +68,7 @@ def main_options(
 
 
 app.command("nats")(nats_command)
+app.command("status")(status_command)
 
 
 @db_app.command("upgrade")
