@@ -16,7 +16,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from services.community_cli import community_app, nats_command
+from services.community_cli import community_app
 from services.common.cli_options import (
     STOPPING_HELP,
     ConfigOption,
@@ -34,6 +34,7 @@ from services.common.cli_options import (
     use_credentials,
     wait_for_nats,
 )
+from services.nats_cli import NATS_HELP_EPILOG, nats_command
 
 app = typer.Typer(
     name="hearth",
@@ -64,7 +65,7 @@ def main_options(
     apply_top_level_options(ctx, config, log_level)
 
 
-app.command("nats")(nats_command)
+app.command("nats", epilog=NATS_HELP_EPILOG)(nats_command)
 
 
 @db_app.command("upgrade")
