@@ -101,6 +101,9 @@ def nats_command(
     monitor_port: Annotated[int, typer.Option(
         "--monitor-port", help="A node's monitoring port on 127.0.0.1: /healthz, /jsz, /routez (with --cluster: "
                                "the first node's).")] = 8222,
+    check: Annotated[bool, typer.Option(
+        "--check", help="Write the configuration, have nats-server test it (-t) and exit: 0 when it is valid.")]
+    = False,
 ) -> None:
     """Run nats-server with JetStream (fsync on every write) until SIGINT/SIGTERM: one server, or a cluster."""
     from services.common.nats_cluster import ClusterNodeServer, EmbeddedNatsCluster
@@ -129,6 +132,10 @@ def nats_command(
     else:
         servers = EmbeddedNatsServer(port=port, store_dir=store, **server_options)
     try:
+        if check:
+            servers.check_config()
+            typer.echo(f"{COMMAND}: configuration valid", err=True)
+            return
         servers.start()
     except NatsServerError as error:
         _fail(str(error))

@@ -167,6 +167,10 @@ class EmbeddedNatsCluster:
             raise
         return self
 
+    def check_config(self) -> None:
+        for node in self.nodes:
+            node.check_config()
+
     def reload(self, authorization: str | None) -> None:
         for node in self.nodes:
             node.reload(authorization)

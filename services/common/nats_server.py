@@ -142,6 +142,17 @@ class EmbeddedNatsServer:
         self.config_path.write_text(self.render_config())
         return self.config_path
 
+    def check_config(self) -> None:
+        """Write the configuration and have nats-server test it (`-t`) without serving; NatsServerError if it
+        does not parse or names files that cannot be used."""
+        self.store_dir.mkdir(parents=True, exist_ok=True)
+        config_path = self._write_config()
+        result = subprocess.run([str(find_nats_server_binary()), "-t", "-c", str(config_path)],
+                                capture_output=True, text=True, timeout=server_start_timeout_s,
+                                env={**os.environ, **self.config_environment()})
+        if result.returncode != 0:
+            raise NatsServerError(f"{config_path}: {(result.stderr or result.stdout).strip()}")
+
     def reload(self, authorization: str | None) -> None:
         """Rewrite the configuration with new authorization and have the running server reload it (SIGHUP);
         connections it now refuses are closed by the server, the others carry on."""

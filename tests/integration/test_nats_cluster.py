@@ -98,7 +98,8 @@ def test_hearth_nats_cluster_3_keeps_three_copies_of_each_stream_and_stops_every
 
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=20) == 0
-        assert not any(port_is_open(port) for port in (*range(ports, ports + 3), *range(cluster_ports, cluster_ports + 3)))
+        listened = [*range(ports, ports + 3), *range(cluster_ports, cluster_ports + 3)]
+        assert not any(port_is_open(port) for port in listened)
     finally:
         if process.poll() is None:
             process.kill()
@@ -122,8 +123,9 @@ def test_a_community_cluster_admits_members_only_and_routes_need_the_community_p
     community.add("node-a", "shard")
     tls = write_throwaway_ca(tmp_path / "tls")
     tls_settings = dict(tls_ca_file=tls.ca_file, tls_cert_file=tls.client_cert_file, tls_key_file=tls.client_key_file)
-    with EmbeddedNatsCluster(3, store_dir=tmp_path / "nats", authorization=render_authorization(community.roster()),
-                             tls_block=tls.server_block(), route_password=community_route_password(community)) as cluster:
+    authorization = render_authorization(community.roster())
+    with EmbeddedNatsCluster(3, store_dir=tmp_path / "nats", authorization=authorization, tls_block=tls.server_block(),
+                             route_password=community_route_password(community)) as cluster:
         member = NatsSettings(creds_file=community.directory / "keys" / "node-a.nk", **tls_settings)
         assert asyncio.run(stream_replicas(cluster.url, member)) == (3, ["nats-0", "nats-1", "nats-2"])
         stranger = NatsSettings(connect_timeout_s=5, **tls_settings)
