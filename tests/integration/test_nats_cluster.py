@@ -1,6 +1,7 @@
 """hearth's NATS cluster as real processes: `hearth nats --cluster 3` serves the event streams with three copies
 and stops every node on a signal; a community cluster admits members only, and only nodes that know the
-community's route password join it; a single server keeps its streams at one copy."""
+community's route password join it; a single server keeps its streams at one copy, and a one-copy stream on
+a cluster is scaled to three."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from events import SHARDS_STREAM, ensure_streams, publish_event
+from events.streams import SHARDS_STREAM_SPEC
 from events.models import ShardHeartbeat
 from services.common.config import NatsSettings
 from services.common.nats_cluster import (
@@ -140,3 +142,19 @@ def test_a_community_cluster_admits_members_only_and_routes_need_the_community_p
                        "the intruder was never refused")
             for node in cluster.nodes:
                 assert "intruder" not in {route.get("remote_name") for route in node.monitor("routez")["routes"]}
+
+
+async def test_a_one_copy_stream_on_a_cluster_is_scaled_to_three(nats_cluster):
+    nc = await connect_nats(nats_cluster.url, name="test-scale")
+    try:
+        js = nc.jetstream()
+        await js.add_stream(SHARDS_STREAM_SPEC.config(replicas=1))
+        await publish_event(js, heartbeat(1))
+        await ensure_streams(js)
+        deadline = time.monotonic() + wait_timeout_s
+        while len((info := await js.stream_info(SHARDS_STREAM)).cluster.replicas or []) < 2:
+            assert time.monotonic() < deadline, info.cluster
+            await asyncio.sleep(0.05)
+        assert info.config.num_replicas == 3 and info.state.messages == 1
+    finally:
+        await nc.close()
