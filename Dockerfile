@@ -1,4 +1,4 @@
-# One image for every hearth process (untested here: no Docker engine on the project's machines).
+# One image for every hearth process (compose.yaml; untested here: no Docker engine on the project's machines).
 FROM python:3.11-slim
 WORKDIR /app
 COPY pyproject.toml README.md ./
@@ -8,8 +8,13 @@ COPY migrations migrations
 COPY inference inference
 COPY services services
 COPY trust trust
+# Beside the sources: the bundled model (`orchestrator --preload hearth-tiny-llama`, `shard --model
+# models/hearth-tiny-llama`) and the NATS cluster configuration (`hearth nats --node`).
 COPY models models
+COPY nats nats
 # Point pip at a CPU-only torch index where you have one; the default index's build is much larger.
-RUN pip install --no-cache-dir torch==2.13.0 && pip install --no-cache-dir .
-ENV OMP_WAIT_POLICY=PASSIVE HEARTH_NATS_URL=nats://nats:4222
+# Editable: hearth then runs from /app, where it finds models/ and nats/ beside its sources (services/orchestrator/
+# catalog.py, services/common/nats_cluster.py); installed into site-packages it would look there and not find them.
+RUN pip install --no-cache-dir torch==2.13.0 && pip install --no-cache-dir -e .
+ENV OMP_WAIT_POLICY=PASSIVE HEARTH_NATS_URL=nats://nats-0:4222,nats://nats-1:4222,nats://nats-2:4222
 ENTRYPOINT ["hearth"]

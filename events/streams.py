@@ -34,8 +34,14 @@ shards_max_msgs_per_subject = 1000
 # A re-publish with the same Nats-Msg-Id inside this window is dropped by the server.
 duplicate_window_s = 120.0
 
-# JetStream error code for "stream name already in use with a different configuration".
+# Copies of each stream on a cluster (a stream survives losing one node of three with its quorum); a single
+# server keeps the one copy it can.
+cluster_stream_replicas = 3
+
+# JetStream error codes: "stream name already in use with a different configuration", and "replicas > 1 not
+# supported in non-clustered mode".
 _STREAM_NAME_IN_USE_ERR_CODE = 10058
+_REPLICAS_NEED_A_CLUSTER_ERR_CODE = 10074
 
 
 @dataclass(frozen=True)
@@ -95,10 +101,18 @@ def stream_for_subject(subject: str) -> str:
     raise ValueError(f"subject {subject!r} belongs to no hearth stream")
 
 
-async def ensure_streams(js: JetStreamContext, *, replicas: int = 1) -> None:
-    """Create both streams, or bring an existing one to the current spec; safe when processes race."""
+async def ensure_streams(js: JetStreamContext, *, replicas: int = cluster_stream_replicas) -> None:
+    """Create both streams, or bring an existing one to the current spec; safe when processes race.
+
+    On a cluster each stream gets `replicas` copies (an R1 stream of an earlier single server is scaled up);
+    a single server, which refuses more than one, gets one: every process can call this, wherever it runs."""
     for spec in STREAM_SPECS:
-        await _ensure_stream(js, spec.config(replicas=replicas))
+        try:
+            await _ensure_stream(js, spec.config(replicas=replicas))
+        except APIError as error:
+            if error.err_code != _REPLICAS_NEED_A_CLUSTER_ERR_CODE or replicas == 1:
+                raise
+            await _ensure_stream(js, spec.config(replicas=1))
 
 
 async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:

@@ -16,7 +16,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from services.community_cli import community_app, nats_command
+from services.community_cli import community_app
 from services.dashboards.cli import dashboards_app, status_command
 from services.common.cli_options import (
     STOPPING_HELP,
@@ -36,6 +36,7 @@ from services.common.cli_options import (
     use_credentials,
     wait_for_nats,
 )
+from services.nats_cli import NATS_HELP_EPILOG, nats_command
 
 app = typer.Typer(
     name="hearth",
@@ -67,7 +68,7 @@ def main_options(
     apply_top_level_options(ctx, config, log_level)
 
 
-app.command("nats")(nats_command)
+app.command("nats", epilog=NATS_HELP_EPILOG)(nats_command)
 app.command("status")(status_command)
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from services.common.config import NatsSettings
 from services.common.nats_permissions import render_authorization
+from services.common.nats_cluster import EmbeddedNatsCluster
 from services.common.nats_server import EmbeddedNatsServer, free_tcp_port
 from services.common.tls_files import TlsFiles, write_throwaway_ca
 from trust.community import Community
@@ -144,7 +145,7 @@ class LocalCluster:
             self._tmp = tempfile.TemporaryDirectory(prefix="hearth-cluster-")
             self.work_dir = Path(self._tmp.name)
         self.work_dir.mkdir(parents=True, exist_ok=True)
-        self.nats: EmbeddedNatsServer | None = None
+        self.nats: EmbeddedNatsServer | EmbeddedNatsCluster | None = None
         self.community: Community | None = None
         if self.secure:
             community_dir = self.work_dir / "community"
@@ -207,12 +208,17 @@ class LocalCluster:
 
     # ------------------------------------------------------------------ processes
 
-    def start_nats(self, **server_options) -> str:
-        """Start an embedded nats-server (options as EmbeddedNatsServer's, e.g. max_payload_bytes)."""
+    def start_nats(self, *, cluster_size: int | None = None, **server_options) -> str:
+        """Start an embedded nats-server (options as EmbeddedNatsServer's, e.g. max_payload_bytes), or with
+        `cluster_size` that many clustered ones (`self.nats` is then an EmbeddedNatsCluster; the URL lists them)."""
         server_options.setdefault("start_new_session", self.start_new_session)
-        self.nats = EmbeddedNatsServer(store_dir=self.work_dir / "nats", authorization=self._authorization(),
-                                       tls_block=self.tls_files.server_block() if self.tls_files else None,
-                                       **server_options).start()
+        access = dict(authorization=self._authorization(),
+                      tls_block=self.tls_files.server_block() if self.tls_files else None)
+        if cluster_size is not None:
+            self.nats = EmbeddedNatsCluster(cluster_size, store_dir=self.work_dir / "nats", **access,
+                                            **server_options).start()
+        else:
+            self.nats = EmbeddedNatsServer(store_dir=self.work_dir / "nats", **access, **server_options).start()
         self.nats_url = self.nats.url
         return self.nats_url
 

@@ -1,5 +1,5 @@
 """`hearth community`: create a community, add members (each with an nkey), list them, and render the NATS
-server's authorization block from the roster; and `hearth nats`, which runs a broker for it (or an open one)."""
+server's authorization block from the roster (`hearth nats`, services/nats_cli.py, runs a broker for it)."""
 
 from __future__ import annotations
 
@@ -129,70 +129,3 @@ def nats_config_command(
         out.write_text(text)
         typer.echo(f"wrote {out}", err=True)
 
-
-def nats_command(
-    port: Annotated[int, typer.Option("--port", help="Client port to listen on.")] = 4222,
-    store: Annotated[
-        Path, typer.Option("--store", help="Directory for JetStream data (kept across restarts).")
-    ] = Path(".hearth/nats"),
-    host: Annotated[
-        str, typer.Option("--host", help="Interface to listen on; 0.0.0.0 to accept other machines.")
-    ] = "127.0.0.1",
-    community: Annotated[Optional[Path], typer.Option(
-        "--community", help="Community folder: only its members may connect, each with its role's permissions "
-                            "(rendered from its roster, as `hearth community nats-config` does).")] = None,
-    tls_cert: Annotated[Optional[Path], typer.Option("--tls-cert", help="Serve TLS only, with this certificate "
-                                                     "(PEM; with --tls-key).")] = None,
-    tls_key: Annotated[Optional[Path], typer.Option("--tls-key", help="The certificate's private key (PEM).")] = None,
-    tls_ca: Annotated[Optional[Path], typer.Option("--tls-ca", help="Verify client certificates against this CA "
-                                                   "(PEM); members then need [nats] tls_cert_file too.")] = None,
-) -> None:
-    """Run an embedded nats-server with JetStream (fsync on every write) until SIGINT/SIGTERM."""
-    import signal
-    import threading
-
-    from services.common.nats_server import EmbeddedNatsServer, NatsServerError
-
-    stop_requested = threading.Event()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: stop_requested.set())
-    authorization = None
-    if community is not None:
-        from services.common.nats_permissions import render_authorization
-        from trust.community import Community
-        from trust.keys import KeyFileError
-        from trust.roster import RosterError
-
-        try:
-            folder = Community(community)
-            authorization = render_authorization(folder.roster())
-        except (RosterError, KeyFileError) as error:
-            _fail(str(error), "hearth nats")
-    tls_block = None
-    if (tls_cert is None) != (tls_key is None) or (tls_ca is not None and tls_cert is None):
-        _fail("TLS needs --tls-cert and --tls-key (and --tls-ca only with them)", "hearth nats")
-    if tls_cert is not None:
-        from services.common.tls_files import server_tls_block
-
-        tls_block = server_tls_block(tls_cert, tls_key, tls_ca)
-    server = EmbeddedNatsServer(port=port, store_dir=store, host=host, authorization=authorization,
-                                tls_block=tls_block)
-    try:
-        server.start()
-    except NatsServerError as error:
-        typer.echo(f"hearth nats: {error}", err=True)
-        raise typer.Exit(1) from error
-    typer.echo(server.url)
-    typer.echo(f"JetStream store: {server.store_dir.resolve()}  (Ctrl-C to stop)", err=True)
-    exit_code = 0
-    try:
-        while not stop_requested.wait(timeout=0.5):
-            # A terminal's Ctrl-C reaches nats-server too; that exit is a requested stop, not a crash.
-            if not server.is_running() and not stop_requested.wait(timeout=0.5):
-                typer.echo("hearth nats: nats-server exited unexpectedly", err=True)
-                exit_code = 1
-                break
-    finally:
-        server.stop()
-    if exit_code:
-        raise typer.Exit(exit_code)

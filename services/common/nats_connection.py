@@ -61,6 +61,14 @@ def credential_options(settings: NatsSettings, identity: Identity | None = None)
     return {**options, "nkeys_seed_str": identity.key.seed.decode(), "inbox_prefix": identity.inbox_prefix}
 
 
+def server_urls(url: str) -> list[str]:
+    """A comma-separated list of NATS URLs (a cluster's nodes; `--nats`, HEARTH_NATS_URL) as nats-py's `servers`."""
+    urls = [part.strip() for part in url.split(",") if part.strip()]
+    if not urls:
+        raise ValueError(f"no NATS URL in {url!r}")
+    return urls
+
+
 class BrokerRefusedCredentials(BrokerUnreachable):
     """The broker answered, but refused the connection: no credentials, or a key it does not know."""
 
@@ -126,7 +134,7 @@ async def connect_nats(
 
     identity = load_identity(settings.creds_file, settings.roster_file) if settings.creds_file else None
     connecting = nc.connect(
-        servers=[target],
+        servers=server_urls(target),
         **credential_options(settings, identity),
         name=name,
         connect_timeout=settings.connect_timeout_s,

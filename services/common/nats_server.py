@@ -118,17 +118,40 @@ class EmbeddedNatsServer:
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=self.start_new_session,
+            env={**os.environ, **self.config_environment()},
         )
         self._wait_until_accepting(log_path)
         log.info("nats-server %s listening on %s (store %s)", binary, self.url, self.store_dir)
         return self
 
-    def _write_config(self) -> Path:
-        config_path = self.store_dir / "hearth-nats.conf"
-        config_path.write_text(render_server_config(
+    @property
+    def config_path(self) -> Path:
+        return self.store_dir / "hearth-nats.conf"
+
+    def render_config(self) -> str:
+        """The configuration file's text (a cluster node's is different: services/common/nats_cluster.py)."""
+        return render_server_config(
             host=self.host, port=self.port, store_dir=self.store_dir / "jetstream",
-            max_payload_bytes=self.max_payload_bytes, authorization=self.authorization, tls_block=self.tls_block))
-        return config_path
+            max_payload_bytes=self.max_payload_bytes, authorization=self.authorization, tls_block=self.tls_block)
+
+    def config_environment(self) -> dict[str, str]:
+        """Variables the configuration file reads from the environment (none for a single server)."""
+        return {}
+
+    def _write_config(self) -> Path:
+        self.config_path.write_text(self.render_config())
+        return self.config_path
+
+    def check_config(self) -> None:
+        """Write the configuration and have nats-server test it (`-t`) without serving; NatsServerError if it
+        does not parse or names files that cannot be used."""
+        self.store_dir.mkdir(parents=True, exist_ok=True)
+        config_path = self._write_config()
+        result = subprocess.run([str(find_nats_server_binary()), "-t", "-c", str(config_path)],
+                                capture_output=True, text=True, timeout=server_start_timeout_s,
+                                env={**os.environ, **self.config_environment()})
+        if result.returncode != 0:
+            raise NatsServerError(f"{config_path}: {(result.stderr or result.stdout).strip()}")
 
     def reload(self, authorization: str | None) -> None:
         """Rewrite the configuration with new authorization and have the running server reload it (SIGHUP);

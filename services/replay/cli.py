@@ -86,7 +86,7 @@ async def _connect(url: str):
     import nats
 
     from services.common.config import load_settings
-    from services.common.nats_connection import credential_options
+    from services.common.nats_connection import credential_options, server_urls
 
     log = logging.getLogger("hearth.replay")
 
@@ -95,7 +95,7 @@ async def _connect(url: str):
 
     # Two quick attempts and no reconnect loop: a reader should fail fast and say so when the broker is away.
     return await nats.connect(
-        servers=[url],
+        servers=server_urls(url),
         name="hearth-replay",
         connect_timeout=connect_timeout_s,
         allow_reconnect=False,

@@ -8,20 +8,16 @@ end (a stopped shard withdraws)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import signal
-import sqlite3
-import time
-from pathlib import Path
 
 import pytest
 
 from events.consume import stream_last_seq
 from events.models import ShardAdvertised, ShardWithdrawn
-from readmodels.rebuild import diff_databases, rebuild_database
 from services.common.nats_connection import connect_nats
 from services.common.nats_server import free_tcp_port
 from tests.e2e.conftest import THREE_SHARD_RANGES
+from tests.e2e.event_log_checks import assert_no_event_lost, query, resume_timeout_s, wait_for_positions
 from tests.e2e.failover_support import (  # noqa: F401 (nc is a fixture)
     nc,
     run_reference_call,
@@ -44,31 +40,6 @@ from tests.e2e.failover_support import (  # noqa: F401 (nc is a fixture)
 )
 
 pytestmark = pytest.mark.timeout(600)
-# The projectors' ordered consumers notice a vanished consumer after ~3 missed 2 s idle heartbeats.
-resume_timeout_s = 45.0
-
-
-def query(db_path: Path, sql: str, *args) -> list[sqlite3.Row]:
-    if not db_path.exists():
-        return []
-    with contextlib.closing(sqlite3.connect(f"file:{db_path}?mode=ro", uri=True, timeout=5)) as db:
-        db.row_factory = sqlite3.Row
-        try:
-            return db.execute(sql, args).fetchall()
-        except sqlite3.OperationalError:  # not migrated yet
-            return []
-
-
-def positions(db_path: Path) -> dict[str, int]:
-    return {row["stream"]: row["last_seq"] for row in query(db_path, "SELECT * FROM projection_positions")}
-
-
-async def wait_for_positions(db_path: Path, targets: dict[str, int], timeout_s: float = resume_timeout_s) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not all(positions(db_path).get(stream, 0) >= seq for stream, seq in targets.items()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{db_path.name} at {positions(db_path)}, expected at least {targets}")
-        await asyncio.sleep(0.1)
 
 
 @pytest.fixture(scope="module")
@@ -282,14 +253,6 @@ async def test_nats_restart_mid_run(mesh, reference):
         # read model equals one rebuilt from the log (the shards stopped first, so the log stands still).
         for handle in mesh.live_shards():
             await asyncio.to_thread(mesh.stop_shard, handle)
-        for stream in (SHARDS_STREAM, PIPELINES_STREAM):
-            sequences = [item.seq for item in await read_events(nc, stream)]
-            assert sequences == list(range(sequences[0], sequences[-1] + 1)), stream
-        targets = {stream: await stream_last_seq(js, stream) for stream in (SHARDS_STREAM, PIPELINES_STREAM)}
-        await wait_for_positions(mesh.projector_db, targets)
-        rebuilt = mesh.cluster.work_dir / "rebuilt.sqlite"
-        await rebuild_database(js, rebuilt, overwrite=True)
-        differences = diff_databases(rebuilt, mesh.projector_db)
-        assert differences == [], [str(d) for d in differences[:5]]
+        await assert_no_event_lost(nc, mesh.projector_db, mesh.cluster.work_dir / "rebuilt.sqlite")
     finally:
         await asyncio.wait_for(nc.close(), timeout=5)

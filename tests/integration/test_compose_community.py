@@ -1,5 +1,7 @@
 """compose.yaml's community, checked without Docker: its `community` service's script, run here, makes the keys
-and certificates that every other service's command names, each key belonging to the role the command runs."""
+and certificates that every other service's command names, each key belonging to the role the command runs;
+and with them each NATS node's configuration (nats/hearth-cluster.conf plus the community's authorization and
+TLS) passes nats-server's own configuration test."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from trust.roster import Roster
@@ -17,21 +20,30 @@ HEARTH = str(Path(sys.executable).parent / "hearth")
 COMMAND_ROLES = {"shard": "shard", "orchestrator": "orchestrator", "projector": "projector", "chat": "client"}
 
 
-def test_every_service_logs_in_with_a_key_the_community_service_made_for_its_role(tmp_path):
-    compose = yaml.safe_load((REPO_ROOT / "compose.yaml").read_text())
-    services = compose["services"]
-    script = services["community"]["command"][0].replace("/community", str(tmp_path)).replace("$$", "$")
+SERVICES = yaml.safe_load((REPO_ROOT / "compose.yaml").read_text())["services"]
+NATS_NODES = [name for name, service in SERVICES.items() if (service.get("command") or [None])[0] == "nats"]
+
+
+@pytest.fixture(scope="module")
+def community_dir(tmp_path_factory) -> Path:
+    """The folder the `community` service's script makes (run here, /community replaced by this folder)."""
+    folder = tmp_path_factory.mktemp("community")
+    script = SERVICES["community"]["command"][0].replace("/community", str(folder)).replace("$$", "$")
     script = script.replace("hearth ", f"{HEARTH} ")
     completed = subprocess.run(["sh", "-c", script], capture_output=True, text=True, timeout=120,
                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert completed.returncode == 0, completed.stderr
-    roster = Roster.load(tmp_path / "roster.json")
+    return folder
+
+
+def test_every_service_logs_in_with_a_key_the_community_service_made_for_its_role(community_dir):
+    roster = Roster.load(community_dir / "roster.json")
 
     def local(path: str) -> Path:
-        return Path(path.replace("/community", str(tmp_path)))
+        return Path(path.replace("/community", str(community_dir)))
 
     checked = 0
-    for name, service in services.items():
+    for name, service in SERVICES.items():
         command = service.get("command") or []
         environment = service.get("environment") or {}
         for key in ("HEARTH_NATS__TLS_CA_FILE", "HEARTH_NATS__TLS_CERT_FILE", "HEARTH_NATS__TLS_KEY_FILE"):
@@ -41,11 +53,26 @@ def test_every_service_logs_in_with_a_key_the_community_service_made_for_its_rol
             environment.get("HEARTH_NATS__CREDS_FILE")
         if creds is None:
             continue
-        member = next(m for m in roster.members if local(creds) == tmp_path / "keys" / f"{m.name}.nk")
+        member = next(m for m in roster.members if local(creds) == community_dir / "keys" / f"{m.name}.nk")
         role = COMMAND_ROLES[command[0]] if command else "client"
         assert member.role == role, (name, member)
         checked += 1
     assert checked == 6  # projector, three shards, orchestrator, and the client `you`
-    for option in ("--tls-cert", "--tls-key", "--tls-ca"):
-        nats_command = services["nats"]["command"]
-        assert local(nats_command[nats_command.index(option) + 1]).is_file()
+    for node in NATS_NODES:
+        for option in ("--tls-cert", "--tls-key", "--tls-ca"):
+            nats_command = SERVICES[node]["command"]
+            assert local(nats_command[nats_command.index(option) + 1]).is_file()
+
+
+@pytest.mark.parametrize("node", NATS_NODES)
+def test_each_nats_node_configuration_passes_the_nats_server_configuration_test(community_dir, tmp_path, node):
+    """`hearth nats --check` with the node's own arguments: it writes the configuration the node would run
+    (nats/hearth-cluster.conf with its variables, the roster's authorization, TLS) and `nats-server -t` reads it."""
+    arguments = [argument.replace("/community", str(community_dir)).replace("/data", str(tmp_path / "data"))
+                 for argument in SERVICES[node]["command"]]
+    completed = subprocess.run([sys.executable, "-m", "services.cli", *arguments, "--check"], capture_output=True,
+                               text=True, timeout=60, cwd=REPO_ROOT)
+    assert completed.returncode == 0, completed.stderr
+    assert "configuration valid" in completed.stderr
+    written = (tmp_path / "data" / "hearth-nats.conf").read_text()
+    assert "hearth-cluster.conf" in written and "authorization" in written and "verify: true" in written

@@ -1,0 +1,85 @@
+"""A mesh on a three-node NATS cluster loses one node mid-generation (SIGKILL): the generation completes with the
+same tokens as an undisturbed one, no acknowledged event is lost (contiguous sequences, the projector's read
+model equals a rebuild), and the node rejoins, its copies of both streams caught up."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from events.streams import ALL_STREAMS
+from services.common.nats_cluster import ClusterNodeServer, EmbeddedNatsCluster
+from services.common.nats_connection import connect_nats
+from tests.e2e.conftest import three_shard_mesh
+from tests.e2e.event_log_checks import assert_no_event_lost
+from tests.e2e.failover_support import chat_request, pipeline_events, stream_with_action
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+
+ORCHESTRATOR_CONNECTION = "hearth-orchestrator orchestrator"
+rejoin_timeout_s = 30.0
+
+
+def node_serving(cluster: EmbeddedNatsCluster, connection_name: str) -> ClusterNodeServer:
+    """The node a named client connection is on (its /connz lists it)."""
+    for node in cluster.nodes:
+        connections = node.monitor("connz?limit=1024").get("connections") or []
+        if any(connection.get("name") == connection_name for connection in connections):
+            return node
+    raise AssertionError(f"no node serves {connection_name!r}")
+
+
+async def wait_caught_up(js, node: ClusterNodeServer) -> None:
+    """Every stream lists `node` among its peers and every peer is current: the node rejoined and caught up."""
+    deadline = time.monotonic() + rejoin_timeout_s
+    while True:
+        states = {}
+        for stream in ALL_STREAMS:
+            cluster = (await js.stream_info(stream)).cluster
+            peers = {cluster.leader: True, **{peer.name: bool(peer.current) for peer in cluster.replicas or []}}
+            states[stream] = peers
+        if all(node.name in peers and all(peers.values()) for peers in states.values()):
+            return
+        assert time.monotonic() < deadline, f"{node.name} did not catch up: {states}"
+        await asyncio.sleep(0.1)
+
+
+async def test_a_nats_node_killed_mid_generation_loses_nothing_and_rejoins(tmp_path, tiny_models_dir):
+    projector_db = tmp_path / "projector.sqlite"
+    with three_shard_mesh(tmp_path / "mesh", tiny_models_dir, nats_options={"cluster_size": 3},
+                          projector_db=projector_db) as mesh:
+        nats_cluster: EmbeddedNatsCluster = mesh.nats
+        nc = await connect_nats(mesh.nats_url, name="cluster-kill-test", settings=mesh.nats_settings())
+        try:
+            js = nc.jetstream()
+            solo = await stream_with_action(nc, chat_request())
+            assert solo.final.type == "done", solo.final
+
+            # The node the orchestrator is on: it, and every shard host or client there, must reconnect to
+            # another node while the call streams; the event streams lose one of their three copies.
+            victim = node_serving(nats_cluster, ORCHESTRATOR_CONNECTION)
+            survivors = [node for node in nats_cluster.nodes if node is not victim]
+
+            async def kill_victim() -> None:
+                await asyncio.to_thread(victim.stop, kill=True)
+
+            in_flight = await stream_with_action(nc, chat_request(), kill_victim)
+            assert in_flight.final.type == "done", in_flight.final
+            assert in_flight.token_ids == solo.token_ids
+            assert in_flight.of_type("shard_status") == [] and in_flight.of_type("shard_failover") == []
+            assert node_serving(nats_cluster, ORCHESTRATOR_CONNECTION) in survivors
+            events = await pipeline_events(nc, in_flight.pipeline_id)
+            assert events[-1].event.type == "pipeline.completed"
+
+            await asyncio.to_thread(victim.start)
+            await asyncio.to_thread(victim.wait_healthy)
+            await wait_caught_up(js, victim)
+            assert victim.monitor("routez")["num_routes"] > 0
+
+            for process in [p for p in mesh.processes if p.name.startswith("shard-")]:
+                await asyncio.to_thread(process.stop)  # heartbeats end: the log stands still
+            await assert_no_event_lost(nc, projector_db, tmp_path / "rebuilt.sqlite")
+        finally:
+            await asyncio.wait_for(nc.close(), timeout=5)
