@@ -69,6 +69,11 @@ async def test_projector_resumes_after_the_nats_server_restarts(nats_server, tmp
         first = await publish_all(js, before)
         await wait_for_metric(registry, "hearth_projector_position", first, resume_timeout_s)
         assert metric(registry, "hearth_projector_applied_events_total", SHARDS_STREAM) == first[SHARDS_STREAM]
+        by_type = {event.type: 0 for event in before}
+        for event in before:
+            by_type[event.type] += 1
+        assert {event_type: registry.get_sample_value("hearth_projector_events_applied_total",
+                                                      {"event_type": event_type}) for event_type in by_type} == by_type
         await wait_for_metric(registry, "hearth_projector_lag_events", {SHARDS_STREAM: 0, PIPELINES_STREAM: 0},
                               resume_timeout_s)
 
@@ -119,12 +124,18 @@ async def test_lag_shows_a_blocked_backlog_and_a_failed_batch_is_retried(nats_se
             while not registry.get_sample_value("hearth_projector_apply_failures_total", {"projection": "readmodels"}):
                 assert time.monotonic() < deadline, "no batch failed while the database was locked"
                 await asyncio.sleep(0.05)
+            # Read but not applied: the backlog has an age.
+            while not metric(registry, "hearth_projector_lag_seconds", PIPELINES_STREAM):
+                assert time.monotonic() < deadline, "no lag in seconds while the database was locked"
+                await asyncio.sleep(0.05)
         finally:
             blocker.execute("ROLLBACK")
             blocker.close()
         await wait_for_metric(registry, "hearth_projector_position", second, resume_timeout_s)
         await wait_for_metric(registry, "hearth_projector_lag_events", {s: 0 for s in second}, resume_timeout_s)
         assert metric(registry, "hearth_projector_applied_events_total", PIPELINES_STREAM) == second[PIPELINES_STREAM]
+        assert {stream: metric(registry, "hearth_projector_lag_seconds", stream) for stream in second} == \
+            {stream: 0.0 for stream in second}
         await assert_same_as_a_rebuild(js, db_path, tmp_path)
     finally:
         stop.set()
