@@ -107,6 +107,9 @@ class ShardHeartbeat(EventEnvelope):
     active_streams: int = Field(ge=0)
     p95_latency_ms: float = Field(ge=0)
     tokens_served_total: int = Field(ge=0)
+    # Median compute time of a decode step over the shard's whole layer range, measured on its recent steps
+    # (routing predicts time per token from it); None before its first decode step, and from older shards.
+    decode_step_ms: float | None = Field(default=None, ge=0)
 
 
 class ShardWithdrawn(EventEnvelope):

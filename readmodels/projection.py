@@ -223,6 +223,7 @@ class ReadModelProjection:
             active_streams=event.active_streams,
             p95_latency_ms=event.p95_latency_ms,
             tokens_served_total=event.tokens_served_total,
+            decode_step_ms=event.decode_step_ms,
         ))
         rows.edit(SHARD_STATS, event.shard_id, _new_stats(event.shard_id))["tokens_served"] = (
             event.tokens_served_total

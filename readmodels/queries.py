@@ -31,6 +31,7 @@ class ShardCandidate:
     last_seen: int | None
     queue_depth: int | None
     active_streams: int | None
+    decode_step_ms: float | None = None
 
 
 def shards_of_model(session: Session, model_id: str) -> list[ShardCandidate]:
@@ -62,6 +63,7 @@ def _shards(session: Session, condition) -> list[ShardCandidate]:
             ShardHealth.last_seen,
             ShardHealth.queue_depth,
             ShardHealth.active_streams,
+            ShardHealth.decode_step_ms,
         )
         .outerjoin(ShardHealth, ShardHealth.shard_id == Shard.shard_id)
         .order_by(Shard.model_id, Shard.shard_id)

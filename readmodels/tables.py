@@ -64,6 +64,8 @@ class ShardHealth(Base):
     active_streams: Mapped[int] = mapped_column(Integer, nullable=False)
     p95_latency_ms: Mapped[float] = mapped_column(Float, nullable=False, comment="duration")
     tokens_served_total: Mapped[int] = mapped_column(Integer, nullable=False)
+    decode_step_ms: Mapped[float | None] = mapped_column(
+        Float, comment="duration: median decode step over the shard's range (NULL: not measured yet)")
 
 
 class Pipeline(Base):

@@ -58,10 +58,10 @@ def advertised(lo: int, hi: int, node: str, *, total: int = 8, t: float = 0.0, *
 
 
 def heartbeat(shard_id: str, *, t: float = 1.0, queue_depth: int = 0, active_streams: int = 0,
-              tokens: int = 0, node: str = "n") -> ShardHeartbeat:
+              tokens: int = 0, node: str = "n", decode_step_ms: float | None = None) -> ShardHeartbeat:
     return ShardHeartbeat(
         shard_id=shard_id, queue_depth=queue_depth, active_streams=active_streams, p95_latency_ms=12.5,
-        tokens_served_total=tokens, node_id=node, occurred_at=at(t),
+        tokens_served_total=tokens, node_id=node, occurred_at=at(t), decode_step_ms=decode_step_ms,
     )
 
 

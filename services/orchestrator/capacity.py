@@ -1,4 +1,5 @@
-"""ShardLoad: this orchestrator's live knowledge of how much room each shard has, for routing and waiting.
+"""ShardLoad: this orchestrator's live knowledge of each shard, for routing and waiting: how much room it has,
+and the round trip to it as measured here.
 
 Heartbeats are seconds old, so routing does not trust their `active_streams`: what this orchestrator knows
 now is the streams it holds on each shard itself (a chain opened and not yet closed) and which shards just
@@ -17,6 +18,9 @@ from collections.abc import Callable, Iterable
 
 from readmodels.queries import ShardCandidate
 
+# Weight of a new round-trip measurement in the running average (one slow answer moves it a quarter).
+round_trip_smoothing = 0.25
+
 
 class ShardLoad:
     """Streams held per shard, recent `at_capacity` refusals, and a wake-up for calls waiting for room."""
@@ -28,6 +32,19 @@ class ShardLoad:
         # shard_id -> (when it refused us, streams we held on it then)
         self._refused: dict[str, tuple[float, int]] = {}
         self._released = asyncio.Event()
+        # shard_id -> smoothed control round trip in seconds (opening a hop), measured by this orchestrator
+        self._round_trip_s: dict[str, float] = {}
+
+    def observe_round_trip(self, shard_id: str, seconds: float) -> None:
+        """A control request to the shard (opening a hop) took `seconds` from asking to its answer."""
+        previous = self._round_trip_s.get(shard_id)
+        self._round_trip_s[shard_id] = seconds if previous is None else (
+            previous + round_trip_smoothing * (seconds - previous))
+
+    def round_trip_ms(self, shard_id: str) -> float | None:
+        """The smoothed measured round trip to the shard, in ms; None before the first."""
+        seconds = self._round_trip_s.get(shard_id)
+        return None if seconds is None else seconds * 1000.0
 
     def held(self, shard_id: str) -> int:
         """Streams of this orchestrator open on the shard now."""

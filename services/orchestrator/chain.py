@@ -16,6 +16,7 @@ import contextlib
 import logging
 import time
 import uuid
+from collections.abc import Callable
 
 import torch
 from nats.aio.client import Client as NatsClient
@@ -71,8 +72,11 @@ class HopChain:
     def __init__(self, nc: NatsClient, pipeline_id: str, hops: list[Hop], *, node_id: str, model_id: str,
                  weights_sha256: str, transport: TransportSettings, wire_dtype: str = "auto",
                  sink_bounds: NormBounds | None = None, hidden_size: int | None = None,
-                 max_session_tokens: int | None = None) -> None:
+                 max_session_tokens: int | None = None,
+                 on_round_trip: Callable[[str, float], None] | None = None) -> None:
         self.nc = nc
+        # Told (shard_id, seconds) for every hop that answered `open`: routing's measured round trip.
+        self.on_round_trip = on_round_trip
         self.node_id = node_id
         self.pipeline_id = pipeline_id
         self.hops = hops
@@ -147,8 +151,11 @@ class HopChain:
             inbound_link_key=_encoded(self.link_keys[index]),
             outbound_link_key=_encoded(self.link_keys[index + 1]),
         )
+        asked_at = time.perf_counter()
         message = await self.nc.request(hop.control_subject, request.model_dump_json().encode(),
                                         timeout=self.transport.control_timeout_s)
+        if self.on_round_trip is not None:
+            self.on_round_trip(hop.shard_id, time.perf_counter() - asked_at)
         return ControlReply.model_validate_json(message.data)
 
     async def keep_alive(self) -> None:

@@ -204,7 +204,8 @@ class PipelineRun:
                         wire_dtype=self.policy.activation_dtype,
                         sink_bounds=self.ctx.sink_bounds.setdefault(model.model_id, NormBounds()),
                         hidden_size=model.head.info.hidden_size,
-                        max_session_tokens=len(self.call.prompt_ids) + self.call.request.max_tokens)
+                        max_session_tokens=len(self.call.prompt_ids) + self.call.request.max_tokens,
+                        on_round_trip=self.ctx.load.observe_round_trip)
 
     async def _catch_up(self) -> None:
         timeout_s = self.ctx.settings.orchestrator.catch_up_timeout_s

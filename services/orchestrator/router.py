@@ -6,9 +6,10 @@ Rules, in order:
    came yet, at most `health_timeout_s` old), not excluded, and with
    room by this orchestrator's live knowledge (ShardLoad: the streams it holds there and recent
    `at_capacity` refusals; a heartbeat's `active_streams` is seconds old and not used);
-2. greedy cover from layer 0: among the candidates holding the next uncovered layer, take the lowest cost
-   (streams we hold on it now, so replicas share the load, then queue depth, then hop_weight, then the
-   longest reach, then shard_id so ties are stable) and run it from that layer to its layer_hi;
+2. the chain covering every layer with the least predicted time per token, by dynamic programming over
+   layer ranges (services/orchestrator/predict.py: each shard's measured decode step time from its
+   heartbeat, the round trip this orchestrator measured to it, and its queue, which also spreads load
+   over replicas); a hop may run part of its shard's range;
 3. a shard on the orchestrator's own node is not hop 0 unless `allow_self_as_shard`;
 4. a layer no candidate can run is `shard_unavailable`, or `weights_mismatch` when a shard with other
    weights would otherwise have been usable; the message names the uncovered layers.
@@ -27,6 +28,7 @@ from sqlalchemy.orm import Session
 
 from readmodels.queries import ShardCandidate, all_shards, shards_of_model
 from services.orchestrator.capacity import ShardLoad
+from services.orchestrator.predict import HopCosts, cheapest_chain
 
 RoutingErrorCode = Literal["shard_unavailable", "weights_mismatch", "overloaded"]
 
@@ -133,30 +135,14 @@ class ShardRouter:
                 "shard_unavailable", f"no shard of model {model_id!r} has been advertised"
             )
 
-        hops: list[Hop] = []
-        cursor = 0
-        while cursor < total_layers:
-            holding = [s for s in candidates if s.layer_lo <= cursor <= s.layer_hi]
-            if not hops and not self.allow_self_as_shard:
-                holding = [s for s in holding if s.node_id != self.self_node_id]
-            if not holding:
-                self._fail(model_id, weights_sha256, candidates, mismatched, total_layers, cursor)
-            best = min(
-                holding,
-                key=lambda s: (load.held(s.shard_id) if load else 0, s.queue_depth or 0, s.hop_weight,
-                               -s.layer_hi, s.shard_id),
-            )
-            layer_hi_to_run = min(best.layer_hi, total_layers - 1)
-            hops.append(
-                Hop(
-                    shard_id=best.shard_id,
-                    control_subject=best.control_subject,
-                    node_id=best.node_id,
-                    layer_lo_to_run=cursor,
-                    layer_hi_to_run=layer_hi_to_run,
-                )
-            )
-            cursor = layer_hi_to_run + 1
+        chain = cheapest_chain(
+            candidates, HopCosts(candidates, total_layers, load),
+            may_be_hop_zero=lambda s: self.allow_self_as_shard or s.node_id != self.self_node_id,
+        )
+        if chain is None:
+            self._fail(model_id, weights_sha256, candidates, mismatched, total_layers, 0)
+        hops = [Hop(shard_id=p.shard.shard_id, control_subject=p.shard.control_subject, node_id=p.shard.node_id,
+                    layer_lo_to_run=p.layer_lo, layer_hi_to_run=p.layer_hi) for p in chain]
         if self.max_hops is not None and len(hops) > self.max_hops:
             raise RoutingError(
                 "shard_unavailable",

@@ -125,7 +125,9 @@ def shard_report(
                 f"{offset:>10}  heartbeat  x{heartbeats_in_run} until {format_time(last_heartbeat.occurred_at)}, "
                 f"last: queue_depth={last_heartbeat.queue_depth} active_streams={last_heartbeat.active_streams} "
                 f"p95_latency_ms={last_heartbeat.p95_latency_ms:g} "
-                f"tokens_served_total={last_heartbeat.tokens_served_total}"
+                + (f"decode_step_ms={last_heartbeat.decode_step_ms:g} "
+                   if last_heartbeat.decode_step_ms is not None else "")
+                + f"tokens_served_total={last_heartbeat.tokens_served_total}"
             )
         heartbeats_in_run, run_started = 0, None
 

@@ -15,6 +15,7 @@ after every step and reset instead, and `stat` reads them without waiting for an
 from __future__ import annotations
 
 import asyncio
+import statistics
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -26,7 +27,7 @@ from inference.compute_thread import StepThreads, on_compute_thread, use_intra_o
 from services.common.control_protocol import OpenHop
 from services.shard.faults import ShardFault
 from services.shard.metrics import ShardStepMetrics, watch_serving
-from services.transport import ReceivedStep
+from services.transport import FrameKind, ReceivedStep
 from services.transport.integrity import NormBounds
 
 latency_samples_kept = 256
@@ -52,6 +53,12 @@ class ServingStats:
     tokens_served_total: int = 0
     steps_in_compute: int = 0
     step_latencies_s: deque = field(default_factory=lambda: deque(maxlen=latency_samples_kept))
+    # Decode steps only, each scaled to the shard's whole range (a hop may run part of it).
+    decode_step_s: deque = field(default_factory=lambda: deque(maxlen=latency_samples_kept))
+
+    def decode_step_ms(self) -> float | None:
+        """The median decode step over the whole range, in ms; None before the first decode step."""
+        return 1000.0 * statistics.median(self.decode_step_s) if self.decode_step_s else None
 
     def p95_latency_ms(self) -> float:
         if not self.step_latencies_s:
@@ -64,9 +71,11 @@ class ShardCompute:
     """The shard's layer runner behind one door: every torch call of the shard goes through here."""
 
     def __init__(self, runner: LayerRangeRunner, shard_id: str, *, fault: ShardFault | None = None,
-                 step_threads: StepThreads | None = None) -> None:
+                 step_threads: StepThreads | None = None, range_layers: int | None = None) -> None:
         self.runner = runner
         self.shard_id = shard_id
+        # Layers of the shard's whole range: a decode step of part of it is scaled up to this many.
+        self.range_layers = range_layers
         self.fault = fault or ShardFault()
         self.step_threads = step_threads or StepThreads()
         self.stats = ServingStats()
@@ -99,6 +108,9 @@ class ShardCompute:
         if failed_check is None:
             output = self.fault.corrupt(output)
             self.stats.step_latencies_s.append(compute_s)
+            layers_run = request.layer_hi - request.layer_lo + 1
+            if received.kind is FrameKind.decode:
+                self.stats.decode_step_s.append(compute_s * (self.range_layers or layers_run) / layers_run)
             self.stats.tokens_served_total += int(received.tensor.shape[1])
         return StepResult(output, failed_check, compute_s)
 

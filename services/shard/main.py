@@ -119,7 +119,8 @@ async def run_shard(
     nc = await unless_stopped(connect_nats(
         nats_url, name=f"hearth-shard {shard_id}", settings=settings.nats,
         on_reconnected=lambda: server_ref[0].request_readvertise() if server_ref else None), stop_event)
-    compute = ShardCompute(runner, shard_id, fault=ShardFault.parse(fault), step_threads=StepThreads(busy_threads))
+    compute = ShardCompute(runner, shard_id, fault=ShardFault.parse(fault), step_threads=StepThreads(busy_threads),
+                           range_layers=min(hi, info.num_layers - 1) - lo + 1)
     server = ShardServer(nc, compute, identity, settings, hop_weight=hop_weight)
     server_ref.append(server)
     metrics_server = None

@@ -119,7 +119,7 @@ class ShardServer:
         await publish_event(self.js, ShardHeartbeat(
             node_id=self.identity.node_id, shard_id=self.identity.shard_id, queue_depth=queue_depth,
             active_streams=self.active_streams, p95_latency_ms=stats.p95_latency_ms(),
-            tokens_served_total=stats.tokens_served_total,
+            tokens_served_total=stats.tokens_served_total, decode_step_ms=stats.decode_step_ms(),
         ), signing_key=self.signing_key)
 
     async def _heartbeat_loop(self) -> None:

@@ -34,12 +34,12 @@ class Mesh:
         self.now = epoch_s(T0) + 5.0
 
     def add(self, lo: int, hi: int, node: str, *, queue_depth: int = 0, active_streams: int = 0,
-            heartbeat_t: float | None = 2.0, **advert_fields) -> str:
+            heartbeat_t: float | None = 2.0, decode_step_ms: float | None = None, **advert_fields) -> str:
         shard = advertised(lo, hi, node, **advert_fields)
         events = [shard]
         if heartbeat_t is not None:
             events.append(heartbeat(shard.shard_id, t=heartbeat_t, queue_depth=queue_depth,
-                                    active_streams=active_streams, node=node))
+                                    active_streams=active_streams, node=node, decode_step_ms=decode_step_ms))
         apply_all(self.engine, [self.log.stored(e) for e in events])
         return shard.shard_id
 
@@ -95,8 +95,8 @@ def test_unusable_shards_are_skipped(mesh):
 
 
 def test_a_heartbeat_saying_full_is_stale_and_live_load_decides(mesh):
-    full = mesh.add(0, 7, "reported-full", active_streams=2)  # max_concurrent_streams is 2
-    other = mesh.add(0, 7, "other", queue_depth=3)
+    full = mesh.add(0, 7, "a-reported-full", active_streams=2)  # max_concurrent_streams is 2
+    other = mesh.add(0, 7, "b-other")
     router = mesh.router()
     load = ShardLoad(retry_s=60.0)
 
@@ -106,7 +106,7 @@ def test_a_heartbeat_saying_full_is_stale_and_live_load_decides(mesh):
 
     assert pick() == [full]  # the heartbeat's active_streams is not trusted
     load.hold([full])
-    assert pick() == [other]  # replicas share the load: fewest streams held by us first
+    assert pick() == [other]  # replicas share the load: a stream we hold slows a shard's every token
     load.hold([other])
     load.refused(full)  # another orchestrator fills it
     assert pick() == [other]
@@ -115,6 +115,45 @@ def test_a_heartbeat_saying_full_is_stale_and_live_load_decides(mesh):
         pick()
     load.release([full])  # one of our streams on it ended: room again
     assert pick() == [full]
+
+
+def plan_with(mesh, load: ShardLoad) -> list[tuple[str, int, int]]:
+    router = mesh.router()
+    hops = router.plan(router.candidates(MODEL_ID), MODEL_ID, WEIGHTS_SHA, now=mesh.now, load=load)
+    return [(hop.shard_id.split("@")[1], hop.layer_lo_to_run, hop.layer_hi_to_run) for hop in hops]
+
+
+def test_the_faster_replica_wins_once_measured_and_an_unmeasured_one_is_tried(mesh):
+    mesh.add(0, 7, "a-slow", decode_step_ms=80.0)
+    mesh.add(0, 7, "b-fast", decode_step_ms=8.0)
+    assert plan_with(mesh, ShardLoad(retry_s=1.0)) == [("b-fast", 0, 7)]
+    # A newcomer is assumed as fast as the fastest measured shard and wins the tie: it gets measured.
+    mesh.add(0, 7, "c-new")
+    assert plan_with(mesh, ShardLoad(retry_s=1.0)) == [("c-new", 0, 7)]
+
+
+def test_measured_round_trips_replace_the_declared_hop_weight(mesh):
+    mesh.add(0, 7, "far", hop_weight=1.0, decode_step_ms=8.0)
+    mesh.add(0, 7, "near", hop_weight=5.0, decode_step_ms=8.0)
+    load = ShardLoad(retry_s=1.0)
+    assert plan_with(mesh, load) == [("far", 0, 7)]  # before measuring, the declared weight decides
+    load.observe_round_trip(f"{MODEL_ID}:0-7@far", 0.040)
+    load.observe_round_trip(f"{MODEL_ID}:0-7@near", 0.002)
+    assert plan_with(mesh, load) == [("near", 0, 7)]
+
+
+def test_the_chain_minimises_predicted_time_per_token_over_layer_ranges(mesh):
+    # One shard for everything, slow per layer, against two fast halves: two hops win despite the extra trip.
+    mesh.add(0, 7, "whole", decode_step_ms=80.0)
+    mesh.add(0, 3, "front", decode_step_ms=4.0)
+    mesh.add(4, 7, "back", decode_step_ms=4.0)
+    load = ShardLoad(retry_s=1.0)
+    assert plan_with(mesh, load) == [("front", 0, 3), ("back", 4, 7)]
+    # Busy halves (three of our streams each) make the single fast-enough shard the better chain.
+    for _ in range(3):
+        load.hold([f"{MODEL_ID}:0-3@front", f"{MODEL_ID}:4-7@back"])
+    mesh.add(0, 7, "whole", decode_step_ms=12.0, t=3.0, heartbeat_t=3.0)
+    assert plan_with(mesh, load) == [("whole", 0, 7)]
 
 
 def test_freshly_advertised_shard_is_routable_before_its_first_heartbeat(mesh):
