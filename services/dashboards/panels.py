@@ -46,7 +46,8 @@ FROM shards LEFT JOIN shard_health ON shard_health.shard_id = shards.shard_id
 WHERE {LIVE_SHARD}
 ORDER BY shards.model_id, shards.layer_lo, shards.node_id"""
 
-CALLS_BY_OUTCOME_SQL = """SELECT $__unixEpochGroupSeconds(constructed_at, 60) AS time, status AS outcome, COUNT(*) AS calls
+CALLS_BY_OUTCOME_SQL = """SELECT $__unixEpochGroupSeconds(constructed_at, 60) AS time, status AS outcome,
+       COUNT(*) AS calls
 FROM pipelines WHERE $__timeFilter(constructed_at)
 GROUP BY 1, 2 ORDER BY 1, 2"""
 
@@ -222,7 +223,8 @@ EVENT_LOG = Dashboard(
     panels=(
         SqlPanel(
             "Events per minute by type", "timeseries",
-            """SELECT minute AS time, type, events FROM event_counts WHERE $__timeFilter(minute) ORDER BY minute, type""",
+            """SELECT minute AS time, type, events FROM event_counts
+WHERE $__timeFilter(minute) ORDER BY minute, type""",
             ("time", "type", "events"), "Applied events, by the minute they occurred (event_counts).",
             bars=True,
         ),
