@@ -107,6 +107,16 @@ def test_event_counts_count_each_applied_event_once(synthetic_read_model):
     assert counted == dict(expected)
 
 
+def test_shard_tokens_daily_counts_each_completed_call_on_each_of_its_hops(synthetic_read_model):
+    with contextlib.closing(open_read_only(synthetic_read_model)) as connection:
+        expected = connection.execute(
+            "SELECT SUM((prompt_tokens + completion_tokens) * (SELECT COUNT(DISTINCT value) FROM json_each(hops))) "
+            "FROM pipelines WHERE status = 'completed'").fetchone()[0]
+        counted, days = connection.execute("SELECT SUM(tokens), COUNT(DISTINCT day) FROM shard_tokens_daily").fetchone()
+    assert counted == expected and expected > 0
+    assert days == 1
+
+
 def test_a_read_only_reader_never_blocks_the_projector(tmp_path):
     path = tmp_path / "readmodel.sqlite"
     engine = migrated_engine(path)
