@@ -14,7 +14,16 @@ from typing import Any
 from sqlalchemy import Table
 from sqlalchemy.orm import Session
 
-from readmodels.tables import EventCount, Failover, Pipeline, RejectedEvent, Shard, ShardHealth, ShardStats
+from readmodels.tables import (
+    EventCount,
+    Failover,
+    Pipeline,
+    RejectedEvent,
+    Shard,
+    ShardHealth,
+    ShardStats,
+    ShardTokensDaily,
+)
 
 SHARDS: Table = Shard.__table__
 SHARD_HEALTH: Table = ShardHealth.__table__
@@ -23,6 +32,7 @@ PIPELINES: Table = Pipeline.__table__
 FAILOVERS: Table = Failover.__table__
 REJECTED_EVENTS: Table = RejectedEvent.__table__
 EVENT_COUNTS: Table = EventCount.__table__
+SHARD_TOKENS_DAILY: Table = ShardTokensDaily.__table__
 
 Row = dict[str, Any]
 
@@ -50,7 +60,8 @@ class TableSql:
 
 TABLE_SQL = {
     table.name: TableSql(table)
-    for table in (SHARDS, SHARD_HEALTH, SHARD_STATS, PIPELINES, FAILOVERS, REJECTED_EVENTS, EVENT_COUNTS)
+    for table in (SHARDS, SHARD_HEALTH, SHARD_STATS, PIPELINES, FAILOVERS, REJECTED_EVENTS, EVENT_COUNTS,
+                  SHARD_TOKENS_DAILY)
 }
 
 

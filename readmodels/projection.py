@@ -53,6 +53,7 @@ from readmodels.batch_rows import (
     REJECTED_EVENTS,
     SHARD_HEALTH,
     SHARD_STATS,
+    SHARD_TOKENS_DAILY,
     SHARDS,
     TABLE_SQL,
     BatchRows,
@@ -67,6 +68,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 TERMINAL_PIPELINE_STATUSES = frozenset({"completed", "aborted"})
+seconds_per_day = 86_400
 
 
 @dataclass(frozen=True)
@@ -298,7 +300,13 @@ class ReadModelProjection:
 
     @handle.register
     def _pipeline_completed(self, event: PipelineCompleted, rows: BatchRows) -> None:
-        self._pipeline(rows, event).update(
+        pipeline = self._pipeline(rows, event)
+        day = epoch_s(event.occurred_at) // seconds_per_day * seconds_per_day
+        for shard_id in dict.fromkeys(_hops(pipeline)):
+            tokens = rows.edit(SHARD_TOKENS_DAILY, (day, shard_id),
+                               lambda shard_id=shard_id: dict(day=day, shard_id=shard_id, tokens=0))
+            tokens["tokens"] += event.prompt_tokens + event.completion_tokens
+        pipeline.update(
             status="completed",
             prompt_tokens=event.prompt_tokens,
             completion_tokens=event.completion_tokens,

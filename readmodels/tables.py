@@ -102,7 +102,12 @@ class Pipeline(Base):
     finished_at: Mapped[int | None] = mapped_column(Integer, comment="epoch s")
     updated_at: Mapped[int] = mapped_column(Integer, nullable=False, comment="epoch s of the latest event")
 
-    __table_args__ = (Index(None, "status"), Index(None, "constructed_at"))
+    # The second index covers every dashboard query over a time range of pipelines (services/dashboards/panels.py)
+    # so those read no table rows: one index to maintain, instead of one per panel.
+    __table_args__ = (
+        Index(None, "status"),
+        Index(None, "constructed_at", "status", "error_code", "fell_back_to_local", "ttft_ms", "tokens_per_second"),
+    )
 
 
 class Failover(Base):
@@ -184,6 +189,17 @@ class EventCount(Base):
     minute: Mapped[int] = mapped_column(Integer, primary_key=True, comment="epoch s, a multiple of 60")
     type: Mapped[str] = mapped_column(String, primary_key=True)
     events: Mapped[int] = mapped_column(Integer, nullable=False)
+
+
+class ShardTokensDaily(Base):
+    """Tokens (prompt + generated) of completed calls per shard per UTC day, counted on the hops that finished
+    each call (a failed-over shard's part is counted on its replacement): tokens through each host per day."""
+
+    __tablename__ = "shard_tokens_daily"
+
+    day: Mapped[int] = mapped_column(Integer, primary_key=True, comment="epoch s of 00:00 UTC that day")
+    shard_id: Mapped[str] = mapped_column(String, primary_key=True)
+    tokens: Mapped[int] = mapped_column(Integer, nullable=False)
 
 
 all_tables = Base.metadata.sorted_tables

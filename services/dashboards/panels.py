@@ -16,6 +16,13 @@ from __future__ import annotations
 from services.dashboards.model import Dashboard, PromPanel, PromTarget, SqlPanel
 
 NOW_S = "$__to / 1000"
+
+
+def in_range(column: str) -> str:
+    """The dashboard's time range on an epoch-seconds column. Not the plugin's `$__timeFilter(column)`: that
+    wraps the column in CAST(CASE ...), which no index can serve; this BETWEEN uses the read model's indexes
+    (scripts/bench_dashboard_queries.py). `$__from`/`$__to` are epoch milliseconds, replaced by Grafana."""
+    return f"{column} BETWEEN $__from / 1000 AND $__to / 1000"
 LIVE_SHARD = f"shards.status = 'advertised' AND shards.expires_at >= {NOW_S}"
 
 # Every layer of every model with how many live shards hold it (a recursive CTE enumerates the layers).
@@ -46,8 +53,9 @@ FROM shards LEFT JOIN shard_health ON shard_health.shard_id = shards.shard_id
 WHERE {LIVE_SHARD}
 ORDER BY shards.model_id, shards.layer_lo, shards.node_id"""
 
-CALLS_BY_OUTCOME_SQL = """SELECT $__unixEpochGroupSeconds(constructed_at, 60) AS time, status AS outcome, COUNT(*) AS calls
-FROM pipelines WHERE $__timeFilter(constructed_at)
+CALLS_BY_OUTCOME_SQL = f"""SELECT $__unixEpochGroupSeconds(constructed_at, 60) AS time, status AS outcome,
+       COUNT(*) AS calls
+FROM pipelines WHERE {in_range('constructed_at')}
 GROUP BY 1, 2 ORDER BY 1, 2"""
 
 
@@ -55,7 +63,7 @@ def percentiles_sql(value_column: str, condition: str) -> str:
     """p50 and p95 of `value_column` per minute of constructed_at (nearest rank: SQLite has no percentile)."""
     return f"""WITH bucketed AS (
   SELECT $__unixEpochGroupSeconds(constructed_at, 60) AS time, {value_column} AS value
-  FROM pipelines WHERE {condition} AND $__timeFilter(constructed_at)
+  FROM pipelines WHERE {condition} AND {in_range('constructed_at')}
 ), ranked AS (
   SELECT time, value, ROW_NUMBER() OVER (PARTITION BY time ORDER BY value) AS rank,
          COUNT(*) OVER (PARTITION BY time) AS n
@@ -126,18 +134,18 @@ PIPELINES = Dashboard(
         ),
         SqlPanel(
             "Failovers and fallbacks per minute", "timeseries",
-            """SELECT $__unixEpochGroupSeconds(occurred_at, 60) AS time, 'failover' AS kind, COUNT(*) AS events
-FROM failovers WHERE $__timeFilter(occurred_at) GROUP BY 1
+            f"""SELECT $__unixEpochGroupSeconds(occurred_at, 60) AS time, 'failover' AS kind, COUNT(*) AS events
+FROM failovers WHERE {in_range('occurred_at')} GROUP BY 1
 UNION ALL
-SELECT $__unixEpochGroupSeconds(updated_at, 60) AS time, 'fallback_local' AS kind, COUNT(*) AS events
-FROM pipelines WHERE fell_back_to_local = 1 AND $__timeFilter(updated_at) GROUP BY 1
+SELECT $__unixEpochGroupSeconds(constructed_at, 60) AS time, 'fallback_local' AS kind, COUNT(*) AS events
+FROM pipelines WHERE {in_range('constructed_at')} AND fell_back_to_local = 1 GROUP BY 1
 ORDER BY time""",
             ("time", "kind", "events"), bars=True,
         ),
         SqlPanel(
             "Aborts by code", "barchart",
-            """SELECT error_code AS code, COUNT(*) AS aborts FROM pipelines
-WHERE status = 'aborted' AND $__timeFilter(constructed_at) GROUP BY error_code ORDER BY aborts DESC, code""",
+            f"""SELECT error_code AS code, COUNT(*) AS aborts FROM pipelines
+WHERE status = 'aborted' AND {in_range('constructed_at')} GROUP BY error_code ORDER BY aborts DESC, code""",
             ("code", "aborts"),
         ),
         PromPanel(
@@ -179,14 +187,14 @@ WHERE {LIVE_SHARD} ORDER BY shard""",
         ),
         SqlPanel(
             "Tokens through each host per day", "timeseries",
-            """SELECT $__unixEpochGroupSeconds(pipelines.finished_at, 86400) AS time, shards.node_id AS host,
-       SUM(COALESCE(pipelines.prompt_tokens, 0) + COALESCE(pipelines.completion_tokens, 0)) AS tokens
-FROM pipelines JOIN json_each(pipelines.hops) AS hop JOIN shards ON shards.shard_id = hop.value
-WHERE pipelines.status = 'completed' AND $__timeFilter(pipelines.finished_at)
+            """SELECT shard_tokens_daily.day AS time, COALESCE(shards.node_id, shard_tokens_daily.shard_id) AS host,
+       SUM(shard_tokens_daily.tokens) AS tokens
+FROM shard_tokens_daily LEFT JOIN shards ON shards.shard_id = shard_tokens_daily.shard_id
+WHERE shard_tokens_daily.day BETWEEN $__from / 1000 - 86399 AND $__to / 1000
 GROUP BY 1, 2 ORDER BY 1, 2""",
             ("time", "host", "tokens"),
-            "Prompt and generated tokens of completed calls, on the hops that finished them (a failed-over "
-            "host is counted on its replacement).", bars=True,
+            "Prompt and generated tokens of completed calls per UTC day, on the hops that finished them (a "
+            "failed-over host's part is counted on its replacement; shard_tokens_daily).", bars=True,
         ),
         SqlPanel(
             "Reputation: pipelines joined, failovers caused, corruption detected", "table",
@@ -222,22 +230,23 @@ EVENT_LOG = Dashboard(
     panels=(
         SqlPanel(
             "Events per minute by type", "timeseries",
-            """SELECT minute AS time, type, events FROM event_counts WHERE $__timeFilter(minute) ORDER BY minute, type""",
+            f"""SELECT minute AS time, type, events FROM event_counts
+WHERE {in_range('minute')} ORDER BY minute, type""",
             ("time", "type", "events"), "Applied events, by the minute they occurred (event_counts).",
             bars=True,
         ),
         SqlPanel(
             "Rejected events per minute by reason", "timeseries",
-            """SELECT $__unixEpochGroupSeconds(rejected_at, 60) AS time, reason, COUNT(*) AS rejected
-FROM rejected_events WHERE $__timeFilter(rejected_at) GROUP BY 1, 2 ORDER BY 1, 2""",
+            f"""SELECT $__unixEpochGroupSeconds(rejected_at, 60) AS time, reason, COUNT(*) AS rejected
+FROM rejected_events WHERE {in_range('rejected_at')} GROUP BY 1, 2 ORDER BY 1, 2""",
             ("time", "reason", "rejected"), "Events the projector refused (unsigned, unknown signer, ...).",
             bars=True,
         ),
         SqlPanel(
             "Latest rejected events", "table",
-            """SELECT rejected_at AS time, reason, type, node_id AS claimed_node, COALESCE(signer, '') AS signer,
+            f"""SELECT rejected_at AS time, reason, type, node_id AS claimed_node, COALESCE(signer, '') AS signer,
        stream, stream_seq
-FROM rejected_events WHERE $__timeFilter(rejected_at) ORDER BY rejected_at DESC, stream_seq DESC LIMIT 50""",
+FROM rejected_events WHERE {in_range('rejected_at')} ORDER BY rejected_at DESC, stream_seq DESC LIMIT 50""",
             ("time", "reason", "type", "claimed_node"),
         ),
         SqlPanel(

@@ -20,7 +20,8 @@ from services.dashboards.panels import LAYER_REPLICAS_CTE, MODELS_SQL, SHARDS_ON
 
 RECENT_CALLS_S = 3600
 
-LAYER_REPLICAS_SQL = f"{LAYER_REPLICAS_CTE}\nSELECT model_id, layer, replicas FROM layer_replicas ORDER BY model_id, layer"
+LAYER_REPLICAS_SQL = f"""{LAYER_REPLICAS_CTE}
+SELECT model_id, layer, replicas FROM layer_replicas ORDER BY model_id, layer"""
 CALLS_BY_OUTCOME_SQL = """SELECT status AS outcome, COUNT(*) AS calls, ROUND(AVG(ttft_ms)) AS mean_ttft_ms,
        ROUND(AVG(tokens_per_second), 1) AS mean_tokens_per_s
 FROM pipelines WHERE constructed_at BETWEEN $__from / 1000 AND $__to / 1000 GROUP BY status ORDER BY calls DESC"""

@@ -1,0 +1,143 @@
+"""The Grafana dashboards as files: generated JSON in step with services/dashboards/panels.py, datasources the
+provisioning defines, only the agreed metric names in PromQL, panel SQL valid on a real read model, the plugin's
+macros expanded as the plugin expands them, and a read-only reader that never blocks the projector."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import yaml
+
+from services.dashboards.grafana_json import DASHBOARDS_DIR, write_dashboards
+from services.dashboards.macros import TimeRange, expand, open_read_only, run_panel_sql
+from services.dashboards.model import PROMETHEUS_DATASOURCE, READ_MODEL_DATASOURCE, PromPanel
+from services.dashboards.panels import DASHBOARDS
+from services.dashboards.status import coverage_text, run_status_command
+from tests.readmodel_helpers import T0, LogBuilder, apply_all, migrated_engine, synthetic_events
+
+ROOT = Path(__file__).resolve().parents[2]
+PROVISIONING = ROOT / "grafana" / "provisioning"
+# The metric names agreed with the metrics side (issue 15); no panel may query another.
+AGREED_METRICS = {
+    "hearth_pipeline_construct_seconds", "hearth_first_token_seconds", "hearth_decode_tokens_per_second",
+    "hearth_shard_latency_seconds", "hearth_failovers_total", "hearth_fallback_to_local_total",
+    "hearth_shard_corruption_detected_total", "hearth_requests_total", "hearth_calls_in_flight",
+    "hearth_queued_requests", "hearth_shard_step_compute_seconds", "hearth_shard_active_sessions",
+    "hearth_shard_kv_cache_bytes", "hearth_shard_tokens_served_total", "hearth_projector_events_applied_total",
+    "hearth_projector_lag_events", "hearth_projector_lag_seconds", "hearth_events_rejected_total",
+}
+HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
+ALL_PANELS = [panel for dashboard in DASHBOARDS for panel in dashboard.panels]
+
+
+def test_the_committed_dashboard_json_is_what_the_panels_generate():
+    assert write_dashboards(DASHBOARDS_DIR, check=True) == [], "run `hearth dashboards build`"
+    assert sorted(path.name for path in DASHBOARDS_DIR.glob("*.json")) == sorted(f"{d.uid}.json" for d in DASHBOARDS)
+
+
+def test_every_panel_uses_a_provisioned_datasource_and_the_read_model_is_read_only():
+    provisioned = yaml.safe_load((PROVISIONING / "datasources" / "hearth.yaml").read_text())["datasources"]
+    by_uid = {source["uid"]: source for source in provisioned}
+    assert by_uid[READ_MODEL_DATASOURCE["uid"]]["type"] == READ_MODEL_DATASOURCE["type"]
+    assert by_uid[READ_MODEL_DATASOURCE["uid"]]["jsonData"] == {
+        "path": "/data/readmodel.sqlite", "pathPrefix": "file:", "pathOptions": "mode=ro"}
+    assert by_uid[PROMETHEUS_DATASOURCE["uid"]]["url"] == "http://prometheus:9090"
+    provider = yaml.safe_load((PROVISIONING / "dashboards" / "hearth.yaml").read_text())["providers"][0]
+    assert provider["options"]["path"] == "/var/lib/grafana/dashboards"
+    for path in DASHBOARDS_DIR.glob("*.json"):
+        for panel in json.loads(path.read_text())["panels"]:
+            for target in panel["targets"]:
+                assert target["datasource"]["uid"] in by_uid, (path.name, panel["title"])
+                if target["datasource"] == READ_MODEL_DATASOURCE:
+                    assert target["queryText"] == target["rawQueryText"] and target["timeColumns"] == ["time"]
+
+
+@pytest.mark.parametrize("panel", [p for p in ALL_PANELS if isinstance(p, PromPanel)], ids=lambda p: p.title)
+def test_promql_names_only_the_agreed_metrics(panel):
+    for target in panel.targets:
+        names = set(re.findall(r"hearth_[a-z_]+", target.expr))
+        assert names, target.expr
+        for name in names:
+            base = next((name.removesuffix(s) for s in HISTOGRAM_SUFFIXES if name.endswith(s)), name)
+            assert base in AGREED_METRICS, (panel.title, name)
+        assert target.expr.count("(") == target.expr.count(")"), target.expr
+        assert set(re.findall(r"\[(\w+)\]", target.expr)) <= {"1m", "5m"}, target.expr
+
+
+def test_macros_expand_as_the_plugin_expands_them():
+    time_range = TimeRange(1_000, 2_000)
+    # The plugin's documented examples (frser-sqlite-datasource README, pkg/plugin/macros.go).
+    assert expand('$__unixEpochGroupSeconds("time", 10)', time_range) == 'cast(("time" / 10) as int) * 10'
+    assert expand("$__unixEpochGroupSeconds(ts, 60, NULL)", time_range) == "cast((ts / 60) as int) * 60"
+    assert expand("$__timeFilter(t)", time_range) == (
+        "CAST(CASE WHEN typeof(t) = 'integer' THEN t ELSE strftime(\"%s\", t) END AS INTEGER) BETWEEN 1000 AND 2000")
+    assert expand("time >= $__from / 1000 and time < $__to / 1000", time_range) == (
+        "time >= 1000000 / 1000 and time < 2000000 / 1000")
+    assert expand("$__unknownMacro(x)", time_range) == "$__unknownMacro(x)"
+
+
+@pytest.fixture(scope="module")
+def synthetic_read_model(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("dashboards") / "readmodel.sqlite"
+    engine = migrated_engine(path)
+    log = LogBuilder()
+    apply_all(engine, [log.stored(event) for event in synthetic_events(pipelines=60, heartbeats_per_shard=8)])
+    engine.dispose()
+    return path
+
+
+@pytest.mark.parametrize("panel", [p for d in DASHBOARDS for p in d.sql_panels], ids=lambda p: p.title)
+def test_every_sql_panel_runs_on_a_projected_read_model(synthetic_read_model, panel):
+    t0 = int(T0.timestamp())
+    with contextlib.closing(open_read_only(synthetic_read_model)) as connection:
+        columns, _rows = run_panel_sql(connection, panel.sql, TimeRange(t0 - 60, t0 + 60))
+    assert set(panel.columns) <= set(columns), columns
+
+
+def test_event_counts_count_each_applied_event_once(synthetic_read_model):
+    events = synthetic_events(pipelines=60, heartbeats_per_shard=8)
+    expected = Counter((int(e.occurred_at.timestamp()) // 60 * 60, e.type) for e in events)
+    with contextlib.closing(open_read_only(synthetic_read_model)) as connection:
+        counted = {(minute, kind): n for minute, kind, n in connection.execute("SELECT * FROM event_counts")}
+    assert counted == dict(expected)
+
+
+def test_shard_tokens_daily_counts_each_completed_call_on_each_of_its_hops(synthetic_read_model):
+    with contextlib.closing(open_read_only(synthetic_read_model)) as connection:
+        expected = connection.execute(
+            "SELECT SUM((prompt_tokens + completion_tokens) * (SELECT COUNT(DISTINCT value) FROM json_each(hops))) "
+            "FROM pipelines WHERE status = 'completed'").fetchone()[0]
+        counted, days = connection.execute("SELECT SUM(tokens), COUNT(DISTINCT day) FROM shard_tokens_daily").fetchone()
+    assert counted == expected and expected > 0
+    assert days == 1
+
+
+def test_a_read_only_reader_never_blocks_the_projector(tmp_path):
+    path = tmp_path / "readmodel.sqlite"
+    engine = migrated_engine(path)
+    log = LogBuilder()
+    events = [log.stored(event) for event in synthetic_events(pipelines=10, heartbeats_per_shard=2)]
+    apply_all(engine, events[:20])
+    with contextlib.closing(open_read_only(path)) as reader:
+        reader.execute("BEGIN")
+        before = reader.execute("SELECT SUM(events) FROM event_counts").fetchone()[0]
+        # The projector commits while the reader's transaction is open (it would fail with "database is
+        # locked" after the busy timeout if readers blocked writers).
+        assert apply_all(engine, events[20:]) == len(events) - 20
+        assert reader.execute("SELECT SUM(events) FROM event_counts").fetchone()[0] == before  # its snapshot
+        reader.execute("COMMIT")
+        assert reader.execute("SELECT SUM(events) FROM event_counts").fetchone()[0] == len(events)
+        with pytest.raises(Exception, match="readonly"):
+            reader.execute("DELETE FROM event_counts")
+    engine.dispose()
+
+
+def test_status_screen_pieces(tmp_path, capsys):
+    assert coverage_text([(0, 2), (1, 2), (2, 1), (3, 0)]) == "0-1 x2, 2 x1, 3 MISSING"
+    assert run_status_command(tmp_path / "absent.sqlite") == 1
+    assert "no read model" in capsys.readouterr().out
