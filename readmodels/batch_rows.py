@@ -18,6 +18,7 @@ from readmodels.tables import (
     EventCount,
     Failover,
     Pipeline,
+    PipelineMinute,
     RejectedEvent,
     Shard,
     ShardHealth,
@@ -33,6 +34,7 @@ FAILOVERS: Table = Failover.__table__
 REJECTED_EVENTS: Table = RejectedEvent.__table__
 EVENT_COUNTS: Table = EventCount.__table__
 SHARD_TOKENS_DAILY: Table = ShardTokensDaily.__table__
+PIPELINE_MINUTES: Table = PipelineMinute.__table__
 
 Row = dict[str, Any]
 
@@ -73,6 +75,11 @@ class BatchRows:
         self._rows: dict[str, dict[Any, Row | None]] = {name: {} for name in TABLE_SQL}
         self._dirty: dict[str, dict[Any, Row]] = {name: {} for name in TABLE_SQL}
 
+    @property
+    def cursor(self):
+        """The batch's cursor, for bookkeeping that runs after `flush()` in the same transaction."""
+        return self._cursor
+
     def get(self, table: Table, key: Any) -> Row | None:
         """The current row (None if there is none); edit it only through `edit` or `put`."""
         rows = self._rows[table.name]
@@ -99,13 +106,16 @@ class BatchRows:
         self._rows[table.name][key] = row
         self._dirty[table.name][key] = row
 
-    def flush(self) -> None:
+    def flush(self) -> list[Row]:
+        """Write every changed row back; returns the pipelines rows written (for the per-minute rollups)."""
+        pipelines = list(self._dirty[PIPELINES.name].values())
         for name, dirty in self._dirty.items():
             if dirty:
                 sql = TABLE_SQL[name]
                 values = [tuple(row[column] for column in sql.columns) for row in dirty.values()]
                 self._cursor.executemany(sql.replace, values)
                 dirty.clear()
+        return pipelines
 
     def close(self) -> None:
         self._cursor.close()

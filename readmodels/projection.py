@@ -60,6 +60,7 @@ from readmodels.batch_rows import (
     Row,
 )
 from readmodels.pipeline_hops import hops_after_failover
+from readmodels.pipeline_minutes import refresh_minutes
 from readmodels.positions import PROJECTION_NAME, load_positions, save_position
 
 if TYPE_CHECKING:
@@ -151,7 +152,7 @@ class ReadModelProjection:
                 positions[message.stream] = message.seq
                 last_event_at[message.stream] = epoch_s(message.time)
                 applied += 1
-            rows.flush()
+            refresh_minutes(rows.cursor, rows.flush())
         finally:
             rows.close()
         for stream, at in last_event_at.items():

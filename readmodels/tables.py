@@ -202,4 +202,19 @@ class ShardTokensDaily(Base):
     tokens: Mapped[int] = mapped_column(Integer, nullable=False)
 
 
+class PipelineMinute(Base):
+    """Calls per minute of `constructed_at` with their nearest-rank percentiles, recomputed from the pipelines
+    rows of that minute whenever one of them changes (readmodels/pipeline_minutes.py): what the Pipelines
+    dashboard draws, without sorting every call of its time range on each refresh."""
+
+    __tablename__ = "pipeline_minutes"
+
+    minute: Mapped[int] = mapped_column(Integer, primary_key=True, comment="epoch s, a multiple of 60")
+    calls: Mapped[int] = mapped_column(Integer, nullable=False)
+    ttft_p50_ms: Mapped[float | None] = mapped_column(Float, comment="duration")
+    ttft_p95_ms: Mapped[float | None] = mapped_column(Float, comment="duration")
+    tokens_per_second_p50: Mapped[float | None] = mapped_column(Float, comment="completed calls")
+    tokens_per_second_p95: Mapped[float | None] = mapped_column(Float, comment="completed calls")
+
+
 all_tables = Base.metadata.sorted_tables

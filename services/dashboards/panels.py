@@ -59,19 +59,10 @@ FROM pipelines WHERE {in_range('constructed_at')}
 GROUP BY 1, 2 ORDER BY 1, 2"""
 
 
-def percentiles_sql(value_column: str, condition: str) -> str:
-    """p50 and p95 of `value_column` per minute of constructed_at (nearest rank: SQLite has no percentile)."""
-    return f"""WITH bucketed AS (
-  SELECT $__unixEpochGroupSeconds(constructed_at, 60) AS time, {value_column} AS value
-  FROM pipelines WHERE {condition} AND {in_range('constructed_at')}
-), ranked AS (
-  SELECT time, value, ROW_NUMBER() OVER (PARTITION BY time ORDER BY value) AS rank,
-         COUNT(*) OVER (PARTITION BY time) AS n
-  FROM bucketed
-)
-SELECT time, MIN(CASE WHEN rank >= 0.5 * n THEN value END) AS p50,
-       MIN(CASE WHEN rank >= 0.95 * n THEN value END) AS p95
-FROM ranked GROUP BY time ORDER BY time"""
+def minute_percentiles_sql(prefix: str, unit_suffix: str = "") -> str:
+    """p50 and p95 per minute from pipeline_minutes (kept by the projection: readmodels/pipeline_minutes.py)."""
+    return f"""SELECT minute AS time, {prefix}_p50{unit_suffix} AS p50, {prefix}_p95{unit_suffix} AS p95
+FROM pipeline_minutes WHERE {in_range('minute')} AND {prefix}_p50{unit_suffix} IS NOT NULL ORDER BY minute"""
 
 
 def histogram_p(quantile: float, metric: str, by: str = "") -> str:
@@ -124,13 +115,13 @@ PIPELINES = Dashboard(
             "fallback_local, or still streaming).", bars=True,
         ),
         SqlPanel(
-            "Time to first token p50 / p95", "timeseries", percentiles_sql("ttft_ms", "ttft_ms IS NOT NULL"),
-            ("time", "p50", "p95"), unit="ms",
+            "Time to first token p50 / p95", "timeseries", minute_percentiles_sql("ttft", "_ms"),
+            ("time", "p50", "p95"), "Nearest-rank percentiles of the calls started in each minute.", unit="ms",
         ),
         SqlPanel(
             "Decode tokens/s p50 / p95", "timeseries",
-            percentiles_sql("tokens_per_second", "status = 'completed' AND tokens_per_second IS NOT NULL"),
-            ("time", "p50", "p95"),
+            minute_percentiles_sql("tokens_per_second"),
+            ("time", "p50", "p95"), "Completed calls started in each minute, nearest rank.",
         ),
         SqlPanel(
             "Failovers and fallbacks per minute", "timeseries",

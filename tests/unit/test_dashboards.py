@@ -117,6 +117,39 @@ def test_shard_tokens_daily_counts_each_completed_call_on_each_of_its_hops(synth
     assert days == 1
 
 
+# Nearest-rank percentiles per minute straight from the pipelines rows, as a reference for pipeline_minutes.
+REFERENCE_PERCENTILES = """WITH bucketed AS (
+  SELECT constructed_at / 60 * 60 AS minute, {value} AS value FROM pipelines WHERE {condition}
+), ranked AS (
+  SELECT minute, value, ROW_NUMBER() OVER (PARTITION BY minute ORDER BY value) AS rank,
+         COUNT(*) OVER (PARTITION BY minute) AS n FROM bucketed
+)
+SELECT minute, MIN(CASE WHEN rank >= 0.5 * n THEN value END), MIN(CASE WHEN rank >= 0.95 * n THEN value END)
+FROM ranked GROUP BY minute ORDER BY minute"""
+
+
+def test_pipeline_minutes_hold_each_minutes_nearest_rank_percentiles(tmp_path):
+    path = tmp_path / "readmodel.sqlite"
+    engine = migrated_engine(path)
+    log = LogBuilder()
+    events = [log.stored(event) for event in synthetic_events(pipelines=400, heartbeats_per_shard=2)]
+    for start in range(0, len(events), 97):  # many batches: a minute's calls end in different batches
+        apply_all(engine, events[start:start + 97])
+    engine.dispose()
+    with contextlib.closing(open_read_only(path)) as connection:
+        minutes = connection.execute("SELECT minute, calls, ttft_p50_ms, ttft_p95_ms, tokens_per_second_p50, "
+                                     "tokens_per_second_p95 FROM pipeline_minutes ORDER BY minute").fetchall()
+        ttft = connection.execute(
+            REFERENCE_PERCENTILES.format(value="ttft_ms", condition="ttft_ms IS NOT NULL")).fetchall()
+        rates = connection.execute(REFERENCE_PERCENTILES.format(
+            value="tokens_per_second", condition="status = 'completed'")).fetchall()
+        calls = connection.execute("SELECT constructed_at / 60 * 60, COUNT(*) FROM pipelines GROUP BY 1").fetchall()
+    assert len(minutes) > 1
+    assert [(m, n) for m, n, *_ in minutes] == calls
+    assert [(m, p50, p95) for m, _n, p50, p95, _r50, _r95 in minutes] == ttft
+    assert [(m, r50, r95) for m, _n, _p50, _p95, r50, r95 in minutes] == rates
+
+
 def test_a_read_only_reader_never_blocks_the_projector(tmp_path):
     path = tmp_path / "readmodel.sqlite"
     engine = migrated_engine(path)
