@@ -192,8 +192,14 @@ class ReadModelProjection:
 
     @handle.register
     def _shard_advertised(self, event: ShardAdvertised, rows: BatchRows) -> None:
-        if _older_than_what_is_known(rows.get(SHARDS, event.shard_id), event, "advertised_at", "withdrawn_at"):
+        previous = rows.get(SHARDS, event.shard_id)
+        if _older_than_what_is_known(previous, event, "advertised_at", "withdrawn_at"):
             return
+        if previous is not None and previous["status"] == "withdrawn":
+            # Advertised again after leaving: a new process, whose step time is unknown until it reports one.
+            health = rows.edit(SHARD_HEALTH, event.shard_id)
+            if health is not None and health["decode_step_ms"] is not None:
+                health["decode_step_ms"] = None
         rows.put(SHARDS, event.shard_id, dict(
             shard_id=event.shard_id,
             model_id=event.model_id,

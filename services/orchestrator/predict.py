@@ -3,16 +3,19 @@ programming over layer ranges (Parallax-style), for ShardRouter.
 
 A hop running `n` layers of shard `s` costs, per token,
 
-    step_ms_per_layer(s) * n * (1 + streams we hold on s + its queue depth) + round_trip_ms(s)
+    (step_ms_per_layer(s) * n * (1 + streams we hold on s + its queue depth) + round_trip_ms(s)) * weight(s)
 
 - `step_ms_per_layer`: the shard's measured decode step over its whole range (heartbeat `decode_step_ms`)
-  divided by its layers; a shard not measured yet is assumed as fast as the fastest measured candidate
-  (`default_step_ms_per_layer` when none is), and wins ties, so it is tried and measured before it can lose;
+  divided by its layers;
 - the queue factor: a shard's compute is shared by the streams it serves (ours are known live, the
   heartbeat's `queue_depth` tells of the rest), which is also what spreads load over replicas;
-- `round_trip_ms`: the orchestrator's own measurement of the shard's control round trip (ShardLoad); before
-  one exists, the median measured one (`default_round_trip_ms` when none is) times the `hop_weight` the host
-  declared. `hop_weight` is a prior, never trusted over a measurement.
+- `round_trip_ms`: the orchestrator's own measurement of the shard's control round trip (ShardLoad);
+- a shard that has not reported a step time yet is predicted from the fastest measured replica of the same
+  layer range (of any range when none; `default_*` when nothing is measured): it wins ties, so it is tried
+  and measured before it can lose;
+- `weight`: the `hop_weight` the host declared is a prior, not a claim that outweighs measurements: a weight
+  below 1 ("prefer me") counts only until the shard is measured, while a weight above 1 (a host asking to be
+  used last: far, metered, on battery) is always honoured.
 
 The chain minimises the sum; ties go to fewer hops, then to longer reach early (a shard's whole range), then
 to unmeasured shards and shard ids, so equal plans are stable.
@@ -20,7 +23,6 @@ to unmeasured shards and shard ids, so equal plans are stable.
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -44,32 +46,38 @@ class HopCosts:
     def __init__(self, candidates: list[ShardCandidate], total_layers: int, load: ShardLoad | None) -> None:
         self.total_layers = total_layers
         self.load = load
-        measured = [step for s in candidates if (step := self._measured_step_per_layer(s)) is not None]
-        self.step_prior = min(measured) if measured else default_step_ms_per_layer
-        trips = [trip for s in candidates if (trip := self._measured_round_trip(s)) is not None]
-        self.round_trip_prior = statistics.median(trips) if trips else default_round_trip_ms
+        self._measured = [s for s in candidates if s.decode_step_ms is not None]
 
     def range_layers(self, shard: ShardCandidate) -> int:
         return min(shard.layer_hi, self.total_layers - 1) - shard.layer_lo + 1
 
     def measured(self, shard: ShardCandidate) -> bool:
-        return self._measured_step_per_layer(shard) is not None
+        return shard.decode_step_ms is not None
 
     def hop_ms(self, shard: ShardCandidate, layers: int) -> float:
-        step = self._measured_step_per_layer(shard)
-        step = self.step_prior if step is None else step
         held = self.load.held(shard.shard_id) if self.load is not None else 0
-        trip = self._measured_round_trip(shard)
-        trip = self.round_trip_prior * shard.hop_weight if trip is None else trip
-        return step * layers * (1 + held + (shard.queue_depth or 0)) + trip
+        queue_factor = 1 + held + (shard.queue_depth or 0)
+        if self.measured(shard):
+            trip = self._round_trip(shard)
+            step, weight = self._step_per_layer(shard), max(1.0, shard.hop_weight)
+        else:
+            step, trip, weight = self._prior(shard)
+        return (step * layers * queue_factor + (default_round_trip_ms if trip is None else trip)) * weight
 
-    def _measured_step_per_layer(self, shard: ShardCandidate) -> float | None:
-        if shard.decode_step_ms is None:
-            return None
+    def _step_per_layer(self, shard: ShardCandidate) -> float:
         return shard.decode_step_ms / self.range_layers(shard)
 
-    def _measured_round_trip(self, shard: ShardCandidate) -> float | None:
+    def _round_trip(self, shard: ShardCandidate) -> float | None:
         return self.load.round_trip_ms(shard.shard_id) if self.load is not None else None
+
+    def _prior(self, shard: ShardCandidate) -> tuple[float, float | None, float]:
+        """(step ms per layer, round trip ms, weight) assumed for a shard that has not reported a step time."""
+        replicas = [s for s in self._measured if (s.layer_lo, s.layer_hi) == (shard.layer_lo, shard.layer_hi)]
+        peers = replicas or self._measured
+        if not peers:
+            return default_step_ms_per_layer, None, shard.hop_weight
+        trips = [trip for s in peers if (trip := self._round_trip(s)) is not None]
+        return min(self._step_per_layer(s) for s in peers), min(trips, default=None), shard.hop_weight
 
 
 def cheapest_chain(candidates: list[ShardCandidate], costs: HopCosts,

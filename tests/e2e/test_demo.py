@@ -82,6 +82,10 @@ def test_demo_streams_one_answer_over_three_shard_hosts_and_stops_everything(mod
     assert re.search(rf"^read model \(hearth projector\): pipeline p-\w+ completed, {tokens} tokens$", out, re.M)
     for step in range(1, 7):
         assert f"[{step}/6]" in completed.stderr
+    # Every process's /metrics endpoint is listed: projector, three shard hosts, orchestrator.
+    endpoints = re.findall(r"^    (\S+) +http://127\.0\.0\.1:\d+/metrics$", completed.stderr, re.M)
+    assert sorted(name.split("-")[0] for name in endpoints) == ["orchestrator", "projector"] + ["shard"] * 3, \
+        completed.stderr
     work_dir = work_dir_of(completed.stderr)
     assert processes_mentioning(work_dir) == []
     assert not Path(work_dir).exists(), "the demo's temporary work directory was left behind"

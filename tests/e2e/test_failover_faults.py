@@ -144,6 +144,8 @@ async def test_corrupting_shard_is_caught_counted_and_routed_around(mesh, refere
     checker = mesh.shards[checked_by] if checked_by else None
     labels = {"check": check, "checked_at": "hop_input"}
     before = scrape_metric(checker.metrics_port, "hearth_integrity_failures_total", labels) if checker else 0.0
+    orchestrator_port = mesh.orchestrator.metrics_port
+    failovers_before = scrape_metric(orchestrator_port, "hearth_failovers_total", {"reason": "corrupt"})
 
     call = await stream_with_action(nc, chat_request())
 
@@ -153,6 +155,10 @@ async def test_corrupting_shard_is_caught_counted_and_routed_around(mesh, refere
     assert [(d.shard_id, d.check) for d in detected] == [(liar.shard_id, check)]
     if checker is not None:
         assert scrape_metric(checker.metrics_port, "hearth_integrity_failures_total", labels) == before + 1
+    # The orchestrator counts the failover and the corruption, blaming the liar.
+    assert scrape_metric(orchestrator_port, "hearth_failovers_total", {"reason": "corrupt"}) == failovers_before + 1
+    assert scrape_metric(orchestrator_port, "hearth_shard_corruption_detected_total",
+                         {"shard_id": liar.shard_id, "check": check}) == 1
     # The orchestrator's read model keeps it as a reputation signal.
     await mesh.wait_routing("shard_stats", liar.shard_id, lambda row: row["corruption_detections"] == 1)
 

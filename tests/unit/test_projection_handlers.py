@@ -73,6 +73,18 @@ def test_withdrawn_then_readvertised(engine):
     assert (row.status, row.withdrawn_at, row.advertised_at) == ("advertised", None, epoch_s(at(10)))
 
 
+def test_a_shard_advertised_again_after_leaving_has_no_measured_step_time(engine):
+    log = LogBuilder()
+    shard = advertised(0, 3, "kitchen")
+    apply_all(engine, [log.stored(shard), log.stored(heartbeat(shard.shard_id, t=1, decode_step_ms=7.5))])
+    assert get(engine, ShardHealth, shard.shard_id).decode_step_ms == 7.5
+    apply_all(engine, [log.stored(advertised(0, 3, "kitchen", t=2))])  # re-advertised while it lives
+    assert get(engine, ShardHealth, shard.shard_id).decode_step_ms == 7.5
+    withdrawn = ShardWithdrawn(shard_id=shard.shard_id, reason="shutdown", node_id="kitchen", occurred_at=at(5))
+    apply_all(engine, [log.stored(withdrawn), log.stored(advertised(0, 3, "kitchen", t=10))])
+    assert get(engine, ShardHealth, shard.shard_id).decode_step_ms is None  # a new process: not measured yet
+
+
 def test_an_old_event_replayed_later_changes_nothing(engine):
     """A correctly signed event re-published after the broker's de-duplication window is history, not news."""
     log = LogBuilder()

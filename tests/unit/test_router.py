@@ -132,14 +132,22 @@ def test_the_faster_replica_wins_once_measured_and_an_unmeasured_one_is_tried(me
     assert plan_with(mesh, ShardLoad(retry_s=1.0)) == [("c-new", 0, 7)]
 
 
-def test_measured_round_trips_replace_the_declared_hop_weight(mesh):
-    mesh.add(0, 7, "far", hop_weight=1.0, decode_step_ms=8.0)
-    mesh.add(0, 7, "near", hop_weight=5.0, decode_step_ms=8.0)
+def test_a_declared_weight_below_one_counts_only_until_measured_and_round_trips_decide(mesh):
+    mesh.add(0, 7, "claims-near", hop_weight=0.5)
+    mesh.add(0, 7, "honest", decode_step_ms=8.0)
     load = ShardLoad(retry_s=1.0)
-    assert plan_with(mesh, load) == [("far", 0, 7)]  # before measuring, the declared weight decides
-    load.observe_round_trip(f"{MODEL_ID}:0-7@far", 0.040)
-    load.observe_round_trip(f"{MODEL_ID}:0-7@near", 0.002)
-    assert plan_with(mesh, load) == [("near", 0, 7)]
+    load.observe_round_trip(f"{MODEL_ID}:0-7@honest", 0.002)
+    assert plan_with(mesh, load) == [("claims-near", 0, 7)]  # the prior: as fast as the replica, and nearer
+    # Measured as fast, but farther: the claim no longer counts.
+    mesh.add(0, 7, "claims-near", hop_weight=0.5, decode_step_ms=8.0, t=3.0, heartbeat_t=3.0)
+    load.observe_round_trip(f"{MODEL_ID}:0-7@claims-near", 0.040)
+    assert plan_with(mesh, load) == [("honest", 0, 7)]
+
+
+def test_a_weight_above_one_is_always_honoured(mesh):
+    mesh.add(0, 7, "primary", decode_step_ms=8.0)
+    mesh.add(0, 7, "replica", hop_weight=2.0, decode_step_ms=6.0)
+    assert plan_with(mesh, ShardLoad(retry_s=1.0)) == [("primary", 0, 7)]
 
 
 def test_the_chain_minimises_predicted_time_per_token_over_layer_ranges(mesh):
