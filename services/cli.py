@@ -17,6 +17,7 @@ from typing import Annotated, Optional
 import typer
 
 from services.community_cli import community_app, nats_command
+from services.gateway.command import gateway_command
 from services.common.cli_options import (
     STOPPING_HELP,
     ConfigOption,
@@ -48,7 +49,7 @@ db_app = typer.Typer(help="Manage a read-model SQLite database.", no_args_is_hel
 app.add_typer(db_app, name="db")
 app.add_typer(community_app, name="community")
 # Decorated with @long_running: SIGINT/SIGTERM stop them quietly from the moment `hearth` starts.
-LONG_RUNNING_COMMANDS = ("projector", "shard", "orchestrator")
+LONG_RUNNING_COMMANDS = ("projector", "shard", "orchestrator", "gateway")
 
 @app.callback()
 def main_options(
@@ -65,6 +66,7 @@ def main_options(
 
 
 app.command("nats")(nats_command)
+app.command("gateway", epilog=STOPPING_HELP)(gateway_command)
 
 
 @db_app.command("upgrade")
