@@ -3,8 +3,10 @@ greedy request asked the way `hearth chat` asks (services.common.chat_client ove
 with the official `openai` client (streamed), interleaved round by round on one running mesh (3 shard hosts, an
 orchestrator, the gateway: real processes, a secure community mesh as `hearth demo` runs it).
 
-Both are measured at the client: TTFT from the call to its first text, decode tokens/s over the text chunks after
-the first (the same tokens both ways). A last part starts N streaming clients at once through the gateway and
+All are measured at the client: TTFT from the call to its first text, decode tokens/s over the text chunks after
+the first (the same tokens every way). The gateway is asked twice: with the `openai` client (what users run; its
+own request building and chunk parsing count too) and with a bare HTTP client (httpx2 on a kept-alive connection,
+SSE lines split by hand), which leaves the gateway's own cost. A last part starts N streaming clients at once through the gateway and
 counts how many got a complete answer (the orchestrator queues what it cannot run yet).
 
     .venv/bin/python scripts/bench_gateway.py --rounds 20 --max-tokens 64 --concurrent 100
@@ -21,6 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import httpx2  # noqa: E402
 import openai  # noqa: E402
 
 from services.cluster import LocalCluster, even_layer_ranges  # noqa: E402
@@ -62,6 +65,18 @@ async def over_gateway(client: openai.AsyncOpenAI, model: str, max_tokens: int) 
     return (*rates(started, arrivals), len(arrivals))
 
 
+async def over_bare_http(http: httpx2.AsyncClient, model: str, max_tokens: int) -> tuple[float, float, int]:
+    started = time.perf_counter()
+    arrivals = []
+    body = {"model": model, "messages": [{"role": "user", "content": PROMPT}], "temperature": 0,
+            "max_tokens": max_tokens, "stream": True}
+    async with http.stream("POST", "/v1/chat/completions", json=body) as response:
+        async for line in response.aiter_lines():
+            if line.startswith('data: {"id"') and '"content":"' in line and '"content":""' not in line:
+                arrivals.append(time.perf_counter())
+    return (*rates(started, arrivals), len(arrivals))
+
+
 async def concurrent_clients(client: openai.AsyncOpenAI, model: str, count: int) -> tuple[int, float]:
     async def one() -> bool:
         try:
@@ -83,17 +98,20 @@ async def measure(cluster: LocalCluster, url: str, api_key: str, model: str, arg
                             settings=cluster.nats_settings(cluster.member_key(MEMBER, "client")))
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=api_key, max_retries=0, timeout=600)
     request = ChatRequest(model=model, messages=[ChatMessage(role="user", content=PROMPT)], max_tokens=args.max_tokens)
-    results: dict[str, list[tuple[float, float, int]]] = {"hearth chat (NATS)": [], "gateway (openai, SSE)": []}
+    http = httpx2.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {api_key}"}, timeout=600)
+    paths = {"hearth chat (NATS)": lambda: over_nats(nc, request),
+             "gateway, bare HTTP client": lambda: over_bare_http(http, model, args.max_tokens),
+             "gateway, openai client": lambda: over_gateway(client, model, args.max_tokens)}
+    results: dict[str, list[tuple[float, float, int]]] = {name: [] for name in paths}
     try:
         for _ in range(args.warmup):
-            await over_nats(nc, request)
-            await over_gateway(client, model, args.max_tokens)
+            for run in paths.values():
+                await run()
         for round_index in range(args.rounds):
-            # Interleaved, and the order alternates, so drift in the machine's load hits both alike.
-            pair = [("hearth chat (NATS)", over_nats(nc, request)),
-                    ("gateway (openai, SSE)", over_gateway(client, model, args.max_tokens))]
-            for name, work in pair if round_index % 2 == 0 else reversed(pair):
-                results[name].append(await work)
+            # Interleaved, and the order alternates, so drift in the machine's load hits all alike.
+            order = list(paths.items())
+            for name, run in order if round_index % 2 == 0 else reversed(order):
+                results[name].append(await run())
         print("| path | rounds | tokens | TTFT median ms | TTFT p90 ms | decode tokens/s median |")
         print("|---|---:|---:|---:|---:|---:|")
         medians = {}
@@ -102,13 +120,15 @@ async def measure(cluster: LocalCluster, url: str, api_key: str, model: str, arg
             medians[name] = (statistics.median(ttfts), statistics.median(decode))
             print(f"| {name} | {len(rows)} | {rows[0][2]} | {medians[name][0]:.2f} | "
                   f"{ttfts[int(0.9 * (len(ttfts) - 1))]:.2f} | {medians[name][1]:.1f} |")
-        (chat_ttft, chat_rate), (gw_ttft, gw_rate) = medians.values()
-        print(f"\ngateway adds {gw_ttft - chat_ttft:+.2f} ms to the median TTFT and changes the median decode rate "
-              f"by {100.0 * (gw_rate - chat_rate) / chat_rate:+.2f} %")
+        chat_ttft, chat_rate = medians["hearth chat (NATS)"]
+        for name, (ttft, rate) in list(medians.items())[1:]:
+            print(f"\n{name}: {ttft - chat_ttft:+.2f} ms median TTFT, {100.0 * (rate - chat_rate) / chat_rate:+.2f} % "
+                  "median decode tokens/s, against hearth chat")
         if args.concurrent:
             served, seconds = await concurrent_clients(client, model, args.concurrent)
             print(f"{args.concurrent} concurrent streaming clients: {served} answered completely in {seconds:.1f} s")
     finally:
+        await http.aclose()
         await client.close()
         await nc.close()
 
