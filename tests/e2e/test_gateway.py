@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
 import urllib.error
@@ -22,13 +23,20 @@ from services.cluster import LocalCluster
 from services.common.nats_connection import connect_nats
 from services.gateway.keys import create_api_key
 from tests.e2e.conftest import TINY_MODEL_NAME, three_shard_mesh
-from tests.e2e.failover_support import ShardHandle, pipeline_events, read_events, wait_until_released
+from tests.e2e.failover_support import (
+    ShardHandle,
+    pipeline_events,
+    read_events,
+    wait_for_event,
+    wait_until_released,
+)
 from tests.unit.inference_tiny_models import write_tiny_model
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 PROMPT = "the quick brown fox"
 MAX_TOKENS = 12
 PARTIAL_MODEL = "tiny-partial"
+FAILOVER_TOKENS = 24
 HTTP_WAIT_S = 60
 
 
@@ -48,12 +56,12 @@ class Mesh:
 
     def shards(self) -> list[ShardHandle]:
         return [ShardHandle(process, process.ready_file.read_text().strip().rpartition("@")[2], 0, 0)
-                for process in self.cluster.processes if process.name.startswith("shard-host")]
+                for process in self.cluster.processes if process.name.startswith("shard-") and process.alive]
 
-    def hearth_chat(self, *args: str) -> tuple[str, dict]:
+    def hearth_chat(self, *args: str, max_tokens: int = MAX_TOKENS) -> tuple[str, dict]:
         """`hearth chat --json`: the text and the `done` frame of the same request (its token texts: `.pieces`)."""
         completed = subprocess.run(
-            [sys.executable, "-m", "services.cli", "chat", *args, "--json", "--max-tokens", str(MAX_TOKENS),
+            [sys.executable, "-m", "services.cli", "chat", *args, "--json", "--max-tokens", str(max_tokens),
              "--model", TINY_MODEL_NAME], capture_output=True, text=True, timeout=HTTP_WAIT_S,
             env={**os.environ, **self.cluster.client_env("chat-user"), "HEARTH_NATS_URL": self.cluster.nats_url})
         assert completed.returncode == 0, completed.stderr
@@ -69,9 +77,12 @@ def mesh(tmp_path_factory, tiny_models_dir):
     write_tiny_model(partial_dir / PARTIAL_MODEL, "llama")
     work_dir = tmp_path_factory.mktemp("gateway")
     with three_shard_mesh(work_dir, tiny_models_dir, orchestrator_args=["--models-dir", str(partial_dir)]) as cluster:
-        cluster.start_shard(str(partial_dir / PARTIAL_MODEL), 0, 1, node_id="partial-host")
+        cluster.start_shard(str(partial_dir / PARTIAL_MODEL), 0, 1, node_id="partial-host", wait_ready=False)
+        # A second host for layers 2-3: a call whose host for them dies fails over to it.
+        cluster.start_shard(str(tiny_models_dir / TINY_MODEL_NAME), 2, 3, node_id="spare-host", wait_ready=False)
+        cluster.wait_all_ready()
         keys = {name: create_api_key(cluster.member_key(name, "client").parents[1], name)
-                for name in ("alice", "dora")}
+                for name in ("alice", "dora", "frank")}
         gateway = cluster.start_gateway()
         yield Mesh(cluster, gateway.ready_file.read_text(), keys)
 
@@ -224,6 +235,34 @@ def test_health_and_metrics(mesh):
         text = response.read().decode()
     assert 'hearth_gateway_requests_total{route="/v1/models",status="200"}' in text
     assert 'hearth_gateway_request_seconds_count{route="/v1/completions",status="404"}' in text
+
+
+async def test_a_failover_is_a_pause_in_the_stream_not_a_break(mesh):
+    """SIGKILL the host running layers 2-3 of a streamed call after its third token: the stream goes on over the
+    other host and ends as the uninterrupted greedy answer does. Last of the module's mesh tests: it kills a host."""
+    expected_text, done = await asyncio.to_thread(mesh.hearth_chat, PROMPT, max_tokens=FAILOVER_TOKENS)
+    client = mesh.async_client("frank")
+    nc = await connect_nats(mesh.cluster.nats_url, name="gateway-failover", settings=mesh.cluster.nats_settings())
+    try:
+        stream = await client.chat.completions.create(model=TINY_MODEL_NAME, temperature=0, stream=True,
+                                                      max_tokens=FAILOVER_TOKENS, messages=[{"role": "user",
+                                                                                            "content": PROMPT}])
+        pieces, reasons = [], []
+        async for chunk in stream:
+            pieces.append(chunk.choices[0].delta.content or "")
+            reasons.append(chunk.choices[0].finish_reason)
+            if len(pieces) == 4:  # the opening chunk and three tokens
+                constructed = await wait_for_event(nc, PIPELINES_STREAM, lambda stored: (
+                    stored.event.type == "pipeline.constructed" and stored.event.caller == "frank"))
+                victim = next(hop for hop in constructed.event.hops if ":2-3@" in hop)
+                next(p for p in mesh.cluster.processes
+                     if p.ready_file and p.ready_file.read_text().strip() == victim).signal(signal.SIGKILL)
+        events = await pipeline_events(nc, constructed.event.pipeline_id)
+    finally:
+        await client.close()
+        await nc.close()
+    assert "".join(pieces) == expected_text and reasons[-1] == done["finish_reason"] == "length"
+    assert [stored.event.type for stored in events].count("pipeline.failover") == 1
 
 
 def test_an_open_mesh_needs_no_key_and_says_503_then_500(tmp_path):
