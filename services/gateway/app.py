@@ -49,12 +49,15 @@ class Health(BaseModel):
 
 
 class SseResponse(StreamingResponse):
-    """Server-sent events; the event source is closed however the response ends (a disconnect cancels it)."""
+    """Server-sent events of one call; the call is closed however the response ends (a disconnect cancels the
+    stream, possibly before its first event: the events' own `finally` would then never run)."""
 
     media_type = "text/event-stream"
 
-    def __init__(self, events: AsyncIterator[bytes]) -> None:
+    def __init__(self, events: AsyncIterator[bytes], call: MeshCall, slot: ExitStack) -> None:
         super().__init__(events, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.call = call
+        self.slot = slot
 
     async def __call__(self, scope, receive, send) -> None:
         try:
@@ -62,6 +65,8 @@ class SseResponse(StreamingResponse):
         finally:
             with anyio.CancelScope(shield=True):
                 await self.body_iterator.aclose()
+                await self.call.aclose()
+            self.slot.close()
 
 
 class MetricsMiddleware:
@@ -142,9 +147,10 @@ class GatewayApp:
             if not isinstance(first, (TokenDeltaFrame, DoneFrame)):
                 raise self._error(first)
             if body.stream:
-                stream = self._events(request.url.path, call, shape, first, body.include_usage, slot)
-                call, slot = None, ExitStack()  # the stream owns them now
-                return SseResponse(stream)
+                stream = SseResponse(self._events(request.url.path, call, shape, first, body.include_usage),
+                                     call, slot)
+                call, slot = None, ExitStack()  # the response owns them now
+                return stream
             return await unless_disconnected(request.receive, self._whole(call, shape, first))
         except GatewayError as error:
             if error.status >= 500 or error.status == 429:
@@ -184,34 +190,29 @@ class GatewayApp:
         return JSONResponse(shape.whole("".join(text), frame).model_dump())
 
     async def _events(self, route: str, call: MeshCall, shape: AnswerShape, first: AnswerFrame,
-                      include_usage: bool, slot: ExitStack) -> AsyncIterator[bytes]:
-        try:
-            opening = shape.opening()
-            frame = first
-            head = sse_event(opening) if opening is not None else b""
-            if isinstance(frame, TokenDeltaFrame):
-                # The opening chunk and the first token leave together: one write less before the first token.
-                yield head + (sse_event(shape.text(frame.text)) if frame.text else b"")
-                first_token_seconds.labels(route).observe(time.perf_counter() - call.started)
-                frame = await call.next()
-            elif head:
-                yield head
-            while isinstance(frame, TokenDeltaFrame):
-                if frame.text:
-                    yield sse_event(shape.text(frame.text))
-                frame = await call.next()
-            if isinstance(frame, DoneFrame):
-                yield sse_event(shape.ending(frame)) + (sse_event(shape.usage(frame)) if include_usage else b"")
-                yield SSE_DONE
-            else:
-                # Too late for an HTTP status: the stream ends with an error event, as OpenAI's does.
-                error = self._error(frame)
-                log.info("%s: stream ended by %s", route, error)
-                yield sse_event(error.body())
-        finally:
-            with anyio.CancelScope(shield=True):
-                await call.aclose()
-            slot.close()
+                      include_usage: bool) -> AsyncIterator[bytes]:
+        opening = shape.opening()
+        frame = first
+        head = sse_event(opening) if opening is not None else b""
+        if isinstance(frame, TokenDeltaFrame):
+            # The opening chunk and the first token leave together: one write less before the first token.
+            yield head + (sse_event(shape.text(frame.text)) if frame.text else b"")
+            first_token_seconds.labels(route).observe(time.perf_counter() - call.started)
+            frame = await call.next()
+        elif head:
+            yield head
+        while isinstance(frame, TokenDeltaFrame):
+            if frame.text:
+                yield sse_event(shape.text(frame.text))
+            frame = await call.next()
+        if isinstance(frame, DoneFrame):
+            yield sse_event(shape.ending(frame)) + (sse_event(shape.usage(frame)) if include_usage else b"")
+            yield SSE_DONE
+        else:
+            # Too late for an HTTP status: the stream ends with an error event, as OpenAI's does.
+            error = self._error(frame)
+            log.info("%s: stream ended by %s", route, error)
+            yield sse_event(error.body())
 
 
 def _first_param(error: ValidationError) -> str | None:
