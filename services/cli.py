@@ -18,6 +18,7 @@ import typer
 
 from services.community_cli import community_app
 from services.dashboards.cli import dashboards_app, status_command
+from services.gateway.command import gateway_command
 from services.common.cli_options import (
     STOPPING_HELP,
     ConfigOption,
@@ -52,7 +53,7 @@ app.add_typer(db_app, name="db")
 app.add_typer(community_app, name="community")
 app.add_typer(dashboards_app, name="dashboards")
 # Decorated with @long_running: SIGINT/SIGTERM stop them quietly from the moment `hearth` starts.
-LONG_RUNNING_COMMANDS = ("projector", "shard", "orchestrator")
+LONG_RUNNING_COMMANDS = ("projector", "shard", "orchestrator", "gateway")
 
 @app.callback()
 def main_options(
@@ -70,6 +71,7 @@ def main_options(
 
 app.command("nats", epilog=NATS_HELP_EPILOG)(nats_command)
 app.command("status")(status_command)
+app.command("gateway", epilog=STOPPING_HELP)(gateway_command)
 
 
 @db_app.command("upgrade")

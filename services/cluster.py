@@ -223,7 +223,7 @@ class LocalCluster:
         return self.nats_url
 
     def _spawn(self, name: str, args: list[str], *, wait_ready: bool = True, writes_ready_file: bool = True,
-               member: tuple[str, Role] | None = None) -> ManagedProcess:
+               member: tuple[str, Role] | None = None, env: dict[str, str] | None = None) -> ManagedProcess:
         if self.nats_url is None:
             raise ClusterError("start NATS (or give nats_url) before starting hearth processes")
         log_path = self.work_dir / f"{name}.log"
@@ -231,7 +231,7 @@ class LocalCluster:
         ready_file.unlink(missing_ok=True)
         credentials = self.credentials_env(self.member_key(*member) if member else None)
         env = {**os.environ, **quiet_torch_environment(self.torch_threads), **self.extra_env, **credentials,
-               "HEARTH_NATS_URL": self.nats_url, "PYTHONUNBUFFERED": "1"}
+               "HEARTH_NATS_URL": self.nats_url, "PYTHONUNBUFFERED": "1", **(env or {})}
         command = [sys.executable, "-m", "services.cli", "--log-level", self.log_level, *args,
                    "--nats", self.nats_url]
         if writes_ready_file:
@@ -277,6 +277,15 @@ class LocalCluster:
             args += ["--torch-threads", str(self.torch_threads)]
         return self._spawn(f"orchestrator-{node_id}", args, wait_ready=wait_ready,
                            member=(node_id, "orchestrator"))
+
+    def start_gateway(self, *, name: str = "gateway", extra_args: list[str] = (), env: dict[str, str] | None = None,
+                      wait_ready: bool = True) -> ManagedProcess:
+        """`hearth gateway` on a free port, logged in as client member `name`, with the API keys of this cluster's
+        community folder (make them first: services.gateway.keys.create_api_key); its ready file holds its URL."""
+        args = ["gateway", *(extra_args if "--port" in extra_args else ["--port", "0", *extra_args])]
+        if self.community is not None:
+            args += ["--community", str(self.community.directory)]
+        return self._spawn(f"gateway-{name}", args, wait_ready=wait_ready, member=(name, "client"), env=env)
 
     def start_projector(self, db_path: Path) -> ManagedProcess:
         return self._spawn("projector", ["projector", "--db", str(db_path)], writes_ready_file=False,

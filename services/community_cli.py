@@ -85,6 +85,28 @@ def list_command(directory: DirOption = DEFAULT_COMMUNITY_DIR) -> None:
         typer.echo(f"{member.name:24} {member.role:13} {member.trust:8} {member.public_key}")
 
 
+@community_app.command("api-key")
+def api_key_command(
+    name: Annotated[str, typer.Option("--name", help="The member whose calls the key makes (its key must be in "
+                                      "DIR/keys/NAME.nk: the gateway signs its calls with it).")],
+    directory: DirOption = DEFAULT_COMMUNITY_DIR,
+    revoke: Annotated[bool, typer.Option("--revoke", help="Remove every API key of NAME instead.")] = False,
+) -> None:
+    """Make an API key for `hearth gateway` (printed once; only its SHA-256 is kept, in DIR/api_keys.json, mode
+    0600), or revoke a member's keys. Restart the gateway to apply."""
+    from services.gateway.keys import ApiKeyError, create_api_key, revoke_api_keys
+
+    try:
+        if revoke:
+            typer.echo(f"revoked {revoke_api_keys(directory, name)} API keys of {name}", err=True)
+            return
+        api_key = create_api_key(directory, name)
+    except ApiKeyError as error:
+        _fail(str(error))
+    typer.echo(f"API key for {name} (shown only now; {directory}/api_keys.json keeps its hash):", err=True)
+    typer.echo(api_key)
+
+
 @community_app.command("tls")
 def tls_command(
     host: Annotated[list[str], typer.Option("--host", help="A name or address the broker is reached by "

@@ -308,6 +308,10 @@ class DemoRun:
         print(f"\nThe mesh keeps running. NATS: {cluster.nats_url}; client credentials: {creds}")
         print(f"Try:  hearth chat --nats {cluster.nats_url} --creds {creds}{model_option}{raw_option} "
               "\"Tell me a joke.\"")
+        from services.gateway.command import start_demo_gateway
+
+        for line in start_demo_gateway(cluster, DEMO_CLIENT, model.name, chat=model.has_chat_template):
+            print(line)
         print("Ctrl-C stops everything.", flush=True)
         while True:
             if cluster.nats is not None and not cluster.nats.is_running():

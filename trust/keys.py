@@ -58,13 +58,7 @@ class MemberKey:
     @classmethod
     def load(cls, path: Path) -> "MemberKey":
         """Read a seed file; refuse one that others may read (as ssh does), so a leaked seed is not silent."""
-        try:
-            mode = path.stat().st_mode & 0o777
-            data = path.read_bytes()
-        except OSError as error:
-            raise KeyFileError(f"cannot read the key file {path}: {error.strerror}") from None
-        if mode & 0o077:
-            raise KeyFileError(f"the key file {path} is readable by others (mode {mode:o}); run chmod 600 on it")
+        data = read_private_file(path, "the key file")
         try:
             return cls.from_seed(data)
         except KeyFileError as error:
@@ -88,6 +82,19 @@ class MemberKey:
 
     def __repr__(self) -> str:  # never the seed
         return f"MemberKey(public_key={self.public_key!r})"
+
+
+def read_private_file(path: Path, what: str) -> bytes:
+    """The bytes of a file only its owner may read (a seed, the API keys' hashes); KeyFileError naming `what`
+    when it cannot be read or others may read it."""
+    try:
+        mode = path.stat().st_mode & 0o777
+        data = path.read_bytes()
+    except OSError as error:
+        raise KeyFileError(f"cannot read {what} {path}: {error.strerror}") from None
+    if mode & 0o077:
+        raise KeyFileError(f"{what} {path} is readable by others (mode {mode:o}); run chmod 600 on it")
+    return data
 
 
 def _verify_key(public_key: str) -> nacl.signing.VerifyKey:

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from nats.aio.client import Client as NatsClient
+from pydantic import ValidationError
 
 from services.common.call_signing import signed_call_headers
 from services.common.config import ClientSettings
@@ -27,6 +29,7 @@ from services.common.chat_protocol import (
     TokenDeltaFrame,
     decode_frame,
 )
+from trust.keys import MemberKey
 
 _client_defaults = ClientSettings()
 NO_RESPONDERS_STATUS = "503"
@@ -44,8 +47,13 @@ async def stream_chat_raw(
     first_frame_timeout: float = _client_defaults.first_frame_timeout_s,
     frame_gap_timeout: float = _client_defaults.silence_timeout_s,
     include_keepalives: bool = False,
+    signer: MemberKey | None = None,
 ) -> AsyncIterator[ChatFrame]:
     """Publish raw request bytes (valid or not) and yield frames until a final one; for tests and tools.
+
+    The call is signed by `signer` when given (the gateway asks on behalf of the member an API key belongs to),
+    else by the member the connection logged in as. A frame of a type this client does not know (one a newer
+    orchestrator sends) is skipped; a numbered one still counts in the `seq` check.
 
     The orchestrator sends a frame or a keepalive at least every `[transport] keepalive_interval_s`, so a
     silence of `frame_gap_timeout` means it is gone: the stream then ends with an `orchestrator_gone` error
@@ -56,9 +64,10 @@ async def stream_chat_raw(
     inbox = nc.new_inbox()
     subscription = await nc.subscribe(inbox)
     identity = connection_identity(nc)
-    # On a community mesh every call is signed by the member the connection logged in as (the orchestrator
-    # answers `unauthorized` otherwise); the signature covers the inbox, so the answer cannot be redirected.
-    headers = signed_call_headers(identity.key, CHAT_REQUEST_SUBJECT, inbox, payload) if identity else None
+    # On a community mesh every call is signed by a member (the orchestrator answers `unauthorized` otherwise);
+    # the signature covers the inbox, so the answer cannot be redirected.
+    key = signer or (identity.key if identity else None)
+    headers = signed_call_headers(key, CHAT_REQUEST_SUBJECT, inbox, payload) if key else None
     try:
         await nc.publish(CHAT_REQUEST_SUBJECT, payload, reply=inbox, headers=headers)
         timeout, last_seq = first_frame_timeout, -1
@@ -77,8 +86,11 @@ async def stream_chat_raw(
                 yield _ending("orchestrator_gone", f"no orchestrator is listening on {CHAT_REQUEST_SUBJECT}",
                               last_seq)
                 return
-            frame = decode_frame(message.data)
+            frame = _decode_known(message.data)
             timeout = frame_gap_timeout
+            if isinstance(frame, int):  # a frame type this client does not know: only its number matters
+                last_seq = frame if frame == last_seq + 1 else last_seq
+                continue
             if isinstance(frame, KeepaliveFrame):
                 if include_keepalives:
                     yield frame
@@ -96,10 +108,22 @@ async def stream_chat_raw(
             await subscription.unsubscribe()
 
 
-async def stream_chat(nc: NatsClient, request: ChatRequest, **timeouts: float) -> AsyncIterator[ChatFrame]:
+def _decode_known(data: bytes) -> ChatFrame | int:
+    """The frame, or the `seq` (-1 when it has none) of a well-formed frame whose `type` is not one of ours."""
+    try:
+        return decode_frame(data)
+    except ValidationError as error:
+        if not any(item["type"] == "union_tag_invalid" for item in error.errors(include_url=False)):
+            raise
+        seq = json.loads(data).get("seq")
+        return seq if isinstance(seq, int) else -1
+
+
+async def stream_chat(nc: NatsClient, request: ChatRequest, *, signer: MemberKey | None = None,
+                      **timeouts: float) -> AsyncIterator[ChatFrame]:
     payload = request.model_dump_json(exclude_none=True).encode()
     # aclosing: a caller that stops early unsubscribes the inbox now, not at garbage collection.
-    async with contextlib.aclosing(stream_chat_raw(nc, payload, **timeouts)) as frames:
+    async with contextlib.aclosing(stream_chat_raw(nc, payload, signer=signer, **timeouts)) as frames:
         async for frame in frames:
             yield frame
 

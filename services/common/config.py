@@ -231,6 +231,23 @@ class ClientSettings(_Section):
         description="no frame and no keepalive for this long after the first: the orchestrator is gone")
 
 
+class GatewaySettings(_Section):
+    """[gateway]: the OpenAI-compatible HTTP gateway (`hearth gateway`, services/gateway/)."""
+
+    host: str = Field(default="127.0.0.1", description="interface to listen on; 0.0.0.0 to accept other machines")
+    port: int = Field(default=8000, ge=0, le=65535, description="TCP port to listen on (0: any free port)")
+    community_dir: Path | None = Field(
+        default=None, description="community folder holding api_keys.json and the keys of the members it names")
+    max_open_requests: int = Field(
+        default=1024, ge=1, description="calls in flight at once; one more is refused with 429 `overloaded`")
+    retry_after_s: float = Field(
+        default=1.0, gt=0, description="the Retry-After of a 429 when the refusal names no wait of its own")
+    models_timeout_s: float = Field(
+        default=5.0, gt=0, description="how long asking `llm.models` (GET /v1/models, a model check) may take")
+    shutdown_grace_s: float = Field(
+        default=1.0, ge=0, description="at shutdown, how long calls in flight may take to finish")
+
+
 class EventsSettings(_Section):
     """[events]: what a projector accepts from the event log of a community mesh (events/signing.py)."""
 
@@ -257,6 +274,7 @@ class HearthSettings(BaseSettings):
     orchestrator: OrchestratorSettings = OrchestratorSettings()
     shard: ShardSettings = ShardSettings()
     client: ClientSettings = ClientSettings()
+    gateway: GatewaySettings = GatewaySettings()
     events: EventsSettings = EventsSettings()
 
     @classmethod

@@ -110,6 +110,11 @@ def test_demo_serve_answers_hearth_chat_and_ctrl_c_stops_everything(model_args, 
                                "--max-tokens", "4"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
         assert chat.returncode == 0, chat.stderr
         assert re.search(r"\[(length|stop): \d+ tokens", chat.stderr), chat.stderr
+        # And the gateway's curl line, as printed: an OpenAI stream ending with [DONE].
+        curl_line = re.search(r"^Try:  (curl -N .*)$", out, re.M)
+        assert curl_line and re.search(r"^OpenAI-compatible gateway: export OPENAI_BASE_URL=http", out, re.M), out
+        streamed = subprocess.run(["bash", "-c", curl_line.group(1)], capture_output=True, text=True, timeout=60)
+        assert streamed.returncode == 0 and streamed.stdout.rstrip().endswith("data: [DONE]"), streamed
         work_dir = work_dir_of(stderr_path.read_text())
         assert len(processes_mentioning(work_dir)) >= 5  # nats-server, projector, 3 shards, orchestrator
 

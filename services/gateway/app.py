@@ -1,0 +1,233 @@
+"""The gateway's ASGI app (Starlette): OpenAI's /v1/models, /v1/chat/completions and /v1/completions over the
+mesh's `llm.chat.request`, plus /healthz and /metrics.
+
+No HTTP status is sent before the call's first token or its final frame, so a call the mesh refuses or cannot
+serve gets its own status (400, 404, 429, 503, ...) even when streamed; after the first token a streamed call
+that fails ends with an OpenAI error event instead of `data: [DONE]`. A client that disconnects, while waiting
+or mid-stream, has its call's inbox closed at once, which ends the call on the orchestrator and frees the hops.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import ExitStack
+
+import anyio
+from pydantic import BaseModel, ValidationError
+from starlette.applications import Starlette
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from services.common.chat_protocol import BadRequest, DoneFrame, TokenDeltaFrame, describe_validation_error
+from services.common.metrics import counter, histogram, render_metrics
+from services.gateway.answers import SSE_DONE, AnswerShape, ChatShape, CompletionShape, sse_event
+from services.gateway.errors import GatewayError, bad_request, from_frame
+from services.gateway.mesh import AnswerFrame, ClientGone, Gateway, MeshCall, unless_disconnected
+from services.gateway.openai_models import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, Unsupported
+
+log = logging.getLogger(__name__)
+ROUTES = ("/v1/models", "/v1/chat/completions", "/v1/completions", "/healthz", "/metrics")
+# nginx's "client closed request": recorded in /metrics for calls whose client left before the answer.
+CLIENT_CLOSED_STATUS = 499
+latency_buckets_s = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+requests_total = counter("hearth_gateway_requests_total", "HTTP requests answered, by route and status",
+                         ["route", "status"])
+request_seconds = histogram("hearth_gateway_request_seconds", "From request to the last byte of the answer "
+                            "(a streamed one included), by route and status", ["route", "status"],
+                            buckets=latency_buckets_s)
+first_token_seconds = histogram("hearth_gateway_first_token_seconds", "From request to the first token leaving "
+                                "the gateway, by route", ["route"], buckets=latency_buckets_s)
+
+
+class Health(BaseModel):
+    status: str
+    nats_connected: bool
+    open_calls: int
+
+
+class SseResponse(StreamingResponse):
+    """Server-sent events of one call; the call is closed however the response ends (a disconnect cancels the
+    stream, possibly before its first event: the events' own `finally` would then never run)."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, events: AsyncIterator[bytes], call: MeshCall, slot: ExitStack) -> None:
+        super().__init__(events, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.call = call
+        self.slot = slot
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()
+                await self.call.aclose()
+            self.slot.close()
+
+
+class MetricsMiddleware:
+    """Counts every HTTP request and times it to its last byte, labelled by route and status."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        route = scope["path"] if scope["path"] in ROUTES else "other"
+        status = [500]
+
+        async def sending(message) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        started = time.perf_counter()
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            requests_total.labels(route, str(status[0])).inc()
+            request_seconds.labels(route, str(status[0])).observe(time.perf_counter() - started)
+
+
+class GatewayApp:
+    """The routes' handlers over one Gateway."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+
+    async def healthz(self, request: Request) -> Response:
+        connected = self.gateway.nc.is_connected
+        health = Health(status="ok" if connected else "nats_disconnected", nats_connected=connected,
+                        open_calls=self.gateway.open_calls)
+        return JSONResponse(health.model_dump(), status_code=200 if connected else 503)
+
+    async def metrics(self, request: Request) -> Response:
+        return Response(render_metrics(), media_type="text/plain; version=0.0.4")
+
+    async def models(self, request: Request) -> Response:
+        try:
+            self.gateway.caller(request.headers.get("authorization"))
+            reply = await self.gateway.models()
+        except GatewayError as error:
+            return error.response()
+        servable = [ModelCard(id=model.id) for model in reply.models if model.complete or model.runnable_locally]
+        return JSONResponse(ModelList(data=servable).model_dump())
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._answer(request, ChatCompletionRequest, ChatShape, "chatcmpl-")
+
+    async def completions(self, request: Request) -> Response:
+        return await self._answer(request, CompletionRequest, CompletionShape, "cmpl-")
+
+    async def _answer(self, request: Request, body_model: type[ChatCompletionRequest | CompletionRequest],
+                      shape_class: type[AnswerShape], id_prefix: str) -> Response:
+        slot = ExitStack()
+        call: MeshCall | None = None
+        try:
+            caller = self.gateway.caller(request.headers.get("authorization"))
+            body = await self._body(request, body_model)
+            try:
+                chat_request = body.to_chat_request()
+            except Unsupported as error:
+                raise bad_request(str(error), error.param) from None
+            except BadRequest as error:
+                raise bad_request(str(error)) from None
+            await self.gateway.check_model(chat_request.model)
+            slot.enter_context(self.gateway.open_call())
+            model = chat_request.model or (await self.gateway.models()).default_model or "default"
+            shape = shape_class(id=id_prefix + chat_request.request_id, model=model)
+            call = self.gateway.call(chat_request, caller)
+            first = await unless_disconnected(request.receive, call.first_answer())
+            if not isinstance(first, (TokenDeltaFrame, DoneFrame)):
+                raise self._error(first)
+            if body.stream:
+                stream = SseResponse(self._events(request.url.path, call, shape, first, body.include_usage),
+                                     call, slot)
+                call, slot = None, ExitStack()  # the response owns them now
+                return stream
+            return await unless_disconnected(request.receive, self._whole(call, shape, first))
+        except GatewayError as error:
+            if error.status >= 500 or error.status == 429:
+                log.info("%s: %s", request.url.path, error)  # the code and message only: never the prompt
+            return error.response()
+        except (ClientGone, ClientDisconnect):
+            return Response(status_code=CLIENT_CLOSED_STATUS)
+        finally:
+            if call is not None:
+                with anyio.CancelScope(shield=True):
+                    await call.aclose()
+            slot.close()
+
+    def _error(self, frame) -> GatewayError:
+        return from_frame(frame, self.gateway.settings.gateway.retry_after_s)
+
+    async def _body(self, request: Request, body_model):
+        limit = self.gateway.settings.orchestrator.max_request_bytes
+        data = b""
+        async for piece in request.stream():
+            data += piece
+            if len(data) > limit:
+                raise bad_request(f"body: over {limit} bytes ([orchestrator] max_request_bytes)")
+        try:
+            return body_model.model_validate_json(data)
+        except ValidationError as error:
+            raise bad_request(describe_validation_error(error), _first_param(error)) from None
+
+    async def _whole(self, call: MeshCall, shape: AnswerShape, first: AnswerFrame) -> Response:
+        text = []
+        frame = first
+        while isinstance(frame, TokenDeltaFrame):
+            text.append(frame.text)
+            frame = await call.next()
+        if not isinstance(frame, DoneFrame):
+            raise self._error(frame)
+        return JSONResponse(shape.whole("".join(text), frame).model_dump())
+
+    async def _events(self, route: str, call: MeshCall, shape: AnswerShape, first: AnswerFrame,
+                      include_usage: bool) -> AsyncIterator[bytes]:
+        opening = shape.opening()
+        frame = first
+        head = sse_event(opening) if opening is not None else b""
+        if isinstance(frame, TokenDeltaFrame):
+            # The opening chunk and the first token leave together: one write less before the first token.
+            yield head + (sse_event(shape.text(frame.text)) if frame.text else b"")
+            first_token_seconds.labels(route).observe(time.perf_counter() - call.started)
+            frame = await call.next()
+        elif head:
+            yield head
+        while isinstance(frame, TokenDeltaFrame):
+            if frame.text:
+                yield sse_event(shape.text(frame.text))
+            frame = await call.next()
+        if isinstance(frame, DoneFrame):
+            yield sse_event(shape.ending(frame)) + (sse_event(shape.usage(frame)) if include_usage else b"")
+            yield SSE_DONE
+        else:
+            # Too late for an HTTP status: the stream ends with an error event, as OpenAI's does.
+            error = self._error(frame)
+            log.info("%s: stream ended by %s", route, error)
+            yield sse_event(error.body())
+
+
+def _first_param(error: ValidationError) -> str | None:
+    locations = [item["loc"] for item in error.errors(include_url=False) if item["loc"]]
+    return str(locations[0][0]) if locations else None
+
+
+def create_app(gateway: Gateway) -> MetricsMiddleware:
+    """The ASGI app for `gateway`, wrapped in its metrics."""
+    handlers = GatewayApp(gateway)
+    app = Starlette(routes=[
+        Route("/healthz", handlers.healthz, methods=["GET"]),
+        Route("/metrics", handlers.metrics, methods=["GET"]),
+        Route("/v1/models", handlers.models, methods=["GET"]),
+        Route("/v1/chat/completions", handlers.chat_completions, methods=["POST"]),
+        Route("/v1/completions", handlers.completions, methods=["POST"]),
+    ])
+    return MetricsMiddleware(app)

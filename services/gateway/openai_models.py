@@ -1,0 +1,257 @@
+"""The OpenAI wire format the gateway speaks: request bodies of /v1/chat/completions and /v1/completions, the
+objects and stream chunks it answers with, and the mapping of a request onto hearth's `llm.chat.request`.
+
+Only what hearth can honour is accepted: a field that would change the answer in a way hearth cannot (`n` other
+than 1, tools, logprobs, penalties) is refused with a message naming it, rather than silently ignored; fields
+that change nothing (`user`, `metadata`, `store`, zero penalties) are accepted. Sampling defaults are OpenAI's
+(temperature 1, top_p 1); `max_tokens` defaults to hearth's (128).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from services.common.chat_protocol import BadRequest, ChatMessage, ChatRequest, describe_validation_error
+
+openai_temperature_max = 2.0
+openai_max_stop_strings = 4
+
+
+class Unsupported(BadRequest):
+    """A request field hearth cannot honour; `param` names it."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class TextPart(BaseModel):
+    """One part of a message's content given as a list (only text parts exist for hearth)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text"]
+    text: str
+
+
+class OpenAIMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+
+    def to_chat_message(self) -> ChatMessage:
+        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
+        # A developer message is what newer OpenAI models call a system message.
+        return ChatMessage(role="system" if self.role == "developer" else self.role, content=content)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    """What both endpoints share."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = Field(default=None, min_length=1, max_length=512)
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=openai_temperature_max)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    seed: int | None = Field(default=None, ge=0)
+    stop: str | list[str] | None = None
+    n: int | None = Field(default=None, ge=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    logprobs: bool | int | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def _refuse_what_hearth_cannot_do(self) -> None:
+        if self.n not in (None, 1):
+            raise Unsupported("n", f"'n' must be 1: hearth generates one choice per request (got {self.n})")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise Unsupported(name, f"'{name}' is not supported by hearth (only 0)")
+        if self.logit_bias:
+            raise Unsupported("logit_bias", "'logit_bias' is not supported by hearth")
+        if self.logprobs:
+            raise Unsupported("logprobs", "'logprobs' is not supported by hearth")
+        if isinstance(self.stop, list) and len(self.stop) > openai_max_stop_strings:
+            raise Unsupported("stop", f"'stop' takes at most {openai_max_stop_strings} strings")
+
+    def _chat_request(self, *, max_tokens: int | None, **inputs: Any) -> ChatRequest:
+        fields: dict[str, Any] = {
+            "request_id": uuid.uuid4().hex, "model": self.model,
+            "temperature": 1.0 if self.temperature is None else self.temperature,
+            "top_p": 1.0 if self.top_p is None else self.top_p, "seed": self.seed,
+            "stop": [self.stop] if isinstance(self.stop, str) else list(self.stop or []), **inputs}
+        if max_tokens is not None:
+            fields["max_tokens"] = max_tokens
+        try:
+            return ChatRequest(**fields)
+        except ValidationError as error:
+            raise BadRequest(describe_validation_error(error)) from None
+
+
+class ChatCompletionRequest(_Sampling):
+    """The body of POST /v1/chat/completions."""
+
+    messages: list[OpenAIMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    top_logprobs: int | None = None
+
+    def to_chat_request(self) -> ChatRequest:
+        self._refuse_what_hearth_cannot_do()
+        if self.tools or self.functions:
+            names = [str((tool.get("function") or tool).get("name", "?")) for tool in self.tools or self.functions]
+            raise Unsupported("tools", f"tools are not supported by hearth (this request names "
+                                       f"{', '.join(names)}); send the request without 'tools'")
+        if self.tool_choice not in (None, "none") or self.function_call not in (None, "none"):
+            raise Unsupported("tool_choice", "'tool_choice' must be 'none': hearth calls no tools")
+        if self.response_format and self.response_format.get("type") not in (None, "text"):
+            raise Unsupported("response_format", "'response_format' must be text: hearth has no JSON mode")
+        if self.top_logprobs:
+            raise Unsupported("top_logprobs", "'top_logprobs' is not supported by hearth")
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return self._chat_request(max_tokens=max_tokens, messages=[m.to_chat_message() for m in self.messages])
+
+
+class CompletionRequest(_Sampling):
+    """The body of POST /v1/completions (the legacy text completion)."""
+
+    prompt: str | list[str]
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def to_chat_request(self) -> ChatRequest:
+        self._refuse_what_hearth_cannot_do()
+        if isinstance(self.prompt, list) and len(self.prompt) != 1:
+            raise Unsupported("prompt", "'prompt' must be one string: hearth completes one prompt per request")
+        if self.echo or self.suffix or self.best_of not in (None, 1):
+            raise Unsupported("echo", "'echo', 'suffix' and 'best_of' are not supported by hearth")
+        prompt = self.prompt[0] if isinstance(self.prompt, list) else self.prompt
+        return self._chat_request(max_tokens=self.max_tokens, prompt=prompt)
+
+
+# --- responses -------------------------------------------------------------------------------------------------
+
+
+class UsageBody(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+def usage_body(prompt_tokens: int, completion_tokens: int) -> UsageBody:
+    return UsageBody(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                     total_tokens=prompt_tokens + completion_tokens)
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    finish_reason: Literal["stop", "length"]
+    logprobs: None = None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageBody
+
+
+def _is_none(value: object) -> bool:
+    return value is None
+
+
+class ChunkDelta(BaseModel):
+    """What one chunk adds: the role in the first, text in the others, nothing in the last (as OpenAI sends)."""
+
+    role: Literal["assistant"] | None = Field(default=None, exclude_if=_is_none)
+    content: str | None = Field(default=None, exclude_if=_is_none)
+
+
+class ChunkChoice(BaseModel):
+    index: int = 0
+    delta: ChunkDelta
+    finish_reason: Literal["stop", "length"] | None = None
+    logprobs: None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: UsageBody | None = Field(default=None, exclude_if=_is_none)
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    finish_reason: Literal["stop", "length"] | None = None
+    logprobs: None = None
+
+
+class Completion(BaseModel):
+    """A text completion, and (object `text_completion` too, as OpenAI sends it) one chunk of a streamed one."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageBody | None = Field(default=None, exclude_if=_is_none)
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = 0
+    owned_by: str = "hearth"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorBody(BaseModel):
+    """What every error answer is: `{"error": {...}}`, as OpenAI's API and its clients expect."""
+
+    error: ErrorDetail

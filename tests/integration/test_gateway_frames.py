@@ -1,0 +1,112 @@
+"""The gateway's app over a real nats-server, with a scripted stand-in for the orchestrator answering
+`llm.chat.request`: frames the HTTP answer does not carry (failover, shard status, keepalive, a `queued` frame an
+admission queue sends, a type added later) leave the stream whole, and each way a call can end has its HTTP
+answer: 429 with the Retry-After the frame names, 503 for a stalled pipeline, an error event mid-stream."""
+
+from __future__ import annotations
+
+import json
+
+import httpx2
+import pytest
+
+from services.common.chat_protocol import CHAT_REQUEST_SUBJECT, ChatRequest, MODELS_REQUEST_SUBJECT, ModelsReply
+from services.common.chat_protocol import ServedModel
+from services.common.config import HearthSettings
+from services.common.nats_connection import connect_nats
+from services.gateway.app import create_app
+from services.gateway.mesh import Gateway
+
+pytestmark = pytest.mark.integration
+MODEL = "scripted"
+
+
+def token(seq: int, text: str) -> dict:
+    return {"type": "token_delta", "seq": seq, "text": text, "token_id": seq}
+
+
+DONE = {"type": "done", "finish_reason": "stop", "usage": {"prompt_tokens": 3, "completion_tokens": 2}}
+
+
+@pytest.fixture
+async def scripted(nats_url):
+    """(gateway app client, the frames the next call is answered with, the requests received)."""
+    orchestrator = await connect_nats(nats_url, name="scripted-orchestrator")
+    gateway_nc = await connect_nats(nats_url, name="gateway")
+    script: list[list[dict]] = []
+    received: list[ChatRequest] = []
+
+    async def answer(msg) -> None:
+        received.append(ChatRequest.model_validate_json(msg.data))
+        for frame in script.pop(0):
+            await orchestrator.publish(msg.reply, json.dumps(frame).encode())
+
+    async def models(msg) -> None:
+        reply = ModelsReply(models=[ServedModel(id=MODEL, total_layers=2, complete=True)], default_model=MODEL)
+        await msg.respond(reply.model_dump_json().encode())
+
+    await orchestrator.subscribe(CHAT_REQUEST_SUBJECT, cb=answer)
+    await orchestrator.subscribe(MODELS_REQUEST_SUBJECT, cb=models)
+    await orchestrator.flush()
+    app = create_app(Gateway(gateway_nc, HearthSettings(), keyring=None))
+    async with httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://gateway") as http:
+        yield http, script, received
+    await gateway_nc.close()
+    await orchestrator.close()
+
+
+def body(**changes) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **changes}
+
+
+async def test_frames_the_answer_does_not_carry_leave_the_stream_whole(scripted):
+    http, script, received = scripted
+    script.append([
+        {"type": "queued", "seq": 0, "position": 3},
+        {"type": "pipeline", "seq": 1, "pipeline_id": "p", "hops": ["a", "b"]},
+        token(2, "Hel"),
+        {"type": "shard_status", "seq": 3, "shard_id": "a", "status": "degraded", "reason": "gone"},
+        {"type": "keepalive", "seq": 3},
+        {"type": "shard_failover", "seq": 4, "failed_shard_id": "a", "replacement_hops": ["c", "b"],
+         "resumed_at_token": 1},
+        {"type": "from_the_future", "seq": 5},
+        token(6, "lo"), {**DONE, "seq": 7}])
+    response = await http.post("/v1/chat/completions", json=body(stream=True, stream_options={"include_usage": True},
+                                                                 stop="x", seed=7, top_p=0.5))
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+    events = [line.removeprefix("data: ") for line in response.text.splitlines() if line]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(event) for event in events[:-1]]
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == "Hello"
+    assert chunks[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    sent = received[-1]
+    assert (sent.stop, sent.seed, sent.top_p, sent.temperature, sent.max_tokens) == (["x"], 7, 0.5, 1.0, 128)
+
+
+async def test_overloaded_is_429_with_retry_after(scripted):
+    """Retry-After is the frame's `retry_after_s` where the orchestrator names one (tests/unit/test_gateway_mapping.py),
+    else [gateway] retry_after_s."""
+    http, script, _ = scripted
+    script.append([{"type": "error", "seq": 0, "code": "overloaded", "message": "queue full"}])
+    response = await http.post("/v1/chat/completions", json=body())
+    assert (response.status_code, response.headers["retry-after"]) == (429, "1")
+    assert response.json()["error"]["code"] == "overloaded"
+    script.append([{"type": "error", "seq": 0, "code": "overloaded", "message": "busy"}])
+    response = await http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "stream": True})
+    assert (response.status_code, response.headers["retry-after"]) == (429, "1")
+
+
+async def test_a_stalled_pipeline_is_503_before_the_first_token_and_an_error_event_after_it(scripted):
+    http, script, _ = scripted
+    stalled = {"type": "pipeline_aborted", "code": "pipeline_stalled", "reason": "broker gone"}
+    script.append([{**stalled, "seq": 0}])
+    response = await http.post("/v1/chat/completions", json=body(stream=True))
+    assert (response.status_code, response.json()["error"]["code"]) == (503, "pipeline_stalled")
+    script.append([token(0, "Hi"), {**stalled, "seq": 1}])
+    response = await http.post("/v1/chat/completions", json=body(stream=True))
+    events = [json.loads(line.removeprefix("data: ")) for line in response.text.splitlines() if line]
+    assert response.status_code == 200 and "[DONE]" not in response.text
+    assert events[-1]["error"]["code"] == "pipeline_stalled"
+    script.append([token(0, "Hi"), {**stalled, "seq": 1}])
+    response = await http.post("/v1/completions", json={"model": MODEL, "prompt": "hi"})
+    assert (response.status_code, response.json()["error"]["type"]) == (503, "service_unavailable_error")

@@ -1,0 +1,132 @@
+"""The gateway's mappings without a network: OpenAI request bodies onto `llm.chat.request`, refusals of what hearth
+cannot honour, error frames onto HTTP statuses, answers onto OpenAI objects, and API keys onto members."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from services.common.chat_protocol import BadRequest, DoneFrame, ErrorFrame, PipelineAbortedFrame, Usage
+from services.gateway.answers import ChatShape, CompletionShape, finish_reason
+from services.gateway.errors import from_frame
+from services.gateway.keys import API_KEYS_FILE, ApiKeyError, ApiKeyring, bearer_token, create_api_key, revoke_api_keys
+from services.gateway.openai_models import ChatCompletionRequest, CompletionRequest, Unsupported
+from trust.community import Community
+from trust.keys import MemberKey
+
+
+def chat(**fields) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                                 **fields})
+
+
+def test_a_chat_body_maps_onto_a_chat_request():
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    request = chat(messages=[{"role": "developer", "content": "be brief"}, {"role": "user", "content": parts}],
+                   max_tokens=5, max_completion_tokens=7, temperature=0, top_p=0.9, seed=3, stop="END",
+                   user="someone", metadata={"x": "y"}).to_chat_request()
+    assert [(m.role, m.content) for m in request.messages] == [("system", "be brief"), ("user", "ab")]
+    assert (request.max_tokens, request.temperature, request.top_p, request.seed, request.stop) == (
+        7, 0.0, 0.9, 3, ["END"])
+
+
+def test_openai_sampling_defaults_and_hearth_s_max_tokens():
+    request = chat().to_chat_request()
+    assert (request.temperature, request.top_p, request.max_tokens, request.model) == (1.0, 1.0, 128, "m")
+    completion = CompletionRequest.model_validate({"prompt": ["raw text"], "max_tokens": 3}).to_chat_request()
+    assert (completion.prompt, completion.messages, completion.model, completion.max_tokens) == (
+        "raw text", None, None, 3)
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"n": 2}, "n"),
+    ({"tools": [{"type": "function", "function": {"name": "lookup"}}]}, "tools"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"logprobs": True}, "logprobs"),
+    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+])
+def test_what_hearth_cannot_honour_is_refused_by_name(fields, param):
+    with pytest.raises(Unsupported) as refused:
+        chat(**fields).to_chat_request()
+    assert refused.value.param == param
+
+
+def test_values_hearth_refuses_are_bad_requests():
+    with pytest.raises(BadRequest, match="max_tokens"):
+        chat(max_tokens=10**6).to_chat_request()
+    with pytest.raises(Unsupported):
+        CompletionRequest.model_validate({"prompt": ["a", "b"]}).to_chat_request()
+
+
+@pytest.mark.parametrize("code, status", [
+    ("bad_request", 400), ("unauthorized", 403), ("overloaded", 429), ("shard_unavailable", 503),
+    ("pipeline_stalled", 503), ("orchestrator_gone", 503), ("internal_error", 500), ("weights_mismatch", 500),
+    ("experimental_disabled", 500),
+])
+def test_error_frames_map_onto_statuses(code, status):
+    error = from_frame(ErrorFrame(seq=0, code=code, message="m"))
+    assert (error.status, error.code) == (status, code)
+    assert from_frame(PipelineAbortedFrame(seq=3, code=code, reason="r")).status == status
+
+
+def test_an_unknown_model_is_404_and_overloaded_names_its_wait():
+    unknown = from_frame(ErrorFrame(seq=0, code="bad_request", message="field 'model': no model 'x'"))
+    assert (unknown.status, unknown.code, unknown.param) == (404, "model_not_found", "model")
+
+    class QueuedOut(ErrorFrame):  # an orchestrator with an admission queue says how long to wait
+        retry_after_s: float
+
+    response = from_frame(QueuedOut(seq=0, code="overloaded", message="full", retry_after_s=2.5)).response()
+    assert (response.status_code, response.headers["retry-after"]) == (429, "3")
+    assert from_frame(ErrorFrame(seq=0, code="overloaded", message="full"), 7).response().headers["retry-after"] == "7"
+    assert json.loads(response.body)["error"] == {"message": "full", "type": "rate_limit_error", "param": None,
+                                                  "code": "overloaded"}
+
+
+def test_answers_have_openai_s_shape():
+    done = DoneFrame(seq=4, finish_reason="fallback_length", usage=Usage(prompt_tokens=5, completion_tokens=2))
+    assert finish_reason(done) == "length"
+    assert finish_reason(done.model_copy(update={"finish_reason": "stop"})) == "stop"
+    whole = ChatShape(id="chatcmpl-1", model="m").whole("hi", done).model_dump()
+    assert whole["choices"][0]["message"] == {"role": "assistant", "content": "hi"}
+    assert whole["usage"] == {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
+    chunk = json.loads(ChatShape(id="c", model="m").text("x").model_dump_json())
+    assert chunk["choices"][0]["delta"] == {"content": "x"} and "usage" not in chunk
+    assert CompletionShape(id="cmpl-1", model="m").ending(done).choices[0].finish_reason == "length"
+
+
+@pytest.fixture
+def community(tmp_path) -> Community:
+    folder = Community.init(tmp_path / "community", "test")
+    folder.add("alice", "client")
+    folder.add("bob", "client", public_key=MemberKey.generate().public_key)
+    return folder
+
+
+def test_api_keys_map_to_members_and_only_their_hashes_are_kept(community):
+    first, second = create_api_key(community.directory, "alice"), create_api_key(community.directory, "alice")
+    keys_file = community.directory / API_KEYS_FILE
+    assert first != second and first not in keys_file.read_text() and keys_file.stat().st_mode & 0o777 == 0o600
+    keyring = ApiKeyring.load(community.directory)
+    assert keyring.caller_for(first).name == keyring.caller_for(second).name == "alice"
+    assert keyring.caller_for(first).key.public_key == community.roster().by_name("alice").public_key
+    assert keyring.caller_for(first + "x") is None and keyring.caller_for("") is None
+    assert revoke_api_keys(community.directory, "alice") == 2
+    assert ApiKeyring.load(community.directory).caller_for(first) is None
+
+
+def test_a_key_for_a_member_whose_key_is_not_here_is_refused(community):
+    with pytest.raises(ApiKeyError, match="bob's key"):
+        create_api_key(community.directory, "bob")  # bob brought his own key: the gateway cannot sign for him
+    with pytest.raises(ApiKeyError, match="not a member"):
+        create_api_key(community.directory, "mallory")
+    with pytest.raises(ApiKeyError, match="does not exist"):
+        ApiKeyring.load(community.directory)
+
+
+def test_bearer_tokens():
+    assert bearer_token("Bearer abc") == bearer_token("bearer  abc ") == "abc"
+    assert bearer_token(None) is bearer_token("Basic abc") is bearer_token("Bearer ") is None
