@@ -15,7 +15,7 @@ from transformers.masking_utils import create_causal_mask, create_sliding_window
 
 from .architectures import FULL_ATTENTION, SLIDING_ATTENTION, ArchitectureAdapter
 from .checkpoint import ModelInfo
-from .errors import RunnerClosedError, SessionStateError, SessionTooLargeError
+from .errors import RunnerClosedError, SessionEvictedError, SessionStateError, SessionTooLargeError
 from .sessions import EvictedSession, SessionCaches
 
 StepKind = Literal["prefill", "decode"]
@@ -54,6 +54,7 @@ class LayerRangeRunner:
         loaded_tensor_names: tuple[str, ...],
         layer_name_prefix: str = "model.layers.",
         checkpoint_bytes_read: int = 0,
+        device: torch.device | None = None,
         cache_budget_bytes: int = DEFAULT_CACHE_BUDGET_BYTES,
         session_ttl_s: float = DEFAULT_SESSION_TTL_S,
         clock: Callable[[], float] = time.monotonic,
@@ -65,6 +66,8 @@ class LayerRangeRunner:
         self.loaded_tensor_names = loaded_tensor_names
         self._layer_prefix = layer_name_prefix
         self.checkpoint_bytes_read = checkpoint_bytes_read
+        # Where the layers and caches live; steps arriving elsewhere (the wire hands over CPU tensors) move here.
+        self.device = device or torch.device("cpu")
         self._config = config
         self._layers = layers
         self._rotary_embedding = rotary_embedding
@@ -116,6 +119,11 @@ class LayerRangeRunner:
                 session = self._caches.start(session_id)
             else:
                 session = self._caches.get(session_id)
+                if session is None and (reason := self._caches.eviction_reason(session_id)) is not None:
+                    raise SessionEvictedError(
+                        f"session {session_id!r} was evicted from layers {self.layer_lo}-{self.layer_hi} "
+                        f"({reason}); re-prefill from position 0"
+                    )
                 if session is None:
                     raise SessionStateError(
                         f"session {session_id!r} has no cache on layers {self.layer_lo}-{self.layer_hi} "
@@ -271,7 +279,7 @@ class LayerRangeRunner:
             raise ValueError(
                 f"hidden_states must have shape [1, T>=1, {self.info.hidden_size}], got {list(shape)}"
             )
-        return hidden_states.to(self.info.dtype)
+        return hidden_states.to(device=self.device, dtype=self.info.dtype, non_blocking=True)
 
     def _check_continues(
         self, session_id: str, cache: DynamicCache, start_pos: int, run_lo: int, run_hi: int

@@ -16,7 +16,7 @@ from pathlib import Path
 from services.bench.errors import BenchError
 from services.bench.monolithic import MonolithicWorker
 from services.bench.pipeline import pipeline_generation
-from services.bench.report import BenchReport, ConcurrentFigures, SessionFigures, side_figures
+from services.bench.report import BenchReport, ConcurrentFigures, SessionFigures, shard_memory_figures, side_figures
 from services.bench.targets import target_checks
 from services.bench.timing import GenerationTiming
 from services.bench.transport_metrics import histogram_deltas, scrape_hosts, transport_figures
@@ -57,6 +57,12 @@ class BenchOptions:
     step_timeout_s: float = bench_step_timeout_s
     # False: an open mesh with no credentials, signatures or activation MACs, to measure what security costs.
     secure: bool = True
+    # Where and in what dtype shards, orchestrator and generate() compute (None: the CPU defaults of before).
+    device: str | None = None
+    dtype: str | None = None
+
+    def placement_args(self) -> list[str]:
+        return [*(["--device", self.device] if self.device else []), *(["--dtype", self.dtype] if self.dtype else [])]
 
 
 def _progress(text: str) -> None:
@@ -96,7 +102,7 @@ class Bench:
             monolithic_threads = options.monolithic_threads or options.torch_threads
             _progress(f"loading the whole model for generate() in a worker process ({resolved.path}) ...")
             worker = MonolithicWorker(resolved.path, process_env, monolithic_threads,
-                                      cluster.work_dir / "monolithic.log")
+                                      cluster.work_dir / "monolithic.log", device=options.device, dtype=options.dtype)
             # What a plain transformers user gets: this shell's environment, torch's own thread count.
             defaults_worker = MonolithicWorker(resolved.path, {}, None, cluster.work_dir / "monolithic-defaults.log") \
                 if options.library_defaults_baseline else None
@@ -143,12 +149,13 @@ class Bench:
             port = free_tcp_port()
             node_id = f"bench-host-{index}"
             cluster.start_shard(str(model.path), lo, hi, node_id=node_id, wait_ready=False,
-                                extra_args=["--metrics-port", str(port), "--max-streams", str(max_streams)])
+                                extra_args=["--metrics-port", str(port), "--max-streams", str(max_streams),
+                                            *options.placement_args()])
             shard_id = f"{model.name}:{lo}-{hi}@{node_id}"
             metrics_urls[shard_id] = f"http://127.0.0.1:{port}/metrics"
             hop_of[shard_id] = index
         cluster.start_orchestrator(node_id="bench-orchestrator", wait_ready=False, extra_args=[
-            "--preload", str(model.path), "--step-timeout-s", str(options.step_timeout_s)])
+            "--preload", str(model.path), "--step-timeout-s", str(options.step_timeout_s), *options.placement_args()])
         return metrics_urls, hop_of
 
     def _wait_ready(self, cluster: LocalCluster) -> None:
@@ -198,6 +205,7 @@ class Bench:
                 concurrent = await self._concurrent(nc, model_ref, worker, metrics_urls, hop_of,
                                                     statistics.median(r.decode_tokens_per_s for r in pipe_runs),
                                                     statistics.median(r.end_s for r in pipe_runs))
+            shard_memory = await shard_memory_figures(nc)
         finally:
             await asyncio.wait_for(nc.close(), timeout=5)
         mono, pipe = side_figures(mono_runs), side_figures(pipe_runs)
@@ -210,7 +218,8 @@ class Bench:
                      "torch": info.torch_version},
             model={"spec": options.model or "bundled", "path": str(model.path), "layers": model.num_layers,
                    "parameters": info.parameters, "dtype": info.dtype},
-            settings={"shards": options.shards, "layer_ranges": even_layer_ranges(model.num_layers, options.shards),
+            settings={"device": options.device or "cpu", "dtype": options.dtype or "checkpoint's",
+                      "shards": options.shards, "layer_ranges": even_layer_ranges(model.num_layers, options.shards),
                       "prompt_tokens": len(prompt_ids), "new_tokens": options.new_tokens, "repeats": options.repeats,
                       "sessions": options.sessions, "process_torch_threads": options.torch_threads,
                       "step_timeout_s": options.step_timeout_s},
@@ -232,6 +241,7 @@ class Bench:
             transport_prefill=transport_figures(delta, "prefill", hop_of),
             concurrent=concurrent,
             targets=[],
+            shard_memory=shard_memory,
         )
 
     async def _concurrent(self, nc, model_ref, worker: MonolithicWorker, metrics_urls, hop_of,

@@ -7,9 +7,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from services.common.config import HearthSettings
-from services.common.lifecycle import unless_stopped
+from services.common.lifecycle import CommandRefused, unless_stopped
 from services.common.nats_connection import connect_nats, drain_or_close
 from services.orchestrator.service import Orchestrator
+from inference.devices import resolve_placement
 
 
 
@@ -23,6 +24,9 @@ class OrchestratorOptions:
     local_model: str | None = None
     # Intra-op threads per step while several calls run (inference.compute_thread.StepThreads).
     busy_threads: int | None = None
+    # Where the heads compute (None: [research.distributed_inference.host] device and dtype).
+    device: str | None = None
+    dtype: str | None = None
 
 
 def with_step_timeout(settings: HearthSettings, step_timeout_s: float | None) -> HearthSettings:
@@ -41,6 +45,12 @@ async def run_orchestrator(settings: HearthSettings, options: OrchestratorOption
     orchestrator = Orchestrator(nc, settings, node_id=options.node_id, db_path=options.db_path,
                                 model_search_dirs=list(options.model_search_dirs), local_model=options.local_model,
                                 busy_threads=options.busy_threads)
+    host = settings.research.distributed_inference.host
+    try:
+        orchestrator.catalog.use_compute(*resolve_placement(options.device or host.device, options.dtype or host.dtype))
+    except ValueError as error:
+        await drain_or_close(nc, settings.nats.drain_timeout_s)
+        raise CommandRefused(str(error)) from None
     try:
         await orchestrator.start()
         for model in preload:
