@@ -141,11 +141,14 @@ def load_layer_range(
     local_files_only: bool | None = None,
     on_evict: Callable[[EvictedSession], None] | None = None,
     clock: Callable[[], float] = time.monotonic,
+    static_cache_tokens: int | None = None,
 ) -> LayerRangeRunner:
     """A runner holding decoder layers ``lo..hi`` (inclusive) of ``model`` and nothing else.
 
     ``model`` is a checkpoint folder or a hub id. ``dtype`` None/"auto" uses the checkpoint's dtype.
     ``device`` (None: the CPU) is where the weights are read to and the layers run (inference.devices).
+    ``static_cache_tokens``: sessions get static KV caches of that many positions and, on a GPU, decode steps replay
+    CUDA graphs (inference/static_decode.py; full-attention SDPA architectures only, others stay dynamic).
     ``attn_implementation`` None picks transformers' default for the family (sdpa, or eager for Gemma 2).
     Only the tensors of layers lo..hi are read from the (single-file or sharded) safetensors files.
     """
@@ -195,6 +198,7 @@ def load_layer_range(
         session_ttl_s=session_ttl_s,
         clock=clock,
         on_evict=on_evict,
+        static_cache_tokens=static_cache_tokens,
     )
 
 

@@ -68,6 +68,10 @@ class HostSettings(_Section):
         default="auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$", validation_alias=AliasChoices("device", "backend"),
         description="where this machine computes (shards, an orchestrator's head): auto (CUDA when torch sees "
                     "one), cpu, cuda, cuda:N (`backend` is accepted as its name too); --device wins")
+    cuda_graph_max_tokens: int = Field(
+        default=4096, ge=0,
+        description="on a GPU, sessions get static KV caches of this many positions and decode steps replay CUDA "
+                    "graphs (full-attention SDPA models; 0: dynamic caches, eager decode); a longer session fails")
     rebalance_check_interval_s: float = Field(
         default=5.0, gt=0, description="`hearth host`: how often it reads the mesh's coverage for a hole to fill")
     rebalance_hold_s: float = Field(
