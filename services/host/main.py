@@ -86,9 +86,12 @@ async def wait_for_hole(coverage: CoverageReader, current: LayerRange, shard_id:
                         weights_budget: int, settings: HearthSettings) -> LayerRange:
     """The range to move to, once a hole has lasted `rebalance_hold_s` and this host's layers are held elsewhere.
 
-    The checks are jittered so that hosts that saw the same hole do not all move at once: the first to move fills
-    it, and the others see no hole any more on their next look."""
+    The checks and the hold are jittered so that hosts that saw the same hole do not all move at once: the first to
+    move fills it, and the others see no hole any more on their next look."""
     host = settings.research.distributed_inference.host
+    # Each host waits a little longer than the hold, by its own amount, so two hosts that saw the hole together
+    # decide apart: the second sees the first's move before its own wait is over.
+    hold_s = host.rebalance_hold_s * random.uniform(1.0, 1.5)
     seen_since: float | None = None
     while True:
         await asyncio.sleep(host.rebalance_check_interval_s * random.uniform(0.5, 1.5))
@@ -97,7 +100,7 @@ async def wait_for_hole(coverage: CoverageReader, current: LayerRange, shard_id:
             seen_since = None
         elif seen_since is None:
             seen_since = time.monotonic()
-        elif time.monotonic() - seen_since >= host.rebalance_hold_s:
+        elif time.monotonic() - seen_since >= hold_s:
             return target
 
 
