@@ -98,6 +98,10 @@ class ShardAdvertised(EventEnvelope):
     control_subject: Id
     hop_weight: float = Field(default=1.0, gt=0)
     ttl_s: float = Field(gt=0)
+    # Where the shard computes (absent in advertisements from before devices were advertised).
+    device_kind: Literal["cpu", "cuda"] | None = None
+    device_name: Label | None = None
+    kv_cache_budget_mb: float | None = Field(default=None, ge=0)
 
 
 class ShardHeartbeat(EventEnvelope):

@@ -12,13 +12,14 @@ Pure compute, no network (besides resolving a hub id into the local snapshot cac
 """
 
 from .architectures import ArchitectureAdapter, adapter_for, supported_architectures
-from .checkpoint import ModelInfo, resolve_dtype, resolve_model_path
+from .checkpoint import ModelInfo, read_config_dict, resolve_dtype, resolve_model_path
 from .checksum import weights_sha256
 from .detokenizer import FINISH_LENGTH, FINISH_STOP, TextDelta, TextStream
 from .errors import (
     CheckpointError,
     InferenceError,
     RunnerClosedError,
+    SessionEvictedError,
     SessionStateError,
     SessionTooLargeError,
     UnsupportedArchitectureError,
@@ -46,6 +47,7 @@ __all__ = [
     "ModelInfo",
     "RunnerClosedError",
     "SamplingParams",
+    "SessionEvictedError",
     "SessionStateError",
     "SessionTooLargeError",
     "TextDelta",
@@ -55,6 +57,7 @@ __all__ = [
     "load_full",
     "load_head",
     "load_layer_range",
+    "read_config_dict",
     "resolve_dtype",
     "resolve_model_path",
     "sample_token",

@@ -53,7 +53,8 @@ class Gemma2Adapter(ArchitectureAdapter):
         # Gemma2TextScaledWordEmbedding keeps its scale as a non-persistent buffer created in the
         # model's dtype (so bf16 rounds sqrt(3072) to 55.5, exactly as from_pretrained does).
         scale_buffer = embedding.embed_scale
-        embedding.embed_scale = torch.full((), embedding.scalar_embed_scale, dtype=scale_buffer.dtype)
+        embedding.embed_scale = torch.full((), embedding.scalar_embed_scale, dtype=scale_buffer.dtype,
+                                            device=embedding.weight.device)
 
     def postprocess_logits(self, logits: torch.Tensor, config: PretrainedConfig) -> torch.Tensor:
         softcap = getattr(config, "final_logit_softcapping", None)

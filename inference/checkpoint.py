@@ -154,12 +154,18 @@ class SafetensorsCheckpoint:
     def __contains__(self, name: str) -> bool:
         return name in self._file_of
 
+    @property
+    def file_of(self) -> dict[str, Path]:
+        """The file holding each tensor, by name."""
+        return dict(self._file_of)
+
     def names(self) -> set[str]:
         """Every tensor name in the checkpoint."""
         return set(self._file_of)
 
-    def read(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
-        """The named tensors, each copied out of its file; a missing name is a CheckpointError."""
+    def read(self, names: Iterable[str], device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+        """The named tensors, each read out of its file straight onto `device` (memory-mapped on the CPU, never
+        staged in host memory on a GPU); a missing name is a CheckpointError."""
         by_file: dict[Path, list[str]] = defaultdict(list)
         for name in names:
             if name not in self._file_of:
@@ -167,7 +173,7 @@ class SafetensorsCheckpoint:
             by_file[self._file_of[name]].append(name)
         tensors: dict[str, torch.Tensor] = {}
         for file, file_names in by_file.items():
-            with safe_open(file, framework="pt", device="cpu") as handle:
+            with safe_open(file, framework="pt", device=str(device)) as handle:
                 for name in file_names:
                     tensor = handle.get_tensor(name)
                     self.bytes_read += tensor.numel() * tensor.element_size()

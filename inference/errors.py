@@ -20,6 +20,11 @@ class SessionStateError(InferenceError):
     """
 
 
+class SessionEvictedError(SessionStateError):
+    """The session's cache was evicted (idle too long, or the least recently used when the KV budget ran out);
+    the shard answers `session_evicted` and the orchestrator re-prefills."""
+
+
 class SessionTooLargeError(InferenceError):
     """One session alone would need more KV-cache bytes than the runner's whole budget."""
 

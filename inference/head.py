@@ -35,8 +35,11 @@ class Head:
         tokenizer=None,
         eos_token_ids: Iterable[int] = (),
         checkpoint_bytes_read: int = 0,
+        device: torch.device | None = None,
     ):
         self.info = info
+        # Where embedding and lm_head live; hidden states from elsewhere (the wire's CPU tensors) move here.
+        self.device = device or torch.device("cpu")
         self._config = config
         self._adapter = adapter
         self._embed_tokens = embed_tokens
@@ -56,7 +59,7 @@ class Head:
         if int(ids.min()) < 0 or int(ids.max()) >= self.info.vocab_size:
             raise ValueError(f"token ids must be in [0, {self.info.vocab_size})")
         with torch.inference_mode():
-            return self._embed_tokens(ids)
+            return self._embed_tokens(ids.to(self.device))
 
     def logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Float32 next-token logits ``[vocab]`` from the LAST position of ``[1, T, hidden_size]`` states."""
@@ -70,7 +73,7 @@ class Head:
                 f"got {list(hidden_states.shape)}"
             )
         with torch.inference_mode():
-            last = hidden_states[:, -1:, :].to(self.info.dtype)
+            last = hidden_states[:, -1:, :].to(device=self.device, dtype=self.info.dtype)
             logits = self._lm_head(self._final_norm(last))
             logits = self._adapter.postprocess_logits(logits, self._config)
             # Same cast as generate(): scores are float32 whatever the compute dtype.

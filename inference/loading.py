@@ -21,6 +21,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PretrainedConfig
 
 from .architectures import ArchitectureAdapter, adapter_for
+from .devices import resolve_device
 from .checkpoint import ModelInfo, SafetensorsCheckpoint, read_config_dict, resolve_dtype, resolve_model_path
 from .errors import CheckpointError
 from .head import Head
@@ -40,16 +41,19 @@ class _Skeleton:
     model: nn.Module
     checkpoint: SafetensorsCheckpoint
     module_names: dict[int, str]
+    device: torch.device
 
     def name_of(self, module: nn.Module) -> str:
         return self.module_names[id(module)]
 
     def materialize(self, module: nn.Module) -> list[str]:
-        """Read the module's parameters and persistent buffers from the checkpoint; returns their names."""
+        """Read the module's parameters and persistent buffers from the checkpoint onto the skeleton's device,
+        one module at a time (host memory never holds more than one module's converted tensors); returns their
+        names."""
         prefix = self.name_of(module) + "."
         local_names = list(module.state_dict(keep_vars=True))
         checkpoint_names = [prefix + name for name in local_names]
-        tensors = self.checkpoint.read(checkpoint_names)
+        tensors = self.checkpoint.read(checkpoint_names, self.device)
         state = {local: _to_dtype(tensors[prefix + local], self.info.dtype) for local in local_names}
         module.load_state_dict(state, strict=True, assign=True)
         module.requires_grad_(False)
@@ -64,6 +68,7 @@ def _open_skeleton(
     model: str | Path,
     *,
     dtype: torch.dtype | str | None,
+    device: torch.device | str | None,
     attn_implementation: str | None,
     model_id: str | None,
     revision: str | None,
@@ -77,6 +82,7 @@ def _open_skeleton(
     # Refuse unsupported families from config.json alone: before transformers parses it, before any weight.
     adapter = adapter_for(_RawConfigView(raw_config))
     config = AutoConfig.from_pretrained(path)
+    compute_device = resolve_device(device if device is not None else "cpu")
     compute_dtype = resolve_dtype(dtype, getattr(config, "dtype", None))
     checkpoint = SafetensorsCheckpoint(path)
     skeleton_kwargs = {"dtype": compute_dtype}
@@ -102,7 +108,7 @@ def _open_skeleton(
         tie_word_embeddings=bool(getattr(config.get_text_config(), "tie_word_embeddings", False)),
     )
     module_names = {id(module): name for name, module in skeleton.named_modules()}
-    return _Skeleton(info, config, adapter, skeleton, checkpoint, module_names)
+    return _Skeleton(info, config, adapter, skeleton, checkpoint, module_names, compute_device)
 
 
 class _RawConfigView:
@@ -125,6 +131,7 @@ def load_layer_range(
     hi: int,
     *,
     dtype: torch.dtype | str | None = None,
+    device: torch.device | str | None = None,
     attn_implementation: str | None = None,
     cache_budget_bytes: int = DEFAULT_CACHE_BUDGET_BYTES,
     session_ttl_s: float = DEFAULT_SESSION_TTL_S,
@@ -134,16 +141,21 @@ def load_layer_range(
     local_files_only: bool | None = None,
     on_evict: Callable[[EvictedSession], None] | None = None,
     clock: Callable[[], float] = time.monotonic,
+    static_cache_tokens: int | None = None,
 ) -> LayerRangeRunner:
     """A runner holding decoder layers ``lo..hi`` (inclusive) of ``model`` and nothing else.
 
     ``model`` is a checkpoint folder or a hub id. ``dtype`` None/"auto" uses the checkpoint's dtype.
+    ``device`` (None: the CPU) is where the weights are read to and the layers run (inference.devices).
+    ``static_cache_tokens``: sessions get static KV caches of that many positions and, on a GPU, decode steps replay
+    CUDA graphs (inference/static_decode.py; full-attention SDPA architectures only, others stay dynamic).
     ``attn_implementation`` None picks transformers' default for the family (sdpa, or eager for Gemma 2).
     Only the tensors of layers lo..hi are read from the (single-file or sharded) safetensors files.
     """
     skeleton = _open_skeleton(
         model,
         dtype=dtype,
+        device=device,
         attn_implementation=attn_implementation,
         model_id=model_id,
         revision=revision,
@@ -164,7 +176,7 @@ def load_layer_range(
         _assert_materialized(layer, f"layer {layer_index}")
         layers[layer_index] = layer
     # The rotary module only holds inverse frequencies derived from the config: build it for real.
-    rotary_embedding = type(decoder.rotary_emb)(config=skeleton.config)
+    rotary_embedding = type(decoder.rotary_emb)(config=skeleton.config).to(skeleton.device)
     logger.info(
         "loaded layers %d-%d of %s (%d bytes read)",
         lo,
@@ -181,10 +193,12 @@ def load_layer_range(
         loaded_tensor_names=tuple(loaded_names),
         layer_name_prefix=skeleton.name_of(decoder.layers) + ".",
         checkpoint_bytes_read=skeleton.checkpoint.bytes_read,
+        device=skeleton.device,
         cache_budget_bytes=cache_budget_bytes,
         session_ttl_s=session_ttl_s,
         clock=clock,
         on_evict=on_evict,
+        static_cache_tokens=static_cache_tokens,
     )
 
 
@@ -192,6 +206,7 @@ def load_head(
     model: str | Path,
     *,
     dtype: torch.dtype | str | None = None,
+    device: torch.device | str | None = None,
     model_id: str | None = None,
     revision: str | None = None,
     cache_dir: str | Path | None = None,
@@ -202,6 +217,7 @@ def load_head(
     skeleton = _open_skeleton(
         model,
         dtype=dtype,
+        device=device,
         attn_implementation=None,
         model_id=model_id,
         revision=revision,
@@ -237,6 +253,7 @@ def load_head(
         tokenizer=tokenizer,
         eos_token_ids=_eos_token_ids(skeleton.info.path, skeleton.config, tokenizer),
         checkpoint_bytes_read=skeleton.checkpoint.bytes_read,
+        device=skeleton.device,
     )
 
 

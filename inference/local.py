@@ -69,6 +69,7 @@ def load_full(
     model: str | Path,
     *,
     dtype: torch.dtype | str | None = None,
+    device: torch.device | str | None = None,
     attn_implementation: str | None = None,
     model_id: str | None = None,
     revision: str | None = None,
@@ -83,12 +84,13 @@ def load_full(
     location = dict(
         model_id=model_id, revision=revision, cache_dir=cache_dir, local_files_only=local_files_only
     )
-    head = load_head(model, dtype=dtype, **location)
+    head = load_head(model, dtype=dtype, device=device, **location)
     runner = load_layer_range(
         model,
         0,
         head.info.num_layers - 1,
         dtype=dtype,
+        device=device,
         attn_implementation=attn_implementation,
         **location,
         **runner_options,

@@ -15,8 +15,9 @@ from transformers.masking_utils import create_causal_mask, create_sliding_window
 
 from .architectures import FULL_ATTENTION, SLIDING_ATTENTION, ArchitectureAdapter
 from .checkpoint import ModelInfo
-from .errors import RunnerClosedError, SessionStateError, SessionTooLargeError
+from .errors import RunnerClosedError, SessionEvictedError, SessionStateError, SessionTooLargeError
 from .sessions import EvictedSession, SessionCaches
+from .static_decode import StaticDecoder, static_decode_supported
 
 StepKind = Literal["prefill", "decode"]
 STEP_KINDS: tuple[str, ...] = ("prefill", "decode")
@@ -54,10 +55,12 @@ class LayerRangeRunner:
         loaded_tensor_names: tuple[str, ...],
         layer_name_prefix: str = "model.layers.",
         checkpoint_bytes_read: int = 0,
+        device: torch.device | None = None,
         cache_budget_bytes: int = DEFAULT_CACHE_BUDGET_BYTES,
         session_ttl_s: float = DEFAULT_SESSION_TTL_S,
         clock: Callable[[], float] = time.monotonic,
         on_evict: Callable[[EvictedSession], None] | None = None,
+        static_cache_tokens: int | None = None,
     ):
         self.info = info
         self.layer_lo = min(layers)
@@ -65,6 +68,8 @@ class LayerRangeRunner:
         self.loaded_tensor_names = loaded_tensor_names
         self._layer_prefix = layer_name_prefix
         self.checkpoint_bytes_read = checkpoint_bytes_read
+        # Where the layers and caches live; steps arriving elsewhere (the wire hands over CPU tensors) move here.
+        self.device = device or torch.device("cpu")
         self._config = config
         self._layers = layers
         self._rotary_embedding = rotary_embedding
@@ -76,8 +81,17 @@ class LayerRangeRunner:
         # Re-entrant so an on_evict callback may read the runner's accounting without deadlocking.
         self._lock = threading.RLock()
         self._closed = False
+        # Static caches and graphed decode steps (inference/static_decode.py) where asked for and supported.
+        self._static: StaticDecoder | None = None
+        if static_cache_tokens and static_decode_supported(
+                config, self._attention_types[self.layer_lo : self.layer_hi + 1]):
+            # No session reaches beyond the model's context, so neither need its cache.
+            context = getattr(config, "max_position_embeddings", None) or static_cache_tokens
+            max_tokens = min(static_cache_tokens, context)
+            self._static = StaticDecoder(config=config, layers=layers, rotary_embedding=rotary_embedding,
+                                         max_tokens=max_tokens, device=self.device, capture_graphs=True)
         self._caches = SessionCaches(
-            lambda: DynamicCache(config=config),
+            self._static.new_cache if self._static is not None else (lambda: DynamicCache(config=config)),
             range(self.layer_lo, self.layer_hi + 1),
             budget_bytes=cache_budget_bytes,
             ttl_s=session_ttl_s,
@@ -116,6 +130,11 @@ class LayerRangeRunner:
                 session = self._caches.start(session_id)
             else:
                 session = self._caches.get(session_id)
+                if session is None and (reason := self._caches.eviction_reason(session_id)) is not None:
+                    raise SessionEvictedError(
+                        f"session {session_id!r} was evicted from layers {self.layer_lo}-{self.layer_hi} "
+                        f"({reason}); re-prefill from position 0"
+                    )
                 if session is None:
                     raise SessionStateError(
                         f"session {session_id!r} has no cache on layers {self.layer_lo}-{self.layer_hi} "
@@ -125,7 +144,10 @@ class LayerRangeRunner:
                 self._check_fits(num_tokens, run_lo, run_hi, already_cached_bytes=session.cached_bytes)
             try:
                 with torch.inference_mode():
-                    output = self._run_layers(session.cache, hidden_states, start_pos, run_lo, run_hi)
+                    if self._static is not None:
+                        output = self._static.run(session.cache, hidden_states, start_pos, run_lo, run_hi, kind)
+                    else:
+                        output = self._run_layers(session.cache, hidden_states, start_pos, run_lo, run_hi)
             except BaseException:
                 # A half-updated cache would silently corrupt the next step; the caller re-prefills instead.
                 self._caches.drop(session_id)
@@ -210,9 +232,17 @@ class LayerRangeRunner:
             session = self._caches.get(session_id)
             if session is None:
                 return 0
-            return max(
-                session.cache.layers[i].get_seq_length() for i in range(self.layer_lo, self.layer_hi + 1)
-            )
+            return max(self._cached_length(session.cache, i) for i in range(self.layer_lo, self.layer_hi + 1))
+
+    @property
+    def graphs_decode(self) -> bool:
+        """True when decode steps replay CUDA graphs over static caches."""
+        return self._static is not None and self._static.capture_graphs
+
+    def _cached_length(self, cache, layer_index: int) -> int:
+        if self._static is not None:
+            return self._static.cached_tokens(cache, layer_index)
+        return cache.layers[layer_index].get_seq_length()
 
     # ----------------------------------------------------------------- weights & lifecycle
 
@@ -271,13 +301,13 @@ class LayerRangeRunner:
             raise ValueError(
                 f"hidden_states must have shape [1, T>=1, {self.info.hidden_size}], got {list(shape)}"
             )
-        return hidden_states.to(self.info.dtype)
+        return hidden_states.to(device=self.device, dtype=self.info.dtype, non_blocking=True)
 
     def _check_continues(
         self, session_id: str, cache: DynamicCache, start_pos: int, run_lo: int, run_hi: int
     ) -> None:
         for layer_index in range(run_lo, run_hi + 1):
-            cached = cache.layers[layer_index].get_seq_length()
+            cached = self._cached_length(cache, layer_index)
             if cached != start_pos:
                 raise SessionStateError(
                     f"session {session_id!r}: layer {layer_index} has {cached} cached tokens but the step "
@@ -285,10 +315,13 @@ class LayerRangeRunner:
                 )
 
     def _check_fits(self, num_tokens: int, run_lo: int, run_hi: int, *, already_cached_bytes: int) -> None:
-        # Upper bound (sliding-window layers stop growing); enough to refuse a hopeless session up front.
-        projected = already_cached_bytes + num_tokens * self._kv_bytes_per_token_per_layer * (
-            run_hi - run_lo + 1
-        )
+        # Upper bound (sliding-window layers stop growing); enough to refuse a hopeless session up front. A static
+        # cache takes all its positions at once.
+        layers = run_hi - run_lo + 1
+        if self._static is not None:
+            projected = self._static.cache_bytes_per_session(self._kv_bytes_per_token_per_layer, layers)
+        else:
+            projected = already_cached_bytes + num_tokens * self._kv_bytes_per_token_per_layer * layers
         if projected > self._caches.budget_bytes:
             raise SessionTooLargeError(
                 f"this step would take the session's KV cache to ~{projected} bytes, more than the runner's "

@@ -64,7 +64,8 @@ def sample_token(
         raise ValueError(f"logits must be 1-D [vocab], got shape {list(logits.shape)}")
     if params.greedy:
         return int(torch.argmax(logits))
-    scores = logits.float() / params.temperature
+    # The request's generator is a CPU one (reproducible whatever device computed the logits).
+    scores = logits.float().cpu() / params.temperature
     if not bool(torch.isfinite(scores).all()):
         # A temperature so small (1e-300) that the division overflows float32 puts all the probability on the
         # best token: the limit of sampling as the temperature goes to 0, which every top-k/top-p filter keeps.

@@ -14,6 +14,8 @@ logger = logging.getLogger(__name__)
 
 EVICT_REASON_TTL = "ttl"
 EVICT_REASON_BUDGET = "budget"
+# Evicted sessions remembered, so that their next step can say "evicted" rather than "unknown".
+remembered_evictions = 4096
 
 
 @dataclass(frozen=True)
@@ -79,6 +81,7 @@ class SessionCaches:
         self._clock = clock
         self._on_evict = on_evict
         self._sessions: OrderedDict[str, _Session] = OrderedDict()
+        self._evicted: OrderedDict[str, str] = OrderedDict()
         self.evictions_total = 0
 
     def __contains__(self, session_id: str) -> bool:
@@ -103,9 +106,14 @@ class SessionCaches:
     def get(self, session_id: str) -> _Session | None:
         return self._sessions.get(session_id)
 
+    def eviction_reason(self, session_id: str) -> str | None:
+        """Why a session that is gone was evicted (`ttl` or `budget`), or None when it was not evicted."""
+        return self._evicted.get(session_id)
+
     def start(self, session_id: str) -> _Session:
         """A fresh, empty cache for the session, replacing any older one."""
         self.drop(session_id)
+        self._evicted.pop(session_id, None)
         session = _Session(cache=self._make_cache(), last_used_s=self._clock())
         self._sessions[session_id] = session
         return session
@@ -145,6 +153,9 @@ class SessionCaches:
     def _evict(self, session_id: str, reason: str) -> EvictedSession:
         freed = self.drop(session_id)
         self.evictions_total += 1
+        self._evicted[session_id] = reason
+        while len(self._evicted) > remembered_evictions:
+            self._evicted.popitem(last=False)
         event = EvictedSession(session_id, reason, freed)
         self._notify(event)
         return event

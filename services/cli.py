@@ -19,10 +19,13 @@ import typer
 from services.community_cli import community_app
 from services.dashboards.cli import dashboards_app, status_command
 from services.gateway.command import gateway_command
+from services.host.cli import host_command
 from services.common.cli_options import (
     STOPPING_HELP,
     ConfigOption,
     CredsOption,
+    DeviceOption,
+    DtypeOption,
     InsecureOption,
     LogLevelOption,
     MetricsPortOption,
@@ -53,7 +56,7 @@ app.add_typer(db_app, name="db")
 app.add_typer(community_app, name="community")
 app.add_typer(dashboards_app, name="dashboards")
 # Decorated with @long_running: SIGINT/SIGTERM stop them quietly from the moment `hearth` starts.
-LONG_RUNNING_COMMANDS = ("projector", "shard", "orchestrator", "gateway")
+LONG_RUNNING_COMMANDS = ("projector", "shard", "orchestrator", "gateway", "host")
 
 @app.callback()
 def main_options(
@@ -72,6 +75,7 @@ def main_options(
 app.command("nats", epilog=NATS_HELP_EPILOG)(nats_command)
 app.command("status")(status_command)
 app.command("gateway", epilog=STOPPING_HELP)(gateway_command)
+app.command("host", epilog=STOPPING_HELP)(host_command)
 
 
 @db_app.command("upgrade")
@@ -145,7 +149,8 @@ def shard_command(
         Optional[str], typer.Option("--model-id", help="Id to advertise (default: folder name or hub id).")
     ] = None,
     hop_weight: Annotated[float, typer.Option("--hop-weight", help="1.0 = same LAN; larger = farther.")] = 1.0,
-    dtype: Annotated[Optional[str], typer.Option("--dtype", help="Compute dtype (default: checkpoint's).")] = None,
+    device: DeviceOption = None,
+    dtype: DtypeOption = None,
     heartbeat_s: Annotated[Optional[float], typer.Option(
         "--heartbeat-s", help="Seconds between heartbeats (default: [shard] heartbeat_interval_s).",
         show_default=False)] = None,
@@ -174,7 +179,8 @@ def shard_command(
     url = resolve_nats_url(ctx, nats_url)
     run_until_stopped(lambda stop_event: run_shard(
         model=model, layers=layers, nats_url=url, settings=settings(ctx), node_id=node_id, model_id=model_id,
-        max_streams=max_streams, hop_weight=hop_weight, dtype=dtype, heartbeat_s=heartbeat_s, ttl_s=ttl_s,
+        max_streams=max_streams, hop_weight=hop_weight, device=device, dtype=dtype, heartbeat_s=heartbeat_s,
+        ttl_s=ttl_s,
         fault=fault, torch_threads=torch_threads, busy_threads=busy_threads,
         ready_file=str(ready_file) if ready_file else None, metrics_port=metrics_port, stop_event=stop_event,
     ))
@@ -205,6 +211,8 @@ def orchestrator_command(
     ] = None,
     torch_threads: TorchThreadsOption = None,
     busy_threads: BusyThreadsOption = None,
+    device: DeviceOption = None,
+    dtype: DtypeOption = None,
     ready_file: ReadyFileOption = None,
     metrics_port: MetricsPortOption = 0,
     wait_for_nats_flag: WaitForNatsOption = False,
@@ -222,7 +230,8 @@ def orchestrator_command(
     configure_torch_threads(torch_threads)
     options = OrchestratorOptions(node_id=node_id or default_node_id(), db_path=db,
                                   model_search_dirs=tuple(models_dir or ()), local_model=local_model,
-                                  busy_threads=busy_threads, metrics_port=metrics_port)
+                                  busy_threads=busy_threads, metrics_port=metrics_port, device=device,
+                                  dtype=dtype)
     url = resolve_nats_url(ctx, nats_url)
     run_until_stopped(lambda stop_event: run_orchestrator(
         with_step_timeout(settings(ctx), step_timeout_s), options, url, preload=list(preload or []),
@@ -295,12 +304,14 @@ def demo_command(
     ] = False,
     raw: Annotated[bool, typer.Option("--raw", help="Send the prompt as raw text, no chat template.")] = False,
     torch_threads: TorchThreadsOption = None,
+    device: DeviceOption = None,
+    dtype: DtypeOption = None,
 ) -> None:
     """Run the whole mesh on this machine (NATS, projector, shard hosts, orchestrator) and stream one answer."""
     from services.demo import DemoRun
 
     code = DemoRun(model=model, shards=shards, prompt=prompt, max_tokens=max_tokens, serve=serve, raw=raw,
-                   torch_threads=torch_threads, log_level=cli_state(ctx).log_level).run()
+                   torch_threads=torch_threads, log_level=cli_state(ctx).log_level, device=device, dtype=dtype).run()
     raise typer.Exit(code)
 
 
@@ -342,6 +353,8 @@ def bench_command(
     metrics: Annotated[bool, typer.Option("--metrics/--no-metrics", help="Run the processes with /metrics on (the "
                                           "per-hop transport figures come from them) or off (to measure what they "
                                           "cost).")] = True,
+    device: DeviceOption = None,
+    dtype: DtypeOption = None,
 ) -> None:
     """Monolithic generate() vs the distributed pipeline on this machine: tokens/s, ratio, TTFT, construction,
     per-hop transport overhead, concurrent sessions, and a burst (--burst)."""
@@ -357,7 +370,7 @@ def bench_command(
                            sessions=sessions, repeats=repeats, torch_threads=torch_threads,
                            monolithic_threads=monolithic_threads, library_defaults_baseline=library_defaults,
                            child_env=child_env, cache_dir=cache_dir, secure=not insecure,
-                           metrics=metrics, burst=burst)
+                           metrics=metrics, burst=burst, device=device, dtype=dtype)
     raise typer.Exit(run_bench_command(options, as_json=as_json))
 
 

@@ -270,6 +270,15 @@ class LocalCluster:
             args += ["--torch-threads", str(self.torch_threads)]
         return self._spawn(f"shard-{node_id}-{lo}-{hi}", args, wait_ready=wait_ready, member=(node_id, "shard"))
 
+    def start_host(self, model: str, memory_budget_mb: float, *, node_id: str, extra_args: list[str] = (),
+                   wait_ready: bool = True) -> ManagedProcess:
+        """`hearth host`: a shard host that chooses its own layers within `memory_budget_mb`."""
+        args = ["host", "--model", model, "--memory-budget-mb", repr(memory_budget_mb), "--node-id", node_id,
+                "--busy-threads", str(shared_machine_busy_threads), *extra_args]
+        if self.torch_threads:
+            args += ["--torch-threads", str(self.torch_threads)]
+        return self._spawn(f"host-{node_id}", args, wait_ready=wait_ready, member=(node_id, "shard"))
+
     def start_orchestrator(self, *, node_id: str = "orchestrator", extra_args: list[str] = (),
                            wait_ready: bool = True) -> ManagedProcess:
         args = ["orchestrator", "--node-id", node_id, "--busy-threads", str(shared_machine_busy_threads), *extra_args]

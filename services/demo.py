@@ -135,6 +135,9 @@ class DemoRun:
     torch_threads: int | None = None
     work_dir: Path | None = None
     log_level: str = "INFO"
+    # --device/--dtype of every shard host and the orchestrator (None: their defaults).
+    device: str | None = None
+    dtype: str | None = None
 
     def run(self) -> int:
         # This process only supervises and prints; its own INFO lines would bury the answer (the
@@ -205,10 +208,12 @@ class DemoRun:
         waiting: dict[str, tuple[ManagedProcess, str]] = {}
         for index, (lo, hi) in enumerate(ranges):
             node_id = f"demo-host-{index}"
-            process = cluster.start_shard(str(model.path), lo, hi, node_id=node_id, wait_ready=False)
+            process = cluster.start_shard(str(model.path), lo, hi, node_id=node_id, wait_ready=False,
+                                          extra_args=self._placement_args())
             waiting[process.name] = (process, f"shard host {node_id}: layers {lo}-{hi}")
         orchestrator = cluster.start_orchestrator(
-            node_id=ORCHESTRATOR_NODE_ID, extra_args=["--preload", str(model.path)], wait_ready=False)
+            node_id=ORCHESTRATOR_NODE_ID, extra_args=["--preload", str(model.path), *self._placement_args()],
+            wait_ready=False)
         waiting[orchestrator.name] = (orchestrator, "orchestrator: embedding, lm_head and sampling")
         _say(f"  starting {len(waiting)} processes (each loads torch and its part of the model) ...")
         done = 2
@@ -236,6 +241,9 @@ class DemoRun:
         _say("  Prometheus /metrics (docs/metrics.md):")
         for name, url in cluster.metrics_urls().items():
             _say(f"    {name:28s} {url}")
+
+    def _placement_args(self) -> list[str]:
+        return [*(["--device", self.device] if self.device else []), *(["--dtype", self.dtype] if self.dtype else [])]
 
     # ------------------------------------------------------------------ the answer
 

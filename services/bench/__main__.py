@@ -1,8 +1,11 @@
-"""`python -m services.bench PATH [THREADS]`: the monolithic generate() worker process (services.bench.monolithic)."""
+"""`python -m services.bench PATH [THREADS [DEVICE DTYPE]]`: the monolithic generate() worker process
+(services.bench.monolithic); THREADS 0 keeps torch's own count."""
 
 import sys
 
 from services.bench.monolithic import monolithic_worker_main
 
 if __name__ == "__main__":
-    monolithic_worker_main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else None)
+    arguments = sys.argv[1:]
+    monolithic_worker_main(arguments[0], int(arguments[1]) or None if len(arguments) > 1 else None,
+                           *(arguments[2:4] if len(arguments) >= 4 else ()))

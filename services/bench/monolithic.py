@@ -56,13 +56,20 @@ class MonolithicInfo(BaseModel):
 class MonolithicModel:
     """The whole model via transformers' from_pretrained; generate() greedy, timed by a streamer."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, device: str | None = None, dtype: str | None = None) -> None:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self._torch = torch
         self.path = path
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype="auto").eval()
+        if device is None and dtype is None:
+            self.device = torch.device("cpu")
+            self.model = AutoModelForCausalLM.from_pretrained(path, dtype="auto").eval()
+        else:  # on the device and in the dtype the shards resolve the same options to (inference.devices)
+            from inference.devices import resolve_placement
+
+            self.device, compute_dtype = resolve_placement(device, dtype)
+            self.model = AutoModelForCausalLM.from_pretrained(path, dtype=compute_dtype).to(self.device).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.info = MonolithicInfo(parameters=sum(p.numel() for p in self.model.parameters()),
                                    dtype=str(next(self.model.parameters()).dtype).removeprefix("torch."),
@@ -96,15 +103,17 @@ class MonolithicModel:
             def end(self) -> None:
                 pass
 
-        input_ids = torch.tensor([list(prompt_ids)], dtype=torch.long)
+        input_ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=self.device)
         with torch.inference_mode():
             self.model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
                                 max_new_tokens=new_tokens, do_sample=False, streamer=_Stamps())
         return timing
 
 
-def monolithic_worker_main(model_path: str, torch_threads: int | None) -> None:
-    """`python -m services.bench PATH [THREADS]`: load the model, answer MonolithicJob lines until stdin closes.
+def monolithic_worker_main(model_path: str, torch_threads: int | None, device: str | None = None,
+                           dtype: str | None = None) -> None:
+    """`python -m services.bench PATH [THREADS [DEVICE DTYPE]]`: load the model, answer MonolithicJob lines until
+    stdin closes.
 
     Runs in its own process so that it gets the same OpenMP environment as the shard processes (libgomp
     reads it once, when torch loads) and so that the bench process itself stays free of torch.
@@ -115,7 +124,7 @@ def monolithic_worker_main(model_path: str, torch_threads: int | None) -> None:
         import torch
 
         torch.set_num_threads(torch_threads)
-    model = MonolithicModel(Path(model_path))
+    model = MonolithicModel(Path(model_path), device, dtype)
     replies.write(model.info.model_dump_json() + "\n")
     for line in sys.stdin:
         try:
@@ -128,11 +137,12 @@ def monolithic_worker_main(model_path: str, torch_threads: int | None) -> None:
 class MonolithicWorker:
     """The bench's handle on the worker process (`python -m services.bench`)."""
 
-    def __init__(self, model_path: Path, env: dict[str, str], torch_threads: int | None, log_path: Path) -> None:
+    def __init__(self, model_path: Path, env: dict[str, str], torch_threads: int | None, log_path: Path, *,
+                 device: str | None = None, dtype: str | None = None) -> None:
         self._log = open(log_path, "ab")
-        command = [sys.executable, "-m", "services.bench", str(model_path)]
-        if torch_threads:
-            command.append(str(torch_threads))
+        command = [sys.executable, "-m", "services.bench", str(model_path), str(torch_threads or 0)]
+        if device is not None or dtype is not None:
+            command += [device or "auto", dtype or "auto"]
         self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
                                         env={**os.environ, **env}, text=True, bufsize=1,
                                         cwd=str(REPO_ROOT))

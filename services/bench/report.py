@@ -61,6 +61,33 @@ class TargetCheck(BaseModel):
     met: bool
 
 
+class ShardMemory(BaseModel):
+    """What one shard advertised it holds on its device: measured weights plus its KV reserve."""
+
+    shard_id: str
+    device: str
+    memory_required_mb: float
+
+
+async def shard_memory_figures(nc) -> list[ShardMemory]:
+    """Every shard's newest advertisement in the event log, as memory figures."""
+    import contextlib
+
+    from events.consume import read_stream
+    from events.models import ShardAdvertised
+    from events.streams import SHARDS_STREAM
+
+    newest: dict[str, ShardMemory] = {}
+    async with contextlib.aclosing(read_stream(nc.jetstream(), SHARDS_STREAM)) as messages:
+        async for message in messages:
+            event = getattr(message, "event", None)
+            if isinstance(event, ShardAdvertised):
+                device = f"{event.device_kind or 'cpu'} {event.device_name or ''}".strip()
+                newest[event.shard_id] = ShardMemory(shard_id=event.shard_id, device=device,
+                                                     memory_required_mb=event.memory_required_mb)
+    return sorted(newest.values(), key=lambda figures: figures.shard_id)
+
+
 class BenchReport(BaseModel):
     started_at: str
     machine: dict[str, object]
@@ -83,6 +110,7 @@ class BenchReport(BaseModel):
     targets: list[TargetCheck]
     # `--burst N`: N requests sent at once (services/bench/burst.py).
     burst: BurstFigures | None = None
+    shard_memory: list[ShardMemory] = []
 
 
 def side_figures(runs: list[GenerationTiming]) -> Side:
@@ -156,6 +184,12 @@ def format_report(report: BenchReport) -> str:
     if report.burst is not None:
         lines.append("")
         lines.extend(burst_lines(report.burst))
+    if report.shard_memory:
+        lines.append("")
+        lines.append(f"memory per shard on its device ({settings.get('device')}, {settings.get('dtype')}; weights "
+                     "measured after loading, plus the KV reserve):")
+        for figures in report.shard_memory:
+            lines.append(f"  {figures.shard_id[:48]:48s}{figures.device[:28]:28s}{figures.memory_required_mb:10.1f} MB")
     lines.append("")
     lines.append("targets:")
     for check in report.targets:

@@ -17,7 +17,7 @@ from services.bench.burst import run_burst
 from services.bench.errors import BenchError
 from services.bench.monolithic import MonolithicWorker
 from services.bench.pipeline import pipeline_generation
-from services.bench.report import BenchReport, ConcurrentFigures, SessionFigures, side_figures
+from services.bench.report import BenchReport, ConcurrentFigures, SessionFigures, shard_memory_figures, side_figures
 from services.bench.targets import target_checks
 from services.bench.timing import GenerationTiming
 from services.bench.transport_metrics import histogram_deltas, scrape_hosts, transport_figures
@@ -62,6 +62,12 @@ class BenchOptions:
     metrics: bool = True
     # Requests sent at once after the other parts (0: none), to measure admission.
     burst: int = 0
+    # Where and in what dtype shards, orchestrator and generate() compute (None: the CPU defaults of before).
+    device: str | None = None
+    dtype: str | None = None
+
+    def placement_args(self) -> list[str]:
+        return [*(["--device", self.device] if self.device else []), *(["--dtype", self.dtype] if self.dtype else [])]
 
 
 def _progress(text: str) -> None:
@@ -103,7 +109,7 @@ class Bench:
             monolithic_threads = options.monolithic_threads or options.torch_threads
             _progress(f"loading the whole model for generate() in a worker process ({resolved.path}) ...")
             worker = MonolithicWorker(resolved.path, process_env, monolithic_threads,
-                                      cluster.work_dir / "monolithic.log")
+                                      cluster.work_dir / "monolithic.log", device=options.device, dtype=options.dtype)
             # What a plain transformers user gets: this shell's environment, torch's own thread count.
             defaults_worker = MonolithicWorker(resolved.path, {}, None, cluster.work_dir / "monolithic-defaults.log") \
                 if options.library_defaults_baseline else None
@@ -149,13 +155,14 @@ class Bench:
         for index, (lo, hi) in enumerate(ranges):
             node_id = f"bench-host-{index}"
             process = cluster.start_shard(str(model.path), lo, hi, node_id=node_id, wait_ready=False,
-                                          extra_args=["--max-streams", str(max_streams)])
+                                          extra_args=["--max-streams", str(max_streams),
+                                                      *options.placement_args()])
             shard_id = f"{model.name}:{lo}-{hi}@{node_id}"
             if process.metrics_url is not None:
                 metrics_urls[shard_id] = process.metrics_url
             hop_of[shard_id] = index
         cluster.start_orchestrator(node_id="bench-orchestrator", wait_ready=False, extra_args=[
-            "--preload", str(model.path), "--step-timeout-s", str(options.step_timeout_s)])
+            "--preload", str(model.path), "--step-timeout-s", str(options.step_timeout_s), *options.placement_args()])
         return metrics_urls, hop_of
 
     def _wait_ready(self, cluster: LocalCluster) -> None:
@@ -210,6 +217,7 @@ class Bench:
                 _progress(f"a burst of {options.burst} requests sent at once ...")
                 burst = await run_burst(nc, model_ref, prompt, options.burst, options.new_tokens,
                                         pipe_runs[0].token_ids)
+            shard_memory = await shard_memory_figures(nc)
         finally:
             await asyncio.wait_for(nc.close(), timeout=5)
         mono, pipe = side_figures(mono_runs), side_figures(pipe_runs)
@@ -222,7 +230,8 @@ class Bench:
                      "torch": info.torch_version},
             model={"spec": options.model or "bundled", "path": str(model.path), "layers": model.num_layers,
                    "parameters": info.parameters, "dtype": info.dtype},
-            settings={"shards": options.shards, "layer_ranges": even_layer_ranges(model.num_layers, options.shards),
+            settings={"device": options.device or "cpu", "dtype": options.dtype or "checkpoint's",
+                      "shards": options.shards, "layer_ranges": even_layer_ranges(model.num_layers, options.shards),
                       "prompt_tokens": len(prompt_ids), "new_tokens": options.new_tokens, "repeats": options.repeats,
                       "sessions": options.sessions, "process_torch_threads": options.torch_threads,
                       "step_timeout_s": options.step_timeout_s, "metrics": options.metrics},
@@ -245,6 +254,7 @@ class Bench:
             concurrent=concurrent,
             targets=[],
             burst=burst,
+            shard_memory=shard_memory,
         )
 
     async def _concurrent(self, nc, model_ref, worker: MonolithicWorker, metrics_urls, hop_of,

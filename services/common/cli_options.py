@@ -208,3 +208,15 @@ def node_id_for(command: str, identity, node_id: str | None, role: str) -> str |
                    "is its member name", err=True)
         raise typer.Exit(EXIT_REFUSED)
     return identity.name
+
+
+DeviceOption = Annotated[
+    Optional[str],
+    typer.Option("--device", help="auto|cpu|cuda|cuda:N (auto: CUDA when torch sees one; default: "
+                 "[research.distributed_inference.host] device).", show_default=False),
+]
+DtypeOption = Annotated[
+    Optional[str],
+    typer.Option("--dtype", help="auto|fp32|bf16|fp16 (auto: bf16 on CUDA, fp16 where bf16 is unsupported, fp32 on "
+                 "the CPU; default: [research.distributed_inference.host] dtype).", show_default=False),
+]

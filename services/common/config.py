@@ -14,7 +14,7 @@ from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -57,7 +57,30 @@ class HostSettings(_Section):
     shard_eviction_idle_seconds: float = Field(
         default=600, gt=0, description="a hop that has received no step for this long is closed, its cache freed")
     shard_max_memory_mb: float = Field(
-        default=20000, gt=0, description="a shard whose layer range needs more than this refuses to start")
+        default=20000, gt=0, validation_alias=AliasChoices("shard_max_memory_mb", "shard_max_vram_mb"),
+        description="a shard whose weights plus KV reserve need more than this on its device refuses to start "
+                    "(`shard_max_vram_mb` is accepted as its name too)")
+    kv_cache_budget_mb: float = Field(
+        default=1024, gt=0,
+        description="KV caches of one shard together stay within this: a new session that would exceed it evicts "
+                    "the least recently used idle one (its next step is answered `session_evicted`)")
+    device: str = Field(
+        default="auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$", validation_alias=AliasChoices("device", "backend"),
+        description="where this machine computes (shards, an orchestrator's head): auto (CUDA when torch sees "
+                    "one), cpu, cuda, cuda:N (`backend` is accepted as its name too); --device wins")
+    cuda_graph_max_tokens: int = Field(
+        default=4096, ge=0,
+        description="on a GPU, sessions get static KV caches of this many positions and decode steps replay CUDA "
+                    "graphs (full-attention SDPA models; 0: dynamic caches, eager decode); a longer session fails")
+    rebalance_check_interval_s: float = Field(
+        default=5.0, gt=0, description="`hearth host`: how often it reads the mesh's coverage for a hole to fill")
+    rebalance_hold_s: float = Field(
+        default=15.0, ge=0,
+        description="`hearth host`: a hole must be seen this long (and this host's layers held elsewhere) before "
+                    "it moves to fill it")
+    dtype: Literal["auto", "fp32", "bf16", "fp16"] = Field(
+        default="auto", description="compute dtype: auto is bf16 on CUDA (fp16 where bf16 is unsupported), fp32 on "
+                                    "the CPU; --dtype wins")
 
 
 def serve_shards_refused(host: HostSettings) -> bool:
@@ -77,6 +100,9 @@ class DistributedInferenceSettings(_Section):
     activation_dtype: Literal["auto", "fp16", "fp32", "int8"] = "auto"
     allow_self_as_shard: bool = False
     max_concurrent_pipelines: int = Field(default=4, ge=1)
+    max_eviction_reprefills: int = Field(
+        default=64, ge=0,
+        description="re-prefills of one call after a hop answered `session_evicted`; one more fails over instead")
     host: HostSettings = HostSettings()
 
 

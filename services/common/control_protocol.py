@@ -105,12 +105,13 @@ def keepalive_subject(pipeline_id: str) -> str:
     return f"hearth.keepalive.{pipeline_id}"
 
 
-HopProblem = Literal["input_failed_check", "step_failed"]
+HopProblem = Literal["input_failed_check", "step_failed", "session_evicted"]
 
 
 class HopNotice(BaseModel):
     """A hop could not pass a step on: its input failed a check (the hop before it, or the orchestrator for
-    hop 0, produced it) or its own computation raised (this hop is at fault)."""
+    hop 0, produced it), its own computation raised (this hop is at fault), or its session's KV cache was evicted
+    (`session_evicted`: nobody is at fault; the orchestrator re-prefills)."""
 
     pipeline_id: str = Field(pattern=SUBJECT_TOKEN_PATTERN)
     session_id: str

@@ -72,8 +72,9 @@ def role_permissions(role: Role, name: str) -> Permissions:
     own_inbox = f"{inbox_prefix(name)}.>"
     if role == "shard":
         return Permissions(
+            # Stream reading: `hearth host` reads the mesh's coverage to choose its layers.
             publish=(shard_events_subject_of_node(name), "hearth.act.>", "hearth.ack.>", "hearth.notice.>",
-                     *_stream_management()),
+                     *_stream_management(), *_stream_reading()),
             subscribe=(f"hearth.ctl.{node}.>", f"hearth.act.{node}.>", f"hearth.ack.{node}.>",
                        "hearth.keepalive.>", own_inbox),
             allow_responses=True,

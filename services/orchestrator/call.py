@@ -133,6 +133,8 @@ class Call:
     construct_ms: float | None = None
     failovers: int = 0
     broker_repairs: int = 0
+    # Re-prefills on the same chain after a hop answered `session_evicted`.
+    eviction_reprefills: int = 0
     # Shards this call routes around: they failed or refused it.
     excluded: set[str] = field(default_factory=set)
 

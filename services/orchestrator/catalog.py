@@ -72,6 +72,12 @@ class ModelCatalog:
         self._locks: dict[str, asyncio.Lock] = {}
         self._local: LocalModel | None = None
         self._local_lock = asyncio.Lock()
+        # Where heads (and the local model) compute: the CPU in the checkpoint's dtype until told (use_compute).
+        self._compute: dict = {}
+
+    def use_compute(self, device, dtype) -> None:
+        """Load heads and the local model onto `device` (a torch.device) in `dtype` (inference.devices)."""
+        self._compute = {"device": device, "dtype": dtype}
 
     def resolve(self, model: str) -> Path:
         """A folder for `model`: a path, a folder of that name in a search dir, or a hub id in the local cache."""
@@ -167,7 +173,7 @@ class ModelCatalog:
             return self._loaded[name]
 
     async def _load(self, key: str, path: Path, model_id: str | None) -> None:
-        head = await on_compute_thread(load_head, path, model_id=model_id)
+        head = await on_compute_thread(load_head, path, model_id=model_id, **self._compute)
         digest = await asyncio.to_thread(weights_sha256, path)
         bound = await on_compute_thread(TokenLowerBound, head.tokenizer) if head.has_tokenizer else None
         length = await asyncio.to_thread(context_length, path / "config.json")
@@ -182,7 +188,7 @@ class ModelCatalog:
             if self._local is None:
                 path = await asyncio.to_thread(self.resolve, self.local_model_spec)
                 self._local = await on_compute_thread(
-                    load_full, path, model_id=self.advertised_id(self.local_model_spec, path))
+                    load_full, path, model_id=self.advertised_id(self.local_model_spec, path), **self._compute)
                 self._local_digest = await asyncio.to_thread(weights_sha256, path)
         if self._local.info.model_id != loaded.model_id or self._local_digest != loaded.weights_sha256:
             return None

@@ -3,7 +3,8 @@ StepFailure saying which hop failed and why; LocalChain runs a step on a whole l
 
 A step fails (a typed result, never an exception) when:
 - a hop tells us so at once on the pipeline's notice subject: its layers raised (`step_failed`, that hop is
-  to blame) or its input failed an integrity check (`corrupt`, the hop before it is to blame);
+  to blame), its input failed an integrity check (`corrupt`, the hop before it is to blame), or its session's KV
+  cache was evicted (`evicted`: nobody is to blame; the caller re-prefills on the same chain);
 - the output that reaches us fails the integrity check (`corrupt`, the last hop);
 - the stall watch finds a hop gone or holding the step too long (`gone`, `stalled`; services/orchestrator/stall.py);
 - our connection to the broker was lost while the step was out (`broker`, nobody's shard is to blame).
@@ -194,7 +195,8 @@ class HopChain:
             notice = HopNotice.model_validate_json(msg.data)
         except Exception:
             return
-        if notice.session_id == self.session_id and notice.hop < len(self.hops):
+        # Only the step out now: a late notice of an earlier step (one re-prefilled since) is stale.
+        if notice.session_id == self.session_id and notice.hop < len(self.hops) and notice.step == self._step:
             self._notices.append(notice)
             self._sink.interrupt_waiters()
 
@@ -209,6 +211,10 @@ class HopChain:
 
     def _notice_failure(self) -> StepFailure:
         notice = self._notices[0]
+        self._notices.clear()  # the chain stays usable: an evicted session is re-prefilled on the same hops
+        if notice.problem == "session_evicted":
+            return StepFailure("evicted", self.hops[notice.hop].shard_id,
+                               f"step {notice.step}: its session was evicted: {notice.message}")
         if notice.problem == "step_failed":
             return StepFailure("step_failed", self.hops[notice.hop].shard_id,
                                f"step {notice.step} failed on it: {notice.message}")

@@ -7,10 +7,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from services.common.config import HearthSettings
-from services.common.lifecycle import unless_stopped
+from services.common.lifecycle import CommandRefused, unless_stopped
 from services.common.metrics import serve_process_metrics
 from services.common.nats_connection import connect_nats, drain_or_close
 from services.orchestrator.service import Orchestrator
+from inference.devices import resolve_placement
 
 
 
@@ -26,6 +27,9 @@ class OrchestratorOptions:
     busy_threads: int | None = None
     # --metrics-port: 0 serves no /metrics (and skips per-step observations); None leaves metrics as they are.
     metrics_port: int | None = None
+    # Where the heads compute (None: [research.distributed_inference.host] device and dtype).
+    device: str | None = None
+    dtype: str | None = None
 
 
 def with_step_timeout(settings: HearthSettings, step_timeout_s: float | None) -> HearthSettings:
@@ -44,6 +48,12 @@ async def run_orchestrator(settings: HearthSettings, options: OrchestratorOption
     orchestrator = Orchestrator(nc, settings, node_id=options.node_id, db_path=options.db_path,
                                 model_search_dirs=list(options.model_search_dirs), local_model=options.local_model,
                                 busy_threads=options.busy_threads)
+    host = settings.research.distributed_inference.host
+    try:
+        orchestrator.catalog.use_compute(*resolve_placement(options.device or host.device, options.dtype or host.dtype))
+    except ValueError as error:
+        await drain_or_close(nc, settings.nats.drain_timeout_s)
+        raise CommandRefused(str(error)) from None
     metrics_server = None
     try:
         metrics_server = serve_process_metrics(options.metrics_port, f"orchestrator {options.node_id}")

@@ -30,6 +30,7 @@ from events.models import (
 from events.outbox import EventOutbox
 from inference import SamplingParams, TextStream
 from inference.compute_thread import StepThreads, on_compute_thread, use_intra_op_threads
+from inference.host_staging import to_host
 from readmodels.runner import Projector
 from services.common.chat_protocol import (
     DoneFrame,
@@ -119,6 +120,8 @@ class PipelineRun:
             if isinstance(outcome, str):
                 await self._complete(outcome)
                 return
+            if self._reprefill_after_eviction(outcome):
+                continue
             if not await self._repair(outcome, decoding):
                 return
 
@@ -229,6 +232,15 @@ class PipelineRun:
                            load=self.ctx.load)
 
     # ------------------------------------------------------------------ repair
+
+    def _reprefill_after_eviction(self, failure: StepFailure) -> bool:
+        """A hop's session was evicted (KV budget or idle): re-prefill on the same chain, within the bound."""
+        call = self.call
+        if failure.kind != "evicted" or call.eviction_reprefills >= self.policy.max_eviction_reprefills:
+            return False
+        call.eviction_reprefills += 1
+        log.info("pipeline %s: %s; re-prefilling %d tokens", call.pipeline_id, failure, len(call.known_ids))
+        return True
 
     async def _repair(self, failure: StepFailure, decoding: Decoding) -> bool:
         """Replace the failed chain; False when the call has ended instead (fallback ran, or aborted)."""
@@ -351,7 +363,7 @@ class PipelineRun:
         use_intra_op_threads(threads)
         head = self.call.model.head
         token_id = head.sample(head.logits(output), decoding.params, decoding.generator)
-        return token_id, head.embed([token_id])
+        return token_id, to_host(head.embed([token_id]))
 
     # ------------------------------------------------------------------ endings
 

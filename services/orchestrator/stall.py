@@ -30,7 +30,7 @@ from services.common.control_protocol import ShardStat, StatShard
 from services.orchestrator.router import Hop
 from services.transport import AckObserver, StepInfo
 
-FailureKind = Literal["stalled", "step_failed", "corrupt", "gone", "refused", "broker"]
+FailureKind = Literal["stalled", "step_failed", "corrupt", "gone", "refused", "broker", "evicted"]
 
 
 @dataclass(frozen=True)

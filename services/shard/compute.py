@@ -24,6 +24,7 @@ import torch
 
 from inference import LayerRangeRunner
 from inference.compute_thread import StepThreads, on_compute_thread, use_intra_op_threads
+from inference.host_staging import to_device, to_host
 from services.common.control_protocol import OpenHop
 from services.shard.faults import ShardFault
 from services.shard.metrics import ShardStepMetrics, watch_serving
@@ -114,6 +115,16 @@ class ShardCompute:
             self.stats.tokens_served_total += int(received.tensor.shape[1])
         return StepResult(output, failed_check, compute_s)
 
+    async def evict_idle(self) -> int:
+        """Evict the caches of sessions idle for the runner's TTL (`shard_eviction_idle_seconds`); how many."""
+        return await on_compute_thread(self._evict_idle_and_measure)
+
+    def _evict_idle_and_measure(self) -> int:
+        evicted = self.runner.evict_expired()
+        if evicted:
+            self._measure_cache()
+        return len(evicted)
+
     async def reset(self, session_id: str) -> int:
         """Drop a session's KV cache; the bytes freed."""
         return await on_compute_thread(self._reset_and_measure, session_id)
@@ -128,8 +139,11 @@ class ShardCompute:
             return failed_check, None
         self.fault.raise_if_failing()
         try:
-            return None, self.runner.forward(request.session_id, received.tensor, received.pos,
-                                             received.kind.value, (request.layer_lo, request.layer_hi))
+            # On a GPU: input queued onto the device, the layers queued, one wait for the output's copy to pinned
+            # host memory (inference/host_staging.py); on the CPU both are no-ops.
+            output = self.runner.forward(request.session_id, to_device(received.tensor, self.runner.device),
+                                         received.pos, received.kind.value, (request.layer_lo, request.layer_hi))
+            return None, to_host(output)
         finally:
             self._measure_cache()
 

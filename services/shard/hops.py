@@ -8,8 +8,10 @@ notice blames the hop before (`input_failed_check`), and when the layers raise i
 
 Liveness of the orchestrator: every step and every message on the pipeline's keepalive subject counts as a
 sign of life (`last_heard`). The shard's watchdog closes a hop that heard nothing for `orphan_timeout_s`
-(its orchestrator was killed, or lost the broker), and one that received no step for
-`shard_eviction_idle_seconds`, freeing its KV cache either way.
+(its orchestrator was killed, or lost the broker), freeing its KV cache. A hop whose orchestrator lives but that
+received no step for `shard_eviction_idle_seconds` stays open, but its KV cache is evicted (as is the least
+recently used one when the caches outgrow `kv_cache_budget_mb`): its next step is answered `session_evicted`, and
+the orchestrator re-prefills.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
 from events.subjects import LinkNodes
+from inference import SessionEvictedError
 from services.common.config import TransportSettings
 from services.common.control_protocol import HopNotice, HopProblem, OpenHop, hop_notice_subject, keepalive_subject
 from services.shard.compute import ShardCompute
@@ -113,8 +116,6 @@ class ServedHop:
         """Why the watchdog should close this hop now, or None."""
         if now - self.last_heard > self.limits.orphan_timeout_s:
             return f"no step and no keepalive from its orchestrator for {now - self.last_heard:.1f} s"
-        if now - self.last_step > self.limits.idle_timeout_s:
-            return f"no step for {now - self.last_step:.0f} s"
         return None
 
     async def close(self) -> int:
@@ -160,6 +161,10 @@ class ServedHop:
             return
         try:
             result = await self.compute.run(self.request, received)
+        except SessionEvictedError as error:
+            log.info("pipeline %s hop %d: step %d: %s", self.pipeline_id, self.request.hop, received.step, error)
+            await self._notify(received, "session_evicted", message=str(error))
+            return
         except Exception as error:
             first_line = (str(error).splitlines() or [""])[0][:300]
             log.warning("pipeline %s hop %d: step %d failed: %s: %s", self.pipeline_id, self.request.hop,

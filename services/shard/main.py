@@ -6,15 +6,22 @@ import asyncio
 import logging
 import re
 import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
 
 from events.subjects import shard_control_subject, shard_id_for
-from inference import InferenceError, load_layer_range, weights_sha256
+from inference import InferenceError, LayerRangeRunner, load_layer_range, resolve_model_path, weights_sha256
 from inference.compute_thread import StepThreads, on_compute_thread
-from services.common.config import HearthSettings, serve_shards_refused
+from inference.devices import describe_device, device_memory_allocated_bytes, resolve_placement
+from services.common.config import HearthSettings, HostSettings, serve_shards_refused
 from services.common.lifecycle import CommandRefused, unless_stopped
 from services.common.metrics import serve_process_metrics
 from services.common.nats_connection import connect_nats, drain_or_close
 from services.shard.faults import ShardFault
+from services.shard.memory_plan import estimated_need, kv_reserve_bytes, measured_need, refusal
 from services.shard.compute import ShardCompute
 from services.shard.server import ShardIdentity, ShardServer
 
@@ -62,6 +69,70 @@ def configure_torch_threads(threads: int | None) -> None:
         torch.set_num_threads(threads)
 
 
+@dataclass
+class LoadedShard:
+    """A layer range loaded and measured, with what it will advertise; not yet connected."""
+
+    runner: LayerRangeRunner
+    identity: ShardIdentity
+
+
+def resolve_compute(device: str | None, dtype: str | None, host: HostSettings) -> tuple[torch.device, torch.dtype]:
+    """The device and dtype from the command line, else the host settings; ShardRefused when not available here."""
+    try:
+        return resolve_placement(device or host.device, dtype or host.dtype)
+    except ValueError as error:
+        raise ShardRefused(str(error)) from None
+
+
+async def load_shard(*, model: str, lo: int, hi: int, node: str, settings: HearthSettings, model_id: str | None,
+                     device: str | None, dtype: str | None, stop_event: asyncio.Event) -> LoadedShard:
+    """Load layers lo..hi onto this host's device if they fit its memory limit (checked before reading any weight,
+    and again as measured); ShardRefused naming both numbers when they do not."""
+    host = settings.research.distributed_inference.host
+    compute_device, compute_dtype = resolve_compute(device, dtype, host)
+    try:
+        model_path = await asyncio.to_thread(resolve_model_path, model)
+        estimate = await asyncio.to_thread(estimated_need, model_path, lo, hi, compute_dtype, host)
+    except (InferenceError, ValueError, OSError) as error:
+        raise ShardRefused(f"cannot load layers {lo}-{hi} of {model}: {_first_line(error)}") from None
+    if (reason := refusal(lo, hi, estimate, host, measured=False)) is not None:
+        raise ShardRefused(reason)
+    allocated_before = device_memory_allocated_bytes(compute_device)
+    try:
+        runner = await unless_stopped(on_compute_thread(
+            load_layer_range, model_path, lo, hi, dtype=compute_dtype, device=compute_device,
+            model_id=model_id or _default_model_id(model), cache_budget_bytes=kv_reserve_bytes(host),
+            session_ttl_s=host.shard_eviction_idle_seconds,
+            static_cache_tokens=host.cuda_graph_max_tokens if compute_device.type == "cuda" else None), stop_event)
+    except (InferenceError, ValueError) as error:
+        raise ShardRefused(f"cannot load layers {lo}-{hi} of {model}: {_first_line(error)}") from None
+    need = measured_need(runner, allocated_before, host)
+    if (reason := refusal(lo, hi, need, host, measured=True)) is not None:
+        runner.close()
+        raise ShardRefused(reason)
+    info = runner.info
+    digest = await unless_stopped(asyncio.to_thread(weights_sha256, info.path), stop_event)
+    shard_id = shard_id_for(info.model_id, lo, hi, node)
+    described = describe_device(compute_device)
+    identity = ShardIdentity(
+        shard_id=shard_id, model_id=info.model_id, node_id=node, weights_sha256=digest, layer_lo=lo,
+        layer_hi=hi, total_layers=info.num_layers, dtype=info.dtype_name, memory_required_mb=need.required_mb,
+        control_subject=shard_control_subject(node, shard_id), device_kind=described.kind,
+        device_name=described.name, kv_cache_budget_mb=host.kv_cache_budget_mb,
+    )
+    return LoadedShard(runner, identity)
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).splitlines() or [""])[0]
+
+
+def _default_model_id(model: str) -> str | None:
+    # load_layer_range names a folder by its own name; resolving it first must not change that.
+    return None if Path(model).expanduser().is_dir() else model
+
+
 async def run_shard(
     *,
     model: str,
@@ -73,6 +144,7 @@ async def run_shard(
     max_streams: int | None = None,
     hop_weight: float = 1.0,
     dtype: str | None = None,
+    device: str | None = None,
     heartbeat_s: float | None = None,
     ttl_s: float | None = None,
     fault: str | None = None,
@@ -96,44 +168,46 @@ async def run_shard(
         raise ShardRefused(str(error)) from None
     configure_torch_threads(torch_threads)
     node = node_id or default_node_id()
-    try:
-        runner = await unless_stopped(
-            on_compute_thread(load_layer_range, model, lo, hi, dtype=dtype, model_id=model_id), stop_event)
-    except (InferenceError, ValueError) as error:
-        first_line = (str(error).splitlines() or [""])[0]
-        raise ShardRefused(f"cannot load layers {lo}-{hi} of {model}: {first_line}") from None
-    info = runner.info
-    digest = await unless_stopped(asyncio.to_thread(weights_sha256, info.path), stop_event)
-    shard_id = shard_id_for(info.model_id, lo, hi, node)
-    identity = ShardIdentity(
-        shard_id=shard_id, model_id=info.model_id, node_id=node, weights_sha256=digest, layer_lo=lo,
-        layer_hi=hi, total_layers=info.num_layers, dtype=info.dtype_name,
-        memory_required_mb=round(runner.checkpoint_bytes_read / 2**20, 3),
-        control_subject=shard_control_subject(node, shard_id),
-    )
-    if identity.memory_required_mb > host.shard_max_memory_mb:
-        runner.close()
-        raise ShardRefused(f"layers {lo}-{hi} need {identity.memory_required_mb:.0f} MB, more than "
-                           f"shard_max_memory_mb = {host.shard_max_memory_mb:.0f} MB")
+    loaded = await load_shard(model=model, lo=lo, hi=hi, node=node, settings=settings, model_id=model_id,
+                              device=device, dtype=dtype, stop_event=stop_event)
+    await serve_loaded_shard(loaded, nats_url=nats_url, settings=settings, hop_weight=hop_weight, fault=fault,
+                             busy_threads=busy_threads, ready_file=ready_file, metrics_port=metrics_port,
+                             stop_event=stop_event)
+
+
+async def serve_loaded_shard(loaded: LoadedShard, *, nats_url: str | None, settings: HearthSettings,
+                             hop_weight: float = 1.0, fault: str | None = None, busy_threads: int | None = None,
+                             ready_file: str | None = None, metrics_port: int | None = None,
+                             stop_event: asyncio.Event,
+                             withdraw_reason: Callable[[], str] = lambda: "shutdown") -> None:
+    """Connect, advertise and serve a loaded range until `stop_event`; then withdraw and free it."""
+    runner, identity = loaded.runner, loaded.identity
+    shard_id, lo, hi = identity.shard_id, identity.layer_lo, identity.layer_hi
     server_ref: list[ShardServer] = []
-    nc = await unless_stopped(connect_nats(
-        nats_url, name=f"hearth-shard {shard_id}", settings=settings.nats,
-        on_reconnected=lambda: server_ref[0].request_readvertise() if server_ref else None), stop_event)
+    try:
+        nc = await unless_stopped(connect_nats(
+            nats_url, name=f"hearth-shard {shard_id}", settings=settings.nats,
+            on_reconnected=lambda: server_ref[0].request_readvertise() if server_ref else None), stop_event)
+    except BaseException:
+        runner.close()
+        raise
     compute = ShardCompute(runner, shard_id, fault=ShardFault.parse(fault), step_threads=StepThreads(busy_threads),
-                           range_layers=min(hi, info.num_layers - 1) - lo + 1)
+                           range_layers=min(hi, identity.total_layers - 1) - lo + 1)
     server = ShardServer(nc, compute, identity, settings, hop_weight=hop_weight)
     server_ref.append(server)
     metrics_server = None
     try:
         await server.start()
         metrics_server = serve_process_metrics(metrics_port, f"shard {shard_id}")
-        print(f"shard {shard_id} ready (layers {lo}-{hi} of {info.num_layers}, weights {digest[:12]})", flush=True)
+        print(f"shard {shard_id} ready (layers {lo}-{hi} of {identity.total_layers}, weights "
+              f"{identity.weights_sha256[:12]}, {identity.device_kind} {identity.dtype}, "
+              f"{identity.memory_required_mb:.1f} MB)", flush=True)
         if ready_file:
             with open(ready_file, "w") as handle:
                 handle.write(shard_id)
         await stop_event.wait()
     finally:
-        await server.stop("shutdown")
+        await server.stop(withdraw_reason())
         if metrics_server is not None:
             metrics_server.stop()
         await drain_or_close(nc, settings.nats.drain_timeout_s)

@@ -54,6 +54,9 @@ class ShardIdentity:
     dtype: str
     memory_required_mb: float
     control_subject: str
+    device_kind: str | None = None
+    device_name: str | None = None
+    kv_cache_budget_mb: float | None = None
 
 
 class ShardServer:
@@ -110,7 +113,8 @@ class ShardServer:
             weights_sha256=ident.weights_sha256, layer_lo=ident.layer_lo, layer_hi=ident.layer_hi,
             total_layers=ident.total_layers, dtype=ident.dtype, memory_required_mb=ident.memory_required_mb,
             max_concurrent_streams=self.settings.max_concurrent_streams, control_subject=ident.control_subject,
-            hop_weight=self.hop_weight, ttl_s=self.settings.advertisement_ttl_s,
+            hop_weight=self.hop_weight, ttl_s=self.settings.advertisement_ttl_s, device_kind=ident.device_kind,
+            device_name=ident.device_name, kv_cache_budget_mb=ident.kv_cache_budget_mb,
         ), signing_key=self.signing_key)
 
     async def heartbeat(self) -> None:
@@ -143,10 +147,14 @@ class ShardServer:
                 log.warning("advertisement not published: %s", error)
 
     async def _watchdog_loop(self) -> None:
-        """Close hops whose orchestrator went silent or that have been idle too long (see services/shard/hops.py)."""
-        interval_s = self.limits.orphan_timeout_s / 4
+        """Close hops whose orchestrator went silent, and evict the caches of idle sessions (services/shard/hops.py)."""
+        interval_s = min(self.limits.orphan_timeout_s, self.limits.idle_timeout_s) / 4
         while True:
             await asyncio.sleep(interval_s)
+            try:
+                await self.compute.evict_idle()
+            except Exception as error:  # a closed runner at shutdown: nothing left to evict
+                log.debug("idle eviction skipped: %s", error)
             now = time.monotonic()
             for pipeline_id, hop in list(self._hops.items()):
                 reason = hop.expiry_reason(now)

@@ -1,0 +1,53 @@
+"""What a layer range costs in memory before it is loaded: per-layer weight bytes read from the safetensors headers
+(shapes and dtypes only, no tensor data), in the dtype the range will compute in.
+
+A shard refuses a range that would not fit its `shard_max_memory_mb` before reading a weight, and `hearth host`
+chooses the range that fits its budget from these figures.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from .checkpoint import SafetensorsCheckpoint
+
+_layer_name_re = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_float_kinds = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1}
+_other_kinds = {"I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+MiB = 1024 * 1024
+
+
+def layer_weight_bytes(model_path: Path, compute_dtype: torch.dtype) -> dict[int, int]:
+    """Bytes each decoder layer's tensors take once loaded in `compute_dtype` (floating tensors are converted)."""
+    checkpoint = SafetensorsCheckpoint(model_path)
+    by_file: dict[Path, list[str]] = defaultdict(list)
+    for name, file in checkpoint.file_of.items():
+        if _layer_name_re.search(name):
+            by_file[file].append(name)
+    element = torch.empty((), dtype=compute_dtype).element_size()
+    totals: dict[int, int] = defaultdict(int)
+    for file, names in by_file.items():
+        with safe_open(file, framework="pt") as handle:
+            for name in names:
+                tensor = handle.get_slice(name)
+                count = 1
+                for size in tensor.get_shape():
+                    count *= size
+                kind = tensor.get_dtype()
+                totals[int(_layer_name_re.search(name).group(1))] += count * (
+                    element if kind in _float_kinds else _other_kinds.get(kind, 4))
+    return dict(totals)
+
+
+def range_weight_bytes(per_layer: dict[int, int], lo: int, hi: int) -> int:
+    """Weight bytes of layers lo..hi (inclusive)."""
+    return sum(per_layer.get(index, 0) for index in range(lo, hi + 1))
+
+
+def megabytes(num_bytes: float) -> float:
+    return round(num_bytes / MiB, 3)

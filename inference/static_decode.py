@@ -1,0 +1,132 @@
+"""Decode steps that Python kernel launches do not bound: each session's KV cache is a static one (fixed addresses,
+`max_tokens` positions), prefill runs eagerly, and on a CUDA device a session's decode step is captured once as a
+CUDA graph and replayed for every later token.
+
+Why this shape: a decode step of a small range is dozens of tiny kernels, and launching them one by one from Python
+costs more than running them. A graph replays them with one launch. A graph fixes every address it touches, so the
+inputs are copied into static buffers, the cache is a `StaticCache` (its length counter lives on the device and is
+advanced inside the graph), and the attention mask is computed inside the graph from the position buffer (key j is
+visible to the query at position p iff j <= p), never from Python values. Only full-attention layers with SDPA are
+graphed; other architectures keep the dynamic cache (LayerRangeRunner decides).
+
+Capture writes nothing: before capturing, one warm-up step runs on a side stream (so that lazily created library
+state exists) and its cache writes are undone by resetting the length counters; the replay that follows rewrites
+the same slot. Graphs are kept per cache object (weakly): an evicted or reset session frees its graphs with it.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig, StaticCache
+
+from .architectures import FULL_ATTENTION
+from .errors import SessionTooLargeError
+
+
+def static_decode_supported(config: PretrainedConfig, attention_types: list[str]) -> bool:
+    """True when every layer attends fully through SDPA (the masks built here are SDPA's boolean ones)."""
+    return all(kind == FULL_ATTENTION for kind in attention_types) and getattr(
+        config, "_attn_implementation", None) == "sdpa"
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    hidden: torch.Tensor
+    position_ids: torch.Tensor
+    output: torch.Tensor
+
+
+class StaticDecoder:
+    """Runs steps of sessions whose caches it made (`new_cache`); graphs decode steps when `capture_graphs`."""
+
+    def __init__(self, *, config: PretrainedConfig, layers: dict[int, nn.Module], rotary_embedding: nn.Module,
+                 max_tokens: int, device: torch.device, capture_graphs: bool) -> None:
+        self.config = config
+        self.max_tokens = max_tokens
+        self.device = device
+        self.capture_graphs = capture_graphs and device.type == "cuda"
+        self._layers = layers
+        self._rotary_embedding = rotary_embedding
+        self._key_positions = torch.arange(max_tokens, device=device)
+        # Tokens cached per layer, kept in Python: asking a StaticLayer would read its device counter (a sync).
+        self._lengths: weakref.WeakKeyDictionary[StaticCache, dict[int, int]] = weakref.WeakKeyDictionary()
+        self._graphs: weakref.WeakKeyDictionary[StaticCache, dict[tuple[int, int], _Graph]] = (
+            weakref.WeakKeyDictionary())
+        self._pool = torch.cuda.graph_pool_handle() if self.capture_graphs else None
+
+    def new_cache(self) -> StaticCache:
+        cache = StaticCache(config=self.config, max_cache_len=self.max_tokens)
+        self._lengths[cache] = {}
+        return cache
+
+    def owns(self, cache) -> bool:
+        return cache in self._lengths
+
+    def cached_tokens(self, cache: StaticCache, layer_index: int) -> int:
+        return self._lengths[cache].get(layer_index, 0)
+
+    def cache_bytes_per_session(self, kv_bytes_per_token_per_layer: int, num_layers: int) -> int:
+        return self.max_tokens * kv_bytes_per_token_per_layer * num_layers
+
+    def run(self, cache: StaticCache, hidden: torch.Tensor, start_pos: int, run_lo: int, run_hi: int,
+            kind: str) -> torch.Tensor:
+        """One step; its output is only valid until the next step of this session (a graph's static buffer)."""
+        num_tokens = hidden.shape[1]
+        if start_pos + num_tokens > self.max_tokens:
+            raise SessionTooLargeError(f"position {start_pos + num_tokens} is beyond this runner's static KV cache of "
+                                       f"{self.max_tokens} positions")
+        if kind == "decode" and num_tokens == 1 and self.capture_graphs:
+            output = self._replay(cache, hidden, start_pos, run_lo, run_hi)
+        else:
+            position_ids = torch.arange(start_pos, start_pos + num_tokens, device=self.device).unsqueeze(0)
+            output = self._body(cache, hidden, position_ids, run_lo, run_hi)
+        lengths = self._lengths[cache]
+        for layer_index in range(run_lo, run_hi + 1):
+            lengths[layer_index] = start_pos + num_tokens
+        return output
+
+    def _body(self, cache: StaticCache, hidden: torch.Tensor, position_ids: torch.Tensor, run_lo: int,
+              run_hi: int) -> torch.Tensor:
+        """The layers over a static cache, with no host synchronisation (capturable)."""
+        position_embeddings = self._rotary_embedding(hidden, position_ids)
+        # [1, 1, T, max_tokens], True where the key's position is at most the query's.
+        mask = (self._key_positions.view(1, -1) <= position_ids.view(-1, 1)).view(1, 1, -1, self.max_tokens)
+        for layer_index in range(run_lo, run_hi + 1):
+            output = self._layers[layer_index](hidden, attention_mask=mask, position_ids=position_ids,
+                                               past_key_values=cache, position_embeddings=position_embeddings)
+            hidden = output[0] if isinstance(output, tuple) else output
+        return hidden
+
+    def _replay(self, cache: StaticCache, hidden: torch.Tensor, start_pos: int, run_lo: int,
+                run_hi: int) -> torch.Tensor:
+        graphs = self._graphs.setdefault(cache, {})
+        entry = graphs.get((run_lo, run_hi))
+        if entry is None:
+            entry = graphs[(run_lo, run_hi)] = self._capture(cache, hidden, start_pos, run_lo, run_hi)
+        entry.hidden.copy_(hidden, non_blocking=True)
+        entry.position_ids.fill_(start_pos)
+        entry.graph.replay()
+        return entry.output
+
+    def _capture(self, cache: StaticCache, hidden: torch.Tensor, start_pos: int, run_lo: int,
+                 run_hi: int) -> _Graph:
+        static_hidden = hidden.clone()
+        position_ids = torch.full((1, 1), start_pos, dtype=torch.long, device=self.device)
+        counters = [cache.layers[index].cumulative_length for index in range(run_lo, run_hi + 1)]
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            self._body(cache, static_hidden, position_ids, run_lo, run_hi)
+            for counter in counters:  # undo the warm-up's step: the replay writes the same slot again
+                counter.fill_(start_pos)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            output = self._body(cache, static_hidden, position_ids, run_lo, run_hi)
+        return _Graph(graph, static_hidden, position_ids, output)
+

@@ -1,0 +1,66 @@
+"""The `hearth host` command line (its body is services/host/main.py, imported only when it runs)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+from services.common.cli_options import (
+    CredsOption,
+    DeviceOption,
+    DtypeOption,
+    InsecureOption,
+    NatsUrlOption,
+    WaitForNatsOption,
+    long_running,
+    node_id_for,
+    resolve_nats_url,
+    settings,
+    use_credentials,
+    wait_for_nats,
+)
+
+
+@long_running("hearth host")
+def host_command(
+    ctx: typer.Context,
+    model: Annotated[str, typer.Option("--model", help="Checkpoint folder or hub model id.")],
+    memory_budget_mb: Annotated[Optional[float], typer.Option(
+        "--memory-budget-mb", min=0.001, show_default=False,
+        help="Memory this host gives the mesh on its device: weights plus [research.distributed_inference.host] "
+             "kv_cache_budget_mb (default: shard_max_memory_mb).")] = None,
+    device: DeviceOption = None,
+    dtype: DtypeOption = None,
+    nats_url: NatsUrlOption = None,
+    node_id: Annotated[
+        Optional[str], typer.Option("--node-id", help="This host's id (default: the machine's host name).")
+    ] = None,
+    model_id: Annotated[
+        Optional[str], typer.Option("--model-id", help="Id to advertise (default: folder name or hub id).")
+    ] = None,
+    torch_threads: Annotated[Optional[int], typer.Option(
+        "--torch-threads", min=1, help="torch intra-op threads (default: torch's choice).", show_default=False)] = None,
+    busy_threads: Annotated[Optional[int], typer.Option(
+        "--busy-threads", min=1, show_default=False,
+        help="Intra-op threads per step while serving more than one stream (default: all of them).")] = None,
+    ready_file: Annotated[Optional[str], typer.Option(
+        "--ready-file", help="Write this file once the process serves (for scripts and tests).",
+        show_default=False)] = None,
+    wait_for_nats_flag: WaitForNatsOption = False,
+    creds: CredsOption = None,
+    insecure: InsecureOption = False,
+) -> None:
+    """Serve the layers of MODEL that fit this host's memory budget and most improve the mesh's coverage
+    (least-replicated layers first); move to fill a hole when a host leaves, never dropping a layer's last replica."""
+    from services.common.lifecycle import run_until_stopped
+    from services.host.main import run_host
+
+    wait_for_nats(ctx, wait_for_nats_flag)
+    node_id = node_id_for("hearth host", use_credentials(ctx, "hearth host", creds, insecure), node_id, "shard")
+    url = resolve_nats_url(ctx, nats_url)
+    run_until_stopped(lambda stop_event: run_host(
+        model=model, memory_budget_mb=memory_budget_mb, nats_url=url, settings=settings(ctx), node_id=node_id,
+        model_id=model_id, device=device, dtype=dtype, torch_threads=torch_threads, busy_threads=busy_threads,
+        ready_file=ready_file, stop_event=stop_event,
+    ))

@@ -1,0 +1,188 @@
+"""The `hearth host` process: read the mesh's coverage, load the contiguous layer range that fits this host's memory
+budget and most improves it (services/host/planner.py), serve it as `hearth shard` would, and move to fill a hole
+when one opens (a host left) and this host's layers are all held elsewhere, after the hole has lasted
+`rebalance_hold_s`.
+
+Coverage comes from a read model this process keeps itself (an in-process projector of the shard events on a
+temporary SQLite file), with the routing rules' idea of a live shard (services/orchestrator/router.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+from sqlalchemy.orm import sessionmaker
+
+from events.streams import SHARDS_STREAM
+from events.subjects import shard_id_for
+from inference import read_config_dict, resolve_model_path, weights_sha256
+from inference.memory import MiB, layer_weight_bytes, megabytes
+from readmodels.runner import Projector
+from services.common.config import HearthSettings, serve_shards_refused
+from services.common.event_trust import event_verifier
+from services.common.lifecycle import unless_stopped
+from services.common.nats_connection import connect_nats, drain_or_close
+from services.host.planner import LayerRange, better_range, choose_range, replicas_per_layer
+from services.orchestrator.router import ShardRouter
+from services.shard.main import (
+    ShardRefused,
+    configure_torch_threads,
+    default_node_id,
+    load_shard,
+    resolve_compute,
+    serve_loaded_shard,
+)
+from services.shard.memory_plan import kv_reserve_bytes
+
+log = logging.getLogger(__name__)
+
+
+def with_memory_budget(settings: HearthSettings, memory_budget_mb: float | None) -> HearthSettings:
+    """The settings with `--memory-budget-mb` as this host's `shard_max_memory_mb` (when given)."""
+    if memory_budget_mb is None:
+        return settings
+    distributed = settings.research.distributed_inference
+    host = distributed.host.model_copy(update={"shard_max_memory_mb": memory_budget_mb})
+    research = settings.research.model_copy(update={"distributed_inference": distributed.model_copy(
+        update={"host": host})})
+    return settings.model_copy(update={"research": research})
+
+
+class CoverageReader:
+    """How many live replicas hold each layer of one model, read through `router` (the routing rules' idea of a
+    live shard) after `catch_up` (waiting for the read model to reach the event log's end) when given."""
+
+    def __init__(self, router: ShardRouter, *, model_id: str, weights_sha256: str, total_layers: int,
+                 catch_up: Callable[[], Awaitable[object]] | None = None) -> None:
+        self.router, self.catch_up = router, catch_up
+        self.model_id, self.weights_sha256, self.total_layers = model_id, weights_sha256, total_layers
+
+    async def replicas(self, leave_out: str | None = None) -> list[int]:
+        if self.catch_up is not None:
+            with contextlib.suppress(asyncio.TimeoutError, TimeoutError):
+                await self.catch_up()
+        shards = await asyncio.to_thread(self.router.candidates, self.model_id)
+        now = self.router.now()
+        return replicas_per_layer(shards, total_layers=self.total_layers, weights_sha256=self.weights_sha256,
+                                  alive=lambda shard: self.router.alive(shard, now), leave_out=leave_out)
+
+
+def coverage_from(projector: Projector, settings: HearthSettings, node_id: str, **model) -> CoverageReader:
+    """A CoverageReader over this host's own projector (started)."""
+    router = ShardRouter(sessionmaker(projector.engine), allow_self_as_shard=True, self_node_id=node_id,
+                         health_timeout_s=settings.research.distributed_inference.shard_health_timeout_seconds)
+    timeout_s = settings.orchestrator.catch_up_timeout_s
+    return CoverageReader(router, catch_up=lambda: projector.wait_until_caught_up(timeout_s=timeout_s), **model)
+
+
+async def wait_for_hole(coverage: CoverageReader, current: LayerRange, shard_id: str, layer_bytes: list[int],
+                        weights_budget: int, settings: HearthSettings) -> LayerRange:
+    """The range to move to, once a hole has lasted `rebalance_hold_s` and this host's layers are held elsewhere.
+
+    The checks and the hold are jittered so that hosts that saw the same hole do not all move at once: the first to
+    move fills it, and the others see no hole any more on their next look."""
+    host = settings.research.distributed_inference.host
+    # Each host waits a little longer than the hold, by its own amount, so two hosts that saw the hole together
+    # decide apart: the second sees the first's move before its own wait is over.
+    hold_s = host.rebalance_hold_s * random.uniform(1.0, 1.5)
+    seen_since: float | None = None
+    while True:
+        await asyncio.sleep(host.rebalance_check_interval_s * random.uniform(0.5, 1.5))
+        target = better_range(current, await coverage.replicas(leave_out=shard_id), layer_bytes, weights_budget)
+        if target is None:
+            seen_since = None
+        elif seen_since is None:
+            seen_since = time.monotonic()
+        elif time.monotonic() - seen_since >= hold_s:
+            return target
+
+
+async def run_host(*, model: str, memory_budget_mb: float | None, nats_url: str | None,
+                   settings: HearthSettings | None = None, node_id: str | None = None, model_id: str | None = None,
+                   device: str | None = None, dtype: str | None = None, torch_threads: int | None = None,
+                   busy_threads: int | None = None, ready_file: str | None = None,
+                   stop_event: asyncio.Event) -> None:
+    """Serve the best range of `model` that fits the budget until `stop_event`, moving when a hole opens."""
+    settings = with_memory_budget(settings or HearthSettings(), memory_budget_mb)
+    host = settings.research.distributed_inference.host
+    if serve_shards_refused(host):
+        raise ShardRefused("this host's configuration says serve_shards = false")
+    configure_torch_threads(torch_threads)
+    node = node_id or default_node_id()
+    _, compute_dtype = resolve_compute(device, dtype, host)
+    model_path = await asyncio.to_thread(resolve_model_path, model)
+    total_layers = int(read_config_dict(model_path)["num_hidden_layers"])
+    per_layer = await asyncio.to_thread(layer_weight_bytes, model_path, compute_dtype)
+    layer_bytes = [per_layer.get(index, 0) for index in range(total_layers)]
+    weights_budget = int(host.shard_max_memory_mb * MiB) - kv_reserve_bytes(host)
+    served_id = model_id or (model_path.name if Path(model).expanduser().is_dir() else model)
+    digest = await asyncio.to_thread(weights_sha256, model_path)
+    nc = await unless_stopped(connect_nats(nats_url, name=f"hearth-host {node}", settings=settings.nats), stop_event)
+    with tempfile.TemporaryDirectory(prefix="hearth-host-") as folder:
+        projector = Projector(Path(folder) / "coverage.sqlite", nc.jetstream(), streams=(SHARDS_STREAM,),
+                              verifier=event_verifier(settings))
+        try:
+            await projector.start()
+            coverage = coverage_from(projector, settings, node, model_id=served_id, weights_sha256=digest,
+                                     total_layers=total_layers)
+            chosen = choose_range(await coverage.replicas(), layer_bytes, weights_budget)
+            while not stop_event.is_set():
+                if chosen is None:
+                    raise ShardRefused(
+                        f"a memory budget of {host.shard_max_memory_mb:.1f} MB holds no layer of {served_id}: the "
+                        f"smallest needs {megabytes(min(layer_bytes)):.1f} MB plus "
+                        f"{host.kv_cache_budget_mb:.1f} MB kv_cache_budget_mb")
+                log.info("host %s: serving layers %s of %s (coverage: %s)", node, chosen, served_id,
+                         await coverage.replicas())
+                chosen = await _serve_until_moved(chosen, coverage, model=model, model_id=served_id, node=node,
+                                                  settings=settings, device=device, dtype=dtype, nats_url=nats_url,
+                                                  layer_bytes=layer_bytes, weights_budget=weights_budget,
+                                                  busy_threads=busy_threads, ready_file=ready_file,
+                                                  stop_event=stop_event)
+        finally:
+            await projector.stop()
+            await drain_or_close(nc, settings.nats.drain_timeout_s)
+
+
+async def _serve_until_moved(chosen: LayerRange, coverage: CoverageReader, *, model: str, model_id: str, node: str,
+                             settings: HearthSettings, device: str | None, dtype: str | None, nats_url: str | None,
+                             layer_bytes: list[int], weights_budget: int, busy_threads: int | None,
+                             ready_file: str | None, stop_event: asyncio.Event) -> LayerRange | None:
+    """Serve `chosen` until stopped (returns None) or until a hole is worth moving to (returns the new range)."""
+    loaded = await load_shard(model=model, lo=chosen.lo, hi=chosen.hi, node=node, settings=settings,
+                              model_id=model_id, device=device, dtype=dtype, stop_event=stop_event)
+    shard_id = shard_id_for(model_id, chosen.lo, chosen.hi, node)
+    leave = asyncio.Event()
+    moved: list[LayerRange] = []
+
+    async def watch() -> None:
+        stop_task = asyncio.create_task(stop_event.wait())
+        hole_task = asyncio.create_task(wait_for_hole(coverage, chosen, shard_id, layer_bytes, weights_budget,
+                                                      settings))
+        try:
+            done, _ = await asyncio.wait({stop_task, hole_task}, return_when=asyncio.FIRST_COMPLETED)
+            if hole_task in done:
+                moved.append(hole_task.result())
+                log.info("host %s: layers %s are held elsewhere and %s is a hole: moving", node, chosen, moved[0])
+        finally:
+            for task in (stop_task, hole_task):
+                task.cancel()
+            await asyncio.gather(stop_task, hole_task, return_exceptions=True)
+            leave.set()
+
+    watcher = asyncio.create_task(watch(), name="host-rebalance")
+    try:
+        await serve_loaded_shard(loaded, nats_url=nats_url, settings=settings, busy_threads=busy_threads,
+                                 ready_file=ready_file, stop_event=leave,
+                                 withdraw_reason=lambda: "moved" if moved else "shutdown")
+    finally:
+        watcher.cancel()
+        await asyncio.gather(watcher, return_exceptions=True)
+    return moved[0] if moved and not stop_event.is_set() else None

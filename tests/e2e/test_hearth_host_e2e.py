@@ -1,0 +1,105 @@
+"""`hearth host` over real processes: three hosts whose memory budgets are each 40 % of the model's weights choose
+their own layers from the mesh's coverage and together serve a model none of them could hold, with generate()'s
+greedy output and each host's measured memory within its budget; when a host leaves, one of two hosts holding the
+same layers moves to fill the hole."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from events.consume import read_stream
+from events.models import ShardAdvertised
+from events.streams import SHARDS_STREAM
+from services.cluster import LocalCluster
+from services.common.chat_client import chat
+from services.common.chat_protocol import ChatRequest
+from services.common.nats_connection import connect_nats
+from tests.e2e.conftest import TINY_MODEL_NAME, start_orchestrator
+
+pytestmark = pytest.mark.e2e
+
+HOST_ENV = "HEARTH_RESEARCH__DISTRIBUTED_INFERENCE__HOST__"
+PROMPT = "the quick brown fox"
+NEW_TOKENS = 8
+MOVE_TIMEOUT_S = 90.0
+
+
+def checkpoint_weight_bytes(path) -> int:
+    total = 0
+    for file in path.glob("*.safetensors"):
+        with safe_open(file, framework="pt") as handle:
+            for name in handle.keys():
+                tensor = handle.get_tensor(name)
+                total += tensor.numel() * tensor.element_size()
+    return total
+
+
+def greedy_reference(path, new_tokens: int) -> list[int]:
+    input_ids = AutoTokenizer.from_pretrained(path)(PROMPT)["input_ids"]
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        output = model.generate(torch.tensor([input_ids]), max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    return output[0, len(input_ids):].tolist()
+
+
+async def ask(cluster: LocalCluster):
+    nc = await connect_nats(cluster.nats_url, name="e2e-client", settings=cluster.nats_settings())
+    try:
+        result = await chat(nc, ChatRequest(model=TINY_MODEL_NAME, prompt=PROMPT, max_tokens=NEW_TOKENS))
+    finally:
+        await asyncio.wait_for(nc.close(), timeout=5)
+    assert result.ok, result.final
+    return result.token_ids, result.frames_of("pipeline")[0].hops
+
+
+async def advertisements(cluster: LocalCluster) -> list[ShardAdvertised]:
+    nc = await connect_nats(cluster.nats_url, name="e2e-reader", settings=cluster.nats_settings())
+    try:
+        async with contextlib.aclosing(read_stream(nc.jetstream(), SHARDS_STREAM)) as messages:
+            return [m.event async for m in messages if isinstance(getattr(m, "event", None), ShardAdvertised)]
+    finally:
+        await asyncio.wait_for(nc.close(), timeout=5)
+
+
+async def test_three_budgeted_hosts_serve_a_model_none_could_hold(cluster, tiny_models_dir):
+    path = tiny_models_dir / TINY_MODEL_NAME
+    budget_mb = 0.4 * checkpoint_weight_bytes(path) / 2**20
+    # A KV reserve small enough that two of the tiny model's six layers fit 40 % of its weights, and quick
+    # rebalancing so that the move at the end happens within the test.
+    cluster.extra_env.update({HOST_ENV + "KV_CACHE_BUDGET_MB": "0.02", HOST_ENV + "REBALANCE_CHECK_INTERVAL_S": "0.3",
+                              HOST_ENV + "REBALANCE_HOLD_S": "1"})
+    hosts = [cluster.start_host(str(path), budget_mb, node_id=f"host-{name}") for name in "abc"]
+    start_orchestrator(cluster, tiny_models_dir, wait_ready=True)
+    expected = await asyncio.to_thread(greedy_reference, path, NEW_TOKENS)
+
+    token_ids, hops = await ask(cluster)
+    assert token_ids == expected
+    assert hops == [f"{TINY_MODEL_NAME}:0-1@host-a", f"{TINY_MODEL_NAME}:2-3@host-b", f"{TINY_MODEL_NAME}:4-5@host-c"]
+    for advertised in await advertisements(cluster):
+        assert advertised.memory_required_mb <= budget_mb, advertised
+        assert advertised.layer_hi - advertised.layer_lo + 1 < advertised.total_layers
+        assert advertised.device_kind == "cpu" and advertised.kv_cache_budget_mb == 0.02
+
+    # A fourth host duplicates the least replicated range (all are held once: the lowest). When host-b leaves, its
+    # layers have no replica left; host-a and host-d each hold layers the other also holds, so one of them (the
+    # first to look twice) moves to fill the hole, and the other then holds the last replica of 0-1 and stays.
+    cluster.start_host(str(path), budget_mb, node_id="host-d")
+    assert [(a.layer_lo, a.layer_hi) for a in await advertisements(cluster) if a.node_id == "host-d"] == [(0, 1)]
+    hosts[1].stop()
+    deadline = time.monotonic() + MOVE_TIMEOUT_S
+    while not (movers := {a.node_id for a in await advertisements(cluster) if a.layer_lo == 2} - {"host-b"}):
+        assert time.monotonic() < deadline, "no host moved to layers 2-3"
+        await asyncio.sleep(0.5)
+    assert len(movers) == 1 and movers <= {"host-a", "host-d"}
+    token_ids, hops = await ask(cluster)
+    assert token_ids == expected
+    [mover] = movers
+    assert hops[1] == f"{TINY_MODEL_NAME}:2-3@{mover}"
+    assert hops[0] == f"{TINY_MODEL_NAME}:0-1@{({'host-a', 'host-d'} - movers).pop()}"

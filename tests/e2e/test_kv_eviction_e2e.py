@@ -1,0 +1,71 @@
+"""KV budgets over real processes: shards whose caches are evicted (least recently used under `kv_cache_budget_mb`,
+or idle for `shard_eviction_idle_seconds`) answer `session_evicted`, the orchestrator re-prefills, and the greedy
+output stays that of generate()."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from services.cluster import LocalCluster
+from services.common.chat_client import chat
+from services.common.chat_protocol import ChatRequest
+from services.common.nats_connection import connect_nats
+from tests.e2e.conftest import THREE_SHARD_RANGES, TINY_MODEL_NAME, start_orchestrator
+
+pytestmark = pytest.mark.e2e
+
+HOST_ENV = "HEARTH_RESEARCH__DISTRIBUTED_INFERENCE__HOST__"
+# Tiny llama, 2 layers per shard: 2 x (2 KV heads x 16 x keys and values x 4 bytes) = 512 bytes per token. Room for
+# one session of 24 tokens, not for two of 16: two calls running side by side evict each other.
+KV_BUDGET_MB = 24 * 512 / 2**20
+NEW_TOKENS = 8
+
+
+def greedy_reference(path, input_ids: list[int], new_tokens: int) -> list[int]:
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        output = model.generate(torch.tensor([input_ids]), max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    return output[0, len(input_ids):].tolist()
+
+
+def start_mesh(cluster: LocalCluster, models_dir, shard_env: list[dict[str, str]], shard_args: list[list[str]]):
+    for index, ((lo, hi), env, args) in enumerate(zip(THREE_SHARD_RANGES, shard_env, shard_args)):
+        cluster.extra_env.update(env)
+        cluster.start_shard(str(models_dir / TINY_MODEL_NAME), lo, hi, node_id=f"host{index}", extra_args=args,
+                            wait_ready=False)
+        for key in env:  # the environment is read when the process starts: the next one does not get it
+            cluster.extra_env.pop(key)
+    start_orchestrator(cluster, models_dir)
+    cluster.wait_all_ready()
+
+
+async def ask(cluster: LocalCluster, prompts: list[str], new_tokens: int):
+    nc = await connect_nats(cluster.nats_url, name="e2e-client", settings=cluster.nats_settings())
+    try:
+        return await asyncio.gather(*(
+            chat(nc, ChatRequest(model=TINY_MODEL_NAME, prompt=prompt, max_tokens=new_tokens)) for prompt in prompts))
+    finally:
+        await asyncio.wait_for(nc.close(), timeout=5)
+
+
+async def test_evicted_sessions_are_re_prefilled_with_identical_output(cluster, tiny_models_dir):
+    # Every host keeps its caches within a budget too small for both calls; host 0 also evicts a session idle for
+    # 0.2 s, and host 2 takes 0.3 s per step, so host 0 idles longer than that between any two steps of a call.
+    budget = {HOST_ENV + "KV_CACHE_BUDGET_MB": repr(KV_BUDGET_MB)}
+    idle = {**budget, HOST_ENV + "SHARD_EVICTION_IDLE_SECONDS": "0.2"}
+    start_mesh(cluster, tiny_models_dir, [idle, budget, budget], [[], [], ["--fault", "delay_s=0.3"]])
+    prompts = ["the lazy dog", "a community mesh runs"]
+    results = await ask(cluster, prompts, NEW_TOKENS)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_models_dir / TINY_MODEL_NAME)
+    for prompt, result in zip(prompts, results):
+        assert result.ok, result.final
+        assert result.token_ids == greedy_reference(tiny_models_dir / TINY_MODEL_NAME, tokenizer(prompt)["input_ids"],
+                                                    NEW_TOKENS)
+        assert result.final.timing.failovers == 0
+    orchestrator_log = cluster.processes[-1].log_tail(400_000)
+    assert "its session was evicted" in orchestrator_log
+    assert "(budget)" in orchestrator_log and "(ttl)" in orchestrator_log

@@ -1,0 +1,95 @@
+"""`hearth host` choosing its layers from a read model (filled by the projection): coverage as routing sees it, the
+range that fits the budget and most improves coverage, and when (not) to move."""
+
+from __future__ import annotations
+
+import pytest
+from sqlalchemy.orm import sessionmaker
+
+from events.models import ShardWithdrawn
+from readmodels.projection import epoch_s
+from services.host.main import CoverageReader
+from services.host.planner import LayerRange, better_range, choose_range, widest_fit
+from services.orchestrator.router import ShardRouter
+from tests.readmodel_helpers import MODEL_ID, T0, WEIGHTS_SHA, LogBuilder, advertised, apply_all, migrated_engine
+
+LAYERS = 8
+LAYER_BYTES = [100] * LAYERS
+TWO_LAYERS = 250  # a budget that holds two layers, not three
+
+
+class Mesh:
+    def __init__(self, engine) -> None:
+        self.engine, self.log = engine, LogBuilder()
+        self.now = epoch_s(T0) + 5.0
+
+    def add(self, lo: int, hi: int, node: str, **fields) -> str:
+        event = advertised(lo, hi, node, total=LAYERS, **fields)
+        apply_all(self.engine, [self.log.stored(event)])
+        return event.shard_id
+
+    def withdraw(self, shard_id: str, node: str) -> None:
+        apply_all(self.engine, [self.log.stored(ShardWithdrawn(shard_id=shard_id, node_id=node, reason="shutdown",
+                                                               occurred_at=T0.replace(second=3)))])
+
+    def coverage(self) -> CoverageReader:
+        router = ShardRouter(sessionmaker(self.engine), health_timeout_s=30.0, allow_self_as_shard=True,
+                             self_node_id="me", clock=lambda: self.now)
+        return CoverageReader(router, model_id=MODEL_ID, weights_sha256=WEIGHTS_SHA, total_layers=LAYERS)
+
+
+@pytest.fixture
+def mesh(tmp_path):
+    engine = migrated_engine(tmp_path / "host.db")
+    yield Mesh(engine)
+    engine.dispose()
+
+
+async def test_replicas_count_live_shards_with_our_weights_only(mesh):
+    mesh.add(0, 3, "a")
+    mesh.add(2, 5, "b")
+    mesh.add(6, 7, "c", weights_sha256="cd" * 32)  # other weights: not ours to count
+    gone = mesh.add(6, 7, "d")
+    mesh.withdraw(gone, "d")
+    assert await mesh.coverage().replicas() == [1, 1, 2, 2, 1, 1, 0, 0]
+    # This host's own shard is left out when it asks whether to move.
+    assert await mesh.coverage().replicas(leave_out=mesh.add(0, 1, "me")) == [1, 1, 2, 2, 1, 1, 0, 0]
+    mesh.now += 200.0  # every advertisement expired (ttl 120 s)
+    assert await mesh.coverage().replicas() == [0] * LAYERS
+
+
+async def test_hosts_joining_one_by_one_cover_the_model_least_replicated_first(mesh):
+    chosen = []
+    for node in "abcd":
+        layer_range = choose_range(await mesh.coverage().replicas(), LAYER_BYTES, TWO_LAYERS)
+        chosen.append(str(layer_range))
+        mesh.add(layer_range.lo, layer_range.hi, node)
+    assert chosen == ["0-1", "2-3", "4-5", "6-7"]
+    # Everything held once: a fifth host adds a second replica of two layers (the lowest, all else equal).
+    assert choose_range(await mesh.coverage().replicas(), LAYER_BYTES, TWO_LAYERS) == LayerRange(0, 1)
+
+
+async def test_a_newcomer_fills_the_hole_first(mesh):
+    mesh.add(0, 3, "a")
+    mesh.add(6, 7, "b")
+    assert choose_range(await mesh.coverage().replicas(), LAYER_BYTES, TWO_LAYERS) == LayerRange(4, 5)
+
+
+def test_the_budget_decides_how_many_layers():
+    assert widest_fit(0, LAYER_BYTES, 99) is None
+    assert widest_fit(0, LAYER_BYTES, 300) == 2
+    assert widest_fit(7, LAYER_BYTES, 300) == 7
+    assert choose_range([0] * LAYERS, LAYER_BYTES, 50) is None
+    # Unequal layers: the widest range that fits from each start.
+    assert choose_range([1, 1, 0, 0, 1], [100, 100, 100, 300, 100], 250) == LayerRange(1, 2)
+    assert choose_range([1, 1, 0, 0, 1], [100, 100, 100, 100, 100], 250) == LayerRange(2, 3)
+
+
+def test_a_host_moves_only_to_fill_a_hole_and_never_drops_a_last_replica():
+    mine = LayerRange(0, 1)
+    # Balanced mesh, no hole: stay.
+    assert better_range(mine, [1, 1, 1, 1, 1, 1, 1, 1], LAYER_BYTES, TWO_LAYERS) is None
+    # A hole at 4-5, and layers 0-1 held elsewhere: move there.
+    assert better_range(mine, [1, 1, 1, 1, 0, 0, 1, 1], LAYER_BYTES, TWO_LAYERS) == LayerRange(4, 5)
+    # A hole, but this host holds the only replica of layer 1: stay (moving would open another hole).
+    assert better_range(mine, [1, 0, 1, 1, 0, 0, 1, 1], LAYER_BYTES, TWO_LAYERS) is None

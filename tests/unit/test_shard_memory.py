@@ -1,0 +1,76 @@
+"""A shard's memory, accounted for and enforced: the need estimated from the checkpoint's headers equals what the
+loaded range measures, a range that would not fit `shard_max_memory_mb` (or its alias `shard_max_vram_mb`) is
+refused naming both numbers before any weight is read, `serve_shards = false` refuses, and the advertisement says
+where the shard computes."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from inference import load_layer_range
+from services.common.config import load_settings
+from services.shard.main import ShardRefused, load_shard, run_shard
+from services.shard.memory_plan import estimated_need, measured_need
+
+from .inference_tiny_models import one_torch_thread, tiny_model_dir  # noqa: F401  (fixtures)
+
+HOST = "[research.distributed_inference.host]\n"
+
+
+def settings_with(tmp_path, lines: str):
+    path = tmp_path / "hearth.toml"
+    path.write_text(HOST + lines)
+    return load_settings(path)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_estimate_from_the_headers_is_what_the_loaded_range_holds(tiny_model_dir, tmp_path, dtype):
+    path = tiny_model_dir("llama")
+    host = settings_with(tmp_path, "kv_cache_budget_mb = 2\n").research.distributed_inference.host
+    estimate = estimated_need(path, 1, 3, dtype, host)
+    runner = load_layer_range(path, 1, 3, dtype=dtype)
+    measured = measured_need(runner, None, host)
+    assert estimate == measured
+    assert measured.weight_bytes == runner.weight_bytes and measured.kv_reserve_bytes == 2 * 2**20
+    assert measured.required_mb == pytest.approx(runner.weight_bytes / 2**20 + 2, abs=1e-3)
+
+
+async def test_a_range_that_does_not_fit_is_refused_naming_both_numbers(tiny_model_dir, tmp_path):
+    path = tiny_model_dir("llama")
+    # The alias of the original specification works; 2 MB cannot hold a 1 MB KV reserve plus 6 layers of 0.14 MB.
+    settings = settings_with(tmp_path, "shard_max_vram_mb = 1.5\nkv_cache_budget_mb = 1\n")
+    assert settings.research.distributed_inference.host.shard_max_memory_mb == 1.5
+    with pytest.raises(ShardRefused) as refused:
+        await load_shard(model=str(path), lo=0, hi=5, node="n", settings=settings, model_id=None, device="cpu",
+                         dtype=None, stop_event=asyncio.Event())
+    message = str(refused.value)
+    assert "layers 0-5 would need 1.8 MB" in message and "shard_max_memory_mb = 1.5 MB" in message
+    # Two layers fit.
+    loaded = await load_shard(model=str(path), lo=0, hi=1, node="n", settings=settings, model_id=None,
+                              device="cpu", dtype="bf16", stop_event=asyncio.Event())
+    identity = loaded.identity
+    assert (identity.device_kind, identity.dtype, identity.kv_cache_budget_mb) == ("cpu", "bfloat16", 1.0)
+    assert identity.memory_required_mb <= 1.5 and identity.device_name
+    assert loaded.runner.cache_budget_bytes == 2**20
+    loaded.runner.close()
+
+
+async def test_serve_shards_false_refuses_and_so_does_a_device_that_is_not_here(tiny_model_dir, tmp_path):
+    path = tiny_model_dir("llama")
+    with pytest.raises(ShardRefused, match="serve_shards = false"):
+        await run_shard(model=str(path), layers="0-1", nats_url=None, stop_event=asyncio.Event(),
+                        settings=settings_with(tmp_path, "serve_shards = false\n"))
+    if not torch.cuda.is_available():
+        with pytest.raises(ShardRefused, match="no CUDA device"):
+            await load_shard(model=str(path), lo=0, hi=1, node="n", settings=load_settings(), model_id=None,
+                             device="cuda", dtype=None, stop_event=asyncio.Event())
+
+
+def test_backend_is_accepted_for_device(tmp_path):
+    host = settings_with(tmp_path, 'backend = "cuda:1"\ndtype = "fp16"\n').research.distributed_inference.host
+    assert (host.device, host.dtype) == ("cuda:1", "fp16")
+    with pytest.raises(ValueError):
+        settings_with(tmp_path, 'device = "gpu"\n')

@@ -1,0 +1,79 @@
+"""Static KV caches (inference/static_decode.py): on the CPU the eager path over a static cache gives the dynamic
+cache's greedy tokens; on a GPU (skipped elsewhere) decode steps replay CUDA graphs and give generate()'s tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from inference import SessionEvictedError, SessionTooLargeError, load_head, load_layer_range
+
+from .inference_tiny_models import one_torch_thread, tiny_model_dir  # noqa: F401  (fixtures)
+from .test_inference_devices import NEW_TOKENS, PROMPT, generate_reference
+from .test_kv_eviction import generate
+
+STATIC_TOKENS = 64
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen3"])
+def test_a_static_cache_gives_the_dynamic_cache_s_tokens(tiny_model_dir, architecture):
+    path = tiny_model_dir(architecture)
+    head = load_head(path)
+    prompt_ids = head.encode_prompt(PROMPT)
+    expected, _ = generate(load_layer_range(path, 0, 5), head, "s", prompt_ids, NEW_TOKENS)
+    runner = load_layer_range(path, 0, 5, static_cache_tokens=STATIC_TOKENS)
+    assert runner._static is not None and not runner.graphs_decode  # static, but no graphs on the CPU
+    tokens, _ = generate(runner, head, "s", prompt_ids, NEW_TOKENS)
+    assert tokens == expected
+    assert runner.cached_tokens("s") == len(prompt_ids) + NEW_TOKENS
+    assert runner.cache_bytes == STATIC_TOKENS * 6 * 2 * 2 * 16 * 4  # every position of every layer, at once
+
+
+def test_static_caches_are_evicted_and_re_prefilled_like_dynamic_ones(tiny_model_dir):
+    path = tiny_model_dir("llama")
+    head = load_head(path)
+    one_session = STATIC_TOKENS * 6 * 2 * 2 * 16 * 4
+    runner = load_layer_range(path, 0, 5, static_cache_tokens=STATIC_TOKENS, cache_budget_bytes=one_session)
+    runner.forward("a", head.embed([1, 2, 3]), 0, "prefill")
+    runner.forward("b", head.embed([1, 2]), 0, "prefill")
+    with pytest.raises(SessionEvictedError):
+        runner.forward("a", head.embed([4]), 3, "decode")
+    with pytest.raises(SessionTooLargeError):
+        runner.forward("long", head.embed(list(range(1, STATIC_TOKENS + 2))), 0, "prefill")
+
+
+def test_architectures_with_sliding_windows_keep_dynamic_caches(tiny_model_dir):
+    runner = load_layer_range(tiny_model_dir("mistral"), 0, 5, static_cache_tokens=STATIC_TOKENS)
+    assert runner._static is None
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA device here")
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_graphed_decode_on_cuda_gives_generate_s_tokens(tiny_model_dir, dtype):
+    path = tiny_model_dir("llama")
+    head = load_head(path, dtype=dtype, device="cuda")
+    prompt_ids = head.encode_prompt(PROMPT)
+    runners = [load_layer_range(path, 0, 2, dtype=dtype, device="cuda", static_cache_tokens=STATIC_TOKENS),
+               load_layer_range(path, 3, 5, dtype=dtype, device="cuda", static_cache_tokens=STATIC_TOKENS)]
+    assert all(runner.graphs_decode for runner in runners)
+    hidden_in, position, kind, tokens = head.embed(prompt_ids), 0, "prefill", []
+    for _ in range(NEW_TOKENS):
+        hidden = hidden_in
+        for runner in runners:
+            hidden = runner.forward("s", hidden.cpu(), position, kind).clone()
+        tokens.append(head.sample(head.logits(hidden), head_params()))
+        position += hidden_in.shape[1]
+        hidden_in, kind = head.embed([tokens[-1]]), "decode"
+    reference = generate_reference(path, prompt_ids, torch.float32 if dtype == "fp32" else torch.bfloat16, "cuda")
+    if dtype == "fp32":
+        assert tokens == reference
+    else:
+        agreeing = next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), NEW_TOKENS)
+        assert agreeing >= NEW_TOKENS // 2, (tokens, reference)
+
+
+def head_params():
+    from inference import SamplingParams
+
+    return SamplingParams(temperature=0.0)
