@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import pytest
 
+from events.models import ShardWithdrawn
 from events.publish import publish_event
 from events.streams import SHARDS_STREAM, ensure_streams
 from readmodels.runner import Projector
 from services.common.nats_connection import connect_nats
 from services.orchestrator.router import RoutingError, ShardRouter
-from tests.readmodel_helpers import MODEL_ID, WEIGHTS_SHA, advertised, heartbeat
+from tests.readmodel_helpers import MODEL_ID, WEIGHTS_SHA, advertised, at
 
 pytestmark = pytest.mark.integration
 
@@ -24,7 +25,9 @@ async def test_wait_for_position_then_route_on_what_was_just_published(nats_url,
             for event in (low, high):
                 ack = await publish_event(js, event)
             await projector.wait_for_position(ack.stream, ack.seq, timeout_s=10)
-            ack = await publish_event(js, heartbeat(high.shard_id, t=1, active_streams=2))  # b is now at capacity
+            # b leaves (routing ignores heartbeat capacity figures: they are seconds old)
+            ack = await publish_event(js, ShardWithdrawn(shard_id=high.shard_id, reason="shutdown", node_id="b",
+                                                         occurred_at=at(1)))
             await projector.wait_for_position(ack.stream, ack.seq, timeout_s=10)
 
             router = ShardRouter(projector.session_factory, health_timeout_s=3600, allow_self_as_shard=False,
@@ -33,7 +36,7 @@ async def test_wait_for_position_then_route_on_what_was_just_published(nats_url,
                 router.pick(MODEL_ID, WEIGHTS_SHA)
             assert (error.value.code, error.value.uncovered_layers) == ("shard_unavailable", (4, 5, 6, 7))
 
-            ack = await publish_event(js, heartbeat(high.shard_id, t=2, active_streams=0))
+            ack = await publish_event(js, advertised(4, 7, "b", t=2))
             await projector.wait_for_position(ack.stream, ack.seq, timeout_s=10)
             assert [hop.shard_id for hop in router.pick(MODEL_ID, WEIGHTS_SHA)] == [low.shard_id, high.shard_id]
             assert projector.positions[SHARDS_STREAM] == ack.seq
