@@ -220,3 +220,9 @@ DtypeOption = Annotated[
     typer.Option("--dtype", help="auto|fp32|bf16|fp16 (auto: bf16 on CUDA, fp16 where bf16 is unsupported, fp32 on "
                  "the CPU; default: [research.distributed_inference.host] dtype).", show_default=False),
 ]
+
+TorchThreadsOption = Annotated[
+    Optional[int],
+    typer.Option("--torch-threads", min=1, help="torch intra-op threads (default: torch's choice).",
+                 show_default=False),
+]

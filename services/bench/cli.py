@@ -1,0 +1,68 @@
+"""The `hearth bench` command line (its body is services/bench/command.py, imported only when it runs)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from services.common.cli_options import DeviceOption, DtypeOption, TorchThreadsOption
+
+
+def bench_command(
+    model: Annotated[
+        Optional[str], typer.Option("--model", help="Checkpoint folder, hub id in the local cache, or random:<shape> "
+                                    "(llama-250m, tinyllama-1.1b, tiny) for random weights (default: the bundled "
+                                    "model).",
+                                    show_default=False)
+    ] = None,
+    shards: Annotated[int, typer.Option("--shards", min=1, help="Shard processes; the layers are split evenly.")] = 3,
+    prompt_tokens: Annotated[int, typer.Option("--prompt-tokens", min=1, help="Prompt length in tokens.")] = 64,
+    new_tokens: Annotated[int, typer.Option("--new-tokens", min=2, help="Tokens to generate per request.")] = 32,
+    sessions: Annotated[int, typer.Option("--sessions", min=1, help="Concurrent sessions (1 skips that part).")] = 4,
+    repeats: Annotated[int, typer.Option("--repeats", min=1, help="Measured rounds of monolithic + pipeline.")] = 3,
+    burst: Annotated[int, typer.Option("--burst", min=0, help="Then send this many requests at once: completed and "
+                                       "refused, queue wait and time to first token (0 skips it).")] = 0,
+    torch_threads: TorchThreadsOption = None,
+    monolithic_threads: Annotated[
+        Optional[int], typer.Option("--monolithic-threads", min=1, help="torch threads of the generate() baseline "
+                                    "(default: the same as --torch-threads).", show_default=False)
+    ] = None,
+    env: Annotated[
+        Optional[list[str]], typer.Option("--env", help="KEY=VALUE for the started processes' environment, e.g. "
+                                          "OMP_WAIT_POLICY=ACTIVE (repeatable).", show_default=False)
+    ] = None,
+    cache_dir: Annotated[
+        Optional[Path], typer.Option("--cache-dir", help="Where random:<shape> checkpoints are written "
+                                     "(default $HEARTH_CACHE_DIR or ~/.cache/hearth).", show_default=False)
+    ] = None,
+    library_defaults: Annotated[
+        bool, typer.Option("--library-defaults/--no-library-defaults", help="Also time generate() as a plain "
+                           "transformers user runs it: no OMP settings, torch's own thread count.")
+    ] = True,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+    insecure: Annotated[bool, typer.Option("--insecure", help="Run the mesh open: no credentials, signatures or "
+                                           "activation MACs (to measure what they cost).")] = False,
+    metrics: Annotated[bool, typer.Option("--metrics/--no-metrics", help="Run the processes with /metrics on (the "
+                                          "per-hop transport figures come from them) or off (to measure what they "
+                                          "cost).")] = True,
+    device: DeviceOption = None,
+    dtype: DtypeOption = None,
+) -> None:
+    """Monolithic generate() vs the distributed pipeline on this machine: tokens/s, ratio, TTFT, construction,
+    per-hop transport overhead, concurrent sessions, and a burst (--burst)."""
+    from services.bench.command import BenchOptions, run_bench_command
+
+    child_env = {}
+    for item in env or []:
+        key, separator, value = item.partition("=")
+        if not separator or not key:
+            raise typer.BadParameter(f"expected KEY=VALUE, got {item!r}", param_hint="--env")
+        child_env[key] = value
+    options = BenchOptions(model=model, shards=shards, prompt_tokens=prompt_tokens, new_tokens=new_tokens,
+                           sessions=sessions, repeats=repeats, torch_threads=torch_threads,
+                           monolithic_threads=monolithic_threads, library_defaults_baseline=library_defaults,
+                           child_env=child_env, cache_dir=cache_dir, secure=not insecure,
+                           metrics=metrics, burst=burst, device=device, dtype=dtype)
+    raise typer.Exit(run_bench_command(options, as_json=as_json))
