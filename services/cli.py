@@ -30,7 +30,9 @@ from services.common.cli_options import (
     InsecureOption,
     LogLevelOption,
     MetricsPortOption,
+    BusyThreadsOption,
     NatsUrlOption,
+    ReadyFileOption,
     TorchThreadsOption,
     WaitForNatsOption,
     apply_top_level_options,
@@ -117,17 +119,6 @@ def projector_command(
                                                        nats_settings=nats_settings, verifier=verifier))
 
 
-ReadyFileOption = Annotated[
-    Optional[Path],
-    typer.Option("--ready-file", help="Write this file once the process serves (for scripts and tests).",
-                 show_default=False),
-]
-BusyThreadsOption = Annotated[
-    Optional[int],
-    typer.Option("--busy-threads", min=1, show_default=False,
-                 help="Intra-op threads per step while this process serves more than one stream (default: all "
-                      "of them). Set 1 when several hearth processes share this machine's cores."),
-]
 
 
 @app.command("shard", epilog=STOPPING_HELP)

@@ -223,7 +223,8 @@ class LocalCluster:
         return self.nats_url
 
     def _spawn(self, name: str, args: list[str], *, wait_ready: bool = True, writes_ready_file: bool = True,
-               member: tuple[str, Role] | None = None, env: dict[str, str] | None = None) -> ManagedProcess:
+               member: tuple[str, Role] | None = None, env: dict[str, str] | None = None,
+               takes_metrics_port: bool = True) -> ManagedProcess:
         if self.nats_url is None:
             raise ClusterError("start NATS (or give nats_url) before starting hearth processes")
         log_path = self.work_dir / f"{name}.log"
@@ -237,7 +238,7 @@ class LocalCluster:
         if writes_ready_file:
             command += ["--ready-file", str(ready_file)]
         metrics_port = _metrics_port_in(args)
-        if metrics_port is None and self.metrics:
+        if metrics_port is None and self.metrics and takes_metrics_port:
             metrics_port = free_tcp_port()
             command += ["--metrics-port", str(metrics_port)]
         with open(log_path, "ab") as log_file:
@@ -294,7 +295,9 @@ class LocalCluster:
         args = ["gateway", *(extra_args if "--port" in extra_args else ["--port", "0", *extra_args])]
         if self.community is not None:
             args += ["--community", str(self.community.directory)]
-        return self._spawn(f"gateway-{name}", args, wait_ready=wait_ready, member=(name, "client"), env=env)
+        # Its /metrics is on its own HTTP port, beside the API.
+        return self._spawn(f"gateway-{name}", args, wait_ready=wait_ready, member=(name, "client"), env=env,
+                           takes_metrics_port=False)
 
     def start_projector(self, db_path: Path) -> ManagedProcess:
         return self._spawn("projector", ["projector", "--db", str(db_path)], writes_ready_file=False,

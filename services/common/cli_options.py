@@ -226,3 +226,14 @@ TorchThreadsOption = Annotated[
     typer.Option("--torch-threads", min=1, help="torch intra-op threads (default: torch's choice).",
                  show_default=False),
 ]
+ReadyFileOption = Annotated[
+    Optional[Path],
+    typer.Option("--ready-file", help="Write this file once the process serves (for scripts and tests).",
+                 show_default=False),
+]
+BusyThreadsOption = Annotated[
+    Optional[int],
+    typer.Option("--busy-threads", min=1, show_default=False,
+                 help="Intra-op threads per step while this process serves more than one stream (default: all "
+                      "of them). Set 1 when several hearth processes share this machine's cores."),
+]

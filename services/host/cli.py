@@ -7,6 +7,10 @@ from typing import Annotated, Optional
 import typer
 
 from services.common.cli_options import (
+    BusyThreadsOption,
+    MetricsPortOption,
+    ReadyFileOption,
+    TorchThreadsOption,
     CredsOption,
     DeviceOption,
     DtypeOption,
@@ -39,14 +43,10 @@ def host_command(
     model_id: Annotated[
         Optional[str], typer.Option("--model-id", help="Id to advertise (default: folder name or hub id).")
     ] = None,
-    torch_threads: Annotated[Optional[int], typer.Option(
-        "--torch-threads", min=1, help="torch intra-op threads (default: torch's choice).", show_default=False)] = None,
-    busy_threads: Annotated[Optional[int], typer.Option(
-        "--busy-threads", min=1, show_default=False,
-        help="Intra-op threads per step while serving more than one stream (default: all of them).")] = None,
-    ready_file: Annotated[Optional[str], typer.Option(
-        "--ready-file", help="Write this file once the process serves (for scripts and tests).",
-        show_default=False)] = None,
+    torch_threads: TorchThreadsOption = None,
+    busy_threads: BusyThreadsOption = None,
+    ready_file: ReadyFileOption = None,
+    metrics_port: MetricsPortOption = 0,
     wait_for_nats_flag: WaitForNatsOption = False,
     creds: CredsOption = None,
     insecure: InsecureOption = False,
@@ -62,5 +62,5 @@ def host_command(
     run_until_stopped(lambda stop_event: run_host(
         model=model, memory_budget_mb=memory_budget_mb, nats_url=url, settings=settings(ctx), node_id=node_id,
         model_id=model_id, device=device, dtype=dtype, torch_threads=torch_threads, busy_threads=busy_threads,
-        ready_file=ready_file, stop_event=stop_event,
+        ready_file=ready_file, metrics_port=metrics_port, stop_event=stop_event,
     ))

@@ -28,6 +28,7 @@ from readmodels.runner import Projector
 from services.common.config import HearthSettings, serve_shards_refused
 from services.common.event_trust import event_verifier
 from services.common.lifecycle import unless_stopped
+from services.common.metrics import serve_process_metrics
 from services.common.nats_connection import connect_nats, drain_or_close
 from services.host.planner import LayerRange, better_range, choose_range, replicas_per_layer
 from services.orchestrator.router import ShardRouter
@@ -108,7 +109,7 @@ async def run_host(*, model: str, memory_budget_mb: float | None, nats_url: str 
                    settings: HearthSettings | None = None, node_id: str | None = None, model_id: str | None = None,
                    device: str | None = None, dtype: str | None = None, torch_threads: int | None = None,
                    busy_threads: int | None = None, ready_file: str | None = None,
-                   stop_event: asyncio.Event) -> None:
+                   metrics_port: int | None = None, stop_event: asyncio.Event) -> None:
     """Serve the best range of `model` that fits the budget until `stop_event`, moving when a hole opens."""
     settings = with_memory_budget(settings or HearthSettings(), memory_budget_mb)
     host = settings.research.distributed_inference.host
@@ -125,10 +126,13 @@ async def run_host(*, model: str, memory_budget_mb: float | None, nats_url: str 
     served_id = model_id or (model_path.name if Path(model).expanduser().is_dir() else model)
     digest = await asyncio.to_thread(weights_sha256, model_path)
     nc = await unless_stopped(connect_nats(nats_url, name=f"hearth-host {node}", settings=settings.nats), stop_event)
+    metrics_server = None
     with tempfile.TemporaryDirectory(prefix="hearth-host-") as folder:
         projector = Projector(Path(folder) / "coverage.sqlite", nc.jetstream(), streams=(SHARDS_STREAM,),
                               verifier=event_verifier(settings))
         try:
+            # Served once for the host's life: its figures carry on across a move (the range is a label).
+            metrics_server = serve_process_metrics(metrics_port, f"host {node}")
             await projector.start()
             coverage = coverage_from(projector, settings, node, model_id=served_id, weights_sha256=digest,
                                      total_layers=total_layers)
@@ -148,6 +152,8 @@ async def run_host(*, model: str, memory_budget_mb: float | None, nats_url: str 
                                                   stop_event=stop_event)
         finally:
             await projector.stop()
+            if metrics_server is not None:
+                metrics_server.stop()
             await drain_or_close(nc, settings.nats.drain_timeout_s)
 
 
