@@ -62,7 +62,7 @@ def body(**changes) -> dict:
 async def test_frames_the_answer_does_not_carry_leave_the_stream_whole(scripted):
     http, script, received = scripted
     script.append([
-        {"type": "queued", "seq": 0, "position": 3},
+        {"type": "queued", "seq": 0, "position": 3, "queued_requests": 3},
         {"type": "pipeline", "seq": 1, "pipeline_id": "p", "hops": ["a", "b"]},
         token(2, "Hel"),
         {"type": "shard_status", "seq": 3, "shard_id": "a", "status": "degraded", "reason": "gone"},

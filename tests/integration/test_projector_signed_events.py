@@ -74,7 +74,9 @@ async def test_signed_events_are_applied_and_a_forged_one_is_kept_aside(nats_url
         await rebuild_database(js, with_verifier, verifier=verifier)
         await rebuild_database(js, without_verifier)
         assert diff_databases(with_verifier, live) == []
-        # Without the roster the forged shard is applied: a rebuild must use the live projectors' verifier.
-        assert {d.table for d in diff_databases(without_verifier, live)} == {"shards", "rejected_events"}
+        # Without the roster the forged shard is applied (and counted among the events applied per minute): a
+        # rebuild must use the live projectors' verifier.
+        assert {d.table for d in diff_databases(without_verifier, live)} == {"shards", "rejected_events",
+                                                                              "event_counts"}
     finally:
         await nc.close()
