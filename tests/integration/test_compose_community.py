@@ -17,7 +17,8 @@ from trust.roster import Roster
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 HEARTH = str(Path(sys.executable).parent / "hearth")
-COMMAND_ROLES = {"shard": "shard", "orchestrator": "orchestrator", "projector": "projector", "chat": "client"}
+COMMAND_ROLES = {"shard": "shard", "orchestrator": "orchestrator", "projector": "projector", "chat": "client",
+                 "gateway": "client"}
 
 
 SERVICES = yaml.safe_load((REPO_ROOT / "compose.yaml").read_text())["services"]
@@ -57,7 +58,14 @@ def test_every_service_logs_in_with_a_key_the_community_service_made_for_its_rol
         role = COMMAND_ROLES[command[0]] if command else "client"
         assert member.role == role, (name, member)
         checked += 1
-    assert checked == 6  # projector, three shards, orchestrator, and the client `you`
+    assert checked == 7  # projector, three shards, orchestrator, the gateway, and the client `you`
+    # The gateway signs calls as the member whose API key it is given: `you`'s key is kept for the operator, and
+    # only its hash in api_keys.json, which the gateway reads from its --community folder.
+    gateway = SERVICES["gateway"]["command"]
+    assert local(gateway[gateway.index("--community") + 1]) == community_dir
+    api_key = (community_dir / "you.api-key").read_text().strip()
+    assert api_key and api_key not in (community_dir / "api_keys.json").read_text()
+    assert "you" in (community_dir / "api_keys.json").read_text()
     for node in NATS_NODES:
         for option in ("--tls-cert", "--tls-key", "--tls-ca"):
             nats_command = SERVICES[node]["command"]

@@ -66,7 +66,7 @@ def test_every_hearth_command_and_flag_exists_and_parses(name):
 def test_the_services_are_the_ones_the_deployment_needs():
     assert NATS_NODES == ["nats-0", "nats-1", "nats-2"]
     commands = {name: SERVICES[name]["command"][0] for name in HEARTH_SERVICES}
-    assert sorted(commands.values()) == ["nats"] * 3 + ["orchestrator", "projector"] + ["shard"] * 3
+    assert sorted(commands.values()) == ["gateway"] + ["nats"] * 3 + ["orchestrator", "projector"] + ["shard"] * 3
     assert {"community", "prometheus", "grafana", "you"} <= set(SERVICES)
 
 
@@ -140,6 +140,7 @@ def test_health_checks_and_start_order_agree_with_the_commands():
         if "--ready-file" in command:
             assert service["healthcheck"]["test"][-1] == option(command, "--ready-file"), name
     assert health_port(SERVICES["projector"]) == int(option(SERVICES["projector"]["command"], "--metrics-port"))
+    assert health_port(SERVICES["gateway"]) == int(option(SERVICES["gateway"]["command"], "--port"))
     for name in HEARTH_SERVICES:
         if name not in NATS_NODES:
             assert set(NATS_NODES) <= set(SERVICES[name]["depends_on"]), name
@@ -153,9 +154,10 @@ def test_prometheus_scrapes_every_hearth_process_on_its_metrics_port():
     config = yaml.safe_load((REPO_ROOT / source).read_text())
     targets = {target for job in config["scrape_configs"] for static in job["static_configs"]
                for target in static["targets"]}
-    expected = {f"{name}:{option(SERVICES[name]['command'], '--metrics-port')}" for name in HEARTH_SERVICES
-                if name not in NATS_NODES}
-    assert len(expected) == 5
+    # The gateway serves /metrics beside its API, on --port.
+    expected = {f"{name}:{option(SERVICES[name]['command'], '--port' if name == 'gateway' else '--metrics-port')}"
+                for name in HEARTH_SERVICES if name not in NATS_NODES}
+    assert len(expected) == 6
     assert expected <= targets
     assert {target.split(":")[0] for target in targets} <= set(SERVICES) | {"localhost"}
 
