@@ -25,7 +25,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.nn import functional
 from transformers import DynamicCache, PretrainedConfig
 
 from .architectures import FULL_ATTENTION, SLIDING_ATTENTION
@@ -94,7 +93,12 @@ def _stored(cache: DynamicCache, layer_index: int) -> int:
 
 
 def _left_padded(tensors: list[torch.Tensor], width: int) -> torch.Tensor:
-    return torch.cat([functional.pad(t, (0, 0, width - t.shape[-2], 0)) for t in tensors], dim=0)
+    """``[B, heads, width, dim]`` with row i's tokens at its right end (one copy per row, zeros before)."""
+    first = tensors[0]
+    stacked = first.new_zeros((len(tensors), first.shape[1], width, first.shape[3]))
+    for row, tensor in enumerate(tensors):
+        stacked[row, :, width - tensor.shape[-2]:] = tensor[0]
+    return stacked
 
 
 def _row_mask(stored: list[int], window: int | None, hidden_states: torch.Tensor,

@@ -11,7 +11,6 @@ from inference.batched import DecodeRow
 from inference.sampling import SamplingParams
 
 from .inference_tiny_models import ARCHITECTURES, one_torch_thread, tiny_model_dir  # noqa: F401  (fixtures)
-from .test_kv_eviction import generate
 
 GREEDY = SamplingParams(temperature=0.0)
 # Past the tiny sliding window (8) for the longer prompts, so windowed masks and trimmed caches are exercised.
