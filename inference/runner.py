@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import operator
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Literal
 
 import torch
@@ -15,8 +14,9 @@ from transformers.masking_utils import create_causal_mask, create_sliding_window
 
 from .architectures import FULL_ATTENTION, SLIDING_ATTENTION, ArchitectureAdapter
 from .checkpoint import ModelInfo
-from .errors import RunnerClosedError, SessionEvictedError, SessionStateError, SessionTooLargeError
-from .sessions import EvictedSession, SessionCaches
+from .batched import DecodeRow, batched_decode_supported, run_batched_decode
+from .errors import InferenceError, RunnerClosedError, SessionEvictedError, SessionStateError, SessionTooLargeError
+from .sessions import EvictedSession, SessionCaches, as_position, kv_bytes_per_token_per_layer
 from .static_decode import StaticDecoder, static_decode_supported
 
 StepKind = Literal["prefill", "decode"]
@@ -77,7 +77,7 @@ class LayerRangeRunner:
         unknown = set(self._attention_types[self.layer_lo : self.layer_hi + 1]) - set(_MASK_BUILDERS)
         if unknown:
             raise ValueError(f"attention types {sorted(unknown)} are not supported by LayerRangeRunner")
-        self._kv_bytes_per_token_per_layer = _kv_bytes_per_token_per_layer(config, info.dtype)
+        self._kv_bytes_per_token_per_layer = kv_bytes_per_token_per_layer(config, info.dtype)
         # Re-entrant so an on_evict callback may read the runner's accounting without deadlocking.
         self._lock = threading.RLock()
         self._closed = False
@@ -90,6 +90,9 @@ class LayerRangeRunner:
             max_tokens = min(static_cache_tokens, context)
             self._static = StaticDecoder(config=config, layers=layers, rotary_embedding=rotary_embedding,
                                          max_tokens=max_tokens, device=self.device, capture_graphs=True)
+        # Batched decode over the sessions' own dynamic caches (inference/batched.py); static caches step one by one.
+        self._batched = self._static is None and batched_decode_supported(
+            config, self._attention_types[self.layer_lo : self.layer_hi + 1])
         self._caches = SessionCaches(
             self._static.new_cache if self._static is not None else (lambda: DynamicCache(config=config)),
             range(self.layer_lo, self.layer_hi + 1),
@@ -118,7 +121,7 @@ class LayerRangeRunner:
             raise ValueError(f"kind must be one of {STEP_KINDS}, got {kind!r}")
         if not isinstance(session_id, str) or not session_id:
             raise ValueError("session_id must be a non-empty string")
-        start_pos = _as_position(start_pos)
+        start_pos = as_position(start_pos)
         with self._lock:
             self._check_open()
             run_lo, run_hi = self._validate_sub_range(layers)
@@ -129,25 +132,10 @@ class LayerRangeRunner:
                 self._check_fits(num_tokens, run_lo, run_hi, already_cached_bytes=0)
                 session = self._caches.start(session_id)
             else:
-                session = self._caches.get(session_id)
-                if session is None and (reason := self._caches.eviction_reason(session_id)) is not None:
-                    raise SessionEvictedError(
-                        f"session {session_id!r} was evicted from layers {self.layer_lo}-{self.layer_hi} "
-                        f"({reason}); re-prefill from position 0"
-                    )
-                if session is None:
-                    raise SessionStateError(
-                        f"session {session_id!r} has no cache on layers {self.layer_lo}-{self.layer_hi} "
-                        "(never prefilled, reset or evicted); re-prefill from position 0"
-                    )
-                self._check_continues(session_id, session.cache, start_pos, run_lo, run_hi)
-                self._check_fits(num_tokens, run_lo, run_hi, already_cached_bytes=session.cached_bytes)
+                session = self._continuing_session(session_id, start_pos, num_tokens, run_lo, run_hi)
             try:
                 with torch.inference_mode():
-                    if self._static is not None:
-                        output = self._static.run(session.cache, hidden_states, start_pos, run_lo, run_hi, kind)
-                    else:
-                        output = self._run_layers(session.cache, hidden_states, start_pos, run_lo, run_hi)
+                    output = self._run_solo(session.cache, hidden_states, start_pos, run_lo, run_hi, kind)
             except BaseException:
                 # A half-updated cache would silently corrupt the next step; the caller re-prefills instead.
                 self._caches.drop(session_id)
@@ -155,6 +143,83 @@ class LayerRangeRunner:
             self._caches.record_use(session_id)
             self._caches.enforce_budget(keep=session_id)
             return output
+
+    def decode_batch(self, steps: Sequence[DecodeRow],
+                     layers: tuple[int, int] | None = None) -> list[torch.Tensor | Exception]:
+        """One decode step (one token each) of several sessions as one batched forward (inference/batched.py).
+
+        Per row in order: its output ``[1, 1, hidden_size]`` or the error that row alone raised (the others still
+        run). When the batched forward fails, every row's cache is dropped and every row gets its error.
+        """
+        with self._lock:
+            self._check_open()
+            run_lo, run_hi = self._validate_sub_range(layers)
+            self._caches.evict_expired()
+            outcomes: list[torch.Tensor | Exception | None] = [None] * len(steps)
+            ready: list[tuple[int, DecodeRow, torch.Tensor, object]] = []
+            seen: set[str] = set()
+            for index, row in enumerate(steps):
+                try:
+                    if row.session_id in seen:
+                        raise ValueError(f"session {row.session_id!r} appears twice in one batch")
+                    hidden_states = self._validate_hidden_states(row.hidden_states)
+                    if hidden_states.shape[1] != 1:
+                        raise ValueError("a batched decode step carries exactly one token per session")
+                    session = self._continuing_session(row.session_id, as_position(row.start_pos), 1, run_lo,
+                                                       run_hi)
+                except (ValueError, InferenceError) as error:
+                    outcomes[index] = error
+                    continue
+                seen.add(row.session_id)
+                ready.append((index, row, hidden_states, session))
+            try:
+                with torch.inference_mode():
+                    outputs = self._run_rows(ready, run_lo, run_hi)
+            except Exception as error:
+                for index, row, _, _ in ready:
+                    self._caches.drop(row.session_id)
+                    outcomes[index] = error
+                return outcomes
+            for (index, row, _, _), output in zip(ready, outputs, strict=True):
+                outcomes[index] = output
+                self._caches.record_use(row.session_id)
+            if ready:
+                self._caches.enforce_budget(keep=ready[-1][1].session_id)
+            return outcomes
+
+    def _run_rows(self, ready: list, run_lo: int, run_hi: int) -> list[torch.Tensor]:
+        if len(ready) > 1 and self._batched:
+            output = run_batched_decode(
+                config=self._config, layers=self._layers, rotary_embedding=self._rotary_embedding,
+                attention_types=self._attention_types, caches=[session.cache for *_, session in ready],
+                hidden_states=torch.cat([hidden for _, _, hidden, _ in ready]),
+                positions=[as_position(row.start_pos) for _, row, _, _ in ready], run_lo=run_lo, run_hi=run_hi)
+            return list(output.split(1))
+        return [self._run_solo(session.cache, hidden, as_position(row.start_pos), run_lo, run_hi, "decode")
+                for _, row, hidden, session in ready]
+
+    def _run_solo(self, cache, hidden_states: torch.Tensor, start_pos: int, run_lo: int, run_hi: int,
+                  kind: StepKind) -> torch.Tensor:
+        if self._static is not None:
+            return self._static.run(cache, hidden_states, start_pos, run_lo, run_hi, kind)
+        return self._run_layers(cache, hidden_states, start_pos, run_lo, run_hi)
+
+    def _continuing_session(self, session_id: str, start_pos: int, num_tokens: int, run_lo: int, run_hi: int):
+        """The session a non-initial step continues, checked (it exists, it is at ``start_pos``, it fits)."""
+        session = self._caches.get(session_id)
+        if session is None and (reason := self._caches.eviction_reason(session_id)) is not None:
+            raise SessionEvictedError(
+                f"session {session_id!r} was evicted from layers {self.layer_lo}-{self.layer_hi} "
+                f"({reason}); re-prefill from position 0"
+            )
+        if session is None:
+            raise SessionStateError(
+                f"session {session_id!r} has no cache on layers {self.layer_lo}-{self.layer_hi} "
+                "(never prefilled, reset or evicted); re-prefill from position 0"
+            )
+        self._check_continues(session_id, session.cache, start_pos, run_lo, run_hi)
+        self._check_fits(num_tokens, run_lo, run_hi, already_cached_bytes=session.cached_bytes)
+        return session
 
     def _run_layers(
         self, cache: DynamicCache, hidden_states: torch.Tensor, start_pos: int, run_lo: int, run_hi: int
@@ -327,22 +392,3 @@ class LayerRangeRunner:
                 f"this step would take the session's KV cache to ~{projected} bytes, more than the runner's "
                 f"whole budget of {self._caches.budget_bytes} bytes"
             )
-
-
-def _as_position(start_pos) -> int:
-    """``start_pos`` as a plain int (numpy and torch integers accepted), or ValueError."""
-    if isinstance(start_pos, bool):
-        raise ValueError(f"start_pos must be a non-negative int, got {start_pos!r}")
-    try:
-        position = operator.index(start_pos)
-    except TypeError:
-        raise ValueError(f"start_pos must be a non-negative int, got {start_pos!r}") from None
-    if position < 0:
-        raise ValueError(f"start_pos must be a non-negative int, got {start_pos!r}")
-    return position
-
-
-def _kv_bytes_per_token_per_layer(config: PretrainedConfig, dtype: torch.dtype) -> int:
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    return 2 * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import logging
+import operator
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, PretrainedConfig
 
 logger = logging.getLogger(__name__)
 
@@ -169,3 +170,24 @@ class SessionCaches:
         )
         if self._on_evict is not None:
             self._on_evict(event)
+
+
+def kv_bytes_per_token_per_layer(config: PretrainedConfig, dtype: torch.dtype) -> int:
+    """KV-cache bytes one token takes in one layer (keys and values of every KV head)."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return 2 * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def as_position(start_pos) -> int:
+    """``start_pos`` as a plain int (numpy and torch integers accepted), or ValueError."""
+    if isinstance(start_pos, bool):
+        raise ValueError(f"start_pos must be a non-negative int, got {start_pos!r}")
+    try:
+        position = operator.index(start_pos)
+    except TypeError:
+        raise ValueError(f"start_pos must be a non-negative int, got {start_pos!r}") from None
+    if position < 0:
+        raise ValueError(f"start_pos must be a non-negative int, got {start_pos!r}")
+    return position
+

@@ -245,6 +245,11 @@ class ShardSettings(_Section):
     hop_close_timeout_s: float = Field(
         default=5.0, gt=0, description="closing a hop waits this long for a step being computed to finish")
     withdraw_timeout_s: float = Field(default=2.0, gt=0, description="how long stopping waits to say it leaves")
+    max_batch_sessions: int = Field(
+        default=8, ge=1, description="decode steps of this many sessions at most run as one batched step (1: none)")
+    batch_window_ms: float = Field(
+        default=2.0, ge=0, description="a batch waits this long at most for the steps of other open hops (0: only "
+                                       "what is ready); a shard serving one hop never waits")
 
 
 class ClientSettings(_Section):

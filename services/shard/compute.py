@@ -23,9 +23,11 @@ from dataclasses import dataclass, field
 import torch
 
 from inference import LayerRangeRunner
+from inference.batched import DecodeRow
 from inference.compute_thread import StepThreads, on_compute_thread, use_intra_op_threads
 from inference.host_staging import to_device, to_host
 from services.common.control_protocol import OpenHop
+from services.shard.batcher import DecodeBatcher, QueuedStep
 from services.shard.faults import ShardFault
 from services.shard.metrics import ShardStepMetrics, watch_serving
 from services.transport import FrameKind, ReceivedStep
@@ -72,7 +74,8 @@ class ShardCompute:
     """The shard's layer runner behind one door: every torch call of the shard goes through here."""
 
     def __init__(self, runner: LayerRangeRunner, shard_id: str, *, fault: ShardFault | None = None,
-                 step_threads: StepThreads | None = None, range_layers: int | None = None) -> None:
+                 step_threads: StepThreads | None = None, range_layers: int | None = None,
+                 batch_window_s: float = 0.0, max_batch_sessions: int = 1) -> None:
         self.runner = runner
         self.shard_id = shard_id
         # Layers of the shard's whole range: a decode step of part of it is scaled up to this many.
@@ -86,14 +89,23 @@ class ShardCompute:
         self.active_streams = 0
         # Running bounds of the inputs received, per first layer run (see the module docstring).
         self._input_bounds: dict[int, NormBounds] = {}
+        # Decode steps of several hops run as one batched step (services/shard/batcher.py) when more than one may.
+        self.batcher = DecodeBatcher(self.run_batch, window_s=batch_window_s, max_sessions=max_batch_sessions,
+                                     open_hops=lambda: self.active_streams) if max_batch_sessions > 1 else None
         watch_serving(self)
 
     def serving_figures(self) -> tuple[int, int, int]:
         """Hops open, KV-cache bytes and tokens served, for the metrics (read without waiting for the runner)."""
         return self.active_streams, self.cache.cache_bytes, self.stats.tokens_served_total
 
+    def batching_figures(self) -> tuple[int, int]:
+        """Batched decode steps run and the session rows in them, for the metrics."""
+        return (self.batcher.batches_total, self.batcher.rows_total) if self.batcher is not None else (0, 0)
+
     async def run(self, request: OpenHop, received: ReceivedStep) -> StepResult:
         """Check and run one prefill/decode step; raises what the layers raise (the caller reports it)."""
+        if self.batcher is not None and received.kind is FrameKind.decode and received.tensor.shape[1] == 1:
+            return await self.batcher.submit(request, received)
         started = time.perf_counter()
         self.stats.steps_in_compute += 1
         try:
@@ -106,6 +118,26 @@ class ShardCompute:
         finally:
             self.stats.steps_in_compute -= 1
         compute_s = time.perf_counter() - started
+        return self._account(request, received, failed_check, output, compute_s)
+
+    async def run_batch(self, batch: list[QueuedStep]) -> list[StepResult | Exception]:
+        """Check and run the decode steps of several hops as one batched step; a result or an exception per row."""
+        started = time.perf_counter()
+        self.stats.steps_in_compute += len(batch)
+        try:
+            if self.fault.delay_s and self.fault.active:
+                await asyncio.sleep(self.fault.delay_s)
+            threads = self.step_threads.for_streams(self.active_streams)
+            outcomes = await on_compute_thread(self._check_and_forward_batch, batch, threads)
+        finally:
+            self.stats.steps_in_compute -= len(batch)
+        compute_s = time.perf_counter() - started
+        return [outcome if isinstance(outcome, Exception)
+                else self._account(queued.request, queued.received, *outcome, compute_s)
+                for queued, outcome in zip(batch, outcomes, strict=True)]
+
+    def _account(self, request: OpenHop, received: ReceivedStep, failed_check: str | None,
+                 output: torch.Tensor | None, compute_s: float) -> StepResult:
         if failed_check is None:
             output = self.fault.corrupt(output)
             self.stats.step_latencies_s.append(compute_s)
@@ -146,6 +178,32 @@ class ShardCompute:
             return None, to_host(output)
         finally:
             self._measure_cache()
+
+    def _check_and_forward_batch(self, batch: list[QueuedStep],
+                                 threads: int) -> list[tuple[str | None, torch.Tensor | None] | Exception]:
+        """On the compute thread: check every row's input, then run the sound ones as one batched decode step."""
+        use_intra_op_threads(threads)
+        outcomes: list = [None] * len(batch)
+        rows, sound = [], []
+        for index, queued in enumerate(batch):
+            bounds = self._input_bounds.setdefault(queued.request.layer_lo, NormBounds())
+            failed_check = bounds.check(queued.received.tensor)
+            if failed_check is not None:
+                outcomes[index] = (failed_check, None)
+                continue
+            sound.append(index)
+            rows.append(DecodeRow(queued.request.session_id, to_device(queued.received.tensor, self.runner.device),
+                                  queued.received.pos))
+        if not rows:
+            return outcomes
+        self.fault.raise_if_failing()
+        try:
+            results = self.runner.decode_batch(rows, batch[0].layers)
+        finally:
+            self._measure_cache()
+        for index, result in zip(sound, results, strict=True):
+            outcomes[index] = result if isinstance(result, Exception) else (None, to_host(result))
+        return outcomes
 
     def _reset_and_measure(self, session_id: str) -> int:
         freed = self.runner.reset(session_id)

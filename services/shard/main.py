@@ -192,7 +192,9 @@ async def serve_loaded_shard(loaded: LoadedShard, *, nats_url: str | None, setti
         runner.close()
         raise
     compute = ShardCompute(runner, shard_id, fault=ShardFault.parse(fault), step_threads=StepThreads(busy_threads),
-                           range_layers=min(hi, identity.total_layers - 1) - lo + 1)
+                           range_layers=min(hi, identity.total_layers - 1) - lo + 1,
+                           batch_window_s=settings.shard.batch_window_ms / 1000.0,
+                           max_batch_sessions=settings.shard.max_batch_sessions)
     server = ShardServer(nc, compute, identity, settings, hop_weight=hop_weight)
     server_ref.append(server)
     metrics_server = None
@@ -208,6 +210,8 @@ async def serve_loaded_shard(loaded: LoadedShard, *, nats_url: str | None, setti
         await stop_event.wait()
     finally:
         await server.stop(withdraw_reason())
+        if compute.batcher is not None:
+            await compute.batcher.close()
         if metrics_server is not None:
             metrics_server.stop()
         await drain_or_close(nc, settings.nats.drain_timeout_s)

@@ -17,7 +17,8 @@ Buckets are 0.1 ms apart up to 1 ms so a percentile near the 1 ms target is read
 
 What a shard serves is read at scrape time from its ShardCompute (ShardServingCollector), costing nothing per step:
 ``hearth_shard_active_sessions`` (hops open), ``hearth_shard_kv_cache_bytes`` and
-``hearth_shard_tokens_served_total`` (the reputation signal its heartbeats carry), all labelled by shard id.
+``hearth_shard_tokens_served_total`` (the reputation signal its heartbeats carry), and the continuous batching
+counters ``hearth_shard_decode_batches_total`` / ``hearth_shard_decode_batch_rows_total``, all labelled by shard id.
 """
 
 from __future__ import annotations
@@ -94,6 +95,9 @@ class ServingFigures(Protocol):
     def serving_figures(self) -> tuple[int, int, int]:
         """(hops open, KV-cache bytes, tokens served since start)."""
 
+    def batching_figures(self) -> tuple[int, int]:
+        """(batched decode steps run, session rows in them) since start."""
+
 
 class ShardServingCollector(Collector):
     """Reads every live shard of this process (usually one) at scrape time."""
@@ -112,12 +116,19 @@ class ShardServingCollector(Collector):
                                   labels=labels)
         tokens = CounterMetricFamily("hearth_shard_tokens_served", "Token positions run through this shard's layers "
                                      "(prefill and decode): the reputation signal of its heartbeats.", labels=labels)
+        batches = CounterMetricFamily("hearth_shard_decode_batches", "Decode steps run as one batch for the ready "
+                                      "steps of several sessions (continuous batching).", labels=labels)
+        rows = CounterMetricFamily("hearth_shard_decode_batch_rows", "Session decode steps run in those batches "
+                                   "(rows / batches: the mean batch size).", labels=labels)
         for shard in list(self._shards):
             open_hops, cache_bytes, served = shard.serving_figures()
             sessions.add_metric([shard.shard_id], open_hops)
             cache.add_metric([shard.shard_id], cache_bytes)
             tokens.add_metric([shard.shard_id], served)
-        yield from (sessions, cache, tokens)
+            batch_count, row_count = shard.batching_figures() if hasattr(shard, "batching_figures") else (0, 0)
+            batches.add_metric([shard.shard_id], batch_count)
+            rows.add_metric([shard.shard_id], row_count)
+        yield from (sessions, cache, tokens, batches, rows)
 
 
 _serving_collectors: dict[int, ShardServingCollector] = {}

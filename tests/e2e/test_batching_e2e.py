@@ -1,0 +1,103 @@
+"""Continuous batching on shards over real processes: 8 concurrent greedy sessions through 3 shard hosts give
+generate()'s tokens (each session's solo output) while the shards run their decode steps in batches, and a shard
+SIGKILLed mid-batch fails over to its replica with identical output for every session.
+
+One mesh serves the module: primaries p0-p2 and replicas r0-r2 over layers 0-1, 2-3, 4-5, each serving up to 8
+hops, and an orchestrator; the tests run in file order (the second kills p1)."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from services.common.chat_protocol import ChatRequest
+from tests.e2e.conftest import THREE_SHARD_RANGES, TINY_MODEL_NAME
+from tests.e2e.failover_support import (  # noqa: F401 (nc is a fixture)
+    PRIMARY_WEIGHT,
+    REPLICA_WEIGHT,
+    failover_mesh,
+    nc,
+    scrape_metric,
+    stream_with_action,
+)
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+
+SESSIONS = 8
+NEW_TOKENS = 16
+PROMPTS = ["the lazy dog", "a community mesh", "hello there, how can I help", "hi", "one model across machines",
+           "the quick brown fox jumps over the lazy dog", "grüße aus köln", "café"]
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory, tiny_models_dir):
+    env = {"HEARTH_SHARD__MAX_CONCURRENT_STREAMS": str(SESSIONS), "HEARTH_SHARD__MAX_BATCH_SESSIONS": str(SESSIONS)}
+    with failover_mesh(tmp_path_factory, tiny_models_dir, "batching", extra_env=env) as mesh:
+        for index, (lo, hi) in enumerate(THREE_SHARD_RANGES):
+            mesh.start_shard(f"p{index}", lo, hi, hop_weight=PRIMARY_WEIGHT, wait_ready=False)
+            mesh.start_shard(f"r{index}", lo, hi, hop_weight=REPLICA_WEIGHT, wait_ready=False)
+        mesh.start_orchestrator(local_model=False)
+        mesh.cluster.wait_all_ready()
+        mesh.wait_all_advertised()
+        yield mesh
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_models_dir) -> dict[str, list[int]]:
+    """Each prompt's greedy tokens from the monolithic model: what a session gives alone."""
+    path = tiny_models_dir / TINY_MODEL_NAME
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokens = {}
+    with torch.inference_mode():
+        for prompt in PROMPTS:
+            ids = tokenizer(prompt)["input_ids"]
+            output = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+            tokens[prompt] = output[0, len(ids):].tolist()
+    return tokens
+
+
+def request(prompt: str) -> ChatRequest:
+    return ChatRequest(model=TINY_MODEL_NAME, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0.0)
+
+
+def batch_figures(mesh) -> tuple[float, float]:
+    """Batched decode steps and the rows in them, over every live shard."""
+    batches = rows = 0.0
+    for handle in mesh.live_shards():
+        labels = {"shard_id": handle.shard_id}
+        batches += scrape_metric(handle.process.metrics_port, "hearth_shard_decode_batches_total", labels)
+        rows += scrape_metric(handle.process.metrics_port, "hearth_shard_decode_batch_rows_total", labels)
+    return batches, rows
+
+
+async def test_eight_concurrent_sessions_are_batched_and_give_their_solo_tokens(mesh, expected, nc):
+    calls = await asyncio.gather(*(stream_with_action(nc, request(prompt)) for prompt in PROMPTS))
+    for prompt, call in zip(PROMPTS, calls, strict=True):
+        assert call.final.type == "done", call.final
+        assert call.token_ids == expected[prompt], prompt
+    batches, rows = batch_figures(mesh)
+    assert batches > 0 and rows > batches  # some decode steps ran several sessions at once
+
+
+async def test_a_shard_killed_mid_batch_fails_over_with_identical_output_for_every_session(mesh, expected, nc):
+    victim = mesh.shards["p1"]
+    await mesh.wait_idle_in_routing(victim)
+    killed = asyncio.Event()
+
+    def kill() -> None:
+        if not killed.is_set():
+            killed.set()
+            victim.process.signal(signal.SIGKILL)
+
+    calls = await asyncio.gather(*(stream_with_action(nc, request(prompt), kill if index == 0 else None)
+                                   for index, prompt in enumerate(PROMPTS)))
+    assert killed.is_set()
+    for prompt, call in zip(PROMPTS, calls, strict=True):
+        assert call.final.type == "done", call.final
+        assert call.token_ids == expected[prompt], prompt
+    assert any(call.of_type("shard_failover") for call in calls)

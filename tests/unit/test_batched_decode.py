@@ -1,0 +1,122 @@
+"""Batched decode (inference/batched.py, LayerRangeRunner.decode_batch): sessions stepped together give the greedy
+tokens each gives alone, for every tiny architecture; sessions joining and leaving between batched steps leave the
+others' tokens unchanged; a row's own error does not stop the others."""
+
+from __future__ import annotations
+
+import pytest
+
+from inference import SessionStateError, load_head, load_layer_range
+from inference.batched import DecodeRow
+from inference.sampling import SamplingParams
+
+from .inference_tiny_models import ARCHITECTURES, one_torch_thread, tiny_model_dir  # noqa: F401  (fixtures)
+
+GREEDY = SamplingParams(temperature=0.0)
+# Past the tiny sliding window (8) for the longer prompts, so windowed masks and trimmed caches are exercised.
+NEW_TOKENS = 12
+PROMPTS = ["hi", "the quick brown fox", "hearth runs one model", "a", "grüße aus köln",
+           "hello there, the quick brown fox jumps", "emoji 🔥", "café"]
+
+
+def solo_tokens(runners, head, prompt_ids: list[int]) -> list[int]:
+    """Greedy tokens of one session through the runners one after another, stepped alone."""
+    known = list(prompt_ids)
+    hidden = head.embed(known)
+    for runner in runners:
+        hidden = runner.forward("solo", hidden, 0, "prefill")
+    tokens = []
+    while len(tokens) < NEW_TOKENS:
+        tokens.append(head.sample(head.logits(hidden), GREEDY))
+        hidden = head.embed([tokens[-1]])
+        for runner in runners:
+            hidden = runner.forward("solo", hidden, len(known) + len(tokens) - 1, "decode")
+    for runner in runners:
+        runner.reset("solo")
+    return tokens
+
+
+class BatchedSessions:
+    """Sessions prefilled alone and decoded together, one batched step per runner for all of them."""
+
+    def __init__(self, runners, head) -> None:
+        self.runners, self.head = runners, head
+        self.tokens: dict[str, list[int]] = {}
+        self.positions: dict[str, int] = {}
+
+    def join(self, session_id: str, prompt_ids: list[int]) -> None:
+        hidden = self.head.embed(prompt_ids)
+        for runner in self.runners:
+            hidden = runner.forward(session_id, hidden, 0, "prefill")
+        self.tokens[session_id] = [self.head.sample(self.head.logits(hidden), GREEDY)]
+        self.positions[session_id] = len(prompt_ids)
+
+    def leave(self, session_id: str) -> list[int]:
+        for runner in self.runners:
+            runner.reset(session_id)
+        self.positions.pop(session_id)
+        return self.tokens.pop(session_id)
+
+    def step(self) -> None:
+        ids = list(self.positions)
+        hidden = {sid: self.head.embed([self.tokens[sid][-1]]) for sid in ids}
+        for runner in self.runners:
+            outputs = runner.decode_batch([DecodeRow(sid, hidden[sid], self.positions[sid]) for sid in ids])
+            hidden = dict(zip(ids, outputs, strict=True))
+        for sid in ids:
+            self.tokens[sid].append(self.head.sample(self.head.logits(hidden[sid]), GREEDY))
+            self.positions[sid] += 1
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_eight_batched_sessions_give_their_solo_tokens(tiny_model_dir, architecture):
+    path = tiny_model_dir(architecture)
+    head = load_head(path)
+    runners = [load_layer_range(path, 0, 2), load_layer_range(path, 3, 5)]
+    prompts = {f"s{i}": head.encode_prompt(text) for i, text in enumerate(PROMPTS)}
+    expected = {sid: solo_tokens(runners, head, ids) for sid, ids in prompts.items()}
+    batch = BatchedSessions(runners, head)
+    for sid, ids in prompts.items():
+        batch.join(sid, ids)
+    for _ in range(NEW_TOKENS - 1):
+        batch.step()
+    assert batch.tokens == expected
+    assert runners[0]._batched  # the batched path ran, not the one-by-one fallback
+
+
+def test_sessions_joining_and_leaving_mid_batch_leave_the_others_unchanged(tiny_model_dir):
+    path = tiny_model_dir("qwen2")  # mixed full and sliding layers
+    head = load_head(path)
+    runners = [load_layer_range(path, 0, 5)]
+    prompts = {f"s{i}": head.encode_prompt(text) for i, text in enumerate(PROMPTS[:5])}
+    expected = {sid: solo_tokens(runners, head, ids) for sid, ids in prompts.items()}
+    batch = BatchedSessions(runners, head)
+    for sid in ("s0", "s1", "s2"):
+        batch.join(sid, prompts[sid])
+    finished = {}
+    for step in range(1, NEW_TOKENS + 6):
+        if step == 3:
+            batch.join("s3", prompts["s3"])
+        if step == 5:
+            batch.join("s4", prompts["s4"])
+        for sid in [sid for sid, tokens in batch.tokens.items() if len(tokens) == NEW_TOKENS]:
+            finished[sid] = batch.leave(sid)
+        if not batch.positions:
+            break
+        batch.step()
+    assert finished == expected
+
+
+def test_a_row_s_own_error_does_not_stop_the_others(tiny_model_dir):
+    path = tiny_model_dir("llama")
+    head = load_head(path)
+    runner = load_layer_range(path, 0, 5)
+    runner.forward("a", head.embed([1, 5, 6]), 0, "prefill")
+    runner.forward("b", head.embed([1, 7]), 0, "prefill")
+    outcomes = runner.decode_batch([DecodeRow("a", head.embed([9]), 3), DecodeRow("ghost", head.embed([9]), 4),
+                                    DecodeRow("b", head.embed([9]), 5), DecodeRow("a", head.embed([9]), 4)])
+    assert outcomes[0].shape == (1, 1, head.info.hidden_size)
+    assert isinstance(outcomes[1], SessionStateError)
+    assert isinstance(outcomes[2], SessionStateError)  # b holds 2 tokens, not 5
+    assert isinstance(outcomes[3], ValueError)  # a twice in one batch
+    assert runner.cached_tokens("a") == 4 and runner.cached_tokens("b") == 2
