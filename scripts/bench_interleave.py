@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import platform
 import shlex
@@ -29,17 +30,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from services.bench.pipeline import pipeline_generation  # noqa: E402
 from services.bench.prompts import build_prompt  # noqa: E402
-from services.cluster import LocalCluster  # noqa: E402
+from services.cluster import LocalCluster, even_layer_ranges  # noqa: E402
 from services.common.nats_connection import connect_nats  # noqa: E402
 from services.random_models import random_checkpoint  # noqa: E402
 
 ready_timeout_s = 600.0
 timeouts = dict(first_frame_timeout=600.0, frame_gap_timeout=600.0)
-
-
-def even_ranges(layers: int, shards: int) -> list[tuple[int, int]]:
-    bounds = [round(index * layers / shards) for index in range(shards + 1)]
-    return [(bounds[i], bounds[i + 1] - 1) for i in range(shards)]
 
 
 async def measure(cluster: LocalCluster, model: str, prompts: dict[str, str], args) -> dict[str, object]:
@@ -98,8 +94,8 @@ def main() -> int:
     tokenizer = AutoTokenizer.from_pretrained(path)
     prompts = {"short": build_prompt(tokenizer, path, args.short_tokens)[0],
                "long": build_prompt(tokenizer, path, args.long_tokens, variant=1)[0]}
-    layers = int(__import__("json").loads((path / "config.json").read_text())["num_hidden_layers"])
-    ranges = even_ranges(layers, args.shards)
+    layers = int(json.loads((path / "config.json").read_text())["num_hidden_layers"])
+    ranges = even_layer_ranges(layers, args.shards)
     command = ".venv/bin/python " + shlex.join(sys.argv)
     rows = []
     for chunk_tokens in args.chunk_tokens:

@@ -7,7 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from inference import SamplingParams, load_head, load_layer_range
+from inference import SamplingParams, load_full, load_head, load_layer_range
+from services.orchestrator.chain import LocalChain
+from services.orchestrator.prefill import chunk_spans, prefill
 
 from .inference_tiny_models import one_torch_thread, tiny_model_dir  # noqa: F401  (fixtures are used by name)
 
@@ -51,3 +53,29 @@ def test_chunked_prefill_gives_the_greedy_tokens_of_one_prefill(tiny_model_dir, 
             f"chunks of {chunk_tokens}: logits differ by {(logits - whole_logits).abs().max().item():.2e}")
         assert all(runner.cached_tokens(f"chunks-of-{chunk_tokens}") == len(prompt_ids) + DECODE_STEPS
                    for runner in hops)
+
+
+def test_chunk_spans_cover_the_prompt_once_in_order():
+    assert chunk_spans(10, 4) == [(0, 4), (4, 8), (8, 10)]
+    assert chunk_spans(10, 0) == [(0, 10)] == chunk_spans(10, 256)
+    with pytest.raises(ValueError):
+        chunk_spans(0, 4)
+
+
+async def test_the_local_fallback_prefills_in_chunks_to_the_same_greedy_token(tiny_model_dir):
+    local = load_full(tiny_model_dir("llama"))
+    prompt_ids = local.head.encode_prompt(PROMPT)
+    hidden = local.head.embed(prompt_ids)
+    whole, chunked = LocalChain(local), LocalChain(local)
+    try:
+        expected = await prefill(whole, hidden, 0)
+        output = await prefill(chunked, hidden, 7)
+        last_start, last_end = chunk_spans(len(prompt_ids), 7)[-1]
+        assert output.shape[1] == last_end - last_start  # the last chunk's output, all the sampler needs
+        greedy = SamplingParams(temperature=0.0)
+        assert local.head.sample(local.head.logits(output), greedy) == local.head.sample(
+            local.head.logits(expected), greedy)
+        assert local.runner.cached_tokens(chunked.session_id) == len(prompt_ids)
+    finally:
+        await whole.close()
+        await chunked.close()
