@@ -80,6 +80,7 @@ class SentStep:
     # Whether steps sent before it were still out: then its hop latencies include queueing and are not observed.
     queued_behind: bool
 
+
 class HopChain:
     """One epoch of a pipeline: the opened hops, the sender into hop 0 and the sink after the last hop."""
 
