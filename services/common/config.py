@@ -234,6 +234,10 @@ class OrchestratorSettings(_Section):
     at_capacity_max_wait_s: float = Field(
         default=120.0, gt=0,
         description="a call that found no shard with room for this long is answered `overloaded`")
+    prefill_chunk_tokens: int = Field(
+        default=256, ge=0,
+        description="a prompt is prefilled in steps of at most this many tokens, pipelined through the hops, so "
+                    "other calls' tokens are computed between them; 0 prefills it in one step")
 
 
 class ShardSettings(_Section):

@@ -18,6 +18,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from nats.aio.client import Client as NatsClient
@@ -45,6 +46,7 @@ from services.transport import (
     ActivationReceiver,
     FrameHeader,
     FrameKind,
+    ReceivedStep,
     StepInfo,
     StepLimits,
     StepRefusal,
@@ -66,6 +68,18 @@ shortest_poll_s = 0.01
 
 def _encoded(link_key: bytes | None) -> str | None:
     return encode_link_key(link_key) if link_key is not None else None
+
+
+@dataclass(frozen=True)
+class SentStep:
+    """A step sent into hop 0 whose output has not been awaited yet (several may be out: chunked prefill)."""
+
+    info: StepInfo
+    sent_at: float
+    timeout_s: float
+    # Whether steps sent before it were still out: then its hop latencies include queueing and are not observed.
+    queued_behind: bool
+
 
 class HopChain:
     """One epoch of a pipeline: the opened hops, the sender into hop 0 and the sink after the last hop."""
@@ -113,6 +127,9 @@ class HopChain:
         self._notices: list[HopNotice] = []
         self._open_sent = False
         self._step = 0
+        # Steps sent whose outputs were not awaited yet, and outputs that came before the one awaited.
+        self._outstanding: set[int] = set()
+        self._early: dict[int, ReceivedStep] = {}
 
     @property
     def shard_ids(self) -> list[str]:
@@ -195,15 +212,15 @@ class HopChain:
             notice = HopNotice.model_validate_json(msg.data)
         except Exception:
             return
-        # Only the step out now: a late notice of an earlier step (one re-prefilled since) is stale.
-        if notice.session_id == self.session_id and notice.hop < len(self.hops) and notice.step == self._step:
+        # Only steps out now: a late notice of an earlier step (one re-prefilled since) is stale.
+        if notice.session_id == self.session_id and notice.hop < len(self.hops) and notice.step in self._outstanding:
             self._notices.append(notice)
             self._sink.interrupt_waiters()
 
     async def _on_refused_output(self, header: FrameHeader, refusal: StepRefusal) -> None:
         """The last hop sent a step of this chain's session that does not fit the pipeline (empty, mis-shaped,
         another dtype or size): the step fails at once, blaming it, instead of waiting for a timeout."""
-        if header.session == self.session_id and header.step == self._step and self._refused_output is None:
+        if header.session == self.session_id and header.step in self._outstanding and self._refused_output is None:
             self._refused_output = StepFailure("corrupt", self.hops[-1].shard_id,
                                                f"its output of step {header.step} was refused: {refusal.message}",
                                                check="shape")
@@ -240,18 +257,50 @@ class HopChain:
 
     async def step(self, kind: FrameKind, pos: int, hidden: torch.Tensor) -> torch.Tensor | StepFailure:
         """Send one step into hop 0; what leaves the last hop, or why it will not."""
+        sent = await self.send_step(kind, pos, hidden)
+        if isinstance(sent, StepFailure):
+            return sent
+        return await self.await_step(sent)
+
+    async def send_step(self, kind: FrameKind, pos: int, hidden: torch.Tensor, *,
+                        queued_tokens: int = 0) -> SentStep | StepFailure:
+        """Publish one step into hop 0 without waiting for its output (await_step it, in sending order).
+
+        `queued_tokens`: prefill tokens of steps still out ahead of it, which every hop runs first, so its
+        timeout grows by their share too."""
         self._step += 1
-        self._watch.cancel()
         info = StepInfo(session=self.session_id, step=self._step, kind=kind, pos=pos)
-        timeout_s = self._step_timeout_s(kind, int(hidden.shape[1]))
+        timeout_s = self._step_timeout_s(kind, int(hidden.shape[1]) + queued_tokens)
         epoch = self.nc.stats["reconnects"]
-        doing = f"step {self._step} was out"
+        queued_behind = bool(self._outstanding)
+        self._outstanding.add(self._step)
         try:
             await self._sender.send(info, hidden)
         except TransportTimeout as error:
-            return self._broker_failure(epoch, doing) or StepFailure("stalled", self.hops[0].shard_id,
-                                                                     f"hop 0 did not ack: {error}")
-        sent_at = time.monotonic()
+            self._forget_outstanding()
+            return self._broker_failure(epoch, f"step {self._step} was out") or StepFailure(
+                "stalled", self.hops[0].shard_id, f"hop 0 did not ack: {error}")
+        return SentStep(info, time.monotonic(), timeout_s, queued_behind)
+
+    def _forget_outstanding(self) -> None:
+        """After a failure every step still out is abandoned: its late notices and outputs are stale."""
+        self._outstanding.clear()
+        self._early.clear()
+
+    async def await_step(self, sent: SentStep) -> torch.Tensor | StepFailure:
+        """The output of a step sent earlier (the oldest still out), or why it will not come."""
+        result = await self._await_output(sent)
+        if isinstance(result, StepFailure):
+            self._forget_outstanding()
+        else:
+            self._outstanding.discard(sent.info.step)
+        return result
+
+    async def _await_output(self, sent: SentStep) -> torch.Tensor | StepFailure:
+        info = sent.info
+        self._watch.cancel()
+        epoch = self.nc.stats["reconnects"]
+        doing = f"step {info.step} was out"
         poll_s = max(shortest_poll_s, min(self.transport.step_timeout_s * stall_poll_fraction,
                                           self.transport.gone_check_after_s / 2))
         while True:
@@ -259,15 +308,19 @@ class HopChain:
                 return self._notice_failure()
             if self._refused_output is not None:
                 return self._refused_output
-            received = await self._next_output(poll_s)
+            received = self._early.pop(info.step, None) or await self._next_output(poll_s)
             if isinstance(received, StepFailure):
                 return received
             if received is None:
-                failure = self._broker_failure(epoch, doing) or await self._watch.check(info, sent_at, timeout_s)
+                failure = self._broker_failure(epoch, doing) or await self._watch.check(info, sent.sent_at,
+                                                                                       sent.timeout_s)
                 if failure is not None:
                     return failure
                 continue
-            if received.session != self.session_id or received.step != self._step:
+            if received.session != self.session_id or received.step not in self._outstanding:
+                continue
+            if received.step != info.step:
+                self._early[received.step] = received  # a later step out: kept until it is awaited
                 continue
             if self._notices:
                 return self._notice_failure()
@@ -276,8 +329,8 @@ class HopChain:
                 count_integrity_failure(failed_check, "sink")
                 return StepFailure("corrupt", self.hops[-1].shard_id, f"output failed the {failed_check} check",
                                    check=failed_check)
-            progress = self._observer.progress(self.session_id, self._step)
-            if progress is not None:
+            progress = self._observer.progress(self.session_id, info.step)
+            if progress is not None and not sent.queued_behind:
                 self._latencies.observe(progress.first_ack_at, time.monotonic())
             return received.tensor
 

@@ -49,6 +49,7 @@ from services.orchestrator.catalog import ModelCatalog
 from services.orchestrator.chain import HopChain, LocalChain
 from services.orchestrator.health import RecentFailures
 from services.orchestrator.metrics import observe_event
+from services.orchestrator.prefill import prefill
 from services.orchestrator.router import Hop, RoutingError, ShardRouter
 from services.orchestrator.stall import StepFailure
 from services.transport import FrameKind
@@ -330,7 +331,7 @@ class PipelineRun:
         call, head = self.call, self.call.model.head
         params = decoding.params
         hidden = await on_compute_thread(head.embed, call.known_ids)
-        output = await chain.step(FrameKind.prefill, 0, hidden)
+        output = await prefill(chain, hidden, self.ctx.settings.orchestrator.prefill_chunk_tokens)
         while True:
             if isinstance(output, StepFailure):
                 return output

@@ -1,0 +1,81 @@
+"""Chunked prefill: a prompt prefilled in successive chunks grows the session's KV cache exactly as one prefill
+of the whole prompt does, so the greedy tokens that follow are the same (the orchestrator's chunked prefill,
+services/orchestrator/prefill.py, relies on it)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from inference import SamplingParams, load_full, load_head, load_layer_range
+from services.orchestrator.chain import LocalChain
+from services.orchestrator.prefill import chunk_spans, prefill
+
+from .inference_tiny_models import one_torch_thread, tiny_model_dir  # noqa: F401  (fixtures are used by name)
+
+PROMPT = "hearth runs one model across the machines of a community mesh; the quick brown fox jumps over it"
+DECODE_STEPS = 12
+# Chunk sizes that divide the prompt unevenly, leave a one-token chunk, or exceed it (one chunk).
+CHUNK_SIZES = [1, 5, 16, 1000]
+
+
+def prefill_then_decode(head, hops, prompt_ids, chunk_tokens: int, session_id: str):
+    """Prefill in chunks of `chunk_tokens`, then greedy decode; (last prefill logits, greedy tokens)."""
+    hidden_out = None
+    for start in range(0, len(prompt_ids), chunk_tokens):
+        hidden_out = head.embed(prompt_ids[start:start + chunk_tokens])
+        for runner in hops:
+            hidden_out = runner.forward(session_id, hidden_out, start, "prefill")
+    first_logits = head.logits(hidden_out)
+    tokens = [head.sample(first_logits, SamplingParams(temperature=0.0))]
+    position = len(prompt_ids)
+    for _ in range(DECODE_STEPS):
+        hidden = head.embed([tokens[-1]])
+        for runner in hops:
+            hidden = runner.forward(session_id, hidden, position, "decode")
+        tokens.append(head.sample(head.logits(hidden), SamplingParams(temperature=0.0)))
+        position += 1
+    return first_logits, tokens
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen2"])
+def test_chunked_prefill_gives_the_greedy_tokens_of_one_prefill(tiny_model_dir, architecture):
+    path = tiny_model_dir(architecture)
+    head = load_head(path)
+    prompt_ids = head.encode_prompt(PROMPT)
+    hops = [load_layer_range(path, 0, 2), load_layer_range(path, 3, 5)]
+    whole_logits, whole_tokens = prefill_then_decode(head, hops, prompt_ids, len(prompt_ids), "whole")
+    for chunk_tokens in CHUNK_SIZES:
+        logits, tokens = prefill_then_decode(head, hops, prompt_ids, chunk_tokens, f"chunks-of-{chunk_tokens}")
+        assert tokens == whole_tokens, f"chunks of {chunk_tokens}"
+        # Attention over a grown cache sums in another order than over one block: equal to float rounding.
+        assert torch.allclose(logits, whole_logits, rtol=0, atol=1e-4), (
+            f"chunks of {chunk_tokens}: logits differ by {(logits - whole_logits).abs().max().item():.2e}")
+        assert all(runner.cached_tokens(f"chunks-of-{chunk_tokens}") == len(prompt_ids) + DECODE_STEPS
+                   for runner in hops)
+
+
+def test_chunk_spans_cover_the_prompt_once_in_order():
+    assert chunk_spans(10, 4) == [(0, 4), (4, 8), (8, 10)]
+    assert chunk_spans(10, 0) == [(0, 10)] == chunk_spans(10, 256)
+    with pytest.raises(ValueError):
+        chunk_spans(0, 4)
+
+
+async def test_the_local_fallback_prefills_in_chunks_to_the_same_greedy_token(tiny_model_dir):
+    local = load_full(tiny_model_dir("llama"))
+    prompt_ids = local.head.encode_prompt(PROMPT)
+    hidden = local.head.embed(prompt_ids)
+    whole, chunked = LocalChain(local), LocalChain(local)
+    try:
+        expected = await prefill(whole, hidden, 0)
+        output = await prefill(chunked, hidden, 7)
+        last_start, last_end = chunk_spans(len(prompt_ids), 7)[-1]
+        assert output.shape[1] == last_end - last_start  # the last chunk's output, all the sampler needs
+        greedy = SamplingParams(temperature=0.0)
+        assert local.head.sample(local.head.logits(output), greedy) == local.head.sample(
+            local.head.logits(expected), greedy)
+        assert local.runner.cached_tokens(chunked.session_id) == len(prompt_ids)
+    finally:
+        await whole.close()
+        await chunked.close()
