@@ -15,7 +15,7 @@ import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from events.streams import ALL_STREAMS
+from events.streams import ALL_STREAMS, SHARDS_STREAM
 from events.subjects import (
     INTEGRITY_EVENTS_WILDCARD,
     PIPELINE_EVENTS_WILDCARD,
@@ -54,10 +54,10 @@ def _stream_management() -> tuple[str, ...]:
     return tuple(f"{JS_API}.STREAM.{verb}.{stream}" for stream in ALL_STREAMS for verb in ("CREATE", "UPDATE", "INFO"))
 
 
-def _stream_reading() -> tuple[str, ...]:
-    """Read the event streams through consumers of one's own (projectors, routing, hearth-replay)."""
+def _stream_reading(streams: tuple[str, ...] = ALL_STREAMS) -> tuple[str, ...]:
+    """Read `streams` through consumers of one's own (projectors, routing, hearth-replay)."""
     reads = []
-    for stream in ALL_STREAMS:
+    for stream in streams:
         reads += [f"{JS_API}.STREAM.INFO.{stream}", f"{JS_API}.CONSUMER.CREATE.{stream}",
                   f"{JS_API}.CONSUMER.CREATE.{stream}.>", f"{JS_API}.CONSUMER.DELETE.{stream}.>",
                   f"{JS_API}.CONSUMER.INFO.{stream}.>", f"{JS_API}.CONSUMER.MSG.NEXT.{stream}.>",
@@ -72,9 +72,10 @@ def role_permissions(role: Role, name: str) -> Permissions:
     own_inbox = f"{inbox_prefix(name)}.>"
     if role == "shard":
         return Permissions(
-            # Stream reading: `hearth host` reads the mesh's coverage to choose its layers.
+            # The shards stream only: `hearth host` reads the mesh's coverage to choose its layers; the pipelines
+            # stream (who called, which hops) is none of a shard host's business.
             publish=(shard_events_subject_of_node(name), "hearth.act.>", "hearth.ack.>", "hearth.notice.>",
-                     *_stream_management(), *_stream_reading()),
+                     *_stream_management(), *_stream_reading((SHARDS_STREAM,))),
             subscribe=(f"hearth.ctl.{node}.>", f"hearth.act.{node}.>", f"hearth.ack.{node}.>",
                        "hearth.keepalive.>", own_inbox),
             allow_responses=True,
