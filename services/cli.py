@@ -22,6 +22,8 @@ from services.dashboards.cli import dashboards_app, status_command
 from services.gateway.command import gateway_command
 from services.host.cli import host_command
 from services.common.cli_options import (
+    HostNodeIdOption,
+    ModelIdOption,
     STOPPING_HELP,
     ConfigOption,
     CredsOption,
@@ -131,12 +133,8 @@ def shard_command(
     max_streams: Annotated[Optional[int], typer.Option(
         "--max-streams", min=1, help="Concurrent pipelines served (default: [shard] max_concurrent_streams).",
         show_default=False)] = None,
-    node_id: Annotated[
-        Optional[str], typer.Option("--node-id", help="This host's id (default: the machine's host name).")
-    ] = None,
-    model_id: Annotated[
-        Optional[str], typer.Option("--model-id", help="Id to advertise (default: folder name or hub id).")
-    ] = None,
+    node_id: HostNodeIdOption = None,
+    model_id: ModelIdOption = None,
     hop_weight: Annotated[float, typer.Option("--hop-weight", help="1.0 = same LAN; larger = farther.")] = 1.0,
     device: DeviceOption = None,
     dtype: DtypeOption = None,

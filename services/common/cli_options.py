@@ -237,3 +237,10 @@ BusyThreadsOption = Annotated[
                  help="Intra-op threads per step while this process serves more than one stream (default: all "
                       "of them). Set 1 when several hearth processes share this machine's cores."),
 ]
+# A shard host's identity options (`hearth shard`, `hearth host`).
+HostNodeIdOption = Annotated[
+    Optional[str], typer.Option("--node-id", help="This host's id (default: the machine's host name).")
+]
+ModelIdOption = Annotated[
+    Optional[str], typer.Option("--model-id", help="Id to advertise (default: folder name or hub id).")
+]

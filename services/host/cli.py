@@ -7,6 +7,8 @@ from typing import Annotated, Optional
 import typer
 
 from services.common.cli_options import (
+    HostNodeIdOption,
+    ModelIdOption,
     BusyThreadsOption,
     MetricsPortOption,
     ReadyFileOption,
@@ -37,12 +39,8 @@ def host_command(
     device: DeviceOption = None,
     dtype: DtypeOption = None,
     nats_url: NatsUrlOption = None,
-    node_id: Annotated[
-        Optional[str], typer.Option("--node-id", help="This host's id (default: the machine's host name).")
-    ] = None,
-    model_id: Annotated[
-        Optional[str], typer.Option("--model-id", help="Id to advertise (default: folder name or hub id).")
-    ] = None,
+    node_id: HostNodeIdOption = None,
+    model_id: ModelIdOption = None,
     torch_threads: TorchThreadsOption = None,
     busy_threads: BusyThreadsOption = None,
     ready_file: ReadyFileOption = None,
