@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -10,11 +11,11 @@ from typing import Literal
 import torch
 from torch import nn
 from transformers import DynamicCache, PretrainedConfig
-from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
-from .architectures import FULL_ATTENTION, SLIDING_ATTENTION, ArchitectureAdapter
+from .architectures import ArchitectureAdapter
 from .checkpoint import ModelInfo
 from .batched import DecodeRow, batched_decode_supported, run_batched_decode
+from .layer_pass import MASK_BUILDERS, LayerPass, SteppedForward
 from .errors import InferenceError, RunnerClosedError, SessionEvictedError, SessionStateError, SessionTooLargeError
 from .sessions import EvictedSession, SessionCaches, as_position, kv_bytes_per_token_per_layer
 from .static_decode import StaticDecoder, static_decode_supported
@@ -24,11 +25,6 @@ STEP_KINDS: tuple[str, ...] = ("prefill", "decode")
 
 DEFAULT_CACHE_BUDGET_BYTES = 1 << 30
 DEFAULT_SESSION_TTL_S = 600.0
-
-_MASK_BUILDERS = {
-    FULL_ATTENTION: create_causal_mask,
-    SLIDING_ATTENTION: create_sliding_window_causal_mask,
-}
 
 
 class LayerRangeRunner:
@@ -74,7 +70,7 @@ class LayerRangeRunner:
         self._layers = layers
         self._rotary_embedding = rotary_embedding
         self._attention_types = adapter.attention_types(config)
-        unknown = set(self._attention_types[self.layer_lo : self.layer_hi + 1]) - set(_MASK_BUILDERS)
+        unknown = set(self._attention_types[self.layer_lo : self.layer_hi + 1]) - set(MASK_BUILDERS)
         if unknown:
             raise ValueError(f"attention types {sorted(unknown)} are not supported by LayerRangeRunner")
         self._kv_bytes_per_token_per_layer = kv_bytes_per_token_per_layer(config, info.dtype)
@@ -104,19 +100,19 @@ class LayerRangeRunner:
 
     # ----------------------------------------------------------------- compute
 
-    def forward(
-        self,
-        session_id: str,
-        hidden_states: torch.Tensor,
-        start_pos: int,
-        kind: StepKind = "prefill",
-        layers: tuple[int, int] | None = None,
-    ) -> torch.Tensor:
+    def forward(self, session_id: str, hidden_states: torch.Tensor, start_pos: int, kind: StepKind = "prefill",
+                layers: tuple[int, int] | None = None) -> torch.Tensor:
         """Run one step of a session through the loaded layers (or the inclusive sub-range ``layers``).
 
         ``hidden_states`` is ``[1, T, hidden_size]`` for the T tokens at positions
         ``start_pos .. start_pos+T-1``; the result has the same shape, in the model's dtype.
         """
+        return self.begin_forward(session_id, hidden_states, start_pos, kind, layers).advance()
+
+    def begin_forward(self, session_id: str, hidden_states: torch.Tensor, start_pos: int,
+                      kind: StepKind = "prefill", layers: tuple[int, int] | None = None) -> SteppedForward:
+        """Check and start one step (as `forward`), to be run by its `advance` a few layers per call; other
+        sessions' steps may run between the calls (inference/layer_pass.py says why)."""
         if kind not in STEP_KINDS:
             raise ValueError(f"kind must be one of {STEP_KINDS}, got {kind!r}")
         if not isinstance(session_id, str) or not session_id:
@@ -133,16 +129,40 @@ class LayerRangeRunner:
                 session = self._caches.start(session_id)
             else:
                 session = self._continuing_session(session_id, start_pos, num_tokens, run_lo, run_hi)
-            try:
-                with torch.inference_mode():
-                    output = self._run_solo(session.cache, hidden_states, start_pos, run_lo, run_hi, kind)
-            except BaseException:
-                # A half-updated cache would silently corrupt the next step; the caller re-prefills instead.
-                self._caches.drop(session_id)
-                raise
-            self._caches.record_use(session_id)
-            self._caches.enforce_budget(keep=session_id)
+            step = SteppedForward(self._advance, session_id, session, (hidden_states, start_pos, run_lo, run_hi, kind))
+            if self._static is None:
+                with self._stepping(step), torch.inference_mode():
+                    step.layer_pass = LayerPass(
+                        config=self._config, layers=self._layers, rotary_embedding=self._rotary_embedding,
+                        attention_types=self._attention_types, cache=session.cache, hidden_states=hidden_states,
+                        start_pos=start_pos, run_lo=run_lo, run_hi=run_hi)
+            return step
+
+    def _advance(self, step: SteppedForward, max_layers: int | None) -> torch.Tensor | None:
+        with self._lock:
+            self._check_open()
+            if self._caches.get(step.session_id) is not step.session:
+                reason = self._caches.eviction_reason(step.session_id) or "reset or restarted"
+                raise SessionEvictedError(f"session {step.session_id!r} was evicted from layers {self.layer_lo}-"
+                                          f"{self.layer_hi} ({reason}) in the middle of a step; re-prefill from 0")
+            with self._stepping(step), torch.inference_mode():
+                if step.layer_pass is None:
+                    output = self._static.run(step.session.cache, *step.whole_step)
+                else:
+                    output = step.layer_pass.run(max_layers)
+            self._caches.record_use(step.session_id)
+            if output is not None:
+                self._caches.enforce_budget(keep=step.session_id)
             return output
+
+    @contextlib.contextmanager
+    def _stepping(self, step: SteppedForward) -> Iterator[None]:
+        try:
+            yield
+        except BaseException:
+            # A half-updated cache would silently corrupt the next step; the caller re-prefills instead.
+            self._caches.drop(step.session_id)
+            raise
 
     def decode_batch(self, steps: Sequence[DecodeRow],
                      layers: tuple[int, int] | None = None) -> list[torch.Tensor | Exception]:
@@ -202,7 +222,9 @@ class LayerRangeRunner:
                   kind: StepKind) -> torch.Tensor:
         if self._static is not None:
             return self._static.run(cache, hidden_states, start_pos, run_lo, run_hi, kind)
-        return self._run_layers(cache, hidden_states, start_pos, run_lo, run_hi)
+        return LayerPass(config=self._config, layers=self._layers, rotary_embedding=self._rotary_embedding,
+                         attention_types=self._attention_types, cache=cache, hidden_states=hidden_states,
+                         start_pos=start_pos, run_lo=run_lo, run_hi=run_hi).run()
 
     def _continuing_session(self, session_id: str, start_pos: int, num_tokens: int, run_lo: int, run_hi: int):
         """The session a non-initial step continues, checked (it exists, it is at ``start_pos``, it fits)."""
@@ -220,38 +242,6 @@ class LayerRangeRunner:
         self._check_continues(session_id, session.cache, start_pos, run_lo, run_hi)
         self._check_fits(num_tokens, run_lo, run_hi, already_cached_bytes=session.cached_bytes)
         return session
-
-    def _run_layers(
-        self, cache: DynamicCache, hidden_states: torch.Tensor, start_pos: int, run_lo: int, run_hi: int
-    ) -> torch.Tensor:
-        num_tokens = hidden_states.shape[1]
-        position_ids = torch.arange(start_pos, start_pos + num_tokens, device=hidden_states.device).unsqueeze(
-            0
-        )
-        position_embeddings = self._rotary_embedding(hidden_states, position_ids)
-        masks = {}
-        for layer_index in range(run_lo, run_hi + 1):
-            attention_type = self._attention_types[layer_index]
-            if attention_type not in masks:
-                # Sized against a layer this runner actually fills: the cache's other layers stay empty.
-                masks[attention_type] = _MASK_BUILDERS[attention_type](
-                    config=self._config,
-                    inputs_embeds=hidden_states,
-                    attention_mask=None,
-                    past_key_values=cache,
-                    position_ids=position_ids,
-                    layer_idx=layer_index,
-                )
-        for layer_index in range(run_lo, run_hi + 1):
-            output = self._layers[layer_index](
-                hidden_states,
-                attention_mask=masks[self._attention_types[layer_index]],
-                position_ids=position_ids,
-                past_key_values=cache,
-                position_embeddings=position_embeddings,
-            )
-            hidden_states = output[0] if isinstance(output, tuple) else output
-        return hidden_states
 
     # ----------------------------------------------------------------- sessions
 
@@ -392,3 +382,4 @@ class LayerRangeRunner:
                 f"this step would take the session's KV cache to ~{projected} bytes, more than the runner's "
                 f"whole budget of {self._caches.budget_bytes} bytes"
             )
+

@@ -24,6 +24,7 @@ import torch
 
 from inference import LayerRangeRunner
 from inference.batched import DecodeRow
+from inference.layer_pass import SteppedForward
 from inference.compute_thread import StepThreads, on_compute_thread, use_intra_op_threads
 from inference.host_staging import to_device, to_host
 from services.common.control_protocol import OpenHop
@@ -75,7 +76,8 @@ class ShardCompute:
 
     def __init__(self, runner: LayerRangeRunner, shard_id: str, *, fault: ShardFault | None = None,
                  step_threads: StepThreads | None = None, range_layers: int | None = None,
-                 batch_window_s: float = 0.0, max_batch_sessions: int = 1) -> None:
+                 batch_window_s: float = 0.0, max_batch_sessions: int = 1, prefill_slice_layers: int = 0,
+                 prefill_slice_min_tokens: int = 0) -> None:
         self.runner = runner
         self.shard_id = shard_id
         # Layers of the shard's whole range: a decode step of part of it is scaled up to this many.
@@ -89,6 +91,10 @@ class ShardCompute:
         self.active_streams = 0
         # Running bounds of the inputs received, per first layer run (see the module docstring).
         self._input_bounds: dict[int, NormBounds] = {}
+        # A prefill step of at least `prefill_slice_min_tokens` runs `prefill_slice_layers` layers per compute-thread
+        # trip, so other hops' steps run between its slices (inference/layer_pass.py); 0 layers: always whole.
+        self.prefill_slice_layers = prefill_slice_layers
+        self.prefill_slice_min_tokens = prefill_slice_min_tokens
         # Decode steps of several hops run as one batched step (services/shard/batcher.py) when more than one may.
         self.batcher = DecodeBatcher(self.run_batch, window_s=batch_window_s, max_sessions=max_batch_sessions,
                                      open_hops=lambda: self.active_streams) if max_batch_sessions > 1 else None
@@ -114,7 +120,11 @@ class ShardCompute:
             # One worker-thread trip per step (on a busy machine every hand-off costs a wake-up): the input
             # check, then the layers only if it passed.
             threads = self.step_threads.for_streams(self.active_streams)
-            failed_check, output = await on_compute_thread(self._check_and_forward, request, received, threads)
+            slice_layers = self._slice_layers(received)
+            failed_check, step, output = await on_compute_thread(self._check_and_forward, request, received, threads,
+                                                                 slice_layers)
+            while step is not None and output is None:
+                output = await on_compute_thread(self._advance, step, threads, slice_layers)
         finally:
             self.stats.steps_in_compute -= 1
         compute_s = time.perf_counter() - started
@@ -161,21 +171,39 @@ class ShardCompute:
         """Drop a session's KV cache; the bytes freed."""
         return await on_compute_thread(self._reset_and_measure, session_id)
 
-    def _check_and_forward(self, request: OpenHop, received: ReceivedStep,
-                           threads: int) -> tuple[str | None, torch.Tensor | None]:
-        """On the compute thread: check the step's input and run the layers only if it is sound (never garbage)."""
+    def _slice_layers(self, received: ReceivedStep) -> int | None:
+        """Layers per compute-thread trip for this step; None: the whole step in one trip."""
+        if (self.prefill_slice_layers and received.kind is FrameKind.prefill
+                and received.tensor.shape[1] >= self.prefill_slice_min_tokens):
+            return self.prefill_slice_layers
+        return None
+
+    def _check_and_forward(self, request: OpenHop, received: ReceivedStep, threads: int, slice_layers: int | None,
+                           ) -> tuple[str | None, SteppedForward | None, torch.Tensor | None]:
+        """On the compute thread: check the step's input and run the layers (all, or the first slice of them) only if
+        it is sound (never garbage); the failed check, or the step begun and its output once it has run whole."""
         use_intra_op_threads(threads)
         bounds = self._input_bounds.setdefault(request.layer_lo, NormBounds())
         failed_check = bounds.check(received.tensor)
         if failed_check is not None:
-            return failed_check, None
+            return failed_check, None, None
         self.fault.raise_if_failing()
         try:
             # On a GPU: input queued onto the device, the layers queued, one wait for the output's copy to pinned
             # host memory (inference/host_staging.py); on the CPU both are no-ops.
-            output = self.runner.forward(request.session_id, to_device(received.tensor, self.runner.device),
-                                         received.pos, received.kind.value, (request.layer_lo, request.layer_hi))
-            return None, to_host(output)
+            step = self.runner.begin_forward(request.session_id, to_device(received.tensor, self.runner.device),
+                                             received.pos, received.kind.value, (request.layer_lo, request.layer_hi))
+            output = step.advance(slice_layers)
+            return None, step, None if output is None else to_host(output)
+        finally:
+            self._measure_cache()
+
+    def _advance(self, step: SteppedForward, threads: int, slice_layers: int | None) -> torch.Tensor | None:
+        """On the compute thread: the next slice of a step begun by `_check_and_forward`; its output after the last."""
+        use_intra_op_threads(threads)
+        try:
+            output = step.advance(slice_layers)
+            return None if output is None else to_host(output)
         finally:
             self._measure_cache()
 

@@ -194,7 +194,9 @@ async def serve_loaded_shard(loaded: LoadedShard, *, nats_url: str | None, setti
     compute = ShardCompute(runner, shard_id, fault=ShardFault.parse(fault), step_threads=StepThreads(busy_threads),
                            range_layers=min(hi, identity.total_layers - 1) - lo + 1,
                            batch_window_s=settings.shard.batch_window_ms / 1000.0,
-                           max_batch_sessions=settings.shard.max_batch_sessions)
+                           max_batch_sessions=settings.shard.max_batch_sessions,
+                           prefill_slice_layers=settings.shard.prefill_slice_layers,
+                           prefill_slice_min_tokens=settings.shard.prefill_slice_min_tokens)
     server = ShardServer(nc, compute, identity, settings, hop_weight=hop_weight)
     server_ref.append(server)
     metrics_server = None

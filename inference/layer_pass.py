@@ -1,0 +1,103 @@
+"""LayerPass: one step's hidden states going through a contiguous run of decoder layers over one session's cache,
+all at once or a few layers at a time.
+
+Why in slices: a shard's steps share one compute thread (inference/compute_thread.py), so a long prefill chunk
+run as one call holds every other session's decode step for the whole chunk on that hop. Run a layer or two per
+call, the steps that arrived meanwhile get the thread between slices (services/shard/compute.py), and the wait a
+long prompt imposes shrinks from a chunk's time on the hop to a slice's. The arithmetic is the same either way:
+the rotary embedding and the masks are built once, against the cache as the step found it, and the layers run in
+order on the same tensors, so a sliced pass is bitwise equal to an unsliced one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+from transformers import DynamicCache, PretrainedConfig
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+from .architectures import FULL_ATTENTION, SLIDING_ATTENTION
+
+MASK_BUILDERS = {
+    FULL_ATTENTION: create_causal_mask,
+    SLIDING_ATTENTION: create_sliding_window_causal_mask,
+}
+
+
+class LayerPass:
+    """Layers ``run_lo..run_hi`` (inclusive) of one step, run in order by `run` calls; call under inference mode."""
+
+    def __init__(self, *, config: PretrainedConfig, layers: dict[int, nn.Module], rotary_embedding: nn.Module,
+                 attention_types: Sequence[str], cache: DynamicCache, hidden_states: torch.Tensor, start_pos: int,
+                 run_lo: int, run_hi: int) -> None:
+        self._layers = layers
+        self._attention_types = attention_types
+        self._cache = cache
+        self._run_hi = run_hi
+        self._next_layer = run_lo
+        self._hidden_states = hidden_states
+        num_tokens = hidden_states.shape[1]
+        self._position_ids = torch.arange(start_pos, start_pos + num_tokens,
+                                          device=hidden_states.device).unsqueeze(0)
+        self._position_embeddings = rotary_embedding(hidden_states, self._position_ids)
+        self._masks = {}
+        for layer_index in range(run_lo, run_hi + 1):
+            attention_type = attention_types[layer_index]
+            if attention_type not in self._masks:
+                # Sized against a layer this runner actually fills: the cache's other layers stay empty.
+                self._masks[attention_type] = MASK_BUILDERS[attention_type](
+                    config=config,
+                    inputs_embeds=hidden_states,
+                    attention_mask=None,
+                    past_key_values=cache,
+                    position_ids=self._position_ids,
+                    layer_idx=layer_index,
+                )
+
+    @property
+    def done(self) -> bool:
+        return self._next_layer > self._run_hi
+
+    @property
+    def layers_left(self) -> int:
+        return self._run_hi - self._next_layer + 1
+
+    def run(self, max_layers: int | None = None) -> torch.Tensor | None:
+        """Run the next `max_layers` layers (all that are left when None); the output once the last one has run."""
+        if self.done:
+            raise RuntimeError("this layer pass has already run its last layer")
+        if max_layers is not None and max_layers < 1:
+            raise ValueError(f"max_layers must be at least 1, got {max_layers}")
+        last = self._run_hi if max_layers is None else min(self._run_hi, self._next_layer + max_layers - 1)
+        hidden_states = self._hidden_states
+        for layer_index in range(self._next_layer, last + 1):
+            output = self._layers[layer_index](
+                hidden_states,
+                attention_mask=self._masks[self._attention_types[layer_index]],
+                position_ids=self._position_ids,
+                past_key_values=self._cache,
+                position_embeddings=self._position_embeddings,
+            )
+            hidden_states = output[0] if isinstance(output, tuple) else output
+        self._hidden_states = hidden_states
+        self._next_layer = last + 1
+        return hidden_states if self.done else None
+
+
+class SteppedForward:
+    """A step begun by `LayerRangeRunner.begin_forward`; each `advance` runs its next layers under the runner's lock."""
+
+    def __init__(self, advance: Callable[[SteppedForward, int | None], torch.Tensor | None], session_id: str,
+                 session, whole_step: tuple) -> None:
+        self._advance = advance
+        self.session_id = session_id
+        self.session = session  # the runner's record of the session, to notice it was evicted between advances
+        # (hidden states, start position, first layer, last layer, kind): what a static-cache step runs whole.
+        self.whole_step = whole_step
+        self.layer_pass: LayerPass | None = None  # None: the step runs whole on its first advance
+
+    def advance(self, max_layers: int | None = None) -> torch.Tensor | None:
+        """Run the next `max_layers` layers (all when None); the step's output once its last layer has run."""
+        return self._advance(self, max_layers)

@@ -1,0 +1,137 @@
+"""A step run a few layers at a time (LayerRangeRunner.begin_forward / advance, inference/layer_pass.py) equals the
+same step run whole, bitwise, for every tiny architecture, also when another session's steps run between its
+slices; a session evicted between slices makes the next slice raise SessionEvictedError and leaves no half cache."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import torch
+
+from inference import SamplingParams, SessionEvictedError, load_head, load_layer_range
+
+from inference.compute_thread import on_compute_thread
+from services.common.control_protocol import OpenHop
+from services.shard.compute import ShardCompute
+from services.transport import FrameKind, ReceivedStep
+from services.transport.frames import encode_step
+from services.transport.headers import StepInfo
+
+from .inference_tiny_models import ARCHITECTURES, TINY_NUM_LAYERS, one_torch_thread, tiny_model_dir  # noqa: F401
+
+PROMPT = "the quick brown fox jumps over the lazy dog, twice: the quick brown fox"
+
+
+def run_sliced(runner, session_id: str, hidden: torch.Tensor, start_pos: int, kind: str, slice_layers: int,
+               between=None) -> torch.Tensor:
+    step = runner.begin_forward(session_id, hidden, start_pos, kind)
+    slices = 0
+    while (output := step.advance(slice_layers)) is None:
+        slices += 1
+        if between is not None:
+            between()
+    assert slices == -(-runner.num_layers // slice_layers) - 1  # really run in slices, not whole
+    return output
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_sliced_prefill_and_decode_equal_whole_steps_bitwise(tiny_model_dir, architecture):
+    path = tiny_model_dir(architecture)
+    head = load_head(path)
+    whole, sliced = load_layer_range(path, 0, TINY_NUM_LAYERS - 1), load_layer_range(path, 0, TINY_NUM_LAYERS - 1)
+    prompt_ids = head.tokenizer.encode(PROMPT)
+    other_ids = head.tokenizer.encode("an unrelated session")
+    sliced.forward("other", head.embed(other_ids), 0, "prefill")
+    other_position = len(other_ids)
+
+    def other_session_decodes() -> None:
+        nonlocal other_position
+        sliced.forward("other", head.embed([7]), other_position, "decode")
+        other_position += 1
+
+    # Chunked like the orchestrator's prefill: the second chunk continues a cache the first one filled in slices.
+    split = len(prompt_ids) // 2
+    for start, chunk in ((0, prompt_ids[:split]), (split, prompt_ids[split:])):
+        expected = whole.forward("s", head.embed(chunk), start, "prefill")
+        got = run_sliced(sliced, "s", head.embed(chunk), start, "prefill", 2, between=other_session_decodes)
+        assert torch.equal(got, expected)
+    position = len(prompt_ids)
+    for _ in range(4):
+        token = head.sample(head.logits(expected), SamplingParams(temperature=0.0))
+        expected = whole.forward("s", head.embed([token]), position, "decode")
+        got = run_sliced(sliced, "s", head.embed([token]), position, "decode", 1, between=other_session_decodes)
+        assert torch.equal(got, expected)
+        position += 1
+    assert sliced.cached_tokens("s") == whole.cached_tokens("s") == position
+
+
+def test_a_session_evicted_between_slices_raises_and_keeps_no_half_cache(tiny_model_dir):
+    path = tiny_model_dir("llama")
+    head = load_head(path)
+    runner = load_layer_range(path, 0, TINY_NUM_LAYERS - 1)
+    step = runner.begin_forward("s", head.embed(head.tokenizer.encode(PROMPT)), 0, "prefill")
+    assert step.advance(2) is None
+    runner.reset("s")
+    with pytest.raises(SessionEvictedError, match="in the middle of a step"):
+        step.advance(2)
+    assert runner.cached_tokens("s") == 0
+
+    # Restarted meanwhile (a new prefill at 0 replaced the record): the old step must not write into the new cache.
+    step = runner.begin_forward("s", head.embed([5, 6, 7]), 0, "prefill")
+    assert step.advance(3) is None
+    runner.forward("s", head.embed([5, 6]), 0, "prefill")
+    with pytest.raises(SessionEvictedError):
+        step.advance(3)
+
+
+def test_advancing_a_finished_step_is_refused(tiny_model_dir):
+    path = tiny_model_dir("llama")
+    head = load_head(path)
+    runner = load_layer_range(path, 0, 1)
+    step = runner.begin_forward("s", head.embed([5, 6, 7]), 0, "prefill")
+    assert step.advance() is not None
+    with pytest.raises(RuntimeError, match="already run its last layer"):
+        step.advance()
+
+
+def _received(session_id: str, kind: FrameKind, pos: int, tensor: torch.Tensor) -> ReceivedStep:
+    header = encode_step(StepInfo(session=session_id, step=0, kind=kind, pos=pos), tensor).header("p1", 0, 0)
+    return ReceivedStep(header, tensor, None, 0, None, 0.0)
+
+
+def _open_hop(session_id: str, hi: int) -> OpenHop:
+    return OpenHop(pipeline_id="p1", session_id=session_id, hop=0, hop_count=1, model_id="tiny",
+                   weights_sha256="0" * 64, layer_lo=0, layer_hi=hi)
+
+
+@pytest.mark.parametrize("prefill_slice_layers", [0, 1])
+async def test_a_shards_steps_run_between_the_slices_of_a_long_prefill(tiny_model_dir, prefill_slice_layers):
+    """The compute thread is held while three steps queue: a long prefill, then a short call's decode step. Sliced,
+    the decode step runs after the prefill's first slice and ends first; whole, it waits for the whole prefill."""
+    path = tiny_model_dir("llama")
+    head = load_head(path)
+    runner = load_layer_range(path, 0, TINY_NUM_LAYERS - 1)
+    runner.forward("short", head.embed([5, 6, 7]), 0, "prefill")
+    compute = ShardCompute(runner, "shard-0", prefill_slice_layers=prefill_slice_layers, prefill_slice_min_tokens=8)
+    long_prompt = head.embed(head.tokenizer.encode(PROMPT * 2))
+    expected_long = load_layer_range(path, 0, TINY_NUM_LAYERS - 1).forward("long", long_prompt, 0, "prefill")
+    held = threading.Event()
+    blocker = asyncio.ensure_future(on_compute_thread(held.wait, 10.0))
+    finished: list[str] = []
+
+    async def step(name: str, kind: FrameKind, pos: int, tensor: torch.Tensor):
+        result = await compute.run(_open_hop(name, TINY_NUM_LAYERS - 1), _received(name, kind, pos, tensor))
+        finished.append(name)
+        return result
+
+    long_step = asyncio.ensure_future(step("long", FrameKind.prefill, 0, long_prompt))
+    await asyncio.sleep(0)  # the long prefill's first trip is queued on the compute thread before the short step's
+    short_step = asyncio.ensure_future(step("short", FrameKind.decode, 3, head.embed([8])))
+    await asyncio.sleep(0)
+    held.set()
+    long_result, _ = await asyncio.wait_for(asyncio.gather(long_step, short_step), timeout=30)
+    await blocker
+    assert finished == (["short", "long"] if prefill_slice_layers else ["long", "short"])
+    assert torch.equal(long_result.output, expected_long)
