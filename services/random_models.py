@@ -21,10 +21,17 @@ RANDOM_SHAPES: dict[str, dict[str, int]] = {
     # TinyLlama-1.1B's shape (1.1B parameters).
     "tinyllama-1.1b": dict(hidden_size=2048, num_hidden_layers=22, num_attention_heads=32, num_key_value_heads=4,
                            intermediate_size=5632, vocab_size=32000),
+    # Llama-3-8B's shape (8.0B parameters; issue 14's GPU target). Written in bf16 (16 GB), see BIG_SHAPES.
+    "llama3-8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                      intermediate_size=14336, vocab_size=128256),
     # For tests of the bench itself: seconds to write and run.
     "tiny": dict(hidden_size=64, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
                  intermediate_size=128, vocab_size=512),
 }
+# Shapes written in bf16 and initialised tensor by tensor on the fastest device at hand: in fp32 through
+# transformers' init, Llama-3-8B would need 32 GB of memory and of disk.
+BIG_SHAPES = frozenset({"llama3-8b"})
+random_init_std = 0.02  # LlamaConfig's initializer_range, what transformers' init draws linear weights with
 RANDOM_PREFIX = "random:"
 RANDOM_MARKER_FILE = "hearth-random-shape.json"
 random_max_positions = 4096
@@ -61,7 +68,7 @@ def random_checkpoint(spec: str, cache_dir: Path | None = None) -> Path:
     shutil.rmtree(staging, ignore_errors=True)
     print(f"writing random checkpoint {spec} to {folder} (once) ...", file=sys.stderr, flush=True)
     torch.manual_seed(random_init_seed)
-    model = LlamaForCausalLM(config).to(torch.float32).eval()
+    model = random_bf16_llama(config) if shape in BIG_SHAPES else LlamaForCausalLM(config).to(torch.float32).eval()
     model.save_pretrained(staging)
     del model
     vocab = {f"t{index}": index for index in range(dims["vocab_size"])}
@@ -73,3 +80,24 @@ def random_checkpoint(spec: str, cache_dir: Path | None = None) -> Path:
     shutil.rmtree(folder, ignore_errors=True)
     staging.rename(folder)
     return folder
+
+
+def random_bf16_llama(config):
+    """A bf16 LlamaForCausalLM with transformers' Llama init (normal weights, unit norms), built on the meta device
+    and filled tensor by tensor, so the only memory it takes is its bf16 weights (on CUDA when torch sees one)."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    # Only the saved weights are filled: non-persistent buffers (the rotary inv_freq) stay unset, and are not saved.
+    model = model.to_empty(device=device).eval()
+    generator = torch.Generator(device=device).manual_seed(random_init_seed)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("norm.weight"):
+                parameter.fill_(1.0)
+            else:
+                parameter.normal_(0.0, random_init_std, generator=generator)
+    return model.to("cpu") if device.type != "cpu" else model

@@ -13,8 +13,8 @@ from services.common.cli_options import DeviceOption, DtypeOption, TorchThreadsO
 def bench_command(
     model: Annotated[
         Optional[str], typer.Option("--model", help="Checkpoint folder, hub id in the local cache, or random:<shape> "
-                                    "(llama-250m, tinyllama-1.1b, tiny) for random weights (default: the bundled "
-                                    "model).",
+                                    "(llama-250m, tinyllama-1.1b, llama3-8b, tiny) for random weights (default: the "
+                                    "bundled model).",
                                     show_default=False)
     ] = None,
     shards: Annotated[int, typer.Option("--shards", min=1, help="Shard processes; the layers are split evenly.")] = 3,
