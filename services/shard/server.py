@@ -161,9 +161,10 @@ class ShardServer:
                 if reason is None:
                     continue
                 async with self._hop_changes:
-                    if self._hops.get(pipeline_id) is hop:  # not re-opened meanwhile
-                        log.info("pipeline %s: %s; closing its hop", pipeline_id, reason)
-                        await self._close_hop(pipeline_id)
+                    detached = self._detach_hop(pipeline_id) if self._hops.get(pipeline_id) is hop else None
+                if detached is not None:  # not re-opened meanwhile
+                    log.info("pipeline %s: %s; closing its hop", pipeline_id, reason)
+                    await self._finish_closing(pipeline_id, detached)
 
     async def stop(self, reason: str = "shutdown") -> None:
         if self._stopped:
@@ -203,11 +204,18 @@ class ShardServer:
         if isinstance(request, StatShard):
             await self._reply(msg, self.stat())
         elif isinstance(request, CloseHop):
+            # Detached under the lock, closed outside it: closing waits for the compute thread (the session's
+            # cache reset queues behind the step in progress there), and an `open` of another pipeline must not
+            # wait for that (it would be refused as `shard_unavailable` once control_timeout_s passed).
             async with self._hop_changes:
                 hop = self._hops.get(request.pipeline_id)
                 # A close naming an older session (sent before a failover re-opened this pipeline) is stale.
                 if hop is not None and request.session_id in (None, hop.request.session_id):
-                    await self._close_hop(request.pipeline_id)
+                    hop = self._detach_hop(request.pipeline_id)
+                else:
+                    hop = None
+            if hop is not None:
+                await self._finish_closing(request.pipeline_id, hop)
             await self._reply(msg, ControlReply(ok=True))
         else:
             async with self._hop_changes:
@@ -251,9 +259,16 @@ class ShardServer:
         return ControlReply(ok=True)
 
     async def _close_hop(self, pipeline_id: str) -> None:
+        hop = self._detach_hop(pipeline_id)
+        if hop is not None:
+            await self._finish_closing(pipeline_id, hop)
+
+    def _detach_hop(self, pipeline_id: str) -> ServedHop | None:
+        """Stop counting a hop as open (call under `_hop_changes`); `_finish_closing` then closes it."""
         hop = self._hops.pop(pipeline_id, None)
-        if hop is None:
-            return
         self.compute.active_streams = len(self._hops)
+        return hop
+
+    async def _finish_closing(self, pipeline_id: str, hop: ServedHop) -> None:
         freed = await hop.close()
         log.info("closed pipeline %s (freed %d cache bytes)", pipeline_id, freed)
