@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Runs issue 14's GPU checks on a lent GPU machine in a few stages that each fit one `device run` call (600 s):
+# the CUDA tests, then `hearth bench --device cuda --dtype bf16` on the TinyLlama-1.1B and Llama-3-8B shapes (GPU
+# memory per shard in the report) and the CPU figure of the same machine. Everything lands under $OUT.
+#
+# Here first (wheels the GPU machine's image lacks; it reaches no registry):
+#   bash ../shared/gpu/fetch-wheels.sh nkeys cryptography rich starlette uvicorn pytest-timeout hypothesis PyYAML
+# Then one `device run` per stage, carrying .whl:
+#   bash scripts/gpu_session.sh tests        # pytest -m cuda (devices, static decode + graphs, a CUDA mesh)
+#   bash scripts/gpu_session.sh tinyllama    # bench, TinyLlama-1.1B shape, bf16, 3 shards on the one GPU
+#   bash scripts/gpu_session.sh llama3-8b    # bench, Llama-3-8B shape (written once, bf16, 16 GB), 8 sessions
+#   bash scripts/gpu_session.sh cpu          # bench, llama-250m on the CPU (the "CPU does not get worse" figure)
+# HEARTH_GPU_DRY_RUN=1 runs the same stages on this CPU with tiny shapes, to check the script before device time.
+set -u
+stage=${1:?usage: gpu_session.sh tests|tinyllama|llama3-8b|cpu}
+out=${OUT:-/tmp/hearth-gpu-out}
+mkdir -p "$out"
+if [ -d .whl ] && [ -z "${HEARTH_GPU_DRY_RUN:-}" ]; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
+fi
+export HF_HUB_OFFLINE=1 HEARTH_CACHE_DIR=${HEARTH_CACHE_DIR:-/tmp/hearth-cache}
+python=${PYTHON:-python3}
+device=cuda
+dtype=bf16
+big=llama3-8b
+mid=tinyllama-1.1b
+if [ -n "${HEARTH_GPU_DRY_RUN:-}" ]; then
+  device=cpu; dtype=fp32; big=tiny; mid=tiny
+fi
+
+bench() {  # name, then hearth bench arguments
+  local name=$1; shift
+  echo "== $name: hearth bench $*" | tee -a "$out/stages.txt"
+  "$python" -m services.cli bench "$@" --json > "$out/bench-$name.json" 2> "$out/bench-$name.log"
+  echo "exit $?" | tee -a "$out/stages.txt"
+}
+
+command -v nvidia-smi > /dev/null && nvidia-smi > "$out/nvidia-smi.txt" 2>&1
+case "$stage" in
+  tests)
+    "$python" -m pytest -q -m cuda -p no:cacheprovider --timeout 300 tests/unit/test_inference_devices.py \
+      tests/unit/test_static_decode.py tests/e2e/test_cuda_mesh.py > "$out/cuda-tests.txt" 2>&1
+    echo "cuda tests exit $?" | tee -a "$out/stages.txt"
+    tail -5 "$out/cuda-tests.txt"
+    ;;
+  tinyllama)
+    bench "$mid-$device" --model "random:$mid" --device "$device" --dtype "$dtype" --repeats 3 --sessions 8
+    ;;
+  llama3-8b)
+    bench "$big-$device" --model "random:$big" --device "$device" --dtype "$dtype" --repeats 2 --sessions 8
+    ;;
+  cpu)
+    cpu_model=llama-250m
+    [ -n "${HEARTH_GPU_DRY_RUN:-}" ] && cpu_model=tiny
+    bench "$cpu_model-cpu" --model "random:$cpu_model" --device cpu --repeats 3 --sessions 4
+    ;;
+  *)
+    echo "unknown stage $stage (tests, tinyllama, llama3-8b or cpu)" >&2
+    exit 2
+    ;;
+esac
+tail -3 "$out/stages.txt"
