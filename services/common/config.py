@@ -283,6 +283,9 @@ class GatewaySettings(_Section):
         default=1024, ge=1, description="calls in flight at once; one more is refused with 429 `overloaded`")
     retry_after_s: float = Field(
         default=1.0, gt=0, description="the Retry-After of a 429 when the refusal names no wait of its own")
+    api_keys_recheck_s: float = Field(
+        default=1.0, gt=0, description="how often at most the gateway looks whether api_keys.json or the roster "
+                                       "changed (a key made or revoked takes effect within this, no restart)")
     models_timeout_s: float = Field(
         default=5.0, gt=0, description="how long asking `llm.models` (GET /v1/models, a model check) may take")
     shutdown_grace_s: float = Field(

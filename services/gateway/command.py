@@ -61,7 +61,7 @@ async def run_gateway(hearth_settings, nats_url: str, *, community_dir: Path | N
     from services.common.lifecycle import CommandRefused, unless_stopped
     from services.common.nats_connection import connect_nats, drain_or_close
     from services.gateway.app import create_app
-    from services.gateway.keys import ApiKeyError, ApiKeyring
+    from services.gateway.keys import ApiKeyError, WatchedApiKeyring
     from services.gateway.mesh import Gateway
 
     class Server(uvicorn.Server):
@@ -71,7 +71,7 @@ async def run_gateway(hearth_settings, nats_url: str, *, community_dir: Path | N
     keyring = None
     if community_dir is not None:
         try:
-            keyring = ApiKeyring.load(community_dir)
+            keyring = WatchedApiKeyring(community_dir, recheck_s=hearth_settings.gateway.api_keys_recheck_s)
         except ApiKeyError as error:
             raise CommandRefused(str(error)) from None
     nc = await unless_stopped(connect_nats(nats_url, name="hearth-gateway", settings=hearth_settings.nats), stop_event)

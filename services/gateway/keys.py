@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import os
 import secrets
 import tempfile
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -23,6 +26,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from trust.keys import KeyFileError, MemberKey, read_private_file
 from trust.roster import MEMBER_NAME_PATTERN, ROSTER_FILE, Roster, RosterError, seed_path
+
+log = logging.getLogger(__name__)
 
 API_KEYS_FILE = "api_keys.json"
 API_KEYS_FILE_MODE = 0o600
@@ -167,6 +172,62 @@ class ApiKeyring:
             if hmac.compare_digest(stored, digest):
                 found = caller
         return found
+
+
+class WatchedApiKeyring:
+    """A community folder's keyring, read again when api_keys.json or the roster changes, so a key made or revoked
+    (or a member removed) takes effect within `recheck_s`, with no restart of the gateway.
+
+    Checked on the calls themselves, at most once per `recheck_s`: one stat of each file, and a read only after a
+    change (a few kilobytes, so it stays on the event loop). A file that cannot be used after a change keeps the
+    last good keyring, with a warning, until the files change again.
+    """
+
+    def __init__(self, community_dir: Path, *, recheck_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.community_dir = community_dir
+        self.recheck_s = recheck_s
+        self._clock = clock
+        self._stamp = self._files_stamp()
+        self._keyring = ApiKeyring.load(community_dir)  # at start a bad file is an error, not a warning
+        self._checked_at = clock()
+
+    def _files_stamp(self) -> tuple:
+        stamps = []
+        for path in (self.community_dir / API_KEYS_FILE, self.community_dir / ROSTER_FILE):
+            try:
+                status = path.stat()
+            except FileNotFoundError:
+                stamps.append(None)
+                continue
+            stamps.append((status.st_mtime_ns, status.st_size, status.st_ino))
+        return tuple(stamps)
+
+    def current(self) -> ApiKeyring:
+        """The keyring as the files say now (read again only when they changed since the last check)."""
+        now = self._clock()
+        if now - self._checked_at < self.recheck_s:
+            return self._keyring
+        self._checked_at = now
+        stamp = self._files_stamp()
+        if stamp != self._stamp:
+            self._stamp = stamp
+            try:
+                self._keyring = ApiKeyring.load(self.community_dir)
+                log.info("API keys read again: %d keys of %d members", len(self._keyring),
+                         len(self._keyring.members))
+            except ApiKeyError as error:
+                log.warning("API keys not read again, the last good ones stay in use: %s", error)
+        return self._keyring
+
+    def __len__(self) -> int:
+        return len(self.current())
+
+    @property
+    def members(self) -> list[str]:
+        return self.current().members
+
+    def caller_for(self, api_key: str) -> Caller | None:
+        return self.current().caller_for(api_key)
 
 
 def bearer_token(authorization: str | None) -> str | None:

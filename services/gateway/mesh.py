@@ -31,7 +31,7 @@ from services.common.chat_protocol import (
 )
 from services.common.config import HearthSettings
 from services.gateway.errors import GatewayError, overloaded, unauthenticated, unknown_model
-from services.gateway.keys import ApiKeyring, Caller, bearer_token
+from services.gateway.keys import Caller, WatchedApiKeyring, bearer_token
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -47,7 +47,7 @@ class ClientGone(Exception):
 class Gateway:
     """State shared by every HTTP call: the connection, the keyring (None on an open mesh), the model list."""
 
-    def __init__(self, nc: NatsClient, settings: HearthSettings, keyring: ApiKeyring | None) -> None:
+    def __init__(self, nc: NatsClient, settings: HearthSettings, keyring: WatchedApiKeyring | None) -> None:
         self.nc = nc
         self.settings = settings
         self.keyring = keyring

@@ -10,7 +10,15 @@ import pytest
 from services.common.chat_protocol import BadRequest, DoneFrame, ErrorFrame, PipelineAbortedFrame, Usage
 from services.gateway.answers import ChatShape, CompletionShape, finish_reason
 from services.gateway.errors import from_frame
-from services.gateway.keys import API_KEYS_FILE, ApiKeyError, ApiKeyring, bearer_token, create_api_key, revoke_api_keys
+from services.gateway.keys import (
+    API_KEYS_FILE,
+    ApiKeyError,
+    ApiKeyring,
+    WatchedApiKeyring,
+    bearer_token,
+    create_api_key,
+    revoke_api_keys,
+)
 from services.gateway.openai_models import ChatCompletionRequest, CompletionRequest, Unsupported
 from trust.community import Community
 from trust.keys import MemberKey
@@ -130,3 +138,31 @@ def test_a_key_for_a_member_whose_key_is_not_here_is_refused(community):
 def test_bearer_tokens():
     assert bearer_token("Bearer abc") == bearer_token("bearer  abc ") == "abc"
     assert bearer_token(None) is bearer_token("Basic abc") is bearer_token("Bearer ") is None
+
+
+class SteppedClock:
+    def __init__(self) -> None:
+        self.now_s = 0.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+def test_a_running_gateway_sees_keys_made_and_revoked_within_the_recheck(community, caplog):
+    first = create_api_key(community.directory, "alice")
+    clock = SteppedClock()
+    keyring = WatchedApiKeyring(community.directory, recheck_s=1.0, clock=clock)
+    second = create_api_key(community.directory, "alice")
+    assert keyring.caller_for(second) is None  # not looked at again before the recheck interval
+    clock.now_s = 1.0
+    assert keyring.caller_for(second).name == "alice" and keyring.caller_for(first).name == "alice"
+    revoke_api_keys(community.directory, "alice")
+    clock.now_s = 2.0
+    assert keyring.caller_for(first) is None and keyring.caller_for(second) is None and len(keyring) == 0
+
+    third = create_api_key(community.directory, "alice")
+    (community.directory / API_KEYS_FILE).write_text("{ not json")  # a broken edit keeps the last good keys
+    clock.now_s = 3.0
+    assert keyring.caller_for(third) is None and len(keyring) == 0
+    assert "last good ones stay in use" in caplog.text
+
