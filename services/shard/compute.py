@@ -172,8 +172,9 @@ class ShardCompute:
         return await on_compute_thread(self._reset_and_measure, session_id)
 
     def _slice_layers(self, received: ReceivedStep) -> int | None:
-        """Layers per compute-thread trip for this step; None: the whole step in one trip."""
-        if (self.prefill_slice_layers and received.kind is FrameKind.prefill
+        """Layers per compute-thread trip for this step; None: the whole step in one trip (also while this hop is the
+        only one open: nobody waits for the thread, and on a GPU a turn costs about as much as a layer of a chunk)."""
+        if (self.prefill_slice_layers and self.active_streams > 1 and received.kind is FrameKind.prefill
                 and received.tensor.shape[1] >= self.prefill_slice_min_tokens):
             return self.prefill_slice_layers
         return None

@@ -29,12 +29,12 @@ NEW_TOKENS = 20
 
 @pytest.fixture(scope="module")
 def running_mesh(tmp_path_factory, tiny_models_dir):
-    """One mesh for the module: nats-server (64 KiB max payload), 3 shard hosts, an orchestrator. The shards run
-    every prefill step of 8 tokens or more a layer at a time (inference/layer_pass.py), so the parity tests below
-    cover sliced prefill through real processes too."""
+    """One mesh for the module: nats-server (64 KiB max payload), 3 shard hosts, an orchestrator. While several
+    hops are open, the shards run every prefill step of 4 tokens or more a layer at a time (inference/layer_pass.py),
+    so the concurrent calls' parity below covers sliced prefill through real processes too."""
     work_dir = tmp_path_factory.mktemp("mesh")
     with three_shard_mesh(work_dir, tiny_models_dir, nats_options={"max_payload_bytes": SMALL_MAX_PAYLOAD_BYTES},
-                          extra_env={"HEARTH_SHARD__PREFILL_SLICE_MIN_TOKENS": "8"}) as mesh:
+                          extra_env={"HEARTH_SHARD__PREFILL_SLICE_MIN_TOKENS": "4"}) as mesh:
         yield mesh
 
 
