@@ -144,7 +144,7 @@ def read_config_dict(path: Path) -> dict:
 class SafetensorsCheckpoint:
     """Which file holds each tensor of a single-file or sharded safetensors checkpoint; reads tensors by name.
 
-    Only the bytes of the requested tensors are ever touched (memory-mapped or read with pread(2), see ``read``);
+    Only the bytes of the requested tensors are ever touched, through safetensors' memory map (see ``read``);
     ``bytes_read`` counts them as stored.
     """
 

@@ -50,8 +50,13 @@ def reset_peak_rss() -> str:
     return "VmHWM reset before the load"
 
 
-def layer_range_of(case: str, num_layers: int) -> tuple[int, int]:
-    return (0, num_layers - 1) if case == "all_layers" else (0, max(1, num_layers // 3) - 1)
+def what_to_load(case: str, path: Path) -> str:
+    """"head", or the layer range "lo-hi" a case loads from the checkpoint at `path`."""
+    if case == "head":
+        return "head"
+    num_layers = json.loads((path / "config.json").read_text())["num_hidden_layers"]
+    hi = num_layers - 1 if case == "all_layers" else max(1, num_layers // 3) - 1
+    return f"0-{hi}"
 
 
 def warm_up_imports(path: Path) -> None:
@@ -64,8 +69,8 @@ def warm_up_imports(path: Path) -> None:
         AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
 
 
-def run_child(case: str, path: Path, dtype: str, device: str) -> dict:
-    """Inside a fresh process: load what ``case`` says and report its resident-memory figures."""
+def run_child(what: str, path: Path, dtype: str, device: str) -> dict:
+    """Inside a fresh process: load ``what`` ("head" or layers "lo-hi") and report its resident-memory figures."""
     sys.path.insert(0, str(REPO_ROOT))
     import torch
 
@@ -74,22 +79,19 @@ def run_child(case: str, path: Path, dtype: str, device: str) -> dict:
 
     torch.set_num_threads(1)
     warm_up_imports(path)
-    num_layers = json.loads((path / "config.json").read_text())["num_hidden_layers"]
-    lo, hi = layer_range_of(case, num_layers)
     gc.collect()
     peak_method = reset_peak_rss()
     rss_before_kib = proc_status_kib("VmRSS")
     started = time.perf_counter()
-    if case == "head":
+    if what == "head":
         loaded = inference.load_head(path, dtype=dtype, device=device, load_tokenizer=False)
-        layers = "head"
 
         def forward() -> None:
             loaded.logits(loaded.embed(list(range(1, 1 + FORWARD_TOKENS))))
 
     else:
+        lo, hi = (int(bound) for bound in what.split("-"))
         loaded = inference.load_layer_range(path, lo, hi, dtype=dtype, device=device)
-        layers = f"{lo}-{hi}"
 
         def forward() -> None:
             hidden = torch.randn(1, FORWARD_TOKENS, loaded.info.hidden_size, dtype=loaded.info.dtype, device=device)
@@ -104,8 +106,7 @@ def run_child(case: str, path: Path, dtype: str, device: str) -> dict:
     synchronize(loaded.device)
     gc.collect()
     return {
-        "case": case,
-        "layers": layers,
+        "layers": what,
         "dtype": dtype,
         "device": str(loaded.device),
         "weight_bytes": loaded.weight_bytes,
@@ -119,12 +120,13 @@ def run_child(case: str, path: Path, dtype: str, device: str) -> dict:
 
 
 def measure(case: str, path: Path, dtype: str, device: str) -> dict:
-    command = [sys.executable, __file__, "--child", case, "--path", str(path), "--dtype", dtype, "--device", device]
+    what = what_to_load(case, path)
+    command = [sys.executable, __file__, "--child", what, "--path", str(path), "--dtype", dtype, "--device", device]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1"}
     result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=CHILD_TIMEOUT_S)
     if result.returncode != 0:
         raise RuntimeError(f"{case} {dtype} failed:\n{result.stderr}")
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return {"case": case, **json.loads(result.stdout.strip().splitlines()[-1])}
 
 
 def format_table(rows: list[dict]) -> str:
@@ -153,7 +155,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (figures are host memory)")
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {', '.join(CASES)}")
     parser.add_argument("--json", type=Path, help="also write the raw figures to this file")
-    parser.add_argument("--child", choices=CASES, help=argparse.SUPPRESS)
+    parser.add_argument("--child", help=argparse.SUPPRESS)  # "head" or "lo-hi": what a measuring process loads
     parser.add_argument("--path", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--dtype", help=argparse.SUPPRESS)
     args = parser.parse_args()
