@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections import defaultdict
 from collections.abc import Iterable
@@ -19,6 +20,22 @@ SAFETENSORS_SINGLE_NAME = "model.safetensors"
 # What a snapshot needs for hearth: config, weights, tokenizer and chat template files; never *.bin/*.pt.
 HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "tokenizer*"]
 HUB_DOWNLOAD_WORKERS = 4
+# Host bytes one read of a tensor that is converted or sent to a GPU stages at most (one row when a row is larger).
+STAGING_CHUNK_BYTES = 4 * 1024 * 1024
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 
 _DTYPE_NAMES = {
     "float32": torch.float32,
@@ -127,12 +144,13 @@ def read_config_dict(path: Path) -> dict:
 class SafetensorsCheckpoint:
     """Which file holds each tensor of a single-file or sharded safetensors checkpoint; reads tensors by name.
 
-    Tensors are read through safetensors' memory map one by one, so only the bytes of the requested
-    tensors are ever touched; ``bytes_read`` counts them.
+    Only the bytes of the requested tensors are ever touched, through safetensors' memory map (see ``read``);
+    ``bytes_read`` counts them as stored.
     """
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, *, staging_chunk_bytes: int = STAGING_CHUNK_BYTES):
         self.path = path
+        self.staging_chunk_bytes = staging_chunk_bytes
         self.bytes_read = 0
         self._file_of: dict[str, Path] = {}
         index_file = path / SAFETENSORS_INDEX_NAME
@@ -163,9 +181,20 @@ class SafetensorsCheckpoint:
         """Every tensor name in the checkpoint."""
         return set(self._file_of)
 
-    def read(self, names: Iterable[str], device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-        """The named tensors, each read out of its file straight onto `device` (memory-mapped on the CPU, never
-        staged in host memory on a GPU); a missing name is a CheckpointError."""
+    def read(
+        self, names: Iterable[str], dtype: torch.dtype, device: torch.device | str = "cpu"
+    ) -> dict[str, torch.Tensor]:
+        """The named tensors on `device`, floating ones in `dtype` (others as stored); a missing name is a
+        CheckpointError.
+
+        On the CPU a tensor already stored in its final dtype is a zero-copy view of the memory-mapped file (no
+        resident memory until compute touches it). Every other tensor is allocated once, in its final dtype on
+        `device`, and filled ``staging_chunk_bytes`` of the file at a time (one row when a row is larger), each
+        chunk through its own short-lived memory map: closing it unmaps the chunk's pages, which would otherwise
+        stay resident in this process until the whole file is unmapped. So besides the result the host holds
+        one chunk at a time: never a whole converted tensor, nor (for a GPU) a host copy of the range.
+        """
+        target_device = torch.device(device)
         by_file: dict[Path, list[str]] = defaultdict(list)
         for name in names:
             if name not in self._file_of:
@@ -173,9 +202,38 @@ class SafetensorsCheckpoint:
             by_file[self._file_of[name]].append(name)
         tensors: dict[str, torch.Tensor] = {}
         for file, file_names in by_file.items():
-            with safe_open(file, framework="pt", device=str(device)) as handle:
+            with safe_open(file, framework="pt") as mapped:
                 for name in file_names:
-                    tensor = handle.get_tensor(name)
-                    self.bytes_read += tensor.numel() * tensor.element_size()
-                    tensors[name] = tensor
+                    stored = mapped.get_slice(name)
+                    shape = stored.get_shape()
+                    source = _torch_dtype(stored.get_dtype(), name)
+                    final = dtype if source.is_floating_point else source
+                    if target_device.type == "cpu" and final == source:
+                        tensors[name] = mapped.get_tensor(name)
+                    else:
+                        tensors[name] = _read_in_chunks(
+                            file, name, shape, source, final, target_device, self.staging_chunk_bytes)
+                    self.bytes_read += math.prod(shape) * source.itemsize
         return tensors
+
+
+def _torch_dtype(stored_dtype: str, name: str) -> torch.dtype:
+    if stored_dtype not in SAFETENSORS_DTYPES:
+        raise CheckpointError(f"tensor {name} is stored as {stored_dtype}, which hearth cannot load")
+    return SAFETENSORS_DTYPES[stored_dtype]
+
+
+def _read_in_chunks(file: Path, name: str, shape: list[int], source: torch.dtype, final: torch.dtype,
+                    device: torch.device, chunk_bytes: int) -> torch.Tensor:
+    """Tensor `name` allocated in `final` on `device`, filled by rows of its first dimension, each chunk read
+    through its own memory map of `file` (unmapped when the chunk is copied)."""
+    if not shape:
+        with safe_open(file, framework="pt") as handle:
+            return handle.get_tensor(name).to(device=device, dtype=final)
+    result = torch.empty(shape, dtype=final, device=device)
+    rows_per_chunk = max(1, chunk_bytes // max(1, math.prod(shape[1:]) * source.itemsize))
+    for first in range(0, shape[0], rows_per_chunk):
+        last = min(first + rows_per_chunk, shape[0])
+        with safe_open(file, framework="pt") as handle:
+            result[first:last].copy_(handle.get_slice(name)[first:last])
+    return result

@@ -3,9 +3,11 @@
 The whole ``*ForCausalLM`` is first instantiated on the meta device (no memory, public transformers
 classes, so the layers are exactly the ones from_pretrained would build); then only the wanted modules
 receive real tensors, read one by one from the safetensors files. Like ``from_pretrained``, tensors
-that need no dtype conversion stay memory-mapped from the checkpoint files: they become resident when
-first used and are shared through the page cache by every process that maps the same file, so a
-checkpoint must not be rewritten in place while it is being served.
+that need no dtype conversion stay memory-mapped from the checkpoint files on the CPU: they become
+resident when first used and are shared through the page cache by every process that maps the same
+file, so a checkpoint must not be rewritten in place while it is being served. Tensors converted to
+another dtype or sent to a GPU are written straight into their final tensor, a few MiB at a time, so
+loading a range never needs more host memory than its weights plus one such chunk.
 """
 
 from __future__ import annotations
@@ -47,21 +49,17 @@ class _Skeleton:
         return self.module_names[id(module)]
 
     def materialize(self, module: nn.Module) -> list[str]:
-        """Read the module's parameters and persistent buffers from the checkpoint onto the skeleton's device,
-        one module at a time (host memory never holds more than one module's converted tensors); returns their
-        names."""
+        """Read the module's parameters and persistent buffers from the checkpoint onto the skeleton's device, in
+        its dtype (staged through host memory one bounded chunk at a time: SafetensorsCheckpoint.read); returns
+        their names."""
         prefix = self.name_of(module) + "."
         local_names = list(module.state_dict(keep_vars=True))
         checkpoint_names = [prefix + name for name in local_names]
-        tensors = self.checkpoint.read(checkpoint_names, self.device)
-        state = {local: _to_dtype(tensors[prefix + local], self.info.dtype) for local in local_names}
+        tensors = self.checkpoint.read(checkpoint_names, self.info.dtype, self.device)
+        state = {local: tensors[prefix + local] for local in local_names}
         module.load_state_dict(state, strict=True, assign=True)
         module.requires_grad_(False)
         return checkpoint_names
-
-
-def _to_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return tensor.to(dtype) if tensor.is_floating_point() and tensor.dtype != dtype else tensor
 
 
 def _open_skeleton(

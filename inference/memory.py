@@ -7,6 +7,7 @@ chooses the range that fits its budget from these figures.
 
 from __future__ import annotations
 
+import math
 import re
 from collections import defaultdict
 from pathlib import Path
@@ -14,11 +15,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from .checkpoint import SafetensorsCheckpoint
+from .checkpoint import SAFETENSORS_DTYPES, SafetensorsCheckpoint
 
 _layer_name_re = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-_float_kinds = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1}
-_other_kinds = {"I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+_UNKNOWN_KIND_BYTES = 4
 MiB = 1024 * 1024
 
 
@@ -35,12 +35,12 @@ def layer_weight_bytes(model_path: Path, compute_dtype: torch.dtype) -> dict[int
         with safe_open(file, framework="pt") as handle:
             for name in names:
                 tensor = handle.get_slice(name)
-                count = 1
-                for size in tensor.get_shape():
-                    count *= size
-                kind = tensor.get_dtype()
-                totals[int(_layer_name_re.search(name).group(1))] += count * (
-                    element if kind in _float_kinds else _other_kinds.get(kind, 4))
+                stored = SAFETENSORS_DTYPES.get(tensor.get_dtype())
+                if stored is None:
+                    element_bytes = _UNKNOWN_KIND_BYTES
+                else:
+                    element_bytes = element if stored.is_floating_point else stored.itemsize
+                totals[int(_layer_name_re.search(name).group(1))] += math.prod(tensor.get_shape()) * element_bytes
     return dict(totals)
 
 
