@@ -10,9 +10,10 @@
 #   bash scripts/gpu_session.sh tinyllama    # bench, TinyLlama-1.1B shape, bf16, 3 shards on the one GPU
 #   bash scripts/gpu_session.sh llama3-8b    # bench, Llama-3-8B shape (written once, bf16, 16 GB), 8 sessions
 #   bash scripts/gpu_session.sh cpu          # bench, llama-250m on the CPU (the "CPU does not get worse" figure)
+#   bash scripts/gpu_session.sh load-memory  # host memory while loading ranges onto the GPU (bound: weights + 10 %)
 # HEARTH_GPU_DRY_RUN=1 runs the same stages on this CPU with tiny shapes, to check the script before device time.
 set -u
-stage=${1:?usage: gpu_session.sh tests|tinyllama|llama3-8b|cpu}
+stage=${1:?usage: gpu_session.sh tests|tinyllama|llama3-8b|cpu|load-memory}
 out=${OUT:-/tmp/hearth-gpu-out}
 mkdir -p "$out"
 if [ -d .whl ] && [ -z "${HEARTH_GPU_DRY_RUN:-}" ]; then
@@ -55,8 +56,14 @@ case "$stage" in
     [ -n "${HEARTH_GPU_DRY_RUN:-}" ] && cpu_model=tiny
     bench "$cpu_model-cpu" --model "random:$cpu_model" --device cpu --repeats 3 --sessions 4
     ;;
+  load-memory)
+    echo "== load-memory on $device" | tee -a "$out/stages.txt"
+    "$python" scripts/bench_load_memory.py --model "random:$mid" --device "$device" --dtypes "$dtype" \
+      --json "$out/load-memory.json" > "$out/load-memory.txt" 2>&1
+    echo "exit $?" | tee -a "$out/stages.txt"
+    ;;
   *)
-    echo "unknown stage $stage (tests, tinyllama, llama3-8b or cpu)" >&2
+    echo "unknown stage $stage (tests, tinyllama, llama3-8b, cpu or load-memory)" >&2
     exit 2
     ;;
 esac
