@@ -9,11 +9,12 @@
 #   bash scripts/gpu_session.sh tests        # pytest -m cuda (devices, static decode + graphs, a CUDA mesh)
 #   bash scripts/gpu_session.sh tinyllama    # bench, TinyLlama-1.1B shape, bf16, 3 shards on the one GPU
 #   bash scripts/gpu_session.sh llama3-8b    # bench, Llama-3-8B shape (written once, bf16, 16 GB), 8 sessions
+#   bash scripts/gpu_session.sh batching     # issue 13's batching figure on the GPU: 8 sessions, graphs on and off
 #   bash scripts/gpu_session.sh cpu          # bench, llama-250m on the CPU (the "CPU does not get worse" figure)
 #   bash scripts/gpu_session.sh load-memory  # host memory while loading ranges onto the GPU (bound: weights + 10 %)
 # HEARTH_GPU_DRY_RUN=1 runs the same stages on this CPU with tiny shapes, to check the script before device time.
 set -u
-stage=${1:?usage: gpu_session.sh tests|tinyllama|llama3-8b|cpu|load-memory}
+stage=${1:?usage: gpu_session.sh tests|tinyllama|llama3-8b|batching|cpu|load-memory}
 out=${OUT:-/tmp/hearth-gpu-out}
 mkdir -p "$out"
 if [ -d .whl ] && [ -z "${HEARTH_GPU_DRY_RUN:-}" ]; then
@@ -51,6 +52,16 @@ case "$stage" in
   llama3-8b)
     bench "$big-$device" --model "random:$big" --device "$device" --dtype "$dtype" --repeats 2 --sessions 8
     ;;
+  batching)
+    # With CUDA graphs (the default) a shard's sessions replay their own graphs one after another; with dynamic
+    # caches (graphs off) their decode steps run as one batched eager forward (inference/batched.py).
+    small=llama-250m
+    [ -n "${HEARTH_GPU_DRY_RUN:-}" ] && small=tiny
+    bench "batching-$small-graphs" --model "random:$small" --device "$device" --dtype "$dtype" --repeats 2 \
+      --sessions 8
+    bench "batching-$small-no-graphs" --model "random:$small" --device "$device" --dtype "$dtype" --repeats 2 \
+      --sessions 8 --env HEARTH_RESEARCH__DISTRIBUTED_INFERENCE__HOST__CUDA_GRAPH_MAX_TOKENS=0
+    ;;
   cpu)
     cpu_model=llama-250m
     [ -n "${HEARTH_GPU_DRY_RUN:-}" ] && cpu_model=tiny
@@ -63,7 +74,7 @@ case "$stage" in
     echo "exit $?" | tee -a "$out/stages.txt"
     ;;
   *)
-    echo "unknown stage $stage (tests, tinyllama, llama3-8b, cpu or load-memory)" >&2
+    echo "unknown stage $stage (tests, tinyllama, llama3-8b, batching, cpu or load-memory)" >&2
     exit 2
     ;;
 esac
