@@ -58,7 +58,7 @@ def bench_command(
     ] = None,
     pin_sessions: Annotated[
         Optional[list[int]], typer.Option("--pin-sessions", min=1, help="With --pin-cores: a number of concurrent "
-                                          "sessions to measure (repeatable; default 2N, 4N and 8).",
+                                          "sessions to measure (repeatable; default N, 2N, 4N and 8).",
                                           show_default=False)
     ] = None,
 ) -> None:
