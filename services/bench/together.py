@@ -6,8 +6,10 @@ against one process that runs the whole model on one core (issue 13, "together f
    hearth's own one-process path (inference.local.LocalModel), ``--repeats`` rounds each, alternating; the
    fastest run of either (end to end: tokens / time from the call to the last token, prefill included;
    decode: (tokens - 1) / first to last token) is the baseline, since neighbours on a shared machine only
-   ever slow a run down. The same worker then runs every session's prompt alone (generate()): the solo outputs.
-   It is closed before the mesh starts, so it competes with nothing.
+   ever slow a run down. The same worker then runs every session's prompt alone (generate()): the solo
+   outputs. It stays loaded, idle while the mesh runs, and runs the faster path once more before the first
+   mesh run and after each: every mesh run also gets a paired ratio against the two baseline runs around
+   it, so that a shared machine's drifting load weighs on both sides alike (the verdict's figure).
 2. Mesh: nats-server, N shard processes (layers split evenly), each under `taskset -c <its core>` with one
    intra-op thread, and an orchestrator, all as LocalCluster starts them; nats-server, the orchestrator
    (embedding, logits, sampling) and this client are not pinned, so on a machine with N cores they share
@@ -25,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import os
 import platform
+import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -33,6 +36,7 @@ from pathlib import Path
 from services.bench.errors import BenchError
 from services.bench.monolithic import MonolithicInfo, MonolithicWorker
 from services.bench.pipeline import pipeline_generation
+from services.bench.timing import GenerationTiming
 from services.bench.process_stats import cpu_seconds, cpus_allowed, own_cpu_seconds
 from services.bench.together_report import (
     BaselineFigures,
@@ -49,6 +53,7 @@ from services.demo import resolve_demo_model
 from services.random_models import RANDOM_PREFIX, random_checkpoint
 
 warmup_new_tokens = 4
+generate_path, local_path = "transformers generate()", "hearth LocalModel"
 step_timeout_s = 120.0
 ready_timeout_s = 600.0
 
@@ -80,6 +85,7 @@ def _progress(text: str) -> None:
 class Baseline:
     """What the one-core baseline gave: its figures, the prompts and every prompt's solo greedy tokens."""
 
+    worker: MonolithicWorker
     texts: list[str]
     solo: list[list[int]]
     sides: list[BaselineFigures]
@@ -101,6 +107,14 @@ class Baseline:
     def cpu_ms_per_token(self) -> float:
         """CPU per token of the cheaper path (the hardest baseline for the CPU-time ratio)."""
         return min(side.cpu_ms_per_token for side in self.sides)
+
+
+def _timed(worker: MonolithicWorker, path: str, text: str, new_tokens: int) -> tuple[GenerationTiming, float]:
+    """One greedy run of the baseline worker by `path`, and the CPU seconds the worker used for it."""
+    generate = worker.generate if path == generate_path else worker.generate_local
+    cpu_before = cpu_seconds(worker.process.pid)
+    run = generate(text, new_tokens)
+    return run, cpu_seconds(worker.process.pid) - cpu_before
 
 
 def _load_average() -> list[float]:
@@ -139,8 +153,11 @@ class TogetherBench:
                "HEARTH_ORCHESTRATOR__MAX_STREAMS_PER_CALLER": str(max_streams), **options.child_env}
         with LocalCluster(torch_threads=1, extra_env=env, log_level="WARNING", secure=options.secure) as cluster:
             baseline = self._baseline(cluster, model, cores[0], max(counts))
-            self._start_mesh(cluster, model, cores, max_streams)
-            report = run_event_loop(self._measure(cluster, model, cores, counts, baseline))
+            try:
+                self._start_mesh(cluster, model, cores, max_streams)
+                report = run_event_loop(self._measure(cluster, model, cores, counts, baseline))
+            finally:
+                baseline.worker.close()
         report.started_at = started_at
         report.machine.update(load_average_before=load_before, load_average_after=_load_average())
         report.targets = together_checks(report)
@@ -153,32 +170,32 @@ class TogetherBench:
         _progress(f"baseline: the whole model in one process on core {core}, one torch thread ...")
         worker = MonolithicWorker(model.path, {**quiet_torch_environment(1), **options.child_env}, 1,
                                   cluster.work_dir / "baseline.log", cpus=[core])
-        try:
+        try:  # it stays loaded (idle) while the mesh runs, for the baseline runs between the mesh's
             info = worker.wait_ready()
             pinned = PinnedProcess(name="baseline (whole model)", pid=worker.process.pid,
                                    cpus_allowed=cpus_allowed(worker.process.pid), pinned_to=[core])
             texts = [worker.prompt(options.prompt_tokens, variant)[0] for variant in range(prompts)]
             worker.generate(texts[0], warmup_new_tokens)
             worker.generate_local(texts[0], warmup_new_tokens)
-            runs = {"transformers generate()": [], "hearth LocalModel": []}
+            runs = {generate_path: [], local_path: []}
             cpu = {path: [] for path in runs}
             for round_index in range(options.repeats):
                 order = list(runs) if round_index % 2 == 0 else list(reversed(runs))
                 for path in order:
-                    generate = worker.generate if path.startswith("transformers") else worker.generate_local
-                    cpu_before = cpu_seconds(worker.process.pid)
-                    run = generate(texts[0], options.new_tokens)
-                    cpu[path].append(cpu_seconds(worker.process.pid) - cpu_before)
+                    run, cpu_s = _timed(worker, path, texts[0], options.new_tokens)
+                    cpu[path].append(cpu_s)
                     runs[path].append(run)
                     _progress(f"  {path:24s}: {run.tokens / run.end_s:6.2f} tokens/s end to end, "
                               f"{run.decode_tokens_per_s:6.2f} decode")
             _progress(f"  the {prompts} sessions' prompts alone (generate()), for the outputs ...")
-            solo = [runs["transformers generate()"][0].token_ids] + [
+            solo = [runs[generate_path][0].token_ids] + [
                 worker.generate(text, options.new_tokens).token_ids for text in texts[1:]]
-        finally:
+        except BaseException:
             worker.close()
+            raise
         first_tokens = [timings[0].token_ids for timings in runs.values()]
-        return Baseline(texts=texts, solo=solo, pinned=pinned, info=info, agree=first_tokens[0] == first_tokens[1],
+        return Baseline(worker=worker, texts=texts, solo=solo, pinned=pinned, info=info,
+                        agree=first_tokens[0] == first_tokens[1],
                         sides=[baseline_figures(path, timings, cpu[path]) for path, timings in runs.items()])
 
     # -------------------------------------------------------------- mesh
@@ -226,13 +243,20 @@ class TogetherBench:
             _progress("warming up the mesh ...")
             await asyncio.gather(*(pipeline_generation(nc, model_ref, text, warmup_new_tokens)
                                    for text in texts[:max(counts)]))
+            # A baseline run before the first mesh run and after each, so that each mesh run has one on either
+            # side and a shared machine's drifting load weighs on both alike (the paired ratio).
+            between = [await self._baseline_between(baseline)]
             for count in counts:
                 for repeat in range(options.repeats):
                     run = await self._sessions(nc, model_ref, texts[:count], solo[:count], pids, base_rates,
                                                baseline.cpu_ms_per_token, repeat)
+                    between.append(await self._baseline_between(baseline))
+                    run.baseline_around = between[-2:]
+                    run.paired_ratio = run.aggregate_tokens_per_s / (len(cores) * statistics.mean(between[-2:]))
                     runs.append(run)
                     _progress(f"  {count} sessions #{repeat + 1}: {run.aggregate_tokens_per_s:6.2f} tokens/s "
-                              f"aggregate, ratio {run.ratio:.3f}, same as solo: {run.outputs_match_solo}")
+                              f"aggregate, ratio {run.ratio:.3f} (paired {run.paired_ratio:.3f}), "
+                              f"same as solo: {run.outputs_match_solo}")
         finally:
             await asyncio.wait_for(nc.close(), timeout=5)
         info = baseline.info
@@ -248,7 +272,13 @@ class TogetherBench:
                       "child_env": options.child_env, "secure": options.secure},
             pinned=[baseline.pinned, *pinned], baselines=baseline.sides, baseline_used=baseline.best.path,
             baseline_end_to_end_tokens_per_s=base_rates[0], baseline_decode_tokens_per_s=base_rates[1],
-            baseline_paths_agree=baseline.agree, runs=runs)
+            baseline_paths_agree=baseline.agree, baseline_between=between, runs=runs)
+
+    async def _baseline_between(self, baseline: Baseline) -> float:
+        """One end-to-end run of the faster baseline path between mesh runs: its tokens/s."""
+        run, _ = await asyncio.to_thread(_timed, baseline.worker, baseline.best.path, baseline.texts[0],
+                                         self.options.new_tokens)
+        return run.tokens / run.end_s
 
     async def _sessions(self, nc, model_ref: str, texts: list[str], solo: list[list[int]], pids: dict[str, int],
                         base_rates: tuple[float, float], base_cpu_ms: float, repeat: int) -> SessionsRun:

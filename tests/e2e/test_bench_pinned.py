@@ -21,14 +21,14 @@ SESSIONS = (1, 3)
 # Two cores where the machine has them; the check that one core per shard was used holds for any N.
 CORES = min(2, len(os.sched_getaffinity(0)))
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = pytest.mark.timeout(300)
 
 
 def _bench(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "services.cli", "bench", "--model", "random:tiny", "--cache-dir", str(tmp_path),
          "--prompt-tokens", "8", "--new-tokens", str(NEW_TOKENS), "--repeats", "1", *args],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=150,
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=240,
     )
 
 
@@ -71,7 +71,10 @@ def test_pinned_shards_report_aggregate_ratio_and_pinning(tmp_path):
             run.aggregate_tokens_per_s / (CORES * report.baseline_end_to_end_tokens_per_s))
         assert {"orchestrator", "nats-server", "bench client"} <= set(run.cpu_s)
         assert {f"shard {index}" for index in range(CORES)} <= set(run.cpu_s)
+        assert run.paired_ratio is not None and len(run.baseline_around) == 2
         assert run.cpu_time_ratio >= 0 and all(seconds >= 0 for seconds in run.cpu_s.values())
+    # One baseline run before the first mesh run and one after each, on the baseline's core.
+    assert len(report.baseline_between) == len(report.runs) + 1
     assert len(report.targets) == len(SESSIONS)
 
 
