@@ -306,4 +306,5 @@ class TogetherBench:
             decode_ratio=decode / (cores * base_rates[1]) if decode else None,
             outputs_match_solo=all(timing.token_ids == expected for (_, timing), expected in zip(results, solo)),
             cpu_s=cpu_s, cpu_ms_per_token={name: round(1000 * seconds / tokens, 1) for name, seconds in cpu_s.items()},
-            cpu_time_ratio=base_cpu_ms / (1000 * mesh_cpu_s / tokens) if mesh_cpu_s else 0.0)
+            cpu_time_ratio=base_cpu_ms / (1000 * mesh_cpu_s / tokens) if mesh_cpu_s else 0.0,
+            mesh_cores_used=mesh_cpu_s / wall_s)

@@ -58,6 +58,9 @@ class SessionsRun(BaseModel):
     # Baseline CPU per token / the mesh's (shards, orchestrator, nats-server): the ratio if the N cores did
     # nothing else and stayed busy; the measured ratio falls short of it by neighbours' load and idle cores.
     cpu_time_ratio: float
+    # CPU seconds of the mesh's processes / wall seconds: how many of the cores the mesh got (at most N + the
+    # orchestrator's and nats-server's share of them).
+    mesh_cores_used: float = 0.0
     # End-to-end tokens/s of the baseline runs just before and just after this run, and the ratio against
     # their mean: the like-for-like figure when the machine's load drifts.
     baseline_around: list[float] = []
@@ -156,7 +159,8 @@ def format_together_report(report: TogetherReport) -> str:
                      f"{run.ratio:.3f}" + (f" | {run.decode_ratio:.3f}" if run.decode_ratio else "")
                      + (f", paired {run.paired_ratio:.3f}" if run.paired_ratio is not None else "")
                      + f", same as solo: {run.outputs_match_solo}")
-        lines.append(f"        CPU ms per token: {cpu}; CPU-time ratio {run.cpu_time_ratio:.3f}")
+        lines.append(f"        CPU ms per token: {cpu}; CPU-time ratio {run.cpu_time_ratio:.3f}; "
+                     f"cores used {run.mesh_cores_used:.2f}")
     lines += ["", "targets:"]
     lines += [f"  [{'met' if check.met else 'MISSED'}] {check.target}: {check.measured}" for check in report.targets]
     return "\n".join(lines)
