@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -66,6 +68,22 @@ def quiet_torch_environment(threads: int | None) -> dict[str, str]:
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
     return env
+
+
+def pinned_command(command: list[str], cpus: Sequence[int] | None) -> tuple[list[str], Callable[[], None] | None]:
+    """`command` made to run on `cpus` only (None or empty: anywhere), and the preexec_fn Popen needs for it.
+
+    util-linux `taskset -c` when it is installed: it sets the affinity and execs the command, so the pid Popen
+    returns is the command's and `ps` shows the pinning; without it, the child pins itself with
+    os.sched_setaffinity between fork and exec.
+    """
+    if not cpus:
+        return command, None
+    cores = sorted(set(cpus))
+    taskset = shutil.which("taskset")
+    if taskset is not None:
+        return [taskset, "-c", ",".join(str(core) for core in cores), *command], None
+    return command, lambda: os.sched_setaffinity(0, cores)
 
 
 def _metrics_port_in(args: list[str]) -> int | None:
@@ -224,7 +242,7 @@ class LocalCluster:
 
     def _spawn(self, name: str, args: list[str], *, wait_ready: bool = True, writes_ready_file: bool = True,
                member: tuple[str, Role] | None = None, env: dict[str, str] | None = None,
-               takes_metrics_port: bool = True) -> ManagedProcess:
+               takes_metrics_port: bool = True, cpus: Sequence[int] | None = None) -> ManagedProcess:
         if self.nats_url is None:
             raise ClusterError("start NATS (or give nats_url) before starting hearth processes")
         log_path = self.work_dir / f"{name}.log"
@@ -241,10 +259,11 @@ class LocalCluster:
         if metrics_port is None and self.metrics and takes_metrics_port:
             metrics_port = free_tcp_port()
             command += ["--metrics-port", str(metrics_port)]
+        command, pin = pinned_command(command, cpus)
         with open(log_path, "ab") as log_file:
             popen = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                      env=env, cwd=str(Path(__file__).resolve().parents[1]),
-                                     start_new_session=self.start_new_session)
+                                     start_new_session=self.start_new_session, preexec_fn=pin)
         process = ManagedProcess(name, popen, log_path, ready_file if writes_ready_file else None,
                                  metrics_port=metrics_port or None)
         self.processes.append(process)
@@ -264,12 +283,14 @@ class LocalCluster:
             time.sleep(ready_poll_interval_s)
 
     def start_shard(self, model: str, lo: int, hi: int, *, node_id: str, extra_args: list[str] = (),
-                    wait_ready: bool = True) -> ManagedProcess:
+                    wait_ready: bool = True, cpus: Sequence[int] | None = None) -> ManagedProcess:
+        """`hearth shard` serving layers lo..hi; `cpus`: the cores it may run on (None: any)."""
         args = ["shard", "--model", model, "--layers", f"{lo}-{hi}", "--node-id", node_id,
                 "--busy-threads", str(shared_machine_busy_threads), *extra_args]
         if self.torch_threads:
             args += ["--torch-threads", str(self.torch_threads)]
-        return self._spawn(f"shard-{node_id}-{lo}-{hi}", args, wait_ready=wait_ready, member=(node_id, "shard"))
+        return self._spawn(f"shard-{node_id}-{lo}-{hi}", args, wait_ready=wait_ready, member=(node_id, "shard"),
+                           cpus=cpus)
 
     def start_host(self, model: str, memory_budget_mb: float, *, node_id: str, extra_args: list[str] = (),
                    wait_ready: bool = True) -> ManagedProcess:

@@ -49,10 +49,23 @@ def bench_command(
                                           "cost).")] = True,
     device: DeviceOption = None,
     dtype: DtypeOption = None,
+    pin_cores: Annotated[
+        Optional[int], typer.Option("--pin-cores", min=1, help="Instead: N shard processes, each pinned to its own "
+                                    "core (taskset) with one torch thread, serving concurrent sessions, vs one "
+                                    "process running the whole model on one core (aggregate tokens/s and their "
+                                    "ratio to N x that; uses --model, --prompt-tokens, --new-tokens, --repeats, "
+                                    "--env, --insecure).", show_default=False)
+    ] = None,
+    pin_sessions: Annotated[
+        Optional[list[int]], typer.Option("--pin-sessions", min=1, help="With --pin-cores: a number of concurrent "
+                                          "sessions to measure (repeatable; default N, 2N, 4N and 8).",
+                                          show_default=False)
+    ] = None,
 ) -> None:
     """Monolithic generate() vs the distributed pipeline on this machine: tokens/s, ratio, TTFT, construction,
-    per-hop transport overhead, concurrent sessions, and a burst (--burst)."""
-    from services.bench.command import BenchOptions, run_bench_command
+    per-hop transport overhead, concurrent sessions, and a burst (--burst); or, with --pin-cores N, N pinned
+    shards together vs one process on one core."""
+    from services.bench.command import BenchOptions, run_bench_command, run_together_command
 
     child_env = {}
     for item in env or []:
@@ -60,6 +73,15 @@ def bench_command(
         if not separator or not key:
             raise typer.BadParameter(f"expected KEY=VALUE, got {item!r}", param_hint="--env")
         child_env[key] = value
+    if pin_cores is not None:
+        from services.bench.together import TogetherOptions
+
+        raise typer.Exit(run_together_command(TogetherOptions(
+            cores=pin_cores, model=model, sessions=list(pin_sessions or []), prompt_tokens=prompt_tokens,
+            new_tokens=new_tokens, repeats=repeats, cache_dir=cache_dir, child_env=child_env, secure=not insecure),
+            as_json=as_json))
+    if pin_sessions:
+        raise typer.BadParameter("only with --pin-cores", param_hint="--pin-sessions")
     options = BenchOptions(model=model, shards=shards, prompt_tokens=prompt_tokens, new_tokens=new_tokens,
                            sessions=sessions, repeats=repeats, torch_threads=torch_threads,
                            monolithic_threads=monolithic_threads, library_defaults_baseline=library_defaults,

@@ -1,7 +1,9 @@
 """The monolithic baseline: the whole model's generate() in a worker process, timed token by token, and its handle.
 
-The worker is ``python -m services.bench PATH [THREADS]`` (services/bench/__main__.py); it answers
-MonolithicJob lines on stdin with MonolithicReply lines on stdout.
+It can also time hearth's own one-process path (inference.local.LocalModel: the shards' runner over every layer
+plus the orchestrator's head), loaded on the first such job. The worker is ``python -m services.bench PATH
+[THREADS]`` (services/bench/__main__.py); it answers MonolithicJob lines on stdin with MonolithicReply lines on
+stdout.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 class MonolithicJob(BaseModel):
     """One request to the monolithic worker (a JSON line on its stdin)."""
 
-    kind: Literal["prompt", "generate"]
+    # generate: transformers generate(); generate_local: hearth's LocalModel, the same runner code the shards run.
+    kind: Literal["prompt", "generate", "generate_local"]
     prompt_tokens: int = 0
     variant: int = 0
     prompt: str = ""
@@ -71,6 +74,8 @@ class MonolithicModel:
             self.device, compute_dtype = resolve_placement(device, dtype)
             self.model = AutoModelForCausalLM.from_pretrained(path, dtype=compute_dtype).to(self.device).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self._device_options = (device, dtype)
+        self._local = None
         self.info = MonolithicInfo(parameters=sum(p.numel() for p in self.model.parameters()),
                                    dtype=str(next(self.model.parameters()).dtype).removeprefix("torch."),
                                    torch_threads=torch.get_num_threads(), torch_version=torch.__version__)
@@ -80,7 +85,8 @@ class MonolithicModel:
             text, ids = build_prompt(self.tokenizer, self.path, job.prompt_tokens, job.variant)
             return MonolithicReply(prompt=text, prompt_ids=ids)
         ids = list(self.tokenizer(job.prompt)["input_ids"])  # exactly as the orchestrator encodes a raw prompt
-        timing = self.generate(ids, job.new_tokens)
+        generate = self.generate_local if job.kind == "generate_local" else self.generate
+        timing = generate(ids, job.new_tokens)
         return MonolithicReply(prompt_ids=ids, token_times_s=timing.token_times_s, token_ids=timing.token_ids)
 
     def generate(self, prompt_ids: Sequence[int], new_tokens: int) -> GenerationTiming:
@@ -107,6 +113,23 @@ class MonolithicModel:
         with torch.inference_mode():
             self.model.generate(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
                                 max_new_tokens=new_tokens, do_sample=False, streamer=_Stamps())
+        return timing
+
+
+    def generate_local(self, prompt_ids: Sequence[int], new_tokens: int) -> GenerationTiming:
+        """Greedy through hearth's one-process path, timed per token from the call."""
+        from inference.local import load_full
+        from inference.sampling import SamplingParams
+
+        if self._local is None:
+            device, dtype = self._device_options
+            self._local = load_full(self.path, device=device, dtype=dtype)
+        timing = GenerationTiming()
+        started = time.perf_counter()
+        with self._torch.inference_mode():
+            for token_id in self._local.generate_ids(prompt_ids, SamplingParams(max_tokens=new_tokens)):
+                timing.token_times_s.append(time.perf_counter() - started)
+                timing.token_ids.append(token_id)
         return timing
 
 
@@ -138,14 +161,18 @@ class MonolithicWorker:
     """The bench's handle on the worker process (`python -m services.bench`)."""
 
     def __init__(self, model_path: Path, env: dict[str, str], torch_threads: int | None, log_path: Path, *,
-                 device: str | None = None, dtype: str | None = None) -> None:
+                 device: str | None = None, dtype: str | None = None, cpus: Sequence[int] | None = None) -> None:
+        """`cpus`: the cores the worker may run on (None: any)."""
+        from services.cluster import pinned_command
+
         self._log = open(log_path, "ab")
         command = [sys.executable, "-m", "services.bench", str(model_path), str(torch_threads or 0)]
         if device is not None or dtype is not None:
             command += [device or "auto", dtype or "auto"]
+        command, pin = pinned_command(command, cpus)
         self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
                                         env={**os.environ, **env}, text=True, bufsize=1,
-                                        cwd=str(REPO_ROOT))
+                                        cwd=str(REPO_ROOT), preexec_fn=pin)
         self.log_path = log_path
         self.info: MonolithicInfo | None = None
 
@@ -174,6 +201,11 @@ class MonolithicWorker:
 
     def generate(self, prompt: str, new_tokens: int) -> GenerationTiming:
         reply = self.ask(MonolithicJob(kind="generate", prompt=prompt, new_tokens=new_tokens))
+        return GenerationTiming(token_times_s=reply.token_times_s, token_ids=reply.token_ids)
+
+    def generate_local(self, prompt: str, new_tokens: int) -> GenerationTiming:
+        """The same request through hearth's one-process path (LocalModel)."""
+        reply = self.ask(MonolithicJob(kind="generate_local", prompt=prompt, new_tokens=new_tokens))
         return GenerationTiming(token_times_s=reply.token_times_s, token_ids=reply.token_ids)
 
     def kill(self) -> None:
