@@ -63,9 +63,13 @@ class BatchedSessions:
         for runner in self.runners:
             outputs = runner.decode_batch([DecodeRow(sid, hidden[sid], self.positions[sid]) for sid in ids])
             hidden = dict(zip(ids, outputs, strict=True))
-        for sid in ids:
-            self.tokens[sid].append(self.head.sample(self.head.logits(hidden[sid]), GREEDY))
+        for sid, token in zip(ids, self.next_tokens([hidden[sid] for sid in ids]), strict=True):
+            self.tokens[sid].append(token)
             self.positions[sid] += 1
+
+    def next_tokens(self, hidden_states) -> list[int]:
+        """Each row's greedy token from the states that left the last runner (one session at a time here)."""
+        return [self.head.sample(self.head.logits(states), GREEDY) for states in hidden_states]
 
 
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
