@@ -39,14 +39,6 @@ class DecodeBatcher:
                                           group=lambda queued: queued.layers, name="shard-decode-batcher")
 
     @property
-    def window_s(self) -> float:
-        return self._batcher.window_s
-
-    @property
-    def max_sessions(self) -> int:
-        return self._batcher.max_rows
-
-    @property
     def batches_total(self) -> int:
         return self._batcher.batches_total
 

@@ -72,20 +72,25 @@ class BatchedSessions:
         return [self.head.sample(self.head.logits(states), GREEDY) for states in hidden_states]
 
 
-@pytest.mark.parametrize("architecture", ARCHITECTURES)
-def test_eight_batched_sessions_give_their_solo_tokens(tiny_model_dir, architecture):
-    path = tiny_model_dir(architecture)
+def decode_eight_sessions_together(path, sessions: type[BatchedSessions] = BatchedSessions):
+    """Eight sessions over two runners decoded together, and each one's solo tokens."""
     head = load_head(path)
     runners = [load_layer_range(path, 0, 2), load_layer_range(path, 3, 5)]
     prompts = {f"s{i}": head.encode_prompt(text) for i, text in enumerate(PROMPTS)}
     expected = {sid: solo_tokens(runners, head, ids) for sid, ids in prompts.items()}
-    batch = BatchedSessions(runners, head)
+    batch = sessions(runners, head)
     for sid, ids in prompts.items():
         batch.join(sid, ids)
     for _ in range(NEW_TOKENS - 1):
         batch.step()
+    return batch, expected
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_eight_batched_sessions_give_their_solo_tokens(tiny_model_dir, architecture):
+    batch, expected = decode_eight_sessions_together(tiny_model_dir(architecture))
     assert batch.tokens == expected
-    assert runners[0]._batched  # the batched path ran, not the one-by-one fallback
+    assert batch.runners[0]._batched  # the batched path ran, not the one-by-one fallback
 
 
 def test_sessions_joining_and_leaving_mid_batch_leave_the_others_unchanged(tiny_model_dir):

@@ -11,14 +11,15 @@ import pytest
 import torch
 
 from inference import load_head, load_layer_range
+from inference.compute_thread import StepThreads
 from inference.head_batch import HeadRow, batched_next_tokens, solo_next_token
 from inference.sampling import SamplingParams
 from services.common.config import OrchestratorSettings
 from services.orchestrator.head_batcher import HeadSteps
-from inference.compute_thread import StepThreads
 
 from .inference_tiny_models import ARCHITECTURES, one_torch_thread, tiny_model_dir  # noqa: F401  (fixtures)
-from .test_batched_decode import GREEDY, NEW_TOKENS, PROMPTS, BatchedSessions, solo_tokens
+from .test_batched_decode import (GREEDY, NEW_TOKENS, PROMPTS, BatchedSessions, decode_eight_sessions_together,
+                                  solo_tokens)
 
 LONG_WINDOW_MS = 30_000.0
 
@@ -39,16 +40,7 @@ def rows_of(head, count: int, seed: int = 0) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
 def test_eight_sessions_with_a_batched_head_give_their_solo_tokens(tiny_model_dir, architecture):
-    path = tiny_model_dir(architecture)
-    head = load_head(path)
-    runners = [load_layer_range(path, 0, 2), load_layer_range(path, 3, 5)]
-    prompts = {f"s{i}": head.encode_prompt(text) for i, text in enumerate(PROMPTS)}
-    expected = {sid: solo_tokens(runners, head, ids) for sid, ids in prompts.items()}
-    batch = BatchedHeadSessions(runners, head)
-    for sid, ids in prompts.items():
-        batch.join(sid, ids)
-    for _ in range(NEW_TOKENS - 1):
-        batch.step()
+    batch, expected = decode_eight_sessions_together(tiny_model_dir(architecture), BatchedHeadSessions)
     assert batch.tokens == expected
 
 
