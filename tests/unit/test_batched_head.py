@@ -10,7 +10,7 @@ import asyncio
 import pytest
 import torch
 
-from inference import load_head, load_layer_range
+from inference import load_head
 from inference.compute_thread import StepThreads
 from inference.head_batch import HeadRow, batched_next_tokens, solo_next_token
 from inference.sampling import SamplingParams
@@ -18,8 +18,7 @@ from services.common.config import OrchestratorSettings
 from services.orchestrator.head_batcher import HeadSteps
 
 from .inference_tiny_models import ARCHITECTURES, one_torch_thread, tiny_model_dir  # noqa: F401  (fixtures)
-from .test_batched_decode import (GREEDY, NEW_TOKENS, PROMPTS, BatchedSessions, decode_eight_sessions_together,
-                                  solo_tokens)
+from .test_batched_decode import GREEDY, BatchedSessions, decode_eight_sessions_together, join_and_leave
 
 LONG_WINDOW_MS = 30_000.0
 
@@ -55,23 +54,8 @@ def test_batched_logits_stay_within_their_bound_of_the_solo_ones(tiny_model_dir,
 
 
 def test_sessions_joining_and_leaving_a_batched_head_leave_the_others_unchanged(tiny_model_dir):
-    path = tiny_model_dir("gemma2")  # soft-capped logits
-    head = load_head(path)
-    runners = [load_layer_range(path, 0, 5)]
-    prompts = {f"s{i}": head.encode_prompt(text) for i, text in enumerate(PROMPTS[:5])}
-    expected = {sid: solo_tokens(runners, head, ids) for sid, ids in prompts.items()}
-    batch = BatchedHeadSessions(runners, head)
-    for sid in ("s0", "s1"):
-        batch.join(sid, prompts[sid])
-    finished = {}
-    for step in range(1, NEW_TOKENS + 8):
-        if step in (2, 4, 6):
-            batch.join(f"s{step // 2 + 1}", prompts[f"s{step // 2 + 1}"])
-        for sid in [sid for sid, tokens in batch.tokens.items() if len(tokens) == NEW_TOKENS]:
-            finished[sid] = batch.leave(sid)
-        if not batch.positions:
-            break
-        batch.step()
+    joins = {2: "s2", 4: "s3", 6: "s4"}
+    finished, expected = join_and_leave(tiny_model_dir("gemma2"), BatchedHeadSessions, joins)  # soft-capped logits
     assert finished == expected
 
 
