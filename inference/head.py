@@ -48,6 +48,7 @@ class Head:
         self._tokenizer = tokenizer
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.checkpoint_bytes_read = checkpoint_bytes_read
+        self._head_row_norm: float | None = None
 
     # ----------------------------------------------------------------- tensors
 
@@ -78,6 +79,40 @@ class Head:
             logits = self._adapter.postprocess_logits(logits, self._config)
             # Same cast as generate(): scores are float32 whatever the compute dtype.
             return logits[0, -1].to(dtype=torch.float32)
+
+    def batch_logits(self, hidden_states: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Float32 next-token logits ``[B, vocab]`` of the last positions of B sessions' ``[1, T, hidden_size]``
+        states as one product, and per row a bound on how far each of its logits may lie from ``logits``' (B >= 1).
+
+        Why a bound: a product of B rows rounds differently from the one-row kernel (about 1e-6 apart in float32), so
+        a row whose best two logits lie closer than twice the bound may pick another token than it would alone; the
+        bound is the worst case of a length-``hidden_size`` dot product's accumulated rounding, for both products,
+        plus the rounding of the logits to the compute dtype (inference/head_batch.py uses it).
+        """
+        for states in hidden_states:
+            if states.dim() != 3 or states.shape[0] != 1 or states.shape[2] != self.info.hidden_size:
+                raise ValueError(f"hidden_states must have shape [1, T, {self.info.hidden_size}], "
+                                 f"got {list(states.shape)}")
+        with torch.inference_mode():
+            last = torch.cat([states[:, -1, :] for states in hidden_states]).to(
+                device=self.device, dtype=self.info.dtype)
+            normed = self._final_norm(last)
+            # W @ h^T rather than the module's h @ W^T: on CPU, BLAS runs the tall product 1.5-3 x faster for a few
+            # rows (BENCHMARKS.md, "Orchestrator head batched"); the bound below holds for any summation order.
+            products = (self._lm_head.weight @ normed.T).T
+            if getattr(self._lm_head, "bias", None) is not None:
+                products = products + self._lm_head.bias
+            logits = self._adapter.postprocess_logits(products, self._config).to(dtype=torch.float32)
+            accumulated = self.info.hidden_size * torch.finfo(torch.float32).eps * self._largest_head_row_norm()
+            rounded = 4 * torch.finfo(self.info.dtype).eps * logits.abs().amax(dim=1)
+            bound = 2 * accumulated * normed.float().norm(dim=1) + rounded
+            return logits, bound
+
+    def _largest_head_row_norm(self) -> float:
+        if self._head_row_norm is None:
+            with torch.inference_mode():
+                self._head_row_norm = float(self._lm_head.weight.float().norm(dim=1).amax())
+        return self._head_row_norm
 
     def sample(
         self, logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None

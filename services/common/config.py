@@ -238,6 +238,14 @@ class OrchestratorSettings(_Section):
         default=256, ge=0,
         description="a prompt is prefilled in steps of at most this many tokens, pipelined through the hops, so "
                     "other calls' tokens are computed between them; 0 prefills it in one step")
+    head_batch_sessions: int = Field(
+        default=8, ge=1,
+        description="the head steps (final norm + lm_head, sampling) of this many calls at most run as one batch "
+                    "(1: none)")
+    head_batch_window_ms: float = Field(
+        default=2.0, ge=0,
+        description="a head batch waits this long at most for the steps of other decoding calls (0: only what is "
+                    "ready); a call decoding alone never waits")
 
 
 class ShardSettings(_Section):

@@ -1,5 +1,6 @@
 """Prometheus metrics of an orchestrator: how its calls end, how long construction, the first token and decoding
-take, how long each hop holds a step as the orchestrator sees it, failovers, fallbacks and corruption.
+take, how long each hop holds a step as the orchestrator sees it, failovers, fallbacks and corruption, and how its
+calls' head steps are batched (counted by services/orchestrator/head_batcher.py).
 
 Most figures are taken from the audit events a PipelineRun records (`observe_event`, called by its `_record`), so
 the metrics and the event log cannot disagree and the pipeline code needs no extra calls. Two figures are not
@@ -63,6 +64,11 @@ shard_corruption_detected_total = counter(
 requests_total = counter(
     "hearth_requests_total", "Chat calls ended, by outcome: `ok`, or the code of the call's final error frame "
     "(`client_gone`, `orchestrator_gone`: ended without one).", ["code"])
+head_batches_total = counter(
+    "hearth_head_batches_total", "Head steps (final norm + lm_head, sampling) run as one batch for the calls whose "
+    "tokens were due together (continuous batching; a batch of one row counts too).")
+head_batch_rows_total = counter(
+    "hearth_head_batch_rows_total", "Call head steps run in those batches (rows / batches: the mean batch size).")
 calls_in_flight = gauge("hearth_calls_in_flight", "Calls running through a pipeline now (queued ones excluded).")
 
 for _reason in get_args(FailureKind):

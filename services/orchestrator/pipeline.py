@@ -29,8 +29,8 @@ from events.models import (
 )
 from events.outbox import EventOutbox
 from inference import SamplingParams, TextStream
-from inference.compute_thread import StepThreads, on_compute_thread, use_intra_op_threads
-from inference.host_staging import to_host
+from inference.compute_thread import on_compute_thread
+from inference.head_batch import HeadRow
 from readmodels.runner import Projector
 from services.common.chat_protocol import (
     DoneFrame,
@@ -47,6 +47,7 @@ from services.orchestrator.call import Call
 from services.orchestrator.capacity import ShardLoad
 from services.orchestrator.catalog import ModelCatalog
 from services.orchestrator.chain import HopChain, LocalChain
+from services.orchestrator.head_batcher import HeadSteps
 from services.orchestrator.health import RecentFailures
 from services.orchestrator.metrics import observe_event
 from services.orchestrator.prefill import prefill
@@ -70,7 +71,8 @@ class RunContext:
     catalog: ModelCatalog
     outbox: EventOutbox
     recent_failures: RecentFailures
-    step_threads: StepThreads
+    # Every call's per-token head work, batched across the calls decoding at once.
+    head_steps: HeadSteps
     # Per model: bounds of the activations that reach us (the sink's integrity check), shared by all calls.
     sink_bounds: dict[str, NormBounds]
     # The streams this orchestrator holds on each shard and the shards that just refused it (live routing room).
@@ -328,17 +330,21 @@ class PipelineRun:
     async def _generate(self, chain: HopChain | LocalChain, decoding: Decoding) -> str | StepFailure:
         """Re-prefill everything known so far through `chain`, then decode until a stop or max_tokens; the
         finish reason, or the failure that stopped the chain."""
-        call, head = self.call, self.call.model.head
-        params = decoding.params
-        hidden = await on_compute_thread(head.embed, call.known_ids)
+        hidden = await on_compute_thread(self.call.model.head.embed, self.call.known_ids)
         output = await prefill(chain, hidden, self.ctx.settings.orchestrator.prefill_chunk_tokens)
+        with self.ctx.head_steps.decoding():
+            return await self._decode(chain, decoding, output)
+
+    async def _decode(self, chain: HopChain | LocalChain, decoding: Decoding,
+                      output: torch.Tensor | StepFailure) -> str | StepFailure:
+        call, params = self.call, decoding.params
         while True:
             if isinstance(output, StepFailure):
                 return output
-            # One worker-thread trip per token (hand-offs cost most on a busy machine): sample, and embed
-            # the sampled token for the next step (wasted only on the last token).
-            threads = self.ctx.step_threads.for_streams(self.ctx.running_calls)
-            token_id, next_hidden = await on_compute_thread(self._sample_and_embed, output, decoding, threads)
+            # One compute-thread trip per token, shared with the other calls' (HeadSteps): sample, and embed the
+            # sampled token for the next step (wasted only on the last token).
+            token_id, next_hidden = await self.ctx.head_steps.next_token(
+                call.model.head, HeadRow(output, params, decoding.generator))
             call.generated.append(token_id)
             delta = decoding.text_stream.push(token_id)
             first_token = call.first_token_at is None
@@ -359,12 +365,6 @@ class PipelineRun:
             # The position of the token just sampled, which the next step feeds in.
             position = len(call.prompt_ids) + len(call.generated) - 1
             output = await chain.step(FrameKind.decode, position, next_hidden)
-
-    def _sample_and_embed(self, output: torch.Tensor, decoding: Decoding, threads: int) -> tuple[int, torch.Tensor]:
-        use_intra_op_threads(threads)
-        head = self.call.model.head
-        token_id = head.sample(head.logits(output), decoding.params, decoding.generator)
-        return token_id, to_host(head.embed([token_id]))
 
     # ------------------------------------------------------------------ endings
 

@@ -44,6 +44,7 @@ from services.orchestrator.catalog import ModelCatalog, UnknownModel
 from services.orchestrator.discovery import describe_models
 from services.orchestrator.health import RecentFailures
 from services.orchestrator.metrics import calls_in_flight, count_request
+from services.orchestrator.head_batcher import HeadSteps
 from services.orchestrator.pipeline import PipelineRun, RunContext
 from services.orchestrator.queue import FairQueue, LeftQueue, Overloaded
 from services.orchestrator.router import ShardRouter
@@ -110,7 +111,8 @@ class Orchestrator:
             nc=self.nc, node_id=self.node_id, settings=self.settings, router=router, projector=self.projector,
             catalog=self.catalog, outbox=self.outbox,
             recent_failures=RecentFailures(distributed.shard_health_timeout_seconds),
-            step_threads=self._step_threads, sink_bounds={},
+            head_steps=HeadSteps(self.settings.orchestrator, self._step_threads, lambda: self.context.running_calls),
+            sink_bounds={},
             load=ShardLoad(retry_s=self.settings.orchestrator.at_capacity_retry_s))
         self._subscription = await self.nc.subscribe(CHAT_REQUEST_SUBJECT, queue=ORCHESTRATOR_QUEUE_GROUP,
                                                      cb=self._on_request)
@@ -129,6 +131,8 @@ class Orchestrator:
         if self._requests:
             await asyncio.gather(*self._requests, return_exceptions=True)
         await self.queue.close()
+        if self.context is not None:
+            await self.context.head_steps.close()
         await self.outbox.stop(self.settings.orchestrator.event_flush_timeout_s)
         await self.projector.stop()
         self.catalog.close()

@@ -63,47 +63,60 @@ class BatchedSessions:
         for runner in self.runners:
             outputs = runner.decode_batch([DecodeRow(sid, hidden[sid], self.positions[sid]) for sid in ids])
             hidden = dict(zip(ids, outputs, strict=True))
-        for sid in ids:
-            self.tokens[sid].append(self.head.sample(self.head.logits(hidden[sid]), GREEDY))
+        for sid, token in zip(ids, self.next_tokens([hidden[sid] for sid in ids]), strict=True):
+            self.tokens[sid].append(token)
             self.positions[sid] += 1
 
+    def next_tokens(self, hidden_states) -> list[int]:
+        """Each row's greedy token from the states that left the last runner (one session at a time here)."""
+        return [self.head.sample(self.head.logits(states), GREEDY) for states in hidden_states]
 
-@pytest.mark.parametrize("architecture", ARCHITECTURES)
-def test_eight_batched_sessions_give_their_solo_tokens(tiny_model_dir, architecture):
-    path = tiny_model_dir(architecture)
+
+def decode_eight_sessions_together(path, sessions: type[BatchedSessions] = BatchedSessions):
+    """Eight sessions over two runners decoded together, and each one's solo tokens."""
     head = load_head(path)
     runners = [load_layer_range(path, 0, 2), load_layer_range(path, 3, 5)]
     prompts = {f"s{i}": head.encode_prompt(text) for i, text in enumerate(PROMPTS)}
     expected = {sid: solo_tokens(runners, head, ids) for sid, ids in prompts.items()}
-    batch = BatchedSessions(runners, head)
+    batch = sessions(runners, head)
     for sid, ids in prompts.items():
         batch.join(sid, ids)
     for _ in range(NEW_TOKENS - 1):
         batch.step()
+    return batch, expected
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_eight_batched_sessions_give_their_solo_tokens(tiny_model_dir, architecture):
+    batch, expected = decode_eight_sessions_together(tiny_model_dir(architecture))
     assert batch.tokens == expected
-    assert runners[0]._batched  # the batched path ran, not the one-by-one fallback
+    assert batch.runners[0]._batched  # the batched path ran, not the one-by-one fallback
 
 
-def test_sessions_joining_and_leaving_mid_batch_leave_the_others_unchanged(tiny_model_dir):
-    path = tiny_model_dir("qwen2")  # mixed full and sliding layers
+def join_and_leave(path, sessions: type[BatchedSessions], joins: dict[int, str]) -> tuple[dict, dict]:
+    """Sessions s0..s4 over one runner: those not in `joins` (step -> session) start together, the others join at
+    their step, and each leaves after NEW_TOKENS tokens; the tokens each finished with, and its solo tokens."""
     head = load_head(path)
     runners = [load_layer_range(path, 0, 5)]
     prompts = {f"s{i}": head.encode_prompt(text) for i, text in enumerate(PROMPTS[:5])}
     expected = {sid: solo_tokens(runners, head, ids) for sid, ids in prompts.items()}
-    batch = BatchedSessions(runners, head)
-    for sid in ("s0", "s1", "s2"):
+    batch = sessions(runners, head)
+    for sid in sorted(set(prompts) - set(joins.values())):
         batch.join(sid, prompts[sid])
     finished = {}
-    for step in range(1, NEW_TOKENS + 6):
-        if step == 3:
-            batch.join("s3", prompts["s3"])
-        if step == 5:
-            batch.join("s4", prompts["s4"])
+    for step in range(1, NEW_TOKENS + 2 * len(joins) + 2):
+        if step in joins:
+            batch.join(joins[step], prompts[joins[step]])
         for sid in [sid for sid, tokens in batch.tokens.items() if len(tokens) == NEW_TOKENS]:
             finished[sid] = batch.leave(sid)
         if not batch.positions:
             break
         batch.step()
+    return finished, expected
+
+
+def test_sessions_joining_and_leaving_mid_batch_leave_the_others_unchanged(tiny_model_dir):
+    finished, expected = join_and_leave(tiny_model_dir("qwen2"), BatchedSessions, {3: "s3", 5: "s4"})  # mixed layers
     assert finished == expected
 
 

@@ -1,0 +1,97 @@
+"""HeadSteps: the orchestrator's per-token head work for its calls (final norm + lm_head, sampling, and the embedding
+of the sampled token), batched across the calls that decode at once, as a shard batches their layers' decode steps.
+
+With `[orchestrator] head_batch_sessions` > 1 the head steps ready together run as one trip to the compute thread and
+one lm_head product (inference/head_batch.py: greedy rows match their solo tokens exactly, seeded rows are computed
+alone); each call's sampling stays its own. Batching is continuous (services/common/batching.py): a batch waits up to
+`head_batch_window_ms` for more steps only while fewer are queued than calls are in their decode loop, so a call
+decoding alone never waits, and a batch of one row takes the solo path. Rows of different models wait for their own
+batch. The embedding of each sampled token (a row lookup, ~0.05 ms) stays per row in the same trip.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from inference import Head
+from inference.compute_thread import StepThreads, on_compute_thread, use_intra_op_threads
+from inference.head_batch import HeadRow, batched_next_tokens, solo_next_token
+from inference.host_staging import to_host
+from services.common.batching import ContinuousBatcher
+from services.common.config import OrchestratorSettings
+from services.common.metrics import metrics_observed
+from services.orchestrator.metrics import head_batch_rows_total, head_batches_total
+
+
+@dataclass(frozen=True)
+class HeadStep:
+    """One call's head step waiting for a batch: its model's head and its row."""
+
+    head: Head
+    row: HeadRow
+
+
+class HeadSteps:
+    """Turns the hidden states leaving a call's last hop into its next token and that token's embedding."""
+
+    def __init__(self, settings: OrchestratorSettings, step_threads: StepThreads,
+                 running_calls: Callable[[], int]) -> None:
+        self._step_threads = step_threads
+        self._running_calls = running_calls
+        self.decoding_calls = 0
+        self._batcher = ContinuousBatcher(
+            self._run_batch, window_s=settings.head_batch_window_ms / 1000.0, max_rows=settings.head_batch_sessions,
+            open_streams=lambda: self.decoding_calls, group=lambda step: id(step.head),
+            name="orchestrator-head-batcher",
+        ) if settings.head_batch_sessions > 1 else None
+
+    @property
+    def batching_figures(self) -> tuple[int, int]:
+        """Head batches run and the call rows in them since start ((0, 0) with batching off)."""
+        return (self._batcher.batches_total, self._batcher.rows_total) if self._batcher is not None else (0, 0)
+
+    @contextlib.contextmanager
+    def decoding(self) -> Iterator[None]:
+        """Count a call as decoding (one head step per token expected from it) while inside."""
+        self.decoding_calls += 1
+        try:
+            yield
+        finally:
+            self.decoding_calls -= 1
+
+    async def next_token(self, head: Head, row: HeadRow) -> tuple[int, torch.Tensor]:
+        """The call's next token for the row's hidden states and that token's embedding, on the host."""
+        if self._batcher is None:
+            return await on_compute_thread(self._solo, head, row, self._threads())
+        return await self._batcher.submit(HeadStep(head, row))
+
+    async def close(self) -> None:
+        if self._batcher is not None:
+            await self._batcher.close()
+
+    def _threads(self) -> int:
+        return self._step_threads.for_streams(self._running_calls())
+
+    @staticmethod
+    def _solo(head: Head, row: HeadRow, threads: int) -> tuple[int, torch.Tensor]:
+        use_intra_op_threads(threads)
+        token_id = solo_next_token(head, row)
+        return token_id, to_host(head.embed([token_id]))
+
+    async def _run_batch(self, steps: list[HeadStep]) -> list:
+        if metrics_observed():
+            head_batches_total.inc()
+            head_batch_rows_total.inc(len(steps))
+        return await on_compute_thread(self._tokens_and_embeddings, steps, self._threads())
+
+    @staticmethod
+    def _tokens_and_embeddings(steps: list[HeadStep], threads: int) -> list:
+        use_intra_op_threads(threads)
+        head = steps[0].head
+        outcomes = batched_next_tokens(head, [step.row for step in steps])
+        return [outcome if isinstance(outcome, Exception) else (outcome, to_host(head.embed([outcome])))
+                for outcome in outcomes]
