@@ -110,9 +110,11 @@ class LayerRangeRunner:
         return self.begin_forward(session_id, hidden_states, start_pos, kind, layers).advance()
 
     def begin_forward(self, session_id: str, hidden_states: torch.Tensor, start_pos: int,
-                      kind: StepKind = "prefill", layers: tuple[int, int] | None = None) -> SteppedForward:
-        """Check and start one step (as `forward`), to be run by its `advance` a few layers per call; other
-        sessions' steps may run between the calls (inference/layer_pass.py says why)."""
+                      kind: StepKind = "prefill", layers: tuple[int, int] | None = None, *,
+                      piece_tokens: int | None = None) -> SteppedForward:
+        """Check and start one step (as `forward`), to be run by its `advance` a few layers per call, its tokens in
+        pieces of `piece_tokens` (all at once when None); other sessions' steps may run between the calls
+        (inference/layer_pass.py says why)."""
         if kind not in STEP_KINDS:
             raise ValueError(f"kind must be one of {STEP_KINDS}, got {kind!r}")
         if not isinstance(session_id, str) or not session_id:
@@ -129,14 +131,14 @@ class LayerRangeRunner:
                 session = self._caches.start(session_id)
             else:
                 session = self._continuing_session(session_id, start_pos, num_tokens, run_lo, run_hi)
-            step = SteppedForward(self._advance, session_id, session, (hidden_states, start_pos, run_lo, run_hi, kind))
-            if self._static is None:
-                with self._stepping(step), torch.inference_mode():
-                    step.layer_pass = LayerPass(
-                        config=self._config, layers=self._layers, rotary_embedding=self._rotary_embedding,
-                        attention_types=self._attention_types, cache=session.cache, hidden_states=hidden_states,
-                        start_pos=start_pos, run_lo=run_lo, run_hi=run_hi)
-            return step
+
+            def new_pass(piece: torch.Tensor, piece_start: int) -> LayerPass:
+                return LayerPass(config=self._config, layers=self._layers, rotary_embedding=self._rotary_embedding,
+                                 attention_types=self._attention_types, cache=session.cache, hidden_states=piece,
+                                 start_pos=piece_start, run_lo=run_lo, run_hi=run_hi)
+
+            return SteppedForward(self._advance, session_id, session, (hidden_states, start_pos, run_lo, run_hi, kind),
+                                  new_pass if self._static is None else None, piece_tokens)
 
     def _advance(self, step: SteppedForward, max_layers: int | None) -> torch.Tensor | None:
         with self._lock:
@@ -146,10 +148,10 @@ class LayerRangeRunner:
                 raise SessionEvictedError(f"session {step.session_id!r} was evicted from layers {self.layer_lo}-"
                                           f"{self.layer_hi} ({reason}) in the middle of a step; re-prefill from 0")
             with self._stepping(step), torch.inference_mode():
-                if step.layer_pass is None:
+                if step.new_pass is None:
                     output = self._static.run(step.session.cache, *step.whole_step)
                 else:
-                    output = step.layer_pass.run(max_layers)
+                    output = step.run(max_layers)
             self._caches.record_use(step.session_id)
             if output is not None:
                 self._caches.enforce_budget(keep=step.session_id)

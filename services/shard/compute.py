@@ -77,7 +77,7 @@ class ShardCompute:
     def __init__(self, runner: LayerRangeRunner, shard_id: str, *, fault: ShardFault | None = None,
                  step_threads: StepThreads | None = None, range_layers: int | None = None,
                  batch_window_s: float = 0.0, max_batch_sessions: int = 1, prefill_slice_layers: int = 0,
-                 prefill_slice_min_tokens: int = 0) -> None:
+                 prefill_slice_min_tokens: int = 0, prefill_slice_tokens: int | None = None) -> None:
         self.runner = runner
         self.shard_id = shard_id
         # Layers of the shard's whole range: a decode step of part of it is scaled up to this many.
@@ -95,6 +95,7 @@ class ShardCompute:
         # trip, so other hops' steps run between its slices (inference/layer_pass.py); 0 layers: always whole.
         self.prefill_slice_layers = prefill_slice_layers
         self.prefill_slice_min_tokens = prefill_slice_min_tokens
+        self.prefill_slice_tokens = prefill_slice_tokens  # and its tokens in pieces of this many (None: all at once)
         # Decode steps of several hops run as one batched step (services/shard/batcher.py) when more than one may.
         self.batcher = DecodeBatcher(self.run_batch, window_s=batch_window_s, max_sessions=max_batch_sessions,
                                      open_hops=lambda: self.active_streams) if max_batch_sessions > 1 else None
@@ -172,10 +173,11 @@ class ShardCompute:
         return await on_compute_thread(self._reset_and_measure, session_id)
 
     def _slice_layers(self, received: ReceivedStep) -> int | None:
-        """Layers per compute-thread trip for this step; None: the whole step in one trip (also while this hop is the
-        only one open: nobody waits for the thread, and on a GPU a turn costs about as much as a layer of a chunk)."""
-        if (self.prefill_slice_layers and self.active_streams > 1 and received.kind is FrameKind.prefill
-                and received.tensor.shape[1] >= self.prefill_slice_min_tokens):
+        """Layers per compute-thread trip for this step; None: the whole step in one trip. Whole also while this hop is
+        the only one open (nobody waits for the thread) and on a GPU (a chunk's layer takes well under a millisecond
+        there, about what a turn costs)."""
+        if (self.prefill_slice_layers and self.active_streams > 1 and self.runner.device.type == "cpu"
+                and received.kind is FrameKind.prefill and received.tensor.shape[1] >= self.prefill_slice_min_tokens):
             return self.prefill_slice_layers
         return None
 
@@ -193,7 +195,8 @@ class ShardCompute:
             # On a GPU: input queued onto the device, the layers queued, one wait for the output's copy to pinned
             # host memory (inference/host_staging.py); on the CPU both are no-ops.
             step = self.runner.begin_forward(request.session_id, to_device(received.tensor, self.runner.device),
-                                             received.pos, received.kind.value, (request.layer_lo, request.layer_hi))
+                                             received.pos, received.kind.value, (request.layer_lo, request.layer_hi),
+                                             piece_tokens=self.prefill_slice_tokens if slice_layers else None)
             output = step.advance(slice_layers)
             return None, step, None if output is None else to_host(output)
         finally:

@@ -25,14 +25,15 @@ PROMPT = "the quick brown fox jumps over the lazy dog, twice: the quick brown fo
 
 
 def run_sliced(runner, session_id: str, hidden: torch.Tensor, start_pos: int, kind: str, slice_layers: int,
-               between=None) -> torch.Tensor:
-    step = runner.begin_forward(session_id, hidden, start_pos, kind)
-    slices = 0
+               between=None, piece_tokens: int | None = None) -> torch.Tensor:
+    step = runner.begin_forward(session_id, hidden, start_pos, kind, piece_tokens=piece_tokens)
+    turns = 0
     while (output := step.advance(slice_layers)) is None:
-        slices += 1
+        turns += 1
         if between is not None:
             between()
-    assert slices == -(-runner.num_layers // slice_layers) - 1  # really run in slices, not whole
+    pieces = -(-hidden.shape[1] // piece_tokens) if piece_tokens else 1
+    assert turns == pieces * -(-runner.num_layers // slice_layers) - 1  # really run in turns, not whole
     return output
 
 
@@ -65,6 +66,20 @@ def test_sliced_prefill_and_decode_equal_whole_steps_bitwise(tiny_model_dir, arc
         assert torch.equal(got, expected)
         position += 1
     assert sliced.cached_tokens("s") == whole.cached_tokens("s") == position
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen2", "gemma2"])
+def test_a_step_in_token_pieces_equals_the_pieces_sent_as_steps_bitwise(tiny_model_dir, architecture):
+    """Pieces of 5 tokens, a layer per turn: the same arithmetic as the orchestrator sending 5-token chunks."""
+    path = tiny_model_dir(architecture)
+    head = load_head(path)
+    chunked, pieced = load_layer_range(path, 0, TINY_NUM_LAYERS - 1), load_layer_range(path, 0, TINY_NUM_LAYERS - 1)
+    prompt = head.embed(head.tokenizer.encode(PROMPT))
+    pieces = [chunked.forward("s", prompt[:, start:start + 5], start, "prefill")
+              for start in range(0, prompt.shape[1], 5)]
+    got = run_sliced(pieced, "s", prompt, 0, "prefill", 1, piece_tokens=5)
+    assert torch.equal(got, torch.cat(pieces, dim=1))
+    assert pieced.cached_tokens("s") == prompt.shape[1]
 
 
 def test_a_session_evicted_between_slices_raises_and_keeps_no_half_cache(tiny_model_dir):
