@@ -89,14 +89,16 @@ class LayerPass:
 class SteppedForward:
     """A step begun by `LayerRangeRunner.begin_forward`; each `advance` runs its next layers under the runner's lock.
 
-    With `piece_tokens`, the step's tokens go through the layers in pieces of that many, one after another (each
+    With `piece_tokens`, the tokens not yet run go through the layers in a piece of that many before the rest (each
     piece's layers see the cache the pieces before it filled, as the orchestrator's chunks do), so that a turn is one
-    layer of one piece: a long prompt's chunk then holds the compute thread for a fraction of a layer's time.
+    layer of one piece: a long prompt's chunk then holds the compute thread for a fraction of a layer's time. Small
+    pieces cost throughput on a CPU (a 64-row product of a layer's weights, and a cache that grows by more appends),
+    so the caller picks the size piece by piece: small while others wait, the whole rest while none does.
     """
 
-    def __init__(self, advance: Callable[[SteppedForward, int | None], torch.Tensor | None], session_id: str,
-                 session, whole_step: tuple, new_pass: Callable[[torch.Tensor, int], LayerPass] | None,
-                 piece_tokens: int | None = None) -> None:
+    def __init__(self, advance: Callable[[SteppedForward, int | None, int | None], torch.Tensor | None],
+                 session_id: str,
+                 session, whole_step: tuple, new_pass: Callable[[torch.Tensor, int], LayerPass] | None) -> None:
         self._advance = advance
         self.session_id = session_id
         self.session = session  # the runner's record of the session, to notice it was evicted between advances
@@ -106,26 +108,26 @@ class SteppedForward:
         self.new_pass = new_pass
         hidden_states = whole_step[0]
         self._total_tokens = hidden_states.shape[1]
-        if piece_tokens is not None and piece_tokens < 1:
-            raise ValueError(f"piece_tokens must be at least 1, got {piece_tokens}")
-        self._piece_tokens = piece_tokens or self._total_tokens
         self._outputs: list[torch.Tensor] = []
         self._done_tokens = 0
         self._piece: LayerPass | None = None
 
-    def advance(self, max_layers: int | None = None) -> torch.Tensor | None:
-        """Run the next `max_layers` layers of the current piece (everything when None); the step's output once the
-        last piece has left its last layer."""
-        return self._advance(self, max_layers)
+    def advance(self, max_layers: int | None = None, piece_tokens: int | None = None) -> torch.Tensor | None:
+        """Run the next `max_layers` layers of the current piece (everything when None), starting a piece of
+        `piece_tokens` (all the tokens left when None) if none is under way; the step's output once the last piece has
+        left its last layer."""
+        if piece_tokens is not None and piece_tokens < 1:
+            raise ValueError(f"piece_tokens must be at least 1, got {piece_tokens}")
+        return self._advance(self, max_layers, piece_tokens)
 
-    def run(self, max_layers: int | None) -> torch.Tensor | None:
+    def run(self, max_layers: int | None, piece_tokens: int | None) -> torch.Tensor | None:
         """What `advance` runs under the runner's lock and inference mode (dynamic caches only)."""
         while True:
             if self._piece is None:
                 if self._done_tokens >= self._total_tokens:
                     raise RuntimeError("this layer pass has already run its last layer")
                 hidden_states, start_pos = self.whole_step[0], self.whole_step[1]
-                piece = hidden_states[:, self._done_tokens:self._done_tokens + self._piece_tokens]
+                piece = hidden_states[:, self._done_tokens:self._done_tokens + (piece_tokens or self._total_tokens)]
                 self._piece = self.new_pass(piece, start_pos + self._done_tokens)
             output = self._piece.run(max_layers)
             if output is None:

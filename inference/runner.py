@@ -110,11 +110,9 @@ class LayerRangeRunner:
         return self.begin_forward(session_id, hidden_states, start_pos, kind, layers).advance()
 
     def begin_forward(self, session_id: str, hidden_states: torch.Tensor, start_pos: int,
-                      kind: StepKind = "prefill", layers: tuple[int, int] | None = None, *,
-                      piece_tokens: int | None = None) -> SteppedForward:
-        """Check and start one step (as `forward`), to be run by its `advance` a few layers per call, its tokens in
-        pieces of `piece_tokens` (all at once when None); other sessions' steps may run between the calls
-        (inference/layer_pass.py says why)."""
+                      kind: StepKind = "prefill", layers: tuple[int, int] | None = None) -> SteppedForward:
+        """Check and start one step (as `forward`), to be run by its `advance` a few layers (of a piece of its tokens)
+        per call; other sessions' steps may run between the calls (inference/layer_pass.py says why)."""
         if kind not in STEP_KINDS:
             raise ValueError(f"kind must be one of {STEP_KINDS}, got {kind!r}")
         if not isinstance(session_id, str) or not session_id:
@@ -138,9 +136,9 @@ class LayerRangeRunner:
                                  start_pos=piece_start, run_lo=run_lo, run_hi=run_hi)
 
             return SteppedForward(self._advance, session_id, session, (hidden_states, start_pos, run_lo, run_hi, kind),
-                                  new_pass if self._static is None else None, piece_tokens)
+                                  new_pass if self._static is None else None)
 
-    def _advance(self, step: SteppedForward, max_layers: int | None) -> torch.Tensor | None:
+    def _advance(self, step: SteppedForward, max_layers: int | None, piece_tokens: int | None) -> torch.Tensor | None:
         with self._lock:
             self._check_open()
             if self._caches.get(step.session_id) is not step.session:
@@ -151,7 +149,7 @@ class LayerRangeRunner:
                 if step.new_pass is None:
                     output = self._static.run(step.session.cache, *step.whole_step)
                 else:
-                    output = step.run(max_layers)
+                    output = step.run(max_layers, piece_tokens)
             self._caches.record_use(step.session_id)
             if output is not None:
                 self._caches.enforce_budget(keep=step.session_id)

@@ -263,13 +263,13 @@ class ShardSettings(_Section):
         default=2.0, ge=0, description="a batch waits this long at most for the steps of other open hops (0: only "
                                        "what is ready); a shard serving one hop never waits")
     prefill_slice_layers: int = Field(
-        default=1, ge=0, description="while several hops are open, a long prefill step on a CPU runs this many "
-                                     "layers per turn on the compute thread, so other sessions' steps run between "
-                                     "its turns (0: every step whole; on a GPU steps always run whole)")
+        default=1, ge=0, description="a long prefill step on a CPU runs this many layers per turn on the compute "
+                                     "thread, so other sessions' steps run between its turns (0: every step "
+                                     "whole; on a GPU steps always run whole)")
     prefill_slice_tokens: int = Field(
-        default=64, ge=0, description="and a sliced prefill step's tokens go through its layers in pieces of this "
-                                      "many, one piece after another, so that a turn is one layer of one piece "
-                                      "(0: all its tokens at once)")
+        default=64, ge=0, description="while other steps wait for the compute thread, a sliced prefill step's tokens "
+                                      "go through its layers in pieces of this many, so that a turn is one layer of "
+                                      "one piece (0: all its tokens at once; small pieces cost a CPU throughput)")
     prefill_slice_min_tokens: int = Field(
         default=64, ge=1, description="prefill steps of fewer tokens run whole (a short prompt is not held up by "
                                       "the long prompts' slices between its own)")

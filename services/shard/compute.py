@@ -95,7 +95,8 @@ class ShardCompute:
         # trip, so other hops' steps run between its slices (inference/layer_pass.py); 0 layers: always whole.
         self.prefill_slice_layers = prefill_slice_layers
         self.prefill_slice_min_tokens = prefill_slice_min_tokens
-        self.prefill_slice_tokens = prefill_slice_tokens  # and its tokens in pieces of this many (None: all at once)
+        # ... of a piece of this many of its tokens while other steps wait for the thread (None: all the rest).
+        self.prefill_slice_tokens = prefill_slice_tokens
         # Decode steps of several hops run as one batched step (services/shard/batcher.py) when more than one may.
         self.batcher = DecodeBatcher(self.run_batch, window_s=batch_window_s, max_sessions=max_batch_sessions,
                                      open_hops=lambda: self.active_streams) if max_batch_sessions > 1 else None
@@ -173,11 +174,12 @@ class ShardCompute:
         return await on_compute_thread(self._reset_and_measure, session_id)
 
     def _slice_layers(self, received: ReceivedStep) -> int | None:
-        """Layers per compute-thread trip for this step; None: the whole step in one trip. Whole also while this hop is
-        the only one open (nobody waits for the thread) and on a GPU (a chunk's layer takes well under a millisecond
-        there, about what a turn costs)."""
-        if (self.prefill_slice_layers and self.active_streams > 1 and self.runner.device.type == "cpu"
-                and received.kind is FrameKind.prefill and received.tensor.shape[1] >= self.prefill_slice_min_tokens):
+        """Layers per compute-thread trip for this step; None: the whole step in one trip. Sliced even while this hop
+        is the only one open (a call that opens meanwhile would wait for a whole chunk on a CPU, while a turn costs
+        a fraction of a millisecond against tens of a piece's layer); whole on a GPU (a chunk's layer takes well
+        under a millisecond there, about what a turn costs)."""
+        if (self.prefill_slice_layers and self.runner.device.type == "cpu" and received.kind is FrameKind.prefill
+                and received.tensor.shape[1] >= self.prefill_slice_min_tokens):
             return self.prefill_slice_layers
         return None
 
@@ -195,9 +197,8 @@ class ShardCompute:
             # On a GPU: input queued onto the device, the layers queued, one wait for the output's copy to pinned
             # host memory (inference/host_staging.py); on the CPU both are no-ops.
             step = self.runner.begin_forward(request.session_id, to_device(received.tensor, self.runner.device),
-                                             received.pos, received.kind.value, (request.layer_lo, request.layer_hi),
-                                             piece_tokens=self.prefill_slice_tokens if slice_layers else None)
-            output = step.advance(slice_layers)
+                                             received.pos, received.kind.value, (request.layer_lo, request.layer_hi))
+            output = self._turns(step, slice_layers)
             return None, step, None if output is None else to_host(output)
         finally:
             self._measure_cache()
@@ -206,10 +207,21 @@ class ShardCompute:
         """On the compute thread: the next slice of a step begun by `_check_and_forward`; its output after the last."""
         use_intra_op_threads(threads)
         try:
-            output = step.advance(slice_layers)
+            output = self._turns(step, slice_layers)
             return None if output is None else to_host(output)
         finally:
             self._measure_cache()
+
+    def _turns(self, step: SteppedForward, slice_layers: int | None) -> torch.Tensor | None:
+        """On the compute thread: a step's next turns, as long as no other step waits for the thread (then it gets
+        it after this turn); the output once the step is done. Why not one trip per turn: on a shared machine each
+        trip waits for the event loop's thread to be scheduled, which costs a long prompt more than its pieces."""
+        while True:
+            # steps_in_compute counts this step too; another one is counted before it asks for the thread.
+            others_wait = self.stats.steps_in_compute > 1
+            output = step.advance(slice_layers, self.prefill_slice_tokens if slice_layers and others_wait else None)
+            if output is not None or slice_layers is None or self.stats.steps_in_compute > 1:
+                return output
 
     def _check_and_forward_batch(self, batch: list[QueuedStep],
                                  threads: int) -> list[tuple[str | None, torch.Tensor | None] | Exception]:

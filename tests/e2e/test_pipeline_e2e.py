@@ -29,9 +29,9 @@ NEW_TOKENS = 20
 
 @pytest.fixture(scope="module")
 def running_mesh(tmp_path_factory, tiny_models_dir):
-    """One mesh for the module: nats-server (64 KiB max payload), 3 shard hosts, an orchestrator. While several
-    hops are open, the shards run every prefill step of 4 tokens or more a layer at a time (inference/layer_pass.py),
-    so the concurrent calls' parity below covers sliced prefill through real processes too."""
+    """One mesh for the module: nats-server (64 KiB max payload), 3 shard hosts, an orchestrator. The shards run
+    every prefill step of 4 tokens or more a layer of one 64-token piece at a time (inference/layer_pass.py), so
+    the parity checks below cover prefill in turns through real processes too."""
     work_dir = tmp_path_factory.mktemp("mesh")
     with three_shard_mesh(work_dir, tiny_models_dir, nats_options={"max_payload_bytes": SMALL_MAX_PAYLOAD_BYTES},
                           extra_env={"HEARTH_SHARD__PREFILL_SLICE_MIN_TOKENS": "4"}) as mesh:

@@ -26,9 +26,9 @@ PROMPT = "the quick brown fox jumps over the lazy dog, twice: the quick brown fo
 
 def run_sliced(runner, session_id: str, hidden: torch.Tensor, start_pos: int, kind: str, slice_layers: int,
                between=None, piece_tokens: int | None = None) -> torch.Tensor:
-    step = runner.begin_forward(session_id, hidden, start_pos, kind, piece_tokens=piece_tokens)
+    step = runner.begin_forward(session_id, hidden, start_pos, kind)
     turns = 0
-    while (output := step.advance(slice_layers)) is None:
+    while (output := step.advance(slice_layers, piece_tokens)) is None:
         turns += 1
         if between is not None:
             between()
@@ -130,7 +130,6 @@ async def test_a_shards_steps_run_between_the_slices_of_a_long_prefill(tiny_mode
     runner = load_layer_range(path, 0, TINY_NUM_LAYERS - 1)
     runner.forward("short", head.embed([5, 6, 7]), 0, "prefill")
     compute = ShardCompute(runner, "shard-0", prefill_slice_layers=prefill_slice_layers, prefill_slice_min_tokens=8)
-    compute.active_streams = 2  # as the server counts the two hops open (with one, steps always run whole)
     long_prompt = head.embed(head.tokenizer.encode(PROMPT * 2))
     expected_long = load_layer_range(path, 0, TINY_NUM_LAYERS - 1).forward("long", long_prompt, 0, "prefill")
     held = threading.Event()
