@@ -131,9 +131,7 @@ class LayerRangeRunner:
                 session = self._continuing_session(session_id, start_pos, num_tokens, run_lo, run_hi)
 
             def new_pass(piece: torch.Tensor, piece_start: int) -> LayerPass:
-                return LayerPass(config=self._config, layers=self._layers, rotary_embedding=self._rotary_embedding,
-                                 attention_types=self._attention_types, cache=session.cache, hidden_states=piece,
-                                 start_pos=piece_start, run_lo=run_lo, run_hi=run_hi)
+                return self._layer_pass(session.cache, piece, piece_start, run_lo, run_hi)
 
             return SteppedForward(self._advance, session_id, session, (hidden_states, start_pos, run_lo, run_hi, kind),
                                   new_pass if self._static is None else None)
@@ -222,9 +220,12 @@ class LayerRangeRunner:
                   kind: StepKind) -> torch.Tensor:
         if self._static is not None:
             return self._static.run(cache, hidden_states, start_pos, run_lo, run_hi, kind)
+        return self._layer_pass(cache, hidden_states, start_pos, run_lo, run_hi).run()
+
+    def _layer_pass(self, cache, hidden_states: torch.Tensor, start_pos: int, run_lo: int, run_hi: int) -> LayerPass:
         return LayerPass(config=self._config, layers=self._layers, rotary_embedding=self._rotary_embedding,
                          attention_types=self._attention_types, cache=cache, hidden_states=hidden_states,
-                         start_pos=start_pos, run_lo=run_lo, run_hi=run_hi).run()
+                         start_pos=start_pos, run_lo=run_lo, run_hi=run_hi)
 
     def _continuing_session(self, session_id: str, start_pos: int, num_tokens: int, run_lo: int, run_hi: int):
         """The session a non-initial step continues, checked (it exists, it is at ``start_pos``, it fits)."""
