@@ -17,6 +17,7 @@ from services.common.config import NatsSettings
 from services.common.nats_permissions import render_authorization
 from services.common.nats_cluster import EmbeddedNatsCluster
 from services.common.nats_server import EmbeddedNatsServer, free_tcp_port
+from services.prefork import PreforkedProcess, SpawnRequest, prefork_launcher
 from services.common.tls_files import TlsFiles, write_throwaway_ca
 from trust.community import Community
 from trust.roster import Role
@@ -24,6 +25,8 @@ from trust.roster import Role
 process_ready_timeout_s = 120.0
 process_stop_timeout_s = 15.0
 ready_poll_interval_s = 0.05
+# Set to 1 (the test suite does): LocalCluster forks its processes from a prefork launcher by default.
+PREFORK_ENV = "HEARTH_PREFORK"
 
 
 class ClusterError(RuntimeError):
@@ -100,7 +103,7 @@ def _metrics_port_in(args: list[str]) -> int | None:
 @dataclass
 class ManagedProcess:
     name: str
-    popen: subprocess.Popen
+    popen: subprocess.Popen | PreforkedProcess
     log_path: Path
     ready_file: Path | None = None
     # Where it serves Prometheus /metrics on 127.0.0.1 (None: it serves none).
@@ -156,6 +159,10 @@ class LocalCluster:
     tls: bool = False
     # True: every hearth process serves /metrics on a free port (`--metrics-port`) unless its arguments name one.
     metrics: bool = True
+    # True: hearth processes are forked from a launcher that has imported torch and transformers once
+    # (services.prefork), so a mesh starts in seconds; None: as the HEARTH_PREFORK environment says
+    # (the test suite sets it), else each process is a fresh `python -m services.cli`.
+    prefork: bool | None = None
 
     def __post_init__(self) -> None:
         self._tmp = None
@@ -259,17 +266,33 @@ class LocalCluster:
         if metrics_port is None and self.metrics and takes_metrics_port:
             metrics_port = free_tcp_port()
             command += ["--metrics-port", str(metrics_port)]
-        command, pin = pinned_command(command, cpus)
-        with open(log_path, "ab") as log_file:
-            popen = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env=env, cwd=str(Path(__file__).resolve().parents[1]),
-                                     start_new_session=self.start_new_session, preexec_fn=pin)
+        popen = self._launch(command, env, log_path, cpus)
         process = ManagedProcess(name, popen, log_path, ready_file if writes_ready_file else None,
                                  metrics_port=metrics_port or None)
         self.processes.append(process)
         if wait_ready:
             self.wait_ready(process)
         return process
+
+    def _launch(self, command: list[str], env: dict[str, str], log_path: Path,
+                cpus: Sequence[int] | None) -> subprocess.Popen | PreforkedProcess:
+        repo_root = Path(__file__).resolve().parents[1]
+        if self._prefork_enabled():
+            hearth_args = command[command.index("services.cli") + 1:]
+            log_path.touch()
+            return prefork_launcher(env, repo_root).spawn(SpawnRequest(
+                argv=hearth_args, env=env, cwd=str(repo_root), log_path=str(log_path),
+                new_session=self.start_new_session, cpus=sorted(set(cpus)) if cpus else None))
+        command, pin = pinned_command(command, cpus)
+        with open(log_path, "ab") as log_file:
+            return subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    env=env, cwd=str(repo_root), start_new_session=self.start_new_session,
+                                    preexec_fn=pin)
+
+    def _prefork_enabled(self) -> bool:
+        if self.prefork is not None:
+            return self.prefork
+        return os.environ.get(PREFORK_ENV, "").strip().lower() in ("1", "true", "yes")
 
     def wait_ready(self, process: ManagedProcess, timeout_s: float = process_ready_timeout_s) -> None:
         deadline = time.monotonic() + timeout_s

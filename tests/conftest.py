@@ -8,8 +8,14 @@ from collections.abc import Iterator
 
 import pytest
 
+from services.cluster import PREFORK_ENV
 from services.common.nats_cluster import EmbeddedNatsCluster
 from services.common.nats_server import EmbeddedNatsServer
+
+# Every LocalCluster of the suite (and of the `hearth demo`/`hearth bench` it runs) forks its hearth processes
+# from a launcher that imported torch and transformers once: a mesh starts in seconds instead of paying 5-7 s
+# of imports per process (tests/integration/test_prefork.py checks the children are real, separate processes).
+os.environ.setdefault(PREFORK_ENV, "1")
 
 
 def _testcontainers_nats_url() -> Iterator[str]:
