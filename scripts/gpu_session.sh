@@ -4,7 +4,7 @@
 # memory per shard in the report) and the CPU figure of the same machine. Everything lands under $OUT.
 #
 # Here first (wheels the GPU machine's image lacks; it reaches no registry):
-#   bash ../shared/gpu/fetch-wheels.sh nkeys cryptography rich starlette uvicorn pytest-timeout hypothesis PyYAML
+#   bash ../shared/gpu/fetch-wheels.sh nkeys cryptography rich starlette uvicorn pytest-timeout hypothesis PyYAML setproctitle
 # Then one `device run` per stage, carrying .whl:
 #   bash scripts/gpu_session.sh tests        # pytest -m cuda (devices, static decode + graphs, a CUDA mesh)
 #   bash scripts/gpu_session.sh tinyllama    # bench, TinyLlama-1.1B shape, bf16, 3 shards on the one GPU
