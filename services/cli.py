@@ -106,6 +106,7 @@ def projector_command(
     wait_for_nats_flag: WaitForNatsOption = False,
     creds: CredsOption = None,
     insecure: InsecureOption = False,
+    ready_file: ReadyFileOption = None,
 ) -> None:
     """Follow both event streams and keep a SQLite read model up to date until SIGINT/SIGTERM."""
     from services.common.event_trust import event_verifier
@@ -118,7 +119,8 @@ def projector_command(
     nats_settings = settings(ctx).nats
     verifier = event_verifier(settings(ctx))  # None on an open mesh: every event is applied
     run_until_stopped(lambda stop_event: run_projector(db, url, metrics_port, stop_event=stop_event,
-                                                       nats_settings=nats_settings, verifier=verifier))
+                                                       nats_settings=nats_settings, verifier=verifier,
+                                                       ready_file=ready_file))
 
 
 

@@ -343,8 +343,9 @@ class LocalCluster:
         return self._spawn(f"gateway-{name}", args, wait_ready=wait_ready, member=(name, "client"), env=env,
                            takes_metrics_port=False)
 
-    def start_projector(self, db_path: Path) -> ManagedProcess:
-        return self._spawn("projector", ["projector", "--db", str(db_path)], writes_ready_file=False,
+    def start_projector(self, db_path: Path, *, wait_ready: bool = True) -> ManagedProcess:
+        """`hearth projector` into `db_path`; ready once the database is migrated and both streams followed."""
+        return self._spawn("projector", ["projector", "--db", str(db_path)], wait_ready=wait_ready,
                            member=("projector", "projector"))
 
     def metrics_urls(self) -> dict[str, str]:

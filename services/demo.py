@@ -203,9 +203,10 @@ class DemoRun:
         _say(f"  [1/{total}] nats-server (JetStream) listening on {url}")
         db_path = cluster.work_dir / "readmodel.sqlite"
         self.read_model_path = db_path
-        cluster.start_projector(db_path)
-        _say(f"  [2/{total}] projector following the event streams into {db_path.name}")
-        waiting: dict[str, tuple[ManagedProcess, str]] = {}
+        projector = cluster.start_projector(db_path, wait_ready=False)
+        # Waited for with the others: the summary's read-model line needs it following the streams.
+        waiting: dict[str, tuple[ManagedProcess, str]] = {
+            projector.name: (projector, f"projector: following the event streams into {db_path.name}")}
         for index, (lo, hi) in enumerate(ranges):
             node_id = f"demo-host-{index}"
             process = cluster.start_shard(str(model.path), lo, hi, node_id=node_id, wait_ready=False,
@@ -216,7 +217,7 @@ class DemoRun:
             wait_ready=False)
         waiting[orchestrator.name] = (orchestrator, "orchestrator: embedding, lm_head and sampling")
         _say(f"  starting {len(waiting)} processes (each loads torch and its part of the model) ...")
-        done = 2
+        done = 1
         deadline = time.monotonic() + demo_ready_timeout_s
         # On a terminal, one line that keeps counting seconds shows the start-up is alive.
         ticker = sys.stderr.isatty()

@@ -35,10 +35,12 @@ async def run_projector(
     metrics_host: str = default_metrics_host,
     nats_settings: NatsSettings | None = None,
     verifier: EventVerifier | None = None,
+    ready_file: str | Path | None = None,
 ) -> None:
     """Run until `stop_event` is set (or forever): migrate `db_path`, follow both streams, serve /metrics.
     With a `verifier` (the community's roster) only events that pass it are applied; the others are kept in
-    rejected_events and counted in `hearth_events_rejected_total`.
+    rejected_events and counted in `hearth_events_rejected_total`. `ready_file` is written once the database
+    is migrated and both streams are followed (what `hearth demo` waits for before its first call).
 
     A broker that is down at start is waited for as `nats_settings` say (connect_timeout_s, then
     BrokerUnreachable; or wait_for_broker); once connected, broker restarts are survived by the
@@ -58,6 +60,8 @@ async def run_projector(
         await projector.start()
         registry.register(collector)
         metrics_server = serve_process_metrics(metrics_port, "projector", host=metrics_host, registry=registry)
+        if ready_file:
+            Path(ready_file).write_text("projector")
         await stop_event.wait()
     finally:
         if metrics_server is not None:
