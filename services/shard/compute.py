@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import statistics
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -93,6 +94,8 @@ class ShardCompute:
         self.active_streams = 0
         # Running bounds of the inputs received, per first layer run (see the module docstring).
         self._input_bounds: dict[int, NormBounds] = {}
+        # The prefill thread checks inputs beside the compute thread; a bound must not lose what either learnt.
+        self._bounds_lock = threading.Lock()
         # A prefill step of at least `prefill_slice_min_tokens` runs `prefill_slice_layers` layers per compute-thread
         # trip, so other hops' steps run between its slices (inference/layer_pass.py); 0 layers: always whole.
         self.prefill_slice_layers = prefill_slice_layers
@@ -200,8 +203,7 @@ class ShardCompute:
         """On the compute thread: check the step's input and run the layers (all, or the first slice of them) only if
         it is sound (never garbage); the failed check, or the step begun and its output once it has run whole."""
         use_intra_op_threads(threads)
-        bounds = self._input_bounds.setdefault(request.layer_lo, NormBounds())
-        failed_check = bounds.check(received.tensor)
+        failed_check = self._check_input(request, received)
         if failed_check is not None:
             return failed_check, None, None
         self.fault.raise_if_failing()
@@ -247,8 +249,7 @@ class ShardCompute:
         outcomes: list = [None] * len(batch)
         rows, sound = [], []
         for index, queued in enumerate(batch):
-            bounds = self._input_bounds.setdefault(queued.request.layer_lo, NormBounds())
-            failed_check = bounds.check(queued.received.tensor)
+            failed_check = self._check_input(queued.request, queued.received)
             if failed_check is not None:
                 outcomes[index] = (failed_check, None)
                 continue
@@ -265,6 +266,10 @@ class ShardCompute:
         for index, result in zip(sound, results, strict=True):
             outcomes[index] = result if isinstance(result, Exception) else (None, to_host(result))
         return outcomes
+
+    def _check_input(self, request: OpenHop, received: ReceivedStep) -> str | None:
+        with self._bounds_lock:
+            return self._input_bounds.setdefault(request.layer_lo, NormBounds()).check(received.tensor)
 
     def _reset_and_measure(self, session_id: str) -> int:
         freed = self.runner.reset(session_id)
