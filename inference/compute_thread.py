@@ -5,7 +5,8 @@ a separate OpenMP team for every thread that starts parallel work. Once a proces
 than the machine has cores, libgomp stops spinning between parallel regions ("throttled" waiting) and every
 region pays a futex wake-up, which on a small VM costs a decode step about a quarter of its speed
 (BENCHMARKS.md, "Compute thread and OpenMP spinning"). One long-lived thread keeps one team, and the steps
-of a process run one at a time anyway (a layer range or a head is not shared by two computations at once).
+of a process run one at a time anyway (a layer range or a head is not shared by two computations at once); the
+one exception, a shard's long prefills on a niced thread of their own, is `prefill_executor`'s.
 Loading a model runs there too (torch may start parallel regions while loading, and a second team would bring
 the throttling back); the cost: an orchestrator loading a head or its fallback model delays its other pipelines.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -40,8 +42,48 @@ def compute_executor() -> ThreadPoolExecutor:
 
 async def on_compute_thread(function: Callable[..., T], /, *args, **kwargs) -> T:
     """Run `function(*args, **kwargs)` on the compute thread without blocking the event loop."""
+    return await on_thread(compute_executor(), function, *args, **kwargs)
+
+
+async def on_thread(executor: ThreadPoolExecutor, function: Callable[..., T], /, *args, **kwargs) -> T:
+    """Run `function(*args, **kwargs)` on `executor`'s thread without blocking the event loop."""
     loop = asyncio.get_running_loop()
-    return await loop.run_in_executor(compute_executor(), functools.partial(function, *args, **kwargs))
+    return await loop.run_in_executor(executor, functools.partial(function, *args, **kwargs))
+
+
+PREFILL_THREAD_NAME = "hearth-prefill"
+
+_prefill_executors: dict[int, ThreadPoolExecutor] = {}
+
+
+def prefill_executor(nice: int) -> ThreadPoolExecutor:
+    """This process's thread for long prefill steps, `nice` steps below the process's CPU priority (one per value;
+    started on first use).
+
+    Why a second thread: processes that share a machine's cores (a mesh on one box) prefill a long prompt's chunks
+    on every hop at once, so a short call's step competes for the cores with the long prompt's turns in the other
+    processes; turns inside one process cannot fix that, the OS scheduler can. Linux lets a thread raise its nice
+    value but not lower it again without privileges (RLIMIT_NICE is 0 on most hosts), so the compute thread cannot
+    drop its priority for a prefill and take it back afterwards: long prefills get a thread of their own, niced for
+    good. It runs beside the compute thread (the runner does not hold its lock while a step's layers run), so a
+    short step does not wait for a prefill turn to end either. OpenMP threads that a parallel region of that thread
+    starts are created by it and inherit its nice value; a second OpenMP team in the process counts against
+    libgomp's spinning budget (see the module docstring), which is why shards sharing cores run steps on one
+    intra-op thread while several streams are open (StepThreads).
+    """
+    if not 0 < nice <= 19:
+        raise ValueError(f"nice must be within 1..19, not {nice}")
+    with _executor_lock:
+        if nice not in _prefill_executors:
+            _prefill_executors[nice] = ThreadPoolExecutor(max_workers=1, thread_name_prefix=PREFILL_THREAD_NAME,
+                                                          initializer=_lower_own_priority, initargs=(nice,))
+        return _prefill_executors[nice]
+
+
+def _lower_own_priority(nice: int) -> None:
+    # PRIO_PROCESS with a thread id targets that thread alone on Linux (nice values are per thread there).
+    thread_id = threading.get_native_id()
+    os.setpriority(os.PRIO_PROCESS, thread_id, min(19, os.getpriority(os.PRIO_PROCESS, thread_id) + nice))
 
 
 def use_intra_op_threads(threads: int) -> None:

@@ -87,7 +87,8 @@ class LayerPass:
 
 
 class SteppedForward:
-    """A step begun by `LayerRangeRunner.begin_forward`; each `advance` runs its next layers under the runner's lock.
+    """A step begun by `LayerRangeRunner.begin_forward`; each `advance` runs its next layers (checked under the
+    runner's lock, the layers outside it).
 
     With `piece_tokens`, the tokens not yet run go through the layers in a piece of that many before the rest (each
     piece's layers see the cache the pieces before it filled, as the orchestrator's chunks do), so that a turn is one
@@ -121,7 +122,7 @@ class SteppedForward:
         return self._advance(self, max_layers, piece_tokens)
 
     def run(self, max_layers: int | None, piece_tokens: int | None) -> torch.Tensor | None:
-        """What `advance` runs under the runner's lock and inference mode (dynamic caches only)."""
+        """What `advance` runs under inference mode (dynamic caches only; outside the runner's lock)."""
         while True:
             if self._piece is None:
                 if self._done_tokens >= self._total_tokens:

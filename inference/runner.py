@@ -32,7 +32,8 @@ class LayerRangeRunner:
 
     ``forward`` takes the hidden states entering ``layer_lo`` (or the first layer of a requested
     sub-range) and returns those leaving the last layer run. Every public method takes one lock, so
-    the runner can be driven from worker threads (e.g. ``asyncio.to_thread``); steps run one at a time.
+    the runner can be driven from worker threads (e.g. ``asyncio.to_thread``); the layers of a dynamic-cache step
+    (`begin_forward` / `advance`) run outside it, so steps of different sessions may run side by side.
 
     Cache rules: a ``prefill`` at ``start_pos`` 0 (re)starts the session; any other step must continue
     it exactly (``start_pos`` equal to the tokens already cached in every layer it runs), otherwise
@@ -138,20 +139,33 @@ class LayerRangeRunner:
 
     def _advance(self, step: SteppedForward, max_layers: int | None, piece_tokens: int | None) -> torch.Tensor | None:
         with self._lock:
-            self._check_open()
-            if self._caches.get(step.session_id) is not step.session:
-                reason = self._caches.eviction_reason(step.session_id) or "reset or restarted"
-                raise SessionEvictedError(f"session {step.session_id!r} was evicted from layers {self.layer_lo}-"
-                                          f"{self.layer_hi} ({reason}) in the middle of a step; re-prefill from 0")
-            with self._stepping(step), torch.inference_mode():
-                if step.new_pass is None:
+            self._check_still_cached(step)
+            if step.new_pass is None:
+                with self._stepping(step), torch.inference_mode():
                     output = self._static.run(step.session.cache, *step.whole_step)
-                else:
-                    output = step.run(max_layers, piece_tokens)
-            self._caches.record_use(step.session_id)
-            if output is not None:
-                self._caches.enforce_budget(keep=step.session_id)
-            return output
+                return self._record_step(step, output)
+        # The layers run outside the lock: they touch this session's own cache only (the weights are read-only), so
+        # another thread's step of another session may run beside them (a shard's niced prefill thread beside its
+        # compute thread, services/shard/compute.py). A session's own steps come one after another.
+        with self._stepping(step), torch.inference_mode():
+            output = step.run(max_layers, piece_tokens)
+        with self._lock:
+            # Reset or evicted meanwhile (budget, or the hop re-opened): its cache is gone, so is this step's work.
+            self._check_still_cached(step)
+            return self._record_step(step, output)
+
+    def _check_still_cached(self, step: SteppedForward) -> None:
+        self._check_open()
+        if self._caches.get(step.session_id) is not step.session:
+            reason = self._caches.eviction_reason(step.session_id) or "reset or restarted"
+            raise SessionEvictedError(f"session {step.session_id!r} was evicted from layers {self.layer_lo}-"
+                                      f"{self.layer_hi} ({reason}) in the middle of a step; re-prefill from 0")
+
+    def _record_step(self, step: SteppedForward, output: torch.Tensor | None) -> torch.Tensor | None:
+        self._caches.record_use(step.session_id)
+        if output is not None:
+            self._caches.enforce_budget(keep=step.session_id)
+        return output
 
     @contextlib.contextmanager
     def _stepping(self, step: SteppedForward) -> Iterator[None]:
@@ -159,7 +173,9 @@ class LayerRangeRunner:
             yield
         except BaseException:
             # A half-updated cache would silently corrupt the next step; the caller re-prefills instead.
-            self._caches.drop(step.session_id)
+            with self._lock:
+                if self._caches.get(step.session_id) is step.session:
+                    self._caches.drop(step.session_id)
             raise
 
     def decode_batch(self, steps: Sequence[DecodeRow],
@@ -344,9 +360,8 @@ class LayerRangeRunner:
             return self.layer_lo, self.layer_hi
         run_lo, run_hi = layers
         if not (self.layer_lo <= run_lo <= run_hi <= self.layer_hi):
-            raise ValueError(
-                f"layers {run_lo}-{run_hi} are not inside the loaded range {self.layer_lo}-{self.layer_hi}"
-            )
+            raise ValueError(f"layers {run_lo}-{run_hi} are not inside the loaded range {self.layer_lo}-"
+                             f"{self.layer_hi}")
         return run_lo, run_hi
 
     def _validate_hidden_states(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -359,9 +374,7 @@ class LayerRangeRunner:
             )
         return hidden_states.to(device=self.device, dtype=self.info.dtype, non_blocking=True)
 
-    def _check_continues(
-        self, session_id: str, cache: DynamicCache, start_pos: int, run_lo: int, run_hi: int
-    ) -> None:
+    def _check_continues(self, session_id: str, cache: DynamicCache, start_pos: int, run_lo: int, run_hi: int) -> None:
         for layer_index in range(run_lo, run_hi + 1):
             cached = self._cached_length(cache, layer_index)
             if cached != start_pos:

@@ -1,6 +1,7 @@
 """Measures what a long prompt's prefill does to other calls: a short request's time to first token idle and
 while a `--long-tokens` prompt prefills, for each `--chunk-tokens` setting (0 = the whole prompt in one step) and
-each `--slice-layers` setting of the shards (layers a long prefill step runs per compute-thread turn; 0 = whole).
+each `--slice-layers` setting of the shards (layers a long prefill step runs per compute-thread turn; 0 = whole)
+and each `--prefill-nice` setting of the shards (nice levels of the thread those turns run on; 0 = compute thread).
 
 Real processes on this machine (services.cluster.LocalCluster): nats-server, `--shards` shard hosts over even layer
 ranges of a `random:<shape>` checkpoint (services.random_models; context 4 096) and, per chunk setting, a fresh
@@ -10,7 +11,7 @@ been out `--short-delay-s`, the same short requests one after another while it r
 is reported too. Short requests that start after the long one has finished are not counted.
 
 Usage: .venv/bin/python scripts/bench_interleave.py [--shape llama-250m] [--chunk-tokens 256 0]
-       [--slice-layers 1 0] [--long-tokens 4000] [--short-tokens 32] [--short 3]
+       [--slice-layers 1 0] [--prefill-nice 10 0] [--long-tokens 4000] [--short-tokens 32] [--short 3]
 """
 
 from __future__ import annotations
@@ -61,12 +62,13 @@ async def measure(cluster: LocalCluster, model: str, prompts: dict[str, str], ar
         await nc.close()
 
 
-def run_setting(path: Path, ranges, chunk_tokens: int, slice_layers: int, prompts: dict[str, str],
-                args) -> dict[str, object]:
+def run_setting(path: Path, ranges, chunk_tokens: int, slice_layers: int, prefill_nice: int,
+                prompts: dict[str, str], args) -> dict[str, object]:
     env = {"HEARTH_ORCHESTRATOR__PREFILL_CHUNK_TOKENS": str(chunk_tokens),
-           "HEARTH_SHARD__PREFILL_SLICE_LAYERS": str(slice_layers),
+           "HEARTH_SHARD__PREFILL_SLICE_LAYERS": str(slice_layers), "HEARTH_SHARD__PREFILL_NICE": str(prefill_nice),
            "HEARTH_TRANSPORT__STEP_TIMEOUT_S": "120", "HEARTH_TRANSPORT__ACTIVATION_MACS": "false"}
-    work_dir = args.work_dir / f"chunk-{chunk_tokens}-slice-{slice_layers}" if args.work_dir else None
+    work_dir = (args.work_dir / f"chunk-{chunk_tokens}-slice-{slice_layers}-nice-{prefill_nice}"
+                if args.work_dir else None)
     with LocalCluster(work_dir=work_dir, torch_threads=args.torch_threads, extra_env=env, log_level="INFO",
                       secure=False) as cluster:
         cluster.start_nats()
@@ -86,6 +88,8 @@ def main() -> int:
     parser.add_argument("--chunk-tokens", type=int, nargs="+", default=[256, 0])
     parser.add_argument("--slice-layers", type=int, nargs="+", default=[1],
                         help="[shard] prefill_slice_layers settings to compare (0: every step whole)")
+    parser.add_argument("--prefill-nice", type=int, nargs="+", default=[10],
+                        help="[shard] prefill_nice settings to compare (0: turns on the compute thread)")
     parser.add_argument("--long-tokens", type=int, default=4000)
     parser.add_argument("--short-tokens", type=int, default=32)
     parser.add_argument("--short", type=int, default=3, help="short requests per phase")
@@ -104,12 +108,14 @@ def main() -> int:
     ranges = even_layer_ranges(layers, args.shards)
     command = ".venv/bin/python " + shlex.join(sys.argv)
     rows = []
-    for chunk_tokens, slice_layers in itertools.product(args.chunk_tokens, args.slice_layers):
-        figures = run_setting(path, ranges, chunk_tokens, slice_layers, prompts, args)
+    for chunk_tokens, slice_layers, nice in itertools.product(args.chunk_tokens, args.slice_layers,
+                                                              args.prefill_nice):
+        figures = run_setting(path, ranges, chunk_tokens, slice_layers, nice, prompts, args)
         idle, loaded = statistics.median(figures["idle_ms"]), figures["loaded_ms"]
         ratio = f"{statistics.median(loaded) / idle:.1f}x" if loaded else "n/a"
         loaded_text = ", ".join(f"{value:.0f}" for value in loaded) or "(long prompt done first)"
-        row = (f"| {chunk_tokens or 'off (one step)'} | {slice_layers or 'off (whole)'} | {idle:.0f} | {loaded_text} | {ratio} | "
+        row = (f"| {chunk_tokens or 'off (one step)'} | {slice_layers or 'off (whole)'} | {nice} | {idle:.0f} | "
+               f"{loaded_text} | {ratio} | "
                f"{figures['long_ttft_ms'] / 1000:.1f} s |")
         print(row, flush=True)
         rows.append(row)
@@ -117,9 +123,9 @@ def main() -> int:
     print(f"\nMeasured {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC on {platform.machine()}, {os.cpu_count()} "
           f"CPUs (load average {load} at the end), random:{args.shape} on {args.shards} hops {ranges}; short prompt "
           f"{args.short_tokens} tokens, long prompt {args.long_tokens} tokens.\n\n```sh\n{command}\n```\n")
-    print("| prefill_chunk_tokens | prefill_slice_layers | short TTFT idle ms (median) | short TTFT while the long prompt prefills ms | "
-          "ratio (median) | long prompt's TTFT |")
-    print("|---|---|---:|---|---:|---:|")
+    print("| prefill_chunk_tokens | prefill_slice_layers | prefill_nice | short TTFT idle ms (median) | short TTFT "
+          "while the long prompt prefills ms | ratio (median) | long prompt's TTFT |")
+    print("|---|---|---|---:|---|---:|---:|")
     print("\n".join(rows))
     return 0
 

@@ -273,6 +273,11 @@ class ShardSettings(_Section):
     prefill_slice_min_tokens: int = Field(
         default=64, ge=1, description="prefill steps of fewer tokens run whole (a short prompt is not held up by "
                                       "the long prompts' slices between its own)")
+    prefill_nice: int = Field(
+        default=10, ge=0, le=19, description="steps run in turns run on a thread this many nice levels below the "
+                                             "compute thread's CPU priority, so that on cores shared with other "
+                                             "processes (other hops) short calls' steps go first (0: on the compute "
+                                             "thread; a thread cannot raise its priority again once lowered)")
 
 
 class ClientSettings(_Section):

@@ -7,15 +7,16 @@ the first layer the hop runs (the input of layer L has the same scale whoever se
 from different first layers sees different inputs): a per-pipeline bound would learn nothing before a
 pipeline's first frame, so a shard corrupting from its first step on would pass.
 
-Why a cache snapshot: the runner's lock is held for a whole forward, so asking the runner how many sessions
-it caches would make a liveness probe wait behind a long prefill. The compute thread records the figures
-after every step and reset instead, and `stat` reads them without waiting for anything.
+Why a cache snapshot: the runner's lock may be held for a whole forward (a batched decode step), so asking
+the runner how many sessions it caches would make a liveness probe wait behind it. The compute thread records
+the figures after every step and reset instead, and `stat` reads them without waiting for anything.
 """
 
 from __future__ import annotations
 
 import asyncio
 import statistics
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -25,7 +26,8 @@ import torch
 from inference import LayerRangeRunner
 from inference.batched import DecodeRow
 from inference.layer_pass import SteppedForward
-from inference.compute_thread import StepThreads, on_compute_thread, use_intra_op_threads
+from inference.compute_thread import (StepThreads, compute_executor, on_compute_thread, on_thread, prefill_executor,
+                                     use_intra_op_threads)
 from inference.host_staging import to_device, to_host
 from services.common.control_protocol import OpenHop
 from services.shard.batcher import DecodeBatcher, QueuedStep
@@ -77,7 +79,8 @@ class ShardCompute:
     def __init__(self, runner: LayerRangeRunner, shard_id: str, *, fault: ShardFault | None = None,
                  step_threads: StepThreads | None = None, range_layers: int | None = None,
                  batch_window_s: float = 0.0, max_batch_sessions: int = 1, prefill_slice_layers: int = 0,
-                 prefill_slice_min_tokens: int = 0, prefill_slice_tokens: int | None = None) -> None:
+                 prefill_slice_min_tokens: int = 0, prefill_slice_tokens: int | None = None,
+                 prefill_nice: int = 0) -> None:
         self.runner = runner
         self.shard_id = shard_id
         # Layers of the shard's whole range: a decode step of part of it is scaled up to this many.
@@ -91,12 +94,18 @@ class ShardCompute:
         self.active_streams = 0
         # Running bounds of the inputs received, per first layer run (see the module docstring).
         self._input_bounds: dict[int, NormBounds] = {}
+        # The prefill thread checks inputs beside the compute thread; a bound must not lose what either learnt.
+        self._bounds_lock = threading.Lock()
         # A prefill step of at least `prefill_slice_min_tokens` runs `prefill_slice_layers` layers per compute-thread
         # trip, so other hops' steps run between its slices (inference/layer_pass.py); 0 layers: always whole.
         self.prefill_slice_layers = prefill_slice_layers
         self.prefill_slice_min_tokens = prefill_slice_min_tokens
         # ... of a piece of this many of its tokens while other steps wait for the thread (None: all the rest).
         self.prefill_slice_tokens = prefill_slice_tokens
+        # Steps run in turns run on a thread this much lower in CPU priority (inference.compute_thread.prefill_executor
+        # says why), beside the compute thread's steps; 0: on the compute thread.
+        self.prefill_nice = prefill_nice
+        self.prefill_thread_steps = 0  # steps running on that thread or waiting for it
         # Decode steps of several hops run as one batched step (services/shard/batcher.py) when more than one may.
         self.batcher = DecodeBatcher(self.run_batch, window_s=batch_window_s, max_sessions=max_batch_sessions,
                                      open_hops=lambda: self.active_streams) if max_batch_sessions > 1 else None
@@ -123,10 +132,16 @@ class ShardCompute:
             # check, then the layers only if it passed.
             threads = self.step_threads.for_streams(self.active_streams)
             slice_layers = self._slice_layers(received)
-            failed_check, step, output = await on_compute_thread(self._check_and_forward, request, received, threads,
-                                                                 slice_layers)
-            while step is not None and output is None:
-                output = await on_compute_thread(self._advance, step, threads, slice_layers)
+            on_prefill_thread = bool(slice_layers and self.prefill_nice)
+            thread = prefill_executor(self.prefill_nice) if on_prefill_thread else compute_executor()
+            self.prefill_thread_steps += on_prefill_thread
+            try:
+                failed_check, step, output = await on_thread(thread, self._check_and_forward, request, received,
+                                                             threads, slice_layers)
+                while step is not None and output is None:
+                    output = await on_thread(thread, self._advance, step, threads, slice_layers)
+            finally:
+                self.prefill_thread_steps -= on_prefill_thread
         finally:
             self.stats.steps_in_compute -= 1
         compute_s = time.perf_counter() - started
@@ -188,8 +203,7 @@ class ShardCompute:
         """On the compute thread: check the step's input and run the layers (all, or the first slice of them) only if
         it is sound (never garbage); the failed check, or the step begun and its output once it has run whole."""
         use_intra_op_threads(threads)
-        bounds = self._input_bounds.setdefault(request.layer_lo, NormBounds())
-        failed_check = bounds.check(received.tensor)
+        failed_check = self._check_input(request, received)
         if failed_check is not None:
             return failed_check, None, None
         self.fault.raise_if_failing()
@@ -213,15 +227,20 @@ class ShardCompute:
             self._measure_cache()
 
     def _turns(self, step: SteppedForward, slice_layers: int | None) -> torch.Tensor | None:
-        """On the compute thread: a step's next turns, as long as no other step waits for the thread (then it gets
-        it after this turn); the output once the step is done. Why not one trip per turn: on a shared machine each
-        trip waits for the event loop's thread to be scheduled, which costs a long prompt more than its pieces."""
+        """On the step's thread: its next turns, as long as no other step waits for that thread (then it gets it
+        after this turn); the output once the step is done. Why not one trip per turn: on a shared machine each
+        trip waits for the event loop's thread to be scheduled, which costs a long prompt more than its pieces.
+        On the niced prefill thread only other long prefills wait for it: the compute thread's steps run beside
+        its turns (the runner runs different sessions' layers side by side), so they need no small pieces."""
         while True:
-            # steps_in_compute counts this step too; another one is counted before it asks for the thread.
-            others_wait = self.stats.steps_in_compute > 1
-            output = step.advance(slice_layers, self.prefill_slice_tokens if slice_layers and others_wait else None)
-            if output is not None or slice_layers is None or self.stats.steps_in_compute > 1:
+            piece_tokens = self.prefill_slice_tokens if slice_layers and self._others_wait() else None
+            output = step.advance(slice_layers, piece_tokens)
+            if output is not None or slice_layers is None or self._others_wait():
                 return output
+
+    def _others_wait(self) -> bool:
+        # The count includes the asking step; another one is counted before it asks for the thread.
+        return (self.prefill_thread_steps if self.prefill_nice else self.stats.steps_in_compute) > 1
 
     def _check_and_forward_batch(self, batch: list[QueuedStep],
                                  threads: int) -> list[tuple[str | None, torch.Tensor | None] | Exception]:
@@ -230,8 +249,7 @@ class ShardCompute:
         outcomes: list = [None] * len(batch)
         rows, sound = [], []
         for index, queued in enumerate(batch):
-            bounds = self._input_bounds.setdefault(queued.request.layer_lo, NormBounds())
-            failed_check = bounds.check(queued.received.tensor)
+            failed_check = self._check_input(queued.request, queued.received)
             if failed_check is not None:
                 outcomes[index] = (failed_check, None)
                 continue
@@ -248,6 +266,10 @@ class ShardCompute:
         for index, result in zip(sound, results, strict=True):
             outcomes[index] = result if isinstance(result, Exception) else (None, to_host(result))
         return outcomes
+
+    def _check_input(self, request: OpenHop, received: ReceivedStep) -> str | None:
+        with self._bounds_lock:
+            return self._input_bounds.setdefault(request.layer_lo, NormBounds()).check(received.tensor)
 
     def _reset_and_measure(self, session_id: str) -> int:
         freed = self.runner.reset(session_id)

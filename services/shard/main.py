@@ -197,7 +197,8 @@ async def serve_loaded_shard(loaded: LoadedShard, *, nats_url: str | None, setti
                            max_batch_sessions=settings.shard.max_batch_sessions,
                            prefill_slice_layers=settings.shard.prefill_slice_layers,
                            prefill_slice_min_tokens=settings.shard.prefill_slice_min_tokens,
-                           prefill_slice_tokens=settings.shard.prefill_slice_tokens or None)
+                           prefill_slice_tokens=settings.shard.prefill_slice_tokens or None,
+                           prefill_nice=settings.shard.prefill_nice)
     server = ShardServer(nc, compute, identity, settings, hop_weight=hop_weight)
     server_ref.append(server)
     metrics_server = None

@@ -1,10 +1,13 @@
 """A step run a few layers at a time (LayerRangeRunner.begin_forward / advance, inference/layer_pass.py) equals the
 same step run whole, bitwise, for every tiny architecture, also when another session's steps run between its
-slices; a session evicted between slices makes the next slice raise SessionEvictedError and leaves no half cache."""
+slices; a session evicted between slices makes the next slice raise SessionEvictedError and leaves no half cache;
+a shard runs the turns of a long prefill on a thread of lower CPU priority ([shard] prefill_nice), its other steps on
+the compute thread."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 
 import pytest
@@ -149,4 +152,77 @@ async def test_a_shards_steps_run_between_the_slices_of_a_long_prefill(tiny_mode
     long_result, _ = await asyncio.wait_for(asyncio.gather(long_step, short_step), timeout=30)
     await blocker
     assert finished == (["short", "long"] if prefill_slice_layers else ["long", "short"])
+    assert torch.equal(long_result.output, expected_long)
+
+
+def _own_nice() -> tuple[int, int]:
+    thread_id = threading.get_native_id()
+    return thread_id, os.getpriority(os.PRIO_PROCESS, thread_id)
+
+
+async def test_a_long_prefill_runs_on_a_niced_thread_and_the_other_steps_on_the_compute_thread(tiny_model_dir):
+    """Where the layers really ran (a hook on the first layer notes the thread and its nice value): the long prefill's
+    turns on a thread `prefill_nice` below the compute thread, a short prefill and a decode step on the compute thread;
+    the long prefill's output is still bitwise the whole step's."""
+    path = tiny_model_dir("llama")
+    head = load_head(path)
+    runner = load_layer_range(path, 0, TINY_NUM_LAYERS - 1)
+    ran_on: list[tuple[int, int]] = []
+    runner._layers[0].register_forward_pre_hook(lambda module, args: ran_on.append(_own_nice()))
+    compute = ShardCompute(runner, "shard-0", prefill_slice_layers=1, prefill_slice_min_tokens=8, prefill_nice=5)
+    compute_thread, compute_nice = await on_compute_thread(_own_nice)
+    long_prompt = head.embed(head.tokenizer.encode(PROMPT * 2))
+    expected_long = load_layer_range(path, 0, TINY_NUM_LAYERS - 1).forward("long", long_prompt, 0, "prefill")
+
+    long_result = await compute.run(_open_hop("long", TINY_NUM_LAYERS - 1),
+                                    _received("long", FrameKind.prefill, 0, long_prompt))
+    prefill_threads = set(ran_on)
+    ran_on.clear()
+    await compute.run(_open_hop("short", TINY_NUM_LAYERS - 1), _received("short", FrameKind.prefill, 0,
+                                                                          head.embed([5, 6, 7])))
+    await compute.run(_open_hop("short", TINY_NUM_LAYERS - 1), _received("short", FrameKind.decode, 3,
+                                                                          head.embed([8])))
+
+    assert torch.equal(long_result.output, expected_long)
+    assert len(prefill_threads) == 1
+    (prefill_thread, prefill_nice), = prefill_threads
+    assert prefill_thread != compute_thread and prefill_nice == min(19, compute_nice + 5)
+    assert ran_on == [(compute_thread, compute_nice)] * 2
+
+
+async def test_the_compute_threads_steps_run_while_a_prefill_turn_is_under_way(tiny_model_dir):
+    """A turn of the long prefill is held inside its first layer; another session's decode step still runs to its end
+    on the compute thread meanwhile (the runner's lock is not held while layers run), and both outputs are bitwise
+    what they are run alone."""
+    path = tiny_model_dir("llama")
+    head = load_head(path)
+    runner = load_layer_range(path, 0, TINY_NUM_LAYERS - 1)
+    runner.forward("short", head.embed([5, 6, 7]), 0, "prefill")
+    reference = load_layer_range(path, 0, TINY_NUM_LAYERS - 1)
+    reference.forward("short", head.embed([5, 6, 7]), 0, "prefill")
+    expected_short = reference.forward("short", head.embed([8]), 3, "decode")
+    long_prompt = head.embed(head.tokenizer.encode(PROMPT * 2))
+    expected_long = reference.forward("long", long_prompt, 0, "prefill")
+    compute = ShardCompute(runner, "shard-0", prefill_slice_layers=1, prefill_slice_min_tokens=8, prefill_nice=5)
+    compute_thread, _ = await on_compute_thread(_own_nice)
+    in_turn, release = threading.Event(), threading.Event()
+
+    def hold_the_first_prefill_turn(module, args):
+        if threading.get_native_id() != compute_thread and not in_turn.is_set():
+            in_turn.set()
+            assert release.wait(10.0)
+
+    runner._layers[0].register_forward_pre_hook(hold_the_first_prefill_turn)
+    long_step = asyncio.ensure_future(compute.run(_open_hop("long", TINY_NUM_LAYERS - 1),
+                                                  _received("long", FrameKind.prefill, 0, long_prompt)))
+    try:
+        assert await asyncio.to_thread(in_turn.wait, 10.0)
+        short_result = await asyncio.wait_for(compute.run(_open_hop("short", TINY_NUM_LAYERS - 1),
+                                                          _received("short", FrameKind.decode, 3, head.embed([8]))),
+                                              timeout=10.0)
+        assert not long_step.done()
+    finally:
+        release.set()
+    long_result = await asyncio.wait_for(long_step, timeout=30.0)
+    assert torch.equal(short_result.output, expected_short)
     assert torch.equal(long_result.output, expected_long)
