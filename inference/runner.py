@@ -239,9 +239,12 @@ class LayerRangeRunner:
         return self._layer_pass(cache, hidden_states, start_pos, run_lo, run_hi).run()
 
     def _layer_pass(self, cache, hidden_states: torch.Tensor, start_pos: int, run_lo: int, run_hi: int) -> LayerPass:
-        return LayerPass(config=self._config, layers=self._layers, rotary_embedding=self._rotary_embedding,
-                         attention_types=self._attention_types, cache=cache, hidden_states=hidden_states,
-                         start_pos=start_pos, run_lo=run_lo, run_hi=run_hi)
+        # Locked though the layers run unlocked: a dynamic or longrope rotary embedding rewrites its frequencies
+        # for the positions asked (transformers' dynamic_rope_update); two passes must not build theirs at once.
+        with self._lock:
+            return LayerPass(config=self._config, layers=self._layers, rotary_embedding=self._rotary_embedding,
+                             attention_types=self._attention_types, cache=cache, hidden_states=hidden_states,
+                             start_pos=start_pos, run_lo=run_lo, run_hi=run_hi)
 
     def _continuing_session(self, session_id: str, start_pos: int, num_tokens: int, run_lo: int, run_hi: int):
         """The session a non-initial step continues, checked (it exists, it is at ``start_pos``, it fits)."""
@@ -369,9 +372,7 @@ class LayerRangeRunner:
             raise ValueError("hidden_states must be a floating-point tensor")
         shape = tuple(hidden_states.shape)
         if len(shape) != 3 or shape[0] != 1 or shape[1] < 1 or shape[2] != self.info.hidden_size:
-            raise ValueError(
-                f"hidden_states must have shape [1, T>=1, {self.info.hidden_size}], got {list(shape)}"
-            )
+            raise ValueError(f"hidden_states must have shape [1, T>=1, {self.info.hidden_size}], got {list(shape)}")
         return hidden_states.to(device=self.device, dtype=self.info.dtype, non_blocking=True)
 
     def _check_continues(self, session_id: str, cache: DynamicCache, start_pos: int, run_lo: int, run_hi: int) -> None:
@@ -392,8 +393,6 @@ class LayerRangeRunner:
         else:
             projected = already_cached_bytes + num_tokens * self._kv_bytes_per_token_per_layer * layers
         if projected > self._caches.budget_bytes:
-            raise SessionTooLargeError(
-                f"this step would take the session's KV cache to ~{projected} bytes, more than the runner's "
-                f"whole budget of {self._caches.budget_bytes} bytes"
-            )
+            raise SessionTooLargeError(f"this step would take the session's KV cache to ~{projected} bytes, more than "
+                                       f"the runner's whole budget of {self._caches.budget_bytes} bytes")
 
