@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
 import shlex
 import signal
@@ -126,6 +128,12 @@ def test_demo_serve_answers_hearth_chat_and_ctrl_c_stops_everything(model_args, 
         if demo.poll() is None:
             demo.kill()
             demo.wait()
+            # Its processes run in sessions of their own and outlive a killed demo: a failed run leaves none behind
+            # to load the machine for the tests after it.
+            logs_at = re.search(r"logs in (\S+)", stderr_path.read_text())
+            for pid in processes_mentioning(logs_at.group(1)) if logs_at else []:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
 
 
 def test_demo_with_a_missing_model_says_so_and_starts_nothing(tmp_path):
