@@ -100,6 +100,12 @@ def _metrics_port_in(args: list[str]) -> int | None:
     return port
 
 
+def prefork_from_environment(*, default: bool) -> bool:
+    """HEARTH_PREFORK's choice (1/true/yes or 0/false/no), `default` when it is unset or empty."""
+    value = os.environ.get(PREFORK_ENV, "").strip().lower()
+    return default if not value else value in ("1", "true", "yes")
+
+
 @dataclass
 class ManagedProcess:
     name: str
@@ -290,9 +296,7 @@ class LocalCluster:
                                     preexec_fn=pin)
 
     def _prefork_enabled(self) -> bool:
-        if self.prefork is not None:
-            return self.prefork
-        return os.environ.get(PREFORK_ENV, "").strip().lower() in ("1", "true", "yes")
+        return self.prefork if self.prefork is not None else prefork_from_environment(default=False)
 
     def wait_ready(self, process: ManagedProcess, timeout_s: float = process_ready_timeout_s) -> None:
         deadline = time.monotonic() + timeout_s

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from services.cluster import ClusterError, LocalCluster
+from services.cluster import PREFORK_ENV, ClusterError, LocalCluster, prefork_from_environment
 from services.common.nats_server import free_tcp_port
 from services.prefork import PreforkedProcess, SpawnRequest, import_environment, prefork_launcher
 
@@ -99,3 +99,12 @@ def test_launchers_are_shared_per_import_environment(tmp_path):
     assert same is again  # hearth settings are read when the command runs, after the fork
     assert other is not same  # OpenMP reads its settings while torch is imported: another launcher
     assert import_environment({"OMP_NUM_THREADS": "1", "HEARTH_X": "y"}) == (("OMP_NUM_THREADS", "1"),)
+
+
+@pytest.mark.parametrize(("value", "default", "expected"),
+                         [("", True, True), ("", False, False), ("0", True, False), ("1", False, True),
+                          ("no", True, False), ("yes", False, True)])
+def test_hearth_prefork_overrides_the_default_only_when_set(monkeypatch, value, default, expected):
+    # `hearth demo` forks by default and HEARTH_PREFORK=0 turns it off; LocalCluster elsewhere starts fresh.
+    monkeypatch.setenv(PREFORK_ENV, value)
+    assert prefork_from_environment(default=default) is expected
