@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from services.bench.together_report import TogetherReport
+from services.cluster import PREFORK_ENV
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 NEW_TOKENS = 4
@@ -29,6 +30,9 @@ def _bench(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
         [sys.executable, "-m", "services.cli", "bench", "--model", "random:tiny", "--cache-dir", str(tmp_path),
          "--prompt-tokens", "8", "--new-tokens", str(NEW_TOKENS), "--repeats", "1", *args],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=240,
+        # As `hearth bench` runs for its users: each process started fresh and pinned by taskset, so this test keeps
+        # LocalCluster's own start path covered while the rest of the suite forks (tests/conftest.py).
+        env={**os.environ, PREFORK_ENV: "0"},
     )
 
 
