@@ -264,15 +264,14 @@ class LocalCluster:
         credentials = self.credentials_env(self.member_key(*member) if member else None)
         env = {**os.environ, **quiet_torch_environment(self.torch_threads), **self.extra_env, **credentials,
                "HEARTH_NATS_URL": self.nats_url, "PYTHONUNBUFFERED": "1", **(env or {})}
-        command = [sys.executable, "-m", "services.cli", "--log-level", self.log_level, *args,
-                   "--nats", self.nats_url]
+        hearth_args = ["--log-level", self.log_level, *args, "--nats", self.nats_url]
         if writes_ready_file:
-            command += ["--ready-file", str(ready_file)]
+            hearth_args += ["--ready-file", str(ready_file)]
         metrics_port = _metrics_port_in(args)
         if metrics_port is None and self.metrics and takes_metrics_port:
             metrics_port = free_tcp_port()
-            command += ["--metrics-port", str(metrics_port)]
-        popen = self._launch(command, env, log_path, cpus)
+            hearth_args += ["--metrics-port", str(metrics_port)]
+        popen = self._launch(hearth_args, env, log_path, cpus)
         process = ManagedProcess(name, popen, log_path, ready_file if writes_ready_file else None,
                                  metrics_port=metrics_port or None)
         self.processes.append(process)
@@ -280,16 +279,16 @@ class LocalCluster:
             self.wait_ready(process)
         return process
 
-    def _launch(self, command: list[str], env: dict[str, str], log_path: Path,
+    def _launch(self, hearth_args: list[str], env: dict[str, str], log_path: Path,
                 cpus: Sequence[int] | None) -> subprocess.Popen | PreforkedProcess:
+        """`hearth <hearth_args>` as a fork of the prefork launcher, or as a fresh `python -m services.cli`."""
         repo_root = Path(__file__).resolve().parents[1]
         if self._prefork_enabled():
-            hearth_args = command[command.index("services.cli") + 1:]
             log_path.touch()
             return prefork_launcher(env, repo_root).spawn(SpawnRequest(
                 argv=hearth_args, env=env, cwd=str(repo_root), log_path=str(log_path),
                 new_session=self.start_new_session, cpus=sorted(set(cpus)) if cpus else None))
-        command, pin = pinned_command(command, cpus)
+        command, pin = pinned_command([sys.executable, "-m", "services.cli", *hearth_args], cpus)
         with open(log_path, "ab") as log_file:
             return subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     env=env, cwd=str(repo_root), start_new_session=self.start_new_session,
