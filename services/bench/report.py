@@ -53,6 +53,11 @@ class ConcurrentFigures(BaseModel):
     single_session_decode_tokens_per_s: float
     single_session_end_to_end_tokens_per_s: float
     transport: list[TransportFigures]
+    # Tokens after every session had its first one / time from then to the last token: the rate while all decode
+    # (the aggregate also counts the prefills and the tail where fewer are left).
+    all_decoding_tokens_per_s: float | None = None
+    # Per shard id: session rows per batched decode step during the run (continuous batching; 1.0: none).
+    mean_batch_rows: dict[str, float] = {}
 
 
 class TargetCheck(BaseModel):
@@ -177,6 +182,11 @@ def format_report(report: BenchReport) -> str:
                          f"{s.finished_ms:9.1f} ms, {s.tokens} tokens"
                          + ("  <- first token only after another session finished"
                             if s.first_token_after_another_finished else ""))
+        if c.all_decoding_tokens_per_s is not None:
+            lines.append(f"  while all {len(c.sessions)} decode: {c.all_decoding_tokens_per_s:.2f} tokens/s")
+        if c.mean_batch_rows:
+            lines.append("  mean decode batch (session rows per batched step): " + ", ".join(
+                f"{shard_id} {rows:.2f}" for shard_id, rows in c.mean_batch_rows.items()))
         pooled = next((row for row in c.transport if row.shard_id == "all"), None)
         if pooled is not None:
             lines.append(f"  transport overhead under load (decode, all hops): p50 {_ms(pooled.p50_ms)} ms, "

@@ -20,7 +20,13 @@ from services.bench.pipeline import pipeline_generation
 from services.bench.report import BenchReport, ConcurrentFigures, SessionFigures, shard_memory_figures, side_figures
 from services.bench.targets import target_checks
 from services.bench.timing import GenerationTiming
-from services.bench.transport_metrics import histogram_deltas, scrape_hosts, transport_figures
+from services.bench.transport_metrics import (
+    histogram_deltas,
+    mean_batch_rows,
+    scrape_batching_hosts,
+    scrape_hosts,
+    transport_figures,
+)
 from services.cluster import LocalCluster, even_layer_ranges, quiet_torch_environment
 from services.common.lifecycle import run_event_loop
 from services.demo import resolve_demo_model
@@ -264,6 +270,7 @@ class Bench:
                    for i in range(options.sessions)]
         _progress(f"{options.sessions} concurrent sessions ...")
         before = await scrape_hosts(metrics_urls)
+        batching_before = await scrape_batching_hosts(metrics_urls)
         started = time.perf_counter()
 
         async def one(prompt: str) -> tuple[float, GenerationTiming]:
@@ -273,6 +280,7 @@ class Bench:
         results = await asyncio.gather(*(one(prompt) for prompt in prompts))
         wall_s = time.perf_counter() - started
         after = await scrape_hosts(metrics_urls)
+        batching_after = await scrape_batching_hosts(metrics_urls)
         delta = histogram_deltas(after, before)
         first_at = [sent + timing.token_times_s[0] for sent, timing in results]
         done_at = [sent + timing.end_s for sent, timing in results]
@@ -290,4 +298,17 @@ class Bench:
             single_session_decode_tokens_per_s=single_decode_tps,
             single_session_end_to_end_tokens_per_s=options.new_tokens / single_end_s,
             transport=transport_figures(delta, "decode", hop_of),
+            all_decoding_tokens_per_s=all_decoding_rate([[sent + at for at in timing.token_times_s]
+                                                         for sent, timing in results]),
+            mean_batch_rows={shard_id: rows for shard_id, rows in sorted(
+                mean_batch_rows(batching_after, batching_before).items(), key=lambda item: hop_of.get(item[0], 0))},
         )
+
+
+def all_decoding_rate(token_times_s: list[list[float]]) -> float | None:
+    """Tokens/s from the moment every session had its first token to the last token (None: no such span)."""
+    all_started = max(times[0] for times in token_times_s)
+    later = [at for times in token_times_s for at in times if at > all_started]
+    if not later or max(later) <= all_started:
+        return None
+    return len(later) / (max(later) - all_started)

@@ -1,4 +1,5 @@
-"""The benchmark's targets (decode ratio, transport p95, construction time, concurrency) checked against a report."""
+"""The benchmark's targets (decode ratio, transport p95, construction time, concurrency, batching) checked against a
+report."""
 
 from __future__ import annotations
 
@@ -7,6 +8,9 @@ from services.bench.report import BenchReport, TargetCheck
 transport_target_p95_ms = 1.0
 ratio_target = 0.90
 construct_target_ms = 20.0
+# Issue 13: with this many concurrent sessions, the aggregate should reach `batching_target_factor` x one session.
+batching_target_sessions = 8
+batching_target_factor = 4.0
 
 
 def target_checks(report: BenchReport) -> list[TargetCheck]:
@@ -38,6 +42,15 @@ def target_checks(report: BenchReport) -> list[TargetCheck]:
             measured=f"{c.aggregate_tokens_per_s:.2f} vs {c.single_session_end_to_end_tokens_per_s:.2f} "
                      f"(single-session decode-only rate: {c.single_session_decode_tokens_per_s:.2f})",
             met=c.aggregate_tokens_per_s >= c.single_session_end_to_end_tokens_per_s))
+        if len(c.sessions) >= batching_target_sessions:
+            checks.append(TargetCheck(
+                target=f"{len(c.sessions)} sessions: aggregate tokens/s >= {batching_target_factor:.0f} x "
+                       "single-session decode tokens/s (continuous batching)",
+                measured=f"{c.aggregate_tokens_per_s:.2f} vs {c.single_session_decode_tokens_per_s:.2f}: "
+                         f"{c.aggregate_tokens_per_s / c.single_session_decode_tokens_per_s:.2f} x"
+                         + (f" ({c.all_decoding_tokens_per_s / c.single_session_decode_tokens_per_s:.2f} x while all "
+                            "decode)" if c.all_decoding_tokens_per_s else ""),
+                met=c.aggregate_tokens_per_s >= batching_target_factor * c.single_session_decode_tokens_per_s))
         waited = [s.session for s in c.sessions if s.first_token_after_another_finished]
         checks.append(TargetCheck(
             target="no session waits for another to finish before its first token",

@@ -1,4 +1,5 @@
-"""Per-hop transport overhead: the shard hosts' step histograms scraped from Prometheus, turned into p50/p95 figures.
+"""Per-hop transport overhead: the shard hosts' step histograms scraped from Prometheus, turned into p50/p95 figures
+(and their continuous-batching counters, turned into mean batch sizes).
 
 Each shard host observes, for every step, its inbound wire time, deserialisation and serialisation
 (services/shard/metrics.py); the bench scrapes the histograms before and after a measurement and
@@ -13,7 +14,15 @@ import urllib.request
 from dataclasses import dataclass
 
 from services.bench.report import TransportFigures
-from services.shard.metrics import COMPUTE_METRIC, DESERIALIZE_METRIC, SERIALIZE_METRIC, TRANSPORT_METRIC, WIRE_METRIC
+from services.shard.metrics import (
+    BATCH_ROWS_FAMILY,
+    BATCHES_FAMILY,
+    COMPUTE_METRIC,
+    DESERIALIZE_METRIC,
+    SERIALIZE_METRIC,
+    TRANSPORT_METRIC,
+    WIRE_METRIC,
+)
 
 metrics_scrape_timeout_s = 5.0
 
@@ -96,6 +105,41 @@ def scrape_histograms(url: str) -> dict[MetricKey, Histogram]:
         buckets.sort()
         histograms[key] = Histogram([b for b, _ in buckets], [c for _, c in buckets], sums.get(key, 0.0))
     return histograms
+
+
+def scrape_batching(url: str) -> dict[str, tuple[float, float]]:
+    """Per shard id: (batched decode steps run, session rows in them) so far (services/shard/metrics.py)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url, timeout=metrics_scrape_timeout_s) as response:
+        text = response.read().decode()
+    figures: dict[str, list[float]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in (f"{BATCHES_FAMILY}_total", f"{BATCH_ROWS_FAMILY}_total"):
+                counts = figures.setdefault(sample.labels["shard_id"], [0.0, 0.0])
+                counts[sample.name == f"{BATCH_ROWS_FAMILY}_total"] = sample.value
+    return {shard_id: (batches, rows) for shard_id, (batches, rows) in figures.items()}
+
+
+async def scrape_batching_hosts(metrics_urls: dict[str, str]) -> dict[str, tuple[float, float]]:
+    """`scrape_batching` of every shard host, merged."""
+    merged: dict[str, tuple[float, float]] = {}
+    for url in metrics_urls.values():
+        merged.update(await asyncio.to_thread(scrape_batching, url))
+    return merged
+
+
+def mean_batch_rows(after: dict[str, tuple[float, float]],
+                    before: dict[str, tuple[float, float]]) -> dict[str, float]:
+    """Per shard id: session rows per batched decode step between two scrapes (shards that batched nothing left
+    out)."""
+    means = {}
+    for shard_id, (batches, rows) in after.items():
+        earlier_batches, earlier_rows = before.get(shard_id, (0.0, 0.0))
+        if batches > earlier_batches:
+            means[shard_id] = (rows - earlier_rows) / (batches - earlier_batches)
+    return means
 
 
 async def scrape_hosts(metrics_urls: dict[str, str]) -> dict[MetricKey, Histogram]:

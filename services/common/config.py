@@ -271,8 +271,10 @@ class ShardSettings(_Section):
                                       "go through its layers in pieces of this many, so that a turn is one layer of "
                                       "one piece (0: all its tokens at once; small pieces cost a CPU throughput)")
     prefill_slice_min_tokens: int = Field(
-        default=64, ge=1, description="prefill steps of fewer tokens run whole (a short prompt is not held up by "
-                                      "the long prompts' slices between its own)")
+        default=256, ge=1, description="prefill steps of fewer tokens run whole, at the compute thread's priority "
+                                       "(a short prompt is neither held up by the long prompts' slices nor starved by "
+                                       "other sessions' decode steps; the default is the orchestrator's "
+                                       "prefill_chunk_tokens, so a long prompt's chunks run in turns)")
     prefill_nice: int = Field(
         default=10, ge=0, le=19, description="steps run in turns run on a thread this many nice levels below the "
                                              "compute thread's CPU priority, so that on cores shared with other "

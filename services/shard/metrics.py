@@ -49,6 +49,9 @@ DESERIALIZE_METRIC = "hearth_shard_step_deserialize_seconds"
 SERIALIZE_METRIC = "hearth_shard_step_serialize_seconds"
 TRANSPORT_METRIC = "hearth_shard_step_transport_seconds"
 COMPUTE_METRIC = "hearth_shard_step_compute_seconds"
+# Counter families (their samples carry a `_total` suffix).
+BATCHES_FAMILY = "hearth_shard_decode_batches"
+BATCH_ROWS_FAMILY = "hearth_shard_decode_batch_rows"
 
 
 class ShardStepMetrics:
@@ -116,9 +119,9 @@ class ShardServingCollector(Collector):
                                   labels=labels)
         tokens = CounterMetricFamily("hearth_shard_tokens_served", "Token positions run through this shard's layers "
                                      "(prefill and decode): the reputation signal of its heartbeats.", labels=labels)
-        batches = CounterMetricFamily("hearth_shard_decode_batches", "Decode steps run as one batch for the ready "
+        batches = CounterMetricFamily(BATCHES_FAMILY, "Decode steps run as one batch for the ready "
                                       "steps of several sessions (continuous batching).", labels=labels)
-        rows = CounterMetricFamily("hearth_shard_decode_batch_rows", "Session decode steps run in those batches "
+        rows = CounterMetricFamily(BATCH_ROWS_FAMILY, "Session decode steps run in those batches "
                                    "(rows / batches: the mean batch size).", labels=labels)
         for shard in list(self._shards):
             open_hops, cache_bytes, served = shard.serving_figures()

@@ -1,4 +1,4 @@
-"""The arithmetic of `hearth bench`: percentiles from Prometheus buckets, timing figures, prompt lengths."""
+"""The arithmetic of `hearth bench`: percentiles from Prometheus buckets, timing figures, prompt lengths, batch sizes."""
 
 from __future__ import annotations
 
@@ -6,8 +6,9 @@ import math
 
 import pytest
 
+from services.bench.runner import all_decoding_rate
 from services.bench.timing import GenerationTiming
-from services.bench.transport_metrics import Histogram, transport_figures
+from services.bench.transport_metrics import Histogram, mean_batch_rows, transport_figures
 from services.shard.metrics import COMPUTE_METRIC, TRANSPORT_METRIC, WIRE_METRIC
 
 BOUNDS_S = [0.0005, 0.001, 0.002, math.inf]
@@ -74,3 +75,18 @@ def test_generation_timing_counts_decode_rate_from_the_first_token_on():
     assert timing.ttft_ms == pytest.approx(500.0)
     assert timing.decode_tokens_per_s == pytest.approx(3 / 0.4)
     assert GenerationTiming(token_times_s=[0.5]).decode_tokens_per_s == 0.0
+
+
+def test_all_decoding_rate_counts_only_the_tokens_after_every_session_started():
+    # Session 1's first token comes at 2.0 s: from then on, tokens at 2.5, 3.0 (session 0) and 3.0, 4.0 (session 1).
+    rate = all_decoding_rate([[0.5, 1.0, 2.5, 3.0], [2.0, 3.0, 4.0]])
+    assert rate == pytest.approx(4 / 2.0)
+    # A session that starts after the others have finished leaves no span where all decode.
+    assert all_decoding_rate([[0.5, 1.0], [2.0]]) is None
+
+
+def test_mean_batch_rows_is_rows_per_batch_between_two_scrapes():
+    before = {"a": (10.0, 12.0), "b": (5.0, 5.0)}
+    after = {"a": (20.0, 52.0), "b": (5.0, 5.0), "c": (2.0, 3.0)}
+    # a: 40 rows in 10 batches; b batched nothing meanwhile (left out); c is new since the first scrape.
+    assert mean_batch_rows(after, before) == {"a": pytest.approx(4.0), "c": pytest.approx(1.5)}
