@@ -10,11 +10,13 @@
 #   bash scripts/gpu_session.sh tinyllama    # bench, TinyLlama-1.1B shape, bf16, 3 shards on the one GPU
 #   bash scripts/gpu_session.sh llama3-8b    # bench, Llama-3-8B shape (written once, bf16, 16 GB), 8 sessions
 #   bash scripts/gpu_session.sh batching     # issue 13's batching figure on the GPU: 8 sessions, graphs on and off
-#   bash scripts/gpu_session.sh cpu          # bench, llama-250m on the CPU (the "CPU does not get worse" figure)
+#   bash scripts/gpu_session.sh cpu          # bench, llama-250m on the CPU (the "CPU does not get worse" figure;
+#                                            # 8 sessions: issue 13's batching figure on a 16-core CPU)
+#   bash scripts/gpu_session.sh together     # issue 13's N pinned shards vs one core, N = 2, 3, 4 (16 cores)
 #   bash scripts/gpu_session.sh load-memory  # host memory while loading ranges onto the GPU (bound: weights + 10 %)
 # HEARTH_GPU_DRY_RUN=1 runs the same stages on this CPU with tiny shapes, to check the script before device time.
 set -u
-stage=${1:?usage: gpu_session.sh tests|tinyllama|llama3-8b|batching|cpu|load-memory}
+stage=${1:?usage: gpu_session.sh tests|tinyllama|llama3-8b|batching|cpu|together|load-memory}
 out=${OUT:-/tmp/hearth-gpu-out}
 mkdir -p "$out"
 if [ -d .whl ] && [ -z "${HEARTH_GPU_DRY_RUN:-}" ]; then
@@ -65,7 +67,17 @@ case "$stage" in
   cpu)
     cpu_model=llama-250m
     [ -n "${HEARTH_GPU_DRY_RUN:-}" ] && cpu_model=tiny
-    bench "$cpu_model-cpu" --model "random:$cpu_model" --device cpu --repeats 3 --sessions 4
+    bench "$cpu_model-cpu" --model "random:$cpu_model" --device cpu --repeats 3 --sessions 8
+    ;;
+  together)
+    # A quiet machine with more cores than shards: the orchestrator and nats-server run beside the pinned shards.
+    together_model=llama-250m
+    sizes="2 3 4"
+    if [ -n "${HEARTH_GPU_DRY_RUN:-}" ]; then together_model=tiny; sizes=2; fi
+    for cores in $sizes; do
+      bench "together-$cores" --pin-cores "$cores" --model "random:$together_model" --pin-sessions "$cores" \
+        --pin-sessions 8 --repeats 1
+    done
     ;;
   load-memory)
     echo "== load-memory on $device" | tee -a "$out/stages.txt"
@@ -74,7 +86,7 @@ case "$stage" in
     echo "exit $?" | tee -a "$out/stages.txt"
     ;;
   *)
-    echo "unknown stage $stage (tests, tinyllama, llama3-8b, batching, cpu or load-memory)" >&2
+    echo "unknown stage $stage (tests, tinyllama, llama3-8b, batching, cpu, together or load-memory)" >&2
     exit 2
     ;;
 esac
