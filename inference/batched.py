@@ -59,14 +59,21 @@ class RowCaches:
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                cache_kwargs: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        keys, values = [], []
-        for row, cache in enumerate(self.caches):
-            row_keys, row_values = cache.update(key_states[row:row + 1], value_states[row:row + 1], layer_idx,
-                                                cache_kwargs)
-            keys.append(row_keys)
-            values.append(row_values)
+        keys, values = update_rows(self.caches, key_states, value_states, layer_idx, cache_kwargs)
         width = max(k.shape[-2] for k in keys)
         return _left_padded(keys, width), _left_padded(values, width)
+
+
+def update_rows(caches: Sequence, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+                cache_kwargs: dict | None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Row i's new key/value appended to caches[i] by that cache's own class; each row's keys and values after."""
+    keys, values = [], []
+    for row, cache in enumerate(caches):
+        row_keys, row_values = cache.update(key_states[row:row + 1], value_states[row:row + 1], layer_idx,
+                                            cache_kwargs)
+        keys.append(row_keys)
+        values.append(row_values)
+    return keys, values
 
 
 def run_batched_decode(*, config: PretrainedConfig, layers: dict[int, nn.Module], rotary_embedding: nn.Module,

@@ -87,7 +87,8 @@ class LayerRangeRunner:
             max_tokens = min(static_cache_tokens, context)
             self._static = StaticDecoder(config=config, layers=layers, rotary_embedding=rotary_embedding,
                                          max_tokens=max_tokens, device=self.device, capture_graphs=True)
-        # Batched decode over the sessions' own dynamic caches (inference/batched.py); static caches step one by one.
+        # Batched decode over the sessions' own dynamic caches (inference/batched.py); static caches batch in
+        # StaticDecoder.run_batch.
         self._batched = self._static is None and batched_decode_supported(
             config, self._attention_types[self.layer_lo : self.layer_hi + 1])
         self._caches = SessionCaches(
@@ -222,6 +223,10 @@ class LayerRangeRunner:
             return outcomes
 
     def _run_rows(self, ready: list, run_lo: int, run_hi: int) -> list[torch.Tensor]:
+        if len(ready) > 1 and self._static is not None:
+            return self._static.run_batch([session.cache for *_, session in ready],
+                                          torch.cat([hidden for _, _, hidden, _ in ready]),
+                                          [as_position(row.start_pos) for _, row, _, _ in ready], run_lo, run_hi)
         if len(ready) > 1 and self._batched:
             output = run_batched_decode(
                 config=self._config, layers=self._layers, rotary_embedding=self._rotary_embedding,

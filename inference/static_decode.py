@@ -12,11 +12,22 @@ graphed; other architectures keep the dynamic cache (LayerRangeRunner decides).
 Capture writes nothing: before capturing, one warm-up step runs on a side stream (so that lazily created library
 state exists) and its cache writes are undone by resetting the length counters; the replay that follows rewrites
 the same slot. Graphs are kept per cache object (weakly): an evicted or reset session frees its graphs with it.
+
+Continuous batching over static caches (`run_batch`): the decode steps of several sessions run as one forward, each
+row appending to its own cache at its own length counter, the layer attending every row's keys stacked and masked
+by that row's position. On a GPU a batch is graphed too, one graph per set of sessions (and layer range): a set seen
+for the first time steps its sessions one by one through their own graphs, as before; from its
+`batch_capture_after_sightings`-th sighting on it is captured and replayed. Why not capture every batch at once: the
+batcher's groups change as sessions join, leave and drift apart, and a capture costs about two eager steps, while a
+set that keeps decoding together repeats for hundreds of tokens. The graphed batch attends all `max_tokens`
+positions of every row (fixed shapes), the eager one (the CPU) only up to the longest row. A graph holds no
+reference to its sessions' caches; when any of them is freed, the graph goes with it (addresses would dangle).
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +35,7 @@ from torch import nn
 from transformers import PretrainedConfig, StaticCache
 
 from .architectures import FULL_ATTENTION
+from .batched import update_rows
 from .errors import SessionTooLargeError
 
 
@@ -31,6 +43,14 @@ def static_decode_supported(config: PretrainedConfig, attention_types: list[str]
     """True when every layer attends fully through SDPA (the masks built here are SDPA's boolean ones)."""
     return all(kind == FULL_ATTENTION for kind in attention_types) and getattr(
         config, "_attn_implementation", None) == "sdpa"
+
+
+# How often a set of sessions must arrive as one batch before its batched step is captured (see the module docstring).
+batch_capture_after_sightings = 2
+# Batched graphs kept at most (the oldest goes first); sets of sessions past that step eagerly or one by one.
+max_batch_graphs = 16
+# The sightings remembered at most before the count starts over (sets that never repeat must not pile up).
+max_batch_sightings = 256
 
 
 @dataclass
@@ -58,6 +78,9 @@ class StaticDecoder:
         self._graphs: weakref.WeakKeyDictionary[StaticCache, dict[tuple[int, int], _Graph]] = (
             weakref.WeakKeyDictionary())
         self._pool = torch.cuda.graph_pool_handle() if self.capture_graphs else None
+        self._batch_graphs: dict[tuple, _Graph] = {}
+        self._batch_sightings: dict[tuple, int] = {}
+        self.batched_steps_total = 0
 
     def new_cache(self) -> StaticCache:
         cache = StaticCache(config=self.config, max_cache_len=self.max_tokens)
@@ -89,6 +112,80 @@ class StaticDecoder:
         for layer_index in range(run_lo, run_hi + 1):
             lengths[layer_index] = start_pos + num_tokens
         return output
+
+    def run_batch(self, caches: Sequence[StaticCache], hidden: torch.Tensor, positions: Sequence[int], run_lo: int,
+                  run_hi: int) -> list[torch.Tensor]:
+        """One decode step (one token each, ``hidden`` ``[B, 1, hidden]``) of several sessions: row i at positions[i]
+        of caches[i]; each row's output ``[1, 1, hidden]``, valid until that session's next step."""
+        for position in positions:
+            if position + 1 > self.max_tokens:
+                raise SessionTooLargeError(f"position {position + 1} is beyond this runner's static KV cache of "
+                                           f"{self.max_tokens} positions")
+        if self.capture_graphs:
+            key = (tuple(id(cache) for cache in caches), run_lo, run_hi)
+            entry = self._batch_graphs.get(key)
+            if entry is None and self._sighted(key) < batch_capture_after_sightings:
+                return [self.run(cache, hidden[row:row + 1], position, run_lo, run_hi, "decode")
+                        for row, (cache, position) in enumerate(zip(caches, positions, strict=True))]
+            if entry is None:
+                entry = self._capture_batch(key, caches, hidden, positions, run_lo, run_hi)
+            entry.hidden.copy_(hidden, non_blocking=True)
+            entry.position_ids.copy_(torch.tensor(list(positions), dtype=torch.long).view(-1, 1))
+            entry.graph.replay()
+            output = entry.output
+        else:
+            position_ids = torch.tensor(list(positions), dtype=torch.long, device=self.device).view(-1, 1)
+            output = self._batch_body(caches, hidden, position_ids, max(positions) + 1, run_lo, run_hi)
+        self.batched_steps_total += 1
+        for cache, position in zip(caches, positions, strict=True):
+            lengths = self._lengths[cache]
+            for layer_index in range(run_lo, run_hi + 1):
+                lengths[layer_index] = position + 1
+        return list(output.split(1))
+
+    def _sighted(self, key: tuple) -> int:
+        if len(self._batch_sightings) >= max_batch_sightings:
+            self._batch_sightings.clear()
+        self._batch_sightings[key] = self._batch_sightings.get(key, 0) + 1
+        return self._batch_sightings[key]
+
+    def _batch_body(self, caches: Sequence[StaticCache], hidden: torch.Tensor, position_ids: torch.Tensor,
+                    width: int, run_lo: int, run_hi: int) -> torch.Tensor:
+        """The layers for a batch over the rows' static caches, attending their first `width` positions (capturable
+        when `width` is fixed: no host synchronisation)."""
+        position_embeddings = self._rotary_embedding(hidden, position_ids)
+        # [B, 1, 1, width], True where the key's position is at most the row's query position.
+        mask = (self._key_positions[:width].view(1, -1) <= position_ids.view(-1, 1)).view(-1, 1, 1, width)
+        rows = _StaticRows(caches, width)
+        for layer_index in range(run_lo, run_hi + 1):
+            output = self._layers[layer_index](hidden, attention_mask=mask, position_ids=position_ids,
+                                               past_key_values=rows, position_embeddings=position_embeddings)
+            hidden = output[0] if isinstance(output, tuple) else output
+        return hidden
+
+    def _capture_batch(self, key: tuple, caches: Sequence[StaticCache], hidden: torch.Tensor,
+                       positions: Sequence[int], run_lo: int, run_hi: int) -> _Graph:
+        static_hidden = hidden.clone()
+        position_ids = torch.tensor(list(positions), dtype=torch.long, device=self.device).view(-1, 1)
+        counters = [(cache.layers[index].cumulative_length, position)
+                    for cache, position in zip(caches, positions, strict=True) for index in range(run_lo, run_hi + 1)]
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            self._batch_body(caches, static_hidden, position_ids, self.max_tokens, run_lo, run_hi)
+            for counter, position in counters:  # undo the warm-up's step: the replay writes the same slots again
+                counter.fill_(position)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            output = self._batch_body(caches, static_hidden, position_ids, self.max_tokens, run_lo, run_hi)
+        if len(self._batch_graphs) >= max_batch_graphs:
+            self._batch_graphs.pop(next(iter(self._batch_graphs)))
+        entry = self._batch_graphs[key] = _Graph(graph, static_hidden, position_ids, output)
+        self._batch_sightings.pop(key, None)
+        for cache in caches:
+            weakref.finalize(cache, self._batch_graphs.pop, key, None)
+        return entry
 
     def _body(self, cache: StaticCache, hidden: torch.Tensor, position_ids: torch.Tensor, run_lo: int,
               run_hi: int) -> torch.Tensor:
@@ -130,3 +227,18 @@ class StaticDecoder:
             output = self._body(cache, static_hidden, position_ids, run_lo, run_hi)
         return _Graph(graph, static_hidden, position_ids, output)
 
+
+
+class _StaticRows:
+    """A layer's ``past_key_values`` for a batch of sessions with static caches: row i's new key/value go into
+    caches[i] at that cache's own length counter, and the layer attends every row's first `width` positions."""
+
+    def __init__(self, caches: Sequence[StaticCache], width: int) -> None:
+        self.caches = list(caches)
+        self.width = width
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               cache_kwargs: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = update_rows(self.caches, key_states, value_states, layer_idx, cache_kwargs)
+        return (torch.cat([row_keys[:, :, :self.width] for row_keys in keys]),
+                torch.cat([row_values[:, :, :self.width] for row_values in values]))

@@ -55,8 +55,9 @@ case "$stage" in
     bench "$big-$device" --model "random:$big" --device "$device" --dtype "$dtype" --repeats 2 --sessions 8
     ;;
   batching)
-    # With CUDA graphs (the default) a shard's sessions replay their own graphs one after another; with dynamic
-    # caches (graphs off) their decode steps run as one batched eager forward (inference/batched.py).
+    # With CUDA graphs (the default) a set of sessions that keeps decoding together replays one graph of its
+    # batched step (StaticDecoder.run_batch); with dynamic caches (graphs off) their decode steps run as one
+    # batched eager forward (inference/batched.py).
     small=llama-250m
     [ -n "${HEARTH_GPU_DRY_RUN:-}" ] && small=tiny
     bench "batching-$small-graphs" --model "random:$small" --device "$device" --dtype "$dtype" --repeats 2 \

@@ -72,10 +72,10 @@ class BatchedSessions:
         return [self.head.sample(self.head.logits(states), GREEDY) for states in hidden_states]
 
 
-def decode_eight_sessions_together(path, sessions: type[BatchedSessions] = BatchedSessions):
-    """Eight sessions over two runners decoded together, and each one's solo tokens."""
-    head = load_head(path)
-    runners = [load_layer_range(path, 0, 2), load_layer_range(path, 3, 5)]
+def decode_eight_sessions_together(path, sessions: type[BatchedSessions] = BatchedSessions, **runner_options):
+    """Eight sessions over two runners (`load_layer_range` options) decoded together, and each one's solo tokens."""
+    head = load_head(path, device=runner_options.get("device"), dtype=runner_options.get("dtype"))
+    runners = [load_layer_range(path, 0, 2, **runner_options), load_layer_range(path, 3, 5, **runner_options)]
     prompts = {f"s{i}": head.encode_prompt(text) for i, text in enumerate(PROMPTS)}
     expected = {sid: solo_tokens(runners, head, ids) for sid, ids in prompts.items()}
     batch = sessions(runners, head)
@@ -93,11 +93,13 @@ def test_eight_batched_sessions_give_their_solo_tokens(tiny_model_dir, architect
     assert batch.runners[0]._batched  # the batched path ran, not the one-by-one fallback
 
 
-def join_and_leave(path, sessions: type[BatchedSessions], joins: dict[int, str]) -> tuple[dict, dict]:
-    """Sessions s0..s4 over one runner: those not in `joins` (step -> session) start together, the others join at
-    their step, and each leaves after NEW_TOKENS tokens; the tokens each finished with, and its solo tokens."""
+def join_and_leave(path, sessions: type[BatchedSessions], joins: dict[int, str], **runner_options
+                   ) -> tuple[dict, dict]:
+    """Sessions s0..s4 over one runner (`load_layer_range` options): those not in `joins` (step -> session) start
+    together, the others join at their step, and each leaves after NEW_TOKENS tokens; the tokens each finished with,
+    and its solo tokens."""
     head = load_head(path)
-    runners = [load_layer_range(path, 0, 5)]
+    runners = [load_layer_range(path, 0, 5, **runner_options)]
     prompts = {f"s{i}": head.encode_prompt(text) for i, text in enumerate(PROMPTS[:5])}
     expected = {sid: solo_tokens(runners, head, ids) for sid, ids in prompts.items()}
     batch = sessions(runners, head)

@@ -1,18 +1,25 @@
 """Static KV caches (inference/static_decode.py): on the CPU the eager path over a static cache gives the dynamic
-cache's greedy tokens; on a GPU (skipped elsewhere) decode steps replay CUDA graphs and give generate()'s tokens."""
+cache's greedy tokens, alone and batched; on a GPU (skipped elsewhere) decode steps replay CUDA graphs and give
+generate()'s tokens, and batches of sessions that keep decoding together replay graphs of their own."""
 
 from __future__ import annotations
+
+import gc
 
 import pytest
 import torch
 
 from inference import SessionEvictedError, SessionTooLargeError, load_head, load_layer_range
+from inference.static_decode import batch_capture_after_sightings
 
 from .inference_tiny_models import one_torch_thread, tiny_model_dir  # noqa: F401  (fixtures)
+from .test_batched_decode import NEW_TOKENS as BATCHED_NEW_TOKENS
+from .test_batched_decode import BatchedSessions, decode_eight_sessions_together, join_and_leave
 from .test_inference_devices import NEW_TOKENS, PROMPT, generate_reference
 from .test_kv_eviction import generate
 
 STATIC_TOKENS = 64
+NEW_TOKENS_BATCHED = BATCHED_NEW_TOKENS
 
 
 @pytest.mark.parametrize("architecture", ["llama", "qwen3"])
@@ -45,6 +52,38 @@ def test_static_caches_are_evicted_and_re_prefilled_like_dynamic_ones(tiny_model
 def test_architectures_with_sliding_windows_keep_dynamic_caches(tiny_model_dir):
     runner = load_layer_range(tiny_model_dir("mistral"), 0, 5, static_cache_tokens=STATIC_TOKENS)
     assert runner._static is None
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen3"])
+def test_eight_sessions_batched_over_static_caches_give_their_solo_tokens(tiny_model_dir, architecture):
+    batch, expected = decode_eight_sessions_together(tiny_model_dir(architecture), static_cache_tokens=STATIC_TOKENS)
+    assert batch.tokens == expected
+    # The batched path over the static caches ran (eagerly: no graphs on the CPU), not one session at a time.
+    assert all(runner._static is not None and runner._static.batched_steps_total == NEW_TOKENS_BATCHED - 1
+               for runner in batch.runners)
+
+
+def test_sessions_joining_and_leaving_a_static_batch_leave_the_others_unchanged(tiny_model_dir):
+    finished, expected = join_and_leave(tiny_model_dir("llama"), BatchedSessions, {3: "s3", 5: "s4"},
+                                        static_cache_tokens=STATIC_TOKENS)
+    assert finished == expected
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA device here")
+def test_batches_that_keep_decoding_together_replay_graphs_of_their_own_on_cuda(tiny_model_dir):
+    batch, expected = decode_eight_sessions_together(tiny_model_dir("llama"), static_cache_tokens=STATIC_TOKENS,
+                                                     device="cuda", dtype="fp32")
+    assert batch.tokens == expected
+    for runner in batch.runners:
+        assert runner.graphs_decode
+        # The first sightings of the eight stepped them one by one; from then on their batch replayed one graph.
+        assert len(runner._static._batch_graphs) == 1
+        assert runner._static.batched_steps_total == NEW_TOKENS_BATCHED - 1 - (batch_capture_after_sightings - 1)
+    for session_id in list(batch.positions):
+        batch.leave(session_id)
+    gc.collect()
+    assert all(not runner._static._batch_graphs for runner in batch.runners)  # freed with the sessions' caches
 
 
 @pytest.mark.cuda
