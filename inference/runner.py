@@ -202,6 +202,8 @@ class LayerRangeRunner:
                         raise ValueError("a batched decode step carries exactly one token per session")
                     session = self._continuing_session(row.session_id, as_position(row.start_pos), 1, run_lo,
                                                        run_hi)
+                    if self._static is not None:  # a row past its static cache fails alone, not the whole batch
+                        self._static.check_room(as_position(row.start_pos), 1)
                 except (ValueError, InferenceError) as error:
                     outcomes[index] = error
                     continue

@@ -96,13 +96,17 @@ class StaticDecoder:
     def cache_bytes_per_session(self, kv_bytes_per_token_per_layer: int, num_layers: int) -> int:
         return self.max_tokens * kv_bytes_per_token_per_layer * num_layers
 
+    def check_room(self, start_pos: int, num_tokens: int) -> None:
+        """SessionTooLargeError when a step of `num_tokens` at `start_pos` would not fit a static cache."""
+        if start_pos + num_tokens > self.max_tokens:
+            raise SessionTooLargeError(f"position {start_pos + num_tokens} is beyond this runner's static KV cache of "
+                                       f"{self.max_tokens} positions")
+
     def run(self, cache: StaticCache, hidden: torch.Tensor, start_pos: int, run_lo: int, run_hi: int,
             kind: str) -> torch.Tensor:
         """One step; its output is only valid until the next step of this session (a graph's static buffer)."""
         num_tokens = hidden.shape[1]
-        if start_pos + num_tokens > self.max_tokens:
-            raise SessionTooLargeError(f"position {start_pos + num_tokens} is beyond this runner's static KV cache of "
-                                       f"{self.max_tokens} positions")
+        self.check_room(start_pos, num_tokens)
         if kind == "decode" and num_tokens == 1 and self.capture_graphs:
             output = self._replay(cache, hidden, start_pos, run_lo, run_hi)
         else:
@@ -118,9 +122,7 @@ class StaticDecoder:
         """One decode step (one token each, ``hidden`` ``[B, 1, hidden]``) of several sessions: row i at positions[i]
         of caches[i]; each row's output ``[1, 1, hidden]``, valid until that session's next step."""
         for position in positions:
-            if position + 1 > self.max_tokens:
-                raise SessionTooLargeError(f"position {position + 1} is beyond this runner's static KV cache of "
-                                           f"{self.max_tokens} positions")
+            self.check_room(position, 1)
         if self.capture_graphs:
             key = (tuple(id(cache) for cache in caches), run_lo, run_hi)
             entry = self._batch_graphs.get(key)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from inference import SessionEvictedError, SessionTooLargeError, load_head, load_layer_range
+from inference.batched import DecodeRow
 from inference.static_decode import batch_capture_after_sightings
 
 from .inference_tiny_models import one_torch_thread, tiny_model_dir  # noqa: F401  (fixtures)
@@ -67,6 +68,18 @@ def test_sessions_joining_and_leaving_a_static_batch_leave_the_others_unchanged(
     finished, expected = join_and_leave(tiny_model_dir("llama"), BatchedSessions, {3: "s3", 5: "s4"},
                                         static_cache_tokens=STATIC_TOKENS)
     assert finished == expected
+
+
+def test_a_row_past_its_static_cache_fails_alone_in_a_batch(tiny_model_dir):
+    path = tiny_model_dir("llama")
+    head = load_head(path)
+    runner = load_layer_range(path, 0, 5, static_cache_tokens=STATIC_TOKENS)
+    runner.forward("a", head.embed([1, 5, 6]), 0, "prefill")
+    runner.forward("full", head.embed(list(range(1, STATIC_TOKENS + 1))), 0, "prefill")
+    outcomes = runner.decode_batch([DecodeRow("a", head.embed([9]), 3),
+                                    DecodeRow("full", head.embed([9]), STATIC_TOKENS)])
+    assert isinstance(outcomes[0], torch.Tensor) and isinstance(outcomes[1], SessionTooLargeError)
+    assert runner.cached_tokens("a") == 4 and runner.cached_tokens("full") == STATIC_TOKENS
 
 
 @pytest.mark.cuda
