@@ -230,7 +230,6 @@ class StaticDecoder:
         return _Graph(graph, static_hidden, position_ids, output)
 
 
-
 class _StaticRows:
     """A layer's ``past_key_values`` for a batch of sessions with static caches: row i's new key/value go into
     caches[i] at that cache's own length counter, and the layer attends every row's first `width` positions."""

@@ -222,8 +222,8 @@ def _serve() -> None:
                 _write(SpawnReply(error=f"not a spawn request: {error}"))
                 continue
             # The imported modules' millions of objects go to the permanent generation: a child's full
-            # collections skip them (one landed on a demo's first routing query as 320 ms of CPU) and do not
-            # write to their pages, which the children keep sharing with the launcher (gc.freeze's docs).
+            # collections skip them (one landed on a demo's first routing query as 320 ms of CPU) and leave their
+            # pages, which the children share with the launcher, untouched by the collector (gc.freeze's docs).
             gc.freeze()
             pid = os.fork()
             if pid == 0:
