@@ -127,7 +127,7 @@ class LayerRangeRunner:
             num_tokens = hidden_states.shape[1]
             self._caches.evict_expired()
             if kind == "prefill" and start_pos == 0:
-                self._check_fits(num_tokens, run_lo, run_hi, already_cached_bytes=0)
+                self._check_fits(start_pos, num_tokens, run_lo, run_hi, cached_bytes=0)
                 session = self._caches.start(session_id)
             else:
                 session = self._continuing_session(session_id, start_pos, num_tokens, run_lo, run_hi)
@@ -202,8 +202,6 @@ class LayerRangeRunner:
                         raise ValueError("a batched decode step carries exactly one token per session")
                     session = self._continuing_session(row.session_id, as_position(row.start_pos), 1, run_lo,
                                                        run_hi)
-                    if self._static is not None:  # a row past its static cache fails alone, not the whole batch
-                        self._static.check_room(as_position(row.start_pos), 1)
                 except (ValueError, InferenceError) as error:
                     outcomes[index] = error
                     continue
@@ -225,19 +223,18 @@ class LayerRangeRunner:
             return outcomes
 
     def _run_rows(self, ready: list, run_lo: int, run_hi: int) -> list[torch.Tensor]:
-        if len(ready) > 1 and self._static is not None:
-            return self._static.run_batch([session.cache for *_, session in ready],
-                                          torch.cat([hidden for _, _, hidden, _ in ready]),
-                                          [as_position(row.start_pos) for _, row, _, _ in ready], run_lo, run_hi)
-        if len(ready) > 1 and self._batched:
-            output = run_batched_decode(
-                config=self._config, layers=self._layers, rotary_embedding=self._rotary_embedding,
-                attention_types=self._attention_types, caches=[session.cache for *_, session in ready],
-                hidden_states=torch.cat([hidden for _, _, hidden, _ in ready]),
-                positions=[as_position(row.start_pos) for _, row, _, _ in ready], run_lo=run_lo, run_hi=run_hi)
-            return list(output.split(1))
-        return [self._run_solo(session.cache, hidden, as_position(row.start_pos), run_lo, run_hi, "decode")
-                for _, row, hidden, session in ready]
+        if len(ready) < 2 or (self._static is None and not self._batched):
+            return [self._run_solo(session.cache, hidden, as_position(row.start_pos), run_lo, run_hi, "decode")
+                    for _, row, hidden, session in ready]
+        caches = [session.cache for *_, session in ready]
+        positions = [as_position(row.start_pos) for _, row, _, _ in ready]
+        hidden_states = torch.cat([hidden for _, _, hidden, _ in ready])
+        if self._static is not None:
+            return self._static.run_batch(caches, hidden_states, positions, run_lo, run_hi)
+        return list(run_batched_decode(
+            config=self._config, layers=self._layers, rotary_embedding=self._rotary_embedding,
+            attention_types=self._attention_types, caches=caches, hidden_states=hidden_states, positions=positions,
+            run_lo=run_lo, run_hi=run_hi).split(1))
 
     def _run_solo(self, cache, hidden_states: torch.Tensor, start_pos: int, run_lo: int, run_hi: int,
                   kind: StepKind) -> torch.Tensor:
@@ -267,7 +264,7 @@ class LayerRangeRunner:
                 "(never prefilled, reset or evicted); re-prefill from position 0"
             )
         self._check_continues(session_id, session.cache, start_pos, run_lo, run_hi)
-        self._check_fits(num_tokens, run_lo, run_hi, already_cached_bytes=session.cached_bytes)
+        self._check_fits(start_pos, num_tokens, run_lo, run_hi, cached_bytes=session.cached_bytes)
         return session
 
     # ----------------------------------------------------------------- sessions
@@ -311,10 +308,8 @@ class LayerRangeRunner:
     def cached_tokens(self, session_id: str) -> int:
         """Tokens a session has cached (in the layers it runs; 0 if unknown)."""
         with self._lock:
-            session = self._caches.get(session_id)
-            if session is None:
-                return 0
-            return max(self._cached_length(session.cache, i) for i in range(self.layer_lo, self.layer_hi + 1))
+            session, layers = self._caches.get(session_id), range(self.layer_lo, self.layer_hi + 1)
+            return 0 if session is None else max(self._cached_length(session.cache, i) for i in layers)
 
     @property
     def graphs_decode(self) -> bool:
@@ -342,9 +337,7 @@ class LayerRangeRunner:
     @property
     def weight_bytes(self) -> int:
         """Bytes of the loaded layer weights (what this shard holds in memory besides caches)."""
-        return sum(
-            t.numel() * t.element_size() for layer in self._layers.values() for t in layer.parameters()
-        )
+        return sum(t.numel() * t.element_size() for layer in self._layers.values() for t in layer.parameters())
 
     def close(self) -> None:
         """Free every cache and the weights; later calls raise RunnerClosedError."""
@@ -391,14 +384,15 @@ class LayerRangeRunner:
                     f"starts at position {start_pos}; re-prefill from position 0"
                 )
 
-    def _check_fits(self, num_tokens: int, run_lo: int, run_hi: int, *, already_cached_bytes: int) -> None:
+    def _check_fits(self, start_pos: int, num_tokens: int, run_lo: int, run_hi: int, *, cached_bytes: int) -> None:
         # Upper bound (sliding-window layers stop growing); enough to refuse a hopeless session up front. A static
-        # cache takes all its positions at once.
+        # cache takes all its positions at once, and a step past them fails here (a batched row alone, not its batch).
         layers = run_hi - run_lo + 1
         if self._static is not None:
+            self._static.check_room(start_pos, num_tokens)
             projected = self._static.cache_bytes_per_session(self._kv_bytes_per_token_per_layer, layers)
         else:
-            projected = already_cached_bytes + num_tokens * self._kv_bytes_per_token_per_layer * layers
+            projected = cached_bytes + num_tokens * self._kv_bytes_per_token_per_layer * layers
         if projected > self._caches.budget_bytes:
             raise SessionTooLargeError(f"this step would take the session's KV cache to ~{projected} bytes, more than "
                                        f"the runner's whole budget of {self._caches.budget_bytes} bytes")

@@ -1,4 +1,5 @@
-"""The arithmetic of `hearth bench`: percentiles from Prometheus buckets, timing figures, prompt lengths, batch sizes."""
+"""The arithmetic of `hearth bench`: percentiles from Prometheus buckets, timing figures, prompt lengths, batch
+sizes."""
 
 from __future__ import annotations
 
