@@ -195,7 +195,8 @@ def test_calls_without_a_known_api_key_are_401(mesh):
 def test_a_gateway_at_its_limit_answers_429_with_retry_after(mesh):
     small = mesh.cluster.start_gateway(name="small-gateway", env={"HEARTH_GATEWAY__MAX_OPEN_REQUESTS": "1"})
     small_mesh = Mesh(mesh.cluster, small.ready_file.read_text(), mesh.keys)
-    stream = small_mesh.client().chat.completions.create(**chat_body(max_tokens=64), stream=True)
+    # Greedy and long, so that the open call cannot end (end-of-text, or its last token) before the second arrives.
+    stream = small_mesh.client().chat.completions.create(**chat_body(max_tokens=500, temperature=0), stream=True)
     try:
         next(iter(stream))  # the one open call
         status, headers, body = http(small_mesh, "/v1/chat/completions", chat_body(), mesh.keys["alice"])
