@@ -47,7 +47,7 @@ def static_decode_supported(config: PretrainedConfig, attention_types: list[str]
 
 # How often a set of sessions must arrive as one batch before its batched step is captured (see the module docstring).
 batch_capture_after_sightings = 2
-# Batched graphs kept at most (the oldest goes first); sets of sessions past that step eagerly or one by one.
+# Batched graphs kept at most: capturing one more drops the oldest (its set is captured again if it comes back).
 max_batch_graphs = 16
 # The sightings remembered at most before the count starts over (sets that never repeat must not pile up).
 max_batch_sightings = 256

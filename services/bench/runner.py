@@ -23,7 +23,6 @@ from services.bench.timing import GenerationTiming
 from services.bench.transport_metrics import (
     histogram_deltas,
     mean_batch_rows,
-    scrape_batching_hosts,
     scrape_hosts,
     transport_figures,
 )
@@ -212,7 +211,7 @@ class Bench:
                               f"{run.decode_tokens_per_s:7.2f} tokens/s, ttft {run.ttft_ms:7.1f} ms"
                               + (f", construct {run.construct_ms:.1f} ms" if run.construct_ms is not None else ""))
             after = await scrape_hosts(metrics_urls)
-            delta = histogram_deltas(after, before)
+            delta = histogram_deltas(after.histograms, before.histograms)
             concurrent = None
             if options.sessions > 1:
                 concurrent = await self._concurrent(nc, model_ref, worker, metrics_urls, hop_of,
@@ -270,7 +269,6 @@ class Bench:
                    for i in range(options.sessions)]
         _progress(f"{options.sessions} concurrent sessions ...")
         before = await scrape_hosts(metrics_urls)
-        batching_before = await scrape_batching_hosts(metrics_urls)
         started = time.perf_counter()
 
         async def one(prompt: str) -> tuple[float, GenerationTiming]:
@@ -280,8 +278,7 @@ class Bench:
         results = await asyncio.gather(*(one(prompt) for prompt in prompts))
         wall_s = time.perf_counter() - started
         after = await scrape_hosts(metrics_urls)
-        batching_after = await scrape_batching_hosts(metrics_urls)
-        delta = histogram_deltas(after, before)
+        delta = histogram_deltas(after.histograms, before.histograms)
         first_at = [sent + timing.token_times_s[0] for sent, timing in results]
         done_at = [sent + timing.end_s for sent, timing in results]
         sessions = []
@@ -301,7 +298,7 @@ class Bench:
             all_decoding_tokens_per_s=all_decoding_rate([[sent + at for at in timing.token_times_s]
                                                          for sent, timing in results]),
             mean_batch_rows={shard_id: rows for shard_id, rows in sorted(
-                mean_batch_rows(batching_after, batching_before).items(), key=lambda item: hop_of.get(item[0], 0))},
+                mean_batch_rows(after.batching, before.batching).items(), key=lambda item: hop_of.get(item[0], 0))},
         )
 
 

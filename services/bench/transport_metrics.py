@@ -83,15 +83,29 @@ class Histogram:
 MetricKey = tuple[str, str, str]  # (metric, shard_id, kind)
 
 
-def scrape_histograms(url: str) -> dict[MetricKey, Histogram]:
+@dataclass
+class HostScrape:
+    """What the shard hosts' /metrics said at one moment: their step histograms and, per shard id, their batching
+    counters (batched decode steps run, session rows in them)."""
+
+    histograms: dict[MetricKey, Histogram]
+    batching: dict[str, tuple[float, float]]
+
+
+def scrape_host(url: str) -> HostScrape:
+    """One shard host's /metrics: its step histograms and batching counters, from one request."""
     from prometheus_client.parser import text_string_to_metric_families
 
     with urllib.request.urlopen(url, timeout=metrics_scrape_timeout_s) as response:
         text = response.read().decode()
     rows: dict[MetricKey, list[tuple[float, float]]] = {}
     sums: dict[MetricKey, float] = {}
+    batching: dict[str, list[float]] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
+            if sample.name in (f"{BATCHES_FAMILY}_total", f"{BATCH_ROWS_FAMILY}_total"):
+                counts = batching.setdefault(sample.labels["shard_id"], [0.0, 0.0])
+                counts[sample.name == f"{BATCH_ROWS_FAMILY}_total"] = sample.value
             if not sample.name.startswith("hearth_shard_step_"):
                 continue
             if sample.name.endswith("_bucket"):
@@ -104,30 +118,7 @@ def scrape_histograms(url: str) -> dict[MetricKey, Histogram]:
     for key, buckets in rows.items():
         buckets.sort()
         histograms[key] = Histogram([b for b, _ in buckets], [c for _, c in buckets], sums.get(key, 0.0))
-    return histograms
-
-
-def scrape_batching(url: str) -> dict[str, tuple[float, float]]:
-    """Per shard id: (batched decode steps run, session rows in them) so far (services/shard/metrics.py)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(url, timeout=metrics_scrape_timeout_s) as response:
-        text = response.read().decode()
-    figures: dict[str, list[float]] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name in (f"{BATCHES_FAMILY}_total", f"{BATCH_ROWS_FAMILY}_total"):
-                counts = figures.setdefault(sample.labels["shard_id"], [0.0, 0.0])
-                counts[sample.name == f"{BATCH_ROWS_FAMILY}_total"] = sample.value
-    return {shard_id: (batches, rows) for shard_id, (batches, rows) in figures.items()}
-
-
-async def scrape_batching_hosts(metrics_urls: dict[str, str]) -> dict[str, tuple[float, float]]:
-    """`scrape_batching` of every shard host, merged."""
-    merged: dict[str, tuple[float, float]] = {}
-    for url in metrics_urls.values():
-        merged.update(await asyncio.to_thread(scrape_batching, url))
-    return merged
+    return HostScrape(histograms, {shard_id: (batches, rows) for shard_id, (batches, rows) in batching.items()})
 
 
 def mean_batch_rows(after: dict[str, tuple[float, float]],
@@ -142,11 +133,13 @@ def mean_batch_rows(after: dict[str, tuple[float, float]],
     return means
 
 
-async def scrape_hosts(metrics_urls: dict[str, str]) -> dict[MetricKey, Histogram]:
-    """The step histograms of every shard host, merged (each host labels its own by shard_id)."""
-    merged: dict[MetricKey, Histogram] = {}
+async def scrape_hosts(metrics_urls: dict[str, str]) -> HostScrape:
+    """Every shard host's /metrics, one request each, merged (each host labels its own figures by shard_id)."""
+    merged = HostScrape({}, {})
     for url in metrics_urls.values():
-        merged.update(await asyncio.to_thread(scrape_histograms, url))
+        host = await asyncio.to_thread(scrape_host, url)
+        merged.histograms.update(host.histograms)
+        merged.batching.update(host.batching)
     return merged
 
 
