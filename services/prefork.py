@@ -57,8 +57,6 @@ IMPORT_ENVIRONMENT_PREFIXES = ("OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "TO
                                "HOME")
 # How long the launcher may take to import PRELOADED_MODULES and answer its first request.
 launcher_start_timeout_s = 120.0
-# How long one fork may take to be answered (the launcher is idle between requests).
-spawn_reply_timeout_s = 30.0
 # The launcher wakes this often even without a request or a SIGCHLD, to notice a lost wake-up.
 launcher_poll_interval_s = 1.0
 
@@ -125,7 +123,9 @@ def _run_child(request: SpawnRequest, launcher_fds: Sequence[int]) -> None:
         signal.set_wakeup_fd(-1)
         for fd in launcher_fds:
             os.close(fd)
-        for signum in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP, signal.SIGPIPE):
+        # SIGPIPE stays ignored, as in a fresh interpreter: a write to a closed socket raises BrokenPipeError
+        # (nats-py reconnects) instead of killing the child (a demo's projector once exited with -13).
+        for signum in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP):
             signal.signal(signum, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         with contextlib.suppress(ImportError):  # cosmetic: ps would show the launcher's command line instead
