@@ -28,6 +28,7 @@ from torch import nn
 from transformers import DynamicCache, PretrainedConfig
 
 from .architectures import FULL_ATTENTION, SLIDING_ATTENTION
+from .layer_call import run_decoder_layer
 
 BATCHED_ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
 
@@ -48,7 +49,7 @@ class DecodeRow:
 
 
 class RowCaches:
-    """Stands in for a layer's ``past_key_values`` across a batch: row i's keys/values live in ``caches[i]``."""
+    """Stands in for a layer's KV cache argument across a batch: row i's keys/values live in ``caches[i]``."""
 
     def __init__(self, caches: Sequence[DynamicCache]) -> None:
         self.caches = list(caches)
@@ -57,20 +58,23 @@ class RowCaches:
         """Tokens each row's cache holds for one layer before this step (what a step attends besides itself)."""
         return [_stored(cache, layer_index) for cache in self.caches]
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
-               cache_kwargs: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        keys, values = update_rows(self.caches, key_states, value_states, layer_idx, cache_kwargs)
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args,
+               **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = update_rows(self.caches, key_states, value_states, layer_idx, *args, **kwargs)
         width = max(k.shape[-2] for k in keys)
         return _left_padded(keys, width), _left_padded(values, width)
 
 
-def update_rows(caches: Sequence, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
-                cache_kwargs: dict | None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Row i's new key/value appended to caches[i] by that cache's own class; each row's keys and values after."""
+def update_rows(caches: Sequence, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args,
+                **kwargs) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Row i's new key/value appended to caches[i] by that cache's own class; each row's keys and values after.
+
+    Whatever else the layer passes (``cache_kwargs`` positionally in early transformers 5 releases, ``kwargs=`` in
+    later ones) goes to each cache's own ``update`` as it came."""
     keys, values = [], []
     for row, cache in enumerate(caches):
-        row_keys, row_values = cache.update(key_states[row:row + 1], value_states[row:row + 1], layer_idx,
-                                            cache_kwargs)
+        row_keys, row_values = cache.update(key_states[row:row + 1], value_states[row:row + 1], layer_idx, *args,
+                                            **kwargs)
         keys.append(row_keys)
         values.append(row_values)
     return keys, values
@@ -87,9 +91,9 @@ def run_batched_decode(*, config: PretrainedConfig, layers: dict[int, nn.Module]
     for layer_index in range(run_lo, run_hi + 1):
         sliding = attention_types[layer_index] == SLIDING_ATTENTION
         mask = _row_mask(rows.stored_tokens(layer_index), window if sliding else None, hidden_states, config)
-        output = layers[layer_index](hidden_states, attention_mask=mask, position_ids=position_ids,
-                                     past_key_values=rows, position_embeddings=position_embeddings)
-        hidden_states = output[0] if isinstance(output, tuple) else output
+        hidden_states = run_decoder_layer(layers[layer_index], hidden_states, attention_mask=mask,
+                                          position_ids=position_ids, cache=rows,
+                                          position_embeddings=position_embeddings)
     return hidden_states
 
 

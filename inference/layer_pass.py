@@ -19,6 +19,7 @@ from transformers import DynamicCache, PretrainedConfig
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from .architectures import FULL_ATTENTION, SLIDING_ATTENTION
+from .layer_call import build_mask, run_decoder_layer
 
 MASK_BUILDERS = {
     FULL_ATTENTION: create_causal_mask,
@@ -47,14 +48,9 @@ class LayerPass:
             attention_type = attention_types[layer_index]
             if attention_type not in self._masks:
                 # Sized against a layer this runner actually fills: the cache's other layers stay empty.
-                self._masks[attention_type] = MASK_BUILDERS[attention_type](
-                    config=config,
-                    inputs_embeds=hidden_states,
-                    attention_mask=None,
-                    past_key_values=cache,
-                    position_ids=self._position_ids,
-                    layer_idx=layer_index,
-                )
+                self._masks[attention_type] = build_mask(
+                    MASK_BUILDERS[attention_type], config=config, inputs_embeds=hidden_states, attention_mask=None,
+                    cache=cache, position_ids=self._position_ids, layer_idx=layer_index)
 
     @property
     def done(self) -> bool:
@@ -73,14 +69,10 @@ class LayerPass:
         last = self._run_hi if max_layers is None else min(self._run_hi, self._next_layer + max_layers - 1)
         hidden_states = self._hidden_states
         for layer_index in range(self._next_layer, last + 1):
-            output = self._layers[layer_index](
-                hidden_states,
-                attention_mask=self._masks[self._attention_types[layer_index]],
-                position_ids=self._position_ids,
-                past_key_values=self._cache,
-                position_embeddings=self._position_embeddings,
-            )
-            hidden_states = output[0] if isinstance(output, tuple) else output
+            hidden_states = run_decoder_layer(
+                self._layers[layer_index], hidden_states,
+                attention_mask=self._masks[self._attention_types[layer_index]], position_ids=self._position_ids,
+                cache=self._cache, position_embeddings=self._position_embeddings)
         self._hidden_states = hidden_states
         self._next_layer = last + 1
         return hidden_states if self.done else None

@@ -36,6 +36,7 @@ from transformers import PretrainedConfig, StaticCache
 
 from .architectures import FULL_ATTENTION
 from .batched import update_rows
+from .layer_call import run_decoder_layer
 from .errors import SessionTooLargeError
 
 
@@ -160,9 +161,8 @@ class StaticDecoder:
         mask = (self._key_positions[:width].view(1, -1) <= position_ids.view(-1, 1)).view(-1, 1, 1, width)
         rows = _StaticRows(caches, width)
         for layer_index in range(run_lo, run_hi + 1):
-            output = self._layers[layer_index](hidden, attention_mask=mask, position_ids=position_ids,
-                                               past_key_values=rows, position_embeddings=position_embeddings)
-            hidden = output[0] if isinstance(output, tuple) else output
+            hidden = run_decoder_layer(self._layers[layer_index], hidden, attention_mask=mask,
+                                       position_ids=position_ids, cache=rows, position_embeddings=position_embeddings)
         return hidden
 
     def _capture_batch(self, key: tuple, caches: Sequence[StaticCache], hidden: torch.Tensor,
@@ -196,9 +196,8 @@ class StaticDecoder:
         # [1, 1, T, max_tokens], True where the key's position is at most the query's.
         mask = (self._key_positions.view(1, -1) <= position_ids.view(-1, 1)).view(1, 1, -1, self.max_tokens)
         for layer_index in range(run_lo, run_hi + 1):
-            output = self._layers[layer_index](hidden, attention_mask=mask, position_ids=position_ids,
-                                               past_key_values=cache, position_embeddings=position_embeddings)
-            hidden = output[0] if isinstance(output, tuple) else output
+            hidden = run_decoder_layer(self._layers[layer_index], hidden, attention_mask=mask,
+                                       position_ids=position_ids, cache=cache, position_embeddings=position_embeddings)
         return hidden
 
     def _replay(self, cache: StaticCache, hidden: torch.Tensor, start_pos: int, run_lo: int,
@@ -231,15 +230,15 @@ class StaticDecoder:
 
 
 class _StaticRows:
-    """A layer's ``past_key_values`` for a batch of sessions with static caches: row i's new key/value go into
+    """A layer's KV cache argument for a batch of sessions with static caches: row i's new key/value go into
     caches[i] at that cache's own length counter, and the layer attends every row's first `width` positions."""
 
     def __init__(self, caches: Sequence[StaticCache], width: int) -> None:
         self.caches = list(caches)
         self.width = width
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
-               cache_kwargs: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        keys, values = update_rows(self.caches, key_states, value_states, layer_idx, cache_kwargs)
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args,
+               **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = update_rows(self.caches, key_states, value_states, layer_idx, *args, **kwargs)
         return (torch.cat([row_keys[:, :, :self.width] for row_keys in keys]),
                 torch.cat([row_values[:, :, :self.width] for row_values in values]))

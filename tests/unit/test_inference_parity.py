@@ -14,6 +14,7 @@ from inference import (
     load_layer_range,
     supported_architectures,
 )
+from inference.layer_call import cache_argument
 
 from .inference_tiny_models import (  # noqa: F401  (fixtures are used by name)
     ARCHITECTURES,
@@ -135,7 +136,8 @@ def test_chunked_prefill_matches_the_monolithic_model_fed_the_same_chunks(tiny_m
     position = 0
     for chunk in chunks:
         with torch.inference_mode():
-            output = model(torch.tensor([chunk]), past_key_values=cache, use_cache=True, logits_to_keep=1)
+            output = model(torch.tensor([chunk]), use_cache=True, logits_to_keep=1,
+                           **{cache_argument(type(model).forward): cache})
             expected = output.logits[0, -1]
         hidden = head.embed(chunk)
         for runner in hops:

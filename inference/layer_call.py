@@ -1,0 +1,36 @@
+"""Calls into transformers' public decoder layers and mask builders, passing the KV cache under the name the
+installed release gives it (``past_key_values`` in earlier 5.x releases, ``cache`` in later ones such as 5.24, which
+keep the old name as a deprecated alias until 5.40), so every release in pyproject's range runs without warnings."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+NEW_CACHE_ARGUMENT = "cache"
+OLD_CACHE_ARGUMENT = "past_key_values"
+
+
+@functools.cache
+def cache_argument(function: Callable) -> str:
+    """The keyword under which `function` takes the KV cache (its signature as the release declares it; the
+    deprecation decorator keeps that signature visible through ``__wrapped__``)."""
+    return NEW_CACHE_ARGUMENT if NEW_CACHE_ARGUMENT in inspect.signature(function).parameters else OLD_CACHE_ARGUMENT
+
+
+def run_decoder_layer(layer: nn.Module, hidden_states: torch.Tensor, *, attention_mask: object,
+                      position_ids: torch.Tensor, cache: object,
+                      position_embeddings: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """One decoder layer's forward; its hidden states out (some classes return a tuple, some a tensor)."""
+    output = layer(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
+                   position_embeddings=position_embeddings, **{cache_argument(type(layer).forward): cache})
+    return output[0] if isinstance(output, tuple) else output
+
+
+def build_mask(builder: Callable, *, cache: object, **arguments: object) -> object:
+    """A transformers mask builder's mask (``create_causal_mask`` and kin) for a step over `cache`."""
+    return builder(**arguments, **{cache_argument(builder): cache})
