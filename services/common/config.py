@@ -173,6 +173,10 @@ class NatsSettings(_Section):
         description="a long-running command that cannot reach the broker within this exits with one line")
     wait_for_broker: bool = Field(default=False, description="true: keep trying to reach the broker forever")
     reconnect_wait_s: float = Field(default=0.5, gt=0, description="pause between reconnect attempts")
+    refused_grace_s: float = Field(
+        default=1.0, ge=0,
+        description="a first connect the broker refuses (authorization violation) is tried again for this long "
+                    "before the command gives up: a broker reloading its configuration refuses briefly")
     close_timeout_s: float = Field(
         default=1.0, gt=0, description="how long closing a connection may take (the broker may be gone)")
     drain_timeout_s: float = Field(

@@ -13,14 +13,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 import secrets
+import time
 from dataclasses import dataclass, field
 
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
 from services.common.chat_protocol import ChatRequest, KeepaliveFrame, TokenDeltaFrame
+from services.common.nats_connection import flush_ordered
 from services.orchestrator.catalog import LoadedModel
 from services.orchestrator.metrics import final_frame_code
 
@@ -82,7 +83,7 @@ class ClientStream:
         missed = self._missed_frames
         await self.send(KeepaliveFrame(seq=0))
         try:
-            await self.nc.flush(timeout=timeout_s)
+            await flush_ordered(self.nc, timeout_s)
         except Exception:
             return False
         # The status message has been read off the socket; let its subscription's callback run.

@@ -25,8 +25,8 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 
-from inference import LocalModel
 from events.subjects import LinkNodes, node_token
+from inference import LocalModel
 from inference.compute_thread import on_compute_thread
 from services.common.config import TransportSettings
 from services.common.control_protocol import (
@@ -37,6 +37,7 @@ from services.common.control_protocol import (
     hop_notice_subject,
     keepalive_subject,
 )
+from services.common.nats_connection import flush_ordered
 from services.orchestrator.metrics import HopLatencies
 from services.orchestrator.router import Hop
 from services.orchestrator.stall import StallWatch, StepFailure
@@ -198,7 +199,7 @@ class HopChain:
                 await self.nc.publish(hop.control_subject, request)
         if hops:
             with contextlib.suppress(Exception):
-                await self.nc.flush(timeout=self.transport.control_timeout_s)
+                await flush_ordered(self.nc, self.transport.control_timeout_s)
         for closer in (self._sender.close, self._sink.close, self._observer.close):
             with contextlib.suppress(Exception):
                 await closer()

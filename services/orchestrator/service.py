@@ -23,6 +23,7 @@ from events.outbox import EventOutbox
 from events.streams import ensure_streams
 from inference.compute_thread import StepThreads
 from readmodels.runner import Projector
+from services.common.call_signing import CallRefused
 from services.common.chat_protocol import (
     CHAT_REQUEST_SUBJECT,
     MODELS_REQUEST_SUBJECT,
@@ -34,17 +35,17 @@ from services.common.chat_protocol import (
     parse_chat_request,
 )
 from services.common.config import HearthSettings
-from services.common.call_signing import CallRefused
 from services.common.event_trust import call_verifier, event_signing_key, event_verifier
 from services.common.metrics import counter
+from services.common.nats_connection import flush_ordered
 from services.orchestrator.admission import admit_prompt
 from services.orchestrator.call import Call, ClientStream
 from services.orchestrator.capacity import ShardLoad
 from services.orchestrator.catalog import ModelCatalog, UnknownModel
 from services.orchestrator.discovery import describe_models
+from services.orchestrator.head_batcher import HeadSteps
 from services.orchestrator.health import RecentFailures
 from services.orchestrator.metrics import calls_in_flight, count_request
-from services.orchestrator.head_batcher import HeadSteps
 from services.orchestrator.pipeline import PipelineRun, RunContext
 from services.orchestrator.queue import FairQueue, LeftQueue, Overloaded
 from services.orchestrator.router import ShardRouter
@@ -118,7 +119,7 @@ class Orchestrator:
                                                      cb=self._on_request)
         self._models_subscription = await self.nc.subscribe(MODELS_REQUEST_SUBJECT, queue=ORCHESTRATOR_QUEUE_GROUP,
                                                             cb=self._on_models_request)
-        await self.nc.flush(timeout=self.settings.transport.control_timeout_s)
+        await flush_ordered(self.nc, self.settings.transport.control_timeout_s)
         log.info("orchestrator %s answering %s", self.node_id, CHAT_REQUEST_SUBJECT)
 
     async def stop(self) -> None:

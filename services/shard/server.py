@@ -23,7 +23,6 @@ from events.models import ShardAdvertised, ShardHeartbeat, ShardWithdrawn
 from events.publish import publish_event
 from events.streams import ensure_streams
 from services.common.config import HearthSettings
-from services.common.event_trust import event_signing_key
 from services.common.control_protocol import (
     CloseHop,
     ControlReply,
@@ -32,6 +31,8 @@ from services.common.control_protocol import (
     StatShard,
     control_request_adapter,
 )
+from services.common.event_trust import event_signing_key
+from services.common.nats_connection import flush_ordered
 from services.shard.compute import ShardCompute
 from services.shard.hops import HopLimits, ServedHop
 
@@ -92,7 +93,7 @@ class ShardServer:
     async def start(self) -> None:
         await ensure_streams(self.js)
         self._control_sub = await self.nc.subscribe(self.identity.control_subject, cb=self._on_control)
-        await self.nc.flush(timeout=self.control_timeout_s)
+        await flush_ordered(self.nc, self.control_timeout_s)
         await self.advertise()
         self._background = [
             asyncio.create_task(self._heartbeat_loop(), name="shard-heartbeat"),

@@ -15,6 +15,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from services.common.config import TransportSettings
+from services.common.nats_connection import flush_ordered
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +39,7 @@ class SubscribingEndpoint:
         if self._sub is None:
             subject, callback = self._subscription()
             self._sub = await self.nc.subscribe(subject, cb=callback)
-            await self.nc.flush(timeout=self._start_flush_timeout_s())
+            await flush_ordered(self.nc, self._start_flush_timeout_s())
         return self
 
     async def close(self) -> None:

@@ -17,6 +17,7 @@ import pytest
 from events.subjects import LinkNodes, activation_subject
 from services.common.chat_client import stream_chat
 from services.common.chat_protocol import PipelineFrame, TokenDeltaFrame
+from services.common.nats_connection import flush_ordered
 from services.common.nats_server import free_tcp_port
 from services.transport import FrameHeader, FrameKind
 from services.transport.wire import WireDtype, wire_nbytes
@@ -122,7 +123,7 @@ async def test_injected_frames_are_refused_without_allocation_and_the_answer_is_
                 for subject, hop in targets:
                     headers = forged_headers(pipeline.pipeline_id, hop, 1000 + 10 * round_ + index, **claim)
                     await nc.publish(subject, b"\x00" * 256, headers=headers)
-        await nc.flush()
+        await flush_ordered(nc)
 
     frames = []
     async for frame in stream_chat(nc, chat_request(max_tokens=MAX_TOKENS), first_frame_timeout=60,

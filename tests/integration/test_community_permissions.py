@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import asyncio
 
-import nats
 import pytest
 from nats.errors import NoServersError
 
+import nats
 from events.subjects import shard_events_subject_of_node
 from services.common.config import NatsSettings
-from services.common.nats_connection import BrokerRefusedCredentials, connect_nats
+from services.common.nats_connection import BrokerRefusedCredentials, connect_nats, flush_ordered
 from services.common.nats_permissions import render_authorization
 from services.common.nats_server import EmbeddedNatsServer
 from trust.community import Community
@@ -19,6 +19,10 @@ from trust.keys import MemberKey
 
 pytestmark = pytest.mark.integration
 VIOLATION_WAIT_S = 2.0
+
+# Members added (each a broker reload) while another connects again and again: before the refusal grace, about 1
+# in 130 such connects was refused.
+reloads_while_connecting = 20
 
 
 @pytest.fixture
@@ -56,7 +60,7 @@ class Member:
         """Whether the server answers `action` (a subscribe or publish) with a permissions violation."""
         self.violation.clear()
         await action(self.nc)
-        await self.nc.flush(timeout=VIOLATION_WAIT_S)
+        await flush_ordered(self.nc, VIOLATION_WAIT_S)
         try:
             await asyncio.wait_for(self.violation.wait(), VIOLATION_WAIT_S)
         except asyncio.TimeoutError:
@@ -123,14 +127,15 @@ async def test_connect_nats_logs_in_with_the_member_key_and_its_own_inbox(commun
         await nc.close()
 
 
-async def test_connect_nats_says_at_once_that_the_broker_refused_unknown_credentials(community_server, tmp_path):
+async def test_connect_nats_says_soon_that_the_broker_refused_unknown_credentials(community_server, tmp_path):
     _, server = community_server
     stranger = tmp_path / "stranger" / "keys" / "mallory.nk"
     MemberKey.generate().save(stranger)
     started = asyncio.get_running_loop().time()
     with pytest.raises(BrokerRefusedCredentials, match="refused the connection"):
         await connect_nats(settings=NatsSettings(url=server.url, creds_file=stranger, connect_timeout_s=10))
-    assert asyncio.get_running_loop().time() - started < 5
+    # Long before the connect timeout: only the refusal grace (a reloading broker refuses briefly) is waited.
+    assert asyncio.get_running_loop().time() - started < NatsSettings().refused_grace_s + 4
 
 
 async def test_a_member_added_while_the_broker_runs_can_connect_at_once(community_server):
@@ -141,3 +146,26 @@ async def test_a_member_added_while_the_broker_runs_can_connect_at_once(communit
         nc = await connect_nats(settings=NatsSettings(url=server.url, creds_file=added.seed_file,
                                                       connect_timeout_s=5))
         await nc.close()
+
+
+async def test_members_connecting_while_others_are_added_are_not_refused(community_server):
+    """nats-server can refuse a known key while it reloads its configuration (each `hearth community add` on a
+    running mesh reloads it): connect_nats tries again within its refusal grace instead of giving up."""
+    community, server = community_server
+    settings = NatsSettings(url=server.url, creds_file=community.directory / "keys" / "alice.nk", connect_timeout_s=5)
+    reloading = True
+
+    async def connect_while_reloading() -> int:
+        connects = 0
+        while reloading:
+            nc = await connect_nats(settings=settings, name=f"test-alice-{connects}")
+            await nc.close()
+            connects += 1
+        return connects
+
+    connecting = asyncio.create_task(connect_while_reloading())
+    for index in range(reloads_while_connecting):
+        community.add(f"joining-{index}", "client")
+        await asyncio.to_thread(server.reload, render_authorization(community.roster()))
+    reloading = False
+    assert await asyncio.wait_for(connecting, 60) > reloads_while_connecting

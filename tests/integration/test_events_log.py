@@ -27,7 +27,7 @@ from events import (
 from events.models import EVENT_TYPES, PipelineFirstToken, ShardHeartbeat
 from events.streams import STREAM_SPECS, duplicate_window_s, shards_max_msgs_per_subject, stream_for_subject
 from services.common.metrics import sample_value
-from services.common.nats_connection import connect_nats
+from services.common.nats_connection import connect_nats, flush_ordered
 
 pytestmark = pytest.mark.integration
 
@@ -133,7 +133,7 @@ async def test_garbage_on_event_subjects_is_counted_and_skipped_while_later_even
     await js.publish("hearth.events.pipeline.p-1.first_token", b"[1, 2, 3]")
     good_last = PipelineFirstToken(node_id="hub", pipeline_id="p-2", ttft_ms=20.0)
     await publish_event(js, good_last)
-    await nc.flush()
+    await flush_ordered(nc)
 
     items = await read_all(js, PIPELINES_STREAM)
 

@@ -10,10 +10,15 @@ import json
 import httpx2
 import pytest
 
-from services.common.chat_protocol import CHAT_REQUEST_SUBJECT, ChatRequest, MODELS_REQUEST_SUBJECT, ModelsReply
-from services.common.chat_protocol import ServedModel
+from services.common.chat_protocol import (
+    CHAT_REQUEST_SUBJECT,
+    MODELS_REQUEST_SUBJECT,
+    ChatRequest,
+    ModelsReply,
+    ServedModel,
+)
 from services.common.config import HearthSettings
-from services.common.nats_connection import connect_nats
+from services.common.nats_connection import connect_nats, flush_ordered
 from services.gateway.app import create_app
 from services.gateway.mesh import Gateway
 
@@ -47,7 +52,7 @@ async def scripted(nats_url):
 
     await orchestrator.subscribe(CHAT_REQUEST_SUBJECT, cb=answer)
     await orchestrator.subscribe(MODELS_REQUEST_SUBJECT, cb=models)
-    await orchestrator.flush()
+    await flush_ordered(orchestrator)
     app = create_app(Gateway(gateway_nc, HearthSettings(), keyring=None))
     async with httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://gateway") as http:
         yield http, script, received

@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 
 from services.common.control_protocol import ShardStat
-from services.orchestrator.stall import ProbeOutcome, probe_outcome
+from services.common.nats_connection import flush_ordered
 from services.orchestrator.router import Hop
+from services.orchestrator.stall import ProbeOutcome, probe_outcome
 
 
 def _hop(name: str) -> Hop:
@@ -27,7 +28,7 @@ async def test_probe_tells_a_gone_shard_from_a_silent_one(connections):
 
     await shard.subscribe(answering.control_subject, cb=answer)
     await shard.subscribe(silent.control_subject, cb=ignore)
-    await shard.flush()
+    await flush_ordered(shard)
 
     assert await probe_outcome(orchestrator, answering, 1.0) is ProbeOutcome.answered
     # Nobody subscribes to the gone shard's subject: the server says so at once, long before the timeout.

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from events.subjects import ack_subject, activation_subject
+from services.common.nats_connection import flush_ordered
 from services.transport import (
     AckHeader,
     AckWindowSender,
@@ -41,13 +42,13 @@ async def test_sender_blocks_after_exactly_window_chunks_then_raises_transport_t
         arrived.append(FrameHeader.from_nats_headers(msg.headers))
 
     sub = await hop.subscribe(activation_subject(PIPELINE, 1), cb=silent_hop)
-    await hop.flush()
+    await flush_ordered(hop)
     async with AckWindowSender(source, PIPELINE, 1, window_chunks=4, ack_timeout_s=0.4, chunk_bytes=1024) as sender:
         step = StepInfo(session="s1", step=7, kind=FrameKind.prefill)
         with pytest.raises(TransportTimeout) as raised:
             await sender.send(step, torch.randn(10, 256))  # 10 KiB: 10 chunks
-        await source.flush()
-        await hop.flush()
+        await flush_ordered(source)
+        await flush_ordered(hop)
 
         assert len(arrived) == 4 and [frame.chunk_index for frame in arrived] == [0, 1, 2, 3]
         assert all(frame.chunk_count == 10 for frame in arrived)
@@ -67,7 +68,7 @@ async def test_acks_reopen_the_window_and_the_blocked_send_completes(connections
         held.append(FrameHeader.from_nats_headers(msg.headers))
 
     sub = await hop.subscribe(activation_subject(PIPELINE, 0), cb=hold)
-    await hop.flush()
+    await flush_ordered(hop)
     async with AckWindowSender(source, PIPELINE, 0, window_chunks=2, ack_timeout_s=wait_s, chunk_bytes=100) as sender:
         sending = asyncio.ensure_future(
             sender.send(StepInfo(session="s1", step=0, kind=FrameKind.prefill), torch.randn(100))  # 4 chunks

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from events.subjects import ack_subject, activation_subject
+from services.common.nats_connection import flush_ordered
 from services.transport import AckHeader, AckWindowSender, ActivationReceiver, FrameKind, StepInfo, encode_step
 from services.transport.mac import HEADER_MAC, new_link_key, with_mac
 
@@ -32,7 +33,7 @@ async def test_injected_frames_are_dropped_and_the_real_step_arrives(connections
         await source.publish(activation_subject(PIPELINE, 0), encoded.chunks[0], headers=dict(headers))
         await source.publish(activation_subject(PIPELINE, 0), encoded.chunks[0],
                              headers=with_mac(new_link_key(), dict(headers), encoded.chunks[0]))
-        await source.flush()
+        await flush_ordered(source)
         await sender.send(info, real)
         received = await receiver.next_step(wait_s)
         await sender.wait_all_acked(wait_s)
@@ -52,7 +53,7 @@ async def test_a_forged_ack_frees_nothing(connections):
         got_frame.set()
 
     subscription = await hop.subscribe(activation_subject(PIPELINE, 0), cb=silent_hop)
-    await hop.flush()
+    await flush_ordered(hop)
     try:
         async with AckWindowSender(source, PIPELINE, 0, link_key=key, window_chunks=1) as sender:
             info = StepInfo(session="s1", step=1, kind=FrameKind.decode, pos=0)
@@ -62,7 +63,7 @@ async def test_a_forged_ack_frees_nothing(connections):
             ack_headers = AckHeader.for_frame(header, acked_ns=0).to_nats_headers()
             await hop.publish(ack_subject(PIPELINE, 0), b"", headers=ack_headers)  # no MAC
             await hop.publish(ack_subject(PIPELINE, 0), b"", headers=with_mac(new_link_key(), dict(ack_headers), b""))
-            await hop.flush()
+            await flush_ordered(hop)
             await asyncio.sleep(0.2)  # nothing to await: the point is that nothing happens
             assert sender.in_flight_chunks == 1
             assert sender.stats.bad_acks == 2

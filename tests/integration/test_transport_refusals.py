@@ -11,6 +11,8 @@ import os
 import pytest
 import torch
 
+from services.common.metrics import sample_value
+from services.common.nats_connection import flush_ordered
 from services.transport import (
     AckWindowSender,
     ActivationReceiver,
@@ -20,7 +22,6 @@ from services.transport import (
     StepLimits,
     StepRefusal,
 )
-from services.common.metrics import sample_value
 from services.transport.wire import WireDtype, wire_nbytes
 
 pytestmark = pytest.mark.integration
@@ -105,7 +106,7 @@ async def test_unfinished_steps_hold_at_most_two_of_the_largest(connections):
         for step in range(50):
             # Chunk 0 of 60 of a step of the largest size, whose other chunks never come.
             await source.publish(receiver.subject, b"\x01" * 1024, headers=forged(largest, step=step, chunks=60))
-        await source.flush()
+        await flush_ordered(source)
         async with asyncio.timeout(frames_taken_within_s):
             while receiver.stats.chunks_received < 50:  # the subscription's task takes them in its own time
                 await asyncio.sleep(0.01)

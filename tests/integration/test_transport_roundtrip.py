@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from events.subjects import ack_subject
-from services.common.nats_connection import connect_nats
+from services.common.nats_connection import connect_nats, flush_ordered
 from services.common.nats_server import EmbeddedNatsServer
 from services.transport import (
     AckHeader,
@@ -106,8 +106,8 @@ async def test_duplicates_and_stale_steps_are_acked_but_handed_out_once(connecti
         second = await receiver.next_step(wait_s)
         with pytest.raises(TransportTimeout, match="no complete step"):
             await receiver.next_step(0.2)
-        await source.flush()
-        await hop.flush()
+        await flush_ordered(source)
+        await flush_ordered(hop)
 
     await ack_sub.unsubscribe()
     assert (first.step, first.tensor.flatten()[0].item()) == (5, 5.0)
