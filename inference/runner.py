@@ -337,7 +337,8 @@ class LayerRangeRunner:
     @property
     def weight_bytes(self) -> int:
         """Bytes of the loaded layer weights (what this shard holds in memory besides caches)."""
-        return sum(t.numel() * t.element_size() for layer in self._layers.values() for t in layer.parameters())
+        return sum(t.numel() * t.element_size() for layer in self._layers.values()
+                   for t in (*layer.parameters(), *layer.buffers()))  # oneDNN's linear modules keep weights as buffers
 
     def close(self) -> None:
         """Free every cache and the weights; later calls raise RunnerClosedError."""

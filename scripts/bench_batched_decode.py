@@ -3,6 +3,7 @@
 shard, without transport or other processes.
 
     .venv/bin/python scripts/bench_batched_decode.py --model random:llama-250m --layers 0-5 [--device cuda]
+        [--cpu-linear-kernel onednn]
 
 Prints a table (tokens/s one by one, batched, speed-up; the best of --repeats alternating runs) and, with --json,
 one JSON object.
@@ -66,6 +67,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="alternating runs of each; the best counts (a shared "
                         "machine's neighbours only ever slow a run down)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
+    parser.add_argument("--cpu-linear-kernel", choices=("torch", "onednn"), default="torch",
+                        help="the layers' projections on torch's nn.Linear or oneDNN's (inference/cpu_kernels.py)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     if args.threads:
@@ -74,7 +77,7 @@ def main() -> None:
     lo, hi = (int(part) for part in args.layers.split("-"))
     device = torch.device(args.device)
     head = load_head(path, device=args.device)
-    runner = load_layer_range(path, lo, hi, device=args.device)
+    runner = load_layer_range(path, lo, hi, device=args.device, cpu_linear_kernel=args.cpu_linear_kernel)
     rows = []
     for sessions in (1, 2, 4, 8):
         one_by_one = batched = 0.0
@@ -85,9 +88,11 @@ def main() -> None:
                      "batched_tokens_per_s": round(batched, 2), "speedup": round(batched / one_by_one, 2)})
     if args.json:
         print(json.dumps({"model": args.model, "layers": args.layers, "device": args.device,
+                          "cpu_linear_kernel": args.cpu_linear_kernel,
                           "threads": torch.get_num_threads(), "rows": rows}))
         return
-    print(f"{args.model} layers {args.layers} on {args.device} ({torch.get_num_threads()} threads)")
+    print(f"{args.model} layers {args.layers} on {args.device} ({torch.get_num_threads()} threads, "
+          f"{args.cpu_linear_kernel} linear kernel)")
     print("sessions  one-by-one tok/s  batched tok/s  speed-up")
     for row in rows:
         print(f"{row['sessions']:8d}  {row['one_by_one_tokens_per_s']:16.2f}  {row['batched_tokens_per_s']:13.2f}  "

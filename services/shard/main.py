@@ -104,7 +104,8 @@ async def load_shard(*, model: str, lo: int, hi: int, node: str, settings: Heart
             load_layer_range, model_path, lo, hi, dtype=compute_dtype, device=compute_device,
             model_id=model_id or _default_model_id(model), cache_budget_bytes=kv_reserve_bytes(host),
             session_ttl_s=host.shard_eviction_idle_seconds,
-            static_cache_tokens=host.cuda_graph_max_tokens if compute_device.type == "cuda" else None), stop_event)
+            static_cache_tokens=host.cuda_graph_max_tokens if compute_device.type == "cuda" else None,
+            cpu_linear_kernel=host.cpu_linear_kernel), stop_event)
     except (InferenceError, ValueError) as error:
         raise ShardRefused(f"cannot load layers {lo}-{hi} of {model}: {_first_line(error)}") from None
     need = measured_need(runner, allocated_before, host)
