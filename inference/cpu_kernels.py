@@ -3,7 +3,7 @@ oneDNN through torch's public module swap (torch.utils.mkldnn), which batched de
 
 Why oneDNN: on the project's 2-core VM (AMD EPYC, AVX-512), a 6-layer step of llama-250m with MKL's nn.Linear costs
 as much for 2 rows as for 2 single rows, while oneDNN's gain from batching starts at 2 rows (runner level, one thread:
-2 rows 1.51 x one by one instead of 0.99 x, 4 rows 2.97 x instead of 2.20 x; BENCHMARKS.md). The price: its products
+2 rows 1.45 x one by one instead of 1.02 x, 4 rows 2.61 x instead of 2.21 x; BENCHMARKS.md). The price: its products
 round differently from nn.Linear's, so hidden states are no longer bitwise equal to transformers' generate(); greedy
 tokens matched in every run measured. Hence opt-in ([research.distributed_inference.host] cpu_linear_kernel).
 """
@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from typing import Literal
 
 import torch
 from torch import nn
 
 log = logging.getLogger(__name__)
 
-CpuLinearKernel = Literal["torch", "onednn"]
 CPU_LINEAR_KERNELS: tuple[str, ...] = ("torch", "onednn")
 
 

@@ -9,10 +9,10 @@ import logging
 import weakref
 from collections.abc import Awaitable, Callable
 
+from nats import errors as nats_errors
 from nats.aio.client import DEFAULT_FLUSH_TIMEOUT
 from nats.aio.client import Client as NatsClient
 
-from nats import errors as nats_errors
 from services.common.config import DEFAULT_NATS_URL, NATS_URL_ENV, NatsSettings, default_nats_url
 from services.common.identity import Identity, load_identity
 from services.common.tls_files import client_ssl_context

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import asyncio
 
+import nats
 import pytest
 from nats.errors import NoServersError
 
-import nats
 from events.subjects import shard_events_subject_of_node
 from services.common.config import NatsSettings
 from services.common.nats_connection import BrokerRefusedCredentials, connect_nats, flush_ordered
