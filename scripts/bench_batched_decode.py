@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from inference import load_head, load_layer_range  # noqa: E402
 from inference.batched import DecodeRow  # noqa: E402
+from inference.cpu_kernels import CPU_LINEAR_KERNELS  # noqa: E402
 from services.random_models import random_checkpoint  # noqa: E402
 
 
@@ -67,7 +68,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="alternating runs of each; the best counts (a shared "
                         "machine's neighbours only ever slow a run down)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
-    parser.add_argument("--cpu-linear-kernel", choices=("torch", "onednn"), default="torch",
+    parser.add_argument("--cpu-linear-kernel", choices=CPU_LINEAR_KERNELS, default="torch",
                         help="the layers' projections on torch's nn.Linear or oneDNN's (inference/cpu_kernels.py)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
