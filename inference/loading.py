@@ -25,7 +25,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Genera
 from .architectures import ArchitectureAdapter, adapter_for
 from .devices import resolve_device
 from .checkpoint import ModelInfo, SafetensorsCheckpoint, read_config_dict, resolve_dtype, resolve_model_path
-from .cpu_kernels import use_cpu_linear_kernel
+from .cpu_kernels import DEFAULT_CPU_LINEAR_KERNEL, use_cpu_linear_kernel
 from .errors import CheckpointError
 from .head import Head
 from .runner import DEFAULT_CACHE_BUDGET_BYTES, DEFAULT_SESSION_TTL_S, LayerRangeRunner
@@ -141,7 +141,7 @@ def load_layer_range(
     on_evict: Callable[[EvictedSession], None] | None = None,
     clock: Callable[[], float] = time.monotonic,
     static_cache_tokens: int | None = None,
-    cpu_linear_kernel: str = "torch",
+    cpu_linear_kernel: str = DEFAULT_CPU_LINEAR_KERNEL,
 ) -> LayerRangeRunner:
     """A runner holding decoder layers ``lo..hi`` (inclusive) of ``model`` and nothing else.
 
@@ -150,7 +150,7 @@ def load_layer_range(
     ``static_cache_tokens``: sessions get static KV caches of that many positions and, on a GPU, decode steps replay
     CUDA graphs (inference/static_decode.py; full-attention SDPA architectures only, others stay dynamic).
     ``attn_implementation`` None picks transformers' default for the family (sdpa, or eager for Gemma 2).
-    ``cpu_linear_kernel`` "onednn" runs float32 CPU layers' projections on oneDNN (inference/cpu_kernels.py).
+    ``cpu_linear_kernel``: which kernel float32 CPU layers' projections run on (inference/cpu_kernels.py).
     Only the tensors of layers lo..hi are read from the (single-file or sharded) safetensors files.
     """
     skeleton = _open_skeleton(

@@ -3,7 +3,7 @@
 shard, without transport or other processes.
 
     .venv/bin/python scripts/bench_batched_decode.py --model random:llama-250m --layers 0-5 [--device cuda]
-        [--cpu-linear-kernel onednn]
+        [--cpu-linear-kernel torch|onednn-batched|onednn]
 
 Prints a table (tokens/s one by one, batched, speed-up; the best of --repeats alternating runs) and, with --json,
 one JSON object.
@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from inference import load_head, load_layer_range  # noqa: E402
 from inference.batched import DecodeRow  # noqa: E402
-from inference.cpu_kernels import CPU_LINEAR_KERNELS  # noqa: E402
+from inference.cpu_kernels import CPU_LINEAR_KERNELS, DEFAULT_CPU_LINEAR_KERNEL  # noqa: E402
 from services.random_models import random_checkpoint  # noqa: E402
 
 
@@ -68,8 +68,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="alternating runs of each; the best counts (a shared "
                         "machine's neighbours only ever slow a run down)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
-    parser.add_argument("--cpu-linear-kernel", choices=CPU_LINEAR_KERNELS, default="torch",
-                        help="the layers' projections on torch's nn.Linear or oneDNN's (inference/cpu_kernels.py)")
+    parser.add_argument("--cpu-linear-kernel", choices=CPU_LINEAR_KERNELS, default=DEFAULT_CPU_LINEAR_KERNEL,
+                        help="which kernel the layers' projections run on (inference/cpu_kernels.py)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     if args.threads:

@@ -72,11 +72,13 @@ class HostSettings(_Section):
         default=4096, ge=0,
         description="on a GPU, sessions get static KV caches of this many positions and decode steps replay CUDA "
                     "graphs (full-attention SDPA models; 0: dynamic caches, eager decode); a longer session fails")
-    cpu_linear_kernel: Literal["torch", "onednn"] = Field(
-        default="torch",
-        description="float32 layers on the CPU: torch runs their projections as transformers builds them (bitwise "
-                    "equal to its generate()); onednn through oneDNN, faster for batched decode steps but not "
-                    "bitwise equal (greedy tokens matched in every run measured; BENCHMARKS.md)")
+    cpu_linear_kernel: Literal["torch", "onednn-batched", "onednn"] = Field(
+        default="onednn-batched",
+        description="float32 layers on the CPU: torch runs their projections as transformers builds them; "
+                    "onednn-batched runs batched decode steps on oneDNN (faster) and one session's steps as torch "
+                    "does (bitwise equal to generate()); onednn runs every step on oneDNN (faster alone too, not "
+                    "bitwise equal; greedy tokens matched in every run measured). inference/cpu_kernels.py, "
+                    "BENCHMARKS.md")
     rebalance_check_interval_s: float = Field(
         default=5.0, gt=0, description="`hearth host`: how often it reads the mesh's coverage for a hole to fill")
     rebalance_hold_s: float = Field(
