@@ -58,6 +58,9 @@ class ConcurrentFigures(BaseModel):
     all_decoding_tokens_per_s: float | None = None
     # Per shard id: session rows per batched decode step during the run (continuous batching; 1.0: none).
     mean_batch_rows: dict[str, float] = {}
+    # Whether every session's tokens equal generate()'s for its prompt alone (batched steps round differently from
+    # solo ones; greedy tokens must not change). None in reports from before the check.
+    outputs_match_solo: bool | None = None
 
 
 class TargetCheck(BaseModel):
@@ -182,6 +185,9 @@ def format_report(report: BenchReport) -> str:
                          f"{s.finished_ms:9.1f} ms, {s.tokens} tokens"
                          + ("  <- first token only after another session finished"
                             if s.first_token_after_another_finished else ""))
+        if c.outputs_match_solo is not None:
+            lines.append("  answers: " + ("each equals generate() of its prompt alone" if c.outputs_match_solo
+                                          else "SOME DIFFER from generate() of their prompt alone"))
         if c.all_decoding_tokens_per_s is not None:
             lines.append(f"  while all {len(c.sessions)} decode: {c.all_decoding_tokens_per_s:.2f} tokens/s")
         if c.mean_batch_rows:

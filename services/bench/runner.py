@@ -290,6 +290,8 @@ class Bench:
             _progress(f"  session {index}: ttft {timing.ttft_ms:8.1f} ms, finished after {timing.end_s:6.2f} s, "
                       f"{timing.tokens} tokens")
         total_tokens = sum(timing.tokens for _, timing in results)
+        _progress("  each session's prompt alone through generate(), for its tokens ...")
+        solo = [await asyncio.to_thread(worker.generate, prompt, options.new_tokens) for prompt in prompts]
         return ConcurrentFigures(
             sessions=sessions, wall_s=wall_s, aggregate_tokens_per_s=total_tokens / wall_s,
             single_session_decode_tokens_per_s=single_decode_tps,
@@ -299,6 +301,8 @@ class Bench:
                                                          for sent, timing in results]),
             mean_batch_rows={shard_id: rows for shard_id, rows in sorted(
                 mean_batch_rows(after.batching, before.batching).items(), key=lambda item: hop_of.get(item[0], 0))},
+            outputs_match_solo=all(timing.token_ids == alone.token_ids
+                                   for (_, timing), alone in zip(results, solo, strict=True)),
         )
 
 

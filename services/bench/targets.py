@@ -51,6 +51,11 @@ def target_checks(report: BenchReport) -> list[TargetCheck]:
                          + (f" ({c.all_decoding_tokens_per_s / c.single_session_decode_tokens_per_s:.2f} x while all "
                             "decode)" if c.all_decoding_tokens_per_s else ""),
                 met=c.aggregate_tokens_per_s >= batching_target_factor * c.single_session_decode_tokens_per_s))
+        if c.outputs_match_solo is not None:
+            checks.append(TargetCheck(target=f"{len(c.sessions)} sessions: each one's tokens equal generate()'s for "
+                                             "its prompt alone",
+                                      measured="equal" if c.outputs_match_solo else "some differ",
+                                      met=c.outputs_match_solo))
         waited = [s.session for s in c.sessions if s.first_token_after_another_finished]
         checks.append(TargetCheck(
             target="no session waits for another to finish before its first token",

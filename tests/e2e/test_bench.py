@@ -59,6 +59,7 @@ def test_bench_json_report_on_a_random_tiny_shape(tmp_path):
     assert concurrent is not None and len(concurrent.sessions) == SESSIONS
     assert all(session.tokens == NEW_TOKENS for session in concurrent.sessions)
     assert concurrent.aggregate_tokens_per_s > 0
+    assert concurrent.outputs_match_solo is True  # each session's tokens are generate()'s for its prompt alone
     # Every shard ran its decode steps through the continuous batcher: between one and SESSIONS rows per batch.
     assert set(concurrent.mean_batch_rows) == {row.shard_id for row in hops}
     assert all(1.0 <= rows <= SESSIONS for rows in concurrent.mean_batch_rows.values())
