@@ -1,21 +1,24 @@
-"""Batched decode: one forward of a layer range for the one-token decode steps of several sessions, each keeping its
-own KV cache and position.
+"""Batched steps: one forward of a layer range for the steps of several sessions (decode steps of one token, and
+prefills of a few tokens each), each session keeping its own KV cache and position.
 
-How: the rows' hidden states are stacked into ``[B, 1, hidden]`` with per-row position ids, and each decoder layer
-runs once for the batch. The layer's cache is a `RowCaches`: its ``update`` appends each row's new key/value to
-that row's own session cache (the session's cache class does the appending and any sliding-window trimming, exactly
-as in a solo step) and hands the layer the rows' keys/values left-padded to the longest and stacked. A 4-D mask
-hides the padding: every row's keys end at its current position, so key column j of row i holds position
-``pos_i - (width - 1 - j)``, and it is visible iff it is not padding (and, for sliding layers, inside the window).
+How: the rows' hidden states are stacked into ``[B, T, hidden]``, T the most tokens any row brings, each row's tokens
+at the right end (left-padded), with per-row position ids, and each decoder layer runs once for the batch. The
+layer's cache is a `RowCaches`: its ``update`` appends each row's new keys/values (not its padding) to that row's own
+session cache (the session's cache class does the appending and any sliding-window trimming, exactly as in a solo
+step) and hands the layer the rows' keys/values left-padded to the longest and stacked. So every row's keys end in
+the last column, and query column q of every row sits at key column ``width - T + q``: a 4-D mask shows each of a
+row's queries its own keys up to its position (and, for sliding layers, inside the window), never padding. A padding
+query sees only the key column it sits at, so no softmax row is empty (its output is dropped).
 
 Why per-session caches rather than one batched slot cache: sessions join and leave between steps without copying
-anyone's cache, prefill stays the solo path, and eviction/accounting stay per session (inference/sessions.py).
-The price is one concatenation per layer and row, small next to the batched projections.
+anyone's cache, and eviction/accounting stay per session (inference/sessions.py). The price is one concatenation per
+layer and row, small next to the batched projections.
 
-Parity: the masked padding contributes exact zeros to attention, but batched matrix products may round differently
-from one-row ones; the tests compare greedy tokens of batched and solo runs for every tiny architecture.
-Only the ``sdpa`` and ``eager`` attention implementations are batched (their masks are the boolean / additive ones
-built here); LayerRangeRunner runs other steps one by one.
+Parity: masked keys contribute exact zeros to attention, but batched matrix products may round differently from
+one-row ones; the tests compare greedy tokens of batched and solo runs for every tiny architecture. A row's padding
+changes nothing of its real tokens' results beyond that rounding (it is masked from them). Only the ``sdpa`` and
+``eager`` attention implementations are batched (their masks are the boolean / additive ones built here);
+LayerRangeRunner runs other steps one by one.
 """
 
 from __future__ import annotations
@@ -33,26 +36,29 @@ from .layer_call import run_decoder_layer
 BATCHED_ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
 
 
-def batched_decode_supported(config: PretrainedConfig, attention_types: Sequence[str]) -> bool:
+def batched_steps_supported(config: PretrainedConfig, attention_types: Sequence[str]) -> bool:
     """True when every layer's attention takes the masks built here."""
     return getattr(config, "_attn_implementation", None) in BATCHED_ATTENTION_IMPLEMENTATIONS and set(
         attention_types) <= {FULL_ATTENTION, SLIDING_ATTENTION}
 
 
 @dataclass(frozen=True)
-class DecodeRow:
-    """One session's decode step in a batch: its one-token hidden states ``[1, 1, hidden]`` at ``start_pos``."""
+class BatchRow:
+    """One session's step in a batch: its hidden states ``[1, T, hidden]`` for positions ``start_pos..+T-1``; a
+    ``prefill`` at ``start_pos`` 0 starts the session (as in a solo step)."""
 
     session_id: str
     hidden_states: torch.Tensor
     start_pos: int
+    kind: str = "decode"
 
 
 class RowCaches:
     """Stands in for a layer's KV cache argument across a batch: row i's keys/values live in ``caches[i]``."""
 
-    def __init__(self, caches: Sequence[DynamicCache]) -> None:
+    def __init__(self, caches: Sequence[DynamicCache], new_tokens: Sequence[int]) -> None:
         self.caches = list(caches)
+        self.new_tokens = list(new_tokens)
 
     def stored_tokens(self, layer_index: int) -> list[int]:
         """Tokens each row's cache holds for one layer before this step (what a step attends besides itself)."""
@@ -60,41 +66,58 @@ class RowCaches:
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args,
                **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-        keys, values = update_rows(self.caches, key_states, value_states, layer_idx, *args, **kwargs)
+        width = key_states.shape[-2]
+        keys, values = update_rows(self.caches, [key_states[row:row + 1, :, width - tokens:] for row, tokens in
+                                                 enumerate(self.new_tokens)],
+                                   [value_states[row:row + 1, :, width - tokens:] for row, tokens in
+                                    enumerate(self.new_tokens)], layer_idx, *args, **kwargs)
         width = max(k.shape[-2] for k in keys)
         return _left_padded(keys, width), _left_padded(values, width)
 
 
-def update_rows(caches: Sequence, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args,
-                **kwargs) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Row i's new key/value appended to caches[i] by that cache's own class; each row's keys and values after.
+def update_rows(caches: Sequence, key_states: Sequence[torch.Tensor], value_states: Sequence[torch.Tensor],
+                layer_idx: int, *args, **kwargs) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Row i's new keys/values (``key_states[i]``, ``[1, heads, T_i, dim]``) appended to caches[i] by that cache's
+    own class; each row's keys and values after.
 
     Whatever else the layer passes (``cache_kwargs`` positionally in early transformers 5 releases, ``kwargs=`` in
     later ones) goes to each cache's own ``update`` as it came."""
     keys, values = [], []
     for row, cache in enumerate(caches):
-        row_keys, row_values = cache.update(key_states[row:row + 1], value_states[row:row + 1], layer_idx, *args,
-                                            **kwargs)
+        row_keys, row_values = cache.update(key_states[row], value_states[row], layer_idx, *args, **kwargs)
         keys.append(row_keys)
         values.append(row_values)
     return keys, values
 
 
-def run_batched_decode(*, config: PretrainedConfig, layers: dict[int, nn.Module], rotary_embedding: nn.Module,
-                       attention_types: Sequence[str], caches: Sequence[DynamicCache], hidden_states: torch.Tensor,
-                       positions: Sequence[int], run_lo: int, run_hi: int) -> torch.Tensor:
-    """Layers ``run_lo..run_hi`` for ``hidden_states`` ``[B, 1, hidden]``: row i at ``positions[i]`` of caches[i]."""
-    rows = RowCaches(caches)
-    position_ids = torch.tensor(list(positions), dtype=torch.long, device=hidden_states.device).view(-1, 1)
-    position_embeddings = rotary_embedding(hidden_states, position_ids)
+def run_batched_step(*, config: PretrainedConfig, layers: dict[int, nn.Module], rotary_embedding: nn.Module,
+                     attention_types: Sequence[str], caches: Sequence[DynamicCache],
+                     hidden_states: Sequence[torch.Tensor], positions: Sequence[int], run_lo: int,
+                     run_hi: int) -> list[torch.Tensor]:
+    """Layers ``run_lo..run_hi`` for row i's ``hidden_states[i]`` ``[1, T_i, hidden]`` at ``positions[i]`` of
+    caches[i]; row i's output ``[1, T_i, hidden]`` per row."""
+    new_tokens = [states.shape[1] for states in hidden_states]
+    most = max(new_tokens)
+    if most == 1:
+        stacked = torch.cat(list(hidden_states))
+    else:
+        stacked = hidden_states[0].new_zeros((len(hidden_states), most, hidden_states[0].shape[2]))
+        for row, states in enumerate(hidden_states):
+            stacked[row, most - states.shape[1]:] = states[0]
+    device = stacked.device
+    # Padding columns take the row's first position (clamped at 0): any valid position does, nothing sees them.
+    padding = torch.tensor([most - tokens for tokens in new_tokens], device=device).view(-1, 1)
+    position_ids = (torch.tensor(list(positions), device=device).view(-1, 1) - padding
+                    + torch.arange(most, device=device).view(1, -1)).clamp(min=0)
+    position_embeddings = rotary_embedding(stacked, position_ids)
+    rows = RowCaches(caches, new_tokens)
     window = getattr(config, "sliding_window", None)
     for layer_index in range(run_lo, run_hi + 1):
         sliding = attention_types[layer_index] == SLIDING_ATTENTION
-        mask = _row_mask(rows.stored_tokens(layer_index), window if sliding else None, hidden_states, config)
-        hidden_states = run_decoder_layer(layers[layer_index], hidden_states, attention_mask=mask,
-                                          position_ids=position_ids, cache=rows,
-                                          position_embeddings=position_embeddings)
-    return hidden_states
+        mask = _row_mask(rows.stored_tokens(layer_index), new_tokens, window if sliding else None, stacked, config)
+        stacked = run_decoder_layer(layers[layer_index], stacked, attention_mask=mask, position_ids=position_ids,
+                                    cache=rows, position_embeddings=position_embeddings)
+    return [stacked[row:row + 1, most - tokens:] for row, tokens in enumerate(new_tokens)]
 
 
 def _stored(cache: DynamicCache, layer_index: int) -> int:
@@ -112,18 +135,25 @@ def _left_padded(tensors: list[torch.Tensor], width: int) -> torch.Tensor:
     return stacked
 
 
-def _row_mask(stored: list[int], window: int | None, hidden_states: torch.Tensor,
+def _row_mask(stored: list[int], new_tokens: list[int], window: int | None, hidden_states: torch.Tensor,
               config: PretrainedConfig) -> torch.Tensor:
-    """``[B, 1, 1, width]``: key column j of row i is visible iff it holds one of the row's keys (in the window)."""
+    """``[B, 1, T, width]``: key column j is visible to query column q of row i iff it holds one of the row's keys
+    at or before that query's position (in the window); a padding query sees only its own column."""
     device = hidden_states.device
-    lengths = torch.tensor([n + 1 for n in stored], device=device).view(-1, 1)
-    width = max(stored) + 1
-    # How many positions before the query each column lies (0 for the newest key, the step's own).
-    distance = torch.arange(width - 1, -1, -1, device=device).view(1, -1)
-    visible = distance < lengths
+    most = max(new_tokens)
+    width = max(n + t for n, t in zip(stored, new_tokens, strict=True))
+    query = torch.arange(most, device=device).view(1, most, 1)
+    # How many positions before query q each key column lies (0: the query's own key).
+    distance = (width - most + query) - torch.arange(width, device=device).view(1, 1, width)
+    stored_t = torch.tensor(stored, device=device).view(-1, 1, 1)
+    tokens_t = torch.tensor(new_tokens, device=device).view(-1, 1, 1)
+    # Query q of row i is its token q - (T - T_i); it sees the row's stored keys and its new ones up to itself.
+    seen = stored_t + tokens_t - (most - 1 - query)
+    real_query = query >= most - tokens_t
+    visible = (distance >= 0) & (distance < seen)
     if window is not None:
         visible &= distance < window
-    visible = visible.view(len(stored), 1, 1, width)
+    visible = torch.where(real_query, visible, distance == 0).view(len(stored), 1, most, width)
     if config._attn_implementation == "sdpa":
         return visible
     zero = torch.zeros((), dtype=hidden_states.dtype, device=device)

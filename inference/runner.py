@@ -14,7 +14,7 @@ from transformers import DynamicCache, PretrainedConfig
 
 from .architectures import ArchitectureAdapter
 from .checkpoint import ModelInfo
-from .batched import DecodeRow, batched_decode_supported, run_batched_decode
+from .batched import BatchRow, batched_steps_supported, run_batched_step
 from .layer_pass import MASK_BUILDERS, LayerPass, SteppedForward
 from .errors import InferenceError, RunnerClosedError, SessionEvictedError, SessionStateError, SessionTooLargeError
 from .sessions import EvictedSession, SessionCaches, as_position, kv_bytes_per_token_per_layer
@@ -89,7 +89,7 @@ class LayerRangeRunner:
                                          max_tokens=max_tokens, device=self.device, capture_graphs=True)
         # Batched decode over the sessions' own dynamic caches (inference/batched.py); static caches batch in
         # StaticDecoder.run_batch.
-        self._batched = self._static is None and batched_decode_supported(
+        self._batched = self._static is None and batched_steps_supported(
             config, self._attention_types[self.layer_lo : self.layer_hi + 1])
         self._caches = SessionCaches(
             self._static.new_cache if self._static is not None else (lambda: DynamicCache(config=config)),
@@ -115,8 +115,6 @@ class LayerRangeRunner:
                       kind: StepKind = "prefill", layers: tuple[int, int] | None = None) -> SteppedForward:
         """Check and start one step (as `forward`), to be run by its `advance` a few layers (of a piece of its tokens)
         per call; other sessions' steps may run between the calls (inference/layer_pass.py says why)."""
-        if kind not in STEP_KINDS:
-            raise ValueError(f"kind must be one of {STEP_KINDS}, got {kind!r}")
         if not isinstance(session_id, str) or not session_id:
             raise ValueError("session_id must be a non-empty string")
         start_pos = as_position(start_pos)
@@ -124,13 +122,8 @@ class LayerRangeRunner:
             self._check_open()
             run_lo, run_hi = self._validate_sub_range(layers)
             hidden_states = self._validate_hidden_states(hidden_states)
-            num_tokens = hidden_states.shape[1]
             self._caches.evict_expired()
-            if kind == "prefill" and start_pos == 0:
-                self._check_fits(start_pos, num_tokens, run_lo, run_hi, cached_bytes=0)
-                session = self._caches.start(session_id)
-            else:
-                session = self._continuing_session(session_id, start_pos, num_tokens, run_lo, run_hi)
+            session = self._session_for(session_id, start_pos, hidden_states.shape[1], kind, run_lo, run_hi)
 
             def new_pass(piece: torch.Tensor, piece_start: int) -> LayerPass:
                 return self._layer_pass(session.cache, piece, piece_start, run_lo, run_hi)
@@ -179,29 +172,26 @@ class LayerRangeRunner:
                     self._caches.drop(step.session_id)
             raise
 
-    def decode_batch(self, steps: Sequence[DecodeRow],
-                     layers: tuple[int, int] | None = None) -> list[torch.Tensor | Exception]:
-        """One decode step (one token each) of several sessions as one batched forward (inference/batched.py).
-
-        Per row in order: its output ``[1, 1, hidden_size]`` or the error that row alone raised (the others still
-        run). When the batched forward fails, every row's cache is dropped and every row gets its error.
+    def step_batch(self, steps: Sequence[BatchRow],
+                   layers: tuple[int, int] | None = None) -> list[torch.Tensor | Exception]:
+        """One step each (decode, or a short prefill) of several sessions as one batched forward (inference/batched.py),
+        each row under `forward`'s cache rules. Per row in order: its output ``[1, T_i, hidden_size]`` or the error that
+        row alone raised (the others still run); when the forward fails, every row's cache is dropped with its error.
         """
         with self._lock:
             self._check_open()
             run_lo, run_hi = self._validate_sub_range(layers)
             self._caches.evict_expired()
             outcomes: list[torch.Tensor | Exception | None] = [None] * len(steps)
-            ready: list[tuple[int, DecodeRow, torch.Tensor, object]] = []
+            ready: list[tuple[int, BatchRow, torch.Tensor, object]] = []
             seen: set[str] = set()
             for index, row in enumerate(steps):
                 try:
                     if row.session_id in seen:
                         raise ValueError(f"session {row.session_id!r} appears twice in one batch")
                     hidden_states = self._validate_hidden_states(row.hidden_states)
-                    if hidden_states.shape[1] != 1:
-                        raise ValueError("a batched decode step carries exactly one token per session")
-                    session = self._continuing_session(row.session_id, as_position(row.start_pos), 1, run_lo,
-                                                       run_hi)
+                    session = self._session_for(row.session_id, as_position(row.start_pos), hidden_states.shape[1],
+                                                row.kind, run_lo, run_hi)
                 except (ValueError, InferenceError) as error:
                     outcomes[index] = error
                     continue
@@ -223,18 +213,19 @@ class LayerRangeRunner:
             return outcomes
 
     def _run_rows(self, ready: list, run_lo: int, run_hi: int) -> list[torch.Tensor]:
-        if len(ready) < 2 or (self._static is None and not self._batched):
-            return [self._run_solo(session.cache, hidden, as_position(row.start_pos), run_lo, run_hi, "decode")
+        one_token = all(hidden.shape[1] == 1 for _, _, hidden, _ in ready)
+        if len(ready) < 2 or (self._static is None and not self._batched) or (self._static and not one_token):
+            return [self._run_solo(session.cache, hidden, as_position(row.start_pos), run_lo, run_hi, row.kind)
                     for _, row, hidden, session in ready]
         caches = [session.cache for *_, session in ready]
         positions = [as_position(row.start_pos) for _, row, _, _ in ready]
-        hidden_states = torch.cat([hidden for _, _, hidden, _ in ready])
-        if self._static is not None:
-            return self._static.run_batch(caches, hidden_states, positions, run_lo, run_hi)
-        return list(run_batched_decode(
+        if self._static is not None:  # its graphs batch decode steps only
+            return self._static.run_batch(caches, torch.cat([hidden for _, _, hidden, _ in ready]), positions,
+                                          run_lo, run_hi)
+        return run_batched_step(
             config=self._config, layers=self._layers, rotary_embedding=self._rotary_embedding,
-            attention_types=self._attention_types, caches=caches, hidden_states=hidden_states, positions=positions,
-            run_lo=run_lo, run_hi=run_hi).split(1))
+            attention_types=self._attention_types, caches=caches, hidden_states=[h for _, _, h, _ in ready],
+            positions=positions, run_lo=run_lo, run_hi=run_hi)
 
     def _run_solo(self, cache, hidden_states: torch.Tensor, start_pos: int, run_lo: int, run_hi: int,
                   kind: StepKind) -> torch.Tensor:
@@ -249,6 +240,15 @@ class LayerRangeRunner:
             return LayerPass(config=self._config, layers=self._layers, rotary_embedding=self._rotary_embedding,
                              attention_types=self._attention_types, cache=cache, hidden_states=hidden_states,
                              start_pos=start_pos, run_lo=run_lo, run_hi=run_hi)
+
+    def _session_for(self, session_id: str, start_pos: int, num_tokens: int, kind: str, run_lo: int, run_hi: int):
+        """The session a step runs in: a prefill at 0 (re)starts it, any other step continues it (checked)."""
+        if kind not in STEP_KINDS:
+            raise ValueError(f"kind must be one of {STEP_KINDS}, got {kind!r}")
+        if kind == "prefill" and start_pos == 0:
+            self._check_fits(start_pos, num_tokens, run_lo, run_hi, cached_bytes=0)
+            return self._caches.start(session_id)
+        return self._continuing_session(session_id, start_pos, num_tokens, run_lo, run_hi)
 
     def _continuing_session(self, session_id: str, start_pos: int, num_tokens: int, run_lo: int, run_hi: int):
         """The session a non-initial step continues, checked (it exists, it is at ``start_pos``, it fits)."""
@@ -338,7 +338,7 @@ class LayerRangeRunner:
     def weight_bytes(self) -> int:
         """Bytes of the loaded layer weights (what this shard holds in memory besides caches)."""
         return sum(t.numel() * t.element_size() for layer in self._layers.values()
-                   for t in (*layer.parameters(), *layer.buffers()))  # oneDNN's linear modules keep weights as buffers
+                   for t in (*layer.parameters(), *layer.buffers()))
 
     def close(self) -> None:
         """Free every cache and the weights; later calls raise RunnerClosedError."""

@@ -239,6 +239,6 @@ class _StaticRows:
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args,
                **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-        keys, values = update_rows(self.caches, key_states, value_states, layer_idx, *args, **kwargs)
+        keys, values = update_rows(self.caches, key_states.split(1), value_states.split(1), layer_idx, *args, **kwargs)
         return (torch.cat([row_keys[:, :, :self.width] for row_keys in keys]),
                 torch.cat([row_values[:, :, :self.width] for row_values in values]))

@@ -1,5 +1,5 @@
 """Benchmark: decode tokens/s of one layer range stepping B sessions one by one versus as one batched step
-(LayerRangeRunner.forward vs decode_batch), for B = 1, 2, 4, 8: the compute ceiling of continuous batching on a
+(LayerRangeRunner.forward vs step_batch), for B = 1, 2, 4, 8: the compute ceiling of continuous batching on a
 shard, without transport or other processes.
 
     .venv/bin/python scripts/bench_batched_decode.py --model random:llama-250m --layers 0-5 [--device cuda]
@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from inference import load_head, load_layer_range  # noqa: E402
-from inference.batched import DecodeRow  # noqa: E402
+from inference.batched import BatchRow  # noqa: E402
 from inference.cpu_kernels import CPU_LINEAR_KERNELS, DEFAULT_CPU_LINEAR_KERNEL  # noqa: E402
 from services.random_models import random_checkpoint  # noqa: E402
 
@@ -37,7 +37,7 @@ def measure(runner, head, sessions: int, steps: int, prompt_tokens: int, batched
 
     def step() -> None:
         if batched:
-            runner.decode_batch([DecodeRow(sid, token, positions[sid]) for sid in ids])
+            runner.step_batch([BatchRow(sid, token, positions[sid]) for sid in ids])
         else:
             for sid in ids:
                 runner.forward(sid, token, positions[sid], "decode")

@@ -58,6 +58,8 @@ class ConcurrentFigures(BaseModel):
     all_decoding_tokens_per_s: float | None = None
     # Per shard id: session rows per batched decode step during the run (continuous batching; 1.0: none).
     mean_batch_rows: dict[str, float] = {}
+    # The same for batched prefills (short prompts of several sessions prefilled together).
+    mean_prefill_batch_rows: dict[str, float] = {}
     # Whether every session's tokens equal generate()'s for its prompt alone (batched steps round differently from
     # solo ones; greedy tokens must not change). None in reports from before the check.
     outputs_match_solo: bool | None = None
@@ -193,6 +195,9 @@ def format_report(report: BenchReport) -> str:
         if c.mean_batch_rows:
             lines.append("  mean decode batch (session rows per batched step): " + ", ".join(
                 f"{shard_id} {rows:.2f}" for shard_id, rows in c.mean_batch_rows.items()))
+        if c.mean_prefill_batch_rows:
+            lines.append("  mean prefill batch (session rows per batched step): " + ", ".join(
+                f"{shard_id} {rows:.2f}" for shard_id, rows in c.mean_prefill_batch_rows.items()))
         pooled = next((row for row in c.transport if row.shard_id == "all"), None)
         if pooled is not None:
             lines.append(f"  transport overhead under load (decode, all hops): p50 {_ms(pooled.p50_ms)} ms, "

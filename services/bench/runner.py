@@ -299,11 +299,15 @@ class Bench:
             transport=transport_figures(delta, "decode", hop_of),
             all_decoding_tokens_per_s=all_decoding_rate([[sent + at for at in timing.token_times_s]
                                                          for sent, timing in results]),
-            mean_batch_rows={shard_id: rows for shard_id, rows in sorted(
-                mean_batch_rows(after.batching, before.batching).items(), key=lambda item: hop_of.get(item[0], 0))},
+            mean_batch_rows=_by_hop(mean_batch_rows(after.batching, before.batching), hop_of),
+            mean_prefill_batch_rows=_by_hop(mean_batch_rows(after.prefill_batching, before.prefill_batching), hop_of),
             outputs_match_solo=all(timing.token_ids == alone.token_ids
                                    for (_, timing), alone in zip(results, solo, strict=True)),
         )
+
+
+def _by_hop(per_shard: dict[str, float], hop_of: dict[str, int]) -> dict[str, float]:
+    return dict(sorted(per_shard.items(), key=lambda item: hop_of.get(item[0], 0)))
 
 
 def all_decoding_rate(token_times_s: list[list[float]]) -> float | None:

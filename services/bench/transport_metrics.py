@@ -11,12 +11,14 @@ from __future__ import annotations
 import asyncio
 import math
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from services.bench.report import TransportFigures
 from services.shard.metrics import (
     BATCH_ROWS_FAMILY,
     BATCHES_FAMILY,
+    PREFILL_BATCH_ROWS_FAMILY,
+    PREFILL_BATCHES_FAMILY,
     COMPUTE_METRIC,
     DESERIALIZE_METRIC,
     SERIALIZE_METRIC,
@@ -86,10 +88,11 @@ MetricKey = tuple[str, str, str]  # (metric, shard_id, kind)
 @dataclass
 class HostScrape:
     """What the shard hosts' /metrics said at one moment: their step histograms and, per shard id, their batching
-    counters (batched decode steps run, session rows in them)."""
+    counters (batched decode steps run, session rows in them; the same for batched prefills)."""
 
     histograms: dict[MetricKey, Histogram]
     batching: dict[str, tuple[float, float]]
+    prefill_batching: dict[str, tuple[float, float]] = field(default_factory=dict)
 
 
 def scrape_host(url: str) -> HostScrape:
@@ -100,12 +103,14 @@ def scrape_host(url: str) -> HostScrape:
         text = response.read().decode()
     rows: dict[MetricKey, list[tuple[float, float]]] = {}
     sums: dict[MetricKey, float] = {}
-    batching: dict[str, list[float]] = {}
+    batching: dict[str, dict[str, list[float]]] = {"decode": {}, "prefill": {}}
+    counters = {f"{BATCHES_FAMILY}_total": ("decode", 0), f"{BATCH_ROWS_FAMILY}_total": ("decode", 1),
+                f"{PREFILL_BATCHES_FAMILY}_total": ("prefill", 0), f"{PREFILL_BATCH_ROWS_FAMILY}_total": ("prefill", 1)}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name in (f"{BATCHES_FAMILY}_total", f"{BATCH_ROWS_FAMILY}_total"):
-                counts = batching.setdefault(sample.labels["shard_id"], [0.0, 0.0])
-                counts[sample.name == f"{BATCH_ROWS_FAMILY}_total"] = sample.value
+            if sample.name in counters:
+                kind, column = counters[sample.name]
+                batching[kind].setdefault(sample.labels["shard_id"], [0.0, 0.0])[column] = sample.value
             if not sample.name.startswith("hearth_shard_step_"):
                 continue
             if sample.name.endswith("_bucket"):
@@ -118,12 +123,13 @@ def scrape_host(url: str) -> HostScrape:
     for key, buckets in rows.items():
         buckets.sort()
         histograms[key] = Histogram([b for b, _ in buckets], [c for _, c in buckets], sums.get(key, 0.0))
-    return HostScrape(histograms, {shard_id: (batches, rows) for shard_id, (batches, rows) in batching.items()})
+    return HostScrape(histograms, *({shard_id: (batches, rows) for shard_id, (batches, rows) in batching[kind].items()}
+                                    for kind in ("decode", "prefill")))
 
 
 def mean_batch_rows(after: dict[str, tuple[float, float]],
                     before: dict[str, tuple[float, float]]) -> dict[str, float]:
-    """Per shard id: session rows per batched decode step between two scrapes (shards that batched nothing left
+    """Per shard id: session rows per batched step between two scrapes (shards that batched nothing left
     out)."""
     means = {}
     for shard_id, (batches, rows) in after.items():
@@ -140,6 +146,7 @@ async def scrape_hosts(metrics_urls: dict[str, str]) -> HostScrape:
         host = await asyncio.to_thread(scrape_host, url)
         merged.histograms.update(host.histograms)
         merged.batching.update(host.batching)
+        merged.prefill_batching.update(host.prefill_batching)
     return merged
 
 

@@ -6,7 +6,8 @@ Continuous: there is no fixed batch. While a batch computes, the items that arri
 is queued (at most `max_rows`, all of one group), so streams join and leave between batches. Before starting a batch
 it waits up to `window_s` for more items, but only while fewer items are queued than streams are open (`open_streams`):
 one stream alone never waits, so it is not slowed down. Items of another group (e.g. another layer sub-range) wait
-for a later batch.
+for a later batch, and so do items beyond `max_cost` (e.g. tokens): a batch takes items of its group in arrival order
+while their costs together stay within it (its first item always).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class ContinuousBatcher(Generic[Item]):
 
     def __init__(self, run_batch: Callable[[list[Item]], Awaitable[list]], *, window_s: float, max_rows: int,
                  open_streams: Callable[[], int], group: Callable[[Item], Hashable] = lambda item: None,
+                 cost: Callable[[Item], int] = lambda item: 1, max_cost: int | None = None,
                  name: str = "continuous-batcher") -> None:
         if window_s < 0:
             raise ValueError(f"window_s must not be negative, got {window_s}")
@@ -42,6 +44,8 @@ class ContinuousBatcher(Generic[Item]):
         self.max_rows = max_rows
         self._open_streams = open_streams
         self._group = group
+        self._cost = cost
+        self._max_cost = max_cost
         self._name = name
         self._queue: list[_Waiting[Item]] = []
         self._arrived = asyncio.Event()
@@ -102,7 +106,17 @@ class ContinuousBatcher(Generic[Item]):
 
     def _take_batch(self) -> list[_Waiting[Item]]:
         group = self._group(self._queue[0].item)
-        batch = [waiting for waiting in self._queue if self._group(waiting.item) == group][: self.max_rows]
+        batch: list[_Waiting[Item]] = []
+        cost = 0
+        for waiting in self._queue:
+            if len(batch) == self.max_rows:
+                break
+            if self._group(waiting.item) != group:
+                continue
+            cost += self._cost(waiting.item)
+            if batch and self._max_cost is not None and cost > self._max_cost:
+                break
+            batch.append(waiting)
         taken = {id(waiting) for waiting in batch}
         self._queue = [waiting for waiting in self._queue if id(waiting) not in taken]
         return batch

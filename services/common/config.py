@@ -269,7 +269,12 @@ class ShardSettings(_Section):
         default=5.0, gt=0, description="closing a hop waits this long for a step being computed to finish")
     withdraw_timeout_s: float = Field(default=2.0, gt=0, description="how long stopping waits to say it leaves")
     max_batch_sessions: int = Field(
-        default=8, ge=1, description="decode steps of this many sessions at most run as one batched step (1: none)")
+        default=8, ge=1, description="steps of this many sessions at most run as one batched step: decode steps, "
+                                      "and on a CPU prefills shorter than prefill_slice_min_tokens (1: none)")
+    max_batch_tokens: int = Field(
+        default=256, ge=1, description="a batched step brings at most this many tokens (its first row always): "
+                                       "prefills of several prompts batch up to it, so the batches still flow "
+                                       "through the hops pipelined rather than holding each hop in turn")
     batch_window_ms: float = Field(
         default=2.0, ge=0, description="a batch waits this long at most for the steps of other open hops (0: only "
                                        "what is ready); a shard serving one hop never waits")

@@ -24,13 +24,13 @@ from dataclasses import dataclass, field
 import torch
 
 from inference import LayerRangeRunner
-from inference.batched import DecodeRow
+from inference.batched import BatchRow
 from inference.layer_pass import SteppedForward
 from inference.compute_thread import (StepThreads, compute_executor, on_compute_thread, on_thread, prefill_executor,
                                      use_intra_op_threads)
 from inference.host_staging import to_device, to_host
 from services.common.control_protocol import OpenHop
-from services.shard.batcher import DecodeBatcher, QueuedStep
+from services.shard.batcher import StepBatcher, QueuedStep
 from services.shard.faults import ShardFault
 from services.shard.metrics import ShardStepMetrics, watch_serving
 from services.transport import FrameKind, ReceivedStep
@@ -78,7 +78,8 @@ class ShardCompute:
 
     def __init__(self, runner: LayerRangeRunner, shard_id: str, *, fault: ShardFault | None = None,
                  step_threads: StepThreads | None = None, range_layers: int | None = None,
-                 batch_window_s: float = 0.0, max_batch_sessions: int = 1, prefill_slice_layers: int = 0,
+                 batch_window_s: float = 0.0, max_batch_sessions: int = 1, max_batch_tokens: int | None = None,
+                 prefill_slice_layers: int = 0,
                  prefill_slice_min_tokens: int = 0, prefill_slice_tokens: int | None = None,
                  prefill_nice: int = 0) -> None:
         self.runner = runner
@@ -106,9 +107,10 @@ class ShardCompute:
         # says why), beside the compute thread's steps; 0: on the compute thread.
         self.prefill_nice = prefill_nice
         self.prefill_thread_steps = 0  # steps running on that thread or waiting for it
-        # Decode steps of several hops run as one batched step (services/shard/batcher.py) when more than one may.
-        self.batcher = DecodeBatcher(self.run_batch, window_s=batch_window_s, max_sessions=max_batch_sessions,
-                                     open_hops=lambda: self.active_streams) if max_batch_sessions > 1 else None
+        # Steps of several hops run as one batched step (services/shard/batcher.py) when more than one may.
+        self.batcher = StepBatcher(self.run_batch, window_s=batch_window_s, max_sessions=max_batch_sessions,
+                                   open_hops=lambda: self.active_streams,
+                                   max_tokens=max_batch_tokens) if max_batch_sessions > 1 else None
         watch_serving(self)
 
     def serving_figures(self) -> tuple[int, int, int]:
@@ -117,11 +119,15 @@ class ShardCompute:
 
     def batching_figures(self) -> tuple[int, int]:
         """Batched decode steps run and the session rows in them, for the metrics."""
-        return (self.batcher.batches_total, self.batcher.rows_total) if self.batcher is not None else (0, 0)
+        return self.batcher.figures(FrameKind.decode) if self.batcher is not None else (0, 0)
+
+    def prefill_batching_figures(self) -> tuple[int, int]:
+        """Batched prefill steps run and the session rows in them, for the metrics."""
+        return self.batcher.figures(FrameKind.prefill) if self.batcher is not None else (0, 0)
 
     async def run(self, request: OpenHop, received: ReceivedStep) -> StepResult:
         """Check and run one prefill/decode step; raises what the layers raise (the caller reports it)."""
-        if self.batcher is not None and received.kind is FrameKind.decode and received.tensor.shape[1] == 1:
+        if self.batcher is not None and self._batchable(received):
             return await self.batcher.submit(request, received)
         started = time.perf_counter()
         self.stats.steps_in_compute += 1
@@ -148,7 +154,7 @@ class ShardCompute:
         return self._account(request, received, failed_check, output, compute_s)
 
     async def run_batch(self, batch: list[QueuedStep]) -> list[StepResult | Exception]:
-        """Check and run the decode steps of several hops as one batched step; a result or an exception per row."""
+        """Check and run the steps of several hops (one kind) as one batched step; a result or an exception per row."""
         started = time.perf_counter()
         self.stats.steps_in_compute += len(batch)
         try:
@@ -187,6 +193,13 @@ class ShardCompute:
     async def reset(self, session_id: str) -> int:
         """Drop a session's KV cache; the bytes freed."""
         return await on_compute_thread(self._reset_and_measure, session_id)
+
+    def _batchable(self, received: ReceivedStep) -> bool:
+        """Decode steps of one token, and on a CPU prefills that run whole (shorter than the sliced ones): a GPU's
+        static caches batch decode steps only (a batch of prefills would run them one by one there anyway)."""
+        if received.kind is FrameKind.decode:
+            return received.tensor.shape[1] == 1
+        return self.runner.device.type == "cpu" and self._slice_layers(received) is None
 
     def _slice_layers(self, received: ReceivedStep) -> int | None:
         """Layers per compute-thread trip for this step; None: the whole step in one trip. Sliced even while this hop
@@ -244,7 +257,7 @@ class ShardCompute:
 
     def _check_and_forward_batch(self, batch: list[QueuedStep],
                                  threads: int) -> list[tuple[str | None, torch.Tensor | None] | Exception]:
-        """On the compute thread: check every row's input, then run the sound ones as one batched decode step."""
+        """On the compute thread: check every row's input, then run the sound ones as one batched step."""
         use_intra_op_threads(threads)
         outcomes: list = [None] * len(batch)
         rows, sound = [], []
@@ -254,13 +267,13 @@ class ShardCompute:
                 outcomes[index] = (failed_check, None)
                 continue
             sound.append(index)
-            rows.append(DecodeRow(queued.request.session_id, to_device(queued.received.tensor, self.runner.device),
-                                  queued.received.pos))
+            rows.append(BatchRow(queued.request.session_id, to_device(queued.received.tensor, self.runner.device),
+                                 queued.received.pos, queued.received.kind.value))
         if not rows:
             return outcomes
         self.fault.raise_if_failing()
         try:
-            results = self.runner.decode_batch(rows, batch[0].layers)
+            results = self.runner.step_batch(rows, batch[0].layers)
         finally:
             self._measure_cache()
         for index, result in zip(sound, results, strict=True):

@@ -18,7 +18,8 @@ Buckets are 0.1 ms apart up to 1 ms so a percentile near the 1 ms target is read
 What a shard serves is read at scrape time from its ShardCompute (ShardServingCollector), costing nothing per step:
 ``hearth_shard_active_sessions`` (hops open), ``hearth_shard_kv_cache_bytes`` and
 ``hearth_shard_tokens_served_total`` (the reputation signal its heartbeats carry), and the continuous batching
-counters ``hearth_shard_decode_batches_total`` / ``hearth_shard_decode_batch_rows_total``, all labelled by shard id.
+counters ``hearth_shard_decode_batches_total`` / ``hearth_shard_decode_batch_rows_total`` and
+``hearth_shard_prefill_batches_total`` / ``hearth_shard_prefill_batch_rows_total``, all labelled by shard id.
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ COMPUTE_METRIC = "hearth_shard_step_compute_seconds"
 # Counter families (their samples carry a `_total` suffix).
 BATCHES_FAMILY = "hearth_shard_decode_batches"
 BATCH_ROWS_FAMILY = "hearth_shard_decode_batch_rows"
+PREFILL_BATCHES_FAMILY = "hearth_shard_prefill_batches"
+PREFILL_BATCH_ROWS_FAMILY = "hearth_shard_prefill_batch_rows"
 
 
 class ShardStepMetrics:
@@ -101,6 +104,9 @@ class ServingFigures(Protocol):
     def batching_figures(self) -> tuple[int, int]:
         """(batched decode steps run, session rows in them) since start."""
 
+    def prefill_batching_figures(self) -> tuple[int, int]:
+        """(batched prefill steps run, session rows in them) since start."""
+
 
 class ShardServingCollector(Collector):
     """Reads every live shard of this process (usually one) at scrape time."""
@@ -123,6 +129,10 @@ class ShardServingCollector(Collector):
                                       "steps of several sessions (continuous batching).", labels=labels)
         rows = CounterMetricFamily(BATCH_ROWS_FAMILY, "Session decode steps run in those batches "
                                    "(rows / batches: the mean batch size).", labels=labels)
+        prefill_batches = CounterMetricFamily(PREFILL_BATCHES_FAMILY, "Prefill steps run as one batch for the "
+                                              "short prompts (or last chunks) of several sessions.", labels=labels)
+        prefill_rows = CounterMetricFamily(PREFILL_BATCH_ROWS_FAMILY, "Session prefill steps run in those batches "
+                                           "(rows / batches: the mean batch size).", labels=labels)
         for shard in list(self._shards):
             open_hops, cache_bytes, served = shard.serving_figures()
             sessions.add_metric([shard.shard_id], open_hops)
@@ -131,7 +141,11 @@ class ShardServingCollector(Collector):
             batch_count, row_count = shard.batching_figures() if hasattr(shard, "batching_figures") else (0, 0)
             batches.add_metric([shard.shard_id], batch_count)
             rows.add_metric([shard.shard_id], row_count)
-        yield from (sessions, cache, tokens, batches, rows)
+            batch_count, row_count = (shard.prefill_batching_figures() if hasattr(shard, "prefill_batching_figures")
+                                      else (0, 0))
+            prefill_batches.add_metric([shard.shard_id], batch_count)
+            prefill_rows.add_metric([shard.shard_id], row_count)
+        yield from (sessions, cache, tokens, batches, rows, prefill_batches, prefill_rows)
 
 
 _serving_collectors: dict[int, ShardServingCollector] = {}

@@ -1,8 +1,8 @@
 """Continuous batching on shards and in the orchestrator's head over real processes: 8 concurrent greedy sessions
 through 3 shard hosts give generate()'s tokens (each session's solo output) while the shards run their decode steps
-and the orchestrator its head steps (final norm + lm_head) in batches; sessions joining and leaving mid-batch leave
-the others unchanged and a seeded sampled session its solo tokens; a shard SIGKILLed mid-batch fails over to its
-replica with identical output for every session.
+(and their short prefills) and the orchestrator its head steps (final norm + lm_head) in batches; sessions joining
+and leaving mid-batch leave the others unchanged and a seeded sampled session its solo tokens; a shard SIGKILLed
+mid-batch fails over to its replica with identical output for every session.
 
 One mesh serves the module: primaries p0-p2 and replicas r0-r2 over layers 0-1, 2-3, 4-5, each serving up to 8
 hops, and an orchestrator; the tests run in file order (the second kills p1)."""
@@ -80,13 +80,13 @@ def head_batch_figures(mesh) -> tuple[float, float]:
             scrape_metric(port, "hearth_head_batch_rows_total", {}))
 
 
-def batch_figures(mesh) -> tuple[float, float]:
-    """Batched decode steps and the rows in them, over every live shard."""
+def batch_figures(mesh, kind: str = "decode") -> tuple[float, float]:
+    """Batched steps of `kind` and the rows in them, over every live shard."""
     batches = rows = 0.0
     for handle in mesh.live_shards():
         labels = {"shard_id": handle.shard_id}
-        batches += scrape_metric(handle.process.metrics_port, "hearth_shard_decode_batches_total", labels)
-        rows += scrape_metric(handle.process.metrics_port, "hearth_shard_decode_batch_rows_total", labels)
+        batches += scrape_metric(handle.process.metrics_port, f"hearth_shard_{kind}_batches_total", labels)
+        rows += scrape_metric(handle.process.metrics_port, f"hearth_shard_{kind}_batch_rows_total", labels)
     return batches, rows
 
 
@@ -97,6 +97,9 @@ async def test_eight_concurrent_sessions_are_batched_and_give_their_solo_tokens(
         assert call.token_ids == expected[prompt], prompt
     batches, rows = batch_figures(mesh)
     assert batches > 0 and rows > batches  # some decode steps ran several sessions at once
+    prefill_batches, prefill_rows = batch_figures(mesh, "prefill")
+    # The short prompts went through the shards' batchers too (several per batch when they arrived together).
+    assert prefill_batches > 0 and SESSIONS * len(THREE_SHARD_RANGES) == prefill_rows
     head_batches, head_rows = head_batch_figures(mesh)
     assert head_batches > 0 and head_rows > head_batches  # and some head steps
 

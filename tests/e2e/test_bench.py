@@ -63,6 +63,9 @@ def test_bench_json_report_on_a_random_tiny_shape(tmp_path):
     # Every shard ran its decode steps through the continuous batcher: between one and SESSIONS rows per batch.
     assert set(concurrent.mean_batch_rows) == {row.shard_id for row in hops}
     assert all(1.0 <= rows <= SESSIONS for rows in concurrent.mean_batch_rows.values())
+    # ... and on the CPU its short prefills too (one row each, or several prefilled together).
+    assert set(concurrent.mean_prefill_batch_rows) == {row.shard_id for row in hops}
+    assert all(1.0 <= rows <= SESSIONS for rows in concurrent.mean_prefill_batch_rows.values())
     assert {check.target.split(" ")[0] for check in report.targets} >= {"decode", "per-hop", "pipeline", "burst:"}
 
     burst = report.burst

@@ -1,4 +1,4 @@
-"""Batched decode (inference/batched.py, LayerRangeRunner.decode_batch): sessions stepped together give the greedy
+"""Batched decode (inference/batched.py, LayerRangeRunner.step_batch): sessions stepped together give the greedy
 tokens each gives alone, for every tiny architecture; sessions joining and leaving between batched steps leave the
 others' tokens unchanged; a row's own error does not stop the others."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from inference import SessionStateError, load_head, load_layer_range
-from inference.batched import DecodeRow
+from inference.batched import BatchRow
 from inference.sampling import SamplingParams
 
 from .inference_tiny_models import ARCHITECTURES, one_torch_thread, tiny_model_dir  # noqa: F401  (fixtures)
@@ -61,7 +61,7 @@ class BatchedSessions:
         ids = list(self.positions)
         hidden = {sid: self.head.embed([self.tokens[sid][-1]]) for sid in ids}
         for runner in self.runners:
-            outputs = runner.decode_batch([DecodeRow(sid, hidden[sid], self.positions[sid]) for sid in ids])
+            outputs = runner.step_batch([BatchRow(sid, hidden[sid], self.positions[sid]) for sid in ids])
             hidden = dict(zip(ids, outputs, strict=True))
         for sid, token in zip(ids, self.next_tokens([hidden[sid] for sid in ids]), strict=True):
             self.tokens[sid].append(token)
@@ -128,8 +128,8 @@ def test_a_row_s_own_error_does_not_stop_the_others(tiny_model_dir):
     runner = load_layer_range(path, 0, 5)
     runner.forward("a", head.embed([1, 5, 6]), 0, "prefill")
     runner.forward("b", head.embed([1, 7]), 0, "prefill")
-    outcomes = runner.decode_batch([DecodeRow("a", head.embed([9]), 3), DecodeRow("ghost", head.embed([9]), 4),
-                                    DecodeRow("b", head.embed([9]), 5), DecodeRow("a", head.embed([9]), 4)])
+    outcomes = runner.step_batch([BatchRow("a", head.embed([9]), 3), BatchRow("ghost", head.embed([9]), 4),
+                                    BatchRow("b", head.embed([9]), 5), BatchRow("a", head.embed([9]), 4)])
     assert outcomes[0].shape == (1, 1, head.info.hidden_size)
     assert isinstance(outcomes[1], SessionStateError)
     assert isinstance(outcomes[2], SessionStateError)  # b holds 2 tokens, not 5

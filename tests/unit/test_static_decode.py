@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from inference import SessionEvictedError, SessionTooLargeError, load_head, load_layer_range
-from inference.batched import DecodeRow
+from inference.batched import BatchRow
 from inference.static_decode import batch_capture_after_sightings
 
 from .inference_tiny_models import one_torch_thread, tiny_model_dir  # noqa: F401  (fixtures)
@@ -76,8 +76,8 @@ def test_a_row_past_its_static_cache_fails_alone_in_a_batch(tiny_model_dir):
     runner = load_layer_range(path, 0, 5, static_cache_tokens=STATIC_TOKENS)
     runner.forward("a", head.embed([1, 5, 6]), 0, "prefill")
     runner.forward("full", head.embed(list(range(1, STATIC_TOKENS + 1))), 0, "prefill")
-    outcomes = runner.decode_batch([DecodeRow("a", head.embed([9]), 3),
-                                    DecodeRow("full", head.embed([9]), STATIC_TOKENS)])
+    outcomes = runner.step_batch([BatchRow("a", head.embed([9]), 3),
+                                    BatchRow("full", head.embed([9]), STATIC_TOKENS)])
     assert isinstance(outcomes[0], torch.Tensor) and isinstance(outcomes[1], SessionTooLargeError)
     assert runner.cached_tokens("a") == 4 and runner.cached_tokens("full") == STATIC_TOKENS
 

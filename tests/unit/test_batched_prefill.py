@@ -1,0 +1,143 @@
+"""Batched prefills (LayerRangeRunner.step_batch with rows of several tokens, inference/batched.py): prompts of
+different lengths prefilled together give each session its solo greedy tokens, for every tiny architecture (past
+the sliding window too); rows continuing a chunked prefill, starting one and decoding mix in one batch with the
+results of the same steps run alone; a padded row's output is finite and a row's error stays its own; a shard batches
+its hops' short prefills (services/shard/compute.py)."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from inference import SessionStateError, load_head, load_layer_range
+from inference.batched import BatchRow, _row_mask
+from services.shard.compute import ShardCompute
+from services.transport import FrameKind
+
+from .inference_tiny_models import ARCHITECTURES, TINY_NUM_LAYERS, one_torch_thread, tiny_model_dir  # noqa: F401
+from .test_batched_decode import GREEDY, PROMPTS, BatchedSessions, solo_tokens
+from .test_layer_slices import _open_hop, _received
+
+
+class PrefilledTogether(BatchedSessions):
+    """Sessions whose prompts are prefilled in one batched step per runner, then decoded together."""
+
+    def join_all(self, prompts: dict[str, list[int]]) -> None:
+        ids = list(prompts)
+        hidden = {sid: self.head.embed(prompts[sid]) for sid in ids}
+        for runner in self.runners:
+            outputs = runner.step_batch([BatchRow(sid, hidden[sid], 0, "prefill") for sid in ids])
+            assert all(isinstance(output, torch.Tensor) for output in outputs), outputs
+            hidden = dict(zip(ids, outputs, strict=True))
+        for sid in ids:
+            assert hidden[sid].shape == (1, len(prompts[sid]), self.head.info.hidden_size)
+            self.tokens[sid] = [self.head.sample(self.head.logits(hidden[sid]), GREEDY)]
+            self.positions[sid] = len(prompts[sid])
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_prompts_of_different_lengths_prefilled_together_give_their_solo_tokens(tiny_model_dir, architecture):
+    path = tiny_model_dir(architecture)
+    head = load_head(path)
+    runners = [load_layer_range(path, 0, 2), load_layer_range(path, 3, 5)]
+    prompts = {f"s{i}": head.encode_prompt(text) for i, text in enumerate(PROMPTS)}
+    assert len({len(ids) for ids in prompts.values()}) > 3  # really padded rows
+    expected = {sid: solo_tokens(runners, head, ids) for sid, ids in prompts.items()}
+    batch = PrefilledTogether(runners, head)
+    batch.join_all(prompts)
+    while len(batch.tokens["s0"]) < len(expected["s0"]):
+        batch.step()
+    assert batch.tokens == expected
+
+
+@pytest.mark.parametrize("architecture", ["llama", "mistral"])  # full attention; a sliding window of 8
+def test_continuing_starting_and_decoding_rows_in_one_batch_match_the_same_steps_alone(tiny_model_dir, architecture):
+    path = tiny_model_dir(architecture)
+    head = load_head(path)
+    batched, alone = load_layer_range(path, 0, 5), load_layer_range(path, 0, 5)
+    torch.manual_seed(0)
+    first = {"chunked": torch.randn(1, 6, head.info.hidden_size), "decoding": torch.randn(1, 11, head.info.hidden_size)}
+    for runner in (batched, alone):
+        for sid, states in first.items():
+            runner.forward(sid, states, 0, "prefill")
+    rows = [BatchRow("chunked", torch.randn(1, 5, head.info.hidden_size), 6, "prefill"),
+            BatchRow("fresh", torch.randn(1, 9, head.info.hidden_size), 0, "prefill"),
+            BatchRow("decoding", torch.randn(1, 1, head.info.hidden_size), 11, "decode")]
+    outputs = batched.step_batch(rows)
+    for row, output in zip(rows, outputs, strict=True):
+        reference = alone.forward(row.session_id, row.hidden_states, row.start_pos, row.kind)
+        assert output.shape == reference.shape and torch.isfinite(output).all()
+        torch.testing.assert_close(output, reference, rtol=1e-4, atol=1e-4)
+        assert batched.cached_tokens(row.session_id) == alone.cached_tokens(row.session_id)
+
+
+def test_a_prefill_row_s_own_error_does_not_stop_the_others(tiny_model_dir):
+    path = tiny_model_dir("llama")
+    head = load_head(path)
+    runner = load_layer_range(path, 0, 5)
+    outcomes = runner.step_batch([BatchRow("a", head.embed([1, 5, 6]), 0, "prefill"),
+                                  BatchRow("late", head.embed([4, 2]), 3, "prefill"),  # continues nothing
+                                  BatchRow("b", head.embed([1, 7, 8, 9, 3]), 0, "prefill"),
+                                  BatchRow("c", head.embed([2]), 0, "warmup")])
+    assert outcomes[0].shape == (1, 3, head.info.hidden_size) and outcomes[2].shape == (1, 5, head.info.hidden_size)
+    assert isinstance(outcomes[1], SessionStateError)
+    assert isinstance(outcomes[3], ValueError)
+    assert runner.cached_tokens("a") == 3 and runner.cached_tokens("b") == 5 and runner.cached_tokens("late") == 0
+
+
+@pytest.mark.parametrize("window", [None, 2])
+def test_every_query_of_a_padded_batch_sees_a_key_and_no_row_sees_another_s_padding(window):
+    # Rows: 3 new tokens on an empty cache, 1 on 4 stored, 5 on 2 stored; the batch is 5 tokens wide, keys 7 wide.
+    stored, new_tokens = [0, 4, 2], [3, 1, 5]
+    mask = _row_mask(stored, new_tokens, window, torch.zeros(3, 5, 8), SimpleNamespace(_attn_implementation="sdpa"))
+    assert mask.shape == (3, 1, 5, 7)
+    assert mask.any(dim=-1).all()  # padding queries too: an empty softmax row would be NaN
+    for row, (n, t) in enumerate(zip(stored, new_tokens, strict=True)):
+        for token in range(t):  # the row's real queries: its stored keys and its new ones up to itself
+            query = 5 - t + token
+            first_key, last_key = 7 - (n + t), 7 - t + token
+            if window is not None:
+                first_key = max(first_key, last_key - window + 1)
+            assert mask[row, 0, query].nonzero().flatten().tolist() == list(range(first_key, last_key + 1))
+
+
+async def test_a_shard_runs_the_short_prefills_of_its_hops_as_one_batch_and_long_ones_alone(tiny_model_dir):
+    """Three hops' prompts reach a shard together: the two short ones (within a factor of two in tokens) run as one
+    batched prefill, the one long enough to run in turns alone; each hop gets its own rows, equal to its solo step
+    within rounding (the long one bitwise), and the batch is counted."""
+    path = tiny_model_dir("llama")
+    head = load_head(path)
+    runner = load_layer_range(path, 0, TINY_NUM_LAYERS - 1)
+    alone = load_layer_range(path, 0, TINY_NUM_LAYERS - 1)
+    compute = ShardCompute(runner, "shard-0", batch_window_s=30.0, max_batch_sessions=8, prefill_slice_layers=1,
+                           prefill_slice_min_tokens=32)
+    # The two short prompts' hops: once both steps are queued the window ends (the long step never queues there).
+    compute.active_streams = 2
+    prompts = {"a": head.encode_prompt("the quick brown fox"), "b": head.encode_prompt("hearth runs one model here"),
+               "long": head.tokenizer.encode(" ".join(["the quick brown fox"] * 10))}
+    assert len(prompts["long"]) >= 32 and all(len(prompts[s]) < 32 for s in "ab")
+    results = await asyncio.wait_for(asyncio.gather(*(
+        compute.run(_open_hop(sid, TINY_NUM_LAYERS - 1), _received(sid, FrameKind.prefill, 0, head.embed(ids)))
+        for sid, ids in prompts.items())), timeout=30)
+    for (sid, ids), result in zip(prompts.items(), results, strict=True):
+        expected = alone.forward(sid, head.embed(ids), 0, "prefill")
+        assert result.failed_check is None and result.output.shape == expected.shape
+        if sid == "long":
+            assert torch.equal(result.output, expected)
+        else:
+            torch.testing.assert_close(result.output, expected, rtol=1e-4, atol=1e-4)
+    assert compute.prefill_batching_figures() == (1, 2) and compute.batching_figures() == (0, 0)
+
+
+def test_a_batch_of_one_row_is_the_solo_step_bitwise(tiny_model_dir):
+    path = tiny_model_dir("qwen2")
+    head = load_head(path)
+    batched, alone = load_layer_range(path, 0, 5), load_layer_range(path, 0, 5)
+    prompt = head.embed(head.encode_prompt("hearth runs one model"))
+    (output,) = batched.step_batch([BatchRow("a", prompt, 0, "prefill")])
+    assert torch.equal(output, alone.forward("a", prompt, 0, "prefill"))
+    (output,) = batched.step_batch([BatchRow("a", head.embed([7]), prompt.shape[1], "decode")])
+    assert torch.equal(output, alone.forward("a", head.embed([7]), prompt.shape[1], "decode"))

@@ -1,0 +1,96 @@
+"""StepBatcher (services/shard/batcher.py): steps ready together run as one batch, a lone hop never waits for
+the window, rows of other layer sub-ranges, of the other kind or (prefills) of token counts more than twice apart
+wait for their own batch, as do rows beyond the batch's token budget; each kind's batches are counted, and a row's
+exception reaches only its hop."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from services.shard.batcher import StepBatcher
+from services.transport import FrameKind
+
+LONG_WINDOW_S = 30.0
+
+
+def hop(name: str, layers: tuple[int, int] = (0, 5)):
+    return SimpleNamespace(session_id=name, layer_lo=layers[0], layer_hi=layers[1])
+
+
+def step(kind: FrameKind = FrameKind.decode, tokens: int = 1):
+    return SimpleNamespace(kind=kind, tensor=torch.zeros(1, tokens, 4))
+
+
+class Recorder:
+    """A run_batch that records each batch's sessions and answers each row with its session id."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[str]] = []
+
+    async def __call__(self, batch):
+        self.batches.append([queued.request.session_id for queued in batch])
+        return [ValueError(q.request.session_id) if q.request.session_id == "bad" else q.request.session_id
+                for q in batch]
+
+
+async def test_steps_of_every_open_hop_run_as_one_batch():
+    recorder = Recorder()
+    batcher = StepBatcher(recorder, window_s=LONG_WINDOW_S, max_sessions=8, open_hops=lambda: 3)
+    results = await asyncio.wait_for(asyncio.gather(*(batcher.submit(hop(n), step()) for n in "abc")), timeout=5)
+    assert results == ["a", "b", "c"]
+    assert recorder.batches == [["a", "b", "c"]]  # the window ended as soon as every open hop had a step queued
+
+
+async def test_a_lone_hop_does_not_wait_for_the_window():
+    recorder = Recorder()
+    batcher = StepBatcher(recorder, window_s=LONG_WINDOW_S, max_sessions=8, open_hops=lambda: 1)
+    assert await asyncio.wait_for(batcher.submit(hop("a"), step()), timeout=5) == "a"
+
+
+async def test_batches_hold_one_layer_range_and_at_most_max_sessions():
+    recorder = Recorder()
+    batcher = StepBatcher(recorder, window_s=0.0, max_sessions=2, open_hops=lambda: 4)
+    steps = [batcher.submit(hop("a"), step()), batcher.submit(hop("x", (0, 2)), step()),
+             batcher.submit(hop("b"), step()), batcher.submit(hop("c"), step())]
+    assert await asyncio.wait_for(asyncio.gather(*steps), timeout=5) == ["a", "x", "b", "c"]
+    assert recorder.batches == [["a", "b"], ["x"], ["c"]]
+
+
+async def test_a_row_s_exception_reaches_only_its_own_hop():
+    batcher = StepBatcher(Recorder(), window_s=0.0, max_sessions=8, open_hops=lambda: 2)
+    good, bad = await asyncio.gather(batcher.submit(hop("good"), step()), batcher.submit(hop("bad"), step()),
+                                     return_exceptions=True)
+    assert good == "good" and isinstance(bad, ValueError)
+    await batcher.close()
+
+
+async def test_prefills_batch_apart_from_decode_steps_and_only_with_similar_lengths():
+    recorder = Recorder()
+    batcher = StepBatcher(recorder, window_s=0.0, max_sessions=8, open_hops=lambda: 6)
+    steps = [batcher.submit(hop("p40"), step(FrameKind.prefill, 40)), batcher.submit(hop("d1"), step()),
+             batcher.submit(hop("p60"), step(FrameKind.prefill, 60)),
+             batcher.submit(hop("p200"), step(FrameKind.prefill, 200)), batcher.submit(hop("d2"), step()),
+             batcher.submit(hop("p33"), step(FrameKind.prefill, 33))]
+    await asyncio.wait_for(asyncio.gather(*steps), timeout=5)
+    assert recorder.batches == [["p40", "p60", "p33"], ["d1", "d2"], ["p200"]]
+    assert batcher.figures(FrameKind.prefill) == (2, 4) and batcher.figures(FrameKind.decode) == (1, 2)
+
+
+async def test_a_batch_brings_at_most_max_tokens_but_always_its_first_step():
+    recorder = Recorder()
+    batcher = StepBatcher(recorder, window_s=0.0, max_sessions=8, open_hops=lambda: 5, max_tokens=128)
+    steps = [batcher.submit(hop(name), step(FrameKind.prefill, tokens))
+             for name, tokens in (("a", 50), ("b", 40), ("c", 60), ("d", 36), ("big", 300))]
+    await asyncio.wait_for(asyncio.gather(*steps), timeout=5)
+    assert recorder.batches == [["a", "b"], ["c", "d"], ["big"]]
+
+
+def test_settings_are_validated():
+    with pytest.raises(ValueError):
+        StepBatcher(Recorder(), window_s=-1.0, max_sessions=8, open_hops=lambda: 1)
+    with pytest.raises(ValueError):
+        StepBatcher(Recorder(), window_s=0.0, max_sessions=0, open_hops=lambda: 1)
