@@ -66,13 +66,15 @@ class RowCaches:
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args,
                **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
-        width = key_states.shape[-2]
-        keys, values = update_rows(self.caches, [key_states[row:row + 1, :, width - tokens:] for row, tokens in
-                                                 enumerate(self.new_tokens)],
-                                   [value_states[row:row + 1, :, width - tokens:] for row, tokens in
-                                    enumerate(self.new_tokens)], layer_idx, *args, **kwargs)
+        keys, values = update_rows(self.caches, self._real_tokens(key_states), self._real_tokens(value_states),
+                                   layer_idx, *args, **kwargs)
         width = max(k.shape[-2] for k in keys)
         return _left_padded(keys, width), _left_padded(values, width)
+
+    def _real_tokens(self, states: torch.Tensor) -> list[torch.Tensor]:
+        """Row i's ``[1, heads, T_i, dim]``: its own tokens' states, without the padding on their left."""
+        width = states.shape[-2]
+        return [states[row:row + 1, :, width - tokens:] for row, tokens in enumerate(self.new_tokens)]
 
 
 def update_rows(caches: Sequence, key_states: Sequence[torch.Tensor], value_states: Sequence[torch.Tensor],
@@ -105,7 +107,7 @@ def run_batched_step(*, config: PretrainedConfig, layers: dict[int, nn.Module], 
         for row, states in enumerate(hidden_states):
             stacked[row, most - states.shape[1]:] = states[0]
     device = stacked.device
-    # Padding columns take the row's first position (clamped at 0): any valid position does, nothing sees them.
+    # Padding columns take the positions before the row's first (clamped at 0): any valid ones do, nothing sees them.
     padding = torch.tensor([most - tokens for tokens in new_tokens], device=device).view(-1, 1)
     position_ids = (torch.tensor(list(positions), device=device).view(-1, 1) - padding
                     + torch.arange(most, device=device).view(1, -1)).clamp(min=0)

@@ -87,7 +87,7 @@ class LayerRangeRunner:
             max_tokens = min(static_cache_tokens, context)
             self._static = StaticDecoder(config=config, layers=layers, rotary_embedding=rotary_embedding,
                                          max_tokens=max_tokens, device=self.device, capture_graphs=True)
-        # Batched decode over the sessions' own dynamic caches (inference/batched.py); static caches batch in
+        # Batched steps over the sessions' own dynamic caches (inference/batched.py); static caches batch decode in
         # StaticDecoder.run_batch.
         self._batched = self._static is None and batched_steps_supported(
             config, self._attention_types[self.layer_lo : self.layer_hi + 1])
@@ -213,13 +213,13 @@ class LayerRangeRunner:
             return outcomes
 
     def _run_rows(self, ready: list, run_lo: int, run_hi: int) -> list[torch.Tensor]:
-        one_token = all(hidden.shape[1] == 1 for _, _, hidden, _ in ready)
-        if len(ready) < 2 or (self._static is None and not self._batched) or (self._static and not one_token):
+        batchable = self._batched if self._static is None else all(h.shape[1] == 1 for _, _, h, _ in ready)
+        if len(ready) < 2 or not batchable:
             return [self._run_solo(session.cache, hidden, as_position(row.start_pos), run_lo, run_hi, row.kind)
                     for _, row, hidden, session in ready]
         caches = [session.cache for *_, session in ready]
         positions = [as_position(row.start_pos) for _, row, _, _ in ready]
-        if self._static is not None:  # its graphs batch decode steps only
+        if self._static is not None:  # its graphs batch one-token steps only
             return self._static.run_batch(caches, torch.cat([hidden for _, _, hidden, _ in ready]), positions,
                                           run_lo, run_hi)
         return run_batched_step(

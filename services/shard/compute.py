@@ -30,7 +30,7 @@ from inference.compute_thread import (StepThreads, compute_executor, on_compute_
                                      use_intra_op_threads)
 from inference.host_staging import to_device, to_host
 from services.common.control_protocol import OpenHop
-from services.shard.batcher import StepBatcher, QueuedStep
+from services.shard.batcher import QueuedStep, StepBatcher
 from services.shard.faults import ShardFault
 from services.shard.metrics import ShardStepMetrics, watch_serving
 from services.transport import FrameKind, ReceivedStep
@@ -79,9 +79,8 @@ class ShardCompute:
     def __init__(self, runner: LayerRangeRunner, shard_id: str, *, fault: ShardFault | None = None,
                  step_threads: StepThreads | None = None, range_layers: int | None = None,
                  batch_window_s: float = 0.0, max_batch_sessions: int = 1, max_batch_tokens: int | None = None,
-                 prefill_slice_layers: int = 0,
-                 prefill_slice_min_tokens: int = 0, prefill_slice_tokens: int | None = None,
-                 prefill_nice: int = 0) -> None:
+                 prefill_slice_layers: int = 0, prefill_slice_min_tokens: int = 0,
+                 prefill_slice_tokens: int | None = None, prefill_nice: int = 0) -> None:
         self.runner = runner
         self.shard_id = shard_id
         # Layers of the shard's whole range: a decode step of part of it is scaled up to this many.
