@@ -100,12 +100,7 @@ def run_batched_step(*, config: PretrainedConfig, layers: dict[int, nn.Module], 
     caches[i]; row i's output ``[1, T_i, hidden]`` per row."""
     new_tokens = [states.shape[1] for states in hidden_states]
     most = max(new_tokens)
-    if most == 1:
-        stacked = torch.cat(list(hidden_states))
-    else:
-        stacked = hidden_states[0].new_zeros((len(hidden_states), most, hidden_states[0].shape[2]))
-        for row, states in enumerate(hidden_states):
-            stacked[row, most - states.shape[1]:] = states[0]
+    stacked = _left_padded(list(hidden_states), most)
     device = stacked.device
     # Padding columns take the positions before the row's first (clamped at 0): any valid ones do, nothing sees them.
     padding = torch.tensor([most - tokens for tokens in new_tokens], device=device).view(-1, 1)
@@ -129,11 +124,12 @@ def _stored(cache: DynamicCache, layer_index: int) -> int:
 
 
 def _left_padded(tensors: list[torch.Tensor], width: int) -> torch.Tensor:
-    """``[B, heads, width, dim]`` with row i's tokens at its right end (one copy per row, zeros before)."""
+    """Rows ``[1, ..., T_i, dim]`` (keys/values ``[1, heads, T_i, dim]``, hidden states ``[1, T_i, hidden]``) stacked
+    into ``[B, ..., width, dim]``, row i's tokens at its right end (one copy per row, zeros before)."""
     first = tensors[0]
-    stacked = first.new_zeros((len(tensors), first.shape[1], width, first.shape[3]))
+    stacked = first.new_zeros((len(tensors), *first.shape[1:-2], width, first.shape[-1]))
     for row, tensor in enumerate(tensors):
-        stacked[row, :, width - tensor.shape[-2]:] = tensor[0]
+        stacked[row, ..., width - tensor.shape[-2]:, :] = tensor[0]
     return stacked
 
 

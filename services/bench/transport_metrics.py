@@ -123,8 +123,9 @@ def scrape_host(url: str) -> HostScrape:
     for key, buckets in rows.items():
         buckets.sort()
         histograms[key] = Histogram([b for b, _ in buckets], [c for _, c in buckets], sums.get(key, 0.0))
-    return HostScrape(histograms, *({shard_id: (batches, rows) for shard_id, (batches, rows) in batching[kind].items()}
-                                    for kind in ("decode", "prefill")))
+    decode, prefill = ({shard: (batches, rows) for shard, (batches, rows) in batching[kind].items()}
+                       for kind in ("decode", "prefill"))
+    return HostScrape(histograms, batching=decode, prefill_batching=prefill)
 
 
 def mean_batch_rows(after: dict[str, tuple[float, float]],
