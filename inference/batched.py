@@ -11,8 +11,11 @@ row's queries its own keys up to its position (and, for sliding layers, inside t
 query sees only the key column it sits at, so no softmax row is empty (its output is dropped).
 
 Why per-session caches rather than one batched slot cache: sessions join and leave between steps without copying
-anyone's cache, and eviction/accounting stay per session (inference/sessions.py). The price is one concatenation per
-layer and row, small next to the batched projections.
+anyone's cache, and eviction/accounting stay per session (inference/sessions.py). The price is one copy per layer of
+every row's keys and values into the stacked tensors. Those are written into `StackingBuffers` that the runner keeps
+from step to step, and only each row's padding is zeroed: a fresh zero-filled tensor per layer cost more than the
+batched projections at a few hundred tokens of context (freshly mapped pages faulted in, then written twice;
+BENCHMARKS.md, "Batched steps at long contexts").
 
 Parity: masked keys contribute exact zeros to attention, but batched matrix products may round differently from
 one-row ones; the tests compare greedy tokens of batched and solo runs for every tiny architecture. A row's padding
@@ -25,6 +28,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+import math
 
 import torch
 from torch import nn
@@ -53,12 +58,51 @@ class BatchRow:
     kind: str = "decode"
 
 
+class StackingBuffers:
+    """Storage, reused from step to step, for the left-padded keys and values of a batched layer's attention.
+
+    Each layer's stacked keys/values are read by that layer's attention only, so every layer of every step reuses the
+    same two buffers; they grow to the largest batch seen (one layer's keys and values of it) and are never shrunk.
+    Callers serialise their steps (the runner's lock)."""
+
+    KEYS, VALUES = 0, 1
+    # Room for this many times the elements asked when a buffer grows: contexts grow a token per step.
+    growth_factor = 1.5
+
+    def __init__(self) -> None:
+        self._storage: list[torch.Tensor | None] = [None, None]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(flat.numel() * flat.element_size() for flat in self._storage if flat is not None)
+
+    def left_padded(self, slot: int, tensors: list[torch.Tensor], width: int) -> torch.Tensor:
+        """As `_left_padded`, into the slot's buffer: a contiguous ``[B, ..., width, dim]`` view of it, valid until
+        the slot is asked again."""
+        first = tensors[0]
+        shape = (len(tensors), *first.shape[1:-2], width, first.shape[-1])
+        elements = math.prod(shape)
+        flat = self._storage[slot]
+        if flat is None or flat.numel() < elements or flat.dtype != first.dtype or flat.device != first.device:
+            flat = first.new_empty(int(elements * self.growth_factor))
+            self._storage[slot] = flat
+        stacked = flat[:elements].view(shape)
+        for row, tensor in enumerate(tensors):
+            padding = width - tensor.shape[-2]
+            if padding:
+                stacked[row, ..., :padding, :].zero_()  # masked, but must be finite: 0 x NaN would leak into rows
+            stacked[row, ..., padding:, :] = tensor[0]
+        return stacked
+
+
 class RowCaches:
     """Stands in for a layer's KV cache argument across a batch: row i's keys/values live in ``caches[i]``."""
 
-    def __init__(self, caches: Sequence[DynamicCache], new_tokens: Sequence[int]) -> None:
+    def __init__(self, caches: Sequence[DynamicCache], new_tokens: Sequence[int],
+                 buffers: StackingBuffers | None = None) -> None:
         self.caches = list(caches)
         self.new_tokens = list(new_tokens)
+        self.buffers = buffers if buffers is not None else StackingBuffers()
 
     def stored_tokens(self, layer_index: int) -> list[int]:
         """Tokens each row's cache holds for one layer before this step (what a step attends besides itself)."""
@@ -69,7 +113,8 @@ class RowCaches:
         keys, values = update_rows(self.caches, self._real_tokens(key_states), self._real_tokens(value_states),
                                    layer_idx, *args, **kwargs)
         width = max(k.shape[-2] for k in keys)
-        return _left_padded(keys, width), _left_padded(values, width)
+        return (self.buffers.left_padded(StackingBuffers.KEYS, keys, width),
+                self.buffers.left_padded(StackingBuffers.VALUES, values, width))
 
     def _real_tokens(self, states: torch.Tensor) -> list[torch.Tensor]:
         """Row i's ``[1, heads, T_i, dim]``: its own tokens' states, without the padding on their left."""
@@ -95,9 +140,9 @@ def update_rows(caches: Sequence, key_states: Sequence[torch.Tensor], value_stat
 def run_batched_step(*, config: PretrainedConfig, layers: dict[int, nn.Module], rotary_embedding: nn.Module,
                      attention_types: Sequence[str], caches: Sequence[DynamicCache],
                      hidden_states: Sequence[torch.Tensor], positions: Sequence[int], run_lo: int,
-                     run_hi: int) -> list[torch.Tensor]:
+                     run_hi: int, buffers: StackingBuffers | None = None) -> list[torch.Tensor]:
     """Layers ``run_lo..run_hi`` for row i's ``hidden_states[i]`` ``[1, T_i, hidden]`` at ``positions[i]`` of
-    caches[i]; row i's output ``[1, T_i, hidden]`` per row."""
+    caches[i]; row i's output ``[1, T_i, hidden]`` per row. ``buffers``: the caller's, kept between its steps."""
     new_tokens = [states.shape[1] for states in hidden_states]
     most = max(new_tokens)
     stacked = _left_padded(list(hidden_states), most)
@@ -107,7 +152,7 @@ def run_batched_step(*, config: PretrainedConfig, layers: dict[int, nn.Module], 
     position_ids = (torch.tensor(list(positions), device=device).view(-1, 1) - padding
                     + torch.arange(most, device=device).view(1, -1)).clamp(min=0)
     position_embeddings = rotary_embedding(stacked, position_ids)
-    rows = RowCaches(caches, new_tokens)
+    rows = RowCaches(caches, new_tokens, buffers)
     window = getattr(config, "sliding_window", None)
     for layer_index in range(run_lo, run_hi + 1):
         sliding = attention_types[layer_index] == SLIDING_ATTENTION

@@ -14,7 +14,7 @@ from transformers import DynamicCache, PretrainedConfig
 
 from .architectures import ArchitectureAdapter
 from .checkpoint import ModelInfo
-from .batched import BatchRow, batched_steps_supported, run_batched_step
+from .batched import BatchRow, StackingBuffers, batched_steps_supported, run_batched_step
 from .layer_pass import MASK_BUILDERS, LayerPass, SteppedForward
 from .errors import InferenceError, RunnerClosedError, SessionEvictedError, SessionStateError, SessionTooLargeError
 from .sessions import EvictedSession, SessionCaches, as_position, kv_bytes_per_token_per_layer
@@ -87,10 +87,10 @@ class LayerRangeRunner:
             max_tokens = min(static_cache_tokens, context)
             self._static = StaticDecoder(config=config, layers=layers, rotary_embedding=rotary_embedding,
                                          max_tokens=max_tokens, device=self.device, capture_graphs=True)
-        # Batched steps over the sessions' own dynamic caches (inference/batched.py); static caches batch decode in
-        # StaticDecoder.run_batch.
+        # Batched steps over the sessions' own dynamic caches (inference/batched.py; static ones: StaticDecoder).
         self._batched = self._static is None and batched_steps_supported(
             config, self._attention_types[self.layer_lo : self.layer_hi + 1])
+        self._stacking_buffers = StackingBuffers()  # used under the lock: step_batch holds it throughout
         self._caches = SessionCaches(
             self._static.new_cache if self._static is not None else (lambda: DynamicCache(config=config)),
             range(self.layer_lo, self.layer_hi + 1),
@@ -225,7 +225,7 @@ class LayerRangeRunner:
         return run_batched_step(
             config=self._config, layers=self._layers, rotary_embedding=self._rotary_embedding,
             attention_types=self._attention_types, caches=caches, hidden_states=[h for _, _, h, _ in ready],
-            positions=positions, run_lo=run_lo, run_hi=run_hi)
+            positions=positions, run_lo=run_lo, run_hi=run_hi, buffers=self._stacking_buffers)
 
     def _run_solo(self, cache, hidden_states: torch.Tensor, start_pos: int, run_lo: int, run_hi: int,
                   kind: StepKind) -> torch.Tensor:

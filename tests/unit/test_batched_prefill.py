@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from inference import SessionStateError, load_head, load_layer_range
-from inference.batched import BatchRow, _row_mask
+from inference.batched import BatchRow, StackingBuffers, _left_padded, _row_mask
 from services.shard.compute import ShardCompute
 from services.transport import FrameKind
 
@@ -141,3 +141,29 @@ def test_a_batch_of_one_row_is_the_solo_step_bitwise(tiny_model_dir):
     assert torch.equal(output, alone.forward("a", prompt, 0, "prefill"))
     (output,) = batched.step_batch([BatchRow("a", head.embed([7]), prompt.shape[1], "decode")])
     assert torch.equal(output, alone.forward("a", head.embed([7]), prompt.shape[1], "decode"))
+
+
+def test_stacking_buffers_pad_like_fresh_zeros_whatever_an_earlier_step_left_in_them():
+    buffers = StackingBuffers()
+    # An earlier, wider step leaves non-finite values where this step's padding goes: masked keys must still be
+    # zeros, since a masked weight of 0 times a NaN value would poison the row.
+    buffers.left_padded(StackingBuffers.KEYS, [torch.full((1, 2, 9, 4), float("nan"))] * 3, 9)
+    storage = buffers.nbytes
+    rows = [torch.randn(1, 2, tokens, 4) for tokens in (5, 2, 7)]
+    stacked = buffers.left_padded(StackingBuffers.KEYS, rows, 7)
+    assert torch.equal(stacked, _left_padded(rows, 7))
+    assert stacked.is_contiguous() and stacked.shape == (3, 2, 7, 4)
+    assert buffers.nbytes == storage  # the smaller step reused the storage
+
+
+def test_stacking_buffers_keep_keys_and_values_apart_and_grow_with_headroom():
+    buffers = StackingBuffers()
+    keys = buffers.left_padded(StackingBuffers.KEYS, [torch.ones(1, 1, 3, 2)], 3)
+    values = buffers.left_padded(StackingBuffers.VALUES, [torch.zeros(1, 1, 3, 2)], 3)
+    assert torch.equal(keys, torch.ones(1, 1, 3, 2)) and torch.equal(values, torch.zeros(1, 1, 3, 2))
+    before = buffers.nbytes
+    buffers.left_padded(StackingBuffers.KEYS, [torch.ones(1, 1, 5, 2)], 5)
+    grown = buffers.nbytes
+    assert grown > before
+    buffers.left_padded(StackingBuffers.KEYS, [torch.ones(1, 1, 7, 2)], 7)  # a few tokens more: within the headroom
+    assert buffers.nbytes == grown
