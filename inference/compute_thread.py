@@ -114,3 +114,11 @@ class StepThreads:
         if self.busy_threads is not None and active_streams > 1:
             return min(self.busy_threads, self.alone_threads)
         return self.alone_threads
+
+    def for_step(self, rows: int, active_streams: int) -> int:
+        """Threads for a batched step of `rows` of the process's `active_streams` streams: all of them when it holds
+        every stream (nothing else of this process is in flight elsewhere in the mesh, so, as for one stream, the
+        other processes wait for this step), `busy_threads` while other streams are elsewhere (their hops run beside
+        it). 8 sessions of llama-250m in one batch, 6 layers: 22 ms with two threads vs 34 ms with one
+        (BENCHMARKS.md, "One batch for hops that share cores")."""
+        return self.for_streams(active_streams - rows + 1)

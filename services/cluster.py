@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.common.config import NatsSettings
+from services.common.config import ENV_NESTED_DELIMITER, ENV_PREFIX, NatsSettings
 from services.common.nats_permissions import render_authorization
 from services.common.nats_cluster import EmbeddedNatsCluster
 from services.common.nats_server import EmbeddedNatsServer, free_tcp_port
@@ -49,6 +49,11 @@ def even_layer_ranges(num_layers: int, shards: int) -> list[tuple[int, int]]:
 # While a process serves several streams, its steps run on one intra-op thread so the hops of concurrent
 # sessions use the cores side by side (inference.compute_thread.StepThreads).
 shared_machine_busy_threads = 1
+# Shards sharing the machine's cores merge sessions that decode in groups into one batch ([shard]
+# batch_merge_window_ms, services/common/batching.py): one batch using every core beats groups pipelined
+# through hops that take turns on the same cores.
+shared_machine_batch_merge_window_ms = 200.0
+BATCH_MERGE_WINDOW_ENV = f"{ENV_PREFIX}SHARD{ENV_NESTED_DELIMITER}BATCH_MERGE_WINDOW_MS"
 # libgomp's spin before a waiting OpenMP thread sleeps, in spin iterations (about 0.3 ms on the project's VM).
 openmp_spin_count = 20000
 
@@ -316,7 +321,7 @@ class LocalCluster:
         if self.torch_threads:
             args += ["--torch-threads", str(self.torch_threads)]
         return self._spawn(f"shard-{node_id}-{lo}-{hi}", args, wait_ready=wait_ready, member=(node_id, "shard"),
-                           cpus=cpus)
+                           cpus=cpus, env=self._shared_machine_shard_env(cpus))
 
     def start_host(self, model: str, memory_budget_mb: float, *, node_id: str, extra_args: list[str] = (),
                    wait_ready: bool = True) -> ManagedProcess:
@@ -325,7 +330,15 @@ class LocalCluster:
                 "--busy-threads", str(shared_machine_busy_threads), *extra_args]
         if self.torch_threads:
             args += ["--torch-threads", str(self.torch_threads)]
-        return self._spawn(f"host-{node_id}", args, wait_ready=wait_ready, member=(node_id, "shard"))
+        return self._spawn(f"host-{node_id}", args, wait_ready=wait_ready, member=(node_id, "shard"),
+                           env=self._shared_machine_shard_env(None))
+
+    def _shared_machine_shard_env(self, cpus: Sequence[int] | None) -> dict[str, str]:
+        """A shard's settings for sharing the machine's cores with the others (unless pinned to cores of its own,
+        or the caller's environment says otherwise)."""
+        if cpus or BATCH_MERGE_WINDOW_ENV in self.extra_env or BATCH_MERGE_WINDOW_ENV in os.environ:
+            return {}
+        return {BATCH_MERGE_WINDOW_ENV: repr(shared_machine_batch_merge_window_ms)}
 
     def start_orchestrator(self, *, node_id: str = "orchestrator", extra_args: list[str] = (),
                            wait_ready: bool = True) -> ManagedProcess:

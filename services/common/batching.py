@@ -8,6 +8,18 @@ it waits up to `window_s` for more items, but only while fewer items are queued 
 one stream alone never waits, so it is not slowed down. Items of another group (e.g. another layer sub-range) wait
 for a later batch, and so do items beyond `max_cost` (e.g. tokens): a batch takes items of its group in arrival order
 while their costs together stay within it (its first item always).
+
+Merging (`merge_window_s` > 0, items named by `stream`): streams settle into groups that run apart (eight sessions
+prefilled as two batches of four decode as two groups of four forever, each a pipeline stage behind the other). A
+batch then also waits, up to `merge_window_s`, for the streams that have been arriving at a steady interval and are
+due again within that time (last arrival + interval), so one wait joins two groups into one batch and the groups
+stay joined: they arrive together from then on and nobody waits again. Worth it where the pipeline's stages share
+a machine's cores (one process's step can then use all of them, and the weights are read once per batch instead of
+once per group: BENCHMARKS.md, "One batch for hops that share cores"); on separate machines groups keep every
+machine busy at once, so it is off by default. A stream that stops coming (closed, or paused) is forgotten once it
+is late by more than the merge window, and a late stream is waited for only `window_s` past its due time. Items
+whose `stream` is None are never waited for: merging in one place is enough (groups that leave it together stay
+together), and two places each holding one group while waiting for the other would only delay both.
 """
 
 from __future__ import annotations
@@ -34,9 +46,14 @@ class ContinuousBatcher(Generic[Item]):
     def __init__(self, run_batch: Callable[[list[Item]], Awaitable[list]], *, window_s: float, max_rows: int,
                  open_streams: Callable[[], int], group: Callable[[Item], Hashable] = lambda item: None,
                  cost: Callable[[Item], int] = lambda item: 1, max_cost: int | None = None,
-                 name: str = "continuous-batcher") -> None:
+                 name: str = "continuous-batcher", stream: Callable[[Item], Hashable] | None = None,
+                 merge_window_s: float = 0.0) -> None:
         if window_s < 0:
             raise ValueError(f"window_s must not be negative, got {window_s}")
+        if merge_window_s < 0:
+            raise ValueError(f"merge_window_s must not be negative, got {merge_window_s}")
+        if merge_window_s and stream is None:
+            raise ValueError("merging needs the items' streams (stream=...)")
         if max_rows < 1:
             raise ValueError(f"max_rows must be at least 1, got {max_rows}")
         self._run_batch = run_batch
@@ -52,10 +69,15 @@ class ContinuousBatcher(Generic[Item]):
         self._task: asyncio.Task | None = None
         self.batches_total = 0
         self.rows_total = 0
+        self._stream = stream
+        self.merge_window_s = merge_window_s
+        self._arrivals = StreamArrivals()
 
     async def submit(self, item: Item):
         """Run one item in the next batch of its group; its result, or what its row raised."""
         future = asyncio.get_running_loop().create_future()
+        if self.merge_window_s and (stream := self._stream(item)) is not None:
+            self._arrivals.arrived(stream, time.monotonic())
         self._queue.append(_Waiting(item, future))
         self._arrived.set()
         if self._task is None or self._task.done():
@@ -92,10 +114,11 @@ class ContinuousBatcher(Generic[Item]):
                     waiting.result.set_result(outcome)
 
     async def _gather(self) -> None:
-        """Wait up to the window for more items while some open stream has none queued yet."""
-        deadline = time.monotonic() + self.window_s
+        """Wait up to the window for more items while some open stream has none queued yet (and, merging, up to the
+        merge window for the streams due within it)."""
+        started = time.monotonic()
         while len(self._queue) < min(self.max_rows, self._open_streams()):
-            remaining = deadline - time.monotonic()
+            remaining = self._wait_until(started) - time.monotonic()
             if remaining <= 0:
                 return
             self._arrived.clear()
@@ -103,6 +126,15 @@ class ContinuousBatcher(Generic[Item]):
                 await asyncio.wait_for(self._arrived.wait(), timeout=remaining)
             except TimeoutError:
                 return
+
+    def _wait_until(self, started: float) -> float:
+        until = started + self.window_s
+        if self.merge_window_s:
+            now = time.monotonic()
+            due = self._arrivals.latest_due(now, self.merge_window_s, {self._stream(w.item) for w in self._queue})
+            if due is not None:
+                until = max(until, min(due + self.window_s, started + self.merge_window_s))
+        return until
 
     def _take_batch(self) -> list[_Waiting[Item]]:
         group = self._group(self._queue[0].item)
@@ -120,3 +152,35 @@ class ContinuousBatcher(Generic[Item]):
         taken = {id(waiting) for waiting in batch}
         self._queue = [waiting for waiting in self._queue if id(waiting) not in taken]
         return batch
+
+
+class StreamArrivals:
+    """When each stream's items arrive: its last arrival and the interval before it, to tell which are due."""
+
+    def __init__(self) -> None:
+        self._last: dict[Hashable, float] = {}
+        self._interval: dict[Hashable, float] = {}
+
+    def __len__(self) -> int:
+        return len(self._last)
+
+    def arrived(self, stream: Hashable, now: float) -> None:
+        last = self._last.get(stream)
+        if last is not None:
+            self._interval[stream] = now - last
+        self._last[stream] = now
+
+    def latest_due(self, now: float, horizon_s: float, queued: set) -> float | None:
+        """The latest time by which a stream not in `queued` is due again, among those due within `horizon_s` that
+        are not later than that already (forgotten, as closed or paused); None when none is."""
+        latest = None
+        for stream in list(self._last):
+            interval = self._interval.get(stream)
+            if interval is None:
+                continue
+            expected = self._last[stream] + interval
+            if expected < now - horizon_s:
+                del self._last[stream], self._interval[stream]
+            elif stream not in queued and expected <= now + horizon_s:
+                latest = expected if latest is None else max(latest, expected)
+        return latest

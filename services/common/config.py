@@ -278,6 +278,11 @@ class ShardSettings(_Section):
     batch_window_ms: float = Field(
         default=2.0, ge=0, description="a batch waits this long at most for the steps of other open hops (0: only "
                                        "what is ready); a shard serving one hop never waits")
+    batch_merge_window_ms: float = Field(
+        default=0.0, ge=0, description="a first hop's batch also waits this long at most for the steps of sessions "
+                                       "due within it, so sessions decoding in groups a stage apart join into one "
+                                       "batch: for shards sharing one machine's cores (hearth demo and bench set "
+                                       "it); 0 (off) where each shard has its own machine")
     prefill_slice_layers: int = Field(
         default=1, ge=0, description="a long prefill step on a CPU runs this many layers per turn on the compute "
                                      "thread, so other sessions' steps run between its turns (0: every step "

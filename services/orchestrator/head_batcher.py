@@ -86,7 +86,8 @@ class HeadSteps:
         if metrics_observed():
             head_batches_total.inc()
             head_batch_rows_total.inc(len(steps))
-        return await on_compute_thread(self._tokens_and_embeddings, steps, self._threads())
+        threads = self._step_threads.for_step(len(steps), self._running_calls())
+        return await on_compute_thread(self._tokens_and_embeddings, steps, threads)
 
     @staticmethod
     def _tokens_and_embeddings(steps: list[HeadStep], threads: int) -> list:

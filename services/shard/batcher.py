@@ -10,6 +10,10 @@ prefill rows also bring token counts within a factor of two of each other (the s
 batch pads every row to its longest, and at most `max_tokens` tokens together: a batch of many prompts would hold
 every hop's compute for the whole batch in turn, while smaller ones flow through the hops pipelined (hop 1 runs
 one while hop 0 runs the next). Other steps wait for a later batch.
+
+With `merge_window_s` (`[shard] batch_merge_window_ms`, for hops that share a machine's cores) a first hop's batch
+also waits for the first-hop steps of other sessions that are due within it, so sessions decoding in groups a stage
+apart join into one batch (services/common/batching.py says when and why); later hops receive them together.
 """
 
 from __future__ import annotations
@@ -49,12 +53,14 @@ class StepBatcher:
     """Queues steps and runs them in batches through `run_batch` (one result or exception per step)."""
 
     def __init__(self, run_batch: Callable[[list[QueuedStep]], Awaitable[list]], *, window_s: float,
-                 max_sessions: int, open_hops: Callable[[], int], max_tokens: int | None = None) -> None:
+                 max_sessions: int, open_hops: Callable[[], int], max_tokens: int | None = None,
+                 merge_window_s: float = 0.0) -> None:
         self._run_batch = run_batch
         self._batcher = ContinuousBatcher(self._count_and_run, window_s=window_s, max_rows=max_sessions,
                                           open_streams=open_hops, group=lambda queued: queued.group,
                                           cost=lambda queued: queued.tokens, max_cost=max_tokens,
-                                          name="shard-step-batcher")
+                                          name="shard-step-batcher", stream=_first_hop_stream,
+                                          merge_window_s=merge_window_s)
         self._batches: Counter[FrameKind] = Counter()
         self._rows: Counter[FrameKind] = Counter()
 
@@ -75,3 +81,8 @@ class StepBatcher:
         self._batches[kind] += 1
         self._rows[kind] += len(batch)
         return await self._run_batch(batch)
+
+
+def _first_hop_stream(queued: QueuedStep) -> Hashable | None:
+    """The pipeline a first hop's step belongs to (the only steps merging waits for); None for later hops."""
+    return queued.request.pipeline_id if queued.request.hop == 0 else None

@@ -79,7 +79,7 @@ class ShardCompute:
     def __init__(self, runner: LayerRangeRunner, shard_id: str, *, fault: ShardFault | None = None,
                  step_threads: StepThreads | None = None, range_layers: int | None = None,
                  batch_window_s: float = 0.0, max_batch_sessions: int = 1, max_batch_tokens: int | None = None,
-                 prefill_slice_layers: int = 0, prefill_slice_min_tokens: int = 0,
+                 batch_merge_window_s: float = 0.0, prefill_slice_layers: int = 0, prefill_slice_min_tokens: int = 0,
                  prefill_slice_tokens: int | None = None, prefill_nice: int = 0) -> None:
         self.runner = runner
         self.shard_id = shard_id
@@ -108,8 +108,8 @@ class ShardCompute:
         self.prefill_thread_steps = 0  # steps running on that thread or waiting for it
         # Steps of several hops run as one batched step (services/shard/batcher.py) when more than one may.
         self.batcher = StepBatcher(self.run_batch, window_s=batch_window_s, max_sessions=max_batch_sessions,
-                                   open_hops=lambda: self.active_streams,
-                                   max_tokens=max_batch_tokens) if max_batch_sessions > 1 else None
+                                   open_hops=lambda: self.active_streams, max_tokens=max_batch_tokens,
+                                   merge_window_s=batch_merge_window_s) if max_batch_sessions > 1 else None
         watch_serving(self)
 
     def serving_figures(self) -> tuple[int, int, int]:
@@ -159,7 +159,7 @@ class ShardCompute:
         try:
             if self.fault.delay_s and self.fault.active:
                 await asyncio.sleep(self.fault.delay_s)
-            threads = self.step_threads.for_streams(self.active_streams)
+            threads = self.step_threads.for_step(len(batch), self.active_streams)
             outcomes = await on_compute_thread(self._check_and_forward_batch, batch, threads)
         finally:
             self.stats.steps_in_compute -= len(batch)

@@ -195,6 +195,7 @@ async def serve_loaded_shard(loaded: LoadedShard, *, nats_url: str | None, setti
     compute = ShardCompute(runner, shard_id, fault=ShardFault.parse(fault), step_threads=StepThreads(busy_threads),
                            range_layers=min(hi, identity.total_layers - 1) - lo + 1,
                            batch_window_s=settings.shard.batch_window_ms / 1000.0,
+                           batch_merge_window_s=settings.shard.batch_merge_window_ms / 1000.0,
                            max_batch_tokens=settings.shard.max_batch_tokens,
                            max_batch_sessions=settings.shard.max_batch_sessions,
                            prefill_slice_layers=settings.shard.prefill_slice_layers,

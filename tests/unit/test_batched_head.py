@@ -12,6 +12,8 @@ import torch
 
 from inference import load_head
 from inference.compute_thread import StepThreads
+from inference.cpu_kernels import onednn_linear, onednn_linear_available
+from inference.head import head_onednn_min_rows
 from inference.head_batch import HeadRow, batched_next_tokens, solo_next_token
 from inference.sampling import SamplingParams
 from services.common.config import OrchestratorSettings
@@ -51,6 +53,20 @@ def test_batched_logits_stay_within_their_bound_of_the_solo_ones(tiny_model_dir,
     for row, hidden in enumerate(states):
         difference = (logits[row] - head.logits(hidden)).abs().max()
         assert difference <= bounds[row]
+
+
+@pytest.mark.skipif(not onednn_linear_available(), reason="oneDNN's linear is not in this torch build")
+@pytest.mark.parametrize("rows", [2, head_onednn_min_rows - 1, head_onednn_min_rows, 8])
+def test_few_rows_take_the_tall_product_and_more_take_onednn_within_the_same_bound(tiny_model_dir, rows):
+    head = load_head(tiny_model_dir("llama"))
+    states = rows_of(head, rows)
+    logits, bounds = head.batch_logits(states)
+    normed = head._final_norm(torch.cat([hidden[:, -1, :] for hidden in states]))
+    weight = head._lm_head.weight
+    expected = onednn_linear(normed, weight, None) if rows >= head_onednn_min_rows else (weight @ normed.T).T
+    assert torch.equal(logits, expected.float())
+    for row, hidden in enumerate(states):
+        assert (logits[row] - head.logits(hidden)).abs().max() <= bounds[row]
 
 
 def test_sessions_joining_and_leaving_a_batched_head_leave_the_others_unchanged(tiny_model_dir):

@@ -50,6 +50,15 @@ def test_step_threads_narrow_only_while_several_streams_are_served() -> None:
         StepThreads(busy_threads=0)
 
 
+def test_a_batched_step_holding_every_stream_gets_all_threads() -> None:
+    alone = torch.get_num_threads()
+    policy = StepThreads(busy_threads=1)
+    assert policy.for_step(rows=8, active_streams=8) == alone
+    assert policy.for_step(rows=1, active_streams=1) == alone
+    assert policy.for_step(rows=4, active_streams=8) == min(1, alone), "other streams' hops run beside it"
+    assert StepThreads().for_step(rows=4, active_streams=8) == alone
+
+
 def test_the_thread_count_is_set_on_the_compute_thread() -> None:
     async def main() -> tuple[int, int]:
         await on_compute_thread(use_intra_op_threads, 1)

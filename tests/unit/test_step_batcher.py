@@ -1,7 +1,9 @@
 """StepBatcher (services/shard/batcher.py): steps ready together run as one batch, a lone hop never waits for
 the window, rows of other layer sub-ranges, of the other kind or (prefills) of token counts more than twice apart
 wait for their own batch, as do rows beyond the batch's token budget; each kind's batches are counted, and a row's
-exception reaches only its hop."""
+exception reaches only its hop. Merging: first hops' sessions decoding in two groups a stage apart join into one
+batch with a merge window (and stay apart without one), later hops never wait for it, and a session that stops
+coming holds nobody up."""
 
 from __future__ import annotations
 
@@ -17,8 +19,9 @@ from services.transport import FrameKind
 LONG_WINDOW_S = 30.0
 
 
-def hop(name: str, layers: tuple[int, int] = (0, 5)):
-    return SimpleNamespace(session_id=name, layer_lo=layers[0], layer_hi=layers[1])
+def hop(name: str, layers: tuple[int, int] = (0, 5), index: int = 0):
+    return SimpleNamespace(session_id=name, pipeline_id=f"p-{name}", hop=index, layer_lo=layers[0],
+                           layer_hi=layers[1])
 
 
 def step(kind: FrameKind = FrameKind.decode, tokens: int = 1):
@@ -89,8 +92,64 @@ async def test_a_batch_brings_at_most_max_tokens_but_always_its_first_step():
     assert recorder.batches == [["a", "b"], ["c", "d"], ["big"]]
 
 
+ROUND_S = 0.1  # how long a session's step takes to come back to the first hop (the rest of the ring)
+GROUP_OFFSET_S = 0.04  # the second group runs this far behind the first
+
+
+async def decode_in_two_groups(merge_window_s: float, hop_index: int = 0, rounds: int = 5) -> list[list[str]]:
+    """Sessions a, b and (GROUP_OFFSET_S later) c, d send `rounds` steps each, every one ROUND_S after their last
+    came back; the batches that ran."""
+    recorder = Recorder()
+    batcher = StepBatcher(recorder, window_s=0.002, max_sessions=8, open_hops=lambda: 4,
+                          merge_window_s=merge_window_s)
+
+    async def session(name: str, start_s: float) -> None:
+        await asyncio.sleep(start_s)
+        for _ in range(rounds):
+            await batcher.submit(hop(name, index=hop_index), step())
+            await asyncio.sleep(ROUND_S)
+
+    await asyncio.wait_for(asyncio.gather(session("a", 0), session("b", 0), session("c", GROUP_OFFSET_S),
+                                          session("d", GROUP_OFFSET_S)), timeout=10)
+    await batcher.close()
+    return recorder.batches
+
+
+async def test_a_merge_window_joins_sessions_decoding_a_stage_apart_into_one_batch():
+    batches = await decode_in_two_groups(merge_window_s=0.3)
+    # Joined once a round had shown when each session comes (the group that waited is a step behind the other).
+    assert [sorted(batch) for batch in batches].count(["a", "b", "c", "d"]) >= 3
+    assert len(batches) <= 2 * 5 - 3
+
+
+async def test_without_a_merge_window_or_after_the_first_hop_the_groups_stay_apart():
+    for batches in (await decode_in_two_groups(merge_window_s=0.0),
+                    await decode_in_two_groups(merge_window_s=0.3, hop_index=1)):
+        assert len(batches) == 2 * 5 and all(len(batch) == 2 for batch in batches)
+
+
+async def test_a_session_that_stops_coming_holds_nobody_up():
+    recorder = Recorder()
+    batcher = StepBatcher(recorder, window_s=0.002, max_sessions=8, open_hops=lambda: 2, merge_window_s=5.0)
+
+    async def session(name: str, rounds: int) -> float:
+        for _ in range(rounds):
+            await batcher.submit(hop(name), step())
+            await asyncio.sleep(ROUND_S)
+        return asyncio.get_running_loop().time()
+
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    finished_a, _ = await asyncio.wait_for(asyncio.gather(session("a", 6), session("b", 2)), timeout=20)
+    # Waiting for b's due steps up to the merge window each time would take 4 x 5 s more.
+    assert finished_a - started < 6 * ROUND_S + 2.0
+    await batcher.close()
+
+
 def test_settings_are_validated():
     with pytest.raises(ValueError):
         StepBatcher(Recorder(), window_s=-1.0, max_sessions=8, open_hops=lambda: 1)
     with pytest.raises(ValueError):
         StepBatcher(Recorder(), window_s=0.0, max_sessions=0, open_hops=lambda: 1)
+    with pytest.raises(ValueError):
+        StepBatcher(Recorder(), window_s=0.0, max_sessions=8, open_hops=lambda: 1, merge_window_s=-1.0)
