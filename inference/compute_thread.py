@@ -92,6 +92,10 @@ def use_intra_op_threads(threads: int) -> None:
         torch.set_num_threads(threads)
 
 
+# A batched step holding every stream uses all threads only over at least this many bytes of weights (StepThreads).
+parallel_batch_min_weight_bytes = 32 * 2**20
+
+
 class StepThreads:
     """How many intra-op threads a step gets: all of this process's while it serves one stream, `busy_threads`
     while it serves several.
@@ -115,10 +119,13 @@ class StepThreads:
             return min(self.busy_threads, self.alone_threads)
         return self.alone_threads
 
-    def for_step(self, rows: int, active_streams: int) -> int:
-        """Threads for a batched step of `rows` of the process's `active_streams` streams: all of them when it holds
-        every stream (nothing else of this process is in flight elsewhere in the mesh, so, as for one stream, the
-        other processes wait for this step), `busy_threads` while other streams are elsewhere (their hops run beside
-        it). 8 sessions of llama-250m in one batch, 6 layers: 22 ms with two threads vs 34 ms with one
+    def for_step(self, rows: int, active_streams: int, weight_bytes: int) -> int:
+        """Threads for a batched step of `rows` of the process's `active_streams` streams over `weight_bytes` of
+        weights: all of them when it holds every stream (nothing else of this process is in flight elsewhere in the
+        mesh, so, as for one stream, the other processes wait for this step) and its products are large enough to
+        gain from splitting, `busy_threads` otherwise. 8 sessions of llama-250m in one batch, 6 layers (~290 MB):
+        22 ms with two threads vs 34 ms with one; the bundled 5.8 M-parameter model's steps are slower split
         (BENCHMARKS.md, "One batch for hops that share cores")."""
+        if weight_bytes < parallel_batch_min_weight_bytes:
+            return self.for_streams(active_streams)
         return self.for_streams(active_streams - rows + 1)

@@ -71,7 +71,7 @@ class ContinuousBatcher(Generic[Item]):
         self.rows_total = 0
         self._stream = stream
         self.merge_window_s = merge_window_s
-        self._arrivals = StreamArrivals()
+        self._arrivals = StreamArrivals(merge_window_s)
 
     async def submit(self, item: Item):
         """Run one item in the next batch of its group; its result, or what its row raised."""
@@ -131,7 +131,7 @@ class ContinuousBatcher(Generic[Item]):
         until = started + self.window_s
         if self.merge_window_s:
             now = time.monotonic()
-            due = self._arrivals.latest_due(now, self.merge_window_s, {self._stream(w.item) for w in self._queue})
+            due = self._arrivals.latest_due(now, {self._stream(w.item) for w in self._queue})
             if due is not None:
                 until = max(until, min(due + self.window_s, started + self.merge_window_s))
         return until
@@ -155,32 +155,43 @@ class ContinuousBatcher(Generic[Item]):
 
 
 class StreamArrivals:
-    """When each stream's items arrive: its last arrival and the interval before it, to tell which are due."""
+    """When each stream's items arrive: its last arrival and the interval before it, to tell which are due within
+    `horizon_s`. A stream is forgotten once it is late by more than that (closed, or paused), or, seen once only, once
+    it has not come back within `single_arrival_kept_horizons` horizons."""
 
-    def __init__(self) -> None:
+    single_arrival_kept_horizons = 10
+
+    def __init__(self, horizon_s: float) -> None:
+        self.horizon_s = horizon_s
         self._last: dict[Hashable, float] = {}
         self._interval: dict[Hashable, float] = {}
 
-    def __len__(self) -> int:
+    @property
+    def streams(self) -> int:
         return len(self._last)
 
     def arrived(self, stream: Hashable, now: float) -> None:
+        self._forget_stale(now)
         last = self._last.get(stream)
         if last is not None:
             self._interval[stream] = now - last
         self._last[stream] = now
 
-    def latest_due(self, now: float, horizon_s: float, queued: set) -> float | None:
-        """The latest time by which a stream not in `queued` is due again, among those due within `horizon_s` that
-        are not later than that already (forgotten, as closed or paused); None when none is."""
-        latest = None
-        for stream in list(self._last):
+    def latest_due(self, now: float, queued: set) -> float | None:
+        """The latest time by which a stream not in `queued` is due again, among those due by `now` + the horizon
+        (some of them late already); None when none is."""
+        self._forget_stale(now)
+        due = [self._last[stream] + interval for stream, interval in self._interval.items() if stream not in queued]
+        due = [expected for expected in due if expected <= now + self.horizon_s]
+        return max(due, default=None)
+
+    def _forget_stale(self, now: float) -> None:
+        for stream, last in list(self._last.items()):
             interval = self._interval.get(stream)
             if interval is None:
-                continue
-            expected = self._last[stream] + interval
-            if expected < now - horizon_s:
-                del self._last[stream], self._interval[stream]
-            elif stream not in queued and expected <= now + horizon_s:
-                latest = expected if latest is None else max(latest, expected)
-        return latest
+                stale = now - last > self.single_arrival_kept_horizons * self.horizon_s
+            else:
+                stale = last + interval < now - self.horizon_s
+            if stale:
+                del self._last[stream]
+                self._interval.pop(stream, None)

@@ -86,7 +86,7 @@ class HeadSteps:
         if metrics_observed():
             head_batches_total.inc()
             head_batch_rows_total.inc(len(steps))
-        threads = self._step_threads.for_step(len(steps), self._running_calls())
+        threads = self._step_threads.for_step(len(steps), self._running_calls(), steps[0].head.weight_bytes)
         return await on_compute_thread(self._tokens_and_embeddings, steps, threads)
 
     @staticmethod

@@ -87,6 +87,7 @@ class ShardCompute:
         self.range_layers = range_layers
         self.fault = fault or ShardFault()
         self.step_threads = step_threads or StepThreads()
+        self.weight_bytes = runner.weight_bytes
         self.stats = ServingStats()
         self.step_metrics = ShardStepMetrics(shard_id)
         self.cache = CacheSnapshot()
@@ -159,7 +160,7 @@ class ShardCompute:
         try:
             if self.fault.delay_s and self.fault.active:
                 await asyncio.sleep(self.fault.delay_s)
-            threads = self.step_threads.for_step(len(batch), self.active_streams)
+            threads = self.step_threads.for_step(len(batch), self.active_streams, self.weight_bytes)
             outcomes = await on_compute_thread(self._check_and_forward_batch, batch, threads)
         finally:
             self.stats.steps_in_compute -= len(batch)

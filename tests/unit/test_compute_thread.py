@@ -6,7 +6,8 @@ import threading
 import pytest
 import torch
 
-from inference.compute_thread import COMPUTE_THREAD_NAME, StepThreads, on_compute_thread, use_intra_op_threads
+from inference.compute_thread import (COMPUTE_THREAD_NAME, StepThreads, on_compute_thread,
+                                     parallel_batch_min_weight_bytes, use_intra_op_threads)
 from services.common.lifecycle import EVENT_LOOP_ENV, run_event_loop
 
 
@@ -50,13 +51,15 @@ def test_step_threads_narrow_only_while_several_streams_are_served() -> None:
         StepThreads(busy_threads=0)
 
 
-def test_a_batched_step_holding_every_stream_gets_all_threads() -> None:
+def test_a_large_batched_step_holding_every_stream_gets_all_threads() -> None:
     alone = torch.get_num_threads()
     policy = StepThreads(busy_threads=1)
-    assert policy.for_step(rows=8, active_streams=8) == alone
-    assert policy.for_step(rows=1, active_streams=1) == alone
-    assert policy.for_step(rows=4, active_streams=8) == min(1, alone), "other streams' hops run beside it"
-    assert StepThreads().for_step(rows=4, active_streams=8) == alone
+    large, small = parallel_batch_min_weight_bytes, parallel_batch_min_weight_bytes - 1
+    assert policy.for_step(rows=8, active_streams=8, weight_bytes=large) == alone
+    assert policy.for_step(rows=1, active_streams=1, weight_bytes=small) == alone
+    assert policy.for_step(rows=8, active_streams=8, weight_bytes=small) == 1, "small products: not worth splitting"
+    assert policy.for_step(rows=4, active_streams=8, weight_bytes=large) == 1, "other streams' hops run beside it"
+    assert StepThreads().for_step(rows=4, active_streams=8, weight_bytes=large) == alone
 
 
 def test_the_thread_count_is_set_on_the_compute_thread() -> None:

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from services.common.batching import StreamArrivals
 from services.shard.batcher import StepBatcher
 from services.transport import FrameKind
 
@@ -144,6 +145,20 @@ async def test_a_session_that_stops_coming_holds_nobody_up():
     # Waiting for b's due steps up to the merge window each time would take 4 x 5 s more.
     assert finished_a - started < 6 * ROUND_S + 2.0
     await batcher.close()
+
+
+def test_stream_arrivals_tell_who_is_due_and_forget_streams_that_stopped_coming():
+    arrivals = StreamArrivals(horizon_s=1.0)
+    arrivals.arrived("a", 0.0)
+    arrivals.arrived("a", 1.0)  # every 1 s
+    arrivals.arrived("b", 0.5)  # once: no interval yet, never due
+    assert arrivals.latest_due(1.5, queued=set()) == 2.0
+    assert arrivals.latest_due(1.5, queued={"a"}) is None
+    assert arrivals.streams == 2
+    arrivals.latest_due(3.5, queued=set())  # a is late by more than the horizon: closed or paused
+    assert arrivals.streams == 1
+    arrivals.arrived("c", 11.0)  # b, seen once, has not come back for ten horizons
+    assert arrivals.streams == 1
 
 
 def test_settings_are_validated():
