@@ -17,7 +17,9 @@ stay joined: they arrive together from then on and nobody waits again. Worth it 
 a machine's cores (one process's step can then use all of them, and the weights are read once per batch instead of
 once per group: BENCHMARKS.md, "One batch for hops that share cores"); on separate machines groups keep every
 machine busy at once, so it is off by default. A stream that stops coming (closed, or paused) is forgotten once it
-is late by more than the merge window, and a late stream is waited for only `window_s` past its due time. Items
+is late by more than the merge window, and a late stream is waited for only `window_s` past its due time; when the
+due streams would not all fit the batch (`max_rows`), nobody waits for them (that would reshuffle groups, not join
+them). Items
 whose `stream` is None are never waited for: merging in one place is enough (groups that leave it together stay
 together), and two places each holding one group while waiting for the other would only delay both.
 """
@@ -131,9 +133,10 @@ class ContinuousBatcher(Generic[Item]):
         until = started + self.window_s
         if self.merge_window_s:
             now = time.monotonic()
-            due = self._arrivals.latest_due(now, {self._stream(w.item) for w in self._queue})
-            if due is not None:
-                until = max(until, min(due + self.window_s, started + self.merge_window_s))
+            due = self._arrivals.due(now, {self._stream(w.item) for w in self._queue})
+            # Only a wait that can join every due stream into this batch merges groups; more would only reshuffle.
+            if due and len(self._queue) + len(due) <= self.max_rows:
+                until = max(until, min(max(due) + self.window_s, started + self.merge_window_s))
         return until
 
     def _take_batch(self) -> list[_Waiting[Item]]:
@@ -177,13 +180,12 @@ class StreamArrivals:
             self._interval[stream] = now - last
         self._last[stream] = now
 
-    def latest_due(self, now: float, queued: set) -> float | None:
-        """The latest time by which a stream not in `queued` is due again, among those due by `now` + the horizon
-        (some of them late already); None when none is."""
+    def due(self, now: float, queued: set) -> list[float]:
+        """When the streams not in `queued` are due again, for those due by `now` + the horizon (some of them late
+        already)."""
         self._forget_stale(now)
         due = [self._last[stream] + interval for stream, interval in self._interval.items() if stream not in queued]
-        due = [expected for expected in due if expected <= now + self.horizon_s]
-        return max(due, default=None)
+        return [expected for expected in due if expected <= now + self.horizon_s]
 
     def _forget_stale(self, now: float) -> None:
         for stream, last in list(self._last.items()):

@@ -97,11 +97,12 @@ ROUND_S = 0.1  # how long a session's step takes to come back to the first hop (
 GROUP_OFFSET_S = 0.04  # the second group runs this far behind the first
 
 
-async def decode_in_two_groups(merge_window_s: float, hop_index: int = 0, rounds: int = 5) -> list[list[str]]:
+async def decode_in_two_groups(merge_window_s: float, hop_index: int = 0, rounds: int = 5,
+                               max_sessions: int = 8) -> list[list[str]]:
     """Sessions a, b and (GROUP_OFFSET_S later) c, d send `rounds` steps each, every one ROUND_S after their last
     came back; the batches that ran."""
     recorder = Recorder()
-    batcher = StepBatcher(recorder, window_s=0.002, max_sessions=8, open_hops=lambda: 4,
+    batcher = StepBatcher(recorder, window_s=0.002, max_sessions=max_sessions, open_hops=lambda: 4,
                           merge_window_s=merge_window_s)
 
     async def session(name: str, start_s: float) -> None:
@@ -123,9 +124,10 @@ async def test_a_merge_window_joins_sessions_decoding_a_stage_apart_into_one_bat
     assert len(batches) <= 2 * 5 - 3
 
 
-async def test_without_a_merge_window_or_after_the_first_hop_the_groups_stay_apart():
+async def test_without_a_merge_window_after_the_first_hop_or_beyond_a_batch_the_groups_stay_apart():
     for batches in (await decode_in_two_groups(merge_window_s=0.0),
-                    await decode_in_two_groups(merge_window_s=0.3, hop_index=1)):
+                    await decode_in_two_groups(merge_window_s=0.3, hop_index=1),
+                    await decode_in_two_groups(merge_window_s=0.3, max_sessions=3)):  # both would not fit one batch
         assert len(batches) == 2 * 5 and all(len(batch) == 2 for batch in batches)
 
 
@@ -152,10 +154,11 @@ def test_stream_arrivals_tell_who_is_due_and_forget_streams_that_stopped_coming(
     arrivals.arrived("a", 0.0)
     arrivals.arrived("a", 1.0)  # every 1 s
     arrivals.arrived("b", 0.5)  # once: no interval yet, never due
-    assert arrivals.latest_due(1.5, queued=set()) == 2.0
-    assert arrivals.latest_due(1.5, queued={"a"}) is None
+    assert arrivals.due(1.5, queued=set()) == [2.0]
+    assert arrivals.due(1.5, queued={"a"}) == []
+    assert arrivals.due(0.5, queued=set()) == []  # due beyond the horizon
     assert arrivals.streams == 2
-    arrivals.latest_due(3.5, queued=set())  # a is late by more than the horizon: closed or paused
+    arrivals.due(3.5, queued=set())  # a is late by more than the horizon: closed or paused
     assert arrivals.streams == 1
     arrivals.arrived("c", 11.0)  # b, seen once, has not come back for ten horizons
     assert arrivals.streams == 1
