@@ -321,7 +321,7 @@ class LocalCluster:
         if self.torch_threads:
             args += ["--torch-threads", str(self.torch_threads)]
         return self._spawn(f"shard-{node_id}-{lo}-{hi}", args, wait_ready=wait_ready, member=(node_id, "shard"),
-                           cpus=cpus, env=self._shared_machine_shard_env(cpus))
+                           cpus=cpus, env=self.shared_machine_shard_env(cpus))
 
     def start_host(self, model: str, memory_budget_mb: float, *, node_id: str, extra_args: list[str] = (),
                    wait_ready: bool = True) -> ManagedProcess:
@@ -331,9 +331,9 @@ class LocalCluster:
         if self.torch_threads:
             args += ["--torch-threads", str(self.torch_threads)]
         return self._spawn(f"host-{node_id}", args, wait_ready=wait_ready, member=(node_id, "shard"),
-                           env=self._shared_machine_shard_env(None))
+                           env=self.shared_machine_shard_env(None))
 
-    def _shared_machine_shard_env(self, cpus: Sequence[int] | None) -> dict[str, str]:
+    def shared_machine_shard_env(self, cpus: Sequence[int] | None) -> dict[str, str]:
         """A shard's settings for sharing the machine's cores with the others (unless pinned to cores of its own,
         or the caller's environment says otherwise)."""
         if cpus or BATCH_MERGE_WINDOW_ENV in self.extra_env or BATCH_MERGE_WINDOW_ENV in os.environ:

@@ -110,6 +110,7 @@ class Bench:
                **({} if options.secure else {"HEARTH_TRANSPORT__ACTIVATION_MACS": "false"}), **options.child_env}
         with LocalCluster(torch_threads=options.torch_threads, extra_env=env, log_level="WARNING",
                           secure=options.secure, metrics=options.metrics) as cluster:
+            shard_env = cluster.shared_machine_shard_env(None)
             metrics_urls, hop_of = self._start(cluster, resolved, max_streams)
             monolithic_threads = options.monolithic_threads or options.torch_threads
             _progress(f"loading the whole model for generate() in a worker process ({resolved.path}) ...")
@@ -139,6 +140,7 @@ class Bench:
                     each.close()
         report.started_at = started_at
         report.settings["process_env"] = process_env
+        report.settings["shard_env"] = shard_env  # what LocalCluster adds for shards sharing the cores
         report.settings["monolithic_torch_threads"] = worker.info.torch_threads if worker.info else None
         if defaults_worker is not None and defaults_worker.info is not None:
             report.settings["library_defaults_torch_threads"] = defaults_worker.info.torch_threads

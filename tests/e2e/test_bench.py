@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from services.bench.report import BenchReport
+from services.cluster import BATCH_MERGE_WINDOW_ENV, shared_machine_batch_merge_window_ms
 from services.random_models import RANDOM_MARKER_FILE
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -39,6 +40,8 @@ def test_bench_json_report_on_a_random_tiny_shape(tmp_path):
     assert (tmp_path / "random-models" / "tiny" / RANDOM_MARKER_FILE).is_file()
 
     assert report.settings["prompt_tokens"] == 12  # the word-level tokenizer gives exactly the asked length
+    # The shards share this machine's cores: the report says they merged decoding groups (and how long they wait).
+    assert report.settings["shard_env"] == {BATCH_MERGE_WINDOW_ENV: repr(shared_machine_batch_merge_window_ms)}
     assert report.greedy_outputs_match
     for side in (report.monolithic, report.pipeline):
         assert len(side.runs) == REPEATS
