@@ -26,10 +26,9 @@ LayerRangeRunner runs other steps one by one.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-
-import math
 
 import torch
 from torch import nn

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Mapping, Sequence
 
 import torch
@@ -134,9 +135,10 @@ class Head:
         """The next token id for these logits under ``params`` (greedy when temperature is 0)."""
         return sample_token(logits, params, generator)
 
-    @property
+    @functools.cached_property
     def weight_bytes(self) -> int:
-        """Bytes of the embedding, final norm and lm_head weights (a tied lm_head counts once)."""
+        """Bytes of the embedding, final norm and lm_head weights (a tied lm_head counts once; they never change, so
+        measured once: every batched head step asks, services/orchestrator/head_batcher.py)."""
         seen: set[int] = set()
         total = 0
         for module in (self._embed_tokens, self._final_norm, self._lm_head):

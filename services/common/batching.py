@@ -19,9 +19,8 @@ once per group: BENCHMARKS.md, "One batch for hops that share cores"); on separa
 machine busy at once, so it is off by default. A stream that stops coming (closed, or paused) is forgotten once it
 is late by more than the merge window, and a late stream is waited for only `window_s` past its due time; when the
 due streams would not all fit the batch (`max_rows`), nobody waits for them (that would reshuffle groups, not join
-them). Items
-whose `stream` is None are never waited for: merging in one place is enough (groups that leave it together stay
-together), and two places each holding one group while waiting for the other would only delay both.
+them). Items whose `stream` is None are never waited for: merging in one place is enough (groups that leave it
+together stay together), and two places each holding one group while waiting for the other would only delay both.
 """
 
 from __future__ import annotations
