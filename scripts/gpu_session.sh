@@ -5,7 +5,9 @@
 #
 # Here first (wheels the GPU machine's image lacks; it reaches no registry):
 #   bash ../shared/gpu/fetch-wheels.sh nkeys cryptography rich starlette uvicorn pytest-timeout hypothesis PyYAML setproctitle
-# Then one `device run` per stage, carrying .whl:
+# Then `device run` calls carrying .whl, each naming one or more stages (run in order; the wheels install once):
+#   bash scripts/gpu_session.sh checkpoints  # write the random TinyLlama-1.1B and Llama-3-8B checkpoints (can run
+#                                            # in the background beside `tests`: the benches then find them written)
 #   bash scripts/gpu_session.sh tests        # pytest -m cuda (devices, static decode + graphs, a CUDA mesh)
 #   bash scripts/gpu_session.sh tinyllama    # bench, TinyLlama-1.1B shape, bf16, 3 shards on the one GPU
 #   bash scripts/gpu_session.sh llama3-8b    # bench, Llama-3-8B shape (written once, bf16, 16 GB), 8 sessions
@@ -16,12 +18,17 @@
 #   bash scripts/gpu_session.sh load-memory  # host memory while loading ranges onto the GPU (bound: weights + 10 %)
 # HEARTH_GPU_DRY_RUN=1 runs the same stages on this CPU with tiny shapes, to check the script before device time.
 set -u
-stage=${1:?usage: gpu_session.sh tests|tinyllama|llama3-8b|batching|cpu|together|load-memory}
+stages=("$@")
+[ ${#stages[@]} -gt 0 ] || { echo "usage: gpu_session.sh STAGE... (checkpoints tests tinyllama llama3-8b batching cpu together load-memory)" >&2; exit 2; }
 out=${OUT:-/tmp/hearth-gpu-out}
 mkdir -p "$out"
+site=/tmp/site
 if [ -d .whl ] && [ -z "${HEARTH_GPU_DRY_RUN:-}" ]; then
-  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:$PWD PATH=/tmp/site/bin:$PATH
+  # Once per machine: a `checkpoints` stage in the background and a `tests` stage beside it share the install.
+  if [ ! -e "$site/.hearth-installed" ]; then
+    python3 -m pip install -q --no-index --no-deps --target "$site" .whl/*.whl && touch "$site/.hearth-installed"
+  fi
+  export PYTHONPATH=$site:$PWD PATH=$site/bin:$PATH
 fi
 export HF_HUB_OFFLINE=1 HEARTH_CACHE_DIR=${HEARTH_CACHE_DIR:-/tmp/hearth-cache}
 python=${PYTHON:-python3}
@@ -41,7 +48,14 @@ bench() {  # name, then hearth bench arguments
 }
 
 command -v nvidia-smi > /dev/null && nvidia-smi > "$out/nvidia-smi.txt" 2>&1
+for stage in "${stages[@]}"; do
+echo "== stage $stage starts $(date -u +%T)" | tee -a "$out/stages.txt"
 case "$stage" in
+  checkpoints)
+    "$python" -c "import sys; from services.random_models import random_checkpoint as write
+for shape in sys.argv[1:]: print(write('random:' + shape))" "$mid" "$big" > "$out/checkpoints.log" 2>&1
+    echo "checkpoints exit $?" | tee -a "$out/stages.txt"
+    ;;
   tests)
     "$python" -m pytest -q -m cuda -p no:cacheprovider --timeout 300 tests/unit/test_inference_devices.py \
       tests/unit/test_static_decode.py tests/e2e/test_cuda_mesh.py > "$out/cuda-tests.txt" 2>&1
@@ -49,10 +63,10 @@ case "$stage" in
     tail -5 "$out/cuda-tests.txt"
     ;;
   tinyllama)
-    bench "$mid-$device" --model "random:$mid" --device "$device" --dtype "$dtype" --repeats 3 --sessions 8
+    bench "$mid-$device" --model "random:$mid" --device "$device" --dtype "$dtype" --repeats 3 --sessions 8 --new-tokens 64
     ;;
   llama3-8b)
-    bench "$big-$device" --model "random:$big" --device "$device" --dtype "$dtype" --repeats 2 --sessions 8
+    bench "$big-$device" --model "random:$big" --device "$device" --dtype "$dtype" --repeats 2 --sessions 8 --new-tokens 64
     ;;
   batching)
     # With CUDA graphs (the default) a set of sessions that keeps decoding together replays one graph of its
@@ -87,8 +101,9 @@ case "$stage" in
     echo "exit $?" | tee -a "$out/stages.txt"
     ;;
   *)
-    echo "unknown stage $stage (tests, tinyllama, llama3-8b, batching, cpu, together or load-memory)" >&2
+    echo "unknown stage $stage (checkpoints, tests, tinyllama, llama3-8b, batching, cpu, together or load-memory)" >&2
     exit 2
     ;;
 esac
-tail -3 "$out/stages.txt"
+echo "== stage $stage ends $(date -u +%T)" | tee -a "$out/stages.txt"
+done

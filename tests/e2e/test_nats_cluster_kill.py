@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import nats.errors
 import pytest
 
 from events.streams import ALL_STREAMS
@@ -31,15 +32,21 @@ def node_serving(nodes: list[ClusterNodeServer], connection_name: str) -> Cluste
     raise AssertionError(f"no node serves {connection_name!r}")
 
 
+async def stream_peers(js, stream: str) -> dict[str, bool]:
+    """Each peer of `stream`'s copies and whether it is current; none while the stream's info does not answer
+    (while a restarted node rejoins, the stream may be electing a leader: its info request times out)."""
+    try:
+        cluster = (await js.stream_info(stream)).cluster
+    except nats.errors.TimeoutError:
+        return {}
+    return {cluster.leader: True, **{peer.name: bool(peer.current) for peer in cluster.replicas or []}}
+
+
 async def wait_caught_up(js, node: ClusterNodeServer) -> None:
     """Every stream lists `node` among its peers and every peer is current: the node rejoined and caught up."""
     deadline = time.monotonic() + rejoin_timeout_s
     while True:
-        states = {}
-        for stream in ALL_STREAMS:
-            cluster = (await js.stream_info(stream)).cluster
-            peers = {cluster.leader: True, **{peer.name: bool(peer.current) for peer in cluster.replicas or []}}
-            states[stream] = peers
+        states = {stream: await stream_peers(js, stream) for stream in ALL_STREAMS}
         if all(node.name in peers and all(peers.values()) for peers in states.values()):
             return
         assert time.monotonic() < deadline, f"{node.name} did not catch up: {states}"
