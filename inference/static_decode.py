@@ -78,7 +78,7 @@ class StaticDecoder:
         self._lengths: weakref.WeakKeyDictionary[StaticCache, dict[int, int]] = weakref.WeakKeyDictionary()
         self._graphs: weakref.WeakKeyDictionary[StaticCache, dict[tuple[int, int], _Graph]] = (
             weakref.WeakKeyDictionary())
-        self._pool = torch.cuda.graph_pool_handle() if self.capture_graphs else None
+        self._pool = _GraphPool()
         self._batch_graphs: dict[tuple, _Graph] = {}
         self._batch_sightings: dict[tuple, int] = {}
         self.batched_steps_total = 0
@@ -179,8 +179,9 @@ class StaticDecoder:
                 counter.fill_(position)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        with torch.cuda.graph(graph, pool=self._pool.for_capture()):
             output = self._batch_body(caches, static_hidden, position_ids, self.max_tokens, run_lo, run_hi)
+        self._pool.captured(graph)
         if len(self._batch_graphs) >= max_batch_graphs:
             self._batch_graphs.pop(next(iter(self._batch_graphs)))
         entry = self._batch_graphs[key] = _Graph(graph, static_hidden, position_ids, output)
@@ -224,9 +225,37 @@ class StaticDecoder:
                 counter.fill_(start_pos)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        with torch.cuda.graph(graph, pool=self._pool.for_capture()):
             output = self._body(cache, static_hidden, position_ids, run_lo, run_hi)
+        self._pool.captured(graph)
         return _Graph(graph, static_hidden, position_ids, output)
+
+
+class _GraphPool:
+    """The memory pool a decoder's graphs share, renewed once none of its graphs is alive: PyTorch frees a private
+    pool with the last graph captured into it, and capturing into the freed pool's handle fails an internal
+    allocator assert (seen on an H200, torch 2.11, when a mesh's second request captured after the first's
+    sessions, and their graphs, were gone)."""
+
+    def __init__(self) -> None:
+        self._handle = None
+        self._live_graphs = 0
+
+    def for_capture(self):
+        if self._live_graphs == 0:
+            self._handle = torch.cuda.graph_pool_handle()
+        return self._handle
+
+    def captured(self, graph: torch.cuda.CUDAGraph) -> None:
+        self._live_graphs += 1
+        weakref.finalize(graph, self._graph_freed)
+
+    def _graph_freed(self) -> None:
+        self._live_graphs -= 1
+
+    @property
+    def live_graphs(self) -> int:
+        return self._live_graphs
 
 
 class _StaticRows:

@@ -43,8 +43,10 @@ fi
 bench() {  # name, then hearth bench arguments
   local name=$1; shift
   echo "== $name: hearth bench $*" | tee -a "$out/stages.txt"
-  "$python" -m services.cli bench "$@" --json > "$out/bench-$name.json" 2> "$out/bench-$name.log"
+  "$python" -m services.cli bench "$@" --json --work-dir "$out/work-$name" > "$out/bench-$name.json" \
+    2> "$out/bench-$name.log"
   echo "exit $?" | tee -a "$out/stages.txt"
+  find "$out/work-$name" -type f ! -name '*.log' -delete; find "$out/work-$name" -type d -empty -delete  # logs only
 }
 
 command -v nvidia-smi > /dev/null && nvidia-smi > "$out/nvidia-smi.txt" 2>&1
@@ -82,7 +84,8 @@ for shape in sys.argv[1:]: print(write('random:' + shape))" "$mid" "$big" > "$ou
   cpu)
     cpu_model=llama-250m
     [ -n "${HEARTH_GPU_DRY_RUN:-}" ] && cpu_model=tiny
-    bench "$cpu_model-cpu" --model "random:$cpu_model" --device cpu --repeats 3 --sessions 8
+    # 4 torch threads per process, as the CPU figure of ../shared/gpu/README.md was measured.
+    bench "$cpu_model-cpu" --model "random:$cpu_model" --device cpu --repeats 3 --sessions 8 --torch-threads 4
     ;;
   together)
     # A quiet machine with more cores than shards: the orchestrator and nats-server run beside the pinned shards.

@@ -37,6 +37,10 @@ def bench_command(
         Optional[Path], typer.Option("--cache-dir", help="Where random:<shape> checkpoints are written "
                                      "(default $HEARTH_CACHE_DIR or ~/.cache/hearth).", show_default=False)
     ] = None,
+    work_dir: Annotated[
+        Optional[Path], typer.Option("--work-dir", help="Keep the started processes' logs and state here (default: "
+                                     "a temporary folder, removed at the end).", show_default=False)
+    ] = None,
     library_defaults: Annotated[
         bool, typer.Option("--library-defaults/--no-library-defaults", help="Also time generate() as a plain "
                            "transformers user runs it: no OMP settings, torch's own thread count.")
@@ -86,5 +90,5 @@ def bench_command(
                            sessions=sessions, repeats=repeats, torch_threads=torch_threads,
                            monolithic_threads=monolithic_threads, library_defaults_baseline=library_defaults,
                            child_env=child_env, cache_dir=cache_dir, secure=not insecure,
-                           metrics=metrics, burst=burst, device=device, dtype=dtype)
+                           metrics=metrics, burst=burst, device=device, dtype=dtype, work_dir=work_dir)
     raise typer.Exit(run_bench_command(options, as_json=as_json))

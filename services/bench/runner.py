@@ -59,6 +59,8 @@ class BenchOptions:
     library_defaults_baseline: bool = True
     child_env: dict[str, str] = field(default_factory=dict)
     cache_dir: Path | None = None
+    # Where the started processes log (None: a temporary folder LocalCluster removes).
+    work_dir: Path | None = None
     step_timeout_s: float = bench_step_timeout_s
     # False: an open mesh with no credentials, signatures or activation MACs, to measure what security costs.
     secure: bool = True
@@ -108,8 +110,8 @@ class Bench:
         env = {"HEARTH_RESEARCH__DISTRIBUTED_INFERENCE__MAX_CONCURRENT_PIPELINES": str(max_streams),
                "HEARTH_ORCHESTRATOR__MAX_STREAMS_PER_CALLER": str(max_streams),
                **({} if options.secure else {"HEARTH_TRANSPORT__ACTIVATION_MACS": "false"}), **options.child_env}
-        with LocalCluster(torch_threads=options.torch_threads, extra_env=env, log_level="WARNING",
-                          secure=options.secure, metrics=options.metrics) as cluster:
+        with LocalCluster(work_dir=options.work_dir, torch_threads=options.torch_threads, extra_env=env,
+                          log_level="WARNING", secure=options.secure, metrics=options.metrics) as cluster:
             shard_env = cluster.shared_machine_shard_env(None)
             metrics_urls, hop_of = self._start(cluster, resolved, max_streams)
             monolithic_threads = options.monolithic_threads or options.torch_threads
@@ -117,7 +119,8 @@ class Bench:
             worker = MonolithicWorker(resolved.path, process_env, monolithic_threads,
                                       cluster.work_dir / "monolithic.log", device=options.device, dtype=options.dtype)
             # What a plain transformers user gets: this shell's environment, torch's own thread count.
-            defaults_worker = MonolithicWorker(resolved.path, {}, None, cluster.work_dir / "monolithic-defaults.log") \
+            defaults_worker = MonolithicWorker(resolved.path, {}, None, cluster.work_dir / "monolithic-defaults.log",
+                                               device=options.device, dtype=options.dtype) \
                 if options.library_defaults_baseline else None
             workers = [w for w in (worker, defaults_worker) if w is not None]
 
