@@ -68,7 +68,7 @@ for shape in sys.argv[1:]: print(write('random:' + shape))" "$mid" "$big" > "$ou
     bench "$mid-$device" --model "random:$mid" --device "$device" --dtype "$dtype" --repeats 3 --sessions 8 --new-tokens 64
     ;;
   llama3-8b)
-    bench "$big-$device" --model "random:$big" --device "$device" --dtype "$dtype" --repeats 2 --sessions 8 --new-tokens 64
+    bench "$big-$device" --model "random:$big" --device "$device" --dtype "$dtype" --repeats 3 --sessions 8 --new-tokens 64
     ;;
   batching)
     # With CUDA graphs (the default) a set of sessions that keeps decoding together replays one graph of its
