@@ -105,7 +105,8 @@ class StaticDecoder:
 
     def run(self, cache: StaticCache, hidden: torch.Tensor, start_pos: int, run_lo: int, run_hi: int,
             kind: str) -> torch.Tensor:
-        """One step; its output is only valid until the next step of this session (a graph's static buffer)."""
+        """One step. A replayed graph's output is a static buffer in the graphs' shared memory pool: valid only until
+        the next replay of any of this decoder's graphs (copy it out first, as `to_host` does)."""
         num_tokens = hidden.shape[1]
         self.check_room(start_pos, num_tokens)
         if kind == "decode" and num_tokens == 1 and self.capture_graphs:
@@ -121,14 +122,17 @@ class StaticDecoder:
     def run_batch(self, caches: Sequence[StaticCache], hidden: torch.Tensor, positions: Sequence[int], run_lo: int,
                   run_hi: int) -> list[torch.Tensor]:
         """One decode step (one token each, ``hidden`` ``[B, 1, hidden]``) of several sessions: row i at positions[i]
-        of caches[i]; each row's output ``[1, 1, hidden]``, valid until that session's next step."""
+        of caches[i]; each row's output ``[1, 1, hidden]``, valid as `run`'s until the next replay."""
         for position in positions:
             self.check_room(position, 1)
         if self.capture_graphs:
             key = (tuple(id(cache) for cache in caches), run_lo, run_hi)
             entry = self._batch_graphs.get(key)
             if entry is None and self._sighted(key) < batch_capture_after_sightings:
-                return [self.run(cache, hidden[row:row + 1], position, run_lo, run_hi, "decode")
+                # Each row's output copied out of the graph pool before the next row's replay: the graphs share
+                # one pool, so a replay may write where another graph's output lies (issue 14's first GPU run:
+                # a Llama-3-8B shard whose batches kept changing under KV evictions sent NaN to the next hop).
+                return [self.run(cache, hidden[row:row + 1], position, run_lo, run_hi, "decode").clone()
                         for row, (cache, position) in enumerate(zip(caches, positions, strict=True))]
             if entry is None:
                 entry = self._capture_batch(key, caches, hidden, positions, run_lo, run_hi)

@@ -129,3 +129,57 @@ def head_params():
     from inference import SamplingParams
 
     return SamplingParams(temperature=0.0)
+
+
+class EvictedSessionsRePrefill(BatchedSessions):
+    """Batched sessions whose evicted rows (the KV budget holds fewer than all of them) are re-prefilled from
+    position 0 with everything known so far, on every runner, as the orchestrator does; the others keep going."""
+
+    def __init__(self, runners, head) -> None:
+        super().__init__(runners, head)
+        self.prompts: dict[str, list[int]] = {}
+        self.re_prefills = 0
+
+    def join(self, session_id: str, prompt_ids: list[int]) -> None:
+        self.prompts[session_id] = list(prompt_ids)
+        super().join(session_id, prompt_ids)
+
+    def step(self) -> None:
+        ids = list(self.positions)
+        hidden = {sid: self.head.embed([self.tokens[sid][-1]]) for sid in ids}
+        for runner in self.runners:
+            outcomes = runner.step_batch([BatchRow(sid, hidden[sid], self.positions[sid]) for sid in ids])
+            for sid, outcome in zip(ids, outcomes, strict=True):
+                if isinstance(outcome, SessionEvictedError):
+                    outcome = self._re_prefill(sid, upto=runner)
+                elif isinstance(outcome, Exception):
+                    raise outcome
+                assert torch.isfinite(outcome).all(), f"{sid}: non-finite activations"
+                hidden[sid] = outcome.clone()  # held while the other rows' steps replay graphs
+        for sid in ids:
+            self.tokens[sid].append(self.head.sample(self.head.logits(hidden[sid]), head_params()))
+            self.positions[sid] += 1
+
+    def _re_prefill(self, session_id: str, upto) -> torch.Tensor:
+        self.re_prefills += 1
+        known = self.prompts[session_id] + self.tokens[session_id]
+        hidden = self.head.embed(known)
+        for runner in self.runners:
+            runner.reset(session_id)
+            hidden = runner.forward(session_id, hidden, 0, "prefill")
+            if runner is upto:
+                return hidden[:, -1:]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA device here")
+def test_batches_that_change_under_kv_evictions_replay_graphs_with_finite_identical_output(tiny_model_dir):
+    # Room for 5 of the 8 sessions' static caches per runner: every batched step evicts some, whose re-prefills
+    # change the next batches' rows, so rows keep stepping one by one on their own graphs between batch graphs.
+    # Issue 14's first GPU run (Llama-3-8B, 8 sessions, 1 GiB budget) sent NaN to the next hop there.
+    one_session = STATIC_TOKENS * 3 * 2 * 2 * 16 * 4
+    batch, expected = decode_eight_sessions_together(
+        tiny_model_dir("llama"), EvictedSessionsRePrefill, static_cache_tokens=STATIC_TOKENS, device="cuda",
+        dtype="fp32", cache_budget_bytes=5 * one_session)
+    assert batch.re_prefills > 0
+    assert batch.tokens == expected
