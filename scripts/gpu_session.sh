@@ -17,6 +17,10 @@
 #   bash scripts/gpu_session.sh together     # issue 13's N pinned shards vs one core, N = 2, 3, 4 (16 cores)
 #   bash scripts/gpu_session.sh load-memory  # host memory while loading ranges onto the GPU (bound: weights + 10 %)
 # HEARTH_GPU_DRY_RUN=1 runs the same stages on this CPU with tiny shapes, to check the script before device time.
+# Only 8 files come back from a device call's $OUT: write the stages elsewhere and pack them, as session 13 did:
+#   G=/tmp/gout; OUT=$G timeout 170 bash scripts/gpu_session.sh llama3-8b; tar czf $OUT/gout.tgz -C /tmp gout
+# Do not `pkill -f services.cli` in the device command: the pattern matches the command's own shell; match
+# '[s]ervices[.]cli (bench|shard|orchestrator)' instead.
 set -u
 stages=("$@")
 [ ${#stages[@]} -gt 0 ] || { echo "usage: gpu_session.sh STAGE... (checkpoints tests tinyllama llama3-8b batching cpu together load-memory)" >&2; exit 2; }
@@ -80,6 +84,10 @@ for shape in sys.argv[1:]: print(write('random:' + shape))" "$mid" "$big" > "$ou
       --sessions 8
     bench "batching-$small-no-graphs" --model "random:$small" --device "$device" --dtype "$dtype" --repeats 2 \
       --sessions 8 --env HEARTH_RESEARCH__DISTRIBUTED_INFERENCE__HOST__CUDA_GRAPH_MAX_TOKENS=0
+    # LocalCluster gives unpinned shards a 200 ms merge window (made for hops sharing CPU cores); on the H200 8
+    # TinyLlama sessions took 64 ms per batched token step against 11 ms for one session alone.
+    bench "batching-$small-no-merge" --model "random:$small" --device "$device" --dtype "$dtype" --repeats 2 \
+      --sessions 8 --env HEARTH_SHARD__BATCH_MERGE_WINDOW_MS=0
     ;;
   cpu)
     cpu_model=llama-250m
