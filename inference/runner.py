@@ -93,12 +93,8 @@ class LayerRangeRunner:
         self._stacking_buffers = StackingBuffers()  # used under the lock: step_batch holds it throughout
         self._caches = SessionCaches(
             self._static.new_cache if self._static is not None else (lambda: DynamicCache(config=config)),
-            range(self.layer_lo, self.layer_hi + 1),
-            budget_bytes=cache_budget_bytes,
-            ttl_s=session_ttl_s,
-            clock=clock,
-            on_evict=on_evict,
-        )
+            range(self.layer_lo, self.layer_hi + 1), budget_bytes=cache_budget_bytes, ttl_s=session_ttl_s,
+            clock=clock, on_evict=on_evict)
 
     # ----------------------------------------------------------------- compute
 
@@ -312,6 +308,11 @@ class LayerRangeRunner:
             return 0 if session is None else max(self._cached_length(session.cache, i) for i in layers)
 
     @property
+    def graph_captures_total(self) -> int:
+        """CUDA graphs captured so far (0 without graphs): each new set of sessions decoding together captures one."""
+        return self._static.graph_captures_total if self._static is not None else 0
+
+    @property
     def graphs_decode(self) -> bool:
         """True when decode steps replay CUDA graphs over static caches."""
         return self._static is not None and self._static.capture_graphs
@@ -380,10 +381,8 @@ class LayerRangeRunner:
         for layer_index in range(run_lo, run_hi + 1):
             cached = self._cached_length(cache, layer_index)
             if cached != start_pos:
-                raise SessionStateError(
-                    f"session {session_id!r}: layer {layer_index} has {cached} cached tokens but the step "
-                    f"starts at position {start_pos}; re-prefill from position 0"
-                )
+                raise SessionStateError(f"session {session_id!r}: layer {layer_index} has {cached} cached tokens but "
+                                        f"the step starts at position {start_pos}; re-prefill from position 0")
 
     def _check_fits(self, start_pos: int, num_tokens: int, run_lo: int, run_hi: int, *, cached_bytes: int) -> None:
         # Upper bound (sliding-window layers stop growing); enough to refuse a hopeless session up front. A static

@@ -82,6 +82,7 @@ class StaticDecoder:
         self._batch_graphs: dict[tuple, _Graph] = {}
         self._batch_sightings: dict[tuple, int] = {}
         self.batched_steps_total = 0
+        self.graph_captures_total = 0
 
     def new_cache(self) -> StaticCache:
         cache = StaticCache(config=self.config, max_cache_len=self.max_tokens)
@@ -186,6 +187,7 @@ class StaticDecoder:
         with torch.cuda.graph(graph, pool=self._pool.for_capture()):
             output = self._batch_body(caches, static_hidden, position_ids, self.max_tokens, run_lo, run_hi)
         self._pool.captured(graph)
+        self.graph_captures_total += 1
         if len(self._batch_graphs) >= max_batch_graphs:
             self._batch_graphs.pop(next(iter(self._batch_graphs)))
         entry = self._batch_graphs[key] = _Graph(graph, static_hidden, position_ids, output)
@@ -232,6 +234,7 @@ class StaticDecoder:
         with torch.cuda.graph(graph, pool=self._pool.for_capture()):
             output = self._body(cache, static_hidden, position_ids, run_lo, run_hi)
         self._pool.captured(graph)
+        self.graph_captures_total += 1
         return _Graph(graph, static_hidden, position_ids, output)
 
 

@@ -60,6 +60,9 @@ class ConcurrentFigures(BaseModel):
     mean_batch_rows: dict[str, float] = {}
     # The same for batched prefills (short prompts of several sessions prefilled together).
     mean_prefill_batch_rows: dict[str, float] = {}
+    # Per shard id: KV-cache evictions and CUDA graph captures during the run (shards with neither left out): many
+    # of either mean the sessions did not fit the KV budget, or kept changing their batches' members on a GPU.
+    cache_events: dict[str, dict[str, int]] = {}
     # Whether every session's tokens equal generate()'s for its prompt alone (batched steps round differently from
     # solo ones; greedy tokens must not change). None in reports from before the check.
     outputs_match_solo: bool | None = None
@@ -198,6 +201,10 @@ def format_report(report: BenchReport) -> str:
         if c.mean_prefill_batch_rows:
             lines.append("  mean prefill batch (session rows per batched step): " + ", ".join(
                 f"{shard_id} {rows:.2f}" for shard_id, rows in c.mean_prefill_batch_rows.items()))
+        if c.cache_events:
+            lines.append("  KV evictions / CUDA graph captures: " + ", ".join(
+                f"{shard_id} {counts['kv_evictions']} / {counts['graph_captures']}"
+                for shard_id, counts in c.cache_events.items()))
         pooled = next((row for row in c.transport if row.shard_id == "all"), None)
         if pooled is not None:
             lines.append(f"  transport overhead under load (decode, all hops): p50 {_ms(pooled.p50_ms)} ms, "

@@ -12,6 +12,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 from services.bench.burst import run_burst
 from services.bench.errors import BenchError
@@ -21,6 +22,7 @@ from services.bench.report import BenchReport, ConcurrentFigures, SessionFigures
 from services.bench.targets import target_checks
 from services.bench.timing import GenerationTiming
 from services.bench.transport_metrics import (
+    cache_event_counts,
     histogram_deltas,
     mean_batch_rows,
     scrape_hosts,
@@ -30,6 +32,8 @@ from services.cluster import LocalCluster, even_layer_ranges, quiet_torch_enviro
 from services.common.lifecycle import run_event_loop
 from services.demo import resolve_demo_model
 from services.random_models import RANDOM_PREFIX, random_checkpoint
+
+HopValue = TypeVar("HopValue")
 
 default_prompt_tokens = 64
 default_new_tokens = 32
@@ -308,12 +312,13 @@ class Bench:
                                                          for sent, timing in results]),
             mean_batch_rows=_by_hop(mean_batch_rows(after.batching, before.batching), hop_of),
             mean_prefill_batch_rows=_by_hop(mean_batch_rows(after.prefill_batching, before.prefill_batching), hop_of),
+            cache_events=_by_hop(cache_event_counts(after.cache_events, before.cache_events), hop_of),
             outputs_match_solo=all(timing.token_ids == alone.token_ids
                                    for (_, timing), alone in zip(results, solo, strict=True)),
         )
 
 
-def _by_hop(per_shard: dict[str, float], hop_of: dict[str, int]) -> dict[str, float]:
+def _by_hop(per_shard: dict[str, HopValue], hop_of: dict[str, int]) -> dict[str, HopValue]:
     return dict(sorted(per_shard.items(), key=lambda item: hop_of.get(item[0], 0)))
 
 

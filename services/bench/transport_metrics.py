@@ -17,6 +17,8 @@ from services.bench.report import TransportFigures
 from services.shard.metrics import (
     BATCH_ROWS_FAMILY,
     BATCHES_FAMILY,
+    GRAPH_CAPTURES_FAMILY,
+    KV_EVICTIONS_FAMILY,
     PREFILL_BATCH_ROWS_FAMILY,
     PREFILL_BATCHES_FAMILY,
     COMPUTE_METRIC,
@@ -93,6 +95,8 @@ class HostScrape:
     histograms: dict[MetricKey, Histogram]
     batching: dict[str, tuple[float, float]]
     prefill_batching: dict[str, tuple[float, float]] = field(default_factory=dict)
+    # Per shard id: (KV-cache evictions, CUDA graphs captured) since the shard started.
+    cache_events: dict[str, tuple[float, float]] = field(default_factory=dict)
 
 
 def scrape_host(url: str) -> HostScrape:
@@ -103,9 +107,10 @@ def scrape_host(url: str) -> HostScrape:
         text = response.read().decode()
     rows: dict[MetricKey, list[tuple[float, float]]] = {}
     sums: dict[MetricKey, float] = {}
-    batching: dict[str, dict[str, list[float]]] = {"decode": {}, "prefill": {}}
+    batching: dict[str, dict[str, list[float]]] = {"decode": {}, "prefill": {}, "cache": {}}
     counters = {f"{BATCHES_FAMILY}_total": ("decode", 0), f"{BATCH_ROWS_FAMILY}_total": ("decode", 1),
-                f"{PREFILL_BATCHES_FAMILY}_total": ("prefill", 0), f"{PREFILL_BATCH_ROWS_FAMILY}_total": ("prefill", 1)}
+                f"{PREFILL_BATCHES_FAMILY}_total": ("prefill", 0), f"{PREFILL_BATCH_ROWS_FAMILY}_total": ("prefill", 1),
+                f"{KV_EVICTIONS_FAMILY}_total": ("cache", 0), f"{GRAPH_CAPTURES_FAMILY}_total": ("cache", 1)}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name in counters:
@@ -123,9 +128,9 @@ def scrape_host(url: str) -> HostScrape:
     for key, buckets in rows.items():
         buckets.sort()
         histograms[key] = Histogram([b for b, _ in buckets], [c for _, c in buckets], sums.get(key, 0.0))
-    decode, prefill = ({shard: (batches, rows) for shard, (batches, rows) in batching[kind].items()}
-                       for kind in ("decode", "prefill"))
-    return HostScrape(histograms, batching=decode, prefill_batching=prefill)
+    decode, prefill, cache = ({shard: (first, second) for shard, (first, second) in batching[kind].items()}
+                              for kind in ("decode", "prefill", "cache"))
+    return HostScrape(histograms, batching=decode, prefill_batching=prefill, cache_events=cache)
 
 
 def mean_batch_rows(after: dict[str, tuple[float, float]],
@@ -148,7 +153,20 @@ async def scrape_hosts(metrics_urls: dict[str, str]) -> HostScrape:
         merged.histograms.update(host.histograms)
         merged.batching.update(host.batching)
         merged.prefill_batching.update(host.prefill_batching)
+        merged.cache_events.update(host.cache_events)
     return merged
+
+
+def cache_event_counts(after: dict[str, tuple[float, float]],
+                       before: dict[str, tuple[float, float]]) -> dict[str, dict[str, int]]:
+    """Per shard id: KV evictions and CUDA graph captures between two scrapes (shards with neither left out)."""
+    counts = {}
+    for shard_id, (evictions, captures) in after.items():
+        earlier_evictions, earlier_captures = before.get(shard_id, (0.0, 0.0))
+        if evictions > earlier_evictions or captures > earlier_captures:
+            counts[shard_id] = {"kv_evictions": int(evictions - earlier_evictions),
+                                "graph_captures": int(captures - earlier_captures)}
+    return counts
 
 
 def histogram_deltas(after: dict[MetricKey, Histogram],

@@ -117,6 +117,10 @@ class ShardCompute:
         """Hops open, KV-cache bytes and tokens served, for the metrics (read without waiting for the runner)."""
         return self.active_streams, self.cache.cache_bytes, self.stats.tokens_served_total
 
+    def cache_event_figures(self) -> tuple[int, int]:
+        """KV-cache evictions (idle or over budget) and CUDA graphs captured since start, for the metrics."""
+        return self.runner.evictions_total, self.runner.graph_captures_total
+
     def batching_figures(self) -> tuple[int, int]:
         """Batched decode steps run and the session rows in them, for the metrics."""
         return self.batcher.figures(FrameKind.decode) if self.batcher is not None else (0, 0)

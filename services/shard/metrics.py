@@ -19,7 +19,10 @@ What a shard serves is read at scrape time from its ShardCompute (ShardServingCo
 ``hearth_shard_active_sessions`` (hops open), ``hearth_shard_kv_cache_bytes`` and
 ``hearth_shard_tokens_served_total`` (the reputation signal its heartbeats carry), and the continuous batching
 counters ``hearth_shard_decode_batches_total`` / ``hearth_shard_decode_batch_rows_total`` and
-``hearth_shard_prefill_batches_total`` / ``hearth_shard_prefill_batch_rows_total``, all labelled by shard id.
+``hearth_shard_prefill_batches_total`` / ``hearth_shard_prefill_batch_rows_total``, and what a cache costs:
+``hearth_shard_kv_evictions_total`` (sessions evicted, idle or over the KV budget: each is re-prefilled) and
+``hearth_shard_cuda_graph_captures_total`` (each new set of sessions decoding together on a GPU captures a graph),
+all labelled by shard id.
 """
 
 from __future__ import annotations
@@ -55,6 +58,8 @@ BATCHES_FAMILY = "hearth_shard_decode_batches"
 BATCH_ROWS_FAMILY = "hearth_shard_decode_batch_rows"
 PREFILL_BATCHES_FAMILY = "hearth_shard_prefill_batches"
 PREFILL_BATCH_ROWS_FAMILY = "hearth_shard_prefill_batch_rows"
+KV_EVICTIONS_FAMILY = "hearth_shard_kv_evictions"
+GRAPH_CAPTURES_FAMILY = "hearth_shard_cuda_graph_captures"
 
 
 class ShardStepMetrics:
@@ -107,6 +112,9 @@ class ServingFigures(Protocol):
     def prefill_batching_figures(self) -> tuple[int, int]:
         """(batched prefill steps run, session rows in them) since start."""
 
+    def cache_event_figures(self) -> tuple[int, int]:
+        """(KV-cache evictions, CUDA graphs captured) since start."""
+
 
 class ShardServingCollector(Collector):
     """Reads every live shard of this process (usually one) at scrape time."""
@@ -133,6 +141,11 @@ class ShardServingCollector(Collector):
                                               "short prompts (or last chunks) of several sessions.", labels=labels)
         prefill_rows = CounterMetricFamily(PREFILL_BATCH_ROWS_FAMILY, "Session prefill steps run in those batches "
                                            "(rows / batches: the mean batch size).", labels=labels)
+        evictions = CounterMetricFamily(KV_EVICTIONS_FAMILY, "Sessions whose KV cache this shard evicted (idle, or "
+                                        "over its KV budget); each one's next step is re-prefilled.", labels=labels)
+        captures = CounterMetricFamily(GRAPH_CAPTURES_FAMILY, "CUDA graphs this shard captured (a session's decode "
+                                       "step, or a new set of sessions decoding together); 0 without graphs.",
+                                       labels=labels)
         for shard in list(self._shards):
             open_hops, cache_bytes, served = shard.serving_figures()
             sessions.add_metric([shard.shard_id], open_hops)
@@ -145,7 +158,10 @@ class ShardServingCollector(Collector):
                                       else (0, 0))
             prefill_batches.add_metric([shard.shard_id], batch_count)
             prefill_rows.add_metric([shard.shard_id], row_count)
-        yield from (sessions, cache, tokens, batches, rows, prefill_batches, prefill_rows)
+            evicted, captured = shard.cache_event_figures() if hasattr(shard, "cache_event_figures") else (0, 0)
+            evictions.add_metric([shard.shard_id], evicted)
+            captures.add_metric([shard.shard_id], captured)
+        yield from (sessions, cache, tokens, batches, rows, prefill_batches, prefill_rows, evictions, captures)
 
 
 _serving_collectors: dict[int, ShardServingCollector] = {}

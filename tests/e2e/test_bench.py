@@ -69,6 +69,7 @@ def test_bench_json_report_on_a_random_tiny_shape(tmp_path):
     # ... and on the CPU its short prefills too (one row each, or several prefilled together).
     assert set(concurrent.mean_prefill_batch_rows) == {row.shard_id for row in hops}
     assert all(1.0 <= rows <= SESSIONS for rows in concurrent.mean_prefill_batch_rows.values())
+    assert concurrent.cache_events == {}  # the CPU captures no graphs, and every session fit the KV budget
     assert {check.target.split(" ")[0] for check in report.targets} >= {"decode", "per-hop", "pipeline", "burst:"}
 
     burst = report.burst

@@ -7,6 +7,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from events.models import IntegrityCorruptionDetected, PipelineFailover, PipelineFallbackLocal, PipelineFirstToken
+from services.bench.transport_metrics import cache_event_counts
 from services.cluster import _metrics_port_in
 from services.common.chat_protocol import DoneFrame, ErrorFrame, KeepaliveFrame, Timing, Usage
 from services.common.metrics import (
@@ -107,6 +108,31 @@ def test_a_shards_serving_figures_are_read_at_scrape_time():
     shard.figures = (0, 0, 40)
     assert sample_value("hearth_shard_tokens_served_total", labels, registry=registry) == 40
     assert sample_value("hearth_shard_active_sessions", labels, registry=registry) == 0
+
+
+def test_a_shards_evictions_and_graph_captures_are_counters_the_bench_reads_as_differences():
+    class Shard:
+        shard_id = "m:0-5@x"
+        events = (3, 0)
+
+        def serving_figures(self):
+            return 0, 0, 0
+
+        def cache_event_figures(self):
+            return self.events
+
+    registry = CollectorRegistry()
+    shard = Shard()
+    watch_serving(shard, registry=registry)
+    labels = {"shard_id": shard.shard_id}
+    assert sample_value("hearth_shard_kv_evictions_total", labels, registry=registry) == 3
+    assert sample_value("hearth_shard_cuda_graph_captures_total", labels, registry=registry) == 0
+    shard.events = (5, 12)
+    assert sample_value("hearth_shard_cuda_graph_captures_total", labels, registry=registry) == 12
+    before = {"m:0-5@x": (3.0, 0.0), "m:6-9@y": (1.0, 4.0)}
+    after = {"m:0-5@x": (5.0, 12.0), "m:6-9@y": (1.0, 4.0), "m:10-11@z": (0.0, 2.0)}
+    assert cache_event_counts(after, before) == {"m:0-5@x": {"kv_evictions": 2, "graph_captures": 12},
+                                                 "m:10-11@z": {"kv_evictions": 0, "graph_captures": 2}}
 
 
 @pytest.mark.parametrize(("args", "port"), [

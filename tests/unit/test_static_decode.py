@@ -93,6 +93,8 @@ def test_batches_that_keep_decoding_together_replay_graphs_of_their_own_on_cuda(
         # The first sightings of the eight stepped them one by one; from then on their batch replayed one graph.
         assert len(runner._static._batch_graphs) == 1
         assert runner._static.batched_steps_total == NEW_TOKENS_BATCHED - 1 - (batch_capture_after_sightings - 1)
+        # Each session's own decode graph (the solo runs' and the eight's first steps) and the batch's one.
+        assert runner.graph_captures_total >= len(batch.positions) + 1
     for session_id in list(batch.positions):
         batch.leave(session_id)
     gc.collect()
