@@ -66,6 +66,8 @@ class ConcurrentFigures(BaseModel):
     # Whether every session's tokens equal generate()'s for its prompt alone (batched steps round differently from
     # solo ones; greedy tokens must not change). None in reports from before the check.
     outputs_match_solo: bool | None = None
+    # Leading tokens every session shares with its prompt alone through generate() (all when they match).
+    solo_tokens_agreeing: int | None = None
 
 
 class TargetCheck(BaseModel):
@@ -109,6 +111,8 @@ class BenchReport(BaseModel):
     monolithic: Side
     pipeline: Side
     greedy_outputs_match: bool
+    # Leading tokens every round shares with generate()'s first (all of them when greedy_outputs_match).
+    greedy_tokens_agreeing: int | None = None
     # generate() with this shell's environment and torch's default threads (no hearth thread settings).
     monolithic_library_defaults: Side | None = None
     ratio_vs_library_defaults: float | None = None
@@ -156,7 +160,9 @@ def format_report(report: BenchReport) -> str:
     lines.append(f"{'pipeline (' + str(settings['shards']) + ' shard processes)':34s}"
                  f"{report.pipeline.decode_tokens_per_s_median:16.2f}{report.pipeline.ttft_ms_median:10.1f}")
     lines.append("greedy outputs: " + ("identical in every run" if report.greedy_outputs_match
-                                       else "DIFFER between runs (see --json)"))
+                                       else "DIFFER between runs (see --json)"
+                                       + (f"; the first {report.greedy_tokens_agreeing} tokens agree in every run"
+                                          if report.greedy_tokens_agreeing is not None else "")))
     lines.append(f"ratio pipeline / monolithic: {report.ratio_median:.3f} (median of rounds; ratio of medians "
                  f"{report.ratio_of_medians:.3f}); pipeline overhead "
                  f"{report.pipeline_overhead_ms_per_token:.2f} ms/token")

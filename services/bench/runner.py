@@ -20,7 +20,7 @@ from services.bench.monolithic import MonolithicWorker
 from services.bench.pipeline import pipeline_generation
 from services.bench.report import BenchReport, ConcurrentFigures, SessionFigures, shard_memory_figures, side_figures
 from services.bench.targets import target_checks
-from services.bench.timing import GenerationTiming
+from services.bench.timing import GenerationTiming, tokens_before_divergence
 from services.bench.transport_metrics import (
     cache_event_counts,
     histogram_deltas,
@@ -255,6 +255,8 @@ class Bench:
             pipeline=pipe,
             greedy_outputs_match=all(r.token_ids == mono_runs[0].token_ids
                                      for r in [*mono_runs, *pipe_runs, *defaults_runs]),
+            greedy_tokens_agreeing=tokens_before_divergence(
+                [r.token_ids for r in [*mono_runs, *pipe_runs, *defaults_runs]], mono_runs[0].token_ids),
             monolithic_library_defaults=side_figures(defaults_runs) if defaults_runs else None,
             ratio_vs_library_defaults=statistics.median(
                 p.decode_tokens_per_s / d.decode_tokens_per_s for p, d in zip(pipe_runs, defaults_runs))
@@ -315,6 +317,8 @@ class Bench:
             cache_events=_by_hop(cache_event_counts(after.cache_events, before.cache_events), hop_of),
             outputs_match_solo=all(timing.token_ids == alone.token_ids
                                    for (_, timing), alone in zip(results, solo, strict=True)),
+            solo_tokens_agreeing=min(tokens_before_divergence([timing.token_ids], alone.token_ids)
+                                     for (_, timing), alone in zip(results, solo, strict=True)),
         )
 
 

@@ -54,7 +54,9 @@ def target_checks(report: BenchReport) -> list[TargetCheck]:
         if c.outputs_match_solo is not None:
             checks.append(TargetCheck(target=f"{len(c.sessions)} sessions: each one's tokens equal generate()'s for "
                                              "its prompt alone",
-                                      measured="equal" if c.outputs_match_solo else "some differ",
+                                      measured="equal" if c.outputs_match_solo else "some differ" + (
+                                          f" (the first {c.solo_tokens_agreeing} tokens agree in every session)"
+                                          if c.solo_tokens_agreeing is not None else ""),
                                       met=c.outputs_match_solo))
         waited = [s.session for s in c.sessions if s.first_token_after_another_finished]
         checks.append(TargetCheck(

@@ -35,3 +35,13 @@ class GenerationTiming:
     @property
     def end_s(self) -> float:
         return self.token_times_s[-1]
+
+
+def tokens_before_divergence(runs: list[list[int]], reference: list[int]) -> int:
+    """How many leading tokens every run shares with `reference` (its length when all equal it): in bf16 or fp16 a
+    near-tie may take greedy decoding down another branch, and this says how soon."""
+    shared = len(reference)
+    for tokens in runs:
+        agreeing = next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), min(len(tokens), shared))
+        shared = min(shared, agreeing)
+    return shared

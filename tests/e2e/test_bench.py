@@ -42,7 +42,7 @@ def test_bench_json_report_on_a_random_tiny_shape(tmp_path):
     assert report.settings["prompt_tokens"] == 12  # the word-level tokenizer gives exactly the asked length
     # The shards share this machine's cores: the report says they merged decoding groups (and how long they wait).
     assert report.settings["shard_env"] == {BATCH_MERGE_WINDOW_ENV: repr(shared_machine_batch_merge_window_ms)}
-    assert report.greedy_outputs_match
+    assert report.greedy_outputs_match and report.greedy_tokens_agreeing == NEW_TOKENS
     for side in (report.monolithic, report.pipeline):
         assert len(side.runs) == REPEATS
         assert all(run.tokens == NEW_TOKENS and run.decode_tokens_per_s > 0 for run in side.runs)
@@ -63,6 +63,7 @@ def test_bench_json_report_on_a_random_tiny_shape(tmp_path):
     assert all(session.tokens == NEW_TOKENS for session in concurrent.sessions)
     assert concurrent.aggregate_tokens_per_s > 0
     assert concurrent.outputs_match_solo is True  # each session's tokens are generate()'s for its prompt alone
+    assert concurrent.solo_tokens_agreeing == NEW_TOKENS
     # Every shard ran its decode steps through the continuous batcher: between one and SESSIONS rows per batch.
     assert set(concurrent.mean_batch_rows) == {row.shard_id for row in hops}
     assert all(1.0 <= rows <= SESSIONS for rows in concurrent.mean_batch_rows.values())

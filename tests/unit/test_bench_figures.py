@@ -8,7 +8,7 @@ import math
 import pytest
 
 from services.bench.runner import all_decoding_rate
-from services.bench.timing import GenerationTiming
+from services.bench.timing import GenerationTiming, tokens_before_divergence
 from services.bench.transport_metrics import Histogram, mean_batch_rows, transport_figures
 from services.shard.metrics import COMPUTE_METRIC, TRANSPORT_METRIC, WIRE_METRIC
 
@@ -91,3 +91,12 @@ def test_mean_batch_rows_is_rows_per_batch_between_two_scrapes():
     after = {"a": (20.0, 52.0), "b": (5.0, 5.0), "c": (2.0, 3.0)}
     # a: 40 rows in 10 batches; b batched nothing meanwhile (left out); c is new since the first scrape.
     assert mean_batch_rows(after, before) == {"a": pytest.approx(4.0), "c": pytest.approx(1.5)}
+
+
+def test_tokens_before_divergence_is_the_shortest_shared_prefix_of_every_run():
+    reference = [5, 6, 7, 8]
+    assert tokens_before_divergence([[5, 6, 7, 8], [5, 6, 7, 8]], reference) == 4
+    assert tokens_before_divergence([[5, 6, 7, 8], [5, 6, 9, 8], [5, 1, 7, 8]], reference) == 1
+    assert tokens_before_divergence([[9, 6, 7, 8]], reference) == 0
+    assert tokens_before_divergence([[5, 6]], reference) == 2  # a run that stopped early agrees only so far
+    assert tokens_before_divergence([], reference) == 4
