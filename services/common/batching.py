@@ -9,8 +9,16 @@ one stream alone never waits, so it is not slowed down. Items of another group (
 for a later batch, and so do items beyond `max_cost` (e.g. tokens): a batch takes items of its group in arrival order
 while their costs together stay within it (its first item always).
 
-Merging (`merge_window_s` > 0, items named by `stream`): streams settle into groups that run apart (eight sessions
-prefilled as two batches of four decode as two groups of four forever, each a pipeline stage behind the other). A
+Pacing (items named by `stream`): the window is not waited for streams known to come only well after it. Each
+stream's last arrival and the interval before it say when it is due again; one due later than the wait's end by
+more than a quarter of its interval (`pace_slack_intervals`) is not counted among the streams that may still come.
+Sessions a pipeline stage apart (two sessions over two shards take turns on each) then never wait for each other,
+where each step used to wait out the window for a row that could not arrive in it; sessions arriving together are due
+at once and still wait for each other. A stream not seen twice yet, or late, counts as coming, as before.
+
+Merging (`merge_window_s` > 0, items named by `stream`, those of `merges`): streams settle into groups that run apart
+(eight sessions prefilled as two batches of four decode as two groups of four forever, each a pipeline stage behind
+the other). A
 batch then also waits, up to `merge_window_s`, for the streams that have been arriving at a steady interval and are
 due again within that time (last arrival + interval), so one wait joins two groups into one batch and the groups
 stay joined: they arrive together from then on and nobody waits again. Worth it where the pipeline's stages share
@@ -20,7 +28,8 @@ machine busy at once, so it is off by default. A stream that stops coming (close
 is late by more than the merge window, and a late stream is waited for only `window_s` past its due time; when the
 due streams would not all fit the batch (`max_rows`), nobody waits for them (that would reshuffle groups, not join
 them). Items whose `stream` is None are never waited for: merging in one place is enough (groups that leave it
-together stay together), and two places each holding one group while waiting for the other would only delay both.
+together stay together), and two places each holding one group while waiting for the other would only delay both
+(the shard's batcher merges first hops only, `merges`).
 """
 
 from __future__ import annotations
@@ -33,6 +42,10 @@ from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 Item = TypeVar("Item")
+# A stream due later than a wait's end by more than this share of its interval is not waited for (jitter below it).
+pace_slack_intervals = 0.25
+# How long a stream that stopped coming is remembered for pacing (late by more; merging forgets it sooner).
+pace_memory_s = 1.0
 
 
 @dataclass
@@ -47,8 +60,8 @@ class ContinuousBatcher(Generic[Item]):
     def __init__(self, run_batch: Callable[[list[Item]], Awaitable[list]], *, window_s: float, max_rows: int,
                  open_streams: Callable[[], int], group: Callable[[Item], Hashable] = lambda item: None,
                  cost: Callable[[Item], int] = lambda item: 1, max_cost: int | None = None,
-                 name: str = "continuous-batcher", stream: Callable[[Item], Hashable] | None = None,
-                 merge_window_s: float = 0.0) -> None:
+                 name: str = "continuous-batcher", stream: Callable[[Item], Hashable | None] | None = None,
+                 merges: Callable[[Item], bool] = lambda item: True, merge_window_s: float = 0.0) -> None:
         if window_s < 0:
             raise ValueError(f"window_s must not be negative, got {window_s}")
         if merge_window_s < 0:
@@ -71,14 +84,15 @@ class ContinuousBatcher(Generic[Item]):
         self.batches_total = 0
         self.rows_total = 0
         self._stream = stream
+        self._merges = merges
         self.merge_window_s = merge_window_s
-        self._arrivals = StreamArrivals(merge_window_s)
+        self._arrivals = StreamArrivals(merge_window_s, keep_s=pace_memory_s)
 
     async def submit(self, item: Item):
         """Run one item in the next batch of its group; its result, or what its row raised."""
         future = asyncio.get_running_loop().create_future()
-        if self.merge_window_s and (stream := self._stream(item)) is not None:
-            self._arrivals.arrived(stream, time.monotonic())
+        if self._stream is not None and (stream := self._stream(item)) is not None:
+            self._arrivals.arrived(stream, time.monotonic(), mergeable=self._merges(item))
         self._queue.append(_Waiting(item, future))
         self._arrived.set()
         if self._task is None or self._task.done():
@@ -115,24 +129,33 @@ class ContinuousBatcher(Generic[Item]):
                     waiting.result.set_result(outcome)
 
     async def _gather(self) -> None:
-        """Wait up to the window for more items while some open stream has none queued yet (and, merging, up to the
-        merge window for the streams due within it)."""
+        """Wait up to the window for more items while some open stream that may still come in it has none queued yet
+        (and, merging, up to the merge window for the streams due within it)."""
         started = time.monotonic()
-        while len(self._queue) < min(self.max_rows, self._open_streams()):
-            remaining = self._wait_until(started) - time.monotonic()
-            if remaining <= 0:
+        while True:
+            now = time.monotonic()
+            until = self._wait_until(started, now)
+            if now >= until or len(self._queue) >= self._may_come(until):
                 return
             self._arrived.clear()
             try:
-                await asyncio.wait_for(self._arrived.wait(), timeout=remaining)
+                await asyncio.wait_for(self._arrived.wait(), timeout=until - now)
             except TimeoutError:
                 return
 
-    def _wait_until(self, started: float) -> float:
+    def _queued_streams(self) -> set:
+        return {self._stream(w.item) for w in self._queue} if self._stream is not None else set()
+
+    def _may_come(self, until: float) -> int:
+        """How many items this batch can hold by `until`: one per open stream, less those paced to come later."""
+        open_streams = self._open_streams()
+        later = self._arrivals.not_due_by(until, self._queued_streams()) if self._stream is not None else 0
+        return min(self.max_rows, max(len(self._queue), open_streams - later))
+
+    def _wait_until(self, started: float, now: float) -> float:
         until = started + self.window_s
         if self.merge_window_s:
-            now = time.monotonic()
-            due = self._arrivals.due(now, {self._stream(w.item) for w in self._queue})
+            due = self._arrivals.due(now, self._queued_streams())
             # Only a wait that can join every due stream into this batch merges groups; more would only reshuffle.
             if due and len(self._queue) + len(due) <= self.max_rows:
                 until = max(until, min(max(due) + self.window_s, started + self.merge_window_s))
@@ -158,41 +181,53 @@ class ContinuousBatcher(Generic[Item]):
 
 class StreamArrivals:
     """When each stream's items arrive: its last arrival and the interval before it, to tell which are due within
-    `horizon_s`. A stream is forgotten once it is late by more than that (closed, or paused), or, seen once only, once
-    it has not come back within `single_arrival_kept_horizons` horizons."""
+    `horizon_s` (merging: those late by more than the horizon are no longer due) and which come only after a wait
+    (pacing). A stream is forgotten once it is late by more than `keep_s` (at least the horizon; closed, or paused),
+    or, seen once only, once it has not come back within `single_arrival_kept_horizons` horizons (or `keep_s`)."""
 
     single_arrival_kept_horizons = 10
 
-    def __init__(self, horizon_s: float) -> None:
+    def __init__(self, horizon_s: float, *, keep_s: float = 0.0) -> None:
         self.horizon_s = horizon_s
+        self.keep_s = max(horizon_s, keep_s)
         self._last: dict[Hashable, float] = {}
         self._interval: dict[Hashable, float] = {}
+        self._mergeable: dict[Hashable, bool] = {}
 
     @property
     def streams(self) -> int:
         return len(self._last)
 
-    def arrived(self, stream: Hashable, now: float) -> None:
+    def arrived(self, stream: Hashable, now: float, *, mergeable: bool = True) -> None:
         self._forget_stale(now)
         last = self._last.get(stream)
         if last is not None:
             self._interval[stream] = now - last
         self._last[stream] = now
+        self._mergeable[stream] = mergeable
 
     def due(self, now: float, queued: set) -> list[float]:
-        """When the streams not in `queued` are due again, for those due by `now` + the horizon (some of them late
-        already)."""
+        """When the mergeable streams not in `queued` are due again, for those due by `now` + the horizon and late by
+        at most the horizon."""
         self._forget_stale(now)
-        due = [self._last[stream] + interval for stream, interval in self._interval.items() if stream not in queued]
-        return [expected for expected in due if expected <= now + self.horizon_s]
+        due = [self._last[stream] + interval for stream, interval in self._interval.items()
+               if stream not in queued and self._mergeable[stream]]
+        return [expected for expected in due if now - self.horizon_s <= expected <= now + self.horizon_s]
+
+    def not_due_by(self, until: float, queued: set) -> int:
+        """How many streams not in `queued` are due only after `until`, by more than `pace_slack_intervals` of their
+        interval: they will not come in a wait that ends then."""
+        return sum(1 for stream, interval in self._interval.items()
+                   if stream not in queued and self._last[stream] + interval > until + pace_slack_intervals * interval)
 
     def _forget_stale(self, now: float) -> None:
         for stream, last in list(self._last.items()):
             interval = self._interval.get(stream)
             if interval is None:
-                stale = now - last > self.single_arrival_kept_horizons * self.horizon_s
+                stale = now - last > max(self.single_arrival_kept_horizons * self.horizon_s, self.keep_s)
             else:
-                stale = last + interval < now - self.horizon_s
+                stale = last + interval < now - self.keep_s
             if stale:
                 del self._last[stream]
                 self._interval.pop(stream, None)
+                self._mergeable.pop(stream, None)

@@ -12,7 +12,7 @@ batch. The embedding of each sampled token (a row lookup, ~0.05 ms) stays per ro
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -29,10 +29,12 @@ from services.orchestrator.metrics import head_batch_rows_total, head_batches_to
 
 @dataclass(frozen=True)
 class HeadStep:
-    """One call's head step waiting for a batch: its model's head and its row."""
+    """One call's head step waiting for a batch: its model's head, its row, and the call (whose steps come at its
+    pace: the batch window is not waited for calls paced to come later)."""
 
     head: Head
     row: HeadRow
+    call: Hashable = None
 
 
 class HeadSteps:
@@ -46,7 +48,7 @@ class HeadSteps:
         self._batcher = ContinuousBatcher(
             self._run_batch, window_s=settings.head_batch_window_ms / 1000.0, max_rows=settings.head_batch_sessions,
             open_streams=lambda: self.decoding_calls, group=lambda step: id(step.head),
-            name="orchestrator-head-batcher",
+            name="orchestrator-head-batcher", stream=lambda step: step.call, merges=lambda step: False,
         ) if settings.head_batch_sessions > 1 else None
 
     @property
@@ -63,11 +65,12 @@ class HeadSteps:
         finally:
             self.decoding_calls -= 1
 
-    async def next_token(self, head: Head, row: HeadRow) -> tuple[int, torch.Tensor]:
-        """The call's next token for the row's hidden states and that token's embedding, on the host."""
+    async def next_token(self, head: Head, row: HeadRow, call: Hashable = None) -> tuple[int, torch.Tensor]:
+        """The call's next token for the row's hidden states and that token's embedding, on the host (`call`: what
+        names the call, for pacing)."""
         if self._batcher is None:
             return await on_compute_thread(self._solo, head, row, self._threads())
-        return await self._batcher.submit(HeadStep(head, row))
+        return await self._batcher.submit(HeadStep(head, row, call))
 
     async def close(self) -> None:
         if self._batcher is not None:

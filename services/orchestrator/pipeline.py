@@ -344,7 +344,7 @@ class PipelineRun:
             # One compute-thread trip per token, shared with the other calls' (HeadSteps): sample, and embed the
             # sampled token for the next step (wasted only on the last token).
             token_id, next_hidden = await self.ctx.head_steps.next_token(
-                call.model.head, HeadRow(output, params, decoding.generator))
+                call.model.head, HeadRow(output, params, decoding.generator), call=call.pipeline_id)
             call.generated.append(token_id)
             delta = decoding.text_stream.push(token_id)
             first_token = call.first_token_at is None

@@ -59,7 +59,7 @@ class StepBatcher:
         self._batcher = ContinuousBatcher(self._count_and_run, window_s=window_s, max_rows=max_sessions,
                                           open_streams=open_hops, group=lambda queued: queued.group,
                                           cost=lambda queued: queued.tokens, max_cost=max_tokens,
-                                          name="shard-step-batcher", stream=_first_hop_stream,
+                                          name="shard-step-batcher", stream=_hop_stream, merges=_first_hop,
                                           merge_window_s=merge_window_s)
         self._batches: Counter[FrameKind] = Counter()
         self._rows: Counter[FrameKind] = Counter()
@@ -83,6 +83,11 @@ class StepBatcher:
         return await self._run_batch(batch)
 
 
-def _first_hop_stream(queued: QueuedStep) -> Hashable | None:
-    """The pipeline a first hop's step belongs to (the only steps merging waits for); None for later hops."""
-    return queued.request.pipeline_id if queued.request.hop == 0 else None
+def _hop_stream(queued: QueuedStep) -> Hashable:
+    """The pipeline hop a step belongs to: its steps come at that pipeline's pace."""
+    return queued.request.pipeline_id, queued.request.hop
+
+
+def _first_hop(queued: QueuedStep) -> bool:
+    """Merging waits for first hops' steps only (ContinuousBatcher says why)."""
+    return queued.request.hop == 0

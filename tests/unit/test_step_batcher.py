@@ -171,3 +171,54 @@ def test_settings_are_validated():
         StepBatcher(Recorder(), window_s=0.0, max_sessions=0, open_hops=lambda: 1)
     with pytest.raises(ValueError):
         StepBatcher(Recorder(), window_s=0.0, max_sessions=8, open_hops=lambda: 1, merge_window_s=-1.0)
+
+
+PACED_WINDOW_S = 0.03  # long enough that waiting it out shows in every step's time
+PACED_ROUND_S = 0.2
+
+
+async def paced_sessions(offsets_s: dict[str, float], rounds: int = 6) -> tuple[list[list[str]], dict[str, list]]:
+    """Sessions that each send a step every PACED_ROUND_S, starting at their offsets (the stages before this hop set the
+    pace), for `rounds` rounds; the batches that ran and how long each session's steps took."""
+    recorder = Recorder()
+    batcher = StepBatcher(recorder, window_s=PACED_WINDOW_S, max_sessions=8, open_hops=lambda: len(offsets_s))
+    took: dict[str, list[float]] = {name: [] for name in offsets_s}
+    loop = asyncio.get_running_loop()
+
+    started = loop.time()
+
+    async def session(name: str, start_s: float) -> None:
+        for index in range(rounds):
+            await asyncio.sleep(max(0.0, started + start_s + index * PACED_ROUND_S - loop.time()))
+            sent = loop.time()
+            await batcher.submit(hop(name, index=1), step())  # a later hop: pacing is not merging
+            took[name].append(loop.time() - sent)
+
+    await asyncio.wait_for(asyncio.gather(*(session(name, offset) for name, offset in offsets_s.items())), timeout=10)
+    await batcher.close()
+    return recorder.batches, took
+
+
+async def test_sessions_a_stage_apart_do_not_wait_out_the_window_for_each_other():
+    # b always comes half a round after a: once a round has shown each one's pace, neither waits for the other.
+    batches, took = await paced_sessions({"a": 0.0, "b": PACED_ROUND_S / 2})
+    assert all(len(batch) == 1 for batch in batches)
+    paced = [seconds for name in took for seconds in took[name][2:]]
+    assert max(paced) < PACED_WINDOW_S / 2, took  # it waited the whole window every step before pacing
+
+
+async def test_sessions_that_arrive_together_still_wait_for_each_other():
+    batches, _ = await paced_sessions({"a": 0.0, "b": 0.005})  # b a little behind a, every round
+    assert all(sorted(batch) == ["a", "b"] for batch in batches)
+
+
+def test_stream_arrivals_count_the_streams_due_only_after_a_wait():
+    arrivals = StreamArrivals(horizon_s=0.0, keep_s=1.0)
+    for stream, first in (("a", 0.0), ("b", 0.05)):
+        arrivals.arrived(stream, first)
+        arrivals.arrived(stream, first + 0.1)  # every 0.1 s: a due at 0.2, b at 0.25
+    arrivals.arrived("c", 0.12)  # seen once: its pace is unknown, so it may come
+    assert arrivals.not_due_by(0.13, queued={"a"}) == 1  # b: due 0.12 s after the wait, more than 0.025 s of slack
+    assert arrivals.not_due_by(0.23, queued={"a"}) == 0  # b: due 0.02 s after it, within the slack
+    assert arrivals.not_due_by(0.13, queued={"a", "b"}) == 0
+    assert arrivals.due(0.13, queued=set()) == []  # merging's horizon is 0 here: nobody is due for it
