@@ -260,10 +260,6 @@ class _GraphPool:
     def _graph_freed(self) -> None:
         self._live_graphs -= 1
 
-    @property
-    def live_graphs(self) -> int:
-        return self._live_graphs
-
 
 class _StaticRows:
     """A layer's KV cache argument for a batch of sessions with static caches: row i's new key/value go into

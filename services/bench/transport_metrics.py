@@ -107,7 +107,7 @@ def scrape_host(url: str) -> HostScrape:
         text = response.read().decode()
     rows: dict[MetricKey, list[tuple[float, float]]] = {}
     sums: dict[MetricKey, float] = {}
-    batching: dict[str, dict[str, list[float]]] = {"decode": {}, "prefill": {}, "cache": {}}
+    counted: dict[str, dict[str, list[float]]] = {"decode": {}, "prefill": {}, "cache": {}}
     counters = {f"{BATCHES_FAMILY}_total": ("decode", 0), f"{BATCH_ROWS_FAMILY}_total": ("decode", 1),
                 f"{PREFILL_BATCHES_FAMILY}_total": ("prefill", 0), f"{PREFILL_BATCH_ROWS_FAMILY}_total": ("prefill", 1),
                 f"{KV_EVICTIONS_FAMILY}_total": ("cache", 0), f"{GRAPH_CAPTURES_FAMILY}_total": ("cache", 1)}
@@ -115,7 +115,7 @@ def scrape_host(url: str) -> HostScrape:
         for sample in family.samples:
             if sample.name in counters:
                 kind, column = counters[sample.name]
-                batching[kind].setdefault(sample.labels["shard_id"], [0.0, 0.0])[column] = sample.value
+                counted[kind].setdefault(sample.labels["shard_id"], [0.0, 0.0])[column] = sample.value
             if not sample.name.startswith("hearth_shard_step_"):
                 continue
             if sample.name.endswith("_bucket"):
@@ -128,7 +128,7 @@ def scrape_host(url: str) -> HostScrape:
     for key, buckets in rows.items():
         buckets.sort()
         histograms[key] = Histogram([b for b, _ in buckets], [c for _, c in buckets], sums.get(key, 0.0))
-    decode, prefill, cache = ({shard: (first, second) for shard, (first, second) in batching[kind].items()}
+    decode, prefill, cache = ({shard: (first, second) for shard, (first, second) in counted[kind].items()}
                               for kind in ("decode", "prefill", "cache"))
     return HostScrape(histograms, batching=decode, prefill_batching=prefill, cache_events=cache)
 

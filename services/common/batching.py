@@ -18,18 +18,17 @@ at once and still wait for each other. A stream not seen twice yet, or late, cou
 
 Merging (`merge_window_s` > 0, items named by `stream`, those of `merges`): streams settle into groups that run apart
 (eight sessions prefilled as two batches of four decode as two groups of four forever, each a pipeline stage behind
-the other). A
-batch then also waits, up to `merge_window_s`, for the streams that have been arriving at a steady interval and are
-due again within that time (last arrival + interval), so one wait joins two groups into one batch and the groups
-stay joined: they arrive together from then on and nobody waits again. Worth it where the pipeline's stages share
-a machine's cores (one process's step can then use all of them, and the weights are read once per batch instead of
-once per group: BENCHMARKS.md, "One batch for hops that share cores"); on separate machines groups keep every
-machine busy at once, so it is off by default. A stream that stops coming (closed, or paused) is forgotten once it
-is late by more than the merge window, and a late stream is waited for only `window_s` past its due time; when the
-due streams would not all fit the batch (`max_rows`), nobody waits for them (that would reshuffle groups, not join
-them). Items whose `stream` is None are never waited for: merging in one place is enough (groups that leave it
-together stay together), and two places each holding one group while waiting for the other would only delay both
-(the shard's batcher merges first hops only, `merges`).
+the other). A batch then also waits, up to `merge_window_s`, for the streams that have been arriving at a steady
+interval and are due again within that time (last arrival + interval), so one wait joins two groups into one batch
+and the groups stay joined: they arrive together from then on and nobody waits again. Worth it where the pipeline's
+stages share a machine's cores (one process's step can then use all of them, and the weights are read once per batch
+instead of once per group: BENCHMARKS.md, "One batch for hops that share cores"); on separate machines groups keep
+every machine busy at once, so it is off by default. A stream that stops coming (closed, or paused) is no longer
+due once it is late by more than the merge window, and a late stream is waited for only `window_s` past its due
+time; when the due streams would not all fit the batch (`max_rows`), nobody waits for them (that would reshuffle
+groups, not join them). Merging waits only for the items of `merges` (the shard's batcher: first hops): merging in
+one place is enough (groups that leave it together stay together), and two places each holding one group while
+waiting for the other would only delay both.
 """
 
 from __future__ import annotations
