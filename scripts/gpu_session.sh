@@ -16,6 +16,8 @@
 #                                            # 8 sessions: issue 13's batching figure on a 16-core CPU)
 #   bash scripts/gpu_session.sh together     # issue 13's N pinned shards vs one core, N = 2, 3, 4 (16 cores)
 #   bash scripts/gpu_session.sh load-memory  # host memory while loading ranges onto the GPU (bound: weights + 10 %)
+#   bash scripts/gpu_session.sh probe        # launch cost, generate(), LocalModel and one shard's decode step by part
+#                                            # (scripts/gpu_probe.py, TinyLlama-1.1B shape)
 # HEARTH_GPU_DRY_RUN=1 runs the same stages on this CPU with tiny shapes, to check the script before device time.
 # Only 8 files come back from a device call's $OUT: write the stages elsewhere and pack them, as session 13 did:
 #   G=/tmp/gout; OUT=$G timeout 170 bash scripts/gpu_session.sh llama3-8b; tar czf $OUT/gout.tgz -C /tmp gout
@@ -23,7 +25,7 @@
 # '[s]ervices[.]cli (bench|shard|orchestrator)' instead.
 set -u
 stages=("$@")
-[ ${#stages[@]} -gt 0 ] || { echo "usage: gpu_session.sh STAGE... (checkpoints tests tinyllama llama3-8b batching cpu together load-memory)" >&2; exit 2; }
+[ ${#stages[@]} -gt 0 ] || { echo "usage: gpu_session.sh STAGE... (checkpoints tests tinyllama llama3-8b batching cpu together load-memory probe)" >&2; exit 2; }
 out=${OUT:-/tmp/hearth-gpu-out}
 mkdir -p "$out"
 site=/tmp/site
@@ -105,6 +107,12 @@ for shape in sys.argv[1:]: print(write('random:' + shape))" "$mid" "$big" > "$ou
         --pin-sessions 8 --repeats 1
     done
     ;;
+  probe)
+    echo "== probe: scripts/gpu_probe.py --model random:$mid" | tee -a "$out/stages.txt"
+    "$python" scripts/gpu_probe.py --model "random:$mid" --device "$device" --dtype "$dtype" --repeats 2 \
+      --json "$out/probe.json" > "$out/probe.txt" 2>&1
+    echo "exit $?" | tee -a "$out/stages.txt"
+    ;;
   load-memory)
     echo "== load-memory on $device" | tee -a "$out/stages.txt"
     "$python" scripts/bench_load_memory.py --model "random:$mid" --device "$device" --dtypes "$dtype" \
@@ -112,7 +120,7 @@ for shape in sys.argv[1:]: print(write('random:' + shape))" "$mid" "$big" > "$ou
     echo "exit $?" | tee -a "$out/stages.txt"
     ;;
   *)
-    echo "unknown stage $stage (checkpoints, tests, tinyllama, llama3-8b, batching, cpu, together or load-memory)" >&2
+    echo "unknown stage $stage (checkpoints, tests, tinyllama, llama3-8b, batching, cpu, together, load-memory or probe)" >&2
     exit 2
     ;;
 esac
