@@ -102,9 +102,8 @@ class LayerRangeRunner:
                 layers: tuple[int, int] | None = None) -> torch.Tensor:
         """Run one step of a session through the loaded layers (or the inclusive sub-range ``layers``).
 
-        ``hidden_states`` is ``[1, T, hidden_size]`` for the T tokens at positions
-        ``start_pos .. start_pos+T-1``; the result has the same shape, in the model's dtype.
-        """
+        ``hidden_states`` is ``[1, T, hidden_size]`` for the T tokens at positions ``start_pos .. start_pos+T-1``;
+        the result has the same shape, in the model's dtype."""
         return self.begin_forward(session_id, hidden_states, start_pos, kind, layers).advance()
 
     def begin_forward(self, session_id: str, hidden_states: torch.Tensor, start_pos: int,
@@ -250,15 +249,11 @@ class LayerRangeRunner:
         """The session a non-initial step continues, checked (it exists, it is at ``start_pos``, it fits)."""
         session = self._caches.get(session_id)
         if session is None and (reason := self._caches.eviction_reason(session_id)) is not None:
-            raise SessionEvictedError(
-                f"session {session_id!r} was evicted from layers {self.layer_lo}-{self.layer_hi} "
-                f"({reason}); re-prefill from position 0"
-            )
+            raise SessionEvictedError(f"session {session_id!r} was evicted from layers {self.layer_lo}-"
+                                      f"{self.layer_hi} ({reason}); re-prefill from position 0")
         if session is None:
-            raise SessionStateError(
-                f"session {session_id!r} has no cache on layers {self.layer_lo}-{self.layer_hi} "
-                "(never prefilled, reset or evicted); re-prefill from position 0"
-            )
+            raise SessionStateError(f"session {session_id!r} has no cache on layers {self.layer_lo}-{self.layer_hi} "
+                                    "(never prefilled, reset or evicted); re-prefill from position 0")
         self._check_continues(session_id, session.cache, start_pos, run_lo, run_hi)
         self._check_fits(start_pos, num_tokens, run_lo, run_hi, cached_bytes=session.cached_bytes)
         return session
@@ -289,6 +284,12 @@ class LayerRangeRunner:
     @property
     def cache_budget_bytes(self) -> int:
         return self._caches.budget_bytes
+
+    @property
+    def static_session_bytes(self) -> int | None:
+        """KV bytes each session's static cache takes here, all at once (None: dynamic caches grow as used)."""
+        return None if self._static is None else self._static.cache_bytes_per_session(
+            self._kv_bytes_per_token_per_layer, self.num_layers)
 
     @property
     def evictions_total(self) -> int:

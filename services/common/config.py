@@ -71,7 +71,8 @@ class HostSettings(_Section):
     cuda_graph_max_tokens: int = Field(
         default=4096, ge=0,
         description="on a GPU, sessions get static KV caches of this many positions and decode steps replay CUDA "
-                    "graphs (full-attention SDPA models; 0: dynamic caches, eager decode); a longer session fails")
+                    "graphs (full-attention SDPA models; 0: dynamic caches, eager decode); a longer session fails, "
+                    "and a shard serves at most the sessions whose static caches kv_cache_budget_mb holds")
     cpu_linear_kernel: Literal["torch", "onednn-batched", "onednn"] = Field(
         default="onednn-batched",
         description="float32 layers on the CPU: torch runs their projections as transformers builds them; "

@@ -109,7 +109,7 @@ async def load_shard(*, model: str, lo: int, hi: int, node: str, settings: Heart
     except (InferenceError, ValueError) as error:
         raise ShardRefused(f"cannot load layers {lo}-{hi} of {model}: {_first_line(error)}") from None
     need = measured_need(runner, allocated_before, host)
-    if (reason := refusal(lo, hi, need, host, measured=True)) is not None:
+    if (reason := refusal(lo, hi, need, host, measured=True) or static_cache_refusal(runner, host)) is not None:
         runner.close()
         raise ShardRefused(reason)
     info = runner.info
@@ -123,6 +123,33 @@ async def load_shard(*, model: str, lo: int, hi: int, node: str, settings: Heart
         device_name=described.name, kv_cache_budget_mb=host.kv_cache_budget_mb,
     )
     return LoadedShard(runner, identity)
+
+
+def static_cache_refusal(runner: LayerRangeRunner, host: HostSettings) -> str | None:
+    """Why a runner whose sessions get static caches cannot serve even one within its KV budget (None: it can)."""
+    session_bytes = runner.static_session_bytes
+    if session_bytes is None or session_bytes <= runner.cache_budget_bytes:
+        return None
+    return (f"one session's static KV cache on layers {runner.layer_lo}-{runner.layer_hi} ({session_bytes} bytes: "
+            f"every position up to cuda_graph_max_tokens = {host.cuda_graph_max_tokens}, or the model's context) "
+            f"exceeds kv_cache_budget_mb ({runner.cache_budget_bytes} bytes); raise the budget or lower "
+            "cuda_graph_max_tokens")
+
+
+def within_kv_budget(settings: HearthSettings, runner: LayerRangeRunner, shard_id: str) -> HearthSettings:
+    """The settings with `max_concurrent_streams` at most the sessions whose static caches the KV budget holds: more
+    would evict one another on every step (each evicted hop is re-prefilled), where refusing them (`at_capacity`)
+    sends them to a replica or the orchestrator's queue."""
+    session_bytes = runner.static_session_bytes
+    if session_bytes is None:
+        return settings
+    fit = runner.cache_budget_bytes // session_bytes
+    if fit >= settings.shard.max_concurrent_streams:
+        return settings
+    log.warning("shard %s: serving at most %d streams, not %d: the KV budget of %.3g MB holds %d sessions' static "
+                "caches of %.3g MB", shard_id, fit, settings.shard.max_concurrent_streams,
+                runner.cache_budget_bytes / 2**20, fit, session_bytes / 2**20)
+    return settings.model_copy(update={"shard": settings.shard.model_copy(update={"max_concurrent_streams": fit})})
 
 
 def _first_line(error: BaseException) -> str:
@@ -184,6 +211,7 @@ async def serve_loaded_shard(loaded: LoadedShard, *, nats_url: str | None, setti
     """Connect, advertise and serve a loaded range until `stop_event`; then withdraw and free it."""
     runner, identity = loaded.runner, loaded.identity
     shard_id, lo, hi = identity.shard_id, identity.layer_lo, identity.layer_hi
+    settings = within_kv_budget(settings, runner, shard_id)
     server_ref: list[ShardServer] = []
     try:
         nc = await unless_stopped(connect_nats(

@@ -1,7 +1,8 @@
 """A shard's memory, accounted for and enforced: the need estimated from the checkpoint's headers equals what the
 loaded range measures, a range that would not fit `shard_max_memory_mb` (or its alias `shard_max_vram_mb`) is
 refused naming both numbers before any weight is read, `serve_shards = false` refuses, and the advertisement says
-where the shard computes."""
+where the shard computes. With static KV caches (a GPU's), a budget that holds no session is refused at start naming
+both numbers, and a shard serves at most the sessions whose static caches its budget holds."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 
 from inference import load_layer_range
 from services.common.config import load_settings
-from services.shard.main import ShardRefused, load_shard, run_shard
+from services.shard.main import ShardRefused, load_shard, run_shard, static_cache_refusal, within_kv_budget
 from services.shard.memory_plan import estimated_need, measured_need
 
 from .inference_tiny_models import one_torch_thread, tiny_model_dir  # noqa: F401  (fixtures)
@@ -74,3 +75,34 @@ def test_backend_is_accepted_for_device(tmp_path):
     assert (host.device, host.dtype) == ("cuda:1", "fp16")
     with pytest.raises(ValueError):
         settings_with(tmp_path, 'device = "gpu"\n')
+
+
+STATIC_TOKENS = 64
+ONE_STATIC_SESSION = STATIC_TOKENS * 3 * 2 * 2 * 16 * 4  # positions x layers x (K, V) x KV heads x head dim x fp32
+
+
+def test_a_kv_budget_bounds_the_streams_of_a_shard_with_static_caches(tiny_model_dir, tmp_path):
+    path = tiny_model_dir("llama")
+    settings = settings_with(tmp_path, "")
+    host = settings.research.distributed_inference.host
+    assert settings.shard.max_concurrent_streams == 4
+    # Static caches (what a GPU gets; eager here) of 64 positions over layers 0-2, and room for two and a half.
+    runner = load_layer_range(path, 0, 2, static_cache_tokens=STATIC_TOKENS,
+                              cache_budget_bytes=ONE_STATIC_SESSION * 5 // 2)
+    assert runner.static_session_bytes == ONE_STATIC_SESSION
+    assert static_cache_refusal(runner, host) is None
+    capped = within_kv_budget(settings, runner, "tiny:0-2@x")
+    assert capped.shard.max_concurrent_streams == 2 and settings.shard.max_concurrent_streams == 4
+    roomy = load_layer_range(path, 0, 2, static_cache_tokens=STATIC_TOKENS, cache_budget_bytes=ONE_STATIC_SESSION * 9)
+    assert within_kv_budget(settings, roomy, "tiny:0-2@x") is settings
+    dynamic = load_layer_range(path, 0, 2, cache_budget_bytes=ONE_STATIC_SESSION)
+    assert dynamic.static_session_bytes is None and within_kv_budget(settings, dynamic, "tiny:0-2@x") is settings
+
+
+def test_a_kv_budget_that_holds_no_static_session_is_refused_naming_both_numbers(tiny_model_dir, tmp_path):
+    host = settings_with(tmp_path, "").research.distributed_inference.host
+    runner = load_layer_range(tiny_model_dir("llama"), 0, 2, static_cache_tokens=STATIC_TOKENS,
+                              cache_budget_bytes=ONE_STATIC_SESSION - 1)
+    reason = static_cache_refusal(runner, host)
+    assert reason is not None and "kv_cache_budget_mb" in reason and "layers 0-2" in reason
+    assert f"({ONE_STATIC_SESSION} bytes:" in reason and f"({ONE_STATIC_SESSION - 1} bytes)" in reason
