@@ -66,13 +66,25 @@ class CoverageReader:
         self.model_id, self.weights_sha256, self.total_layers = model_id, weights_sha256, total_layers
 
     async def replicas(self, leave_out: str | None = None) -> list[int]:
+        shards, alive = await self._live_shards()
+        return replicas_per_layer(shards, total_layers=self.total_layers, weights_sha256=self.weights_sha256,
+                                  alive=alive, leave_out=leave_out)
+
+    async def turn(self, current: LayerRange, shard_id: str) -> int:
+        """This host's place among the live hosts holding any of `current`'s layers (0: first), in shard-id order:
+        hosts that could all leave the same layers move one after another (wait_for_hole), never together."""
+        shards, alive = await self._live_shards()
+        return sum(1 for shard in shards
+                   if shard.shard_id < shard_id and shard.weights_sha256 == self.weights_sha256 and alive(shard)
+                   and shard.layer_lo <= current.hi and current.lo <= shard.layer_hi)
+
+    async def _live_shards(self) -> tuple[list, Callable[[object], bool]]:
         if self.catch_up is not None:
             with contextlib.suppress(asyncio.TimeoutError, TimeoutError):
                 await self.catch_up()
         shards = await asyncio.to_thread(self.router.candidates, self.model_id)
         now = self.router.now()
-        return replicas_per_layer(shards, total_layers=self.total_layers, weights_sha256=self.weights_sha256,
-                                  alive=lambda shard: self.router.alive(shard, now), leave_out=leave_out)
+        return shards, lambda shard: self.router.alive(shard, now)
 
 
 def coverage_from(projector: Projector, settings: HearthSettings, node_id: str, **model) -> CoverageReader:
@@ -87,12 +99,13 @@ async def wait_for_hole(coverage: CoverageReader, current: LayerRange, shard_id:
                         weights_budget: int, settings: HearthSettings) -> LayerRange:
     """The range to move to, once a hole has lasted `rebalance_hold_s` and this host's layers are held elsewhere.
 
-    The checks and the hold are jittered so that hosts that saw the same hole do not all move at once: the first to
-    move fills it, and the others see no hole any more on their next look."""
+    Hosts that saw the same hole and hold the same layers must not all move at once (each sees the other holding
+    their layers, and together they would drop the last replica): they take turns, the n-th in shard-id order among
+    the live holders of its layers (`CoverageReader.turn`) waiting n + 1 holds, so the first's move is in every read
+    model before the next one decides, and the next sees no hole any more, or its layers held nowhere else. The
+    checks are jittered so that hosts do not look in step."""
     host = settings.research.distributed_inference.host
-    # Each host waits a little longer than the hold, by its own amount, so two hosts that saw the hole together
-    # decide apart: the second sees the first's move before its own wait is over.
-    hold_s = host.rebalance_hold_s * random.uniform(1.0, 1.5)
+    hold_s: float | None = None
     seen_since: float | None = None
     while True:
         await asyncio.sleep(host.rebalance_check_interval_s * random.uniform(0.5, 1.5))
@@ -101,6 +114,7 @@ async def wait_for_hole(coverage: CoverageReader, current: LayerRange, shard_id:
             seen_since = None
         elif seen_since is None:
             seen_since = time.monotonic()
+            hold_s = host.rebalance_hold_s * (1 + await coverage.turn(current, shard_id))
         elif time.monotonic() - seen_since >= hold_s:
             return target
 

@@ -3,6 +3,8 @@ range that fits the budget and most improves coverage, and when (not) to move.""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from sqlalchemy.orm import sessionmaker
 
@@ -93,3 +95,39 @@ def test_a_host_moves_only_to_fill_a_hole_and_never_drops_a_last_replica():
     assert better_range(mine, [1, 1, 1, 1, 0, 0, 1, 1], LAYER_BYTES, TWO_LAYERS) == LayerRange(4, 5)
     # A hole, but this host holds the only replica of layer 1: stay (moving would open another hole).
     assert better_range(mine, [1, 0, 1, 1, 0, 0, 1, 1], LAYER_BYTES, TWO_LAYERS) is None
+
+
+async def test_hosts_holding_the_same_layers_take_turns_to_move_in_shard_id_order(mesh):
+    first, second = mesh.add(0, 1, "a"), mesh.add(0, 1, "d")
+    third = mesh.add(1, 2, "c")  # shares layer 1 with them (and its shard id sorts after theirs)
+    mesh.add(6, 7, "b")  # holds none of their layers
+    mesh.add(0, 1, "e", weights_sha256="cd" * 32)  # other weights
+    coverage = mesh.coverage()
+    assert await coverage.turn(LayerRange(0, 1), first) == 0
+    assert await coverage.turn(LayerRange(0, 1), second) == 1
+    assert await coverage.turn(LayerRange(1, 2), third) == 2
+    mesh.withdraw(first, "a")  # gone: the others' turns come earlier
+    assert await coverage.turn(LayerRange(0, 1), second) == 0
+    assert await coverage.turn(LayerRange(1, 2), third) == 1
+
+
+async def test_a_host_waits_one_hold_more_per_host_before_it_in_turn(mesh):
+    from services.common.config import HearthSettings
+    from services.host.main import wait_for_hole
+
+    host = {"rebalance_hold_s": 0.2, "rebalance_check_interval_s": 0.02}
+    settings = HearthSettings()
+    research = settings.research.model_copy(update={"distributed_inference": settings.research.distributed_inference
+                                                    .model_copy(update={"host": settings.research.distributed_inference
+                                                                        .host.model_copy(update=host)})})
+    settings = settings.model_copy(update={"research": research})
+    mesh.add(0, 1, "a")
+    mine = mesh.add(0, 1, "d")
+    for lo in (2, 6):
+        mesh.add(lo, lo + 1, "x" + str(lo))  # 4-5 is the hole
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    target = await asyncio.wait_for(wait_for_hole(mesh.coverage(), LayerRange(0, 1), mine, LAYER_BYTES, TWO_LAYERS,
+                                                  settings), timeout=5)
+    assert target == LayerRange(4, 5)
+    assert loop.time() - started >= 2 * 0.2  # second in turn: two holds (the first host's move would show meanwhile)
