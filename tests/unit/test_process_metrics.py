@@ -91,16 +91,23 @@ def test_a_call_is_counted_by_its_final_frame_or_by_why_it_had_none():
     assert 'hearth_requests_total{code="shard_unavailable"}' in render_metrics()
 
 
+class WatchedShard:
+    """What the serving collector reads off a shard, set by the test."""
+
+    shard_id = "m:0-5@x"
+    figures = (0, 0, 0)
+    events = (0, 0)
+
+    def serving_figures(self):
+        return self.figures
+
+    def cache_event_figures(self):
+        return self.events
+
+
 def test_a_shards_serving_figures_are_read_at_scrape_time():
-    class Shard:
-        shard_id = "m:0-5@x"
-        figures = (2, 4096, 17)
-
-        def serving_figures(self):
-            return self.figures
-
-    registry = CollectorRegistry()
-    shard = Shard()
+    registry, shard = CollectorRegistry(), WatchedShard()
+    shard.figures = (2, 4096, 17)
     watch_serving(shard, registry=registry)
     labels = {"shard_id": shard.shard_id}
     assert sample_value("hearth_shard_active_sessions", labels, registry=registry) == 2
@@ -111,18 +118,8 @@ def test_a_shards_serving_figures_are_read_at_scrape_time():
 
 
 def test_a_shards_evictions_and_graph_captures_are_counters_the_bench_reads_as_differences():
-    class Shard:
-        shard_id = "m:0-5@x"
-        events = (3, 0)
-
-        def serving_figures(self):
-            return 0, 0, 0
-
-        def cache_event_figures(self):
-            return self.events
-
-    registry = CollectorRegistry()
-    shard = Shard()
+    registry, shard = CollectorRegistry(), WatchedShard()
+    shard.events = (3, 0)
     watch_serving(shard, registry=registry)
     labels = {"shard_id": shard.shard_id}
     assert sample_value("hearth_shard_kv_evictions_total", labels, registry=registry) == 3
