@@ -26,8 +26,10 @@ reference to its sessions' caches; when any of them is freed, the graph goes wit
 
 from __future__ import annotations
 
+import gc
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -176,18 +178,8 @@ class StaticDecoder:
         position_ids = torch.tensor(list(positions), dtype=torch.long, device=self.device).view(-1, 1)
         counters = [(cache.layers[index].cumulative_length, position)
                     for cache, position in zip(caches, positions, strict=True) for index in range(run_lo, run_hi + 1)]
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            self._batch_body(caches, static_hidden, position_ids, self.max_tokens, run_lo, run_hi)
-            for counter, position in counters:  # undo the warm-up's step: the replay writes the same slots again
-                counter.fill_(position)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool.for_capture()):
-            output = self._batch_body(caches, static_hidden, position_ids, self.max_tokens, run_lo, run_hi)
-        self._pool.captured(graph)
-        self.graph_captures_total += 1
+        graph, output = self._capture_graph(
+            lambda: self._batch_body(caches, static_hidden, position_ids, self.max_tokens, run_lo, run_hi), counters)
         if len(self._batch_graphs) >= max_batch_graphs:
             self._batch_graphs.pop(next(iter(self._batch_graphs)))
         entry = self._batch_graphs[key] = _Graph(graph, static_hidden, position_ids, output)
@@ -222,20 +214,43 @@ class StaticDecoder:
                  run_hi: int) -> _Graph:
         static_hidden = hidden.clone()
         position_ids = torch.full((1, 1), start_pos, dtype=torch.long, device=self.device)
-        counters = [cache.layers[index].cumulative_length for index in range(run_lo, run_hi + 1)]
+        counters = [(cache.layers[index].cumulative_length, start_pos) for index in range(run_lo, run_hi + 1)]
+        graph, output = self._capture_graph(
+            lambda: self._body(cache, static_hidden, position_ids, run_lo, run_hi), counters)
+        return _Graph(graph, static_hidden, position_ids, output)
+
+    def _capture_graph(self, body: Callable[[], torch.Tensor], counters: list[tuple[torch.Tensor, int]]
+                       ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """`body` (a step over static caches) captured as a graph, and the graph's output buffer. `counters`: the
+        caches' length counters with the position each had before the step."""
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
-            self._body(cache, static_hidden, position_ids, run_lo, run_hi)
-            for counter in counters:  # undo the warm-up's step: the replay writes the same slot again
-                counter.fill_(start_pos)
+            body()
+            for counter, position in counters:  # undo the warm-up's step: the replay writes the same slots again
+                counter.fill_(position)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool.for_capture()):
-            output = self._body(cache, static_hidden, position_ids, run_lo, run_hi)
+        with _cyclic_gc_paused(), torch.cuda.graph(graph, pool=self._pool.for_capture()):
+            output = body()
         self._pool.captured(graph)
         self.graph_captures_total += 1
-        return _Graph(graph, static_hidden, position_ids, output)
+        return graph, output
+
+
+@contextmanager
+def _cyclic_gc_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off for a capture: a collection inside it may free an evicted session's
+    cache, and with it that cache's graphs, and destroying a graph while a stream captures invalidates the capture
+    (seen on an H200: `operation not permitted when stream is capturing`, then cudaErrorStreamCaptureInvalidated,
+    when batches changed under KV evictions). What it would have freed is freed at the next collection."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 class _GraphPool:
