@@ -19,9 +19,15 @@ by that row's position. On a GPU a batch is graphed too, one graph per set of se
 for the first time steps its sessions one by one through their own graphs, as before; from its
 `batch_capture_after_sightings`-th sighting on it is captured and replayed. Why not capture every batch at once: the
 batcher's groups change as sessions join, leave and drift apart, and a capture costs about two eager steps, while a
-set that keeps decoding together repeats for hundreds of tokens. The graphed batch attends all `max_tokens`
-positions of every row (fixed shapes), the eager one (the CPU) only up to the longest row. A graph holds no
-reference to its sessions' caches; when any of them is freed, the graph goes with it (addresses would dangle).
+set that keeps decoding together repeats for hundreds of tokens.
+
+A graph has fixed shapes, so it attends a fixed number of each row's key positions: the power of two that covers its
+rows (`graph_width`, at least `min_graph_width_tokens`), and a session or set crossing one is captured again (a few
+captures in a session's life). Attending all `max_tokens` instead cost most of a graphed step on an H200 (TinyLlama's
+8 layers, 8 rows: 4.2 ms of GPU time per step at 4096 positions, 1.6 ms at 256: the layers repeat grouped-query keys
+and stack rows over every attended position). Eager steps (prefill, the CPU) attend exactly the positions they hold.
+A graph holds no reference to its sessions' caches; when any of them is freed, the graph goes with it (addresses
+would dangle).
 """
 
 from __future__ import annotations
@@ -48,6 +54,9 @@ def static_decode_supported(config: PretrainedConfig, attention_types: list[str]
         config, "_attn_implementation", None) == "sdpa"
 
 
+# The fewest key positions a graphed decode step attends: each graph attends the power of two of positions that
+# covers its rows (graph_width), so a step at position 70 reads 128 positions of its cache, not all max_tokens.
+min_graph_width_tokens = 128
 # How often a set of sessions must arrive as one batch before its batched step is captured (see the module docstring).
 batch_capture_after_sightings = 2
 # Batched graphs kept at most: capturing one more drops the oldest (its set is captured again if it comes back).
@@ -106,6 +115,11 @@ class StaticDecoder:
             raise SessionTooLargeError(f"position {start_pos + num_tokens} is beyond this runner's static KV cache of "
                                        f"{self.max_tokens} positions")
 
+    def graph_width(self, tokens: int) -> int:
+        """The key positions a graph attends for steps whose rows hold at most `tokens` tokens: the next power of two
+        (at least `min_graph_width_tokens`, at most `max_tokens`)."""
+        return min(self.max_tokens, max(min_graph_width_tokens, 1 << (tokens - 1).bit_length()))
+
     def run(self, cache: StaticCache, hidden: torch.Tensor, start_pos: int, run_lo: int, run_hi: int,
             kind: str) -> torch.Tensor:
         """One step. A replayed graph's output is a static buffer in the graphs' shared memory pool: valid only until
@@ -113,10 +127,15 @@ class StaticDecoder:
         num_tokens = hidden.shape[1]
         self.check_room(start_pos, num_tokens)
         if kind == "decode" and num_tokens == 1 and self.capture_graphs:
-            output = self._replay(cache, hidden, start_pos, run_lo, run_hi)
+            graphs = self._graphs.setdefault(cache, {})
+            key = (run_lo, run_hi, self.graph_width(start_pos + 1))
+            entry = graphs.get(key)
+            if entry is None:
+                entry = graphs[key] = self._capture([cache], hidden, [start_pos], key[2], run_lo, run_hi)
+            output = self._replay(entry, hidden, [start_pos])
         else:
             position_ids = torch.arange(start_pos, start_pos + num_tokens, device=self.device).unsqueeze(0)
-            output = self._body(cache, hidden, position_ids, run_lo, run_hi)
+            output = self._body([cache], hidden, position_ids, start_pos + num_tokens, run_lo, run_hi)
         lengths = self._lengths[cache]
         for layer_index in range(run_lo, run_hi + 1):
             lengths[layer_index] = start_pos + num_tokens
@@ -129,7 +148,8 @@ class StaticDecoder:
         for position in positions:
             self.check_room(position, 1)
         if self.capture_graphs:
-            key = (tuple(id(cache) for cache in caches), run_lo, run_hi)
+            width = self.graph_width(max(positions) + 1)
+            key = (tuple(id(cache) for cache in caches), run_lo, run_hi, width)
             entry = self._batch_graphs.get(key)
             if entry is None and self._sighted(key) < batch_capture_after_sightings:
                 # Each row's output copied out of the graph pool before the next row's replay: the graphs share
@@ -138,14 +158,11 @@ class StaticDecoder:
                 return [self.run(cache, hidden[row:row + 1], position, run_lo, run_hi, "decode").clone()
                         for row, (cache, position) in enumerate(zip(caches, positions, strict=True))]
             if entry is None:
-                entry = self._capture_batch(key, caches, hidden, positions, run_lo, run_hi)
-            entry.hidden.copy_(hidden, non_blocking=True)
-            entry.position_ids.copy_(torch.tensor(list(positions), dtype=torch.long).view(-1, 1))
-            entry.graph.replay()
-            output = entry.output
+                entry = self._capture_batch(key, caches, hidden, positions, width, run_lo, run_hi)
+            output = self._replay(entry, hidden, positions)
         else:
             position_ids = torch.tensor(list(positions), dtype=torch.long, device=self.device).view(-1, 1)
-            output = self._batch_body(caches, hidden, position_ids, max(positions) + 1, run_lo, run_hi)
+            output = self._body(caches, hidden, position_ids, max(positions) + 1, run_lo, run_hi)
         self.batched_steps_total += 1
         for cache, position in zip(caches, positions, strict=True):
             lengths = self._lengths[cache]
@@ -159,13 +176,13 @@ class StaticDecoder:
         self._batch_sightings[key] = self._batch_sightings.get(key, 0) + 1
         return self._batch_sightings[key]
 
-    def _batch_body(self, caches: Sequence[StaticCache], hidden: torch.Tensor, position_ids: torch.Tensor,
-                    width: int, run_lo: int, run_hi: int) -> torch.Tensor:
-        """The layers for a batch over the rows' static caches, attending their first `width` positions (capturable
-        when `width` is fixed: no host synchronisation)."""
+    def _body(self, caches: Sequence[StaticCache], hidden: torch.Tensor, position_ids: torch.Tensor, width: int,
+              run_lo: int, run_hi: int) -> torch.Tensor:
+        """The layers for row i's ``hidden[i]`` at ``position_ids[i]`` over caches[i], attending each row's first
+        `width` positions; no host synchronisation (capturable when `width` is fixed)."""
         position_embeddings = self._rotary_embedding(hidden, position_ids)
-        # [B, 1, 1, width], True where the key's position is at most the row's query position.
-        mask = (self._key_positions[:width].view(1, -1) <= position_ids.view(-1, 1)).view(-1, 1, 1, width)
+        # [B, 1, T, width], True where the key's position is at most the query's.
+        mask = (self._key_positions[:width].view(1, 1, -1) <= position_ids.unsqueeze(-1)).unsqueeze(1)
         rows = _StaticRows(caches, width)
         for layer_index in range(run_lo, run_hi + 1):
             hidden = run_decoder_layer(self._layers[layer_index], hidden, attention_mask=mask,
@@ -173,50 +190,35 @@ class StaticDecoder:
         return hidden
 
     def _capture_batch(self, key: tuple, caches: Sequence[StaticCache], hidden: torch.Tensor,
-                       positions: Sequence[int], run_lo: int, run_hi: int) -> _Graph:
-        static_hidden = hidden.clone()
-        position_ids = torch.tensor(list(positions), dtype=torch.long, device=self.device).view(-1, 1)
-        counters = [(cache.layers[index].cumulative_length, position)
-                    for cache, position in zip(caches, positions, strict=True) for index in range(run_lo, run_hi + 1)]
-        graph, output = self._capture_graph(
-            lambda: self._batch_body(caches, static_hidden, position_ids, self.max_tokens, run_lo, run_hi), counters)
+                       positions: Sequence[int], width: int, run_lo: int, run_hi: int) -> _Graph:
+        entry = self._capture(caches, hidden, positions, width, run_lo, run_hi)
         if len(self._batch_graphs) >= max_batch_graphs:
             self._batch_graphs.pop(next(iter(self._batch_graphs)))
-        entry = self._batch_graphs[key] = _Graph(graph, static_hidden, position_ids, output)
+        self._batch_graphs[key] = entry
         self._batch_sightings.pop(key, None)
         for cache in caches:
             weakref.finalize(cache, self._batch_graphs.pop, key, None)
         return entry
 
-    def _body(self, cache: StaticCache, hidden: torch.Tensor, position_ids: torch.Tensor, run_lo: int,
-              run_hi: int) -> torch.Tensor:
-        """The layers over a static cache, with no host synchronisation (capturable)."""
-        position_embeddings = self._rotary_embedding(hidden, position_ids)
-        # [1, 1, T, max_tokens], True where the key's position is at most the query's.
-        mask = (self._key_positions.view(1, -1) <= position_ids.view(-1, 1)).view(1, 1, -1, self.max_tokens)
-        for layer_index in range(run_lo, run_hi + 1):
-            hidden = run_decoder_layer(self._layers[layer_index], hidden, attention_mask=mask,
-                                       position_ids=position_ids, cache=cache, position_embeddings=position_embeddings)
-        return hidden
-
-    def _replay(self, cache: StaticCache, hidden: torch.Tensor, start_pos: int, run_lo: int,
-                run_hi: int) -> torch.Tensor:
-        graphs = self._graphs.setdefault(cache, {})
-        entry = graphs.get((run_lo, run_hi))
-        if entry is None:
-            entry = graphs[(run_lo, run_hi)] = self._capture(cache, hidden, start_pos, run_lo, run_hi)
+    def _replay(self, entry: _Graph, hidden: torch.Tensor, positions: Sequence[int]) -> torch.Tensor:
         entry.hidden.copy_(hidden, non_blocking=True)
-        entry.position_ids.fill_(start_pos)
+        if len(positions) == 1:  # a fill takes its value as a kernel argument: no host-to-device copy
+            entry.position_ids.fill_(positions[0])
+        else:
+            entry.position_ids.copy_(torch.tensor(list(positions), dtype=torch.long).view(-1, 1))
         entry.graph.replay()
         return entry.output
 
-    def _capture(self, cache: StaticCache, hidden: torch.Tensor, start_pos: int, run_lo: int,
-                 run_hi: int) -> _Graph:
+    def _capture(self, caches: Sequence[StaticCache], hidden: torch.Tensor, positions: Sequence[int], width: int,
+                 run_lo: int, run_hi: int) -> _Graph:
+        """The decode step of rows at `positions` of `caches` (one token each) attending `width` positions, captured
+        as a graph over static copies of its inputs."""
         static_hidden = hidden.clone()
-        position_ids = torch.full((1, 1), start_pos, dtype=torch.long, device=self.device)
-        counters = [(cache.layers[index].cumulative_length, start_pos) for index in range(run_lo, run_hi + 1)]
+        position_ids = torch.tensor(list(positions), dtype=torch.long, device=self.device).view(-1, 1)
+        counters = [(cache.layers[index].cumulative_length, position)
+                    for cache, position in zip(caches, positions, strict=True) for index in range(run_lo, run_hi + 1)]
         graph, output = self._capture_graph(
-            lambda: self._body(cache, static_hidden, position_ids, run_lo, run_hi), counters)
+            lambda: self._body(caches, static_hidden, position_ids, width, run_lo, run_hi), counters)
         return _Graph(graph, static_hidden, position_ids, output)
 
     def _capture_graph(self, body: Callable[[], torch.Tensor], counters: list[tuple[torch.Tensor, int]]
@@ -287,5 +289,7 @@ class _StaticRows:
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args,
                **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         keys, values = update_rows(self.caches, key_states.split(1), value_states.split(1), layer_idx, *args, **kwargs)
+        if len(keys) == 1:  # one session: views of its cache, no copy
+            return keys[0][:, :, :self.width], values[0][:, :, :self.width]
         return (torch.cat([row_keys[:, :, :self.width] for row_keys in keys]),
                 torch.cat([row_values[:, :, :self.width] for row_values in values]))

@@ -33,6 +33,16 @@ class ClusterError(RuntimeError):
     """A process of the cluster did not start; the message carries the tail of its log."""
 
 
+def _computes_on_gpu(device: str) -> bool:
+    """True for `cuda`, `cuda:N`, and `auto` where torch sees a GPU (the shard validates the spec itself)."""
+    text = device.strip().lower()
+    if text == "auto":
+        import torch
+
+        return torch.cuda.is_available()
+    return text.startswith("cuda")
+
+
 def even_layer_ranges(num_layers: int, shards: int) -> list[tuple[int, int]]:
     """Split layers 0..num_layers-1 into `shards` contiguous ranges whose sizes differ by at most one."""
     if not 1 <= shards <= num_layers:
@@ -314,14 +324,16 @@ class LocalCluster:
             time.sleep(ready_poll_interval_s)
 
     def start_shard(self, model: str, lo: int, hi: int, *, node_id: str, extra_args: list[str] = (),
-                    wait_ready: bool = True, cpus: Sequence[int] | None = None) -> ManagedProcess:
-        """`hearth shard` serving layers lo..hi; `cpus`: the cores it may run on (None: any)."""
+                    wait_ready: bool = True, cpus: Sequence[int] | None = None,
+                    device: str | None = None) -> ManagedProcess:
+        """`hearth shard` serving layers lo..hi; `cpus`: the cores it may run on (None: any); `device`: the
+        `--device` it is given in `extra_args`, if any (shards computing on a GPU share no cores for their steps)."""
         args = ["shard", "--model", model, "--layers", f"{lo}-{hi}", "--node-id", node_id,
                 "--busy-threads", str(shared_machine_busy_threads), *extra_args]
         if self.torch_threads:
             args += ["--torch-threads", str(self.torch_threads)]
         return self._spawn(f"shard-{node_id}-{lo}-{hi}", args, wait_ready=wait_ready, member=(node_id, "shard"),
-                           cpus=cpus, env=self.shared_machine_shard_env(cpus))
+                           cpus=cpus, env=self.shared_machine_shard_env(cpus, device))
 
     def start_host(self, model: str, memory_budget_mb: float, *, node_id: str, extra_args: list[str] = (),
                    wait_ready: bool = True) -> ManagedProcess:
@@ -333,10 +345,14 @@ class LocalCluster:
         return self._spawn(f"host-{node_id}", args, wait_ready=wait_ready, member=(node_id, "shard"),
                            env=self.shared_machine_shard_env(None))
 
-    def shared_machine_shard_env(self, cpus: Sequence[int] | None) -> dict[str, str]:
+    def shared_machine_shard_env(self, cpus: Sequence[int] | None, device: str | None = None) -> dict[str, str]:
         """A shard's settings for sharing the machine's cores with the others (unless pinned to cores of its own,
-        or the caller's environment says otherwise)."""
+        computing on a GPU, or the caller's environment says otherwise)."""
         if cpus or BATCH_MERGE_WINDOW_ENV in self.extra_env or BATCH_MERGE_WINDOW_ENV in os.environ:
+            return {}
+        if device is not None and _computes_on_gpu(device):
+            # On an H200 8 sessions' batched steps took 2.5 ms; waiting up to 200 ms to merge groups cost 27 % of
+            # the aggregate rate (BENCHMARKS.md, "On a GPU").
             return {}
         return {BATCH_MERGE_WINDOW_ENV: repr(shared_machine_batch_merge_window_ms)}
 

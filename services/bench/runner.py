@@ -118,7 +118,7 @@ class Bench:
                **({} if options.secure else {"HEARTH_TRANSPORT__ACTIVATION_MACS": "false"}), **options.child_env}
         with LocalCluster(work_dir=options.work_dir, torch_threads=options.torch_threads, extra_env=env,
                           log_level="WARNING", secure=options.secure, metrics=options.metrics) as cluster:
-            shard_env = cluster.shared_machine_shard_env(None)
+            shard_env = cluster.shared_machine_shard_env(None, options.device)
             metrics_urls, hop_of = self._start(cluster, resolved, max_streams)
             monolithic_threads = options.monolithic_threads or options.torch_threads
             _progress(f"loading the whole model for generate() in a worker process ({resolved.path}) ...")
@@ -172,7 +172,7 @@ class Bench:
             node_id = f"bench-host-{index}"
             process = cluster.start_shard(str(model.path), lo, hi, node_id=node_id, wait_ready=False,
                                           extra_args=["--max-streams", str(max_streams),
-                                                      *options.placement_args()])
+                                                      *options.placement_args()], device=options.device)
             shard_id = f"{model.name}:{lo}-{hi}@{node_id}"
             if process.metrics_url is not None:
                 metrics_urls[shard_id] = process.metrics_url

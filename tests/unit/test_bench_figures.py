@@ -1,5 +1,5 @@
 """The arithmetic of `hearth bench`: percentiles from Prometheus buckets, timing figures, prompt lengths, batch
-sizes."""
+sizes, which shards merge decoding groups."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import pytest
 from services.bench.runner import all_decoding_rate
 from services.bench.timing import GenerationTiming, tokens_before_divergence
 from services.bench.transport_metrics import Histogram, mean_batch_rows, transport_figures
+from services.cluster import BATCH_MERGE_WINDOW_ENV, LocalCluster, shared_machine_batch_merge_window_ms
 from services.shard.metrics import COMPUTE_METRIC, TRANSPORT_METRIC, WIRE_METRIC
 
 BOUNDS_S = [0.0005, 0.001, 0.002, math.inf]
@@ -100,3 +101,12 @@ def test_tokens_before_divergence_is_the_shortest_shared_prefix_of_every_run():
     assert tokens_before_divergence([[9, 6, 7, 8]], reference) == 0
     assert tokens_before_divergence([[5, 6]], reference) == 2  # a run that stopped early agrees only so far
     assert tokens_before_divergence([], reference) == 4
+
+
+@pytest.mark.parametrize(("device", "cpus", "merges"), [(None, None, True), ("cpu", None, True), ("cuda", None, False),
+                                                        ("cuda:1", None, False), ("cpu", [0], False)])
+def test_only_shards_sharing_the_cpu_cores_for_their_steps_merge_decoding_groups(monkeypatch, device, cpus, merges):
+    monkeypatch.delenv(BATCH_MERGE_WINDOW_ENV, raising=False)
+    with LocalCluster() as cluster:
+        env = cluster.shared_machine_shard_env(cpus, device)
+    assert env == ({BATCH_MERGE_WINDOW_ENV: repr(shared_machine_batch_merge_window_ms)} if merges else {})

@@ -11,7 +11,7 @@ import torch
 
 from inference import SessionEvictedError, SessionTooLargeError, load_head, load_layer_range
 from inference.batched import BatchRow
-from inference.static_decode import batch_capture_after_sightings
+from inference.static_decode import StaticDecoder, batch_capture_after_sightings, min_graph_width_tokens
 
 from .inference_tiny_models import one_torch_thread, tiny_model_dir  # noqa: F401  (fixtures)
 from .test_batched_decode import NEW_TOKENS as BATCHED_NEW_TOKENS
@@ -103,13 +103,18 @@ def test_batches_that_keep_decoding_together_replay_graphs_of_their_own_on_cuda(
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA device here")
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_graphed_decode_on_cuda_gives_generate_s_tokens(tiny_model_dir, dtype):
+@pytest.mark.parametrize(("dtype", "prompt_tokens", "static_tokens"),
+                         [("fp32", None, STATIC_TOKENS), ("bf16", None, STATIC_TOKENS),
+                          # Decoding from position 120 to 135 crosses a graph width (128 -> 256 positions).
+                          ("fp32", min_graph_width_tokens - 8, 4 * min_graph_width_tokens)])
+def test_graphed_decode_on_cuda_gives_generate_s_tokens(tiny_model_dir, dtype, prompt_tokens, static_tokens):
     path = tiny_model_dir("llama")
     head = load_head(path, dtype=dtype, device="cuda")
     prompt_ids = head.encode_prompt(PROMPT)
-    runners = [load_layer_range(path, 0, 2, dtype=dtype, device="cuda", static_cache_tokens=STATIC_TOKENS),
-               load_layer_range(path, 3, 5, dtype=dtype, device="cuda", static_cache_tokens=STATIC_TOKENS)]
+    if prompt_tokens:
+        prompt_ids = (prompt_ids * prompt_tokens)[:prompt_tokens]
+    runners = [load_layer_range(path, 0, 2, dtype=dtype, device="cuda", static_cache_tokens=static_tokens),
+               load_layer_range(path, 3, 5, dtype=dtype, device="cuda", static_cache_tokens=static_tokens)]
     assert all(runner.graphs_decode for runner in runners)
     hidden_in, position, kind, tokens = head.embed(prompt_ids), 0, "prefill", []
     for _ in range(NEW_TOKENS):
@@ -125,6 +130,8 @@ def test_graphed_decode_on_cuda_gives_generate_s_tokens(tiny_model_dir, dtype):
     else:
         agreeing = next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), NEW_TOKENS)
         assert agreeing >= NEW_TOKENS // 2, (tokens, reference)
+    widths = {runners[0]._static.graph_width(position + 1 - step) for step in range(1, NEW_TOKENS)}
+    assert all(runner.graph_captures_total == len(widths) for runner in runners)  # one graph per width
 
 
 def head_params():
@@ -185,3 +192,12 @@ def test_batches_that_change_under_kv_evictions_replay_graphs_with_finite_identi
         dtype="fp32", cache_budget_bytes=5 * one_session)
     assert batch.re_prefills > 0
     assert batch.tokens == expected
+
+
+def test_graphs_attend_the_power_of_two_of_positions_that_covers_their_rows():
+    decoder = StaticDecoder(config=None, layers={}, rotary_embedding=None, max_tokens=4096, device=torch.device("cpu"),
+                            capture_graphs=False)
+    widths = [decoder.graph_width(tokens) for tokens in (1, min_graph_width_tokens, min_graph_width_tokens + 1, 300,
+                                                          2048, 2049, 4096)]
+    assert widths == [min_graph_width_tokens, min_graph_width_tokens, 2 * min_graph_width_tokens, 512, 2048, 4096,
+                      4096]
