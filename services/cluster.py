@@ -33,6 +33,16 @@ class ClusterError(RuntimeError):
     """A process of the cluster did not start; the message carries the tail of its log."""
 
 
+def _device_argument(args: Sequence[str]) -> str | None:
+    """The value of `--device` in a command's arguments, if it has one."""
+    for index, arg in enumerate(args):
+        if arg == "--device" and index + 1 < len(args):
+            return args[index + 1]
+        if arg.startswith("--device="):
+            return arg.partition("=")[2]
+    return None
+
+
 def _computes_on_gpu(device: str) -> bool:
     """True for `cuda`, `cuda:N`, and `auto` where torch sees a GPU (the shard validates the spec itself)."""
     text = device.strip().lower()
@@ -324,16 +334,14 @@ class LocalCluster:
             time.sleep(ready_poll_interval_s)
 
     def start_shard(self, model: str, lo: int, hi: int, *, node_id: str, extra_args: list[str] = (),
-                    wait_ready: bool = True, cpus: Sequence[int] | None = None,
-                    device: str | None = None) -> ManagedProcess:
-        """`hearth shard` serving layers lo..hi; `cpus`: the cores it may run on (None: any); `device`: the
-        `--device` it is given in `extra_args`, if any (shards computing on a GPU share no cores for their steps)."""
+                    wait_ready: bool = True, cpus: Sequence[int] | None = None) -> ManagedProcess:
+        """`hearth shard` serving layers lo..hi; `cpus`: the cores it may run on (None: any)."""
         args = ["shard", "--model", model, "--layers", f"{lo}-{hi}", "--node-id", node_id,
                 "--busy-threads", str(shared_machine_busy_threads), *extra_args]
         if self.torch_threads:
             args += ["--torch-threads", str(self.torch_threads)]
         return self._spawn(f"shard-{node_id}-{lo}-{hi}", args, wait_ready=wait_ready, member=(node_id, "shard"),
-                           cpus=cpus, env=self.shared_machine_shard_env(cpus, device))
+                           cpus=cpus, env=self.shared_machine_shard_env(cpus, _device_argument(args)))
 
     def start_host(self, model: str, memory_budget_mb: float, *, node_id: str, extra_args: list[str] = (),
                    wait_ready: bool = True) -> ManagedProcess:
@@ -343,7 +351,7 @@ class LocalCluster:
         if self.torch_threads:
             args += ["--torch-threads", str(self.torch_threads)]
         return self._spawn(f"host-{node_id}", args, wait_ready=wait_ready, member=(node_id, "shard"),
-                           env=self.shared_machine_shard_env(None))
+                           env=self.shared_machine_shard_env(None, _device_argument(args)))
 
     def shared_machine_shard_env(self, cpus: Sequence[int] | None, device: str | None = None) -> dict[str, str]:
         """A shard's settings for sharing the machine's cores with the others (unless pinned to cores of its own,

@@ -172,7 +172,7 @@ class Bench:
             node_id = f"bench-host-{index}"
             process = cluster.start_shard(str(model.path), lo, hi, node_id=node_id, wait_ready=False,
                                           extra_args=["--max-streams", str(max_streams),
-                                                      *options.placement_args()], device=options.device)
+                                                      *options.placement_args()])
             shard_id = f"{model.name}:{lo}-{hi}@{node_id}"
             if process.metrics_url is not None:
                 metrics_urls[shard_id] = process.metrics_url

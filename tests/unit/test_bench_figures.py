@@ -10,7 +10,8 @@ import pytest
 from services.bench.runner import all_decoding_rate
 from services.bench.timing import GenerationTiming, tokens_before_divergence
 from services.bench.transport_metrics import Histogram, mean_batch_rows, transport_figures
-from services.cluster import BATCH_MERGE_WINDOW_ENV, LocalCluster, shared_machine_batch_merge_window_ms
+from services.cluster import (BATCH_MERGE_WINDOW_ENV, LocalCluster, _device_argument,
+                              shared_machine_batch_merge_window_ms)
 from services.shard.metrics import COMPUTE_METRIC, TRANSPORT_METRIC, WIRE_METRIC
 
 BOUNDS_S = [0.0005, 0.001, 0.002, math.inf]
@@ -110,3 +111,10 @@ def test_only_shards_sharing_the_cpu_cores_for_their_steps_merge_decoding_groups
     with LocalCluster() as cluster:
         env = cluster.shared_machine_shard_env(cpus, device)
     assert env == ({BATCH_MERGE_WINDOW_ENV: repr(shared_machine_batch_merge_window_ms)} if merges else {})
+
+
+def test_the_device_a_shard_starts_on_is_read_from_its_arguments():
+    # LocalCluster.start_shard / start_host pass it to shared_machine_shard_env (above).
+    assert _device_argument(["shard", "--layers", "0-1", "--device", "cuda:0"]) == "cuda:0"
+    assert _device_argument(["host", "--device=cuda"]) == "cuda"
+    assert _device_argument(["shard", "--layers", "0-1"]) is None
