@@ -11,6 +11,7 @@
 #   bash scripts/gpu_session.sh tests        # pytest -m cuda (devices, static decode + graphs, a CUDA mesh)
 #   bash scripts/gpu_session.sh tinyllama    # bench, TinyLlama-1.1B shape, bf16, 3 shards on the one GPU
 #   bash scripts/gpu_session.sh llama3-8b    # bench, Llama-3-8B shape (written once, bf16, 16 GB), 8 sessions
+#   bash scripts/gpu_session.sh llama3-8b-fp32  # the same shape in fp32: greedy tokens equal generate()'s?
 #   bash scripts/gpu_session.sh batching     # issue 13's batching figure on the GPU: 8 sessions, graphs on and off
 #   bash scripts/gpu_session.sh cpu          # bench, llama-250m on the CPU (the "CPU does not get worse" figure;
 #                                            # 8 sessions: issue 13's batching figure on a 16-core CPU)
@@ -25,7 +26,7 @@
 # '[s]ervices[.]cli (bench|shard|orchestrator)' instead.
 set -u
 stages=("$@")
-[ ${#stages[@]} -gt 0 ] || { echo "usage: gpu_session.sh STAGE... (checkpoints tests tinyllama llama3-8b batching cpu together load-memory probe)" >&2; exit 2; }
+[ ${#stages[@]} -gt 0 ] || { echo "usage: gpu_session.sh STAGE... (checkpoints tests tinyllama llama3-8b llama3-8b-fp32 batching cpu together load-memory probe)" >&2; exit 2; }
 out=${OUT:-/tmp/hearth-gpu-out}
 mkdir -p "$out"
 site=/tmp/site
@@ -76,6 +77,12 @@ for shape in sys.argv[1:]: print(write('random:' + shape))" "$mid" "$big" > "$ou
   llama3-8b)
     bench "$big-$device" --model "random:$big" --device "$device" --dtype "$dtype" --repeats 3 --sessions 8 --new-tokens 64
     ;;
+  llama3-8b-fp32)
+    # The random 8B's bf16 tokens part from generate()'s at the first token (its top logits lie 2-8 bf16 steps
+    # apart, BENCHMARKS.md "On a GPU, session 14"); in fp32 (32 GB) greedy_tokens_agreeing should be 64.
+    bench "$big-$device-fp32" --model "random:$big" --device "$device" --dtype fp32 --repeats 2 --sessions 1 \
+      --new-tokens 64
+    ;;
   batching)
     # With CUDA graphs (the default) a set of sessions that keeps decoding together replays one graph of its
     # batched step (StaticDecoder.run_batch); with dynamic caches (graphs off) their decode steps run as one
@@ -119,7 +126,7 @@ for shape in sys.argv[1:]: print(write('random:' + shape))" "$mid" "$big" > "$ou
     echo "exit $?" | tee -a "$out/stages.txt"
     ;;
   *)
-    echo "unknown stage $stage (checkpoints, tests, tinyllama, llama3-8b, batching, cpu, together, load-memory or probe)" >&2
+    echo "unknown stage $stage (checkpoints, tests, tinyllama, llama3-8b, llama3-8b-fp32, batching, cpu, together, load-memory or probe)" >&2
     exit 2
     ;;
 esac
