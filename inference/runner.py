@@ -310,7 +310,7 @@ class LayerRangeRunner:
 
     @property
     def graph_captures_total(self) -> int:
-        """CUDA graphs captured so far (0 without graphs): each new set of sessions decoding together captures one."""
+        """CUDA graphs captured so far (0 without graphs): per session, batch set and attention width reached."""
         return self._static.graph_captures_total if self._static is not None else 0
 
     @property

@@ -21,7 +21,8 @@ What a shard serves is read at scrape time from its ShardCompute (ShardServingCo
 counters ``hearth_shard_decode_batches_total`` / ``hearth_shard_decode_batch_rows_total`` and
 ``hearth_shard_prefill_batches_total`` / ``hearth_shard_prefill_batch_rows_total``, and what a cache costs:
 ``hearth_shard_kv_evictions_total`` (sessions evicted, idle or over the KV budget: each is re-prefilled) and
-``hearth_shard_cuda_graph_captures_total`` (each new set of sessions decoding together on a GPU captures a graph),
+``hearth_shard_cuda_graph_captures_total`` (on a GPU: a graph per session, per new set of sessions decoding
+together, and again as they cross an attention width),
 all labelled by shard id.
 """
 
@@ -144,7 +145,8 @@ class ShardServingCollector(Collector):
         evictions = CounterMetricFamily(KV_EVICTIONS_FAMILY, "Sessions whose KV cache this shard evicted (idle, or "
                                         "over its KV budget); each one's next step is re-prefilled.", labels=labels)
         captures = CounterMetricFamily(GRAPH_CAPTURES_FAMILY, "CUDA graphs this shard captured (a session's decode "
-                                       "step, or a new set of sessions decoding together); 0 without graphs.",
+                                       "step, or a new set of sessions decoding together, again at each attention "
+                                       "width they reach); 0 without graphs.",
                                        labels=labels)
         for shard in list(self._shards):
             open_hops, cache_bytes, served = shard.serving_figures()
