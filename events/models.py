@@ -153,6 +153,11 @@ class PipelineFailover(_PipelineEvent):
     resumed_at_token: int = Field(ge=0)
 
 
+# A failover's `reason` when a hop reported that its input from `failed_shard_id` failed a check: the orchestrator
+# cannot verify that, so the shard was routed around for that call only and is blamed nowhere.
+UNVERIFIED_REPORT = "reported"
+
+
 class PipelineFallbackLocal(_PipelineEvent):
     type: Literal["pipeline.fallback_local"] = "pipeline.fallback_local"
     reason: Reason

@@ -1,12 +1,18 @@
-"""The two JetStream streams of docs/events.md and `ensure_streams`, which creates or updates them idempotently."""
+"""The two JetStream streams of docs/events.md: `ensure_streams`, which creates or updates them idempotently (the
+steward's tooling on a community broker, every process on an open one), and `StreamSetup`, which says how a process
+makes sure they exist before it uses them (on a community broker: it waits for the steward's)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from nats.js import JetStreamContext
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
+from nats.errors import Error as NatsError
 from nats.js.errors import APIError, NotFoundError
 
 from events.subjects import INTEGRITY_EVENTS_WILDCARD, PIPELINE_EVENTS_WILDCARD, SHARD_EVENTS_WILDCARD
@@ -37,6 +43,13 @@ duplicate_window_s = 120.0
 # Copies of each stream on a cluster (a stream survives losing one node of three with its quorum); a single
 # server keeps the one copy it can.
 cluster_stream_replicas = 3
+
+# While a member's process waits for the steward's streams, it looks this often.
+streams_poll_interval_s = 1.0
+stream_info_timeout_s = 5.0
+# Who creates the streams on a community broker, for the line a waiting process prints.
+STREAMS_CREATED_BY = ("the community's steward creates them: `hearth nats --community DIR` does when it starts, "
+                      "`hearth community streams --nats URL` for a broker run otherwise")
 
 # JetStream error codes: "stream name already in use with a different configuration", and "replicas > 1 not
 # supported in non-clustered mode".
@@ -131,3 +144,50 @@ async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
     except NotFoundError:
         # Deleted between our add and update: create it.
         await js.add_stream(config)
+
+
+class StreamsMissing(RuntimeError):
+    """The event streams a process needs do not exist, and on a community broker it may not create them."""
+
+
+async def missing_streams(js: JetStreamContext, names: Iterable[str]) -> list[str]:
+    """Which of `names` the broker does not hold (or would not say within stream_info_timeout_s)."""
+    missing = []
+    for name in names:
+        try:
+            await asyncio.wait_for(js.stream_info(name), timeout=stream_info_timeout_s)
+        except (NotFoundError, NatsError, asyncio.TimeoutError):
+            missing.append(name)
+    return missing
+
+
+async def wait_for_streams(js: JetStreamContext, names: Iterable[str], *, wait_s: float | None) -> None:
+    """Return once every stream of `names` exists; StreamsMissing after `wait_s` (None: wait forever)."""
+    names = tuple(names)
+    deadline = None if wait_s is None else time.monotonic() + wait_s
+    told = False
+    while missing := await missing_streams(js, names):
+        message = f"the event streams {', '.join(missing)} do not exist; {STREAMS_CREATED_BY}"
+        if deadline is not None and time.monotonic() >= deadline:
+            raise StreamsMissing(f"{message} (waited {wait_s:g} s)")
+        if not told:
+            log.warning("%s; waiting for them", message)
+            told = True
+        await asyncio.sleep(streams_poll_interval_s)
+    if told:
+        log.info("the event streams %s exist now", ", ".join(names))
+
+
+@dataclass(frozen=True)
+class StreamSetup:
+    """How a process makes sure the streams it uses exist: on an open broker it creates them itself (`create`);
+    on a community broker only the steward may, so it waits up to `wait_s` for them (None: as long as it takes)."""
+
+    create: bool = True
+    wait_s: float | None = None
+
+    async def ready(self, js: JetStreamContext, names: Iterable[str] = ALL_STREAMS) -> None:
+        if self.create:
+            await ensure_streams(js)
+        else:
+            await wait_for_streams(js, names, wait_s=self.wait_s)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import re
 from collections.abc import Iterable, Mapping, Sequence
 
 import torch
@@ -161,7 +162,11 @@ class Head:
         return self._tokenizer
 
     def encode_prompt(self, text: str) -> list[int]:
-        """Token ids of a raw prompt, exactly as ``tokenizer(text)["input_ids"]``."""
+        """Token ids of a raw prompt, exactly as ``tokenizer(text)["input_ids"]``.
+
+        Special tokens written in it stay special: a raw prompt is a completion prompt that its caller writes whole
+        (OpenAI's /v1/completions), so there is no turn of anyone else's in it to forge.
+        """
         if not isinstance(text, str):
             raise ValueError("prompt must be a string")
         return list(self.tokenizer(text)["input_ids"])
@@ -169,7 +174,14 @@ class Head:
     def encode_chat(
         self, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = True
     ) -> list[int]:
-        """Token ids of a conversation through the chat template (assistant prompt appended)."""
+        """Token ids of a conversation through the chat template (assistant prompt appended).
+
+        Message text is untrusted: a control token written in it (``<|im_start|>``, an end-of-turn marker, the
+        eos) is encoded as plain text, so only the markers the template writes itself are control tokens and a
+        message cannot forge a turn. This is transformers' ``sanitize_control_tokens``; a conversation without
+        control tokens in its text encodes exactly as without it. A template that builds a non-special marker
+        from pieces (``'<|' + role + '|>'``) needs that marker in the tokenizer's ``chat_control_tokens``.
+        """
         if not messages or any(
             not isinstance(m, Mapping)
             or not isinstance(m.get("role"), str)
@@ -183,9 +195,25 @@ class Head:
             [dict(m) for m in messages],
             add_generation_prompt=add_generation_prompt,
             tokenize=True,
+            sanitize_control_tokens=True,
             return_dict=True,
         )
         return list(encoded["input_ids"])
+
+    def control_tokens_in(self, texts: Iterable[str]) -> int:
+        """How many control tokens of the chat template the texts write: ``encode_chat`` encodes each of them as
+        plain text on its own, which costs far more than the text around it."""
+        pattern = self._control_token_pattern
+        return 0 if pattern is None else sum(1 for text in texts for _ in pattern.finditer(text))
+
+    @functools.cached_property
+    def _control_token_pattern(self) -> re.Pattern | None:
+        # Exactly the tokens transformers' sanitize_control_tokens marks (special ones, and added ones the template
+        # writes), from its own (private) method so the two cannot disagree; longest first, as it matches them.
+        tokens = self.tokenizer._get_control_tokens(self.tokenizer.get_chat_template())
+        if not tokens:
+            return None
+        return re.compile("|".join(re.escape(token) for token in sorted(tokens, key=len, reverse=True)))
 
     def decode(self, token_ids: Sequence[int]) -> str:
         """Text of token ids, special tokens skipped."""

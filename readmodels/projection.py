@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy.orm import Session
 
 from events.models import (
+    UNVERIFIED_REPORT,
     EventEnvelope,
     IntegrityCorruptionDetected,
     PipelineAborted,
@@ -296,7 +297,8 @@ class ReadModelProjection:
         _set_live_status(pipeline)
         newly_joined = [s for s in dict.fromkeys(event.replacement_hops) if s not in current_hops]
         self._count(rows, newly_joined, "pipelines_joined")
-        self._count(rows, [event.failed_shard_id], "failovers_caused")
+        if event.reason != UNVERIFIED_REPORT:  # a hop's unverified word about another blames nobody
+            self._count(rows, [event.failed_shard_id], "failovers_caused")
 
     @handle.register
     def _pipeline_fallback_local(self, event: PipelineFallbackLocal, rows: BatchRows) -> None:

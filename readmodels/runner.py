@@ -30,7 +30,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from events.consume import SkippedMessage, StoredEvent, read_stream, stream_last_seq
 from events.metrics import events_rejected_total
 from events.signing import REJECTION_REASONS, EventVerifier
-from events.streams import ALL_STREAMS, ensure_streams
+from events.streams import ALL_STREAMS, StreamSetup
 from readmodels.db import open_engine, upgrade_database
 from readmodels.projection import PROJECTION_NAME, ReadModelProjection, Rejection, load_positions
 
@@ -57,6 +57,7 @@ class Projector:
 
     `session_factory` (after start) reads the same database, e.g. for ShardRouter. With a `verifier` (a
     community's roster) only events that pass it are applied; the others become rejected_events rows.
+    `stream_setup` says whether it creates the streams it follows (an open broker) or waits for the steward's.
     """
 
     def __init__(
@@ -66,7 +67,7 @@ class Projector:
         *,
         projection: ReadModelProjection | None = None,
         streams: Iterable[str] = ALL_STREAMS,
-        create_streams: bool = True,
+        stream_setup: StreamSetup = StreamSetup(),
         batch_max_events: int = batch_max_events,
         verifier: EventVerifier | None = None,
     ) -> None:
@@ -74,7 +75,7 @@ class Projector:
         self._js = js
         self.projection = projection or ReadModelProjection(PROJECTION_NAME, verifier=verifier)
         self.streams: tuple[str, ...] = tuple(streams)
-        self._create_streams = create_streams
+        self._stream_setup = stream_setup
         self._batch_max_events = batch_max_events
         self.engine = None
         self.session_factory: sessionmaker[Session] | None = None
@@ -106,8 +107,7 @@ class Projector:
         await asyncio.to_thread(upgrade_database, self.db_path)
         self.engine = open_engine(self.db_path)
         self.session_factory = sessionmaker(self.engine, expire_on_commit=False)
-        if self._create_streams:
-            await ensure_streams(self._js)
+        await self._stream_setup.ready(self._js, self.streams)
         await self._load_positions()
         self._started = True
         for stream in self.streams:

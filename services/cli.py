@@ -31,6 +31,7 @@ from services.common.cli_options import (
     DtypeOption,
     InsecureOption,
     LogLevelOption,
+    MetricsHostOption,
     MetricsPortOption,
     BusyThreadsOption,
     NatsUrlOption,
@@ -44,6 +45,7 @@ from services.common.cli_options import (
     resolve_nats_url,
     settings,
     use_credentials,
+    use_metrics_host,
     wait_for_nats,
 )
 from services.nats_cli import NATS_HELP_EPILOG, nats_command
@@ -103,6 +105,7 @@ def projector_command(
     db: Annotated[Path, typer.Option("--db", help="SQLite read-model file to keep up to date.")],
     nats_url: NatsUrlOption = None,
     metrics_port: MetricsPortOption = 0,
+    metrics_host: MetricsHostOption = None,
     wait_for_nats_flag: WaitForNatsOption = False,
     creds: CredsOption = None,
     insecure: InsecureOption = False,
@@ -114,13 +117,15 @@ def projector_command(
     from services.projector.main import run_projector
 
     wait_for_nats(ctx, wait_for_nats_flag)
+    use_metrics_host(ctx, metrics_host)
     node_id_for("hearth projector", use_credentials(ctx, "hearth projector", creds, insecure), None, "projector")
     url = resolve_nats_url(ctx, nats_url)
     nats_settings = settings(ctx).nats
     verifier = event_verifier(settings(ctx))  # None on an open mesh: every event is applied
+    metrics_interface = settings(ctx).metrics.host
     run_until_stopped(lambda stop_event: run_projector(db, url, metrics_port, stop_event=stop_event,
-                                                       nats_settings=nats_settings, verifier=verifier,
-                                                       ready_file=ready_file))
+                                                       metrics_host=metrics_interface, nats_settings=nats_settings,
+                                                       verifier=verifier, ready_file=ready_file))
 
 
 
@@ -155,6 +160,7 @@ def shard_command(
     busy_threads: BusyThreadsOption = None,
     ready_file: ReadyFileOption = None,
     metrics_port: MetricsPortOption = 0,
+    metrics_host: MetricsHostOption = None,
     wait_for_nats_flag: WaitForNatsOption = False,
     creds: CredsOption = None,
     insecure: InsecureOption = False,
@@ -164,6 +170,7 @@ def shard_command(
     from services.shard.main import run_shard
 
     wait_for_nats(ctx, wait_for_nats_flag)
+    use_metrics_host(ctx, metrics_host)
     node_id = node_id_for("hearth shard", use_credentials(ctx, "hearth shard", creds, insecure), node_id, "shard")
     url = resolve_nats_url(ctx, nats_url)
     run_until_stopped(lambda stop_event: run_shard(
@@ -204,6 +211,7 @@ def orchestrator_command(
     dtype: DtypeOption = None,
     ready_file: ReadyFileOption = None,
     metrics_port: MetricsPortOption = 0,
+    metrics_host: MetricsHostOption = None,
     wait_for_nats_flag: WaitForNatsOption = False,
     creds: CredsOption = None,
     insecure: InsecureOption = False,
@@ -214,6 +222,7 @@ def orchestrator_command(
     from services.shard.main import configure_torch_threads, default_node_id
 
     wait_for_nats(ctx, wait_for_nats_flag)
+    use_metrics_host(ctx, metrics_host)
     node_id = node_id_for("hearth orchestrator", use_credentials(ctx, "hearth orchestrator", creds, insecure), node_id,
                           "orchestrator")
     configure_torch_threads(torch_threads)

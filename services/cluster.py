@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.common.community_streams import create_community_streams_blocking
 from services.common.config import ENV_NESTED_DELIMITER, ENV_PREFIX, NatsSettings
 from services.common.nats_permissions import render_authorization
 from services.common.nats_cluster import EmbeddedNatsCluster
@@ -276,11 +277,15 @@ class LocalCluster:
         else:
             self.nats = EmbeddedNatsServer(store_dir=self.work_dir / "nats", **access, **server_options).start()
         self.nats_url = self.nats.url
+        if self.community is not None:  # as `hearth nats --community` does: only the steward may create them
+            settings = self.nats_settings()
+            create_community_streams_blocking(settings, self.system_creds,
+                                              ready_timeout_s=settings.streams_create_timeout_s)
         return self.nats_url
 
     def _spawn(self, name: str, args: list[str], *, wait_ready: bool = True, writes_ready_file: bool = True,
                member: tuple[str, Role] | None = None, env: dict[str, str] | None = None,
-               takes_metrics_port: bool = True, cpus: Sequence[int] | None = None) -> ManagedProcess:
+               cpus: Sequence[int] | None = None) -> ManagedProcess:
         if self.nats_url is None:
             raise ClusterError("start NATS (or give nats_url) before starting hearth processes")
         log_path = self.work_dir / f"{name}.log"
@@ -293,7 +298,7 @@ class LocalCluster:
         if writes_ready_file:
             hearth_args += ["--ready-file", str(ready_file)]
         metrics_port = _metrics_port_in(args)
-        if metrics_port is None and self.metrics and takes_metrics_port:
+        if metrics_port is None and self.metrics:
             metrics_port = free_tcp_port()
             hearth_args += ["--metrics-port", str(metrics_port)]
         popen = self._launch(hearth_args, env, log_path, cpus)
@@ -379,9 +384,7 @@ class LocalCluster:
         args = ["gateway", *(extra_args if "--port" in extra_args else ["--port", "0", *extra_args])]
         if self.community is not None:
             args += ["--community", str(self.community.directory)]
-        # Its /metrics is on its own HTTP port, beside the API.
-        return self._spawn(f"gateway-{name}", args, wait_ready=wait_ready, member=(name, "client"), env=env,
-                           takes_metrics_port=False)
+        return self._spawn(f"gateway-{name}", args, wait_ready=wait_ready, member=(name, "client"), env=env)
 
     def start_projector(self, db_path: Path, *, wait_ready: bool = True) -> ManagedProcess:
         """`hearth projector` into `db_path`; ready once the database is migrated and both streams followed."""

@@ -151,3 +151,36 @@ def nats_config_command(
         out.write_text(text)
         typer.echo(f"wrote {out}", err=True)
 
+
+
+@community_app.command("streams")
+def streams_command(
+    directory: DirOption = DEFAULT_COMMUNITY_DIR,
+    nats_url: Annotated[Optional[str], typer.Option(
+        "--nats", help="The community's broker (default: $HEARTH_NATS_URL or [nats] url; a cluster's URLs "
+                       "comma-separated); TLS as [nats] tls_* say.", show_default=False)] = None,
+) -> None:
+    """Create the event streams on the community's broker, or bring them to the current spec, with the steward's
+    system key (DIR/keys/system.nk): on a community broker no other member may. `hearth nats --community` does
+    this itself at start; run it for a broker started otherwise (compose.yaml runs it once)."""
+    import asyncio
+
+    from services.common.community_streams import create_community_streams
+    from services.common.config import load_settings
+    from services.common.nats_connection import BrokerUnreachable
+    from trust.community import Community
+
+    command = "hearth community streams"
+    system_key = Community(directory).system_key_path
+    if not system_key.is_file():
+        _fail(f"{system_key} does not exist: only the steward, with the community's system key, creates the "
+              "streams", command)
+    nats = load_settings().nats
+    nats = nats.model_copy(update={"url": nats_url or nats.url, "roster_file": Community(directory).roster_path})
+    try:
+        asyncio.run(create_community_streams(nats, system_key, ready_timeout_s=nats.streams_create_timeout_s))
+    except BrokerUnreachable as error:
+        _fail(str(error), command)
+    except Exception as error:  # JetStream refused or never became ready: say so in one line
+        _fail(f"the event streams were not created: {error}", command)
+    typer.echo(f"event streams ready on {nats.url}", err=True)

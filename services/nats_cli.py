@@ -139,9 +139,35 @@ def nats_command(
         servers.start()
     except NatsServerError as error:
         _fail(str(error))
+    if community is not None:
+        _create_streams(servers, community, tls=tls_cert is not None, one_node=node is not None)
     typer.echo(servers.url)
     typer.echo(f"JetStream store: {store.resolve()}  (Ctrl-C to stop)", err=True)
     _serve_until_stopped(servers, stop_requested)
+
+
+def _create_streams(servers: "EmbeddedNatsServer", community: Path, *, tls: bool, one_node: bool) -> None:
+    """The event streams, created with the community's system key: no other member may administer them."""
+    from services.common.community_streams import create_community_streams_blocking
+    from services.common.config import load_settings
+    from trust.community import Community
+
+    later = f"create them with `hearth community streams --dir {community} --nats URL`"
+    settings = load_settings().nats
+    if one_node:  # the cluster's other nodes may not be up yet: JetStream has no quorum
+        typer.echo(f"{COMMAND}: the event streams need the whole cluster; {later} once every node runs", err=True)
+        return
+    if tls and settings.tls_ca_file is None:
+        typer.echo(f"{COMMAND}: no [nats] tls_ca_file to reach this TLS broker with; {later}", err=True)
+        return
+    settings = settings.model_copy(update={"url": servers.url, "roster_file": Community(community).roster_path})
+    try:
+        create_community_streams_blocking(settings, Community(community).system_key_path,
+                                          ready_timeout_s=settings.streams_create_timeout_s)
+    except Exception as error:  # the broker still serves; the streams can be created later
+        typer.echo(f"{COMMAND}: the event streams were not created ({error}); {later}", err=True)
+        return
+    typer.echo(f"{COMMAND}: event streams ready", err=True)
 
 
 def _stop_on_signals() -> "threading.Event":

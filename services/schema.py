@@ -206,6 +206,8 @@ def toml_value(value: Any) -> str:
         return repr(value)
     if isinstance(value, str):
         return json.dumps(value, ensure_ascii=False)
+    if isinstance(value, list):
+        return "[" + ", ".join(toml_value(item) for item in value) + "]"
     raise TypeError(f"no TOML spelling for the default {value!r}")
 
 

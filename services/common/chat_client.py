@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -31,6 +32,7 @@ from services.common.chat_protocol import (
 )
 from trust.keys import MemberKey
 
+log = logging.getLogger(__name__)
 _client_defaults = ClientSettings()
 NO_RESPONDERS_STATUS = "503"
 
@@ -53,7 +55,8 @@ async def stream_chat_raw(
 
     The call is signed by `signer` when given (the gateway asks on behalf of the member an API key belongs to),
     else by the member the connection logged in as. A frame of a type this client does not know (one a newer
-    orchestrator sends) is skipped; a numbered one still counts in the `seq` check.
+    orchestrator sends) is skipped; a numbered one still counts in the `seq` check. A message that is no frame at
+    all (not a JSON object with a `type`, or a known type whose fields do not fit) is skipped too, uncounted.
 
     The orchestrator sends a frame or a keepalive at least every `[transport] keepalive_interval_s`, so a
     silence of `frame_gap_timeout` means it is gone: the stream then ends with an `orchestrator_gone` error
@@ -87,6 +90,9 @@ async def stream_chat_raw(
                               last_seq)
                 return
             frame = _decode_known(message.data)
+            if frame is None:
+                log.debug("skipped a message on %s that is not a frame", inbox)
+                continue
             timeout = frame_gap_timeout
             if isinstance(frame, int):  # a frame type this client does not know: only its number matters
                 last_seq = frame if frame == last_seq + 1 else last_seq
@@ -108,15 +114,16 @@ async def stream_chat_raw(
             await subscription.unsubscribe()
 
 
-def _decode_known(data: bytes) -> ChatFrame | int:
-    """The frame, or the `seq` (-1 when it has none) of a well-formed frame whose `type` is not one of ours."""
+def _decode_known(data: bytes) -> ChatFrame | int | None:
+    """The frame; the `seq` (-1 when it has none) of a JSON object whose `type` is not one of ours; None for a
+    message that is no frame (not JSON, not an object, no `type`, or a known type whose fields do not fit)."""
     try:
         return decode_frame(data)
     except ValidationError as error:
         if not any(item["type"] == "union_tag_invalid" for item in error.errors(include_url=False)):
-            raise
-        seq = json.loads(data).get("seq")
-        return seq if isinstance(seq, int) else -1
+            return None
+    seq = json.loads(data).get("seq")  # union_tag_invalid: a JSON object with a `type` we do not know
+    return seq if type(seq) is int else -1
 
 
 async def stream_chat(nc: NatsClient, request: ChatRequest, *, signer: MemberKey | None = None,

@@ -42,7 +42,15 @@ ConfigOption = Annotated[
 MetricsPortOption = Annotated[
     int,
     typer.Option("--metrics-port", min=0, max=65535,
-                 help="Serve Prometheus /metrics on this port, on every interface (docs/metrics.md); 0 = off."),
+                 help="Serve Prometheus /metrics on this port, on the interface --metrics-host names "
+                      "(docs/metrics.md); 0 = off."),
+]
+MetricsHostOption = Annotated[
+    Optional[str],
+    typer.Option("--metrics-host", show_default=False,
+                 help="Interface /metrics listens on (default: [metrics] host, 127.0.0.1). /metrics has no "
+                      "authentication and names callers: 0.0.0.0 only on a private network (a Prometheus in "
+                      "another container)."),
 ]
 WaitForNatsOption = Annotated[
     bool,
@@ -115,6 +123,14 @@ def wait_for_nats(ctx: typer.Context, wait: bool) -> None:
             update={"nats": current.nats.model_copy(update={"wait_for_broker": True})})
 
 
+def use_metrics_host(ctx: typer.Context, host: str | None) -> None:
+    """`--metrics-host` given: this invocation's settings say [metrics] host = it."""
+    if host is not None:
+        state = cli_state(ctx)
+        current = state.settings()
+        state._settings = current.model_copy(update={"metrics": current.metrics.model_copy(update={"host": host})})
+
+
 def long_running(command: str) -> Callable[[F], F]:
     """Decorate a long-running command: SIGINT/SIGTERM end it with exit code 0 and no traceback in any state
     (services.common.lifecycle), an unreachable broker ends it with one line naming the URL, exit code 1."""
@@ -129,6 +145,7 @@ def long_running(command: str) -> Callable[[F], F]:
                 stop_requested,
                 stop_signals_raise,
             )
+            from events.streams import StreamsMissing
             from services.common.nats_connection import BrokerUnreachable
 
             try:
@@ -139,7 +156,7 @@ def long_running(command: str) -> Callable[[F], F]:
             except BrokerUnreachable as error:
                 typer.echo(f"{command}: {error}", err=True)
                 raise typer.Exit(EXIT_BROKER_UNREACHABLE) from None
-            except CommandRefused as error:
+            except (CommandRefused, StreamsMissing) as error:
                 typer.echo(f"{command}: {error}", err=True)
                 raise typer.Exit(EXIT_REFUSED) from None
             if stop_requested():

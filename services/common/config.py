@@ -180,6 +180,14 @@ class NatsSettings(_Section):
         default=10.0, gt=0,
         description="a long-running command that cannot reach the broker within this exits with one line")
     wait_for_broker: bool = Field(default=False, description="true: keep trying to reach the broker forever")
+    streams_wait_s: float = Field(
+        default=60.0, gt=0,
+        description="on a community broker, how long a process waits at start for the steward to create the event "
+                    "streams before it exits with one line (with wait_for_broker: as long as it takes)")
+    streams_create_timeout_s: float = Field(
+        default=30.0, gt=0,
+        description="how long the steward's tooling (`hearth nats --community`, `hearth community streams`) keeps "
+                    "trying to create the event streams on a broker whose JetStream is not ready yet")
     reconnect_wait_s: float = Field(default=0.5, gt=0, description="pause between reconnect attempts")
     refused_grace_s: float = Field(
         default=1.0, ge=0,
@@ -228,15 +236,24 @@ class OrchestratorSettings(_Section):
     max_request_bytes: int = Field(
         default=1 * MiB, ge=1024,
         description="an `llm.chat.request` body larger than this is refused (`bad_request`) before it is parsed")
+    max_request_header_bytes: int = Field(
+        default=8 * 1024, ge=1024,
+        description="an `llm.chat.request` or `llm.models` request whose NATS headers (names and values) are "
+                    "larger than this is refused (`bad_request`) before any of them is read")
     max_broker_repairs: int = Field(
         default=3, ge=0, description="rebuilds of a call's pipeline after the broker connection was lost")
     max_queued_requests: int = Field(
         default=256, ge=0,
         description="calls waiting for room beyond those running; one more is answered `overloaded`")
+    max_queued_per_caller: int = Field(
+        default=32, ge=0,
+        description="calls of one roster member waiting in the queue; one more is answered `overloaded` while "
+                    "other members still get in (unsigned callers of an open mesh share the whole queue)")
     max_streams_per_caller: int = Field(
         default=4, ge=1,
-        description="calls of one caller (a roster member; all unsigned callers together) running at once; "
-                    "the rest of its calls wait in the queue")
+        description="calls of one caller (a roster member; all unsigned callers together) running at once, and "
+                    "for a member never every running place (at most max_concurrent_pipelines - 1); the rest "
+                    "of its calls wait in the queue")
     overloaded_retry_after_s: float = Field(
         default=5.0, gt=0, description="`retry_after_s` an `overloaded` answer suggests to its client")
     at_capacity_retry_s: float = Field(
@@ -332,6 +349,34 @@ class GatewaySettings(_Section):
         default=5.0, gt=0, description="how long asking `llm.models` (GET /v1/models, a model check) may take")
     shutdown_grace_s: float = Field(
         default=1.0, ge=0, description="at shutdown, how long calls in flight may take to finish")
+    max_open_requests_per_caller: int = Field(
+        default=4, ge=1, description="calls in flight at once of one member (all its API keys together); one "
+                                     "more is refused with 429 `overloaded` and a Retry-After")
+    request_read_timeout_s: float = Field(
+        default=20.0, gt=0, description="a connection that has not sent a whole request (headers and body) within "
+                                        "this of opening, or of its previous answer, is closed")
+    keep_alive_timeout_s: float = Field(
+        default=5.0, gt=0, description="an idle connection between two requests is closed after this")
+    max_connections: int = Field(
+        default=2048, ge=1, description="connections open at once (uvicorn's limit_concurrency); a request "
+                                        "arriving beyond them is answered 503")
+    listen_backlog: int = Field(
+        default=2048, ge=1, description="connections the kernel holds before the gateway accepts them")
+    max_header_bytes: int = Field(
+        default=16 * 1024, ge=1024, description="a request line and headers that grow past this before they end "
+                                                "are answered 400 (h11's max_incomplete_event_size)")
+    cors_allowed_origins: list[str] = Field(
+        default=[], description="web origins (e.g. https://chat.example.org) whose pages may call the "
+                                          "API from a browser; empty: no CORS headers at all")
+
+
+class MetricsSettings(_Section):
+    """[metrics]: where a process's Prometheus /metrics server listens (`--metrics-port` turns it on)."""
+
+    host: str = Field(
+        default="127.0.0.1", description="interface /metrics listens on (`--metrics-host`); it has no "
+                                         "authentication and names callers, so 0.0.0.0 only where the network is "
+                                         "private (a Prometheus in another container)")
 
 
 class EventsSettings(_Section):
@@ -362,6 +407,7 @@ class HearthSettings(BaseSettings):
     client: ClientSettings = ClientSettings()
     gateway: GatewaySettings = GatewaySettings()
     events: EventsSettings = EventsSettings()
+    metrics: MetricsSettings = MetricsSettings()
 
     @classmethod
     def settings_customise_sources(

@@ -12,10 +12,12 @@ from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
-from events.models import SUBJECT_TOKEN_PATTERN
+from events.models import SUBJECT_TOKEN_PATTERN, max_id_chars, max_reason_chars, max_shard_id_chars
 from events.subjects import LOCAL_NODE
 
 LINK_KEY_PATTERN = r"^[A-Za-z0-9_-]{43}=$"
+# More open pipelines than a ShardStat can list: far more than any shard's max_concurrent_streams.
+max_open_pipelines = 4096
 RefusalCode = Literal["at_capacity", "weights_mismatch", "bad_range", "bad_request", "unknown_pipeline"]
 
 
@@ -29,8 +31,8 @@ class OpenHop(BaseModel):
     session_id: str = Field(pattern=SUBJECT_TOKEN_PATTERN)
     hop: int = Field(ge=0)
     hop_count: int = Field(ge=1)
-    model_id: str
-    weights_sha256: str
+    model_id: str = Field(max_length=max_id_chars)
+    weights_sha256: str = Field(max_length=max_id_chars)
     layer_lo: int = Field(ge=0)
     layer_hi: int = Field(ge=0)
     # Wire dtype for this hop's output: "auto" keeps the compute dtype (lossless).
@@ -44,6 +46,9 @@ class OpenHop(BaseModel):
     # control subject is readable by this shard alone, so no other member can forge or alter its activations.
     inbound_link_key: str | None = Field(default=None, pattern=LINK_KEY_PATTERN)
     outbound_link_key: str | None = Field(default=None, pattern=LINK_KEY_PATTERN)
+    # A fresh key for the MAC on this hop's HopNotices, told to this hop alone (a link key is shared with the hop
+    # before or after, which could then speak for this hop): a notice can only speak about its sender's own hop.
+    notice_key: str | None = Field(default=None, pattern=LINK_KEY_PATTERN)
 
     @model_validator(mode="after")
     def _ordered(self) -> "OpenHop":
@@ -80,16 +85,17 @@ control_request_adapter: TypeAdapter[ControlRequest] = TypeAdapter(ControlReques
 class ControlReply(BaseModel):
     ok: bool
     code: RefusalCode | None = None
-    message: str = ""
-    shard_id: str = ""
+    message: str = Field(default="", max_length=max_reason_chars)
+    shard_id: str = Field(default="", max_length=max_shard_id_chars)
 
 
 class ShardStat(BaseModel):
     """A shard's answer to `stat`: its open hops and the sessions its runner still caches."""
 
-    shard_id: str
+    shard_id: str = Field(max_length=max_shard_id_chars)
     active_streams: int = Field(ge=0)
-    open_pipelines: list[str] = Field(default_factory=list)
+    open_pipelines: list[Annotated[str, Field(max_length=128)]] = Field(default_factory=list,
+                                                                          max_length=max_open_pipelines)
     cached_sessions: int = Field(ge=0)
     cache_bytes: int = Field(ge=0)
 
@@ -111,10 +117,13 @@ HopProblem = Literal["input_failed_check", "step_failed", "session_evicted"]
 class HopNotice(BaseModel):
     """A hop could not pass a step on: its input failed a check (the hop before it, or the orchestrator for
     hop 0, produced it), its own computation raised (this hop is at fault), or its session's KV cache was evicted
-    (`session_evicted`: nobody is at fault; the orchestrator re-prefills)."""
+    (`session_evicted`: nobody is at fault; the orchestrator re-prefills).
+
+    On the wire it carries `Hearth-Mac` keyed with the hop's `notice_key` (services/transport/notices.py): its
+    orchestrator reads a notice only from the hop it names."""
 
     pipeline_id: str = Field(pattern=SUBJECT_TOKEN_PATTERN)
-    session_id: str
+    session_id: str = Field(pattern=SUBJECT_TOKEN_PATTERN)
     hop: int = Field(ge=0)
     step: int = Field(ge=0)
     problem: HopProblem

@@ -8,6 +8,7 @@ import logging
 from pathlib import Path
 
 from events.signing import EventVerifier, RosterFile
+from events.streams import StreamSetup
 from services.common.call_signing import CallVerifier
 from services.common.config import HearthSettings, NatsSettings
 from services.common.identity import default_roster_for, load_identity
@@ -22,6 +23,12 @@ def event_signing_key(nats: NatsSettings) -> MemberKey | None:
     if nats.creds_file is None:
         return None
     return load_identity(nats.creds_file, nats.roster_file).key
+
+
+def stream_setup(nats: NatsSettings) -> StreamSetup:
+    """On an open broker (--insecure) a process creates the event streams itself; a member waits for the ones the
+    steward creates ([nats] streams_wait_s, or as long as it takes with wait_for_broker)."""
+    return StreamSetup(create=nats.creds_file is None, wait_s=None if nats.wait_for_broker else nats.streams_wait_s)
 
 
 def community_roster_file(nats: NatsSettings) -> Path | None:

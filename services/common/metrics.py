@@ -26,8 +26,6 @@ log = logging.getLogger(__name__)
 # double what every scrape carries.
 disable_created_metrics()
 
-default_metrics_host = "0.0.0.0"
-
 _Collector = TypeVar("_Collector", Counter, Gauge, Histogram)
 # (registry id, name) -> collector: lets modules that are imported twice (tests, plugins) share one collector
 # instead of failing with "Duplicated timeseries".
@@ -110,10 +108,9 @@ class MetricsServer:
         self._thread.join(timeout=5.0)
 
 
-def start_metrics_server(
-    port: int, *, host: str = default_metrics_host, registry: CollectorRegistry = REGISTRY
-) -> MetricsServer:
-    """Serve `registry` on http://host:port/metrics from a daemon thread; port 0 picks a free port."""
+def start_metrics_server(port: int, *, host: str, registry: CollectorRegistry = REGISTRY) -> MetricsServer:
+    """Serve `registry` on http://host:port/metrics from a daemon thread; port 0 picks a free port. `host` is
+    the interface ([metrics] host): /metrics has no authentication and names callers."""
     server, thread = _prometheus_start_http_server(port, addr=host, registry=registry)
     bound_port = server.server_address[1]
     log.info("metrics on http://%s:%d/metrics", host, bound_port)
@@ -135,10 +132,11 @@ def set_metrics_observed(observed: bool) -> None:
     _observed = observed
 
 
-def serve_process_metrics(port: int | None, process: str, *, host: str = default_metrics_host,
+def serve_process_metrics(port: int | None, process: str, *, host: str,
                           registry: CollectorRegistry = REGISTRY) -> MetricsServer | None:
-    """A long-running process's `--metrics-port`: serve /metrics on `port` and print where; for 0 serve nothing and
-    stop the per-step observations; for None (a service run in-process, e.g. by a test) serve nothing."""
+    """A long-running process's `--metrics-port`: serve /metrics on `port` of interface `host` (`--metrics-host`,
+    [metrics] host) and print where; for 0 serve nothing and stop the per-step observations; for None (a service
+    run in-process, e.g. by a test) serve nothing."""
     if port is None:
         return None
     if port == 0:

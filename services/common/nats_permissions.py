@@ -3,16 +3,20 @@ subjects its role may publish and subscribe to, so the broker itself refuses wha
 
 Subjects carry the node they belong to (events/subjects.py), which lets a permission say "only your own":
 a shard host publishes only its own shard events and subscribes only to its own control, activation and ack
-subjects and its own inbox. Replies to requests (a shard answering `open`) go out under `allow_responses`,
-so no member may publish into another's inbox except orchestrators, which stream frames to callers. Nobody
-in the roster but the `system` member (the steward's own key, made by `hearth community init`; the demo and
-the tests watch everything with it) may subscribe to `>`.
+subjects and its own inbox. A shard's replies to control requests go out under `allow_responses`. Orchestrators
+stream frames into the inboxes of the members that may call them (clients, `system`), and no other inbox.
+
+JetStream's API is granted verb by verb: a member reads a stream only through ephemeral consumers of its own
+(STREAM.INFO, CONSUMER.CREATE/DELETE, flow-control replies: what events.ordered_reader does), and only the
+streams its role needs. Creating, updating, deleting, purging or sealing a stream, deleting messages and
+every other verb belong to the `system` member alone (the steward's own key, made by `hearth community init`,
+which also creates the streams: events/streams.py), which is also the only one that may subscribe to `>`.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from events.streams import ALL_STREAMS, SHARDS_STREAM
@@ -29,11 +33,36 @@ INBOX_ROOT = "_INBOX"
 JS_API = "$JS.API"
 # Roles that receive activations (from which a prompt can be recovered): only members at this trust or above.
 DEFAULT_MIN_ACTIVATION_TRUST: TrustLevel = "trusted"
+# Roles whose members may call the orchestrators (`llm.chat.request`, `llm.models`), so whose inboxes hear frames.
+CALLER_ROLES: tuple[Role, ...] = ("client", "system")
 
 
 def inbox_prefix(member_name: str) -> str:
     """The member's own reply-subject prefix (nats-py's `inbox_prefix`): `_INBOX.<name>`."""
     return f"{INBOX_ROOT}.{node_token(member_name)}"
+
+
+def is_member_inbox(reply: str) -> bool:
+    """Whether `reply` has the form of some member's inbox, `_INBOX.<token>.<...>` (no wildcard)."""
+    tokens = reply.split(".")
+    return len(tokens) >= 3 and tokens[0] == INBOX_ROOT and _plain_subject(reply)
+
+
+def reply_allowed(reply: str, role_of: Callable[[str], Role | None] | None = None) -> bool:
+    """Whether a service may answer a request on `reply`: on a community mesh (`role_of` gives a member's role
+    by name) only into the inbox of a member who may call (`_INBOX.<member>.<...>`, a client or `system`), on an
+    open one into an inbox. Never into an event, control or JetStream API subject, nor another role's inbox,
+    where an answer would act with the service's rights. Not only the signer's own inbox: the gateway signs with
+    the key of the member an API key belongs to and hears the answer on its own."""
+    if role_of is None:
+        return reply.startswith(f"{INBOX_ROOT}.") and _plain_subject(reply)
+    return is_member_inbox(reply) and role_of(reply.split(".")[1]) in CALLER_ROLES
+
+
+def _plain_subject(subject: str) -> bool:
+    tokens = subject.split(".")
+    return all(tokens) and not any(token in ("*", ">") for token in tokens) and not any(
+        character.isspace() for character in subject)
 
 
 @dataclass(frozen=True)
@@ -49,25 +78,21 @@ class Permissions:
         return block
 
 
-def _stream_management() -> tuple[str, ...]:
-    """Create, update and inspect hearth's two streams (ensure_streams at start), nothing else."""
-    return tuple(f"{JS_API}.STREAM.{verb}.{stream}" for stream in ALL_STREAMS for verb in ("CREATE", "UPDATE", "INFO"))
-
-
-def _stream_reading(streams: tuple[str, ...] = ALL_STREAMS) -> tuple[str, ...]:
-    """Read `streams` through consumers of one's own (projectors, routing, hearth-replay)."""
-    reads = []
+def stream_reading(streams: Iterable[str]) -> tuple[str, ...]:
+    """Read `streams` through ephemeral ordered consumers of one's own (events.ordered_reader): look a stream
+    up, create a consumer on it (named, with or without filter tokens; never a durable one) and delete it, and
+    answer the consumer's flow control. Nothing else: no message get or delete, no consumer on another stream."""
+    reads: list[str] = []
     for stream in streams:
-        reads += [f"{JS_API}.STREAM.INFO.{stream}", f"{JS_API}.CONSUMER.CREATE.{stream}",
-                  f"{JS_API}.CONSUMER.CREATE.{stream}.>", f"{JS_API}.CONSUMER.DELETE.{stream}.>",
-                  f"{JS_API}.CONSUMER.INFO.{stream}.>", f"{JS_API}.CONSUMER.MSG.NEXT.{stream}.>",
-                  f"{JS_API}.STREAM.MSG.GET.{stream}", f"{JS_API}.DIRECT.GET.{stream}.>",
-                  f"$JS.FC.{stream}.>", f"$JS.ACK.{stream}.>"]
-    return (f"{JS_API}.INFO", f"{JS_API}.STREAM.NAMES", f"{JS_API}.STREAM.LIST", *reads)
+        reads += [f"{JS_API}.STREAM.INFO.{stream}", f"{JS_API}.CONSUMER.CREATE.{stream}.*",
+                  f"{JS_API}.CONSUMER.CREATE.{stream}.*.>", f"{JS_API}.CONSUMER.DELETE.{stream}.*",
+                  f"$JS.FC.{stream}.>"]
+    return tuple(reads)
 
 
-def role_permissions(role: Role, name: str) -> Permissions:
-    """What a member of `role` named `name` may publish and subscribe to."""
+def role_permissions(role: Role, name: str, caller_inboxes: Iterable[str] = ()) -> Permissions:
+    """What a member of `role` named `name` may publish and subscribe to; `caller_inboxes`: the inbox prefixes
+    of the members that may call an orchestrator (its frames go there)."""
     node = node_token(name)
     own_inbox = f"{inbox_prefix(name)}.>"
     if role == "shard":
@@ -75,24 +100,27 @@ def role_permissions(role: Role, name: str) -> Permissions:
             # The shards stream only: `hearth host` reads the mesh's coverage to choose its layers; the pipelines
             # stream (who called, which hops) is none of a shard host's business.
             publish=(shard_events_subject_of_node(name), "hearth.act.>", "hearth.ack.>", "hearth.notice.>",
-                     *_stream_management(), *_stream_reading((SHARDS_STREAM,))),
+                     *stream_reading((SHARDS_STREAM,))),
             subscribe=(f"hearth.ctl.{node}.>", f"hearth.act.{node}.>", f"hearth.ack.{node}.>",
                        "hearth.keepalive.>", own_inbox),
+            # Control replies go back to the orchestrator that asked (services/shard/server.py answers `_INBOX.`
+            # subjects only).
             allow_responses=True,
         )
     if role == "orchestrator":
         return Permissions(
+            # Frames go to the callers' inboxes by name, not through `allow_responses`: nats-server forgets a
+            # response permission at every configuration reload (each roster change) and on a reconnect to
+            # another node of a cluster, and a streamed answer outlives both. Which caller's inbox a call may
+            # use is checked by the orchestrator itself (services/orchestrator/service.py).
             publish=(PIPELINE_EVENTS_WILDCARD, INTEGRITY_EVENTS_WILDCARD, "hearth.ctl.>", "hearth.act.>",
-                     "hearth.ack.>", "hearth.keepalive.>", f"{INBOX_ROOT}.>", *_stream_management(),
-                     *_stream_reading()),
+                     "hearth.ack.>", "hearth.keepalive.>",
+                     *(f"{prefix}.>" for prefix in sorted(set(caller_inboxes))), *stream_reading(ALL_STREAMS)),
             subscribe=(CHAT_REQUEST_SUBJECT, MODELS_REQUEST_SUBJECT, f"hearth.act.{node}.>", "hearth.ack.>",
                        "hearth.notice.>", own_inbox),
-            allow_responses=True,
         )
-    if role == "projector":
-        return Permissions(publish=(*_stream_management(), *_stream_reading()), subscribe=(own_inbox,))
-    if role == "auditor":
-        return Permissions(publish=_stream_reading(), subscribe=(own_inbox,))
+    if role in ("projector", "auditor"):
+        return Permissions(publish=stream_reading(ALL_STREAMS), subscribe=(own_inbox,))
     if role == "client":
         return Permissions(publish=(CHAT_REQUEST_SUBJECT, MODELS_REQUEST_SUBJECT), subscribe=(own_inbox,))
     if role == "system":
@@ -107,9 +135,15 @@ def admitted(member: Member, min_activation_trust: TrustLevel = DEFAULT_MIN_ACTI
     return True
 
 
+def caller_inbox_prefixes(roster: Roster) -> tuple[str, ...]:
+    """The inbox prefixes of the roster's members that may call an orchestrator."""
+    return tuple(inbox_prefix(member.name) for member in roster.members if member.role in CALLER_ROLES)
+
+
 def authorization_users(roster: Roster, *,
                         min_activation_trust: TrustLevel = DEFAULT_MIN_ACTIVATION_TRUST) -> list[dict]:
-    return [{"nkey": member.public_key, "permissions": role_permissions(member.role, member.name).render()}
+    callers = caller_inbox_prefixes(roster)
+    return [{"nkey": member.public_key, "permissions": role_permissions(member.role, member.name, callers).render()}
             for member in roster.members if admitted(member, min_activation_trust)]
 
 

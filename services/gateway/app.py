@@ -1,10 +1,11 @@
 """The gateway's ASGI app (Starlette): OpenAI's /v1/models, /v1/chat/completions and /v1/completions over the
-mesh's `llm.chat.request`, plus /healthz and /metrics.
+mesh's `llm.chat.request`, plus /healthz (its /metrics has a server of its own: `hearth gateway --metrics-port`).
 
 No HTTP status is sent before the call's first token or its final frame, so a call the mesh refuses or cannot
 serve gets its own status (400, 404, 429, 503, ...) even when streamed; after the first token a streamed call
 that fails ends with an OpenAI error event instead of `data: [DONE]`. A client that disconnects, while waiting
 or mid-stream, has its call's inbox closed at once, which ends the call on the orchestrator and frees the hops.
+No CORS headers are sent unless `[gateway] cors_allowed_origins` names the web origins that may call from a browser.
 """
 
 from __future__ import annotations
@@ -17,19 +18,24 @@ from contextlib import ExitStack
 import anyio
 from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from services.common.chat_protocol import BadRequest, DoneFrame, TokenDeltaFrame, describe_validation_error
-from services.common.metrics import counter, histogram, render_metrics
+from services.common.metrics import counter, histogram
 from services.gateway.answers import SSE_DONE, AnswerShape, ChatShape, CompletionShape, sse_event
 from services.gateway.errors import GatewayError, bad_request, from_frame
 from services.gateway.mesh import AnswerFrame, ClientGone, Gateway, MeshCall, unless_disconnected
 from services.gateway.openai_models import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, Unsupported
 
 log = logging.getLogger(__name__)
-ROUTES = ("/v1/models", "/v1/chat/completions", "/v1/completions", "/healthz", "/metrics")
+ROUTES = ("/v1/models", "/v1/chat/completions", "/v1/completions", "/healthz")
+# What a browser page from an allowed origin may do ([gateway] cors_allowed_origins).
+CORS_METHODS = ("GET", "POST")
+CORS_HEADERS = ("Authorization", "Content-Type")
 # nginx's "client closed request": recorded in /metrics for calls whose client left before the answer.
 CLIENT_CLOSED_STATUS = 499
 latency_buckets_s = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
@@ -107,9 +113,6 @@ class GatewayApp:
                         open_calls=self.gateway.open_calls)
         return JSONResponse(health.model_dump(), status_code=200 if connected else 503)
 
-    async def metrics(self, request: Request) -> Response:
-        return Response(render_metrics(), media_type="text/plain; version=0.0.4")
-
     async def models(self, request: Request) -> Response:
         try:
             self.gateway.caller(request.headers.get("authorization"))
@@ -139,7 +142,7 @@ class GatewayApp:
             except BadRequest as error:
                 raise bad_request(str(error)) from None
             await self.gateway.check_model(chat_request.model)
-            slot.enter_context(self.gateway.open_call())
+            slot.enter_context(self.gateway.open_call(caller))
             model = chat_request.model or (await self.gateway.models()).default_model or "default"
             shape = shape_class(id=id_prefix + chat_request.request_id, model=model)
             call = self.gateway.call(chat_request, caller)
@@ -223,9 +226,11 @@ def _first_param(error: ValidationError) -> str | None:
 def create_app(gateway: Gateway) -> MetricsMiddleware:
     """The ASGI app for `gateway`, wrapped in its metrics."""
     handlers = GatewayApp(gateway)
-    app = Starlette(routes=[
+    origins = gateway.settings.gateway.cors_allowed_origins
+    middleware = [Middleware(CORSMiddleware, allow_origins=origins, allow_methods=CORS_METHODS,
+                             allow_headers=CORS_HEADERS)] if origins else []
+    app = Starlette(middleware=middleware, routes=[
         Route("/healthz", handlers.healthz, methods=["GET"]),
-        Route("/metrics", handlers.metrics, methods=["GET"]),
         Route("/v1/models", handlers.models, methods=["GET"]),
         Route("/v1/chat/completions", handlers.chat_completions, methods=["POST"]),
         Route("/v1/completions", handlers.completions, methods=["POST"]),

@@ -15,12 +15,15 @@ import typer
 from services.common.cli_options import (
     CredsOption,
     InsecureOption,
+    MetricsHostOption,
+    MetricsPortOption,
     NatsUrlOption,
     WaitForNatsOption,
     long_running,
     resolve_nats_url,
     settings,
     use_credentials,
+    use_metrics_host,
     wait_for_nats,
 )
 
@@ -38,13 +41,13 @@ def community_of(creds_file: Path | None) -> Path | None:
     return roster.parent if roster is not None else None
 
 
-def listening_socket(host: str, port: int) -> socket.socket:
+def listening_socket(host: str, port: int, backlog: int) -> socket.socket:
     """A bound, listening socket (port 0: any free one); CommandRefused when the address cannot be had."""
     from services.common.lifecycle import CommandRefused
 
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     try:
-        return socket.create_server((host, port), family=family)
+        return socket.create_server((host, port), family=family, backlog=backlog)
     except OSError as error:
         raise CommandRefused(f"cannot listen on {host}:{port}: {error.strerror or error}") from None
 
@@ -55,12 +58,14 @@ def base_url(sock: socket.socket) -> str:
 
 
 async def run_gateway(hearth_settings, nats_url: str, *, community_dir: Path | None, sock: socket.socket,
-                      ready_file: Path | None, stop_event: asyncio.Event) -> None:
+                      ready_file: Path | None, stop_event: asyncio.Event, metrics_port: int = 0) -> None:
     import uvicorn
 
     from services.common.lifecycle import CommandRefused, unless_stopped
+    from services.common.metrics import serve_process_metrics
     from services.common.nats_connection import connect_nats, drain_or_close
     from services.gateway.app import create_app
+    from services.gateway.http_server import server_config
     from services.gateway.keys import ApiKeyError, WatchedApiKeyring
     from services.gateway.mesh import Gateway
 
@@ -76,11 +81,11 @@ async def run_gateway(hearth_settings, nats_url: str, *, community_dir: Path | N
             raise CommandRefused(str(error)) from None
     nc = await unless_stopped(connect_nats(nats_url, name="hearth-gateway", settings=hearth_settings.nats), stop_event)
     gateway_settings = hearth_settings.gateway
-    config = uvicorn.Config(create_app(Gateway(nc, hearth_settings, keyring)), lifespan="off", access_log=False,
-                            log_level="warning", timeout_graceful_shutdown=gateway_settings.shutdown_grace_s)
-    server = Server(config)
+    server = Server(server_config(create_app(Gateway(nc, hearth_settings, keyring)), gateway_settings))
     serving = asyncio.create_task(server.serve(sockets=[sock]), name="uvicorn")
+    metrics_server = None
     try:
+        metrics_server = serve_process_metrics(metrics_port, "gateway", host=hearth_settings.metrics.host)
         while not server.started:
             if serving.done():
                 serving.result()
@@ -96,6 +101,8 @@ async def run_gateway(hearth_settings, nats_url: str, *, community_dir: Path | N
         await asyncio.wait((stopping, serving), return_when=asyncio.FIRST_COMPLETED)
         stopping.cancel()
     finally:
+        if metrics_server is not None:
+            metrics_server.stop()
         server.should_exit = True
         with contextlib.suppress(Exception, asyncio.CancelledError):
             await asyncio.wait_for(serving, timeout=gateway_settings.shutdown_grace_s + 1.0)
@@ -120,15 +127,19 @@ def gateway_command(
     ready_file: Annotated[Optional[Path], typer.Option(
         "--ready-file", help="Write the gateway's base URL to this file once it serves.", show_default=False)] = None,
     wait_for_nats_flag: WaitForNatsOption = False,
+    metrics_port: MetricsPortOption = 0,
+    metrics_host: MetricsHostOption = None,
 ) -> None:
     """Serve an OpenAI-compatible HTTP API (Starlette on uvicorn) in front of the mesh: /v1/models,
-    /v1/chat/completions, /v1/completions (streamed as server-sent events or not), /healthz, /metrics.
+    /v1/chat/completions, /v1/completions (streamed as server-sent events or not), /healthz; /metrics on its own
+    port (--metrics-port).
 
     On a community mesh every call needs an API key (Authorization: Bearer KEY) of a member, and is signed
     with that member's key; with --insecure (an open mesh) no key is asked for."""
     from services.common.lifecycle import run_until_stopped
 
     wait_for_nats(ctx, wait_for_nats_flag)
+    use_metrics_host(ctx, metrics_host)
     identity = use_credentials(ctx, "hearth gateway", creds, insecure)
     hearth_settings = settings(ctx)
     community_dir = None
@@ -139,11 +150,13 @@ def gateway_command(
             typer.echo("hearth gateway: on a community mesh API keys are needed: give --community DIR (with "
                        "api_keys.json from `hearth community api-key`)", err=True)
             raise typer.Exit(1)
-    sock = listening_socket(host or hearth_settings.gateway.host,
-                            hearth_settings.gateway.port if port is None else port)
+    gateway_settings = hearth_settings.gateway
+    sock = listening_socket(host or gateway_settings.host, gateway_settings.port if port is None else port,
+                            gateway_settings.listen_backlog)
     url = resolve_nats_url(ctx, nats_url)
     run_until_stopped(lambda stop_event: run_gateway(hearth_settings, url, community_dir=community_dir, sock=sock,
-                                                     ready_file=ready_file, stop_event=stop_event))
+                                                     ready_file=ready_file, stop_event=stop_event,
+                                                     metrics_port=metrics_port))
 
 
 def start_demo_gateway(cluster, member: str, model_id: str, *, chat: bool) -> list[str]:

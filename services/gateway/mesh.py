@@ -1,9 +1,10 @@
 """The gateway's side of the mesh: one NATS connection, who may call (API keys), which models exist, how many
-calls are open, and MeshCall, one `llm.chat.request` whose frames the HTTP side reads.
+calls are open (in all and per member), and MeshCall, one `llm.chat.request` whose frames the HTTP side reads.
 
 A call is signed for the member its API key belongs to (services.common.chat_client signs with that key), so the
 orchestrator records that member as the caller. Frames the HTTP answer does not carry (pipeline, shard status,
-failover, keepalive, queued, and types added later) are skipped: a failover is a pause in the text, nothing more.
+failover, keepalive, queued, and types added later) are skipped: a failover is a pause in the text, nothing more;
+so is anything on the inbox that is no frame at all (services.common.chat_client skips it).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import Counter
 from collections.abc import Awaitable
 from typing import TypeVar
 
@@ -52,6 +54,7 @@ class Gateway:
         self.settings = settings
         self.keyring = keyring
         self.open_calls = 0
+        self.open_calls_by_member: Counter[str] = Counter()
         self._known_models: set[str] = set()
 
     def caller(self, authorization: str | None) -> Caller | None:
@@ -89,17 +92,30 @@ class Gateway:
             raise unknown_model(model)
 
     @contextlib.contextmanager
-    def open_call(self):
-        """Counts a call as open while inside; 429 when `[gateway] max_open_requests` are open already."""
-        limit = self.settings.gateway.max_open_requests
-        if self.open_calls >= limit:
-            raise overloaded(f"this gateway has {limit} calls open ([gateway] max_open_requests); try again",
-                             self.settings.gateway.retry_after_s)
+    def open_call(self, caller: Caller | None):
+        """Counts a call as open while inside; 429 when `[gateway] max_open_requests` are open already, or
+        `max_open_requests_per_caller` of the member `caller` (all its API keys together; an open mesh has no
+        members, so only the first limit applies there)."""
+        settings = self.settings.gateway
+        if self.open_calls >= settings.max_open_requests:
+            raise overloaded(f"this gateway has {settings.max_open_requests} calls open ([gateway] "
+                             "max_open_requests); try again", settings.retry_after_s)
+        member = caller.name if caller is not None else None
+        if member is not None and self.open_calls_by_member[member] >= settings.max_open_requests_per_caller:
+            raise overloaded(f"this API key's member has {settings.max_open_requests_per_caller} calls open "
+                             "([gateway] max_open_requests_per_caller); try again when one ends",
+                             settings.retry_after_s)
         self.open_calls += 1
+        if member is not None:
+            self.open_calls_by_member[member] += 1
         try:
             yield
         finally:
             self.open_calls -= 1
+            if member is not None:
+                self.open_calls_by_member[member] -= 1
+                if not self.open_calls_by_member[member]:
+                    del self.open_calls_by_member[member]
 
     def call(self, request: ChatRequest, caller: Caller | None) -> "MeshCall":
         return MeshCall(self, request, caller)

@@ -10,6 +10,7 @@ from services.common.cli_options import (
     HostNodeIdOption,
     ModelIdOption,
     BusyThreadsOption,
+    MetricsHostOption,
     MetricsPortOption,
     ReadyFileOption,
     TorchThreadsOption,
@@ -24,6 +25,7 @@ from services.common.cli_options import (
     resolve_nats_url,
     settings,
     use_credentials,
+    use_metrics_host,
     wait_for_nats,
 )
 
@@ -45,6 +47,7 @@ def host_command(
     busy_threads: BusyThreadsOption = None,
     ready_file: ReadyFileOption = None,
     metrics_port: MetricsPortOption = 0,
+    metrics_host: MetricsHostOption = None,
     wait_for_nats_flag: WaitForNatsOption = False,
     creds: CredsOption = None,
     insecure: InsecureOption = False,
@@ -55,6 +58,7 @@ def host_command(
     from services.host.main import run_host
 
     wait_for_nats(ctx, wait_for_nats_flag)
+    use_metrics_host(ctx, metrics_host)
     node_id = node_id_for("hearth host", use_credentials(ctx, "hearth host", creds, insecure), node_id, "shard")
     url = resolve_nats_url(ctx, nats_url)
     run_until_stopped(lambda stop_event: run_host(

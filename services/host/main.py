@@ -26,7 +26,7 @@ from inference import read_config_dict, resolve_model_path, weights_sha256
 from inference.memory import MiB, layer_weight_bytes, megabytes
 from readmodels.runner import Projector
 from services.common.config import HearthSettings, serve_shards_refused
-from services.common.event_trust import event_verifier
+from services.common.event_trust import event_verifier, stream_setup
 from services.common.lifecycle import unless_stopped
 from services.common.metrics import serve_process_metrics
 from services.common.nats_connection import connect_nats, drain_or_close
@@ -143,10 +143,10 @@ async def run_host(*, model: str, memory_budget_mb: float | None, nats_url: str 
     metrics_server = None
     with tempfile.TemporaryDirectory(prefix="hearth-host-") as folder:
         projector = Projector(Path(folder) / "coverage.sqlite", nc.jetstream(), streams=(SHARDS_STREAM,),
-                              verifier=event_verifier(settings))
+                              verifier=event_verifier(settings), stream_setup=stream_setup(settings.nats))
         try:
             # Served once for the host's life: its figures carry on across a move (the range is a label).
-            metrics_server = serve_process_metrics(metrics_port, f"host {node}")
+            metrics_server = serve_process_metrics(metrics_port, f"host {node}", host=settings.metrics.host)
             await projector.start()
             coverage = coverage_from(projector, settings, node, model_id=served_id, weights_sha256=digest,
                                      total_layers=total_layers)

@@ -1,6 +1,10 @@
 """Admission of a valid request against its model: the prompt is tokenized only when it can fit the model's
 context, its tokens plus `max_tokens` must fit, and every refusal is a BadRequest naming the fields.
 
+Two moments, so that tokenizing waits its turn: `prompt_room` is cheap and is checked as a request arrives;
+`admit_prompt` tokenizes and is called once the call's turn in the fair queue came (services/orchestrator/
+queue.py), so one caller's long prompts and large templates never run ahead of other callers' calls.
+
 Why a bound before tokenizing: tokenizing a 1 M-character prompt takes seconds, and a prompt that long could
 never fit a context anyway. TokenLowerBound says, in one pass of the normalizer, how many tokens the text needs
 at least; beyond the room the context leaves, the request is refused without tokenizing it.
@@ -10,25 +14,36 @@ from __future__ import annotations
 
 from jinja2 import TemplateError
 
-from inference import InferenceError
+from inference import Head, InferenceError
 from inference.compute_thread import on_compute_thread
 from services.common.chat_protocol import BadRequest, ChatRequest
 from services.orchestrator.catalog import LoadedModel
 
 # A chat template's own error message is the client's to read, but only its start.
 template_error_chars = 300
+# Control tokens written as text in a request's messages are each encoded on their own (inference/head.py
+# `encode_chat`), several times the cost of plain text; a request writing more is refused before tokenizing.
+max_control_tokens_in_messages = 1024
 # The exceptions tokenizing a client's text can raise because of that text (anything else is our bug).
 _INPUT_ERRORS = (TemplateError, InferenceError, ValueError, TypeError)
+
+
+def prompt_room(request: ChatRequest, model: LoadedModel) -> int | None:
+    """The tokens the model's context leaves for the prompt (None: unknown), or BadRequest when `max_tokens`
+    leaves none; no tokenizing."""
+    context = model.context_length
+    room = None if context is None else context - request.max_tokens
+    if room is not None and room < 1:
+        raise BadRequest(f"field 'max_tokens': max_tokens {request.max_tokens} leaves no room for a prompt in the "
+                         f"model's context of {context} tokens")
+    return room
 
 
 async def admit_prompt(request: ChatRequest, model: LoadedModel) -> list[int]:
     """The request's prompt token ids, or BadRequest when its prompt cannot be served with this model."""
     field = "messages" if request.messages is not None else "prompt"
     context = model.context_length
-    room = None if context is None else context - request.max_tokens
-    if room is not None and room < 1:
-        raise BadRequest(f"field 'max_tokens': max_tokens {request.max_tokens} leaves no room for a prompt in the "
-                         f"model's context of {context} tokens")
+    room = prompt_room(request, model)
     prompt_ids, at_least = await on_compute_thread(_tokenize_within, request, model, room)
     if prompt_ids is None:
         raise BadRequest(f"fields '{field}' and 'max_tokens': the prompt's at least {at_least} tokens plus "
@@ -52,6 +67,8 @@ def _tokenize_within(request: ChatRequest, model: LoadedModel, room: int | None)
         raise BadRequest(f"field 'model': model {model.model_id} has no tokenizer on this orchestrator")
     if messages is not None and not getattr(head.tokenizer, "chat_template", None):
         raise BadRequest(f"field 'messages': model {model.model_id} has no chat template; send 'prompt' instead")
+    if messages is not None:
+        _refuse_many_control_tokens(head, messages)
     try:
         if messages is not None:
             text = head.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
@@ -65,3 +82,10 @@ def _tokenize_within(request: ChatRequest, model: LoadedModel, room: int | None)
         first_line = (str(error).splitlines() or [type(error).__name__])[0][:template_error_chars]
         raise BadRequest(f"field '{field}': the model's tokenizer or chat template refused it: {first_line}") from None
     return list(ids), 0
+
+
+def _refuse_many_control_tokens(head: Head, messages: list[dict[str, str]]) -> None:
+    written = head.control_tokens_in(message["content"] for message in messages)
+    if written > max_control_tokens_in_messages:
+        raise BadRequest(f"field 'messages': {written} control tokens of the chat template written as text, more than "
+                         f"{max_control_tokens_in_messages}")

@@ -138,6 +138,8 @@ class Call:
     eviction_reprefills: int = 0
     # Shards this call routes around: they failed or refused it.
     excluded: set[str] = field(default_factory=set)
+    # Shards that reported bad input from the hop before them in this call (services/orchestrator/chain.py).
+    accusers: set[str] = field(default_factory=set)
 
     @property
     def known_ids(self) -> list[int]:

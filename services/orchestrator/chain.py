@@ -2,9 +2,11 @@
 StepFailure saying which hop failed and why; LocalChain runs a step on a whole local model (the fallback).
 
 A step fails (a typed result, never an exception) when:
-- a hop tells us so at once on the pipeline's notice subject: its layers raised (`step_failed`, that hop is
-  to blame), its input failed an integrity check (`corrupt`, the hop before it is to blame), or its session's KV
-  cache was evicted (`evicted`: nobody is to blame; the caller re-prefills on the same chain);
+- a hop tells us so at once on the pipeline's notice subject (a notice counts only with the MAC of the hop it
+  names, services/transport/notices.py): its layers raised (`step_failed`, that hop is to blame), its input
+  failed an integrity check (`reported`: the hop before it is routed around for this call, but blamed nowhere,
+  since the orchestrator cannot verify the report), or its session's KV cache was evicted (`evicted`: nobody is
+  to blame; the caller re-prefills on the same chain);
 - the output that reaches us fails the integrity check (`corrupt`, the last hop);
 - the stall watch finds a hop gone or holding the step too long (`gone`, `stalled`; services/orchestrator/stall.py);
 - our connection to the broker was lost while the step was out (`broker`, nobody's shard is to blame).
@@ -38,7 +40,7 @@ from services.common.control_protocol import (
     keepalive_subject,
 )
 from services.common.nats_connection import flush_ordered
-from services.orchestrator.metrics import HopLatencies
+from services.orchestrator.metrics import HopLatencies, hop_notices_refused_total
 from services.orchestrator.router import Hop
 from services.orchestrator.stall import StallWatch, StepFailure
 from services.transport import (
@@ -58,6 +60,7 @@ from services.transport import (
 )
 from services.transport.integrity import NormBounds, count_integrity_failure
 from services.transport.mac import encode_link_key, new_link_key
+from services.transport.notices import read_notice
 
 log = logging.getLogger(__name__)
 
@@ -89,8 +92,11 @@ class HopChain:
                  weights_sha256: str, transport: TransportSettings, wire_dtype: str = "auto",
                  sink_bounds: NormBounds | None = None, hidden_size: int | None = None,
                  max_session_tokens: int | None = None,
-                 on_round_trip: Callable[[str, float], None] | None = None) -> None:
+                 on_round_trip: Callable[[str, float], None] | None = None, accusers: set[str] | None = None) -> None:
         self.nc = nc
+        # The call's shards that reported bad input before (shared by its chains): one that reports again is the
+        # common factor of its reports, and is routed around itself.
+        self.accusers = set() if accusers is None else accusers
         # Told (shard_id, seconds) for every hop that answered `open`: routing's measured round trip.
         self.on_round_trip = on_round_trip
         self.node_id = node_id
@@ -103,6 +109,8 @@ class HopChain:
         self.session_id = uuid.uuid4().hex[:16]
         # One fresh MAC key per link (into hop i; the last into our sink), told only to the link's two ends.
         self.link_keys = [new_link_key() if transport.activation_macs else None for _ in range(len(hops) + 1)]
+        # And one per hop for its notices, told to that hop alone: a notice can speak only for its sender's hop.
+        self.notice_keys = [new_link_key() for _ in hops]
         self.sink_bounds = sink_bounds or NormBounds()
         self._sender = AckWindowSender(nc, pipeline_id, 0, nodes=LinkNodes(sender=node_id, receiver=hops[0].node_id),
                                        link_key=self.link_keys[0],
@@ -169,6 +177,7 @@ class HopChain:
             downstream_node=node_token(self.hops[index + 1].node_id if index + 1 < len(self.hops) else self.node_id),
             inbound_link_key=_encoded(self.link_keys[index]),
             outbound_link_key=_encoded(self.link_keys[index + 1]),
+            notice_key=encode_link_key(self.notice_keys[index]),
         )
         asked_at = time.perf_counter()
         message = await self.nc.request(hop.control_subject, request.model_dump_json().encode(),
@@ -209,12 +218,14 @@ class HopChain:
             self._notice_sub = None
 
     async def _on_notice(self, msg: Msg) -> None:
-        try:
-            notice = HopNotice.model_validate_json(msg.data)
-        except Exception:
+        notice = read_notice(msg.data, msg.headers, pipeline_id=self.pipeline_id, session_id=self.session_id,
+                             notice_keys=self.notice_keys)
+        if isinstance(notice, str):
+            hop_notices_refused_total.labels(notice).inc()
+            log.debug("pipeline %s: dropped a hop notice (%s)", self.pipeline_id, notice)
             return
         # Only steps out now: a late notice of an earlier step (one re-prefilled since) is stale.
-        if notice.session_id == self.session_id and notice.hop < len(self.hops) and notice.step in self._outstanding:
+        if notice is not None and notice.step in self._outstanding:
             self._notices.append(notice)
             self._sink.interrupt_waiters()
 
@@ -236,11 +247,22 @@ class HopChain:
         if notice.problem == "step_failed":
             return StepFailure("step_failed", self.hops[notice.hop].shard_id,
                                f"step {notice.step} failed on it: {notice.message}")
-        # Hop i saw corrupted input: hop i-1 produced it (hop 0's input comes from us).
-        culprit = self.hops[max(notice.hop - 1, 0)]
+        # Hop i says its input failed a check: an accusation of hop i-1 (of us, for hop 0) that we cannot verify.
+        # The step cannot go on, so the accused is routed around for this call (the reporter itself, for hop 0 or
+        # when it accused before in this call), but the failure is `reported`: blamed in no event and kept out of
+        # no other call's routing (pipeline.py).
+        reporter = self.hops[notice.hop]
         detail = f": {notice.message}" if notice.message else ""
-        return StepFailure("corrupt", culprit.shard_id,
-                           f"hop {notice.hop} received activations failing the {notice.check} check{detail}",
+        if notice.hop == 0 or reporter.shard_id in self.accusers:
+            accused = "this orchestrator" if notice.hop == 0 else "the hop before it (its second report)"
+            return StepFailure("reported", reporter.shard_id,
+                               f"hop {notice.hop} reported that its input from {accused} failed the {notice.check} "
+                               f"check{detail} (unverified: the reporter is routed around for this call, not blamed)",
+                               check=notice.check)
+        self.accusers.add(reporter.shard_id)
+        return StepFailure("reported", self.hops[notice.hop - 1].shard_id,
+                           f"hop {notice.hop} ({reporter.shard_id}) reported that its input from this shard failed "
+                           f"the {notice.check} check{detail} (unverified: routed around for this call, not blamed)",
                            check=notice.check)
 
     def _broker_failure(self, epoch: int, doing: str) -> StepFailure | None:

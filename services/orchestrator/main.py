@@ -56,7 +56,8 @@ async def run_orchestrator(settings: HearthSettings, options: OrchestratorOption
         raise CommandRefused(str(error)) from None
     metrics_server = None
     try:
-        metrics_server = serve_process_metrics(options.metrics_port, f"orchestrator {options.node_id}")
+        metrics_server = serve_process_metrics(options.metrics_port, f"orchestrator {options.node_id}",
+                                               host=settings.metrics.host)
         await orchestrator.start()
         for model in preload:
             await orchestrator.catalog.preload(model)

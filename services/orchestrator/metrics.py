@@ -26,6 +26,7 @@ from events.models import (
 from services.common.chat_protocol import DoneFrame, ErrorCode, ErrorFrame, PipelineAbortedFrame
 from services.common.metrics import counter, gauge, histogram, metrics_observed
 from services.orchestrator.stall import FailureKind
+from services.transport.notices import NOTICE_REFUSALS
 
 # A call that ended without a final frame: its client went away, or the orchestrator stopped under it.
 CLIENT_GONE = "client_gone"
@@ -56,6 +57,10 @@ shard_latency_seconds = histogram(
     ["shard_id"], buckets=hop_buckets_s)
 failovers_total = counter(
     "hearth_failovers_total", "Pipelines repaired around a failed shard, by what went wrong with it.", ["reason"])
+hop_notices_refused_total = counter(
+    "hearth_hop_notices_refused_total",
+    "Hop notices of this orchestrator's pipelines dropped unread: `malformed`, or `mac` (not sent by the hop it "
+    "names: forged, or another hop speaking for it).", ["reason"])
 fallback_to_local_total = counter(
     "hearth_fallback_to_local_total", "Calls finished on a whole local model because the mesh could not serve them.")
 shard_corruption_detected_total = counter(
@@ -71,6 +76,8 @@ head_batch_rows_total = counter(
     "hearth_head_batch_rows_total", "Call head steps run in those batches (rows / batches: the mean batch size).")
 calls_in_flight = gauge("hearth_calls_in_flight", "Calls running through a pipeline now (queued ones excluded).")
 
+for _reason in NOTICE_REFUSALS:
+    hop_notices_refused_total.labels(_reason)
 for _reason in get_args(FailureKind):
     failovers_total.labels(_reason)
 for _code in (OK, CLIENT_GONE, ORCHESTRATOR_GONE, *get_args(ErrorCode)):

@@ -206,7 +206,7 @@ class PipelineRun:
         model = self.call.model
         # No step of this call reaches beyond its prompt plus max_tokens: every hop refuses frames that would.
         return HopChain(self.ctx.nc, self.call.pipeline_id, hops, node_id=self.ctx.node_id, model_id=model.model_id,
-                        weights_sha256=model.weights_sha256, transport=self.transport,
+                        weights_sha256=model.weights_sha256, transport=self.transport, accusers=self.call.accusers,
                         wire_dtype=self.policy.activation_dtype,
                         sink_bounds=self.ctx.sink_bounds.setdefault(model.model_id, NormBounds()),
                         hidden_size=model.head.info.hidden_size,
@@ -251,16 +251,17 @@ class PipelineRun:
             return await self._rebuild_after_broker_loss(failure, decoding)
         call, ctx = self.call, self.ctx
         log.warning("pipeline %s: %s", call.pipeline_id, failure)
+        # Events blame a shard only on what we verified; a hop's `reported` word reroutes this call, no other.
         if failure.kind == "corrupt" and failure.check:
             await self._record(IntegrityCorruptionDetected(node_id=ctx.node_id, pipeline_id=call.pipeline_id,
                                                            shard_id=failure.shard_id, check=failure.check))
-        await self._record(PipelineShardStatus(node_id=ctx.node_id, pipeline_id=call.pipeline_id,
-                                               shard_id=failure.shard_id, status="degraded", reason=failure.reason))
-        await call.client.send(ShardStatusFrame(seq=0, shard_id=failure.shard_id, status="degraded",
-                                                reason=failure.reason))
+        status = dict(shard_id=failure.shard_id, status="degraded", reason=failure.reason)
+        if failure.verified:
+            ctx.recent_failures.add(failure.shard_id)
+            await self._record(PipelineShardStatus(node_id=ctx.node_id, pipeline_id=call.pipeline_id, **status))
+        await call.client.send(ShardStatusFrame(seq=0, **status))
         await self.close()
         call.excluded.add(failure.shard_id)
-        ctx.recent_failures.add(failure.shard_id)
         # `fallback_to_local_after_failures` failovers are allowed; the failure after them falls back.
         if call.failovers >= self.policy.fallback_to_local_after_failures:
             await self._fall_back_or_abort(decoding, "shard_unavailable",

@@ -1,12 +1,19 @@
 """FairQueue: admission of calls to run, in a bounded queue served round-robin by caller.
 
-A call starts at once when the orchestrator runs fewer than `max_running` calls and its caller fewer than
-`max_per_caller`; otherwise it waits in its caller's lane and is told its place (`on_position`), and again
-whenever that place changes. Beyond `max_queued` waiting calls a new one is refused (`Overloaded`), never
-queued. Lanes are served in turn: one call of each caller with something runnable, then the next round, so
-one caller's burst never holds back another caller's single call.
+A call starts at once when the orchestrator runs fewer than `max_running` calls and its caller fewer than its
+running share; otherwise it waits in its caller's lane and is told its place (`on_position`), and again
+whenever that place changes. Lanes are served in turn: one call of each caller with something runnable, then
+the next round, so one caller's burst never holds back another caller's single call.
 
-Callers are roster names on a community mesh; every unsigned caller (an open mesh) shares one lane.
+Shares, so that one member can never lock the others out: a caller runs at most `max_per_caller` calls and
+never every running place (at most `max_running - 1` when there are several), and waits with at most
+`max_queued_per_caller` calls; one more is refused (`Overloaded`), never queued. When all `max_queued` places
+are taken, a caller with fewer waiting calls still gets in: the newest call of the caller waiting with the most
+is refused in its stead. The running share is derived rather than validated because its two settings live in
+different sections with their own defaults, and either may be set alone.
+
+Callers are roster names on a community mesh; every unsigned caller (an open mesh, where nothing tells callers
+apart) shares one lane, bounded by `max_per_caller` and the whole queue only.
 The queue is pure asyncio state (no I/O of its own): the service wires the position callback to the client.
 """
 
@@ -34,11 +41,11 @@ class LeftQueue(Exception):
 
 
 class Overloaded(Exception):
-    """The queue is full: the call is refused and its client should come back after `retry_after_s`."""
+    """The queue, or the caller's share of it, is full: the call is refused and its client should come back
+    after `retry_after_s`."""
 
-    def __init__(self, queued: int, retry_after_s: float) -> None:
-        super().__init__(f"{queued} calls are already waiting on this orchestrator (max_queued_requests); "
-                         f"retry after {retry_after_s:g} s")
+    def __init__(self, reason: str, retry_after_s: float) -> None:
+        super().__init__(f"{reason}; retry after {retry_after_s:g} s")
         self.retry_after_s = retry_after_s
 
 
@@ -61,10 +68,14 @@ class Admission:
 class FairQueue:
     """Counts running calls per caller and hands free places to waiting calls, round-robin by caller."""
 
-    def __init__(self, *, max_running: int, max_per_caller: int, max_queued: int, retry_after_s: float) -> None:
+    def __init__(self, *, max_running: int, max_per_caller: int, max_queued: int, max_queued_per_caller: int,
+                 retry_after_s: float) -> None:
         self.max_running = max_running
         self.max_per_caller = max_per_caller
+        # A named caller's running share: below the total whenever there is more than one place.
+        self.member_running_share = min(max_per_caller, max(max_running - 1, 1))
         self.max_queued = max_queued
+        self.max_queued_per_caller = max_queued_per_caller
         self.retry_after_s = retry_after_s
         self.running = 0
         self._running_by_caller: dict[str, int] = {}
@@ -80,8 +91,8 @@ class FairQueue:
     async def place(self, caller: str | None, on_position: PositionCallback | None = None,
                     client_gone: asyncio.Event | None = None) -> AsyncIterator[Admission]:
         """Hold a running place for the body's duration, waiting for one first when needed; Overloaded when the
-        queue is full, LeftQueue when `client_gone` is set while waiting. A call cancelled while waiting leaves
-        the queue."""
+        queue or the caller's share of it is full (or later, while waiting, when another caller's call took its
+        place), LeftQueue when `client_gone` is set while waiting. A call cancelled while waiting leaves the queue."""
         lane_key = caller or ANONYMOUS_CALLER
         started = time.monotonic()
         # At rest no waiting call could start (each change dispatches), so a call that can start now jumps
@@ -110,9 +121,13 @@ class FairQueue:
 
     # ------------------------------------------------------------------ internals
 
+    def running_share(self, lane_key: str) -> int:
+        """How many calls of this caller may run at once."""
+        return self.max_per_caller if lane_key == ANONYMOUS_CALLER else self.member_running_share
+
     def _can_start(self, lane_key: str) -> bool:
         return (self.running < self.max_running
-                and self._running_by_caller.get(lane_key, 0) < self.max_per_caller)
+                and self._running_by_caller.get(lane_key, 0) < self.running_share(lane_key))
 
     def _start(self, lane_key: str) -> None:
         self.running += 1
@@ -129,8 +144,7 @@ class FairQueue:
 
     async def _wait(self, lane_key: str, on_position: PositionCallback | None,
                     client_gone: asyncio.Event | None) -> None:
-        if self.queued >= self.max_queued:
-            raise Overloaded(self.queued, self.retry_after_s)
+        self._make_room_for(lane_key)
         waiter = _Waiter(lane_key, on_position)
         self._lanes.setdefault(lane_key, deque()).append(waiter)
         self._dispatch()
@@ -147,21 +161,43 @@ class FairQueue:
         if not waiter.admitted.done():
             self._abandon(waiter)
             raise LeftQueue("the client went away while its call waited in the queue")
+        waiter.admitted.result()  # Overloaded when another caller's call took its place
+
+    def _make_room_for(self, lane_key: str) -> None:
+        """Overloaded unless a call of this caller may wait: within its share, and in a free place or one taken
+        from the newest call of a caller waiting with at least two more calls (that call is refused instead)."""
+        waiting = len(self._lanes.get(lane_key, ()))
+        if lane_key != ANONYMOUS_CALLER and waiting >= self.max_queued_per_caller:
+            raise Overloaded(f"{waiting} calls of this caller are already waiting on this orchestrator "
+                             f"(max_queued_per_caller)", self.retry_after_s)
+        if self.queued < self.max_queued:
+            return
+        longest = max(self._lanes, key=lambda key: len(self._lanes[key]), default=None)
+        if longest is None or len(self._lanes[longest]) < waiting + 2:
+            raise Overloaded(f"{self.queued} calls are already waiting on this orchestrator (max_queued_requests)",
+                             self.retry_after_s)
+        displaced = self._lanes[longest][-1]
+        displaced.admitted.set_exception(Overloaded(
+            "the queue is full (max_queued_requests) and this caller had the most calls waiting in it: its newest "
+            "made room for another caller's", self.retry_after_s))
+        self._remove(displaced, dispatch=False)
 
     def _abandon(self, waiter: _Waiter) -> None:
-        if waiter.admitted.done() and not waiter.admitted.cancelled():
+        admitted = waiter.admitted
+        if admitted.done() and not admitted.cancelled() and admitted.exception() is None:
             self._finish(waiter.caller)  # admitted just as it left: give the place back
         else:
-            waiter.admitted.cancel()
+            admitted.cancel()
             self._remove(waiter)
 
-    def _remove(self, waiter: _Waiter) -> None:
+    def _remove(self, waiter: _Waiter, *, dispatch: bool = True) -> None:
         lane = self._lanes.get(waiter.caller)
         if lane is not None and waiter in lane:
             lane.remove(waiter)
             if not lane:
                 del self._lanes[waiter.caller]
-        self._dispatch()
+        if dispatch:
+            self._dispatch()
 
     def _dispatch(self) -> None:
         """Start waiting calls while there is room, one lane after the other, then tell the rest their place."""

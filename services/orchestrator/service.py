@@ -20,10 +20,9 @@ from pydantic import ValidationError
 from sqlalchemy.orm import sessionmaker
 
 from events.outbox import EventOutbox
-from events.streams import ensure_streams
 from inference.compute_thread import StepThreads
 from readmodels.runner import Projector
-from services.common.call_signing import CallRefused
+from services.common.call_signing import CallRefused, request_header_bytes
 from services.common.chat_protocol import (
     CHAT_REQUEST_SUBJECT,
     MODELS_REQUEST_SUBJECT,
@@ -35,10 +34,11 @@ from services.common.chat_protocol import (
     parse_chat_request,
 )
 from services.common.config import HearthSettings
-from services.common.event_trust import call_verifier, event_signing_key, event_verifier
+from services.common.event_trust import call_verifier, event_signing_key, event_verifier, stream_setup
 from services.common.metrics import counter
 from services.common.nats_connection import flush_ordered
-from services.orchestrator.admission import admit_prompt
+from services.common.nats_permissions import reply_allowed
+from services.orchestrator.admission import admit_prompt, prompt_room
 from services.orchestrator.call import Call, ClientStream
 from services.orchestrator.capacity import ShardLoad
 from services.orchestrator.catalog import ModelCatalog, UnknownModel
@@ -53,7 +53,9 @@ from services.orchestrator.router import ShardRouter
 log = logging.getLogger(__name__)
 calls_refused_total = counter("hearth_calls_refused_total", "Calls refused as unauthorized, by reason", ["reason"])
 calls_by_caller_total = counter("hearth_calls_total", "Signed calls accepted, by the calling member", ["caller"])
-for _reason in ("unsigned", "unknown_signer", "bad_signature", "stale", "replayed", "untrusted"):
+# foreign_reply: a request whose reply subject is not a caller's inbox; it gets no answer at all.
+for _reason in ("unsigned", "malformed", "unknown_signer", "bad_signature", "stale", "replayed", "untrusted",
+                "foreign_reply"):
     calls_refused_total.labels(_reason)  # read 0, not nothing, before any refusal
 
 ORCHESTRATOR_QUEUE_GROUP = "hearth-orchestrators"
@@ -80,7 +82,8 @@ class Orchestrator:
         self.db_path = db_path
         # Routing reads only events the community's roster vouches for (none rejected on an open mesh), and
         # this orchestrator's own events go out signed by its member key.
-        self.projector = Projector(db_path, self.js, verifier=event_verifier(settings))
+        self.projector = Projector(db_path, self.js, verifier=event_verifier(settings),
+                                   stream_setup=stream_setup(settings.nats))
         self.outbox = EventOutbox(self.js, max_queued=settings.orchestrator.event_queue_max,
                                   retry_wait_s=settings.orchestrator.event_retry_wait_s,
                                   publish_delay_s=settings.orchestrator.event_publish_delay_s,
@@ -91,6 +94,7 @@ class Orchestrator:
         limits = settings.orchestrator
         self.queue = FairQueue(max_running=distributed.max_concurrent_pipelines,
                                max_per_caller=limits.max_streams_per_caller, max_queued=limits.max_queued_requests,
+                               max_queued_per_caller=limits.max_queued_per_caller,
                                retry_after_s=limits.overloaded_retry_after_s)
         self._subscription = None
         self._models_subscription = None
@@ -99,7 +103,6 @@ class Orchestrator:
         self._step_threads = StepThreads(busy_threads)
 
     async def start(self) -> None:
-        await ensure_streams(self.js)
         await self.projector.start()
         self.outbox.start()
         distributed = self.settings.research.distributed_inference
@@ -146,14 +149,11 @@ class Orchestrator:
         task.add_done_callback(self._requests.discard)
 
     async def _answer_models(self, msg: Msg) -> None:
-        if not msg.reply:
+        if not msg.reply or self._reply_refused(msg):
             return
-        limit = self.settings.orchestrator.max_request_bytes
         try:
-            if len(msg.data) > limit:
-                reply = ErrorFrame(seq=0, code="bad_request",
-                                   message=f"body: {len(msg.data)} bytes is over max_request_bytes {limit}")
-            else:
+            reply = self._oversized(msg)
+            if reply is None:
                 if msg.data.strip():
                     ModelsRequest.model_validate_json(msg.data)
                 reply = await describe_models(self.context.router, self.catalog)
@@ -161,6 +161,28 @@ class Orchestrator:
             reply = ErrorFrame(seq=0, code="bad_request", message=describe_validation_error(error))
         with contextlib.suppress(Exception):  # the asker or the broker is gone: nobody to tell
             await msg.respond(reply.model_dump_json().encode())
+
+    def _oversized(self, msg: Msg) -> ErrorFrame | None:
+        """A `bad_request` for a request whose body or headers are over their limits, checked before either is
+        parsed or read: a large body costs many times its size once decoded."""
+        limits = self.settings.orchestrator
+        if len(msg.data) > limits.max_request_bytes:
+            return ErrorFrame(seq=0, code="bad_request", message=(
+                f"body: {len(msg.data)} bytes is over max_request_bytes {limits.max_request_bytes}"))
+        header_bytes = request_header_bytes(msg.headers)
+        if header_bytes > limits.max_request_header_bytes:
+            return ErrorFrame(seq=0, code="bad_request", message=(
+                f"headers: {header_bytes} bytes is over max_request_header_bytes {limits.max_request_header_bytes}"))
+        return None
+
+    def _reply_refused(self, msg: Msg) -> bool:
+        """A request whose reply subject is not a caller's inbox is dropped unanswered (there is nowhere safe to
+        answer it), counted and logged without its body: answering would publish with our rights."""
+        if reply_allowed(msg.reply, self.call_verifier.role_of if self.call_verifier is not None else None):
+            return False
+        calls_refused_total.labels("foreign_reply").inc()
+        log.warning("%s request dropped: its reply subject is not a caller's inbox", msg.subject)
+        return True
 
     async def _on_request(self, msg: Msg) -> None:
         task = asyncio.create_task(self._serve(msg), name="chat-request")
@@ -170,6 +192,8 @@ class Orchestrator:
     async def _serve(self, msg: Msg) -> None:
         if not msg.reply:
             log.warning("chat request without a reply subject dropped")
+            return
+        if self._reply_refused(msg):
             return
         client = await ClientStream(self.nc, msg.reply,
                                     resubscribe_grace_s=self.settings.orchestrator.client_resubscribe_grace_s).start()
@@ -198,11 +222,9 @@ class Orchestrator:
                 await client.keep_alive(interval_s)
 
     async def _serve_request(self, msg: Msg, client: ClientStream) -> None:
-        limit = self.settings.orchestrator.max_request_bytes
-        if len(msg.data) > limit:
-            # Refused before parsing: a large body costs many times its size once decoded.
-            await client.send(ErrorFrame(seq=0, code="bad_request", message=(
-                f"body: {len(msg.data)} bytes is over max_request_bytes {limit}")))
+        refusal = self._oversized(msg)
+        if refusal is not None:
+            await client.send(refusal)
             return
         caller = None
         if self.call_verifier is not None:
@@ -233,7 +255,8 @@ class Orchestrator:
             request = request.model_copy(update={"model": served.default_model})
         try:
             model = await self.catalog.get_requested(request.model)
-            prompt_ids = await admit_prompt(request, model)
+            # Only cheap checks before the queue: the prompt is tokenized when the call's turn comes.
+            prompt_room(request, model)
         except UnknownModel as error:
             await client.send(ErrorFrame(seq=0, code="bad_request", message=f"field 'model': {error}"))
             return
@@ -242,6 +265,11 @@ class Orchestrator:
             return
         try:
             async with self.queue.place(caller, _position_teller(client), client.client_gone) as admission:
+                try:
+                    prompt_ids = await admit_prompt(request, model)
+                except BadRequest as error:
+                    await client.send(ErrorFrame(seq=0, code="bad_request", message=str(error)))
+                    return
                 run = PipelineRun(Call(request=request, model=model, client=client, prompt_ids=prompt_ids,
                                        caller=caller, queue_wait_s=admission.queue_wait_s), self.context)
                 async with self._counted_as_running():

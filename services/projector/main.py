@@ -10,9 +10,10 @@ from prometheus_client import REGISTRY, CollectorRegistry
 
 from events.signing import EventVerifier
 from readmodels.runner import Projector
-from services.common.config import NatsSettings
+from services.common.config import MetricsSettings, NatsSettings
+from services.common.event_trust import stream_setup
 from services.common.lifecycle import Stopped, unless_stopped
-from services.common.metrics import default_metrics_host, serve_process_metrics
+from services.common.metrics import serve_process_metrics
 from services.common.nats_connection import close_quietly, connect_nats, drain_or_close
 from services.projector.metrics import ProjectorCollector
 
@@ -32,7 +33,7 @@ async def run_projector(
     *,
     stop_event: asyncio.Event | None = None,
     registry: CollectorRegistry = REGISTRY,
-    metrics_host: str = default_metrics_host,
+    metrics_host: str | None = None,
     nats_settings: NatsSettings | None = None,
     verifier: EventVerifier | None = None,
     ready_file: str | Path | None = None,
@@ -53,13 +54,14 @@ async def run_projector(
                                   stop_event)
     except Stopped:
         return
-    projector = Projector(db_path, nc.jetstream(), verifier=verifier)
+    projector = Projector(db_path, nc.jetstream(), verifier=verifier, stream_setup=stream_setup(settings))
     collector = ProjectorCollector(projector)
     metrics_server = None
     try:
         await projector.start()
         registry.register(collector)
-        metrics_server = serve_process_metrics(metrics_port, "projector", host=metrics_host, registry=registry)
+        metrics_server = serve_process_metrics(metrics_port, "projector", host=metrics_host or MetricsSettings().host,
+                                               registry=registry)
         if ready_file:
             Path(ready_file).write_text("projector")
         await stop_event.wait()

@@ -11,7 +11,8 @@ class ShardFault(BaseModel):
 
     `fail` makes every step raise (as a crashing kernel or an out-of-memory error would) instead of passing
     anything on. `empty` passes on a tensor without positions (`[1, 0, hidden]`) and `misshape` one whose hidden
-    dimension is one short: a faulty sender the next hop (or the orchestrator) must refuse at once.
+    dimension is one short: a faulty sender the next hop (or the orchestrator) must refuse at once. `accuse`
+    claims that its sound input failed the norm check, as a host lying to get the hop before it blamed would.
 
     Faults start after `after_steps` healthy steps so a test can break a shard mid-generation.
     """
@@ -20,6 +21,7 @@ class ShardFault(BaseModel):
 
     nan: bool = False
     fail: bool = False
+    accuse: bool = False
     empty: bool = False
     misshape: bool = False
     scale: float | None = Field(default=None, gt=0)

@@ -1,10 +1,11 @@
 """ServedHop: one pipeline hop on a shard: receive a session's steps, run them through ShardCompute, pass the
-output on, tell the orchestrator at once (a HopNotice) when a step cannot be passed on, and notice when the
-orchestrator has gone silent.
+output on, tell the orchestrator at once (a HopNotice, with the MAC of this hop's own notice key) when a step
+cannot be passed on, and notice when the orchestrator has gone silent.
 
 A step that cannot be passed on is never dropped silently: when its input fails an integrity check the
-notice blames the hop before (`input_failed_check`), and when the layers raise it blames this hop
-(`step_failed`); either way the orchestrator fails over at once instead of waiting for a step timeout.
+notice reports the hop before (`input_failed_check`: the orchestrator routes around it for the call but cannot
+verify it, so blames nobody), and when the layers raise it blames this hop (`step_failed`); either way the
+orchestrator fails over at once instead of waiting for a step timeout.
 
 Liveness of the orchestrator: every step and every message on the pipeline's keepalive subject counts as a
 sign of life (`last_heard`). The shard's watchdog closes a hop that heard nothing for `orphan_timeout_s`
@@ -45,6 +46,7 @@ from services.transport import (
 )
 from services.transport.integrity import count_integrity_failure
 from services.transport.mac import decode_link_key
+from services.transport.notices import notice_message
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +92,8 @@ class ServedHop:
                                            idle_timeout_s=limits.idle_timeout_s, step_limits=step_limits,
                                            on_refused=self._on_refused_input)
         self._last_refused_step: int | None = None
+        # Only this hop and its orchestrator know it: our notices are the only ones that can speak for this hop.
+        self._notice_key = _link_key(request.notice_key)
         self.sender = AckWindowSender(nc, request.pipeline_id, request.hop + 1,
                                       nodes=LinkNodes(sender=node_id, receiver=request.downstream_node),
                                       link_key=_link_key(request.outbound_link_key),
@@ -211,7 +215,8 @@ class ServedHop:
                               message: str = "") -> None:
         notice = HopNotice(pipeline_id=self.pipeline_id, session_id=self.request.session_id, hop=self.request.hop,
                            step=step, problem=problem, check=check, message=message[:notice_message_chars])
+        payload, headers = notice_message(notice, self._notice_key)
         try:
-            await self.nc.publish(hop_notice_subject(self.pipeline_id), notice.model_dump_json().encode())
+            await self.nc.publish(hop_notice_subject(self.pipeline_id), payload, headers=headers)
         except Exception as error:  # the broker is gone too: the orchestrator's stall watch takes over
             log.warning("pipeline %s hop %d: notice not sent: %s", self.pipeline_id, self.request.hop, error)

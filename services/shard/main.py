@@ -235,7 +235,7 @@ async def serve_loaded_shard(loaded: LoadedShard, *, nats_url: str | None, setti
     metrics_server = None
     try:
         await server.start()
-        metrics_server = serve_process_metrics(metrics_port, f"shard {shard_id}")
+        metrics_server = serve_process_metrics(metrics_port, f"shard {shard_id}", host=settings.metrics.host)
         print(f"shard {shard_id} ready (layers {lo}-{hi} of {identity.total_layers}, weights "
               f"{identity.weights_sha256[:12]}, {identity.device_kind} {identity.dtype}, "
               f"{identity.memory_required_mb:.1f} MB)", flush=True)

@@ -21,7 +21,7 @@ from pydantic import ValidationError
 
 from events.models import ShardAdvertised, ShardHeartbeat, ShardWithdrawn
 from events.publish import publish_event
-from events.streams import ensure_streams
+from events.streams import SHARDS_STREAM, ensure_streams
 from services.common.config import HearthSettings
 from services.common.control_protocol import (
     CloseHop,
@@ -31,8 +31,9 @@ from services.common.control_protocol import (
     StatShard,
     control_request_adapter,
 )
-from services.common.event_trust import event_signing_key
+from services.common.event_trust import event_signing_key, stream_setup
 from services.common.nats_connection import flush_ordered
+from services.common.nats_permissions import reply_allowed
 from services.shard.compute import ShardCompute
 from services.shard.hops import HopLimits, ServedHop
 
@@ -74,6 +75,8 @@ class ShardServer:
         self.hop_weight = hop_weight
         # This host's member key signs its advertisements, heartbeats and withdrawals (None on an open mesh).
         self.signing_key = event_signing_key(settings.nats)
+        # On a community broker the steward creates the streams; on an open one this host does.
+        self.stream_setup = stream_setup(settings.nats)
         self.limits = HopLimits(
             idle_timeout_s=settings.research.distributed_inference.host.shard_eviction_idle_seconds,
             orphan_timeout_s=settings.transport.orphan_timeout_s, close_timeout_s=settings.shard.hop_close_timeout_s,
@@ -91,7 +94,7 @@ class ShardServer:
         return len(self._hops)
 
     async def start(self) -> None:
-        await ensure_streams(self.js)
+        await self.stream_setup.ready(self.js, (SHARDS_STREAM,))
         self._control_sub = await self.nc.subscribe(self.identity.control_subject, cb=self._on_control)
         await flush_ordered(self.nc, self.control_timeout_s)
         await self.advertise()
@@ -142,7 +145,8 @@ class ShardServer:
                 await asyncio.wait_for(self._readvertise.wait(), timeout=self.settings.advertisement_ttl_s / 3)
             self._readvertise.clear()
             try:
-                await ensure_streams(self.js)
+                if self.stream_setup.create:
+                    await ensure_streams(self.js)
                 await self.advertise()
             except Exception as error:
                 log.warning("advertisement not published: %s", error)
@@ -224,7 +228,10 @@ class ShardServer:
             await self._reply(msg, reply)
 
     async def _reply(self, msg: Msg, reply: ControlReply | ShardStat) -> None:
-        if msg.reply:
+        # Only into an inbox: an answer elsewhere (an event or API subject) would act with this host's rights.
+        if msg.reply and not reply_allowed(msg.reply):
+            log.warning("control request on %s dropped: its reply subject is not an inbox", msg.subject)
+        elif msg.reply:
             reply.shard_id = self.identity.shard_id
             with contextlib.suppress(Exception):  # the asker or the broker is gone: nobody to tell
                 await msg.respond(reply.model_dump_json().encode())

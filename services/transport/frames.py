@@ -17,13 +17,20 @@ import torch
 
 from services.common.config import TransportSettings
 from services.transport.errors import FrameError
-from services.transport.headers import HEADER_BYTES, HEADER_OFFSET, FrameHeader, FrameKind, StepInfo
+from services.transport.headers import (
+    HEADER_BYTES,
+    HEADER_OFFSET,
+    FrameHeader,
+    FrameKind,
+    StepInfo,
+    max_header_bytes,
+)
 from services.transport.wire import WireDtype, decode_payload, encode_payload
 
 _defaults = TransportSettings()
 
 # NATS max_payload bounds headers + payload together, so a chunk leaves this much room for the headers.
-header_budget_bytes = 4096
+header_budget_bytes = max_header_bytes
 
 
 def effective_chunk_bytes(requested_bytes: int | None, max_payload_bytes: int | None) -> int:

@@ -29,6 +29,9 @@ Hearth-Sent-Ns         ``time.time_ns()`` when the chunk was published (wire-tim
 =====================  ==========================================================================
 
 An ack is an empty-payload message on ``hearth.ack.<sending node>.<pipeline_id>.<hop>`` (see AckHeader).
+
+Every header above is bounded by its own form; all the headers of one frame or ack together are at most
+``max_header_bytes``, checked before anything else is read (or a MAC computed) over them.
 """
 
 from __future__ import annotations
@@ -63,6 +66,18 @@ HEADER_SENT_NS = "Hearth-Sent-Ns"
 HEADER_ACKED_NS = "Hearth-Acked-Ns"
 
 _CHUNK_RE = re.compile(r"^(\d{1,9})/(\d{1,9})$")
+# The most header bytes (names and values) one frame or ack may carry: ours carry a few hundred, and a chunk
+# leaves this much of the server's max_payload for them (services/transport/frames.py).
+max_header_bytes = 4096
+
+
+def header_bytes(headers: Mapping[str, str]) -> int:
+    """The size of a message's headers as counted against max_header_bytes: every name and value."""
+    return sum(len(name) + len(value) for name, value in headers.items())
+
+
+def oversized_headers(headers: Mapping[str, str] | None) -> bool:
+    return headers is not None and header_bytes(headers) > max_header_bytes
 
 
 class FrameKind(str, enum.Enum):
@@ -232,6 +247,8 @@ def _identity_fields(headers: Mapping[str, str] | None, kind: str) -> dict[str, 
     """Those shared fields parsed from a `kind` ("frame" or "ack") message's headers; FrameError names the header."""
     if not headers:
         raise FrameError(f"{kind} has no headers (expected Hearth-* headers of docs/protocol.md)")
+    if oversized_headers(headers):
+        raise FrameError(f"{kind} headers: {header_bytes(headers)} bytes, over {max_header_bytes}")
     chunk_text = _required(headers, HEADER_CHUNK)
     chunk_match = _CHUNK_RE.match(chunk_text)
     if not chunk_match:

@@ -1,6 +1,7 @@
 """Keyed BLAKE2b MACs for the activation transport: each link (sender -> hop) gets a fresh key when its pipeline
 is opened, every frame and ack on that link carries a MAC over its headers and payload, and a receiver drops
-whatever fails it, so a member that may publish on activation subjects still cannot inject or alter a step."""
+whatever fails it, so a member that may publish on activation subjects still cannot inject or alter a step.
+Hop notices carry one too, keyed with a key only that hop and its orchestrator hold."""
 
 from __future__ import annotations
 
@@ -8,12 +9,17 @@ import base64
 import binascii
 import hashlib
 import hmac
+import re
 import secrets
 from collections.abc import Mapping
+
+from services.transport.headers import oversized_headers
 
 HEADER_MAC = "Hearth-Mac"
 link_key_bytes = 32
 mac_digest_bytes = 16
+# Exactly what message_mac writes: anything else (too long, not ASCII) is refused before it is compared.
+_MAC_RE = re.compile(rf"[0-9a-f]{{{2 * mac_digest_bytes}}}")
 
 
 class LinkKeyError(ValueError):
@@ -56,6 +62,10 @@ def with_mac(key: bytes, headers: dict[str, str], payload: bytes | memoryview) -
 
 
 def mac_is_valid(key: bytes, headers: Mapping[str, str] | None, payload: bytes | memoryview) -> bool:
-    if not headers or HEADER_MAC not in headers:
+    """Whether the message carries a MAC of this key; headers over max_header_bytes are refused unread."""
+    if not headers or oversized_headers(headers):
         return False
-    return hmac.compare_digest(headers[HEADER_MAC], message_mac(key, headers, payload))
+    claimed = headers.get(HEADER_MAC)
+    if claimed is None or not _MAC_RE.fullmatch(claimed):
+        return False
+    return hmac.compare_digest(claimed, message_mac(key, headers, payload))

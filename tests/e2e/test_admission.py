@@ -45,6 +45,8 @@ def mesh(tmp_path_factory, tiny_models_dir):
     env = {"HEARTH_RESEARCH__DISTRIBUTED_INFERENCE__MAX_CONCURRENT_PIPELINES": str(MAX_RUNNING),
            "HEARTH_ORCHESTRATOR__MAX_STREAMS_PER_CALLER": str(PER_CALLER),
            "HEARTH_ORCHESTRATOR__MAX_QUEUED_REQUESTS": str(MAX_QUEUED),
+           # One caller may take the whole queue here (tests/e2e/test_attacks_fairness.py tests the shares).
+           "HEARTH_ORCHESTRATOR__MAX_QUEUED_PER_CALLER": str(MAX_QUEUED),
            "HEARTH_ORCHESTRATOR__OVERLOADED_RETRY_AFTER_S": str(RETRY_AFTER_S)}
     with three_shard_mesh(tmp_path_factory.mktemp("admission"), tiny_models_dir, extra_env=env) as cluster:
         yield cluster

@@ -138,25 +138,35 @@ async def test_a_step_that_raises_is_reported_at_once_and_only_that_shard_is_bla
     ],
     ids=["nan-middle-hop", "scaled-first-hop", "scaled-last-hop"],
 )
-async def test_corrupting_shard_is_caught_counted_and_routed_around(mesh, reference, nc, preferred, hop, fault,
-                                                                   check, checked_by):
+async def test_corrupting_shard_is_caught_and_routed_around_and_blamed_only_when_verified(
+        mesh, reference, nc, preferred, hop, fault, check, checked_by):
     liar = await preferred(f"x-liar{hop}", hop, fault=fault)
     checker = mesh.shards[checked_by] if checked_by else None
     labels = {"check": check, "checked_at": "hop_input"}
     before = scrape_metric(checker.metrics_port, "hearth_integrity_failures_total", labels) if checker else 0.0
     orchestrator_port = mesh.orchestrator.metrics_port
-    failovers_before = scrape_metric(orchestrator_port, "hearth_failovers_total", {"reason": "corrupt"})
+    # A shard's report of its input is routed around but cannot be verified; the orchestrator's own check can.
+    reason = "reported" if checker else "corrupt"
+    failovers_before = scrape_metric(orchestrator_port, "hearth_failovers_total", {"reason": reason})
 
     call = await stream_with_action(nc, chat_request())
 
     assert_failed_over_once(call, reference, liar, mesh.shards[f"h{hop}"])
     events = await pipeline_events(nc, call.pipeline_id)
     detected = [e.event for e in events if e.event.type == "integrity.corruption_detected"]
-    assert [(d.shard_id, d.check) for d in detected] == [(liar.shard_id, check)]
+    assert scrape_metric(orchestrator_port, "hearth_failovers_total", {"reason": reason}) == failovers_before + 1
     if checker is not None:
         assert scrape_metric(checker.metrics_port, "hearth_integrity_failures_total", labels) == before + 1
-    # The orchestrator counts the failover and the corruption, blaming the liar.
-    assert scrape_metric(orchestrator_port, "hearth_failovers_total", {"reason": "corrupt"}) == failovers_before + 1
+        # The checker's word against the liar: no event blames it, routing does not hold it against it.
+        assert detected == []
+        assert "pipeline.shard_status" not in [e.event.type for e in events]
+        assert [(e.event.failed_shard_id, e.event.reason) for e in events
+                if e.event.type == "pipeline.failover"] == [(liar.shard_id, "reported")]
+        assert scrape_metric(orchestrator_port, "hearth_shard_corruption_detected_total",
+                             {"shard_id": liar.shard_id, "check": check}) == 0
+        return
+    # The orchestrator counts the corruption it saw itself, blaming the liar.
+    assert [(d.shard_id, d.check) for d in detected] == [(liar.shard_id, check)]
     assert scrape_metric(orchestrator_port, "hearth_shard_corruption_detected_total",
                          {"shard_id": liar.shard_id, "check": check}) == 1
     # The orchestrator's read model keeps it as a reputation signal.

@@ -43,10 +43,12 @@ HTTP_WAIT_S = 60
 class Mesh:
     """The module's mesh, its gateway and the API keys made for it."""
 
-    def __init__(self, cluster: LocalCluster, gateway_url: str, keys: dict[str, str]) -> None:
+    def __init__(self, cluster: LocalCluster, gateway_url: str, keys: dict[str, str],
+                 metrics_url: str | None = None) -> None:
         self.cluster = cluster
         self.url = gateway_url
         self.keys = keys
+        self.metrics_url = metrics_url
 
     def client(self, member: str = "alice") -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=self.keys[member], max_retries=0)
@@ -84,7 +86,7 @@ def mesh(tmp_path_factory, tiny_models_dir):
         keys = {name: create_api_key(cluster.member_key(name, "client").parents[1], name)
                 for name in ("alice", "dora", "frank")}
         gateway = cluster.start_gateway()
-        yield Mesh(cluster, gateway.ready_file.read_text(), keys)
+        yield Mesh(cluster, gateway.ready_file.read_text(), keys, gateway.metrics_url)
 
 
 def test_the_openai_client_gets_what_hearth_chat_gets(mesh):
@@ -235,7 +237,11 @@ def test_health_and_metrics(mesh):
     assert status == 200 and body["nats_connected"] is True
     assert http(mesh, "/v1/completions", {"model": "nowhere", "prompt": "x"}, mesh.keys["alice"])[0] == 404
     assert http(mesh, "/v1/models", api_key=mesh.keys["alice"])[0] == 200
-    with urllib.request.urlopen(f"{mesh.url}/metrics", timeout=HTTP_WAIT_S) as response:
+    # /metrics has a port of its own (--metrics-port, on 127.0.0.1 by default), not the API's.
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(f"{mesh.url}/metrics", timeout=HTTP_WAIT_S)
+    assert refused.value.code == 404
+    with urllib.request.urlopen(mesh.metrics_url, timeout=HTTP_WAIT_S) as response:
         text = response.read().decode()
     assert 'hearth_gateway_requests_total{route="/v1/models",status="200"}' in text
     assert 'hearth_gateway_request_seconds_count{route="/v1/completions",status="404"}' in text

@@ -99,8 +99,11 @@ async def test_each_role_gets_only_its_own_subjects(community_server):
             shard_events_subject_of_node("shard-b").replace(">", "k.advertised"), b"{}"))
         assert await shard.refused(lambda nc: nc.publish("hearth.events.pipeline.p1.completed", b"{}"))
         # It may read the shards stream (`hearth host` reads the coverage) but not the pipelines stream.
-        assert not await shard.refused(lambda nc: nc.publish("$JS.API.CONSUMER.INFO.HEARTH_SHARDS.c", b""))
-        assert await shard.refused(lambda nc: nc.publish("$JS.API.CONSUMER.INFO.HEARTH_PIPELINES.c", b""))
+        assert not await shard.refused(lambda nc: nc.publish("$JS.API.STREAM.INFO.HEARTH_SHARDS", b""))
+        assert await shard.refused(lambda nc: nc.publish("$JS.API.STREAM.INFO.HEARTH_PIPELINES", b""))
+        # Administering a stream is the steward's alone, even the one it reads.
+        assert await shard.refused(lambda nc: nc.publish("$JS.API.STREAM.UPDATE.HEARTH_SHARDS", b"{}"))
+        assert await auditor.refused(lambda nc: nc.publish("$JS.API.STREAM.PURGE.HEARTH_PIPELINES", b"{}"))
         assert await shard.refused(lambda nc: nc.publish("$JS.API.CONSUMER.CREATE.HEARTH_PIPELINES", b"{}"))
         # A client: asks, and hears only on its own inbox.
         assert not await client.refused(lambda nc: nc.publish("llm.chat.request", b"{}"))

@@ -30,6 +30,8 @@ PROMTOOL = Path(sys.executable).parent.parent / "tools" / "prometheus" / "usr" /
 NATS_NODES = sorted(name for name, service in SERVICES.items() if (service.get("command") or [None])[0] == "nats")
 HEARTH_SERVICES = sorted(name for name, service in SERVICES.items()
                          if "build" in service and "entrypoint" not in service and service.get("command"))
+# Processes that serve (and /metrics), not the steward's one-shot `community streams`.
+SERVING_SERVICES = [name for name in HEARTH_SERVICES if SERVICES[name]["command"][0] != "community"]
 
 
 def option(command: list[str], flag: str) -> str:
@@ -42,6 +44,9 @@ def parsed(command: list[str]) -> click.Context:
     name, *args = command
     assert name in HEARTH.commands, f"hearth has no command {name!r}"
     subcommand = HEARTH.commands[name]
+    if hasattr(subcommand, "commands"):  # a group: `community streams`
+        name, *args = args
+        subcommand = subcommand.commands[name]
     known = {opt for param in subcommand.params for opt in (*param.opts, *param.secondary_opts)}
     unknown = [arg for arg in args if arg.startswith("--") and arg.split("=")[0] not in known]
     assert unknown == [], f"hearth {name} has no {unknown}"
@@ -66,7 +71,8 @@ def test_every_hearth_command_and_flag_exists_and_parses(name):
 def test_the_services_are_the_ones_the_deployment_needs():
     assert NATS_NODES == ["nats-0", "nats-1", "nats-2"]
     commands = {name: SERVICES[name]["command"][0] for name in HEARTH_SERVICES}
-    assert sorted(commands.values()) == ["gateway"] + ["nats"] * 3 + ["orchestrator", "projector"] + ["shard"] * 3
+    assert sorted(commands.values()) == (["community", "gateway"] + ["nats"] * 3 + ["orchestrator", "projector"]
+                                         + ["shard"] * 3)
     assert {"community", "prometheus", "grafana", "you"} <= set(SERVICES)
 
 
@@ -154,11 +160,17 @@ def test_prometheus_scrapes_every_hearth_process_on_its_metrics_port():
     config = yaml.safe_load((REPO_ROOT / source).read_text())
     targets = {target for job in config["scrape_configs"] for static in job["static_configs"]
                for target in static["targets"]}
-    # The gateway serves /metrics beside its API, on --port.
-    expected = {f"{name}:{option(SERVICES[name]['command'], '--port' if name == 'gateway' else '--metrics-port')}"
-                for name in HEARTH_SERVICES if name not in NATS_NODES}
+    expected = {f"{name}:{option(SERVICES[name]['command'], '--metrics-port')}"
+                for name in SERVING_SERVICES if name not in NATS_NODES}
     assert len(expected) == 6
     assert expected <= targets
+    # /metrics listens on 127.0.0.1 unless told otherwise: Prometheus, in a container of its own, must be let in.
+    for name in SERVING_SERVICES:
+        if name not in NATS_NODES:
+            command, environment = SERVICES[name]["command"], SERVICES[name]["environment"]
+            host = (option(command, "--metrics-host") if "--metrics-host" in command
+                    else environment.get("HEARTH_METRICS__HOST"))
+            assert host == "0.0.0.0", name
     assert {target.split(":")[0] for target in targets} <= set(SERVICES) | {"localhost"}
 
 

@@ -20,6 +20,7 @@ import pytest
 from events import SHARDS_STREAM, ensure_streams, publish_event
 from events.streams import SHARDS_STREAM_SPEC
 from events.models import ShardHeartbeat
+from services.common.community_streams import create_community_streams
 from services.common.config import NatsSettings
 from services.common.nats_cluster import (
     ClusterNodeServer,
@@ -68,12 +69,17 @@ def port_is_open(port: int) -> bool:
         return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
-async def stream_replicas(url: str, settings: NatsSettings | None = None) -> tuple[int, list[str]]:
-    """Ensure the streams, store one event; the shard stream's configured replicas and the nodes holding it."""
+async def stream_replicas(url: str, settings: NatsSettings | None = None,
+                          steward_key: Path | None = None) -> tuple[int, list[str]]:
+    """Ensure the streams (as the steward, given its key), store one event; the shard stream's configured
+    replicas and the nodes holding it."""
+    if steward_key is not None:
+        await create_community_streams(settings.model_copy(update={"url": url}), steward_key, ready_timeout_s=30)
     nc = await connect_nats(url, name="test-cluster", settings=settings)
     try:
         js = nc.jetstream()
-        await ensure_streams(js)
+        if steward_key is None:
+            await ensure_streams(js)
         await publish_event(js, heartbeat(1))
         info = await js.stream_info(SHARDS_STREAM)
         peers = [] if info.cluster is None else [info.cluster.leader] + [
@@ -129,7 +135,9 @@ def test_a_community_cluster_admits_members_only_and_routes_need_the_community_p
     with EmbeddedNatsCluster(3, store_dir=tmp_path / "nats", authorization=authorization, tls_block=tls.server_block(),
                              route_password=community_route_password(community)) as cluster:
         member = NatsSettings(creds_file=community.directory / "keys" / "node-a.nk", **tls_settings)
-        assert asyncio.run(stream_replicas(cluster.url, member)) == (3, ["nats-0", "nats-1", "nats-2"])
+        # Only the steward creates the streams; the member publishes its own events into them.
+        assert asyncio.run(stream_replicas(cluster.url, member, community.system_key_path)) == (
+            3, ["nats-0", "nats-1", "nats-2"])
         stranger = NatsSettings(connect_timeout_s=5, **tls_settings)
         with pytest.raises(BrokerRefusedCredentials):
             asyncio.run(connect_nats(cluster.url, settings=stranger))

@@ -1,5 +1,5 @@
 """Every hearth stream has max_msg_size, max_bytes and max_age on a real nats-server, a stream made by an older
-hearth without them is brought to them, and the server refuses an event larger than max_msg_size."""
+hearth without them is brought to them, and the server refuses an event larger than max_msg_size (headers included)."""
 
 from __future__ import annotations
 
@@ -46,3 +46,11 @@ async def test_an_event_over_max_msg_size_is_refused_by_the_server(js):
         await js.publish(subject, b"x" * (event_max_msg_bytes + 1))
     acknowledged = await js.publish(subject, b"{}")
     assert acknowledged.seq == 1
+
+
+async def test_an_event_whose_headers_are_over_max_msg_size_is_refused_by_the_server(js):
+    """Headers count toward max_msg_size as the body does: a small event with a huge header is not stored."""
+    await ensure_streams(js)
+    subject = "hearth.events.pipeline.p-huge-header.completed"
+    with pytest.raises(APIError, match="(?i)message size exceeds maximum"):
+        await js.publish(subject, b"{}", headers={"X-Padding": "x" * event_max_msg_bytes})

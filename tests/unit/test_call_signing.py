@@ -1,10 +1,21 @@
-"""Signed calls: what the orchestrator's CallVerifier accepts and refuses, each for its own reason."""
+"""Signed calls: what the orchestrator's CallVerifier accepts and refuses, each for its own reason; each signing
+header bounded to its exact form before any other work."""
 
 from __future__ import annotations
 
 from datetime import datetime, timezone
 
-from services.common.call_signing import HEADER_CALLER_TIME, CallRefused, CallVerifier, signed_call_headers
+from services.common.call_signing import (
+    HEADER_CALLER,
+    HEADER_CALLER_NONCE,
+    HEADER_CALLER_SIGNATURE,
+    HEADER_CALLER_TIME,
+    CallRefused,
+    CallVerifier,
+    nonce_bytes,
+    request_header_bytes,
+    signed_call_headers,
+)
 from trust.keys import MemberKey
 from trust.roster import Roster, new_member
 
@@ -54,3 +65,47 @@ def test_min_caller_trust_refuses_members_below_it():
                                  now_s=NOW_S)) == "untrusted"
     trusted = signed_call_headers(alice, SUBJECT, REPLY, BODY, now_s=NOW_S)
     assert reason(verifier.check(SUBJECT, REPLY, BODY, trusted, now_s=NOW_S)) == "accepted alice"
+
+
+def test_signing_headers_must_have_their_exact_form_before_anything_is_checked():
+    verifier, alice, _, _ = community()
+    good = signed_call_headers(alice, SUBJECT, REPLY, BODY, now_s=NOW_S)
+    forms = {
+        HEADER_CALLER: ["U" + "A" * 1_000_000, "alice"],
+        HEADER_CALLER_TIME: ["nan", "inf", "-1800000000", "1.8e9", "1_800_000_000", "1" * 13, " 1800000000"],
+        HEADER_CALLER_NONCE: ["ab" * 500_000, "z" * 32, "ab" * 15],
+        HEADER_CALLER_SIGNATURE: ["A" * 1_000_000, good[HEADER_CALLER_SIGNATURE][:-4]],
+    }
+    for name, values in forms.items():
+        for value in values:
+            assert reason(verifier.check(SUBJECT, REPLY, BODY, {**good, name: value}, now_s=NOW_S)) == "malformed"
+    assert not verifier._seen  # nothing refused was remembered
+    assert reason(verifier.check(SUBJECT, REPLY, BODY, good, now_s=NOW_S)) == "accepted alice"
+
+
+def test_a_non_finite_timestamp_is_refused_and_so_is_its_replay():
+    verifier, alice, _, _ = community()
+    # A caller signing `nan` as its time: the signature fits, but the time is no time at all.
+    nan_headers = signed_call_headers(alice, SUBJECT, REPLY, BODY, now_s=float("nan"))
+    assert nan_headers[HEADER_CALLER_TIME] == "nan"
+    for later_s in (NOW_S, NOW_S + 3600, NOW_S + 86_400 * 365):
+        assert reason(verifier.check(SUBJECT, REPLY, BODY, nan_headers, now_s=later_s)) == "malformed"
+
+
+def test_the_nonce_cache_holds_only_nonces_of_their_exact_size():
+    verifier, alice, _, _ = community()
+    for offset in range(3):
+        headers = signed_call_headers(alice, SUBJECT, REPLY, BODY, now_s=NOW_S + offset)
+        assert reason(verifier.check(SUBJECT, REPLY, BODY, headers, now_s=NOW_S + offset)) == "accepted alice"
+    assert [len(nonce) for nonce in verifier._seen] == [2 * nonce_bytes] * 3
+
+
+def test_the_role_behind_a_reply_inbox_is_looked_up_only_for_a_member_s_name():
+    verifier, _, _, _ = community()
+    assert verifier.role_of("alice") == "client"
+    assert verifier.role_of("nobody") is None and verifier.role_of("a" * 1_000_000) is None
+
+
+def test_request_header_bytes_counts_names_and_values():
+    assert request_header_bytes(None) == 0
+    assert request_header_bytes({"Ab": "cde", HEADER_CALLER_NONCE: "x" * 1000}) == 5 + len(HEADER_CALLER_NONCE) + 1000

@@ -1,5 +1,6 @@
 """Unit tests of FairQueue (services/orchestrator/queue.py): round-robin by caller, per-caller limit, the bound,
-positions, and calls that leave while waiting."""
+positions, calls that leave while waiting, and each caller's shares (running places below the total, its part
+of the queue, room taken back from the caller waiting with the most when the queue is full)."""
 
 from __future__ import annotations
 
@@ -49,7 +50,8 @@ async def settle() -> None:
 
 
 def fair_queue(**limits) -> FairQueue:
-    return FairQueue(**{"max_running": 1, "max_per_caller": 10, "max_queued": 10, "retry_after_s": 3.0, **limits})
+    return FairQueue(**{"max_running": 1, "max_per_caller": 10, "max_queued": 10, "max_queued_per_caller": 10,
+                        "retry_after_s": 3.0, **limits})
 
 
 async def test_waiting_calls_start_round_robin_by_caller():
@@ -125,4 +127,81 @@ async def test_a_call_whose_client_left_or_was_cancelled_leaves_the_queue():
     await recorder.finish("running")
     assert recorder.started == ["running", "next"]
     await recorder.finish("next")
+    assert recorder.queue.running == 0 and recorder.queue.queued == 0
+
+
+async def test_a_member_never_holds_every_running_place_so_another_starts_at_once():
+    recorder = Recorder(fair_queue(max_running=3, max_per_caller=5))
+    for index in range(4):
+        recorder.submit(f"alice-{index}", "alice")
+    await settle()
+    # Her limit (5) is above the total (3): she still runs one fewer than the total.
+    assert recorder.started == ["alice-0", "alice-1"]
+    recorder.submit("bob-0", "bob")
+    await settle()
+    assert recorder.started[-1] == "bob-0" and "bob-0" not in recorder.positions
+    for name in ["alice-0", "alice-1", "alice-2", "alice-3", "bob-0"]:
+        await recorder.finish(name)
+    assert recorder.queue.running == 0 and recorder.queue.queued == 0
+
+
+async def test_a_lone_place_and_unsigned_callers_are_not_held_back_by_the_member_share():
+    lone = Recorder(fair_queue(max_running=1, max_per_caller=5))
+    lone.submit("alice-0", "alice")
+    await settle()
+    assert lone.started == ["alice-0"]
+    await lone.finish("alice-0")
+    # An open mesh cannot tell its callers apart: their one lane may use every place and the whole queue.
+    open_mesh = Recorder(fair_queue(max_running=2, max_per_caller=5, max_queued=3, max_queued_per_caller=1))
+    for index in range(5):
+        open_mesh.submit(f"anyone-{index}", None)
+    await settle()
+    assert open_mesh.started == ["anyone-0", "anyone-1"] and open_mesh.queue.queued == 3
+    for index in range(5):
+        await open_mesh.finish(f"anyone-{index}")
+
+
+async def test_a_caller_beyond_its_queue_share_is_overloaded_while_another_still_gets_in():
+    recorder = Recorder(fair_queue(max_queued=10, max_queued_per_caller=2, retry_after_s=4.0))
+    recorder.submit("running", "alice")
+    recorder.submit("alice-1", "alice")
+    recorder.submit("alice-2", "alice")
+    await settle()
+    refused = recorder.submit("alice-3", "alice")
+    with pytest.raises(Overloaded, match="max_queued_per_caller") as error:
+        await refused
+    assert error.value.retry_after_s == 4.0
+    recorder.submit("bob-1", "bob")
+    await settle()
+    assert recorder.positions["bob-1"][-1] == 2 and recorder.queue.queued == 3
+    for name in ["running", "alice-1", "bob-1", "alice-2"]:
+        await recorder.finish(name)
+    assert recorder.started == ["running", "alice-1", "bob-1", "alice-2"]
+
+
+async def test_when_the_queue_is_full_the_caller_waiting_with_the_most_gives_up_its_newest_place():
+    recorder = Recorder(fair_queue(max_queued=3, retry_after_s=2.0))
+    recorder.submit("running", "alice")
+    for index in range(1, 4):
+        recorder.submit(f"alice-{index}", "alice")
+    await settle()
+    recorder.submit("bob-1", "bob")
+    await settle()
+    # bob had nothing waiting: alice's newest call is refused so that bob's waits in its place.
+    with pytest.raises(Overloaded, match="max_queued_requests") as error:
+        await recorder.tasks["alice-3"]
+    assert error.value.retry_after_s == 2.0
+    assert recorder.positions["bob-1"][-1] == 2 and recorder.queue.queued == 3
+    recorder.submit("carol-1", "carol")
+    await settle()
+    # Now alice waits with 2 and carol with none: alice gives up another.
+    with pytest.raises(Overloaded):
+        await recorder.tasks["alice-2"]
+    # Every caller waits with one: a newcomer is refused, nobody is displaced.
+    with pytest.raises(Overloaded, match="3 calls are already waiting"):
+        await recorder.submit("dave-1", "dave")
+    assert recorder.queue.queued == 3
+    for name in ["running", "alice-1", "bob-1", "carol-1"]:
+        await recorder.finish(name)
+    assert recorder.started == ["running", "alice-1", "bob-1", "carol-1"]
     assert recorder.queue.running == 0 and recorder.queue.queued == 0

@@ -28,7 +28,8 @@ def observing():
     """Per-step observations on for the test, as they were afterwards."""
     before = metrics_observed()
     set_metrics_observed(True)
-    assert serve_process_metrics(None, "test") is None and metrics_observed()  # None leaves them as they are
+    # None leaves them as they are.
+    assert serve_process_metrics(None, "test", host="127.0.0.1") is None and metrics_observed()
     yield
     set_metrics_observed(before)
 
@@ -52,7 +53,7 @@ def test_each_hop_is_timed_from_its_first_ack_to_the_next_hops_or_to_the_output(
 def test_metrics_port_0_turns_the_per_step_observations_off(observing):
     latencies = HopLatencies(SHARDS)
     before = latency_count(SHARDS[0])
-    assert serve_process_metrics(0, "test") is None
+    assert serve_process_metrics(0, "test", host="127.0.0.1") is None
     latencies.observe({0: 1.0, 1: 2.0, 2: 3.0}, output_at=4.0)
     assert latency_count(SHARDS[0]) == before
 

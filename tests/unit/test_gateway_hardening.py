@@ -1,0 +1,150 @@
+"""The gateway's defences without a mesh: the request deadline of its HTTP server (a real uvicorn on the loopback),
+the per-member limit on open calls, CORS only for the origins configured, and junk on a call's inbox skipped by
+the chat client."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import urllib.error
+import urllib.request
+from types import SimpleNamespace
+
+import pytest
+import uvicorn
+
+from services.common.chat_client import _decode_known
+from services.common.config import HearthSettings
+from services.gateway.app import create_app
+from services.gateway.errors import GatewayError
+from services.gateway.http_server import server_config
+from services.gateway.keys import Caller
+from services.gateway.mesh import Gateway
+
+READ_TIMEOUT_S = 0.5
+# How long a test waits, at most, for the server to close a stalled connection (well above the deadline).
+CLOSE_WAIT_S = 30
+
+
+def gateway_with(**gateway_settings) -> Gateway:
+    settings = HearthSettings(gateway=gateway_settings)
+    return Gateway(SimpleNamespace(is_connected=True), settings, keyring=None)
+
+
+@contextlib.asynccontextmanager
+async def serving(gateway: Gateway):
+    """The gateway's app on uvicorn as `hearth gateway` configures it, on a free loopback port: its base URL."""
+    sock = socket.create_server(("127.0.0.1", 0))
+    server = uvicorn.Server(server_config(create_app(gateway), gateway.settings.gateway))
+    server.capture_signals = contextlib.nullcontext  # the test runner owns the signals
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    try:
+        while not server.started:
+            assert not task.done(), task.result()
+            await asyncio.sleep(0.01)
+        yield sock.getsockname()
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(task, CLOSE_WAIT_S)
+        sock.close()
+
+
+async def received_until_closed(address, sent: bytes) -> bytes:
+    reader, writer = await asyncio.open_connection(*address)
+    try:
+        writer.write(sent)
+        await writer.drain()
+        return await asyncio.wait_for(reader.read(), CLOSE_WAIT_S)  # reads to EOF: the server must close
+    finally:
+        writer.close()
+
+
+def get(address, path: str, headers: dict[str, str] | None = None, method: str = "GET"):
+    request = urllib.request.Request(f"http://{address[0]}:{address[1]}{path}", headers=headers or {},
+                                     method=method)
+    try:
+        with urllib.request.urlopen(request, timeout=CLOSE_WAIT_S) as response:
+            return response.status, response.headers
+    except urllib.error.HTTPError as error:
+        return error.code, error.headers
+
+
+async def test_a_request_head_that_never_ends_is_answered_408_and_closed():
+    async with serving(gateway_with(request_read_timeout_s=READ_TIMEOUT_S)) as address:
+        received = await received_until_closed(address, b"GET /healthz HTTP/1.1\r\nHost: x\r\nAccept: te")
+        assert received.startswith(b"HTTP/1.1 408 ")
+        # A request that comes whole is served as before.
+        assert (await asyncio.to_thread(get, address, "/healthz"))[0] == 200
+
+
+async def test_a_body_that_never_ends_closes_the_connection():
+    async with serving(gateway_with(request_read_timeout_s=READ_TIMEOUT_S)) as address:
+        head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"pro"
+        # On an open mesh no key is asked for, so the app waits for the body: the deadline ends it.
+        assert await received_until_closed(address, head) == b""
+
+
+async def test_an_idle_connection_is_closed_without_an_answer_of_its_own():
+    async with serving(gateway_with(request_read_timeout_s=READ_TIMEOUT_S, keep_alive_timeout_s=60)) as address:
+        assert await received_until_closed(address, b"") == b""
+        received = await received_until_closed(address, b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert received.startswith(b"HTTP/1.1 200 ") and received.count(b"HTTP/1.1") == 1
+
+
+async def test_a_head_growing_past_the_limit_is_refused():
+    async with serving(gateway_with(max_header_bytes=1024)) as address:
+        received = await received_until_closed(address, b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Padding: "
+                                                        + b"a" * 4096)
+        assert received.startswith(b"HTTP/1.1 400 ")
+
+
+def test_one_member_has_at_most_its_open_calls_and_another_member_still_gets_in():
+    gateway = gateway_with(max_open_requests_per_caller=2, retry_after_s=3)
+    alice, bob = Caller("alice", None), Caller("bob", None)
+    with gateway.open_call(alice), gateway.open_call(alice):
+        with pytest.raises(GatewayError) as refused:
+            with gateway.open_call(alice):
+                pass
+        assert (refused.value.status, refused.value.code, refused.value.retry_after_s) == (429, "overloaded", 3)
+        assert refused.value.response().headers["retry-after"] == "3"
+        with gateway.open_call(bob):
+            assert gateway.open_calls == 3
+    assert gateway.open_calls == 0 and not gateway.open_calls_by_member
+    with gateway.open_call(alice):  # freed again
+        pass
+
+
+async def test_no_cors_headers_unless_origins_are_configured():
+    origin = {"Origin": "https://chat.example.org"}
+    preflight = {**origin, "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization"}
+    async with serving(gateway_with()) as address:
+        status, headers = await asyncio.to_thread(get, address, "/healthz", origin)
+        assert status == 200 and "access-control-allow-origin" not in headers
+        status, headers = await asyncio.to_thread(get, address, "/v1/chat/completions", preflight, "OPTIONS")
+        assert status == 405 and "access-control-allow-origin" not in headers
+    async with serving(gateway_with(cors_allowed_origins=["https://chat.example.org"])) as address:
+        status, headers = await asyncio.to_thread(get, address, "/v1/chat/completions", preflight, "OPTIONS")
+        assert status == 200 and headers["access-control-allow-origin"] == "https://chat.example.org"
+        assert "authorization" in headers["access-control-allow-headers"].lower()
+        other = {**preflight, "Origin": "https://evil.example.org"}
+        status, headers = await asyncio.to_thread(get, address, "/v1/chat/completions", other, "OPTIONS")
+        assert status == 400 and "access-control-allow-origin" not in headers
+
+
+def test_the_api_port_serves_no_metrics():
+    app = create_app(gateway_with())
+    routes = {route.path for route in app.app.routes}
+    assert "/metrics" not in routes and "/healthz" in routes
+
+
+@pytest.mark.parametrize("data", [b"not json", b"[1, 2]", b'"text"', b"", b'{"seq": 0}',
+                                  b'{"type": "token_delta", "seq": 0}', b'{"type": "done", "seq": "x"}'])
+def test_a_message_that_is_no_frame_is_skipped_uncounted(data):
+    assert _decode_known(data) is None
+
+
+@pytest.mark.parametrize("data, seq", [(b'{"type": "newer", "seq": 3}', 3), (b'{"type": "newer"}', -1),
+                                       (b'{"type": "newer", "seq": true}', -1)])
+def test_a_frame_of_an_unknown_type_is_skipped_but_its_number_counts(data, seq):
+    assert _decode_known(data) == seq

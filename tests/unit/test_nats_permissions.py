@@ -1,0 +1,72 @@
+"""Each role's broker permissions (services/common/nats_permissions.py): the JetStream API verbs it needs and no
+other, no administration of a stream by anyone but `system`, and orchestrator frames only into callers' inboxes."""
+
+from __future__ import annotations
+
+import pytest
+
+from events.streams import ALL_STREAMS, PIPELINES_STREAM, SHARDS_STREAM
+from services.common.nats_permissions import (
+    is_member_inbox,
+    reply_allowed,
+    role_permissions,
+)
+
+ROLES = ("shard", "orchestrator", "projector", "auditor", "client")
+READS = {"shard": (SHARDS_STREAM,), "orchestrator": ALL_STREAMS, "projector": ALL_STREAMS, "auditor": ALL_STREAMS,
+         "client": ()}
+ADMIN_VERBS = ("STREAM.CREATE.{s}", "STREAM.UPDATE.{s}", "STREAM.DELETE.{s}", "STREAM.PURGE.{s}",
+               "STREAM.MSG.DELETE.{s}", "STREAM.MSG.GET.{s}", "DIRECT.GET.{s}", "STREAM.SNAPSHOT.{s}",
+               "STREAM.RESTORE.{s}", "CONSUMER.DURABLE.CREATE.{s}.d", "CONSUMER.CREATE.{s}", "CONSUMER.PAUSE.{s}.c",
+               "CONSUMER.MSG.NEXT.{s}.c", "STREAM.LEADER.STEPDOWN.{s}", "STREAM.PEER.REMOVE.{s}")
+
+
+def matches(pattern: str, subject: str) -> bool:
+    """NATS subject matching: `*` one token, `>` the rest."""
+    pattern_tokens, subject_tokens = pattern.split("."), subject.split(".")
+    for index, token in enumerate(pattern_tokens):
+        if token == ">":
+            return len(subject_tokens) > index
+        if index >= len(subject_tokens) or token not in ("*", subject_tokens[index]):
+            return False
+    return len(pattern_tokens) == len(subject_tokens)
+
+
+def may_publish(role: str, subject: str, callers=("_INBOX.alice",)) -> bool:
+    return any(matches(pattern, subject) for pattern in role_permissions(role, "m", callers).publish)
+
+
+@pytest.mark.parametrize("role", ROLES)
+@pytest.mark.parametrize("stream", ALL_STREAMS)
+def test_no_role_but_system_administers_a_stream(role, stream):
+    for verb in ADMIN_VERBS:
+        assert not may_publish(role, f"$JS.API.{verb.format(s=stream)}"), verb
+    assert not may_publish(role, "$JS.API.ACCOUNT.PURGE.x") and not may_publish(role, "$JS.API.META.LEADER.STEPDOWN")
+    assert may_publish("system", f"$JS.API.STREAM.DELETE.{stream}")
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_each_role_reads_only_the_streams_it_needs_through_consumers_of_its_own(role):
+    for stream in ALL_STREAMS:
+        reads = stream in READS[role]
+        for subject in (f"$JS.API.STREAM.INFO.{stream}", f"$JS.API.CONSUMER.CREATE.{stream}.hearth-read-1",
+                        f"$JS.API.CONSUMER.CREATE.{stream}.hearth-read-1.hearth.events.>",
+                        f"$JS.API.CONSUMER.DELETE.{stream}.hearth-read-1", f"$JS.FC.{stream}.c.1.2.3"):
+            assert may_publish(role, subject) == reads, (subject, reads)
+
+
+def test_orchestrator_frames_go_only_to_callers_inboxes():
+    assert may_publish("orchestrator", "_INBOX.alice.abc")
+    for subject in ("_INBOX.shard-a.abc", "_INBOX.projector.abc", "$JS.API.STREAM.INFO.X"):
+        assert not may_publish("orchestrator", subject), subject
+    assert not role_permissions("orchestrator", "o", ("_INBOX.alice",)).allow_responses
+
+
+def test_replies_go_only_to_a_caller_s_inbox():
+    assert is_member_inbox("_INBOX.bob.x") and not is_member_inbox("_INBOX.bob") and not is_member_inbox("a.b.c")
+    roles = {"alice": "client", "steward": "system", "shard-a": "shard", "orch": "orchestrator"}.get
+    assert reply_allowed("_INBOX.alice.x", roles) and reply_allowed("_INBOX.steward.x", roles)
+    for reply in ("_INBOX.shard-a.x", "_INBOX.orch.x", "_INBOX.nobody.x", "_INBOX.alice", "_INBOX.alice.*",
+                  "hearth.events.pipeline.p.completed", f"$JS.API.STREAM.INFO.{PIPELINES_STREAM}"):
+        assert not reply_allowed(reply, roles), reply
+    assert reply_allowed("_INBOX.Zx9") and not reply_allowed("hearth.events.shard.n.k.heartbeat")

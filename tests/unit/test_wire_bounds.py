@@ -1,0 +1,109 @@
+"""Bounds and authentication at each wire's boundary: hop notices are read only with the MAC of the hop they
+name; frame, ack and notice headers, the MAC header itself and the shard control messages all have size bounds
+checked before anything else is done with them; a hop's unverified report blames nobody."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+from sqlalchemy.orm import Session
+
+from events.models import UNVERIFIED_REPORT, PipelineFailover
+from readmodels.tables import ShardStats
+from services.common.control_protocol import ControlReply, HopNotice, OpenHop, ShardStat, max_open_pipelines
+from services.orchestrator.stall import StepFailure
+from services.transport import AckHeader, FrameError, FrameHeader, FrameKind
+from services.transport.headers import max_header_bytes
+from services.transport.mac import HEADER_MAC, mac_is_valid, new_link_key, with_mac
+from services.transport.notices import max_notice_bytes, notice_message, read_notice
+from services.transport.wire import WireDtype
+from tests.readmodel_helpers import LogBuilder, apply_all, at, constructed, migrated_engine
+
+PIPELINE, SESSION = "p-notices", "s1"
+
+
+def notice(hop: int, problem: str = "step_failed", **fields) -> HopNotice:
+    return HopNotice(pipeline_id=PIPELINE, session_id=SESSION, hop=hop, step=3, problem=problem, **fields)
+
+
+def read(payload: bytes, headers, keys) -> object:
+    return read_notice(payload, headers, pipeline_id=PIPELINE, session_id=SESSION, notice_keys=keys)
+
+
+def test_a_notice_is_read_only_with_the_mac_of_the_hop_it_names():
+    keys = [new_link_key() for _ in range(3)]
+    payload, headers = notice_message(notice(1), keys[1])
+    assert read(payload, headers, keys) == notice(1)
+    # Hop 1 speaking for hop 2 (blaming it), or for hop 0 with an accusation: its key is not theirs.
+    for forged in (notice(2), notice(1, "input_failed_check", check="nan").model_copy(update={"hop": 0})):
+        assert read(*notice_message(forged, keys[1]), keys) == "mac"
+    assert read(payload, None, keys) == "mac"  # no MAC at all (a shard of before notice keys, or a forger)
+    assert read(*notice_message(notice(7), keys[1]), keys) == "mac"  # a hop the pipeline does not have
+    # The same notice with a field changed after it was MACed.
+    assert read(payload.replace(b'"step":3', b'"step":4'), headers, keys) == "mac"
+
+
+def test_notices_of_other_sessions_are_ignored_and_malformed_ones_refused():
+    keys = [new_link_key()]
+    other = notice(0).model_copy(update={"session_id": "s0"})
+    assert read(*notice_message(other, keys[0]), keys) is None
+    assert read(b"not json", None, keys) == "malformed"
+    assert read(b" " * (max_notice_bytes + 1), None, keys) == "malformed"
+    payload, headers = notice_message(notice(0), keys[0])
+    assert read(payload, {**headers, "X-Padding": "x" * max_header_bytes}, keys) == "malformed"
+    with pytest.raises(ValidationError):
+        HopNotice.model_validate_json(notice(0).model_dump_json().replace(SESSION, "s" * 200))
+
+
+def test_the_mac_header_is_bounded_to_its_exact_form():
+    key = new_link_key()
+    headers = with_mac(key, {"Hearth-Step": "1"}, b"payload")
+    assert mac_is_valid(key, headers, b"payload")
+    for claimed in ("a" * 1_000_000, "é" * 32, headers[HEADER_MAC].upper(), headers[HEADER_MAC][:-1]):
+        assert not mac_is_valid(key, {**headers, HEADER_MAC: claimed}, b"payload")  # never raises
+    padded = with_mac(key, {"Hearth-Step": "1", "X-Padding": "x" * max_header_bytes}, b"payload")
+    assert not mac_is_valid(key, padded, b"payload")  # well MACed, but over the bound: not even hashed
+
+
+def test_frame_and_ack_headers_over_the_bound_are_refused():
+    frame = FrameHeader(pipeline_id=PIPELINE, hop=0, session=SESSION, step=1, kind=FrameKind.decode, pos=0,
+                        chunk_index=0, chunk_count=1, dtype=WireDtype.float32, shape=(1, 1, 4), total_bytes=16)
+    headers = frame.to_nats_headers()
+    assert FrameHeader.from_nats_headers(headers) == frame.model_copy(update={"compute_dtype": WireDtype.float32})
+    with pytest.raises(FrameError, match="headers"):
+        FrameHeader.from_nats_headers({**headers, "X-Padding": "x" * max_header_bytes})
+    ack = AckHeader.for_frame(frame).to_nats_headers()
+    AckHeader.from_nats_headers(ack)
+    with pytest.raises(FrameError, match="headers"):
+        AckHeader.from_nats_headers({**ack, "X-Padding": "x" * max_header_bytes})
+
+
+def test_shard_control_messages_are_bounded():
+    fields = dict(pipeline_id=PIPELINE, session_id=SESSION, hop=0, hop_count=1, model_id="m", weights_sha256="w",
+                  layer_lo=0, layer_hi=1)
+    OpenHop(**fields, notice_key="A" * 43 + "=")
+    for oversized in ({"model_id": "m" * 1_000_000}, {"weights_sha256": "w" * 1_000_000},
+                      {"notice_key": "A" * 1000 + "="}):
+        with pytest.raises(ValidationError):
+            OpenHop(**{**fields, **oversized})
+    with pytest.raises(ValidationError):
+        ControlReply(ok=False, message="x" * 1_000_000)
+    with pytest.raises(ValidationError):
+        ShardStat(shard_id="s", active_streams=0, open_pipelines=["p"] * (max_open_pipelines + 1), cached_sessions=0,
+                  cache_bytes=0)
+
+
+def test_a_reported_failure_is_unverified_and_its_failover_blames_nobody(tmp_path):
+    assert not StepFailure(UNVERIFIED_REPORT, "m:0-3@a", "hop 1 reported its input failed").verified
+    assert StepFailure("corrupt", "m:4-7@b", "output failed the nan check", check="nan").verified
+    engine = migrated_engine(tmp_path / "rm.sqlite")
+    log = LogBuilder()
+    a, b, c = "m:0-3@a", "m:4-7@b", "m:0-3@c"
+    apply_all(engine, [log.stored(e) for e in [
+        constructed("p1", [a, b], t=2),
+        PipelineFailover(pipeline_id="p1", failed_shard_id=a, replacement_hops=[c, b], reason=UNVERIFIED_REPORT,
+                         resumed_at_token=3, node_id="hub", occurred_at=at(3)),
+    ]])
+    with Session(engine) as session:
+        assert session.get(ShardStats, a).failovers_caused == 0
+    engine.dispose()
