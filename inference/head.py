@@ -201,16 +201,18 @@ class Head:
         return list(encoded["input_ids"])
 
     def control_tokens_in(self, texts: Iterable[str]) -> int:
-        """How many control tokens of the chat template the texts write: ``encode_chat`` encodes each of them as
-        plain text on its own, which costs far more than the text around it."""
+        """How many added tokens (the chat template's control tokens among them) the texts write, at least as many
+        as ``encode_chat`` encodes as plain text one by one, which costs far more than the text around it."""
         pattern = self._control_token_pattern
         return 0 if pattern is None else sum(1 for text in texts for _ in pattern.finditer(text))
 
     @functools.cached_property
     def _control_token_pattern(self) -> re.Pattern | None:
-        # Exactly the tokens transformers' sanitize_control_tokens marks (special ones, and added ones the template
-        # writes), from its own (private) method so the two cannot disagree; longest first, as it matches them.
-        tokens = self.tokenizer._get_control_tokens(self.tokenizer.get_chat_template())
+        # Every added token, special or not (whitespace ones aside, which templates write as ordinary text): the
+        # control tokens transformers' sanitize_control_tokens marks are among them, so this count bounds that
+        # work from above with public tokenizer state only; longest first, as tokens are matched.
+        tokens = {token.content for token in self.tokenizer.added_tokens_decoder.values()
+                  if token.content and not token.content.isspace()}
         if not tokens:
             return None
         return re.compile("|".join(re.escape(token) for token in sorted(tokens, key=len, reverse=True)))

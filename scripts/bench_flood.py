@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from transformers import AutoTokenizer  # noqa: E402
 
-from services.cluster import LocalCluster, even_layer_ranges  # noqa: E402
+from services.cluster import LocalCluster  # noqa: E402
 from services.common.chat_client import stream_chat  # noqa: E402
 from services.common.chat_protocol import ChatMessage, ChatParams, ChatRequest, ErrorFrame  # noqa: E402
 from services.common.config import HearthSettings, NatsSettings  # noqa: E402
@@ -162,10 +162,7 @@ def main() -> None:
     prompt = long_prompt(model.path, args.flood_prompt_tokens)
     with LocalCluster(torch_threads=1) as cluster:
         cluster.start_nats()
-        for index, (lo, hi) in enumerate(even_layer_ranges(model.num_layers, 3)):
-            cluster.start_shard(str(model.path), lo, hi, node_id=f"bench-host-{index}", wait_ready=False)
-        cluster.start_orchestrator(extra_args=["--preload", str(model.path)], wait_ready=False)
-        cluster.wait_all_ready()
+        cluster.start_even_mesh(model.path, model.num_layers)
         result = run_event_loop(measure(cluster, model, prompt, args))
     limits = HearthSettings().orchestrator
     print(json.dumps({"model": args.model or model.path.name, "args": vars(args),

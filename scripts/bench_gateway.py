@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import httpx2  # noqa: E402
 import openai  # noqa: E402
 
-from services.cluster import LocalCluster, even_layer_ranges  # noqa: E402
+from services.cluster import LocalCluster  # noqa: E402
 from services.common.chat_client import stream_chat  # noqa: E402
 from services.common.chat_protocol import ChatMessage, ChatRequest, TokenDeltaFrame  # noqa: E402
 from services.common.lifecycle import run_event_loop  # noqa: E402
@@ -144,10 +144,7 @@ def main() -> None:
     model = resolve_demo_model(args.model)
     with LocalCluster(torch_threads=1) as cluster:
         cluster.start_nats()
-        for index, (lo, hi) in enumerate(even_layer_ranges(model.num_layers, 3)):
-            cluster.start_shard(str(model.path), lo, hi, node_id=f"bench-host-{index}", wait_ready=False)
-        cluster.start_orchestrator(extra_args=["--preload", str(model.path)], wait_ready=False)
-        cluster.wait_all_ready()
+        cluster.start_even_mesh(model.path, model.num_layers)
         api_key = create_api_key(cluster.member_key(MEMBER, "client").parents[1], MEMBER)
         url = cluster.start_gateway().ready_file.read_text()
         run_event_loop(measure(cluster, url, api_key, model.name, args))

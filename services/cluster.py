@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from services.common.nats_cluster import EmbeddedNatsCluster
 from services.common.nats_server import EmbeddedNatsServer, free_tcp_port
 from services.prefork import PreforkedProcess, SpawnRequest, prefork_launcher
 from services.common.tls_files import TlsFiles, write_throwaway_ca
+from services.core_sharing import pinned_command, quiet_torch_environment
 from trust.community import Community
 from trust.roster import Role
 
@@ -75,46 +75,6 @@ shared_machine_busy_threads = 1
 # through hops that take turns on the same cores.
 shared_machine_batch_merge_window_ms = 200.0
 BATCH_MERGE_WINDOW_ENV = f"{ENV_PREFIX}SHARD{ENV_NESTED_DELIMITER}BATCH_MERGE_WINDOW_MS"
-# libgomp's spin before a waiting OpenMP thread sleeps, in spin iterations (about 0.3 ms on the project's VM).
-openmp_spin_count = 20000
-
-
-def quiet_torch_environment(threads: int | None) -> dict[str, str]:
-    """Environment for a torch child process sharing few cores with others.
-
-    A single session's step runs in one process while the others wait, so it may use every core: its OpenMP
-    threads spin briefly between parallel regions (GOMP_SPINCOUNT) instead of sleeping on a futex after each
-    of the hundreds of regions of a step, each wake-up costing an inter-processor interrupt to a halted vCPU
-    (`hearth bench`, llama-250m: 15 -> 20 tokens/s for the pipeline, 18 -> 24 for generate()). Spinning long
-    (libgomp's default of ~300000 iterations, or OMP_WAIT_POLICY=ACTIVE) steals the cores from the next hop
-    once a step is done, so the spin is short and the wait policy passive beyond it; and while a process
-    serves several streams its steps use one thread (`--busy-threads`, shared_machine_busy_threads), since
-    teams of spinning threads time-slicing two cores collapse (BENCHMARKS.md, "Compute thread and OpenMP
-    spinning").
-    """
-    env = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": str(openmp_spin_count), "KMP_BLOCKTIME": "0",
-           "TOKENIZERS_PARALLELISM": "false"}
-    if threads:
-        env["OMP_NUM_THREADS"] = str(threads)
-    return env
-
-
-def pinned_command(command: list[str], cpus: Sequence[int] | None) -> tuple[list[str], Callable[[], None] | None]:
-    """`command` made to run on `cpus` only (None or empty: anywhere), and the preexec_fn Popen needs for it.
-
-    util-linux `taskset -c` when it is installed: it sets the affinity and execs the command, so the pid Popen
-    returns is the command's and `ps` shows the pinning; without it, the child pins itself with
-    os.sched_setaffinity between fork and exec.
-    """
-    if not cpus:
-        return command, None
-    cores = sorted(set(cpus))
-    taskset = shutil.which("taskset")
-    if taskset is not None:
-        return [taskset, "-c", ",".join(str(core) for core in cores), *command], None
-    return command, lambda: os.sched_setaffinity(0, cores)
-
-
 def _metrics_port_in(args: list[str]) -> int | None:
     """The port a `--metrics-port` among `args` names (the last one wins, as for the command), or None."""
     port = None
@@ -368,6 +328,14 @@ class LocalCluster:
             # the aggregate rate (BENCHMARKS.md, "On a GPU").
             return {}
         return {BATCH_MERGE_WINDOW_ENV: repr(shared_machine_batch_merge_window_ms)}
+
+    def start_even_mesh(self, model: Path, num_layers: int, *, shards: int = 3) -> None:
+        """`shards` shard hosts splitting `model`'s layers evenly (bench-host-i serves range i) and an orchestrator
+        with the model preloaded, all ready when this returns; NATS must be started."""
+        for index, (lo, hi) in enumerate(even_layer_ranges(num_layers, shards)):
+            self.start_shard(str(model), lo, hi, node_id=f"bench-host-{index}", wait_ready=False)
+        self.start_orchestrator(extra_args=["--preload", str(model)], wait_ready=False)
+        self.wait_all_ready()
 
     def start_orchestrator(self, *, node_id: str = "orchestrator", extra_args: list[str] = (),
                            wait_ready: bool = True) -> ManagedProcess:

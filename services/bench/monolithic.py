@@ -163,7 +163,7 @@ class MonolithicWorker:
     def __init__(self, model_path: Path, env: dict[str, str], torch_threads: int | None, log_path: Path, *,
                  device: str | None = None, dtype: str | None = None, cpus: Sequence[int] | None = None) -> None:
         """`cpus`: the cores the worker may run on (None: any)."""
-        from services.cluster import pinned_command
+        from services.core_sharing import pinned_command
 
         self._log = open(log_path, "ab")
         command = [sys.executable, "-m", "services.bench", str(model_path), str(torch_threads or 0)]

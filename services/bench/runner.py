@@ -28,7 +28,8 @@ from services.bench.transport_metrics import (
     scrape_hosts,
     transport_figures,
 )
-from services.cluster import LocalCluster, even_layer_ranges, quiet_torch_environment
+from services.cluster import LocalCluster, even_layer_ranges
+from services.core_sharing import quiet_torch_environment
 from services.common.lifecycle import run_event_loop
 from services.demo import resolve_demo_model
 from services.random_models import RANDOM_PREFIX, random_checkpoint

@@ -47,7 +47,8 @@ from services.bench.together_report import (
     baseline_figures,
     together_checks,
 )
-from services.cluster import LocalCluster, even_layer_ranges, quiet_torch_environment
+from services.cluster import LocalCluster, even_layer_ranges
+from services.core_sharing import quiet_torch_environment
 from services.common.lifecycle import run_event_loop
 from services.demo import resolve_demo_model
 from services.random_models import RANDOM_PREFIX, random_checkpoint

@@ -13,7 +13,7 @@ from nats.aio.client import Client as NatsClient
 from pydantic import ValidationError
 
 from services.common.call_signing import signed_call_headers
-from services.common.config import ClientSettings
+from services.common.config_sections import ClientSettings
 from services.common.nats_connection import connection_identity
 from services.common.chat_protocol import (
     CHAT_REQUEST_SUBJECT,

@@ -14,7 +14,7 @@ from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field
+from pydantic import AliasChoices, Field
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -23,6 +23,7 @@ from pydantic_settings import (
 )
 
 from events.models import max_event_hops
+from services.common.config_sections import ClientSettings, ConfigSection, GatewaySettings, MetricsSettings
 
 
 CONFIG_PATH_ENV = "HEARTH_CONFIG"
@@ -44,11 +45,7 @@ class ConfigError(ValueError):
     """The configuration file is missing or unreadable."""
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class HostSettings(_Section):
+class HostSettings(ConfigSection):
     """[research.distributed_inference.host]: whether and how this machine serves shards."""
 
     # The spec's default (false) stays; starting `hearth shard` by hand is consent, so only an explicit
@@ -96,7 +93,7 @@ def serve_shards_refused(host: HostSettings) -> bool:
     return "serve_shards" in host.model_fields_set and not host.serve_shards
 
 
-class DistributedInferenceSettings(_Section):
+class DistributedInferenceSettings(ConfigSection):
     """[research.distributed_inference]: routing, health and failover of sharded pipelines."""
 
     enabled: bool = True
@@ -114,14 +111,14 @@ class DistributedInferenceSettings(_Section):
     host: HostSettings = HostSettings()
 
 
-class ResearchSettings(_Section):
+class ResearchSettings(ConfigSection):
     """[research]: the experimental feature switch; false answers every request with experimental_disabled."""
 
     enable: bool = True
     distributed_inference: DistributedInferenceSettings = DistributedInferenceSettings()
 
 
-class TransportSettings(_Section):
+class TransportSettings(ConfigSection):
     """[transport]: the activation transport of docs/design.md §6."""
 
     window_chunks: int = Field(default=16, ge=1, description="un-acked chunks in flight per hop")
@@ -172,7 +169,7 @@ class TransportSettings(_Section):
         default=256, ge=1, description="steps per session whose progress an ack observer remembers")
 
 
-class NatsSettings(_Section):
+class NatsSettings(ConfigSection):
     """[nats]: where the broker is; `--nats` and `$HEARTH_NATS_URL` on the command line win over this."""
 
     url: str = Field(default_factory=default_nats_url)
@@ -210,7 +207,7 @@ class NatsSettings(_Section):
     tls_key_file: Path | None = Field(default=None, description="the client certificate's private key (PEM)")
 
 
-class OrchestratorSettings(_Section):
+class OrchestratorSettings(ConfigSection):
     """[orchestrator]: how one orchestrator serves its calls."""
 
     min_caller_trust: Literal["member", "trusted", "steward"] = Field(
@@ -277,7 +274,7 @@ class OrchestratorSettings(_Section):
                     "ready); a call decoding alone never waits")
 
 
-class ShardSettings(_Section):
+class ShardSettings(ConfigSection):
     """[shard]: how a shard host announces itself."""
 
     heartbeat_interval_s: float = Field(default=2.0, gt=0, description="between shard.heartbeat events")
@@ -321,65 +318,7 @@ class ShardSettings(_Section):
                                              "thread; a thread cannot raise its priority again once lowered)")
 
 
-class ClientSettings(_Section):
-    """[client]: how `hearth chat` (and services.common.chat_client) waits for frames."""
-
-    first_frame_timeout_s: float = Field(
-        default=10.0, gt=0, description="no frame at all within this: no orchestrator took the call")
-    silence_timeout_s: float = Field(
-        default=2.5, gt=0,
-        description="no frame and no keepalive for this long after the first: the orchestrator is gone")
-
-
-class GatewaySettings(_Section):
-    """[gateway]: the OpenAI-compatible HTTP gateway (`hearth gateway`, services/gateway/)."""
-
-    host: str = Field(default="127.0.0.1", description="interface to listen on; 0.0.0.0 to accept other machines")
-    port: int = Field(default=8000, ge=0, le=65535, description="TCP port to listen on (0: any free port)")
-    community_dir: Path | None = Field(
-        default=None, description="community folder holding api_keys.json and the keys of the members it names")
-    max_open_requests: int = Field(
-        default=1024, ge=1, description="calls in flight at once; one more is refused with 429 `overloaded`")
-    retry_after_s: float = Field(
-        default=1.0, gt=0, description="the Retry-After of a 429 when the refusal names no wait of its own")
-    api_keys_recheck_s: float = Field(
-        default=1.0, gt=0, description="how often at most the gateway looks whether api_keys.json or the roster "
-                                       "changed (a key made or revoked takes effect within this, no restart)")
-    models_timeout_s: float = Field(
-        default=5.0, gt=0, description="how long asking `llm.models` (GET /v1/models, a model check) may take")
-    shutdown_grace_s: float = Field(
-        default=1.0, ge=0, description="at shutdown, how long calls in flight may take to finish")
-    max_open_requests_per_caller: int = Field(
-        default=4, ge=1, description="calls in flight at once of one member (all its API keys together); one "
-                                     "more is refused with 429 `overloaded` and a Retry-After")
-    request_read_timeout_s: float = Field(
-        default=20.0, gt=0, description="a connection that has not sent a whole request (headers and body) within "
-                                        "this of opening, or of its previous answer, is closed")
-    keep_alive_timeout_s: float = Field(
-        default=5.0, gt=0, description="an idle connection between two requests is closed after this")
-    max_connections: int = Field(
-        default=2048, ge=1, description="connections open at once (uvicorn's limit_concurrency); a request "
-                                        "arriving beyond them is answered 503")
-    listen_backlog: int = Field(
-        default=2048, ge=1, description="connections the kernel holds before the gateway accepts them")
-    max_header_bytes: int = Field(
-        default=16 * 1024, ge=1024, description="a request line and headers that grow past this before they end "
-                                                "are answered 400 (h11's max_incomplete_event_size)")
-    cors_allowed_origins: list[str] = Field(
-        default=[], description="web origins (e.g. https://chat.example.org) whose pages may call the "
-                                          "API from a browser; empty: no CORS headers at all")
-
-
-class MetricsSettings(_Section):
-    """[metrics]: where a process's Prometheus /metrics server listens (`--metrics-port` turns it on)."""
-
-    host: str = Field(
-        default="127.0.0.1", description="interface /metrics listens on (`--metrics-host`); it has no "
-                                         "authentication and names callers, so 0.0.0.0 only where the network is "
-                                         "private (a Prometheus in another container)")
-
-
-class EventsSettings(_Section):
+class EventsSettings(ConfigSection):
     """[events]: what a projector accepts from the event log of a community mesh (events/signing.py)."""
 
     max_clock_skew_s: float = Field(

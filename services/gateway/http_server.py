@@ -16,7 +16,7 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from services.common.config import GatewaySettings
+from services.common.config_sections import GatewaySettings
 from services.common.metrics import counter
 
 request_read_timeouts_total = counter(

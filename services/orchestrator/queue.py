@@ -108,6 +108,18 @@ class FairQueue:
         finally:
             self._finish(lane_key)
 
+    def share_refusal(self, caller: str | None) -> Overloaded | None:
+        """The refusal `place` would give this member's call at once because its share of the queue is full, or
+        None: checked as a call arrives, so that a flooding member's surplus costs no further work."""
+        lane_key = caller or ANONYMOUS_CALLER
+        if lane_key == ANONYMOUS_CALLER or self._can_start(lane_key):
+            return None
+        waiting = len(self._lanes.get(lane_key, ()))
+        if waiting < self.max_queued_per_caller:
+            return None
+        return Overloaded(f"{waiting} calls of this caller are already waiting on this orchestrator "
+                          f"(max_queued_per_caller)", self.retry_after_s)
+
     def positions(self) -> dict[int, tuple[str, int]]:
         """id(waiter) -> (caller, 1-based place in the order calls will start); for tests and position updates."""
         return {id(w): (w.caller, place) for place, w in enumerate(self._service_order(), start=1)}
@@ -166,10 +178,10 @@ class FairQueue:
     def _make_room_for(self, lane_key: str) -> None:
         """Overloaded unless a call of this caller may wait: within its share, and in a free place or one taken
         from the newest call of a caller waiting with at least two more calls (that call is refused instead)."""
+        refusal = self.share_refusal(lane_key)
+        if refusal is not None:
+            raise refusal
         waiting = len(self._lanes.get(lane_key, ()))
-        if lane_key != ANONYMOUS_CALLER and waiting >= self.max_queued_per_caller:
-            raise Overloaded(f"{waiting} calls of this caller are already waiting on this orchestrator "
-                             f"(max_queued_per_caller)", self.retry_after_s)
         if self.queued < self.max_queued:
             return
         longest = max(self._lanes, key=lambda key: len(self._lanes[key]), default=None)

@@ -195,11 +195,20 @@ class Orchestrator:
             return
         if self._reply_refused(msg):
             return
+        caller = self._caller_admitted(msg)
+        if isinstance(caller, ErrorFrame):
+            refusal = caller
+            # Refused before any work on the call (no inbox watch, no keepalives, no parsing): one frame and done,
+            # so that a member flooding the mesh spends little of the time other members' calls need.
+            with contextlib.suppress(Exception):  # the asker or the broker is gone: nobody to tell
+                await self.nc.publish(msg.reply, refusal.model_dump_json().encode())
+            count_request(refusal.code, False)
+            return
         client = await ClientStream(self.nc, msg.reply,
                                     resubscribe_grace_s=self.settings.orchestrator.client_resubscribe_grace_s).start()
         keepalive = asyncio.create_task(self._keep_client_told(client), name="client-keepalive")
         try:
-            await asyncio.wait_for(self._serve_request(msg, client),
+            await asyncio.wait_for(self._serve_request(msg, client, caller),
                                    timeout=self.settings.orchestrator.request_deadline_s)
         except asyncio.CancelledError:
             raise
@@ -221,20 +230,26 @@ class Orchestrator:
             with contextlib.suppress(Exception):  # the broker may be away; the next one tries again
                 await client.keep_alive(interval_s)
 
-    async def _serve_request(self, msg: Msg, client: ClientStream) -> None:
+    def _caller_admitted(self, msg: Msg) -> str | None | ErrorFrame:
+        """The calling member's name (None on an open mesh), or the frame refusing the call: its body or headers
+        over their limits, its signature refused, or its caller's share of the queue full."""
         refusal = self._oversized(msg)
         if refusal is not None:
-            await client.send(refusal)
-            return
+            return refusal
         caller = None
         if self.call_verifier is not None:
             checked = self.call_verifier.check(msg.subject, msg.reply, msg.data, msg.headers)
             if isinstance(checked, CallRefused):
                 calls_refused_total.labels(checked.reason).inc()
-                await client.send(ErrorFrame(seq=0, code="unauthorized", message=checked.message))
-                return
+                return ErrorFrame(seq=0, code="unauthorized", message=checked.message)
             caller = checked.name
             calls_by_caller_total.labels(caller).inc()  # roster names only: a bounded label set
+        overloaded = self.queue.share_refusal(caller)
+        if overloaded is not None:
+            return ErrorFrame(seq=0, code="overloaded", message=str(overloaded), retry_after_s=overloaded.retry_after_s)
+        return caller
+
+    async def _serve_request(self, msg: Msg, client: ClientStream, caller: str | None) -> None:
         try:
             request = parse_chat_request(msg.data)
         except BadRequest as error:

@@ -10,7 +10,8 @@ from prometheus_client import REGISTRY, CollectorRegistry
 
 from events.signing import EventVerifier
 from readmodels.runner import Projector
-from services.common.config import MetricsSettings, NatsSettings
+from services.common.config import NatsSettings
+from services.common.config_sections import MetricsSettings
 from services.common.event_trust import stream_setup
 from services.common.lifecycle import Stopped, unless_stopped
 from services.common.metrics import serve_process_metrics

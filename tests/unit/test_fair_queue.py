@@ -179,6 +179,24 @@ async def test_a_caller_beyond_its_queue_share_is_overloaded_while_another_still
     assert recorder.started == ["running", "alice-1", "bob-1", "alice-2"]
 
 
+async def test_a_full_share_is_told_before_the_call_is_placed_and_only_for_that_member():
+    recorder = Recorder(fair_queue(max_running=2, max_queued_per_caller=1))
+    queue = recorder.queue
+    assert queue.share_refusal("alice") is None  # a place is free
+    recorder.submit("running", "alice")
+    await settle()
+    assert queue.share_refusal("alice") is None  # may not run a second (her share is 1 of 2) but may wait
+    recorder.submit("alice-1", "alice")
+    await settle()
+    refusal = queue.share_refusal("alice")
+    assert isinstance(refusal, Overloaded) and "max_queued_per_caller" in str(refusal)
+    assert refusal.retry_after_s == 3.0
+    assert queue.share_refusal("bob") is None and queue.share_refusal(None) is None
+    assert queue.queued == 1  # telling placed nothing
+    for name in ["running", "alice-1"]:
+        await recorder.finish(name)
+
+
 async def test_when_the_queue_is_full_the_caller_waiting_with_the_most_gives_up_its_newest_place():
     recorder = Recorder(fair_queue(max_queued=3, retry_after_s=2.0))
     recorder.submit("running", "alice")
