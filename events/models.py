@@ -102,6 +102,9 @@ class ShardAdvertised(EventEnvelope):
     device_kind: Literal["cpu", "cuda"] | None = None
     device_name: Label | None = None
     kv_cache_budget_mb: float | None = Field(default=None, ge=0)
+    # How the weights are quantized ("none", "int8", "int4/g64"): part of the shard's identity, since a pipeline
+    # never mixes schemes; advertisements from before quantization read as "none".
+    quantization: Label = "none"
 
 
 class ShardHeartbeat(EventEnvelope):

@@ -27,12 +27,14 @@ from .errors import (
 from .head import Head
 from .loading import load_head, load_layer_range
 from .local import LocalModel, load_full
+from .quantization import DEFAULT_QUANTIZATION, QuantizationError, QuantizationScheme, parse_quantization
 from .runner import DEFAULT_CACHE_BUDGET_BYTES, DEFAULT_SESSION_TTL_S, STEP_KINDS, LayerRangeRunner
 from .sampling import SamplingParams, sample_token
 from .sessions import EvictedSession
 
 __all__ = [
     "DEFAULT_CACHE_BUDGET_BYTES",
+    "DEFAULT_QUANTIZATION",
     "DEFAULT_SESSION_TTL_S",
     "FINISH_LENGTH",
     "FINISH_STOP",
@@ -45,6 +47,8 @@ __all__ = [
     "LayerRangeRunner",
     "LocalModel",
     "ModelInfo",
+    "QuantizationError",
+    "QuantizationScheme",
     "RunnerClosedError",
     "SamplingParams",
     "SessionEvictedError",
@@ -57,6 +61,7 @@ __all__ = [
     "load_full",
     "load_head",
     "load_layer_range",
+    "parse_quantization",
     "read_config_dict",
     "resolve_dtype",
     "resolve_model_path",

@@ -15,6 +15,7 @@ from .checkpoint import ModelInfo
 from .cpu_kernels import onednn_linear, onednn_linear_available
 from .detokenizer import TextStream
 from .errors import InferenceError
+from .quantization import QuantizedLinear
 from .sampling import SamplingParams, sample_token
 
 # From this many rows a batched head product on a CPU runs on oneDNN (see Head._product).
@@ -106,7 +107,7 @@ class Head:
             # The bound below holds for any summation order, so the fastest product serves (BENCHMARKS.md,
             # "Orchestrator head batched", "One batch for hops that share cores").
             products = self._product(normed)
-            if getattr(self._lm_head, "bias", None) is not None:
+            if getattr(self._lm_head, "bias", None) is not None and not isinstance(self._lm_head, QuantizedLinear):
                 products = products + self._lm_head.bias
             logits = self._adapter.postprocess_logits(products, self._config).to(dtype=torch.float32)
             accumulated = self.info.hidden_size * torch.finfo(torch.float32).eps * self._largest_head_row_norm()
@@ -117,7 +118,9 @@ class Head:
     def _product(self, normed: torch.Tensor) -> torch.Tensor:
         """``normed @ W^T`` for B rows: on a CPU in float32, W @ h^T for a few rows (BLAS runs the tall product
         1.5-3 x faster than h @ W^T), oneDNN's linear from `head_onednn_min_rows` on (32000 x 1024, 8 rows, one
-        thread: 8.3 vs 19.5 ms)."""
+        thread: 8.3 vs 19.5 ms). A quantized lm_head runs its own kernel (bias included)."""
+        if isinstance(self._lm_head, QuantizedLinear):
+            return self._lm_head(normed)
         weight = self._lm_head.weight
         if (normed.shape[0] >= head_onednn_min_rows and normed.device.type == "cpu"
                 and normed.dtype == torch.float32 and onednn_linear_available()):
@@ -125,6 +128,8 @@ class Head:
         return (weight @ normed.T).T
 
     def _largest_head_row_norm(self) -> float:
+        if isinstance(self._lm_head, QuantizedLinear):
+            return 0.0  # its kernel computes each row alone: a batch's rows round exactly as one-row products
         if self._head_row_norm is None:
             with torch.inference_mode():
                 self._head_row_norm = float(self._lm_head.weight.float().norm(dim=1).amax())
@@ -143,7 +148,7 @@ class Head:
         seen: set[int] = set()
         total = 0
         for module in (self._embed_tokens, self._final_norm, self._lm_head):
-            for tensor in module.parameters():
+            for tensor in (*module.parameters(), *module.buffers()):
                 if tensor.data_ptr() not in seen:
                     seen.add(tensor.data_ptr())
                     total += tensor.numel() * tensor.element_size()

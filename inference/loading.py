@@ -28,6 +28,8 @@ from .checkpoint import ModelInfo, SafetensorsCheckpoint, read_config_dict, reso
 from .cpu_kernels import DEFAULT_CPU_LINEAR_KERNEL, use_cpu_linear_kernel
 from .errors import CheckpointError
 from .head import Head
+from .quantization import HEAD_QUANTIZATION, QuantizationScheme, QuantizedLinear, check_device_supports, \
+    check_quantizable, parse_quantization, quantize_linears, release_freed_heap
 from .runner import DEFAULT_CACHE_BUDGET_BYTES, DEFAULT_SESSION_TTL_S, LayerRangeRunner
 from .sessions import EvictedSession
 
@@ -142,6 +144,7 @@ def load_layer_range(
     clock: Callable[[], float] = time.monotonic,
     static_cache_tokens: int | None = None,
     cpu_linear_kernel: str = DEFAULT_CPU_LINEAR_KERNEL,
+    quantization: str | QuantizationScheme = "none",
 ) -> LayerRangeRunner:
     """A runner holding decoder layers ``lo..hi`` (inclusive) of ``model`` and nothing else.
 
@@ -151,8 +154,12 @@ def load_layer_range(
     CUDA graphs (inference/static_decode.py; full-attention SDPA architectures only, others stay dynamic).
     ``attn_implementation`` None picks transformers' default for the family (sdpa, or eager for Gemma 2).
     ``cpu_linear_kernel``: which kernel float32 CPU layers' projections run on (inference/cpu_kernels.py).
+    ``quantization`` ("none", "int8", "int4/g64", ...): each layer's Linears are quantized as soon as the layer is
+    read, before the next one is (inference/quantization.py), so the host never holds the range at full precision;
+    quantized Linears run torch's quantized kernels whatever ``cpu_linear_kernel`` says.
     Only the tensors of layers lo..hi are read from the (single-file or sharded) safetensors files.
     """
+    scheme = parse_quantization(quantization)
     skeleton = _open_skeleton(
         model,
         dtype=dtype,
@@ -169,25 +176,30 @@ def load_layer_range(
             f"layer range {lo}-{hi} is not inside 0-{num_layers - 1} of {skeleton.info.model_id}"
         )
     decoder = skeleton.model.get_decoder()
+    check_device_supports(scheme, skeleton.device)
+    for layer_index in range(lo, hi + 1):
+        check_quantizable(decoder.layers[layer_index], scheme, f"layer {layer_index} of {skeleton.info.model_id}")
     layers: dict[int, nn.Module] = {}
     loaded_names: list[str] = []
     for layer_index in range(lo, hi + 1):
         layer = decoder.layers[layer_index]
         loaded_names += skeleton.materialize(layer)
         _assert_materialized(layer, f"layer {layer_index}")
+        quantize_linears(layer, scheme)
         layers[layer_index] = layer
     use_cpu_linear_kernel(layers.values(), cpu_linear_kernel, skeleton.device,
                           next(layers[lo].parameters()).dtype)
     # The rotary module only holds inverse frequencies derived from the config: build it for real.
     rotary_embedding = type(decoder.rotary_emb)(config=skeleton.config).to(skeleton.device)
     logger.info(
-        "loaded layers %d-%d of %s (%d bytes read)",
+        "loaded layers %d-%d of %s (%d bytes read, quantization %s)",
         lo,
         hi,
         skeleton.info.model_id,
         skeleton.checkpoint.bytes_read,
+        scheme.label,
     )
-    return LayerRangeRunner(
+    runner = LayerRangeRunner(
         info=skeleton.info,
         config=skeleton.config,
         adapter=skeleton.adapter,
@@ -203,6 +215,8 @@ def load_layer_range(
         on_evict=on_evict,
         static_cache_tokens=static_cache_tokens,
     )
+    runner.quantization = scheme.label
+    return runner
 
 
 def load_head(
@@ -215,8 +229,14 @@ def load_head(
     cache_dir: str | Path | None = None,
     local_files_only: bool | None = None,
     load_tokenizer: bool = True,
+    quantization: str | QuantizationScheme = "none",
 ) -> Head:
-    """The orchestrator's part of ``model``: tokenizer, embedding, final norm and lm_head (tied or not)."""
+    """The orchestrator's part of ``model``: tokenizer, embedding, final norm and lm_head (tied or not).
+
+    ``quantization`` other than "none" holds the lm_head in int8 (weight-only, inference/quantization.py, for every
+    quantized scheme: the head's bytes are read for every token, and int4 would cost its logits most); the embedding
+    (a lookup) and the final norm stay at full precision."""
+    scheme = parse_quantization(quantization)
     skeleton = _open_skeleton(
         model,
         dtype=dtype,
@@ -227,6 +247,7 @@ def load_head(
         cache_dir=cache_dir,
         local_files_only=local_files_only,
     )
+    check_device_supports(scheme, skeleton.device)
     decoder = skeleton.model.get_decoder()
     embed_tokens = skeleton.model.get_input_embeddings()
     lm_head = skeleton.model.get_output_embeddings()
@@ -245,6 +266,10 @@ def load_head(
         skeleton.materialize(lm_head)
     for what, module in (("embedding", embed_tokens), ("final norm", final_norm), ("lm_head", lm_head)):
         _assert_materialized(module, what)
+    if scheme.quantized and type(lm_head) is nn.Linear:
+        lm_head = QuantizedLinear(lm_head, HEAD_QUANTIZATION)
+        skeleton.model.set_output_embeddings(lm_head)
+        release_freed_heap()
     tokenizer = _load_tokenizer(skeleton.info.path) if load_tokenizer else None
     return Head(
         info=skeleton.info,

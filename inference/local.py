@@ -16,6 +16,7 @@ import torch
 from .detokenizer import TextDelta
 from .head import Head
 from .loading import load_head, load_layer_range
+from .quantization import QuantizationScheme
 from .runner import LayerRangeRunner
 from .sampling import SamplingParams
 
@@ -75,16 +76,18 @@ def load_full(
     revision: str | None = None,
     cache_dir: str | Path | None = None,
     local_files_only: bool | None = None,
+    quantization: str | QuantizationScheme = "none",
     **runner_options,
 ) -> LocalModel:
     """Every layer plus the head of ``model``, loaded by ``load_layer_range`` and ``load_head``.
 
     ``runner_options`` go to ``load_layer_range`` (cache_budget_bytes, session_ttl_s, on_evict, clock).
+    ``quantization`` ("none", "int8", "int4/g64", ...) applies to every layer, and int8 to the lm_head (load_head).
     """
     location = dict(
         model_id=model_id, revision=revision, cache_dir=cache_dir, local_files_only=local_files_only
     )
-    head = load_head(model, dtype=dtype, device=device, **location)
+    head = load_head(model, dtype=dtype, device=device, quantization=quantization, **location)
     runner = load_layer_range(
         model,
         0,
@@ -92,6 +95,7 @@ def load_full(
         dtype=dtype,
         device=device,
         attn_implementation=attn_implementation,
+        quantization=quantization,
         **location,
         **runner_options,
     )

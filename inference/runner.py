@@ -40,6 +40,7 @@ class LayerRangeRunner:
     ``SessionStateError``. Sessions idle longer than ``session_ttl_s`` are evicted, and the least
     recently used ones are evicted when all caches together exceed ``cache_budget_bytes``.
     """
+    quantization: str = "none"  # the label of its Linears' scheme (inference/quantization.py); set when loaded
 
     def __init__(
         self,
@@ -60,8 +61,7 @@ class LayerRangeRunner:
         static_cache_tokens: int | None = None,
     ):
         self.info = info
-        self.layer_lo = min(layers)
-        self.layer_hi = max(layers)
+        self.layer_lo, self.layer_hi = min(layers), max(layers)
         self.loaded_tensor_names = loaded_tensor_names
         self._layer_prefix = layer_name_prefix
         self.checkpoint_bytes_read = checkpoint_bytes_read

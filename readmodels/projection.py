@@ -210,6 +210,7 @@ class ReadModelProjection:
             layer_hi=event.layer_hi,
             total_layers=event.total_layers,
             dtype=event.dtype,
+            quantization=event.quantization,
             memory_required_mb=event.memory_required_mb,
             max_concurrent_streams=event.max_concurrent_streams,
             control_subject=event.control_subject,

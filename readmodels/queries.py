@@ -32,6 +32,8 @@ class ShardCandidate:
     queue_depth: int | None
     active_streams: int | None
     decode_step_ms: float | None = None
+    # The weight quantization scheme it serves ("none", "int8", "int4/g64"); a pipeline never mixes them.
+    quantization: str = "none"
 
 
 def shards_of_model(session: Session, model_id: str) -> list[ShardCandidate]:
@@ -64,6 +66,7 @@ def _shards(session: Session, condition) -> list[ShardCandidate]:
             ShardHealth.queue_depth,
             ShardHealth.active_streams,
             ShardHealth.decode_step_ms,
+            Shard.quantization,
         )
         .outerjoin(ShardHealth, ShardHealth.shard_id == Shard.shard_id)
         .order_by(Shard.model_id, Shard.shard_id)

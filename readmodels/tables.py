@@ -39,6 +39,8 @@ class Shard(Base):
     layer_hi: Mapped[int] = mapped_column(Integer, nullable=False, comment="inclusive")
     total_layers: Mapped[int] = mapped_column(Integer, nullable=False)
     dtype: Mapped[str] = mapped_column(String, nullable=False)
+    quantization: Mapped[str] = mapped_column(
+        String, nullable=False, server_default="none", comment="weight quantization scheme: none | int8 | int4/gN")
     memory_required_mb: Mapped[float] = mapped_column(Float, nullable=False)
     max_concurrent_streams: Mapped[int] = mapped_column(Integer, nullable=False)
     control_subject: Mapped[str] = mapped_column(String, nullable=False)

@@ -30,6 +30,7 @@ from services.common.cli_options import (
     DeviceOption,
     DtypeOption,
     InsecureOption,
+    QuantizeOption,
     LogLevelOption,
     MetricsHostOption,
     MetricsPortOption,
@@ -145,6 +146,7 @@ def shard_command(
     hop_weight: Annotated[float, typer.Option("--hop-weight", help="1.0 = same LAN; larger = farther.")] = 1.0,
     device: DeviceOption = None,
     dtype: DtypeOption = None,
+    quantize: QuantizeOption = None,
     heartbeat_s: Annotated[Optional[float], typer.Option(
         "--heartbeat-s", help="Seconds between heartbeats (default: [shard] heartbeat_interval_s).",
         show_default=False)] = None,
@@ -175,8 +177,8 @@ def shard_command(
     url = resolve_nats_url(ctx, nats_url)
     run_until_stopped(lambda stop_event: run_shard(
         model=model, layers=layers, nats_url=url, settings=settings(ctx), node_id=node_id, model_id=model_id,
-        max_streams=max_streams, hop_weight=hop_weight, device=device, dtype=dtype, heartbeat_s=heartbeat_s,
-        ttl_s=ttl_s,
+        max_streams=max_streams, hop_weight=hop_weight, device=device, dtype=dtype, quantize=quantize,
+        heartbeat_s=heartbeat_s, ttl_s=ttl_s,
         fault=fault, torch_threads=torch_threads, busy_threads=busy_threads,
         ready_file=str(ready_file) if ready_file else None, metrics_port=metrics_port, stop_event=stop_event,
     ))
@@ -209,6 +211,7 @@ def orchestrator_command(
     busy_threads: BusyThreadsOption = None,
     device: DeviceOption = None,
     dtype: DtypeOption = None,
+    quantize: QuantizeOption = None,
     ready_file: ReadyFileOption = None,
     metrics_port: MetricsPortOption = 0,
     metrics_host: MetricsHostOption = None,
@@ -229,7 +232,7 @@ def orchestrator_command(
     options = OrchestratorOptions(node_id=node_id or default_node_id(), db_path=db,
                                   model_search_dirs=tuple(models_dir or ()), local_model=local_model,
                                   busy_threads=busy_threads, metrics_port=metrics_port, device=device,
-                                  dtype=dtype)
+                                  dtype=dtype, quantize=quantize)
     url = resolve_nats_url(ctx, nats_url)
     run_until_stopped(lambda stop_event: run_orchestrator(
         with_step_timeout(settings(ctx), step_timeout_s), options, url, preload=list(preload or []),
@@ -304,12 +307,14 @@ def demo_command(
     torch_threads: TorchThreadsOption = None,
     device: DeviceOption = None,
     dtype: DtypeOption = None,
+    quantize: QuantizeOption = None,
 ) -> None:
     """Run the whole mesh on this machine (NATS, projector, shard hosts, orchestrator) and stream one answer."""
     from services.demo import DemoRun
 
     code = DemoRun(model=model, shards=shards, prompt=prompt, max_tokens=max_tokens, serve=serve, raw=raw,
-                   torch_threads=torch_threads, log_level=cli_state(ctx).log_level, device=device, dtype=dtype).run()
+                   torch_threads=torch_threads, log_level=cli_state(ctx).log_level, device=device, dtype=dtype,
+                   quantize=quantize).run()
     raise typer.Exit(code)
 
 

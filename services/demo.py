@@ -138,6 +138,8 @@ class DemoRun:
     # --device/--dtype of every shard host and the orchestrator (None: their defaults).
     device: str | None = None
     dtype: str | None = None
+    # --quantize of every shard host and the orchestrator (None: their default).
+    quantize: str | None = None
 
     def run(self) -> int:
         # This process only supervises and prints; its own INFO lines would bury the answer (the
@@ -150,6 +152,7 @@ class DemoRun:
         previous_hup = signal.signal(signal.SIGHUP, _raise_stop)
         cluster: LocalCluster | None = None
         try:
+            self._check_quantize()
             demo_model = resolve_demo_model(self.model)
             if not 1 <= self.shards <= demo_model.num_layers:
                 raise DemoError(f"--shards must be between 1 and the model's {demo_model.num_layers} layers")
@@ -247,7 +250,16 @@ class DemoRun:
             _say(f"    {name:28s} {url}")
 
     def _placement_args(self) -> list[str]:
-        return [*(["--device", self.device] if self.device else []), *(["--dtype", self.dtype] if self.dtype else [])]
+        return [*(["--device", self.device] if self.device else []), *(["--dtype", self.dtype] if self.dtype else []),
+                *(["--quantize", self.quantize] if self.quantize else [])]
+
+    def _check_quantize(self) -> None:
+        # By its label only, so this process stays free of torch: a shard refuses a scheme it cannot run.
+        from services.common.quantization_labels import is_quantization_label
+
+        if self.quantize is not None and not is_quantization_label(self.quantize):
+            raise DemoError(f"--quantize: unknown quantization {self.quantize!r}: expected none, int8, int4 or "
+                            "int4/g<group size>")
 
     # ------------------------------------------------------------------ the answer
 

@@ -7,7 +7,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from services.common.cli_options import DeviceOption, DtypeOption, TorchThreadsOption
+from services.common.cli_options import DeviceOption, DtypeOption, QuantizeOption, TorchThreadsOption
+from services.common.quantization_labels import is_quantization_label
 
 
 def bench_command(
@@ -53,6 +54,7 @@ def bench_command(
                                           "cost).")] = True,
     device: DeviceOption = None,
     dtype: DtypeOption = None,
+    quantize: QuantizeOption = None,
     pin_cores: Annotated[
         Optional[int], typer.Option("--pin-cores", min=1, help="Instead: N shard processes, each pinned to its own "
                                     "core (taskset) with one torch thread, serving concurrent sessions, vs one "
@@ -77,6 +79,8 @@ def bench_command(
         if not separator or not key:
             raise typer.BadParameter(f"expected KEY=VALUE, got {item!r}", param_hint="--env")
         child_env[key] = value
+    if quantize is not None and not is_quantization_label(quantize):
+        raise typer.BadParameter(f"expected none, int8, int4 or int4/gN, got {quantize!r}", param_hint="--quantize")
     if pin_cores is not None:
         from services.bench.together import TogetherOptions
 
@@ -90,5 +94,6 @@ def bench_command(
                            sessions=sessions, repeats=repeats, torch_threads=torch_threads,
                            monolithic_threads=monolithic_threads, library_defaults_baseline=library_defaults,
                            child_env=child_env, cache_dir=cache_dir, secure=not insecure,
-                           metrics=metrics, burst=burst, device=device, dtype=dtype, work_dir=work_dir)
+                           metrics=metrics, burst=burst, device=device, dtype=dtype, work_dir=work_dir,
+                           quantize=quantize)
     raise typer.Exit(run_bench_command(options, as_json=as_json))

@@ -59,7 +59,8 @@ class MonolithicInfo(BaseModel):
 class MonolithicModel:
     """The whole model via transformers' from_pretrained; generate() greedy, timed by a streamer."""
 
-    def __init__(self, path: Path, device: str | None = None, dtype: str | None = None) -> None:
+    def __init__(self, path: Path, device: str | None = None, dtype: str | None = None,
+                 quantize: str | None = None) -> None:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -73,8 +74,16 @@ class MonolithicModel:
 
             self.device, compute_dtype = resolve_placement(device, dtype)
             self.model = AutoModelForCausalLM.from_pretrained(path, dtype=compute_dtype).to(self.device).eval()
+        if quantize:  # the decoder layers' Linears as the shards hold them; the head stays as load_full keeps it
+            from inference.quantization import check_device_supports, parse_quantization, quantize_linears
+
+            scheme = parse_quantization(quantize)
+            check_device_supports(scheme, self.device)
+            for layer in self.model.get_decoder().layers:
+                quantize_linears(layer, scheme)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self._device_options = (device, dtype)
+        self._quantize = quantize or "none"
         self._local = None
         self.info = MonolithicInfo(parameters=sum(p.numel() for p in self.model.parameters()),
                                    dtype=str(next(self.model.parameters()).dtype).removeprefix("torch."),
@@ -123,7 +132,7 @@ class MonolithicModel:
 
         if self._local is None:
             device, dtype = self._device_options
-            self._local = load_full(self.path, device=device, dtype=dtype)
+            self._local = load_full(self.path, device=device, dtype=dtype, quantization=self._quantize)
         timing = GenerationTiming()
         started = time.perf_counter()
         with self._torch.inference_mode():
@@ -134,9 +143,9 @@ class MonolithicModel:
 
 
 def monolithic_worker_main(model_path: str, torch_threads: int | None, device: str | None = None,
-                           dtype: str | None = None) -> None:
-    """`python -m services.bench PATH [THREADS [DEVICE DTYPE]]`: load the model, answer MonolithicJob lines until
-    stdin closes.
+                           dtype: str | None = None, quantize: str | None = None) -> None:
+    """`python -m services.bench PATH [THREADS [DEVICE DTYPE [QUANTIZE]]]`: load the model, answer MonolithicJob
+    lines until stdin closes.
 
     Runs in its own process so that it gets the same OpenMP environment as the shard processes (libgomp
     reads it once, when torch loads) and so that the bench process itself stays free of torch.
@@ -147,7 +156,7 @@ def monolithic_worker_main(model_path: str, torch_threads: int | None, device: s
         import torch
 
         torch.set_num_threads(torch_threads)
-    model = MonolithicModel(Path(model_path), device, dtype)
+    model = MonolithicModel(Path(model_path), device, dtype, quantize)
     replies.write(model.info.model_dump_json() + "\n")
     for line in sys.stdin:
         try:
@@ -161,14 +170,15 @@ class MonolithicWorker:
     """The bench's handle on the worker process (`python -m services.bench`)."""
 
     def __init__(self, model_path: Path, env: dict[str, str], torch_threads: int | None, log_path: Path, *,
-                 device: str | None = None, dtype: str | None = None, cpus: Sequence[int] | None = None) -> None:
+                 device: str | None = None, dtype: str | None = None, cpus: Sequence[int] | None = None,
+                 quantize: str | None = None) -> None:
         """`cpus`: the cores the worker may run on (None: any)."""
         from services.core_sharing import pinned_command
 
         self._log = open(log_path, "ab")
         command = [sys.executable, "-m", "services.bench", str(model_path), str(torch_threads or 0)]
-        if device is not None or dtype is not None:
-            command += [device or "auto", dtype or "auto"]
+        if device is not None or dtype is not None or quantize is not None:
+            command += [device or "auto", dtype or "auto", *([quantize] if quantize else [])]
         command, pin = pinned_command(command, cpus)
         self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
                                         env={**os.environ, **env}, text=True, bufsize=1,

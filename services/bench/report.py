@@ -144,7 +144,8 @@ def format_report(report: BenchReport) -> str:
                  f"load average {report.machine.get('load_average_before')} -> "
                  f"{report.machine.get('load_average_after')})")
     lines.append(f"model {model['spec']}: {model['layers']} layers, {model['parameters'] / 1e6:.1f}M parameters, "
-                 f"{model['dtype']}; {settings['shards']} shards {settings['layer_ranges']}; prompt "
+                 f"{model['dtype']}, weights {settings.get('quantization', 'none')}; {settings['shards']} shards "
+                 f"{settings['layer_ranges']}; prompt "
                  f"{settings['prompt_tokens']} tokens, {settings['new_tokens']} new tokens, "
                  f"{settings['repeats']} rounds")
     lines.append("")

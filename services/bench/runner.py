@@ -79,9 +79,12 @@ class BenchOptions:
     # Where and in what dtype shards, orchestrator and generate() compute (None: the CPU defaults of before).
     device: str | None = None
     dtype: str | None = None
+    # How shards, the orchestrator's head and generate()'s layers hold their weights (None: full precision).
+    quantize: str | None = None
 
     def placement_args(self) -> list[str]:
-        return [*(["--device", self.device] if self.device else []), *(["--dtype", self.dtype] if self.dtype else [])]
+        return [*(["--device", self.device] if self.device else []), *(["--dtype", self.dtype] if self.dtype else []),
+                *(["--quantize", self.quantize] if self.quantize else [])]
 
 
 def _progress(text: str) -> None:
@@ -124,10 +127,12 @@ class Bench:
             monolithic_threads = options.monolithic_threads or options.torch_threads
             _progress(f"loading the whole model for generate() in a worker process ({resolved.path}) ...")
             worker = MonolithicWorker(resolved.path, process_env, monolithic_threads,
-                                      cluster.work_dir / "monolithic.log", device=options.device, dtype=options.dtype)
+                                      cluster.work_dir / "monolithic.log", device=options.device, dtype=options.dtype,
+                                      quantize=options.quantize)
             # What a plain transformers user gets: this shell's environment, torch's own thread count.
             defaults_worker = MonolithicWorker(resolved.path, {}, None, cluster.work_dir / "monolithic-defaults.log",
-                                               device=options.device, dtype=options.dtype) \
+                                               device=options.device, dtype=options.dtype,
+                                               quantize=options.quantize) \
                 if options.library_defaults_baseline else None
             workers = [w for w in (worker, defaults_worker) if w is not None]
 
@@ -248,6 +253,7 @@ class Bench:
             model={"spec": options.model or "bundled", "path": str(model.path), "layers": model.num_layers,
                    "parameters": info.parameters, "dtype": info.dtype},
             settings={"device": options.device or "cpu", "dtype": options.dtype or "checkpoint's",
+                      "quantization": options.quantize or "none",
                       "shards": options.shards, "layer_ranges": even_layer_ranges(model.num_layers, options.shards),
                       "prompt_tokens": len(prompt_ids), "new_tokens": options.new_tokens, "repeats": options.repeats,
                       "sessions": options.sessions, "process_torch_threads": options.torch_threads,

@@ -133,10 +133,11 @@ async def _models(nats_url: str, *, as_json: bool, settings: HearthSettings) -> 
     if as_json:
         print(reply.model_dump_json(indent=2))
         return 0
-    print(f"{'model':32s} {'layers covered':24s} {'complete':8s} {'context':>8s}  local")
+    print(f"{'model':32s} {'layers covered':24s} {'complete':8s} {'context':>8s}  local  quantizations")
     for model in reply.models:
         covered = ", ".join(f"{lo}-{hi}" for lo, hi in model.covered_layers) or "-"
         print(f"{model.id:32s} {covered + f' of {model.total_layers}':24s} {'yes' if model.complete else 'no':8s} "
-              f"{model.context_length or '?':>8}  {'yes' if model.runnable_locally else 'no'}")
+              f"{model.context_length or '?':>8}  {'yes' if model.runnable_locally else 'no':5s}  "
+              f"{', '.join(model.quantizations) or '-'}")
     print(f"default model: {reply.default_model or '(none: name one with --model)'}")
     return 0

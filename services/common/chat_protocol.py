@@ -8,6 +8,8 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
+from services.common.quantization_labels import QUANTIZATION_LABEL_PATTERN
+
 CHAT_REQUEST_SUBJECT = "llm.chat.request"
 MODELS_REQUEST_SUBJECT = "llm.models"
 max_tokens_limit = 8192
@@ -46,6 +48,9 @@ class ChatParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     fallback_to_local: bool = True
+    # The weight quantization scheme the answer must come from: none, int8, int4 (any group size) or int4/gN;
+    # absent: the most precise scheme whose shards cover the model (none, then int8, then int4).
+    quantization: str | None = Field(default=None, pattern=QUANTIZATION_LABEL_PATTERN)
 
 
 class ChatRequest(BaseModel):
@@ -216,6 +221,9 @@ class ServedModel(BaseModel):
     # Every layer is covered: a pipeline can be built now.
     complete: bool
     weights_sha256: str | None = None
+    # The weight quantization schemes live shards with those weights cover every layer in, most precise first;
+    # covered_layers is of the first of them (or of the scheme that covers most layers when none is complete).
+    quantizations: list[str] = Field(default_factory=list)
     # Positions the model takes (prompt plus generated tokens); None when the orchestrator cannot read its config.
     context_length: int | None = None
     # The orchestrator can also run it whole by itself (local fallback).

@@ -237,6 +237,12 @@ DtypeOption = Annotated[
     typer.Option("--dtype", help="auto|fp32|bf16|fp16 (auto: bf16 on CUDA, fp16 where bf16 is unsupported, fp32 on "
                  "the CPU; default: [research.distributed_inference.host] dtype).", show_default=False),
 ]
+QuantizeOption = Annotated[
+    Optional[str],
+    typer.Option("--quantize", help="none|int8|int4|int4/gN: weights held as full precision, int8 per output channel "
+                 "or int4 in groups of N inputs; CPU only (default: [research.distributed_inference.host] quantize).",
+                 show_default=False),
+]
 
 TorchThreadsOption = Annotated[
     Optional[int],

@@ -24,6 +24,7 @@ from pydantic_settings import (
 
 from events.models import max_event_hops
 from services.common.config_sections import ClientSettings, ConfigSection, GatewaySettings, MetricsSettings
+from services.common.quantization_labels import QUANTIZATION_LABEL_PATTERN
 
 
 CONFIG_PATH_ENV = "HEARTH_CONFIG"
@@ -86,6 +87,10 @@ class HostSettings(ConfigSection):
     dtype: Literal["auto", "fp32", "bf16", "fp16"] = Field(
         default="auto", description="compute dtype: auto is bf16 on CUDA (fp16 where bf16 is unsupported), fp32 on "
                                     "the CPU; --dtype wins")
+    quantize: str = Field(
+        default="none", pattern=QUANTIZATION_LABEL_PATTERN,
+        description="weights of the layers this machine serves (shards, an orchestrator's head and local model): "
+                    "none, int8 (per output channel) or int4, int4/gN (groups of N inputs); CPU only; --quantize wins")
 
 
 def serve_shards_refused(host: HostSettings) -> bool:

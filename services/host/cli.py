@@ -18,6 +18,7 @@ from services.common.cli_options import (
     DeviceOption,
     DtypeOption,
     InsecureOption,
+    QuantizeOption,
     NatsUrlOption,
     WaitForNatsOption,
     long_running,
@@ -40,6 +41,7 @@ def host_command(
              "kv_cache_budget_mb (default: shard_max_memory_mb).")] = None,
     device: DeviceOption = None,
     dtype: DtypeOption = None,
+    quantize: QuantizeOption = None,
     nats_url: NatsUrlOption = None,
     node_id: HostNodeIdOption = None,
     model_id: ModelIdOption = None,
@@ -64,5 +66,5 @@ def host_command(
     run_until_stopped(lambda stop_event: run_host(
         model=model, memory_budget_mb=memory_budget_mb, nats_url=url, settings=settings(ctx), node_id=node_id,
         model_id=model_id, device=device, dtype=dtype, torch_threads=torch_threads, busy_threads=busy_threads,
-        ready_file=ready_file, metrics_port=metrics_port, stop_event=stop_event,
+        ready_file=ready_file, metrics_port=metrics_port, quantize=quantize, stop_event=stop_event,
     ))

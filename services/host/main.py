@@ -38,6 +38,7 @@ from services.shard.main import (
     default_node_id,
     load_shard,
     resolve_compute,
+    resolve_quantization,
     serve_loaded_shard,
 )
 from services.shard.memory_plan import kv_reserve_bytes
@@ -61,21 +62,23 @@ class CoverageReader:
     live shard) after `catch_up` (waiting for the read model to reach the event log's end) when given."""
 
     def __init__(self, router: ShardRouter, *, model_id: str, weights_sha256: str, total_layers: int,
-                 catch_up: Callable[[], Awaitable[object]] | None = None) -> None:
+                 catch_up: Callable[[], Awaitable[object]] | None = None, quantization: str = "none") -> None:
         self.router, self.catch_up = router, catch_up
         self.model_id, self.weights_sha256, self.total_layers = model_id, weights_sha256, total_layers
+        self.quantization = quantization
 
     async def replicas(self, leave_out: str | None = None) -> list[int]:
         shards, alive = await self._live_shards()
         return replicas_per_layer(shards, total_layers=self.total_layers, weights_sha256=self.weights_sha256,
-                                  alive=alive, leave_out=leave_out)
+                                  alive=alive, leave_out=leave_out, quantization=self.quantization)
 
     async def turn(self, current: LayerRange, shard_id: str) -> int:
         """This host's place among the live hosts holding any of `current`'s layers (0: first), in shard-id order:
         hosts that could all leave the same layers move one after another (wait_for_hole), never together."""
         shards, alive = await self._live_shards()
         return sum(1 for shard in shards
-                   if shard.shard_id < shard_id and shard.weights_sha256 == self.weights_sha256 and alive(shard)
+                   if shard.shard_id < shard_id and shard.weights_sha256 == self.weights_sha256
+                   and shard.quantization == self.quantization and alive(shard)
                    and shard.layer_lo <= current.hi and current.lo <= shard.layer_hi)
 
     async def _live_shards(self) -> tuple[list, Callable[[object], bool]]:
@@ -123,18 +126,21 @@ async def run_host(*, model: str, memory_budget_mb: float | None, nats_url: str 
                    settings: HearthSettings | None = None, node_id: str | None = None, model_id: str | None = None,
                    device: str | None = None, dtype: str | None = None, torch_threads: int | None = None,
                    busy_threads: int | None = None, ready_file: str | None = None,
-                   metrics_port: int | None = None, stop_event: asyncio.Event) -> None:
-    """Serve the best range of `model` that fits the budget until `stop_event`, moving when a hole opens."""
+                   metrics_port: int | None = None, quantize: str | None = None,
+                   stop_event: asyncio.Event) -> None:
+    """Serve the best range of `model` that fits the budget until `stop_event`, moving when a hole opens; the
+    budget counts the weights as `quantize` (None: the host settings) holds them."""
     settings = with_memory_budget(settings or HearthSettings(), memory_budget_mb)
     host = settings.research.distributed_inference.host
     if serve_shards_refused(host):
         raise ShardRefused("this host's configuration says serve_shards = false")
     configure_torch_threads(torch_threads)
     node = node_id or default_node_id()
-    _, compute_dtype = resolve_compute(device, dtype, host)
+    compute_device, compute_dtype = resolve_compute(device, dtype, host)
+    scheme = resolve_quantization(quantize, host, compute_device)
     model_path = await asyncio.to_thread(resolve_model_path, model)
     total_layers = int(read_config_dict(model_path)["num_hidden_layers"])
-    per_layer = await asyncio.to_thread(layer_weight_bytes, model_path, compute_dtype)
+    per_layer = await asyncio.to_thread(layer_weight_bytes, model_path, compute_dtype, quantization=scheme)
     layer_bytes = [per_layer.get(index, 0) for index in range(total_layers)]
     weights_budget = int(host.shard_max_memory_mb * MiB) - kv_reserve_bytes(host)
     served_id = model_id or (model_path.name if Path(model).expanduser().is_dir() else model)
@@ -149,7 +155,7 @@ async def run_host(*, model: str, memory_budget_mb: float | None, nats_url: str 
             metrics_server = serve_process_metrics(metrics_port, f"host {node}", host=settings.metrics.host)
             await projector.start()
             coverage = coverage_from(projector, settings, node, model_id=served_id, weights_sha256=digest,
-                                     total_layers=total_layers)
+                                     total_layers=total_layers, quantization=scheme.label)
             chosen = choose_range(await coverage.replicas(), layer_bytes, weights_budget)
             while not stop_event.is_set():
                 if chosen is None:
@@ -157,8 +163,8 @@ async def run_host(*, model: str, memory_budget_mb: float | None, nats_url: str 
                         f"a memory budget of {host.shard_max_memory_mb:.1f} MB holds no layer of {served_id}: the "
                         f"smallest needs {megabytes(min(layer_bytes)):.1f} MB plus "
                         f"{host.kv_cache_budget_mb:.1f} MB kv_cache_budget_mb")
-                log.info("host %s: serving layers %s of %s (coverage: %s)", node, chosen, served_id,
-                         await coverage.replicas())
+                log.info("host %s: serving layers %s of %s in %s (coverage: %s)", node, chosen, served_id,
+                         scheme.label, await coverage.replicas())
                 chosen = await _serve_until_moved(chosen, coverage, model=model, model_id=served_id, node=node,
                                                   settings=settings, device=device, dtype=dtype, nats_url=nats_url,
                                                   layer_bytes=layer_bytes, weights_budget=weights_budget,
@@ -177,7 +183,8 @@ async def _serve_until_moved(chosen: LayerRange, coverage: CoverageReader, *, mo
                              ready_file: str | None, stop_event: asyncio.Event) -> LayerRange | None:
     """Serve `chosen` until stopped (returns None) or until a hole is worth moving to (returns the new range)."""
     loaded = await load_shard(model=model, lo=chosen.lo, hi=chosen.hi, node=node, settings=settings,
-                              model_id=model_id, device=device, dtype=dtype, stop_event=stop_event)
+                              model_id=model_id, device=device, dtype=dtype, quantize=coverage.quantization,
+                              stop_event=stop_event)
     shard_id = shard_id_for(model_id, chosen.lo, chosen.hi, node)
     leave = asyncio.Event()
     moved: list[LayerRange] = []

@@ -2,7 +2,8 @@
 mesh's coverage (least-replicated layers first, as Petals servers choose their blocks), and when to move.
 
 Coverage is read from the read model: how many live replicas (advertised, unexpired, recently heard from, same
-weights) hold each layer, this host's own shard left out. All decisions here are pure functions of that count.
+weights and quantization scheme) hold each layer, this host's own shard left out. All decisions here are pure
+functions of that count.
 """
 
 from __future__ import annotations
@@ -26,11 +27,14 @@ class LayerRange:
 
 
 def replicas_per_layer(shards: Iterable[ShardCandidate], *, total_layers: int, weights_sha256: str,
-                       alive: Callable[[ShardCandidate], bool], leave_out: str | None = None) -> list[int]:
-    """Live replicas of each layer among `shards` (one model's), the shard `leave_out` (this host's) not counted."""
+                       alive: Callable[[ShardCandidate], bool], leave_out: str | None = None,
+                       quantization: str = "none") -> list[int]:
+    """Live replicas of each layer among `shards` (one model's) that serve its weights in `quantization` (a
+    pipeline never mixes schemes), the shard `leave_out` (this host's) not counted."""
     replicas = [0] * total_layers
     for shard in shards:
-        if shard.shard_id == leave_out or shard.weights_sha256 != weights_sha256 or not alive(shard):
+        if (shard.shard_id == leave_out or shard.weights_sha256 != weights_sha256
+                or shard.quantization != quantization or not alive(shard)):
             continue
         for layer in range(max(shard.layer_lo, 0), min(shard.layer_hi, total_layers - 1) + 1):
             replicas[layer] += 1

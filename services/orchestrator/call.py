@@ -140,6 +140,13 @@ class Call:
     excluded: set[str] = field(default_factory=set)
     # Shards that reported bad input from the hop before them in this call (services/orchestrator/chain.py).
     accusers: set[str] = field(default_factory=set)
+    # The weight quantization scheme every chain of this call serves: the request's (None: any), then the one
+    # its first chain was built on, so a failover keeps greedy output identical.
+    quantization: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.quantization is None:
+            self.quantization = self.request.params.quantization
 
     @property
     def known_ids(self) -> list[int]:

@@ -19,7 +19,9 @@ from pathlib import Path
 from inference import CheckpointError, Head, LocalModel, load_full, load_head, resolve_model_path, weights_sha256
 from inference.checkpoint import HUB_ALLOW_PATTERNS
 from inference.compute_thread import on_compute_thread
+from inference.quantization import QuantizationScheme, parse_quantization
 from inference.token_bounds import TokenLowerBound
+from services.common.quantization_labels import accepts
 
 log = logging.getLogger(__name__)
 
@@ -75,9 +77,10 @@ class ModelCatalog:
         # Where heads (and the local model) compute: the CPU in the checkpoint's dtype until told (use_compute).
         self._compute: dict = {}
 
-    def use_compute(self, device, dtype) -> None:
-        """Load heads and the local model onto `device` (a torch.device) in `dtype` (inference.devices)."""
-        self._compute = {"device": device, "dtype": dtype}
+    def use_compute(self, device, dtype, quantization: QuantizationScheme | str = "none") -> None:
+        """Load heads and the local model onto `device` (a torch.device) in `dtype` (inference.devices), their
+        weights held as `quantization` says (inference.quantization)."""
+        self._compute = {"device": device, "dtype": dtype, "quantization": quantization}
 
     def resolve(self, model: str) -> Path:
         """A folder for `model`: a path, a folder of that name in a search dir, or a hub id in the local cache."""
@@ -180,9 +183,13 @@ class ModelCatalog:
         self._loaded[key] = LoadedModel(head.info.model_id, path, head, digest, length, bound)
         log.info("loaded head of %s (weights %s)", head.info.model_id, digest[:12])
 
-    async def local_model_for(self, loaded: LoadedModel) -> LocalModel | None:
-        """The whole model for local fallback, when this orchestrator was given the same checkpoint."""
+    async def local_model_for(self, loaded: LoadedModel, quantization: str | None = None) -> LocalModel | None:
+        """The whole model for local fallback, when this orchestrator was given the same checkpoint and holds it in
+        a scheme that `quantization` (a call's; None: any) accepts."""
         if self.local_model_spec is None:
+            return None
+        own_scheme = parse_quantization(self._compute.get("quantization")).label
+        if not accepts(quantization, own_scheme):
             return None
         async with self._local_lock:
             if self._local is None:

@@ -1,7 +1,8 @@
 """Model discovery (`llm.models`): which models the mesh can serve now, read from the routing read model, and
 the default model a request without `model` gets.
 
-A model counts as servable when live shards with one set of weights cover every layer (`complete`), or when
+A model counts as servable when live shards with one set of weights and one quantization scheme cover every
+layer (`complete`; `quantizations` lists each scheme that does), or when
 this orchestrator can run it whole by itself (`runnable_locally`, the local fallback). The default model is
 the servable one when there is exactly one.
 """
@@ -14,6 +15,7 @@ from collections import defaultdict
 
 from readmodels.queries import ShardCandidate
 from services.common.chat_protocol import ModelsReply, ServedModel
+from services.common.quantization_labels import precision_order
 from services.orchestrator.catalog import ModelCatalog, context_length
 from services.orchestrator.router import ShardRouter
 
@@ -36,15 +38,19 @@ def _covered_count(ranges: list[tuple[int, int]]) -> int:
 
 
 def served_model(model_id: str, shards: list[ShardCandidate]) -> ServedModel:
-    """The coverage of one model by its live shards: of the weights that cover most layers."""
-    by_weights: dict[str, list[ShardCandidate]] = defaultdict(list)
+    """The coverage of one model by its live shards: of the weights and quantization scheme that cover most
+    layers (the most precise scheme of equals), with every scheme those weights cover completely."""
+    groups: dict[tuple[str, str], list[ShardCandidate]] = defaultdict(list)
     for shard in shards:
-        by_weights[shard.weights_sha256].append(shard)
+        groups[(shard.weights_sha256, shard.quantization)].append(shard)
     total_layers = max(s.total_layers for s in shards)
-    weights, ranges = max(((w, covered_ranges(group, total_layers)) for w, group in by_weights.items()),
-                          key=lambda item: (_covered_count(item[1]), item[0]))
+    coverage = {key: covered_ranges(group, total_layers) for key, group in groups.items()}
+    (weights, _), ranges = max(coverage.items(), key=lambda item: (
+        _covered_count(item[1]), [-rank for rank in precision_order(item[0][1])[:2]], item[0][0]))
+    complete = sorted((scheme for (digest, scheme), covered in coverage.items()
+                       if digest == weights and _covered_count(covered) == total_layers), key=precision_order)
     return ServedModel(id=model_id, total_layers=total_layers, covered_layers=ranges, weights_sha256=weights,
-                       complete=_covered_count(ranges) == total_layers)
+                       complete=_covered_count(ranges) == total_layers, quantizations=complete)
 
 
 async def describe_models(router: ShardRouter, catalog: ModelCatalog) -> ModelsReply:

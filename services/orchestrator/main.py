@@ -12,6 +12,7 @@ from services.common.metrics import serve_process_metrics
 from services.common.nats_connection import connect_nats, drain_or_close
 from services.orchestrator.service import Orchestrator
 from inference.devices import resolve_placement
+from inference.quantization import QuantizationError, check_device_supports, parse_quantization
 
 
 
@@ -30,6 +31,8 @@ class OrchestratorOptions:
     # Where the heads compute (None: [research.distributed_inference.host] device and dtype).
     device: str | None = None
     dtype: str | None = None
+    # How the head's and the local model's weights are held (None: [research.distributed_inference.host] quantize).
+    quantize: str | None = None
 
 
 def with_step_timeout(settings: HearthSettings, step_timeout_s: float | None) -> HearthSettings:
@@ -43,17 +46,21 @@ def with_step_timeout(settings: HearthSettings, step_timeout_s: float | None) ->
 async def run_orchestrator(settings: HearthSettings, options: OrchestratorOptions, nats_url: str | None, *,
                            preload: list[str] = (), ready_file: str | None = None,
                            stop_event: asyncio.Event) -> None:
+    host = settings.research.distributed_inference.host
+    try:  # before connecting: a bad option is one line, whether or not a broker is reachable
+        device, dtype = resolve_placement(options.device or host.device, options.dtype or host.dtype)
+        scheme = parse_quantization(options.quantize or host.quantize)
+        check_device_supports(scheme, device)
+    except QuantizationError as error:
+        raise CommandRefused(f"--quantize: {error}") from None
+    except ValueError as error:
+        raise CommandRefused(str(error)) from None
     nc = await unless_stopped(
         connect_nats(nats_url, name=f"hearth-orchestrator {options.node_id}", settings=settings.nats), stop_event)
     orchestrator = Orchestrator(nc, settings, node_id=options.node_id, db_path=options.db_path,
                                 model_search_dirs=list(options.model_search_dirs), local_model=options.local_model,
                                 busy_threads=options.busy_threads)
-    host = settings.research.distributed_inference.host
-    try:
-        orchestrator.catalog.use_compute(*resolve_placement(options.device or host.device, options.dtype or host.dtype))
-    except ValueError as error:
-        await drain_or_close(nc, settings.nats.drain_timeout_s)
-        raise CommandRefused(str(error)) from None
+    orchestrator.catalog.use_compute(device, dtype, quantization=scheme)
     metrics_server = None
     try:
         metrics_server = serve_process_metrics(options.metrics_port, f"orchestrator {options.node_id}",

@@ -160,7 +160,7 @@ class PipelineRun:
         caught_up = False
         while True:
             try:
-                hops = self._plan(candidates)
+                hops = self._plan(candidates, load=self.ctx.load)
             except RoutingError:
                 if not caught_up:
                     # The read model may trail the event log by milliseconds (a shard that just advertised):
@@ -181,6 +181,8 @@ class PipelineRun:
             failure = await chain.open()
             if failure is None:
                 call.construct_ms = (time.perf_counter() - started) * 1000.0
+                # A failover's chain serves the same scheme, so greedy output stays identical.
+                call.quantization = hops[0].quantization
                 return self._opened(chain)
             await chain.close()
             if failure.shard_id is None:
@@ -195,9 +197,8 @@ class PipelineRun:
 
     def _only_room_lacks(self, candidates) -> bool:
         """Whether a chain could be planned if every shard had room (then waiting for room is worth it)."""
-        router, model = self.ctx.router, self.call.model
         try:
-            router.plan(candidates, model.model_id, model.weights_sha256, exclude=self.call.excluded, now=router.now())
+            self._plan(candidates, load=None)
         except RoutingError:
             return False
         return True
@@ -220,19 +221,18 @@ class PipelineRun:
         except (asyncio.TimeoutError, TimeoutError):
             log.warning("routing read model still behind the event log after %s s", timeout_s)
 
-    def _plan(self, candidates) -> list[Hop]:
-        router, model = self.ctx.router, self.call.model
-        excluded = self.call.excluded
+    def _plan(self, candidates, *, load: ShardLoad | None) -> list[Hop]:
+        router, model, excluded = self.ctx.router, self.call.model, self.call.excluded
+        route = dict(now=router.now(), load=load, quantization=self.call.quantization)
         penalised = self.ctx.recent_failures.current() - excluded
         if penalised:
             # Shards that just failed other requests are the last resort, not a reason to give up.
             try:
                 return router.plan(candidates, model.model_id, model.weights_sha256, exclude=excluded | penalised,
-                                   now=router.now(), load=self.ctx.load)
+                                   **route)
             except RoutingError:
                 pass
-        return router.plan(candidates, model.model_id, model.weights_sha256, exclude=excluded, now=router.now(),
-                           load=self.ctx.load)
+        return router.plan(candidates, model.model_id, model.weights_sha256, exclude=excluded, **route)
 
     # ------------------------------------------------------------------ repair
 
@@ -316,7 +316,7 @@ class PipelineRun:
         call = self.call
         local = None
         if self.policy.fallback_to_local and call.request.params.fallback_to_local:
-            local = await self.ctx.catalog.local_model_for(call.model)
+            local = await self.ctx.catalog.local_model_for(call.model, call.quantization)
         if local is None:
             await self._abort(code, reason)
             return

@@ -1,7 +1,9 @@
 """ShardRouter: picks the chain of shards covering every layer of a model, from the read model (docs/design.md §5).
 
 Rules, in order:
-1. candidates are the shards of the model with matching weights_sha256 that are advertised (not withdrawn),
+1. candidates are the shards of the model with matching weights_sha256 and one quantization scheme (the
+   request's, else the most precise one whose shards cover every layer: none, int8, int4; a call's failover
+   keeps its scheme) that are advertised (not withdrawn),
    not expired (`now < expires_at`), alive (latest heartbeat, or the advertisement itself when no heartbeat
    came yet, at most `health_timeout_s` old), not excluded, and with
    room by this orchestrator's live knowledge (ShardLoad: the streams it holds there and recent
@@ -12,7 +14,8 @@ Rules, in order:
    over replicas); a hop may run part of its shard's range;
 3. a shard on the orchestrator's own node is not hop 0 unless `allow_self_as_shard`;
 4. a layer no candidate can run is `shard_unavailable`, or `weights_mismatch` when a shard with other
-   weights would otherwise have been usable; the message names the uncovered layers.
+   weights would otherwise have been usable; the message names the uncovered layers (and the scheme); a
+   requested scheme no live shard serves is `shard_unavailable` naming it.
 
 All instants are epoch seconds (the read model floors them to whole seconds).
 """
@@ -27,6 +30,7 @@ from typing import Literal
 from sqlalchemy.orm import Session
 
 from readmodels.queries import ShardCandidate, all_shards, shards_of_model
+from services.common.quantization_labels import accepts, precision_order
 from services.orchestrator.capacity import ShardLoad
 from services.orchestrator.predict import HopCosts, cheapest_chain
 
@@ -42,6 +46,8 @@ class Hop:
     node_id: str
     layer_lo_to_run: int
     layer_hi_to_run: int
+    # The weight quantization scheme of the shard; every hop of a chain has the same one.
+    quantization: str = "none"
 
 
 class RoutingError(Exception):
@@ -87,9 +93,11 @@ class ShardRouter:
         self._clock = clock
         self.max_hops = max_hops
 
-    def pick(self, model_id: str, weights_sha256: str, exclude: Iterable[str] = ()) -> list[Hop]:
+    def pick(self, model_id: str, weights_sha256: str, exclude: Iterable[str] = (),
+             quantization: str | None = None) -> list[Hop]:
         """The hops covering layers 0..total_layers-1 of `model_id`, or RoutingError."""
-        return self.plan(self.candidates(model_id), model_id, weights_sha256, exclude=exclude, now=self.now())
+        return self.plan(self.candidates(model_id), model_id, weights_sha256, exclude=exclude, now=self.now(),
+                         quantization=quantization)
 
     def candidates(self, model_id: str) -> list[ShardCandidate]:
         """One read of the model's shards from the read model (`plan` decides on them, as often as needed)."""
@@ -121,35 +129,56 @@ class ShardRouter:
         exclude: Iterable[str] = (),
         now: float,
         load: ShardLoad | None = None,
+        quantization: str | None = None,
     ) -> list[Hop]:
         """The routing decision itself, on rows already read (pure, for tests and what-if tools); `load`: the
-        live room of each shard (None: every live shard has room)."""
+        live room of each shard (None: every live shard has room); `quantization`: the scheme the chain must
+        serve (a label of services/common/quantization_labels.py; None: the most precise one that covers)."""
         excluded = set(exclude)
         usable = [s for s in shards if s.shard_id not in excluded and self.alive(s, now)
                   and (load is None or load.has_room(s))]
-        candidates = [s for s in usable if s.weights_sha256 == weights_sha256]
+        same_weights = [s for s in usable if s.weights_sha256 == weights_sha256]
         mismatched = [s for s in usable if s.weights_sha256 != weights_sha256]
-        total_layers = _total_layers(candidates) or _total_layers(mismatched) or _total_layers(shards)
+        total_layers = _total_layers(same_weights) or _total_layers(mismatched) or _total_layers(shards)
         if total_layers is None:
             raise RoutingError(
                 "shard_unavailable", f"no shard of model {model_id!r} has been advertised"
             )
-
-        chain = cheapest_chain(
-            candidates, HopCosts(candidates, total_layers, load),
-            may_be_hop_zero=lambda s: self.allow_self_as_shard or s.node_id != self.self_node_id,
-        )
-        if chain is None:
-            self._fail(model_id, weights_sha256, candidates, mismatched, total_layers, 0)
-        hops = [Hop(shard_id=p.shard.shard_id, control_subject=p.shard.control_subject, node_id=p.shard.node_id,
-                    layer_lo_to_run=p.layer_lo, layer_hi_to_run=p.layer_hi) for p in chain]
-        if self.max_hops is not None and len(hops) > self.max_hops:
+        schemes = sorted({s.quantization for s in same_weights if accepts(quantization, s.quantization)},
+                         key=precision_order)
+        if quantization is not None and not schemes and same_weights:
+            served = ", ".join(sorted({s.quantization for s in same_weights}, key=precision_order))
+            raise RoutingError("shard_unavailable", f"no healthy shard of {model_id!r} serves quantization "
+                                                    f"{quantization!r} (served now: {served})")
+        too_many_hops: list[Hop] | None = None
+        for scheme in schemes:
+            candidates = [s for s in same_weights if s.quantization == scheme]
+            chain = cheapest_chain(
+                candidates, HopCosts(candidates, total_layers, load),
+                may_be_hop_zero=lambda s: self.allow_self_as_shard or s.node_id != self.self_node_id,
+            )
+            if chain is None:
+                continue
+            hops = [Hop(shard_id=p.shard.shard_id, control_subject=p.shard.control_subject,
+                        node_id=p.shard.node_id, layer_lo_to_run=p.layer_lo, layer_hi_to_run=p.layer_hi,
+                        quantization=scheme) for p in chain]
+            if self.max_hops is None or len(hops) <= self.max_hops:
+                return hops
+            too_many_hops = too_many_hops or hops
+        if too_many_hops is not None:
             raise RoutingError(
                 "shard_unavailable",
-                f"covering the {total_layers} layers of {model_id!r} needs {len(hops)} shards, "
+                f"covering the {total_layers} layers of {model_id!r} needs {len(too_many_hops)} shards, "
                 f"more than max_shards_per_request={self.max_hops}",
             )
-        return hops
+        # The scheme that came closest names the uncovered layers (the most precise of equals).
+        scheme = min(schemes, default=quantization, key=lambda label: (
+            -_covered_layer_count([s for s in same_weights if s.quantization == label], total_layers),
+            precision_order(label)))
+        candidates = [s for s in same_weights if s.quantization == scheme]
+        named = quantization is not None or len(schemes) > 1 or scheme not in (None, "none")
+        self._fail(model_id, weights_sha256, candidates, mismatched, total_layers, 0,
+                   scheme=scheme if named else None)
 
     def _fail(
         self,
@@ -159,6 +188,8 @@ class ShardRouter:
         mismatched: list[ShardCandidate],
         total_layers: int,
         cursor: int,
+        *,
+        scheme: str | None = None,
     ) -> None:
         uncovered = [
             layer for layer in range(total_layers)
@@ -174,6 +205,7 @@ class ShardRouter:
             )
             raise RoutingError("shard_unavailable", reason, uncovered_layers=tuple(uncovered))
         layers = format_layer_ranges(uncovered)
+        of_model = f"of {model_id!r}" + (f" in quantization {scheme!r}" if scheme else "")
         covered_elsewhere = [
             layer for layer in uncovered if any(s.layer_lo <= layer <= s.layer_hi for s in mismatched)
         ]
@@ -182,16 +214,20 @@ class ShardRouter:
             raise RoutingError(
                 "weights_mismatch",
                 f"no healthy shard with weights {weights_sha256[:12]}… covers layers {layers} "
-                f"of {model_id!r}"
+                f"{of_model}"
                 f" ({len(covered_elsewhere)} of them are served with other weights: {', '.join(others)})",
                 uncovered_layers=tuple(uncovered),
             )
         raise RoutingError(
             "shard_unavailable",
-            f"no healthy shard covers layers {layers} of {model_id!r} (of {total_layers})",
+            f"no healthy shard covers layers {layers} {of_model} (of {total_layers})",
             uncovered_layers=tuple(uncovered),
         )
 
 
 def _total_layers(shards: list[ShardCandidate]) -> int | None:
     return max((s.total_layers for s in shards), default=None)
+
+
+def _covered_layer_count(shards: list[ShardCandidate], total_layers: int) -> int:
+    return sum(1 for layer in range(total_layers) if any(s.layer_lo <= layer <= s.layer_hi for s in shards))

@@ -16,6 +16,7 @@ from events.subjects import shard_control_subject, shard_id_for
 from inference import InferenceError, LayerRangeRunner, load_layer_range, resolve_model_path, weights_sha256
 from inference.compute_thread import StepThreads, on_compute_thread
 from inference.devices import describe_device, device_memory_allocated_bytes, resolve_placement
+from inference.quantization import QuantizationError, QuantizationScheme, check_device_supports, parse_quantization
 from services.common.config import HearthSettings, HostSettings, serve_shards_refused
 from services.common.lifecycle import CommandRefused, unless_stopped
 from services.common.metrics import serve_process_metrics
@@ -85,15 +86,29 @@ def resolve_compute(device: str | None, dtype: str | None, host: HostSettings) -
         raise ShardRefused(str(error)) from None
 
 
+def resolve_quantization(quantize: str | None, host: HostSettings, device: torch.device) -> QuantizationScheme:
+    """The weight quantization scheme from the command line, else the host settings; ShardRefused when it is
+    malformed or `device` has no kernel for it."""
+    try:
+        scheme = parse_quantization(quantize or host.quantize)
+        check_device_supports(scheme, device)
+    except QuantizationError as error:
+        raise ShardRefused(f"--quantize: {_first_line(error)}") from None
+    return scheme
+
+
 async def load_shard(*, model: str, lo: int, hi: int, node: str, settings: HearthSettings, model_id: str | None,
-                     device: str | None, dtype: str | None, stop_event: asyncio.Event) -> LoadedShard:
-    """Load layers lo..hi onto this host's device if they fit its memory limit (checked before reading any weight,
-    and again as measured); ShardRefused naming both numbers when they do not."""
+                     device: str | None, dtype: str | None, stop_event: asyncio.Event,
+                     quantize: str | None = None) -> LoadedShard:
+    """Load layers lo..hi onto this host's device, quantized as `quantize` (None: the host settings) says, if they
+    fit its memory limit (checked before reading any weight, and again as measured); ShardRefused naming both
+    numbers when they do not."""
     host = settings.research.distributed_inference.host
     compute_device, compute_dtype = resolve_compute(device, dtype, host)
+    scheme = resolve_quantization(quantize, host, compute_device)
     try:
         model_path = await asyncio.to_thread(resolve_model_path, model)
-        estimate = await asyncio.to_thread(estimated_need, model_path, lo, hi, compute_dtype, host)
+        estimate = await asyncio.to_thread(estimated_need, model_path, lo, hi, compute_dtype, host, scheme)
     except (InferenceError, ValueError, OSError) as error:
         raise ShardRefused(f"cannot load layers {lo}-{hi} of {model}: {_first_line(error)}") from None
     if (reason := refusal(lo, hi, estimate, host, measured=False)) is not None:
@@ -105,7 +120,7 @@ async def load_shard(*, model: str, lo: int, hi: int, node: str, settings: Heart
             model_id=model_id or _default_model_id(model), cache_budget_bytes=kv_reserve_bytes(host),
             session_ttl_s=host.shard_eviction_idle_seconds,
             static_cache_tokens=host.cuda_graph_max_tokens if compute_device.type == "cuda" else None,
-            cpu_linear_kernel=host.cpu_linear_kernel), stop_event)
+            cpu_linear_kernel=host.cpu_linear_kernel, quantization=scheme), stop_event)
     except (InferenceError, ValueError) as error:
         raise ShardRefused(f"cannot load layers {lo}-{hi} of {model}: {_first_line(error)}") from None
     need = measured_need(runner, allocated_before, host)
@@ -120,7 +135,7 @@ async def load_shard(*, model: str, lo: int, hi: int, node: str, settings: Heart
         shard_id=shard_id, model_id=info.model_id, node_id=node, weights_sha256=digest, layer_lo=lo,
         layer_hi=hi, total_layers=info.num_layers, dtype=info.dtype_name, memory_required_mb=need.required_mb,
         control_subject=shard_control_subject(node, shard_id), device_kind=described.kind,
-        device_name=described.name, kv_cache_budget_mb=host.kv_cache_budget_mb,
+        device_name=described.name, kv_cache_budget_mb=host.kv_cache_budget_mb, quantization=runner.quantization,
     )
     return LoadedShard(runner, identity)
 
@@ -173,6 +188,7 @@ async def run_shard(
     hop_weight: float = 1.0,
     dtype: str | None = None,
     device: str | None = None,
+    quantize: str | None = None,
     heartbeat_s: float | None = None,
     ttl_s: float | None = None,
     fault: str | None = None,
@@ -197,7 +213,7 @@ async def run_shard(
     configure_torch_threads(torch_threads)
     node = node_id or default_node_id()
     loaded = await load_shard(model=model, lo=lo, hi=hi, node=node, settings=settings, model_id=model_id,
-                              device=device, dtype=dtype, stop_event=stop_event)
+                              device=device, dtype=dtype, quantize=quantize, stop_event=stop_event)
     await serve_loaded_shard(loaded, nats_url=nats_url, settings=settings, hop_weight=hop_weight, fault=fault,
                              busy_threads=busy_threads, ready_file=ready_file, metrics_port=metrics_port,
                              stop_event=stop_event)
@@ -237,8 +253,8 @@ async def serve_loaded_shard(loaded: LoadedShard, *, nats_url: str | None, setti
         await server.start()
         metrics_server = serve_process_metrics(metrics_port, f"shard {shard_id}", host=settings.metrics.host)
         print(f"shard {shard_id} ready (layers {lo}-{hi} of {identity.total_layers}, weights "
-              f"{identity.weights_sha256[:12]}, {identity.device_kind} {identity.dtype}, "
-              f"{identity.memory_required_mb:.1f} MB)", flush=True)
+              f"{identity.weights_sha256[:12]}, {identity.device_kind} {identity.dtype}, quantization "
+              f"{identity.quantization}, {identity.memory_required_mb:.1f} MB)", flush=True)
         if ready_file:
             with open(ready_file, "w") as handle:
                 handle.write(shard_id)

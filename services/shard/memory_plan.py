@@ -15,6 +15,7 @@ import torch
 from inference import LayerRangeRunner
 from inference.devices import device_memory_allocated_bytes
 from inference.memory import MiB, layer_weight_bytes, megabytes, range_weight_bytes
+from inference.quantization import QuantizationScheme
 from services.common.config import HostSettings
 
 
@@ -34,9 +35,10 @@ def kv_reserve_bytes(host: HostSettings) -> int:
     return int(host.kv_cache_budget_mb * MiB)
 
 
-def estimated_need(model_path: Path, lo: int, hi: int, dtype: torch.dtype, host: HostSettings) -> MemoryNeed:
-    """What layers lo..hi will need once loaded in `dtype`, from the safetensors headers alone."""
-    per_layer = layer_weight_bytes(model_path, dtype)
+def estimated_need(model_path: Path, lo: int, hi: int, dtype: torch.dtype, host: HostSettings,
+                   quantization: QuantizationScheme | str = "none") -> MemoryNeed:
+    """What layers lo..hi will need once loaded in `dtype` and quantized, from the safetensors headers alone."""
+    per_layer = layer_weight_bytes(model_path, dtype, quantization=quantization)
     return MemoryNeed(range_weight_bytes(per_layer, lo, hi), kv_reserve_bytes(host))
 
 

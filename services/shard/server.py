@@ -59,6 +59,8 @@ class ShardIdentity:
     device_kind: str | None = None
     device_name: str | None = None
     kv_cache_budget_mb: float | None = None
+    # The weight quantization scheme's label ("none", "int8", "int4/g64").
+    quantization: str = "none"
 
 
 class ShardServer:
@@ -119,6 +121,7 @@ class ShardServer:
             max_concurrent_streams=self.settings.max_concurrent_streams, control_subject=ident.control_subject,
             hop_weight=self.hop_weight, ttl_s=self.settings.advertisement_ttl_s, device_kind=ident.device_kind,
             device_name=ident.device_name, kv_cache_budget_mb=ident.kv_cache_budget_mb,
+            quantization=ident.quantization,
         ), signing_key=self.signing_key)
 
     async def heartbeat(self) -> None:

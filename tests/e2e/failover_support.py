@@ -87,8 +87,10 @@ class FailoverMesh:
         return self.models_dir / TINY_MODEL_NAME
 
     def start_shard(self, node_id: str, lo: int, hi: int, *, hop_weight: float, fault: str | None = None,
-                    metrics_port: int | None = None, wait_ready: bool = True) -> ShardHandle:
-        args = ["--hop-weight", str(hop_weight), "--heartbeat-s", str(HEARTBEAT_S), "--ttl-s", str(SHARD_TTL_S)]
+                    metrics_port: int | None = None, wait_ready: bool = True,
+                    extra_args: list[str] = ()) -> ShardHandle:
+        args = ["--hop-weight", str(hop_weight), "--heartbeat-s", str(HEARTBEAT_S), "--ttl-s", str(SHARD_TTL_S),
+                *extra_args]
         if fault:
             args += ["--fault", fault]
         if metrics_port is not None:

@@ -1,0 +1,270 @@
+"""Quantized shard weights: the schemes a layer range may serve ("none", "int8", "int4/g<group>"), their parsing and
+labels, and the in-place swap of a decoder layer's nn.Linear modules for QuantizedLinear running PyTorch's own
+weight-only kernels.
+
+Kernels (chosen by measurement, BENCHMARKS.md "Quantized shard kernels"):
+- int8: weights int8 per output channel (symmetric, one scale per row), ``torch._weight_int8pack_mm``;
+- int4: weights uint4 in groups of ``group_size`` input features (asymmetric: a scale and a zero per group),
+  packed by ``torch._convert_weight_to_int4pack_for_cpu`` and multiplied by ``torch._weight_int4pack_mm_for_cpu``.
+Both are weight-only and take bfloat16 activations (their float32 paths are an order of magnitude slower on the
+CPU): a float32 layer's inputs are rounded to bfloat16 for the product and its results widened back. Every row of a
+product is computed on its own, so a range split over hops gives the very logits of one whole range.
+Each row is computed alone whatever the batch, so batched steps (and the head's batched logits) equal one-row ones
+bit for bit. Only CPU kernels are wired: a scheme on another device is refused with a QuantizationError.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import re
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .errors import InferenceError
+
+DEFAULT_QUANTIZATION = "none"
+DEFAULT_INT4_GROUP_SIZE = 64
+INT4_GROUP_SIZES: tuple[int, ...] = (32, 64, 128, 256)
+QUANTIZATION_KINDS: tuple[str, ...] = ("none", "int8", "int4")
+# The kernels' float32 activation paths are much slower than their bfloat16 ones (BENCHMARKS.md).
+KERNEL_DTYPE = torch.bfloat16
+# torch's int4 kernels dequantize a code q as (q - 8) * scale + zero.
+_INT4_MIDPOINT = 8
+_INT4_MAX_CODE = 15
+_INT8_MAX = 127
+# Weights are quantized this many output rows at a time, so the float temporaries stay small and reuse the same
+# freed memory instead of growing the heap; a multiple of the int4 packing's block of 32 rows.
+QUANTIZE_ROWS_PER_CHUNK = 256
+_INT4_PACK_ROWS = 32
+_INT4_PACK_MIN_ROWS = 16
+_SCHEME_RE = re.compile(r"^(none|int8|int4)(?:/g(\d+))?$")
+
+
+class QuantizationError(InferenceError):
+    """A quantization scheme that is malformed, or that this device or layer has no kernel for."""
+
+
+@dataclass(frozen=True)
+class QuantizationScheme:
+    """How a shard's Linear weights are held: ``kind`` "none", "int8" or "int4"; ``group_size`` for int4 only."""
+
+    kind: str = "none"
+    group_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in QUANTIZATION_KINDS:
+            raise QuantizationError(
+                f"quantization kind {self.kind!r} is not one of {', '.join(QUANTIZATION_KINDS)}")
+        if self.kind == "int4":
+            if self.group_size not in INT4_GROUP_SIZES:
+                raise QuantizationError(
+                    f"int4 group size {self.group_size} is not one of {', '.join(map(str, INT4_GROUP_SIZES))}")
+        elif self.group_size is not None:
+            raise QuantizationError(f"quantization {self.kind} takes no group size")
+
+    @property
+    def label(self) -> str:
+        """The canonical name used on every wire: "none", "int8", "int4/g64"."""
+        return f"int4/g{self.group_size}" if self.kind == "int4" else self.kind
+
+    @property
+    def quantized(self) -> bool:
+        return self.kind != "none"
+
+    def __str__(self) -> str:
+        return self.label
+
+
+# What a quantized model's lm_head is held in, whatever the layers' scheme (load_head says why).
+HEAD_QUANTIZATION = QuantizationScheme("int8")
+
+
+def parse_quantization(text: str | QuantizationScheme | None) -> QuantizationScheme:
+    """The scheme named by ``text`` ("none", "int8", "int4" (default group), "int4/g32", ...); None means "none"."""
+    if isinstance(text, QuantizationScheme):
+        return text
+    if text is None:
+        return QuantizationScheme()
+    if not isinstance(text, str):
+        raise QuantizationError(f"quantization must be a string such as 'int8', not {type(text).__name__}")
+    match = _SCHEME_RE.match(text.strip().lower())
+    if match is None:
+        raise QuantizationError(
+            f"unknown quantization {text!r}: expected none, int8, int4 or int4/g<group size> "
+            f"(group sizes {', '.join(map(str, INT4_GROUP_SIZES))})")
+    kind, group = match.group(1), match.group(2)
+    if kind == "int4":
+        return QuantizationScheme("int4", int(group) if group else DEFAULT_INT4_GROUP_SIZE)
+    if group:
+        raise QuantizationError(f"unknown quantization {text!r}: only int4 takes a group size")
+    return QuantizationScheme(kind)
+
+
+def check_device_supports(scheme: QuantizationScheme, device: torch.device | str) -> None:
+    """Raise QuantizationError unless this build has a wired kernel for ``scheme`` on ``device``."""
+    device = torch.device(device)
+    if scheme.quantized and device.type != "cpu":
+        raise QuantizationError(
+            f"quantization {scheme.label} has no kernel on {device.type} in hearth yet (CPU only); "
+            "serve this device with quantization none")
+
+
+# ----------------------------------------------------------------------------------------------- memory figures
+
+def quantized_weight_bytes(out_features: int, in_features: int, scheme: QuantizationScheme,
+                           dense_element_bytes: int) -> int:
+    """Bytes a Linear weight of that shape takes under ``scheme`` (codes plus scales and zeros); the dense size
+    for "none"."""
+    if scheme.kind == "int8":
+        return out_features * in_features + out_features * _element_bytes(KERNEL_DTYPE)
+    if scheme.kind == "int4":
+        groups = in_features // scheme.group_size
+        return out_features * in_features // 2 + groups * out_features * 2 * _element_bytes(KERNEL_DTYPE)
+    return out_features * in_features * dense_element_bytes
+
+
+def _element_bytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+# ----------------------------------------------------------------------------------------------- the module
+
+class QuantizedLinear(nn.Module):
+    """A Linear whose weight is held quantized (in buffers, so state_dict and memory figures see it) and whose
+    product runs on torch's weight-only int8 or int4 kernel; the bias, if any, stays dense."""
+
+    def __init__(self, dense: nn.Linear, scheme: QuantizationScheme) -> None:
+        super().__init__()
+        if not scheme.quantized:
+            raise QuantizationError("QuantizedLinear needs a quantized scheme, not none")
+        self.in_features, self.out_features = dense.in_features, dense.out_features
+        self.scheme = scheme
+        weight = dense.weight.detach()
+        rows, columns = weight.shape
+        with torch.no_grad():
+            if scheme.kind == "int8":
+                codes = torch.empty(rows, columns, dtype=torch.int8)
+                scales = torch.empty(rows, dtype=KERNEL_DTYPE)
+                for first, last in _row_chunks(rows):
+                    codes[first:last], scales[first:last] = _int8_per_channel(weight[first:last].float())
+                self.register_buffer("weight_int8", codes)
+                self.register_buffer("scales", scales)
+            else:
+                packed = torch.empty(rows, columns // 2, dtype=torch.uint8)
+                scales_and_zeros = torch.empty(columns // scheme.group_size, rows, 2, dtype=KERNEL_DTYPE)
+                for first, last in _row_chunks(rows):
+                    packed[first:last], scales_and_zeros[:, first:last] = _int4_grouped(
+                        weight[first:last].float(), scheme.group_size)
+                self.register_buffer("weight_int4pack", packed)
+                self.register_buffer("scales_and_zeros", scales_and_zeros)
+        bias = dense.bias
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        leading = inputs.shape[:-1]
+        rows = inputs.reshape(-1, self.in_features).to(KERNEL_DTYPE).contiguous()
+        if self.scheme.kind == "int8":
+            product = torch._weight_int8pack_mm(rows, self.weight_int8, self.scales)
+        else:
+            product = torch._weight_int4pack_mm_for_cpu(rows, self.weight_int4pack, self.scheme.group_size,
+                                                        self.scales_and_zeros)
+        product = product.to(inputs.dtype).reshape(*leading, self.out_features)
+        return product if self.bias is None else product + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme.label}"
+
+
+def _row_chunks(rows: int) -> list[tuple[int, int]]:
+    """Row ranges to quantize one at a time (all rows at once where they are not whole packing blocks)."""
+    step = QUANTIZE_ROWS_PER_CHUNK if rows % _INT4_PACK_ROWS == 0 else rows
+    return [(first, min(first + step, rows)) for first in range(0, rows, step)]
+
+
+def _int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 codes and one scale per output row (the row's largest magnitude maps to 127)."""
+    scales = weight.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / _INT8_MAX
+    codes = torch.clamp(torch.round(weight / scales[:, None]), -_INT8_MAX, _INT8_MAX).to(torch.int8)
+    return codes.contiguous(), scales
+
+
+def _int4_grouped(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """uint4 codes packed for torch's CPU int4 kernel, and its [groups, out, 2] (scale, zero) table; each group of
+    input features spans its own minimum..maximum."""
+    out_features, in_features = weight.shape
+    grouped = weight.reshape(out_features, in_features // group_size, group_size)
+    low, high = grouped.amin(dim=2), grouped.amax(dim=2)
+    scales = ((high - low) / _INT4_MAX_CODE).clamp(min=torch.finfo(torch.float32).tiny)
+    zeros = low + scales * _INT4_MIDPOINT
+    codes = torch.clamp(torch.round((grouped - low[..., None]) / scales[..., None]), 0, _INT4_MAX_CODE)
+    packed = torch._convert_weight_to_int4pack_for_cpu(codes.reshape(out_features, in_features).to(torch.int32), 1)
+    scales_and_zeros = torch.stack([scales.t(), zeros.t()], dim=2).contiguous()
+    return packed, scales_and_zeros
+
+
+# ----------------------------------------------------------------------------------------------- layers
+
+def _linears(module: nn.Module) -> Iterable[tuple[nn.Module, str, nn.Linear]]:
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear:
+                yield parent, name, child
+
+
+def check_quantizable(layer: nn.Module, scheme: QuantizationScheme, what: str) -> None:
+    """Raise QuantizationError when a Linear of ``layer`` (a meta skeleton is enough) cannot take ``scheme``:
+    int4 needs its input features to be a multiple of the group size and its output features of 16 (torch's
+    packing)."""
+    if scheme.kind != "int4":
+        return
+    for parent, name, linear in _linears(layer):
+        if linear.in_features % scheme.group_size:
+            raise QuantizationError(
+                f"{what}: {name} has {linear.in_features} input features, not a multiple of {scheme.label}'s "
+                f"group size {scheme.group_size}; choose a smaller group size or int8")
+        if linear.out_features % _INT4_PACK_MIN_ROWS:
+            raise QuantizationError(
+                f"{what}: {name} has {linear.out_features} output features, not a multiple of "
+                f"{_INT4_PACK_MIN_ROWS} as torch's int4 kernel needs; use int8")
+
+
+def quantize_linears(layer: nn.Module, scheme: QuantizationScheme) -> int:
+    """Replace every nn.Linear of ``layer`` in place by a QuantizedLinear under ``scheme`` and copy its other
+    tensors (norms) out of any memory map, so nothing of the checkpoint's dense weights stays referenced; returns
+    how many Linears were replaced (0 for "none", which leaves the layer untouched)."""
+    if not scheme.quantized:
+        return 0
+    replaced = 0
+    for parent, name, linear in _linears(layer):
+        setattr(parent, name, QuantizedLinear(linear, scheme))
+        replaced += 1
+    with torch.no_grad():
+        for module in layer.modules():
+            for name, parameter in list(module.named_parameters(recurse=False)):
+                setattr(module, name, nn.Parameter(parameter.detach().clone(), requires_grad=False))
+    release_freed_heap()
+    return replaced
+
+
+def release_freed_heap() -> None:
+    """Hand the quantization's freed temporaries back to the OS: glibc keeps freed heap memory mapped (and counted
+    in the process's RSS) otherwise, a good part of the quantized range again (BENCHMARKS.md)."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc (musl has no malloc_trim)
+        return None

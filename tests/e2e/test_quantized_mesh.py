@@ -1,0 +1,97 @@
+"""A mesh of int8 shards: it answers with exactly the tokens one process gives with the same int8 weights (greedy),
+a killed int8 shard fails over to an int8 replica with identical tokens while a full-precision replica of the same
+range (preferred by hop weight) is never used, and a scheme nobody serves is refused naming it.
+
+One mesh of real processes serves the module: int8 primaries p0-p2 over layers 0-1, 2-3, 4-5, an int8 replica r1 of
+2-3 (hop_weight 2) and a full-precision shard f1 of 2-3 (hop_weight 0.5: routing would take it first if schemes
+could mix); an orchestrator without a local model. The kill test runs last."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+import torch
+
+from inference import SamplingParams, load_full
+from services.common.chat_protocol import ChatParams, ChatRequest
+from tests.e2e.conftest import THREE_SHARD_RANGES, TINY_MODEL_NAME
+from tests.e2e.failover_support import (  # noqa: F401 (nc is a fixture)
+    MAX_TOKENS,
+    PREFERRED_WEIGHT,
+    PRIMARY_WEIGHT,
+    PROMPT,
+    REPLICA_WEIGHT,
+    failover_mesh,
+    nc,
+    stream_with_action,
+)
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def request(quantization: str | None = None) -> ChatRequest:
+    return ChatRequest(model=TINY_MODEL_NAME, prompt=PROMPT, max_tokens=MAX_TOKENS, temperature=0.0,
+                       params=ChatParams(fallback_to_local=False, quantization=quantization))
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory, tiny_models_dir):
+    with failover_mesh(tmp_path_factory, tiny_models_dir, "quantized-mesh") as mesh:
+        for index, (lo, hi) in enumerate(THREE_SHARD_RANGES):
+            mesh.start_shard(f"p{index}", lo, hi, hop_weight=PRIMARY_WEIGHT, wait_ready=False,
+                             extra_args=["--quantize", "int8"])
+        lo, hi = THREE_SHARD_RANGES[1]
+        mesh.start_shard("r1", lo, hi, hop_weight=REPLICA_WEIGHT, wait_ready=False, extra_args=["--quantize", "int8"])
+        mesh.start_shard("f1", lo, hi, hop_weight=PREFERRED_WEIGHT, wait_ready=False)
+        mesh.start_orchestrator(local_model=False)
+        mesh.cluster.wait_all_ready()
+        mesh.wait_all_advertised()
+        yield mesh
+
+
+@pytest.fixture(scope="module")
+def int8_reference(tiny_models_dir) -> list[int]:
+    """Greedy tokens of the whole model in one process with int8 weights, one torch thread as every shard has."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    local = load_full(tiny_models_dir / TINY_MODEL_NAME, quantization="int8")
+    try:
+        prompt_ids = list(local.head.tokenizer(PROMPT)["input_ids"])
+        return list(local.generate_ids(prompt_ids, SamplingParams(max_tokens=MAX_TOKENS)))
+    finally:
+        local.close()
+        torch.set_num_threads(threads)
+
+
+def test_adverts_carry_the_scheme_into_routing(mesh):
+    assert mesh.routing_row("shards", mesh.shards["p1"].shard_id)["quantization"] == "int8"
+    assert mesh.routing_row("shards", mesh.shards["f1"].shard_id)["quantization"] == "none"
+
+
+async def test_an_int8_mesh_answers_with_the_tokens_of_int8_weights_in_one_process(mesh, int8_reference, nc):
+    call = await stream_with_action(nc, request())
+    assert call.final.type == "done", call.final
+    assert call.first_hops == [mesh.shards[f"p{i}"].shard_id for i in range(3)]
+    assert call.token_ids == int8_reference
+
+
+@pytest.mark.parametrize("scheme", ["int4", "none"])
+async def test_a_scheme_that_covers_nothing_whole_is_refused_naming_it(mesh, nc, scheme):
+    call = await stream_with_action(nc, request(scheme))
+    assert call.final.type == "pipeline_aborted", call.final
+    assert call.final.code == "shard_unavailable"
+    assert f"'{scheme}'" in call.final.reason and "\n" not in call.final.reason
+
+
+async def test_a_killed_int8_shard_fails_over_to_the_int8_replica_never_to_full_precision(mesh, int8_reference, nc):
+    victim, replica, full_precision = mesh.shards["p1"], mesh.shards["r1"], mesh.shards["f1"]
+    await mesh.wait_idle_in_routing(victim)
+    call = await stream_with_action(nc, request(), lambda: victim.process.signal(signal.SIGKILL))
+
+    assert call.final.type == "done", call.final
+    failovers = call.of_type("shard_failover")
+    assert len(failovers) == 1 and failovers[0].failed_shard_id == victim.shard_id, failovers
+    assert replica.shard_id in failovers[0].replacement_hops
+    assert full_precision.shard_id not in call.first_hops + failovers[0].replacement_hops
+    assert call.token_ids == int8_reference

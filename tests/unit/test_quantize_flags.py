@@ -1,0 +1,71 @@
+"""`--quantize` and `[research.distributed_inference.host] quantize`: resolution, one-line refusals, and a host's
+coverage counting only replicas of its own scheme."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pydantic import ValidationError
+from typer.testing import CliRunner
+
+from services.cli import app
+from services.common.config import HostSettings
+from inference.memory import layer_weight_bytes
+from services.host.planner import choose_range, replicas_per_layer
+from services.shard.main import ShardRefused, resolve_quantization
+from tests.unit.inference_tiny_models import write_tiny_model
+from tests.unit.test_router_quantization import candidate
+
+CPU = torch.device("cpu")
+
+
+def test_the_flag_wins_over_the_host_setting_which_defaults_to_none():
+    assert resolve_quantization(None, HostSettings(), CPU).label == "none"
+    assert resolve_quantization(None, HostSettings(quantize="int8"), CPU).label == "int8"
+    assert resolve_quantization("int4", HostSettings(quantize="int8"), CPU).label == "int4/g64"
+
+
+@pytest.mark.parametrize(("value", "named"), [("int3", "'int3'"), ("int4/g7", "group size 7"), ("fp8", "'fp8'")])
+def test_a_bad_scheme_is_one_line_naming_the_option(value, named):
+    with pytest.raises(ShardRefused) as refused:
+        resolve_quantization(value, HostSettings(), CPU)
+    message = str(refused.value)
+    assert message.startswith("--quantize: ") and named in message and "\n" not in message
+
+
+def test_a_scheme_without_a_kernel_on_the_device_is_refused():
+    with pytest.raises(ShardRefused, match="--quantize: .*cuda"):
+        resolve_quantization("int8", HostSettings(), torch.device("cuda"))
+
+
+def test_the_config_key_refuses_a_malformed_scheme():
+    with pytest.raises(ValidationError, match="quantize"):
+        HostSettings(quantize="int3")
+
+
+def test_hearth_bench_refuses_a_bad_scheme_before_starting_anything():
+    result = CliRunner().invoke(app, ["bench", "--quantize", "int3"])
+    assert result.exit_code == 2
+    assert "--quantize" in result.output and "int3" in result.output
+
+
+def test_a_hosts_coverage_counts_only_replicas_of_its_scheme():
+    shards = [candidate(0, 3, "int8", "a"), candidate(0, 7, "none", "b"), candidate(4, 7, "int8", "c")]
+    count = dict(total_layers=8, weights_sha256=shards[0].weights_sha256, alive=lambda shard: True)
+    assert replicas_per_layer(shards, **count) == [1] * 8
+    assert replicas_per_layer(shards, quantization="int8", **count) == [1] * 8
+    assert replicas_per_layer(shards, quantization="int4/g64", **count) == [0] * 8
+    assert replicas_per_layer(shards[:2], quantization="int8", **count) == [1, 1, 1, 1, 0, 0, 0, 0]
+
+
+def test_a_budget_takes_about_four_times_the_layers_in_int8(tmp_path):
+    path = write_tiny_model(tmp_path / "deep", "llama", with_tokenizer=False, num_hidden_layers=16)
+
+    def layers_within(budget_bytes: int, scheme: str) -> int:
+        per_layer = layer_weight_bytes(path, torch.float32, quantization=scheme)
+        chosen = choose_range([0] * 16, [per_layer[index] for index in range(16)], budget_bytes)
+        return chosen.hi - chosen.lo + 1
+
+    fp32_two_layers = sum(layer_weight_bytes(path, torch.float32)[index] for index in (0, 1))
+    assert layers_within(fp32_two_layers, "none") == 2
+    assert layers_within(fp32_two_layers, "int8") >= 7
