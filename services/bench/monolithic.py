@@ -74,13 +74,22 @@ class MonolithicModel:
 
             self.device, compute_dtype = resolve_placement(device, dtype)
             self.model = AutoModelForCausalLM.from_pretrained(path, dtype=compute_dtype).to(self.device).eval()
-        if quantize:  # the decoder layers' Linears as the shards hold them; the head stays as load_full keeps it
-            from inference.quantization import check_device_supports, parse_quantization, quantize_linears
+        if quantize:  # the weights as the mesh holds them: layers in the scheme, the lm_head as load_head keeps it
+            from inference.quantization import (
+                HEAD_QUANTIZATION,
+                QuantizedLinear,
+                check_device_supports,
+                parse_quantization,
+                quantize_linears,
+            )
 
             scheme = parse_quantization(quantize)
             check_device_supports(scheme, self.device)
             for layer in self.model.get_decoder().layers:
                 quantize_linears(layer, scheme)
+            lm_head = self.model.get_output_embeddings()
+            if scheme.quantized and type(lm_head) is torch.nn.Linear:
+                self.model.set_output_embeddings(QuantizedLinear(lm_head, HEAD_QUANTIZATION))
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self._device_options = (device, dtype)
         self._quantize = quantize or "none"
