@@ -16,6 +16,7 @@ from readmodels.tables import Shard
 from services.common.chat_protocol import BadRequest, ChatRequest, parse_chat_request
 from services.common.quantization_labels import accepts, precision_order
 from services.orchestrator.call import Call
+from services.orchestrator.catalog import ModelCatalog
 from services.orchestrator.discovery import served_model
 from services.orchestrator.router import RoutingError, ShardRouter
 from tests.readmodel_helpers import MODEL_ID, T0, WEIGHTS_SHA, LogBuilder, advertised, apply_all, migrated_engine
@@ -143,3 +144,11 @@ def test_models_list_the_schemes_each_model_is_served_in():
     assert served.covered_layers == [(0, 7)]
     partial = served_model("m", [candidate(0, 3, "none", "a"), candidate(4, 7, "int8", "b")])
     assert not partial.complete and partial.quantizations == []
+
+
+async def test_the_local_fallback_is_refused_to_a_call_of_another_scheme_before_anything_loads(tmp_path):
+    catalog = ModelCatalog([tmp_path], local_model="not-loaded-unless-used")
+    catalog.use_compute("cpu", None, quantization="none")
+    # A call whose chains serve int8 must not finish on full-precision weights: its tokens would change.
+    assert await catalog.local_model_for(loaded=None, quantization="int8") is None
+    assert await catalog.local_model_for(loaded=None, quantization="int4/g64") is None
