@@ -163,10 +163,9 @@ def streams_command(
     """Create the event streams on the community's broker, or bring them to the current spec, with the steward's
     system key (DIR/keys/system.nk): on a community broker no other member may. `hearth nats --community` does
     this itself at start; run it for a broker started otherwise (compose.yaml runs it once)."""
-    import asyncio
-
     from services.common.community_streams import create_community_streams
     from services.common.config import load_settings
+    from services.common.lifecycle import run_event_loop
     from services.common.nats_connection import BrokerUnreachable
     from trust.community import Community
 
@@ -178,7 +177,7 @@ def streams_command(
     nats = load_settings().nats
     nats = nats.model_copy(update={"url": nats_url or nats.url, "roster_file": Community(directory).roster_path})
     try:
-        asyncio.run(create_community_streams(nats, system_key, ready_timeout_s=nats.streams_create_timeout_s))
+        run_event_loop(create_community_streams(nats, system_key, ready_timeout_s=nats.streams_create_timeout_s))
     except BrokerUnreachable as error:
         _fail(str(error), command)
     except Exception as error:  # JetStream refused or never became ready: say so in one line

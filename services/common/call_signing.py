@@ -50,10 +50,6 @@ def malformed_signing_header(headers: Mapping[str, str]) -> str | None:
     return None
 
 
-def request_header_bytes(headers: Mapping[str, str] | None) -> int:
-    """The size of a request's headers: every name and value (nats-server's max_payload counts them too)."""
-    return sum(len(name) + len(value) for name, value in (headers or {}).items())
-
 
 def _signed_bytes(subject: str, reply: str, timestamp: str, nonce: str, body: bytes) -> bytes:
     return f"hearth-call\n{subject}\n{reply}\n{timestamp}\n{nonce}\n".encode() + body

@@ -22,7 +22,7 @@ from sqlalchemy.orm import sessionmaker
 from events.outbox import EventOutbox
 from inference.compute_thread import StepThreads
 from readmodels.runner import Projector
-from services.common.call_signing import CallRefused, request_header_bytes
+from services.common.call_signing import CallRefused
 from services.common.chat_protocol import (
     CHAT_REQUEST_SUBJECT,
     MODELS_REQUEST_SUBJECT,
@@ -48,6 +48,7 @@ from services.orchestrator.health import RecentFailures
 from services.orchestrator.metrics import calls_in_flight, count_request
 from services.orchestrator.pipeline import PipelineRun, RunContext
 from services.orchestrator.queue import FairQueue, LeftQueue, Overloaded
+from services.transport.headers import header_bytes
 from services.orchestrator.router import ShardRouter
 
 log = logging.getLogger(__name__)
@@ -169,10 +170,10 @@ class Orchestrator:
         if len(msg.data) > limits.max_request_bytes:
             return ErrorFrame(seq=0, code="bad_request", message=(
                 f"body: {len(msg.data)} bytes is over max_request_bytes {limits.max_request_bytes}"))
-        header_bytes = request_header_bytes(msg.headers)
-        if header_bytes > limits.max_request_header_bytes:
+        size = header_bytes(msg.headers)
+        if size > limits.max_request_header_bytes:
             return ErrorFrame(seq=0, code="bad_request", message=(
-                f"headers: {header_bytes} bytes is over max_request_header_bytes {limits.max_request_header_bytes}"))
+                f"headers: {size} bytes is over max_request_header_bytes {limits.max_request_header_bytes}"))
         return None
 
     def _reply_refused(self, msg: Msg) -> bool:

@@ -71,9 +71,10 @@ _CHUNK_RE = re.compile(r"^(\d{1,9})/(\d{1,9})$")
 max_header_bytes = 4096
 
 
-def header_bytes(headers: Mapping[str, str]) -> int:
-    """The size of a message's headers as counted against max_header_bytes: every name and value."""
-    return sum(len(name) + len(value) for name, value in headers.items())
+def header_bytes(headers: Mapping[str, str] | None) -> int:
+    """The size of a message's headers, every name and value, as nats-server's max_payload counts them too (here
+    against max_header_bytes, and the orchestrator's requests against max_request_header_bytes)."""
+    return sum(len(name) + len(value) for name, value in (headers or {}).items())
 
 
 def oversized_headers(headers: Mapping[str, str] | None) -> bool:

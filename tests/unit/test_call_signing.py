@@ -13,9 +13,9 @@ from services.common.call_signing import (
     CallRefused,
     CallVerifier,
     nonce_bytes,
-    request_header_bytes,
     signed_call_headers,
 )
+from services.transport.headers import header_bytes
 from trust.keys import MemberKey
 from trust.roster import Roster, new_member
 
@@ -107,5 +107,5 @@ def test_the_role_behind_a_reply_inbox_is_looked_up_only_for_a_member_s_name():
 
 
 def test_request_header_bytes_counts_names_and_values():
-    assert request_header_bytes(None) == 0
-    assert request_header_bytes({"Ab": "cde", HEADER_CALLER_NONCE: "x" * 1000}) == 5 + len(HEADER_CALLER_NONCE) + 1000
+    assert header_bytes(None) == 0
+    assert header_bytes({"Ab": "cde", HEADER_CALLER_NONCE: "x" * 1000}) == 5 + len(HEADER_CALLER_NONCE) + 1000
