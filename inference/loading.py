@@ -28,8 +28,8 @@ from .checkpoint import ModelInfo, SafetensorsCheckpoint, read_config_dict, reso
 from .cpu_kernels import DEFAULT_CPU_LINEAR_KERNEL, use_cpu_linear_kernel
 from .errors import CheckpointError
 from .head import Head
-from .quantization import HEAD_QUANTIZATION, QuantizationScheme, QuantizedLinear, check_device_supports, \
-    check_quantizable, parse_quantization, quantize_linears, release_freed_heap
+from .quantization import QuantizationScheme, QuantizedLinear, check_device_supports, \
+    check_quantizable, head_quantization, parse_quantization, quantize_linears, release_freed_heap
 from .runner import DEFAULT_CACHE_BUDGET_BYTES, DEFAULT_SESSION_TTL_S, LayerRangeRunner
 from .sessions import EvictedSession
 
@@ -266,8 +266,8 @@ def load_head(
         skeleton.materialize(lm_head)
     for what, module in (("embedding", embed_tokens), ("final norm", final_norm), ("lm_head", lm_head)):
         _assert_materialized(module, what)
-    if scheme.quantized and type(lm_head) is nn.Linear:
-        lm_head = QuantizedLinear(lm_head, HEAD_QUANTIZATION)
+    if scheme.quantized and type(lm_head) is nn.Linear and head_quantization(skeleton.device) is not None:
+        lm_head = QuantizedLinear(lm_head, head_quantization(skeleton.device))
         skeleton.model.set_output_embeddings(lm_head)
         release_freed_heap()
     tokenizer = _load_tokenizer(skeleton.info.path) if load_tokenizer else None

@@ -10,7 +10,12 @@ Both are weight-only and take bfloat16 activations (their float32 paths are an o
 CPU): a float32 layer's inputs are rounded to bfloat16 for the product and its results widened back. Every row of a
 product is computed on its own, so a range split over hops gives the very logits of one whole range.
 Each row is computed alone whatever the batch, so batched steps (and the head's batched logits) equal one-row ones
-bit for bit. Only CPU kernels are wired: a scheme on another device is refused with a QuantizationError.
+bit for bit.
+
+On CUDA the same codes run on torch's CUDA kernels: int4 on ``torch._weight_int4pack_mm`` (tinygemm, packed by
+``torch._convert_weight_to_int4pack``; compute capability 8.0 or newer), int8 on ``torch._weight_int8pack_mm`` where
+this torch has its CUDA kernel, else on a dense product of the weights widened per call (correct, not faster than
+bf16: BENCHMARKS.md "Quantized shards on a GPU"). Other devices are refused with a QuantizationError.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .errors import InferenceError
@@ -106,13 +112,56 @@ def parse_quantization(text: str | QuantizationScheme | None) -> QuantizationSch
     return QuantizationScheme(kind)
 
 
+# tinygemm, torch's CUDA int4 kernel, runs on Ampere (compute capability 8.0) and newer.
+INT4_CUDA_MIN_CAPABILITY = (8, 0)
+
+
 def check_device_supports(scheme: QuantizationScheme, device: torch.device | str) -> None:
     """Raise QuantizationError unless this build has a wired kernel for ``scheme`` on ``device``."""
     device = torch.device(device)
-    if scheme.quantized and device.type != "cpu":
+    if not scheme.quantized or device.type == "cpu":
+        return
+    if device.type != "cuda":
         raise QuantizationError(
-            f"quantization {scheme.label} has no kernel on {device.type} in hearth yet (CPU only); "
+            f"quantization {scheme.label} has no kernel on {device.type} in hearth (CPU and CUDA only); "
             "serve this device with quantization none")
+    if scheme.kind == "int4" and torch.cuda.is_available():
+        capability = torch.cuda.get_device_capability(device)
+        if capability < INT4_CUDA_MIN_CAPABILITY:
+            raise QuantizationError(
+                f"quantization {scheme.label} needs a CUDA GPU of compute capability "
+                f"{'.'.join(map(str, INT4_CUDA_MIN_CAPABILITY))} or newer (torch's int4 kernel), this one is "
+                f"{'.'.join(map(str, capability))}; use int8")
+
+
+def head_quantization(device: torch.device | str) -> QuantizationScheme | None:
+    """What a quantized model's lm_head is held in on ``device``: int8 (HEAD_QUANTIZATION) where an int8 kernel
+    runs there, else None (full precision: widening a vocabulary-sized weight on every token would cost more
+    than it saves)."""
+    device = torch.device(device)
+    if device.type == "cuda" and not int8_kernel_on_cuda(device):
+        return None
+    return HEAD_QUANTIZATION
+
+
+@functools.cache
+def _int8_kernel_on_cuda(device_index: int) -> bool:
+    device = torch.device("cuda", device_index)
+    try:
+        rows = torch.ones(1, 64, dtype=KERNEL_DTYPE, device=device)
+        weight = torch.ones(16, 64, dtype=torch.int8, device=device)
+        scales = torch.ones(16, dtype=KERNEL_DTYPE, device=device)
+        torch._weight_int8pack_mm(rows, weight, scales)
+        return True
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
+def int8_kernel_on_cuda(device: torch.device | str) -> bool:
+    """Whether this torch runs ``torch._weight_int8pack_mm`` on that CUDA device (asked once per device, outside any
+    graph capture: QuantizedLinear asks when it is built)."""
+    device = torch.device(device)
+    return _int8_kernel_on_cuda(device.index if device.index is not None else torch.cuda.current_device())
 
 
 # ----------------------------------------------------------------------------------------------- memory figures
@@ -147,14 +196,20 @@ class QuantizedLinear(nn.Module):
         self.scheme = scheme
         weight = dense.weight.detach()
         rows, columns = weight.shape
+        device = weight.device
+        self._int8_widened = device.type == "cuda" and scheme.kind == "int8" and not int8_kernel_on_cuda(device)
         with torch.no_grad():
             if scheme.kind == "int8":
-                codes = torch.empty(rows, columns, dtype=torch.int8)
-                scales = torch.empty(rows, dtype=KERNEL_DTYPE)
+                codes = torch.empty(rows, columns, dtype=torch.int8, device=device)
+                scales = torch.empty(rows, dtype=KERNEL_DTYPE, device=device)
                 for first, last in _row_chunks(rows):
                     codes[first:last], scales[first:last] = _int8_per_channel(weight[first:last].float())
                 self.register_buffer("weight_int8", codes)
                 self.register_buffer("scales", scales)
+            elif device.type == "cuda":
+                codes, scales_and_zeros = _int4_grouped_codes(weight.float(), scheme.group_size)
+                self.register_buffer("weight_int4pack", _pack_int4_for_cuda(codes))
+                self.register_buffer("scales_and_zeros", scales_and_zeros)
             else:
                 packed = torch.empty(rows, columns // 2, dtype=torch.uint8)
                 scales_and_zeros = torch.empty(columns // scheme.group_size, rows, 2, dtype=KERNEL_DTYPE)
@@ -169,8 +224,13 @@ class QuantizedLinear(nn.Module):
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         leading = inputs.shape[:-1]
         rows = inputs.reshape(-1, self.in_features).to(KERNEL_DTYPE).contiguous()
-        if self.scheme.kind == "int8":
+        if self._int8_widened:
+            product = F.linear(rows, self.weight_int8.to(KERNEL_DTYPE)) * self.scales
+        elif self.scheme.kind == "int8":
             product = torch._weight_int8pack_mm(rows, self.weight_int8, self.scales)
+        elif rows.is_cuda:
+            product = torch._weight_int4pack_mm(rows, self.weight_int4pack, self.scheme.group_size,
+                                                self.scales_and_zeros)
         else:
             product = torch._weight_int4pack_mm_for_cpu(rows, self.weight_int4pack, self.scheme.group_size,
                                                         self.scales_and_zeros)
@@ -195,17 +255,31 @@ def _int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def _int4_grouped(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """uint4 codes packed for torch's CPU int4 kernel, and its [groups, out, 2] (scale, zero) table; each group of
-    input features spans its own minimum..maximum."""
+    """uint4 codes packed for torch's CPU int4 kernel, and its [groups, out, 2] (scale, zero) table."""
+    codes, scales_and_zeros = _int4_grouped_codes(weight, group_size)
+    return torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1), scales_and_zeros
+
+
+def _pack_int4_for_cuda(codes: torch.Tensor) -> torch.Tensor:
+    """[out, in] codes 0..15 in tinygemm's tiled layout: two codes a byte (even column high), then
+    ``torch._convert_weight_to_int4pack`` with the largest inner tiling the input features allow."""
+    in_features = codes.shape[1]
+    inner_k_tiles = next(tiles for tiles in (8, 4, 2) if in_features % (tiles * 16) == 0)
+    pairs = (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8).contiguous()
+    return torch._convert_weight_to_int4pack(pairs, inner_k_tiles)
+
+
+def _int4_grouped_codes(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """uint4 codes [out, in] (as uint8), and the kernels' [groups, out, 2] (scale, zero) table; each group of input
+    features spans its own minimum..maximum."""
     out_features, in_features = weight.shape
     grouped = weight.reshape(out_features, in_features // group_size, group_size)
     low, high = grouped.amin(dim=2), grouped.amax(dim=2)
     scales = ((high - low) / _INT4_MAX_CODE).clamp(min=torch.finfo(torch.float32).tiny)
     zeros = low + scales * _INT4_MIDPOINT
     codes = torch.clamp(torch.round((grouped - low[..., None]) / scales[..., None]), 0, _INT4_MAX_CODE)
-    packed = torch._convert_weight_to_int4pack_for_cpu(codes.reshape(out_features, in_features).to(torch.int32), 1)
-    scales_and_zeros = torch.stack([scales.t(), zeros.t()], dim=2).contiguous()
-    return packed, scales_and_zeros
+    scales_and_zeros = torch.stack([scales.t(), zeros.t()], dim=2).to(KERNEL_DTYPE).contiguous()
+    return codes.reshape(out_features, in_features).to(torch.uint8), scales_and_zeros
 
 
 # ----------------------------------------------------------------------------------------------- layers

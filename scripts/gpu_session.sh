@@ -17,6 +17,10 @@
 #                                            # 8 sessions: issue 13's batching figure on a 16-core CPU)
 #   bash scripts/gpu_session.sh together     # issue 13's N pinned shards vs one core, N = 2, 3, 4 (16 cores)
 #   bash scripts/gpu_session.sh load-memory  # host memory while loading ranges onto the GPU (bound: weights + 10 %)
+#   bash scripts/gpu_session.sh quantized    # issue 31: quantized Linear kernels (bench_quantized_linear_cuda.py)
+#                                            # and the CUDA quantization tests (unit + an int4 mesh)
+#   bash scripts/gpu_session.sh llama3-8b-int4  # bench, Llama-3-8B shape, int4 weights (bf16 activations), 8 sessions
+#   bash scripts/gpu_session.sh llama3-8b-one   # bench, Llama-3-8B shape, bf16, one session (int4's baseline)
 #   bash scripts/gpu_session.sh probe        # launch cost, generate(), LocalModel and one shard's decode step by part
 #                                            # (scripts/gpu_probe.py, TinyLlama-1.1B shape)
 # HEARTH_GPU_DRY_RUN=1 runs the same stages on this CPU with tiny shapes, to check the script before device time.
@@ -26,7 +30,7 @@
 # '[s]ervices[.]cli (bench|shard|orchestrator)' instead.
 set -u
 stages=("$@")
-[ ${#stages[@]} -gt 0 ] || { echo "usage: gpu_session.sh STAGE... (checkpoints tests tinyllama llama3-8b llama3-8b-fp32 batching cpu together load-memory probe)" >&2; exit 2; }
+[ ${#stages[@]} -gt 0 ] || { echo "usage: gpu_session.sh STAGE... (checkpoints tests quantized llama3-8b-int4 llama3-8b-one tinyllama llama3-8b llama3-8b-fp32 batching cpu together load-memory probe)" >&2; exit 2; }
 out=${OUT:-/tmp/hearth-gpu-out}
 mkdir -p "$out"
 site=/tmp/site
@@ -76,6 +80,24 @@ for shape in sys.argv[1:]: print(write('random:' + shape))" "$mid" "$big" > "$ou
     ;;
   llama3-8b)
     bench "$big-$device" --model "random:$big" --device "$device" --dtype "$dtype" --repeats 3 --sessions 8 --new-tokens 64
+    ;;
+  quantized)
+    if [ -z "${HEARTH_GPU_DRY_RUN:-}" ]; then
+      "$python" scripts/bench_quantized_linear_cuda.py --repeats 100 > "$out/quant-linear.json" 2> "$out/quant-linear.log"
+      echo "quantized linear exit $?" | tee -a "$out/stages.txt"
+    fi
+    "$python" -m pytest -q -m cuda -p no:cacheprovider --timeout 300 tests/unit/test_quantization_cuda.py \
+      tests/e2e/test_cuda_mesh.py > "$out/quant-tests.txt" 2>&1
+    echo "quantized cuda tests exit $?" | tee -a "$out/stages.txt"
+    tail -5 "$out/quant-tests.txt"
+    ;;
+  llama3-8b-int4)
+    bench "$big-$device-int4" --model "random:$big" --device "$device" --dtype "$dtype" --quantize int4 --repeats 2 \
+      --sessions 8 --new-tokens 64
+    ;;
+  llama3-8b-one)
+    bench "$big-$device-one" --model "random:$big" --device "$device" --dtype "$dtype" --repeats 2 --sessions 1 \
+      --new-tokens 64
     ;;
   llama3-8b-fp32)
     # The random 8B's bf16 tokens part from generate()'s at the first token (its top logits lie 2-8 bf16 steps

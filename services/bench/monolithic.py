@@ -76,9 +76,9 @@ class MonolithicModel:
             self.model = AutoModelForCausalLM.from_pretrained(path, dtype=compute_dtype).to(self.device).eval()
         if quantize:  # the weights as the mesh holds them: layers in the scheme, the lm_head as load_head keeps it
             from inference.quantization import (
-                HEAD_QUANTIZATION,
                 QuantizedLinear,
                 check_device_supports,
+                head_quantization,
                 parse_quantization,
                 quantize_linears,
             )
@@ -88,8 +88,8 @@ class MonolithicModel:
             for layer in self.model.get_decoder().layers:
                 quantize_linears(layer, scheme)
             lm_head = self.model.get_output_embeddings()
-            if scheme.quantized and type(lm_head) is torch.nn.Linear:
-                self.model.set_output_embeddings(QuantizedLinear(lm_head, HEAD_QUANTIZATION))
+            if scheme.quantized and type(lm_head) is torch.nn.Linear and head_quantization(self.device):
+                self.model.set_output_embeddings(QuantizedLinear(lm_head, head_quantization(self.device)))
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self._device_options = (device, dtype)
         self._quantize = quantize or "none"

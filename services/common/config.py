@@ -90,7 +90,8 @@ class HostSettings(ConfigSection):
     quantize: str = Field(
         default="none", pattern=QUANTIZATION_LABEL_PATTERN,
         description="weights of the layers this machine serves (shards, an orchestrator's head and local model): "
-                    "none, int8 (per output channel) or int4, int4/gN (groups of N inputs); CPU only; --quantize wins")
+                    "none, int8 (per output channel) or int4, int4/gN (groups of N inputs); CPU, and CUDA (int4 from "
+                    "compute capability 8.0); --quantize wins")
 
 
 def serve_shards_refused(host: HostSettings) -> bool:

@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from inference import SamplingParams, load_full
 from services.common.chat_client import chat
 from services.common.chat_protocol import ChatRequest
 from services.common.nats_connection import connect_nats
@@ -56,3 +57,23 @@ async def test_a_gpu_mesh_gives_generate_s_tokens(cluster, tiny_models_dir, dtyp
         assert agreeing >= NEW_TOKENS // 2, (result.token_ids, expected)
     for advertised in await advertisements(cluster):
         assert advertised.device_kind == "cuda" and advertised.device_name
+
+
+async def test_an_int4_gpu_mesh_answers_like_one_process_with_the_same_weights(cluster, tiny_models_dir):
+    placement = ["--device", "cuda", "--dtype", "bf16", "--quantize", "int4/g32"]
+    start_three_shards(cluster, tiny_models_dir / TINY_MODEL_NAME, extra_args=placement)
+    start_orchestrator(cluster, tiny_models_dir, extra_args=placement)
+    cluster.wait_all_ready()
+    nc = await connect_nats(cluster.nats_url, name="e2e-client", settings=cluster.nats_settings())
+    try:
+        result = await chat(nc, ChatRequest(model=TINY_MODEL_NAME, prompt=PROMPT, max_tokens=NEW_TOKENS))
+    finally:
+        await asyncio.wait_for(nc.close(), timeout=5)
+    assert result.ok, result.final
+    local = load_full(tiny_models_dir / TINY_MODEL_NAME, device="cuda", dtype="bf16", quantization="int4/g32")
+    prompt_ids = local.head.encode_prompt(PROMPT)
+    expected = list(local.generate_ids(prompt_ids, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)))
+    agreeing = next((i for i, (a, b) in enumerate(zip(result.token_ids, expected)) if a != b), NEW_TOKENS)
+    assert agreeing >= NEW_TOKENS // 2, (result.token_ids, expected)
+    for advertised in await advertisements(cluster):
+        assert advertised.device_kind == "cuda" and advertised.quantization == "int4/g32"

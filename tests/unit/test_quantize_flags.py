@@ -34,8 +34,8 @@ def test_a_bad_scheme_is_one_line_naming_the_option(value, named):
 
 
 def test_a_scheme_without_a_kernel_on_the_device_is_refused():
-    with pytest.raises(ShardRefused, match="--quantize: .*cuda"):
-        resolve_quantization("int8", HostSettings(), torch.device("cuda"))
+    with pytest.raises(ShardRefused, match="--quantize: .*mps"):
+        resolve_quantization("int8", HostSettings(), torch.device("mps"))
 
 
 def test_the_config_key_refuses_a_malformed_scheme():
