@@ -13,9 +13,10 @@ Each row is computed alone whatever the batch, so batched steps (and the head's 
 bit for bit.
 
 On CUDA the same codes run on torch's CUDA kernels: int4 on ``torch._weight_int4pack_mm`` (tinygemm, packed by
-``torch._convert_weight_to_int4pack``; compute capability 8.0 or newer), int8 on ``torch._weight_int8pack_mm`` where
-this torch has its CUDA kernel, else on a dense product of the weights widened per call (correct, not faster than
-bf16: BENCHMARKS.md "Quantized shards on a GPU"). Other devices are refused with a QuantizationError.
+``torch._convert_weight_to_int4pack``; compute capability 8.0 or newer); int8 on a bf16 product of the weights widened
+per call, faster there than torch's own CUDA ``_weight_int8pack_mm`` but slower than bf16 weights: on a GPU int8
+saves memory, int4 saves memory and time (BENCHMARKS.md "Quantized shards on a GPU"). Other devices are refused with a
+QuantizationError.
 """
 
 from __future__ import annotations
@@ -135,33 +136,9 @@ def check_device_supports(scheme: QuantizationScheme, device: torch.device | str
 
 
 def head_quantization(device: torch.device | str) -> QuantizationScheme | None:
-    """What a quantized model's lm_head is held in on ``device``: int8 (HEAD_QUANTIZATION) where an int8 kernel
-    runs there, else None (full precision: widening a vocabulary-sized weight on every token would cost more
-    than it saves)."""
-    device = torch.device(device)
-    if device.type == "cuda" and not int8_kernel_on_cuda(device):
-        return None
-    return HEAD_QUANTIZATION
-
-
-@functools.cache
-def _int8_kernel_on_cuda(device_index: int) -> bool:
-    device = torch.device("cuda", device_index)
-    try:
-        rows = torch.ones(1, 64, dtype=KERNEL_DTYPE, device=device)
-        weight = torch.ones(16, 64, dtype=torch.int8, device=device)
-        scales = torch.ones(16, dtype=KERNEL_DTYPE, device=device)
-        torch._weight_int8pack_mm(rows, weight, scales)
-        return True
-    except (RuntimeError, NotImplementedError):
-        return False
-
-
-def int8_kernel_on_cuda(device: torch.device | str) -> bool:
-    """Whether this torch runs ``torch._weight_int8pack_mm`` on that CUDA device (asked once per device, outside any
-    graph capture: QuantizedLinear asks when it is built)."""
-    device = torch.device(device)
-    return _int8_kernel_on_cuda(device.index if device.index is not None else torch.cuda.current_device())
+    """What a quantized model's lm_head is held in on ``device``: int8 (HEAD_QUANTIZATION) on the CPU; on CUDA full
+    precision (None), where no int8 product is faster than bf16 weights (the module docstring says why)."""
+    return None if torch.device(device).type == "cuda" else HEAD_QUANTIZATION
 
 
 # ----------------------------------------------------------------------------------------------- memory figures
@@ -197,7 +174,7 @@ class QuantizedLinear(nn.Module):
         weight = dense.weight.detach()
         rows, columns = weight.shape
         device = weight.device
-        self._int8_widened = device.type == "cuda" and scheme.kind == "int8" and not int8_kernel_on_cuda(device)
+        self._int8_widened = device.type == "cuda" and scheme.kind == "int8"
         with torch.no_grad():
             if scheme.kind == "int8":
                 codes = torch.empty(rows, columns, dtype=torch.int8, device=device)

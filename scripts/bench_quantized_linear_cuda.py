@@ -1,9 +1,9 @@
 """Micro-benchmark of hearth's quantized Linear on a CUDA GPU against a bf16 nn.Linear: time per call (kernels
 replayed from a CUDA graph, so launch cost does not hide them) and output error, for Llama-3-8B's projection shapes.
 
-Candidates: bf16 nn.Linear; QuantizedLinear int8 (torch._weight_int8pack_mm where this torch has its CUDA kernel,
-else the weights widened per call, and that widening forced too for comparison); QuantizedLinear int4 at group sizes
-32/64/128 (tinygemm). Prints one JSON object (BENCHMARKS.md, "Quantized shards on a GPU").
+Candidates: bf16 nn.Linear; QuantizedLinear int8 (its weights widened to bf16 per call); torch's
+_weight_int8pack_mm on the same codes; int8 activations quantized per row times the int8 weights on torch._int_mm
+(rows padded to 32, which cuBLASLt's int8 product needs); QuantizedLinear int4 at group sizes 32/64/128 (tinygemm). Prints one JSON object (BENCHMARKS.md, "Quantized shards on a GPU").
 Usage: python scripts/bench_quantized_linear_cuda.py [--repeats 200]
 """
 
@@ -18,12 +18,13 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from inference.quantization import QuantizedLinear, int8_kernel_on_cuda, parse_quantization  # noqa: E402
+from inference.quantization import QuantizedLinear, parse_quantization  # noqa: E402
 
 SHAPES = ((4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096))
 ROWS = (1, 8, 32)
 SCHEMES = ("int8", "int4/g32", "int4/g64", "int4/g128")
 CALLS_PER_GRAPH = 20
+INT_MM_MIN_ROWS = 32
 
 
 def microseconds_per_call(fn, repeats: int) -> float:
@@ -73,10 +74,26 @@ def bench_shape(in_features: int, out_features: int, rows: int, repeats: int) ->
             quantized = QuantizedLinear(dense, parse_quantization(label))
             results[label] = {"us": microseconds_per_call(lambda q=quantized: q(x), repeats),
                               "rel_error": relative_error(quantized(x), reference)}
-            if label == "int8" and not quantized._int8_widened:
-                quantized._int8_widened = True
-                results["int8_widened"] = {"us": microseconds_per_call(lambda q=quantized: q(x), repeats),
-                                           "rel_error": relative_error(quantized(x), reference)}
+            if label == "int8":
+                codes, scales = quantized.weight_int8, quantized.scales
+
+                def int8pack(codes=codes, scales=scales):
+                    return torch._weight_int8pack_mm(x, codes, scales)
+
+                def int_mm(codes=codes, scales=scales):
+                    padded = torch.zeros(INT_MM_MIN_ROWS, in_features, device="cuda", dtype=torch.bfloat16)
+                    padded[:rows] = x
+                    row_scales = padded.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12) / 127
+                    activations = torch.round(padded.float() / row_scales).to(torch.int8)
+                    product = torch._int_mm(activations, codes.t())
+                    return (product[:rows].float() * row_scales[:rows] * scales.float()).to(torch.bfloat16)
+
+                for name, fn in (("int8pack_mm", int8pack), ("int8_dynamic_int_mm", int_mm)):
+                    try:
+                        results[name] = {"us": microseconds_per_call(fn, repeats),
+                                         "rel_error": relative_error(fn(), reference)}
+                    except RuntimeError as exc:
+                        results[name] = {"us": -1.0, "rel_error": -1.0, "error": str(exc)[:200]}
             del quantized
     for entry in results.values():
         entry["us"] = round(entry["us"], 2)
@@ -89,7 +106,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=200)
     args = parser.parse_args()
     report = {"torch": torch.__version__, "device": torch.cuda.get_device_name(),
-              "int8_kernel_on_cuda": int8_kernel_on_cuda("cuda"), "results": {}}
+              "results": {}}
     for in_features, out_features in SHAPES:
         for rows in ROWS:
             key = f"{in_features}x{out_features}/rows{rows}"
