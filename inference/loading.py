@@ -2,7 +2,8 @@
 
 The whole ``*ForCausalLM`` is first instantiated on the meta device (no memory, public transformers
 classes, so the layers are exactly the ones from_pretrained would build); then only the wanted modules
-receive real tensors, read one by one from the safetensors files. Like ``from_pretrained``, tensors
+receive real tensors, read one by one from the safetensors files (or dequantized one by one from a GGUF file,
+inference/gguf_checkpoint.py). Like ``from_pretrained``, tensors
 that need no dtype conversion stay memory-mapped from the checkpoint files on the CPU: they become
 resident when first used and are shared through the page cache by every process that maps the same
 file, so a checkpoint must not be rewritten in place while it is being served. Tensors converted to
@@ -24,9 +25,11 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Genera
 
 from .architectures import ArchitectureAdapter, adapter_for
 from .devices import resolve_device
-from .checkpoint import ModelInfo, SafetensorsCheckpoint, read_config_dict, resolve_dtype, resolve_model_path
+from .checkpoint import ModelInfo, SafetensorsCheckpoint, default_model_id, open_checkpoint, read_config_dict, \
+    resolve_dtype, resolve_model_path
 from .cpu_kernels import DEFAULT_CPU_LINEAR_KERNEL, use_cpu_linear_kernel
 from .errors import CheckpointError
+from .gguf_checkpoint import GGUFCheckpoint, gguf_config, is_gguf_file, load_gguf_tokenizer
 from .head import Head
 from .quantization import QuantizationScheme, QuantizedLinear, check_device_supports, \
     check_quantizable, head_quantization, parse_quantization, quantize_linears, release_freed_heap
@@ -44,7 +47,7 @@ class _Skeleton:
     config: PretrainedConfig
     adapter: ArchitectureAdapter
     model: nn.Module
-    checkpoint: SafetensorsCheckpoint
+    checkpoint: SafetensorsCheckpoint | GGUFCheckpoint
     module_names: dict[int, str]
     device: torch.device
 
@@ -82,10 +85,9 @@ def _open_skeleton(
     raw_config = read_config_dict(path)
     # Refuse unsupported families from config.json alone: before transformers parses it, before any weight.
     adapter = adapter_for(_RawConfigView(raw_config))
-    config = AutoConfig.from_pretrained(path)
+    config = gguf_config(path) if is_gguf_file(path) else AutoConfig.from_pretrained(path)
     compute_device = resolve_device(device if device is not None else "cpu")
     compute_dtype = resolve_dtype(dtype, getattr(config, "dtype", None))
-    checkpoint = SafetensorsCheckpoint(path)
     skeleton_kwargs = {"dtype": compute_dtype}
     if attn_implementation is not None:
         skeleton_kwargs["attn_implementation"] = attn_implementation
@@ -93,8 +95,9 @@ def _open_skeleton(
         skeleton = AutoModelForCausalLM.from_config(config, **skeleton_kwargs)
     skeleton.eval()
     config = skeleton.config
-    if isinstance(model, Path) or Path(str(model)).expanduser().is_dir():
-        default_id = path.name
+    checkpoint = open_checkpoint(path, skeleton)
+    if isinstance(model, Path) or Path(str(model)).expanduser().exists():
+        default_id = default_model_id(path)
     else:
         default_id = str(model)
     info = ModelInfo(
@@ -148,7 +151,8 @@ def load_layer_range(
 ) -> LayerRangeRunner:
     """A runner holding decoder layers ``lo..hi`` (inclusive) of ``model`` and nothing else.
 
-    ``model`` is a checkpoint folder or a hub id. ``dtype`` None/"auto" uses the checkpoint's dtype.
+    ``model`` is a checkpoint folder, a hub id, or a GGUF file (or a folder holding one; its id defaults to the
+    file's stem). ``dtype`` None/"auto" uses the checkpoint's dtype.
     ``device`` (None: the CPU) is where the weights are read to and the layers run (inference.devices).
     ``static_cache_tokens``: sessions get static KV caches of that many positions and, on a GPU, decode steps replay
     CUDA graphs (inference/static_decode.py; full-attention SDPA architectures only, others stay dynamic).
@@ -157,7 +161,8 @@ def load_layer_range(
     ``quantization`` ("none", "int8", "int4/g64", ...): each layer's Linears are quantized as soon as the layer is
     read, before the next one is (inference/quantization.py), so the host never holds the range at full precision;
     quantized Linears run torch's quantized kernels whatever ``cpu_linear_kernel`` says.
-    Only the tensors of layers lo..hi are read from the (single-file or sharded) safetensors files.
+    Only the tensors of layers lo..hi are read from the (single-file or sharded) safetensors files, or the GGUF
+    (each dequantized to ``dtype``, then quantized to ``quantization``: inference/gguf_checkpoint.py).
     """
     scheme = parse_quantization(quantization)
     skeleton = _open_skeleton(
@@ -233,9 +238,10 @@ def load_head(
 ) -> Head:
     """The orchestrator's part of ``model``: tokenizer, embedding, final norm and lm_head (tied or not).
 
-    ``quantization`` other than "none" holds the lm_head in int8 (weight-only, inference/quantization.py, for every
-    quantized scheme: the head's bytes are read for every token, and int4 would cost its logits most); the embedding
-    (a lookup) and the final norm stay at full precision."""
+    ``quantization`` other than "none" holds the lm_head in int8 on the CPU (weight-only, inference/quantization.py,
+    for every quantized scheme: the head's bytes are read for every token, and int4 would cost its logits most),
+    unless the checkpoint stores it quantized already (a GGUF's Q8_0, Q6_K ...: then it is served as stored,
+    dequantized); the embedding (a lookup) and the final norm stay at full precision."""
     scheme = parse_quantization(quantization)
     skeleton = _open_skeleton(
         model,
@@ -266,11 +272,19 @@ def load_head(
         skeleton.materialize(lm_head)
     for what, module in (("embedding", embed_tokens), ("final norm", final_norm), ("lm_head", lm_head)):
         _assert_materialized(module, what)
-    if scheme.quantized and type(lm_head) is nn.Linear and head_quantization(skeleton.device) is not None:
+    head_weight_name = lm_head_name if lm_head.weight is not embed_tokens.weight else (
+        skeleton.name_of(embed_tokens) + ".weight")
+    # A head already stored quantized (a GGUF's Q8_0 ...) is served as stored: quantizing it again would round
+    # twice (BENCHMARKS.md "Quantized shards: quality").
+    if (scheme.quantized and type(lm_head) is nn.Linear and head_quantization(skeleton.device) is not None
+            and not skeleton.checkpoint.stored_quantized(head_weight_name)):
         lm_head = QuantizedLinear(lm_head, head_quantization(skeleton.device))
         skeleton.model.set_output_embeddings(lm_head)
         release_freed_heap()
     tokenizer = _load_tokenizer(skeleton.info.path) if load_tokenizer else None
+    eos_token_ids = _eos_token_ids(skeleton.info.path, skeleton.config, tokenizer)
+    if isinstance(skeleton.checkpoint, GGUFCheckpoint):
+        eos_token_ids |= skeleton.checkpoint.stop_token_ids()
     return Head(
         info=skeleton.info,
         config=skeleton.config,
@@ -279,7 +293,7 @@ def load_head(
         final_norm=final_norm,
         lm_head=lm_head,
         tokenizer=tokenizer,
-        eos_token_ids=_eos_token_ids(skeleton.info.path, skeleton.config, tokenizer),
+        eos_token_ids=eos_token_ids,
         checkpoint_bytes_read=skeleton.checkpoint.bytes_read,
         device=skeleton.device,
     )
@@ -287,7 +301,7 @@ def load_head(
 
 def _load_tokenizer(path: Path):
     try:
-        return AutoTokenizer.from_pretrained(path)
+        return load_gguf_tokenizer(path) if is_gguf_file(path) else AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as exc:
         logger.warning("no usable tokenizer in %s: %s", path, exc)
         return None
@@ -296,7 +310,7 @@ def _load_tokenizer(path: Path):
 def _eos_token_ids(path: Path, config: PretrainedConfig, tokenizer) -> set[int]:
     """End-of-sequence ids as generate() uses them: generation_config.json, config, and the tokenizer's."""
     candidates: list = []
-    if (path / "generation_config.json").is_file():
+    if path.is_dir() and (path / "generation_config.json").is_file():
         candidates.append(GenerationConfig.from_pretrained(path).eos_token_id)
     candidates.append(getattr(config, "eos_token_id", None))
     if tokenizer is not None:

@@ -10,12 +10,14 @@ from __future__ import annotations
 import math
 import re
 from collections import defaultdict
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
 from .checkpoint import SAFETENSORS_DTYPES, SafetensorsCheckpoint
+from .gguf_checkpoint import is_gguf_file, layer_tensor_shapes
 from .quantization import QuantizationScheme, parse_quantization, quantized_weight_bytes
 
 _layer_name_re = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -29,29 +31,57 @@ def layer_weight_bytes(model_path: Path, compute_dtype: torch.dtype,
     quantized under `quantization` (a decoder layer's floating matrices are all Linear weights: they take the
     scheme's bytes, inference/quantization.py; norms and biases stay dense)."""
     scheme = parse_quantization(quantization)
+    if is_gguf_file(model_path):
+        return _gguf_layer_weight_bytes(model_path, compute_dtype, scheme)
     checkpoint = SafetensorsCheckpoint(model_path)
     by_file: dict[Path, list[str]] = defaultdict(list)
     for name, file in checkpoint.file_of.items():
         if _layer_name_re.search(name):
             by_file[file].append(name)
-    element = torch.empty((), dtype=compute_dtype).element_size()
-    totals: dict[int, int] = defaultdict(int)
+    specs = []
     for file, names in by_file.items():
         with safe_open(file, framework="pt") as handle:
             for name in names:
                 tensor = handle.get_slice(name)
-                stored = SAFETENSORS_DTYPES.get(tensor.get_dtype())
-                shape = tensor.get_shape()
-                if stored is None:
-                    element_bytes = _UNKNOWN_KIND_BYTES
-                else:
-                    element_bytes = element if stored.is_floating_point else stored.itemsize
-                if scheme.quantized and stored is not None and stored.is_floating_point and len(shape) == 2:
-                    size = quantized_weight_bytes(shape[0], shape[1], scheme, element)
-                else:
-                    size = math.prod(shape) * element_bytes
-                totals[int(_layer_name_re.search(name).group(1))] += size
+                specs.append((name, tensor.get_dtype(), tensor.get_shape()))
+    return layer_weight_bytes_of(specs, compute_dtype, scheme)
+
+
+def layer_weight_bytes_of(tensors: Iterable[tuple[str, str, list[int]]], compute_dtype: torch.dtype,
+                          quantization: str | QuantizationScheme = "none") -> dict[int, int]:
+    """layer_weight_bytes from each tensor's (name, safetensors dtype such as "BF16", shape), wherever they were
+    read (a folder's headers, the community store's manifest, the hub's headers); tensors outside the decoder
+    layers are left out."""
+    scheme = parse_quantization(quantization)
+    element = torch.empty((), dtype=compute_dtype).element_size()
+    totals: dict[int, int] = defaultdict(int)
+    for name, stored_dtype, shape in tensors:
+        if (found := _layer_name_re.search(name)) is None:
+            continue
+        stored = SAFETENSORS_DTYPES.get(stored_dtype)
+        if stored is None:
+            element_bytes = _UNKNOWN_KIND_BYTES
+        else:
+            element_bytes = element if stored.is_floating_point else stored.itemsize
+        if scheme.quantized and stored is not None and stored.is_floating_point and len(shape) == 2:
+            size = quantized_weight_bytes(shape[0], shape[1], scheme, element)
+        else:
+            size = math.prod(shape) * element_bytes
+        totals[int(found.group(1))] += size
     return dict(totals)
+
+
+def _gguf_layer_weight_bytes(model_path: Path, compute_dtype: torch.dtype,
+                             scheme: QuantizationScheme) -> dict[int, int]:
+    # A GGUF's layer tensors are all dequantized to the compute dtype (inference/gguf_checkpoint.py): its 2-D
+    # ones are the Linear weights the scheme quantizes again.
+    element = torch.empty((), dtype=compute_dtype).element_size()
+    totals: dict[int, int] = {}
+    for layer, shapes in layer_tensor_shapes(model_path).items():
+        totals[layer] = sum(quantized_weight_bytes(shape[0], shape[1], scheme, element)
+                            if scheme.quantized and len(shape) == 2 else math.prod(shape) * element
+                            for shape in shapes)
+    return totals
 
 
 def range_weight_bytes(per_layer: dict[int, int], lo: int, hi: int) -> int:

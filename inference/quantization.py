@@ -13,10 +13,11 @@ Each row is computed alone whatever the batch, so batched steps (and the head's 
 bit for bit.
 
 On CUDA the same codes run on torch's CUDA kernels: int4 on ``torch._weight_int4pack_mm`` (tinygemm, packed by
-``torch._convert_weight_to_int4pack``; compute capability 8.0 or newer); int8 on a bf16 product of the weights widened
-per call, faster there than torch's own CUDA ``_weight_int8pack_mm`` but slower than bf16 weights: on a GPU int8
-saves memory, int4 saves memory and time (BENCHMARKS.md "Quantized shards on a GPU"). Other devices are refused with a
-QuantizationError.
+``torch._convert_weight_to_int4pack``; compute capability 8.0 or newer); int8 on ``torch._int_mm`` (cuBLASLt's int8
+product, exact in int32) with each activation row quantized to int8 on its own scale, so rows stay independent of
+their batch; faster there than torch's weight-only ``_weight_int8pack_mm`` or weights widened per call, but slower
+than bf16 weights: on a GPU int8 saves memory, int4 saves memory and time (BENCHMARKS.md "Quantized shards on a
+GPU"). Other devices are refused with a QuantizationError.
 """
 
 from __future__ import annotations
@@ -30,13 +31,14 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .errors import InferenceError
 
 DEFAULT_QUANTIZATION = "none"
-DEFAULT_INT4_GROUP_SIZE = 64
+# Faithful to the 4-bit GGUF blocks (Q4_0, Q4_1: groups of 32) and measured best on their models (BENCHMARKS.md
+# "Quantized shards: quality").
+DEFAULT_INT4_GROUP_SIZE = 32
 INT4_GROUP_SIZES: tuple[int, ...] = (32, 64, 128, 256)
 QUANTIZATION_KINDS: tuple[str, ...] = ("none", "int8", "int4")
 # The kernels' float32 activation paths are much slower than their bfloat16 ones (BENCHMARKS.md).
@@ -45,6 +47,9 @@ KERNEL_DTYPE = torch.bfloat16
 _INT4_MIDPOINT = 8
 _INT4_MAX_CODE = 15
 _INT8_MAX = 127
+# cuBLASLt's int8 product takes more than 16 rows: fewer are padded (to a multiple of 8, which it also needs).
+INT_MM_MIN_ROWS = 24
+_INT_MM_FEATURE_MULTIPLE = 8
 # Weights are quantized this many output rows at a time, so the float temporaries stay small and reuse the same
 # freed memory instead of growing the heap; a multiple of the int4 packing's block of 32 rows.
 QUANTIZE_ROWS_PER_CHUNK = 256
@@ -174,7 +179,9 @@ class QuantizedLinear(nn.Module):
         weight = dense.weight.detach()
         rows, columns = weight.shape
         device = weight.device
-        self._int8_widened = device.type == "cuda" and scheme.kind == "int8"
+        # torch._int_mm needs feature counts that are multiples of 8; others keep torch's weight-only kernel.
+        self._int8_dynamic = (device.type == "cuda" and scheme.kind == "int8"
+                              and columns % _INT_MM_FEATURE_MULTIPLE == 0 and rows % _INT_MM_FEATURE_MULTIPLE == 0)
         with torch.no_grad():
             if scheme.kind == "int8":
                 codes = torch.empty(rows, columns, dtype=torch.int8, device=device)
@@ -201,8 +208,8 @@ class QuantizedLinear(nn.Module):
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         leading = inputs.shape[:-1]
         rows = inputs.reshape(-1, self.in_features).to(KERNEL_DTYPE).contiguous()
-        if self._int8_widened:
-            product = F.linear(rows, self.weight_int8.to(KERNEL_DTYPE)) * self.scales
+        if self._int8_dynamic:
+            product = _int8_dynamic_product(rows, self.weight_int8, self.scales)
         elif self.scheme.kind == "int8":
             product = torch._weight_int8pack_mm(rows, self.weight_int8, self.scales)
         elif rows.is_cuda:
@@ -216,6 +223,19 @@ class QuantizedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme.label}"
+
+
+def _int8_dynamic_product(rows: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``rows @ (codes * scales)^T`` on ``torch._int_mm``: each row quantized to int8 on its own largest magnitude,
+    padded with zero rows to the count the int8 product needs."""
+    count = rows.shape[0]
+    if count < INT_MM_MIN_ROWS:
+        rows = torch.cat([rows, rows.new_zeros(INT_MM_MIN_ROWS - count, rows.shape[1])])
+    wide = rows.float()
+    row_scales = wide.abs().amax(dim=1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny) / _INT8_MAX
+    activations = torch.round(wide / row_scales).to(torch.int8)
+    product = torch._int_mm(activations, codes.t())[:count]
+    return (product.float() * row_scales[:count] * scales.float()).to(KERNEL_DTYPE)
 
 
 def _row_chunks(rows: int) -> list[tuple[int, int]]:

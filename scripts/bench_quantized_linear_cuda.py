@@ -1,9 +1,9 @@
 """Micro-benchmark of hearth's quantized Linear on a CUDA GPU against a bf16 nn.Linear: time per call (kernels
 replayed from a CUDA graph, so launch cost does not hide them) and output error, for Llama-3-8B's projection shapes.
 
-Candidates: bf16 nn.Linear; QuantizedLinear int8 (its weights widened to bf16 per call); torch's
-_weight_int8pack_mm on the same codes; int8 activations quantized per row times the int8 weights on torch._int_mm
-(rows padded to 32, which cuBLASLt's int8 product needs); QuantizedLinear int4 at group sizes 32/64/128 (tinygemm). Prints one JSON object (BENCHMARKS.md, "Quantized shards on a GPU").
+Candidates: bf16 nn.Linear; QuantizedLinear int8 (activations quantized per row, torch._int_mm); torch's
+_weight_int8pack_mm on the same codes; the codes widened to bf16 per call; QuantizedLinear int4 at group sizes
+32/64/128 (tinygemm). Prints one JSON object (BENCHMARKS.md, "Quantized shards on a GPU").
 Usage: python scripts/bench_quantized_linear_cuda.py [--repeats 200]
 """
 
@@ -24,7 +24,6 @@ SHAPES = ((4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096))
 ROWS = (1, 8, 32)
 SCHEMES = ("int8", "int4/g32", "int4/g64", "int4/g128")
 CALLS_PER_GRAPH = 20
-INT_MM_MIN_ROWS = 32
 
 
 def microseconds_per_call(fn, repeats: int) -> float:
@@ -80,15 +79,10 @@ def bench_shape(in_features: int, out_features: int, rows: int, repeats: int) ->
                 def int8pack(codes=codes, scales=scales):
                     return torch._weight_int8pack_mm(x, codes, scales)
 
-                def int_mm(codes=codes, scales=scales):
-                    padded = torch.zeros(INT_MM_MIN_ROWS, in_features, device="cuda", dtype=torch.bfloat16)
-                    padded[:rows] = x
-                    row_scales = padded.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12) / 127
-                    activations = torch.round(padded.float() / row_scales).to(torch.int8)
-                    product = torch._int_mm(activations, codes.t())
-                    return (product[:rows].float() * row_scales[:rows] * scales.float()).to(torch.bfloat16)
+                def widened(codes=codes, scales=scales):
+                    return torch.nn.functional.linear(x, codes.to(torch.bfloat16)) * scales
 
-                for name, fn in (("int8pack_mm", int8pack), ("int8_dynamic_int_mm", int_mm)):
+                for name, fn in (("int8pack_mm", int8pack), ("int8_widened", widened)):
                     try:
                         results[name] = {"us": microseconds_per_call(fn, repeats),
                                          "rel_error": relative_error(fn(), reference)}

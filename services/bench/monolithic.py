@@ -74,6 +74,9 @@ class MonolithicModel:
 
             self.device, compute_dtype = resolve_placement(device, dtype)
             self.model = AutoModelForCausalLM.from_pretrained(path, dtype=compute_dtype).to(self.device).eval()
+        # Counted before quantizing: quantized Linears hold their weights in buffers, not parameters.
+        parameters = sum(p.numel() for p in self.model.parameters())
+        dense_dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")
         if quantize:  # the weights as the mesh holds them: layers in the scheme, the lm_head as load_head keeps it
             from inference.quantization import (
                 QuantizedLinear,
@@ -94,9 +97,8 @@ class MonolithicModel:
         self._device_options = (device, dtype)
         self._quantize = quantize or "none"
         self._local = None
-        self.info = MonolithicInfo(parameters=sum(p.numel() for p in self.model.parameters()),
-                                   dtype=str(next(self.model.parameters()).dtype).removeprefix("torch."),
-                                   torch_threads=torch.get_num_threads(), torch_version=torch.__version__)
+        self.info = MonolithicInfo(parameters=parameters, dtype=dense_dtype, torch_threads=torch.get_num_threads(),
+                                   torch_version=torch.__version__)
 
     def handle(self, job: MonolithicJob) -> MonolithicReply:
         if job.kind == "prompt":

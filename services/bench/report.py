@@ -77,11 +77,43 @@ class TargetCheck(BaseModel):
 
 
 class ShardMemory(BaseModel):
-    """What one shard advertised it holds on its device: measured weights plus its KV reserve."""
+    """What one shard advertised it holds on its device (measured weights plus its KV reserve), and its process's
+    resident memory in MiB (services/bench/process_stats.py) after the run and at its peak (loading included), the
+    former split into anonymous memory and mapped files' pages; None where the process could not be read."""
 
     shard_id: str
     device: str
     memory_required_mb: float
+    rss_mb: float | None = None
+    peak_rss_mb: float | None = None
+    rss_anonymous_mb: float | None = None
+    rss_file_mb: float | None = None
+
+
+class ImportsMemory(BaseModel):
+    """The resident memory (MiB) of a Python that imported what a shard imports and loaded no weight: the part of
+    each shard's RSS that is not its layers."""
+
+    rss_mb: float
+    rss_anonymous_mb: float
+    rss_file_mb: float
+
+
+def with_resident_memory(figures: list[ShardMemory], pid_of: dict[str, int]) -> list[ShardMemory]:
+    """`figures` with each shard's process's resident memory read now (`pid_of`: shard id -> process id)."""
+    from services.bench.process_stats import resident_memory
+
+    measured = []
+    for each in figures:
+        pid = pid_of.get(each.shard_id)
+        try:
+            memory = resident_memory(pid) if pid is not None else None
+        except OSError:  # the process has gone
+            memory = None
+        measured.append(each if memory is None else each.model_copy(update={
+            "rss_mb": memory.rss_mb, "peak_rss_mb": memory.peak_rss_mb, "rss_anonymous_mb": memory.anonymous_mb,
+            "rss_file_mb": memory.file_mb}))
+    return measured
 
 
 async def shard_memory_figures(nc) -> list[ShardMemory]:
@@ -128,6 +160,7 @@ class BenchReport(BaseModel):
     # `--burst N`: N requests sent at once (services/bench/burst.py).
     burst: BurstFigures | None = None
     shard_memory: list[ShardMemory] = []
+    shard_imports_memory: ImportsMemory | None = None
 
 
 def side_figures(runs: list[GenerationTiming]) -> Side:
@@ -221,15 +254,35 @@ def format_report(report: BenchReport) -> str:
         lines.extend(burst_lines(report.burst))
     if report.shard_memory:
         lines.append("")
-        lines.append(f"memory per shard on its device ({settings.get('device')}, {settings.get('dtype')}; weights "
-                     "measured after loading, plus the KV reserve):")
-        for figures in report.shard_memory:
-            lines.append(f"  {figures.shard_id[:48]:48s}{figures.device[:28]:28s}{figures.memory_required_mb:10.1f} MB")
+        lines.extend(shard_memory_lines(report))
     lines.append("")
     lines.append("targets:")
     for check in report.targets:
         lines.append(f"  [{'met' if check.met else 'MISSED'}] {check.target}: {check.measured}")
     return "\n".join(lines)
+
+
+def shard_memory_lines(report: BenchReport) -> list[str]:
+    """The per-shard memory table: the advertised need beside the process's resident memory."""
+    settings = report.settings
+    lines = [f"memory per shard, MiB ({settings.get('device')}, {settings.get('dtype')}, weights "
+             f"{settings.get('quantization', 'none')}; advertised: weights measured on the device after loading plus "
+             "the KV reserve; RSS: the process after the run, anonymous + mapped files, and its peak):",
+             f"  {'shard':48s}{'device':>12s}{'advertised':>12s}{'RSS':>9s}{'anon':>9s}{'files':>9s}{'peak RSS':>10s}"]
+    for figures in report.shard_memory:
+        lines.append(f"  {figures.shard_id[:48]:48s}{figures.device[:12]:>12s}{figures.memory_required_mb:12.1f}"
+                     f"{_mb(figures.rss_mb):>9s}{_mb(figures.rss_anonymous_mb):>9s}{_mb(figures.rss_file_mb):>9s}"
+                     f"{_mb(figures.peak_rss_mb):>10s}")
+    imports = report.shard_imports_memory
+    if imports is not None:
+        lines.append(f"  a shard's imports alone (no weights): RSS {imports.rss_mb:.1f} (anon "
+                     f"{imports.rss_anonymous_mb:.1f}, files {imports.rss_file_mb:.1f}); RSS minus this is the "
+                     "layers' part")
+    return lines
+
+
+def _mb(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
 
 
 def _env_text(env: dict) -> str:

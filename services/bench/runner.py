@@ -18,7 +18,16 @@ from services.bench.burst import run_burst
 from services.bench.errors import BenchError
 from services.bench.monolithic import MonolithicWorker
 from services.bench.pipeline import pipeline_generation
-from services.bench.report import BenchReport, ConcurrentFigures, SessionFigures, shard_memory_figures, side_figures
+from services.bench.process_stats import shard_imports_memory
+from services.bench.report import (
+    BenchReport,
+    ConcurrentFigures,
+    ImportsMemory,
+    SessionFigures,
+    shard_memory_figures,
+    side_figures,
+    with_resident_memory,
+)
 from services.bench.targets import target_checks
 from services.bench.timing import GenerationTiming, tokens_before_divergence
 from services.bench.transport_metrics import (
@@ -123,7 +132,7 @@ class Bench:
         with LocalCluster(work_dir=options.work_dir, torch_threads=options.torch_threads, extra_env=env,
                           log_level="WARNING", secure=options.secure, metrics=options.metrics) as cluster:
             shard_env = cluster.shared_machine_shard_env(None, options.device)
-            metrics_urls, hop_of = self._start(cluster, resolved, max_streams)
+            metrics_urls, hop_of, pid_of = self._start(cluster, resolved, max_streams)
             monolithic_threads = options.monolithic_threads or options.torch_threads
             _progress(f"loading the whole model for generate() in a worker process ({resolved.path}) ...")
             worker = MonolithicWorker(resolved.path, process_env, monolithic_threads,
@@ -147,7 +156,8 @@ class Bench:
                 for each in workers:
                     each.wait_ready()
                 self._wait_ready(cluster)
-                report = run_event_loop(self._measure(cluster, resolved, worker, defaults_worker, metrics_urls, hop_of))
+                report = run_event_loop(self._measure(cluster, resolved, worker, defaults_worker, metrics_urls, hop_of,
+                                                      pid_of))
             finally:
                 for signum, handler in previous_handlers.items():
                     signal.signal(signum, handler)
@@ -168,12 +178,14 @@ class Bench:
 
     # -------------------------------------------------------------- set-up
 
-    def _start(self, cluster: LocalCluster, model, max_streams: int) -> tuple[dict[str, str], dict[str, int]]:
+    def _start(self, cluster: LocalCluster, model,
+               max_streams: int) -> tuple[dict[str, str], dict[str, int], dict[str, int]]:
+        """Start NATS, the shards and the orchestrator; returns each shard's metrics URL, hop and process id."""
         options = self.options
         ranges = even_layer_ranges(model.num_layers, options.shards)
         _progress(f"starting nats-server, {len(ranges)} shard hosts ({ranges}) and an orchestrator ...")
         cluster.start_nats()
-        metrics_urls, hop_of = {}, {}
+        metrics_urls, hop_of, pid_of = {}, {}, {}
         for index, (lo, hi) in enumerate(ranges):
             node_id = f"bench-host-{index}"
             process = cluster.start_shard(str(model.path), lo, hi, node_id=node_id, wait_ready=False,
@@ -183,9 +195,10 @@ class Bench:
             if process.metrics_url is not None:
                 metrics_urls[shard_id] = process.metrics_url
             hop_of[shard_id] = index
+            pid_of[shard_id] = process.popen.pid
         cluster.start_orchestrator(node_id="bench-orchestrator", wait_ready=False, extra_args=[
             "--preload", str(model.path), "--step-timeout-s", str(options.step_timeout_s), *options.placement_args()])
-        return metrics_urls, hop_of
+        return metrics_urls, hop_of, pid_of
 
     def _wait_ready(self, cluster: LocalCluster) -> None:
         for process in cluster.processes:
@@ -195,7 +208,7 @@ class Bench:
     # -------------------------------------------------------------- measuring
 
     async def _measure(self, cluster, model, worker: MonolithicWorker, defaults_worker: MonolithicWorker | None,
-                       metrics_urls, hop_of) -> BenchReport:
+                       metrics_urls, hop_of, pid_of: dict[str, int]) -> BenchReport:
         from services.common.nats_connection import connect_nats
 
         options = self.options
@@ -239,7 +252,9 @@ class Bench:
                 _progress(f"a burst of {options.burst} requests sent at once ...")
                 burst = await run_burst(nc, model_ref, prompt, options.burst, options.new_tokens,
                                         pipe_runs[0].token_ids)
-            shard_memory = await shard_memory_figures(nc)
+            shard_memory = with_resident_memory(await shard_memory_figures(nc), pid_of)
+            _progress("the resident memory of a shard's imports alone ...")
+            imports = await asyncio.to_thread(shard_imports_memory)
         finally:
             await asyncio.wait_for(nc.close(), timeout=5)
         mono, pipe = side_figures(mono_runs), side_figures(pipe_runs)
@@ -280,6 +295,8 @@ class Bench:
             targets=[],
             burst=burst,
             shard_memory=shard_memory,
+            shard_imports_memory=None if imports is None else ImportsMemory(
+                rss_mb=imports.rss_mb, rss_anonymous_mb=imports.anonymous_mb, rss_file_mb=imports.file_mb),
         )
 
     async def _concurrent(self, nc, model_ref, worker: MonolithicWorker, metrics_urls, hop_of,

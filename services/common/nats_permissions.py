@@ -11,6 +11,9 @@ JetStream's API is granted verb by verb: a member reads a stream only through ep
 streams its role needs. Creating, updating, deleting, purging or sealing a stream, deleting messages and
 every other verb belong to the `system` member alone (the steward's own key, made by `hearth community init`,
 which also creates the streams: events/streams.py), which is also the only one that may subscribe to `>`.
+
+The community's weights (services/weights_store.py, the object store WEIGHTS_BUCKET): shard hosts and orchestrators
+read them (weights_store_reading); only `system` writes them (`hearth weights publish` with the steward's key).
 """
 
 from __future__ import annotations
@@ -33,6 +36,9 @@ INBOX_ROOT = "_INBOX"
 JS_API = "$JS.API"
 # Roles that receive activations (from which a prompt can be recovered): only members at this trust or above.
 DEFAULT_MIN_ACTIVATION_TRUST: TrustLevel = "trusted"
+# The object store of the community's checkpoints (services/weights_store.py), and its stream as JetStream names it.
+WEIGHTS_BUCKET = "hearth-weights"
+WEIGHTS_STREAM = f"OBJ_{WEIGHTS_BUCKET}"
 # Roles whose members may call the orchestrators (`llm.chat.request`, `llm.models`), so whose inboxes hear frames.
 CALLER_ROLES: tuple[Role, ...] = ("client", "system")
 
@@ -90,6 +96,15 @@ def stream_reading(streams: Iterable[str]) -> tuple[str, ...]:
     return tuple(reads)
 
 
+def weights_store_reading() -> tuple[str, ...]:
+    """Fetch objects of the weights store: its stream read through ephemeral consumers of one's own (each object's
+    chunks) and single-message gets (each object's metadata, nats-py's ObjectStore.get_info); no writes. Plus
+    what nats-py's object store asks besides: STREAM.NAMES (to find the stream of the chunks' subject; it answers
+    stream names only) and an unnamed consumer (CONSUMER.CREATE.<stream>, its filter in the request's body)."""
+    return (*stream_reading((WEIGHTS_STREAM,)), f"{JS_API}.STREAM.MSG.GET.{WEIGHTS_STREAM}",
+            f"{JS_API}.CONSUMER.CREATE.{WEIGHTS_STREAM}", f"{JS_API}.STREAM.NAMES")
+
+
 def role_permissions(role: Role, name: str, caller_inboxes: Iterable[str] = ()) -> Permissions:
     """What a member of `role` named `name` may publish and subscribe to; `caller_inboxes`: the inbox prefixes
     of the members that may call an orchestrator (its frames go there)."""
@@ -100,7 +115,7 @@ def role_permissions(role: Role, name: str, caller_inboxes: Iterable[str] = ()) 
             # The shards stream only: `hearth host` reads the mesh's coverage to choose its layers; the pipelines
             # stream (who called, which hops) is none of a shard host's business.
             publish=(shard_events_subject_of_node(name), "hearth.act.>", "hearth.ack.>", "hearth.notice.>",
-                     *stream_reading((SHARDS_STREAM,))),
+                     *stream_reading((SHARDS_STREAM,)), *weights_store_reading()),
             subscribe=(f"hearth.ctl.{node}.>", f"hearth.act.{node}.>", f"hearth.ack.{node}.>",
                        "hearth.keepalive.>", own_inbox),
             # Control replies go back to the orchestrator that asked (services/shard/server.py answers `_INBOX.`
@@ -115,7 +130,8 @@ def role_permissions(role: Role, name: str, caller_inboxes: Iterable[str] = ()) 
             # use is checked by the orchestrator itself (services/orchestrator/service.py).
             publish=(PIPELINE_EVENTS_WILDCARD, INTEGRITY_EVENTS_WILDCARD, "hearth.ctl.>", "hearth.act.>",
                      "hearth.ack.>", "hearth.keepalive.>",
-                     *(f"{prefix}.>" for prefix in sorted(set(caller_inboxes))), *stream_reading(ALL_STREAMS)),
+                     *(f"{prefix}.>" for prefix in sorted(set(caller_inboxes))), *stream_reading(ALL_STREAMS),
+                     *weights_store_reading()),
             subscribe=(CHAT_REQUEST_SUBJECT, MODELS_REQUEST_SUBJECT, f"hearth.act.{node}.>", "hearth.ack.>",
                        "hearth.notice.>", own_inbox),
         )

@@ -34,11 +34,13 @@ from services.common.cli_options import (
 @long_running("hearth host")
 def host_command(
     ctx: typer.Context,
-    model: Annotated[str, typer.Option("--model", help="Checkpoint folder or hub model id.")],
+    model: Annotated[str, typer.Option("--model", help="Checkpoint folder, GGUF file, hub model id or store:NAME "
+                                                       "(the community's store: only the layers served are fetched).")],
     memory_budget_mb: Annotated[Optional[float], typer.Option(
         "--memory-budget-mb", min=0.001, show_default=False,
         help="Memory this host gives the mesh on its device: weights plus [research.distributed_inference.host] "
-             "kv_cache_budget_mb (default: shard_max_memory_mb).")] = None,
+             "kv_cache_budget_mb, which left at its default takes at most a quarter of this "
+             "(default: shard_max_memory_mb).")] = None,
     device: DeviceOption = None,
     dtype: DtypeOption = None,
     quantize: QuantizeOption = None,

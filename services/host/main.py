@@ -3,6 +3,9 @@ budget and most improves it (services/host/planner.py), serve it as `hearth shar
 when one opens (a host left) and this host's layers are all held elsewhere, after the hole has lasted
 `rebalance_hold_s`.
 
+The model may be a folder, a GGUF file, a hub id or `store:NAME`: its layers' sizes come from services/host/
+model_layout.py before anything is fetched, and only the chosen range is then downloaded or fetched.
+
 Coverage comes from a read model this process keeps itself (an in-process projector of the shard events on a
 temporary SQLite file), with the routing rules' idea of a live shard (services/orchestrator/router.py).
 """
@@ -22,14 +25,15 @@ from sqlalchemy.orm import sessionmaker
 
 from events.streams import SHARDS_STREAM
 from events.subjects import shard_id_for
-from inference import read_config_dict, resolve_model_path, weights_sha256
-from inference.memory import MiB, layer_weight_bytes, megabytes
+from inference import InferenceError
+from inference.memory import MiB, megabytes
 from readmodels.runner import Projector
 from services.common.config import HearthSettings, serve_shards_refused
 from services.common.event_trust import event_verifier, stream_setup
-from services.common.lifecycle import unless_stopped
+from services.common.lifecycle import Stopped, unless_stopped
 from services.common.metrics import serve_process_metrics
 from services.common.nats_connection import connect_nats, drain_or_close
+from services.host.model_layout import model_layout
 from services.host.planner import LayerRange, better_range, choose_range, replicas_per_layer
 from services.orchestrator.router import ShardRouter
 from services.shard.main import (
@@ -42,16 +46,27 @@ from services.shard.main import (
     serve_loaded_shard,
 )
 from services.shard.memory_plan import kv_reserve_bytes
+from services.weights_store import WeightsStoreError
 
 log = logging.getLogger(__name__)
 
 
+# A KV reserve left at its default takes at most this share of a `--memory-budget-mb` (the default alone can exceed
+# a small budget, leaving no room for any layer).
+DEFAULT_KV_RESERVE_MAX_BUDGET_SHARE = 0.25
+
+
 def with_memory_budget(settings: HearthSettings, memory_budget_mb: float | None) -> HearthSettings:
-    """The settings with `--memory-budget-mb` as this host's `shard_max_memory_mb` (when given)."""
+    """The settings with `--memory-budget-mb` as this host's `shard_max_memory_mb` (when given), and a KV reserve not
+    set explicitly (file or environment) capped at DEFAULT_KV_RESERVE_MAX_BUDGET_SHARE of it."""
     if memory_budget_mb is None:
         return settings
     distributed = settings.research.distributed_inference
-    host = distributed.host.model_copy(update={"shard_max_memory_mb": memory_budget_mb})
+    update: dict[str, float] = {"shard_max_memory_mb": memory_budget_mb}
+    if "kv_cache_budget_mb" not in distributed.host.model_fields_set:
+        update["kv_cache_budget_mb"] = min(distributed.host.kv_cache_budget_mb,
+                                           DEFAULT_KV_RESERVE_MAX_BUDGET_SHARE * memory_budget_mb)
+    host = distributed.host.model_copy(update=update)
     research = settings.research.model_copy(update={"distributed_inference": distributed.model_copy(
         update={"host": host})})
     return settings.model_copy(update={"research": research})
@@ -138,13 +153,19 @@ async def run_host(*, model: str, memory_budget_mb: float | None, nats_url: str 
     node = node_id or default_node_id()
     compute_device, compute_dtype = resolve_compute(device, dtype, host)
     scheme = resolve_quantization(quantize, host, compute_device)
-    model_path = await asyncio.to_thread(resolve_model_path, model)
-    total_layers = int(read_config_dict(model_path)["num_hidden_layers"])
-    per_layer = await asyncio.to_thread(layer_weight_bytes, model_path, compute_dtype, quantization=scheme)
-    layer_bytes = [per_layer.get(index, 0) for index in range(total_layers)]
+    try:
+        layout = await unless_stopped(model_layout(model, model_id=model_id, compute_dtype=compute_dtype,
+                                                   scheme=scheme, nats_url=nats_url, settings=settings), stop_event)
+    except Stopped:
+        raise
+    except (InferenceError, WeightsStoreError, ValueError, KeyError, OSError) as error:
+        raise ShardRefused(f"cannot plan a range of {model}: {(str(error).splitlines() or [repr(error)])[0]}") \
+            from None
+    except Exception as error:  # the broker's refusals and timeouts while reading the store's manifest
+        raise ShardRefused(f"cannot read {model} from the store: {type(error).__name__}: {error}") from None
+    total_layers, layer_bytes, served_id = layout.total_layers, layout.layer_bytes, layout.served_id
+    digest = layout.weights_sha256
     weights_budget = int(host.shard_max_memory_mb * MiB) - kv_reserve_bytes(host)
-    served_id = model_id or (model_path.name if Path(model).expanduser().is_dir() else model)
-    digest = await asyncio.to_thread(weights_sha256, model_path)
     nc = await unless_stopped(connect_nats(nats_url, name=f"hearth-host {node}", settings=settings.nats), stop_event)
     metrics_server = None
     with tempfile.TemporaryDirectory(prefix="hearth-host-") as folder:
@@ -184,7 +205,7 @@ async def _serve_until_moved(chosen: LayerRange, coverage: CoverageReader, *, mo
     """Serve `chosen` until stopped (returns None) or until a hole is worth moving to (returns the new range)."""
     loaded = await load_shard(model=model, lo=chosen.lo, hi=chosen.hi, node=node, settings=settings,
                               model_id=model_id, device=device, dtype=dtype, quantize=coverage.quantization,
-                              stop_event=stop_event)
+                              stop_event=stop_event, nats_url=nats_url)
     shard_id = shard_id_for(model_id, chosen.lo, chosen.hi, node)
     leave = asyncio.Event()
     moved: list[LayerRange] = []

@@ -1,27 +1,30 @@
 """ModelCatalog: resolves a model name to its head, tokenizer and weights digest, loading on first use.
 
 Two doors, because a request is not the operator. What the operator configured (`--preload`, `--local-model`)
-may be a folder path. A name in a request is only ever looked up in the catalog: a configured name, the id of
-a loaded model, a folder name inside a models folder (`--models-dir`, `models/`), or a hub id (`org/name`)
-already in the local hub cache. A request's name is never opened as a path, and what a request is told about
-a name it may not use carries no path of this machine.
+may be a folder path or `store:NAME` (fetched from the community's store: the head only, or the whole model for
+the local fallback). A name in a request is only ever looked up in the catalog: a configured name (NAME for a
+configured `store:NAME`), the id of a loaded model, a folder name inside a models folder (`--models-dir`,
+`models/`), or a hub id (`org/name`) already in the local hub cache. A request's name is never opened as a path,
+and what a request is told about a name it may not use carries no path of this machine.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import re
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from inference import CheckpointError, Head, LocalModel, load_full, load_head, resolve_model_path, weights_sha256
-from inference.checkpoint import HUB_ALLOW_PATTERNS
+from inference.checkpoint import HUB_ALLOW_PATTERNS, default_model_id, read_config_dict
 from inference.compute_thread import on_compute_thread
 from inference.quantization import QuantizationScheme, parse_quantization
 from inference.token_bounds import TokenLowerBound
+from inference.partial_checkpoint import NeededTensors
 from services.common.quantization_labels import accepts
+from services.weights_store import STORE_MODEL_PREFIX, WeightsStoreError, fetch_stored_model, store_model_name
 
 log = logging.getLogger(__name__)
 
@@ -38,11 +41,20 @@ class UnknownModel(LookupError):
     """No model of that name is in this orchestrator's catalog; the message names no path."""
 
 
-def context_length(config_path: Path) -> int | None:
-    """Positions the model takes (prompt plus generated tokens), from its config.json; None when unknown."""
+def stored_name(model: str) -> str | None:
+    """NAME of a `store:NAME` model (the id its shards advertise), else None; UnknownModel for a malformed NAME."""
     try:
-        config = json.loads(config_path.read_text())
-    except (OSError, ValueError):
+        return store_model_name(model)
+    except WeightsStoreError as error:
+        raise UnknownModel(str(error)) from None
+
+
+def context_length(checkpoint: Path) -> int | None:
+    """Positions the model takes (prompt plus generated tokens), from its config.json (a GGUF's metadata); None when
+    unknown."""
+    try:
+        config = read_config_dict(checkpoint)
+    except (OSError, ValueError, CheckpointError):
         return None
     for key in CONTEXT_LENGTH_KEYS:
         if isinstance(config.get(key), int) and config[key] > 0:
@@ -76,17 +88,51 @@ class ModelCatalog:
         self._local_lock = asyncio.Lock()
         # Where heads (and the local model) compute: the CPU in the checkpoint's dtype until told (use_compute).
         self._compute: dict = {}
+        # How `store:NAME` models are fetched (use_store), and the folder each was fetched into.
+        self._store_fetch: Callable[[str, NeededTensors], Awaitable[Path]] | None = None
+        self._store_folders: dict[str, Path] = {}
 
     def use_compute(self, device, dtype, quantization: QuantizationScheme | str = "none") -> None:
         """Load heads and the local model onto `device` (a torch.device) in `dtype` (inference.devices), their
         weights held as `quantization` says (inference.quantization)."""
         self._compute = {"device": device, "dtype": dtype, "quantization": quantization}
 
+    def use_store(self, jetstream) -> None:
+        """Fetch `store:NAME` models from the community's store through `jetstream` (the orchestrator's own
+        connection's JetStream context)."""
+        self._store_fetch = lambda name, needed: fetch_stored_model(jetstream, name, needed)
+
+    async def folder(self, model: str, needed: NeededTensors) -> Path:
+        """resolve() on a worker thread; a `store:NAME` model is fetched from the community's store instead (only
+        `needed`: "head", or None for the whole model), every wait bounded (services/weights_store.py)."""
+        name = stored_name(model)
+        if name is None:
+            return await asyncio.to_thread(self.resolve, model)
+        if self._store_fetch is None:
+            raise UnknownModel(f"unknown model {model!r}: this orchestrator is not connected to the store")
+        try:
+            folder = await self._store_fetch(name, needed)
+        except WeightsStoreError as error:
+            raise UnknownModel(f"unknown model {model!r}: {error}") from None
+        except Exception as error:  # the broker's refusals and timeouts
+            raise UnknownModel(f"unknown model {model!r}: the store is not reachable ({type(error).__name__})") \
+                from None
+        self._store_folders[model] = folder
+        return folder
+
     def resolve(self, model: str) -> Path:
-        """A folder for `model`: a path, a folder of that name in a search dir, or a hub id in the local cache."""
+        """A folder for `model`: a path, a folder of that name in a search dir, or a hub id in the local cache (a
+        `store:NAME` model only once `folder` has fetched it: this never waits on the network)."""
+        if stored_name(model) is not None:
+            if model not in self._store_folders:
+                raise UnknownModel(f"model {model!r} is not fetched from the store yet")
+            return self._store_folders[model]
         as_path = Path(model).expanduser()
-        if as_path.is_dir():
-            return as_path.resolve()
+        if as_path.exists():
+            try:
+                return resolve_model_path(as_path)  # a folder, or the GGUF file it (or the path) names
+            except CheckpointError as error:
+                raise UnknownModel(f"unknown model {model!r}: {error}") from None
         if "/" not in model.strip("/") or model.count("/") == 1:
             for directory in self.search_dirs:
                 candidate = directory / model
@@ -98,9 +144,12 @@ class ModelCatalog:
             raise UnknownModel(f"unknown model {model!r}: {error}") from None
 
     def advertised_id(self, model: str, path: Path) -> str | None:
-        """The model id shards loading `model` advertise: the hub id itself, or None (the folder's name)."""
+        """The model id shards loading `model` advertise: the hub id itself, a stored model's name, or None (the
+        folder's name)."""
+        if (name := stored_name(model)) is not None:
+            return name
         as_given = Path(model).expanduser()
-        if as_given.is_dir() or any(path == (d / model).resolve() for d in self.search_dirs):
+        if as_given.exists() or any(path == (d / model).resolve() for d in self.search_dirs):
             return None
         return model
 
@@ -108,11 +157,13 @@ class ModelCatalog:
         """The id of the model this orchestrator may run whole (local fallback), as shards would advertise it."""
         if self.local_model_spec is None:
             return None
+        if (name := stored_name(self.local_model_spec)) is not None:
+            return name  # fetched when first needed (local_model_for)
         try:
             path = self.resolve(self.local_model_spec)
         except UnknownModel:
             return None
-        return self.advertised_id(self.local_model_spec, path) or path.name
+        return self.advertised_id(self.local_model_spec, path) or default_model_id(path)
 
     def catalog_path(self, name: str) -> Path | None:
         """The folder of a catalog name (see the module docstring), or None; never takes `name` as a path."""
@@ -137,7 +188,10 @@ class ModelCatalog:
             if loaded.model_id == model_id:
                 return loaded.path
         if self.local_model_spec is not None and model_id == self.local_model_id():
-            return self.resolve(self.local_model_spec)
+            try:
+                return self.resolve(self.local_model_spec)
+            except UnknownModel:  # a stored model not fetched yet
+                return None
         return self.catalog_path(model_id)
 
     async def get(self, model: str) -> LoadedModel:
@@ -145,16 +199,17 @@ class ModelCatalog:
         lock = self._locks.setdefault(model, asyncio.Lock())
         async with lock:
             if model not in self._loaded:
-                path = await asyncio.to_thread(self.resolve, model)
+                path = await self.folder(model, "head")
                 # A hub id names the model as the shards advertise it; the snapshot folder's name would not.
                 await self._load(model, path, self.advertised_id(model, path))
             return self._loaded[model]
 
     async def get_requested(self, name: str) -> LoadedModel:
         """The model a request names, from the catalog only; UnknownModel (naming no path) otherwise."""
-        if name in self._configured:
+        configured = self._configured_as(name)
+        if configured is not None:
             try:
-                return await self.get(name)
+                return await self.get(configured)
             except UnknownModel:  # its message may carry the operator's paths
                 raise UnknownModel(f"model {name!r} cannot be found on this orchestrator") from None
         for loaded in list(self._loaded.values()):
@@ -175,11 +230,18 @@ class ModelCatalog:
                     raise UnknownModel(f"model {name!r} cannot be loaded on this orchestrator") from None
             return self._loaded[name]
 
+    def _configured_as(self, name: str) -> str | None:
+        """How the operator configured the model a request names `name`: as given, or `store:NAME` for NAME."""
+        if name in self._configured:
+            return name
+        spec = f"{STORE_MODEL_PREFIX}{name}"
+        return spec if spec in self._configured else None
+
     async def _load(self, key: str, path: Path, model_id: str | None) -> None:
         head = await on_compute_thread(load_head, path, model_id=model_id, **self._compute)
         digest = await asyncio.to_thread(weights_sha256, path)
         bound = await on_compute_thread(TokenLowerBound, head.tokenizer) if head.has_tokenizer else None
-        length = await asyncio.to_thread(context_length, path / "config.json")
+        length = await asyncio.to_thread(context_length, path)
         self._loaded[key] = LoadedModel(head.info.model_id, path, head, digest, length, bound)
         log.info("loaded head of %s (weights %s)", head.info.model_id, digest[:12])
 
@@ -193,7 +255,11 @@ class ModelCatalog:
             return None
         async with self._local_lock:
             if self._local is None:
-                path = await asyncio.to_thread(self.resolve, self.local_model_spec)
+                try:
+                    path = await self.folder(self.local_model_spec, None)
+                except UnknownModel as error:  # a stored model the store cannot give now: no local fallback
+                    log.warning("local model unavailable: %s", error)
+                    return None
                 self._local = await on_compute_thread(
                     load_full, path, model_id=self.advertised_id(self.local_model_spec, path), **self._compute)
                 self._local_digest = await asyncio.to_thread(weights_sha256, path)

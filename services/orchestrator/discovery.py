@@ -72,7 +72,7 @@ async def describe_models(router: ShardRouter, catalog: ModelCatalog) -> ModelsR
         # Advertised ids come from other members: looked up in the catalog only, never opened as paths.
         path = await asyncio.to_thread(catalog.path_of_id, model_id)
         if path is not None:
-            length = await asyncio.to_thread(context_length, path / "config.json")
+            length = await asyncio.to_thread(context_length, path)
         else:
             log.debug("model %s is not on this orchestrator's disk; its context length is unknown", model_id)
         described.append(models[model_id].model_copy(update={"context_length": length}))

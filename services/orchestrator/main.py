@@ -61,6 +61,7 @@ async def run_orchestrator(settings: HearthSettings, options: OrchestratorOption
                                 model_search_dirs=list(options.model_search_dirs), local_model=options.local_model,
                                 busy_threads=options.busy_threads)
     orchestrator.catalog.use_compute(device, dtype, quantization=scheme)
+    orchestrator.catalog.use_store(nc.jetstream())  # `store:NAME` models come through this connection
     metrics_server = None
     try:
         metrics_server = serve_process_metrics(options.metrics_port, f"orchestrator {options.node_id}",

@@ -13,18 +13,19 @@ from pathlib import Path
 import torch
 
 from events.subjects import shard_control_subject, shard_id_for
-from inference import InferenceError, LayerRangeRunner, load_layer_range, resolve_model_path, weights_sha256
+from inference import InferenceError, LayerRangeRunner, load_layer_range, weights_sha256
 from inference.compute_thread import StepThreads, on_compute_thread
 from inference.devices import describe_device, device_memory_allocated_bytes, resolve_placement
 from inference.quantization import QuantizationError, QuantizationScheme, check_device_supports, parse_quantization
 from services.common.config import HearthSettings, HostSettings, serve_shards_refused
-from services.common.lifecycle import CommandRefused, unless_stopped
+from services.common.lifecycle import CommandRefused, Stopped, unless_stopped
 from services.common.metrics import serve_process_metrics
 from services.common.nats_connection import connect_nats, drain_or_close
 from services.shard.faults import ShardFault
 from services.shard.memory_plan import estimated_need, kv_reserve_bytes, measured_need, refusal
 from services.shard.compute import ShardCompute
 from services.shard.server import ShardIdentity, ShardServer
+from services.weights_store import WeightsStoreError, resolve_model_source, store_model_name
 
 log = logging.getLogger(__name__)
 
@@ -99,15 +100,18 @@ def resolve_quantization(quantize: str | None, host: HostSettings, device: torch
 
 async def load_shard(*, model: str, lo: int, hi: int, node: str, settings: HearthSettings, model_id: str | None,
                      device: str | None, dtype: str | None, stop_event: asyncio.Event,
-                     quantize: str | None = None) -> LoadedShard:
+                     quantize: str | None = None, nats_url: str | None = None) -> LoadedShard:
     """Load layers lo..hi onto this host's device, quantized as `quantize` (None: the host settings) says, if they
     fit its memory limit (checked before reading any weight, and again as measured); ShardRefused naming both
-    numbers when they do not."""
+    numbers when they do not.
+
+    `model` may be a folder, a GGUF file, a hub id (only the files holding lo..hi are downloaded) or `store:NAME`
+    (only lo..hi's objects are fetched from the community's store through the broker at `nats_url`)."""
     host = settings.research.distributed_inference.host
     compute_device, compute_dtype = resolve_compute(device, dtype, host)
     scheme = resolve_quantization(quantize, host, compute_device)
+    model_path = await fetch_model(model, (lo, hi), nats_url=nats_url, settings=settings, stop_event=stop_event)
     try:
-        model_path = await asyncio.to_thread(resolve_model_path, model)
         estimate = await asyncio.to_thread(estimated_need, model_path, lo, hi, compute_dtype, host, scheme)
     except (InferenceError, ValueError, OSError) as error:
         raise ShardRefused(f"cannot load layers {lo}-{hi} of {model}: {_first_line(error)}") from None
@@ -138,6 +142,23 @@ async def load_shard(*, model: str, lo: int, hi: int, node: str, settings: Heart
         device_name=described.name, kv_cache_budget_mb=host.kv_cache_budget_mb, quantization=runner.quantization,
     )
     return LoadedShard(runner, identity)
+
+
+async def fetch_model(model: str, needed: tuple[int, int], *, nats_url: str | None, settings: HearthSettings,
+                      stop_event: asyncio.Event) -> Path:
+    """The local folder holding layers `needed` of `model` (services/weights_store.resolve_model_source);
+    ShardRefused with one line when it cannot be found or fetched."""
+    lo, hi = needed
+    try:
+        return await unless_stopped(resolve_model_source(model, needed, nats_url=nats_url, settings=settings),
+                                    stop_event)
+    except Stopped:
+        raise
+    except (InferenceError, WeightsStoreError, ValueError, OSError) as error:
+        raise ShardRefused(f"cannot load layers {lo}-{hi} of {model}: {_first_line(error)}") from None
+    except Exception as error:  # the broker's refusals and timeouts while fetching from the store
+        raise ShardRefused(f"cannot fetch layers {lo}-{hi} of {model}: {type(error).__name__}: "
+                           f"{_first_line(error)}") from None
 
 
 def static_cache_refusal(runner: LayerRangeRunner, host: HostSettings) -> str | None:
@@ -172,8 +193,11 @@ def _first_line(error: BaseException) -> str:
 
 
 def _default_model_id(model: str) -> str | None:
-    # load_layer_range names a folder by its own name; resolving it first must not change that.
-    return None if Path(model).expanduser().is_dir() else model
+    # load_layer_range names a folder (a GGUF file) by its own name (stem); resolving it first must not change that.
+    # A stored model is served under its store name, as hosts loading a folder of that name would serve it.
+    if (stored := store_model_name(model)) is not None:
+        return stored
+    return None if Path(model).expanduser().exists() else model
 
 
 async def run_shard(
@@ -213,7 +237,8 @@ async def run_shard(
     configure_torch_threads(torch_threads)
     node = node_id or default_node_id()
     loaded = await load_shard(model=model, lo=lo, hi=hi, node=node, settings=settings, model_id=model_id,
-                              device=device, dtype=dtype, quantize=quantize, stop_event=stop_event)
+                              device=device, dtype=dtype, quantize=quantize, stop_event=stop_event,
+                              nats_url=nats_url)
     await serve_loaded_shard(loaded, nats_url=nats_url, settings=settings, hop_weight=hop_weight, fault=fault,
                              busy_threads=busy_threads, ready_file=ready_file, metrics_port=metrics_port,
                              stop_event=stop_event)

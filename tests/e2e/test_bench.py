@@ -78,3 +78,9 @@ def test_bench_json_report_on_a_random_tiny_shape(tmp_path):
     assert burst.completed == BURST and burst.refused == {} and burst.outputs_match_solo
     assert burst.largest_queue_position >= 1  # some waited, and were told their place
     assert 0 < burst.queue_wait_ms_p50 <= burst.queue_wait_ms_p95
+
+    # Each shard's process memory beside its advertised need, and a shard's imports alone for the layers' part.
+    assert len(report.shard_memory) == SHARDS
+    assert all(shard.rss_mb and shard.peak_rss_mb >= shard.rss_mb and shard.rss_anonymous_mb
+               for shard in report.shard_memory)
+    assert report.shard_imports_memory is not None and report.shard_imports_memory.rss_mb > 0

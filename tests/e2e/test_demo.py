@@ -30,9 +30,10 @@ def demo_command(model_args: list[str], *extra: str) -> list[str]:
 
 @pytest.fixture
 def model_args(tiny_model_path) -> list[str]:
-    """The bundled model when it has been trained (the real `make demo` path), else a tiny random one."""
+    """The bundled toy model when it has been trained (faster than the real model `make demo` runs when installed:
+    tests/e2e/test_real_model_mesh.py runs that one), else a tiny random one."""
     if (BUNDLED_MODEL / "config.json").is_file():
-        return []
+        return ["--model", BUNDLED_MODEL.name]
     return ["--model", str(tiny_model_path)]
 
 

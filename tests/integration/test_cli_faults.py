@@ -287,7 +287,8 @@ def test_chat_with_an_unreachable_broker_is_one_line_and_a_failure():
 @needs_model
 @pytest.mark.parametrize("state", ["starting", "serving"])
 def test_a_stop_ends_hearth_demo_and_everything_it_started(state, started):
-    process = started([HEARTH, "demo", "--serve", "--max-tokens", "4", "--torch-threads", "1"])
+    process = started([HEARTH, "demo", "--model", MODEL.name, "--serve", "--max-tokens", "4", "--torch-threads",
+                       "1"])
     process.wait_for("starting 5 processes" if state == "starting" else "Ctrl-C stops everything.",
                      timeout_s=2 * start_timeout_s)
     work_dir = work_dir_of(process.text("stderr"))

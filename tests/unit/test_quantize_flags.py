@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 from services.cli import app
 from services.common.config import HostSettings
 from inference.memory import layer_weight_bytes
+from inference.quantization import DEFAULT_INT4_GROUP_SIZE
 from services.host.planner import choose_range, replicas_per_layer
 from services.shard.main import ShardRefused, resolve_quantization
 from tests.unit.inference_tiny_models import write_tiny_model
@@ -22,7 +23,7 @@ CPU = torch.device("cpu")
 def test_the_flag_wins_over_the_host_setting_which_defaults_to_none():
     assert resolve_quantization(None, HostSettings(), CPU).label == "none"
     assert resolve_quantization(None, HostSettings(quantize="int8"), CPU).label == "int8"
-    assert resolve_quantization("int4", HostSettings(quantize="int8"), CPU).label == "int4/g64"
+    assert resolve_quantization("int4", HostSettings(quantize="int8"), CPU).label == f"int4/g{DEFAULT_INT4_GROUP_SIZE}"
 
 
 @pytest.mark.parametrize(("value", "named"), [("int3", "'int3'"), ("int4/g7", "group size 7"), ("fp8", "'fp8'")])

@@ -1,0 +1,284 @@
+"""GGUF checkpoints (llama.cpp's single-file format): their HF config and tokenizer, and tensors read by HF name.
+
+A GGUF stores each weight in a llama.cpp block type (F16, Q8_0, Q4_K, ...). hearth dequantizes each tensor it
+needs, one at a time, with the gguf package's numpy dequantizers into the shard's dtype, and the loader then
+re-quantizes the layer's Linears to the shard's own scheme (``--quantize``, inference/quantization.py). Keeping
+the GGUF blocks as they are would need matmul kernels for every block type, which torch does not have; the cost
+is that a Q4 file served as ``none`` takes full-precision memory, and as ``int8`` adds a second rounding to the
+first (docs/design.md §12).
+
+Names, the config and the tokenizer come from transformers' own GGUF support (the same name mapping and Q/K row
+order its ``from_pretrained(..., gguf_file=...)`` uses), so a GGUF loads into the very layers a safetensors
+checkpoint of the same model would.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from .errors import CheckpointError
+
+GGUF_SUFFIX = ".gguf"
+# general.architecture values hearth serves (llama.cpp writes Mistral models as "llama"), and the HF model types
+# they load as.
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2")
+SUPPORTED_GGUF_MODEL_TYPES = ("llama", "mistral", "qwen2")
+# Storage types hearth reads: plain floats, and the legacy and K-quant block types gguf.quants dequantizes (its IQ
+# and TQ types are left out until tested; integer tensors are no weights).
+SUPPORTED_GGUF_TYPE_NAMES = (
+    "F32", "F16", "BF16", "F64", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+)
+# Block types that hold plain floats; every other supported type is a quantized block.
+FLOAT_GGUF_TYPE_NAMES = frozenset({"F32", "F16", "BF16", "F64"})
+# GGUF metadata keys naming end-of-generation tokens besides eos (chat models end turns with them).
+STOP_TOKEN_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+# Parsed metadata kept per process (a shard's memory planning and loading, a head and a local model share it).
+METADATA_CACHE_ENTRIES = 4
+
+
+def _gguf():
+    # Imported on first use: safetensors-only hosts never pay for it.
+    import gguf
+
+    return gguf
+
+
+def is_gguf_file(path: str | Path) -> bool:
+    """Whether `path` is a file named *.gguf."""
+    path = Path(path)
+    return path.suffix.lower() == GGUF_SUFFIX and path.is_file()
+
+
+def single_gguf_in(folder: Path) -> Path | None:
+    """The one *.gguf file of a folder that has no config.json, None when it has none; several are refused (which
+    one to serve would be a guess)."""
+    if (folder / "config.json").is_file():
+        return None
+    found = sorted(p for p in folder.iterdir() if is_gguf_file(p))
+    if len(found) > 1:
+        names = ", ".join(p.name for p in found)
+        raise CheckpointError(f"{folder} holds several GGUF files ({names}); pass the one to serve as --model")
+    return found[0] if found else None
+
+
+def open_reader(path: Path):
+    """The gguf package's memory-mapped reader over `path`; CheckpointError when it is truncated, not GGUF, or of
+    an architecture hearth does not serve."""
+    try:
+        reader = _gguf().GGUFReader(path)
+    except (ValueError, IndexError, OSError, TypeError, KeyError) as exc:
+        raise CheckpointError(f"{path.name} is not a readable GGUF file (truncated or corrupt?): {exc}") from None
+    file_bytes = path.stat().st_size
+    for tensor in reader.tensors:
+        if tensor.data_offset + tensor.n_bytes > file_bytes:
+            raise CheckpointError(f"{path.name} is truncated: tensor {tensor.name} ends past the end of the file")
+    architecture = _field_value(reader, "general.architecture")
+    if architecture not in SUPPORTED_GGUF_ARCHITECTURES:
+        raise CheckpointError(
+            f"GGUF {path.name} holds a {architecture!r} model; hearth serves "
+            f"{', '.join(SUPPORTED_GGUF_ARCHITECTURES)} GGUFs (Mistral is written as llama)"
+        )
+    return reader
+
+
+def _field_value(reader, key: str):
+    field = reader.fields.get(key)
+    return None if field is None else field.contents()
+
+
+def gguf_config_dict(path: Path) -> dict:
+    """The HF config of a GGUF as a plain dict (what config.json would hold), from its metadata alone (through
+    transformers' ``AutoConfig.from_pretrained(..., gguf_file=...)``); parsed once per file version and process."""
+    path = Path(path).resolve()
+    stat = path.stat()
+    return dict(_cached_config(str(path), stat.st_size, stat.st_mtime_ns))
+
+
+@functools.lru_cache(maxsize=METADATA_CACHE_ENTRIES)
+def _cached_config(path_text: str, size: int, mtime_ns: int) -> dict:
+    from transformers import AutoConfig
+
+    path = Path(path_text)
+    supported = ", ".join(SUPPORTED_GGUF_ARCHITECTURES)
+    try:
+        config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    except (ValueError, KeyError, IndexError, OSError, TypeError) as exc:
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(
+            f"{path.name} is not a GGUF hearth can read (truncated, corrupt, or an architecture other than "
+            f"{supported}): {first_line}"
+        ) from None
+    if config.model_type not in SUPPORTED_GGUF_MODEL_TYPES:
+        raise CheckpointError(
+            f"GGUF {path.name} holds a {config.model_type!r} model; hearth serves {supported} GGUFs "
+            "(Mistral is written as llama)"
+        )
+    raw = config.to_dict()
+    raw["architectures"] = raw.get("architectures") or [type(config).__name__.replace("Config", "ForCausalLM")]
+    return raw
+
+
+def gguf_config(path: Path):
+    """The transformers config object of a GGUF (see gguf_config_dict)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(**gguf_config_dict(path))
+
+
+def load_gguf_tokenizer(path: Path):
+    """The tokenizer (with its chat template) stored in the GGUF's metadata, via transformers."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """Where one tensor lies in a GGUF file and how it is stored."""
+
+    name: str
+    block_type: object  # gguf.GGMLQuantizationType
+    data_offset: int
+    n_bytes: int
+    stored_dtype: np.dtype  # of the array the stored bytes form (uint8 for blocks)
+    stored_shape: tuple[int, ...]  # of that array
+    shape: tuple[int, ...]  # of the tensor, in torch order
+
+
+@dataclass(frozen=True)
+class GGUFTable:
+    """A GGUF's architecture, tensor table and stop tokens: everything but the tensor data."""
+
+    architecture: str
+    tensors: tuple[StoredTensor, ...]
+    stop_token_ids: frozenset[int]
+
+
+def gguf_table(path: Path) -> GGUFTable:
+    """The GGUF's tensor table (parsed once per file version and process; the reader is dropped, so no mapping of
+    the file outlives the call)."""
+    path = Path(path).resolve()
+    stat = path.stat()
+    return _cached_table(str(path), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=METADATA_CACHE_ENTRIES)
+def _cached_table(path_text: str, size: int, mtime_ns: int) -> GGUFTable:
+    reader = open_reader(Path(path_text))
+    tensors = tuple(
+        StoredTensor(t.name, t.tensor_type, int(t.data_offset), int(t.n_bytes), t.data.dtype, tuple(t.data.shape),
+                     tuple(int(d) for d in reversed(t.shape.tolist())))
+        for t in reader.tensors
+    )
+    stop_ids = frozenset(int(value) for key in STOP_TOKEN_KEYS if (value := _field_value(reader, key)) is not None)
+    return GGUFTable(_field_value(reader, "general.architecture"), tensors, stop_ids)
+
+
+def layer_tensor_shapes(path: Path) -> dict[int, list[tuple[int, ...]]]:
+    """Shapes (torch order) of each decoder layer's tensors, from the GGUF's tensor table; no tensor data is read."""
+    shapes: dict[int, list[tuple[int, ...]]] = {}
+    for tensor in gguf_table(path).tensors:
+        parts = tensor.name.split(".")
+        if parts[0] == "blk" and len(parts) > 2 and parts[1].isdigit():
+            shapes.setdefault(int(parts[1]), []).append(tensor.shape)
+    return shapes
+
+
+def _gguf_to_hf_names(model: nn.Module, architecture: str, num_layers: int) -> dict[str, str]:
+    """GGUF tensor name -> HF name for every tensor of `model`, through the gguf package's name map (the mapping
+    transformers' get_gguf_hf_weights_map applies, built once instead of once per submodule)."""
+    gguf = _gguf()
+    arch = next(key for key, value in gguf.MODEL_ARCH_NAMES.items() if value == architecture)
+    name_map = gguf.get_tensor_name_map(arch, num_layers)
+    mapping = {}
+    for hf_name in model.state_dict():
+        base, _, suffix = hf_name.rpartition(".")
+        gguf_base = name_map.get_name(base)
+        if gguf_base is not None:
+            mapping[f"{gguf_base}.{suffix}"] = hf_name
+    return mapping
+
+
+class GGUFCheckpoint:
+    """A GGUF file read tensor by tensor under the HF names of `model` (a meta-device skeleton of the same config).
+    Same interface as SafetensorsCheckpoint: ``__contains__``, ``names()``, ``read()``; ``bytes_read`` counts the
+    stored (quantized) bytes of what was read.
+
+    The tensor table comes from the gguf package's GGUFReader (gguf_table); each tensor's bytes are then read
+    through a memory map of just that tensor, closed once it is dequantized, so a shard's process keeps no mapping
+    of the file (none of its pages count in its memory) once loaded.
+    """
+
+    def __init__(self, path: Path, model: nn.Module):
+        from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+
+        self.path = path
+        self.bytes_read = 0
+        self._table = gguf_table(path)
+        config = gguf_config_dict(path)
+        # transformers' processors undo what llama.cpp's converter did to a tensor (for llama: it permutes Q and K
+        # rows into its own rotary layout; qwen2 keeps HF's).
+        self._processor = TENSOR_PROCESSORS.get(self._table.architecture, TensorProcessor)(config=config)
+        hf_name_of = _gguf_to_hf_names(model, self._table.architecture, config["num_hidden_layers"])
+        self._tensor_of = {hf_name_of[t.name]: t for t in self._table.tensors if t.name in hf_name_of}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._tensor_of
+
+    def names(self) -> set[str]:
+        """Every HF tensor name the GGUF holds."""
+        return set(self._tensor_of)
+
+    def stored_quantized(self, name: str) -> bool:
+        """Whether the tensor is stored in a quantized block type (not F32/F16/BF16/F64)."""
+        return self._tensor_of[name].block_type.name not in FLOAT_GGUF_TYPE_NAMES
+
+    def stop_token_ids(self) -> set[int]:
+        """End-of-generation token ids the GGUF names (eos, end of turn, end of message)."""
+        return set(self._table.stop_token_ids)
+
+    def read(
+        self, names: Iterable[str], dtype: torch.dtype, device: torch.device | str = "cpu"
+    ) -> dict[str, torch.Tensor]:
+        """The named tensors on `device` in `dtype`, each dequantized on its own (besides the result the host holds
+        one float32 copy of one tensor at a time); a missing name or a storage type hearth does not read is a
+        CheckpointError raised before any tensor is read."""
+        names = list(names)
+        types = _gguf().GGMLQuantizationType
+        supported = {getattr(types, name) for name in SUPPORTED_GGUF_TYPE_NAMES}
+        for name in names:
+            if name not in self._tensor_of:
+                raise CheckpointError(f"tensor {name} is missing from the GGUF {self.path.name}")
+            stored = self._tensor_of[name]
+            if stored.block_type not in supported:
+                raise CheckpointError(
+                    f"tensor {stored.name} of {self.path.name} is stored as {stored.block_type.name}, a GGUF type "
+                    f"hearth does not read (it reads {', '.join(SUPPORTED_GGUF_TYPE_NAMES)})"
+                )
+        target_device = torch.device(device)
+        tensors: dict[str, torch.Tensor] = {}
+        for name in names:
+            stored = self._tensor_of[name]
+            tensors[name] = torch.from_numpy(self._dequantized(stored)).to(device=target_device, dtype=dtype)
+            self.bytes_read += int(stored.n_bytes)
+        return tensors
+
+    def _dequantized(self, stored: StoredTensor) -> np.ndarray:
+        mapped = np.memmap(self.path, dtype=np.uint8, mode="r", offset=stored.data_offset, shape=(stored.n_bytes,))
+        data = mapped.view(stored.stored_dtype).reshape(stored.stored_shape)
+        try:
+            values = _gguf().quants.dequantize(data, stored.block_type)
+        except (ValueError, NotImplementedError) as exc:
+            raise CheckpointError(f"tensor {stored.name} of {self.path.name} cannot be dequantized: {exc}") from None
+        values = self._processor.process(weights=values, name=stored.name).weights
+        if not (values.flags.writeable and values.flags.c_contiguous):
+            # A tensor stored as plain floats is a read-only view of the memory map: copy it out of the file.
+            values = np.array(values, order="C", copy=True)
+        return values

@@ -1,0 +1,91 @@
+"""`hearth eval` end to end on tiny random models: the JSON report's figures are sane, full precision against itself
+measures no difference, and bad input is one line with exit code 2."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from services.cli import app
+from services.random_models import CACHE_DIR_ENV
+from tests.unit.inference_tiny_models import one_torch_thread, write_tiny_model  # noqa: F401  (fixture by name)
+
+pytestmark = pytest.mark.integration
+
+SAMPLE_TEXT = Path(__file__).resolve().parents[1] / "data" / "eval_sample.txt"
+REPORT_KEYS = {"model", "text", "token_source", "context_tokens", "windows", "positions", "reference_dtype",
+               "reference_perplexity", "schemes"}
+SCHEME_KEYS = {"scheme", "mean_kl_nats", "max_kl_nats", "top1_agreement", "perplexity"}
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("eval-model"), "llama")
+
+
+@pytest.fixture(scope="module")
+def random_cache(tmp_path_factory) -> dict:
+    """The environment that writes `random:<shape>` checkpoints once, to a folder of this module's."""
+    return {CACHE_DIR_ENV: str(tmp_path_factory.mktemp("random-models"))}
+
+
+def run_eval(*args: str, env: dict | None = None):
+    return CliRunner().invoke(app, ["eval", *args], env=env)
+
+
+def test_int8_against_float32_reports_sane_figures_as_json(tiny_llama):
+    result = run_eval("--model", str(tiny_llama), "--text", str(SAMPLE_TEXT), "--quantize", "int8",
+                      "--context-tokens", "32", "--max-tokens", "100", "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert set(report) == REPORT_KEYS
+    assert report["token_source"] == "tokenizer" and report["reference_dtype"] == "float32"
+    assert report["windows"] == 4 and report["positions"] == 100 - report["windows"]
+    assert [row["scheme"] for row in report["schemes"]] == ["int8"]
+    row = report["schemes"][0]
+    assert set(row) == SCHEME_KEYS
+    assert 0.0 <= row["mean_kl_nats"] <= row["max_kl_nats"]
+    assert 0.0 <= row["top1_agreement"] <= 1.0
+    assert math.isfinite(report["reference_perplexity"]) and report["reference_perplexity"] > 1.0
+    assert math.isfinite(row["perplexity"]) and row["perplexity"] > 1.0
+
+
+def test_a_random_shape_reads_bytes_and_full_precision_matches_itself(random_cache):
+    result = run_eval("--model", "random:tiny", "--text", str(SAMPLE_TEXT), "--quantize", "none",
+                      "--quantize", "int4/g32", "--context-tokens", "64", "--max-tokens", "128",
+                      env=random_cache)
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert "(utf8_bytes): 126 positions in 2 windows" in lines[0]
+    assert lines[3].split()[:4] == ["none", "0.000000", "0.0000", "100.00"]
+    assert lines[4].split()[0] == "int4/g32"
+
+
+@pytest.mark.parametrize(("args", "named"), [
+    (["--quantize", "int3"], "--quantize: unknown quantization 'int3'"),
+    (["--quantize", "int4/g128"], "--quantize int4/g128: "),  # the tiny model's 64 inputs take no group of 128
+    (["--text", "/nonexistent/text.txt"], "no such file"),
+    (["--context-tokens", "100000"], "more than the model's 256 positions"),
+    (["--model", "random:no-such-shape"], "unknown random shape"),
+])
+def test_bad_input_is_one_line_and_exit_code_2(tiny_llama, args, named):
+    result = run_eval("--model", str(tiny_llama), "--text", str(SAMPLE_TEXT), *args)
+    assert result.exit_code == 2, result.output
+    message = result.stderr.strip().splitlines()[-1]
+    assert message.startswith("hearth eval: ") and named in message
+    assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize(("content", "named"), [(b"\xff\xfe text", "not UTF-8"), (b"", "empty"),
+                                                (b"x", "fewer than 2 tokens")])
+def test_unusable_texts_exit_with_code_2(tmp_path, random_cache, content, named):
+    text = tmp_path / "text.txt"
+    text.write_bytes(content)
+    # A random shape reads bytes: one byte is one token.
+    result = run_eval("--model", "random:tiny", "--text", str(text), env=random_cache)
+    assert result.exit_code == 2, result.output
+    assert named in result.stderr and "Traceback" not in result.output

@@ -1,0 +1,116 @@
+"""`store:NAME` models where they are used, against a real nats-server: `hearth host` sizes its range from the
+manifest alone, the orchestrator's catalog fetches only the head (the whole model for its local fallback) and
+serves it under NAME, a shard loads only its range's objects, and a GGUF is refused at publishing."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from inference import weights_sha256
+from inference.memory import layer_weight_bytes
+from inference.quantization import parse_quantization
+from services.common.config import HearthSettings, NatsSettings
+from services.common.nats_connection import connect_nats
+from services.host.model_layout import model_layout
+from services.orchestrator.catalog import ModelCatalog, UnknownModel
+from services.shard.main import ShardRefused, load_shard
+from services.weights_store import (
+    HEAD_OBJECT,
+    LAYER_OBJECT_FORMAT,
+    WeightsStoreError,
+    check_publishable,
+    publish_checkpoint,
+)
+from tests.unit.inference_tiny_models import one_torch_thread, tiny_model_dir  # noqa: F401  (fixtures)
+
+NAME = "tiny-llama"
+
+
+@pytest.fixture
+async def js(nats_url):
+    nc = await connect_nats(nats_url, name="store-models-test")
+    yield nc.jetstream()
+    await nc.close()
+
+
+@pytest.fixture
+async def published(js, tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("HEARTH_CACHE_DIR", str(tmp_path / "cache"))
+    original = tiny_model_dir("llama", max_shard_size="100KB")
+    await publish_checkpoint(js, original, NAME)
+    return original
+
+
+def _settings(nats_url: str) -> HearthSettings:
+    return HearthSettings(nats=NatsSettings(url=nats_url))
+
+
+def _cached_weight_objects(tmp_path) -> set[str]:
+    return {file.name for file in (tmp_path / "cache" / "store" / NAME).glob("*/objects/*.safetensors")}
+
+
+@pytest.mark.parametrize("quantize", ["none", "int8"])
+async def test_a_host_sizes_its_range_from_the_manifest_as_from_the_folder(published, nats_url, tmp_path, quantize):
+    scheme = parse_quantization(quantize)
+    layout = await model_layout(f"store:{NAME}", model_id=None, compute_dtype=torch.float32, scheme=scheme,
+                                nats_url=nats_url, settings=_settings(nats_url))
+
+    expected = layer_weight_bytes(published, torch.float32, quantization=scheme)
+    assert layout.layer_bytes == [expected[index] for index in range(6)]
+    assert layout.total_layers == 6 and layout.served_id == NAME
+    assert layout.weights_sha256 == weights_sha256(published, cache_dir=tmp_path / "sums")
+    assert _cached_weight_objects(tmp_path) == set()  # nothing fetched to plan
+
+
+async def test_a_shard_loads_only_its_range_from_the_store_under_the_store_name(published, nats_url, tmp_path):
+    loaded = await load_shard(model=f"store:{NAME}", lo=2, hi=3, node="n1", settings=_settings(nats_url),
+                              model_id=None, device="cpu", dtype="fp32", stop_event=asyncio.Event(),
+                              nats_url=nats_url)
+    try:
+        assert loaded.identity.model_id == NAME
+        assert loaded.identity.weights_sha256 == weights_sha256(published, cache_dir=tmp_path / "sums")
+        assert _cached_weight_objects(tmp_path) == {LAYER_OBJECT_FORMAT.format(2), LAYER_OBJECT_FORMAT.format(3)}
+    finally:
+        loaded.runner.close()
+    with pytest.raises(ShardRefused, match="no model 'absent'"):
+        await load_shard(model="store:absent", lo=0, hi=1, node="n1", settings=_settings(nats_url), model_id=None,
+                         device="cpu", dtype="fp32", stop_event=asyncio.Event(), nats_url=nats_url)
+
+
+async def test_the_catalog_fetches_the_head_and_serves_it_under_the_store_name(published, js, tmp_path):
+    catalog = ModelCatalog(local_model=f"store:{NAME}")
+    catalog.use_store(js)
+    assert catalog.local_model_id() == NAME  # no network: fetched when first needed
+    assert catalog.path_of_id(NAME) is None
+
+    loaded = await catalog.get_requested(NAME)
+    assert loaded.model_id == NAME
+    assert loaded.weights_sha256 == weights_sha256(published, cache_dir=tmp_path / "sums")
+    assert _cached_weight_objects(tmp_path) == {HEAD_OBJECT}
+    assert catalog.path_of_id(NAME) == loaded.path
+
+    local = await catalog.local_model_for(loaded)
+    assert local is not None and local.info.model_id == NAME
+    assert _cached_weight_objects(tmp_path) == {HEAD_OBJECT, *(LAYER_OBJECT_FORMAT.format(i) for i in range(6))}
+    catalog.close()
+
+
+async def test_a_store_model_the_store_lacks_is_an_unknown_model(published, js):
+    catalog = ModelCatalog()
+    with pytest.raises(UnknownModel, match="not connected to the store"):
+        await catalog.get(f"store:{NAME}")
+    catalog.use_store(js)
+    with pytest.raises(UnknownModel, match="no model 'absent'"):
+        await catalog.get("store:absent")
+    with pytest.raises(UnknownModel, match="must be 1-64 letters"):
+        await catalog.get("store:../etc")
+
+
+def test_a_gguf_is_refused_at_publishing_with_one_line(tmp_path):
+    (tmp_path / "model.gguf").write_bytes(b"GGUF")
+    for path in (tmp_path / "model.gguf", tmp_path):
+        with pytest.raises(WeightsStoreError, match="GGUF publishing is not supported yet"):
+            check_publishable(path)

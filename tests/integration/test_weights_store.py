@@ -1,0 +1,141 @@
+"""The community's object store, against a real nats-server: a checkpoint published per layer, a shard host
+fetching only its layers' objects (checked against the manifest), loading exactly what the original holds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from inference import load_head, load_layer_range, weights_sha256
+from services.common.nats_connection import connect_nats
+from services.weights_store import (
+    HEAD_OBJECT,
+    LAYER_OBJECT_FORMAT,
+    WEIGHTS_BUCKET,
+    WeightsStoreError,
+    fetch_stored_model,
+    list_models,
+    object_key,
+    publish_checkpoint,
+)
+from tests.unit.inference_tiny_models import one_torch_thread, tiny_model_dir  # noqa: F401  (fixtures)
+
+NAME = "tiny-llama"
+
+
+@pytest.fixture
+async def js(nats_url):
+    nc = await connect_nats(nats_url, name="weights-store-test")
+    yield nc.jetstream()
+    await nc.close()
+
+
+@pytest.fixture
+async def published(js, tiny_model_dir):
+    original = tiny_model_dir("llama", max_shard_size="100KB")
+    manifest = await publish_checkpoint(js, original, NAME)
+    return original, manifest
+
+
+def _fetched_objects(cache_dir, manifest) -> set[str]:
+    objects = cache_dir / "store" / NAME / manifest.weights_sha256[:16] / "objects"
+    return {file.name for file in objects.iterdir() if not file.name.startswith(".")}
+
+
+def _same_parameters(first, second) -> bool:
+    left, right = dict(first.named_parameters()), dict(second.named_parameters())
+    return left.keys() == right.keys() and all(torch.equal(left[name], right[name]) for name in left)
+
+
+async def test_a_shard_fetches_only_its_layers_and_loads_what_the_original_holds(js, published, tmp_path):
+    original, manifest = published
+    folder = await fetch_stored_model(js, NAME, (2, 3), cache_dir=tmp_path)
+
+    fetched = _fetched_objects(tmp_path, manifest)
+    assert {file for file in fetched if file.endswith(".safetensors")} == {
+        LAYER_OBJECT_FORMAT.format(2), LAYER_OBJECT_FORMAT.format(3)}
+    assert {"config.json", "tokenizer.json"} <= fetched
+    assert _same_parameters(load_layer_range(folder, 2, 3), load_layer_range(original, 2, 3))
+    assert weights_sha256(folder, cache_dir=tmp_path / "sums") == weights_sha256(original, cache_dir=tmp_path / "s2")
+
+
+async def test_the_head_fetches_only_the_head_object(js, published, tmp_path):
+    original, manifest = published
+    folder = await fetch_stored_model(js, NAME, "head", cache_dir=tmp_path)
+
+    assert {f for f in _fetched_objects(tmp_path, manifest) if f.endswith(".safetensors")} == {HEAD_OBJECT}
+    tokens = torch.tensor([[1, 4, 9]])
+    assert torch.equal(load_head(folder).embed(tokens), load_head(original).embed(tokens))
+
+
+async def test_a_corrupted_object_is_refused_with_one_line(js, published, tmp_path):
+    store = await js.object_store(WEIGHTS_BUCKET)
+    await store.put(object_key(NAME, LAYER_OBJECT_FORMAT.format(1)), b"not the layer that was published")
+    with pytest.raises(WeightsStoreError, match="layer-00001.safetensors of 'tiny-llama' does not match the SHA-256"):
+        await fetch_stored_model(js, NAME, (1, 1), cache_dir=tmp_path)
+
+
+async def test_listing_and_unknown_names(js, published, tmp_path):
+    assert [manifest.name for manifest in await list_models(js)] == [NAME]
+    with pytest.raises(WeightsStoreError, match="no model 'absent'"):
+        await fetch_stored_model(js, "absent", (0, 0), cache_dir=tmp_path)
+    with pytest.raises(WeightsStoreError, match="must be 1-64 letters"):
+        await fetch_stored_model(js, "../etc", (0, 0), cache_dir=tmp_path)
+    with pytest.raises(WeightsStoreError, match="has 6 layers: no layer 9"):
+        await fetch_stored_model(js, NAME, (0, 9), cache_dir=tmp_path)
+
+
+@pytest.fixture
+def community_server(tmp_path):
+    from services.common.nats_permissions import render_authorization
+    from services.common.nats_server import EmbeddedNatsServer
+    from trust.community import Community
+
+    community = Community.init(tmp_path / "community", "weights-community")
+    for name, role in (("shard-a", "shard"), ("orch", "orchestrator"), ("alice", "client")):
+        community.add(name, role)
+    with EmbeddedNatsServer(store_dir=tmp_path / "nats", authorization=render_authorization(community.roster())) \
+            as server:
+        yield community, server
+
+
+async def _member_js(community, server, name: str):
+    import nats
+
+    seed = (community.directory / "keys" / f"{name}.nk").read_text()
+    nc = await nats.connect(server.url, nkeys_seed_str=seed, inbox_prefix=f"_INBOX.{name}", allow_reconnect=False,
+                            connect_timeout=2, error_cb=_ignore)
+    return nc, nc.jetstream(timeout=REFUSAL_WAIT_S)
+
+
+async def _ignore(error: Exception) -> None:
+    pass  # refusals are expected here; each shows as the refused call's own error
+
+
+REFUSAL_WAIT_S = 1.5
+
+
+async def test_on_a_community_mesh_only_system_writes_and_shard_hosts_and_orchestrators_read(
+        community_server, tiny_model_dir, tmp_path):
+    community, server = community_server
+    original = tiny_model_dir("llama", max_shard_size="100KB")
+    system, system_js = await _member_js(community, server, "system")
+    shard, shard_js = await _member_js(community, server, "shard-a")
+    orchestrator, orchestrator_js = await _member_js(community, server, "orch")
+    client, client_js = await _member_js(community, server, "alice")
+    try:
+        with pytest.raises(Exception):  # the broker refuses: the JetStream API request gets no answer
+            await publish_checkpoint(shard_js, original, NAME)
+        await publish_checkpoint(system_js, original, NAME)
+
+        folder = await fetch_stored_model(shard_js, NAME, (0, 1), cache_dir=tmp_path / "shard")
+        assert _same_parameters(load_layer_range(folder, 0, 1), load_layer_range(original, 0, 1))
+        assert (await fetch_stored_model(orchestrator_js, NAME, "head", cache_dir=tmp_path / "orch")).is_dir()
+        with pytest.raises(Exception):
+            await fetch_stored_model(client_js, NAME, (0, 1), cache_dir=tmp_path / "client")
+        with pytest.raises(Exception):  # a reader cannot overwrite an object
+            store = await shard_js.object_store(WEIGHTS_BUCKET)
+            await store.put(object_key(NAME, LAYER_OBJECT_FORMAT.format(0)), b"forged")
+    finally:
+        for nc in (system, shard, orchestrator, client):
+            await nc.close()

@@ -1,0 +1,122 @@
+"""A local HTTP server that serves checkpoint folders the way the Hugging Face hub does, recording each request.
+
+Just what huggingface_hub's clients ask for: repository info (`GET /api/models/{repo}[/revision/{rev}]`), the
+recursive file listing with each LFS file's SHA-256 (`GET /api/models/{repo}/tree/{rev}`), and files (`HEAD` then
+`GET /{repo}/resolve/{rev}/{file}`, answered with `X-Repo-Commit`, `ETag` and `Content-Length`; a `Range: bytes=A-B`
+GET gets those bytes only, recorded as method "RANGE"). Point `HF_ENDPOINT` at `.url`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import threading
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+import pytest
+
+FAKE_COMMIT = "c0ffee0000000000000000000000000000000001"
+BYTE_RANGE = re.compile(r"^bytes=(\d+)-(\d+)$")
+
+
+@dataclass
+class FakeHub:
+    """Repositories (id -> folder) served at `url`; `requests` lists (method, path) in arrival order."""
+
+    repos: dict[str, Path] = field(default_factory=dict)
+    requests: list[tuple[str, str]] = field(default_factory=list)
+    # File name -> bytes served instead of the file's own (a tampered mirror); the listing keeps the true hash.
+    tampered: dict[str, bytes] = field(default_factory=dict)
+    url: str = ""
+
+    def downloaded(self, repo_id: str) -> set[str]:
+        """Names of the files of `repo_id` whose bytes were sent (GET of a resolve URL)."""
+        prefix = f"/{repo_id}/resolve/"
+        return {path[len(prefix):].split("/", 1)[1] for method, path in self.requests
+                if method == "GET" and path.startswith(prefix)}
+
+
+def _listing_entry(file: Path) -> dict:
+    data = file.read_bytes()
+    entry = {"type": "file", "path": file.name, "size": len(data),
+             "oid": hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()}
+    if file.suffix == ".safetensors":
+        entry["lfs"] = {"oid": hashlib.sha256(data).hexdigest(), "size": len(data), "pointerSize": 134}
+    return entry
+
+
+def _handler_for(hub: FakeHub):
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args) -> None:  # quiet test output
+            pass
+
+        def do_HEAD(self) -> None:
+            self._answer(send_body=False)
+
+        def do_GET(self) -> None:
+            self._answer(send_body=True)
+
+        def _answer(self, *, send_body: bool) -> None:
+            path = unquote(urlsplit(self.path).path)
+            byte_range = BYTE_RANGE.match(self.headers.get("Range", "")) if self.command == "GET" else None
+            hub.requests.append(("RANGE" if byte_range else self.command, path))
+            for repo_id, folder in hub.repos.items():
+                if path in (f"/api/models/{repo_id}", f"/api/models/{repo_id}/revision/main",
+                            f"/api/models/{repo_id}/revision/{FAKE_COMMIT}"):
+                    siblings = [{"rfilename": file.name} for file in sorted(folder.iterdir()) if file.is_file()]
+                    return self._json({"id": repo_id, "sha": FAKE_COMMIT, "siblings": siblings}, send_body)
+                if path.rstrip("/") == f"/api/models/{repo_id}/tree/{FAKE_COMMIT}":
+                    listing = [_listing_entry(file) for file in sorted(folder.iterdir()) if file.is_file()]
+                    return self._json(listing, send_body)
+                for revision in ("main", FAKE_COMMIT):
+                    prefix = f"/{repo_id}/resolve/{revision}/"
+                    if path.startswith(prefix) and (folder / path[len(prefix):]).is_file():
+                        name = path[len(prefix):]
+                        data = hub.tampered.get(name, (folder / name).read_bytes())
+                        etag = hashlib.sha256(data).hexdigest()
+                        if byte_range:
+                            first, last = int(byte_range.group(1)), int(byte_range.group(2))
+                            return self._bytes(data[first:last + 1], send_body, etag=etag, status=206)
+                        return self._bytes(data, send_body, etag=etag)
+            self.send_response(404)
+            self.send_header("X-Error-Code", "EntryNotFound")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def _json(self, value, send_body: bool) -> None:
+            self._bytes(json.dumps(value).encode(), send_body, content_type="application/json")
+
+        def _bytes(self, data: bytes, send_body: bool, *, etag: str | None = None,
+                   content_type: str = "application/octet-stream", status: int = 200) -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
+            self.send_header("Content-Length", str(len(data)))
+            self.send_header("X-Repo-Commit", FAKE_COMMIT)
+            if etag is not None:
+                self.send_header("ETag", f'"{etag}"')
+            self.end_headers()
+            if send_body:
+                self.wfile.write(data)
+
+    return Handler
+
+
+@pytest.fixture
+def fake_hub(monkeypatch):
+    """A FakeHub on a free local port, with HF_ENDPOINT pointing at it."""
+    hub = FakeHub()
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _handler_for(hub))
+    hub.url = f"http://127.0.0.1:{server.server_address[1]}"
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    monkeypatch.setenv("HF_ENDPOINT", hub.url)
+    monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
+    try:
+        yield hub
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -1,0 +1,122 @@
+"""Which checkpoint `hearth demo` runs: the real GGUF when its package is installed, else the toy; a GGUF file or a
+folder holding one as --model; its layers and chat template read from the GGUF's metadata, then from the cache."""
+
+from __future__ import annotations
+
+import os
+from importlib import metadata
+from pathlib import Path
+
+import gguf
+import pytest
+
+from services import demo_model
+from services.demo_model import (
+    FACTUAL_QUESTION,
+    TOY_MODEL_PROMPT,
+    DemoError,
+    bundled_model_path,
+    default_prompt,
+    resolve_demo_model,
+)
+
+TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+
+
+def write_metadata_only_gguf(path: Path, *, layers: int = 5, chat_template: str | None = TEMPLATE) -> Path:
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_block_count(layers)
+    if chat_template is not None:
+        writer.add_chat_template(chat_template)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("HEARTH_CACHE_DIR", str(tmp_path / "cache"))
+
+
+@pytest.fixture
+def no_real_model(monkeypatch):
+    def not_installed(name):
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(demo_model.metadata, "files", not_installed)
+
+
+def test_a_gguf_file_is_described_from_its_metadata(tmp_path):
+    path = write_metadata_only_gguf(tmp_path / "model.Q4_1.gguf", layers=7)
+    model = resolve_demo_model(str(path))
+    assert (model.path, model.num_layers, model.has_chat_template) == (path.resolve(), 7, True)
+    assert model.is_gguf and model.name == "model.Q4_1"
+    assert default_prompt(model) == FACTUAL_QUESTION
+
+
+def test_a_gguf_without_a_chat_template_is_asked_raw(tmp_path):
+    path = write_metadata_only_gguf(tmp_path / "plain.gguf", chat_template=None)
+    assert not resolve_demo_model(str(path)).has_chat_template
+
+
+def test_a_folder_holding_one_gguf_means_that_file(tmp_path):
+    path = write_metadata_only_gguf(tmp_path / "only.gguf")
+    assert resolve_demo_model(str(tmp_path)).path == path.resolve()
+
+
+def test_a_folder_holding_several_ggufs_is_refused_naming_them(tmp_path):
+    write_metadata_only_gguf(tmp_path / "a.gguf")
+    write_metadata_only_gguf(tmp_path / "b.gguf")
+    with pytest.raises(DemoError, match=r"several GGUF files \(a.gguf, b.gguf\)"):
+        resolve_demo_model(str(tmp_path))
+
+
+@pytest.mark.parametrize("content", [b"", b"GGUF\x03\x00", b"not a gguf at all"])
+def test_a_truncated_or_foreign_gguf_is_refused_in_one_line(tmp_path, content):
+    path = tmp_path / "broken.gguf"
+    path.write_bytes(content)
+    with pytest.raises(DemoError, match="broken.gguf is not a readable GGUF") as raised:
+        resolve_demo_model(str(path))
+    assert "\n" not in str(raised.value)
+
+
+def test_a_file_that_is_not_a_gguf_is_refused(tmp_path):
+    path = tmp_path / "weights.bin"
+    path.write_bytes(b"x")
+    with pytest.raises(DemoError, match="not a GGUF"):
+        resolve_demo_model(str(path))
+
+
+def test_the_description_is_read_once_per_file_version(tmp_path, monkeypatch):
+    path = write_metadata_only_gguf(tmp_path / "cached.gguf", layers=3)
+    assert resolve_demo_model(str(path)).num_layers == 3
+    monkeypatch.setattr(demo_model, "_read_gguf_description", lambda path: pytest.fail("read again"))
+    assert resolve_demo_model(str(path)).num_layers == 3
+    monkeypatch.undo()
+    before = path.stat().st_mtime_ns
+    write_metadata_only_gguf(path, layers=4)  # a changed file is read again
+    os.utime(path, ns=(before + 10**9, before + 10**9))
+    assert resolve_demo_model(str(path)).num_layers == 4
+
+
+def test_without_the_package_the_demo_runs_the_bundled_toy(no_real_model):
+    model = resolve_demo_model(None, prefer_real=True)
+    assert model.path == bundled_model_path() and model.is_default and not model.is_gguf
+    assert default_prompt(model) == TOY_MODEL_PROMPT
+
+
+def test_with_the_package_the_demo_runs_its_gguf_found_without_importing_it(tmp_path, monkeypatch):
+    path = write_metadata_only_gguf(tmp_path / demo_model.REAL_DEMO_MODEL_FILE)
+
+    class Listed:
+        name = path.name
+
+        def locate(self):
+            return path
+
+    monkeypatch.setattr(demo_model.metadata, "files", lambda name: [Listed()])
+    model = resolve_demo_model(None, prefer_real=True)
+    assert model.path == path.resolve() and model.is_default
+    assert resolve_demo_model(None).path == bundled_model_path()  # bench and eval keep the toy as default

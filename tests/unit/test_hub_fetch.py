@@ -1,0 +1,111 @@
+"""Given a hub id, a shard host downloads only the safetensors files holding its layers (and the head only the files
+holding embedding, norm and lm_head), checked against the listed SHA-256, from a local server that speaks the hub's
+protocol (never the real hub)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+import torch
+
+from inference import CheckpointError, load_head, load_layer_range, resolve_model_path, weights_sha256
+from inference.hub_fetch import hub_layout
+from inference.memory import layer_weight_bytes
+from inference.partial_checkpoint import files_holding
+from inference.quantization import parse_quantization
+
+from .hub_server import fake_hub  # noqa: F401  (fixture)
+from .inference_tiny_models import one_torch_thread, tiny_model_dir  # noqa: F401  (fixtures)
+
+REPO = "tiny-org/tiny-llama"
+
+
+@pytest.fixture
+def served(fake_hub, tiny_model_dir):  # noqa: F811
+    """The fake hub serving a tiny llama saved in many small safetensors files, and that folder's weight_map."""
+    folder = tiny_model_dir("llama", max_shard_size="100KB")
+    fake_hub.repos[REPO] = folder
+    weight_map = json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
+    assert len(set(weight_map.values())) >= 6
+    return fake_hub, folder, weight_map
+
+
+def _same_parameters(first, second) -> bool:
+    left, right = dict(first.named_parameters()), dict(second.named_parameters())
+    return left.keys() == right.keys() and all(torch.equal(left[name], right[name]) for name in left)
+
+
+def test_a_shard_downloads_only_the_files_holding_its_layers(served, tmp_path):
+    hub, original, weight_map = served
+    folder = resolve_model_path(REPO, cache_dir=tmp_path / "cache", needed_layers=(2, 3))
+
+    wanted = files_holding(weight_map, (2, 3))
+    downloaded = hub.downloaded(REPO)
+    assert {name for name in downloaded if name.endswith(".safetensors")} == wanted
+    assert wanted < set(weight_map.values())
+    assert {"config.json", "tokenizer.json", "model.safetensors.index.json"} <= downloaded
+    assert _same_parameters(load_layer_range(folder, 2, 3), load_layer_range(original, 2, 3))
+    assert weights_sha256(folder, cache_dir=tmp_path / "sums") == weights_sha256(original, cache_dir=tmp_path / "sums")
+
+
+def test_the_head_downloads_only_embedding_norm_and_lm_head_files(served, tmp_path):
+    hub, original, weight_map = served
+    folder = resolve_model_path(REPO, cache_dir=tmp_path / "cache", needed_layers="head")
+
+    wanted = files_holding(weight_map, "head")
+    assert {name for name in hub.downloaded(REPO) if name.endswith(".safetensors")} == wanted
+    head, reference = load_head(folder), load_head(original)
+    tokens = torch.tensor([[1, 5, 7]])
+    assert torch.equal(head.embed(tokens), reference.embed(tokens))
+
+
+def test_two_ranges_of_one_repository_advertise_one_digest_and_a_second_start_needs_no_network(served, tmp_path):
+    hub, original, _ = served
+    low = resolve_model_path(REPO, cache_dir=tmp_path / "cache", needed_layers=(0, 1))
+    high = resolve_model_path(REPO, cache_dir=tmp_path / "cache", needed_layers=(4, 5))
+    assert weights_sha256(low, cache_dir=tmp_path / "sums") == weights_sha256(high, cache_dir=tmp_path / "sums")
+
+    hub.requests.clear()
+    again = resolve_model_path(REPO, cache_dir=tmp_path / "cache", needed_layers=(0, 1), local_files_only=True)
+    assert again == low and hub.requests == []
+
+
+def test_a_tampered_file_is_refused_with_one_line(served, tmp_path):
+    hub, _, weight_map = served
+    victim = sorted(files_holding(weight_map, (1, 1)))[0]
+    hub.tampered[victim] = b"\0" * 64
+    with pytest.raises(CheckpointError, match=f"{victim} does not match its listed SHA-256"):
+        resolve_model_path(REPO, cache_dir=tmp_path / "cache", needed_layers=(1, 1))
+
+
+def test_offline_without_a_cached_part_is_a_checkpoint_error(served, tmp_path):
+    with pytest.raises(CheckpointError, match="downloads are disabled"):
+        resolve_model_path(REPO, cache_dir=tmp_path / "cache", needed_layers=(0, 1), local_files_only=True)
+
+
+def test_a_host_sizes_its_range_from_headers_alone_then_fetches_only_that_range(served, tmp_path, monkeypatch):
+    from services.common.config import HearthSettings
+    from services.host.model_layout import model_layout
+
+    hub, original, weight_map = served
+    monkeypatch.setenv("HEARTH_CACHE_DIR", str(tmp_path / "cache"))
+    scheme = parse_quantization("int8")
+    layout = asyncio.run(model_layout(REPO, model_id=None, compute_dtype=torch.float32, scheme=scheme, nats_url=None,
+                                      settings=HearthSettings()))
+
+    expected = layer_weight_bytes(original, torch.float32, quantization=scheme)
+    assert layout.layer_bytes == [expected[index] for index in range(6)] and layout.served_id == REPO
+    assert layout.weights_sha256 == weights_sha256(original, cache_dir=tmp_path / "sums")
+    assert {name for name in hub.downloaded(REPO) if name.endswith(".safetensors")} == set()
+    assert {path.rsplit("/", 1)[1] for method, path in hub.requests if method == "RANGE"} == set(weight_map.values())
+
+    folder = resolve_model_path(REPO, needed_layers=(4, 5))
+    assert weights_sha256(folder, cache_dir=tmp_path / "sums") == layout.weights_sha256
+    assert {name for name in hub.downloaded(REPO) if name.endswith(".safetensors")} == files_holding(weight_map, (4, 5))
+
+
+def test_sizing_from_the_hub_offline_is_a_checkpoint_error(served):
+    with pytest.raises(CheckpointError, match="downloads are disabled"):
+        hub_layout(REPO, local_files_only=True)
