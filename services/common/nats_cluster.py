@@ -26,6 +26,7 @@ from services.common.nats_server import (
     free_tcp_port,
     readiness_poll_interval_s,
 )
+from services.common.hearth_files import data_dir
 from trust.community import Community
 
 CLUSTER_CONFIG_NAME = "hearth-cluster.conf"
@@ -40,13 +41,14 @@ _route_password_context = b"hearth nats cluster routes"
 
 
 def cluster_config_file() -> Path:
-    """nats/hearth-cluster.conf beside the hearth sources (a checkout), else in the current folder (the image)."""
-    for folder in (Path(__file__).resolve().parents[2] / "nats", Path.cwd() / "nats"):
+    """nats/hearth-cluster.conf of hearth's data folders (services/common/hearth_files.py), else in the current
+    folder."""
+    for folder in (data_dir("nats"), Path.cwd() / "nats"):
         candidate = folder / CLUSTER_CONFIG_NAME
         if candidate.is_file():
             return candidate
-    raise NatsServerError(f"nats/{CLUSTER_CONFIG_NAME} not found beside the hearth sources or in the current "
-                          "folder; run from the hearth checkout (or the image's /app)")
+    raise NatsServerError(f"nats/{CLUSTER_CONFIG_NAME} not found among hearth's data files ({data_dir('nats')}) "
+                          "or in the current folder; reinstall hearth")
 
 
 def community_route_password(community: Community) -> str:

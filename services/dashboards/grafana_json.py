@@ -13,8 +13,9 @@ from typing import Any
 
 from services.dashboards.model import PROMETHEUS_DATASOURCE, READ_MODEL_DATASOURCE, Dashboard, PromPanel, SqlPanel
 from services.dashboards.panels import DASHBOARDS
+from services.common.hearth_files import data_dir
 
-DASHBOARDS_DIR = Path(__file__).resolve().parents[2] / "grafana" / "dashboards"
+DASHBOARDS_DIR = data_dir("grafana") / "dashboards"
 PANEL_WIDTH = 12
 PANEL_HEIGHT = 8
 GRAFANA_SCHEMA_VERSION = 39

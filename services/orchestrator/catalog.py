@@ -24,11 +24,12 @@ from inference.quantization import QuantizationScheme, parse_quantization
 from inference.token_bounds import TokenLowerBound
 from inference.partial_checkpoint import NeededTensors
 from services.common.quantization_labels import accepts
+from services.common.hearth_files import data_dir
 from services.weights_store import STORE_MODEL_PREFIX, WeightsStoreError, fetch_stored_model, store_model_name
 
 log = logging.getLogger(__name__)
 
-BUNDLED_MODELS_DIR = Path(__file__).resolve().parents[2] / "models"
+BUNDLED_MODELS_DIR = data_dir("models")
 # One path component that cannot climb out of its folder ("." and ".." start with a dot) or name a hidden one.
 FOLDER_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 # A hub id, "org/name": two such components.

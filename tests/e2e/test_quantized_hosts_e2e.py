@@ -5,14 +5,10 @@ needs within their budget, and answer with the tokens of the same int4 weights i
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 import pytest
 import torch
 
-from events.consume import read_stream
-from events.models import ShardAdvertised
-from events.streams import SHARDS_STREAM
 from inference import SamplingParams, load_full
 from inference.memory import MiB, layer_weight_bytes
 from inference.quantization import DEFAULT_INT4_GROUP_SIZE
@@ -20,6 +16,7 @@ from services.common.chat_client import chat
 from services.common.chat_protocol import ChatParams, ChatRequest
 from services.common.nats_connection import connect_nats
 from tests.e2e.conftest import TINY_LAYERS, TINY_MODEL_NAME, start_orchestrator
+from tests.e2e.test_hearth_host_e2e import advertisements
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -40,15 +37,6 @@ def int4_reference(path) -> list[int]:
     finally:
         local.close()
         torch.set_num_threads(threads)
-
-
-async def advertisements(cluster) -> list[ShardAdvertised]:
-    nc = await connect_nats(cluster.nats_url, name="e2e-reader", settings=cluster.nats_settings())
-    try:
-        async with contextlib.aclosing(read_stream(nc.jetstream(), SHARDS_STREAM)) as messages:
-            return [m.event async for m in messages if isinstance(getattr(m, "event", None), ShardAdvertised)]
-    finally:
-        await asyncio.wait_for(nc.close(), timeout=5)
 
 
 async def test_int4_hosts_take_the_layers_their_budget_holds_in_int4(cluster, tiny_models_dir):

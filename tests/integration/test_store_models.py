@@ -13,7 +13,6 @@ from inference import weights_sha256
 from inference.memory import layer_weight_bytes
 from inference.quantization import parse_quantization
 from services.common.config import HearthSettings, NatsSettings
-from services.common.nats_connection import connect_nats
 from services.host.model_layout import model_layout
 from services.orchestrator.catalog import ModelCatalog, UnknownModel
 from services.shard.main import ShardRefused, load_shard
@@ -24,16 +23,10 @@ from services.weights_store import (
     check_publishable,
     publish_checkpoint,
 )
+from tests.integration.test_weights_store import js  # noqa: F401  (a fixture)
 from tests.unit.inference_tiny_models import one_torch_thread, tiny_model_dir  # noqa: F401  (fixtures)
 
 NAME = "tiny-llama"
-
-
-@pytest.fixture
-async def js(nats_url):
-    nc = await connect_nats(nats_url, name="store-models-test")
-    yield nc.jetstream()
-    await nc.close()
 
 
 @pytest.fixture

