@@ -9,12 +9,14 @@ first (docs/design.md §12).
 
 Names, the config and the tokenizer come from transformers' own GGUF support (the same name mapping and Q/K row
 order its ``from_pretrained(..., gguf_file=...)`` uses), so a GGUF loads into the very layers a safetensors
-checkpoint of the same model would.
+checkpoint of the same model would. What is parsed from a file's metadata (config, tensor table, tokenizer) is kept
+on disk per file version (inference/gguf_cache.py) and in memory per process.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +26,7 @@ import torch
 from torch import nn
 
 from .errors import CheckpointError
+from .gguf_cache import gguf_cache_entry
 
 GGUF_SUFFIX = ".gguf"
 # general.architecture values hearth serves (llama.cpp writes Mistral models as "llama"), and the HF model types
@@ -41,6 +44,10 @@ FLOAT_GGUF_TYPE_NAMES = frozenset({"F32", "F16", "BF16", "F64"})
 STOP_TOKEN_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 # Parsed metadata kept per process (a shard's memory planning and loading, a head and a local model share it).
 METADATA_CACHE_ENTRIES = 4
+# What each parse is stored as in a file's disk cache entry (inference/gguf_cache.py).
+CONFIG_CACHE_NAME = "config"
+TABLE_CACHE_NAME = "table"
+TOKENIZER_CACHE_NAME = "tokenizer"
 
 
 def _gguf():
@@ -95,7 +102,8 @@ def _field_value(reader, key: str):
 
 def gguf_config_dict(path: Path) -> dict:
     """The HF config of a GGUF as a plain dict (what config.json would hold), from its metadata alone (through
-    transformers' ``AutoConfig.from_pretrained(..., gguf_file=...)``); parsed once per file version and process."""
+    transformers' ``AutoConfig.from_pretrained(..., gguf_file=...)``); parsed once per file version, then read from
+    the disk cache."""
     path = Path(path).resolve()
     stat = path.stat()
     return dict(_cached_config(str(path), stat.st_size, stat.st_mtime_ns))
@@ -103,9 +111,20 @@ def gguf_config_dict(path: Path) -> dict:
 
 @functools.lru_cache(maxsize=METADATA_CACHE_ENTRIES)
 def _cached_config(path_text: str, size: int, mtime_ns: int) -> dict:
+    entry = gguf_cache_entry(path_text)
+    with entry.parsing(CONFIG_CACHE_NAME):
+        cached = entry.read_json(CONFIG_CACHE_NAME)
+        if isinstance(cached, dict):
+            return cached
+        # Through JSON even when just parsed, so a parsed and a cached config are the same dict (lists, not tuples).
+        config = json.loads(json.dumps(_parsed_config(Path(path_text))))
+        entry.write_json(CONFIG_CACHE_NAME, config)
+        return config
+
+
+def _parsed_config(path: Path) -> dict:
     from transformers import AutoConfig
 
-    path = Path(path_text)
     supported = ", ".join(SUPPORTED_GGUF_ARCHITECTURES)
     try:
         config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
@@ -133,7 +152,24 @@ def gguf_config(path: Path):
 
 
 def load_gguf_tokenizer(path: Path):
-    """The tokenizer (with its chat template) stored in the GGUF's metadata, via transformers."""
+    """The tokenizer (with its chat template) stored in the GGUF's metadata, via transformers; after the first load
+    of a file version, from the copy saved in its disk cache entry."""
+    from transformers import AutoTokenizer
+
+    path = Path(path).resolve()
+    entry = gguf_cache_entry(path)
+    saved = entry.saved_folder(TOKENIZER_CACHE_NAME)
+    if saved is not None:
+        try:
+            return AutoTokenizer.from_pretrained(saved)
+        except (OSError, ValueError, KeyError, TypeError):
+            entry.discard_folder(TOKENIZER_CACHE_NAME)  # damaged: replaced by a fresh copy below
+    tokenizer = _parsed_tokenizer(path)
+    entry.save_folder(TOKENIZER_CACHE_NAME, tokenizer.save_pretrained)
+    return tokenizer
+
+
+def _parsed_tokenizer(path: Path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
@@ -162,8 +198,8 @@ class GGUFTable:
 
 
 def gguf_table(path: Path) -> GGUFTable:
-    """The GGUF's tensor table (parsed once per file version and process; the reader is dropped, so no mapping of
-    the file outlives the call)."""
+    """The GGUF's tensor table (parsed once per file version, then read from the disk cache; the reader is dropped,
+    so no mapping of the file outlives the call)."""
     path = Path(path).resolve()
     stat = path.stat()
     return _cached_table(str(path), stat.st_size, stat.st_mtime_ns)
@@ -171,7 +207,19 @@ def gguf_table(path: Path) -> GGUFTable:
 
 @functools.lru_cache(maxsize=METADATA_CACHE_ENTRIES)
 def _cached_table(path_text: str, size: int, mtime_ns: int) -> GGUFTable:
-    reader = open_reader(Path(path_text))
+    entry = gguf_cache_entry(path_text)
+    with entry.parsing(TABLE_CACHE_NAME):
+        try:
+            return _table_from_json(entry.read_json(TABLE_CACHE_NAME))
+        except (KeyError, TypeError, ValueError):
+            pass  # none yet, or an old or damaged one
+        table = _parsed_table(Path(path_text))
+        entry.write_json(TABLE_CACHE_NAME, _table_to_json(table))
+        return table
+
+
+def _parsed_table(path: Path) -> GGUFTable:
+    reader = open_reader(path)
     tensors = tuple(
         StoredTensor(t.name, t.tensor_type, int(t.data_offset), int(t.n_bytes), t.data.dtype, tuple(t.data.shape),
                      tuple(int(d) for d in reversed(t.shape.tolist())))
@@ -179,6 +227,26 @@ def _cached_table(path_text: str, size: int, mtime_ns: int) -> GGUFTable:
     )
     stop_ids = frozenset(int(value) for key in STOP_TOKEN_KEYS if (value := _field_value(reader, key)) is not None)
     return GGUFTable(_field_value(reader, "general.architecture"), tensors, stop_ids)
+
+
+def _table_to_json(table: GGUFTable) -> dict:
+    return {
+        "architecture": table.architecture,
+        "stop_token_ids": sorted(table.stop_token_ids),
+        "tensors": [[t.name, t.block_type.name, t.data_offset, t.n_bytes, t.stored_dtype.str, list(t.stored_shape),
+                     list(t.shape)] for t in table.tensors],
+    }
+
+
+def _table_from_json(stored) -> GGUFTable:
+    """The table `_table_to_json` wrote; KeyError, TypeError or ValueError when `stored` is anything else."""
+    block_types = _gguf().GGMLQuantizationType
+    tensors = tuple(
+        StoredTensor(str(name), block_types[block_type], int(offset), int(n_bytes), np.dtype(dtype),
+                     tuple(int(d) for d in stored_shape), tuple(int(d) for d in shape))
+        for name, block_type, offset, n_bytes, dtype, stored_shape, shape in stored["tensors"]
+    )
+    return GGUFTable(str(stored["architecture"]), tensors, frozenset(int(t) for t in stored["stop_token_ids"]))
 
 
 def layer_tensor_shapes(path: Path) -> dict[int, list[tuple[int, ...]]]:

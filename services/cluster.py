@@ -155,6 +155,8 @@ class LocalCluster:
     # (services.prefork), so a mesh starts in seconds; None: as the HEARTH_PREFORK environment says
     # (the test suite sets it), else each process is a fresh `python -m services.cli`.
     prefork: bool | None = None
+    # The names and addresses the broker's TLS certificate is valid for (the broker's host, as clients dial it).
+    tls_host_names: tuple[str, ...] = ("localhost", "127.0.0.1")
 
     def __post_init__(self) -> None:
         self._tmp = None
@@ -168,7 +170,8 @@ class LocalCluster:
             community_dir = self.work_dir / "community"
             self.community = (Community(community_dir) if (community_dir / "roster.json").exists()
                               else Community.init(community_dir, "local"))
-        self.tls_files: TlsFiles | None = write_throwaway_ca(self.work_dir / "tls") if self.tls else None
+        self.tls_files: TlsFiles | None = (write_throwaway_ca(self.work_dir / "tls", self.tls_host_names)
+                                           if self.tls else None)
 
     def _tls_settings(self) -> dict[str, Path]:
         if self.tls_files is None:
@@ -245,7 +248,7 @@ class LocalCluster:
 
     def _spawn(self, name: str, args: list[str], *, wait_ready: bool = True, writes_ready_file: bool = True,
                member: tuple[str, Role] | None = None, env: dict[str, str] | None = None,
-               cpus: Sequence[int] | None = None) -> ManagedProcess:
+               cpus: Sequence[int] | None = None, command_prefix: Sequence[str] = ()) -> ManagedProcess:
         if self.nats_url is None:
             raise ClusterError("start NATS (or give nats_url) before starting hearth processes")
         log_path = self.work_dir / f"{name}.log"
@@ -261,7 +264,7 @@ class LocalCluster:
         if metrics_port is None and self.metrics:
             metrics_port = free_tcp_port()
             hearth_args += ["--metrics-port", str(metrics_port)]
-        popen = self._launch(hearth_args, env, log_path, cpus)
+        popen = self._launch(hearth_args, env, log_path, cpus, command_prefix)
         process = ManagedProcess(name, popen, log_path, ready_file if writes_ready_file else None,
                                  metrics_port=metrics_port or None)
         self.processes.append(process)
@@ -270,15 +273,16 @@ class LocalCluster:
         return process
 
     def _launch(self, hearth_args: list[str], env: dict[str, str], log_path: Path,
-                cpus: Sequence[int] | None) -> subprocess.Popen | PreforkedProcess:
-        """`hearth <hearth_args>` as a fork of the prefork launcher, or as a fresh `python -m services.cli`."""
+                cpus: Sequence[int] | None, command_prefix: Sequence[str] = ()) -> subprocess.Popen | PreforkedProcess:
+        """`hearth <hearth_args>` as a fork of the prefork launcher, or as a fresh `python -m services.cli` run
+        behind `command_prefix` (e.g. `ip netns exec NAME`: the launcher's forks could not run behind one)."""
         repo_root = Path(__file__).resolve().parents[1]
-        if self._prefork_enabled():
+        if self._prefork_enabled() and not command_prefix:
             log_path.touch()
             return prefork_launcher(env, repo_root).spawn(SpawnRequest(
                 argv=hearth_args, env=env, cwd=str(repo_root), log_path=str(log_path),
                 new_session=self.start_new_session, cpus=sorted(set(cpus)) if cpus else None))
-        command, pin = pinned_command([sys.executable, "-m", "services.cli", *hearth_args], cpus)
+        command, pin = pinned_command([*command_prefix, sys.executable, "-m", "services.cli", *hearth_args], cpus)
         with open(log_path, "ab") as log_file:
             return subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     env=env, cwd=str(repo_root), start_new_session=self.start_new_session,
@@ -299,14 +303,17 @@ class LocalCluster:
             time.sleep(ready_poll_interval_s)
 
     def start_shard(self, model: str, lo: int, hi: int, *, node_id: str, extra_args: list[str] = (),
-                    wait_ready: bool = True, cpus: Sequence[int] | None = None) -> ManagedProcess:
-        """`hearth shard` serving layers lo..hi; `cpus`: the cores it may run on (None: any)."""
+                    wait_ready: bool = True, cpus: Sequence[int] | None = None,
+                    command_prefix: Sequence[str] = ()) -> ManagedProcess:
+        """`hearth shard` serving layers lo..hi; `cpus`: the cores it may run on (None: any); `command_prefix`:
+        what it runs behind (services/netbed.py: a household's namespace)."""
         args = ["shard", "--model", model, "--layers", f"{lo}-{hi}", "--node-id", node_id,
                 "--busy-threads", str(shared_machine_busy_threads), *extra_args]
         if self.torch_threads:
             args += ["--torch-threads", str(self.torch_threads)]
         return self._spawn(f"shard-{node_id}-{lo}-{hi}", args, wait_ready=wait_ready, member=(node_id, "shard"),
-                           cpus=cpus, env=self.shared_machine_shard_env(cpus, _device_argument(args)))
+                           cpus=cpus, env=self.shared_machine_shard_env(cpus, _device_argument(args)),
+                           command_prefix=command_prefix)
 
     def start_host(self, model: str, memory_budget_mb: float, *, node_id: str, extra_args: list[str] = (),
                    wait_ready: bool = True) -> ManagedProcess:
@@ -338,12 +345,12 @@ class LocalCluster:
         self.wait_all_ready()
 
     def start_orchestrator(self, *, node_id: str = "orchestrator", extra_args: list[str] = (),
-                           wait_ready: bool = True) -> ManagedProcess:
+                           wait_ready: bool = True, command_prefix: Sequence[str] = ()) -> ManagedProcess:
         args = ["orchestrator", "--node-id", node_id, "--busy-threads", str(shared_machine_busy_threads), *extra_args]
         if self.torch_threads:
             args += ["--torch-threads", str(self.torch_threads)]
         return self._spawn(f"orchestrator-{node_id}", args, wait_ready=wait_ready,
-                           member=(node_id, "orchestrator"))
+                           member=(node_id, "orchestrator"), command_prefix=command_prefix)
 
     def start_gateway(self, *, name: str = "gateway", extra_args: list[str] = (), env: dict[str, str] | None = None,
                       wait_ready: bool = True) -> ManagedProcess:

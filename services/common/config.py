@@ -143,7 +143,8 @@ class TransportSettings(ConfigSection):
         default=0.01, ge=0, description="added to step_timeout_s per prompt token of a prefill step")
     control_timeout_s: float = Field(default=5.0, gt=0, description="how long an open/close/stat request waits")
     probe_timeout_s: float = Field(
-        default=0.5, gt=0, description="a shard that does not answer a liveness probe within this is frozen or gone")
+        default=0.5, gt=0, description="a shard silent to the gone check and then to a probe this long is cut off, "
+                                       "frozen or gone (failed over before step_timeout_s)")
     gone_check_timeout_s: float = Field(
         default=0.25, gt=0, description="'no responders' comes back at once; a slower answer proves nothing")
     hop_ack_timeout_s: float = Field(

@@ -11,7 +11,11 @@ A host that died (killed, crashed, unplugged) need not wait that long: its NATS 
 with it the subscription on its control subject, so a request there fails at once with "no responders".
 Once a step has been held `gone_check_after_s` (far longer than a step normally takes, far shorter than
 the step timeout), the watch asks the suspects once; one without a responder is failed over right away.
-A frozen or merely slow host still has its connection and is left to the step timeout.
+A host whose link is cut (its process running on) still has its subscriptions at the broker until the broker
+gives up on its connection, so a request there is silent instead: a suspect that stays silent through the gone
+check and a second probe of `probe_timeout_s` is failed over too, unless the step moved on meanwhile. A busy
+host is not taken for one: its control loop answers `stat` while its compute thread runs a step (even a long
+prefill). A merely slow host answers, and is left to the step timeout.
 """
 
 from __future__ import annotations
@@ -108,15 +112,12 @@ class StallWatch:
         # Hop 0 never acked: nobody after it is involved. Otherwise the next hop may be the one gone.
         suspects = [i for i in ([holder] if progress is None else [holder, holder + 1]) if i < len(self.hops)]
         held_s = now - since
+        probe_s = min(self.transport.probe_timeout_s, self.transport.step_timeout_s / 2)
         if held_s > self.transport.gone_check_after_s and self._gone_checked != (info.step, holder):
             self._gone_checked = (info.step, holder)
-            outcomes = await self._outcomes(suspects, self.transport.gone_check_timeout_s)
-            for index, outcome in zip(suspects, outcomes):
-                if outcome is ProbeOutcome.no_responder:
-                    return StepFailure("gone", self.hops[index].shard_id,
-                                       f"no longer connected (no responder on its control subject); step "
-                                       f"{info.step} held {held_s:.2f} s")
-        probe_s = min(self.transport.probe_timeout_s, self.transport.step_timeout_s / 2)
+            failure = await self._check_reachable(info, suspects, held_s, probe_s)
+            if failure is not None:
+                return failure
         if len(suspects) > 1 and held_s > timeout_s - probe_s and self._probe_key != (info.step, holder):
             self.cancel()
             self._probe_key = (info.step, holder)
@@ -129,6 +130,36 @@ class StallWatch:
         else:
             reason = f"does not answer; step {info.step} not taken in within {timeout_s:.1f} s"
         return StepFailure("stalled", self.hops[culprit].shard_id, reason)
+
+    def _position(self, info: StepInfo) -> tuple[int, float] | None:
+        """The highest hop that acked the step and when its last ack came (None before any)."""
+        progress = self.observer.progress(info.session, info.step)
+        return None if progress is None else (progress.hop, progress.last_ack_monotonic)
+
+    async def _check_reachable(self, info: StepInfo, suspects: list[int], held_s: float,
+                               probe_s: float) -> StepFailure | None:
+        """The gone check: a suspect without a responder is gone; one silent to it and to a second probe of
+        `probe_s` is unreachable (a cut link, or a frozen host), unless the step was passed on meanwhile."""
+        position = self._position(info)
+        outcomes = await self._outcomes(suspects, self.transport.gone_check_timeout_s)
+        for index, outcome in zip(suspects, outcomes):
+            if outcome is ProbeOutcome.no_responder:
+                return StepFailure("gone", self.hops[index].shard_id,
+                                   f"no longer connected (no responder on its control subject); step "
+                                   f"{info.step} held {held_s:.2f} s")
+        silent = [index for index, outcome in zip(suspects, outcomes) if outcome is ProbeOutcome.silent]
+        if not silent:
+            return None
+        confirmed = await self._outcomes(silent, probe_s)
+        if self._position(info) != position:
+            return None  # acked by another hop meanwhile: whoever was silent is not what holds it up
+        waited_s = self.transport.gone_check_timeout_s + probe_s
+        for index, outcome in zip(silent, confirmed):
+            if outcome is not ProbeOutcome.answered:
+                return StepFailure("stalled", self.hops[index].shard_id,
+                                   f"does not answer probes for {waited_s:.2f} s (link cut, or host frozen); "
+                                   f"step {info.step} held {held_s:.2f} s")
+        return None
 
     async def _blame(self, suspects: list[int]) -> int:
         """The first suspect hop that does not answer a probe; the first suspect when every one answers."""

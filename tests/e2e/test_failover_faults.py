@@ -97,7 +97,7 @@ async def test_frozen_shard_is_detected_and_failed_over(mesh, reference, nc, pre
     try:
         call = await stream_with_action(nc, chat_request(), lambda: frozen.process.signal(signal.SIGSTOP))
         assert_failed_over_once(call, reference, frozen, mesh.shards["h1"])
-        # Still connected, so not taken for dead: blamed when the step timed out.
+        # Still connected, so not taken for dead: blamed for answering no probe (as a cut link is).
         assert "no longer connected" not in call.of_type("shard_status")[0].reason
         failover = call.of_type("shard_failover")[0]
         assert failover.resumed_at_token >= ACT_AFTER_TOKENS

@@ -34,6 +34,12 @@ BLOCK_TYPES = [GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizat
                GGMLQuantizationType.Q4_0]
 
 
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path, monkeypatch):
+    """Parsed GGUF metadata (inference/gguf_cache.py) and digests go to the test's folder, not the user's cache."""
+    monkeypatch.setenv("HEARTH_CACHE_DIR", str(tmp_path / "cache"))
+
+
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory):
     """``make(architecture, block_type, **kwargs)``: (gguf file, reference safetensors folder), written once."""
