@@ -9,7 +9,6 @@ import asyncio
 import pytest
 import torch
 
-from inference import SamplingParams, load_full
 from inference.memory import MiB, layer_weight_bytes
 from inference.quantization import DEFAULT_INT4_GROUP_SIZE
 from services.common.chat_client import chat
@@ -17,6 +16,7 @@ from services.common.chat_protocol import ChatParams, ChatRequest
 from services.common.nats_connection import connect_nats
 from tests.e2e.conftest import TINY_LAYERS, TINY_MODEL_NAME, start_orchestrator
 from tests.e2e.test_hearth_host_e2e import advertisements
+from tests.e2e.test_quantized_mesh import one_process_greedy_tokens
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -25,18 +25,6 @@ KV_RESERVE_MB = 0.02
 LAYERS_PER_HOST = 3
 PROMPT = "the quick brown fox"
 NEW_TOKENS = 8
-
-
-def int4_reference(path) -> list[int]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    local = load_full(path, quantization="int4")
-    try:
-        prompt_ids = list(local.head.tokenizer(PROMPT)["input_ids"])
-        return list(local.generate_ids(prompt_ids, SamplingParams(max_tokens=NEW_TOKENS)))
-    finally:
-        local.close()
-        torch.set_num_threads(threads)
 
 
 async def test_int4_hosts_take_the_layers_their_budget_holds_in_int4(cluster, tiny_models_dir):
@@ -65,4 +53,4 @@ async def test_int4_hosts_take_the_layers_their_budget_holds_in_int4(cluster, ti
     finally:
         await asyncio.wait_for(nc.close(), timeout=5)
     assert result.ok, result.final
-    assert result.token_ids == await asyncio.to_thread(int4_reference, path)
+    assert result.token_ids == await asyncio.to_thread(one_process_greedy_tokens, path, "int4", PROMPT, NEW_TOKENS)

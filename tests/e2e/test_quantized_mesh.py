@@ -50,18 +50,23 @@ def mesh(tmp_path_factory, tiny_models_dir):
         yield mesh
 
 
-@pytest.fixture(scope="module")
-def int8_reference(tiny_models_dir) -> list[int]:
-    """Greedy tokens of the whole model in one process with int8 weights, one torch thread as every shard has."""
+def one_process_greedy_tokens(path, quantization: str, prompt: str, max_tokens: int) -> list[int]:
+    """Greedy tokens of the whole model in one process with weights in `quantization`, one torch thread as every
+    shard has."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    local = load_full(tiny_models_dir / TINY_MODEL_NAME, quantization="int8")
+    local = load_full(path, quantization=quantization)
     try:
-        prompt_ids = list(local.head.tokenizer(PROMPT)["input_ids"])
-        return list(local.generate_ids(prompt_ids, SamplingParams(max_tokens=MAX_TOKENS)))
+        prompt_ids = list(local.head.tokenizer(prompt)["input_ids"])
+        return list(local.generate_ids(prompt_ids, SamplingParams(max_tokens=max_tokens)))
     finally:
         local.close()
         torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def int8_reference(tiny_models_dir) -> list[int]:
+    return one_process_greedy_tokens(tiny_models_dir / TINY_MODEL_NAME, "int8", PROMPT, MAX_TOKENS)
 
 
 def test_adverts_carry_the_scheme_into_routing(mesh):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -56,6 +57,28 @@ def _add_tokenizer(writer: gguf.GGUFWriter, folder: Path) -> None:
     writer.add_pad_token_id(0)
     writer.add_add_bos_token(True)
     writer.add_chat_template(CHAT_TEMPLATE)
+
+
+def rewrite_gguf(source: Path, path: Path, architecture: str,
+                 replace: Callable[[str, np.ndarray], tuple[np.ndarray, GGMLQuantizationType | None]]) -> Path:
+    """A copy of the GGUF `source` at `path` with its architecture's keys and the eos id, each tensor written as
+    `replace(name, values)` gives it back (values, and the GGML type of raw blocks or None)."""
+    reader = gguf.GGUFReader(source)
+    writer = gguf.GGUFWriter(str(path), architecture)
+    for key, field in reader.fields.items():
+        if key.startswith(f"{architecture}.") or key == "tokenizer.ggml.eos_token_id":
+            writer.add_key_value(key, field.contents(), field.types[0])
+    for tensor in reader.tensors:
+        values, raw_type = replace(tensor.name, np.array(tensor.data))
+        if raw_type is None:
+            writer.add_tensor(tensor.name, values)
+        else:
+            writer.add_tensor(tensor.name, values, raw_dtype=raw_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
 
 
 def write_tiny_gguf(folder: Path, architecture: str, block_type: GGMLQuantizationType, *, seed: int = 0,

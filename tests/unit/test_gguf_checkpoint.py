@@ -25,7 +25,7 @@ from inference import (
 from inference.gguf_checkpoint import GGUFCheckpoint, gguf_config
 from inference.memory import layer_weight_bytes
 
-from .gguf_files import write_tiny_gguf
+from .gguf_files import rewrite_gguf, write_tiny_gguf
 from .inference_tiny_models import TINY_NUM_LAYERS, one_torch_thread  # noqa: F401  (fixture)
 
 PROMPT = "hello there, the quick brown fox"
@@ -145,21 +145,10 @@ def test_a_truncated_gguf_is_refused_in_one_line(tiny_gguf, tmp_path):
 
 def test_a_tensor_in_a_block_type_hearth_does_not_read_is_named(tmp_path, tiny_gguf):
     source, _ = tiny_gguf("llama", GGMLQuantizationType.F32)
-    reader = gguf.GGUFReader(source)
-    path = tmp_path / "odd.gguf"
-    writer = gguf.GGUFWriter(str(path), "llama")
-    for key, field in reader.fields.items():
-        if key.startswith("llama.") or key == "tokenizer.ggml.eos_token_id":
-            writer.add_key_value(key, field.contents(), field.types[0])
-    for tensor in reader.tensors:
-        values = np.array(tensor.data)
-        if tensor.name == "blk.1.attn_v.weight":
-            values = values.astype(np.int32)  # written as GGML I32: not a weight type
-        writer.add_tensor(tensor.name, values)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    def as_i32(name, values):  # written as GGML I32: not a weight type
+        return (values.astype(np.int32) if name == "blk.1.attn_v.weight" else values), None
+
+    path = rewrite_gguf(source, tmp_path / "odd.gguf", "llama", as_i32)
 
     load_layer_range(path, 0, 0)  # layer 0 is readable
     with pytest.raises(CheckpointError) as refused:
@@ -172,31 +161,21 @@ def test_k_quant_tensors_read_as_the_gguf_package_dequantizes_them(tmp_path, tin
     # gguf.quants cannot write K-quants: store random Q4_K / Q6_K blocks with finite scales and compare. Their
     # 256-wide blocks need rows that long: the down projections' with this intermediate size.
     source, _ = tiny_gguf("qwen2", GGMLQuantizationType.F32, intermediate_size=K_QUANT_ROW)
-    reader = gguf.GGUFReader(source)
-    path = tmp_path / "kquants.gguf"
-    writer = gguf.GGUFWriter(str(path), "qwen2")
-    for key, field in reader.fields.items():
-        if key.startswith("qwen2.") or key == "tokenizer.ggml.eos_token_id":
-            writer.add_key_value(key, field.contents(), field.types[0])
     rng = np.random.default_rng(0)
     block_types = {"blk.0.ffn_down.weight": GGMLQuantizationType.Q4_K,
                    "blk.1.ffn_down.weight": GGMLQuantizationType.Q6_K}
     expected = {}
-    for tensor in reader.tensors:
-        values = np.array(tensor.data)
-        if tensor.name in block_types:
-            block_type = block_types[tensor.name]
-            blocks = rng.integers(0, 256, gguf.quants.quant_shape_to_byte_shape(values.shape, block_type),
-                                  dtype=np.uint8)
-            blocks = _finite_scales(blocks, block_type)
-            expected[tensor.name] = gguf.quants.dequantize(blocks, block_type)
-            writer.add_tensor(tensor.name, blocks, raw_dtype=block_type)
-        else:
-            writer.add_tensor(tensor.name, values)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+
+    def random_k_blocks(name, values):
+        if name not in block_types:
+            return values, None
+        block_type = block_types[name]
+        blocks = rng.integers(0, 256, gguf.quants.quant_shape_to_byte_shape(values.shape, block_type), dtype=np.uint8)
+        blocks = _finite_scales(blocks, block_type)
+        expected[name] = gguf.quants.dequantize(blocks, block_type)
+        return blocks, block_type
+
+    path = rewrite_gguf(source, tmp_path / "kquants.gguf", "qwen2", random_k_blocks)
 
     params = dict(load_layer_range(path, 0, 1).named_parameters())
     for layer in (0, 1):
