@@ -13,8 +13,8 @@ COPY trust trust
 COPY models models
 COPY nats nats
 # Point pip at a CPU-only torch index where you have one; the default index's build is much larger.
-# Editable: hearth then runs from /app, where it finds models/ and nats/ beside its sources (services/orchestrator/
-# catalog.py, services/common/nats_cluster.py); installed into site-packages it would look there and not find them.
+# Editable: hearth then runs from /app and finds models/ and nats/ beside its sources as in a checkout
+# (services/common/hearth_files.py); the wheel's data package would also need grafana/ and prometheus/ copied in.
 RUN pip install --no-cache-dir torch==2.13.0 && pip install --no-cache-dir -e .
 ENV OMP_WAIT_POLICY=PASSIVE HEARTH_NATS_URL=nats://nats-0:4222,nats://nats-1:4222,nats://nats-2:4222
 ENTRYPOINT ["hearth"]

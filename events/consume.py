@@ -35,6 +35,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
+# Streams number their messages from 1.
+first_stream_seq = 1
 # Without --follow: give up (StreamReadStalled) when no expected message arrives for this long.
 default_idle_timeout_s = 15.0
 
@@ -75,7 +77,7 @@ async def read_stream(
     js: JetStreamContext,
     stream: str,
     *,
-    from_seq: int = 1,
+    from_seq: int = first_stream_seq,
     to_seq: int | None = None,
     subject_filter: str | Sequence[str] | None = None,
     follow: bool = False,

@@ -20,6 +20,8 @@ _subject_token_re = re.compile(SUBJECT_TOKEN_PATTERN)
 max_id_chars = 256  # node ids, model ids, digests, subjects, request ids
 max_shard_id_chars = 2 * max_id_chars + 32  # "<model_id>:<lo>-<hi>@<node_id>"
 max_label_chars = 64  # dtypes, statuses, codes, finish reasons
+# A shard's distance as it advertises it unless told: on the same LAN (docs/design.md §5).
+default_hop_weight = 1.0
 max_reason_chars = 2000  # free text; an emitter's longer text is cut to this, never refused
 max_event_hops = 64  # hops of a pipeline (also the most [research.distributed_inference] max_shards_per_request)
 max_signature_chars = 128  # an Ed25519 signature is 88 base64 characters; a longer one is refused
@@ -96,7 +98,7 @@ class ShardAdvertised(EventEnvelope):
     memory_required_mb: float = Field(ge=0)
     max_concurrent_streams: int = Field(ge=1)
     control_subject: Id
-    hop_weight: float = Field(default=1.0, gt=0)
+    hop_weight: float = Field(default=default_hop_weight, gt=0)
     ttl_s: float = Field(gt=0)
     # Where the shard computes (absent in advertisements from before devices were advertised).
     device_kind: Literal["cpu", "cuda"] | None = None

@@ -11,7 +11,6 @@ EVENTS_PREFIX = "hearth.events"
 SHARD_EVENTS_WILDCARD = f"{EVENTS_PREFIX}.shard.>"
 PIPELINE_EVENTS_WILDCARD = f"{EVENTS_PREFIX}.pipeline.>"
 INTEGRITY_EVENTS_WILDCARD = f"{EVENTS_PREFIX}.integrity.>"
-CHAT_REQUEST_SUBJECT = "llm.chat.request"
 
 shard_key_hex_chars = 12
 

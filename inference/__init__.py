@@ -25,10 +25,10 @@ from .errors import (
     UnsupportedArchitectureError,
 )
 from .head import Head
-from .loading import load_head, load_layer_range
+from .loading import DEFAULT_CACHE_BUDGET_BYTES, DEFAULT_SESSION_TTL_S, load_head, load_layer_range
 from .local import LocalModel, load_full
 from .quantization import DEFAULT_QUANTIZATION, QuantizationError, QuantizationScheme, parse_quantization
-from .runner import DEFAULT_CACHE_BUDGET_BYTES, DEFAULT_SESSION_TTL_S, STEP_KINDS, LayerRangeRunner
+from .runner import STEP_KINDS, LayerRangeRunner
 from .sampling import SamplingParams, sample_token
 from .sessions import EvictedSession
 

@@ -13,13 +13,11 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from .checkpoint_files import HUB_ALLOW_PATTERNS, SAFETENSORS_INDEX_NAME, SAFETENSORS_SINGLE_NAME
 from .errors import CheckpointError
-from .gguf_checkpoint import GGUF_SUFFIX, GGUFCheckpoint, gguf_config_dict, is_gguf_file, single_gguf_in
+from .gguf_checkpoint import GGUF_SUFFIX, GGUFCheckpoint, default_read_device, gguf_config_dict, is_gguf_file, \
+    single_gguf_in
 
-SAFETENSORS_INDEX_NAME = "model.safetensors.index.json"
-SAFETENSORS_SINGLE_NAME = "model.safetensors"
-# What a snapshot needs for hearth: config, weights, tokenizer and chat template files; never *.bin/*.pt.
-HUB_ALLOW_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "tokenizer*"]
 HUB_DOWNLOAD_WORKERS = 4
 # Host bytes one read of a tensor that is converted or sent to a GPU stages at most (one row when a row is larger).
 STAGING_CHUNK_BYTES = 4 * 1024 * 1024
@@ -212,7 +210,7 @@ class SafetensorsCheckpoint:
         return False
 
     def read(
-        self, names: Iterable[str], dtype: torch.dtype, device: torch.device | str = "cpu"
+        self, names: Iterable[str], dtype: torch.dtype, device: torch.device | str = default_read_device
     ) -> dict[str, torch.Tensor]:
         """The named tensors on `device`, floating ones in `dtype` (others as stored); a missing name is a
         CheckpointError.

@@ -3,7 +3,7 @@
 Why not `asyncio.to_thread`: its pool hands work to whichever of several threads is free, and libgomp keeps
 a separate OpenMP team for every thread that starts parallel work. Once a process has more OpenMP threads
 than the machine has cores, libgomp stops spinning between parallel regions ("throttled" waiting) and every
-region pays a futex wake-up, which on a small VM costs a decode step about a quarter of its speed
+region pays a futex wake-up, which on a small VM costs a decode step much of its speed
 (BENCHMARKS.md, "Compute thread and OpenMP spinning"). One long-lived thread keeps one team, and the steps
 of a process run one at a time anyway (a layer range or a head is not shared by two computations at once); the
 one exception, a shard's long prefills on a niced thread of their own, is `prefill_executor`'s.
@@ -102,8 +102,8 @@ class StepThreads:
 
     Why: processes that share a machine's cores (a mesh on one box: demo, bench, tests) compute the hops of
     concurrent sessions side by side. Two OpenMP teams of two threads on two cores then time-slice, and a
-    team whose threads wait spinning for a descheduled partner wastes its slices (4 sessions of llama-250m:
-    12.6 tokens/s aggregate vs 19.6 for one session; BENCHMARKS.md, "Compute thread and OpenMP spinning").
+    team whose threads wait spinning for a descheduled partner wastes its slices: several sessions together
+    ran slower than one alone (BENCHMARKS.md, "Compute thread and OpenMP spinning").
     With one thread per step while busy, the hops use the cores in parallel instead. A process alone on its
     machine leaves `busy_threads` unset: its steps run one at a time anyway, so fewer threads only slow them.
     """
@@ -123,9 +123,8 @@ class StepThreads:
         """Threads for a batched step of `rows` of the process's `active_streams` streams over `weight_bytes` of
         weights: all of them when it holds every stream (nothing else of this process is in flight elsewhere in the
         mesh, so, as for one stream, the other processes wait for this step) and its products are large enough to
-        gain from splitting, `busy_threads` otherwise. 8 sessions of llama-250m in one batch, 6 layers (~290 MB):
-        22 ms with two threads vs 34 ms with one; the bundled 5.8 M-parameter model's steps are slower split
-        (BENCHMARKS.md, "One batch for hops that share cores")."""
+        gain from splitting, `busy_threads` otherwise: a large batched step is faster on every thread, a small
+        model's (the bundled one's) slower split (BENCHMARKS.md, "One batch for hops that share cores")."""
         if weight_bytes < parallel_batch_min_weight_bytes:
             return self.for_streams(active_streams)
         return self.for_streams(active_streams - rows + 1)

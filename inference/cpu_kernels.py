@@ -1,11 +1,10 @@
 """Which kernel a CPU layer range's linear projections run on: torch's nn.Linear as transformers builds it, or
 oneDNN's linear operator on the same weights, for batched decode steps only (the default) or for every step.
 
-Why oneDNN: on the project's 2-core VM (AMD EPYC, AVX-512) torch's nn.Linear goes to MKL, whose products of a few rows
-cost about what as many one-row products do, so a batched decode step gained little (runner level, one thread, 8
-rows: 3.55 x one by one). oneDNN's linear operator on the same dense weights (no copy, no extra memory) takes 18.8 ms
-for 8 rows of a 6-layer step's projections against MKL's 30.9 ms, and 11.1 ms for one row against 16.3 ms
-(BENCHMARKS.md, "oneDNN for batched steps, torch for one session's"). Its products round differently from MKL's, so:
+Why oneDNN: on the AMD EPYC CPUs measured, torch's nn.Linear goes to MKL, whose products of a few rows cost about
+what as many one-row products do, so a batched decode step gained less than it could; oneDNN's linear operator on the
+same dense weights (no copy, no extra memory) is faster at every number of rows, most for a few (BENCHMARKS.md,
+"oneDNN for batched steps, torch for one session's"). Its products round differently from MKL's, so:
 - "onednn-batched" (the default) runs a step of one session (``[1, T, hidden]``: solo decode, every prefill) on
   nn.Linear, bitwise equal to transformers' generate() as the design's parity rule asks, and a batched decode step
   (``[B > 1, 1, hidden]``, already not bitwise equal to the rows' solo steps: its GEMM rounds per batch) on oneDNN;

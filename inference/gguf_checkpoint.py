@@ -25,10 +25,12 @@ import numpy as np
 import torch
 from torch import nn
 
+from .checksum import GGUF_SUFFIX
 from .errors import CheckpointError
 from .gguf_cache import gguf_cache_entry
 
-GGUF_SUFFIX = ".gguf"
+# Where a checkpoint reader puts the tensors it reads unless told (the loader asks for its device).
+default_read_device = "cpu"
 # general.architecture values hearth serves (llama.cpp writes Mistral models as "llama"), and the HF model types
 # they load as.
 SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2")
@@ -313,7 +315,7 @@ class GGUFCheckpoint:
         return set(self._table.stop_token_ids)
 
     def read(
-        self, names: Iterable[str], dtype: torch.dtype, device: torch.device | str = "cpu"
+        self, names: Iterable[str], dtype: torch.dtype, device: torch.device | str = default_read_device
     ) -> dict[str, torch.Tensor]:
         """The named tensors on `device` in `dtype`, each dequantized on its own (besides the result the host holds
         one float32 copy of one tensor at a time); a missing name or a storage type hearth does not read is a

@@ -105,7 +105,7 @@ class Head:
                 device=self.device, dtype=self.info.dtype)
             normed = self._final_norm(last)
             # The bound below holds for any summation order, so the fastest product serves (BENCHMARKS.md,
-            # "Orchestrator head batched", "One batch for hops that share cores").
+            # "Continuous batching on shards", "One batch for hops that share cores").
             products = self._product(normed)
             if getattr(self._lm_head, "bias", None) is not None and not isinstance(self._lm_head, QuantizedLinear):
                 products = products + self._lm_head.bias
@@ -117,8 +117,8 @@ class Head:
 
     def _product(self, normed: torch.Tensor) -> torch.Tensor:
         """``normed @ W^T`` for B rows: on a CPU in float32, W @ h^T for a few rows (BLAS runs the tall product
-        1.5-3 x faster than h @ W^T), oneDNN's linear from `head_onednn_min_rows` on (32000 x 1024, 8 rows, one
-        thread: 8.3 vs 19.5 ms). A quantized lm_head runs its own kernel (bias included)."""
+        faster than h @ W^T), oneDNN's linear from `head_onednn_min_rows` on, where it is the fastest (BENCHMARKS.md,
+        "One batch for hops that share cores"). A quantized lm_head runs its own kernel (bias included)."""
         if isinstance(self._lm_head, QuantizedLinear):
             return self._lm_head(normed)
         weight = self._lm_head.weight

@@ -20,7 +20,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .checkpoint import SAFETENSORS_INDEX_NAME
+from .checkpoint_files import SAFETENSORS_INDEX_NAME
 from .checksum import digest_of_files, file_sha256
 from .errors import CheckpointError
 from .partial_checkpoint import (

@@ -1,5 +1,6 @@
 """LayerPass: one step's hidden states going through a contiguous run of decoder layers over one session's cache,
-all at once or a few layers at a time.
+all at once or a few layers at a time; SteppedForward: a step run in such passes, piece by piece of its tokens,
+holding all of its own progress (LayerRangeRunner.advance runs it under the runner's checks).
 
 Why in slices: a shard's steps share one compute thread (inference/compute_thread.py), so a long prefill chunk
 run as one call holds every other session's decode step for the whole chunk on that hop. Run a layer or two per
@@ -11,7 +12,9 @@ order on the same tensors, so a sliced pass is bitwise equal to an unsliced one.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -25,6 +28,28 @@ MASK_BUILDERS = {
     FULL_ATTENTION: create_causal_mask,
     SLIDING_ATTENTION: create_sliding_window_causal_mask,
 }
+
+
+@dataclass(frozen=True)
+class DecoderStack:
+    """The decoder layers of a runner and what every pass over them needs (read-only but for the rotary embedding)."""
+
+    config: PretrainedConfig
+    layers: dict[int, nn.Module]
+    rotary_embedding: nn.Module
+    attention_types: Sequence[str]
+    # The runner's lock: a dynamic or longrope rotary embedding rewrites its frequencies for the positions asked
+    # (transformers' dynamic_rope_update), so two passes must not build theirs at once.
+    rotary_lock: threading.RLock
+
+    def layer_pass(self, cache: DynamicCache, hidden_states: torch.Tensor, start_pos: int, run_lo: int,
+                   run_hi: int) -> LayerPass:
+        """A pass of `hidden_states` (at `start_pos`) through layers ``run_lo..run_hi`` over `cache`; the layers
+        themselves run unlocked."""
+        with self.rotary_lock:
+            return LayerPass(config=self.config, layers=self.layers, rotary_embedding=self.rotary_embedding,
+                             attention_types=self.attention_types, cache=cache, hidden_states=hidden_states,
+                             start_pos=start_pos, run_lo=run_lo, run_hi=run_hi)
 
 
 class LayerPass:
@@ -79,8 +104,9 @@ class LayerPass:
 
 
 class SteppedForward:
-    """A step begun by `LayerRangeRunner.begin_forward`; each `advance` runs its next layers (checked under the
-    runner's lock, the layers outside it).
+    """A step begun by `LayerRangeRunner.begin_forward`: its tokens, the pieces run so far and the layer pass under way.
+    `LayerRangeRunner.advance` runs its next layers (checked under the runner's lock, the layers outside it); the runner
+    keeps none of the step's progress itself.
 
     With `piece_tokens`, the tokens not yet run go through the layers in a piece of that many before the rest (each
     piece's layers see the cache the pieces before it filled, as the orchestrator's chunks do), so that a turn is one
@@ -89,39 +115,38 @@ class SteppedForward:
     so the caller picks the size piece by piece: small while others wait, the whole rest while none does.
     """
 
-    def __init__(self, advance: Callable[[SteppedForward, int | None, int | None], torch.Tensor | None],
-                 session_id: str,
-                 session, whole_step: tuple, new_pass: Callable[[torch.Tensor, int], LayerPass] | None) -> None:
-        self._advance = advance
+    def __init__(self, *, session_id: str, session, hidden_states: torch.Tensor, start_pos: int, run_lo: int,
+                 run_hi: int, kind: str, stack: DecoderStack | None) -> None:
         self.session_id = session_id
         self.session = session  # the runner's record of the session, to notice it was evicted between advances
-        # (hidden states, start position, first layer, last layer, kind): what a static-cache step runs whole.
-        self.whole_step = whole_step
+        self.hidden_states = hidden_states
+        self.start_pos = start_pos
+        self.run_lo, self.run_hi = run_lo, run_hi
+        self.kind = kind
         # None: the step runs whole on its first advance (static caches: inference/static_decode.py).
-        self.new_pass = new_pass
-        hidden_states = whole_step[0]
+        self.stack = stack
         self._total_tokens = hidden_states.shape[1]
         self._outputs: list[torch.Tensor] = []
         self._done_tokens = 0
         self._piece: LayerPass | None = None
 
-    def advance(self, max_layers: int | None = None, piece_tokens: int | None = None) -> torch.Tensor | None:
-        """Run the next `max_layers` layers of the current piece (everything when None), starting a piece of
-        `piece_tokens` (all the tokens left when None) if none is under way; the step's output once the last piece has
-        left its last layer."""
-        if piece_tokens is not None and piece_tokens < 1:
-            raise ValueError(f"piece_tokens must be at least 1, got {piece_tokens}")
-        return self._advance(self, max_layers, piece_tokens)
+    @property
+    def whole_step(self) -> tuple:
+        """(hidden states, start position, first layer, last layer, kind): what a static-cache step runs whole."""
+        return self.hidden_states, self.start_pos, self.run_lo, self.run_hi, self.kind
 
     def run(self, max_layers: int | None, piece_tokens: int | None) -> torch.Tensor | None:
-        """What `advance` runs under inference mode (dynamic caches only; outside the runner's lock)."""
+        """Run the next `max_layers` layers of the current piece (everything when None), starting a piece of
+        `piece_tokens` (all the tokens left when None) if none is under way; the step's output once the last piece has
+        left its last layer. Under inference mode, outside the runner's lock; dynamic caches only."""
         while True:
             if self._piece is None:
                 if self._done_tokens >= self._total_tokens:
                     raise RuntimeError("this layer pass has already run its last layer")
-                hidden_states, start_pos = self.whole_step[0], self.whole_step[1]
-                piece = hidden_states[:, self._done_tokens:self._done_tokens + (piece_tokens or self._total_tokens)]
-                self._piece = self.new_pass(piece, start_pos + self._done_tokens)
+                end = self._done_tokens + (piece_tokens or self._total_tokens)
+                piece = self.hidden_states[:, self._done_tokens:end]
+                self._piece = self.stack.layer_pass(self.session.cache, piece, self.start_pos + self._done_tokens,
+                                                    self.run_lo, self.run_hi)
             output = self._piece.run(max_layers)
             if output is None:
                 return None

@@ -33,10 +33,15 @@ from .gguf_checkpoint import GGUFCheckpoint, gguf_config, is_gguf_file, load_ggu
 from .head import Head
 from .quantization import QuantizationScheme, QuantizedLinear, check_device_supports, \
     check_quantizable, head_quantization, parse_quantization, quantize_linears, release_freed_heap
-from .runner import DEFAULT_CACHE_BUDGET_BYTES, DEFAULT_SESSION_TTL_S, LayerRangeRunner
+from .runner import LayerRangeRunner
 from .sessions import EvictedSession
 
 logger = logging.getLogger(__name__)
+
+# The KV budget and idle TTL of a runner loaded without a host's settings (scripts, tests, an orchestrator's local
+# model); a shard passes its configuration's kv_cache_budget_mb and shard_eviction_idle_seconds instead.
+DEFAULT_CACHE_BUDGET_BYTES = 1 << 30
+DEFAULT_SESSION_TTL_S = 600.0
 
 
 @dataclass

@@ -17,12 +17,12 @@ import torch
 from safetensors import safe_open
 
 from .checkpoint import SAFETENSORS_DTYPES, SafetensorsCheckpoint
+from .devices import MiB
 from .gguf_checkpoint import is_gguf_file, layer_tensor_shapes
 from .quantization import QuantizationScheme, parse_quantization, quantized_weight_bytes
 
 _layer_name_re = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _UNKNOWN_KIND_BYTES = 4
-MiB = 1024 * 1024
 
 
 def layer_weight_bytes(model_path: Path, compute_dtype: torch.dtype,

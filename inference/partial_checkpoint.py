@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal, Union
 
-from .checkpoint import SAFETENSORS_INDEX_NAME
+from .checkpoint_files import SAFETENSORS_INDEX_NAME
 from .checksum import DEFAULT_WEIGHTS_CACHE_DIR, PARTIAL_CHECKPOINT_MARKER, WEIGHTS_CACHE_DIR_ENV
 from .errors import CheckpointError
 

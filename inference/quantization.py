@@ -41,7 +41,8 @@ DEFAULT_QUANTIZATION = "none"
 DEFAULT_INT4_GROUP_SIZE = 32
 INT4_GROUP_SIZES: tuple[int, ...] = (32, 64, 128, 256)
 QUANTIZATION_KINDS: tuple[str, ...] = ("none", "int8", "int4")
-# The kernels' float32 activation paths are much slower than their bfloat16 ones (BENCHMARKS.md).
+# The kernels' float32 activation paths are much slower than their bfloat16 ones (BENCHMARKS.md, "Quantized shard
+# kernels").
 KERNEL_DTYPE = torch.bfloat16
 # torch's int4 kernels dequantize a code q as (q - 8) * scale + zero.
 _INT4_MIDPOINT = 8
@@ -325,7 +326,8 @@ def quantize_linears(layer: nn.Module, scheme: QuantizationScheme) -> int:
 
 def release_freed_heap() -> None:
     """Hand the quantization's freed temporaries back to the OS: glibc keeps freed heap memory mapped (and counted
-    in the process's RSS) otherwise, a good part of the quantized range again (BENCHMARKS.md)."""
+    in the process's RSS) otherwise, a good part of the quantized range again (BENCHMARKS.md, "Quantized shard
+    kernels")."""
     trim = _malloc_trim()
     if trim is not None:
         trim(0)

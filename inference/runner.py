@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -15,16 +16,13 @@ from transformers import DynamicCache, PretrainedConfig
 from .architectures import ArchitectureAdapter
 from .checkpoint import ModelInfo
 from .batched import BatchRow, StackingBuffers, batched_steps_supported, run_batched_step
-from .layer_pass import MASK_BUILDERS, LayerPass, SteppedForward
+from .layer_pass import MASK_BUILDERS, DecoderStack, SteppedForward
 from .errors import InferenceError, RunnerClosedError, SessionEvictedError, SessionStateError, SessionTooLargeError
 from .sessions import EvictedSession, SessionCaches, as_position, kv_bytes_per_token_per_layer
 from .static_decode import StaticDecoder, static_decode_supported
 
 StepKind = Literal["prefill", "decode"]
 STEP_KINDS: tuple[str, ...] = ("prefill", "decode")
-
-DEFAULT_CACHE_BUDGET_BYTES = 1 << 30
-DEFAULT_SESSION_TTL_S = 600.0
 
 
 class LayerRangeRunner:
@@ -33,7 +31,8 @@ class LayerRangeRunner:
     ``forward`` takes the hidden states entering ``layer_lo`` (or the first layer of a requested
     sub-range) and returns those leaving the last layer run. Every public method takes one lock, so
     the runner can be driven from worker threads (e.g. ``asyncio.to_thread``); the layers of a dynamic-cache step
-    (`begin_forward` / `advance`) run outside it, so steps of different sessions may run side by side.
+    (`begin_forward`, then `advance` until it returns the output) run outside it, so steps of different sessions may
+    run side by side.
 
     Cache rules: a ``prefill`` at ``start_pos`` 0 (re)starts the session; any other step must continue
     it exactly (``start_pos`` equal to the tokens already cached in every layer it runs), otherwise
@@ -54,8 +53,8 @@ class LayerRangeRunner:
         layer_name_prefix: str = "model.layers.",
         checkpoint_bytes_read: int = 0,
         device: torch.device | None = None,
-        cache_budget_bytes: int = DEFAULT_CACHE_BUDGET_BYTES,
-        session_ttl_s: float = DEFAULT_SESSION_TTL_S,
+        cache_budget_bytes: int,
+        session_ttl_s: float,
         clock: Callable[[], float] = time.monotonic,
         on_evict: Callable[[EvictedSession], None] | None = None,
         static_cache_tokens: int | None = None,
@@ -67,9 +66,6 @@ class LayerRangeRunner:
         self.checkpoint_bytes_read = checkpoint_bytes_read
         # Where the layers and caches live; steps arriving elsewhere (the wire hands over CPU tensors) move here.
         self.device = device or torch.device("cpu")
-        self._config = config
-        self._layers = layers
-        self._rotary_embedding = rotary_embedding
         self._attention_types = adapter.attention_types(config)
         unknown = set(self._attention_types[self.layer_lo : self.layer_hi + 1]) - set(MASK_BUILDERS)
         if unknown:
@@ -77,6 +73,8 @@ class LayerRangeRunner:
         self._kv_bytes_per_token_per_layer = kv_bytes_per_token_per_layer(config, info.dtype)
         # Re-entrant so an on_evict callback may read the runner's accounting without deadlocking.
         self._lock = threading.RLock()
+        self._stack = DecoderStack(config=config, layers=layers, rotary_embedding=rotary_embedding,
+                                   attention_types=self._attention_types, rotary_lock=self._lock)
         self._closed = False
         # Static caches and graphed decode steps (inference/static_decode.py) where asked for and supported.
         self._static: StaticDecoder | None = None
@@ -104,12 +102,12 @@ class LayerRangeRunner:
 
         ``hidden_states`` is ``[1, T, hidden_size]`` for the T tokens at positions ``start_pos .. start_pos+T-1``;
         the result has the same shape, in the model's dtype."""
-        return self.begin_forward(session_id, hidden_states, start_pos, kind, layers).advance()
+        return self.advance(self.begin_forward(session_id, hidden_states, start_pos, kind, layers))
 
     def begin_forward(self, session_id: str, hidden_states: torch.Tensor, start_pos: int,
                       kind: StepKind = "prefill", layers: tuple[int, int] | None = None) -> SteppedForward:
-        """Check and start one step (as `forward`), to be run by its `advance` a few layers (of a piece of its tokens)
-        per call; other sessions' steps may run between the calls (inference/layer_pass.py says why)."""
+        """Check and start one step (as `forward`), to be run by `advance` a few layers (of a piece of its tokens) per
+        call; other sessions' steps may run between the calls (inference/layer_pass.py says why)."""
         if not isinstance(session_id, str) or not session_id:
             raise ValueError("session_id must be a non-empty string")
         start_pos = as_position(start_pos)
@@ -119,17 +117,20 @@ class LayerRangeRunner:
             hidden_states = self._validate_hidden_states(hidden_states)
             self._caches.evict_expired()
             session = self._session_for(session_id, start_pos, hidden_states.shape[1], kind, run_lo, run_hi)
+            return SteppedForward(session_id=session_id, session=session, hidden_states=hidden_states,
+                                  start_pos=start_pos, run_lo=run_lo, run_hi=run_hi, kind=kind,
+                                  stack=self._stack if self._static is None else None)
 
-            def new_pass(piece: torch.Tensor, piece_start: int) -> LayerPass:
-                return self._layer_pass(session.cache, piece, piece_start, run_lo, run_hi)
-
-            return SteppedForward(self._advance, session_id, session, (hidden_states, start_pos, run_lo, run_hi, kind),
-                                  new_pass if self._static is None else None)
-
-    def _advance(self, step: SteppedForward, max_layers: int | None, piece_tokens: int | None) -> torch.Tensor | None:
+    def advance(self, step: SteppedForward, max_layers: int | None = None,
+                piece_tokens: int | None = None) -> torch.Tensor | None:
+        """Run the next `max_layers` layers of a step begun by `begin_forward` (everything when None), in a piece of
+        `piece_tokens` of its tokens (all the rest when None; SteppedForward says why); its output once the step has
+        run whole, else None. Raises SessionEvictedError when the session was reset or evicted since the last call."""
+        if piece_tokens is not None and piece_tokens < 1:
+            raise ValueError(f"piece_tokens must be at least 1, got {piece_tokens}")
         with self._lock:
             self._check_still_cached(step)
-            if step.new_pass is None:
+            if step.stack is None:
                 with self._stepping(step), torch.inference_mode():
                     output = self._static.run(step.session.cache, *step.whole_step)
                 return self._record_step(step, output)
@@ -218,7 +219,7 @@ class LayerRangeRunner:
             return self._static.run_batch(caches, torch.cat([hidden for _, _, hidden, _ in ready]), positions,
                                           run_lo, run_hi)
         return run_batched_step(
-            config=self._config, layers=self._layers, rotary_embedding=self._rotary_embedding,
+            config=self._stack.config, layers=self._stack.layers, rotary_embedding=self._stack.rotary_embedding,
             attention_types=self._attention_types, caches=caches, hidden_states=[h for _, _, h, _ in ready],
             positions=positions, run_lo=run_lo, run_hi=run_hi, buffers=self._stacking_buffers)
 
@@ -226,15 +227,7 @@ class LayerRangeRunner:
                   kind: StepKind) -> torch.Tensor:
         if self._static is not None:
             return self._static.run(cache, hidden_states, start_pos, run_lo, run_hi, kind)
-        return self._layer_pass(cache, hidden_states, start_pos, run_lo, run_hi).run()
-
-    def _layer_pass(self, cache, hidden_states: torch.Tensor, start_pos: int, run_lo: int, run_hi: int) -> LayerPass:
-        # Locked though the layers run unlocked: a dynamic or longrope rotary embedding rewrites its frequencies
-        # for the positions asked (transformers' dynamic_rope_update); two passes must not build theirs at once.
-        with self._lock:
-            return LayerPass(config=self._config, layers=self._layers, rotary_embedding=self._rotary_embedding,
-                             attention_types=self._attention_types, cache=cache, hidden_states=hidden_states,
-                             start_pos=start_pos, run_lo=run_lo, run_hi=run_hi)
+        return self._stack.layer_pass(cache, hidden_states, start_pos, run_lo, run_hi).run()
 
     def _session_for(self, session_id: str, start_pos: int, num_tokens: int, kind: str, run_lo: int, run_hi: int):
         """The session a step runs in: a prefill at 0 (re)starts it, any other step continues it (checked)."""
@@ -332,21 +325,21 @@ class LayerRangeRunner:
 
     def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The loaded layer parameters under their checkpoint names (``model.layers.<i>.…``)."""
-        for layer_index, layer in self._layers.items():
+        for layer_index, layer in self._stack.layers.items():
             for name, parameter in layer.named_parameters():
                 yield f"{self._layer_prefix}{layer_index}.{name}", parameter
 
     @property
     def weight_bytes(self) -> int:
         """Bytes of the loaded layer weights (what this shard holds in memory besides caches)."""
-        return sum(t.numel() * t.element_size() for layer in self._layers.values()
+        return sum(t.numel() * t.element_size() for layer in self._stack.layers.values()
                    for t in (*layer.parameters(), *layer.buffers()))
 
     def close(self) -> None:
         """Free every cache and the weights; later calls raise RunnerClosedError."""
         with self._lock:
             self._caches.drop_all()
-            self._layers = {}
+            self._stack = dataclasses.replace(self._stack, layers={})
             self._closed = True
 
     def __enter__(self) -> LayerRangeRunner:

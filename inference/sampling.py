@@ -6,7 +6,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-DEFAULT_MAX_TOKENS = 64
+# The wire's default (services/common/chat_protocol.py default_max_tokens), which inference may not import;
+# tests/unit/test_one_home_per_default.py keeps the two equal.
+DEFAULT_MAX_TOKENS = 128
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,6 @@ from readmodels.tables import (
     EventCount,
     Failover,
     Pipeline,
-    PipelineMinute,
     RejectedEvent,
     Shard,
     ShardHealth,
@@ -34,7 +33,6 @@ FAILOVERS: Table = Failover.__table__
 REJECTED_EVENTS: Table = RejectedEvent.__table__
 EVENT_COUNTS: Table = EventCount.__table__
 SHARD_TOKENS_DAILY: Table = ShardTokensDaily.__table__
-PIPELINE_MINUTES: Table = PipelineMinute.__table__
 
 Row = dict[str, Any]
 

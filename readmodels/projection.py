@@ -47,6 +47,7 @@ from events.models import (
     ShardWithdrawn,
 )
 from events.signing import EventVerifier, RejectionReason
+from events.streams import seconds_per_day
 from readmodels.batch_rows import (
     EVENT_COUNTS,
     FAILOVERS,
@@ -70,7 +71,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 TERMINAL_PIPELINE_STATUSES = frozenset({"completed", "aborted"})
-seconds_per_day = 86_400
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from events.consume import SkippedMessage, StoredEvent, read_stream, stream_last_seq
 from events.metrics import events_rejected_total
 from events.signing import REJECTION_REASONS, EventVerifier
-from events.streams import ALL_STREAMS, StreamSetup
+from events.streams import ALL_STREAMS, StreamSetup, stream_info_timeout_s
 from readmodels.db import open_engine, upgrade_database
 from readmodels.projection import PROJECTION_NAME, ReadModelProjection, Rejection, load_positions
 
@@ -39,7 +39,6 @@ log = logging.getLogger(__name__)
 batch_max_events = 2_000
 queue_max_events = 20_000
 lag_poll_interval_s = 1.0
-stream_info_timeout_s = 5.0
 follower_retry_initial_s = 0.2
 follower_retry_max_s = 5.0
 apply_retry_initial_s = 0.5

@@ -217,6 +217,3 @@ class PipelineMinute(Base):
     ttft_p95_ms: Mapped[float | None] = mapped_column(Float, comment="duration")
     tokens_per_second_p50: Mapped[float | None] = mapped_column(Float, comment="completed calls")
     tokens_per_second_p95: Mapped[float | None] = mapped_column(Float, comment="completed calls")
-
-
-all_tables = Base.metadata.sorted_tables

@@ -42,8 +42,11 @@ from services.cluster import LocalCluster  # noqa: E402
 from services.common.chat_client import stream_chat  # noqa: E402
 from services.common.chat_protocol import ChatParams, ChatRequest, TokenDeltaFrame  # noqa: E402
 from services.common.nats_connection import connect_nats  # noqa: E402
+from services.random_models import RANDOM_PREFIX, random_checkpoint  # noqa: E402
 
-MODEL_NAME = "tiny-llama"
+# hearth's random `tiny` shape (6 layers, hidden 64: the tests' tiny checkpoint's shape); served by its folder name.
+MODEL_SHAPE = "tiny"
+MODEL_NAME = MODEL_SHAPE
 LAYER_RANGES = [(0, 1), (2, 3), (4, 5)]
 PROMPT = "the quick brown fox jumps over"
 health_timeout_s = 5.0
@@ -62,10 +65,7 @@ class Round:
 
 
 def write_model(folder: Path) -> Path:
-    # The tests' tiny checkpoint (6 layers, hidden 64, byte-level BPE tokenizer), written with save_pretrained.
-    from tests.unit.inference_tiny_models import write_tiny_model
-
-    return write_tiny_model(folder / MODEL_NAME, "llama")
+    return random_checkpoint(f"{RANDOM_PREFIX}{MODEL_SHAPE}", cache_dir=folder)
 
 
 def percentile(values: list[float], q: int) -> float:

@@ -30,7 +30,7 @@ from services.common.chat_protocol import ChatMessage, ChatParams, ChatRequest, 
 from services.common.config import HearthSettings, NatsSettings  # noqa: E402
 from services.common.lifecycle import run_event_loop  # noqa: E402
 from services.common.nats_connection import connect_nats  # noqa: E402
-from services.demo import DemoModel, resolve_demo_model  # noqa: E402
+from services.demo import DemoModel, default_shards, resolve_demo_model  # noqa: E402
 
 FLOODER = "bench-flooder"
 NEIGHBOUR = "bench-neighbour"
@@ -162,7 +162,7 @@ def main() -> None:
     prompt = long_prompt(model.path, args.flood_prompt_tokens)
     with LocalCluster(torch_threads=1) as cluster:
         cluster.start_nats()
-        cluster.start_even_mesh(model.path, model.num_layers)
+        cluster.start_even_mesh(model.path, model.num_layers, shards=default_shards)
         result = run_event_loop(measure(cluster, model, prompt, args))
     limits = HearthSettings().orchestrator
     print(json.dumps({"model": args.model or model.path.name, "args": vars(args),

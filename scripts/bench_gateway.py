@@ -31,7 +31,7 @@ from services.common.chat_client import stream_chat  # noqa: E402
 from services.common.chat_protocol import ChatMessage, ChatRequest, TokenDeltaFrame  # noqa: E402
 from services.common.lifecycle import run_event_loop  # noqa: E402
 from services.common.nats_connection import connect_nats  # noqa: E402
-from services.demo import resolve_demo_model  # noqa: E402
+from services.demo import default_shards, resolve_demo_model  # noqa: E402
 from services.gateway.keys import create_api_key  # noqa: E402
 
 PROMPT = "Tell me a fortune."
@@ -144,7 +144,7 @@ def main() -> None:
     model = resolve_demo_model(args.model)
     with LocalCluster(torch_threads=1) as cluster:
         cluster.start_nats()
-        cluster.start_even_mesh(model.path, model.num_layers)
+        cluster.start_even_mesh(model.path, model.num_layers, shards=default_shards)
         api_key = create_api_key(cluster.member_key(MEMBER, "client").parents[1], MEMBER)
         url = cluster.start_gateway().ready_file.read_text()
         run_event_loop(measure(cluster, url, api_key, model.name, args))

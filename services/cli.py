@@ -50,7 +50,11 @@ from services.common.cli_options import (
     use_metrics_host,
     wait_for_nats,
 )
+from services.common.chat_protocol import default_max_tokens
+from services.common.logging import default_log_level
+from services.demo import default_max_tokens as default_demo_max_tokens, default_shards as default_demo_shards
 from services.nats_cli import NATS_HELP_EPILOG, nats_command
+from events.models import default_hop_weight
 from services.weights_cli import weights_app
 
 app = typer.Typer(
@@ -74,7 +78,7 @@ LONG_RUNNING_COMMANDS = ("projector", "shard", "orchestrator", "gateway", "host"
 def main_options(
     ctx: typer.Context,
     config: ConfigOption = None,
-    log_level: LogLevelOption = "INFO",
+    log_level: LogLevelOption = default_log_level,
 ) -> None:
     """hearth: run one LLM across the machines of a community mesh (sharded layers over NATS)."""
     from services.common.lifecycle import default_stop_signals
@@ -148,7 +152,9 @@ def shard_command(
         show_default=False)] = None,
     node_id: HostNodeIdOption = None,
     model_id: ModelIdOption = None,
-    hop_weight: Annotated[float, typer.Option("--hop-weight", help="1.0 = same LAN; larger = farther.")] = 1.0,
+    hop_weight: Annotated[
+        float, typer.Option("--hop-weight", help="1.0 = same LAN; larger = farther.")
+    ] = default_hop_weight,
     device: DeviceOption = None,
     dtype: DtypeOption = None,
     quantize: QuantizeOption = None,
@@ -254,7 +260,8 @@ def chat_command(
         Optional[str], typer.Option("--model", help="Model id, as the shard hosts advertise it (default: the one "
                                     "model the mesh serves; `hearth models` lists them).", show_default=False)
     ] = None,
-    max_tokens: Annotated[int, typer.Option("--max-tokens", min=1, help="Most tokens to generate.")] = 128,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", min=1, help="Most tokens to generate.")] = \
+        default_max_tokens,
     temperature: Annotated[float, typer.Option("--temperature", min=0.0, help="0 = greedy.")] = 0.0,
     seed: Annotated[Optional[int], typer.Option("--seed", help="Makes sampling reproducible.")] = None,
     raw: Annotated[bool, typer.Option("--raw", help="Send PROMPT as raw text, no chat template.")] = False,
@@ -304,11 +311,13 @@ def demo_command(
                                     "package is installed, else the bundled toy models/hearth-tiny-llama).",
                                     show_default=False)
     ] = None,
-    shards: Annotated[int, typer.Option("--shards", min=1, help="Shard hosts; the layers are split evenly.")] = 3,
+    shards: Annotated[int, typer.Option("--shards", min=1, help="Shard hosts; the layers are split evenly.")] = \
+        default_demo_shards,
     prompt: Annotated[Optional[str], typer.Option(
         "--prompt", help="What to ask (default: a factual question; a fortune for the toy model).",
         show_default=False)] = None,
-    max_tokens: Annotated[int, typer.Option("--max-tokens", min=1, help="Most tokens to generate.")] = 48,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", min=1, help="Most tokens to generate.")] = \
+        default_demo_max_tokens,
     serve: Annotated[
         bool, typer.Option("--serve", help="Keep the mesh running after the answer (Ctrl-C stops).")
     ] = False,

@@ -14,10 +14,11 @@ from pathlib import Path
 
 from services.common.community_streams import create_community_streams_blocking
 from services.common.config import ENV_NESTED_DELIMITER, ENV_PREFIX, NatsSettings
+from services.common.logging import default_log_level, log_tail_chars
 from services.common.nats_permissions import render_authorization
 from services.common.nats_cluster import EmbeddedNatsCluster
 from services.common.nats_server import EmbeddedNatsServer, free_tcp_port
-from services.prefork import PreforkedProcess, SpawnRequest, prefork_launcher
+from services.prefork import HEARTH_MODULE, PreforkedProcess, SpawnRequest, prefork_launcher
 from services.common.tls_files import TlsFiles, write_throwaway_ca
 from services.core_sharing import pinned_command, quiet_torch_environment
 from trust.community import Community
@@ -105,7 +106,7 @@ class ManagedProcess:
     def metrics_url(self) -> str | None:
         return f"http://127.0.0.1:{self.metrics_port}/metrics" if self.metrics_port else None
 
-    def log_tail(self, chars: int = 3000) -> str:
+    def log_tail(self, chars: int = log_tail_chars) -> str:
         try:
             return self.log_path.read_text(errors="replace")[-chars:]
         except OSError:
@@ -138,7 +139,7 @@ class LocalCluster:
     work_dir: Path | None = None
     nats_url: str | None = None
     torch_threads: int | None = None
-    log_level: str = "INFO"
+    log_level: str = default_log_level
     extra_env: dict[str, str] = field(default_factory=dict)
     processes: list[ManagedProcess] = field(default_factory=list)
     # True: every process runs in its own session, out of reach of the terminal's Ctrl-C, so the owner
@@ -282,7 +283,7 @@ class LocalCluster:
             return prefork_launcher(env, repo_root).spawn(SpawnRequest(
                 argv=hearth_args, env=env, cwd=str(repo_root), log_path=str(log_path),
                 new_session=self.start_new_session, cpus=sorted(set(cpus)) if cpus else None))
-        command, pin = pinned_command([*command_prefix, sys.executable, "-m", "services.cli", *hearth_args], cpus)
+        command, pin = pinned_command([*command_prefix, sys.executable, "-m", HEARTH_MODULE, *hearth_args], cpus)
         with open(log_path, "ab") as log_file:
             return subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     env=env, cwd=str(repo_root), start_new_session=self.start_new_session,
@@ -331,12 +332,12 @@ class LocalCluster:
         if cpus or BATCH_MERGE_WINDOW_ENV in self.extra_env or BATCH_MERGE_WINDOW_ENV in os.environ:
             return {}
         if device is not None and _computes_on_gpu(device):
-            # On an H200 8 sessions' batched steps took 2.5 ms; waiting up to 200 ms to merge groups cost 27 % of
-            # the aggregate rate (BENCHMARKS.md, "On a GPU").
+            # A GPU's batched step is short, so waiting to merge groups costs more than one batch saves
+            # (BENCHMARKS.md, "On a GPU").
             return {}
         return {BATCH_MERGE_WINDOW_ENV: repr(shared_machine_batch_merge_window_ms)}
 
-    def start_even_mesh(self, model: Path, num_layers: int, *, shards: int = 3) -> None:
+    def start_even_mesh(self, model: Path, num_layers: int, *, shards: int) -> None:
         """`shards` shard hosts splitting `model`'s layers evenly (bench-host-i serves range i) and an orchestrator
         with the model preloaded, all ready when this returns; NATS must be started."""
         for index, (lo, hi) in enumerate(even_layer_ranges(num_layers, shards)):

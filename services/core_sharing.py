@@ -7,7 +7,8 @@ import os
 import shutil
 from collections.abc import Callable, Sequence
 
-# libgomp's spin before a waiting OpenMP thread sleeps, in spin iterations (about 0.3 ms on the project's VM).
+# libgomp's spin before a waiting OpenMP thread sleeps, in spin iterations: long enough to bridge the gaps inside a
+# step, short enough to leave the cores to the next hop (BENCHMARKS.md, "Compute thread and OpenMP spinning").
 openmp_spin_count = 20000
 
 
@@ -16,8 +17,8 @@ def quiet_torch_environment(threads: int | None) -> dict[str, str]:
 
     A single session's step runs in one process while the others wait, so it may use every core: its OpenMP
     threads spin briefly between parallel regions (GOMP_SPINCOUNT) instead of sleeping on a futex after each
-    of the hundreds of regions of a step, each wake-up costing an inter-processor interrupt to a halted vCPU
-    (`hearth bench`, llama-250m: 15 -> 20 tokens/s for the pipeline, 18 -> 24 for generate()). Spinning long
+    of the hundreds of regions of a step, each wake-up costing an inter-processor interrupt to a halted vCPU.
+    Spinning long
     (libgomp's default of ~300000 iterations, or OMP_WAIT_POLICY=ACTIVE) steals the cores from the next hop
     once a step is done, so the spin is short and the wait policy passive beyond it; and while a process
     serves several streams its steps use one thread (`--busy-threads`, shared_machine_busy_threads), since

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from services.common.lifecycle import STOP_EXIT_CODE, Interrupted, run_cancelling_on_signal
+from services.common.logging import default_log_level
 from services.cluster import ClusterError, LocalCluster, ManagedProcess, even_layer_ranges, prefork_from_environment
 from services.demo_model import (
     REAL_DEMO_MODEL_HINT,
@@ -76,7 +77,7 @@ class DemoRun:
     raw: bool = False
     torch_threads: int | None = None
     work_dir: Path | None = None
-    log_level: str = "INFO"
+    log_level: str = default_log_level
     # --device/--dtype of every shard host and the orchestrator (None: their defaults).
     device: str | None = None
     dtype: str | None = None
@@ -101,8 +102,8 @@ class DemoRun:
             self.prompt = self.prompt or default_prompt(demo_model)
             if not 1 <= self.shards <= demo_model.num_layers:
                 raise DemoError(f"--shards must be between 1 and the model's {demo_model.num_layers} layers")
-            # Forked from one process that imported torch once: ready in 5.7 s instead of 11 s on a 2-core machine
-            # (README, Tests); HEARTH_PREFORK=0 starts each process fresh.
+            # Forked from one process that imported torch once, so no process imports it again (how much sooner
+            # the demo is ready: BENCHMARKS.md, "`hearth demo`"); HEARTH_PREFORK=0 starts each process fresh.
             cluster = LocalCluster(work_dir=self.work_dir, torch_threads=self.torch_threads,
                                    log_level=self.log_level, start_new_session=True,
                                    prefork=prefork_from_environment(default=True))

@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
+from services.common.config_sections import loopback_host
+
 if TYPE_CHECKING:
     import threading
 
@@ -74,7 +76,7 @@ def nats_command(
     ] = Path(".hearth/nats"),
     host: Annotated[
         str, typer.Option("--host", help="Interface to listen on; 0.0.0.0 to accept other machines.")
-    ] = "127.0.0.1",
+    ] = loopback_host,
     community: Annotated[Optional[Path], typer.Option(
         "--community", help="Community folder: only its members may connect, each with its role's permissions "
                             "(rendered from its roster, as `hearth community nats-config` does).")] = None,

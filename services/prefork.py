@@ -1,16 +1,14 @@
 """Prefork launcher: one process imports torch, transformers and hearth once, then forks each `hearth` command
-LocalCluster asks for, so a mesh of N processes pays the 5-7 s import once instead of N times.
+LocalCluster asks for, so a mesh of N processes pays the import once instead of N times.
 
-The children are real processes (their own pid, memory, signals and exit status): tests still kill them with
-SIGKILL and read /proc. What changes is only where they start from: a fork of a parent that has imported
-the modules but run nothing (no torch operation, no event loop, no thread of its own), which is how PyTorch's
-DataLoader starts its workers too. Settings that libraries read while they are imported (OpenMP's spin and
-wait policy, Hugging Face's offline flags) are part of a launcher's identity: a command whose environment
-differs in them gets a launcher started with that environment (`import_environment`).
+The children are real processes (own pid, memory, signals and exit status: tests kill them and read /proc); only
+their start differs: a fork of a parent that imported the modules but ran nothing (no torch operation, event loop or
+thread of its own), as PyTorch's DataLoader starts its workers. Settings that libraries read at import (OpenMP's
+wait policy, Hugging Face's offline flags) are part of a launcher's identity: a command whose environment differs in
+them gets its own launcher (`import_environment`).
 
-Wire (JSON lines): the client writes a `SpawnRequest` on the launcher's stdin; the launcher answers each with
-a `SpawnReply` on its stdout, in order, and writes an `ExitReport` whenever a child ends (it is their parent,
-so only it can reap them and know their exit status).
+Wire (JSON lines): the client writes a `SpawnRequest` on the launcher's stdin; the launcher answers each with a
+`SpawnReply` on its stdout, in order, and an `ExitReport` whenever a child ends (only their parent can reap them).
 
 Run as `python -m services.prefork` by `PreforkLauncher`; nothing else starts it.
 """
@@ -24,6 +22,7 @@ import importlib
 import json
 import logging
 import os
+import runpy
 import select
 import shlex
 import signal
@@ -38,11 +37,15 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from services.common.logging import log_tail_chars
+
 log = logging.getLogger(__name__)
 
+# What a child runs, as `python -m` would (named, not imported: the CLI loads the tooling that starts the launcher).
+HEARTH_MODULE = "services.cli"
 # Imported by the launcher before it forks anything: every module a long-running `hearth` command loads.
 PRELOADED_MODULES = (
-    "services.cli",
+    HEARTH_MODULE,
     "services.shard.main",
     "services.orchestrator.main",
     "services.projector.main",
@@ -123,15 +126,14 @@ def _run_child(request: SpawnRequest, launcher_fds: Sequence[int]) -> None:
         signal.set_wakeup_fd(-1)
         for fd in launcher_fds:
             os.close(fd)
-        # SIGPIPE stays ignored, as in a fresh interpreter: a write to a closed socket raises BrokenPipeError
-        # (nats-py reconnects) instead of killing the child (a demo's projector once exited with -13).
+        # SIGPIPE stays ignored, as in a fresh interpreter: a write to a closed socket raises BrokenPipeError.
         for signum in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP):
             signal.signal(signum, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         with contextlib.suppress(ImportError):  # cosmetic: ps would show the launcher's command line instead
             import setproctitle
 
-            setproctitle.setproctitle(shlex.join([sys.executable, "-m", "services.cli", *request.argv]))
+            setproctitle.setproctitle(shlex.join([sys.executable, "-m", HEARTH_MODULE, *request.argv]))
         if request.new_session:
             os.setsid()
         if request.cpus:
@@ -150,10 +152,8 @@ def _run_child(request: SpawnRequest, launcher_fds: Sequence[int]) -> None:
 
         torch.seed()  # a fresh process draws its own seed; a fork would otherwise share the launcher's
         sys.argv = ["hearth", *request.argv]
-        from services.cli import main
-
         try:
-            main()
+            runpy.run_module(HEARTH_MODULE, run_name="__main__", alter_sys=True)
             code = 0
         except SystemExit as exit_:
             code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
@@ -222,8 +222,9 @@ def _serve() -> None:
                 _write(SpawnReply(error=f"not a spawn request: {error}"))
                 continue
             # The imported modules' millions of objects go to the permanent generation: a child's full
-            # collections skip them (one landed on a demo's first routing query as 320 ms of CPU) and leave their
-            # pages, which the children share with the launcher, untouched by the collector (gc.freeze's docs).
+            # collections skip them (otherwise one lands on a child's first request: BENCHMARKS.md, "`hearth
+            # demo`") and leave their pages, which the children share with the launcher, untouched by the
+            # collector (gc.freeze's docs).
             gc.freeze()
             pid = os.fork()
             if pid == 0:
@@ -329,7 +330,7 @@ class PreforkLauncher:
             raise LauncherError(f"prefork launcher refused: {reply.error}")
         return PreforkedProcess(self, reply.pid, request.argv)
 
-    def _stderr_tail(self, chars: int = 2000) -> str:
+    def _stderr_tail(self, chars: int = log_tail_chars) -> str:
         with contextlib.suppress(OSError):
             self._stderr.seek(0)
             return self._stderr.read().decode(errors="replace")[-chars:]

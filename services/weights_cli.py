@@ -11,12 +11,11 @@ from typing import Annotated
 
 import typer
 
-from services.common.cli_options import CredsOption, InsecureOption, NatsUrlOption, resolve_nats_url, settings, \
-    use_credentials
+from services.common.cli_options import EXIT_BAD_INPUT, CredsOption, InsecureOption, NatsUrlOption, resolve_nats_url, \
+    settings, use_credentials
 
 weights_app = typer.Typer(help="The community's checkpoints in the NATS object store, stored per layer "
                                "(load one with --model store:NAME).", rich_markup_mode=None, no_args_is_help=True)
-EXIT_BAD_INPUT = 2
 
 
 def _fail(command: str, message: str) -> None:

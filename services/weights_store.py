@@ -174,7 +174,7 @@ def _layer_blobs(folder: Path):
 def _side_files(folder: Path) -> list[Path]:
     import fnmatch
 
-    from inference.checkpoint import SAFETENSORS_INDEX_NAME
+    from inference.checkpoint_files import SAFETENSORS_INDEX_NAME
 
     return sorted(file for file in folder.iterdir() if file.is_file() and file.name != SAFETENSORS_INDEX_NAME
                   and any(fnmatch.fnmatch(file.name, pattern) for pattern in NON_WEIGHT_PATTERNS))

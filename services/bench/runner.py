@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from services.bench.burst import run_burst
+from services.bench.defaults import default_new_tokens, default_prompt_tokens, default_repeats, default_sessions
 from services.bench.errors import BenchError
 from services.bench.monolithic import MonolithicWorker
 from services.bench.pipeline import pipeline_generation
@@ -40,18 +41,13 @@ from services.bench.transport_metrics import (
 from services.cluster import LocalCluster, even_layer_ranges
 from services.core_sharing import quiet_torch_environment
 from services.common.lifecycle import run_event_loop
-from services.demo import resolve_demo_model
+from services.demo import default_shards, resolve_demo_model
 from services.random_models import RANDOM_PREFIX, random_checkpoint
 
 HopValue = TypeVar("HopValue")
 
-default_prompt_tokens = 64
-default_new_tokens = 32
-default_sessions = 4
-default_repeats = 3
 # The warm-up generates as many tokens as a measured round: on a GPU, generate()'s first pass over each cache
-# length is slow (an H200's first 64-token round of TinyLlama-1.1B decoded at 21 tok/s, the next ones at 70-75,
-# after a 4-token warm-up).
+# length is slow, so a shorter warm-up leaves the first measured round far below the others.
 # Generous: this measures speed, not failover; a 1.1B prefill queued behind three others on two busy
 # cores can hold a hop for longer than the production default of 10 s.
 bench_step_timeout_s = 120.0
@@ -63,7 +59,7 @@ class BenchOptions:
     """What one `hearth bench` run measures and how (the command's options)."""
 
     model: str | None = None
-    shards: int = 3
+    shards: int = default_shards
     prompt_tokens: int = default_prompt_tokens
     new_tokens: int = default_new_tokens
     sessions: int = default_sessions

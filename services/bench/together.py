@@ -33,11 +33,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.bench.defaults import default_new_tokens, default_prompt_tokens
 from services.bench.errors import BenchError
 from services.bench.monolithic import MonolithicInfo, MonolithicWorker
 from services.bench.pipeline import pipeline_generation
 from services.bench.timing import GenerationTiming
 from services.bench.process_stats import cpu_seconds, cpus_allowed, own_cpu_seconds
+from services.bench.runner import bench_step_timeout_s
 from services.bench.together_report import (
     BaselineFigures,
     PinnedProcess,
@@ -55,7 +57,8 @@ from services.random_models import RANDOM_PREFIX, random_checkpoint
 
 warmup_new_tokens = 4
 generate_path, local_path = "transformers generate()", "hearth LocalModel"
-step_timeout_s = 120.0
+# Fewer measured rounds than `hearth bench`: each round here runs every session count.
+together_repeats = 2
 ready_timeout_s = 600.0
 
 
@@ -67,9 +70,9 @@ class TogetherOptions:
     model: str | None = None
     # Concurrent session counts to measure (empty: N, 2N, 4N and 8).
     sessions: list[int] = field(default_factory=list)
-    prompt_tokens: int = 64
-    new_tokens: int = 32
-    repeats: int = 2
+    prompt_tokens: int = default_prompt_tokens
+    new_tokens: int = default_new_tokens
+    repeats: int = together_repeats
     cache_dir: Path | None = None
     child_env: dict[str, str] = field(default_factory=dict)
     secure: bool = True
@@ -209,7 +212,7 @@ class TogetherBench:
             cluster.start_shard(str(model.path), lo, hi, node_id=f"pinned-{index}", wait_ready=False, cpus=[core],
                                 extra_args=["--max-streams", str(max_streams)])
         cluster.start_orchestrator(node_id="bench-orchestrator", wait_ready=False, extra_args=[
-            "--preload", str(model.path), "--step-timeout-s", str(step_timeout_s)])
+            "--preload", str(model.path), "--step-timeout-s", str(bench_step_timeout_s)])
         for process in cluster.processes:
             cluster.wait_ready(process, timeout_s=ready_timeout_s)
         _progress("all processes ready")

@@ -1,13 +1,14 @@
-"""ContinuousBatcher: continuous batching of awaited work items: the items ready together run as one batch through
-one function, and each submitter gets its own row's result back (the shard's decode steps, services/shard/batcher.py;
-the orchestrator's head steps, services/orchestrator/head_batcher.py).
+"""ReadyQueue: continuous batching's policy over awaited work items: which of the items ready together a scheduler
+loop takes as its next batch, and when; the loop runs the batch itself and hands each submitter its own row's result
+(the shard's decode steps, services/shard/compute.py with services/shard/batcher.py; the orchestrator's head steps,
+services/orchestrator/head_batcher.py).
 
 Continuous: there is no fixed batch. While a batch computes, the items that arrive queue; the next batch takes what
-is queued (at most `max_rows`, all of one group), so streams join and leave between batches. Before starting a batch
-it waits up to `window_s` for more items, but only while fewer items are queued than streams are open (`open_streams`):
-one stream alone never waits, so it is not slowed down. Items of another group (e.g. another layer sub-range) wait
-for a later batch, and so do items beyond `max_cost` (e.g. tokens): a batch takes items of its group in arrival order
-while their costs together stay within it (its first item always).
+is queued (at most `max_rows`, all of one group), so streams join and leave between batches. Before handing out a
+batch it waits up to `window_s` for more items, but only while fewer items are queued than streams are open
+(`open_streams`): one stream alone never waits, so it is not slowed down. Items of another group (e.g. another layer
+sub-range) wait for a later batch, and so do items beyond `max_cost` (e.g. tokens): a batch takes items of its group
+in arrival order while their costs together stay within it (its first item always).
 
 Pacing (items named by `stream`): the window is not waited for streams known to come only well after it. Each
 stream's last arrival and the interval before it say when it is due again; one due later than the wait's end by
@@ -34,9 +35,8 @@ waiting for the other would only delay both.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
-from collections.abc import Awaitable, Callable, Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -45,6 +45,8 @@ Item = TypeVar("Item")
 pace_slack_intervals = 0.25
 # How long a stream that stopped coming is remembered for pacing (late by more; merging forgets it sooner).
 pace_memory_s = 1.0
+# How long a scheduler loop waits for a first item before it asks again (an idle loop's wait still ends).
+scheduler_idle_wait_s = 1.0
 
 
 @dataclass
@@ -53,13 +55,42 @@ class _Waiting(Generic[Item]):
     result: asyncio.Future
 
 
-class ContinuousBatcher(Generic[Item]):
-    """Queues items and runs them in batches through `run_batch` (one result or exception per item, in order)."""
+class ReadyBatch(Generic[Item]):
+    """A batch a scheduler loop took: its items in arrival order, and the futures their submitters await."""
 
-    def __init__(self, run_batch: Callable[[list[Item]], Awaitable[list]], *, window_s: float, max_rows: int,
-                 open_streams: Callable[[], int], group: Callable[[Item], Hashable] = lambda item: None,
-                 cost: Callable[[Item], int] = lambda item: 1, max_cost: int | None = None,
-                 name: str = "continuous-batcher", stream: Callable[[Item], Hashable | None] | None = None,
+    def __init__(self, waiting: list[_Waiting[Item]]) -> None:
+        self._waiting = waiting
+
+    @property
+    def items(self) -> list[Item]:
+        return [waiting.item for waiting in self._waiting]
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    def scatter(self, outcomes: list) -> None:
+        """Hand each submitter its row's outcome: a result, or the exception its row raised (one per item, in
+        order)."""
+        for waiting, outcome in zip(self._waiting, outcomes, strict=True):
+            if waiting.result.done():
+                continue  # its submitter stopped waiting meanwhile
+            if isinstance(outcome, BaseException):
+                waiting.result.set_exception(outcome)
+            else:
+                waiting.result.set_result(outcome)
+
+    def cancel(self) -> None:
+        """Cancel the rows not answered yet (the loop stopped while the batch ran)."""
+        for waiting in self._waiting:
+            waiting.result.cancel()
+
+
+class ReadyQueue(Generic[Item]):
+    """Items ready to run, handed out as batches by `next_batch` (the module docstring says which and when)."""
+
+    def __init__(self, *, window_s: float, max_rows: int, open_streams: Callable[[], int],
+                 group: Callable[[Item], Hashable] = lambda item: None, cost: Callable[[Item], int] = lambda item: 1,
+                 max_cost: int | None = None, stream: Callable[[Item], Hashable | None] | None = None,
                  merges: Callable[[Item], bool] = lambda item: True, merge_window_s: float = 0.0) -> None:
         if window_s < 0:
             raise ValueError(f"window_s must not be negative, got {window_s}")
@@ -69,17 +100,14 @@ class ContinuousBatcher(Generic[Item]):
             raise ValueError("merging needs the items' streams (stream=...)")
         if max_rows < 1:
             raise ValueError(f"max_rows must be at least 1, got {max_rows}")
-        self._run_batch = run_batch
         self.window_s = window_s
         self.max_rows = max_rows
         self._open_streams = open_streams
         self._group = group
         self._cost = cost
         self._max_cost = max_cost
-        self._name = name
         self._queue: list[_Waiting[Item]] = []
         self._arrived = asyncio.Event()
-        self._task: asyncio.Task | None = None
         self.batches_total = 0
         self.rows_total = 0
         self._stream = stream
@@ -87,45 +115,34 @@ class ContinuousBatcher(Generic[Item]):
         self.merge_window_s = merge_window_s
         self._arrivals = StreamArrivals(merge_window_s, keep_s=pace_memory_s)
 
-    async def submit(self, item: Item):
-        """Run one item in the next batch of its group; its result, or what its row raised."""
+    def put(self, item: Item) -> asyncio.Future:
+        """Queue one item for the next batch of its group; the future its row's result (or exception) is set on."""
         future = asyncio.get_running_loop().create_future()
         if self._stream is not None and (stream := self._stream(item)) is not None:
             self._arrivals.arrived(stream, time.monotonic(), mergeable=self._merges(item))
         self._queue.append(_Waiting(item, future))
         self._arrived.set()
-        if self._task is None or self._task.done():
-            self._task = asyncio.create_task(self._drain(), name=self._name)
-        return await future
+        return future
 
-    async def close(self) -> None:
-        """Stop batching; items still queued are cancelled."""
-        task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+    async def next_batch(self, idle_wait_s: float = scheduler_idle_wait_s) -> ReadyBatch[Item] | None:
+        """The next batch to run, once gathered (window, pacing, merging); None when no item came in `idle_wait_s`."""
+        if not self._queue:
+            self._arrived.clear()
+            try:
+                await asyncio.wait_for(self._arrived.wait(), timeout=idle_wait_s)
+            except TimeoutError:
+                return None
+        await self._gather()
+        batch = self._take_batch()
+        self.batches_total += 1
+        self.rows_total += len(batch)
+        return ReadyBatch(batch)
+
+    def cancel_waiting(self) -> None:
+        """Cancel every item still queued (its scheduler stops)."""
         for waiting in self._queue:
             waiting.result.cancel()
         self._queue.clear()
-
-    async def _drain(self) -> None:
-        while self._queue:
-            await self._gather()
-            batch = self._take_batch()
-            self.batches_total += 1
-            self.rows_total += len(batch)
-            try:
-                outcomes = await self._run_batch([waiting.item for waiting in batch])
-            except Exception as error:  # the whole batch failed (e.g. an injected fault): every row hears it
-                outcomes = [error] * len(batch)
-            for waiting, outcome in zip(batch, outcomes, strict=True):
-                if waiting.result.done():
-                    continue  # its submitter stopped waiting meanwhile
-                if isinstance(outcome, BaseException):
-                    waiting.result.set_exception(outcome)
-                else:
-                    waiting.result.set_result(outcome)
 
     async def _gather(self) -> None:
         """Wait up to the window for more items while some open stream that may still come in it has none queued yet

@@ -14,7 +14,7 @@ from pydantic import ValidationError
 
 from services.common.call_signing import signed_call_headers
 from services.common.config_sections import ClientSettings
-from services.common.nats_connection import connection_identity
+from services.common.nats_connection import NO_RESPONDERS_STATUS, connection_identity
 from services.common.chat_protocol import (
     CHAT_REQUEST_SUBJECT,
     FINAL_FRAME_TYPES,
@@ -34,7 +34,6 @@ from trust.keys import MemberKey
 
 log = logging.getLogger(__name__)
 _client_defaults = ClientSettings()
-NO_RESPONDERS_STATUS = "503"
 
 
 def _ending(code: str, message: str, after_seq: int) -> ErrorFrame:

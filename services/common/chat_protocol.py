@@ -13,6 +13,8 @@ from services.common.quantization_labels import QUANTIZATION_LABEL_PATTERN
 CHAT_REQUEST_SUBJECT = "llm.chat.request"
 MODELS_REQUEST_SUBJECT = "llm.models"
 max_tokens_limit = 8192
+# What a call generates at most when it does not say (inference/sampling.py mirrors it).
+default_max_tokens = 128
 max_prompt_chars = 1_000_000
 max_stop_strings = 16
 max_stop_chars = 256
@@ -63,7 +65,7 @@ class ChatRequest(BaseModel):
     model: str | None = Field(default=None, min_length=1, max_length=512)
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     prompt: str | None = Field(default=None, min_length=1, max_length=max_prompt_chars)
-    max_tokens: int = Field(default=128, ge=1, le=max_tokens_limit)
+    max_tokens: int = Field(default=default_max_tokens, ge=1, le=max_tokens_limit)
     temperature: FiniteFloat = Field(default=0.0, ge=0.0, le=10.0)
     top_p: FiniteFloat = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=0, le=max_top_k)

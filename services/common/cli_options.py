@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Optional, TypeVar
 import typer
 
 from services.common.config import NATS_URL_ENV
+from services.common.logging import LOG_LEVEL_ENV
 
 if TYPE_CHECKING:
     from services.common.config import HearthSettings
@@ -19,7 +20,6 @@ if TYPE_CHECKING:
 F = TypeVar("F", bound=Callable[..., Any])
 
 CONFIG_ENV = "HEARTH_CONFIG"
-LOG_LEVEL_ENV = "HEARTH_LOG_LEVEL"
 
 NatsUrlOption = Annotated[
     Optional[str],
@@ -65,6 +65,7 @@ STOPPING_HELP = ("SIGINT (Ctrl-C) or SIGTERM stops it within 2 s with exit code 
                  "nats.connect_timeout_s of the configuration ends it with one line and exit code 1, unless "
                  "--wait-for-nats.")
 EXIT_BROKER_UNREACHABLE = 1
+EXIT_BAD_INPUT = 2
 EXIT_REFUSED = 1
 LogLevelOption = Annotated[
     str, typer.Option("--log-level", envvar=LOG_LEVEL_ENV, help="DEBUG, INFO, WARNING or ERROR.")

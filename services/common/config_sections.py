@@ -9,6 +9,10 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field
 
 
+# Where a listener binds unless told otherwise: this machine only.
+loopback_host = "127.0.0.1"
+
+
 class ConfigSection(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -26,7 +30,7 @@ class ClientSettings(ConfigSection):
 class GatewaySettings(ConfigSection):
     """[gateway]: the OpenAI-compatible HTTP gateway (`hearth gateway`, services/gateway/)."""
 
-    host: str = Field(default="127.0.0.1", description="interface to listen on; 0.0.0.0 to accept other machines")
+    host: str = Field(default=loopback_host, description="interface to listen on; 0.0.0.0 to accept other machines")
     port: int = Field(default=8000, ge=0, le=65535, description="TCP port to listen on (0: any free port)")
     community_dir: Path | None = Field(
         default=None, description="community folder holding api_keys.json and the keys of the members it names")
@@ -66,6 +70,6 @@ class MetricsSettings(ConfigSection):
     """[metrics]: where a process's Prometheus /metrics server listens (`--metrics-port` turns it on)."""
 
     host: str = Field(
-        default="127.0.0.1", description="interface /metrics listens on (`--metrics-host`); it has no "
+        default=loopback_host, description="interface /metrics listens on (`--metrics-host`); it has no "
                                          "authentication and names callers, so 0.0.0.0 only where the network is "
                                          "private (a Prometheus in another container)")

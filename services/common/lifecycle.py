@@ -22,8 +22,8 @@ STOP_EXIT_CODE = 0
 # a worker thread, waiting for a broker that is down): its own shutdown gets until then.
 stop_deadline_s = 1.5
 # libuv's event loop (uvloop) is used where it is installed: every activation frame crosses two event loops
-# per hop, and uvloop cuts a back-to-back NATS round trip on loopback from ~0.39 to ~0.26 ms on the project's
-# 2-core VM (less after an idle gap; BENCHMARKS.md, "Compute thread and OpenMP spinning").
+# per hop, and uvloop's loopback round trip is shorter (BENCHMARKS.md, "`hearth bench`": its gain mostly goes after
+# an idle gap, "Compute thread and OpenMP spinning").
 # HEARTH_ASYNCIO_LOOP=asyncio picks the stdlib loop.
 EVENT_LOOP_ENV = "HEARTH_ASYNCIO_LOOP"
 
@@ -77,8 +77,8 @@ def stop_requested() -> bool:
 def end_stopped_process() -> NoReturn:
     """After a requested stop's own shutdown: run the atexit handlers, flush, exit with STOP_EXIT_CODE.
 
-    This skips the interpreter's teardown of every loaded module (about 1.2 s once torch and transformers
-    are imported, on the project's VM) and the join of a worker thread still loading weights nobody needs.
+    This skips the interpreter's teardown of every loaded module (slow once torch and transformers are imported)
+    and the join of a worker thread still loading weights nobody needs.
     """
     with contextlib.suppress(Exception):
         atexit._run_exitfuncs()  # logging's flush, temporary directories

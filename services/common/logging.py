@@ -6,6 +6,9 @@ import logging
 import sys
 
 LOG_LEVEL_ENV = "HEARTH_LOG_LEVEL"
+default_log_level = "INFO"
+# How much of a failed child process's log an error shows.
+log_tail_chars = 3000
 LOG_FORMAT = "%(asctime)s %(levelname)-7s %(name)s: %(message)s"
 # Chatty third-party loggers that would drown hearth's own lines at DEBUG.
 QUIETER_LOGGERS = ("asyncio", "nats", "alembic.runtime.migration", "alembic.runtime.plugins", "urllib3", "filelock")

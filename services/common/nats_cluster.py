@@ -26,14 +26,14 @@ from services.common.nats_server import (
     free_tcp_port,
     readiness_poll_interval_s,
 )
+from services.common.config_sections import loopback_host
 from services.common.hearth_files import data_dir
+from services.common.logging import log_tail_chars
 from trust.community import Community
 
 CLUSTER_CONFIG_NAME = "hearth-cluster.conf"
 ROUTE_USER = "hearth-route"
 DEFAULT_CLUSTER_SIZE = 3
-DEFAULT_CLUSTER_PORT = 6222
-DEFAULT_MONITOR_PORT = 8222
 # A node is healthy once it has joined the cluster and its stream replicas caught up with the leaders.
 cluster_healthy_timeout_s = 30.0
 monitor_request_timeout_s = 2.0
@@ -121,14 +121,14 @@ class ClusterNodeServer(EmbeddedNatsServer):
                 raise NatsServerError(f"nats-server {self.name} not healthy within {timeout_s} s:\n{self.log_tail()}")
             time.sleep(readiness_poll_interval_s * 5)
 
-    def log_tail(self, chars: int = 2000) -> str:
+    def log_tail(self, chars: int = log_tail_chars) -> str:
         return (self.store_dir / "nats-server.log").read_text(errors="replace")[-chars:]
 
 
 class EmbeddedNatsCluster:
     """`size` clustered nodes on this machine (loopback routes); `url` lists every node's client URL."""
 
-    def __init__(self, size: int = DEFAULT_CLUSTER_SIZE, *, store_dir: str | Path, host: str = "127.0.0.1",
+    def __init__(self, size: int = DEFAULT_CLUSTER_SIZE, *, store_dir: str | Path, host: str = loopback_host,
                  ports: list[int] | None = None, cluster_ports: list[int] | None = None,
                  monitor_ports: list[int] | None = None, route_password: str | None = None,
                  authorization: str | None = None, tls_block: str | None = None,

@@ -17,6 +17,9 @@ from services.common.config import DEFAULT_NATS_URL, NATS_URL_ENV, NatsSettings,
 from services.common.identity import Identity, load_identity
 from services.common.tls_files import client_ssl_context
 
+# The status of the answer the server sends in place of a reply when nothing subscribes to the subject.
+NO_RESPONDERS_STATUS = "503"
+
 __all__ = ["DEFAULT_NATS_URL", "NATS_URL_ENV", "BrokerRefusedCredentials", "BrokerUnreachable", "close_quietly",
            "connect_nats", "default_nats_url", "drain_or_close", "flush_ordered"]
 _nats_defaults = NatsSettings()
@@ -207,8 +210,8 @@ async def flush_ordered(nc: NatsClient, timeout_s: float = DEFAULT_FLUSH_TIMEOUT
 
     nats-py's flush() writes its PING to the socket at once, while commands sent just before it (SUB, PUB) may
     still wait in the client's queue for its flusher task: the PONG can then come back before the server has seen
-    them. (A shard that had subscribed and flushed got "no responders" to a probe: 3 of 100 fresh servers here,
-    8 of 20 subscriptions sent behind a 4 MiB publish.) A PING written while that queue is empty follows them."""
+    them, so a shard that had subscribed and flushed could still be answered "no responders" to a probe (most often
+    when its SUB was queued behind a large publish). A PING written while that queue is empty follows them."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
     while True:

@@ -14,6 +14,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from services.common.config_sections import loopback_host
+
 log = logging.getLogger(__name__)
 
 server_start_timeout_s = 15.0
@@ -54,13 +56,13 @@ def _first_ephemeral_port() -> int:
         return 32768  # Linux's default
 
 
-def free_tcp_port(host: str = "127.0.0.1") -> int:
+def free_tcp_port(host: str = loopback_host) -> int:
     """A TCP port free to listen on now, for a server started a moment later.
 
     Drawn below the kernel's ephemeral range, not by binding port 0: a port from that range may be taken as the
     source port of any outgoing connection (another cluster node's, a client's) before the server it was handed
-    to listens on it, and then that server cannot start ("bind: address already in use", seen once in CI for a
-    NATS cluster node's route port). A port is handed out once per process, so two servers of one mesh never get
+    to listens on it, and then that server cannot start ("bind: address already in use", e.g. for a NATS cluster
+    node's route port). A port is handed out once per process, so two servers of one mesh never get
     the same one before either listens.
     """
     first_ephemeral = _first_ephemeral_port()
@@ -106,7 +108,7 @@ class EmbeddedNatsServer:
         *,
         port: int | None = None,
         store_dir: str | Path | None = None,
-        host: str = "127.0.0.1",
+        host: str = loopback_host,
         max_payload_bytes: int = 8 * 1024 * 1024,
         start_new_session: bool = False,
         authorization: str | None = None,

@@ -1,6 +1,6 @@
 """Call: everything one `llm.chat.request` is while the orchestrator serves it (the request, its model, its
-pipeline id, the tokens so far, its timing, its failovers, what the client was sent) and ClientStream,
-which numbers and publishes the call's frames to the client's inbox.
+pipeline id, its status, its sampling state, the tokens so far, its timing, its failovers, what the client was
+sent) and ClientStream, the call's outbox, which numbers and publishes its frames to the client's inbox.
 
 A client that goes away (its connection closed, or it stopped reading and unsubscribed its inbox) is noticed
 through NATS "no responders": every frame is published with a reply subject of ours, and when nobody listens
@@ -13,19 +13,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import secrets
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
+
+import torch
 
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
+from inference import SamplingParams, TextStream
 from services.common.chat_protocol import ChatRequest, KeepaliveFrame, TokenDeltaFrame
-from services.common.nats_connection import flush_ordered
+from services.common.nats_connection import NO_RESPONDERS_STATUS, flush_ordered
 from services.orchestrator.catalog import LoadedModel
 from services.orchestrator.metrics import final_frame_code
+from services.orchestrator.outcomes import SampledToken
 
-NO_RESPONDERS_STATUS = "503"
 # Event-loop turns after a flush for a subscription callback to run (its message is already read).
 status_dispatch_yields = 3
 pipeline_id_random_bytes = 16
@@ -113,9 +118,39 @@ class ClientStream:
         return now - self._reconnect_noticed_at < self.resubscribe_grace_s
 
 
+class CallStatus(enum.Enum):
+    """Where a call is in its life; `Call.advance` is the one place it changes (NEXT_STATUSES says to what)."""
+
+    admitted = "admitted"  # its turn came (services/orchestrator/queue.py) and its prompt is tokenized
+    routing = "routing"  # opening a chain over what the router plans
+    prefilling = "prefilling"  # everything known so far goes through a fresh chain (or again through the same one)
+    decoding = "decoding"  # sampling a token from each step's output and stepping it through the chain
+    recovering = "recovering"  # a step or routing failed: carrying out the recovery policy's decision
+    finished = "finished"  # the done frame went out
+    aborted = "aborted"  # the aborted frame went out
+    client_gone = "client_gone"  # the client stopped listening; the call was cancelled
+
+    @property
+    def final(self) -> bool:
+        return self in (CallStatus.finished, CallStatus.aborted, CallStatus.client_gone)
+
+
+NEXT_STATUSES: dict[CallStatus, frozenset[CallStatus]] = {
+    CallStatus.admitted: frozenset({CallStatus.routing}),
+    CallStatus.routing: frozenset({CallStatus.prefilling, CallStatus.recovering}),
+    CallStatus.prefilling: frozenset({CallStatus.decoding, CallStatus.recovering}),
+    CallStatus.decoding: frozenset({CallStatus.finished, CallStatus.recovering}),
+    # Fail over (routing), re-prefill, rebuild or fall back (prefilling), or end.
+    CallStatus.recovering: frozenset({CallStatus.routing, CallStatus.prefilling, CallStatus.aborted}),
+    CallStatus.finished: frozenset(),
+    CallStatus.aborted: frozenset(),
+    CallStatus.client_gone: frozenset(),
+}
+
+
 @dataclass
 class Call:
-    """One request from arrival to its final frame; PipelineRun reads and advances it."""
+    """One request from arrival to its final frame, with its sampling state; PipelineRun reads and advances it."""
 
     request: ChatRequest
     model: LoadedModel
@@ -124,10 +159,15 @@ class Call:
     caller: str | None = None
     # 128 random bits: the pipeline's activation subjects carry it, so it must not be guessable.
     pipeline_id: str = field(default_factory=lambda: "p-" + secrets.token_hex(pipeline_id_random_bytes))
+    status: CallStatus = CallStatus.admitted
     started: float = field(default_factory=time.perf_counter)
     prompt_ids: list[int] = field(default_factory=list)
     # Every token sampled (the end-of-sequence token too): what a repaired pipeline re-prefills.
     generated: list[int] = field(default_factory=list)
+    # The embedding of the last token sampled: the next decode step's input.
+    next_input: torch.Tensor | None = None
+    # Set with the last token streamed: the call ends with it (`stop`, `length`).
+    finish_reason: str | None = None
     first_token_at: float | None = None
     # How long the call waited in the orchestrator's queue before it started (services/orchestrator/queue.py).
     queue_wait_s: float | None = None
@@ -143,15 +183,56 @@ class Call:
     # The weight quantization scheme every chain of this call serves: the request's (None: any), then the one
     # its first chain was built on, so a failover keeps greedy output identical.
     quantization: str | None = None
+    params: SamplingParams = field(init=False)
+    # The call's own random generator (None when greedy): one stream of draws across every chain it runs on.
+    generator: torch.Generator | None = field(init=False)
 
     def __post_init__(self) -> None:
         if self.quantization is None:
             self.quantization = self.request.params.quantization
+        request = self.request
+        self.params = SamplingParams(temperature=request.temperature, top_k=request.top_k, top_p=request.top_p,
+                                     seed=request.seed, max_tokens=request.max_tokens, stop=tuple(request.stop))
+        self.generator = self.params.make_generator()
+
+    @cached_property
+    def text_stream(self) -> TextStream:
+        """The detokenizer and stop rules of the call's text (made at its first token, from the model's head)."""
+        return self.model.head.text_stream(self.params, self.prompt_ids)
+
+    def advance(self, status: CallStatus) -> CallStatus:
+        """Move the call to `status` (a no-op when it is there already); the status it left."""
+        previous = self.status
+        if status is previous:
+            return previous
+        if status is not CallStatus.client_gone and status not in NEXT_STATUSES[previous]:
+            raise RuntimeError(f"call {self.pipeline_id}: {previous.value} -> {status.value} is no step of a call")
+        if previous.final:
+            raise RuntimeError(f"call {self.pipeline_id} already ended {previous.value}")
+        self.status = status
+        return previous
+
+    def accept(self, token_id: int, embedding: torch.Tensor) -> SampledToken:
+        """Take a sampled token into the call: its text through the stop rules, and whether the call ends with it."""
+        self.generated.append(token_id)
+        delta = self.text_stream.push(token_id)
+        text, finish_reason = delta.text, (delta.finish_reason or "stop") if delta.finished else None
+        if finish_reason is None and len(self.generated) >= self.params.max_tokens:
+            # Release text held back for a possible stop string together with the last token.
+            text += self.text_stream.finish("length").text
+            finish_reason = "length"
+        return SampledToken(token_id, text, finish_reason, shown=bool(text) or not delta.finished,
+                            embedding=embedding)
 
     @property
     def known_ids(self) -> list[int]:
         """The prompt and everything generated: the input of a (re-)prefill."""
         return self.prompt_ids + self.generated
+
+    @property
+    def next_position(self) -> int:
+        """The position of the last token sampled, which the next decode step feeds in."""
+        return len(self.prompt_ids) + len(self.generated) - 1
 
     @property
     def completion_tokens(self) -> int:

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from inference import CheckpointError, Head, LocalModel, load_full, load_head, resolve_model_path, weights_sha256
-from inference.checkpoint import HUB_ALLOW_PATTERNS, default_model_id, read_config_dict
+from inference.checkpoint import default_model_id, read_config_dict
+from inference.checkpoint_files import HUB_ALLOW_PATTERNS
 from inference.compute_thread import on_compute_thread
 from inference.quantization import QuantizationScheme, parse_quantization
 from inference.token_bounds import TokenLowerBound

@@ -41,8 +41,9 @@ from services.common.control_protocol import (
 )
 from services.common.nats_connection import flush_ordered
 from services.orchestrator.metrics import HopLatencies, hop_notices_refused_total
+from services.orchestrator.outcomes import StepFailure
 from services.orchestrator.router import Hop
-from services.orchestrator.stall import StallWatch, StepFailure
+from services.orchestrator.stall import StallWatch
 from services.transport import (
     AckObserver,
     AckWindowSender,

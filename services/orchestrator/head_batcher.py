@@ -3,7 +3,9 @@ of the sampled token), batched across the calls that decode at once, as a shard 
 
 With `[orchestrator] head_batch_sessions` > 1 the head steps ready together run as one trip to the compute thread and
 one lm_head product (inference/head_batch.py: greedy rows match their solo tokens exactly, seeded rows are computed
-alone); each call's sampling stays its own. Batching is continuous (services/common/batching.py): a batch waits up to
+alone); each call's sampling stays its own. A call's step goes into a ReadyQueue (services/common/batching.py) and a
+scheduler loop, started with the first step and stopped by `close`, takes each batch, runs it on the compute thread
+and hands every call its own row. Batching is continuous: a batch waits up to
 `head_batch_window_ms` for more steps only while fewer are queued than calls are in their decode loop, so a call
 decoding alone never waits, and a batch of one row takes the solo path. Rows of different models wait for their own
 batch. The embedding of each sampled token (a row lookup, ~0.05 ms) stays per row in the same trip.
@@ -11,6 +13,7 @@ batch. The embedding of each sampled token (a row lookup, ~0.05 ms) stays per ro
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
@@ -21,7 +24,7 @@ from inference import Head
 from inference.compute_thread import StepThreads, on_compute_thread, use_intra_op_threads
 from inference.head_batch import HeadRow, batched_next_tokens, solo_next_token
 from inference.host_staging import to_host
-from services.common.batching import ContinuousBatcher
+from services.common.batching import ReadyQueue
 from services.common.config import OrchestratorSettings
 from services.common.metrics import metrics_observed
 from services.orchestrator.metrics import head_batch_rows_total, head_batches_total
@@ -45,16 +48,18 @@ class HeadSteps:
         self._step_threads = step_threads
         self._running_calls = running_calls
         self.decoding_calls = 0
-        self._batcher = ContinuousBatcher(
-            self._run_batch, window_s=settings.head_batch_window_ms / 1000.0, max_rows=settings.head_batch_sessions,
+        self._ready: ReadyQueue[HeadStep] | None = ReadyQueue(
+            window_s=settings.head_batch_window_ms / 1000.0, max_rows=settings.head_batch_sessions,
             open_streams=lambda: self.decoding_calls, group=lambda step: id(step.head),
-            name="orchestrator-head-batcher", stream=lambda step: step.call, merges=lambda step: False,
+            stream=lambda step: step.call, merges=lambda step: False,
         ) if settings.head_batch_sessions > 1 else None
+        self._scheduler: asyncio.Task | None = None
+        self._closed = False
 
     @property
     def batching_figures(self) -> tuple[int, int]:
         """Head batches run and the call rows in them since start ((0, 0) with batching off)."""
-        return (self._batcher.batches_total, self._batcher.rows_total) if self._batcher is not None else (0, 0)
+        return (self._ready.batches_total, self._ready.rows_total) if self._ready is not None else (0, 0)
 
     @contextlib.contextmanager
     def decoding(self) -> Iterator[None]:
@@ -68,13 +73,22 @@ class HeadSteps:
     async def next_token(self, head: Head, row: HeadRow, call: Hashable = None) -> tuple[int, torch.Tensor]:
         """The call's next token for the row's hidden states and that token's embedding, on the host (`call`: what
         names the call, for pacing)."""
-        if self._batcher is None:
+        if self._ready is None or self._closed:  # closed: a call still finishing steps alone, with no loop to stop
             return await on_compute_thread(self._solo, head, row, self._threads())
-        return await self._batcher.submit(HeadStep(head, row, call))
+        if self._scheduler is None:
+            self._scheduler = asyncio.create_task(self._schedule(), name="orchestrator-head-scheduler")
+        return await self._ready.put(HeadStep(head, row, call))
 
     async def close(self) -> None:
-        if self._batcher is not None:
-            await self._batcher.close()
+        """Stop the scheduler loop; the steps still queued or in its batch are cancelled."""
+        self._closed = True
+        task, self._scheduler = self._scheduler, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self._ready is not None:
+            self._ready.cancel_waiting()
 
     def _threads(self) -> int:
         return self._step_threads.for_streams(self._running_calls())
@@ -84,6 +98,21 @@ class HeadSteps:
         use_intra_op_threads(threads)
         token_id = solo_next_token(head, row)
         return token_id, to_host(head.embed([token_id]))
+
+    async def _schedule(self) -> None:
+        """The scheduler loop: takes each batch of ready head steps, runs it, and hands every call its own row."""
+        while True:
+            batch = await self._ready.next_batch()
+            if batch is None:
+                continue
+            try:
+                try:
+                    outcomes = await self._run_batch(batch.items)
+                except Exception as error:  # the whole batch failed: every call hears it
+                    outcomes = [error] * len(batch)
+                batch.scatter(outcomes)
+            finally:
+                batch.cancel()  # stopped while it ran: its calls are not left waiting
 
     async def _run_batch(self, steps: list[HeadStep]) -> list:
         if metrics_observed():

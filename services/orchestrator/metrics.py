@@ -25,7 +25,7 @@ from events.models import (
 )
 from services.common.chat_protocol import DoneFrame, ErrorCode, ErrorFrame, PipelineAbortedFrame
 from services.common.metrics import counter, gauge, histogram, metrics_observed
-from services.orchestrator.stall import FailureKind
+from services.orchestrator.outcomes import FailureKind
 from services.transport.notices import NOTICE_REFUSALS
 
 # A call that ended without a final frame: its client went away, or the orchestrator stopped under it.

@@ -1,21 +1,20 @@
-"""PipelineRun: one Call from routing to its final frame: embed, pump steps through a chain, sample, stream;
-on a StepFailure, repair the chain (fail over away from the shard at fault, or rebuild it after the broker
-came back) and re-prefill the prompt plus every generated token; fall back to a local model; record events.
+"""PipelineRun: one Call's loop, from routing to its final frame.
 
-The router is asked once per construction or repair: one read of the candidates, then every refusal while
-opening is routed around in memory on the same rows (ShardRouter.plan); a second read comes only after
-catching up with the event log, when the first rows could not cover the model.
+Until the call's status is final the loop takes the call's next outcome and acts on it: a sampled token is
+streamed, `finished` completes the call, and a failure (a step's or routing's) goes to the recovery policy
+(services/orchestrator/recovery.py), whose decision the loop carries out: re-prefill on the same chain, rebuild the
+chain after the broker came back, fail over around the shard at fault, fall back to a local model, or abort. The
+first token of every chain comes from the (re-)prefill of everything known so far (the prompt and every token
+generated), the others from decode steps, so a failover or a fallback continues the same text. Frames go to the
+call's client, events to the orchestrator's outbox.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from dataclasses import dataclass
-
-import torch
-from nats.aio.client import Client as NatsClient
 
 from events.models import (
     IntegrityCorruptionDetected,
@@ -27,11 +26,8 @@ from events.models import (
     PipelineFirstToken,
     PipelineShardStatus,
 )
-from events.outbox import EventOutbox
-from inference import SamplingParams, TextStream
 from inference.compute_thread import on_compute_thread
 from inference.head_batch import HeadRow
-from readmodels.runner import Projector
 from services.common.chat_protocol import (
     DoneFrame,
     PipelineAbortedFrame,
@@ -42,51 +38,18 @@ from services.common.chat_protocol import (
     TokenDeltaFrame,
     Usage,
 )
-from services.common.config import HearthSettings
-from services.orchestrator.call import Call
-from services.orchestrator.capacity import ShardLoad
-from services.orchestrator.catalog import ModelCatalog
+from services.orchestrator.call import Call, CallStatus
 from services.orchestrator.chain import HopChain, LocalChain
-from services.orchestrator.head_batcher import HeadSteps
-from services.orchestrator.health import RecentFailures
-from services.orchestrator.metrics import observe_event
+from services.orchestrator.construct import ChainBuilder
+from services.orchestrator.context import RunContext
+from services.orchestrator.metrics import CLIENT_GONE, observe_event
+from services.orchestrator.outcomes import Failure, Finished, RoutingFailure, SampledToken, StepFailure, StepOutcome
 from services.orchestrator.prefill import prefill
-from services.orchestrator.router import Hop, RoutingError, ShardRouter
-from services.orchestrator.stall import StepFailure
+from services.orchestrator.recovery import PIPELINE_STALLED, Action, CallCounters, Decision, RecoveryLimits, decide
+from services.orchestrator.router import Hop, RoutingError
 from services.transport import FrameKind
-from services.transport.integrity import NormBounds
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class RunContext:
-    """What every call of one orchestrator shares."""
-
-    nc: NatsClient
-    node_id: str
-    settings: HearthSettings
-    router: ShardRouter
-    projector: Projector
-    catalog: ModelCatalog
-    outbox: EventOutbox
-    recent_failures: RecentFailures
-    # Every call's per-token head work, batched across the calls decoding at once.
-    head_steps: HeadSteps
-    # Per model: bounds of the activations that reach us (the sink's integrity check), shared by all calls.
-    sink_bounds: dict[str, NormBounds]
-    # The streams this orchestrator holds on each shard and the shards that just refused it (live routing room).
-    load: ShardLoad
-    running_calls: int = 0
-
-
-@dataclass
-class Decoding:
-    """One call's sampling state: parameters, random generator, detokenizer and stop rules."""
-
-    params: SamplingParams
-    generator: torch.Generator | None
-    text_stream: TextStream
 
 
 class PipelineRun:
@@ -95,43 +58,51 @@ class PipelineRun:
     def __init__(self, call: Call, ctx: RunContext) -> None:
         self.call = call
         self.ctx = ctx
-        self.transport = ctx.settings.transport
-        self.policy = ctx.settings.research.distributed_inference
+        self.limits = RecoveryLimits.from_settings(ctx.settings)
+        self.builder = ChainBuilder(call, ctx)
         self.chain: HopChain | LocalChain | None = None
         # The shards of the open chain counted in the context's ShardLoad (released on close).
         self._held: list[str] = []
+        # Counts the call with the head batcher while head steps come from it (services/orchestrator/head_batcher.py).
+        self._in_decode_loop = contextlib.ExitStack()
+
+    async def serve(self) -> None:
+        """Run the call while its client listens, telling its hops that it lives; a client that stops listening
+        cancels the run and the call ends `client_gone`. `close` frees its hops whatever way it ended."""
+        pipeline_id = self.call.pipeline_id
+        work = asyncio.create_task(self.run(), name=f"pipeline-{pipeline_id}")
+        gone = asyncio.create_task(self.call.client.client_gone.wait(), name=f"client-watch-{pipeline_id}")
+        hops_told = asyncio.create_task(self._keep_hops_told(), name=f"hop-keepalive-{pipeline_id}")
+        try:
+            await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            # Only the client leaving (or our own cancellation, propagated by the wait) stops the work.
+            for task in (gone, hops_told):
+                task.cancel()
+            if not work.done():
+                work.cancel()
+            await asyncio.gather(work, gone, hops_told, return_exceptions=True)
+        if work.cancelled():
+            log.info("pipeline %s: the client went away; closing its hops", pipeline_id)
+            await self._end_client_gone()
+            return
+        work.result()
 
     async def run(self) -> None:
-        # The prompt was tokenized when the call was admitted (services/orchestrator/admission.py).
-        call, head = self.call, self.call.model.head
-        request = call.request
-        params = SamplingParams(temperature=request.temperature, top_k=request.top_k, top_p=request.top_p,
-                                seed=request.seed, max_tokens=request.max_tokens, stop=tuple(request.stop))
-        decoding = Decoding(params, params.make_generator(), head.text_stream(params, call.prompt_ids))
+        """The call's loop: until its status is final, take its next outcome and act on it."""
+        call = self.call
+        self._enter(CallStatus.routing)
         try:
-            self.chain = await self._construct()
-        except RoutingError as error:
-            await self._fall_back_or_abort(decoding, error.code, error.message)
-            return
-        await self._record(PipelineConstructed(
-            node_id=self.ctx.node_id, pipeline_id=call.pipeline_id, request_id=request.request_id,
-            model_id=call.model.model_id, weights_sha256=call.model.weights_sha256, hops=self.chain.shard_ids,
-            construct_ms=call.construct_ms, caller=call.caller))
-        await call.client.send(PipelineFrame(seq=0, pipeline_id=call.pipeline_id, hops=self.chain.shard_ids))
-        while True:
-            outcome = await self._generate(self.chain, decoding)
-            if isinstance(outcome, str):
-                await self._complete(outcome)
-                return
-            if self._reprefill_after_eviction(outcome):
-                continue
-            if not await self._repair(outcome, decoding):
-                return
-
-    async def keep_alive(self) -> None:
-        """Tell the hops of the current chain that this call lives (the client is told by the service)."""
-        if self.chain is not None:
-            await self.chain.keep_alive()
+            while not call.status.final:
+                outcome = await self._next_outcome()
+                if isinstance(outcome, SampledToken):
+                    await self._stream(outcome)
+                elif isinstance(outcome, Finished):
+                    await self._complete(outcome.reason)
+                else:
+                    await self._recover(outcome)
+        finally:
+            self._in_decode_loop.close()
 
     async def close(self) -> None:
         """Free every hop's session (called whatever way the call ended)."""
@@ -143,112 +114,118 @@ class PipelineRun:
             # After the closes went out: the shards read them before any later open of ours.
             self.ctx.load.release(held)
 
-    def _opened(self, chain: HopChain) -> HopChain:
-        self.ctx.load.hold(chain.shard_ids)
-        self._held = list(chain.shard_ids)
-        return chain
+    # ------------------------------------------------------------------ outcomes
 
-    # ------------------------------------------------------------------ routing
-
-    async def _construct(self) -> HopChain:
-        """Open a chain over what the router plans, routing around refusals and waiting while the shards that
-        could serve are full; RoutingError when nothing covers the model any more (or room never came)."""
+    async def _next_outcome(self) -> StepOutcome | RoutingFailure:
+        """A new call is routed first; a fresh chain prefills everything known so far and its output gives the
+        next token; then each decode step gives one, until the last token was streamed."""
         call = self.call
-        started = time.perf_counter()
-        router, model_id = self.ctx.router, call.model.model_id
-        candidates = await asyncio.to_thread(router.candidates, model_id)
-        caught_up = False
-        while True:
-            try:
-                hops = self._plan(candidates, load=self.ctx.load)
-            except RoutingError:
-                if not caught_up:
-                    # The read model may trail the event log by milliseconds (a shard that just advertised):
-                    # decide "unavailable" only on a caught-up one.
-                    await self._catch_up()
-                    candidates, caught_up = await asyncio.to_thread(router.candidates, model_id), True
-                    continue
-                if not self._only_room_lacks(candidates):
-                    raise
-                waited_s, settings = time.perf_counter() - started, self.ctx.settings.orchestrator
-                if waited_s > settings.at_capacity_max_wait_s:
-                    raise RoutingError("overloaded", f"no shard had room for this call within {waited_s:.0f} s "
-                                                     f"(at_capacity_max_wait_s); retry later")
-                await self.ctx.load.wait_for_room(settings.at_capacity_retry_s)
-                candidates = await asyncio.to_thread(router.candidates, model_id)
-                continue
-            chain = self._chain_over(hops)
-            failure = await chain.open()
-            if failure is None:
-                call.construct_ms = (time.perf_counter() - started) * 1000.0
-                # A failover's chain serves the same scheme, so greedy output stays identical.
-                call.quantization = hops[0].quantization
-                return self._opened(chain)
-            await chain.close()
-            if failure.shard_id is None:
-                raise RoutingError("shard_unavailable", failure.reason)
-            if failure.code == "at_capacity":
-                # Full for now (another orchestrator's streams): a replica, or a wait; never a reason to fail.
-                log.info("pipeline %s: %s; trying a replica or waiting", call.pipeline_id, failure)
-                self.ctx.load.refused(failure.shard_id)
-                continue
-            log.info("pipeline %s: %s; routing around it", call.pipeline_id, failure)
-            call.excluded.add(failure.shard_id)
+        if call.status is CallStatus.routing:
+            failure = await self._route(replacing=None)
+            if failure is not None:
+                return failure
+        if call.status is CallStatus.prefilling:
+            hidden = await on_compute_thread(call.model.head.embed, call.known_ids)
+            output = await prefill(self.chain, hidden, self.ctx.settings.orchestrator.prefill_chunk_tokens)
+        elif call.finish_reason is not None:
+            return Finished(call.finish_reason)
+        else:
+            output = await self.chain.step(FrameKind.decode, call.next_position, call.next_input)
+        if isinstance(output, StepFailure):
+            return output
+        self._enter(CallStatus.decoding)
+        # One compute-thread trip per token, shared with the other calls' (HeadSteps): sample, and embed the
+        # sampled token for the next step (wasted only on the last token).
+        token_id, embedding = await self.ctx.head_steps.next_token(
+            call.model.head, HeadRow(output, call.params, call.generator), call=call.pipeline_id)
+        return call.accept(token_id, embedding)
 
-    def _only_room_lacks(self, candidates) -> bool:
-        """Whether a chain could be planned if every shard had room (then waiting for room is worth it)."""
-        try:
-            self._plan(candidates, load=None)
-        except RoutingError:
-            return False
-        return True
-
-    def _chain_over(self, hops: list[Hop]) -> HopChain:
-        model = self.call.model
-        # No step of this call reaches beyond its prompt plus max_tokens: every hop refuses frames that would.
-        return HopChain(self.ctx.nc, self.call.pipeline_id, hops, node_id=self.ctx.node_id, model_id=model.model_id,
-                        weights_sha256=model.weights_sha256, transport=self.transport, accusers=self.call.accusers,
-                        wire_dtype=self.policy.activation_dtype,
-                        sink_bounds=self.ctx.sink_bounds.setdefault(model.model_id, NormBounds()),
-                        hidden_size=model.head.info.hidden_size,
-                        max_session_tokens=len(self.call.prompt_ids) + self.call.request.max_tokens,
-                        on_round_trip=self.ctx.load.observe_round_trip)
-
-    async def _catch_up(self) -> None:
-        timeout_s = self.ctx.settings.orchestrator.catch_up_timeout_s
-        try:
-            await self.ctx.projector.wait_until_caught_up(timeout_s=timeout_s)
-        except (asyncio.TimeoutError, TimeoutError):
-            log.warning("routing read model still behind the event log after %s s", timeout_s)
-
-    def _plan(self, candidates, *, load: ShardLoad | None) -> list[Hop]:
-        router, model, excluded = self.ctx.router, self.call.model, self.call.excluded
-        route = dict(now=router.now(), load=load, quantization=self.call.quantization)
-        penalised = self.ctx.recent_failures.current() - excluded
-        if penalised:
-            # Shards that just failed other requests are the last resort, not a reason to give up.
-            try:
-                return router.plan(candidates, model.model_id, model.weights_sha256, exclude=excluded | penalised,
-                                   **route)
-            except RoutingError:
-                pass
-        return router.plan(candidates, model.model_id, model.weights_sha256, exclude=excluded, **route)
-
-    # ------------------------------------------------------------------ repair
-
-    def _reprefill_after_eviction(self, failure: StepFailure) -> bool:
-        """A hop's session was evicted (KV budget or idle): re-prefill on the same chain, within the bound."""
+    async def _stream(self, token: SampledToken) -> None:
         call = self.call
-        if failure.kind != "evicted" or call.eviction_reprefills >= self.policy.max_eviction_reprefills:
-            return False
-        call.eviction_reprefills += 1
-        log.info("pipeline %s: %s; re-prefilling %d tokens", call.pipeline_id, failure, len(call.known_ids))
-        return True
+        first_token = call.first_token_at is None
+        if first_token:
+            call.first_token_at = time.perf_counter()
+        if token.shown:
+            await call.client.send(TokenDeltaFrame(seq=0, text=token.text, token_id=token.token_id,
+                                                   hops=self.chain.shard_ids))
+        if first_token:
+            await self._record(PipelineFirstToken(node_id=self.ctx.node_id, pipeline_id=call.pipeline_id,
+                                                  ttft_ms=call.ttft_ms()))
+        call.next_input = token.embedding
+        if token.finish_reason is not None:
+            call.finish_reason = token.finish_reason
+            self._in_decode_loop.close()  # no head step comes from this call any more
 
-    async def _repair(self, failure: StepFailure, decoding: Decoding) -> bool:
-        """Replace the failed chain; False when the call has ended instead (fallback ran, or aborted)."""
-        if failure.shard_id is None:
-            return await self._rebuild_after_broker_loss(failure, decoding)
+    # ------------------------------------------------------------------ recovery
+
+    async def _recover(self, failure: Failure) -> None:
+        """Carry out what the recovery policy decides for `failure`, and for each failure met while doing so (a
+        failover that finds no chain, a hop refusing to reopen after the broker came back)."""
+        next_failure: Failure | None = failure
+        while next_failure is not None:
+            self._enter(CallStatus.recovering)
+            decision = decide(next_failure, self._counters(), self.limits)
+            next_failure = await self._carry_out(decision, next_failure)
+
+    def _counters(self) -> CallCounters:
+        call = self.call
+        return CallCounters(eviction_reprefills=call.eviction_reprefills, failovers=call.failovers,
+                            broker_repairs=call.broker_repairs,
+                            fallback_requested=call.request.params.fallback_to_local,
+                            has_hops=isinstance(self.chain, HopChain))
+
+    async def _carry_out(self, decision: Decision, failure: Failure) -> Failure | None:
+        """Do what `decision` says; the failure met on the way, to be decided on in turn, or None."""
+        call = self.call
+        if decision.action is Action.reprefill:
+            call.eviction_reprefills += 1
+            log.info("pipeline %s: %s; re-prefilling %d tokens", call.pipeline_id, failure, len(call.known_ids))
+            self._enter(CallStatus.prefilling)
+            return None
+        if decision.route_around is not None:
+            await self._route_around(failure)
+        hops = list(self.chain.hops) if isinstance(self.chain, HopChain) else []
+        await self.close()
+        if decision.action is Action.rebuild:
+            return await self._rebuild(hops, failure)
+        if decision.action is Action.fail_over:
+            return await self._route(replacing=failure)
+        if decision.action is Action.fall_back:
+            await self._fall_back(decision.code, decision.reason)
+        else:
+            await self._abort(decision.code, decision.reason)
+        return None
+
+    async def _route(self, replacing: StepFailure | None) -> RoutingFailure | None:
+        """Open a chain over what the router plans and announce it: the call's first chain, or the failover around
+        `replacing`'s shard (the call then re-prefills); the routing failure when no chain opens."""
+        call, ctx = self.call, self.ctx
+        self._enter(CallStatus.routing)
+        try:
+            self.chain = self._opened(await self.builder.build())
+        except RoutingError as error:
+            return RoutingFailure(error.code, error.message, replacing)
+        hops = self.chain.shard_ids
+        if replacing is None:
+            await self._record(PipelineConstructed(
+                node_id=ctx.node_id, pipeline_id=call.pipeline_id, request_id=call.request.request_id,
+                model_id=call.model.model_id, weights_sha256=call.model.weights_sha256, hops=hops,
+                construct_ms=call.construct_ms, caller=call.caller))
+            await call.client.send(PipelineFrame(seq=0, pipeline_id=call.pipeline_id, hops=hops))
+        else:
+            call.failovers += 1
+            resumed_at = len(call.generated)
+            await self._record(PipelineFailover(
+                node_id=ctx.node_id, pipeline_id=call.pipeline_id, failed_shard_id=replacing.shard_id,
+                replacement_hops=hops, reason=replacing.kind, resumed_at_token=resumed_at))
+            await call.client.send(ShardFailoverFrame(seq=0, failed_shard_id=replacing.shard_id,
+                                                      replacement_hops=hops, resumed_at_token=resumed_at))
+        self._enter(CallStatus.prefilling)
+        return None
+
+    async def _route_around(self, failure: StepFailure) -> None:
+        """Tell the client the shard at fault is degraded (and the event log and other calls' routing, when we
+        verified it); this call routes around it from now on."""
         call, ctx = self.call, self.ctx
         log.warning("pipeline %s: %s", call.pipeline_id, failure)
         # Events blame a shard only on what we verified; a hop's `reported` word reroutes this call, no other.
@@ -260,114 +237,69 @@ class PipelineRun:
             ctx.recent_failures.add(failure.shard_id)
             await self._record(PipelineShardStatus(node_id=ctx.node_id, pipeline_id=call.pipeline_id, **status))
         await call.client.send(ShardStatusFrame(seq=0, **status))
-        await self.close()
         call.excluded.add(failure.shard_id)
-        # `fallback_to_local_after_failures` failovers are allowed; the failure after them falls back.
-        if call.failovers >= self.policy.fallback_to_local_after_failures:
-            await self._fall_back_or_abort(decoding, "shard_unavailable",
-                                           f"{call.failovers} failovers; last: {failure}")
-            return False
-        try:
-            self.chain = await self._construct()
-        except RoutingError as error:
-            await self._fall_back_or_abort(decoding, "shard_unavailable",
-                                           f"no replacement for {failure.shard_id}: {error.message}")
-            return False
-        call.failovers += 1
-        resumed_at = len(call.generated)
-        await self._record(PipelineFailover(
-            node_id=ctx.node_id, pipeline_id=call.pipeline_id, failed_shard_id=failure.shard_id,
-            replacement_hops=self.chain.shard_ids, reason=failure.kind, resumed_at_token=resumed_at))
-        await call.client.send(ShardFailoverFrame(seq=0, failed_shard_id=failure.shard_id,
-                                                  replacement_hops=self.chain.shard_ids, resumed_at_token=resumed_at))
-        return True
 
-    async def _rebuild_after_broker_loss(self, failure: StepFailure, decoding: Decoding) -> bool:
+    async def _rebuild(self, hops: list[Hop], failure: StepFailure) -> StepFailure | None:
         """Our broker connection dropped mid-step: no shard is to blame. Once we (and the same hops, and the
-        client) are reachable again, reopen the same hops and carry on; `pipeline_stalled` naming the broker
-        when that does not happen within `[orchestrator] broker_wait_s`."""
-        call, nc = self.call, self.ctx.nc
-        settings = self.ctx.settings
-        hops = list(self.chain.hops) if isinstance(self.chain, HopChain) else None
-        await self.close()
+        client) are reachable again, reopen the same hops and re-prefill; a hop that refuses to reopen is a failure
+        to decide on; `pipeline_stalled` naming the broker when that does not happen within
+        `[orchestrator] broker_wait_s`."""
+        call, nc, settings = self.call, self.ctx.nc, self.ctx.settings
         call.broker_repairs += 1
         log.warning("pipeline %s: %s; rebuilding it once the broker is back", call.pipeline_id, failure)
-        if hops is None or call.broker_repairs > settings.orchestrator.max_broker_repairs:
-            await self._abort("pipeline_stalled", f"{failure.reason} (rebuilt {call.broker_repairs - 1} times)")
-            return False
         deadline = time.monotonic() + settings.orchestrator.broker_wait_s
         while time.monotonic() < deadline:
             if nc.is_connected and await call.client.reachable(settings.transport.control_timeout_s):
-                chain = self._chain_over(hops)
+                chain = self.builder.over(hops)
                 reopened = await chain.open()
                 if reopened is None:
                     self.chain = self._opened(chain)
-                    return True
+                    self._enter(CallStatus.prefilling)
+                    return None
                 await chain.close()
                 if reopened.kind == "refused":  # a shard answered and said no: route around it as usual
-                    return await self._repair(reopened, decoding)
+                    return reopened
             # The hops' own connections may come back a little after ours.
             await asyncio.sleep(settings.nats.reconnect_wait_s)
-        await self._abort("pipeline_stalled", f"{failure.reason}; not back within "
-                                              f"{settings.orchestrator.broker_wait_s:.0f} s")
-        return False
+        await self._abort(PIPELINE_STALLED, f"{failure.reason}; not back within "
+                                            f"{settings.orchestrator.broker_wait_s:.0f} s")
+        return None
 
-    async def _fall_back_or_abort(self, decoding: Decoding, code: str, reason: str) -> None:
+    async def _fall_back(self, code: str, reason: str) -> None:
+        """Go on with a local model of the call's (the same loop prefills everything known on it and decodes on);
+        abort with `code` when none can serve the call."""
         call = self.call
-        local = None
-        if self.policy.fallback_to_local and call.request.params.fallback_to_local:
-            local = await self.ctx.catalog.local_model_for(call.model, call.quantization)
+        local = await self.ctx.catalog.local_model_for(call.model, call.quantization)
         if local is None:
             await self._abort(code, reason)
             return
-        await self.close()
         await self._record(PipelineFallbackLocal(node_id=self.ctx.node_id, pipeline_id=call.pipeline_id,
                                                  reason=reason))
         self.chain = LocalChain(local)
-        await self._complete(await self._generate(self.chain, decoding))
+        self._enter(CallStatus.prefilling)
 
-    # ------------------------------------------------------------------ generation
+    # ------------------------------------------------------------------ status and endings
 
-    async def _generate(self, chain: HopChain | LocalChain, decoding: Decoding) -> str | StepFailure:
-        """Re-prefill everything known so far through `chain`, then decode until a stop or max_tokens; the
-        finish reason, or the failure that stopped the chain."""
-        hidden = await on_compute_thread(self.call.model.head.embed, self.call.known_ids)
-        output = await prefill(chain, hidden, self.ctx.settings.orchestrator.prefill_chunk_tokens)
-        with self.ctx.head_steps.decoding():
-            return await self._decode(chain, decoding, output)
+    def _enter(self, status: CallStatus) -> None:
+        left = self.call.advance(status)
+        if status is CallStatus.decoding:
+            if left is not CallStatus.decoding:
+                self._in_decode_loop.enter_context(self.ctx.head_steps.decoding())
+        else:
+            self._in_decode_loop.close()
 
-    async def _decode(self, chain: HopChain | LocalChain, decoding: Decoding,
-                      output: torch.Tensor | StepFailure) -> str | StepFailure:
-        call, params = self.call, decoding.params
+    def _opened(self, chain: HopChain) -> HopChain:
+        self.ctx.load.hold(chain.shard_ids)
+        self._held = list(chain.shard_ids)
+        return chain
+
+    async def _keep_hops_told(self) -> None:
+        """Tell the hops of the current chain that this call lives (the client is told by the service)."""
+        interval_s = self.ctx.settings.transport.keepalive_interval_s
         while True:
-            if isinstance(output, StepFailure):
-                return output
-            # One compute-thread trip per token, shared with the other calls' (HeadSteps): sample, and embed the
-            # sampled token for the next step (wasted only on the last token).
-            token_id, next_hidden = await self.ctx.head_steps.next_token(
-                call.model.head, HeadRow(output, params, decoding.generator), call=call.pipeline_id)
-            call.generated.append(token_id)
-            delta = decoding.text_stream.push(token_id)
-            first_token = call.first_token_at is None
-            if first_token:
-                call.first_token_at = time.perf_counter()
-            text, finish_reason = delta.text, (delta.finish_reason or "stop") if delta.finished else None
-            if finish_reason is None and len(call.generated) >= params.max_tokens:
-                # Release text held back for a possible stop string together with the last token.
-                text += decoding.text_stream.finish("length").text
-                finish_reason = "length"
-            if text or not delta.finished:
-                await call.client.send(TokenDeltaFrame(seq=0, text=text, token_id=token_id, hops=chain.shard_ids))
-            if first_token:
-                await self._record(PipelineFirstToken(node_id=self.ctx.node_id, pipeline_id=call.pipeline_id,
-                                                      ttft_ms=call.ttft_ms()))
-            if finish_reason is not None:
-                return finish_reason
-            # The position of the token just sampled, which the next step feeds in.
-            position = len(call.prompt_ids) + len(call.generated) - 1
-            output = await chain.step(FrameKind.decode, position, next_hidden)
-
-    # ------------------------------------------------------------------ endings
+            await asyncio.sleep(interval_s)
+            if self.chain is not None:
+                await self.chain.keep_alive()
 
     async def _record(self, event) -> None:
         observe_event(event)
@@ -388,13 +320,16 @@ class PipelineRun:
             node_id=self.ctx.node_id, pipeline_id=call.pipeline_id, prompt_tokens=len(call.prompt_ids),
             completion_tokens=call.completion_tokens, duration_ms=duration_ms,
             tokens_per_second=tokens_per_second, finish_reason=finish_reason))
-
-    async def record_client_gone(self) -> None:
-        """The run was cancelled because nobody reads its frames any more: record how it ended."""
-        await self._record(PipelineAborted(node_id=self.ctx.node_id, pipeline_id=self.call.pipeline_id,
-                                           code="client_gone", reason="the client stopped listening"))
+        self._enter(CallStatus.finished)
 
     async def _abort(self, code: str, reason: str) -> None:
         await self._record(PipelineAborted(node_id=self.ctx.node_id, pipeline_id=self.call.pipeline_id, code=code,
                                            reason=reason))
         await self.call.client.send(PipelineAbortedFrame(seq=0, code=code, reason=reason))
+        self._enter(CallStatus.aborted)
+
+    async def _end_client_gone(self) -> None:
+        """The run was cancelled because nobody reads its frames any more: record how it ended."""
+        self._enter(CallStatus.client_gone)
+        await self._record(PipelineAborted(node_id=self.ctx.node_id, pipeline_id=self.call.pipeline_id,
+                                           code=CLIENT_GONE, reason="the client stopped listening"))

@@ -24,7 +24,7 @@ from collections import deque
 import torch
 
 from services.orchestrator.chain import HopChain, LocalChain, SentStep
-from services.orchestrator.stall import StepFailure
+from services.orchestrator.outcomes import StepFailure
 from services.transport import FrameKind
 
 

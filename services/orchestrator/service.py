@@ -1,9 +1,10 @@
-"""The orchestrator service: answers `llm.chat.request` in a queue group, validates, turns each request into a
-Call run by a PipelineRun over its in-process routing read model, and keeps the call's client and hops told
-that it is alive (keepalives) until its final frame; answers `llm.models` (services/orchestrator/discovery.py).
+"""The orchestrator service: answers `llm.chat.request` in a queue group, validates and admits each request, turns
+it into a Call served by a PipelineRun (services/orchestrator/pipeline.py) over its in-process routing read model,
+and keeps the call's client told that it is alive (keepalives) until its final frame; answers `llm.models`
+(services/orchestrator/discovery.py).
 
-A call ends early when its client goes away (ClientStream notices "no responders" on the client's inbox): the
-run is cancelled and, as for every other ending, every hop's session is closed and its KV cache freed.
+A call ends early when its client goes away (ClientStream notices "no responders" on the client's inbox): its
+run ends it `client_gone` and, as for every other ending, every hop's session is closed and its KV cache freed.
 """
 
 from __future__ import annotations
@@ -42,11 +43,12 @@ from services.orchestrator.admission import admit_prompt, prompt_room
 from services.orchestrator.call import Call, ClientStream
 from services.orchestrator.capacity import ShardLoad
 from services.orchestrator.catalog import ModelCatalog, UnknownModel
+from services.orchestrator.context import RunContext
 from services.orchestrator.discovery import describe_models
 from services.orchestrator.head_batcher import HeadSteps
 from services.orchestrator.health import RecentFailures
 from services.orchestrator.metrics import calls_in_flight, count_request
-from services.orchestrator.pipeline import PipelineRun, RunContext
+from services.orchestrator.pipeline import PipelineRun
 from services.orchestrator.queue import FairQueue, LeftQueue, Overloaded
 from services.transport.headers import header_bytes
 from services.orchestrator.router import ShardRouter
@@ -290,7 +292,7 @@ class Orchestrator:
                                        caller=caller, queue_wait_s=admission.queue_wait_s), self.context)
                 async with self._counted_as_running():
                     try:
-                        await self._run_while_client_listens(run)
+                        await run.serve()
                     finally:
                         # Shielded: a cancelled request (shutdown) must still free its hops' sessions.
                         await asyncio.shield(run.close())
@@ -309,32 +311,6 @@ class Orchestrator:
         finally:
             self.context.running_calls -= 1
             calls_in_flight.dec()
-
-    async def _keep_hops_told(self, run: PipelineRun) -> None:
-        interval_s = self.settings.transport.keepalive_interval_s
-        while True:
-            await asyncio.sleep(interval_s)
-            await run.keep_alive()
-
-    async def _run_while_client_listens(self, run: PipelineRun) -> None:
-        pipeline_id = run.call.pipeline_id
-        work = asyncio.create_task(run.run(), name=f"pipeline-{pipeline_id}")
-        gone = asyncio.create_task(run.call.client.client_gone.wait(), name=f"client-watch-{pipeline_id}")
-        hops_told = asyncio.create_task(self._keep_hops_told(run), name=f"hop-keepalive-{pipeline_id}")
-        try:
-            await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            # Only the client leaving (or our own cancellation, propagated by the wait) stops the work.
-            for task in (gone, hops_told):
-                task.cancel()
-            if not work.done():
-                work.cancel()
-            await asyncio.gather(work, gone, hops_told, return_exceptions=True)
-        if work.cancelled():
-            log.info("pipeline %s: the client went away; closing its hops", pipeline_id)
-            await run.record_client_gone()
-            return
-        work.result()
 
 
 def _position_teller(client: ClientStream):

@@ -23,43 +23,15 @@ from __future__ import annotations
 import asyncio
 import enum
 import time
-from dataclasses import dataclass
-from typing import Literal
 
 from nats.aio.client import Client as NatsClient
 from nats.errors import NoRespondersError
 
-from events.models import UNVERIFIED_REPORT
 from services.common.config import TransportSettings
 from services.common.control_protocol import ShardStat, StatShard
+from services.orchestrator.outcomes import StepFailure
 from services.orchestrator.router import Hop
 from services.transport import AckObserver, StepInfo
-
-# `reported`: a hop said its input failed a check. The orchestrator cannot verify that, so the hop accused is only
-# routed around for this call: nobody is blamed in events or kept out of other calls' routing.
-FailureKind = Literal["stalled", "step_failed", "corrupt", "reported", "gone", "refused", "broker", "evicted"]
-
-
-@dataclass(frozen=True)
-class StepFailure:
-    """Why a step (or an open) did not come through, and whom to route around: `shard_id` is None when the
-    broker connection was lost and no shard is to blame."""
-
-    kind: FailureKind
-    shard_id: str | None
-    reason: str
-    check: str | None = None
-    # The code of a shard's refusal to open (`at_capacity`, `weights_mismatch`, ...), when it refused.
-    code: str | None = None
-
-    @property
-    def verified(self) -> bool:
-        """Whether the orchestrator saw the failure itself (its own check, probe or refusal, or a hop's authenticated
-        word about itself), so that it may blame the shard in events and keep it out of other calls for a while."""
-        return self.kind != UNVERIFIED_REPORT
-
-    def __str__(self) -> str:
-        return f"{self.shard_id}: {self.reason}" if self.shard_id else self.reason
 
 
 class ProbeOutcome(enum.Enum):

@@ -20,6 +20,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from events.consume import first_stream_seq
 from services.common.cli_options import (
     ConfigOption,
     CredsOption,
@@ -30,7 +31,9 @@ from services.common.cli_options import (
     settings,
 )
 
-connect_timeout_s = 5.0
+# hearth-replay is a reading tool: quieter than the services, and quick to say when the broker is not there.
+replay_log_level = "WARNING"
+replay_connect_timeout_s = 5.0
 
 app = typer.Typer(
     name="hearth-replay",
@@ -51,7 +54,7 @@ class OutputFormat(str, Enum):
 def main_options(
     ctx: typer.Context,
     config: ConfigOption = None,
-    log_level: LogLevelOption = "WARNING",
+    log_level: LogLevelOption = replay_log_level,
     creds: CredsOption = None,
 ) -> None:
     """Read hearth's event log (audit, debugging) and rebuild read models from it."""
@@ -97,7 +100,7 @@ async def _connect(url: str):
     return await nats.connect(
         servers=server_urls(url),
         name="hearth-replay",
-        connect_timeout=connect_timeout_s,
+        connect_timeout=replay_connect_timeout_s,
         allow_reconnect=False,
         max_reconnect_attempts=1,
         reconnect_time_wait=0.2,
@@ -145,7 +148,9 @@ def events_command(
     from_time: Annotated[
         Optional[str], typer.Option("--from-time", help="Only messages stored at or after this RFC 3339 time.")
     ] = None,
-    from_seq: Annotated[int, typer.Option("--from-seq", min=1, help="First stream sequence (per stream).")] = 1,
+    from_seq: Annotated[
+        int, typer.Option("--from-seq", min=1, help="First stream sequence (per stream).")
+    ] = first_stream_seq,
     to_seq: Annotated[
         Optional[int], typer.Option("--to-seq", min=1, help="Last stream sequence (per stream).")
     ] = None,
@@ -258,7 +263,7 @@ def shard_command(
         typer.Option(
             "--health-timeout-s",
             min=0.001,
-            help="Report heartbeat gaps longer than this (default: shard_health_timeout_seconds, 30).",
+            help="Report heartbeat gaps longer than this (default: shard_health_timeout_s, 30).",
             show_default=False,
         ),
     ] = None,
@@ -272,7 +277,7 @@ def shard_command(
     key = shard if re.fullmatch(r"[0-9a-f]{4,64}", shard) else shard_key(shard)
     timeout_s = health_timeout_s
     if timeout_s is None:
-        timeout_s = settings(ctx).research.distributed_inference.shard_health_timeout_seconds
+        timeout_s = settings(ctx).research.distributed_inference.shard_health_timeout_s
     raise typer.Exit(_run(_print_shard(resolve_nats_url(ctx, nats_url), shard, key, float(timeout_s))))
 
 

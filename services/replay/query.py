@@ -17,7 +17,7 @@ from datetime import datetime, timedelta, timezone
 
 import nats.js.errors
 
-from events.consume import SkippedMessage, StoredEvent, read_stream
+from events.consume import SkippedMessage, StoredEvent, first_stream_seq, read_stream
 from events.models import EVENT_TYPES
 from events.streams import ALL_STREAMS, STREAM_SPECS
 from events.subjects import EVENTS_PREFIX, event_type_filter
@@ -143,7 +143,7 @@ class LogQuery:
 
     selections: list[StreamSelection]
     types: tuple[str, ...] = ()
-    from_seq: int = 1
+    from_seq: int = first_stream_seq
     to_seq: int | None = None
     from_time: datetime | None = None
     follow: bool = False

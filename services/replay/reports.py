@@ -16,17 +16,6 @@ from events.models import ShardAdvertised, ShardHeartbeat, ShardWithdrawn
 from events.streams import shards_max_msgs_per_subject
 from services.replay.render import format_time, summarize_event
 
-PIPELINE_EVENT_TYPES = (
-    "pipeline.constructed",
-    "pipeline.first_token",
-    "pipeline.shard_status",
-    "pipeline.failover",
-    "pipeline.fallback_local",
-    "pipeline.completed",
-    "pipeline.aborted",
-    "integrity.corruption_detected",
-)
-
 
 def format_offset(seconds: float) -> str:
     return f"{'+' if seconds >= 0 else '-'}{abs(seconds):.3f}s"

@@ -1,9 +1,9 @@
-"""StepBatcher: continuous batching on a shard: gathers the steps its hops have ready (decode steps, and prefills
-short enough to run whole) and runs those that fit together as one batched step on the compute thread
-(ShardCompute.run_batch, LayerRangeRunner.step_batch); each hop gets its own row's result back and passes it on to
-its own next hop, as for a solo step.
+"""StepQueue: continuous batching on a shard: the steps its hops have ready (decode steps, and prefills short enough
+to run whole), handed out as batches to the shard's scheduler loop (ShardCompute, services/shard/compute.py), which
+runs each as one batched step on the compute thread (LayerRangeRunner.step_batch) and gives each hop its own row's
+result back to pass on to its own next hop, as for a solo step.
 
-The batching itself is services/common/batching.py's ContinuousBatcher: a batch waits up to `window_s` for more steps
+The batching policy itself is services/common/batching.py's ReadyQueue: a batch waits up to `window_s` for more steps
 only while fewer steps are queued than hops are open on the shard, so a shard serving one session never waits and
 single-session decode is not slowed down. Rows of one batch run the same sub-range of layers and are of one kind;
 prefill rows also bring token counts within a factor of two of each other (the same power-of-two bucket), since a
@@ -18,11 +18,12 @@ apart join into one batch (services/common/batching.py says when and why); later
 
 from __future__ import annotations
 
+import asyncio
 from collections import Counter
-from collections.abc import Awaitable, Callable, Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
-from services.common.batching import ContinuousBatcher
+from services.common.batching import ReadyBatch, ReadyQueue
 from services.common.control_protocol import OpenHop
 from services.transport import FrameKind, ReceivedStep
 
@@ -49,38 +50,39 @@ class QueuedStep:
         return self.layers, self.received.kind, self.tokens.bit_length()
 
 
-class StepBatcher:
-    """Queues steps and runs them in batches through `run_batch` (one result or exception per step)."""
+class StepQueue:
+    """A shard's steps ready to run in a batch, and how many batches of each kind its scheduler loop took."""
 
-    def __init__(self, run_batch: Callable[[list[QueuedStep]], Awaitable[list]], *, window_s: float,
-                 max_sessions: int, open_hops: Callable[[], int], max_tokens: int | None = None,
-                 merge_window_s: float = 0.0) -> None:
-        self._run_batch = run_batch
-        self._batcher = ContinuousBatcher(self._count_and_run, window_s=window_s, max_rows=max_sessions,
-                                          open_streams=open_hops, group=lambda queued: queued.group,
-                                          cost=lambda queued: queued.tokens, max_cost=max_tokens,
-                                          name="shard-step-batcher", stream=_hop_stream, merges=_first_hop,
-                                          merge_window_s=merge_window_s)
+    def __init__(self, *, window_s: float, max_sessions: int, open_hops: Callable[[], int], max_tokens: int | None,
+                 merge_window_s: float) -> None:
+        self._ready: ReadyQueue[QueuedStep] = ReadyQueue(
+            window_s=window_s, max_rows=max_sessions, open_streams=open_hops, group=lambda queued: queued.group,
+            cost=lambda queued: queued.tokens, max_cost=max_tokens, stream=_hop_stream, merges=_first_hop,
+            merge_window_s=merge_window_s)
         self._batches: Counter[FrameKind] = Counter()
         self._rows: Counter[FrameKind] = Counter()
 
     def figures(self, kind: FrameKind) -> tuple[int, int]:
-        """Batches of `kind` run so far and the session rows in them."""
+        """Batches of `kind` taken so far and the session rows in them."""
         return self._batches[kind], self._rows[kind]
 
-    async def submit(self, request: OpenHop, received: ReceivedStep):
-        """Run one step in the next batch of its group; its StepResult, or what its row raised."""
-        return await self._batcher.submit(QueuedStep(request, received))
+    def put(self, request: OpenHop, received: ReceivedStep) -> asyncio.Future:
+        """Queue one step for the next batch of its group; the future its StepResult (or its row's exception) is set
+        on."""
+        return self._ready.put(QueuedStep(request, received))
 
-    async def close(self) -> None:
-        """Stop batching; steps still queued are cancelled."""
-        await self._batcher.close()
+    async def next_batch(self) -> ReadyBatch[QueuedStep] | None:
+        """The next batch of steps to run (None when none came for a while: ReadyQueue.next_batch)."""
+        batch = await self._ready.next_batch()
+        if batch is not None:
+            kind = batch.items[0].received.kind
+            self._batches[kind] += 1
+            self._rows[kind] += len(batch)
+        return batch
 
-    async def _count_and_run(self, batch: list[QueuedStep]) -> list:
-        kind = batch[0].received.kind
-        self._batches[kind] += 1
-        self._rows[kind] += len(batch)
-        return await self._run_batch(batch)
+    def cancel_waiting(self) -> None:
+        """Cancel the steps still queued (the shard's scheduler stops)."""
+        self._ready.cancel_waiting()
 
 
 def _hop_stream(queued: QueuedStep) -> Hashable:
@@ -89,5 +91,5 @@ def _hop_stream(queued: QueuedStep) -> Hashable:
 
 
 def _first_hop(queued: QueuedStep) -> bool:
-    """Merging waits for first hops' steps only (ContinuousBatcher says why)."""
+    """Merging waits for first hops' steps only (services/common/batching.py says why)."""
     return queued.request.hop == 0

@@ -1,6 +1,12 @@
 """ShardCompute: runs one step of a hop on the compute thread (input check, injected faults, the layers) and
 keeps what the shard reports about its work (tokens served, step latencies, sessions and cache bytes).
 
+Batched steps go through a scheduler loop (`start`, `close`): a hop puts its step in the StepQueue
+(services/shard/batcher.py) and awaits its row; the loop takes each batch, checks every row's input and runs the
+sound ones as one `LayerRangeRunner.step_batch` on the compute thread, then hands each hop its own row's result.
+Other steps (alone, or a long prefill in turns) run from the hop's own task: the input check, then the layers through
+`LayerRangeRunner.begin_forward` and `advance`.
+
 Integrity: every step's input is checked (NaN, Inf, per-position L2 norm far above what this shard has
 received before) before its layers run. The norm bounds are kept per shard, across pipelines, keyed by
 the first layer the hop runs (the input of layer L has the same scale whoever sends it, and a shard used
@@ -15,6 +21,7 @@ the figures after every step and reset instead, and `stat` reads them without wa
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import statistics
 import threading
 import time
@@ -29,8 +36,9 @@ from inference.layer_pass import SteppedForward
 from inference.compute_thread import (StepThreads, compute_executor, on_compute_thread, on_thread, prefill_executor,
                                      use_intra_op_threads)
 from inference.host_staging import to_device, to_host
+from services.common.config import ShardSettings
 from services.common.control_protocol import OpenHop
-from services.shard.batcher import QueuedStep, StepBatcher
+from services.shard.batcher import QueuedStep, StepQueue
 from services.shard.faults import ShardFault
 from services.shard.metrics import ShardStepMetrics, watch_serving
 from services.transport import FrameKind, ReceivedStep
@@ -76,11 +84,9 @@ class ServingStats:
 class ShardCompute:
     """The shard's layer runner behind one door: every torch call of the shard goes through here."""
 
-    def __init__(self, runner: LayerRangeRunner, shard_id: str, *, fault: ShardFault | None = None,
-                 step_threads: StepThreads | None = None, range_layers: int | None = None,
-                 batch_window_s: float = 0.0, max_batch_sessions: int = 1, max_batch_tokens: int | None = None,
-                 batch_merge_window_s: float = 0.0, prefill_slice_layers: int = 0, prefill_slice_min_tokens: int = 0,
-                 prefill_slice_tokens: int | None = None, prefill_nice: int = 0) -> None:
+    def __init__(self, runner: LayerRangeRunner, shard_id: str, settings: ShardSettings, *,
+                 fault: ShardFault | None = None, step_threads: StepThreads | None = None,
+                 range_layers: int | None = None) -> None:
         self.runner = runner
         self.shard_id = shard_id
         # Layers of the shard's whole range: a decode step of part of it is scaled up to this many.
@@ -99,19 +105,37 @@ class ShardCompute:
         self._bounds_lock = threading.Lock()
         # A prefill step of at least `prefill_slice_min_tokens` runs `prefill_slice_layers` layers per compute-thread
         # trip, so other hops' steps run between its slices (inference/layer_pass.py); 0 layers: always whole.
-        self.prefill_slice_layers = prefill_slice_layers
-        self.prefill_slice_min_tokens = prefill_slice_min_tokens
+        self.prefill_slice_layers = settings.prefill_slice_layers
+        self.prefill_slice_min_tokens = settings.prefill_slice_min_tokens
         # ... of a piece of this many of its tokens while other steps wait for the thread (None: all the rest).
-        self.prefill_slice_tokens = prefill_slice_tokens
+        self.prefill_slice_tokens = settings.prefill_slice_tokens or None
         # Steps run in turns run on a thread this much lower in CPU priority (inference.compute_thread.prefill_executor
         # says why), beside the compute thread's steps; 0: on the compute thread.
-        self.prefill_nice = prefill_nice
+        self.prefill_nice = settings.prefill_nice
         self.prefill_thread_steps = 0  # steps running on that thread or waiting for it
-        # Steps of several hops run as one batched step (services/shard/batcher.py) when more than one may.
-        self.batcher = StepBatcher(self.run_batch, window_s=batch_window_s, max_sessions=max_batch_sessions,
-                                   open_hops=lambda: self.active_streams, max_tokens=max_batch_tokens,
-                                   merge_window_s=batch_merge_window_s) if max_batch_sessions > 1 else None
+        # Steps of several hops run as one batched step (services/shard/batcher.py) when more than one may; the
+        # scheduler loop (`start`) takes them from here.
+        self.ready = StepQueue(window_s=settings.batch_window_ms / 1000.0, max_sessions=settings.max_batch_sessions,
+                               open_hops=lambda: self.active_streams, max_tokens=settings.max_batch_tokens,
+                               merge_window_s=settings.batch_merge_window_ms / 1000.0,
+                               ) if settings.max_batch_sessions > 1 else None
+        self._scheduler: asyncio.Task | None = None
         watch_serving(self)
+
+    def start(self) -> None:
+        """Start the scheduler loop that runs batched steps (none with batching off); call on the event loop."""
+        if self.ready is not None and self._scheduler is None:
+            self._scheduler = asyncio.create_task(self._schedule(), name=f"shard-scheduler-{self.shard_id}")
+
+    async def close(self) -> None:
+        """Stop the scheduler loop; the steps still queued or in its batch are cancelled."""
+        task, self._scheduler = self._scheduler, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self.ready is not None:
+            self.ready.cancel_waiting()
 
     def serving_figures(self) -> tuple[int, int, int]:
         """Hops open, KV-cache bytes and tokens served, for the metrics (read without waiting for the runner)."""
@@ -123,16 +147,18 @@ class ShardCompute:
 
     def batching_figures(self) -> tuple[int, int]:
         """Batched decode steps run and the session rows in them, for the metrics."""
-        return self.batcher.figures(FrameKind.decode) if self.batcher is not None else (0, 0)
+        return self.ready.figures(FrameKind.decode) if self.ready is not None else (0, 0)
 
     def prefill_batching_figures(self) -> tuple[int, int]:
         """Batched prefill steps run and the session rows in them, for the metrics."""
-        return self.batcher.figures(FrameKind.prefill) if self.batcher is not None else (0, 0)
+        return self.ready.figures(FrameKind.prefill) if self.ready is not None else (0, 0)
 
     async def run(self, request: OpenHop, received: ReceivedStep) -> StepResult:
         """Check and run one prefill/decode step; raises what the layers raise (the caller reports it)."""
-        if self.batcher is not None and self._batchable(received):
-            return await self.batcher.submit(request, received)
+        if self.ready is not None and self._batchable(received):
+            if self._scheduler is None:
+                raise RuntimeError("batched steps run on the scheduler loop: ShardCompute.start() was not called")
+            return await self.ready.put(request, received)
         started = time.perf_counter()
         self.stats.steps_in_compute += 1
         try:
@@ -149,7 +175,7 @@ class ShardCompute:
                 failed_check, step, output = await on_thread(thread, self._check_and_forward, request, received,
                                                              threads, slice_layers)
                 while step is not None and output is None:
-                    output = await on_thread(thread, self._advance, step, threads, slice_layers)
+                    output = await on_thread(thread, self._continue, step, threads, slice_layers)
             finally:
                 self.prefill_thread_steps -= on_prefill_thread
         finally:
@@ -157,7 +183,22 @@ class ShardCompute:
         compute_s = time.perf_counter() - started
         return self._account(request, received, failed_check, output, compute_s)
 
-    async def run_batch(self, batch: list[QueuedStep]) -> list[StepResult | Exception]:
+    async def _schedule(self) -> None:
+        """The scheduler loop: takes each batch of ready steps, runs it, and hands every hop its own row's outcome."""
+        while True:
+            batch = await self.ready.next_batch()
+            if batch is None:
+                continue
+            try:
+                try:
+                    outcomes = await self._run_batch(batch.items)
+                except Exception as error:  # the whole batch failed (e.g. an injected fault): every row hears it
+                    outcomes = [error] * len(batch)
+                batch.scatter(outcomes)
+            finally:
+                batch.cancel()  # stopped while it ran: its hops are not left waiting
+
+    async def _run_batch(self, batch: list[QueuedStep]) -> list[StepResult | Exception]:
         """Check and run the steps of several hops (one kind) as one batched step; a result or an exception per row."""
         started = time.perf_counter()
         self.stats.steps_in_compute += len(batch)
@@ -234,7 +275,7 @@ class ShardCompute:
         finally:
             self._measure_cache()
 
-    def _advance(self, step: SteppedForward, threads: int, slice_layers: int | None) -> torch.Tensor | None:
+    def _continue(self, step: SteppedForward, threads: int, slice_layers: int | None) -> torch.Tensor | None:
         """On the compute thread: the next slice of a step begun by `_check_and_forward`; its output after the last."""
         use_intra_op_threads(threads)
         try:
@@ -251,7 +292,7 @@ class ShardCompute:
         its turns (the runner runs different sessions' layers side by side), so they need no small pieces."""
         while True:
             piece_tokens = self.prefill_slice_tokens if slice_layers and self._others_wait() else None
-            output = step.advance(slice_layers, piece_tokens)
+            output = self.runner.advance(step, slice_layers, piece_tokens)
             if output is not None or slice_layers is None or self._others_wait():
                 return output
 

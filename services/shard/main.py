@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from events.models import default_hop_weight
 from events.subjects import shard_control_subject, shard_id_for
 from inference import InferenceError, LayerRangeRunner, load_layer_range, weights_sha256
 from inference.compute_thread import StepThreads, on_compute_thread
@@ -209,7 +210,7 @@ async def run_shard(
     model_id: str | None = None,
     settings: HearthSettings | None = None,
     max_streams: int | None = None,
-    hop_weight: float = 1.0,
+    hop_weight: float = default_hop_weight,
     dtype: str | None = None,
     device: str | None = None,
     quantize: str | None = None,
@@ -245,7 +246,8 @@ async def run_shard(
 
 
 async def serve_loaded_shard(loaded: LoadedShard, *, nats_url: str | None, settings: HearthSettings,
-                             hop_weight: float = 1.0, fault: str | None = None, busy_threads: int | None = None,
+                             hop_weight: float = default_hop_weight, fault: str | None = None,
+                             busy_threads: int | None = None,
                              ready_file: str | None = None, metrics_port: int | None = None,
                              stop_event: asyncio.Event,
                              withdraw_reason: Callable[[], str] = lambda: "shutdown") -> None:
@@ -261,20 +263,14 @@ async def serve_loaded_shard(loaded: LoadedShard, *, nats_url: str | None, setti
     except BaseException:
         runner.close()
         raise
-    compute = ShardCompute(runner, shard_id, fault=ShardFault.parse(fault), step_threads=StepThreads(busy_threads),
-                           range_layers=min(hi, identity.total_layers - 1) - lo + 1,
-                           batch_window_s=settings.shard.batch_window_ms / 1000.0,
-                           batch_merge_window_s=settings.shard.batch_merge_window_ms / 1000.0,
-                           max_batch_tokens=settings.shard.max_batch_tokens,
-                           max_batch_sessions=settings.shard.max_batch_sessions,
-                           prefill_slice_layers=settings.shard.prefill_slice_layers,
-                           prefill_slice_min_tokens=settings.shard.prefill_slice_min_tokens,
-                           prefill_slice_tokens=settings.shard.prefill_slice_tokens or None,
-                           prefill_nice=settings.shard.prefill_nice)
+    compute = ShardCompute(runner, shard_id, settings.shard, fault=ShardFault.parse(fault),
+                           step_threads=StepThreads(busy_threads),
+                           range_layers=min(hi, identity.total_layers - 1) - lo + 1)
     server = ShardServer(nc, compute, identity, settings, hop_weight=hop_weight)
     server_ref.append(server)
     metrics_server = None
     try:
+        compute.start()
         await server.start()
         metrics_server = serve_process_metrics(metrics_port, f"shard {shard_id}", host=settings.metrics.host)
         print(f"shard {shard_id} ready (layers {lo}-{hi} of {identity.total_layers}, weights "
@@ -286,8 +282,7 @@ async def serve_loaded_shard(loaded: LoadedShard, *, nats_url: str | None, setti
         await stop_event.wait()
     finally:
         await server.stop(withdraw_reason())
-        if compute.batcher is not None:
-            await compute.batcher.close()
+        await compute.close()
         if metrics_server is not None:
             metrics_server.stop()
         await drain_or_close(nc, settings.nats.drain_timeout_s)

@@ -1,7 +1,7 @@
 """What a shard's layer range needs on its device (weights plus its KV reserve), before loading (from the checkpoint's
 headers) and after (measured), and the refusal when that is more than `shard_max_memory_mb` allows.
 
-The KV reserve is `kv_cache_budget_mb`: the runner keeps every session's cache within it (services/shard/kv_budget.py
+The KV reserve is `kv_cache_budget_mb`: the runner keeps every session's cache within it (services/shard/hops.py
 turns an eviction into a typed answer), so weights plus reserve bound what the shard holds on its device.
 """
 

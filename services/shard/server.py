@@ -19,7 +19,7 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from pydantic import ValidationError
 
-from events.models import ShardAdvertised, ShardHeartbeat, ShardWithdrawn
+from events.models import ShardAdvertised, ShardHeartbeat, ShardWithdrawn, default_hop_weight
 from events.publish import publish_event
 from events.streams import SHARDS_STREAM, ensure_streams
 from services.common.config import HearthSettings
@@ -67,7 +67,7 @@ class ShardServer:
     """Serves `open`/`close`/`stat` on its control subject and runs each open hop through ShardCompute."""
 
     def __init__(self, nc: NatsClient, compute: ShardCompute, identity: ShardIdentity, settings: HearthSettings, *,
-                 hop_weight: float = 1.0) -> None:
+                 hop_weight: float = default_hop_weight) -> None:
         self.nc = nc
         self.js = nc.jetstream()
         self.compute = compute

@@ -1,15 +1,21 @@
 """Activation transport of docs/design.md §6: frames over core NATS, the ack-window sender, the receiver, ack watching.
 
-A hop i of pipeline P receives on ``hearth.act.P.i`` and acks on ``hearth.ack.P.i``; the orchestrator
-is the source (it sends into hop 0) and the sink (its receiver is hop ``len(hops)``). A shard host::
+A hop i of pipeline P receives on ``hearth.act.<receiver node>.P.i`` and its sender reads the acks on
+``hearth.ack.<sender node>.P.i`` (events/subjects.py: each subject carries the node that subscribes to it, so a
+broker permission lets a host read only what is sent to it; processes outside a community share the node token
+``local``). The orchestrator is the source (it sends into hop 0) and the sink (its receiver is hop ``len(hops)``).
+A shard host on node N, its input sent by node U and its output going to node D::
 
-    async with ActivationReceiver(nc, P, i) as inbound, AckWindowSender(nc, P, i + 1) as outbound:
+    inbound = ActivationReceiver(nc, P, i, nodes=LinkNodes(sender=U, receiver=N))
+    outbound = AckWindowSender(nc, P, i + 1, nodes=LinkNodes(sender=N, receiver=D))
+    async with inbound, outbound:
         async for received in inbound:
-            output = await asyncio.to_thread(run_layers, received.info, received.tensor)
+            output = await on_compute_thread(run_layers, received.info, received.tensor)
             await outbound.send(received.info, output)   # same session and step, forwarded
 
-The orchestrator sends with ``AckWindowSender(nc, P, 0)``, reads results with
-``ActivationReceiver(nc, P, len(hops))`` and watches ``AckObserver(nc, P, sink_hop=len(hops))``.
+The orchestrator sends with ``AckWindowSender(nc, P, 0, nodes=...)``, reads results with
+``ActivationReceiver(nc, P, len(hops), nodes=...)`` and watches every hop's acks (``hearth.ack.*.P.*``) with
+``AckObserver(nc, P, sink_hop=len(hops))``.
 """
 
 from services.transport.acks import AckObserver, StepProgress

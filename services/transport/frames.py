@@ -68,7 +68,7 @@ class EncodedStep:
 
     def header(self, pipeline_id: str, hop: int, chunk_index: int, *, sent_ns: int | None = None) -> FrameHeader:
         # Not validated again: encode_step made these fields consistent, and the receiver validates every frame.
-        # (Run once per step on every hop, with caches cold after the layers: validation costs ~30 us there.)
+        # (Run once per step on every hop, with caches cold after the layers, where validation is slow.)
         return FrameHeader.model_construct(
             pipeline_id=pipeline_id,
             hop=hop,

@@ -40,8 +40,9 @@ class NormBounds:
     def check(self, hidden: torch.Tensor) -> IntegrityCheck | None:
         """The failed check's name, or None; learns the bounds from frames that pass."""
         # Three torch calls on the fast path: this runs on every hop of every token, with caches cold after the
-        # layers (each call ~40 us there). A NaN or an Inf anywhere makes its position's norm NaN or Inf, and
-        # only then is it worth telling which. Half-precision inputs are reduced in float32.
+        # layers, where each torch call is slow (BENCHMARKS.md, "`hearth bench`"). A NaN or an Inf anywhere
+        # makes its position's norm NaN or Inf, and only then is it worth telling which. Half-precision inputs
+        # are reduced in float32.
         if hidden.numel() == 0:
             return None  # nothing to check, nothing to learn from
         norms = torch.linalg.vector_norm(hidden.detach(), dim=-1, dtype=torch.float32)

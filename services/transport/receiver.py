@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 _defaults = TransportSettings()
 # A pipeline receiver that hears nothing this long ends `async for` with TransportTimeout: its
 # orchestrator is gone (the host's eviction idle time).
-_default_idle_timeout_s = HostSettings.model_fields["shard_eviction_idle_seconds"].default
+_default_idle_timeout_s = HostSettings.model_fields["shard_eviction_idle_s"].default
 
 StepKey = tuple[str, int]
 # Called with a refused frame's header and why it was refused (a hop tells its orchestrator about its session's).

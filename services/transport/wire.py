@@ -154,7 +154,7 @@ def encode_payload(
         view = memoryview(b"")
     elif payload.dtype in numpy_viewable_dtypes:
         # The cheap way to the bytes: no torch dispatch besides contiguous() (this runs once per step on every
-        # hop right after its layers evicted the caches, where each torch call costs ~30-60 us).
+        # hop right after its layers evicted the caches, where each torch call is slow).
         view = memoryview(payload.numpy()).cast("B")
     else:  # bfloat16 has no numpy dtype: reinterpret as bytes first
         view = memoryview(payload.reshape(-1).view(torch.uint8).numpy())

@@ -104,13 +104,13 @@ async def ask(mesh: LocalCluster):
     return result.token_ids, result.frames_of("pipeline")[0].hops
 
 
-# Filled by the first test, compared by the second: the answer and route of an untouched mesh.
-UNTOUCHED: dict[str, object] = {}
+@pytest.fixture(scope="module")
+def untouched_answer(signed_mesh):
+    """The answer and route of the mesh before any test forges an event (asked once, whichever test runs first)."""
+    return asyncio.run(ask(signed_mesh))
 
 
-async def test_a_normal_call_is_all_signed_events_that_verify(signed_mesh):
-    token_ids, hops = await ask(signed_mesh)
-    UNTOUCHED.update(token_ids=token_ids, hops=hops)
+async def test_a_normal_call_is_all_signed_events_that_verify(signed_mesh, untouched_answer):
     for name, db in read_models(signed_mesh).items():
         rows = await wait_for_rows(db, "SELECT pipeline_id FROM pipelines WHERE status = 'completed'", 1)
         assert rows, f"{name} read model never saw the call complete"
@@ -172,9 +172,7 @@ def forged_events(mesh: LocalCluster, real_shards: dict[str, tuple[str, str]]) -
     ]
 
 
-async def test_forged_events_change_no_route_and_are_kept_as_rejected(signed_mesh):
-    if not UNTOUCHED:
-        pytest.skip("needs the untouched mesh's answer from the test before")
+async def test_forged_events_change_no_route_and_are_kept_as_rejected(signed_mesh, untouched_answer):
     orchestrator_db = read_models(signed_mesh)["orchestrator"]
     real_shards = {node: (shard_id, weights) for shard_id, node, weights in
                    query(orchestrator_db, "SELECT shard_id, node_id, weights_sha256 FROM shards")}
@@ -197,7 +195,7 @@ async def test_forged_events_change_no_route_and_are_kept_as_rejected(signed_mes
                           ("host2", 4, 5, "advertised")], name
 
     token_ids, hops = await ask(signed_mesh)
-    assert (token_ids, hops) == (UNTOUCHED["token_ids"], UNTOUCHED["hops"])
+    assert (token_ids, hops) == untouched_answer
 
     audit = replay_verify(signed_mesh)
     assert audit.returncode == 1, audit.stdout + audit.stderr

@@ -39,7 +39,7 @@ async def test_an_open_is_answered_while_a_closing_hop_waits_for_the_compute_thr
     nc = await connect_nats(nats_server.url, name="shard-under-test", settings=settings.nats)
     client = await connect_nats(nats_server.url, name="orchestrator-stand-in", settings=settings.nats)
     subject = shard_control_subject("node0", "tiny-0-1")
-    server = ShardServer(nc, ShardCompute(runner, "tiny-0-1"), ShardIdentity(
+    server = ShardServer(nc, ShardCompute(runner, "tiny-0-1", settings.shard), ShardIdentity(
         shard_id="tiny-0-1", model_id="tiny", node_id="node0", weights_sha256="0" * 64, layer_lo=0, layer_hi=1,
         total_layers=runner.info.num_layers, dtype="float32", memory_required_mb=1.0, control_subject=subject),
         settings)

@@ -19,7 +19,7 @@ from services.transport import FrameKind
 
 from .inference_tiny_models import ARCHITECTURES, TINY_NUM_LAYERS, one_torch_thread, tiny_model_dir  # noqa: F401
 from .test_batched_decode import GREEDY, PROMPTS, BatchedSessions, solo_tokens
-from .test_layer_slices import _open_hop, _received
+from .test_layer_slices import _open_hop, _received, shard_settings
 
 
 class PrefilledTogether(BatchedSessions):
@@ -112,8 +112,10 @@ async def test_a_shard_runs_the_short_prefills_of_its_hops_as_one_batch_and_long
     head = load_head(path)
     runner = load_layer_range(path, 0, TINY_NUM_LAYERS - 1)
     alone = load_layer_range(path, 0, TINY_NUM_LAYERS - 1)
-    compute = ShardCompute(runner, "shard-0", batch_window_s=30.0, max_batch_sessions=8, prefill_slice_layers=1,
-                           prefill_slice_min_tokens=32)
+    compute = ShardCompute(runner, "shard-0", shard_settings(batch_window_ms=30_000.0, max_batch_sessions=8,
+                                                             max_batch_tokens=1 << 20, prefill_slice_layers=1,
+                                                             prefill_slice_min_tokens=32))
+    compute.start()
     # The two short prompts' hops: once both steps are queued the window ends (the long step never queues there).
     compute.active_streams = 2
     prompts = {"a": head.encode_prompt("the quick brown fox"), "b": head.encode_prompt("hearth runs one model here"),
@@ -130,6 +132,7 @@ async def test_a_shard_runs_the_short_prefills_of_its_hops_as_one_batch_and_long
         else:
             torch.testing.assert_close(result.output, expected, rtol=1e-4, atol=1e-4)
     assert compute.prefill_batching_figures() == (1, 2) and compute.batching_figures() == (0, 0)
+    await compute.close()
 
 
 def test_a_batch_of_one_row_is_the_solo_step_bitwise(tiny_model_dir):

@@ -52,7 +52,7 @@ def test_defaults_are_those_of_the_specification():
     research = settings.research
     assert research.enable is True
     di = research.distributed_inference
-    assert (di.enabled, di.max_shards_per_request, di.shard_health_timeout_seconds) == (True, 16, 30)
+    assert (di.enabled, di.max_shards_per_request, di.shard_health_timeout_s) == (True, 16, 30)
     assert (di.fallback_to_local, di.fallback_to_local_after_failures) == (True, 2)
     assert (di.activation_dtype, di.allow_self_as_shard, di.max_concurrent_pipelines) == ("auto", False, 4)
     assert (di.host.serve_shards, di.host.shard_eviction_idle_seconds, di.host.shard_max_memory_mb) == (
@@ -149,3 +149,25 @@ def test_settings_are_immutable():
     assert isinstance(settings, HearthSettings)
     with pytest.raises(pydantic.ValidationError):
         settings.transport.window_chunks = 3
+
+
+def test_the_seconds_keys_take_the_s_names_and_the_specifications_names_still_work(tmp_path, monkeypatch):
+    new = tmp_path / "new.toml"
+    new.write_text("[research.distributed_inference]\nshard_health_timeout_s = 12.5\n"
+                   "[research.distributed_inference.host]\nshard_eviction_idle_s = 60\n")
+    di = load_settings(new).research.distributed_inference
+    assert (di.shard_health_timeout_s, di.host.shard_eviction_idle_s) == (12.5, 60)
+    # The old names read the same values, for readers not yet moved to the new ones.
+    assert (di.shard_health_timeout_seconds, di.host.shard_eviction_idle_seconds) == (12.5, 60)
+
+    monkeypatch.setenv("HEARTH_RESEARCH__DISTRIBUTED_INFERENCE__SHARD_HEALTH_TIMEOUT_SECONDS", "7")
+    monkeypatch.setenv("HEARTH_RESEARCH__DISTRIBUTED_INFERENCE__HOST__SHARD_EVICTION_IDLE_SECONDS", "9")
+    di = load_settings().research.distributed_inference
+    assert (di.shard_health_timeout_s, di.host.shard_eviction_idle_s) == (7, 9)
+
+
+def test_a_key_given_under_both_its_names_is_refused(tmp_path):
+    both = tmp_path / "both.toml"
+    both.write_text("[research.distributed_inference]\nshard_health_timeout_s = 1\nshard_health_timeout_seconds = 2\n")
+    with pytest.raises(pydantic.ValidationError, match="shard_health_timeout"):
+        load_settings(both)

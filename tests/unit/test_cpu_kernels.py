@@ -30,7 +30,7 @@ pytestmark = pytest.mark.skipif(not onednn_linear_available(), reason="this torc
 
 def _linear_modes(runner) -> set[str]:
     return {f"{type(module).__name__}{'(batched only)' if getattr(module, 'batched_only', False) else ''}"
-            for layer in runner._layers.values() for module in layer.modules() if isinstance(module, nn.Linear)}
+            for layer in runner._stack.layers.values() for module in layer.modules() if isinstance(module, nn.Linear)}
 
 
 @pytest.mark.parametrize("kernel", ["onednn-batched", "onednn"])

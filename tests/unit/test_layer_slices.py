@@ -16,6 +16,7 @@ import torch
 from inference import SamplingParams, SessionEvictedError, load_head, load_layer_range
 
 from inference.compute_thread import on_compute_thread
+from services.common.config import ShardSettings
 from services.common.control_protocol import OpenHop
 from services.shard.compute import ShardCompute
 from services.transport import FrameKind, ReceivedStep
@@ -31,7 +32,7 @@ def run_sliced(runner, session_id: str, hidden: torch.Tensor, start_pos: int, ki
                between=None, piece_tokens: int | None = None) -> torch.Tensor:
     step = runner.begin_forward(session_id, hidden, start_pos, kind)
     turns = 0
-    while (output := step.advance(slice_layers, piece_tokens)) is None:
+    while (output := runner.advance(step, slice_layers, piece_tokens)) is None:
         turns += 1
         if between is not None:
             between()
@@ -90,18 +91,18 @@ def test_a_session_evicted_between_slices_raises_and_keeps_no_half_cache(tiny_mo
     head = load_head(path)
     runner = load_layer_range(path, 0, TINY_NUM_LAYERS - 1)
     step = runner.begin_forward("s", head.embed(head.tokenizer.encode(PROMPT)), 0, "prefill")
-    assert step.advance(2) is None
+    assert runner.advance(step, 2) is None
     runner.reset("s")
     with pytest.raises(SessionEvictedError, match="in the middle of a step"):
-        step.advance(2)
+        runner.advance(step, 2)
     assert runner.cached_tokens("s") == 0
 
     # Restarted meanwhile (a new prefill at 0 replaced the record): the old step must not write into the new cache.
     step = runner.begin_forward("s", head.embed([5, 6, 7]), 0, "prefill")
-    assert step.advance(3) is None
+    assert runner.advance(step, 3) is None
     runner.forward("s", head.embed([5, 6]), 0, "prefill")
     with pytest.raises(SessionEvictedError):
-        step.advance(3)
+        runner.advance(step, 3)
 
 
 def test_advancing_a_finished_step_is_refused(tiny_model_dir):
@@ -109,9 +110,16 @@ def test_advancing_a_finished_step_is_refused(tiny_model_dir):
     head = load_head(path)
     runner = load_layer_range(path, 0, 1)
     step = runner.begin_forward("s", head.embed([5, 6, 7]), 0, "prefill")
-    assert step.advance() is not None
+    assert runner.advance(step) is not None
     with pytest.raises(RuntimeError, match="already run its last layer"):
-        step.advance()
+        runner.advance(step)
+
+
+def shard_settings(**fields) -> ShardSettings:
+    """A shard's settings with batching, slicing, pieces and the niced thread off but for `fields`."""
+    off = dict(max_batch_sessions=1, batch_window_ms=0.0, batch_merge_window_ms=0.0, prefill_slice_layers=0,
+               prefill_slice_min_tokens=1, prefill_slice_tokens=0, prefill_nice=0)
+    return ShardSettings(**{**off, **fields})
 
 
 def _received(session_id: str, kind: FrameKind, pos: int, tensor: torch.Tensor) -> ReceivedStep:
@@ -132,7 +140,8 @@ async def test_a_shards_steps_run_between_the_slices_of_a_long_prefill(tiny_mode
     head = load_head(path)
     runner = load_layer_range(path, 0, TINY_NUM_LAYERS - 1)
     runner.forward("short", head.embed([5, 6, 7]), 0, "prefill")
-    compute = ShardCompute(runner, "shard-0", prefill_slice_layers=prefill_slice_layers, prefill_slice_min_tokens=8)
+    compute = ShardCompute(runner, "shard-0", shard_settings(prefill_slice_layers=prefill_slice_layers,
+                                                             prefill_slice_min_tokens=8))
     long_prompt = head.embed(head.tokenizer.encode(PROMPT * 2))
     expected_long = load_layer_range(path, 0, TINY_NUM_LAYERS - 1).forward("long", long_prompt, 0, "prefill")
     held = threading.Event()
@@ -168,8 +177,9 @@ async def test_a_long_prefill_runs_on_a_niced_thread_and_the_other_steps_on_the_
     head = load_head(path)
     runner = load_layer_range(path, 0, TINY_NUM_LAYERS - 1)
     ran_on: list[tuple[int, int]] = []
-    runner._layers[0].register_forward_pre_hook(lambda module, args: ran_on.append(_own_nice()))
-    compute = ShardCompute(runner, "shard-0", prefill_slice_layers=1, prefill_slice_min_tokens=8, prefill_nice=5)
+    runner._stack.layers[0].register_forward_pre_hook(lambda module, args: ran_on.append(_own_nice()))
+    compute = ShardCompute(runner, "shard-0", shard_settings(prefill_slice_layers=1, prefill_slice_min_tokens=8,
+                                                             prefill_nice=5))
     compute_thread, compute_nice = await on_compute_thread(_own_nice)
     long_prompt = head.embed(head.tokenizer.encode(PROMPT * 2))
     expected_long = load_layer_range(path, 0, TINY_NUM_LAYERS - 1).forward("long", long_prompt, 0, "prefill")
@@ -203,7 +213,8 @@ async def test_the_compute_threads_steps_run_while_a_prefill_turn_is_under_way(t
     expected_short = reference.forward("short", head.embed([8]), 3, "decode")
     long_prompt = head.embed(head.tokenizer.encode(PROMPT * 2))
     expected_long = reference.forward("long", long_prompt, 0, "prefill")
-    compute = ShardCompute(runner, "shard-0", prefill_slice_layers=1, prefill_slice_min_tokens=8, prefill_nice=5)
+    compute = ShardCompute(runner, "shard-0", shard_settings(prefill_slice_layers=1, prefill_slice_min_tokens=8,
+                                                             prefill_nice=5))
     compute_thread, _ = await on_compute_thread(_own_nice)
     in_turn, release = threading.Event(), threading.Event()
 
@@ -212,7 +223,7 @@ async def test_the_compute_threads_steps_run_while_a_prefill_turn_is_under_way(t
             in_turn.set()
             assert release.wait(10.0)
 
-    runner._layers[0].register_forward_pre_hook(hold_the_first_prefill_turn)
+    runner._stack.layers[0].register_forward_pre_hook(hold_the_first_prefill_turn)
     long_step = asyncio.ensure_future(compute.run(_open_hop("long", TINY_NUM_LAYERS - 1),
                                                   _received("long", FrameKind.prefill, 0, long_prompt)))
     try:

@@ -1,9 +1,9 @@
-"""StepBatcher (services/shard/batcher.py): steps ready together run as one batch, a lone hop never waits for
-the window, rows of other layer sub-ranges, of the other kind or (prefills) of token counts more than twice apart
-wait for their own batch, as do rows beyond the batch's token budget; each kind's batches are counted, and a row's
-exception reaches only its hop. Merging: first hops' sessions decoding in two groups a stage apart join into one
-batch with a merge window (and stay apart without one), later hops never wait for it, and a session that stops
-coming holds nobody up."""
+"""StepQueue (services/shard/batcher.py), its batches taken by a scheduler loop: steps ready together run as one
+batch, a lone hop never waits for the window, rows of other layer sub-ranges, of the other kind or (prefills) of token
+counts more than twice apart wait for their own batch, as do rows beyond the batch's token budget; each kind's batches
+are counted, and a row's exception reaches only its hop. Merging: first hops' sessions decoding in two groups a stage
+apart join into one batch with a merge window (and stay apart without one), later hops never wait for it, and a
+session that stops coming holds nobody up."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from services.common.batching import StreamArrivals
-from services.shard.batcher import StepBatcher
+from services.shard.batcher import StepQueue
 from services.transport import FrameKind
 
 LONG_WINDOW_S = 30.0
@@ -30,7 +30,7 @@ def step(kind: FrameKind = FrameKind.decode, tokens: int = 1):
 
 
 class Recorder:
-    """A run_batch that records each batch's sessions and answers each row with its session id."""
+    """What a scheduler loop would run: records each batch's sessions and answers each row with its session id."""
 
     def __init__(self) -> None:
         self.batches: list[list[str]] = []
@@ -39,6 +39,35 @@ class Recorder:
         self.batches.append([queued.request.session_id for queued in batch])
         return [ValueError(q.request.session_id) if q.request.session_id == "bad" else q.request.session_id
                 for q in batch]
+
+
+class StepBatcher:
+    """A StepQueue served by a scheduler loop as the shard's is (ShardCompute._schedule), running each batch it takes
+    through a Recorder."""
+
+    def __init__(self, recorder: Recorder, *, window_s: float, max_sessions: int, open_hops,
+                 max_tokens: int | None = None, merge_window_s: float = 0.0) -> None:
+        self.queue = StepQueue(window_s=window_s, max_sessions=max_sessions, open_hops=open_hops,
+                               max_tokens=max_tokens, merge_window_s=merge_window_s)
+        self._recorder = recorder
+        self._loop = asyncio.create_task(self._schedule())
+
+    async def _schedule(self) -> None:
+        while True:
+            batch = await self.queue.next_batch()
+            if batch is not None:
+                batch.scatter(await self._recorder(batch.items))
+
+    def figures(self, kind: FrameKind) -> tuple[int, int]:
+        return self.queue.figures(kind)
+
+    async def submit(self, request, received):
+        return await self.queue.put(request, received)
+
+    async def close(self) -> None:
+        self._loop.cancel()
+        await asyncio.gather(self._loop, return_exceptions=True)
+        self.queue.cancel_waiting()
 
 
 async def test_steps_of_every_open_hop_run_as_one_batch():
@@ -166,11 +195,11 @@ def test_stream_arrivals_tell_who_is_due_and_forget_streams_that_stopped_coming(
 
 def test_settings_are_validated():
     with pytest.raises(ValueError):
-        StepBatcher(Recorder(), window_s=-1.0, max_sessions=8, open_hops=lambda: 1)
+        StepQueue(window_s=-1.0, max_sessions=8, open_hops=lambda: 1, max_tokens=None, merge_window_s=0.0)
     with pytest.raises(ValueError):
-        StepBatcher(Recorder(), window_s=0.0, max_sessions=0, open_hops=lambda: 1)
+        StepQueue(window_s=0.0, max_sessions=0, open_hops=lambda: 1, max_tokens=None, merge_window_s=0.0)
     with pytest.raises(ValueError):
-        StepBatcher(Recorder(), window_s=0.0, max_sessions=8, open_hops=lambda: 1, merge_window_s=-1.0)
+        StepQueue(window_s=0.0, max_sessions=8, open_hops=lambda: 1, max_tokens=None, merge_window_s=-1.0)
 
 
 PACED_WINDOW_S = 0.03  # long enough that waiting it out shows in every step's time

@@ -11,7 +11,7 @@ from sqlalchemy.orm import Session
 from events.models import UNVERIFIED_REPORT, PipelineFailover
 from readmodels.tables import ShardStats
 from services.common.control_protocol import ControlReply, HopNotice, OpenHop, ShardStat, max_open_pipelines
-from services.orchestrator.stall import StepFailure
+from services.orchestrator.outcomes import StepFailure
 from services.transport import AckHeader, FrameError, FrameHeader, FrameKind
 from services.transport.headers import max_header_bytes
 from services.transport.mac import HEADER_MAC, mac_is_valid, new_link_key, with_mac

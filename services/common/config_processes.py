@@ -1,0 +1,123 @@
+"""The sections of hearth's configuration that the long-running mesh processes read for their own work:
+`[orchestrator]` (how one orchestrator serves its calls) and `[shard]` (how a shard host serves its hops).
+services/common/config.py composes them with the rest into HearthSettings."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from events.streams import MiB
+from services.common.config_sections import ConfigSection
+
+
+class OrchestratorSettings(ConfigSection):
+    """[orchestrator]: how one orchestrator serves its calls."""
+
+    min_caller_trust: Literal["member", "trusted", "steward"] = Field(
+        default="member", description="on a community mesh, the least trust a caller's signed call needs")
+
+    request_deadline_s: float = Field(
+        default=3600.0, gt=0, description="a call still running after this ends (leaves room to load a head)")
+    client_resubscribe_grace_s: float = Field(
+        default=5.0, ge=0, description="after a reconnect, 'no responders' on a client inbox is not yet a leave")
+    catch_up_timeout_s: float = Field(
+        default=2.0, gt=0, description="how long routing waits for its read model to reach the event log's end")
+    event_queue_max: int = Field(
+        default=10000, ge=1, description="audit events waiting to be written; a full queue holds the call back")
+    event_retry_wait_s: float = Field(
+        default=1.0, gt=0, description="pause before writing an audit event again after a failed write")
+    event_flush_timeout_s: float = Field(
+        default=1.5, gt=0, description="at shutdown, how long the audit events still queued may take to write")
+    event_publish_delay_s: float = Field(
+        default=0.0, ge=0, description="testing only: every audit event write waits this long first")
+    broker_wait_s: float = Field(
+        default=30.0, gt=0,
+        description="a call whose broker connection dropped waits this long for it (and its hops) to come back")
+    max_request_bytes: int = Field(
+        default=1 * MiB, ge=1024,
+        description="an `llm.chat.request` body larger than this is refused (`bad_request`) before it is parsed")
+    max_request_header_bytes: int = Field(
+        default=8 * 1024, ge=1024,
+        description="an `llm.chat.request` or `llm.models` request whose NATS headers (names and values) are "
+                    "larger than this is refused (`bad_request`) before any of them is read")
+    max_broker_repairs: int = Field(
+        default=3, ge=0, description="rebuilds of a call's pipeline after the broker connection was lost")
+    max_queued_requests: int = Field(
+        default=256, ge=0,
+        description="calls waiting for room beyond those running; one more is answered `overloaded`")
+    max_queued_per_caller: int = Field(
+        default=32, ge=0,
+        description="calls of one roster member waiting in the queue; one more is answered `overloaded` while "
+                    "other members still get in (unsigned callers of an open mesh share the whole queue)")
+    max_streams_per_caller: int = Field(
+        default=4, ge=1,
+        description="calls of one caller (a roster member; all unsigned callers together) running at once, and "
+                    "for a member never every running place (at most max_concurrent_pipelines - 1); the rest "
+                    "of its calls wait in the queue")
+    overloaded_retry_after_s: float = Field(
+        default=5.0, gt=0, description="`retry_after_s` an `overloaded` answer suggests to its client")
+    at_capacity_retry_s: float = Field(
+        default=0.5, gt=0,
+        description="a shard that answered `at_capacity` is tried again after this, or when one of our own "
+                    "streams on it ends, whichever comes first")
+    at_capacity_max_wait_s: float = Field(
+        default=120.0, gt=0,
+        description="a call that found no shard with room for this long is answered `overloaded`")
+    prefill_chunk_tokens: int = Field(
+        default=256, ge=0,
+        description="a prompt is prefilled in steps of at most this many tokens, pipelined through the hops, so "
+                    "other calls' tokens are computed between them; 0 prefills it in one step")
+    head_batch_sessions: int = Field(
+        default=8, ge=1,
+        description="the head steps (final norm + lm_head, sampling) of this many calls at most run as one batch "
+                    "(1: none)")
+    head_batch_window_ms: float = Field(
+        default=2.0, ge=0,
+        description="a head batch waits this long at most for the steps of other decoding calls (0: only what is "
+                    "ready); a call decoding alone never waits")
+
+
+class ShardSettings(ConfigSection):
+    """[shard]: how a shard host announces itself."""
+
+    heartbeat_interval_s: float = Field(default=2.0, gt=0, description="between shard.heartbeat events")
+    advertisement_ttl_s: float = Field(default=60.0, gt=0, description="an advertisement expires after this")
+    max_concurrent_streams: int = Field(default=4, ge=1, description="pipelines one shard serves at once")
+    hop_close_timeout_s: float = Field(
+        default=5.0, gt=0, description="closing a hop waits this long for a step being computed to finish")
+    withdraw_timeout_s: float = Field(default=2.0, gt=0, description="how long stopping waits to say it leaves")
+    max_batch_sessions: int = Field(
+        default=8, ge=1, description="steps of this many sessions at most run as one batched step: decode steps, "
+                                      "and on a CPU prefills shorter than prefill_slice_min_tokens (1: none)")
+    max_batch_tokens: int = Field(
+        default=256, ge=1, description="a batched step brings at most this many tokens (its first row always): "
+                                       "prefills of several prompts batch up to it, so the batches still flow "
+                                       "through the hops pipelined rather than holding each hop in turn")
+    batch_window_ms: float = Field(
+        default=2.0, ge=0, description="a batch waits this long at most for the steps of other open hops (0: only "
+                                       "what is ready); a shard serving one hop never waits")
+    batch_merge_window_ms: float = Field(
+        default=0.0, ge=0, description="a first hop's batch also waits this long at most for the steps of sessions "
+                                       "due within it, so sessions decoding in groups a stage apart join into one "
+                                       "batch: for shards sharing one machine's cores (hearth demo and bench set "
+                                       "it); 0 (off) where each shard has its own machine")
+    prefill_slice_layers: int = Field(
+        default=1, ge=0, description="a long prefill step on a CPU runs this many layers per turn on the compute "
+                                     "thread, so other sessions' steps run between its turns (0: every step "
+                                     "whole; on a GPU steps always run whole)")
+    prefill_slice_tokens: int = Field(
+        default=64, ge=0, description="while other steps wait for the compute thread, a sliced prefill step's tokens "
+                                      "go through its layers in pieces of this many, so that a turn is one layer of "
+                                      "one piece (0: all its tokens at once; small pieces cost a CPU throughput)")
+    prefill_slice_min_tokens: int = Field(
+        default=256, ge=1, description="prefill steps of fewer tokens run whole, at the compute thread's priority "
+                                       "(a short prompt is neither held up by the long prompts' slices nor starved by "
+                                       "other sessions' decode steps; the default is the orchestrator's "
+                                       "prefill_chunk_tokens, so a long prompt's chunks run in turns)")
+    prefill_nice: int = Field(
+        default=10, ge=0, le=19, description="steps run in turns run on a thread this many nice levels below the "
+                                             "compute thread's CPU priority, so that on cores shared with other "
+                                             "processes (other hops) short calls' steps go first (0: on the compute "
+                                             "thread; a thread cannot raise its priority again once lowered)")

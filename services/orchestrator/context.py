@@ -1,0 +1,39 @@
+"""RunContext: what every call of one orchestrator shares (its connection, settings, router, event outbox, head
+batcher, live routing room), handed to each call's PipelineRun by the service."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nats.aio.client import Client as NatsClient
+
+from events.outbox import EventOutbox
+from readmodels.runner import Projector
+from services.common.config import HearthSettings
+from services.orchestrator.capacity import ShardLoad
+from services.orchestrator.catalog import ModelCatalog
+from services.orchestrator.head_batcher import HeadSteps
+from services.orchestrator.health import RecentFailures
+from services.orchestrator.router import ShardRouter
+from services.transport.integrity import NormBounds
+
+
+@dataclass
+class RunContext:
+    """What every call of one orchestrator shares."""
+
+    nc: NatsClient
+    node_id: str
+    settings: HearthSettings
+    router: ShardRouter
+    projector: Projector
+    catalog: ModelCatalog
+    outbox: EventOutbox
+    recent_failures: RecentFailures
+    # Every call's per-token head work, batched across the calls decoding at once.
+    head_steps: HeadSteps
+    # Per model: bounds of the activations that reach us (the sink's integrity check), shared by all calls.
+    sink_bounds: dict[str, NormBounds]
+    # The streams this orchestrator holds on each shard and the shards that just refused it (live routing room).
+    load: ShardLoad
+    running_calls: int = 0
