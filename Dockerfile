@@ -8,6 +8,7 @@ COPY migrations migrations
 COPY inference inference
 COPY services services
 COPY trust trust
+COPY protocol protocol
 # Beside the sources: the bundled model (`orchestrator --preload hearth-tiny-llama`, `shard --model
 # models/hearth-tiny-llama`) and the NATS cluster configuration (`hearth nats --node`).
 COPY models models

@@ -18,7 +18,7 @@ from events.streams import (
     ensure_streams,
     stream_for_subject,
 )
-from events.subjects import event_subject, shard_key
+from protocol.subjects import event_subject, shard_key
 
 __all__ = [
     "ALL_STREAMS",

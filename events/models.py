@@ -9,20 +9,16 @@ from typing import Annotated, Any, Callable, Literal, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, field_validator
 
+from protocol.bounds import SUBJECT_TOKEN_PATTERN, max_id_chars, max_reason_chars, max_shard_id_chars
 from trust.keys import PUBLIC_KEY_PATTERN, USER_PUBLIC_KEY_LENGTH
 
-# Subject tokens may not carry dots, spaces or wildcards; pipeline ids become subject tokens.
-SUBJECT_TOKEN_PATTERN = r"^[A-Za-z0-9_-]{1,128}$"
 _subject_token_re = re.compile(SUBJECT_TOKEN_PATTERN)
 
 # Every string and list an event carries is bounded (docs/events.md, "Limits"), so no event, forged or buggy, can
 # fill the log or a read model: the largest event fits the streams' max_msg_size (events/streams.py).
-max_id_chars = 256  # node ids, model ids, digests, subjects, request ids
-max_shard_id_chars = 2 * max_id_chars + 32  # "<model_id>:<lo>-<hi>@<node_id>"
 max_label_chars = 64  # dtypes, statuses, codes, finish reasons
 # A shard's distance as it advertises it unless told: on the same LAN (docs/design.md §5).
 default_hop_weight = 1.0
-max_reason_chars = 2000  # free text; an emitter's longer text is cut to this, never refused
 max_event_hops = 64  # hops of a pipeline (also the most [research.distributed_inference] max_shards_per_request)
 max_signature_chars = 128  # an Ed25519 signature is 88 base64 characters; a longer one is refused
 

@@ -21,7 +21,7 @@ from tenacity import (
 from events.metrics import events_published_total
 from events.models import EventEnvelope, encode_event
 from events.signing import sign_event
-from events.subjects import event_subject
+from protocol.subjects import event_subject
 from trust.keys import MemberKey
 
 log = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from events.models import EventEnvelope
-from events.subjects import shard_control_subject
+from protocol.subjects import shard_control_subject
 from trust.keys import MemberKey, verify_b64
 from trust.roster import Member, Role, Roster, RosterError
 

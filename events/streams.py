@@ -15,7 +15,7 @@ from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfi
 from nats.errors import Error as NatsError
 from nats.js.errors import APIError, NotFoundError
 
-from events.subjects import INTEGRITY_EVENTS_WILDCARD, PIPELINE_EVENTS_WILDCARD, SHARD_EVENTS_WILDCARD
+from protocol.subjects import INTEGRITY_EVENTS_WILDCARD, PIPELINE_EVENTS_WILDCARD, SHARD_EVENTS_WILDCARD
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ An entry lives in $HEARTH_CACHE_DIR (default ~/.cache/hearth)/gguf/<entry name>,
 resolved path, size and mtime_ns: a changed file has a new entry, the old one is pruned with the least recently
 written beyond GGUF_CACHE_MAX_ENTRIES. Every artifact is written to a temporary name and renamed into place, so
 processes starting together (a demo's shards and head) never read a torn one, and a cache folder that cannot be
-written only costs the next process the same parse. services/demo_model.py writes its description into the same
+written only costs the next process the same parse. services/devtools/demo_model.py writes its description into the same
 entry without importing this module (it stays free of torch): keep ``gguf_cache_entry_name`` in step with it.
 """
 

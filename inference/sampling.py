@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-# The wire's default (services/common/chat_protocol.py default_max_tokens), which inference may not import;
+# The wire's default (protocol/chat.py default_max_tokens), which inference may not import;
 # tests/unit/test_one_home_per_default.py keeps the two equal.
 DEFAULT_MAX_TOKENS = 128
 

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from inference import load_head, load_layer_range  # noqa: E402
 from inference.batched import BatchRow  # noqa: E402
 from inference.cpu_kernels import CPU_LINEAR_KERNELS, DEFAULT_CPU_LINEAR_KERNEL  # noqa: E402
-from services.random_models import random_checkpoint  # noqa: E402
+from services.devtools.random_models import random_checkpoint  # noqa: E402
 
 
 def measure(runner, head, sessions: int, steps: int, prompt_tokens: int, batched: bool, device) -> float:

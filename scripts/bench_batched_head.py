@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from inference import load_head  # noqa: E402
 from inference.head_batch import HeadRow, batched_next_tokens, solo_next_token  # noqa: E402
 from inference.sampling import SamplingParams  # noqa: E402
-from services.random_models import random_checkpoint  # noqa: E402
+from services.devtools.random_models import random_checkpoint  # noqa: E402
 
 GREEDY = SamplingParams()
 

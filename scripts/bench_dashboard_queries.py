@@ -43,7 +43,7 @@ from events.models import (  # noqa: E402
     ShardHeartbeat,
 )
 from events.streams import PIPELINES_STREAM, SHARDS_STREAM  # noqa: E402
-from events.subjects import event_subject, shard_id_for  # noqa: E402
+from protocol.subjects import event_subject, shard_id_for  # noqa: E402
 from readmodels.db import open_engine, upgrade_database  # noqa: E402
 from readmodels.projection import ReadModelProjection  # noqa: E402
 from services.dashboards.macros import TimeRange, open_read_only, run_panel_sql  # noqa: E402

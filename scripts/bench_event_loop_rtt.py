@@ -16,7 +16,7 @@ import sys
 import time
 
 from services.common.lifecycle import EVENT_LOOP_ENV, run_event_loop
-from services.common.nats_server import EmbeddedNatsServer
+from services.broker.server import EmbeddedNatsServer
 
 ECHO_SUBJECT = "bench.echo"
 

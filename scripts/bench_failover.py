@@ -1,7 +1,7 @@
 """Measures the pause a client sees when a shard host dies (or freezes) mid-generation and the orchestrator
 fails over.
 
-Real processes on this machine (services.cluster.LocalCluster): nats-server, an orchestrator with
+Real processes on this machine (services.devtools.local_cluster.LocalCluster): nats-server, an orchestrator with
 `--step-timeout-s`, replica shards r0-r2 (hop_weight 2) over the three layer ranges of a tiny random Llama,
 and for every kill a fresh preferred shard (hop_weight 1) over one range (rotating first, middle, last hop).
 Each round streams one greedy request and SIGKILLs the preferred shard (`--signal stop`: SIGSTOPs it, so its
@@ -38,11 +38,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.cluster import LocalCluster  # noqa: E402
-from services.common.chat_client import stream_chat  # noqa: E402
-from services.common.chat_protocol import ChatParams, ChatRequest, TokenDeltaFrame  # noqa: E402
-from services.common.nats_connection import connect_nats  # noqa: E402
-from services.random_models import RANDOM_PREFIX, random_checkpoint  # noqa: E402
+from services.devtools.local_cluster import LocalCluster  # noqa: E402
+from services.client.chat import stream_chat  # noqa: E402
+from protocol.chat import ChatParams, ChatRequest, TokenDeltaFrame  # noqa: E402
+from services.broker.connection import connect_nats  # noqa: E402
+from services.devtools.random_models import RANDOM_PREFIX, random_checkpoint  # noqa: E402
 
 # hearth's random `tiny` shape (6 layers, hidden 64: the tests' tiny checkpoint's shape); served by its folder name.
 MODEL_SHAPE = "tiny"

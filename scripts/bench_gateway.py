@@ -1,5 +1,5 @@
 """What the OpenAI-compatible gateway adds to a streamed answer: time to first token and decode tokens/s of the same
-greedy request asked the way `hearth chat` asks (services.common.chat_client over NATS) and through `hearth gateway`
+greedy request asked the way `hearth chat` asks (services.client.chat over NATS) and through `hearth gateway`
 with the official `openai` client (streamed), interleaved round by round on one running mesh (3 shard hosts, an
 orchestrator, the gateway: real processes, a secure community mesh as `hearth demo` runs it).
 
@@ -26,12 +26,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import httpx2  # noqa: E402
 import openai  # noqa: E402
 
-from services.cluster import LocalCluster  # noqa: E402
-from services.common.chat_client import stream_chat  # noqa: E402
-from services.common.chat_protocol import ChatMessage, ChatRequest, TokenDeltaFrame  # noqa: E402
+from services.devtools.local_cluster import LocalCluster  # noqa: E402
+from services.client.chat import stream_chat  # noqa: E402
+from protocol.chat import ChatMessage, ChatRequest, TokenDeltaFrame  # noqa: E402
 from services.common.lifecycle import run_event_loop  # noqa: E402
-from services.common.nats_connection import connect_nats  # noqa: E402
-from services.demo import default_shards, resolve_demo_model  # noqa: E402
+from services.broker.connection import connect_nats  # noqa: E402
+from services.devtools.demo import default_shards, resolve_demo_model  # noqa: E402
 from services.gateway.keys import create_api_key  # noqa: E402
 
 PROMPT = "Tell me a fortune."

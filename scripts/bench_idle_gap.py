@@ -2,7 +2,7 @@
 
 In a pipeline on one machine each shard process computes one step, then waits while the other hops
 compute theirs; a monolithic generate() never waits. This times the same decode step of one layer range
-(a shard's share of a `random:<shape>` checkpoint from services.random_models) in one process, back to back and
+(a shard's share of a `random:<shape>` checkpoint from services.devtools.random_models) in one process, back to back and
 after sleeping between steps, with the OpenMP environment it was started with:
 
     OMP_WAIT_POLICY=PASSIVE .venv/bin/python scripts/bench_idle_gap.py --shape llama-250m --layers 0-4 --threads 1 2
@@ -17,7 +17,7 @@ import time
 import torch
 
 from inference import load_head, load_layer_range
-from services.random_models import random_checkpoint
+from services.devtools.random_models import random_checkpoint
 
 prompt_tokens = 64
 

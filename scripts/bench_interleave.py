@@ -3,8 +3,8 @@ while a `--long-tokens` prompt prefills, for each `--chunk-tokens` setting (0 = 
 each `--slice-layers` setting of the shards (layers a long prefill step runs per compute-thread turn; 0 = whole)
 and each `--prefill-nice` setting of the shards (nice levels of the thread those turns run on; 0 = compute thread).
 
-Real processes on this machine (services.cluster.LocalCluster): nats-server, `--shards` shard hosts over even layer
-ranges of a `random:<shape>` checkpoint (services.random_models; context 4 096) and, per chunk setting, a fresh
+Real processes on this machine (services.devtools.local_cluster.LocalCluster): nats-server, `--shards` shard hosts over even layer
+ranges of a `random:<shape>` checkpoint (services.devtools.random_models; context 4 096) and, per chunk setting, a fresh
 orchestrator started with `HEARTH_ORCHESTRATOR__PREFILL_CHUNK_TOKENS`. Per setting: `--short` short greedy
 requests one after another on the idle mesh (idle TTFT), then the long request (one new token) and, once it has
 been out `--short-delay-s`, the same short requests one after another while it runs; the long request's own TTFT
@@ -31,11 +31,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.bench.pipeline import pipeline_generation  # noqa: E402
-from services.bench.prompts import build_prompt  # noqa: E402
-from services.cluster import LocalCluster, even_layer_ranges  # noqa: E402
-from services.common.nats_connection import connect_nats  # noqa: E402
-from services.random_models import random_checkpoint  # noqa: E402
+from services.devtools.bench.pipeline import pipeline_generation  # noqa: E402
+from services.devtools.bench.prompts import build_prompt  # noqa: E402
+from services.devtools.local_cluster import LocalCluster, even_layer_ranges  # noqa: E402
+from services.broker.connection import connect_nats  # noqa: E402
+from services.devtools.random_models import random_checkpoint  # noqa: E402
 
 ready_timeout_s = 600.0
 timeouts = dict(first_frame_timeout=600.0, frame_gap_timeout=600.0)

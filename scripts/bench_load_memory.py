@@ -165,7 +165,7 @@ def main() -> None:
         return
 
     sys.path.insert(0, str(REPO_ROOT))
-    from services.random_models import RANDOM_PREFIX, random_checkpoint
+    from services.devtools.random_models import RANDOM_PREFIX, random_checkpoint
 
     path = random_checkpoint(args.model) if args.model.startswith(RANDOM_PREFIX) else Path(args.model)
     rows = []

@@ -42,7 +42,7 @@ def hearth_bench(shape: str, shards: int, repeats: int, new_tokens: int) -> dict
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", default="llama-250m", help="a services.random_models shape")
+    parser.add_argument("--shape", default="llama-250m", help="a services.devtools.random_models shape")
     parser.add_argument("--shards", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2, help="intra-op threads of every ring process")
     parser.add_argument("--rounds", type=int, default=3, help="ring rounds before and after, and bench repeats")
@@ -51,8 +51,8 @@ def main() -> None:
 
     from transformers import AutoConfig
 
-    from services.cluster import even_layer_ranges
-    from services.random_models import random_checkpoint
+    from services.devtools.local_cluster import even_layer_ranges
+    from services.devtools.random_models import random_checkpoint
 
     path = str(random_checkpoint(f"random:{args.shape}"))
     ranges = even_layer_ranges(AutoConfig.from_pretrained(path).num_hidden_layers, args.shards)

@@ -41,11 +41,11 @@ from events.models import (  # noqa: E402
 )
 from events.publish import MSG_ID_HEADER  # noqa: E402
 from events.streams import ensure_streams  # noqa: E402
-from events.subjects import event_subject, shard_id_for  # noqa: E402
+from protocol.subjects import event_subject, shard_id_for  # noqa: E402
 from readmodels.rebuild import diff_databases, rebuild_database  # noqa: E402
 from readmodels.runner import Projector  # noqa: E402
-from services.common.nats_connection import connect_nats  # noqa: E402
-from services.common.nats_server import EmbeddedNatsServer  # noqa: E402
+from services.broker.connection import connect_nats  # noqa: E402
+from services.broker.server import EmbeddedNatsServer  # noqa: E402
 
 model_id = "bench/model-24l"
 weights = "ee" * 32

@@ -1,6 +1,6 @@
 """How fast can any 3-process pipeline decode on this machine? Rings of bare processes vs one process.
 
-Runs greedy decode of a `random:<shape>` checkpoint (services.random_models) three ways, with hearth's layer
+Runs greedy decode of a `random:<shape>` checkpoint (services.devtools.random_models) three ways, with hearth's layer
 runner and head but none of hearth's services:
 
 - ``mono``: one process runs the head and all layers (what generate() does, minus its overhead);
@@ -193,7 +193,7 @@ def run_pipe(path: str, ranges, threads: int, rounds: int, new_tokens: int) -> l
 def run_nats(path: str, ranges, threads: int, rounds: int, new_tokens: int) -> list[Generation]:
     from inference.compute_thread import on_compute_thread
     from services.common.lifecycle import run_event_loop
-    from services.common.nats_server import EmbeddedNatsServer
+    from services.broker.server import EmbeddedNatsServer
 
     context = mp.get_context("spawn")
     with EmbeddedNatsServer() as server:
@@ -245,7 +245,7 @@ def run_mode(mode: str, *args) -> list[Generation]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", default="llama-250m", help="a services.random_models shape")
+    parser.add_argument("--shape", default="llama-250m", help="a services.devtools.random_models shape")
     parser.add_argument("--shards", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2, help="intra-op threads of every process")
     parser.add_argument("--modes", nargs="+", choices=["mono", "pipe", "nats"], default=["mono", "pipe", "nats"])
@@ -255,8 +255,8 @@ def main() -> None:
 
     from transformers import AutoConfig
 
-    from services.random_models import random_checkpoint
-    from services.cluster import even_layer_ranges
+    from services.devtools.random_models import random_checkpoint
+    from services.devtools.local_cluster import even_layer_ranges
 
     path = str(random_checkpoint(f"random:{args.shape}"))
     ranges = even_layer_ranges(AutoConfig.from_pretrained(path).num_hidden_layers, args.shards)

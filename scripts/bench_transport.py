@@ -34,8 +34,8 @@ from typing import Annotated
 import torch
 import typer
 
-from services.common.nats_connection import connect_nats
-from services.common.nats_server import EmbeddedNatsServer
+from services.broker.connection import connect_nats
+from services.broker.server import EmbeddedNatsServer
 from services.transport import (
     AckWindowSender,
     ActivationReceiver,

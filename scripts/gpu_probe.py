@@ -90,9 +90,9 @@ def main() -> None:
 
     import torch
 
-    from services.bench.monolithic import MonolithicModel
-    from services.bench.prompts import build_prompt
-    from services.random_models import RANDOM_PREFIX, random_checkpoint
+    from services.devtools.bench.monolithic import MonolithicModel
+    from services.devtools.bench.prompts import build_prompt
+    from services.devtools.random_models import RANDOM_PREFIX, random_checkpoint
 
     path = random_checkpoint(args.model) if args.model.startswith(RANDOM_PREFIX) else Path(args.model)
     model = MonolithicModel(path, args.device, args.dtype)
@@ -132,7 +132,7 @@ def main() -> None:
     if args.shard_layers:
         lo, hi = (int(bound) for bound in args.shard_layers.split("-"))
     else:
-        from services.cluster import even_layer_ranges
+        from services.devtools.local_cluster import even_layer_ranges
 
         lo, hi = even_layer_ranges(model.model.config.num_hidden_layers, 3)[0]
     figures["shard_step_ms"] = shard_step_ms(torch, path, args.device, args.dtype, (lo, hi),

@@ -54,7 +54,7 @@ def profile_shape(torch, shape: str, lo: int, hi: int, device: str, dtype: str) 
     from inference import load_layer_range
     from inference.batched import BatchRow
     from inference.host_staging import to_device, to_host
-    from services.random_models import random_checkpoint
+    from services.devtools.random_models import random_checkpoint
 
     cuda = device.startswith("cuda")
     activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]

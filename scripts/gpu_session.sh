@@ -65,7 +65,7 @@ for stage in "${stages[@]}"; do
 echo "== stage $stage starts $(date -u +%T)" | tee -a "$out/stages.txt"
 case "$stage" in
   checkpoints)
-    "$python" -c "import sys; from services.random_models import random_checkpoint as write
+    "$python" -c "import sys; from services.devtools.random_models import random_checkpoint as write
 for shape in sys.argv[1:]: print(write('random:' + shape))" "$mid" "$big" > "$out/checkpoints.log" 2>&1
     echo "checkpoints exit $?" | tee -a "$out/stages.txt"
     ;;

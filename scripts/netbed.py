@@ -1,4 +1,4 @@
-"""Builds a multi-household test bed on this machine (services/netbed.py) and holds it until Ctrl-C, then removes it.
+"""Builds a multi-household test bed on this machine (services/devtools/netbed.py) and holds it until Ctrl-C, then removes it.
 
 A hub namespace (for the broker and the orchestrator) and one namespace per household, joined by veth links to a
 bridge in the hub, addresses from 198.18.0.0/24 that exist only inside those namespaces. While it is up, run
@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.netbed import NetBed, max_households, sweep_stale, unavailable_reason  # noqa: E402
+from services.devtools.netbed import NetBed, max_households, sweep_stale, unavailable_reason  # noqa: E402
 
 
 def main() -> int:

@@ -18,11 +18,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from services.bench.pipeline import pipeline_generation  # noqa: E402
-from services.bench.process_stats import resident_memory, shard_imports_memory  # noqa: E402
-from services.cluster import LocalCluster  # noqa: E402
-from services.common.nats_connection import connect_nats  # noqa: E402
-from services.random_models import RANDOM_PREFIX, random_checkpoint  # noqa: E402
+from services.devtools.bench.pipeline import pipeline_generation  # noqa: E402
+from services.devtools.bench.process_stats import resident_memory, shard_imports_memory  # noqa: E402
+from services.devtools.local_cluster import LocalCluster  # noqa: E402
+from services.broker.connection import connect_nats  # noqa: E402
+from services.devtools.random_models import RANDOM_PREFIX, random_checkpoint  # noqa: E402
 
 HOST_READY_TIMEOUT_S = 900.0
 PROMPT = " ".join(f"t{index}" for index in range(1, 17))

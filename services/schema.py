@@ -21,8 +21,9 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
 from events.models import EVENT_CLASSES
-from events.subjects import EVENTS_PREFIX
-from services.common import chat_protocol, config
+from protocol import chat as chat_protocol
+from protocol.subjects import CHAT_REQUEST_SUBJECT, EVENTS_PREFIX, MODELS_REQUEST_SUBJECT
+from services.common import config
 
 DEFAULT_DOCS_DIR = Path("docs")
 SCHEMAS_DIR = "schemas"
@@ -89,14 +90,14 @@ def discovery_messages() -> list[type[BaseModel]]:
 def _discovery_schema(model: type[BaseModel]) -> WireSchema:
     """`ModelsRequest` -> llm.models.request.json on the discovery subject; a `...Reply` travels to its inbox."""
     words = [word.lower() for word in re.findall(r"[A-Z][a-z0-9]*", model.__name__)]
-    subject = getattr(chat_protocol, "MODELS_REQUEST_SUBJECT", "llm." + ".".join(words[:-1]))
+    subject = MODELS_REQUEST_SUBJECT
     if words[-1] == "reply":
         return WireSchema(f"llm.{'.'.join(words)}.json", "reply", model, _reply_inbox(subject))
     return WireSchema(f"llm.{'.'.join(words)}.json", "request", model, subject)
 
 
 def _event_subject_pattern(event_type: str) -> str:
-    """Where events of one type are published (events.subjects.event_subject), the variable token in <>."""
+    """Where events of one type are published (protocol.subjects.event_subject), the variable token in <>."""
     family, kind = event_type.split(".", 1)
     token = "<shard_key>" if family == "shard" else "<pipeline_id>"
     return f"{EVENTS_PREFIX}.{family}.{token}.{kind}"
@@ -104,7 +105,7 @@ def _event_subject_pattern(event_type: str) -> str:
 
 def wire_schemas() -> list[WireSchema]:
     """Every schema file, in the order the index lists them."""
-    request_subject = chat_protocol.CHAT_REQUEST_SUBJECT
+    request_subject = CHAT_REQUEST_SUBJECT
     schemas = [WireSchema(f"{request_subject}.json", "request", chat_protocol.ChatRequest, request_subject)]
     schemas += [_discovery_schema(model) for model in discovery_messages()]
     for frame in frame_classes():

@@ -11,7 +11,7 @@ from typing import Annotated
 
 import typer
 
-from services.common.cli_options import EXIT_BAD_INPUT, CredsOption, InsecureOption, NatsUrlOption, resolve_nats_url, \
+from services.cli_options import EXIT_BAD_INPUT, CredsOption, InsecureOption, NatsUrlOption, resolve_nats_url, \
     settings, use_credentials
 
 weights_app = typer.Typer(help="The community's checkpoints in the NATS object store, stored per layer "
@@ -25,7 +25,7 @@ def _fail(command: str, message: str) -> None:
 
 def _run(ctx: typer.Context, command: str, nats_url: str | None, work):
     """Connect, run `work(js)`, close; one line and exit code 2 on bad input or an unreachable broker."""
-    from services.common.nats_connection import connect_nats
+    from services.broker.connection import connect_nats
     from services.weights_store import WeightsStoreError
 
     url = resolve_nats_url(ctx, nats_url)

@@ -8,7 +8,7 @@ listing each object with its size and SHA-256 plus the original checkpoint's wei
 (or the head) needs, each checked against the manifest, then assembled into a folder the loader reads
 (inference/partial_checkpoint.py), which advertises the original checkpoint's digest.
 
-Who may do what (services/common/nats_permissions.py): on a community mesh only the `system` member (the steward)
+Who may do what (services/broker/permissions.py): on a community mesh only the `system` member (the steward)
 writes the bucket; shard hosts and orchestrators read it (look the stream up, get a message, read through an
 ephemeral consumer of their own). On an open mesh anyone who reaches the broker may do both.
 """
@@ -29,7 +29,7 @@ from pydantic import BaseModel, Field
 from inference.partial_checkpoint import NON_WEIGHT_PATTERNS, NeededTensors, assemble_partial_folder, check_needed, \
     complete_partial_folder, hearth_cache_dir, layer_of, selection_name
 
-from services.common.nats_permissions import WEIGHTS_BUCKET
+from services.broker.permissions import WEIGHTS_BUCKET
 
 log = logging.getLogger(__name__)
 
@@ -341,7 +341,7 @@ async def resolve_model_source(model: str, needed: NeededTensors, *, nats_url: s
     """The local folder for `model`: `store:NAME` fetched from the community's store (only what `needed` asks
     for), anything else through inference's resolve_model_path (a hub id downloads only what `needed` asks for)."""
     from inference import resolve_model_path
-    from services.common.nats_connection import connect_nats
+    from services.broker.connection import connect_nats
 
     name = store_model_name(model)
     if name is None:

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from services.cluster import PREFORK_ENV
-from services.common.nats_cluster import EmbeddedNatsCluster
-from services.common.nats_server import EmbeddedNatsServer
+from services.devtools.local_cluster import PREFORK_ENV
+from services.broker.cluster import EmbeddedNatsCluster
+from services.broker.server import EmbeddedNatsServer
 
 # Every LocalCluster of the suite (and of the `hearth demo`/`hearth bench` it runs) forks its hearth processes
 # from a launcher that imported torch and transformers once: a mesh starts in seconds instead of paying 5-7 s
@@ -74,7 +74,7 @@ def nats_url(request, tmp_path) -> Iterator[str]:
 @pytest.fixture
 async def connections(nats_url):
     """Two clients, as two processes would have: one sends (the source), one receives (the hop)."""
-    from services.common.nats_connection import connect_nats
+    from services.broker.connection import connect_nats
 
     source = await connect_nats(nats_url, name="test-source")
     hop = await connect_nats(nats_url, name="test-hop")

@@ -16,7 +16,7 @@ from events.models import (
     ShardHeartbeat,
 )
 from events.streams import PIPELINES_STREAM, SHARDS_STREAM
-from events.subjects import event_subject, shard_id_for
+from protocol.subjects import event_subject, shard_id_for
 from readmodels.db import open_engine, upgrade_database
 from readmodels.projection import ReadModelProjection
 from readmodels.tables import Base

@@ -26,7 +26,7 @@ from events.models import max_event_hops
 from events.streams import MiB
 from services.common.config_processes import OrchestratorSettings, ShardSettings
 from services.common.config_sections import ClientSettings, ConfigSection, GatewaySettings, MetricsSettings
-from services.common.quantization_labels import QUANTIZATION_LABEL_PATTERN
+from protocol.quantization_labels import QUANTIZATION_LABEL_PATTERN
 
 
 CONFIG_PATH_ENV = "HEARTH_CONFIG"

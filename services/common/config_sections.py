@@ -18,7 +18,7 @@ class ConfigSection(BaseModel):
 
 
 class ClientSettings(ConfigSection):
-    """[client]: how `hearth chat` (and services.common.chat_client) waits for frames."""
+    """[client]: how `hearth chat` (and services.client.chat) waits for frames."""
 
     first_frame_timeout_s: float = Field(
         default=10.0, gt=0, description="no frame at all within this: no orchestrator took the call")

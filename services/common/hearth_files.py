@@ -18,7 +18,7 @@ SOURCES_ROOT = Path(__file__).resolve().parents[2]
 DATA_PACKAGE = "hearth_data"
 DATA_FOLDERS = ("models", "nats", "grafana", "prometheus")
 # Every top-level package hearth installs besides `services` (this file's own).
-SIBLING_PACKAGES = ("events", "inference", "migrations", "readmodels", "trust")
+SIBLING_PACKAGES = ("events", "inference", "migrations", "protocol", "readmodels", "trust")
 
 
 def data_dir(folder: str) -> Path:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.common.nats_permissions import inbox_prefix
+from protocol.subjects import inbox_prefix
 from trust.keys import KeyFileError, MemberKey
 from trust.roster import KEYS_DIR, ROSTER_FILE, Member, Roster, RosterError
 

@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel
 
-from services.common.chat_protocol import DoneFrame
+from protocol.chat import DoneFrame
 from services.gateway.openai_models import (
     AssistantMessage,
     ChatChoice,

@@ -24,7 +24,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from services.common.chat_protocol import BadRequest, DoneFrame, TokenDeltaFrame, describe_validation_error
+from protocol.chat import BadRequest, DoneFrame, TokenDeltaFrame, describe_validation_error
 from services.common.metrics import counter, histogram
 from services.gateway.answers import SSE_DONE, AnswerShape, ChatShape, CompletionShape, sse_event
 from services.gateway.errors import GatewayError, bad_request, from_frame

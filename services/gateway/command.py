@@ -12,7 +12,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from services.common.cli_options import (
+from services.cli_options import (
     CredsOption,
     InsecureOption,
     MetricsHostOption,
@@ -63,7 +63,7 @@ async def run_gateway(hearth_settings, nats_url: str, *, community_dir: Path | N
 
     from services.common.lifecycle import CommandRefused, unless_stopped
     from services.common.metrics import serve_process_metrics
-    from services.common.nats_connection import connect_nats, drain_or_close
+    from services.broker.connection import connect_nats, drain_or_close
     from services.gateway.app import create_app
     from services.gateway.http_server import server_config
     from services.gateway.keys import ApiKeyError, WatchedApiKeyring

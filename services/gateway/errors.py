@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from starlette.responses import JSONResponse
 
-from services.common.chat_protocol import ErrorFrame, PipelineAbortedFrame
+from protocol.chat import ErrorFrame, PipelineAbortedFrame
 from services.gateway.openai_models import ErrorBody, ErrorDetail
 
 # Error codes of the mesh (chat_protocol.ErrorCode) -> (HTTP status, OpenAI error type); the rest are 500.

@@ -1,10 +1,10 @@
 """The gateway's side of the mesh: one NATS connection, who may call (API keys), which models exist, how many
 calls are open (in all and per member), and MeshCall, one `llm.chat.request` whose frames the HTTP side reads.
 
-A call is signed for the member its API key belongs to (services.common.chat_client signs with that key), so the
+A call is signed for the member its API key belongs to (services.client.chat signs with that key), so the
 orchestrator records that member as the caller. Frames the HTTP answer does not carry (pipeline, shard status,
 failover, keepalive, queued, and types added later) are skipped: a failover is a pause in the text, nothing more;
-so is anything on the inbox that is no frame at all (services.common.chat_client skips it).
+so is anything on the inbox that is no frame at all (services.client.chat skips it).
 """
 
 from __future__ import annotations
@@ -21,16 +21,9 @@ from nats.aio.client import Client as NatsClient
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
-from services.common.chat_client import list_models, stream_chat
-from services.common.chat_protocol import (
-    MODELS_REQUEST_SUBJECT,
-    ChatRequest,
-    DoneFrame,
-    ErrorFrame,
-    ModelsReply,
-    PipelineAbortedFrame,
-    TokenDeltaFrame,
-)
+from services.client.chat import list_models, stream_chat
+from protocol.chat import ChatRequest, DoneFrame, ErrorFrame, ModelsReply, PipelineAbortedFrame, TokenDeltaFrame
+from protocol.subjects import MODELS_REQUEST_SUBJECT
 from services.common.config import HearthSettings
 from services.gateway.errors import GatewayError, overloaded, unauthenticated, unknown_model
 from services.gateway.keys import Caller, WatchedApiKeyring, bearer_token

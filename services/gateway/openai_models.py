@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from services.common.chat_protocol import BadRequest, ChatMessage, ChatRequest, describe_validation_error
+from protocol.chat import BadRequest, ChatMessage, ChatRequest, describe_validation_error
 
 openai_temperature_max = 2.0
 openai_max_stop_strings = 4

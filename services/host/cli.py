@@ -6,7 +6,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from services.common.cli_options import (
+from services.cli_options import (
     HostNodeIdOption,
     ModelIdOption,
     BusyThreadsOption,

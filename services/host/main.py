@@ -24,7 +24,7 @@ from pathlib import Path
 from sqlalchemy.orm import sessionmaker
 
 from events.streams import SHARDS_STREAM
-from events.subjects import shard_id_for
+from protocol.subjects import shard_id_for
 from inference import InferenceError
 from inference.memory import MiB, megabytes
 from readmodels.runner import Projector
@@ -32,7 +32,7 @@ from services.common.config import HearthSettings, serve_shards_refused
 from services.common.event_trust import event_verifier, stream_setup
 from services.common.lifecycle import Stopped, unless_stopped
 from services.common.metrics import serve_process_metrics
-from services.common.nats_connection import connect_nats, drain_or_close
+from services.broker.connection import connect_nats, drain_or_close
 from services.host.model_layout import model_layout
 from services.host.planner import LayerRange, better_range, choose_range, replicas_per_layer
 from services.orchestrator.router import ShardRouter

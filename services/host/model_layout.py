@@ -67,7 +67,7 @@ def _local_checkpoint(model: str) -> Path | None:
 
 
 async def _store_manifest(name: str, nats_url: str | None, settings: HearthSettings):
-    from services.common.nats_connection import connect_nats
+    from services.broker.connection import connect_nats
 
     nc = await connect_nats(nats_url, name=f"hearth host {name}", settings=settings.nats)
     try:

@@ -16,7 +16,7 @@ from jinja2 import TemplateError
 
 from inference import Head, InferenceError
 from inference.compute_thread import on_compute_thread
-from services.common.chat_protocol import BadRequest, ChatRequest
+from protocol.chat import BadRequest, ChatRequest
 from services.orchestrator.catalog import LoadedModel
 
 # A chat template's own error message is the client's to read, but only its start.

@@ -25,8 +25,8 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
 from inference import SamplingParams, TextStream
-from services.common.chat_protocol import ChatRequest, KeepaliveFrame, TokenDeltaFrame
-from services.common.nats_connection import NO_RESPONDERS_STATUS, flush_ordered
+from protocol.chat import ChatRequest, KeepaliveFrame, TokenDeltaFrame
+from services.broker.connection import NO_RESPONDERS_STATUS, flush_ordered
 from services.orchestrator.catalog import LoadedModel
 from services.orchestrator.metrics import final_frame_code
 from services.orchestrator.outcomes import SampledToken

@@ -24,7 +24,7 @@ from inference.compute_thread import on_compute_thread
 from inference.quantization import QuantizationScheme, parse_quantization
 from inference.token_bounds import TokenLowerBound
 from inference.partial_checkpoint import NeededTensors
-from services.common.quantization_labels import accepts
+from protocol.quantization_labels import accepts
 from services.common.hearth_files import data_dir
 from services.weights_store import STORE_MODEL_PREFIX, WeightsStoreError, fetch_stored_model, store_model_name
 

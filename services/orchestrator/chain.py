@@ -27,19 +27,13 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 
-from events.subjects import LinkNodes, node_token
+from protocol.subjects import LinkNodes, node_token
 from inference import LocalModel
 from inference.compute_thread import on_compute_thread
 from services.common.config import TransportSettings
-from services.common.control_protocol import (
-    CloseHop,
-    ControlReply,
-    HopNotice,
-    OpenHop,
-    hop_notice_subject,
-    keepalive_subject,
-)
-from services.common.nats_connection import flush_ordered
+from protocol.control import CloseHop, ControlReply, HopNotice, OpenHop
+from protocol.subjects import hop_notice_subject, keepalive_subject
+from services.broker.connection import flush_ordered
 from services.orchestrator.metrics import HopLatencies, hop_notices_refused_total
 from services.orchestrator.outcomes import StepFailure
 from services.orchestrator.router import Hop

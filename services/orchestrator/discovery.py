@@ -14,8 +14,8 @@ import logging
 from collections import defaultdict
 
 from readmodels.queries import ShardCandidate
-from services.common.chat_protocol import ModelsReply, ServedModel
-from services.common.quantization_labels import precision_order
+from protocol.chat import ModelsReply, ServedModel
+from protocol.quantization_labels import precision_order
 from services.orchestrator.catalog import ModelCatalog, context_length
 from services.orchestrator.router import ShardRouter
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from services.common.config import HearthSettings
 from services.common.lifecycle import CommandRefused, unless_stopped
 from services.common.metrics import serve_process_metrics
-from services.common.nats_connection import connect_nats, drain_or_close
+from services.broker.connection import connect_nats, drain_or_close
 from services.orchestrator.service import Orchestrator
 from inference.devices import resolve_placement
 from inference.quantization import QuantizationError, check_device_supports, parse_quantization

@@ -23,7 +23,7 @@ from events.models import (
     PipelineFallbackLocal,
     PipelineFirstToken,
 )
-from services.common.chat_protocol import DoneFrame, ErrorCode, ErrorFrame, PipelineAbortedFrame
+from protocol.chat import DoneFrame, ErrorCode, ErrorFrame, PipelineAbortedFrame
 from services.common.metrics import counter, gauge, histogram, metrics_observed
 from services.orchestrator.outcomes import FailureKind
 from services.transport.notices import NOTICE_REFUSALS

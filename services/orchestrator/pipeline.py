@@ -28,7 +28,7 @@ from events.models import (
 )
 from inference.compute_thread import on_compute_thread
 from inference.head_batch import HeadRow
-from services.common.chat_protocol import (
+from protocol.chat import (
     DoneFrame,
     PipelineAbortedFrame,
     PipelineFrame,

@@ -30,7 +30,7 @@ from typing import Literal
 from sqlalchemy.orm import Session
 
 from readmodels.queries import ShardCandidate, all_shards, shards_of_model
-from services.common.quantization_labels import accepts, precision_order
+from protocol.quantization_labels import accepts, precision_order
 from services.orchestrator.capacity import ShardLoad
 from services.orchestrator.predict import HopCosts, cheapest_chain
 
@@ -133,7 +133,7 @@ class ShardRouter:
     ) -> list[Hop]:
         """The routing decision itself, on rows already read (pure, for tests and what-if tools); `load`: the
         live room of each shard (None: every live shard has room); `quantization`: the scheme the chain must
-        serve (a label of services/common/quantization_labels.py; None: the most precise one that covers)."""
+        serve (a label of protocol/quantization_labels.py; None: the most precise one that covers)."""
         excluded = set(exclude)
         usable = [s for s in shards if s.shard_id not in excluded and self.alive(s, now)
                   and (load is None or load.has_room(s))]

@@ -24,9 +24,7 @@ from events.outbox import EventOutbox
 from inference.compute_thread import StepThreads
 from readmodels.runner import Projector
 from services.common.call_signing import CallRefused
-from services.common.chat_protocol import (
-    CHAT_REQUEST_SUBJECT,
-    MODELS_REQUEST_SUBJECT,
+from protocol.chat import (
     BadRequest,
     ErrorFrame,
     ModelsRequest,
@@ -34,11 +32,12 @@ from services.common.chat_protocol import (
     describe_validation_error,
     parse_chat_request,
 )
+from protocol.subjects import CHAT_REQUEST_SUBJECT, MODELS_REQUEST_SUBJECT
 from services.common.config import HearthSettings
 from services.common.event_trust import call_verifier, event_signing_key, event_verifier, stream_setup
 from services.common.metrics import counter
-from services.common.nats_connection import flush_ordered
-from services.common.nats_permissions import reply_allowed
+from services.broker.connection import flush_ordered
+from services.broker.permissions import reply_allowed
 from services.orchestrator.admission import admit_prompt, prompt_room
 from services.orchestrator.call import Call, ClientStream
 from services.orchestrator.capacity import ShardLoad

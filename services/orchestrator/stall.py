@@ -28,7 +28,7 @@ from nats.aio.client import Client as NatsClient
 from nats.errors import NoRespondersError
 
 from services.common.config import TransportSettings
-from services.common.control_protocol import ShardStat, StatShard
+from protocol.control import ShardStat, StatShard
 from services.orchestrator.outcomes import StepFailure
 from services.orchestrator.router import Hop
 from services.transport import AckObserver, StepInfo

@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from services.common.cli_options import long_running
+from services.cli_options import long_running
 from services.projector.main import main
 
 app = typer.Typer(add_completion=False)

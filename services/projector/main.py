@@ -15,7 +15,7 @@ from services.common.config_sections import MetricsSettings
 from services.common.event_trust import stream_setup
 from services.common.lifecycle import Stopped, unless_stopped
 from services.common.metrics import serve_process_metrics
-from services.common.nats_connection import close_quietly, connect_nats, drain_or_close
+from services.broker.connection import close_quietly, connect_nats, drain_or_close
 from services.projector.metrics import ProjectorCollector
 
 __all__ = ["Projector", "run_projector", "main"]

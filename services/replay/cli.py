@@ -21,7 +21,7 @@ from typing import Annotated, Optional
 import typer
 
 from events.consume import first_stream_seq
-from services.common.cli_options import (
+from services.cli_options import (
     ConfigOption,
     CredsOption,
     LogLevelOption,
@@ -89,7 +89,7 @@ async def _connect(url: str):
     import nats
 
     from services.common.config import load_settings
-    from services.common.nats_connection import credential_options, server_urls
+    from services.broker.connection import credential_options, server_urls
 
     log = logging.getLogger("hearth.replay")
 
@@ -218,7 +218,7 @@ def pipeline_command(
     """One pipeline's timeline: constructed, first token, shard status, failovers, fallback, end, integrity."""
     import re
 
-    from events.models import SUBJECT_TOKEN_PATTERN
+    from protocol.bounds import SUBJECT_TOKEN_PATTERN
 
     if not re.match(SUBJECT_TOKEN_PATTERN, pipeline_id):
         raise _fail(f"pipeline_id {pipeline_id!r} must match {SUBJECT_TOKEN_PATTERN}")
@@ -228,7 +228,7 @@ def pipeline_command(
 async def _print_pipeline(url: str, pipeline_id: str, output: OutputFormat) -> int:
     from events.consume import StoredEvent, read_stream
     from events.streams import PIPELINES_STREAM
-    from events.subjects import EVENTS_PREFIX
+    from protocol.subjects import EVENTS_PREFIX
     from services.replay.query import existing_streams
     from services.replay.render import jsonl_line
     from services.replay.reports import pipeline_outcome, pipeline_timeline
@@ -272,7 +272,7 @@ def shard_command(
     """One shard's life: advertisements, heartbeat gaps longer than the health timeout, withdrawal."""
     import re
 
-    from events.subjects import shard_key
+    from protocol.subjects import shard_key
 
     key = shard if re.fullmatch(r"[0-9a-f]{4,64}", shard) else shard_key(shard)
     timeout_s = health_timeout_s
@@ -284,7 +284,7 @@ def shard_command(
 async def _print_shard(url: str, shard: str, key: str, health_timeout_s: float) -> int:
     from events.consume import StoredEvent, read_stream
     from events.streams import SHARDS_STREAM
-    from events.subjects import shard_events_filter
+    from protocol.subjects import shard_events_filter
     from services.replay.query import existing_streams
     from services.replay.reports import shard_report
 

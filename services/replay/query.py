@@ -20,7 +20,7 @@ import nats.js.errors
 from events.consume import SkippedMessage, StoredEvent, first_stream_seq, read_stream
 from events.models import EVENT_TYPES
 from events.streams import ALL_STREAMS, STREAM_SPECS
-from events.subjects import EVENTS_PREFIX, event_type_filter
+from protocol.subjects import EVENTS_PREFIX, event_type_filter
 
 LogItem = StoredEvent | SkippedMessage
 

@@ -24,7 +24,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 from services.common.batching import ReadyBatch, ReadyQueue
-from services.common.control_protocol import OpenHop
+from protocol.control import OpenHop
 from services.transport import FrameKind, ReceivedStep
 
 

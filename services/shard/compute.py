@@ -37,7 +37,7 @@ from inference.compute_thread import (StepThreads, compute_executor, on_compute_
                                      use_intra_op_threads)
 from inference.host_staging import to_device, to_host
 from services.common.config import ShardSettings
-from services.common.control_protocol import OpenHop
+from protocol.control import OpenHop
 from services.shard.batcher import QueuedStep, StepQueue
 from services.shard.faults import ShardFault
 from services.shard.metrics import ShardStepMetrics, watch_serving

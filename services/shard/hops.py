@@ -26,10 +26,11 @@ from dataclasses import dataclass
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
-from events.subjects import LinkNodes
+from protocol.subjects import LinkNodes
 from inference import SessionEvictedError
 from services.common.config import TransportSettings
-from services.common.control_protocol import HopNotice, HopProblem, OpenHop, hop_notice_subject, keepalive_subject
+from protocol.control import HopNotice, HopProblem, OpenHop
+from protocol.subjects import hop_notice_subject, keepalive_subject
 from services.shard.compute import ShardCompute
 from services.transport import (
     AckWindowSender,

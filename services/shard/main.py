@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from events.models import default_hop_weight
-from events.subjects import shard_control_subject, shard_id_for
+from protocol.subjects import shard_control_subject, shard_id_for
 from inference import InferenceError, LayerRangeRunner, load_layer_range, weights_sha256
 from inference.compute_thread import StepThreads, on_compute_thread
 from inference.devices import describe_device, device_memory_allocated_bytes, resolve_placement
@@ -21,7 +21,7 @@ from inference.quantization import QuantizationError, QuantizationScheme, check_
 from services.common.config import HearthSettings, HostSettings, serve_shards_refused
 from services.common.lifecycle import CommandRefused, Stopped, unless_stopped
 from services.common.metrics import serve_process_metrics
-from services.common.nats_connection import connect_nats, drain_or_close
+from services.broker.connection import connect_nats, drain_or_close
 from services.shard.faults import ShardFault
 from services.shard.memory_plan import estimated_need, kv_reserve_bytes, measured_need, refusal
 from services.shard.compute import ShardCompute

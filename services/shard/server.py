@@ -23,7 +23,7 @@ from events.models import ShardAdvertised, ShardHeartbeat, ShardWithdrawn, defau
 from events.publish import publish_event
 from events.streams import SHARDS_STREAM, ensure_streams
 from services.common.config import HearthSettings
-from services.common.control_protocol import (
+from protocol.control import (
     CloseHop,
     ControlReply,
     OpenHop,
@@ -32,8 +32,8 @@ from services.common.control_protocol import (
     control_request_adapter,
 )
 from services.common.event_trust import event_signing_key, stream_setup
-from services.common.nats_connection import flush_ordered
-from services.common.nats_permissions import reply_allowed
+from services.broker.connection import flush_ordered
+from services.broker.permissions import reply_allowed
 from services.shard.compute import ShardCompute
 from services.shard.hops import HopLimits, ServedHop
 

@@ -1,7 +1,7 @@
 """Activation transport of docs/design.md §6: frames over core NATS, the ack-window sender, the receiver, ack watching.
 
 A hop i of pipeline P receives on ``hearth.act.<receiver node>.P.i`` and its sender reads the acks on
-``hearth.ack.<sender node>.P.i`` (events/subjects.py: each subject carries the node that subscribes to it, so a
+``hearth.ack.<sender node>.P.i`` (protocol/subjects.py: each subject carries the node that subscribes to it, so a
 broker permission lets a host read only what is sent to it; processes outside a community share the node token
 ``local``). The orchestrator is the source (it sends into hop 0) and the sink (its receiver is hop ``len(hops)``).
 A shard host on node N, its input sent by node U and its output going to node D::

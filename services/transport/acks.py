@@ -12,7 +12,7 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from events.subjects import all_acks_subject
+from protocol.subjects import all_acks_subject
 from services.common.config import TransportSettings
 from services.transport.errors import FrameError, TransportClosed, TransportTimeout
 from services.transport.headers import AckHeader

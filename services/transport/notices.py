@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import ValidationError
 
-from services.common.control_protocol import HopNotice
+from protocol.control import HopNotice
 from services.transport.headers import oversized_headers
 from services.transport.mac import mac_is_valid, with_mac
 

@@ -12,7 +12,7 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from events.subjects import LinkNodes, ack_subject, activation_subject
+from protocol.subjects import LinkNodes, ack_subject, activation_subject
 from services.common.config import HostSettings, TransportSettings
 from services.common.metrics import counter
 from services.transport.errors import FrameError, TransportClosed, TransportError, TransportTimeout, WaitInterrupted

@@ -12,7 +12,7 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from events.subjects import LinkNodes, ack_subject, activation_subject
+from protocol.subjects import LinkNodes, ack_subject, activation_subject
 from services.common.config import TransportSettings
 from services.transport.errors import FrameError, TransportClosed, TransportError, TransportTimeout
 from services.transport.frames import EncodedStep, effective_chunk_bytes, encode_step

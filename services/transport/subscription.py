@@ -15,7 +15,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from services.common.config import TransportSettings
-from services.common.nats_connection import flush_ordered
+from services.broker.connection import flush_ordered
 
 log = logging.getLogger(__name__)
 

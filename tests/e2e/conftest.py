@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from services.cluster import LocalCluster
-from services.common.nats_connection import connect_nats
+from services.devtools.local_cluster import LocalCluster
+from services.broker.connection import connect_nats
 from tests.unit.inference_tiny_models import write_tiny_model
 
 TINY_MODEL_NAME = "tiny-llama"

@@ -22,12 +22,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from events.consume import StoredEvent, read_stream
 from events.streams import PIPELINES_STREAM, SHARDS_STREAM
-from events.subjects import shard_control_subject
-from services.cluster import LocalCluster, ManagedProcess
-from services.common.chat_client import stream_chat
-from services.common.chat_protocol import ChatParams, ChatRequest, TokenDeltaFrame
-from services.common.control_protocol import ShardStat, StatShard
-from services.common.nats_connection import connect_nats
+from protocol.subjects import shard_control_subject
+from services.devtools.local_cluster import LocalCluster, ManagedProcess
+from services.client.chat import stream_chat
+from protocol.chat import ChatParams, ChatRequest, TokenDeltaFrame
+from protocol.control import ShardStat, StatShard
+from services.broker.connection import connect_nats
 from tests.e2e.conftest import TINY_MODEL_NAME, start_orchestrator
 
 STEP_TIMEOUT_S = 1.0

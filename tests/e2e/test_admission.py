@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 
 from inference import weights_sha256
-from services.cluster import LocalCluster
-from services.common.chat_client import ChatResult, chat, stream_chat
-from services.common.chat_protocol import ChatParams, ChatRequest, ErrorFrame, QueuedFrame
-from services.common.control_protocol import CloseHop, ControlReply, OpenHop
-from services.common.nats_connection import connect_nats
+from services.devtools.local_cluster import LocalCluster
+from services.client.chat import ChatResult, chat, stream_chat
+from protocol.chat import ChatParams, ChatRequest, ErrorFrame, QueuedFrame
+from protocol.control import CloseHop, ControlReply, OpenHop
+from services.broker.connection import connect_nats
 from tests.e2e.conftest import TINY_MODEL_NAME, start_orchestrator, three_shard_mesh
 from tests.e2e.failover_support import ShardHandle
 

@@ -17,10 +17,11 @@ import nats
 import pytest
 
 from events.streams import ALL_STREAMS, PIPELINES_STREAM, SHARDS_STREAM
-from services.cluster import LocalCluster
+from services.devtools.local_cluster import LocalCluster
 from services.common.call_signing import signed_call_headers
-from services.common.chat_protocol import CHAT_REQUEST_SUBJECT, MODELS_REQUEST_SUBJECT, ChatRequest
-from services.common.nats_connection import connect_nats, flush_ordered
+from protocol.chat import ChatRequest
+from protocol.subjects import CHAT_REQUEST_SUBJECT, MODELS_REQUEST_SUBJECT
+from services.broker.connection import connect_nats, flush_ordered
 from tests.e2e.conftest import TINY_MODEL_NAME, three_shard_mesh
 from trust.keys import MemberKey
 

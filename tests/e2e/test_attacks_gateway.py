@@ -15,8 +15,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from services.common.chat_protocol import CHAT_REQUEST_SUBJECT
-from services.common.nats_connection import connect_nats
+from protocol.subjects import CHAT_REQUEST_SUBJECT
+from services.broker.connection import connect_nats
 from services.gateway.keys import create_api_key
 from tests.e2e.conftest import TINY_MODEL_NAME, three_shard_mesh
 

@@ -14,7 +14,7 @@ import math
 
 import pytest
 
-from events.subjects import node_token
+from protocol.subjects import node_token
 from services.common.call_signing import (
     HEADER_CALLER,
     HEADER_CALLER_NONCE,
@@ -22,10 +22,12 @@ from services.common.call_signing import (
     HEADER_CALLER_TIME,
     signed_call_headers,
 )
-from services.common.chat_protocol import CHAT_REQUEST_SUBJECT, ChatRequest, decode_frame
-from services.common.control_protocol import HopNotice, hop_notice_subject
-from services.common.nats_connection import connect_nats, flush_ordered
-from services.common.nats_server import free_tcp_port
+from protocol.chat import ChatRequest, decode_frame
+from protocol.subjects import CHAT_REQUEST_SUBJECT
+from protocol.control import HopNotice
+from protocol.subjects import hop_notice_subject
+from services.broker.connection import connect_nats, flush_ordered
+from services.broker.server import free_tcp_port
 from services.transport.headers import HEADER_PIPELINE, HEADER_SESSION, HEADER_STEP
 from services.transport.mac import new_link_key, with_mac
 from tests.e2e.conftest import THREE_SHARD_RANGES, TINY_MODEL_NAME

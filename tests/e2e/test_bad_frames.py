@@ -14,11 +14,11 @@ import time
 
 import pytest
 
-from events.subjects import LinkNodes, activation_subject
-from services.common.chat_client import stream_chat
-from services.common.chat_protocol import PipelineFrame, TokenDeltaFrame
-from services.common.nats_connection import flush_ordered
-from services.common.nats_server import free_tcp_port
+from protocol.subjects import LinkNodes, activation_subject
+from services.client.chat import stream_chat
+from protocol.chat import PipelineFrame, TokenDeltaFrame
+from services.broker.connection import flush_ordered
+from services.broker.server import free_tcp_port
 from services.transport import FrameHeader, FrameKind
 from services.transport.wire import WireDtype, wire_nbytes
 from tests.e2e.conftest import THREE_SHARD_RANGES, start_orchestrator
@@ -90,7 +90,7 @@ def reference(mesh):
     """One uninterrupted greedy call: what every call below must still answer."""
 
     async def run():
-        from services.common.nats_connection import connect_nats
+        from services.broker.connection import connect_nats
 
         client = await connect_nats(mesh.cluster.nats_url, name="reference", settings=mesh.cluster.nats_settings())
         try:

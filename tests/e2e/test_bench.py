@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from services.bench.report import BenchReport
-from services.cluster import BATCH_MERGE_WINDOW_ENV, shared_machine_batch_merge_window_ms
-from services.random_models import RANDOM_MARKER_FILE
+from services.devtools.bench.report import BenchReport
+from services.devtools.local_cluster import BATCH_MERGE_WINDOW_ENV, shared_machine_batch_merge_window_ms
+from services.devtools.random_models import RANDOM_MARKER_FILE
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 NEW_TOKENS = 5

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from services.bench.together_report import TogetherReport
-from services.cluster import PREFORK_ENV
+from services.devtools.bench.together_report import TogetherReport
+from services.devtools.local_cluster import PREFORK_ENV
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 NEW_TOKENS = 4

@@ -10,9 +10,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from inference import SamplingParams, load_full
-from services.common.chat_client import chat
-from services.common.chat_protocol import ChatRequest
-from services.common.nats_connection import connect_nats
+from services.client.chat import chat
+from protocol.chat import ChatRequest
+from services.broker.connection import connect_nats
 from tests.e2e.conftest import TINY_MODEL_NAME, start_orchestrator, start_three_shards
 from tests.e2e.test_hearth_host_e2e import advertisements
 

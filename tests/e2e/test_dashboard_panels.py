@@ -23,8 +23,8 @@ import pytest
 
 from events.models import ShardHeartbeat
 from events.publish import publish_event
-from services.common.chat_client import stream_chat
-from services.common.nats_connection import connect_nats
+from services.client.chat import stream_chat
+from services.broker.connection import connect_nats
 from services.dashboards.macros import open_read_only, run_panel_sql
 from services.dashboards.panels import DASHBOARDS
 from services.dashboards.render import data_time_range, render_all

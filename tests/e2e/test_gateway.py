@@ -19,8 +19,8 @@ import openai
 import pytest
 
 from events.streams import PIPELINES_STREAM
-from services.cluster import LocalCluster
-from services.common.nats_connection import connect_nats
+from services.devtools.local_cluster import LocalCluster
+from services.broker.connection import connect_nats
 from services.gateway.keys import create_api_key
 from tests.e2e.conftest import TINY_MODEL_NAME, three_shard_mesh
 from tests.e2e.failover_support import (

@@ -17,10 +17,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from events.consume import read_stream
 from events.models import ShardAdvertised
 from events.streams import SHARDS_STREAM
-from services.cluster import LocalCluster
-from services.common.chat_client import chat
-from services.common.chat_protocol import ChatRequest
-from services.common.nats_connection import connect_nats
+from services.devtools.local_cluster import LocalCluster
+from services.client.chat import chat
+from protocol.chat import ChatRequest
+from services.broker.connection import connect_nats
 from tests.e2e.conftest import TINY_MODEL_NAME, start_orchestrator
 
 pytestmark = pytest.mark.e2e

@@ -1,5 +1,5 @@
-"""Hearth across households (services/netbed.py): the broker and the orchestrator in a hub namespace, each shard
-host in a household of its own, all joined by links that can be cut while the processes behind them run on.
+"""Hearth across households (services/devtools/netbed.py): the broker and the orchestrator in a hub namespace, each
+shard host in a household of its own, all joined by links that can be cut while the processes behind them run on.
 
 A secure mesh over the hub's real address (credentials, TLS with a certificate for 198.18.0.1): primaries p0-p2
 over the tiny model's three ranges in households 0-2, a replica r1 of the middle range in household 3, and an
@@ -15,8 +15,8 @@ import time
 
 import pytest
 
-from services.cluster import LocalCluster
-from services.netbed import NetBed, unavailable_reason
+from services.devtools.local_cluster import LocalCluster
+from services.devtools.netbed import NetBed, unavailable_reason
 from tests.e2e.conftest import THREE_SHARD_RANGES, TINY_MODEL_NAME
 from tests.e2e.failover_support import (  # noqa: F401 (nc is a fixture)
     HEARTBEAT_S,

@@ -11,10 +11,10 @@ import pytest
 
 from events.models import ShardHeartbeat
 from events.streams import SHARDS_STREAM
-from services.cluster import LocalCluster
-from services.common.chat_client import chat
-from services.common.chat_protocol import ChatParams, ChatRequest
-from services.common.nats_connection import connect_nats
+from services.devtools.local_cluster import LocalCluster
+from services.client.chat import chat
+from protocol.chat import ChatParams, ChatRequest
+from services.broker.connection import connect_nats
 from tests.e2e.conftest import TINY_MODEL_NAME, start_orchestrator
 from tests.e2e.failover_support import wait_for_event
 

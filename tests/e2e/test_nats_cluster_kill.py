@@ -11,8 +11,8 @@ import nats.errors
 import pytest
 
 from events.streams import ALL_STREAMS
-from services.common.nats_cluster import ClusterNodeServer, EmbeddedNatsCluster
-from services.common.nats_connection import connect_nats
+from services.broker.cluster import ClusterNodeServer, EmbeddedNatsCluster
+from services.broker.connection import connect_nats
 from tests.e2e.conftest import three_shard_mesh
 from tests.e2e.event_log_checks import assert_no_event_lost
 from tests.e2e.failover_support import chat_request, pipeline_events, stream_with_action

@@ -14,10 +14,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from services.cluster import LocalCluster
-from services.common.chat_client import chat
-from services.common.chat_protocol import ChatRequest
-from services.common.nats_connection import connect_nats
+from services.devtools.local_cluster import LocalCluster
+from services.client.chat import chat
+from protocol.chat import ChatRequest
+from services.broker.connection import connect_nats
 from tests.e2e.conftest import TINY_MODEL_NAME, three_shard_mesh
 
 ROOT = Path(__file__).resolve().parents[2]

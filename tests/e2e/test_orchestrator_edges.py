@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from events.subjects import LinkNodes
+from protocol.subjects import LinkNodes
 from inference import weights_sha256
-from services.cluster import LocalCluster, ManagedProcess
-from services.common.chat_protocol import ChatMessage, ChatParams, ChatRequest
+from services.devtools.local_cluster import LocalCluster, ManagedProcess
+from protocol.chat import ChatMessage, ChatParams, ChatRequest
 from services.common.config import TransportSettings
 from services.common.config_sections import ClientSettings
-from services.common.control_protocol import ControlReply, OpenHop
+from protocol.control import ControlReply, OpenHop
 from services.transport import AckWindowSender, ActivationReceiver, FrameKind, StepInfo
 from tests.e2e.failover_support import (  # noqa: F401 (nc is a fixture)
     ShardHandle,

@@ -13,9 +13,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from services.common.chat_client import chat, list_models, stream_chat_raw
-from services.common.chat_protocol import ChatMessage, ChatRequest
-from services.common.nats_connection import connect_nats
+from services.client.chat import chat, list_models, stream_chat_raw
+from protocol.chat import ChatMessage, ChatRequest
+from services.broker.connection import connect_nats
 from tests.e2e.conftest import TINY_CONTEXT_LENGTH, TINY_MODEL_NAME, start_orchestrator, three_shard_mesh
 from tests.unit.inference_tiny_models import write_tiny_model
 

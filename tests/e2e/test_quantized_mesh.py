@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from inference import SamplingParams, load_full
-from services.common.chat_protocol import ChatParams, ChatRequest
+from protocol.chat import ChatParams, ChatRequest
 from tests.e2e.conftest import THREE_SHARD_RANGES, TINY_MODEL_NAME
 from tests.e2e.failover_support import (  # noqa: F401 (nc is a fixture)
     MAX_TOKENS,

@@ -6,10 +6,15 @@ from __future__ import annotations
 
 import pytest
 
-from services.cluster import even_layer_ranges
-from services.common.chat_client import chat
-from services.common.chat_protocol import ChatMessage, ChatParams, ChatRequest
-from services.demo_model import FACTUAL_QUESTION, REAL_DEMO_MODEL_DISTRIBUTION, real_demo_model_path, resolve_demo_model
+from services.devtools.local_cluster import even_layer_ranges
+from services.client.chat import chat
+from protocol.chat import ChatMessage, ChatParams, ChatRequest
+from services.devtools.demo_model import (
+    FACTUAL_QUESTION,
+    REAL_DEMO_MODEL_DISTRIBUTION,
+    real_demo_model_path,
+    resolve_demo_model,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(600)]
 

@@ -9,11 +9,12 @@ import json
 
 import pytest
 
-from services.cluster import LocalCluster
+from services.devtools.local_cluster import LocalCluster
 from services.common.call_signing import signed_call_headers
-from services.common.chat_client import chat
-from services.common.chat_protocol import CHAT_REQUEST_SUBJECT, ChatRequest, decode_frame
-from services.common.nats_connection import connect_nats
+from services.client.chat import chat
+from protocol.chat import ChatRequest, decode_frame
+from protocol.subjects import CHAT_REQUEST_SUBJECT
+from services.broker.connection import connect_nats
 from tests.e2e.conftest import TINY_MODEL_NAME, three_shard_mesh
 from tests.e2e.failover_support import pipeline_events
 from trust.keys import MemberKey

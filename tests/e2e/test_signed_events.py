@@ -23,11 +23,11 @@ from events.models import ShardAdvertised, ShardWithdrawn
 from events.publish import publish_event
 from events.signing import EventVerifier, sign_event
 from events.streams import ALL_STREAMS
-from events.subjects import shard_control_subject, shard_id_for
-from services.cluster import LocalCluster
-from services.common.chat_client import chat
-from services.common.chat_protocol import ChatRequest
-from services.common.nats_connection import connect_nats
+from protocol.subjects import shard_control_subject, shard_id_for
+from services.devtools.local_cluster import LocalCluster
+from services.client.chat import chat
+from protocol.chat import ChatRequest
+from services.broker.connection import connect_nats
 from tests.e2e.conftest import TINY_MODEL_NAME, TINY_LAYERS, three_shard_mesh
 from trust.keys import MemberKey
 

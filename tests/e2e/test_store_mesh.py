@@ -19,9 +19,9 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from inference.checkpoint import SAFETENSORS_DTYPES
-from services.common.chat_client import chat
-from services.common.chat_protocol import ChatRequest
-from services.common.nats_connection import connect_nats
+from services.client.chat import chat
+from protocol.chat import ChatRequest
+from services.broker.connection import connect_nats
 from services.weights_store import HEAD_OBJECT, LAYER_OBJECT_FORMAT
 from tests.e2e.conftest import TINY_MODEL_NAME
 

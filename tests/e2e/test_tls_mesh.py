@@ -13,9 +13,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from services.common.chat_client import chat
-from services.common.chat_protocol import ChatRequest
-from services.common.nats_connection import connect_nats
+from services.client.chat import chat
+from protocol.chat import ChatRequest
+from services.broker.connection import connect_nats
 from tests.e2e.conftest import TINY_MODEL_NAME, three_shard_mesh
 
 pytestmark = pytest.mark.e2e

@@ -20,12 +20,12 @@ from pathlib import Path
 
 import pytest
 
-from services.common.nats_server import find_nats_server_binary
+from services.broker.server import find_nats_server_binary
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-CODE_PACKAGES = ("events", "inference", "migrations", "readmodels", "services", "trust")
+CODE_PACKAGES = ("events", "inference", "migrations", "protocol", "readmodels", "services", "trust")
 DATA_FILES = (
     "hearth_data/models/hearth-tiny-llama/config.json",
     "hearth_data/models/hearth-tiny-llama/model.safetensors",

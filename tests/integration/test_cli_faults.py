@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from services.cluster import LocalCluster
-from services.common.nats_server import free_tcp_port
+from services.devtools.local_cluster import LocalCluster
+from services.broker.server import free_tcp_port
 from tests.e2e.test_demo import processes_mentioning, work_dir_of
 
 pytestmark = pytest.mark.integration

@@ -9,11 +9,11 @@ import nats
 import pytest
 from nats.errors import NoServersError
 
-from events.subjects import shard_events_subject_of_node
+from protocol.subjects import shard_events_subject_of_node
 from services.common.config import NatsSettings
-from services.common.nats_connection import BrokerRefusedCredentials, connect_nats, flush_ordered
-from services.common.nats_permissions import render_authorization
-from services.common.nats_server import EmbeddedNatsServer
+from services.broker.connection import BrokerRefusedCredentials, connect_nats, flush_ordered
+from services.broker.permissions import render_authorization
+from services.broker.server import EmbeddedNatsServer
 from trust.community import Community
 from trust.keys import MemberKey
 

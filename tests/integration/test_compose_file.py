@@ -92,7 +92,7 @@ def test_the_image_carries_the_sources_the_bundled_model_and_the_cluster_configu
     assert {"models", "nats", "services"} <= {source for source, _ in copied}
     # Editable: the code runs from /app and finds models/ and nats/ beside it, as it does in a checkout.
     assert re.search(r"pip install [^\n]*-e \.", dockerfile)
-    from services.common.nats_cluster import cluster_config_file
+    from services.broker.cluster import cluster_config_file
     from services.orchestrator.catalog import BUNDLED_MODELS_DIR
 
     assert BUNDLED_MODELS_DIR == REPO_ROOT / "models"

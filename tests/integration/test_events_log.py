@@ -27,7 +27,7 @@ from events import (
 from events.models import EVENT_TYPES, PipelineFirstToken, ShardHeartbeat
 from events.streams import STREAM_SPECS, duplicate_window_s, shards_max_msgs_per_subject, stream_for_subject
 from services.common.metrics import sample_value
-from services.common.nats_connection import connect_nats, flush_ordered
+from services.broker.connection import connect_nats, flush_ordered
 
 pytestmark = pytest.mark.integration
 

@@ -10,15 +10,10 @@ import json
 import httpx2
 import pytest
 
-from services.common.chat_protocol import (
-    CHAT_REQUEST_SUBJECT,
-    MODELS_REQUEST_SUBJECT,
-    ChatRequest,
-    ModelsReply,
-    ServedModel,
-)
+from protocol.chat import ChatRequest, ModelsReply, ServedModel
+from protocol.subjects import CHAT_REQUEST_SUBJECT, MODELS_REQUEST_SUBJECT
 from services.common.config import HearthSettings
-from services.common.nats_connection import connect_nats, flush_ordered
+from services.broker.connection import connect_nats, flush_ordered
 from services.gateway.app import create_app
 from services.gateway.mesh import Gateway
 

@@ -19,9 +19,9 @@ from events import SHARDS_STREAM, ensure_streams, publish_event, stream_last_seq
 from events.models import ShardHeartbeat
 from services.cli import app
 from services.common.config import NatsSettings
-from services.common.nats_connection import BrokerUnreachable, connect_nats
-from services.common.nats_server import free_tcp_port
-from services.common.tls_files import write_throwaway_ca
+from services.broker.connection import BrokerUnreachable, connect_nats
+from services.broker.server import free_tcp_port
+from services.broker.tls import write_throwaway_ca
 from trust.community import Community
 
 pytestmark = pytest.mark.integration

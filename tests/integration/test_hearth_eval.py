@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from services.cli import app
-from services.random_models import CACHE_DIR_ENV
+from services.devtools.random_models import CACHE_DIR_ENV
 from tests.unit.inference_tiny_models import one_torch_thread, write_tiny_model  # noqa: F401  (fixture by name)
 
 pytestmark = pytest.mark.integration

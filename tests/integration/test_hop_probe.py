@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from services.common.control_protocol import ShardStat
-from services.common.nats_connection import flush_ordered
+from protocol.control import ShardStat
+from services.broker.connection import flush_ordered
 from services.orchestrator.router import Hop
 from services.orchestrator.stall import ProbeOutcome, probe_outcome
 

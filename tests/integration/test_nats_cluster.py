@@ -20,17 +20,17 @@ import pytest
 from events import SHARDS_STREAM, ensure_streams, publish_event
 from events.streams import SHARDS_STREAM_SPEC
 from events.models import ShardHeartbeat
-from services.common.community_streams import create_community_streams
+from services.broker.streams import create_community_streams
 from services.common.config import NatsSettings
-from services.common.nats_cluster import (
+from services.broker.cluster import (
     ClusterNodeServer,
     EmbeddedNatsCluster,
     community_route_password,
     random_route_password,
 )
-from services.common.nats_connection import BrokerRefusedCredentials, connect_nats
-from services.common.nats_permissions import render_authorization
-from services.common.tls_files import write_throwaway_ca
+from services.broker.connection import BrokerRefusedCredentials, connect_nats
+from services.broker.permissions import render_authorization
+from services.broker.tls import write_throwaway_ca
 from trust.community import Community
 
 pytestmark = pytest.mark.integration

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from services.cluster import PREFORK_ENV, ClusterError, LocalCluster, prefork_from_environment
-from services.common.nats_server import free_tcp_port
-from services.prefork import PreforkedProcess, SpawnRequest, import_environment, prefork_launcher
+from services.devtools.local_cluster import PREFORK_ENV, ClusterError, LocalCluster, prefork_from_environment
+from services.broker.server import free_tcp_port
+from services.devtools.prefork import PreforkedProcess, SpawnRequest, import_environment, prefork_launcher
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 exit_timeout_s = 30.0

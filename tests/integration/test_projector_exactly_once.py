@@ -18,7 +18,7 @@ from events.streams import PIPELINES_STREAM, SHARDS_STREAM, ensure_streams
 from readmodels.db import open_engine
 from readmodels.rebuild import diff_databases, rebuild_database
 from readmodels.runner import Projector
-from services.common.nats_connection import connect_nats
+from services.broker.connection import connect_nats
 from tests.readmodel_helpers import dump_rows, heartbeat, synthetic_events
 
 pytestmark = pytest.mark.integration

@@ -8,7 +8,7 @@ from events.models import ShardWithdrawn
 from events.publish import publish_event
 from events.streams import SHARDS_STREAM, ensure_streams
 from readmodels.runner import Projector
-from services.common.nats_connection import connect_nats
+from services.broker.connection import connect_nats
 from services.orchestrator.router import RoutingError, ShardRouter
 from tests.readmodel_helpers import MODEL_ID, WEIGHTS_SHA, advertised, at
 

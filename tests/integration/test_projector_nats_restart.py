@@ -16,7 +16,7 @@ from events.streams import PIPELINES_STREAM, SHARDS_STREAM, ensure_streams
 from readmodels.db import open_engine
 from readmodels.rebuild import diff_databases, rebuild_database
 from readmodels.tables import Pipeline
-from services.common.nats_connection import connect_nats
+from services.broker.connection import connect_nats
 from services.projector.main import run_projector
 from tests.readmodel_helpers import synthetic_events
 

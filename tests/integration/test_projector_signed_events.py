@@ -14,11 +14,11 @@ from events.outbox import EventOutbox
 from events.publish import publish_event
 from events.signing import EventVerifier
 from events.streams import PIPELINES_STREAM, SHARDS_STREAM, ensure_streams
-from events.subjects import shard_control_subject, shard_id_for
+from protocol.subjects import shard_control_subject, shard_id_for
 from readmodels.rebuild import diff_databases, rebuild_database
 from readmodels.runner import Projector
 from readmodels.tables import Pipeline, RejectedEvent, Shard
-from services.common.nats_connection import connect_nats
+from services.broker.connection import connect_nats
 from tests.readmodel_helpers import MODEL_ID, advertised
 from trust.keys import MemberKey
 from trust.roster import new_member, new_roster

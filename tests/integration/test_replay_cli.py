@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 
 from events import PIPELINES_STREAM, SHARDS_STREAM, decode_event, ensure_streams, event_subject, publish_event
 from events.models import ShardAdvertised, ShardHeartbeat, ShardWithdrawn
-from services.common.nats_connection import connect_nats
+from services.broker.connection import connect_nats
 from services.replay.cli import app
 
 pytestmark = pytest.mark.integration

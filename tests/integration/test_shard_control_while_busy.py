@@ -9,12 +9,12 @@ import asyncio
 import threading
 from pathlib import Path
 
-from events.subjects import shard_control_subject
+from protocol.subjects import shard_control_subject
 from inference import load_layer_range
 from inference.compute_thread import on_compute_thread
 from services.common.config import load_settings
-from services.common.control_protocol import CloseHop, ControlReply, OpenHop
-from services.common.nats_connection import connect_nats
+from protocol.control import CloseHop, ControlReply, OpenHop
+from services.broker.connection import connect_nats
 from services.shard.compute import ShardCompute
 from services.shard.server import ShardIdentity, ShardServer
 

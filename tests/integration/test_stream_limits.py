@@ -9,7 +9,7 @@ import pytest
 from nats.js.errors import APIError
 
 from events.streams import STREAM_SPECS, ensure_streams, event_max_msg_bytes
-from services.common.nats_connection import connect_nats
+from services.broker.connection import connect_nats
 
 pytestmark = pytest.mark.integration
 

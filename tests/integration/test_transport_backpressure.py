@@ -7,8 +7,8 @@ import asyncio
 import pytest
 import torch
 
-from events.subjects import ack_subject, activation_subject
-from services.common.nats_connection import flush_ordered
+from protocol.subjects import ack_subject, activation_subject
+from services.broker.connection import flush_ordered
 from services.transport import (
     AckHeader,
     AckWindowSender,

@@ -8,8 +8,8 @@ import contextlib
 import pytest
 import torch
 
-from events.subjects import activation_subject
-from services.common.nats_connection import connect_nats
+from protocol.subjects import activation_subject
+from services.broker.connection import connect_nats
 from services.transport import (
     AckObserver,
     AckWindowSender,

@@ -9,8 +9,8 @@ import asyncio
 import pytest
 import torch
 
-from events.subjects import ack_subject, activation_subject
-from services.common.nats_connection import flush_ordered
+from protocol.subjects import ack_subject, activation_subject
+from services.broker.connection import flush_ordered
 from services.transport import AckHeader, AckWindowSender, ActivationReceiver, FrameKind, StepInfo, encode_step
 from services.transport.mac import HEADER_MAC, new_link_key, with_mac
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from services.common.metrics import sample_value
-from services.common.nats_connection import flush_ordered
+from services.broker.connection import flush_ordered
 from services.transport import (
     AckWindowSender,
     ActivationReceiver,

@@ -7,9 +7,9 @@ import asyncio
 import pytest
 import torch
 
-from events.subjects import ack_subject
-from services.common.nats_connection import connect_nats, flush_ordered
-from services.common.nats_server import EmbeddedNatsServer
+from protocol.subjects import ack_subject
+from services.broker.connection import connect_nats, flush_ordered
+from services.broker.server import EmbeddedNatsServer
 from services.transport import (
     AckHeader,
     AckWindowSender,

@@ -8,8 +8,8 @@ import time
 from dataclasses import dataclass
 
 from services.common.config import TransportSettings
-from services.common.control_protocol import ShardStat
-from services.common.nats_connection import flush_ordered
+from protocol.control import ShardStat
+from services.broker.connection import flush_ordered
 from services.orchestrator.router import Hop
 from services.orchestrator.stall import StallWatch
 from services.transport import FrameKind, StepInfo

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from inference import load_head, load_layer_range, weights_sha256
-from services.common.nats_connection import connect_nats
+from services.broker.connection import connect_nats
 from services.weights_store import (
     HEAD_OBJECT,
     LAYER_OBJECT_FORMAT,
@@ -87,8 +87,8 @@ async def test_listing_and_unknown_names(js, published, tmp_path):
 
 @pytest.fixture
 def community_server(tmp_path):
-    from services.common.nats_permissions import render_authorization
-    from services.common.nats_server import EmbeddedNatsServer
+    from services.broker.permissions import render_authorization
+    from services.broker.server import EmbeddedNatsServer
     from trust.community import Community
 
     community = Community.init(tmp_path / "community", "weights-community")

@@ -7,10 +7,10 @@ import math
 
 import pytest
 
-from services.bench.runner import all_decoding_rate
-from services.bench.timing import GenerationTiming, tokens_before_divergence
-from services.bench.transport_metrics import Histogram, mean_batch_rows, transport_figures
-from services.cluster import (BATCH_MERGE_WINDOW_ENV, LocalCluster, _device_argument,
+from services.devtools.bench.runner import all_decoding_rate
+from services.devtools.bench.timing import GenerationTiming, tokens_before_divergence
+from services.devtools.bench.transport_metrics import Histogram, mean_batch_rows, transport_figures
+from services.devtools.local_cluster import (BATCH_MERGE_WINDOW_ENV, LocalCluster, _device_argument,
                               shared_machine_batch_merge_window_ms)
 from services.shard.metrics import COMPUTE_METRIC, TRANSPORT_METRIC, WIRE_METRIC
 

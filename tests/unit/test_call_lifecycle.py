@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.common.chat_protocol import ChatRequest
+from protocol.chat import ChatRequest
 from services.orchestrator.call import Call, CallStatus
 
 

@@ -14,7 +14,7 @@ from transformers import PreTrainedTokenizerFast
 
 from inference import load_head
 from inference.token_bounds import TokenLowerBound
-from services.common.chat_protocol import BadRequest, ChatRequest
+from protocol.chat import BadRequest, ChatRequest
 from services.orchestrator import admission
 from services.orchestrator.admission import admit_prompt
 from services.orchestrator.catalog import LoadedModel

@@ -10,8 +10,8 @@ from pathlib import Path
 import gguf
 import pytest
 
-from services import demo_model
-from services.demo_model import (
+from services.devtools import demo_model
+from services.devtools.demo_model import (
     FACTUAL_QUESTION,
     TOY_MODEL_PROMPT,
     DemoError,

@@ -25,7 +25,7 @@ from events.signing import (
     sign_event,
 )
 from events.streams import SHARDS_STREAM
-from events.subjects import event_subject, shard_control_subject, shard_id_for
+from protocol.subjects import event_subject, shard_control_subject, shard_id_for
 from readmodels.positions import load_positions
 from readmodels.projection import ReadModelProjection, Rejection
 from readmodels.tables import RejectedEvent, Shard

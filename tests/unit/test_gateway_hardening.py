@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import uvicorn
 
-from services.common.chat_client import _decode_known
+from services.client.chat import _decode_known
 from services.common.config import HearthSettings
 from services.gateway.app import create_app
 from services.gateway.errors import GatewayError

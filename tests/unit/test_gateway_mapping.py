@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from services.common.chat_protocol import BadRequest, DoneFrame, ErrorFrame, PipelineAbortedFrame, Usage
+from protocol.chat import BadRequest, DoneFrame, ErrorFrame, PipelineAbortedFrame, Usage
 from services.gateway.answers import ChatShape, CompletionShape, finish_reason
 from services.gateway.errors import from_frame
 from services.gateway.keys import (

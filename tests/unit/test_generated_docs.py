@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 
 from events.models import EVENT_TYPES
 from services import schema
-from services.common import chat_protocol
+from protocol import chat as chat_protocol
 from services.common.config import HearthSettings, load_settings
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -15,8 +15,8 @@ from gguf import GGMLQuantizationType
 from inference import gguf_cache, gguf_checkpoint, load_head, load_layer_range
 from inference.gguf_cache import GGUFCacheEntry, gguf_cache_entry
 from inference.gguf_checkpoint import gguf_config_dict, gguf_table, load_gguf_tokenizer
-from services import demo_model
-from services.demo_model import resolve_demo_model
+from services.devtools import demo_model
+from services.devtools.demo_model import resolve_demo_model
 
 from .gguf_files import write_tiny_gguf
 from .inference_tiny_models import one_torch_thread  # noqa: F401  (fixture)

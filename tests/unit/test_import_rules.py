@@ -1,161 +1,113 @@
-"""The dependency rules of docs/design.md §1, enforced: forbidden imports, no torch in the light processes,
-no import cycles.
+"""The dependency rules of docs/design.md §1, enforced: what each package may import, no torch in the light
+processes, no import cycles.
 
-Three checks, each failing with the offending module and import:
+Each check fails naming the offending module and import:
 
-- statically, every import statement (module level, inside functions, under TYPE_CHECKING) of every
-  ``.py`` under inference/, events/, readmodels/ and services/ against the table of §1;
-- at runtime, in a fresh interpreter, importing every module of the light packages (events, readmodels,
-  services/common, services/projector, services/replay, and services/cli.py) leaves torch and
-  transformers out of ``sys.modules``;
-- the graph of module-level imports among the project's modules has no cycle (imports inside functions
-  and under ``if TYPE_CHECKING:`` run later or never, so they do not count).
+- statically, every import statement (module level, inside functions, under TYPE_CHECKING) of every ``.py`` under
+  the project's packages against the allow-list ALLOWED_IMPORTS (every module belongs to one entry: a new package
+  must say what it may import) and the third-party bans of THIRD_PARTY_BANS;
+- at runtime, in a fresh interpreter, importing every module of the light packages leaves torch and transformers
+  out of ``sys.modules``;
+- the graph of all imports among the project's modules, deferred ones included (a function's import runs when it is
+  called, and a cycle through one is still a circle to read through), has no cycle.
 """
 
 from __future__ import annotations
 
-import ast
 import json
 import subprocess
 import sys
-from collections import deque
-from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("inference", "events", "readmodels", "services", "trust")
-HEAVY_MODULES = ("torch", "transformers")
-
-
-@dataclass(frozen=True)
-class Rule:
-    """Modules under `importer` must never import anything under `forbidden`, except what is under `allowed`."""
-
-    importer: str
-    forbidden: tuple[str, ...]
-    allowed: tuple[str, ...] = ()
-
-    def breaks(self, target: str) -> str | None:
-        """The forbidden package `target` falls under, or None."""
-        if any(under(target, package) for package in self.allowed):
-            return None
-        return next((package for package in self.forbidden if under(target, package)), None)
-
-
-RULES = (
-    Rule("trust", ("inference", "events", "readmodels", "services", "torch", "nats")),
-    Rule("inference", ("nats", "events", "readmodels", "services")),
-    Rule("events", ("inference", "readmodels", "services", "torch")),
-    Rule("readmodels", ("inference", "services", "torch")),
-    Rule("services.transport", ("inference", "readmodels")),
-    Rule("services.shard", ("services.orchestrator",)),
-    Rule("services.orchestrator", ("services.shard",)),
-    Rule("services.replay", ("inference", "torch")),
-    Rule("services.projector", ("inference", "torch")),
-    Rule("services.common", ("torch", "transformers", "inference", "services"), allowed=("services.common",)),
+from tests.unit.import_graph import (
+    ALL_IMPORTS,
+    MODULES,
+    PACKAGES,
+    ROOT,
+    imports_of,
+    shortest_cycle,
+    strongly_connected,
+    under,
 )
 
+HEAVY_MODULES = ("torch", "transformers")
+_FOUNDATIONS = ("protocol", "trust")
+_BROKER_SIDE = (*_FOUNDATIONS, "events", "services.common", "services.broker")
+_MODEL_SIDE = (*_BROKER_SIDE, "inference", "services.transport", "services.weights_store")
+
+# What each package (or top-level module) may import of the project besides itself: the architecture, bottom up.
+# The dev tooling (services.devtools) may use everything; only the CLI entry may import it, lazily.
+ALLOWED_IMPORTS: dict[str, tuple[str, ...]] = {
+    "trust": (),
+    "protocol": (),
+    "inference": (),
+    "events": _FOUNDATIONS,
+    "readmodels": (*_FOUNDATIONS, "events"),
+    "services": ("services.common",),  # the package's __init__: the shadowed-packages guard
+    "services.common": (*_FOUNDATIONS, "events"),
+    "services.broker": _BROKER_SIDE,
+    "services.client": _BROKER_SIDE,
+    "services.transport": _BROKER_SIDE,
+    "services.weights_store": (*_BROKER_SIDE, "inference"),
+    "services.schema": _BROKER_SIDE,
+    "services.cli_options": _BROKER_SIDE,
+    "services.shard": (*_MODEL_SIDE, "services.cli_options"),
+    "services.orchestrator": (*_MODEL_SIDE, "readmodels"),
+    "services.projector": (*_BROKER_SIDE, "readmodels", "services.cli_options"),
+    "services.replay": (*_BROKER_SIDE, "readmodels", "services.cli_options"),
+    "services.dashboards": (*_BROKER_SIDE, "readmodels", "services.cli_options"),
+    "services.gateway": (*_BROKER_SIDE, "services.client", "services.cli_options"),
+    "services.host": (*_MODEL_SIDE, "readmodels", "services.cli_options", "services.shard", "services.orchestrator"),
+    "services.community_cli": (*_BROKER_SIDE, "services.cli_options", "services.gateway"),
+    "services.nats_cli": (*_BROKER_SIDE, "services.cli_options"),
+    "services.weights_cli": (*_BROKER_SIDE, "services.cli_options", "services.weights_store"),
+    "services.devtools": (*_MODEL_SIDE, "readmodels", "services.cli_options", "services.client", "services.gateway",
+                          "services.shard", "services.orchestrator", "services.projector", "services.host"),
+    "services.cli": ("*",),  # the entry point: every command's module, each loaded when its command runs
+}
+
+# Third-party modules a package must never import (light processes, and the layers that must not talk to NATS).
+THIRD_PARTY_BANS: dict[str, tuple[str, ...]] = {
+    "trust": ("torch", "nats"),
+    "protocol": ("torch", "transformers", "nats"),
+    "inference": ("nats",),
+    "events": ("torch",),
+    "readmodels": ("torch",),
+    "services.replay": ("torch",),
+    "services.projector": ("torch",),
+    "services.common": ("torch", "transformers"),
+}
+
 # Modules whose whole import must leave torch and transformers unloaded (they start fast, run where no model is).
-LIGHT_PACKAGES = ("events", "readmodels", "services.common", "services.projector", "services.replay", "trust")
+LIGHT_PACKAGES = ("events", "protocol", "readmodels", "services.broker", "services.client", "services.common",
+                  "services.projector", "services.replay", "trust")
 LIGHT_MODULES = ("services.cli",)
 
 
-@dataclass(frozen=True)
-class Import:
-    module: str  # the importing module
-    path: Path
-    line: int
-    target: str  # the imported module, absolute
-    top_level: bool  # runs when the importing module is imported
+def owner(module: str) -> str | None:
+    """The ALLOWED_IMPORTS entry a module belongs to: the longest one it is under."""
+    entries = [entry for entry in ALLOWED_IMPORTS if under(module, entry)]
+    return max(entries, key=len) if entries else None
 
 
-def under(name: str, package: str) -> bool:
-    return name == package or name.startswith(package + ".")
+def breaks_allow_list(module: str, target: str) -> bool:
+    """Whether `module` importing the project module `target` is outside its package's allow-list."""
+    mine, theirs = owner(module), owner(target)
+    allowed = ALLOWED_IMPORTS[mine]
+    return theirs != mine and "*" not in allowed and not any(under(target, entry) for entry in allowed)
 
 
-def module_name(path: Path) -> str:
-    parts = path.relative_to(ROOT).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-def project_modules() -> dict[str, Path]:
-    return {
-        module_name(path): path
-        for package in PACKAGES
-        for path in sorted((ROOT / package).rglob("*.py"))
-        if "__pycache__" not in path.parts
-    }
-
-
-MODULES = project_modules()
-
-
-class _ImportCollector(ast.NodeVisitor):
-    """Every import of one module, resolved to absolute names, marked top-level or deferred."""
-
-    def __init__(self, module: str, path: Path) -> None:
-        self.module = module
-        self.path = path
-        self.is_package = path.name == "__init__.py"
-        self.imports: list[Import] = []
-        self._deferred = 0  # depth inside functions and TYPE_CHECKING blocks
-
-    def _add(self, node: ast.stmt, target: str) -> None:
-        self.imports.append(Import(self.module, self.path, node.lineno, target, self._deferred == 0))
-
-    def visit_Import(self, node: ast.Import) -> None:
-        for alias in node.names:
-            self._add(node, alias.name)
-
-    def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
-        if node.level:
-            package = self.module if self.is_package else self.module.rpartition(".")[0]
-            for _ in range(node.level - 1):
-                package = package.rpartition(".")[0]
-            base = f"{package}.{node.module}" if node.module else package
-        else:
-            base = node.module or ""
-        for alias in node.names:
-            submodule = f"{base}.{alias.name}"
-            self._add(node, submodule if submodule in MODULES else base)
-
-    def _visit_deferred(self, node: ast.AST) -> None:
-        self._deferred += 1
-        self.generic_visit(node)
-        self._deferred -= 1
-
-    visit_FunctionDef = visit_AsyncFunctionDef = visit_Lambda = _visit_deferred
-
-    def visit_If(self, node: ast.If) -> None:
-        test = node.test
-        type_checking = (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-            isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-        )
-        if not type_checking:
-            self.generic_visit(node)
-            return
-        self.visit(test)
-        self._deferred += 1
-        for statement in node.body:
-            self.visit(statement)
-        self._deferred -= 1
-        for statement in node.orelse:
-            self.visit(statement)
-
-
-def imports_of(module: str, path: Path) -> list[Import]:
-    collector = _ImportCollector(module, path)
-    collector.visit(ast.parse(path.read_text(encoding="utf-8"), filename=str(path)))
-    return collector.imports
-
-
-ALL_IMPORTS = [found for module, path in MODULES.items() for found in imports_of(module, path)]
+def project_target(target: str) -> str | None:
+    """The project module an import names (a name imported from a module resolves to that module), or None."""
+    while target and target not in MODULES:
+        target = target.rpartition(".")[0]
+    return target or None
 
 
 def test_the_scan_sees_the_project_and_its_deferred_imports():
-    assert {"inference", "events", "readmodels", "services.common.config", "services.transport.frames"} <= set(MODULES)
+    assert {"inference", "events", "protocol.subjects", "services.common.config", "services.transport.frames",
+            "services.devtools.bench.cli"} <= set(MODULES)
     assert any(found.module == "services.cli" and not found.top_level for found in ALL_IMPORTS)
 
 
@@ -179,19 +131,37 @@ def test_the_collector_resolves_relative_imports_and_defers_functions_and_type_c
     }
 
 
-@pytest.mark.parametrize("rule", RULES, ids=lambda rule: rule.importer)
-def test_no_module_imports_what_its_package_must_never_import(rule: Rule):
+def test_every_module_belongs_to_an_allow_list_entry():
+    assert not [module for module in MODULES if owner(module) is None], "add the new package to ALLOWED_IMPORTS"
+    assert set(ALLOWED_IMPORTS) - {"*"} >= {entry for allowed in ALLOWED_IMPORTS.values() for entry in allowed} - {"*"}
+
+
+def test_no_module_imports_outside_its_allow_list():
     offences = []
     for found in ALL_IMPORTS:
-        if not under(found.module, rule.importer):
-            continue
-        package = rule.breaks(found.target)
-        if package is not None:
-            where = found.path.relative_to(ROOT)
+        target = project_target(found.target)
+        if target is not None and breaks_allow_list(found.module, target):
             when = "" if found.top_level else " (deferred)"
-            offences.append(f"{where}:{found.line}: {found.module} imports {found.target}{when}")
-    never = ", ".join(rule.forbidden) + (f" (except {', '.join(rule.allowed)})" if rule.allowed else "")
-    assert not offences, f"{rule.importer} must never import {never}:\n" + "\n".join(offences)
+            offences.append(f"{found.path.relative_to(ROOT)}:{found.line}: {found.module} ({owner(found.module)}) "
+                            f"imports {target}{when}")
+    assert not offences, "imports outside ALLOWED_IMPORTS:\n" + "\n".join(offences)
+
+
+def test_the_allow_list_check_refuses_a_layer_breach_and_the_tooling_from_production():
+    assert breaks_allow_list("services.common.config", "services.broker.connection")
+    assert breaks_allow_list("services.shard.hops", "services.orchestrator.chain")
+    assert breaks_allow_list("services.orchestrator.pipeline", "services.devtools.local_cluster")
+    assert not breaks_allow_list("services.cli", "services.devtools.demo")
+    assert not breaks_allow_list("services.shard.hops", "protocol.subjects")
+
+
+@pytest.mark.parametrize("package", sorted(THIRD_PARTY_BANS))
+def test_no_package_imports_a_banned_library(package: str):
+    banned = THIRD_PARTY_BANS[package]
+    offences = [f"{found.path.relative_to(ROOT)}:{found.line}: {found.module} imports {found.target}"
+                for found in ALL_IMPORTS
+                if under(found.module, package) and any(under(found.target, name) for name in banned)]
+    assert not offences, f"{package} must never import {', '.join(banned)}:\n" + "\n".join(offences)
 
 
 _PROBE = r"""
@@ -270,72 +240,13 @@ def test_the_light_processes_never_load_torch_or_transformers():
 
 
 def import_graph() -> dict[str, set[str]]:
-    """Module-level imports among the project's own modules."""
+    """Every import among the project's own modules, deferred ones included."""
     graph: dict[str, set[str]] = {module: set() for module in MODULES}
     for found in ALL_IMPORTS:
-        if found.top_level and found.target in MODULES and found.target != found.module:
-            graph[found.module].add(found.target)
+        target = project_target(found.target)
+        if target is not None and target != found.module:
+            graph[found.module].add(target)
     return graph
-
-
-def strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
-    """Tarjan's strongly connected components (iterative: no recursion limit to think about)."""
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on_stack: set[str] = set()
-    components = []
-    for root in sorted(graph):
-        if root in index:
-            continue
-        work = [(root, iter(sorted(graph[root])))]
-        index[root] = low[root] = len(index)
-        stack.append(root)
-        on_stack.add(root)
-        while work:
-            node, successors = work[-1]
-            for successor in successors:
-                if successor not in index:
-                    index[successor] = low[successor] = len(index)
-                    stack.append(successor)
-                    on_stack.add(successor)
-                    work.append((successor, iter(sorted(graph[successor]))))
-                    break
-                if successor in on_stack:
-                    low[node] = min(low[node], index[successor])
-            else:
-                work.pop()
-                if work:
-                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
-                if low[node] == index[node]:
-                    component = []
-                    while True:
-                        member = stack.pop()
-                        on_stack.discard(member)
-                        component.append(member)
-                        if member == node:
-                            break
-                    components.append(sorted(component))
-    return components
-
-
-def shortest_cycle(graph: dict[str, set[str]], component: list[str]) -> list[str]:
-    """A shortest path start -> ... -> start inside one strongly connected component."""
-    start, members = component[0], set(component)
-    parents: dict[str, str | None] = {start: None}
-    queue = deque([start])
-    while queue:
-        node = queue.popleft()
-        for successor in sorted(graph[node] & members):
-            if successor == start:
-                path = [node]
-                while parents[path[-1]] is not None:
-                    path.append(parents[path[-1]])
-                return [*reversed(path), start]
-            if successor not in parents:
-                parents[successor] = node
-                queue.append(successor)
-    raise AssertionError(f"{component} is not a cycle")
 
 
 def test_the_cycle_finder_reports_a_path():
@@ -345,11 +256,11 @@ def test_the_cycle_finder_reports_a_path():
     assert shortest_cycle(graph, cycles[0]) == ["a", "b", "c", "a"]
 
 
-def test_no_import_cycles_at_module_level():
+def test_no_import_cycles():
     graph = import_graph()
     cycles = [
         " -> ".join(shortest_cycle(graph, component))
         for component in strongly_connected(graph)
         if len(component) > 1
     ]
-    assert not cycles, "module-level import cycles:\n" + "\n".join(cycles)
+    assert not cycles, "import cycles (deferred imports included):\n" + "\n".join(cycles)

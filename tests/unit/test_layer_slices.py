@@ -17,7 +17,7 @@ from inference import SamplingParams, SessionEvictedError, load_head, load_layer
 
 from inference.compute_thread import on_compute_thread
 from services.common.config import ShardSettings
-from services.common.control_protocol import OpenHop
+from protocol.control import OpenHop
 from services.shard.compute import ShardCompute
 from services.transport import FrameKind, ReceivedStep
 from services.transport.frames import encode_step

@@ -1,4 +1,4 @@
-"""Each role's broker permissions (services/common/nats_permissions.py): the JetStream API verbs it needs and no
+"""Each role's broker permissions (services/broker/permissions.py): the JetStream API verbs it needs and no
 other, no administration of a stream by anyone but `system`, and orchestrator frames only into callers' inboxes."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from events.streams import ALL_STREAMS, PIPELINES_STREAM, SHARDS_STREAM
-from services.common.nats_permissions import (
+from services.broker.permissions import (
     is_member_inbox,
     reply_allowed,
     role_permissions,

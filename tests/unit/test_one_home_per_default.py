@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("inference", "events", "readmodels", "services", "trust")
+PACKAGES = ("inference", "events", "protocol", "readmodels", "services", "trust")
 
 # Names shared by unrelated things; each with why its defaults are not one concept.
 GENERIC_NAMES = {
@@ -40,11 +40,11 @@ GENERIC_NAMES = {
 # (file, name) places must hold equal values, checked below, and counts as one home.
 MIRRORS = (
     (("inference/devices.py", "MiB"), ("events/streams.py", "MiB")),
-    (("inference/sampling.py", "DEFAULT_MAX_TOKENS"), ("services/common/chat_protocol.py", "default_max_tokens")),
-    (("inference/sampling.py", "top_p"), ("services/common/chat_protocol.py", "top_p")),
-    (("inference/checksum.py", "GGUF_SUFFIX"), ("services/demo_model.py", "GGUF_SUFFIX")),
-    (("inference/gguf_cache.py", "GGUF_CACHE_DIR_NAME"), ("services/demo_model.py", "GGUF_CACHE_DIR_NAME")),
-    (("inference/gguf_cache.py", "GGUF_CACHE_FORMAT"), ("services/demo_model.py", "GGUF_CACHE_FORMAT")),
+    (("inference/sampling.py", "DEFAULT_MAX_TOKENS"), ("protocol/chat.py", "default_max_tokens")),
+    (("inference/sampling.py", "top_p"), ("protocol/chat.py", "top_p")),
+    (("inference/checksum.py", "GGUF_SUFFIX"), ("services/devtools/demo_model.py", "GGUF_SUFFIX")),
+    (("inference/gguf_cache.py", "GGUF_CACHE_DIR_NAME"), ("services/devtools/demo_model.py", "GGUF_CACHE_DIR_NAME")),
+    (("inference/gguf_cache.py", "GGUF_CACHE_FORMAT"), ("services/devtools/demo_model.py", "GGUF_CACHE_FORMAT")),
 )
 
 @dataclass(frozen=True)

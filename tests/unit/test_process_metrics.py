@@ -7,9 +7,9 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from events.models import IntegrityCorruptionDetected, PipelineFailover, PipelineFallbackLocal, PipelineFirstToken
-from services.bench.transport_metrics import cache_event_counts
-from services.cluster import _metrics_port_in
-from services.common.chat_protocol import DoneFrame, ErrorFrame, KeepaliveFrame, Timing, Usage
+from services.devtools.bench.transport_metrics import cache_event_counts
+from services.devtools.local_cluster import _metrics_port_in
+from protocol.chat import DoneFrame, ErrorFrame, KeepaliveFrame, Timing, Usage
 from services.common.metrics import (
     metrics_observed,
     render_metrics,

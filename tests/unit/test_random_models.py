@@ -1,5 +1,5 @@
-"""Random checkpoints of named shapes (services/random_models.py): the bf16 path for big shapes (Llama-3-8B) gives
-transformers' Llama init in bf16 and a checkpoint hearth's loader reads; unknown shapes are refused by name."""
+"""Random checkpoints of named shapes (services/devtools/random_models.py): the bf16 path for big shapes (Llama-3-8B)
+gives transformers' Llama init in bf16 and a checkpoint hearth's loader reads; unknown shapes are refused by name."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 from transformers import LlamaConfig
 
 from inference import load_layer_range
-from services.random_models import (
+from services.devtools.random_models import (
     BIG_SHAPES,
     RANDOM_SHAPES,
     UnknownRandomShape,

@@ -17,7 +17,7 @@ from events.models import (
     ShardWithdrawn,
 )
 from events.streams import PIPELINES_STREAM, SHARDS_STREAM
-from events.subjects import event_subject
+from protocol.subjects import event_subject
 from services.replay.query import (
     QueryError,
     StreamSelection,

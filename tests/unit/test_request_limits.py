@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from inference import SamplingParams, sample_token
 from inference.token_bounds import TokenLowerBound
-from services.common.chat_protocol import BadRequest, ChatRequest, parse_chat_request
+from protocol.chat import BadRequest, ChatRequest, parse_chat_request
 from services.orchestrator.admission import admit_prompt
 from services.orchestrator.catalog import ModelCatalog, UnknownModel
 

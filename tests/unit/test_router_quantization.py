@@ -13,8 +13,8 @@ from events.models import ShardAdvertised
 from readmodels.projection import epoch_s
 from readmodels.queries import ShardCandidate
 from readmodels.tables import Shard
-from services.common.chat_protocol import BadRequest, ChatRequest, parse_chat_request
-from services.common.quantization_labels import accepts, precision_order
+from protocol.chat import BadRequest, ChatRequest, parse_chat_request
+from protocol.quantization_labels import accepts, precision_order
 from services.orchestrator.call import Call
 from services.orchestrator.catalog import ModelCatalog
 from services.orchestrator.discovery import served_model

@@ -10,7 +10,7 @@ from sqlalchemy.orm import Session
 
 from events.models import UNVERIFIED_REPORT, PipelineFailover
 from readmodels.tables import ShardStats
-from services.common.control_protocol import ControlReply, HopNotice, OpenHop, ShardStat, max_open_pipelines
+from protocol.control import ControlReply, HopNotice, OpenHop, ShardStat, max_open_pipelines
 from services.orchestrator.outcomes import StepFailure
 from services.transport import AckHeader, FrameError, FrameHeader, FrameKind
 from services.transport.headers import max_header_bytes

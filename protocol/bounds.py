@@ -1,0 +1,7 @@
+"""The bounds every message on hearth's wire shares: what a subject token may be, how long an id or a reason is."""
+
+# Subject tokens may not carry dots, spaces or wildcards; pipeline ids become subject tokens.
+SUBJECT_TOKEN_PATTERN = r"^[A-Za-z0-9_-]{1,128}$"
+max_id_chars = 256  # node ids, model ids, digests, subjects, request ids
+max_shard_id_chars = 2 * max_id_chars + 32  # "<model_id>:<lo>-<hi>@<node_id>"
+max_reason_chars = 2000  # free text; an emitter's longer text is cut to this, never refused

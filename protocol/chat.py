@@ -1,0 +1,241 @@
+"""The client protocol of docs/protocol.md: the `llm.chat.request` message and the frames streamed back."""
+
+from __future__ import annotations
+
+import sys
+import uuid
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
+
+from protocol.quantization_labels import QUANTIZATION_LABEL_PATTERN
+
+max_tokens_limit = 8192
+# What a call generates at most when it does not say (inference/sampling.py mirrors it).
+default_max_tokens = 128
+max_prompt_chars = 1_000_000
+max_stop_strings = 16
+max_stop_chars = 256
+# Beyond any vocabulary; a larger value would only ever mean "off" (as 0 does) and overflow torch's int64 arguments.
+max_top_k = 2**31 - 1
+
+
+def _not_subnormal(value: float) -> float:
+    # A subnormal temperature (1e-320) overflows every logit it divides; such values are never meant.
+    if value != 0.0 and abs(value) < sys.float_info.min:
+        raise ValueError(f"subnormal numbers (below {sys.float_info.min:.3g} in magnitude) are not accepted")
+    return value
+
+
+# Finite (no NaN, no Infinity) and not subnormal: what a sampling parameter may be.
+FiniteFloat = Annotated[float, Field(allow_inf_nan=False), AfterValidator(_not_subnormal)]
+StopString = Annotated[str, Field(min_length=1, max_length=max_stop_chars)]
+
+ErrorCode = Literal[
+    "experimental_disabled", "shard_unavailable", "pipeline_stalled", "weights_mismatch", "bad_request",
+    "internal_error", "overloaded", "orchestrator_gone", "unauthorized",
+]
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["system", "user", "assistant"]
+    content: str = Field(max_length=max_prompt_chars)
+
+
+class ChatParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    fallback_to_local: bool = True
+    # The weight quantization scheme the answer must come from: none, int8, int4 (any group size) or int4/gN;
+    # absent: the most precise scheme whose shards cover the model (none, then int8, then int4).
+    quantization: str | None = Field(default=None, pattern=QUANTIZATION_LABEL_PATTERN)
+
+
+class ChatRequest(BaseModel):
+    """One chat call; exactly one of `messages` (chat template applied) or `prompt` (raw text)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    request_id: str = Field(default_factory=lambda: uuid.uuid4().hex, min_length=1, max_length=128)
+    # May be left out when the mesh serves exactly one model (ModelsReply.default_model).
+    model: str | None = Field(default=None, min_length=1, max_length=512)
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    prompt: str | None = Field(default=None, min_length=1, max_length=max_prompt_chars)
+    max_tokens: int = Field(default=default_max_tokens, ge=1, le=max_tokens_limit)
+    temperature: FiniteFloat = Field(default=0.0, ge=0.0, le=10.0)
+    top_p: FiniteFloat = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0, le=max_top_k)
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    stop: list[StopString] = Field(default_factory=list, max_length=max_stop_strings)
+    params: ChatParams = Field(default_factory=ChatParams)
+
+    @model_validator(mode="after")
+    def _exactly_one_input(self) -> "ChatRequest":
+        if (self.messages is None) == (self.prompt is None):
+            raise ValueError("a request carries exactly one of 'messages' or 'prompt'")
+        return self
+
+
+class BadRequest(ValueError):
+    """A request that cannot be served as sent; the message names the offending field."""
+
+
+def parse_chat_request(data: bytes) -> ChatRequest:
+    """Decode and validate a request, turning any problem into a BadRequest that names the field."""
+    try:
+        return ChatRequest.model_validate_json(data)
+    except ValidationError as error:
+        raise BadRequest(describe_validation_error(error)) from None
+
+
+def describe_validation_error(error: ValidationError) -> str:
+    problems = []
+    for item in error.errors(include_url=False):
+        location = ".".join(str(part) for part in item["loc"])
+        if item["type"] == "json_invalid":
+            problems.append(f"body is not valid JSON: {item['msg']}")
+        elif location:
+            problems.append(f"field '{location}': {item['msg']}")
+        else:
+            problems.append(item["msg"])
+    return "; ".join(problems)
+
+
+class _Frame(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    seq: int = Field(ge=0)
+
+
+class PipelineFrame(_Frame):
+    type: Literal["pipeline"] = "pipeline"
+    pipeline_id: str
+    hops: list[str]
+
+
+class TokenDeltaFrame(_Frame):
+    type: Literal["token_delta"] = "token_delta"
+    text: str
+    token_id: int
+    # Which shard hosts ran the step that produced this token (shard ids, in hop order).
+    hops: list[str] | None = None
+
+
+class ShardStatusFrame(_Frame):
+    type: Literal["shard_status"] = "shard_status"
+    shard_id: str
+    status: Literal["degraded", "healthy"]
+    reason: str
+
+
+class ShardFailoverFrame(_Frame):
+    type: Literal["shard_failover"] = "shard_failover"
+    failed_shard_id: str
+    replacement_hops: list[str]
+    resumed_at_token: int
+
+
+class PipelineAbortedFrame(_Frame):
+    type: Literal["pipeline_aborted"] = "pipeline_aborted"
+    code: ErrorCode
+    reason: str
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class Timing(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    ttft_ms: float | None = None
+    # How long the call waited in the orchestrator's queue before it started.
+    queue_wait_ms: float | None = None
+    tokens_per_second: float | None = None
+    duration_ms: float | None = None
+
+
+class DoneFrame(_Frame):
+    type: Literal["done"] = "done"
+    finish_reason: Literal["stop", "length", "fallback_stop", "fallback_length"] | str
+    usage: Usage
+    timing: Timing = Field(default_factory=Timing)
+
+
+class KeepaliveFrame(_Frame):
+    """Sent when no other frame went out for `[transport] keepalive_interval_s` (a slow step, a failover, a head
+    loading): a client that hears nothing at all for `[client] silence_timeout_s` knows the orchestrator is gone."""
+
+    type: Literal["keepalive"] = "keepalive"
+
+
+class QueuedFrame(_Frame):
+    """The call waits for room (the mesh runs as many calls as it can); sent when it joins the queue and again
+    whenever its place changes. `position` 1 is the next call to start."""
+
+    type: Literal["queued"] = "queued"
+    position: int = Field(ge=1)
+    # Calls waiting on this orchestrator in all (this one included).
+    queued_requests: int = Field(ge=1)
+
+
+class ErrorFrame(_Frame):
+    type: Literal["error"] = "error"
+    code: ErrorCode
+    message: str
+    # With `overloaded`: how long the client should wait before sending the call again.
+    retry_after_s: float | None = Field(default=None, ge=0)
+
+
+ChatFrame = Annotated[
+    Union[PipelineFrame, TokenDeltaFrame, ShardStatusFrame, ShardFailoverFrame, PipelineAbortedFrame,
+          DoneFrame, ErrorFrame, KeepaliveFrame, QueuedFrame],
+    Field(discriminator="type"),
+]
+_frame_adapter: TypeAdapter[ChatFrame] = TypeAdapter(ChatFrame)
+FINAL_FRAME_TYPES = frozenset({"done", "error", "pipeline_aborted"})
+
+
+def decode_frame(data: bytes | dict[str, Any]) -> ChatFrame:
+    if isinstance(data, dict):
+        return _frame_adapter.validate_python(data)
+    return _frame_adapter.validate_json(data)
+
+
+class ModelsRequest(BaseModel):
+    """A request on `llm.models` (an empty body is one too): which models can the mesh serve now?"""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class ServedModel(BaseModel):
+    """One model the mesh knows of: which of its layers live shard hosts cover right now."""
+
+    id: str
+    total_layers: int = Field(ge=0)
+    # Inclusive [lo, hi] layer ranges covered by live shards with the same weights, merged and sorted.
+    covered_layers: list[tuple[int, int]] = Field(default_factory=list)
+    # Every layer is covered: a pipeline can be built now.
+    complete: bool
+    weights_sha256: str | None = None
+    # The weight quantization schemes live shards with those weights cover every layer in, most precise first;
+    # covered_layers is of the first of them (or of the scheme that covers most layers when none is complete).
+    quantizations: list[str] = Field(default_factory=list)
+    # Positions the model takes (prompt plus generated tokens); None when the orchestrator cannot read its config.
+    context_length: int | None = None
+    # The orchestrator can also run it whole by itself (local fallback).
+    runnable_locally: bool = False
+
+
+class ModelsReply(BaseModel):
+    """The answer on `llm.models`; `default_model` is what a request without `model` gets (set when exactly one
+    model can be served now)."""
+
+    models: list[ServedModel]
+    default_model: str | None = None
+
+
+DISCOVERY_MESSAGES = (ModelsRequest, ModelsReply)

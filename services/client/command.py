@@ -1,0 +1,143 @@
+"""`hearth chat` and `hearth models`: one chat request, or the mesh's models, from the command line."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
+from pydantic import ValidationError
+
+from services.client.chat import list_models, stream_chat
+from protocol.chat import (
+    ChatMessage,
+    ChatRequest,
+    DoneFrame,
+    ErrorFrame,
+    PipelineAbortedFrame,
+    QueuedFrame,
+    TokenDeltaFrame,
+    describe_validation_error,
+)
+from protocol.subjects import MODELS_REQUEST_SUBJECT
+from services.common.config import HearthSettings, NatsSettings
+from services.common.lifecycle import run_event_loop
+from services.broker.connection import BrokerUnreachable, close_quietly, connect_nats
+
+EXIT_ERROR = 1
+EXIT_NO_ANSWER = 2
+
+
+def run_chat_command(nats_url: str, *, prompt: str, model: str | None, max_tokens: int, temperature: float,
+                     seed: int | None, raw: bool, as_json: bool, nats_settings: NatsSettings | None = None) -> int:
+    """`hearth chat`: stream one answer to stdout, everything else one line each to stderr.
+
+    Exit code 0 on `done`; 1 on an error frame or a request that is not valid; 2 when no answer came in
+    time (NATS not reachable within nats.connect_timeout_s, or no orchestrator answering).
+    """
+    try:
+        if raw:
+            request = ChatRequest(model=model, prompt=prompt, max_tokens=max_tokens, temperature=temperature,
+                                  seed=seed)
+        else:
+            request = ChatRequest(model=model, messages=[ChatMessage(role="user", content=prompt)],
+                                  max_tokens=max_tokens, temperature=temperature, seed=seed)
+    except ValidationError as error:
+        _say(f"error bad_request: {describe_validation_error(error)}")
+        return EXIT_ERROR
+    return run_event_loop(_chat(nats_url, request, as_json=as_json, nats_settings=nats_settings))
+
+
+async def _chat(nats_url: str, request: ChatRequest, *, as_json: bool, nats_settings: NatsSettings | None) -> int:
+    try:
+        nc = await connect_nats(nats_url, name="hearth-chat", settings=nats_settings, wait_for_broker=False)
+    except BrokerUnreachable as error:
+        _say(f"hearth chat: {error}")
+        return EXIT_NO_ANSWER
+    text = _TextLine()
+    try:
+        # aclosing: the inbox is unsubscribed here, before the connection closes, not by a finalizer later.
+        async with contextlib.aclosing(stream_chat(nc, request)) as frames:
+            async for frame in frames:
+                if as_json:
+                    print(frame.model_dump_json(exclude_none=True), flush=True)
+                elif isinstance(frame, TokenDeltaFrame):
+                    text.write(frame.text)
+                elif isinstance(frame, DoneFrame):
+                    timing = frame.timing
+                    text.end()
+                    _say(f"[{frame.finish_reason}: {frame.usage.completion_tokens} tokens, "
+                         f"{timing.tokens_per_second or 0:.1f} tokens/s, ttft {timing.ttft_ms or 0:.0f} ms]")
+                elif isinstance(frame, QueuedFrame):
+                    _say(f"[queued: position {frame.position} of {frame.queued_requests}]")
+                elif isinstance(frame, (ErrorFrame, PipelineAbortedFrame)):
+                    message = frame.message if isinstance(frame, ErrorFrame) else frame.reason
+                    if isinstance(frame, ErrorFrame) and frame.retry_after_s is not None:
+                        message += f" (retry after {frame.retry_after_s:g} s)"
+                    text.end()
+                    _say(f"error {frame.code}: {message}")
+                    # No orchestrator answered, or it went silent: no answer in time, as for a broker away.
+                    return EXIT_NO_ANSWER if frame.code == "orchestrator_gone" else EXIT_ERROR
+                elif frame.type in ("shard_status", "shard_failover"):
+                    text.end()
+                    _say(f"[{frame.type}: {frame.model_dump_json(exclude={'seq', 'type'})}]")
+        return 0
+    finally:
+        await close_quietly(nc, (nats_settings or NatsSettings()).close_timeout_s)
+
+
+class _TextLine:
+    """The answer's text on stdout; `end()` finishes its line before a status line goes to stderr."""
+
+    def __init__(self) -> None:
+        self.open = False
+
+    def write(self, text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+        self.open = self.open or bool(text)
+
+    def end(self) -> None:
+        if self.open:
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+            self.open = False
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def run_models_command(nats_url: str, *, as_json: bool, settings: HearthSettings) -> int:
+    """`hearth models`: print what `llm.models` answers; exit code 0, or 2 when no answer came."""
+    return run_event_loop(_models(nats_url, as_json=as_json, settings=settings))
+
+
+async def _models(nats_url: str, *, as_json: bool, settings: HearthSettings) -> int:
+    try:
+        nc = await connect_nats(nats_url, name="hearth-models", settings=settings.nats, wait_for_broker=False)
+    except BrokerUnreachable as error:
+        _say(f"hearth models: {error}")
+        return EXIT_NO_ANSWER
+    try:
+        reply = await list_models(nc, settings.client.first_frame_timeout_s)
+    except NoRespondersError:
+        _say(f"hearth models: no orchestrator is listening on {MODELS_REQUEST_SUBJECT}")
+        return EXIT_NO_ANSWER
+    except NatsTimeoutError:
+        _say(f"hearth models: no orchestrator answered within {settings.client.first_frame_timeout_s:g} s")
+        return EXIT_NO_ANSWER
+    finally:
+        await close_quietly(nc, settings.nats.close_timeout_s)
+    if as_json:
+        print(reply.model_dump_json(indent=2))
+        return 0
+    print(f"{'model':32s} {'layers covered':24s} {'complete':8s} {'context':>8s}  local  quantizations")
+    for model in reply.models:
+        covered = ", ".join(f"{lo}-{hi}" for lo, hi in model.covered_layers) or "-"
+        print(f"{model.id:32s} {covered + f' of {model.total_layers}':24s} {'yes' if model.complete else 'no':8s} "
+              f"{model.context_length or '?':>8}  {'yes' if model.runnable_locally else 'no':5s}  "
+              f"{', '.join(model.quantizations) or '-'}")
+    print(f"default model: {reply.default_model or '(none: name one with --model)'}")
+    return 0
