@@ -2,7 +2,8 @@
 
 Pure compute, no network (besides resolving a hub id into the local snapshot cache). Typical use:
 
-    runner = load_layer_range("path/or/org/name", 4, 7)          # a shard host: layers 4..7 inclusive
+    runner = load_layer_range("path/or/org/name", 4, 7,          # a shard host: layers 4..7 inclusive,
+                              cache_budget_bytes=budget, session_ttl_s=ttl_s)  # its KV limits ([shard] config)
     hidden = runner.forward(session_id, hidden, start_pos, "prefill" | "decode", layers=(lo, hi))
 
     head = load_head("path/or/org/name")                          # the orchestrator
@@ -25,7 +26,7 @@ from .errors import (
     UnsupportedArchitectureError,
 )
 from .head import Head
-from .loading import DEFAULT_CACHE_BUDGET_BYTES, DEFAULT_SESSION_TTL_S, load_head, load_layer_range
+from .loading import load_head, load_layer_range
 from .local import LocalModel, load_full
 from .quantization import DEFAULT_QUANTIZATION, QuantizationError, QuantizationScheme, parse_quantization
 from .runner import STEP_KINDS, LayerRangeRunner
@@ -33,9 +34,7 @@ from .sampling import SamplingParams, sample_token
 from .sessions import EvictedSession
 
 __all__ = [
-    "DEFAULT_CACHE_BUDGET_BYTES",
     "DEFAULT_QUANTIZATION",
-    "DEFAULT_SESSION_TTL_S",
     "FINISH_LENGTH",
     "FINISH_STOP",
     "STEP_KINDS",

@@ -226,6 +226,11 @@ class Head:
         """Text of token ids, special tokens skipped."""
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
 
+    def token_text(self, token_id: int) -> str:
+        """One token's text decoded alone, special tokens included (a piece of a multi-byte character shows as
+        U+FFFD): what log-probabilities name a token by."""
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
     def stop_token_ids(self, params: SamplingParams) -> frozenset[int]:
         """The model's end-of-sequence ids plus the request's own stop ids."""
         return self.eos_token_ids | frozenset(params.stop_token_ids)

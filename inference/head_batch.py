@@ -8,7 +8,9 @@ Parity with a session's solo step (Head.logits + Head.sample), row by row:
   token it picks alone;
 - rows sampled with a seed are computed alone too: their tokens then depend on the seed only, never on which other
   sessions shared the batch (a rounding difference of 1e-6 could move a draw across a bucket edge);
-- rows sampled without a seed promise no reproducibility and use their batched logits.
+- rows sampled without a seed promise no reproducibility and use their batched logits;
+- rows with a logit bias, a penalty or log-probabilities asked for (``shaping``) are computed alone too: their
+  reported log-probabilities are then exactly their solo ones, and their tokens those of the same shaped logits.
 """
 
 from __future__ import annotations
@@ -19,21 +21,27 @@ from dataclasses import dataclass
 import torch
 
 from .head import Head
+from .logit_shaping import LogitShaping
 from .sampling import SamplingParams
 
 
 @dataclass(frozen=True)
 class HeadRow:
-    """One session's head step: the hidden states ``[1, T, hidden]`` that left its last layer, and how it samples."""
+    """One session's head step: the hidden states ``[1, T, hidden]`` that left its last layer, and how it samples
+    (``shaping``: the session's bias, penalties and log-probabilities; None when its parameters ask for none)."""
 
     hidden_states: torch.Tensor
     params: SamplingParams
     generator: torch.Generator | None = None
+    shaping: LogitShaping | None = None
 
 
 def solo_next_token(head: Head, row: HeadRow) -> int:
     """The row's next token computed alone (the reference the batched path matches)."""
-    return head.sample(head.logits(row.hidden_states), row.params, row.generator)
+    logits = head.logits(row.hidden_states)
+    if row.shaping is None:
+        return head.sample(logits, row.params, row.generator)
+    return row.shaping.next_token(logits, row.generator)
 
 
 def batched_next_tokens(head: Head, rows: Sequence[HeadRow]) -> list[int | Exception]:
@@ -41,7 +49,7 @@ def batched_next_tokens(head: Head, rows: Sequence[HeadRow]) -> list[int | Excep
     outcomes: list[int | Exception | None] = [None] * len(rows)
     batched: list[int] = []
     for index, row in enumerate(rows):
-        if row.params.greedy or row.params.seed is None:
+        if row.shaping is None and (row.params.greedy or row.params.seed is None):
             batched.append(index)
         else:
             outcomes[index] = _alone(head, row)

@@ -38,11 +38,6 @@ from .sessions import EvictedSession
 
 logger = logging.getLogger(__name__)
 
-# The KV budget and idle TTL of a runner loaded without a host's settings (scripts, tests, an orchestrator's local
-# model); a shard passes its configuration's kv_cache_budget_mb and shard_eviction_idle_seconds instead.
-DEFAULT_CACHE_BUDGET_BYTES = 1 << 30
-DEFAULT_SESSION_TTL_S = 600.0
-
 
 @dataclass
 class _Skeleton:
@@ -142,8 +137,8 @@ def load_layer_range(
     dtype: torch.dtype | str | None = None,
     device: torch.device | str | None = None,
     attn_implementation: str | None = None,
-    cache_budget_bytes: int = DEFAULT_CACHE_BUDGET_BYTES,
-    session_ttl_s: float = DEFAULT_SESSION_TTL_S,
+    cache_budget_bytes: int,
+    session_ttl_s: float,
     model_id: str | None = None,
     revision: str | None = None,
     cache_dir: str | Path | None = None,
@@ -159,6 +154,8 @@ def load_layer_range(
     ``model`` is a checkpoint folder, a hub id, or a GGUF file (or a folder holding one; its id defaults to the
     file's stem). ``dtype`` None/"auto" uses the checkpoint's dtype.
     ``device`` (None: the CPU) is where the weights are read to and the layers run (inference.devices).
+    ``cache_budget_bytes`` and ``session_ttl_s`` bound the sessions' KV caches (LayerRangeRunner); they have no
+    default here, their one home is the configuration's [shard] kv_cache_budget_mb and eviction_idle_s.
     ``static_cache_tokens``: sessions get static KV caches of that many positions and, on a GPU, decode steps replay
     CUDA graphs (inference/static_decode.py; full-attention SDPA architectures only, others stay dynamic).
     ``attn_implementation`` None picks transformers' default for the family (sdpa, or eager for Gemma 2).

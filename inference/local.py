@@ -77,11 +77,14 @@ def load_full(
     cache_dir: str | Path | None = None,
     local_files_only: bool | None = None,
     quantization: str | QuantizationScheme = "none",
+    cache_budget_bytes: int,
+    session_ttl_s: float,
     **runner_options,
 ) -> LocalModel:
     """Every layer plus the head of ``model``, loaded by ``load_layer_range`` and ``load_head``.
 
-    ``runner_options`` go to ``load_layer_range`` (cache_budget_bytes, session_ttl_s, on_evict, clock).
+    ``cache_budget_bytes`` and ``session_ttl_s`` bound the sessions' KV caches as ``load_layer_range``'s do;
+    ``runner_options`` go to ``load_layer_range`` too (on_evict, clock).
     ``quantization`` ("none", "int8", "int4/g64", ...) applies to every layer, and int8 to the lm_head (load_head).
     """
     location = dict(
@@ -96,6 +99,8 @@ def load_full(
         device=device,
         attn_implementation=attn_implementation,
         quantization=quantization,
+        cache_budget_bytes=cache_budget_bytes,
+        session_ttl_s=session_ttl_s,
         **location,
         **runner_options,
     )

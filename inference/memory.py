@@ -1,7 +1,7 @@
 """What a layer range costs in memory before it is loaded: per-layer weight bytes read from the safetensors headers
 (shapes and dtypes only, no tensor data), in the dtype the range will compute in and under its quantization scheme.
 
-A shard refuses a range that would not fit its `shard_max_memory_mb` before reading a weight, and `hearth host`
+A shard refuses a range that would not fit its `[shard] max_memory_mb` before reading a weight, and `hearth host`
 chooses the range that fits its budget from these figures.
 """
 

@@ -1,7 +1,9 @@
-"""Sampling parameters and next-token choice: greedy, temperature, top-k, top-p, per-request seeds."""
+"""Sampling parameters and next-token choice: greedy, temperature, top-k, top-p, per-request seeds (the options that
+shape the logits first, and the log-probabilities reported, are inference/logit_shaping.py's)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -19,6 +21,11 @@ class SamplingParams:
     ``top_k == 0`` and ``top_p == 1.0`` switch those filters off. The same ``seed`` gives the same tokens
     for the same logits; ``None`` draws a fresh seed. ``stop`` strings end the text before the match;
     ``stop_token_ids`` add to the model's own end-of-sequence ids.
+
+    ``logit_bias`` (token id -> bias), ``repetition_penalty`` (1 is off), ``presence_penalty`` and
+    ``frequency_penalty`` (0 is off) change the logits before any of the above; ``logprobs`` asks for the sampled
+    token's log-probability and its ``top_logprobs`` best alternatives (inference/logit_shaping.py). With none of them
+    (``plain``) a request samples from the head's logits as they are.
     """
 
     temperature: float = 0.0
@@ -28,11 +35,19 @@ class SamplingParams:
     max_tokens: int = DEFAULT_MAX_TOKENS
     stop: tuple[str, ...] = field(default=())
     stop_token_ids: tuple[int, ...] = field(default=())
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = field(default=())
+    logprobs: bool = False
+    top_logprobs: int = 0
 
     def __post_init__(self) -> None:
         # Accept lists from JSON-shaped callers while keeping the dataclass hashable and immutable.
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, Mapping) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in bias)))
         if not self.temperature >= 0.0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if self.top_k < 0:
@@ -43,6 +58,23 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop strings must be non-empty strings")
+        if not self.repetition_penalty > 0.0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.top_logprobs < 0:
+            raise ValueError(f"top_logprobs must be >= 0, got {self.top_logprobs}")
+        if any(token_id < 0 for token_id, _ in self.logit_bias):
+            raise ValueError("logit_bias token ids must be >= 0")
+
+    @property
+    def shapes_logits(self) -> bool:
+        """Whether a bias or a penalty changes the logits before sampling."""
+        return bool(self.logit_bias or self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0)
+
+    @property
+    def plain(self) -> bool:
+        """Neither shapes the logits nor reports log-probabilities: sampling takes the head's logits as they are."""
+        return not (self.shapes_logits or self.logprobs)
 
     @property
     def greedy(self) -> bool:

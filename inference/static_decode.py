@@ -23,9 +23,9 @@ set that keeps decoding together repeats for hundreds of tokens.
 
 A graph has fixed shapes, so it attends a fixed number of each row's key positions: the power of two that covers its
 rows (`graph_width`, at least `min_graph_width_tokens`), and a session or set crossing one is captured again (a few
-captures in a session's life). Attending all `max_tokens` instead cost most of a graphed step on an H200 (TinyLlama's
-8 layers, 8 rows: 4.2 ms of GPU time per step at 4096 positions, 1.6 ms at 256: the layers repeat grouped-query keys
-and stack rows over every attended position). Eager steps (prefill, the CPU) attend exactly the positions they hold.
+captures in a session's life). Attending all `max_tokens` instead would cost most of a graphed step at long caches
+(the layers repeat grouped-query keys and stack rows over every attended position; BENCHMARKS.md, "On a GPU"). Eager
+steps (prefill, the CPU) attend exactly the positions they hold.
 A graph holds no reference to its sessions' caches; when any of them is freed, the graph goes with it (addresses
 would dangle).
 """
@@ -244,8 +244,8 @@ class StaticDecoder:
 def _cyclic_gc_paused() -> Iterator[None]:
     """Python's cyclic garbage collector off for a capture: a collection inside it may free an evicted session's
     cache, and with it that cache's graphs, and destroying a graph while a stream captures invalidates the capture
-    (seen on an H200: `operation not permitted when stream is capturing`, then cudaErrorStreamCaptureInvalidated,
-    when batches changed under KV evictions). What it would have freed is freed at the next collection."""
+    (CUDA answers `operation not permitted when stream is capturing`, then cudaErrorStreamCaptureInvalidated; it
+    happens when batches change under KV evictions). What it would have freed is freed at the next collection."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
@@ -258,8 +258,8 @@ def _cyclic_gc_paused() -> Iterator[None]:
 class _GraphPool:
     """The memory pool a decoder's graphs share, renewed once none of its graphs is alive: PyTorch frees a private
     pool with the last graph captured into it, and capturing into the freed pool's handle fails an internal
-    allocator assert (seen on an H200, torch 2.11, when a mesh's second request captured after the first's
-    sessions, and their graphs, were gone)."""
+    allocator assert (as when a mesh's second request captures after the first's sessions, and their graphs, are
+    gone)."""
 
     def __init__(self) -> None:
         self._handle = None

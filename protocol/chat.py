@@ -18,6 +18,14 @@ max_stop_strings = 16
 max_stop_chars = 256
 # Beyond any vocabulary; a larger value would only ever mean "off" (as 0 does) and overflow torch's int64 arguments.
 max_top_k = 2**31 - 1
+# OpenAI's bounds for the options that shape the logits and report them.
+max_top_logprobs = 20
+max_logit_bias_entries = 300
+max_logit_bias = 100.0
+max_openai_penalty = 2.0
+# An extension (transformers' repetition_penalty); its bounds keep every logit it divides or multiplies finite.
+min_repetition_penalty = 0.01
+max_repetition_penalty = 10.0
 
 
 def _not_subnormal(value: float) -> float:
@@ -30,6 +38,9 @@ def _not_subnormal(value: float) -> float:
 # Finite (no NaN, no Infinity) and not subnormal: what a sampling parameter may be.
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False), AfterValidator(_not_subnormal)]
 StopString = Annotated[str, Field(min_length=1, max_length=max_stop_chars)]
+BiasedTokenId = Annotated[int, Field(ge=0, le=max_top_k)]
+LogitBias = Annotated[float, Field(allow_inf_nan=False, ge=-max_logit_bias, le=max_logit_bias),
+                      AfterValidator(_not_subnormal)]
 
 ErrorCode = Literal[
     "experimental_disabled", "shard_unavailable", "pipeline_stalled", "weights_mismatch", "bad_request",
@@ -69,12 +80,31 @@ class ChatRequest(BaseModel):
     top_k: int = Field(default=0, ge=0, le=max_top_k)
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     stop: list[StopString] = Field(default_factory=list, max_length=max_stop_strings)
+    # Each token_delta frame carries the sampled token's log-probability and its `top_logprobs` best alternatives.
+    logprobs: bool = False
+    top_logprobs: int = Field(default=0, ge=0, le=max_top_logprobs)
+    # OpenAI's: subtracted from the logit of every token generated so far, once / once per occurrence.
+    presence_penalty: FiniteFloat = Field(default=0.0, ge=-max_openai_penalty, le=max_openai_penalty)
+    frequency_penalty: FiniteFloat = Field(default=0.0, ge=-max_openai_penalty, le=max_openai_penalty)
+    # transformers' (CTRL's): logits of tokens in the prompt or generated are divided by it (multiplied when
+    # negative); 1 is off.
+    repetition_penalty: FiniteFloat = Field(default=1.0, ge=min_repetition_penalty, le=max_repetition_penalty)
+    # Token id -> added to its logit before sampling (-100 bans it in practice, 100 all but forces it).
+    logit_bias: dict[BiasedTokenId, LogitBias] = Field(
+        default_factory=dict, max_length=max_logit_bias_entries,
+        json_schema_extra={"propertyNames": {"pattern": "^[0-9]+$"}})
     params: ChatParams = Field(default_factory=ChatParams)
 
     @model_validator(mode="after")
     def _exactly_one_input(self) -> "ChatRequest":
         if (self.messages is None) == (self.prompt is None):
             raise ValueError("a request carries exactly one of 'messages' or 'prompt'")
+        return self
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> "ChatRequest":
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("'top_logprobs' needs 'logprobs': true")
         return self
 
 
@@ -115,12 +145,38 @@ class PipelineFrame(_Frame):
     hops: list[str]
 
 
+def _is_none(value: object) -> bool:
+    return value is None
+
+
+class TokenAlternative(BaseModel):
+    """A token and its log-probability at one step (`text`: the token decoded alone)."""
+
+    token_id: int
+    text: str
+    logprob: float
+
+
+class TokenLogprobs(BaseModel):
+    """The sampled token's log-probability and the best alternatives at its step, most likely first (sent when the
+    request asked for `logprobs`). Log-probabilities are those of the logits after `logit_bias` and the penalties,
+    before temperature, top-k and top-p; a token the logits rule out entirely (-infinity) is reported as -9999.0, as
+    OpenAI does."""
+
+    # The sampled token decoded alone (the frame's `text` is what the stop rules released with it).
+    text: str
+    logprob: float
+    top_logprobs: list[TokenAlternative] = Field(default_factory=list)
+
+
 class TokenDeltaFrame(_Frame):
     type: Literal["token_delta"] = "token_delta"
     text: str
     token_id: int
     # Which shard hosts ran the step that produced this token (shard ids, in hop order).
     hops: list[str] | None = None
+    # Only when the request asked for `logprobs`; absent otherwise.
+    logprobs: TokenLogprobs | None = Field(default=None, exclude_if=_is_none)
 
 
 class ShardStatusFrame(_Frame):

@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from inference import load_head, load_layer_range  # noqa: E402
 from inference.batched import BatchRow  # noqa: E402
 from inference.cpu_kernels import CPU_LINEAR_KERNELS, DEFAULT_CPU_LINEAR_KERNEL  # noqa: E402
+from services.common.config_processes import ShardSettings  # noqa: E402
 from services.devtools.random_models import random_checkpoint  # noqa: E402
 
 
@@ -78,7 +79,9 @@ def main() -> None:
     lo, hi = (int(part) for part in args.layers.split("-"))
     device = torch.device(args.device)
     head = load_head(path, device=args.device)
-    runner = load_layer_range(path, lo, hi, device=args.device, cpu_linear_kernel=args.cpu_linear_kernel)
+    shard = ShardSettings()  # the KV limits a shard has by default
+    runner = load_layer_range(path, lo, hi, device=args.device, cpu_linear_kernel=args.cpu_linear_kernel,
+                              cache_budget_bytes=shard.kv_cache_budget_bytes, session_ttl_s=shard.eviction_idle_s)
     rows = []
     for sessions in (1, 2, 4, 8):
         one_by_one = batched = 0.0

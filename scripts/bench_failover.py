@@ -203,7 +203,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="hearth-bench-failover-") as tmp:
         work = Path(tmp)
         model_path = write_model(work / "models")
-        env = {"HEARTH_RESEARCH__DISTRIBUTED_INFERENCE__SHARD_HEALTH_TIMEOUT_SECONDS": str(health_timeout_s)}
+        env = {"HEARTH_RESEARCH__DISTRIBUTED_INFERENCE__SHARD_HEALTH_TIMEOUT_S": str(health_timeout_s)}
         db_path = work / "routing.sqlite"
         with LocalCluster(work_dir=work / "cluster", torch_threads=1, extra_env=env) as cluster:
             cluster.start_nats()

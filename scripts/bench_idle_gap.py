@@ -17,6 +17,7 @@ import time
 import torch
 
 from inference import load_head, load_layer_range
+from services.common.config_processes import ShardSettings
 from services.devtools.random_models import random_checkpoint
 
 prompt_tokens = 64
@@ -48,7 +49,10 @@ def main() -> None:
     args = parser.parse_args()
     lo, hi = (int(part) for part in args.layers.split("-"))
     path = random_checkpoint(f"random:{args.shape}")
-    runner, head = load_layer_range(path, lo, hi), load_head(path)
+    shard = ShardSettings()  # the KV limits a shard has by default
+    runner = load_layer_range(path, lo, hi, cache_budget_bytes=shard.kv_cache_budget_bytes,
+                              session_ttl_s=shard.eviction_idle_s)
+    head = load_head(path)
     print(f"| threads | {' | '.join(f'gap {gap:g} ms' for gap in args.gaps_ms)} |")
     print(f"|---:|{'---:|' * len(args.gaps_ms)}")
     for threads in args.threads:

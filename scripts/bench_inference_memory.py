@@ -1,11 +1,10 @@
 """Benchmark: resident memory of a quarter of a model's layers versus all of it, each in a fresh process.
 
 Writes a random Llama checkpoint (default: hidden 1024, 16 layers, fp32) to a temporary folder, then starts
-one subprocess per measurement so every figure starts from an empty heap, and appends the table and the exact
-command line to BENCHMARKS.md.
+one subprocess per measurement so every figure starts from an empty heap, and prints every figure, then the rows of
+BENCHMARKS.md's table "Inference memory" (markdown) for a human to paste.
 
-    .venv/bin/python scripts/bench_inference_memory.py            # measure and append to BENCHMARKS.md
-    .venv/bin/python scripts/bench_inference_memory.py --no-append
+    .venv/bin/python scripts/bench_inference_memory.py --machine "VM-B quiet"
 """
 
 from __future__ import annotations
@@ -24,8 +23,6 @@ import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-BENCHMARKS_FILE = REPO_ROOT / "BENCHMARKS.md"
-BENCHMARKS_HEADER = "# Benchmarks\n"
 MEBIBYTE = 1 << 20
 CHILD_TIMEOUT_S = 600
 BENCH_PROMPT_TOKENS = 16
@@ -47,7 +44,9 @@ def run_child(mode: str, path: Path, quarter_layers: int, dtype: str) -> dict:
     import transformers
 
     import inference
+    from services.common.config_processes import ShardSettings
 
+    shard = ShardSettings()  # the KV limits a shard has by default
     torch.set_num_threads(1)
     started = time.perf_counter()
     keep_alive = None
@@ -59,7 +58,9 @@ def run_child(mode: str, path: Path, quarter_layers: int, dtype: str) -> dict:
             if mode == "quarter_layers"
             else json.loads((path / "config.json").read_text())["num_hidden_layers"] - 1
         )
-        keep_alive = inference.load_layer_range(path, 0, hi, dtype=dtype)
+        keep_alive = inference.load_layer_range(path, 0, hi, dtype=dtype,
+                                                cache_budget_bytes=shard.kv_cache_budget_bytes,
+                                                session_ttl_s=shard.eviction_idle_s)
         weight_bytes = keep_alive.weight_bytes
         hidden_size = keep_alive.info.hidden_size
 
@@ -74,7 +75,8 @@ def run_child(mode: str, path: Path, quarter_layers: int, dtype: str) -> dict:
             keep_alive.logits(keep_alive.embed(prompt_ids))
 
     elif mode == "full":
-        keep_alive = inference.load_full(path, dtype=dtype)
+        keep_alive = inference.load_full(path, dtype=dtype, cache_budget_bytes=shard.kv_cache_budget_bytes,
+                                         session_ttl_s=shard.eviction_idle_s)
         weight_bytes = keep_alive.runner.weight_bytes + keep_alive.head.weight_bytes
 
         def touch():
@@ -151,74 +153,63 @@ def measure(mode: str, path: Path, args) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def format_section(results: dict[str, dict], args, command_line: str) -> str:
+def format_report(results: dict[str, dict], args, command_line: str) -> str:
+    """Every figure of every process, then BENCHMARKS.md's rows (RSS over the baseline after a forward, weights)."""
     import torch
 
     baseline = results["baseline"]["rss_kib"]
 
-    def mib(kib: int) -> str:
-        return f"{kib / 1024:,.0f}"
+    def mib(kib: float) -> str:
+        return f"{kib / 1024:,.0f}".replace(",", " ")
 
     def over_baseline(mode: str) -> str:
         return mib(results[mode]["rss_kib"] - baseline)
 
-    rows = []
+    def weights(mode: str) -> str:
+        return mib(results[mode]["weight_bytes"] / 1024)
+
+    detail = []
     for mode in MODES:
         r = results[mode]
-        cells = [
-            mode,
-            f"{r['weight_bytes'] / MEBIBYTE:,.0f}",
-            mib(r["rss_after_load_kib"] - baseline),
-            mib(r["rss_kib"]),
-            over_baseline(mode),
-            mib(r["peak_rss_kib"]),
-            str(r["load_s"]),
-        ]
-        rows.append("| " + " | ".join(cells) + " |")
+        cells = [mode, weights(mode), mib(r["rss_after_load_kib"] - baseline), mib(r["rss_kib"]),
+                 over_baseline(mode), mib(r["peak_rss_kib"]), str(r["load_s"])]
+        detail.append("| " + " | ".join(cells) + " |")
     quarter = results["quarter_layers"]["rss_kib"] - baseline
     all_layers = results["all_layers"]["rss_kib"] - baseline
-    measured_at = dt.datetime.now(dt.UTC)
-    machine = f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
-    header = (
+    where = f"{args.machine}, {dt.datetime.now(dt.UTC):%Y-%m-%d}"
+    command = f"`{command_line}`"
+    load_times = [results[mode]["load_s"] for mode in MODES if mode != "baseline"]
+    quarter_layers = args.layers // 4
+    rows = [
+        f"| {quarter_layers} of {args.layers} layers | {over_baseline('quarter_layers')} MiB "
+        f"({weights('quarter_layers')}) | {command} | {where} |",
+        f"| all {args.layers} layers | {over_baseline('all_layers')} MiB ({weights('all_layers')}) | same | {where} |",
+        f"| the head (embedding, final norm, lm_head) | {over_baseline('head')} MiB ({weights('head')}) | same | "
+        f"{where} |",
+        f"| the whole model, `load_full` / transformers `from_pretrained` | {over_baseline('full')} / "
+        f"{over_baseline('transformers_from_pretrained')} MiB ({weights('full')}) | same | {where} |",
+        f"| load time, any of the above | {min(load_times):.2f}-{max(load_times):.2f} s | same | {where} |",
+    ]
+    lines = [
+        f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}, torch {torch.__version__}; "
+        f"random Llama, hidden {args.hidden}, {args.layers} layers, intermediate {args.intermediate}, "
+        f"vocab {args.vocab}, {args.dtype}, safetensors in {args.shard_size} files. Each row a fresh process "
+        "(`VmRSS`/`VmHWM` from /proc/self/status); the baseline process only imports torch, transformers and "
+        "inference.",
+        "",
         "| what is loaded | weights MiB | RSS over baseline after load MiB "
         f"| RSS after a {BENCH_PROMPT_TOKENS}-token forward MiB | RSS over baseline after forward MiB "
-        "| peak RSS MiB | load s |"
-    )
-    lines = [
-        "",
-        "## Inference memory: a quarter of the layers vs the whole model",
-        "",
-        f"Measured {measured_at:%Y-%m-%d %H:%M} UTC on {machine}, torch {torch.__version__}. "
-        "Each row is a fresh process (`VmRSS`/`VmHWM` from /proc/self/status); the baseline process only "
-        "imports torch, transformers and inference. Weights are memory-mapped from the safetensors files, "
-        "as with `from_pretrained`, so they become resident when a forward pass first touches them (the "
-        "head's embedding matrix stays mostly unread: only looked-up rows are touched).",
-        "",
-        f"Model: random Llama, hidden {args.hidden}, {args.layers} layers, intermediate {args.intermediate}, "
-        f"vocab {args.vocab}, {args.dtype}, sharded safetensors ({args.shard_size} shards).",
-        "",
-        "```sh",
-        command_line,
-        "```",
-        "",
-        header,
+        "| peak RSS MiB | load s |",
         "|---|---:|---:|---:|---:|---:|---:|",
+        *detail,
+        "",
+        f"A shard of {quarter_layers} of {args.layers} layers takes {quarter / all_layers:.2f}x the memory of all "
+        "layers. Rows for BENCHMARKS.md, \"Inference memory\" (what is loaded | RSS after a "
+        f"{BENCH_PROMPT_TOKENS}-token forward over the baseline (weights) | command | machine, date):",
+        "",
         *rows,
-        "",
-        f"After a forward pass, a shard of {args.layers // 4} of {args.layers} layers takes "
-        f"{quarter / all_layers:.2f}x the memory of all layers ({mib(quarter)} vs {mib(all_layers)} MiB "
-        f"over the baseline); the whole model via `load_full` takes {over_baseline('full')} MiB "
-        f"(monolithic `from_pretrained`: {over_baseline('transformers_from_pretrained')} MiB).",
-        "",
     ]
     return "\n".join(lines)
-
-
-def append_section(section: str) -> None:
-    if not BENCHMARKS_FILE.exists():
-        BENCHMARKS_FILE.write_text(BENCHMARKS_HEADER)
-    with BENCHMARKS_FILE.open("a") as handle:
-        handle.write(section)
 
 
 def main() -> None:
@@ -231,7 +222,8 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--shard-size", default="200MB")
-    parser.add_argument("--no-append", action="store_true", help="print the section instead of appending it")
+    parser.add_argument("--machine", default="this machine",
+                        help="the machine column of the rows printed (BENCHMARKS.md names its machines)")
     parser.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
     parser.add_argument("--path", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--quarter-layers", type=int, help=argparse.SUPPRESS)
@@ -241,7 +233,8 @@ def main() -> None:
         print(json.dumps(run_child(args.child, args.path, args.quarter_layers, args.dtype)))
         return
 
-    command_line = shlex.join([".venv/bin/python", "scripts/bench_inference_memory.py", *sys.argv[1:]])
+    measuring = [arg for arg in sys.argv[1:] if arg != args.machine and not arg.startswith("--machine")]
+    command_line = shlex.join(["python", "scripts/bench_inference_memory.py", *measuring])
     with tempfile.TemporaryDirectory(prefix="hearth-bench-") as tmp:
         path = Path(tmp) / "random-llama"
         print(f"writing random checkpoint to {path} ...", file=sys.stderr)
@@ -250,13 +243,7 @@ def main() -> None:
         for mode in MODES:
             results[mode] = measure(mode, path, args)
             print(f"{mode}: {results[mode]}", file=sys.stderr)
-    section = format_section(results, args, command_line)
-    if args.no_append:
-        print(section)
-    else:
-        append_section(section)
-        print(section)
-        print(f"appended to {BENCHMARKS_FILE}", file=sys.stderr)
+    print(format_report(results, args, command_line))
 
 
 if __name__ == "__main__":

@@ -76,7 +76,9 @@ def run_child(what: str, path: Path, dtype: str, device: str) -> dict:
 
     import inference
     from inference.devices import synchronize
+    from services.common.config_processes import ShardSettings
 
+    shard = ShardSettings()  # the KV limits a shard has by default
     torch.set_num_threads(1)
     warm_up_imports(path)
     gc.collect()
@@ -91,7 +93,9 @@ def run_child(what: str, path: Path, dtype: str, device: str) -> dict:
 
     else:
         lo, hi = (int(bound) for bound in what.split("-"))
-        loaded = inference.load_layer_range(path, lo, hi, dtype=dtype, device=device)
+        loaded = inference.load_layer_range(path, lo, hi, dtype=dtype, device=device,
+                                            cache_budget_bytes=shard.kv_cache_budget_bytes,
+                                            session_ttl_s=shard.eviction_idle_s)
 
         def forward() -> None:
             hidden = torch.randn(1, FORWARD_TOKENS, loaded.info.hidden_size, dtype=loaded.info.dtype, device=device)

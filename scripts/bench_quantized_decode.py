@@ -17,6 +17,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from inference import SamplingParams, load_full  # noqa: E402
+from services.common.config_processes import ShardSettings  # noqa: E402
 from services.devtools.random_models import RANDOM_PREFIX, random_checkpoint  # noqa: E402
 
 PROMPT_TOKENS = 16
@@ -56,8 +57,10 @@ def main() -> None:
     path = random_checkpoint(args.model) if args.model.startswith(RANDOM_PREFIX) else Path(args.model)
     schemes = args.schemes.split(",")
     models = {}
+    shard = ShardSettings()  # the KV limits a shard has by default
     for scheme in schemes:
-        models[scheme] = load_full(path, quantization=scheme)
+        models[scheme] = load_full(path, quantization=scheme, cache_budget_bytes=shard.kv_cache_budget_bytes,
+                                   session_ttl_s=shard.eviction_idle_s)
     prompt_ids = list(range(10, 10 + PROMPT_TOKENS))
     rates: dict[str, list[float]] = {scheme: [] for scheme in schemes}
     cpu_rates: dict[str, list[float]] = {scheme: [] for scheme in schemes}

@@ -60,9 +60,12 @@ def load_stage(path: str, lo: int, hi: int, threads: int):
     import torch
 
     from inference import load_layer_range
+    from services.common.config_processes import ShardSettings
 
     torch.set_num_threads(threads)
-    return load_layer_range(path, lo, hi)
+    shard = ShardSettings()  # the KV limits a shard has by default
+    return load_layer_range(path, lo, hi, cache_budget_bytes=shard.kv_cache_budget_bytes,
+                            session_ttl_s=shard.eviction_idle_s)
 
 
 def pipe_stage(path: str, lo: int, hi: int, threads: int, inbound, outbound) -> None:

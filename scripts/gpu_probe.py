@@ -45,8 +45,11 @@ def shard_step_ms(torch, path: Path, device: str, dtype: str, layers: tuple[int,
     """Milliseconds per decode step of one layer range as a shard runs it, whole and by part (medians)."""
     from inference import load_layer_range
     from inference.host_staging import to_device, to_host
+    from services.common.config_processes import ShardSettings
 
+    shard = ShardSettings()  # the KV limits a shard has by default
     runner = load_layer_range(path, layers[0], layers[1], device=device, dtype=dtype,
+                              cache_budget_bytes=shard.kv_cache_budget_bytes, session_ttl_s=shard.eviction_idle_s,
                               static_cache_tokens=shard_static_cache_tokens if device.startswith("cuda") else None)
     generator = torch.Generator().manual_seed(0)
     received = torch.randn(1, prompt_tokens, hidden_size, generator=generator).to(runner.info.dtype)

@@ -4,9 +4,9 @@ batched step's device time by attention width (the key positions every row atten
 
     python3 scripts/gpu_profile_step.py --device cuda --json profile.json
 
-Written in session 14 for issue 14, after `scripts/gpu_probe.py` found a TinyLlama shard's graphed step of 8 layers
-taking 1.4 ms of GPU time where its weights alone take ~0.15 ms to stream (BENCHMARKS.md, "On a GPU ... session 14").
-On the CPU it runs the tiny shape, to check the script before device time.
+Why (issue 14): `scripts/gpu_probe.py` found a graphed shard step taking far more GPU time than streaming its weights
+would (BENCHMARKS.md, "On a GPU"); this script says which kernels take it. On the CPU it runs the tiny shape, to check
+the script before device time.
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ def profile_shape(torch, shape: str, lo: int, hi: int, device: str, dtype: str) 
     from inference import load_layer_range
     from inference.batched import BatchRow
     from inference.host_staging import to_device, to_host
+    from services.common.config_processes import ShardSettings
     from services.devtools.random_models import random_checkpoint
 
     cuda = device.startswith("cuda")
@@ -61,7 +62,9 @@ def profile_shape(torch, shape: str, lo: int, hi: int, device: str, dtype: str) 
     sort_key = "cuda_time_total" if cuda else "cpu_time_total"
     path = random_checkpoint("random:" + shape)
     hidden_size = AutoConfig.from_pretrained(path).hidden_size
-    runner = load_layer_range(path, lo, hi, device=device, dtype=dtype, static_cache_tokens=static_cache_tokens)
+    shard = ShardSettings()  # the KV limits a shard has by default
+    runner = load_layer_range(path, lo, hi, device=device, dtype=dtype, static_cache_tokens=static_cache_tokens,
+                              cache_budget_bytes=shard.kv_cache_budget_bytes, session_ttl_s=shard.eviction_idle_s)
     compute_dtype = next(parameter for _, parameter in runner.named_parameters()).dtype
     generator = torch.Generator().manual_seed(0)
 

@@ -24,7 +24,7 @@
 #   bash scripts/gpu_session.sh probe        # launch cost, generate(), LocalModel and one shard's decode step by part
 #                                            # (scripts/gpu_probe.py, TinyLlama-1.1B shape)
 # HEARTH_GPU_DRY_RUN=1 runs the same stages on this CPU with tiny shapes, to check the script before device time.
-# Only 8 files come back from a device call's $OUT: write the stages elsewhere and pack them, as session 13 did:
+# Only 8 files come back from a device call's $OUT: write the stages elsewhere and pack them:
 #   G=/tmp/gout; OUT=$G timeout 170 bash scripts/gpu_session.sh llama3-8b; tar czf $OUT/gout.tgz -C /tmp gout
 # Do not `pkill -f services.cli` in the device command: the pattern matches the command's own shell; match
 # '[s]ervices[.]cli (bench|shard|orchestrator)' instead.
@@ -101,7 +101,7 @@ for shape in sys.argv[1:]: print(write('random:' + shape))" "$mid" "$big" > "$ou
     ;;
   llama3-8b-fp32)
     # The random 8B's bf16 tokens part from generate()'s at the first token (its top logits lie 2-8 bf16 steps
-    # apart, BENCHMARKS.md "On a GPU, session 14"); in fp32 (32 GB) greedy_tokens_agreeing should be 64.
+    # apart, BENCHMARKS.md "On a GPU"); in fp32 (32 GB) greedy_tokens_agreeing should be 64.
     bench "$big-$device-fp32" --model "random:$big" --device "$device" --dtype fp32 --repeats 2 --sessions 1 \
       --new-tokens 64
     ;;
@@ -115,7 +115,7 @@ for shape in sys.argv[1:]: print(write('random:' + shape))" "$mid" "$big" > "$ou
     bench "batching-$small-graphs" --model "random:$small" --device "$device" --dtype "$dtype" --repeats 2 \
       --sessions 8
     bench "batching-$small-no-graphs" --model "random:$small" --device "$device" --dtype "$dtype" --repeats 2 \
-      --sessions 8 --env HEARTH_RESEARCH__DISTRIBUTED_INFERENCE__HOST__CUDA_GRAPH_MAX_TOKENS=0
+      --sessions 8 --env HEARTH_SHARD__CUDA_GRAPH_MAX_TOKENS=0
     bench "batching-$small-merge-200ms" --model "random:$small" --device "$device" --dtype "$dtype" --repeats 2 \
       --sessions 8 --env HEARTH_SHARD__BATCH_MERGE_WINDOW_MS=200
     ;;

@@ -24,6 +24,7 @@ from events.models import EVENT_CLASSES
 from protocol import chat as chat_protocol
 from protocol.subjects import CHAT_REQUEST_SUBJECT, EVENTS_PREFIX, MODELS_REQUEST_SUBJECT
 from services.common import config
+from services.common.config_aliases import old_names_note
 
 DEFAULT_DOCS_DIR = Path("docs")
 SCHEMAS_DIR = "schemas"
@@ -320,7 +321,7 @@ def configuration_page() -> str:
                 constraint_of(field),
                 unit_of(key) or "",
                 f"`{environment_variable((*section.path, key))}`",
-                field.description or summary,
+                (field.description or summary) + old_names_note((*section.path, key), environment_variable),
             ]
             lines.append("| " + " | ".join(_cell(cell) for cell in cells) + " |")
     return "\n".join(lines) + "\n"

@@ -13,9 +13,9 @@ in arrival order while their costs together stay within it (its first item alway
 Pacing (items named by `stream`): the window is not waited for streams known to come only well after it. Each
 stream's last arrival and the interval before it say when it is due again; one due later than the wait's end by
 more than a quarter of its interval (`pace_slack_intervals`) is not counted among the streams that may still come.
-Sessions a pipeline stage apart (two sessions over two shards take turns on each) then never wait for each other,
-where each step used to wait out the window for a row that could not arrive in it; sessions arriving together are due
-at once and still wait for each other. A stream not seen twice yet, or late, counts as coming, as before.
+Sessions a pipeline stage apart (two sessions over two shards take turns on each) then never wait for each other:
+no step waits out the window for a row that cannot arrive in it. Sessions arriving together are due at once and still
+wait for each other. A stream not seen twice yet, or late, counts as coming.
 
 Merging (`merge_window_s` > 0, items named by `stream`, those of `merges`): streams settle into groups that run apart
 (eight sessions prefilled as two batches of four decode as two groups of four forever, each a pipeline stage behind

@@ -5,6 +5,11 @@ Precedence, highest first: keyword arguments to `load_settings`, environment var
 the defaults below. Nested keys join with `__` under the `HEARTH_` prefix, e.g.
 `HEARTH_RESEARCH__DISTRIBUTED_INFERENCE__ALLOW_SELF_AS_SHARD=true` or `HEARTH_TRANSPORT__WINDOW_CHUNKS=32`.
 Unknown keys in the file are errors, so a typo never silently falls back to a default.
+
+Keys that moved keep their old place as an alias (services/common/config_aliases.py): a shard's own settings moved
+from `[research.distributed_inference.host]` into `[shard]`, and `_seconds` names became `_s`. Each key below lists
+its old names; the old TOML path and its environment variable still work, and giving a key at both places is an
+error.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import AliasChoices, Field
+from pydantic import AliasChoices, Field, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -24,6 +29,7 @@ from pydantic_settings import (
 
 from events.models import max_event_hops
 from events.streams import MiB
+from services.common.config_aliases import KeysMovedSource, move_aliased_keys
 from services.common.config_processes import OrchestratorSettings, ShardSettings
 from services.common.config_sections import ClientSettings, ConfigSection, GatewaySettings, MetricsSettings
 from protocol.quantization_labels import QUANTIZATION_LABEL_PATTERN
@@ -48,46 +54,13 @@ class ConfigError(ValueError):
 
 
 class HostSettings(ConfigSection):
-    """[research.distributed_inference.host]: whether and how this machine serves shards."""
+    """[research.distributed_inference.host]: where and how this machine computes (its shards, an orchestrator's
+    head and local model), and how `hearth host` moves its shards; how one shard serves is under [shard]."""
 
-    # The spec's default (false) stays; starting `hearth shard` by hand is consent, so only an explicit
-    # `serve_shards = false` (file or env) makes it refuse (`serve_shards_refused`).
-    serve_shards: bool = Field(default=False, description="set to false: `hearth shard` refuses to start here")
-    shard_eviction_idle_s: float = Field(
-        default=600, gt=0,
-        validation_alias=AliasChoices("shard_eviction_idle_s", "shard_eviction_idle_seconds"),
-        description="a session that has received no step for this long has its KV cache evicted (its hop stays "
-                    "open; its next step is answered `session_evicted`); `shard_eviction_idle_seconds`, the "
-                    "specification's name, is accepted too")
-    @property
-    def shard_eviction_idle_seconds(self) -> float:
-        """The specification's name of shard_eviction_idle_s, kept for readers not yet moved to it."""
-        return self.shard_eviction_idle_s
-
-    shard_max_memory_mb: float = Field(
-        default=20000, gt=0, validation_alias=AliasChoices("shard_max_memory_mb", "shard_max_vram_mb"),
-        description="a shard whose weights plus KV reserve need more than this on its device refuses to start "
-                    "(`shard_max_vram_mb` is accepted as its name too)")
-    kv_cache_budget_mb: float = Field(
-        default=1024, gt=0,
-        description="KV caches of one shard together stay within this: a new session that would exceed it evicts "
-                    "the least recently used idle one (its next step is answered `session_evicted`)")
     device: str = Field(
         default="auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$", validation_alias=AliasChoices("device", "backend"),
         description="where this machine computes (shards, an orchestrator's head): auto (CUDA when torch sees "
                     "one), cpu, cuda, cuda:N (`backend` is accepted as its name too); --device wins")
-    cuda_graph_max_tokens: int = Field(
-        default=4096, ge=0,
-        description="on a GPU, sessions get static KV caches of this many positions and decode steps replay CUDA "
-                    "graphs (full-attention SDPA models; 0: dynamic caches, eager decode); a longer session fails, "
-                    "and a shard serves at most the sessions whose static caches kv_cache_budget_mb holds")
-    cpu_linear_kernel: Literal["torch", "onednn-batched", "onednn"] = Field(
-        default="onednn-batched",
-        description="float32 layers on the CPU: torch runs their projections as transformers builds them; "
-                    "onednn-batched runs batched decode steps on oneDNN (faster) and one session's steps as torch "
-                    "does (bitwise equal to generate()); onednn runs every step on oneDNN (faster alone too, not "
-                    "bitwise equal; greedy tokens matched in every run measured). inference/cpu_kernels.py, "
-                    "BENCHMARKS.md")
     rebalance_check_interval_s: float = Field(
         default=5.0, gt=0, description="`hearth host`: how often it reads the mesh's coverage for a hole to fill")
     rebalance_hold_s: float = Field(
@@ -104,11 +77,6 @@ class HostSettings(ConfigSection):
                     "compute capability 8.0); --quantize wins")
 
 
-def serve_shards_refused(host: HostSettings) -> bool:
-    """True when this host's configuration explicitly forbids serving shards."""
-    return "serve_shards" in host.model_fields_set and not host.serve_shards
-
-
 class DistributedInferenceSettings(ConfigSection):
     """[research.distributed_inference]: routing, health and failover of sharded pipelines."""
 
@@ -120,9 +88,7 @@ class DistributedInferenceSettings(ConfigSection):
     max_shards_per_request: int = Field(default=16, ge=1, le=max_event_hops)
     shard_health_timeout_s: float = Field(
         default=30, gt=0,
-        validation_alias=AliasChoices("shard_health_timeout_s", "shard_health_timeout_seconds"),
-        description="routing leaves out a shard whose newest heartbeat (or advertisement) is older than this; "
-                    "`shard_health_timeout_seconds`, the specification's name, is accepted too")
+        description="routing leaves out a shard whose newest heartbeat (or advertisement) is older than this")
     fallback_to_local: bool = True
     fallback_to_local_after_failures: int = Field(default=2, ge=0)
     activation_dtype: Literal["auto", "fp16", "fp32", "int8"] = "auto"
@@ -132,11 +98,6 @@ class DistributedInferenceSettings(ConfigSection):
         default=64, ge=0,
         description="re-prefills of one call after a hop answered `session_evicted`; one more fails over instead")
     host: HostSettings = HostSettings()
-
-    @property
-    def shard_health_timeout_seconds(self) -> float:
-        """The specification's name of shard_health_timeout_s, kept for readers not yet moved to it."""
-        return self.shard_health_timeout_s
 
 
 class ResearchSettings(ConfigSection):
@@ -269,6 +230,11 @@ class HearthSettings(BaseSettings):
     events: EventsSettings = EventsSettings()
     metrics: MetricsSettings = MetricsSettings()
 
+    @model_validator(mode="before")
+    @classmethod
+    def _keys_at_their_new_place(cls, data: Any) -> Any:
+        return move_aliased_keys(data)
+
     @classmethod
     def settings_customise_sources(
         cls,
@@ -278,10 +244,12 @@ class HearthSettings(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        # Keys moved within each source on its own, so that precedence holds between a key's old name in one
+        # source and its new name in another.
+        sources: list[PydanticBaseSettingsSource] = [init_settings, KeysMovedSource(env_settings)]
         toml_path = _toml_path_being_loaded.get()
         if toml_path is not None:
-            sources.append(TomlConfigSettingsSource(settings_cls, toml_file=toml_path))
+            sources.append(KeysMovedSource(TomlConfigSettingsSource(settings_cls, toml_file=toml_path)))
         return tuple(sources)
 
 

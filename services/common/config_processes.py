@@ -1,5 +1,6 @@
 """The sections of hearth's configuration that the long-running mesh processes read for their own work:
-`[orchestrator]` (how one orchestrator serves its calls) and `[shard]` (how a shard host serves its hops).
+`[orchestrator]` (how one orchestrator serves its calls) and `[shard]` (how a shard serves its hops: whether it may
+start, its memory and KV budget, eviction, its kernels, batching, announcing itself).
 services/common/config.py composes them with the rest into HearthSettings."""
 
 from __future__ import annotations
@@ -10,6 +11,11 @@ from pydantic import Field
 
 from events.streams import MiB
 from services.common.config_sections import ConfigSection
+
+
+# The choices of ShardSettings.cpu_linear_kernel (inference.cpu_kernels.CPU_LINEAR_KERNELS, which config cannot
+# import without bringing torch).
+CpuLinearKernel = Literal["torch", "onednn-batched", "onednn"]
 
 
 class OrchestratorSettings(ConfigSection):
@@ -80,7 +86,36 @@ class OrchestratorSettings(ConfigSection):
 
 
 class ShardSettings(ConfigSection):
-    """[shard]: how a shard host announces itself."""
+    """[shard]: how a shard serves its hops: whether it may start, its memory and KV budget, eviction, its kernels,
+    batching, and how it announces itself."""
+
+    # The spec's default (false) stays; starting `hearth shard` by hand is consent, so only an explicit
+    # `serve_shards = false` (file or env) makes it refuse (`serve_shards_refused`).
+    serve_shards: bool = Field(default=False, description="set to false: `hearth shard` refuses to start here")
+    eviction_idle_s: float = Field(
+        default=600, gt=0,
+        description="a session that has received no step for this long has its KV cache evicted (its hop stays "
+                    "open; its next step is answered `session_evicted`)")
+    max_memory_mb: float = Field(
+        default=20000, gt=0,
+        description="a shard whose weights plus KV reserve need more than this on its device refuses to start")
+    kv_cache_budget_mb: float = Field(
+        default=1024, gt=0,
+        description="KV caches of one shard (and of an orchestrator's local model) together stay within this: a new "
+                    "session that would exceed it evicts the least recently used idle one (its next step is "
+                    "answered `session_evicted`)")
+    cuda_graph_max_tokens: int = Field(
+        default=4096, ge=0,
+        description="on a GPU, sessions get static KV caches of this many positions and decode steps replay CUDA "
+                    "graphs (full-attention SDPA models; 0: dynamic caches, eager decode); a longer session fails, "
+                    "and a shard serves at most the sessions whose static caches kv_cache_budget_mb holds")
+    cpu_linear_kernel: CpuLinearKernel = Field(
+        default="onednn-batched",
+        description="float32 layers on the CPU: torch runs their projections as transformers builds them; "
+                    "onednn-batched runs batched decode steps on oneDNN (faster) and one session's steps as torch "
+                    "does (bitwise equal to generate()); onednn runs every step on oneDNN (faster alone too, not "
+                    "bitwise equal; greedy tokens matched in every run measured). inference/cpu_kernels.py, "
+                    "BENCHMARKS.md")
 
     heartbeat_interval_s: float = Field(default=2.0, gt=0, description="between shard.heartbeat events")
     advertisement_ttl_s: float = Field(default=60.0, gt=0, description="an advertisement expires after this")
@@ -121,3 +156,14 @@ class ShardSettings(ConfigSection):
                                              "compute thread's CPU priority, so that on cores shared with other "
                                              "processes (other hops) short calls' steps go first (0: on the compute "
                                              "thread; a thread cannot raise its priority again once lowered)")
+
+
+    @property
+    def kv_cache_budget_bytes(self) -> int:
+        """kv_cache_budget_mb in bytes, as a runner takes it (inference.load_layer_range's cache_budget_bytes)."""
+        return int(self.kv_cache_budget_mb * MiB)
+
+
+def serve_shards_refused(shard: ShardSettings) -> bool:
+    """True when this machine's configuration explicitly forbids serving shards."""
+    return "serve_shards" in shard.model_fields_set and not shard.serve_shards

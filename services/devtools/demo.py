@@ -9,7 +9,7 @@ Output: progress lines while starting go to stderr; the hop chain, the streamed 
 mark wherever the chain of shard hosts changes, e.g. after a failover), and a summary go to stdout.
 Exit code 0 after a complete answer and after a requested stop (Ctrl-C, SIGTERM, a closed terminal) at
 any point, 1 when something failed to start or the answer ended in an error. A stop ends every process
-the demo started within about 2 s (each stops within services.common.lifecycle.stop_deadline_s).
+the demo started, each within services.common.lifecycle.stop_deadline_s.
 """
 
 from __future__ import annotations

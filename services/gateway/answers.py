@@ -1,16 +1,19 @@
 """The shape of an answer for each endpoint: the whole object of a non-streamed call, and the server-sent events
 of a streamed one (a chunk per token, a last chunk with the finish reason, the usage chunk when asked for, and
-`data: [DONE]`)."""
+`data: [DONE]`). A call that asked for logprobs gets them in OpenAI's form: in the choice of the whole answer, and
+in each chunk for that chunk's token (a token whose text is held back, or is none, gets a chunk with empty text)."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
 from pydantic import BaseModel
 
-from protocol.chat import DoneFrame
+from protocol.chat import DoneFrame, TokenLogprobs
+from services.gateway.logprobs import chat_logprobs, completion_logprobs
 from services.gateway.openai_models import (
     AssistantMessage,
     ChatChoice,
@@ -48,20 +51,24 @@ class ChatShape:
     model: str
     created: int = field(default_factory=lambda: int(time.time()))
 
-    def whole(self, text: str, done: DoneFrame) -> ChatCompletion:
+    def whole(self, text: str, done: DoneFrame, logprobs: Sequence[TokenLogprobs] | None = None) -> ChatCompletion:
+        """The answer; `logprobs`: its tokens' log-probabilities (None: the call asked for none)."""
         return ChatCompletion(id=self.id, created=self.created, model=self.model, usage=usage_of(done),
                               choices=[ChatChoice(message=AssistantMessage(content=text),
-                                                  finish_reason=finish_reason(done))])
+                                                  finish_reason=finish_reason(done),
+                                                  logprobs=None if logprobs is None else chat_logprobs(logprobs))])
 
-    def _chunk(self, delta: ChunkDelta, reason: Literal["stop", "length"] | None = None) -> ChatCompletionChunk:
-        return ChatCompletionChunk(id=self.id, created=self.created, model=self.model,
-                                   choices=[ChunkChoice(delta=delta, finish_reason=reason)])
+    def _chunk(self, delta: ChunkDelta, reason: Literal["stop", "length"] | None = None,
+               logprobs: TokenLogprobs | None = None) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[
+            ChunkChoice(delta=delta, finish_reason=reason,
+                        logprobs=None if logprobs is None else chat_logprobs([logprobs]))])
 
     def opening(self) -> ChatCompletionChunk | None:
         return self._chunk(ChunkDelta(role="assistant", content=""))
 
-    def text(self, text: str) -> ChatCompletionChunk:
-        return self._chunk(ChunkDelta(content=text))
+    def text(self, text: str, logprobs: TokenLogprobs | None = None) -> ChatCompletionChunk:
+        return self._chunk(ChunkDelta(content=text), logprobs=logprobs)
 
     def ending(self, done: DoneFrame) -> ChatCompletionChunk:
         return self._chunk(ChunkDelta(), finish_reason(done))
@@ -78,10 +85,14 @@ class CompletionShape:
     id: str
     model: str
     created: int = field(default_factory=lambda: int(time.time()))
+    # Characters of the completion's tokens streamed so far: where the next chunk's `text_offset` starts.
+    streamed_chars: int = 0
 
-    def whole(self, text: str, done: DoneFrame) -> Completion:
-        return Completion(id=self.id, created=self.created, model=self.model, usage=usage_of(done),
-                          choices=[CompletionChoice(text=text, finish_reason=finish_reason(done))])
+    def whole(self, text: str, done: DoneFrame, logprobs: Sequence[TokenLogprobs] | None = None) -> Completion:
+        """The answer; `logprobs`: its tokens' log-probabilities (None: the call asked for none)."""
+        return Completion(id=self.id, created=self.created, model=self.model, usage=usage_of(done), choices=[
+            CompletionChoice(text=text, finish_reason=finish_reason(done),
+                             logprobs=None if logprobs is None else completion_logprobs(logprobs))])
 
     def _chunk(self, text: str, reason: Literal["stop", "length"] | None = None) -> Completion:
         return Completion(id=self.id, created=self.created, model=self.model,
@@ -90,8 +101,13 @@ class CompletionShape:
     def opening(self) -> Completion | None:
         return None
 
-    def text(self, text: str) -> Completion:
-        return self._chunk(text)
+    def text(self, text: str, logprobs: TokenLogprobs | None = None) -> Completion:
+        if logprobs is None:
+            return self._chunk(text)
+        chunk_logprobs = completion_logprobs([logprobs], self.streamed_chars)
+        self.streamed_chars += len(logprobs.text)
+        return Completion(id=self.id, created=self.created, model=self.model,
+                          choices=[CompletionChoice(text=text, logprobs=chunk_logprobs)])
 
     def ending(self, done: DoneFrame) -> Completion:
         return self._chunk("", finish_reason(done))

@@ -154,7 +154,8 @@ class GatewayApp:
                                      call, slot)
                 call, slot = None, ExitStack()  # the response owns them now
                 return stream
-            return await unless_disconnected(request.receive, self._whole(call, shape, first))
+            return await unless_disconnected(request.receive,
+                                             self._whole(call, shape, first, chat_request.logprobs))
         except GatewayError as error:
             if error.status >= 500 or error.status == 429:
                 log.info("%s: %s", request.url.path, error)  # the code and message only: never the prompt
@@ -182,15 +183,18 @@ class GatewayApp:
         except ValidationError as error:
             raise bad_request(describe_validation_error(error), _first_param(error)) from None
 
-    async def _whole(self, call: MeshCall, shape: AnswerShape, first: AnswerFrame) -> Response:
+    async def _whole(self, call: MeshCall, shape: AnswerShape, first: AnswerFrame, with_logprobs: bool) -> Response:
         text = []
+        logprobs = []
         frame = first
         while isinstance(frame, TokenDeltaFrame):
             text.append(frame.text)
+            if frame.logprobs is not None:
+                logprobs.append(frame.logprobs)
             frame = await call.next()
         if not isinstance(frame, DoneFrame):
             raise self._error(frame)
-        return JSONResponse(shape.whole("".join(text), frame).model_dump())
+        return JSONResponse(shape.whole("".join(text), frame, logprobs if with_logprobs else None).model_dump())
 
     async def _events(self, route: str, call: MeshCall, shape: AnswerShape, first: AnswerFrame,
                       include_usage: bool) -> AsyncIterator[bytes]:
@@ -199,14 +203,14 @@ class GatewayApp:
         head = sse_event(opening) if opening is not None else b""
         if isinstance(frame, TokenDeltaFrame):
             # The opening chunk and the first token leave together: one write less before the first token.
-            yield head + (sse_event(shape.text(frame.text)) if frame.text else b"")
+            yield head + (sse_event(shape.text(frame.text, frame.logprobs)) if _carries(frame) else b"")
             first_token_seconds.labels(route).observe(time.perf_counter() - call.started)
             frame = await call.next()
         elif head:
             yield head
         while isinstance(frame, TokenDeltaFrame):
-            if frame.text:
-                yield sse_event(shape.text(frame.text))
+            if _carries(frame):
+                yield sse_event(shape.text(frame.text, frame.logprobs))
             frame = await call.next()
         if isinstance(frame, DoneFrame):
             yield sse_event(shape.ending(frame)) + (sse_event(shape.usage(frame)) if include_usage else b"")
@@ -216,6 +220,11 @@ class GatewayApp:
             error = self._error(frame)
             log.info("%s: stream ended by %s", route, error)
             yield sse_event(error.body())
+
+
+def _carries(frame: TokenDeltaFrame) -> bool:
+    """Whether a token's frame makes a chunk: it has text, or the log-probabilities of its token."""
+    return bool(frame.text) or frame.logprobs is not None
 
 
 def _first_param(error: ValidationError) -> str | None:

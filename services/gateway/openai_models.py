@@ -2,9 +2,10 @@
 objects and stream chunks it answers with, and the mapping of a request onto hearth's `llm.chat.request`.
 
 Only what hearth can honour is accepted: a field that would change the answer in a way hearth cannot (`n` other
-than 1, tools, logprobs, penalties) is refused with a message naming it, rather than silently ignored; fields
-that change nothing (`user`, `metadata`, `store`, zero penalties) are accepted. Sampling defaults are OpenAI's
-(temperature 1, top_p 1); `max_tokens` defaults to hearth's (128).
+than 1, tools, a JSON response format) is refused with a message naming it, rather than silently ignored; fields
+that change nothing (`user`, `metadata`, `store`) are accepted. `logprobs`/`top_logprobs`, the penalties
+(`repetition_penalty` too, an extension) and `logit_bias` go onto the request as they are (its validation bounds
+them). Sampling defaults are OpenAI's (temperature 1, top_p 1); `max_tokens` defaults to hearth's (128).
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from protocol.chat import BadRequest, ChatMessage, ChatRequest, describe_validation_error
+from protocol.chat import BadRequest, ChatMessage, ChatRequest, describe_validation_error, max_top_logprobs
+from services.gateway.logprobs import ChatLogprobs, CompletionLogprobs
 
 openai_temperature_max = 2.0
 openai_max_stop_strings = 4
@@ -72,8 +74,9 @@ class _Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    # An extension of OpenAI's API (transformers' and vLLM's name).
+    repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    logprobs: bool | int | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -82,13 +85,6 @@ class _Sampling(BaseModel):
     def _refuse_what_hearth_cannot_do(self) -> None:
         if self.n not in (None, 1):
             raise Unsupported("n", f"'n' must be 1: hearth generates one choice per request (got {self.n})")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise Unsupported(name, f"'{name}' is not supported by hearth (only 0)")
-        if self.logit_bias:
-            raise Unsupported("logit_bias", "'logit_bias' is not supported by hearth")
-        if self.logprobs:
-            raise Unsupported("logprobs", "'logprobs' is not supported by hearth")
         if isinstance(self.stop, list) and len(self.stop) > openai_max_stop_strings:
             raise Unsupported("stop", f"'stop' takes at most {openai_max_stop_strings} strings")
 
@@ -100,6 +96,9 @@ class _Sampling(BaseModel):
             "stop": [self.stop] if isinstance(self.stop, str) else list(self.stop or []), **inputs}
         if max_tokens is not None:
             fields["max_tokens"] = max_tokens
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias"):
+            if getattr(self, name) is not None:
+                fields[name] = getattr(self, name)
         try:
             return ChatRequest(**fields)
         except ValidationError as error:
@@ -116,7 +115,8 @@ class ChatCompletionRequest(_Sampling):
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
-    top_logprobs: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=max_top_logprobs)
 
     def to_chat_request(self) -> ChatRequest:
         self._refuse_what_hearth_cannot_do()
@@ -128,10 +128,9 @@ class ChatCompletionRequest(_Sampling):
             raise Unsupported("tool_choice", "'tool_choice' must be 'none': hearth calls no tools")
         if self.response_format and self.response_format.get("type") not in (None, "text"):
             raise Unsupported("response_format", "'response_format' must be text: hearth has no JSON mode")
-        if self.top_logprobs:
-            raise Unsupported("top_logprobs", "'top_logprobs' is not supported by hearth")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self._chat_request(max_tokens=max_tokens, messages=[m.to_chat_message() for m in self.messages])
+        return self._chat_request(max_tokens=max_tokens, messages=[m.to_chat_message() for m in self.messages],
+                                  logprobs=bool(self.logprobs), top_logprobs=self.top_logprobs or 0)
 
 
 class CompletionRequest(_Sampling):
@@ -141,6 +140,8 @@ class CompletionRequest(_Sampling):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    # How many most likely tokens to report beside each sampled one (0: the sampled token's only); None: no logprobs.
+    logprobs: int | None = Field(default=None, ge=0, le=max_top_logprobs)
 
     def to_chat_request(self) -> ChatRequest:
         self._refuse_what_hearth_cannot_do()
@@ -149,7 +150,8 @@ class CompletionRequest(_Sampling):
         if self.echo or self.suffix or self.best_of not in (None, 1):
             raise Unsupported("echo", "'echo', 'suffix' and 'best_of' are not supported by hearth")
         prompt = self.prompt[0] if isinstance(self.prompt, list) else self.prompt
-        return self._chat_request(max_tokens=self.max_tokens, prompt=prompt)
+        return self._chat_request(max_tokens=self.max_tokens, prompt=prompt, logprobs=self.logprobs is not None,
+                                  top_logprobs=self.logprobs or 0)
 
 
 # --- responses -------------------------------------------------------------------------------------------------
@@ -175,7 +177,7 @@ class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
     finish_reason: Literal["stop", "length"]
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletion(BaseModel):
@@ -202,7 +204,7 @@ class ChunkChoice(BaseModel):
     index: int = 0
     delta: ChunkDelta
     finish_reason: Literal["stop", "length"] | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -218,7 +220,7 @@ class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: Literal["stop", "length"] | None = None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class Completion(BaseModel):

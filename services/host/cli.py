@@ -38,9 +38,8 @@ def host_command(
                                                        "(the community's store: only the layers served are fetched).")],
     memory_budget_mb: Annotated[Optional[float], typer.Option(
         "--memory-budget-mb", min=0.001, show_default=False,
-        help="Memory this host gives the mesh on its device: weights plus [research.distributed_inference.host] "
-             "kv_cache_budget_mb, which left at its default takes at most a quarter of this "
-             "(default: shard_max_memory_mb).")] = None,
+        help="Memory this host gives the mesh on its device: weights plus [shard] kv_cache_budget_mb, which left "
+             "at its default takes at most a quarter of this (default: [shard] max_memory_mb).")] = None,
     device: DeviceOption = None,
     dtype: DtypeOption = None,
     quantize: QuantizeOption = None,

@@ -28,7 +28,8 @@ from protocol.subjects import shard_id_for
 from inference import InferenceError
 from inference.memory import MiB, megabytes
 from readmodels.runner import Projector
-from services.common.config import HearthSettings, serve_shards_refused
+from services.common.config import HearthSettings
+from services.common.config_processes import serve_shards_refused
 from services.common.event_trust import event_verifier, stream_setup
 from services.common.lifecycle import Stopped, unless_stopped
 from services.common.metrics import serve_process_metrics
@@ -57,19 +58,16 @@ DEFAULT_KV_RESERVE_MAX_BUDGET_SHARE = 0.25
 
 
 def with_memory_budget(settings: HearthSettings, memory_budget_mb: float | None) -> HearthSettings:
-    """The settings with `--memory-budget-mb` as this host's `shard_max_memory_mb` (when given), and a KV reserve not
-    set explicitly (file or environment) capped at DEFAULT_KV_RESERVE_MAX_BUDGET_SHARE of it."""
+    """The settings with `--memory-budget-mb` as this host's `[shard] max_memory_mb` (when given), and a KV reserve
+    not set explicitly (file or environment) capped at DEFAULT_KV_RESERVE_MAX_BUDGET_SHARE of it."""
     if memory_budget_mb is None:
         return settings
-    distributed = settings.research.distributed_inference
-    update: dict[str, float] = {"shard_max_memory_mb": memory_budget_mb}
-    if "kv_cache_budget_mb" not in distributed.host.model_fields_set:
-        update["kv_cache_budget_mb"] = min(distributed.host.kv_cache_budget_mb,
+    shard = settings.shard
+    update: dict[str, float] = {"max_memory_mb": memory_budget_mb}
+    if "kv_cache_budget_mb" not in shard.model_fields_set:
+        update["kv_cache_budget_mb"] = min(shard.kv_cache_budget_mb,
                                            DEFAULT_KV_RESERVE_MAX_BUDGET_SHARE * memory_budget_mb)
-    host = distributed.host.model_copy(update=update)
-    research = settings.research.model_copy(update={"distributed_inference": distributed.model_copy(
-        update={"host": host})})
-    return settings.model_copy(update={"research": research})
+    return settings.model_copy(update={"shard": shard.model_copy(update=update)})
 
 
 class CoverageReader:
@@ -108,7 +106,7 @@ class CoverageReader:
 def coverage_from(projector: Projector, settings: HearthSettings, node_id: str, **model) -> CoverageReader:
     """A CoverageReader over this host's own projector (started)."""
     router = ShardRouter(sessionmaker(projector.engine), allow_self_as_shard=True, self_node_id=node_id,
-                         health_timeout_s=settings.research.distributed_inference.shard_health_timeout_seconds)
+                         health_timeout_s=settings.research.distributed_inference.shard_health_timeout_s)
     timeout_s = settings.orchestrator.catch_up_timeout_s
     return CoverageReader(router, catch_up=lambda: projector.wait_until_caught_up(timeout_s=timeout_s), **model)
 
@@ -146,8 +144,8 @@ async def run_host(*, model: str, memory_budget_mb: float | None, nats_url: str 
     """Serve the best range of `model` that fits the budget until `stop_event`, moving when a hole opens; the
     budget counts the weights as `quantize` (None: the host settings) holds them."""
     settings = with_memory_budget(settings or HearthSettings(), memory_budget_mb)
-    host = settings.research.distributed_inference.host
-    if serve_shards_refused(host):
+    host, shard = settings.research.distributed_inference.host, settings.shard
+    if serve_shards_refused(shard):
         raise ShardRefused("this host's configuration says serve_shards = false")
     configure_torch_threads(torch_threads)
     node = node_id or default_node_id()
@@ -165,7 +163,7 @@ async def run_host(*, model: str, memory_budget_mb: float | None, nats_url: str 
         raise ShardRefused(f"cannot read {model} from the store: {type(error).__name__}: {error}") from None
     total_layers, layer_bytes, served_id = layout.total_layers, layout.layer_bytes, layout.served_id
     digest = layout.weights_sha256
-    weights_budget = int(host.shard_max_memory_mb * MiB) - kv_reserve_bytes(host)
+    weights_budget = int(shard.max_memory_mb * MiB) - kv_reserve_bytes(shard)
     nc = await unless_stopped(connect_nats(nats_url, name=f"hearth-host {node}", settings=settings.nats), stop_event)
     metrics_server = None
     with tempfile.TemporaryDirectory(prefix="hearth-host-") as folder:
@@ -181,9 +179,9 @@ async def run_host(*, model: str, memory_budget_mb: float | None, nats_url: str 
             while not stop_event.is_set():
                 if chosen is None:
                     raise ShardRefused(
-                        f"a memory budget of {host.shard_max_memory_mb:.1f} MB holds no layer of {served_id}: the "
+                        f"a memory budget of {shard.max_memory_mb:.1f} MB holds no layer of {served_id}: the "
                         f"smallest needs {megabytes(min(layer_bytes)):.1f} MB plus "
-                        f"{host.kv_cache_budget_mb:.1f} MB kv_cache_budget_mb")
+                        f"{shard.kv_cache_budget_mb:.1f} MB kv_cache_budget_mb")
                 log.info("host %s: serving layers %s of %s in %s (coverage: %s)", node, chosen, served_id,
                          scheme.label, await coverage.replicas())
                 chosen = await _serve_until_moved(chosen, coverage, model=model, model_id=served_id, node=node,

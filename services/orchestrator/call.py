@@ -25,7 +25,8 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
 from inference import SamplingParams, TextStream
-from protocol.chat import ChatRequest, KeepaliveFrame, TokenDeltaFrame
+from inference.logit_shaping import LogitShaping
+from protocol.chat import ChatRequest, KeepaliveFrame, TokenAlternative, TokenDeltaFrame, TokenLogprobs
 from services.broker.connection import NO_RESPONDERS_STATUS, flush_ordered
 from services.orchestrator.catalog import LoadedModel
 from services.orchestrator.metrics import final_frame_code
@@ -33,6 +34,8 @@ from services.orchestrator.outcomes import SampledToken
 
 # Event-loop turns after a flush for a subscription callback to run (its message is already read).
 status_dispatch_yields = 3
+# What OpenAI reports for a log-probability too small for a float (JSON has no -Infinity).
+lowest_reported_logprob = -9999.0
 pipeline_id_random_bytes = 16
 
 
@@ -186,14 +189,26 @@ class Call:
     params: SamplingParams = field(init=False)
     # The call's own random generator (None when greedy): one stream of draws across every chain it runs on.
     generator: torch.Generator | None = field(init=False)
+    # The log-probabilities of the token `accept` took last, when the request asked for them.
+    last_logprobs: TokenLogprobs | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         if self.quantization is None:
             self.quantization = self.request.params.quantization
         request = self.request
         self.params = SamplingParams(temperature=request.temperature, top_k=request.top_k, top_p=request.top_p,
-                                     seed=request.seed, max_tokens=request.max_tokens, stop=tuple(request.stop))
+                                     seed=request.seed, max_tokens=request.max_tokens, stop=tuple(request.stop),
+                                     presence_penalty=request.presence_penalty,
+                                     frequency_penalty=request.frequency_penalty,
+                                     repetition_penalty=request.repetition_penalty, logit_bias=request.logit_bias,
+                                     logprobs=request.logprobs, top_logprobs=request.top_logprobs)
         self.generator = self.params.make_generator()
+
+    @cached_property
+    def shaping(self) -> LogitShaping | None:
+        """The bias, penalties and log-probabilities of the call's head steps (over its prompt and generated tokens);
+        None when it asked for none, so that its steps take the plain path."""
+        return None if self.params.plain else LogitShaping(self.params, self.prompt_ids, self.generated)
 
     @cached_property
     def text_stream(self) -> TextStream:
@@ -215,6 +230,7 @@ class Call:
     def accept(self, token_id: int, embedding: torch.Tensor) -> SampledToken:
         """Take a sampled token into the call: its text through the stop rules, and whether the call ends with it."""
         self.generated.append(token_id)
+        self.last_logprobs = self._logprobs_of(token_id)
         delta = self.text_stream.push(token_id)
         text, finish_reason = delta.text, (delta.finish_reason or "stop") if delta.finished else None
         if finish_reason is None and len(self.generated) >= self.params.max_tokens:
@@ -223,6 +239,19 @@ class Call:
             finish_reason = "length"
         return SampledToken(token_id, text, finish_reason, shown=bool(text) or not delta.finished,
                             embedding=embedding)
+
+    def _logprobs_of(self, token_id: int) -> TokenLogprobs | None:
+        step = self.shaping.last if self.shaping is not None else None
+        if step is None or step.token_id != token_id:
+            return None
+        head = self.model.head
+
+        def reported(logprob: float) -> float:
+            return max(logprob, lowest_reported_logprob)
+
+        return TokenLogprobs(text=head.token_text(token_id), logprob=reported(step.logprob), top_logprobs=[
+            TokenAlternative(token_id=alternative, text=head.token_text(alternative), logprob=reported(logprob))
+            for alternative, logprob in step.top])
 
     @property
     def known_ids(self) -> list[int]:

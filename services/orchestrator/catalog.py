@@ -25,6 +25,7 @@ from inference.quantization import QuantizationScheme, parse_quantization
 from inference.token_bounds import TokenLowerBound
 from inference.partial_checkpoint import NeededTensors
 from protocol.quantization_labels import accepts
+from services.common.config_processes import ShardSettings
 from services.common.hearth_files import data_dir
 from services.weights_store import STORE_MODEL_PREFIX, WeightsStoreError, fetch_stored_model, store_model_name
 
@@ -79,7 +80,8 @@ class LoadedModel:
 class ModelCatalog:
     """Heads are loaded once per model and shared by every request (a Head is stateless)."""
 
-    def __init__(self, search_dirs: list[Path] | None = None, local_model: str | None = None) -> None:
+    def __init__(self, search_dirs: list[Path] | None = None, local_model: str | None = None, *,
+                 shard_settings: ShardSettings | None = None) -> None:
         self.search_dirs = [Path(d) for d in (search_dirs or [])] + [BUNDLED_MODELS_DIR]
         self.local_model_spec = local_model
         # What the operator named (preloads, the local model): a request may name these as they were given.
@@ -88,6 +90,11 @@ class ModelCatalog:
         self._locks: dict[str, asyncio.Lock] = {}
         self._local: LocalModel | None = None
         self._local_lock = asyncio.Lock()
+        # The local model's KV caches are bounded like a shard's on this machine ([shard] kv_cache_budget_mb and
+        # eviction_idle_s).
+        shard_settings = shard_settings or ShardSettings()
+        self._local_kv_limits = {"cache_budget_bytes": shard_settings.kv_cache_budget_bytes,
+                                 "session_ttl_s": shard_settings.eviction_idle_s}
         # Where heads (and the local model) compute: the CPU in the checkpoint's dtype until told (use_compute).
         self._compute: dict = {}
         # How `store:NAME` models are fetched (use_store), and the folder each was fetched into.
@@ -263,7 +270,8 @@ class ModelCatalog:
                     log.warning("local model unavailable: %s", error)
                     return None
                 self._local = await on_compute_thread(
-                    load_full, path, model_id=self.advertised_id(self.local_model_spec, path), **self._compute)
+                    load_full, path, model_id=self.advertised_id(self.local_model_spec, path), **self._compute,
+                    **self._local_kv_limits)
                 self._local_digest = await asyncio.to_thread(weights_sha256, path)
         if self._local.info.model_id != loaded.model_id or self._local_digest != loaded.weights_sha256:
             return None

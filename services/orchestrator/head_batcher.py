@@ -8,7 +8,7 @@ scheduler loop, started with the first step and stopped by `close`, takes each b
 and hands every call its own row. Batching is continuous: a batch waits up to
 `head_batch_window_ms` for more steps only while fewer are queued than calls are in their decode loop, so a call
 decoding alone never waits, and a batch of one row takes the solo path. Rows of different models wait for their own
-batch. The embedding of each sampled token (a row lookup, ~0.05 ms) stays per row in the same trip.
+batch. The embedding of each sampled token (a row lookup, cheap) stays per row in the same trip.
 """
 
 from __future__ import annotations

@@ -137,7 +137,7 @@ class PipelineRun:
         # One compute-thread trip per token, shared with the other calls' (HeadSteps): sample, and embed the
         # sampled token for the next step (wasted only on the last token).
         token_id, embedding = await self.ctx.head_steps.next_token(
-            call.model.head, HeadRow(output, call.params, call.generator), call=call.pipeline_id)
+            call.model.head, HeadRow(output, call.params, call.generator, call.shaping), call=call.pipeline_id)
         return call.accept(token_id, embedding)
 
     async def _stream(self, token: SampledToken) -> None:
@@ -147,7 +147,7 @@ class PipelineRun:
             call.first_token_at = time.perf_counter()
         if token.shown:
             await call.client.send(TokenDeltaFrame(seq=0, text=token.text, token_id=token.token_id,
-                                                   hops=self.chain.shard_ids))
+                                                   hops=self.chain.shard_ids, logprobs=call.last_logprobs))
         if first_token:
             await self._record(PipelineFirstToken(node_id=self.ctx.node_id, pipeline_id=call.pipeline_id,
                                                   ttft_ms=call.ttft_ms()))

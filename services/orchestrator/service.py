@@ -76,7 +76,7 @@ class Orchestrator:
         self.node_id = node_id
         distributed = settings.research.distributed_inference
         self.enabled = settings.research.enable and distributed.enabled
-        self.catalog = ModelCatalog(list(model_search_dirs or []), local_model)
+        self.catalog = ModelCatalog(list(model_search_dirs or []), local_model, shard_settings=settings.shard)
         self._tmp_dir: tempfile.TemporaryDirectory | None = None
         if db_path is None:
             self._tmp_dir = tempfile.TemporaryDirectory(prefix="hearth-orchestrator-")
@@ -109,14 +109,14 @@ class Orchestrator:
         self.outbox.start()
         distributed = self.settings.research.distributed_inference
         router = ShardRouter(
-            sessionmaker(self.projector.engine), health_timeout_s=distributed.shard_health_timeout_seconds,
+            sessionmaker(self.projector.engine), health_timeout_s=distributed.shard_health_timeout_s,
             allow_self_as_shard=distributed.allow_self_as_shard, self_node_id=self.node_id,
             max_hops=distributed.max_shards_per_request,
         )
         self.context = RunContext(
             nc=self.nc, node_id=self.node_id, settings=self.settings, router=router, projector=self.projector,
             catalog=self.catalog, outbox=self.outbox,
-            recent_failures=RecentFailures(distributed.shard_health_timeout_seconds),
+            recent_failures=RecentFailures(distributed.shard_health_timeout_s),
             head_steps=HeadSteps(self.settings.orchestrator, self._step_threads, lambda: self.context.running_calls),
             sink_bounds={},
             load=ShardLoad(retry_s=self.settings.orchestrator.at_capacity_retry_s))

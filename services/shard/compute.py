@@ -226,7 +226,7 @@ class ShardCompute:
         return StepResult(output, failed_check, compute_s)
 
     async def evict_idle(self) -> int:
-        """Evict the caches of sessions idle for the runner's TTL (`shard_eviction_idle_seconds`); how many."""
+        """Evict the caches of sessions idle for the runner's TTL (`[shard] eviction_idle_s`); how many."""
         return await on_compute_thread(self._evict_idle_and_measure)
 
     def _evict_idle_and_measure(self) -> int:

@@ -10,7 +10,7 @@ orchestrator fails over at once instead of waiting for a step timeout.
 Liveness of the orchestrator: every step and every message on the pipeline's keepalive subject counts as a
 sign of life (`last_heard`). The shard's watchdog closes a hop that heard nothing for `orphan_timeout_s`
 (its orchestrator was killed, or lost the broker), freeing its KV cache. A hop whose orchestrator lives but that
-received no step for `shard_eviction_idle_seconds` stays open, but its KV cache is evicted (as is the least
+received no step for `[shard] eviction_idle_s` stays open, but its KV cache is evicted (as is the least
 recently used one when the caches outgrow `kv_cache_budget_mb`): its next step is answered `session_evicted`, and
 the orchestrator re-prefills.
 """

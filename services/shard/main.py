@@ -18,7 +18,8 @@ from inference import InferenceError, LayerRangeRunner, load_layer_range, weight
 from inference.compute_thread import StepThreads, on_compute_thread
 from inference.devices import describe_device, device_memory_allocated_bytes, resolve_placement
 from inference.quantization import QuantizationError, QuantizationScheme, check_device_supports, parse_quantization
-from services.common.config import HearthSettings, HostSettings, serve_shards_refused
+from services.common.config import HearthSettings, HostSettings
+from services.common.config_processes import ShardSettings, serve_shards_refused
 from services.common.lifecycle import CommandRefused, Stopped, unless_stopped
 from services.common.metrics import serve_process_metrics
 from services.broker.connection import connect_nats, drain_or_close
@@ -108,28 +109,28 @@ async def load_shard(*, model: str, lo: int, hi: int, node: str, settings: Heart
 
     `model` may be a folder, a GGUF file, a hub id (only the files holding lo..hi are downloaded) or `store:NAME`
     (only lo..hi's objects are fetched from the community's store through the broker at `nats_url`)."""
-    host = settings.research.distributed_inference.host
+    host, shard = settings.research.distributed_inference.host, settings.shard
     compute_device, compute_dtype = resolve_compute(device, dtype, host)
     scheme = resolve_quantization(quantize, host, compute_device)
     model_path = await fetch_model(model, (lo, hi), nats_url=nats_url, settings=settings, stop_event=stop_event)
     try:
-        estimate = await asyncio.to_thread(estimated_need, model_path, lo, hi, compute_dtype, host, scheme)
+        estimate = await asyncio.to_thread(estimated_need, model_path, lo, hi, compute_dtype, shard, scheme)
     except (InferenceError, ValueError, OSError) as error:
         raise ShardRefused(f"cannot load layers {lo}-{hi} of {model}: {_first_line(error)}") from None
-    if (reason := refusal(lo, hi, estimate, host, measured=False)) is not None:
+    if (reason := refusal(lo, hi, estimate, shard, measured=False)) is not None:
         raise ShardRefused(reason)
     allocated_before = device_memory_allocated_bytes(compute_device)
     try:
         runner = await unless_stopped(on_compute_thread(
             load_layer_range, model_path, lo, hi, dtype=compute_dtype, device=compute_device,
-            model_id=model_id or _default_model_id(model), cache_budget_bytes=kv_reserve_bytes(host),
-            session_ttl_s=host.shard_eviction_idle_seconds,
-            static_cache_tokens=host.cuda_graph_max_tokens if compute_device.type == "cuda" else None,
-            cpu_linear_kernel=host.cpu_linear_kernel, quantization=scheme), stop_event)
+            model_id=model_id or _default_model_id(model), cache_budget_bytes=kv_reserve_bytes(shard),
+            session_ttl_s=shard.eviction_idle_s,
+            static_cache_tokens=shard.cuda_graph_max_tokens if compute_device.type == "cuda" else None,
+            cpu_linear_kernel=shard.cpu_linear_kernel, quantization=scheme), stop_event)
     except (InferenceError, ValueError) as error:
         raise ShardRefused(f"cannot load layers {lo}-{hi} of {model}: {_first_line(error)}") from None
-    need = measured_need(runner, allocated_before, host)
-    if (reason := refusal(lo, hi, need, host, measured=True) or static_cache_refusal(runner, host)) is not None:
+    need = measured_need(runner, allocated_before, shard)
+    if (reason := refusal(lo, hi, need, shard, measured=True) or static_cache_refusal(runner, shard)) is not None:
         runner.close()
         raise ShardRefused(reason)
     info = runner.info
@@ -140,7 +141,7 @@ async def load_shard(*, model: str, lo: int, hi: int, node: str, settings: Heart
         shard_id=shard_id, model_id=info.model_id, node_id=node, weights_sha256=digest, layer_lo=lo,
         layer_hi=hi, total_layers=info.num_layers, dtype=info.dtype_name, memory_required_mb=need.required_mb,
         control_subject=shard_control_subject(node, shard_id), device_kind=described.kind,
-        device_name=described.name, kv_cache_budget_mb=host.kv_cache_budget_mb, quantization=runner.quantization,
+        device_name=described.name, kv_cache_budget_mb=shard.kv_cache_budget_mb, quantization=runner.quantization,
     )
     return LoadedShard(runner, identity)
 
@@ -162,13 +163,13 @@ async def fetch_model(model: str, needed: tuple[int, int], *, nats_url: str | No
                            f"{_first_line(error)}") from None
 
 
-def static_cache_refusal(runner: LayerRangeRunner, host: HostSettings) -> str | None:
+def static_cache_refusal(runner: LayerRangeRunner, shard: ShardSettings) -> str | None:
     """Why a runner whose sessions get static caches cannot serve even one within its KV budget (None: it can)."""
     session_bytes = runner.static_session_bytes
     if session_bytes is None or session_bytes <= runner.cache_budget_bytes:
         return None
     return (f"one session's static KV cache on layers {runner.layer_lo}-{runner.layer_hi} ({session_bytes} bytes: "
-            f"every position up to cuda_graph_max_tokens = {host.cuda_graph_max_tokens}, or the model's context) "
+            f"every position up to cuda_graph_max_tokens = {shard.cuda_graph_max_tokens}, or the model's context) "
             f"exceeds kv_cache_budget_mb ({runner.cache_budget_bytes} bytes); raise the budget or lower "
             "cuda_graph_max_tokens")
 
@@ -228,8 +229,7 @@ async def run_shard(
     """Serve `layers` of `model` until `stop_event`; command-line values given override the settings."""
     settings = with_overrides(settings or HearthSettings(), max_streams=max_streams, heartbeat_s=heartbeat_s,
                               ttl_s=ttl_s, window_chunks=window_chunks, chunk_bytes=chunk_bytes)
-    host = settings.research.distributed_inference.host
-    if serve_shards_refused(host):
+    if serve_shards_refused(settings.shard):
         raise ShardRefused("this host's configuration says serve_shards = false")
     try:
         lo, hi = parse_layer_range(layers)

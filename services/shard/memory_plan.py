@@ -1,5 +1,5 @@
 """What a shard's layer range needs on its device (weights plus its KV reserve), before loading (from the checkpoint's
-headers) and after (measured), and the refusal when that is more than `shard_max_memory_mb` allows.
+headers) and after (measured), and the refusal when that is more than `[shard] max_memory_mb` allows.
 
 The KV reserve is `kv_cache_budget_mb`: the runner keeps every session's cache within it (services/shard/hops.py
 turns an eviction into a typed answer), so weights plus reserve bound what the shard holds on its device.
@@ -14,9 +14,9 @@ import torch
 
 from inference import LayerRangeRunner
 from inference.devices import device_memory_allocated_bytes
-from inference.memory import MiB, layer_weight_bytes, megabytes, range_weight_bytes
+from inference.memory import layer_weight_bytes, megabytes, range_weight_bytes
 from inference.quantization import QuantizationScheme
-from services.common.config import HostSettings
+from services.common.config_processes import ShardSettings
 
 
 @dataclass(frozen=True)
@@ -31,18 +31,18 @@ class MemoryNeed:
         return megabytes(self.weight_bytes + self.kv_reserve_bytes)
 
 
-def kv_reserve_bytes(host: HostSettings) -> int:
-    return int(host.kv_cache_budget_mb * MiB)
+def kv_reserve_bytes(shard: ShardSettings) -> int:
+    return shard.kv_cache_budget_bytes
 
 
-def estimated_need(model_path: Path, lo: int, hi: int, dtype: torch.dtype, host: HostSettings,
+def estimated_need(model_path: Path, lo: int, hi: int, dtype: torch.dtype, shard: ShardSettings,
                    quantization: QuantizationScheme | str = "none") -> MemoryNeed:
     """What layers lo..hi will need once loaded in `dtype` and quantized, from the safetensors headers alone."""
     per_layer = layer_weight_bytes(model_path, dtype, quantization=quantization)
-    return MemoryNeed(range_weight_bytes(per_layer, lo, hi), kv_reserve_bytes(host))
+    return MemoryNeed(range_weight_bytes(per_layer, lo, hi), kv_reserve_bytes(shard))
 
 
-def measured_need(runner: LayerRangeRunner, allocated_before: int | None, host: HostSettings) -> MemoryNeed:
+def measured_need(runner: LayerRangeRunner, allocated_before: int | None, shard: ShardSettings) -> MemoryNeed:
     """What the loaded range holds on its device: torch's allocator's growth on a GPU (so padding and buffers
     count too), the bytes of its tensors on the CPU; plus the KV reserve."""
     allocated_after = device_memory_allocated_bytes(runner.device)
@@ -50,14 +50,14 @@ def measured_need(runner: LayerRangeRunner, allocated_before: int | None, host: 
         weights = max(allocated_after - allocated_before, runner.weight_bytes)
     else:
         weights = runner.weight_bytes
-    return MemoryNeed(weights, kv_reserve_bytes(host))
+    return MemoryNeed(weights, kv_reserve_bytes(shard))
 
 
-def refusal(lo: int, hi: int, need: MemoryNeed, host: HostSettings, *, measured: bool) -> str | None:
+def refusal(lo: int, hi: int, need: MemoryNeed, shard: ShardSettings, *, measured: bool) -> str | None:
     """Why the range may not be served here (both numbers named), or None when it fits."""
-    if need.required_mb <= host.shard_max_memory_mb:
+    if need.required_mb <= shard.max_memory_mb:
         return None
     how = "need" if measured else "would need"
     return (f"layers {lo}-{hi} {how} {need.required_mb:.1f} MB ({megabytes(need.weight_bytes):.1f} MB of weights "
             f"+ {megabytes(need.kv_reserve_bytes):.1f} MB kv_cache_budget_mb), more than "
-            f"shard_max_memory_mb = {host.shard_max_memory_mb:.1f} MB")
+            f"[shard] max_memory_mb = {shard.max_memory_mb:.1f} MB")

@@ -80,7 +80,7 @@ class ShardServer:
         # On a community broker the steward creates the streams; on an open one this host does.
         self.stream_setup = stream_setup(settings.nats)
         self.limits = HopLimits(
-            idle_timeout_s=settings.research.distributed_inference.host.shard_eviction_idle_seconds,
+            idle_timeout_s=settings.shard.eviction_idle_s,
             orphan_timeout_s=settings.transport.orphan_timeout_s, close_timeout_s=settings.shard.hop_close_timeout_s,
             transport=settings.transport)
         self._hops: dict[str, ServedHop] = {}

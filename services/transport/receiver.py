@@ -13,7 +13,8 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from protocol.subjects import LinkNodes, ack_subject, activation_subject
-from services.common.config import HostSettings, TransportSettings
+from services.common.config import TransportSettings
+from services.common.config_processes import ShardSettings
 from services.common.metrics import counter
 from services.transport.errors import FrameError, TransportClosed, TransportError, TransportTimeout, WaitInterrupted
 from services.transport.frames import AddOutcome, ReceivedStep, StepAssembler
@@ -29,7 +30,7 @@ log = logging.getLogger(__name__)
 _defaults = TransportSettings()
 # A pipeline receiver that hears nothing this long ends `async for` with TransportTimeout: its
 # orchestrator is gone (the host's eviction idle time).
-_default_idle_timeout_s = HostSettings.model_fields["shard_eviction_idle_s"].default
+_default_idle_timeout_s = ShardSettings.model_fields["eviction_idle_s"].default
 
 StepKey = tuple[str, int]
 # Called with a refused frame's header and why it was refused (a hop tells its orchestrator about its session's).

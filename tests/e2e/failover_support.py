@@ -51,7 +51,7 @@ event_wait_timeout_s = 15.0
 
 
 def failover_env() -> dict[str, str]:
-    return {"HEARTH_RESEARCH__DISTRIBUTED_INFERENCE__SHARD_HEALTH_TIMEOUT_SECONDS": str(HEALTH_TIMEOUT_S)}
+    return {"HEARTH_RESEARCH__DISTRIBUTED_INFERENCE__SHARD_HEALTH_TIMEOUT_S": str(HEALTH_TIMEOUT_S)}
 
 
 @dataclass

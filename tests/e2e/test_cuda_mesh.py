@@ -10,6 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from inference import SamplingParams, load_full
+from tests.runner_limits import RUNNER_KV_LIMITS
 from services.client.chat import chat
 from protocol.chat import ChatRequest
 from services.broker.connection import connect_nats
@@ -70,7 +71,8 @@ async def test_an_int4_gpu_mesh_answers_like_one_process_with_the_same_weights(c
     finally:
         await asyncio.wait_for(nc.close(), timeout=5)
     assert result.ok, result.final
-    local = load_full(tiny_models_dir / TINY_MODEL_NAME, device="cuda", dtype="bf16", quantization="int4/g32")
+    local = load_full(tiny_models_dir / TINY_MODEL_NAME, device="cuda", dtype="bf16", quantization="int4/g32",
+                      **RUNNER_KV_LIMITS)
     prompt_ids = local.head.encode_prompt(PROMPT)
     expected = list(local.generate_ids(prompt_ids, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)))
     agreeing = next((i for i, (a, b) in enumerate(zip(result.token_ids, expected)) if a != b), NEW_TOKENS)

@@ -26,6 +26,7 @@ from tests.e2e.conftest import TINY_MODEL_NAME, start_orchestrator
 pytestmark = pytest.mark.e2e
 
 HOST_ENV = "HEARTH_RESEARCH__DISTRIBUTED_INFERENCE__HOST__"
+SHARD_ENV = "HEARTH_SHARD__"
 PROMPT = "the quick brown fox"
 NEW_TOKENS = 8
 MOVE_TIMEOUT_S = 90.0
@@ -73,7 +74,7 @@ async def test_three_budgeted_hosts_serve_a_model_none_could_hold(cluster, tiny_
     budget_mb = 0.4 * checkpoint_weight_bytes(path) / 2**20
     # A KV reserve small enough that two of the tiny model's six layers fit 40 % of its weights, and quick
     # rebalancing so that the move at the end happens within the test.
-    cluster.extra_env.update({HOST_ENV + "KV_CACHE_BUDGET_MB": "0.02", HOST_ENV + "REBALANCE_CHECK_INTERVAL_S": "0.3",
+    cluster.extra_env.update({SHARD_ENV + "KV_CACHE_BUDGET_MB": "0.02", HOST_ENV + "REBALANCE_CHECK_INTERVAL_S": "0.3",
                               HOST_ENV + "REBALANCE_HOLD_S": "1"})
     hosts = [cluster.start_host(str(path), budget_mb, node_id=f"host-{name}") for name in "abc"]
     start_orchestrator(cluster, tiny_models_dir, wait_ready=True)

@@ -1,5 +1,5 @@
 """KV budgets over real processes: shards whose caches are evicted (least recently used under `kv_cache_budget_mb`,
-or idle for `shard_eviction_idle_seconds`) answer `session_evicted`, the orchestrator re-prefills, and the greedy
+or idle for `eviction_idle_s`) answer `session_evicted`, the orchestrator re-prefills, and the greedy
 output stays that of generate()."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from tests.e2e.conftest import THREE_SHARD_RANGES, TINY_MODEL_NAME, start_orches
 
 pytestmark = pytest.mark.e2e
 
-HOST_ENV = "HEARTH_RESEARCH__DISTRIBUTED_INFERENCE__HOST__"
+SHARD_ENV = "HEARTH_SHARD__"
 # Tiny llama, 2 layers per shard: 2 x (2 KV heads x 16 x keys and values x 4 bytes) = 512 bytes per token. Room for
 # one session of 24 tokens, not for two of 16: two calls running side by side evict each other.
 KV_BUDGET_MB = 24 * 512 / 2**20
@@ -72,7 +72,7 @@ async def test_sessions_evicted_under_the_kv_budget_are_re_prefilled_with_identi
     # Host 1 keeps its caches within a budget too small for both calls; host 2 takes 0.3 s per step, so the calls
     # overlap. No host evicts idle sessions: a TTL eviction on an earlier hop would re-prefill a session before its
     # budget eviction on host 1 could be seen (the timing made one test of both flaky).
-    budget = {HOST_ENV + "KV_CACHE_BUDGET_MB": repr(KV_BUDGET_MB)}
+    budget = {SHARD_ENV + "KV_CACHE_BUDGET_MB": repr(KV_BUDGET_MB)}
     orchestrator_log = await generate_and_check(cluster, tiny_models_dir, [{}, budget, {}],
                                                 [[], [], ["--fault", "delay_s=0.3"]],
                                                 ["the lazy dog", "a community mesh runs"])
@@ -82,7 +82,7 @@ async def test_sessions_evicted_under_the_kv_budget_are_re_prefilled_with_identi
 async def test_sessions_evicted_when_idle_are_re_prefilled_with_identical_output(cluster, tiny_models_dir):
     # Host 0 evicts a session idle for 0.2 s, and host 2 takes 0.3 s per step, so host 0 idles longer than that
     # between any two steps of the call.
-    idle = {HOST_ENV + "SHARD_EVICTION_IDLE_SECONDS": "0.2"}
+    idle = {SHARD_ENV + "EVICTION_IDLE_S": "0.2"}
     orchestrator_log = await generate_and_check(cluster, tiny_models_dir, [idle, {}, {}],
                                                 [[], [], ["--fault", "delay_s=0.3"]], ["the lazy dog"])
     assert "(ttl)" in orchestrator_log

@@ -20,7 +20,7 @@ from tests.e2e.test_quantized_mesh import one_process_greedy_tokens
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
-HOST_ENV = "HEARTH_RESEARCH__DISTRIBUTED_INFERENCE__HOST__"
+SHARD_ENV = "HEARTH_SHARD__"
 KV_RESERVE_MB = 0.02
 LAYERS_PER_HOST = 3
 PROMPT = "the quick brown fox"
@@ -34,7 +34,7 @@ async def test_int4_hosts_take_the_layers_their_budget_holds_in_int4(cluster, ti
     # Room for three and a half int4 layers: less than one full-precision layer.
     budget_mb = KV_RESERVE_MB + (LAYERS_PER_HOST + 0.5) * int4_layer / MiB
     assert (budget_mb - KV_RESERVE_MB) * MiB < fp32_layer
-    cluster.extra_env.update({HOST_ENV + "KV_CACHE_BUDGET_MB": str(KV_RESERVE_MB)})
+    cluster.extra_env.update({SHARD_ENV + "KV_CACHE_BUDGET_MB": str(KV_RESERVE_MB)})
     for name in "ab":  # one after another: the second sees the first's layers
         cluster.start_host(str(path), budget_mb, node_id=f"host-{name}", extra_args=["--quantize", "int4"])
     start_orchestrator(cluster, tiny_models_dir, extra_args=["--quantize", "int4"], wait_ready=True)

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from inference import SamplingParams, load_full
+from tests.runner_limits import RUNNER_KV_LIMITS
 from protocol.chat import ChatParams, ChatRequest
 from tests.e2e.conftest import THREE_SHARD_RANGES, TINY_MODEL_NAME
 from tests.e2e.failover_support import (  # noqa: F401 (nc is a fixture)
@@ -55,7 +56,7 @@ def one_process_greedy_tokens(path, quantization: str, prompt: str, max_tokens: 
     shard has."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    local = load_full(path, quantization=quantization)
+    local = load_full(path, quantization=quantization, **RUNNER_KV_LIMITS)
     try:
         prompt_ids = list(local.head.tokenizer(prompt)["input_ids"])
         return list(local.generate_ids(prompt_ids, SamplingParams(max_tokens=max_tokens)))

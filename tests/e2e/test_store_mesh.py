@@ -28,7 +28,7 @@ from tests.e2e.conftest import TINY_MODEL_NAME
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 STORE_NAME = "community-llama"
-HOST_ENV = "HEARTH_RESEARCH__DISTRIBUTED_INFERENCE__HOST__"
+SHARD_ENV = "HEARTH_SHARD__"
 PROMPT = "the quick brown fox"
 NEW_TOKENS = 8
 PUBLISH_TIMEOUT_S = 120
@@ -76,7 +76,7 @@ async def test_a_mesh_started_from_the_store_answers_as_the_original(cluster, ti
         cluster.extra_env["HEARTH_CACHE_DIR"] = str(caches[node])
         cluster.start_shard(model, lo, hi, node_id=node)
     # A budget that holds two of the six fp32 layers with a tiny KV reserve: the host takes the hole, 4-5.
-    cluster.extra_env.update({"HEARTH_CACHE_DIR": str(caches["host"]), HOST_ENV + "KV_CACHE_BUDGET_MB": "0.02"})
+    cluster.extra_env.update({"HEARTH_CACHE_DIR": str(caches["host"]), SHARD_ENV + "KV_CACHE_BUDGET_MB": "0.02"})
     cluster.start_host(model, 0.4 * weight_bytes(path) / 2**20, node_id="host")
     cluster.extra_env["HEARTH_CACHE_DIR"] = str(caches["orchestrator"])
     cluster.start_orchestrator(extra_args=["--preload", model])

@@ -228,7 +228,7 @@ def test_shard_reports_advertisement_gaps_over_the_health_timeout_and_withdrawal
     strict = replay(nats_url, "shard", SHARD_ID, "--health-timeout-s", "40")
     assert strict.stdout.count("without heartbeat") == 1
     config = tmp_path / "hearth.toml"
-    config.write_text("[research.distributed_inference]\nshard_health_timeout_seconds = 50\n")
+    config.write_text("[research.distributed_inference]\nshard_health_timeout_s = 50\n")
     from_config = runner.invoke(app, ["--config", str(config), "shard", SHARD_ID, "--nats", nats_url])
     assert from_config.exit_code == 0 and from_config.stdout.count("without heartbeat") == 0
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from protocol.subjects import shard_control_subject
 from inference import load_layer_range
+from tests.runner_limits import RUNNER_KV_LIMITS
 from inference.compute_thread import on_compute_thread
 from services.common.config import load_settings
 from protocol.control import CloseHop, ControlReply, OpenHop
@@ -34,7 +35,7 @@ def open_request(pipeline_id: str, layer_hi: int) -> bytes:
 
 
 async def test_an_open_is_answered_while_a_closing_hop_waits_for_the_compute_thread(nats_server):
-    runner = await on_compute_thread(load_layer_range, MODEL, 0, 1)
+    runner = await on_compute_thread(load_layer_range, MODEL, 0, 1, **RUNNER_KV_LIMITS)
     settings = load_settings()
     nc = await connect_nats(nats_server.url, name="shard-under-test", settings=settings.nats)
     client = await connect_nats(nats_server.url, name="orchestrator-stand-in", settings=settings.nats)

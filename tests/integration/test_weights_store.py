@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from inference import load_head, load_layer_range, weights_sha256
+from tests.runner_limits import RUNNER_KV_LIMITS
 from services.broker.connection import connect_nats
 from services.weights_store import (
     HEAD_OBJECT,
@@ -55,7 +56,8 @@ async def test_a_shard_fetches_only_its_layers_and_loads_what_the_original_holds
     assert {file for file in fetched if file.endswith(".safetensors")} == {
         LAYER_OBJECT_FORMAT.format(2), LAYER_OBJECT_FORMAT.format(3)}
     assert {"config.json", "tokenizer.json"} <= fetched
-    assert _same_parameters(load_layer_range(folder, 2, 3), load_layer_range(original, 2, 3))
+    assert _same_parameters(load_layer_range(folder, 2, 3, **RUNNER_KV_LIMITS),
+                            load_layer_range(original, 2, 3, **RUNNER_KV_LIMITS))
     assert weights_sha256(folder, cache_dir=tmp_path / "sums") == weights_sha256(original, cache_dir=tmp_path / "s2")
 
 
@@ -129,7 +131,8 @@ async def test_on_a_community_mesh_only_system_writes_and_shard_hosts_and_orches
         await publish_checkpoint(system_js, original, NAME)
 
         folder = await fetch_stored_model(shard_js, NAME, (0, 1), cache_dir=tmp_path / "shard")
-        assert _same_parameters(load_layer_range(folder, 0, 1), load_layer_range(original, 0, 1))
+        assert _same_parameters(load_layer_range(folder, 0, 1, **RUNNER_KV_LIMITS),
+                                load_layer_range(original, 0, 1, **RUNNER_KV_LIMITS))
         assert (await fetch_stored_model(orchestrator_js, NAME, "head", cache_dir=tmp_path / "orch")).is_dir()
         with pytest.raises(Exception):
             await fetch_stored_model(client_js, NAME, (0, 1), cache_dir=tmp_path / "client")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from inference import SessionStateError, load_head, load_layer_range
+from tests.runner_limits import RUNNER_KV_LIMITS
 from inference.batched import BatchRow
 from inference.sampling import SamplingParams
 
@@ -75,7 +76,8 @@ class BatchedSessions:
 def decode_eight_sessions_together(path, sessions: type[BatchedSessions] = BatchedSessions, **runner_options):
     """Eight sessions over two runners (`load_layer_range` options) decoded together, and each one's solo tokens."""
     head = load_head(path, device=runner_options.get("device"), dtype=runner_options.get("dtype"))
-    runners = [load_layer_range(path, 0, 2, **runner_options), load_layer_range(path, 3, 5, **runner_options)]
+    options = {**RUNNER_KV_LIMITS, **runner_options}
+    runners = [load_layer_range(path, 0, 2, **options), load_layer_range(path, 3, 5, **options)]
     prompts = {f"s{i}": head.encode_prompt(text) for i, text in enumerate(PROMPTS)}
     expected = {sid: solo_tokens(runners, head, ids) for sid, ids in prompts.items()}
     batch = sessions(runners, head)
@@ -99,7 +101,7 @@ def join_and_leave(path, sessions: type[BatchedSessions], joins: dict[int, str],
     together, the others join at their step, and each leaves after NEW_TOKENS tokens; the tokens each finished with,
     and its solo tokens."""
     head = load_head(path)
-    runners = [load_layer_range(path, 0, 5, **runner_options)]
+    runners = [load_layer_range(path, 0, 5, **{**RUNNER_KV_LIMITS, **runner_options})]
     prompts = {f"s{i}": head.encode_prompt(text) for i, text in enumerate(PROMPTS[:5])}
     expected = {sid: solo_tokens(runners, head, ids) for sid, ids in prompts.items()}
     batch = sessions(runners, head)
@@ -125,7 +127,7 @@ def test_sessions_joining_and_leaving_mid_batch_leave_the_others_unchanged(tiny_
 def test_a_row_s_own_error_does_not_stop_the_others(tiny_model_dir):
     path = tiny_model_dir("llama")
     head = load_head(path)
-    runner = load_layer_range(path, 0, 5)
+    runner = load_layer_range(path, 0, 5, **RUNNER_KV_LIMITS)
     runner.forward("a", head.embed([1, 5, 6]), 0, "prefill")
     runner.forward("b", head.embed([1, 7]), 0, "prefill")
     outcomes = runner.step_batch([BatchRow("a", head.embed([9]), 3), BatchRow("ghost", head.embed([9]), 4),

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from inference import SessionStateError, load_head, load_layer_range
+from tests.runner_limits import RUNNER_KV_LIMITS
 from inference.batched import BatchRow, StackingBuffers, _left_padded, _row_mask
 from services.shard.compute import ShardCompute
 from services.transport import FrameKind
@@ -42,7 +43,7 @@ class PrefilledTogether(BatchedSessions):
 def test_prompts_of_different_lengths_prefilled_together_give_their_solo_tokens(tiny_model_dir, architecture):
     path = tiny_model_dir(architecture)
     head = load_head(path)
-    runners = [load_layer_range(path, 0, 2), load_layer_range(path, 3, 5)]
+    runners = [load_layer_range(path, 0, 2, **RUNNER_KV_LIMITS), load_layer_range(path, 3, 5, **RUNNER_KV_LIMITS)]
     prompts = {f"s{i}": head.encode_prompt(text) for i, text in enumerate(PROMPTS)}
     assert len({len(ids) for ids in prompts.values()}) > 3  # really padded rows
     expected = {sid: solo_tokens(runners, head, ids) for sid, ids in prompts.items()}
@@ -57,7 +58,7 @@ def test_prompts_of_different_lengths_prefilled_together_give_their_solo_tokens(
 def test_continuing_starting_and_decoding_rows_in_one_batch_match_the_same_steps_alone(tiny_model_dir, architecture):
     path = tiny_model_dir(architecture)
     head = load_head(path)
-    batched, alone = load_layer_range(path, 0, 5), load_layer_range(path, 0, 5)
+    batched, alone = load_layer_range(path, 0, 5, **RUNNER_KV_LIMITS), load_layer_range(path, 0, 5, **RUNNER_KV_LIMITS)
     torch.manual_seed(0)
     first = {"chunked": torch.randn(1, 6, head.info.hidden_size), "decoding": torch.randn(1, 11, head.info.hidden_size)}
     for runner in (batched, alone):
@@ -77,7 +78,7 @@ def test_continuing_starting_and_decoding_rows_in_one_batch_match_the_same_steps
 def test_a_prefill_row_s_own_error_does_not_stop_the_others(tiny_model_dir):
     path = tiny_model_dir("llama")
     head = load_head(path)
-    runner = load_layer_range(path, 0, 5)
+    runner = load_layer_range(path, 0, 5, **RUNNER_KV_LIMITS)
     outcomes = runner.step_batch([BatchRow("a", head.embed([1, 5, 6]), 0, "prefill"),
                                   BatchRow("late", head.embed([4, 2]), 3, "prefill"),  # continues nothing
                                   BatchRow("b", head.embed([1, 7, 8, 9, 3]), 0, "prefill"),
@@ -110,8 +111,8 @@ async def test_a_shard_runs_the_short_prefills_of_its_hops_as_one_batch_and_long
     within rounding (the long one bitwise), and the batch is counted."""
     path = tiny_model_dir("llama")
     head = load_head(path)
-    runner = load_layer_range(path, 0, TINY_NUM_LAYERS - 1)
-    alone = load_layer_range(path, 0, TINY_NUM_LAYERS - 1)
+    runner = load_layer_range(path, 0, TINY_NUM_LAYERS - 1, **RUNNER_KV_LIMITS)
+    alone = load_layer_range(path, 0, TINY_NUM_LAYERS - 1, **RUNNER_KV_LIMITS)
     compute = ShardCompute(runner, "shard-0", shard_settings(batch_window_ms=30_000.0, max_batch_sessions=8,
                                                              max_batch_tokens=1 << 20, prefill_slice_layers=1,
                                                              prefill_slice_min_tokens=32))
@@ -138,7 +139,7 @@ async def test_a_shard_runs_the_short_prefills_of_its_hops_as_one_batch_and_long
 def test_a_batch_of_one_row_is_the_solo_step_bitwise(tiny_model_dir):
     path = tiny_model_dir("qwen2")
     head = load_head(path)
-    batched, alone = load_layer_range(path, 0, 5), load_layer_range(path, 0, 5)
+    batched, alone = load_layer_range(path, 0, 5, **RUNNER_KV_LIMITS), load_layer_range(path, 0, 5, **RUNNER_KV_LIMITS)
     prompt = head.embed(head.encode_prompt("hearth runs one model"))
     (output,) = batched.step_batch([BatchRow("a", prompt, 0, "prefill")])
     assert torch.equal(output, alone.forward("a", prompt, 0, "prefill"))

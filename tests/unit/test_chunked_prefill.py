@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from inference import SamplingParams, load_full, load_head, load_layer_range
+from tests.runner_limits import RUNNER_KV_LIMITS
 from services.orchestrator.chain import LocalChain
 from services.orchestrator.prefill import chunk_spans, prefill
 
@@ -43,7 +44,7 @@ def test_chunked_prefill_gives_the_greedy_tokens_of_one_prefill(tiny_model_dir, 
     path = tiny_model_dir(architecture)
     head = load_head(path)
     prompt_ids = head.encode_prompt(PROMPT)
-    hops = [load_layer_range(path, 0, 2), load_layer_range(path, 3, 5)]
+    hops = [load_layer_range(path, 0, 2, **RUNNER_KV_LIMITS), load_layer_range(path, 3, 5, **RUNNER_KV_LIMITS)]
     whole_logits, whole_tokens = prefill_then_decode(head, hops, prompt_ids, len(prompt_ids), "whole")
     for chunk_tokens in CHUNK_SIZES:
         logits, tokens = prefill_then_decode(head, hops, prompt_ids, chunk_tokens, f"chunks-of-{chunk_tokens}")
@@ -63,7 +64,7 @@ def test_chunk_spans_cover_the_prompt_once_in_order():
 
 
 async def test_the_local_fallback_prefills_in_chunks_to_the_same_greedy_token(tiny_model_dir):
-    local = load_full(tiny_model_dir("llama"))
+    local = load_full(tiny_model_dir("llama"), **RUNNER_KV_LIMITS)
     prompt_ids = local.head.encode_prompt(PROMPT)
     hidden = local.head.embed(prompt_ids)
     whole, chunked = LocalChain(local), LocalChain(local)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pydantic
 import pytest
 
@@ -43,7 +45,7 @@ def clean_environment(monkeypatch):
     import os
 
     for name in list(os.environ):
-        if name.upper().startswith(("HEARTH_RESEARCH", "HEARTH_TRANSPORT", "HEARTH_NATS__")):
+        if name.upper().startswith(("HEARTH_RESEARCH", "HEARTH_TRANSPORT", "HEARTH_NATS__", "HEARTH_SHARD__")):
             monkeypatch.delenv(name)
 
 
@@ -55,8 +57,9 @@ def test_defaults_are_those_of_the_specification():
     assert (di.enabled, di.max_shards_per_request, di.shard_health_timeout_s) == (True, 16, 30)
     assert (di.fallback_to_local, di.fallback_to_local_after_failures) == (True, 2)
     assert (di.activation_dtype, di.allow_self_as_shard, di.max_concurrent_pipelines) == ("auto", False, 4)
-    assert (di.host.serve_shards, di.host.shard_eviction_idle_seconds, di.host.shard_max_memory_mb) == (
-        False, 600, 20000,
+    shard = settings.shard
+    assert (shard.serve_shards, shard.eviction_idle_s, shard.max_memory_mb, shard.kv_cache_budget_mb) == (
+        False, 600, 20000, 1024,
     )
     assert (settings.transport.window_chunks, settings.transport.chunk_bytes) == (16, 1024 * 1024)
     assert settings.transport.step_timeout_s > 0
@@ -69,9 +72,10 @@ def test_every_key_of_the_toml_file_is_read(tmp_path):
     settings = load_settings(path)
     di = settings.research.distributed_inference
     assert settings.research.enable is False
-    assert (di.max_shards_per_request, di.shard_health_timeout_seconds, di.fallback_to_local) == (3, 12.5, False)
+    assert (di.max_shards_per_request, di.shard_health_timeout_s, di.fallback_to_local) == (3, 12.5, False)
     assert (di.fallback_to_local_after_failures, di.activation_dtype, di.max_concurrent_pipelines) == (1, "int8", 2)
-    assert (di.host.serve_shards, di.host.shard_eviction_idle_seconds, di.host.shard_max_memory_mb) == (True, 60, 512)
+    shard = settings.shard  # the file names the specification's places, which still set them
+    assert (shard.serve_shards, shard.eviction_idle_s, shard.max_memory_mb) == (True, 60, 512)
     assert (settings.transport.window_chunks, settings.transport.chunk_bytes) == (4, 65536)
     assert settings.transport.step_timeout_s == 2.5
     assert settings.nats.url == "nats://10.0.0.5:4222"
@@ -89,8 +93,8 @@ def test_environment_variables_override_the_file_and_keep_its_other_keys(tmp_pat
 
     di = settings.research.distributed_inference
     assert di.allow_self_as_shard is True
-    assert di.host.shard_max_memory_mb == 1024
-    assert di.host.serve_shards is True and di.max_shards_per_request == 3  # still from the file
+    assert settings.shard.max_memory_mb == 1024
+    assert settings.shard.serve_shards is True and di.max_shards_per_request == 3  # still from the file
     assert settings.transport.window_chunks == 32 and settings.transport.chunk_bytes == 65536
     assert settings.research.enable is True
 
@@ -151,23 +155,60 @@ def test_settings_are_immutable():
         settings.transport.window_chunks = 3
 
 
-def test_the_seconds_keys_take_the_s_names_and_the_specifications_names_still_work(tmp_path, monkeypatch):
+def test_the_shard_keys_live_in_the_shard_table_and_their_old_places_still_set_them(tmp_path, monkeypatch):
     new = tmp_path / "new.toml"
     new.write_text("[research.distributed_inference]\nshard_health_timeout_s = 12.5\n"
-                   "[research.distributed_inference.host]\nshard_eviction_idle_s = 60\n")
-    di = load_settings(new).research.distributed_inference
-    assert (di.shard_health_timeout_s, di.host.shard_eviction_idle_s) == (12.5, 60)
-    # The old names read the same values, for readers not yet moved to the new ones.
-    assert (di.shard_health_timeout_seconds, di.host.shard_eviction_idle_seconds) == (12.5, 60)
+                   "[shard]\nserve_shards = false\neviction_idle_s = 60\nmax_memory_mb = 512\nkv_cache_budget_mb = 8\n"
+                   "cuda_graph_max_tokens = 0\ncpu_linear_kernel = \"torch\"\n")
+    settings = load_settings(new)
+    assert settings.research.distributed_inference.shard_health_timeout_s == 12.5
+    shard = settings.shard
+    assert (shard.serve_shards, shard.eviction_idle_s, shard.max_memory_mb, shard.kv_cache_budget_mb) == (
+        False, 60, 512, 8)
+    assert (shard.cuda_graph_max_tokens, shard.cpu_linear_kernel, shard.kv_cache_budget_bytes) == (0, "torch", 8 << 20)
+
+    old = tmp_path / "old.toml"
+    old.write_text("[research.distributed_inference]\nshard_health_timeout_seconds = 12.5\n"
+                   "[research.distributed_inference.host]\nserve_shards = false\nshard_eviction_idle_seconds = 60\n"
+                   "shard_max_vram_mb = 512\nkv_cache_budget_mb = 8\ncuda_graph_max_tokens = 0\n"
+                   "cpu_linear_kernel = \"torch\"\ndevice = \"cpu\"\n")
+    from_old = load_settings(old)
+    assert from_old.shard == settings.shard and from_old.shard.model_fields_set == settings.shard.model_fields_set
+    assert from_old.research.distributed_inference.shard_health_timeout_s == 12.5
+    assert from_old.research.distributed_inference.host.device == "cpu"  # the machine's keys stay where they were
 
     monkeypatch.setenv("HEARTH_RESEARCH__DISTRIBUTED_INFERENCE__SHARD_HEALTH_TIMEOUT_SECONDS", "7")
     monkeypatch.setenv("HEARTH_RESEARCH__DISTRIBUTED_INFERENCE__HOST__SHARD_EVICTION_IDLE_SECONDS", "9")
-    di = load_settings().research.distributed_inference
-    assert (di.shard_health_timeout_s, di.host.shard_eviction_idle_s) == (7, 9)
+    monkeypatch.setenv("HEARTH_RESEARCH__DISTRIBUTED_INFERENCE__HOST__SHARD_MAX_MEMORY_MB", "10")
+    settings = load_settings()
+    assert settings.research.distributed_inference.shard_health_timeout_s == 7
+    assert (settings.shard.eviction_idle_s, settings.shard.max_memory_mb) == (9, 10)
 
 
-def test_a_key_given_under_both_its_names_is_refused(tmp_path):
+def test_a_new_name_in_the_environment_wins_over_an_old_one_in_the_file(tmp_path, monkeypatch):
+    old = tmp_path / "old.toml"
+    old.write_text("[research.distributed_inference.host]\nkv_cache_budget_mb = 8\nshard_max_memory_mb = 512\n")
+    monkeypatch.setenv("HEARTH_SHARD__KV_CACHE_BUDGET_MB", "16")
+    shard = load_settings(old).shard
+    assert (shard.kv_cache_budget_mb, shard.max_memory_mb) == (16, 512)
+
+
+@pytest.mark.parametrize("toml, names", [
+    ("[research.distributed_inference]\nshard_health_timeout_s = 1\nshard_health_timeout_seconds = 2\n",
+     "shard_health_timeout_seconds is an old name of [research.distributed_inference] shard_health_timeout_s"),
+    ("[shard]\nkv_cache_budget_mb = 1\n[research.distributed_inference.host]\nkv_cache_budget_mb = 2\n",
+     "host] kv_cache_budget_mb is an old name of [shard] kv_cache_budget_mb"),
+    ("[research.distributed_inference.host]\nshard_max_memory_mb = 1\nshard_max_vram_mb = 2\n",
+     "shard_max_vram_mb is an old name of [shard] max_memory_mb"),
+])
+def test_a_key_given_under_two_of_its_names_is_refused_naming_both(tmp_path, toml, names):
     both = tmp_path / "both.toml"
-    both.write_text("[research.distributed_inference]\nshard_health_timeout_s = 1\nshard_health_timeout_seconds = 2\n")
-    with pytest.raises(pydantic.ValidationError, match="shard_health_timeout"):
+    both.write_text(toml)
+    with pytest.raises(pydantic.ValidationError, match=re.escape(names)):
         load_settings(both)
+
+
+def test_a_key_given_under_both_its_names_in_keyword_arguments_is_refused():
+    with pytest.raises(pydantic.ValidationError, match="give it once, as \\[shard\\] serve_shards"):
+        load_settings(shard={"serve_shards": True},
+                      research={"distributed_inference": {"host": {"serve_shards": False}}})

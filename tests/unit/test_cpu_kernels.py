@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from inference import load_head, load_layer_range
+from tests.runner_limits import RUNNER_KV_LIMITS
 from inference.cpu_kernels import (
     CPU_LINEAR_KERNELS,
     DEFAULT_CPU_LINEAR_KERNEL,
@@ -20,7 +21,7 @@ from inference.cpu_kernels import (
     onednn_linear_available,
     use_cpu_linear_kernel,
 )
-from services.common.config import HostSettings
+from services.common.config_processes import ShardSettings
 
 from .inference_tiny_models import ARCHITECTURES, one_torch_thread, tiny_model_dir  # noqa: F401  (fixtures)
 from .test_batched_decode import decode_eight_sessions_together, solo_tokens
@@ -43,8 +44,8 @@ def test_onednn_layers_batch_eight_sessions_into_the_tokens_torch_s_kernels_give
     assert _linear_modes(batch.runners[0]) == {expected}
     assert batch.tokens == solo
     head = load_head(path)
-    torch_runners = [load_layer_range(path, 0, 2, cpu_linear_kernel="torch"),
-                     load_layer_range(path, 3, 5, cpu_linear_kernel="torch")]
+    torch_runners = [load_layer_range(path, 0, 2, cpu_linear_kernel="torch", **RUNNER_KV_LIMITS),
+                     load_layer_range(path, 3, 5, cpu_linear_kernel="torch", **RUNNER_KV_LIMITS)]
     prompt_ids = head.encode_prompt("the quick brown fox")
     assert solo_tokens(batch.runners, head, prompt_ids) == solo_tokens(torch_runners, head, prompt_ids)
 
@@ -69,7 +70,8 @@ def test_batched_only_keeps_one_session_s_steps_bitwise_and_moves_batched_ones_t
 
 def test_one_session_through_the_default_kernel_is_bitwise_equal_to_torch_s(tiny_model_dir):
     path = tiny_model_dir("llama")
-    default, dense = load_layer_range(path, 0, 5), load_layer_range(path, 0, 5, cpu_linear_kernel="torch")
+    default = load_layer_range(path, 0, 5, **RUNNER_KV_LIMITS)
+    dense = load_layer_range(path, 0, 5, cpu_linear_kernel="torch", **RUNNER_KV_LIMITS)
     assert _linear_modes(default) == {"OneDnnLinear(batched only)"} and _linear_modes(dense) == {"Linear"}
     head = load_head(path)
     assert solo_tokens([default], head, head.encode_prompt("hello")) == solo_tokens([dense], head,
@@ -80,13 +82,14 @@ def test_one_session_through_the_default_kernel_is_bitwise_equal_to_torch_s(tiny
 
 def test_the_swap_shares_the_weights(tiny_model_dir):
     path = tiny_model_dir("llama")
-    dense, onednn = load_layer_range(path, 0, 5, cpu_linear_kernel="torch"), load_layer_range(
-        path, 0, 5, cpu_linear_kernel="onednn")
+    dense, onednn = load_layer_range(path, 0, 5, cpu_linear_kernel="torch", **RUNNER_KV_LIMITS), load_layer_range(
+        path, 0, 5, cpu_linear_kernel="onednn", **RUNNER_KV_LIMITS)
     assert dense.weight_bytes == onednn.weight_bytes
 
 
 def test_the_setting_leaves_layers_it_does_not_apply_to_alone(tiny_model_dir):
-    runner = load_layer_range(tiny_model_dir("llama"), 0, 5, dtype="bf16", cpu_linear_kernel="onednn")
+    runner = load_layer_range(tiny_model_dir("llama"), 0, 5, dtype="bf16", cpu_linear_kernel="onednn",
+                              **RUNNER_KV_LIMITS)
     assert _linear_modes(runner) == {"Linear"}  # float32 layers only
     layer = nn.Sequential(nn.Linear(4, 4))
     assert not use_cpu_linear_kernel([layer], "torch", torch.device("cpu"), torch.float32)
@@ -97,6 +100,6 @@ def test_the_setting_leaves_layers_it_does_not_apply_to_alone(tiny_model_dir):
 
 
 def test_the_config_offers_the_kernels_the_code_knows_with_the_same_default():
-    field = HostSettings.model_fields["cpu_linear_kernel"]
+    field = ShardSettings.model_fields["cpu_linear_kernel"]
     assert typing.get_args(field.annotation) == CPU_LINEAR_KERNELS
     assert field.default == DEFAULT_CPU_LINEAR_KERNEL

@@ -51,8 +51,6 @@ def test_openai_sampling_defaults_and_hearth_s_max_tokens():
     ({"n": 2}, "n"),
     ({"tools": [{"type": "function", "function": {"name": "lookup"}}]}, "tools"),
     ({"tool_choice": "required"}, "tool_choice"),
-    ({"logprobs": True}, "logprobs"),
-    ({"presence_penalty": 0.5}, "presence_penalty"),
     ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
 ])

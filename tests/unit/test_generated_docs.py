@@ -19,6 +19,7 @@ from events.models import EVENT_TYPES
 from services import schema
 from protocol import chat as chat_protocol
 from services.common.config import HearthSettings, load_settings
+from services.common.config_aliases import MOVED_KEYS, dotted
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
@@ -103,7 +104,7 @@ def test_every_settings_key_is_in_the_configuration_page():
     page = configuration_page()
     keys = settings_keys()
     assert ("transport", "step_timeout_s") in keys
-    assert ("research", "distributed_inference", "host", "serve_shards") in keys
+    assert ("shard", "serve_shards") in keys and ("research", "distributed_inference", "host", "device") in keys
     for path in keys:
         assert f"### `[{'.'.join(path[:-1])}]`" in page, path
         assert row_of(page, "HEARTH_" + "__".join(path).upper())[0] == f"`{path[-1]}`"
@@ -116,7 +117,7 @@ def test_the_configuration_rows_carry_unit_constraint_default_and_description():
     assert "stalled" in description
     _, _, default, constraint, unit, _, _ = row_of(page, "HEARTH_TRANSPORT__CHUNK_BYTES")
     assert (default, constraint, unit) == ("`1048576` (1 MiB)", ">= 1024", "bytes")
-    _, _, _, _, unit, _, _ = row_of(page, "HEARTH_RESEARCH__DISTRIBUTED_INFERENCE__HOST__SHARD_MAX_MEMORY_MB")
+    _, _, _, _, unit, _, _ = row_of(page, "HEARTH_SHARD__MAX_MEMORY_MB")
     assert unit == "MiB"
     _, kind, _, _, _, _, _ = row_of(page, "HEARTH_RESEARCH__DISTRIBUTED_INFERENCE__ACTIVATION_DTYPE")
     assert kind.startswith("one of `\"auto\"`")
@@ -125,6 +126,13 @@ def test_the_configuration_rows_carry_unit_constraint_default_and_description():
     # A key without a description of its own is described by its section.
     *_, description = row_of(page, "HEARTH_RESEARCH__ENABLE")
     assert "experimental_disabled" in description
+
+
+def test_each_moved_key_s_row_names_its_old_places_and_their_variables():
+    page = configuration_page()
+    for old, new in MOVED_KEYS:
+        *_, description = row_of(page, "HEARTH_" + "__".join(new).upper())
+        assert f"`{dotted(old)}` (`{'HEARTH_' + '__'.join(old).upper()}`)" in description, (old, new)
 
 
 def test_the_example_file_on_the_page_is_complete_and_loads_to_the_defaults(tmp_path, monkeypatch):

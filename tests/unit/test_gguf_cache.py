@@ -13,6 +13,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from inference import gguf_cache, gguf_checkpoint, load_head, load_layer_range
+from tests.runner_limits import RUNNER_KV_LIMITS
 from inference.gguf_cache import GGUFCacheEntry, gguf_cache_entry
 from inference.gguf_checkpoint import gguf_config_dict, gguf_table, load_gguf_tokenizer
 from services.devtools import demo_model
@@ -63,12 +64,12 @@ def parses(monkeypatch):
 
 
 def test_a_cached_load_gives_exactly_what_a_parse_gives(tiny_gguf_file, parses):
-    parsed_range, parsed_head = load_layer_range(tiny_gguf_file, 1, 3), load_head(tiny_gguf_file)
+    parsed_range, parsed_head = load_layer_range(tiny_gguf_file, 1, 3, **RUNNER_KV_LIMITS), load_head(tiny_gguf_file)
     parsed = gguf_config_dict(tiny_gguf_file), gguf_table(tiny_gguf_file)
     assert parses == {"config": 1, "table": 1, "tokenizer": 1}
     new_process()
 
-    cached_range, cached_head = load_layer_range(tiny_gguf_file, 1, 3), load_head(tiny_gguf_file)
+    cached_range, cached_head = load_layer_range(tiny_gguf_file, 1, 3, **RUNNER_KV_LIMITS), load_head(tiny_gguf_file)
 
     assert parses == {"config": 1, "table": 1, "tokenizer": 1}  # nothing parsed again
     assert (gguf_config_dict(tiny_gguf_file), gguf_table(tiny_gguf_file)) == parsed

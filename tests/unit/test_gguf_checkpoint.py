@@ -22,6 +22,7 @@ from inference import (
     resolve_model_path,
     weights_sha256,
 )
+from tests.runner_limits import RUNNER_KV_LIMITS
 from inference.gguf_checkpoint import GGUFCheckpoint, gguf_config
 from inference.memory import layer_weight_bytes
 
@@ -67,8 +68,8 @@ def test_a_layer_range_of_a_gguf_computes_what_its_dequantized_weights_do(tiny_g
     path, reference = tiny_gguf(architecture, block_type)
     head = load_head(reference)
 
-    from_gguf = load_layer_range(path, 2, 4)
-    expected = load_layer_range(reference, 2, 4)
+    from_gguf = load_layer_range(path, 2, 4, **RUNNER_KV_LIMITS)
+    expected = load_layer_range(reference, 2, 4, **RUNNER_KV_LIMITS)
 
     assert {n for n, _ in from_gguf.named_parameters()} == {n for n, _ in expected.named_parameters()}
     for (name, tensor), (_, want) in zip(from_gguf.named_parameters(), expected.named_parameters()):
@@ -99,8 +100,8 @@ def test_the_head_of_a_gguf_has_its_tokenizer_chat_template_and_eos(tiny_gguf):
 def test_a_whole_gguf_generates_the_same_greedy_tokens_as_its_dequantized_weights(tiny_gguf):
     path, reference = tiny_gguf("qwen2", GGMLQuantizationType.Q8_0)
     params = SamplingParams(max_tokens=8, stop_token_ids=())
-    expected = load_full(reference)
-    model = load_full(path)
+    expected = load_full(reference, **RUNNER_KV_LIMITS)
+    model = load_full(path, **RUNNER_KV_LIMITS)
     prompt = expected.head.encode_prompt(PROMPT)
     assert list(model.generate_ids(prompt, params)) == list(expected.generate_ids(prompt, params))
 
@@ -129,7 +130,7 @@ def test_a_gguf_of_another_architecture_is_refused_in_one_line(tmp_path):
     path, _ = write_tiny_gguf(tmp_path, "llama", GGMLQuantizationType.F32, with_tokenizer=False,
                               gguf_architecture="gpt2")
     with pytest.raises(CheckpointError) as refused:
-        load_layer_range(path, 0, 0)
+        load_layer_range(path, 0, 0, **RUNNER_KV_LIMITS)
     message = str(refused.value)
     assert "\n" not in message and "tiny.gguf" in message and "llama, qwen2" in message
 
@@ -139,7 +140,7 @@ def test_a_truncated_gguf_is_refused_in_one_line(tiny_gguf, tmp_path):
     truncated = tmp_path / "cut.gguf"
     truncated.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     with pytest.raises(CheckpointError) as refused:
-        load_layer_range(truncated, 0, 0)
+        load_layer_range(truncated, 0, 0, **RUNNER_KV_LIMITS)
     assert "\n" not in str(refused.value) and "cut.gguf" in str(refused.value)
 
 
@@ -150,9 +151,9 @@ def test_a_tensor_in_a_block_type_hearth_does_not_read_is_named(tmp_path, tiny_g
 
     path = rewrite_gguf(source, tmp_path / "odd.gguf", "llama", as_i32)
 
-    load_layer_range(path, 0, 0)  # layer 0 is readable
+    load_layer_range(path, 0, 0, **RUNNER_KV_LIMITS)  # layer 0 is readable
     with pytest.raises(CheckpointError) as refused:
-        load_layer_range(path, 1, 1)
+        load_layer_range(path, 1, 1, **RUNNER_KV_LIMITS)
     message = str(refused.value)
     assert "\n" not in message and "blk.1.attn_v.weight" in message and "I32" in message
 
@@ -177,7 +178,7 @@ def test_k_quant_tensors_read_as_the_gguf_package_dequantizes_them(tmp_path, tin
 
     path = rewrite_gguf(source, tmp_path / "kquants.gguf", "qwen2", random_k_blocks)
 
-    params = dict(load_layer_range(path, 0, 1).named_parameters())
+    params = dict(load_layer_range(path, 0, 1, **RUNNER_KV_LIMITS).named_parameters())
     for layer in (0, 1):
         down = next(v for k, v in params.items() if k.endswith(f"{layer}.mlp.down_proj.weight"))
         assert torch.equal(down, torch.from_numpy(expected[f"blk.{layer}.ffn_down.weight"]))

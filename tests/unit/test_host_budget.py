@@ -1,4 +1,4 @@
-"""`hearth host --memory-budget-mb`: the budget becomes the host's `shard_max_memory_mb`, and a KV reserve left at
+"""`hearth host --memory-budget-mb`: the budget becomes the host's `[shard] max_memory_mb`, and a KV reserve left at
 its default is capped to a share of it so that a small budget still holds layers; an explicit reserve is kept."""
 
 from __future__ import annotations
@@ -8,17 +8,17 @@ import pytest
 from services.common.config import HearthSettings
 from services.host.main import DEFAULT_KV_RESERVE_MAX_BUDGET_SHARE, with_memory_budget
 
-KV_ENV = "HEARTH_RESEARCH__DISTRIBUTED_INFERENCE__HOST__KV_CACHE_BUDGET_MB"
+KV_ENV = "HEARTH_SHARD__KV_CACHE_BUDGET_MB"
 
 
 def host_of(settings: HearthSettings):
-    return settings.research.distributed_inference.host
+    return settings.shard
 
 
 def test_a_small_budget_caps_the_default_kv_reserve_to_its_share(monkeypatch):
     monkeypatch.delenv(KV_ENV, raising=False)
     host = host_of(with_memory_budget(HearthSettings(), 500))
-    assert host.shard_max_memory_mb == 500
+    assert host.max_memory_mb == 500
     assert host.kv_cache_budget_mb == pytest.approx(DEFAULT_KV_RESERVE_MAX_BUDGET_SHARE * 500)
 
 
@@ -32,7 +32,7 @@ def test_a_large_budget_keeps_the_default_kv_reserve(monkeypatch):
 def test_an_explicit_kv_reserve_is_kept_even_when_it_fills_the_budget(monkeypatch):
     monkeypatch.setenv(KV_ENV, "450")
     host = host_of(with_memory_budget(HearthSettings(), 500))
-    assert host.shard_max_memory_mb == 500 and host.kv_cache_budget_mb == 450
+    assert host.max_memory_mb == 500 and host.kv_cache_budget_mb == 450
 
 
 def test_no_budget_leaves_the_settings_alone(monkeypatch):

@@ -10,6 +10,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from inference import CheckpointError, load_layer_range, weights_sha256
+from tests.runner_limits import RUNNER_KV_LIMITS
 from inference.checksum import WEIGHTS_CACHE_FILE_NAME
 
 from .inference_tiny_models import one_torch_thread, tiny_model_dir  # noqa: F401  (fixtures)
@@ -26,8 +27,8 @@ def checkpoint(tmp_path, tiny_model_dir):
 def test_every_shard_host_of_the_same_checkpoint_reports_the_same_digest(tmp_path, checkpoint):
     other_machine = tmp_path / "elsewhere" / "same-model"
     shutil.copytree(checkpoint, other_machine)
-    first = load_layer_range(checkpoint, 0, 2)
-    second = load_layer_range(other_machine, 3, 5)
+    first = load_layer_range(checkpoint, 0, 2, **RUNNER_KV_LIMITS)
+    second = load_layer_range(other_machine, 3, 5, **RUNNER_KV_LIMITS)
     digest = weights_sha256(first.info.path, cache_dir=tmp_path / "cache-a")
     assert digest == weights_sha256(second.info.path, cache_dir=tmp_path / "cache-b")
     assert len(digest) == 64 and int(digest, 16) >= 0

@@ -8,6 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from inference import SamplingParams, load_full, load_head, load_layer_range
+from tests.runner_limits import RUNNER_KV_LIMITS
 from inference.devices import DeviceUnavailable, resolve_compute_dtype, resolve_device
 from inference.host_staging import to_device, to_host
 
@@ -33,9 +34,9 @@ def greedy_tokens(path, *, dtype: str, device: str, split: bool) -> tuple[list[i
     head = load_head(path, dtype=dtype, device=device)
     prompt_ids = head.encode_prompt(PROMPT)
     n = head.info.num_layers
-    hops = ([load_layer_range(path, 0, n // 2 - 1, dtype=dtype, device=device),
-             load_layer_range(path, n // 2, n - 1, dtype=dtype, device=device)] if split
-            else [load_full(path, dtype=dtype, device=device).runner])
+    hops = ([load_layer_range(path, 0, n // 2 - 1, dtype=dtype, device=device, **RUNNER_KV_LIMITS),
+             load_layer_range(path, n // 2, n - 1, dtype=dtype, device=device, **RUNNER_KV_LIMITS)] if split
+            else [load_full(path, dtype=dtype, device=device, **RUNNER_KV_LIMITS).runner])
     hidden_in, position, kind, tokens = head.embed(prompt_ids), 0, "prefill", []
     for _ in range(NEW_TOKENS):
         hidden = hidden_in
@@ -78,7 +79,7 @@ def test_bad_dtype_is_refused():
 def test_bf16_layer_ranges_on_cpu_give_generate_s_bf16_tokens(tiny_model_dir):
     path = tiny_model_dir("llama")
     prompt_ids, tokens = greedy_tokens(path, dtype="bf16", device="cpu", split=True)
-    runner = load_layer_range(path, 0, 1, dtype="bf16", device="cpu")
+    runner = load_layer_range(path, 0, 1, dtype="bf16", device="cpu", **RUNNER_KV_LIMITS)
     assert {p.dtype for _, p in runner.named_parameters()} == {torch.bfloat16}
     assert tokens == generate_reference(path, prompt_ids, torch.bfloat16, "cpu")
 

@@ -18,6 +18,7 @@ from inference import (
     resolve_model_path,
     supported_architectures,
 )
+from tests.runner_limits import RUNNER_KV_LIMITS
 
 from .inference_tiny_models import one_torch_thread, tiny_model_dir  # noqa: F401  (fixtures)
 
@@ -48,7 +49,7 @@ def test_a_quarter_of_the_layers_reads_and_holds_a_quarter_of_the_layer_weights(
     layer_bytes = sum(size for name, size in sizes.items() if name.startswith("model.layers."))
     wanted = {name for name in sizes if any(name.startswith(f"model.layers.{i}.") for i in range(4, 8))}
 
-    runner = load_layer_range(path, 4, 7)
+    runner = load_layer_range(path, 4, 7, **RUNNER_KV_LIMITS)
 
     assert set(runner.loaded_tensor_names) == wanted
     assert {name for name, _ in runner.named_parameters()} == wanted
@@ -80,7 +81,7 @@ def test_head_with_tied_embeddings_shares_one_matrix(tiny_model_dir):
 
 def test_model_info_describes_the_checkpoint(tiny_model_dir):
     path = tiny_model_dir("gemma2")
-    runner = load_layer_range(path, 2, 3, model_id="tiny/gemma2")
+    runner = load_layer_range(path, 2, 3, model_id="tiny/gemma2", **RUNNER_KV_LIMITS)
     info = runner.info
     assert (info.model_id, info.architecture, info.model_type) == (
         "tiny/gemma2",
@@ -93,12 +94,12 @@ def test_model_info_describes_the_checkpoint(tiny_model_dir):
         torch.float32,
         "float32",
     )
-    assert load_layer_range(path, 0, 0).info.model_id == path.name
+    assert load_layer_range(path, 0, 0, **RUNNER_KV_LIMITS).info.model_id == path.name
 
 
 def test_dtype_override_converts_weights_and_activations(tiny_model_dir):
     path = tiny_model_dir("llama")
-    runner = load_layer_range(path, 0, 1, dtype="bfloat16")
+    runner = load_layer_range(path, 0, 1, dtype="bfloat16", **RUNNER_KV_LIMITS)
     head = load_head(path, dtype=torch.bfloat16)
     assert runner.info.dtype == torch.bfloat16
     assert {t.dtype for _, t in runner.named_parameters()} == {torch.bfloat16}
@@ -110,13 +111,13 @@ def test_dtype_override_converts_weights_and_activations(tiny_model_dir):
 @pytest.mark.parametrize("lo,hi", [(-1, 2), (3, 2), (0, 6)])
 def test_layer_range_outside_the_model_is_refused(tiny_model_dir, lo, hi):
     with pytest.raises(ValueError, match="not inside 0-5"):
-        load_layer_range(tiny_model_dir("llama"), lo, hi)
+        load_layer_range(tiny_model_dir("llama"), lo, hi, **RUNNER_KV_LIMITS)
 
 
 def test_unsupported_architecture_fails_at_load_naming_it_and_the_supported_ones(tmp_path):
     config = GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=64, n_positions=32)
     GPT2LMHeadModel(config).save_pretrained(tmp_path)
-    for load in (lambda: load_layer_range(tmp_path, 0, 1), lambda: load_head(tmp_path)):
+    for load in (lambda: load_layer_range(tmp_path, 0, 1, **RUNNER_KV_LIMITS), lambda: load_head(tmp_path)):
         with pytest.raises(UnsupportedArchitectureError) as error:
             load()
         message = str(error.value)
@@ -130,13 +131,13 @@ def test_unknown_model_type_is_refused_before_transformers_parses_it(tmp_path):
         json.dumps({"model_type": "frobnicator", "architectures": ["FrobLM"]})
     )
     with pytest.raises(UnsupportedArchitectureError, match="FrobLM.*LlamaForCausalLM"):
-        load_layer_range(tmp_path, 0, 0)
+        load_layer_range(tmp_path, 0, 0, **RUNNER_KV_LIMITS)
 
 
 def test_folder_without_safetensors_is_a_checkpoint_error(tmp_path, tiny_model_dir):
     shutil.copy(tiny_model_dir("llama") / "config.json", tmp_path / "config.json")
     with pytest.raises(CheckpointError, match="no safetensors"):
-        load_layer_range(tmp_path, 0, 0)
+        load_layer_range(tmp_path, 0, 0, **RUNNER_KV_LIMITS)
 
 
 def make_hub_cache(cache_dir, repo_id, source_folder):
@@ -153,7 +154,8 @@ def test_hub_id_resolves_from_the_local_snapshot_cache(tmp_path, tiny_model_dir)
     snapshot = make_hub_cache(tmp_path / "hub", "tiny-org/tiny-llama", tiny_model_dir("llama"))
     resolved = resolve_model_path("tiny-org/tiny-llama", cache_dir=tmp_path / "hub", local_files_only=True)
     assert resolved == snapshot
-    runner = load_layer_range("tiny-org/tiny-llama", 0, 1, cache_dir=tmp_path / "hub", local_files_only=True)
+    runner = load_layer_range("tiny-org/tiny-llama", 0, 1, cache_dir=tmp_path / "hub", local_files_only=True,
+                              **RUNNER_KV_LIMITS)
     assert runner.info.model_id == "tiny-org/tiny-llama"
     assert runner.info.path == snapshot
 

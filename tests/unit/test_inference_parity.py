@@ -14,6 +14,7 @@ from inference import (
     load_layer_range,
     supported_architectures,
 )
+from tests.runner_limits import RUNNER_KV_LIMITS
 from inference.layer_call import cache_argument
 
 from .inference_tiny_models import (  # noqa: F401  (fixtures are used by name)
@@ -110,7 +111,8 @@ def test_layer_ranges_are_bitwise_equal_to_the_monolithic_model(
     head = load_head(path)
     for plan_name, plan in PLANS.items():
         hops = [
-            (load_layer_range(path, lo, hi, attn_implementation=attn_implementation_for(architecture)), sub)
+            (load_layer_range(path, lo, hi, attn_implementation=attn_implementation_for(architecture),
+                              **RUNNER_KV_LIMITS), sub)
             for (lo, hi), sub in plan
         ]
         tokens, logits = run_pipeline(head, hops, prompt_ids, DECODE_STEPS)
@@ -130,8 +132,8 @@ def test_chunked_prefill_matches_the_monolithic_model_fed_the_same_chunks(tiny_m
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn)
     cache = DynamicCache(config=model.config)
     hops = [
-        load_layer_range(path, 0, 2, attn_implementation=attn),
-        load_layer_range(path, 3, 5, attn_implementation=attn),
+        load_layer_range(path, 0, 2, attn_implementation=attn, **RUNNER_KV_LIMITS),
+        load_layer_range(path, 3, 5, attn_implementation=attn, **RUNNER_KV_LIMITS),
     ]
     position = 0
     for chunk in chunks:
@@ -149,7 +151,7 @@ def test_chunked_prefill_matches_the_monolithic_model_fed_the_same_chunks(tiny_m
 def test_load_full_generates_the_same_tokens_as_transformers_generate(tiny_model_dir, reference_generation):
     path = tiny_model_dir("qwen3")
     prompt_ids, reference_tokens, _ = reference_generation(path, "qwen3")
-    local = load_full(path)
+    local = load_full(path, **RUNNER_KV_LIMITS)
     assert local.runner.layer_lo == 0 and local.runner.layer_hi == TINY_NUM_LAYERS - 1
     params = SamplingParams(temperature=0.0, max_tokens=DECODE_STEPS + 1, stop_token_ids=())
     tokens = list(local.generate_ids(prompt_ids, params))
@@ -163,7 +165,7 @@ def test_load_full_generates_the_same_tokens_as_transformers_generate(tiny_model
 
 
 def test_load_full_streams_text_and_seeded_sampling_repeats(tiny_model_dir):
-    local = load_full(tiny_model_dir("llama"))
+    local = load_full(tiny_model_dir("llama"), **RUNNER_KV_LIMITS)
     prompt_ids = local.head.encode_chat([{"role": "user", "content": "hello there"}])
     params = SamplingParams(temperature=1.0, seed=7, max_tokens=12)
     tokens = list(local.generate_ids(prompt_ids, params))

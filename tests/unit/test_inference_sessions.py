@@ -15,6 +15,7 @@ from inference import (
     load_head,
     load_layer_range,
 )
+from tests.runner_limits import KV_BUDGET_BYTES, RUNNER_KV_LIMITS, SESSION_TTL_S
 
 from .inference_tiny_models import one_torch_thread, tiny_model_dir  # noqa: F401  (fixtures)
 
@@ -50,10 +51,10 @@ def greedy_steps(runner, head, session_id, prompt_ids, steps, *, layers=None):
 
 def test_interleaved_sessions_do_not_disturb_each_other(llama):
     path, head = llama
-    alone_a = greedy_steps(load_layer_range(path, 0, 5), head, "a", [1, 10, 11, 12], 6)
-    alone_b = greedy_steps(load_layer_range(path, 0, 5), head, "b", [1, 40, 41], 6)
+    alone_a = greedy_steps(load_layer_range(path, 0, 5, **RUNNER_KV_LIMITS), head, "a", [1, 10, 11, 12], 6)
+    alone_b = greedy_steps(load_layer_range(path, 0, 5, **RUNNER_KV_LIMITS), head, "b", [1, 40, 41], 6)
 
-    runner = load_layer_range(path, 0, 5)
+    runner = load_layer_range(path, 0, 5, **RUNNER_KV_LIMITS)
     states = {"a": ([1, 10, 11, 12], alone_a), "b": ([1, 40, 41], alone_b)}
     hidden = {sid: runner.forward(sid, head.embed(ids), 0, "prefill") for sid, (ids, _) in states.items()}
     position = {sid: len(ids) for sid, (ids, _) in states.items()}
@@ -71,9 +72,10 @@ def test_concurrent_threads_get_the_same_results_as_sequential_calls(llama):
     path, head = llama
     prompts = {f"s{i}": [1, 20 + i, 30 + i] for i in range(4)}
     sequential = {
-        sid: greedy_steps(load_layer_range(path, 0, 5), head, sid, ids, 4) for sid, ids in prompts.items()
+        sid: greedy_steps(load_layer_range(path, 0, 5, **RUNNER_KV_LIMITS), head, sid, ids, 4)
+        for sid, ids in prompts.items()
     }
-    shared = load_layer_range(path, 0, 5)
+    shared = load_layer_range(path, 0, 5, **RUNNER_KV_LIMITS)
     with ThreadPoolExecutor(max_workers=4) as pool:
         futures = {sid: pool.submit(greedy_steps, shared, head, sid, ids, 4) for sid, ids in prompts.items()}
         concurrent = {sid: future.result(timeout=60) for sid, future in futures.items()}
@@ -83,7 +85,7 @@ def test_concurrent_threads_get_the_same_results_as_sequential_calls(llama):
 
 def test_session_bytes_count_exactly_the_cached_keys_and_values(llama):
     path, head = llama
-    runner = load_layer_range(path, 2, 4)  # 3 layers
+    runner = load_layer_range(path, 2, 4, **RUNNER_KV_LIMITS)  # 3 layers
     runner.forward("s", head.embed([1, 2, 3, 4, 5]), 0, "prefill")
     assert runner.session_bytes("s") == 5 * 3 * KV_BYTES_PER_TOKEN_PER_LAYER
     runner.forward("s", head.embed([6]), 5, "decode")
@@ -95,7 +97,7 @@ def test_session_bytes_count_exactly_the_cached_keys_and_values(llama):
 
 def test_reset_frees_the_session_and_starts_it_over(llama):
     path, head = llama
-    runner = load_layer_range(path, 0, 5)
+    runner = load_layer_range(path, 0, 5, **RUNNER_KV_LIMITS)
     first = runner.forward("s", head.embed([1, 7, 8]), 0, "prefill")
     runner.forward("s", head.embed([9]), 3, "decode")
     held = runner.session_bytes("s")
@@ -110,7 +112,7 @@ def test_reset_frees_the_session_and_starts_it_over(llama):
 
 def test_prefill_at_position_zero_replaces_an_existing_session(llama):
     path, head = llama
-    runner = load_layer_range(path, 0, 5)
+    runner = load_layer_range(path, 0, 5, **RUNNER_KV_LIMITS)
     first = runner.forward("s", head.embed([1, 7, 8]), 0, "prefill")
     runner.forward("s", head.embed([9]), 3, "decode")
     again = runner.forward("s", head.embed([1, 7, 8]), 0, "prefill")  # e.g. a re-prefill after failover
@@ -120,8 +122,8 @@ def test_prefill_at_position_zero_replaces_an_existing_session(llama):
 
 def test_a_step_at_the_wrong_position_is_refused_and_leaves_the_session_intact(llama):
     path, head = llama
-    runner = load_layer_range(path, 0, 5)
-    reference = load_layer_range(path, 0, 5)
+    runner = load_layer_range(path, 0, 5, **RUNNER_KV_LIMITS)
+    reference = load_layer_range(path, 0, 5, **RUNNER_KV_LIMITS)
     for r in (runner, reference):
         r.forward("s", head.embed([1, 7, 8]), 0, "prefill")
     with pytest.raises(SessionStateError, match="3 cached tokens but the step starts at position 5"):
@@ -136,7 +138,7 @@ def test_a_step_at_the_wrong_position_is_refused_and_leaves_the_session_intact(l
 
 def test_sub_range_steps_must_continue_the_layers_they_started_on(llama):
     path, head = llama
-    runner = load_layer_range(path, 1, 4)
+    runner = load_layer_range(path, 1, 4, **RUNNER_KV_LIMITS)
     runner.forward("s", head.embed([1, 7, 8]), 0, "prefill", layers=(2, 4))
     runner.forward("s", head.embed([9]), 3, "decode", layers=(2, 4))
     with pytest.raises(SessionStateError, match="layer 1 has 0 cached tokens"):
@@ -150,7 +152,7 @@ def test_lru_eviction_under_the_budget_frees_the_bytes_it_reports(llama):
     one_session_bytes = 4 * 6 * KV_BYTES_PER_TOKEN_PER_LAYER  # 4 tokens on 6 layers
     evicted: list[EvictedSession] = []
     runner = load_layer_range(
-        path, 0, 5, cache_budget_bytes=2 * one_session_bytes + 100, on_evict=evicted.append
+        path, 0, 5, cache_budget_bytes=2 * one_session_bytes + 100, on_evict=evicted.append, session_ttl_s=SESSION_TTL_S
     )
     for sid in ("a", "b"):
         runner.forward(sid, head.embed([1, 2, 3, 4]), 0, "prefill")
@@ -171,7 +173,8 @@ def test_ttl_evicts_idle_sessions_and_frees_their_bytes(llama):
     path, head = llama
     clock = FakeClock()
     evicted: list[EvictedSession] = []
-    runner = load_layer_range(path, 0, 5, session_ttl_s=10.0, clock=clock, on_evict=evicted.append)
+    runner = load_layer_range(path, 0, 5, session_ttl_s=10.0, clock=clock, on_evict=evicted.append,
+                              cache_budget_bytes=KV_BUDGET_BYTES)
     runner.forward("old", head.embed([1, 2, 3]), 0, "prefill")
     clock.now_s += 6
     runner.forward("recent", head.embed([1, 2]), 0, "prefill")
@@ -188,7 +191,8 @@ def test_ttl_evicts_idle_sessions_and_frees_their_bytes(llama):
 
 def test_a_session_larger_than_the_whole_budget_is_refused_before_computing(llama):
     path, head = llama
-    runner = load_layer_range(path, 0, 5, cache_budget_bytes=10 * 6 * KV_BYTES_PER_TOKEN_PER_LAYER)
+    runner = load_layer_range(path, 0, 5, cache_budget_bytes=10 * 6 * KV_BYTES_PER_TOKEN_PER_LAYER,
+                              session_ttl_s=SESSION_TTL_S)
     with pytest.raises(SessionTooLargeError):
         runner.forward("big", head.embed(list(range(1, 12))), 0, "prefill")
     assert runner.session_ids() == [] and runner.cache_bytes == 0
@@ -198,7 +202,7 @@ def test_a_session_larger_than_the_whole_budget_is_refused_before_computing(llam
 
 def test_bad_inputs_are_rejected_at_the_boundary(llama):
     path, head = llama
-    runner = load_layer_range(path, 0, 1)
+    runner = load_layer_range(path, 0, 1, **RUNNER_KV_LIMITS)
     good = head.embed([1, 2])
     with pytest.raises(ValueError, match="shape"):
         runner.forward("s", good[0], 0, "prefill")
@@ -215,7 +219,7 @@ def test_bad_inputs_are_rejected_at_the_boundary(llama):
 
 def test_close_frees_everything_and_refuses_further_work(llama):
     path, head = llama
-    runner = load_layer_range(path, 0, 1)
+    runner = load_layer_range(path, 0, 1, **RUNNER_KV_LIMITS)
     runner.forward("s", head.embed([1, 2]), 0, "prefill")
     runner.close()
     assert runner.cache_bytes == 0 and runner.weight_bytes == 0

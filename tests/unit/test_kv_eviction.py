@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from inference import SamplingParams, SessionEvictedError, SessionStateError, load_head, load_layer_range
+from tests.runner_limits import KV_BUDGET_BYTES, RUNNER_KV_LIMITS, SESSION_TTL_S
 
 from .inference_tiny_models import one_torch_thread, tiny_model_dir  # noqa: F401  (fixtures)
 from .test_inference_sessions import KV_BYTES_PER_TOKEN_PER_LAYER, FakeClock
@@ -40,9 +41,10 @@ def llama(tiny_model_dir):
 
 def test_lru_eviction_answers_evicted_and_a_re_prefill_gives_the_same_tokens(llama):
     path, head = llama
-    expected, _ = generate(load_layer_range(path, 0, 5), head, "alone", [1, 10, 11, 12], 8)
+    expected, _ = generate(load_layer_range(path, 0, 5, **RUNNER_KV_LIMITS), head, "alone", [1, 10, 11, 12], 8)
     # Room for one session of up to 14 tokens on 6 layers: a second session evicts the first.
-    runner = load_layer_range(path, 0, 5, cache_budget_bytes=14 * 6 * KV_BYTES_PER_TOKEN_PER_LAYER)
+    runner = load_layer_range(path, 0, 5, cache_budget_bytes=14 * 6 * KV_BYTES_PER_TOKEN_PER_LAYER,
+                              session_ttl_s=SESSION_TTL_S)
     runner.forward("a", head.embed([1, 10, 11, 12]), 0, "prefill")
     runner.forward("b", head.embed([1, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49]), 0, "prefill")
     assert runner.session_ids() == ["b"]
@@ -65,9 +67,9 @@ def test_lru_eviction_answers_evicted_and_a_re_prefill_gives_the_same_tokens(lla
 
 def test_an_idle_session_is_evicted_and_its_re_prefill_gives_the_same_tokens(llama):
     path, head = llama
-    expected, _ = generate(load_layer_range(path, 0, 5), head, "alone", [1, 20, 21], 6)
+    expected, _ = generate(load_layer_range(path, 0, 5, **RUNNER_KV_LIMITS), head, "alone", [1, 20, 21], 6)
     clock = FakeClock()
-    runner = load_layer_range(path, 0, 5, session_ttl_s=5.0, clock=clock)
+    runner = load_layer_range(path, 0, 5, session_ttl_s=5.0, clock=clock, cache_budget_bytes=KV_BUDGET_BYTES)
 
     def idle_for_a_while():
         clock.now_s += 6.0

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from inference import SamplingParams, SessionEvictedError, load_head, load_layer_range
+from tests.runner_limits import RUNNER_KV_LIMITS
 
 from inference.compute_thread import on_compute_thread
 from services.common.config import ShardSettings
@@ -45,7 +46,7 @@ def run_sliced(runner, session_id: str, hidden: torch.Tensor, start_pos: int, ki
 def test_sliced_prefill_and_decode_equal_whole_steps_bitwise(tiny_model_dir, architecture):
     path = tiny_model_dir(architecture)
     head = load_head(path)
-    whole, sliced = load_layer_range(path, 0, TINY_NUM_LAYERS - 1), load_layer_range(path, 0, TINY_NUM_LAYERS - 1)
+    whole, sliced = (load_layer_range(path, 0, TINY_NUM_LAYERS - 1, **RUNNER_KV_LIMITS) for _ in range(2))
     prompt_ids = head.tokenizer.encode(PROMPT)
     other_ids = head.tokenizer.encode("an unrelated session")
     sliced.forward("other", head.embed(other_ids), 0, "prefill")
@@ -77,7 +78,7 @@ def test_a_step_in_token_pieces_equals_the_pieces_sent_as_steps_bitwise(tiny_mod
     """Pieces of 5 tokens, a layer per turn: the same arithmetic as the orchestrator sending 5-token chunks."""
     path = tiny_model_dir(architecture)
     head = load_head(path)
-    chunked, pieced = load_layer_range(path, 0, TINY_NUM_LAYERS - 1), load_layer_range(path, 0, TINY_NUM_LAYERS - 1)
+    chunked, pieced = (load_layer_range(path, 0, TINY_NUM_LAYERS - 1, **RUNNER_KV_LIMITS) for _ in range(2))
     prompt = head.embed(head.tokenizer.encode(PROMPT))
     pieces = [chunked.forward("s", prompt[:, start:start + 5], start, "prefill")
               for start in range(0, prompt.shape[1], 5)]
@@ -89,7 +90,7 @@ def test_a_step_in_token_pieces_equals_the_pieces_sent_as_steps_bitwise(tiny_mod
 def test_a_session_evicted_between_slices_raises_and_keeps_no_half_cache(tiny_model_dir):
     path = tiny_model_dir("llama")
     head = load_head(path)
-    runner = load_layer_range(path, 0, TINY_NUM_LAYERS - 1)
+    runner = load_layer_range(path, 0, TINY_NUM_LAYERS - 1, **RUNNER_KV_LIMITS)
     step = runner.begin_forward("s", head.embed(head.tokenizer.encode(PROMPT)), 0, "prefill")
     assert runner.advance(step, 2) is None
     runner.reset("s")
@@ -108,7 +109,7 @@ def test_a_session_evicted_between_slices_raises_and_keeps_no_half_cache(tiny_mo
 def test_advancing_a_finished_step_is_refused(tiny_model_dir):
     path = tiny_model_dir("llama")
     head = load_head(path)
-    runner = load_layer_range(path, 0, 1)
+    runner = load_layer_range(path, 0, 1, **RUNNER_KV_LIMITS)
     step = runner.begin_forward("s", head.embed([5, 6, 7]), 0, "prefill")
     assert runner.advance(step) is not None
     with pytest.raises(RuntimeError, match="already run its last layer"):
@@ -138,12 +139,13 @@ async def test_a_shards_steps_run_between_the_slices_of_a_long_prefill(tiny_mode
     the decode step runs after the prefill's first slice and ends first; whole, it waits for the whole prefill."""
     path = tiny_model_dir("llama")
     head = load_head(path)
-    runner = load_layer_range(path, 0, TINY_NUM_LAYERS - 1)
+    runner = load_layer_range(path, 0, TINY_NUM_LAYERS - 1, **RUNNER_KV_LIMITS)
     runner.forward("short", head.embed([5, 6, 7]), 0, "prefill")
     compute = ShardCompute(runner, "shard-0", shard_settings(prefill_slice_layers=prefill_slice_layers,
                                                              prefill_slice_min_tokens=8))
     long_prompt = head.embed(head.tokenizer.encode(PROMPT * 2))
-    expected_long = load_layer_range(path, 0, TINY_NUM_LAYERS - 1).forward("long", long_prompt, 0, "prefill")
+    expected_long = load_layer_range(path, 0, TINY_NUM_LAYERS - 1, **RUNNER_KV_LIMITS).forward(
+        "long", long_prompt, 0, "prefill")
     held = threading.Event()
     blocker = asyncio.ensure_future(on_compute_thread(held.wait, 10.0))
     finished: list[str] = []
@@ -175,14 +177,15 @@ async def test_a_long_prefill_runs_on_a_niced_thread_and_the_other_steps_on_the_
     the long prefill's output is still bitwise the whole step's."""
     path = tiny_model_dir("llama")
     head = load_head(path)
-    runner = load_layer_range(path, 0, TINY_NUM_LAYERS - 1)
+    runner = load_layer_range(path, 0, TINY_NUM_LAYERS - 1, **RUNNER_KV_LIMITS)
     ran_on: list[tuple[int, int]] = []
     runner._stack.layers[0].register_forward_pre_hook(lambda module, args: ran_on.append(_own_nice()))
     compute = ShardCompute(runner, "shard-0", shard_settings(prefill_slice_layers=1, prefill_slice_min_tokens=8,
                                                              prefill_nice=5))
     compute_thread, compute_nice = await on_compute_thread(_own_nice)
     long_prompt = head.embed(head.tokenizer.encode(PROMPT * 2))
-    expected_long = load_layer_range(path, 0, TINY_NUM_LAYERS - 1).forward("long", long_prompt, 0, "prefill")
+    expected_long = load_layer_range(path, 0, TINY_NUM_LAYERS - 1, **RUNNER_KV_LIMITS).forward(
+        "long", long_prompt, 0, "prefill")
 
     long_result = await compute.run(_open_hop("long", TINY_NUM_LAYERS - 1),
                                     _received("long", FrameKind.prefill, 0, long_prompt))
@@ -206,9 +209,9 @@ async def test_the_compute_threads_steps_run_while_a_prefill_turn_is_under_way(t
     what they are run alone."""
     path = tiny_model_dir("llama")
     head = load_head(path)
-    runner = load_layer_range(path, 0, TINY_NUM_LAYERS - 1)
+    runner = load_layer_range(path, 0, TINY_NUM_LAYERS - 1, **RUNNER_KV_LIMITS)
     runner.forward("short", head.embed([5, 6, 7]), 0, "prefill")
-    reference = load_layer_range(path, 0, TINY_NUM_LAYERS - 1)
+    reference = load_layer_range(path, 0, TINY_NUM_LAYERS - 1, **RUNNER_KV_LIMITS)
     reference.forward("short", head.embed([5, 6, 7]), 0, "prefill")
     expected_short = reference.forward("short", head.embed([8]), 3, "decode")
     long_prompt = head.embed(head.tokenizer.encode(PROMPT * 2))

@@ -1,7 +1,7 @@
 """One home per default: a literal default written in two places drifts, so each concept's default lives in one place.
 
 The collector reads (ast) every ``.py`` under the product packages and gathers, keyed by name (the concept), every
-literal number or string given as a default:
+literal number or string given as a default (a name in SYNONYMS counts as its concept's name):
 
 - a function's or method's keyword default (``def f(timeout_s=5.0)``, typer options included);
 - a class field's default (dataclass and pydantic: ``x: int = 5``, ``Field(default=5)``, ``Field(5, ...)``);
@@ -35,6 +35,20 @@ GENERIC_NAMES = {
     "quantization": "the wire label of the unquantized scheme",
 }
 
+# Names that spell one concept another way (another unit, another reader's word) -> the concept's name in the
+# configuration: a default written under two of them is two homes, as if written under one name twice.
+SYNONYMS = {
+    "cache_budget_bytes": "kv_cache_budget_mb",
+    "DEFAULT_CACHE_BUDGET_BYTES": "kv_cache_budget_mb",
+    "kv_cache_budget_bytes": "kv_cache_budget_mb",
+    "session_ttl_s": "eviction_idle_s",
+    "DEFAULT_SESSION_TTL_S": "eviction_idle_s",
+    "shard_eviction_idle_s": "eviction_idle_s",
+    "shard_eviction_idle_seconds": "eviction_idle_s",
+    "shard_max_memory_mb": "max_memory_mb",
+    "DEFAULT_CPU_LINEAR_KERNEL": "cpu_linear_kernel",
+}
+
 # Values the package rules of tests/unit/test_import_rules.py forbid importing from one home (inference imports
 # neither events nor services; the light processes never import inference, which brings torch): each pair of
 # (file, name) places must hold equal values, checked below, and counts as one home.
@@ -42,9 +56,12 @@ MIRRORS = (
     (("inference/devices.py", "MiB"), ("events/streams.py", "MiB")),
     (("inference/sampling.py", "DEFAULT_MAX_TOKENS"), ("protocol/chat.py", "default_max_tokens")),
     (("inference/sampling.py", "top_p"), ("protocol/chat.py", "top_p")),
+    (("inference/sampling.py", "repetition_penalty"), ("protocol/chat.py", "repetition_penalty")),
     (("inference/checksum.py", "GGUF_SUFFIX"), ("services/devtools/demo_model.py", "GGUF_SUFFIX")),
     (("inference/gguf_cache.py", "GGUF_CACHE_DIR_NAME"), ("services/devtools/demo_model.py", "GGUF_CACHE_DIR_NAME")),
     (("inference/gguf_cache.py", "GGUF_CACHE_FORMAT"), ("services/devtools/demo_model.py", "GGUF_CACHE_FORMAT")),
+    (("inference/cpu_kernels.py", "DEFAULT_CPU_LINEAR_KERNEL"),
+     ("services/common/config_processes.py", "cpu_linear_kernel")),
 )
 
 @dataclass(frozen=True)
@@ -136,12 +153,15 @@ def mirrored() -> set[tuple[str, str]]:
     return {place for pair in MIRRORS for place in pair}
 
 
-def duplicated(defaults: list[Default], *, generic: dict[str, str], skip: set[tuple[str, str]]) -> list[str]:
-    """One line per name defaulted in two or more places, naming every place."""
+def duplicated(defaults: list[Default], *, generic: dict[str, str], skip: set[tuple[str, str]],
+               synonyms: dict[str, str] | None = None) -> list[str]:
+    """One line per concept (a name, or the concept `synonyms` maps it to) defaulted in two or more places, naming
+    every place."""
+    synonyms = SYNONYMS if synonyms is None else synonyms
     by_name: dict[str, list[Default]] = defaultdict(list)
     for default in defaults:
         if default.name not in generic and (default.path, default.name) not in skip:
-            by_name[default.name].append(default)
+            by_name[synonyms.get(default.name, default.name)].append(default)
     return [f"{name}: " + "; ".join(str(place) for place in places)
             for name, places in sorted(by_name.items()) if len(places) > 1]
 
@@ -165,6 +185,20 @@ def test_allowances_name_places_that_exist():
     places = {(default.path, default.name) for default in collect_defaults(ROOT)}
     names = {name for _, name in places}
     assert not [name for name in GENERIC_NAMES if name not in names]
+
+
+def test_a_concept_defaulted_under_two_of_its_names_fails(tmp_path):
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "config.py").write_text("class Shard:\n    kv_cache_budget_mb: float = 1024\n"
+                                       "    eviction_idle_s: float = 600\n")
+    (package / "loading.py").write_text("DEFAULT_CACHE_BUDGET_BYTES = 1 << 30\n"
+                                        "def load(*, session_ttl_s: float = 600.0): ...\n")
+    defaults = collect_defaults(tmp_path, ("pkg",))
+    problems = duplicated(defaults, generic={}, skip=set())
+    assert [line.split(":", 1)[0] for line in problems] == ["eviction_idle_s", "kv_cache_budget_mb"]
+    assert "pkg/loading.py:1 DEFAULT_CACHE_BUDGET_BYTES" in problems[1]
+    assert not duplicated(defaults, generic={}, skip=set(), synonyms={})
 
 
 def test_the_collector_finds_each_kind_of_default_and_names_both_places(tmp_path):

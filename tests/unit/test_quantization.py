@@ -18,6 +18,7 @@ from inference import (
     load_layer_range,
     parse_quantization,
 )
+from tests.runner_limits import RUNNER_KV_LIMITS
 from inference import quantization
 from inference.memory import layer_weight_bytes, range_weight_bytes
 from inference.quantization import DEFAULT_INT4_GROUP_SIZE, QuantizedLinear, check_device_supports, quantize_linears
@@ -76,7 +77,7 @@ def test_a_scheme_on_a_device_without_kernels_is_refused(label):
 
 def test_a_group_size_that_does_not_divide_a_layer_is_refused_before_reading(tiny_model_dir):
     with pytest.raises(QuantizationError, match="not a multiple of int4/g128's group size"):
-        load_layer_range(tiny_model_dir("llama"), 0, 0, quantization="int4/g128")
+        load_layer_range(tiny_model_dir("llama"), 0, 0, quantization="int4/g128", **RUNNER_KV_LIMITS)
 
 
 @pytest.mark.parametrize("label", SCHEMES)
@@ -120,12 +121,12 @@ def test_quantize_linears_keeps_no_dense_weight():
 @pytest.mark.parametrize("label", SCHEMES)
 def test_quantized_ranges_chained_equal_the_whole_quantized_model(tiny_model_dir, label):
     path = tiny_model_dir("llama")
-    local = load_full(path, quantization=label)
+    local = load_full(path, quantization=label, **RUNNER_KV_LIMITS)
     assert local.runner.quantization == parse_quantization(label).label
     prompt_ids = local.head.encode_prompt(PROMPT)
     middle = TINY_NUM_LAYERS // 2
-    hops = [(load_layer_range(path, 0, middle - 1, quantization=label), None),
-            (load_layer_range(path, middle, TINY_NUM_LAYERS - 1, quantization=label), None)]
+    hops = [(load_layer_range(path, 0, middle - 1, quantization=label, **RUNNER_KV_LIMITS), None),
+            (load_layer_range(path, middle, TINY_NUM_LAYERS - 1, quantization=label, **RUNNER_KV_LIMITS), None)]
     whole_tokens, whole_logits = run_pipeline(local.head, [(local.runner, None)], prompt_ids, DECODE_STEPS)
     tokens, logits = run_pipeline(local.head, hops, prompt_ids, DECODE_STEPS)
     assert tokens == whole_tokens
@@ -136,8 +137,8 @@ def test_quantized_ranges_chained_equal_the_whole_quantized_model(tiny_model_dir
 @pytest.mark.parametrize("label", SCHEMES)
 def test_a_quantized_range_holds_a_fraction_of_the_float32_bytes_and_the_estimate_matches(tiny_model_dir, label):
     path = tiny_model_dir("llama")
-    dense = load_layer_range(path, 0, 2)
-    quantized = load_layer_range(path, 0, 2, quantization=label)
+    dense = load_layer_range(path, 0, 2, **RUNNER_KV_LIMITS)
+    quantized = load_layer_range(path, 0, 2, quantization=label, **RUNNER_KV_LIMITS)
     assert dense.quantization == "none"
     assert quantized.weight_bytes <= WEIGHT_RATIO_BOUND[label] * dense.weight_bytes
     assert range_weight_bytes(layer_weight_bytes(path, torch.float32, label), 0, 2) == quantized.weight_bytes
@@ -149,7 +150,7 @@ def test_quantized_greedy_tokens_mostly_agree_with_full_precision(tmp_path, labe
     """Teacher-forced on full precision's own greedy tokens, so one early difference does not derail the rest. With
     transformers' usual initialisation: the parity models' larger one makes a random model too chaotic for int4."""
     path = write_tiny_model(tmp_path / "llama", "llama", initializer_range=TYPICAL_INIT_STD)
-    dense, quantized = load_full(path), load_full(path, quantization=label)
+    dense, quantized = load_full(path, **RUNNER_KV_LIMITS), load_full(path, quantization=label, **RUNNER_KV_LIMITS)
     prompt_ids = dense.head.encode_prompt(PROMPT)
     reference = list(dense.generate_ids(prompt_ids, SamplingParams(temperature=0.0, max_tokens=40)))
     sequence = torch.tensor(prompt_ids + reference[:-1])

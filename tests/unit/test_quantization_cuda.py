@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from inference import load_head, load_layer_range, parse_quantization
+from tests.runner_limits import RUNNER_KV_LIMITS
 from inference.quantization import QuantizedLinear, check_device_supports, head_quantization
 
 from .inference_tiny_models import (  # noqa: F401  (fixtures are used by name)
@@ -62,9 +63,9 @@ def test_graphed_quantized_decode_on_cuda_gives_the_eager_tokens(tmp_path, label
     token_lists = []
     for static_tokens in (None, STATIC_TOKENS):
         runners = [load_layer_range(path, 0, 2, dtype="bf16", device="cuda", quantization=label,
-                                    static_cache_tokens=static_tokens),
+                                    static_cache_tokens=static_tokens, **RUNNER_KV_LIMITS),
                    load_layer_range(path, 3, 5, dtype="bf16", device="cuda", quantization=label,
-                                    static_cache_tokens=static_tokens)]
+                                    static_cache_tokens=static_tokens, **RUNNER_KV_LIMITS)]
         assert all(runner.quantization == label for runner in runners)
         assert bool(static_tokens) == all(runner.graphs_decode for runner in runners)
         hidden_in, position, kind, tokens = head.embed(prompt_ids), 0, "prefill", []

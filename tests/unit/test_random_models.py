@@ -8,6 +8,7 @@ import torch
 from transformers import LlamaConfig
 
 from inference import load_layer_range
+from tests.runner_limits import RUNNER_KV_LIMITS
 from services.devtools.random_models import (
     BIG_SHAPES,
     RANDOM_SHAPES,
@@ -37,7 +38,7 @@ def test_the_big_shape_path_writes_bf16_llama_init_that_the_loader_reads(tmp_pat
     projection = weights["model.layers.0.mlp.up_proj.weight"].float()
     assert abs(projection.std().item() - random_init_std) < 0.1 * random_init_std
     model.save_pretrained(tmp_path)
-    runner = load_layer_range(tmp_path, 0, 1, dtype="bfloat16")
+    runner = load_layer_range(tmp_path, 0, 1, dtype="bfloat16", **RUNNER_KV_LIMITS)
     loaded = dict(runner.named_parameters())
     name = "model.layers.1.self_attn.q_proj.weight"
     assert torch.equal(loaded[name], weights[name])

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from inference import SessionEvictedError, SessionTooLargeError, load_head, load_layer_range
+from tests.runner_limits import RUNNER_KV_LIMITS, SESSION_TTL_S
 from inference.batched import BatchRow
 from inference.static_decode import StaticDecoder, batch_capture_after_sightings, min_graph_width_tokens
 
@@ -28,8 +29,8 @@ def test_a_static_cache_gives_the_dynamic_cache_s_tokens(tiny_model_dir, archite
     path = tiny_model_dir(architecture)
     head = load_head(path)
     prompt_ids = head.encode_prompt(PROMPT)
-    expected, _ = generate(load_layer_range(path, 0, 5), head, "s", prompt_ids, NEW_TOKENS)
-    runner = load_layer_range(path, 0, 5, static_cache_tokens=STATIC_TOKENS)
+    expected, _ = generate(load_layer_range(path, 0, 5, **RUNNER_KV_LIMITS), head, "s", prompt_ids, NEW_TOKENS)
+    runner = load_layer_range(path, 0, 5, static_cache_tokens=STATIC_TOKENS, **RUNNER_KV_LIMITS)
     assert runner._static is not None and not runner.graphs_decode  # static, but no graphs on the CPU
     tokens, _ = generate(runner, head, "s", prompt_ids, NEW_TOKENS)
     assert tokens == expected
@@ -41,7 +42,8 @@ def test_static_caches_are_evicted_and_re_prefilled_like_dynamic_ones(tiny_model
     path = tiny_model_dir("llama")
     head = load_head(path)
     one_session = STATIC_TOKENS * 6 * 2 * 2 * 16 * 4
-    runner = load_layer_range(path, 0, 5, static_cache_tokens=STATIC_TOKENS, cache_budget_bytes=one_session)
+    runner = load_layer_range(path, 0, 5, static_cache_tokens=STATIC_TOKENS, cache_budget_bytes=one_session,
+                              session_ttl_s=SESSION_TTL_S)
     runner.forward("a", head.embed([1, 2, 3]), 0, "prefill")
     runner.forward("b", head.embed([1, 2]), 0, "prefill")
     with pytest.raises(SessionEvictedError):
@@ -51,7 +53,7 @@ def test_static_caches_are_evicted_and_re_prefilled_like_dynamic_ones(tiny_model
 
 
 def test_architectures_with_sliding_windows_keep_dynamic_caches(tiny_model_dir):
-    runner = load_layer_range(tiny_model_dir("mistral"), 0, 5, static_cache_tokens=STATIC_TOKENS)
+    runner = load_layer_range(tiny_model_dir("mistral"), 0, 5, static_cache_tokens=STATIC_TOKENS, **RUNNER_KV_LIMITS)
     assert runner._static is None
 
 
@@ -73,7 +75,7 @@ def test_sessions_joining_and_leaving_a_static_batch_leave_the_others_unchanged(
 def test_a_row_past_its_static_cache_fails_alone_in_a_batch(tiny_model_dir):
     path = tiny_model_dir("llama")
     head = load_head(path)
-    runner = load_layer_range(path, 0, 5, static_cache_tokens=STATIC_TOKENS)
+    runner = load_layer_range(path, 0, 5, static_cache_tokens=STATIC_TOKENS, **RUNNER_KV_LIMITS)
     runner.forward("a", head.embed([1, 5, 6]), 0, "prefill")
     runner.forward("full", head.embed(list(range(1, STATIC_TOKENS + 1))), 0, "prefill")
     outcomes = runner.step_batch([BatchRow("a", head.embed([9]), 3),
@@ -113,8 +115,8 @@ def test_graphed_decode_on_cuda_gives_generate_s_tokens(tiny_model_dir, dtype, p
     prompt_ids = head.encode_prompt(PROMPT)
     if prompt_tokens:
         prompt_ids = (prompt_ids * prompt_tokens)[:prompt_tokens]
-    runners = [load_layer_range(path, 0, 2, dtype=dtype, device="cuda", static_cache_tokens=static_tokens),
-               load_layer_range(path, 3, 5, dtype=dtype, device="cuda", static_cache_tokens=static_tokens)]
+    runners = [load_layer_range(path, lo, hi, dtype=dtype, device="cuda", static_cache_tokens=static_tokens,
+                                **RUNNER_KV_LIMITS) for lo, hi in ((0, 2), (3, 5))]
     assert all(runner.graphs_decode for runner in runners)
     hidden_in, position, kind, tokens = head.embed(prompt_ids), 0, "prefill", []
     for _ in range(NEW_TOKENS):

@@ -140,10 +140,13 @@ class MonolithicModel:
         """Greedy through hearth's one-process path, timed per token from the call."""
         from inference.local import load_full
         from inference.sampling import SamplingParams
+        from services.common.config_processes import ShardSettings
 
         if self._local is None:
             device, dtype = self._device_options
-            self._local = load_full(self.path, device=device, dtype=dtype, quantization=self._quantize)
+            shard = ShardSettings()  # KV caches bounded as a shard's are by default
+            self._local = load_full(self.path, device=device, dtype=dtype, quantization=self._quantize,
+                                    cache_budget_bytes=shard.kv_cache_budget_bytes, session_ttl_s=shard.eviction_idle_s)
         timing = GenerationTiming()
         started = time.perf_counter()
         with self._torch.inference_mode():

@@ -19,6 +19,7 @@ from inference import InferenceError, LocalModel, QuantizationError, load_full, 
 from services.devtools.bench.eval_options import EVAL_MAX_TEXT_BYTES, EvalOptions
 from services.devtools.bench.quality_metrics import QualityTotals, compare_logits
 from services.cli_options import EXIT_BAD_INPUT
+from services.common.config_processes import ShardSettings
 from services.devtools.demo import DemoError, resolve_demo_model
 from services.devtools.random_models import RANDOM_MARKER_FILE, UnknownRandomShape
 
@@ -81,7 +82,7 @@ def evaluate(options: EvalOptions) -> EvalReport:
     except (DemoError, UnknownRandomShape) as error:
         raise EvalInputError(str(error)) from None
     _check_context(model_path, options.context_tokens)
-    reference = load_full(model_path, dtype=REFERENCE_DTYPE, quantization="none")
+    reference = _load_whole(model_path, "none")
     try:
         feed_bytes = (model_path / RANDOM_MARKER_FILE).is_file() or not reference.head.has_tokenizer
         token_ids = text_token_ids(reference, text, options.max_tokens, feed_bytes=feed_bytes)
@@ -107,10 +108,17 @@ def evaluate(options: EvalOptions) -> EvalReport:
                  for label, totals in results])
 
 
+def _load_whole(model_path: Path, quantization) -> LocalModel:
+    """The whole model in REFERENCE_DTYPE, its KV caches bounded as a shard's are by default."""
+    shard = ShardSettings()
+    return load_full(model_path, dtype=REFERENCE_DTYPE, quantization=quantization,
+                     cache_budget_bytes=shard.kv_cache_budget_bytes, session_ttl_s=shard.eviction_idle_s)
+
+
 def _measure_scheme(reference: LocalModel, model_path: Path, scheme, windows: Sequence[list[int]],
                     progress) -> QualityTotals:
     try:
-        quantized = load_full(model_path, dtype=REFERENCE_DTYPE, quantization=scheme)
+        quantized = _load_whole(model_path, scheme)
     except QuantizationError as error:  # a scheme this model's shapes cannot take (an int4 group size)
         raise EvalInputError(f"--quantize {scheme.label}: {error}") from None
     try:
