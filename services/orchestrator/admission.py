@@ -30,7 +30,12 @@ _INPUT_ERRORS = (TemplateError, InferenceError, ValueError, TypeError)
 
 def prompt_room(request: ChatRequest, model: LoadedModel) -> int | None:
     """The tokens the model's context leaves for the prompt (None: unknown), or BadRequest when `max_tokens`
-    leaves none; no tokenizing."""
+    leaves none or `logit_bias` names a token the model does not have; no tokenizing."""
+    vocab_size = model.head.info.vocab_size
+    beyond = sorted(token_id for token_id in request.logit_bias if token_id >= vocab_size)
+    if beyond:
+        raise BadRequest(f"field 'logit_bias.{beyond[0]}': token id {beyond[0]} is not in the model's vocabulary of "
+                         f"{vocab_size} tokens")
     context = model.context_length
     room = None if context is None else context - request.max_tokens
     if room is not None and room < 1:
