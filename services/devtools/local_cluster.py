@@ -14,6 +14,7 @@ from pathlib import Path
 
 from services.broker.streams import create_community_streams_blocking
 from services.common.config import ENV_NESTED_DELIMITER, ENV_PREFIX, NatsSettings
+from services.common.hearth_files import SOURCES_ROOT
 from services.common.logging import default_log_level, log_tail_chars
 from services.broker.permissions import render_authorization
 from services.broker.cluster import EmbeddedNatsCluster
@@ -277,7 +278,7 @@ class LocalCluster:
                 cpus: Sequence[int] | None, command_prefix: Sequence[str] = ()) -> subprocess.Popen | PreforkedProcess:
         """`hearth <hearth_args>` as a fork of the prefork launcher, or as a fresh `python -m services.cli` run
         behind `command_prefix` (e.g. `ip netns exec NAME`: the launcher's forks could not run behind one)."""
-        repo_root = Path(__file__).resolve().parents[1]
+        repo_root = SOURCES_ROOT
         if self._prefork_enabled() and not command_prefix:
             log_path.touch()
             return prefork_launcher(env, repo_root).spawn(SpawnRequest(

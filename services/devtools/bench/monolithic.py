@@ -18,11 +18,11 @@ from typing import Literal
 
 from pydantic import BaseModel
 
+from services.common.hearth_files import SOURCES_ROOT
 from services.devtools.bench.errors import BenchError
 from services.devtools.bench.prompts import build_prompt
 from services.devtools.bench.timing import GenerationTiming
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 class MonolithicJob(BaseModel):
@@ -196,7 +196,7 @@ class MonolithicWorker:
         command, pin = pinned_command(command, cpus)
         self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
                                         env={**os.environ, **env}, text=True, bufsize=1,
-                                        cwd=str(REPO_ROOT), preexec_fn=pin)
+                                        cwd=str(SOURCES_ROOT), preexec_fn=pin)
         self.log_path = log_path
         self.info: MonolithicInfo | None = None
 

@@ -10,6 +10,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from services.common.hearth_files import SOURCES_ROOT
+
 _clock_ticks_per_s = os.sysconf("SC_CLK_TCK")
 
 
@@ -73,7 +75,7 @@ def resident_memory(pid: int) -> ResidentMemory:
 def shard_imports_memory(env: dict[str, str] | None = None) -> ResidentMemory | None:
     """The resident memory of a fresh Python that has imported what a shard imports and loaded no weight: the part
     of a shard's RSS that is not its layers (None where it cannot be measured)."""
-    repo_root = Path(__file__).resolve().parents[2]
+    repo_root = SOURCES_ROOT
     try:
         finished = subprocess.run([sys.executable, "-c", _SHARD_IMPORTS], capture_output=True, text=True,
                                   cwd=repo_root, env={**os.environ, **(env or {})}, timeout=baseline_probe_timeout_s)
