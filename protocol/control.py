@@ -49,6 +49,10 @@ class OpenHop(BaseModel):
     # A fresh key for the MAC on this hop's HopNotices, told to this hop alone (a link key is shared with the hop
     # before or after, which could then speak for this hop): a notice can only speak about its sender's own hop.
     notice_key: str | None = Field(default=None, pattern=LINK_KEY_PATTERN)
+    # Whether this hop's inbound and outbound links are sealed (frames encrypted end to end with keys derived from
+    # the link keys, services/transport/seal.py) or MAC-only. Both ends of every link learn it from their `open`, so
+    # they agree; a host that does not know this field refuses the open rather than read ciphertext as a tensor.
+    seal_activations: bool = False
 
     @model_validator(mode="after")
     def _ordered(self) -> "OpenHop":
@@ -56,6 +60,8 @@ class OpenHop(BaseModel):
             raise ValueError("layer_hi must be >= layer_lo")
         if self.hop >= self.hop_count:
             raise ValueError("hop must be < hop_count")
+        if self.seal_activations and (self.inbound_link_key is None or self.outbound_link_key is None):
+            raise ValueError("seal_activations needs inbound_link_key and outbound_link_key (seal keys come from them)")
         return self
 
 

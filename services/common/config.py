@@ -116,6 +116,12 @@ class TransportSettings(ConfigSection):
     window_chunks: int = Field(default=16, ge=1, description="un-acked chunks in flight per hop")
     activation_macs: bool = Field(
         default=True, description="MAC every frame and ack with per-link keys; false only to measure their cost")
+    seal_activations: bool = Field(
+        default=True,
+        description="encrypt every activation frame end to end between the two ends of its link (AES-256-GCM under a "
+                    "key derived from the link key), so the broker's host sees only ciphertext; false: frames are "
+                    "only MACed (readable by whoever runs the broker). An orchestrator opens its pipelines in its "
+                    "own mode; needs activation_macs")
     chunk_bytes: int = Field(default=1 * MiB, ge=smallest_chunk_bytes, description="largest payload of one frame")
     step_timeout_s: float = Field(
         default=10.0, gt=0, description="a hop that has not passed a step on within this is stalled"

@@ -104,11 +104,13 @@ class HopChain:
         self.session_id = uuid.uuid4().hex[:16]
         # One fresh MAC key per link (into hop i; the last into our sink), told only to the link's two ends.
         self.link_keys = [new_link_key() if transport.activation_macs else None for _ in range(len(hops) + 1)]
+        # Sealed links encrypt frames end to end with keys derived from those (no link keys, nothing to seal with).
+        self.sealed = transport.seal_activations and transport.activation_macs
         # And one per hop for its notices, told to that hop alone: a notice can speak only for its sender's hop.
         self.notice_keys = [new_link_key() for _ in hops]
         self.sink_bounds = sink_bounds or NormBounds()
         self._sender = AckWindowSender(nc, pipeline_id, 0, nodes=LinkNodes(sender=node_id, receiver=hops[0].node_id),
-                                       link_key=self.link_keys[0],
+                                       link_key=self.link_keys[0], seal=self.sealed,
                                        window_chunks=transport.window_chunks,
                                        ack_timeout_s=transport.step_timeout_s, chunk_bytes=transport.chunk_bytes,
                                        wire_dtype=wire_dtype_from_setting(wire_dtype))
@@ -121,7 +123,7 @@ class HopChain:
         self._sink = ActivationReceiver(nc, pipeline_id, len(hops),
                                         nodes=LinkNodes(sender=hops[-1].node_id, receiver=node_id),
                                         step_limits=step_limits, on_refused=self._on_refused_output,
-                                        link_key=self.link_keys[len(hops)])
+                                        link_key=self.link_keys[len(hops)], seal=self.sealed)
         self._refused_output: StepFailure | None = None
         self._observer = AckObserver(nc, pipeline_id, sink_hop=len(hops),
                                      link_keys=dict(enumerate(self.link_keys)) if transport.activation_macs else None)
@@ -172,7 +174,7 @@ class HopChain:
             downstream_node=node_token(self.hops[index + 1].node_id if index + 1 < len(self.hops) else self.node_id),
             inbound_link_key=_encoded(self.link_keys[index]),
             outbound_link_key=_encoded(self.link_keys[index + 1]),
-            notice_key=encode_link_key(self.notice_keys[index]),
+            notice_key=encode_link_key(self.notice_keys[index]), seal_activations=self.sealed,
         )
         asked_at = time.perf_counter()
         message = await self.nc.request(hop.control_subject, request.model_dump_json().encode(),

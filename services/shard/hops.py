@@ -90,6 +90,7 @@ class ServedHop:
         self.receiver = ActivationReceiver(nc, request.pipeline_id, request.hop,
                                            nodes=LinkNodes(sender=request.upstream_node, receiver=node_id),
                                            link_key=_link_key(request.inbound_link_key),
+                                           seal=request.seal_activations,
                                            idle_timeout_s=limits.idle_timeout_s, step_limits=step_limits,
                                            on_refused=self._on_refused_input)
         self._last_refused_step: int | None = None
@@ -98,6 +99,7 @@ class ServedHop:
         self.sender = AckWindowSender(nc, request.pipeline_id, request.hop + 1,
                                       nodes=LinkNodes(sender=node_id, receiver=request.downstream_node),
                                       link_key=_link_key(request.outbound_link_key),
+                                      seal=request.seal_activations,
                                       window_chunks=limits.transport.window_chunks,
                                       ack_timeout_s=limits.transport.hop_ack_timeout_s,
                                       chunk_bytes=limits.transport.chunk_bytes,

@@ -74,6 +74,8 @@ class ShardServer:
         self.identity = identity
         self.settings = settings.shard
         self.control_timeout_s = settings.transport.control_timeout_s
+        # A host configured to seal refuses to be opened in clear on links that carry keys (security by default).
+        self.requires_sealing = settings.transport.seal_activations
         self.hop_weight = hop_weight
         # This host's member key signs its advertisements, heartbeats and withdrawals (None on an open mesh).
         self.signing_key = event_signing_key(settings.nats)
@@ -255,6 +257,10 @@ class ShardServer:
             return ControlReply(ok=False, code="bad_range",
                                 message=f"layers {request.layer_lo}-{request.layer_hi} are not inside "
                                         f"{ident.layer_lo}-{ident.layer_hi}")
+        if self.requires_sealing and request.inbound_link_key is not None and not request.seal_activations:
+            return ControlReply(ok=False, code="bad_request",
+                                message="this shard seals activations ([transport] seal_activations): open the hop "
+                                        "with seal_activations")
         if request.pipeline_id in self._hops:
             # A re-open (failover reuses this hop with a new session): start over cleanly.
             await self._close_hop(request.pipeline_id)

@@ -16,7 +16,7 @@ from protocol.subjects import all_acks_subject
 from services.common.config import TransportSettings
 from services.transport.errors import FrameError, TransportClosed, TransportTimeout
 from services.transport.headers import AckHeader
-from services.transport.mac import mac_is_valid
+from services.transport.mac import link_mac_key, mac_is_valid
 from services.transport.subscription import SubscribingEndpoint
 
 log = logging.getLogger(__name__)
@@ -70,6 +70,7 @@ class AckObserver(SubscribingEndpoint):
         self.sink_hop = sink_hop
         # hop -> the key of the link into it: an ack without that link's MAC says nothing about the hop.
         self.link_keys = link_keys
+        self._mac_keys = {hop: link_mac_key(key) for hop, key in link_keys.items()} if link_keys is not None else None
         self.max_steps_per_session = max_steps_per_session
         self.max_sessions = max_sessions
         self.subject = all_acks_subject(pipeline_id)
@@ -188,8 +189,8 @@ class AckObserver(SubscribingEndpoint):
             ack = AckHeader.from_nats_headers(msg.headers)
             if ack.pipeline_id != self.pipeline_id:
                 raise FrameError(f"ack for pipeline {ack.pipeline_id} on {msg.subject}")
-            key = self.link_keys.get(ack.hop) if self.link_keys is not None else None
-            if self.link_keys is not None and (key is None or not mac_is_valid(key, msg.headers, msg.data)):
+            key = self._mac_keys.get(ack.hop) if self._mac_keys is not None else None
+            if self._mac_keys is not None and (key is None or not mac_is_valid(key, msg.headers, msg.data)):
                 raise FrameError(f"ack for hop {ack.hop} without its link's MAC on {msg.subject}")
         except FrameError as error:
             self.bad_acks += 1

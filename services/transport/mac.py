@@ -1,6 +1,8 @@
 """Keyed BLAKE2b MACs for the activation transport: each link (sender -> hop) gets a fresh key when its pipeline
 is opened, every frame and ack on that link carries a MAC over its headers and payload, and a receiver drops
 whatever fails it, so a member that may publish on activation subjects still cannot inject or alter a step.
+The MAC key of a link is derived from the link key with HKDF under its own label (the seal key of sealed links,
+services/transport/seal.py, under another), so the two never share key material.
 Hop notices carry one too, keyed with a key only that hop and its orchestrator hold."""
 
 from __future__ import annotations
@@ -13,6 +15,9 @@ import re
 import secrets
 from collections.abc import Mapping
 
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
 from services.transport.headers import oversized_headers
 
 HEADER_MAC = "Hearth-Mac"
@@ -22,12 +27,27 @@ mac_digest_bytes = 16
 _MAC_RE = re.compile(rf"[0-9a-f]{{{2 * mac_digest_bytes}}}")
 
 
+# HKDF labels (`info`) of the keys derived from one link key: one per use, never shared.
+MAC_KEY_LABEL = b"hearth link mac v1"
+SEAL_KEY_LABEL = b"hearth link seal v1"
+
+
 class LinkKeyError(ValueError):
     """A link key on the wire is not base64 of the right length."""
 
 
 def new_link_key() -> bytes:
     return secrets.token_bytes(link_key_bytes)
+
+
+def derived_key(link_key: bytes, label: bytes) -> bytes:
+    """The key for one use (`label`) of a link key: HKDF-SHA256, no salt (the link key is already uniformly random)."""
+    return HKDF(algorithm=hashes.SHA256(), length=link_key_bytes, salt=None, info=label).derive(link_key)
+
+
+def link_mac_key(link_key: bytes) -> bytes:
+    """The key the MACs of a link's frames and acks are made with."""
+    return derived_key(link_key, MAC_KEY_LABEL)
 
 
 def encode_link_key(key: bytes) -> str:

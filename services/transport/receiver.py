@@ -19,7 +19,7 @@ from services.common.metrics import counter
 from services.transport.errors import FrameError, TransportClosed, TransportError, TransportTimeout, WaitInterrupted
 from services.transport.frames import AddOutcome, ReceivedStep, StepAssembler
 from services.transport.headers import AckHeader, FrameHeader
-from services.transport.mac import mac_is_valid, with_mac
+from services.transport.link_auth import LinkAuth
 from services.transport.limits import StepLimits, StepRefusal
 from services.transport.stats import ReceiverStats
 from services.transport.subscription import SubscribingEndpoint
@@ -97,9 +97,12 @@ class ActivationReceiver(SubscribingEndpoint):
         step_limits: StepLimits | None = None,
         on_refused: RefusalListener | None = None,
         link_key: bytes | None = None,
+        seal: bool = False,
     ) -> None:
         if max_ready_steps < 1:
             raise ValueError(f"max_ready_steps must be at least 1, got {max_ready_steps}")
+        if seal and link_key is None:
+            raise ValueError("a sealed link needs its link key")
         self.nc = nc
         self.pipeline_id = pipeline_id
         self.hop = hop
@@ -114,8 +117,10 @@ class ActivationReceiver(SubscribingEndpoint):
         self._on_refused = on_refused
         self.max_tracked_sessions = max_tracked_sessions
         self.nodes = nodes
-        # With a key, only frames carrying its MAC are taken, and acks carry it too (services/transport/mac.py).
+        # With a key, only frames carrying its MAC are taken (`seal`: only frames sealed with its seal key), and
+        # acks carry the MAC too (services/transport/link_auth.py).
         self.link_key = link_key
+        self._auth = LinkAuth(link_key, sealed=seal) if link_key is not None else None
         self.subject = activation_subject(pipeline_id, hop, nodes)
         self.ack_subject = ack_subject(pipeline_id, hop, nodes)
         self.stats = ReceiverStats()
@@ -202,8 +207,9 @@ class ActivationReceiver(SubscribingEndpoint):
     async def _on_frame(self, msg: Msg) -> None:
         arrived_ns = time.time_ns()
         started = time.perf_counter()
-        if self.link_key is not None and not mac_is_valid(self.link_key, msg.headers, msg.data):
-            self._unauthenticated()
+        payload = msg.data if self._auth is None else self._auth.open_frame(msg.headers, msg.data)
+        if payload is None:
+            self._unauthenticated(unsealed=self._auth is not None and self._auth.frame_was_unsealed(msg.headers))
             return
         try:
             header = FrameHeader.from_nats_headers(msg.headers)
@@ -232,7 +238,7 @@ class ActivationReceiver(SubscribingEndpoint):
             partial = _PartialStep(StepAssembler(header))
             self._partial[key] = partial
         try:
-            outcome = partial.assembler.add(header, msg.data)
+            outcome = partial.assembler.add(header, payload)
         except FrameError as error:
             self._partial.pop(key, None)
             self.stats.dropped_steps += 1
@@ -244,7 +250,7 @@ class ActivationReceiver(SubscribingEndpoint):
             await self._ack(header)
             return
         self.stats.chunks_received += 1
-        self.stats.bytes_received += len(msg.data)
+        self.stats.bytes_received += len(payload)
         if outcome is AddOutcome.added:
             partial.decode_s += time.perf_counter() - started
             await self._ack(header)
@@ -364,14 +370,16 @@ class ActivationReceiver(SubscribingEndpoint):
             log.warning("hop %s of pipeline %s: abandoning step %s of session %s: %s",
                         self.hop, self.pipeline_id, key[1], key[0], reason)
 
-    def _unauthenticated(self) -> None:
-        """A frame without this link's MAC: not ours to read, however well formed (forged or injected)."""
+    def _unauthenticated(self, *, unsealed: bool) -> None:
+        """A frame without this link's MAC, or on a sealed link not sealed with its key: not ours to read, however
+        well formed (forged, injected, or sent in clear). Counted under the reason `mac` either way, never logged."""
         self.stats.unauthenticated_frames += 1
+        self.stats.unsealed_frames += unsealed
         frames_refused_total.labels(reason="mac").inc()
         dropped = self.stats.unauthenticated_frames
         log.log(logging.WARNING if dropped == 1 or dropped % refusal_log_every == 0 else logging.DEBUG,
-                "hop %s of pipeline %s: dropping a frame without a valid MAC (%d so far)", self.hop,
-                self.pipeline_id, dropped)
+                "hop %s of pipeline %s: dropping a frame %s (%d so far)", self.hop, self.pipeline_id,
+                "not sealed on a sealed link" if unsealed else "without this link's MAC or seal", dropped)
 
     def _bad_frame(self, error: TransportError) -> None:
         self.stats.bad_frames += 1
@@ -380,8 +388,8 @@ class ActivationReceiver(SubscribingEndpoint):
     async def _ack(self, header: FrameHeader) -> None:
         ack = AckHeader.for_frame(header, acked_ns=time.time_ns())
         headers = ack.to_nats_headers()
-        if self.link_key is not None:
-            with_mac(self.link_key, headers, b"")
+        if self._auth is not None:
+            self._auth.sign_ack(headers)
         try:
             await self.nc.publish(self.ack_subject, b"", headers=headers)
         except Exception as error:  # a lost ack only delays the sender (it times out and reports the hop)

@@ -17,7 +17,7 @@ from services.common.config import TransportSettings
 from services.transport.errors import FrameError, TransportClosed, TransportError, TransportTimeout
 from services.transport.frames import EncodedStep, effective_chunk_bytes, encode_step
 from services.transport.headers import HEADER_CHUNK, HEADER_OFFSET, HEADER_SENT_NS, AckHeader, FrameKind, StepInfo
-from services.transport.mac import HEADER_MAC, mac_is_valid, message_mac
+from services.transport.link_auth import LinkAuth
 from services.transport.stats import SenderStats
 from services.transport.subscription import SubscribingEndpoint
 from services.transport.wire import WireDtype, conversion_offload_bytes
@@ -65,11 +65,14 @@ class AckWindowSender(SubscribingEndpoint):
         wire_dtype: WireDtype | None = None,
         int8_block: int = _defaults.int8_block_elems,
         link_key: bytes | None = None,
+        seal: bool = False,
     ) -> None:
         if window_chunks < 1:
             raise ValueError(f"window_chunks must be at least 1, got {window_chunks}")
         if ack_timeout_s <= 0:
             raise ValueError(f"ack_timeout_s must be positive, got {ack_timeout_s}")
+        if seal and link_key is None:
+            raise ValueError("a sealed link needs its link key")
         self.nc = nc
         self.pipeline_id = pipeline_id
         self.hop = hop
@@ -79,8 +82,10 @@ class AckWindowSender(SubscribingEndpoint):
         self.wire_dtype = wire_dtype
         self.int8_block = int8_block
         self.nodes = nodes
-        # With a key, every frame carries its MAC and only acks carrying it free the window.
+        # With a key, every frame carries its MAC (or, `seal`, is encrypted and authenticated with the link's seal
+        # key instead) and only acks carrying the link's MAC free the window (services/transport/link_auth.py).
         self.link_key = link_key
+        self._auth = LinkAuth(link_key, sealed=seal) if link_key is not None else None
         self.subject = activation_subject(pipeline_id, hop, nodes)
         self.ack_subject = ack_subject(pipeline_id, hop, nodes)
         self.stats = SenderStats()
@@ -220,12 +225,11 @@ class AckWindowSender(SubscribingEndpoint):
             if HEADER_OFFSET in headers:
                 headers[HEADER_OFFSET] = str(encoded.offsets[index])
             headers[HEADER_SENT_NS] = str(time.time_ns())
-            if self.link_key is not None:
-                headers[HEADER_MAC] = message_mac(self.link_key, headers, chunk)
+            payload = self._auth.protect_frame(headers, chunk) if self._auth is not None else chunk
             key = (info.session, info.step, index)
             self._in_flight[key] = time.perf_counter()
             try:
-                await self.nc.publish(self.subject, chunk, headers=headers)
+                await self.nc.publish(self.subject, payload, headers=headers)
             except Exception as error:
                 self._in_flight.pop(key, None)
                 raise TransportError(
@@ -270,7 +274,7 @@ class AckWindowSender(SubscribingEndpoint):
         )
 
     async def _on_ack(self, msg: Msg) -> None:
-        if self.link_key is not None and not mac_is_valid(self.link_key, msg.headers, msg.data):
+        if self._auth is not None and not self._auth.ack_is_valid(msg.headers, msg.data):
             self.stats.bad_acks += 1
             log.debug("ignoring an ack without this link's MAC on %s", self.ack_subject)
             return

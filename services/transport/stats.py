@@ -80,6 +80,8 @@ class ReceiverStats:
     refused_frames: int = 0
     # Frames without the link's MAC (forged or injected): dropped before their headers were read.
     unauthenticated_frames: int = 0
+    # Of those, frames on a sealed link that were not sealed at all (sent in clear, or MACed only).
+    unsealed_frames: int = 0
     dropped_steps: int = 0
     wire: LatencySamples = field(default_factory=LatencySamples)
     decode: LatencySamples = field(default_factory=LatencySamples)

@@ -12,7 +12,7 @@ import torch
 from protocol.subjects import ack_subject, activation_subject
 from services.broker.connection import flush_ordered
 from services.transport import AckHeader, AckWindowSender, ActivationReceiver, FrameKind, StepInfo, encode_step
-from services.transport.mac import HEADER_MAC, new_link_key, with_mac
+from services.transport.mac import HEADER_MAC, link_mac_key, new_link_key, with_mac
 
 pytestmark = pytest.mark.integration
 PIPELINE = "pipe-mac"
@@ -67,8 +67,9 @@ async def test_a_forged_ack_frees_nothing(connections):
             await asyncio.sleep(0.2)  # nothing to await: the point is that nothing happens
             assert sender.in_flight_chunks == 1
             assert sender.stats.bad_acks == 2
-            # The genuine ack, with the link's MAC, frees the window.
-            await hop.publish(ack_subject(PIPELINE, 0), b"", headers=with_mac(key, dict(ack_headers), b""))
+            # The genuine ack, with the link's MAC (its key derived from the link key), frees the window.
+            await hop.publish(ack_subject(PIPELINE, 0), b"",
+                              headers=with_mac(link_mac_key(key), dict(ack_headers), b""))
             await sender.wait_all_acked(wait_s)
     finally:
         await subscription.unsubscribe()
