@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -83,6 +83,18 @@ class ReadyBatch(Generic[Item]):
         """Cancel the rows not answered yet (the loop stopped while the batch ran)."""
         for waiting in self._waiting:
             waiting.result.cancel()
+
+    async def settle(self, outcomes: Awaitable[list]) -> None:
+        """Await the batch's run (one outcome per item) and hand each row its own; a failure of the whole run
+        reaches every row, and rows still unanswered when the loop is stopped meanwhile are cancelled."""
+        try:
+            try:
+                results = await outcomes
+            except Exception as error:  # the whole batch failed (e.g. an injected fault): every row hears it
+                results = [error] * len(self)
+            self.scatter(results)
+        finally:
+            self.cancel()
 
 
 class ReadyQueue(Generic[Item]):

@@ -103,16 +103,8 @@ class HeadSteps:
         """The scheduler loop: takes each batch of ready head steps, runs it, and hands every call its own row."""
         while True:
             batch = await self._ready.next_batch()
-            if batch is None:
-                continue
-            try:
-                try:
-                    outcomes = await self._run_batch(batch.items)
-                except Exception as error:  # the whole batch failed: every call hears it
-                    outcomes = [error] * len(batch)
-                batch.scatter(outcomes)
-            finally:
-                batch.cancel()  # stopped while it ran: its calls are not left waiting
+            if batch is not None:
+                await batch.settle(self._run_batch(batch.items))
 
     async def _run_batch(self, steps: list[HeadStep]) -> list:
         if metrics_observed():

@@ -187,16 +187,8 @@ class ShardCompute:
         """The scheduler loop: takes each batch of ready steps, runs it, and hands every hop its own row's outcome."""
         while True:
             batch = await self.ready.next_batch()
-            if batch is None:
-                continue
-            try:
-                try:
-                    outcomes = await self._run_batch(batch.items)
-                except Exception as error:  # the whole batch failed (e.g. an injected fault): every row hears it
-                    outcomes = [error] * len(batch)
-                batch.scatter(outcomes)
-            finally:
-                batch.cancel()  # stopped while it ran: its hops are not left waiting
+            if batch is not None:
+                await batch.settle(self._run_batch(batch.items))
 
     async def _run_batch(self, batch: list[QueuedStep]) -> list[StepResult | Exception]:
         """Check and run the steps of several hops (one kind) as one batched step; a result or an exception per row."""

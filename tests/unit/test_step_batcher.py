@@ -56,7 +56,7 @@ class StepBatcher:
         while True:
             batch = await self.queue.next_batch()
             if batch is not None:
-                batch.scatter(await self._recorder(batch.items))
+                await batch.settle(self._recorder(batch.items))
 
     def figures(self, kind: FrameKind) -> tuple[int, int]:
         return self.queue.figures(kind)
