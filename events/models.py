@@ -186,6 +186,74 @@ class IntegrityCorruptionDetected(_PipelineEvent):
     check: Literal["nan", "inf", "norm", "shape"]
 
 
+# How many shards one call's verification summary may name (every hop, its verifiers and tie-breakers).
+max_verified_shards = 3 * max_event_hops
+Sha256Hex = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+StepKind = Literal["prefill", "decode"]
+
+
+class ShardVerification(BaseModel):
+    """One shard's work in one call that spot-checks confirmed (services/orchestrator/verification.py)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    shard_id: ShardId
+    # Checks run on its output, and the positions whose output they confirmed (a check covers every position the
+    # shard computed since the last one).
+    checks: int = Field(ge=0)
+    verified_positions: int = Field(ge=0)
+
+
+class IntegrityShardsVerified(_PipelineEvent):
+    """The checks of one call that found nothing wrong, aggregated per shard: one event per call, not per check."""
+
+    type: Literal["integrity.shards_verified"] = "integrity.shards_verified"
+    shards: list[ShardVerification] = Field(max_length=max_verified_shards)
+
+
+class _MismatchEvidence(_PipelineEvent):
+    """What a mismatch between two computations of the same layers on the same input was: where, by how much, and
+    a digest of the compared bytes (never the activations themselves)."""
+
+    layer_lo: int = Field(ge=0)
+    layer_hi: int = Field(ge=0, description="inclusive")
+    quantization: Label
+    dtype: Label
+    # The first position whose outputs differ beyond the tolerance, and the step that computed it on the shard.
+    position: int = Field(ge=0)
+    step_kind: StepKind
+    relative_error: float = Field(ge=0)
+    tolerance: float = Field(gt=0)
+    # sha256 over the compared input and both outputs as they travelled (wire dtype), position by position.
+    evidence_sha256: Sha256Hex
+
+
+class IntegrityMismatchConfirmed(_MismatchEvidence):
+    """`shard_id`'s output disagreed with what two other parties computed and agreed on (`witnesses`: a verifying
+    replica and a tie-breaker): the shard is quarantined until a steward clears it."""
+
+    type: Literal["integrity.mismatch_confirmed"] = "integrity.mismatch_confirmed"
+    shard_id: ShardId
+    witnesses: Hops = Field(min_length=2)
+
+
+class IntegrityMismatchDisputed(_MismatchEvidence):
+    """Two shards computed the same layers on the same input differently and no third party could say which was
+    right: the call routed around both, nobody is quarantined, both are counted as disputed."""
+
+    type: Literal["integrity.mismatch_disputed"] = "integrity.mismatch_disputed"
+    shard_ids: Hops = Field(min_length=2, max_length=2)
+
+
+class IntegrityQuarantineCleared(_PipelineEvent):
+    """A steward (a `system` member) lets a quarantined shard serve again. `pipeline_id` is the clearing's own id
+    (integrity events are addressed by it)."""
+
+    type: Literal["integrity.quarantine_cleared"] = "integrity.quarantine_cleared"
+    shard_id: ShardId
+    reason: Reason
+
+
 EVENT_CLASSES: tuple[type[EventEnvelope], ...] = (
     ShardAdvertised,
     ShardHeartbeat,
@@ -198,6 +266,10 @@ EVENT_CLASSES: tuple[type[EventEnvelope], ...] = (
     PipelineCompleted,
     PipelineAborted,
     IntegrityCorruptionDetected,
+    IntegrityShardsVerified,
+    IntegrityMismatchConfirmed,
+    IntegrityMismatchDisputed,
+    IntegrityQuarantineCleared,
 )
 Event = Annotated[Union[EVENT_CLASSES], Field(discriminator="type")]  # type: ignore[valid-type]
 EVENT_TYPES: dict[str, type[EventEnvelope]] = {model.model_fields["type"].default: model for model in EVENT_CLASSES}

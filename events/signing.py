@@ -35,8 +35,10 @@ REJECTION_REASONS: tuple[RejectionReason, ...] = (
 )
 
 # Who may say what: a shard host its own shard events; an orchestrator the pipeline and integrity events of the
-# calls it runs. No other role emits events (projectors, auditors and clients only read or ask).
+# calls it runs; a steward (the `system` member) lifts a quarantine. No other role emits events (projectors,
+# auditors and clients only read or ask). A type named in EMITTING_ROLE_BY_TYPE overrides its family's rule.
 EMITTING_ROLE: dict[str, Role] = {"shard": "shard", "pipeline": "orchestrator", "integrity": "orchestrator"}
+EMITTING_ROLE_BY_TYPE: dict[str, Role] = {"integrity.quarantine_cleared": "system"}
 
 # How often a long-running verifier looks at its roster file for a change (a member added or removed).
 roster_recheck_interval_s = 1.0
@@ -144,8 +146,7 @@ class EventVerifier:
         signed = stored_canonical_bytes(stored_data) if stored_data else canonical_bytes(event)
         if signed is None or not verify_b64(event.signer, signed, event.signature):
             return "bad_signature"
-        family = event.type.split(".", 1)[0]  # type: ignore[attr-defined]
-        if EMITTING_ROLE.get(family) != member.role:
+        if emitting_role(event.type) != member.role:  # type: ignore[attr-defined]
             return "role_may_not_emit"
         if not names_only_its_own_node(event, member.name):
             return "node_mismatch"
@@ -154,6 +155,11 @@ class EventVerifier:
         if event.occurred_at > received_at + self.max_clock_skew:
             return "future_dated"
         return None
+
+
+def emitting_role(event_type: str) -> Role | None:
+    """The one role whose members may emit `event_type` (None: nobody)."""
+    return EMITTING_ROLE_BY_TYPE.get(event_type) or EMITTING_ROLE.get(event_type.split(".", 1)[0])
 
 
 def names_only_its_own_node(event: EventEnvelope, member_name: str) -> bool:

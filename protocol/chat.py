@@ -48,6 +48,10 @@ ErrorCode = Literal[
 ]
 
 
+# How much of the shards' work a call has checked on other replicas (ChatParams.verify).
+VerifyLevel = Literal["none", "sampled", "all", "vote"]
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -62,6 +66,10 @@ class ChatParams(BaseModel):
     # The weight quantization scheme the answer must come from: none, int8, int4 (any group size) or int4/gN;
     # absent: the most precise scheme whose shards cover the model (none, then int8, then int4).
     quantization: str | None = Field(default=None, pattern=QUANTIZATION_LABEL_PATTERN)
+    # How much of the shards' work is checked on other replicas (docs/design.md, "Honest shards"): `none`;
+    # `sampled` (a fraction of steps, off the token's path; a refuted step withdraws the tokens after it);
+    # `all` (every step also on a second replica before its token goes out); `vote` (two more replicas, majority).
+    verify: VerifyLevel = "sampled"
 
 
 class ChatRequest(BaseModel):
@@ -193,6 +201,17 @@ class ShardFailoverFrame(_Frame):
     resumed_at_token: int
 
 
+class TokensWithdrawnFrame(_Frame):
+    """A check refuted a shard's output at a step the answer already used: the answer is the first `kept_tokens`
+    token_delta frames sent, those after them are withdrawn, and the text goes on after the kept ones (a
+    shard_failover frame follows)."""
+
+    type: Literal["tokens_withdrawn"] = "tokens_withdrawn"
+    kept_tokens: int = Field(ge=0)
+    shard_id: str
+    reason: str
+
+
 class PipelineAbortedFrame(_Frame):
     type: Literal["pipeline_aborted"] = "pipeline_aborted"
     code: ErrorCode
@@ -247,7 +266,8 @@ class ErrorFrame(_Frame):
 
 
 ChatFrame = Annotated[
-    Union[PipelineFrame, TokenDeltaFrame, ShardStatusFrame, ShardFailoverFrame, PipelineAbortedFrame,
+    Union[PipelineFrame, TokenDeltaFrame, ShardStatusFrame, ShardFailoverFrame, TokensWithdrawnFrame,
+          PipelineAbortedFrame,
           DoneFrame, ErrorFrame, KeepaliveFrame, QueuedFrame],
     Field(discriminator="type"),
 ]

@@ -17,10 +17,12 @@ from sqlalchemy.orm import Session
 from readmodels.tables import (
     EventCount,
     Failover,
+    IntegrityEvidence,
     Pipeline,
     RejectedEvent,
     Shard,
     ShardHealth,
+    ShardReputation,
     ShardStats,
     ShardTokensDaily,
 )
@@ -33,6 +35,8 @@ FAILOVERS: Table = Failover.__table__
 REJECTED_EVENTS: Table = RejectedEvent.__table__
 EVENT_COUNTS: Table = EventCount.__table__
 SHARD_TOKENS_DAILY: Table = ShardTokensDaily.__table__
+SHARD_REPUTATION: Table = ShardReputation.__table__
+INTEGRITY_EVIDENCE: Table = IntegrityEvidence.__table__
 
 Row = dict[str, Any]
 
@@ -61,7 +65,7 @@ class TableSql:
 TABLE_SQL = {
     table.name: TableSql(table)
     for table in (SHARDS, SHARD_HEALTH, SHARD_STATS, PIPELINES, FAILOVERS, REJECTED_EVENTS, EVENT_COUNTS,
-                  SHARD_TOKENS_DAILY)
+                  SHARD_TOKENS_DAILY, SHARD_REPUTATION, INTEGRITY_EVIDENCE)
 }
 
 

@@ -64,6 +64,7 @@ from readmodels.batch_rows import (
 from readmodels.pipeline_hops import hops_after_failover
 from readmodels.pipeline_minutes import refresh_minutes
 from readmodels.positions import PROJECTION_NAME, load_positions, save_position
+from readmodels.reputation import ReputationEvent, apply_reputation_event
 
 if TYPE_CHECKING:
     from events.consume import SkippedMessage, StoredEvent
@@ -338,6 +339,10 @@ class ReadModelProjection:
     @handle.register
     def _corruption_detected(self, event: IntegrityCorruptionDetected, rows: BatchRows) -> None:
         self._count(rows, [event.shard_id], "corruption_detections")
+
+    @handle.register
+    def _verification_outcome(self, event: ReputationEvent, rows: BatchRows) -> None:
+        apply_reputation_event(event, rows)  # one handler per type there: shard_reputation, integrity_evidence
 
     # ---- helpers -----------------------------------------------------------------------------------------
 

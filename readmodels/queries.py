@@ -1,14 +1,15 @@
-"""Read-only queries over the read models that services need (routing candidates, positions)."""
+"""Read-only queries over the read models that services need (routing candidates, reputation, positions)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from readmodels.projection import PROJECTION_NAME, load_positions
-from readmodels.tables import Shard, ShardHealth
+from readmodels.reputation import QUARANTINED
+from readmodels.tables import Shard, ShardHealth, ShardReputation
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,10 @@ class ShardCandidate:
     decode_step_ms: float | None = None
     # The weight quantization scheme it serves ("none", "int8", "int4/g64"); a pipeline never mixes them.
     quantization: str = "none"
+    # A confirmed mismatch was blamed on it and no steward has cleared it since: never routed.
+    quarantined: bool = False
+    # The dtype it computes in: two replicas' outputs are compared within that dtype's honest tolerance.
+    dtype: str = "float32"
 
 
 def shards_of_model(session: Session, model_id: str) -> list[ShardCandidate]:
@@ -67,13 +72,28 @@ def _shards(session: Session, condition) -> list[ShardCandidate]:
             ShardHealth.active_streams,
             ShardHealth.decode_step_ms,
             Shard.quantization,
+            Shard.dtype,
+            func.coalesce(ShardReputation.status == QUARANTINED, False).label("quarantined"),
         )
         .outerjoin(ShardHealth, ShardHealth.shard_id == Shard.shard_id)
+        .outerjoin(ShardReputation, ShardReputation.shard_id == Shard.shard_id)
         .order_by(Shard.model_id, Shard.shard_id)
     )
     if condition is not None:
         query = query.where(condition)
-    return [ShardCandidate(*row) for row in session.execute(query)]
+    return [ShardCandidate(**row._asdict()) for row in session.execute(query)]
+
+
+def shard_reputations(session: Session) -> list[ShardReputation]:
+    """Every shard verification has spoken about: quarantined ones first, then by mismatches and disputes."""
+    query = select(ShardReputation).order_by(
+        (ShardReputation.status == QUARANTINED).desc(), ShardReputation.mismatches.desc(),
+        ShardReputation.disputes.desc(), ShardReputation.shard_id)
+    return list(session.scalars(query))
+
+
+def shard_reputation(session: Session, shard_id: str) -> ShardReputation | None:
+    return session.get(ShardReputation, shard_id)
 
 
 def projection_positions(session: Session, projection: str = PROJECTION_NAME) -> dict[str, int]:

@@ -217,3 +217,52 @@ class PipelineMinute(Base):
     ttft_p95_ms: Mapped[float | None] = mapped_column(Float, comment="duration")
     tokens_per_second_p50: Mapped[float | None] = mapped_column(Float, comment="completed calls")
     tokens_per_second_p95: Mapped[float | None] = mapped_column(Float, comment="completed calls")
+
+
+class ShardReputation(Base):
+    """What verification says about each shard (readmodels/reputation.py): the work spot-checks confirmed, the
+    mismatches blamed on it, and whether it is quarantined (never routed) until a steward clears it."""
+
+    __tablename__ = "shard_reputation"
+
+    shard_id: Mapped[str] = mapped_column(String, primary_key=True)
+    node_id: Mapped[str | None] = mapped_column(String, comment="the host, from the shard id (NULL: not parsed)")
+    checks: Mapped[int] = mapped_column(Integer, nullable=False, comment="checks that found nothing wrong")
+    verified_positions: Mapped[int] = mapped_column(Integer, nullable=False, comment="positions they confirmed")
+    mismatches: Mapped[int] = mapped_column(Integer, nullable=False, comment="confirmed against it")
+    disputes: Mapped[int] = mapped_column(Integer, nullable=False, comment="disagreements nobody could settle")
+    status: Mapped[str] = mapped_column(String, nullable=False, comment="ok | quarantined")
+    status_since: Mapped[int | None] = mapped_column(
+        Integer, comment="epoch s of the event that set the status (NULL: never quarantined)")
+    status_event_id: Mapped[str | None] = mapped_column(
+        String, comment="the confirming mismatch (quarantined) or the clearing (ok again)")
+    status_reason: Mapped[str | None] = mapped_column(
+        Text, comment="the evidence summary (quarantined) or the steward's reason (cleared)")
+    updated_at: Mapped[int] = mapped_column(Integer, nullable=False, comment="epoch s of the latest event")
+
+    __table_args__ = (Index(None, "status"),)
+
+
+class IntegrityEvidence(Base):
+    """One row per shard named by a confirmed or disputed mismatch: what was compared, where, by how much."""
+
+    __tablename__ = "integrity_evidence"
+
+    shard_id: Mapped[str] = mapped_column(String, primary_key=True)
+    event_id: Mapped[str] = mapped_column(String, primary_key=True)
+    kind: Mapped[str] = mapped_column(String, nullable=False, comment="confirmed | disputed")
+    pipeline_id: Mapped[str] = mapped_column(String, nullable=False)
+    reported_by: Mapped[str] = mapped_column(String, nullable=False, comment="the orchestrator's node id")
+    witnesses: Mapped[str] = mapped_column(
+        Text, nullable=False,
+        comment="JSON list of shard_ids: who agreed against it (confirmed) or the one it disagreed with (disputed)")
+    layer_lo: Mapped[int] = mapped_column(Integer, nullable=False)
+    layer_hi: Mapped[int] = mapped_column(Integer, nullable=False, comment="inclusive")
+    quantization: Mapped[str] = mapped_column(String, nullable=False)
+    dtype: Mapped[str] = mapped_column(String, nullable=False)
+    position: Mapped[int] = mapped_column(Integer, nullable=False)
+    step_kind: Mapped[str] = mapped_column(String, nullable=False, comment="prefill | decode")
+    relative_error: Mapped[float] = mapped_column(Float, nullable=False)
+    tolerance: Mapped[float] = mapped_column(Float, nullable=False)
+    evidence_sha256: Mapped[str] = mapped_column(String, nullable=False)
+    occurred_at: Mapped[int] = mapped_column(Integer, nullable=False, comment="epoch s")

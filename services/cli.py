@@ -181,7 +181,9 @@ def shard_command(
     fault: Annotated[
         Optional[str],
         typer.Option("--fault", hidden=True,
-                     help="Testing only: nan, scale=X, delay_s=S, fail, empty, misshape, after_steps=N."),
+                     help="Testing only: nan, scale=X, noise=S, offset=C, bitflip=B, delay_s=S, fail, empty, "
+                          "misshape, accuse, after_steps=N, lie_rate=P, fault_seed=N, spare_single_hop "
+                          "(services/shard/faults.py)."),
     ] = None,
     torch_threads: TorchThreadsOption = None,
     busy_threads: BusyThreadsOption = None,

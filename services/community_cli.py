@@ -1,18 +1,38 @@
-"""`hearth community`: create a community, add members (each with an nkey), list them, and render the NATS
-server's authorization block from the roster (`hearth nats`, services/nats_cli.py, runs a broker for it)."""
+"""`hearth community`: create a community, add members (each with an nkey), list them, render the NATS server's
+authorization block from the roster (`hearth nats`, services/nats_cli.py, runs a broker for it), show shard hosts'
+reputation from a read model and let a steward clear a quarantine (a signed `integrity.quarantine_cleared`).
+
+The reputation commands read the read model with plain SQL on a read-only connection (the projector may be
+writing); the clearing's publisher is handed in as a function, so the command's logic is tested without a broker."""
 
 from __future__ import annotations
 
+import sqlite3
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
+
+if TYPE_CHECKING:
+    from events.models import EventEnvelope, IntegrityQuarantineCleared
+    from services.common.config import NatsSettings
+    from trust.keys import MemberKey
 
 community_app = typer.Typer(help="Manage a community: its roster, member keys and the broker's permissions.",
                             rich_markup_mode=None,
                             no_args_is_help=True)
 DirOption = Annotated[Path, typer.Option("--dir", help="The community folder (roster.json, keys/).")]
 DEFAULT_COMMUNITY_DIR = Path("community")
+ReadModelOption = Annotated[Path, typer.Option(
+    "--db", help="The read model (the file `hearth projector --db` keeps) that holds the shards' reputation.")]
+DEFAULT_READ_MODEL = Path("readmodel.sqlite")
+NatsOption = Annotated[Optional[str], typer.Option(
+    "--nats", help="The community's broker (default: $HEARTH_NATS_URL or [nats] url; a cluster's URLs "
+                   "comma-separated); TLS as [nats] tls_* say.", show_default=False)]
 tls_validity_days = 365
 
 
@@ -71,8 +91,9 @@ def add_command(
 
 
 @community_app.command("list")
-def list_command(directory: DirOption = DEFAULT_COMMUNITY_DIR) -> None:
-    """Print the roster: name, role, trust, public key."""
+def list_command(directory: DirOption = DEFAULT_COMMUNITY_DIR, db: ReadModelOption = DEFAULT_READ_MODEL) -> None:
+    """Print the roster: name, role, trust, public key, and (from the read model, when there is one) the shards of
+    each member that are quarantined."""
     from trust.community import Community
     from trust.roster import RosterError
 
@@ -80,9 +101,59 @@ def list_command(directory: DirOption = DEFAULT_COMMUNITY_DIR) -> None:
         roster = Community(directory).roster()
     except RosterError as error:
         _fail(str(error))
+    quarantined = quarantined_shards_by_node(db)
     typer.echo(f"community {roster.community!r}: {len(roster.members)} members")
     for member in roster.members:
-        typer.echo(f"{member.name:24} {member.role:13} {member.trust:8} {member.public_key}")
+        shards = quarantined.get(member.name)
+        note = f"  QUARANTINED: {', '.join(shards)}" if shards else ""
+        typer.echo(f"{member.name:24} {member.role:13} {member.trust:8} {member.public_key}{note}")
+
+
+@community_app.command("reputation")
+def reputation_command(db: ReadModelOption = DEFAULT_READ_MODEL) -> None:
+    """Each shard's reputation from the read model: checks that found nothing wrong, the positions they verified,
+    mismatches confirmed against it, disputes, and whether it is quarantined (since when, on what evidence)."""
+    try:
+        rows = read_reputation(db)
+    except ReadModelMissing as error:
+        _fail(str(error), "hearth community reputation")
+    for line in reputation_lines(rows):
+        typer.echo(line)
+
+
+@community_app.command("clear-quarantine")
+def clear_quarantine_command(
+    shard_id: Annotated[str, typer.Argument(help="The quarantined shard ('<model>:<lo>-<hi>@<node>').")],
+    reason: Annotated[str, typer.Option("--reason", help="Why it may serve again (kept in the event log).")],
+    directory: DirOption = DEFAULT_COMMUNITY_DIR,
+    db: ReadModelOption = DEFAULT_READ_MODEL,
+    nats_url: NatsOption = None,
+) -> None:
+    """Let a quarantined shard serve again: publish a signed integrity.quarantine_cleared with the steward's system
+    key (DIR/keys/system.nk). Refused, with nothing published, when the read model does not hold it quarantined."""
+    from services.broker.connection import BrokerUnreachable
+    from services.common.config import load_settings
+    from services.common.lifecycle import run_event_loop
+    from trust.community import Community
+    from trust.keys import KeyFileError
+
+    command = "hearth community clear-quarantine"
+    community = Community(directory)
+    if not community.system_key_path.is_file():
+        _fail(f"{community.system_key_path} does not exist: only the steward, with the community's system key, "
+              "clears a quarantine", command)
+    nats = load_settings().nats
+    nats = nats.model_copy(update={"url": nats_url or nats.url, "roster_file": community.roster_path})
+    try:
+        key = community.system_key()
+        event = run_event_loop(clear_quarantine(shard_id, reason, db=db, steward_key=key,
+                                                publish=steward_publisher(nats, community.system_key_path)))
+    except (NotQuarantined, ReadModelMissing, KeyFileError, BrokerUnreachable) as error:
+        _fail(str(error), command)
+    except Exception as error:  # JetStream refused or timed out: say so in one line
+        _fail(f"the clearing was not published: {error}", command)
+    typer.echo(f"cleared the quarantine of {shard_id} (event {event.event_id}, clearing {event.pipeline_id}); "
+               "routers plan it again once their read model applies it")
 
 
 @community_app.command("api-key")
@@ -183,3 +254,126 @@ def streams_command(
     except Exception as error:  # JetStream refused or never became ready: say so in one line
         _fail(f"the event streams were not created: {error}", command)
     typer.echo(f"event streams ready on {nats.url}", err=True)
+
+
+# ---- reputation (read from a read model) and the steward's clearing -------------------------------------------
+
+REPUTATION_LISTING_SQL = """SELECT shard_id, COALESCE(node_id, ''), status, checks, verified_positions, mismatches,
+       disputes, status_since, COALESCE(status_reason, '')
+FROM shard_reputation
+ORDER BY status = 'quarantined' DESC, mismatches DESC, disputes DESC, shard_id"""
+
+Publish = Callable[["EventEnvelope"], Awaitable[None]]
+
+
+class ReadModelMissing(Exception):
+    """The read model a reputation command reads is absent or not migrated to a schema with reputation."""
+
+
+class NotQuarantined(Exception):
+    """The shard a steward asked to clear is not quarantined in the read model: nothing was published."""
+
+
+@dataclass(frozen=True)
+class ShardReputationRow:
+    shard_id: str
+    node_id: str
+    status: str
+    checks: int
+    verified_positions: int
+    mismatches: int
+    disputes: int
+    status_since: int | None
+    status_reason: str
+
+    @property
+    def quarantined(self) -> bool:
+        return self.status == "quarantined"
+
+
+def read_reputation(db: Path) -> list[ShardReputationRow]:
+    """Every shard verification has spoken about, quarantined ones first (ReadModelMissing when it cannot)."""
+    if not db.is_file():
+        raise ReadModelMissing(f"no read model at {db} (give --db, the file `hearth projector --db` keeps)")
+    connection = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5)
+    try:
+        return [ShardReputationRow(*row) for row in connection.execute(REPUTATION_LISTING_SQL)]
+    except sqlite3.OperationalError as error:
+        raise ReadModelMissing(f"{db} holds no reputation ({error}); run `hearth db upgrade --db {db}`") from None
+    finally:
+        connection.close()
+
+
+def format_instant(epoch_s: int | None) -> str:
+    if epoch_s is None:
+        return "-"
+    return datetime.fromtimestamp(epoch_s, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def reputation_lines(rows: list[ShardReputationRow]) -> list[str]:
+    """The `hearth community reputation` listing: a summary, then one line per shard (and its reason)."""
+    quarantined = sum(row.quarantined for row in rows)
+    lines = [f"{len(rows)} shards with verification outcomes, {quarantined} quarantined"]
+    for row in rows:
+        since = f" since {format_instant(row.status_since)}" if row.status_since is not None else ""
+        lines.append(f"{row.status.upper() if row.quarantined else row.status:11} {row.node_id:16} {row.shard_id}  "
+                     f"checks {row.checks}, verified positions {row.verified_positions}, mismatches "
+                     f"{row.mismatches}, disputes {row.disputes}{since}")
+        if row.status_reason:
+            lines.append(f"{'':11} {'cleared: ' if not row.quarantined else ''}{row.status_reason}")
+    return lines
+
+
+def quarantined_shards_by_node(db: Path) -> dict[str, list[str]]:
+    """node -> its quarantined shard ids; empty when there is no read model to ask."""
+    try:
+        rows = read_reputation(db)
+    except ReadModelMissing:
+        return {}
+    by_node: dict[str, list[str]] = {}
+    for row in rows:
+        if row.quarantined:
+            by_node.setdefault(row.node_id, []).append(row.shard_id)
+    return by_node
+
+
+def quarantine_clearing(shard_id: str, reason: str, steward_key: MemberKey) -> IntegrityQuarantineCleared:
+    """The signed event a steward publishes; its `pipeline_id` is the clearing's own id."""
+    from events.models import IntegrityQuarantineCleared
+    from events.signing import sign_event
+    from trust.roster import SYSTEM_MEMBER
+
+    event = IntegrityQuarantineCleared(pipeline_id=f"clear-{uuid.uuid4().hex}", node_id=SYSTEM_MEMBER,
+                                       shard_id=shard_id, reason=reason)
+    return sign_event(event, steward_key)  # type: ignore[return-value]
+
+
+async def clear_quarantine(shard_id: str, reason: str, *, db: Path, steward_key: MemberKey,
+                           publish: Publish) -> IntegrityQuarantineCleared:
+    """Publish the clearing of `shard_id`'s quarantine; NotQuarantined (nothing published) when the read model
+    does not hold it quarantined, ReadModelMissing when there is no read model to ask."""
+    row = next((row for row in read_reputation(db) if row.shard_id == shard_id), None)
+    if row is None or not row.quarantined:
+        state = "never checked" if row is None else f"status {row.status}"
+        raise NotQuarantined(f"shard {shard_id} is not quarantined in {db} ({state}); nothing was published")
+    event = quarantine_clearing(shard_id, reason, steward_key)
+    await publish(event)
+    return event
+
+
+def steward_publisher(nats: NatsSettings, system_key: Path) -> Publish:
+    """A Publish that connects to `nats.url` as the steward (`system_key`), publishes the (already signed) event
+    to its stream and closes the connection."""
+
+    async def publish(event: EventEnvelope) -> None:
+        from events.publish import publish_event
+        from services.broker.connection import close_quietly, connect_nats
+
+        settings = nats.model_copy(update={"creds_file": system_key})
+        connection = await connect_nats(settings.url, name="hearth steward", settings=settings)
+        try:
+            await publish_event(connection.jetstream(), event)
+        finally:
+            await close_quietly(connection, settings.close_timeout_s)
+
+    return publish

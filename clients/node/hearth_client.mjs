@@ -292,7 +292,12 @@ async function main() {
     if (final.type === "error" && final.code === "unauthorized") {
       console.error(`hearth_client: ${explainUnauthorized(final)}`);
     }
-    const deltas = frames.filter((f) => f.type === "token_delta");
+    // The answer's deltas as they stand: a tokens_withdrawn frame keeps only the first kept_tokens of them.
+    const deltas = [];
+    for (const f of frames) {
+      if (f.type === "token_delta") deltas.push(f);
+      else if (f.type === "tokens_withdrawn") deltas.splice(f.kept_tokens);
+    }
     console.log(JSON.stringify({
       models: models.models.map((m) => m.id),
       default_model: models.default_model ?? null,

@@ -126,7 +126,10 @@ def role_permissions(role: Role, name: str, caller_inboxes: Iterable[str] = ()) 
                      "hearth.ack.>", "hearth.keepalive.>",
                      *(f"{prefix}.>" for prefix in sorted(set(caller_inboxes))), *stream_reading(ALL_STREAMS),
                      *weights_store_reading()),
-            subscribe=(CHAT_REQUEST_SUBJECT, MODELS_REQUEST_SUBJECT, f"hearth.act.{node}.>", "hearth.ack.>",
+            # Every activation link, not only those into itself: it taps the links between its pipelines' hops to
+            # check what each hop computed (services/orchestrator/recording.py). Another orchestrator's links are
+            # sealed under keys it never had, so it learns nothing from them.
+            subscribe=(CHAT_REQUEST_SUBJECT, MODELS_REQUEST_SUBJECT, "hearth.act.>", "hearth.ack.>",
                        "hearth.notice.>", own_inbox),
         )
     if role in ("projector", "auditor"):

@@ -1,4 +1,5 @@
-"""A small async client for `llm.chat.request`: publish a request, iterate the frames from its inbox."""
+"""A small async client for `llm.chat.request`: publish a request, iterate the frames from its inbox, and the
+answer those frames make (token_delta frames, less those a tokens_withdrawn frame took back)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 
 from nats.aio.client import Client as NatsClient
@@ -26,6 +27,7 @@ from protocol.chat import (
     ModelsRequest,
     PipelineAbortedFrame,
     TokenDeltaFrame,
+    TokensWithdrawnFrame,
     decode_frame,
 )
 from protocol.subjects import CHAT_REQUEST_SUBJECT, MODELS_REQUEST_SUBJECT
@@ -134,18 +136,58 @@ async def stream_chat(nc: NatsClient, request: ChatRequest, *, signer: MemberKey
 
 
 @dataclass
+class AnswerTokens:
+    """The token_delta frames an answer is made of so far, as its frames arrive: each token_delta frame adds its
+    token; a tokens_withdrawn frame keeps the first `kept_tokens` of the answer as it stands and drops the rest
+    (a check refuted the step they came from); every other frame changes nothing."""
+
+    frames: list[TokenDeltaFrame] = field(default_factory=list)
+
+    def take(self, frame: ChatFrame) -> list[TokenDeltaFrame]:
+        """Apply `frame`; the token frames it withdrew (none for any other frame)."""
+        if isinstance(frame, TokenDeltaFrame):
+            self.frames.append(frame)
+        elif isinstance(frame, TokensWithdrawnFrame):
+            withdrawn = self.frames[frame.kept_tokens:]
+            del self.frames[frame.kept_tokens:]
+            return withdrawn
+        return []
+
+    @property
+    def text(self) -> str:
+        return "".join(frame.text for frame in self.frames)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [frame.token_id for frame in self.frames]
+
+
+def answer_tokens(frames: Iterable[ChatFrame]) -> AnswerTokens:
+    """The answer `frames` make, withdrawals applied."""
+    answer = AnswerTokens()
+    for frame in frames:
+        answer.take(frame)
+    return answer
+
+
+@dataclass
 class ChatResult:
-    """Everything one call streamed, collected."""
+    """Everything one call streamed, collected; `text` and `token_ids` are the answer's, with the tokens that
+    tokens_withdrawn frames took back left out (`frames` still holds every frame as sent)."""
 
     frames: list[ChatFrame] = field(default_factory=list)
 
     @property
     def text(self) -> str:
-        return "".join(f.text for f in self.frames if isinstance(f, TokenDeltaFrame))
+        return answer_tokens(self.frames).text
 
     @property
     def token_ids(self) -> list[int]:
-        return [f.token_id for f in self.frames if isinstance(f, TokenDeltaFrame)]
+        return answer_tokens(self.frames).token_ids
+
+    @property
+    def withdrawals(self) -> list[TokensWithdrawnFrame]:
+        return [frame for frame in self.frames if isinstance(frame, TokensWithdrawnFrame)]
 
     @property
     def final(self) -> ChatFrame | None:

@@ -9,8 +9,9 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from pydantic import ValidationError
 
-from services.client.chat import list_models, stream_chat
+from services.client.chat import AnswerTokens, list_models, stream_chat
 from protocol.chat import (
+    ChatFrame,
     ChatMessage,
     ChatRequest,
     DoneFrame,
@@ -18,6 +19,7 @@ from protocol.chat import (
     PipelineAbortedFrame,
     QueuedFrame,
     TokenDeltaFrame,
+    TokensWithdrawnFrame,
     describe_validation_error,
 )
 from protocol.subjects import MODELS_REQUEST_SUBJECT
@@ -35,6 +37,10 @@ def run_chat_command(nats_url: str, *, prompt: str, model: str | None, max_token
 
     Exit code 0 on `done`; 1 on an error frame or a request that is not valid; 2 when no answer came in
     time (NATS not reachable within nats.connect_timeout_s, or no orchestrator answering).
+
+    Text already printed cannot be taken back: when a tokens_withdrawn frame comes, the line ends, a
+    `[tokens_withdrawn ...]` line goes to stderr, and the answer's kept text is printed again on stdout, where
+    the text goes on; the last stretch of stdout after such a line is the answer.
     """
     try:
         if raw:
@@ -55,54 +61,71 @@ async def _chat(nats_url: str, request: ChatRequest, *, as_json: bool, nats_sett
     except BrokerUnreachable as error:
         _say(f"hearth chat: {error}")
         return EXIT_NO_ANSWER
-    text = _TextLine()
+    printer = ChatPrinter()
     try:
         # aclosing: the inbox is unsubscribed here, before the connection closes, not by a finalizer later.
         async with contextlib.aclosing(stream_chat(nc, request)) as frames:
             async for frame in frames:
                 if as_json:
                     print(frame.model_dump_json(exclude_none=True), flush=True)
-                elif isinstance(frame, TokenDeltaFrame):
-                    text.write(frame.text)
-                elif isinstance(frame, DoneFrame):
-                    timing = frame.timing
-                    text.end()
-                    _say(f"[{frame.finish_reason}: {frame.usage.completion_tokens} tokens, "
-                         f"{timing.tokens_per_second or 0:.1f} tokens/s, ttft {timing.ttft_ms or 0:.0f} ms]")
-                elif isinstance(frame, QueuedFrame):
-                    _say(f"[queued: position {frame.position} of {frame.queued_requests}]")
-                elif isinstance(frame, (ErrorFrame, PipelineAbortedFrame)):
-                    message = frame.message if isinstance(frame, ErrorFrame) else frame.reason
-                    if isinstance(frame, ErrorFrame) and frame.retry_after_s is not None:
-                        message += f" (retry after {frame.retry_after_s:g} s)"
-                    text.end()
-                    _say(f"error {frame.code}: {message}")
-                    # No orchestrator answered, or it went silent: no answer in time, as for a broker away.
-                    return EXIT_NO_ANSWER if frame.code == "orchestrator_gone" else EXIT_ERROR
-                elif frame.type in ("shard_status", "shard_failover"):
-                    text.end()
-                    _say(f"[{frame.type}: {frame.model_dump_json(exclude={'seq', 'type'})}]")
+                    continue
+                exit_code = printer.show(frame)
+                if exit_code is not None:
+                    return exit_code
         return 0
     finally:
         await close_quietly(nc, (nats_settings or NatsSettings()).close_timeout_s)
 
 
-class _TextLine:
-    """The answer's text on stdout; `end()` finishes its line before a status line goes to stderr."""
+class ChatPrinter:
+    """Prints one answer's frames: the text to stdout as it streams, every other thing one line each to stderr
+    (the text's line ended first)."""
 
     def __init__(self) -> None:
-        self.open = False
+        self.answer = AnswerTokens()
+        self.line_open = False
 
-    def write(self, text: str) -> None:
+    def show(self, frame: ChatFrame) -> int | None:
+        """Print `frame`; the exit code once an error frame ended the call, None otherwise."""
+        withdrawn = self.answer.take(frame)
+        if isinstance(frame, TokenDeltaFrame):
+            self._write(frame.text)
+        elif isinstance(frame, TokensWithdrawnFrame):
+            self._end_line()
+            _say(f"[tokens_withdrawn: the {len(withdrawn)} tokens after token {frame.kept_tokens} are taken back "
+                 f"({frame.shard_id}: {frame.reason}); the answer so far:]")
+            self._write(self.answer.text)
+        elif isinstance(frame, DoneFrame):
+            timing = frame.timing
+            self._end_line()
+            _say(f"[{frame.finish_reason}: {frame.usage.completion_tokens} tokens, "
+                 f"{timing.tokens_per_second or 0:.1f} tokens/s, ttft {timing.ttft_ms or 0:.0f} ms]")
+        elif isinstance(frame, QueuedFrame):
+            _say(f"[queued: position {frame.position} of {frame.queued_requests}]")
+        elif isinstance(frame, (ErrorFrame, PipelineAbortedFrame)):
+            message = frame.message if isinstance(frame, ErrorFrame) else frame.reason
+            if isinstance(frame, ErrorFrame) and frame.retry_after_s is not None:
+                message += f" (retry after {frame.retry_after_s:g} s)"
+            self._end_line()
+            _say(f"error {frame.code}: {message}")
+            # No orchestrator answered, or it went silent: no answer in time, as for a broker away.
+            return EXIT_NO_ANSWER if frame.code == "orchestrator_gone" else EXIT_ERROR
+        elif frame.type in ("shard_status", "shard_failover"):
+            self._end_line()
+            _say(f"[{frame.type}: {frame.model_dump_json(exclude={'seq', 'type'})}]")
+        return None
+
+    def _write(self, text: str) -> None:
         sys.stdout.write(text)
         sys.stdout.flush()
-        self.open = self.open or bool(text)
+        self.line_open = self.line_open or bool(text)
 
-    def end(self) -> None:
-        if self.open:
+    def _end_line(self) -> None:
+        """Finish the text's line before a status line goes to stderr."""
+        if self.line_open:
             sys.stdout.write("\n")
             sys.stdout.flush()
-            self.open = False
+            self.line_open = False
 
 
 def _say(line: str) -> None:

@@ -85,6 +85,34 @@ class OrchestratorSettings(ConfigSection):
                     "ready); a call decoding alone never waits")
 
 
+class VerificationSettings(ConfigSection):
+    """[verification]: how an orchestrator checks what shard hosts compute (docs/design.md, "Honest shards")."""
+
+    sample_rate: float = Field(
+        default=0.02, ge=0, le=1,
+        description="in `sampled` calls, the chance that a step has each hop's work checked on another replica "
+                    "(a check covers every position the hop ran since its last one)")
+    guard_margin: float = Field(
+        default=4.0, gt=1,
+        description="an output whose per-position norm is beyond this factor of the range confirmed outputs "
+                    "showed (either way) is checked at once")
+    guard_min_positions: int = Field(
+        default=16, ge=1,
+        description="confirmed positions a layer range's guard needs before it judges; until then a chain's "
+                    "first step is checked on every hop")
+    settle_timeout_s: float = Field(
+        default=30.0, gt=0,
+        description="how long a call's last frame waits for the checks still running on its steps")
+    canary_interval_s: float = Field(
+        default=60.0, ge=0,
+        description="about this often (jittered) one confirmed piece of work is replayed to a host of the same "
+                    "layers that never saw it, and compared (0: never)")
+    canaries_per_range: int = Field(
+        default=4, ge=0, description="confirmed runs kept per layer range for replay (in memory only)")
+    canary_max_positions: int = Field(
+        default=256, ge=1, description="a kept run is cut to this many positions")
+
+
 class ShardSettings(ConfigSection):
     """[shard]: how a shard serves its hops: whether it may start, its memory and KV budget, eviction, its kernels,
     batching, and how it announces itself."""

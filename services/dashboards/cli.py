@@ -41,8 +41,9 @@ def render_command(
 
 
 def status_command(db: ReadModelOption = Path("readmodel.sqlite")) -> None:
-    """One screen from a read model: models and their layer coverage, shards online (heartbeat age, p95 step),
-    calls in the last hour by outcome."""
+    """One screen from a read model: models and their layer coverage, shards online (heartbeat age, p95 step,
+    reputation), the shards verification found fault with (quarantined, mismatches, disputes), calls in the last
+    hour by outcome."""
     from services.dashboards.status import run_status_command
 
     raise typer.Exit(run_status_command(db))

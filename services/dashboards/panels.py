@@ -48,10 +48,17 @@ SHARDS_ONLINE_SQL = f"""SELECT shards.node_id AS node, shards.model_id AS model,
        shards.layer_lo || '-' || shards.layer_hi AS layers, shards.dtype AS dtype,
        shards.memory_required_mb AS memory_mb, {NOW_S} - shard_health.last_seen AS heartbeat_age_s,
        shard_health.active_streams AS active_streams, shard_health.queue_depth AS queue_depth,
-       shard_health.p95_latency_ms AS p95_step_ms, shards.shard_id AS shard
+       shard_health.p95_latency_ms AS p95_step_ms, shards.shard_id AS shard,
+       COALESCE(shard_reputation.status, 'unchecked') AS reputation
 FROM shards LEFT JOIN shard_health ON shard_health.shard_id = shards.shard_id
+     LEFT JOIN shard_reputation ON shard_reputation.shard_id = shards.shard_id
 WHERE {LIVE_SHARD}
 ORDER BY shards.model_id, shards.layer_lo, shards.node_id"""
+
+# Every shard verification has spoken about (readmodels/reputation.py), quarantined ones first.
+REPUTATION_SQL = """SELECT COALESCE(node_id, '') AS node, shard_id AS shard, status, checks, verified_positions,
+       mismatches, disputes, datetime(status_since, 'unixepoch') AS since, COALESCE(status_reason, '') AS reason
+FROM shard_reputation ORDER BY status = 'quarantined' DESC, mismatches DESC, disputes DESC, shard"""
 
 CALLS_BY_OUTCOME_SQL = f"""SELECT $__unixEpochGroupSeconds(constructed_at, 60) AS time, status AS outcome,
        COUNT(*) AS calls
@@ -89,9 +96,9 @@ SELECT model_id || ' L' || layer AS layer, replicas FROM layer_replicas ORDER BY
         ),
         SqlPanel(
             "Shards online", "table", SHARDS_ONLINE_SQL,
-            ("node", "layers", "memory_mb", "heartbeat_age_s", "p95_step_ms"),
+            ("node", "layers", "memory_mb", "heartbeat_age_s", "p95_step_ms", "reputation"),
             "Advertised and not expired. memory_mb is what the range needs (from its advertisement); the "
-            "device is not advertised yet.",
+            "device is not advertised yet. reputation: ok, quarantined (never routed) or unchecked.",
         ),
         PromPanel(
             "KV cache by shard", (PromTarget("sum by (shard_id) (hearth_shard_kv_cache_bytes)", "{{shard_id}}"),),
@@ -196,6 +203,14 @@ GROUP BY 1, 2 ORDER BY 1, 2""",
 FROM shard_stats LEFT JOIN shards ON shards.shard_id = shard_stats.shard_id
 ORDER BY corruption_detections DESC, failovers_caused DESC, shard""",
             ("node", "shard", "failovers_caused", "corruption_detections"),
+        ),
+        SqlPanel(
+            "Reputation: verified work, mismatches, quarantine", "table", REPUTATION_SQL,
+            ("node", "shard", "status", "checks", "verified_positions", "mismatches", "disputes", "since"),
+            "From the spot-checks' signed outcomes (shard_reputation): checks that found nothing wrong and the "
+            "positions they verified; mismatches two other parties confirmed; disputes nobody could settle. A "
+            "quarantined shard is never routed until a steward runs `hearth community clear-quarantine`; since: "
+            "when its status last changed (UTC), reason: the evidence or the steward's reason.",
         ),
         PromPanel(
             "Step compute p95 by shard (live)",

@@ -1,4 +1,5 @@
-"""`hearth status`: one screen from a read model: models and their layer coverage, shards online, recent calls.
+"""`hearth status`: one screen from a read model: models and their layer coverage, shards online (with their
+reputation), shards verification has found fault with, recent calls.
 
 It runs the Mesh dashboard's own SQL (services/dashboards/panels.py) on a read-only connection, with "now"
 as the end of the time range, so the screen and the dashboard never disagree. Heartbeat ages are from this
@@ -16,7 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from services.dashboards.macros import TimeRange, open_read_only, run_panel_sql
-from services.dashboards.panels import LAYER_REPLICAS_CTE, MODELS_SQL, SHARDS_ONLINE_SQL
+from services.dashboards.panels import LAYER_REPLICAS_CTE, MODELS_SQL, REPUTATION_SQL, SHARDS_ONLINE_SQL
 
 RECENT_CALLS_S = 3600
 
@@ -38,7 +39,7 @@ def coverage_text(layer_replicas: list[tuple[int, int]]) -> str:
 
 
 def status_tables(connection: sqlite3.Connection, now_s: int) -> list[Table]:
-    """The three tables of the screen, read from one connection at `now_s` (epoch seconds)."""
+    """The four tables of the screen, read from one connection at `now_s` (epoch seconds)."""
     time_range = TimeRange(now_s - RECENT_CALLS_S, now_s)
     _, per_layer = run_panel_sql(connection, LAYER_REPLICAS_SQL, time_range)
     coverage = {model: coverage_text([(layer, n) for _, layer, n in rows])
@@ -53,21 +54,45 @@ def status_tables(connection: sqlite3.Connection, now_s: int) -> list[Table]:
                        style=style)
 
     shards = Table(title="Shards online", title_justify="left")
-    for name in ("node", "model", "layers", "dtype", "memory MB", "heartbeat age s", "active", "p95 step ms"):
+    for name in ("node", "model", "layers", "dtype", "memory MB", "heartbeat age s", "active", "p95 step ms",
+                 "reputation"):
         shards.add_column(name, justify="right" if name[0].isdigit() or " " in name else "left")
     columns, rows = run_panel_sql(connection, SHARDS_ONLINE_SQL, time_range)
     for row in rows:
         value = dict(zip(columns, row))
         shards.add_row(value["node"], value["model"], value["layers"], value["dtype"],
                        _number(value["memory_mb"]), _number(value["heartbeat_age_s"]),
-                       _number(value["active_streams"]), _number(value["p95_step_ms"]))
+                       _number(value["active_streams"]), _number(value["p95_step_ms"]), value["reputation"],
+                       style="bold red" if value["reputation"] == "quarantined" else None)
 
+    return [models, shards, reputation_table(connection, time_range), _calls_table(connection, time_range)]
+
+
+def reputation_table(connection: sqlite3.Connection, time_range: TimeRange) -> Table:
+    """A summary title (shards checked, quarantined) over the shards with a mismatch, a dispute or a quarantine."""
+    columns, rows = run_panel_sql(connection, REPUTATION_SQL, time_range)
+    shards = [dict(zip(columns, row)) for row in rows]
+    quarantined = sum(shard["status"] == "quarantined" for shard in shards)
+    table = Table(title=f"Reputation: {len(shards)} shards verified, {quarantined} quarantined", title_justify="left")
+    for name in ("node", "shard", "status", "checks", "verified positions", "mismatches", "disputes", "since (UTC)",
+                 "reason"):
+        table.add_column(name)
+    for shard in shards:
+        if shard["status"] == "quarantined" or shard["mismatches"] or shard["disputes"]:
+            table.add_row(shard["node"], shard["shard"], shard["status"], str(shard["checks"]),
+                          str(shard["verified_positions"]), str(shard["mismatches"]), str(shard["disputes"]),
+                          shard["since"] or "-", shard["reason"],
+                          style="bold red" if shard["status"] == "quarantined" else None)
+    return table
+
+
+def _calls_table(connection: sqlite3.Connection, time_range: TimeRange) -> Table:
     calls = Table(title=f"Calls in the last {RECENT_CALLS_S // 60} minutes", title_justify="left")
     for name in ("outcome", "calls", "mean ttft ms", "mean tokens/s"):
         calls.add_column(name)
     for outcome, count, ttft, rate in run_panel_sql(connection, CALLS_BY_OUTCOME_SQL, time_range)[1]:
         calls.add_row(outcome, str(count), _number(ttft), _number(rate))
-    return [models, shards, calls]
+    return calls
 
 
 def _number(value) -> str:

@@ -306,6 +306,9 @@ class _AnswerView:
         self.current_hops: list[str] | None = None
         self.steps_per_host: Counter[str] = Counter()
         self.pipeline_id: str | None = None
+        from services.client.chat import AnswerTokens
+
+        self.answer = AnswerTokens()
 
     def show(self, frame) -> bool | None:
         """Print one frame; True/False once the answer is complete/failed, None while it streams."""
@@ -317,9 +320,11 @@ class _AnswerView:
             ShardFailoverFrame,
             ShardStatusFrame,
             TokenDeltaFrame,
+            TokensWithdrawnFrame,
         )
 
         out = sys.stdout
+        withdrawn = self.answer.take(frame)
         if isinstance(frame, PipelineFrame):
             self.pipeline_id, self.current_hops = frame.pipeline_id, list(frame.hops)
             print(f"pipeline {frame.pipeline_id}: {chain_text(frame.hops)}")
@@ -337,6 +342,12 @@ class _AnswerView:
             out.write(f" [[{shard_label(frame.shard_id)} {frame.status}: {frame.reason}]] ")
         elif isinstance(frame, ShardFailoverFrame):
             out.write(f" [[failover after token {frame.resumed_at_token}: {chain_text(frame.replacement_hops)}]] ")
+        elif isinstance(frame, TokensWithdrawnFrame):
+            # Printed text cannot be taken back: say so, then print the kept text again for the answer to go on.
+            out.write(f"\n[[{len(withdrawn)} tokens after token {frame.kept_tokens} withdrawn: "
+                      f"{shard_label(frame.shard_id)} refuted ({frame.reason}); the answer so far:]]\n")
+            out.write(self.answer.text)
+            out.flush()
         elif isinstance(frame, DoneFrame):
             self.demo._summarise(frame, self.steps_per_host, self.pipeline_id)
             return True

@@ -39,8 +39,10 @@ def finish_reason(done: DoneFrame) -> Literal["stop", "length"]:
     return "length" if done.finish_reason.endswith("length") else "stop"
 
 
-def usage_of(done: DoneFrame) -> UsageBody:
-    return usage_body(done.usage.prompt_tokens, done.usage.completion_tokens)
+def usage_of(done: DoneFrame, completion_tokens: int | None = None) -> UsageBody:
+    """`done`'s usage; `completion_tokens`: the answer's own count where it differs (tokens were withdrawn)."""
+    return usage_body(done.usage.prompt_tokens,
+                      done.usage.completion_tokens if completion_tokens is None else completion_tokens)
 
 
 @dataclass
@@ -51,9 +53,12 @@ class ChatShape:
     model: str
     created: int = field(default_factory=lambda: int(time.time()))
 
-    def whole(self, text: str, done: DoneFrame, logprobs: Sequence[TokenLogprobs] | None = None) -> ChatCompletion:
-        """The answer; `logprobs`: its tokens' log-probabilities (None: the call asked for none)."""
-        return ChatCompletion(id=self.id, created=self.created, model=self.model, usage=usage_of(done),
+    def whole(self, text: str, done: DoneFrame, logprobs: Sequence[TokenLogprobs] | None = None,
+              completion_tokens: int | None = None) -> ChatCompletion:
+        """The answer; `logprobs`: its tokens' log-probabilities (None: the call asked for none);
+        `completion_tokens`: its tokens, when tokens were withdrawn (None: `done`'s count)."""
+        return ChatCompletion(id=self.id, created=self.created, model=self.model,
+                              usage=usage_of(done, completion_tokens),
                               choices=[ChatChoice(message=AssistantMessage(content=text),
                                                   finish_reason=finish_reason(done),
                                                   logprobs=None if logprobs is None else chat_logprobs(logprobs))])
@@ -88,9 +93,12 @@ class CompletionShape:
     # Characters of the completion's tokens streamed so far: where the next chunk's `text_offset` starts.
     streamed_chars: int = 0
 
-    def whole(self, text: str, done: DoneFrame, logprobs: Sequence[TokenLogprobs] | None = None) -> Completion:
-        """The answer; `logprobs`: its tokens' log-probabilities (None: the call asked for none)."""
-        return Completion(id=self.id, created=self.created, model=self.model, usage=usage_of(done), choices=[
+    def whole(self, text: str, done: DoneFrame, logprobs: Sequence[TokenLogprobs] | None = None,
+              completion_tokens: int | None = None) -> Completion:
+        """The answer; `logprobs`: its tokens' log-probabilities (None: the call asked for none);
+        `completion_tokens`: its tokens, when tokens were withdrawn (None: `done`'s count)."""
+        return Completion(id=self.id, created=self.created, model=self.model,
+                          usage=usage_of(done, completion_tokens), choices=[
             CompletionChoice(text=text, finish_reason=finish_reason(done),
                              logprobs=None if logprobs is None else completion_logprobs(logprobs))])
 

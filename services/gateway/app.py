@@ -3,7 +3,8 @@ mesh's `llm.chat.request`, plus /healthz (its /metrics has a server of its own: 
 
 No HTTP status is sent before the call's first token or its final frame, so a call the mesh refuses or cannot
 serve gets its own status (400, 404, 429, 503, ...) even when streamed; after the first token a streamed call
-that fails ends with an OpenAI error event instead of `data: [DONE]`. A client that disconnects, while waiting
+that fails ends with an OpenAI error event instead of `data: [DONE]`, and so does one whose chunks carried tokens
+the mesh withdrew (a whole answer just leaves them out). A client that disconnects, while waiting
 or mid-stream, has its call's inbox closed at once, which ends the call on the orchestrator and frees the hops.
 No CORS headers are sent unless `[gateway] cors_allowed_origins` names the web origins that may call from a browser.
 """
@@ -24,10 +25,11 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from protocol.chat import BadRequest, DoneFrame, TokenDeltaFrame, describe_validation_error
+from protocol.chat import BadRequest, DoneFrame, TokenDeltaFrame, TokensWithdrawnFrame, describe_validation_error
+from services.client.chat import AnswerTokens
 from services.common.metrics import counter, histogram
 from services.gateway.answers import SSE_DONE, AnswerShape, ChatShape, CompletionShape, sse_event
-from services.gateway.errors import GatewayError, bad_request, from_frame
+from services.gateway.errors import GatewayError, bad_request, from_frame, tokens_withdrawn
 from services.gateway.mesh import AnswerFrame, ClientGone, Gateway, MeshCall, unless_disconnected
 from services.gateway.openai_models import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, Unsupported
 
@@ -184,34 +186,50 @@ class GatewayApp:
             raise bad_request(describe_validation_error(error), _first_param(error)) from None
 
     async def _whole(self, call: MeshCall, shape: AnswerShape, first: AnswerFrame, with_logprobs: bool) -> Response:
-        text = []
-        logprobs = []
+        answer = AnswerTokens()
+        withdrawals = False
         frame = first
-        while isinstance(frame, TokenDeltaFrame):
-            text.append(frame.text)
-            if frame.logprobs is not None:
-                logprobs.append(frame.logprobs)
+        while isinstance(frame, (TokenDeltaFrame, TokensWithdrawnFrame)):
+            answer.take(frame)
+            withdrawals = withdrawals or isinstance(frame, TokensWithdrawnFrame)
             frame = await call.next()
         if not isinstance(frame, DoneFrame):
             raise self._error(frame)
-        return JSONResponse(shape.whole("".join(text), frame, logprobs if with_logprobs else None).model_dump())
+        logprobs = [token.logprobs for token in answer.frames if token.logprobs is not None]
+        return JSONResponse(shape.whole(answer.text, frame, logprobs if with_logprobs else None,
+                                        completion_tokens=len(answer.frames) if withdrawals else None).model_dump())
 
     async def _events(self, route: str, call: MeshCall, shape: AnswerShape, first: AnswerFrame,
                       include_usage: bool) -> AsyncIterator[bytes]:
         opening = shape.opening()
-        frame = first
         head = sse_event(opening) if opening is not None else b""
-        if isinstance(frame, TokenDeltaFrame):
-            # The opening chunk and the first token leave together: one write less before the first token.
-            yield head + (sse_event(shape.text(frame.text, frame.logprobs)) if _carries(frame) else b"")
-            first_token_seconds.labels(route).observe(time.perf_counter() - call.started)
+        answer = AnswerTokens()
+        # Tokens of the answer up to the last one that made a chunk: what a withdrawal must not reach.
+        shown_tokens = 0
+        frame = first
+        while isinstance(frame, (TokenDeltaFrame, TokensWithdrawnFrame)):
+            answer.take(frame)
+            if isinstance(frame, TokensWithdrawnFrame):
+                if frame.kept_tokens < shown_tokens:
+                    # Sent chunks cannot be taken back: the client must learn the text is not to be trusted.
+                    error = tokens_withdrawn(frame, len(answer.text))
+                    log.info("%s: stream ended by %s", route, error)
+                    yield sse_event(error.body())
+                    return
+            else:
+                chunk = b""
+                if _carries(frame):
+                    shown_tokens = len(answer.frames)
+                    chunk = sse_event(shape.text(frame.text, frame.logprobs))
+                if frame is first:
+                    # The opening chunk and the first token leave together: one write less before the first token.
+                    yield head + chunk
+                    first_token_seconds.labels(route).observe(time.perf_counter() - call.started)
+                elif chunk:
+                    yield chunk
             frame = await call.next()
-        elif head:
+        if frame is first and head:
             yield head
-        while isinstance(frame, TokenDeltaFrame):
-            if _carries(frame):
-                yield sse_event(shape.text(frame.text, frame.logprobs))
-            frame = await call.next()
         if isinstance(frame, DoneFrame):
             yield sse_event(shape.ending(frame)) + (sse_event(shape.usage(frame)) if include_usage else b"")
             yield SSE_DONE

@@ -1,5 +1,6 @@
 """Errors of the HTTP gateway as OpenAI error objects: the HTTP status, `type` and `code` for each way a call can
-fail, from a request the gateway refuses itself or from the error frame the mesh ended a call with."""
+fail, from a request the gateway refuses itself, from the error frame the mesh ended a call with, or from a
+withdrawal of tokens a stream already sent."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from dataclasses import dataclass
 
 from starlette.responses import JSONResponse
 
-from protocol.chat import ErrorFrame, PipelineAbortedFrame
+from protocol.chat import ErrorFrame, PipelineAbortedFrame, TokensWithdrawnFrame
 from services.gateway.openai_models import ErrorBody, ErrorDetail
 
 # Error codes of the mesh (chat_protocol.ErrorCode) -> (HTTP status, OpenAI error type); the rest are 500.
@@ -78,3 +79,12 @@ def from_frame(frame: ErrorFrame | PipelineAbortedFrame,
     status, error_type = _FRAME_STATUS.get(frame.code, (500, "server_error"))
     retry_after_s = (getattr(frame, "retry_after_s", None) or default_retry_after_s) if status == 429 else None
     return GatewayError(status, frame.code, message, type=error_type, retry_after_s=retry_after_s)
+
+
+def tokens_withdrawn(frame: TokensWithdrawnFrame, kept_characters: int) -> GatewayError:
+    """What ends a stream whose chunks carried tokens that `frame` took back (only ever sent as an event: the
+    status is long gone); `kept_characters`: how much of the streamed text stands."""
+    return GatewayError(502, "tokens_withdrawn", f"a check refuted the output of shard {frame.shard_id} "
+                        f"({frame.reason}): only the first {frame.kept_tokens} tokens ({kept_characters} "
+                        "characters) of the streamed text stand, the text after them is withdrawn; send the "
+                        "request again for a whole answer", type="server_error")

@@ -4,7 +4,8 @@ calls are open (in all and per member), and MeshCall, one `llm.chat.request` who
 A call is signed for the member its API key belongs to (services.client.chat signs with that key), so the
 orchestrator records that member as the caller. Frames the HTTP answer does not carry (pipeline, shard status,
 failover, keepalive, queued, and types added later) are skipped: a failover is a pause in the text, nothing more;
-so is anything on the inbox that is no frame at all (services.client.chat skips it).
+so is anything on the inbox that is no frame at all (services.client.chat skips it). A tokens_withdrawn frame is
+part of the answer: it takes back tokens the call already gave (docs/gateway.md, "Withdrawn tokens").
 """
 
 from __future__ import annotations
@@ -22,7 +23,15 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
 from services.client.chat import list_models, stream_chat
-from protocol.chat import ChatRequest, DoneFrame, ErrorFrame, ModelsReply, PipelineAbortedFrame, TokenDeltaFrame
+from protocol.chat import (
+    ChatRequest,
+    DoneFrame,
+    ErrorFrame,
+    ModelsReply,
+    PipelineAbortedFrame,
+    TokenDeltaFrame,
+    TokensWithdrawnFrame,
+)
 from protocol.subjects import MODELS_REQUEST_SUBJECT
 from services.common.config import HearthSettings
 from services.gateway.errors import GatewayError, overloaded, unauthenticated, unknown_model
@@ -31,7 +40,7 @@ from services.gateway.keys import Caller, WatchedApiKeyring, bearer_token
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 # What a call's answer is made of; every other frame type is skipped.
-AnswerFrame = TokenDeltaFrame | DoneFrame | ErrorFrame | PipelineAbortedFrame
+AnswerFrame = TokenDeltaFrame | TokensWithdrawnFrame | DoneFrame | ErrorFrame | PipelineAbortedFrame
 FINAL = (DoneFrame, ErrorFrame, PipelineAbortedFrame)
 
 
@@ -127,14 +136,18 @@ class MeshCall:
 
     async def next(self) -> AnswerFrame:
         async for frame in self._frames:
-            if isinstance(frame, (TokenDeltaFrame, *FINAL)):
+            if isinstance(frame, (TokenDeltaFrame, TokensWithdrawnFrame, *FINAL)):
                 return frame
         # stream_chat always ends with a final frame (one of its own when the orchestrator sends none).
         raise GatewayError(500, "internal_error", "the call's frames ended without a final frame", type="server_error")
 
-    async def first_answer(self) -> AnswerFrame:
+    async def first_answer(self) -> TokenDeltaFrame | DoneFrame | ErrorFrame | PipelineAbortedFrame:
         """The first token, or the final frame when none comes: until then no HTTP status is decided."""
-        return await self.next()
+        while True:
+            frame = await self.next()
+            # Before the first token there is nothing to take back.
+            if not isinstance(frame, TokensWithdrawnFrame):
+                return frame
 
     async def aclose(self) -> None:
         """Stop listening: the orchestrator's next frame finds no responder and ends the call at once."""

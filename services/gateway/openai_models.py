@@ -5,7 +5,9 @@ Only what hearth can honour is accepted: a field that would change the answer in
 than 1, tools, a JSON response format) is refused with a message naming it, rather than silently ignored; fields
 that change nothing (`user`, `metadata`, `store`) are accepted. `logprobs`/`top_logprobs`, the penalties
 (`repetition_penalty` too, an extension) and `logit_bias` go onto the request as they are (its validation bounds
-them). Sampling defaults are OpenAI's (temperature 1, top_p 1); `max_tokens` defaults to hearth's (128).
+them). Sampling defaults are OpenAI's (temperature 1, top_p 1); `max_tokens` defaults to hearth's (128). hearth's
+own options, which no other server shares, come in one object `hearth` (`{"hearth": {"verify": "all"}}`), so they
+cannot collide with a field OpenAI adds, and a misspelt one is refused rather than ignored.
 """
 
 from __future__ import annotations
@@ -16,7 +18,15 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from protocol.chat import BadRequest, ChatMessage, ChatRequest, describe_validation_error, max_top_logprobs
+from protocol.chat import (
+    BadRequest,
+    ChatMessage,
+    ChatParams,
+    ChatRequest,
+    VerifyLevel,
+    describe_validation_error,
+    max_top_logprobs,
+)
 from services.gateway.logprobs import ChatLogprobs, CompletionLogprobs
 
 openai_temperature_max = 2.0
@@ -24,7 +34,7 @@ openai_max_stop_strings = 4
 
 
 class Unsupported(BadRequest):
-    """A request field hearth cannot honour; `param` names it."""
+    """A request field hearth refuses (one it cannot honour, or a value it does not take); `param` names it."""
 
     def __init__(self, param: str, message: str) -> None:
         super().__init__(message)
@@ -52,6 +62,18 @@ class OpenAIMessage(BaseModel):
         return ChatMessage(role="system" if self.role == "developer" else self.role, content=content)
 
 
+class HearthOptions(BaseModel):
+    """`hearth`: the body's object of hearth's own options, each mapped onto `params` of `llm.chat.request`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    # params.verify: how much of the shards' work other replicas check (absent: the request's default).
+    verify: VerifyLevel | None = None
+
+    def params(self) -> ChatParams:
+        return ChatParams(**self.model_dump(exclude_none=True))
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -77,6 +99,8 @@ class _Sampling(BaseModel):
     # An extension of OpenAI's API (transformers' and vLLM's name).
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    # hearth's own options (HearthOptions), checked when mapped so that a refusal names the option.
+    hearth: dict[str, Any] | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -99,10 +123,21 @@ class _Sampling(BaseModel):
         for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias"):
             if getattr(self, name) is not None:
                 fields[name] = getattr(self, name)
+        if self.hearth:
+            fields["params"] = self._hearth_options().params()
         try:
             return ChatRequest(**fields)
         except ValidationError as error:
             raise BadRequest(describe_validation_error(error)) from None
+
+    def _hearth_options(self) -> HearthOptions:
+        try:
+            return HearthOptions.model_validate(self.hearth)
+        except ValidationError as error:
+            problems = error.errors(include_url=False)
+            names = [".".join(["hearth", *(str(part) for part in item["loc"])]) for item in problems]
+            message = "; ".join(f"field '{name}': {item['msg']}" for name, item in zip(names, problems))
+            raise Unsupported(names[0], message) from None
 
 
 class ChatCompletionRequest(_Sampling):

@@ -39,6 +39,11 @@ lowest_reported_logprob = -9999.0
 pipeline_id_random_bytes = 16
 
 
+def new_pipeline_id() -> str:
+    """128 random bits: a pipeline's activation subjects carry its id, so it must not be guessable."""
+    return "p-" + secrets.token_hex(pipeline_id_random_bytes)
+
+
 class ClientStream:
     """Numbers frames (monotonic `seq`), publishes them to one reply subject, and notices the client leaving."""
 
@@ -161,7 +166,7 @@ class Call:
     # The roster name of the member who signed the call (None on an open mesh): recorded, never the prompt.
     caller: str | None = None
     # 128 random bits: the pipeline's activation subjects carry it, so it must not be guessable.
-    pipeline_id: str = field(default_factory=lambda: "p-" + secrets.token_hex(pipeline_id_random_bytes))
+    pipeline_id: str = field(default_factory=lambda: new_pipeline_id())
     status: CallStatus = CallStatus.admitted
     started: float = field(default_factory=time.perf_counter)
     prompt_ids: list[int] = field(default_factory=list)
@@ -191,6 +196,9 @@ class Call:
     generator: torch.Generator | None = field(init=False)
     # The log-probabilities of the token `accept` took last, when the request asked for them.
     last_logprobs: TokenLogprobs | None = field(default=None, init=False)
+    # The generator's state before each token was sampled (only while a later check may withdraw tokens), so a
+    # call that goes back draws what it would have drawn.
+    draw_states: list[torch.Tensor] = field(default_factory=list, init=False)
 
     def __post_init__(self) -> None:
         if self.quantization is None:
@@ -239,6 +247,29 @@ class Call:
             finish_reason = "length"
         return SampledToken(token_id, text, finish_reason, shown=bool(text) or not delta.finished,
                             embedding=embedding)
+
+    def before_sampling(self) -> None:
+        """Remember where the random draws stand before the next token is sampled (a rewind returns there)."""
+        if self.generator is not None and self.request.params.verify == "sampled":
+            self.draw_states.append(self.generator.get_state())
+
+    def rewind(self, keep: int) -> None:
+        """Forget every token after the first `keep` (a check refuted the step they came from): the call goes on
+        from there as if they never came, its text, penalties and random draws included. The client keeps the
+        first `keep` token deltas (a kept token never ended the call, so each gave exactly one)."""
+        if not 0 <= keep <= len(self.generated):
+            raise ValueError(f"cannot keep {keep} of {len(self.generated)} tokens")
+        if self.generator is not None and keep < len(self.draw_states):
+            self.generator.set_state(self.draw_states[keep])
+        del self.draw_states[keep:]
+        del self.generated[keep:]  # in place: the call's LogitShaping reads this very list
+        self.finish_reason = None
+        self.next_input = None
+        self.last_logprobs = None
+        self.__dict__.pop("text_stream", None)
+        for token_id in self.generated:
+            self.text_stream.push(token_id)
+        self.client.tokens_sent = keep
 
     def _logprobs_of(self, token_id: int) -> TokenLogprobs | None:
         step = self.shaping.last if self.shaping is not None else None

@@ -35,7 +35,10 @@ from protocol.control import CloseHop, ControlReply, HopNotice, OpenHop
 from protocol.subjects import hop_notice_subject, keepalive_subject
 from services.broker.connection import flush_ordered
 from services.orchestrator.metrics import HopLatencies, hop_notices_refused_total
+from services.orchestrator.hop_notices import notice_failure
 from services.orchestrator.outcomes import StepFailure
+from services.orchestrator.placement import ChainPlacement
+from services.orchestrator.recording import ChainRecorder
 from services.orchestrator.router import Hop
 from services.orchestrator.stall import StallWatch
 from services.transport import (
@@ -87,8 +90,14 @@ class HopChain:
                  weights_sha256: str, transport: TransportSettings, wire_dtype: str = "auto",
                  sink_bounds: NormBounds | None = None, hidden_size: int | None = None,
                  max_session_tokens: int | None = None,
-                 on_round_trip: Callable[[str, float], None] | None = None, accusers: set[str] | None = None) -> None:
+                 on_round_trip: Callable[[str, float], None] | None = None, accusers: set[str] | None = None,
+                 record: bool = False, placement: ChainPlacement | None = None) -> None:
         self.nc = nc
+        # Where these hops sit in the pipeline as their hosts are told (a mirror's or a canary's single hop looks
+        # like that hop of a real call); by default the whole pipeline, between this orchestrator's two ends.
+        self.placement = placement or ChainPlacement()
+        first, upstream = self.placement.first_hop, self.placement.upstream_node or node_id
+        downstream = self.placement.downstream_node or node_id
         # The call's shards that reported bad input before (shared by its chains): one that reports again is the
         # common factor of its reports, and is routed around itself.
         self.accusers = set() if accusers is None else accusers
@@ -108,8 +117,11 @@ class HopChain:
         self.sealed = transport.seal_activations and transport.activation_macs
         # And one per hop for its notices, told to that hop alone: a notice can speak only for its sender's hop.
         self.notice_keys = [new_link_key() for _ in hops]
+        # Indexed by the hop a notice names; keys nobody was told stand for the hops before these.
+        self._notice_keys_by_hop = [new_link_key() for _ in range(first)] + self.notice_keys
         self.sink_bounds = sink_bounds or NormBounds()
-        self._sender = AckWindowSender(nc, pipeline_id, 0, nodes=LinkNodes(sender=node_id, receiver=hops[0].node_id),
+        self._sender = AckWindowSender(nc, pipeline_id, first, nodes=LinkNodes(sender=upstream,
+                                                                               receiver=hops[0].node_id),
                                        link_key=self.link_keys[0], seal=self.sealed,
                                        window_chunks=transport.window_chunks,
                                        ack_timeout_s=transport.step_timeout_s, chunk_bytes=transport.chunk_bytes,
@@ -120,14 +132,18 @@ class HopChain:
         if hidden_size is not None and max_session_tokens is not None:
             step_limits = StepLimits.for_pipeline(hidden_size=hidden_size, max_tokens=max_session_tokens,
                                                   activation_dtype=wire_dtype)
-        self._sink = ActivationReceiver(nc, pipeline_id, len(hops),
-                                        nodes=LinkNodes(sender=hops[-1].node_id, receiver=node_id),
+        # What every hop received and sent, for checks on other replicas (services/orchestrator/recording.py).
+        self.recorder = ChainRecorder(nc, pipeline_id, [hop.node_id for hop in hops], link_keys=self.link_keys,
+                                      sealed=self.sealed, step_limits=step_limits) if record else None
+        self._sink = ActivationReceiver(nc, pipeline_id, first + len(hops),
+                                        nodes=LinkNodes(sender=hops[-1].node_id, receiver=downstream),
                                         step_limits=step_limits, on_refused=self._on_refused_output,
                                         link_key=self.link_keys[len(hops)], seal=self.sealed)
         self._refused_output: StepFailure | None = None
-        self._observer = AckObserver(nc, pipeline_id, sink_hop=len(hops),
-                                     link_keys=dict(enumerate(self.link_keys)) if transport.activation_macs else None)
-        self._watch = StallWatch(nc, hops, self._observer, transport)
+        self._observer = AckObserver(nc, pipeline_id, sink_hop=first + len(hops),
+                                     link_keys=dict(enumerate(self.link_keys, start=first))
+                                     if transport.activation_macs else None)
+        self._watch = StallWatch(nc, hops, self._observer, transport, first_hop=first)
         self._latencies = HopLatencies(self.shard_ids)
         self._notice_sub = None
         self._notices: list[HopNotice] = []
@@ -145,6 +161,8 @@ class HopChain:
         """Subscribe the sink first (so no output is lost), then open every hop; the first hop that refused or
         did not answer, or None when all are open."""
         await self._sink.start()
+        if self.recorder is not None:
+            await self.recorder.start(self.session_id)
         await self._observer.start()
         await self._sender.start()
         self._notice_sub = await self.nc.subscribe(hop_notice_subject(self.pipeline_id), cb=self._on_notice)
@@ -166,12 +184,16 @@ class HopChain:
     async def _open_hop(self, index: int, hop: Hop) -> ControlReply:
         # The hop refuses steps beyond the call's positions (without it, OpenHop's default bound).
         session_bound = {} if self.max_session_tokens is None else {"max_session_tokens": self.max_session_tokens}
+        placement = self.placement
         request = OpenHop(
-            pipeline_id=self.pipeline_id, session_id=self.session_id, hop=index, hop_count=len(self.hops),
+            pipeline_id=self.pipeline_id, session_id=self.session_id, hop=placement.first_hop + index,
+            hop_count=placement.hop_count or len(self.hops),
             model_id=self.model_id, weights_sha256=self.weights_sha256, layer_lo=hop.layer_lo_to_run,
             layer_hi=hop.layer_hi_to_run, wire_dtype=self.wire_dtype, **session_bound,
-            upstream_node=node_token(self.hops[index - 1].node_id if index > 0 else self.node_id),
-            downstream_node=node_token(self.hops[index + 1].node_id if index + 1 < len(self.hops) else self.node_id),
+            upstream_node=node_token(self.hops[index - 1].node_id if index > 0
+                                     else placement.upstream_node or self.node_id),
+            downstream_node=node_token(self.hops[index + 1].node_id if index + 1 < len(self.hops)
+                                       else placement.downstream_node or self.node_id),
             inbound_link_key=_encoded(self.link_keys[index]),
             outbound_link_key=_encoded(self.link_keys[index + 1]),
             notice_key=encode_link_key(self.notice_keys[index]), seal_activations=self.sealed,
@@ -206,7 +228,10 @@ class HopChain:
         if hops:
             with contextlib.suppress(Exception):
                 await flush_ordered(self.nc, self.transport.control_timeout_s)
-        for closer in (self._sender.close, self._sink.close, self._observer.close):
+        closers = [self._sender.close, self._sink.close, self._observer.close]
+        if self.recorder is not None:
+            closers.append(self.recorder.close)
+        for closer in closers:
             with contextlib.suppress(Exception):
                 await closer()
         if self._notice_sub is not None:
@@ -216,14 +241,15 @@ class HopChain:
 
     async def _on_notice(self, msg: Msg) -> None:
         notice = read_notice(msg.data, msg.headers, pipeline_id=self.pipeline_id, session_id=self.session_id,
-                             notice_keys=self.notice_keys)
+                             notice_keys=self._notice_keys_by_hop)
         if isinstance(notice, str):
             hop_notices_refused_total.labels(notice).inc()
             log.debug("pipeline %s: dropped a hop notice (%s)", self.pipeline_id, notice)
             return
         # Only steps out now: a late notice of an earlier step (one re-prefilled since) is stale.
-        if notice is not None and notice.step in self._outstanding:
-            self._notices.append(notice)
+        if notice is not None and notice.step in self._outstanding and notice.hop >= self.placement.first_hop:
+            # Kept by the index of the hop among these.
+            self._notices.append(notice.model_copy(update={"hop": notice.hop - self.placement.first_hop}))
             self._sink.interrupt_waiters()
 
     async def _on_refused_output(self, header: FrameHeader, refusal: StepRefusal) -> None:
@@ -238,29 +264,7 @@ class HopChain:
     def _notice_failure(self) -> StepFailure:
         notice = self._notices[0]
         self._notices.clear()  # the chain stays usable: an evicted session is re-prefilled on the same hops
-        if notice.problem == "session_evicted":
-            return StepFailure("evicted", self.hops[notice.hop].shard_id,
-                               f"step {notice.step}: its session was evicted: {notice.message}")
-        if notice.problem == "step_failed":
-            return StepFailure("step_failed", self.hops[notice.hop].shard_id,
-                               f"step {notice.step} failed on it: {notice.message}")
-        # Hop i says its input failed a check: an accusation of hop i-1 (of us, for hop 0) that we cannot verify.
-        # The step cannot go on, so the accused is routed around for this call (the reporter itself, for hop 0 or
-        # when it accused before in this call), but the failure is `reported`: blamed in no event and kept out of
-        # no other call's routing (pipeline.py).
-        reporter = self.hops[notice.hop]
-        detail = f": {notice.message}" if notice.message else ""
-        if notice.hop == 0 or reporter.shard_id in self.accusers:
-            accused = "this orchestrator" if notice.hop == 0 else "the hop before it (its second report)"
-            return StepFailure("reported", reporter.shard_id,
-                               f"hop {notice.hop} reported that its input from {accused} failed the {notice.check} "
-                               f"check{detail} (unverified: the reporter is routed around for this call, not blamed)",
-                               check=notice.check)
-        self.accusers.add(reporter.shard_id)
-        return StepFailure("reported", self.hops[notice.hop - 1].shard_id,
-                           f"hop {notice.hop} ({reporter.shard_id}) reported that its input from this shard failed "
-                           f"the {notice.check} check{detail} (unverified: routed around for this call, not blamed)",
-                           check=notice.check)
+        return notice_failure(notice, self.hops, self.accusers)
 
     def _broker_failure(self, epoch: int, doing: str) -> StepFailure | None:
         """A failure blaming the broker when our connection dropped since `epoch` (a reconnect count)."""
@@ -294,6 +298,8 @@ class HopChain:
         epoch = self.nc.stats["reconnects"]
         queued_behind = bool(self._outstanding)
         self._outstanding.add(self._step)
+        if self.recorder is not None:
+            self.recorder.sent(info, hidden)
         try:
             await self._sender.send(info, hidden)
         except TransportTimeout as error:
@@ -314,6 +320,8 @@ class HopChain:
             self._forget_outstanding()
         else:
             self._outstanding.discard(sent.info.step)
+            if self.recorder is not None:
+                self.recorder.completed(sent.info, result)
         return result
 
     async def _await_output(self, sent: SentStep) -> torch.Tensor | StepFailure:

@@ -26,9 +26,11 @@ log = logging.getLogger(__name__)
 class ChainBuilder:
     """Builds the chains of one call (its first, and each failover's), over the call's exclusions."""
 
-    def __init__(self, call: Call, ctx: RunContext) -> None:
+    def __init__(self, call: Call, ctx: RunContext, *, record: bool = False) -> None:
         self.call = call
         self.ctx = ctx
+        # Whether its chains record their hops' work for checks (services/orchestrator/recording.py).
+        self.record = record
 
     async def build(self) -> HopChain:
         """An open chain over what the router plans, routing around refusals and waiting while the shards that
@@ -86,7 +88,7 @@ class ChainBuilder:
                         sink_bounds=self.ctx.sink_bounds.setdefault(model.model_id, NormBounds()),
                         hidden_size=model.head.info.hidden_size,
                         max_session_tokens=len(self.call.prompt_ids) + self.call.request.max_tokens,
-                        on_round_trip=self.ctx.load.observe_round_trip)
+                        on_round_trip=self.ctx.load.observe_round_trip, record=self.record)
 
     def _only_room_lacks(self, candidates) -> bool:
         """Whether a chain could be planned if every shard had room (then waiting for room is worth it)."""
@@ -106,6 +108,8 @@ class ChainBuilder:
     def _plan(self, candidates, *, load: ShardLoad | None) -> list[Hop]:
         router, model, excluded = self.ctx.router, self.call.model, self.call.excluded
         route = dict(now=router.now(), load=load, quantization=self.call.quantization)
+        # Shards a check proved wrong are out at once (the read model quarantines them a moment later).
+        excluded = excluded | self.ctx.quarantined
         penalised = self.ctx.recent_failures.current() - excluded
         if penalised:
             # Shards that just failed other requests are the last resort, not a reason to give up.

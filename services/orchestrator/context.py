@@ -3,14 +3,16 @@ batcher, live routing room), handed to each call's PipelineRun by the service.""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from nats.aio.client import Client as NatsClient
 
 from events.outbox import EventOutbox
 from readmodels.runner import Projector
 from services.common.config import HearthSettings
+from services.orchestrator.canaries import CanaryLibrary
 from services.orchestrator.capacity import ShardLoad
+from services.orchestrator.guards import RangeGuards
 from services.orchestrator.catalog import ModelCatalog
 from services.orchestrator.head_batcher import HeadSteps
 from services.orchestrator.health import RecentFailures
@@ -36,4 +38,10 @@ class RunContext:
     sink_bounds: dict[str, NormBounds]
     # The streams this orchestrator holds on each shard and the shards that just refused it (live routing room).
     load: ShardLoad
+    # Per layer range: the norms of outputs a check confirmed (services/orchestrator/guards.py).
+    guards: RangeGuards
+    # Confirmed work kept for replay to other hosts (services/orchestrator/canaries.py).
+    canaries: CanaryLibrary
     running_calls: int = 0
+    # Shards a check of ours proved wrong: out of every chain at once, before the read model says so too.
+    quarantined: set[str] = field(default_factory=set)

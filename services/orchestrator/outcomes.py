@@ -14,7 +14,12 @@ from events.models import UNVERIFIED_REPORT
 
 # `reported`: a hop said its input failed a check. The orchestrator cannot verify that, so the hop accused is only
 # routed around for this call: nobody is blamed in events or kept out of other calls' routing.
-FailureKind = Literal["stalled", "step_failed", "corrupt", "reported", "gone", "refused", "broker", "evicted"]
+# `refuted`: a check on other replicas confirmed that the shard computed a step wrongly; `disputed`: one other replica
+# disagreed with it and nobody could say who was right (routed around for this call, blamed nowhere).
+FailureKind = Literal["stalled", "step_failed", "corrupt", "reported", "gone", "refused", "broker", "evicted",
+                      "refuted", "disputed"]
+# Failures the orchestrator did not see for itself: nobody is blamed in events or kept out of other calls' routing.
+UNVERIFIED_KINDS = frozenset({UNVERIFIED_REPORT, "disputed"})
 
 
 @dataclass(frozen=True)
@@ -28,12 +33,15 @@ class StepFailure:
     check: str | None = None
     # The code of a shard's refusal to open (`at_capacity`, `weights_mismatch`, ...), when it refused.
     code: str | None = None
+    # For `refuted` and `disputed`: the first position whose output is refuted; the tokens sampled from it on
+    # are withdrawn before the call goes on.
+    rewind_to: int | None = None
 
     @property
     def verified(self) -> bool:
         """Whether the orchestrator saw the failure itself (its own check, probe or refusal, or a hop's authenticated
         word about itself), so that it may blame the shard in events and keep it out of other calls for a while."""
-        return self.kind != UNVERIFIED_REPORT
+        return self.kind not in UNVERIFIED_KINDS
 
     def __str__(self) -> str:
         return f"{self.shard_id}: {self.reason}" if self.shard_id else self.reason

@@ -36,6 +36,7 @@ from protocol.chat import (
     ShardStatusFrame,
     Timing,
     TokenDeltaFrame,
+    TokensWithdrawnFrame,
     Usage,
 )
 from services.orchestrator.call import Call, CallStatus
@@ -47,6 +48,7 @@ from services.orchestrator.outcomes import Failure, Finished, RoutingFailure, Sa
 from services.orchestrator.prefill import prefill
 from services.orchestrator.recovery import PIPELINE_STALLED, Action, CallCounters, Decision, RecoveryLimits, decide
 from services.orchestrator.router import Hop, RoutingError
+from services.orchestrator.verification import CallVerifier
 from services.transport import FrameKind
 
 log = logging.getLogger(__name__)
@@ -59,7 +61,8 @@ class PipelineRun:
         self.call = call
         self.ctx = ctx
         self.limits = RecoveryLimits.from_settings(ctx.settings)
-        self.builder = ChainBuilder(call, ctx)
+        self.verifier = CallVerifier(call, ctx, self._record)
+        self.builder = ChainBuilder(call, ctx, record=self.verifier.records)
         self.chain: HopChain | LocalChain | None = None
         # The shards of the open chain counted in the context's ShardLoad (released on close).
         self._held: list[str] = []
@@ -105,7 +108,14 @@ class PipelineRun:
             self._in_decode_loop.close()
 
     async def close(self) -> None:
-        """Free every hop's session (called whatever way the call ended)."""
+        """Free every hop's session and record what the call's checks confirmed (called whatever way it ended)."""
+        await self._close_chain()
+        summary = self.verifier.summary()
+        if summary is not None:
+            await self._record(summary)
+
+    async def _close_chain(self) -> None:
+        await self.verifier.detach()
         chain, self.chain = self.chain, None
         if chain is not None:
             await chain.close()
@@ -120,6 +130,9 @@ class PipelineRun:
         """A new call is routed first; a fresh chain prefills everything known so far and its output gives the
         next token; then each decode step gives one, until the last token was streamed."""
         call = self.call
+        refuted = self.verifier.refuted()
+        if refuted is not None:
+            return refuted
         if call.status is CallStatus.routing:
             failure = await self._route(replacing=None)
             if failure is not None:
@@ -128,12 +141,18 @@ class PipelineRun:
             hidden = await on_compute_thread(call.model.head.embed, call.known_ids)
             output = await prefill(self.chain, hidden, self.ctx.settings.orchestrator.prefill_chunk_tokens)
         elif call.finish_reason is not None:
-            return Finished(call.finish_reason)
+            # The answer is final only once the checks of its steps are in.
+            return await self.verifier.settle() or Finished(call.finish_reason)
         else:
             output = await self.chain.step(FrameKind.decode, call.next_position, call.next_input)
         if isinstance(output, StepFailure):
             return output
+        self.verifier.after_step()
+        refuted = await self.verifier.verify_step()
+        if refuted is not None:
+            return refuted
         self._enter(CallStatus.decoding)
+        call.before_sampling()
         # One compute-thread trip per token, shared with the other calls' (HeadSteps): sample, and embed the
         # sampled token for the next step (wasted only on the last token).
         token_id, embedding = await self.ctx.head_steps.next_token(
@@ -184,8 +203,10 @@ class PipelineRun:
             return None
         if decision.route_around is not None:
             await self._route_around(failure)
+        if isinstance(failure, StepFailure) and failure.rewind_to is not None:
+            await self._withdraw(failure)
         hops = list(self.chain.hops) if isinstance(self.chain, HopChain) else []
-        await self.close()
+        await self._close_chain()
         if decision.action is Action.rebuild:
             return await self._rebuild(hops, failure)
         if decision.action is Action.fail_over:
@@ -202,7 +223,7 @@ class PipelineRun:
         call, ctx = self.call, self.ctx
         self._enter(CallStatus.routing)
         try:
-            self.chain = self._opened(await self.builder.build())
+            self.chain = await self._opened(await self.builder.build())
         except RoutingError as error:
             return RoutingFailure(error.code, error.message, replacing)
         hops = self.chain.shard_ids
@@ -239,6 +260,19 @@ class PipelineRun:
         await call.client.send(ShardStatusFrame(seq=0, **status))
         call.excluded.add(failure.shard_id)
 
+    async def _withdraw(self, failure: StepFailure) -> None:
+        """A check refuted the output at `failure.rewind_to`: the tokens sampled from it on are withdrawn (the client
+        is told how many it keeps) and the call goes on from the last token before it."""
+        call = self.call
+        keep = max(0, failure.rewind_to - len(call.prompt_ids) + 1)
+        if keep >= len(call.generated):
+            return
+        withdrawn = len(call.generated) - keep
+        call.rewind(keep)
+        log.warning("pipeline %s: withdrawing %d tokens computed from a refuted step", call.pipeline_id, withdrawn)
+        await call.client.send(TokensWithdrawnFrame(seq=0, kept_tokens=keep, shard_id=failure.shard_id,
+                                                    reason=failure.reason))
+
     async def _rebuild(self, hops: list[Hop], failure: StepFailure) -> StepFailure | None:
         """Our broker connection dropped mid-step: no shard is to blame. Once we (and the same hops, and the
         client) are reachable again, reopen the same hops and re-prefill; a hop that refuses to reopen is a failure
@@ -253,7 +287,7 @@ class PipelineRun:
                 chain = self.builder.over(hops)
                 reopened = await chain.open()
                 if reopened is None:
-                    self.chain = self._opened(chain)
+                    self.chain = await self._opened(chain)
                     self._enter(CallStatus.prefilling)
                     return None
                 await chain.close()
@@ -288,9 +322,10 @@ class PipelineRun:
         else:
             self._in_decode_loop.close()
 
-    def _opened(self, chain: HopChain) -> HopChain:
+    async def _opened(self, chain: HopChain) -> HopChain:
         self.ctx.load.hold(chain.shard_ids)
         self._held = list(chain.shard_ids)
+        await self.verifier.attach(chain)
         return chain
 
     async def _keep_hops_told(self) -> None:

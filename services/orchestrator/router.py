@@ -5,7 +5,8 @@ Rules, in order:
    request's, else the most precise one whose shards cover every layer: none, int8, int4; a call's failover
    keeps its scheme) that are advertised (not withdrawn),
    not expired (`now < expires_at`), alive (latest heartbeat, or the advertisement itself when no heartbeat
-   came yet, at most `health_timeout_s` old), not excluded, and with
+   came yet, at most `health_timeout_s` old), not quarantined (a confirmed mismatch that no steward has
+   cleared: readmodels/reputation.py), not excluded, and with
    room by this orchestrator's live knowledge (ShardLoad: the streams it holds there and recent
    `at_capacity` refusals; a heartbeat's `active_streams` is seconds old and not used);
 2. the chain covering every layer with the least predicted time per token, by dynamic programming over
@@ -113,8 +114,9 @@ class ShardRouter:
         return self._clock()
 
     def alive(self, shard: ShardCandidate, now: float) -> bool:
-        """Advertised, not expired, and heard from within the health timeout (busy or not)."""
-        if shard.status != "advertised" or now >= shard.expires_at:
+        """Advertised, not expired, not quarantined, and heard from within the health timeout (busy or not): a
+        quarantined shard is, to routing and model discovery, not there."""
+        if shard.status != "advertised" or now >= shard.expires_at or shard.quarantined:
             return False
         # The advertisement is itself a sign of life, so a shard is routable before its first heartbeat.
         last_seen = max(shard.advertised_at, shard.last_seen or shard.advertised_at)

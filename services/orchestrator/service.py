@@ -42,11 +42,13 @@ from services.orchestrator.admission import admit_prompt, prompt_room
 from services.orchestrator.call import Call, ClientStream
 from services.orchestrator.capacity import ShardLoad
 from services.orchestrator.catalog import ModelCatalog, UnknownModel
+from services.orchestrator.canaries import CanaryLibrary, CanaryRunner
 from services.orchestrator.context import RunContext
+from services.orchestrator.guards import RangeGuards
 from services.orchestrator.discovery import describe_models
 from services.orchestrator.head_batcher import HeadSteps
 from services.orchestrator.health import RecentFailures
-from services.orchestrator.metrics import calls_in_flight, count_request
+from services.orchestrator.metrics import calls_in_flight, count_request, observe_event
 from services.orchestrator.pipeline import PipelineRun
 from services.orchestrator.queue import FairQueue, LeftQueue, Overloaded
 from services.transport.headers import header_bytes
@@ -102,12 +104,14 @@ class Orchestrator:
         self._models_subscription = None
         self._requests: set[asyncio.Task] = set()
         self.context: RunContext | None = None
+        self._canaries: CanaryRunner | None = None
         self._step_threads = StepThreads(busy_threads)
 
     async def start(self) -> None:
         await self.projector.start()
         self.outbox.start()
         distributed = self.settings.research.distributed_inference
+        verification = self.settings.verification
         router = ShardRouter(
             sessionmaker(self.projector.engine), health_timeout_s=distributed.shard_health_timeout_s,
             allow_self_as_shard=distributed.allow_self_as_shard, self_node_id=self.node_id,
@@ -119,13 +123,22 @@ class Orchestrator:
             recent_failures=RecentFailures(distributed.shard_health_timeout_s),
             head_steps=HeadSteps(self.settings.orchestrator, self._step_threads, lambda: self.context.running_calls),
             sink_bounds={},
-            load=ShardLoad(retry_s=self.settings.orchestrator.at_capacity_retry_s))
+            load=ShardLoad(retry_s=self.settings.orchestrator.at_capacity_retry_s),
+            guards=RangeGuards(verification.guard_margin, verification.guard_min_positions),
+            canaries=CanaryLibrary(verification.canaries_per_range, verification.canary_max_positions))
+        self._canaries = CanaryRunner(self.context, self._record_event)
+        self._canaries.start()
         self._subscription = await self.nc.subscribe(CHAT_REQUEST_SUBJECT, queue=ORCHESTRATOR_QUEUE_GROUP,
                                                      cb=self._on_request)
         self._models_subscription = await self.nc.subscribe(MODELS_REQUEST_SUBJECT, queue=ORCHESTRATOR_QUEUE_GROUP,
                                                             cb=self._on_models_request)
         await flush_ordered(self.nc, self.settings.transport.control_timeout_s)
         log.info("orchestrator %s answering %s", self.node_id, CHAT_REQUEST_SUBJECT)
+
+    async def _record_event(self, event) -> None:
+        """An event of the orchestrator's own (not of one call's run): counted in metrics, then into the outbox."""
+        observe_event(event)
+        await self.outbox.record(event)
 
     async def stop(self) -> None:
         for subscription in (self._subscription, self._models_subscription):
@@ -137,6 +150,8 @@ class Orchestrator:
         if self._requests:
             await asyncio.gather(*self._requests, return_exceptions=True)
         await self.queue.close()
+        if self._canaries is not None:
+            await self._canaries.close()
         if self.context is not None:
             await self.context.head_steps.close()
         await self.outbox.stop(self.settings.orchestrator.event_flush_timeout_s)

@@ -55,8 +55,11 @@ async def probe_outcome(nc: NatsClient, hop: Hop, timeout_s: float) -> ProbeOutc
 class StallWatch:
     """Looked at by HopChain every poll while a step is outstanding; gives a StepFailure once one is due."""
 
-    def __init__(self, nc: NatsClient, hops: list[Hop], observer: AckObserver, transport: TransportSettings) -> None:
+    def __init__(self, nc: NatsClient, hops: list[Hop], observer: AckObserver, transport: TransportSettings, *,
+                 first_hop: int = 0) -> None:
         self.nc = nc
+        # The pipeline's index of hops[0]: acks name hops by the pipeline's index.
+        self.first_hop = first_hop
         self.hops = hops
         self.observer = observer
         self.transport = transport
@@ -78,7 +81,7 @@ class StallWatch:
             holder, since = 0, sent_at
         else:
             # Acked by hop h: hop h holds it until hop h+1 acks. Acked by the sink hop: we are just slow.
-            holder, since = progress.hop, progress.last_ack_monotonic
+            holder, since = progress.hop - self.first_hop, progress.last_ack_monotonic
             if holder >= len(self.hops):
                 return None
         # Hop 0 never acked: nobody after it is involved. Otherwise the next hop may be the one gone.

@@ -269,7 +269,8 @@ def shard_command(
     ] = None,
     nats_url: NatsUrlOption = None,
 ) -> None:
-    """One shard's life: advertisements, heartbeat gaps longer than the health timeout, withdrawal."""
+    """One shard's life (advertisements, heartbeat gaps longer than the health timeout, withdrawal) and the
+    verification evidence about it (checks, mismatches with witnesses, error against tolerance, digest, clearings)."""
     import re
 
     from protocol.subjects import shard_key
@@ -278,28 +279,24 @@ def shard_command(
     timeout_s = health_timeout_s
     if timeout_s is None:
         timeout_s = settings(ctx).research.distributed_inference.shard_health_timeout_s
-    raise typer.Exit(_run(_print_shard(resolve_nats_url(ctx, nats_url), shard, key, float(timeout_s))))
+    from services.common.event_trust import event_verifier
+
+    # The live projectors' check, so the evidence shown is what the read model applied.
+    verifier = event_verifier(settings(ctx))
+    raise typer.Exit(_run(_print_shard(resolve_nats_url(ctx, nats_url), shard, key, float(timeout_s), verifier)))
 
 
-async def _print_shard(url: str, shard: str, key: str, health_timeout_s: float) -> int:
-    from events.consume import StoredEvent, read_stream
-    from events.streams import SHARDS_STREAM
-    from protocol.subjects import shard_events_filter
-    from services.replay.query import existing_streams
-    from services.replay.reports import shard_report
+async def _print_shard(url: str, shard: str, key: str, health_timeout_s: float, verifier) -> int:
+    from services.replay.shard_view import read_shard_log, shard_view_lines
 
     async with _jetstream(url) as js:
-        present, _ = await existing_streams(js, [SHARDS_STREAM])
-        events: list[StoredEvent] = []
-        if present:
-            subject = shard_events_filter(key)
-            async with contextlib.aclosing(read_stream(js, SHARDS_STREAM, subject_filter=subject)) as items:
-                events = [item async for item in items if isinstance(item, StoredEvent)]
-    if not events:
+        own, outcomes = await read_shard_log(js, shard, key)
+    lines = shard_view_lines(shard, key, own, outcomes, health_timeout_s, now=datetime.now(timezone.utc),
+                             verifier=verifier)
+    if not lines:
         typer.echo(f"hearth-replay: no events for shard {shard} (key {key})", err=True)
         return 1
-    label = events[0].event.shard_id if shard == key else shard
-    for line in shard_report(f"{label} (key {key})", events, health_timeout_s, now=datetime.now(timezone.utc)):
+    for line in lines:
         typer.echo(line)
     return 0
 

@@ -79,30 +79,21 @@ class ActivationReceiver(SubscribingEndpoint):
     `hearth_activation_frames_refused_total`) and, when `on_refused` is given, reported to it, so a hop can fail
     its session's step at once instead of waiting for it. Unfinished steps together hold at most
     `max_partial_bytes` (two of the largest steps); the oldest is abandoned to make room.
+
+    With `acks=False` it is a tap: the same frames, opened with the same link key, but no acks and no backpressure
+    on the sender (a tap whose consumer falls behind drops steps instead).
     """
 
-    def __init__(
-        self,
-        nc: NatsClient,
-        pipeline_id: str,
-        hop: int,
-        *,
-        nodes: LinkNodes = LinkNodes(),
-        max_ready_steps: int = _defaults.max_ready_steps,
-        ready_wait_timeout_s: float = _defaults.ready_wait_timeout_s,
-        idle_timeout_s: float = _default_idle_timeout_s,
-        max_step_bytes: int = _defaults.max_step_bytes,
-        max_partial_steps: int = _defaults.max_partial_steps,
-        max_tracked_sessions: int = _defaults.max_tracked_sessions,
-        step_limits: StepLimits | None = None,
-        on_refused: RefusalListener | None = None,
-        link_key: bytes | None = None,
-        seal: bool = False,
-    ) -> None:
-        if max_ready_steps < 1:
-            raise ValueError(f"max_ready_steps must be at least 1, got {max_ready_steps}")
-        if seal and link_key is None:
-            raise ValueError("a sealed link needs its link key")
+    def __init__(self, nc: NatsClient, pipeline_id: str, hop: int, *, nodes: LinkNodes = LinkNodes(),
+                 max_ready_steps: int = _defaults.max_ready_steps,
+                 ready_wait_timeout_s: float = _defaults.ready_wait_timeout_s,
+                 idle_timeout_s: float = _default_idle_timeout_s, max_step_bytes: int = _defaults.max_step_bytes,
+                 max_partial_steps: int = _defaults.max_partial_steps,
+                 max_tracked_sessions: int = _defaults.max_tracked_sessions, step_limits: StepLimits | None = None,
+                 on_refused: RefusalListener | None = None, link_key: bytes | None = None, seal: bool = False,
+                 acks: bool = True) -> None:
+        if max_ready_steps < 1 or (seal and link_key is None):
+            raise ValueError(f"max_ready_steps must be at least 1 (got {max_ready_steps}); a sealed link needs its key")
         self.nc = nc
         self.pipeline_id = pipeline_id
         self.hop = hop
@@ -117,6 +108,7 @@ class ActivationReceiver(SubscribingEndpoint):
         self._on_refused = on_refused
         self.max_tracked_sessions = max_tracked_sessions
         self.nodes = nodes
+        self.acks = acks  # False: a tap (see the class docstring)
         # With a key, only frames carrying its MAC are taken (`seal`: only frames sealed with its seal key), and
         # acks carry the MAC too (services/transport/link_auth.py).
         self.link_key = link_key
@@ -171,10 +163,19 @@ class ActivationReceiver(SubscribingEndpoint):
                 if getter in self._getters:
                     self._getters.remove(getter)
         received = self._ready.popleft()
-        room_waiter = self._room_waiter
-        if room_waiter is not None and not room_waiter.done():
-            room_waiter.set_result(None)
+        self._room_freed()
         return received
+
+    def take_ready(self) -> list[ReceivedStep]:
+        """Every complete step waiting, without waiting for more."""
+        taken = list(self._ready)
+        self._ready.clear()
+        self._room_freed()
+        return taken
+
+    def _room_freed(self) -> None:
+        if self._room_waiter is not None and not self._room_waiter.done():
+            self._room_waiter.set_result(None)
 
     def __aiter__(self) -> "ActivationReceiver":
         return self
@@ -386,6 +387,8 @@ class ActivationReceiver(SubscribingEndpoint):
         log.warning("hop %s of pipeline %s: dropping frame: %s", self.hop, self.pipeline_id, error)
 
     async def _ack(self, header: FrameHeader) -> None:
+        if not self.acks:
+            return
         ack = AckHeader.for_frame(header, acked_ns=time.time_ns())
         headers = ack.to_nats_headers()
         if self._auth is not None:

@@ -74,10 +74,16 @@ def test_a_lost_broker_with_no_hops_to_reopen_aborts_stalled():
     assert decision.route_around is None
 
 
-@pytest.mark.parametrize("kind", ["stalled", "step_failed", "corrupt", "reported", "gone", "refused"])
+@pytest.mark.parametrize("kind", ["stalled", "step_failed", "corrupt", "reported", "gone", "refused", "refuted",
+                                  "disputed"])
 def test_a_failed_shard_is_failed_over_while_failovers_remain(kind):
     failure = StepFailure(kind, "m:0-3@a", "it failed")
     assert decide(failure, CallCounters(failovers=1), LIMITS) == Decision(Action.fail_over, route_around="m:0-3@a")
+
+
+def test_a_shard_proved_wrong_is_blamed_one_only_disputed_is_not():
+    assert StepFailure("refuted", "m:0-3@a", "refuted", rewind_to=4).verified
+    assert not StepFailure("disputed", "m:0-3@a", "disputed", rewind_to=4).verified
 
 
 def test_a_failed_shard_after_the_last_failover_falls_back_routing_around_it():

@@ -1,0 +1,127 @@
+"""Mirror: a second replica running exactly one hop's layers on that hop's recorded inputs, so that its outputs can
+be compared with what the hop sent on (services/orchestrator/verification.py).
+
+A mirror is an ordinary pipeline session on the replica, placed where the checked hop sits (the same hop index,
+hop count and neighbouring nodes, its own random pipeline id, link keys, sealing and limits as any call's), fed
+from where it stopped with the steps the checked hop ran (prefill chunks, then one decode step per position), so
+each position is run once however often the hop is checked, and the replica cannot tell it from a call's hop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import Sequence
+
+import torch
+from nats.aio.client import Client as NatsClient
+
+from services.common.config import TransportSettings
+from services.orchestrator.call import new_pipeline_id
+from services.orchestrator.chain import HopChain
+from services.orchestrator.outcomes import StepFailure
+from services.orchestrator.placement import ChainPlacement
+from services.orchestrator.router import Hop
+from services.transport import FrameKind
+
+log = logging.getLogger(__name__)
+
+
+class Mirror:
+    """One replica's session over one hop's layers; `fed_pos`: the positions it has run so far."""
+
+    def __init__(self, nc: NatsClient, replica: Hop, *, node_id: str, model_id: str, weights_sha256: str,
+                 transport: TransportSettings, wire_dtype: str, hidden_size: int, max_session_tokens: int,
+                 chunk_tokens: int, dtype: str, placement: ChainPlacement | None = None) -> None:
+        self.replica = replica
+        self.dtype = dtype
+        self.chunk_tokens = chunk_tokens
+        self.fed_pos = 0
+        # The recorder generation it was fed from: a re-prefill of the checked chain voids what it ran.
+        self.generation: int | None = None
+        self.chain = HopChain(nc, new_pipeline_id(), [replica], node_id=node_id,
+                              model_id=model_id, weights_sha256=weights_sha256, transport=transport,
+                              wire_dtype=wire_dtype, hidden_size=hidden_size, max_session_tokens=max_session_tokens,
+                              placement=placement)
+
+    @property
+    def shard_id(self) -> str:
+        return self.replica.shard_id
+
+    async def open(self) -> StepFailure | None:
+        return await self.chain.open()
+
+    async def run(self, inputs: torch.Tensor, first_pos: int,
+                  kinds: Sequence[FrameKind] = ()) -> torch.Tensor | StepFailure:
+        """Run `inputs` ([1, positions, hidden], from `first_pos` = `fed_pos`) through the replica's layers, each
+        position as the kind of step that ran it on the checked hop (`kinds`; prefill when not given): prefill
+        positions in chunks, decode positions one step each, as a call sends them. The outputs for every
+        position, or why they did not come."""
+        if first_pos != self.fed_pos:
+            raise ValueError(f"a mirror fed up to position {self.fed_pos} cannot run from {first_pos}")
+        outputs = []
+        for start, end, kind in self._steps(int(inputs.shape[1]), kinds):
+            output = await self.chain.step(kind, first_pos + start, inputs[:, start:end].contiguous())
+            if isinstance(output, StepFailure):
+                return output
+            outputs.append(output)
+            self.fed_pos = first_pos + end
+        return torch.cat(outputs, dim=1)
+
+    def _steps(self, positions: int, kinds: Sequence[FrameKind]) -> list[tuple[int, int, FrameKind]]:
+        """[start, end) and kind of each step that runs `positions` positions."""
+        steps: list[tuple[int, int, FrameKind]] = []
+        start = 0
+        while start < positions:
+            kind = kinds[start] if start < len(kinds) else FrameKind.prefill
+            end = start + 1
+            if kind is not FrameKind.decode:
+                limit = start + (self.chunk_tokens or positions)
+                while end < min(limit, positions) and (end >= len(kinds) or kinds[end] is not FrameKind.decode):
+                    end += 1
+            steps.append((start, end, kind))
+            start = end
+        return steps
+
+    async def close(self) -> None:
+        await self.chain.close()
+
+
+async def open_mirror(ctx, call, chain: HopChain, index: int, avoid: set[str],
+                      chance: random.Random) -> Mirror | None:
+    """A mirror of hop `index` of `call`'s `chain` on a live replica running exactly its layers (same weights, scheme
+    and dtype) on another node, none of `avoid` nor quarantined (`ctx`: the call's RunContext); None when there is
+    none."""
+    hop = chain.hops[index]
+    candidates = await asyncio.to_thread(ctx.router.candidates, call.model.model_id)
+    by_id = {c.shard_id: c for c in candidates}
+    # Independent parties only: a host serving two replicas cannot vouch for itself.
+    busy_nodes = {by_id[shard].node_id for shard in avoid | {hop.shard_id} if shard in by_id}
+    dtype = by_id[hop.shard_id].dtype if hop.shard_id in by_id else None
+    now = ctx.router.now()
+    skip = avoid | ctx.quarantined
+    replicas = [c for c in candidates if c.shard_id not in skip and c.node_id not in busy_nodes
+                and ctx.router.alive(c, now) and c.weights_sha256 == call.model.weights_sha256
+                and c.quantization == hop.quantization and c.dtype == dtype
+                and c.layer_lo <= hop.layer_lo_to_run and hop.layer_hi_to_run <= c.layer_hi]
+    chance.shuffle(replicas)
+    settings, model = ctx.settings, call.model
+    for replica in replicas:
+        on_replica = Hop(shard_id=replica.shard_id, control_subject=replica.control_subject, node_id=replica.node_id,
+                         layer_lo_to_run=hop.layer_lo_to_run, layer_hi_to_run=hop.layer_hi_to_run,
+                         quantization=hop.quantization)
+        mirror = Mirror(ctx.nc, on_replica, node_id=ctx.node_id, model_id=model.model_id,
+                        weights_sha256=model.weights_sha256, transport=settings.transport,
+                        wire_dtype=chain.wire_dtype, hidden_size=model.head.info.hidden_size,
+                        max_session_tokens=chain.max_session_tokens or len(call.prompt_ids) + 1,
+                        chunk_tokens=settings.orchestrator.prefill_chunk_tokens, dtype=dtype or replica.dtype,
+                        placement=ChainPlacement.of_hop(chain.hops, index))
+        failure = await mirror.open()
+        if failure is None:
+            mirror.generation = chain.recorder.generation
+            return mirror
+        log.info("pipeline %s: replica %s would not mirror hop %d: %s", call.pipeline_id, replica.shard_id, index,
+                 failure)
+        await mirror.close()
+    return None

@@ -1,0 +1,58 @@
+"""Canaries over real processes: work two hosts agreed on is replayed to a third host of the same layers, as a
+session it cannot tell from a call's hop; a host that answers it wrongly is quarantined with those two as
+witnesses, though it never served a call, and an honest one is counted as verified."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from tests.e2e.conftest import THREE_SHARD_RANGES
+from tests.e2e.failover_support import (  # noqa: F401 (nc is a fixture)
+    PIPELINES_STREAM,
+    PRIMARY_WEIGHT,
+    REPLICA_WEIGHT,
+    failover_mesh,
+    nc,
+    run_reference_call,
+    wait_for_event,
+)
+
+pytestmark = pytest.mark.timeout(600)
+
+CHECKED_HOP = 1
+# A canary every second or so; a call's first step is checked on every hop (no guard has learned yet).
+MESH_ENV = {"HEARTH_VERIFICATION__CANARY_INTERVAL_S": "1"}
+canary_wait_s = 60.0
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory, tiny_models_dir):
+    with failover_mesh(tmp_path_factory, tiny_models_dir, "canaries", extra_env=MESH_ENV) as mesh:
+        for index, (lo, hi) in enumerate(THREE_SHARD_RANGES):
+            mesh.start_shard(f"h{index}", lo, hi, hop_weight=PRIMARY_WEIGHT, wait_ready=False)
+        lo, hi = THREE_SHARD_RANGES[CHECKED_HOP]
+        mesh.start_shard("r1", lo, hi, hop_weight=REPLICA_WEIGHT, wait_ready=False)
+        mesh.start_orchestrator(local_model=False)
+        mesh.cluster.wait_all_ready()
+        mesh.wait_all_advertised()
+        yield mesh
+
+
+async def test_a_host_that_never_served_a_call_is_caught_lying_by_a_canary(mesh, nc):
+    call = await asyncio.to_thread(run_reference_call, mesh.cluster)  # h1 and r1 agree on its first step
+    assert call.final.type == "done", call.final
+    honest = {mesh.shards["h1"].shard_id, mesh.shards["r1"].shard_id}
+    lo, hi = THREE_SHARD_RANGES[CHECKED_HOP]
+    liar = await asyncio.to_thread(mesh.start_shard, "x", lo, hi, hop_weight=REPLICA_WEIGHT * 2, fault="scale=40")
+    await mesh.wait_advertised(liar)
+    stored = await wait_for_event(nc, PIPELINES_STREAM, lambda item: item.event.type == "integrity.mismatch_confirmed"
+                                  and item.event.shard_id == liar.shard_id, timeout_s=canary_wait_s)
+    assert set(stored.event.witnesses) == honest
+    assert stored.event.pipeline_id != call.pipeline_id, "caught by a canary of its own, not by a call"
+    # An honest newcomer answers its canary right and is counted as verified.
+    newcomer = await asyncio.to_thread(mesh.start_shard, "y", lo, hi, hop_weight=REPLICA_WEIGHT * 2)
+    await mesh.wait_advertised(newcomer)
+    await wait_for_event(nc, PIPELINES_STREAM, lambda item: item.event.type == "integrity.shards_verified"
+                         and any(s.shard_id == newcomer.shard_id for s in item.event.shards), timeout_s=canary_wait_s)

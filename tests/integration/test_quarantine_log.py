@@ -1,0 +1,138 @@
+"""Reputation through a real community broker: an orchestrator's signed verification outcomes quarantine a shard in
+a rebuilt read model, a forged clearing is rejected, the steward's `hearth community clear-quarantine` lifts it,
+a live read model that applied the same messages equals the rebuild, and `hearth-replay shard` shows the evidence."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import pytest
+from sqlalchemy.orm import Session
+from typer.testing import CliRunner
+
+from events.consume import read_stream
+from events.models import utc_now
+from events.publish import publish_event
+from events.signing import EventVerifier
+from events.streams import ALL_STREAMS
+from readmodels.db import open_engine
+from readmodels.projection import ReadModelProjection
+from readmodels.rebuild import diff_databases, rebuild_database
+from readmodels.tables import RejectedEvent, ShardReputation
+from services.broker.connection import connect_nats
+from services.broker.permissions import render_authorization
+from services.broker.server import EmbeddedNatsServer
+from services.broker.streams import create_community_streams
+from services.common.config import NatsSettings
+from services.community_cli import community_app
+from services.community_cli import quarantine_clearing
+from services.replay.cli import app as replay_app
+from tests.readmodel_helpers import advertised
+from tests.reputation_events import confirmed, verified
+from trust.community import Community
+from trust.keys import MemberKey
+
+pytestmark = pytest.mark.integration
+runner = CliRunner()
+KITCHEN, ATTIC, GARAGE = (advertised(0, 3, node).shard_id for node in ("kitchen-pc", "attic-pc", "garage-pc"))
+
+
+@pytest.fixture
+def community_broker(tmp_path):
+    community = Community.init(tmp_path / "community", "elm-street")
+    for name, role in (("hub", "orchestrator"), ("kitchen-pc", "shard"), ("garage-pc", "shard"), ("eve", "auditor")):
+        community.add(name, role)
+    with EmbeddedNatsServer(store_dir=tmp_path / "nats", authorization=render_authorization(community.roster())) \
+            as server:
+        asyncio.run(create_community_streams(NatsSettings(url=server.url), community.system_key_path,
+                                             ready_timeout_s=10))
+        yield community, server
+
+
+async def publish_as(community: Community, url: str, member: str, events) -> None:
+    key_file = community.directory / "keys" / f"{member}.nk"
+    connection = await connect_nats(url, name="test", settings=NatsSettings(url=url, creds_file=key_file))
+    try:
+        for event in events:
+            await publish_event(connection.jetstream(), event, signing_key=MemberKey.load(key_file))
+    finally:
+        await connection.close()
+
+
+async def as_auditor(community: Community, url: str, work):
+    settings = NatsSettings(url=url, creds_file=community.directory / "keys" / "eve.nk")
+    connection = await connect_nats(url, name="test-auditor", settings=settings)
+    try:
+        return await work(connection.jetstream())
+    finally:
+        await connection.close()
+
+
+def rebuild(community, url, path, verifier) -> None:
+    asyncio.run(as_auditor(community, url, lambda js: rebuild_database(js, path, verifier=verifier)))
+
+
+def apply_new_messages(community, url, path, verifier) -> None:
+    """What a live projector does: apply every message beyond its stored positions."""
+
+    async def work(js):
+        messages = []
+        for stream in ALL_STREAMS:
+            async with contextlib.aclosing(read_stream(js, stream)) as items:
+                messages += [item async for item in items]
+        return messages
+
+    messages = asyncio.run(as_auditor(community, url, work))
+    engine = open_engine(path)
+    with Session(engine) as session, session.begin():
+        ReadModelProjection(verifier=verifier).apply_many(session, messages)
+    engine.dispose()
+
+
+def status(path, shard_id: str) -> str:
+    engine = open_engine(path)
+    with Session(engine) as session:
+        value = session.get(ShardReputation, shard_id).status
+    engine.dispose()
+    return value
+
+
+def test_quarantine_and_clearing_through_a_community_broker(community_broker, tmp_path, monkeypatch):
+    community, server = community_broker
+    verifier = EventVerifier(community.roster(), max_clock_skew_s=30)
+    # Dated now: the broker's storage time bounds occurred_at.
+    outcomes = [event.model_copy(update={"occurred_at": utc_now()}) for event in (
+        verified("p1", {KITCHEN: (2, 30), GARAGE: (1, 9)}), confirmed("p2", GARAGE, [KITCHEN, ATTIC]))]
+    hub_key = MemberKey.load(community.directory / "keys" / "hub.nk")
+    forged = quarantine_clearing(GARAGE, "the hub says so", hub_key).model_copy(update={"node_id": "hub"})
+    asyncio.run(publish_as(community, server.url, "hub", [*outcomes, forged]))
+
+    live = tmp_path / "live.sqlite"
+    rebuild(community, server.url, live, verifier)
+    assert status(live, GARAGE) == "quarantined" and status(live, KITCHEN) == "ok"
+    engine = open_engine(live)
+    with Session(engine) as session:
+        [rejected] = session.query(RejectedEvent).all()
+        assert (rejected.type, rejected.reason) == ("integrity.quarantine_cleared", "role_may_not_emit")
+    engine.dispose()
+
+    cleared = runner.invoke(community_app, ["clear-quarantine", GARAGE, "--reason", "new GPU", "--dir",
+                                            str(community.directory), "--db", str(live), "--nats", server.url])
+    assert cleared.exit_code == 0, cleared.output
+    apply_new_messages(community, server.url, live, verifier)
+    assert status(live, GARAGE) == "ok"
+
+    fresh = tmp_path / "fresh.sqlite"
+    rebuild(community, server.url, fresh, verifier)
+    assert diff_databases(fresh, live) == []
+
+    # As `--creds` would, through the environment (monkeypatch restores it for the tests that follow).
+    monkeypatch.setenv("HEARTH_NATS__CREDS_FILE", str(community.directory / "keys" / "eve.nk"))
+    shown = runner.invoke(replay_app, ["shard", GARAGE, "--nats", server.url])
+    assert shown.exit_code == 0, shown.output
+    assert "verification: status ok since" in shown.output
+    assert "mismatch confirmed in pipeline p2 (reported by hub)" in shown.output
+    assert "relative error 0.42 > tolerance 0.002" in shown.output
+    assert "'new GPU'; lifted the quarantine" in shown.output
+    assert "REJECTED integrity.quarantine_cleared" in shown.output and "(role_may_not_emit)" in shown.output

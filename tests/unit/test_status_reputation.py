@@ -1,0 +1,48 @@
+"""Reputation on `hearth status` and the dashboards: the shards online carry their status, the reputation table
+counts verified and quarantined shards and lists the ones with a mismatch or a dispute, the panel runs."""
+
+from __future__ import annotations
+
+import contextlib
+
+from rich.console import Console
+
+from services.dashboards.macros import TimeRange, open_read_only, run_panel_sql
+from services.dashboards.panels import REPUTATION_SQL, SHARD_HOSTS, SHARDS_ONLINE_SQL
+from services.dashboards.status import run_status_command
+from tests.readmodel_helpers import LogBuilder, advertised, apply_all, heartbeat, migrated_engine
+from tests.reputation_events import confirmed, disputed, verified
+
+NODES = ("node-a", "node-b", "node-c", "node-d")
+
+
+def read_model(tmp_path):
+    path = tmp_path / "readmodel.sqlite"
+    engine = migrated_engine(path)
+    log = LogBuilder()
+    shards = [advertised(0, 7, node, total=8) for node in NODES]
+    a, b, c, _ = (shard.shard_id for shard in shards)
+    events = shards + [heartbeat(s.shard_id, node=s.node_id) for s in shards] + [
+        verified("p1", {a: (2, 20), b: (2, 20), c: (1, 4)}), disputed("p2", [b, c]), confirmed("p3", a, [b, c])]
+    apply_all(engine, [log.stored(event) for event in events])
+    engine.dispose()
+    return path, shards
+
+
+def test_status_shows_reputation(tmp_path):
+    path, shards = read_model(tmp_path)
+    now_s = int(shards[0].occurred_at.timestamp()) + 5
+    console = Console(width=400, record=True)
+    assert run_status_command(path, now_s=now_s, console=console) == 0
+    screen = console.export_text()
+    assert "Reputation: 3 shards verified, 1 quarantined" in screen
+    rows = {line.split("│")[1].strip(): line for line in screen.splitlines() if line.count("│") > 5}
+    assert "quarantined" in rows["node-a"] and "relative error 0.42" in screen
+    with contextlib.closing(open_read_only(path)) as connection:
+        columns, online = run_panel_sql(connection, SHARDS_ONLINE_SQL, TimeRange(now_s - 60, now_s))
+        by_node = {row[columns.index("node")]: row[columns.index("reputation")] for row in online}
+        assert by_node == {"node-a": "quarantined", "node-b": "ok", "node-c": "ok", "node-d": "unchecked"}
+        columns, listed = run_panel_sql(connection, REPUTATION_SQL, TimeRange(now_s - 60, now_s))
+    assert [row[columns.index("node")] for row in listed] == ["node-a", "node-b", "node-c"]
+    assert listed[0][columns.index("since")] is not None and listed[1][columns.index("since")] is None
+    assert any(panel.sql == REPUTATION_SQL for panel in SHARD_HOSTS.sql_panels)

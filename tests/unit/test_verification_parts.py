@@ -1,0 +1,152 @@
+"""The pieces of checking shard hosts, without a mesh: how two outputs are compared, guards that learn only from
+confirmed outputs, what a chain's record hands a check, and a call going back to before a refuted step."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from inference.activation_compare import first_mismatch, position_errors, tolerance_for
+from inference.detokenizer import TextDelta
+from protocol.chat import ChatParams, ChatRequest
+from services.orchestrator.call import Call
+from services.orchestrator.guards import RangeGuards
+from services.orchestrator.recording import ChainRecorder
+from services.transport import FrameKind, StepInfo
+
+HIDDEN = 8
+KEY = ("m", 2, 3, "none")
+
+
+def test_positions_beyond_the_tolerance_are_found_first_one_first():
+    reference = torch.randn(1, 6, HIDDEN)
+    claimed = reference.clone()
+    claimed[0, 4] *= 40
+    claimed[0, 5, 0] = float("nan")
+    errors = position_errors(claimed, reference)
+    assert errors[:4].max() == 0 and errors[4] == pytest.approx(39, rel=1e-4) and math.isinf(errors[5])
+    assert first_mismatch(errors, tolerance_for("cpu", "float32")) == 4
+    assert first_mismatch(position_errors(reference, reference), 1e-9) is None
+
+
+def test_outputs_of_other_shapes_cannot_be_compared():
+    with pytest.raises(ValueError):
+        position_errors(torch.zeros(1, 2, HIDDEN), torch.zeros(1, 3, HIDDEN))
+
+
+def test_half_precision_gets_a_looser_tolerance_than_fp32():
+    assert tolerance_for("cpu", "bfloat16") > tolerance_for("cpu", "float32")
+    assert tolerance_for("tpu", "float32") >= tolerance_for("cpu", "float32")
+
+
+def test_a_guard_judges_only_once_confirmed_outputs_taught_it_and_then_both_ways():
+    guards = RangeGuards(margin=4.0, min_positions=3)
+    confirmed = torch.ones(1, 2, HIDDEN)
+    guards.learn(KEY, confirmed)
+    assert not guards.learned(KEY) and not guards.suspect(KEY, confirmed * 1000)
+    guards.learn(KEY, confirmed * 2)
+    assert guards.learned(KEY)
+    assert not guards.suspect(KEY, confirmed * 1.5)
+    assert guards.suspect(KEY, confirmed * 40)  # far above
+    assert guards.suspect(KEY, confirmed / 40)  # far below: no lower bound would let zeros through
+    assert guards.suspect(KEY, torch.full((1, 1, HIDDEN), float("inf")))
+    assert not guards.suspect(("m", 0, 1, "none"), confirmed * 40), "another range has learned nothing"
+
+
+def test_what_passes_unconfirmed_teaches_a_guard_nothing():
+    guards = RangeGuards(margin=4.0, min_positions=1)
+    guards.learn(KEY, torch.ones(1, 1, HIDDEN))
+    for _ in range(10):  # a liar ratcheting up, a little at a time: each suspect output is checked, never learned
+        assert guards.suspect(KEY, torch.ones(1, 1, HIDDEN) * 5)
+
+
+def one_hop_recorder() -> ChainRecorder:
+    return ChainRecorder(None, "p-test", ["h0"], link_keys=[None, None], sealed=False, step_limits=None)
+
+
+def step(recorder: ChainRecorder, number: int, kind: FrameKind, pos: int, tokens: int) -> torch.Tensor:
+    hidden = torch.randn(1, tokens, HIDDEN)
+    info = StepInfo(session="s1", step=number, kind=kind, pos=pos)
+    recorder.sent(info, hidden)
+    recorder.completed(info, hidden * 2)
+    return hidden
+
+
+def test_a_record_hands_a_check_the_positions_since_its_last_one_in_order():
+    recorder = one_hop_recorder()
+    prompt = step(recorder, 1, FrameKind.prefill, 0, 5)
+    first = step(recorder, 2, FrameKind.decode, 5, 1)
+    second = step(recorder, 3, FrameKind.decode, 6, 1)
+    whole = recorder.span(0, 0, upto_step=3)
+    assert (whole.first_pos, whole.end_pos, whole.last_step) == (0, 7, 3)
+    assert torch.equal(whole.inputs, torch.cat([prompt, first, second], dim=1))
+    assert torch.equal(whole.outputs, whole.inputs * 2)
+    assert whole.kinds == (FrameKind.prefill,) * 5 + (FrameKind.decode,) * 2
+    since = recorder.span(0, 3, upto_step=2)  # from inside the prompt, up to step 2 only
+    assert (since.first_pos, since.end_pos) == (3, 6)
+    assert torch.equal(since.inputs, torch.cat([prompt[:, 3:], first], dim=1))
+    assert recorder.span(0, 7, upto_step=3) is None, "nothing new"
+
+
+def test_a_chain_that_starts_again_from_position_zero_voids_its_record():
+    recorder = one_hop_recorder()
+    step(recorder, 1, FrameKind.prefill, 0, 4)
+    generation = recorder.generation
+    again = step(recorder, 2, FrameKind.prefill, 0, 5)  # a re-prefill after an eviction
+    assert recorder.generation == generation + 1
+    assert torch.equal(recorder.span(0, 0, upto_step=2).inputs, again)
+
+
+def test_a_step_whose_output_never_came_leaves_a_hole_no_check_reads_across():
+    recorder = one_hop_recorder()
+    step(recorder, 1, FrameKind.prefill, 0, 3)
+    recorder.sent(StepInfo(session="s1", step=2, kind=FrameKind.decode, pos=3), torch.randn(1, 1, HIDDEN))
+    step(recorder, 3, FrameKind.decode, 4, 1)
+    assert recorder.span(0, 0, upto_step=3) is None
+    assert recorder.span(0, 0, upto_step=1).end_pos == 3
+
+
+class _Texts:
+    def push(self, token_id: int) -> TextDelta:
+        return TextDelta(token_id=token_id, text=f"<{token_id}>")
+
+    def finish(self, reason: str) -> TextDelta:
+        return TextDelta(token_id=-1, text="", finished=True, finish_reason=reason)
+
+
+def sampling_call(**request) -> Call:
+    model = SimpleNamespace(head=SimpleNamespace(text_stream=lambda params, prompt_ids: _Texts()))
+    client = SimpleNamespace(tokens_sent=0)
+    return Call(request=ChatRequest(prompt="hello", max_tokens=32, params=ChatParams(verify="sampled"), **request),
+                model=model, client=client)
+
+
+def sample(call: Call, probabilities: torch.Tensor) -> int:
+    call.before_sampling()
+    token = int(torch.multinomial(probabilities, 1, generator=call.generator))
+    call.accept(token, torch.zeros(1, 1, HIDDEN))
+    call.client.tokens_sent += 1
+    return token
+
+
+def test_a_call_that_goes_back_draws_again_what_it_drew_before():
+    probabilities = torch.full((50,), 1 / 50)
+    call = sampling_call(temperature=1.0, seed=7)
+    drawn = [sample(call, probabilities) for _ in range(8)]
+    call.rewind(3)
+    assert call.generated == drawn[:3] and call.client.tokens_sent == 3 and call.finish_reason is None
+    assert [sample(call, probabilities) for _ in range(5)] == drawn[3:]
+
+
+def test_going_back_replays_the_kept_tokens_text_and_refuses_to_keep_what_never_came():
+    call = sampling_call()
+    for token in (5, 6, 7):
+        call.accept(token, torch.zeros(1, 1, HIDDEN))
+    call.rewind(1)
+    assert call.generated == [5]
+    assert call.accept(9, torch.zeros(1, 1, HIDDEN)).text == "<9>"
+    with pytest.raises(ValueError):
+        call.rewind(5)
