@@ -103,6 +103,10 @@ class VerificationSettings(ConfigSection):
     settle_timeout_s: float = Field(
         default=30.0, gt=0,
         description="how long a call's last frame waits for the checks still running on its steps")
+    record_budget_mb: float = Field(
+        default=128.0, gt=0,
+        description="what a call's chain may hold in memory of its hops' inputs and outputs for checks; beyond "
+                    "it the chain is not checked any more")
     canary_interval_s: float = Field(
         default=60.0, ge=0,
         description="about this often (jittered) one confirmed piece of work is replayed to a host of the same "

@@ -141,18 +141,18 @@ class CanaryRunner:
         if isinstance(output, StepFailure):
             log.info("canary to %s did not come back: %s", host.shard_id, output)
             return
-        tolerance = tolerance_for(None, canary.dtype)
+        tolerance = tolerance_for(None, canary.dtype, canary.key[3], canary.wire_dtype)
         errors = position_errors(output, canary.outputs)
         bad = first_mismatch(errors, tolerance)
         pipeline_id = mirror.chain.pipeline_id
         if bad is None:
-            verification_checks_total.labels("confirmed").inc()
+            verification_checks_total.labels("canary_confirmed").inc()
             await self._record(IntegrityShardsVerified(node_id=self.ctx.node_id, pipeline_id=pipeline_id, shards=[
                 ShardVerification(shard_id=host.shard_id, checks=1, verified_positions=canary.positions)]))
             return
         log.warning("%s answered a canary of layers %d-%d wrongly (position %d, relative error %.3g); quarantined",
                     host.shard_id, canary.key[1], canary.key[2], bad, float(errors[bad]))
-        verification_checks_total.labels("mismatch").inc()
+        verification_checks_total.labels("canary_mismatch").inc()
         self.ctx.quarantined.add(host.shard_id)
         await self._record(IntegrityMismatchConfirmed(
             node_id=self.ctx.node_id, pipeline_id=pipeline_id, shard_id=host.shard_id, witnesses=list(canary.parties),

@@ -91,7 +91,7 @@ class HopChain:
                  sink_bounds: NormBounds | None = None, hidden_size: int | None = None,
                  max_session_tokens: int | None = None,
                  on_round_trip: Callable[[str, float], None] | None = None, accusers: set[str] | None = None,
-                 record: bool = False, placement: ChainPlacement | None = None) -> None:
+                 record_budget_bytes: int | None = None, placement: ChainPlacement | None = None) -> None:
         self.nc = nc
         # Where these hops sit in the pipeline as their hosts are told (a mirror's or a canary's single hop looks
         # like that hop of a real call); by default the whole pipeline, between this orchestrator's two ends.
@@ -134,7 +134,8 @@ class HopChain:
                                                   activation_dtype=wire_dtype)
         # What every hop received and sent, for checks on other replicas (services/orchestrator/recording.py).
         self.recorder = ChainRecorder(nc, pipeline_id, [hop.node_id for hop in hops], link_keys=self.link_keys,
-                                      sealed=self.sealed, step_limits=step_limits) if record else None
+                                      sealed=self.sealed, step_limits=step_limits,
+                                      budget_bytes=record_budget_bytes) if record_budget_bytes else None
         self._sink = ActivationReceiver(nc, pipeline_id, first + len(hops),
                                         nodes=LinkNodes(sender=hops[-1].node_id, receiver=downstream),
                                         step_limits=step_limits, on_refused=self._on_refused_output,

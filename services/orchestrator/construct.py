@@ -12,6 +12,8 @@ import asyncio
 import logging
 import time
 
+from events.streams import MiB
+
 from services.orchestrator.call import Call
 from services.orchestrator.capacity import ShardLoad
 from services.orchestrator.chain import HopChain
@@ -29,8 +31,8 @@ class ChainBuilder:
     def __init__(self, call: Call, ctx: RunContext, *, record: bool = False) -> None:
         self.call = call
         self.ctx = ctx
-        # Whether its chains record their hops' work for checks (services/orchestrator/recording.py).
-        self.record = record
+        # What its chains may hold of their hops' work for checks (services/orchestrator/recording.py; None: none).
+        self.record_budget_bytes = int(ctx.settings.verification.record_budget_mb * MiB) if record else None
 
     async def build(self) -> HopChain:
         """An open chain over what the router plans, routing around refusals and waiting while the shards that
@@ -88,7 +90,7 @@ class ChainBuilder:
                         sink_bounds=self.ctx.sink_bounds.setdefault(model.model_id, NormBounds()),
                         hidden_size=model.head.info.hidden_size,
                         max_session_tokens=len(self.call.prompt_ids) + self.call.request.max_tokens,
-                        on_round_trip=self.ctx.load.observe_round_trip, record=self.record)
+                        on_round_trip=self.ctx.load.observe_round_trip, record_budget_bytes=self.record_budget_bytes)
 
     def _only_room_lacks(self, candidates) -> bool:
         """Whether a chain could be planned if every shard had room (then waiting for room is worth it)."""

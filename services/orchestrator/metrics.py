@@ -74,14 +74,18 @@ head_batches_total = counter(
     "tokens were due together (continuous batching; a batch of one row counts too).")
 head_batch_rows_total = counter(
     "hearth_head_batch_rows_total", "Call head steps run in those batches (rows / batches: the mean batch size).")
+# The outcomes of hearth_verification_checks_total (a bench reads them back).
+CHECK_OUTCOMES = ("confirmed", "mismatch", "disputed", "no_replica", "canary_confirmed", "canary_mismatch")
+VERIFICATION_CHECKS_METRIC = "hearth_verification_checks_total"
 verification_checks_total = counter(
-    "hearth_verification_checks_total",
+    VERIFICATION_CHECKS_METRIC,
     "Checks of a hop's work on other replicas, by outcome: `confirmed` (per shard confirmed), `mismatch` (a shard "
     "proved wrong and quarantined), `disputed` (two replicas disagreed, nobody could say who was right), "
-    "`no_replica` (no other replica could check it).", ["outcome"])
+    "`no_replica` (no other replica could check it), `canary_confirmed` / `canary_mismatch` (a host answered a "
+    "replayed canary right / wrongly).", ["outcome"])
 calls_in_flight = gauge("hearth_calls_in_flight", "Calls running through a pipeline now (queued ones excluded).")
 
-for _outcome in ("confirmed", "mismatch", "disputed", "no_replica"):
+for _outcome in CHECK_OUTCOMES:
     verification_checks_total.labels(_outcome)
 for _reason in NOTICE_REFUSALS:
     hop_notices_refused_total.labels(_reason)

@@ -1,10 +1,13 @@
 """Mirror: a second replica running exactly one hop's layers on that hop's recorded inputs, so that its outputs can
-be compared with what the hop sent on (services/orchestrator/verification.py).
+be compared with what the hop sent on (services/orchestrator/verification.py), or on a canary's inputs
+(services/orchestrator/canaries.py).
 
 A mirror is an ordinary pipeline session on the replica, placed where the checked hop sits (the same hop index,
 hop count and neighbouring nodes, its own random pipeline id, link keys, sealing and limits as any call's), fed
-from where it stopped with the steps the checked hop ran (prefill chunks, then one decode step per position), so
-each position is run once however often the hop is checked, and the replica cannot tell it from a call's hop.
+from where it stopped, so each position runs once however often the hop is checked. A check feeds it in prefill
+chunks (a catch-up of many positions costs the replica a fraction of what one decode step each would); a canary
+replays the steps as the call sent them (prefill chunks, then one decode step per position), so that the host it
+tests cannot tell it from a call's hop.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from services.orchestrator.call import new_pipeline_id
 from services.orchestrator.chain import HopChain
 from services.orchestrator.outcomes import StepFailure
 from services.orchestrator.placement import ChainPlacement
+from services.orchestrator.recording import ChainRecorder, HopSpan
 from services.orchestrator.router import Hop
 from services.transport import FrameKind
 
@@ -86,6 +90,16 @@ class Mirror:
 
     async def close(self) -> None:
         await self.chain.close()
+
+    async def witness(self, recorder: ChainRecorder, index: int, span: HopSpan):
+        """As a fresh third replica: run hop `index`'s recorded inputs from position 0 through `span`; (self, its
+        outputs over `span`), or None (then closed) when they did not come."""
+        history = recorder.span(index, 0, span.last_step)
+        output = await self.run(history.inputs, 0) if history is not None else None
+        if output is None or isinstance(output, StepFailure):
+            await self.close()
+            return None
+        return self, output[:, span.first_pos:span.end_pos]
 
 
 async def open_mirror(ctx, call, chain: HopChain, index: int, avoid: set[str],

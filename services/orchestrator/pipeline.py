@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 
@@ -201,8 +202,14 @@ class PipelineRun:
             log.info("pipeline %s: %s; re-prefilling %d tokens", call.pipeline_id, failure, len(call.known_ids))
             self._enter(CallStatus.prefilling)
             return None
+        if isinstance(failure, StepFailure) and failure.kind == "reported":
+            await self.verifier.check_report(failure.shard_id)
         if decision.route_around is not None:
             await self._route_around(failure)
+            # A check that refuted the same shard meanwhile needs no failover of its own, only its withdrawal.
+            refuted = self.verifier.refutation_of(decision.route_around)
+            if refuted is not None and failure.rewind_to is None:
+                failure = dataclasses.replace(failure, rewind_to=refuted.rewind_to, reason=refuted.reason)
         if isinstance(failure, StepFailure) and failure.rewind_to is not None:
             await self._withdraw(failure)
         hops = list(self.chain.hops) if isinstance(self.chain, HopChain) else []
@@ -335,6 +342,7 @@ class PipelineRun:
             await asyncio.sleep(interval_s)
             if self.chain is not None:
                 await self.chain.keep_alive()
+            await self.verifier.keep_alive()
 
     async def _record(self, event) -> None:
         observe_event(event)

@@ -69,7 +69,7 @@ class ChainRecorder:
     after an eviction), which makes every earlier span void."""
 
     def __init__(self, nc: NatsClient, pipeline_id: str, node_ids: list[str], *, link_keys: list[bytes | None],
-                 sealed: bool, step_limits: StepLimits | None) -> None:
+                 sealed: bool, step_limits: StepLimits | None, budget_bytes: int | None = None) -> None:
         self.nc = nc
         self.pipeline_id = pipeline_id
         self.hop_count = len(node_ids)
@@ -80,9 +80,14 @@ class ChainRecorder:
         self._taps = [ActivationReceiver(nc, pipeline_id, hop,
                                          nodes=LinkNodes(sender=node_ids[hop - 1], receiver=node_ids[hop]),
                                          link_key=link_keys[hop], seal=sealed and link_keys[hop] is not None,
-                                         step_limits=step_limits, max_ready_steps=tap_ready_steps, acks=False)
+                                         step_limits=step_limits, max_ready_steps=tap_ready_steps, acks=False,
+                                         on_refused=self._refused_on(hop))
                       for hop in range(1, self.hop_count)]
         self._session: str | None = None
+        # What the record may hold; beyond it nothing more is recorded and no hop can be checked any more.
+        self.budget_bytes = budget_bytes
+        self.held_bytes = 0
+        self._latest: int | None = None
 
     async def start(self, session_id: str) -> None:
         self._session = session_id
@@ -104,6 +109,15 @@ class ChainRecorder:
             self.steps.clear()
             self.broken.clear()
             self.generation += 1
+            self.held_bytes, self._latest = 0, None
+        step_bytes = hidden.numel() * hidden.element_size() * (self.hop_count + 1)
+        if self.budget_bytes is not None and self.held_bytes + step_bytes > self.budget_bytes:
+            if len(self.broken) < self.hop_count:
+                log.info("pipeline %s: its record reached its budget (%d MiB); no more checks on this chain",
+                         self.pipeline_id, self.budget_bytes >> 20)
+            self.broken.update(range(self.hop_count))
+            return
+        self.held_bytes += step_bytes
         self.steps[info.step] = RecordedStep(info.step, info.kind, info.pos, int(hidden.shape[1]),
                                              [hidden.detach()] + [None] * (self.hop_count - 1))
 
@@ -112,19 +126,21 @@ class ChainRecorder:
         recorded = self.steps.get(info.step)
         if recorded is not None:
             recorded.output = output.detach()
+            self._latest = max(self._latest or 0, info.step)
         self._file_tapped()
         return recorded
 
     def latest_step(self) -> int | None:
         """The newest step whose output arrived."""
-        done = [step for step, recorded in self.steps.items() if recorded.output is not None]
-        return max(done, default=None)
+        return self._latest
 
-    async def settled(self, upto_step: int, timeout_s: float) -> None:
-        """Wait (at most `timeout_s`) until every tap filed its input of every step up to `upto_step`; a hop whose
-        input did not come is marked broken."""
+    async def settled(self, upto_step: int, timeout_s: float, hops: set[int] | None = None) -> None:
+        """Wait (at most `timeout_s`) until the taps filed the inputs of `hops` (None: every hop) for every step up to
+        `upto_step`; a hop whose input did not come is marked broken."""
         deadline = time.monotonic() + timeout_s
         for index, tap in enumerate(self._taps, start=1):
+            if hops is not None and index not in hops:
+                continue
             while index not in self.broken and self._missing(index, upto_step):
                 remaining_s = deadline - time.monotonic()
                 try:
@@ -158,6 +174,13 @@ class ChainRecorder:
             return None
         return HopSpan(hop, from_pos, torch.cat(inputs, dim=1), torch.cat(outputs, dim=1), tuple(kinds),
                        last_step=max(s.step for s in steps))
+
+    def _refused_on(self, hop: int):
+        async def refused(header, refusal) -> None:
+            # A frame that does not fit the pipeline never completes: nothing to wait for on this link.
+            if header.session == self._session:
+                self.broken.add(hop)
+        return refused
 
     def _missing(self, hop: int, upto_step: int) -> bool:
         return any(s.inputs[hop] is None for s in self.steps.values() if s.step <= upto_step)

@@ -46,6 +46,9 @@ from services.orchestrator.recording import HopSpan
 
 log = logging.getLogger(__name__)
 
+# Other replicas that check each hop at a level: `vote` asks two (three replicas, majority).
+MIRRORS_PER_LEVEL = {"none": 0, "sampled": 1, "all": 1, "vote": 2}
+
 
 @dataclass
 class _HopChecks:
@@ -94,7 +97,7 @@ class CallVerifier:
 
     @property
     def mirrors_per_hop(self) -> int:
-        return 2 if self.level == "vote" else 1
+        return MIRRORS_PER_LEVEL[self.level]
 
     # ------------------------------------------------------------------ the call's side
 
@@ -118,6 +121,36 @@ class CallVerifier:
             for mirror in hop.mirrors:
                 with contextlib.suppress(Exception):
                     await mirror.close()
+
+    async def check_report(self, accused: str) -> None:
+        """A hop reported that its input, the output of `accused`, failed a check: check `accused` on everything up
+        to the step that stopped, from the tap's copy of that output (so the report, unverifiable in itself, is
+        settled on evidence: a confirmed mismatch quarantines the accused; a confirmed output clears it)."""
+        chain = self.chain
+        if chain is None or not chain.recorder.steps:
+            return
+        index = next((i for i, hop in enumerate(chain.hops) if hop.shard_id == accused), None)
+        if index is None:
+            return
+        try:
+            # The reporting hop had the output already, so the tap has it too (or refused it): no long wait.
+            await self._check_hop(chain, index, upto=max(chain.recorder.steps),
+                                  settle_s=self.ctx.settings.transport.probe_timeout_s)
+        except Exception:  # a check must never take the call down with it
+            log.exception("pipeline %s: checking the hop accused by a report failed", self.call.pipeline_id)
+
+    async def keep_alive(self) -> None:
+        """Tell the mirrors' replicas that their sessions live, as a call's hops are told."""
+        for hop in self._hops:
+            for mirror in hop.mirrors:
+                await mirror.chain.keep_alive()
+
+    def refutation_of(self, shard_id: str) -> StepFailure | None:
+        """The pending refutation of `shard_id` (then forgotten): the call is routing around it already."""
+        if self._refutation is not None and self._refutation.shard_id == shard_id:
+            failure, self._refutation = self._refutation, None
+            return failure
+        return None
 
     def refuted(self) -> StepFailure | None:
         """The refutation a check found since the last turn (then forgotten), or None. A hop that another call's
@@ -205,34 +238,37 @@ class CallVerifier:
         except Exception:  # a check must never take the call down with it
             log.exception("pipeline %s: checking hop %d failed", self.call.pipeline_id, index)
 
-    async def _check_hop(self, chain: HopChain, index: int) -> None:
+    async def _check_hop(self, chain: HopChain, index: int, upto: int | None = None,
+                         settle_s: float | None = None) -> None:
         recorder, hop = chain.recorder, self._hops[index]
-        latest = recorder.latest_step()
+        latest = upto if upto is not None else recorder.latest_step()
         if latest is None:
             return
-        await recorder.settled(latest, self.ctx.settings.transport.step_timeout_s)
+        await recorder.settled(latest, settle_s or self.ctx.settings.transport.step_timeout_s, hops={index, index + 1})
         if index in recorder.broken:
             return
         mirrors = await self._mirrors(chain, index)
         if not mirrors:
             verification_checks_total.labels("no_replica").inc()
             return
-        runs = []
-        for mirror in mirrors:
-            span = recorder.span(index, mirror.fed_pos, latest)
-            if span is None:
-                return
-            output = await mirror.run(span.inputs, span.first_pos, span.kinds)
+        spans = [recorder.span(index, mirror.fed_pos, latest) for mirror in mirrors]
+        if any(span is None for span in spans):
+            return
+        # A vote's two mirrors run at once: the check takes the time of the slower, not of both.
+        outputs = await asyncio.gather(*(mirror.run(span.inputs, span.first_pos)
+                                         for mirror, span in zip(mirrors, spans)))
+        for mirror, output in zip(mirrors, outputs):
             if isinstance(output, StepFailure):
                 log.info("pipeline %s: mirror %s of hop %d failed (%s); dropped", self.call.pipeline_id,
                          mirror.shard_id, index, output)
                 await self._drop_mirror(hop, mirror)
-                return
-            runs.append((mirror, span, output))
+        if any(isinstance(output, StepFailure) for output in outputs):
+            return
+        runs = list(zip(mirrors, spans, outputs))
         # Mirrors of one hop are fed alike, so their spans match; judge on the shortest common one.
         span = min((run[1] for run in runs), key=lambda s: s.positions)
         claimed = span.outputs
-        tolerance = tolerance_for(None, mirrors[0].dtype)
+        tolerance = tolerance_for(None, mirrors[0].dtype, chain.hops[index].quantization, chain.wire_dtype)
         outcomes = [(mirror, _tail(output, span), first_mismatch(position_errors(claimed, _tail(output, span)),
                                                                   tolerance))
                     for mirror, _, output in runs]
@@ -299,14 +335,7 @@ class CallVerifier:
     async def _witness(self, chain: HopChain, index: int, span: HopSpan, avoid: set[str]):
         """A third replica fed the hop's inputs from position 0 through `span`: (mirror, its outputs over `span`)."""
         witness = await self._open_mirror(chain, index, avoid)
-        if witness is None:
-            return None
-        history = chain.recorder.span(index, 0, span.last_step)
-        output = await witness.run(history.inputs, 0, history.kinds) if history is not None else None
-        if output is None or isinstance(output, StepFailure):
-            await witness.close()
-            return None
-        return witness, output[:, span.first_pos:span.end_pos]
+        return await witness.witness(chain.recorder, index, span) if witness is not None else None
 
     # ------------------------------------------------------------------ mirrors
 

@@ -209,7 +209,7 @@ class ShardCompute:
     def _account(self, request: OpenHop, received: ReceivedStep, failed_check: str | None,
                  output: torch.Tensor | None, compute_s: float) -> StepResult:
         if failed_check is None:
-            output = self.fault.corrupt(output)
+            output = self.fault.corrupt(output, request)
             self.stats.step_latencies_s.append(compute_s)
             layers_run = request.layer_hi - request.layer_lo + 1
             if received.kind is FrameKind.decode:

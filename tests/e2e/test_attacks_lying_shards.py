@@ -17,7 +17,6 @@ from tests.e2e.failover_support import (  # noqa: F401 (nc is a fixture)
     PIPELINES_STREAM,
     PREFERRED_WEIGHT,
     PRIMARY_WEIGHT,
-    REPLICA_WEIGHT,
     chat_request,
     failover_mesh,
     nc,
@@ -29,6 +28,9 @@ from tests.e2e.failover_support import (  # noqa: F401 (nc is a fixture)
 pytestmark = pytest.mark.timeout(600)
 
 CHECKED_HOP = 1
+# The honest hosts of the checked layers ask to be used last (a weight above 1 always counts, even against
+# measurements): the preferred liar is the primary whenever it is live, and they check it.
+HONEST_CHECKED_WEIGHT = 50.0
 # Guards judge after few confirmed positions here, so a host that turns liar mid-call leaves them at once; and a
 # quarter of the steps are checked, so a lying verifier is met within a few calls; no canaries here
 # (tests/e2e/test_canaries.py), so each liar is caught by what these tests look at.
@@ -40,9 +42,10 @@ MESH_ENV = {"HEARTH_VERIFICATION__GUARD_MIN_POSITIONS": "4", "HEARTH_VERIFICATIO
 def mesh(tmp_path_factory, tiny_models_dir):
     with failover_mesh(tmp_path_factory, tiny_models_dir, "lying-shards", extra_env=MESH_ENV) as mesh:
         for index, (lo, hi) in enumerate(THREE_SHARD_RANGES):
-            mesh.start_shard(f"h{index}", lo, hi, hop_weight=PRIMARY_WEIGHT, wait_ready=False)
+            weight = HONEST_CHECKED_WEIGHT if index == CHECKED_HOP else PRIMARY_WEIGHT
+            mesh.start_shard(f"h{index}", lo, hi, hop_weight=weight, wait_ready=False)
         lo, hi = THREE_SHARD_RANGES[CHECKED_HOP]
-        mesh.start_shard("r1", lo, hi, hop_weight=REPLICA_WEIGHT, wait_ready=False)
+        mesh.start_shard("r1", lo, hi, hop_weight=HONEST_CHECKED_WEIGHT, wait_ready=False)
         mesh.start_orchestrator(local_model=False)
         mesh.cluster.wait_all_ready()
         mesh.wait_all_advertised()
@@ -122,13 +125,59 @@ async def test_a_host_honest_for_a_while_then_lying_is_caught_by_the_learned_gua
 
 
 async def test_a_lying_verifier_is_the_one_quarantined(mesh, reference, nc, liar):
-    # The liar is never the primary (the honest h1 is preferred over it): it can only lie as the replica that
-    # checks h1. Each call's check picks its verifier at random from r1 and the liar, so a few calls meet it.
-    x = await liar("false-witness", "scale=40", hop_weight=REPLICA_WEIGHT * 2)
+    # The liar is never the primary (h1 and r1 are preferred over it): it can only lie as the replica that checks
+    # them. Each call's check picks its verifier at random from the two others, so a few calls meet it.
+    x = await liar("false-witness", "scale=40", hop_weight=HONEST_CHECKED_WEIGHT * 4)
     for _ in range(8):
         call = await stream_with_action(nc, chat_request())
         assert call.final.type == "done", call.final
         assert answer_tokens(call.frames) == reference.token_ids
         assert not call.of_type("tokens_withdrawn"), "an honest primary's tokens are never withdrawn"
     stored = await confirmed_against(nc, x.shard_id)
-    assert mesh.shards["h1"].shard_id in stored.event.witnesses
+    assert set(stored.event.witnesses) == {mesh.shards["h1"].shard_id, mesh.shards["r1"].shard_id}
+
+
+@pytest.mark.parametrize("level", ["all", "vote"])
+async def test_checking_every_step_fails_over_before_a_lie_reaches_the_answer(mesh, reference, nc, liar, level):
+    x = await liar(f"x40-{level}", "scale=40")
+    request = chat_request()
+    request = request.model_copy(update={"params": request.params.model_copy(update={"verify": level})})
+    call = await stream_with_action(nc, request)
+    assert call.final.type == "done", call.final
+    assert x.shard_id in hops_of(call) and call.of_type("shard_failover")
+    assert not call.of_type("tokens_withdrawn"), "no token of a refuted step was ever sent"
+    assert call.token_ids == reference.token_ids
+    stored = await confirmed_against(nc, x.shard_id)
+    assert set(stored.event.witnesses) == {mesh.shards["h1"].shard_id, mesh.shards["r1"].shard_id}
+
+
+async def test_a_host_lying_on_one_step_in_a_hundred_is_quarantined_within_twenty_calls(mesh, reference, nc, liar):
+    x = await liar("rare-liar", "lie_rate=0.01,fault_seed=11,scale=40")
+    for calls in range(1, 21):
+        call = await stream_with_action(nc, chat_request())
+        assert call.final.type == "done", call.final
+        assert answer_tokens(call.frames) == reference.token_ids, f"call {calls}"
+        if x.shard_id not in hops_of(call):
+            break  # quarantined by an earlier call's check: routed around since
+    await confirmed_against(nc, x.shard_id)
+
+
+@pytest.mark.parametrize("fault", ["noise=0.01", "offset=0.1", "bitflip=30"])
+async def test_subtle_lies_are_caught_by_checking_every_step(mesh, reference, nc, liar, fault):
+    # About 1 % per position or less: no guard sees them; a check of the step does (float32 with full weights).
+    x = await liar(f"subtle-{fault.split('=')[0]}", fault)
+    request = chat_request()
+    request = request.model_copy(update={"params": request.params.model_copy(update={"verify": "all"})})
+    call = await stream_with_action(nc, request)
+    assert call.final.type == "done", call.final
+    assert x.shard_id in hops_of(call) and call.token_ids == reference.token_ids
+    await confirmed_against(nc, x.shard_id)
+
+
+async def test_a_liar_sparing_what_looks_like_a_check_is_caught_all_the_same(mesh, reference, nc, liar):
+    # Mirrors and canaries are placed like a call's hop (index, hop count, neighbours): no one-hop sessions to spare.
+    x = await liar("dodger", "spare_single_hop,scale=40")
+    call = await stream_with_action(nc, chat_request())
+    assert call.final.type == "done", call.final
+    assert answer_tokens(call.frames) == reference.token_ids
+    await confirmed_against(nc, x.shard_id)

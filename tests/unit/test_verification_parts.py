@@ -37,9 +37,12 @@ def test_outputs_of_other_shapes_cannot_be_compared():
         position_errors(torch.zeros(1, 2, HIDDEN), torch.zeros(1, 3, HIDDEN))
 
 
-def test_half_precision_gets_a_looser_tolerance_than_fp32():
-    assert tolerance_for("cpu", "bfloat16") > tolerance_for("cpu", "float32")
-    assert tolerance_for("tpu", "float32") >= tolerance_for("cpu", "float32")
+def test_rounding_anywhere_loosens_the_tolerance_and_full_fp32_catches_a_lie_of_one_percent():
+    exact = tolerance_for("cpu", "float32")
+    assert exact < 1e-2, "a lie of 1 % per position (scale=1.01) must not pass full-precision float32"
+    assert tolerance_for("cpu", "bfloat16") > exact and tolerance_for("cpu", "float32", "int8") > exact
+    assert tolerance_for("cpu", "float32", wire_dtype="fp16") > exact
+    assert tolerance_for("tpu", "float32") >= tolerance_for("cpu", "float32", "int4/g32")
 
 
 def test_a_guard_judges_only_once_confirmed_outputs_taught_it_and_then_both_ways():
@@ -150,3 +153,13 @@ def test_going_back_replays_the_kept_tokens_text_and_refuses_to_keep_what_never_
     assert call.accept(9, torch.zeros(1, 1, HIDDEN)).text == "<9>"
     with pytest.raises(ValueError):
         call.rewind(5)
+
+
+def test_a_record_past_its_budget_stops_and_its_chain_is_not_checked_any_more():
+    step_bytes = 4 * HIDDEN * 4 * 2  # four positions of float32, recorded as one hop's input and output
+    recorder = ChainRecorder(None, "p-test", ["h0"], link_keys=[None, None], sealed=False, step_limits=None,
+                             budget_bytes=step_bytes + 1)
+    step(recorder, 1, FrameKind.prefill, 0, 4)
+    assert not recorder.broken
+    step(recorder, 2, FrameKind.decode, 4, 1)
+    assert recorder.broken == {0} and recorder.span(0, 0, upto_step=2).end_pos == 4

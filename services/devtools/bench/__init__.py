@@ -3,8 +3,9 @@ their ratio, time to first token, pipeline construction, per-hop transport overh
 
 One invocation, one model, one prompt:
 
-1. starts nats-server, N shard hosts (layers split evenly, each with ``--metrics-port``) and an
-   orchestrator as real `hearth` processes (services.devtools.local_cluster.LocalCluster), and loads the whole model
+1. starts nats-server, N shard hosts (layers split evenly, each with ``--metrics-port``; ``--replicas R``: R shard
+   processes per range, each on a node of its own) and an orchestrator as real `hearth` processes
+   (services.devtools.local_cluster.LocalCluster), and loads the whole model
    with ``AutoModelForCausalLM.from_pretrained`` in a worker process (``python -m services.devtools.bench``)
    that gets the shard processes' OpenMP environment and thread count, and in a second one with this
    shell's environment and torch's own thread count ("library defaults"; --no-library-defaults skips it);
@@ -37,9 +38,12 @@ save_pretrained to ``$HEARTH_CACHE_DIR`` (default ~/.cache/hearth)/random-models
 word-level tokenizer (token i is the word ``t<i>``) so prompts have exactly the requested length; no
 end-of-sequence token, so every run generates exactly ``--new-tokens``.
 
-Modules: ``command`` (the `hearth bench` entry), ``runner`` (the Bench: start, rounds, concurrent
-sessions), ``monolithic`` (the generate() worker and its handle; ``__main__`` starts the worker),
-``pipeline`` (one timed request through the orchestrator), ``timing`` (one timed generation),
-``burst`` (the burst part), ``prompts``, ``transport_metrics`` (scraped histograms -> per-hop figures),
-``report`` (models and text), ``targets`` (verdicts), ``errors``.
+Every pipeline request asks for verification level ``--verify`` (none given: the protocol's default); the report
+says the level, the replicas and the orchestrator's verification checks during the measured rounds.
+
+Modules: ``command`` (the `hearth bench` entry), ``runner`` (the Bench: rounds, concurrent sessions), ``mesh`` (the
+processes started, replicas included), ``monolithic`` (the generate() worker and its handle; ``__main__`` starts the
+worker), ``pipeline`` (one timed request through the orchestrator), ``timing`` (one timed generation), ``burst`` (the
+burst part), ``prompts``, ``transport_metrics`` (scraped histograms -> per-hop figures), ``verification_metrics``
+(the orchestrator's checks counter), ``report`` (models and text), ``targets`` (verdicts), ``errors``.
 """

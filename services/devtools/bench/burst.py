@@ -45,11 +45,12 @@ def percentile(values: list[float], fraction: float) -> float | None:
 
 
 async def run_burst(nc, model_ref: str, prompt: str, requests: int, new_tokens: int,
-                    solo_token_ids: list[int]) -> BurstFigures:
-    """Send `requests` copies of one greedy request at once and wait for every one to end."""
+                    solo_token_ids: list[int], *, verify: str | None = None) -> BurstFigures:
+    """Send `requests` copies of one greedy request (at verification level `verify`, None: the protocol's default)
+    at once and wait for every one to end."""
     started = time.perf_counter()
     runs = await asyncio.gather(*(
-        pipeline_generation(nc, model_ref, prompt, new_tokens, refusal_is_error=False,
+        pipeline_generation(nc, model_ref, prompt, new_tokens, refusal_is_error=False, verify=verify,
                             first_frame_timeout=burst_frame_timeout_s, frame_gap_timeout=burst_frame_timeout_s)
         for _ in range(requests)))
     wall_s = time.perf_counter() - started

@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Optional, get_args
 
 import typer
 
 from services.cli_options import DeviceOption, DtypeOption, QuantizeOption, TorchThreadsOption
+from protocol.chat import VerifyLevel
 from protocol.quantization_labels import is_quantization_label
 from services.devtools.bench.defaults import (
     default_new_tokens,
     default_prompt_tokens,
     default_repeats,
+    default_replicas,
     default_sessions,
 )
+from services.devtools.bench.verification_metrics import MIRRORS_PER_CHECK
 from services.devtools.demo import default_shards
 
 
@@ -74,6 +77,14 @@ def bench_command(
                                     "ratio to N x that; uses --model, --prompt-tokens, --new-tokens, --repeats, "
                                     "--env, --insecure).", show_default=False)
     ] = None,
+    verify: Annotated[
+        Optional[str], typer.Option("--verify", help="The verification level every pipeline request asks for: none, "
+                                    "sampled, all or vote (default: none asked, the protocol's default applies).",
+                                    show_default=False)
+    ] = None,
+    replicas: Annotated[int, typer.Option("--replicas", help="Shard processes serving each layer range, each on a "
+                                          "node of its own (the others check a hop's work: `all` needs 2, `vote` "
+                                          "3).")] = default_replicas,
     pin_sessions: Annotated[
         Optional[list[int]], typer.Option("--pin-sessions", min=1, help="With --pin-cores: a number of concurrent "
                                           "sessions to measure (repeatable; default N, 2N, 4N and 8).",
@@ -93,6 +104,7 @@ def bench_command(
         child_env[key] = value
     if quantize is not None and not is_quantization_label(quantize):
         raise typer.BadParameter(f"expected none, int8, int4 or int4/gN, got {quantize!r}", param_hint="--quantize")
+    check_verification_options(verify, replicas, pin_cores=pin_cores)
     if pin_cores is not None:
         from services.devtools.bench.together import TogetherOptions
 
@@ -107,5 +119,21 @@ def bench_command(
                            monolithic_threads=monolithic_threads, library_defaults_baseline=library_defaults,
                            child_env=child_env, cache_dir=cache_dir, secure=not insecure,
                            metrics=metrics, burst=burst, device=device, dtype=dtype, work_dir=work_dir,
-                           quantize=quantize)
+                           quantize=quantize, verify=verify, replicas=replicas)
     raise typer.Exit(run_bench_command(options, as_json=as_json))
+
+
+def check_verification_options(verify: str | None, replicas: int, *, pin_cores: int | None) -> None:
+    """Refuse a `--verify` level the protocol does not know, fewer than one replica, and either with --pin-cores
+    (whose mesh serves no replicas), naming the option; warn on stderr when no check can find another replica."""
+    levels = get_args(VerifyLevel)
+    if verify is not None and verify not in levels:
+        raise typer.BadParameter(f"expected one of {', '.join(levels)}, got {verify!r}", param_hint="--verify")
+    if replicas < 1:
+        raise typer.BadParameter(f"expected at least 1 shard process per layer range, got {replicas}",
+                                 param_hint="--replicas")
+    if pin_cores is not None and (verify is not None or replicas != 1):
+        raise typer.BadParameter("not with --pin-cores", param_hint="--verify" if verify is not None else "--replicas")
+    if verify in ("all", "vote") and replicas < 1 + MIRRORS_PER_CHECK[verify]:
+        typer.echo(f"hearth bench: --verify {verify} with --replicas {replicas}: no other replica can check a hop, "
+                   "so every check counts `no_replica`", err=True)

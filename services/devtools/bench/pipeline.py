@@ -10,9 +10,11 @@ from services.devtools.bench.timing import GenerationTiming
 
 
 async def pipeline_generation(nc, model_ref: str, prompt: str, new_tokens: int, *,
-                              refusal_is_error: bool = True, **timeouts: float) -> GenerationTiming:
-    """One raw-prompt greedy request through the orchestrator, timed at the client; a call that does not
-    complete raises BenchError, or (`refusal_is_error` False) comes back with its `error_code`."""
+                              refusal_is_error: bool = True, verify: str | None = None,
+                              **timeouts: float) -> GenerationTiming:
+    """One raw-prompt greedy request through the orchestrator, timed at the client, asking for verification level
+    `verify` (None: asking none, the protocol's default applies); a call that does not complete raises BenchError,
+    or (`refusal_is_error` False) comes back with its `error_code`."""
     from services.client.chat import stream_chat_raw
     from protocol.chat import (
         ChatRequest,
@@ -24,7 +26,7 @@ async def pipeline_generation(nc, model_ref: str, prompt: str, new_tokens: int, 
     )
 
     request = ChatRequest(model=model_ref, prompt=prompt, max_tokens=new_tokens, temperature=0.0,
-                          params={"fallback_to_local": False})
+                          params={"fallback_to_local": False, **({"verify": verify} if verify else {})})
     timing = GenerationTiming()
     started = time.perf_counter()
     frames = stream_chat_raw(nc, request.model_dump_json(exclude_none=True).encode(), **timeouts)

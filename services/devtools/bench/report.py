@@ -162,6 +162,9 @@ class BenchReport(BaseModel):
     burst: BurstFigures | None = None
     shard_memory: list[ShardMemory] = []
     shard_imports_memory: ImportsMemory | None = None
+    # The orchestrator's verification checks during the measured pipeline rounds, per outcome
+    # (services/devtools/bench/verification_metrics.py); None with metrics off or in reports from before.
+    verification_checks: dict[str, int] | None = None
 
 
 def side_figures(runs: list[GenerationTiming]) -> Side:
@@ -182,6 +185,7 @@ def format_report(report: BenchReport) -> str:
                  f"{settings['layer_ranges']}; prompt "
                  f"{settings['prompt_tokens']} tokens, {settings['new_tokens']} new tokens, "
                  f"{settings['repeats']} rounds")
+    lines.append(verification_line(report))
     lines.append("")
     lines.append(f"{'':34s}{'decode tokens/s':>16s}{'ttft ms':>10s}")
     lines.append(f"{'generate(), same thread settings':34s}{report.monolithic.decode_tokens_per_s_median:16.2f}"
@@ -261,6 +265,17 @@ def format_report(report: BenchReport) -> str:
     for check in report.targets:
         lines.append(f"  [{'met' if check.met else 'MISSED'}] {check.target}: {check.measured}")
     return "\n".join(lines)
+
+
+def verification_line(report: BenchReport) -> str:
+    """The requests' verification level, the replicas per layer range and what the checks found."""
+    settings = report.settings
+    line = (f"verification {settings.get('verify', 'not recorded')}, {settings.get('replicas', 1)} replica(s) per "
+            "layer range")
+    if report.verification_checks is not None:
+        line += "; checks in the measured rounds: " + ", ".join(
+            f"{outcome} {count}" for outcome, count in report.verification_checks.items())
+    return line
 
 
 def shard_memory_lines(report: BenchReport) -> list[str]:

@@ -4,6 +4,7 @@ assembles the report (services/devtools/bench/__init__.py describes the whole me
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import platform
 import signal
@@ -19,9 +20,11 @@ from services.devtools.bench.defaults import (
     default_new_tokens,
     default_prompt_tokens,
     default_repeats,
+    default_replicas,
     default_sessions,
 )
 from services.devtools.bench.errors import BenchError
+from services.devtools.bench.mesh import BenchMesh, bench_cluster_env, start_bench_mesh, wait_mesh_ready
 from services.devtools.bench.monolithic import MonolithicWorker
 from services.devtools.bench.pipeline import pipeline_generation
 from services.devtools.bench.process_stats import shard_imports_memory
@@ -36,6 +39,7 @@ from services.devtools.bench.report import (
 )
 from services.devtools.bench.targets import target_checks
 from services.devtools.bench.timing import GenerationTiming, tokens_before_divergence
+from services.devtools.bench.verification_metrics import checks_between, scrape_verification_checks
 from services.devtools.bench.transport_metrics import (
     cache_event_counts,
     histogram_deltas,
@@ -44,6 +48,7 @@ from services.devtools.bench.transport_metrics import (
     transport_figures,
 )
 from services.devtools.local_cluster import LocalCluster, even_layer_ranges
+from protocol.chat import ChatParams
 from services.devtools.core_sharing import quiet_torch_environment
 from services.common.lifecycle import run_event_loop
 from services.devtools.demo import default_shards, resolve_demo_model
@@ -56,7 +61,6 @@ HopValue = TypeVar("HopValue")
 # Generous: this measures speed, not failover; a 1.1B prefill queued behind three others on two busy
 # cores can hold a hop for longer than the production default of 10 s.
 bench_step_timeout_s = 120.0
-cluster_ready_timeout_s = 600.0
 
 
 @dataclass
@@ -91,6 +95,15 @@ class BenchOptions:
     dtype: str | None = None
     # How shards, the orchestrator's head and generate()'s layers hold their weights (None: full precision).
     quantize: str | None = None
+    # The verification level every pipeline request asks for (None: none asked, the protocol's default applies).
+    verify: str | None = None
+    # Shard processes serving each layer range (the others check a hop's work on `verify`'s steps).
+    replicas: int = default_replicas
+
+    @property
+    def verify_level(self) -> str:
+        """The level the pipeline requests run at."""
+        return self.verify or ChatParams.model_fields["verify"].default
 
     def placement_args(self) -> list[str]:
         return [*(["--device", self.device] if self.device else []), *(["--dtype", self.dtype] if self.dtype else []),
@@ -126,14 +139,13 @@ class Bench:
         load_before = _load_average()
         max_streams = max(4, options.sessions)
         process_env = {**quiet_torch_environment(options.torch_threads), **options.child_env}
-        # The bench is one caller: it may run as many calls as the orchestrator.
-        env = {"HEARTH_RESEARCH__DISTRIBUTED_INFERENCE__MAX_CONCURRENT_PIPELINES": str(max_streams),
-               "HEARTH_ORCHESTRATOR__MAX_STREAMS_PER_CALLER": str(max_streams),
-               **({} if options.secure else {"HEARTH_TRANSPORT__ACTIVATION_MACS": "false"}), **options.child_env}
+        env = bench_cluster_env(max_streams, secure=options.secure, child_env=options.child_env)
         with LocalCluster(work_dir=options.work_dir, torch_threads=options.torch_threads, extra_env=env,
                           log_level="WARNING", secure=options.secure, metrics=options.metrics) as cluster:
             shard_env = cluster.shared_machine_shard_env(None, options.device)
-            metrics_urls, hop_of, pid_of = self._start(cluster, resolved, max_streams)
+            mesh = start_bench_mesh(cluster, resolved, shards=options.shards, replicas=options.replicas,
+                                    max_streams=max_streams, step_timeout_s=options.step_timeout_s,
+                                    placement_args=options.placement_args())
             monolithic_threads = options.monolithic_threads or options.torch_threads
             _progress(f"loading the whole model for generate() in a worker process ({resolved.path}) ...")
             worker = MonolithicWorker(resolved.path, process_env, monolithic_threads,
@@ -156,9 +168,8 @@ class Bench:
             try:
                 for each in workers:
                     each.wait_ready()
-                self._wait_ready(cluster)
-                report = run_event_loop(self._measure(cluster, resolved, worker, defaults_worker, metrics_urls, hop_of,
-                                                      pid_of))
+                wait_mesh_ready(cluster)
+                report = run_event_loop(self._measure(cluster, resolved, worker, defaults_worker, mesh))
             finally:
                 for signum, handler in previous_handlers.items():
                     signal.signal(signum, handler)
@@ -177,42 +188,15 @@ class Bench:
         report.targets = target_checks(report)
         return report
 
-    # -------------------------------------------------------------- set-up
-
-    def _start(self, cluster: LocalCluster, model,
-               max_streams: int) -> tuple[dict[str, str], dict[str, int], dict[str, int]]:
-        """Start NATS, the shards and the orchestrator; returns each shard's metrics URL, hop and process id."""
-        options = self.options
-        ranges = even_layer_ranges(model.num_layers, options.shards)
-        _progress(f"starting nats-server, {len(ranges)} shard hosts ({ranges}) and an orchestrator ...")
-        cluster.start_nats()
-        metrics_urls, hop_of, pid_of = {}, {}, {}
-        for index, (lo, hi) in enumerate(ranges):
-            node_id = f"bench-host-{index}"
-            process = cluster.start_shard(str(model.path), lo, hi, node_id=node_id, wait_ready=False,
-                                          extra_args=["--max-streams", str(max_streams),
-                                                      *options.placement_args()])
-            shard_id = f"{model.name}:{lo}-{hi}@{node_id}"
-            if process.metrics_url is not None:
-                metrics_urls[shard_id] = process.metrics_url
-            hop_of[shard_id] = index
-            pid_of[shard_id] = process.popen.pid
-        cluster.start_orchestrator(node_id="bench-orchestrator", wait_ready=False, extra_args=[
-            "--preload", str(model.path), "--step-timeout-s", str(options.step_timeout_s), *options.placement_args()])
-        return metrics_urls, hop_of, pid_of
-
-    def _wait_ready(self, cluster: LocalCluster) -> None:
-        for process in cluster.processes:
-            cluster.wait_ready(process, timeout_s=cluster_ready_timeout_s)
-        _progress("all processes ready")
-
     # -------------------------------------------------------------- measuring
 
     async def _measure(self, cluster, model, worker: MonolithicWorker, defaults_worker: MonolithicWorker | None,
-                       metrics_urls, hop_of, pid_of: dict[str, int]) -> BenchReport:
+                       mesh: BenchMesh) -> BenchReport:
         from services.broker.connection import connect_nats
 
         options = self.options
+        metrics_urls, hop_of, pid_of = mesh.metrics_urls, mesh.hop_of, mesh.pid_of
+        generation = functools.partial(pipeline_generation, verify=options.verify)
         model_ref = str(model.path)
         prompt, prompt_ids = await asyncio.to_thread(worker.prompt, options.prompt_tokens)
         nc = await connect_nats(cluster.nats_url, name="hearth-bench", settings=cluster.nats_settings())
@@ -221,8 +205,9 @@ class Bench:
             await asyncio.to_thread(worker.generate, prompt, options.new_tokens)
             if defaults_worker is not None:
                 await asyncio.to_thread(defaults_worker.generate, prompt, options.new_tokens)
-            await pipeline_generation(nc, model_ref, prompt, options.new_tokens)
+            await generation(nc, model_ref, prompt, options.new_tokens)
             before = await scrape_hosts(metrics_urls)
+            checks_before = await self._verification_checks(mesh)
             mono_runs, pipe_runs, defaults_runs = [], [], []
             sides = ["monolithic", "pipeline"] + (["library defaults"] if defaults_worker is not None else [])
             for round_index in range(options.repeats):
@@ -236,12 +221,13 @@ class Bench:
                         run = await asyncio.to_thread(defaults_worker.generate, prompt, options.new_tokens)
                         defaults_runs.append(run)
                     else:
-                        run = await pipeline_generation(nc, model_ref, prompt, options.new_tokens)
+                        run = await generation(nc, model_ref, prompt, options.new_tokens)
                         pipe_runs.append(run)
                     _progress(f"  round {round_index + 1}/{options.repeats} {which:16s}: "
                               f"{run.decode_tokens_per_s:7.2f} tokens/s, ttft {run.ttft_ms:7.1f} ms"
                               + (f", construct {run.construct_ms:.1f} ms" if run.construct_ms is not None else ""))
             after = await scrape_hosts(metrics_urls)
+            checks_after = await self._verification_checks(mesh)
             delta = histogram_deltas(after.histograms, before.histograms)
             concurrent = None
             if options.sessions > 1:
@@ -252,7 +238,7 @@ class Bench:
             if options.burst:
                 _progress(f"a burst of {options.burst} requests sent at once ...")
                 burst = await run_burst(nc, model_ref, prompt, options.burst, options.new_tokens,
-                                        pipe_runs[0].token_ids)
+                                        pipe_runs[0].token_ids, verify=options.verify)
             shard_memory = with_resident_memory(await shard_memory_figures(nc), pid_of)
             _progress("the resident memory of a shard's imports alone ...")
             imports = await asyncio.to_thread(shard_imports_memory)
@@ -273,7 +259,8 @@ class Bench:
                       "shards": options.shards, "layer_ranges": even_layer_ranges(model.num_layers, options.shards),
                       "prompt_tokens": len(prompt_ids), "new_tokens": options.new_tokens, "repeats": options.repeats,
                       "sessions": options.sessions, "process_torch_threads": options.torch_threads,
-                      "step_timeout_s": options.step_timeout_s, "metrics": options.metrics},
+                      "step_timeout_s": options.step_timeout_s, "metrics": options.metrics,
+                      "verify": options.verify_level, "replicas": options.replicas},
             monolithic=mono,
             pipeline=pipe,
             greedy_outputs_match=all(r.token_ids == mono_runs[0].token_ids
@@ -298,7 +285,16 @@ class Bench:
             shard_memory=shard_memory,
             shard_imports_memory=None if imports is None else ImportsMemory(
                 rss_mb=imports.rss_mb, rss_anonymous_mb=imports.anonymous_mb, rss_file_mb=imports.file_mb),
+            verification_checks=None if checks_before is None or checks_after is None
+            else checks_between(checks_after, checks_before),
         )
+
+    @staticmethod
+    async def _verification_checks(mesh: BenchMesh) -> dict[str, float] | None:
+        """The orchestrator's verification counter now (None with metrics off)."""
+        if mesh.orchestrator_metrics_url is None:
+            return None
+        return await asyncio.to_thread(scrape_verification_checks, mesh.orchestrator_metrics_url)
 
     async def _concurrent(self, nc, model_ref, worker: MonolithicWorker, metrics_urls, hop_of,
                           single_decode_tps: float, single_end_s: float) -> ConcurrentFigures:
@@ -311,7 +307,7 @@ class Bench:
 
         async def one(prompt: str) -> tuple[float, GenerationTiming]:
             sent = time.perf_counter() - started
-            return sent, await pipeline_generation(nc, model_ref, prompt, options.new_tokens)
+            return sent, await pipeline_generation(nc, model_ref, prompt, options.new_tokens, verify=options.verify)
 
         results = await asyncio.gather(*(one(prompt) for prompt in prompts))
         wall_s = time.perf_counter() - started
