@@ -37,6 +37,7 @@ from inference.activation_compare import (evidence_digest, first_mismatch, posit
                                           tolerance_for)
 from services.orchestrator.canaries import Canary
 from services.orchestrator.chain import HopChain
+from services.orchestrator.check_policy import MIRRORS_PER_LEVEL, sampled_check_due
 from services.orchestrator.guards import RangeKey
 from services.orchestrator.metrics import verification_checks_total
 from services.orchestrator.mirror import Mirror, open_mirror
@@ -45,9 +46,6 @@ from services.orchestrator.placement import ChainPlacement
 from services.orchestrator.recording import HopSpan
 
 log = logging.getLogger(__name__)
-
-# Other replicas that check each hop at a level: `vote` asks two (three replicas, majority).
-MIRRORS_PER_LEVEL = {"none": 0, "sampled": 1, "all": 1, "vote": 2}
 
 
 @dataclass
@@ -176,12 +174,11 @@ class CallVerifier:
         for index in range(len(self.chain.hops)):
             key = self._range_key(index)
             output = recorded.hop_output(index) if recorded is not None else None
-            if not self.ctx.guards.learned(key) and self._chain_steps == 1:
-                self._start_check(index, "first step")
-            elif output is not None and self.ctx.guards.suspect(key, output):
-                self._start_check(index, "guard")
-            elif self._chance.random() < self.settings.sample_rate:
-                self._start_check(index, "sampled")
+            why = sampled_check_due(first_step=self._chain_steps == 1, learned=self.ctx.guards.learned(key),
+                                    suspect=output is not None and self.ctx.guards.suspect(key, output),
+                                    draw=self._chance.random(), sample_rate=self.settings.sample_rate)
+            if why is not None:
+                self._start_check(index, why)
 
     async def verify_step(self) -> StepFailure | None:
         """Levels `all` and `vote`: check every hop up to the step just done, now; the refutation, if any."""
@@ -307,6 +304,8 @@ class CallVerifier:
             sides_with_hop = first_mismatch(position_errors(witnessed, span.outputs), tolerance) is None
             if sides_with_mirror and not sides_with_hop:
                 await self._quarantine(primary, [mirror.shard_id, witness.shard_id], evidence)
+                if witness not in hop.mirrors:  # the call leaves this chain: a fresh witness has no more to do
+                    await witness.close()
                 self._refute("refuted", primary, span.first_pos + bad,
                              f"its output at position {span.first_pos + bad} was refuted by {mirror.shard_id} and "
                              f"{witness.shard_id} (relative error {float(errors[bad]):.3g} > {tolerance:g}); "
@@ -315,10 +314,8 @@ class CallVerifier:
             if sides_with_hop and not sides_with_mirror:
                 await self._quarantine(mirror.shard_id, [primary, witness.shard_id], evidence)
                 await self._drop_mirror(hop, mirror)
-                if witness not in hop.mirrors and len(hop.mirrors) < self.mirrors_per_hop:
+                if witness not in hop.mirrors:  # a fresh witness takes the dropped mirror's place
                     hop.mirrors.append(witness)
-                else:
-                    await witness.close()
                 self._confirm(primary, span, index)
                 return
         await self._record(IntegrityMismatchDisputed(shard_ids=[primary, mirror.shard_id], **evidence))

@@ -25,7 +25,7 @@ from events.streams import PIPELINES_STREAM, SHARDS_STREAM
 from protocol.subjects import shard_control_subject
 from services.devtools.local_cluster import LocalCluster, ManagedProcess
 from services.client.chat import stream_chat
-from protocol.chat import ChatParams, ChatRequest, TokenDeltaFrame
+from protocol.chat import ChatParams, ChatRequest, TokenDeltaFrame, TokensWithdrawnFrame
 from protocol.control import ShardStat, StatShard
 from services.broker.connection import connect_nats
 from tests.e2e.conftest import TINY_MODEL_NAME, start_orchestrator
@@ -310,6 +310,23 @@ async def wait_for_event(nc: NatsClient, stream: str, predicate: Callable[[Store
     return await asyncio.wait_for(first_match(), timeout=timeout_s)
 
 
+def answer_tokens(frames: list) -> list[int]:
+    """The token ids of the answer as a client keeps them: withdrawn deltas dropped."""
+    tokens: list[int] = []
+    for frame in frames:
+        if isinstance(frame, TokenDeltaFrame):
+            tokens.append(frame.token_id)
+        elif isinstance(frame, TokensWithdrawnFrame):
+            del tokens[frame.kept_tokens:]
+    return tokens
+
+
+def hops_of(call: StreamedCall) -> list[str]:
+    """Every shard the call ran on: its first chain's and each failover's."""
+    pipeline = call.of_type("pipeline")[0]
+    return list(pipeline.hops) + [hop for frame in call.of_type("shard_failover") for hop in frame.replacement_hops]
+
+
 def scrape_metric(port: int, name: str, labels: dict[str, str]) -> float:
     """One sample from a process's /metrics (0.0 when absent)."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
@@ -335,8 +352,8 @@ def replay_pipeline(cluster: LocalCluster, pipeline_id: str) -> list[dict]:
 __all__ = [
     "ACT_AFTER_TOKENS", "HEALTH_TIMEOUT_S", "MAX_TOKENS", "PIPELINES_STREAM", "PREFERRED_WEIGHT", "PRIMARY_WEIGHT",
     "REPLICA_WEIGHT", "SHARDS_STREAM", "STEP_TIMEOUT_S", "FailoverMesh", "ShardHandle", "StreamedCall",
-    "chat_request", "failover_mesh", "pipeline_events", "read_events", "replay_pipeline", "scrape_metric",
-    "shard_stat",
+    "answer_tokens", "chat_request", "hops_of", "failover_mesh", "pipeline_events", "read_events", "replay_pipeline",
+    "scrape_metric", "shard_stat",
     "stream_with_action", "wait_for_event", "wait_for_pipeline_end", "wait_until_released",
 ]
 

@@ -11,14 +11,15 @@ import asyncio
 
 import pytest
 
-from protocol.chat import TokenDeltaFrame, TokensWithdrawnFrame
 from tests.e2e.conftest import THREE_SHARD_RANGES
 from tests.e2e.failover_support import (  # noqa: F401 (nc is a fixture)
     PIPELINES_STREAM,
     PREFERRED_WEIGHT,
     PRIMARY_WEIGHT,
+    answer_tokens,
     chat_request,
     failover_mesh,
+    hops_of,
     nc,
     run_reference_call,
     stream_with_action,
@@ -74,22 +75,6 @@ async def liar(mesh):
     yield start
     for handle in started:
         await asyncio.to_thread(mesh.stop_shard, handle)
-
-
-def answer_tokens(frames: list) -> list[int]:
-    """The token ids of the answer as a client keeps them: withdrawn deltas dropped."""
-    tokens: list[int] = []
-    for frame in frames:
-        if isinstance(frame, TokenDeltaFrame):
-            tokens.append(frame.token_id)
-        elif isinstance(frame, TokensWithdrawnFrame):
-            del tokens[frame.kept_tokens:]
-    return tokens
-
-
-def hops_of(call) -> list[str]:
-    pipeline = call.of_type("pipeline")[0]
-    return list(pipeline.hops) + [hop for frame in call.of_type("shard_failover") for hop in frame.replacement_hops]
 
 
 async def confirmed_against(nc, shard_id: str):

@@ -1,6 +1,7 @@
 """Canaries over real processes: work two hosts agreed on is replayed to a third host of the same layers, as a
 session it cannot tell from a call's hop; a host that answers it wrongly is quarantined with those two as
-witnesses, though it never served a call, and an honest one is counted as verified."""
+witnesses, though it never served a call, and an honest one is counted as verified. And where only two hosts
+serve some layers, a disagreement between them blames nobody."""
 
 from __future__ import annotations
 
@@ -11,11 +12,17 @@ import pytest
 from tests.e2e.conftest import THREE_SHARD_RANGES
 from tests.e2e.failover_support import (  # noqa: F401 (nc is a fixture)
     PIPELINES_STREAM,
+    PREFERRED_WEIGHT,
     PRIMARY_WEIGHT,
     REPLICA_WEIGHT,
+    answer_tokens,
+    chat_request,
     failover_mesh,
+    hops_of,
     nc,
+    read_events,
     run_reference_call,
+    stream_with_action,
     wait_for_event,
 )
 
@@ -56,3 +63,24 @@ async def test_a_host_that_never_served_a_call_is_caught_lying_by_a_canary(mesh,
     await mesh.wait_advertised(newcomer)
     await wait_for_event(nc, PIPELINES_STREAM, lambda item: item.event.type == "integrity.shards_verified"
                          and any(s.shard_id == newcomer.shard_id for s in item.event.shards), timeout_s=canary_wait_s)
+
+
+async def test_two_hosts_that_disagree_with_no_third_to_settle_it_blame_nobody(mesh, nc):
+    # Layers 0-1 have one honest host: a preferred liar there is checked against it, and nobody can say who lied.
+    reference = await asyncio.to_thread(run_reference_call, mesh.cluster)
+    lo, hi = THREE_SHARD_RANGES[0]
+    liar = await asyncio.to_thread(mesh.start_shard, "z", lo, hi, hop_weight=PREFERRED_WEIGHT, fault="scale=40")
+    try:
+        await mesh.wait_advertised(liar)
+        call = await stream_with_action(nc, chat_request())
+        assert call.final.type == "done", call.final
+        assert liar.shard_id in hops_of(call) and call.of_type("shard_failover")
+        assert answer_tokens(call.frames) == reference.token_ids
+        stored = await wait_for_event(nc, PIPELINES_STREAM, lambda item: item.event.type ==
+                                      "integrity.mismatch_disputed" and liar.shard_id in item.event.shard_ids,
+                                      timeout_s=canary_wait_s)
+        assert set(stored.event.shard_ids) == {liar.shard_id, mesh.shards["h0"].shard_id}
+        assert not any(item.event.type == "integrity.mismatch_confirmed" and item.event.shard_id == liar.shard_id
+                       for item in await read_events(nc, PIPELINES_STREAM)), "nobody is quarantined on one word"
+    finally:
+        await asyncio.to_thread(mesh.stop_shard, liar)
