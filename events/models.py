@@ -186,9 +186,9 @@ class IntegrityCorruptionDetected(_PipelineEvent):
     check: Literal["nan", "inf", "norm", "shape"]
 
 
-# How many shards one call's verification summary may name (every hop, its verifiers and tie-breakers).
-max_verified_shards = 3 * max_event_hops
-Sha256Hex = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+# How many shards one verification summary may name (a call checked on more sends several summaries).
+max_verified_shards = max_event_hops
+Sha256Hex = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$", max_length=64)]
 StepKind = Literal["prefill", "decode"]
 
 

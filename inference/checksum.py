@@ -39,13 +39,15 @@ def weights_sha256(checkpoint_path: str | Path, *, cache_dir: str | Path | None 
     whichever layers it loads. A GGUF file counts as one weight file named GGUF_DIGEST_NAME, so hosts holding
     the same file under different names agree. A folder holding only part of a checkpoint (a layer range
     fetched from the hub or the community's store) states the whole checkpoint's digest in its
-    PARTIAL_CHECKPOINT_MARKER. The result is cached under the folder's path together with each
-    file's size and mtime; a later call with unchanged files reads no weight bytes at all.
+    PARTIAL_CHECKPOINT_MARKER, as does the folder of a GGUF written from part of one (inference/gguf_parts.py).
+    The result is cached under the folder's path together with each file's size and mtime; a later call with
+    unchanged files reads no weight bytes at all.
     """
     folder = Path(checkpoint_path).expanduser().resolve()
-    if (folder / PARTIAL_CHECKPOINT_MARKER).is_file():
-        return _partial_digest(folder / PARTIAL_CHECKPOINT_MARKER)
     gguf = folder.suffix.lower() == GGUF_SUFFIX and folder.is_file()
+    marker = (folder.parent if gguf else folder) / PARTIAL_CHECKPOINT_MARKER
+    if marker.is_file():
+        return _partial_digest(marker)
     files = [folder] if gguf else sorted(folder.glob(WEIGHT_FILE_GLOB), key=lambda f: f.name)
     if not files:
         raise CheckpointError(f"{folder} has no {WEIGHT_FILE_GLOB} weight files")

@@ -261,6 +261,17 @@ def layer_tensor_shapes(path: Path) -> dict[int, list[tuple[int, ...]]]:
     return shapes
 
 
+def check_block_types(tensors: Iterable[tuple[str, str]], file_name: str) -> None:
+    """CheckpointError (one line) naming the first of `tensors` ((GGUF name, GGML type name)) stored in a block type
+    hearth does not read."""
+    for name, block_type in tensors:
+        if block_type not in SUPPORTED_GGUF_TYPE_NAMES:
+            raise CheckpointError(
+                f"tensor {name} of {file_name} is stored as {block_type}, a GGUF type hearth does not read (it "
+                f"reads {', '.join(SUPPORTED_GGUF_TYPE_NAMES)})"
+            )
+
+
 def _gguf_to_hf_names(model: nn.Module, architecture: str, num_layers: int) -> dict[str, str]:
     """GGUF tensor name -> HF name for every tensor of `model`, through the gguf package's name map (the mapping
     transformers' get_gguf_hf_weights_map applies, built once instead of once per submodule)."""
@@ -321,17 +332,11 @@ class GGUFCheckpoint:
         one float32 copy of one tensor at a time); a missing name or a storage type hearth does not read is a
         CheckpointError raised before any tensor is read."""
         names = list(names)
-        types = _gguf().GGMLQuantizationType
-        supported = {getattr(types, name) for name in SUPPORTED_GGUF_TYPE_NAMES}
         for name in names:
             if name not in self._tensor_of:
                 raise CheckpointError(f"tensor {name} is missing from the GGUF {self.path.name}")
-            stored = self._tensor_of[name]
-            if stored.block_type not in supported:
-                raise CheckpointError(
-                    f"tensor {stored.name} of {self.path.name} is stored as {stored.block_type.name}, a GGUF type "
-                    f"hearth does not read (it reads {', '.join(SUPPORTED_GGUF_TYPE_NAMES)})"
-                )
+        check_block_types(((self._tensor_of[name].name, self._tensor_of[name].block_type.name) for name in names),
+                          self.path.name)
         target_device = torch.device(device)
         tensors: dict[str, torch.Tensor] = {}
         for name in names:

@@ -10,6 +10,11 @@ shard hosts holding different ranges of one repository form one pipeline (infere
 Before downloading any weight, `hearth host` sizes its range from `hub_layout`: config.json, each tensor's dtype and
 shape read from the safetensors files' headers (ranged reads, huggingface_hub's parse_safetensors_file_metadata) and
 the digest from the listing.
+
+A repository holding no safetensors weights but one GGUF file is served from that file, as a folder holding one GGUF
+is: every host downloads it whole (resumable, with progress, checked against its listed SHA-256) and reads its range
+from it (inference/gguf_checkpoint.py); `hub_layout` sizes ranges from the downloaded file. A repository holding
+several GGUFs is refused, naming them, as such a folder is: which one to serve would be a guess.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .checkpoint_files import SAFETENSORS_INDEX_NAME
-from .checksum import digest_of_files, file_sha256
+from .checksum import GGUF_DIGEST_NAME, GGUF_SUFFIX, PARTIAL_CHECKPOINT_MARKER, digest_of_files, file_sha256
 from .errors import CheckpointError
 from .partial_checkpoint import (
     NON_WEIGHT_PATTERNS,
@@ -35,6 +40,8 @@ from .partial_checkpoint import (
 )
 
 HUB_PARTIAL_FOLDER = "hearth-partial"
+# Where a repository's GGUF is downloaded, per commit: the file and, once checked, the marker stating its digest.
+HUB_GGUF_FOLDER = "gguf"
 DEFAULT_REVISION = "main"
 # Read at each call (huggingface_hub reads it once, at import): a mirror or a test server may be named later.
 HUB_ENDPOINT_ENV = "HF_ENDPOINT"
@@ -61,7 +68,10 @@ def fetch_hub_selection(repo_id: str, needed: NeededTensors, *, revision: str | 
     root = hub_partial_root(repo_id, cache_dir)
     ref_file = root / "refs" / (revision or DEFAULT_REVISION)
     if ref_file.is_file():
-        cached = complete_partial_folder(root / ref_file.read_text().strip() / selection_name(needed))
+        commit_dir = root / ref_file.read_text().strip()
+        if (gguf := _complete_gguf(commit_dir)) is not None:
+            return gguf
+        cached = complete_partial_folder(commit_dir / selection_name(needed))
         if cached is not None:
             return cached
     if local_files_only:
@@ -110,6 +120,9 @@ def hub_layout(repo_id: str, *, revision: str | None = None, cache_dir: str | Pa
         raise CheckpointError(f"model {repo_id!r} is not in the local hub cache (and downloads are disabled)")
     try:
         api, commit, listing, weights = _repository(repo_id, revision)
+        if not weights:
+            root = hub_partial_root(repo_id, cache_dir)
+            return _gguf_layout(_download_gguf(repo_id, revision, commit, listing, root))
         config = json.loads(_downloader(repo_id, commit, hub_partial_root(repo_id, cache_dir))("config.json")
                             .read_text())
         tensors = [(name, info.dtype, list(info.shape))
@@ -133,8 +146,8 @@ def _repository(repo_id: str, revision: str | None):
     listing = {entry.path: entry for entry in api.list_repo_tree(repo_id, recursive=True, revision=commit)
                if isinstance(entry, RepoFile) and "/" not in entry.path}
     weights = {name: entry for name, entry in listing.items() if name.endswith(".safetensors")}
-    if not weights:
-        raise CheckpointError(f"model {repo_id!r} has no safetensors weights on the hub")
+    if not weights and not any(name.lower().endswith(GGUF_SUFFIX) for name in listing):
+        raise CheckpointError(f"model {repo_id!r} has no safetensors or GGUF weights on the hub")
     return api, commit, listing, weights
 
 
@@ -152,6 +165,8 @@ def _downloader(repo_id: str, commit: str, root: Path):
 
 def _download_selection(repo_id: str, needed: NeededTensors, revision: str | None, root: Path) -> Path:
     _, commit, listing, weights = _repository(repo_id, revision)
+    if not weights:
+        return _download_gguf(repo_id, revision, commit, listing, root)
     download = _downloader(repo_id, commit, root)
 
     weight_map = None
@@ -175,10 +190,59 @@ def _download_selection(repo_id: str, needed: NeededTensors, revision: str | Non
     digest = digest_of_files(_listed_hashes(weights, fetched))
     folder = assemble_partial_folder(root / commit / selection_name(needed), fetched, weight_map,
                                      weights_sha256=digest, source=f"hub:{repo_id}@{commit}")
+    _write_ref(root, revision, commit)
+    return folder
+
+
+def _write_ref(root: Path, revision: str | None, commit: str) -> None:
     ref_file = root / "refs" / (revision or DEFAULT_REVISION)
     ref_file.parent.mkdir(parents=True, exist_ok=True)
     ref_file.write_text(commit)
-    return folder
+
+
+def _complete_gguf(commit_dir: Path) -> Path | None:
+    """The GGUF downloaded and checked earlier for that commit, None when there is none."""
+    folder = commit_dir / HUB_GGUF_FOLDER
+    if complete_partial_folder(folder) is None:
+        return None
+    return next(iter(sorted(folder.glob(f"*{GGUF_SUFFIX}"))), None)
+
+
+def _download_gguf(repo_id: str, revision: str | None, commit: str, listing: dict, root: Path) -> Path:
+    """The repository's one GGUF file, downloaded (or resumed) whole and checked against its listed SHA-256, in a
+    folder whose marker states its digest (so no host hashes it again)."""
+    from huggingface_hub import hf_hub_download
+
+    if (done := _complete_gguf(root / commit)) is not None:
+        return done
+    found = sorted(name for name in listing if name.lower().endswith(GGUF_SUFFIX))
+    if len(found) > 1:
+        raise CheckpointError(f"model {repo_id!r} holds several GGUF files ({', '.join(found)}) and no safetensors "
+                              "weights: download the one to serve and pass that file as --model")
+    entry, folder = listing[found[0]], root / commit / HUB_GGUF_FOLDER
+    path = Path(hf_hub_download(repo_id, found[0], revision=commit, local_dir=folder,
+                                endpoint=os.environ.get(HUB_ENDPOINT_ENV) or None))
+    size, digest = path.stat().st_size, file_sha256(path)
+    if entry.lfs is not None and (entry.lfs.sha256, entry.lfs.size) != (digest, size):
+        path.unlink()
+        raise CheckpointError(f"model {repo_id!r}: {found[0]} does not match its listed SHA-256 (corrupted download "
+                              "or tampered mirror)")
+    marker = {"source": f"hub:{repo_id}@{commit}",
+              "weights_sha256": digest_of_files([(GGUF_DIGEST_NAME, size, digest)])}
+    (folder / PARTIAL_CHECKPOINT_MARKER).write_text(json.dumps(marker))
+    _write_ref(root, revision, commit)
+    return path
+
+
+def _gguf_layout(path: Path) -> HubLayout:
+    """The HubLayout of a downloaded GGUF: every tensor counts as read in the compute dtype, as the loader reads it
+    (inference/memory.py)."""
+    from .checksum import weights_sha256
+    from .gguf_checkpoint import gguf_config_dict, layer_tensor_shapes
+
+    tensors = [(f"layers.{layer}.{index}", "F32", list(shape))
+               for layer, shapes in layer_tensor_shapes(path).items() for index, shape in enumerate(shapes)]
+    return HubLayout(config=gguf_config_dict(path), tensors=tensors, weights_sha256=weights_sha256(path))
 
 
 def _listed_hashes(weights: dict, fetched: dict[str, Path]) -> list[tuple[str, int, str]]:

@@ -57,15 +57,16 @@ def _parse_part(part: str):
 @weights_app.command("publish")
 def publish_command(
     ctx: typer.Context,
-    path: Annotated[Path, typer.Argument(help="A safetensors checkpoint folder (config.json, *.safetensors); "
-                                             "GGUF files cannot be published yet.")],
+    path: Annotated[Path, typer.Argument(help="A safetensors checkpoint folder (config.json, *.safetensors), a "
+                                             "GGUF file, or a folder holding one GGUF.")],
     name: Annotated[str, typer.Option("--name", help="The name members load it by: --model store:NAME.")],
     nats_url: NatsUrlOption = None,
     creds: CredsOption = None,
     insecure: InsecureOption = False,
 ) -> None:
-    """Store a checkpoint per layer (plus head and tokenizer files and a manifest with each object's SHA-256). On
-    a community mesh only the steward's `system` key may write the store."""
+    """Store a checkpoint per layer (plus head and tokenizer files and a manifest with each object's SHA-256; a
+    GGUF keeps its block types, its metadata stored as one header object). On a community mesh only the steward's
+    `system` key may write the store."""
     from services.weights_store import WeightsStoreError, check_publishable, publish_checkpoint
 
     try:

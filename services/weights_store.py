@@ -3,10 +3,13 @@
 `hearth weights publish` stores a safetensors checkpoint in the bucket WEIGHTS_BUCKET under its name: one object per
 decoder layer (that layer's tensors as one safetensors blob, as stored), one for every tensor outside the layers
 (embedding, final norm, lm_head: the "head"), one per config/tokenizer/chat template file, and last a manifest
-listing each object with its size and SHA-256 plus the original checkpoint's weights_sha256. A model given as
-`store:NAME` is fetched into $HEARTH_CACHE_DIR/store/NAME (default ~/.cache/hearth): only the objects a layer range
-(or the head) needs, each checked against the manifest, then assembled into a folder the loader reads
-(inference/partial_checkpoint.py), which advertises the original checkpoint's digest.
+listing each object with its size and SHA-256 plus the original checkpoint's weights_sha256. A GGUF is stored the
+same way with its bytes kept (inference/gguf_parts.py): its header (metadata, tokenizer, tensor infos) as one object
+in place of the files, each layer's and the head's tensor data, in their block types, and the manifest's `gguf`
+section saying where each tensor lies. A model given as `store:NAME` is fetched into $HEARTH_CACHE_DIR/store/NAME
+(default ~/.cache/hearth): only the objects a layer range (or the head) needs, each checked against the manifest,
+then assembled into a folder the loader reads (inference/partial_checkpoint.py; for a GGUF, a GGUF holding only
+those tensors), which advertises the original checkpoint's digest.
 
 Who may do what (services/broker/permissions.py): on a community mesh only the `system` member (the steward)
 writes the bucket; shard hosts and orchestrators read it (look the stream up, get a message, read through an
@@ -26,9 +29,10 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
+from inference.checksum import GGUF_SUFFIX
+from inference.gguf_parts import StoredLayout
 from inference.partial_checkpoint import NON_WEIGHT_PATTERNS, NeededTensors, assemble_partial_folder, check_needed, \
     complete_partial_folder, hearth_cache_dir, layer_of, selection_name
-
 from services.broker.permissions import WEIGHTS_BUCKET
 
 log = logging.getLogger(__name__)
@@ -42,6 +46,11 @@ MAX_MODEL_NAME_CHARS = 64
 MODEL_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 HEAD_OBJECT = "head.safetensors"
 LAYER_OBJECT_FORMAT = "layer-{:05d}.safetensors"
+GGUF_HEADER_OBJECT = "gguf-header.bin"
+GGUF_HEAD_OBJECT = "head.gguf-data"
+GGUF_LAYER_OBJECT_FORMAT = "layer-{:05d}.gguf-data"
+# The manifest's format_version: 1 for safetensors, 2 for a GGUF (a host that predates it refuses the manifest).
+GGUF_FORMAT_VERSION = 2
 SHA256_PATTERN = r"^[0-9a-f]{64}$"
 # Object-store chunks (nats-py's default is 128 KiB): larger chunks mean fewer messages per layer.
 OBJECT_CHUNK_BYTES = 512 * 1024
@@ -58,7 +67,7 @@ class StoredObject(BaseModel):
     """One object of a stored checkpoint: a file to place in the loader's folder under `file`."""
 
     file: str = Field(max_length=200, pattern=r"^[A-Za-z0-9_.-]+$")
-    kind: Literal["file", "layer", "head"]
+    kind: Literal["file", "layer", "head", "gguf_header"]
     layer: int | None = Field(default=None, ge=0, le=100_000)
     size: int = Field(ge=0)
     sha256: str = Field(pattern=SHA256_PATTERN)
@@ -75,7 +84,7 @@ class TensorSpec(BaseModel):
 class WeightsManifest(BaseModel):
     """What a stored checkpoint is made of: the manifest object, the last one published."""
 
-    format_version: Literal[1] = 1
+    format_version: Literal[1, 2] = 1
     name: str = Field(max_length=MAX_MODEL_NAME_CHARS)
     num_layers: int = Field(ge=1, le=100_000)
     weights_sha256: str = Field(pattern=SHA256_PATTERN)
@@ -84,27 +93,32 @@ class WeightsManifest(BaseModel):
     weight_map: dict[str, str] = Field(max_length=1_000_000)
     # Tensor name -> its dtype and shape (empty in a manifest published before hosts sized ranges from it).
     tensors: dict[str, TensorSpec] = Field(default_factory=dict, max_length=1_000_000)
+    # How a GGUF's objects form it again (format_version 2; its tensors' dtypes above are GGML type names).
+    gguf: StoredLayout | None = None
 
     def needed_objects(self, needed: NeededTensors) -> list[StoredObject]:
         """The objects a layer range, the head (None: everything) needs, files always."""
         def wanted(stored: StoredObject) -> bool:
-            if stored.kind == "file" or needed is None:
+            if stored.kind in ("file", "gguf_header") or needed is None:
                 return True
             if needed == "head":
                 return stored.kind == "head"
             return stored.kind == "layer" and needed[0] <= stored.layer <= needed[1]
         return [stored for stored in self.objects if wanted(stored)]
 
-
     def layer_weight_bytes(self, compute_dtype, quantization) -> list[int]:
         """Bytes each decoder layer takes once loaded in `compute_dtype` under `quantization`
         (inference.memory.layer_weight_bytes_of), from the manifest alone."""
+        from inference.gguf_parts import gguf_layer_of
         from inference.memory import layer_weight_bytes_of
 
         if not self.tensors:
             raise WeightsStoreError(f"the manifest of {self.name!r} lists no tensor shapes: publish it again")
-        per_layer = layer_weight_bytes_of(((name, spec.dtype, spec.shape) for name, spec in self.tensors.items()),
-                                          compute_dtype, quantization)
+        specs = ((name, spec.dtype, spec.shape) for name, spec in self.tensors.items())
+        if self.gguf is not None:  # every GGUF tensor is read in the compute dtype (inference/memory.py)
+            specs = ((f"layers.{gguf_layer_of(name)}.{name}", "F32", spec.shape) for name, spec in self.tensors.items()
+                     if gguf_layer_of(name) is not None)
+        per_layer = layer_weight_bytes_of(specs, compute_dtype, quantization)
         return [per_layer.get(index, 0) for index in range(self.num_layers)]
 
 
@@ -171,6 +185,18 @@ def _layer_blobs(folder: Path):
         yield file, ("head" if layer is None else "layer"), layer, save(tensors), specs
 
 
+def _gguf_blobs(path: Path):
+    """(the manifest's gguf section, the number of layers, the objects as _layer_blobs gives them, the header first)
+    of the GGUF at `path` (inference/gguf_parts.py)."""
+    from inference.gguf_parts import stored_parts
+
+    layout, num_layers, parts = stored_parts(path, GGUF_HEADER_OBJECT, lambda layer: GGUF_HEAD_OBJECT
+                                             if layer is None else GGUF_LAYER_OBJECT_FORMAT.format(layer))
+    return layout, num_layers, ((file, kind, layer, data, {tensor: TensorSpec(dtype=dtype, shape=shape)
+                                                            for tensor, (dtype, shape) in specs.items()})
+                                for file, kind, layer, data, specs in parts)
+
+
 def _side_files(folder: Path) -> list[Path]:
     import fnmatch
 
@@ -180,33 +206,37 @@ def _side_files(folder: Path) -> list[Path]:
                   and any(fnmatch.fnmatch(file.name, pattern) for pattern in NON_WEIGHT_PATTERNS))
 
 
-def check_publishable(path: Path) -> None:
-    """WeightsStoreError (one line) unless `path` is a safetensors checkpoint folder: a GGUF would have to be
-    re-serialized per layer, which publishing does not do."""
-    from inference.gguf_checkpoint import GGUF_SUFFIX, is_gguf_file
+def check_publishable(path: Path) -> Path | None:
+    """The GGUF file `path` names (itself, or a folder's one GGUF), checked as the loader checks it, or None for a
+    safetensors checkpoint folder; WeightsStoreError (one line) for anything else."""
+    from inference.errors import CheckpointError
+    from inference.gguf_parts import publishable_gguf
 
-    if is_gguf_file(path) or (path.is_dir() and not any(path.glob("*.safetensors"))
-                              and any(path.glob(f"*{GGUF_SUFFIX}"))):
-        raise WeightsStoreError(f"{path} is a GGUF checkpoint: publish a safetensors folder; GGUF publishing is not "
-                                "supported yet")
-    if not (path / "config.json").is_file():
-        raise WeightsStoreError(f"{path} is not a checkpoint folder (no config.json)")
+    try:
+        gguf = publishable_gguf(path)
+    except CheckpointError as error:
+        raise WeightsStoreError(str(error)) from None
+    if gguf is None and not (path / "config.json").is_file():
+        raise WeightsStoreError(f"{path} is not a checkpoint folder (no config.json) nor a GGUF file")
+    return gguf
 
 
 async def publish_checkpoint(js, folder: Path, name: str) -> WeightsManifest:
-    """Store the safetensors checkpoint in `folder` as `name` (replacing what was there), one layer in memory at a
-    time; the manifest goes last, so a reader never sees a manifest naming objects not yet stored."""
+    """Store the checkpoint `folder` (a safetensors folder, a GGUF file or a folder holding one) as `name`
+    (replacing what was there), one layer in memory at a time; the manifest goes last, so a reader never sees a
+    manifest naming objects not yet stored."""
     from inference import read_config_dict, weights_sha256
     from inference.errors import CheckpointError
 
     check_model_name(name)
-    check_publishable(folder)
+    gguf = await asyncio.to_thread(check_publishable, folder)
     try:
-        num_layers = int(read_config_dict(folder)["num_hidden_layers"])
-        digest = await asyncio.to_thread(weights_sha256, folder)
-        layer_bytes = sum(file.stat().st_size for file in folder.glob("*.safetensors"))
+        stored_gguf, num_layers, blobs = (await asyncio.to_thread(_gguf_blobs, gguf) if gguf else (
+            None, int(read_config_dict(folder)["num_hidden_layers"]), _layer_blobs(folder)))
+        digest = await asyncio.to_thread(weights_sha256, gguf or folder)
+        layer_bytes = gguf.stat().st_size if gguf else sum(file.stat().st_size for file in folder.glob("*.safetensors"))
     except (CheckpointError, KeyError, ValueError, OSError) as error:
-        raise WeightsStoreError(f"{folder} is not a safetensors checkpoint hearth can publish: {error}") from None
+        raise WeightsStoreError(f"{folder} is not a checkpoint hearth can publish: {error}") from None
     store = await _bucket(js, create=True)
     objects: list[StoredObject] = []
     weight_map: dict[str, str] = {}
@@ -219,16 +249,16 @@ async def publish_checkpoint(js, folder: Path, name: str) -> WeightsManifest:
         bar.update(len(data))
 
     with _progress(layer_bytes, f"publishing {name}") as bar:
-        for side_file in _side_files(folder):
+        for side_file in [] if gguf else _side_files(folder):
             await put(side_file.name, "file", None, side_file.read_bytes())
-        blobs = _layer_blobs(folder)
         while (item := await asyncio.to_thread(next, blobs, None)) is not None:
             file, kind, layer, data, specs = item
             await put(file, kind, layer, data)
             weight_map.update(dict.fromkeys(specs, file))
             tensor_specs.update(specs)
-    manifest = WeightsManifest(name=name, num_layers=num_layers, weights_sha256=digest, objects=objects,
-                               weight_map=weight_map, tensors=tensor_specs)
+    manifest = WeightsManifest(format_version=GGUF_FORMAT_VERSION if gguf else 1, name=name, num_layers=num_layers,
+                               weights_sha256=digest, objects=objects, weight_map=weight_map, tensors=tensor_specs,
+                               gguf=stored_gguf)
     await store.put(object_key(name, MANIFEST_OBJECT), manifest.model_dump_json().encode())
     log.info("published %s: %d objects, weights %s", name, len(objects), digest[:12])
     return manifest
@@ -277,15 +307,17 @@ async def list_models(js) -> list[WeightsManifest]:
 
 
 async def fetch_stored_model(js, name: str, needed: NeededTensors, *, cache_dir: Path | None = None) -> Path:
-    """A loadable folder holding what `needed` asks for of stored model `name` ((lo, hi), "head" or None for all):
-    objects already cached and intact are kept, the others fetched and checked against the manifest's SHA-256."""
+    """A loadable folder (for a GGUF: the GGUF file, NAME.gguf) holding what `needed` asks for of stored model `name`
+    ((lo, hi), "head" or None for all): objects already cached and intact are kept, the others fetched and checked
+    against the manifest's SHA-256."""
     needed = check_needed(needed)
     manifest = await read_manifest(js, check_model_name(name))
     if isinstance(needed, tuple) and needed[1] >= manifest.num_layers:
         raise WeightsStoreError(f"{name!r} has {manifest.num_layers} layers: no layer {needed[1]}")
     root = (cache_dir or hearth_cache_dir()) / STORE_CACHE_FOLDER / name / manifest.weights_sha256[:16]
+    gguf_name = f"{name}{GGUF_SUFFIX}"
     if (done := complete_partial_folder(root / selection_name(needed))) is not None:
-        return done
+        return done / gguf_name if manifest.gguf else done
     objects_dir = root / "objects"
     objects_dir.mkdir(parents=True, exist_ok=True)
     wanted = manifest.needed_objects(needed)
@@ -295,10 +327,24 @@ async def fetch_stored_model(js, name: str, needed: NeededTensors, *, cache_dir:
         for stored in missing:
             await _fetch_object(store, name, stored, objects_dir)
             bar.update(stored.size)
+    if manifest.gguf is not None:
+        return await asyncio.to_thread(_write_gguf, manifest, root / selection_name(needed), gguf_name,
+                                       {stored.file: objects_dir / stored.file for stored in wanted})
     return await asyncio.to_thread(
         assemble_partial_folder, root / selection_name(needed),
         {stored.file: objects_dir / stored.file for stored in wanted}, manifest.weight_map,
         weights_sha256=manifest.weights_sha256, source=f"{STORE_MODEL_PREFIX}{name}")
+
+
+def _write_gguf(manifest: WeightsManifest, target: Path, gguf_name: str, files: dict[str, Path]) -> Path:
+    from inference.errors import CheckpointError
+    from inference.gguf_parts import write_gguf_folder
+
+    try:
+        return write_gguf_folder(target, gguf_name, GGUF_HEADER_OBJECT, manifest.gguf, files,
+                                 weights_sha256=manifest.weights_sha256, source=f"{STORE_MODEL_PREFIX}{manifest.name}")
+    except CheckpointError as error:
+        raise WeightsStoreError(f"{manifest.name!r}: {error}") from None
 
 
 def _intact(file: Path, stored: StoredObject) -> bool:

@@ -1,8 +1,12 @@
-"""Which checks a call's `verify` level makes: how many other replicas check each hop, and when a `sampled` call
-checks a hop (services/orchestrator/verification.py carries them out)."""
+"""Which checks a call's `verify` level makes: how many other replicas check each hop, when a `sampled` call checks a
+hop (services/orchestrator/verification.py carries them out), and what a check can come to (the outcomes of the
+checks counter, which a bench reads back; this module imports nothing heavy)."""
 
 from __future__ import annotations
 
+# The outcomes of hearth_verification_checks_total (services/orchestrator/metrics.py).
+CHECK_OUTCOMES = ("confirmed", "mismatch", "disputed", "no_replica", "canary_confirmed", "canary_mismatch")
+VERIFICATION_CHECKS_METRIC = "hearth_verification_checks_total"
 # Other replicas that check each hop at a level: `vote` asks two (three replicas, majority).
 MIRRORS_PER_LEVEL = {"none": 0, "sampled": 1, "all": 1, "vote": 2}
 

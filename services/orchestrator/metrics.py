@@ -25,6 +25,7 @@ from events.models import (
 )
 from protocol.chat import DoneFrame, ErrorCode, ErrorFrame, PipelineAbortedFrame
 from services.common.metrics import counter, gauge, histogram, metrics_observed
+from services.orchestrator.check_policy import CHECK_OUTCOMES, VERIFICATION_CHECKS_METRIC
 from services.orchestrator.outcomes import FailureKind
 from services.transport.notices import NOTICE_REFUSALS
 
@@ -74,9 +75,6 @@ head_batches_total = counter(
     "tokens were due together (continuous batching; a batch of one row counts too).")
 head_batch_rows_total = counter(
     "hearth_head_batch_rows_total", "Call head steps run in those batches (rows / batches: the mean batch size).")
-# The outcomes of hearth_verification_checks_total (a bench reads them back).
-CHECK_OUTCOMES = ("confirmed", "mismatch", "disputed", "no_replica", "canary_confirmed", "canary_mismatch")
-VERIFICATION_CHECKS_METRIC = "hearth_verification_checks_total"
 verification_checks_total = counter(
     VERIFICATION_CHECKS_METRIC,
     "Checks of a hop's work on other replicas, by outcome: `confirmed` (per shard confirmed), `mismatch` (a shard "

@@ -109,11 +109,8 @@ class PipelineRun:
             self._in_decode_loop.close()
 
     async def close(self) -> None:
-        """Free every hop's session and record what the call's checks confirmed (called whatever way it ended)."""
+        """Free every hop's session (called whatever way the call ended)."""
         await self._close_chain()
-        summary = self.verifier.summary()
-        if summary is not None:
-            await self._record(summary)
 
     async def _close_chain(self) -> None:
         await self.verifier.detach()
@@ -344,6 +341,11 @@ class PipelineRun:
                 await self.chain.keep_alive()
             await self.verifier.keep_alive()
 
+    async def _record_checks(self) -> None:
+        """What the call's checks confirmed, recorded before its final event (which stays the pipeline's last)."""
+        for summary in self.verifier.summaries():
+            await self._record(summary)
+
     async def _record(self, event) -> None:
         observe_event(event)
         await self.ctx.outbox.record(event)
@@ -359,6 +361,7 @@ class PipelineRun:
                           construct_ms=call.construct_ms, failovers=call.failovers,
                           queue_wait_ms=call.queue_wait_ms()),
         ))
+        await self._record_checks()
         await self._record(PipelineCompleted(
             node_id=self.ctx.node_id, pipeline_id=call.pipeline_id, prompt_tokens=len(call.prompt_ids),
             completion_tokens=call.completion_tokens, duration_ms=duration_ms,
@@ -366,6 +369,7 @@ class PipelineRun:
         self._enter(CallStatus.finished)
 
     async def _abort(self, code: str, reason: str) -> None:
+        await self._record_checks()
         await self._record(PipelineAborted(node_id=self.ctx.node_id, pipeline_id=self.call.pipeline_id, code=code,
                                            reason=reason))
         await self.call.client.send(PipelineAbortedFrame(seq=0, code=code, reason=reason))
@@ -374,5 +378,6 @@ class PipelineRun:
     async def _end_client_gone(self) -> None:
         """The run was cancelled because nobody reads its frames any more: record how it ended."""
         self._enter(CallStatus.client_gone)
+        await self._record_checks()
         await self._record(PipelineAborted(node_id=self.ctx.node_id, pipeline_id=self.call.pipeline_id,
                                            code=CLIENT_GONE, reason="the client stopped listening"))

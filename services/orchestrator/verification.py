@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from events.models import (IntegrityMismatchConfirmed, IntegrityMismatchDisputed, IntegrityShardsVerified,
-                           ShardVerification)
+                           ShardVerification, max_verified_shards)
 from inference.activation_compare import (evidence_digest, first_mismatch, position_errors, reportable_error,
                                           tolerance_for)
 from services.orchestrator.canaries import Canary
@@ -197,14 +197,15 @@ class CallVerifier:
                             "there", self.call.pipeline_id, len(pending), self.settings.settle_timeout_s)
         return self.refuted()
 
-    def summary(self) -> IntegrityShardsVerified | None:
-        """The call's checks that found nothing wrong, per shard (one event per call), or None."""
+    def summaries(self) -> list[IntegrityShardsVerified]:
+        """The call's checks that found nothing wrong, per shard: one event per call (more only past the most
+        shards one event may name)."""
         shards = [ShardVerification(shard_id=shard_id, checks=tally.checks,
                                     verified_positions=tally.verified_positions)
                   for shard_id, tally in self._tally.items() if tally.checks]
-        if not shards:
-            return None
-        return IntegrityShardsVerified(node_id=self.ctx.node_id, pipeline_id=self.call.pipeline_id, shards=shards)
+        return [IntegrityShardsVerified(node_id=self.ctx.node_id, pipeline_id=self.call.pipeline_id,
+                                        shards=shards[start:start + max_verified_shards])
+                for start in range(0, len(shards), max_verified_shards)]
 
     # ------------------------------------------------------------------ checks
 

@@ -24,8 +24,8 @@ from events.consume import StoredEvent, read_stream
 from events.streams import PIPELINES_STREAM, SHARDS_STREAM
 from protocol.subjects import shard_control_subject
 from services.devtools.local_cluster import LocalCluster, ManagedProcess
-from services.client.chat import stream_chat
-from protocol.chat import ChatParams, ChatRequest, TokenDeltaFrame, TokensWithdrawnFrame
+from services.client.chat import answer_tokens, stream_chat
+from protocol.chat import ChatParams, ChatRequest, TokenDeltaFrame
 from protocol.control import ShardStat, StatShard
 from services.broker.connection import connect_nats
 from tests.e2e.conftest import TINY_MODEL_NAME, start_orchestrator
@@ -141,6 +141,32 @@ class FailoverMesh:
                 raise AssertionError(f"{table} row of {shard_id} is still {row} after {timeout_s} s")
             await asyncio.sleep(0.05)
 
+    def serve(self, shards: list[tuple[str, int, int, float]], *, local_model: bool = False) -> "FailoverMesh":
+        """Start `shards` ((node, lo, hi, hop weight) each) and an orchestrator routing with them all."""
+        for node_id, lo, hi, weight in shards:
+            self.start_shard(node_id, lo, hi, hop_weight=weight, wait_ready=False)
+        self.start_orchestrator(local_model=local_model)
+        self.cluster.wait_all_ready()
+        self.wait_all_advertised()
+        return self
+
+    @contextlib.asynccontextmanager
+    async def extra_shards(self):
+        """start(node_id, lo, hi, hop_weight, fault=None): a shard started and advertised, stopped on leaving."""
+        started: list[ShardHandle] = []
+
+        async def start(node_id: str, lo: int, hi: int, hop_weight: float, fault: str | None = None) -> ShardHandle:
+            handle = await asyncio.to_thread(self.start_shard, node_id, lo, hi, hop_weight=hop_weight, fault=fault)
+            started.append(handle)
+            await self.wait_advertised(handle)
+            return handle
+
+        try:
+            yield start
+        finally:
+            for handle in started:
+                await asyncio.to_thread(self.stop_shard, handle)
+
     def wait_all_advertised(self, timeout_s: float = event_wait_timeout_s) -> None:
         """Block until the orchestrator routes with every started shard (for module fixtures, before any call)."""
         deadline = time.monotonic() + timeout_s
@@ -208,6 +234,16 @@ class StreamedCall:
     @property
     def first_hops(self) -> list[str]:
         return self.of_type("pipeline")[0].hops
+
+    @property
+    def hops(self) -> list[str]:
+        """Every shard the call ran on: its first chain's and each failover's."""
+        return [*self.first_hops, *(hop for frame in self.of_type("shard_failover") for hop in frame.replacement_hops)]
+
+    @property
+    def answer_token_ids(self) -> list[int]:
+        """The answer's tokens as a client keeps them (withdrawn ones dropped)."""
+        return answer_tokens(self.frames).token_ids
 
     def longest_token_gap_s(self) -> float:
         """The longest wait between two consecutive token_delta frames: the pause a failover costs."""
@@ -310,23 +346,6 @@ async def wait_for_event(nc: NatsClient, stream: str, predicate: Callable[[Store
     return await asyncio.wait_for(first_match(), timeout=timeout_s)
 
 
-def answer_tokens(frames: list) -> list[int]:
-    """The token ids of the answer as a client keeps them: withdrawn deltas dropped."""
-    tokens: list[int] = []
-    for frame in frames:
-        if isinstance(frame, TokenDeltaFrame):
-            tokens.append(frame.token_id)
-        elif isinstance(frame, TokensWithdrawnFrame):
-            del tokens[frame.kept_tokens:]
-    return tokens
-
-
-def hops_of(call: StreamedCall) -> list[str]:
-    """Every shard the call ran on: its first chain's and each failover's."""
-    pipeline = call.of_type("pipeline")[0]
-    return list(pipeline.hops) + [hop for frame in call.of_type("shard_failover") for hop in frame.replacement_hops]
-
-
 def scrape_metric(port: int, name: str, labels: dict[str, str]) -> float:
     """One sample from a process's /metrics (0.0 when absent)."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
@@ -352,7 +371,7 @@ def replay_pipeline(cluster: LocalCluster, pipeline_id: str) -> list[dict]:
 __all__ = [
     "ACT_AFTER_TOKENS", "HEALTH_TIMEOUT_S", "MAX_TOKENS", "PIPELINES_STREAM", "PREFERRED_WEIGHT", "PRIMARY_WEIGHT",
     "REPLICA_WEIGHT", "SHARDS_STREAM", "STEP_TIMEOUT_S", "FailoverMesh", "ShardHandle", "StreamedCall",
-    "answer_tokens", "chat_request", "hops_of", "failover_mesh", "pipeline_events", "read_events", "replay_pipeline",
+    "chat_request", "failover_mesh", "pipeline_events", "read_events", "replay_pipeline",
     "scrape_metric", "shard_stat",
     "stream_with_action", "wait_for_event", "wait_for_pipeline_end", "wait_until_released",
 ]

@@ -7,8 +7,6 @@ router (hop_weight 0.5), and stops it at the end."""
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 
 from tests.e2e.conftest import THREE_SHARD_RANGES
@@ -16,10 +14,8 @@ from tests.e2e.failover_support import (  # noqa: F401 (nc is a fixture)
     PIPELINES_STREAM,
     PREFERRED_WEIGHT,
     PRIMARY_WEIGHT,
-    answer_tokens,
     chat_request,
     failover_mesh,
-    hops_of,
     nc,
     run_reference_call,
     stream_with_action,
@@ -41,16 +37,11 @@ MESH_ENV = {"HEARTH_VERIFICATION__GUARD_MIN_POSITIONS": "4", "HEARTH_VERIFICATIO
 
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory, tiny_models_dir):
+    checked_lo, checked_hi = THREE_SHARD_RANGES[CHECKED_HOP]
+    shards = [(f"h{index}", lo, hi, HONEST_CHECKED_WEIGHT if index == CHECKED_HOP else PRIMARY_WEIGHT)
+              for index, (lo, hi) in enumerate(THREE_SHARD_RANGES)]
     with failover_mesh(tmp_path_factory, tiny_models_dir, "lying-shards", extra_env=MESH_ENV) as mesh:
-        for index, (lo, hi) in enumerate(THREE_SHARD_RANGES):
-            weight = HONEST_CHECKED_WEIGHT if index == CHECKED_HOP else PRIMARY_WEIGHT
-            mesh.start_shard(f"h{index}", lo, hi, hop_weight=weight, wait_ready=False)
-        lo, hi = THREE_SHARD_RANGES[CHECKED_HOP]
-        mesh.start_shard("r1", lo, hi, hop_weight=HONEST_CHECKED_WEIGHT, wait_ready=False)
-        mesh.start_orchestrator(local_model=False)
-        mesh.cluster.wait_all_ready()
-        mesh.wait_all_advertised()
-        yield mesh
+        yield mesh.serve([*shards, ("r1", checked_lo, checked_hi, HONEST_CHECKED_WEIGHT)])
 
 
 @pytest.fixture(scope="module")
@@ -63,18 +54,9 @@ def reference(mesh):
 @pytest.fixture
 async def liar(mesh):
     """start(node_id, fault, hop_weight): a shard over the checked hop's layers that lies; stopped after."""
-    started = []
-
-    async def start(node_id: str, fault: str, hop_weight: float = PREFERRED_WEIGHT):
-        lo, hi = THREE_SHARD_RANGES[CHECKED_HOP]
-        handle = await asyncio.to_thread(mesh.start_shard, node_id, lo, hi, hop_weight=hop_weight, fault=fault)
-        started.append(handle)
-        await mesh.wait_advertised(handle)
-        return handle
-
-    yield start
-    for handle in started:
-        await asyncio.to_thread(mesh.stop_shard, handle)
+    lo, hi = THREE_SHARD_RANGES[CHECKED_HOP]
+    async with mesh.extra_shards() as start:
+        yield lambda node_id, fault, hop_weight=PREFERRED_WEIGHT: start(node_id, lo, hi, hop_weight, fault)
 
 
 async def confirmed_against(nc, shard_id: str):
@@ -87,8 +69,8 @@ async def test_a_host_lying_from_its_first_step_is_quarantined_and_the_answer_st
     x = await liar("x40", "scale=40")
     call = await stream_with_action(nc, chat_request())
     assert call.final.type == "done", call.final
-    assert x.shard_id in hops_of(call), "the router was to pick the preferred liar first"
-    assert answer_tokens(call.frames) == reference.token_ids
+    assert x.shard_id in call.hops, "the router was to pick the preferred liar first"
+    assert call.answer_token_ids == reference.token_ids
     assert call.of_type("shard_failover"), "the refuted call fails over around the liar"
     stored = await confirmed_against(nc, x.shard_id)
     evidence = stored.event
@@ -96,16 +78,16 @@ async def test_a_host_lying_from_its_first_step_is_quarantined_and_the_answer_st
     assert evidence.relative_error > evidence.tolerance
     # Quarantined: the next call never goes near it.
     again = await stream_with_action(nc, chat_request())
-    assert again.final.type == "done" and x.shard_id not in hops_of(again)
-    assert answer_tokens(again.frames) == reference.token_ids
+    assert again.final.type == "done" and x.shard_id not in again.hops
+    assert again.answer_token_ids == reference.token_ids
 
 
 async def test_a_host_honest_for_a_while_then_lying_is_caught_by_the_learned_guard(mesh, reference, nc, liar):
     x = await liar("late-liar", "after_steps=6,scale=40")
     call = await stream_with_action(nc, chat_request())
     assert call.final.type == "done", call.final
-    assert x.shard_id in hops_of(call)
-    assert answer_tokens(call.frames) == reference.token_ids
+    assert x.shard_id in call.hops
+    assert call.answer_token_ids == reference.token_ids
     await confirmed_against(nc, x.shard_id)
 
 
@@ -116,7 +98,7 @@ async def test_a_lying_verifier_is_the_one_quarantined(mesh, reference, nc, liar
     for _ in range(8):
         call = await stream_with_action(nc, chat_request())
         assert call.final.type == "done", call.final
-        assert answer_tokens(call.frames) == reference.token_ids
+        assert call.answer_token_ids == reference.token_ids
         assert not call.of_type("tokens_withdrawn"), "an honest primary's tokens are never withdrawn"
     stored = await confirmed_against(nc, x.shard_id)
     assert set(stored.event.witnesses) == {mesh.shards["h1"].shard_id, mesh.shards["r1"].shard_id}
@@ -129,7 +111,7 @@ async def test_checking_every_step_fails_over_before_a_lie_reaches_the_answer(me
     request = request.model_copy(update={"params": request.params.model_copy(update={"verify": level})})
     call = await stream_with_action(nc, request)
     assert call.final.type == "done", call.final
-    assert x.shard_id in hops_of(call) and call.of_type("shard_failover")
+    assert x.shard_id in call.hops and call.of_type("shard_failover")
     assert not call.of_type("tokens_withdrawn"), "no token of a refuted step was ever sent"
     assert call.token_ids == reference.token_ids
     stored = await confirmed_against(nc, x.shard_id)
@@ -141,8 +123,8 @@ async def test_a_host_lying_on_one_step_in_a_hundred_is_quarantined_within_twent
     for calls in range(1, 21):
         call = await stream_with_action(nc, chat_request())
         assert call.final.type == "done", call.final
-        assert answer_tokens(call.frames) == reference.token_ids, f"call {calls}"
-        if x.shard_id not in hops_of(call):
+        assert call.answer_token_ids == reference.token_ids, f"call {calls}"
+        if x.shard_id not in call.hops:
             break  # quarantined by an earlier call's check: routed around since
     await confirmed_against(nc, x.shard_id)
 
@@ -155,7 +137,7 @@ async def test_subtle_lies_are_caught_by_checking_every_step(mesh, reference, nc
     request = request.model_copy(update={"params": request.params.model_copy(update={"verify": "all"})})
     call = await stream_with_action(nc, request)
     assert call.final.type == "done", call.final
-    assert x.shard_id in hops_of(call) and call.token_ids == reference.token_ids
+    assert x.shard_id in call.hops and call.token_ids == reference.token_ids
     await confirmed_against(nc, x.shard_id)
 
 
@@ -164,5 +146,5 @@ async def test_a_liar_sparing_what_looks_like_a_check_is_caught_all_the_same(mes
     x = await liar("dodger", "spare_single_hop,scale=40")
     call = await stream_with_action(nc, chat_request())
     assert call.final.type == "done", call.final
-    assert answer_tokens(call.frames) == reference.token_ids
+    assert call.answer_token_ids == reference.token_ids
     await confirmed_against(nc, x.shard_id)

@@ -16,7 +16,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from protocol.chat import ChatRequest
+from protocol.chat import ChatParams, ChatRequest
 from tests.e2e.conftest import THREE_SHARD_RANGES, TINY_MODEL_NAME
 from tests.e2e.failover_support import (  # noqa: F401 (nc is a fixture)
     PRIMARY_WEIGHT,
@@ -65,7 +65,9 @@ def expected(tiny_models_dir) -> dict[str, list[int]]:
 
 
 def request(prompt: str, max_tokens: int = NEW_TOKENS) -> ChatRequest:
-    return ChatRequest(model=TINY_MODEL_NAME, prompt=prompt, max_tokens=max_tokens, temperature=0.0)
+    # Unchecked: a check's mirror would run its own prefill steps on a replica, and this counts the calls' own.
+    return ChatRequest(model=TINY_MODEL_NAME, prompt=prompt, max_tokens=max_tokens, temperature=0.0,
+                       params=ChatParams(verify="none"))
 
 
 def seeded_request() -> ChatRequest:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from services.devtools.bench.report import BenchReport
-from services.orchestrator.metrics import CHECK_OUTCOMES
+from services.orchestrator.check_policy import CHECK_OUTCOMES
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 NEW_TOKENS = 4

@@ -1,6 +1,7 @@
 """`store:NAME` models where they are used, against a real nats-server: `hearth host` sizes its range from the
 manifest alone, the orchestrator's catalog fetches only the head (the whole model for its local fallback) and
-serves it under NAME, a shard loads only its range's objects, and a GGUF is refused at publishing."""
+serves it under NAME, a shard loads only its range's objects, and an unreadable GGUF is refused at publishing (GGUFs
+that load: tests/integration/test_weights_store_gguf.py)."""
 
 from __future__ import annotations
 
@@ -102,8 +103,8 @@ async def test_a_store_model_the_store_lacks_is_an_unknown_model(published, js):
         await catalog.get("store:../etc")
 
 
-def test_a_gguf_is_refused_at_publishing_with_one_line(tmp_path):
+def test_an_unreadable_gguf_is_refused_at_publishing_with_one_line(tmp_path):
     (tmp_path / "model.gguf").write_bytes(b"GGUF")
     for path in (tmp_path / "model.gguf", tmp_path):
-        with pytest.raises(WeightsStoreError, match="GGUF publishing is not supported yet"):
+        with pytest.raises(WeightsStoreError, match="model.gguf is not a readable GGUF file"):
             check_publishable(path)

@@ -44,7 +44,7 @@ def _listing_entry(file: Path) -> dict:
     data = file.read_bytes()
     entry = {"type": "file", "path": file.name, "size": len(data),
              "oid": hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()}
-    if file.suffix == ".safetensors":
+    if file.suffix in (".safetensors", ".gguf"):  # the hub stores both through LFS
         entry["lfs"] = {"oid": hashlib.sha256(data).hexdigest(), "size": len(data), "pointerSize": 134}
     return entry
 

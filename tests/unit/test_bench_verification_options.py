@@ -81,7 +81,8 @@ def test_the_report_says_the_level_the_replicas_and_what_the_checks_found():
 def test_the_bench_reads_the_counter_the_orchestrator_exposes():
     from prometheus_client import REGISTRY, generate_latest
 
-    from services.orchestrator.metrics import CHECK_OUTCOMES, verification_checks_total
+    from services.orchestrator.check_policy import CHECK_OUTCOMES
+    from services.orchestrator.metrics import verification_checks_total
 
     assert CHECKS_SAMPLE == verification_checks_total.describe()[0].name + "_total"
     before = parse_verification_checks(generate_latest(REGISTRY).decode())

@@ -73,12 +73,18 @@ def largest(event_class: type[BaseModel]) -> BaseModel:
             continue
         limit = next((bound.max_length for bound in field.metadata if hasattr(bound, "max_length")), None)
         annotation = field.annotation
+        if name == "evidence_sha256":
+            values[name] = "0" * limit  # a digest: hex digits only
+            continue
         if name == "pipeline_id":
             values[name] = "p" * 128
         elif name == "event_id":
             values[name] = "e" * 64
         elif typing.get_origin(annotation) is list:
-            values[name] = [worst_char * max_shard_id_chars] * max_event_hops
+            item, = typing.get_args(annotation)
+            items = limit or max_event_hops
+            values[name] = ([largest(item)] * items if isinstance(item, type) and issubclass(item, BaseModel)
+                            else [worst_char * max_shard_id_chars] * items)
         elif annotation is str:
             values[name] = worst_char * (limit or max_id_chars)
         elif typing.get_origin(annotation) is typing.Literal:

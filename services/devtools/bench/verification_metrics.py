@@ -7,7 +7,7 @@ import urllib.request
 
 from services.devtools.bench.transport_metrics import metrics_scrape_timeout_s
 
-from services.orchestrator.metrics import CHECK_OUTCOMES, VERIFICATION_CHECKS_METRIC
+from services.orchestrator.check_policy import CHECK_OUTCOMES, VERIFICATION_CHECKS_METRIC
 from services.orchestrator.check_policy import MIRRORS_PER_LEVEL as MIRRORS_PER_CHECK  # noqa: F401 (re-exported)
 
 # The counter's samples as /metrics names them.

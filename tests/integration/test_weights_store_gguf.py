@@ -1,0 +1,143 @@
+"""A GGUF in the community's object store, against a real nats-server: published per layer with its bytes and block
+types kept, a shard host fetching only its layers' objects (and the orchestrator only the head's) and loading what
+the file itself holds, hosts loading the store and hosts loading the file advertising one weights_sha256."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType, GGUFReader
+
+from inference import load_head, load_layer_range, weights_sha256
+from inference.memory import layer_weight_bytes
+from inference.quantization import parse_quantization
+from services.cli_options import EXIT_BAD_INPUT
+from services.common.config import HearthSettings, NatsSettings
+from services.host.model_layout import model_layout
+from services.orchestrator.catalog import ModelCatalog
+from services.shard.main import load_shard
+from services.weights_store import (
+    GGUF_HEAD_OBJECT,
+    GGUF_HEADER_OBJECT,
+    GGUF_LAYER_OBJECT_FORMAT,
+    WEIGHTS_BUCKET,
+    WeightsStoreError,
+    fetch_stored_model,
+    object_key,
+    publish_checkpoint,
+)
+from tests.integration.test_weights_store import js  # noqa: F401  (a fixture)
+from tests.runner_limits import RUNNER_KV_LIMITS
+from tests.unit.gguf_files import write_tiny_gguf
+from tests.unit.inference_tiny_models import TINY_NUM_LAYERS, one_torch_thread  # noqa: F401  (fixture)
+
+NAME = "tiny-gguf"
+
+
+@pytest.fixture
+async def published(js, tmp_path, monkeypatch):
+    """A tiny Q8_0 llama GGUF published as NAME; (the file, its manifest)."""
+    monkeypatch.setenv("HEARTH_CACHE_DIR", str(tmp_path / "cache"))
+    (tmp_path / "model").mkdir()
+    path, _ = write_tiny_gguf(tmp_path / "model", "llama", GGMLQuantizationType.Q8_0)
+    return path, await publish_checkpoint(js, path, NAME)
+
+
+def _fetched(tmp_path) -> set[str]:
+    return {file.name for file in (tmp_path / "cache" / "store" / NAME).glob("*/objects/*")
+            if not file.name.startswith(".")}
+
+
+def _same_parameters(first, second) -> bool:
+    left, right = dict(first.named_parameters()), dict(second.named_parameters())
+    return left.keys() == right.keys() and all(torch.equal(left[name], right[name]) for name in left)
+
+
+async def test_a_shard_fetches_only_its_layers_and_loads_what_the_gguf_holds(js, published, tmp_path):
+    original, manifest = published
+    assert manifest.format_version == 2 and manifest.num_layers == TINY_NUM_LAYERS
+    assert manifest.weights_sha256 == weights_sha256(original, cache_dir=tmp_path / "sums")
+
+    part = await fetch_stored_model(js, NAME, (2, 3))
+    assert _fetched(tmp_path) == {GGUF_HEADER_OBJECT, GGUF_LAYER_OBJECT_FORMAT.format(2),
+                                  GGUF_LAYER_OBJECT_FORMAT.format(3)}
+    assert part.name == f"{NAME}.gguf"
+    held = GGUFReader(part).tensors
+    assert {tensor.name.split(".")[1] for tensor in held} == {"2", "3"}
+    assert {tensor.tensor_type for tensor in held if len(tensor.shape) == 2} == {GGMLQuantizationType.Q8_0}
+    assert _same_parameters(load_layer_range(part, 2, 3, **RUNNER_KV_LIMITS),
+                            load_layer_range(original, 2, 3, **RUNNER_KV_LIMITS))
+    assert weights_sha256(part, cache_dir=tmp_path / "s2") == manifest.weights_sha256
+    assert await fetch_stored_model(js, NAME, (2, 3)) == part  # a second start reuses it
+
+
+async def test_a_host_loading_the_store_and_one_loading_the_file_advertise_one_digest(published, nats_url):
+    original, _ = published
+    common = dict(node="n1", settings=HearthSettings(nats=NatsSettings(url=nats_url)), model_id=None, device="cpu",
+                  dtype="fp32", stop_event=asyncio.Event(), nats_url=nats_url)
+    from_store = await load_shard(model=f"store:{NAME}", lo=0, hi=1, **common)
+    from_file = await load_shard(model=str(original), lo=2, hi=5, **common)
+    try:
+        assert from_store.identity.weights_sha256 == from_file.identity.weights_sha256
+        assert from_store.identity.model_id == NAME
+    finally:
+        from_store.runner.close()
+        from_file.runner.close()
+
+
+@pytest.mark.parametrize("quantize", ["none", "int8"])
+async def test_a_host_sizes_its_range_from_the_manifest_as_from_the_file(published, nats_url, quantize):
+    original, _ = published
+    scheme = parse_quantization(quantize)
+    layout = await model_layout(f"store:{NAME}", model_id=None, compute_dtype=torch.float32, scheme=scheme,
+                                nats_url=nats_url, settings=HearthSettings(nats=NatsSettings(url=nats_url)))
+    expected = layer_weight_bytes(original, torch.float32, quantization=scheme)
+    assert layout.layer_bytes == [expected[index] for index in range(TINY_NUM_LAYERS)]
+
+
+async def test_the_orchestrator_fetches_only_the_head_and_tokenizes_as_the_file(js, published, tmp_path):
+    original, _ = published
+    catalog = ModelCatalog(local_model=f"store:{NAME}")
+    catalog.use_store(js)
+    loaded = await catalog.get_requested(NAME)
+    try:
+        assert _fetched(tmp_path) == {GGUF_HEADER_OBJECT, GGUF_HEAD_OBJECT}
+        assert loaded.model_id == NAME and loaded.context_length is not None
+        assert loaded.weights_sha256 == weights_sha256(original, cache_dir=tmp_path / "sums")
+        reference = load_head(original)
+        tokens = reference.encode_prompt("the quick brown fox")
+        assert loaded.head.encode_prompt("the quick brown fox") == tokens
+        assert torch.equal(loaded.head.embed(torch.tensor([tokens])), reference.embed(torch.tensor([tokens])))
+
+        local = await catalog.local_model_for(loaded)  # its local fallback: the whole model
+        assert local is not None and local.info.model_id == NAME
+        assert _fetched(tmp_path) == {GGUF_HEADER_OBJECT, GGUF_HEAD_OBJECT,
+                                      *(GGUF_LAYER_OBJECT_FORMAT.format(i) for i in range(TINY_NUM_LAYERS))}
+    finally:
+        catalog.close()
+
+
+async def test_a_corrupted_layer_object_is_refused_with_one_line(js, published, tmp_path):
+    store = await js.object_store(WEIGHTS_BUCKET)
+    await store.put(object_key(NAME, GGUF_LAYER_OBJECT_FORMAT.format(1)), b"not the layer that was published")
+    with pytest.raises(WeightsStoreError, match="layer-00001.gguf-data of 'tiny-gguf' does not match the SHA-256"):
+        await fetch_stored_model(js, NAME, (1, 1))
+
+
+def test_publishing_a_gguf_the_loader_refuses_fails_in_one_line_before_any_connection(tmp_path):
+    truncated = tmp_path / "cut.gguf"
+    (tmp_path / "model").mkdir()
+    path, _ = write_tiny_gguf(tmp_path / "model", "llama", GGMLQuantizationType.Q8_0)
+    truncated.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    refused = subprocess.run(
+        [sys.executable, "-m", "services.cli", "weights", "publish", str(truncated), "--name", NAME, "--nats",
+         "nats://127.0.0.1:9", "--insecure"], capture_output=True, text=True, timeout=120,
+        cwd=Path(__file__).resolve().parents[2])
+    assert refused.returncode == EXIT_BAD_INPUT
+    assert len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+    assert "hearth weights publish: cut.gguf is not a readable GGUF file" in refused.stderr
