@@ -5,8 +5,10 @@ streamed, `finished` completes the call, and a failure (a step's or routing's) g
 (services/orchestrator/recovery.py), whose decision the loop carries out: re-prefill on the same chain, rebuild the
 chain after the broker came back, fail over around the shard at fault, fall back to a local model, or abort. The
 first token of every chain comes from the (re-)prefill of everything known so far (the prompt and every token
-generated), the others from decode steps, so a failover or a fallback continues the same text. Frames go to the
-call's client, events to the orchestrator's outbox.
+generated), the others from decode steps, so a failover or a fallback continues the same text. The call's checks of
+its hosts' work (services/orchestrator/verification.py) run beside the loop; a step they refute is a failure too:
+the tokens sampled from it on are withdrawn and the call fails over. Frames go to the call's client, events to the
+orchestrator's outbox.
 """
 
 from __future__ import annotations
@@ -109,10 +111,7 @@ class PipelineRun:
             self._in_decode_loop.close()
 
     async def close(self) -> None:
-        """Free every hop's session (called whatever way the call ended)."""
-        await self._close_chain()
-
-    async def _close_chain(self) -> None:
+        """End the chain's checks and free every hop's session (called whatever way the call ended)."""
         await self.verifier.detach()
         chain, self.chain = self.chain, None
         if chain is not None:
@@ -210,7 +209,7 @@ class PipelineRun:
         if isinstance(failure, StepFailure) and failure.rewind_to is not None:
             await self._withdraw(failure)
         hops = list(self.chain.hops) if isinstance(self.chain, HopChain) else []
-        await self._close_chain()
+        await self.close()
         if decision.action is Action.rebuild:
             return await self._rebuild(hops, failure)
         if decision.action is Action.fail_over:
