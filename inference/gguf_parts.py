@@ -12,18 +12,15 @@ its config as having tied embeddings; a range holds no head, so nothing it loads
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 import struct
 import tempfile
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from .checksum import PARTIAL_CHECKPOINT_MARKER
 from .errors import CheckpointError
-from .partial_checkpoint import complete_partial_folder
+from .partial_checkpoint import complete_partial_folder, staged_partial_folder
 
 # After the magic and the version: the tensor count, a little-endian u64 (GGUF versions 2 and 3).
 TENSOR_COUNT_OFFSET = 8
@@ -259,23 +256,11 @@ def write_gguf_folder(target: Path, gguf_name: str, header_file: str, layout: St
         raise CheckpointError(f"the parts of {gguf_name} lack its header {header_file}")
     placements = layout.placements
     wanted = [placement for placement in placements if placement.file in files]
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    try:
+    with staged_partial_folder(target, weights_sha256=weights_sha256, source=source) as staging:
         written = write_gguf_part(
             staging / gguf_name, files[header_file].read_bytes(), layout.kv_end, layout.alignment,
             [TensorSource(p.info_start, p.info_end, files[p.file], p.offset, p.n_bytes) for p in wanted])
         if [tensor.name for tensor in open_reader(written).tensors] != [placement.name for placement in wanted]:
             raise CheckpointError(f"the parts of {gguf_name} do not form a GGUF: the tensor table does not match "
                                   "its header")
-        marker = {"source": source, "weights_sha256": weights_sha256}
-        (staging / PARTIAL_CHECKPOINT_MARKER).write_text(json.dumps(marker))
-        try:
-            os.replace(staging, target)
-        except OSError:
-            if complete_partial_folder(target) is None:  # not a concurrent twin: a stale, unfinished folder
-                shutil.rmtree(target, ignore_errors=True)
-                os.replace(staging, target)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return target / gguf_name

@@ -9,12 +9,13 @@ checkpoint advertise the same weights_sha256). The marker is written last: a fol
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Literal, Union
 
@@ -90,9 +91,7 @@ def assemble_partial_folder(target: Path, files: Mapping[str, Path], weight_map:
     with a complete folder."""
     if (done := complete_partial_folder(target)) is not None:
         return done
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    try:
+    with staged_partial_folder(target, weights_sha256=weights_sha256, source=source) as staging:
         for name, file in files.items():
             (staging / name).symlink_to(Path(file).resolve())
         if weight_map is not None:
@@ -100,6 +99,18 @@ def assemble_partial_folder(target: Path, files: Mapping[str, Path], weight_map:
             index = {"metadata": {"hearth_partial_of": source}, "weight_map": present}
             (staging / SAFETENSORS_INDEX_NAME).unlink(missing_ok=True)
             (staging / SAFETENSORS_INDEX_NAME).write_text(json.dumps(index, indent=1, sort_keys=True))
+    return target
+
+
+@contextlib.contextmanager
+def staged_partial_folder(target: Path, *, weights_sha256: str, source: str) -> Iterator[Path]:
+    """A folder beside `target` for the caller to fill; when the block ends without error, the marker naming
+    `source` and the whole checkpoint's digest is written into it and it is renamed into place (a complete folder a
+    concurrent twin put there first is kept, a stale unfinished one replaced). Removed whatever happens."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        yield staging
         marker = {"source": source, "weights_sha256": weights_sha256}
         (staging / PARTIAL_CHECKPOINT_MARKER).write_text(json.dumps(marker))
         try:
@@ -110,5 +121,4 @@ def assemble_partial_folder(target: Path, files: Mapping[str, Path], weight_map:
                 os.replace(staging, target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return target
 

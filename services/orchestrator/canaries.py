@@ -18,7 +18,7 @@ from inference.activation_compare import (evidence_digest, first_mismatch, posit
                                           tolerance_for)
 from services.orchestrator.guards import RangeKey
 from services.orchestrator.metrics import verification_checks_total
-from services.orchestrator.mirror import Mirror
+from services.orchestrator.mirror import Mirror, serves_range
 from services.orchestrator.outcomes import StepFailure
 from services.orchestrator.placement import ChainPlacement
 from services.orchestrator.router import Hop
@@ -122,9 +122,8 @@ class CanaryRunner:
                     layer_hi_to_run=hi, quantization=quantization)
                 for c in candidates
                 if c.shard_id not in canary.parties and c.shard_id not in self.ctx.quarantined
-                and self.ctx.router.alive(c, now) and c.weights_sha256 == canary.weights_sha256
-                and c.quantization == quantization and c.dtype == canary.dtype and c.layer_lo <= lo
-                and hi <= c.layer_hi]
+                and self.ctx.router.alive(c, now)
+                and serves_range(c, canary.weights_sha256, quantization, canary.dtype, lo, hi)]
 
     async def _replay(self, canary: Canary, host: Hop) -> None:
         settings = self.ctx.settings

@@ -102,6 +102,14 @@ class Mirror:
         return self, output[:, span.first_pos:span.end_pos]
 
 
+def serves_range(candidate, weights_sha256: str, quantization: str, dtype: str | None, layer_lo: int,
+                 layer_hi: int) -> bool:
+    """Whether `candidate` (a routing ShardCandidate) computes layers `layer_lo`..`layer_hi` exactly as another
+    replica would: the same weights, scheme and dtype, its range covering them."""
+    return (candidate.weights_sha256 == weights_sha256 and candidate.quantization == quantization
+            and candidate.dtype == dtype and candidate.layer_lo <= layer_lo and layer_hi <= candidate.layer_hi)
+
+
 async def open_mirror(ctx, call, chain: HopChain, index: int, avoid: set[str],
                       chance: random.Random) -> Mirror | None:
     """A mirror of hop `index` of `call`'s `chain` on a live replica running exactly its layers (same weights, scheme
@@ -116,9 +124,8 @@ async def open_mirror(ctx, call, chain: HopChain, index: int, avoid: set[str],
     now = ctx.router.now()
     skip = avoid | ctx.quarantined
     replicas = [c for c in candidates if c.shard_id not in skip and c.node_id not in busy_nodes
-                and ctx.router.alive(c, now) and c.weights_sha256 == call.model.weights_sha256
-                and c.quantization == hop.quantization and c.dtype == dtype
-                and c.layer_lo <= hop.layer_lo_to_run and hop.layer_hi_to_run <= c.layer_hi]
+                and ctx.router.alive(c, now) and serves_range(c, call.model.weights_sha256, hop.quantization, dtype,
+                                                              hop.layer_lo_to_run, hop.layer_hi_to_run)]
     chance.shuffle(replicas)
     settings, model = ctx.settings, call.model
     for replica in replicas:

@@ -11,6 +11,8 @@ import pytest
 
 from services.devtools.local_cluster import LocalCluster
 from services.broker.connection import connect_nats
+from services.client.chat import ChatResult, chat
+from protocol.chat import ChatRequest
 from tests.unit.inference_tiny_models import write_tiny_model
 
 TINY_MODEL_NAME = "tiny-llama"
@@ -82,6 +84,15 @@ def start_orchestrator(cluster: LocalCluster, models_dir: Path, *, extra_args: l
         extra_args=["--models-dir", str(models_dir), "--preload", TINY_MODEL_NAME, *extra_args],
         wait_ready=wait_ready,
     )
+
+
+async def chat_once(cluster: LocalCluster, request: ChatRequest) -> ChatResult:
+    """One call through `cluster` on a client connection of its own."""
+    nc = await connect_nats(cluster.nats_url, name="e2e-client", settings=cluster.nats_settings())
+    try:
+        return await chat(nc, request)
+    finally:
+        await asyncio.wait_for(nc.close(), timeout=5)
 
 
 @pytest.fixture

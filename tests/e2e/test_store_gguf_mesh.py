@@ -16,8 +16,7 @@ from gguf import GGMLQuantizationType
 
 from inference import SamplingParams, load_full
 from protocol.chat import ChatRequest
-from services.broker.connection import connect_nats
-from services.client.chat import chat
+from tests.e2e.conftest import chat_once
 from services.weights_store import GGUF_HEAD_OBJECT, GGUF_HEADER_OBJECT, GGUF_LAYER_OBJECT_FORMAT
 from tests.runner_limits import RUNNER_KV_LIMITS
 from tests.unit.gguf_files import write_tiny_gguf
@@ -66,11 +65,7 @@ async def test_store_and_file_hosts_of_one_gguf_form_one_pipeline(cluster, tmp_p
     cluster.wait_all_ready()
     expected = await asyncio.to_thread(greedy_reference, path)
 
-    nc = await connect_nats(cluster.nats_url, name="e2e-client", settings=cluster.nats_settings())
-    try:
-        result = await chat(nc, ChatRequest(model=STORE_NAME, prompt=PROMPT, max_tokens=NEW_TOKENS))
-    finally:
-        await asyncio.wait_for(nc.close(), timeout=5)
+    result = await chat_once(cluster, ChatRequest(model=STORE_NAME, prompt=PROMPT, max_tokens=NEW_TOKENS))
     assert result.ok, result.final
     assert result.token_ids == expected
     assert result.frames_of("pipeline")[0].hops == [f"{STORE_NAME}:0-2@store-host", f"{STORE_NAME}:3-5@file-host"]

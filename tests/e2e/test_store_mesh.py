@@ -19,11 +19,9 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from inference.checkpoint import SAFETENSORS_DTYPES
-from services.client.chat import chat
 from protocol.chat import ChatRequest
-from services.broker.connection import connect_nats
 from services.weights_store import HEAD_OBJECT, LAYER_OBJECT_FORMAT
-from tests.e2e.conftest import TINY_MODEL_NAME
+from tests.e2e.conftest import TINY_MODEL_NAME, chat_once
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -82,11 +80,7 @@ async def test_a_mesh_started_from_the_store_answers_as_the_original(cluster, ti
     cluster.start_orchestrator(extra_args=["--preload", model])
     expected = await asyncio.to_thread(greedy_reference, path)
 
-    nc = await connect_nats(cluster.nats_url, name="e2e-client", settings=cluster.nats_settings())
-    try:
-        result = await chat(nc, ChatRequest(model=STORE_NAME, prompt=PROMPT, max_tokens=NEW_TOKENS))
-    finally:
-        await asyncio.wait_for(nc.close(), timeout=5)
+    result = await chat_once(cluster, ChatRequest(model=STORE_NAME, prompt=PROMPT, max_tokens=NEW_TOKENS))
     assert result.ok, result.final
     assert result.token_ids == expected
     assert result.frames_of("pipeline")[0].hops == [
