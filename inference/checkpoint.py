@@ -15,6 +15,7 @@ from safetensors import safe_open
 
 from .checkpoint_files import HUB_ALLOW_PATTERNS, SAFETENSORS_INDEX_NAME, SAFETENSORS_SINGLE_NAME
 from .errors import CheckpointError
+from .hub_ids import is_hub_gguf_id
 from .gguf_checkpoint import GGUF_SUFFIX, GGUFCheckpoint, default_read_device, gguf_config_dict, is_gguf_file, \
     single_gguf_in
 
@@ -83,9 +84,9 @@ def resolve_dtype(dtype: torch.dtype | str | None, config_dtype: torch.dtype | s
 
 def looks_like_local_path(model: str) -> bool:
     """Whether `model` was meant as a folder or file: hub ids are "name" or "org/name", anything else with a path
-    shape is not one."""
+    shape is not one ("org/name:FILE.gguf" is: one GGUF of a hub repository)."""
     return (model.startswith((".", "/", "~")) or model.count("/") > 1 or (os.sep != "/" and os.sep in model)
-            or model.lower().endswith(GGUF_SUFFIX))
+            or (model.lower().endswith(GGUF_SUFFIX) and not is_hub_gguf_id(model)))
 
 
 def resolve_model_path(
@@ -96,10 +97,12 @@ def resolve_model_path(
     local_files_only: bool | None = None,
     needed_layers: tuple[int, int] | str | None = None,
 ) -> Path:
-    """The local folder of a checkpoint given as a folder or a hub id ("org/name").
+    """The local folder of a checkpoint given as a folder or a hub id ("org/name", or "org/name:FILE.gguf" for one
+    GGUF of a repository holding several).
 
     With `needed_layers` ((lo, hi) for a shard, "head" for an orchestrator's head) a hub id fetches only the
-    files holding those tensors into a partial folder (inference/hub_fetch.py); a folder is used as it is.
+    files holding those tensors into a partial folder (inference/hub_fetch.py; a GGUF's tensors by byte ranges); a
+    folder is used as it is. A "org/name:FILE.gguf" id without `needed_layers` is that file, downloaded whole.
 
     A hub id is looked up in the huggingface_hub snapshot cache first (so a machine that already has the
     model starts without any network), and downloaded only when it is missing and downloads are allowed
@@ -121,7 +124,7 @@ def resolve_model_path(
     offline = local_files_only
     if offline is None:
         offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
-    if needed_layers is not None:
+    if needed_layers is not None or is_hub_gguf_id(model):
         from .hub_fetch import fetch_hub_selection
 
         return fetch_hub_selection(model, needed_layers, revision=revision, cache_dir=cache_dir,

@@ -11,16 +11,21 @@ Before downloading any weight, `hearth host` sizes its range from `hub_layout`: 
 shape read from the safetensors files' headers (ranged reads, huggingface_hub's parse_safetensors_file_metadata) and
 the digest from the listing.
 
-A repository holding no safetensors weights but one GGUF file is served from that file, as a folder holding one GGUF
-is: every host downloads it whole (resumable, with progress, checked against its listed SHA-256) and reads its range
-from it (inference/gguf_checkpoint.py); `hub_layout` sizes ranges from the downloaded file. A repository holding
-several GGUFs is refused, naming them, as such a folder is: which one to serve would be a guess.
+A GGUF is served from a repository holding no safetensors weights but one GGUF file, or from the file an id of the
+form ``owner/name:FILE.gguf`` names (a repository of several GGUFs, Q4_K_M and Q8_0 side by side, serves any of
+them; a plain id of such a repository is refused naming them, since which one to serve would be a guess). A host
+reads only its range of it: the header by HTTP byte ranges, then only its tensors' bytes, written as a partial GGUF
+stating the whole file's digest (inference/hub_gguf.py, which also says what is trusted); `hub_layout` sizes a range
+from the header alone. The whole model (an orchestrator's local fallback), or a server that does not answer byte
+ranges, downloads the file whole (resumable, with progress, checked against its listed SHA-256), and a whole file
+downloaded for a commit then serves every range.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import json
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +33,9 @@ from pathlib import Path
 from .checkpoint_files import SAFETENSORS_INDEX_NAME
 from .checksum import GGUF_DIGEST_NAME, GGUF_SUFFIX, PARTIAL_CHECKPOINT_MARKER, digest_of_files, file_sha256
 from .errors import CheckpointError
+from .hub_gguf import HubGGUF, RangesUnsupported, cached_gguf_part, fetch_gguf_part, gguf_header, \
+    gguf_metadata_file, layer_tensor_shapes_of
+from .hub_ids import split_hub_model
 from .partial_checkpoint import (
     NON_WEIGHT_PATTERNS,
     NeededTensors,
@@ -39,9 +47,15 @@ from .partial_checkpoint import (
     selection_name,
 )
 
+logger = logging.getLogger(__name__)
+
 HUB_PARTIAL_FOLDER = "hearth-partial"
-# Where a repository's GGUF is downloaded, per commit: the file and, once checked, the marker stating its digest.
-HUB_GGUF_FOLDER = "gguf"
+# Where a repository's GGUF FILE is downloaded whole, per commit: <commit>/gguf-files/FILE/ holds the file and,
+# once checked, the marker stating its digest; its ranged parts live in <commit>/gguf-parts/FILE/.
+HUB_GGUF_FOLDER = "gguf-files"
+HUB_GGUF_PARTS_FOLDER = "gguf-parts"
+# Names the GGUF a plain id of a one-GGUF repository resolved to at that commit, so it resolves offline too.
+HUB_DEFAULT_GGUF_FILE = "gguf-default"
 DEFAULT_REVISION = "main"
 # Read at each call (huggingface_hub reads it once, at import): a mirror or a test server may be named later.
 HUB_ENDPOINT_ENV = "HF_ENDPOINT"
@@ -54,35 +68,37 @@ def hub_partial_root(repo_id: str, cache_dir: str | Path | None = None) -> Path:
     return base / HUB_PARTIAL_FOLDER / repo_id.replace("/", "--")
 
 
-def fetch_hub_selection(repo_id: str, needed: NeededTensors, *, revision: str | None = None,
+def fetch_hub_selection(model: str, needed: NeededTensors, *, revision: str | None = None,
                         cache_dir: str | Path | None = None, local_files_only: bool = False) -> Path:
-    """A loadable folder holding what `needed` asks for of hub repository `repo_id` at `revision`.
+    """A loadable folder (or GGUF file) holding what `needed` asks for of hub model `model` ("owner/name" or
+    "owner/name:FILE.gguf") at `revision`.
 
     A complete snapshot in the hub cache, or a folder assembled earlier for the same revision and selection, is
     used without any network; otherwise,
     unless `local_files_only`, the listing, the index and the needed files are downloaded. CheckpointError
     (one line) when the repository, a file or a checksum is wrong or unreachable."""
     needed = check_needed(needed)
-    if (whole := complete_hub_snapshot(repo_id, revision, cache_dir)) is not None:
+    repo_id, gguf_file = split_hub_model(model)
+    if gguf_file is None and (whole := complete_hub_snapshot(repo_id, revision, cache_dir)) is not None:
         return whole
     root = hub_partial_root(repo_id, cache_dir)
     ref_file = root / "refs" / (revision or DEFAULT_REVISION)
     if ref_file.is_file():
         commit_dir = root / ref_file.read_text().strip()
-        if (gguf := _complete_gguf(commit_dir)) is not None:
+        if (gguf := _cached_gguf(commit_dir, gguf_file, needed)) is not None:
             return gguf
-        cached = complete_partial_folder(commit_dir / selection_name(needed))
+        cached = None if gguf_file else complete_partial_folder(commit_dir / selection_name(needed))
         if cached is not None:
             return cached
     if local_files_only:
-        raise CheckpointError(f"model {repo_id!r}: the {selection_name(needed)} part is not in {root} "
+        raise CheckpointError(f"model {model!r}: the {selection_name(needed)} part is not in {root} "
                               "(and downloads are disabled)")
     try:
-        return _download_selection(repo_id, needed, revision, root)
+        return _download_selection(repo_id, gguf_file, needed, revision, root)
     except CheckpointError:
         raise
     except Exception as exc:  # the hub client raises many network error types; all mean "not available"
-        raise CheckpointError(f"model {repo_id!r} is not fetchable from the hub: {exc}") from exc
+        raise CheckpointError(f"model {model!r} is not fetchable from the hub: {exc}") from exc
 
 
 def complete_hub_snapshot(repo_id: str, revision: str | None, cache_dir: str | Path | None) -> Path | None:
@@ -109,20 +125,22 @@ class HubLayout:
     weights_sha256: str
 
 
-def hub_layout(repo_id: str, *, revision: str | None = None, cache_dir: str | Path | None = None,
+def hub_layout(model: str, *, revision: str | None = None, cache_dir: str | Path | None = None,
                local_files_only: bool | None = None) -> HubLayout:
-    """The HubLayout of `repo_id` at `revision`: the listing, config.json and each safetensors file's header only.
+    """The HubLayout of hub model `model` at `revision`: the listing, config.json and each safetensors file's header
+    only (a GGUF's header only, read by byte ranges).
     CheckpointError (one line) when it is unreachable, downloads are disabled (`local_files_only`, None: as
     HF_HUB_OFFLINE says), or it is not a safetensors model."""
     if local_files_only is None:
         local_files_only = os.environ.get(HUB_OFFLINE_ENV, "0").lower() in ("1", "true", "yes")
+    repo_id, gguf_file = split_hub_model(model)
     if local_files_only:
-        raise CheckpointError(f"model {repo_id!r} is not in the local hub cache (and downloads are disabled)")
+        raise CheckpointError(f"model {model!r} is not in the local hub cache (and downloads are disabled)")
     try:
         api, commit, listing, weights = _repository(repo_id, revision)
-        if not weights:
+        if gguf_file is not None or not weights:
             root = hub_partial_root(repo_id, cache_dir)
-            return _gguf_layout(_download_gguf(repo_id, revision, commit, listing, root))
+            return _gguf_hub_layout(_hub_gguf(repo_id, commit, listing, gguf_file, root), listing)
         config = json.loads(_downloader(repo_id, commit, hub_partial_root(repo_id, cache_dir))("config.json")
                             .read_text())
         tensors = [(name, info.dtype, list(info.shape))
@@ -132,7 +150,7 @@ def hub_layout(repo_id: str, *, revision: str | None = None, cache_dir: str | Pa
     except CheckpointError:
         raise
     except Exception as exc:  # the hub client raises many network error types; all mean "not available"
-        raise CheckpointError(f"model {repo_id!r} is not readable from the hub: {exc}") from exc
+        raise CheckpointError(f"model {model!r} is not readable from the hub: {exc}") from exc
     return HubLayout(config=config, tensors=tensors, weights_sha256=digest_of_files(_listed_hashes(weights, {})))
 
 
@@ -163,10 +181,16 @@ def _downloader(repo_id: str, commit: str, root: Path):
     return download
 
 
-def _download_selection(repo_id: str, needed: NeededTensors, revision: str | None, root: Path) -> Path:
+def _download_selection(repo_id: str, gguf_file: str | None, needed: NeededTensors, revision: str | None,
+                        root: Path) -> Path:
     _, commit, listing, weights = _repository(repo_id, revision)
-    if not weights:
-        return _download_gguf(repo_id, revision, commit, listing, root)
+    if gguf_file is not None or not weights:
+        hub = _hub_gguf(repo_id, commit, listing, gguf_file, root)
+        path = _fetch_gguf(hub, listing, needed)
+        if gguf_file is None:
+            (root / commit / HUB_DEFAULT_GGUF_FILE).write_text(hub.file)
+        _write_ref(root, revision, commit)
+        return path
     download = _downloader(repo_id, commit, root)
 
     weight_map = None
@@ -200,38 +224,90 @@ def _write_ref(root: Path, revision: str | None, commit: str) -> None:
     ref_file.write_text(commit)
 
 
-def _complete_gguf(commit_dir: Path) -> Path | None:
-    """The GGUF downloaded and checked earlier for that commit, None when there is none."""
-    folder = commit_dir / HUB_GGUF_FOLDER
-    if complete_partial_folder(folder) is None:
-        return None
-    return next(iter(sorted(folder.glob(f"*{GGUF_SUFFIX}"))), None)
+def _cached_gguf(commit_dir: Path, file: str | None, needed: NeededTensors) -> Path | None:
+    """The GGUF `file` (None: the one a plain id resolved to) downloaded whole for that commit, else its part for
+    `needed` fetched earlier; None when neither is there."""
+    if file is None:
+        default = commit_dir / HUB_DEFAULT_GGUF_FILE
+        if not default.is_file():
+            return None
+        file = default.read_text().strip()
+    if (whole := _complete_gguf(commit_dir, file)) is not None:
+        return whole
+    return None if needed is None else cached_gguf_part(commit_dir / HUB_GGUF_PARTS_FOLDER / file, file, needed)
 
 
-def _download_gguf(repo_id: str, revision: str | None, commit: str, listing: dict, root: Path) -> Path:
-    """The repository's one GGUF file, downloaded (or resumed) whole and checked against its listed SHA-256, in a
-    folder whose marker states its digest (so no host hashes it again)."""
+def _complete_gguf(commit_dir: Path, file: str) -> Path | None:
+    """The GGUF `file` downloaded whole and checked earlier for that commit, None when it is not."""
+    folder = complete_partial_folder(commit_dir / HUB_GGUF_FOLDER / file)
+    return None if folder is None else folder / file
+
+
+def _hub_gguf(repo_id: str, commit: str, listing: dict, file: str | None, root: Path) -> HubGGUF:
+    """The GGUF `file` of the repository (None: its only one); CheckpointError (one line, listing what the
+    repository holds) when it holds no such file, or several GGUFs and none is named."""
+    found = sorted(name for name in listing if name.lower().endswith(GGUF_SUFFIX))
+    if file is None:
+        if len(found) > 1:
+            raise CheckpointError(f"model {repo_id!r} holds several GGUF files ({', '.join(found)}) and no "
+                                  f"safetensors weights: name the one to serve, as {repo_id}:{found[0]}")
+        file = found[0]
+    elif file not in listing:
+        held = f"the GGUF files {', '.join(found)}" if found else f"no GGUF file ({', '.join(sorted(listing))})"
+        raise CheckpointError(f"model {repo_id!r} has no file {file}: the repository holds {held}")
+    entry = listing[file]
+    size = entry.lfs.size if entry.lfs is not None else entry.size
+    sha256 = entry.lfs.sha256 if entry.lfs is not None else ""
+    return HubGGUF(repo_id, file, commit, size, sha256, root / commit / HUB_GGUF_PARTS_FOLDER / file)
+
+
+def _fetch_gguf(hub: HubGGUF, listing: dict, needed: NeededTensors) -> Path:
+    """What `needed` asks for of `hub`'s file: the file itself once downloaded whole (and for the whole model, or
+    when ranges are not served or no SHA-256 is listed), else its ranged part."""
+    if (whole := _complete_gguf(hub.folder.parent.parent, hub.file)) is not None:
+        return whole
+    if needed is not None and hub.sha256:
+        try:
+            return fetch_gguf_part(hub, needed)
+        except RangesUnsupported as unsupported:
+            logger.warning("%s; downloading %s whole", unsupported, hub.file)
+    return _download_gguf(hub, listing)
+
+
+def _download_gguf(hub: HubGGUF, listing: dict) -> Path:
+    """`hub`'s GGUF file, downloaded (or resumed) whole and checked against its listed SHA-256, in a folder whose
+    marker states its digest (so no host hashes it again)."""
     from huggingface_hub import hf_hub_download
 
-    if (done := _complete_gguf(root / commit)) is not None:
+    commit_dir = hub.folder.parent.parent
+    if (done := _complete_gguf(commit_dir, hub.file)) is not None:
         return done
-    found = sorted(name for name in listing if name.lower().endswith(GGUF_SUFFIX))
-    if len(found) > 1:
-        raise CheckpointError(f"model {repo_id!r} holds several GGUF files ({', '.join(found)}) and no safetensors "
-                              "weights: download the one to serve and pass that file as --model")
-    entry, folder = listing[found[0]], root / commit / HUB_GGUF_FOLDER
-    path = Path(hf_hub_download(repo_id, found[0], revision=commit, local_dir=folder,
+    entry, folder = listing[hub.file], commit_dir / HUB_GGUF_FOLDER / hub.file
+    path = Path(hf_hub_download(hub.repo_id, hub.file, revision=hub.commit, local_dir=folder,
                                 endpoint=os.environ.get(HUB_ENDPOINT_ENV) or None))
     size, digest = path.stat().st_size, file_sha256(path)
     if entry.lfs is not None and (entry.lfs.sha256, entry.lfs.size) != (digest, size):
         path.unlink()
-        raise CheckpointError(f"model {repo_id!r}: {found[0]} does not match its listed SHA-256 (corrupted download "
-                              "or tampered mirror)")
-    marker = {"source": f"hub:{repo_id}@{commit}",
-              "weights_sha256": digest_of_files([(GGUF_DIGEST_NAME, size, digest)])}
+        raise CheckpointError(f"model {hub.repo_id!r}: {hub.file} does not match its listed SHA-256 (corrupted "
+                              "download or tampered mirror)")
+    marker = {"source": hub.source, "weights_sha256": digest_of_files([(GGUF_DIGEST_NAME, size, digest)])}
     (folder / PARTIAL_CHECKPOINT_MARKER).write_text(json.dumps(marker))
-    _write_ref(root, revision, commit)
     return path
+
+
+def _gguf_hub_layout(hub: HubGGUF, listing: dict) -> HubLayout:
+    """The HubLayout of `hub`'s file: from the file when downloaded whole (or it must be), else from its header
+    alone, read by byte ranges."""
+    if (whole := _complete_gguf(hub.folder.parent.parent, hub.file)) is None and hub.sha256:
+        from .gguf_checkpoint import gguf_config_dict
+
+        try:
+            parsed, _ = gguf_header(hub)
+            return HubLayout(config=gguf_config_dict(gguf_metadata_file(hub)), tensors=layer_tensor_shapes_of(parsed),
+                             weights_sha256=hub.weights_sha256)
+        except RangesUnsupported as unsupported:
+            logger.warning("%s; downloading %s whole", unsupported, hub.file)
+    return _gguf_layout(whole or _download_gguf(hub, listing))
 
 
 def _gguf_layout(path: Path) -> HubLayout:

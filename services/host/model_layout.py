@@ -3,8 +3,9 @@ each takes as this host would hold it, the weights digest and the id it is serve
 
 A local folder or GGUF file (or a hub id whose snapshot is complete in the hub cache) is read from disk; a
 `store:NAME` model from the community store's manifest (services/weights_store.py); any other hub id from the
-hub's listing, config.json and safetensors headers (inference/hub_fetch.hub_layout). Loading the chosen range then
-fetches only that range (services/shard/main.load_shard).
+hub's listing, config.json and safetensors headers, or a hub GGUF's header read by byte ranges
+(inference/hub_fetch.hub_layout; `org/name:FILE.gguf` names one GGUF of a repository holding several). Loading
+the chosen range then fetches only that range (services/shard/main.load_shard).
 """
 
 from __future__ import annotations

@@ -1,10 +1,12 @@
 """ModelCatalog: resolves a model name to its head, tokenizer and weights digest, loading on first use.
 
 Two doors, because a request is not the operator. What the operator configured (`--preload`, `--local-model`)
-may be a folder path or `store:NAME` (fetched from the community's store: the head only, or the whole model for
-the local fallback). A name in a request is only ever looked up in the catalog: a configured name (NAME for a
-configured `store:NAME`), the id of a loaded model, a folder name inside a models folder (`--models-dir`,
-`models/`), or a hub id (`org/name`) already in the local hub cache. A request's name is never opened as a path,
+may be a folder path, `store:NAME` (fetched from the community's store: the head only, or the whole model for
+the local fallback) or a hub id (`org/name`, `org/name:FILE.gguf`; when not in the local hub cache, fetched as
+shard hosts fetch their ranges: the head only, a GGUF's by byte ranges, or the whole model for the local
+fallback). A name in a request is only ever looked up in the catalog: a configured name (NAME for a configured
+`store:NAME`), the id of a loaded model, a folder name inside a models folder (`--models-dir`, `models/`), or a hub
+id (`org/name`) already in the local hub cache. A request's name is never opened as a path,
 and what a request is told about a name it may not use carries no path of this machine.
 """
 
@@ -20,6 +22,7 @@ from pathlib import Path
 from inference import CheckpointError, Head, LocalModel, load_full, load_head, resolve_model_path, weights_sha256
 from inference.checkpoint import default_model_id, read_config_dict
 from inference.checkpoint_files import HUB_ALLOW_PATTERNS
+from inference.hub_ids import is_hub_gguf_id
 from inference.compute_thread import on_compute_thread
 from inference.quantization import QuantizationScheme, parse_quantization
 from inference.token_bounds import TokenLowerBound
@@ -100,6 +103,9 @@ class ModelCatalog:
         # How `store:NAME` models are fetched (use_store), and the folder each was fetched into.
         self._store_fetch: Callable[[str, NeededTensors], Awaitable[Path]] | None = None
         self._store_folders: dict[str, Path] = {}
+        # Hub ids the operator named that were not in the local cache: what was fetched of each (head, or None:
+        # the whole model) and where.
+        self._hub_folders: dict[str, dict[NeededTensors, Path]] = {}
 
     def use_compute(self, device, dtype, quantization: QuantizationScheme | str = "none") -> None:
         """Load heads and the local model onto `device` (a torch.device) in `dtype` (inference.devices), their
@@ -116,7 +122,16 @@ class ModelCatalog:
         `needed`: "head", or None for the whole model), every wait bounded (services/weights_store.py)."""
         name = stored_name(model)
         if name is None:
-            return await asyncio.to_thread(self.resolve, model)
+            fetched = self._hub_folders.get(model, {})
+            if needed in fetched:
+                return fetched[needed]
+            if not fetched:
+                try:
+                    return await asyncio.to_thread(self.resolve, model)
+                except UnknownModel:
+                    if not (HUB_ID_PATTERN.match(model) or is_hub_gguf_id(model)):
+                        raise
+            return await self._fetch_hub(model, needed)
         if self._store_fetch is None:
             raise UnknownModel(f"unknown model {model!r}: this orchestrator is not connected to the store")
         try:
@@ -129,13 +144,26 @@ class ModelCatalog:
         self._store_folders[model] = folder
         return folder
 
+    async def _fetch_hub(self, model: str, needed: NeededTensors) -> Path:
+        """What `needed` asks for of a hub id the operator named (a GGUF's by byte ranges: inference/hub_fetch.py),
+        kept for resolve()."""
+        try:
+            folder = await asyncio.to_thread(resolve_model_path, model, needed_layers=needed)
+        except CheckpointError as error:
+            raise UnknownModel(f"unknown model {model!r}: {error}") from None
+        self._hub_folders.setdefault(model, {})[needed] = folder
+        return folder
+
     def resolve(self, model: str) -> Path:
         """A folder for `model`: a path, a folder of that name in a search dir, or a hub id in the local cache (a
-        `store:NAME` model only once `folder` has fetched it: this never waits on the network)."""
+        `store:NAME` model, or a hub id not in that cache, only once `folder` has fetched it: this never waits on
+        the network)."""
         if stored_name(model) is not None:
             if model not in self._store_folders:
                 raise UnknownModel(f"model {model!r} is not fetched from the store yet")
             return self._store_folders[model]
+        if fetched := self._hub_folders.get(model):
+            return fetched.get(None) or next(iter(fetched.values()))
         as_path = Path(model).expanduser()
         if as_path.exists():
             try:

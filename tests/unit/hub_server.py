@@ -3,7 +3,8 @@
 Just what huggingface_hub's clients ask for: repository info (`GET /api/models/{repo}[/revision/{rev}]`), the
 recursive file listing with each LFS file's SHA-256 (`GET /api/models/{repo}/tree/{rev}`), and files (`HEAD` then
 `GET /{repo}/resolve/{rev}/{file}`, answered with `X-Repo-Commit`, `ETag` and `Content-Length`; a `Range: bytes=A-B`
-GET gets those bytes only, recorded as method "RANGE"). Point `HF_ENDPOINT` at `.url`.
+or `bytes=A-` GET gets those bytes only, with status 206 and `Content-Range` as the hub's CDN answers, recorded as
+method "RANGE"; `bytes_sent` counts the file bytes sent). Point `HF_ENDPOINT` at `.url`.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from urllib.parse import unquote, urlsplit
 import pytest
 
 FAKE_COMMIT = "c0ffee0000000000000000000000000000000001"
-BYTE_RANGE = re.compile(r"^bytes=(\d+)-(\d+)$")
+BYTE_RANGE = re.compile(r"^bytes=(\d+)-(\d*)$")
 
 
 @dataclass
@@ -31,7 +32,11 @@ class FakeHub:
     requests: list[tuple[str, str]] = field(default_factory=list)
     # File name -> bytes served instead of the file's own (a tampered mirror); the listing keeps the true hash.
     tampered: dict[str, bytes] = field(default_factory=dict)
+    # When false, Range headers are ignored (the whole file is answered, status 200), as some mirrors do.
+    serves_ranges: bool = True
     url: str = ""
+    # File bytes sent in answers to resolve GETs, whole or ranged.
+    bytes_sent: int = 0
 
     def downloaded(self, repo_id: str) -> set[str]:
         """Names of the files of `repo_id` whose bytes were sent (GET of a resolve URL)."""
@@ -63,6 +68,7 @@ def _handler_for(hub: FakeHub):
         def _answer(self, *, send_body: bool) -> None:
             path = unquote(urlsplit(self.path).path)
             byte_range = BYTE_RANGE.match(self.headers.get("Range", "")) if self.command == "GET" else None
+            byte_range = byte_range if hub.serves_ranges else None
             hub.requests.append(("RANGE" if byte_range else self.command, path))
             for repo_id, folder in hub.repos.items():
                 if path in (f"/api/models/{repo_id}", f"/api/models/{repo_id}/revision/main",
@@ -79,8 +85,12 @@ def _handler_for(hub: FakeHub):
                         data = hub.tampered.get(name, (folder / name).read_bytes())
                         etag = hashlib.sha256(data).hexdigest()
                         if byte_range:
-                            first, last = int(byte_range.group(1)), int(byte_range.group(2))
-                            return self._bytes(data[first:last + 1], send_body, etag=etag, status=206)
+                            first = int(byte_range.group(1))
+                            last = min(int(byte_range.group(2) or len(data) - 1), len(data) - 1)
+                            hub.bytes_sent += last + 1 - first
+                            return self._bytes(data[first:last + 1], send_body, etag=etag, status=206,
+                                               content_range=f"bytes {first}-{last}/{len(data)}")
+                        hub.bytes_sent += len(data) if send_body else 0
                         return self._bytes(data, send_body, etag=etag)
             self.send_response(404)
             self.send_header("X-Error-Code", "EntryNotFound")
@@ -91,8 +101,11 @@ def _handler_for(hub: FakeHub):
             self._bytes(json.dumps(value).encode(), send_body, content_type="application/json")
 
         def _bytes(self, data: bytes, send_body: bool, *, etag: str | None = None,
-                   content_type: str = "application/octet-stream", status: int = 200) -> None:
+                   content_type: str = "application/octet-stream", status: int = 200,
+                   content_range: str | None = None) -> None:
             self.send_response(status)
+            if content_range is not None:
+                self.send_header("Content-Range", content_range)
             self.send_header("Content-Type", content_type)
             self.send_header("Content-Length", str(len(data)))
             self.send_header("X-Repo-Commit", FAKE_COMMIT)

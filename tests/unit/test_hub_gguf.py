@@ -1,6 +1,8 @@
-"""A hub id whose repository holds one GGUF instead of safetensors: a host downloads that file (checked against its
-listed SHA-256), sizes its range and loads it from the file, advertising the file's own digest; a repository of
-several GGUFs is refused naming them. Served by a local server that speaks the hub's protocol, never the real hub."""
+"""A hub id naming a GGUF (a repository holding one, or "owner/name:FILE.gguf" for one of several): a host sizes its
+range from the header read by byte ranges, a shard reads only its range's tensors and an orchestrator only the
+head's, each loading exactly what the whole file gives and advertising the file's own digest; the whole model is
+downloaded whole and checked against its listed SHA-256; bad names are refused in one line listing what the
+repository holds. Served by a local server that speaks the hub's protocol, never the real hub."""
 
 from __future__ import annotations
 
@@ -11,19 +13,25 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 
-from inference import CheckpointError, load_layer_range, resolve_model_path, weights_sha256
+from inference import CheckpointError, load_head, load_layer_range, resolve_model_path, weights_sha256
+from inference.gguf_checkpoint import open_reader
+from inference.gguf_parts import split_gguf
+from inference.hub_gguf import SPANS_FOLDER, coalesced_spans
 from inference.memory import layer_weight_bytes
 from inference.quantization import parse_quantization
 from services.common.config import HearthSettings
+from services.devtools.demo_model import resolve_demo_model
 from services.host.model_layout import model_layout
+from services.orchestrator.catalog import ModelCatalog
 from tests.runner_limits import RUNNER_KV_LIMITS
 
 from .gguf_files import write_tiny_gguf
-from .hub_server import fake_hub  # noqa: F401  (fixture)
+from .hub_server import FAKE_COMMIT, fake_hub  # noqa: F401  (fixture)
 from .inference_tiny_models import TINY_NUM_LAYERS, one_torch_thread  # noqa: F401  (fixture)
 
 REPO = "tiny-org/tiny-gguf"
 FILE = "tiny-Q8_0.gguf"
+OTHER_FILE = "tiny-Q4_0.gguf"
 
 
 @pytest.fixture
@@ -40,21 +48,60 @@ def served(fake_hub, tmp_path, monkeypatch):  # noqa: F811
     return fake_hub, repository / FILE
 
 
-def test_a_shard_downloads_the_one_gguf_and_loads_its_range_as_from_the_file(served, tmp_path):
+@pytest.fixture
+def two_ggufs(served, tmp_path):
+    """The repository holding a Q4_0 GGUF of another model beside the Q8_0 one; (hub, the Q4_0 file)."""
+    hub, original = served
+    (tmp_path / "other").mkdir()
+    path, _ = write_tiny_gguf(tmp_path / "other", "llama", GGMLQuantizationType.Q4_0, seed=1)
+    shutil.copyfile(path, original.with_name(OTHER_FILE))
+    return hub, original.with_name(OTHER_FILE)
+
+
+def _parameters(module) -> dict[str, torch.Tensor]:
+    return dict(module.named_parameters())
+
+
+def _assert_same_range(part, original, lo: int, hi: int) -> None:
+    ranged = _parameters(load_layer_range(part, lo, hi, **RUNNER_KV_LIMITS))
+    whole = _parameters(load_layer_range(original, lo, hi, **RUNNER_KV_LIMITS))
+    assert ranged.keys() == whole.keys() and ranged
+    assert all(torch.equal(ranged[name], whole[name]) for name in whole)
+
+
+def _assert_same_head(ranged, whole) -> None:
+    ids = ranged.encode_prompt("hello world")
+    assert ids == whole.encode_prompt("hello world") and ranged.eos_token_ids == whole.eos_token_ids
+    hidden = ranged.embed(ids)
+    assert torch.equal(hidden, whole.embed(ids)) and torch.equal(ranged.logits(hidden), whole.logits(hidden))
+
+
+def test_a_shard_reads_only_its_ranges_tensors_and_loads_them_as_from_the_file(served, tmp_path):
     hub, original = served
     path = resolve_model_path(REPO, needed_layers=(2, 3))
 
-    assert path.name == FILE and hub.downloaded(REPO) == {FILE}
-    assert torch.equal(*(dict(load_layer_range(p, 2, 3, **RUNNER_KV_LIMITS).named_parameters())
-                         ["model.layers.2.self_attn.q_proj.weight"] for p in (path, original)))
+    assert path.name == FILE and hub.downloaded(REPO) == set()  # no whole-file GET, byte ranges only
+    assert hub.bytes_sent < original.stat().st_size // 2
+    assert {tensor.name.split(".")[1] for tensor in open_reader(path).tensors} == {"2", "3"}
+    _assert_same_range(path, original, 2, 3)
     assert weights_sha256(path, cache_dir=tmp_path / "s1") == weights_sha256(original, cache_dir=tmp_path / "s2")
 
     hub.requests.clear()
-    again = resolve_model_path(REPO, needed_layers="head", local_files_only=True)
+    again = resolve_model_path(REPO, needed_layers=(2, 3), local_files_only=True)
     assert again == path and hub.requests == []
 
 
-def test_a_host_sizes_its_range_from_the_downloaded_gguf(served, tmp_path):
+def test_a_head_read_by_ranges_is_the_files_head_with_its_tokenizer(served, tmp_path):
+    hub, original = served
+    path = resolve_model_path(REPO, needed_layers="head")
+
+    assert hub.downloaded(REPO) == set() and hub.bytes_sent < original.stat().st_size
+    ranged, whole = load_head(path), load_head(original)
+    _assert_same_head(ranged, whole)
+    assert weights_sha256(path, cache_dir=tmp_path / "s1") == weights_sha256(original, cache_dir=tmp_path / "s2")
+
+
+def test_a_host_sizes_its_range_from_the_header_alone(served, tmp_path):
     hub, original = served
     scheme = parse_quantization("int8")
     layout = asyncio.run(model_layout(REPO, model_id=None, compute_dtype=torch.float32, scheme=scheme, nats_url=None,
@@ -64,23 +111,123 @@ def test_a_host_sizes_its_range_from_the_downloaded_gguf(served, tmp_path):
     assert layout.total_layers == TINY_NUM_LAYERS and layout.served_id == REPO
     assert layout.layer_bytes == [expected[index] for index in range(TINY_NUM_LAYERS)]
     assert layout.weights_sha256 == weights_sha256(original, cache_dir=tmp_path / "sums")
-    hub.requests.clear()
+    assert hub.downloaded(REPO) == set() and hub.bytes_sent < original.stat().st_size // 4
+
+    sized_with = hub.bytes_sent
     resolve_model_path(REPO, needed_layers=(0, 1))
-    assert hub.downloaded(REPO) == set()  # the file sizing downloaded is the one loaded
+    wanted = [tensor for tensor in split_gguf(original).tensors if tensor.layer in (0, 1)]
+    # Only the two layers' bytes: the header read for sizing is not read again.
+    assert hub.bytes_sent - sized_with == sum(last - first + 1 for first, last in coalesced_spans(wanted))
 
 
-def test_a_repository_of_several_ggufs_is_refused_naming_them(served):
-    hub, original = served
-    shutil.copyfile(original, original.with_name("tiny-Q4_0.gguf"))
+def test_an_id_naming_one_of_several_ggufs_serves_that_file(two_ggufs, tmp_path):
+    hub, other = two_ggufs
+    model = f"{REPO}:{OTHER_FILE}"
+    path = resolve_model_path(model, needed_layers=(4, 5))
+
+    assert path.name == OTHER_FILE and hub.downloaded(REPO) == set()
+    _assert_same_range(path, other, 4, 5)
+    other_digest = weights_sha256(other, cache_dir=tmp_path / "sums")
+    assert weights_sha256(path, cache_dir=tmp_path / "s1") == other_digest
+    layout = asyncio.run(model_layout(model, model_id=None, compute_dtype=torch.float32,
+                                      scheme=parse_quantization("none"), nats_url=None, settings=HearthSettings()))
+    assert layout.served_id == model and layout.weights_sha256 == other_digest
+
+
+def test_the_whole_model_of_a_named_gguf_is_downloaded_whole_and_checked(two_ggufs, tmp_path):
+    hub, other = two_ggufs
+    path = resolve_model_path(f"{REPO}:{OTHER_FILE}")
+
+    assert hub.downloaded(REPO) == {OTHER_FILE} and path.read_bytes() == other.read_bytes()
+    hub.requests.clear()
+    assert resolve_model_path(f"{REPO}:{OTHER_FILE}", needed_layers=(0, 1)) == path  # the whole file serves ranges
+    assert hub.requests == []
+    demo_model = resolve_demo_model(f"{REPO}:{OTHER_FILE}")  # the demo and bench take it once it is here
+    assert demo_model.path == path and demo_model.num_layers == TINY_NUM_LAYERS and hub.requests == []
+
+
+def test_a_plain_id_of_several_ggufs_is_refused_naming_them_and_the_form(two_ggufs):
+    hub, _ = two_ggufs
     with pytest.raises(CheckpointError) as refused:
         resolve_model_path(REPO, needed_layers=(0, 1))
     message = str(refused.value)
-    assert "\n" not in message and "several GGUF files (tiny-Q4_0.gguf, tiny-Q8_0.gguf)" in message
-    assert hub.downloaded(REPO) == set()
+    assert "\n" not in message and f"several GGUF files ({OTHER_FILE}, {FILE})" in message
+    assert f"{REPO}:{OTHER_FILE}" in message and hub.bytes_sent == 0
 
 
-def test_a_tampered_gguf_is_refused_with_one_line(served):
+@pytest.mark.parametrize("needed", [(0, 1), None])
+def test_a_file_the_repository_lacks_is_refused_listing_what_it_holds(two_ggufs, needed):
+    hub, _ = two_ggufs
+    with pytest.raises(CheckpointError) as refused:
+        resolve_model_path(f"{REPO}:tiny-Q5_K.gguf", needed_layers=needed)
+    message = str(refused.value)
+    assert "\n" not in message and hub.bytes_sent == 0
+    assert f"no file tiny-Q5_K.gguf: the repository holds the GGUF files {OTHER_FILE}, {FILE}" in message
+
+
+def test_a_server_answering_without_ranges_gets_the_file_downloaded_whole_and_checked(served):
+    hub, original = served
+    hub.serves_ranges = False
+    path = resolve_model_path(REPO, needed_layers=(2, 3))
+
+    assert hub.downloaded(REPO) == {FILE} and path.read_bytes() == original.read_bytes()
+
+
+def test_a_tampered_whole_download_is_refused_with_one_line(served):
     hub, original = served
     hub.tampered[FILE] = original.read_bytes()[:-64] + b"\0" * 64
     with pytest.raises(CheckpointError, match=f"{FILE} does not match its listed SHA-256"):
+        resolve_model_path(f"{REPO}:{FILE}")
+
+
+def _parts_folder(file: str):
+    from inference.hub_fetch import HUB_GGUF_PARTS_FOLDER, hub_partial_root
+
+    return hub_partial_root(REPO) / FAKE_COMMIT / HUB_GGUF_PARTS_FOLDER / file
+
+
+def test_a_mirror_serving_a_file_of_another_size_is_refused(served):
+    hub, original = served
+    hub.tampered[FILE] = original.read_bytes() + b"\0" * 64
+    with pytest.raises(CheckpointError, match=f"{FILE}: asked for bytes 0-.* the server sent bytes 0-"):
         resolve_model_path(REPO, needed_layers=(0, 1))
+
+
+def test_a_header_past_the_bound_is_refused_in_one_line(served, monkeypatch):
+    hub, _ = served
+    monkeypatch.setattr("inference.hub_gguf.HEADER_FIRST_READ_BYTES", 512)
+    monkeypatch.setattr("inference.hub_gguf.MAX_GGUF_HEADER_BYTES", 2048)
+    with pytest.raises(CheckpointError, match=f"{FILE}'s header is longer than 2048 bytes") as refused:
+        resolve_model_path(REPO, needed_layers=(0, 1))
+    assert "\n" not in str(refused.value) and hub.bytes_sent <= 2048
+
+
+def test_an_interrupted_span_is_resumed_where_it_ended(served):
+    hub, original = served
+    resolve_model_path(REPO, needed_layers=(0, 0))  # the header is kept; what follows reads only spans
+    wanted = [tensor for tensor in split_gguf(original).tensors if tensor.layer == 1]
+    [(first, last)] = coalesced_spans(wanted)
+    spans = _parts_folder(FILE) / SPANS_FOLDER
+    spans.mkdir(parents=True, exist_ok=True)
+    already = (last - first + 1) // 2
+    (spans / f"{first}-{last}.part").write_bytes(original.read_bytes()[first:first + already])
+    before = hub.bytes_sent
+
+    path = resolve_model_path(REPO, needed_layers=(1, 1))
+    assert hub.bytes_sent - before == last - first + 1 - already
+    _assert_same_range(path, original, 1, 1)
+
+
+async def test_an_orchestrator_given_a_gguf_hub_id_fetches_only_the_head(two_ggufs, tmp_path):
+    hub, other = two_ggufs
+    model = f"{REPO}:{OTHER_FILE}"
+    catalog = ModelCatalog([])
+    try:
+        loaded = await catalog.get(model)
+    finally:
+        catalog.close()
+
+    assert loaded.model_id == model and hub.downloaded(REPO) == set()
+    assert hub.bytes_sent < other.stat().st_size
+    assert loaded.weights_sha256 == weights_sha256(other, cache_dir=tmp_path / "sums")
+    _assert_same_head(loaded.head, load_head(other))

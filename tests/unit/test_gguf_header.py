@@ -1,0 +1,65 @@
+"""A GGUF header parsed from leading bytes alone: the same split as the whole file's, a short buffer answered with
+how many bytes it needs, and a file hearth does not read refused in one line before any tensor byte is fetched."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+from gguf import GGMLQuantizationType
+
+from inference import CheckpointError
+from inference.gguf_header import HeaderIncomplete, parse_gguf_header
+from inference.gguf_parts import GGUFPartTensor, split_gguf
+from inference.hub_gguf import coalesced_spans
+
+from .gguf_files import write_tiny_gguf
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    path, _ = write_tiny_gguf(tmp_path_factory.mktemp("gguf"), "llama", GGMLQuantizationType.Q4_1)
+    return path
+
+
+def test_the_header_parses_to_the_whole_files_split(tiny_gguf):
+    data = tiny_gguf.read_bytes()
+    split = split_gguf(tiny_gguf)
+    parsed = parse_gguf_header(data[:split.header_bytes], len(data), tiny_gguf.name)
+    assert parsed.split == split and parsed.architecture == "llama"
+
+
+def test_a_short_buffer_says_how_many_bytes_it_needs(tiny_gguf):
+    data = tiny_gguf.read_bytes()
+    header_bytes = split_gguf(tiny_gguf).header_bytes
+    for length in (0, 3, 20, header_bytes // 3, header_bytes // 2, header_bytes - 40):
+        with pytest.raises(HeaderIncomplete) as short:
+            parse_gguf_header(data[:length], len(data), tiny_gguf.name)
+        assert length < short.value.needed <= header_bytes
+
+
+@pytest.mark.parametrize(("change", "refusal"), [
+    (lambda data: b"GGML" + data[4:], "no GGUF magic"),
+    (lambda data: data[:4] + struct.pack(">I", 3) + data[8:], "little-endian GGUF versions 2 and 3"),
+])
+def test_a_file_hearth_does_not_read_is_refused_in_one_line(tiny_gguf, change, refusal):
+    data = change(tiny_gguf.read_bytes())
+    with pytest.raises(CheckpointError, match=refusal) as refused:
+        parse_gguf_header(data, len(data), tiny_gguf.name)
+    assert "\n" not in str(refused.value)
+
+
+def test_a_file_shorter_than_its_tensor_table_says_is_refused_as_truncated(tiny_gguf):
+    data = tiny_gguf.read_bytes()
+    with pytest.raises(CheckpointError, match="is truncated: tensor output.weight ends past the end of the file"):
+        parse_gguf_header(data, len(data) - 1, tiny_gguf.name)
+
+
+def _tensor(start: int, n_bytes: int) -> GGUFPartTensor:
+    return GGUFPartTensor(name=f"t{start}", layer=0, block_type="F32", shape=(n_bytes // 4,), info_start=0,
+                          info_end=8, data_start=start, n_bytes=n_bytes)
+
+
+def test_neighbouring_tensors_are_fetched_in_one_span_whatever_their_order():
+    tensors = [_tensor(10_000, 100), _tensor(0, 64), _tensor(96, 32), _tensor(50_000, 8)]
+    assert coalesced_spans(tensors) == [(0, 127), (10_000, 10_099), (50_000, 50_007)]
