@@ -3,10 +3,13 @@
 A hub namespace (for the broker and the orchestrator) and one namespace per household, joined by veth links to a
 bridge in the hub, addresses from 198.18.0.0/24 that exist only inside those namespaces. While it is up, run
 processes inside with `ip netns exec NAME ...` (printed below), cut a household's link with
-`ip -n HUB link set to-hN down` (and `up` to heal it). Links may be shaped to a bandwidth (tc tbf); latency is
-not shaped yet. Needs root.
+`ip -n HUB link set to-hN down` (and `up` to heal it). Links may be shaped to a bandwidth (tc tbf); with
+`--relay-to PORT` each household reaches PORT on the hub's address through a latency relay adding `--rtt-ms`
+(services/devtools/netbed_relay.py; start the broker on that port in the hub, households dial the printed URL).
+Needs root.
 
-Usage: sudo .venv/bin/python scripts/netbed.py [--households 3] [--rate-mbit 100] [--hold-s 0] [--sweep]
+Usage: sudo .venv/bin/python scripts/netbed.py [--households 3] [--rate-mbit 100] [--relay-to 4222 --rtt-ms 10]
+       [--hold-s 0] [--sweep]
 """
 
 from __future__ import annotations
@@ -27,6 +30,9 @@ def main() -> int:
     parser.add_argument("--households", type=int, default=3, help=f"households to make (1-{max_households})")
     parser.add_argument("--rate-mbit", type=float, default=None,
                         help="shape every household's link to this many Mbit/s each way (default: unshaped)")
+    parser.add_argument("--relay-to", type=int, default=None, metavar="PORT",
+                        help="relay each household to PORT on the hub's address (default: no relay)")
+    parser.add_argument("--rtt-ms", type=float, default=0.0, help="the round-trip time each relayed link adds")
     parser.add_argument("--hold-s", type=float, default=0.0,
                         help="remove the bed after this many seconds (default 0: hold until Ctrl-C)")
     parser.add_argument("--sweep", action="store_true",
@@ -46,16 +52,23 @@ def main() -> int:
     if options.rate_mbit is not None and not options.rate_mbit > 0:
         print(f"netbed: --rate-mbit must be above 0, not {options.rate_mbit}", file=sys.stderr)
         return 2
+    if options.rtt_ms < 0 or (options.rtt_ms and options.relay_to is None):
+        print("netbed: --rtt-ms needs --relay-to PORT and is at least 0", file=sys.stderr)
+        return 2
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())
     with NetBed(options.households) as bed:
         if options.rate_mbit is not None:
             for index in range(options.households):
                 bed.shape(index, options.rate_mbit)
+        if options.relay_to is not None:
+            bed.start_relay(options.relay_to, options.rtt_ms)
         print(f"hub        {bed.hub.namespace:<24} {bed.hub.address}")
         for index, household in enumerate(bed.households):
             print(f"household {index} {household.namespace:<24} {household.address}  "
-                  f"(cut: ip -n {bed.hub.namespace} link set {bed.hub_port(index)} down)")
+                  f"(cut: ip -n {bed.hub.namespace} link set {bed.hub_port(index)} down)"
+                  + (f"  broker via {bed.relay_url(index)} (+{options.rtt_ms:g} ms RTT)"
+                     if options.relay_to is not None else ""))
         print(f"run a process inside: {' '.join(bed.hub.exec_prefix())} COMMAND", flush=True)
         try:
             done.wait(options.hold_s or None)

@@ -18,6 +18,8 @@ import secrets
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 
 from services.broker.server import (
@@ -70,13 +72,14 @@ class ClusterNodeServer(EmbeddedNatsServer):
     authorization and TLS blocks; the node's own settings reach that file as HEARTH_NATS_* variables."""
 
     def __init__(self, *, name: str, routes: list[str], route_password: str, cluster_listen: str,
-                 monitor_port: int | None = None, **server_options) -> None:
+                 monitor_port: int | None = None, monitor_host: str = loopback_host, **server_options) -> None:
         super().__init__(**server_options)
         self.name = name
         self.routes = list(routes)
         self.route_password = route_password
         self.cluster_listen = cluster_listen
         self.monitor_port = monitor_port or free_tcp_port()
+        self.monitor_host = monitor_host
 
     def render_config(self) -> str:
         # nats-server resolves `include` relative to the including file only.
@@ -89,7 +92,7 @@ class ClusterNodeServer(EmbeddedNatsServer):
         values = {
             "NAME": self.name,
             "LISTEN": f"{self.host}:{self.port}",
-            "MONITOR": f"127.0.0.1:{self.monitor_port}",
+            "MONITOR": f"{self.monitor_host}:{self.monitor_port}",
             "STORE": str((self.store_dir / "jetstream").resolve()),
             "CLUSTER_LISTEN": self.cluster_listen,
             "ROUTE_PASSWORD": self.route_password,
@@ -101,7 +104,7 @@ class ClusterNodeServer(EmbeddedNatsServer):
 
     def monitor(self, endpoint: str) -> dict:
         """GET one of the node's monitoring endpoints (`jsz`, `routez`, ...) as JSON."""
-        url = f"http://127.0.0.1:{self.monitor_port}/{endpoint}"
+        url = f"http://{self.monitor_host}:{self.monitor_port}/{endpoint}"
         with urllib.request.urlopen(url, timeout=monitor_request_timeout_s) as response:
             return json.loads(response.read())
 
@@ -126,24 +129,36 @@ class ClusterNodeServer(EmbeddedNatsServer):
 
 
 class EmbeddedNatsCluster:
-    """`size` clustered nodes on this machine (loopback routes); `url` lists every node's client URL."""
+    """`size` clustered nodes on this machine (loopback routes); `url` lists every node's client URL.
+
+    `node_hosts` gives each node an address of its own (its client, route and monitoring listeners; the ports
+    must then be given too), and `start_in(i)` a context node i starts inside: the nodes of a test bed's
+    households, each in its namespace (services/devtools/netbed.py)."""
 
     def __init__(self, size: int = DEFAULT_CLUSTER_SIZE, *, store_dir: str | Path, host: str = loopback_host,
                  ports: list[int] | None = None, cluster_ports: list[int] | None = None,
                  monitor_ports: list[int] | None = None, route_password: str | None = None,
                  authorization: str | None = None, tls_block: str | None = None,
-                 start_new_session: bool = False) -> None:
+                 start_new_session: bool = False, node_hosts: list[str] | None = None,
+                 start_in: Callable[[int], AbstractContextManager] | None = None) -> None:
         if size < DEFAULT_CLUSTER_SIZE:
             raise ValueError(f"a cluster needs at least {DEFAULT_CLUSTER_SIZE} nodes (JetStream keeps 3 replicas)")
+        if node_hosts is not None and (len(node_hosts) != size or not (ports and cluster_ports and monitor_ports)):
+            raise ValueError("node_hosts needs one address per node and the nodes' ports")
         ports = ports or [free_tcp_port() for _ in range(size)]
         cluster_ports = cluster_ports or [free_tcp_port() for _ in range(size)]
         monitor_ports = monitor_ports or [free_tcp_port() for _ in range(size)]
-        routes = [f"127.0.0.1:{port}" for port in cluster_ports]
+        hosts = node_hosts or [host] * size
+        route_hosts = node_hosts or ["127.0.0.1"] * size
+        monitor_hosts = node_hosts or [loopback_host] * size
+        routes = [f"{route_host}:{port}" for route_host, port in zip(route_hosts, cluster_ports)]
         password = route_password or random_route_password()
+        self.start_in = start_in or (lambda index: nullcontext())
         self.nodes = [
             ClusterNodeServer(name=f"nats-{index}", routes=routes, route_password=password,
-                              cluster_listen=routes[index], monitor_port=monitor_ports[index], port=ports[index],
-                              host=host, store_dir=Path(store_dir) / f"nats-{index}", authorization=authorization,
+                              cluster_listen=routes[index], monitor_port=monitor_ports[index],
+                              monitor_host=monitor_hosts[index], port=ports[index], host=hosts[index],
+                              store_dir=Path(store_dir) / f"nats-{index}", authorization=authorization,
                               tls_block=tls_block, start_new_session=start_new_session)
             for index in range(size)
         ]
@@ -160,8 +175,9 @@ class EmbeddedNatsCluster:
     def start(self, healthy_timeout_s: float = cluster_healthy_timeout_s) -> "EmbeddedNatsCluster":
         """Start every node, then wait until each has joined the cluster (its /healthz says ok)."""
         try:
-            for node in self.nodes:
-                node.start()
+            for index, node in enumerate(self.nodes):
+                with self.start_in(index):
+                    node.start()
             for node in self.nodes:
                 node.wait_healthy(healthy_timeout_s)
         except BaseException:

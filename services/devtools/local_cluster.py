@@ -250,7 +250,8 @@ class LocalCluster:
 
     def _spawn(self, name: str, args: list[str], *, wait_ready: bool = True, writes_ready_file: bool = True,
                member: tuple[str, Role] | None = None, env: dict[str, str] | None = None,
-               cpus: Sequence[int] | None = None, command_prefix: Sequence[str] = ()) -> ManagedProcess:
+               cpus: Sequence[int] | None = None, command_prefix: Sequence[str] = (),
+               nats_url: str | None = None) -> ManagedProcess:
         if self.nats_url is None:
             raise ClusterError("start NATS (or give nats_url) before starting hearth processes")
         log_path = self.work_dir / f"{name}.log"
@@ -258,8 +259,8 @@ class LocalCluster:
         ready_file.unlink(missing_ok=True)
         credentials = self.credentials_env(self.member_key(*member) if member else None)
         env = {**os.environ, **quiet_torch_environment(self.torch_threads), **self.extra_env, **credentials,
-               "HEARTH_NATS_URL": self.nats_url, "PYTHONUNBUFFERED": "1", **(env or {})}
-        hearth_args = ["--log-level", self.log_level, *args, "--nats", self.nats_url]
+               "HEARTH_NATS_URL": nats_url or self.nats_url, "PYTHONUNBUFFERED": "1", **(env or {})}
+        hearth_args = ["--log-level", self.log_level, *args, "--nats", nats_url or self.nats_url]
         if writes_ready_file:
             hearth_args += ["--ready-file", str(ready_file)]
         metrics_port = _metrics_port_in(args)
@@ -306,16 +307,17 @@ class LocalCluster:
 
     def start_shard(self, model: str, lo: int, hi: int, *, node_id: str, extra_args: list[str] = (),
                     wait_ready: bool = True, cpus: Sequence[int] | None = None,
-                    command_prefix: Sequence[str] = ()) -> ManagedProcess:
+                    command_prefix: Sequence[str] = (), nats_url: str | None = None) -> ManagedProcess:
         """`hearth shard` serving layers lo..hi; `cpus`: the cores it may run on (None: any); `command_prefix`:
-        what it runs behind (services/devtools/netbed.py: a household's namespace)."""
+        what it runs behind (services/devtools/netbed.py: a household's namespace); `nats_url`: the broker it
+        dials instead of the cluster's (a household's latency relay)."""
         args = ["shard", "--model", model, "--layers", f"{lo}-{hi}", "--node-id", node_id,
                 "--busy-threads", str(shared_machine_busy_threads), *extra_args]
         if self.torch_threads:
             args += ["--torch-threads", str(self.torch_threads)]
         return self._spawn(f"shard-{node_id}-{lo}-{hi}", args, wait_ready=wait_ready, member=(node_id, "shard"),
                            cpus=cpus, env=self.shared_machine_shard_env(cpus, _device_argument(args)),
-                           command_prefix=command_prefix)
+                           command_prefix=command_prefix, nats_url=nats_url)
 
     def start_host(self, model: str, memory_budget_mb: float, *, node_id: str, extra_args: list[str] = (),
                    wait_ready: bool = True) -> ManagedProcess:

@@ -5,8 +5,9 @@ the hub by a veth pair whose hub end is a port of a bridge in the hub. Every add
 range 198.18.0.0/15 and exists only inside the namespaces the bed creates: nothing is added to, or routed
 through, the machine's own network namespace, and the veth pairs are created inside the bed's namespaces, so no
 interface of the machine's is ever touched. A link can be cut and healed (`ip link set ... down/up` on its hub
-end, the processes behind it left running) and shaped to a bandwidth (`tc` tbf on both ends; netem, and with
-it added latency, does not exist on every kernel, so latency is not shaped here yet).
+end, the processes behind it left running) and shaped to a bandwidth (`tc` tbf on both ends). netem, and with it
+a kernel-added delay, does not exist on every kernel: a household's broker connection is given its round-trip time by
+a relay in the hub (`start_relay`, services/devtools/netbed_relay.py) that the household dials instead of the broker.
 
 Names carry the creating process's pid, so parallel runs never meet; `close()` (also run at exit) deletes the
 namespaces and with them every link, and `sweep_stale()` deletes what a run that was killed left behind.
@@ -28,6 +29,8 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from services.devtools.netbed_relay import Link, RelayProcess
+
 # The benchmarking range (RFC 2544): never routed on the internet, and here only inside the bed's namespaces.
 BED_NETWORK = ipaddress.ip_network("198.18.0.0/24")
 HUB_ADDRESS = BED_NETWORK.network_address + 1
@@ -46,6 +49,9 @@ shaping_bucket_ticks_per_s = 100
 shaping_smallest_bucket_bytes = 16 * 1024
 # How long a packet may wait in a shaped queue before it is dropped (tbf's `latency`).
 shaping_queue_latency_ms = 50
+# Household i's relay port on the hub's address (start_relay); the hub's namespace is the bed's own, so fixed
+# ports never meet another run's.
+relay_base_port = 14000
 _CLONE_NEWNET = 0x40000000
 _NETNS_DIR = "/var/run/netns"
 _bed_numbers = itertools.count()
@@ -124,6 +130,12 @@ class NetBed:
         self.households = [Place(f"{stem}-h{index}", str(HUB_ADDRESS + first_household_host - 1 + index))
                            for index in range(households)]
         self._made: list[str] = []
+        self.relays: list[RelayProcess] = []
+
+    @staticmethod
+    def relay_port(index: int) -> int:
+        """The port on the hub's address where household `index` reaches the broker through a relay."""
+        return relay_base_port + index
 
     @staticmethod
     def hub_port(index: int) -> str:
@@ -190,11 +202,33 @@ class NetBed:
         _run("ip", "netns", "exec", self.households[index].namespace, "tc", "qdisc", "replace", "dev",
              HOUSEHOLD_INTERFACE, *tbf)
 
+    def shaped_counters(self, index: int) -> dict[str, int]:
+        """What household `index`'s outgoing shaper has done so far: bytes `sent`, packets `dropped`, and
+        `overlimits` (packets that had to wait for tokens: the link held them back)."""
+        shown = subprocess.run(["ip", "netns", "exec", self.households[index].namespace, "tc", "-s", "qdisc", "show",
+                                "dev", HOUSEHOLD_INTERFACE], capture_output=True, text=True,
+                               timeout=ip_command_timeout_s).stdout
+        match = re.search(r"Sent (\d+) bytes \d+ pkt \(dropped (\d+), overlimits (\d+)", shown)
+        if "tbf" not in shown or match is None:
+            raise NetBedError(f"household {index}'s link is not shaped: {shown.strip()}")
+        return dict(zip(("sent", "dropped", "overlimits"), map(int, match.groups())))
+
     def unshape(self, index: int) -> None:
         for namespace, device in ((self.hub.namespace, self.hub_port(index)),
                                   (self.households[index].namespace, HOUSEHOLD_INTERFACE)):
             subprocess.run(["ip", "netns", "exec", namespace, "tc", "qdisc", "del", "dev", device, "root"],
                            capture_output=True, timeout=ip_command_timeout_s)
+
+    def start_relay(self, upstream_port: int, rtt_ms: float = 0.0) -> RelayProcess:
+        """A latency relay in the hub: household i dials `relay_url(i)` and reaches `upstream_port` on the hub's
+        address with `rtt_ms` added (change it per household with the relay's `set_rtt(relay_port(i), ms)`)."""
+        links = [Link(self.relay_port(index), upstream_port, rtt_ms) for index in range(len(self.households))]
+        relay = RelayProcess(self.hub.address, links, self.hub.exec_prefix())
+        self.relays.append(relay)
+        return relay
+
+    def relay_url(self, index: int, scheme: str = "nats") -> str:
+        return f"{scheme}://{self.hub.address}:{self.relay_port(index)}"
 
     @contextlib.contextmanager
     def entered(self, place: Place) -> Iterator[None]:
@@ -216,6 +250,8 @@ class NetBed:
     def close(self) -> None:
         """Delete every namespace this bed made (their links and bridge go with them); safe to call twice."""
         atexit.unregister(self.close)
+        while self.relays:
+            self.relays.pop().stop()
         while self._made:
             subprocess.run(["ip", "netns", "del", self._made.pop()], capture_output=True)
 
