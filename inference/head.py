@@ -177,9 +177,11 @@ class Head:
         return list(self.tokenizer(text)["input_ids"])
 
     def encode_chat(
-        self, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = True
+        self, messages: Sequence[Mapping[str, str]], *, add_generation_prompt: bool = True,
+        tools: Sequence[Mapping] | None = None,
     ) -> list[int]:
-        """Token ids of a conversation through the chat template (assistant prompt appended).
+        """Token ids of a conversation through the chat template (assistant prompt appended; `tools`: the
+        functions the model may call, as OpenAI describes them, for the template to render).
 
         Message text is untrusted: a control token written in it (``<|im_start|>``, an end-of-turn marker, the
         eos) is encoded as plain text, so only the markers the template writes itself are control tokens and a
@@ -198,6 +200,7 @@ class Head:
             raise InferenceError(f"{self.info.model_id} has no chat template; send a raw prompt instead")
         encoded = self.tokenizer.apply_chat_template(
             [dict(m) for m in messages],
+            tools=[dict(tool) for tool in tools] if tools else None,
             add_generation_prompt=add_generation_prompt,
             tokenize=True,
             sanitize_control_tokens=True,

@@ -5,12 +5,15 @@ Order (vLLM's, which keeps OpenAI's "bias, then presence/frequency"): `logit_bia
 SequenceBiasLogitsProcessor with one-token sequences), then the repetition penalty divides the logits of every token
 in the prompt or generated so far (multiplies the negative ones: transformers' RepetitionPenaltyLogitsProcessor, the
 CTRL penalty), then OpenAI's penalties subtract ``count * frequency_penalty + (count > 0) * presence_penalty`` by the
-counts of generated tokens (transformers has no processor for these). Temperature, top-k and top-p follow as for any
-call (inference/sampling.py).
+counts of generated tokens (transformers has no processor for these). A call with a grammar (`response_format`,
+tools: inference/grammar.py) then has every token its grammar forbids next set to -inf. Temperature, top-k and
+top-p follow as for any call (inference/sampling.py).
 
-Reported log-probabilities are the log-softmax of the shaped logits, before temperature, top-k and top-p: they say
-how likely the model (biased and penalised as asked) finds each token whatever the sampling settings, and with no
-bias or penalty they are the model's own next-token log-softmax (what `generate(output_logits=True)` gives).
+Reported log-probabilities are the log-softmax of the shaped logits (the grammar's mask included), before
+temperature, top-k and top-p: they say how likely the model (biased, penalised and constrained as asked) finds each
+token whatever the sampling settings, and with no bias, penalty or grammar they are the model's own next-token
+log-softmax (what `generate(output_logits=True)` gives). With a grammar they are those of the distribution the token
+was drawn from: a token the grammar forbids is reported at -9999.0 (OpenAI's floor) however likely the model found it.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from dataclasses import dataclass
 import torch
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor
 
+from .grammar import GrammarState
 from .sampling import SamplingParams, sample_token
 
 
@@ -35,10 +39,13 @@ class StepLogprobs:
 
 class LogitShaping:
     """The per-call state the options need: the call's prompt and generated tokens (read, never copied: the call's
-    own lists, which grow as it samples) and the log-probabilities of its last step (``last``)."""
+    own lists, which grow as it samples), its grammar's matcher (None: unconstrained) and the log-probabilities of
+    its last step (``last``)."""
 
-    def __init__(self, params: SamplingParams, prompt_ids: Sequence[int], generated: Sequence[int]) -> None:
+    def __init__(self, params: SamplingParams, prompt_ids: Sequence[int], generated: Sequence[int],
+                 grammar: GrammarState | None = None) -> None:
         self.params = params
+        self.grammar = grammar
         self._prompt_ids = prompt_ids
         self._generated = generated
         self._repetition = (RepetitionPenaltyLogitsProcessor(float(params.repetition_penalty))
@@ -52,6 +59,8 @@ class LogitShaping:
         """The next token for 1-D logits ``[vocab]`` (sampled as ``sample_token`` does from the shaped logits), its
         log-probabilities kept in ``last`` when the call asked for them."""
         scores = self.shape(logits) if self.params.shapes_logits else logits
+        if self.grammar is not None:
+            scores = self.grammar.mask(scores)
         token_id = sample_token(scores, self.params, generator)
         self.last = self.logprobs_of(scores, token_id) if self.params.logprobs else None
         return token_id

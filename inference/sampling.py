@@ -100,9 +100,10 @@ def sample_token(
         return int(torch.argmax(logits))
     # The request's generator is a CPU one (reproducible whatever device computed the logits).
     scores = logits.float().cpu() / params.temperature
-    if not bool(torch.isfinite(scores).all()):
+    if bool(torch.isposinf(scores).any()) or not bool(torch.isfinite(scores).any()):
         # A temperature so small (1e-300) that the division overflows float32 puts all the probability on the
         # best token: the limit of sampling as the temperature goes to 0, which every top-k/top-p filter keeps.
+        # (-inf alone is no overflow: a grammar's mask forbids tokens that way.)
         return int(torch.argmax(logits))
     if params.top_k > 0 and params.top_k < scores.numel():
         kth_best = torch.topk(scores, params.top_k).values[-1]

@@ -8,6 +8,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
+from protocol.chat_tools import ResponseFormat, ToolCallList, ToolChoice, ToolList
 from protocol.quantization_labels import QUANTIZATION_LABEL_PATTERN
 
 max_tokens_limit = 8192
@@ -35,6 +36,10 @@ def _not_subnormal(value: float) -> float:
     return value
 
 
+def _is_none(value: object) -> bool:
+    return value is None
+
+
 # Finite (no NaN, no Infinity) and not subnormal: what a sampling parameter may be.
 FiniteFloat = Annotated[float, Field(allow_inf_nan=False), AfterValidator(_not_subnormal)]
 StopString = Annotated[str, Field(min_length=1, max_length=max_stop_chars)]
@@ -53,10 +58,32 @@ VerifyLevel = Literal["none", "sampled", "all", "vote"]
 
 
 class ChatMessage(BaseModel):
+    """One turn: `tool_calls` only on an assistant's (the calls it made), `tool_call_id` only and always on a
+    `tool` message (the answer to that call; its content is the tool's result)."""
+
     model_config = ConfigDict(extra="forbid")
 
-    role: Literal["system", "user", "assistant"]
-    content: str = Field(max_length=max_prompt_chars)
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str = Field(default="", max_length=max_prompt_chars)
+    tool_calls: ToolCallList | None = Field(default=None, exclude_if=_is_none)
+    tool_call_id: str | None = Field(default=None, min_length=1, max_length=128, exclude_if=_is_none)
+
+    @model_validator(mode="after")
+    def _tool_fields_on_their_roles(self) -> "ChatMessage":
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only an assistant message carries 'tool_calls'")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise ValueError("a 'tool' message, and only one, carries 'tool_call_id'")
+        return self
+
+    def for_template(self) -> dict:
+        """The message as chat templates read it (tool calls' arguments as objects)."""
+        message: dict = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            message["tool_calls"] = [call.for_template() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
 
 
 class ChatParams(BaseModel):
@@ -101,7 +128,29 @@ class ChatRequest(BaseModel):
     logit_bias: dict[BiasedTokenId, LogitBias] = Field(
         default_factory=dict, max_length=max_logit_bias_entries,
         json_schema_extra={"propertyNames": {"pattern": "^[0-9]+$"}})
+    # `json_object` or `json_schema`: the answer is JSON (valid against the schema), forced by a grammar.
+    response_format: ResponseFormat | None = Field(default=None, exclude_if=_is_none)
+    # Functions the model may call (its chat template renders them); `tool_choice` says whether it must.
+    tools: ToolList | None = Field(default=None, exclude_if=_is_none)
+    tool_choice: ToolChoice | None = Field(default=None, exclude_if=_is_none)
     params: ChatParams = Field(default_factory=ChatParams)
+
+    @model_validator(mode="after")
+    def _tools_agree(self) -> "ChatRequest":
+        choice = self.tool_choice
+        if choice not in (None, "none") and not self.tools:
+            raise ValueError("'tool_choice' other than 'none' needs 'tools'")
+        if choice is not None and not isinstance(choice, str):
+            names = {tool.function.name for tool in self.tools or []}
+            if choice.function.name not in names:
+                raise ValueError(f"'tool_choice' names function {choice.function.name!r}, which 'tools' does not")
+        if self.tools and self.messages is None:
+            raise ValueError("'tools' need 'messages': a raw 'prompt' has no chat template to render them")
+        calls_tools = bool(self.tools) and choice != "none"
+        if calls_tools and self.response_format is not None and self.response_format.type != "text":
+            raise ValueError("'response_format' other than text cannot be combined with 'tools' (set "
+                             "'tool_choice': 'none' or leave one out)")
+        return self
 
     @model_validator(mode="after")
     def _exactly_one_input(self) -> "ChatRequest":
@@ -151,10 +200,6 @@ class PipelineFrame(_Frame):
     type: Literal["pipeline"] = "pipeline"
     pipeline_id: str
     hops: list[str]
-
-
-def _is_none(value: object) -> bool:
-    return value is None
 
 
 class TokenAlternative(BaseModel):

@@ -44,6 +44,7 @@ options:
                               subscribe only to _INBOX.NAME.>, so pass _INBOX.NAME with --creds
   --model ID                  model to ask for (default: the mesh's default_model)
   --max-tokens N              tokens to generate (default 16)
+  --response-format JSON      the request's response_format, e.g. '{"type": "json_object"}' (default: text)
   --connect-timeout S         seconds to connect, and to wait for the llm.models reply (default 10)
   --first-frame-timeout S     seconds to wait for the first frame (default 10)
   --silence-timeout S         seconds to wait between frames; keepalives reset it (default 2.5)
@@ -62,6 +63,7 @@ const OPTIONS = {
   "inbox-prefix": { type: "string" }, // default: nats.js's _INBOX
   model: { type: "string" }, // default: leave `model` out, so the mesh's default_model serves the call
   "max-tokens": { type: "string", default: "16" },
+  "response-format": { type: "string" }, // JSON of llm.chat.request's response_format; default: text
   "connect-timeout": { type: "string", default: "10" }, // seconds; also the wait for the llm.models reply
   "first-frame-timeout": { type: "string", default: "10" }, // [client] first_frame_timeout_s
   "silence-timeout": { type: "string", default: "2.5" }, // [client] silence_timeout_s (keepalives reset it)
@@ -279,12 +281,19 @@ async function main() {
       throw new Failure(`the mesh has no default model; pass --model (served: ${served})`);
     }
     const maxTokens = Number(opts["max-tokens"]);
+    let responseFormat;
+    try {
+      responseFormat = opts["response-format"] ? JSON.parse(opts["response-format"]) : undefined;
+    } catch (err) {
+      throw new Failure(`--response-format is not JSON: ${err.message}`);
+    }
     const request = {
       request_id: `node-${randomUUID()}`,
       ...(opts.model ? { model: opts.model } : {}),
       prompt,
       max_tokens: opts["self-test-invalid"] ? String(maxTokens) : maxTokens,
       temperature: 0,
+      ...(responseFormat ? { response_format: responseFormat } : {}),
     };
     check(schemaFile((e) => e.subject === CHAT_REQUEST_SUBJECT, CHAT_REQUEST_SUBJECT), request, "the chat request");
     const frames = await streamChat(nc, request, keyPair);

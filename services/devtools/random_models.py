@@ -4,6 +4,11 @@
 written with save_pretrained to ``$HEARTH_CACHE_DIR`` (default ~/.cache/hearth)/random-models/<shape>,
 with a word-level tokenizer (token i is the word ``t<i>``) so prompts have exactly the requested length
 and no end-of-sequence token, so every generation runs to its full length.
+
+The highest ids are not words: the printable ASCII characters, space and newline (so that a grammar can spell JSON
+with them, docs/gateway.md "Structured output") and the two control tokens of a minimal ChatML chat template with a
+tools section (RANDOM_CHAT_TEMPLATE), so chat features are testable without a trained model. A word is decoded
+with a space before it, a character without; an unknown word encodes as ``t0``.
 """
 
 from __future__ import annotations
@@ -37,6 +42,21 @@ RANDOM_MARKER_FILE = "hearth-random-shape.json"
 random_max_positions = 4096
 random_init_seed = 0
 CACHE_DIR_ENV = "HEARTH_CACHE_DIR"
+# Raised when the tokenizer changes: a cached checkpoint with another version gets the new tokenizer (weights kept).
+RANDOM_TOKENIZER_VERSION = 2
+RANDOM_CHARACTERS = tuple(chr(code) for code in range(0x21, 0x7F)) + (" ", "\n")
+RANDOM_CONTROL_TOKENS = ("<|im_start|>", "<|im_end|>")
+RANDOM_CHAT_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\n"
+    "{%- for message in messages if message.role == 'system' %}{{ message.content }}\n{% endfor -%}"
+    "You may call these functions. To call one, answer only with a JSON object "
+    "{\"name\": <function name>, \"arguments\": <arguments object>}.\n"
+    "{%- for tool in tools %}\n{{ tool | tojson }}{% endfor %}<|im_end|>\n{% endif -%}"
+    "{%- for message in messages if not (tools and message.role == 'system') %}<|im_start|>{{ message.role }}\n"
+    "{%- if message.tool_calls %}{% for call in message.tool_calls %}"
+    "{\"name\": {{ call.function.name | tojson }}, \"arguments\": {{ call.function.arguments | tojson }}}"
+    "{% endfor %}{% else %}{{ message.content }}{% endif %}<|im_end|>\n{% endfor -%}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
 class UnknownRandomShape(ValueError):
@@ -55,13 +75,23 @@ def random_checkpoint(spec: str, cache_dir: Path | None = None) -> Path:
     if shape not in RANDOM_SHAPES:
         raise UnknownRandomShape(f"unknown random shape {shape!r}; known: {', '.join(sorted(RANDOM_SHAPES))}")
     folder = cache_root(cache_dir) / "random-models" / shape
-    if (folder / RANDOM_MARKER_FILE).is_file():
+    dims = RANDOM_SHAPES[shape]
+    marker = folder / RANDOM_MARKER_FILE
+    if marker.is_file():
+        written = json.loads(marker.read_text())
+        if written.get("tokenizer") != RANDOM_TOKENIZER_VERSION:
+            # Written beside the folder and moved in file by file: a reader sees whole files, old or new.
+            staging = folder.with_name(folder.name + f".tokenizer-{os.getpid()}")
+            shutil.rmtree(staging, ignore_errors=True)
+            write_random_tokenizer(staging, dims["vocab_size"])
+            for written_file in staging.iterdir():
+                os.replace(written_file, folder / written_file.name)
+            staging.rmdir()
+            marker.write_text(json.dumps({**written, "tokenizer": RANDOM_TOKENIZER_VERSION}))
         return folder
     import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    dims = RANDOM_SHAPES[shape]
     config = LlamaConfig(**dims, max_position_embeddings=random_max_positions, bos_token_id=None,
                          eos_token_id=None, pad_token_id=None, tie_word_embeddings=False)
     staging = folder.with_name(folder.name + f".writing-{os.getpid()}")
@@ -71,15 +101,32 @@ def random_checkpoint(spec: str, cache_dir: Path | None = None) -> Path:
     model = random_bf16_llama(config) if shape in BIG_SHAPES else LlamaForCausalLM(config).to(torch.float32).eval()
     model.save_pretrained(staging)
     del model
-    vocab = {f"t{index}": index for index in range(dims["vocab_size"])}
-    word_tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
-    word_tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=word_tokenizer, unk_token="t0").save_pretrained(staging)
-    (staging / RANDOM_MARKER_FILE).write_text(json.dumps({"shape": shape, **dims, "seed": random_init_seed}))
+    write_random_tokenizer(staging, dims["vocab_size"])
+    (staging / RANDOM_MARKER_FILE).write_text(json.dumps({"shape": shape, **dims, "seed": random_init_seed,
+                                                          "tokenizer": RANDOM_TOKENIZER_VERSION}))
     folder.parent.mkdir(parents=True, exist_ok=True)
     shutil.rmtree(folder, ignore_errors=True)
     staging.rename(folder)
     return folder
+
+
+def write_random_tokenizer(folder: Path, vocab_size: int) -> None:
+    """The word-level tokenizer of a random checkpoint (see the module's docstring), saved into `folder`."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    first_character = vocab_size - len(RANDOM_CHARACTERS) - len(RANDOM_CONTROL_TOKENS)
+    vocab = {f"t{index}": index for index in range(first_character)}
+    vocab.update({character: first_character + offset for offset, character in enumerate(RANDOM_CHARACTERS)})
+    word_tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t0"))
+    word_tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    # A word gets a space before it (dropped at the start of a text), a character none.
+    word_tokenizer.decoder = decoders.Sequence([decoders.Replace(Regex("^t(?=[0-9])"), "\u2581t"),
+                                                decoders.Metaspace(replacement="\u2581", prepend_scheme="always")])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=word_tokenizer, unk_token="t0")
+    tokenizer.add_special_tokens({"additional_special_tokens": list(RANDOM_CONTROL_TOKENS)})
+    tokenizer.chat_template = RANDOM_CHAT_TEMPLATE
+    tokenizer.save_pretrained(folder)
 
 
 def random_bf16_llama(config):

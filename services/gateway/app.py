@@ -147,6 +147,8 @@ class GatewayApp:
             slot.enter_context(self.gateway.open_call(caller))
             model = chat_request.model or (await self.gateway.models()).default_model or "default"
             shape = shape_class(id=id_prefix + chat_request.request_id, model=model)
+            if isinstance(shape, ChatShape):
+                shape.tools = body.may_call_tools
             call = self.gateway.call(chat_request, caller)
             first = await unless_disconnected(request.receive, call.first_answer())
             if not isinstance(first, (TokenDeltaFrame, DoneFrame)):
@@ -218,9 +220,10 @@ class GatewayApp:
                     return
             else:
                 chunk = b""
-                if _carries(frame):
+                piece = shape.text(frame.text, frame.logprobs) if _carries(frame) else None
+                if piece is not None:
                     shown_tokens = len(answer.frames)
-                    chunk = sse_event(shape.text(frame.text, frame.logprobs))
+                    chunk = sse_event(piece)
                 if frame is first:
                     # The opening chunk and the first token leave together: one write less before the first token.
                     yield head + chunk
@@ -231,6 +234,9 @@ class GatewayApp:
         if frame is first and head:
             yield head
         if isinstance(frame, DoneFrame):
+            rest = shape.held_back()
+            if rest is not None:
+                yield sse_event(rest)
             yield sse_event(shape.ending(frame)) + (sse_event(shape.usage(frame)) if include_usage else b"")
             yield SSE_DONE
         else:

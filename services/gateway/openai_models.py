@@ -2,8 +2,10 @@
 objects and stream chunks it answers with, and the mapping of a request onto hearth's `llm.chat.request`.
 
 Only what hearth can honour is accepted: a field that would change the answer in a way hearth cannot (`n` other
-than 1, tools, a JSON response format) is refused with a message naming it, rather than silently ignored; fields
-that change nothing (`user`, `metadata`, `store`) are accepted. `logprobs`/`top_logprobs`, the penalties
+than 1, the legacy `functions`) is refused with a message naming it, rather than silently ignored; fields that
+change nothing (`user`, `metadata`, `store`) are accepted. `response_format`, `tools` and `tool_choice` go onto the
+request as they are (protocol/chat_tools.py bounds them); assistant messages with `tool_calls` and `tool` messages
+are part of the history. `logprobs`/`top_logprobs`, the penalties
 (`repetition_penalty` too, an extension) and `logit_bias` go onto the request as they are (its validation bounds
 them). Sampling defaults are OpenAI's (temperature 1, top_p 1); `max_tokens` defaults to hearth's (128). hearth's
 own options, which no other server shares, come in one object `hearth` (`{"hearth": {"verify": "all"}}`), so they
@@ -28,6 +30,7 @@ from protocol.chat import (
     max_top_logprobs,
 )
 from services.gateway.logprobs import ChatLogprobs, CompletionLogprobs
+from services.gateway.tool_calls import ToolCallBody
 
 openai_temperature_max = 2.0
 openai_max_stop_strings = 4
@@ -53,13 +56,20 @@ class TextPart(BaseModel):
 class OpenAIMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
     def to_chat_message(self) -> ChatMessage:
         content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
         # A developer message is what newer OpenAI models call a system message.
-        return ChatMessage(role="system" if self.role == "developer" else self.role, content=content)
+        fields: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": content}
+        if self.tool_calls:
+            fields["tool_calls"] = self.tool_calls
+        if self.tool_call_id is not None:
+            fields["tool_call_id"] = self.tool_call_id
+        return ChatMessage(**fields)
 
 
 class HearthOptions(BaseModel):
@@ -155,17 +165,25 @@ class ChatCompletionRequest(_Sampling):
 
     def to_chat_request(self) -> ChatRequest:
         self._refuse_what_hearth_cannot_do()
-        if self.tools or self.functions:
-            names = [str((tool.get("function") or tool).get("name", "?")) for tool in self.tools or self.functions]
-            raise Unsupported("tools", f"tools are not supported by hearth (this request names "
-                                       f"{', '.join(names)}); send the request without 'tools'")
-        if self.tool_choice not in (None, "none") or self.function_call not in (None, "none"):
-            raise Unsupported("tool_choice", "'tool_choice' must be 'none': hearth calls no tools")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise Unsupported("response_format", "'response_format' must be text: hearth has no JSON mode")
+        if self.functions or self.function_call not in (None, "none"):
+            raise Unsupported("functions", "'functions' and 'function_call' (deprecated by OpenAI) are not supported "
+                                           "by hearth: send 'tools' and 'tool_choice'")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self._chat_request(max_tokens=max_tokens, messages=[m.to_chat_message() for m in self.messages],
-                                  logprobs=bool(self.logprobs), top_logprobs=self.top_logprobs or 0)
+        structured: dict[str, Any] = {}
+        for name in ("response_format", "tools", "tool_choice"):
+            if getattr(self, name) is not None:
+                structured[name] = getattr(self, name)
+        try:
+            messages = [m.to_chat_message() for m in self.messages]
+        except ValidationError as error:
+            raise BadRequest(describe_validation_error(error)) from None
+        return self._chat_request(max_tokens=max_tokens, messages=messages, logprobs=bool(self.logprobs),
+                                  top_logprobs=self.top_logprobs or 0, **structured)
+
+    @property
+    def may_call_tools(self) -> bool:
+        """Whether the answer may be a tool call (its text then becomes `tool_calls`)."""
+        return bool(self.tools) and self.tool_choice != "none"
 
 
 class CompletionRequest(_Sampling):
@@ -205,13 +223,18 @@ def usage_body(prompt_tokens: int, completion_tokens: int) -> UsageBody:
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    # None when the answer is a tool call (as OpenAI sends it).
+    content: str | None
+    tool_calls: list[ToolCallBody] | None = Field(default=None, exclude_if=lambda value: value is None)
+
+
+FinishReason = Literal["stop", "length", "tool_calls"]
 
 
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    finish_reason: Literal["stop", "length"]
+    finish_reason: FinishReason
     logprobs: ChatLogprobs | None = None
 
 
@@ -233,12 +256,13 @@ class ChunkDelta(BaseModel):
 
     role: Literal["assistant"] | None = Field(default=None, exclude_if=_is_none)
     content: str | None = Field(default=None, exclude_if=_is_none)
+    tool_calls: list[ToolCallBody] | None = Field(default=None, exclude_if=_is_none)
 
 
 class ChunkChoice(BaseModel):
     index: int = 0
     delta: ChunkDelta
-    finish_reason: Literal["stop", "length"] | None = None
+    finish_reason: FinishReason | None = None
     logprobs: ChatLogprobs | None = None
 
 

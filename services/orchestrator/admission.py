@@ -18,6 +18,7 @@ from inference import Head, InferenceError
 from inference.compute_thread import on_compute_thread
 from protocol.chat import BadRequest, ChatRequest
 from services.orchestrator.catalog import LoadedModel
+from services.orchestrator.constrained import output_grammar
 
 # A chat template's own error message is the client's to read, but only its start.
 template_error_chars = 300
@@ -30,7 +31,9 @@ _INPUT_ERRORS = (TemplateError, InferenceError, ValueError, TypeError)
 
 def prompt_room(request: ChatRequest, model: LoadedModel) -> int | None:
     """The tokens the model's context leaves for the prompt (None: unknown), or BadRequest when `max_tokens`
-    leaves none or `logit_bias` names a token the model does not have; no tokenizing."""
+    leaves none, `logit_bias` names a token the model does not have or no grammar can be made of `response_format`
+    or `tools`; no tokenizing."""
+    output_grammar(request)
     vocab_size = model.head.info.vocab_size
     beyond = sorted(token_id for token_id in request.logit_bias if token_id >= vocab_size)
     if beyond:
@@ -50,6 +53,10 @@ async def admit_prompt(request: ChatRequest, model: LoadedModel) -> list[int]:
     context = model.context_length
     room = prompt_room(request, model)
     prompt_ids, at_least = await on_compute_thread(_tokenize_within, request, model, room)
+    grammar = output_grammar(request)
+    if grammar is not None:
+        # Compiling reads the model's whole vocabulary the first time: on the compute thread too.
+        await on_compute_thread(grammar.check, model)
     if prompt_ids is None:
         raise BadRequest(f"fields '{field}' and 'max_tokens': the prompt's at least {at_least} tokens plus "
                          f"max_tokens {request.max_tokens} exceed the model's context of {context} tokens")
@@ -67,7 +74,8 @@ def _tokenize_within(request: ChatRequest, model: LoadedModel, room: int | None)
     bound already exceeds `room` and tokenizing would be wasted."""
     head = model.head
     field = "messages" if request.messages is not None else "prompt"
-    messages = [m.model_dump() for m in request.messages] if request.messages is not None else None
+    messages = [m.for_template() for m in request.messages] if request.messages is not None else None
+    tools = [tool.model_dump(exclude_none=True) for tool in request.tools] if request.tools else None
     if not head.has_tokenizer:
         raise BadRequest(f"field 'model': model {model.model_id} has no tokenizer on this orchestrator")
     if messages is not None and not getattr(head.tokenizer, "chat_template", None):
@@ -76,13 +84,14 @@ def _tokenize_within(request: ChatRequest, model: LoadedModel, room: int | None)
         _refuse_many_control_tokens(head, messages)
     try:
         if messages is not None:
-            text = head.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            text = head.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                                      tokenize=False)
         else:
             text = request.prompt
         at_least = model.token_bound.at_least(text) if model.token_bound is not None else 0
         if room is not None and at_least > room:
             return None, at_least
-        ids = head.encode_chat(messages) if messages is not None else head.encode_prompt(text)
+        ids = head.encode_chat(messages, tools=tools) if messages is not None else head.encode_prompt(text)
     except _INPUT_ERRORS as error:
         first_line = (str(error).splitlines() or [type(error).__name__])[0][:template_error_chars]
         raise BadRequest(f"field '{field}': the model's tokenizer or chat template refused it: {first_line}") from None

@@ -25,10 +25,12 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
 from inference import SamplingParams, TextStream
+from inference.grammar import GrammarState
 from inference.logit_shaping import LogitShaping
 from protocol.chat import ChatRequest, KeepaliveFrame, TokenAlternative, TokenDeltaFrame, TokenLogprobs
 from services.broker.connection import NO_RESPONDERS_STATUS, flush_ordered
 from services.orchestrator.catalog import LoadedModel
+from services.orchestrator.constrained import FINISH_TOOL_CALLS, OutputGrammar, output_grammar
 from services.orchestrator.metrics import final_frame_code
 from services.orchestrator.outcomes import SampledToken
 
@@ -216,7 +218,20 @@ class Call:
     def shaping(self) -> LogitShaping | None:
         """The bias, penalties and log-probabilities of the call's head steps (over its prompt and generated tokens);
         None when it asked for none, so that its steps take the plain path."""
-        return None if self.params.plain else LogitShaping(self.params, self.prompt_ids, self.generated)
+        if self.params.plain and self.grammar is None:
+            return None
+        return LogitShaping(self.params, self.prompt_ids, self.generated, self.grammar)
+
+    @cached_property
+    def output_grammar(self) -> OutputGrammar | None:
+        """What the call's output follows (`response_format`, tools); None: free text."""
+        return output_grammar(self.request)
+
+    @cached_property
+    def grammar(self) -> GrammarState | None:
+        """The matcher of the call's output over its generated tokens (None: unconstrained)."""
+        constraint = self.output_grammar
+        return None if constraint is None else constraint.state(self.model, self.generated)
 
     @cached_property
     def text_stream(self) -> TextStream:
@@ -241,6 +256,9 @@ class Call:
         self.last_logprobs = self._logprobs_of(token_id)
         delta = self.text_stream.push(token_id)
         text, finish_reason = delta.text, (delta.finish_reason or "stop") if delta.finished else None
+        if finish_reason is None and self._grammar_complete():
+            text += self.text_stream.finish("stop").text
+            finish_reason = self._grammar_finish_reason()
         if finish_reason is None and len(self.generated) >= self.params.max_tokens:
             # Release text held back for a possible stop string together with the last token.
             text += self.text_stream.finish("length").text
@@ -270,6 +288,22 @@ class Call:
         for token_id in self.generated:
             self.text_stream.push(token_id)
         self.client.tokens_sent = keep
+        if self.grammar is not None:
+            self.grammar.follow()
+
+    def _grammar_complete(self) -> bool:
+        """The call's grammar took its last token and allows nothing after it: the output is complete."""
+        if self.grammar is None:
+            return False
+        self.grammar.follow()
+        return self.grammar.stopped
+
+    def _grammar_finish_reason(self) -> str:
+        reason = self.output_grammar.finish_reason
+        # An `auto` answer in text ends `stop`: only an output that opened a tool call is one.
+        if reason == FINISH_TOOL_CALLS and not self.text_stream.text.lstrip().startswith("{"):
+            return "stop"
+        return reason
 
     def _logprobs_of(self, token_id: int) -> TokenLogprobs | None:
         step = self.shaping.last if self.shaping is not None else None

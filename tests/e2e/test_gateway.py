@@ -174,7 +174,7 @@ def chat_body(**changes) -> dict:
 
 @pytest.mark.parametrize("changes, status, code, says", [
     ({"n": 2}, 400, "bad_request", "'n' must be 1"),
-    ({"tools": [{"type": "function", "function": {"name": "get_weather"}}]}, 400, "bad_request", "get_weather"),
+    ({"tools": [{"type": "function", "function": {"name": "get weather!"}}]}, 400, "bad_request", "tools"),
     ({"temperature": 3}, 400, "bad_request", "temperature"),
     ({"model": "no-such-model"}, 404, "model_not_found", "no-such-model"),
     ({"model": PARTIAL_MODEL}, 503, "shard_unavailable", "layers 2-5"),

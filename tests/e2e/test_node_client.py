@@ -112,6 +112,21 @@ async def test_node_client_discovers_the_model_and_streams_what_generate_and_the
     assert summary["usage"] == result.final.usage.model_dump()
 
 
+def test_node_client_asks_for_json_and_the_random_model_answers_json_valid_against_the_schema(
+    node_client, running_mesh
+):
+    schema = {"type": "object", "properties": {"word": {"type": "string", "maxLength": 8}, "n": {"type": "integer"}},
+              "required": ["word", "n"], "additionalProperties": False}
+    response_format = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}
+    completed = run_node(node_client, running_mesh, "--max-tokens", "200", "--response-format",
+                         json.dumps(response_format), PROMPT)
+    assert completed.returncode == 0, f"stdout: {completed.stdout}\nstderr: {completed.stderr}"
+    summary = json.loads(completed.stdout.strip().splitlines()[-1])
+    answer = json.loads(summary["text"])
+    assert set(answer) == {"word", "n"} and len(answer["word"]) <= 8 and isinstance(answer["n"], int)
+    assert summary["finish_reason"] == "stop"
+
+
 def test_node_client_refuses_a_request_that_breaks_the_schema(node_client, running_mesh):
     completed = run_node(node_client, running_mesh, "--self-test-invalid", PROMPT)
     assert completed.returncode == 2, completed.stderr

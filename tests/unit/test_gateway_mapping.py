@@ -49,15 +49,49 @@ def test_openai_sampling_defaults_and_hearth_s_max_tokens():
 
 @pytest.mark.parametrize("fields, param", [
     ({"n": 2}, "n"),
-    ({"tools": [{"type": "function", "function": {"name": "lookup"}}]}, "tools"),
-    ({"tool_choice": "required"}, "tool_choice"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"functions": [{"name": "lookup"}]}, "functions"),
+    ({"function_call": "auto"}, "functions"),
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
 ])
 def test_what_hearth_cannot_honour_is_refused_by_name(fields, param):
     with pytest.raises(Unsupported) as refused:
         chat(**fields).to_chat_request()
     assert refused.value.param == param
+
+
+def test_response_format_tools_and_a_tool_history_go_onto_the_request():
+    lookup = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}
+    request = chat(response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": {"type": "object"}}},
+                   ).to_chat_request()
+    assert request.response_format.json_schema.schema_ == {"type": "object"}
+    history = [{"role": "user", "content": "x"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": "{}"}}]},
+               {"role": "tool", "tool_call_id": "c1", "content": "42"}]
+    request = ChatCompletionRequest.model_validate({"model": "m", "messages": history, "tools": [lookup],
+                                                    "tool_choice": "required"}).to_chat_request()
+    assert request.tool_choice == "required" and request.tools[0].function.name == "lookup"
+    assert [m.role for m in request.messages] == ["user", "assistant", "tool"]
+    assert request.messages[1].tool_calls[0].function.name == "lookup" and request.messages[1].content == ""
+
+
+def nested(depth: int) -> dict:
+    schema: dict = {}
+    for _ in range(depth):
+        schema = {"a": schema}
+    return schema
+
+
+@pytest.mark.parametrize("fields, named", [
+    ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools.0.function.name"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"response_format": {"type": "json_schema"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": nested(40)}}},
+     "response_format.json_schema.schema"),
+])
+def test_structured_options_hearth_cannot_take_are_bad_requests_naming_the_field(fields, named):
+    with pytest.raises(BadRequest, match=named.replace(".", r"\.")):
+        chat(**fields).to_chat_request()
 
 
 def test_values_hearth_refuses_are_bad_requests():
