@@ -132,6 +132,8 @@ class PipelineConstructed(_PipelineEvent):
     construct_ms: float = Field(ge=0)
     # The roster name of the member whose signed call this is (None on an open mesh).
     caller: Id | None = None
+    # Prompt positions every hop already held from calls that began the same way (kept prefixes), not prefilled.
+    cached_prompt_tokens: int = Field(default=0, ge=0)
 
 
 class PipelineFirstToken(_PipelineEvent):

@@ -35,7 +35,7 @@ from .checksum import GGUF_DIGEST_NAME, GGUF_SUFFIX, PARTIAL_CHECKPOINT_MARKER, 
 from .errors import CheckpointError
 from .hub_gguf import HubGGUF, RangesUnsupported, cached_gguf_part, fetch_gguf_part, gguf_header, \
     gguf_metadata_file, layer_tensor_shapes_of
-from .hub_ids import split_hub_model
+from .hub_ids import HUB_ENDPOINT_ENV, split_hub_model
 from .partial_checkpoint import (
     NON_WEIGHT_PATTERNS,
     NeededTensors,
@@ -57,8 +57,6 @@ HUB_GGUF_PARTS_FOLDER = "gguf-parts"
 # Names the GGUF a plain id of a one-GGUF repository resolved to at that commit, so it resolves offline too.
 HUB_DEFAULT_GGUF_FILE = "gguf-default"
 DEFAULT_REVISION = "main"
-# Read at each call (huggingface_hub reads it once, at import): a mirror or a test server may be named later.
-HUB_ENDPOINT_ENV = "HF_ENDPOINT"
 HUB_OFFLINE_ENV = "HF_HUB_OFFLINE"
 
 

@@ -32,9 +32,9 @@ from .checksum import GGUF_DIGEST_NAME, digest_of_files
 from .errors import CheckpointError
 from .gguf_header import HeaderIncomplete, ParsedGGUFHeader, parse_gguf_header
 from .gguf_parts import GGUFPartTensor, StoredLayout, TensorPlacement, write_gguf_folder, write_gguf_part
+from .hub_ids import HUB_ENDPOINT_ENV
 from .partial_checkpoint import NeededTensors, complete_partial_folder, selection_name
 
-HUB_ENDPOINT_ENV = "HF_ENDPOINT"
 # The first read of a header, and how much each further read grows it: real vocabularies make headers of a few MB.
 HEADER_FIRST_READ_BYTES = 64 << 10
 HEADER_GROWTH_FACTOR = 4

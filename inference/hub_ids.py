@@ -6,6 +6,9 @@ import re
 
 from .checksum import GGUF_SUFFIX
 
+# Read at each call (huggingface_hub reads it once, at import): a mirror or a test server may be named later.
+HUB_ENDPOINT_ENV = "HF_ENDPOINT"
+
 # "owner/name:FILE.gguf": a repository holding several GGUFs (Q4_K_M and Q8_0 side by side) served from one of
 # them; FILE is a top-level file of the repository.
 HUB_GGUF_ID_PATTERN = re.compile(

@@ -148,6 +148,7 @@ def load_layer_range(
     static_cache_tokens: int | None = None,
     cpu_linear_kernel: str = DEFAULT_CPU_LINEAR_KERNEL,
     quantization: str | QuantizationScheme = "none",
+    prefix_ttl_s: float | None = None,
 ) -> LayerRangeRunner:
     """A runner holding decoder layers ``lo..hi`` (inclusive) of ``model`` and nothing else.
 
@@ -158,6 +159,8 @@ def load_layer_range(
     default here, their one home is the configuration's [shard] kv_cache_budget_mb and eviction_idle_s.
     ``static_cache_tokens``: sessions get static KV caches of that many positions and, on a GPU, decode steps replay
     CUDA graphs (inference/static_decode.py; full-attention SDPA architectures only, others stay dynamic).
+    ``prefix_ttl_s``: ended sessions' KV may be kept as prefixes for that long unused (None: none kept;
+    inference/prefix_cache.py).
     ``attn_implementation`` None picks transformers' default for the family (sdpa, or eager for Gemma 2).
     ``cpu_linear_kernel``: which kernel float32 CPU layers' projections run on (inference/cpu_kernels.py).
     ``quantization`` ("none", "int8", "int4/g64", ...): each layer's Linears are quantized as soon as the layer is
@@ -221,6 +224,7 @@ def load_layer_range(
         clock=clock,
         on_evict=on_evict,
         static_cache_tokens=static_cache_tokens,
+        prefix_ttl_s=prefix_ttl_s,
     )
     runner.quantization = scheme.label
     return runner

@@ -17,15 +17,17 @@ from .architectures import ArchitectureAdapter
 from .checkpoint import ModelInfo
 from .batched import BatchRow, StackingBuffers, batched_steps_supported, run_batched_step
 from .layer_pass import MASK_BUILDERS, DecoderStack, SteppedForward
-from .errors import InferenceError, RunnerClosedError, SessionEvictedError, SessionStateError, SessionTooLargeError
+from .errors import InferenceError, SessionEvictedError, SessionStateError
+from .prefix_cache import PrefixCache, PrefixSessions
 from .sessions import EvictedSession, SessionCaches, as_position, kv_bytes_per_token_per_layer
+from .runner_checks import RunnerChecks
 from .static_decode import StaticDecoder, static_decode_supported
 
 StepKind = Literal["prefill", "decode"]
 STEP_KINDS: tuple[str, ...] = ("prefill", "decode")
 
 
-class LayerRangeRunner:
+class LayerRangeRunner(RunnerChecks):
     """Decoder layers ``layer_lo..layer_hi`` (inclusive, global indices) plus per-session KV caches.
 
     ``forward`` takes the hidden states entering ``layer_lo`` (or the first layer of a requested
@@ -58,6 +60,7 @@ class LayerRangeRunner:
         clock: Callable[[], float] = time.monotonic,
         on_evict: Callable[[EvictedSession], None] | None = None,
         static_cache_tokens: int | None = None,
+        prefix_ttl_s: float | None = None,
     ):
         self.info = info
         self.layer_lo, self.layer_hi = min(layers), max(layers)
@@ -89,10 +92,13 @@ class LayerRangeRunner:
         self._batched = self._static is None and batched_steps_supported(
             config, self._attention_types[self.layer_lo : self.layer_hi + 1])
         self._stacking_buffers = StackingBuffers()  # used under the lock: step_batch holds it throughout
+        # Kept prefixes (inference/prefix_cache.py) over dynamic caches only: a static cache is one per session.
+        prefixes = PrefixCache(ttl_s=prefix_ttl_s, clock=clock) if prefix_ttl_s and self._static is None else None
         self._caches = SessionCaches(
             self._static.new_cache if self._static is not None else (lambda: DynamicCache(config=config)),
             range(self.layer_lo, self.layer_hi + 1), budget_bytes=cache_budget_bytes, ttl_s=session_ttl_s,
-            clock=clock, on_evict=on_evict)
+            clock=clock, on_evict=on_evict, prefixes=prefixes)
+        self._prefix_sessions = PrefixSessions(self._caches, prefixes) if prefixes is not None else None
 
     # ----------------------------------------------------------------- compute
 
@@ -236,9 +242,10 @@ class LayerRangeRunner:
         if kind == "prefill" and start_pos == 0:
             self._check_fits(start_pos, num_tokens, run_lo, run_hi, cached_bytes=0)
             return self._caches.start(session_id)
-        return self._continuing_session(session_id, start_pos, num_tokens, run_lo, run_hi)
+        return self._continuing_session(session_id, start_pos, num_tokens, run_lo, run_hi, kind)
 
-    def _continuing_session(self, session_id: str, start_pos: int, num_tokens: int, run_lo: int, run_hi: int):
+    def _continuing_session(self, session_id: str, start_pos: int, num_tokens: int, run_lo: int, run_hi: int,
+                            kind: str):
         """The session a non-initial step continues, checked (it exists, it is at ``start_pos``, it fits)."""
         session = self._caches.get(session_id)
         if session is None and (reason := self._caches.eviction_reason(session_id)) is not None:
@@ -247,11 +254,44 @@ class LayerRangeRunner:
         if session is None:
             raise SessionStateError(f"session {session_id!r} has no cache on layers {self.layer_lo}-{self.layer_hi} "
                                     "(never prefilled, reset or evicted); re-prefill from position 0")
+        if kind == "prefill":
+            PrefixSessions.cut_back(session, start_pos)
         self._check_continues(session_id, session.cache, start_pos, run_lo, run_hi)
         self._check_fits(start_pos, num_tokens, run_lo, run_hi, cached_bytes=session.cached_bytes)
         return session
 
     # ----------------------------------------------------------------- sessions
+
+    def attach_prefix(self, session_id: str, block_hashes: Sequence[str], block_tokens: int,
+                      layers: tuple[int, int] | None = None) -> int:
+        """(Re)start a session holding the longest kept prefix of the named blocks; the positions it holds (its first
+        step, a prefill, may start anywhere up to them). 0 when none is kept or prefixes are not kept here."""
+        with self._lock:
+            self._check_open()
+            run_lo, run_hi = self._validate_sub_range(layers)
+            if self._prefix_sessions is None:
+                self._caches.start(session_id)
+                return 0
+            return self._prefix_sessions.attach(session_id, block_hashes, block_tokens, run_lo, run_hi)
+
+    def keep_prefix(self, session_id: str, block_hashes: Sequence[str], block_tokens: int,
+                    layers: tuple[int, int] | None = None) -> int:
+        """End a session, keeping the positions of the named blocks it holds whole as a prefix for later sessions;
+        the positions kept (0: none, the cache is freed as by `reset`)."""
+        with self._lock:
+            self._check_open()
+            run_lo, run_hi = self._validate_sub_range(layers)
+            session = self._caches.get(session_id)
+            if self._prefix_sessions is None or session is None:
+                self._caches.drop(session_id)
+                return 0
+            cached = min(self._cached_length(session.cache, i) for i in range(run_lo, run_hi + 1))
+            return self._prefix_sessions.keep(session_id, block_hashes, block_tokens, run_lo, run_hi, cached)
+
+    @property
+    def prefix_cache(self) -> PrefixCache | None:
+        """The kept prefixes (None where none are kept); read its counters under no lock, they only grow."""
+        return self._caches.prefixes
 
     def reset(self, session_id: str) -> int:
         """Drop a session's cache (a no-op for an unknown session); returns the bytes freed."""
@@ -339,6 +379,8 @@ class LayerRangeRunner:
         """Free every cache and the weights; later calls raise RunnerClosedError."""
         with self._lock:
             self._caches.drop_all()
+            if self._caches.prefixes is not None:
+                self._caches.prefixes.clear()
             self._stack = dataclasses.replace(self._stack, layers={})
             self._closed = True
 
@@ -347,47 +389,3 @@ class LayerRangeRunner:
 
     def __exit__(self, *exc_info) -> None:
         self.close()
-
-    # ----------------------------------------------------------------- checks
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RunnerClosedError(f"runner for layers {self.layer_lo}-{self.layer_hi} is closed")
-
-    def _validate_sub_range(self, layers: tuple[int, int] | None) -> tuple[int, int]:
-        if layers is None:
-            return self.layer_lo, self.layer_hi
-        run_lo, run_hi = layers
-        if not (self.layer_lo <= run_lo <= run_hi <= self.layer_hi):
-            raise ValueError(f"layers {run_lo}-{run_hi} are not inside the loaded range {self.layer_lo}-"
-                             f"{self.layer_hi}")
-        return run_lo, run_hi
-
-    def _validate_hidden_states(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        if not isinstance(hidden_states, torch.Tensor) or not hidden_states.is_floating_point():
-            raise ValueError("hidden_states must be a floating-point tensor")
-        shape = tuple(hidden_states.shape)
-        if len(shape) != 3 or shape[0] != 1 or shape[1] < 1 or shape[2] != self.info.hidden_size:
-            raise ValueError(f"hidden_states must have shape [1, T>=1, {self.info.hidden_size}], got {list(shape)}")
-        return hidden_states.to(device=self.device, dtype=self.info.dtype, non_blocking=True)
-
-    def _check_continues(self, session_id: str, cache: DynamicCache, start_pos: int, run_lo: int, run_hi: int) -> None:
-        for layer_index in range(run_lo, run_hi + 1):
-            cached = self._cached_length(cache, layer_index)
-            if cached != start_pos:
-                raise SessionStateError(f"session {session_id!r}: layer {layer_index} has {cached} cached tokens but "
-                                        f"the step starts at position {start_pos}; re-prefill from position 0")
-
-    def _check_fits(self, start_pos: int, num_tokens: int, run_lo: int, run_hi: int, *, cached_bytes: int) -> None:
-        # Upper bound (sliding-window layers stop growing); enough to refuse a hopeless session up front. A static
-        # cache takes all its positions at once, and a step past them fails here (a batched row alone, not its batch).
-        layers = run_hi - run_lo + 1
-        if self._static is not None:
-            self._static.check_room(start_pos, num_tokens)
-            projected = self._static.cache_bytes_per_session(self._kv_bytes_per_token_per_layer, layers)
-        else:
-            projected = cached_bytes + num_tokens * self._kv_bytes_per_token_per_layer * layers
-        if projected > self._caches.budget_bytes:
-            raise SessionTooLargeError(f"this step would take the session's KV cache to ~{projected} bytes, more than "
-                                       f"the runner's whole budget of {self._caches.budget_bytes} bytes")
-

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, PretrainedConfig
 
+from .prefix_cache import PrefixCache
+
 logger = logging.getLogger(__name__)
 
 EVICT_REASON_TTL = "ttl"
@@ -33,6 +35,8 @@ class _Session:
     cache: DynamicCache
     last_used_s: float
     cached_bytes: int = 0
+    # Positions copied in from a kept prefix and not stepped on yet: its first step may start anywhere up to them.
+    attached_tokens: int = 0
 
 
 def kv_cache_bytes(cache: DynamicCache, layer_indices: Iterable[int]) -> int:
@@ -70,6 +74,7 @@ class SessionCaches:
         ttl_s: float,
         clock: Callable[[], float],
         on_evict: Callable[[EvictedSession], None] | None = None,
+        prefixes: PrefixCache | None = None,
     ):
         if budget_bytes <= 0:
             raise ValueError(f"budget_bytes must be positive, got {budget_bytes}")
@@ -81,6 +86,8 @@ class SessionCaches:
         self.ttl_s = ttl_s
         self._clock = clock
         self._on_evict = on_evict
+        # Kept prefixes share the budget and give way first: a live session's cache outranks a maybe-reused one.
+        self.prefixes = prefixes
         self._sessions: OrderedDict[str, _Session] = OrderedDict()
         self._evicted: OrderedDict[str, str] = OrderedDict()
         self.evictions_total = 0
@@ -124,7 +131,12 @@ class SessionCaches:
         session = self._sessions[session_id]
         session.cached_bytes = kv_cache_bytes(session.cache, self._layer_indices)
         session.last_used_s = self._clock()
+        session.attached_tokens = 0
         self._sessions.move_to_end(session_id)
+
+    def pop(self, session_id: str) -> _Session | None:
+        """Take a session out (to keep its cache as a prefix); None when it does not exist."""
+        return self._sessions.pop(session_id, None)
 
     def drop(self, session_id: str) -> int:
         """Forget a session at the caller's request (no eviction callback); returns the bytes it held."""
@@ -139,11 +151,16 @@ class SessionCaches:
         """Drop every session idle for longer than ttl_s."""
         deadline = self._clock() - self.ttl_s
         expired = [sid for sid, session in self._sessions.items() if session.last_used_s < deadline]
+        if self.prefixes is not None:
+            self.prefixes.evict_expired()
         return [self._evict(session_id, EVICT_REASON_TTL) for session_id in expired]
 
     def enforce_budget(self, keep: str | None = None) -> list[EvictedSession]:
         """Drop least recently used sessions (never ``keep``) until the total fits the budget."""
         evicted = []
+        prefixes = self.prefixes
+        while prefixes is not None and len(prefixes) and self.total_bytes + prefixes.total_bytes > self.budget_bytes:
+            prefixes.evict_oldest()
         for session_id in list(self._sessions):
             if self.total_bytes <= self.budget_bytes:
                 break

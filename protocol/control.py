@@ -18,7 +18,22 @@ from protocol.subjects import LOCAL_NODE
 LINK_KEY_PATTERN = r"^[A-Za-z0-9_-]{43}=$"
 # More open pipelines than a ShardStat can list: far more than any shard's max_concurrent_streams.
 max_open_pipelines = 4096
+# A kept prefix's block names (services/orchestrator/prefix.py): 128-bit hex digests, as many as a session's
+# positions allow blocks of the smallest size.
+PREFIX_HASH_PATTERN = r"^[0-9a-f]{32}$"
+max_prefix_blocks = 8192
+max_prefix_block_tokens = 4096
 RefusalCode = Literal["at_capacity", "weights_mismatch", "bad_range", "bad_request", "unknown_pipeline"]
+
+
+class PrefixBlocks(BaseModel):
+    """A session's whole blocks of `block_tokens` tokens, first to last, each named by a hash chained over every
+    token before it and what they were run with (services/orchestrator/prefix.py); a shard never sees the tokens."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    block_tokens: int = Field(ge=1, le=max_prefix_block_tokens)
+    hashes: list[Annotated[str, Field(pattern=PREFIX_HASH_PATTERN)]] = Field(max_length=max_prefix_blocks)
 
 
 class OpenHop(BaseModel):
@@ -53,6 +68,10 @@ class OpenHop(BaseModel):
     # the link keys, services/transport/seal.py) or MAC-only. Both ends of every link learn it from their `open`, so
     # they agree; a host that does not know this field refuses the open rather than read ciphertext as a tensor.
     seal_activations: bool = False
+    # The call's leading blocks an ended session of this shard may have kept (inference/prefix_cache.py): the hop
+    # starts on the longest run it keeps and answers how many positions that is (`cached_tokens`); its first step,
+    # a prefill, may start anywhere up to them (where every hop of the chain holds them).
+    prefix: PrefixBlocks | None = None
 
     @model_validator(mode="after")
     def _ordered(self) -> "OpenHop":
@@ -74,6 +93,9 @@ class CloseHop(BaseModel):
     op: Literal["close"] = "close"
     pipeline_id: str = Field(pattern=SUBJECT_TOKEN_PATTERN)
     session_id: str | None = Field(default=None, pattern=SUBJECT_TOKEN_PATTERN)
+    # The session's blocks to keep for later calls beginning the same way (a call that ended well); the shard
+    # keeps those it holds whole, within its KV budget, and frees the rest.
+    keep: PrefixBlocks | None = None
 
 
 class StatShard(BaseModel):
@@ -93,6 +115,8 @@ class ControlReply(BaseModel):
     code: RefusalCode | None = None
     message: str = Field(default="", max_length=max_reason_chars)
     shard_id: str = Field(default="", max_length=max_shard_id_chars)
+    # An opened hop's session positions taken from a kept prefix (OpenHop.prefix).
+    cached_tokens: int = Field(default=0, ge=0)
 
 
 class ShardStat(BaseModel):

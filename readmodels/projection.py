@@ -262,6 +262,7 @@ class ReadModelProjection:
             weights_sha256=event.weights_sha256,
             orchestrator_node_id=event.node_id,
             construct_ms=event.construct_ms,
+            cached_prompt_tokens=event.cached_prompt_tokens,
             constructed_at=epoch_s(event.occurred_at),
             hops=json.dumps(list(event.hops)),
         )

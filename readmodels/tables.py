@@ -86,6 +86,8 @@ class Pipeline(Base):
     )
     hops: Mapped[str] = mapped_column(Text, nullable=False, comment="JSON list of shard_ids, current hops")
     construct_ms: Mapped[float | None] = mapped_column(Float, comment="duration")
+    cached_prompt_tokens: Mapped[int | None] = mapped_column(
+        Integer, comment="prompt positions its hops held from earlier calls (kept prefixes), not prefilled")
     ttft_ms: Mapped[float | None] = mapped_column(Float, comment="duration")
     prompt_tokens: Mapped[int | None] = mapped_column(Integer)
     completion_tokens: Mapped[int | None] = mapped_column(Integer)

@@ -30,7 +30,12 @@ from pydantic_settings import (
 from events.models import max_event_hops
 from events.streams import MiB
 from services.common.config_aliases import KeysMovedSource, move_aliased_keys
-from services.common.config_processes import OrchestratorSettings, ShardSettings, VerificationSettings
+from services.common.config_processes import (
+    OrchestratorSettings,
+    PrefixCacheSettings,
+    ShardSettings,
+    VerificationSettings,
+)
 from services.common.config_sections import ClientSettings, ConfigSection, GatewaySettings, MetricsSettings
 from protocol.quantization_labels import QUANTIZATION_LABEL_PATTERN
 
@@ -231,6 +236,7 @@ class HearthSettings(BaseSettings):
     nats: NatsSettings = Field(default_factory=NatsSettings)
     orchestrator: OrchestratorSettings = OrchestratorSettings()
     shard: ShardSettings = ShardSettings()
+    prefix_cache: PrefixCacheSettings = PrefixCacheSettings()
     verification: VerificationSettings = VerificationSettings()
     client: ClientSettings = ClientSettings()
     gateway: GatewaySettings = GatewaySettings()

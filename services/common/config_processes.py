@@ -1,7 +1,7 @@
 """The sections of hearth's configuration that the long-running mesh processes read for their own work:
-`[orchestrator]` (how one orchestrator serves its calls) and `[shard]` (how a shard serves its hops: whether it may
-start, its memory and KV budget, eviction, its kernels, batching, announcing itself).
-services/common/config.py composes them with the rest into HearthSettings."""
+`[orchestrator]` (how one orchestrator serves its calls), `[prefix_cache]` (reusing kept KV) and `[shard]` (how a
+shard serves its hops: whether it may start, its memory and KV budget, eviction, its kernels, batching, announcing
+itself). services/common/config.py composes them with the rest into HearthSettings."""
 
 from __future__ import annotations
 
@@ -117,6 +117,25 @@ class VerificationSettings(ConfigSection):
         default=256, ge=1, description="a kept run is cut to this many positions")
 
 
+class PrefixCacheSettings(ConfigSection):
+    """[prefix_cache]: how an orchestrator lets its calls reuse the KV its shards kept from earlier calls that began
+    the same way (docs/design.md, "Kept prefixes"); the shards' side is `[shard] prefix_cache_idle_s`."""
+
+    enabled: bool = Field(default=True, description="name the blocks of each call's tokens so shards keep and reuse "
+                                                    "their KV (false: every call prefills everything)")
+    block_tokens: int = Field(
+        default=32, ge=1, le=4096,
+        description="tokens per kept block: a call reuses the whole blocks it shares with an earlier one")
+    public_system_prompts: list[str] = Field(
+        default=[],
+        description="system prompts whose blocks every caller may share (a community-wide prompt); any other "
+                    "blocks are kept per caller, so no member learns from timing what another one asked")
+    prefill_token_cost: float = Field(
+        default=0.25, gt=0,
+        description="routing weighs a chain holding a call's prefix against the otherwise cheapest one by "
+                    "predicted time: a prompt token costs this share of a decode step per token")
+
+
 class ShardSettings(ConfigSection):
     """[shard]: how a shard serves its hops: whether it may start, its memory and KV budget, eviction, its kernels,
     batching, and how it announces itself."""
@@ -136,6 +155,12 @@ class ShardSettings(ConfigSection):
         description="KV caches of one shard (and of an orchestrator's local model) together stay within this: a new "
                     "session that would exceed it evicts the least recently used idle one (its next step is "
                     "answered `session_evicted`)")
+    prefix_cache_idle_s: float = Field(
+        default=600, ge=0,
+        description="when a call ends well, its hops keep their KV for the whole blocks of its tokens (within "
+                    "kv_cache_budget_mb, giving way first to live sessions) so that a call beginning the same way "
+                    "prefills only the rest; kept blocks unused for this long are dropped (0: keep none). Dynamic "
+                    "caches only (not a GPU's static ones)")
     cuda_graph_max_tokens: int = Field(
         default=4096, ge=0,
         description="on a GPU, sessions get static KV caches of this many positions and decode steps replay CUDA "

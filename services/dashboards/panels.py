@@ -108,6 +108,13 @@ SELECT model_id || ' L' || layer AS layer, replicas FROM layer_replicas ORDER BY
             "Active sessions by shard",
             (PromTarget("sum by (shard_id) (hearth_shard_active_sessions)", "{{shard_id}}"),),
         ),
+        PromPanel(
+            "Kept-prefix hit rate by shard",
+            (PromTarget('sum by (shard_id) (rate(hearth_shard_prefix_lookups_total{outcome="hit"}[5m])) / '
+                        "sum by (shard_id) (rate(hearth_shard_prefix_lookups_total[5m]))", "{{shard_id}}"),),
+            "Hops opened naming a call's blocks that found some kept from earlier calls (conversations, shared "
+            "system prompts): those positions are not prefilled again.", unit="percentunit",
+        ),
     ),
 )
 

@@ -1,5 +1,5 @@
-"""Step executors: HopChain sends one step into remote shard hops and returns what leaves the last one, or a
-StepFailure saying which hop failed and why; LocalChain runs a step on a whole local model (the fallback).
+"""HopChain: sends one step into remote shard hops and returns what leaves the last one, or a StepFailure saying which
+hop failed and why (services/orchestrator/local_chain.py runs a step on a whole local model instead: the fallback).
 
 A step fails (a typed result, never an exception) when:
 - a hop tells us so at once on the pipeline's notice subject (a notice counts only with the MAC of the hop it
@@ -28,10 +28,8 @@ from nats.aio.msg import Msg
 from nats.errors import NoRespondersError
 
 from protocol.subjects import LinkNodes, node_token
-from inference import LocalModel
-from inference.compute_thread import on_compute_thread
 from services.common.config import TransportSettings
-from protocol.control import CloseHop, ControlReply, HopNotice, OpenHop
+from protocol.control import CloseHop, ControlReply, HopNotice, OpenHop, PrefixBlocks
 from protocol.subjects import hop_notice_subject, keepalive_subject
 from services.broker.connection import flush_ordered
 from services.orchestrator.metrics import HopLatencies, hop_notices_refused_total
@@ -91,8 +89,13 @@ class HopChain:
                  sink_bounds: NormBounds | None = None, hidden_size: int | None = None,
                  max_session_tokens: int | None = None,
                  on_round_trip: Callable[[str, float], None] | None = None, accusers: set[str] | None = None,
-                 record_budget_bytes: int | None = None, placement: ChainPlacement | None = None) -> None:
+                 record_budget_bytes: int | None = None, placement: ChainPlacement | None = None,
+                 prefix: PrefixBlocks | None = None) -> None:
         self.nc = nc
+        # The blocks its hops may start from (services/orchestrator/prefix.py) and the positions every hop holds of
+        # them once opened: where the chain's first prefill starts.
+        self.prefix = prefix
+        self.reused_tokens = self._prefill_start = 0
         # Where these hops sit in the pipeline as their hosts are told (a mirror's or a canary's single hop looks
         # like that hop of a real call); by default the whole pipeline, between this orchestrator's two ends.
         self.placement = placement or ChainPlacement()
@@ -158,6 +161,12 @@ class HopChain:
     def shard_ids(self) -> list[str]:
         return [hop.shard_id for hop in self.hops]
 
+    def take_reused_tokens(self) -> int:
+        """Where the chain's first prefill starts (its hops hold the positions before); 0 for every later one (a
+        re-prefill after an eviction starts over)."""
+        reused, self._prefill_start = self._prefill_start, 0
+        return reused
+
     async def open(self) -> StepFailure | None:
         """Subscribe the sink first (so no output is lost), then open every hop; the first hop that refused or
         did not answer, or None when all are open."""
@@ -180,6 +189,8 @@ class HopChain:
             if not reply.ok:
                 return StepFailure("refused", hop.shard_id, f"refused: {reply.code or 'refused'}: {reply.message}",
                                    code=reply.code)
+        if self.prefix is not None:
+            self.reused_tokens = self._prefill_start = min(reply.cached_tokens for reply in replies)
         return None
 
     async def _open_hop(self, index: int, hop: Hop) -> ControlReply:
@@ -197,7 +208,7 @@ class HopChain:
                                        else placement.downstream_node or self.node_id),
             inbound_link_key=_encoded(self.link_keys[index]),
             outbound_link_key=_encoded(self.link_keys[index + 1]),
-            notice_key=encode_link_key(self.notice_keys[index]), seal_activations=self.sealed,
+            notice_key=encode_link_key(self.notice_keys[index]), seal_activations=self.sealed, prefix=self.prefix,
         )
         asked_at = time.perf_counter()
         message = await self.nc.request(hop.control_subject, request.model_dump_json().encode(),
@@ -211,8 +222,9 @@ class HopChain:
         with contextlib.suppress(Exception):
             await self.nc.publish(keepalive_subject(self.pipeline_id), b"")
 
-    async def close(self) -> None:
-        """Tell every hop asked to open to close this session (freeing its KV cache); drop the subscriptions.
+    async def close(self, keep: PrefixBlocks | None = None) -> None:
+        """Tell every hop asked to open to close this session (freeing its KV cache, but for the blocks of `keep`
+        it holds whole: services/orchestrator/prefix.py); drop the subscriptions.
 
         Closes are published without waiting for answers: a dead or frozen hop must not hold up a failover,
         and because each names this chain's session, a close that a shard reads late never closes a newer
@@ -222,7 +234,8 @@ class HopChain:
         # Every hop, not only those that confirmed: one whose answer to `open` timed out may still open late.
         hops = self.hops if self._open_sent else []
         self._open_sent = False
-        request = CloseHop(pipeline_id=self.pipeline_id, session_id=self.session_id).model_dump_json().encode()
+        request = CloseHop(pipeline_id=self.pipeline_id, session_id=self.session_id,
+                           keep=keep).model_dump_json().encode()
         for hop in hops:
             with contextlib.suppress(Exception):
                 await self.nc.publish(hop.control_subject, request)
@@ -374,21 +387,3 @@ class HopChain:
             return None
         except TransportError as error:
             return StepFailure("stalled", self.hops[-1].shard_id, f"sink failed: {error}")
-
-
-class LocalChain:
-    """The same step interface over a whole model on this machine (local fallback); it never fails a step."""
-
-    def __init__(self, local: LocalModel) -> None:
-        self.local = local
-        self.session_id = "local-" + uuid.uuid4().hex[:16]
-        self.shard_ids: list[str] = []
-
-    async def keep_alive(self) -> None:
-        return None
-
-    async def step(self, kind: FrameKind, pos: int, hidden: torch.Tensor) -> torch.Tensor:
-        return await on_compute_thread(self.local.runner.forward, self.session_id, hidden, pos, kind.value)
-
-    async def close(self) -> None:
-        await on_compute_thread(self.local.runner.reset, self.session_id)

@@ -14,10 +14,13 @@ import time
 
 from events.streams import MiB
 
+from protocol.control import PrefixBlocks
+from services.orchestrator.affinity import prefer_kept
 from services.orchestrator.call import Call
 from services.orchestrator.capacity import ShardLoad
 from services.orchestrator.chain import HopChain
 from services.orchestrator.context import RunContext
+from services.orchestrator.prefix import CallPrefix, caller_scope, first_name, public_blocks_of
 from services.orchestrator.recovery import SHARD_UNAVAILABLE
 from services.orchestrator.router import Hop, RoutingError
 from services.transport.integrity import NormBounds
@@ -33,6 +36,8 @@ class ChainBuilder:
         self.ctx = ctx
         # What its chains may hold of their hops' work for checks (services/orchestrator/recording.py; None: none).
         self.record_budget_bytes = int(ctx.settings.verification.record_budget_mb * MiB) if record else None
+        # Whole blocks of the prompt inside a public system prompt (services/orchestrator/prefix.py); set by build.
+        self.public_blocks = 0
 
     async def build(self) -> HopChain:
         """An open chain over what the router plans, routing around refusals and waiting while the shards that
@@ -40,6 +45,7 @@ class ChainBuilder:
         call = self.call
         started = time.perf_counter()
         router, model_id = self.ctx.router, call.model.model_id
+        self.public_blocks = await self._public_blocks()
         candidates = await asyncio.to_thread(router.candidates, model_id)
         caught_up = False
         while True:
@@ -79,9 +85,31 @@ class ChainBuilder:
             log.info("pipeline %s: %s; routing around it", call.pipeline_id, failure)
             call.excluded.add(failure.shard_id)
 
+    def naming(self, quantization: str) -> CallPrefix | None:
+        """How this call's blocks are named on chains of `quantization` (None: no kept prefixes at all)."""
+        settings, call = self.ctx.settings, self.call
+        if not settings.prefix_cache.enabled:
+            return None
+        bs = settings.prefix_cache.block_tokens
+        wire_dtype = settings.research.distributed_inference.activation_dtype
+        return CallPrefix(settings.prefix_cache, first_name(call.model.model_id, call.model.weights_sha256,
+                                                            quantization, wire_dtype, bs),
+                          caller_scope(call.caller), self.public_blocks,
+                          reuse_allowed=call.request.params.verify not in ("all", "vote"))
+
+    def kept_blocks(self, chain: HopChain) -> PrefixBlocks | None:
+        """The blocks of every position `chain` ran for the call (which ended well), remembered for routing."""
+        naming = self.naming(chain.hops[0].quantization)
+        kept = naming.kept(self.call.known_ids[:self.call.next_position]) if naming is not None else None
+        if kept is not None:
+            self.ctx.kept_chains.remember(kept.hashes, [(h.shard_id, h.layer_lo_to_run, h.layer_hi_to_run)
+                                                        for h in chain.hops])
+        return kept
+
     def over(self, hops: list[Hop]) -> HopChain:
         """A chain (not opened yet) over exactly `hops`."""
         model, settings = self.call.model, self.ctx.settings
+        naming = self.naming(hops[0].quantization)
         # No step of this call reaches beyond its prompt plus max_tokens: every hop refuses frames that would.
         return HopChain(self.ctx.nc, self.call.pipeline_id, hops, node_id=self.ctx.node_id, model_id=model.model_id,
                         weights_sha256=model.weights_sha256, transport=settings.transport,
@@ -90,7 +118,8 @@ class ChainBuilder:
                         sink_bounds=self.ctx.sink_bounds.setdefault(model.model_id, NormBounds()),
                         hidden_size=model.head.info.hidden_size,
                         max_session_tokens=len(self.call.prompt_ids) + self.call.request.max_tokens,
-                        on_round_trip=self.ctx.load.observe_round_trip, record_budget_bytes=self.record_budget_bytes)
+                        on_round_trip=self.ctx.load.observe_round_trip, record_budget_bytes=self.record_budget_bytes,
+                        prefix=naming.reusable(self.call.known_ids) if naming is not None else None)
 
     def _only_room_lacks(self, candidates) -> bool:
         """Whether a chain could be planned if every shard had room (then waiting for room is worth it)."""
@@ -116,8 +145,51 @@ class ChainBuilder:
         if penalised:
             # Shards that just failed other requests are the last resort, not a reason to give up.
             try:
-                return router.plan(candidates, model.model_id, model.weights_sha256, exclude=excluded | penalised,
+                hops = router.plan(candidates, model.model_id, model.weights_sha256, exclude=excluded | penalised,
                                    **route)
+                return self._with_affinity(hops, candidates, excluded | penalised, load)
             except RoutingError:
                 pass
-        return router.plan(candidates, model.model_id, model.weights_sha256, exclude=excluded, **route)
+        hops = router.plan(candidates, model.model_id, model.weights_sha256, exclude=excluded, **route)
+        return self._with_affinity(hops, candidates, excluded, load)
+
+    def _with_affinity(self, hops: list[Hop], candidates, excluded: set[str], load: ShardLoad | None) -> list[Hop]:
+        """`hops`, or the chain of ours that kept this call's leading blocks when that predicts the shorter call."""
+        naming = self.naming(hops[0].quantization) if hops else None
+        reusable = naming.reusable(self.call.known_ids) if naming is not None else None
+        if reusable is None:
+            return hops
+        router = self.ctx.router
+        now = router.now()
+        usable = {c.shard_id: c for c in candidates if c.shard_id not in excluded and router.alive(c, now)
+                  and c.weights_sha256 == self.call.model.weights_sha256 and (load is None or load.has_room(c))}
+        chosen, _ = prefer_kept(hops, self.ctx.kept_chains.holding(reusable.hashes), usable, load=load,
+                                block_tokens=reusable.block_tokens, prompt_positions=len(self.call.known_ids),
+                                max_tokens=self.call.request.max_tokens,
+                                prefill_token_cost=self.ctx.settings.prefix_cache.prefill_token_cost)
+        return chosen
+
+    async def _public_blocks(self) -> int:
+        """Whole blocks of the call's prompt inside a public system prompt it begins with."""
+        settings, call = self.ctx.settings.prefix_cache, self.call
+        if not settings.enabled or not settings.public_system_prompts or not call.model.head.has_tokenizer:
+            return 0
+        model_id = call.model.model_id
+        encoded = self.ctx.public_prompt_ids.get(model_id)
+        if encoded is None:
+            encoded = await asyncio.to_thread(_encode_system_prompts, call.model.head, settings.public_system_prompts)
+            self.ctx.public_prompt_ids[model_id] = encoded
+        return public_blocks_of(call.prompt_ids, encoded, settings.block_tokens)
+
+
+def _encode_system_prompts(head, prompts: list[str]) -> list[list[int]]:
+    """Each public system prompt alone through the model's chat template (none without a template)."""
+    if not getattr(head.tokenizer, "chat_template", None):
+        return []
+    encoded = []
+    for text in prompts:
+        try:
+            encoded.append(head.encode_chat([{"role": "system", "content": text}], add_generation_prompt=False))
+        except Exception as error:  # a template without a system role: that prompt is never shared
+            log.warning("public system prompt not usable with this model's template: %s", error)
+    return encoded

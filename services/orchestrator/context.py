@@ -16,6 +16,7 @@ from services.orchestrator.guards import RangeGuards
 from services.orchestrator.catalog import ModelCatalog
 from services.orchestrator.head_batcher import HeadSteps
 from services.orchestrator.health import RecentFailures
+from services.orchestrator.prefix import KeptChains
 from services.orchestrator.router import ShardRouter
 from services.transport.integrity import NormBounds
 
@@ -43,5 +44,9 @@ class RunContext:
     # Confirmed work kept for replay to other hosts (services/orchestrator/canaries.py).
     canaries: CanaryLibrary
     running_calls: int = 0
+    # Which of our chains kept which blocks of their calls (services/orchestrator/prefix.py), for routing.
+    kept_chains: KeptChains = field(default_factory=KeptChains)
+    # Per model: the token ids of each public system prompt alone (encoded once).
+    public_prompt_ids: dict[str, list[list[int]]] = field(default_factory=dict)
     # Shards a check of ours proved wrong: out of every chain at once, before the read model says so too.
     quarantined: set[str] = field(default_factory=set)

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import torch
 from nats.aio.client import Client as NatsClient
 
+from protocol.control import PrefixBlocks
 from services.common.config import TransportSettings
 from services.orchestrator.call import new_pipeline_id
 from services.orchestrator.chain import HopChain
@@ -37,24 +38,35 @@ class Mirror:
 
     def __init__(self, nc: NatsClient, replica: Hop, *, node_id: str, model_id: str, weights_sha256: str,
                  transport: TransportSettings, wire_dtype: str, hidden_size: int, max_session_tokens: int,
-                 chunk_tokens: int, dtype: str, placement: ChainPlacement | None = None) -> None:
+                 chunk_tokens: int, dtype: str, placement: ChainPlacement | None = None,
+                 prefix: PrefixBlocks | None = None) -> None:
         self.replica = replica
         self.dtype = dtype
         self.chunk_tokens = chunk_tokens
-        self.fed_pos = 0
+        # Where its session began (a kept prefix's end, or 0) and the positions it has run so far.
+        self.fed_pos = self.fed_from = 0
         # The recorder generation it was fed from: a re-prefill of the checked chain voids what it ran.
         self.generation: int | None = None
         self.chain = HopChain(nc, new_pipeline_id(), [replica], node_id=node_id,
                               model_id=model_id, weights_sha256=weights_sha256, transport=transport,
                               wire_dtype=wire_dtype, hidden_size=hidden_size, max_session_tokens=max_session_tokens,
-                              placement=placement)
+                              placement=placement, prefix=prefix)
 
     @property
     def shard_id(self) -> str:
         return self.replica.shard_id
 
     async def open(self) -> StepFailure | None:
-        return await self.chain.open()
+        """Open the replica's session; one mirroring a hop that began from a kept prefix must hold all of it too
+        (it starts where the checked hop did)."""
+        failure = await self.chain.open()
+        if failure is None and self.chain.prefix is not None:
+            needed = len(self.chain.prefix.hashes) * self.chain.prefix.block_tokens
+            if self.chain.reused_tokens < needed:
+                return StepFailure("refused", self.shard_id, f"holds {self.chain.reused_tokens} of the {needed} "
+                                                             "kept positions the checked hop began from")
+            self.fed_pos = self.fed_from = self.chain.take_reused_tokens()
+        return failure
 
     async def run(self, inputs: torch.Tensor, first_pos: int,
                   kinds: Sequence[FrameKind] = ()) -> torch.Tensor | StepFailure:
@@ -92,14 +104,22 @@ class Mirror:
         await self.chain.close()
 
     async def witness(self, recorder: ChainRecorder, index: int, span: HopSpan):
-        """As a fresh third replica: run hop `index`'s recorded inputs from position 0 through `span`; (self, its
-        outputs over `span`), or None (then closed) when they did not come."""
-        history = recorder.span(index, 0, span.last_step)
-        output = await self.run(history.inputs, 0) if history is not None else None
+        """As a fresh third replica: run hop `index`'s recorded inputs from where its session began through `span`;
+        (self, its outputs over `span`), or None (then closed) when they did not come."""
+        history = recorder.span(index, self.fed_from, span.last_step)
+        output = await self.run(history.inputs, self.fed_from) if history is not None else None
         if output is None or isinstance(output, StepFailure):
             await self.close()
             return None
-        return self, output[:, span.first_pos:span.end_pos]
+        return self, output[:, span.first_pos - self.fed_from:span.end_pos - self.fed_from]
+
+
+def reused_prefix(chain: HopChain) -> PrefixBlocks | None:
+    """The kept blocks `chain`'s hops began from (None when they began at position 0)."""
+    if chain.prefix is None or chain.reused_tokens == 0:
+        return None
+    blocks = chain.reused_tokens // chain.prefix.block_tokens
+    return PrefixBlocks(block_tokens=chain.prefix.block_tokens, hashes=chain.prefix.hashes[:blocks])
 
 
 def serves_range(candidate, weights_sha256: str, quantization: str, dtype: str | None, layer_lo: int,
@@ -137,7 +157,7 @@ async def open_mirror(ctx, call, chain: HopChain, index: int, avoid: set[str],
                         wire_dtype=chain.wire_dtype, hidden_size=model.head.info.hidden_size,
                         max_session_tokens=chain.max_session_tokens or len(call.prompt_ids) + 1,
                         chunk_tokens=settings.orchestrator.prefill_chunk_tokens, dtype=dtype or replica.dtype,
-                        placement=ChainPlacement.of_hop(chain.hops, index))
+                        placement=ChainPlacement.of_hop(chain.hops, index), prefix=reused_prefix(chain))
         failure = await mirror.open()
         if failure is None:
             mirror.generation = chain.recorder.generation

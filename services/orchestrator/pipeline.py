@@ -43,7 +43,8 @@ from protocol.chat import (
     Usage,
 )
 from services.orchestrator.call import Call, CallStatus
-from services.orchestrator.chain import HopChain, LocalChain
+from services.orchestrator.chain import HopChain
+from services.orchestrator.local_chain import LocalChain
 from services.orchestrator.construct import ChainBuilder
 from services.orchestrator.context import RunContext
 from services.orchestrator.metrics import CLIENT_GONE, observe_event
@@ -111,10 +112,14 @@ class PipelineRun:
             self._in_decode_loop.close()
 
     async def close(self) -> None:
-        """End the chain's checks and free every hop's session (called whatever way the call ended)."""
+        """End the chain's checks and free every hop's session (called whatever way the call ended); a call that
+        ended well has its hops keep the blocks of its positions for calls that begin the same way."""
         await self.verifier.detach()
         chain, self.chain = self.chain, None
-        if chain is not None:
+        if isinstance(chain, HopChain):
+            await chain.close(keep=self.builder.kept_blocks(chain) if self.call.status is CallStatus.finished
+                              else None)
+        elif chain is not None:
             await chain.close()
         held, self._held = self._held, []
         if held:
@@ -135,8 +140,11 @@ class PipelineRun:
             if failure is not None:
                 return failure
         if call.status is CallStatus.prefilling:
-            hidden = await on_compute_thread(call.model.head.embed, call.known_ids)
-            output = await prefill(self.chain, hidden, self.ctx.settings.orchestrator.prefill_chunk_tokens)
+            # A fresh chain's hops may hold the first positions already (kept prefixes): only the rest is sent.
+            start = self.chain.take_reused_tokens() if isinstance(self.chain, HopChain) else 0
+            hidden = await on_compute_thread(call.model.head.embed, call.known_ids[start:])
+            output = await prefill(self.chain, hidden, self.ctx.settings.orchestrator.prefill_chunk_tokens,
+                                   start=start)
         elif call.finish_reason is not None:
             # The answer is final only once the checks of its steps are in.
             return await self.verifier.settle() or Finished(call.finish_reason)
@@ -234,7 +242,7 @@ class PipelineRun:
             await self._record(PipelineConstructed(
                 node_id=ctx.node_id, pipeline_id=call.pipeline_id, request_id=call.request.request_id,
                 model_id=call.model.model_id, weights_sha256=call.model.weights_sha256, hops=hops,
-                construct_ms=call.construct_ms, caller=call.caller))
+                construct_ms=call.construct_ms, caller=call.caller, cached_prompt_tokens=self.chain.reused_tokens))
             await call.client.send(PipelineFrame(seq=0, pipeline_id=call.pipeline_id, hops=hops))
         else:
             call.failovers += 1

@@ -23,7 +23,8 @@ from collections import deque
 
 import torch
 
-from services.orchestrator.chain import HopChain, LocalChain, SentStep
+from services.orchestrator.chain import HopChain, SentStep
+from services.orchestrator.local_chain import LocalChain
 from services.orchestrator.outcomes import StepFailure
 from services.transport import FrameKind
 
@@ -43,29 +44,30 @@ def chunks_in_flight(hop_count: int, max_ready_steps: int) -> int:
     return max(1, min(hop_count + 1, max_ready_steps))
 
 
-async def prefill(chain: HopChain | LocalChain, hidden: torch.Tensor, chunk_tokens: int) -> torch.Tensor | StepFailure:
-    """Prefill `hidden` ([1, tokens, hidden], positions from 0) through `chain` in chunks; the last chunk's output,
-    or the failure that stopped it."""
+async def prefill(chain: HopChain | LocalChain, hidden: torch.Tensor, chunk_tokens: int,
+                  start: int = 0) -> torch.Tensor | StepFailure:
+    """Prefill `hidden` ([1, tokens, hidden], positions from `start`: the chain's hops hold those before) through
+    `chain` in chunks; the last chunk's output, or the failure that stopped it."""
     spans = chunk_spans(int(hidden.shape[1]), chunk_tokens)
     if len(spans) == 1:
-        return await chain.step(FrameKind.prefill, 0, hidden)
+        return await chain.step(FrameKind.prefill, start, hidden)
     if isinstance(chain, LocalChain):
         # One compute-thread trip per chunk: the orchestrator's other calls get the thread in between.
         output = None
-        for start, end in spans:
-            output = await chain.step(FrameKind.prefill, start, hidden[:, start:end])
+        for first, end in spans:
+            output = await chain.step(FrameKind.prefill, start + first, hidden[:, first:end])
         return output
     depth = chunks_in_flight(len(chain.hops), chain.transport.max_ready_steps)
     out: deque[tuple[SentStep, int]] = deque()
     next_span = 0
     while True:
         while next_span < len(spans) and len(out) < depth:
-            start, end = spans[next_span]
-            sent = await chain.send_step(FrameKind.prefill, start, hidden[:, start:end].contiguous(),
+            first, end = spans[next_span]
+            sent = await chain.send_step(FrameKind.prefill, start + first, hidden[:, first:end].contiguous(),
                                          queued_tokens=sum(tokens for _, tokens in out))
             if isinstance(sent, StepFailure):
                 return sent
-            out.append((sent, end - start))
+            out.append((sent, end - first))
             next_span += 1
         oldest, _ = out.popleft()
         output = await chain.await_step(oldest)

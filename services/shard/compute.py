@@ -37,7 +37,7 @@ from inference.compute_thread import (StepThreads, compute_executor, on_compute_
                                      use_intra_op_threads)
 from inference.host_staging import to_device, to_host
 from services.common.config import ShardSettings
-from protocol.control import OpenHop
+from protocol.control import OpenHop, PrefixBlocks
 from services.shard.batcher import QueuedStep, StepQueue
 from services.shard.faults import ShardFault
 from services.shard.metrics import ShardStepMetrics, watch_serving
@@ -65,6 +65,8 @@ class CacheSnapshot:
 @dataclass
 class ServingStats:
     tokens_served_total: int = 0
+    # Prompt positions this shard computed (a kept prefix's positions are not computed again).
+    prefill_tokens_total: int = 0
     steps_in_compute: int = 0
     step_latencies_s: deque = field(default_factory=lambda: deque(maxlen=latency_samples_kept))
     # Decode steps only, each scaled to the shard's whole range (a hop may run part of it).
@@ -141,6 +143,36 @@ class ShardCompute:
         """Hops open, KV-cache bytes and tokens served, for the metrics (read without waiting for the runner)."""
         return self.active_streams, self.cache.cache_bytes, self.stats.tokens_served_total
 
+    def prefix_figures(self) -> tuple[int, int, int, int, int]:
+        """Kept-prefix lookups that found blocks and that did not, entries dropped (idle, or making room), positions
+        reused, and prompt positions computed, since start, for the metrics."""
+        kept = self.runner.prefix_cache
+        if kept is None:
+            return 0, 0, 0, 0, self.stats.prefill_tokens_total
+        return (kept.hits_total, kept.misses_total, kept.evictions_total, kept.reused_tokens_total,
+                self.stats.prefill_tokens_total)
+
+    async def attach_prefix(self, request: OpenHop) -> int:
+        """Start the hop's session on the longest kept prefix of the blocks `open` named; the positions it holds."""
+        prefix = request.prefix
+        if prefix is None:
+            return 0
+        return await on_compute_thread(self.runner.attach_prefix, request.session_id, prefix.hashes,
+                                       prefix.block_tokens, (request.layer_lo, request.layer_hi))
+
+    async def end_session(self, request: OpenHop, keep: PrefixBlocks | None) -> int:
+        """Free the hop's session, keeping the whole blocks of `keep` it holds as a prefix; the positions kept."""
+        if keep is None:
+            await self.reset(request.session_id)
+            return 0
+        return await on_compute_thread(self._keep_and_measure, request, keep)
+
+    def _keep_and_measure(self, request: OpenHop, keep: PrefixBlocks) -> int:
+        kept = self.runner.keep_prefix(request.session_id, keep.hashes, keep.block_tokens,
+                                       (request.layer_lo, request.layer_hi))
+        self._measure_cache()
+        return kept
+
     def cache_event_figures(self) -> tuple[int, int]:
         """KV-cache evictions (idle or over budget) and CUDA graphs captured since start, for the metrics."""
         return self.runner.evictions_total, self.runner.graph_captures_total
@@ -215,6 +247,8 @@ class ShardCompute:
             if received.kind is FrameKind.decode:
                 self.stats.decode_step_s.append(compute_s * (self.range_layers or layers_run) / layers_run)
             self.stats.tokens_served_total += int(received.tensor.shape[1])
+            if received.kind is FrameKind.prefill:
+                self.stats.prefill_tokens_total += int(received.tensor.shape[1])
         return StepResult(output, failed_check, compute_s)
 
     async def evict_idle(self) -> int:

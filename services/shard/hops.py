@@ -29,7 +29,7 @@ from nats.aio.msg import Msg
 from protocol.subjects import LinkNodes
 from inference import SessionEvictedError
 from services.common.config import TransportSettings
-from protocol.control import HopNotice, HopProblem, OpenHop
+from protocol.control import HopNotice, HopProblem, OpenHop, PrefixBlocks
 from protocol.subjects import hop_notice_subject, keepalive_subject
 from services.shard.compute import ShardCompute
 from services.transport import (
@@ -125,8 +125,9 @@ class ServedHop:
             return f"no step and no keepalive from its orchestrator for {now - self.last_heard:.1f} s"
         return None
 
-    async def close(self) -> int:
-        """Stop serving and free the session's cache; the bytes freed."""
+    async def close(self, keep: PrefixBlocks | None = None) -> int:
+        """Stop serving and free the session's cache, keeping the whole blocks of `keep` it holds as a prefix; the
+        positions kept."""
         # Not only a cancel: on Python 3.11 a wait_for inside the serving loop can swallow a cancellation that
         # lands just as a step arrives. The flag and the closed receiver end the loop whatever it awaited.
         self.closed = True
@@ -140,7 +141,7 @@ class ServedHop:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, asyncio.TimeoutError, Exception):
                 await asyncio.wait_for(asyncio.shield(task), timeout=self.limits.close_timeout_s)
-        return await self.compute.reset(self.request.session_id)
+        return await self.compute.end_session(self.request, keep)
 
     async def _on_keepalive(self, _msg: Msg) -> None:
         self.last_heard = time.monotonic()

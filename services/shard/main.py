@@ -124,7 +124,7 @@ async def load_shard(*, model: str, lo: int, hi: int, node: str, settings: Heart
         runner = await unless_stopped(on_compute_thread(
             load_layer_range, model_path, lo, hi, dtype=compute_dtype, device=compute_device,
             model_id=model_id or _default_model_id(model), cache_budget_bytes=kv_reserve_bytes(shard),
-            session_ttl_s=shard.eviction_idle_s,
+            session_ttl_s=shard.eviction_idle_s, prefix_ttl_s=shard.prefix_cache_idle_s or None,
             static_cache_tokens=shard.cuda_graph_max_tokens if compute_device.type == "cuda" else None,
             cpu_linear_kernel=shard.cpu_linear_kernel, quantization=scheme), stop_event)
     except (InferenceError, ValueError) as error:

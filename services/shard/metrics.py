@@ -23,6 +23,10 @@ counters ``hearth_shard_decode_batches_total`` / ``hearth_shard_decode_batch_row
 ``hearth_shard_kv_evictions_total`` (sessions evicted, idle or over the KV budget: each is re-prefilled) and
 ``hearth_shard_cuda_graph_captures_total`` (on a GPU: a graph per session, per new set of sessions decoding
 together, and again as they cross an attention width),
+and what kept prefixes save (inference/prefix_cache.py): ``hearth_shard_prefix_lookups_total{outcome="hit"|"miss"}``
+(hops opened naming blocks, that found some kept / none), ``hearth_shard_prefix_evictions_total`` (kept prefixes
+dropped, idle or making room), ``hearth_shard_prefix_reused_tokens_total`` (positions taken from them instead of
+computed) and ``hearth_shard_prefill_tokens_total`` (prompt positions computed),
 all labelled by shard id.
 """
 
@@ -61,6 +65,10 @@ PREFILL_BATCHES_FAMILY = "hearth_shard_prefill_batches"
 PREFILL_BATCH_ROWS_FAMILY = "hearth_shard_prefill_batch_rows"
 KV_EVICTIONS_FAMILY = "hearth_shard_kv_evictions"
 GRAPH_CAPTURES_FAMILY = "hearth_shard_cuda_graph_captures"
+PREFIX_LOOKUPS_FAMILY = "hearth_shard_prefix_lookups"
+PREFIX_EVICTIONS_FAMILY = "hearth_shard_prefix_evictions"
+PREFIX_REUSED_FAMILY = "hearth_shard_prefix_reused_tokens"
+PREFILL_TOKENS_FAMILY = "hearth_shard_prefill_tokens"
 
 
 class ShardStepMetrics:
@@ -116,6 +124,9 @@ class ServingFigures(Protocol):
     def cache_event_figures(self) -> tuple[int, int]:
         """(KV-cache evictions, CUDA graphs captured) since start."""
 
+    def prefix_figures(self) -> tuple[int, int, int, int, int]:
+        """(prefix hits, misses, evictions, positions reused, prompt positions computed) since start."""
+
 
 class ShardServingCollector(Collector):
     """Reads every live shard of this process (usually one) at scrape time."""
@@ -148,6 +159,14 @@ class ShardServingCollector(Collector):
                                        "step, or a new set of sessions decoding together, again at each attention "
                                        "width they reach); 0 without graphs.",
                                        labels=labels)
+        lookups = CounterMetricFamily(PREFIX_LOOKUPS_FAMILY, "Hops opened naming blocks of a kept prefix: `hit` when "
+                                      "some were kept here, `miss` when none.", labels=[*labels, "outcome"])
+        prefix_evictions = CounterMetricFamily(PREFIX_EVICTIONS_FAMILY, "Kept prefixes dropped (unused for "
+                                               "prefix_cache_idle_s, or making room for live sessions).",
+                                               labels=labels)
+        reused = CounterMetricFamily(PREFIX_REUSED_FAMILY, "Session positions taken from kept prefixes instead of "
+                                     "computed.", labels=labels)
+        prefilled = CounterMetricFamily(PREFILL_TOKENS_FAMILY, "Prompt positions this shard computed.", labels=labels)
         for shard in list(self._shards):
             open_hops, cache_bytes, served = shard.serving_figures()
             sessions.add_metric([shard.shard_id], open_hops)
@@ -163,7 +182,15 @@ class ShardServingCollector(Collector):
             evicted, captured = shard.cache_event_figures() if hasattr(shard, "cache_event_figures") else (0, 0)
             evictions.add_metric([shard.shard_id], evicted)
             captures.add_metric([shard.shard_id], captured)
-        yield from (sessions, cache, tokens, batches, rows, prefill_batches, prefill_rows, evictions, captures)
+            hits, misses, dropped, reused_tokens, prefill_tokens = (
+                shard.prefix_figures() if hasattr(shard, "prefix_figures") else (0, 0, 0, 0, 0))
+            lookups.add_metric([shard.shard_id, "hit"], hits)
+            lookups.add_metric([shard.shard_id, "miss"], misses)
+            prefix_evictions.add_metric([shard.shard_id], dropped)
+            reused.add_metric([shard.shard_id], reused_tokens)
+            prefilled.add_metric([shard.shard_id], prefill_tokens)
+        yield from (sessions, cache, tokens, batches, rows, prefill_batches, prefill_rows, evictions, captures,
+                    lookups, prefix_evictions, reused, prefilled)
 
 
 _serving_collectors: dict[int, ShardServingCollector] = {}

@@ -27,6 +27,7 @@ from protocol.control import (
     CloseHop,
     ControlReply,
     OpenHop,
+    PrefixBlocks,
     ShardStat,
     StatShard,
     control_request_adapter,
@@ -225,7 +226,7 @@ class ShardServer:
                 else:
                     hop = None
             if hop is not None:
-                await self._finish_closing(request.pipeline_id, hop)
+                await self._finish_closing(request.pipeline_id, hop, request.keep)
             await self._reply(msg, ControlReply(ok=True))
         else:
             async with self._hop_changes:
@@ -270,10 +271,12 @@ class ShardServer:
         hop = ServedHop(self.nc, request, self.compute, self.limits, self.identity.node_id)
         self._hops[request.pipeline_id] = hop
         self.compute.active_streams = len(self._hops)
+        # Before the hop serves: no step of its session can come before this answer anyway.
+        cached = await self.compute.attach_prefix(request)
         await hop.start()
-        log.info("opened hop %d of pipeline %s (layers %d-%d)", request.hop, request.pipeline_id,
-                 request.layer_lo, request.layer_hi)
-        return ControlReply(ok=True)
+        log.info("opened hop %d of pipeline %s (layers %d-%d, %d positions kept from earlier)", request.hop,
+                 request.pipeline_id, request.layer_lo, request.layer_hi, cached)
+        return ControlReply(ok=True, cached_tokens=cached)
 
     async def _close_hop(self, pipeline_id: str) -> None:
         hop = self._detach_hop(pipeline_id)
@@ -286,6 +289,6 @@ class ShardServer:
         self.compute.active_streams = len(self._hops)
         return hop
 
-    async def _finish_closing(self, pipeline_id: str, hop: ServedHop) -> None:
-        freed = await hop.close()
-        log.info("closed pipeline %s (freed %d cache bytes)", pipeline_id, freed)
+    async def _finish_closing(self, pipeline_id: str, hop: ServedHop, keep: PrefixBlocks | None = None) -> None:
+        kept = await hop.close(keep)
+        log.info("closed pipeline %s (%d positions kept for later calls)", pipeline_id, kept)

@@ -79,11 +79,17 @@ def three_shard_mesh(work_dir: Path, models_dir: Path, *, nats_options: dict | N
 
 
 def start_orchestrator(cluster: LocalCluster, models_dir: Path, *, extra_args: list[str] = (),
-                       wait_ready: bool = False):
-    return cluster.start_orchestrator(
-        extra_args=["--models-dir", str(models_dir), "--preload", TINY_MODEL_NAME, *extra_args],
-        wait_ready=wait_ready,
-    )
+                       wait_ready: bool = False, env: dict[str, str] | None = None):
+    """The orchestrator of `cluster` serving the tiny model; `env`: settings for it alone (read when it starts)."""
+    cluster.extra_env.update(env or {})
+    try:
+        return cluster.start_orchestrator(
+            extra_args=["--models-dir", str(models_dir), "--preload", TINY_MODEL_NAME, *extra_args],
+            wait_ready=wait_ready,
+        )
+    finally:
+        for key in env or {}:
+            cluster.extra_env.pop(key)
 
 
 async def chat_once(cluster: LocalCluster, request: ChatRequest) -> ChatResult:

@@ -97,8 +97,7 @@ class FailoverMesh:
             args += ["--metrics-port", str(metrics_port)]
         process = self.cluster.start_shard(str(self.model_path), lo, hi, node_id=node_id, extra_args=args,
                                            wait_ready=wait_ready)
-        handle = ShardHandle(process, node_id, lo, hi, metrics_port)
-        self.shards[node_id] = handle
+        handle = self.shards[node_id] = ShardHandle(process, node_id, lo, hi, metrics_port)
         return handle
 
     def start_orchestrator(self, *, local_model: bool = True) -> ManagedProcess:
@@ -107,7 +106,9 @@ class FailoverMesh:
         args = ["--step-timeout-s", str(STEP_TIMEOUT_S), "--db", str(self.orchestrator_db)]
         if local_model:
             args += ["--local-model", TINY_MODEL_NAME]
-        self.orchestrator = start_orchestrator(self.cluster, self.models_dir, extra_args=args)
+        # Replicas are picked by hop weight after a same-prompt reference call, which kept prefixes would route back.
+        self.orchestrator = start_orchestrator(self.cluster, self.models_dir, extra_args=args,
+                                               env={"HEARTH_PREFIX_CACHE__ENABLED": "false"})
         return self.orchestrator
 
     def stop_shard(self, handle: ShardHandle) -> None:
@@ -359,11 +360,10 @@ def scrape_metric(port: int, name: str, labels: dict[str, str]) -> float:
 
 def replay_pipeline(cluster: LocalCluster, pipeline_id: str) -> list[dict]:
     """`hearth-replay pipeline ID --output jsonl` (as the cluster's system user), parsed."""
-    completed = subprocess.run(
-        [sys.executable, "-m", "services.replay.cli", "pipeline", pipeline_id, "--output", "jsonl", "--nats",
-         cluster.nats_url], capture_output=True, text=True, timeout=60, cwd=str(Path(__file__).resolve().parents[2]),
-        env={**os.environ, **cluster.credentials_env(cluster.system_creds)},
-    )
+    command = [sys.executable, "-m", "services.replay.cli", "pipeline", pipeline_id, "--output", "jsonl", "--nats",
+               cluster.nats_url]
+    completed = subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=str(
+        Path(__file__).resolve().parents[2]), env={**os.environ, **cluster.credentials_env(cluster.system_creds)})
     assert completed.returncode == 0, completed.stderr
     return [json.loads(line) for line in completed.stdout.splitlines() if line.strip()]
 

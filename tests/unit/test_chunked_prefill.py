@@ -9,7 +9,7 @@ import torch
 
 from inference import SamplingParams, load_full, load_head, load_layer_range
 from tests.runner_limits import RUNNER_KV_LIMITS
-from services.orchestrator.chain import LocalChain
+from services.orchestrator.local_chain import LocalChain
 from services.orchestrator.prefill import chunk_spans, prefill
 
 from .inference_tiny_models import one_torch_thread, tiny_model_dir  # noqa: F401  (fixtures are used by name)

@@ -1,0 +1,80 @@
+"""Kept prefixes over real processes: a conversation's next turn prefills only what its hops do not hold yet and its
+greedy tokens stay generate()'s; an edited history, and a hop that dropped its kept blocks, prefill everything again
+and still answer right."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from protocol.chat import ChatRequest
+from services.broker.connection import connect_nats
+from services.devtools.local_cluster import LocalCluster
+from tests.e2e.conftest import THREE_SHARD_RANGES, TINY_MODEL_NAME, chat_once, start_orchestrator
+from tests.e2e.failover_support import pipeline_events
+
+pytestmark = pytest.mark.e2e
+
+BLOCK = 8
+NEW_TOKENS = 6
+FIRST_TURN = ("a community of households shares one model across its machines, each holding a few layers of it, "
+              "and every call streams activations from one house to the next")
+
+
+def greedy_reference(path, input_ids: list[int], new_tokens: int) -> list[int]:
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        output = model.generate(torch.tensor([input_ids]), max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    return output[0, len(input_ids):].tolist()
+
+
+def start_mesh(cluster: LocalCluster, models_dir, shard_env: list[dict[str, str]]) -> None:
+    for index, ((lo, hi), env) in enumerate(zip(THREE_SHARD_RANGES, shard_env)):
+        cluster.extra_env.update(env)
+        cluster.start_shard(str(models_dir / TINY_MODEL_NAME), lo, hi, node_id=f"host{index}", wait_ready=False)
+        for key in env:  # read when the process starts: the next one does not get it
+            cluster.extra_env.pop(key)
+    start_orchestrator(cluster, models_dir, env={"HEARTH_PREFIX_CACHE__BLOCK_TOKENS": str(BLOCK)})
+    cluster.wait_all_ready()
+
+
+async def ask(cluster: LocalCluster, models_dir, prompt: str) -> tuple[list[int], int]:
+    """The call's greedy tokens (checked against generate()) and the prompt positions its hops already held."""
+    result = await chat_once(cluster, ChatRequest(model=TINY_MODEL_NAME, prompt=prompt, max_tokens=NEW_TOKENS))
+    assert result.ok, result.final
+    tokenizer = AutoTokenizer.from_pretrained(models_dir / TINY_MODEL_NAME)
+    expected = await asyncio.to_thread(greedy_reference, models_dir / TINY_MODEL_NAME,
+                                       tokenizer(prompt)["input_ids"], NEW_TOKENS)
+    assert result.token_ids == expected
+    nc = await connect_nats(cluster.nats_url, name="e2e-events", settings=cluster.nats_settings())
+    try:
+        events = await pipeline_events(nc, result.frames_of("pipeline")[0].pipeline_id)
+    finally:
+        await asyncio.wait_for(nc.close(), timeout=5)
+    constructed = [item.event for item in events if item.event.type == "pipeline.constructed"]
+    return result.text, constructed[0].cached_prompt_tokens
+
+
+async def test_a_conversation_s_next_turn_prefills_only_its_new_part(cluster, tiny_models_dir):
+    start_mesh(cluster, tiny_models_dir, [{}, {}, {}])
+    answer, cached = await ask(cluster, tiny_models_dir, FIRST_TURN)
+    assert cached == 0
+    second_turn = FIRST_TURN + answer + " and then the next house answers with what it knows"
+    _, cached = await ask(cluster, tiny_models_dir, second_turn)
+    first_turn_tokens = len(AutoTokenizer.from_pretrained(tiny_models_dir / TINY_MODEL_NAME)(FIRST_TURN)["input_ids"])
+    assert cached % BLOCK == 0 and cached >= (first_turn_tokens // BLOCK - 1) * BLOCK, cached
+    # A client that edits an earlier turn shares no block with it: everything is prefilled, and the answer is right.
+    _, cached = await ask(cluster, tiny_models_dir, "one" + second_turn[1:])
+    assert cached == 0
+
+
+async def test_a_hop_that_dropped_its_kept_blocks_makes_the_call_prefill_everything(cluster, tiny_models_dir):
+    # The middle host keeps blocks for a moment only: by the next call they are gone there, whatever the others hold.
+    start_mesh(cluster, tiny_models_dir, [{}, {"HEARTH_SHARD__PREFIX_CACHE_IDLE_S": "0.2"}, {}])
+    answer, _ = await ask(cluster, tiny_models_dir, FIRST_TURN)
+    await asyncio.sleep(1.0)
+    _, cached = await ask(cluster, tiny_models_dir, FIRST_TURN + answer + " and more")
+    assert cached == 0

@@ -1,0 +1,120 @@
+"""Kept prefixes of LayerRangeRunner: a session attached to an ended one's blocks continues exactly where a session
+that computed them itself would, shorter matches and other layers miss, and kept blocks give way to live sessions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from inference import load_head, load_layer_range
+from inference.prefix_cache import PrefixCache, prefix_keys
+from tests.runner_limits import RUNNER_KV_LIMITS
+
+from .inference_tiny_models import one_torch_thread, tiny_model_dir  # noqa: F401  (fixtures)
+
+BLOCK = 4
+PROMPT = [1, 7, 9, 11, 13, 17, 19, 23, 29, 31, 37]  # 11 tokens: two whole blocks and three more
+
+
+@pytest.fixture(params=["llama", "qwen2"])
+def model(request, tiny_model_dir):
+    path = tiny_model_dir(request.param)
+    return path, load_head(path)
+
+
+def runner_of(path, **limits):
+    return load_layer_range(path, 0, 1, prefix_ttl_s=600.0, **(RUNNER_KV_LIMITS | limits))
+
+
+def test_a_session_attached_to_kept_blocks_continues_as_if_it_had_computed_them(model):
+    path, head = model
+    runner = runner_of(path)
+    whole = runner.forward("first", head.embed(PROMPT), 0, "prefill")
+    assert runner.keep_prefix("first", ["b0", "b1"], BLOCK) == 2 * BLOCK
+    assert "first" not in runner.session_ids()
+
+    assert runner.attach_prefix("second", ["b0", "b1", "b2"], BLOCK) == 2 * BLOCK
+    rest = runner.forward("second", head.embed(PROMPT[2 * BLOCK:]), 2 * BLOCK, "prefill")
+    torch.testing.assert_close(rest, whole[:, 2 * BLOCK:], rtol=1e-4, atol=1e-4)
+    # The kept entry is copied, not lent: a second session attached to it sees the same blocks.
+    assert runner.attach_prefix("third", ["b0", "b1"], BLOCK) == 2 * BLOCK
+    again = runner.forward("third", head.embed(PROMPT[2 * BLOCK:]), 2 * BLOCK, "prefill")
+    torch.testing.assert_close(again, rest, rtol=0, atol=0)
+
+
+def test_a_first_step_may_start_before_the_attached_end(model):
+    # Another hop of the chain held fewer blocks: every hop starts where the one holding least ends.
+    path, head = model
+    runner = runner_of(path)
+    whole = runner.forward("first", head.embed(PROMPT), 0, "prefill")
+    runner.keep_prefix("first", ["b0", "b1"], BLOCK)
+    assert runner.attach_prefix("second", ["b0", "b1"], BLOCK) == 2 * BLOCK
+    rest = runner.forward("second", head.embed(PROMPT[BLOCK:]), BLOCK, "prefill")
+    torch.testing.assert_close(rest, whole[:, BLOCK:], rtol=1e-4, atol=1e-4)
+    assert runner.cached_tokens("second") == len(PROMPT)
+
+
+def test_other_blocks_other_layers_and_other_block_sizes_miss(model):
+    path, head = model
+    runner = runner_of(path)
+    runner.forward("first", head.embed(PROMPT), 0, "prefill")
+    runner.keep_prefix("first", ["b0", "b1"], BLOCK)
+    assert runner.attach_prefix("a", ["x0", "b1"], BLOCK) == 2 * BLOCK  # the last block's hash names its whole past
+    assert runner.attach_prefix("b", ["x0", "x1"], BLOCK) == 0
+    assert runner.attach_prefix("c", ["b0", "b1"], BLOCK, layers=(1, 1)) == 0
+    assert runner.attach_prefix("d", ["b0", "b1"], 2 * BLOCK) == 0
+    cache = runner.prefix_cache
+    assert (cache.hits_total, cache.misses_total) == (1, 3)
+
+
+def test_only_whole_blocks_the_session_holds_are_kept(model):
+    path, head = model
+    runner = runner_of(path)
+    runner.forward("first", head.embed(PROMPT[:6]), 0, "prefill")
+    assert runner.keep_prefix("first", ["b0", "b1", "b2"], BLOCK) == BLOCK
+    assert runner.keep_prefix("never-run", ["b0"], BLOCK) == 0
+    assert runner.attach_prefix("second", ["b0", "b1"], BLOCK) == BLOCK
+
+
+def test_a_decode_step_after_an_attach_must_continue_exactly(model):
+    path, head = model
+    runner = runner_of(path)
+    runner.forward("first", head.embed(PROMPT), 0, "prefill")
+    runner.keep_prefix("first", ["b0", "b1"], BLOCK)
+    runner.attach_prefix("second", ["b0", "b1"], BLOCK)
+    with pytest.raises(Exception, match="cached tokens"):
+        runner.forward("second", head.embed([5]), BLOCK, "decode")
+
+
+def test_kept_blocks_give_way_to_live_sessions(model):
+    path, head = model
+    runner = runner_of(path)
+    runner.forward("first", head.embed(PROMPT), 0, "prefill")
+    runner.keep_prefix("first", ["b0", "b1"], BLOCK)
+    kept = runner.prefix_cache.total_bytes
+    assert kept > 0
+    small = load_layer_range(path, 0, 1, prefix_ttl_s=600.0, cache_budget_bytes=kept * 2, session_ttl_s=600)
+    small.forward("first", head.embed(PROMPT), 0, "prefill")
+    small.keep_prefix("first", ["b0", "b1"], BLOCK)
+    small.forward("live", head.embed(PROMPT + [5]), 0, "prefill")  # with the kept blocks, over budget
+    assert len(small.prefix_cache) == 0 and small.prefix_cache.evictions_total == 1
+    assert "live" in small.session_ids()
+
+
+def test_a_conversation_s_next_turn_replaces_its_earlier_entry_and_branches_stay():
+    clock = [0.0]
+    cache = PrefixCache(ttl_s=10, clock=lambda: clock[0])
+    kv = {0: (torch.zeros(1, 1, 8, 2), torch.zeros(1, 1, 8, 2))}
+    cache.put(["a", "b"], kv, 4)
+    cache.put(["a", "b", "c"], kv, 4)
+    assert len(cache) == 1
+    cache.put(["a", "x"], kv, 4)
+    assert len(cache) == 2 and cache.lookup(["a", "b", "c", "d"])[1] == 3 and cache.lookup(["a", "x"])[1] == 2
+    clock[0] = 11
+    cache.lookup(["a", "x"])
+    assert cache.evict_expired() > 0 and len(cache) == 1 and cache.lookup(["a", "b", "c"])[1] == 1
+
+
+def test_shard_keys_depend_on_layers_and_block_size():
+    assert prefix_keys(["h"], 0, 3, 16) != prefix_keys(["h"], 0, 4, 16) != prefix_keys(["h"], 0, 4, 32)
+    assert prefix_keys(["h", "i"], 0, 3, 16)[0] == prefix_keys(["h"], 0, 3, 16)[0]
