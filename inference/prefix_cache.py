@@ -62,9 +62,10 @@ def cache_snapshot(cache: DynamicCache, layers: range, tokens: int) -> KeysValue
 
 
 def fill_cache(cache: DynamicCache, kv: KeysValues, tokens: int) -> None:
-    """Put the first `tokens` positions of `kv` into an empty `cache` (copies: the entry stays as it was)."""
+    """Put the first `tokens` positions of `kv` into an empty `cache`; the entry stays as it was, since a dynamic cache
+    layer's `update` joins what it is given into a new tensor and never writes into it."""
     for layer_index, (keys, values) in kv.items():
-        cache.update(keys[..., :tokens, :].clone(), values[..., :tokens, :].clone(), layer_index)
+        cache.update(keys[..., :tokens, :], values[..., :tokens, :], layer_index)
 
 
 class PrefixCache:
@@ -171,10 +172,10 @@ class PrefixSessions:
         return tokens
 
     def keep(self, session_id: str, block_hashes: Sequence[str], block_tokens: int, run_lo: int, run_hi: int,
-             cached_tokens: int) -> int:
-        """End `session_id`, keeping its first blocks (those it holds whole of the ones named) as a prefix; the
-        positions kept (0: none, the cache is freed)."""
-        session = self.caches.pop(session_id)
+             cached_tokens: int, end_session: bool = True) -> int:
+        """Keep the session's first blocks (those it holds whole of the ones named) as a prefix, ending the session
+        (its cache freed) unless `end_session` is False; the positions kept."""
+        session = self.caches.pop(session_id) if end_session else self.caches.get(session_id)
         blocks = min(len(block_hashes), cached_tokens // block_tokens)
         if session is None or blocks < 1:
             return 0

@@ -275,18 +275,20 @@ class LayerRangeRunner(RunnerChecks):
             return self._prefix_sessions.attach(session_id, block_hashes, block_tokens, run_lo, run_hi)
 
     def keep_prefix(self, session_id: str, block_hashes: Sequence[str], block_tokens: int,
-                    layers: tuple[int, int] | None = None) -> int:
-        """End a session, keeping the positions of the named blocks it holds whole as a prefix for later sessions;
-        the positions kept (0: none, the cache is freed as by `reset`)."""
+                    layers: tuple[int, int] | None = None, end_session: bool = True) -> int:
+        """Keep the positions of the named blocks a session holds whole as a prefix for later sessions, ending it
+        (freed as by `reset`) unless `end_session` is False; the positions kept."""
         with self._lock:
             self._check_open()
             run_lo, run_hi = self._validate_sub_range(layers)
             session = self._caches.get(session_id)
             if self._prefix_sessions is None or session is None:
-                self._caches.drop(session_id)
+                if end_session:
+                    self._caches.drop(session_id)
                 return 0
             cached = min(self._cached_length(session.cache, i) for i in range(run_lo, run_hi + 1))
-            return self._prefix_sessions.keep(session_id, block_hashes, block_tokens, run_lo, run_hi, cached)
+            return self._prefix_sessions.keep(session_id, block_hashes, block_tokens, run_lo, run_hi, cached,
+                                              end_session)
 
     @property
     def prefix_cache(self) -> PrefixCache | None:

@@ -27,6 +27,8 @@ max_openai_penalty = 2.0
 # An extension (transformers' repetition_penalty); its bounds keep every logit it divides or multiplies finite.
 min_repetition_penalty = 0.01
 max_repetition_penalty = 10.0
+# Choices one request may ask for (`n`): each is a pipeline of its own that shares the prompt's prefill.
+max_choices = 8
 
 
 def _not_subnormal(value: float) -> float:
@@ -38,6 +40,10 @@ def _not_subnormal(value: float) -> float:
 
 def _is_none(value: object) -> bool:
     return value is None
+
+
+def _is_first_choice(value: object) -> bool:
+    return value == 0
 
 
 # Finite (no NaN, no Infinity) and not subnormal: what a sampling parameter may be.
@@ -133,6 +139,9 @@ class ChatRequest(BaseModel):
     # Functions the model may call (its chat template renders them); `tool_choice` says whether it must.
     tools: ToolList | None = Field(default=None, exclude_if=_is_none)
     tool_choice: ToolChoice | None = Field(default=None, exclude_if=_is_none)
+    # Independent answers to the same prompt (frames of each say `choice`; one done frame ends them all). With a
+    # `seed`, choice i samples with seed + i.
+    n: int = Field(default=1, ge=1, le=max_choices)
     params: ChatParams = Field(default_factory=ChatParams)
 
     @model_validator(mode="after")
@@ -200,6 +209,8 @@ class PipelineFrame(_Frame):
     type: Literal["pipeline"] = "pipeline"
     pipeline_id: str
     hops: list[str]
+    # Which of the request's `n` choices this frame is about (left out for the first).
+    choice: int = Field(default=0, ge=0, lt=max_choices, exclude_if=_is_first_choice)
 
 
 class TokenAlternative(BaseModel):
@@ -230,6 +241,8 @@ class TokenDeltaFrame(_Frame):
     hops: list[str] | None = None
     # Only when the request asked for `logprobs`; absent otherwise.
     logprobs: TokenLogprobs | None = Field(default=None, exclude_if=_is_none)
+    # Which of the request's `n` choices this frame is about (left out for the first).
+    choice: int = Field(default=0, ge=0, lt=max_choices, exclude_if=_is_first_choice)
 
 
 class ShardStatusFrame(_Frame):
@@ -237,6 +250,8 @@ class ShardStatusFrame(_Frame):
     shard_id: str
     status: Literal["degraded", "healthy"]
     reason: str
+    # Which of the request's `n` choices this frame is about (left out for the first).
+    choice: int = Field(default=0, ge=0, lt=max_choices, exclude_if=_is_first_choice)
 
 
 class ShardFailoverFrame(_Frame):
@@ -244,6 +259,8 @@ class ShardFailoverFrame(_Frame):
     failed_shard_id: str
     replacement_hops: list[str]
     resumed_at_token: int
+    # Which of the request's `n` choices this frame is about (left out for the first).
+    choice: int = Field(default=0, ge=0, lt=max_choices, exclude_if=_is_first_choice)
 
 
 class TokensWithdrawnFrame(_Frame):
@@ -255,12 +272,16 @@ class TokensWithdrawnFrame(_Frame):
     kept_tokens: int = Field(ge=0)
     shard_id: str
     reason: str
+    # Which of the request's `n` choices this frame is about (left out for the first).
+    choice: int = Field(default=0, ge=0, lt=max_choices, exclude_if=_is_first_choice)
 
 
 class PipelineAbortedFrame(_Frame):
     type: Literal["pipeline_aborted"] = "pipeline_aborted"
     code: ErrorCode
     reason: str
+    # Which of the request's `n` choices this frame is about (left out for the first).
+    choice: int = Field(default=0, ge=0, lt=max_choices, exclude_if=_is_first_choice)
 
 
 class Usage(BaseModel):
@@ -278,11 +299,23 @@ class Timing(BaseModel):
     duration_ms: float | None = None
 
 
+class ChoiceEnd(BaseModel):
+    """How one of a request's `n` choices ended."""
+
+    choice: int = Field(ge=0, lt=max_choices)
+    finish_reason: str
+    completion_tokens: int = Field(ge=0)
+
+
 class DoneFrame(_Frame):
+    """The call's last frame when it ended well. With `n` > 1 it ends every choice: `finish_reason` and `timing` are
+    the first choice's, `usage.completion_tokens` counts every choice's tokens, and `choices` says how each ended."""
+
     type: Literal["done"] = "done"
     finish_reason: Literal["stop", "length", "fallback_stop", "fallback_length"] | str
     usage: Usage
     timing: Timing = Field(default_factory=Timing)
+    choices: list[ChoiceEnd] | None = Field(default=None, max_length=max_choices, exclude_if=_is_none)
 
 
 class KeepaliveFrame(_Frame):

@@ -98,6 +98,18 @@ class CloseHop(BaseModel):
     keep: PrefixBlocks | None = None
 
 
+class KeepHop(BaseModel):
+    """Keep a copy of an open session's KV for the whole blocks of `keep` it holds, as `close` would, while the
+    session goes on (a request's other choices begin from its prompt's blocks); answered with `cached_tokens`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    op: Literal["keep"] = "keep"
+    pipeline_id: str = Field(pattern=SUBJECT_TOKEN_PATTERN)
+    session_id: str = Field(pattern=SUBJECT_TOKEN_PATTERN)
+    keep: PrefixBlocks
+
+
 class StatShard(BaseModel):
     """Ask a shard what it holds open; answered with a ShardStat."""
 
@@ -106,7 +118,7 @@ class StatShard(BaseModel):
     op: Literal["stat"] = "stat"
 
 
-ControlRequest = Annotated[Union[OpenHop, CloseHop, StatShard], Field(discriminator="op")]
+ControlRequest = Annotated[Union[OpenHop, CloseHop, KeepHop, StatShard], Field(discriminator="op")]
 control_request_adapter: TypeAdapter[ControlRequest] = TypeAdapter(ControlRequest)
 
 
@@ -115,7 +127,7 @@ class ControlReply(BaseModel):
     code: RefusalCode | None = None
     message: str = Field(default="", max_length=max_reason_chars)
     shard_id: str = Field(default="", max_length=max_shard_id_chars)
-    # An opened hop's session positions taken from a kept prefix (OpenHop.prefix).
+    # An opened hop's session positions taken from a kept prefix (OpenHop.prefix), or those `keep` kept.
     cached_tokens: int = Field(default=0, ge=0)
 
 

@@ -103,6 +103,11 @@ class VerificationSettings(ConfigSection):
     settle_timeout_s: float = Field(
         default=30.0, gt=0,
         description="how long a call's last frame waits for the checks still running on its steps")
+    kept_inputs_mb: float = Field(
+        default=128, ge=0,
+        description="what entered each hop over the positions its shards kept for later calls, held in memory so a "
+                    "hop that begins from kept KV can still be checked (least recently used dropped beyond this; "
+                    "such a hop is not checked then)")
     record_budget_mb: float = Field(
         default=128.0, gt=0,
         description="what a call's chain may hold in memory of its hops' inputs and outputs for checks; beyond "

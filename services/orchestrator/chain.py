@@ -29,7 +29,7 @@ from nats.errors import NoRespondersError
 
 from protocol.subjects import LinkNodes, node_token
 from services.common.config import TransportSettings
-from protocol.control import CloseHop, ControlReply, HopNotice, OpenHop, PrefixBlocks
+from protocol.control import CloseHop, ControlReply, HopNotice, KeepHop, OpenHop, PrefixBlocks
 from protocol.subjects import hop_notice_subject, keepalive_subject
 from services.broker.connection import flush_ordered
 from services.orchestrator.metrics import HopLatencies, hop_notices_refused_total
@@ -216,6 +216,14 @@ class HopChain:
         if self.on_round_trip is not None:
             self.on_round_trip(hop.shard_id, time.perf_counter() - asked_at)
         return ControlReply.model_validate_json(message.data)
+
+    async def keep_now(self, keep: PrefixBlocks) -> bool:
+        """Have every hop keep a copy of its session's whole blocks of `keep` while it goes on; whether all did."""
+        request = KeepHop(pipeline_id=self.pipeline_id, session_id=self.session_id, keep=keep).model_dump_json()
+        asks = [self.nc.request(hop.control_subject, request.encode(), timeout=self.transport.control_timeout_s)
+                for hop in self.hops]
+        replies = await asyncio.gather(*asks, return_exceptions=True)  # a hop gone: the others prefill the rest
+        return all(not isinstance(r, BaseException) and ControlReply.model_validate_json(r.data).ok for r in replies)
 
     async def keep_alive(self) -> None:
         """Tell the hops this pipeline's orchestrator is alive (services/shard/hops.py drops silent ones)."""

@@ -16,6 +16,7 @@ from services.orchestrator.guards import RangeGuards
 from services.orchestrator.catalog import ModelCatalog
 from services.orchestrator.head_batcher import HeadSteps
 from services.orchestrator.health import RecentFailures
+from services.orchestrator.kept_inputs import KeptInputs
 from services.orchestrator.prefix import KeptChains
 from services.orchestrator.router import ShardRouter
 from services.transport.integrity import NormBounds
@@ -46,6 +47,8 @@ class RunContext:
     running_calls: int = 0
     # Which of our chains kept which blocks of their calls (services/orchestrator/prefix.py), for routing.
     kept_chains: KeptChains = field(default_factory=KeptChains)
+    # What entered each hop over kept prefixes, so hops that begin from them can be checked (set by the service).
+    kept_inputs: KeptInputs = field(default_factory=lambda: KeptInputs(0))
     # Per model: the token ids of each public system prompt alone (encoded once).
     public_prompt_ids: dict[str, list[list[int]]] = field(default_factory=dict)
     # Shards a check of ours proved wrong: out of every chain at once, before the read model says so too.

@@ -20,12 +20,13 @@ from collections.abc import Sequence
 import torch
 from nats.aio.client import Client as NatsClient
 
-from protocol.control import PrefixBlocks
+from inference.compute_thread import on_compute_thread
 from services.common.config import TransportSettings
 from services.orchestrator.call import new_pipeline_id
 from services.orchestrator.chain import HopChain
 from services.orchestrator.outcomes import StepFailure
 from services.orchestrator.placement import ChainPlacement
+from services.orchestrator.kept_inputs import first_blocks
 from services.orchestrator.recording import ChainRecorder, HopSpan
 from services.orchestrator.router import Hop
 from services.transport import FrameKind
@@ -38,35 +39,24 @@ class Mirror:
 
     def __init__(self, nc: NatsClient, replica: Hop, *, node_id: str, model_id: str, weights_sha256: str,
                  transport: TransportSettings, wire_dtype: str, hidden_size: int, max_session_tokens: int,
-                 chunk_tokens: int, dtype: str, placement: ChainPlacement | None = None,
-                 prefix: PrefixBlocks | None = None) -> None:
+                 chunk_tokens: int, dtype: str, placement: ChainPlacement | None = None) -> None:
         self.replica = replica
         self.dtype = dtype
         self.chunk_tokens = chunk_tokens
-        # Where its session began (a kept prefix's end, or 0) and the positions it has run so far.
-        self.fed_pos = self.fed_from = 0
+        self.fed_pos = 0
         # The recorder generation it was fed from: a re-prefill of the checked chain voids what it ran.
         self.generation: int | None = None
         self.chain = HopChain(nc, new_pipeline_id(), [replica], node_id=node_id,
                               model_id=model_id, weights_sha256=weights_sha256, transport=transport,
                               wire_dtype=wire_dtype, hidden_size=hidden_size, max_session_tokens=max_session_tokens,
-                              placement=placement, prefix=prefix)
+                              placement=placement)
 
     @property
     def shard_id(self) -> str:
         return self.replica.shard_id
 
     async def open(self) -> StepFailure | None:
-        """Open the replica's session; one mirroring a hop that began from a kept prefix must hold all of it too
-        (it starts where the checked hop did)."""
-        failure = await self.chain.open()
-        if failure is None and self.chain.prefix is not None:
-            needed = len(self.chain.prefix.hashes) * self.chain.prefix.block_tokens
-            if self.chain.reused_tokens < needed:
-                return StepFailure("refused", self.shard_id, f"holds {self.chain.reused_tokens} of the {needed} "
-                                                             "kept positions the checked hop began from")
-            self.fed_pos = self.fed_from = self.chain.take_reused_tokens()
-        return failure
+        return await self.chain.open()
 
     async def run(self, inputs: torch.Tensor, first_pos: int,
                   kinds: Sequence[FrameKind] = ()) -> torch.Tensor | StepFailure:
@@ -104,22 +94,34 @@ class Mirror:
         await self.chain.close()
 
     async def witness(self, recorder: ChainRecorder, index: int, span: HopSpan):
-        """As a fresh third replica: run hop `index`'s recorded inputs from where its session began through `span`;
-        (self, its outputs over `span`), or None (then closed) when they did not come."""
-        history = recorder.span(index, self.fed_from, span.last_step)
-        output = await self.run(history.inputs, self.fed_from) if history is not None else None
+        """As a fresh third replica (fed a kept prefix's positions already, where the hop began from one): run hop
+        `index`'s recorded inputs from there through `span`; (self, its outputs over `span`), or None (then closed)
+        when they did not come."""
+        first_pos = self.fed_pos
+        history = recorder.span(index, first_pos, span.last_step)
+        output = await self.run(history.inputs, first_pos) if history is not None else None
         if output is None or isinstance(output, StepFailure):
             await self.close()
             return None
-        return self, output[:, span.first_pos - self.fed_from:span.end_pos - self.fed_from]
+        return self, output[:, span.first_pos - first_pos:span.end_pos - first_pos]
 
 
-def reused_prefix(chain: HopChain) -> PrefixBlocks | None:
-    """The kept blocks `chain`'s hops began from (None when they began at position 0)."""
-    if chain.prefix is None or chain.reused_tokens == 0:
+async def _feed_kept_prefix(ctx, call, chain: HopChain, index: int, mirror: Mirror) -> StepFailure | None:
+    """A hop that began from a kept prefix is mirrored from the same positions: the mirror first runs what entered
+    the hop's first layer there (services/orchestrator/kept_inputs.py); why it cannot, or None."""
+    reused = chain.reused_tokens
+    if reused == 0 or chain.prefix is None:
         return None
-    blocks = chain.reused_tokens // chain.prefix.block_tokens
-    return PrefixBlocks(block_tokens=chain.prefix.block_tokens, hashes=chain.prefix.hashes[:blocks])
+    layer = chain.hops[index].layer_lo_to_run
+    if layer == 0:
+        inputs = await on_compute_thread(call.model.head.embed, call.known_ids[:reused])
+    else:
+        inputs = ctx.kept_inputs.inputs(first_blocks(chain.prefix, reused), layer)
+    if inputs is None:
+        return StepFailure("refused", mirror.shard_id, f"what entered layer {layer} over the {reused} kept positions "
+                                                       f"hop {index} began from is no longer held here")
+    output = await mirror.run(inputs, 0)
+    return output if isinstance(output, StepFailure) else None
 
 
 def serves_range(candidate, weights_sha256: str, quantization: str, dtype: str | None, layer_lo: int,
@@ -157,8 +159,10 @@ async def open_mirror(ctx, call, chain: HopChain, index: int, avoid: set[str],
                         wire_dtype=chain.wire_dtype, hidden_size=model.head.info.hidden_size,
                         max_session_tokens=chain.max_session_tokens or len(call.prompt_ids) + 1,
                         chunk_tokens=settings.orchestrator.prefill_chunk_tokens, dtype=dtype or replica.dtype,
-                        placement=ChainPlacement.of_hop(chain.hops, index), prefix=reused_prefix(chain))
+                        placement=ChainPlacement.of_hop(chain.hops, index))
         failure = await mirror.open()
+        if failure is None:
+            failure = await _feed_kept_prefix(ctx, call, chain, index, mirror)
         if failure is None:
             mirror.generation = chain.recorder.generation
             return mirror

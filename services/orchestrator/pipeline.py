@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import logging
 import time
+from collections.abc import Awaitable, Callable
 
 from events.models import (
     IntegrityCorruptionDetected,
@@ -44,6 +45,7 @@ from protocol.chat import (
 )
 from services.orchestrator.call import Call, CallStatus
 from services.orchestrator.chain import HopChain
+from services.orchestrator.kept_inputs import keep_chain_inputs
 from services.orchestrator.local_chain import LocalChain
 from services.orchestrator.construct import ChainBuilder
 from services.orchestrator.context import RunContext
@@ -72,6 +74,8 @@ class PipelineRun:
         self._held: list[str] = []
         # Counts the call with the head batcher while head steps come from it (services/orchestrator/head_batcher.py).
         self._in_decode_loop = contextlib.ExitStack()
+        # Awaited once its first token was streamed (a request's other choices start then: choices.py).
+        self.on_first_token: Callable[[PipelineRun], Awaitable[None]] | None = None
 
     async def serve(self) -> None:
         """Run the call while its client listens, telling its hops that it lives; a client that stops listening
@@ -117,8 +121,10 @@ class PipelineRun:
         await self.verifier.detach()
         chain, self.chain = self.chain, None
         if isinstance(chain, HopChain):
-            await chain.close(keep=self.builder.kept_blocks(chain) if self.call.status is CallStatus.finished
-                              else None)
+            kept = self.builder.kept_blocks(chain) if self.call.status is CallStatus.finished else None
+            if kept is not None:
+                await keep_chain_inputs(self.ctx.kept_inputs, chain, kept, self.ctx.settings.transport.step_timeout_s)
+            await chain.close(keep=kept)
         elif chain is not None:
             await chain.close()
         held, self._held = self._held, []
@@ -175,6 +181,8 @@ class PipelineRun:
         if first_token:
             await self._record(PipelineFirstToken(node_id=self.ctx.node_id, pipeline_id=call.pipeline_id,
                                                   ttft_ms=call.ttft_ms()))
+            if self.on_first_token is not None:
+                await self.on_first_token(self)
         call.next_input = token.embedding
         if token.finish_reason is not None:
             call.finish_reason = token.finish_reason

@@ -4,8 +4,8 @@ again on another replica and compared (services/orchestrator/verification.py).
 Hop 0's input is what the orchestrator sent, the last hop's output is what reached its sink; what passed between
 two hops is read off their link by a tap: a second subscriber to the link's subject that opens the frames with the
 link key (the orchestrator made every link key) and never acks. One publish reaches the next hop and the tap
-alike, so a hop cannot show the tap one thing and its successor another. Nothing recorded leaves the process or
-outlives the chain (activations are never persisted).
+alike, so a hop cannot show the tap one thing and its successor another. Nothing recorded leaves the process or is
+persisted; it outlives the chain only as kept inputs (services/orchestrator/kept_inputs.py), in memory.
 """
 
 from __future__ import annotations

@@ -42,7 +42,10 @@ from services.orchestrator.admission import admit_prompt, prompt_room
 from services.orchestrator.call import Call, ClientStream
 from services.orchestrator.capacity import ShardLoad
 from services.orchestrator.catalog import ModelCatalog, UnknownModel
+from events.streams import MiB
 from services.orchestrator.canaries import CanaryLibrary, CanaryRunner
+from services.orchestrator.choices import ChoiceClient, ChoiceGroup, choice_request
+from services.orchestrator.kept_inputs import KeptInputs
 from services.orchestrator.context import RunContext
 from services.orchestrator.guards import RangeGuards
 from services.orchestrator.discovery import describe_models
@@ -125,7 +128,8 @@ class Orchestrator:
             sink_bounds={},
             load=ShardLoad(retry_s=self.settings.orchestrator.at_capacity_retry_s),
             guards=RangeGuards(verification.guard_margin, verification.guard_min_positions),
-            canaries=CanaryLibrary(verification.canaries_per_range, verification.canary_max_positions))
+            canaries=CanaryLibrary(verification.canaries_per_range, verification.canary_max_positions),
+            kept_inputs=KeptInputs(int(verification.kept_inputs_mb * MiB)))
         self._canaries = CanaryRunner(self.context, self._record_event)
         self._canaries.start()
         self._subscription = await self.nc.subscribe(CHAT_REQUEST_SUBJECT, queue=ORCHESTRATOR_QUEUE_GROUP,
@@ -301,6 +305,14 @@ class Orchestrator:
                     prompt_ids = await admit_prompt(request, model)
                 except BadRequest as error:
                     await client.send(ErrorFrame(seq=0, code="bad_request", message=str(error)))
+                    return
+                if request.n > 1:
+                    group = ChoiceGroup(client, self.context)
+                    calls = [Call(request=choice_request(request, index), model=model,
+                                  client=ChoiceClient(group, index), prompt_ids=prompt_ids, caller=caller,
+                                  queue_wait_s=admission.queue_wait_s) for index in range(request.n)]
+                    async with self._counted_as_running():
+                        await group.serve(calls)
                     return
                 run = PipelineRun(Call(request=request, model=model, client=client, prompt_ids=prompt_ids,
                                        caller=caller, queue_wait_s=admission.queue_wait_s), self.context)

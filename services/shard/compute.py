@@ -94,6 +94,8 @@ class ShardCompute:
         # Layers of the shard's whole range: a decode step of part of it is scaled up to this many.
         self.range_layers = range_layers
         self.fault = fault or ShardFault()
+        # Sessions that began from kept KV (inference/prefix_cache.py): what the `only_kept_prefix` fault lies in.
+        self.sessions_from_kept: set[str] = set()
         self.step_threads = step_threads or StepThreads()
         self.weight_bytes = runner.weight_bytes
         self.stats = ServingStats()
@@ -157,19 +159,27 @@ class ShardCompute:
         prefix = request.prefix
         if prefix is None:
             return 0
-        return await on_compute_thread(self.runner.attach_prefix, request.session_id, prefix.hashes,
-                                       prefix.block_tokens, (request.layer_lo, request.layer_hi))
+        attached = await on_compute_thread(self.runner.attach_prefix, request.session_id, prefix.hashes,
+                                           prefix.block_tokens, (request.layer_lo, request.layer_hi))
+        if attached:
+            self.sessions_from_kept.add(request.session_id)
+        return attached
 
     async def end_session(self, request: OpenHop, keep: PrefixBlocks | None) -> int:
         """Free the hop's session, keeping the whole blocks of `keep` it holds as a prefix; the positions kept."""
+        self.sessions_from_kept.discard(request.session_id)
         if keep is None:
             await self.reset(request.session_id)
             return 0
         return await on_compute_thread(self._keep_and_measure, request, keep)
 
-    def _keep_and_measure(self, request: OpenHop, keep: PrefixBlocks) -> int:
+    async def keep_now(self, request: OpenHop, keep: PrefixBlocks) -> int:
+        """Keep a copy of the hop's session's whole blocks of `keep` while it goes on; the positions kept."""
+        return await on_compute_thread(self._keep_and_measure, request, keep, False)
+
+    def _keep_and_measure(self, request: OpenHop, keep: PrefixBlocks, end_session: bool = True) -> int:
         kept = self.runner.keep_prefix(request.session_id, keep.hashes, keep.block_tokens,
-                                       (request.layer_lo, request.layer_hi))
+                                       (request.layer_lo, request.layer_hi), end_session)
         self._measure_cache()
         return kept
 
@@ -241,7 +251,8 @@ class ShardCompute:
     def _account(self, request: OpenHop, received: ReceivedStep, failed_check: str | None,
                  output: torch.Tensor | None, compute_s: float) -> StepResult:
         if failed_check is None:
-            output = self.fault.corrupt(output, request)
+            output = self.fault.corrupt(output, request,
+                                        began_from_kept=request.session_id in self.sessions_from_kept)
             self.stats.step_latencies_s.append(compute_s)
             layers_run = request.layer_hi - request.layer_lo + 1
             if received.kind is FrameKind.decode:

@@ -33,8 +33,10 @@ class ShardFault(BaseModel):
     output (bfloat16, float16) bit B - 16 of its 16-bit view for B >= 16 (the same bit of bfloat16; B = 30, the top
     exponent bit, is the top exponent bit of float16 too), bit B itself below 16.
     `lie_rate=P` corrupts only a random fraction P of the steps (drawn per step; `fault_seed=N` makes the draws,
-    the noise and the flipped elements reproducible), and `spare_single_hop` never corrupts the steps of a pipeline
-    of one hop (what a verifier's re-run of one layer range looks like), as a liar dodging checks would.
+    the noise and the flipped elements reproducible), `spare_single_hop` never corrupts the steps of a pipeline
+    of one hop (what a verifier's re-run of one layer range looks like), as a liar dodging checks would, and
+    `only_kept_prefix` corrupts only the steps of sessions that began from KV kept from an earlier call (where a
+    liar may hope no other replica can follow it).
 
     Faults start after `after_steps` healthy steps so a test can break a shard mid-generation; `lie_rate` and
     `spare_single_hop` choose among the output corruptions only (not `fail`, `accuse` or `delay_s`).
@@ -54,6 +56,7 @@ class ShardFault(BaseModel):
     lie_rate: float = Field(default=1.0, ge=0, le=1)
     fault_seed: int | None = None
     spare_single_hop: bool = False
+    only_kept_prefix: bool = False
     delay_s: float = Field(default=0.0, ge=0)
     after_steps: int = Field(default=0, ge=0)
     steps_seen: int = 0
@@ -84,11 +87,13 @@ class ShardFault(BaseModel):
         if self.fail and self.active:
             raise RuntimeError("injected step failure (--fault fail)")
 
-    def corrupt(self, output: torch.Tensor, request: OpenHop | None = None) -> torch.Tensor:
-        """The output this host passes on for a step it computed as `output` (of the hop opened by `request`)."""
+    def corrupt(self, output: torch.Tensor, request: OpenHop | None = None, *,
+                began_from_kept: bool = False) -> torch.Tensor:
+        """The output this host passes on for a step it computed as `output` (of the hop opened by `request`, whose
+        session `began_from_kept` KV of an earlier call or not)."""
         active = self.active
         self.steps_seen += 1
-        if not active or not self._lies_about(request):
+        if not active or not self._lies_about(request) or (self.only_kept_prefix and not began_from_kept):
             return output
         if self.nan:
             output = output.clone()

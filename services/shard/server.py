@@ -26,6 +26,7 @@ from services.common.config import HearthSettings
 from protocol.control import (
     CloseHop,
     ControlReply,
+    KeepHop,
     OpenHop,
     PrefixBlocks,
     ShardStat,
@@ -214,6 +215,14 @@ class ShardServer:
             return
         if isinstance(request, StatShard):
             await self._reply(msg, self.stat())
+        elif isinstance(request, KeepHop):
+            hop = self._hops.get(request.pipeline_id)
+            if hop is None or hop.request.session_id != request.session_id:
+                await self._reply(msg, ControlReply(ok=False, code="unknown_pipeline",
+                                                    message="no such session open here"))
+            else:
+                kept = await self.compute.keep_now(hop.request, request.keep)
+                await self._reply(msg, ControlReply(ok=True, cached_tokens=kept))
         elif isinstance(request, CloseHop):
             # Detached under the lock, closed outside it: closing waits for the compute thread (the session's
             # cache reset queues behind the step in progress there), and an `open` of another pipeline must not

@@ -81,6 +81,7 @@ def three_shard_mesh(work_dir: Path, models_dir: Path, *, nats_options: dict | N
 def start_orchestrator(cluster: LocalCluster, models_dir: Path, *, extra_args: list[str] = (),
                        wait_ready: bool = False, env: dict[str, str] | None = None):
     """The orchestrator of `cluster` serving the tiny model; `env`: settings for it alone (read when it starts)."""
+    before = dict(cluster.extra_env)
     cluster.extra_env.update(env or {})
     try:
         return cluster.start_orchestrator(
@@ -88,8 +89,8 @@ def start_orchestrator(cluster: LocalCluster, models_dir: Path, *, extra_args: l
             wait_ready=wait_ready,
         )
     finally:
-        for key in env or {}:
-            cluster.extra_env.pop(key)
+        cluster.extra_env.clear()
+        cluster.extra_env.update(before)
 
 
 async def chat_once(cluster: LocalCluster, request: ChatRequest) -> ChatResult:

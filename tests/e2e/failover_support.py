@@ -107,8 +107,8 @@ class FailoverMesh:
         if local_model:
             args += ["--local-model", TINY_MODEL_NAME]
         # Replicas are picked by hop weight after a same-prompt reference call, which kept prefixes would route back.
-        self.orchestrator = start_orchestrator(self.cluster, self.models_dir, extra_args=args,
-                                               env={"HEARTH_PREFIX_CACHE__ENABLED": "false"})
+        kept = {"HEARTH_PREFIX_CACHE__ENABLED": self.cluster.extra_env.get("HEARTH_PREFIX_CACHE__ENABLED", "false")}
+        self.orchestrator = start_orchestrator(self.cluster, self.models_dir, extra_args=args, env=kept)
         return self.orchestrator
 
     def stop_shard(self, handle: ShardHandle) -> None:

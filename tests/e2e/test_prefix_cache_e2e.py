@@ -78,3 +78,39 @@ async def test_a_hop_that_dropped_its_kept_blocks_makes_the_call_prefill_everyth
     await asyncio.sleep(1.0)
     _, cached = await ask(cluster, tiny_models_dir, FIRST_TURN + answer + " and more")
     assert cached == 0
+
+
+async def test_a_request_s_choices_share_its_prompt_s_prefill(cluster, tiny_models_dir):
+    start_mesh(cluster, tiny_models_dir, [{}, {}, {}])
+    request = ChatRequest(model=TINY_MODEL_NAME, prompt=FIRST_TURN, max_tokens=NEW_TOKENS, n=3, temperature=0.9,
+                          seed=7)
+    result = await chat_once(cluster, request)
+    assert result.ok, result.final
+    done = result.final
+    assert [end.choice for end in done.choices] == [0, 1, 2]
+    per_choice = {index: [f.token_id for f in result.frames_of("token_delta") if f.choice == index]
+                  for index in range(3)}
+    assert all(len(ids) == end.completion_tokens > 0 for ids, end in zip(per_choice.values(), done.choices))
+    assert done.usage.completion_tokens == sum(end.completion_tokens for end in done.choices)
+    # Each choice is a pipeline of its own; the later ones began from the first one's kept prompt blocks.
+    pipelines = {frame.choice: frame.pipeline_id for frame in result.frames_of("pipeline")}
+    assert sorted(pipelines) == [0, 1, 2] and len(set(pipelines.values())) == 3
+    nc = await connect_nats(cluster.nats_url, name="e2e-events", settings=cluster.nats_settings())
+    try:
+        cached = {}
+        for choice, pipeline_id in pipelines.items():
+            events = await pipeline_events(nc, pipeline_id)
+            cached[choice] = next(item.event.cached_prompt_tokens for item in events
+                                  if item.event.type == "pipeline.constructed")
+    finally:
+        await asyncio.wait_for(nc.close(), timeout=5)
+    prompt_tokens = done.usage.prompt_tokens
+    assert cached[0] == 0 and all(cached[c] == (prompt_tokens - 1) // BLOCK * BLOCK for c in (1, 2)), cached
+    # The same request again draws the same choices (choice i with seed + i), and a greedy pair is the n=1 answer.
+    again = await chat_once(cluster, request)
+    assert [[f.token_id for f in again.frames_of("token_delta") if f.choice == c] for c in range(3)] == \
+        list(per_choice.values())
+    greedy, _ = await ask(cluster, tiny_models_dir, FIRST_TURN)
+    pair = await chat_once(cluster, ChatRequest(model=TINY_MODEL_NAME, prompt=FIRST_TURN, max_tokens=NEW_TOKENS,
+                                                n=2))
+    assert [''.join(f.text for f in pair.frames_of("token_delta") if f.choice == c) for c in (0, 1)] == [greedy] * 2

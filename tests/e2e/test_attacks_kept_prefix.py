@@ -1,0 +1,78 @@
+"""A liar counting on kept prefixes, over real processes: a shard host that computes honestly every session it
+begins from position 0 and lies only in those it begins from KV kept from an earlier call (where it may hope no
+mirror can follow it) is caught all the same. The mirror is first fed what entered the hop's layers over the kept
+positions (services/orchestrator/kept_inputs.py), then checked on the positions the call ran; the liar is
+quarantined and the conversation's next turn answers with generate()'s tokens."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from protocol.chat import ChatRequest
+from tests.e2e.conftest import THREE_SHARD_RANGES, TINY_MODEL_NAME
+from tests.e2e.failover_support import (  # noqa: F401 (nc is a fixture)
+    PIPELINES_STREAM,
+    PREFERRED_WEIGHT,
+    PRIMARY_WEIGHT,
+    failover_mesh,
+    nc,
+    stream_with_action,
+    wait_for_event,
+)
+
+pytestmark = pytest.mark.timeout(600)
+
+CHECKED_HOP = 1
+# The honest replicas of the checked layers ask to be used last: the liar is the primary while it is live.
+HONEST_CHECKED_WEIGHT = 50.0
+# Small blocks so a short conversation has several; every step checked, so the test need not wait for a draw.
+MESH_ENV = {"HEARTH_PREFIX_CACHE__ENABLED": "true", "HEARTH_PREFIX_CACHE__BLOCK_TOKENS": "8",
+            "HEARTH_VERIFICATION__SAMPLE_RATE": "1.0", "HEARTH_VERIFICATION__CANARY_INTERVAL_S": "0"}
+FIRST_TURN = ("a community of households shares one model across its machines, each holding a few layers of it, "
+              "and every call streams activations from one house to the next")
+NEW_TOKENS = 8
+
+
+def request(prompt: str) -> ChatRequest:
+    return ChatRequest(model=TINY_MODEL_NAME, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0.0)
+
+
+def greedy_reference(path, prompt: str) -> list[int]:
+    input_ids = AutoTokenizer.from_pretrained(path)(prompt)["input_ids"]
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        output = model.generate(torch.tensor([input_ids]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+    return output[0, len(input_ids):].tolist()
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory, tiny_models_dir):
+    lo, hi = THREE_SHARD_RANGES[CHECKED_HOP]
+    shards = [("h0", *THREE_SHARD_RANGES[0], PRIMARY_WEIGHT), ("h2", *THREE_SHARD_RANGES[2], PRIMARY_WEIGHT),
+              ("r1", lo, hi, HONEST_CHECKED_WEIGHT), ("r2", lo, hi, HONEST_CHECKED_WEIGHT)]
+    with failover_mesh(tmp_path_factory, tiny_models_dir, "kept-prefix-liar", extra_env=MESH_ENV) as mesh:
+        yield mesh.serve(shards)
+
+
+async def test_a_host_lying_only_from_kept_prefixes_is_caught(mesh, nc, tiny_models_dir):
+    lo, hi = THREE_SHARD_RANGES[CHECKED_HOP]
+    async with mesh.extra_shards() as start:
+        liar = await start("x", lo, hi, PREFERRED_WEIGHT, "only_kept_prefix,noise=0.05")
+        first = await stream_with_action(nc, request(FIRST_TURN))
+        assert first.final.type == "done", first.final
+        assert liar.shard_id in first.hops and not first.of_type("shard_failover"), "honest from position 0"
+
+        second_turn = FIRST_TURN + "".join(f.text for f in first.of_type("token_delta")) + " and then some more"
+        second = await stream_with_action(nc, request(second_turn))
+        assert second.final.type == "done", second.final
+        assert liar.shard_id in second.first_hops, "the conversation's next turn went where its prefix was kept"
+        evidence = (await wait_for_event(nc, PIPELINES_STREAM, lambda item: item.event.type ==
+                                         "integrity.mismatch_confirmed" and item.event.shard_id == liar.shard_id,
+                                         timeout_s=30)).event
+        assert liar.shard_id not in evidence.witnesses
+        expected = await asyncio.to_thread(greedy_reference, tiny_models_dir / TINY_MODEL_NAME, second_turn)
+        assert second.answer_token_ids == expected

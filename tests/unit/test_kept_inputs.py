@@ -1,0 +1,45 @@
+"""KeptInputs (services/orchestrator/kept_inputs.py): what entered each hop over a kept prefix is found by any of its
+blocks' names, cut to the positions asked, combined with a later chain's record, and dropped beyond its budget."""
+
+from __future__ import annotations
+
+import torch
+
+from protocol.control import PrefixBlocks
+from services.orchestrator.kept_inputs import KeptInputs, chain_layer_inputs, first_blocks
+
+NAMES = [f"{i:032x}" for i in range(6)]
+
+
+def blocks(count: int, block_tokens: int = 2) -> PrefixBlocks:
+    return PrefixBlocks(block_tokens=block_tokens, hashes=NAMES[:count])
+
+
+def test_inputs_are_found_by_any_block_s_name_and_cut_to_its_positions():
+    kept = KeptInputs(budget_bytes=1 << 20)
+    layer_2 = torch.arange(10.0).reshape(1, 10, 1)
+    kept.keep(blocks(4), {2: layer_2})
+    assert torch.equal(kept.inputs(blocks(3), 2), layer_2[:, :6])
+    assert kept.inputs(blocks(3), 4) is None  # no hop began at layer 4
+    assert kept.inputs(blocks(5), 2) is None  # more blocks than kept
+    assert kept.inputs(PrefixBlocks(block_tokens=2, hashes=["f" * 32]), 2) is None
+
+
+def test_a_later_chain_s_record_follows_the_kept_inputs_of_its_prefix():
+    kept = KeptInputs(budget_bytes=1 << 20)
+    kept.keep(blocks(2), {2: torch.zeros(1, 4, 1), 4: torch.ones(1, 4, 1)})
+    recorded = [None, torch.full((1, 3, 1), 7.0), torch.full((1, 3, 1), 9.0)]
+    inputs = chain_layer_inputs(kept, blocks(3), 4, [0, 2, 4], recorded)
+    assert sorted(inputs) == [2, 4]
+    assert inputs[2].flatten().tolist() == [0, 0, 0, 0, 7, 7, 7]
+    # A chain that began at 0 needs nothing kept; a hole in the record keeps nothing for that layer.
+    assert chain_layer_inputs(kept, None, 0, [0, 2, 4], [None, recorded[1], None]).keys() == {2}
+    assert first_blocks(blocks(5), 7).hashes == NAMES[:3]
+
+
+def test_the_least_recently_used_entries_go_beyond_the_budget():
+    one_entry = 4 * 4  # four float32 positions of one layer
+    kept = KeptInputs(budget_bytes=one_entry)
+    kept.keep(blocks(2), {2: torch.zeros(1, 4, 1)})
+    kept.keep(PrefixBlocks(block_tokens=2, hashes=NAMES[3:5]), {2: torch.zeros(1, 4, 1)})
+    assert kept.inputs(blocks(2), 2) is None and kept.total_bytes == one_entry
