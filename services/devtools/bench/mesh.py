@@ -33,9 +33,11 @@ def replica_node_id(hop: int, replica: int) -> str:
 
 def bench_cluster_env(max_streams: int, *, secure: bool, child_env: dict[str, str]) -> dict[str, str]:
     """The environment of a bench's processes: the bench is one caller and may run as many calls as the
-    orchestrator (an open mesh also drops activation MACs)."""
+    orchestrator (an open mesh also drops activation MACs). Its rounds repeat one prompt, which kept prefixes would
+    serve from the second round on: every call prefills whole here (scripts/bench_conversation.py measures them)."""
     return {"HEARTH_RESEARCH__DISTRIBUTED_INFERENCE__MAX_CONCURRENT_PIPELINES": str(max_streams),
             "HEARTH_ORCHESTRATOR__MAX_STREAMS_PER_CALLER": str(max_streams),
+            "HEARTH_PREFIX_CACHE__ENABLED": "false",
             **({} if secure else {"HEARTH_TRANSPORT__ACTIVATION_MACS": "false"}), **child_env}
 
 
