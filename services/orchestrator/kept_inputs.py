@@ -20,6 +20,10 @@ import torch
 
 from protocol.control import PrefixBlocks
 
+# How long a call's end waits for its taps to file their last steps: they came before its output, so only a tap that
+# missed one waits this long (its running place is held meanwhile).
+settle_timeout_s = 1.0
+
 
 @dataclass
 class _Entry:
@@ -104,8 +108,9 @@ def first_blocks(prefix: PrefixBlocks, positions: int) -> PrefixBlocks:
     return PrefixBlocks(block_tokens=prefix.block_tokens, hashes=prefix.hashes[:positions // prefix.block_tokens])
 
 
-async def keep_chain_inputs(kept_inputs: KeptInputs, chain, kept: PrefixBlocks, settle_timeout_s: float) -> None:
-    """Keep what entered each of `chain`'s hops (a HopChain of a call that ended well) over the blocks of `kept`."""
+async def keep_chain_inputs(kept_inputs: KeptInputs, chain, kept: PrefixBlocks) -> None:
+    """Keep what entered each of `chain`'s hops (a HopChain of a call that ended well) over the blocks of `kept`; a
+    tap that has not filed every step within `settle_timeout_s` leaves its hop's layer out."""
     recorder = chain.recorder
     latest = recorder.latest_step() if recorder is not None else None
     if latest is None or kept_inputs.budget_bytes <= 0 or len(chain.hops) < 2:

@@ -123,7 +123,7 @@ class PipelineRun:
         if isinstance(chain, HopChain):
             kept = self.builder.kept_blocks(chain) if self.call.status is CallStatus.finished else None
             if kept is not None:
-                await keep_chain_inputs(self.ctx.kept_inputs, chain, kept, self.ctx.settings.transport.step_timeout_s)
+                await keep_chain_inputs(self.ctx.kept_inputs, chain, kept)
             await chain.close(keep=kept)
         elif chain is not None:
             await chain.close()
