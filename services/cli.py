@@ -49,7 +49,7 @@ from services.cli_options import (
     use_metrics_host,
     wait_for_nats,
 )
-from protocol.chat import default_max_tokens
+from protocol.chat import ChatRequest, default_max_tokens, max_choices
 from services.common.logging import default_log_level
 from services.nats_cli import NATS_HELP_EPILOG, nats_command
 from events.models import default_hop_weight
@@ -282,6 +282,9 @@ def chat_command(
     seed: Annotated[Optional[int], typer.Option("--seed", help="Makes sampling reproducible.")] = None,
     raw: Annotated[bool, typer.Option("--raw", help="Send PROMPT as raw text, no chat template.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print every frame as one JSON line.")] = False,
+    choices: Annotated[int, typer.Option("--n", min=1, max=max_choices, help="Independent answers to ask for "
+                                         "(each printed under a [choice I] line once all ended).")] = \
+        ChatRequest.model_fields["n"].default,
     nats_url: NatsUrlOption = None,
     creds: CredsOption = None,
     insecure: InsecureOption = False,
@@ -295,7 +298,8 @@ def chat_command(
     use_credentials(ctx, "hearth chat", creds, insecure)
     url = resolve_nats_url(ctx, nats_url)
     code = run_chat_command(url, prompt=prompt, model=model, max_tokens=max_tokens, temperature=temperature,
-                            seed=seed, raw=raw, as_json=as_json, nats_settings=settings(ctx).nats)
+                            seed=seed, raw=raw, as_json=as_json, nats_settings=settings(ctx).nats,
+                            choices=choices)
     raise typer.Exit(code)
 
 

@@ -3,7 +3,8 @@
 // streams one `llm.chat.request`, checks the request, the reply and every frame against the published
 // JSON Schemas (docs/schemas, draft 2020-12) and prints one JSON summary line. See docs/protocol.md.
 //
-//   node hearth_client.mjs [--nats URL] [--creds FILE --inbox-prefix _INBOX.NAME] [--model ID] [--max-tokens N] PROMPT...
+//   node hearth_client.mjs [--nats URL] [--creds FILE --inbox-prefix _INBOX.NAME] [--model ID] [--max-tokens N]
+//                          [--n N] PROMPT...
 //
 // A secure mesh (the default) only lets in members: --creds names the member's nkey seed file
 // (`keys/NAME.nk`, one `SU...` line) and --inbox-prefix the only inbox the broker lets that member
@@ -44,6 +45,8 @@ options:
                               subscribe only to _INBOX.NAME.>, so pass _INBOX.NAME with --creds
   --model ID                  model to ask for (default: the mesh's default_model)
   --max-tokens N              tokens to generate (default 16)
+  --n N                       independent answers (choices) to ask for, 1-8 (default 1); the summary's 'text'
+                              is the first choice's, 'choice_texts' every choice's
   --response-format JSON      the request's response_format, e.g. '{"type": "json_object"}' (default: text)
   --connect-timeout S         seconds to connect, and to wait for the llm.models reply (default 10)
   --first-frame-timeout S     seconds to wait for the first frame (default 10)
@@ -63,6 +66,7 @@ const OPTIONS = {
   "inbox-prefix": { type: "string" }, // default: nats.js's _INBOX
   model: { type: "string" }, // default: leave `model` out, so the mesh's default_model serves the call
   "max-tokens": { type: "string", default: "16" },
+  n: { type: "string", default: "1" }, // llm.chat.request's n; the schema bounds it
   "response-format": { type: "string" }, // JSON of llm.chat.request's response_format; default: text
   "connect-timeout": { type: "string", default: "10" }, // seconds; also the wait for the llm.models reply
   "first-frame-timeout": { type: "string", default: "10" }, // [client] first_frame_timeout_s
@@ -287,12 +291,14 @@ async function main() {
     } catch (err) {
       throw new Failure(`--response-format is not JSON: ${err.message}`);
     }
+    const choices = Number(opts.n);
     const request = {
       request_id: `node-${randomUUID()}`,
       ...(opts.model ? { model: opts.model } : {}),
       prompt,
       max_tokens: opts["self-test-invalid"] ? String(maxTokens) : maxTokens,
       temperature: 0,
+      ...(choices !== 1 ? { n: choices } : {}),
       ...(responseFormat ? { response_format: responseFormat } : {}),
     };
     check(schemaFile((e) => e.subject === CHAT_REQUEST_SUBJECT, CHAT_REQUEST_SUBJECT), request, "the chat request");
@@ -301,17 +307,23 @@ async function main() {
     if (final.type === "error" && final.code === "unauthorized") {
       console.error(`hearth_client: ${explainUnauthorized(final)}`);
     }
-    // The answer's deltas as they stand: a tokens_withdrawn frame keeps only the first kept_tokens of them.
-    const deltas = [];
+    // Each choice's deltas as they stand (a frame without `choice` is the first choice's): a tokens_withdrawn
+    // frame keeps only the first kept_tokens of its choice's.
+    const deltasByChoice = Array.from({ length: choices }, () => []);
     for (const f of frames) {
+      const deltas = deltasByChoice[f.choice ?? 0];
+      if (!deltas) continue;
       if (f.type === "token_delta") deltas.push(f);
       else if (f.type === "tokens_withdrawn") deltas.splice(f.kept_tokens);
     }
+    const deltas = deltasByChoice[0];
     console.log(JSON.stringify({
       models: models.models.map((m) => m.id),
       default_model: models.default_model ?? null,
       text: deltas.map((f) => f.text).join(""),
       token_ids: deltas.map((f) => f.token_id),
+      ...(choices > 1 ? { choice_texts: deltasByChoice.map((d) => d.map((f) => f.text).join("")),
+                          choices: final.choices ?? null } : {}),
       frame_types: [...new Set(frames.map((f) => f.type))],
       finish_reason: final.finish_reason ?? null,
       usage: final.usage ?? null,

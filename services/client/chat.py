@@ -1,5 +1,6 @@
 """A small async client for `llm.chat.request`: publish a request, iterate the frames from its inbox, and the
-answer those frames make (token_delta frames, less those a tokens_withdrawn frame took back)."""
+answer those frames make for each of the request's choices (token_delta frames, less those a tokens_withdrawn frame
+took back)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from nats.aio.client import Client as NatsClient
@@ -135,16 +136,25 @@ async def stream_chat(nc: NatsClient, request: ChatRequest, *, signer: MemberKey
             yield frame
 
 
+def choice_of(frame: ChatFrame) -> int:
+    """Which of the request's `n` choices `frame` is about (0 for frames that belong to the whole call)."""
+    return getattr(frame, "choice", 0)
+
+
 @dataclass
 class AnswerTokens:
-    """The token_delta frames an answer is made of so far, as its frames arrive: each token_delta frame adds its
-    token; a tokens_withdrawn frame keeps the first `kept_tokens` of the answer as it stands and drops the rest
-    (a check refuted the step they came from); every other frame changes nothing."""
+    """The token_delta frames one choice's answer is made of so far, as the call's frames arrive: each token_delta
+    frame of `choice` adds its token; a tokens_withdrawn frame of `choice` keeps the first `kept_tokens` of the
+    answer as it stands and drops the rest (a check refuted the step they came from); every other frame, and every
+    frame of another choice, changes nothing."""
 
     frames: list[TokenDeltaFrame] = field(default_factory=list)
+    choice: int = 0
 
     def take(self, frame: ChatFrame) -> list[TokenDeltaFrame]:
         """Apply `frame`; the token frames it withdrew (none for any other frame)."""
+        if choice_of(frame) != self.choice:
+            return []
         if isinstance(frame, TokenDeltaFrame):
             self.frames.append(frame)
         elif isinstance(frame, TokensWithdrawnFrame):
@@ -162,18 +172,27 @@ class AnswerTokens:
         return [frame.token_id for frame in self.frames]
 
 
-def answer_tokens(frames: Iterable[ChatFrame]) -> AnswerTokens:
-    """The answer `frames` make, withdrawals applied."""
-    answer = AnswerTokens()
+def answer_tokens(frames: Iterable[ChatFrame], choice: int = 0) -> AnswerTokens:
+    """The answer `frames` make for `choice`, withdrawals applied."""
+    answer = AnswerTokens(choice=choice)
     for frame in frames:
         answer.take(frame)
     return answer
 
 
+def choice_count(frames: Sequence[ChatFrame]) -> int:
+    """How many choices `frames` answer: those the done frame lists, else every choice a frame names (at least 1)."""
+    final = frames[-1] if frames else None
+    if isinstance(final, DoneFrame) and final.choices:
+        return len(final.choices)
+    return 1 + max((choice_of(frame) for frame in frames), default=0)
+
+
 @dataclass
 class ChatResult:
-    """Everything one call streamed, collected; `text` and `token_ids` are the answer's, with the tokens that
-    tokens_withdrawn frames took back left out (`frames` still holds every frame as sent)."""
+    """Everything one call streamed, collected; `text` and `token_ids` are the answer's (the first choice's when
+    the request asked for `n` > 1), with the tokens that tokens_withdrawn frames took back left out (`frames` still
+    holds every frame as sent)."""
 
     frames: list[ChatFrame] = field(default_factory=list)
 
@@ -184,6 +203,14 @@ class ChatResult:
     @property
     def token_ids(self) -> list[int]:
         return answer_tokens(self.frames).token_ids
+
+    def choice_texts(self) -> list[str]:
+        """Every choice's text, in choice order."""
+        return [answer_tokens(self.frames, choice).text for choice in range(choice_count(self.frames))]
+
+    def choice_token_ids(self) -> list[list[int]]:
+        """Every choice's token ids, in choice order."""
+        return [answer_tokens(self.frames, choice).token_ids for choice in range(choice_count(self.frames))]
 
     @property
     def withdrawals(self) -> list[TokensWithdrawnFrame]:

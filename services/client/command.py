@@ -9,7 +9,7 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from pydantic import ValidationError
 
-from services.client.chat import AnswerTokens, list_models, stream_chat
+from services.client.chat import AnswerTokens, choice_of, list_models, stream_chat
 from protocol.chat import (
     ChatFrame,
     ChatMessage,
@@ -29,11 +29,15 @@ from services.broker.connection import BrokerUnreachable, close_quietly, connect
 
 EXIT_ERROR = 1
 EXIT_NO_ANSWER = 2
+# What a request asks for when it does not say: one choice.
+requested_choices = ChatRequest.model_fields["n"].default
 
 
 def run_chat_command(nats_url: str, *, prompt: str, model: str | None, max_tokens: int, temperature: float,
-                     seed: int | None, raw: bool, as_json: bool, nats_settings: NatsSettings | None = None) -> int:
-    """`hearth chat`: stream one answer to stdout, everything else one line each to stderr.
+                     seed: int | None, raw: bool, as_json: bool, choices: int,
+                     nats_settings: NatsSettings | None = None) -> int:
+    """`hearth chat`: stream one answer to stdout, everything else one line each to stderr; with `choices` > 1
+    (the request's `n`), each choice's answer is printed once the call ended, under a `[choice I]` line.
 
     Exit code 0 on `done`; 1 on an error frame or a request that is not valid; 2 when no answer came in
     time (NATS not reachable within nats.connect_timeout_s, or no orchestrator answering).
@@ -45,10 +49,10 @@ def run_chat_command(nats_url: str, *, prompt: str, model: str | None, max_token
     try:
         if raw:
             request = ChatRequest(model=model, prompt=prompt, max_tokens=max_tokens, temperature=temperature,
-                                  seed=seed)
+                                  seed=seed, n=choices)
         else:
             request = ChatRequest(model=model, messages=[ChatMessage(role="user", content=prompt)],
-                                  max_tokens=max_tokens, temperature=temperature, seed=seed)
+                                  max_tokens=max_tokens, temperature=temperature, seed=seed, n=choices)
     except ValidationError as error:
         _say(f"error bad_request: {describe_validation_error(error)}")
         return EXIT_ERROR
@@ -61,7 +65,7 @@ async def _chat(nats_url: str, request: ChatRequest, *, as_json: bool, nats_sett
     except BrokerUnreachable as error:
         _say(f"hearth chat: {error}")
         return EXIT_NO_ANSWER
-    printer = ChatPrinter()
+    printer = ChatPrinter(request.n)
     try:
         # aclosing: the inbox is unsubscribed here, before the connection closes, not by a finalizer later.
         async with contextlib.aclosing(stream_chat(nc, request)) as frames:
@@ -78,25 +82,37 @@ async def _chat(nats_url: str, request: ChatRequest, *, as_json: bool, nats_sett
 
 
 class ChatPrinter:
-    """Prints one answer's frames: the text to stdout as it streams, every other thing one line each to stderr
-    (the text's line ended first)."""
+    """Prints one call's frames: the text to stdout as it streams, every other thing one line each to stderr
+    (the text's line ended first). With `choices` > 1 the choices' texts interleave on the wire, so each is
+    printed whole, under a `[choice I]` line, once the call is done."""
 
-    def __init__(self) -> None:
-        self.answer = AnswerTokens()
+    def __init__(self, choices: int = requested_choices) -> None:
+        self.answers = [AnswerTokens(choice=choice) for choice in range(choices)]
         self.line_open = False
+
+    @property
+    def answer(self) -> AnswerTokens:
+        return self.answers[0]
 
     def show(self, frame: ChatFrame) -> int | None:
         """Print `frame`; the exit code once an error frame ended the call, None otherwise."""
-        withdrawn = self.answer.take(frame)
+        choice = choice_of(frame)
+        withdrawn = self.answers[choice].take(frame) if choice < len(self.answers) else []
+        streams = len(self.answers) == 1
         if isinstance(frame, TokenDeltaFrame):
-            self._write(frame.text)
+            if streams:
+                self._write(frame.text)
         elif isinstance(frame, TokensWithdrawnFrame):
             self._end_line()
-            _say(f"[tokens_withdrawn: the {len(withdrawn)} tokens after token {frame.kept_tokens} are taken back "
-                 f"({frame.shard_id}: {frame.reason}); the answer so far:]")
-            self._write(self.answer.text)
+            whose = "" if streams else f" of choice {choice}"
+            _say(f"[tokens_withdrawn: the {len(withdrawn)} tokens{whose} after token {frame.kept_tokens} are taken "
+                 f"back ({frame.shard_id}: {frame.reason}); the answer so far:]")
+            if streams:
+                self._write(self.answer.text)
         elif isinstance(frame, DoneFrame):
             timing = frame.timing
+            if not streams:
+                self._print_choices(frame)
             self._end_line()
             _say(f"[{frame.finish_reason}: {frame.usage.completion_tokens} tokens, "
                  f"{timing.tokens_per_second or 0:.1f} tokens/s, ttft {timing.ttft_ms or 0:.0f} ms]")
@@ -106,6 +122,8 @@ class ChatPrinter:
             message = frame.message if isinstance(frame, ErrorFrame) else frame.reason
             if isinstance(frame, ErrorFrame) and frame.retry_after_s is not None:
                 message += f" (retry after {frame.retry_after_s:g} s)"
+            if choice:
+                message += f" (choice {choice})"
             self._end_line()
             _say(f"error {frame.code}: {message}")
             # No orchestrator answered, or it went silent: no answer in time, as for a broker away.
@@ -114,6 +132,16 @@ class ChatPrinter:
             self._end_line()
             _say(f"[{frame.type}: {frame.model_dump_json(exclude={'seq', 'type'})}]")
         return None
+
+    def _print_choices(self, done: DoneFrame) -> None:
+        endings = {end.choice: end for end in done.choices or []}
+        for answer in self.answers:
+            end = endings.get(answer.choice)
+            how = f": {end.finish_reason}, {end.completion_tokens} tokens" if end is not None else ""
+            self._end_line()
+            self._write(f"[choice {answer.choice}{how}]\n")
+            self.line_open = False
+            self._write(answer.text)
 
     def _write(self, text: str) -> None:
         sys.stdout.write(text)

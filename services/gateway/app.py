@@ -26,9 +26,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from protocol.chat import BadRequest, DoneFrame, TokenDeltaFrame, TokensWithdrawnFrame, describe_validation_error
-from services.client.chat import AnswerTokens
+from services.client.chat import AnswerTokens, choice_of
 from services.common.metrics import counter, histogram
-from services.gateway.answers import SSE_DONE, AnswerShape, ChatShape, CompletionShape, sse_event
+from services.gateway.answers import SSE_DONE, AnswerShape, ChatShape, ChoiceAnswer, CompletionShape, sse_event
 from services.gateway.errors import GatewayError, bad_request, from_frame, tokens_withdrawn
 from services.gateway.mesh import AnswerFrame, ClientGone, Gateway, MeshCall, unless_disconnected
 from services.gateway.openai_models import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, Unsupported
@@ -153,13 +153,14 @@ class GatewayApp:
             first = await unless_disconnected(request.receive, call.first_answer())
             if not isinstance(first, (TokenDeltaFrame, DoneFrame)):
                 raise self._error(first)
+            answers = [AnswerTokens(choice=choice) for choice in range(chat_request.n)]
             if body.stream:
-                stream = SseResponse(self._events(request.url.path, call, shape, first, body.include_usage),
+                stream = SseResponse(self._events(request.url.path, call, shape, first, answers, body.include_usage),
                                      call, slot)
                 call, slot = None, ExitStack()  # the response owns them now
                 return stream
             return await unless_disconnected(request.receive,
-                                             self._whole(call, shape, first, chat_request.logprobs))
+                                             self._whole(call, shape, first, answers, chat_request.logprobs))
         except GatewayError as error:
             if error.status >= 500 or error.status == 429:
                 log.info("%s: %s", request.url.path, error)  # the code and message only: never the prompt
@@ -187,63 +188,83 @@ class GatewayApp:
         except ValidationError as error:
             raise bad_request(describe_validation_error(error), _first_param(error)) from None
 
-    async def _whole(self, call: MeshCall, shape: AnswerShape, first: AnswerFrame, with_logprobs: bool) -> Response:
-        answer = AnswerTokens()
+    async def _whole(self, call: MeshCall, shape: AnswerShape, first: AnswerFrame, answers: list[AnswerTokens],
+                     with_logprobs: bool) -> Response:
         withdrawals = False
         frame = first
         while isinstance(frame, (TokenDeltaFrame, TokensWithdrawnFrame)):
-            answer.take(frame)
+            _take(answers, frame)
             withdrawals = withdrawals or isinstance(frame, TokensWithdrawnFrame)
             frame = await call.next()
         if not isinstance(frame, DoneFrame):
             raise self._error(frame)
-        logprobs = [token.logprobs for token in answer.frames if token.logprobs is not None]
-        return JSONResponse(shape.whole(answer.text, frame, logprobs if with_logprobs else None,
-                                        completion_tokens=len(answer.frames) if withdrawals else None).model_dump())
+        choices = [ChoiceAnswer(answer.text, [token.logprobs for token in answer.frames if token.logprobs is not None]
+                                if with_logprobs else None) for answer in answers]
+        completion_tokens = sum(len(answer.frames) for answer in answers) if withdrawals else None
+        return JSONResponse(shape.whole_choices(choices, frame, completion_tokens).model_dump())
 
     async def _events(self, route: str, call: MeshCall, shape: AnswerShape, first: AnswerFrame,
-                      include_usage: bool) -> AsyncIterator[bytes]:
-        opening = shape.opening()
-        head = sse_event(opening) if opening is not None else b""
-        answer = AnswerTokens()
-        # Tokens of the answer up to the last one that made a chunk: what a withdrawal must not reach.
-        shown_tokens = 0
+                      answers: list[AnswerTokens], include_usage: bool) -> AsyncIterator[bytes]:
+        # Per choice: tokens of its answer up to the last one that made a chunk (what a withdrawal must not reach).
+        shown_tokens = [0] * len(answers)
+        opened: set[int] = set()
         frame = first
         while isinstance(frame, (TokenDeltaFrame, TokensWithdrawnFrame)):
-            answer.take(frame)
-            if isinstance(frame, TokensWithdrawnFrame):
-                if frame.kept_tokens < shown_tokens:
+            answer = _take(answers, frame)
+            if answer is None:
+                pass  # a choice the request did not ask for: nothing of it is shown
+            elif isinstance(frame, TokensWithdrawnFrame):
+                if frame.kept_tokens < shown_tokens[answer.choice]:
                     # Sent chunks cannot be taken back: the client must learn the text is not to be trusted.
                     error = tokens_withdrawn(frame, len(answer.text))
                     log.info("%s: stream ended by %s", route, error)
                     yield sse_event(error.body())
                     return
             else:
-                chunk = b""
-                piece = shape.text(frame.text, frame.logprobs) if _carries(frame) else None
+                # A choice's opening chunk goes with its first token: one write less before that token.
+                chunk = _opening(shape, answer.choice, opened)
+                piece = shape.text(frame.text, frame.logprobs, answer.choice) if _carries(frame) else None
                 if piece is not None:
-                    shown_tokens = len(answer.frames)
-                    chunk = sse_event(piece)
-                if frame is first:
-                    # The opening chunk and the first token leave together: one write less before the first token.
-                    yield head + chunk
-                    first_token_seconds.labels(route).observe(time.perf_counter() - call.started)
-                elif chunk:
+                    shown_tokens[answer.choice] = len(answer.frames)
+                    chunk += sse_event(piece)
+                if chunk:
                     yield chunk
+                if frame is first:
+                    first_token_seconds.labels(route).observe(time.perf_counter() - call.started)
             frame = await call.next()
-        if frame is first and head:
-            yield head
         if isinstance(frame, DoneFrame):
-            rest = shape.held_back()
-            if rest is not None:
-                yield sse_event(rest)
-            yield sse_event(shape.ending(frame)) + (sse_event(shape.usage(frame)) if include_usage else b"")
+            ending = b""
+            for choice in range(len(answers)):
+                ending += _opening(shape, choice, opened)
+                rest = shape.held_back(choice)
+                if rest is not None:
+                    ending += sse_event(rest)
+                ending += sse_event(shape.ending(frame, choice))
+            yield ending + (sse_event(shape.usage(frame)) if include_usage else b"")
             yield SSE_DONE
         else:
             # Too late for an HTTP status: the stream ends with an error event, as OpenAI's does.
             error = self._error(frame)
             log.info("%s: stream ended by %s", route, error)
             yield sse_event(error.body())
+
+
+def _take(answers: list[AnswerTokens], frame: TokenDeltaFrame | TokensWithdrawnFrame) -> AnswerTokens | None:
+    """The answer of `frame`'s choice, `frame` applied to it (None: a choice the request did not ask for)."""
+    choice = choice_of(frame)
+    if choice >= len(answers):
+        return None
+    answers[choice].take(frame)
+    return answers[choice]
+
+
+def _opening(shape: AnswerShape, choice: int, opened: set[int]) -> bytes:
+    """`choice`'s opening event the first time it is asked for (nothing after, nor where the shape has none)."""
+    if choice in opened:
+        return b""
+    opened.add(choice)
+    opening = shape.opening(choice)
+    return sse_event(opening) if opening is not None else b""
 
 
 def _carries(frame: TokenDeltaFrame) -> bool:

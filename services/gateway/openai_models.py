@@ -1,15 +1,15 @@
 """The OpenAI wire format the gateway speaks: request bodies of /v1/chat/completions and /v1/completions, the
 objects and stream chunks it answers with, and the mapping of a request onto hearth's `llm.chat.request`.
 
-Only what hearth can honour is accepted: a field that would change the answer in a way hearth cannot (`n` other
-than 1, the legacy `functions`) is refused with a message naming it, rather than silently ignored; fields that
-change nothing (`user`, `metadata`, `store`) are accepted. `response_format`, `tools` and `tool_choice` go onto the
-request as they are (protocol/chat_tools.py bounds them); assistant messages with `tool_calls` and `tool` messages
-are part of the history. `logprobs`/`top_logprobs`, the penalties
-(`repetition_penalty` too, an extension) and `logit_bias` go onto the request as they are (its validation bounds
-them). Sampling defaults are OpenAI's (temperature 1, top_p 1); `max_tokens` defaults to hearth's (128). hearth's
-own options, which no other server shares, come in one object `hearth` (`{"hearth": {"verify": "all"}}`), so they
-cannot collide with a field OpenAI adds, and a misspelt one is refused rather than ignored.
+Only what hearth can honour is accepted: a field that would change the answer in a way hearth cannot (`n` over
+8, the legacy `functions`) is refused with a message naming it, rather than silently ignored; fields that change
+nothing (`user`, `metadata`, `store`) are accepted. `n` (1-8) asks for that many choices, each its own pipeline.
+`response_format`, `tools` and `tool_choice` go onto the request as they are (protocol/chat_tools.py bounds them);
+assistant messages with `tool_calls` and `tool` messages are part of the history. `logprobs`/`top_logprobs`, the
+penalties (`repetition_penalty` too, an extension) and `logit_bias` go onto the request as they are (its validation
+bounds them). Sampling defaults are OpenAI's (temperature 1, top_p 1); `max_tokens` defaults to hearth's (128).
+hearth's own options, which no other server shares, come in one object `hearth` (`{"hearth": {"verify": "all"}}`),
+so they cannot collide with a field OpenAI adds, and a misspelt one is refused rather than ignored.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from protocol.chat import (
     ChatRequest,
     VerifyLevel,
     describe_validation_error,
+    max_choices,
     max_top_logprobs,
 )
 from services.gateway.logprobs import ChatLogprobs, CompletionLogprobs
@@ -117,8 +118,9 @@ class _Sampling(BaseModel):
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
     def _refuse_what_hearth_cannot_do(self) -> None:
-        if self.n not in (None, 1):
-            raise Unsupported("n", f"'n' must be 1: hearth generates one choice per request (got {self.n})")
+        if self.n is not None and self.n > max_choices:
+            raise Unsupported("n", f"'n' must be at most {max_choices}: hearth answers at most {max_choices} choices "
+                                   f"per request (got {self.n})")
         if isinstance(self.stop, list) and len(self.stop) > openai_max_stop_strings:
             raise Unsupported("stop", f"'stop' takes at most {openai_max_stop_strings} strings")
 
@@ -130,7 +132,7 @@ class _Sampling(BaseModel):
             "stop": [self.stop] if isinstance(self.stop, str) else list(self.stop or []), **inputs}
         if max_tokens is not None:
             fields["max_tokens"] = max_tokens
-        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias"):
+        for name in ("n", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias"):
             if getattr(self, name) is not None:
                 fields[name] = getattr(self, name)
         if self.hearth:

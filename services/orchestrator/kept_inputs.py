@@ -22,7 +22,7 @@ from protocol.control import PrefixBlocks
 
 # How long a call's end waits for its taps to file their last steps: they came before its output, so only a tap that
 # missed one waits this long (its running place is held meanwhile).
-settle_timeout_s = 1.0
+tap_settle_s = 1.0
 
 
 @dataclass
@@ -110,13 +110,13 @@ def first_blocks(prefix: PrefixBlocks, positions: int) -> PrefixBlocks:
 
 async def keep_chain_inputs(kept_inputs: KeptInputs, chain, kept: PrefixBlocks) -> None:
     """Keep what entered each of `chain`'s hops (a HopChain of a call that ended well) over the blocks of `kept`; a
-    tap that has not filed every step within `settle_timeout_s` leaves its hop's layer out."""
+    tap that has not filed every step within `tap_settle_s` leaves its hop's layer out."""
     recorder = chain.recorder
     latest = recorder.latest_step() if recorder is not None else None
     if latest is None or kept_inputs.budget_bytes <= 0 or len(chain.hops) < 2:
         return
     later_hops = range(1, len(chain.hops))
-    await recorder.settled(latest, settle_timeout_s, hops=set(later_hops))
+    await recorder.settled(latest, tap_settle_s, hops=set(later_hops))
     recorded: list[torch.Tensor | None] = [None]
     for index in later_hops:
         span = recorder.span(index, chain.reused_tokens, latest)

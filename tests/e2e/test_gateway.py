@@ -173,7 +173,7 @@ def chat_body(**changes) -> dict:
 
 
 @pytest.mark.parametrize("changes, status, code, says", [
-    ({"n": 2}, 400, "bad_request", "'n' must be 1"),
+    ({"n": 9}, 400, "bad_request", "'n' must be at most 8"),
     ({"tools": [{"type": "function", "function": {"name": "get weather!"}}]}, 400, "bad_request", "tools"),
     ({"temperature": 3}, 400, "bad_request", "temperature"),
     ({"model": "no-such-model"}, 404, "model_not_found", "no-such-model"),

@@ -48,7 +48,7 @@ def test_openai_sampling_defaults_and_hearth_s_max_tokens():
 
 
 @pytest.mark.parametrize("fields, param", [
-    ({"n": 2}, "n"),
+    ({"n": 9}, "n"),
     ({"functions": [{"name": "lookup"}]}, "functions"),
     ({"function_call": "auto"}, "functions"),
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
@@ -57,6 +57,14 @@ def test_what_hearth_cannot_honour_is_refused_by_name(fields, param):
     with pytest.raises(Unsupported) as refused:
         chat(**fields).to_chat_request()
     assert refused.value.param == param
+
+
+def test_n_maps_onto_the_request_s_choices():
+    assert (chat().to_chat_request().n, chat(n=1).to_chat_request().n, chat(n=8).to_chat_request().n) == (1, 1, 8)
+    assert CompletionRequest.model_validate({"prompt": "x", "n": 3}).to_chat_request().n == 3
+    with pytest.raises(Unsupported, match="at most 8") as refused:
+        CompletionRequest.model_validate({"prompt": "x", "n": 9}).to_chat_request()
+    assert refused.value.param == "n"
 
 
 def test_response_format_tools_and_a_tool_history_go_onto_the_request():

@@ -1,0 +1,50 @@
+"""The Python client's answers per choice (`n` > 1): each choice's text and token ids from interleaved frames, a
+withdrawal applied to its own choice only, the first choice's answer as `ChatResult.text`, and `hearth chat --n`
+printing each choice under its label."""
+
+from __future__ import annotations
+
+from protocol.chat import ChatRequest, ChoiceEnd, DoneFrame, TokenDeltaFrame, TokensWithdrawnFrame, Usage
+from services.client.chat import ChatResult, answer_tokens
+from services.client.command import ChatPrinter
+
+
+def token(seq: int, choice: int, text: str, token_id: int) -> TokenDeltaFrame:
+    return TokenDeltaFrame(seq=seq, text=text, token_id=token_id, choice=choice)
+
+
+DONE = DoneFrame(seq=8, finish_reason="stop", usage=Usage(prompt_tokens=2, completion_tokens=5),
+                 choices=[ChoiceEnd(choice=0, finish_reason="stop", completion_tokens=2),
+                          ChoiceEnd(choice=1, finish_reason="length", completion_tokens=2),
+                          ChoiceEnd(choice=2, finish_reason="stop", completion_tokens=1)])
+# Choice 1's "X" is withdrawn; applied to choice 0 instead, it would cut "lo".
+FRAMES = [token(0, 0, "Hel", 10), token(1, 1, "Hi", 20), token(2, 0, "lo", 11), token(3, 1, "X", 21),
+          TokensWithdrawnFrame(seq=4, kept_tokens=1, shard_id="s", reason="refuted", choice=1),
+          token(5, 1, "!", 22), token(6, 2, "Yo", 30), DONE]
+
+
+def test_each_choice_has_its_own_answer_and_the_first_is_the_result_s_text():
+    result = ChatResult(frames=list(FRAMES))
+    assert result.choice_texts() == ["Hello", "Hi!", "Yo"]
+    assert result.choice_token_ids() == [[10, 11], [20, 22], [30]]
+    assert (result.text, result.token_ids) == ("Hello", [10, 11])
+    assert answer_tokens(FRAMES, choice=1).text == "Hi!"
+    # Frames of a call that asked for one choice name none: the whole answer is choice 0's.
+    single = ChatResult(frames=[token(0, 0, "a", 1), DoneFrame(seq=1, finish_reason="stop",
+                                                               usage=Usage(prompt_tokens=1, completion_tokens=1))])
+    assert single.choice_texts() == ["a"]
+
+
+def test_a_choice_tag_is_left_out_of_the_wire_for_the_first_choice_only():
+    assert "choice" not in token(0, 0, "a", 1).model_dump_json()
+    assert '"choice":2' in token(0, 2, "a", 1).model_dump_json()
+    assert ChatRequest(prompt="p", n=3).n == 3
+
+
+def test_hearth_chat_prints_each_choice_under_its_label_once_done(capsys):
+    printer = ChatPrinter(choices=3)
+    assert [printer.show(frame) for frame in FRAMES] == [None] * len(FRAMES)
+    out, err = capsys.readouterr()
+    assert out == ("[choice 0: stop, 2 tokens]\nHello\n[choice 1: length, 2 tokens]\nHi!\n"
+                   "[choice 2: stop, 1 tokens]\nYo\n")
+    assert "tokens of choice 1 after token 1 are taken back" in err and "[stop: 5 tokens" in err
