@@ -5,7 +5,14 @@ round-trip time and throughput against a direct connection, and its RTT's accura
 bulk transfer (MB/s), each direct to the server and through the relay at 0 ms and at a set RTT. Results belong
 in BENCHMARKS.md, "Households over real links". Needs root (network namespaces).
 
+`sweep`: decode tokens/s and time to first token of a mesh across households against link RTT and bandwidth, one
+session and several, a long prompt's time to first token, each point against its physical limit
+(scripts/bench_links_sweep.py); `plot` draws a sweep's JSON (scripts/links_report.py).
+
 Usage: sudo .venv/bin/python scripts/bench_links.py relay-cost [--pings 500] [--bulk-mb 200] [--rtt-ms 10]
+       sudo .venv/bin/python scripts/bench_links.py sweep [--model random:llama-250m] [--json links.json]
+            [--plot docs/img/links_tokens_per_second.png]
+       .venv/bin/python scripts/bench_links.py plot links.json [--plot PATH]
 """
 
 from __future__ import annotations
@@ -115,6 +122,29 @@ def relay_cost(options: argparse.Namespace) -> None:
             server.join(5)
 
 
+def _numbers(text: str) -> list[float]:
+    return [float(part) for part in text.split(",") if part]
+
+
+def _add_sweep_arguments(sweep: argparse.ArgumentParser) -> None:
+    sweep.add_argument("--model", default="random:llama-250m", help="a model folder or random:<shape>")
+    sweep.add_argument("--households", type=int, default=3, help="shard hosts, one per household")
+    sweep.add_argument("--rtts-ms", type=_numbers, default=[0.0, 2.0, 10.0, 40.0], help="comma-separated")
+    sweep.add_argument("--rates-mbit", type=_numbers, default=[1000.0, 100.0, 20.0], help="comma-separated")
+    sweep.add_argument("--prompt-tokens", type=int, default=32)
+    sweep.add_argument("--new-tokens", type=int, default=48)
+    sweep.add_argument("--sessions", type=int, default=8, help="concurrent sessions (1: only the single session)")
+    sweep.add_argument("--repeats", type=int, default=3, help="single-session runs per point (the median counts)")
+    sweep.add_argument("--no-paired", dest="paired", action="store_false",
+                       help="no 0 ms runs taken in turn with each single-session point above 0 ms")
+    sweep.add_argument("--long-prompt-tokens", type=int, default=2000, help="0: no long prompt")
+    sweep.add_argument("--long-prompt-rates-mbit", type=_numbers, default=[1000.0, 100.0])
+    sweep.add_argument("--long-prompt-rtts-ms", type=_numbers, default=[0.0, 10.0])
+    sweep.add_argument("--torch-threads", type=int, default=1, help="per hearth process")
+    sweep.add_argument("--json", type=Path, help="write the results here")
+    sweep.add_argument("--plot", type=Path, help="draw tokens/s against RTT into this PNG")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -122,13 +152,29 @@ def main() -> int:
     cost.add_argument("--pings", type=int, default=500)
     cost.add_argument("--bulk-mb", type=int, default=200)
     cost.add_argument("--rtt-ms", type=float, default=10.0)
+    _add_sweep_arguments(commands.add_parser("sweep", help="tokens/s and TTFT against link RTT and bandwidth"))
+    plot = commands.add_parser("plot", help="print a sweep's tables and draw its plot from its JSON")
+    plot.add_argument("json", type=Path)
+    plot.add_argument("--plot", type=Path)
     options = parser.parse_args()
+    if options.command == "plot":
+        from links_report import load_sweep, report_sweep
+
+        report_sweep(load_sweep(options.json), options.plot)
+        return 0
     reason = unavailable_reason()
     if reason is not None:
         print(f"bench_links: cannot make a test bed here: {reason}", file=sys.stderr)
         return 2
     if options.command == "relay-cost":
         relay_cost(options)
+    elif options.command == "sweep":
+        from bench_links_sweep import SweepOptions, run_sweep
+        from links_report import report_sweep
+
+        fields = SweepOptions.__dataclass_fields__
+        sweep_options = SweepOptions(**{name: getattr(options, name) for name in fields})
+        report_sweep(run_sweep(sweep_options, options.json), options.plot)
     return 0
 
 

@@ -28,7 +28,8 @@ read_chunk_bytes = 64 * 1024
 # Chunks waiting out their delay per direction before reading pauses (the relay's own backpressure).
 relay_queue_chunks = 1024
 # The event loop's timers wake late (epoll's timeout is whole milliseconds, rounded up, plus scheduling; more on a
-# busy machine): each wait is cut by the lateness seen so far, a running mean with this weight for the newest.
+# busy machine): each wait is cut by a correction that every timed chunk moves by this share of how late (or early)
+# it left.
 lateness_weight = 0.1
 relay_ready_timeout_s = 30.0
 relay_stop_timeout_s = 5.0
@@ -61,19 +62,21 @@ async def _read_into(reader: asyncio.StreamReader, queue: asyncio.Queue, link: L
 
 
 class TimerLateness:
-    """How late the event loop's timers wake, as a running mean: subtracted from each wait so chunks leave on time
-    on average rather than always late."""
+    """How late the event loop's timers wake, learnt as a correction subtracted from each wait, so chunks leave on
+    time on average rather than always late. Early chunks pull it back: one wake-up late by a load spike must not
+    leave later chunks sent with no delay at all."""
 
     def __init__(self) -> None:
-        self.mean_s = 0.0
+        self.correction_s = 0.0
 
     async def sleep_until(self, instant: float) -> None:
         loop = asyncio.get_running_loop()
-        wake_at = instant - self.mean_s
+        if loop.time() >= instant:
+            return  # already behind (a backlog, not the timer): nothing to learn from it
+        wake_at = instant - self.correction_s
         if wake_at > loop.time():
             await asyncio.sleep(wake_at - loop.time())
-            late_s = loop.time() - wake_at
-            self.mean_s += (late_s - self.mean_s) * lateness_weight
+        self.correction_s = max(0.0, self.correction_s + (loop.time() - instant) * lateness_weight)
 
 
 async def _write_from(queue: asyncio.Queue, writer: asyncio.StreamWriter, lateness: TimerLateness) -> None:
