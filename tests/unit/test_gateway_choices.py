@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import json
 
-import httpx2
 import openai
-import pytest
 
 from protocol.chat import (
     ChatFrame,
@@ -21,16 +19,7 @@ from protocol.chat import (
     TokensWithdrawnFrame,
     Usage,
 )
-from services.gateway.app import create_app
-from tests.unit.test_withdrawn_tokens import MODEL, ScriptedGateway, chat_body, events_of
-
-
-@pytest.fixture
-async def gateway():
-    scripted = ScriptedGateway()
-    transport = httpx2.ASGITransport(app=create_app(scripted))
-    async with httpx2.AsyncClient(transport=transport, base_url="http://gateway") as http:
-        yield http, scripted
+from tests.unit.test_withdrawn_tokens import MODEL, chat_body, events_of, gateway  # noqa: F401 (a fixture)
 
 
 def token(choice: int, text: str, token_id: int = 1, logprob: float | None = None) -> TokenDeltaFrame:
