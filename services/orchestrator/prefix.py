@@ -4,9 +4,9 @@ find their KV by), whose blocks may be shared, and which of this orchestrator's 
 A block's name is a 128-bit BLAKE2b digest over the name of the block before it (the first over the model id, its
 weights' digest, the scheme, the wire dtype and the block size), the block's scope and its token ids, so one name
 stands for every token before it and for what computed them: equal names, equal KV (up to float rounding). The scope
-is the caller (a roster member; every unsigned caller together) unless the block lies wholly inside a system prompt
-listed in `[prefix_cache] public_system_prompts`: no member's call can then find another member's blocks, so nothing
-about another member's conversation leaks through time to first token.
+is the caller (a roster member; every unsigned caller together) unless the block's tokens are those of a system prompt
+listed in `[prefix_cache] public_system_prompts` rendered alone: no member's call can find another member's blocks,
+so nothing about another member's conversation leaks through time to first token.
 
 A call reuses a prefix only for its chain's first prefill, and never at `verify` levels `all` and `vote` (they
 check every position, and a mirror would need the positions the call did not compute). Blocks are kept when a call
@@ -82,9 +82,16 @@ class CallPrefix:
 
 
 def public_blocks_of(prompt_ids: Sequence[int], public_prompt_ids: Sequence[Sequence[int]], block_tokens: int) -> int:
-    """How many whole blocks of a prompt lie inside one of the public system prompts it begins with."""
-    longest = max((len(ids) for ids in public_prompt_ids if ids and list(prompt_ids[:len(ids)]) == list(ids)),
-                  default=0)
+    """How many whole blocks of a prompt are tokens of a public system prompt's own rendering (their longest common
+    beginning: a template may end the system turn alone differently, e.g. with an end-of-text token)."""
+    longest = 0
+    for ids in public_prompt_ids:
+        common = 0
+        for ours, public in zip(prompt_ids, ids):
+            if ours != public:
+                break
+            common += 1
+        longest = max(longest, common)
     return longest // block_tokens
 
 
