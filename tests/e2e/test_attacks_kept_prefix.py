@@ -1,12 +1,14 @@
-"""A liar counting on kept prefixes, over real processes: a shard host that computes honestly every session it
-begins from position 0 and lies only in those it begins from KV kept from an earlier call (where it may hope no
-mirror can follow it) is caught all the same. The mirror is first fed what entered the hop's layers over the kept
-positions (services/orchestrator/kept_inputs.py), then checked on the positions the call ran; the liar is
-quarantined and the conversation's next turn answers with generate()'s tokens."""
+"""Kept prefixes against faults, over real processes. A liar counting on them: a shard host that computes honestly
+every session it begins from position 0 and lies only in those it begins from KV kept from an earlier call (where it
+may hope no mirror can follow it) is caught all the same. The mirror is first fed what entered the hop's layers over
+the kept positions (services/orchestrator/kept_inputs.py), then checked on the positions the call ran; the liar is
+quarantined and the conversation's next turn answers with generate()'s tokens. And a host killed in a turn that began
+from kept blocks is failed over to replicas that hold none, with the same answer."""
 
 from __future__ import annotations
 
 import asyncio
+import signal
 
 import pytest
 import torch
@@ -74,5 +76,23 @@ async def test_a_host_lying_only_from_kept_prefixes_is_caught(mesh, nc, tiny_mod
                                          "integrity.mismatch_confirmed" and item.event.shard_id == liar.shard_id,
                                          timeout_s=30)).event
         assert liar.shard_id not in evidence.witnesses
+        expected = await asyncio.to_thread(greedy_reference, tiny_models_dir / TINY_MODEL_NAME, second_turn)
+        assert second.answer_token_ids == expected
+
+
+async def test_a_host_killed_in_a_turn_begun_from_kept_blocks_is_failed_over_to_the_whole_prefill_s_tokens(
+        mesh, nc, tiny_models_dir):
+    # The replicas hold none of the conversation: the failover's chain prefills it whole, and the answer is the same.
+    lo, hi = THREE_SHARD_RANGES[CHECKED_HOP]
+    async with mesh.extra_shards() as start:
+        victim = await start("k", lo, hi, PREFERRED_WEIGHT)
+        first = await stream_with_action(nc, request(FIRST_TURN))
+        assert first.final.type == "done" and victim.shard_id in first.hops, first.final
+        second_turn = FIRST_TURN + "".join(f.text for f in first.of_type("token_delta")) + " and the next house"
+        second = await stream_with_action(nc, request(second_turn), lambda: victim.process.signal(signal.SIGKILL),
+                                          after_tokens=2)
+        assert second.final.type == "done", second.final
+        assert victim.shard_id in second.first_hops
+        assert [f.failed_shard_id for f in second.of_type("shard_failover")] == [victim.shard_id]
         expected = await asyncio.to_thread(greedy_reference, tiny_models_dir / TINY_MODEL_NAME, second_turn)
         assert second.answer_token_ids == expected

@@ -10,7 +10,13 @@ from inference import load_head, load_layer_range
 from inference.prefix_cache import PrefixCache, prefix_keys
 from tests.runner_limits import RUNNER_KV_LIMITS
 
-from .inference_tiny_models import one_torch_thread, tiny_model_dir  # noqa: F401  (fixtures)
+from .inference_tiny_models import (  # noqa: F401  (fixtures)
+    ARCHITECTURES,
+    TINY_NUM_LAYERS,
+    TINY_SLIDING_WINDOW,
+    one_torch_thread,
+    tiny_model_dir,
+)
 
 BLOCK = 4
 PROMPT = [1, 7, 9, 11, 13, 17, 19, 23, 29, 31, 37]  # 11 tokens: two whole blocks and three more
@@ -118,3 +124,40 @@ def test_a_conversation_s_next_turn_replaces_its_earlier_entry_and_branches_stay
 def test_shard_keys_depend_on_layers_and_block_size():
     assert prefix_keys(["h"], 0, 3, 16) != prefix_keys(["h"], 0, 4, 16) != prefix_keys(["h"], 0, 4, 32)
     assert prefix_keys(["h", "i"], 0, 3, 16)[0] == prefix_keys(["h"], 0, 3, 16)[0]
+
+
+def greedy(runner, head, session_id: str, ids: list[int], steps: int, start: int = 0) -> list[int]:
+    """Greedy tokens after `ids` (positions from `start` already held by the session); as a call does, the last one
+    is never fed back."""
+    hidden = runner.forward(session_id, head.embed(ids[start:]), start, "prefill")
+    tokens = [int(torch.argmax(head.logits(hidden[:, -1:])))]
+    for position in range(len(ids), len(ids) + steps - 1):
+        hidden = runner.forward(session_id, head.embed(tokens[-1:]), position, "decode")
+        tokens.append(int(torch.argmax(head.logits(hidden[:, -1:]))))
+    return tokens
+
+
+@pytest.mark.parametrize("first_turn_tokens", [5, 12], ids=["inside-the-window", "beyond-the-window"])
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_a_conversation_s_next_turn_gives_the_greedy_tokens_of_a_whole_prefill(tiny_model_dir, architecture,
+                                                                               first_turn_tokens):
+    # The first turn keeps the blocks of every position it ran; the second attaches them and prefills only the rest.
+    # Where a sliding window already dropped positions nothing is kept and the turn prefills whole: either way, the
+    # tokens are those of a session that computed everything itself.
+    path = tiny_model_dir(architecture)
+    head, block = load_head(path), 2
+    runner = load_layer_range(path, 0, TINY_NUM_LAYERS - 1, prefix_ttl_s=600.0, **RUNNER_KV_LIMITS)
+    first_turn = [1, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27][:first_turn_tokens]
+    answer = greedy(runner, head, "turn-1", first_turn, 3)
+    ran = first_turn + answer[:-1]
+    names = [f"{index:032x}" for index in range(len(ran) // block)]
+    kept = runner.keep_prefix("turn-1", names, block)
+    second_turn = first_turn + answer + [29, 31]
+    attached = runner.attach_prefix("turn-2", names + ["f" * 32], block)
+    assert attached == kept
+    with_kept = greedy(runner, head, "turn-2", second_turn, 4, start=attached)
+    fresh = load_layer_range(path, 0, TINY_NUM_LAYERS - 1, **RUNNER_KV_LIMITS)
+    assert with_kept == greedy(fresh, head, "whole", second_turn, 4)
+    # Mistral's layers, every other one of Gemma 2's and Qwen 2's upper ones slide over 8 positions.
+    sliding = architecture in ("mistral", "gemma2", "qwen2")
+    assert kept == (0 if sliding and len(ran) >= TINY_SLIDING_WINDOW else len(ran) // block * block)
