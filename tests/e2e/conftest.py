@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -17,6 +20,8 @@ from tests.unit.inference_tiny_models import write_tiny_model
 
 TINY_MODEL_NAME = "tiny-llama"
 TINY_LAYERS = 6
+# `hearth weights publish` of a tiny checkpoint into a test broker's store.
+PUBLISH_TIMEOUT_S = 120
 THREE_SHARD_RANGES = [(0, 1), (2, 3), (4, 5)]
 # Long enough positions for the 600-token prompt test.
 TINY_CONTEXT_LENGTH = 1024
@@ -109,3 +114,14 @@ async def client(cluster) -> AsyncIterator:
         yield nc
     finally:
         await asyncio.wait_for(nc.close(), timeout=5)
+
+
+def publish_to_store(cluster: LocalCluster, path: Path, name: str) -> None:
+    """`hearth weights publish PATH --name NAME` into `cluster`'s store, as its system user; checked to succeed."""
+    publish = subprocess.run(
+        [sys.executable, "-m", "services.cli", "weights", "publish", str(path), "--name", name,
+         "--nats", cluster.nats_url],
+        env={**os.environ, **cluster.credentials_env(cluster.system_creds)}, capture_output=True, text=True,
+        timeout=PUBLISH_TIMEOUT_S, cwd=Path(__file__).resolve().parents[2])
+    assert publish.returncode == 0, publish.stderr
+    assert f"--model store:{name}" in publish.stdout

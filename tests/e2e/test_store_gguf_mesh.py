@@ -6,9 +6,6 @@ answer equals the file's own, and the store's host and orchestrator fetched only
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +13,7 @@ from gguf import GGMLQuantizationType
 
 from inference import SamplingParams, load_full
 from protocol.chat import ChatRequest
-from tests.e2e.conftest import chat_once
+from tests.e2e.conftest import chat_once, publish_to_store
 from services.weights_store import GGUF_HEAD_OBJECT, GGUF_HEADER_OBJECT, GGUF_LAYER_OBJECT_FORMAT
 from tests.runner_limits import RUNNER_KV_LIMITS
 from tests.unit.gguf_files import write_tiny_gguf
@@ -26,7 +23,6 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 STORE_NAME = "community-gguf"
 PROMPT = "the quick brown fox"
 NEW_TOKENS = 8
-PUBLISH_TIMEOUT_S = 120
 
 
 def greedy_reference(path: Path) -> list[int]:
@@ -46,13 +42,7 @@ def cached_objects(cache_dir: Path) -> set[str]:
 async def test_store_and_file_hosts_of_one_gguf_form_one_pipeline(cluster, tmp_path):
     (tmp_path / "model").mkdir()
     path, _ = write_tiny_gguf(tmp_path / "model", "llama", GGMLQuantizationType.Q8_0)
-    publish = subprocess.run(
-        [sys.executable, "-m", "services.cli", "weights", "publish", str(path), "--name", STORE_NAME,
-         "--nats", cluster.nats_url],
-        env={**os.environ, **cluster.credentials_env(cluster.system_creds)}, capture_output=True, text=True,
-        timeout=PUBLISH_TIMEOUT_S, cwd=Path(__file__).resolve().parents[2])
-    assert publish.returncode == 0, publish.stderr
-    assert f"--model store:{STORE_NAME}" in publish.stdout
+    publish_to_store(cluster, path, STORE_NAME)
 
     caches = {name: tmp_path / f"cache-{name}" for name in ("store-host", "file-host", "orchestrator")}
     cluster.extra_env["HEARTH_CACHE_DIR"] = str(caches["store-host"])

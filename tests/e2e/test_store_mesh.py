@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,7 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from inference.checkpoint import SAFETENSORS_DTYPES
 from protocol.chat import ChatRequest
 from services.weights_store import HEAD_OBJECT, LAYER_OBJECT_FORMAT
-from tests.e2e.conftest import TINY_MODEL_NAME, chat_once
+from tests.e2e.conftest import TINY_MODEL_NAME, chat_once, publish_to_store
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -29,7 +26,6 @@ STORE_NAME = "community-llama"
 SHARD_ENV = "HEARTH_SHARD__"
 PROMPT = "the quick brown fox"
 NEW_TOKENS = 8
-PUBLISH_TIMEOUT_S = 120
 
 
 def greedy_reference(path: Path) -> list[int]:
@@ -60,13 +56,7 @@ def layer_objects(lo: int, hi: int) -> set[str]:
 
 async def test_a_mesh_started_from_the_store_answers_as_the_original(cluster, tiny_models_dir, tmp_path):
     path = tiny_models_dir / TINY_MODEL_NAME
-    publish = subprocess.run(
-        [sys.executable, "-m", "services.cli", "weights", "publish", str(path), "--name", STORE_NAME,
-         "--nats", cluster.nats_url],
-        env={**os.environ, **cluster.credentials_env(cluster.system_creds)}, capture_output=True, text=True,
-        timeout=PUBLISH_TIMEOUT_S, cwd=Path(__file__).resolve().parents[2])
-    assert publish.returncode == 0, publish.stderr
-    assert f"--model store:{STORE_NAME}" in publish.stdout
+    publish_to_store(cluster, path, STORE_NAME)
 
     caches = {name: tmp_path / f"cache-{name}" for name in ("s0", "s1", "host", "orchestrator")}
     model = f"store:{STORE_NAME}"
