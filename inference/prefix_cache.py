@@ -7,8 +7,14 @@ shard only keys those names by the layers it ran (`prefix_keys`), since KV of la
 An entry holds the keys and values of its first `tokens` positions for every layer of the run, copied out of the
 session's cache; a lookup returns the entry holding the longest run of the asked blocks, and `attach` copies its
 first blocks into a new session's cache through the cache's own `update`, so sliding-window layers keep their
-bookkeeping. Only full-attention caches whose every layer still holds every position are kept (a sliding window
-that dropped positions cannot be cut back to a block boundary).
+bookkeeping. Only caches whose every layer still holds every position from 0 are kept (a sliding window that dropped
+positions cannot be cut back to a block boundary).
+
+Dynamic and static caches alike (a GPU's, inference/static_decode.py): an entry holds only its positions, copied out
+of the session's cache, so a kept prefix takes its tokens' bytes, not a whole static cache; attaching one writes them
+into the new session's static cache in place (its addresses, and so its graphs' inputs, stay fixed). How many positions
+a cache holds is asked of `CacheLengths`: a static cache's tensors always span every position, so only its decoder
+knows how many are filled.
 """
 
 from __future__ import annotations
@@ -20,7 +26,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache
 
 
 # Per layer index: the keys and values of the first positions.
@@ -46,26 +51,49 @@ class PrefixEntry:
     block_tokens: int = field(default=0)
 
 
-def cache_snapshot(cache: DynamicCache, layers: range, tokens: int) -> KeysValues | None:
-    """Copies of the first `tokens` positions' keys and values of `layers`, or None when some layer no longer holds
-    every position up to `tokens` (a sliding window dropped some) or holds none."""
-    snapshot = {}
-    for layer_index in layers:
+class CacheLengths:
+    """How many leading positions a dynamic cache's layer holds, and setting that after a fill or a cut (the
+    cache's own counters suffice)."""
+
+    def held(self, cache, layer_index: int) -> int | None:
+        """Positions 0.. the layer holds, None when it holds none or no longer every one from 0 (a sliding window)."""
         layer = cache.layers[layer_index]
         keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
         if not isinstance(keys, torch.Tensor) or not isinstance(values, torch.Tensor):
             return None
-        if keys.shape[-2] < tokens or layer.get_seq_length() != keys.shape[-2]:
+        length = layer.get_seq_length()
+        return length if length == keys.shape[-2] else None
+
+    def cut(self, cache, layers: range, tokens: int) -> None:
+        """Drop every position from `tokens` on in `layers`."""
+        for layer_index in layers:
+            layer = cache.layers[layer_index]
+            if getattr(layer, "is_initialized", False) and int(layer.get_seq_length()) > tokens:
+                layer.crop(tokens - int(layer.get_seq_length()))
+
+    def filled(self, cache, layers: range, tokens: int) -> None:
+        """Note that `layers` hold `tokens` positions after a fill (a dynamic cache counts them itself)."""
+
+
+def cache_snapshot(cache, layers: range, tokens: int, lengths: CacheLengths) -> KeysValues | None:
+    """Copies of the first `tokens` positions' keys and values of `layers`, or None when some layer no longer holds
+    every position up to `tokens` (a sliding window dropped some) or holds none."""
+    snapshot = {}
+    for layer_index in layers:
+        held = lengths.held(cache, layer_index)
+        if held is None or held < tokens:
             return None
-        snapshot[layer_index] = (keys[..., :tokens, :].clone(), values[..., :tokens, :].clone())
+        layer = cache.layers[layer_index]
+        snapshot[layer_index] = (layer.keys[..., :tokens, :].clone(), layer.values[..., :tokens, :].clone())
     return snapshot
 
 
-def fill_cache(cache: DynamicCache, kv: KeysValues, tokens: int) -> None:
-    """Put the first `tokens` positions of `kv` into an empty `cache`; the entry stays as it was, since a dynamic cache
-    layer's `update` joins what it is given into a new tensor and never writes into it."""
+def fill_cache(cache, kv: KeysValues, tokens: int, lengths: CacheLengths) -> None:
+    """Put the first `tokens` positions of `kv` into an empty `cache` through its own `update`; the entry stays as it
+    was (a dynamic layer joins what it is given into a new tensor, a static one copies it into its own)."""
     for layer_index, (keys, values) in kv.items():
         cache.update(keys[..., :tokens, :], values[..., :tokens, :], layer_index)
+    lengths.filled(cache, range(min(kv), max(kv) + 1), tokens)
 
 
 class PrefixCache:
@@ -150,9 +178,10 @@ class PrefixCache:
 class PrefixSessions:
     """Attaching kept prefixes to new sessions and keeping ended sessions' caches (the runner's lock held)."""
 
-    def __init__(self, caches, prefixes: PrefixCache) -> None:
+    def __init__(self, caches, prefixes: PrefixCache, lengths: CacheLengths) -> None:
         self.caches = caches  # the runner's SessionCaches
         self.prefixes = prefixes
+        self.lengths = lengths
 
     def attach(self, session_id: str, block_hashes: Sequence[str], block_tokens: int, run_lo: int,
                run_hi: int) -> int:
@@ -165,7 +194,7 @@ class PrefixSessions:
             return 0
         entry, blocks = found
         tokens = blocks * block_tokens
-        fill_cache(session.cache, entry.kv, tokens)
+        fill_cache(session.cache, entry.kv, tokens, self.lengths)
         self.caches.record_use(session_id)
         session.attached_tokens = tokens
         self.caches.enforce_budget(keep=session_id)
@@ -179,22 +208,18 @@ class PrefixSessions:
         blocks = min(len(block_hashes), cached_tokens // block_tokens)
         if session is None or blocks < 1:
             return 0
-        kv = cache_snapshot(session.cache, range(run_lo, run_hi + 1), blocks * block_tokens)
+        kv = cache_snapshot(session.cache, range(run_lo, run_hi + 1), blocks * block_tokens, self.lengths)
         if kv is None:
             return 0
         self.prefixes.put(prefix_keys(block_hashes[:blocks], run_lo, run_hi, block_tokens), kv, block_tokens)
         self.caches.enforce_budget()
         return blocks * block_tokens
 
-    @staticmethod
-    def cut_back(session, start_pos: int) -> bool:
+    def cut_back(self, session, start_pos: int, layers: range) -> bool:
         """A session's first step after an attach may start before the prefix's end (another hop holds less of
         it): cut the cache back to `start_pos`. Whether it did."""
         if not session.attached_tokens or start_pos >= session.attached_tokens or start_pos < 1:
             return False
-        cache = session.cache
-        for layer in cache.layers:
-            if getattr(layer, "is_initialized", False) and layer.get_seq_length() > start_pos:
-                layer.crop(start_pos - layer.get_seq_length())
+        self.lengths.cut(session.cache, layers, start_pos)
         session.attached_tokens = start_pos
         return True

@@ -18,10 +18,10 @@ from .checkpoint import ModelInfo
 from .batched import BatchRow, StackingBuffers, batched_steps_supported, run_batched_step
 from .layer_pass import MASK_BUILDERS, DecoderStack, SteppedForward
 from .errors import InferenceError, SessionEvictedError, SessionStateError
-from .prefix_cache import PrefixCache, PrefixSessions
+from .prefix_cache import CacheLengths, PrefixCache, PrefixSessions
 from .sessions import EvictedSession, SessionCaches, as_position, kv_bytes_per_token_per_layer
 from .runner_checks import RunnerChecks
-from .static_decode import StaticDecoder, static_decode_supported
+from .static_decode import StaticCacheLengths, StaticDecoder, static_decode_supported
 
 StepKind = Literal["prefill", "decode"]
 STEP_KINDS: tuple[str, ...] = ("prefill", "decode")
@@ -92,13 +92,14 @@ class LayerRangeRunner(RunnerChecks):
         self._batched = self._static is None and batched_steps_supported(
             config, self._attention_types[self.layer_lo : self.layer_hi + 1])
         self._stacking_buffers = StackingBuffers()  # used under the lock: step_batch holds it throughout
-        # Kept prefixes (inference/prefix_cache.py) over dynamic caches only: a static cache is one per session.
-        prefixes = PrefixCache(ttl_s=prefix_ttl_s, clock=clock) if prefix_ttl_s and self._static is None else None
+        # Kept prefixes (inference/prefix_cache.py), in dynamic and static caches alike.
+        prefixes = PrefixCache(ttl_s=prefix_ttl_s, clock=clock) if prefix_ttl_s else None
         self._caches = SessionCaches(
             self._static.new_cache if self._static is not None else (lambda: DynamicCache(config=config)),
             range(self.layer_lo, self.layer_hi + 1), budget_bytes=cache_budget_bytes, ttl_s=session_ttl_s,
-            clock=clock, on_evict=on_evict, prefixes=prefixes)
-        self._prefix_sessions = PrefixSessions(self._caches, prefixes) if prefixes is not None else None
+            clock=clock, on_evict=on_evict, prefixes=prefixes, session_reserve_bytes=self.static_session_bytes or 0)
+        lengths = StaticCacheLengths(self._static) if self._static is not None else CacheLengths()
+        self._prefix_sessions = PrefixSessions(self._caches, prefixes, lengths) if prefixes is not None else None
 
     # ----------------------------------------------------------------- compute
 
@@ -254,8 +255,8 @@ class LayerRangeRunner(RunnerChecks):
         if session is None:
             raise SessionStateError(f"session {session_id!r} has no cache on layers {self.layer_lo}-{self.layer_hi} "
                                     "(never prefilled, reset or evicted); re-prefill from position 0")
-        if kind == "prefill":
-            PrefixSessions.cut_back(session, start_pos)
+        if kind == "prefill" and self._prefix_sessions is not None:
+            self._prefix_sessions.cut_back(session, start_pos, range(self.layer_lo, self.layer_hi + 1))
         self._check_continues(session_id, session.cache, start_pos, run_lo, run_hi)
         self._check_fits(start_pos, num_tokens, run_lo, run_hi, cached_bytes=session.cached_bytes)
         return session

@@ -75,6 +75,7 @@ class SessionCaches:
         clock: Callable[[], float],
         on_evict: Callable[[EvictedSession], None] | None = None,
         prefixes: PrefixCache | None = None,
+        session_reserve_bytes: int = 0,
     ):
         if budget_bytes <= 0:
             raise ValueError(f"budget_bytes must be positive, got {budget_bytes}")
@@ -88,6 +89,9 @@ class SessionCaches:
         self._on_evict = on_evict
         # Kept prefixes share the budget and give way first: a live session's cache outranks a maybe-reused one.
         self.prefixes = prefixes
+        # What a new session takes at once before its first step is measured (a static cache's every position):
+        # kept prefixes make room for it first, so the caches never hold more than the budget even for a moment.
+        self.session_reserve_bytes = session_reserve_bytes
         self._sessions: OrderedDict[str, _Session] = OrderedDict()
         self._evicted: OrderedDict[str, str] = OrderedDict()
         self.evictions_total = 0
@@ -122,6 +126,7 @@ class SessionCaches:
         """A fresh, empty cache for the session, replacing any older one."""
         self.drop(session_id)
         self._evicted.pop(session_id, None)
+        self._evict_prefixes_beyond(self.budget_bytes - self.session_reserve_bytes)
         session = _Session(cache=self._make_cache(), last_used_s=self._clock())
         self._sessions[session_id] = session
         return session
@@ -158,15 +163,19 @@ class SessionCaches:
     def enforce_budget(self, keep: str | None = None) -> list[EvictedSession]:
         """Drop least recently used sessions (never ``keep``) until the total fits the budget."""
         evicted = []
-        prefixes = self.prefixes
-        while prefixes is not None and len(prefixes) and self.total_bytes + prefixes.total_bytes > self.budget_bytes:
-            prefixes.evict_oldest()
+        self._evict_prefixes_beyond(self.budget_bytes)
         for session_id in list(self._sessions):
             if self.total_bytes <= self.budget_bytes:
                 break
             if session_id != keep:
                 evicted.append(self._evict(session_id, EVICT_REASON_BUDGET))
         return evicted
+
+    def _evict_prefixes_beyond(self, budget_bytes: int) -> None:
+        """Drop the least recently used kept prefixes until they and the sessions fit `budget_bytes`."""
+        prefixes = self.prefixes
+        while prefixes is not None and len(prefixes) and self.total_bytes + prefixes.total_bytes > budget_bytes:
+            prefixes.evict_oldest()
 
     def _evict(self, session_id: str, reason: str) -> EvictedSession:
         freed = self.drop(session_id)

@@ -46,6 +46,7 @@ from .architectures import FULL_ATTENTION
 from .batched import update_rows
 from .layer_call import run_decoder_layer
 from .errors import SessionTooLargeError
+from .prefix_cache import CacheLengths
 
 
 def static_decode_supported(config: PretrainedConfig, attention_types: list[str]) -> bool:
@@ -105,6 +106,16 @@ class StaticDecoder:
 
     def cached_tokens(self, cache: StaticCache, layer_index: int) -> int:
         return self._lengths[cache].get(layer_index, 0)
+
+    def set_cached_tokens(self, cache: StaticCache, layers: range, tokens: int) -> None:
+        """Set the positions `layers` of `cache` hold (a kept prefix filled in, or cut back to): the device counters
+        the next update writes at, and this decoder's own count."""
+        lengths = self._lengths[cache]
+        for layer_index in layers:
+            layer = cache.layers[layer_index]
+            if getattr(layer, "is_initialized", False):
+                layer.cumulative_length.fill_(tokens)
+            lengths[layer_index] = tokens
 
     def cache_bytes_per_session(self, kv_bytes_per_token_per_layer: int, num_layers: int) -> int:
         return self.max_tokens * kv_bytes_per_token_per_layer * num_layers
@@ -238,6 +249,24 @@ class StaticDecoder:
         self._pool.captured(graph)
         self.graph_captures_total += 1
         return graph, output
+
+
+class StaticCacheLengths(CacheLengths):
+    """Kept prefixes' view of static caches: their tensors span every position, the decoder counts the filled ones."""
+
+    def __init__(self, decoder: StaticDecoder) -> None:
+        self._decoder = decoder
+
+    def held(self, cache, layer_index: int) -> int | None:
+        return self._decoder.cached_tokens(cache, layer_index) or None
+
+    def cut(self, cache, layers: range, tokens: int) -> None:
+        held = [index for index in layers if self._decoder.cached_tokens(cache, index) > tokens]
+        if held:
+            self._decoder.set_cached_tokens(cache, range(min(held), max(held) + 1), tokens)
+
+    def filled(self, cache, layers: range, tokens: int) -> None:
+        self._decoder.set_cached_tokens(cache, layers, tokens)
 
 
 @contextmanager

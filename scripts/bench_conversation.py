@@ -7,6 +7,7 @@ delta of its `hearth_shard_prefill_tokens_total`), with the prefix cache on and 
 
     .venv/bin/python scripts/bench_conversation.py conversation --model random:llama-250m
     .venv/bin/python scripts/bench_conversation.py public --members 50
+    python3 scripts/bench_conversation.py conversation --device cuda --dtype bf16   # a GPU's static caches
 """
 
 from __future__ import annotations
@@ -87,8 +88,10 @@ class BenchMesh:
     """nats-server, the model's layers over `shards` shard processes, an orchestrator and a gateway, with an API
     key for each member named."""
 
-    def __init__(self, model: Path, shards: int, members: list[str], env: dict[str, str], work_dir: Path | None):
+    def __init__(self, model: Path, shards: int, members: list[str], env: dict[str, str], work_dir: Path | None,
+                 device_args: list[str] = ()):
         self.cluster = LocalCluster(work_dir=work_dir, extra_env=dict(env), prefork=True)
+        self.device_args = list(device_args)  # --device/--dtype of the shards and the orchestrator's head
         self.model = model
         self.shards = shards
         self.members = members
@@ -102,8 +105,9 @@ class BenchMesh:
         cluster.start_nats()
         layers = json.loads((self.model / "config.json").read_text())["num_hidden_layers"]
         for index, (lo, hi) in enumerate(even_layer_ranges(layers, self.shards)):
-            cluster.start_shard(str(self.model), lo, hi, node_id=f"conv-host-{index}", wait_ready=False)
-        cluster.start_orchestrator(extra_args=["--preload", str(self.model)], wait_ready=False)
+            cluster.start_shard(str(self.model), lo, hi, node_id=f"conv-host-{index}", extra_args=self.device_args,
+                                wait_ready=False)
+        cluster.start_orchestrator(extra_args=["--preload", str(self.model), *self.device_args], wait_ready=False)
         cluster.wait_all_ready()
         self.url = cluster.start_gateway().ready_file.read_text().strip()
         return self
@@ -172,6 +176,11 @@ class BenchMesh:
             await asyncio.wait_for(nc.close(), timeout=5)
 
 
+def device_args(options: argparse.Namespace) -> list[str]:
+    return [*(["--device", options.device] if options.device else []), *(["--dtype", options.dtype] if options.dtype
+                                                                          else [])]
+
+
 def cache_env(enabled: bool, public_prompt: str | None = None) -> dict[str, str]:
     env = {"HEARTH_PREFIX_CACHE__ENABLED": "true" if enabled else "false"}
     if public_prompt is not None:
@@ -187,7 +196,8 @@ def warm_up(mesh: BenchMesh, member: str, rng: random.Random) -> None:
 def conversation(options: argparse.Namespace, mode: str, enabled: bool) -> list[list[CallFigures]]:
     """`options.repeats` conversations of `options.turns` turns each, one after the other on one mesh, each
     resending its whole history every turn (the load of a shared machine varies: medians over them)."""
-    with BenchMesh(model_path(options.model), options.shards, ["alice"], cache_env(enabled), options.work_dir) as mesh:
+    with BenchMesh(model_path(options.model), options.shards, ["alice"], cache_env(enabled), options.work_dir,
+                   device_args(options)) as mesh:
         warm_up(mesh, "alice", random.Random(options.seed - 1))
         runs = []
         for repeat in range(options.repeats):
@@ -233,7 +243,7 @@ def public_prompt_calls(options: argparse.Namespace, public: bool) -> list[CallF
     system = words(rng, options.system_words)
     members = [f"member{index:02d}" for index in range(options.members if public else options.baseline_members)]
     env = cache_env(True, system if public else None)
-    with BenchMesh(model_path(options.model), options.shards, members, env, options.work_dir) as mesh:
+    with BenchMesh(model_path(options.model), options.shards, members, env, options.work_dir, device_args(options)) as mesh:
         warm_up(mesh, members[0], random.Random(options.seed - 1))
         calls = []
         for member in members:
@@ -272,6 +282,8 @@ def main() -> None:
                         help="public: members calling with the prompt not marked public")
     parser.add_argument("--system-words", type=int, default=500)
     parser.add_argument("--seed", type=int, default=30)
+    parser.add_argument("--device", default=None, help="the shards' and the orchestrator's (default: theirs)")
+    parser.add_argument("--dtype", default=None, help="the shards' and the orchestrator's (default: theirs)")
     parser.add_argument("--work-dir", type=Path, default=None)
     parser.add_argument("--json", type=Path, default=None, help="also write every call's figures here")
     options = parser.parse_args()

@@ -21,6 +21,9 @@
 #                                            # and the CUDA quantization tests (unit + an int4 mesh)
 #   bash scripts/gpu_session.sh llama3-8b-int4  # bench, Llama-3-8B shape, int4 weights (bf16 activations), 8 sessions
 #   bash scripts/gpu_session.sh llama3-8b-one   # bench, Llama-3-8B shape, bf16, one session (int4's baseline)
+#   bash scripts/gpu_session.sh prefix       # issue 30: kept prefixes in static caches: a 10-turn conversation through
+#                                            # the gateway, cache on and off (scripts/bench_conversation.py)
+#   bash scripts/gpu_session.sh tolerance    # issue 28: the honest tolerance of bf16/fp32 CUDA shards
 #   bash scripts/gpu_session.sh probe        # launch cost, generate(), LocalModel and one shard's decode step by part
 #                                            # (scripts/gpu_probe.py, TinyLlama-1.1B shape)
 # HEARTH_GPU_DRY_RUN=1 runs the same stages on this CPU with tiny shapes, to check the script before device time.
@@ -30,7 +33,7 @@
 # '[s]ervices[.]cli (bench|shard|orchestrator)' instead.
 set -u
 stages=("$@")
-[ ${#stages[@]} -gt 0 ] || { echo "usage: gpu_session.sh STAGE... (checkpoints tests quantized llama3-8b-int4 llama3-8b-one tinyllama llama3-8b llama3-8b-fp32 batching cpu together load-memory probe)" >&2; exit 2; }
+[ ${#stages[@]} -gt 0 ] || { echo "usage: gpu_session.sh STAGE... (checkpoints tests prefix tolerance quantized llama3-8b-int4 llama3-8b-one tinyllama llama3-8b llama3-8b-fp32 batching cpu together load-memory probe)" >&2; exit 2; }
 out=${OUT:-/tmp/hearth-gpu-out}
 mkdir -p "$out"
 site=/tmp/site
@@ -70,8 +73,10 @@ for shape in sys.argv[1:]: print(write('random:' + shape))" "$mid" "$big" > "$ou
     echo "checkpoints exit $?" | tee -a "$out/stages.txt"
     ;;
   tests)
-    "$python" -m pytest -q -m cuda -p no:cacheprovider --timeout 300 tests/unit/test_inference_devices.py \
-      tests/unit/test_static_decode.py tests/e2e/test_cuda_mesh.py > "$out/cuda-tests.txt" 2>&1
+    # Every module with CUDA tests (grep -l mark.cuda): collecting the whole suite would need its every test
+    # dependency on the GPU machine.
+    "$python" -m pytest -q -m cuda -p no:cacheprovider --timeout 300 $(grep -rl "mark[.]cuda" tests/unit tests/e2e) \
+      > "$out/cuda-tests.txt" 2>&1
     echo "cuda tests exit $?" | tee -a "$out/stages.txt"
     tail -5 "$out/cuda-tests.txt"
     ;;
@@ -134,6 +139,22 @@ for shape in sys.argv[1:]: print(write('random:' + shape))" "$mid" "$big" > "$ou
       bench "together-$cores" --pin-cores "$cores" --model "random:$together_model" --pin-sessions "$cores" \
         --pin-sessions 8 --repeats 1
     done
+    ;;
+  prefix)
+    conv_model=llama-250m
+    [ -n "${HEARTH_GPU_DRY_RUN:-}" ] && conv_model=tiny
+    echo "== prefix: scripts/bench_conversation.py conversation --model random:$conv_model" | tee -a "$out/stages.txt"
+    "$python" scripts/bench_conversation.py conversation --model "random:$conv_model" --device "$device" \
+      --dtype "$dtype" --turns 10 --repeats 2 --modes completions --json "$out/conversation.json" \
+      > "$out/conversation.txt" 2>&1
+    echo "exit $?" | tee -a "$out/stages.txt"
+    tail -30 "$out/conversation.txt"
+    ;;
+  tolerance)
+    echo "== tolerance: scripts/measure_honest_tolerance.py --device $device" | tee -a "$out/stages.txt"
+    "$python" scripts/measure_honest_tolerance.py --device "$device" > "$out/tolerance.txt" 2>&1
+    echo "exit $?" | tee -a "$out/stages.txt"
+    tail -20 "$out/tolerance.txt"
     ;;
   probe)
     echo "== probe: scripts/gpu_probe.py --model random:$mid" | tee -a "$out/stages.txt"

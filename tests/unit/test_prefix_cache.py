@@ -1,5 +1,6 @@
 """Kept prefixes of LayerRangeRunner: a session attached to an ended one's blocks continues exactly where a session
-that computed them itself would, shorter matches and other layers miss, and kept blocks give way to live sessions."""
+that computed them itself would, shorter matches and other layers miss, and kept blocks give way to live sessions;
+in dynamic caches and in static ones (a GPU's, run here on the CPU)."""
 
 from __future__ import annotations
 
@@ -22,19 +23,27 @@ BLOCK = 4
 PROMPT = [1, 7, 9, 11, 13, 17, 19, 23, 29, 31, 37]  # 11 tokens: two whole blocks and three more
 
 
-@pytest.fixture(params=["llama", "qwen2"])
+# Positions of a static cache in these tests (the runner serves no session longer).
+STATIC_TOKENS = 64
+
+
+@pytest.fixture(params=[("llama", None), ("qwen2", None), ("llama", STATIC_TOKENS)],
+                ids=["llama", "qwen2", "llama-static"])
 def model(request, tiny_model_dir):
-    path = tiny_model_dir(request.param)
-    return path, load_head(path)
+    architecture, static_tokens = request.param
+    path = tiny_model_dir(architecture)
+    return path, load_head(path), static_tokens
 
 
-def runner_of(path, **limits):
-    return load_layer_range(path, 0, 1, prefix_ttl_s=600.0, **(RUNNER_KV_LIMITS | limits))
+def runner_of(model, **limits):
+    path, _, static_tokens = model
+    return load_layer_range(path, 0, 1, prefix_ttl_s=600.0, static_cache_tokens=static_tokens,
+                            **(RUNNER_KV_LIMITS | limits))
 
 
 def test_a_session_attached_to_kept_blocks_continues_as_if_it_had_computed_them(model):
-    path, head = model
-    runner = runner_of(path)
+    path, head, _ = model
+    runner = runner_of(model)
     whole = runner.forward("first", head.embed(PROMPT), 0, "prefill")
     assert runner.keep_prefix("first", ["b0", "b1"], BLOCK) == 2 * BLOCK
     assert "first" not in runner.session_ids()
@@ -50,8 +59,8 @@ def test_a_session_attached_to_kept_blocks_continues_as_if_it_had_computed_them(
 
 def test_a_first_step_may_start_before_the_attached_end(model):
     # Another hop of the chain held fewer blocks: every hop starts where the one holding least ends.
-    path, head = model
-    runner = runner_of(path)
+    path, head, _ = model
+    runner = runner_of(model)
     whole = runner.forward("first", head.embed(PROMPT), 0, "prefill")
     runner.keep_prefix("first", ["b0", "b1"], BLOCK)
     assert runner.attach_prefix("second", ["b0", "b1"], BLOCK) == 2 * BLOCK
@@ -61,8 +70,8 @@ def test_a_first_step_may_start_before_the_attached_end(model):
 
 
 def test_other_blocks_other_layers_and_other_block_sizes_miss(model):
-    path, head = model
-    runner = runner_of(path)
+    path, head, _ = model
+    runner = runner_of(model)
     runner.forward("first", head.embed(PROMPT), 0, "prefill")
     runner.keep_prefix("first", ["b0", "b1"], BLOCK)
     assert runner.attach_prefix("a", ["x0", "b1"], BLOCK) == 2 * BLOCK  # the last block's hash names its whole past
@@ -74,8 +83,8 @@ def test_other_blocks_other_layers_and_other_block_sizes_miss(model):
 
 
 def test_only_whole_blocks_the_session_holds_are_kept(model):
-    path, head = model
-    runner = runner_of(path)
+    path, head, _ = model
+    runner = runner_of(model)
     runner.forward("first", head.embed(PROMPT[:6]), 0, "prefill")
     assert runner.keep_prefix("first", ["b0", "b1", "b2"], BLOCK) == BLOCK
     assert runner.keep_prefix("never-run", ["b0"], BLOCK) == 0
@@ -83,8 +92,8 @@ def test_only_whole_blocks_the_session_holds_are_kept(model):
 
 
 def test_a_decode_step_after_an_attach_must_continue_exactly(model):
-    path, head = model
-    runner = runner_of(path)
+    path, head, _ = model
+    runner = runner_of(model)
     runner.forward("first", head.embed(PROMPT), 0, "prefill")
     runner.keep_prefix("first", ["b0", "b1"], BLOCK)
     runner.attach_prefix("second", ["b0", "b1"], BLOCK)
@@ -93,18 +102,40 @@ def test_a_decode_step_after_an_attach_must_continue_exactly(model):
 
 
 def test_kept_blocks_give_way_to_live_sessions(model):
-    path, head = model
-    runner = runner_of(path)
+    path, head, _ = model
+    runner = runner_of(model)
     runner.forward("first", head.embed(PROMPT), 0, "prefill")
     runner.keep_prefix("first", ["b0", "b1"], BLOCK)
     kept = runner.prefix_cache.total_bytes
     assert kept > 0
-    small = load_layer_range(path, 0, 1, prefix_ttl_s=600.0, cache_budget_bytes=kept * 2, session_ttl_s=600)
+    # A dynamic session grows past the room the kept blocks leave; a static one takes its whole cache at once.
+    budget = kept * 2 if runner.static_session_bytes is None else runner.static_session_bytes + kept // 2
+    small = runner_of(model, cache_budget_bytes=budget, session_ttl_s=600)
     small.forward("first", head.embed(PROMPT), 0, "prefill")
     small.keep_prefix("first", ["b0", "b1"], BLOCK)
     small.forward("live", head.embed(PROMPT + [5]), 0, "prefill")  # with the kept blocks, over budget
     assert len(small.prefix_cache) == 0 and small.prefix_cache.evictions_total == 1
     assert "live" in small.session_ids()
+
+
+def test_a_static_session_s_whole_cache_is_made_room_for_before_it_is_taken(tiny_model_dir):
+    # A static cache takes all its positions at its first step: kept blocks that would leave no room for it go first.
+    path = tiny_model_dir("llama")
+    head = load_head(path)
+    probe = runner_of((path, head, STATIC_TOKENS))
+    probe.forward("first", head.embed(PROMPT), 0, "prefill")
+    probe.keep_prefix("first", ["b0", "b1"], BLOCK)
+    kept, one_session = probe.prefix_cache.total_bytes, probe.static_session_bytes
+    roomy = runner_of((path, head, STATIC_TOKENS), cache_budget_bytes=one_session + kept)
+    tight = runner_of((path, head, STATIC_TOKENS), cache_budget_bytes=one_session + kept // 2)
+    for runner in (roomy, tight):
+        runner.forward("first", head.embed(PROMPT), 0, "prefill")
+        runner.keep_prefix("first", ["b0", "b1"], BLOCK)
+    assert roomy.attach_prefix("second", ["b0", "b1"], BLOCK) == 2 * BLOCK
+    assert tight.attach_prefix("second", ["b0", "b1"], BLOCK) == 0
+    assert tight.prefix_cache.evictions_total == 1
+    tight.forward("second", head.embed(PROMPT), 0, "prefill")
+    assert tight.cache_bytes <= tight.cache_budget_bytes
 
 
 def test_a_conversation_s_next_turn_replaces_its_earlier_entry_and_branches_stay():
@@ -138,15 +169,17 @@ def greedy(runner, head, session_id: str, ids: list[int], steps: int, start: int
 
 
 @pytest.mark.parametrize("first_turn_tokens", [5, 12], ids=["inside-the-window", "beyond-the-window"])
-@pytest.mark.parametrize("architecture", ARCHITECTURES)
+@pytest.mark.parametrize("architecture,static_tokens", [(name, None) for name in ARCHITECTURES]
+                         + [("llama", STATIC_TOKENS)], ids=[*ARCHITECTURES, "llama-static"])
 def test_a_conversation_s_next_turn_gives_the_greedy_tokens_of_a_whole_prefill(tiny_model_dir, architecture,
-                                                                               first_turn_tokens):
+                                                                               static_tokens, first_turn_tokens):
     # The first turn keeps the blocks of every position it ran; the second attaches them and prefills only the rest.
     # Where a sliding window already dropped positions nothing is kept and the turn prefills whole: either way, the
     # tokens are those of a session that computed everything itself.
     path = tiny_model_dir(architecture)
     head, block = load_head(path), 2
-    runner = load_layer_range(path, 0, TINY_NUM_LAYERS - 1, prefix_ttl_s=600.0, **RUNNER_KV_LIMITS)
+    runner = load_layer_range(path, 0, TINY_NUM_LAYERS - 1, prefix_ttl_s=600.0, static_cache_tokens=static_tokens,
+                              **RUNNER_KV_LIMITS)
     first_turn = [1, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27][:first_turn_tokens]
     answer = greedy(runner, head, "turn-1", first_turn, 3)
     ran = first_turn + answer[:-1]
@@ -161,3 +194,29 @@ def test_a_conversation_s_next_turn_gives_the_greedy_tokens_of_a_whole_prefill(t
     # Mistral's layers, every other one of Gemma 2's and Qwen 2's upper ones slide over 8 positions.
     sliding = architecture in ("mistral", "gemma2", "qwen2")
     assert kept == (0 if sliding and len(ran) >= TINY_SLIDING_WINDOW else len(ran) // block * block)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch sees no CUDA device here")
+def test_kept_prefixes_in_graphed_static_caches_give_a_whole_prefill_s_tokens_on_cuda(tiny_model_dir):
+    path = tiny_model_dir("llama")
+    head = load_head(path, dtype="fp32", device="cuda")
+
+    def graphed():
+        return load_layer_range(path, 0, TINY_NUM_LAYERS - 1, dtype="fp32", device="cuda", prefix_ttl_s=600.0,
+                                static_cache_tokens=STATIC_TOKENS, **RUNNER_KV_LIMITS)
+
+    runner, block = graphed(), 4
+    assert runner.graphs_decode
+    first_turn = PROMPT[:10]
+    answer = greedy(runner, head, "turn-1", first_turn, 6)
+    ran = first_turn + answer[:-1]
+    names = [f"{index:032x}" for index in range(len(ran) // block)]
+    kept = runner.keep_prefix("turn-1", names, block)
+    assert kept == len(ran) // block * block
+    second_turn = first_turn + answer + [41, 43, 47]
+    captures = runner.graph_captures_total
+    assert runner.attach_prefix("turn-2", names + ["f" * 32], block) == kept
+    with_kept = greedy(runner, head, "turn-2", second_turn, 8, start=kept)
+    assert runner.graph_captures_total > captures  # the attached session's decode steps replay graphs of its own
+    assert with_kept == greedy(graphed(), head, "whole", second_turn, 8)
