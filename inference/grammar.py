@@ -16,8 +16,13 @@ from collections.abc import Sequence
 
 import llguidance
 import llguidance.hf
-import llguidance.torch
+import llguidance.numpy
 import torch
+
+# Bit i of a mask word allows token 32 * word + i. The mask is applied here rather than by llguidance.torch, whose
+# import compiles its kernel with torch.compile: seconds of every orchestrator's start, and on a GPU machine it
+# initialises CUDA in a process that later forks (the prefork launcher's children then cannot use CUDA).
+_MASK_BITS = torch.arange(32, dtype=torch.int32)
 
 # JSON without optional whitespace: a model that learnt nothing could otherwise pad the output with blanks forever.
 COMPACT_JSON = {"whitespace_flexible": False}
@@ -123,7 +128,7 @@ class GrammarState:
         self._matcher: llguidance.LLMatcher | None = None
         self._generated = generated
         self._consumed = 0
-        self._bitmask = llguidance.torch.allocate_token_bitmask(1, table.vocab_size)
+        self._bitmask = llguidance.numpy.allocate_token_bitmask(1, table.vocab_size)
 
     def compile(self) -> llguidance.LLMatcher:
         """The matcher (compiled now if it was not yet); GrammarError when the grammar cannot be compiled."""
@@ -150,9 +155,14 @@ class GrammarState:
     def mask(self, scores: torch.Tensor) -> torch.Tensor:
         """`scores` ``[vocab]`` (float32, CPU) with every token the grammar forbids next at -inf."""
         self.follow()
-        llguidance.torch.fill_next_token_bitmask(self.compile(), self._bitmask, 0)
+        llguidance.numpy.fill_next_token_bitmask(self.compile(), self._bitmask, 0)
         masked = scores.detach().to(device="cpu", dtype=torch.float32).clone()
-        llguidance.torch.apply_token_bitmask_inplace(masked.unsqueeze(0), self._bitmask)
+        words = torch.from_numpy(self._bitmask[0])
+        allowed = ((words.unsqueeze(-1) >> _MASK_BITS) & 1).flatten().bool()
+        vocab = masked.shape[-1]
+        if vocab > allowed.numel():  # tokens beyond the grammar's table: never allowed
+            masked[allowed.numel():] = float("-inf")
+        masked[:allowed.numel()].masked_fill_(~allowed[:vocab], float("-inf"))
         return masked
 
     @property

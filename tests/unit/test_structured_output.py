@@ -159,3 +159,28 @@ def test_the_random_models_template_renders_tools_and_the_calls_of_the_history(m
     assert text.count("<|im_start|>") == 5 and text.endswith("<|im_start|>assistant\n")
     start = model.head.tokenizer.convert_tokens_to_ids("<|im_start|>")
     assert model.head.encode_chat(history, tools=[WEATHER]).count(start) == 5
+
+
+def test_the_mask_allows_exactly_the_tokens_the_grammar_allows(model):
+    # hearth unpacks llguidance's bitmask itself (inference/grammar.py says why): it must agree with the library's
+    # own numpy kernel, bit for bit, at every step of a constrained answer.
+    import llguidance.numpy
+    import numpy as np
+
+    from inference.grammar import GrammarState, json_schema_grammar
+    from services.orchestrator.constrained import _table
+
+    vocab = model.head.info.vocab_size
+    generated: list[int] = []
+    state = GrammarState(_table(model), json_schema_grammar(SCHEMA), generated)
+    scores_generator = torch.Generator().manual_seed(3)
+    for _ in range(12):
+        scores = torch.randn(vocab, generator=scores_generator)
+        masked = state.mask(scores)
+        expected = scores.numpy().copy()[None, :]
+        llguidance.numpy.apply_token_bitmask_inplace(expected, state._bitmask)
+        assert np.array_equal(masked.numpy(), expected[0])
+        assert 0 < int(torch.isfinite(masked).sum()) < vocab
+        generated.append(int(torch.argmax(masked)))
+        if state.stopped:
+            break
