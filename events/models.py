@@ -166,6 +166,48 @@ class PipelineFallbackLocal(_PipelineEvent):
     reason: Reason
 
 
+BlockName = Annotated[str, Field(pattern=r"^[0-9a-f]{32}$", max_length=32)]
+# Named blocks one kept prefix records: the last, the last two inside the prompt, and the 1st, 2nd, 4th, ... (the
+# most blocks a call names is protocol.control.max_prefix_blocks, 8192 = 2**13).
+max_kept_marks = 24
+
+
+class KeptHop(BaseModel):
+    """One hop of a chain that kept a call's blocks: the shard and the layers it ran."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    shard_id: ShardId
+    layer_lo: int = Field(ge=0)
+    layer_hi: int = Field(ge=0, description="inclusive")
+
+
+class KeptMark(BaseModel):
+    """One kept block's name and how many blocks it closes (it stands for those and every one before)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    blocks: int = Field(ge=1)
+    name: BlockName
+
+
+class KeptPrefix(BaseModel):
+    """The blocks a call's hops were asked to keep when it ended well (docs/design.md, "Kept prefixes"), so that
+    every orchestrator can send a call beginning the same way to them. A block name is a digest over the scoped
+    tokens of every block up to it: it reveals only that two calls began alike, never a token."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    hops: list[KeptHop] = Field(min_length=1, max_length=max_event_hops)
+    # Some of the kept blocks' names, looked up longest first by a later call: the last, the last two inside the
+    # prompt (a next turn resends the prompt as it was, while the answer may tokenize differently there) and the
+    # 1st, 2nd, 4th, ... (what a call sharing fewer blocks, an edited history, still finds).
+    marks: list[KeptMark] = Field(min_length=1, max_length=max_kept_marks)
+    # How long the hops keep blocks nobody uses (the mesh's `[shard] prefix_cache_idle_s` as the orchestrator knows
+    # it): the read model forgets the record after that.
+    idle_s: float = Field(ge=0)
+
+
 class PipelineCompleted(_PipelineEvent):
     type: Literal["pipeline.completed"] = "pipeline.completed"
     prompt_tokens: int = Field(ge=0)
@@ -173,6 +215,8 @@ class PipelineCompleted(_PipelineEvent):
     duration_ms: float = Field(ge=0)
     tokens_per_second: float = Field(ge=0)
     finish_reason: Label
+    # The blocks its chain's hops were asked to keep (None: nothing kept: kept prefixes off, or too short a call).
+    kept_prefix: KeptPrefix | None = None
 
 
 class PipelineAborted(_PipelineEvent):

@@ -18,6 +18,7 @@ from readmodels.tables import (
     EventCount,
     Failover,
     IntegrityEvidence,
+    KeptPrefixRecord,
     Pipeline,
     RejectedEvent,
     Shard,
@@ -37,6 +38,7 @@ EVENT_COUNTS: Table = EventCount.__table__
 SHARD_TOKENS_DAILY: Table = ShardTokensDaily.__table__
 SHARD_REPUTATION: Table = ShardReputation.__table__
 INTEGRITY_EVIDENCE: Table = IntegrityEvidence.__table__
+KEPT_PREFIXES: Table = KeptPrefixRecord.__table__
 
 Row = dict[str, Any]
 
@@ -65,7 +67,7 @@ class TableSql:
 TABLE_SQL = {
     table.name: TableSql(table)
     for table in (SHARDS, SHARD_HEALTH, SHARD_STATS, PIPELINES, FAILOVERS, REJECTED_EVENTS, EVENT_COUNTS,
-                  SHARD_TOKENS_DAILY, SHARD_REPUTATION, INTEGRITY_EVIDENCE)
+                  SHARD_TOKENS_DAILY, SHARD_REPUTATION, INTEGRITY_EVIDENCE, KEPT_PREFIXES)
 }
 
 
@@ -76,6 +78,8 @@ class BatchRows:
         self._cursor = session_cursor(session)
         self._rows: dict[str, dict[Any, Row | None]] = {name: {} for name in TABLE_SQL}
         self._dirty: dict[str, dict[Any, Row]] = {name: {} for name in TABLE_SQL}
+        # The latest instant (epoch s) of the batch's kept-prefix records: rows expired by then are pruned after flush.
+        self.kept_prefixes_seen_at: int | None = None
 
     @property
     def cursor(self):

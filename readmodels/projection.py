@@ -61,6 +61,7 @@ from readmodels.batch_rows import (
     BatchRows,
     Row,
 )
+from readmodels.kept_prefixes import prune_expired_kept_prefixes, record_kept_prefix
 from readmodels.pipeline_hops import hops_after_failover
 from readmodels.pipeline_minutes import refresh_minutes
 from readmodels.positions import PROJECTION_NAME, load_positions, save_position
@@ -155,6 +156,7 @@ class ReadModelProjection:
                 last_event_at[message.stream] = epoch_s(message.time)
                 applied += 1
             refresh_minutes(rows.cursor, rows.flush())
+            prune_expired_kept_prefixes(rows)
         finally:
             rows.close()
         for stream, at in last_event_at.items():
@@ -327,6 +329,7 @@ class ReadModelProjection:
             finish_reason=event.finish_reason,
             finished_at=epoch_s(event.occurred_at),
         )
+        record_kept_prefix(event, rows)
 
     @handle.register
     def _pipeline_aborted(self, event: PipelineAborted, rows: BatchRows) -> None:

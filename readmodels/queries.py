@@ -1,7 +1,10 @@
-"""Read-only queries over the read models that services need (routing candidates, reputation, positions)."""
+"""Read-only queries over the read models that services need (routing candidates, kept prefixes, reputation,
+positions)."""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from sqlalchemy import func, select
@@ -9,7 +12,10 @@ from sqlalchemy.orm import Session
 
 from readmodels.projection import PROJECTION_NAME, load_positions
 from readmodels.reputation import QUARANTINED
-from readmodels.tables import Shard, ShardHealth, ShardReputation
+from readmodels.tables import KeptPrefixRecord, Shard, ShardHealth, ShardReputation
+
+# Block names looked up per statement: below the smallest limit SQLite builds put on bound parameters (999).
+kept_names_per_lookup = 500
 
 
 @dataclass(frozen=True)
@@ -82,6 +88,31 @@ def _shards(session: Session, condition) -> list[ShardCandidate]:
     if condition is not None:
         query = query.where(condition)
     return [ShardCandidate(**row._asdict()) for row in session.execute(query)]
+
+
+@dataclass(frozen=True)
+class RecordedKeptChain:
+    """A chain the event log says keeps a call's leading blocks: its hops (shard id, layers run) and how many."""
+
+    hops: tuple[tuple[str, int, int], ...]
+    blocks: int
+
+
+def kept_chain_holding(session: Session, names: Sequence[str], now_s: float) -> RecordedKeptChain | None:
+    """The recorded chain keeping the most leading blocks of `names` (a call's block names, first to last), among
+    records not expired at `now_s`; None when no record names one of them."""
+    for end in range(len(names), 0, -kept_names_per_lookup):
+        start = max(0, end - kept_names_per_lookup)
+        position = {name: index for index, name in enumerate(names[start:end], start=start)}
+        found = session.execute(
+            select(KeptPrefixRecord.name, KeptPrefixRecord.hops)
+            .where(KeptPrefixRecord.name.in_(list(position)), KeptPrefixRecord.expires_at >= now_s)
+        ).all()
+        if found:
+            longest = max(found, key=lambda row: position[row.name])
+            hops = tuple((shard_id, layer_lo, layer_hi) for shard_id, layer_lo, layer_hi in json.loads(longest.hops))
+            return RecordedKeptChain(hops=hops, blocks=position[longest.name] + 1)
+    return None
 
 
 def shard_reputations(session: Session) -> list[ShardReputation]:

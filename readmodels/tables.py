@@ -268,3 +268,23 @@ class IntegrityEvidence(Base):
     tolerance: Mapped[float] = mapped_column(Float, nullable=False)
     evidence_sha256: Mapped[str] = mapped_column(String, nullable=False)
     occurred_at: Mapped[int] = mapped_column(Integer, nullable=False, comment="epoch s")
+
+
+class KeptPrefixRecord(Base):
+    """A block name that a chain's hops were asked to keep (a mark of `pipeline.completed`'s kept prefix), with how
+    many blocks it closes: what routing looks a call's own block names up in, longest first. Only names are stored
+    (digests of scoped token blocks: they tell that two calls began alike, never what they said); rows past their
+    `expires_at` are useless (the hops dropped those blocks) and are pruned as later ones come in."""
+
+    __tablename__ = "kept_prefixes"
+
+    name: Mapped[str] = mapped_column(String, primary_key=True, comment="128-bit block name, hex")
+    pipeline_id: Mapped[str] = mapped_column(String, nullable=False)
+    hops: Mapped[str] = mapped_column(
+        Text, nullable=False, comment="JSON list of [shard_id, layer_lo, layer_hi] (inclusive), in chain order")
+    blocks: Mapped[int] = mapped_column(Integer, nullable=False, comment="blocks kept up to and with this one")
+    kept_at: Mapped[int] = mapped_column(Integer, nullable=False, comment="epoch s")
+    expires_at: Mapped[int] = mapped_column(
+        Integer, nullable=False, comment="epoch s, kept_at + the hops' idle time for kept blocks")
+
+    __table_args__ = (Index(None, "expires_at"),)

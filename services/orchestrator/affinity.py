@@ -1,5 +1,7 @@
-"""Prefix affinity in routing: a call whose leading blocks one of our chains kept goes to that chain's shards when the
-prefill it saves there outweighs what they cost beyond the cheapest chain, by predicted time of the whole call.
+"""Prefix affinity in routing: a call whose leading blocks a chain kept goes to that chain's shards when the prefill it
+saves there outweighs what they cost beyond the cheapest chain, by predicted time of the whole call. Which chain kept
+them comes from this orchestrator's own memory (services/orchestrator/prefix.py, KeptChains) and from the read model
+(readmodels/kept_prefixes.py: every orchestrator's calls, through `pipeline.completed`), the longer holding winning.
 
 A chain's predicted time per token is what routing minimises (services/orchestrator/predict.py); a prompt token is
 taken to cost `[prefix_cache] prefill_token_cost` of that (prefill runs many positions per step), so
@@ -55,3 +57,11 @@ def prefer_kept(planned: list[Hop], kept: KeptChain | None, usable: dict[str, Sh
     kept_ms = time_per_token_ms(candidate, usable, costs) * (prefill_token_cost * (prompt_positions - reused)
                                                               + max_tokens)
     return (candidate, kept.blocks) if kept_ms < planned_ms else (planned, 0)
+
+
+def longer_kept(ours: KeptChain | None, recorded: KeptChain | None) -> KeptChain | None:
+    """Of our own memory's kept chain and the read model's, the one holding more of the call's leading blocks (ours
+    on a tie: it does not lag behind the event log)."""
+    if recorded is None or (ours is not None and ours.blocks >= recorded.blocks):
+        return ours
+    return recorded

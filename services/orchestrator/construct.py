@@ -3,7 +3,9 @@ refuse it and waiting while the shards that could serve it are full.
 
 The router is asked once per construction: one read of the candidates, then every refusal while opening is
 routed around in memory on the same rows (ShardRouter.plan); a second read comes only after catching up with the
-event log, when the first rows could not cover the model.
+event log, when the first rows could not cover the model. With kept prefixes on, the same construction looks the
+call's block names up in our own memory of kept chains and in the read model (what every orchestrator's calls kept,
+services/orchestrator/affinity.py).
 """
 
 from __future__ import annotations
@@ -12,15 +14,24 @@ import asyncio
 import logging
 import time
 
+from events.models import KeptHop, KeptMark, KeptPrefix
 from events.streams import MiB
 
 from protocol.control import PrefixBlocks
-from services.orchestrator.affinity import prefer_kept
+from readmodels.queries import kept_chain_holding
+from services.orchestrator.affinity import longer_kept, prefer_kept
 from services.orchestrator.call import Call
 from services.orchestrator.capacity import ShardLoad
 from services.orchestrator.chain import HopChain
 from services.orchestrator.context import RunContext
-from services.orchestrator.prefix import CallPrefix, caller_scope, first_name, public_blocks_of
+from services.orchestrator.prefix import (
+    CallPrefix,
+    KeptChain,
+    caller_scope,
+    first_name,
+    kept_marks,
+    public_blocks_of,
+)
 from services.orchestrator.recovery import SHARD_UNAVAILABLE
 from services.orchestrator.router import Hop, RoutingError
 from services.transport.integrity import NormBounds
@@ -38,6 +49,10 @@ class ChainBuilder:
         self.record_budget_bytes = int(ctx.settings.verification.record_budget_mb * MiB) if record else None
         # Whole blocks of the prompt inside a public system prompt (services/orchestrator/prefix.py); set by build.
         self.public_blocks = 0
+        # Per scheme: the chain the read model says keeps most of the call's leading blocks; set by build.
+        self.recorded_kept: dict[str, KeptChain] = {}
+        # The blocks the call's last chain keeps once it ended well (keep_on_completion), for its close.
+        self.kept: PrefixBlocks | None = None
 
     async def build(self) -> HopChain:
         """An open chain over what the router plans, routing around refusals and waiting while the shards that
@@ -47,6 +62,7 @@ class ChainBuilder:
         router, model_id = self.ctx.router, call.model.model_id
         self.public_blocks = await self._public_blocks()
         candidates = await asyncio.to_thread(router.candidates, model_id)
+        self.recorded_kept = await self._recorded_kept(candidates)
         caught_up = False
         while True:
             try:
@@ -97,14 +113,20 @@ class ChainBuilder:
                           caller_scope(call.caller), self.public_blocks,
                           reuse_allowed=call.request.params.verify not in ("all", "vote"))
 
-    def kept_blocks(self, chain: HopChain) -> PrefixBlocks | None:
-        """The blocks of every position `chain` ran for the call (which ended well), remembered for routing."""
+    def keep_on_completion(self, chain: HopChain) -> KeptPrefix | None:
+        """The blocks of every position `chain` ran for the call (which ended well): remembered for routing, held
+        in `kept` for the chain's close, and described for the call's `pipeline.completed` (so every orchestrator's
+        read model knows where they are)."""
         naming = self.naming(chain.hops[0].quantization)
-        kept = naming.kept(self.call.known_ids[:self.call.next_position]) if naming is not None else None
-        if kept is not None:
-            self.ctx.kept_chains.remember(kept.hashes, [(h.shard_id, h.layer_lo_to_run, h.layer_hi_to_run)
-                                                        for h in chain.hops])
-        return kept
+        self.kept = naming.kept(self.call.known_ids[:self.call.next_position]) if naming is not None else None
+        if self.kept is None:
+            return None
+        hops = [(h.shard_id, h.layer_lo_to_run, h.layer_hi_to_run) for h in chain.hops]
+        self.ctx.kept_chains.remember(self.kept.hashes, hops)
+        marks = kept_marks(self.kept.hashes, len(self.call.prompt_ids) // self.kept.block_tokens)
+        return KeptPrefix(hops=[KeptHop(shard_id=shard_id, layer_lo=lo, layer_hi=hi) for shard_id, lo, hi in hops],
+                          marks=[KeptMark(blocks=blocks, name=name) for blocks, name in marks],
+                          idle_s=self.ctx.settings.shard.prefix_cache_idle_s)
 
     def over(self, hops: list[Hop]) -> HopChain:
         """A chain (not opened yet) over exactly `hops`."""
@@ -163,11 +185,40 @@ class ChainBuilder:
         now = router.now()
         usable = {c.shard_id: c for c in candidates if c.shard_id not in excluded and router.alive(c, now)
                   and c.weights_sha256 == self.call.model.weights_sha256 and (load is None or load.has_room(c))}
-        chosen, _ = prefer_kept(hops, self.ctx.kept_chains.holding(reusable.hashes), usable, load=load,
+        # Ours first (no lag behind the log), the read model's when it knows of more blocks (another orchestrator's
+        # calls, or ours before a restart).
+        kept = longer_kept(self.ctx.kept_chains.holding(reusable.hashes), self.recorded_kept.get(hops[0].quantization))
+        chosen, _ = prefer_kept(hops, kept, usable, load=load,
                                 block_tokens=reusable.block_tokens, prompt_positions=len(self.call.known_ids),
                                 max_tokens=self.call.request.max_tokens,
                                 prefill_token_cost=self.ctx.settings.prefix_cache.prefill_token_cost)
         return chosen
+
+    async def _recorded_kept(self, candidates) -> dict[str, KeptChain]:
+        """Per scheme the call may be served in, the chain the read model says keeps the most of its leading blocks
+        (asked only where our own memory does not hold them all)."""
+        sessions = self.ctx.projector.session_factory
+        names: dict[str, list[str]] = {}
+        for scheme in {c.quantization for c in candidates if c.weights_sha256 == self.call.model.weights_sha256}:
+            naming = self.naming(scheme)
+            reusable = naming.reusable(self.call.known_ids) if naming is not None else None
+            ours = self.ctx.kept_chains.holding(reusable.hashes) if reusable is not None else None
+            if reusable is not None and (ours is None or ours.blocks < len(reusable.hashes)):
+                names[scheme] = reusable.hashes
+        if sessions is None or not names:
+            return {}
+
+        def read() -> dict[str, KeptChain]:
+            found: dict[str, KeptChain] = {}
+            with sessions() as session:
+                for scheme, scheme_names in names.items():
+                    recorded = kept_chain_holding(session, scheme_names, now_s)
+                    if recorded is not None:
+                        found[scheme] = KeptChain(recorded.hops, recorded.blocks)
+            return found
+
+        now_s = self.ctx.router.now()
+        return await asyncio.to_thread(read)
 
     async def _public_blocks(self) -> int:
         """Whole blocks of the call's prompt inside a public system prompt it begins with."""

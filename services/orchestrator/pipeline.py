@@ -121,7 +121,7 @@ class PipelineRun:
         await self.verifier.detach()
         chain, self.chain = self.chain, None
         if isinstance(chain, HopChain):
-            kept = self.builder.kept_blocks(chain) if self.call.status is CallStatus.finished else None
+            kept = self.builder.kept if self.call.status is CallStatus.finished else None
             if kept is not None:
                 await keep_chain_inputs(self.ctx.kept_inputs, chain, kept)
             await chain.close(keep=kept)
@@ -377,10 +377,11 @@ class PipelineRun:
                           queue_wait_ms=call.queue_wait_ms()),
         ))
         await self._record_checks()
+        kept = self.builder.keep_on_completion(self.chain) if isinstance(self.chain, HopChain) else None
         await self._record(PipelineCompleted(
             node_id=self.ctx.node_id, pipeline_id=call.pipeline_id, prompt_tokens=len(call.prompt_ids),
             completion_tokens=call.completion_tokens, duration_ms=duration_ms,
-            tokens_per_second=tokens_per_second, finish_reason=finish_reason))
+            tokens_per_second=tokens_per_second, finish_reason=finish_reason, kept_prefix=kept))
         self._enter(CallStatus.finished)
 
     async def _abort(self, code: str, reason: str) -> None:

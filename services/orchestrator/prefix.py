@@ -1,5 +1,6 @@
 """Kept prefixes, the orchestrator's side: the chained names of a call's whole token blocks (what shards keep and
-find their KV by), whose blocks may be shared, and which of this orchestrator's chains kept which (for routing).
+find their KV by), whose blocks may be shared, which of this orchestrator's chains kept which (for routing) and
+which names a completed call records for every orchestrator's read model.
 
 A block's name is a 128-bit BLAKE2b digest over the name of the block before it (the first over the model id, its
 weights' digest, the scheme, the wire dtype and the block size), the block's scope and its token ids, so one name
@@ -93,6 +94,18 @@ def public_blocks_of(prompt_ids: Sequence[int], public_prompt_ids: Sequence[Sequ
             common += 1
         longest = max(longest, common)
     return longest // block_tokens
+
+
+def kept_marks(names: Sequence[str], prompt_blocks: int) -> list[tuple[int, str]]:
+    """Which of a call's kept block names its `pipeline.completed` records, as (blocks closed, name): the last, the
+    last two wholly inside the prompt (a next turn resends the prompt as it was, while the answer may tokenize
+    differently where it meets what follows) and the 1st, 2nd, 4th, ... (an edited history still finds some)."""
+    counts = {len(names), prompt_blocks, prompt_blocks - 1}
+    power = 1
+    while power < len(names):
+        counts.add(power)
+        power *= 2
+    return [(blocks, names[blocks - 1]) for blocks in sorted(counts) if 1 <= blocks <= len(names)]
 
 
 @dataclass(frozen=True)

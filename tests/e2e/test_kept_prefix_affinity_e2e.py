@@ -1,0 +1,100 @@
+"""Prefix affinity across orchestrators over real processes: a conversation's first turn runs through one orchestrator,
+its next turn through another that never saw it, which finds in its read model (from the first's
+`pipeline.completed`) the host keeping the history's blocks and routes there although cost alone picks a replica;
+the turn begins from kept blocks and its greedy tokens stay generate()'s."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import time
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from protocol.chat import ChatRequest
+from services.broker.connection import connect_nats
+from services.devtools.local_cluster import LocalCluster
+from tests.e2e.conftest import TINY_LAYERS, TINY_MODEL_NAME, chat_once
+from tests.e2e.failover_support import pipeline_events
+from tests.e2e.test_prefix_cache_e2e import BLOCK, FIRST_TURN, NEW_TOKENS, greedy_reference
+
+pytestmark = pytest.mark.e2e
+
+ORCHESTRATOR_ENV = {"HEARTH_PREFIX_CACHE__ENABLED": "true", "HEARTH_PREFIX_CACHE__BLOCK_TOKENS": str(BLOCK)}
+# How long the second orchestrator's read model may take to replay the log up to the first turn's completion.
+READ_MODEL_WAIT_S = 60.0
+
+
+def start_orchestrator_named(cluster: LocalCluster, models_dir: Path, node_id: str, db: Path):
+    cluster.extra_env.update(ORCHESTRATOR_ENV)
+    try:
+        return cluster.start_orchestrator(node_id=node_id, wait_ready=True, extra_args=[
+            "--models-dir", str(models_dir), "--preload", TINY_MODEL_NAME, "--db", str(db)])
+    finally:
+        for key in ORCHESTRATOR_ENV:
+            cluster.extra_env.pop(key)
+
+
+async def constructed_event(cluster: LocalCluster, pipeline_id: str):
+    nc = await connect_nats(cluster.nats_url, name="e2e-events", settings=cluster.nats_settings())
+    try:
+        events = await pipeline_events(nc, pipeline_id)
+    finally:
+        await asyncio.wait_for(nc.close(), timeout=5)
+    return next(item.event for item in events if item.event.type == "pipeline.constructed")
+
+
+async def ask(cluster: LocalCluster, models_dir: Path, prompt: str):
+    """The call's text, its `pipeline.constructed`, checking its greedy tokens against generate()'s."""
+    result = await chat_once(cluster, ChatRequest(model=TINY_MODEL_NAME, prompt=prompt, max_tokens=NEW_TOKENS))
+    assert result.ok, result.final
+    tokenizer = AutoTokenizer.from_pretrained(models_dir / TINY_MODEL_NAME)
+    expected = await asyncio.to_thread(greedy_reference, models_dir / TINY_MODEL_NAME,
+                                       tokenizer(prompt)["input_ids"], NEW_TOKENS)
+    assert result.token_ids == expected
+    return result.text, await constructed_event(cluster, result.frames_of("pipeline")[0].pipeline_id)
+
+
+async def wait_for_kept_record(db: Path) -> None:
+    """Until the orchestrator's read model (a file it writes) holds a kept-prefix record."""
+    deadline = time.monotonic() + READ_MODEL_WAIT_S
+    while time.monotonic() < deadline:
+        def count() -> int:
+            with sqlite3.connect(db, timeout=5) as connection:
+                try:
+                    return connection.execute("SELECT COUNT(*) FROM kept_prefixes").fetchone()[0]
+                except sqlite3.OperationalError:  # not migrated yet
+                    return 0
+        if await asyncio.to_thread(count):
+            return
+        await asyncio.sleep(0.2)
+    pytest.fail(f"no kept-prefix record reached {db} within {READ_MODEL_WAIT_S} s")
+
+
+async def test_a_conversation_s_next_turn_through_another_orchestrator_goes_where_its_history_is_kept(
+        cluster, tiny_models_dir, tmp_path):
+    model = str(tiny_models_dir / TINY_MODEL_NAME)
+    # The host that will keep the history asks to be used last (hop weight 1.5): by cost alone, a replica wins.
+    cluster.start_shard(model, 0, TINY_LAYERS - 1, node_id="keeper", extra_args=["--hop-weight", "1.5"])
+    first = start_orchestrator_named(cluster, tiny_models_dir, "orchestrator-a", tmp_path / "a.sqlite")
+    answer, turn_one = await ask(cluster, tiny_models_dir, FIRST_TURN)
+    assert turn_one.node_id == "orchestrator-a" and turn_one.cached_prompt_tokens == 0
+    keeper_id = turn_one.hops[0]
+    assert keeper_id.endswith("@keeper")
+
+    cluster.start_shard(model, 0, TINY_LAYERS - 1, node_id="replica")
+    second_db = tmp_path / "b.sqlite"
+    start_orchestrator_named(cluster, tiny_models_dir, "orchestrator-b", second_db)
+    first.stop()  # the next turn can only reach the orchestrator that never served this conversation
+    await wait_for_kept_record(second_db)
+
+    second_turn = FIRST_TURN + answer + " and then the next house answers with what it knows"
+    _, turn_two = await ask(cluster, tiny_models_dir, second_turn)
+    assert turn_two.node_id == "orchestrator-b"
+    assert turn_two.hops == [keeper_id]
+    assert turn_two.cached_prompt_tokens > 0 and turn_two.cached_prompt_tokens % BLOCK == 0
+    # Cost alone: a call that begins like nothing kept goes to the replica.
+    _, unrelated = await ask(cluster, tiny_models_dir, "a different conversation about gardens and their seasons")
+    assert unrelated.hops == [keeper_id.replace("@keeper", "@replica")] and unrelated.cached_prompt_tokens == 0

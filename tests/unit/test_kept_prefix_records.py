@@ -1,0 +1,191 @@
+"""Kept prefixes in the event log and the read model: a completed call's kept blocks become a kept_prefixes row (named
+by the last block, pruned once expired), the query finds the chain holding the most leading names of a call, and a
+second orchestrator that remembers nothing routes a conversation's next turn to the chain the read model names."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from sqlalchemy.orm import Session, sessionmaker
+
+from events.models import KeptHop, KeptMark, KeptPrefix, PipelineCompleted, encode_event, max_kept_marks
+from events.streams import event_max_msg_bytes
+from protocol.bounds import max_shard_id_chars
+from readmodels.queries import kept_chain_holding
+from readmodels.tables import KeptPrefixRecord
+from services.common.config import HearthSettings
+from services.common.config_processes import PrefixCacheSettings
+from services.orchestrator.construct import ChainBuilder
+from services.orchestrator.prefix import KeptChains, block_names, first_name, kept_marks
+from services.orchestrator.router import Hop, ShardRouter
+from tests.readmodel_helpers import (
+    MODEL_ID,
+    WEIGHTS_SHA,
+    LogBuilder,
+    advertised,
+    apply_all,
+    at,
+    dump_rows,
+    heartbeat,
+    migrated_engine,
+)
+
+NAMES = block_names(list(range(40)), 4, first_name("m", "w", "none", "auto", 4), "unsigned")  # ten names
+CHAIN_A = [KeptHop(shard_id="m:0-3@a", layer_lo=0, layer_hi=3), KeptHop(shard_id="m:4-7@b", layer_lo=4, layer_hi=7)]
+
+
+@pytest.fixture
+def engine(tmp_path):
+    engine = migrated_engine(tmp_path / "rm.db")
+    yield engine
+    engine.dispose()
+
+
+def completed(pipeline_id: str, kept: KeptPrefix | None, *, t: float = 5.0) -> PipelineCompleted:
+    return PipelineCompleted(pipeline_id=pipeline_id, prompt_tokens=30, completion_tokens=6, duration_ms=40.0,
+                             tokens_per_second=50.0, finish_reason="length", node_id="hub", occurred_at=at(t),
+                             kept_prefix=kept)
+
+
+def kept(names: list[str], hops=CHAIN_A, idle_s: float = 600.0) -> KeptPrefix:
+    """What a call that kept `names` records when only its last block is marked."""
+    return KeptPrefix(hops=hops, marks=[KeptMark(blocks=len(names), name=names[-1])], idle_s=idle_s)
+
+
+def holding(engine, names, now_s):
+    with Session(engine) as session:
+        return kept_chain_holding(session, names, now_s)
+
+
+def test_a_completed_call_s_marked_blocks_become_rows_named_by_them(engine):
+    log = LogBuilder()
+    marked = KeptPrefix(hops=CHAIN_A, marks=[KeptMark(blocks=2, name=NAMES[1]), KeptMark(blocks=6, name=NAMES[5])],
+                        idle_s=600)
+    apply_all(engine, [log.stored(completed("p1", marked, t=5.5)), log.stored(completed("p2", None))])
+    hops, kept_at = '[["m:0-3@a", 0, 3], ["m:4-7@b", 4, 7]]', int(at(5.5).timestamp())
+    assert sorted(dump_rows(engine)["kept_prefixes"], key=lambda row: row[3]) == [
+        (NAMES[1], "p1", hops, 2, kept_at, kept_at + 600), (NAMES[5], "p1", hops, 6, kept_at, kept_at + 600)]
+
+
+def test_a_call_marks_its_last_block_the_last_two_of_its_prompt_and_powers_of_two():
+    names = [f"{index:032x}" for index in range(1, 41)]
+    assert [blocks for blocks, _ in kept_marks(names, prompt_blocks=37)] == [1, 2, 4, 8, 16, 32, 36, 37, 40]
+    assert kept_marks(names, prompt_blocks=37)[-1] == (40, names[39])
+    assert kept_marks(names[:1], prompt_blocks=1) == [(1, names[0])]
+    # The most blocks a call may name still fit an event.
+    assert len(kept_marks([f"{i:032x}" for i in range(8192)], prompt_blocks=8000)) <= max_kept_marks
+
+
+def test_the_chain_holding_the_most_leading_names_is_found(engine):
+    log = LogBuilder()
+    chain_b = [KeptHop(shard_id="m:0-7@c", layer_lo=0, layer_hi=7)]
+    apply_all(engine, [log.stored(completed("p1", kept(NAMES[:2]))),
+                       log.stored(completed("p2", kept(NAMES[:8], hops=chain_b)))])
+    now_s = at(10).timestamp()
+    assert holding(engine, NAMES, now_s).hops == (("m:0-7@c", 0, 7),)
+    assert holding(engine, NAMES, now_s).blocks == 8
+    # A call sharing only the first three blocks: the chain that kept two of them (the other's last name is not its).
+    found = holding(engine, NAMES[:3], now_s)
+    assert (found.hops, found.blocks) == ((("m:0-3@a", 0, 3), ("m:4-7@b", 4, 7)), 2)
+    edited = block_names([1, *range(1, 40)], 4, first_name("m", "w", "none", "auto", 4), "unsigned")
+    assert holding(engine, edited, now_s) is None
+    assert holding(engine, NAMES, at(5).timestamp() + 601) is None  # the hops dropped them by then
+
+
+def test_a_long_call_s_names_are_looked_up_in_parts_longest_first(engine):
+    names = block_names(list(range(1200)), 1, first_name("m", "w", "none", "auto", 1), "unsigned")
+    log = LogBuilder()
+    apply_all(engine, [log.stored(completed("p1", kept(names[:101]))),
+                       log.stored(completed("p2", kept(names[:701], hops=CHAIN_A[:1])))])
+    assert holding(engine, names, at(6).timestamp()).blocks == 701
+    assert holding(engine, names[:650], at(6).timestamp()).blocks == 101
+
+
+def test_records_expired_before_a_later_one_are_pruned_whatever_the_batching(tmp_path):
+    log = LogBuilder()
+    messages = [log.stored(completed("p1", kept(NAMES[:3], idle_s=60), t=0)),
+                log.stored(completed("p2", kept(NAMES[:5], idle_s=60), t=30)),
+                log.stored(completed("p3", kept(NAMES[:9], idle_s=60), t=100))]
+    together, apart = migrated_engine(tmp_path / "one.db"), migrated_engine(tmp_path / "three.db")
+    apply_all(together, messages)
+    for message in messages:
+        apply_all(apart, [message])
+    assert dump_rows(together) == dump_rows(apart)
+    assert [row[0] for row in dump_rows(apart)["kept_prefixes"]] == [NAMES[8]]
+    together.dispose()
+    apart.dispose()
+
+
+def test_the_same_blocks_kept_again_name_the_later_chain(engine):
+    log = LogBuilder()
+    chain_b = [KeptHop(shard_id="m:0-7@c", layer_lo=0, layer_hi=7)]
+    apply_all(engine, [log.stored(completed("p1", kept(NAMES[:4]), t=1)),
+                       log.stored(completed("p2", kept(NAMES[:4], hops=chain_b), t=2))])
+    with Session(engine) as session:
+        assert session.get(KeptPrefixRecord, NAMES[3]).pipeline_id == "p2"
+
+
+def test_the_largest_completed_event_with_a_kept_prefix_fits_the_streams():
+    worst = "\x00" * max_shard_id_chars
+    event = completed("p" * 128, KeptPrefix(hops=[KeptHop(shard_id=worst, layer_lo=2**62, layer_hi=2**62)] * 64,
+                                            marks=[KeptMark(blocks=2**62, name="f" * 32)] * max_kept_marks,
+                                            idle_s=1e308))
+    assert len(encode_event(event)) < event_max_msg_bytes - 4096
+    with pytest.raises(ValueError):
+        KeptMark(blocks=1, name="not a block name")
+
+
+# ------------------------------------------------------------------ routing across orchestrators
+
+PROMPT = list(range(100, 141))  # 41 tokens: ten whole blocks of 4 before the last
+
+
+def orchestrator_context(engine, settings: HearthSettings) -> SimpleNamespace:
+    """What ChainBuilder reads of an orchestrator that has just started: a read model, no memory of kept chains."""
+    sessions = sessionmaker(engine)
+    router = ShardRouter(sessions, health_timeout_s=60, allow_self_as_shard=True, self_node_id="orch",
+                         clock=lambda: at(20).timestamp())
+    return SimpleNamespace(settings=settings, router=router, projector=SimpleNamespace(session_factory=sessions),
+                           kept_chains=KeptChains(), quarantined=set(),
+                           recent_failures=SimpleNamespace(current=lambda: set()))
+
+
+def call_of(prompt: list[int], generated: list[int] = ()) -> SimpleNamespace:
+    """A call of `prompt` that has fed `generated` back (all of them: the positions its hops ran)."""
+    known = [*prompt, *generated]
+    return SimpleNamespace(model=SimpleNamespace(model_id=MODEL_ID, weights_sha256=WEIGHTS_SHA), caller=None,
+                           request=SimpleNamespace(params=SimpleNamespace(verify="sampled"), max_tokens=4),
+                           known_ids=known, next_position=len(known), prompt_ids=list(prompt),
+                           quantization=None, excluded=set())
+
+
+async def planned(engine, settings, prompt) -> list[str]:
+    builder = ChainBuilder(call_of(prompt), orchestrator_context(engine, settings))
+    candidates = builder.ctx.router.candidates(MODEL_ID)
+    builder.recorded_kept = await builder._recorded_kept(candidates)
+    return [hop.shard_id for hop in builder._plan(candidates, load=None)]
+
+
+async def test_a_fresh_orchestrator_routes_to_the_chain_another_one_s_call_kept(engine):
+    settings = HearthSettings(prefix_cache=PrefixCacheSettings(enabled=True, block_tokens=4))
+    log = LogBuilder()
+    # Two replicas of the whole model; the host of `far` asks to be used last, so cost alone picks `near`.
+    far, near = advertised(0, 7, "far", hop_weight=1.5), advertised(0, 7, "near")
+    apply_all(engine, [log.stored(far), log.stored(near), log.stored(heartbeat(far.shard_id, decode_step_ms=5.0)),
+                       log.stored(heartbeat(near.shard_id, decode_step_ms=5.0))])
+    assert await planned(engine, settings, PROMPT) == [near.shard_id]
+    # The first orchestrator's call (30 prompt tokens, 3 fed back) ran on `far` and ended well: its completion names
+    # what `far` keeps. The next turn's history renders the answer as other tokens: its blocks agree up to the last
+    # whole block of that prompt.
+    first = ChainBuilder(call_of(PROMPT[:30], [999, 998, 997]),
+                         SimpleNamespace(settings=settings, kept_chains=KeptChains()))
+    record = first.keep_on_completion(SimpleNamespace(hops=[Hop(shard_id=far.shard_id, control_subject="c",
+                                                                node_id="far", layer_lo_to_run=0,
+                                                                layer_hi_to_run=7)]))
+    assert record.marks[-1].blocks == 8 and record.hops == [KeptHop(shard_id=far.shard_id, layer_lo=0, layer_hi=7)]
+    apply_all(engine, [log.stored(completed("p1", record, t=10))])
+    # The next turn (the same tokens and more) through an orchestrator that remembers nothing: to `far`.
+    assert await planned(engine, settings, PROMPT) == [far.shard_id]
+    # A call that shares no block with it still goes by cost.
+    assert await planned(engine, settings, [7, *PROMPT[1:]]) == [near.shard_id]
