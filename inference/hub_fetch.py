@@ -60,6 +60,11 @@ DEFAULT_REVISION = "main"
 HUB_OFFLINE_ENV = "HF_HUB_OFFLINE"
 
 
+def hub_downloads_disabled() -> bool:
+    """Whether HF_HUB_OFFLINE forbids fetching from the hub (then only what is cached is used)."""
+    return os.environ.get(HUB_OFFLINE_ENV, "0").lower() in ("1", "true", "yes")
+
+
 def hub_partial_root(repo_id: str, cache_dir: str | Path | None = None) -> Path:
     """Where partial copies of `repo_id` live: <cache_dir or hearth's cache>/hearth-partial/<org>--<name>."""
     base = Path(cache_dir).expanduser() if cache_dir is not None else hearth_cache_dir()
@@ -67,14 +72,16 @@ def hub_partial_root(repo_id: str, cache_dir: str | Path | None = None) -> Path:
 
 
 def fetch_hub_selection(model: str, needed: NeededTensors, *, revision: str | None = None,
-                        cache_dir: str | Path | None = None, local_files_only: bool = False) -> Path:
+                        cache_dir: str | Path | None = None, local_files_only: bool | None = False) -> Path:
     """A loadable folder (or GGUF file) holding what `needed` asks for of hub model `model` ("owner/name" or
     "owner/name:FILE.gguf") at `revision`.
 
     A complete snapshot in the hub cache, or a folder assembled earlier for the same revision and selection, is
     used without any network; otherwise,
-    unless `local_files_only`, the listing, the index and the needed files are downloaded. CheckpointError
-    (one line) when the repository, a file or a checksum is wrong or unreachable."""
+    unless `local_files_only` (None: as HF_HUB_OFFLINE says), the listing, the index and the needed files are
+    downloaded. CheckpointError (one line) when the repository, a file or a checksum is wrong or unreachable."""
+    if local_files_only is None:
+        local_files_only = hub_downloads_disabled()
     needed = check_needed(needed)
     repo_id, gguf_file = split_hub_model(model)
     if gguf_file is None and (whole := complete_hub_snapshot(repo_id, revision, cache_dir)) is not None:
@@ -130,7 +137,7 @@ def hub_layout(model: str, *, revision: str | None = None, cache_dir: str | Path
     CheckpointError (one line) when it is unreachable, downloads are disabled (`local_files_only`, None: as
     HF_HUB_OFFLINE says), or it is not a safetensors model."""
     if local_files_only is None:
-        local_files_only = os.environ.get(HUB_OFFLINE_ENV, "0").lower() in ("1", "true", "yes")
+        local_files_only = hub_downloads_disabled()
     repo_id, gguf_file = split_hub_model(model)
     if local_files_only:
         raise CheckpointError(f"model {model!r} is not in the local hub cache (and downloads are disabled)")

@@ -21,7 +21,7 @@ from services.broker.tls import client_ssl_context
 NO_RESPONDERS_STATUS = "503"
 
 __all__ = ["DEFAULT_NATS_URL", "NATS_URL_ENV", "BrokerRefusedCredentials", "BrokerUnreachable", "close_quietly",
-           "connect_nats", "default_nats_url", "drain_or_close", "flush_ordered"]
+           "connect_nats", "default_nats_url", "drain_or_close", "flush_ordered", "keepalive_options"]
 _nats_defaults = NatsSettings()
 
 log = logging.getLogger(__name__)
@@ -66,6 +66,12 @@ def credential_options(settings: NatsSettings, identity: Identity | None = None)
         return options
     # Our own inbox prefix: the broker lets a member subscribe to `_INBOX.<name>.>` and nothing wider.
     return {**options, "nkeys_seed_str": identity.key.seed.decode(), "inbox_prefix": identity.inbox_prefix}
+
+
+def keepalive_options(settings: NatsSettings) -> dict:
+    """nats-py connect() options that make a client notice a dead link to its node ([nats] ping_interval_s,
+    max_outstanding_pings) and reconnect, to another node of a cluster where there is one."""
+    return {"ping_interval": settings.ping_interval_s, "max_outstanding_pings": settings.max_outstanding_pings}
 
 
 def server_urls(url: str) -> list[str]:
@@ -153,6 +159,7 @@ async def connect_nats(
         name=name,
         connect_timeout=settings.connect_timeout_s,
         reconnect_time_wait=settings.reconnect_wait_s,
+        **keepalive_options(settings),
         max_reconnect_attempts=-1,
         allow_reconnect=True,
         pending_size=pending_buffer_bytes,

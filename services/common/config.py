@@ -190,6 +190,18 @@ class NatsSettings(ConfigSection):
         description="how long the steward's tooling (`hearth nats --community`, `hearth community streams`) keeps "
                     "trying to create the event streams on a broker whose JetStream is not ready yet")
     reconnect_wait_s: float = Field(default=0.5, gt=0, description="pause between reconnect attempts")
+    # A link to a node that was partitioned away stays open while nothing arrives over it: only unanswered pings
+    # reveal it, (max_outstanding_pings + 1) intervals after the last answer at most. 5 s and 2 notice it within
+    # 10-15 s (nats-py's own 120 s and 2: minutes), yet a pong delayed by up to 10 s (a loaded machine) is no reason
+    # to reconnect; a blocked event loop delays the pinging too, so it counts one missed ping at most.
+    ping_interval_s: float = Field(
+        default=5.0, gt=0,
+        description="how often a client pings its NATS node; a link that answers none of max_outstanding_pings "
+                    "pings in a row is dead and the client reconnects (to another node of a cluster)")
+    max_outstanding_pings: int = Field(
+        default=2, ge=1,
+        description="unanswered pings a client tolerates before it takes its NATS link for dead (noticed within "
+                    "ping_interval_s x (this + 1))")
     refused_grace_s: float = Field(
         default=1.0, ge=0,
         description="a first connect the broker refuses (authorization violation) is tried again for this long "

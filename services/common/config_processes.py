@@ -164,8 +164,9 @@ class ShardSettings(ConfigSection):
         default=600, ge=0,
         description="when a call ends well, its hops keep their KV for the whole blocks of its tokens (within "
                     "kv_cache_budget_mb, giving way first to live sessions) so that a call beginning the same way "
-                    "prefills only the rest; kept blocks unused for this long are dropped (0: keep none). Dynamic "
-                    "caches only (not a GPU's static ones)")
+                    "prefills only the rest; kept blocks unused for this long are dropped (0: keep none). A GPU's "
+                    "static caches too: a kept prefix holds only its positions, and a new session's whole static "
+                    "cache is made room for first")
     cuda_graph_max_tokens: int = Field(
         default=4096, ge=0,
         description="on a GPU, sessions get static KV caches of this many positions and decode steps replay CUDA "

@@ -5,8 +5,9 @@ may be a folder path, `store:NAME` (fetched from the community's store: the head
 the local fallback) or a hub id (`org/name`, `org/name:FILE.gguf`; when not in the local hub cache, fetched as
 shard hosts fetch their ranges: the head only, a GGUF's by byte ranges, or the whole model for the local
 fallback). A name in a request is only ever looked up in the catalog: a configured name (NAME for a configured
-`store:NAME`), the id of a loaded model, a folder name inside a models folder (`--models-dir`, `models/`), or a hub
-id (`org/name`) already in the local hub cache. A request's name is never opened as a path,
+`store:NAME`), the id of a loaded model, a folder name inside a models folder (`--models-dir`, `models/`), a hub
+id (`org/name`) already in the local hub cache, or a hub id (`org/name`, `org/name:FILE.gguf`) that live shards
+advertise (its head fetched then, as for the operator's). A request's name is never opened as a path,
 and what a request is told about a name it may not use carries no path of this machine.
 """
 
@@ -106,6 +107,8 @@ class ModelCatalog:
         # Hub ids the operator named that were not in the local cache: what was fetched of each (head, or None:
         # the whole model) and where.
         self._hub_folders: dict[str, dict[NeededTensors, Path]] = {}
+        # Whether live shards advertise a model id (use_advertised); a read of the routing read model.
+        self._is_advertised: Callable[[str], bool] | None = None
 
     def use_compute(self, device, dtype, quantization: QuantizationScheme | str = "none") -> None:
         """Load heads and the local model onto `device` (a torch.device) in `dtype` (inference.devices), their
@@ -116,6 +119,11 @@ class ModelCatalog:
         """Fetch `store:NAME` models from the community's store through `jetstream` (the orchestrator's own
         connection's JetStream context)."""
         self._store_fetch = lambda name, needed: fetch_stored_model(jetstream, name, needed)
+
+    def use_advertised(self, is_advertised: Callable[[str], bool]) -> None:
+        """Let a request name a hub id that `is_advertised` (blocking: run on a worker thread) says live shards
+        serve, though the operator did not configure it: its head is fetched from the hub on first use."""
+        self._is_advertised = is_advertised
 
     async def folder(self, model: str, needed: NeededTensors) -> Path:
         """resolve() on a worker thread; a `store:NAME` model is fetched from the community's store instead (only
@@ -253,6 +261,8 @@ class ModelCatalog:
             if loaded.model_id == name:
                 return loaded
         path = await asyncio.to_thread(self.catalog_path, name)
+        if path is None and (HUB_ID_PATTERN.match(name) or is_hub_gguf_id(name)):
+            return await self._get_advertised_hub_model(name)
         if path is None:
             raise UnknownModel(f"unknown model {name!r}: not one this orchestrator serves (ask llm.models; a model "
                                f"is named by its id, never by a path)")
@@ -265,6 +275,27 @@ class ModelCatalog:
                 except Exception as error:
                     log.warning("model %s could not be loaded from %s: %s", name, path, error)
                     raise UnknownModel(f"model {name!r} cannot be loaded on this orchestrator") from None
+            return self._loaded[name]
+
+    async def _get_advertised_hub_model(self, name: str) -> LoadedModel:
+        """A hub id a request names that the operator did not configure: loaded (its head only, from the hub
+        cache or by the hub fetch shard hosts use) when live shards advertise it, else UnknownModel."""
+        if self._is_advertised is None or not await asyncio.to_thread(self._is_advertised, name):
+            raise UnknownModel(f"model {name!r} is not served: no live shard advertises it (ask llm.models)")
+        lock = self._locks.setdefault(name, asyncio.Lock())
+        async with lock:
+            if name not in self._loaded:
+                from inference.hub_fetch import fetch_hub_selection
+
+                try:
+                    # Straight to the hub fetch: a request's name is never tried as a path first.
+                    folder = await asyncio.to_thread(fetch_hub_selection, name, "head", local_files_only=None)
+                    await self._load(name, folder, name)
+                except Exception as error:
+                    log.warning("model %s could not be loaded from the hub: %s", name, error)
+                    raise UnknownModel(f"model {name!r} is served by shards but this orchestrator cannot fetch "
+                                       f"its head from the hub ({type(error).__name__})") from None
+                self._hub_folders.setdefault(name, {})["head"] = folder
             return self._loaded[name]
 
     def _configured_as(self, name: str) -> str | None:

@@ -53,6 +53,12 @@ def served_model(model_id: str, shards: list[ShardCandidate]) -> ServedModel:
                        complete=_covered_count(ranges) == total_layers, quantizations=complete)
 
 
+def is_advertised(router: ShardRouter, model_id: str) -> bool:
+    """Whether a live shard advertises `model_id` (one read of the routing read model: blocking)."""
+    now = router.now()
+    return any(router.alive(shard, now) for shard in router.candidates(model_id))
+
+
 async def describe_models(router: ShardRouter, catalog: ModelCatalog) -> ModelsReply:
     """What `llm.models` answers now."""
     rows = await asyncio.to_thread(router.all_candidates)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import tempfile
 from pathlib import Path
@@ -48,7 +49,7 @@ from services.orchestrator.choices import ChoiceClient, ChoiceGroup, choice_requ
 from services.orchestrator.kept_inputs import KeptInputs
 from services.orchestrator.context import RunContext
 from services.orchestrator.guards import RangeGuards
-from services.orchestrator.discovery import describe_models
+from services.orchestrator.discovery import describe_models, is_advertised
 from services.orchestrator.head_batcher import HeadSteps
 from services.orchestrator.health import RecentFailures
 from services.orchestrator.metrics import calls_in_flight, count_request, observe_event
@@ -120,6 +121,7 @@ class Orchestrator:
             allow_self_as_shard=distributed.allow_self_as_shard, self_node_id=self.node_id,
             max_hops=distributed.max_shards_per_request,
         )
+        self.catalog.use_advertised(functools.partial(is_advertised, router))
         self.context = RunContext(
             nc=self.nc, node_id=self.node_id, settings=self.settings, router=router, projector=self.projector,
             catalog=self.catalog, outbox=self.outbox,

@@ -89,13 +89,14 @@ async def _connect(url: str):
     import nats
 
     from services.common.config import load_settings
-    from services.broker.connection import credential_options, server_urls
+    from services.broker.connection import credential_options, keepalive_options, server_urls
 
     log = logging.getLogger("hearth.replay")
 
     async def on_error(error: Exception) -> None:
         log.debug("NATS: %s", error)
 
+    nats_settings = load_settings(None).nats
     # Two quick attempts and no reconnect loop: a reader should fail fast and say so when the broker is away.
     return await nats.connect(
         servers=server_urls(url),
@@ -106,7 +107,8 @@ async def _connect(url: str):
         reconnect_time_wait=0.2,
         error_cb=on_error,
         # The member key from $HEARTH_NATS__CREDS_FILE (an auditor's, on a community mesh).
-        **credential_options(load_settings(None).nats),
+        **credential_options(nats_settings),
+        **keepalive_options(nats_settings),
     )
 
 

@@ -5,9 +5,9 @@ event is lost or applied twice (contiguous sequences, unique event ids, the proj
 rebuild, `hearth-replay verify` exits 0), and healed, the node rejoins with its copies of both streams caught up.
 
 Nodes: nats-0 in the hub (with the orchestrator and the projector), nats-1 and nats-2 in households 0 and 1 of their
-own; shard hosts p0-p2 in households 2-4. Every process dials nats-0 and nats-1 only: nats-py notices a dead
-connection by its pings (every 2 minutes by default), so a client on the cut node would wait minutes before moving,
-which is a client setting, not what this test is about. Needs root and network namespaces; skips elsewhere."""
+own; shard hosts p0-p2 in households 2-4. Every process dials nats-0 and nats-1 only: a client on the cut node
+notices only by its pings (`[nats] ping_interval_s`, 10-15 s; tests/integration/test_nats_keepalive.py), which is
+not what this test is about. Needs root and network namespaces; skips elsewhere."""
 
 from __future__ import annotations
 
