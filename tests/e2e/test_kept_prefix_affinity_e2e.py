@@ -11,14 +11,10 @@ import time
 from pathlib import Path
 
 import pytest
-from transformers import AutoTokenizer
 
-from protocol.chat import ChatRequest
-from services.broker.connection import connect_nats
 from services.devtools.local_cluster import LocalCluster
-from tests.e2e.conftest import TINY_LAYERS, TINY_MODEL_NAME, chat_once
-from tests.e2e.failover_support import pipeline_events
-from tests.e2e.test_prefix_cache_e2e import BLOCK, FIRST_TURN, NEW_TOKENS, greedy_reference
+from tests.e2e.conftest import TINY_LAYERS, TINY_MODEL_NAME
+from tests.e2e.test_prefix_cache_e2e import BLOCK, FIRST_TURN, ask_constructed
 
 pytestmark = pytest.mark.e2e
 
@@ -35,26 +31,6 @@ def start_orchestrator_named(cluster: LocalCluster, models_dir: Path, node_id: s
     finally:
         for key in ORCHESTRATOR_ENV:
             cluster.extra_env.pop(key)
-
-
-async def constructed_event(cluster: LocalCluster, pipeline_id: str):
-    nc = await connect_nats(cluster.nats_url, name="e2e-events", settings=cluster.nats_settings())
-    try:
-        events = await pipeline_events(nc, pipeline_id)
-    finally:
-        await asyncio.wait_for(nc.close(), timeout=5)
-    return next(item.event for item in events if item.event.type == "pipeline.constructed")
-
-
-async def ask(cluster: LocalCluster, models_dir: Path, prompt: str):
-    """The call's text, its `pipeline.constructed`, checking its greedy tokens against generate()'s."""
-    result = await chat_once(cluster, ChatRequest(model=TINY_MODEL_NAME, prompt=prompt, max_tokens=NEW_TOKENS))
-    assert result.ok, result.final
-    tokenizer = AutoTokenizer.from_pretrained(models_dir / TINY_MODEL_NAME)
-    expected = await asyncio.to_thread(greedy_reference, models_dir / TINY_MODEL_NAME,
-                                       tokenizer(prompt)["input_ids"], NEW_TOKENS)
-    assert result.token_ids == expected
-    return result.text, await constructed_event(cluster, result.frames_of("pipeline")[0].pipeline_id)
 
 
 async def wait_for_kept_record(db: Path) -> None:
@@ -79,7 +55,7 @@ async def test_a_conversation_s_next_turn_through_another_orchestrator_goes_wher
     # The host that will keep the history asks to be used last (hop weight 1.5): by cost alone, a replica wins.
     cluster.start_shard(model, 0, TINY_LAYERS - 1, node_id="keeper", extra_args=["--hop-weight", "1.5"])
     first = start_orchestrator_named(cluster, tiny_models_dir, "orchestrator-a", tmp_path / "a.sqlite")
-    answer, turn_one = await ask(cluster, tiny_models_dir, FIRST_TURN)
+    answer, turn_one = await ask_constructed(cluster, tiny_models_dir, FIRST_TURN)
     assert turn_one.node_id == "orchestrator-a" and turn_one.cached_prompt_tokens == 0
     keeper_id = turn_one.hops[0]
     assert keeper_id.endswith("@keeper")
@@ -91,10 +67,11 @@ async def test_a_conversation_s_next_turn_through_another_orchestrator_goes_wher
     await wait_for_kept_record(second_db)
 
     second_turn = FIRST_TURN + answer + " and then the next house answers with what it knows"
-    _, turn_two = await ask(cluster, tiny_models_dir, second_turn)
+    _, turn_two = await ask_constructed(cluster, tiny_models_dir, second_turn)
     assert turn_two.node_id == "orchestrator-b"
     assert turn_two.hops == [keeper_id]
     assert turn_two.cached_prompt_tokens > 0 and turn_two.cached_prompt_tokens % BLOCK == 0
     # Cost alone: a call that begins like nothing kept goes to the replica.
-    _, unrelated = await ask(cluster, tiny_models_dir, "a different conversation about gardens and their seasons")
+    _, unrelated = await ask_constructed(cluster, tiny_models_dir,
+                                         "a different conversation about gardens and their seasons")
     assert unrelated.hops == [keeper_id.replace("@keeper", "@replica")] and unrelated.cached_prompt_tokens == 0

@@ -41,8 +41,8 @@ def start_mesh(cluster: LocalCluster, models_dir, shard_env: list[dict[str, str]
     cluster.wait_all_ready()
 
 
-async def ask(cluster: LocalCluster, models_dir, prompt: str) -> tuple[list[int], int]:
-    """The call's greedy tokens (checked against generate()) and the prompt positions its hops already held."""
+async def ask_constructed(cluster: LocalCluster, models_dir, prompt: str):
+    """The call's text (its greedy tokens checked against generate()'s) and its `pipeline.constructed` event."""
     result = await chat_once(cluster, ChatRequest(model=TINY_MODEL_NAME, prompt=prompt, max_tokens=NEW_TOKENS))
     assert result.ok, result.final
     tokenizer = AutoTokenizer.from_pretrained(models_dir / TINY_MODEL_NAME)
@@ -54,8 +54,13 @@ async def ask(cluster: LocalCluster, models_dir, prompt: str) -> tuple[list[int]
         events = await pipeline_events(nc, result.frames_of("pipeline")[0].pipeline_id)
     finally:
         await asyncio.wait_for(nc.close(), timeout=5)
-    constructed = [item.event for item in events if item.event.type == "pipeline.constructed"]
-    return result.text, constructed[0].cached_prompt_tokens
+    return result.text, next(item.event for item in events if item.event.type == "pipeline.constructed")
+
+
+async def ask(cluster: LocalCluster, models_dir, prompt: str) -> tuple[str, int]:
+    """The call's text (greedy tokens checked) and the prompt positions its hops already held."""
+    text, constructed = await ask_constructed(cluster, models_dir, prompt)
+    return text, constructed.cached_prompt_tokens
 
 
 async def test_a_conversation_s_next_turn_prefills_only_its_new_part(cluster, tiny_models_dir):
