@@ -29,6 +29,12 @@
 # HEARTH_GPU_DRY_RUN=1 runs the same stages on this CPU with tiny shapes, to check the script before device time.
 # Only 8 files come back from a device call's $OUT: write the stages elsewhere and pack them:
 #   G=/tmp/gout; OUT=$G timeout 170 bash scripts/gpu_session.sh llama3-8b; tar czf $OUT/gout.tgz -C /tmp gout
+# The device copies the working tree, untracked files included, plus the carried .whl: 64 MiB in all, and a tree
+# others are editing may not even import. To run a commit as it is, carry it as an archive (the bundled model stays
+# out: the copied tree has it):
+#   git archive --format=tar.gz -o .whl/hearth-src.tgz HEAD -- . ':!models'
+#   (device) ... --target /tmp/site .whl/*.whl && mkdir -p /tmp/src && tar xzf .whl/hearth-src.tgz -C /tmp/src &&
+#            cp -r models /tmp/src/ && cd /tmp/src && export PYTHONPATH=/tmp/site:/tmp/src ... && OUT=... bash scripts/gpu_session.sh tests
 # Do not `pkill -f services.cli` in the device command: the pattern matches the command's own shell; match
 # '[s]ervices[.]cli (bench|shard|orchestrator)' instead.
 set -u
