@@ -175,7 +175,7 @@ for shape in sys.argv[1:]: print(write('random:' + shape))" "$mid" "$big" > "$ou
     echo "exit $?" | tee -a "$out/stages.txt"
     ;;
   *)
-    echo "unknown stage $stage (checkpoints, tests, tinyllama, llama3-8b, llama3-8b-fp32, batching, cpu, together, load-memory or probe)" >&2
+    echo "unknown stage $stage (checkpoints, tests, prefix, tolerance, quantized, llama3-8b-int4, llama3-8b-one, tinyllama, llama3-8b, llama3-8b-fp32, batching, cpu, together, load-memory or probe)" >&2
     exit 2
     ;;
 esac
