@@ -91,14 +91,15 @@ def _shards(session: Session, condition) -> list[ShardCandidate]:
 
 
 @dataclass(frozen=True)
-class RecordedKeptChain:
-    """A chain the event log says keeps a call's leading blocks: its hops (shard id, layers run) and how many."""
+class KeptChain:
+    """A chain whose hops kept a call's leading blocks: its shards and the layers each ran, and how many blocks (as
+    the event log records it, or an orchestrator's own memory: services/orchestrator/prefix.py)."""
 
     hops: tuple[tuple[str, int, int], ...]
     blocks: int
 
 
-def kept_chain_holding(session: Session, names: Sequence[str], now_s: float) -> RecordedKeptChain | None:
+def kept_chain_holding(session: Session, names: Sequence[str], now_s: float) -> KeptChain | None:
     """The recorded chain keeping the most leading blocks of `names` (a call's block names, first to last), among
     records not expired at `now_s`; None when no record names one of them."""
     for end in range(len(names), 0, -kept_names_per_lookup):
@@ -111,7 +112,7 @@ def kept_chain_holding(session: Session, names: Sequence[str], now_s: float) -> 
         if found:
             longest = max(found, key=lambda row: position[row.name])
             hops = tuple((shard_id, layer_lo, layer_hi) for shard_id, layer_lo, layer_hi in json.loads(longest.hops))
-            return RecordedKeptChain(hops=hops, blocks=position[longest.name] + 1)
+            return KeptChain(hops=hops, blocks=position[longest.name] + 1)
     return None
 
 

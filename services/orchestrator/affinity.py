@@ -15,10 +15,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from readmodels.queries import ShardCandidate
+from readmodels.queries import KeptChain, ShardCandidate
 from services.orchestrator.capacity import ShardLoad
 from services.orchestrator.predict import HopCosts
-from services.orchestrator.prefix import KeptChain
 from services.orchestrator.router import Hop
 
 

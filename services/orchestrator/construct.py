@@ -18,7 +18,7 @@ from events.models import KeptHop, KeptMark, KeptPrefix
 from events.streams import MiB
 
 from protocol.control import PrefixBlocks
-from readmodels.queries import kept_chain_holding
+from readmodels.queries import KeptChain, kept_chain_holding
 from services.orchestrator.affinity import longer_kept, prefer_kept
 from services.orchestrator.call import Call
 from services.orchestrator.capacity import ShardLoad
@@ -26,7 +26,6 @@ from services.orchestrator.chain import HopChain
 from services.orchestrator.context import RunContext
 from services.orchestrator.prefix import (
     CallPrefix,
-    KeptChain,
     caller_scope,
     first_name,
     kept_marks,
@@ -214,7 +213,7 @@ class ChainBuilder:
                 for scheme, scheme_names in names.items():
                     recorded = kept_chain_holding(session, scheme_names, now_s)
                     if recorded is not None:
-                        found[scheme] = KeptChain(recorded.hops, recorded.blocks)
+                        found[scheme] = recorded
             return found
 
         now_s = self.ctx.router.now()

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from protocol.control import PrefixBlocks, max_prefix_blocks
+from readmodels.queries import KeptChain
 from services.common.config_processes import PrefixCacheSettings
 
 PUBLIC_SCOPE = "public"
@@ -106,14 +107,6 @@ def kept_marks(names: Sequence[str], prompt_blocks: int) -> list[tuple[int, str]
         counts.add(power)
         power *= 2
     return [(blocks, names[blocks - 1]) for blocks in sorted(counts) if 1 <= blocks <= len(names)]
-
-
-@dataclass(frozen=True)
-class KeptChain:
-    """A chain whose hops kept a call's blocks: its shards and the layers each ran, and how many blocks."""
-
-    hops: tuple[tuple[str, int, int], ...]
-    blocks: int
 
 
 class KeptChains:
