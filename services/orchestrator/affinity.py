@@ -21,6 +21,11 @@ from services.orchestrator.predict import HopCosts
 from services.orchestrator.router import Hop
 
 
+def hop_ranges(hops: Iterable[Hop]) -> tuple[tuple[str, int, int], ...]:
+    """A chain's hops as a kept chain records them: (shard id, first layer run, last layer run) each, in order."""
+    return tuple((hop.shard_id, hop.layer_lo_to_run, hop.layer_hi_to_run) for hop in hops)
+
+
 def time_per_token_ms(hops: Iterable[Hop], by_id: dict[str, ShardCandidate], costs: HopCosts) -> float:
     return sum(costs.hop_ms(by_id[hop.shard_id], hop.layer_hi_to_run - hop.layer_lo_to_run + 1) for hop in hops)
 
@@ -47,7 +52,7 @@ def prefer_kept(planned: list[Hop], kept: KeptChain | None, usable: dict[str, Sh
     candidate = kept_hops(kept, usable, planned[0].quantization)
     if candidate is None:
         return planned, 0
-    if [(h.shard_id, h.layer_lo_to_run, h.layer_hi_to_run) for h in planned] == list(kept.hops):
+    if hop_ranges(planned) == tuple(kept.hops):
         return planned, kept.blocks
     total_layers = max(hop.layer_hi_to_run for hop in planned) + 1
     costs = HopCosts(list(usable.values()), total_layers, load)

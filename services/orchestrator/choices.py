@@ -15,6 +15,7 @@ import asyncio
 import logging
 
 from protocol.chat import ChatRequest, ChoiceEnd, DoneFrame, ErrorFrame, PipelineAbortedFrame, TokenDeltaFrame, Usage
+from services.orchestrator.affinity import hop_ranges
 from services.orchestrator.call import Call, ClientStream
 from services.orchestrator.context import RunContext
 from services.orchestrator.pipeline import PipelineRun
@@ -97,8 +98,7 @@ class ChoiceGroup:
             naming = run.builder.naming(call.quantization or "none") if isinstance(chain, HopChain) else None
             kept = naming.kept(call.prompt_ids) if naming is not None else None
             if kept is not None and await chain.keep_now(kept):
-                self.ctx.kept_chains.remember(kept.hashes, [(h.shard_id, h.layer_lo_to_run, h.layer_hi_to_run)
-                                                            for h in chain.hops])
+                self.ctx.kept_chains.remember(kept.hashes, hop_ranges(chain.hops))
         finally:
             self._prefilled.set()
 

@@ -19,7 +19,7 @@ from events.streams import MiB
 
 from protocol.control import PrefixBlocks
 from readmodels.queries import KeptChain, kept_chain_holding
-from services.orchestrator.affinity import longer_kept, prefer_kept
+from services.orchestrator.affinity import hop_ranges, longer_kept, prefer_kept
 from services.orchestrator.call import Call
 from services.orchestrator.capacity import ShardLoad
 from services.orchestrator.chain import HopChain
@@ -120,7 +120,7 @@ class ChainBuilder:
         self.kept = naming.kept(self.call.known_ids[:self.call.next_position]) if naming is not None else None
         if self.kept is None:
             return None
-        hops = [(h.shard_id, h.layer_lo_to_run, h.layer_hi_to_run) for h in chain.hops]
+        hops = hop_ranges(chain.hops)
         self.ctx.kept_chains.remember(self.kept.hashes, hops)
         marks = kept_marks(self.kept.hashes, len(self.call.prompt_ids) // self.kept.block_tokens)
         return KeptPrefix(hops=[KeptHop(shard_id=shard_id, layer_lo=lo, layer_hi=hi) for shard_id, lo, hi in hops],
