@@ -199,14 +199,19 @@ async def test_a_cut_household_link_fails_over_and_the_healed_host_serves_again(
         degraded[0].reason
 
     # Healed: the same process answers again, frees the session of the call it lost, and reports itself idle.
-    await wait_serving_again(nc, mesh, cut_host, healed_at)
+    await answers_alone_once_healed(nc, mesh, cut_host, replica, reference, healed_at)
 
-    # With its replica gone, a new call can only run through the healed host.
+
+async def answers_alone_once_healed(nc, mesh, host, replica, reference, healed_at: float) -> None:
+    """`host`, its link healed at `healed_at`, serves again: with `replica` stopped, a new call runs through it and
+    gives the reference tokens."""
+    await wait_serving_again(nc, mesh, host, healed_at)
     await asyncio.to_thread(mesh.stop_shard, replica)
     again = await stream_with_action(nc, chat_request())
     assert again.final.type == "done", again.final
-    assert cut_host.shard_id in again.first_hops
+    assert host.shard_id in again.first_hops
     assert again.token_ids == reference.token_ids
+
 
 async def test_a_flapping_household_link_leaves_the_tokens_and_the_host_serving(bed, mesh, reference, nc):
     flapping = mesh.shards["p1"]
@@ -241,9 +246,4 @@ async def test_a_flapping_household_link_leaves_the_tokens_and_the_host_serving(
     assert call.token_ids == reference.token_ids
 
     # Healed: with the replica gone, a new call can only run through the host whose link flapped.
-    await wait_serving_again(nc, mesh, flapping, healed_at)
-    await asyncio.to_thread(mesh.stop_shard, replica)
-    again = await stream_with_action(nc, chat_request())
-    assert again.final.type == "done", again.final
-    assert flapping.shard_id in again.first_hops
-    assert again.token_ids == reference.token_ids
+    await answers_alone_once_healed(nc, mesh, flapping, replica, reference, healed_at)
