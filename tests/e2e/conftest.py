@@ -125,3 +125,16 @@ def publish_to_store(cluster: LocalCluster, path: Path, name: str) -> None:
         timeout=PUBLISH_TIMEOUT_S, cwd=Path(__file__).resolve().parents[2])
     assert publish.returncode == 0, publish.stderr
     assert f"--model store:{name}" in publish.stdout
+
+
+def greedy_reference(path, prompt: str, new_tokens: int) -> list[int]:
+    """transformers' own greedy generate() of `new_tokens` after `prompt` on the checkpoint at `path` (float32): the
+    tokens a mesh of its layers must give."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    input_ids = AutoTokenizer.from_pretrained(path)(prompt)["input_ids"]
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        output = model.generate(torch.tensor([input_ids]), max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    return output[0, len(input_ids):].tolist()

@@ -11,11 +11,9 @@ import asyncio
 import signal
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from protocol.chat import ChatRequest
-from tests.e2e.conftest import THREE_SHARD_RANGES, TINY_MODEL_NAME
+from tests.e2e.conftest import THREE_SHARD_RANGES, TINY_MODEL_NAME, greedy_reference
 from tests.e2e.failover_support import (  # noqa: F401 (nc is a fixture)
     PIPELINES_STREAM,
     PREFERRED_WEIGHT,
@@ -43,14 +41,6 @@ def request(prompt: str) -> ChatRequest:
     return ChatRequest(model=TINY_MODEL_NAME, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0.0)
 
 
-def greedy_reference(path, prompt: str) -> list[int]:
-    input_ids = AutoTokenizer.from_pretrained(path)(prompt)["input_ids"]
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    with torch.inference_mode():
-        output = model.generate(torch.tensor([input_ids]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
-    return output[0, len(input_ids):].tolist()
-
-
 @pytest.fixture(scope="module")
 def mesh(tmp_path_factory, tiny_models_dir):
     lo, hi = THREE_SHARD_RANGES[CHECKED_HOP]
@@ -76,7 +66,8 @@ async def test_a_host_lying_only_from_kept_prefixes_is_caught(mesh, nc, tiny_mod
                                          "integrity.mismatch_confirmed" and item.event.shard_id == liar.shard_id,
                                          timeout_s=30)).event
         assert liar.shard_id not in evidence.witnesses
-        expected = await asyncio.to_thread(greedy_reference, tiny_models_dir / TINY_MODEL_NAME, second_turn)
+        expected = await asyncio.to_thread(greedy_reference, tiny_models_dir / TINY_MODEL_NAME, second_turn,
+                                           NEW_TOKENS)
         assert second.answer_token_ids == expected
 
 
@@ -94,5 +85,6 @@ async def test_a_host_killed_in_a_turn_begun_from_kept_blocks_is_failed_over_to_
         assert second.final.type == "done", second.final
         assert victim.shard_id in second.first_hops
         assert [f.failed_shard_id for f in second.of_type("shard_failover")] == [victim.shard_id]
-        expected = await asyncio.to_thread(greedy_reference, tiny_models_dir / TINY_MODEL_NAME, second_turn)
+        expected = await asyncio.to_thread(greedy_reference, tiny_models_dir / TINY_MODEL_NAME, second_turn,
+                                           NEW_TOKENS)
         assert second.answer_token_ids == expected

@@ -7,14 +7,12 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from services.devtools.local_cluster import LocalCluster
 from services.client.chat import chat
 from protocol.chat import ChatRequest
 from services.broker.connection import connect_nats
-from tests.e2e.conftest import THREE_SHARD_RANGES, TINY_MODEL_NAME, start_orchestrator
+from tests.e2e.conftest import THREE_SHARD_RANGES, TINY_MODEL_NAME, greedy_reference, start_orchestrator
 
 pytestmark = pytest.mark.e2e
 
@@ -23,13 +21,6 @@ SHARD_ENV = "HEARTH_SHARD__"
 # one session of 24 tokens, not for two of 16: two calls running side by side evict each other.
 KV_BUDGET_MB = 24 * 512 / 2**20
 NEW_TOKENS = 8
-
-
-def greedy_reference(path, input_ids: list[int], new_tokens: int) -> list[int]:
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    with torch.inference_mode():
-        output = model.generate(torch.tensor([input_ids]), max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
-    return output[0, len(input_ids):].tolist()
 
 
 def start_mesh(cluster: LocalCluster, models_dir, shard_env: list[dict[str, str]], shard_args: list[list[str]]):
@@ -57,11 +48,9 @@ async def generate_and_check(cluster: LocalCluster, models_dir, shard_env: list[
     """Start the mesh, ask every prompt at once, check each answer against generate(); the orchestrator's log."""
     start_mesh(cluster, models_dir, shard_env, shard_args)
     results = await ask(cluster, prompts, NEW_TOKENS)
-    tokenizer = AutoTokenizer.from_pretrained(models_dir / TINY_MODEL_NAME)
     for prompt, result in zip(prompts, results):
         assert result.ok, result.final
-        assert result.token_ids == greedy_reference(models_dir / TINY_MODEL_NAME, tokenizer(prompt)["input_ids"],
-                                                    NEW_TOKENS)
+        assert result.token_ids == greedy_reference(models_dir / TINY_MODEL_NAME, prompt, NEW_TOKENS)
         assert result.final.timing.failovers == 0
     orchestrator_log = cluster.processes[-1].log_tail(400_000)
     assert "its session was evicted" in orchestrator_log

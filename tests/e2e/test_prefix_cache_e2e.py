@@ -7,13 +7,18 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from protocol.chat import ChatRequest
 from services.broker.connection import connect_nats
 from services.devtools.local_cluster import LocalCluster
-from tests.e2e.conftest import THREE_SHARD_RANGES, TINY_MODEL_NAME, chat_once, start_orchestrator
+from tests.e2e.conftest import (
+    THREE_SHARD_RANGES,
+    TINY_MODEL_NAME,
+    chat_once,
+    greedy_reference,
+    start_orchestrator,
+)
 from tests.e2e.failover_support import pipeline_events
 
 pytestmark = pytest.mark.e2e
@@ -22,13 +27,6 @@ BLOCK = 8
 NEW_TOKENS = 6
 FIRST_TURN = ("a community of households shares one model across its machines, each holding a few layers of it, "
               "and every call streams activations from one house to the next")
-
-
-def greedy_reference(path, input_ids: list[int], new_tokens: int) -> list[int]:
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    with torch.inference_mode():
-        output = model.generate(torch.tensor([input_ids]), max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
-    return output[0, len(input_ids):].tolist()
 
 
 def start_mesh(cluster: LocalCluster, models_dir, shard_env: list[dict[str, str]]) -> None:
@@ -45,9 +43,7 @@ async def ask_constructed(cluster: LocalCluster, models_dir, prompt: str):
     """The call's text (its greedy tokens checked against generate()'s) and its `pipeline.constructed` event."""
     result = await chat_once(cluster, ChatRequest(model=TINY_MODEL_NAME, prompt=prompt, max_tokens=NEW_TOKENS))
     assert result.ok, result.final
-    tokenizer = AutoTokenizer.from_pretrained(models_dir / TINY_MODEL_NAME)
-    expected = await asyncio.to_thread(greedy_reference, models_dir / TINY_MODEL_NAME,
-                                       tokenizer(prompt)["input_ids"], NEW_TOKENS)
+    expected = await asyncio.to_thread(greedy_reference, models_dir / TINY_MODEL_NAME, prompt, NEW_TOKENS)
     assert result.token_ids == expected
     nc = await connect_nats(cluster.nats_url, name="e2e-events", settings=cluster.nats_settings())
     try:
