@@ -4,34 +4,17 @@ preload would load it; while nobody serves it, the request is told so in one lin
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
-from gguf import GGMLQuantizationType
 
 from services.orchestrator.catalog import ModelCatalog, UnknownModel
-from tests.unit.gguf_files import write_tiny_gguf
 from tests.unit.hub_server import fake_hub  # noqa: F401  (fixture)
+from tests.unit.test_hub_gguf import FILE, REPO, served  # noqa: F401  (fixture: the fake hub serving one GGUF)
 
-REPO = "tiny-org/tiny-gguf"
-FILE = "tiny-Q8_0.gguf"
 MODEL = f"{REPO}:{FILE}"
 
 
-@pytest.fixture
-def served_gguf(fake_hub, tmp_path, monkeypatch):  # noqa: F811
-    monkeypatch.setenv("HEARTH_CACHE_DIR", str(tmp_path / "cache"))
-    (tmp_path / "model").mkdir()
-    path, _ = write_tiny_gguf(tmp_path / "model", "llama", GGMLQuantizationType.Q8_0)
-    repository = tmp_path / "repository"
-    repository.mkdir()
-    shutil.copyfile(path, repository / FILE)
-    fake_hub.repos[REPO] = repository
-    return fake_hub, path
-
-
-async def test_an_advertised_hub_gguf_is_loaded_on_request_as_a_preload_loads_it(served_gguf):
-    hub, path = served_gguf
+async def test_an_advertised_hub_gguf_is_loaded_on_request_as_a_preload_loads_it(served):
+    hub, path = served
     on_request = ModelCatalog()
     on_request.use_advertised(lambda model_id: model_id == MODEL)
 
@@ -47,8 +30,8 @@ async def test_an_advertised_hub_gguf_is_loaded_on_request_as_a_preload_loads_it
 
 
 @pytest.mark.parametrize("advertised", [None, set()], ids=["no-read-model", "nobody-serves-it"])
-async def test_a_hub_gguf_nobody_serves_is_refused_in_one_line_naming_it(served_gguf, advertised):
-    hub, _ = served_gguf
+async def test_a_hub_gguf_nobody_serves_is_refused_in_one_line_naming_it(served, advertised):
+    hub, _ = served
     catalog = ModelCatalog()
     if advertised is not None:
         catalog.use_advertised(advertised.__contains__)
@@ -61,7 +44,7 @@ async def test_a_hub_gguf_nobody_serves_is_refused_in_one_line_naming_it(served_
     assert hub.requests == []  # nothing fetched for a name nobody serves
 
 
-async def test_an_advertised_id_the_hub_lacks_is_refused_in_one_line_naming_it(served_gguf):
+async def test_an_advertised_id_the_hub_lacks_is_refused_in_one_line_naming_it(served):
     missing = f"{REPO}:absent-Q4_0.gguf"
     catalog = ModelCatalog()
     catalog.use_advertised(lambda model_id: True)
