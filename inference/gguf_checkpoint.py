@@ -3,9 +3,11 @@
 A GGUF stores each weight in a llama.cpp block type (F16, Q8_0, Q4_K, ...). hearth dequantizes each tensor it
 needs, one at a time, with the gguf package's numpy dequantizers into the shard's dtype, and the loader then
 re-quantizes the layer's Linears to the shard's own scheme (``--quantize``, inference/quantization.py). Keeping
-the GGUF blocks as they are would need matmul kernels for every block type, which torch does not have; the cost
-is that a Q4 file served as ``none`` takes full-precision memory, and as ``int8`` adds a second rounding to the
-first (docs/design.md §12).
+every block type as it is would need matmul kernels torch does not have; the 4-bit ones of groups of 32 (Q4_0,
+Q4_1, Q4_K) are the exception: under a quantized scheme they are read as int4 codes (``read_int4_groups``,
+inference/gguf_int4.py) and held as stored, never re-rounded into more bits. The cost is that a Q4 file served as
+``none`` takes full-precision memory, and other quantized blocks under int8/int4 a second rounding (docs/design.md
+§12).
 
 Names, the config and the tokenizer come from transformers' own GGUF support (the same name mapping and Q/K row
 order its ``from_pretrained(..., gguf_file=...)`` uses), so a GGUF loads into the very layers a safetensors
@@ -28,6 +30,8 @@ from torch import nn
 from .checksum import GGUF_SUFFIX
 from .errors import CheckpointError
 from .gguf_cache import gguf_cache_entry
+from .gguf_int4 import STORED_INT4_GROUP_SIZES, int4_groups_of_blocks
+from .quantization import Int4Groups
 
 # Where a checkpoint reader puts the tensors it reads unless told (the loader asks for its device).
 default_read_device = "cpu"
@@ -253,12 +257,17 @@ def _table_from_json(stored) -> GGUFTable:
 
 def layer_tensor_shapes(path: Path) -> dict[int, list[tuple[int, ...]]]:
     """Shapes (torch order) of each decoder layer's tensors, from the GGUF's tensor table; no tensor data is read."""
-    shapes: dict[int, list[tuple[int, ...]]] = {}
+    return {layer: [shape for shape, _ in tensors] for layer, tensors in layer_tensor_blocks(path).items()}
+
+
+def layer_tensor_blocks(path: Path) -> dict[int, list[tuple[tuple[int, ...], str]]]:
+    """(shape in torch order, GGUF block type name) of each decoder layer's tensors, from the tensor table alone."""
+    blocks: dict[int, list[tuple[tuple[int, ...], str]]] = {}
     for tensor in gguf_table(path).tensors:
         parts = tensor.name.split(".")
         if parts[0] == "blk" and len(parts) > 2 and parts[1].isdigit():
-            shapes.setdefault(int(parts[1]), []).append(tensor.shape)
-    return shapes
+            blocks.setdefault(int(parts[1]), []).append((tensor.shape, tensor.block_type.name))
+    return blocks
 
 
 def check_block_types(tensors: Iterable[tuple[str, str]], file_name: str) -> None:
@@ -320,6 +329,33 @@ class GGUFCheckpoint:
     def stored_quantized(self, name: str) -> bool:
         """Whether the tensor is stored in a quantized block type (not F32/F16/BF16/F64)."""
         return self._tensor_of[name].block_type.name not in FLOAT_GGUF_TYPE_NAMES
+
+    def stored_block(self, name: str) -> str:
+        """The GGUF block type the tensor is stored in ("Q4_1", "F32", ...)."""
+        return self._tensor_of[name].block_type.name
+
+    def stored_int4_group_size(self, name: str) -> int | None:
+        """The group of input features a tensor stored as 4-bit codes in groups has (read_int4_groups reads it
+        so), None for any other storage."""
+        stored = self._tensor_of[name]
+        return STORED_INT4_GROUP_SIZES.get(stored.block_type.name) if len(stored.shape) == 2 else None
+
+    def read_int4_groups(self, name: str, device: torch.device | str = default_read_device) -> Int4Groups:
+        """A 2-D tensor stored in a 4-bit block type (stored_int4_group_size) as its codes, scales and minimums on
+        `device`, rows in HF order; nothing is re-rounded."""
+        stored = self._tensor_of[name]
+        if self.stored_int4_group_size(name) is None:
+            raise CheckpointError(f"tensor {stored.name} of {self.path.name} is stored as {stored.block_type.name}, "
+                                  "not in 4-bit groups")
+        rows = stored.shape[0]
+        mapped = np.memmap(self.path, dtype=np.uint8, mode="r", offset=stored.data_offset, shape=(stored.n_bytes,))
+        blocks = np.array(mapped).reshape(-1, _gguf().GGML_QUANT_SIZES[stored.block_type][1])
+        del mapped
+        parts = [self._processor.process(weights=part.reshape(rows, -1), name=stored.name).weights
+                 for part in int4_groups_of_blocks(blocks, stored.block_type.name)]
+        codes, scales, minimums = (torch.from_numpy(np.ascontiguousarray(part)).to(device) for part in parts)
+        self.bytes_read += int(stored.n_bytes)
+        return Int4Groups(codes, scales, minimums)
 
     def stop_token_ids(self) -> set[int]:
         """End-of-generation token ids the GGUF names (eos, end of turn, end of message)."""

@@ -32,7 +32,8 @@ from .errors import CheckpointError
 from .gguf_checkpoint import GGUFCheckpoint, gguf_config, is_gguf_file, load_gguf_tokenizer
 from .head import Head
 from .quantization import QuantizationScheme, QuantizedLinear, check_device_supports, \
-    check_quantizable, head_quantization, parse_quantization, quantize_linears, release_freed_heap
+    check_quantizable, dense_linears, head_quantization, held_as_stored, parse_quantization, quantize_linears, \
+    release_freed_heap
 from .runner import LayerRangeRunner
 from .sessions import EvictedSession
 
@@ -54,18 +55,35 @@ class _Skeleton:
     def name_of(self, module: nn.Module) -> str:
         return self.module_names[id(module)]
 
-    def materialize(self, module: nn.Module) -> list[str]:
+    def materialize(self, module: nn.Module, *, except_names: frozenset[str] = frozenset()) -> list[str]:
         """Read the module's parameters and persistent buffers from the checkpoint onto the skeleton's device, in
-        its dtype (staged through host memory one bounded chunk at a time: SafetensorsCheckpoint.read); returns
-        their names."""
+        its dtype (staged through host memory one bounded chunk at a time: SafetensorsCheckpoint.read), all but the
+        checkpoint names in ``except_names`` (left on meta for the caller); returns the names read."""
         prefix = self.name_of(module) + "."
-        local_names = list(module.state_dict(keep_vars=True))
+        local_names = [name for name in module.state_dict(keep_vars=True) if prefix + name not in except_names]
         checkpoint_names = [prefix + name for name in local_names]
         tensors = self.checkpoint.read(checkpoint_names, self.info.dtype, self.device)
         state = {local: tensors[prefix + local] for local in local_names}
-        module.load_state_dict(state, strict=True, assign=True)
+        module.load_state_dict(state, strict=not except_names, assign=True)
         module.requires_grad_(False)
         return checkpoint_names
+
+    def materialize_layer(self, layer: nn.Module, scheme: QuantizationScheme) -> list[str]:
+        """Materialize ``layer``, its Linears whose weights the checkpoint stores as 4-bit codes in groups held as
+        stored in int4 (QuantizedLinear from the stored codes, never re-rounded into more bits: held_as_stored)
+        instead of read dense; returns the checkpoint names read, those Linears' weights first."""
+        held = {}
+        for parent, child_name, linear in dense_linears(layer):
+            weight_name = self.name_of(linear) + ".weight"
+            held_scheme = held_as_stored(scheme, self.checkpoint.stored_int4_group_size(weight_name),
+                                         linear.out_features, linear.in_features, self.device)
+            if held_scheme is not None:
+                held[weight_name] = (parent, child_name, linear, held_scheme)
+        names = self.materialize(layer, except_names=frozenset(held))
+        for weight_name, (parent, child_name, linear, held_scheme) in held.items():
+            stored = self.checkpoint.read_int4_groups(weight_name, self.device)
+            setattr(parent, child_name, QuantizedLinear(linear, held_scheme, stored))
+        return [*held, *names]
 
 
 def _open_skeleton(
@@ -167,7 +185,9 @@ def load_layer_range(
     read, before the next one is (inference/quantization.py), so the host never holds the range at full precision;
     quantized Linears run torch's quantized kernels whatever ``cpu_linear_kernel`` says.
     Only the tensors of layers lo..hi are read from the (single-file or sharded) safetensors files, or the GGUF
-    (each dequantized to ``dtype``, then quantized to ``quantization``: inference/gguf_checkpoint.py).
+    (each dequantized to ``dtype``, then quantized to ``quantization``: inference/gguf_checkpoint.py; but a Linear
+    weight stored as 4-bit codes in groups (Q4_0, Q4_1, Q4_K) is never re-rounded into more bits: under int8 or
+    int4 of its group it is held as stored, in int4 of its groups; ``runner.quantization`` stays the scheme asked).
     """
     scheme = parse_quantization(quantization)
     skeleton = _open_skeleton(
@@ -191,12 +211,18 @@ def load_layer_range(
         check_quantizable(decoder.layers[layer_index], scheme, f"layer {layer_index} of {skeleton.info.model_id}")
     layers: dict[int, nn.Module] = {}
     loaded_names: list[str] = []
+    held_as_stored_count = 0
     for layer_index in range(lo, hi + 1):
         layer = decoder.layers[layer_index]
-        loaded_names += skeleton.materialize(layer)
+        loaded = skeleton.materialize_layer(layer, scheme)
+        held_as_stored_count += sum(isinstance(m, QuantizedLinear) for m in layer.modules())
+        loaded_names += loaded
         _assert_materialized(layer, f"layer {layer_index}")
         quantize_linears(layer, scheme)
         layers[layer_index] = layer
+    if held_as_stored_count:
+        logger.info("layers %d-%d of %s: %d Linears held in their stored 4-bit form (int4, the stored groups) "
+                    "instead of %s", lo, hi, skeleton.info.model_id, held_as_stored_count, scheme.label)
     use_cpu_linear_kernel(layers.values(), cpu_linear_kernel, skeleton.device,
                           next(layers[lo].parameters()).dtype)
     # The rotary module only holds inverse frequencies derived from the config: build it for real.

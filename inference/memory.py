@@ -18,21 +18,24 @@ from safetensors import safe_open
 
 from .checkpoint import SAFETENSORS_DTYPES, SafetensorsCheckpoint
 from .devices import MiB
-from .gguf_checkpoint import is_gguf_file, layer_tensor_shapes
-from .quantization import QuantizationScheme, parse_quantization, quantized_weight_bytes
+from .gguf_checkpoint import default_read_device, is_gguf_file, layer_tensor_blocks
+from .gguf_int4 import STORED_INT4_GROUP_SIZES
+from .quantization import QuantizationScheme, held_as_stored, parse_quantization, quantized_weight_bytes
 
 _layer_name_re = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _UNKNOWN_KIND_BYTES = 4
 
 
 def layer_weight_bytes(model_path: Path, compute_dtype: torch.dtype,
-                       quantization: str | QuantizationScheme = "none") -> dict[int, int]:
+                       quantization: str | QuantizationScheme = "none", *,
+                       device: torch.device | str = default_read_device) -> dict[int, int]:
     """Bytes each decoder layer's tensors take once loaded in `compute_dtype` (floating tensors are converted) and
     quantized under `quantization` (a decoder layer's floating matrices are all Linear weights: they take the
-    scheme's bytes, inference/quantization.py; norms and biases stay dense)."""
+    scheme's bytes, inference/quantization.py; norms and biases stay dense) on `device` (where a GGUF's 4-bit
+    weights are held as stored: quantization.held_as_stored)."""
     scheme = parse_quantization(quantization)
     if is_gguf_file(model_path):
-        return _gguf_layer_weight_bytes(model_path, compute_dtype, scheme)
+        return _gguf_layer_weight_bytes(model_path, compute_dtype, scheme, device)
     checkpoint = SafetensorsCheckpoint(model_path)
     by_file: dict[Path, list[str]] = defaultdict(list)
     for name, file in checkpoint.file_of.items():
@@ -71,17 +74,23 @@ def layer_weight_bytes_of(tensors: Iterable[tuple[str, str, list[int]]], compute
     return dict(totals)
 
 
-def _gguf_layer_weight_bytes(model_path: Path, compute_dtype: torch.dtype,
-                             scheme: QuantizationScheme) -> dict[int, int]:
-    # A GGUF's layer tensors are all dequantized to the compute dtype (inference/gguf_checkpoint.py): its 2-D
-    # ones are the Linear weights the scheme quantizes again.
+def _gguf_layer_weight_bytes(model_path: Path, compute_dtype: torch.dtype, scheme: QuantizationScheme,
+                             device: torch.device | str) -> dict[int, int]:
+    # A GGUF's layer tensors are dequantized to the compute dtype (inference/gguf_checkpoint.py): its 2-D ones are
+    # the Linear weights the scheme quantizes again, but those stored in 4-bit groups that are held as stored.
     element = torch.empty((), dtype=compute_dtype).element_size()
     totals: dict[int, int] = {}
-    for layer, shapes in layer_tensor_shapes(model_path).items():
-        totals[layer] = sum(quantized_weight_bytes(shape[0], shape[1], scheme, element)
-                            if scheme.quantized and len(shape) == 2 else math.prod(shape) * element
-                            for shape in shapes)
+    for layer, tensors in layer_tensor_blocks(model_path).items():
+        totals[layer] = sum(_held_bytes(shape, block_type, scheme, element, device) for shape, block_type in tensors)
     return totals
+
+
+def _held_bytes(shape: tuple[int, ...], block_type: str, scheme: QuantizationScheme, element: int,
+                device: torch.device | str) -> int:
+    if not scheme.quantized or len(shape) != 2:
+        return math.prod(shape) * element
+    held = held_as_stored(scheme, STORED_INT4_GROUP_SIZES.get(block_type), shape[0], shape[1], device)
+    return quantized_weight_bytes(shape[0], shape[1], held or scheme, element)
 
 
 def range_weight_bytes(per_layer: dict[int, int], lo: int, hi: int) -> int:

@@ -12,6 +12,9 @@ product is computed on its own, so a range split over hops gives the very logits
 Each row is computed alone whatever the batch, so batched steps (and the head's batched logits) equal one-row ones
 bit for bit.
 
+A weight stored as 4-bit codes in groups (a GGUF's Q4_0, Q4_1, Q4_K) is never re-rounded into more bits than it is
+stored in: under int8, or int4 of its own group, it is held as stored in int4 of its groups (held_as_stored).
+
 On CUDA the same codes run on torch's CUDA kernels: int4 on ``torch._weight_int4pack_mm`` (tinygemm, packed by
 ``torch._convert_weight_to_int4pack``; compute capability 8.0 or newer); int8 on ``torch._int_mm`` (cuBLASLt's int8
 product, exact in int32) with each activation row quantized to int8 on its own scale, so rows stay independent of
@@ -147,6 +150,50 @@ def head_quantization(device: torch.device | str) -> QuantizationScheme | None:
     return None if torch.device(device).type == "cuda" else HEAD_QUANTIZATION
 
 
+@dataclass(frozen=True)
+class Int4Groups:
+    """A weight stored as 4-bit codes in groups of input features, each group with its own scale and minimum (a
+    GGUF's Q4_0, Q4_1, Q4_K blocks): ``weight[r, c] = codes[r, c] * scales[r, g] + minimums[r, g]``, g = c // group."""
+
+    codes: torch.Tensor  # [out, in], uint8 0..15
+    scales: torch.Tensor  # [out, in // group size], float32
+    minimums: torch.Tensor  # [out, in // group size], float32
+
+    @property
+    def group_size(self) -> int:
+        return self.codes.shape[1] // self.scales.shape[1]
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 weight the codes stand for."""
+        rows, columns = self.codes.shape
+        grouped = self.codes.reshape(rows, -1, self.group_size).float()
+        return (grouped * self.scales[..., None] + self.minimums[..., None]).reshape(rows, columns)
+
+    def kernel_form(self, first: int, last: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows first..last as torch's int4 kernels take them: the codes, and the [groups, rows, 2] (scale, zero)
+        table, zero being the value of the midpoint code."""
+        scales = self.scales[first:last]
+        zeros = self.minimums[first:last] + scales * _INT4_MIDPOINT
+        return self.codes[first:last], torch.stack([scales.t(), zeros.t()], dim=2).to(KERNEL_DTYPE).contiguous()
+
+
+def held_as_stored(scheme: QuantizationScheme, stored_int4_group: int | None, out_features: int, in_features: int,
+                   device: torch.device | str) -> QuantizationScheme | None:
+    """The int4 scheme to hold, as stored, a Linear weight stored as 4-bit codes in groups of ``stored_int4_group``
+    inputs: under int8 (more bits than stored) or int4 of that group, where device and shape have the int4 kernel;
+    None when it follows ``scheme`` (stored otherwise, "none", or int4 of another group: the group asked for)."""
+    if stored_int4_group is None or not scheme.quantized or stored_int4_group not in INT4_GROUP_SIZES:
+        return None
+    stored = QuantizationScheme("int4", stored_int4_group)
+    if scheme.kind == "int4" and scheme != stored:
+        return None
+    try:
+        check_device_supports(stored, device)
+    except QuantizationError:
+        return None
+    return None if _int4_shape_problem(out_features, in_features, stored) else stored
+
+
 # ----------------------------------------------------------------------------------------------- memory figures
 
 def quantized_weight_bytes(out_features: int, in_features: int, scheme: QuantizationScheme,
@@ -169,17 +216,24 @@ def _element_bytes(dtype: torch.dtype) -> int:
 
 class QuantizedLinear(nn.Module):
     """A Linear whose weight is held quantized (in buffers, so state_dict and memory figures see it) and whose
-    product runs on torch's weight-only int8 or int4 kernel; the bias, if any, stays dense."""
+    product runs on torch's weight-only int8 or int4 kernel; the bias, if any, stays dense. With ``stored`` (int4
+    codes as the checkpoint stores them, in ``scheme``'s groups) the codes are taken as they are and ``dense`` gives
+    only its shape and bias (its weight may be on the meta device)."""
 
-    def __init__(self, dense: nn.Linear, scheme: QuantizationScheme) -> None:
+    def __init__(self, dense: nn.Linear, scheme: QuantizationScheme, stored: Int4Groups | None = None) -> None:
         super().__init__()
         if not scheme.quantized:
             raise QuantizationError("QuantizedLinear needs a quantized scheme, not none")
         self.in_features, self.out_features = dense.in_features, dense.out_features
         self.scheme = scheme
-        weight = dense.weight.detach()
-        rows, columns = weight.shape
-        device = weight.device
+        rows, columns = self.out_features, self.in_features
+        if stored is not None and (scheme.kind != "int4" or stored.group_size != scheme.group_size
+                                   or tuple(stored.codes.shape) != (rows, columns)):
+            raise QuantizationError(
+                f"stored int4 codes {tuple(stored.codes.shape)} in groups of {stored.group_size} cannot be held as "
+                f"{scheme.label} for a {rows}x{columns} Linear")
+        weight = None if stored is not None else dense.weight.detach()
+        device = stored.codes.device if stored is not None else weight.device
         # torch._int_mm needs feature counts that are multiples of 8; others keep torch's weight-only kernel.
         self._int8_dynamic = (device.type == "cuda" and scheme.kind == "int8"
                               and columns % _INT_MM_FEATURE_MULTIPLE == 0 and rows % _INT_MM_FEATURE_MULTIPLE == 0)
@@ -192,15 +246,18 @@ class QuantizedLinear(nn.Module):
                 self.register_buffer("weight_int8", codes)
                 self.register_buffer("scales", scales)
             elif device.type == "cuda":
-                codes, scales_and_zeros = _int4_grouped_codes(weight.float(), scheme.group_size)
+                codes, scales_and_zeros = (stored.kernel_form(0, rows) if stored is not None
+                                           else _int4_grouped_codes(weight.float(), scheme.group_size))
                 self.register_buffer("weight_int4pack", _pack_int4_for_cuda(codes))
                 self.register_buffer("scales_and_zeros", scales_and_zeros)
             else:
                 packed = torch.empty(rows, columns // 2, dtype=torch.uint8)
                 scales_and_zeros = torch.empty(columns // scheme.group_size, rows, 2, dtype=KERNEL_DTYPE)
                 for first, last in _row_chunks(rows):
-                    packed[first:last], scales_and_zeros[:, first:last] = _int4_grouped(
-                        weight[first:last].float(), scheme.group_size)
+                    codes, scales_and_zeros[:, first:last] = (
+                        stored.kernel_form(first, last) if stored is not None
+                        else _int4_grouped_codes(weight[first:last].float(), scheme.group_size))
+                    packed[first:last] = torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
                 self.register_buffer("weight_int4pack", packed)
                 self.register_buffer("scales_and_zeros", scales_and_zeros)
         bias = dense.bias
@@ -252,12 +309,6 @@ def _int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     return codes.contiguous(), scales
 
 
-def _int4_grouped(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """uint4 codes packed for torch's CPU int4 kernel, and its [groups, out, 2] (scale, zero) table."""
-    codes, scales_and_zeros = _int4_grouped_codes(weight, group_size)
-    return torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1), scales_and_zeros
-
-
 def _pack_int4_for_cuda(codes: torch.Tensor) -> torch.Tensor:
     """[out, in] codes 0..15 in tinygemm's tiled layout: two codes a byte (even column high), then
     ``torch._convert_weight_to_int4pack`` with the largest inner tiling the input features allow."""
@@ -282,7 +333,8 @@ def _int4_grouped_codes(weight: torch.Tensor, group_size: int) -> tuple[torch.Te
 
 # ----------------------------------------------------------------------------------------------- layers
 
-def _linears(module: nn.Module) -> Iterable[tuple[nn.Module, str, nn.Linear]]:
+def dense_linears(module: nn.Module) -> Iterable[tuple[nn.Module, str, nn.Linear]]:
+    """(parent, attribute name, Linear) of every plain nn.Linear of ``module``."""
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear:
@@ -295,15 +347,20 @@ def check_quantizable(layer: nn.Module, scheme: QuantizationScheme, what: str) -
     packing)."""
     if scheme.kind != "int4":
         return
-    for parent, name, linear in _linears(layer):
-        if linear.in_features % scheme.group_size:
-            raise QuantizationError(
-                f"{what}: {name} has {linear.in_features} input features, not a multiple of {scheme.label}'s "
-                f"group size {scheme.group_size}; choose a smaller group size or int8")
-        if linear.out_features % _INT4_PACK_MIN_ROWS:
-            raise QuantizationError(
-                f"{what}: {name} has {linear.out_features} output features, not a multiple of "
-                f"{_INT4_PACK_MIN_ROWS} as torch's int4 kernel needs; use int8")
+    for parent, name, linear in dense_linears(layer):
+        if problem := _int4_shape_problem(linear.out_features, linear.in_features, scheme):
+            raise QuantizationError(f"{what}: {name} has {problem}")
+
+
+def _int4_shape_problem(out_features: int, in_features: int, scheme: QuantizationScheme) -> str | None:
+    """Why torch's int4 kernel cannot hold a Linear of that shape under ``scheme`` (its packing), None if it can."""
+    if in_features % scheme.group_size:
+        return (f"{in_features} input features, not a multiple of {scheme.label}'s group size {scheme.group_size}; "
+                "choose a smaller group size or int8")
+    if out_features % _INT4_PACK_MIN_ROWS:
+        return (f"{out_features} output features, not a multiple of {_INT4_PACK_MIN_ROWS} as torch's int4 kernel "
+                "needs; use int8")
+    return None
 
 
 def quantize_linears(layer: nn.Module, scheme: QuantizationScheme) -> int:
@@ -313,7 +370,7 @@ def quantize_linears(layer: nn.Module, scheme: QuantizationScheme) -> int:
     if not scheme.quantized:
         return 0
     replaced = 0
-    for parent, name, linear in _linears(layer):
+    for parent, name, linear in dense_linears(layer):
         setattr(parent, name, QuantizedLinear(linear, scheme))
         replaced += 1
     with torch.no_grad():

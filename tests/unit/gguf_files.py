@@ -8,6 +8,7 @@ from pathlib import Path
 
 import gguf
 import numpy as np
+import pytest
 import torch
 from gguf import GGMLQuantizationType
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
@@ -130,3 +131,24 @@ def write_tiny_gguf(folder: Path, architecture: str, block_type: GGMLQuantizatio
     model.load_state_dict(state)
     model.save_pretrained(reference)
     return path, reference
+
+
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path, monkeypatch):
+    """Parsed GGUF metadata (inference/gguf_cache.py) and digests go to the test's folder, not the user's cache."""
+    monkeypatch.setenv("HEARTH_CACHE_DIR", str(tmp_path / "cache"))
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    """``make(architecture, block_type, **kwargs)``: (gguf file, reference safetensors folder), written once."""
+    written: dict = {}
+
+    def make(architecture: str, block_type: GGMLQuantizationType, **kwargs):
+        key = (architecture, block_type, tuple(sorted(kwargs.items())))
+        if key not in written:
+            folder = tmp_path_factory.mktemp(f"gguf-{architecture}-{block_type.name}")
+            written[key] = write_tiny_gguf(folder, architecture, block_type, **kwargs)
+        return written[key]
+
+    return make

@@ -26,34 +26,13 @@ from tests.runner_limits import RUNNER_KV_LIMITS
 from inference.gguf_checkpoint import GGUFCheckpoint, gguf_config
 from inference.memory import layer_weight_bytes
 
-from .gguf_files import rewrite_gguf, write_tiny_gguf
+from .gguf_files import own_cache, rewrite_gguf, tiny_gguf, write_tiny_gguf  # noqa: F401  (fixtures)
 from .inference_tiny_models import TINY_NUM_LAYERS, one_torch_thread  # noqa: F401  (fixture)
 
 PROMPT = "hello there, the quick brown fox"
 K_QUANT_ROW = 256
 BLOCK_TYPES = [GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.Q8_0,
                GGMLQuantizationType.Q4_0]
-
-
-@pytest.fixture(autouse=True)
-def own_cache(tmp_path, monkeypatch):
-    """Parsed GGUF metadata (inference/gguf_cache.py) and digests go to the test's folder, not the user's cache."""
-    monkeypatch.setenv("HEARTH_CACHE_DIR", str(tmp_path / "cache"))
-
-
-@pytest.fixture(scope="module")
-def tiny_gguf(tmp_path_factory):
-    """``make(architecture, block_type, **kwargs)``: (gguf file, reference safetensors folder), written once."""
-    written: dict = {}
-
-    def make(architecture: str, block_type: GGMLQuantizationType, **kwargs):
-        key = (architecture, block_type, tuple(sorted(kwargs.items())))
-        if key not in written:
-            folder = tmp_path_factory.mktemp(f"gguf-{architecture}-{block_type.name}")
-            written[key] = write_tiny_gguf(folder, architecture, block_type, **kwargs)
-        return written[key]
-
-    return make
 
 
 def prefill(runner, head, session_id="s"):
