@@ -57,6 +57,15 @@ def all_shards(session: Session) -> list[ShardCandidate]:
     return _shards(session, None)
 
 
+def newest_sign_of_life(session: Session) -> int | None:
+    """Epoch s of the newest advertisement or heartbeat of any shard the read model holds (None: none yet): how far
+    the heartbeats' stream has reached this read model, whatever the wall clock says."""
+    heard = session.execute(select(func.max(ShardHealth.last_seen))).scalar()
+    advertised = session.execute(select(func.max(Shard.advertised_at))).scalar()
+    known = [instant for instant in (heard, advertised) if instant is not None]
+    return max(known) if known else None
+
+
 def _shards(session: Session, condition) -> list[ShardCandidate]:
     query = (
         select(

@@ -94,6 +94,11 @@ class DistributedInferenceSettings(ConfigSection):
     shard_health_timeout_s: float = Field(
         default=30, gt=0,
         description="routing leaves out a shard whose newest heartbeat (or advertisement) is older than this")
+    silent_log_grace_s: float = Field(
+        default=30, ge=0,
+        description="while no shard's heartbeat reaches the read model (the heartbeats' stream electing a leader, a "
+                    "restarted projector catching up), routing judges health and expiry against the newest one "
+                    "heard instead of the wall clock, for at most this long: a silent log is not dead shards")
     fallback_to_local: bool = True
     fallback_to_local_after_failures: int = Field(default=2, ge=0)
     activation_dtype: Literal["auto", "fp16", "fp32", "int8"] = "auto"

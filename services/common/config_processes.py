@@ -30,6 +30,10 @@ class OrchestratorSettings(ConfigSection):
         default=5.0, ge=0, description="after a reconnect, 'no responders' on a client inbox is not yet a leave")
     catch_up_timeout_s: float = Field(
         default=2.0, gt=0, description="how long routing waits for its read model to reach the event log's end")
+    start_catch_up_timeout_s: float = Field(
+        default=30.0, ge=0,
+        description="at start, how long the orchestrator waits for its read model to reach the event log's end "
+                    "before it answers calls (other orchestrators answer meanwhile); then it answers anyway")
     event_queue_max: int = Field(
         default=10000, ge=1, description="audit events waiting to be written; a full queue holds the call back")
     event_retry_wait_s: float = Field(

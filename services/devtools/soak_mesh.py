@@ -25,9 +25,10 @@ NATS_NODES = 3
 NATS_NODE_HOUSEHOLDS = (None, 0, 1)
 NATS_CLIENT_PORT, NATS_CLUSTER_PORT, NATS_MONITOR_PORT = 4222, 6222, 8222
 # Shard hosts heartbeat at their default interval: HEARTH_SHARDS keeps at most max_msgs_per_subject events per
-# subject (events/streams.py), and faster beats would have it trim a long soak's oldest ones, leaving gaps the
-# lost-event check cannot tell from losses. Advertisements are renewed every ttl/3, so a restarted host is routed
-# with soon; health times out after several missed beats, as a loaded machine delays some.
+# subject (events/streams.py), and faster beats would have it trim a long soak's oldest ones sooner; the lost-event
+# check reads those gaps against the limit (tests/e2e/event_log_checks.py), but cannot tell a loss below them from
+# trimming. Advertisements are renewed every ttl/3, so a restarted host is routed with soon; health times out after
+# several missed beats, as a loaded machine delays some.
 SHARD_TTL_S = 6.0
 SHARD_HEALTH_TIMEOUT_S = 10.0
 # A step timeout that a loaded two-core machine does not trip on every step.

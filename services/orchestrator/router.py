@@ -5,10 +5,13 @@ Rules, in order:
    request's, else the most precise one whose shards cover every layer: none, int8, int4; a call's failover
    keeps its scheme) that are advertised (not withdrawn),
    not expired (`now < expires_at`), alive (latest heartbeat, or the advertisement itself when no heartbeat
-   came yet, at most `health_timeout_s` old), not quarantined (a confirmed mismatch that no steward has
-   cleared: readmodels/reputation.py), not excluded, and with
-   room by this orchestrator's live knowledge (ShardLoad: the streams it holds there and recent
-   `at_capacity` refusals; a heartbeat's `active_streams` is seconds old and not used);
+   came yet, at most `health_timeout_s` old), where "now" is the wall clock held back to the newest heartbeat the
+   read model has heard, for at most `silent_log_grace_s` (a silent event log is not dead shards: while the
+   heartbeats' stream elects a leader or a restarted projector catches up, every shard would look stale at once;
+   a shard silent while others are heard goes stale as before), not quarantined (a confirmed mismatch that no
+   steward has cleared: readmodels/reputation.py), not excluded, and with room by this orchestrator's live
+   knowledge (ShardLoad: the streams it holds there and recent `at_capacity` refusals; a heartbeat's
+   `active_streams` is seconds old and not used);
 2. the chain covering every layer with the least predicted time per token, by dynamic programming over
    layer ranges (services/orchestrator/predict.py: each shard's measured decode step time from its
    heartbeat, the round trip this orchestrator measured to it, and its queue, which also spreads load
@@ -30,7 +33,7 @@ from typing import Literal
 
 from sqlalchemy.orm import Session
 
-from readmodels.queries import ShardCandidate, all_shards, shards_of_model
+from readmodels.queries import ShardCandidate, all_shards, newest_sign_of_life, shards_of_model
 from protocol.quantization_labels import accepts, precision_order
 from services.orchestrator.capacity import ShardLoad
 from services.orchestrator.predict import HopCosts, cheapest_chain
@@ -74,8 +77,18 @@ def format_layer_ranges(layers: Iterable[int]) -> str:
     return ", ".join(str(lo) if lo == hi else f"{lo}-{hi}" for lo, hi in ranges)
 
 
+def judged_instant(wall_s: float, newest_heard_s: float | None, silent_log_grace_s: float) -> float:
+    """The instant shards' heartbeats and expiries are judged against: the wall clock, held back to the newest sign
+    of life the read model has heard while the log has been silent for at most `silent_log_grace_s` (never ahead
+    of the wall clock, so a host whose clock runs ahead changes nothing)."""
+    if newest_heard_s is None:
+        return wall_s
+    return min(wall_s, max(newest_heard_s, wall_s - silent_log_grace_s))
+
+
 class ShardRouter:
-    """Stateless between calls: every `pick` reads the current read model through `session_factory`."""
+    """Every `pick` reads the current read model through `session_factory`; between reads it holds only the newest
+    sign of life the last one saw (what `now` judges health against)."""
 
     def __init__(
         self,
@@ -86,9 +99,12 @@ class ShardRouter:
         self_node_id: str,
         clock: Callable[[], float] = time.time,
         max_hops: int | None = None,
+        silent_log_grace_s: float = 0.0,
     ) -> None:
         self._session_factory = session_factory
         self.health_timeout_s = health_timeout_s
+        self.silent_log_grace_s = silent_log_grace_s
+        self._newest_heard_s: float | None = None
         self.allow_self_as_shard = allow_self_as_shard
         self.self_node_id = self_node_id
         self._clock = clock
@@ -103,15 +119,18 @@ class ShardRouter:
     def candidates(self, model_id: str) -> list[ShardCandidate]:
         """One read of the model's shards from the read model (`plan` decides on them, as often as needed)."""
         with self._session_factory() as session:
+            self._newest_heard_s = newest_sign_of_life(session)
             return shards_of_model(session, model_id)
 
     def all_candidates(self) -> list[ShardCandidate]:
         """One read of every model's shards (model discovery)."""
         with self._session_factory() as session:
+            self._newest_heard_s = newest_sign_of_life(session)
             return all_shards(session)
 
     def now(self) -> float:
-        return self._clock()
+        """The instant `alive` judges shards read since the last `candidates` against (`judged_instant`)."""
+        return judged_instant(self._clock(), self._newest_heard_s, self.silent_log_grace_s)
 
     def alive(self, shard: ShardCandidate, now: float) -> bool:
         """Advertised, not expired, not quarantined, and heard from within the health timeout (busy or not): a

@@ -14,8 +14,10 @@ import contextlib
 import functools
 import logging
 import tempfile
+import time
 from pathlib import Path
 
+import nats.errors
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from pydantic import ValidationError
@@ -70,6 +72,22 @@ ORCHESTRATOR_QUEUE_GROUP = "hearth-orchestrators"
 error_message_chars = 500
 
 
+async def read_model_caught_up(projector: Projector, timeout_s: float) -> bool:
+    """Wait (at most `timeout_s`) until `projector` has applied the event log as it stands; False when it could not
+    tell or did not get there. An orchestrator waits so before it answers calls: one restarted with an empty read
+    model would route on heartbeats minutes old and find no shard alive."""
+    started = time.monotonic()
+    try:
+        targets = await projector.wait_until_caught_up(timeout_s=timeout_s)
+    except (asyncio.TimeoutError, TimeoutError, nats.errors.Error) as error:
+        log.warning("read model not caught up with the event log within %.0f s (%s); answering calls anyway",
+                    timeout_s, error or type(error).__name__)
+        return False
+    log.info("read model caught up with the event log (%s) in %.1f s",
+             ", ".join(f"{stream} {seq}" for stream, seq in targets.items()), time.monotonic() - started)
+    return True
+
+
 class Orchestrator:
     """One orchestrator process's service: its subscription, its routing read model, its calls."""
 
@@ -119,7 +137,7 @@ class Orchestrator:
         router = ShardRouter(
             sessionmaker(self.projector.engine), health_timeout_s=distributed.shard_health_timeout_s,
             allow_self_as_shard=distributed.allow_self_as_shard, self_node_id=self.node_id,
-            max_hops=distributed.max_shards_per_request,
+            max_hops=distributed.max_shards_per_request, silent_log_grace_s=distributed.silent_log_grace_s,
         )
         self.catalog.use_advertised(functools.partial(is_advertised, router))
         self.context = RunContext(
@@ -134,6 +152,7 @@ class Orchestrator:
             kept_inputs=KeptInputs(int(verification.kept_inputs_mb * MiB)))
         self._canaries = CanaryRunner(self.context, self._record_event)
         self._canaries.start()
+        await read_model_caught_up(self.projector, self.settings.orchestrator.start_catch_up_timeout_s)
         self._subscription = await self.nc.subscribe(CHAT_REQUEST_SUBJECT, queue=ORCHESTRATOR_QUEUE_GROUP,
                                                      cb=self._on_request)
         self._models_subscription = await self.nc.subscribe(MODELS_REQUEST_SUBJECT, queue=ORCHESTRATOR_QUEUE_GROUP,

@@ -10,6 +10,7 @@ from events.streams import SHARDS_STREAM, ensure_streams
 from readmodels.runner import Projector
 from services.broker.connection import connect_nats
 from services.orchestrator.router import RoutingError, ShardRouter
+from services.orchestrator.service import read_model_caught_up
 from tests.readmodel_helpers import MODEL_ID, WEIGHTS_SHA, advertised, at
 
 pytestmark = pytest.mark.integration
@@ -43,5 +44,25 @@ async def test_wait_for_position_then_route_on_what_was_just_published(nats_url,
 
             with pytest.raises(TimeoutError):
                 await projector.wait_for_position(SHARDS_STREAM, ack.seq + 1, timeout_s=0.3)
+    finally:
+        await nc.close()
+
+
+async def test_an_orchestrator_waits_for_its_read_model_to_reach_the_log_before_answering(nats_url, tmp_path):
+    nc = await connect_nats(nats_url, name="test-orchestrator")
+    js = nc.jetstream()
+    await ensure_streams(js)
+    try:
+        for index in range(40):  # a log written before this orchestrator (re)started
+            last = await publish_event(js, advertised(0, 7, f"n{index}", t=float(index)))
+        projector = Projector(tmp_path / "restarted.db", js)
+        # Not reading the log yet: the wait gives up within its bound instead of hanging the start.
+        assert not await read_model_caught_up(projector, timeout_s=0.3)
+        async with projector:
+            assert await read_model_caught_up(projector, timeout_s=10)
+            assert projector.positions[SHARDS_STREAM] >= last.seq
+            router = ShardRouter(projector.session_factory, health_timeout_s=3600, allow_self_as_shard=False,
+                                 self_node_id="orch", clock=lambda: at(40).timestamp())
+            assert len(router.candidates(MODEL_ID)) == 40
     finally:
         await nc.close()
