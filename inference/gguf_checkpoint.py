@@ -255,11 +255,6 @@ def _table_from_json(stored) -> GGUFTable:
     return GGUFTable(str(stored["architecture"]), tensors, frozenset(int(t) for t in stored["stop_token_ids"]))
 
 
-def layer_tensor_shapes(path: Path) -> dict[int, list[tuple[int, ...]]]:
-    """Shapes (torch order) of each decoder layer's tensors, from the GGUF's tensor table; no tensor data is read."""
-    return {layer: [shape for shape, _ in tensors] for layer, tensors in layer_tensor_blocks(path).items()}
-
-
 def layer_tensor_blocks(path: Path) -> dict[int, list[tuple[tuple[int, ...], str]]]:
     """(shape in torch order, GGUF block type name) of each decoder layer's tensors, from the tensor table alone."""
     blocks: dict[int, list[tuple[tuple[int, ...], str]]] = {}
@@ -268,6 +263,13 @@ def layer_tensor_blocks(path: Path) -> dict[int, list[tuple[tuple[int, ...], str
         if parts[0] == "blk" and len(parts) > 2 and parts[1].isdigit():
             blocks.setdefault(int(parts[1]), []).append((tensor.shape, tensor.block_type.name))
     return blocks
+
+
+def gguf_layer_tensors(blocks: dict[int, list[tuple[tuple[int, ...], str]]]) -> list[tuple[str, str, list[int]]]:
+    """The (name, stored type, shape) that inference/memory.py's layer_weight_bytes_of counts, of a GGUF's layer
+    tensors given as {layer: [(shape, block type)]} (layer_tensor_blocks)."""
+    return [(f"layers.{layer}.{index}", block_type, list(shape))
+            for layer, tensors in blocks.items() for index, (shape, block_type) in enumerate(tensors)]
 
 
 def check_block_types(tensors: Iterable[tuple[str, str]], file_name: str) -> None:

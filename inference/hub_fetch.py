@@ -123,7 +123,8 @@ def complete_hub_snapshot(repo_id: str, revision: str | None, cache_dir: str | P
 @dataclass(frozen=True)
 class HubLayout:
     """What a host sizes a layer range from, with no weight downloaded: the repository's config.json, each
-    tensor's (name, safetensors dtype, shape) and the whole checkpoint's digest (as its partial folders state it)."""
+    tensor's (name, stored type: a safetensors dtype or a GGUF block type, shape) and the whole checkpoint's digest
+    (as its partial folders state it)."""
 
     config: dict
     tensors: list[tuple[str, str, list[int]]]
@@ -316,14 +317,13 @@ def _gguf_hub_layout(hub: HubGGUF, listing: dict) -> HubLayout:
 
 
 def _gguf_layout(path: Path) -> HubLayout:
-    """The HubLayout of a downloaded GGUF: every tensor counts as read in the compute dtype, as the loader reads it
+    """The HubLayout of a downloaded GGUF: each layer tensor with its block type, as the loader holds it
     (inference/memory.py)."""
     from .checksum import weights_sha256
-    from .gguf_checkpoint import gguf_config_dict, layer_tensor_shapes
+    from .gguf_checkpoint import gguf_config_dict, gguf_layer_tensors, layer_tensor_blocks
 
-    tensors = [(f"layers.{layer}.{index}", "F32", list(shape))
-               for layer, shapes in layer_tensor_shapes(path).items() for index, shape in enumerate(shapes)]
-    return HubLayout(config=gguf_config_dict(path), tensors=tensors, weights_sha256=weights_sha256(path))
+    return HubLayout(config=gguf_config_dict(path), tensors=gguf_layer_tensors(layer_tensor_blocks(path)),
+                     weights_sha256=weights_sha256(path))
 
 
 def _listed_hashes(weights: dict, fetched: dict[str, Path]) -> list[tuple[str, int, str]]:

@@ -158,9 +158,9 @@ def fetch_gguf_part(hub: HubGGUF, needed: NeededTensors) -> Path:
 
 
 def layer_tensor_shapes_of(parsed: ParsedGGUFHeader) -> list[tuple[str, str, list[int]]]:
-    """(name, dtype, shape) of every decoder layer tensor, each counted as read in the compute dtype (as
-    hub_fetch's layout of a whole GGUF counts them: inference/memory.py)."""
-    return [(f"layers.{tensor.layer}.{tensor.name}", "F32", list(tensor.shape))
+    """(name, GGUF block type, shape) of every decoder layer tensor, as inference/memory.py's layer_weight_bytes_of
+    counts them (and hub_fetch's layout of a whole GGUF)."""
+    return [(f"layers.{tensor.layer}.{tensor.name}", tensor.block_type, list(tensor.shape))
             for tensor in parsed.split.tensors if tensor.layer is not None]
 
 

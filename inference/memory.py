@@ -18,12 +18,14 @@ from safetensors import safe_open
 
 from .checkpoint import SAFETENSORS_DTYPES, SafetensorsCheckpoint
 from .devices import MiB
-from .gguf_checkpoint import default_read_device, is_gguf_file, layer_tensor_blocks
+from .gguf_checkpoint import SUPPORTED_GGUF_TYPE_NAMES, FLOAT_GGUF_TYPE_NAMES, default_read_device, \
+    gguf_layer_tensors, is_gguf_file, layer_tensor_blocks
 from .gguf_int4 import STORED_INT4_GROUP_SIZES
 from .quantization import QuantizationScheme, held_as_stored, parse_quantization, quantized_weight_bytes
 
 _layer_name_re = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _UNKNOWN_KIND_BYTES = 4
+QUANTIZED_GGUF_TYPE_NAMES = frozenset(SUPPORTED_GGUF_TYPE_NAMES) - FLOAT_GGUF_TYPE_NAMES
 
 
 def layer_weight_bytes(model_path: Path, compute_dtype: torch.dtype,
@@ -51,15 +53,20 @@ def layer_weight_bytes(model_path: Path, compute_dtype: torch.dtype,
 
 
 def layer_weight_bytes_of(tensors: Iterable[tuple[str, str, list[int]]], compute_dtype: torch.dtype,
-                          quantization: str | QuantizationScheme = "none") -> dict[int, int]:
-    """layer_weight_bytes from each tensor's (name, safetensors dtype such as "BF16", shape), wherever they were
-    read (a folder's headers, the community store's manifest, the hub's headers); tensors outside the decoder
-    layers are left out."""
+                          quantization: str | QuantizationScheme = "none", *,
+                          device: torch.device | str = default_read_device) -> dict[int, int]:
+    """layer_weight_bytes from each tensor's (name, stored type, shape), wherever they were read (a folder's
+    headers, the community store's manifest, the hub's headers); the stored type is a safetensors dtype such as
+    "BF16" or a GGUF block type such as "Q4_1" (read in the compute dtype, 4-bit groups held as stored on
+    `device`: _held_bytes); tensors outside the decoder layers are left out."""
     scheme = parse_quantization(quantization)
     element = torch.empty((), dtype=compute_dtype).element_size()
     totals: dict[int, int] = defaultdict(int)
     for name, stored_dtype, shape in tensors:
         if (found := _layer_name_re.search(name)) is None:
+            continue
+        if stored_dtype in QUANTIZED_GGUF_TYPE_NAMES:
+            totals[int(found.group(1))] += _held_bytes(tuple(shape), stored_dtype, scheme, element, device)
             continue
         stored = SAFETENSORS_DTYPES.get(stored_dtype)
         if stored is None:
@@ -76,17 +83,14 @@ def layer_weight_bytes_of(tensors: Iterable[tuple[str, str, list[int]]], compute
 
 def _gguf_layer_weight_bytes(model_path: Path, compute_dtype: torch.dtype, scheme: QuantizationScheme,
                              device: torch.device | str) -> dict[int, int]:
-    # A GGUF's layer tensors are dequantized to the compute dtype (inference/gguf_checkpoint.py): its 2-D ones are
-    # the Linear weights the scheme quantizes again, but those stored in 4-bit groups that are held as stored.
-    element = torch.empty((), dtype=compute_dtype).element_size()
-    totals: dict[int, int] = {}
-    for layer, tensors in layer_tensor_blocks(model_path).items():
-        totals[layer] = sum(_held_bytes(shape, block_type, scheme, element, device) for shape, block_type in tensors)
-    return totals
+    return layer_weight_bytes_of(gguf_layer_tensors(layer_tensor_blocks(model_path)), compute_dtype, scheme,
+                                 device=device)
 
 
 def _held_bytes(shape: tuple[int, ...], block_type: str, scheme: QuantizationScheme, element: int,
                 device: torch.device | str) -> int:
+    # A GGUF's layer tensors are dequantized to the compute dtype (inference/gguf_checkpoint.py): its 2-D ones are
+    # the Linear weights the scheme quantizes again, but those stored in 4-bit groups that are held as stored.
     if not scheme.quantized or len(shape) != 2:
         return math.prod(shape) * element
     held = held_as_stored(scheme, STORED_INT4_GROUP_SIZES.get(block_type), shape[0], shape[1], device)

@@ -115,9 +115,9 @@ class WeightsManifest(BaseModel):
         if not self.tensors:
             raise WeightsStoreError(f"the manifest of {self.name!r} lists no tensor shapes: publish it again")
         specs = ((name, spec.dtype, spec.shape) for name, spec in self.tensors.items())
-        if self.gguf is not None:  # every GGUF tensor is read in the compute dtype (inference/memory.py)
-            specs = ((f"layers.{gguf_layer_of(name)}.{name}", "F32", spec.shape) for name, spec in self.tensors.items()
-                     if gguf_layer_of(name) is not None)
+        if self.gguf is not None:  # GGUF tensors by their block types (inference/memory.py)
+            specs = ((f"layers.{gguf_layer_of(name)}.{name}", spec.dtype, spec.shape)
+                     for name, spec in self.tensors.items() if gguf_layer_of(name) is not None)
         per_layer = layer_weight_bytes_of(specs, compute_dtype, quantization)
         return [per_layer.get(index, 0) for index in range(self.num_layers)]
 

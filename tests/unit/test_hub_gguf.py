@@ -134,6 +134,18 @@ def test_an_id_naming_one_of_several_ggufs_serves_that_file(two_ggufs, tmp_path)
     assert layout.served_id == model and layout.weights_sha256 == other_digest
 
 
+def test_a_4_bit_gguf_sized_from_its_header_counts_its_layers_as_held(two_ggufs):
+    """Under int8 a Q4_0 file's Linears are held in their stored 4-bit groups: the header alone says so."""
+    _, other = two_ggufs
+    int8, stored = parse_quantization("int8"), parse_quantization("int4/g32")
+    layout = asyncio.run(model_layout(f"{REPO}:{OTHER_FILE}", model_id=None, compute_dtype=torch.float32,
+                                      scheme=int8, nats_url=None, settings=HearthSettings()))
+
+    as_held = layer_weight_bytes(other, torch.float32, quantization=int8)
+    assert layout.layer_bytes == [as_held[index] for index in range(TINY_NUM_LAYERS)]
+    assert as_held == layer_weight_bytes(other, torch.float32, quantization=stored)
+
+
 def test_the_whole_model_of_a_named_gguf_is_downloaded_whole_and_checked(two_ggufs, tmp_path):
     hub, other = two_ggufs
     path = resolve_model_path(f"{REPO}:{OTHER_FILE}")
