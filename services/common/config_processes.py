@@ -30,6 +30,11 @@ class OrchestratorSettings(ConfigSection):
         default=5.0, ge=0, description="after a reconnect, 'no responders' on a client inbox is not yet a leave")
     catch_up_timeout_s: float = Field(
         default=2.0, gt=0, description="how long routing waits for its read model to reach the event log's end")
+    silent_shard_recheck_s: float = Field(
+        default=1.0, ge=0,
+        description="when no shard is left to build a call's chain and some were only silent to its open (no "
+                    "responders: also a live shard between two broker nodes), try those once more after this pause "
+                    "before answering shard_unavailable")
     start_catch_up_timeout_s: float = Field(
         default=30.0, ge=0,
         description="at start, how long the orchestrator waits for its read model to reach the event log's end "

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
-from nats.errors import NoRespondersError
+from nats.errors import Error as NatsError, NoRespondersError
 
 from protocol.subjects import LinkNodes, node_token
 from services.common.config import TransportSettings
@@ -169,15 +169,18 @@ class HopChain:
 
     async def open(self) -> StepFailure | None:
         """Subscribe the sink first (so no output is lost), then open every hop; the first hop that refused or
-        did not answer, or None when all are open."""
-        await self._sink.start()
-        if self.recorder is not None:
-            await self.recorder.start(self.session_id)
-        await self._observer.start()
-        await self._sender.start()
-        self._notice_sub = await self.nc.subscribe(hop_notice_subject(self.pipeline_id), cb=self._on_notice)
-        self._open_sent = True
+        did not answer (`broker`: our connection failed under the subscriptions), or None when all are open."""
         epoch = self.nc.stats["reconnects"]
+        try:
+            await self._sink.start()
+            if self.recorder is not None:
+                await self.recorder.start(self.session_id)
+            await self._observer.start()
+            await self._sender.start()
+            self._notice_sub = await self.nc.subscribe(hop_notice_subject(self.pipeline_id), cb=self._on_notice)
+        except NatsError as error:
+            return self._broker_failure(epoch, "subscribing") or StepFailure("broker", None, f"subscribing: {error}")
+        self._open_sent = True
         replies = await asyncio.gather(*(self._open_hop(i, hop) for i, hop in enumerate(self.hops)),
                                        return_exceptions=True)
         for hop, reply in zip(self.hops, replies):

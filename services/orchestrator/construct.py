@@ -62,7 +62,8 @@ class ChainBuilder:
         self.public_blocks = await self._public_blocks()
         candidates = await asyncio.to_thread(router.candidates, model_id)
         self.recorded_kept = await self._recorded_kept(candidates)
-        caught_up = False
+        caught_up = rechecked = False
+        silent: set[str] = set()  # shards this construction routed around for "no responders"
         while True:
             try:
                 hops = self._plan(candidates, load=self.ctx.load)
@@ -72,6 +73,14 @@ class ChainBuilder:
                     # decide "unavailable" only on a caught-up one.
                     await self._catch_up()
                     candidates, caught_up = await asyncio.to_thread(router.candidates, model_id), True
+                    continue
+                if silent and not rechecked:
+                    # "No responders" is also a live shard between two broker nodes (one restarting, a route
+                    # re-forming): before answering unavailable, give the silent ones one more try after a pause.
+                    rechecked = True
+                    await asyncio.sleep(self.ctx.settings.orchestrator.silent_shard_recheck_s)
+                    call.excluded -= silent
+                    candidates = await asyncio.to_thread(router.candidates, model_id)
                     continue
                 if not self._only_room_lacks(candidates):
                     raise
@@ -91,6 +100,10 @@ class ChainBuilder:
                 return chain
             await chain.close()
             if failure.shard_id is None:
+                # Our broker connection failed under the open: nothing reached a hop, so once it is back the same
+                # construction goes on.
+                if failure.kind == "broker" and await self._broker_back(started):
+                    continue
                 raise RoutingError(SHARD_UNAVAILABLE, failure.reason)
             if failure.code == "at_capacity":
                 # Full for now (another orchestrator's streams): a replica, or a wait; never a reason to fail.
@@ -99,6 +112,18 @@ class ChainBuilder:
                 continue
             log.info("pipeline %s: %s; routing around it", call.pipeline_id, failure)
             call.excluded.add(failure.shard_id)
+            if failure.kind == "gone" and not rechecked:
+                silent.add(failure.shard_id)
+
+    async def _broker_back(self, started: float) -> bool:
+        """Wait until our broker connection is up again, within `[orchestrator] broker_wait_s` of `started`."""
+        settings, nc = self.ctx.settings, self.ctx.nc
+        deadline = started + settings.orchestrator.broker_wait_s
+        while time.perf_counter() < deadline:
+            await asyncio.sleep(settings.nats.reconnect_wait_s)
+            if nc.is_connected:
+                return True
+        return False
 
     def naming(self, quantization: str) -> CallPrefix | None:
         """How this call's blocks are named on chains of `quantization` (None: no kept prefixes at all)."""

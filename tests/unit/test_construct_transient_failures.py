@@ -1,0 +1,155 @@
+"""Unit tests of what a chain's construction rides through: shards silent to their open ("no responders": one more
+try after `[orchestrator] silent_shard_recheck_s` before the call is answered shard_unavailable), and our own broker
+connection failing under the open's subscriptions (a `broker` failure, and the construction goes on once it is back)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from sqlalchemy.orm import sessionmaker
+
+from services.common.config import HearthSettings, NatsSettings, TransportSettings
+from services.common.config_processes import OrchestratorSettings
+from nats.errors import FlushTimeoutError
+
+from services.orchestrator.capacity import ShardLoad
+from services.orchestrator.chain import HopChain
+from services.orchestrator.construct import ChainBuilder
+from services.orchestrator.outcomes import StepFailure
+from services.orchestrator.prefix import KeptChains
+from services.orchestrator.router import Hop, RoutingError, ShardRouter
+from tests.readmodel_helpers import (
+    MODEL_ID,
+    WEIGHTS_SHA,
+    LogBuilder,
+    advertised,
+    apply_all,
+    at,
+    heartbeat,
+    migrated_engine,
+)
+
+
+@pytest.fixture
+def engine(tmp_path):
+    engine = migrated_engine(tmp_path / "rm.db")
+    log = LogBuilder()
+    only = advertised(0, 7, "only")  # the one shard of the model: no replica to route to
+    apply_all(engine, [log.stored(only), log.stored(heartbeat(only.shard_id))])
+    yield engine
+    engine.dispose()
+
+
+class ChainStub:
+    """A chain whose open fails the first `failing_opens` times: its hop silent, or (`kind` broker) our broker."""
+
+    def __init__(self, hops, opens: list, failing_opens: int, kind: str) -> None:
+        self.hops = hops
+        self._opens = opens
+        self._failing_opens = failing_opens
+        self._kind = kind
+
+    async def open(self) -> StepFailure | None:
+        self._opens.append(self.hops[0].shard_id)
+        if len(self._opens) > self._failing_opens:
+            return None
+        if self._kind == "broker":
+            return StepFailure("broker", None, "subscribing: nats: flush timeout")
+        return StepFailure("gone", self.hops[0].shard_id, "no responder on its control subject")
+
+    async def close(self) -> None:
+        pass
+
+
+class Builder(ChainBuilder):
+    """ChainBuilder over ChainStub chains."""
+
+    def __init__(self, call, ctx, failing_opens: int, kind: str) -> None:
+        super().__init__(call, ctx)
+        self.opens: list[str] = []
+        self.failing = (failing_opens, kind)
+
+    def over(self, hops):
+        return ChainStub(hops, self.opens, *self.failing)
+
+
+def builder(engine, failing_opens: int, kind: str = "gone") -> Builder:
+    sessions = sessionmaker(engine)
+
+    async def caught_up(timeout_s: float) -> dict:
+        return {}
+
+    settings = HearthSettings(orchestrator=OrchestratorSettings(silent_shard_recheck_s=0.01),
+                              nats=NatsSettings(reconnect_wait_s=0.01))
+    router = ShardRouter(sessions, health_timeout_s=60, allow_self_as_shard=True, self_node_id="orch",
+                         clock=lambda: at(5).timestamp())
+    ctx = SimpleNamespace(settings=settings, router=router, load=ShardLoad(retry_s=1.0), kept_chains=KeptChains(),
+                          projector=SimpleNamespace(session_factory=sessions, wait_until_caught_up=caught_up),
+                          quarantined=set(), recent_failures=SimpleNamespace(current=lambda: set()),
+                          public_prompt_ids={}, nc=SimpleNamespace(is_connected=True))
+    call = SimpleNamespace(model=SimpleNamespace(model_id=MODEL_ID, weights_sha256=WEIGHTS_SHA), caller=None,
+                           pipeline_id="p-1", request=SimpleNamespace(params=SimpleNamespace(verify="sampled"),
+                                                                     max_tokens=4),
+                           known_ids=[1, 2, 3], prompt_ids=[1, 2, 3], quantization=None, excluded=set())
+    return Builder(call, ctx, failing_opens, kind)
+
+
+async def test_a_shard_silent_once_is_tried_again_before_the_call_is_unavailable(engine):
+    build = builder(engine, failing_opens=1)
+    chain = await build.build()
+    assert build.opens == [chain.hops[0].shard_id] * 2
+    assert build.call.excluded == set()
+
+
+async def test_a_shard_still_silent_after_the_pause_makes_the_call_unavailable(engine):
+    build = builder(engine, failing_opens=10)
+    with pytest.raises(RoutingError) as error:
+        await build.build()
+    assert error.value.code == "shard_unavailable"
+    assert len(build.opens) == 2  # one more try, not a loop
+    assert build.call.excluded == {f"{MODEL_ID}:0-7@only"}
+
+
+async def test_a_broker_failure_under_the_open_waits_for_the_connection_and_goes_on(engine):
+    build = builder(engine, failing_opens=1, kind="broker")
+    chain = await build.build()
+    assert build.opens == [chain.hops[0].shard_id] * 2
+    assert build.call.excluded == set()  # no shard is to blame
+
+
+class FailingFlushNats:
+    """A NATS client whose connection fails under the first flush: subscriptions are written, never confirmed."""
+
+    max_payload = 1024 * 1024
+    is_connected = is_closed = False
+    pending_data_size = 0
+    connected_url = None
+    servers = ()
+
+    def __init__(self) -> None:
+        self.stats = {"reconnects": 0}
+        self.requests: list[str] = []
+
+    async def subscribe(self, subject: str, **kwargs) -> SimpleNamespace:
+        async def unsubscribe() -> None:
+            pass
+        return SimpleNamespace(unsubscribe=unsubscribe)
+
+    async def flush(self, timeout: float) -> None:
+        self.stats["reconnects"] += 1
+        raise FlushTimeoutError
+
+    async def request(self, subject: str, data: bytes, timeout: float):
+        self.requests.append(subject)
+        raise AssertionError("no hop is asked to open over subscriptions the broker did not confirm")
+
+
+async def test_a_chain_whose_subscriptions_the_broker_did_not_confirm_is_a_broker_failure():
+    nc = FailingFlushNats()
+    hops = [Hop("s0", "hearth.ctl.n0.s0", "n0", 0, 7)]
+    chain = HopChain(nc, "p-flush", hops, node_id="orch", model_id="m", weights_sha256="w",
+                     transport=TransportSettings())
+    failure = await chain.open()
+    assert failure is not None and failure.kind == "broker" and failure.shard_id is None
+    assert nc.requests == []
