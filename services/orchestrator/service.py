@@ -17,9 +17,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import nats.errors
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
+from nats.errors import Error as NatsError
 from pydantic import ValidationError
 from sqlalchemy.orm import sessionmaker
 
@@ -79,7 +79,7 @@ async def read_model_caught_up(projector: Projector, timeout_s: float) -> bool:
     started = time.monotonic()
     try:
         targets = await projector.wait_until_caught_up(timeout_s=timeout_s)
-    except (asyncio.TimeoutError, TimeoutError, nats.errors.Error) as error:
+    except (TimeoutError, NatsError) as error:
         log.warning("read model not caught up with the event log within %.0f s (%s); answering calls anyway",
                     timeout_s, error or type(error).__name__)
         return False
