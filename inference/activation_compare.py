@@ -17,8 +17,9 @@ smallest_reference_norm = 1e-6
 # weights are quantized): about ten times (float32 with full weights: twenty-five times) the largest error honest
 # computations showed (BENCHMARKS.md, "Honest shards: tolerances"). Honest replicas differ by summation order only (one
 # prefill against chunks and decode steps, a batch's rows, another kernel), but a step's output rounds to its dtype,
-# and a quantized scheme's kernels round every product to bfloat16 even in a float32 layer, so only float32 with full
-# weights is tight enough to catch a lie of about 1 % per position; elsewhere such a lie is within honest rounding.
+# and a quantized scheme's kernels round every product's inputs to bfloat16 even in a float32 layer, so only float32
+# with full weights is tight enough to catch a lie of about 1 % per position; elsewhere such a lie is within honest
+# rounding.
 HONEST_TOLERANCE: dict[tuple[str, str, bool], float] = {
     ("cpu", "float32", False): 1e-4,
     ("cpu", "float32", True): 6e-2,

@@ -212,10 +212,6 @@ class SafetensorsCheckpoint:
         """Whether the tensor is stored quantized: never in safetensors checkpoints hearth reads."""
         return False
 
-    def stored_block(self, name: str) -> str | None:
-        """The GGUF block type a tensor is stored in: none in a safetensors checkpoint."""
-        return None
-
     def stored_int4_group_size(self, name: str) -> int | None:
         """The group of a tensor stored as 4-bit codes in groups (GGUFCheckpoint): none in safetensors."""
         return None

@@ -15,7 +15,7 @@ from .checkpoint import ModelInfo
 from .cpu_kernels import onednn_linear, onednn_linear_available
 from .detokenizer import TextStream
 from .errors import InferenceError
-from .quantization import QuantizedLinear
+from .quantization import QuantizedLinear, held_tensor_bytes
 from .sampling import SamplingParams, sample_token
 
 # From this many rows a batched head product on a CPU runs on oneDNN (see Head._product).
@@ -145,14 +145,7 @@ class Head:
     def weight_bytes(self) -> int:
         """Bytes of the embedding, final norm and lm_head weights (a tied lm_head counts once; they never change, so
         measured once: every batched head step asks, services/orchestrator/head_batcher.py)."""
-        seen: set[int] = set()
-        total = 0
-        for module in (self._embed_tokens, self._final_norm, self._lm_head):
-            for tensor in (*module.parameters(), *module.buffers()):
-                if tensor.data_ptr() not in seen:
-                    seen.add(tensor.data_ptr())
-                    total += tensor.numel() * tensor.element_size()
-        return total
+        return held_tensor_bytes((self._embed_tokens, self._final_norm, self._lm_head))
 
     # ----------------------------------------------------------------- text
 

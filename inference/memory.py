@@ -21,7 +21,7 @@ from .devices import MiB
 from .gguf_checkpoint import SUPPORTED_GGUF_TYPE_NAMES, FLOAT_GGUF_TYPE_NAMES, default_read_device, \
     gguf_layer_tensors, is_gguf_file, layer_tensor_blocks
 from .gguf_int4 import STORED_INT4_GROUP_SIZES
-from .quantization import QuantizationScheme, held_as_stored, parse_quantization, quantized_weight_bytes
+from .quantization import KERNEL_DTYPE, QuantizationScheme, held_as_stored, parse_quantization
 
 _layer_name_re = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _UNKNOWN_KIND_BYTES = 4
@@ -95,6 +95,22 @@ def _held_bytes(shape: tuple[int, ...], block_type: str, scheme: QuantizationSch
         return math.prod(shape) * element
     held = held_as_stored(scheme, STORED_INT4_GROUP_SIZES.get(block_type), shape[0], shape[1], device)
     return quantized_weight_bytes(shape[0], shape[1], held or scheme, element)
+
+
+def quantized_weight_bytes(out_features: int, in_features: int, scheme: QuantizationScheme,
+                           dense_element_bytes: int) -> int:
+    """Bytes a Linear weight of that shape takes under ``scheme`` (codes plus scales and zeros); the dense size
+    for "none"."""
+    if scheme.kind == "int8":
+        return out_features * in_features + out_features * _element_bytes(KERNEL_DTYPE)
+    if scheme.kind == "int4":
+        groups = in_features // scheme.group_size
+        return out_features * in_features // 2 + groups * out_features * 2 * _element_bytes(KERNEL_DTYPE)
+    return out_features * in_features * dense_element_bytes
+
+
+def _element_bytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
 
 
 def range_weight_bytes(per_layer: dict[int, int], lo: int, hi: int) -> int:

@@ -1,26 +1,27 @@
 """Quantized shard weights: the schemes a layer range may serve ("none", "int8", "int4/g<group>"), their parsing and
 labels, and the in-place swap of a decoder layer's nn.Linear modules for QuantizedLinear running PyTorch's own
-weight-only kernels.
+int8 and int4 kernels.
 
 Kernels (chosen by measurement, BENCHMARKS.md "Quantized shard kernels"):
-- int8: weights int8 per output channel (symmetric, one scale per row), ``torch._weight_int8pack_mm``;
+- int8: weights int8 per output channel (symmetric, one scale per row); on fbgemm's int8 product with each
+  activation row quantized on its own scale (inference/int8_kernels.py), else torch's weight-only
+  ``torch._weight_int8pack_mm``;
 - int4: weights uint4 in groups of ``group_size`` input features (asymmetric: a scale and a zero per group),
   packed by ``torch._convert_weight_to_int4pack_for_cpu`` and multiplied by ``torch._weight_int4pack_mm_for_cpu``.
-Both are weight-only and take bfloat16 activations (their float32 paths are an order of magnitude slower on the
+The weight-only kernels take bfloat16 activations (their float32 paths are an order of magnitude slower on the
 CPU): a float32 layer's inputs are rounded to bfloat16 for the product and its results widened back. Every row of a
-product is computed on its own, so a range split over hops gives the very logits of one whole range.
-Each row is computed alone whatever the batch, so batched steps (and the head's batched logits) equal one-row ones
-bit for bit.
+product is computed on its own whatever the batch, so a range split over hops gives the very logits of one whole
+range, and batched steps (and the head's batched logits) equal one-row ones bit for bit.
 
 A weight stored as 4-bit codes in groups (a GGUF's Q4_0, Q4_1, Q4_K) is never re-rounded into more bits than it is
 stored in: under int8, or int4 of its own group, it is held as stored in int4 of its groups (held_as_stored).
 
 On CUDA the same codes run on torch's CUDA kernels: int4 on ``torch._weight_int4pack_mm`` (tinygemm, packed by
 ``torch._convert_weight_to_int4pack``; compute capability 8.0 or newer); int8 on ``torch._int_mm`` (cuBLASLt's int8
-product, exact in int32) with each activation row quantized to int8 on its own scale, so rows stay independent of
-their batch; faster there than torch's weight-only ``_weight_int8pack_mm`` or weights widened per call, but slower
-than bf16 weights: on a GPU int8 saves memory, int4 saves memory and time (BENCHMARKS.md "Quantized shards on a
-GPU"). Other devices are refused with a QuantizationError.
+product, exact in int32) with each activation row quantized to int8 on its own scale; faster there than torch's
+weight-only ``_weight_int8pack_mm`` or weights widened per call, but slower than bf16 weights: on a GPU int8 saves
+memory, int4 saves memory and time (BENCHMARKS.md "Quantized shards on a GPU"). Other devices are refused with a
+QuantizationError.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ import torch
 from torch import nn
 
 from .errors import InferenceError
+from .int8_kernels import INT8_MAX, INT_MM_FEATURE_MULTIPLE, cuda_row_product, fbgemm_row_product, \
+    int8_rows_on_cpu, pack_for_fbgemm
 
 DEFAULT_QUANTIZATION = "none"
 # Faithful to the 4-bit GGUF blocks (Q4_0, Q4_1: groups of 32) and measured best on their models (BENCHMARKS.md
@@ -50,10 +53,6 @@ KERNEL_DTYPE = torch.bfloat16
 # torch's int4 kernels dequantize a code q as (q - 8) * scale + zero.
 _INT4_MIDPOINT = 8
 _INT4_MAX_CODE = 15
-_INT8_MAX = 127
-# cuBLASLt's int8 product takes more than 16 rows: fewer are padded (to a multiple of 8, which it also needs).
-INT_MM_MIN_ROWS = 24
-_INT_MM_FEATURE_MULTIPLE = 8
 # Weights are quantized this many output rows at a time, so the float temporaries stay small and reuse the same
 # freed memory instead of growing the heap; a multiple of the int4 packing's block of 32 rows.
 QUANTIZE_ROWS_PER_CHUNK = 256
@@ -196,29 +195,27 @@ def held_as_stored(scheme: QuantizationScheme, stored_int4_group: int | None, ou
 
 # ----------------------------------------------------------------------------------------------- memory figures
 
-def quantized_weight_bytes(out_features: int, in_features: int, scheme: QuantizationScheme,
-                           dense_element_bytes: int) -> int:
-    """Bytes a Linear weight of that shape takes under ``scheme`` (codes plus scales and zeros); the dense size
-    for "none"."""
-    if scheme.kind == "int8":
-        return out_features * in_features + out_features * _element_bytes(KERNEL_DTYPE)
-    if scheme.kind == "int4":
-        groups = in_features // scheme.group_size
-        return out_features * in_features // 2 + groups * out_features * 2 * _element_bytes(KERNEL_DTYPE)
-    return out_features * in_features * dense_element_bytes
-
-
-def _element_bytes(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+def held_tensor_bytes(modules: Iterable[nn.Module]) -> int:
+    """Bytes the weights of ``modules`` hold: parameters and buffers (a tensor shared by two modules counts once),
+    and int8 codes packed outside the buffers (QuantizedLinear.packed_bytes)."""
+    seen: set[int] = set()
+    total = 0
+    for module in modules:
+        for tensor in (*module.parameters(), *module.buffers()):
+            if tensor.data_ptr() not in seen:
+                seen.add(tensor.data_ptr())
+                total += tensor.numel() * tensor.element_size()
+        total += sum(child.packed_bytes for child in module.modules() if isinstance(child, QuantizedLinear))
+    return total
 
 
 # ----------------------------------------------------------------------------------------------- the module
 
 class QuantizedLinear(nn.Module):
-    """A Linear whose weight is held quantized (in buffers, so state_dict and memory figures see it) and whose
-    product runs on torch's weight-only int8 or int4 kernel; the bias, if any, stays dense. With ``stored`` (int4
-    codes as the checkpoint stores them, in ``scheme``'s groups) the codes are taken as they are and ``dense`` gives
-    only its shape and bias (its weight may be on the meta device)."""
+    """A Linear whose weight is held quantized (in buffers, or int8 codes in fbgemm's packed form: packed_bytes) and
+    whose product runs on the module docstring's kernels; the bias, if any, stays dense. With ``stored`` (int4 codes
+    as the checkpoint stores them, in ``scheme``'s groups) the codes are taken as they are and ``dense`` gives only
+    its shape and bias (its weight may be on the meta device)."""
 
     def __init__(self, dense: nn.Linear, scheme: QuantizationScheme, stored: Int4Groups | None = None) -> None:
         super().__init__()
@@ -236,14 +233,18 @@ class QuantizedLinear(nn.Module):
         device = stored.codes.device if stored is not None else weight.device
         # torch._int_mm needs feature counts that are multiples of 8; others keep torch's weight-only kernel.
         self._int8_dynamic = (device.type == "cuda" and scheme.kind == "int8"
-                              and columns % _INT_MM_FEATURE_MULTIPLE == 0 and rows % _INT_MM_FEATURE_MULTIPLE == 0)
+                              and columns % INT_MM_FEATURE_MULTIPLE == 0 and rows % INT_MM_FEATURE_MULTIPLE == 0)
+        self._fbgemm_packed = None
         with torch.no_grad():
             if scheme.kind == "int8":
                 codes = torch.empty(rows, columns, dtype=torch.int8, device=device)
                 scales = torch.empty(rows, dtype=KERNEL_DTYPE, device=device)
                 for first, last in _row_chunks(rows):
                     codes[first:last], scales[first:last] = _int8_per_channel(weight[first:last].float())
-                self.register_buffer("weight_int8", codes)
+                if device.type == "cpu" and int8_rows_on_cpu():  # the codes live in the packed form only
+                    self._fbgemm_packed = pack_for_fbgemm(codes, scales.float())
+                else:
+                    self.register_buffer("weight_int8", codes)
                 self.register_buffer("scales", scales)
             elif device.type == "cuda":
                 codes, scales_and_zeros = (stored.kernel_form(0, rows) if stored is not None
@@ -265,35 +266,32 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         leading = inputs.shape[:-1]
-        rows = inputs.reshape(-1, self.in_features).to(KERNEL_DTYPE).contiguous()
-        if self._int8_dynamic:
-            product = _int8_dynamic_product(rows, self.weight_int8, self.scales)
-        elif self.scheme.kind == "int8":
-            product = torch._weight_int8pack_mm(rows, self.weight_int8, self.scales)
-        elif rows.is_cuda:
-            product = torch._weight_int4pack_mm(rows, self.weight_int4pack, self.scheme.group_size,
-                                                self.scales_and_zeros)
+        if self._fbgemm_packed is not None:
+            rows = inputs.reshape(-1, self.in_features)
+            product = fbgemm_row_product(rows, self._fbgemm_packed)
         else:
-            product = torch._weight_int4pack_mm_for_cpu(rows, self.weight_int4pack, self.scheme.group_size,
-                                                        self.scales_and_zeros)
+            rows = inputs.reshape(-1, self.in_features).to(KERNEL_DTYPE).contiguous()
+            product = self._weight_product(rows)
         product = product.to(inputs.dtype).reshape(*leading, self.out_features)
         return product if self.bias is None else product + self.bias
 
+    def _weight_product(self, rows: torch.Tensor) -> torch.Tensor:
+        if self._int8_dynamic:
+            return cuda_row_product(rows, self.weight_int8, self.scales).to(KERNEL_DTYPE)
+        if self.scheme.kind == "int8":
+            return torch._weight_int8pack_mm(rows, self.weight_int8, self.scales)
+        if rows.is_cuda:
+            return torch._weight_int4pack_mm(rows, self.weight_int4pack, self.scheme.group_size, self.scales_and_zeros)
+        return torch._weight_int4pack_mm_for_cpu(rows, self.weight_int4pack, self.scheme.group_size,
+                                                 self.scales_and_zeros)
+
+    @property
+    def packed_bytes(self) -> int:
+        """Bytes of the weight held outside the module's buffers (the int8 codes in fbgemm's packed form)."""
+        return 0 if self._fbgemm_packed is None else self.out_features * self.in_features
+
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme.label}"
-
-
-def _int8_dynamic_product(rows: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """``rows @ (codes * scales)^T`` on ``torch._int_mm``: each row quantized to int8 on its own largest magnitude,
-    padded with zero rows to the count the int8 product needs."""
-    count = rows.shape[0]
-    if count < INT_MM_MIN_ROWS:
-        rows = torch.cat([rows, rows.new_zeros(INT_MM_MIN_ROWS - count, rows.shape[1])])
-    wide = rows.float()
-    row_scales = wide.abs().amax(dim=1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny) / _INT8_MAX
-    activations = torch.round(wide / row_scales).to(torch.int8)
-    product = torch._int_mm(activations, codes.t())[:count]
-    return (product.float() * row_scales[:count] * scales.float()).to(KERNEL_DTYPE)
 
 
 def _row_chunks(rows: int) -> list[tuple[int, int]]:
@@ -304,8 +302,8 @@ def _row_chunks(rows: int) -> list[tuple[int, int]]:
 
 def _int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric int8 codes and one scale per output row (the row's largest magnitude maps to 127)."""
-    scales = weight.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / _INT8_MAX
-    codes = torch.clamp(torch.round(weight / scales[:, None]), -_INT8_MAX, _INT8_MAX).to(torch.int8)
+    scales = weight.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / INT8_MAX
+    codes = torch.clamp(torch.round(weight / scales[:, None]), -INT8_MAX, INT8_MAX).to(torch.int8)
     return codes.contiguous(), scales
 
 

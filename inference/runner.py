@@ -18,6 +18,7 @@ from .checkpoint import ModelInfo
 from .batched import BatchRow, StackingBuffers, batched_steps_supported, run_batched_step
 from .layer_pass import MASK_BUILDERS, DecoderStack, SteppedForward
 from .errors import InferenceError, SessionEvictedError, SessionStateError
+from .quantization import held_tensor_bytes
 from .prefix_cache import CacheLengths, PrefixCache, PrefixSessions
 from .sessions import EvictedSession, SessionCaches, as_position, kv_bytes_per_token_per_layer
 from .runner_checks import RunnerChecks
@@ -375,8 +376,7 @@ class LayerRangeRunner(RunnerChecks):
     @property
     def weight_bytes(self) -> int:
         """Bytes of the loaded layer weights (what this shard holds in memory besides caches)."""
-        return sum(t.numel() * t.element_size() for layer in self._stack.layers.values()
-                   for t in (*layer.parameters(), *layer.buffers()))
+        return held_tensor_bytes(self._stack.layers.values())
 
     def close(self) -> None:
         """Free every cache and the weights; later calls raise RunnerClosedError."""

@@ -30,6 +30,7 @@ from typing import Literal
 from pydantic import BaseModel, Field
 
 from inference.checksum import GGUF_SUFFIX
+from inference.gguf_checkpoint import default_read_device
 from inference.gguf_parts import StoredLayout
 from inference.partial_checkpoint import NON_WEIGHT_PATTERNS, NeededTensors, assemble_partial_folder, check_needed, \
     complete_partial_folder, hearth_cache_dir, layer_of, selection_name
@@ -106,8 +107,8 @@ class WeightsManifest(BaseModel):
             return stored.kind == "layer" and needed[0] <= stored.layer <= needed[1]
         return [stored for stored in self.objects if wanted(stored)]
 
-    def layer_weight_bytes(self, compute_dtype, quantization) -> list[int]:
-        """Bytes each decoder layer takes once loaded in `compute_dtype` under `quantization`
+    def layer_weight_bytes(self, compute_dtype, quantization, device=default_read_device) -> list[int]:
+        """Bytes each decoder layer takes once loaded in `compute_dtype` under `quantization` on `device`
         (inference.memory.layer_weight_bytes_of), from the manifest alone."""
         from inference.gguf_parts import gguf_layer_of
         from inference.memory import layer_weight_bytes_of
@@ -118,7 +119,7 @@ class WeightsManifest(BaseModel):
         if self.gguf is not None:  # GGUF tensors by their block types (inference/memory.py)
             specs = ((f"layers.{gguf_layer_of(name)}.{name}", spec.dtype, spec.shape)
                      for name, spec in self.tensors.items() if gguf_layer_of(name) is not None)
-        per_layer = layer_weight_bytes_of(specs, compute_dtype, quantization)
+        per_layer = layer_weight_bytes_of(specs, compute_dtype, quantization, device=device)
         return [per_layer.get(index, 0) for index in range(self.num_layers)]
 
 

@@ -154,7 +154,8 @@ async def run_host(*, model: str, memory_budget_mb: float | None, nats_url: str 
     scheme = resolve_quantization(quantize, host, compute_device)
     try:
         layout = await unless_stopped(model_layout(model, model_id=model_id, compute_dtype=compute_dtype,
-                                                   scheme=scheme, nats_url=nats_url, settings=settings), stop_event)
+                                                   scheme=scheme, device=compute_device, nats_url=nats_url,
+                                                   settings=settings), stop_event)
     except Stopped:
         raise
     except (InferenceError, WeightsStoreError, ValueError, KeyError, OSError) as error:

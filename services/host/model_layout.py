@@ -18,6 +18,7 @@ import torch
 
 from inference import read_config_dict, resolve_model_path, weights_sha256
 from inference.checkpoint import looks_like_local_path, default_model_id
+from inference.gguf_checkpoint import default_read_device
 from inference.hub_fetch import complete_hub_snapshot, hub_layout
 from inference.memory import layer_weight_bytes, layer_weight_bytes_of
 from inference.quantization import QuantizationScheme
@@ -37,22 +38,24 @@ class ModelLayout:
 
 
 async def model_layout(model: str, *, model_id: str | None, compute_dtype: torch.dtype, scheme: QuantizationScheme,
-                       nats_url: str | None, settings: HearthSettings) -> ModelLayout:
-    """The ModelLayout of `model` (a folder, GGUF file, hub id or `store:NAME`); CheckpointError or
-    WeightsStoreError (one line) when it cannot be read."""
+                       nats_url: str | None, settings: HearthSettings,
+                       device: torch.device | str = default_read_device) -> ModelLayout:
+    """The ModelLayout of `model` (a folder, GGUF file, hub id or `store:NAME`) as `device` will hold it;
+    CheckpointError or WeightsStoreError (one line) when it cannot be read."""
     if (name := store_model_name(model)) is not None:
         manifest = await _store_manifest(name, nats_url, settings)
-        return ModelLayout(manifest.num_layers, manifest.layer_weight_bytes(compute_dtype, scheme),
+        return ModelLayout(manifest.num_layers, manifest.layer_weight_bytes(compute_dtype, scheme, device),
                            manifest.weights_sha256, model_id or name)
     local = await asyncio.to_thread(_local_checkpoint, model)
     if local is None:
         layout = await asyncio.to_thread(hub_layout, model)
         total = int(layout.config["num_hidden_layers"])
-        per_layer = layer_weight_bytes_of(layout.tensors, compute_dtype, scheme)
+        per_layer = layer_weight_bytes_of(layout.tensors, compute_dtype, scheme, device=device)
         return ModelLayout(total, [per_layer.get(index, 0) for index in range(total)], layout.weights_sha256,
                            model_id or model)
     total = int(read_config_dict(local)["num_hidden_layers"])
-    per_layer = await asyncio.to_thread(layer_weight_bytes, local, compute_dtype, quantization=scheme)
+    per_layer = await asyncio.to_thread(layer_weight_bytes, local, compute_dtype, quantization=scheme,
+                                       device=device)
     digest = await asyncio.to_thread(weights_sha256, local)
     served_id = model_id or (default_model_id(local) if Path(model).expanduser().exists() else model)
     return ModelLayout(total, [per_layer.get(index, 0) for index in range(total)], digest, served_id)

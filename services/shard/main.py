@@ -114,7 +114,8 @@ async def load_shard(*, model: str, lo: int, hi: int, node: str, settings: Heart
     scheme = resolve_quantization(quantize, host, compute_device)
     model_path = await fetch_model(model, (lo, hi), nats_url=nats_url, settings=settings, stop_event=stop_event)
     try:
-        estimate = await asyncio.to_thread(estimated_need, model_path, lo, hi, compute_dtype, shard, scheme)
+        estimate = await asyncio.to_thread(estimated_need, model_path, lo, hi, compute_dtype, shard, scheme,
+                                           compute_device)
     except (InferenceError, ValueError, OSError) as error:
         raise ShardRefused(f"cannot load layers {lo}-{hi} of {model}: {_first_line(error)}") from None
     if (reason := refusal(lo, hi, estimate, shard, measured=False)) is not None:

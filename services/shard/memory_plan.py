@@ -14,6 +14,7 @@ import torch
 
 from inference import LayerRangeRunner
 from inference.devices import device_memory_allocated_bytes
+from inference.gguf_checkpoint import default_read_device
 from inference.memory import layer_weight_bytes, megabytes, range_weight_bytes
 from inference.quantization import QuantizationScheme
 from services.common.config_processes import ShardSettings
@@ -36,9 +37,11 @@ def kv_reserve_bytes(shard: ShardSettings) -> int:
 
 
 def estimated_need(model_path: Path, lo: int, hi: int, dtype: torch.dtype, shard: ShardSettings,
-                   quantization: QuantizationScheme | str = "none") -> MemoryNeed:
-    """What layers lo..hi will need once loaded in `dtype` and quantized, from the safetensors headers alone."""
-    per_layer = layer_weight_bytes(model_path, dtype, quantization=quantization)
+                   quantization: QuantizationScheme | str = "none",
+                   device: torch.device | str = default_read_device) -> MemoryNeed:
+    """What layers lo..hi will need once loaded in `dtype`, quantized and held on `device`, from the checkpoint's
+    headers alone."""
+    per_layer = layer_weight_bytes(model_path, dtype, quantization=quantization, device=device)
     return MemoryNeed(range_weight_bytes(per_layer, lo, hi), kv_reserve_bytes(shard))
 
 

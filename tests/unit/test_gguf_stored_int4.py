@@ -4,6 +4,8 @@ storage follows the scheme, and int4 of another group keeps its group."""
 
 from __future__ import annotations
 
+import asyncio
+
 import gguf
 import numpy as np
 import pytest
@@ -16,6 +18,10 @@ from inference import load_layer_range
 from inference.gguf_checkpoint import GGUFCheckpoint, gguf_config
 from inference.memory import layer_weight_bytes, range_weight_bytes
 from inference.quantization import QuantizationScheme, QuantizedLinear
+from services.common.config import HearthSettings
+from services.common.config_processes import ShardSettings
+from services.host.model_layout import model_layout
+from services.shard.memory_plan import estimated_need
 from tests.runner_limits import RUNNER_KV_LIMITS
 
 from .gguf_files import own_cache, rewrite_gguf, tiny_gguf, write_tiny_gguf  # noqa: F401  (fixtures)
@@ -23,6 +29,7 @@ from .inference_tiny_models import one_torch_thread  # noqa: F401  (fixture)
 from .test_batched_decode import decode_eight_sessions_together
 
 STORED_INT4 = QuantizationScheme("int4", 32)
+INT8 = QuantizationScheme("int8")
 K_QUANT_ROW = 256
 LO, HI = 1, 2
 # The kernel holds each group's scale and zero in bfloat16 (8 significant bits) and rounds its product to bfloat16:
@@ -64,7 +71,7 @@ def test_4_bit_blocks_read_as_codes_stand_for_exactly_the_ggufs_dequantized_valu
     names = [f"model.layers.1.{part}.weight" for part in ("self_attn.q_proj", "self_attn.k_proj", "mlp.down_proj")]
     for name in names:
         groups = checkpoint.read_int4_groups(name)
-        assert checkpoint.stored_block(name) == block_type.name and checkpoint.stored_int4_group_size(name) == 32
+        assert checkpoint.stored_int4_group_size(name) == 32
         assert groups.group_size == 32 and int(groups.codes.max()) <= 15 and groups.codes.dtype == torch.uint8
         assert torch.equal(groups.dequantized(), checkpoint.read([name], torch.float32)[name]), name
     assert checkpoint.stored_int4_group_size("model.layers.1.input_layernorm.weight") is None
@@ -167,3 +174,17 @@ def test_two_hosts_loading_the_same_q4_gguf_under_int8_hold_the_same_weights(tin
     for name, linear in first.items():
         theirs = second[name].state_dict()
         assert all(torch.equal(tensor, theirs[key]) for key, tensor in linear.state_dict().items()), name
+
+
+def test_hosts_and_shards_plan_with_the_device_that_will_hold_the_layers(tiny_gguf):
+    """4-bit groups are held as stored only where the device has the int4 kernel: elsewhere the plan counts int8."""
+    path, _ = tiny_gguf("llama", GGMLQuantizationType.Q4_1)
+    on = {device: asyncio.run(model_layout(str(path), model_id=None, compute_dtype=torch.float32, scheme=INT8,
+                                           nats_url=None, settings=HearthSettings(), device=device)).layer_bytes
+          for device in ("cpu", "mps")}
+    assert all(cpu < elsewhere for cpu, elsewhere in zip(on["cpu"], on["mps"], strict=True))
+    assert on["mps"] == [layer_weight_bytes(path, torch.float32, INT8, device="mps")[index]
+                         for index in range(len(on["mps"]))]
+    needs = {device: estimated_need(path, LO, HI, torch.float32, ShardSettings(), INT8, device).weight_bytes
+             for device in ("cpu", "mps")}
+    assert needs["cpu"] == sum(on["cpu"][LO:HI + 1]) < needs["mps"] == sum(on["mps"][LO:HI + 1])
