@@ -211,21 +211,26 @@ async def test_a_client_that_disconnects_frees_the_shards_and_the_caller_is_reco
     # Greedy: a sampled answer of the random tiny model may draw its end-of-text token within a few tokens and
     # complete before the disconnect is noticed (seen once in CI); the greedy one runs all 500 (its end-of-text
     # would come at token 682).
-    curl = curl_stream(mesh, chat_body(max_tokens=500, stream=True, temperature=0))
-    tokens = 0
-    for line in curl.stdout:
-        tokens += line.startswith("data: ")
-        if tokens == 4:
-            break
-    curl.kill()
-    curl.wait()
     nc = await connect_nats(mesh.cluster.nats_url, name="gateway-test", settings=mesh.cluster.nats_settings())
     try:
+        earlier = {stored.event.pipeline_id for stored in await read_events(nc, PIPELINES_STREAM,
+                                                                           ["hearth.events.pipeline.>"])}
+        curl = curl_stream(mesh, chat_body(max_tokens=500, stream=True, temperature=0))
+        tokens = 0
+        for line in curl.stdout:
+            tokens += line.startswith("data: ")
+            if tokens == 4:
+                break
+        curl.kill()
+        curl.wait()
         stats = await wait_until_released(nc, mesh.shards())
         assert all(s.active_streams == 0 and s.cached_sessions == 0 for s in stats.values()), stats
-        constructed = [stored.event for stored in await read_events(nc, PIPELINES_STREAM, ["hearth.events.pipeline.>"])
-                       if stored.event.type == "pipeline.constructed" and stored.event.caller == "dora"]
-        events = await pipeline_events(nc, constructed[-1].pipeline_id)
+        # This call's own pipeline: audit events are stored after the call's frames (events/outbox.py), so an
+        # earlier call of dora's may still be the newest one stored.
+        constructed = await wait_for_event(nc, PIPELINES_STREAM, lambda stored: (
+            stored.event.type == "pipeline.constructed" and stored.event.caller == "dora"
+            and stored.event.pipeline_id not in earlier))
+        events = await pipeline_events(nc, constructed.event.pipeline_id)
         assert (events[-1].event.type, events[-1].event.code) == ("pipeline.aborted", "client_gone")
         assert all(PROMPT not in json.dumps(stored.event.model_dump(mode="json")) for stored in events)
     finally:
