@@ -346,9 +346,7 @@ class GGUFCheckpoint:
             raise CheckpointError(f"tensor {stored.name} of {self.path.name} is stored as {stored.block_type.name}, "
                                   "not in 4-bit groups")
         rows = stored.shape[0]
-        mapped = np.memmap(self.path, dtype=np.uint8, mode="r", offset=stored.data_offset, shape=(stored.n_bytes,))
-        blocks = np.array(mapped).reshape(-1, _gguf().GGML_QUANT_SIZES[stored.block_type][1])
-        del mapped
+        blocks = np.array(self._stored_bytes(stored)).reshape(-1, _gguf().GGML_QUANT_SIZES[stored.block_type][1])
         parts = [self._processor.process(weights=part.reshape(rows, -1), name=stored.name).weights
                  for part in int4_groups_of_blocks(blocks, stored.block_type.name)]
         codes, scales, minimums = (torch.from_numpy(np.ascontiguousarray(part)).to(device) for part in parts)
@@ -379,9 +377,12 @@ class GGUFCheckpoint:
             self.bytes_read += int(stored.n_bytes)
         return tensors
 
+    def _stored_bytes(self, stored: StoredTensor) -> np.memmap:
+        """The tensor's bytes as the file holds them, memory-mapped (read only when used)."""
+        return np.memmap(self.path, dtype=np.uint8, mode="r", offset=stored.data_offset, shape=(stored.n_bytes,))
+
     def _dequantized(self, stored: StoredTensor) -> np.ndarray:
-        mapped = np.memmap(self.path, dtype=np.uint8, mode="r", offset=stored.data_offset, shape=(stored.n_bytes,))
-        data = mapped.view(stored.stored_dtype).reshape(stored.stored_shape)
+        data = self._stored_bytes(stored).view(stored.stored_dtype).reshape(stored.stored_shape)
         try:
             values = _gguf().quants.dequantize(data, stored.block_type)
         except (ValueError, NotImplementedError) as exc:

@@ -21,23 +21,25 @@ def int4_groups_of_blocks(blocks: np.ndarray, block_type: str) -> tuple[np.ndarr
     """(codes uint8 [n, values per block], scales float32 [n, groups per block], minimums likewise) of `blocks`
     ([n, bytes per block] uint8) of `block_type`, one of STORED_INT4_GROUP_SIZES."""
     if block_type == "Q4_0":
-        scales = blocks[:, :2].copy().view(np.float16).astype(np.float32)
+        scales = _float16_field(blocks, 0)
         return _low_then_high_nibbles(blocks[:, 2:]), scales, scales * -_Q4_0_OFFSET
     if block_type == "Q4_1":
-        scales = blocks[:, :2].copy().view(np.float16).astype(np.float32)
-        minimums = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
-        return _low_then_high_nibbles(blocks[:, 4:]), scales, minimums
+        return _low_then_high_nibbles(blocks[:, 4:]), _float16_field(blocks, 0), _float16_field(blocks, 2)
     if block_type == "Q4_K":
         from gguf.quants import Q4_K
 
-        d = blocks[:, :2].copy().view(np.float16).astype(np.float32)
-        dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+        d, dmin = _float16_field(blocks, 0), _float16_field(blocks, 2)
         sub_scales, sub_minimums = Q4_K.get_scale_min(blocks[:, 4:4 + _K_SCALE_BYTES].copy())
         # Each run of 32 bytes holds two sub-blocks: the low nibbles, then the high ones.
         packed = blocks[:, 4 + _K_SCALE_BYTES:].reshape(len(blocks), -1, 32)
         codes = np.concatenate([packed & _NIBBLE, packed >> 4], axis=2).reshape(len(blocks), -1)
         return codes, d * sub_scales.astype(np.float32), -(dmin * sub_minimums.astype(np.float32))
     raise ValueError(f"{block_type} is not a 4-bit block type of groups ({', '.join(STORED_INT4_GROUP_SIZES)})")
+
+
+def _float16_field(blocks: np.ndarray, offset: int) -> np.ndarray:
+    """The float16 each block holds at byte `offset`, as float32 [n, 1]."""
+    return blocks[:, offset:offset + 2].copy().view(np.float16).astype(np.float32)
 
 
 def _low_then_high_nibbles(packed: np.ndarray) -> np.ndarray:

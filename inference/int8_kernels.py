@@ -59,12 +59,6 @@ def pack_for_fbgemm(codes: torch.Tensor, scales: torch.Tensor) -> torch.ScriptOb
         return torch.ops.quantized.linear_prepack(weight, None)
 
 
-def fbgemm_codes(packed: torch.ScriptObject) -> torch.Tensor:
-    """The int8 codes [out, in] a packed weight holds."""
-    weight, _bias = torch.ops.quantized.linear_unpack(packed)
-    return weight.int_repr()
-
-
 def fbgemm_row_product(rows: torch.Tensor, packed: torch.ScriptObject) -> torch.Tensor:
     """``rows @ (codes * scales)^T`` in float32, each row (rounded to bfloat16) on its own largest magnitude in two
     7-bit levels: its codes, then what they leave, as two rows of one product (see the module docstring)."""

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from inference import quantization
-from inference.int8_kernels import fbgemm_codes, fbgemm_row_product, int8_rows_on_cpu, pack_for_fbgemm
+from inference.int8_kernels import fbgemm_row_product, int8_rows_on_cpu, pack_for_fbgemm
 from inference.quantization import QuantizedLinear, parse_quantization
 
 needs_fbgemm = pytest.mark.skipif(not int8_rows_on_cpu(), reason="this torch has no fbgemm int8 product")
@@ -25,6 +25,12 @@ def int8_weights(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     weight = torch.randn(OUT_FEATURES, IN_FEATURES) * 0.02
     scales = weight.abs().amax(dim=1) / 127
     return torch.round(weight / scales[:, None]).clamp(-127, 127).to(torch.int8), scales
+
+
+def fbgemm_codes(packed) -> torch.Tensor:
+    """The int8 codes [out, in] a packed weight holds."""
+    weight, _bias = torch.ops.quantized.linear_unpack(packed)
+    return weight.int_repr()
 
 
 def heavy_tailed_rows(count: int) -> torch.Tensor:
