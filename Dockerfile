@@ -2,20 +2,14 @@
 FROM python:3.11-slim
 WORKDIR /app
 COPY pyproject.toml README.md ./
-COPY events events
-COPY readmodels readmodels
-COPY migrations migrations
-COPY inference inference
-COPY services services
-COPY trust trust
-COPY protocol protocol
+COPY hearth hearth
 # Beside the sources: the bundled model (`orchestrator --preload hearth-tiny-llama`, `shard --model
 # models/hearth-tiny-llama`) and the NATS cluster configuration (`hearth nats --node`).
 COPY models models
 COPY nats nats
 # Point pip at a CPU-only torch index where you have one; the default index's build is much larger.
 # Editable: hearth then runs from /app and finds models/ and nats/ beside its sources as in a checkout
-# (services/common/hearth_files.py); the wheel's data package would also need grafana/ and prometheus/ copied in.
+# (hearth/services/common/hearth_files.py); the wheel's data package would also need grafana/ and prometheus/ copied in.
 RUN pip install --no-cache-dir torch==2.13.0 && pip install --no-cache-dir -e .
 ENV OMP_WAIT_POLICY=PASSIVE HEARTH_NATS_URL=nats://nats-0:4222,nats://nats-1:4222,nats://nats-2:4222
 ENTRYPOINT ["hearth"]

@@ -1,4 +1,4 @@
-"""Benchmark of sealed activations (services/transport/seal.py): which AEAD, and what sealing costs a link.
+"""Benchmark of sealed activations (hearth/services/transport/seal.py): which AEAD, and what sealing costs a link.
 
 1. The AEADs of the `cryptography` package on this CPU, for a typical decode frame (1x1x2048 fp32, 8 KiB) and a
    64-token prefill chunk (1x64x2048 fp32, 512 KiB): seal and open per frame, next to the BLAKE2b MAC that a
@@ -25,10 +25,10 @@ import torch
 import typer
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM, ChaCha20Poly1305
 
-from services.broker.connection import connect_nats
-from services.broker.server import EmbeddedNatsServer
-from services.transport import AckWindowSender, ActivationReceiver, FrameKind, StepInfo
-from services.transport.mac import new_link_key
+from hearth.services.broker.connection import connect_nats
+from hearth.services.broker.server import EmbeddedNatsServer
+from hearth.services.transport import AckWindowSender, ActivationReceiver, FrameKind, StepInfo
+from hearth.services.transport.mac import new_link_key
 
 HIDDEN = 2048
 FRAMES = {"decode 1x1x2048 fp32": (1, 1, HIDDEN), "prefill 1x64x2048 fp32": (1, 64, HIDDEN)}

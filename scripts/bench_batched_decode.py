@@ -22,11 +22,11 @@ import torch
 # This checkout's packages, not whichever checkout the virtualenv's editable install points at.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from inference import load_head, load_layer_range  # noqa: E402
-from inference.batched import BatchRow  # noqa: E402
-from inference.cpu_kernels import CPU_LINEAR_KERNELS, DEFAULT_CPU_LINEAR_KERNEL  # noqa: E402
-from services.common.config_processes import ShardSettings  # noqa: E402
-from services.devtools.random_models import random_checkpoint  # noqa: E402
+from hearth.inference import load_head, load_layer_range  # noqa: E402
+from hearth.inference.batched import BatchRow  # noqa: E402
+from hearth.inference.cpu_kernels import CPU_LINEAR_KERNELS, DEFAULT_CPU_LINEAR_KERNEL  # noqa: E402
+from hearth.services.common.config_processes import ShardSettings  # noqa: E402
+from hearth.services.devtools.random_models import random_checkpoint  # noqa: E402
 
 
 def measure(runner, head, sessions: int, steps: int, prompt_tokens: int, batched: bool, device) -> float:
@@ -70,7 +70,7 @@ def main() -> None:
                         "machine's neighbours only ever slow a run down)")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
     parser.add_argument("--cpu-linear-kernel", choices=CPU_LINEAR_KERNELS, default=DEFAULT_CPU_LINEAR_KERNEL,
-                        help="which kernel the layers' projections run on (inference/cpu_kernels.py)")
+                        help="which kernel the layers' projections run on (hearth/inference/cpu_kernels.py)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     if args.threads:

@@ -1,5 +1,5 @@
 """Benchmark: the orchestrator's head steps (final norm + lm_head, greedy pick, next embedding) of B sessions one by one
-versus as one batch (inference/head_batch.py), for B = 1, 2, 4, 8: what the head batcher saves per token, without
+versus as one batch (hearth/inference/head_batch.py), for B = 1, 2, 4, 8: what the head batcher saves per token, without
 transport or other processes.
 
     .venv/bin/python scripts/bench_batched_head.py --model random:llama-250m --threads 1
@@ -20,10 +20,10 @@ import torch
 # This checkout's packages, not whichever checkout the virtualenv's editable install points at.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from inference import load_head  # noqa: E402
-from inference.head_batch import HeadRow, batched_next_tokens, solo_next_token  # noqa: E402
-from inference.sampling import SamplingParams  # noqa: E402
-from services.devtools.random_models import random_checkpoint  # noqa: E402
+from hearth.inference import load_head  # noqa: E402
+from hearth.inference.head_batch import HeadRow, batched_next_tokens, solo_next_token  # noqa: E402
+from hearth.inference.sampling import SamplingParams  # noqa: E402
+from hearth.services.devtools.random_models import random_checkpoint  # noqa: E402
 
 GREEDY = SamplingParams()
 

@@ -15,8 +15,8 @@ import time
 
 import torch
 
-from services.transport.frames import FrameHeader, FrameKind, StepAssembler, StepInfo, encode_step
-from services.transport.integrity import NormBounds
+from hearth.services.transport.frames import FrameHeader, FrameKind, StepAssembler, StepInfo, encode_step
+from hearth.services.transport.integrity import NormBounds
 
 
 def median_us(function, evict: torch.Tensor | None, repeats: int) -> float:

@@ -29,16 +29,16 @@ from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from events.consume import StoredEvent, read_stream  # noqa: E402
-from events.streams import PIPELINES_STREAM  # noqa: E402
-from services.broker.connection import connect_nats  # noqa: E402
-from services.devtools.local_cluster import LocalCluster, even_layer_ranges  # noqa: E402
-from services.devtools.random_models import RANDOM_PREFIX, random_checkpoint  # noqa: E402
-from services.gateway.keys import create_api_key  # noqa: E402
+from hearth.events.consume import StoredEvent, read_stream  # noqa: E402
+from hearth.events.streams import PIPELINES_STREAM  # noqa: E402
+from hearth.services.broker.connection import connect_nats  # noqa: E402
+from hearth.services.devtools.local_cluster import LocalCluster, even_layer_ranges  # noqa: E402
+from hearth.services.devtools.random_models import RANDOM_PREFIX, random_checkpoint  # noqa: E402
+from hearth.services.gateway.keys import create_api_key  # noqa: E402
 
 PREFILL_SAMPLE = "hearth_shard_prefill_tokens_total"
 REUSED_SAMPLE = "hearth_shard_prefix_reused_tokens_total"
-# Word ids below the random tokenizer's characters and control tokens (services/devtools/random_models.py).
+# Word ids below the random tokenizer's characters and control tokens (hearth/services/devtools/random_models.py).
 highest_word_id = 31000
 event_wait_s = 30.0
 

@@ -31,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sqlalchemy.orm import Session  # noqa: E402
 
-from events.consume import StoredEvent  # noqa: E402
-from events.models import (  # noqa: E402
+from hearth.events.consume import StoredEvent  # noqa: E402
+from hearth.events.models import (  # noqa: E402
     PipelineAborted,
     PipelineCompleted,
     PipelineConstructed,
@@ -42,12 +42,12 @@ from events.models import (  # noqa: E402
     ShardAdvertised,
     ShardHeartbeat,
 )
-from events.streams import PIPELINES_STREAM, SHARDS_STREAM  # noqa: E402
-from protocol.subjects import event_subject, shard_id_for  # noqa: E402
-from readmodels.db import open_engine, upgrade_database  # noqa: E402
-from readmodels.projection import ReadModelProjection  # noqa: E402
-from services.dashboards.macros import TimeRange, open_read_only, run_panel_sql  # noqa: E402
-from services.dashboards.panels import DASHBOARDS  # noqa: E402
+from hearth.events.streams import PIPELINES_STREAM, SHARDS_STREAM  # noqa: E402
+from hearth.protocol.subjects import event_subject, shard_id_for  # noqa: E402
+from hearth.readmodels.db import open_engine, upgrade_database  # noqa: E402
+from hearth.readmodels.projection import ReadModelProjection  # noqa: E402
+from hearth.services.dashboards.macros import TimeRange, open_read_only, run_panel_sql  # noqa: E402
+from hearth.services.dashboards.panels import DASHBOARDS  # noqa: E402
 
 MODEL = "bench/llama-8b"
 RANGES = [(0, 7), (8, 15), (16, 23), (24, 31)]

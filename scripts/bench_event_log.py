@@ -22,12 +22,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from events import SHARDS_STREAM, ensure_streams, publish_event, read_stream  # noqa: E402
-from events.models import ShardHeartbeat, encode_event  # noqa: E402
-from events.publish import MSG_ID_HEADER  # noqa: E402
-from protocol.subjects import event_subject  # noqa: E402
-from services.broker.connection import connect_nats  # noqa: E402
-from services.broker.server import EmbeddedNatsServer  # noqa: E402
+from hearth.events import SHARDS_STREAM, ensure_streams, publish_event, read_stream  # noqa: E402
+from hearth.events.models import ShardHeartbeat, encode_event  # noqa: E402
+from hearth.events.publish import MSG_ID_HEADER  # noqa: E402
+from hearth.protocol.subjects import event_subject  # noqa: E402
+from hearth.services.broker.connection import connect_nats  # noqa: E402
+from hearth.services.broker.server import EmbeddedNatsServer  # noqa: E402
 
 bulk_publish_window = 2000
 # Many shards, so the per-subject heartbeat cap (1000) keeps every benchmark message.

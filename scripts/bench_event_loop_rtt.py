@@ -15,8 +15,8 @@ import subprocess
 import sys
 import time
 
-from services.common.lifecycle import EVENT_LOOP_ENV, run_event_loop
-from services.broker.server import EmbeddedNatsServer
+from hearth.services.common.lifecycle import EVENT_LOOP_ENV, run_event_loop
+from hearth.services.broker.server import EmbeddedNatsServer
 
 ECHO_SUBJECT = "bench.echo"
 

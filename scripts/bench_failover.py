@@ -38,11 +38,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.devtools.local_cluster import LocalCluster  # noqa: E402
-from services.client.chat import stream_chat  # noqa: E402
-from protocol.chat import ChatParams, ChatRequest, TokenDeltaFrame  # noqa: E402
-from services.broker.connection import connect_nats  # noqa: E402
-from services.devtools.random_models import RANDOM_PREFIX, random_checkpoint  # noqa: E402
+from hearth.services.devtools.local_cluster import LocalCluster  # noqa: E402
+from hearth.services.client.chat import stream_chat  # noqa: E402
+from hearth.protocol.chat import ChatParams, ChatRequest, TokenDeltaFrame  # noqa: E402
+from hearth.services.broker.connection import connect_nats  # noqa: E402
+from hearth.services.devtools.random_models import RANDOM_PREFIX, random_checkpoint  # noqa: E402
 
 # hearth's random `tiny` shape (6 layers, hidden 64: the tests' tiny checkpoint's shape); served by its folder name.
 MODEL_SHAPE = "tiny"

@@ -24,13 +24,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from transformers import AutoTokenizer  # noqa: E402
 
-from services.devtools.local_cluster import LocalCluster  # noqa: E402
-from services.client.chat import stream_chat  # noqa: E402
-from protocol.chat import ChatMessage, ChatParams, ChatRequest, ErrorFrame  # noqa: E402
-from services.common.config import HearthSettings, NatsSettings  # noqa: E402
-from services.common.lifecycle import run_event_loop  # noqa: E402
-from services.broker.connection import connect_nats  # noqa: E402
-from services.devtools.demo import DemoModel, default_shards, resolve_demo_model  # noqa: E402
+from hearth.services.devtools.local_cluster import LocalCluster  # noqa: E402
+from hearth.services.client.chat import stream_chat  # noqa: E402
+from hearth.protocol.chat import ChatMessage, ChatParams, ChatRequest, ErrorFrame  # noqa: E402
+from hearth.services.common.config import HearthSettings, NatsSettings  # noqa: E402
+from hearth.services.common.lifecycle import run_event_loop  # noqa: E402
+from hearth.services.broker.connection import connect_nats  # noqa: E402
+from hearth.services.devtools.demo import DemoModel, default_shards, resolve_demo_model  # noqa: E402
 
 FLOODER = "bench-flooder"
 NEIGHBOUR = "bench-neighbour"

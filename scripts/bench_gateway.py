@@ -26,13 +26,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import httpx2  # noqa: E402
 import openai  # noqa: E402
 
-from services.devtools.local_cluster import LocalCluster  # noqa: E402
-from services.client.chat import stream_chat  # noqa: E402
-from protocol.chat import ChatMessage, ChatRequest, TokenDeltaFrame  # noqa: E402
-from services.common.lifecycle import run_event_loop  # noqa: E402
-from services.broker.connection import connect_nats  # noqa: E402
-from services.devtools.demo import default_shards, resolve_demo_model  # noqa: E402
-from services.gateway.keys import create_api_key  # noqa: E402
+from hearth.services.devtools.local_cluster import LocalCluster  # noqa: E402
+from hearth.services.client.chat import stream_chat  # noqa: E402
+from hearth.protocol.chat import ChatMessage, ChatRequest, TokenDeltaFrame  # noqa: E402
+from hearth.services.common.lifecycle import run_event_loop  # noqa: E402
+from hearth.services.broker.connection import connect_nats  # noqa: E402
+from hearth.services.devtools.demo import default_shards, resolve_demo_model  # noqa: E402
+from hearth.services.gateway.keys import create_api_key  # noqa: E402
 
 PROMPT = "Tell me a fortune."
 MEMBER = "bench-user"

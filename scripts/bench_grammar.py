@@ -41,8 +41,8 @@ SCHEMA = {
 def tokenizers() -> dict[str, object]:
     from transformers import AutoTokenizer
 
-    from inference.gguf_checkpoint import load_gguf_tokenizer
-    from services.devtools.demo_model import bundled_model_path, real_demo_model_path
+    from hearth.inference.gguf_checkpoint import load_gguf_tokenizer
+    from hearth.services.devtools.demo_model import bundled_model_path, real_demo_model_path
 
     found = {"toy (hearth-tiny-llama)": AutoTokenizer.from_pretrained(bundled_model_path())}
     gguf = real_demo_model_path()

@@ -16,9 +16,9 @@ import time
 
 import torch
 
-from inference import load_head, load_layer_range
-from services.common.config_processes import ShardSettings
-from services.devtools.random_models import random_checkpoint
+from hearth.inference import load_head, load_layer_range
+from hearth.services.common.config_processes import ShardSettings
+from hearth.services.devtools.random_models import random_checkpoint
 
 prompt_tokens = 64
 

@@ -43,8 +43,8 @@ def run_child(mode: str, path: Path, quarter_layers: int, dtype: str) -> dict:
     import torch
     import transformers
 
-    import inference
-    from services.common.config_processes import ShardSettings
+    from hearth import inference
+    from hearth.services.common.config_processes import ShardSettings
 
     shard = ShardSettings()  # the KV limits a shard has by default
     torch.set_num_threads(1)

@@ -31,11 +31,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.devtools.bench.pipeline import pipeline_generation  # noqa: E402
-from services.devtools.bench.prompts import build_prompt  # noqa: E402
-from services.devtools.local_cluster import LocalCluster, even_layer_ranges  # noqa: E402
-from services.broker.connection import connect_nats  # noqa: E402
-from services.devtools.random_models import random_checkpoint  # noqa: E402
+from hearth.services.devtools.bench.pipeline import pipeline_generation  # noqa: E402
+from hearth.services.devtools.bench.prompts import build_prompt  # noqa: E402
+from hearth.services.devtools.local_cluster import LocalCluster, even_layer_ranges  # noqa: E402
+from hearth.services.broker.connection import connect_nats  # noqa: E402
+from hearth.services.devtools.random_models import random_checkpoint  # noqa: E402
 
 ready_timeout_s = 600.0
 timeouts = dict(first_frame_timeout=600.0, frame_gap_timeout=600.0)

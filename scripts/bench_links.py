@@ -1,4 +1,4 @@
-"""Measures what the households test bed's links cost (services/devtools/netbed.py): the latency relay's own added
+"""Measures what the households test bed's links cost (hearth/services/devtools/netbed.py): the latency relay's own added
 round-trip time and throughput against a direct connection, and its RTT's accuracy.
 
 `relay-cost`: an echo server in the hub, a client in a household; a 64-byte ping-pong (median RTT) and a one-way
@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.devtools.netbed import NetBed, unavailable_reason  # noqa: E402
+from hearth.services.devtools.netbed import NetBed, unavailable_reason  # noqa: E402
 
 ECHO_PORT = 15000
 PING_BYTES = 64

@@ -23,14 +23,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.devtools.bench.errors import BenchError  # noqa: E402
-from services.devtools.bench.mesh import bench_cluster_env  # noqa: E402
-from services.devtools.bench.pipeline import pipeline_generation  # noqa: E402
-from services.devtools.bench.prompts import build_prompt  # noqa: E402
-from services.devtools.bench.timing import GenerationTiming  # noqa: E402
-from services.devtools.local_cluster import LocalCluster, even_layer_ranges  # noqa: E402
-from services.devtools.netbed import NetBed  # noqa: E402
-from services.devtools.random_models import RANDOM_PREFIX, random_checkpoint  # noqa: E402
+from hearth.services.devtools.bench.errors import BenchError  # noqa: E402
+from hearth.services.devtools.bench.mesh import bench_cluster_env  # noqa: E402
+from hearth.services.devtools.bench.pipeline import pipeline_generation  # noqa: E402
+from hearth.services.devtools.bench.prompts import build_prompt  # noqa: E402
+from hearth.services.devtools.bench.timing import GenerationTiming  # noqa: E402
+from hearth.services.devtools.local_cluster import LocalCluster, even_layer_ranges  # noqa: E402
+from hearth.services.devtools.netbed import NetBed  # noqa: E402
+from hearth.services.devtools.random_models import RANDOM_PREFIX, random_checkpoint  # noqa: E402
 
 # A hop's input comes down its household's link and its output goes up it: two relay legs of RTT/2 per household.
 LEGS_PER_HOUSEHOLD = 2
@@ -180,7 +180,7 @@ class LinksSweep:
             relay.set_rtt(bed.relay_port(index), rtt_ms)
 
     async def _measure(self, cluster: LocalCluster, bed: NetBed, relay, result: SweepResult) -> None:
-        from services.broker.connection import connect_nats
+        from hearth.services.broker.connection import connect_nats
         from transformers import AutoTokenizer
 
         options = self.options

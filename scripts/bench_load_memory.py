@@ -74,9 +74,9 @@ def run_child(what: str, path: Path, dtype: str, device: str) -> dict:
     sys.path.insert(0, str(REPO_ROOT))
     import torch
 
-    import inference
-    from inference.devices import synchronize
-    from services.common.config_processes import ShardSettings
+    from hearth import inference
+    from hearth.inference.devices import synchronize
+    from hearth.services.common.config_processes import ShardSettings
 
     shard = ShardSettings()  # the KV limits a shard has by default
     torch.set_num_threads(1)
@@ -169,7 +169,7 @@ def main() -> None:
         return
 
     sys.path.insert(0, str(REPO_ROOT))
-    from services.devtools.random_models import RANDOM_PREFIX, random_checkpoint
+    from hearth.services.devtools.random_models import RANDOM_PREFIX, random_checkpoint
 
     path = random_checkpoint(args.model) if args.model.startswith(RANDOM_PREFIX) else Path(args.model)
     rows = []

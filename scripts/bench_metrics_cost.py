@@ -12,9 +12,9 @@ import argparse
 import statistics
 import time
 
-from services.common.metrics import set_metrics_observed
-from services.orchestrator.metrics import HopLatencies
-from services.shard.metrics import ShardStepMetrics
+from hearth.services.common.metrics import set_metrics_observed
+from hearth.services.orchestrator.metrics import HopLatencies
+from hearth.services.shard.metrics import ShardStepMetrics
 
 
 def per_call_us(function, calls: int, rounds: int) -> float:

@@ -33,7 +33,7 @@ def ring_rates(path: str, ranges, threads: int, rounds: int, new_tokens: int) ->
 
 def hearth_bench(shape: str, shards: int, repeats: int, new_tokens: int) -> dict:
     # `python -m services.cli` from this checkout (not the installed `hearth`): a worktree benches its own code.
-    command = [sys.executable, "-m", "services.cli", "bench", "--model", f"random:{shape}", "--shards",
+    command = [sys.executable, "-m", "hearth.services.cli", "bench", "--model", f"random:{shape}", "--shards",
                str(shards), "--repeats", str(repeats), "--new-tokens", str(new_tokens), "--sessions", "1",
                "--no-library-defaults", "--json"]
     completed = subprocess.run(command, capture_output=True, text=True, cwd=REPO_ROOT, check=True)
@@ -51,8 +51,8 @@ def main() -> None:
 
     from transformers import AutoConfig
 
-    from services.devtools.local_cluster import even_layer_ranges
-    from services.devtools.random_models import random_checkpoint
+    from hearth.services.devtools.local_cluster import even_layer_ranges
+    from hearth.services.devtools.random_models import random_checkpoint
 
     path = str(random_checkpoint(f"random:{args.shape}"))
     ranges = even_layer_ranges(AutoConfig.from_pretrained(path).num_hidden_layers, args.shards)

@@ -28,13 +28,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from inference import weights_sha256  # noqa: E402
-from protocol.control import CloseHop, ControlReply, OpenHop, StatShard  # noqa: E402
-from protocol.subjects import LinkNodes, keepalive_subject, shard_control_subject  # noqa: E402
-from services.broker.connection import connect_nats  # noqa: E402
-from services.devtools.local_cluster import LocalCluster  # noqa: E402
-from services.devtools.random_models import RANDOM_PREFIX, random_checkpoint  # noqa: E402
-from services.transport import AckWindowSender, ActivationReceiver, FrameKind, StepInfo  # noqa: E402
+from hearth.inference import weights_sha256  # noqa: E402
+from hearth.protocol.control import CloseHop, ControlReply, OpenHop, StatShard  # noqa: E402
+from hearth.protocol.subjects import LinkNodes, keepalive_subject, shard_control_subject  # noqa: E402
+from hearth.services.broker.connection import connect_nats  # noqa: E402
+from hearth.services.devtools.local_cluster import LocalCluster  # noqa: E402
+from hearth.services.devtools.random_models import RANDOM_PREFIX, random_checkpoint  # noqa: E402
+from hearth.services.transport import AckWindowSender, ActivationReceiver, FrameKind, StepInfo  # noqa: E402
 
 node_id = "probed"
 ready_timeout_s = 600.0

@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from events.models import (  # noqa: E402
+from hearth.events.models import (  # noqa: E402
     IntegrityCorruptionDetected,
     PipelineAborted,
     PipelineCompleted,
@@ -39,13 +39,13 @@ from events.models import (  # noqa: E402
     ShardHeartbeat,
     encode_event,
 )
-from events.publish import MSG_ID_HEADER  # noqa: E402
-from events.streams import ensure_streams  # noqa: E402
-from protocol.subjects import event_subject, shard_id_for  # noqa: E402
-from readmodels.rebuild import diff_databases, rebuild_database  # noqa: E402
-from readmodels.runner import Projector  # noqa: E402
-from services.broker.connection import connect_nats  # noqa: E402
-from services.broker.server import EmbeddedNatsServer  # noqa: E402
+from hearth.events.publish import MSG_ID_HEADER  # noqa: E402
+from hearth.events.streams import ensure_streams  # noqa: E402
+from hearth.protocol.subjects import event_subject, shard_id_for  # noqa: E402
+from hearth.readmodels.rebuild import diff_databases, rebuild_database  # noqa: E402
+from hearth.readmodels.runner import Projector  # noqa: E402
+from hearth.services.broker.connection import connect_nats  # noqa: E402
+from hearth.services.broker.server import EmbeddedNatsServer  # noqa: E402
 
 model_id = "bench/model-24l"
 weights = "ee" * 32

@@ -16,9 +16,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from inference import SamplingParams, load_full  # noqa: E402
-from services.common.config_processes import ShardSettings  # noqa: E402
-from services.devtools.random_models import RANDOM_PREFIX, random_checkpoint  # noqa: E402
+from hearth.inference import SamplingParams, load_full  # noqa: E402
+from hearth.services.common.config_processes import ShardSettings  # noqa: E402
+from hearth.services.devtools.random_models import RANDOM_PREFIX, random_checkpoint  # noqa: E402
 
 PROMPT_TOKENS = 16
 PREFILL_TOKENS = 256

@@ -1,7 +1,7 @@
 """Micro-benchmark of the CPU kernels a quantized Linear could run on: time per call and output error against fp32.
 
 Candidates: fp32 nn.Linear; torch's dynamic int8 Linear (activations quantized per call too); hearth's int8 (fbgemm,
-each activation row quantized on its own in two levels: inference/int8_kernels.py); torch's weight-only int8 op
+each activation row quantized on its own in two levels: hearth/inference/int8_kernels.py); torch's weight-only int8 op
 `_weight_int8pack_mm` (per output channel, fp32 or bf16 activations); torch's weight-only int4 op
 `_weight_int4pack_mm_for_cpu` (group-wise, fp32 or bf16 activations). Then, as decode reads them, one row through the
 Linears of 16 layers of a 250M Llama shape in turn, so their weights come from memory rather than the cache, per
@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from inference.int8_kernels import fbgemm_row_product, int8_rows_on_cpu, pack_for_fbgemm  # noqa: E402
-from inference.quantization import QuantizedLinear, parse_quantization  # noqa: E402
+from hearth.inference.int8_kernels import fbgemm_row_product, int8_rows_on_cpu, pack_for_fbgemm  # noqa: E402
+from hearth.inference.quantization import QuantizedLinear, parse_quantization  # noqa: E402
 
 SHAPES = ((1024, 2816), (2816, 1024))
 ROWS = (1, 8, 64)

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from inference.quantization import QuantizedLinear, parse_quantization  # noqa: E402
+from hearth.inference.quantization import QuantizedLinear, parse_quantization  # noqa: E402
 
 SHAPES = ((4096, 4096), (4096, 1024), (4096, 14336), (14336, 4096))
 ROWS = (1, 8, 32)

@@ -59,8 +59,8 @@ def stage_step(runner, message: bytes) -> bytes | None:
 def load_stage(path: str, lo: int, hi: int, threads: int):
     import torch
 
-    from inference import load_layer_range
-    from services.common.config_processes import ShardSettings
+    from hearth.inference import load_layer_range
+    from hearth.services.common.config_processes import ShardSettings
 
     torch.set_num_threads(threads)
     shard = ShardSettings()  # the KV limits a shard has by default
@@ -76,8 +76,8 @@ def pipe_stage(path: str, lo: int, hi: int, threads: int, inbound, outbound) -> 
 
 
 def nats_stage(path: str, lo: int, hi: int, threads: int, url: str, index: int) -> None:
-    from inference.compute_thread import on_compute_thread
-    from services.common.lifecycle import run_event_loop
+    from hearth.inference.compute_thread import on_compute_thread
+    from hearth.services.common.lifecycle import run_event_loop
 
     runner = load_stage(path, lo, hi, threads)
 
@@ -113,7 +113,7 @@ class Head:
     def __init__(self, path: str, threads: int) -> None:
         import torch
 
-        from inference import load_head
+        from hearth.inference import load_head
 
         torch.set_num_threads(threads)
         self.head = load_head(path, load_tokenizer=False)
@@ -194,9 +194,9 @@ def run_pipe(path: str, ranges, threads: int, rounds: int, new_tokens: int) -> l
 
 
 def run_nats(path: str, ranges, threads: int, rounds: int, new_tokens: int) -> list[Generation]:
-    from inference.compute_thread import on_compute_thread
-    from services.common.lifecycle import run_event_loop
-    from services.broker.server import EmbeddedNatsServer
+    from hearth.inference.compute_thread import on_compute_thread
+    from hearth.services.common.lifecycle import run_event_loop
+    from hearth.services.broker.server import EmbeddedNatsServer
 
     context = mp.get_context("spawn")
     with EmbeddedNatsServer() as server:
@@ -258,8 +258,8 @@ def main() -> None:
 
     from transformers import AutoConfig
 
-    from services.devtools.random_models import random_checkpoint
-    from services.devtools.local_cluster import even_layer_ranges
+    from hearth.services.devtools.random_models import random_checkpoint
+    from hearth.services.devtools.local_cluster import even_layer_ranges
 
     path = str(random_checkpoint(f"random:{args.shape}"))
     ranges = even_layer_ranges(AutoConfig.from_pretrained(path).num_hidden_layers, args.shards)

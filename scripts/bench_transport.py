@@ -34,9 +34,9 @@ from typing import Annotated
 import torch
 import typer
 
-from services.broker.connection import connect_nats
-from services.broker.server import EmbeddedNatsServer
-from services.transport import (
+from hearth.services.broker.connection import connect_nats
+from hearth.services.broker.server import EmbeddedNatsServer
+from hearth.services.transport import (
     AckWindowSender,
     ActivationReceiver,
     FrameKind,
@@ -217,7 +217,7 @@ async def run_benchmark(nats_url: str, steps: int, warmup: int, prefill_steps: i
 
 def markdown(results: dict[str, object], command: str, steps: int) -> str:
     lines = [
-        "## Activation transport (services/transport) — per-hop overhead over loopback",
+        "## Activation transport (hearth/services/transport) — per-hop overhead over loopback",
         "",
         f"Command: `{command}`  ",
         f"Machine: {platform.machine()}, {os.cpu_count()} CPU cores (shared), Python {platform.python_version()}, "

@@ -7,7 +7,7 @@ several shard processes (replicas, each on a node of its own), an orchestrator; 
 cost: one mesh with `--cost-replicas` per range (default: enough for the most demanding level measured, 3 with
 `vote`, else 2, so that `sampled` finds a replica too); after a warm-up call per level, `--rounds` rounds each make
 one call (one session, the same prompt, greedy, `--new-tokens`) per level in `--levels`, the order rotated every
-round so drifting load hits all alike. Per level: decode tokens/s of each call (services/devtools/bench/timing.py),
+round so drifting load hits all alike. Per level: decode tokens/s of each call (hearth/services/devtools/bench/timing.py),
 the median over rounds of its ratio to `none` in the same round, and the checks the orchestrator counted
 (`hearth_verification_checks_total`).
 
@@ -43,21 +43,21 @@ from typing import get_args
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from protocol.chat import VerifyLevel  # noqa: E402
-from services.common.config_processes import VerificationSettings  # noqa: E402
-from services.common.lifecycle import run_event_loop  # noqa: E402
-from services.devtools.bench.errors import BenchError  # noqa: E402
-from services.devtools.bench.mesh import (BenchMesh, bench_cluster_env, start_bench_mesh,  # noqa: E402
+from hearth.protocol.chat import VerifyLevel  # noqa: E402
+from hearth.services.common.config_processes import VerificationSettings  # noqa: E402
+from hearth.services.common.lifecycle import run_event_loop  # noqa: E402
+from hearth.services.devtools.bench.errors import BenchError  # noqa: E402
+from hearth.services.devtools.bench.mesh import (BenchMesh, bench_cluster_env, start_bench_mesh,  # noqa: E402
                                           wait_mesh_ready)
-from services.devtools.bench.pipeline import pipeline_generation  # noqa: E402
-from services.devtools.bench.prompts import build_prompt  # noqa: E402
-from services.devtools.bench.runner import bench_step_timeout_s  # noqa: E402
-from services.devtools.bench.transport_metrics import mean_batch_rows, scrape_hosts  # noqa: E402
-from services.devtools.bench.verification_metrics import (MIRRORS_PER_CHECK, checks_between,  # noqa: E402
+from hearth.services.devtools.bench.pipeline import pipeline_generation  # noqa: E402
+from hearth.services.devtools.bench.prompts import build_prompt  # noqa: E402
+from hearth.services.devtools.bench.runner import bench_step_timeout_s  # noqa: E402
+from hearth.services.devtools.bench.transport_metrics import mean_batch_rows, scrape_hosts  # noqa: E402
+from hearth.services.devtools.bench.verification_metrics import (MIRRORS_PER_CHECK, checks_between,  # noqa: E402
                                                           checks_with_verdict, scrape_verification_checks)
-from services.devtools.demo import resolve_demo_model  # noqa: E402
-from services.devtools.local_cluster import LocalCluster  # noqa: E402
-from services.devtools.random_models import RANDOM_PREFIX, random_checkpoint  # noqa: E402
+from hearth.services.devtools.demo import resolve_demo_model  # noqa: E402
+from hearth.services.devtools.local_cluster import LocalCluster  # noqa: E402
+from hearth.services.devtools.random_models import RANDOM_PREFIX, random_checkpoint  # noqa: E402
 
 LEVELS = get_args(VerifyLevel)
 
@@ -150,7 +150,7 @@ class VerificationBench:
             return run_event_loop(self._connected(cluster, mesh, measure))
 
     async def _connected(self, cluster: LocalCluster, mesh: BenchMesh, measure):
-        from services.broker.connection import connect_nats
+        from hearth.services.broker.connection import connect_nats
 
         nc = await connect_nats(cluster.nats_url, name="hearth-bench-verification", settings=cluster.nats_settings())
         try:

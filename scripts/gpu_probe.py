@@ -43,9 +43,9 @@ def launch_cost_us(torch, device) -> float:
 def shard_step_ms(torch, path: Path, device: str, dtype: str, layers: tuple[int, int], hidden_size: int,
                   prompt_tokens: int) -> dict[str, float]:
     """Milliseconds per decode step of one layer range as a shard runs it, whole and by part (medians)."""
-    from inference import load_layer_range
-    from inference.host_staging import to_device, to_host
-    from services.common.config_processes import ShardSettings
+    from hearth.inference import load_layer_range
+    from hearth.inference.host_staging import to_device, to_host
+    from hearth.services.common.config_processes import ShardSettings
 
     shard = ShardSettings()  # the KV limits a shard has by default
     runner = load_layer_range(path, layers[0], layers[1], device=device, dtype=dtype,
@@ -93,9 +93,9 @@ def main() -> None:
 
     import torch
 
-    from services.devtools.bench.monolithic import MonolithicModel
-    from services.devtools.bench.prompts import build_prompt
-    from services.devtools.random_models import RANDOM_PREFIX, random_checkpoint
+    from hearth.services.devtools.bench.monolithic import MonolithicModel
+    from hearth.services.devtools.bench.prompts import build_prompt
+    from hearth.services.devtools.random_models import RANDOM_PREFIX, random_checkpoint
 
     path = random_checkpoint(args.model) if args.model.startswith(RANDOM_PREFIX) else Path(args.model)
     model = MonolithicModel(path, args.device, args.dtype)
@@ -135,7 +135,7 @@ def main() -> None:
     if args.shard_layers:
         lo, hi = (int(bound) for bound in args.shard_layers.split("-"))
     else:
-        from services.devtools.local_cluster import even_layer_ranges
+        from hearth.services.devtools.local_cluster import even_layer_ranges
 
         lo, hi = even_layer_ranges(model.model.config.num_hidden_layers, 3)[0]
     figures["shard_step_ms"] = shard_step_ms(torch, path, args.device, args.dtype, (lo, hi),

@@ -51,11 +51,11 @@ def profile_shape(torch, shape: str, lo: int, hi: int, device: str, dtype: str) 
     from torch.profiler import ProfilerActivity, profile
     from transformers import AutoConfig
 
-    from inference import load_layer_range
-    from inference.batched import BatchRow
-    from inference.host_staging import to_device, to_host
-    from services.common.config_processes import ShardSettings
-    from services.devtools.random_models import random_checkpoint
+    from hearth.inference import load_layer_range
+    from hearth.inference.batched import BatchRow
+    from hearth.inference.host_staging import to_device, to_host
+    from hearth.services.common.config_processes import ShardSettings
+    from hearth.services.devtools.random_models import random_checkpoint
 
     cuda = device.startswith("cuda")
     activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]

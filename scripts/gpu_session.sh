@@ -119,7 +119,7 @@ for shape in sys.argv[1:]: print(write('random:' + shape))" "$mid" "$big" > "$ou
   batching)
     # With CUDA graphs (the default) a set of sessions that keeps decoding together replays one graph of its
     # batched step (StaticDecoder.run_batch); with dynamic caches (graphs off) their decode steps run as one
-    # batched eager forward (inference/batched.py). Shards on a GPU merge no decoding groups (LocalCluster); the
+    # batched eager forward (hearth/inference/batched.py). Shards on a GPU merge no decoding groups (LocalCluster); the
     # third bench gives them the CPU's 200 ms merge window, which cost 27 % of the aggregate rate on the H200.
     small=llama-250m
     [ -n "${HEARTH_GPU_DRY_RUN:-}" ] && small=tiny

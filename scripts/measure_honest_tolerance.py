@@ -5,10 +5,10 @@ For each (dtype, scheme) and each round, a batch of 2..8 sessions (cycling) with
 its positions' outputs computed as: (a) the reference, one prefill of all of a session's positions (what a verifier
 replica runs); (b) the first session alone: its prompt prefilled in chunks, each run a layer per turn in pieces of
 tokens (a shard's sliced prefill), then one decode step per position; (c) every session: the prompts as one batched
-prefill, then batched decode steps of all the sessions' rows (`step_batch`, as services/shard/compute.py runs them);
+prefill, then batched decode steps of all the sessions' rows (`step_batch`, as hearth/services/shard/compute.py runs them);
 (d) (b)'s and (c)'s outputs after a round trip through each wire dtype (bf16, fp16, int8 blocks). Errors are
 `inference.activation_compare.position_errors` against (a), one per position. The faults' rows are the smallest
-and median error each fault spec makes on the reference outputs (services/shard/faults.py).
+and median error each fault spec makes on the reference outputs (hearth/services/shard/faults.py).
 
 Inputs are the embeddings of random tokens (also for a range that does not start at layer 0).
 Usage: python scripts/measure_honest_tolerance.py [--model random:llama-250m] [--layers 0-3]
@@ -30,14 +30,14 @@ from safetensors import safe_open
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from inference.activation_compare import position_errors  # noqa: E402
-from inference.batched import BatchRow  # noqa: E402
-from inference.loading import load_layer_range  # noqa: E402
-from services.common.config import TransportSettings  # noqa: E402
-from services.common.config_processes import ShardSettings  # noqa: E402
-from services.devtools.random_models import RANDOM_PREFIX, random_checkpoint  # noqa: E402
-from services.shard.faults import ShardFault  # noqa: E402
-from services.transport.wire import WireDtype, decode_payload, encode_payload  # noqa: E402
+from hearth.inference.activation_compare import position_errors  # noqa: E402
+from hearth.inference.batched import BatchRow  # noqa: E402
+from hearth.inference.loading import load_layer_range  # noqa: E402
+from hearth.services.common.config import TransportSettings  # noqa: E402
+from hearth.services.common.config_processes import ShardSettings  # noqa: E402
+from hearth.services.devtools.random_models import RANDOM_PREFIX, random_checkpoint  # noqa: E402
+from hearth.services.shard.faults import ShardFault  # noqa: E402
+from hearth.services.transport.wire import WireDtype, decode_payload, encode_payload  # noqa: E402
 
 FAULT_SPECS = ("scale=1.01", "noise=0.01", "offset=0.1", "bitflip=30", "bitflip=23")
 WIRE_DTYPES = (WireDtype.bfloat16, WireDtype.float16, WireDtype.int8)
@@ -58,7 +58,7 @@ def embedding_rows(path: Path) -> torch.Tensor:
 
 
 def wire_round_trip(tensor: torch.Tensor, wire: WireDtype, int8_block: int) -> torch.Tensor:
-    """The tensor a receiver restores after `tensor` travelled as `wire` (services/transport/wire.py)."""
+    """The tensor a receiver restores after `tensor` travelled as `wire` (hearth/services/transport/wire.py)."""
     wire_dtype, compute, block, _owner, view = encode_payload(tensor.cpu().contiguous(), wire, int8_block)
     return decode_payload(wire_dtype, compute, tuple(tensor.shape), block, bytearray(view))
 

@@ -1,11 +1,11 @@
-"""Builds a multi-household test bed on this machine (services/devtools/netbed.py) and holds it until Ctrl-C, then removes it.
+"""Builds a multi-household test bed on this machine (hearth/services/devtools/netbed.py) and holds it until Ctrl-C, then removes it.
 
 A hub namespace (for the broker and the orchestrator) and one namespace per household, joined by veth links to a
 bridge in the hub, addresses from 198.18.0.0/24 that exist only inside those namespaces. While it is up, run
 processes inside with `ip netns exec NAME ...` (printed below), cut a household's link with
 `ip -n HUB link set to-hN down` (and `up` to heal it). Links may be shaped to a bandwidth (tc tbf); with
 `--relay-to PORT` each household reaches PORT on the hub's address through a latency relay adding `--rtt-ms`
-(services/devtools/netbed_relay.py; start the broker on that port in the hub, households dial the printed URL).
+(hearth/services/devtools/netbed_relay.py; start the broker on that port in the hub, households dial the printed URL).
 Needs root.
 
 Usage: sudo .venv/bin/python scripts/netbed.py [--households 3] [--rate-mbit 100] [--relay-to 4222 --rtt-ms 10]
@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.devtools.netbed import NetBed, max_households, sweep_stale, unavailable_reason  # noqa: E402
+from hearth.services.devtools.netbed import NetBed, max_households, sweep_stale, unavailable_reason  # noqa: E402
 
 
 def main() -> int:

@@ -18,20 +18,20 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from services.devtools.bench.pipeline import pipeline_generation  # noqa: E402
-from services.devtools.bench.process_stats import resident_memory, shard_imports_memory  # noqa: E402
-from services.devtools.local_cluster import LocalCluster  # noqa: E402
-from services.broker.connection import connect_nats  # noqa: E402
-from services.devtools.random_models import RANDOM_PREFIX, random_checkpoint  # noqa: E402
+from hearth.services.devtools.bench.pipeline import pipeline_generation  # noqa: E402
+from hearth.services.devtools.bench.process_stats import resident_memory, shard_imports_memory  # noqa: E402
+from hearth.services.devtools.local_cluster import LocalCluster  # noqa: E402
+from hearth.services.broker.connection import connect_nats  # noqa: E402
+from hearth.services.devtools.random_models import RANDOM_PREFIX, random_checkpoint  # noqa: E402
 
 HOST_READY_TIMEOUT_S = 900.0
 PROMPT = " ".join(f"t{index}" for index in range(1, 17))
 
 
 async def advertised(cluster: LocalCluster) -> dict[str, dict]:
-    from events.consume import read_stream
-    from events.models import ShardAdvertised
-    from events.streams import SHARDS_STREAM
+    from hearth.events.consume import read_stream
+    from hearth.events.models import ShardAdvertised
+    from hearth.events.streams import SHARDS_STREAM
 
     nc = await connect_nats(cluster.nats_url, name="reach-reader", settings=cluster.nats_settings())
     newest: dict[str, dict] = {}

@@ -1,4 +1,4 @@
-"""Runs the soak under faults (services/devtools/soak.py): greedy chat load with known answers on a mesh of real
+"""Runs the soak under faults (hearth/services/devtools/soak.py): greedy chat load with known answers on a mesh of real
 processes while shard hosts are killed, frozen and restarted, an orchestrator restarted, household links cut and a
 NATS node restarted, one fault at a time; then checks the answers, the event log, `hearth-replay verify`, the
 JetStream limits and memory trends. Writes OUT/report.json and OUT/timeline.png; exits 0 when every check passed.
@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.devtools.soak import Soak  # noqa: E402
+from hearth.services.devtools.soak import Soak  # noqa: E402
 
 
 def _interrupt(*_: object) -> None:

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from services.devtools.local_cluster import PREFORK_ENV
-from services.broker.cluster import EmbeddedNatsCluster
-from services.broker.server import EmbeddedNatsServer
+from hearth.services.devtools.local_cluster import PREFORK_ENV
+from hearth.services.broker.cluster import EmbeddedNatsCluster
+from hearth.services.broker.server import EmbeddedNatsServer
 
 # Every LocalCluster of the suite (and of the `hearth demo`/`hearth bench` it runs) forks its hearth processes
 # from a launcher that imported torch and transformers once: a mesh starts in seconds instead of paying 5-7 s
@@ -74,7 +74,7 @@ def nats_url(request, tmp_path) -> Iterator[str]:
 @pytest.fixture
 async def connections(nats_url):
     """Two clients, as two processes would have: one sends (the source), one receives (the hop)."""
-    from services.broker.connection import connect_nats
+    from hearth.services.broker.connection import connect_nats
 
     source = await connect_nats(nats_url, name="test-source")
     hop = await connect_nats(nats_url, name="test-hop")

@@ -9,17 +9,17 @@ from pathlib import Path
 from sqlalchemy import Engine, select
 from sqlalchemy.orm import Session
 
-from events.consume import StoredEvent
-from events.models import (
+from hearth.events.consume import StoredEvent
+from hearth.events.models import (
     PipelineConstructed,
     ShardAdvertised,
     ShardHeartbeat,
 )
-from events.streams import PIPELINES_STREAM, SHARDS_STREAM
-from protocol.subjects import event_subject, shard_id_for
-from readmodels.db import open_engine, upgrade_database
-from readmodels.projection import ReadModelProjection
-from readmodels.tables import Base
+from hearth.events.streams import PIPELINES_STREAM, SHARDS_STREAM
+from hearth.protocol.subjects import event_subject, shard_id_for
+from hearth.readmodels.db import open_engine, upgrade_database
+from hearth.readmodels.projection import ReadModelProjection
+from hearth.readmodels.tables import Base
 
 MODEL_ID = "tiny/llama-test"
 WEIGHTS_SHA = "ab" * 32
@@ -113,7 +113,7 @@ def synthetic_events(*, shards: int = 4, pipelines: int = 20, heartbeats_per_sha
     abort, fall back or see corruption), one shard withdraws. Ordered by occurred_at."""
     import random
 
-    from events.models import (
+    from hearth.events.models import (
         IntegrityCorruptionDetected,
         PipelineAborted,
         PipelineCompleted,

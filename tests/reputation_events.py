@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from events.models import (
+from hearth.events.models import (
     IntegrityMismatchConfirmed,
     IntegrityMismatchDisputed,
     IntegrityQuarantineCleared,

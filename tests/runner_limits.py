@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from services.common.config_processes import ShardSettings
+from hearth.services.common.config_processes import ShardSettings
 
 _shard_defaults = ShardSettings()
 KV_BUDGET_BYTES = _shard_defaults.kv_cache_budget_bytes

@@ -12,7 +12,7 @@
 //
 // A community mesh also wants every `llm.chat.request` signed by a member: with --creds each one carries the
 // Hearth-Caller* headers (the member's public key, a time, a nonce and an Ed25519 signature over subject,
-// reply inbox, time, nonce and body; services/common/call_signing.py is the reference), and the orchestrator
+// reply inbox, time, nonce and body; hearth/services/common/call_signing.py is the reference), and the orchestrator
 // answers an unsigned or badly signed call with an `error` frame of code `unauthorized`.
 //
 // Exit codes: 0 the stream ended with `done`; 1 it ended with `error` or `pipeline_aborted` (the summary
@@ -104,7 +104,7 @@ function nkeySeed(file) {
   return encoder.encode(seed);
 }
 
-// The headers that sign one call, as services/common/call_signing.py builds them: the signature covers
+// The headers that sign one call, as hearth/services/common/call_signing.py builds them: the signature covers
 // "hearth-call\n" + subject + "\n" + reply inbox + "\n" + time + "\n" + nonce + "\n" followed by the exact body
 // bytes published, so neither the body nor the inbox the answer goes to can be changed, and the nonce (with
 // the time) keeps the call from being replayed.

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from services.devtools.local_cluster import LocalCluster
-from services.broker.connection import connect_nats
-from services.client.chat import ChatResult, chat
-from protocol.chat import ChatRequest
+from hearth.services.devtools.local_cluster import LocalCluster
+from hearth.services.broker.connection import connect_nats
+from hearth.services.client.chat import ChatResult, chat
+from hearth.protocol.chat import ChatRequest
 from tests.unit.inference_tiny_models import write_tiny_model
 
 TINY_MODEL_NAME = "tiny-llama"
@@ -119,7 +119,7 @@ async def client(cluster) -> AsyncIterator:
 def publish_to_store(cluster: LocalCluster, path: Path, name: str) -> None:
     """`hearth weights publish PATH --name NAME` into `cluster`'s store, as its system user; checked to succeed."""
     publish = subprocess.run(
-        [sys.executable, "-m", "services.cli", "weights", "publish", str(path), "--name", name,
+        [sys.executable, "-m", "hearth.services.cli", "weights", "publish", str(path), "--name", name,
          "--nats", cluster.nats_url],
         env={**os.environ, **cluster.credentials_env(cluster.system_creds)}, capture_output=True, text=True,
         timeout=PUBLISH_TIMEOUT_S, cwd=Path(__file__).resolve().parents[2])

@@ -14,9 +14,9 @@ from pathlib import Path
 
 from nats.aio.client import Client as NatsClient
 
-from events.consume import StoredEvent, read_stream, stream_last_seq
-from events.streams import ALL_STREAMS
-from readmodels.rebuild import diff_databases, rebuild_database
+from hearth.events.consume import StoredEvent, read_stream, stream_last_seq
+from hearth.events.streams import ALL_STREAMS
+from hearth.readmodels.rebuild import diff_databases, rebuild_database
 
 # The projectors' ordered consumers notice a vanished consumer after ~3 missed 2 s idle heartbeats.
 resume_timeout_s = 45.0

@@ -20,14 +20,14 @@ import pytest
 from nats.aio.client import Client as NatsClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from events.consume import StoredEvent, read_stream
-from events.streams import PIPELINES_STREAM, SHARDS_STREAM
-from protocol.subjects import shard_control_subject
-from services.devtools.local_cluster import LocalCluster, ManagedProcess
-from services.client.chat import answer_tokens, stream_chat
-from protocol.chat import ChatParams, ChatRequest, TokenDeltaFrame
-from protocol.control import ShardStat, StatShard
-from services.broker.connection import connect_nats
+from hearth.events.consume import StoredEvent, read_stream
+from hearth.events.streams import PIPELINES_STREAM, SHARDS_STREAM
+from hearth.protocol.subjects import shard_control_subject
+from hearth.services.devtools.local_cluster import LocalCluster, ManagedProcess
+from hearth.services.client.chat import answer_tokens, stream_chat
+from hearth.protocol.chat import ChatParams, ChatRequest, TokenDeltaFrame
+from hearth.protocol.control import ShardStat, StatShard
+from hearth.services.broker.connection import connect_nats
 from tests.e2e.conftest import TINY_MODEL_NAME, start_orchestrator
 
 STEP_TIMEOUT_S = 1.0
@@ -317,7 +317,7 @@ async def read_events(nc: NatsClient, stream: str,
 
 async def pipeline_events(nc: NatsClient, pipeline_id: str, *, ended: bool = True) -> list[StoredEvent]:
     """The pipeline's events; with `ended`, once its final event (completed or aborted) is stored: audit events
-    are written after the call's frames (events/outbox.py), so the last frame can arrive before them."""
+    are written after the call's frames (hearth/events/outbox.py), so the last frame can arrive before them."""
     if ended:
         await wait_for_pipeline_end(nc, pipeline_id)
     return await read_events(nc, PIPELINES_STREAM, [f"hearth.events.pipeline.{pipeline_id}.>",
@@ -360,8 +360,8 @@ def scrape_metric(port: int, name: str, labels: dict[str, str]) -> float:
 
 def replay_pipeline(cluster: LocalCluster, pipeline_id: str) -> list[dict]:
     """`hearth-replay pipeline ID --output jsonl` (as the cluster's system user), parsed."""
-    command = [sys.executable, "-m", "services.replay.cli", "pipeline", pipeline_id, "--output", "jsonl", "--nats",
-               cluster.nats_url]
+    command = [sys.executable, "-m", "hearth.services.replay.cli", "pipeline", pipeline_id, "--output", "jsonl",
+               "--nats", cluster.nats_url]
     completed = subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=str(
         Path(__file__).resolve().parents[2]), env={**os.environ, **cluster.credentials_env(cluster.system_creds)})
     assert completed.returncode == 0, completed.stderr

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from inference import weights_sha256
-from services.devtools.local_cluster import LocalCluster
-from services.client.chat import ChatResult, chat, stream_chat
-from protocol.chat import ChatParams, ChatRequest, ErrorFrame, QueuedFrame
-from protocol.control import CloseHop, ControlReply, OpenHop
-from services.broker.connection import connect_nats
+from hearth.inference import weights_sha256
+from hearth.services.devtools.local_cluster import LocalCluster
+from hearth.services.client.chat import ChatResult, chat, stream_chat
+from hearth.protocol.chat import ChatParams, ChatRequest, ErrorFrame, QueuedFrame
+from hearth.protocol.control import CloseHop, ControlReply, OpenHop
+from hearth.services.broker.connection import connect_nats
 from tests.e2e.conftest import TINY_MODEL_NAME, start_orchestrator, three_shard_mesh
 from tests.e2e.failover_support import ShardHandle
 

@@ -16,14 +16,14 @@ from pathlib import Path
 import nats
 import pytest
 
-from events.streams import ALL_STREAMS, PIPELINES_STREAM, SHARDS_STREAM
-from services.devtools.local_cluster import LocalCluster
-from services.common.call_signing import signed_call_headers
-from protocol.chat import ChatRequest
-from protocol.subjects import CHAT_REQUEST_SUBJECT, MODELS_REQUEST_SUBJECT
-from services.broker.connection import connect_nats, flush_ordered
+from hearth.events.streams import ALL_STREAMS, PIPELINES_STREAM, SHARDS_STREAM
+from hearth.services.devtools.local_cluster import LocalCluster
+from hearth.services.common.call_signing import signed_call_headers
+from hearth.protocol.chat import ChatRequest
+from hearth.protocol.subjects import CHAT_REQUEST_SUBJECT, MODELS_REQUEST_SUBJECT
+from hearth.services.broker.connection import connect_nats, flush_ordered
 from tests.e2e.conftest import TINY_MODEL_NAME, three_shard_mesh
-from trust.keys import MemberKey
+from hearth.trust.keys import MemberKey
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
@@ -162,6 +162,6 @@ async def test_the_event_log_verifies_after_the_attacks(mesh):
     """Last in the module: whatever the attacks above did, nothing they sent was stored."""
     env = {**os.environ, **mesh.credentials_env(mesh.member_key("evil-auditor", "auditor")), "PYTHONUNBUFFERED": "1"}
     audit = await asyncio.to_thread(
-        subprocess.run, [sys.executable, "-m", "services.replay.cli", "verify", "--nats", mesh.nats_url],
+        subprocess.run, [sys.executable, "-m", "hearth.services.replay.cli", "verify", "--nats", mesh.nats_url],
         capture_output=True, text=True, env=env, cwd=ROOT, timeout=REPLAY_TIMEOUT_S)
     assert audit.returncode == 0, audit.stdout + audit.stderr

@@ -14,10 +14,10 @@ import re
 
 import pytest
 
-from services.devtools.local_cluster import LocalCluster
-from services.client.chat import ChatResult, stream_chat
-from protocol.chat import ChatParams, ChatRequest, ErrorFrame
-from services.broker.connection import connect_nats
+from hearth.services.devtools.local_cluster import LocalCluster
+from hearth.services.client.chat import ChatResult, stream_chat
+from hearth.protocol.chat import ChatParams, ChatRequest, ErrorFrame
+from hearth.services.broker.connection import connect_nats
 from tests.e2e.conftest import TINY_CONTEXT_LENGTH, TINY_MODEL_NAME, three_shard_mesh
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]

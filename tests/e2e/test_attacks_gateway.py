@@ -15,9 +15,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from protocol.subjects import CHAT_REQUEST_SUBJECT
-from services.broker.connection import connect_nats
-from services.gateway.keys import create_api_key
+from hearth.protocol.subjects import CHAT_REQUEST_SUBJECT
+from hearth.services.broker.connection import connect_nats
+from hearth.services.gateway.keys import create_api_key
 from tests.e2e.conftest import TINY_MODEL_NAME, three_shard_mesh
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]

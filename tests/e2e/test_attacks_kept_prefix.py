@@ -1,8 +1,8 @@
 """Kept prefixes against faults, over real processes. A liar counting on them: a shard host that computes honestly
 every session it begins from position 0 and lies only in those it begins from KV kept from an earlier call (where it
 may hope no mirror can follow it) is caught all the same. The mirror is first fed what entered the hop's layers over
-the kept positions (services/orchestrator/kept_inputs.py), then checked on the positions the call ran; the liar is
-quarantined and the conversation's next turn answers with generate()'s tokens. And a host killed in a turn that began
+the kept positions (hearth/services/orchestrator/kept_inputs.py), then checked on the positions the call ran; the liar
+is quarantined and the conversation's next turn answers with generate()'s tokens. And a host killed in a turn that began
 from kept blocks is failed over to replicas that hold none, with the same answer."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import signal
 
 import pytest
 
-from protocol.chat import ChatRequest
+from hearth.protocol.chat import ChatRequest
 from tests.e2e.conftest import THREE_SHARD_RANGES, TINY_MODEL_NAME, greedy_reference
 from tests.e2e.failover_support import (  # noqa: F401 (nc is a fixture)
     PIPELINES_STREAM,

@@ -14,22 +14,22 @@ import math
 
 import pytest
 
-from protocol.subjects import node_token
-from services.common.call_signing import (
+from hearth.protocol.subjects import node_token
+from hearth.services.common.call_signing import (
     HEADER_CALLER,
     HEADER_CALLER_NONCE,
     HEADER_CALLER_SIGNATURE,
     HEADER_CALLER_TIME,
     signed_call_headers,
 )
-from protocol.chat import ChatRequest, decode_frame
-from protocol.subjects import CHAT_REQUEST_SUBJECT
-from protocol.control import HopNotice
-from protocol.subjects import hop_notice_subject
-from services.broker.connection import connect_nats, flush_ordered
-from services.broker.server import free_tcp_port
-from services.transport.headers import HEADER_PIPELINE, HEADER_SESSION, HEADER_STEP
-from services.transport.mac import new_link_key, with_mac
+from hearth.protocol.chat import ChatRequest, decode_frame
+from hearth.protocol.subjects import CHAT_REQUEST_SUBJECT
+from hearth.protocol.control import HopNotice
+from hearth.protocol.subjects import hop_notice_subject
+from hearth.services.broker.connection import connect_nats, flush_ordered
+from hearth.services.broker.server import free_tcp_port
+from hearth.services.transport.headers import HEADER_PIPELINE, HEADER_SESSION, HEADER_STEP
+from hearth.services.transport.mac import new_link_key, with_mac
 from tests.e2e.conftest import THREE_SHARD_RANGES, TINY_MODEL_NAME
 from tests.e2e.failover_support import (  # noqa: F401 (nc is a fixture)
     ACT_AFTER_TOKENS,
@@ -43,7 +43,7 @@ from tests.e2e.failover_support import (  # noqa: F401 (nc is a fixture)
     scrape_metric,
     stream_with_action,
 )
-from trust.keys import MemberKey
+from hearth.trust.keys import MemberKey
 
 # r0 also checks h0's work (every call's first step is checked while the range is new), so it is measured too; this
 # keeps the router from ever preferring it over h0 on a noisy measurement.

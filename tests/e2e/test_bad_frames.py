@@ -14,13 +14,13 @@ import time
 
 import pytest
 
-from protocol.subjects import LinkNodes, activation_subject
-from services.client.chat import stream_chat
-from protocol.chat import PipelineFrame, TokenDeltaFrame
-from services.broker.connection import flush_ordered
-from services.broker.server import free_tcp_port
-from services.transport import FrameHeader, FrameKind
-from services.transport.wire import WireDtype, wire_nbytes
+from hearth.protocol.subjects import LinkNodes, activation_subject
+from hearth.services.client.chat import stream_chat
+from hearth.protocol.chat import PipelineFrame, TokenDeltaFrame
+from hearth.services.broker.connection import flush_ordered
+from hearth.services.broker.server import free_tcp_port
+from hearth.services.transport import FrameHeader, FrameKind
+from hearth.services.transport.wire import WireDtype, wire_nbytes
 from tests.e2e.conftest import THREE_SHARD_RANGES, start_orchestrator
 from tests.e2e.failover_support import (  # noqa: F401 (nc is a fixture)
     PREFERRED_WEIGHT,
@@ -90,7 +90,7 @@ def reference(mesh):
     """One uninterrupted greedy call: what every call below must still answer."""
 
     async def run():
-        from services.broker.connection import connect_nats
+        from hearth.services.broker.connection import connect_nats
 
         client = await connect_nats(mesh.cluster.nats_url, name="reference", settings=mesh.cluster.nats_settings())
         try:

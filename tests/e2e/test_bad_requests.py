@@ -22,11 +22,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.devtools.local_cluster import LocalCluster, ManagedProcess
-from services.client.chat import stream_chat_raw
-from protocol.chat import max_prompt_chars
-from services.common.config import OrchestratorSettings
-from services.broker.connection import connect_nats
+from hearth.services.devtools.local_cluster import LocalCluster, ManagedProcess
+from hearth.services.client.chat import stream_chat_raw
+from hearth.protocol.chat import max_prompt_chars
+from hearth.services.common.config import OrchestratorSettings
+from hearth.services.broker.connection import connect_nats
 from tests.e2e.conftest import TINY_CONTEXT_LENGTH, TINY_LAYERS, TINY_MODEL_NAME, start_orchestrator
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]

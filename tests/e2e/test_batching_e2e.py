@@ -16,7 +16,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from protocol.chat import ChatParams, ChatRequest
+from hearth.protocol.chat import ChatParams, ChatRequest
 from tests.e2e.conftest import THREE_SHARD_RANGES, TINY_MODEL_NAME
 from tests.e2e.failover_support import (  # noqa: F401 (nc is a fixture)
     PRIMARY_WEIGHT,

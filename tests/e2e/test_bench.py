@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from services.devtools.bench.report import BenchReport
-from services.devtools.local_cluster import BATCH_MERGE_WINDOW_ENV, shared_machine_batch_merge_window_ms
-from services.devtools.random_models import RANDOM_MARKER_FILE
+from hearth.services.devtools.bench.report import BenchReport
+from hearth.services.devtools.local_cluster import BATCH_MERGE_WINDOW_ENV, shared_machine_batch_merge_window_ms
+from hearth.services.devtools.random_models import RANDOM_MARKER_FILE
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 NEW_TOKENS = 5
@@ -30,7 +30,7 @@ pytestmark = pytest.mark.timeout(300)
 
 def test_bench_json_report_on_a_random_tiny_shape(tmp_path):
     completed = subprocess.run(
-        [sys.executable, "-m", "services.cli", "bench", "--model", "random:tiny", "--cache-dir", str(tmp_path),
+        [sys.executable, "-m", "hearth.services.cli", "bench", "--model", "random:tiny", "--cache-dir", str(tmp_path),
          "--shards", str(SHARDS), "--prompt-tokens", "12", "--new-tokens", str(NEW_TOKENS), "--repeats", str(REPEATS),
          "--sessions", str(SESSIONS), "--torch-threads", "1", "--burst", str(BURST), "--json"],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=240,

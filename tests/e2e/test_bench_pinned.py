@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from services.devtools.bench.together_report import TogetherReport
-from services.devtools.local_cluster import PREFORK_ENV
+from hearth.services.devtools.bench.together_report import TogetherReport
+from hearth.services.devtools.local_cluster import PREFORK_ENV
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 NEW_TOKENS = 4
@@ -27,7 +27,7 @@ pytestmark = pytest.mark.timeout(300)
 
 def _bench(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "services.cli", "bench", "--model", "random:tiny", "--cache-dir", str(tmp_path),
+        [sys.executable, "-m", "hearth.services.cli", "bench", "--model", "random:tiny", "--cache-dir", str(tmp_path),
          "--prompt-tokens", "8", "--new-tokens", str(NEW_TOKENS), "--repeats", "1", *args],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=240,
         # As `hearth bench` runs for its users: each process started fresh and pinned by taskset, so this test keeps

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from services.devtools.bench.report import BenchReport
-from services.orchestrator.check_policy import CHECK_OUTCOMES
+from hearth.services.devtools.bench.report import BenchReport
+from hearth.services.orchestrator.check_policy import CHECK_OUTCOMES
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 NEW_TOKENS = 4
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.timeout(300)
 
 def test_bench_with_replicas_checks_every_hop_step_of_its_rounds_and_reports_it(tmp_path):
     completed = subprocess.run(
-        [sys.executable, "-m", "services.cli", "bench", "--model", "random:tiny", "--cache-dir", str(tmp_path),
+        [sys.executable, "-m", "hearth.services.cli", "bench", "--model", "random:tiny", "--cache-dir", str(tmp_path),
          "--shards", str(SHARDS), "--replicas", str(REPLICAS), "--verify", "all", "--prompt-tokens", "12",
          "--new-tokens", str(NEW_TOKENS), "--repeats", str(REPEATS), "--sessions", "1", "--torch-threads", "1",
          "--no-library-defaults", "--json"],

@@ -10,7 +10,7 @@ import json
 import openai
 import pytest
 
-from services.gateway.keys import create_api_key
+from hearth.services.gateway.keys import create_api_key
 from tests.e2e.conftest import TINY_MODEL_NAME, three_shard_mesh
 from tests.e2e.test_node_client import node_client, run_node  # noqa: F401 (node_client: a fixture)
 

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from services.client.chat import stream_chat
-from protocol.chat import ChatRequest
+from hearth.services.client.chat import stream_chat
+from hearth.protocol.chat import ChatRequest
 from tests.e2e.conftest import THREE_SHARD_RANGES, TINY_MODEL_NAME
 from tests.e2e.failover_support import (  # noqa: F401 (nc is a fixture)
     MAX_TOKENS,

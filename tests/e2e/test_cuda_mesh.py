@@ -9,11 +9,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from inference import SamplingParams, load_full
+from hearth.inference import SamplingParams, load_full
 from tests.runner_limits import RUNNER_KV_LIMITS
-from services.client.chat import chat
-from protocol.chat import ChatRequest
-from services.broker.connection import connect_nats
+from hearth.services.client.chat import chat
+from hearth.protocol.chat import ChatRequest
+from hearth.services.broker.connection import connect_nats
 from tests.e2e.conftest import TINY_MODEL_NAME, start_orchestrator, start_three_shards
 from tests.e2e.test_hearth_host_e2e import advertisements
 

@@ -21,13 +21,13 @@ from pathlib import Path
 
 import pytest
 
-from events.models import ShardHeartbeat
-from events.publish import publish_event
-from services.client.chat import stream_chat
-from services.broker.connection import connect_nats
-from services.dashboards.macros import open_read_only, run_panel_sql
-from services.dashboards.panels import DASHBOARDS
-from services.dashboards.render import data_time_range, render_all
+from hearth.events.models import ShardHeartbeat
+from hearth.events.publish import publish_event
+from hearth.services.client.chat import stream_chat
+from hearth.services.broker.connection import connect_nats
+from hearth.services.dashboards.macros import open_read_only, run_panel_sql
+from hearth.services.dashboards.panels import DASHBOARDS
+from hearth.services.dashboards.render import data_time_range, render_all
 from tests.e2e.conftest import THREE_SHARD_RANGES, TINY_MODEL_NAME
 from tests.e2e.failover_support import (
     ACT_AFTER_TOKENS,
@@ -145,7 +145,7 @@ def test_hearth_status_shows_models_shards_and_calls(read_model):
         now_s = data_time_range(connection).to_s
     code = (
         "import sys; from pathlib import Path; from rich.console import Console; "
-        "from services.dashboards.status import run_status_command; "
+        "from hearth.services.dashboards.status import run_status_command; "
         f"sys.exit(run_status_command(Path({str(read_model)!r}), now_s={now_s}, console=Console(width=200)))"
     )
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
@@ -156,7 +156,7 @@ def test_hearth_status_shows_models_shards_and_calls(read_model):
         assert f" {node} " in screen, screen
     assert " p1 " not in screen, screen  # killed: its advertisement expired
     assert "completed" in screen and "aborted" in screen, screen
-    cli = subprocess.run([sys.executable, "-m", "services.cli", "status", "--db", str(read_model)], cwd=ROOT,
+    cli = subprocess.run([sys.executable, "-m", "hearth.services.cli", "status", "--db", str(read_model)], cwd=ROOT,
                          capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "200"})
     assert cli.returncode == 0 and "Shards online" in cli.stdout, cli.stdout + cli.stderr
 

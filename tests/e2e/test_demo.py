@@ -24,7 +24,7 @@ pytestmark = pytest.mark.timeout(300)
 
 
 def demo_command(model_args: list[str], *extra: str) -> list[str]:
-    return [sys.executable, "-m", "services.cli", "demo", *model_args, "--max-tokens", str(MAX_TOKENS),
+    return [sys.executable, "-m", "hearth.services.cli", "demo", *model_args, "--max-tokens", str(MAX_TOKENS),
             "--torch-threads", "1", *extra]
 
 
@@ -109,7 +109,7 @@ def test_demo_serve_answers_hearth_chat_and_ctrl_c_stops_everything(model_args, 
         try_line = re.search(r"^Try:  hearth (chat .*)$", out, re.M)
         assert try_line, out
         # Run the suggested line as printed.
-        chat = subprocess.run([sys.executable, "-m", "services.cli", *shlex.split(try_line.group(1)),
+        chat = subprocess.run([sys.executable, "-m", "hearth.services.cli", *shlex.split(try_line.group(1)),
                                "--max-tokens", "4"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
         assert chat.returncode == 0, chat.stderr
         assert re.search(r"\[(length|stop): \d+ tokens", chat.stderr), chat.stderr
@@ -139,7 +139,7 @@ def test_demo_serve_answers_hearth_chat_and_ctrl_c_stops_everything(model_args, 
 
 def test_demo_with_a_missing_model_says_so_and_starts_nothing(tmp_path):
     completed = subprocess.run(
-        [sys.executable, "-m", "services.cli", "demo", "--model", str(tmp_path / "nowhere"), "--shards", "3"],
+        [sys.executable, "-m", "hearth.services.cli", "demo", "--model", str(tmp_path / "nowhere"), "--shards", "3"],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
     assert completed.returncode == 1
     assert "hearth demo:" in completed.stderr and "nowhere" in completed.stderr

@@ -12,7 +12,7 @@ import signal
 
 import pytest
 
-from services.client.chat import stream_chat
+from hearth.services.client.chat import stream_chat
 from tests.e2e.conftest import THREE_SHARD_RANGES
 from tests.e2e.failover_support import (  # noqa: F401 (nc is a fixture)
     nc,

@@ -18,10 +18,10 @@ from pathlib import Path
 import openai
 import pytest
 
-from events.streams import PIPELINES_STREAM
-from services.devtools.local_cluster import LocalCluster
-from services.broker.connection import connect_nats
-from services.gateway.keys import create_api_key
+from hearth.events.streams import PIPELINES_STREAM
+from hearth.services.devtools.local_cluster import LocalCluster
+from hearth.services.broker.connection import connect_nats
+from hearth.services.gateway.keys import create_api_key
 from tests.e2e.conftest import TINY_MODEL_NAME, three_shard_mesh
 from tests.e2e.failover_support import (
     ShardHandle,
@@ -63,7 +63,7 @@ class Mesh:
     def hearth_chat(self, *args: str, max_tokens: int = MAX_TOKENS) -> tuple[str, dict]:
         """`hearth chat --json`: the text and the `done` frame of the same request (its token texts: `.pieces`)."""
         completed = subprocess.run(
-            [sys.executable, "-m", "services.cli", "chat", *args, "--json", "--max-tokens", str(max_tokens),
+            [sys.executable, "-m", "hearth.services.cli", "chat", *args, "--json", "--max-tokens", str(max_tokens),
              "--model", TINY_MODEL_NAME], capture_output=True, text=True, timeout=HTTP_WAIT_S,
             env={**os.environ, **self.cluster.client_env("chat-user"), "HEARTH_NATS_URL": self.cluster.nats_url})
         assert completed.returncode == 0, completed.stderr
@@ -225,7 +225,7 @@ async def test_a_client_that_disconnects_frees_the_shards_and_the_caller_is_reco
         curl.wait()
         stats = await wait_until_released(nc, mesh.shards())
         assert all(s.active_streams == 0 and s.cached_sessions == 0 for s in stats.values()), stats
-        # This call's own pipeline: audit events are stored after the call's frames (events/outbox.py), so an
+        # This call's own pipeline: audit events are stored after the call's frames (hearth/events/outbox.py), so an
         # earlier call of dora's may still be the newest one stored.
         constructed = await wait_for_event(nc, PIPELINES_STREAM, lambda stored: (
             stored.event.type == "pipeline.constructed" and stored.event.caller == "dora"
@@ -297,7 +297,7 @@ def test_an_open_mesh_needs_no_key_and_says_503_then_500(tmp_path):
 
 
 def test_hearth_community_api_key_prints_a_key_once_and_keeps_its_hash(tmp_path):
-    hearth = [sys.executable, "-m", "services.cli", "community"]
+    hearth = [sys.executable, "-m", "hearth.services.cli", "community"]
     folder = tmp_path / "community"
     subprocess.run([*hearth, "init", "--name", "t", "--dir", str(folder)], check=True, capture_output=True)
     subprocess.run([*hearth, "add", "--name", "erin", "--role", "client", "--dir", str(folder)], check=True,

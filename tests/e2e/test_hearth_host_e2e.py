@@ -14,13 +14,13 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from events.consume import read_stream
-from events.models import ShardAdvertised
-from events.streams import SHARDS_STREAM
-from services.devtools.local_cluster import LocalCluster
-from services.client.chat import chat
-from protocol.chat import ChatRequest
-from services.broker.connection import connect_nats
+from hearth.events.consume import read_stream
+from hearth.events.models import ShardAdvertised
+from hearth.events.streams import SHARDS_STREAM
+from hearth.services.devtools.local_cluster import LocalCluster
+from hearth.services.client.chat import chat
+from hearth.protocol.chat import ChatRequest
+from hearth.services.broker.connection import connect_nats
 from tests.e2e.conftest import TINY_MODEL_NAME, start_orchestrator
 
 pytestmark = pytest.mark.e2e

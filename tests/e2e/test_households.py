@@ -1,14 +1,14 @@
-"""Hearth across households (services/devtools/netbed.py): the broker and the orchestrator in a hub namespace, each
-shard host in a household of its own, all joined by links that can be cut while the processes behind them run on.
+"""Hearth across households (hearth/services/devtools/netbed.py): the broker and the orchestrator in a hub namespace,
+each shard host in a household of its own, all joined by links that can be cut while the processes behind them run on.
 
 A secure mesh over the hub's real address (credentials, TLS with a certificate for 198.18.0.1): primaries p0-p2
 over the tiny model's three ranges in households 0-2, a replica r1 of the middle range in household 3, and an
 orchestrator with the default step timeout. Each household reaches the broker through its link's latency relay
-(services/devtools/netbed_relay.py, 0 ms unless a test sets it). Calls at 10 ms RTT per household link and through a
-20 Mbit/s link with a long prompt give the unshaped run's tokens. The middle primary's link is cut mid-generation:
-the call fails over to r1 with the uninterrupted run's tokens, decided by the probe that finds p1 unreachable rather
-than by the step timeout; healed, p1 serves again without a restart. Last, with a fresh replica, p1's link flaps
-mid-generation: the tokens are unchanged and p1 serves afterwards. The pauses a client sees are printed
+(hearth/services/devtools/netbed_relay.py, 0 ms unless a test sets it). Calls at 10 ms RTT per household link and
+through a 20 Mbit/s link with a long prompt give the unshaped run's tokens. The middle primary's link is cut
+mid-generation: the call fails over to r1 with the uninterrupted run's tokens, decided by the probe that finds p1
+unreachable rather than by the step timeout; healed, p1 serves again without a restart. Last, with a fresh replica, p1's
+link flaps mid-generation: the tokens are unchanged and p1 serves afterwards. The pauses a client sees are printed
 (BENCHMARKS.md, "Cut link" and "Households over real links"). Needs root and network namespaces; skips, saying why,
 elsewhere."""
 
@@ -19,8 +19,8 @@ import time
 
 import pytest
 
-from services.devtools.local_cluster import LocalCluster
-from services.devtools.netbed import NetBed, unavailable_reason
+from hearth.services.devtools.local_cluster import LocalCluster
+from hearth.services.devtools.netbed import NetBed, unavailable_reason
 from tests.e2e.conftest import THREE_SHARD_RANGES, TINY_MODEL_NAME
 from tests.e2e.failover_support import (  # noqa: F401 (nc is a fixture)
     HEARTBEAT_S,

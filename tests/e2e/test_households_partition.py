@@ -1,4 +1,4 @@
-"""A three-node NATS cluster across households (services/devtools/netbed.py) loses one node to a partition
+"""A three-node NATS cluster across households (hearth/services/devtools/netbed.py) loses one node to a partition
 mid-load: the node leads both event streams, and its household link is cut while it runs on. Calls in flight and
 calls made while it is cut off complete with the undisturbed tokens, the other two nodes elect new leaders, no
 event is lost or applied twice (contiguous sequences, unique event ids, the projector's read model equals a
@@ -22,11 +22,11 @@ from pathlib import Path
 
 import pytest
 
-from events.streams import ALL_STREAMS
-from services.broker.cluster import EmbeddedNatsCluster
-from services.broker.connection import connect_nats
-from services.devtools.local_cluster import LocalCluster
-from services.devtools.netbed import NetBed, unavailable_reason
+from hearth.events.streams import ALL_STREAMS
+from hearth.services.broker.cluster import EmbeddedNatsCluster
+from hearth.services.broker.connection import connect_nats
+from hearth.services.devtools.local_cluster import LocalCluster
+from hearth.services.devtools.netbed import NetBed, unavailable_reason
 from tests.e2e.conftest import THREE_SHARD_RANGES, TINY_MODEL_NAME
 from tests.e2e.event_log_checks import assert_no_event_lost
 from tests.e2e.failover_support import chat_request, pipeline_events, read_events, stream_with_action
@@ -121,7 +121,7 @@ async def wait_led_without(js, node_name: str) -> dict[str, str | None]:
 def replay_verify(cluster: LocalCluster) -> subprocess.CompletedProcess:
     """`hearth-replay verify` as an auditor of the community."""
     env = {**os.environ, **cluster.credentials_env(cluster.member_key("auditor", "auditor")), "PYTHONUNBUFFERED": "1"}
-    return subprocess.run([sys.executable, "-m", "services.replay.cli", "verify", "--nats", cluster.nats_url],
+    return subprocess.run([sys.executable, "-m", "hearth.services.replay.cli", "verify", "--nats", cluster.nats_url],
                           capture_output=True, text=True, env=env, cwd=ROOT, timeout=replay_timeout_s)
 
 

@@ -14,10 +14,10 @@ import time
 import pytest
 from gguf import GGMLQuantizationType
 
-from protocol.chat import ChatRequest
-from services.broker.connection import connect_nats
-from services.client.chat import list_models
-from services.devtools.local_cluster import LocalCluster
+from hearth.protocol.chat import ChatRequest
+from hearth.services.broker.connection import connect_nats
+from hearth.services.client.chat import list_models
+from hearth.services.devtools.local_cluster import LocalCluster
 from tests.e2e.conftest import chat_once
 from tests.e2e.test_store_gguf_mesh import NEW_TOKENS, PROMPT, greedy_reference
 from tests.unit.gguf_files import write_tiny_gguf

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from services.devtools.local_cluster import LocalCluster
+from hearth.services.devtools.local_cluster import LocalCluster
 from tests.e2e.conftest import TINY_LAYERS, TINY_MODEL_NAME
 from tests.e2e.test_prefix_cache_e2e import BLOCK, FIRST_TURN, ask_constructed
 

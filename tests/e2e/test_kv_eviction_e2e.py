@@ -8,10 +8,10 @@ import asyncio
 
 import pytest
 
-from services.devtools.local_cluster import LocalCluster
-from services.client.chat import chat
-from protocol.chat import ChatRequest
-from services.broker.connection import connect_nats
+from hearth.services.devtools.local_cluster import LocalCluster
+from hearth.services.client.chat import chat
+from hearth.protocol.chat import ChatRequest
+from hearth.services.broker.connection import connect_nats
 from tests.e2e.conftest import THREE_SHARD_RANGES, TINY_MODEL_NAME, greedy_reference, start_orchestrator
 
 pytestmark = pytest.mark.e2e

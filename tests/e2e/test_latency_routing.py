@@ -9,12 +9,12 @@ import asyncio
 
 import pytest
 
-from events.models import ShardHeartbeat
-from events.streams import SHARDS_STREAM
-from services.devtools.local_cluster import LocalCluster
-from services.client.chat import chat
-from protocol.chat import ChatParams, ChatRequest
-from services.broker.connection import connect_nats
+from hearth.events.models import ShardHeartbeat
+from hearth.events.streams import SHARDS_STREAM
+from hearth.services.devtools.local_cluster import LocalCluster
+from hearth.services.client.chat import chat
+from hearth.protocol.chat import ChatParams, ChatRequest
+from hearth.services.broker.connection import connect_nats
 from tests.e2e.conftest import TINY_MODEL_NAME, start_orchestrator
 from tests.e2e.failover_support import wait_for_event
 

@@ -10,10 +10,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from inference import load_head
-from inference.logit_shaping import LogitShaping
-from inference.sampling import SamplingParams
-from services.gateway.keys import create_api_key
+from hearth.inference import load_head
+from hearth.inference.logit_shaping import LogitShaping
+from hearth.inference.sampling import SamplingParams
+from hearth.services.gateway.keys import create_api_key
 from tests.e2e.conftest import TINY_MODEL_NAME, three_shard_mesh
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]

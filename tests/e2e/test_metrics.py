@@ -14,9 +14,9 @@ from urllib.parse import urlparse
 
 import pytest
 
-from services.client.chat import chat
-from protocol.chat import ChatRequest
-from services.broker.connection import connect_nats
+from hearth.services.client.chat import chat
+from hearth.protocol.chat import ChatRequest
+from hearth.services.broker.connection import connect_nats
 from tests.e2e.conftest import TINY_MODEL_NAME, three_shard_mesh
 from tests.e2e.prometheus_support import (
     CORE_EXPRESSIONS,

@@ -10,9 +10,9 @@ import time
 import nats.errors
 import pytest
 
-from events.streams import ALL_STREAMS
-from services.broker.cluster import ClusterNodeServer, EmbeddedNatsCluster
-from services.broker.connection import connect_nats
+from hearth.events.streams import ALL_STREAMS
+from hearth.services.broker.cluster import ClusterNodeServer, EmbeddedNatsCluster
+from hearth.services.broker.connection import connect_nats
 from tests.e2e.conftest import three_shard_mesh
 from tests.e2e.event_log_checks import assert_no_event_lost
 from tests.e2e.failover_support import chat_request, pipeline_events, stream_with_action

@@ -15,14 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from protocol.subjects import LinkNodes
-from inference import weights_sha256
-from services.devtools.local_cluster import LocalCluster, ManagedProcess
-from protocol.chat import ChatMessage, ChatParams, ChatRequest
-from services.common.config import TransportSettings
-from services.common.config_sections import ClientSettings
-from protocol.control import ControlReply, OpenHop
-from services.transport import AckWindowSender, ActivationReceiver, FrameKind, StepInfo
+from hearth.protocol.subjects import LinkNodes
+from hearth.inference import weights_sha256
+from hearth.services.devtools.local_cluster import LocalCluster, ManagedProcess
+from hearth.protocol.chat import ChatMessage, ChatParams, ChatRequest
+from hearth.services.common.config import TransportSettings
+from hearth.services.common.config_sections import ClientSettings
+from hearth.protocol.control import ControlReply, OpenHop
+from hearth.services.transport import AckWindowSender, ActivationReceiver, FrameKind, StepInfo
 from tests.e2e.failover_support import (  # noqa: F401 (nc is a fixture)
     ShardHandle,
     nc,

@@ -13,9 +13,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from services.client.chat import chat, list_models, stream_chat_raw
-from protocol.chat import ChatMessage, ChatRequest
-from services.broker.connection import connect_nats
+from hearth.services.client.chat import chat, list_models, stream_chat_raw
+from hearth.protocol.chat import ChatMessage, ChatRequest
+from hearth.services.broker.connection import connect_nats
 from tests.e2e.conftest import TINY_CONTEXT_LENGTH, TINY_MODEL_NAME, start_orchestrator, three_shard_mesh
 from tests.unit.inference_tiny_models import write_tiny_model
 
@@ -30,7 +30,7 @@ NEW_TOKENS = 20
 @pytest.fixture(scope="module")
 def running_mesh(tmp_path_factory, tiny_models_dir):
     """One mesh for the module: nats-server (64 KiB max payload), 3 shard hosts, an orchestrator. The shards run
-    every prefill step of 4 tokens or more a layer of one 64-token piece at a time (inference/layer_pass.py), so
+    every prefill step of 4 tokens or more a layer of one 64-token piece at a time (hearth/inference/layer_pass.py), so
     the parity checks below cover prefill in turns through real processes too."""
     work_dir = tmp_path_factory.mktemp("mesh")
     with three_shard_mesh(work_dir, tiny_models_dir, nats_options={"max_payload_bytes": SMALL_MAX_PAYLOAD_BYTES},
@@ -124,8 +124,8 @@ async def test_the_mesh_says_which_models_it_serves_and_a_request_may_leave_mode
     assert result.ok, result.final
     assert result.token_ids == greedy_reference(model, tokenizer("the lazy dog")["input_ids"], 6)
 
-    completed = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "services.cli", "models", "--nats",
-                                                         running_mesh.nats_url], capture_output=True, text=True,
+    command = [sys.executable, "-m", "hearth.services.cli", "models", "--nats", running_mesh.nats_url]
+    completed = await asyncio.to_thread(subprocess.run, command, capture_output=True, text=True,
                                         timeout=60, env={**os.environ, **running_mesh.client_env()})
     assert completed.returncode == 0, completed.stderr
     assert f"default model: {TINY_MODEL_NAME}" in completed.stdout

@@ -9,9 +9,9 @@ import asyncio
 import pytest
 from transformers import AutoTokenizer
 
-from protocol.chat import ChatRequest
-from services.broker.connection import connect_nats
-from services.devtools.local_cluster import LocalCluster
+from hearth.protocol.chat import ChatRequest
+from hearth.services.broker.connection import connect_nats
+from hearth.services.devtools.local_cluster import LocalCluster
 from tests.e2e.conftest import (
     THREE_SHARD_RANGES,
     TINY_MODEL_NAME,

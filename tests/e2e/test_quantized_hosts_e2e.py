@@ -9,11 +9,11 @@ import asyncio
 import pytest
 import torch
 
-from inference.memory import MiB, layer_weight_bytes
-from inference.quantization import DEFAULT_INT4_GROUP_SIZE
-from services.client.chat import chat
-from protocol.chat import ChatParams, ChatRequest
-from services.broker.connection import connect_nats
+from hearth.inference.memory import MiB, layer_weight_bytes
+from hearth.inference.quantization import DEFAULT_INT4_GROUP_SIZE
+from hearth.services.client.chat import chat
+from hearth.protocol.chat import ChatParams, ChatRequest
+from hearth.services.broker.connection import connect_nats
 from tests.e2e.conftest import TINY_LAYERS, TINY_MODEL_NAME, start_orchestrator
 from tests.e2e.test_hearth_host_e2e import advertisements
 from tests.e2e.test_quantized_mesh import one_process_greedy_tokens

@@ -13,9 +13,9 @@ import signal
 import pytest
 import torch
 
-from inference import SamplingParams, load_full
+from hearth.inference import SamplingParams, load_full
 from tests.runner_limits import RUNNER_KV_LIMITS
-from protocol.chat import ChatParams, ChatRequest
+from hearth.protocol.chat import ChatParams, ChatRequest
 from tests.e2e.conftest import THREE_SHARD_RANGES, TINY_MODEL_NAME
 from tests.e2e.failover_support import (  # noqa: F401 (nc is a fixture)
     MAX_TOKENS,

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from services.devtools.local_cluster import even_layer_ranges
-from services.client.chat import chat
-from protocol.chat import ChatMessage, ChatParams, ChatRequest
-from services.devtools.demo_model import (
+from hearth.services.devtools.local_cluster import even_layer_ranges
+from hearth.services.client.chat import chat
+from hearth.protocol.chat import ChatMessage, ChatParams, ChatRequest
+from hearth.services.devtools.demo_model import (
     FACTUAL_QUESTION,
     REAL_DEMO_MODEL_DISTRIBUTION,
     real_demo_model_path,

@@ -9,15 +9,15 @@ import json
 
 import pytest
 
-from services.devtools.local_cluster import LocalCluster
-from services.common.call_signing import signed_call_headers
-from services.client.chat import chat
-from protocol.chat import ChatRequest, decode_frame
-from protocol.subjects import CHAT_REQUEST_SUBJECT
-from services.broker.connection import connect_nats
+from hearth.services.devtools.local_cluster import LocalCluster
+from hearth.services.common.call_signing import signed_call_headers
+from hearth.services.client.chat import chat
+from hearth.protocol.chat import ChatRequest, decode_frame
+from hearth.protocol.subjects import CHAT_REQUEST_SUBJECT
+from hearth.services.broker.connection import connect_nats
 from tests.e2e.conftest import TINY_MODEL_NAME, three_shard_mesh
 from tests.e2e.failover_support import pipeline_events
-from trust.keys import MemberKey
+from hearth.trust.keys import MemberKey
 
 pytestmark = pytest.mark.e2e
 REQUEST = ChatRequest(model=TINY_MODEL_NAME, prompt="the lazy dog", max_tokens=3)

@@ -18,18 +18,18 @@ from pathlib import Path
 
 import pytest
 
-from events.consume import StoredEvent, read_stream
-from events.models import ShardAdvertised, ShardWithdrawn
-from events.publish import publish_event
-from events.signing import EventVerifier, sign_event
-from events.streams import ALL_STREAMS
-from protocol.subjects import shard_control_subject, shard_id_for
-from services.devtools.local_cluster import LocalCluster
-from services.client.chat import chat
-from protocol.chat import ChatRequest
-from services.broker.connection import connect_nats
+from hearth.events.consume import StoredEvent, read_stream
+from hearth.events.models import ShardAdvertised, ShardWithdrawn
+from hearth.events.publish import publish_event
+from hearth.events.signing import EventVerifier, sign_event
+from hearth.events.streams import ALL_STREAMS
+from hearth.protocol.subjects import shard_control_subject, shard_id_for
+from hearth.services.devtools.local_cluster import LocalCluster
+from hearth.services.client.chat import chat
+from hearth.protocol.chat import ChatRequest
+from hearth.services.broker.connection import connect_nats
 from tests.e2e.conftest import TINY_MODEL_NAME, TINY_LAYERS, three_shard_mesh
-from trust.keys import MemberKey
+from hearth.trust.keys import MemberKey
 
 pytestmark = pytest.mark.e2e
 
@@ -78,7 +78,7 @@ async def wait_for_rows(db: Path, sql: str, expected_count: int, *args) -> list[
 def replay_verify(mesh: LocalCluster) -> subprocess.CompletedProcess:
     """`hearth-replay verify` as an auditor of the community, the way an operator runs it."""
     env = {**os.environ, **mesh.credentials_env(mesh.member_key("auditor", "auditor")), "PYTHONUNBUFFERED": "1"}
-    return subprocess.run([sys.executable, "-m", "services.replay.cli", "verify", "--nats", mesh.nats_url],
+    return subprocess.run([sys.executable, "-m", "hearth.services.replay.cli", "verify", "--nats", mesh.nats_url],
                           capture_output=True, text=True, env=env, cwd=ROOT, timeout=REPLAY_TIMEOUT_S)
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from services.devtools.netbed import unavailable_reason
+from hearth.services.devtools.netbed import unavailable_reason
 
 NO_BED = unavailable_reason()
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(900),

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 from gguf import GGMLQuantizationType
 
-from inference import SamplingParams, load_full
-from protocol.chat import ChatRequest
+from hearth.inference import SamplingParams, load_full
+from hearth.protocol.chat import ChatRequest
 from tests.e2e.conftest import chat_once, publish_to_store
-from services.weights_store import GGUF_HEAD_OBJECT, GGUF_HEADER_OBJECT, GGUF_LAYER_OBJECT_FORMAT
+from hearth.services.weights_store import GGUF_HEAD_OBJECT, GGUF_HEADER_OBJECT, GGUF_LAYER_OBJECT_FORMAT
 from tests.runner_limits import RUNNER_KV_LIMITS
 from tests.unit.gguf_files import write_tiny_gguf
 

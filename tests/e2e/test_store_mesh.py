@@ -15,9 +15,9 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from inference.checkpoint import SAFETENSORS_DTYPES
-from protocol.chat import ChatRequest
-from services.weights_store import HEAD_OBJECT, LAYER_OBJECT_FORMAT
+from hearth.inference.checkpoint import SAFETENSORS_DTYPES
+from hearth.protocol.chat import ChatRequest
+from hearth.services.weights_store import HEAD_OBJECT, LAYER_OBJECT_FORMAT
 from tests.e2e.conftest import TINY_MODEL_NAME, chat_once, publish_to_store
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]

@@ -11,7 +11,7 @@ import json
 import openai
 import pytest
 
-from services.gateway.keys import create_api_key
+from hearth.services.gateway.keys import create_api_key
 from tests.e2e.conftest import TINY_MODEL_NAME, three_shard_mesh
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]

@@ -13,9 +13,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from services.client.chat import chat
-from protocol.chat import ChatRequest
-from services.broker.connection import connect_nats
+from hearth.services.client.chat import chat
+from hearth.protocol.chat import ChatRequest
+from hearth.services.broker.connection import connect_nats
 from tests.e2e.conftest import TINY_MODEL_NAME, three_shard_mesh
 
 pytestmark = pytest.mark.e2e
@@ -51,7 +51,7 @@ async def test_a_client_without_tls_is_refused(tls_mesh):
 
 
 def test_hearth_chat_reads_the_tls_files_from_its_configuration(tls_mesh):
-    completed = subprocess.run([sys.executable, "-m", "services.cli", "chat", "--nats", tls_mesh.nats_url,
+    completed = subprocess.run([sys.executable, "-m", "hearth.services.cli", "chat", "--nats", tls_mesh.nats_url,
                                 "--model", TINY_MODEL_NAME, "--raw", "--max-tokens", "3", PROMPT],
                                capture_output=True, text=True, timeout=60,
                                env={**os.environ, **tls_mesh.client_env()})

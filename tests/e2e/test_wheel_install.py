@@ -1,6 +1,6 @@
 """hearth as a household installs it: the wheel built from this checkout, installed into a virtual environment of
 its own (as `pipx install` does), runs `hearth demo`, `shard`, `host`, `nats`, `db upgrade` from a folder outside
-the checkout, with the bundled model, nats/ and grafana/ from the wheel (services/common/hearth_files.py).
+the checkout, with the bundled model, nats/ and grafana/ from the wheel (hearth/services/common/hearth_files.py).
 
 No network: the wheel is built without build isolation, and the fresh environment borrows this one's
 dependencies through a .pth file instead of downloading them (a plain path line, so this environment's editable
@@ -20,12 +20,12 @@ from pathlib import Path
 
 import pytest
 
-from services.broker.server import find_nats_server_binary
+from hearth.services.broker.server import find_nats_server_binary
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-CODE_PACKAGES = ("events", "inference", "migrations", "protocol", "readmodels", "services", "trust")
+CODE_NAMESPACE = "hearth"
 DATA_FILES = (
     "hearth_data/models/hearth-tiny-llama/config.json",
     "hearth_data/models/hearth-tiny-llama/model.safetensors",
@@ -34,7 +34,7 @@ DATA_FILES = (
     "hearth_data/grafana/dashboards/hearth-mesh.json",
     "hearth_data/grafana/provisioning/dashboards/hearth.yaml",
     "hearth_data/prometheus/prometheus.yml",
-    "migrations/alembic.ini",
+    "hearth/migrations/alembic.ini",
 )
 build_timeout_s = 180
 command_timeout_s = 120
@@ -88,17 +88,17 @@ def run_hearth(installed: dict, *args: str, timeout: float = command_timeout_s,
 def test_the_wheel_carries_every_code_package_and_the_data_files(installed):
     with zipfile.ZipFile(installed["wheel"]) as wheel:
         names = set(wheel.namelist())
-    sources = {name for name in installed["files"] if name.split("/")[0] in CODE_PACKAGES and name.endswith(".py")}
+    sources = {name for name in installed["files"] if name.split("/")[0] == CODE_NAMESPACE and name.endswith(".py")}
     assert sources - names == set(), "add the package to [tool.setuptools] packages in pyproject.toml"
     assert set(DATA_FILES) - names == set()
-    # Nothing of the checkout's own (tests, scripts, docs) lands at the top of site-packages.
-    assert {name.split("/")[0] for name in names} == {*CODE_PACKAGES, "hearth_data", "hearth-0.1.0.dist-info"}
+    # Nothing of the checkout's own (tests, scripts, docs) lands at the top of site-packages, and no generic name.
+    assert {name.split("/")[0] for name in names} == {CODE_NAMESPACE, "hearth_data", "hearth-0.1.0.dist-info"}
 
 
 def test_installed_hearth_finds_its_data_in_the_venv_not_the_checkout(installed):
     completed = subprocess.run(
         [str(installed["venv"] / "bin" / "python"), "-c",
-         "from services.common.hearth_files import data_dir\n"
+         "from hearth.services.common.hearth_files import data_dir\n"
          "for f in ('models', 'nats', 'grafana'): print(data_dir(f))"],
         cwd=installed["cwd"], capture_output=True, text=True, check=True)
     for line in completed.stdout.split():
@@ -129,11 +129,13 @@ def test_installed_demo_answers_with_the_bundled_model(installed):
     assert summary and int(summary.group(2)) >= 1, completed.stdout
 
 
-def test_another_distributions_package_of_the_same_name_stops_hearth_with_one_line(installed, tmp_path):
+def test_another_distributions_packages_of_generic_names_leave_hearth_alone(installed, tmp_path):
+    """Packages named like hearth's own (events, services, ...) from another distribution are not what hearth
+    imports: every package of hearth lives under `hearth`."""
     foreign = tmp_path / "foreign"
-    (foreign / "events").mkdir(parents=True)
-    (foreign / "events" / "__init__.py").write_text('"""Some other project\'s events package."""\n')
-    completed = run_hearth(installed, "--help", env={"PYTHONPATH": str(foreign)})
-    assert completed.returncode == 1
-    assert completed.stderr.count("\n") == 1 and "shadowed" in completed.stderr, completed.stderr
-    assert str(foreign / "events") in completed.stderr
+    for name in ("events", "migrations", "protocol", "readmodels", "services", "trust"):
+        (foreign / name).mkdir(parents=True)
+        (foreign / name / "__init__.py").write_text(f'raise ImportError("some other project\'s {name}")\n')
+    db = tmp_path / "readmodel.sqlite"
+    upgraded = run_hearth(installed, "db", "upgrade", "--db", str(db), env={"PYTHONPATH": str(foreign)})
+    assert upgraded.returncode == 0 and db.is_file(), upgraded.stderr

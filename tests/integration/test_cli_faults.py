@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from services.devtools.local_cluster import LocalCluster
-from services.broker.server import free_tcp_port
+from hearth.services.devtools.local_cluster import LocalCluster
+from hearth.services.broker.server import free_tcp_port
 from tests.e2e.test_demo import processes_mentioning, work_dir_of
 
 pytestmark = pytest.mark.integration
@@ -45,12 +45,12 @@ needs_model = pytest.mark.skipif(not (MODEL / "config.json").is_file(), reason="
 # Stands for a big checkpoint still being read: the shard's layer load never finishes on its worker thread.
 LOADING_SHARD = """
 import sys, threading
-import inference
+from hearth import inference
 def load_forever(*args, **kwargs):
     print("fake load started", flush=True)
     threading.Event().wait(600)
 inference.load_layer_range = load_forever
-from services.cli import main
+from hearth.services.cli import main
 sys.argv[0] = "hearth"
 main()
 """

@@ -9,13 +9,13 @@ import nats
 import pytest
 from nats.errors import NoServersError
 
-from protocol.subjects import shard_events_subject_of_node
-from services.common.config import NatsSettings
-from services.broker.connection import BrokerRefusedCredentials, connect_nats, flush_ordered
-from services.broker.permissions import render_authorization
-from services.broker.server import EmbeddedNatsServer
-from trust.community import Community
-from trust.keys import MemberKey
+from hearth.protocol.subjects import shard_events_subject_of_node
+from hearth.services.common.config import NatsSettings
+from hearth.services.broker.connection import BrokerRefusedCredentials, connect_nats, flush_ordered
+from hearth.services.broker.permissions import render_authorization
+from hearth.services.broker.server import EmbeddedNatsServer
+from hearth.trust.community import Community
+from hearth.trust.keys import MemberKey
 
 pytestmark = pytest.mark.integration
 VIOLATION_WAIT_S = 2.0

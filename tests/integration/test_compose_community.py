@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from trust.roster import Roster
+from hearth.trust.roster import Roster
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 HEARTH = str(Path(sys.executable).parent / "hearth")
@@ -78,8 +78,8 @@ def test_each_nats_node_configuration_passes_the_nats_server_configuration_test(
     (nats/hearth-cluster.conf with its variables, the roster's authorization, TLS) and `nats-server -t` reads it."""
     arguments = [argument.replace("/community", str(community_dir)).replace("/data", str(tmp_path / "data"))
                  for argument in SERVICES[node]["command"]]
-    completed = subprocess.run([sys.executable, "-m", "services.cli", *arguments, "--check"], capture_output=True,
-                               text=True, timeout=60, cwd=REPO_ROOT)
+    completed = subprocess.run([sys.executable, "-m", "hearth.services.cli", *arguments, "--check"],
+                               capture_output=True, text=True, timeout=60, cwd=REPO_ROOT)
     assert completed.returncode == 0, completed.stderr
     assert "configuration valid" in completed.stderr
     written = (tmp_path / "data" / "hearth-nats.conf").read_text()

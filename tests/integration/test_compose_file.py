@@ -17,8 +17,8 @@ import pytest
 import typer.main
 import yaml
 
-from services.cli import app
-from services.common.config import HearthSettings
+from hearth.services.cli import app
+from hearth.services.common.config import HearthSettings
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = yaml.safe_load((REPO_ROOT / "compose.yaml").read_text())
@@ -92,8 +92,8 @@ def test_the_image_carries_the_sources_the_bundled_model_and_the_cluster_configu
     assert {"models", "nats", "services"} <= {source for source, _ in copied}
     # Editable: the code runs from /app and finds models/ and nats/ beside it, as it does in a checkout.
     assert re.search(r"pip install [^\n]*-e \.", dockerfile)
-    from services.broker.cluster import cluster_config_file
-    from services.orchestrator.catalog import BUNDLED_MODELS_DIR
+    from hearth.services.broker.cluster import cluster_config_file
+    from hearth.services.orchestrator.catalog import BUNDLED_MODELS_DIR
 
     assert BUNDLED_MODELS_DIR == REPO_ROOT / "models"
     assert cluster_config_file() == REPO_ROOT / "nats" / "hearth-cluster.conf"

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
 
-from events.models import ShardHeartbeat, encode_event
-from services.broker.connection import connect_nats
+from hearth.events.models import ShardHeartbeat, encode_event
+from hearth.services.broker.connection import connect_nats
 from tests.e2e.event_log_checks import assert_no_gap_unexplained, stream_unexplained_gaps, unexplained_gaps
 
 pytestmark = pytest.mark.integration

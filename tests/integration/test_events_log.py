@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType
 
-from events import (
+from hearth.events import (
     PIPELINES_STREAM,
     SHARDS_STREAM,
     SkippedMessage,
@@ -24,10 +24,10 @@ from events import (
     read_stream,
     stream_last_seq,
 )
-from events.models import EVENT_TYPES, PipelineFirstToken, ShardHeartbeat
-from events.streams import STREAM_SPECS, duplicate_window_s, shards_max_msgs_per_subject, stream_for_subject
-from services.common.metrics import sample_value
-from services.broker.connection import connect_nats, flush_ordered
+from hearth.events.models import EVENT_TYPES, PipelineFirstToken, ShardHeartbeat
+from hearth.events.streams import STREAM_SPECS, duplicate_window_s, shards_max_msgs_per_subject, stream_for_subject
+from hearth.services.common.metrics import sample_value
+from hearth.services.broker.connection import connect_nats, flush_ordered
 
 pytestmark = pytest.mark.integration
 

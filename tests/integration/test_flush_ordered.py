@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from services.broker.connection import flush_ordered
+from hearth.services.broker.connection import flush_ordered
 
 # Large enough that the socket takes a while to drain it: the window in which nats-py's flush() PING overtakes.
 large_publish_bytes = 4 * 1024 * 1024

@@ -10,12 +10,12 @@ import json
 import httpx2
 import pytest
 
-from protocol.chat import ChatRequest, ModelsReply, ServedModel
-from protocol.subjects import CHAT_REQUEST_SUBJECT, MODELS_REQUEST_SUBJECT
-from services.common.config import HearthSettings
-from services.broker.connection import connect_nats, flush_ordered
-from services.gateway.app import create_app
-from services.gateway.mesh import Gateway
+from hearth.protocol.chat import ChatRequest, ModelsReply, ServedModel
+from hearth.protocol.subjects import CHAT_REQUEST_SUBJECT, MODELS_REQUEST_SUBJECT
+from hearth.services.common.config import HearthSettings
+from hearth.services.broker.connection import connect_nats, flush_ordered
+from hearth.services.gateway.app import create_app
+from hearth.services.gateway.mesh import Gateway
 
 pytestmark = pytest.mark.integration
 MODEL = "scripted"

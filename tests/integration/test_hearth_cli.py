@@ -15,14 +15,14 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from events import SHARDS_STREAM, ensure_streams, publish_event, stream_last_seq
-from events.models import ShardHeartbeat
-from services.cli import app
-from services.common.config import NatsSettings
-from services.broker.connection import BrokerUnreachable, connect_nats
-from services.broker.server import free_tcp_port
-from services.broker.tls import write_throwaway_ca
-from trust.community import Community
+from hearth.events import SHARDS_STREAM, ensure_streams, publish_event, stream_last_seq
+from hearth.events.models import ShardHeartbeat
+from hearth.services.cli import app
+from hearth.services.common.config import NatsSettings
+from hearth.services.broker.connection import BrokerUnreachable, connect_nats
+from hearth.services.broker.server import free_tcp_port
+from hearth.services.broker.tls import write_throwaway_ca
+from hearth.trust.community import Community
 
 pytestmark = pytest.mark.integration
 

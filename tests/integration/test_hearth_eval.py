@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from services.cli import app
-from services.devtools.random_models import CACHE_DIR_ENV
+from hearth.services.cli import app
+from hearth.services.devtools.random_models import CACHE_DIR_ENV
 from tests.unit.inference_tiny_models import one_torch_thread, write_tiny_model  # noqa: F401  (fixture by name)
 
 pytestmark = pytest.mark.integration

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import asyncio
 
-from protocol.control import ShardStat
-from services.broker.connection import flush_ordered
-from services.orchestrator.router import Hop
-from services.orchestrator.stall import ProbeOutcome, probe_outcome
+from hearth.protocol.control import ShardStat
+from hearth.services.broker.connection import flush_ordered
+from hearth.services.orchestrator.router import Hop
+from hearth.services.orchestrator.stall import ProbeOutcome, probe_outcome
 
 
 def _hop(name: str) -> Hop:

@@ -17,21 +17,21 @@ from pathlib import Path
 
 import pytest
 
-from events import SHARDS_STREAM, ensure_streams, publish_event
-from events.streams import SHARDS_STREAM_SPEC
-from events.models import ShardHeartbeat
-from services.broker.streams import create_community_streams
-from services.common.config import NatsSettings
-from services.broker.cluster import (
+from hearth.events import SHARDS_STREAM, ensure_streams, publish_event
+from hearth.events.streams import SHARDS_STREAM_SPEC
+from hearth.events.models import ShardHeartbeat
+from hearth.services.broker.streams import create_community_streams
+from hearth.services.common.config import NatsSettings
+from hearth.services.broker.cluster import (
     ClusterNodeServer,
     EmbeddedNatsCluster,
     community_route_password,
     random_route_password,
 )
-from services.broker.connection import BrokerRefusedCredentials, connect_nats
-from services.broker.permissions import render_authorization
-from services.broker.tls import write_throwaway_ca
-from trust.community import Community
+from hearth.services.broker.connection import BrokerRefusedCredentials, connect_nats
+from hearth.services.broker.permissions import render_authorization
+from hearth.services.broker.tls import write_throwaway_ca
+from hearth.trust.community import Community
 
 pytestmark = pytest.mark.integration
 
@@ -92,7 +92,7 @@ async def stream_replicas(url: str, settings: NatsSettings | None = None,
 def test_hearth_nats_cluster_3_keeps_three_copies_of_each_stream_and_stops_every_node(tmp_path):
     ports, cluster_ports, monitor_ports = free_port_run(3), free_port_run(3), free_port_run(3)
     process = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "nats", "--cluster", "3", "--port", str(ports),
+        [sys.executable, "-m", "hearth.services.cli", "nats", "--cluster", "3", "--port", str(ports),
          "--cluster-port", str(cluster_ports), "--monitor-port", str(monitor_ports), "--store", str(tmp_path)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},

@@ -11,9 +11,9 @@ import signal
 
 import pytest
 
-from services.broker.cluster import EmbeddedNatsCluster
-from services.broker.connection import connect_nats
-from services.common.config import NatsSettings, load_settings
+from hearth.services.broker.cluster import EmbeddedNatsCluster
+from hearth.services.broker.connection import connect_nats
+from hearth.services.common.config import NatsSettings, load_settings
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from services.devtools.local_cluster import PREFORK_ENV, ClusterError, LocalCluster, prefork_from_environment
-from services.broker.server import free_tcp_port
-from services.devtools.prefork import PreforkedProcess, SpawnRequest, import_environment, prefork_launcher
+from hearth.services.devtools.local_cluster import PREFORK_ENV, ClusterError, LocalCluster, prefork_from_environment
+from hearth.services.broker.server import free_tcp_port
+from hearth.services.devtools.prefork import PreforkedProcess, SpawnRequest, import_environment, prefork_launcher
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 exit_timeout_s = 30.0
@@ -50,7 +50,7 @@ def test_a_forked_command_is_its_own_process_and_stops_on_sigterm(cluster, tmp_p
     assert database.exists(), projector.log_tail()
     # ps shows the command it runs, not the launcher's.
     command_line = Path(f"/proc/{popen.pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-    assert "services.cli" in command_line and "projector --db" in command_line, command_line
+    assert "hearth.services.cli" in command_line and "projector --db" in command_line, command_line
     assert projector.alive
     # It ignores SIGPIPE, as every Python interpreter does from its start: a write to a socket its peer closed
     # raises BrokenPipeError instead of killing it (one demo's projector exited with -13 before this).

@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 from sqlalchemy import text
 
-from events.publish import publish_event
-from events.streams import PIPELINES_STREAM, SHARDS_STREAM, ensure_streams
-from readmodels.db import open_engine
-from readmodels.rebuild import diff_databases, rebuild_database
-from readmodels.runner import Projector
-from services.broker.connection import connect_nats
+from hearth.events.publish import publish_event
+from hearth.events.streams import PIPELINES_STREAM, SHARDS_STREAM, ensure_streams
+from hearth.readmodels.db import open_engine
+from hearth.readmodels.rebuild import diff_databases, rebuild_database
+from hearth.readmodels.runner import Projector
+from hearth.services.broker.connection import connect_nats
 from tests.readmodel_helpers import dump_rows, heartbeat, synthetic_events
 
 pytestmark = pytest.mark.integration
@@ -82,7 +82,7 @@ async def wait_for_positions(path: Path, expected: dict[str, int], process: subp
 def start_projector_process(db_path: Path, nats_url: str) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
     return subprocess.Popen(
-        [sys.executable, "-m", "services.projector", "--db", str(db_path), "--nats-url", nats_url],
+        [sys.executable, "-m", "hearth.services.projector", "--db", str(db_path), "--nats-url", nats_url],
         cwd=REPO_ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
     )
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from events.models import ShardWithdrawn
-from events.publish import publish_event
-from events.streams import SHARDS_STREAM, ensure_streams
-from readmodels.runner import Projector
-from services.broker.connection import connect_nats
-from services.orchestrator.router import RoutingError, ShardRouter
-from services.orchestrator.service import read_model_caught_up
+from hearth.events.models import ShardWithdrawn
+from hearth.events.publish import publish_event
+from hearth.events.streams import SHARDS_STREAM, ensure_streams
+from hearth.readmodels.runner import Projector
+from hearth.services.broker.connection import connect_nats
+from hearth.services.orchestrator.router import RoutingError, ShardRouter
+from hearth.services.orchestrator.service import read_model_caught_up
 from tests.readmodel_helpers import MODEL_ID, WEIGHTS_SHA, advertised, at
 
 pytestmark = pytest.mark.integration

@@ -11,13 +11,13 @@ import pytest
 from prometheus_client import CollectorRegistry
 from sqlalchemy.orm import Session
 
-from events.publish import publish_event
-from events.streams import PIPELINES_STREAM, SHARDS_STREAM, ensure_streams
-from readmodels.db import open_engine
-from readmodels.rebuild import diff_databases, rebuild_database
-from readmodels.tables import Pipeline
-from services.broker.connection import connect_nats
-from services.projector.main import run_projector
+from hearth.events.publish import publish_event
+from hearth.events.streams import PIPELINES_STREAM, SHARDS_STREAM, ensure_streams
+from hearth.readmodels.db import open_engine
+from hearth.readmodels.rebuild import diff_databases, rebuild_database
+from hearth.readmodels.tables import Pipeline
+from hearth.services.broker.connection import connect_nats
+from hearth.services.projector.main import run_projector
 from tests.readmodel_helpers import synthetic_events
 
 pytestmark = pytest.mark.integration
@@ -102,7 +102,7 @@ async def test_projector_resumes_after_the_nats_server_restarts(nats_server, tmp
 async def test_lag_shows_a_blocked_backlog_and_a_failed_batch_is_retried(nats_server, tmp_path, monkeypatch):
     """While another writer holds the database, the backlog shows up as lag and batches fail; once it lets
     go, the projector resumes from the stored positions and applies everything exactly once."""
-    monkeypatch.setattr("readmodels.db.sqlite_busy_timeout_ms", 200)
+    monkeypatch.setattr("hearth.readmodels.db.sqlite_busy_timeout_ms", 200)
     nc = await connect_nats(nats_server.url, name="test-publisher")
     js = nc.jetstream()
     await ensure_streams(js)

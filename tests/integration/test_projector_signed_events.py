@@ -9,19 +9,19 @@ from prometheus_client import REGISTRY
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from events.models import PipelineCompleted
-from events.outbox import EventOutbox
-from events.publish import publish_event
-from events.signing import EventVerifier
-from events.streams import PIPELINES_STREAM, SHARDS_STREAM, ensure_streams
-from protocol.subjects import shard_control_subject, shard_id_for
-from readmodels.rebuild import diff_databases, rebuild_database
-from readmodels.runner import Projector
-from readmodels.tables import Pipeline, RejectedEvent, Shard
-from services.broker.connection import connect_nats
+from hearth.events.models import PipelineCompleted
+from hearth.events.outbox import EventOutbox
+from hearth.events.publish import publish_event
+from hearth.events.signing import EventVerifier
+from hearth.events.streams import PIPELINES_STREAM, SHARDS_STREAM, ensure_streams
+from hearth.protocol.subjects import shard_control_subject, shard_id_for
+from hearth.readmodels.rebuild import diff_databases, rebuild_database
+from hearth.readmodels.runner import Projector
+from hearth.readmodels.tables import Pipeline, RejectedEvent, Shard
+from hearth.services.broker.connection import connect_nats
 from tests.readmodel_helpers import MODEL_ID, advertised
-from trust.keys import MemberKey
-from trust.roster import new_member, new_roster
+from hearth.trust.keys import MemberKey
+from hearth.trust.roster import new_member, new_roster
 
 pytestmark = pytest.mark.integration
 

@@ -11,27 +11,27 @@ import pytest
 from sqlalchemy.orm import Session
 from typer.testing import CliRunner
 
-from events.consume import read_stream
-from events.models import utc_now
-from events.publish import publish_event
-from events.signing import EventVerifier
-from events.streams import ALL_STREAMS
-from readmodels.db import open_engine
-from readmodels.projection import ReadModelProjection
-from readmodels.rebuild import diff_databases, rebuild_database
-from readmodels.tables import RejectedEvent, ShardReputation
-from services.broker.connection import connect_nats
-from services.broker.permissions import render_authorization
-from services.broker.server import EmbeddedNatsServer
-from services.broker.streams import create_community_streams
-from services.common.config import NatsSettings
-from services.community_cli import community_app
-from services.community_cli import quarantine_clearing
-from services.replay.cli import app as replay_app
+from hearth.events.consume import read_stream
+from hearth.events.models import utc_now
+from hearth.events.publish import publish_event
+from hearth.events.signing import EventVerifier
+from hearth.events.streams import ALL_STREAMS
+from hearth.readmodels.db import open_engine
+from hearth.readmodels.projection import ReadModelProjection
+from hearth.readmodels.rebuild import diff_databases, rebuild_database
+from hearth.readmodels.tables import RejectedEvent, ShardReputation
+from hearth.services.broker.connection import connect_nats
+from hearth.services.broker.permissions import render_authorization
+from hearth.services.broker.server import EmbeddedNatsServer
+from hearth.services.broker.streams import create_community_streams
+from hearth.services.common.config import NatsSettings
+from hearth.services.community_cli import community_app
+from hearth.services.community_cli import quarantine_clearing
+from hearth.services.replay.cli import app as replay_app
 from tests.readmodel_helpers import advertised
 from tests.reputation_events import confirmed, verified
-from trust.community import Community
-from trust.keys import MemberKey
+from hearth.trust.community import Community
+from hearth.trust.keys import MemberKey
 
 pytestmark = pytest.mark.integration
 runner = CliRunner()

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from events import PIPELINES_STREAM, SHARDS_STREAM, decode_event, ensure_streams, event_subject, publish_event
-from events.models import ShardAdvertised, ShardHeartbeat, ShardWithdrawn
-from services.broker.connection import connect_nats
-from services.replay.cli import app
+from hearth.events import PIPELINES_STREAM, SHARDS_STREAM, decode_event, ensure_streams, event_subject, publish_event
+from hearth.events.models import ShardAdvertised, ShardHeartbeat, ShardWithdrawn
+from hearth.services.broker.connection import connect_nats
+from hearth.services.replay.cli import app
 
 pytestmark = pytest.mark.integration
 

@@ -1,7 +1,7 @@
 """A shard answers `open` at once while its compute thread is busy: closing another pipeline's hop waits for the
 compute thread (its cache reset queues behind the step in progress), but it does so outside the lock that
 serialises hop changes, so the `open` of the next call is not refused as `shard_unavailable` meanwhile
-(services/shard/server.py; the cause of a refusal seen once in the interleave bench)."""
+(hearth/services/shard/server.py; the cause of a refusal seen once in the interleave bench)."""
 
 from __future__ import annotations
 
@@ -9,15 +9,15 @@ import asyncio
 import threading
 from pathlib import Path
 
-from protocol.subjects import shard_control_subject
-from inference import load_layer_range
+from hearth.protocol.subjects import shard_control_subject
+from hearth.inference import load_layer_range
 from tests.runner_limits import RUNNER_KV_LIMITS
-from inference.compute_thread import on_compute_thread
-from services.common.config import load_settings
-from protocol.control import CloseHop, ControlReply, OpenHop
-from services.broker.connection import connect_nats
-from services.shard.compute import ShardCompute
-from services.shard.server import ShardIdentity, ShardServer
+from hearth.inference.compute_thread import on_compute_thread
+from hearth.services.common.config import load_settings
+from hearth.protocol.control import CloseHop, ControlReply, OpenHop
+from hearth.services.broker.connection import connect_nats
+from hearth.services.shard.compute import ShardCompute
+from hearth.services.shard.server import ShardIdentity, ShardServer
 
 MODEL = Path(__file__).resolve().parents[2] / "models" / "hearth-tiny-llama"
 control_reply_timeout_s = 5.0

@@ -10,14 +10,14 @@ import asyncio
 import pytest
 import torch
 
-from inference import weights_sha256
-from inference.memory import layer_weight_bytes
-from inference.quantization import parse_quantization
-from services.common.config import HearthSettings, NatsSettings
-from services.host.model_layout import model_layout
-from services.orchestrator.catalog import ModelCatalog, UnknownModel
-from services.shard.main import ShardRefused, load_shard
-from services.weights_store import (
+from hearth.inference import weights_sha256
+from hearth.inference.memory import layer_weight_bytes
+from hearth.inference.quantization import parse_quantization
+from hearth.services.common.config import HearthSettings, NatsSettings
+from hearth.services.host.model_layout import model_layout
+from hearth.services.orchestrator.catalog import ModelCatalog, UnknownModel
+from hearth.services.shard.main import ShardRefused, load_shard
+from hearth.services.weights_store import (
     HEAD_OBJECT,
     LAYER_OBJECT_FORMAT,
     WeightsStoreError,

@@ -8,8 +8,8 @@ import dataclasses
 import pytest
 from nats.js.errors import APIError
 
-from events.streams import STREAM_SPECS, ensure_streams, event_max_msg_bytes
-from services.broker.connection import connect_nats
+from hearth.events.streams import STREAM_SPECS, ensure_streams, event_max_msg_bytes
+from hearth.services.broker.connection import connect_nats
 
 pytestmark = pytest.mark.integration
 

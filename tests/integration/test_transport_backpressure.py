@@ -7,9 +7,9 @@ import asyncio
 import pytest
 import torch
 
-from protocol.subjects import ack_subject, activation_subject
-from services.broker.connection import flush_ordered
-from services.transport import (
+from hearth.protocol.subjects import ack_subject, activation_subject
+from hearth.services.broker.connection import flush_ordered
+from hearth.services.transport import (
     AckHeader,
     AckWindowSender,
     ActivationReceiver,
@@ -110,7 +110,7 @@ async def test_a_consumer_that_stops_taking_steps_stops_the_acks_and_the_sender(
 
 
 async def test_interrupting_a_wait_for_the_next_step_ends_it_at_once_and_only_once(connections):
-    from services.transport import WaitInterrupted
+    from hearth.services.transport import WaitInterrupted
 
     source, hop = connections
     receiver = ActivationReceiver(hop, PIPELINE, 0)

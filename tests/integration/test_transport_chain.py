@@ -8,9 +8,9 @@ import contextlib
 import pytest
 import torch
 
-from protocol.subjects import activation_subject
-from services.broker.connection import connect_nats
-from services.transport import (
+from hearth.protocol.subjects import activation_subject
+from hearth.services.broker.connection import connect_nats
+from hearth.services.transport import (
     AckObserver,
     AckWindowSender,
     ActivationReceiver,

@@ -9,10 +9,10 @@ import asyncio
 import pytest
 import torch
 
-from protocol.subjects import ack_subject, activation_subject
-from services.broker.connection import flush_ordered
-from services.transport import AckHeader, AckWindowSender, ActivationReceiver, FrameKind, StepInfo, encode_step
-from services.transport.mac import HEADER_MAC, link_mac_key, new_link_key, with_mac
+from hearth.protocol.subjects import ack_subject, activation_subject
+from hearth.services.broker.connection import flush_ordered
+from hearth.services.transport import AckHeader, AckWindowSender, ActivationReceiver, FrameKind, StepInfo, encode_step
+from hearth.services.transport.mac import HEADER_MAC, link_mac_key, new_link_key, with_mac
 
 pytestmark = pytest.mark.integration
 PIPELINE = "pipe-mac"

@@ -11,9 +11,9 @@ import os
 import pytest
 import torch
 
-from services.common.metrics import sample_value
-from services.broker.connection import flush_ordered
-from services.transport import (
+from hearth.services.common.metrics import sample_value
+from hearth.services.broker.connection import flush_ordered
+from hearth.services.transport import (
     AckWindowSender,
     ActivationReceiver,
     FrameHeader,
@@ -22,7 +22,7 @@ from services.transport import (
     StepLimits,
     StepRefusal,
 )
-from services.transport.wire import WireDtype, wire_nbytes
+from hearth.services.transport.wire import WireDtype, wire_nbytes
 
 pytestmark = pytest.mark.integration
 

@@ -7,10 +7,10 @@ import asyncio
 import pytest
 import torch
 
-from protocol.subjects import ack_subject
-from services.broker.connection import connect_nats, flush_ordered
-from services.broker.server import EmbeddedNatsServer
-from services.transport import (
+from hearth.protocol.subjects import ack_subject
+from hearth.services.broker.connection import connect_nats, flush_ordered
+from hearth.services.broker.server import EmbeddedNatsServer
+from hearth.services.transport import (
     AckHeader,
     AckWindowSender,
     ActivationReceiver,

@@ -10,9 +10,9 @@ import asyncio
 import pytest
 import torch
 
-from protocol.subjects import activation_subject
-from services.broker.connection import connect_nats, flush_ordered
-from services.transport import (
+from hearth.protocol.subjects import activation_subject
+from hearth.services.broker.connection import connect_nats, flush_ordered
+from hearth.services.transport import (
     AckWindowSender,
     ActivationReceiver,
     FrameError,
@@ -22,10 +22,10 @@ from services.transport import (
     decode_frames,
     encode_step,
 )
-from services.transport.headers import HEADER_STEP
-from services.transport.link_auth import LinkAuth
-from services.transport.mac import new_link_key
-from services.transport.seal import HEADER_SEAL
+from hearth.services.transport.headers import HEADER_STEP
+from hearth.services.transport.link_auth import LinkAuth
+from hearth.services.transport.mac import new_link_key
+from hearth.services.transport.seal import HEADER_SEAL
 
 pytestmark = pytest.mark.integration
 PIPELINE = "pipe-seal"

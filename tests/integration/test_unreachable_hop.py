@@ -7,12 +7,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from services.common.config import TransportSettings
-from protocol.control import ShardStat
-from services.broker.connection import flush_ordered
-from services.orchestrator.router import Hop
-from services.orchestrator.stall import StallWatch
-from services.transport import FrameKind, StepInfo
+from hearth.services.common.config import TransportSettings
+from hearth.protocol.control import ShardStat
+from hearth.services.broker.connection import flush_ordered
+from hearth.services.orchestrator.router import Hop
+from hearth.services.orchestrator.stall import StallWatch
+from hearth.services.transport import FrameKind, StepInfo
 
 TRANSPORT = TransportSettings(step_timeout_s=30.0, gone_check_after_s=0.05, gone_check_timeout_s=0.05,
                               probe_timeout_s=0.1)

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from inference import load_head, load_layer_range, weights_sha256
+from hearth.inference import load_head, load_layer_range, weights_sha256
 from tests.runner_limits import RUNNER_KV_LIMITS
-from services.broker.connection import connect_nats
-from services.weights_store import (
+from hearth.services.broker.connection import connect_nats
+from hearth.services.weights_store import (
     HEAD_OBJECT,
     LAYER_OBJECT_FORMAT,
     WEIGHTS_BUCKET,
@@ -89,9 +89,9 @@ async def test_listing_and_unknown_names(js, published, tmp_path):
 
 @pytest.fixture
 def community_server(tmp_path):
-    from services.broker.permissions import render_authorization
-    from services.broker.server import EmbeddedNatsServer
-    from trust.community import Community
+    from hearth.services.broker.permissions import render_authorization
+    from hearth.services.broker.server import EmbeddedNatsServer
+    from hearth.trust.community import Community
 
     community = Community.init(tmp_path / "community", "weights-community")
     for name, role in (("shard-a", "shard"), ("orch", "orchestrator"), ("alice", "client")):

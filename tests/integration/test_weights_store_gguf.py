@@ -13,15 +13,15 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFReader
 
-from inference import load_head, load_layer_range, weights_sha256
-from inference.memory import layer_weight_bytes
-from inference.quantization import parse_quantization
-from services.cli_options import EXIT_BAD_INPUT
-from services.common.config import HearthSettings, NatsSettings
-from services.host.model_layout import model_layout
-from services.orchestrator.catalog import ModelCatalog
-from services.shard.main import load_shard
-from services.weights_store import (
+from hearth.inference import load_head, load_layer_range, weights_sha256
+from hearth.inference.memory import layer_weight_bytes
+from hearth.inference.quantization import parse_quantization
+from hearth.services.cli_options import EXIT_BAD_INPUT
+from hearth.services.common.config import HearthSettings, NatsSettings
+from hearth.services.host.model_layout import model_layout
+from hearth.services.orchestrator.catalog import ModelCatalog
+from hearth.services.shard.main import load_shard
+from hearth.services.weights_store import (
     GGUF_HEAD_OBJECT,
     GGUF_HEADER_OBJECT,
     GGUF_LAYER_OBJECT_FORMAT,
@@ -135,7 +135,7 @@ def test_publishing_a_gguf_the_loader_refuses_fails_in_one_line_before_any_conne
     path, _ = write_tiny_gguf(tmp_path / "model", "llama", GGMLQuantizationType.Q8_0)
     truncated.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     refused = subprocess.run(
-        [sys.executable, "-m", "services.cli", "weights", "publish", str(truncated), "--name", NAME, "--nats",
+        [sys.executable, "-m", "hearth.services.cli", "weights", "publish", str(truncated), "--name", NAME, "--nats",
          "nats://127.0.0.1:9", "--insecure"], capture_output=True, text=True, timeout=120,
         cwd=Path(__file__).resolve().parents[2])
     assert refused.returncode == EXIT_BAD_INPUT

@@ -135,7 +135,8 @@ def write_tiny_gguf(folder: Path, architecture: str, block_type: GGMLQuantizatio
 
 @pytest.fixture(autouse=True)
 def own_cache(tmp_path, monkeypatch):
-    """Parsed GGUF metadata (inference/gguf_cache.py) and digests go to the test's folder, not the user's cache."""
+    """Parsed GGUF metadata (hearth/inference/gguf_cache.py) and digests go to the test's folder, not the user's
+    cache."""
     monkeypatch.setenv("HEARTH_CACHE_DIR", str(tmp_path / "cache"))
 
 

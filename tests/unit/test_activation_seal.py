@@ -9,11 +9,11 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from protocol.control import OpenHop
-from services.transport import FrameError, FrameKind, StepInfo, decode_frames, encode_step
-from services.transport.headers import HEADER_CHUNK, HEADER_HOP, HEADER_PIPELINE, HEADER_STEP, FrameHeader
-from services.transport.link_auth import LinkAuth
-from services.transport.mac import (
+from hearth.protocol.control import OpenHop
+from hearth.services.transport import FrameError, FrameKind, StepInfo, decode_frames, encode_step
+from hearth.services.transport.headers import HEADER_CHUNK, HEADER_HOP, HEADER_PIPELINE, HEADER_STEP, FrameHeader
+from hearth.services.transport.link_auth import LinkAuth
+from hearth.services.transport.mac import (
     HEADER_MAC,
     MAC_KEY_LABEL,
     SEAL_KEY_LABEL,
@@ -22,7 +22,7 @@ from services.transport.mac import (
     link_mac_key,
     new_link_key,
 )
-from services.transport.seal import HEADER_SEAL, LinkSeal, seal_tag_bytes
+from hearth.services.transport.seal import HEADER_SEAL, LinkSeal, seal_tag_bytes
 
 PIPELINE = "p-seal"
 

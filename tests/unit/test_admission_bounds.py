@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from protocol.chat import BadRequest, ChatRequest
-from services.orchestrator.admission import prompt_room
+from hearth.protocol.chat import BadRequest, ChatRequest
+from hearth.services.orchestrator.admission import prompt_room
 
 
 def model(vocab_size: int = 100, context_length: int | None = 64):

@@ -1,4 +1,4 @@
-"""Batched decode (inference/batched.py, LayerRangeRunner.step_batch): sessions stepped together give the greedy
+"""Batched decode (hearth/inference/batched.py, LayerRangeRunner.step_batch): sessions stepped together give the greedy
 tokens each gives alone, for every tiny architecture; sessions joining and leaving between batched steps leave the
 others' tokens unchanged; a row's own error does not stop the others."""
 
@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from inference import SessionStateError, load_head, load_layer_range
+from hearth.inference import SessionStateError, load_head, load_layer_range
 from tests.runner_limits import RUNNER_KV_LIMITS
-from inference.batched import BatchRow
-from inference.sampling import SamplingParams
+from hearth.inference.batched import BatchRow
+from hearth.inference.sampling import SamplingParams
 
 from .inference_tiny_models import ARCHITECTURES, one_torch_thread, tiny_model_dir  # noqa: F401  (fixtures)
 

@@ -1,7 +1,7 @@
-"""Batched head steps (inference/head_batch.py, services/orchestrator/head_batcher.py): sessions whose final norm +
-lm_head run as one product pick the greedy tokens each picks alone, for every tiny architecture, also while sessions
-join and leave; near ties are recomputed alone; seeded sampling does not depend on the batch; a malformed row fails
-alone; and HeadSteps batches the steps of the calls decoding together while a lone call never waits."""
+"""Batched head steps (hearth/inference/head_batch.py, hearth/services/orchestrator/head_batcher.py): sessions whose
+final norm + lm_head run as one product pick the greedy tokens each picks alone, for every tiny architecture, also while
+sessions join and leave; near ties are recomputed alone; seeded sampling does not depend on the batch; a malformed row
+fails alone; and HeadSteps batches the steps of the calls decoding together while a lone call never waits."""
 
 from __future__ import annotations
 
@@ -10,14 +10,14 @@ import asyncio
 import pytest
 import torch
 
-from inference import load_head
-from inference.compute_thread import StepThreads
-from inference.cpu_kernels import onednn_linear, onednn_linear_available
-from inference.head import head_onednn_min_rows
-from inference.head_batch import HeadRow, batched_next_tokens, solo_next_token
-from inference.sampling import SamplingParams
-from services.common.config import OrchestratorSettings
-from services.orchestrator.head_batcher import HeadSteps
+from hearth.inference import load_head
+from hearth.inference.compute_thread import StepThreads
+from hearth.inference.cpu_kernels import onednn_linear, onednn_linear_available
+from hearth.inference.head import head_onednn_min_rows
+from hearth.inference.head_batch import HeadRow, batched_next_tokens, solo_next_token
+from hearth.inference.sampling import SamplingParams
+from hearth.services.common.config import OrchestratorSettings
+from hearth.services.orchestrator.head_batcher import HeadSteps
 
 from .inference_tiny_models import ARCHITECTURES, one_torch_thread, tiny_model_dir  # noqa: F401  (fixtures)
 from .test_batched_decode import GREEDY, BatchedSessions, decode_eight_sessions_together, join_and_leave

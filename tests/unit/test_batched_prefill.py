@@ -1,8 +1,8 @@
-"""Batched prefills (LayerRangeRunner.step_batch with rows of several tokens, inference/batched.py): prompts of
+"""Batched prefills (LayerRangeRunner.step_batch with rows of several tokens, hearth/inference/batched.py): prompts of
 different lengths prefilled together give each session its solo greedy tokens, for every tiny architecture (past
 the sliding window too); rows continuing a chunked prefill, starting one and decoding mix in one batch with the
 results of the same steps run alone; a padded row's output is finite and a row's error stays its own; a shard batches
-its hops' short prefills (services/shard/compute.py)."""
+its hops' short prefills (hearth/services/shard/compute.py)."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from inference import SessionStateError, load_head, load_layer_range
+from hearth.inference import SessionStateError, load_head, load_layer_range
 from tests.runner_limits import RUNNER_KV_LIMITS
-from inference.batched import BatchRow, StackingBuffers, _left_padded, _row_mask
-from services.shard.compute import ShardCompute
-from services.transport import FrameKind
+from hearth.inference.batched import BatchRow, StackingBuffers, _left_padded, _row_mask
+from hearth.services.shard.compute import ShardCompute
+from hearth.services.transport import FrameKind
 
 from .inference_tiny_models import ARCHITECTURES, TINY_NUM_LAYERS, one_torch_thread, tiny_model_dir  # noqa: F401
 from .test_batched_decode import GREEDY, PROMPTS, BatchedSessions, solo_tokens

@@ -7,12 +7,12 @@ import math
 
 import pytest
 
-from services.devtools.bench.runner import all_decoding_rate
-from services.devtools.bench.timing import GenerationTiming, tokens_before_divergence
-from services.devtools.bench.transport_metrics import Histogram, mean_batch_rows, transport_figures
-from services.devtools.local_cluster import (BATCH_MERGE_WINDOW_ENV, LocalCluster, _device_argument,
+from hearth.services.devtools.bench.runner import all_decoding_rate
+from hearth.services.devtools.bench.timing import GenerationTiming, tokens_before_divergence
+from hearth.services.devtools.bench.transport_metrics import Histogram, mean_batch_rows, transport_figures
+from hearth.services.devtools.local_cluster import (BATCH_MERGE_WINDOW_ENV, LocalCluster, _device_argument,
                               shared_machine_batch_merge_window_ms)
-from services.shard.metrics import COMPUTE_METRIC, TRANSPORT_METRIC, WIRE_METRIC
+from hearth.services.shard.metrics import COMPUTE_METRIC, TRANSPORT_METRIC, WIRE_METRIC
 
 BOUNDS_S = [0.0005, 0.001, 0.002, math.inf]
 

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from services.devtools.bench.process_stats import resident_memory
-from services.devtools.bench.report import (
+from hearth.services.devtools.bench.process_stats import resident_memory
+from hearth.services.devtools.bench.report import (
     BenchReport,
     ImportsMemory,
     ShardMemory,

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 from typer.testing import CliRunner
 
-from services.cli import app
-from services.devtools.bench import command
-from services.devtools.bench.mesh import replica_cores, replica_node_id
-from services.devtools.bench.report import BenchReport, Side, verification_line
-from services.devtools.bench.verification_metrics import (CHECKS_SAMPLE, checks_between, checks_with_verdict,
+from hearth.services.cli import app
+from hearth.services.devtools.bench import command
+from hearth.services.devtools.bench.mesh import replica_cores, replica_node_id
+from hearth.services.devtools.bench.report import BenchReport, Side, verification_line
+from hearth.services.devtools.bench.verification_metrics import (CHECKS_SAMPLE, checks_between, checks_with_verdict,
                                                           parse_verification_checks)
 
 
@@ -81,8 +81,8 @@ def test_the_report_says_the_level_the_replicas_and_what_the_checks_found():
 def test_the_bench_reads_the_counter_the_orchestrator_exposes():
     from prometheus_client import REGISTRY, generate_latest
 
-    from services.orchestrator.check_policy import CHECK_OUTCOMES
-    from services.orchestrator.metrics import verification_checks_total
+    from hearth.services.orchestrator.check_policy import CHECK_OUTCOMES
+    from hearth.services.orchestrator.metrics import verification_checks_total
 
     assert CHECKS_SAMPLE == verification_checks_total.describe()[0].name + "_total"
     before = parse_verification_checks(generate_latest(REGISTRY).decode())

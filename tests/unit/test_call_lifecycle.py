@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from protocol.chat import ChatRequest
-from services.orchestrator.call import Call, CallStatus
+from hearth.protocol.chat import ChatRequest
+from hearth.services.orchestrator.call import Call, CallStatus
 
 
 def new_call(**request) -> Call:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 
-from services.common.call_signing import (
+from hearth.services.common.call_signing import (
     HEADER_CALLER,
     HEADER_CALLER_NONCE,
     HEADER_CALLER_SIGNATURE,
@@ -15,9 +15,9 @@ from services.common.call_signing import (
     nonce_bytes,
     signed_call_headers,
 )
-from services.transport.headers import header_bytes
-from trust.keys import MemberKey
-from trust.roster import Roster, new_member
+from hearth.services.transport.headers import header_bytes
+from hearth.trust.keys import MemberKey
+from hearth.trust.roster import Roster, new_member
 
 SUBJECT, REPLY, BODY = "llm.chat.request", "_INBOX.alice.abc", b'{"prompt": "hi"}'
 NOW_S = 1_800_000_000.0

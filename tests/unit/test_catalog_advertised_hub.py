@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.orchestrator.catalog import ModelCatalog, UnknownModel
+from hearth.services.orchestrator.catalog import ModelCatalog, UnknownModel
 from tests.unit.hub_server import fake_hub  # noqa: F401  (fixture)
 from tests.unit.test_hub_gguf import FILE, REPO, served  # noqa: F401  (fixture: the fake hub serving one GGUF)
 

@@ -12,12 +12,12 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from inference import load_head
-from inference.token_bounds import TokenLowerBound
-from protocol.chat import BadRequest, ChatRequest
-from services.orchestrator import admission
-from services.orchestrator.admission import admit_prompt
-from services.orchestrator.catalog import LoadedModel
+from hearth.inference import load_head
+from hearth.inference.token_bounds import TokenLowerBound
+from hearth.protocol.chat import BadRequest, ChatRequest
+from hearth.services.orchestrator import admission
+from hearth.services.orchestrator.admission import admit_prompt
+from hearth.services.orchestrator.catalog import LoadedModel
 
 from .inference_tiny_models import TINY_VOCAB_SIZE, one_torch_thread, write_tiny_model  # noqa: F401  (fixture)
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import random
 
-from services.common.config_processes import VerificationSettings
-from services.orchestrator.check_policy import sampled_check_due
+from hearth.services.common.config_processes import VerificationSettings
+from hearth.services.orchestrator.check_policy import sampled_check_due
 
 LIE_RATE = 0.01
 CALLS = 20

@@ -1,16 +1,16 @@
 """Chunked prefill: a prompt prefilled in successive chunks grows the session's KV cache exactly as one prefill
 of the whole prompt does, so the greedy tokens that follow are the same (the orchestrator's chunked prefill,
-services/orchestrator/prefill.py, relies on it)."""
+hearth/services/orchestrator/prefill.py, relies on it)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from inference import SamplingParams, load_full, load_head, load_layer_range
+from hearth.inference import SamplingParams, load_full, load_head, load_layer_range
 from tests.runner_limits import RUNNER_KV_LIMITS
-from services.orchestrator.local_chain import LocalChain
-from services.orchestrator.prefill import chunk_spans, prefill
+from hearth.services.orchestrator.local_chain import LocalChain
+from hearth.services.orchestrator.prefill import chunk_spans, prefill
 
 from .inference_tiny_models import one_torch_thread, tiny_model_dir  # noqa: F401  (fixtures are used by name)
 

@@ -22,19 +22,19 @@ def loaded_heavy_modules(code: str) -> list[str]:
 
 
 def test_importing_the_hearth_cli_does_not_load_torch():
-    assert loaded_heavy_modules("import services.cli") == []
+    assert loaded_heavy_modules("import hearth.services.cli") == []
 
 
 @pytest.mark.parametrize(
     "argv",
     [
-        ["services.replay.cli", "--help"],
-        ["services.replay.cli", "events", "--help"],
-        ["services.replay.cli", "rebuild", "--help"],
-        ["services.cli", "--help"],
-        ["services.cli", "nats", "--help"],
-        ["services.cli", "projector", "--help"],
-        ["services.cli", "db", "upgrade", "--help"],
+        ["hearth.services.replay.cli", "--help"],
+        ["hearth.services.replay.cli", "events", "--help"],
+        ["hearth.services.replay.cli", "rebuild", "--help"],
+        ["hearth.services.cli", "--help"],
+        ["hearth.services.cli", "nats", "--help"],
+        ["hearth.services.cli", "projector", "--help"],
+        ["hearth.services.cli", "db", "upgrade", "--help"],
     ],
 )
 def test_help_of_the_light_commands_does_not_load_torch(argv):
@@ -49,8 +49,8 @@ def test_help_of_the_light_commands_does_not_load_torch(argv):
 
 def test_the_replay_modules_and_the_projector_do_not_load_torch():
     code = (
-        "import services.replay.cli, services.replay.query, services.replay.reports\n"
-        "import services.projector.main, readmodels.rebuild, events"
+        "import hearth.services.replay.cli, hearth.services.replay.query, hearth.services.replay.reports\n"
+        "import hearth.services.projector.main, hearth.readmodels.rebuild, hearth.events"
     )
     assert loaded_heavy_modules(code) == []
 

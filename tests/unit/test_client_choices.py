@@ -4,9 +4,9 @@ printing each choice under its label."""
 
 from __future__ import annotations
 
-from protocol.chat import ChatRequest, ChoiceEnd, DoneFrame, TokenDeltaFrame, TokensWithdrawnFrame, Usage
-from services.client.chat import ChatResult, answer_tokens
-from services.client.command import ChatPrinter
+from hearth.protocol.chat import ChatRequest, ChoiceEnd, DoneFrame, TokenDeltaFrame, TokensWithdrawnFrame, Usage
+from hearth.services.client.chat import ChatResult, answer_tokens
+from hearth.services.client.command import ChatPrinter
 
 
 def token(seq: int, choice: int, text: str, token_id: int) -> TokenDeltaFrame:

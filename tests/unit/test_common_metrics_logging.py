@@ -1,4 +1,4 @@
-"""services/common metrics and logging helpers: shared collectors, the /metrics server, log levels."""
+"""hearth/services/common metrics and logging helpers: shared collectors, the /metrics server, log levels."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import urllib.request
 import pytest
 from prometheus_client import CollectorRegistry
 
-from services.common.logging import configure_logging, parse_log_level
-from services.common.metrics import counter, gauge, histogram, render_metrics, sample_value, start_metrics_server
+from hearth.services.common.logging import configure_logging, parse_log_level
+from hearth.services.common.metrics import counter, gauge, histogram, render_metrics, sample_value, start_metrics_server
 
 
 def test_collectors_are_created_once_per_registry_and_name():

@@ -10,14 +10,14 @@ from datetime import timedelta
 import pytest
 from typer.testing import CliRunner
 
-from events.signing import EventVerifier
-from readmodels.reputation import ReputationLog
-from services import community_cli
-from services.community_cli import community_app
-from services.community_cli import NotQuarantined, ReadModelMissing, clear_quarantine, read_reputation
+from hearth.events.signing import EventVerifier
+from hearth.readmodels.reputation import ReputationLog
+from hearth.services import community_cli
+from hearth.services.community_cli import community_app
+from hearth.services.community_cli import NotQuarantined, ReadModelMissing, clear_quarantine, read_reputation
 from tests.readmodel_helpers import LogBuilder, advertised, apply_all, migrated_engine
 from tests.reputation_events import confirmed, disputed, verified
-from trust.community import Community
+from hearth.trust.community import Community
 
 A, B, C = (advertised(0, 3, node).shard_id for node in ("kitchen-pc", "attic-pc", "garage-pc"))
 
@@ -86,7 +86,7 @@ def test_an_orchestrator_may_not_clear_a_quarantine(community, read_model):
         pass
 
     hub_key = community.directory / "keys" / "hub.nk"
-    from trust.keys import MemberKey
+    from hearth.trust.keys import MemberKey
 
     event = asyncio.run(clear_quarantine(A, "trust me", db=read_model, steward_key=MemberKey.load(hub_key),
                                          publish=publish))
@@ -138,8 +138,8 @@ def test_the_clear_command_publishes_through_the_steward_publisher(community, re
 
 
 def test_every_other_integrity_event_stays_the_orchestrators(community):
-    from events.signing import emitting_role, sign_event
-    from trust.keys import MemberKey
+    from hearth.events.signing import emitting_role, sign_event
+    from hearth.trust.keys import MemberKey
 
     assert emitting_role("integrity.quarantine_cleared") == "system"
     assert emitting_role("integrity.mismatch_confirmed") == emitting_role("integrity.shards_verified") == "orchestrator"

@@ -6,9 +6,9 @@ import threading
 import pytest
 import torch
 
-from inference.compute_thread import (COMPUTE_THREAD_NAME, StepThreads, on_compute_thread,
+from hearth.inference.compute_thread import (COMPUTE_THREAD_NAME, StepThreads, on_compute_thread,
                                      parallel_batch_min_weight_bytes, use_intra_op_threads)
-from services.common.lifecycle import EVENT_LOOP_ENV, run_event_loop
+from hearth.services.common.lifecycle import EVENT_LOOP_ENV, run_event_loop
 
 
 def test_every_call_runs_on_the_same_named_thread_off_the_event_loop() -> None:

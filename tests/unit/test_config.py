@@ -7,7 +7,7 @@ import re
 import pydantic
 import pytest
 
-from services.common.config import ConfigError, HearthSettings, load_settings
+from hearth.services.common.config import ConfigError, HearthSettings, load_settings
 
 FULL_TOML = """
 [research]

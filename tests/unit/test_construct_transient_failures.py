@@ -9,16 +9,16 @@ from types import SimpleNamespace
 import pytest
 from sqlalchemy.orm import sessionmaker
 
-from services.common.config import HearthSettings, NatsSettings, TransportSettings
-from services.common.config_processes import OrchestratorSettings
+from hearth.services.common.config import HearthSettings, NatsSettings, TransportSettings
+from hearth.services.common.config_processes import OrchestratorSettings
 from nats.errors import FlushTimeoutError
 
-from services.orchestrator.capacity import ShardLoad
-from services.orchestrator.chain import HopChain
-from services.orchestrator.construct import ChainBuilder
-from services.orchestrator.outcomes import StepFailure
-from services.orchestrator.prefix import KeptChains
-from services.orchestrator.router import Hop, RoutingError, ShardRouter
+from hearth.services.orchestrator.capacity import ShardLoad
+from hearth.services.orchestrator.chain import HopChain
+from hearth.services.orchestrator.construct import ChainBuilder
+from hearth.services.orchestrator.outcomes import StepFailure
+from hearth.services.orchestrator.prefix import KeptChains
+from hearth.services.orchestrator.router import Hop, RoutingError, ShardRouter
 from tests.readmodel_helpers import (
     MODEL_ID,
     WEIGHTS_SHA,

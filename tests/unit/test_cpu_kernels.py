@@ -1,4 +1,4 @@
-"""The CPU linear kernels (inference/cpu_kernels.py): oneDNN runs batched decode steps by default while one
+"""The CPU linear kernels (hearth/inference/cpu_kernels.py): oneDNN runs batched decode steps by default while one
 session's steps stay bitwise equal to transformers' modules; "onednn" runs every step on it; batched sessions give
 their solo greedy tokens and the tokens torch's kernels give under every kernel; the swap shares the weights (no
 extra memory), and the setting leaves layers it does not apply to alone."""
@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch import nn
 
-from inference import load_head, load_layer_range
+from hearth.inference import load_head, load_layer_range
 from tests.runner_limits import RUNNER_KV_LIMITS
-from inference.cpu_kernels import (
+from hearth.inference.cpu_kernels import (
     CPU_LINEAR_KERNELS,
     DEFAULT_CPU_LINEAR_KERNEL,
     OneDnnLinear,
@@ -21,7 +21,7 @@ from inference.cpu_kernels import (
     onednn_linear_available,
     use_cpu_linear_kernel,
 )
-from services.common.config_processes import ShardSettings
+from hearth.services.common.config_processes import ShardSettings
 
 from .inference_tiny_models import ARCHITECTURES, one_torch_thread, tiny_model_dir  # noqa: F401  (fixtures)
 from .test_batched_decode import decode_eight_sessions_together, solo_tokens

@@ -1,4 +1,4 @@
-"""The Grafana dashboards as files: generated JSON in step with services/dashboards/panels.py, datasources the
+"""The Grafana dashboards as files: generated JSON in step with hearth/services/dashboards/panels.py, datasources the
 provisioning defines, only the agreed metric names in PromQL, panel SQL valid on a real read model, the plugin's
 macros expanded as the plugin expands them, and a read-only reader that never blocks the projector."""
 
@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from services.dashboards.grafana_json import DASHBOARDS_DIR, write_dashboards
-from services.dashboards.macros import TimeRange, expand, open_read_only, run_panel_sql
-from services.dashboards.model import PROMETHEUS_DATASOURCE, READ_MODEL_DATASOURCE, PromPanel
-from services.dashboards.panels import DASHBOARDS
-from services.dashboards.status import coverage_text, run_status_command
+from hearth.services.dashboards.grafana_json import DASHBOARDS_DIR, write_dashboards
+from hearth.services.dashboards.macros import TimeRange, expand, open_read_only, run_panel_sql
+from hearth.services.dashboards.model import PROMETHEUS_DATASOURCE, READ_MODEL_DATASOURCE, PromPanel
+from hearth.services.dashboards.panels import DASHBOARDS
+from hearth.services.dashboards.status import coverage_text, run_status_command
 from tests.readmodel_helpers import T0, LogBuilder, apply_all, migrated_engine, synthetic_events
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -10,8 +10,8 @@ from pathlib import Path
 import gguf
 import pytest
 
-from services.devtools import demo_model
-from services.devtools.demo_model import (
+from hearth.services.devtools import demo_model
+from hearth.services.devtools.demo_model import (
     FACTUAL_QUESTION,
     TOY_MODEL_PROMPT,
     DemoError,

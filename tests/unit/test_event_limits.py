@@ -8,7 +8,7 @@ import typing
 import pytest
 from pydantic import BaseModel, ValidationError
 
-from events.models import (
+from hearth.events.models import (
     EVENT_CLASSES,
     PipelineCompleted,
     PipelineFailover,
@@ -21,7 +21,7 @@ from events.models import (
     max_reason_chars,
     max_shard_id_chars,
 )
-from events.streams import STREAM_SPECS, event_max_msg_bytes
+from hearth.events.streams import STREAM_SPECS, event_max_msg_bytes
 
 # A character JSON writes as six bytes (\u0000): the worst a string of n characters can cost.
 worst_char = "\x00"

@@ -1,4 +1,4 @@
-"""Signed events: canonical bytes, signing, the acceptance rule of events/signing.py, and the projection keeping
+"""Signed events: canonical bytes, signing, the acceptance rule of hearth/events/signing.py, and the projection keeping
 what it rejects in rejected_events while its position still advances."""
 
 from __future__ import annotations
@@ -9,14 +9,14 @@ import pytest
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from events.consume import StoredEvent
-from events.models import (
+from hearth.events.consume import StoredEvent
+from hearth.events.models import (
     PipelineCompleted,
     ShardWithdrawn,
     decode_event,
     encode_event,
 )
-from events.signing import (
+from hearth.events.signing import (
     REJECTION_REASONS,
     EventVerifier,
     RosterFile,
@@ -24,14 +24,14 @@ from events.signing import (
     canonical_json,
     sign_event,
 )
-from events.streams import SHARDS_STREAM
-from protocol.subjects import event_subject, shard_control_subject, shard_id_for
-from readmodels.positions import load_positions
-from readmodels.projection import ReadModelProjection, Rejection
-from readmodels.tables import RejectedEvent, Shard
+from hearth.events.streams import SHARDS_STREAM
+from hearth.protocol.subjects import event_subject, shard_control_subject, shard_id_for
+from hearth.readmodels.positions import load_positions
+from hearth.readmodels.projection import ReadModelProjection, Rejection
+from hearth.readmodels.tables import RejectedEvent, Shard
 from tests.readmodel_helpers import MODEL_ID, T0, advertised, at, migrated_engine
-from trust.keys import MemberKey
-from trust.roster import Roster, new_member, new_roster
+from hearth.trust.keys import MemberKey
+from hearth.trust.roster import Roster, new_member, new_roster
 
 SKEW_S = 30.0
 KEYS = {name: MemberKey.generate() for name in ("host0", "host1", "hub", "alice", "outsider")}

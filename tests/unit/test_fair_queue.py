@@ -1,4 +1,4 @@
-"""Unit tests of FairQueue (services/orchestrator/queue.py): round-robin by caller, per-caller limit, the bound,
+"""Unit tests of FairQueue (hearth/services/orchestrator/queue.py): round-robin by caller, per-caller limit, the bound,
 positions, calls that leave while waiting, and each caller's shares (running places below the total, its part
 of the queue, room taken back from the caller waiting with the most when the queue is full)."""
 
@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from services.orchestrator.queue import FairQueue, LeftQueue, Overloaded
+from hearth.services.orchestrator.queue import FairQueue, LeftQueue, Overloaded
 
 
 class Recorder:

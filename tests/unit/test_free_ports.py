@@ -1,4 +1,4 @@
-"""free_tcp_port (services/broker/server.py): ports for servers started a moment later come from below the
+"""free_tcp_port (hearth/services/broker/server.py): ports for servers started a moment later come from below the
 kernel's ephemeral range (so no outgoing connection can take one first), are free to listen on, and are never
 handed out twice in one process."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import socket
 
-from services.broker.server import _first_ephemeral_port, free_tcp_port, listen_port_floor
+from hearth.services.broker.server import _first_ephemeral_port, free_tcp_port, listen_port_floor
 
 
 def test_ports_are_listenable_distinct_and_below_the_ephemeral_range():

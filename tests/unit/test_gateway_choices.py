@@ -9,7 +9,7 @@ import json
 
 import openai
 
-from protocol.chat import (
+from hearth.protocol.chat import (
     ChatFrame,
     ChoiceEnd,
     DoneFrame,

@@ -14,13 +14,13 @@ from types import SimpleNamespace
 import pytest
 import uvicorn
 
-from services.client.chat import _decode_known
-from services.common.config import HearthSettings
-from services.gateway.app import create_app
-from services.gateway.errors import GatewayError
-from services.gateway.http_server import server_config
-from services.gateway.keys import Caller
-from services.gateway.mesh import Gateway
+from hearth.services.client.chat import _decode_known
+from hearth.services.common.config import HearthSettings
+from hearth.services.gateway.app import create_app
+from hearth.services.gateway.errors import GatewayError
+from hearth.services.gateway.http_server import server_config
+from hearth.services.gateway.keys import Caller
+from hearth.services.gateway.mesh import Gateway
 
 READ_TIMEOUT_S = 0.5
 # How long a test waits, at most, for the server to close a stalled connection (well above the deadline).

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from protocol.chat import (
+from hearth.protocol.chat import (
     BadRequest,
     ChatRequest,
     DoneFrame,
@@ -18,8 +18,8 @@ from protocol.chat import (
     Usage,
     parse_chat_request,
 )
-from services.gateway.answers import ChatShape, CompletionShape
-from services.gateway.openai_models import ChatCompletionRequest, CompletionRequest
+from hearth.services.gateway.answers import ChatShape, CompletionShape
+from hearth.services.gateway.openai_models import ChatCompletionRequest, CompletionRequest
 
 DONE = DoneFrame(seq=3, finish_reason="length", usage=Usage(prompt_tokens=4, completion_tokens=2))
 STEPS = [

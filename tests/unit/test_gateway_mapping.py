@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from protocol.chat import BadRequest, DoneFrame, ErrorFrame, PipelineAbortedFrame, Usage
-from services.gateway.answers import ChatShape, CompletionShape, finish_reason
-from services.gateway.errors import from_frame
-from services.gateway.keys import (
+from hearth.protocol.chat import BadRequest, DoneFrame, ErrorFrame, PipelineAbortedFrame, Usage
+from hearth.services.gateway.answers import ChatShape, CompletionShape, finish_reason
+from hearth.services.gateway.errors import from_frame
+from hearth.services.gateway.keys import (
     API_KEYS_FILE,
     ApiKeyError,
     ApiKeyring,
@@ -19,9 +19,9 @@ from services.gateway.keys import (
     create_api_key,
     revoke_api_keys,
 )
-from services.gateway.openai_models import ChatCompletionRequest, CompletionRequest, Unsupported
-from trust.community import Community
-from trust.keys import MemberKey
+from hearth.services.gateway.openai_models import ChatCompletionRequest, CompletionRequest, Unsupported
+from hearth.trust.community import Community
+from hearth.trust.keys import MemberKey
 
 
 def chat(**fields) -> ChatCompletionRequest:

@@ -15,11 +15,11 @@ import pytest
 from pydantic import BaseModel
 from typer.testing import CliRunner
 
-from events.models import EVENT_TYPES
-from services import schema
-from protocol import chat as chat_protocol
-from services.common.config import HearthSettings, load_settings
-from services.common.config_aliases import MOVED_KEYS, dotted
+from hearth.events.models import EVENT_TYPES
+from hearth.services import schema
+from hearth.protocol import chat as chat_protocol
+from hearth.services.common.config import HearthSettings, load_settings
+from hearth.services.common.config_aliases import MOVED_KEYS, dotted
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
@@ -174,7 +174,7 @@ def test_check_reports_what_differs_and_writing_repairs_it(tmp_path, capsys):
 
 
 def test_the_hearth_schema_command(tmp_path):
-    from services.cli import app
+    from hearth.services.cli import app
 
     result = CliRunner().invoke(app, ["schema", "--check", "--out", str(tmp_path)])
     assert result.exit_code == 1
@@ -184,9 +184,11 @@ def test_the_hearth_schema_command(tmp_path):
     assert CliRunner().invoke(app, ["schema", "--check", "--out", str(tmp_path)]).exit_code == 0
 
 
-@pytest.mark.parametrize("code", ["import services.schema", "import services.schema as s; s.generated_files()"])
+@pytest.mark.parametrize("code", ["import hearth.services.schema",
+                                  "import hearth.services.schema as s; s.generated_files()"])
 def test_the_generator_loads_no_torch(code):
-    probe = f"{code}\nimport sys\nprint(sorted(m for m in ('torch', 'transformers', 'inference') if m in sys.modules))"
+    heavy = ("torch", "transformers", "hearth.inference")
+    probe = f"{code}\nimport sys\nprint(sorted(m for m in {heavy!r} if m in sys.modules))"
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().splitlines()[-1] == "[]"

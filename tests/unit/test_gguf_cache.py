@@ -12,12 +12,12 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 
-from inference import gguf_cache, gguf_checkpoint, load_head, load_layer_range
+from hearth.inference import gguf_cache, gguf_checkpoint, load_head, load_layer_range
 from tests.runner_limits import RUNNER_KV_LIMITS
-from inference.gguf_cache import GGUFCacheEntry, gguf_cache_entry
-from inference.gguf_checkpoint import gguf_config_dict, gguf_table, load_gguf_tokenizer
-from services.devtools import demo_model
-from services.devtools.demo_model import resolve_demo_model
+from hearth.inference.gguf_cache import GGUFCacheEntry, gguf_cache_entry
+from hearth.inference.gguf_checkpoint import gguf_config_dict, gguf_table, load_gguf_tokenizer
+from hearth.services.devtools import demo_model
+from hearth.services.devtools.demo_model import resolve_demo_model
 
 from .gguf_files import write_tiny_gguf
 from .inference_tiny_models import one_torch_thread  # noqa: F401  (fixture)

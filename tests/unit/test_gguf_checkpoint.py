@@ -12,7 +12,7 @@ import torch
 from gguf import GGMLQuantizationType
 from transformers import AutoModelForCausalLM
 
-from inference import (
+from hearth.inference import (
     CheckpointError,
     SamplingParams,
     load_full,
@@ -23,8 +23,8 @@ from inference import (
     weights_sha256,
 )
 from tests.runner_limits import RUNNER_KV_LIMITS
-from inference.gguf_checkpoint import GGUFCheckpoint, gguf_config
-from inference.memory import layer_weight_bytes
+from hearth.inference.gguf_checkpoint import GGUFCheckpoint, gguf_config
+from hearth.inference.memory import layer_weight_bytes
 
 from .gguf_files import own_cache, rewrite_gguf, tiny_gguf, write_tiny_gguf  # noqa: F401  (fixtures)
 from .inference_tiny_models import TINY_NUM_LAYERS, one_torch_thread  # noqa: F401  (fixture)
@@ -193,7 +193,7 @@ def test_gguf_checkpoint_reports_missing_tensors_by_hf_name(tiny_gguf):
 
 async def test_the_orchestrators_catalog_serves_a_gguf_under_its_stem_with_its_context_length(
         tiny_gguf, tmp_path, monkeypatch):
-    from services.orchestrator.catalog import ModelCatalog
+    from hearth.services.orchestrator.catalog import ModelCatalog
 
     monkeypatch.setenv("HEARTH_CACHE_DIR", str(tmp_path))
 

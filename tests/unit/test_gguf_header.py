@@ -8,10 +8,10 @@ import struct
 import pytest
 from gguf import GGMLQuantizationType
 
-from inference import CheckpointError
-from inference.gguf_header import HeaderIncomplete, parse_gguf_header
-from inference.gguf_parts import GGUFPartTensor, split_gguf
-from inference.hub_gguf import coalesced_spans
+from hearth.inference import CheckpointError
+from hearth.inference.gguf_header import HeaderIncomplete, parse_gguf_header
+from hearth.inference.gguf_parts import GGUFPartTensor, split_gguf
+from hearth.inference.hub_gguf import coalesced_spans
 
 from .gguf_files import write_tiny_gguf
 

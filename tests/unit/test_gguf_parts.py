@@ -12,10 +12,10 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 
-from inference import CheckpointError, load_head, load_layer_range, weights_sha256
-from inference.gguf_parts import publishable_gguf, split_gguf, stored_parts, write_gguf_folder
-from inference.memory import layer_weight_bytes
-from services.devtools.demo_model import real_demo_model_path
+from hearth.inference import CheckpointError, load_head, load_layer_range, weights_sha256
+from hearth.inference.gguf_parts import publishable_gguf, split_gguf, stored_parts, write_gguf_folder
+from hearth.inference.memory import layer_weight_bytes
+from hearth.services.devtools.demo_model import real_demo_model_path
 from tests.runner_limits import RUNNER_KV_LIMITS
 
 from .gguf_files import rewrite_gguf, write_tiny_gguf

@@ -14,14 +14,14 @@ from gguf import GGMLQuantizationType
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from inference import load_layer_range
-from inference.gguf_checkpoint import GGUFCheckpoint, gguf_config
-from inference.memory import layer_weight_bytes, range_weight_bytes
-from inference.quantization import QuantizationScheme, QuantizedLinear
-from services.common.config import HearthSettings
-from services.common.config_processes import ShardSettings
-from services.host.model_layout import model_layout
-from services.shard.memory_plan import estimated_need
+from hearth.inference import load_layer_range
+from hearth.inference.gguf_checkpoint import GGUFCheckpoint, gguf_config
+from hearth.inference.memory import layer_weight_bytes, range_weight_bytes
+from hearth.inference.quantization import QuantizationScheme, QuantizedLinear
+from hearth.services.common.config import HearthSettings
+from hearth.services.common.config_processes import ShardSettings
+from hearth.services.host.model_layout import model_layout
+from hearth.services.shard.memory_plan import estimated_need
 from tests.runner_limits import RUNNER_KV_LIMITS
 
 from .gguf_files import own_cache, rewrite_gguf, tiny_gguf, write_tiny_gguf  # noqa: F401  (fixtures)

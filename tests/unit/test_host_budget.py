@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.common.config import HearthSettings
-from services.host.main import DEFAULT_KV_RESERVE_MAX_BUDGET_SHARE, with_memory_budget
+from hearth.services.common.config import HearthSettings
+from hearth.services.host.main import DEFAULT_KV_RESERVE_MAX_BUDGET_SHARE, with_memory_budget
 
 KV_ENV = "HEARTH_SHARD__KV_CACHE_BUDGET_MB"
 

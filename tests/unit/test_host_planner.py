@@ -8,11 +8,11 @@ import asyncio
 import pytest
 from sqlalchemy.orm import sessionmaker
 
-from events.models import ShardWithdrawn
-from readmodels.projection import epoch_s
-from services.host.main import CoverageReader
-from services.host.planner import LayerRange, better_range, choose_range, widest_fit
-from services.orchestrator.router import ShardRouter
+from hearth.events.models import ShardWithdrawn
+from hearth.readmodels.projection import epoch_s
+from hearth.services.host.main import CoverageReader
+from hearth.services.host.planner import LayerRange, better_range, choose_range, widest_fit
+from hearth.services.orchestrator.router import ShardRouter
 from tests.readmodel_helpers import MODEL_ID, T0, WEIGHTS_SHA, LogBuilder, advertised, apply_all, migrated_engine
 
 LAYERS = 8
@@ -112,8 +112,8 @@ async def test_hosts_holding_the_same_layers_take_turns_to_move_in_shard_id_orde
 
 
 async def test_a_host_waits_one_hold_more_per_host_before_it_in_turn(mesh):
-    from services.common.config import HearthSettings
-    from services.host.main import wait_for_hole
+    from hearth.services.common.config import HearthSettings
+    from hearth.services.host.main import wait_for_hole
 
     host = {"rebalance_hold_s": 0.2, "rebalance_check_interval_s": 0.02}
     settings = HearthSettings()

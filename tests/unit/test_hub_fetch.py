@@ -10,12 +10,12 @@ import json
 import pytest
 import torch
 
-from inference import CheckpointError, load_head, load_layer_range, resolve_model_path, weights_sha256
+from hearth.inference import CheckpointError, load_head, load_layer_range, resolve_model_path, weights_sha256
 from tests.runner_limits import RUNNER_KV_LIMITS
-from inference.hub_fetch import hub_layout
-from inference.memory import layer_weight_bytes
-from inference.partial_checkpoint import files_holding
-from inference.quantization import parse_quantization
+from hearth.inference.hub_fetch import hub_layout
+from hearth.inference.memory import layer_weight_bytes
+from hearth.inference.partial_checkpoint import files_holding
+from hearth.inference.quantization import parse_quantization
 
 from .hub_server import fake_hub  # noqa: F401  (fixture)
 from .inference_tiny_models import one_torch_thread, tiny_model_dir  # noqa: F401  (fixtures)
@@ -88,8 +88,8 @@ def test_offline_without_a_cached_part_is_a_checkpoint_error(served, tmp_path):
 
 
 def test_a_host_sizes_its_range_from_headers_alone_then_fetches_only_that_range(served, tmp_path, monkeypatch):
-    from services.common.config import HearthSettings
-    from services.host.model_layout import model_layout
+    from hearth.services.common.config import HearthSettings
+    from hearth.services.host.model_layout import model_layout
 
     hub, original, weight_map = served
     monkeypatch.setenv("HEARTH_CACHE_DIR", str(tmp_path / "cache"))

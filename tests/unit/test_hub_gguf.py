@@ -13,16 +13,16 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 
-from inference import CheckpointError, load_head, load_layer_range, resolve_model_path, weights_sha256
-from inference.gguf_checkpoint import open_reader
-from inference.gguf_parts import split_gguf
-from inference.hub_gguf import SPANS_FOLDER, coalesced_spans
-from inference.memory import layer_weight_bytes
-from inference.quantization import parse_quantization
-from services.common.config import HearthSettings
-from services.devtools.demo_model import resolve_demo_model
-from services.host.model_layout import model_layout
-from services.orchestrator.catalog import ModelCatalog
+from hearth.inference import CheckpointError, load_head, load_layer_range, resolve_model_path, weights_sha256
+from hearth.inference.gguf_checkpoint import open_reader
+from hearth.inference.gguf_parts import split_gguf
+from hearth.inference.hub_gguf import SPANS_FOLDER, coalesced_spans
+from hearth.inference.memory import layer_weight_bytes
+from hearth.inference.quantization import parse_quantization
+from hearth.services.common.config import HearthSettings
+from hearth.services.devtools.demo_model import resolve_demo_model
+from hearth.services.host.model_layout import model_layout
+from hearth.services.orchestrator.catalog import ModelCatalog
 from tests.runner_limits import RUNNER_KV_LIMITS
 
 from .gguf_files import write_tiny_gguf
@@ -193,7 +193,7 @@ def test_a_tampered_whole_download_is_refused_with_one_line(served):
 
 
 def _parts_folder(file: str):
-    from inference.hub_fetch import HUB_GGUF_PARTS_FOLDER, hub_partial_root
+    from hearth.inference.hub_fetch import HUB_GGUF_PARTS_FOLDER, hub_partial_root
 
     return hub_partial_root(REPO) / FAKE_COMMIT / HUB_GGUF_PARTS_FOLDER / file
 
@@ -207,8 +207,8 @@ def test_a_mirror_serving_a_file_of_another_size_is_refused(served):
 
 def test_a_header_past_the_bound_is_refused_in_one_line(served, monkeypatch):
     hub, _ = served
-    monkeypatch.setattr("inference.hub_gguf.HEADER_FIRST_READ_BYTES", 512)
-    monkeypatch.setattr("inference.hub_gguf.MAX_GGUF_HEADER_BYTES", 2048)
+    monkeypatch.setattr("hearth.inference.hub_gguf.HEADER_FIRST_READ_BYTES", 512)
+    monkeypatch.setattr("hearth.inference.hub_gguf.MAX_GGUF_HEADER_BYTES", 2048)
     with pytest.raises(CheckpointError, match=f"{FILE}'s header is longer than 2048 bytes") as refused:
         resolve_model_path(REPO, needed_layers=(0, 1))
     assert "\n" not in str(refused.value) and hub.bytes_sent <= 2048

@@ -44,7 +44,7 @@ ALLOWED_IMPORTS: dict[str, tuple[str, ...]] = {
     "inference": (),
     "events": _FOUNDATIONS,
     "readmodels": (*_FOUNDATIONS, "events"),
-    "services": ("services.common",),  # the package's __init__: the shadowed-packages guard
+    "services": (),
     "services.common": (*_FOUNDATIONS, "events"),
     "services.broker": _BROKER_SIDE,
     "services.client": _BROKER_SIDE,
@@ -180,7 +180,7 @@ class Watch:
             chain = []
             frame = sys._getframe(1)
             while frame is not None:
-                name = frame.f_globals.get("__name__", "")
+                name = frame.f_globals.get("__name__", "").removeprefix("hearth.")
                 if name.split(".")[0] in packages:
                     code = frame.f_code.co_name
                     chain.append(name if code == "<module>" else f"{name}.{code}()")
@@ -193,7 +193,7 @@ sys.meta_path.insert(0, Watch())
 for index, module in enumerate(modules):
     chains.clear()
     try:
-        importlib.import_module(module)
+        importlib.import_module("hearth." + module)
     except BaseException as error:
         print(json.dumps({"index": index, "error": "".join(traceback.format_exception_only(error)).strip()}))
         sys.exit(0)

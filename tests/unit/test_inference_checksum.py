@@ -9,9 +9,9 @@ import shutil
 import pytest
 from safetensors.torch import load_file, save_file
 
-from inference import CheckpointError, load_layer_range, weights_sha256
+from hearth.inference import CheckpointError, load_layer_range, weights_sha256
 from tests.runner_limits import RUNNER_KV_LIMITS
-from inference.checksum import WEIGHTS_CACHE_FILE_NAME
+from hearth.inference.checksum import WEIGHTS_CACHE_FILE_NAME
 
 from .inference_tiny_models import one_torch_thread, tiny_model_dir  # noqa: F401  (fixtures)
 

@@ -7,10 +7,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from inference import SamplingParams, load_full, load_head, load_layer_range
+from hearth.inference import SamplingParams, load_full, load_head, load_layer_range
 from tests.runner_limits import RUNNER_KV_LIMITS
-from inference.devices import DeviceUnavailable, resolve_compute_dtype, resolve_device
-from inference.host_staging import to_device, to_host
+from hearth.inference.devices import DeviceUnavailable, resolve_compute_dtype, resolve_device
+from hearth.inference.host_staging import to_device, to_host
 
 from .inference_tiny_models import one_torch_thread, tiny_model_dir  # noqa: F401  (fixtures are used by name)
 

@@ -7,7 +7,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from inference import FINISH_LENGTH, FINISH_STOP, SamplingParams, TextStream, load_head, sample_token
+from hearth.inference import FINISH_LENGTH, FINISH_STOP, SamplingParams, TextStream, load_head, sample_token
 
 from .inference_tiny_models import one_torch_thread, tiny_model_dir  # noqa: F401  (fixtures)
 

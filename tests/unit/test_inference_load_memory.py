@@ -20,7 +20,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from inference.checkpoint import STAGING_CHUNK_BYTES, SafetensorsCheckpoint
+from hearth.inference.checkpoint import STAGING_CHUNK_BYTES, SafetensorsCheckpoint
 
 from .inference_tiny_models import write_tiny_model
 

@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from inference import (
+from hearth.inference import (
     CheckpointError,
     UnsupportedArchitectureError,
     load_head,

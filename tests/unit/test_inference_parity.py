@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from inference import (
+from hearth.inference import (
     SamplingParams,
     adapter_for,
     load_full,
@@ -15,7 +15,7 @@ from inference import (
     supported_architectures,
 )
 from tests.runner_limits import RUNNER_KV_LIMITS
-from inference.layer_call import cache_argument
+from hearth.inference.layer_call import cache_argument
 
 from .inference_tiny_models import (  # noqa: F401  (fixtures are used by name)
     ARCHITECTURES,

@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from inference import (
+from hearth.inference import (
     EvictedSession,
     RunnerClosedError,
     SessionStateError,

@@ -1,5 +1,5 @@
-"""int8 on the CPU with activations quantized per row (inference/int8_kernels.py): a row's product never depends on
-its batch, the two levels keep it as close to the int8 weights' product as bfloat16 activations do, the packed form
+"""int8 on the CPU with activations quantized per row (hearth/inference/int8_kernels.py): a row's product never depends
+on its batch, the two levels keep it as close to the int8 weights' product as bfloat16 activations do, the packed form
 holds the very codes of per-row int8, and a torch without the operator keeps the weight-only kernel."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from inference import quantization
-from inference.int8_kernels import fbgemm_row_product, int8_rows_on_cpu, pack_for_fbgemm
-from inference.quantization import QuantizedLinear, parse_quantization
+from hearth.inference import quantization
+from hearth.inference.int8_kernels import fbgemm_row_product, int8_rows_on_cpu, pack_for_fbgemm
+from hearth.inference.quantization import QuantizedLinear, parse_quantization
 
 needs_fbgemm = pytest.mark.skipif(not int8_rows_on_cpu(), reason="this torch has no fbgemm int8 product")
 

@@ -1,12 +1,12 @@
-"""KeptInputs (services/orchestrator/kept_inputs.py): what entered each hop over a kept prefix is found by any of its
-blocks' names, cut to the positions asked, combined with a later chain's record, and dropped beyond its budget."""
+"""KeptInputs (hearth/services/orchestrator/kept_inputs.py): what entered each hop over a kept prefix is found by any of
+its blocks' names, cut to the positions asked, combined with a later chain's record, and dropped beyond its budget."""
 
 from __future__ import annotations
 
 import torch
 
-from protocol.control import PrefixBlocks
-from services.orchestrator.kept_inputs import KeptInputs, chain_layer_inputs, first_blocks
+from hearth.protocol.control import PrefixBlocks
+from hearth.services.orchestrator.kept_inputs import KeptInputs, chain_layer_inputs, first_blocks
 
 NAMES = [f"{i:032x}" for i in range(6)]
 

@@ -9,16 +9,16 @@ from types import SimpleNamespace
 import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
-from events.models import KeptHop, KeptMark, KeptPrefix, PipelineCompleted, encode_event, max_kept_marks
-from events.streams import event_max_msg_bytes
-from protocol.bounds import max_shard_id_chars
-from readmodels.queries import kept_chain_holding
-from readmodels.tables import KeptPrefixRecord
-from services.common.config import HearthSettings
-from services.common.config_processes import PrefixCacheSettings
-from services.orchestrator.construct import ChainBuilder
-from services.orchestrator.prefix import KeptChains, block_names, first_name, kept_marks
-from services.orchestrator.router import Hop, ShardRouter
+from hearth.events.models import KeptHop, KeptMark, KeptPrefix, PipelineCompleted, encode_event, max_kept_marks
+from hearth.events.streams import event_max_msg_bytes
+from hearth.protocol.bounds import max_shard_id_chars
+from hearth.readmodels.queries import kept_chain_holding
+from hearth.readmodels.tables import KeptPrefixRecord
+from hearth.services.common.config import HearthSettings
+from hearth.services.common.config_processes import PrefixCacheSettings
+from hearth.services.orchestrator.construct import ChainBuilder
+from hearth.services.orchestrator.prefix import KeptChains, block_names, first_name, kept_marks
+from hearth.services.orchestrator.router import Hop, ShardRouter
 from tests.readmodel_helpers import (
     MODEL_ID,
     WEIGHTS_SHA,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from inference import SamplingParams, SessionEvictedError, SessionStateError, load_head, load_layer_range
+from hearth.inference import SamplingParams, SessionEvictedError, SessionStateError, load_head, load_layer_range
 from tests.runner_limits import KV_BUDGET_BYTES, RUNNER_KV_LIMITS, SESSION_TTL_S
 
 from .inference_tiny_models import one_torch_thread, tiny_model_dir  # noqa: F401  (fixtures)

@@ -1,5 +1,5 @@
-"""A step run a few layers at a time (LayerRangeRunner.begin_forward / advance, inference/layer_pass.py) equals the
-same step run whole, bitwise, for every tiny architecture, also when another session's steps run between its
+"""A step run a few layers at a time (LayerRangeRunner.begin_forward / advance, hearth/inference/layer_pass.py) equals
+the same step run whole, bitwise, for every tiny architecture, also when another session's steps run between its
 slices; a session evicted between slices makes the next slice raise SessionEvictedError and leaves no half cache;
 a shard runs the turns of a long prefill on a thread of lower CPU priority ([shard] prefill_nice), its other steps on
 the compute thread."""
@@ -13,16 +13,16 @@ import threading
 import pytest
 import torch
 
-from inference import SamplingParams, SessionEvictedError, load_head, load_layer_range
+from hearth.inference import SamplingParams, SessionEvictedError, load_head, load_layer_range
 from tests.runner_limits import RUNNER_KV_LIMITS
 
-from inference.compute_thread import on_compute_thread
-from services.common.config import ShardSettings
-from protocol.control import OpenHop
-from services.shard.compute import ShardCompute
-from services.transport import FrameKind, ReceivedStep
-from services.transport.frames import encode_step
-from services.transport.headers import StepInfo
+from hearth.inference.compute_thread import on_compute_thread
+from hearth.services.common.config import ShardSettings
+from hearth.protocol.control import OpenHop
+from hearth.services.shard.compute import ShardCompute
+from hearth.services.transport import FrameKind, ReceivedStep
+from hearth.services.transport.frames import encode_step
+from hearth.services.transport.headers import StepInfo
 
 from .inference_tiny_models import ARCHITECTURES, TINY_NUM_LAYERS, one_torch_thread, tiny_model_dir  # noqa: F401
 

@@ -1,7 +1,7 @@
-"""Logit bias, penalties and log-probabilities at the head (inference/logit_shaping.py): each option changes the logits
-as its definition says (OpenAI's bias and presence/frequency penalties, transformers' repetition penalty), in vLLM's
-order; the reported log-probabilities equal `generate()`'s log-softmax; a call that asks for none of them takes the
-plain path; and batched head steps give such rows exactly their solo tokens and log-probabilities."""
+"""Logit bias, penalties and log-probabilities at the head (hearth/inference/logit_shaping.py): each option changes the
+logits as its definition says (OpenAI's bias and presence/frequency penalties, transformers' repetition penalty), in
+vLLM's order; the reported log-probabilities equal `generate()`'s log-softmax; a call that asks for none of them takes
+the plain path; and batched head steps give such rows exactly their solo tokens and log-probabilities."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from inference import load_full, load_head
-from inference.head_batch import HeadRow, batched_next_tokens, solo_next_token
-from inference.logit_shaping import LogitShaping
-from inference.sampling import SamplingParams, sample_token
-from protocol.chat import ChatRequest
-from services.orchestrator.call import Call
+from hearth.inference import load_full, load_head
+from hearth.inference.head_batch import HeadRow, batched_next_tokens, solo_next_token
+from hearth.inference.logit_shaping import LogitShaping
+from hearth.inference.sampling import SamplingParams, sample_token
+from hearth.protocol.chat import ChatRequest
+from hearth.services.orchestrator.call import Call
 from tests.runner_limits import RUNNER_KV_LIMITS
 
 from .inference_tiny_models import one_torch_thread, tiny_model_dir  # noqa: F401  (fixtures)

@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from services.orchestrator.catalog import ModelCatalog
+from hearth.services.orchestrator.catalog import ModelCatalog
 
 
 def test_folder_and_search_dir_models_keep_the_folder_name_and_hub_ids_keep_the_id(tmp_path):

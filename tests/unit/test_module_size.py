@@ -7,7 +7,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_LINES = 400
-FOLDERS = ("events", "inference", "migrations", "protocol", "readmodels", "scripts", "services", "tests", "trust")
+FOLDERS = ("hearth", "scripts", "tests")
 
 
 def oversized(root: Path, folders: tuple[str, ...] = FOLDERS, max_lines: int = MAX_LINES) -> list[str]:

@@ -1,12 +1,12 @@
-"""Each role's broker permissions (services/broker/permissions.py): the JetStream API verbs it needs and no
+"""Each role's broker permissions (hearth/services/broker/permissions.py): the JetStream API verbs it needs and no
 other, no administration of a stream by anyone but `system`, and orchestrator frames only into callers' inboxes."""
 
 from __future__ import annotations
 
 import pytest
 
-from events.streams import ALL_STREAMS, PIPELINES_STREAM, SHARDS_STREAM
-from services.broker.permissions import (
+from hearth.events.streams import ALL_STREAMS, PIPELINES_STREAM, SHARDS_STREAM
+from hearth.services.broker.permissions import (
     is_member_inbox,
     reply_allowed,
     role_permissions,

@@ -1,5 +1,6 @@
-"""NetBed (services/devtools/netbed.py): households reach the hub over their links, a cut link carries nothing until
-healed, shaping installs a token bucket on both ends, and closing (even after a failure) leaves no namespace behind."""
+"""NetBed (hearth/services/devtools/netbed.py): households reach the hub over their links, a cut link carries nothing
+until healed, shaping installs a token bucket on both ends, and closing (even after a failure) leaves no namespace
+behind."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import subprocess
 
 import pytest
 
-from services.devtools.netbed import NetBed, NetBedError, sweep_stale, unavailable_reason
+from hearth.services.devtools.netbed import NetBed, NetBedError, sweep_stale, unavailable_reason
 
 NO_BED = unavailable_reason()
 pytestmark = pytest.mark.skipif(NO_BED is not None, reason=f"no network namespaces here: {NO_BED}")

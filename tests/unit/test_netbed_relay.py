@@ -1,5 +1,5 @@
-"""The households test bed's latency relay (services/devtools/netbed_relay.py): bytes arrive whole and in order both
-ways, a half-close passes through, an RTT set while a connection runs keeps its bytes in order, and a bed's relay
+"""The households test bed's latency relay (hearth/services/devtools/netbed_relay.py): bytes arrive whole and in order
+both ways, a half-close passes through, an RTT set while a connection runs keeps its bytes in order, and a bed's relay
 carries a household's connection to the hub (run in the bed's namespaces where they can be made)."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import socket
 
 import pytest
 
-from services.devtools.netbed import NetBed, unavailable_reason
-from services.devtools.netbed_relay import LatencyRelay, Link
+from hearth.services.devtools.netbed import NetBed, unavailable_reason
+from hearth.services.devtools.netbed_relay import LatencyRelay, Link
 
 io_timeout_s = 10.0
 payload_bytes = 3 * 1024 * 1024 + 17

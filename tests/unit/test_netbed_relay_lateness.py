@@ -1,4 +1,4 @@
-"""The latency relay's timer correction (services/devtools/netbed_relay.py, TimerLateness): one wake-up made late
+"""The latency relay's timer correction (hearth/services/devtools/netbed_relay.py, TimerLateness): one wake-up made late
 by a load spike must not leave the link without its delay afterwards; chunks that then leave early pull the
 correction back."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-from services.devtools.netbed_relay import TimerLateness
+from hearth.services.devtools.netbed_relay import TimerLateness
 
 spiked_correction_s = 0.05
 one_way_delay_s = 0.02

@@ -2,7 +2,7 @@
 
 import torch
 
-from services.transport.integrity import NormBounds
+from hearth.services.transport.integrity import NormBounds
 
 
 def honest_step(seed: int) -> torch.Tensor:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("inference", "events", "protocol", "readmodels", "services", "trust")
+PACKAGES = tuple(f"hearth/{name}" for name in ("inference", "events", "protocol", "readmodels", "services", "trust"))
 
 # Names shared by unrelated things; each with why its defaults are not one concept.
 GENERIC_NAMES = {
@@ -30,7 +30,7 @@ GENERIC_NAMES = {
     "port": "the port of unrelated servers (the gateway's HTTP, nats-server's client port)",
     "COMMAND": "each CLI module's own command name",
     "max_header_bytes": "the gateway's HTTP request head and an activation frame's NATS headers",
-    # "none" is the wire label of the unquantized scheme (events/models.py, docs/events.md), a protocol token
+    # "none" is the wire label of the unquantized scheme (hearth/events/models.py, docs/events.md), a protocol token
     # whose spelling cannot change without a wire change, not a tunable default.
     "quantization": "the wire label of the unquantized scheme",
 }
@@ -53,15 +53,17 @@ SYNONYMS = {
 # neither events nor services; the light processes never import inference, which brings torch): each pair of
 # (file, name) places must hold equal values, checked below, and counts as one home.
 MIRRORS = (
-    (("inference/devices.py", "MiB"), ("events/streams.py", "MiB")),
-    (("inference/sampling.py", "DEFAULT_MAX_TOKENS"), ("protocol/chat.py", "default_max_tokens")),
-    (("inference/sampling.py", "top_p"), ("protocol/chat.py", "top_p")),
-    (("inference/sampling.py", "repetition_penalty"), ("protocol/chat.py", "repetition_penalty")),
-    (("inference/checksum.py", "GGUF_SUFFIX"), ("services/devtools/demo_model.py", "GGUF_SUFFIX")),
-    (("inference/gguf_cache.py", "GGUF_CACHE_DIR_NAME"), ("services/devtools/demo_model.py", "GGUF_CACHE_DIR_NAME")),
-    (("inference/gguf_cache.py", "GGUF_CACHE_FORMAT"), ("services/devtools/demo_model.py", "GGUF_CACHE_FORMAT")),
-    (("inference/cpu_kernels.py", "DEFAULT_CPU_LINEAR_KERNEL"),
-     ("services/common/config_processes.py", "cpu_linear_kernel")),
+    (("hearth/inference/devices.py", "MiB"), ("hearth/events/streams.py", "MiB")),
+    (("hearth/inference/sampling.py", "DEFAULT_MAX_TOKENS"), ("hearth/protocol/chat.py", "default_max_tokens")),
+    (("hearth/inference/sampling.py", "top_p"), ("hearth/protocol/chat.py", "top_p")),
+    (("hearth/inference/sampling.py", "repetition_penalty"), ("hearth/protocol/chat.py", "repetition_penalty")),
+    (("hearth/inference/checksum.py", "GGUF_SUFFIX"), ("hearth/services/devtools/demo_model.py", "GGUF_SUFFIX")),
+    (("hearth/inference/gguf_cache.py", "GGUF_CACHE_DIR_NAME"),
+     ("hearth/services/devtools/demo_model.py", "GGUF_CACHE_DIR_NAME")),
+    (("hearth/inference/gguf_cache.py", "GGUF_CACHE_FORMAT"),
+     ("hearth/services/devtools/demo_model.py", "GGUF_CACHE_FORMAT")),
+    (("hearth/inference/cpu_kernels.py", "DEFAULT_CPU_LINEAR_KERNEL"),
+     ("hearth/services/common/config_processes.py", "cpu_linear_kernel")),
 )
 
 @dataclass(frozen=True)

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from inference import load_head, load_layer_range
-from inference.prefix_cache import PrefixCache, prefix_keys
+from hearth.inference import load_head, load_layer_range
+from hearth.inference.prefix_cache import PrefixCache, prefix_keys
 from tests.runner_limits import RUNNER_KV_LIMITS
 
 from .inference_tiny_models import (  # noqa: F401  (fixtures)

@@ -1,14 +1,15 @@
-"""Naming a call's blocks (services/orchestrator/prefix.py) and routing a call to the chain that kept them
-(services/orchestrator/affinity.py): names chain over every token before and over the caller, public system prompts
-are shared, an edit changes every later name, and the kept chain wins only when what it saves outweighs its cost."""
+"""Naming a call's blocks (hearth/services/orchestrator/prefix.py) and routing a call to the chain that kept them
+(hearth/services/orchestrator/affinity.py): names chain over every token before and over the caller, public system
+prompts are shared, an edit changes every later name, and the kept chain wins only when what it saves outweighs its
+cost."""
 
 from __future__ import annotations
 
-from services.common.config_processes import PrefixCacheSettings
-from readmodels.queries import ShardCandidate
-from services.orchestrator.affinity import prefer_kept
-from services.orchestrator.prefix import CallPrefix, KeptChains, block_names, first_name, public_blocks_of
-from services.orchestrator.router import Hop
+from hearth.services.common.config_processes import PrefixCacheSettings
+from hearth.readmodels.queries import ShardCandidate
+from hearth.services.orchestrator.affinity import prefer_kept
+from hearth.services.orchestrator.prefix import CallPrefix, KeptChains, block_names, first_name, public_blocks_of
+from hearth.services.orchestrator.router import Hop
 
 FIRST = first_name("tiny", "abc", "none", "auto", 4)
 IDS = list(range(100, 118))  # 18 tokens: four whole blocks of 4

@@ -1,24 +1,26 @@
-"""The metrics the orchestrator and the shards derive (services/orchestrator/metrics.py, services/shard/metrics.py),
-the `--metrics-port` switch and LocalCluster's reading of it."""
+"""The metrics the orchestrator and the shards derive (hearth/services/orchestrator/metrics.py,
+hearth/services/shard/metrics.py), the `--metrics-port` switch and LocalCluster's reading of it."""
 
 from __future__ import annotations
 
 import pytest
 from prometheus_client import CollectorRegistry
 
-from events.models import IntegrityCorruptionDetected, PipelineFailover, PipelineFallbackLocal, PipelineFirstToken
-from services.devtools.bench.transport_metrics import cache_event_counts
-from services.devtools.local_cluster import _metrics_port_in
-from protocol.chat import DoneFrame, ErrorFrame, KeepaliveFrame, Timing, Usage
-from services.common.metrics import (
+from hearth.events.models import (
+    IntegrityCorruptionDetected, PipelineFailover, PipelineFallbackLocal, PipelineFirstToken,
+)
+from hearth.services.devtools.bench.transport_metrics import cache_event_counts
+from hearth.services.devtools.local_cluster import _metrics_port_in
+from hearth.protocol.chat import DoneFrame, ErrorFrame, KeepaliveFrame, Timing, Usage
+from hearth.services.common.metrics import (
     metrics_observed,
     render_metrics,
     sample_value,
     serve_process_metrics,
     set_metrics_observed,
 )
-from services.orchestrator.metrics import HopLatencies, count_request, final_frame_code, observe_event
-from services.shard.metrics import watch_serving
+from hearth.services.orchestrator.metrics import HopLatencies, count_request, final_frame_code, observe_event
+from hearth.services.shard.metrics import watch_serving
 
 SHARDS = ["m:0-1@a", "m:2-3@b", "m:4-5@c"]
 

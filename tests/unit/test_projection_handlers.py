@@ -8,8 +8,8 @@ import random
 import pytest
 from sqlalchemy.orm import Session
 
-from events.consume import SkippedMessage
-from events.models import (
+from hearth.events.consume import SkippedMessage
+from hearth.events.models import (
     IntegrityCorruptionDetected,
     PipelineAborted,
     PipelineCompleted,
@@ -19,11 +19,11 @@ from events.models import (
     PipelineShardStatus,
     ShardWithdrawn,
 )
-from events.streams import PIPELINES_STREAM, SHARDS_STREAM
-from readmodels.pipeline_hops import hops_after_failover
-from readmodels.positions import ConcurrentProjectionError, load_positions
-from readmodels.projection import ReadModelProjection, epoch_s
-from readmodels.tables import Failover, Pipeline, Shard, ShardHealth, ShardStats
+from hearth.events.streams import PIPELINES_STREAM, SHARDS_STREAM
+from hearth.readmodels.pipeline_hops import hops_after_failover
+from hearth.readmodels.positions import ConcurrentProjectionError, load_positions
+from hearth.readmodels.projection import ReadModelProjection, epoch_s
+from hearth.readmodels.tables import Failover, Pipeline, Shard, ShardHealth, ShardStats
 from tests.readmodel_helpers import (
     T0,
     LogBuilder,

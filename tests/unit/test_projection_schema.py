@@ -5,8 +5,8 @@ from __future__ import annotations
 from alembic import command
 from sqlalchemy import inspect, text
 
-from readmodels.db import alembic_config, open_engine, upgrade_database
-from readmodels.tables import Base
+from hearth.readmodels.db import alembic_config, open_engine, upgrade_database
+from hearth.readmodels.tables import Base
 
 
 def test_upgrade_creates_every_table_and_is_idempotent(tmp_path):

@@ -1,13 +1,13 @@
-"""Public system prompts (services/orchestrator/prefix.py, construct.py): with each family's chat template, the blocks
-shared by every caller are tokens of the system prompt's own rendering, and a conversation that begins with another
-system prompt shares at most the template's opening tokens."""
+"""Public system prompts (hearth/services/orchestrator/prefix.py, construct.py): with each family's chat template, the
+blocks shared by every caller are tokens of the system prompt's own rendering, and a conversation that begins with
+another system prompt shares at most the template's opening tokens."""
 
 from __future__ import annotations
 
 import pytest
 
-from services.orchestrator.construct import _encode_system_prompts
-from services.orchestrator.prefix import public_blocks_of
+from hearth.services.orchestrator.construct import _encode_system_prompts
+from hearth.services.orchestrator.prefix import public_blocks_of
 
 from .test_chat_template_injection import CASES, chat_ids, chat_models  # noqa: F401  (chat_models is a fixture)
 

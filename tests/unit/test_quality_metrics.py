@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from services.devtools.bench.quality import EvalInputError, read_eval_text, token_windows
-from services.devtools.bench.quality_metrics import QualityTotals, compare_logits
+from hearth.services.devtools.bench.quality import EvalInputError, read_eval_text, token_windows
+from hearth.services.devtools.bench.quality_metrics import QualityTotals, compare_logits
 
 
 def test_equal_logits_give_zero_kl_full_agreement_and_equal_perplexities():

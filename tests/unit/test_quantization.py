@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from inference import (
+from hearth.inference import (
     DEFAULT_QUANTIZATION,
     InferenceError,
     QuantizationError,
@@ -19,9 +19,11 @@ from inference import (
     parse_quantization,
 )
 from tests.runner_limits import RUNNER_KV_LIMITS
-from inference import quantization
-from inference.memory import layer_weight_bytes, range_weight_bytes
-from inference.quantization import DEFAULT_INT4_GROUP_SIZE, QuantizedLinear, check_device_supports, quantize_linears
+from hearth.inference import quantization
+from hearth.inference.memory import layer_weight_bytes, range_weight_bytes
+from hearth.inference.quantization import (
+    DEFAULT_INT4_GROUP_SIZE, QuantizedLinear, check_device_supports, quantize_linears,
+)
 
 from .inference_tiny_models import (  # noqa: F401  (fixtures are used by name)
     TINY_NUM_LAYERS,

@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from inference import load_head, load_layer_range, parse_quantization
+from hearth.inference import load_head, load_layer_range, parse_quantization
 from tests.runner_limits import RUNNER_KV_LIMITS
-from inference.quantization import QuantizedLinear, check_device_supports, head_quantization
+from hearth.inference.quantization import QuantizedLinear, check_device_supports, head_quantization
 
 from .inference_tiny_models import (  # noqa: F401  (fixtures are used by name)
     one_torch_thread,

@@ -8,12 +8,12 @@ import torch
 from pydantic import ValidationError
 from typer.testing import CliRunner
 
-from services.cli import app
-from services.common.config import HostSettings
-from inference.memory import layer_weight_bytes
-from inference.quantization import DEFAULT_INT4_GROUP_SIZE
-from services.host.planner import choose_range, replicas_per_layer
-from services.shard.main import ShardRefused, resolve_quantization
+from hearth.services.cli import app
+from hearth.services.common.config import HostSettings
+from hearth.inference.memory import layer_weight_bytes
+from hearth.inference.quantization import DEFAULT_INT4_GROUP_SIZE
+from hearth.services.host.planner import choose_range, replicas_per_layer
+from hearth.services.shard.main import ShardRefused, resolve_quantization
 from tests.unit.inference_tiny_models import write_tiny_model
 from tests.unit.test_router_quantization import candidate
 

@@ -1,5 +1,6 @@
-"""Random checkpoints of named shapes (services/devtools/random_models.py): the bf16 path for big shapes (Llama-3-8B)
-gives transformers' Llama init in bf16 and a checkpoint hearth's loader reads; unknown shapes are refused by name."""
+"""Random checkpoints of named shapes (hearth/services/devtools/random_models.py): the bf16 path for big shapes
+(Llama-3-8B) gives transformers' Llama init in bf16 and a checkpoint hearth's loader reads; unknown shapes are refused
+by name."""
 
 from __future__ import annotations
 
@@ -7,9 +8,9 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from inference import load_layer_range
+from hearth.inference import load_layer_range
 from tests.runner_limits import RUNNER_KV_LIMITS
-from services.devtools.random_models import (
+from hearth.services.devtools.random_models import (
     BIG_SHAPES,
     RANDOM_SHAPES,
     UnknownRandomShape,

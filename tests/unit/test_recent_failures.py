@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.orchestrator.health import RecentFailures
+from hearth.services.orchestrator.health import RecentFailures
 
 
 class FakeClock:

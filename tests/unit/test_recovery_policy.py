@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from services.common.config import HearthSettings
-from services.orchestrator.outcomes import RoutingFailure, StepFailure
-from services.orchestrator.recovery import (
+from hearth.services.common.config import HearthSettings
+from hearth.services.orchestrator.outcomes import RoutingFailure, StepFailure
+from hearth.services.orchestrator.recovery import (
     PIPELINE_STALLED,
     SHARD_UNAVAILABLE,
     Action,

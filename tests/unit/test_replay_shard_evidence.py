@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from events.consume import StoredEvent
-from protocol.subjects import event_subject, shard_key
-from services.replay.shard_view import evidence_lines, names_shard, shard_view_lines
+from hearth.events.consume import StoredEvent
+from hearth.protocol.subjects import event_subject, shard_key
+from hearth.services.replay.shard_view import evidence_lines, names_shard, shard_view_lines
 from tests.readmodel_helpers import advertised, at
 from tests.reputation_events import EVIDENCE_SHA, cleared, confirmed, disputed, verified
 

@@ -6,8 +6,8 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from events.consume import StoredEvent
-from events.models import (
+from hearth.events.consume import StoredEvent
+from hearth.events.models import (
     PipelineCompleted,
     PipelineConstructed,
     PipelineFailover,
@@ -16,9 +16,9 @@ from events.models import (
     ShardHeartbeat,
     ShardWithdrawn,
 )
-from events.streams import PIPELINES_STREAM, SHARDS_STREAM
-from protocol.subjects import event_subject
-from services.replay.query import (
+from hearth.events.streams import PIPELINES_STREAM, SHARDS_STREAM
+from hearth.protocol.subjects import event_subject
+from hearth.services.replay.query import (
     QueryError,
     StreamSelection,
     parse_duration,
@@ -29,7 +29,7 @@ from services.replay.query import (
     subjects_collide,
     type_matches,
 )
-from services.replay.reports import heartbeat_gaps, pipeline_outcome, pipeline_timeline, shard_report
+from hearth.services.replay.reports import heartbeat_gaps, pipeline_outcome, pipeline_timeline, shard_report
 
 T0 = datetime(2026, 11, 21, 12, 0, 0, tzinfo=timezone.utc)
 SHARD = "tiny/m:0-3@node-a"

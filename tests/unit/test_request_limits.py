@@ -12,11 +12,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from inference import SamplingParams, sample_token
-from inference.token_bounds import TokenLowerBound
-from protocol.chat import BadRequest, ChatRequest, parse_chat_request
-from services.orchestrator.admission import admit_prompt
-from services.orchestrator.catalog import ModelCatalog, UnknownModel
+from hearth.inference import SamplingParams, sample_token
+from hearth.inference.token_bounds import TokenLowerBound
+from hearth.protocol.chat import BadRequest, ChatRequest, parse_chat_request
+from hearth.services.orchestrator.admission import admit_prompt
+from hearth.services.orchestrator.catalog import ModelCatalog, UnknownModel
 
 from .inference_tiny_models import write_tiny_model, one_torch_thread  # noqa: F401  (fixture)
 

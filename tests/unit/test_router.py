@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 from sqlalchemy.orm import sessionmaker
 
-from events.models import ShardWithdrawn
-from readmodels.projection import epoch_s
-from services.orchestrator.capacity import ShardLoad
-from services.orchestrator.router import Hop, RoutingError, ShardRouter, format_layer_ranges
+from hearth.events.models import ShardWithdrawn
+from hearth.readmodels.projection import epoch_s
+from hearth.services.orchestrator.capacity import ShardLoad
+from hearth.services.orchestrator.router import Hop, RoutingError, ShardRouter, format_layer_ranges
 from tests.readmodel_helpers import (
     MODEL_ID,
     T0,

@@ -9,16 +9,16 @@ import json
 import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
-from events.models import ShardAdvertised
-from readmodels.projection import epoch_s
-from readmodels.queries import ShardCandidate
-from readmodels.tables import Shard
-from protocol.chat import BadRequest, ChatRequest, parse_chat_request
-from protocol.quantization_labels import accepts, precision_order
-from services.orchestrator.call import Call
-from services.orchestrator.catalog import ModelCatalog
-from services.orchestrator.discovery import served_model
-from services.orchestrator.router import RoutingError, ShardRouter
+from hearth.events.models import ShardAdvertised
+from hearth.readmodels.projection import epoch_s
+from hearth.readmodels.queries import ShardCandidate
+from hearth.readmodels.tables import Shard
+from hearth.protocol.chat import BadRequest, ChatRequest, parse_chat_request
+from hearth.protocol.quantization_labels import accepts, precision_order
+from hearth.services.orchestrator.call import Call
+from hearth.services.orchestrator.catalog import ModelCatalog
+from hearth.services.orchestrator.discovery import served_model
+from hearth.services.orchestrator.router import RoutingError, ShardRouter
 from tests.readmodel_helpers import MODEL_ID, T0, WEIGHTS_SHA, LogBuilder, advertised, apply_all, migrated_engine
 
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from sqlalchemy.orm import sessionmaker
 
-from readmodels.projection import epoch_s
-from services.orchestrator.router import RoutingError, ShardRouter, judged_instant
+from hearth.readmodels.projection import epoch_s
+from hearth.services.orchestrator.router import RoutingError, ShardRouter, judged_instant
 from tests.readmodel_helpers import (
     MODEL_ID,
     WEIGHTS_SHA,

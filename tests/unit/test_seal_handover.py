@@ -7,10 +7,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from protocol.control import ControlReply, OpenHop
-from services.common.config import TransportSettings
-from services.orchestrator.chain import HopChain
-from services.orchestrator.router import Hop
+from hearth.protocol.control import ControlReply, OpenHop
+from hearth.services.common.config import TransportSettings
+from hearth.services.orchestrator.chain import HopChain
+from hearth.services.orchestrator.router import Hop
 
 
 class RecordingNats:
@@ -55,7 +55,7 @@ async def test_without_link_keys_no_hop_is_asked_to_seal():
 
 async def shard_answer_to(open_request: OpenHop, *, host_seals: bool) -> ControlReply:
     """What a shard configured with `host_seals` answers an open that it refuses before serving anything."""
-    from services.shard.server import ShardServer
+    from hearth.services.shard.server import ShardServer
 
     server = ShardServer.__new__(ShardServer)  # only what _open_hop reads before it serves
     server.identity = SimpleNamespace(model_id="m", weights_sha256="w", layer_lo=0, layer_hi=7, node_id="n0")

@@ -1,5 +1,5 @@
-"""The lies a faulty shard host can be started with (`--fault`, services/shard/faults.py): each corrupts what it says
-it does, from the step it says, and leaves every honest step bit-identical."""
+"""The lies a faulty shard host can be started with (`--fault`, hearth/services/shard/faults.py): each corrupts what it
+says it does, from the step it says, and leaves every honest step bit-identical."""
 
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ import pydantic
 import pytest
 import torch
 
-from inference import load_head, load_layer_range
-from inference.activation_compare import position_errors
-from protocol.control import OpenHop
-from services.shard.compute import ShardCompute
-from services.shard.faults import ShardFault
-from services.transport import FrameKind
+from hearth.inference import load_head, load_layer_range
+from hearth.inference.activation_compare import position_errors
+from hearth.protocol.control import OpenHop
+from hearth.services.shard.compute import ShardCompute
+from hearth.services.shard.faults import ShardFault
+from hearth.services.transport import FrameKind
 from tests.runner_limits import RUNNER_KV_LIMITS
 
 from .inference_tiny_models import TINY_NUM_LAYERS, tiny_model_dir  # noqa: F401

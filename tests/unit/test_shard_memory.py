@@ -11,11 +11,11 @@ import asyncio
 import pytest
 import torch
 
-from inference import load_layer_range
+from hearth.inference import load_layer_range
 from tests.runner_limits import RUNNER_KV_LIMITS, SESSION_TTL_S
-from services.common.config import load_settings
-from services.shard.main import ShardRefused, load_shard, run_shard, static_cache_refusal, within_kv_budget
-from services.shard.memory_plan import estimated_need, measured_need
+from hearth.services.common.config import load_settings
+from hearth.services.shard.main import ShardRefused, load_shard, run_shard, static_cache_refusal, within_kv_budget
+from hearth.services.shard.memory_plan import estimated_need, measured_need
 
 from .inference_tiny_models import one_torch_thread, tiny_model_dir  # noqa: F401  (fixtures)
 

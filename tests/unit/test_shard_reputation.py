@@ -10,12 +10,12 @@ import pytest
 from sqlalchemy import inspect, text
 from sqlalchemy.orm import Session, sessionmaker
 
-from readmodels.db import open_engine, upgrade_database
-from readmodels.projection import epoch_s
-from readmodels.queries import shard_reputations, shards_of_model
-from readmodels.reputation import ReputationLog, node_of_shard
-from readmodels.tables import IntegrityEvidence, ShardReputation
-from services.orchestrator.router import RoutingError, ShardRouter
+from hearth.readmodels.db import open_engine, upgrade_database
+from hearth.readmodels.projection import epoch_s
+from hearth.readmodels.queries import shard_reputations, shards_of_model
+from hearth.readmodels.reputation import ReputationLog, node_of_shard
+from hearth.readmodels.tables import IntegrityEvidence, ShardReputation
+from hearth.services.orchestrator.router import RoutingError, ShardRouter
 from tests.readmodel_helpers import (
     MODEL_ID,
     WEIGHTS_SHA,

@@ -1,13 +1,13 @@
-"""The soak's judgements (services/devtools/soak.py, soak_checks.py): how a call is classified, and when a process's
-memory counts as trending upward."""
+"""The soak's judgements (hearth/services/devtools/soak.py, soak_checks.py): how a call is classified, and when a
+process's memory counts as trending upward."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from protocol.chat import DoneFrame, ErrorFrame, PipelineAbortedFrame, TokenDeltaFrame
-from services.devtools.soak import ENDING_BOUNDS_S, classify
-from services.devtools.soak_checks import memory_trends, rss_min_judged_load_s, slope_per_minute
+from hearth.protocol.chat import DoneFrame, ErrorFrame, PipelineAbortedFrame, TokenDeltaFrame
+from hearth.services.devtools.soak import ENDING_BOUNDS_S, classify
+from hearth.services.devtools.soak_checks import memory_trends, rss_min_judged_load_s, slope_per_minute
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Static KV caches (inference/static_decode.py): on the CPU the eager path over a static cache gives the dynamic
+"""Static KV caches (hearth/inference/static_decode.py): on the CPU the eager path over a static cache gives the dynamic
 cache's greedy tokens, alone and batched; on a GPU (skipped elsewhere) decode steps replay CUDA graphs and give
 generate()'s tokens, and batches of sessions that keep decoding together replay graphs of their own."""
 
@@ -9,10 +9,10 @@ import gc
 import pytest
 import torch
 
-from inference import SessionEvictedError, SessionTooLargeError, load_head, load_layer_range
+from hearth.inference import SessionEvictedError, SessionTooLargeError, load_head, load_layer_range
 from tests.runner_limits import RUNNER_KV_LIMITS, SESSION_TTL_S
-from inference.batched import BatchRow
-from inference.static_decode import StaticDecoder, batch_capture_after_sightings, min_graph_width_tokens
+from hearth.inference.batched import BatchRow
+from hearth.inference.static_decode import StaticDecoder, batch_capture_after_sightings, min_graph_width_tokens
 
 from .inference_tiny_models import one_torch_thread, tiny_model_dir  # noqa: F401  (fixtures)
 from .test_batched_decode import NEW_TOKENS as BATCHED_NEW_TOKENS
@@ -137,7 +137,7 @@ def test_graphed_decode_on_cuda_gives_generate_s_tokens(tiny_model_dir, dtype, p
 
 
 def head_params():
-    from inference import SamplingParams
+    from hearth.inference import SamplingParams
 
     return SamplingParams(temperature=0.0)
 

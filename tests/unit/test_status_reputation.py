@@ -7,9 +7,9 @@ import contextlib
 
 from rich.console import Console
 
-from services.dashboards.macros import TimeRange, open_read_only, run_panel_sql
-from services.dashboards.panels import REPUTATION_SQL, SHARD_HOSTS, SHARDS_ONLINE_SQL
-from services.dashboards.status import run_status_command
+from hearth.services.dashboards.macros import TimeRange, open_read_only, run_panel_sql
+from hearth.services.dashboards.panels import REPUTATION_SQL, SHARD_HOSTS, SHARDS_ONLINE_SQL
+from hearth.services.dashboards.status import run_status_command
 from tests.readmodel_helpers import LogBuilder, advertised, apply_all, heartbeat, migrated_engine
 from tests.reputation_events import confirmed, disputed, verified
 

@@ -1,4 +1,4 @@
-"""StepQueue (services/shard/batcher.py), its batches taken by a scheduler loop: steps ready together run as one
+"""StepQueue (hearth/services/shard/batcher.py), its batches taken by a scheduler loop: steps ready together run as one
 batch, a lone hop never waits for the window, rows of other layer sub-ranges, of the other kind or (prefills) of token
 counts more than twice apart wait for their own batch, as do rows beyond the batch's token budget; each kind's batches
 are counted, and a row's exception reaches only its hop. Merging: first hops' sessions decoding in two groups a stage
@@ -13,9 +13,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from services.common.batching import StreamArrivals
-from services.shard.batcher import StepQueue
-from services.transport import FrameKind
+from hearth.services.common.batching import StreamArrivals
+from hearth.services.shard.batcher import StepQueue
+from hearth.services.transport import FrameKind
 
 LONG_WINDOW_S = 30.0
 

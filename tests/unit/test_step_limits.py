@@ -8,9 +8,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.common.config import smallest_chunk_bytes
-from services.transport import FrameHeader, FrameKind, StepInfo, StepLimits, encode_step
-from services.transport.wire import WireDtype, wire_dtype_from_setting, wire_nbytes
+from hearth.services.common.config import smallest_chunk_bytes
+from hearth.services.transport import FrameHeader, FrameKind, StepInfo, StepLimits, encode_step
+from hearth.services.transport.wire import WireDtype, wire_dtype_from_setting, wire_nbytes
 
 PIPELINE = "pipe-limits"
 HIDDEN = 64

@@ -1,7 +1,7 @@
-"""Grammar-constrained output at the head (inference/grammar.py, services/orchestrator/constrained.py, the call's
-matcher in services/orchestrator/call.py) on a random-weight model's vocabulary: JSON valid against its schema from
-logits that know nothing, a call that ends when its grammar is complete, `length` when max_tokens cuts it, a tool
-call's arguments, text under `auto`, and a matcher that goes back with the call."""
+"""Grammar-constrained output at the head (hearth/inference/grammar.py, hearth/services/orchestrator/constrained.py, the
+call's matcher in hearth/services/orchestrator/call.py) on a random-weight model's vocabulary: JSON valid against its
+schema from logits that know nothing, a call that ends when its grammar is complete, `length` when max_tokens cuts it, a
+tool call's arguments, text under `auto`, and a matcher that goes back with the call."""
 
 from __future__ import annotations
 
@@ -11,13 +11,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from inference import load_head
-from inference.sampling import SamplingParams, sample_token
-from protocol.chat import BadRequest, ChatParams, ChatRequest
-from services.devtools.random_models import random_checkpoint
-from services.orchestrator.call import Call
-from services.orchestrator.catalog import LoadedModel
-from services.orchestrator.constrained import output_grammar
+from hearth.inference import load_head
+from hearth.inference.sampling import SamplingParams, sample_token
+from hearth.protocol.chat import BadRequest, ChatParams, ChatRequest
+from hearth.services.devtools.random_models import random_checkpoint
+from hearth.services.orchestrator.call import Call
+from hearth.services.orchestrator.catalog import LoadedModel
+from hearth.services.orchestrator.constrained import output_grammar
 
 SCHEMA = {"type": "object",
           "properties": {"name": {"type": "string", "maxLength": 12}, "count": {"type": "integer"},
@@ -162,13 +162,13 @@ def test_the_random_models_template_renders_tools_and_the_calls_of_the_history(m
 
 
 def test_the_mask_allows_exactly_the_tokens_the_grammar_allows(model):
-    # hearth unpacks llguidance's bitmask itself (inference/grammar.py says why): it must agree with the library's
-    # own numpy kernel, bit for bit, at every step of a constrained answer.
+    # hearth unpacks llguidance's bitmask itself (hearth/inference/grammar.py says why): it must agree with the
+    # library's own numpy kernel, bit for bit, at every step of a constrained answer.
     import llguidance.numpy
     import numpy as np
 
-    from inference.grammar import GrammarState, json_schema_grammar
-    from services.orchestrator.constrained import _table
+    from hearth.inference.grammar import GrammarState, json_schema_grammar
+    from hearth.services.orchestrator.constrained import _table
 
     vocab = model.head.info.vocab_size
     generated: list[int] = []

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from services.devtools.bench.report import TargetCheck
-from services.devtools.bench.timing import GenerationTiming
-from services.devtools.bench.together_report import SessionsRun, TogetherReport, aggregate_rates, together_checks
+from hearth.services.devtools.bench.report import TargetCheck
+from hearth.services.devtools.bench.timing import GenerationTiming
+from hearth.services.devtools.bench.together_report import SessionsRun, TogetherReport, aggregate_rates, together_checks
 
 
 def test_aggregates_count_all_tokens_over_the_wall_and_decode_after_the_last_first_token():

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from services.transport.acks import AckObserver
-from services.transport.headers import AckHeader
-from services.transport.stats import LatencySamples
+from hearth.services.transport.acks import AckObserver
+from hearth.services.transport.headers import AckHeader
+from hearth.services.transport.stats import LatencySamples
 
 PIPELINE = "pipe-obs"
 

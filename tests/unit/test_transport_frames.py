@@ -9,9 +9,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.transport.errors import FrameError
-from services.common.config import TransportSettings
-from services.transport.frames import (
+from hearth.services.transport.errors import FrameError
+from hearth.services.common.config import TransportSettings
+from hearth.services.transport.frames import (
     AddOutcome,
     StepAssembler,
     decode_frames,
@@ -19,7 +19,7 @@ from services.transport.frames import (
     encode_step,
     header_budget_bytes,
 )
-from services.transport.headers import (
+from hearth.services.transport.headers import (
     HEADER_BYTES,
     HEADER_CHUNK,
     HEADER_COMPUTE_DTYPE,
@@ -34,7 +34,7 @@ from services.transport.headers import (
     FrameKind,
     StepInfo,
 )
-from services.transport.wire import WireDtype, wire_dtype_from_setting
+from hearth.services.transport.wire import WireDtype, wire_dtype_from_setting
 
 PIPELINE = "pipe-1"
 PREFILL = StepInfo(session="sess-1", step=3, kind=FrameKind.prefill, pos=0)

@@ -9,13 +9,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from inference.activation_compare import first_mismatch, position_errors, tolerance_for
-from inference.detokenizer import TextDelta
-from protocol.chat import ChatParams, ChatRequest
-from services.orchestrator.call import Call
-from services.orchestrator.guards import RangeGuards
-from services.orchestrator.recording import ChainRecorder
-from services.transport import FrameKind, StepInfo
+from hearth.inference.activation_compare import first_mismatch, position_errors, tolerance_for
+from hearth.inference.detokenizer import TextDelta
+from hearth.protocol.chat import ChatParams, ChatRequest
+from hearth.services.orchestrator.call import Call
+from hearth.services.orchestrator.guards import RangeGuards
+from hearth.services.orchestrator.recording import ChainRecorder
+from hearth.services.transport import FrameKind, StepInfo
 
 HIDDEN = 8
 KEY = ("m", 2, 3, "none")

@@ -8,15 +8,15 @@ import pytest
 from pydantic import ValidationError
 from sqlalchemy.orm import Session
 
-from events.models import UNVERIFIED_REPORT, PipelineFailover
-from readmodels.tables import ShardStats
-from protocol.control import ControlReply, HopNotice, OpenHop, ShardStat, max_open_pipelines
-from services.orchestrator.outcomes import StepFailure
-from services.transport import AckHeader, FrameError, FrameHeader, FrameKind
-from services.transport.headers import max_header_bytes
-from services.transport.mac import HEADER_MAC, mac_is_valid, new_link_key, with_mac
-from services.transport.notices import max_notice_bytes, notice_message, read_notice
-from services.transport.wire import WireDtype
+from hearth.events.models import UNVERIFIED_REPORT, PipelineFailover
+from hearth.readmodels.tables import ShardStats
+from hearth.protocol.control import ControlReply, HopNotice, OpenHop, ShardStat, max_open_pipelines
+from hearth.services.orchestrator.outcomes import StepFailure
+from hearth.services.transport import AckHeader, FrameError, FrameHeader, FrameKind
+from hearth.services.transport.headers import max_header_bytes
+from hearth.services.transport.mac import HEADER_MAC, mac_is_valid, new_link_key, with_mac
+from hearth.services.transport.notices import max_notice_bytes, notice_message, read_notice
+from hearth.services.transport.wire import WireDtype
 from tests.readmodel_helpers import LogBuilder, apply_all, at, constructed, migrated_engine
 
 PIPELINE, SESSION = "p-notices", "s1"

@@ -13,7 +13,7 @@ import httpx2
 import openai
 import pytest
 
-from protocol.chat import (
+from hearth.protocol.chat import (
     ChatFrame,
     ChatRequest,
     DoneFrame,
@@ -26,12 +26,12 @@ from protocol.chat import (
     TokensWithdrawnFrame,
     Usage,
 )
-from services.client.chat import ChatResult
-from services.client.command import EXIT_ERROR, ChatPrinter
-from services.common.config import HearthSettings
-from services.devtools.demo import _AnswerView
-from services.gateway.app import create_app
-from services.gateway.mesh import Gateway, MeshCall
+from hearth.services.client.chat import ChatResult
+from hearth.services.client.command import EXIT_ERROR, ChatPrinter
+from hearth.services.common.config import HearthSettings
+from hearth.services.devtools.demo import _AnswerView
+from hearth.services.gateway.app import create_app
+from hearth.services.gateway.mesh import Gateway, MeshCall
 
 MODEL = "scripted"
 

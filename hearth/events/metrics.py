@@ -1,0 +1,30 @@
+"""Prometheus counters for the event log itself (defined here because hearth/events/ must not import
+hearth/services/)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge
+
+events_undecodable_total = Counter(
+    "hearth_events_undecodable_total",
+    "Messages on an event subject that did not decode into a known event (skipped, never fatal).",
+    ["stream"],
+)
+
+events_published_total = Counter(
+    "hearth_events_published_total",
+    "Events acknowledged by JetStream, by event type (duplicates dropped by the server included).",
+    ["type"],
+)
+
+event_outbox_depth = Gauge(
+    "hearth_event_outbox_depth",
+    "Audit events recorded by this process and waiting to be written to JetStream.",
+)
+
+events_rejected_total = Counter(
+    "hearth_events_rejected_total",
+    "Events a projection did not apply because their signature, signer, role, node or time failed the "
+    "community's check (hearth/events/signing.py); each is also a row of the rejected_events read model.",
+    ["reason"],
+)

@@ -1,0 +1,82 @@
+"""Publishes one event to JetStream with its event_id as `Nats-Msg-Id`, signed by the emitting member's key
+when it has one, retrying transient failures."""
+
+from __future__ import annotations
+
+import logging
+
+import nats.errors
+import nats.js.errors
+from nats.js import JetStreamContext
+from nats.js.api import PubAck
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    retry_if_exception_type,
+    stop_after_attempt,
+    stop_after_delay,
+    wait_exponential,
+)
+
+from hearth.events.metrics import events_published_total
+from hearth.events.models import EventEnvelope, encode_event
+from hearth.events.signing import sign_event
+from hearth.protocol.subjects import event_subject
+from hearth.trust.keys import MemberKey
+
+log = logging.getLogger(__name__)
+
+MSG_ID_HEADER = "Nats-Msg-Id"
+publish_timeout_s = 5.0
+publish_max_attempts = 5
+publish_total_deadline_s = 30.0
+publish_retry_initial_wait_s = 0.1
+publish_retry_max_wait_s = 2.0
+
+# Worth retrying: the same Nats-Msg-Id makes a retry of an event that was in fact stored a no-op.
+# NoStreamResponseError: JetStream is restarting or the stream is being (re)created.
+TRANSIENT_PUBLISH_ERRORS: tuple[type[BaseException], ...] = (
+    nats.errors.TimeoutError,
+    nats.errors.NoRespondersError,
+    nats.errors.ConnectionReconnectingError,
+    nats.js.errors.NoStreamResponseError,
+    nats.js.errors.ServiceUnavailableError,
+)
+
+
+async def publish_event(
+    js: JetStreamContext,
+    event: EventEnvelope,
+    *,
+    subject: str | None = None,
+    timeout_s: float = publish_timeout_s,
+    max_attempts: int = publish_max_attempts,
+    signing_key: MemberKey | None = None,
+) -> PubAck:
+    """Publish `event` on its subject (or `subject`) and return the ack; `ack.duplicate` marks a dropped re-publish.
+    With `signing_key` (a community member's) the event goes out signed by it; without, unsigned."""
+    if signing_key is not None:
+        event = sign_event(event, signing_key)
+    target = subject or event_subject(event)
+    payload = encode_event(event)
+    headers = {MSG_ID_HEADER: event.event_id}
+
+    def log_retry(state: RetryCallState) -> None:
+        log.warning(
+            "publishing %s %s to %s failed (%s); attempt %d of %d in %.2f s",
+            event.type, event.event_id, target, state.outcome.exception(),  # type: ignore[attr-defined]
+            state.attempt_number + 1, max_attempts, state.next_action.sleep if state.next_action else 0.0,
+        )
+
+    retrying = AsyncRetrying(
+        retry=retry_if_exception_type(TRANSIENT_PUBLISH_ERRORS),
+        stop=stop_after_attempt(max_attempts) | stop_after_delay(publish_total_deadline_s),
+        wait=wait_exponential(multiplier=publish_retry_initial_wait_s, max=publish_retry_max_wait_s),
+        before_sleep=log_retry,
+        reraise=True,
+    )
+    async for attempt in retrying:
+        with attempt:
+            ack = await js.publish(target, payload, timeout=timeout_s, headers=headers)
+    events_published_total.labels(type=event.type).inc()  # type: ignore[attr-defined]
+    return ack

@@ -1,0 +1,177 @@
+"""Signed events: the canonical bytes of an event, signing them with a member key, and the check a projection
+runs before applying an event (signer in the roster, its role may emit the type, the node is its own, the
+event is not dated in the future).
+
+The signature covers the event's JSON object as it travels, `signature` left out, keys sorted, no spaces.
+A reader checks it over the stored body (not over its own model of the event), so an event from a newer
+emitter, with fields this code does not know yet, still verifies, and an unknown field slipped into a
+signed event does not.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any, Literal
+
+from hearth.events.models import EventEnvelope
+from hearth.protocol.subjects import shard_control_subject
+from hearth.trust.keys import MemberKey, verify_b64
+from hearth.trust.roster import Member, Role, Roster, RosterError
+
+log = logging.getLogger(__name__)
+
+SIGNATURE_FIELD = "signature"
+
+RejectionReason = Literal[
+    "unsigned", "unknown_signer", "bad_signature", "role_may_not_emit", "node_mismatch", "future_dated"
+]
+REJECTION_REASONS: tuple[RejectionReason, ...] = (
+    "unsigned", "unknown_signer", "bad_signature", "role_may_not_emit", "node_mismatch", "future_dated"
+)
+
+# Who may say what: a shard host its own shard events; an orchestrator the pipeline and integrity events of the
+# calls it runs; a steward (the `system` member) lifts a quarantine. No other role emits events (projectors,
+# auditors and clients only read or ask). A type named in EMITTING_ROLE_BY_TYPE overrides its family's rule.
+EMITTING_ROLE: dict[str, Role] = {"shard": "shard", "pipeline": "orchestrator", "integrity": "orchestrator"}
+EMITTING_ROLE_BY_TYPE: dict[str, Role] = {"integrity.quarantine_cleared": "system"}
+
+# How often a long-running verifier looks at its roster file for a change (a member added or removed).
+roster_recheck_interval_s = 1.0
+
+
+def canonical_json(document: dict[str, Any]) -> bytes:
+    """The bytes a signature covers: the event's JSON object without `signature`, keys sorted, no spaces."""
+    unsigned = {name: value for name, value in document.items() if name != SIGNATURE_FIELD}
+    return json.dumps(unsigned, sort_keys=True, separators=(",", ":")).encode()
+
+
+def canonical_bytes(event: EventEnvelope) -> bytes:
+    """The canonical bytes of `event` as it goes on the wire: its JSON read back, so numbers and instants are
+    spelled exactly as a reader of the stored message will see them."""
+    return canonical_json(json.loads(event.model_dump_json()))
+
+
+def stored_canonical_bytes(data: bytes) -> bytes | None:
+    """The canonical bytes of a stored event body; None when the body is not a JSON object."""
+    try:
+        document = json.loads(data)
+    except ValueError:
+        return None
+    return canonical_json(document) if isinstance(document, dict) else None
+
+
+def sign_event(event: EventEnvelope, key: MemberKey) -> EventEnvelope:
+    """A copy of `event` naming `key` as its signer and carrying the signature over its canonical bytes."""
+    unsigned = event.model_copy(update={"signer": key.public_key, "signature": None})
+    return unsigned.model_copy(update={"signature": key.sign_b64(canonical_bytes(unsigned))})
+
+
+class RosterFile:
+    """A roster kept in a file and read again when the file changes, so a long-running projector knows the
+    members a steward added (or removed) after it started. A file that no longer reads keeps the last roster."""
+
+    def __init__(self, path: Path, *, recheck_interval_s: float = roster_recheck_interval_s) -> None:
+        self.path = Path(path)
+        self.recheck_interval_s = recheck_interval_s
+        self._stamp = self._file_stamp()
+        self._roster = Roster.load(self.path)
+        self._checked_at = time.monotonic()
+
+    def _file_stamp(self) -> tuple[int, int, int] | None:
+        try:
+            status = os.stat(self.path)
+        except OSError:
+            return None
+        return status.st_ino, status.st_mtime_ns, status.st_size
+
+    def current(self, *, recheck_now: bool = False) -> Roster:
+        """The roster; the file is looked at again when `recheck_now` or the recheck interval has passed."""
+        now = time.monotonic()
+        if not recheck_now and now - self._checked_at < self.recheck_interval_s:
+            return self._roster
+        self._checked_at = now
+        stamp = self._file_stamp()
+        if stamp is not None and stamp != self._stamp:
+            try:
+                self._roster = Roster.load(self.path)
+                self._stamp = stamp
+                log.info("roster %s reloaded: %d members", self.path, len(self._roster.members))
+            except RosterError as error:
+                log.warning("roster %s changed but does not read (%s); keeping the previous one", self.path, error)
+        return self._roster
+
+
+class EventVerifier:
+    """Decides whether a projection may apply an event: returns None, or the reason it is rejected."""
+
+    def __init__(self, roster: Roster | RosterFile, *, max_clock_skew_s: float) -> None:
+        self._roster_file = roster if isinstance(roster, RosterFile) else None
+        self._fixed_roster = roster if isinstance(roster, Roster) else None
+        self.max_clock_skew = timedelta(seconds=max_clock_skew_s)
+        self._members_of: Roster | None = None
+        self._members_by_key: dict[str, Member] = {}
+
+    @classmethod
+    def from_roster_file(cls, path: Path, *, max_clock_skew_s: float) -> "EventVerifier":
+        return cls(RosterFile(path), max_clock_skew_s=max_clock_skew_s)
+
+    def _member(self, public_key: str) -> Member | None:
+        member = self._lookup(public_key, recheck_now=False)
+        if member is None and self._roster_file is not None:
+            member = self._lookup(public_key, recheck_now=True)  # perhaps a member added since the last look
+        return member
+
+    def _lookup(self, public_key: str, *, recheck_now: bool) -> Member | None:
+        roster = self._fixed_roster or self._roster_file.current(recheck_now=recheck_now)  # type: ignore[union-attr]
+        if roster is not self._members_of:
+            self._members_by_key = {member.public_key: member for member in roster.members}
+            self._members_of = roster
+        return self._members_by_key.get(public_key)
+
+    def rejection(self, event: EventEnvelope, *, received_at: datetime,
+                  stored_data: bytes = b"") -> RejectionReason | None:
+        """Why `event` must not be applied, or None. `received_at` is when the broker stored it (the clock that
+        bounds `occurred_at`); `stored_data` is the stored body the signature is checked over (without it, the
+        event's own canonical bytes)."""
+        if not event.signer or not event.signature:
+            return "unsigned"
+        member = self._member(event.signer)
+        if member is None:
+            return "unknown_signer"
+        signed = stored_canonical_bytes(stored_data) if stored_data else canonical_bytes(event)
+        if signed is None or not verify_b64(event.signer, signed, event.signature):
+            return "bad_signature"
+        if emitting_role(event.type) != member.role:  # type: ignore[attr-defined]
+            return "role_may_not_emit"
+        if not names_only_its_own_node(event, member.name):
+            return "node_mismatch"
+        if received_at.tzinfo is None:
+            received_at = received_at.replace(tzinfo=timezone.utc)
+        if event.occurred_at > received_at + self.max_clock_skew:
+            return "future_dated"
+        return None
+
+
+def emitting_role(event_type: str) -> Role | None:
+    """The one role whose members may emit `event_type` (None: nobody)."""
+    return EMITTING_ROLE_BY_TYPE.get(event_type) or EMITTING_ROLE.get(event_type.split(".", 1)[0])
+
+
+def names_only_its_own_node(event: EventEnvelope, member_name: str) -> bool:
+    """The event speaks for the signer's node only: its node_id is the member's name and, for a shard event,
+    the shard (and the control subject it advertises) are that node's, so no host can withdraw or redirect
+    another host's shard."""
+    if event.node_id != member_name:
+        return False
+    if not event.type.startswith("shard."):  # type: ignore[attr-defined]
+        return True
+    shard_id: str = event.shard_id  # type: ignore[attr-defined]
+    if not shard_id.endswith(f"@{member_name}"):
+        return False
+    control_subject = getattr(event, "control_subject", None)
+    return control_subject is None or control_subject == shard_control_subject(member_name, shard_id)

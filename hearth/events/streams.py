@@ -1,0 +1,193 @@
+"""The two JetStream streams of docs/events.md: `ensure_streams`, which creates or updates them idempotently (the
+steward's tooling on a community broker, every process on an open one), and `StreamSetup`, which says how a process
+makes sure they exist before it uses them (on a community broker: it waits for the steward's)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from nats.js import JetStreamContext
+from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
+from nats.errors import Error as NatsError
+from nats.js.errors import APIError, NotFoundError
+
+from hearth.protocol.subjects import INTEGRITY_EVENTS_WILDCARD, PIPELINE_EVENTS_WILDCARD, SHARD_EVENTS_WILDCARD
+
+log = logging.getLogger(__name__)
+
+SHARDS_STREAM = "HEARTH_SHARDS"
+PIPELINES_STREAM = "HEARTH_PIPELINES"
+ALL_STREAMS: tuple[str, ...] = (SHARDS_STREAM, PIPELINES_STREAM)
+
+seconds_per_day = 24 * 3600
+MiB = 1024 * 1024
+shards_max_age_s = 7 * seconds_per_day
+pipelines_max_age_s = 30 * seconds_per_day
+# The largest event the server stores: every event field is bounded (hearth/events/models.py), so even an event with
+# every field at its limit, in characters JSON escapes to six bytes, stays below it (tests/unit/test_event_limits.py);
+# an honest one is a few hundred bytes. Nothing larger, from a buggy or a forging publisher, is ever stored.
+event_max_msg_bytes = 256 * 1024
+# Each stream's whole size on disk; beyond it the oldest messages go (discard old), as they do past max_age.
+shards_max_bytes = 256 * MiB
+pipelines_max_bytes = 1024 * MiB
+# Caps heartbeats per shard subject; it applies to every subject of the stream (advertised/withdrawn too),
+# which is harmless because those are rare.
+shards_max_msgs_per_subject = 1000
+# A re-publish with the same Nats-Msg-Id inside this window is dropped by the server.
+duplicate_window_s = 120.0
+
+# Copies of each stream on a cluster (a stream survives losing one node of three with its quorum); a single
+# server keeps the one copy it can.
+cluster_stream_replicas = 3
+
+# While a member's process waits for the steward's streams, it looks this often.
+streams_poll_interval_s = 1.0
+stream_info_timeout_s = 5.0
+# Who creates the streams on a community broker, for the line a waiting process prints.
+STREAMS_CREATED_BY = ("the community's steward creates them: `hearth nats --community DIR` does when it starts, "
+                      "`hearth community streams --nats URL` for a broker run otherwise")
+
+# JetStream error codes: "stream name already in use with a different configuration", and "replicas > 1 not
+# supported in non-clustered mode".
+_STREAM_NAME_IN_USE_ERR_CODE = 10058
+_REPLICAS_NEED_A_CLUSTER_ERR_CODE = 10074
+
+
+@dataclass(frozen=True)
+class StreamSpec:
+    """What one hearth stream must look like; `config()` renders it for the JetStream API."""
+
+    name: str
+    subjects: tuple[str, ...]
+    max_age_s: float
+    max_bytes: int
+    max_msg_bytes: int = event_max_msg_bytes
+    max_msgs_per_subject: int = -1
+    description: str = ""
+
+    def config(self, *, replicas: int = 1) -> StreamConfig:
+        return StreamConfig(
+            name=self.name,
+            description=self.description,
+            subjects=list(self.subjects),
+            retention=RetentionPolicy.LIMITS,
+            storage=StorageType.FILE,
+            discard=DiscardPolicy.OLD,
+            max_age=self.max_age_s,
+            max_bytes=self.max_bytes,
+            max_msg_size=self.max_msg_bytes,
+            max_msgs_per_subject=self.max_msgs_per_subject,
+            duplicate_window=duplicate_window_s,
+            num_replicas=replicas,
+            allow_direct=True,
+        )
+
+
+SHARDS_STREAM_SPEC = StreamSpec(
+    name=SHARDS_STREAM,
+    subjects=(SHARD_EVENTS_WILDCARD,),
+    max_age_s=shards_max_age_s,
+    max_bytes=shards_max_bytes,
+    max_msgs_per_subject=shards_max_msgs_per_subject,
+    description="hearth shard lifecycle: advertised, heartbeat (capped per subject), withdrawn",
+)
+PIPELINES_STREAM_SPEC = StreamSpec(
+    name=PIPELINES_STREAM,
+    subjects=(PIPELINE_EVENTS_WILDCARD, INTEGRITY_EVENTS_WILDCARD),
+    max_age_s=pipelines_max_age_s,
+    max_bytes=pipelines_max_bytes,
+    description="hearth pipeline lifecycle and integrity detections",
+)
+STREAM_SPECS: tuple[StreamSpec, ...] = (SHARDS_STREAM_SPEC, PIPELINES_STREAM_SPEC)
+
+
+def stream_for_subject(subject: str) -> str:
+    """The stream an event subject belongs to (raises ValueError for a subject outside both)."""
+    if subject.startswith("hearth.events.shard."):
+        return SHARDS_STREAM
+    if subject.startswith(("hearth.events.pipeline.", "hearth.events.integrity.")):
+        return PIPELINES_STREAM
+    raise ValueError(f"subject {subject!r} belongs to no hearth stream")
+
+
+async def ensure_streams(js: JetStreamContext, *, replicas: int = cluster_stream_replicas) -> None:
+    """Create both streams, or bring an existing one to the current spec; safe when processes race.
+
+    On a cluster each stream gets `replicas` copies (an R1 stream of an earlier single server is scaled up);
+    a single server, which refuses more than one, gets one: every process can call this, wherever it runs."""
+    for spec in STREAM_SPECS:
+        try:
+            await _ensure_stream(js, spec.config(replicas=replicas))
+        except APIError as error:
+            if error.err_code != _REPLICAS_NEED_A_CLUSTER_ERR_CODE or replicas == 1:
+                raise
+            await _ensure_stream(js, spec.config(replicas=1))
+
+
+async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
+    try:
+        # An identical add is a no-op on the server, so two processes starting together both succeed.
+        await js.add_stream(config)
+        log.debug("stream %s ensured", config.name)
+        return
+    except APIError as error:
+        if error.err_code != _STREAM_NAME_IN_USE_ERR_CODE:
+            raise
+    # It exists with another configuration (an older hearth, or replicas differ): update it in place.
+    try:
+        await js.update_stream(config)
+        log.info("stream %s updated to the current spec", config.name)
+    except NotFoundError:
+        # Deleted between our add and update: create it.
+        await js.add_stream(config)
+
+
+class StreamsMissing(RuntimeError):
+    """The event streams a process needs do not exist, and on a community broker it may not create them."""
+
+
+async def missing_streams(js: JetStreamContext, names: Iterable[str]) -> list[str]:
+    """Which of `names` the broker does not hold (or would not say within stream_info_timeout_s)."""
+    missing = []
+    for name in names:
+        try:
+            await asyncio.wait_for(js.stream_info(name), timeout=stream_info_timeout_s)
+        except (NotFoundError, NatsError, asyncio.TimeoutError):
+            missing.append(name)
+    return missing
+
+
+async def wait_for_streams(js: JetStreamContext, names: Iterable[str], *, wait_s: float | None) -> None:
+    """Return once every stream of `names` exists; StreamsMissing after `wait_s` (None: wait forever)."""
+    names = tuple(names)
+    deadline = None if wait_s is None else time.monotonic() + wait_s
+    told = False
+    while missing := await missing_streams(js, names):
+        message = f"the event streams {', '.join(missing)} do not exist; {STREAMS_CREATED_BY}"
+        if deadline is not None and time.monotonic() >= deadline:
+            raise StreamsMissing(f"{message} (waited {wait_s:g} s)")
+        if not told:
+            log.warning("%s; waiting for them", message)
+            told = True
+        await asyncio.sleep(streams_poll_interval_s)
+    if told:
+        log.info("the event streams %s exist now", ", ".join(names))
+
+
+@dataclass(frozen=True)
+class StreamSetup:
+    """How a process makes sure the streams it uses exist: on an open broker it creates them itself (`create`);
+    on a community broker only the steward may, so it waits up to `wait_s` for them (None: as long as it takes)."""
+
+    create: bool = True
+    wait_s: float | None = None
+
+    async def ready(self, js: JetStreamContext, names: Iterable[str] = ALL_STREAMS) -> None:
+        if self.create:
+            await ensure_streams(js)
+        else:
+            await wait_for_streams(js, names, wait_s=self.wait_s)

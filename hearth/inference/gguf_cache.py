@@ -1,0 +1,150 @@
+"""The disk cache of what hearth parses from a GGUF file (its HF config, tensor table and tokenizer, and the demo's
+description of it), one folder per file version, so a process starting on an unchanged GGUF reads a few small
+files instead of parsing the GGUF's metadata again (seconds for a real vocabulary: BENCHMARKS.md, "GGUF start-up").
+
+An entry lives in $HEARTH_CACHE_DIR (default ~/.cache/hearth)/gguf/<entry name>, the name a digest of the file's
+resolved path, size and mtime_ns: a changed file has a new entry, the old one is pruned with the least recently
+written beyond GGUF_CACHE_MAX_ENTRIES. Every artifact is written to a temporary name and renamed into place, so
+processes starting together (a demo's shards and head) never read a torn one, and a cache folder that cannot be
+written only costs the next process the same parse. hearth/services/devtools/demo_model.py writes its description into
+the same entry without importing this module (it stays free of torch): keep ``gguf_cache_entry_name`` in step with it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from .checksum import DEFAULT_WEIGHTS_CACHE_DIR, WEIGHTS_CACHE_DIR_ENV
+
+GGUF_CACHE_DIR_NAME = "gguf"
+# Part of every entry's name: bumped whenever what an entry holds changes shape, so no process misreads an old one.
+GGUF_CACHE_FORMAT = 1
+# File versions kept; each holds a tokenizer (a few MB for a real vocabulary).
+GGUF_CACHE_MAX_ENTRIES = 16
+ENTRY_NAME_HEX_CHARS = 32
+STAGING_SUFFIX = ".tmp"
+# Raised by a damaged or vanished artifact (a concurrent prune), or a value json cannot hold: each means a re-parse.
+CACHE_ERRORS = (OSError, ValueError, TypeError, KeyError)
+
+
+def gguf_cache_root() -> Path:
+    """Where entries live: $HEARTH_CACHE_DIR (default ~/.cache/hearth, as hearth/inference/checksum.py)/gguf."""
+    return Path(os.environ.get(WEIGHTS_CACHE_DIR_ENV) or DEFAULT_WEIGHTS_CACHE_DIR).expanduser() / GGUF_CACHE_DIR_NAME
+
+
+def gguf_cache_entry_name(path: Path, size: int, mtime_ns: int) -> str:
+    """The entry folder name of one version of the GGUF at resolved `path`."""
+    text = f"{GGUF_CACHE_FORMAT}\0{path}\0{size}\0{mtime_ns}"
+    return hashlib.sha256(text.encode()).hexdigest()[:ENTRY_NAME_HEX_CHARS]
+
+
+@dataclass(frozen=True)
+class GGUFCacheEntry:
+    """The cached artifacts of one GGUF file version: JSON values and saved folders, each by name."""
+
+    folder: Path
+
+    def read_json(self, name: str):
+        """The value stored under `name`, None when there is none (or it is unreadable)."""
+        try:
+            return json.loads((self.folder / f"{name}.json").read_text())
+        except CACHE_ERRORS:
+            return None
+
+    def write_json(self, name: str, value) -> None:
+        """Store `value` (JSON-serialisable) under `name`; a cache that cannot be written is left as it is."""
+        try:
+            text = json.dumps(value)
+            self._create()
+            descriptor, staging = tempfile.mkstemp(dir=self.folder, prefix=f".{name}.", suffix=STAGING_SUFFIX)
+        except CACHE_ERRORS:
+            return
+        try:
+            with os.fdopen(descriptor, "w") as handle:
+                handle.write(text)
+            os.replace(staging, self.folder / f"{name}.json")
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.unlink(staging)
+
+    def saved_folder(self, name: str) -> Path | None:
+        """The complete folder saved under `name`, None when there is none."""
+        folder = self.folder / name
+        return folder if folder.is_dir() else None
+
+    def save_folder(self, name: str, save: Callable[[Path], object]) -> None:
+        """Have `save(folder)` fill a new folder, then put it in place under `name` whole; the first process to
+        finish wins, and a failure only leaves the entry without it."""
+        if self.saved_folder(name) is not None:
+            return
+        try:
+            self._create()
+            staging = Path(tempfile.mkdtemp(dir=self.folder, prefix=f".{name}.", suffix=STAGING_SUFFIX))
+        except OSError:
+            return
+        try:
+            save(staging)
+            os.rename(staging, self.folder / name)  # fails when another process put its folder there first
+        except CACHE_ERRORS:
+            pass
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+
+    @contextlib.contextmanager
+    def parsing(self, name: str) -> Iterator[None]:
+        """Held while this process parses what it will store under `name`: processes starting together on one
+        file (a demo's shards and head) parse it once, the others then read the result. Without a writable cache
+        it holds nothing."""
+        try:
+            self._create()
+            lock = open(self.folder / f".{name}.lock", "a")  # noqa: SIM115 (held across the yield)
+        except OSError:
+            yield
+            return
+        with lock:
+            with contextlib.suppress(OSError):
+                fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed, or the process ends
+            yield
+
+    def discard_folder(self, name: str) -> None:
+        """Remove the folder saved under `name` (moved aside first, so no process sees it half removed)."""
+        aside = self.folder / f".{name}.{os.getpid()}.discarded{STAGING_SUFFIX}"
+        try:
+            os.rename(self.folder / name, aside)
+        except OSError:
+            return
+        shutil.rmtree(aside, ignore_errors=True)
+
+    def _create(self) -> None:
+        if self.folder.is_dir():
+            return
+        self.folder.mkdir(parents=True, exist_ok=True)
+        _prune(self.folder.parent, keep=self.folder)
+
+
+def gguf_cache_entry(path: str | Path) -> GGUFCacheEntry:
+    """The cache entry of the GGUF file at `path` as it is now (its resolved path, size and mtime)."""
+    path = Path(path).resolve()
+    stat = path.stat()
+    return GGUFCacheEntry(gguf_cache_root() / gguf_cache_entry_name(path, stat.st_size, stat.st_mtime_ns))
+
+
+def _prune(root: Path, *, keep: Path) -> None:
+    """Remove the least recently written entries beyond GGUF_CACHE_MAX_ENTRIES (never `keep`)."""
+    try:
+        entries = [(entry.stat().st_mtime_ns, entry) for entry in root.iterdir() if entry.is_dir()]
+    except OSError:
+        return
+    entries.sort(reverse=True)
+    for _, entry in entries[GGUF_CACHE_MAX_ENTRIES:]:
+        if entry != keep:
+            shutil.rmtree(entry, ignore_errors=True)

@@ -1,0 +1,394 @@
+"""GGUF checkpoints (llama.cpp's single-file format): their HF config and tokenizer, and tensors read by HF name.
+
+A GGUF stores each weight in a llama.cpp block type (F16, Q8_0, Q4_K, ...). hearth dequantizes each tensor it
+needs, one at a time, with the gguf package's numpy dequantizers into the shard's dtype, and the loader then
+re-quantizes the layer's Linears to the shard's own scheme (``--quantize``, hearth/inference/quantization.py). Keeping
+every block type as it is would need matmul kernels torch does not have; the 4-bit ones of groups of 32 (Q4_0,
+Q4_1, Q4_K) are the exception: under a quantized scheme they are read as int4 codes (``read_int4_groups``,
+hearth/inference/gguf_int4.py) and held as stored, never re-rounded into more bits. The cost is that a Q4 file served as
+``none`` takes full-precision memory, and other quantized blocks under int8/int4 a second rounding (docs/design.md
+§12).
+
+Names, the config and the tokenizer come from transformers' own GGUF support (the same name mapping and Q/K row
+order its ``from_pretrained(..., gguf_file=...)`` uses), so a GGUF loads into the very layers a safetensors
+checkpoint of the same model would. What is parsed from a file's metadata (config, tensor table, tokenizer) is kept
+on disk per file version (hearth/inference/gguf_cache.py) and in memory per process.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from .checksum import GGUF_SUFFIX
+from .errors import CheckpointError
+from .gguf_cache import gguf_cache_entry
+from .gguf_int4 import STORED_INT4_GROUP_SIZES, int4_groups_of_blocks
+from .quantization import Int4Groups
+
+# Where a checkpoint reader puts the tensors it reads unless told (the loader asks for its device).
+default_read_device = "cpu"
+# general.architecture values hearth serves (llama.cpp writes Mistral models as "llama"), and the HF model types
+# they load as.
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2")
+SUPPORTED_GGUF_MODEL_TYPES = ("llama", "mistral", "qwen2")
+# Storage types hearth reads: plain floats, and the legacy and K-quant block types gguf.quants dequantizes (its IQ
+# and TQ types are left out until tested; integer tensors are no weights).
+SUPPORTED_GGUF_TYPE_NAMES = (
+    "F32", "F16", "BF16", "F64", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+)
+# Block types that hold plain floats; every other supported type is a quantized block.
+FLOAT_GGUF_TYPE_NAMES = frozenset({"F32", "F16", "BF16", "F64"})
+# GGUF metadata keys naming end-of-generation tokens besides eos (chat models end turns with them).
+STOP_TOKEN_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+# Parsed metadata kept per process (a shard's memory planning and loading, a head and a local model share it).
+METADATA_CACHE_ENTRIES = 4
+# What each parse is stored as in a file's disk cache entry (hearth/inference/gguf_cache.py).
+CONFIG_CACHE_NAME = "config"
+TABLE_CACHE_NAME = "table"
+TOKENIZER_CACHE_NAME = "tokenizer"
+
+
+def _gguf():
+    # Imported on first use: safetensors-only hosts never pay for it.
+    import gguf
+
+    return gguf
+
+
+def is_gguf_file(path: str | Path) -> bool:
+    """Whether `path` is a file named *.gguf."""
+    path = Path(path)
+    return path.suffix.lower() == GGUF_SUFFIX and path.is_file()
+
+
+def single_gguf_in(folder: Path) -> Path | None:
+    """The one *.gguf file of a folder that has no config.json, None when it has none; several are refused (which
+    one to serve would be a guess)."""
+    if (folder / "config.json").is_file():
+        return None
+    found = sorted(p for p in folder.iterdir() if is_gguf_file(p))
+    if len(found) > 1:
+        names = ", ".join(p.name for p in found)
+        raise CheckpointError(f"{folder} holds several GGUF files ({names}); pass the one to serve as --model")
+    return found[0] if found else None
+
+
+def open_reader(path: Path):
+    """The gguf package's memory-mapped reader over `path`; CheckpointError when it is truncated, not GGUF, or of
+    an architecture hearth does not serve."""
+    try:
+        reader = _gguf().GGUFReader(path)
+    except (ValueError, IndexError, OSError, TypeError, KeyError) as exc:
+        raise CheckpointError(f"{path.name} is not a readable GGUF file (truncated or corrupt?): {exc}") from None
+    file_bytes = path.stat().st_size
+    for tensor in reader.tensors:
+        if tensor.data_offset + tensor.n_bytes > file_bytes:
+            raise CheckpointError(f"{path.name} is truncated: tensor {tensor.name} ends past the end of the file")
+    architecture = _field_value(reader, "general.architecture")
+    if architecture not in SUPPORTED_GGUF_ARCHITECTURES:
+        raise CheckpointError(
+            f"GGUF {path.name} holds a {architecture!r} model; hearth serves "
+            f"{', '.join(SUPPORTED_GGUF_ARCHITECTURES)} GGUFs (Mistral is written as llama)"
+        )
+    return reader
+
+
+def _field_value(reader, key: str):
+    field = reader.fields.get(key)
+    return None if field is None else field.contents()
+
+
+def gguf_config_dict(path: Path) -> dict:
+    """The HF config of a GGUF as a plain dict (what config.json would hold), from its metadata alone (through
+    transformers' ``AutoConfig.from_pretrained(..., gguf_file=...)``); parsed once per file version, then read from
+    the disk cache."""
+    path = Path(path).resolve()
+    stat = path.stat()
+    return dict(_cached_config(str(path), stat.st_size, stat.st_mtime_ns))
+
+
+@functools.lru_cache(maxsize=METADATA_CACHE_ENTRIES)
+def _cached_config(path_text: str, size: int, mtime_ns: int) -> dict:
+    entry = gguf_cache_entry(path_text)
+    with entry.parsing(CONFIG_CACHE_NAME):
+        cached = entry.read_json(CONFIG_CACHE_NAME)
+        if isinstance(cached, dict):
+            return cached
+        # Through JSON even when just parsed, so a parsed and a cached config are the same dict (lists, not tuples).
+        config = json.loads(json.dumps(_parsed_config(Path(path_text))))
+        entry.write_json(CONFIG_CACHE_NAME, config)
+        return config
+
+
+def _parsed_config(path: Path) -> dict:
+    from transformers import AutoConfig
+
+    supported = ", ".join(SUPPORTED_GGUF_ARCHITECTURES)
+    try:
+        config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    except (ValueError, KeyError, IndexError, OSError, TypeError) as exc:
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(
+            f"{path.name} is not a GGUF hearth can read (truncated, corrupt, or an architecture other than "
+            f"{supported}): {first_line}"
+        ) from None
+    if config.model_type not in SUPPORTED_GGUF_MODEL_TYPES:
+        raise CheckpointError(
+            f"GGUF {path.name} holds a {config.model_type!r} model; hearth serves {supported} GGUFs "
+            "(Mistral is written as llama)"
+        )
+    raw = config.to_dict()
+    raw["architectures"] = raw.get("architectures") or [type(config).__name__.replace("Config", "ForCausalLM")]
+    return raw
+
+
+def gguf_config(path: Path):
+    """The transformers config object of a GGUF (see gguf_config_dict)."""
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(**gguf_config_dict(path))
+
+
+def load_gguf_tokenizer(path: Path):
+    """The tokenizer (with its chat template) stored in the GGUF's metadata, via transformers; after the first load
+    of a file version, from the copy saved in its disk cache entry."""
+    from transformers import AutoTokenizer
+
+    path = Path(path).resolve()
+    entry = gguf_cache_entry(path)
+    saved = entry.saved_folder(TOKENIZER_CACHE_NAME)
+    if saved is not None:
+        try:
+            return AutoTokenizer.from_pretrained(saved)
+        except (OSError, ValueError, KeyError, TypeError):
+            entry.discard_folder(TOKENIZER_CACHE_NAME)  # damaged: replaced by a fresh copy below
+    tokenizer = _parsed_tokenizer(path)
+    entry.save_folder(TOKENIZER_CACHE_NAME, tokenizer.save_pretrained)
+    return tokenizer
+
+
+def _parsed_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """Where one tensor lies in a GGUF file and how it is stored."""
+
+    name: str
+    block_type: object  # gguf.GGMLQuantizationType
+    data_offset: int
+    n_bytes: int
+    stored_dtype: np.dtype  # of the array the stored bytes form (uint8 for blocks)
+    stored_shape: tuple[int, ...]  # of that array
+    shape: tuple[int, ...]  # of the tensor, in torch order
+
+
+@dataclass(frozen=True)
+class GGUFTable:
+    """A GGUF's architecture, tensor table and stop tokens: everything but the tensor data."""
+
+    architecture: str
+    tensors: tuple[StoredTensor, ...]
+    stop_token_ids: frozenset[int]
+
+
+def gguf_table(path: Path) -> GGUFTable:
+    """The GGUF's tensor table (parsed once per file version, then read from the disk cache; the reader is dropped,
+    so no mapping of the file outlives the call)."""
+    path = Path(path).resolve()
+    stat = path.stat()
+    return _cached_table(str(path), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=METADATA_CACHE_ENTRIES)
+def _cached_table(path_text: str, size: int, mtime_ns: int) -> GGUFTable:
+    entry = gguf_cache_entry(path_text)
+    with entry.parsing(TABLE_CACHE_NAME):
+        try:
+            return _table_from_json(entry.read_json(TABLE_CACHE_NAME))
+        except (KeyError, TypeError, ValueError):
+            pass  # none yet, or an old or damaged one
+        table = _parsed_table(Path(path_text))
+        entry.write_json(TABLE_CACHE_NAME, _table_to_json(table))
+        return table
+
+
+def _parsed_table(path: Path) -> GGUFTable:
+    reader = open_reader(path)
+    tensors = tuple(
+        StoredTensor(t.name, t.tensor_type, int(t.data_offset), int(t.n_bytes), t.data.dtype, tuple(t.data.shape),
+                     tuple(int(d) for d in reversed(t.shape.tolist())))
+        for t in reader.tensors
+    )
+    stop_ids = frozenset(int(value) for key in STOP_TOKEN_KEYS if (value := _field_value(reader, key)) is not None)
+    return GGUFTable(_field_value(reader, "general.architecture"), tensors, stop_ids)
+
+
+def _table_to_json(table: GGUFTable) -> dict:
+    return {
+        "architecture": table.architecture,
+        "stop_token_ids": sorted(table.stop_token_ids),
+        "tensors": [[t.name, t.block_type.name, t.data_offset, t.n_bytes, t.stored_dtype.str, list(t.stored_shape),
+                     list(t.shape)] for t in table.tensors],
+    }
+
+
+def _table_from_json(stored) -> GGUFTable:
+    """The table `_table_to_json` wrote; KeyError, TypeError or ValueError when `stored` is anything else."""
+    block_types = _gguf().GGMLQuantizationType
+    tensors = tuple(
+        StoredTensor(str(name), block_types[block_type], int(offset), int(n_bytes), np.dtype(dtype),
+                     tuple(int(d) for d in stored_shape), tuple(int(d) for d in shape))
+        for name, block_type, offset, n_bytes, dtype, stored_shape, shape in stored["tensors"]
+    )
+    return GGUFTable(str(stored["architecture"]), tensors, frozenset(int(t) for t in stored["stop_token_ids"]))
+
+
+def layer_tensor_blocks(path: Path) -> dict[int, list[tuple[tuple[int, ...], str]]]:
+    """(shape in torch order, GGUF block type name) of each decoder layer's tensors, from the tensor table alone."""
+    blocks: dict[int, list[tuple[tuple[int, ...], str]]] = {}
+    for tensor in gguf_table(path).tensors:
+        parts = tensor.name.split(".")
+        if parts[0] == "blk" and len(parts) > 2 and parts[1].isdigit():
+            blocks.setdefault(int(parts[1]), []).append((tensor.shape, tensor.block_type.name))
+    return blocks
+
+
+def gguf_layer_tensors(blocks: dict[int, list[tuple[tuple[int, ...], str]]]) -> list[tuple[str, str, list[int]]]:
+    """The (name, stored type, shape) that hearth/inference/memory.py's layer_weight_bytes_of counts, of a GGUF's layer
+    tensors given as {layer: [(shape, block type)]} (layer_tensor_blocks)."""
+    return [(f"layers.{layer}.{index}", block_type, list(shape))
+            for layer, tensors in blocks.items() for index, (shape, block_type) in enumerate(tensors)]
+
+
+def check_block_types(tensors: Iterable[tuple[str, str]], file_name: str) -> None:
+    """CheckpointError (one line) naming the first of `tensors` ((GGUF name, GGML type name)) stored in a block type
+    hearth does not read."""
+    for name, block_type in tensors:
+        if block_type not in SUPPORTED_GGUF_TYPE_NAMES:
+            raise CheckpointError(
+                f"tensor {name} of {file_name} is stored as {block_type}, a GGUF type hearth does not read (it "
+                f"reads {', '.join(SUPPORTED_GGUF_TYPE_NAMES)})"
+            )
+
+
+def _gguf_to_hf_names(model: nn.Module, architecture: str, num_layers: int) -> dict[str, str]:
+    """GGUF tensor name -> HF name for every tensor of `model`, through the gguf package's name map (the mapping
+    transformers' get_gguf_hf_weights_map applies, built once instead of once per submodule)."""
+    gguf = _gguf()
+    arch = next(key for key, value in gguf.MODEL_ARCH_NAMES.items() if value == architecture)
+    name_map = gguf.get_tensor_name_map(arch, num_layers)
+    mapping = {}
+    for hf_name in model.state_dict():
+        base, _, suffix = hf_name.rpartition(".")
+        gguf_base = name_map.get_name(base)
+        if gguf_base is not None:
+            mapping[f"{gguf_base}.{suffix}"] = hf_name
+    return mapping
+
+
+class GGUFCheckpoint:
+    """A GGUF file read tensor by tensor under the HF names of `model` (a meta-device skeleton of the same config).
+    Same interface as SafetensorsCheckpoint: ``__contains__``, ``names()``, ``read()``; ``bytes_read`` counts the
+    stored (quantized) bytes of what was read.
+
+    The tensor table comes from the gguf package's GGUFReader (gguf_table); each tensor's bytes are then read
+    through a memory map of just that tensor, closed once it is dequantized, so a shard's process keeps no mapping
+    of the file (none of its pages count in its memory) once loaded.
+    """
+
+    def __init__(self, path: Path, model: nn.Module):
+        from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+
+        self.path = path
+        self.bytes_read = 0
+        self._table = gguf_table(path)
+        config = gguf_config_dict(path)
+        # transformers' processors undo what llama.cpp's converter did to a tensor (for llama: it permutes Q and K
+        # rows into its own rotary layout; qwen2 keeps HF's).
+        self._processor = TENSOR_PROCESSORS.get(self._table.architecture, TensorProcessor)(config=config)
+        hf_name_of = _gguf_to_hf_names(model, self._table.architecture, config["num_hidden_layers"])
+        self._tensor_of = {hf_name_of[t.name]: t for t in self._table.tensors if t.name in hf_name_of}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._tensor_of
+
+    def names(self) -> set[str]:
+        """Every HF tensor name the GGUF holds."""
+        return set(self._tensor_of)
+
+    def stored_quantized(self, name: str) -> bool:
+        """Whether the tensor is stored in a quantized block type (not F32/F16/BF16/F64)."""
+        return self._tensor_of[name].block_type.name not in FLOAT_GGUF_TYPE_NAMES
+
+    def stored_int4_group_size(self, name: str) -> int | None:
+        """The group of input features a tensor stored as 4-bit codes in groups has (read_int4_groups reads it
+        so), None for any other storage."""
+        stored = self._tensor_of[name]
+        return STORED_INT4_GROUP_SIZES.get(stored.block_type.name) if len(stored.shape) == 2 else None
+
+    def read_int4_groups(self, name: str, device: torch.device | str = default_read_device) -> Int4Groups:
+        """A 2-D tensor stored in a 4-bit block type (stored_int4_group_size) as its codes, scales and minimums on
+        `device`, rows in HF order; nothing is re-rounded."""
+        stored = self._tensor_of[name]
+        if self.stored_int4_group_size(name) is None:
+            raise CheckpointError(f"tensor {stored.name} of {self.path.name} is stored as {stored.block_type.name}, "
+                                  "not in 4-bit groups")
+        rows = stored.shape[0]
+        blocks = np.array(self._stored_bytes(stored)).reshape(-1, _gguf().GGML_QUANT_SIZES[stored.block_type][1])
+        parts = [self._processor.process(weights=part.reshape(rows, -1), name=stored.name).weights
+                 for part in int4_groups_of_blocks(blocks, stored.block_type.name)]
+        codes, scales, minimums = (torch.from_numpy(np.ascontiguousarray(part)).to(device) for part in parts)
+        self.bytes_read += int(stored.n_bytes)
+        return Int4Groups(codes, scales, minimums)
+
+    def stop_token_ids(self) -> set[int]:
+        """End-of-generation token ids the GGUF names (eos, end of turn, end of message)."""
+        return set(self._table.stop_token_ids)
+
+    def read(
+        self, names: Iterable[str], dtype: torch.dtype, device: torch.device | str = default_read_device
+    ) -> dict[str, torch.Tensor]:
+        """The named tensors on `device` in `dtype`, each dequantized on its own (besides the result the host holds
+        one float32 copy of one tensor at a time); a missing name or a storage type hearth does not read is a
+        CheckpointError raised before any tensor is read."""
+        names = list(names)
+        for name in names:
+            if name not in self._tensor_of:
+                raise CheckpointError(f"tensor {name} is missing from the GGUF {self.path.name}")
+        check_block_types(((self._tensor_of[name].name, self._tensor_of[name].block_type.name) for name in names),
+                          self.path.name)
+        target_device = torch.device(device)
+        tensors: dict[str, torch.Tensor] = {}
+        for name in names:
+            stored = self._tensor_of[name]
+            tensors[name] = torch.from_numpy(self._dequantized(stored)).to(device=target_device, dtype=dtype)
+            self.bytes_read += int(stored.n_bytes)
+        return tensors
+
+    def _stored_bytes(self, stored: StoredTensor) -> np.memmap:
+        """The tensor's bytes as the file holds them, memory-mapped (read only when used)."""
+        return np.memmap(self.path, dtype=np.uint8, mode="r", offset=stored.data_offset, shape=(stored.n_bytes,))
+
+    def _dequantized(self, stored: StoredTensor) -> np.ndarray:
+        data = self._stored_bytes(stored).view(stored.stored_dtype).reshape(stored.stored_shape)
+        try:
+            values = _gguf().quants.dequantize(data, stored.block_type)
+        except (ValueError, NotImplementedError) as exc:
+            raise CheckpointError(f"tensor {stored.name} of {self.path.name} cannot be dequantized: {exc}") from None
+        values = self._processor.process(weights=values, name=stored.name).weights
+        if not (values.flags.writeable and values.flags.c_contiguous):
+            # A tensor stored as plain floats is a read-only view of the memory map: copy it out of the file.
+            values = np.array(values, order="C", copy=True)
+        return values

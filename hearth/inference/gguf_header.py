@@ -1,0 +1,140 @@
+"""Parsing a GGUF's header (metadata and tensor table) from its first bytes alone, without the tensor data.
+
+A GGUF read over HTTP ranges (hearth/inference/hub_gguf.py) has only its leading bytes here: the gguf package's reader
+maps a whole file, so this walks the header itself (magic, version, counts, key/values, tensor infos, as the GGUF
+specification lays them out, little-endian versions 2 and 3) and says how many more bytes it needs when the
+buffer ends first. The result is the same GGUFSplit that hearth/inference/gguf_parts.py makes from a whole file, so a
+part is written from ranged bytes exactly as from the file.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass
+
+from .errors import CheckpointError
+from .gguf_parts import GGUFPartTensor, GGUFSplit, gguf_layer_of
+
+GGUF_MAGIC = b"GGUF"
+SUPPORTED_GGUF_VERSIONS = (2, 3)
+ALIGNMENT_KEY = "general.alignment"
+ARCHITECTURE_KEY = "general.architecture"
+# Counts past these are no model hearth could serve; a header claiming them is corrupt (or not little-endian).
+MAX_TENSOR_COUNT = 1 << 20
+MAX_KV_COUNT = 1 << 20
+MAX_TENSOR_DIMS = 8
+# GGUF value type ids (the specification's gguf_type) and the bytes of each fixed-size one.
+STRING_TYPE = 8
+ARRAY_TYPE = 9
+FIXED_TYPE_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q",
+                      12: "<d"}
+
+
+class HeaderIncomplete(Exception):
+    """The buffer ends inside the header: at least `needed` bytes of the file are required."""
+
+    def __init__(self, needed: int):
+        super().__init__(f"the GGUF header needs at least {needed} bytes")
+        self.needed = needed
+
+
+@dataclass(frozen=True)
+class ParsedGGUFHeader:
+    """A GGUF header parsed from leading bytes: its split (tensor infos and where each tensor's bytes lie), and the
+    architecture it names."""
+
+    split: GGUFSplit
+    architecture: str | None
+
+
+class _Cursor:
+    def __init__(self, buffer: bytes):
+        self.buffer = buffer
+        self.position = 0
+
+    def take(self, count: int) -> bytes:
+        end = self.position + count
+        if end > len(self.buffer):
+            raise HeaderIncomplete(end)
+        chunk = self.buffer[self.position:end]
+        self.position = end
+        return chunk
+
+    def unpack(self, fmt: str):
+        return struct.unpack(fmt, self.take(struct.calcsize(fmt)))[0]
+
+    def string(self) -> bytes:
+        return self.take(self.unpack("<Q"))
+
+    def value(self, value_type: int):
+        """The value of `value_type` here: scalars and strings decoded, arrays skipped (None)."""
+        if value_type in FIXED_TYPE_FORMATS:
+            return self.unpack(FIXED_TYPE_FORMATS[value_type])
+        if value_type == STRING_TYPE:
+            return self.string().decode("utf-8", errors="replace")
+        if value_type != ARRAY_TYPE:
+            raise CheckpointError(f"a GGUF metadata value has the unknown type {value_type}")
+        item_type, count = self.unpack("<I"), self.unpack("<Q")
+        if item_type in FIXED_TYPE_FORMATS:
+            self.take(count * struct.calcsize(FIXED_TYPE_FORMATS[item_type]))
+        else:
+            for _ in range(count):
+                self.value(item_type)
+        return None
+
+
+def parse_gguf_header(buffer: bytes, file_size: int, file_name: str) -> ParsedGGUFHeader:
+    """The header of the GGUF of `file_size` bytes whose first bytes are `buffer`. HeaderIncomplete when `buffer`
+    ends inside it; CheckpointError (one line) when it is no GGUF hearth reads, or a tensor lies past the file's
+    end."""
+    from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGMLQuantizationType
+
+    from .gguf_checkpoint import check_block_types
+
+    cursor = _Cursor(buffer)
+    if cursor.take(4) != GGUF_MAGIC:
+        raise CheckpointError(f"{file_name} is not a GGUF file (no GGUF magic)")
+    version = cursor.unpack("<I")
+    if version not in SUPPORTED_GGUF_VERSIONS:
+        raise CheckpointError(f"{file_name} is a GGUF of version {version} (or the other byte order): hearth reads "
+                              "little-endian GGUF versions 2 and 3")
+    tensor_count, kv_count = cursor.unpack("<Q"), cursor.unpack("<Q")
+    if tensor_count > MAX_TENSOR_COUNT or kv_count > MAX_KV_COUNT:
+        raise CheckpointError(f"{file_name}'s header is corrupt ({tensor_count} tensors, {kv_count} keys)")
+    metadata = {}
+    for _ in range(kv_count):
+        key = cursor.string().decode("utf-8", errors="replace")
+        metadata[key] = cursor.value(cursor.unpack("<I"))
+    kv_end = cursor.position
+    infos = []
+    for _ in range(tensor_count):
+        info_start = cursor.position
+        name = cursor.string().decode("utf-8", errors="replace")
+        n_dims = cursor.unpack("<I")
+        if n_dims > MAX_TENSOR_DIMS:
+            raise CheckpointError(f"{file_name}'s header is corrupt (tensor {name} has {n_dims} dimensions)")
+        dims = [cursor.unpack("<Q") for _ in range(n_dims)]
+        type_id, offset = cursor.unpack("<I"), cursor.unpack("<Q")
+        infos.append((name, dims, type_id, offset, info_start, cursor.position))
+    alignment = metadata.get(ALIGNMENT_KEY) or GGUF_DEFAULT_ALIGNMENT
+    if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+        raise CheckpointError(f"{file_name}'s header states an invalid alignment {alignment!r}")
+    data_start = (cursor.position + alignment - 1) // alignment * alignment
+    if not infos:
+        raise CheckpointError(f"{file_name} holds no tensors")
+    known = {int(member): member for member in GGMLQuantizationType}
+    check_block_types(((name, known[type_id].name if type_id in known else f"type {type_id}")
+                       for name, _, type_id, *_ in infos), file_name)
+    tensors = []
+    for name, dims, type_id, offset, info_start, info_end in infos:
+        block_size, type_size = GGML_QUANT_SIZES[known[type_id]]
+        n_bytes = math.prod(dims) // block_size * type_size
+        if data_start + offset + n_bytes > file_size:
+            raise CheckpointError(f"{file_name} is truncated: tensor {name} ends past the end of the file")
+        tensors.append(GGUFPartTensor(
+            name=name, layer=gguf_layer_of(name), block_type=known[type_id].name, shape=tuple(reversed(dims)),
+            info_start=info_start, info_end=info_end, data_start=data_start + offset, n_bytes=n_bytes))
+    split = GGUFSplit(header_bytes=data_start, kv_end=kv_end, alignment=alignment, tensors=tuple(tensors))
+    architecture = metadata.get(ARCHITECTURE_KEY)
+    return ParsedGGUFHeader(split=split, architecture=architecture if isinstance(architecture, str) else None)

@@ -1,0 +1,266 @@
+"""A GGUF file split into the parts a shard host or an orchestrator needs, and such parts written back as a GGUF.
+
+Every byte stays as the GGUF holds it. The header is the file's bytes before its tensor data (magic, version,
+counts, metadata key/values, tensor infos); a decoder layer's data is its tensors' (``blk.N.*``) bytes in the file's
+order, concatenated; the head's is every other tensor's (embedding, final norm, output). A part written back is a
+GGUF holding the original's metadata and only the chosen tensors, each tensor info copied with only its data offset
+changed and the tensors in their block types (Q4_1 stays Q4_1), so the loader reads it as it reads the original
+(hearth/inference/gguf_checkpoint.py). Written whole, in the original's order, a GGUF laid out as llama.cpp and the gguf
+package write them comes back byte for byte. A layer range's GGUF lists no `output.weight`, so transformers reads
+its config as having tied embeddings; a range holds no head, so nothing it loads depends on that.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import tempfile
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import CheckpointError
+from .partial_checkpoint import complete_partial_folder, staged_partial_folder
+
+# After the magic and the version: the tensor count, a little-endian u64 (GGUF versions 2 and 3).
+TENSOR_COUNT_OFFSET = 8
+TENSOR_COUNT_FORMAT = "<Q"
+# A tensor info ends with its data offset (u64), relative to the start of the data section.
+INFO_OFFSET_BYTES = 8
+COPY_CHUNK_BYTES = 8 << 20
+LAYER_PREFIX = "blk"
+
+
+def gguf_layer_of(tensor_name: str) -> int | None:
+    """The decoder layer of a GGUF tensor name ("blk.3.attn_q.weight" -> 3), None for every other tensor."""
+    parts = tensor_name.split(".")
+    return int(parts[1]) if parts[0] == LAYER_PREFIX and len(parts) > 2 and parts[1].isdigit() else None
+
+
+@dataclass(frozen=True)
+class GGUFPartTensor:
+    """One tensor of a split GGUF: where its info lies in the header and its bytes in the file."""
+
+    name: str
+    layer: int | None
+    block_type: str  # the GGML type's name: "Q4_1", "F32", ...
+    shape: tuple[int, ...]  # torch order
+    info_start: int
+    info_end: int
+    data_start: int  # absolute, in the original file
+    n_bytes: int
+
+
+@dataclass(frozen=True)
+class GGUFSplit:
+    """What a GGUF is made of: its header's length (where tensor data starts), where its tensor infos start, its
+    alignment and its tensors in file order."""
+
+    header_bytes: int
+    kv_end: int
+    alignment: int
+    tensors: tuple[GGUFPartTensor, ...]
+
+    def groups(self) -> dict[int | None, list[GGUFPartTensor]]:
+        """The tensors by decoder layer (None: the head), each group in file order."""
+        grouped: dict[int | None, list[GGUFPartTensor]] = {}
+        for tensor in self.tensors:
+            grouped.setdefault(tensor.layer, []).append(tensor)
+        return grouped
+
+
+def split_gguf(path: Path) -> GGUFSplit:
+    """The GGUFSplit of the GGUF at `path`, refused (CheckpointError, one line, the loader's own messages) when the
+    loader would refuse it: truncated, of an architecture or a block type hearth does not read, big-endian."""
+    from gguf import GGUFEndian
+
+    from .gguf_checkpoint import check_block_types, gguf_config_dict, open_reader
+
+    reader = open_reader(path)  # truncation and architecture
+    if reader.endianess != GGUFEndian.LITTLE:
+        raise CheckpointError(f"{path.name} is a GGUF of the other byte order: hearth reads little-endian GGUFs")
+    if not reader.tensors:
+        raise CheckpointError(f"{path.name} holds no tensors")
+    check_block_types(((t.name, t.tensor_type.name) for t in reader.tensors), path.name)
+    gguf_config_dict(path)  # the model type, as the loader checks it
+    tensors = tuple(
+        GGUFPartTensor(
+            name=t.name, layer=gguf_layer_of(t.name), block_type=t.tensor_type.name,
+            shape=tuple(int(d) for d in reversed(t.shape.tolist())), info_start=int(t.field.offset),
+            info_end=int(t.field.offset) + sum(int(part.nbytes) for part in t.field.parts),
+            data_start=int(t.data_offset), n_bytes=int(t.n_bytes))
+        for t in reader.tensors)
+    return GGUFSplit(header_bytes=int(reader.data_offset), kv_end=min(t.info_start for t in tensors),
+                     alignment=int(reader.alignment), tensors=tensors)
+
+
+def read_header(path: Path, split: GGUFSplit) -> bytes:
+    """The GGUF's bytes before its tensor data."""
+    with path.open("rb") as handle:
+        return handle.read(split.header_bytes)
+
+
+def read_tensor_data(path: Path, tensors: Iterable[GGUFPartTensor]) -> bytes:
+    """The stored bytes of `tensors`, concatenated in the order given."""
+    chunks = []
+    with path.open("rb") as handle:
+        for tensor in tensors:
+            handle.seek(tensor.data_start)
+            chunks.append(handle.read(tensor.n_bytes))
+    return b"".join(chunks)
+
+
+@dataclass(frozen=True)
+class TensorSource:
+    """Where one tensor of a part to write comes from: its info's span in the header, its bytes in a file."""
+
+    info_start: int
+    info_end: int
+    file: Path
+    offset: int
+    n_bytes: int
+
+
+def write_gguf_part(target: Path, header: bytes, kv_end: int, alignment: int, tensors: list[TensorSource]) -> Path:
+    """Write at `target` a GGUF with `header`'s metadata (its bytes up to `kv_end`) and `tensors`, in that order;
+    written beside it and renamed into place, so a reader never sees a torn file. CheckpointError when a span lies
+    outside the header or a source file is too short."""
+    if not (TENSOR_COUNT_OFFSET + 16 <= kv_end <= len(header)) or alignment <= 0 or alignment & (alignment - 1):
+        raise CheckpointError(f"{target.name}: the GGUF header's layout does not fit its {len(header)} bytes")
+    for source in tensors:
+        if not (kv_end <= source.info_start and source.info_start + INFO_OFFSET_BYTES <= source.info_end
+                <= len(header)) or source.offset < 0 or source.n_bytes < 0:
+            raise CheckpointError(f"{target.name}: a tensor's info or bytes lie outside its parts")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    descriptor, staging = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}-")
+    try:
+        with os.fdopen(descriptor, "wb") as out:
+            out.write(header[:TENSOR_COUNT_OFFSET])
+            out.write(struct.pack(TENSOR_COUNT_FORMAT, len(tensors)))
+            out.write(header[TENSOR_COUNT_OFFSET + 8:kv_end])
+            offset = 0
+            for source in tensors:
+                out.write(header[source.info_start:source.info_end - INFO_OFFSET_BYTES])
+                out.write(struct.pack("<Q", offset))
+                offset += _aligned(source.n_bytes, alignment)
+            out.write(bytes(_aligned(out.tell(), alignment) - out.tell()))
+            for source in tensors:
+                _copy(source, out, target.name)
+                out.write(bytes(_aligned(source.n_bytes, alignment) - source.n_bytes))
+        os.replace(staging, target)
+    finally:
+        if os.path.exists(staging):
+            os.unlink(staging)
+    return target
+
+
+def _aligned(position: int, alignment: int) -> int:
+    return (position + alignment - 1) // alignment * alignment
+
+
+def _copy(source: TensorSource, out, target_name: str) -> None:
+    with source.file.open("rb") as handle:
+        handle.seek(source.offset)
+        left = source.n_bytes
+        while left:
+            chunk = handle.read(min(left, COPY_CHUNK_BYTES))
+            if not chunk:
+                raise CheckpointError(f"{target_name}: {source.file.name} ends before a tensor's bytes do")
+            out.write(chunk)
+            left -= len(chunk)
+
+
+
+@dataclass(frozen=True)
+class TensorPlacement:
+    """Where one tensor of a GGUF stored in parts lies: its info's span in the header part, its bytes' span in the
+    part `file`."""
+
+    name: str
+    file: str
+    offset: int
+    n_bytes: int
+    info_start: int
+    info_end: int
+
+
+def publishable_gguf(path: Path) -> Path | None:
+    """The GGUF file `path` names (itself, or the one GGUF of a folder without config.json), checked as the loader
+    checks it (split_gguf), None when it names none; CheckpointError (one line) for a GGUF the loader would refuse
+    or a folder holding several."""
+    from .gguf_checkpoint import is_gguf_file, single_gguf_in
+
+    if not is_gguf_file(path):
+        if not path.is_dir():
+            return None
+        try:
+            path = single_gguf_in(path)
+        except CheckpointError:
+            raise CheckpointError(f"{path} holds several GGUF files: publish one of them") from None
+    if path is not None:
+        split_gguf(path)
+    return path
+
+
+@dataclass(frozen=True)
+class StoredLayout:
+    """What the parts of a GGUF need besides their bytes to form it again: where its tensor infos start in the
+    header part, its alignment, and each tensor's TensorPlacement in the original file's order."""
+
+    kv_end: int
+    alignment: int
+    placements: list[TensorPlacement]
+
+
+def stored_parts(path: Path, header_file: str, file_of: Callable[[int | None], str]):
+    """(the GGUF's StoredLayout, its number of decoder layers, and each part read one at a time: (file, kind,
+    layer, bytes, {tensor name: (GGML type name, shape)})): the header part `header_file` (kind "gguf_header")
+    first, then the head's (kind "head", named `file_of(None)`) and each layer's (kind "layer", `file_of(layer)`).
+    CheckpointError (one line) for a GGUF the loader would refuse."""
+    from .gguf_checkpoint import gguf_config_dict
+
+    split = split_gguf(path)
+    num_layers = int(gguf_config_dict(path)["num_hidden_layers"])
+    groups = split.groups()
+    order = sorted(groups, key=lambda layer: -1 if layer is None else layer)
+    placements = []
+    for layer in order:
+        offset = 0
+        for tensor in groups[layer]:
+            placements.append(TensorPlacement(tensor.name, file_of(layer), offset, tensor.n_bytes, tensor.info_start,
+                                              tensor.info_end))
+            offset += tensor.n_bytes
+    placements.sort(key=lambda placement: placement.info_start)
+
+    def parts():
+        yield header_file, "gguf_header", None, read_header(path, split), {}
+        for layer in order:
+            specs = {tensor.name: (tensor.block_type, list(tensor.shape)) for tensor in groups[layer]}
+            yield (file_of(layer), "head" if layer is None else "layer", layer, read_tensor_data(path, groups[layer]),
+                   specs)
+    return StoredLayout(split.kv_end, split.alignment, placements), num_layers, parts()
+
+
+def write_gguf_folder(target: Path, gguf_name: str, header_file: str, layout: StoredLayout,
+                      files: Mapping[str, Path], *, weights_sha256: str, source: str) -> Path:
+    """The GGUF `gguf_name` in folder `target`, holding the metadata of the header part `header_file` and the
+    tensors whose parts are in `files` (part file -> local file), beside the PARTIAL_CHECKPOINT_MARKER stating the
+    whole GGUF's digest (the one weights_sha256 then reports for it). Built beside `target` and renamed into place,
+    so two hosts writing the same part at once both end up with a complete folder. CheckpointError when the parts
+    do not form a readable GGUF."""
+    from .gguf_checkpoint import open_reader
+
+    if (done := complete_partial_folder(target)) is not None:
+        return done / gguf_name
+    if header_file not in files:
+        raise CheckpointError(f"the parts of {gguf_name} lack its header {header_file}")
+    placements = layout.placements
+    wanted = [placement for placement in placements if placement.file in files]
+    with staged_partial_folder(target, weights_sha256=weights_sha256, source=source) as staging:
+        written = write_gguf_part(
+            staging / gguf_name, files[header_file].read_bytes(), layout.kv_end, layout.alignment,
+            [TensorSource(p.info_start, p.info_end, files[p.file], p.offset, p.n_bytes) for p in wanted])
+        if [tensor.name for tensor in open_reader(written).tensors] != [placement.name for placement in wanted]:
+            raise CheckpointError(f"the parts of {gguf_name} do not form a GGUF: the tensor table does not match "
+                                  "its header")
+    return target / gguf_name

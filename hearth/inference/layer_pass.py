@@ -1,0 +1,159 @@
+"""LayerPass: one step's hidden states going through a contiguous run of decoder layers over one session's cache,
+all at once or a few layers at a time; SteppedForward: a step run in such passes, piece by piece of its tokens,
+holding all of its own progress (LayerRangeRunner.advance runs it under the runner's checks).
+
+Why in slices: a shard's steps share one compute thread (hearth/inference/compute_thread.py), so a long prefill chunk
+run as one call holds every other session's decode step for the whole chunk on that hop. Run a layer or two per
+call, the steps that arrived meanwhile get the thread between slices (hearth/services/shard/compute.py), and the wait a
+long prompt imposes shrinks from a chunk's time on the hop to a slice's. The arithmetic is the same either way:
+the rotary embedding and the masks are built once, against the cache as the step found it, and the layers run in
+order on the same tensors, so a sliced pass is bitwise equal to an unsliced one.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import DynamicCache, PretrainedConfig
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+from .architectures import FULL_ATTENTION, SLIDING_ATTENTION
+from .layer_call import build_mask, run_decoder_layer
+
+MASK_BUILDERS = {
+    FULL_ATTENTION: create_causal_mask,
+    SLIDING_ATTENTION: create_sliding_window_causal_mask,
+}
+
+
+@dataclass(frozen=True)
+class DecoderStack:
+    """The decoder layers of a runner and what every pass over them needs (read-only but for the rotary embedding)."""
+
+    config: PretrainedConfig
+    layers: dict[int, nn.Module]
+    rotary_embedding: nn.Module
+    attention_types: Sequence[str]
+    # The runner's lock: a dynamic or longrope rotary embedding rewrites its frequencies for the positions asked
+    # (transformers' dynamic_rope_update), so two passes must not build theirs at once.
+    rotary_lock: threading.RLock
+
+    def layer_pass(self, cache: DynamicCache, hidden_states: torch.Tensor, start_pos: int, run_lo: int,
+                   run_hi: int) -> LayerPass:
+        """A pass of `hidden_states` (at `start_pos`) through layers ``run_lo..run_hi`` over `cache`; the layers
+        themselves run unlocked."""
+        with self.rotary_lock:
+            return LayerPass(config=self.config, layers=self.layers, rotary_embedding=self.rotary_embedding,
+                             attention_types=self.attention_types, cache=cache, hidden_states=hidden_states,
+                             start_pos=start_pos, run_lo=run_lo, run_hi=run_hi)
+
+
+class LayerPass:
+    """Layers ``run_lo..run_hi`` (inclusive) of one step, run in order by `run` calls; call under inference mode."""
+
+    def __init__(self, *, config: PretrainedConfig, layers: dict[int, nn.Module], rotary_embedding: nn.Module,
+                 attention_types: Sequence[str], cache: DynamicCache, hidden_states: torch.Tensor, start_pos: int,
+                 run_lo: int, run_hi: int) -> None:
+        self._layers = layers
+        self._attention_types = attention_types
+        self._cache = cache
+        self._run_hi = run_hi
+        self._next_layer = run_lo
+        self._hidden_states = hidden_states
+        num_tokens = hidden_states.shape[1]
+        self._position_ids = torch.arange(start_pos, start_pos + num_tokens,
+                                          device=hidden_states.device).unsqueeze(0)
+        self._position_embeddings = rotary_embedding(hidden_states, self._position_ids)
+        self._masks = {}
+        for layer_index in range(run_lo, run_hi + 1):
+            attention_type = attention_types[layer_index]
+            if attention_type not in self._masks:
+                # Sized against a layer this runner actually fills: the cache's other layers stay empty.
+                self._masks[attention_type] = build_mask(
+                    MASK_BUILDERS[attention_type], config=config, inputs_embeds=hidden_states, attention_mask=None,
+                    cache=cache, position_ids=self._position_ids, layer_idx=layer_index)
+
+    @property
+    def done(self) -> bool:
+        return self._next_layer > self._run_hi
+
+    @property
+    def layers_left(self) -> int:
+        return self._run_hi - self._next_layer + 1
+
+    def run(self, max_layers: int | None = None) -> torch.Tensor | None:
+        """Run the next `max_layers` layers (all that are left when None); the output once the last one has run."""
+        if self.done:
+            raise RuntimeError("this layer pass has already run its last layer")
+        if max_layers is not None and max_layers < 1:
+            raise ValueError(f"max_layers must be at least 1, got {max_layers}")
+        last = self._run_hi if max_layers is None else min(self._run_hi, self._next_layer + max_layers - 1)
+        hidden_states = self._hidden_states
+        for layer_index in range(self._next_layer, last + 1):
+            hidden_states = run_decoder_layer(
+                self._layers[layer_index], hidden_states,
+                attention_mask=self._masks[self._attention_types[layer_index]], position_ids=self._position_ids,
+                cache=self._cache, position_embeddings=self._position_embeddings)
+        self._hidden_states = hidden_states
+        self._next_layer = last + 1
+        return hidden_states if self.done else None
+
+
+class SteppedForward:
+    """A step begun by `LayerRangeRunner.begin_forward`: its tokens, the pieces run so far and the layer pass under way.
+    `LayerRangeRunner.advance` runs its next layers (checked under the runner's lock, the layers outside it); the runner
+    keeps none of the step's progress itself.
+
+    With `piece_tokens`, the tokens not yet run go through the layers in a piece of that many before the rest (each
+    piece's layers see the cache the pieces before it filled, as the orchestrator's chunks do), so that a turn is one
+    layer of one piece: a long prompt's chunk then holds the compute thread for a fraction of a layer's time. Small
+    pieces cost throughput on a CPU (a 64-row product of a layer's weights, and a cache that grows by more appends),
+    so the caller picks the size piece by piece: small while others wait, the whole rest while none does.
+    """
+
+    def __init__(self, *, session_id: str, session, hidden_states: torch.Tensor, start_pos: int, run_lo: int,
+                 run_hi: int, kind: str, stack: DecoderStack | None) -> None:
+        self.session_id = session_id
+        self.session = session  # the runner's record of the session, to notice it was evicted between advances
+        self.hidden_states = hidden_states
+        self.start_pos = start_pos
+        self.run_lo, self.run_hi = run_lo, run_hi
+        self.kind = kind
+        # None: the step runs whole on its first advance (static caches: hearth/inference/static_decode.py).
+        self.stack = stack
+        self._total_tokens = hidden_states.shape[1]
+        self._outputs: list[torch.Tensor] = []
+        self._done_tokens = 0
+        self._piece: LayerPass | None = None
+
+    @property
+    def whole_step(self) -> tuple:
+        """(hidden states, start position, first layer, last layer, kind): what a static-cache step runs whole."""
+        return self.hidden_states, self.start_pos, self.run_lo, self.run_hi, self.kind
+
+    def run(self, max_layers: int | None, piece_tokens: int | None) -> torch.Tensor | None:
+        """Run the next `max_layers` layers of the current piece (everything when None), starting a piece of
+        `piece_tokens` (all the tokens left when None) if none is under way; the step's output once the last piece has
+        left its last layer. Under inference mode, outside the runner's lock; dynamic caches only."""
+        while True:
+            if self._piece is None:
+                if self._done_tokens >= self._total_tokens:
+                    raise RuntimeError("this layer pass has already run its last layer")
+                end = self._done_tokens + (piece_tokens or self._total_tokens)
+                piece = self.hidden_states[:, self._done_tokens:end]
+                self._piece = self.stack.layer_pass(self.session.cache, piece, self.start_pos + self._done_tokens,
+                                                    self.run_lo, self.run_hi)
+            output = self._piece.run(max_layers)
+            if output is None:
+                return None
+            self._piece = None
+            self._outputs.append(output)
+            self._done_tokens += output.shape[1]
+            if self._done_tokens >= self._total_tokens:
+                return self._outputs[0] if len(self._outputs) == 1 else torch.cat(self._outputs, dim=1)
+            if max_layers is not None:
+                return None

@@ -1,0 +1,356 @@
+"""Building a runner or a head from a checkpoint: a meta-device skeleton, then only the needed tensors.
+
+The whole ``*ForCausalLM`` is first instantiated on the meta device (no memory, public transformers
+classes, so the layers are exactly the ones from_pretrained would build); then only the wanted modules
+receive real tensors, read one by one from the safetensors files (or dequantized one by one from a GGUF file,
+hearth/inference/gguf_checkpoint.py). Like ``from_pretrained``, tensors
+that need no dtype conversion stay memory-mapped from the checkpoint files on the CPU: they become
+resident when first used and are shared through the page cache by every process that maps the same
+file, so a checkpoint must not be rewritten in place while it is being served. Tensors converted to
+another dtype or sent to a GPU are written straight into their final tensor, a few MiB at a time, so
+loading a range never needs more host memory than its weights plus one such chunk.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PretrainedConfig
+
+from .architectures import ArchitectureAdapter, adapter_for
+from .devices import resolve_device
+from .checkpoint import ModelInfo, SafetensorsCheckpoint, default_model_id, open_checkpoint, read_config_dict, \
+    resolve_dtype, resolve_model_path
+from .cpu_kernels import DEFAULT_CPU_LINEAR_KERNEL, use_cpu_linear_kernel
+from .errors import CheckpointError
+from .gguf_checkpoint import GGUFCheckpoint, gguf_config, is_gguf_file, load_gguf_tokenizer
+from .head import Head
+from .quantization import QuantizationScheme, QuantizedLinear, check_device_supports, \
+    check_quantizable, dense_linears, head_quantization, held_as_stored, parse_quantization, quantize_linears, \
+    release_freed_heap
+from .runner import LayerRangeRunner
+from .sessions import EvictedSession
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Skeleton:
+    """A checkpoint opened for partial loading: config, adapter, and a model whose tensors live on meta."""
+
+    info: ModelInfo
+    config: PretrainedConfig
+    adapter: ArchitectureAdapter
+    model: nn.Module
+    checkpoint: SafetensorsCheckpoint | GGUFCheckpoint
+    module_names: dict[int, str]
+    device: torch.device
+
+    def name_of(self, module: nn.Module) -> str:
+        return self.module_names[id(module)]
+
+    def materialize(self, module: nn.Module, *, except_names: frozenset[str] = frozenset()) -> list[str]:
+        """Read the module's parameters and persistent buffers from the checkpoint onto the skeleton's device, in
+        its dtype (staged through host memory one bounded chunk at a time: SafetensorsCheckpoint.read), all but the
+        checkpoint names in ``except_names`` (left on meta for the caller); returns the names read."""
+        prefix = self.name_of(module) + "."
+        local_names = [name for name in module.state_dict(keep_vars=True) if prefix + name not in except_names]
+        checkpoint_names = [prefix + name for name in local_names]
+        tensors = self.checkpoint.read(checkpoint_names, self.info.dtype, self.device)
+        state = {local: tensors[prefix + local] for local in local_names}
+        module.load_state_dict(state, strict=not except_names, assign=True)
+        module.requires_grad_(False)
+        return checkpoint_names
+
+    def materialize_layer(self, layer: nn.Module, scheme: QuantizationScheme) -> list[str]:
+        """Materialize ``layer``, its Linears whose weights the checkpoint stores as 4-bit codes in groups held as
+        stored in int4 (QuantizedLinear from the stored codes, never re-rounded into more bits: held_as_stored)
+        instead of read dense; returns the checkpoint names read, those Linears' weights first."""
+        held = {}
+        for parent, child_name, linear in dense_linears(layer):
+            weight_name = self.name_of(linear) + ".weight"
+            held_scheme = held_as_stored(scheme, self.checkpoint.stored_int4_group_size(weight_name),
+                                         linear.out_features, linear.in_features, self.device)
+            if held_scheme is not None:
+                held[weight_name] = (parent, child_name, linear, held_scheme)
+        names = self.materialize(layer, except_names=frozenset(held))
+        for weight_name, (parent, child_name, linear, held_scheme) in held.items():
+            stored = self.checkpoint.read_int4_groups(weight_name, self.device)
+            setattr(parent, child_name, QuantizedLinear(linear, held_scheme, stored))
+        return [*held, *names]
+
+
+def _open_skeleton(
+    model: str | Path,
+    *,
+    dtype: torch.dtype | str | None,
+    device: torch.device | str | None,
+    attn_implementation: str | None,
+    model_id: str | None,
+    revision: str | None,
+    cache_dir: str | Path | None,
+    local_files_only: bool | None,
+) -> _Skeleton:
+    path = resolve_model_path(
+        model, revision=revision, cache_dir=cache_dir, local_files_only=local_files_only
+    )
+    raw_config = read_config_dict(path)
+    # Refuse unsupported families from config.json alone: before transformers parses it, before any weight.
+    adapter = adapter_for(_RawConfigView(raw_config))
+    config = gguf_config(path) if is_gguf_file(path) else AutoConfig.from_pretrained(path)
+    compute_device = resolve_device(device if device is not None else "cpu")
+    compute_dtype = resolve_dtype(dtype, getattr(config, "dtype", None))
+    skeleton_kwargs = {"dtype": compute_dtype}
+    if attn_implementation is not None:
+        skeleton_kwargs["attn_implementation"] = attn_implementation
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config, **skeleton_kwargs)
+    skeleton.eval()
+    config = skeleton.config
+    checkpoint = open_checkpoint(path, skeleton)
+    if isinstance(model, Path) or Path(str(model)).expanduser().exists():
+        default_id = default_model_id(path)
+    else:
+        default_id = str(model)
+    info = ModelInfo(
+        model_id=model_id or default_id,
+        path=path,
+        architecture=adapter.architecture,
+        model_type=config.model_type,
+        num_layers=config.num_hidden_layers,
+        hidden_size=config.hidden_size,
+        vocab_size=config.vocab_size,
+        dtype=compute_dtype,
+        tie_word_embeddings=bool(getattr(config.get_text_config(), "tie_word_embeddings", False)),
+    )
+    module_names = {id(module): name for name, module in skeleton.named_modules()}
+    return _Skeleton(info, config, adapter, skeleton, checkpoint, module_names, compute_device)
+
+
+class _RawConfigView:
+    """Just enough of config.json for adapter lookup, without asking transformers to parse it."""
+
+    def __init__(self, raw: dict):
+        self.model_type = raw.get("model_type")
+        self.architectures = raw.get("architectures")
+
+
+def _assert_materialized(module: nn.Module, what: str) -> None:
+    leftovers = [name for name, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta]
+    if leftovers:
+        raise CheckpointError(f"{what}: tensors {leftovers} were not loaded")
+
+
+def load_layer_range(
+    model: str | Path,
+    lo: int,
+    hi: int,
+    *,
+    dtype: torch.dtype | str | None = None,
+    device: torch.device | str | None = None,
+    attn_implementation: str | None = None,
+    cache_budget_bytes: int,
+    session_ttl_s: float,
+    model_id: str | None = None,
+    revision: str | None = None,
+    cache_dir: str | Path | None = None,
+    local_files_only: bool | None = None,
+    on_evict: Callable[[EvictedSession], None] | None = None,
+    clock: Callable[[], float] = time.monotonic,
+    static_cache_tokens: int | None = None,
+    cpu_linear_kernel: str = DEFAULT_CPU_LINEAR_KERNEL,
+    quantization: str | QuantizationScheme = "none",
+    prefix_ttl_s: float | None = None,
+) -> LayerRangeRunner:
+    """A runner holding decoder layers ``lo..hi`` (inclusive) of ``model`` and nothing else.
+
+    ``model`` is a checkpoint folder, a hub id, or a GGUF file (or a folder holding one; its id defaults to the
+    file's stem). ``dtype`` None/"auto" uses the checkpoint's dtype.
+    ``device`` (None: the CPU) is where the weights are read to and the layers run (inference.devices).
+    ``cache_budget_bytes`` and ``session_ttl_s`` bound the sessions' KV caches (LayerRangeRunner); they have no
+    default here, their one home is the configuration's [shard] kv_cache_budget_mb and eviction_idle_s.
+    ``static_cache_tokens``: sessions get static KV caches of that many positions and, on a GPU, decode steps replay
+    CUDA graphs (hearth/inference/static_decode.py; full-attention SDPA architectures only, others stay dynamic).
+    ``prefix_ttl_s``: ended sessions' KV may be kept as prefixes for that long unused (None: none kept;
+    hearth/inference/prefix_cache.py).
+    ``attn_implementation`` None picks transformers' default for the family (sdpa, or eager for Gemma 2).
+    ``cpu_linear_kernel``: which kernel float32 CPU layers' projections run on (hearth/inference/cpu_kernels.py).
+    ``quantization`` ("none", "int8", "int4/g64", ...): each layer's Linears are quantized as soon as the layer is
+    read, before the next one is (hearth/inference/quantization.py), so the host never holds the range at full
+    precision; quantized Linears run torch's quantized kernels whatever ``cpu_linear_kernel`` says.
+    Only the tensors of layers lo..hi are read from the (single-file or sharded) safetensors files, or the GGUF
+    (each dequantized to ``dtype``, then quantized to ``quantization``: hearth/inference/gguf_checkpoint.py; but a
+    Linear weight stored as 4-bit codes in groups (Q4_0, Q4_1, Q4_K) is never re-rounded into more bits: under int8 or
+    int4 of its group it is held as stored, in int4 of its groups; ``runner.quantization`` stays the scheme asked).
+    """
+    scheme = parse_quantization(quantization)
+    skeleton = _open_skeleton(
+        model,
+        dtype=dtype,
+        device=device,
+        attn_implementation=attn_implementation,
+        model_id=model_id,
+        revision=revision,
+        cache_dir=cache_dir,
+        local_files_only=local_files_only,
+    )
+    num_layers = skeleton.info.num_layers
+    if not (0 <= lo <= hi < num_layers):
+        raise ValueError(
+            f"layer range {lo}-{hi} is not inside 0-{num_layers - 1} of {skeleton.info.model_id}"
+        )
+    decoder = skeleton.model.get_decoder()
+    check_device_supports(scheme, skeleton.device)
+    for layer_index in range(lo, hi + 1):
+        check_quantizable(decoder.layers[layer_index], scheme, f"layer {layer_index} of {skeleton.info.model_id}")
+    layers: dict[int, nn.Module] = {}
+    loaded_names: list[str] = []
+    held_as_stored_count = 0
+    for layer_index in range(lo, hi + 1):
+        layer = decoder.layers[layer_index]
+        loaded = skeleton.materialize_layer(layer, scheme)
+        held_as_stored_count += sum(isinstance(m, QuantizedLinear) for m in layer.modules())
+        loaded_names += loaded
+        _assert_materialized(layer, f"layer {layer_index}")
+        quantize_linears(layer, scheme)
+        layers[layer_index] = layer
+    if held_as_stored_count:
+        logger.info("layers %d-%d of %s: %d Linears held in their stored 4-bit form (int4, the stored groups) "
+                    "instead of %s", lo, hi, skeleton.info.model_id, held_as_stored_count, scheme.label)
+    use_cpu_linear_kernel(layers.values(), cpu_linear_kernel, skeleton.device,
+                          next(layers[lo].parameters()).dtype)
+    # The rotary module only holds inverse frequencies derived from the config: build it for real.
+    rotary_embedding = type(decoder.rotary_emb)(config=skeleton.config).to(skeleton.device)
+    logger.info(
+        "loaded layers %d-%d of %s (%d bytes read, quantization %s)",
+        lo,
+        hi,
+        skeleton.info.model_id,
+        skeleton.checkpoint.bytes_read,
+        scheme.label,
+    )
+    runner = LayerRangeRunner(
+        info=skeleton.info,
+        config=skeleton.config,
+        adapter=skeleton.adapter,
+        layers=layers,
+        rotary_embedding=rotary_embedding,
+        loaded_tensor_names=tuple(loaded_names),
+        layer_name_prefix=skeleton.name_of(decoder.layers) + ".",
+        checkpoint_bytes_read=skeleton.checkpoint.bytes_read,
+        device=skeleton.device,
+        cache_budget_bytes=cache_budget_bytes,
+        session_ttl_s=session_ttl_s,
+        clock=clock,
+        on_evict=on_evict,
+        static_cache_tokens=static_cache_tokens,
+        prefix_ttl_s=prefix_ttl_s,
+    )
+    runner.quantization = scheme.label
+    return runner
+
+
+def load_head(
+    model: str | Path,
+    *,
+    dtype: torch.dtype | str | None = None,
+    device: torch.device | str | None = None,
+    model_id: str | None = None,
+    revision: str | None = None,
+    cache_dir: str | Path | None = None,
+    local_files_only: bool | None = None,
+    load_tokenizer: bool = True,
+    quantization: str | QuantizationScheme = "none",
+) -> Head:
+    """The orchestrator's part of ``model``: tokenizer, embedding, final norm and lm_head (tied or not).
+
+    ``quantization`` other than "none" holds the lm_head in int8 on the CPU (weight-only,
+    hearth/inference/quantization.py, for every quantized scheme: the head's bytes are read for every token, and int4
+    would cost its logits most), unless the checkpoint stores it quantized already (a GGUF's Q8_0, Q6_K ...: then it is
+    served as stored, dequantized); the embedding (a lookup) and the final norm stay at full precision."""
+    scheme = parse_quantization(quantization)
+    skeleton = _open_skeleton(
+        model,
+        dtype=dtype,
+        device=device,
+        attn_implementation=None,
+        model_id=model_id,
+        revision=revision,
+        cache_dir=cache_dir,
+        local_files_only=local_files_only,
+    )
+    check_device_supports(scheme, skeleton.device)
+    decoder = skeleton.model.get_decoder()
+    embed_tokens = skeleton.model.get_input_embeddings()
+    lm_head = skeleton.model.get_output_embeddings()
+    final_norm = decoder.norm
+    skeleton.materialize(embed_tokens)
+    skeleton.adapter.materialize_embedding_buffers(embed_tokens)
+    skeleton.materialize(final_norm)
+    lm_head_name = skeleton.name_of(lm_head) + ".weight"
+    if skeleton.info.tie_word_embeddings or lm_head_name not in skeleton.checkpoint:
+        if not skeleton.info.tie_word_embeddings:
+            raise CheckpointError(
+                f"{lm_head_name} is missing and the config does not tie it to the embedding"
+            )
+        lm_head.weight = embed_tokens.weight
+    else:
+        skeleton.materialize(lm_head)
+    for what, module in (("embedding", embed_tokens), ("final norm", final_norm), ("lm_head", lm_head)):
+        _assert_materialized(module, what)
+    head_weight_name = lm_head_name if lm_head.weight is not embed_tokens.weight else (
+        skeleton.name_of(embed_tokens) + ".weight")
+    # A head already stored quantized (a GGUF's Q8_0 ...) is served as stored: quantizing it again would round
+    # twice (BENCHMARKS.md "Quantized shards: quality").
+    if (scheme.quantized and type(lm_head) is nn.Linear and head_quantization(skeleton.device) is not None
+            and not skeleton.checkpoint.stored_quantized(head_weight_name)):
+        lm_head = QuantizedLinear(lm_head, head_quantization(skeleton.device))
+        skeleton.model.set_output_embeddings(lm_head)
+        release_freed_heap()
+    tokenizer = _load_tokenizer(skeleton.info.path) if load_tokenizer else None
+    eos_token_ids = _eos_token_ids(skeleton.info.path, skeleton.config, tokenizer)
+    if isinstance(skeleton.checkpoint, GGUFCheckpoint):
+        eos_token_ids |= skeleton.checkpoint.stop_token_ids()
+    return Head(
+        info=skeleton.info,
+        config=skeleton.config,
+        adapter=skeleton.adapter,
+        embed_tokens=embed_tokens,
+        final_norm=final_norm,
+        lm_head=lm_head,
+        tokenizer=tokenizer,
+        eos_token_ids=eos_token_ids,
+        checkpoint_bytes_read=skeleton.checkpoint.bytes_read,
+        device=skeleton.device,
+    )
+
+
+def _load_tokenizer(path: Path):
+    try:
+        return load_gguf_tokenizer(path) if is_gguf_file(path) else AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        logger.warning("no usable tokenizer in %s: %s", path, exc)
+        return None
+
+
+def _eos_token_ids(path: Path, config: PretrainedConfig, tokenizer) -> set[int]:
+    """End-of-sequence ids as generate() uses them: generation_config.json, config, and the tokenizer's."""
+    candidates: list = []
+    if path.is_dir() and (path / "generation_config.json").is_file():
+        candidates.append(GenerationConfig.from_pretrained(path).eos_token_id)
+    candidates.append(getattr(config, "eos_token_id", None))
+    if tokenizer is not None:
+        candidates.append(tokenizer.eos_token_id)
+    ids: set[int] = set()
+    for candidate in candidates:
+        if isinstance(candidate, int):
+            ids.add(candidate)
+        elif isinstance(candidate, (list, tuple)):
+            ids.update(int(t) for t in candidate)
+    return ids

@@ -1,0 +1,122 @@
+"""What a layer range costs in memory before it is loaded: per-layer weight bytes read from the safetensors headers
+(shapes and dtypes only, no tensor data), in the dtype the range will compute in and under its quantization scheme.
+
+A shard refuses a range that would not fit its `[shard] max_memory_mb` before reading a weight, and `hearth host`
+chooses the range that fits its budget from these figures.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import defaultdict
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from .checkpoint import SAFETENSORS_DTYPES, SafetensorsCheckpoint
+from .devices import MiB
+from .gguf_checkpoint import SUPPORTED_GGUF_TYPE_NAMES, FLOAT_GGUF_TYPE_NAMES, default_read_device, \
+    gguf_layer_tensors, is_gguf_file, layer_tensor_blocks
+from .gguf_int4 import STORED_INT4_GROUP_SIZES
+from .quantization import KERNEL_DTYPE, QuantizationScheme, held_as_stored, parse_quantization
+
+_layer_name_re = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_UNKNOWN_KIND_BYTES = 4
+QUANTIZED_GGUF_TYPE_NAMES = frozenset(SUPPORTED_GGUF_TYPE_NAMES) - FLOAT_GGUF_TYPE_NAMES
+
+
+def layer_weight_bytes(model_path: Path, compute_dtype: torch.dtype,
+                       quantization: str | QuantizationScheme = "none", *,
+                       device: torch.device | str = default_read_device) -> dict[int, int]:
+    """Bytes each decoder layer's tensors take once loaded in `compute_dtype` (floating tensors are converted) and
+    quantized under `quantization` (a decoder layer's floating matrices are all Linear weights: they take the
+    scheme's bytes, hearth/inference/quantization.py; norms and biases stay dense) on `device` (where a GGUF's 4-bit
+    weights are held as stored: quantization.held_as_stored)."""
+    scheme = parse_quantization(quantization)
+    if is_gguf_file(model_path):
+        return _gguf_layer_weight_bytes(model_path, compute_dtype, scheme, device)
+    checkpoint = SafetensorsCheckpoint(model_path)
+    by_file: dict[Path, list[str]] = defaultdict(list)
+    for name, file in checkpoint.file_of.items():
+        if _layer_name_re.search(name):
+            by_file[file].append(name)
+    specs = []
+    for file, names in by_file.items():
+        with safe_open(file, framework="pt") as handle:
+            for name in names:
+                tensor = handle.get_slice(name)
+                specs.append((name, tensor.get_dtype(), tensor.get_shape()))
+    return layer_weight_bytes_of(specs, compute_dtype, scheme)
+
+
+def layer_weight_bytes_of(tensors: Iterable[tuple[str, str, list[int]]], compute_dtype: torch.dtype,
+                          quantization: str | QuantizationScheme = "none", *,
+                          device: torch.device | str = default_read_device) -> dict[int, int]:
+    """layer_weight_bytes from each tensor's (name, stored type, shape), wherever they were read (a folder's
+    headers, the community store's manifest, the hub's headers); the stored type is a safetensors dtype such as
+    "BF16" or a GGUF block type such as "Q4_1" (read in the compute dtype, 4-bit groups held as stored on
+    `device`: _held_bytes); tensors outside the decoder layers are left out."""
+    scheme = parse_quantization(quantization)
+    element = torch.empty((), dtype=compute_dtype).element_size()
+    totals: dict[int, int] = defaultdict(int)
+    for name, stored_dtype, shape in tensors:
+        if (found := _layer_name_re.search(name)) is None:
+            continue
+        if stored_dtype in QUANTIZED_GGUF_TYPE_NAMES:
+            totals[int(found.group(1))] += _held_bytes(tuple(shape), stored_dtype, scheme, element, device)
+            continue
+        stored = SAFETENSORS_DTYPES.get(stored_dtype)
+        if stored is None:
+            element_bytes = _UNKNOWN_KIND_BYTES
+        else:
+            element_bytes = element if stored.is_floating_point else stored.itemsize
+        if scheme.quantized and stored is not None and stored.is_floating_point and len(shape) == 2:
+            size = quantized_weight_bytes(shape[0], shape[1], scheme, element)
+        else:
+            size = math.prod(shape) * element_bytes
+        totals[int(found.group(1))] += size
+    return dict(totals)
+
+
+def _gguf_layer_weight_bytes(model_path: Path, compute_dtype: torch.dtype, scheme: QuantizationScheme,
+                             device: torch.device | str) -> dict[int, int]:
+    return layer_weight_bytes_of(gguf_layer_tensors(layer_tensor_blocks(model_path)), compute_dtype, scheme,
+                                 device=device)
+
+
+def _held_bytes(shape: tuple[int, ...], block_type: str, scheme: QuantizationScheme, element: int,
+                device: torch.device | str) -> int:
+    # A GGUF's layer tensors are dequantized to the compute dtype (hearth/inference/gguf_checkpoint.py): its 2-D ones
+    # are the Linear weights the scheme quantizes again, but those stored in 4-bit groups that are held as stored.
+    if not scheme.quantized or len(shape) != 2:
+        return math.prod(shape) * element
+    held = held_as_stored(scheme, STORED_INT4_GROUP_SIZES.get(block_type), shape[0], shape[1], device)
+    return quantized_weight_bytes(shape[0], shape[1], held or scheme, element)
+
+
+def quantized_weight_bytes(out_features: int, in_features: int, scheme: QuantizationScheme,
+                           dense_element_bytes: int) -> int:
+    """Bytes a Linear weight of that shape takes under ``scheme`` (codes plus scales and zeros); the dense size
+    for "none"."""
+    if scheme.kind == "int8":
+        return out_features * in_features + out_features * _element_bytes(KERNEL_DTYPE)
+    if scheme.kind == "int4":
+        groups = in_features // scheme.group_size
+        return out_features * in_features // 2 + groups * out_features * 2 * _element_bytes(KERNEL_DTYPE)
+    return out_features * in_features * dense_element_bytes
+
+
+def _element_bytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def range_weight_bytes(per_layer: dict[int, int], lo: int, hi: int) -> int:
+    """Weight bytes of layers lo..hi (inclusive)."""
+    return sum(per_layer.get(index, 0) for index in range(lo, hi + 1))
+
+
+def megabytes(num_bytes: float) -> float:
+    return round(num_bytes / MiB, 3)

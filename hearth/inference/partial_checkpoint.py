@@ -1,0 +1,124 @@
+"""Which tensors a layer range or the head needs, and a loadable folder made from only the files that hold them.
+
+A shard host serving layers lo..hi needs only the decoder layers' tensors in that range; an orchestrator's head only
+the rest (embedding, final norm, lm_head). A partial folder links the fetched files, lists only their tensors in its
+``model.safetensors.index.json`` (so SafetensorsCheckpoint and the memory estimate see exactly what is there) and
+states the whole checkpoint's digest in its PARTIAL_CHECKPOINT_MARKER (so hosts holding different ranges of one
+checkpoint advertise the same weights_sha256). The marker is written last: a folder without it is incomplete.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Literal, Union
+
+from .checkpoint_files import SAFETENSORS_INDEX_NAME
+from .checksum import DEFAULT_WEIGHTS_CACHE_DIR, PARTIAL_CHECKPOINT_MARKER, WEIGHTS_CACHE_DIR_ENV
+from .errors import CheckpointError
+
+# What a caller needs: decoder layers lo..hi (inclusive), "head" (every tensor outside the decoder layers), or
+# None for the whole checkpoint.
+NeededTensors = Union[tuple[int, int], Literal["head"], None]
+LAYER_TENSOR_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+# Files besides the weights that loading, tokenizing and chat templates read.
+NON_WEIGHT_PATTERNS = ("*.json", "*.model", "*.txt", "*.jinja", "tokenizer*")
+
+
+def hearth_cache_dir() -> Path:
+    """$HEARTH_CACHE_DIR, else ~/.cache/hearth (as hearth/inference/checksum.py)."""
+    return Path(os.environ.get(WEIGHTS_CACHE_DIR_ENV) or DEFAULT_WEIGHTS_CACHE_DIR).expanduser()
+
+
+def layer_of(tensor_name: str) -> int | None:
+    """The decoder layer a tensor belongs to, or None for the embedding, final norm, head and the like."""
+    found = LAYER_TENSOR_RE.search(tensor_name)
+    return int(found.group(1)) if found else None
+
+
+def check_needed(needed: NeededTensors) -> NeededTensors:
+    """`needed` itself, or CheckpointError naming what is malformed."""
+    if needed is None or needed == "head":
+        return needed
+    if (isinstance(needed, tuple) and len(needed) == 2 and all(isinstance(bound, int) for bound in needed)
+            and 0 <= needed[0] <= needed[1]):
+        return needed
+    raise CheckpointError(f"needed tensors must be (lo, hi) with 0 <= lo <= hi, 'head' or None, not {needed!r}")
+
+
+def is_needed(tensor_name: str, needed: NeededTensors) -> bool:
+    """Whether a tensor is part of what `needed` asks for."""
+    if needed is None:
+        return True
+    layer = layer_of(tensor_name)
+    if needed == "head":
+        return layer is None
+    return layer is not None and needed[0] <= layer <= needed[1]
+
+
+def selection_name(needed: NeededTensors) -> str:
+    """A folder name for `needed`: "layers-3-5", "head" or "all"."""
+    if needed is None:
+        return "all"
+    if needed == "head":
+        return "head"
+    return f"layers-{needed[0]}-{needed[1]}"
+
+
+def files_holding(weight_map: Mapping[str, str], needed: NeededTensors) -> set[str]:
+    """The weight files of an index's `weight_map` (tensor -> file) that hold a tensor `needed` asks for."""
+    return {file for name, file in weight_map.items() if is_needed(name, needed)}
+
+
+def complete_partial_folder(folder: Path) -> Path | None:
+    """`folder` when a finished partial folder is there (its marker written), else None."""
+    return folder if (folder / PARTIAL_CHECKPOINT_MARKER).is_file() else None
+
+
+def assemble_partial_folder(target: Path, files: Mapping[str, Path], weight_map: Mapping[str, str] | None,
+                            *, weights_sha256: str, source: str) -> Path:
+    """Make `target` a loadable folder: a link to each of `files` (name in the folder -> fetched file), the index
+    restricted to the tensors of the linked weight files (none written when `weight_map` is None: the loader then
+    reads the linked files' own headers), and the marker naming `source` and the whole checkpoint's digest.
+
+    Built beside `target` and renamed into place, so two hosts assembling the same selection at once both end up
+    with a complete folder."""
+    if (done := complete_partial_folder(target)) is not None:
+        return done
+    with staged_partial_folder(target, weights_sha256=weights_sha256, source=source) as staging:
+        for name, file in files.items():
+            (staging / name).symlink_to(Path(file).resolve())
+        if weight_map is not None:
+            present = {name: file for name, file in weight_map.items() if file in files}
+            index = {"metadata": {"hearth_partial_of": source}, "weight_map": present}
+            (staging / SAFETENSORS_INDEX_NAME).unlink(missing_ok=True)
+            (staging / SAFETENSORS_INDEX_NAME).write_text(json.dumps(index, indent=1, sort_keys=True))
+    return target
+
+
+@contextlib.contextmanager
+def staged_partial_folder(target: Path, *, weights_sha256: str, source: str) -> Iterator[Path]:
+    """A folder beside `target` for the caller to fill; when the block ends without error, the marker naming
+    `source` and the whole checkpoint's digest is written into it and it is renamed into place (a complete folder a
+    concurrent twin put there first is kept, a stale unfinished one replaced). Removed whatever happens."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        yield staging
+        marker = {"source": source, "weights_sha256": weights_sha256}
+        (staging / PARTIAL_CHECKPOINT_MARKER).write_text(json.dumps(marker))
+        try:
+            os.replace(staging, target)
+        except OSError:
+            if complete_partial_folder(target) is None:  # not a concurrent twin: a stale, unfinished folder
+                shutil.rmtree(target, ignore_errors=True)
+                os.replace(staging, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+

@@ -1,0 +1,398 @@
+"""Quantized shard weights: the schemes a layer range may serve ("none", "int8", "int4/g<group>"), their parsing and
+labels, and the in-place swap of a decoder layer's nn.Linear modules for QuantizedLinear running PyTorch's own
+int8 and int4 kernels.
+
+Kernels (chosen by measurement, BENCHMARKS.md "Quantized shard kernels"):
+- int8: weights int8 per output channel (symmetric, one scale per row); on fbgemm's int8 product with each
+  activation row quantized on its own scale (hearth/inference/int8_kernels.py), else torch's weight-only
+  ``torch._weight_int8pack_mm``;
+- int4: weights uint4 in groups of ``group_size`` input features (asymmetric: a scale and a zero per group),
+  packed by ``torch._convert_weight_to_int4pack_for_cpu`` and multiplied by ``torch._weight_int4pack_mm_for_cpu``.
+The weight-only kernels take bfloat16 activations (their float32 paths are an order of magnitude slower on the
+CPU): a float32 layer's inputs are rounded to bfloat16 for the product and its results widened back. Every row of a
+product is computed on its own whatever the batch, so a range split over hops gives the very logits of one whole
+range, and batched steps (and the head's batched logits) equal one-row ones bit for bit.
+
+A weight stored as 4-bit codes in groups (a GGUF's Q4_0, Q4_1, Q4_K) is never re-rounded into more bits than it is
+stored in: under int8, or int4 of its own group, it is held as stored in int4 of its groups (held_as_stored).
+
+On CUDA the same codes run on torch's CUDA kernels: int4 on ``torch._weight_int4pack_mm`` (tinygemm, packed by
+``torch._convert_weight_to_int4pack``; compute capability 8.0 or newer); int8 on ``torch._int_mm`` (cuBLASLt's int8
+product, exact in int32) with each activation row quantized to int8 on its own scale; faster there than torch's
+weight-only ``_weight_int8pack_mm`` or weights widened per call, but slower than bf16 weights: on a GPU int8 saves
+memory, int4 saves memory and time (BENCHMARKS.md "Quantized shards on a GPU"). Other devices are refused with a
+QuantizationError.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import re
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .errors import InferenceError
+from .int8_kernels import INT8_MAX, INT_MM_FEATURE_MULTIPLE, cuda_row_product, fbgemm_row_product, \
+    int8_rows_on_cpu, pack_for_fbgemm
+
+DEFAULT_QUANTIZATION = "none"
+# Faithful to the 4-bit GGUF blocks (Q4_0, Q4_1: groups of 32) and measured best on their models (BENCHMARKS.md
+# "Quantized shards: quality").
+DEFAULT_INT4_GROUP_SIZE = 32
+INT4_GROUP_SIZES: tuple[int, ...] = (32, 64, 128, 256)
+QUANTIZATION_KINDS: tuple[str, ...] = ("none", "int8", "int4")
+# The kernels' float32 activation paths are much slower than their bfloat16 ones (BENCHMARKS.md, "Quantized shard
+# kernels").
+KERNEL_DTYPE = torch.bfloat16
+# torch's int4 kernels dequantize a code q as (q - 8) * scale + zero.
+_INT4_MIDPOINT = 8
+_INT4_MAX_CODE = 15
+# Weights are quantized this many output rows at a time, so the float temporaries stay small and reuse the same
+# freed memory instead of growing the heap; a multiple of the int4 packing's block of 32 rows.
+QUANTIZE_ROWS_PER_CHUNK = 256
+_INT4_PACK_ROWS = 32
+_INT4_PACK_MIN_ROWS = 16
+_SCHEME_RE = re.compile(r"^(none|int8|int4)(?:/g(\d+))?$")
+
+
+class QuantizationError(InferenceError):
+    """A quantization scheme that is malformed, or that this device or layer has no kernel for."""
+
+
+@dataclass(frozen=True)
+class QuantizationScheme:
+    """How a shard's Linear weights are held: ``kind`` "none", "int8" or "int4"; ``group_size`` for int4 only."""
+
+    kind: str = "none"
+    group_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in QUANTIZATION_KINDS:
+            raise QuantizationError(
+                f"quantization kind {self.kind!r} is not one of {', '.join(QUANTIZATION_KINDS)}")
+        if self.kind == "int4":
+            if self.group_size not in INT4_GROUP_SIZES:
+                raise QuantizationError(
+                    f"int4 group size {self.group_size} is not one of {', '.join(map(str, INT4_GROUP_SIZES))}")
+        elif self.group_size is not None:
+            raise QuantizationError(f"quantization {self.kind} takes no group size")
+
+    @property
+    def label(self) -> str:
+        """The canonical name used on every wire: "none", "int8", "int4/g64"."""
+        return f"int4/g{self.group_size}" if self.kind == "int4" else self.kind
+
+    @property
+    def quantized(self) -> bool:
+        return self.kind != "none"
+
+    def __str__(self) -> str:
+        return self.label
+
+
+# What a quantized model's lm_head is held in, whatever the layers' scheme (load_head says why).
+HEAD_QUANTIZATION = QuantizationScheme("int8")
+
+
+def parse_quantization(text: str | QuantizationScheme | None) -> QuantizationScheme:
+    """The scheme named by ``text`` ("none", "int8", "int4" (default group), "int4/g32", ...); None means "none"."""
+    if isinstance(text, QuantizationScheme):
+        return text
+    if text is None:
+        return QuantizationScheme()
+    if not isinstance(text, str):
+        raise QuantizationError(f"quantization must be a string such as 'int8', not {type(text).__name__}")
+    match = _SCHEME_RE.match(text.strip().lower())
+    if match is None:
+        raise QuantizationError(
+            f"unknown quantization {text!r}: expected none, int8, int4 or int4/g<group size> "
+            f"(group sizes {', '.join(map(str, INT4_GROUP_SIZES))})")
+    kind, group = match.group(1), match.group(2)
+    if kind == "int4":
+        return QuantizationScheme("int4", int(group) if group else DEFAULT_INT4_GROUP_SIZE)
+    if group:
+        raise QuantizationError(f"unknown quantization {text!r}: only int4 takes a group size")
+    return QuantizationScheme(kind)
+
+
+# tinygemm, torch's CUDA int4 kernel, runs on Ampere (compute capability 8.0) and newer.
+INT4_CUDA_MIN_CAPABILITY = (8, 0)
+
+
+def check_device_supports(scheme: QuantizationScheme, device: torch.device | str) -> None:
+    """Raise QuantizationError unless this build has a wired kernel for ``scheme`` on ``device``."""
+    device = torch.device(device)
+    if not scheme.quantized or device.type == "cpu":
+        return
+    if device.type != "cuda":
+        raise QuantizationError(
+            f"quantization {scheme.label} has no kernel on {device.type} in hearth (CPU and CUDA only); "
+            "serve this device with quantization none")
+    if scheme.kind == "int4" and torch.cuda.is_available():
+        capability = torch.cuda.get_device_capability(device)
+        if capability < INT4_CUDA_MIN_CAPABILITY:
+            raise QuantizationError(
+                f"quantization {scheme.label} needs a CUDA GPU of compute capability "
+                f"{'.'.join(map(str, INT4_CUDA_MIN_CAPABILITY))} or newer (torch's int4 kernel), this one is "
+                f"{'.'.join(map(str, capability))}; use int8")
+
+
+def head_quantization(device: torch.device | str) -> QuantizationScheme | None:
+    """What a quantized model's lm_head is held in on ``device``: int8 (HEAD_QUANTIZATION) on the CPU; on CUDA full
+    precision (None), where no int8 product is faster than bf16 weights (the module docstring says why)."""
+    return None if torch.device(device).type == "cuda" else HEAD_QUANTIZATION
+
+
+@dataclass(frozen=True)
+class Int4Groups:
+    """A weight stored as 4-bit codes in groups of input features, each group with its own scale and minimum (a
+    GGUF's Q4_0, Q4_1, Q4_K blocks): ``weight[r, c] = codes[r, c] * scales[r, g] + minimums[r, g]``, g = c // group."""
+
+    codes: torch.Tensor  # [out, in], uint8 0..15
+    scales: torch.Tensor  # [out, in // group size], float32
+    minimums: torch.Tensor  # [out, in // group size], float32
+
+    @property
+    def group_size(self) -> int:
+        return self.codes.shape[1] // self.scales.shape[1]
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 weight the codes stand for."""
+        rows, columns = self.codes.shape
+        grouped = self.codes.reshape(rows, -1, self.group_size).float()
+        return (grouped * self.scales[..., None] + self.minimums[..., None]).reshape(rows, columns)
+
+    def kernel_form(self, first: int, last: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows first..last as torch's int4 kernels take them: the codes, and the [groups, rows, 2] (scale, zero)
+        table, zero being the value of the midpoint code."""
+        scales = self.scales[first:last]
+        zeros = self.minimums[first:last] + scales * _INT4_MIDPOINT
+        return self.codes[first:last], torch.stack([scales.t(), zeros.t()], dim=2).to(KERNEL_DTYPE).contiguous()
+
+
+def held_as_stored(scheme: QuantizationScheme, stored_int4_group: int | None, out_features: int, in_features: int,
+                   device: torch.device | str) -> QuantizationScheme | None:
+    """The int4 scheme to hold, as stored, a Linear weight stored as 4-bit codes in groups of ``stored_int4_group``
+    inputs: under int8 (more bits than stored) or int4 of that group, where device and shape have the int4 kernel;
+    None when it follows ``scheme`` (stored otherwise, "none", or int4 of another group: the group asked for)."""
+    if stored_int4_group is None or not scheme.quantized or stored_int4_group not in INT4_GROUP_SIZES:
+        return None
+    stored = QuantizationScheme("int4", stored_int4_group)
+    if scheme.kind == "int4" and scheme != stored:
+        return None
+    try:
+        check_device_supports(stored, device)
+    except QuantizationError:
+        return None
+    return None if _int4_shape_problem(out_features, in_features, stored) else stored
+
+
+# ----------------------------------------------------------------------------------------------- memory figures
+
+def held_tensor_bytes(modules: Iterable[nn.Module]) -> int:
+    """Bytes the weights of ``modules`` hold: parameters and buffers (a tensor shared by two modules counts once),
+    and int8 codes packed outside the buffers (QuantizedLinear.packed_bytes)."""
+    seen: set[int] = set()
+    total = 0
+    for module in modules:
+        for tensor in (*module.parameters(), *module.buffers()):
+            if tensor.data_ptr() not in seen:
+                seen.add(tensor.data_ptr())
+                total += tensor.numel() * tensor.element_size()
+        total += sum(child.packed_bytes for child in module.modules() if isinstance(child, QuantizedLinear))
+    return total
+
+
+# ----------------------------------------------------------------------------------------------- the module
+
+class QuantizedLinear(nn.Module):
+    """A Linear whose weight is held quantized (in buffers, or int8 codes in fbgemm's packed form: packed_bytes) and
+    whose product runs on the module docstring's kernels; the bias, if any, stays dense. With ``stored`` (int4 codes
+    as the checkpoint stores them, in ``scheme``'s groups) the codes are taken as they are and ``dense`` gives only
+    its shape and bias (its weight may be on the meta device)."""
+
+    def __init__(self, dense: nn.Linear, scheme: QuantizationScheme, stored: Int4Groups | None = None) -> None:
+        super().__init__()
+        if not scheme.quantized:
+            raise QuantizationError("QuantizedLinear needs a quantized scheme, not none")
+        self.in_features, self.out_features = dense.in_features, dense.out_features
+        self.scheme = scheme
+        rows, columns = self.out_features, self.in_features
+        if stored is not None and (scheme.kind != "int4" or stored.group_size != scheme.group_size
+                                   or tuple(stored.codes.shape) != (rows, columns)):
+            raise QuantizationError(
+                f"stored int4 codes {tuple(stored.codes.shape)} in groups of {stored.group_size} cannot be held as "
+                f"{scheme.label} for a {rows}x{columns} Linear")
+        weight = None if stored is not None else dense.weight.detach()
+        device = stored.codes.device if stored is not None else weight.device
+        # torch._int_mm needs feature counts that are multiples of 8; others keep torch's weight-only kernel.
+        self._int8_dynamic = (device.type == "cuda" and scheme.kind == "int8"
+                              and columns % INT_MM_FEATURE_MULTIPLE == 0 and rows % INT_MM_FEATURE_MULTIPLE == 0)
+        self._fbgemm_packed = None
+        with torch.no_grad():
+            if scheme.kind == "int8":
+                codes = torch.empty(rows, columns, dtype=torch.int8, device=device)
+                scales = torch.empty(rows, dtype=KERNEL_DTYPE, device=device)
+                for first, last in _row_chunks(rows):
+                    codes[first:last], scales[first:last] = _int8_per_channel(weight[first:last].float())
+                if device.type == "cpu" and int8_rows_on_cpu():  # the codes live in the packed form only
+                    self._fbgemm_packed = pack_for_fbgemm(codes, scales.float())
+                else:
+                    self.register_buffer("weight_int8", codes)
+                self.register_buffer("scales", scales)
+            elif device.type == "cuda":
+                codes, scales_and_zeros = (stored.kernel_form(0, rows) if stored is not None
+                                           else _int4_grouped_codes(weight.float(), scheme.group_size))
+                self.register_buffer("weight_int4pack", _pack_int4_for_cuda(codes))
+                self.register_buffer("scales_and_zeros", scales_and_zeros)
+            else:
+                packed = torch.empty(rows, columns // 2, dtype=torch.uint8)
+                scales_and_zeros = torch.empty(columns // scheme.group_size, rows, 2, dtype=KERNEL_DTYPE)
+                for first, last in _row_chunks(rows):
+                    codes, scales_and_zeros[:, first:last] = (
+                        stored.kernel_form(first, last) if stored is not None
+                        else _int4_grouped_codes(weight[first:last].float(), scheme.group_size))
+                    packed[first:last] = torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
+                self.register_buffer("weight_int4pack", packed)
+                self.register_buffer("scales_and_zeros", scales_and_zeros)
+        bias = dense.bias
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        leading = inputs.shape[:-1]
+        if self._fbgemm_packed is not None:
+            rows = inputs.reshape(-1, self.in_features)
+            product = fbgemm_row_product(rows, self._fbgemm_packed)
+        else:
+            rows = inputs.reshape(-1, self.in_features).to(KERNEL_DTYPE).contiguous()
+            product = self._weight_product(rows)
+        product = product.to(inputs.dtype).reshape(*leading, self.out_features)
+        return product if self.bias is None else product + self.bias
+
+    def _weight_product(self, rows: torch.Tensor) -> torch.Tensor:
+        if self._int8_dynamic:
+            return cuda_row_product(rows, self.weight_int8, self.scales).to(KERNEL_DTYPE)
+        if self.scheme.kind == "int8":
+            return torch._weight_int8pack_mm(rows, self.weight_int8, self.scales)
+        if rows.is_cuda:
+            return torch._weight_int4pack_mm(rows, self.weight_int4pack, self.scheme.group_size, self.scales_and_zeros)
+        return torch._weight_int4pack_mm_for_cpu(rows, self.weight_int4pack, self.scheme.group_size,
+                                                 self.scales_and_zeros)
+
+    @property
+    def packed_bytes(self) -> int:
+        """Bytes of the weight held outside the module's buffers (the int8 codes in fbgemm's packed form)."""
+        return 0 if self._fbgemm_packed is None else self.out_features * self.in_features
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme.label}"
+
+
+def _row_chunks(rows: int) -> list[tuple[int, int]]:
+    """Row ranges to quantize one at a time (all rows at once where they are not whole packing blocks)."""
+    step = QUANTIZE_ROWS_PER_CHUNK if rows % _INT4_PACK_ROWS == 0 else rows
+    return [(first, min(first + step, rows)) for first in range(0, rows, step)]
+
+
+def _int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 codes and one scale per output row (the row's largest magnitude maps to 127)."""
+    scales = weight.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / INT8_MAX
+    codes = torch.clamp(torch.round(weight / scales[:, None]), -INT8_MAX, INT8_MAX).to(torch.int8)
+    return codes.contiguous(), scales
+
+
+def _pack_int4_for_cuda(codes: torch.Tensor) -> torch.Tensor:
+    """[out, in] codes 0..15 in tinygemm's tiled layout: two codes a byte (even column high), then
+    ``torch._convert_weight_to_int4pack`` with the largest inner tiling the input features allow."""
+    in_features = codes.shape[1]
+    inner_k_tiles = next(tiles for tiles in (8, 4, 2) if in_features % (tiles * 16) == 0)
+    pairs = (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8).contiguous()
+    return torch._convert_weight_to_int4pack(pairs, inner_k_tiles)
+
+
+def _int4_grouped_codes(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """uint4 codes [out, in] (as uint8), and the kernels' [groups, out, 2] (scale, zero) table; each group of input
+    features spans its own minimum..maximum."""
+    out_features, in_features = weight.shape
+    grouped = weight.reshape(out_features, in_features // group_size, group_size)
+    low, high = grouped.amin(dim=2), grouped.amax(dim=2)
+    scales = ((high - low) / _INT4_MAX_CODE).clamp(min=torch.finfo(torch.float32).tiny)
+    zeros = low + scales * _INT4_MIDPOINT
+    codes = torch.clamp(torch.round((grouped - low[..., None]) / scales[..., None]), 0, _INT4_MAX_CODE)
+    scales_and_zeros = torch.stack([scales.t(), zeros.t()], dim=2).to(KERNEL_DTYPE).contiguous()
+    return codes.reshape(out_features, in_features).to(torch.uint8), scales_and_zeros
+
+
+# ----------------------------------------------------------------------------------------------- layers
+
+def dense_linears(module: nn.Module) -> Iterable[tuple[nn.Module, str, nn.Linear]]:
+    """(parent, attribute name, Linear) of every plain nn.Linear of ``module``."""
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear:
+                yield parent, name, child
+
+
+def check_quantizable(layer: nn.Module, scheme: QuantizationScheme, what: str) -> None:
+    """Raise QuantizationError when a Linear of ``layer`` (a meta skeleton is enough) cannot take ``scheme``:
+    int4 needs its input features to be a multiple of the group size and its output features of 16 (torch's
+    packing)."""
+    if scheme.kind != "int4":
+        return
+    for parent, name, linear in dense_linears(layer):
+        if problem := _int4_shape_problem(linear.out_features, linear.in_features, scheme):
+            raise QuantizationError(f"{what}: {name} has {problem}")
+
+
+def _int4_shape_problem(out_features: int, in_features: int, scheme: QuantizationScheme) -> str | None:
+    """Why torch's int4 kernel cannot hold a Linear of that shape under ``scheme`` (its packing), None if it can."""
+    if in_features % scheme.group_size:
+        return (f"{in_features} input features, not a multiple of {scheme.label}'s group size {scheme.group_size}; "
+                "choose a smaller group size or int8")
+    if out_features % _INT4_PACK_MIN_ROWS:
+        return (f"{out_features} output features, not a multiple of {_INT4_PACK_MIN_ROWS} as torch's int4 kernel "
+                "needs; use int8")
+    return None
+
+
+def quantize_linears(layer: nn.Module, scheme: QuantizationScheme) -> int:
+    """Replace every nn.Linear of ``layer`` in place by a QuantizedLinear under ``scheme`` and copy its other
+    tensors (norms) out of any memory map, so nothing of the checkpoint's dense weights stays referenced; returns
+    how many Linears were replaced (0 for "none", which leaves the layer untouched)."""
+    if not scheme.quantized:
+        return 0
+    replaced = 0
+    for parent, name, linear in dense_linears(layer):
+        setattr(parent, name, QuantizedLinear(linear, scheme))
+        replaced += 1
+    with torch.no_grad():
+        for module in layer.modules():
+            for name, parameter in list(module.named_parameters(recurse=False)):
+                setattr(module, name, nn.Parameter(parameter.detach().clone(), requires_grad=False))
+    release_freed_heap()
+    return replaced
+
+
+def release_freed_heap() -> None:
+    """Hand the quantization's freed temporaries back to the OS: glibc keeps freed heap memory mapped (and counted
+    in the process's RSS) otherwise, a good part of the quantized range again (BENCHMARKS.md, "Quantized shard
+    kernels")."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc (musl has no malloc_trim)
+        return None

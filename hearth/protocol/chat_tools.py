@@ -1,0 +1,139 @@
+"""The structured-output options of `llm.chat.request` (docs/protocol.md): `response_format` (JSON, or JSON that
+validates against a schema), `tools` and `tool_choice`, and the tool calls an assistant message of the history
+carries, each bounded here so that a request's grammar stays small enough to compile at once.
+
+A tool call's output is the JSON object ``{"name": <the function's name>, "arguments": {...}}`` whose arguments
+validate against the function's `parameters` schema (hearth/services/orchestrator/constrained.py builds the grammar).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+
+# Bounds of what a request's schemas may be: their JSON size and nesting, the tools one request names.
+max_schema_chars = 32_768
+max_schema_depth = 32
+max_tools = 64
+max_tool_description_chars = 4096
+max_tool_call_arguments_chars = 65_536
+max_tool_calls_per_message = 64
+TOOL_NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
+
+
+def _depth(value: Any) -> int:
+    if isinstance(value, dict):
+        return 1 + max((_depth(item) for item in value.values()), default=0)
+    if isinstance(value, list):
+        return 1 + max((_depth(item) for item in value), default=0)
+    return 0
+
+
+def _bounded_schema(schema: dict[str, Any]) -> dict[str, Any]:
+    size = len(json.dumps(schema, separators=(",", ":")))
+    if size > max_schema_chars:
+        raise ValueError(f"the schema is {size} characters of JSON, more than {max_schema_chars}")
+    depth = _depth(schema)
+    if depth > max_schema_depth:
+        raise ValueError(f"the schema nests {depth} levels deep, more than {max_schema_depth}")
+    return schema
+
+
+# A JSON Schema (an object) within the size and depth bounds.
+JsonSchema = Annotated[dict[str, Any], AfterValidator(_bounded_schema)]
+ToolName = Annotated[str, Field(pattern=TOOL_NAME_PATTERN)]
+
+
+class JsonSchemaFormat(BaseModel):
+    """`response_format.json_schema`: the schema the answer validates against (`strict` is accepted; hearth's
+    answers always follow the schema)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, serialize_by_alias=True)
+
+    name: ToolName = "response"
+    description: str | None = Field(default=None, max_length=max_tool_description_chars)
+    schema_: JsonSchema = Field(default_factory=dict, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """`text` (the default), `json_object` (any JSON object) or `json_schema` (JSON valid against a schema)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> "ResponseFormat":
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("'json_schema' is given exactly when 'type' is 'json_schema'")
+        return self
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: ToolName
+    description: str | None = Field(default=None, max_length=max_tool_description_chars)
+    # The schema the call's arguments validate against (absent: any JSON object).
+    parameters: JsonSchema = Field(default_factory=lambda: {"type": "object"})
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: ToolName
+
+
+class NamedToolChoice(BaseModel):
+    """A `tool_choice` that names the one function the answer must call."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"] = "function"
+    function: FunctionName
+
+
+# `none`: text only; `auto`: text or a call; `required`: a call of any tool; a named function: a call of that one.
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: ToolName
+    # The arguments as JSON text (OpenAI's form).
+    arguments: str = Field(default="{}", max_length=max_tool_call_arguments_chars)
+
+
+class ToolCall(BaseModel):
+    """A call an assistant message of the history made (`id`: what the `tool` message answering it names)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str = Field(min_length=1, max_length=128)
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+    def for_template(self) -> dict[str, Any]:
+        """The call as chat templates read it: arguments as an object where they parse as one."""
+        try:
+            arguments: Any = json.loads(self.function.arguments)
+        except ValueError:
+            arguments = self.function.arguments
+        return {"id": self.id, "type": "function", "function": {"name": self.function.name, "arguments": arguments}}
+
+
+ToolCallList = Annotated[list[ToolCall], Field(max_length=max_tool_calls_per_message)]
+ToolList = Annotated[list[Tool], Field(min_length=1, max_length=max_tools)]

@@ -1,0 +1,170 @@
+"""Request/reply messages on a shard's control subject (docs/protocol.md): open, close and inspect pipeline hops.
+
+Besides §6's `open` and `close`, a shard answers `stat` with a ShardStat: what it holds open right now.
+The orchestrator uses it as a liveness probe when a step stalls (a frozen or dead shard does not answer,
+so the stall is blamed on it rather than on the hop feeding it), and tests use it to check that every
+session and its KV cache is freed when a request ends.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
+
+from hearth.protocol.bounds import SUBJECT_TOKEN_PATTERN, max_id_chars, max_reason_chars, max_shard_id_chars
+from hearth.protocol.subjects import LOCAL_NODE
+
+LINK_KEY_PATTERN = r"^[A-Za-z0-9_-]{43}=$"
+# More open pipelines than a ShardStat can list: far more than any shard's max_concurrent_streams.
+max_open_pipelines = 4096
+# A kept prefix's block names (hearth/services/orchestrator/prefix.py): 128-bit hex digests, as many as a session's
+# positions allow blocks of the smallest size.
+PREFIX_HASH_PATTERN = r"^[0-9a-f]{32}$"
+max_prefix_blocks = 8192
+max_prefix_block_tokens = 4096
+RefusalCode = Literal["at_capacity", "weights_mismatch", "bad_range", "bad_request", "unknown_pipeline"]
+
+
+class PrefixBlocks(BaseModel):
+    """A session's whole blocks of `block_tokens` tokens, first to last, each named by a hash chained over every
+    token before it and what they were run with (hearth/services/orchestrator/prefix.py); a shard never sees the
+    tokens."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    block_tokens: int = Field(ge=1, le=max_prefix_block_tokens)
+    hashes: list[Annotated[str, Field(pattern=PREFIX_HASH_PATTERN)]] = Field(max_length=max_prefix_blocks)
+
+
+class OpenHop(BaseModel):
+    """Ask a shard to serve hop `hop` of a pipeline: run layers lo..hi of one session's steps."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    op: Literal["open"] = "open"
+    pipeline_id: str = Field(pattern=SUBJECT_TOKEN_PATTERN)
+    session_id: str = Field(pattern=SUBJECT_TOKEN_PATTERN)
+    hop: int = Field(ge=0)
+    hop_count: int = Field(ge=1)
+    model_id: str = Field(max_length=max_id_chars)
+    weights_sha256: str = Field(max_length=max_id_chars)
+    layer_lo: int = Field(ge=0)
+    layer_hi: int = Field(ge=0)
+    # Wire dtype for this hop's output: "auto" keeps the compute dtype (lossless).
+    wire_dtype: Literal["auto", "fp16", "fp32", "int8"] = "auto"
+    max_session_tokens: int = Field(default=8192, ge=1)
+    # The nodes this hop receives from and sends to (the previous and next hop's hosts, or the orchestrator at
+    # either end): activation and ack subjects carry the node they are addressed to (hearth/protocol/subjects.py).
+    upstream_node: str = Field(default=LOCAL_NODE, pattern=SUBJECT_TOKEN_PATTERN)
+    downstream_node: str = Field(default=LOCAL_NODE, pattern=SUBJECT_TOKEN_PATTERN)
+    # Fresh keys (urlsafe base64 of 32 bytes) for the MACs on this hop's inbound and outbound links: this
+    # control subject is readable by this shard alone, so no other member can forge or alter its activations.
+    inbound_link_key: str | None = Field(default=None, pattern=LINK_KEY_PATTERN)
+    outbound_link_key: str | None = Field(default=None, pattern=LINK_KEY_PATTERN)
+    # A fresh key for the MAC on this hop's HopNotices, told to this hop alone (a link key is shared with the hop
+    # before or after, which could then speak for this hop): a notice can only speak about its sender's own hop.
+    notice_key: str | None = Field(default=None, pattern=LINK_KEY_PATTERN)
+    # Whether this hop's inbound and outbound links are sealed (frames encrypted end to end with keys derived from
+    # the link keys, hearth/services/transport/seal.py) or MAC-only. Both ends of every link learn it from their `open`,
+    # so they agree; a host that does not know this field refuses the open rather than read ciphertext as a tensor.
+    seal_activations: bool = False
+    # The call's leading blocks an ended session of this shard may have kept (hearth/inference/prefix_cache.py): the hop
+    # starts on the longest run it keeps and answers how many positions that is (`cached_tokens`); its first step,
+    # a prefill, may start anywhere up to them (where every hop of the chain holds them).
+    prefix: PrefixBlocks | None = None
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "OpenHop":
+        if self.layer_hi < self.layer_lo:
+            raise ValueError("layer_hi must be >= layer_lo")
+        if self.hop >= self.hop_count:
+            raise ValueError("hop must be < hop_count")
+        if self.seal_activations and (self.inbound_link_key is None or self.outbound_link_key is None):
+            raise ValueError("seal_activations needs inbound_link_key and outbound_link_key (seal keys come from them)")
+        return self
+
+
+class CloseHop(BaseModel):
+    """Close a pipeline's hop and free its session's cache; with `session_id`, only if that session is the
+    open one (so a late close of a session that a failover already replaced never closes its successor)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    op: Literal["close"] = "close"
+    pipeline_id: str = Field(pattern=SUBJECT_TOKEN_PATTERN)
+    session_id: str | None = Field(default=None, pattern=SUBJECT_TOKEN_PATTERN)
+    # The session's blocks to keep for later calls beginning the same way (a call that ended well); the shard
+    # keeps those it holds whole, within its KV budget, and frees the rest.
+    keep: PrefixBlocks | None = None
+
+
+class KeepHop(BaseModel):
+    """Keep a copy of an open session's KV for the whole blocks of `keep` it holds, as `close` would, while the
+    session goes on (a request's other choices begin from its prompt's blocks); answered with `cached_tokens`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    op: Literal["keep"] = "keep"
+    pipeline_id: str = Field(pattern=SUBJECT_TOKEN_PATTERN)
+    session_id: str = Field(pattern=SUBJECT_TOKEN_PATTERN)
+    keep: PrefixBlocks
+
+
+class StatShard(BaseModel):
+    """Ask a shard what it holds open; answered with a ShardStat."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    op: Literal["stat"] = "stat"
+
+
+ControlRequest = Annotated[Union[OpenHop, CloseHop, KeepHop, StatShard], Field(discriminator="op")]
+control_request_adapter: TypeAdapter[ControlRequest] = TypeAdapter(ControlRequest)
+
+
+class ControlReply(BaseModel):
+    ok: bool
+    code: RefusalCode | None = None
+    message: str = Field(default="", max_length=max_reason_chars)
+    shard_id: str = Field(default="", max_length=max_shard_id_chars)
+    # An opened hop's session positions taken from a kept prefix (OpenHop.prefix), or those `keep` kept.
+    cached_tokens: int = Field(default=0, ge=0)
+
+
+class ShardStat(BaseModel):
+    """A shard's answer to `stat`: its open hops and the sessions its runner still caches."""
+
+    shard_id: str = Field(max_length=max_shard_id_chars)
+    active_streams: int = Field(ge=0)
+    open_pipelines: list[Annotated[str, Field(max_length=128)]] = Field(default_factory=list,
+                                                                          max_length=max_open_pipelines)
+    cached_sessions: int = Field(ge=0)
+    cache_bytes: int = Field(ge=0)
+
+
+HopProblem = Literal["input_failed_check", "step_failed", "session_evicted"]
+
+
+class HopNotice(BaseModel):
+    """A hop could not pass a step on: its input failed a check (the hop before it, or the orchestrator for
+    hop 0, produced it), its own computation raised (this hop is at fault), or its session's KV cache was evicted
+    (`session_evicted`: nobody is at fault; the orchestrator re-prefills).
+
+    On the wire it carries `Hearth-Mac` keyed with the hop's `notice_key` (hearth/services/transport/notices.py): its
+    orchestrator reads a notice only from the hop it names."""
+
+    pipeline_id: str = Field(pattern=SUBJECT_TOKEN_PATTERN)
+    session_id: str = Field(pattern=SUBJECT_TOKEN_PATTERN)
+    hop: int = Field(ge=0)
+    step: int = Field(ge=0)
+    problem: HopProblem
+    check: Literal["nan", "inf", "norm", "shape"] | None = None
+    # The exception's type and first line; never tensor contents.
+    message: str = Field(default="", max_length=500)
+
+    @model_validator(mode="after")
+    def _check_named_when_input_failed(self) -> "HopNotice":
+        if (self.problem == "input_failed_check") != (self.check is not None):
+            raise ValueError("check is given exactly when the problem is input_failed_check")
+        return self

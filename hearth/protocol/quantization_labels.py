@@ -1,0 +1,37 @@
+"""The wire forms of a weight quantization scheme's label ("none", "int8", "int4", "int4/g64"), which schemes a
+requested label accepts, and which of two schemes is the more precise; torch-free, for routing and validation.
+
+hearth/inference/quantization.py parses the same forms into a scheme a device can run (parse_quantization); this
+module only reads labels, so a request or an advertisement can be judged without loading torch.
+"""
+
+from __future__ import annotations
+
+import re
+
+# What parse_quantization accepts: none, int8, int4 (its default group size) or int4/gN.
+QUANTIZATION_LABEL_PATTERN = r"^(none|int8|int4(/g[1-9][0-9]{0,4})?)$"
+_label_re = re.compile(QUANTIZATION_LABEL_PATTERN)
+# Most precise first: full precision, then 8-bit, then 4-bit weights.
+_KIND_ORDER = ("none", "int8", "int4")
+
+
+def is_quantization_label(text: str) -> bool:
+    return bool(_label_re.match(text))
+
+
+def accepts(requested: str | None, served: str) -> bool:
+    """Whether a shard serving `served` may run a request that asked for `requested` (None: any scheme); a bare
+    "int4" accepts every int4 group size, "int4/g32" only that one."""
+    if requested is None:
+        return True
+    return served == requested or ("/" not in requested and served.split("/", 1)[0] == requested)
+
+
+def precision_order(label: str) -> tuple[int, int, str]:
+    """A sort key, most precise scheme first: none, int8, int4 by ascending group size, then labels this version
+    does not know."""
+    kind, _, group = label.partition("/")
+    rank = _KIND_ORDER.index(kind) if kind in _KIND_ORDER else len(_KIND_ORDER)
+    group_size = int(group[1:]) if group.startswith("g") and group[1:].isdigit() else 0
+    return rank, group_size, label

@@ -1,0 +1,127 @@
+"""The rows one projection batch touches: each loaded once, edited as a plain dict, written back in one executemany.
+
+Handlers do not talk SQL: they edit the dict rows a `BatchRows` holds, and `flush()` writes every changed
+row back whole (INSERT OR REPLACE) with one executemany per table. That keeps a heartbeat at a few
+microseconds instead of two SQL statements. All SQL runs on the session's own DB-API connection, inside
+the caller's transaction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from sqlalchemy import Table
+from sqlalchemy.orm import Session
+
+from hearth.readmodels.tables import (
+    EventCount,
+    Failover,
+    IntegrityEvidence,
+    KeptPrefixRecord,
+    Pipeline,
+    RejectedEvent,
+    Shard,
+    ShardHealth,
+    ShardReputation,
+    ShardStats,
+    ShardTokensDaily,
+)
+
+SHARDS: Table = Shard.__table__
+SHARD_HEALTH: Table = ShardHealth.__table__
+SHARD_STATS: Table = ShardStats.__table__
+PIPELINES: Table = Pipeline.__table__
+FAILOVERS: Table = Failover.__table__
+REJECTED_EVENTS: Table = RejectedEvent.__table__
+EVENT_COUNTS: Table = EventCount.__table__
+SHARD_TOKENS_DAILY: Table = ShardTokensDaily.__table__
+SHARD_REPUTATION: Table = ShardReputation.__table__
+INTEGRITY_EVIDENCE: Table = IntegrityEvidence.__table__
+KEPT_PREFIXES: Table = KeptPrefixRecord.__table__
+
+Row = dict[str, Any]
+
+
+def session_cursor(session: Session):
+    """A DB-API cursor on the session's own connection, so reads and writes share its transaction."""
+    return session.connection().connection.cursor()
+
+
+class TableSql:
+    """Prebuilt SQL for one table: load a row by primary key, write rows back whole."""
+
+    def __init__(self, table: Table) -> None:
+        self.table = table
+        self.columns = [column.name for column in table.columns]
+        self.key_columns = [column.name for column in table.primary_key.columns]
+        where = " AND ".join(f"{name} = ?" for name in self.key_columns)
+        self.select_one = f"SELECT {', '.join(self.columns)} FROM {table.name} WHERE {where}"
+        placeholders = ", ".join("?" for _ in self.columns)
+        # Every write carries the whole row, so REPLACE is an upsert (no foreign keys point at these rows).
+        self.replace = (
+            f"INSERT OR REPLACE INTO {table.name} ({', '.join(self.columns)}) VALUES ({placeholders})"
+        )
+
+
+TABLE_SQL = {
+    table.name: TableSql(table)
+    for table in (SHARDS, SHARD_HEALTH, SHARD_STATS, PIPELINES, FAILOVERS, REJECTED_EVENTS, EVENT_COUNTS,
+                  SHARD_TOKENS_DAILY, SHARD_REPUTATION, INTEGRITY_EVIDENCE, KEPT_PREFIXES)
+}
+
+
+class BatchRows:
+    """The rows one batch touches: each loaded at most once, edited in memory, written back by `flush()`."""
+
+    def __init__(self, session: Session) -> None:
+        self._cursor = session_cursor(session)
+        self._rows: dict[str, dict[Any, Row | None]] = {name: {} for name in TABLE_SQL}
+        self._dirty: dict[str, dict[Any, Row]] = {name: {} for name in TABLE_SQL}
+        # The latest instant (epoch s) of the batch's kept-prefix records: rows expired by then are pruned after flush.
+        self.kept_prefixes_seen_at: int | None = None
+
+    @property
+    def cursor(self):
+        """The batch's cursor, for bookkeeping that runs after `flush()` in the same transaction."""
+        return self._cursor
+
+    def get(self, table: Table, key: Any) -> Row | None:
+        """The current row (None if there is none); edit it only through `edit` or `put`."""
+        rows = self._rows[table.name]
+        if key not in rows:
+            sql = TABLE_SQL[table.name]
+            self._cursor.execute(sql.select_one, key if isinstance(key, tuple) else (key,))
+            found = self._cursor.fetchone()
+            rows[key] = dict(zip(sql.columns, found)) if found is not None else None
+        return rows[key]
+
+    def edit(self, table: Table, key: Any, new_row: Callable[[], Row] | None = None) -> Row | None:
+        """The row to change in place: created with `new_row()` if missing (None without a factory)."""
+        row = self.get(table, key)
+        if row is None:
+            if new_row is None:
+                return None
+            row = new_row()
+            self._rows[table.name][key] = row
+        self._dirty[table.name][key] = row
+        return row
+
+    def put(self, table: Table, key: Any, row: Row) -> None:
+        """Replace the whole row (no need to load it first)."""
+        self._rows[table.name][key] = row
+        self._dirty[table.name][key] = row
+
+    def flush(self) -> list[Row]:
+        """Write every changed row back; returns the pipelines rows written (for the per-minute rollups)."""
+        pipelines = list(self._dirty[PIPELINES.name].values())
+        for name, dirty in self._dirty.items():
+            if dirty:
+                sql = TABLE_SQL[name]
+                values = [tuple(row[column] for column in sql.columns) for row in dirty.values()]
+                self._cursor.executemany(sql.replace, values)
+                dirty.clear()
+        return pipelines
+
+    def close(self) -> None:
+        self._cursor.close()

@@ -1,0 +1,61 @@
+"""Each projection's position per stream (its last applied sequence), read and moved inside a batch's transaction.
+
+Moving a position is guarded by the value read at the start of the batch, so two projectors writing the
+same database cannot both apply a batch: the second one fails with ConcurrentProjectionError and its
+transaction rolls back.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import Table
+from sqlalchemy.orm import Session
+
+from hearth.readmodels.batch_rows import session_cursor
+from hearth.readmodels.tables import ProjectionPosition
+
+PROJECTION_NAME = "readmodels"
+
+POSITIONS: Table = ProjectionPosition.__table__
+
+
+class ConcurrentProjectionError(RuntimeError):
+    """Another writer moved this projection's position during our transaction; the batch was not applied."""
+
+
+def load_positions(session: Session, projection: str = PROJECTION_NAME) -> dict[str, int]:
+    """The last applied sequence per stream (streams never applied are absent)."""
+    cursor = session_cursor(session)
+    try:
+        cursor.execute(f"SELECT stream, last_seq FROM {POSITIONS.name} WHERE projection = ?", (projection,))
+        return dict(cursor.fetchall())
+    finally:
+        cursor.close()
+
+
+def save_position(
+    session: Session, projection: str, stream: str, previous_seq: int | None, last_seq: int, last_event_at: int
+) -> None:
+    """Move `stream`'s position from `previous_seq` (None: never applied) to `last_seq`, in the session's
+    transaction; ConcurrentProjectionError if another writer moved it since it was read."""
+    cursor = session_cursor(session)
+    try:
+        if previous_seq is None:
+            # A concurrent first insert fails on the primary key, rolling our batch back.
+            cursor.execute(
+                f"INSERT INTO {POSITIONS.name} (projection, stream, last_seq, last_event_at) "
+                "VALUES (?, ?, ?, ?)",
+                (projection, stream, last_seq, last_event_at),
+            )
+            return
+        # Guarded by the value we read: if another projector advanced it meanwhile, nothing matches.
+        cursor.execute(
+            f"UPDATE {POSITIONS.name} SET last_seq = ?, last_event_at = ? "
+            "WHERE projection = ? AND stream = ? AND last_seq = ?",
+            (last_seq, last_event_at, projection, stream, previous_seq),
+        )
+        if cursor.rowcount != 1:
+            raise ConcurrentProjectionError(
+                f"projection {projection!r} position of {stream} moved under us (expected {previous_seq})"
+            )
+    finally:
+        cursor.close()

@@ -1,0 +1,142 @@
+"""Read-only queries over the read models that services need (routing candidates, kept prefixes, reputation,
+positions)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from hearth.readmodels.projection import PROJECTION_NAME, load_positions
+from hearth.readmodels.reputation import QUARANTINED
+from hearth.readmodels.tables import KeptPrefixRecord, Shard, ShardHealth, ShardReputation
+
+# Block names looked up per statement: below the smallest limit SQLite builds put on bound parameters (999).
+kept_names_per_lookup = 500
+
+
+@dataclass(frozen=True)
+class ShardCandidate:
+    """One advertised shard of a model with its latest heartbeat (None fields when it never sent one)."""
+
+    shard_id: str
+    model_id: str
+    weights_sha256: str
+    node_id: str
+    layer_lo: int
+    layer_hi: int
+    total_layers: int
+    control_subject: str
+    hop_weight: float
+    max_concurrent_streams: int
+    status: str
+    advertised_at: int
+    expires_at: int
+    last_seen: int | None
+    queue_depth: int | None
+    active_streams: int | None
+    decode_step_ms: float | None = None
+    # The weight quantization scheme it serves ("none", "int8", "int4/g64"); a pipeline never mixes them.
+    quantization: str = "none"
+    # A confirmed mismatch was blamed on it and no steward has cleared it since: never routed.
+    quarantined: bool = False
+    # The dtype it computes in: two replicas' outputs are compared within that dtype's honest tolerance.
+    dtype: str = "float32"
+
+
+def shards_of_model(session: Session, model_id: str) -> list[ShardCandidate]:
+    """Every shard ever advertised for `model_id` (withdrawn and expired ones included), with its health."""
+    return _shards(session, Shard.model_id == model_id)
+
+
+def all_shards(session: Session) -> list[ShardCandidate]:
+    """Every shard ever advertised, of every model (withdrawn and expired ones included), with its health."""
+    return _shards(session, None)
+
+
+def newest_sign_of_life(session: Session) -> int | None:
+    """Epoch s of the newest advertisement or heartbeat of any shard the read model holds (None: none yet): how far
+    the heartbeats' stream has reached this read model, whatever the wall clock says."""
+    heard = session.execute(select(func.max(ShardHealth.last_seen))).scalar()
+    advertised = session.execute(select(func.max(Shard.advertised_at))).scalar()
+    known = [instant for instant in (heard, advertised) if instant is not None]
+    return max(known) if known else None
+
+
+def _shards(session: Session, condition) -> list[ShardCandidate]:
+    query = (
+        select(
+            Shard.shard_id,
+            Shard.model_id,
+            Shard.weights_sha256,
+            Shard.node_id,
+            Shard.layer_lo,
+            Shard.layer_hi,
+            Shard.total_layers,
+            Shard.control_subject,
+            Shard.hop_weight,
+            Shard.max_concurrent_streams,
+            Shard.status,
+            Shard.advertised_at,
+            Shard.expires_at,
+            ShardHealth.last_seen,
+            ShardHealth.queue_depth,
+            ShardHealth.active_streams,
+            ShardHealth.decode_step_ms,
+            Shard.quantization,
+            Shard.dtype,
+            func.coalesce(ShardReputation.status == QUARANTINED, False).label("quarantined"),
+        )
+        .outerjoin(ShardHealth, ShardHealth.shard_id == Shard.shard_id)
+        .outerjoin(ShardReputation, ShardReputation.shard_id == Shard.shard_id)
+        .order_by(Shard.model_id, Shard.shard_id)
+    )
+    if condition is not None:
+        query = query.where(condition)
+    return [ShardCandidate(**row._asdict()) for row in session.execute(query)]
+
+
+@dataclass(frozen=True)
+class KeptChain:
+    """A chain whose hops kept a call's leading blocks: its shards and the layers each ran, and how many blocks (as
+    the event log records it, or an orchestrator's own memory: hearth/services/orchestrator/prefix.py)."""
+
+    hops: tuple[tuple[str, int, int], ...]
+    blocks: int
+
+
+def kept_chain_holding(session: Session, names: Sequence[str], now_s: float) -> KeptChain | None:
+    """The recorded chain keeping the most leading blocks of `names` (a call's block names, first to last), among
+    records not expired at `now_s`; None when no record names one of them."""
+    for end in range(len(names), 0, -kept_names_per_lookup):
+        start = max(0, end - kept_names_per_lookup)
+        position = {name: index for index, name in enumerate(names[start:end], start=start)}
+        found = session.execute(
+            select(KeptPrefixRecord.name, KeptPrefixRecord.hops)
+            .where(KeptPrefixRecord.name.in_(list(position)), KeptPrefixRecord.expires_at >= now_s)
+        ).all()
+        if found:
+            longest = max(found, key=lambda row: position[row.name])
+            hops = tuple((shard_id, layer_lo, layer_hi) for shard_id, layer_lo, layer_hi in json.loads(longest.hops))
+            return KeptChain(hops=hops, blocks=position[longest.name] + 1)
+    return None
+
+
+def shard_reputations(session: Session) -> list[ShardReputation]:
+    """Every shard verification has spoken about: quarantined ones first, then by mismatches and disputes."""
+    query = select(ShardReputation).order_by(
+        (ShardReputation.status == QUARANTINED).desc(), ShardReputation.mismatches.desc(),
+        ShardReputation.disputes.desc(), ShardReputation.shard_id)
+    return list(session.scalars(query))
+
+
+def shard_reputation(session: Session, shard_id: str) -> ShardReputation | None:
+    return session.get(ShardReputation, shard_id)
+
+
+def projection_positions(session: Session, projection: str = PROJECTION_NAME) -> dict[str, int]:
+    """The last applied sequence per stream of `projection`."""
+    return load_positions(session, projection)

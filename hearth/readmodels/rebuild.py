@@ -1,0 +1,186 @@
+"""Rebuilds a read-model database from the whole event log and diffs two read-model databases row by row.
+
+`rebuild_database` is the proof that the read model is only a cache of the log: a fresh file, migrated by
+Alembic, fed every stored message of both streams through the same projection the live projector uses.
+`diff_databases(new, live)` then lists every row that differs, is missing from live or is extra in live,
+per table. `projection_positions` is left out by default: it records how far each file has read, not
+what the log says, and a live database that kept running after the rebuild is legitimately ahead;
+compare positions with `include_positions=True` (a live projector that is ahead explains differences in
+rows touched by the newer events).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from sqlalchemy import select, text
+from sqlalchemy.orm import sessionmaker
+
+from hearth.events.consume import SkippedMessage, StoredEvent, read_stream
+from hearth.events.signing import EventVerifier
+from hearth.events.streams import ALL_STREAMS
+from hearth.readmodels.db import open_engine, upgrade_database
+from hearth.readmodels.projection import PROJECTION_NAME, ReadModelProjection
+from hearth.readmodels.tables import Base, ProjectionPosition
+
+log = logging.getLogger(__name__)
+
+rebuild_batch_events = 5_000
+_BOOKKEEPING_TABLES = frozenset({ProjectionPosition.__tablename__})
+
+
+async def rebuild_database(
+    js: Any,
+    db_path: str | Path,
+    *,
+    overwrite: bool = False,
+    streams: Iterable[str] = ALL_STREAMS,
+    projection_name: str = PROJECTION_NAME,
+    batch_events: int = rebuild_batch_events,
+    verifier: EventVerifier | None = None,
+) -> int:
+    """Create a fresh read model at `db_path` from every message the streams hold now; returns how many
+    messages were applied. Refuses an existing file unless `overwrite` (which deletes it first). Give the
+    `verifier` the live projector uses, or the events it rejected are applied here."""
+    path = Path(db_path)
+    _prepare_fresh_path(path, overwrite=overwrite)
+    await asyncio.to_thread(upgrade_database, path)
+    engine = open_engine(path)
+    session_factory = sessionmaker(engine)
+    projection = ReadModelProjection(projection_name, verifier=verifier)
+
+    def apply(batch: list[StoredEvent | SkippedMessage]) -> int:
+        with session_factory() as session, session.begin():
+            return projection.apply_many(session, batch)
+
+    applied = 0
+    pending: asyncio.Future[int] | None = None
+    try:
+        for stream in streams:
+            batch: list[StoredEvent | SkippedMessage] = []
+            async for message in read_stream(js, stream, from_seq=1, follow=False):
+                batch.append(message)
+                if len(batch) >= batch_events:
+                    # Read the next batch while this one is written.
+                    if pending is not None:
+                        applied += await pending
+                    pending = asyncio.ensure_future(asyncio.to_thread(apply, batch))
+                    batch = []
+            if pending is not None:
+                applied += await pending
+                pending = None
+            if batch:
+                applied += await asyncio.to_thread(apply, batch)
+    finally:
+        if pending is not None:
+            await asyncio.gather(pending, return_exceptions=True)
+        engine.dispose()
+    log.info("rebuilt %s from %d messages", path, applied)
+    return applied
+
+
+def _prepare_fresh_path(path: Path, *, overwrite: bool) -> None:
+    companions = [path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")]
+    if path.exists() and not overwrite:
+        raise FileExistsError(f"{path} exists; a rebuild writes a fresh database (pass overwrite=True)")
+    for file in companions:
+        file.unlink(missing_ok=True)
+
+
+@dataclass(frozen=True)
+class RowDifference:
+    """One row that differs between a rebuilt database (`new`, what the log says) and a `live` one."""
+
+    table: str
+    key: dict[str, Any]
+    kind: Literal["changed", "missing_in_live", "extra_in_live"]
+    new_row: dict[str, Any] | None = None
+    live_row: dict[str, Any] | None = None
+    columns: tuple[str, ...] = field(default=())
+
+    def __str__(self) -> str:
+        key = ", ".join(f"{name}={value!r}" for name, value in self.key.items())
+        where = f"{self.table}[{key}]"
+        if self.kind == "missing_in_live":
+            return f"{where}: missing in live (the log gives {_brief(self.new_row)})"
+        if self.kind == "extra_in_live":
+            return f"{where}: extra in live, the log has no such row ({_brief(self.live_row)})"
+        changes = "; ".join(
+            f"{column}: live {self.live_row[column]!r}, log {self.new_row[column]!r}"
+            for column in self.columns
+        )
+        return f"{where}: {changes}"
+
+
+def _brief(row: dict[str, Any] | None, limit: int = 6) -> str:
+    items = list((row or {}).items())
+    shown = ", ".join(f"{name}={value!r}" for name, value in items[:limit])
+    return shown + (", …" if len(items) > limit else "")
+
+
+def diff_databases(
+    new_path: str | Path, live_path: str | Path, *, include_positions: bool = False
+) -> list[RowDifference]:
+    """Every row that differs between two read-model databases, per table, ordered by table and key."""
+    for path in (new_path, live_path):
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"no read-model database at {path}")
+    new_engine, live_engine = open_engine(new_path), open_engine(live_path)
+    try:
+        new_version, live_version = _schema_version(new_engine), _schema_version(live_engine)
+        if new_version != live_version:
+            raise ValueError(
+                f"schema versions differ ({new_path}: {new_version}, {live_path}: {live_version}); "
+                "migrate both to the same revision first"
+            )
+        differences: list[RowDifference] = []
+        for table in Base.metadata.sorted_tables:
+            if table.name in _BOOKKEEPING_TABLES and not include_positions:
+                continue
+            key_columns = [column.name for column in table.primary_key.columns]
+            new_rows = _rows_by_key(new_engine, table, key_columns)
+            live_rows = _rows_by_key(live_engine, table, key_columns)
+            for key in sorted(new_rows.keys() | live_rows.keys(), key=_sortable):
+                new_row, live_row = new_rows.get(key), live_rows.get(key)
+                key_dict = dict(zip(key_columns, key))
+                if live_row is None:
+                    differences.append(
+                        RowDifference(table.name, key_dict, "missing_in_live", new_row=new_row)
+                    )
+                elif new_row is None:
+                    differences.append(
+                        RowDifference(table.name, key_dict, "extra_in_live", live_row=live_row)
+                    )
+                elif new_row != live_row:
+                    columns = tuple(c for c in new_row if new_row[c] != live_row.get(c))
+                    differences.append(
+                        RowDifference(table.name, key_dict, "changed", new_row=new_row, live_row=live_row,
+                                      columns=columns)
+                    )
+        return differences
+    finally:
+        new_engine.dispose()
+        live_engine.dispose()
+
+
+def _schema_version(engine) -> str | None:
+    with engine.connect() as connection:
+        try:
+            return connection.execute(text("SELECT version_num FROM alembic_version")).scalar()
+        except Exception:
+            return None
+
+
+def _rows_by_key(engine, table, key_columns: list[str]) -> dict[tuple, dict[str, Any]]:
+    with engine.connect() as connection:
+        rows = connection.execute(select(table)).mappings()
+        return {tuple(row[name] for name in key_columns): dict(row) for row in rows}
+
+
+def _sortable(key: tuple) -> tuple:
+    return tuple((value is None, str(type(value)), value if value is not None else 0) for value in key)

@@ -1,0 +1,164 @@
+"""Projects verification outcomes (the `integrity.*` events of spot-checks) into each shard's reputation and evidence.
+
+One handler per event type, dispatched by `apply_reputation_event`; they edit dict rows through the same
+get/edit/put interface as readmodels.batch_rows.BatchRows, so `ReputationLog` (plain dicts, no database) lets a
+reader of the log (`hearth-replay shard`) reach exactly the status the read model holds.
+
+Rules: a confirmed mismatch quarantines the shard it names (its witnesses, two parties that agreed, are not
+blamed); a disputed one counts against both shards and quarantines nobody; a steward's clearing lifts a
+quarantine unless it is older than the quarantine (a re-published old clearing is history, not news); a
+mismatch event applied twice (re-published after the broker's de-duplication window) counts once, since its
+evidence row exists. Every value comes from the events (instants from `occurred_at`), all from one stream.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from functools import singledispatch
+from typing import Any, Protocol
+
+from sqlalchemy import Table
+
+from hearth.events.models import (
+    EventEnvelope,
+    IntegrityMismatchConfirmed,
+    IntegrityMismatchDisputed,
+    IntegrityQuarantineCleared,
+    IntegrityShardsVerified,
+)
+from hearth.readmodels.batch_rows import INTEGRITY_EVIDENCE, SHARD_REPUTATION, Row
+
+QUARANTINED = "quarantined"
+ReputationEvent = IntegrityShardsVerified | IntegrityMismatchConfirmed | IntegrityMismatchDisputed | \
+    IntegrityQuarantineCleared
+MismatchEvent = IntegrityMismatchConfirmed | IntegrityMismatchDisputed
+
+
+class Rows(Protocol):
+    """The row store a handler edits (readmodels.batch_rows.BatchRows, or ReputationLog)."""
+
+    def get(self, table: Table, key: Any) -> Row | None: ...
+
+    def edit(self, table: Table, key: Any, new_row: Callable[[], Row] | None = None) -> Row | None: ...
+
+    def put(self, table: Table, key: Any, row: Row) -> None: ...
+
+
+def node_of_shard(shard_id: str) -> str | None:
+    """The host a shard id names (`<model>:<lo>-<hi>@<node>`), or None when it names none."""
+    _, at_sign, node = shard_id.rpartition("@")
+    return node if at_sign and node else None
+
+
+def mismatch_summary(mismatch: MismatchEvent | Row) -> str:
+    """One line of evidence: layers, scheme, the position and step, the error against the tolerance, the digest."""
+    value = mismatch if isinstance(mismatch, dict) else mismatch.model_dump()
+    return (f"layers {value['layer_lo']}-{value['layer_hi']} ({value['quantization']}, {value['dtype']}) "
+            f"{value['step_kind']} position {value['position']}: relative error {value['relative_error']:.3g} > "
+            f"tolerance {value['tolerance']:.3g}, evidence sha256 {value['evidence_sha256']}")
+
+
+def _epoch_s(event: EventEnvelope) -> int:
+    return math.floor(event.occurred_at.timestamp())
+
+
+def _reputation(rows: Rows, shard_id: str, at: int) -> Row:
+    row = rows.edit(SHARD_REPUTATION, shard_id, lambda: dict(
+        shard_id=shard_id, node_id=node_of_shard(shard_id), checks=0, verified_positions=0, mismatches=0,
+        disputes=0, status="ok", status_since=None, status_event_id=None, status_reason=None, updated_at=at,
+    ))
+    assert row is not None  # created by the factory when missing
+    row["updated_at"] = at
+    return row
+
+
+def _record_evidence(rows: Rows, event: MismatchEvent, shard_id: str, kind: str, witnesses: list[str]) -> bool:
+    """Store the evidence row of `shard_id` in `event`; False when it is already there (the event applied twice)."""
+    key = (shard_id, event.event_id)
+    if rows.get(INTEGRITY_EVIDENCE, key) is not None:
+        return False
+    rows.put(INTEGRITY_EVIDENCE, key, dict(
+        shard_id=shard_id, event_id=event.event_id, kind=kind, pipeline_id=event.pipeline_id,
+        reported_by=event.node_id, witnesses=json.dumps(witnesses), layer_lo=event.layer_lo,
+        layer_hi=event.layer_hi, quantization=event.quantization, dtype=event.dtype, position=event.position,
+        step_kind=event.step_kind, relative_error=event.relative_error, tolerance=event.tolerance,
+        evidence_sha256=event.evidence_sha256, occurred_at=_epoch_s(event),
+    ))
+    return True
+
+
+@singledispatch
+def apply_reputation_event(event: EventEnvelope, rows: Rows) -> None:
+    """Apply one verification outcome to the reputation rows (other events change nothing here)."""
+
+
+@apply_reputation_event.register
+def _shards_verified(event: IntegrityShardsVerified, rows: Rows) -> None:
+    at = _epoch_s(event)
+    for verified in event.shards:
+        row = _reputation(rows, verified.shard_id, at)
+        row["checks"] += verified.checks
+        row["verified_positions"] += verified.verified_positions
+
+
+@apply_reputation_event.register
+def _mismatch_confirmed(event: IntegrityMismatchConfirmed, rows: Rows) -> None:
+    if not _record_evidence(rows, event, event.shard_id, "confirmed", list(event.witnesses)):
+        return
+    at = _epoch_s(event)
+    row = _reputation(rows, event.shard_id, at)
+    row["mismatches"] += 1
+    if row["status"] != QUARANTINED:  # the first confirmed mismatch is the one a steward reads
+        row.update(status=QUARANTINED, status_since=at, status_event_id=event.event_id,
+                   status_reason=f"{mismatch_summary(event)}; witnesses {', '.join(event.witnesses)}; "
+                                 f"pipeline {event.pipeline_id}")
+
+
+@apply_reputation_event.register
+def _mismatch_disputed(event: IntegrityMismatchDisputed, rows: Rows) -> None:
+    at = _epoch_s(event)
+    for shard_id in dict.fromkeys(event.shard_ids):
+        others = [other for other in event.shard_ids if other != shard_id]
+        if _record_evidence(rows, event, shard_id, "disputed", others):
+            _reputation(rows, shard_id, at)["disputes"] += 1
+
+
+@apply_reputation_event.register
+def _quarantine_cleared(event: IntegrityQuarantineCleared, rows: Rows) -> None:
+    row = rows.get(SHARD_REPUTATION, event.shard_id)
+    at = _epoch_s(event)
+    if row is None or row["status"] != QUARANTINED or (row["status_since"] or 0) > at:
+        return
+    row = _reputation(rows, event.shard_id, at)
+    row.update(status="ok", status_since=at, status_event_id=event.event_id, status_reason=event.reason)
+
+
+class ReputationLog:
+    """The reputation rows of a sequence of events held in plain dicts: what the read model would hold."""
+
+    def __init__(self) -> None:
+        self._rows: dict[str, dict[Any, Row]] = {SHARD_REPUTATION.name: {}, INTEGRITY_EVIDENCE.name: {}}
+
+    def get(self, table: Table, key: Any) -> Row | None:
+        return self._rows[table.name].get(key)
+
+    def edit(self, table: Table, key: Any, new_row: Callable[[], Row] | None = None) -> Row | None:
+        row = self._rows[table.name].get(key)
+        if row is None and new_row is not None:
+            row = self._rows[table.name][key] = new_row()
+        return row
+
+    def put(self, table: Table, key: Any, row: Row) -> None:
+        self._rows[table.name][key] = row
+
+    def apply(self, event: EventEnvelope) -> None:
+        apply_reputation_event(event, self)
+
+    def reputation(self, shard_id: str) -> Row | None:
+        return self.get(SHARD_REPUTATION, shard_id)
+
+    def evidence(self, shard_id: str) -> list[Row]:
+        """The shard's evidence rows in the order they were applied."""
+        return [row for (shard, _), row in self._rows[INTEGRITY_EVIDENCE.name].items() if shard == shard_id]

@@ -1,0 +1,322 @@
+"""Projector: follows both event streams from the stored positions and applies them to a SQLite read model.
+
+It lives in hearth/readmodels/ (not hearth/services/projector/) so the orchestrator can run the same projector
+in-process for its routing read model (docs/design.md §1 forbids services importing each other). It is given a JetStream
+context and never opens connections itself; metrics are read from its public counters by a collector
+(hearth/services/projector/metrics.py), so this module imports neither nats nor prometheus-client (events it rejects
+are counted in events.metrics' `hearth_events_rejected_total`, shared with every process that projects).
+
+Flow: one follower task per stream reads `read_stream(..., follow=True)` from `position + 1` into a bounded
+queue; one applier task drains the queue in batches of up to `batch_max_events` and applies each batch in a
+worker thread in ONE transaction (rows + positions). A follower whose read fails (broker gone, stream
+recreated) starts again from the last sequence it handed over; an applier whose transaction fails
+reloads the positions from the database and restarts the followers from there, so nothing is lost or
+applied twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy.orm import Session, sessionmaker
+
+from hearth.events.consume import SkippedMessage, StoredEvent, read_stream, stream_last_seq
+from hearth.events.metrics import events_rejected_total
+from hearth.events.signing import REJECTION_REASONS, EventVerifier
+from hearth.events.streams import ALL_STREAMS, StreamSetup, stream_info_timeout_s
+from hearth.readmodels.db import open_engine, upgrade_database
+from hearth.readmodels.projection import PROJECTION_NAME, ReadModelProjection, Rejection, load_positions
+
+log = logging.getLogger(__name__)
+
+batch_max_events = 2_000
+queue_max_events = 20_000
+lag_poll_interval_s = 1.0
+follower_retry_initial_s = 0.2
+follower_retry_max_s = 5.0
+apply_retry_initial_s = 0.5
+apply_retry_max_s = 10.0
+stop_timeout_s = 10.0
+
+Message = StoredEvent | SkippedMessage
+
+for _reason in REJECTION_REASONS:  # every reason from the start: a rate over one not seen yet reads 0, not nothing
+    events_rejected_total.labels(reason=_reason)
+
+
+class Projector:
+    """Keeps the read model at `db_path` up to date with the event streams; start() once, stop() at the end.
+
+    `session_factory` (after start) reads the same database, e.g. for ShardRouter. With a `verifier` (a
+    community's roster) only events that pass it are applied; the others become rejected_events rows.
+    `stream_setup` says whether it creates the streams it follows (an open broker) or waits for the steward's.
+    """
+
+    def __init__(
+        self,
+        db_path: str | Path,
+        js: Any,
+        *,
+        projection: ReadModelProjection | None = None,
+        streams: Iterable[str] = ALL_STREAMS,
+        stream_setup: StreamSetup = StreamSetup(),
+        batch_max_events: int = batch_max_events,
+        verifier: EventVerifier | None = None,
+    ) -> None:
+        self.db_path = Path(db_path)
+        self._js = js
+        self.projection = projection or ReadModelProjection(PROJECTION_NAME, verifier=verifier)
+        self.streams: tuple[str, ...] = tuple(streams)
+        self._stream_setup = stream_setup
+        self._batch_max_events = batch_max_events
+        self.engine = None
+        self.session_factory: sessionmaker[Session] | None = None
+        # Public counters, read by the metrics collector and by tests.
+        self.positions: dict[str, int] = {stream: 0 for stream in self.streams}
+        self.stream_last_seqs: dict[str, int] = {stream: 0 for stream in self.streams}
+        self.applied_total: dict[str, int] = {stream: 0 for stream in self.streams}
+        self.skipped_total: dict[str, int] = {stream: 0 for stream in self.streams}
+        self.rejected_total: dict[str, int] = {}  # by reason
+        self.applied_by_type: dict[str, int] = {}  # events applied (not rejected), by event type
+        self.batches_total = 0
+        self.apply_failures_total = 0
+        self._handed_over: dict[str, int] = {}
+        # Per stream, (seq, stored at epoch s) of every message handed to the applier and not applied yet: how old
+        # the oldest one is tells how far behind the read model is in time.
+        self._pending: dict[str, deque[tuple[int, float]]] = {stream: deque() for stream in self.streams}
+        self._queue: asyncio.Queue[Message] = asyncio.Queue(maxsize=queue_max_events)
+        self._followers: dict[str, asyncio.Task] = {}
+        self._tasks: list[asyncio.Task] = []
+        self._progress = asyncio.Condition()
+        self._started = False
+
+    # ---- lifecycle --------------------------------------------------------------------------------------
+
+    async def start(self) -> "Projector":
+        """Migrate the database, load the positions, start following both streams from position + 1."""
+        if self._started:
+            return self
+        await asyncio.to_thread(upgrade_database, self.db_path)
+        self.engine = open_engine(self.db_path)
+        self.session_factory = sessionmaker(self.engine, expire_on_commit=False)
+        await self._stream_setup.ready(self._js, self.streams)
+        await self._load_positions()
+        self._started = True
+        for stream in self.streams:
+            self._start_follower(stream)
+        self._tasks = [
+            asyncio.create_task(self._apply_loop(), name="projector-apply"),
+            asyncio.create_task(self._lag_loop(), name="projector-lag"),
+        ]
+        log.info("projector %s on %s started at %s", self.projection.name, self.db_path, self.positions)
+        return self
+
+    async def stop(self) -> None:
+        """Stop following; a batch being written is allowed to commit first."""
+        if not self._started:
+            return
+        self._started = False
+        tasks = list(self._followers.values()) + self._tasks
+        self._followers.clear()
+        self._tasks = []
+        await _cancel_within(tasks, stop_timeout_s)
+        # The applier may have been restarting followers while we cancelled it.
+        leftovers = list(self._followers.values())
+        self._followers.clear()
+        await _cancel_within(leftovers, stop_timeout_s)
+        if self.engine is not None:
+            self.engine.dispose()
+        log.info("projector %s stopped at %s", self.projection.name, self.positions)
+
+    async def __aenter__(self) -> "Projector":
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    # ---- waiting for the read model ---------------------------------------------------------------------
+
+    async def wait_for_position(self, stream: str, seq: int, timeout_s: float) -> None:
+        """Return once `stream` is applied up to `seq` (e.g. a PubAck's seq); TimeoutError otherwise."""
+        if stream not in self.positions:
+            raise ValueError(f"this projector does not follow {stream!r} (it follows {self.streams})")
+        async with self._progress:
+            await asyncio.wait_for(
+                self._progress.wait_for(lambda: self.positions[stream] >= seq), timeout=timeout_s
+            )
+
+    async def wait_until_caught_up(self, timeout_s: float) -> dict[str, int]:
+        """Wait until every stream is applied up to its last sequence as of this call; returns those."""
+        deadline = time.monotonic() + timeout_s
+        targets = {}
+        for stream in self.streams:
+            targets[stream] = await asyncio.wait_for(
+                stream_last_seq(self._js, stream), timeout=max(0.0, deadline - time.monotonic())
+            )
+        for stream, seq in targets.items():
+            await self.wait_for_position(stream, seq, max(0.0, deadline - time.monotonic()))
+        return targets
+
+    def lag(self, stream: str) -> int:
+        """Events stored in `stream` but not applied yet (as of the last poll of its last sequence)."""
+        return max(0, self.stream_last_seqs[stream] - self.positions[stream])
+
+    def lag_seconds(self, stream: str, now_s: float | None = None) -> float:
+        """Age of the oldest message read from `stream` and not applied yet (by the time the server stored it);
+        0 when everything read has been applied."""
+        pending = self._pending[stream]
+        if not pending:
+            return 0.0
+        return max(0.0, (time.time() if now_s is None else now_s) - pending[0][1])
+
+    # ---- internals --------------------------------------------------------------------------------------
+
+    async def _load_positions(self) -> None:
+        def read() -> dict[str, int]:
+            with self.session_factory() as session:
+                return load_positions(session, self.projection.name)
+
+        stored = await asyncio.to_thread(read)
+        for stream in self.streams:
+            self.positions[stream] = stored.get(stream, 0)
+            self._handed_over[stream] = self.positions[stream]
+
+    def _start_follower(self, stream: str) -> None:
+        if not self._started:
+            return
+        self._followers[stream] = asyncio.create_task(self._follow(stream), name=f"projector-follow-{stream}")
+
+    async def _follow(self, stream: str) -> None:
+        retry_s = follower_retry_initial_s
+        while True:
+            from_seq = self._handed_over[stream] + 1
+            try:
+                messages = read_stream(self._js, stream, from_seq=from_seq, follow=True)
+                async with contextlib.aclosing(messages) as reader:
+                    async for message in reader:
+                        await self._queue.put(message)
+                        self._handed_over[stream] = message.seq
+                        self._pending[stream].append((message.seq, message.time.timestamp()))
+                        retry_s = follower_retry_initial_s
+            except asyncio.CancelledError:
+                raise
+            except Exception as error:  # the follower must outlive any broker or stream trouble
+                log.warning("projector: reading %s from seq %d failed (%s: %s); retrying in %.1f s",
+                            stream, self._handed_over[stream] + 1, type(error).__name__, error, retry_s)
+                await asyncio.sleep(retry_s)
+                retry_s = min(retry_s * 2, follower_retry_max_s)
+
+    async def _apply_loop(self) -> None:
+        retry_s = apply_retry_initial_s
+        while True:
+            batch = [await self._queue.get()]
+            while len(batch) < self._batch_max_events and not self._queue.empty():
+                batch.append(self._queue.get_nowait())
+            try:
+                await self._apply_in_thread(batch)
+                retry_s = apply_retry_initial_s
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                self.apply_failures_total += 1
+                log.exception("projector: applying a batch of %d failed; resuming from the stored positions "
+                              "in %.1f s", len(batch), retry_s)
+                await asyncio.sleep(retry_s)
+                retry_s = min(retry_s * 2, apply_retry_max_s)
+                await self._resume_from_database()
+
+    async def _apply_in_thread(self, batch: list[Message]) -> None:
+        work = asyncio.ensure_future(asyncio.to_thread(self._apply_batch, batch))
+        try:
+            newly_applied = await asyncio.shield(work)
+        except asyncio.CancelledError:
+            # Let an in-flight transaction finish so the in-memory positions match the database.
+            with contextlib.suppress(Exception):
+                newly_applied = await asyncio.wait_for(work, timeout=stop_timeout_s)
+                await self._record(batch, newly_applied)
+            raise
+        await self._record(batch, newly_applied)
+
+    def _apply_batch(self, batch: list[Message]) -> list[Message]:
+        rejections: list[Rejection] = []
+        with self.session_factory() as session, session.begin():
+            positions = load_positions(session, self.projection.name)
+            self.projection.apply_many(session, batch, rejections=rejections)
+        # Counted only now that the transaction committed: a batch rolled back and applied again counts once.
+        for rejection in rejections:
+            self.rejected_total[rejection.reason] = self.rejected_total.get(rejection.reason, 0) + 1
+            events_rejected_total.labels(reason=rejection.reason).inc()
+        # The same rule apply_many follows, to tell which messages this transaction actually applied.
+        rejected = {(rejection.stream, rejection.seq) for rejection in rejections}
+        newly_applied = []
+        for message in batch:
+            if message.seq > positions.get(message.stream, 0):
+                newly_applied.append(message)
+                positions[message.stream] = message.seq
+                if isinstance(message, StoredEvent) and (message.stream, message.seq) not in rejected:
+                    event_type = message.event.type
+                    self.applied_by_type[event_type] = self.applied_by_type.get(event_type, 0) + 1
+        return newly_applied
+
+    async def _record(self, batch: list[Message], newly_applied: list[Message]) -> None:
+        for message in newly_applied:
+            self.applied_total[message.stream] += 1
+            if isinstance(message, SkippedMessage):
+                self.skipped_total[message.stream] += 1
+        async with self._progress:
+            for message in batch:
+                if message.seq > self.positions[message.stream]:
+                    self.positions[message.stream] = message.seq
+                if message.seq > self.stream_last_seqs[message.stream]:
+                    self.stream_last_seqs[message.stream] = message.seq
+            for stream, pending in self._pending.items():
+                while pending and pending[0][0] <= self.positions[stream]:
+                    pending.popleft()
+            self.batches_total += 1
+            self._progress.notify_all()
+
+    async def _resume_from_database(self) -> None:
+        for task in self._followers.values():
+            task.cancel()
+        await asyncio.gather(*self._followers.values(), return_exceptions=True)
+        while not self._queue.empty():
+            self._queue.get_nowait()
+        for pending in self._pending.values():
+            pending.clear()
+        await self._load_positions()
+        for stream in self.streams:
+            self._start_follower(stream)
+
+    async def _lag_loop(self) -> None:
+        while True:
+            for stream in self.streams:
+                try:
+                    last_seq = await asyncio.wait_for(
+                        stream_last_seq(self._js, stream), timeout=stream_info_timeout_s
+                    )
+                except asyncio.CancelledError:
+                    raise
+                except Exception as error:
+                    log.debug("projector: cannot read %s's last sequence: %s", stream, error)
+                    continue
+                self.stream_last_seqs[stream] = max(last_seq, self.positions[stream])
+            await asyncio.sleep(lag_poll_interval_s)
+
+
+async def _cancel_within(tasks: list[asyncio.Task], timeout_s: float) -> None:
+    """Cancel `tasks` and wait at most `timeout_s` for them to end. Not wait_for(gather(...)): on Python 3.11
+    a task whose own wait_for swallowed the cancellation never ends, and wait_for would wait for it forever."""
+    for task in tasks:
+        task.cancel()
+    if not tasks:
+        return
+    _done, pending = await asyncio.wait(tasks, timeout=timeout_s)
+    if pending:
+        log.warning("%d projector task(s) did not stop within %s s", len(pending), timeout_s)

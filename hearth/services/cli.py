@@ -1,0 +1,349 @@
+"""The `hearth` command: one typer app whose subcommands import their own modules only when they run.
+
+Keeping imports inside the command functions is what lets `hearth nats`, `hearth projector` and
+`hearth-replay` start without loading torch (tests/unit/test_cli_imports.py checks it).
+
+Adding a command: write a function decorated with `@app.command("name")` (or a sub-app with
+`app.add_typer`), take `--nats` through `NatsUrlOption` and read the configuration with `settings(ctx)`
+(both from services.cli_options), and import the service module inside the function body.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import click
+import typer
+from typer.core import TyperGroup
+
+from hearth.services.community_cli import community_app
+from hearth.services.dashboards.cli import dashboards_app, status_command
+from hearth.services.gateway.command import gateway_command
+from hearth.services.host.cli import host_command
+from hearth.services.cli_options import (
+    HostNodeIdOption,
+    ModelIdOption,
+    STOPPING_HELP,
+    ConfigOption,
+    CredsOption,
+    DeviceOption,
+    DtypeOption,
+    InsecureOption,
+    QuantizeOption,
+    LogLevelOption,
+    MetricsHostOption,
+    MetricsPortOption,
+    BusyThreadsOption,
+    NatsUrlOption,
+    ReadyFileOption,
+    TorchThreadsOption,
+    WaitForNatsOption,
+    apply_top_level_options,
+    long_running,
+    node_id_for,
+    resolve_nats_url,
+    settings,
+    use_credentials,
+    use_metrics_host,
+    wait_for_nats,
+)
+from hearth.protocol.chat import ChatRequest, default_max_tokens, max_choices
+from hearth.services.common.logging import default_log_level
+from hearth.services.nats_cli import NATS_HELP_EPILOG, nats_command
+from hearth.events.models import default_hop_weight
+from hearth.services.weights_cli import weights_app
+
+class CommandsWithDevTools(TyperGroup):
+    """The `hearth` commands, and the dev tooling's (hearth/services/devtools/commands.py: bench, eval, demo) imported
+    only when one of them runs or the help lists them: nothing else the CLI starts loads the tooling."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*super().list_commands(ctx), *DEV_COMMANDS})
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name in DEV_COMMANDS:
+            from hearth.services.devtools.commands import dev_commands
+
+            return dev_commands().get_command(ctx, cmd_name)
+        return super().get_command(ctx, cmd_name)
+
+
+DEV_COMMANDS = ("bench", "demo", "eval")
+
+app = typer.Typer(
+    name="hearth",
+    cls=CommandsWithDevTools,
+    help="hearth: run one LLM across the machines of a community mesh (sharded layers over NATS).",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    # Help texts name configuration tables as `[shard]`: shown as written, not read as markup.
+    rich_markup_mode=None,
+)
+db_app = typer.Typer(help="Manage a read-model SQLite database.", no_args_is_help=True, rich_markup_mode=None)
+app.add_typer(db_app, name="db")
+app.add_typer(community_app, name="community")
+app.add_typer(dashboards_app, name="dashboards")
+app.add_typer(weights_app, name="weights")
+# Decorated with @long_running: SIGINT/SIGTERM stop them quietly from the moment `hearth` starts.
+LONG_RUNNING_COMMANDS = ("projector", "shard", "orchestrator", "gateway", "host")
+
+@app.callback()
+def main_options(
+    ctx: typer.Context,
+    config: ConfigOption = None,
+    log_level: LogLevelOption = default_log_level,
+) -> None:
+    """hearth: run one LLM across the machines of a community mesh (sharded layers over NATS)."""
+    from hearth.services.common.lifecycle import default_stop_signals
+
+    if ctx.invoked_subcommand not in LONG_RUNNING_COMMANDS:
+        default_stop_signals()  # SIGINT/SIGTERM as in any Python program; the others keep main()'s handlers
+    apply_top_level_options(ctx, config, log_level)
+
+
+app.command("nats", epilog=NATS_HELP_EPILOG)(nats_command)
+app.command("status")(status_command)
+app.command("gateway", epilog=STOPPING_HELP)(gateway_command)
+app.command("host", epilog=STOPPING_HELP)(host_command)
+
+
+@db_app.command("upgrade")
+def db_upgrade_command(
+    db: Annotated[Path, typer.Option("--db", help="SQLite read-model file (created when missing).")],
+) -> None:
+    """Create or migrate a read-model database to the latest schema (Alembic)."""
+    from hearth.readmodels.db import upgrade_database
+
+    upgrade_database(db)
+    typer.echo(f"{db}: schema at the latest revision")
+
+
+@app.command("projector", epilog=STOPPING_HELP)
+@long_running("hearth projector")
+def projector_command(
+    ctx: typer.Context,
+    db: Annotated[Path, typer.Option("--db", help="SQLite read-model file to keep up to date.")],
+    nats_url: NatsUrlOption = None,
+    metrics_port: MetricsPortOption = 0,
+    metrics_host: MetricsHostOption = None,
+    wait_for_nats_flag: WaitForNatsOption = False,
+    creds: CredsOption = None,
+    insecure: InsecureOption = False,
+    ready_file: ReadyFileOption = None,
+) -> None:
+    """Follow both event streams and keep a SQLite read model up to date until SIGINT/SIGTERM."""
+    from hearth.services.common.event_trust import event_verifier
+    from hearth.services.common.lifecycle import run_until_stopped
+    from hearth.services.projector.main import run_projector
+
+    wait_for_nats(ctx, wait_for_nats_flag)
+    use_metrics_host(ctx, metrics_host)
+    node_id_for("hearth projector", use_credentials(ctx, "hearth projector", creds, insecure), None, "projector")
+    url = resolve_nats_url(ctx, nats_url)
+    nats_settings = settings(ctx).nats
+    verifier = event_verifier(settings(ctx))  # None on an open mesh: every event is applied
+    metrics_interface = settings(ctx).metrics.host
+    run_until_stopped(lambda stop_event: run_projector(db, url, metrics_port, stop_event=stop_event,
+                                                       metrics_host=metrics_interface, nats_settings=nats_settings,
+                                                       verifier=verifier, ready_file=ready_file))
+
+
+
+
+@app.command("shard", epilog=STOPPING_HELP)
+@long_running("hearth shard")
+def shard_command(
+    ctx: typer.Context,
+    model: Annotated[str, typer.Option("--model", help="Checkpoint folder, GGUF file, hub model id or store:NAME "
+                                                       "(the community's store: only the layers served are fetched).")],
+    layers: Annotated[str, typer.Option("--layers", help="Inclusive layer range to host, e.g. 0-7.")],
+    nats_url: NatsUrlOption = None,
+    max_streams: Annotated[Optional[int], typer.Option(
+        "--max-streams", min=1, help="Concurrent pipelines served (default: [shard] max_concurrent_streams).",
+        show_default=False)] = None,
+    node_id: HostNodeIdOption = None,
+    model_id: ModelIdOption = None,
+    hop_weight: Annotated[
+        float, typer.Option("--hop-weight", help="1.0 = same LAN; larger = farther.")
+    ] = default_hop_weight,
+    device: DeviceOption = None,
+    dtype: DtypeOption = None,
+    quantize: QuantizeOption = None,
+    heartbeat_s: Annotated[Optional[float], typer.Option(
+        "--heartbeat-s", help="Seconds between heartbeats (default: [shard] heartbeat_interval_s).",
+        show_default=False)] = None,
+    ttl_s: Annotated[Optional[float], typer.Option(
+        "--ttl-s", help="Advertisement time-to-live, seconds (default: [shard] advertisement_ttl_s).",
+        show_default=False)] = None,
+    fault: Annotated[
+        Optional[str],
+        typer.Option("--fault", hidden=True,
+                     help="Testing only: nan, scale=X, noise=S, offset=C, bitflip=B, delay_s=S, fail, empty, "
+                          "misshape, accuse, after_steps=N, lie_rate=P, fault_seed=N, spare_single_hop "
+                          "(hearth/services/shard/faults.py)."),
+    ] = None,
+    torch_threads: TorchThreadsOption = None,
+    busy_threads: BusyThreadsOption = None,
+    ready_file: ReadyFileOption = None,
+    metrics_port: MetricsPortOption = 0,
+    metrics_host: MetricsHostOption = None,
+    wait_for_nats_flag: WaitForNatsOption = False,
+    creds: CredsOption = None,
+    insecure: InsecureOption = False,
+) -> None:
+    """Host one contiguous layer range of a model: advertise it, heartbeat, serve activation streams."""
+    from hearth.services.common.lifecycle import run_until_stopped
+    from hearth.services.shard.main import run_shard
+
+    wait_for_nats(ctx, wait_for_nats_flag)
+    use_metrics_host(ctx, metrics_host)
+    node_id = node_id_for("hearth shard", use_credentials(ctx, "hearth shard", creds, insecure), node_id, "shard")
+    url = resolve_nats_url(ctx, nats_url)
+    run_until_stopped(lambda stop_event: run_shard(
+        model=model, layers=layers, nats_url=url, settings=settings(ctx), node_id=node_id, model_id=model_id,
+        max_streams=max_streams, hop_weight=hop_weight, device=device, dtype=dtype, quantize=quantize,
+        heartbeat_s=heartbeat_s, ttl_s=ttl_s,
+        fault=fault, torch_threads=torch_threads, busy_threads=busy_threads,
+        ready_file=str(ready_file) if ready_file else None, metrics_port=metrics_port, stop_event=stop_event,
+    ))
+
+
+@app.command("orchestrator", epilog=STOPPING_HELP)
+@long_running("hearth orchestrator")
+def orchestrator_command(
+    ctx: typer.Context,
+    nats_url: NatsUrlOption = None,
+    local_model: Annotated[
+        Optional[str], typer.Option("--local-model", help="A model this machine may run whole (local fallback).")
+    ] = None,
+    node_id: Annotated[
+        Optional[str], typer.Option("--node-id", help="This orchestrator's id (default: host name).")
+    ] = None,
+    db: Annotated[
+        Optional[Path], typer.Option("--db", help="Routing read-model file (default: a temporary one).")
+    ] = None,
+    models_dir: Annotated[
+        Optional[list[Path]], typer.Option("--models-dir", help="Folder holding checkpoints by name (repeatable).")
+    ] = None,
+    preload: Annotated[
+        Optional[list[str]], typer.Option("--preload", help="Load this model's head before serving (repeatable; "
+                                          "store:NAME fetches only the head from the community's store).")
+    ] = None,
+    step_timeout_s: Annotated[
+        Optional[float], typer.Option("--step-timeout-s", help="A hop holding a step longer is stalled.")
+    ] = None,
+    torch_threads: TorchThreadsOption = None,
+    busy_threads: BusyThreadsOption = None,
+    device: DeviceOption = None,
+    dtype: DtypeOption = None,
+    quantize: QuantizeOption = None,
+    ready_file: ReadyFileOption = None,
+    metrics_port: MetricsPortOption = 0,
+    metrics_host: MetricsHostOption = None,
+    wait_for_nats_flag: WaitForNatsOption = False,
+    creds: CredsOption = None,
+    insecure: InsecureOption = False,
+) -> None:
+    """Answer llm.chat.request: route over shard hosts, embed and sample locally, stream frames back."""
+    from hearth.services.common.lifecycle import run_until_stopped
+    from hearth.services.orchestrator.main import OrchestratorOptions, run_orchestrator, with_step_timeout
+    from hearth.services.shard.main import configure_torch_threads, default_node_id
+
+    wait_for_nats(ctx, wait_for_nats_flag)
+    use_metrics_host(ctx, metrics_host)
+    node_id = node_id_for("hearth orchestrator", use_credentials(ctx, "hearth orchestrator", creds, insecure), node_id,
+                          "orchestrator")
+    configure_torch_threads(torch_threads)
+    options = OrchestratorOptions(node_id=node_id or default_node_id(), db_path=db,
+                                  model_search_dirs=tuple(models_dir or ()), local_model=local_model,
+                                  busy_threads=busy_threads, metrics_port=metrics_port, device=device,
+                                  dtype=dtype, quantize=quantize)
+    url = resolve_nats_url(ctx, nats_url)
+    run_until_stopped(lambda stop_event: run_orchestrator(
+        with_step_timeout(settings(ctx), step_timeout_s), options, url, preload=list(preload or []),
+        ready_file=str(ready_file) if ready_file else None, stop_event=stop_event,
+    ))
+
+
+@app.command("chat")
+def chat_command(
+    ctx: typer.Context,
+    prompt: Annotated[str, typer.Argument(help="What to say (a user message, or raw text with --raw).")],
+    model: Annotated[
+        Optional[str], typer.Option("--model", help="Model id, as the shard hosts advertise it (default: the one "
+                                    "model the mesh serves; `hearth models` lists them).", show_default=False)
+    ] = None,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", min=1, help="Most tokens to generate.")] = \
+        default_max_tokens,
+    temperature: Annotated[float, typer.Option("--temperature", min=0.0, help="0 = greedy.")] = 0.0,
+    seed: Annotated[Optional[int], typer.Option("--seed", help="Makes sampling reproducible.")] = None,
+    raw: Annotated[bool, typer.Option("--raw", help="Send PROMPT as raw text, no chat template.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print every frame as one JSON line.")] = False,
+    choices: Annotated[int, typer.Option("--n", min=1, max=max_choices, help="Independent answers to ask for "
+                                         "(each printed under a [choice I] line once all ended).")] = \
+        ChatRequest.model_fields["n"].default,
+    nats_url: NatsUrlOption = None,
+    creds: CredsOption = None,
+    insecure: InsecureOption = False,
+) -> None:
+    """Send one chat request and print the answer as it streams (stdout; status lines on stderr).
+
+    Exit code 0 after a complete answer, 1 on an error, 2 when no answer came in time (NATS unreachable
+    within nats.connect_timeout_s, or no orchestrator)."""
+    from hearth.services.client.command import run_chat_command
+
+    use_credentials(ctx, "hearth chat", creds, insecure)
+    url = resolve_nats_url(ctx, nats_url)
+    code = run_chat_command(url, prompt=prompt, model=model, max_tokens=max_tokens, temperature=temperature,
+                            seed=seed, raw=raw, as_json=as_json, nats_settings=settings(ctx).nats,
+                            choices=choices)
+    raise typer.Exit(code)
+
+
+@app.command("models")
+def models_command(
+    ctx: typer.Context,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the answer as JSON.")] = False,
+    nats_url: NatsUrlOption = None,
+    creds: CredsOption = None,
+    insecure: InsecureOption = False,
+) -> None:
+    """List the models the mesh can serve now (asks llm.models): layer coverage, context length, the default.
+
+    Exit code 0 with an answer, 2 when none came (NATS unreachable within nats.connect_timeout_s, or no
+    orchestrator listening)."""
+    from hearth.services.client.command import run_models_command
+
+    use_credentials(ctx, "hearth models", creds, insecure)
+    url = resolve_nats_url(ctx, nats_url)
+    raise typer.Exit(run_models_command(url, as_json=as_json, settings=settings(ctx)))
+
+
+@app.command("schema")
+def schema_command(
+    out: Annotated[Path, typer.Option("--out", help="Docs folder to write into.")] = Path("docs"),
+    check: Annotated[
+        bool, typer.Option("--check", help="Write nothing; exit 1 listing the files that differ from the models.")
+    ] = False,
+) -> None:
+    """Generate the JSON Schemas of the wire messages (docs/schemas/) and docs/configuration.md from the models."""
+    from hearth.services.schema import run_schema_command
+
+    raise typer.Exit(run_schema_command(out, check=check))
+
+
+def main() -> None:
+    from hearth.services.common.lifecycle import STOP_EXIT_CODE, StopRequested, raise_on_stop_signals
+
+    raise_on_stop_signals()  # a stop while `hearth` starts up (before any command runs) ends it quietly
+    try:
+        app()
+    except StopRequested:
+        sys.exit(STOP_EXIT_CODE)
+
+
+if __name__ == "__main__":
+    main()

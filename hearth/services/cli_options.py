@@ -1,0 +1,270 @@
+"""Command-line plumbing shared by `hearth` and `hearth-replay`: the --nats/--config/--log-level options and
+the per-invocation settings they lead to (typer only; commands import their heavy modules themselves)."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, Optional, TypeVar
+
+import typer
+
+from hearth.services.common.config import NATS_URL_ENV
+from hearth.services.common.logging import LOG_LEVEL_ENV
+
+if TYPE_CHECKING:
+    from hearth.services.common.config import HearthSettings
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+CONFIG_ENV = "HEARTH_CONFIG"
+
+NatsUrlOption = Annotated[
+    Optional[str],
+    typer.Option(
+        "--nats",
+        envvar=NATS_URL_ENV,
+        help="NATS server URL (default: nats.url of the configuration, else nats://127.0.0.1:4222).",
+        show_default=False,
+    ),
+]
+ConfigOption = Annotated[
+    Optional[Path],
+    typer.Option(
+        "--config",
+        envvar=CONFIG_ENV,
+        help="TOML configuration file (docs/configuration.md); HEARTH_* environment variables override it.",
+        show_default=False,
+    ),
+]
+MetricsPortOption = Annotated[
+    int,
+    typer.Option("--metrics-port", min=0, max=65535,
+                 help="Serve Prometheus /metrics on this port, on the interface --metrics-host names "
+                      "(docs/metrics.md); 0 = off."),
+]
+MetricsHostOption = Annotated[
+    Optional[str],
+    typer.Option("--metrics-host", show_default=False,
+                 help="Interface /metrics listens on (default: [metrics] host, 127.0.0.1). /metrics has no "
+                      "authentication and names callers: 0.0.0.0 only on a private network (a Prometheus in "
+                      "another container)."),
+]
+WaitForNatsOption = Annotated[
+    bool,
+    typer.Option(
+        "--wait-for-nats",
+        help="Keep trying to reach NATS instead of exiting after nats.connect_timeout_s "
+             "(as nats.wait_for_broker = true in the configuration does).",
+    ),
+]
+# What the help of every long-running command says about stopping it.
+STOPPING_HELP = ("SIGINT (Ctrl-C) or SIGTERM stops it within 2 s with exit code 0. NATS unreachable for "
+                 "nats.connect_timeout_s of the configuration ends it with one line and exit code 1, unless "
+                 "--wait-for-nats.")
+EXIT_BROKER_UNREACHABLE = 1
+EXIT_BAD_INPUT = 2
+EXIT_REFUSED = 1
+LogLevelOption = Annotated[
+    str, typer.Option("--log-level", envvar=LOG_LEVEL_ENV, help="DEBUG, INFO, WARNING or ERROR.")
+]
+
+
+@dataclass
+class CliState:
+    """What the top-level options decided, handed to every command through typer's context."""
+
+    config_path: Path | None
+    log_level: str
+    _settings: "HearthSettings | None" = None
+
+    def settings(self) -> "HearthSettings":
+        if self._settings is None:
+            from hearth.services.common.config import ConfigError, load_settings
+
+            try:
+                self._settings = load_settings(self.config_path)
+            except ConfigError as error:
+                raise typer.BadParameter(str(error), param_hint="--config") from error
+        return self._settings
+
+
+def apply_top_level_options(ctx: typer.Context, config: Path | None, log_level: str) -> None:
+    """What every app's callback does: configure logging, remember the configuration file."""
+    from hearth.services.common.logging import configure_logging
+
+    try:
+        configure_logging(log_level)
+    except ValueError as error:
+        raise typer.BadParameter(str(error), param_hint="--log-level") from error
+    ctx.obj = CliState(config_path=config, log_level=log_level)
+
+
+def cli_state(ctx: typer.Context) -> CliState:
+    """The top-level options of this invocation (defaults when a command runs without the callback)."""
+    root = ctx.find_root()
+    if not isinstance(root.obj, CliState):
+        root.obj = CliState(config_path=None, log_level="INFO")
+    return root.obj
+
+
+def settings(ctx: typer.Context) -> "HearthSettings":
+    """The configuration for this invocation (file from --config/HEARTH_CONFIG, then env overrides)."""
+    return cli_state(ctx).settings()
+
+
+def wait_for_nats(ctx: typer.Context, wait: bool) -> None:
+    """`--wait-for-nats` given: this invocation's settings say [nats] wait_for_broker = true."""
+    if wait:
+        state = cli_state(ctx)
+        current = state.settings()
+        state._settings = current.model_copy(
+            update={"nats": current.nats.model_copy(update={"wait_for_broker": True})})
+
+
+def use_metrics_host(ctx: typer.Context, host: str | None) -> None:
+    """`--metrics-host` given: this invocation's settings say [metrics] host = it."""
+    if host is not None:
+        state = cli_state(ctx)
+        current = state.settings()
+        state._settings = current.model_copy(update={"metrics": current.metrics.model_copy(update={"host": host})})
+
+
+def long_running(command: str) -> Callable[[F], F]:
+    """Decorate a long-running command: SIGINT/SIGTERM end it with exit code 0 and no traceback in any state
+    (services.common.lifecycle), an unreachable broker ends it with one line naming the URL, exit code 1."""
+
+    def decorate(function: F) -> F:
+        @functools.wraps(function)
+        def command_body(*args, **kwargs):
+            from hearth.services.common.lifecycle import (
+                CommandRefused,
+                StopRequested,
+                end_stopped_process,
+                stop_requested,
+                stop_signals_raise,
+            )
+            from hearth.events.streams import StreamsMissing
+            from hearth.services.broker.connection import BrokerUnreachable
+
+            try:
+                with stop_signals_raise():
+                    result = function(*args, **kwargs)
+            except StopRequested:
+                end_stopped_process()
+            except BrokerUnreachable as error:
+                typer.echo(f"{command}: {error}", err=True)
+                raise typer.Exit(EXIT_BROKER_UNREACHABLE) from None
+            except (CommandRefused, StreamsMissing) as error:
+                typer.echo(f"{command}: {error}", err=True)
+                raise typer.Exit(EXIT_REFUSED) from None
+            if stop_requested():
+                end_stopped_process()
+            return result
+
+        return command_body  # type: ignore[return-value]
+
+    return decorate
+
+
+def resolve_nats_url(ctx: typer.Context, nats_url: str | None) -> str:
+    """--nats / $HEARTH_NATS_URL if given, else the configuration's [nats] url."""
+    return nats_url or settings(ctx).nats.url
+
+
+CredsOption = Annotated[
+    Optional[Path],
+    typer.Option("--creds", help="This member's key file (`hearth community add` writes it); also [nats] "
+                                 "creds_file or $HEARTH_NATS__CREDS_FILE.", show_default=False),
+]
+InsecureOption = Annotated[
+    bool,
+    typer.Option("--insecure", help="Use an open broker without credentials: anyone on it can read prompts and "
+                                    "forge routing (for a single machine; warned at every start)."),
+]
+
+
+def use_credentials(ctx: typer.Context, command: str, creds: Path | None, insecure: bool):
+    """Secure by default: this invocation logs in with `--creds` (or the configured key) and returns its
+    Identity; with neither a key nor `--insecure` it ends with one line; `--insecure` warns and returns None."""
+    import logging
+
+    from hearth.services.common.identity import IdentityError, load_identity
+
+    state = cli_state(ctx)
+    current = state.settings()
+    updates = {key: value for key, value in (("creds_file", creds), ("insecure", insecure or None)) if value}
+    nats_settings = current.nats.model_copy(update=updates)
+    state._settings = current.model_copy(update={"nats": nats_settings})
+    if nats_settings.creds_file is None:
+        if not nats_settings.insecure:
+            typer.echo(f"{command}: no credentials: give --creds FILE (a member key from `hearth community add`), "
+                       "or --insecure to use an open broker", err=True)
+            raise typer.Exit(EXIT_REFUSED)
+        logging.getLogger("hearth").warning(
+            "%s: running without credentials (--insecure): anyone who reaches the broker can read prompts and "
+            "activations and forge routing", command)
+        return None
+    try:
+        return load_identity(nats_settings.creds_file, nats_settings.roster_file)
+    except IdentityError as error:
+        typer.echo(f"{command}: {error}", err=True)
+        raise typer.Exit(EXIT_REFUSED) from None
+
+
+def node_id_for(command: str, identity, node_id: str | None, role: str) -> str | None:
+    """A host's node id is its member name (broker permissions name it); None: the default (host name)."""
+    if identity is None or identity.member is None:
+        return node_id
+    if identity.member.role != role:
+        typer.echo(f"{command}: the key belongs to {identity.name}, a {identity.member.role}, not a {role}", err=True)
+        raise typer.Exit(EXIT_REFUSED)
+    if node_id is not None and node_id != identity.name:
+        typer.echo(f"{command}: --node-id {node_id} differs from the member name {identity.name}; a host's node id "
+                   "is its member name", err=True)
+        raise typer.Exit(EXIT_REFUSED)
+    return identity.name
+
+
+DeviceOption = Annotated[
+    Optional[str],
+    typer.Option("--device", help="auto|cpu|cuda|cuda:N (auto: CUDA when torch sees one; default: "
+                 "[research.distributed_inference.host] device).", show_default=False),
+]
+DtypeOption = Annotated[
+    Optional[str],
+    typer.Option("--dtype", help="auto|fp32|bf16|fp16 (auto: bf16 on CUDA, fp16 where bf16 is unsupported, fp32 on "
+                 "the CPU; default: [research.distributed_inference.host] dtype).", show_default=False),
+]
+QuantizeOption = Annotated[
+    Optional[str],
+    typer.Option("--quantize", help="none|int8|int4|int4/gN: weights held as full precision, int8 per output channel "
+                 "or int4 in groups of N inputs; CPU only (default: [research.distributed_inference.host] quantize).",
+                 show_default=False),
+]
+
+TorchThreadsOption = Annotated[
+    Optional[int],
+    typer.Option("--torch-threads", min=1, help="torch intra-op threads (default: torch's choice).",
+                 show_default=False),
+]
+ReadyFileOption = Annotated[
+    Optional[Path],
+    typer.Option("--ready-file", help="Write this file once the process serves (for scripts and tests).",
+                 show_default=False),
+]
+BusyThreadsOption = Annotated[
+    Optional[int],
+    typer.Option("--busy-threads", min=1, show_default=False,
+                 help="Intra-op threads per step while this process serves more than one stream (default: all "
+                      "of them). Set 1 when several hearth processes share this machine's cores."),
+]
+# A shard host's identity options (`hearth shard`, `hearth host`).
+HostNodeIdOption = Annotated[
+    Optional[str], typer.Option("--node-id", help="This host's id (default: the machine's host name).")
+]
+ModelIdOption = Annotated[
+    Optional[str], typer.Option("--model-id", help="Id to advertise (default: folder name or hub id).")
+]

@@ -1,0 +1,247 @@
+"""A small async client for `llm.chat.request`: publish a request, iterate the frames from its inbox, and the
+answer those frames make for each of the request's choices (token_delta frames, less those a tokens_withdrawn frame
+took back)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from nats.aio.client import Client as NatsClient
+from pydantic import ValidationError
+
+from hearth.services.common.call_signing import signed_call_headers
+from hearth.services.common.config_sections import ClientSettings
+from hearth.services.broker.connection import NO_RESPONDERS_STATUS, connection_identity
+from hearth.protocol.chat import (
+    FINAL_FRAME_TYPES,
+    ChatFrame,
+    ChatRequest,
+    DoneFrame,
+    ErrorFrame,
+    KeepaliveFrame,
+    ModelsReply,
+    ModelsRequest,
+    PipelineAbortedFrame,
+    TokenDeltaFrame,
+    TokensWithdrawnFrame,
+    decode_frame,
+)
+from hearth.protocol.subjects import CHAT_REQUEST_SUBJECT, MODELS_REQUEST_SUBJECT
+from hearth.trust.keys import MemberKey
+
+log = logging.getLogger(__name__)
+_client_defaults = ClientSettings()
+
+
+def _ending(code: str, message: str, after_seq: int) -> ErrorFrame:
+    """An error frame this client makes up itself when the orchestrator cannot send one."""
+    return ErrorFrame(seq=after_seq + 1, code=code, message=message)
+
+
+async def stream_chat_raw(
+    nc: NatsClient,
+    payload: bytes,
+    *,
+    first_frame_timeout: float = _client_defaults.first_frame_timeout_s,
+    frame_gap_timeout: float = _client_defaults.silence_timeout_s,
+    include_keepalives: bool = False,
+    signer: MemberKey | None = None,
+) -> AsyncIterator[ChatFrame]:
+    """Publish raw request bytes (valid or not) and yield frames until a final one; for tests and tools.
+
+    The call is signed by `signer` when given (the gateway asks on behalf of the member an API key belongs to),
+    else by the member the connection logged in as. A frame of a type this client does not know (one a newer
+    orchestrator sends) is skipped; a numbered one still counts in the `seq` check. A message that is no frame at
+    all (not a JSON object with a `type`, or a known type whose fields do not fit) is skipped too, uncounted.
+
+    The orchestrator sends a frame or a keepalive at least every `[transport] keepalive_interval_s`, so a
+    silence of `frame_gap_timeout` means it is gone: the stream then ends with an `orchestrator_gone` error
+    frame of its own (as it does at once when no orchestrator listens at all). A silence while our own
+    connection to the broker was down proves nothing and is waited out. Frames lost while the broker was away
+    (a gap in `seq`) end the stream with `pipeline_stalled`: the text would be missing a piece.
+    """
+    inbox = nc.new_inbox()
+    subscription = await nc.subscribe(inbox)
+    identity = connection_identity(nc)
+    # On a community mesh every call is signed by a member (the orchestrator answers `unauthorized` otherwise);
+    # the signature covers the inbox, so the answer cannot be redirected.
+    key = signer or (identity.key if identity else None)
+    headers = signed_call_headers(key, CHAT_REQUEST_SUBJECT, inbox, payload) if key else None
+    try:
+        await nc.publish(CHAT_REQUEST_SUBJECT, payload, reply=inbox, headers=headers)
+        timeout, last_seq = first_frame_timeout, -1
+        reconnects = nc.stats["reconnects"]
+        while True:
+            try:
+                message = await subscription.next_msg(timeout=timeout)
+            except (asyncio.TimeoutError, TimeoutError):
+                if not nc.is_connected or nc.stats["reconnects"] != reconnects:
+                    reconnects = nc.stats["reconnects"]
+                    continue
+                yield _ending("orchestrator_gone", f"no frame and no keepalive from the orchestrator for "
+                                                   f"{timeout} s", last_seq)
+                return
+            if message.headers and message.headers.get("Status") == NO_RESPONDERS_STATUS:
+                yield _ending("orchestrator_gone", f"no orchestrator is listening on {CHAT_REQUEST_SUBJECT}",
+                              last_seq)
+                return
+            frame = _decode_known(message.data)
+            if frame is None:
+                log.debug("skipped a message on %s that is not a frame", inbox)
+                continue
+            timeout = frame_gap_timeout
+            if isinstance(frame, int):  # a frame type this client does not know: only its number matters
+                last_seq = frame if frame == last_seq + 1 else last_seq
+                continue
+            if isinstance(frame, KeepaliveFrame):
+                if include_keepalives:
+                    yield frame
+                continue
+            if frame.seq != last_seq + 1:
+                yield _ending("pipeline_stalled", f"frames {last_seq + 1}-{frame.seq - 1} were lost while the "
+                                                  f"connection to the NATS broker was down", last_seq)
+                return
+            last_seq = frame.seq
+            yield frame
+            if frame.type in FINAL_FRAME_TYPES:
+                return
+    finally:
+        with contextlib.suppress(Exception):
+            await subscription.unsubscribe()
+
+
+def _decode_known(data: bytes) -> ChatFrame | int | None:
+    """The frame; the `seq` (-1 when it has none) of a JSON object whose `type` is not one of ours; None for a
+    message that is no frame (not JSON, not an object, no `type`, or a known type whose fields do not fit)."""
+    try:
+        return decode_frame(data)
+    except ValidationError as error:
+        if not any(item["type"] == "union_tag_invalid" for item in error.errors(include_url=False)):
+            return None
+    seq = json.loads(data).get("seq")  # union_tag_invalid: a JSON object with a `type` we do not know
+    return seq if type(seq) is int else -1
+
+
+async def stream_chat(nc: NatsClient, request: ChatRequest, *, signer: MemberKey | None = None,
+                      **timeouts: float) -> AsyncIterator[ChatFrame]:
+    payload = request.model_dump_json(exclude_none=True).encode()
+    # aclosing: a caller that stops early unsubscribes the inbox now, not at garbage collection.
+    async with contextlib.aclosing(stream_chat_raw(nc, payload, signer=signer, **timeouts)) as frames:
+        async for frame in frames:
+            yield frame
+
+
+def choice_of(frame: ChatFrame) -> int:
+    """Which of the request's `n` choices `frame` is about (0 for frames that belong to the whole call)."""
+    return getattr(frame, "choice", 0)
+
+
+@dataclass
+class AnswerTokens:
+    """The token_delta frames one choice's answer is made of so far, as the call's frames arrive: each token_delta
+    frame of `choice` adds its token; a tokens_withdrawn frame of `choice` keeps the first `kept_tokens` of the
+    answer as it stands and drops the rest (a check refuted the step they came from); every other frame, and every
+    frame of another choice, changes nothing."""
+
+    frames: list[TokenDeltaFrame] = field(default_factory=list)
+    choice: int = 0
+
+    def take(self, frame: ChatFrame) -> list[TokenDeltaFrame]:
+        """Apply `frame`; the token frames it withdrew (none for any other frame)."""
+        if choice_of(frame) != self.choice:
+            return []
+        if isinstance(frame, TokenDeltaFrame):
+            self.frames.append(frame)
+        elif isinstance(frame, TokensWithdrawnFrame):
+            withdrawn = self.frames[frame.kept_tokens:]
+            del self.frames[frame.kept_tokens:]
+            return withdrawn
+        return []
+
+    @property
+    def text(self) -> str:
+        return "".join(frame.text for frame in self.frames)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [frame.token_id for frame in self.frames]
+
+
+def answer_tokens(frames: Iterable[ChatFrame], choice: int = 0) -> AnswerTokens:
+    """The answer `frames` make for `choice`, withdrawals applied."""
+    answer = AnswerTokens(choice=choice)
+    for frame in frames:
+        answer.take(frame)
+    return answer
+
+
+def choice_count(frames: Sequence[ChatFrame]) -> int:
+    """How many choices `frames` answer: those the done frame lists, else every choice a frame names (at least 1)."""
+    final = frames[-1] if frames else None
+    if isinstance(final, DoneFrame) and final.choices:
+        return len(final.choices)
+    return 1 + max((choice_of(frame) for frame in frames), default=0)
+
+
+@dataclass
+class ChatResult:
+    """Everything one call streamed, collected; `text` and `token_ids` are the answer's (the first choice's when
+    the request asked for `n` > 1), with the tokens that tokens_withdrawn frames took back left out (`frames` still
+    holds every frame as sent)."""
+
+    frames: list[ChatFrame] = field(default_factory=list)
+
+    @property
+    def text(self) -> str:
+        return answer_tokens(self.frames).text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return answer_tokens(self.frames).token_ids
+
+    def choice_texts(self) -> list[str]:
+        """Every choice's text, in choice order."""
+        return [answer_tokens(self.frames, choice).text for choice in range(choice_count(self.frames))]
+
+    def choice_token_ids(self) -> list[list[int]]:
+        """Every choice's token ids, in choice order."""
+        return [answer_tokens(self.frames, choice).token_ids for choice in range(choice_count(self.frames))]
+
+    @property
+    def withdrawals(self) -> list[TokensWithdrawnFrame]:
+        return [frame for frame in self.frames if isinstance(frame, TokensWithdrawnFrame)]
+
+    @property
+    def final(self) -> ChatFrame | None:
+        return self.frames[-1] if self.frames else None
+
+    @property
+    def ok(self) -> bool:
+        return isinstance(self.final, DoneFrame)
+
+    def frames_of(self, frame_type: str) -> list[ChatFrame]:
+        return [f for f in self.frames if f.type == frame_type]
+
+    @property
+    def error(self) -> ErrorFrame | PipelineAbortedFrame | None:
+        final = self.final
+        return final if isinstance(final, (ErrorFrame, PipelineAbortedFrame)) else None
+
+
+async def chat(nc: NatsClient, request: ChatRequest, **timeouts: float) -> ChatResult:
+    result = ChatResult()
+    async for frame in stream_chat(nc, request, **timeouts):
+        result.frames.append(frame)
+    return result
+
+
+async def list_models(nc: NatsClient, timeout_s: float = _client_defaults.first_frame_timeout_s) -> ModelsReply:
+    """Ask `llm.models` which models the mesh can serve now. Raises nats' NoRespondersError when no orchestrator
+    listens, and its TimeoutError when none answers within `timeout_s`."""
+    message = await nc.request(MODELS_REQUEST_SUBJECT, ModelsRequest().model_dump_json().encode(), timeout=timeout_s)
+    return ModelsReply.model_validate_json(message.data)

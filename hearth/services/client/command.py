@@ -1,0 +1,194 @@
+"""`hearth chat` and `hearth models`: one chat request, or the mesh's models, from the command line."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
+from pydantic import ValidationError
+
+from hearth.services.client.chat import AnswerTokens, choice_of, list_models, stream_chat
+from hearth.protocol.chat import (
+    ChatFrame,
+    ChatMessage,
+    ChatRequest,
+    DoneFrame,
+    ErrorFrame,
+    PipelineAbortedFrame,
+    QueuedFrame,
+    TokenDeltaFrame,
+    TokensWithdrawnFrame,
+    describe_validation_error,
+)
+from hearth.protocol.subjects import MODELS_REQUEST_SUBJECT
+from hearth.services.common.config import HearthSettings, NatsSettings
+from hearth.services.common.lifecycle import run_event_loop
+from hearth.services.broker.connection import BrokerUnreachable, close_quietly, connect_nats
+
+EXIT_ERROR = 1
+EXIT_NO_ANSWER = 2
+# What a request asks for when it does not say: one choice.
+requested_choices = ChatRequest.model_fields["n"].default
+
+
+def run_chat_command(nats_url: str, *, prompt: str, model: str | None, max_tokens: int, temperature: float,
+                     seed: int | None, raw: bool, as_json: bool, choices: int,
+                     nats_settings: NatsSettings | None = None) -> int:
+    """`hearth chat`: stream one answer to stdout, everything else one line each to stderr; with `choices` > 1
+    (the request's `n`), each choice's answer is printed once the call ended, under a `[choice I]` line.
+
+    Exit code 0 on `done`; 1 on an error frame or a request that is not valid; 2 when no answer came in
+    time (NATS not reachable within nats.connect_timeout_s, or no orchestrator answering).
+
+    Text already printed cannot be taken back: when a tokens_withdrawn frame comes, the line ends, a
+    `[tokens_withdrawn ...]` line goes to stderr, and the answer's kept text is printed again on stdout, where
+    the text goes on; the last stretch of stdout after such a line is the answer.
+    """
+    try:
+        if raw:
+            request = ChatRequest(model=model, prompt=prompt, max_tokens=max_tokens, temperature=temperature,
+                                  seed=seed, n=choices)
+        else:
+            request = ChatRequest(model=model, messages=[ChatMessage(role="user", content=prompt)],
+                                  max_tokens=max_tokens, temperature=temperature, seed=seed, n=choices)
+    except ValidationError as error:
+        _say(f"error bad_request: {describe_validation_error(error)}")
+        return EXIT_ERROR
+    return run_event_loop(_chat(nats_url, request, as_json=as_json, nats_settings=nats_settings))
+
+
+async def _chat(nats_url: str, request: ChatRequest, *, as_json: bool, nats_settings: NatsSettings | None) -> int:
+    try:
+        nc = await connect_nats(nats_url, name="hearth-chat", settings=nats_settings, wait_for_broker=False)
+    except BrokerUnreachable as error:
+        _say(f"hearth chat: {error}")
+        return EXIT_NO_ANSWER
+    printer = ChatPrinter(request.n)
+    try:
+        # aclosing: the inbox is unsubscribed here, before the connection closes, not by a finalizer later.
+        async with contextlib.aclosing(stream_chat(nc, request)) as frames:
+            async for frame in frames:
+                if as_json:
+                    print(frame.model_dump_json(exclude_none=True), flush=True)
+                    continue
+                exit_code = printer.show(frame)
+                if exit_code is not None:
+                    return exit_code
+        return 0
+    finally:
+        await close_quietly(nc, (nats_settings or NatsSettings()).close_timeout_s)
+
+
+class ChatPrinter:
+    """Prints one call's frames: the text to stdout as it streams, every other thing one line each to stderr
+    (the text's line ended first). With `choices` > 1 the choices' texts interleave on the wire, so each is
+    printed whole, under a `[choice I]` line, once the call is done."""
+
+    def __init__(self, choices: int = requested_choices) -> None:
+        self.answers = [AnswerTokens(choice=choice) for choice in range(choices)]
+        self.line_open = False
+
+    @property
+    def answer(self) -> AnswerTokens:
+        return self.answers[0]
+
+    def show(self, frame: ChatFrame) -> int | None:
+        """Print `frame`; the exit code once an error frame ended the call, None otherwise."""
+        choice = choice_of(frame)
+        withdrawn = self.answers[choice].take(frame) if choice < len(self.answers) else []
+        streams = len(self.answers) == 1
+        if isinstance(frame, TokenDeltaFrame):
+            if streams:
+                self._write(frame.text)
+        elif isinstance(frame, TokensWithdrawnFrame):
+            self._end_line()
+            whose = "" if streams else f" of choice {choice}"
+            _say(f"[tokens_withdrawn: the {len(withdrawn)} tokens{whose} after token {frame.kept_tokens} are taken "
+                 f"back ({frame.shard_id}: {frame.reason}); the answer so far:]")
+            if streams:
+                self._write(self.answer.text)
+        elif isinstance(frame, DoneFrame):
+            timing = frame.timing
+            if not streams:
+                self._print_choices(frame)
+            self._end_line()
+            _say(f"[{frame.finish_reason}: {frame.usage.completion_tokens} tokens, "
+                 f"{timing.tokens_per_second or 0:.1f} tokens/s, ttft {timing.ttft_ms or 0:.0f} ms]")
+        elif isinstance(frame, QueuedFrame):
+            _say(f"[queued: position {frame.position} of {frame.queued_requests}]")
+        elif isinstance(frame, (ErrorFrame, PipelineAbortedFrame)):
+            message = frame.message if isinstance(frame, ErrorFrame) else frame.reason
+            if isinstance(frame, ErrorFrame) and frame.retry_after_s is not None:
+                message += f" (retry after {frame.retry_after_s:g} s)"
+            if choice:
+                message += f" (choice {choice})"
+            self._end_line()
+            _say(f"error {frame.code}: {message}")
+            # No orchestrator answered, or it went silent: no answer in time, as for a broker away.
+            return EXIT_NO_ANSWER if frame.code == "orchestrator_gone" else EXIT_ERROR
+        elif frame.type in ("shard_status", "shard_failover"):
+            self._end_line()
+            _say(f"[{frame.type}: {frame.model_dump_json(exclude={'seq', 'type'})}]")
+        return None
+
+    def _print_choices(self, done: DoneFrame) -> None:
+        endings = {end.choice: end for end in done.choices or []}
+        for answer in self.answers:
+            end = endings.get(answer.choice)
+            how = f": {end.finish_reason}, {end.completion_tokens} tokens" if end is not None else ""
+            self._end_line()
+            self._write(f"[choice {answer.choice}{how}]\n")
+            self.line_open = False
+            self._write(answer.text)
+
+    def _write(self, text: str) -> None:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+        self.line_open = self.line_open or bool(text)
+
+    def _end_line(self) -> None:
+        """Finish the text's line before a status line goes to stderr."""
+        if self.line_open:
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+            self.line_open = False
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def run_models_command(nats_url: str, *, as_json: bool, settings: HearthSettings) -> int:
+    """`hearth models`: print what `llm.models` answers; exit code 0, or 2 when no answer came."""
+    return run_event_loop(_models(nats_url, as_json=as_json, settings=settings))
+
+
+async def _models(nats_url: str, *, as_json: bool, settings: HearthSettings) -> int:
+    try:
+        nc = await connect_nats(nats_url, name="hearth-models", settings=settings.nats, wait_for_broker=False)
+    except BrokerUnreachable as error:
+        _say(f"hearth models: {error}")
+        return EXIT_NO_ANSWER
+    try:
+        reply = await list_models(nc, settings.client.first_frame_timeout_s)
+    except NoRespondersError:
+        _say(f"hearth models: no orchestrator is listening on {MODELS_REQUEST_SUBJECT}")
+        return EXIT_NO_ANSWER
+    except NatsTimeoutError:
+        _say(f"hearth models: no orchestrator answered within {settings.client.first_frame_timeout_s:g} s")
+        return EXIT_NO_ANSWER
+    finally:
+        await close_quietly(nc, settings.nats.close_timeout_s)
+    if as_json:
+        print(reply.model_dump_json(indent=2))
+        return 0
+    print(f"{'model':32s} {'layers covered':24s} {'complete':8s} {'context':>8s}  local  quantizations")
+    for model in reply.models:
+        covered = ", ".join(f"{lo}-{hi}" for lo, hi in model.covered_layers) or "-"
+        print(f"{model.id:32s} {covered + f' of {model.total_layers}':24s} {'yes' if model.complete else 'no':8s} "
+              f"{model.context_length or '?':>8}  {'yes' if model.runnable_locally else 'no':5s}  "
+              f"{', '.join(model.quantizations) or '-'}")
+    print(f"default model: {reply.default_model or '(none: name one with --model)'}")
+    return 0

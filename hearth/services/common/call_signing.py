@@ -1,0 +1,133 @@
+"""Signed calls: a client signs each `llm.chat.request` in NATS headers (its public key, a timestamp, a nonce,
+an Ed25519 signature over subject, reply inbox, timestamp, nonce and body), and the orchestrator checks the
+signer against the roster, the trust it requires, the clock and the nonces it has seen.
+
+The signature covers the reply inbox, so a captured call replayed elsewhere cannot send its answer to a new
+place; the nonce cache (kept for twice the allowed clock skew) refuses a replay to the same place.
+
+Each header must have exactly the form signers write (a member's public key, a finite decimal timestamp, 32 hex
+characters of nonce, a base64 Ed25519 signature) before anything else is done with it: a call with a huge nonce
+cannot grow the nonce cache, and one with a `nan` timestamp cannot slip past the clock check.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import secrets
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from hearth.trust.keys import PUBLIC_KEY_PATTERN, MemberKey, verify_b64
+from hearth.trust.roster import MEMBER_NAME_PATTERN, Member, Roster, TrustLevel, trust_at_least
+
+HEADER_CALLER = "Hearth-Caller"
+HEADER_CALLER_TIME = "Hearth-Caller-Time"
+HEADER_CALLER_NONCE = "Hearth-Caller-Nonce"
+HEADER_CALLER_SIGNATURE = "Hearth-Caller-Signature"
+nonce_bytes = 16
+max_remembered_nonces = 100_000
+# The exact form of each signing header: unix seconds (at most 12 digits, a few decimals; never `nan`, `inf` or
+# an exponent), the nonce signers draw, and standard base64 of a 64-byte Ed25519 signature.
+_MEMBER_NAME = re.compile(MEMBER_NAME_PATTERN)
+_HEADER_FORMS = {
+    HEADER_CALLER: re.compile(PUBLIC_KEY_PATTERN),
+    HEADER_CALLER_TIME: re.compile(r"^[0-9]{1,12}(\.[0-9]{1,9})?$"),
+    HEADER_CALLER_NONCE: re.compile(rf"^[0-9a-fA-F]{{{2 * nonce_bytes}}}$"),
+    HEADER_CALLER_SIGNATURE: re.compile(r"^[A-Za-z0-9+/]{86}==$"),
+}
+
+
+def malformed_signing_header(headers: Mapping[str, str]) -> str | None:
+    """The first signing header present that is not of its exact form (checked before any other work), or None."""
+    for name, form in _HEADER_FORMS.items():
+        value = headers.get(name)
+        # fullmatch on a bounded regex is linear, but a multi-megabyte value need not even be scanned.
+        if value is not None and (len(value) > 128 or not form.fullmatch(value)):
+            return name
+    return None
+
+
+
+def _signed_bytes(subject: str, reply: str, timestamp: str, nonce: str, body: bytes) -> bytes:
+    return f"hearth-call\n{subject}\n{reply}\n{timestamp}\n{nonce}\n".encode() + body
+
+
+def signed_call_headers(key: MemberKey, subject: str, reply: str, body: bytes,
+                        now_s: float | None = None) -> dict[str, str]:
+    """The headers that sign one call of `key`'s member."""
+    timestamp = f"{time.time() if now_s is None else now_s:.3f}"
+    nonce = secrets.token_hex(nonce_bytes)
+    return {HEADER_CALLER: key.public_key, HEADER_CALLER_TIME: timestamp, HEADER_CALLER_NONCE: nonce,
+            HEADER_CALLER_SIGNATURE: key.sign_b64(_signed_bytes(subject, reply, timestamp, nonce, body))}
+
+
+@dataclass(frozen=True)
+class CallRefused:
+    """Why a call is not accepted; `reason` is a short code for metrics, `message` for the caller."""
+
+    reason: str
+    message: str
+
+
+class CallVerifier:
+    """Checks signed calls against a roster: a known signer, a valid signature, a fresh timestamp, an unseen
+    nonce, and trust at least `min_caller_trust`."""
+
+    def __init__(self, roster: Roster | Callable[[bool], Roster], *, max_clock_skew_s: float,
+                 min_caller_trust: TrustLevel) -> None:
+        # A callable (given `recheck`: look at the roster file again now) is asked on every call: a long-running
+        # orchestrator must know the members a steward added since it started.
+        self._roster = roster if callable(roster) else (lambda recheck: roster)
+        self.max_clock_skew_s = max_clock_skew_s
+        self.min_caller_trust = min_caller_trust
+        self._seen: OrderedDict[str, float] = OrderedDict()
+
+    def check(self, subject: str, reply: str, body: bytes, headers: Mapping[str, str] | None,
+              now_s: float | None = None) -> Member | CallRefused:
+        now_s = time.time() if now_s is None else now_s
+        headers = headers or {}
+        signer, timestamp = headers.get(HEADER_CALLER), headers.get(HEADER_CALLER_TIME)
+        nonce, signature = headers.get(HEADER_CALLER_NONCE), headers.get(HEADER_CALLER_SIGNATURE)
+        if not (signer and timestamp and nonce and signature):
+            return CallRefused("unsigned", "the call is not signed: send it with a member key (--creds)")
+        malformed = malformed_signing_header(headers)
+        if malformed is not None:
+            return CallRefused("malformed", f"the call's {malformed} header is not of the form signers write "
+                                            "(docs/protocol.md, Signed calls)")
+        signed_at_s = float(timestamp)
+        skew_s = abs(now_s - signed_at_s)
+        # The form admits only finite decimals; checked again because a NaN compares False with everything.
+        if not math.isfinite(signed_at_s) or not skew_s <= self.max_clock_skew_s:
+            return CallRefused("stale", f"the call's timestamp is {skew_s:.0f} s from this orchestrator's clock "
+                                        f"(at most {self.max_clock_skew_s:g} s allowed)")
+        member = self._roster(False).by_key(signer) or self._roster(True).by_key(signer)
+        if member is None:
+            return CallRefused("unknown_signer", "the call's key is not a member of this community")
+        if not verify_b64(signer, _signed_bytes(subject, reply, timestamp, nonce, body), signature):
+            return CallRefused("bad_signature", "the call's signature does not match it")
+        if not self._remember(nonce, now_s):
+            return CallRefused("replayed", "this call was already received (same nonce)")
+        if not trust_at_least(member.trust, self.min_caller_trust):
+            return CallRefused("untrusted", f"{member.name} is a {member.trust}; this mesh answers "
+                                            f"{self.min_caller_trust} or higher")
+        return member
+
+    def role_of(self, name: str) -> str | None:
+        """The role of the roster member called `name` (None: no such member): whose inbox an answer may go to."""
+        if not _MEMBER_NAME.fullmatch(name):
+            return None  # not a member's name at all: the roster file is not looked at again for it
+        member = self._roster(False).by_name(name) or self._roster(True).by_name(name)
+        return member.role if member is not None else None
+
+    def _remember(self, nonce: str, now_s: float) -> bool:
+        horizon_s = now_s - 2 * self.max_clock_skew_s
+        while self._seen and (next(iter(self._seen.values())) < horizon_s
+                              or len(self._seen) >= max_remembered_nonces):
+            self._seen.popitem(last=False)
+        if nonce in self._seen:
+            return False
+        self._seen[nonce] = now_s
+        return True

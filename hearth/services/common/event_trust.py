@@ -1,0 +1,64 @@
+"""This process's part in signed events and calls: the member key it signs its events with, the verifier its
+projections check events with and the one an orchestrator checks calls with, all found from its [nats]
+credentials and the community roster."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from hearth.events.signing import EventVerifier, RosterFile
+from hearth.events.streams import StreamSetup
+from hearth.services.common.call_signing import CallVerifier
+from hearth.services.common.config import HearthSettings, NatsSettings
+from hearth.services.common.identity import default_roster_for, load_identity
+from hearth.trust.keys import MemberKey
+
+log = logging.getLogger(__name__)
+
+
+def event_signing_key(nats: NatsSettings) -> MemberKey | None:
+    """The key of [nats] creds_file, which signs every event this process emits; None on an open mesh
+    (--insecure), where events go out unsigned. IdentityError when the key is not a member's."""
+    if nats.creds_file is None:
+        return None
+    return load_identity(nats.creds_file, nats.roster_file).key
+
+
+def stream_setup(nats: NatsSettings) -> StreamSetup:
+    """On an open broker (--insecure) a process creates the event streams itself; a member waits for the ones the
+    steward creates ([nats] streams_wait_s, or as long as it takes with wait_for_broker)."""
+    return StreamSetup(create=nats.creds_file is None, wait_s=None if nats.wait_for_broker else nats.streams_wait_s)
+
+
+def community_roster_file(nats: NatsSettings) -> Path | None:
+    """[nats] roster_file, else the roster beside the key (`community/keys/NAME.nk` -> `community/roster.json`)."""
+    if nats.roster_file is not None:
+        return nats.roster_file
+    if nats.creds_file is not None:
+        return default_roster_for(nats.creds_file)
+    return None
+
+
+def call_verifier(settings: HearthSettings) -> CallVerifier | None:
+    """The check an orchestrator runs on every `llm.chat.request`, from the community's roster; None on an open
+    mesh (no roster), where calls are answered unsigned."""
+    roster_file = community_roster_file(settings.nats)
+    if roster_file is None:
+        return None
+    roster = RosterFile(roster_file)
+    return CallVerifier(lambda recheck: roster.current(recheck_now=recheck),
+                        max_clock_skew_s=settings.events.max_clock_skew_s,
+                        min_caller_trust=settings.orchestrator.min_caller_trust)
+
+
+def event_verifier(settings: HearthSettings, roster_file: Path | None = None) -> EventVerifier | None:
+    """The check a projection runs on every event, from `roster_file` or the community's roster; None without
+    a roster (an open mesh), where every event is applied as it comes."""
+    roster_file = roster_file or community_roster_file(settings.nats)
+    if roster_file is None:
+        if settings.nats.creds_file is not None:
+            log.warning("no community roster beside %s and no [nats] roster_file: events are applied without "
+                        "checking their signatures", settings.nats.creds_file)
+        return None
+    return EventVerifier.from_roster_file(roster_file, max_clock_skew_s=settings.events.max_clock_skew_s)

@@ -1,0 +1,22 @@
+"""Where hearth's own files are: its data folders (models/, nats/, grafana/, prometheus/).
+
+In a checkout the data folders lie beside the `hearth` package; a wheel installs them as the data package
+`hearth_data` (pyproject.toml, [tool.setuptools]), so beside it too, one level down.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+# The folder holding the `hearth` package: the checkout, or site-packages.
+SOURCES_ROOT = Path(__file__).resolve().parents[3]
+DATA_PACKAGE = "hearth_data"
+DATA_FOLDERS = ("models", "nats", "grafana", "prometheus")
+
+
+def data_dir(folder: str) -> Path:
+    """One of DATA_FOLDERS: hearth_data/<folder> where hearth is installed from its wheel, else the checkout's."""
+    if folder not in DATA_FOLDERS:
+        raise ValueError(f"{folder!r} is not one of hearth's data folders {DATA_FOLDERS}")
+    installed = SOURCES_ROOT / DATA_PACKAGE / folder
+    return installed if installed.is_dir() else SOURCES_ROOT / folder

@@ -1,0 +1,379 @@
+"""`hearth community`: create a community, add members (each with an nkey), list them, render the NATS server's
+authorization block from the roster (`hearth nats`, hearth/services/nats_cli.py, runs a broker for it), show shard
+hosts' reputation from a read model and let a steward clear a quarantine (a signed `integrity.quarantine_cleared`).
+
+The reputation commands read the read model with plain SQL on a read-only connection (the projector may be
+writing); the clearing's publisher is handed in as a function, so the command's logic is tested without a broker."""
+
+from __future__ import annotations
+
+import sqlite3
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Optional
+
+import typer
+
+if TYPE_CHECKING:
+    from hearth.events.models import EventEnvelope, IntegrityQuarantineCleared
+    from hearth.services.common.config import NatsSettings
+    from hearth.trust.keys import MemberKey
+
+community_app = typer.Typer(help="Manage a community: its roster, member keys and the broker's permissions.",
+                            rich_markup_mode=None,
+                            no_args_is_help=True)
+DirOption = Annotated[Path, typer.Option("--dir", help="The community folder (roster.json, keys/).")]
+DEFAULT_COMMUNITY_DIR = Path("community")
+ReadModelOption = Annotated[Path, typer.Option(
+    "--db", help="The read model (the file `hearth projector --db` keeps) that holds the shards' reputation.")]
+DEFAULT_READ_MODEL = Path("readmodel.sqlite")
+NatsOption = Annotated[Optional[str], typer.Option(
+    "--nats", help="The community's broker (default: $HEARTH_NATS_URL or [nats] url; a cluster's URLs "
+                   "comma-separated); TLS as [nats] tls_* say.", show_default=False)]
+tls_validity_days = 365
+
+
+def _fail(message: str, command: str = "hearth community") -> None:
+    typer.echo(f"{command}: {message}", err=True)
+    raise typer.Exit(1)
+
+
+@community_app.command("init")
+def init_command(
+    name: Annotated[str, typer.Option("--name", help="The community's name, e.g. 'elm-street'.")],
+    directory: DirOption = DEFAULT_COMMUNITY_DIR,
+) -> None:
+    """Create a community folder: a roster whose one member is `system`, the steward's own key (keys/system.nk,
+    mode 0600), which the broker lets do anything."""
+    from hearth.trust.community import Community
+    from hearth.trust.roster import RosterError
+
+    try:
+        community = Community.init(directory, name)
+    except (RosterError, ValueError) as error:
+        _fail(str(error))
+    typer.echo(f"created community {name!r} in {directory}: roster {community.roster_path}, "
+               f"system key {community.system_key_path} (keep it with the broker; never share it)")
+
+
+@community_app.command("add")
+def add_command(
+    name: Annotated[str, typer.Option("--name", help="Member name: its node id and inbox token ([A-Za-z0-9_-]).")],
+    role: Annotated[str, typer.Option("--role", help="shard | orchestrator | projector | client | auditor")],
+    trust: Annotated[Optional[str], typer.Option(
+        "--trust", help="member | trusted | steward (default: trusted for shard, orchestrator and projector; "
+                        "member otherwise). Only trusted or higher may serve shards or orchestrate.",
+        show_default=False)] = None,
+    public_key: Annotated[Optional[str], typer.Option(
+        "--public-key", help="The member's own nkey public key (U...), when it made its key itself; else a key "
+                             "pair is generated and its seed written to keys/NAME.nk (mode 0600).")] = None,
+    directory: DirOption = DEFAULT_COMMUNITY_DIR,
+) -> None:
+    """Add a member to the roster; then run `hearth community nats-config` and reload the broker."""
+    from hearth.trust.community import Community
+    from hearth.trust.keys import KeyFileError
+    from hearth.trust.roster import ROLES, TRUST_ORDER, RosterError
+
+    if role not in ROLES:
+        _fail(f"--role must be one of {', '.join(ROLES)}, not {role!r}")
+    if trust is not None and trust not in TRUST_ORDER:
+        _fail(f"--trust must be one of {', '.join(TRUST_ORDER)}, not {trust!r}")
+    try:
+        added = Community(directory).add(name, role, trust=trust, public_key=public_key)  # type: ignore[arg-type]
+    except (RosterError, KeyFileError, ValueError) as error:
+        _fail(str(error))
+    member = added.member
+    where = f"; its key: {added.seed_file} (give it to {name}, then delete it here)" if added.seed_file else ""
+    typer.echo(f"added {member.name} as {member.role} ({member.trust}), public key {member.public_key}{where}")
+
+
+@community_app.command("list")
+def list_command(directory: DirOption = DEFAULT_COMMUNITY_DIR, db: ReadModelOption = DEFAULT_READ_MODEL) -> None:
+    """Print the roster: name, role, trust, public key, and (from the read model, when there is one) the shards of
+    each member that are quarantined."""
+    from hearth.trust.community import Community
+    from hearth.trust.roster import RosterError
+
+    try:
+        roster = Community(directory).roster()
+    except RosterError as error:
+        _fail(str(error))
+    quarantined = quarantined_shards_by_node(db)
+    typer.echo(f"community {roster.community!r}: {len(roster.members)} members")
+    for member in roster.members:
+        shards = quarantined.get(member.name)
+        note = f"  QUARANTINED: {', '.join(shards)}" if shards else ""
+        typer.echo(f"{member.name:24} {member.role:13} {member.trust:8} {member.public_key}{note}")
+
+
+@community_app.command("reputation")
+def reputation_command(db: ReadModelOption = DEFAULT_READ_MODEL) -> None:
+    """Each shard's reputation from the read model: checks that found nothing wrong, the positions they verified,
+    mismatches confirmed against it, disputes, and whether it is quarantined (since when, on what evidence)."""
+    try:
+        rows = read_reputation(db)
+    except ReadModelMissing as error:
+        _fail(str(error), "hearth community reputation")
+    for line in reputation_lines(rows):
+        typer.echo(line)
+
+
+@community_app.command("clear-quarantine")
+def clear_quarantine_command(
+    shard_id: Annotated[str, typer.Argument(help="The quarantined shard ('<model>:<lo>-<hi>@<node>').")],
+    reason: Annotated[str, typer.Option("--reason", help="Why it may serve again (kept in the event log).")],
+    directory: DirOption = DEFAULT_COMMUNITY_DIR,
+    db: ReadModelOption = DEFAULT_READ_MODEL,
+    nats_url: NatsOption = None,
+) -> None:
+    """Let a quarantined shard serve again: publish a signed integrity.quarantine_cleared with the steward's system
+    key (DIR/keys/system.nk). Refused, with nothing published, when the read model does not hold it quarantined."""
+    from hearth.services.broker.connection import BrokerUnreachable
+    from hearth.services.common.config import load_settings
+    from hearth.services.common.lifecycle import run_event_loop
+    from hearth.trust.community import Community
+    from hearth.trust.keys import KeyFileError
+
+    command = "hearth community clear-quarantine"
+    community = Community(directory)
+    if not community.system_key_path.is_file():
+        _fail(f"{community.system_key_path} does not exist: only the steward, with the community's system key, "
+              "clears a quarantine", command)
+    nats = load_settings().nats
+    nats = nats.model_copy(update={"url": nats_url or nats.url, "roster_file": community.roster_path})
+    try:
+        key = community.system_key()
+        event = run_event_loop(clear_quarantine(shard_id, reason, db=db, steward_key=key,
+                                                publish=steward_publisher(nats, community.system_key_path)))
+    except (NotQuarantined, ReadModelMissing, KeyFileError, BrokerUnreachable) as error:
+        _fail(str(error), command)
+    except Exception as error:  # JetStream refused or timed out: say so in one line
+        _fail(f"the clearing was not published: {error}", command)
+    typer.echo(f"cleared the quarantine of {shard_id} (event {event.event_id}, clearing {event.pipeline_id}); "
+               "routers plan it again once their read model applies it")
+
+
+@community_app.command("api-key")
+def api_key_command(
+    name: Annotated[str, typer.Option("--name", help="The member whose calls the key makes (its key must be in "
+                                      "DIR/keys/NAME.nk: the gateway signs its calls with it).")],
+    directory: DirOption = DEFAULT_COMMUNITY_DIR,
+    revoke: Annotated[bool, typer.Option("--revoke", help="Remove every API key of NAME instead.")] = False,
+) -> None:
+    """Make an API key for `hearth gateway` (printed once; only its SHA-256 is kept, in DIR/api_keys.json, mode
+    0600), or revoke a member's keys. Restart the gateway to apply."""
+    from hearth.services.gateway.keys import ApiKeyError, create_api_key, revoke_api_keys
+
+    try:
+        if revoke:
+            typer.echo(f"revoked {revoke_api_keys(directory, name)} API keys of {name}", err=True)
+            return
+        api_key = create_api_key(directory, name)
+    except ApiKeyError as error:
+        _fail(str(error))
+    typer.echo(f"API key for {name} (shown only now; {directory}/api_keys.json keeps its hash):", err=True)
+    typer.echo(api_key)
+
+
+@community_app.command("tls")
+def tls_command(
+    host: Annotated[list[str], typer.Option("--host", help="A name or address the broker is reached by "
+                                            "(repeat); e.g. --host nats --host 192.168.1.10.")],
+    directory: DirOption = DEFAULT_COMMUNITY_DIR,
+) -> None:
+    """Make a small certificate authority in DIR/tls: a broker certificate for the given hosts and one client
+    certificate for the members (for a LAN without a CA of its own; keys mode 0600)."""
+    from hearth.services.broker.tls import write_throwaway_ca
+
+    if (directory / "tls" / "ca.pem").exists():
+        _fail(f"{directory / 'tls'} already holds a CA; not replacing it")
+    files = write_throwaway_ca(directory / "tls", tuple(host), validity_days=tls_validity_days)
+    typer.echo(f"wrote {files.ca_file}, {files.server_cert_file} (for {', '.join(host)}) and {files.client_cert_file};"
+               f" valid {tls_validity_days} days")
+
+
+@community_app.command("nats-config")
+def nats_config_command(
+    directory: DirOption = DEFAULT_COMMUNITY_DIR,
+    out: Annotated[Optional[Path], typer.Option("--out", help="Write to this file (default: stdout).")] = None,
+) -> None:
+    """Render nats-server's authorization block (one nkey user per member, permissions by role); include it
+    in the server's configuration and reload the server (`nats-server --signal reload`)."""
+    from hearth.services.broker.permissions import refused_members, render_authorization
+    from hearth.trust.community import Community
+    from hearth.trust.keys import KeyFileError
+    from hearth.trust.roster import RosterError
+
+    community = Community(directory)
+    try:
+        roster = community.roster()
+    except (RosterError, KeyFileError) as error:
+        _fail(str(error))
+    for member in refused_members(roster):
+        typer.echo(f"warning: {member.name} ({member.role}, {member.trust}) gets no broker user: only trusted "
+                   "or higher may serve shards or orchestrate", err=True)
+    text = render_authorization(roster)
+    if out is None:
+        typer.echo(text, nl=False)
+    else:
+        out.write_text(text)
+        typer.echo(f"wrote {out}", err=True)
+
+
+
+@community_app.command("streams")
+def streams_command(
+    directory: DirOption = DEFAULT_COMMUNITY_DIR,
+    nats_url: Annotated[Optional[str], typer.Option(
+        "--nats", help="The community's broker (default: $HEARTH_NATS_URL or [nats] url; a cluster's URLs "
+                       "comma-separated); TLS as [nats] tls_* say.", show_default=False)] = None,
+) -> None:
+    """Create the event streams on the community's broker, or bring them to the current spec, with the steward's
+    system key (DIR/keys/system.nk): on a community broker no other member may. `hearth nats --community` does
+    this itself at start; run it for a broker started otherwise (compose.yaml runs it once)."""
+    from hearth.services.broker.streams import create_community_streams
+    from hearth.services.common.config import load_settings
+    from hearth.services.common.lifecycle import run_event_loop
+    from hearth.services.broker.connection import BrokerUnreachable
+    from hearth.trust.community import Community
+
+    command = "hearth community streams"
+    system_key = Community(directory).system_key_path
+    if not system_key.is_file():
+        _fail(f"{system_key} does not exist: only the steward, with the community's system key, creates the "
+              "streams", command)
+    nats = load_settings().nats
+    nats = nats.model_copy(update={"url": nats_url or nats.url, "roster_file": Community(directory).roster_path})
+    try:
+        run_event_loop(create_community_streams(nats, system_key, ready_timeout_s=nats.streams_create_timeout_s))
+    except BrokerUnreachable as error:
+        _fail(str(error), command)
+    except Exception as error:  # JetStream refused or never became ready: say so in one line
+        _fail(f"the event streams were not created: {error}", command)
+    typer.echo(f"event streams ready on {nats.url}", err=True)
+
+
+# ---- reputation (read from a read model) and the steward's clearing -------------------------------------------
+
+REPUTATION_LISTING_SQL = """SELECT shard_id, COALESCE(node_id, ''), status, checks, verified_positions, mismatches,
+       disputes, status_since, COALESCE(status_reason, '')
+FROM shard_reputation
+ORDER BY status = 'quarantined' DESC, mismatches DESC, disputes DESC, shard_id"""
+
+Publish = Callable[["EventEnvelope"], Awaitable[None]]
+
+
+class ReadModelMissing(Exception):
+    """The read model a reputation command reads is absent or not migrated to a schema with reputation."""
+
+
+class NotQuarantined(Exception):
+    """The shard a steward asked to clear is not quarantined in the read model: nothing was published."""
+
+
+@dataclass(frozen=True)
+class ShardReputationRow:
+    shard_id: str
+    node_id: str
+    status: str
+    checks: int
+    verified_positions: int
+    mismatches: int
+    disputes: int
+    status_since: int | None
+    status_reason: str
+
+    @property
+    def quarantined(self) -> bool:
+        return self.status == "quarantined"
+
+
+def read_reputation(db: Path) -> list[ShardReputationRow]:
+    """Every shard verification has spoken about, quarantined ones first (ReadModelMissing when it cannot)."""
+    if not db.is_file():
+        raise ReadModelMissing(f"no read model at {db} (give --db, the file `hearth projector --db` keeps)")
+    connection = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5)
+    try:
+        return [ShardReputationRow(*row) for row in connection.execute(REPUTATION_LISTING_SQL)]
+    except sqlite3.OperationalError as error:
+        raise ReadModelMissing(f"{db} holds no reputation ({error}); run `hearth db upgrade --db {db}`") from None
+    finally:
+        connection.close()
+
+
+def format_instant(epoch_s: int | None) -> str:
+    if epoch_s is None:
+        return "-"
+    return datetime.fromtimestamp(epoch_s, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def reputation_lines(rows: list[ShardReputationRow]) -> list[str]:
+    """The `hearth community reputation` listing: a summary, then one line per shard (and its reason)."""
+    quarantined = sum(row.quarantined for row in rows)
+    lines = [f"{len(rows)} shards with verification outcomes, {quarantined} quarantined"]
+    for row in rows:
+        since = f" since {format_instant(row.status_since)}" if row.status_since is not None else ""
+        lines.append(f"{row.status.upper() if row.quarantined else row.status:11} {row.node_id:16} {row.shard_id}  "
+                     f"checks {row.checks}, verified positions {row.verified_positions}, mismatches "
+                     f"{row.mismatches}, disputes {row.disputes}{since}")
+        if row.status_reason:
+            lines.append(f"{'':11} {'cleared: ' if not row.quarantined else ''}{row.status_reason}")
+    return lines
+
+
+def quarantined_shards_by_node(db: Path) -> dict[str, list[str]]:
+    """node -> its quarantined shard ids; empty when there is no read model to ask."""
+    try:
+        rows = read_reputation(db)
+    except ReadModelMissing:
+        return {}
+    by_node: dict[str, list[str]] = {}
+    for row in rows:
+        if row.quarantined:
+            by_node.setdefault(row.node_id, []).append(row.shard_id)
+    return by_node
+
+
+def quarantine_clearing(shard_id: str, reason: str, steward_key: MemberKey) -> IntegrityQuarantineCleared:
+    """The signed event a steward publishes; its `pipeline_id` is the clearing's own id."""
+    from hearth.events.models import IntegrityQuarantineCleared
+    from hearth.events.signing import sign_event
+    from hearth.trust.roster import SYSTEM_MEMBER
+
+    event = IntegrityQuarantineCleared(pipeline_id=f"clear-{uuid.uuid4().hex}", node_id=SYSTEM_MEMBER,
+                                       shard_id=shard_id, reason=reason)
+    return sign_event(event, steward_key)  # type: ignore[return-value]
+
+
+async def clear_quarantine(shard_id: str, reason: str, *, db: Path, steward_key: MemberKey,
+                           publish: Publish) -> IntegrityQuarantineCleared:
+    """Publish the clearing of `shard_id`'s quarantine; NotQuarantined (nothing published) when the read model
+    does not hold it quarantined, ReadModelMissing when there is no read model to ask."""
+    row = next((row for row in read_reputation(db) if row.shard_id == shard_id), None)
+    if row is None or not row.quarantined:
+        state = "never checked" if row is None else f"status {row.status}"
+        raise NotQuarantined(f"shard {shard_id} is not quarantined in {db} ({state}); nothing was published")
+    event = quarantine_clearing(shard_id, reason, steward_key)
+    await publish(event)
+    return event
+
+
+def steward_publisher(nats: NatsSettings, system_key: Path) -> Publish:
+    """A Publish that connects to `nats.url` as the steward (`system_key`), publishes the (already signed) event
+    to its stream and closes the connection."""
+
+    async def publish(event: EventEnvelope) -> None:
+        from hearth.events.publish import publish_event
+        from hearth.services.broker.connection import close_quietly, connect_nats
+
+        settings = nats.model_copy(update={"creds_file": system_key})
+        connection = await connect_nats(settings.url, name="hearth steward", settings=settings)
+        try:
+            await publish_event(connection.jetstream(), event)
+        finally:
+            await close_quietly(connection, settings.close_timeout_s)
+
+    return publish

@@ -1,0 +1,49 @@
+"""The `hearth dashboards` commands (build the Grafana JSON, render PNGs) and `hearth status`; bodies import lazily."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+dashboards_app = typer.Typer(help="The Grafana dashboards of a mesh (grafana/dashboards/).", no_args_is_help=True,
+                             rich_markup_mode=None)
+
+ReadModelOption = Annotated[Path, typer.Option("--db", help="The read-model SQLite file (hearth projector --db).")]
+
+
+@dashboards_app.command("build")
+def build_command(
+    out: Annotated[Optional[Path], typer.Option("--out", help="Folder to write into (default: grafana/dashboards).",
+                                                show_default=False)] = None,
+    check: Annotated[bool, typer.Option("--check", help="Write nothing; exit 1 naming files that differ.")] = False,
+) -> None:
+    """Write each dashboard's Grafana JSON from hearth/services/dashboards/panels.py."""
+    from hearth.services.dashboards.grafana_json import DASHBOARDS_DIR, write_dashboards
+
+    stale = write_dashboards(out or DASHBOARDS_DIR, check=check)
+    for name in stale:
+        typer.echo(f"{'differs' if check else 'wrote'}: {name}")
+    raise typer.Exit(1 if check and stale else 0)
+
+
+@dashboards_app.command("render")
+def render_command(
+    db: ReadModelOption,
+    out: Annotated[Path, typer.Option("--out", help="Folder for one PNG per dashboard.")] = Path("docs/img"),
+) -> None:
+    """Draw each dashboard as a PNG (matplotlib) from the same panel queries Grafana runs, on `--db`."""
+    from hearth.services.dashboards.render import render_all
+
+    for path in render_all(db, out):
+        typer.echo(f"wrote {path}")
+
+
+def status_command(db: ReadModelOption = Path("readmodel.sqlite")) -> None:
+    """One screen from a read model: models and their layer coverage, shards online (heartbeat age, p95 step,
+    reputation), the shards verification found fault with (quarantined, mismatches, disputes), calls in the last
+    hour by outcome."""
+    from hearth.services.dashboards.status import run_status_command
+
+    raise typer.Exit(run_status_command(db))

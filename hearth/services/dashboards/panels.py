@@ -1,0 +1,285 @@
+"""The four hearth dashboards (Mesh, Pipelines, Shard hosts, Event log): every panel's SQL or PromQL.
+
+SQL panels read the read model (hearth/readmodels/tables.py: instants are INTEGER epoch seconds, which the SQLite
+plugin turns into times itself) and are preferred wherever the read model holds the data; "now" is the end of
+the dashboard's time range (`$__to / 1000`), so a panel shows the mesh as it was at the end of the range.
+PromQL panels use only the metric names agreed with the metrics side (orchestrator, shard and projector
+metrics), for what only live processes know (calls in flight, step compute histograms, KV cache, lag).
+
+Not shown yet: a shard's device (advertisements do not carry it; the shard tables show dtype and the
+memory its range needs) and the many-users issue's request queue, which gets a SQL panel on Pipelines once
+its table exists (until then `hearth_queued_requests` is drawn beside calls in flight).
+"""
+
+from __future__ import annotations
+
+from hearth.services.dashboards.model import Dashboard, PromPanel, PromTarget, SqlPanel
+
+NOW_S = "$__to / 1000"
+
+
+def in_range(column: str) -> str:
+    """The dashboard's time range on an epoch-seconds column. Not the plugin's `$__timeFilter(column)`: that
+    wraps the column in CAST(CASE ...), which no index can serve; this BETWEEN uses the read model's indexes
+    (scripts/bench_dashboard_queries.py). `$__from`/`$__to` are epoch milliseconds, replaced by Grafana."""
+    return f"{column} BETWEEN $__from / 1000 AND $__to / 1000"
+LIVE_SHARD = f"shards.status = 'advertised' AND shards.expires_at >= {NOW_S}"
+
+# Every layer of every model with how many live shards hold it (a recursive CTE enumerates the layers).
+LAYER_REPLICAS_CTE = f"""WITH RECURSIVE layers(model_id, layer, total_layers) AS (
+  SELECT model_id, 0, MAX(total_layers) FROM shards GROUP BY model_id
+  UNION ALL
+  SELECT model_id, layer + 1, total_layers FROM layers WHERE layer + 1 < total_layers
+), layer_replicas AS (
+  SELECT layers.model_id AS model_id, layers.layer AS layer, COUNT(shards.shard_id) AS replicas
+  FROM layers LEFT JOIN shards
+    ON shards.model_id = layers.model_id AND {LIVE_SHARD}
+   AND layers.layer BETWEEN shards.layer_lo AND shards.layer_hi
+  GROUP BY layers.model_id, layers.layer
+)"""
+
+MODELS_SQL = f"""{LAYER_REPLICAS_CTE}
+SELECT layer_replicas.model_id AS model, COUNT(*) AS layers, SUM(replicas > 0) AS covered_layers,
+       MIN(replicas) AS min_replicas,
+       (SELECT COUNT(*) FROM shards WHERE shards.model_id = layer_replicas.model_id AND {LIVE_SHARD}) AS shards_online
+FROM layer_replicas GROUP BY layer_replicas.model_id ORDER BY model"""
+
+SHARDS_ONLINE_SQL = f"""SELECT shards.node_id AS node, shards.model_id AS model,
+       shards.layer_lo || '-' || shards.layer_hi AS layers, shards.dtype AS dtype,
+       shards.memory_required_mb AS memory_mb, {NOW_S} - shard_health.last_seen AS heartbeat_age_s,
+       shard_health.active_streams AS active_streams, shard_health.queue_depth AS queue_depth,
+       shard_health.p95_latency_ms AS p95_step_ms, shards.shard_id AS shard,
+       COALESCE(shard_reputation.status, 'unchecked') AS reputation
+FROM shards LEFT JOIN shard_health ON shard_health.shard_id = shards.shard_id
+     LEFT JOIN shard_reputation ON shard_reputation.shard_id = shards.shard_id
+WHERE {LIVE_SHARD}
+ORDER BY shards.model_id, shards.layer_lo, shards.node_id"""
+
+# Every shard verification has spoken about (hearth/readmodels/reputation.py), quarantined ones first.
+REPUTATION_SQL = """SELECT COALESCE(node_id, '') AS node, shard_id AS shard, status, checks, verified_positions,
+       mismatches, disputes, datetime(status_since, 'unixepoch') AS since, COALESCE(status_reason, '') AS reason
+FROM shard_reputation ORDER BY status = 'quarantined' DESC, mismatches DESC, disputes DESC, shard"""
+
+CALLS_BY_OUTCOME_SQL = f"""SELECT $__unixEpochGroupSeconds(constructed_at, 60) AS time, status AS outcome,
+       COUNT(*) AS calls
+FROM pipelines WHERE {in_range('constructed_at')}
+GROUP BY 1, 2 ORDER BY 1, 2"""
+
+
+def minute_percentiles_sql(prefix: str, unit_suffix: str = "") -> str:
+    """p50 and p95 per minute from pipeline_minutes (kept by the projection: hearth/readmodels/pipeline_minutes.py)."""
+    return f"""SELECT minute AS time, {prefix}_p50{unit_suffix} AS p50, {prefix}_p95{unit_suffix} AS p95
+FROM pipeline_minutes WHERE {in_range('minute')} AND {prefix}_p50{unit_suffix} IS NOT NULL ORDER BY minute"""
+
+
+def histogram_p(quantile: float, metric: str, by: str = "") -> str:
+    labels = f"{by}, le" if by else "le"
+    return f"histogram_quantile({quantile}, sum by ({labels}) (rate({metric}_bucket[1m])))"
+
+
+MESH = Dashboard(
+    uid="hearth-mesh",
+    title="hearth / Mesh",
+    description="Which models the mesh can serve: every layer's live replicas, and each shard online.",
+    panels=(
+        SqlPanel(
+            "Models", "table", MODELS_SQL,
+            ("model", "layers", "covered_layers", "min_replicas", "shards_online"),
+            "A model can be served when covered_layers = layers; min_replicas is its weakest layer.",
+        ),
+        SqlPanel(
+            "Live replicas per layer", "barchart",
+            f"""{LAYER_REPLICAS_CTE}
+SELECT model_id || ' L' || layer AS layer, replicas FROM layer_replicas ORDER BY model_id, layer""",
+            ("layer", "replicas"),
+            "0: that layer (and the model) cannot be served; 1: no failover possible.",
+        ),
+        SqlPanel(
+            "Shards online", "table", SHARDS_ONLINE_SQL,
+            ("node", "layers", "memory_mb", "heartbeat_age_s", "p95_step_ms", "reputation"),
+            "Advertised and not expired. memory_mb is what the range needs (from its advertisement); the "
+            "device is not advertised yet. reputation: ok, quarantined (never routed) or unchecked.",
+        ),
+        PromPanel(
+            "KV cache by shard", (PromTarget("sum by (shard_id) (hearth_shard_kv_cache_bytes)", "{{shard_id}}"),),
+            "Memory held by the sessions' key/value caches.", unit="bytes",
+        ),
+        PromPanel(
+            "Active sessions by shard",
+            (PromTarget("sum by (shard_id) (hearth_shard_active_sessions)", "{{shard_id}}"),),
+        ),
+        PromPanel(
+            "Kept-prefix hit rate by shard",
+            (PromTarget('sum by (shard_id) (rate(hearth_shard_prefix_lookups_total{outcome="hit"}[5m])) / '
+                        "sum by (shard_id) (rate(hearth_shard_prefix_lookups_total[5m]))", "{{shard_id}}"),),
+            "Hops opened naming a call's blocks that found some kept from earlier calls (conversations, shared "
+            "system prompts): those positions are not prefilled again.", unit="percentunit",
+        ),
+    ),
+)
+
+PIPELINES = Dashboard(
+    uid="hearth-pipelines",
+    title="hearth / Pipelines",
+    description="Chat calls: how they end, how fast, what failed over or fell back.",
+    panels=(
+        SqlPanel(
+            "Calls per minute by outcome", "timeseries", CALLS_BY_OUTCOME_SQL, ("time", "outcome", "calls"),
+            "Calls by the minute they started; outcome is the pipeline's status (completed, aborted, "
+            "fallback_local, or still streaming).", bars=True,
+        ),
+        SqlPanel(
+            "Time to first token p50 / p95", "timeseries", minute_percentiles_sql("ttft", "_ms"),
+            ("time", "p50", "p95"), "Nearest-rank percentiles of the calls started in each minute.", unit="ms",
+        ),
+        SqlPanel(
+            "Decode tokens/s p50 / p95", "timeseries",
+            minute_percentiles_sql("tokens_per_second"),
+            ("time", "p50", "p95"), "Completed calls started in each minute, nearest rank.",
+        ),
+        SqlPanel(
+            "Failovers and fallbacks per minute", "timeseries",
+            f"""SELECT $__unixEpochGroupSeconds(occurred_at, 60) AS time, 'failover' AS kind, COUNT(*) AS events
+FROM failovers WHERE {in_range('occurred_at')} GROUP BY 1
+UNION ALL
+SELECT $__unixEpochGroupSeconds(constructed_at, 60) AS time, 'fallback_local' AS kind, COUNT(*) AS events
+FROM pipelines WHERE {in_range('constructed_at')} AND fell_back_to_local = 1 GROUP BY 1
+ORDER BY time""",
+            ("time", "kind", "events"), bars=True,
+        ),
+        SqlPanel(
+            "Aborts by code", "barchart",
+            f"""SELECT error_code AS code, COUNT(*) AS aborts FROM pipelines
+WHERE status = 'aborted' AND {in_range('constructed_at')} GROUP BY error_code ORDER BY aborts DESC, code""",
+            ("code", "aborts"),
+        ),
+        PromPanel(
+            "Calls in flight and queued",
+            (PromTarget("sum(hearth_calls_in_flight)", "in flight"),
+             PromTarget("sum(hearth_queued_requests)", "queued")),
+            "The request queue of the many-users issue gets its own read-model panel once it is projected.",
+        ),
+        PromPanel(
+            "Requests per second by code",
+            (PromTarget("sum by (code) (rate(hearth_requests_total[1m]))", "{{code}}"),), unit="reqps",
+        ),
+        PromPanel(
+            "First token, construction p95 and decode p50 (live)",
+            (PromTarget(histogram_p(0.95, "hearth_first_token_seconds"), "first token p95 (s)"),
+             PromTarget(histogram_p(0.95, "hearth_pipeline_construct_seconds"), "construction p95 (s)"),
+             PromTarget(histogram_p(0.5, "hearth_decode_tokens_per_second"), "decode tokens/s p50")),
+        ),
+        PromPanel(
+            "Failovers and fallbacks per second (live)",
+            (PromTarget("sum by (reason) (rate(hearth_failovers_total[1m]))", "failover {{reason}}"),
+             PromTarget("sum(rate(hearth_fallback_to_local_total[1m]))", "fallback to local")),
+        ),
+    ),
+)
+
+SHARD_HOSTS = Dashboard(
+    uid="hearth-shard-hosts",
+    title="hearth / Shard hosts",
+    description="Each host's speed, the tokens it served and what went wrong on it.",
+    panels=(
+        SqlPanel(
+            "p95 step latency by shard (latest heartbeat)", "barchart",
+            f"""SELECT shards.node_id || ' ' || shards.layer_lo || '-' || shards.layer_hi AS shard,
+       shard_health.p95_latency_ms AS p95_step_ms
+FROM shard_health JOIN shards ON shards.shard_id = shard_health.shard_id
+WHERE {LIVE_SHARD} ORDER BY shard""",
+            ("shard", "p95_step_ms"), unit="ms",
+        ),
+        SqlPanel(
+            "Tokens through each host per day", "timeseries",
+            """SELECT shard_tokens_daily.day AS time, COALESCE(shards.node_id, shard_tokens_daily.shard_id) AS host,
+       SUM(shard_tokens_daily.tokens) AS tokens
+FROM shard_tokens_daily LEFT JOIN shards ON shards.shard_id = shard_tokens_daily.shard_id
+WHERE shard_tokens_daily.day BETWEEN $__from / 1000 - 86399 AND $__to / 1000
+GROUP BY 1, 2 ORDER BY 1, 2""",
+            ("time", "host", "tokens"),
+            "Prompt and generated tokens of completed calls per UTC day, on the hops that finished them (a "
+            "failed-over host's part is counted on its replacement; shard_tokens_daily).", bars=True,
+        ),
+        SqlPanel(
+            "Reputation: pipelines joined, failovers caused, corruption detected", "table",
+            """SELECT COALESCE(shards.node_id, '') AS node, shard_stats.shard_id AS shard,
+       shard_stats.tokens_served AS tokens_served, shard_stats.pipelines_joined AS pipelines_joined,
+       shard_stats.failovers_caused AS failovers_caused,
+       shard_stats.corruption_detections AS corruption_detections
+FROM shard_stats LEFT JOIN shards ON shards.shard_id = shard_stats.shard_id
+ORDER BY corruption_detections DESC, failovers_caused DESC, shard""",
+            ("node", "shard", "failovers_caused", "corruption_detections"),
+        ),
+        SqlPanel(
+            "Reputation: verified work, mismatches, quarantine", "table", REPUTATION_SQL,
+            ("node", "shard", "status", "checks", "verified_positions", "mismatches", "disputes", "since"),
+            "From the spot-checks' signed outcomes (shard_reputation): checks that found nothing wrong and the "
+            "positions they verified; mismatches two other parties confirmed; disputes nobody could settle. A "
+            "quarantined shard is never routed until a steward runs `hearth community clear-quarantine`; since: "
+            "when its status last changed (UTC), reason: the evidence or the steward's reason.",
+        ),
+        PromPanel(
+            "Step compute p95 by shard (live)",
+            (PromTarget(histogram_p(0.95, "hearth_shard_step_compute_seconds", "shard_id"), "{{shard_id}}"),),
+            unit="s",
+        ),
+        PromPanel(
+            "Tokens served per minute by shard (live)",
+            (PromTarget("sum by (shard_id) (rate(hearth_shard_tokens_served_total[1m])) * 60", "{{shard_id}}"),),
+        ),
+        PromPanel(
+            "Corruption detections (live)",
+            (PromTarget("sum by (shard_id, check) (increase(hearth_shard_corruption_detected_total[5m]))",
+                        "{{shard_id}} {{check}}"),),
+        ),
+    ),
+)
+
+EVENT_LOG = Dashboard(
+    uid="hearth-event-log",
+    title="hearth / Event log",
+    description="The event streams as the projector applies them: rates, lag, and every rejected event.",
+    panels=(
+        SqlPanel(
+            "Events per minute by type", "timeseries",
+            f"""SELECT minute AS time, type, events FROM event_counts
+WHERE {in_range('minute')} ORDER BY minute, type""",
+            ("time", "type", "events"), "Applied events, by the minute they occurred (event_counts).",
+            bars=True,
+        ),
+        SqlPanel(
+            "Rejected events per minute by reason", "timeseries",
+            f"""SELECT $__unixEpochGroupSeconds(rejected_at, 60) AS time, reason, COUNT(*) AS rejected
+FROM rejected_events WHERE {in_range('rejected_at')} GROUP BY 1, 2 ORDER BY 1, 2""",
+            ("time", "reason", "rejected"), "Events the projector refused (unsigned, unknown signer, ...).",
+            bars=True,
+        ),
+        SqlPanel(
+            "Latest rejected events", "table",
+            f"""SELECT rejected_at AS time, reason, type, node_id AS claimed_node, COALESCE(signer, '') AS signer,
+       stream, stream_seq
+FROM rejected_events WHERE {in_range('rejected_at')} ORDER BY rejected_at DESC, stream_seq DESC LIMIT 50""",
+            ("time", "reason", "type", "claimed_node"),
+        ),
+        SqlPanel(
+            "Projection positions", "table",
+            f"""SELECT projection, stream, last_seq, {NOW_S} - last_event_at AS newest_event_age_s
+FROM projection_positions ORDER BY projection, stream""",
+            ("stream", "last_seq", "newest_event_age_s"),
+            "How far this read model has read each stream; the lag itself is the Prometheus panel beside.",
+        ),
+        PromPanel(
+            "Projector lag",
+            (PromTarget("max(hearth_projector_lag_events)", "events behind"),
+             PromTarget("max(hearth_projector_lag_seconds)", "seconds behind")),
+        ),
+        PromPanel(
+            "Events applied per second by type (live)",
+            (PromTarget("sum by (event_type) (rate(hearth_projector_events_applied_total[1m]))", "{{event_type}}"),
+             PromTarget("sum by (reason) (rate(hearth_events_rejected_total[1m]))", "rejected {{reason}}")),
+        ),
+    ),
+)
+
+DASHBOARDS: tuple[Dashboard, ...] = (MESH, PIPELINES, SHARD_HOSTS, EVENT_LOG)

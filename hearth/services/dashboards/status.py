@@ -1,0 +1,120 @@
+"""`hearth status`: one screen from a read model: models and their layer coverage, shards online (with their
+reputation), shards verification has found fault with, recent calls.
+
+It runs the Mesh dashboard's own SQL (hearth/services/dashboards/panels.py) on a read-only connection, with "now"
+as the end of the time range, so the screen and the dashboard never disagree. Heartbeat ages are from this
+machine's clock.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from itertools import groupby
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from hearth.services.dashboards.macros import TimeRange, open_read_only, run_panel_sql
+from hearth.services.dashboards.panels import LAYER_REPLICAS_CTE, MODELS_SQL, REPUTATION_SQL, SHARDS_ONLINE_SQL
+
+RECENT_CALLS_S = 3600
+
+LAYER_REPLICAS_SQL = f"""{LAYER_REPLICAS_CTE}
+SELECT model_id, layer, replicas FROM layer_replicas ORDER BY model_id, layer"""
+CALLS_BY_OUTCOME_SQL = """SELECT status AS outcome, COUNT(*) AS calls, ROUND(AVG(ttft_ms)) AS mean_ttft_ms,
+       ROUND(AVG(tokens_per_second), 1) AS mean_tokens_per_s
+FROM pipelines WHERE constructed_at BETWEEN $__from / 1000 AND $__to / 1000 GROUP BY status ORDER BY calls DESC"""
+
+
+def coverage_text(layer_replicas: list[tuple[int, int]]) -> str:
+    """Consecutive layers with the same number of replicas as one run: `0-1 x2, 2-3 x1, 4-5 MISSING`."""
+    runs = []
+    for replicas, run in groupby(layer_replicas, key=lambda pair: pair[1]):
+        layers = [layer for layer, _ in run]
+        span = f"{layers[0]}-{layers[-1]}" if len(layers) > 1 else f"{layers[0]}"
+        runs.append(f"{span} MISSING" if replicas == 0 else f"{span} x{replicas}")
+    return ", ".join(runs)
+
+
+def status_tables(connection: sqlite3.Connection, now_s: int) -> list[Table]:
+    """The four tables of the screen, read from one connection at `now_s` (epoch seconds)."""
+    time_range = TimeRange(now_s - RECENT_CALLS_S, now_s)
+    _, per_layer = run_panel_sql(connection, LAYER_REPLICAS_SQL, time_range)
+    coverage = {model: coverage_text([(layer, n) for _, layer, n in rows])
+                for model, rows in groupby(per_layer, key=lambda row: row[0])}
+
+    models = Table(title="Models", title_justify="left")
+    for name in ("model", "layers covered", "min replicas", "shards", "coverage (layers x replicas)"):
+        models.add_column(name)
+    for model, layers, covered, min_replicas, shards in run_panel_sql(connection, MODELS_SQL, time_range)[1]:
+        style = None if covered == layers else "bold red"
+        models.add_row(model, f"{covered}/{layers}", str(min_replicas), str(shards), coverage.get(model, ""),
+                       style=style)
+
+    shards = Table(title="Shards online", title_justify="left")
+    for name in ("node", "model", "layers", "dtype", "memory MB", "heartbeat age s", "active", "p95 step ms",
+                 "reputation"):
+        shards.add_column(name, justify="right" if name[0].isdigit() or " " in name else "left")
+    columns, rows = run_panel_sql(connection, SHARDS_ONLINE_SQL, time_range)
+    for row in rows:
+        value = dict(zip(columns, row))
+        shards.add_row(value["node"], value["model"], value["layers"], value["dtype"],
+                       _number(value["memory_mb"]), _number(value["heartbeat_age_s"]),
+                       _number(value["active_streams"]), _number(value["p95_step_ms"]), value["reputation"],
+                       style="bold red" if value["reputation"] == "quarantined" else None)
+
+    return [models, shards, reputation_table(connection, time_range), _calls_table(connection, time_range)]
+
+
+def reputation_table(connection: sqlite3.Connection, time_range: TimeRange) -> Table:
+    """A summary title (shards checked, quarantined) over the shards with a mismatch, a dispute or a quarantine."""
+    columns, rows = run_panel_sql(connection, REPUTATION_SQL, time_range)
+    shards = [dict(zip(columns, row)) for row in rows]
+    quarantined = sum(shard["status"] == "quarantined" for shard in shards)
+    table = Table(title=f"Reputation: {len(shards)} shards verified, {quarantined} quarantined", title_justify="left")
+    for name in ("node", "shard", "status", "checks", "verified positions", "mismatches", "disputes", "since (UTC)",
+                 "reason"):
+        table.add_column(name)
+    for shard in shards:
+        if shard["status"] == "quarantined" or shard["mismatches"] or shard["disputes"]:
+            table.add_row(shard["node"], shard["shard"], shard["status"], str(shard["checks"]),
+                          str(shard["verified_positions"]), str(shard["mismatches"]), str(shard["disputes"]),
+                          shard["since"] or "-", shard["reason"],
+                          style="bold red" if shard["status"] == "quarantined" else None)
+    return table
+
+
+def _calls_table(connection: sqlite3.Connection, time_range: TimeRange) -> Table:
+    calls = Table(title=f"Calls in the last {RECENT_CALLS_S // 60} minutes", title_justify="left")
+    for name in ("outcome", "calls", "mean ttft ms", "mean tokens/s"):
+        calls.add_column(name)
+    for outcome, count, ttft, rate in run_panel_sql(connection, CALLS_BY_OUTCOME_SQL, time_range)[1]:
+        calls.add_row(outcome, str(count), _number(ttft), _number(rate))
+    return calls
+
+
+def _number(value) -> str:
+    if value is None:
+        return "-"
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def run_status_command(db: Path, *, now_s: int | None = None, console: Console | None = None) -> int:
+    """Print the screen; 1 with a one-line reason when `db` is not a read model."""
+    console = console or Console()
+    if not db.is_file():
+        console.print(f"hearth status: no read model at {db} (run `hearth projector --db {db}`)", markup=False)
+        return 1
+    connection = open_read_only(db)
+    try:
+        tables = status_tables(connection, int(time.time()) if now_s is None else now_s)
+    except sqlite3.OperationalError as error:
+        console.print(f"hearth status: {db} is not a migrated read model ({error})", markup=False)
+        return 1
+    finally:
+        connection.close()
+    for table in tables:
+        console.print(table)
+    return 0

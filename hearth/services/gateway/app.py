@@ -1,0 +1,294 @@
+"""The gateway's ASGI app (Starlette): OpenAI's /v1/models, /v1/chat/completions and /v1/completions over the
+mesh's `llm.chat.request`, plus /healthz (its /metrics has a server of its own: `hearth gateway --metrics-port`).
+
+No HTTP status is sent before the call's first token or its final frame, so a call the mesh refuses or cannot
+serve gets its own status (400, 404, 429, 503, ...) even when streamed; after the first token a streamed call
+that fails ends with an OpenAI error event instead of `data: [DONE]`, and so does one whose chunks carried tokens
+the mesh withdrew (a whole answer just leaves them out). A client that disconnects, while waiting
+or mid-stream, has its call's inbox closed at once, which ends the call on the orchestrator and frees the hops.
+No CORS headers are sent unless `[gateway] cors_allowed_origins` names the web origins that may call from a browser.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import ExitStack
+
+import anyio
+from pydantic import BaseModel, ValidationError
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from hearth.protocol.chat import BadRequest, DoneFrame, TokenDeltaFrame, TokensWithdrawnFrame, describe_validation_error
+from hearth.services.client.chat import AnswerTokens, choice_of
+from hearth.services.common.metrics import counter, histogram
+from hearth.services.gateway.answers import SSE_DONE, AnswerShape, ChatShape, ChoiceAnswer, CompletionShape, sse_event
+from hearth.services.gateway.errors import GatewayError, bad_request, from_frame, tokens_withdrawn
+from hearth.services.gateway.mesh import AnswerFrame, ClientGone, Gateway, MeshCall, unless_disconnected
+from hearth.services.gateway.openai_models import (
+    ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, Unsupported,
+)
+
+log = logging.getLogger(__name__)
+ROUTES = ("/v1/models", "/v1/chat/completions", "/v1/completions", "/healthz")
+# What a browser page from an allowed origin may do ([gateway] cors_allowed_origins).
+CORS_METHODS = ("GET", "POST")
+CORS_HEADERS = ("Authorization", "Content-Type")
+# nginx's "client closed request": recorded in /metrics for calls whose client left before the answer.
+CLIENT_CLOSED_STATUS = 499
+latency_buckets_s = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+requests_total = counter("hearth_gateway_requests_total", "HTTP requests answered, by route and status",
+                         ["route", "status"])
+request_seconds = histogram("hearth_gateway_request_seconds", "From request to the last byte of the answer "
+                            "(a streamed one included), by route and status", ["route", "status"],
+                            buckets=latency_buckets_s)
+first_token_seconds = histogram("hearth_gateway_first_token_seconds", "From request to the first token leaving "
+                                "the gateway, by route", ["route"], buckets=latency_buckets_s)
+
+
+class Health(BaseModel):
+    status: str
+    nats_connected: bool
+    open_calls: int
+
+
+class SseResponse(StreamingResponse):
+    """Server-sent events of one call; the call is closed however the response ends (a disconnect cancels the
+    stream, possibly before its first event: the events' own `finally` would then never run)."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, events: AsyncIterator[bytes], call: MeshCall, slot: ExitStack) -> None:
+        super().__init__(events, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.call = call
+        self.slot = slot
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()
+                await self.call.aclose()
+            self.slot.close()
+
+
+class MetricsMiddleware:
+    """Counts every HTTP request and times it to its last byte, labelled by route and status."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        route = scope["path"] if scope["path"] in ROUTES else "other"
+        status = [500]
+
+        async def sending(message) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        started = time.perf_counter()
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            requests_total.labels(route, str(status[0])).inc()
+            request_seconds.labels(route, str(status[0])).observe(time.perf_counter() - started)
+
+
+class GatewayApp:
+    """The routes' handlers over one Gateway."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+
+    async def healthz(self, request: Request) -> Response:
+        connected = self.gateway.nc.is_connected
+        health = Health(status="ok" if connected else "nats_disconnected", nats_connected=connected,
+                        open_calls=self.gateway.open_calls)
+        return JSONResponse(health.model_dump(), status_code=200 if connected else 503)
+
+    async def models(self, request: Request) -> Response:
+        try:
+            self.gateway.caller(request.headers.get("authorization"))
+            reply = await self.gateway.models()
+        except GatewayError as error:
+            return error.response()
+        servable = [ModelCard(id=model.id) for model in reply.models if model.complete or model.runnable_locally]
+        return JSONResponse(ModelList(data=servable).model_dump())
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._answer(request, ChatCompletionRequest, ChatShape, "chatcmpl-")
+
+    async def completions(self, request: Request) -> Response:
+        return await self._answer(request, CompletionRequest, CompletionShape, "cmpl-")
+
+    async def _answer(self, request: Request, body_model: type[ChatCompletionRequest | CompletionRequest],
+                      shape_class: type[AnswerShape], id_prefix: str) -> Response:
+        slot = ExitStack()
+        call: MeshCall | None = None
+        try:
+            caller = self.gateway.caller(request.headers.get("authorization"))
+            body = await self._body(request, body_model)
+            try:
+                chat_request = body.to_chat_request()
+            except Unsupported as error:
+                raise bad_request(str(error), error.param) from None
+            except BadRequest as error:
+                raise bad_request(str(error)) from None
+            await self.gateway.check_model(chat_request.model)
+            slot.enter_context(self.gateway.open_call(caller))
+            model = chat_request.model or (await self.gateway.models()).default_model or "default"
+            shape = shape_class(id=id_prefix + chat_request.request_id, model=model)
+            if isinstance(shape, ChatShape):
+                shape.tools = body.may_call_tools
+            call = self.gateway.call(chat_request, caller)
+            first = await unless_disconnected(request.receive, call.first_answer())
+            if not isinstance(first, (TokenDeltaFrame, DoneFrame)):
+                raise self._error(first)
+            answers = [AnswerTokens(choice=choice) for choice in range(chat_request.n)]
+            if body.stream:
+                stream = SseResponse(self._events(request.url.path, call, shape, first, answers, body.include_usage),
+                                     call, slot)
+                call, slot = None, ExitStack()  # the response owns them now
+                return stream
+            return await unless_disconnected(request.receive,
+                                             self._whole(call, shape, first, answers, chat_request.logprobs))
+        except GatewayError as error:
+            if error.status >= 500 or error.status == 429:
+                log.info("%s: %s", request.url.path, error)  # the code and message only: never the prompt
+            return error.response()
+        except (ClientGone, ClientDisconnect):
+            return Response(status_code=CLIENT_CLOSED_STATUS)
+        finally:
+            if call is not None:
+                with anyio.CancelScope(shield=True):
+                    await call.aclose()
+            slot.close()
+
+    def _error(self, frame) -> GatewayError:
+        return from_frame(frame, self.gateway.settings.gateway.retry_after_s)
+
+    async def _body(self, request: Request, body_model):
+        limit = self.gateway.settings.orchestrator.max_request_bytes
+        data = b""
+        async for piece in request.stream():
+            data += piece
+            if len(data) > limit:
+                raise bad_request(f"body: over {limit} bytes ([orchestrator] max_request_bytes)")
+        try:
+            return body_model.model_validate_json(data)
+        except ValidationError as error:
+            raise bad_request(describe_validation_error(error), _first_param(error)) from None
+
+    async def _whole(self, call: MeshCall, shape: AnswerShape, first: AnswerFrame, answers: list[AnswerTokens],
+                     with_logprobs: bool) -> Response:
+        withdrawals = False
+        frame = first
+        while isinstance(frame, (TokenDeltaFrame, TokensWithdrawnFrame)):
+            _take(answers, frame)
+            withdrawals = withdrawals or isinstance(frame, TokensWithdrawnFrame)
+            frame = await call.next()
+        if not isinstance(frame, DoneFrame):
+            raise self._error(frame)
+        choices = [ChoiceAnswer(answer.text, [token.logprobs for token in answer.frames if token.logprobs is not None]
+                                if with_logprobs else None) for answer in answers]
+        completion_tokens = sum(len(answer.frames) for answer in answers) if withdrawals else None
+        return JSONResponse(shape.whole_choices(choices, frame, completion_tokens).model_dump())
+
+    async def _events(self, route: str, call: MeshCall, shape: AnswerShape, first: AnswerFrame,
+                      answers: list[AnswerTokens], include_usage: bool) -> AsyncIterator[bytes]:
+        # Per choice: tokens of its answer up to the last one that made a chunk (what a withdrawal must not reach).
+        shown_tokens = [0] * len(answers)
+        opened: set[int] = set()
+        frame = first
+        while isinstance(frame, (TokenDeltaFrame, TokensWithdrawnFrame)):
+            answer = _take(answers, frame)
+            if answer is None:
+                pass  # a choice the request did not ask for: nothing of it is shown
+            elif isinstance(frame, TokensWithdrawnFrame):
+                if frame.kept_tokens < shown_tokens[answer.choice]:
+                    # Sent chunks cannot be taken back: the client must learn the text is not to be trusted.
+                    error = tokens_withdrawn(frame, len(answer.text))
+                    log.info("%s: stream ended by %s", route, error)
+                    yield sse_event(error.body())
+                    return
+            else:
+                # A choice's opening chunk goes with its first token: one write less before that token.
+                chunk = _opening(shape, answer.choice, opened)
+                piece = shape.text(frame.text, frame.logprobs, answer.choice) if _carries(frame) else None
+                if piece is not None:
+                    shown_tokens[answer.choice] = len(answer.frames)
+                    chunk += sse_event(piece)
+                if chunk:
+                    yield chunk
+                if frame is first:
+                    first_token_seconds.labels(route).observe(time.perf_counter() - call.started)
+            frame = await call.next()
+        if isinstance(frame, DoneFrame):
+            ending = b""
+            for choice in range(len(answers)):
+                ending += _opening(shape, choice, opened)
+                rest = shape.held_back(choice)
+                if rest is not None:
+                    ending += sse_event(rest)
+                ending += sse_event(shape.ending(frame, choice))
+            yield ending + (sse_event(shape.usage(frame)) if include_usage else b"")
+            yield SSE_DONE
+        else:
+            # Too late for an HTTP status: the stream ends with an error event, as OpenAI's does.
+            error = self._error(frame)
+            log.info("%s: stream ended by %s", route, error)
+            yield sse_event(error.body())
+
+
+def _take(answers: list[AnswerTokens], frame: TokenDeltaFrame | TokensWithdrawnFrame) -> AnswerTokens | None:
+    """The answer of `frame`'s choice, `frame` applied to it (None: a choice the request did not ask for)."""
+    choice = choice_of(frame)
+    if choice >= len(answers):
+        return None
+    answers[choice].take(frame)
+    return answers[choice]
+
+
+def _opening(shape: AnswerShape, choice: int, opened: set[int]) -> bytes:
+    """`choice`'s opening event the first time it is asked for (nothing after, nor where the shape has none)."""
+    if choice in opened:
+        return b""
+    opened.add(choice)
+    opening = shape.opening(choice)
+    return sse_event(opening) if opening is not None else b""
+
+
+def _carries(frame: TokenDeltaFrame) -> bool:
+    """Whether a token's frame makes a chunk: it has text, or the log-probabilities of its token."""
+    return bool(frame.text) or frame.logprobs is not None
+
+
+def _first_param(error: ValidationError) -> str | None:
+    locations = [item["loc"] for item in error.errors(include_url=False) if item["loc"]]
+    return str(locations[0][0]) if locations else None
+
+
+def create_app(gateway: Gateway) -> MetricsMiddleware:
+    """The ASGI app for `gateway`, wrapped in its metrics."""
+    handlers = GatewayApp(gateway)
+    origins = gateway.settings.gateway.cors_allowed_origins
+    middleware = [Middleware(CORSMiddleware, allow_origins=origins, allow_methods=CORS_METHODS,
+                             allow_headers=CORS_HEADERS)] if origins else []
+    app = Starlette(middleware=middleware, routes=[
+        Route("/healthz", handlers.healthz, methods=["GET"]),
+        Route("/v1/models", handlers.models, methods=["GET"]),
+        Route("/v1/chat/completions", handlers.chat_completions, methods=["POST"]),
+        Route("/v1/completions", handlers.completions, methods=["POST"]),
+    ])
+    return MetricsMiddleware(app)

@@ -1,0 +1,90 @@
+"""Errors of the HTTP gateway as OpenAI error objects: the HTTP status, `type` and `code` for each way a call can
+fail, from a request the gateway refuses itself, from the error frame the mesh ended a call with, or from a
+withdrawal of tokens a stream already sent."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from starlette.responses import JSONResponse
+
+from hearth.protocol.chat import ErrorFrame, PipelineAbortedFrame, TokensWithdrawnFrame
+from hearth.services.gateway.openai_models import ErrorBody, ErrorDetail
+
+# Error codes of the mesh (chat_protocol.ErrorCode) -> (HTTP status, OpenAI error type); the rest are 500.
+_FRAME_STATUS: dict[str, tuple[int, str]] = {
+    "bad_request": (400, "invalid_request_error"),
+    "unauthorized": (403, "permission_error"),
+    "overloaded": (429, "rate_limit_error"),
+    "shard_unavailable": (503, "service_unavailable_error"),
+    "pipeline_stalled": (503, "service_unavailable_error"),
+    "orchestrator_gone": (503, "service_unavailable_error"),
+}
+# What the orchestrator says when a request names a model its catalog does not know (hearth/services/orchestrator).
+_UNKNOWN_MODEL_PREFIX = "field 'model':"
+default_retry_after_s = 1.0
+
+
+@dataclass
+class GatewayError(Exception):
+    """A call that ends in an HTTP error; `retry_after_s` sets Retry-After (429)."""
+
+    status: int
+    code: str
+    message: str
+    type: str = "invalid_request_error"
+    param: str | None = None
+    retry_after_s: float | None = None
+
+    def __str__(self) -> str:
+        return f"{self.status} {self.code}: {self.message}"
+
+    def body(self) -> ErrorBody:
+        return ErrorBody(error=ErrorDetail(message=self.message, type=self.type, param=self.param, code=self.code))
+
+    def response(self) -> JSONResponse:
+        headers = {}
+        if self.retry_after_s is not None:
+            headers["Retry-After"] = str(max(1, math.ceil(self.retry_after_s)))
+        if self.status == 401:
+            headers["WWW-Authenticate"] = "Bearer"
+        return JSONResponse(self.body().model_dump(), status_code=self.status, headers=headers)
+
+
+def bad_request(message: str, param: str | None = None) -> GatewayError:
+    return GatewayError(400, "bad_request", message, param=param)
+
+
+def unknown_model(model: str) -> GatewayError:
+    return GatewayError(404, "model_not_found", f"the model {model!r} does not exist on this mesh; GET /v1/models "
+                                                "lists the ones it can serve", param="model")
+
+
+def unauthenticated(message: str) -> GatewayError:
+    return GatewayError(401, "invalid_api_key", message, type="authentication_error")
+
+
+def overloaded(message: str, retry_after_s: float) -> GatewayError:
+    return GatewayError(429, "overloaded", message, type="rate_limit_error", retry_after_s=retry_after_s)
+
+
+def from_frame(frame: ErrorFrame | PipelineAbortedFrame,
+               default_retry_after_s: float = default_retry_after_s) -> GatewayError:
+    """The HTTP error for the frame a call ended with; a 429's Retry-After is the frame's `retry_after_s` (an
+    orchestrator's admission queue names one) or `default_retry_after_s` ([gateway] retry_after_s)."""
+    message = frame.message if isinstance(frame, ErrorFrame) else frame.reason
+    if frame.code == "bad_request" and message.startswith(_UNKNOWN_MODEL_PREFIX):
+        return GatewayError(404, "model_not_found", message, param="model")
+    status, error_type = _FRAME_STATUS.get(frame.code, (500, "server_error"))
+    retry_after_s = (getattr(frame, "retry_after_s", None) or default_retry_after_s) if status == 429 else None
+    return GatewayError(status, frame.code, message, type=error_type, retry_after_s=retry_after_s)
+
+
+def tokens_withdrawn(frame: TokensWithdrawnFrame, kept_characters: int) -> GatewayError:
+    """What ends a stream whose chunks carried tokens that `frame` took back (only ever sent as an event: the
+    status is long gone); `kept_characters`: how much of the streamed text stands."""
+    return GatewayError(502, "tokens_withdrawn", f"a check refuted the output of shard {frame.shard_id} "
+                        f"({frame.reason}): only the first {frame.kept_tokens} tokens ({kept_characters} "
+                        "characters) of the streamed text stand, the text after them is withdrawn; send the "
+                        "request again for a whole answer", type="server_error")

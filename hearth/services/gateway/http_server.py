@@ -1,0 +1,96 @@
+"""The gateway's HTTP server on uvicorn: its limits (connections, backlog, header size, keep-alive) and a deadline
+for receiving each request whole, which uvicorn lacks.
+
+uvicorn's keep-alive timeout covers only the idle time between requests and is reset by every byte received, so a
+client that sends half a header line and stalls (or trickles a byte at a time) would hold its connection forever
+without ever presenting an API key. uvicorn takes the HTTP protocol class as a setting (`http=`), so the deadline
+is its h11 protocol with a timer added: armed when a connection opens and after each answer, disarmed once the
+request (line, headers and body) is in. An ASGI middleware could not do it: the app runs only after the headers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import h11
+import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from hearth.services.common.config_sections import GatewaySettings
+from hearth.services.common.metrics import counter
+
+request_read_timeouts_total = counter(
+    "hearth_gateway_request_read_timeouts_total",
+    "Connections closed because they had not sent a whole request within [gateway] request_read_timeout_s")
+_REQUEST_TIMEOUT_BODY = b"request read timeout"
+# Written straight to the socket: h11 cannot send a response before a request head arrived.
+_REQUEST_TIMEOUT_RESPONSE = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain; charset=utf-8\r\n"
+                             b"content-length: %d\r\nconnection: close\r\n\r\n%s"
+                             % (len(_REQUEST_TIMEOUT_BODY), _REQUEST_TIMEOUT_BODY))
+# The client's states in which its request is still arriving (h11: nothing yet, or its body).
+_RECEIVING = (h11.IDLE, h11.SEND_BODY)
+
+
+class RequestDeadlineProtocol(H11Protocol):
+    """uvicorn's h11 protocol with one deadline per request: a connection that has not sent a whole request within
+    `read_timeout_s` of opening, or of its previous answer, is closed (answered 408 when it began a head it never
+    finished)."""
+
+    read_timeout_s: float  # set on the subclass request_deadline_protocol() makes
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._read_deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm_read_deadline()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm_read_deadline()
+        super().connection_lost(exc)
+
+    def handle_events(self) -> None:
+        super().handle_events()
+        if self.conn.their_state not in _RECEIVING:
+            self._disarm_read_deadline()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        # Answered early (a 401 before the body came) the deadline runs on; a new request gets a fresh one.
+        if not self.transport.is_closing() and self.conn.their_state in _RECEIVING:
+            self._arm_read_deadline()
+
+    def _arm_read_deadline(self) -> None:
+        if self._read_deadline is None:
+            self._read_deadline = self.loop.call_later(self.read_timeout_s, self._read_deadline_passed)
+
+    def _disarm_read_deadline(self) -> None:
+        if self._read_deadline is not None:
+            self._read_deadline.cancel()
+            self._read_deadline = None
+
+    def _read_deadline_passed(self) -> None:
+        self._read_deadline = None
+        if self.transport.is_closing():
+            return
+        request_read_timeouts_total.inc()
+        head_begun, _ = self.conn.trailing_data  # bytes h11 holds of a head it has not parsed yet
+        if self.conn.our_state is h11.IDLE and head_begun:
+            self.transport.write(_REQUEST_TIMEOUT_RESPONSE)
+        # With the head in, the app is waiting for the body: closing makes its `receive` say the client left.
+        self.transport.close()
+
+
+def request_deadline_protocol(read_timeout_s: float) -> type[RequestDeadlineProtocol]:
+    """The protocol class uvicorn gets as `http=`, with this deadline."""
+    return type("RequestDeadlineProtocol", (RequestDeadlineProtocol,), {"read_timeout_s": read_timeout_s})
+
+
+def server_config(app, settings: GatewaySettings) -> uvicorn.Config:
+    """uvicorn's configuration for the gateway's ASGI `app` under `settings` ([gateway])."""
+    return uvicorn.Config(
+        app, http=request_deadline_protocol(settings.request_read_timeout_s), ws="none", lifespan="off",
+        access_log=False, log_level="warning", timeout_graceful_shutdown=settings.shutdown_grace_s,
+        timeout_keep_alive=settings.keep_alive_timeout_s, limit_concurrency=settings.max_connections,
+        backlog=settings.listen_backlog, h11_max_incomplete_event_size=settings.max_header_bytes)

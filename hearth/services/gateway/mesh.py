@@ -1,0 +1,177 @@
+"""The gateway's side of the mesh: one NATS connection, who may call (API keys), which models exist, how many
+calls are open (in all and per member), and MeshCall, one `llm.chat.request` whose frames the HTTP side reads.
+
+A call is signed for the member its API key belongs to (services.client.chat signs with that key), so the
+orchestrator records that member as the caller. Frames the HTTP answer does not carry (pipeline, shard status,
+failover, keepalive, queued, and types added later) are skipped: a failover is a pause in the text, nothing more;
+so is anything on the inbox that is no frame at all (services.client.chat skips it). A tokens_withdrawn frame is
+part of the answer: it takes back tokens the call already gave (docs/gateway.md, "Withdrawn tokens").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import Counter
+from collections.abc import Awaitable
+from typing import TypeVar
+
+from nats.aio.client import Client as NatsClient
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
+
+from hearth.services.client.chat import list_models, stream_chat
+from hearth.protocol.chat import (
+    ChatRequest,
+    DoneFrame,
+    ErrorFrame,
+    ModelsReply,
+    PipelineAbortedFrame,
+    TokenDeltaFrame,
+    TokensWithdrawnFrame,
+)
+from hearth.protocol.subjects import MODELS_REQUEST_SUBJECT
+from hearth.services.common.config import HearthSettings
+from hearth.services.gateway.errors import GatewayError, overloaded, unauthenticated, unknown_model
+from hearth.services.gateway.keys import Caller, WatchedApiKeyring, bearer_token
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+# What a call's answer is made of; every other frame type is skipped.
+AnswerFrame = TokenDeltaFrame | TokensWithdrawnFrame | DoneFrame | ErrorFrame | PipelineAbortedFrame
+FINAL = (DoneFrame, ErrorFrame, PipelineAbortedFrame)
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected while its call was under way."""
+
+
+class Gateway:
+    """State shared by every HTTP call: the connection, the keyring (None on an open mesh), the model list."""
+
+    def __init__(self, nc: NatsClient, settings: HearthSettings, keyring: WatchedApiKeyring | None) -> None:
+        self.nc = nc
+        self.settings = settings
+        self.keyring = keyring
+        self.open_calls = 0
+        self.open_calls_by_member: Counter[str] = Counter()
+        self._known_models: set[str] = set()
+
+    def caller(self, authorization: str | None) -> Caller | None:
+        """The member whose API key came with the call; None on an open mesh (no keys asked for)."""
+        if self.keyring is None:
+            return None
+        api_key = bearer_token(authorization)
+        if api_key is None:
+            raise unauthenticated("no API key: send 'Authorization: Bearer KEY' (`hearth community api-key` "
+                                  "makes one)")
+        caller = self.keyring.caller_for(api_key)
+        if caller is None:
+            raise unauthenticated("the API key is not known to this gateway")
+        return caller
+
+    async def models(self) -> ModelsReply:
+        """What `llm.models` answers now; 503 when no orchestrator answers."""
+        timeout_s = self.settings.gateway.models_timeout_s
+        try:
+            reply = await list_models(self.nc, timeout_s)
+        except NoRespondersError:
+            raise GatewayError(503, "orchestrator_gone", f"no orchestrator is listening on {MODELS_REQUEST_SUBJECT}",
+                               type="service_unavailable_error") from None
+        except (NatsTimeoutError, asyncio.TimeoutError):
+            raise GatewayError(503, "orchestrator_gone", f"no orchestrator answered {MODELS_REQUEST_SUBJECT} "
+                               f"within {timeout_s:g} s", type="service_unavailable_error") from None
+        self._known_models = {model.id for model in reply.models}
+        return reply
+
+    async def check_model(self, model: str | None) -> None:
+        """404 for a model no orchestrator knows of; asks `llm.models` only for a name not seen there before."""
+        if model is None or model in self._known_models:
+            return
+        if model not in {served.id for served in (await self.models()).models}:
+            raise unknown_model(model)
+
+    @contextlib.contextmanager
+    def open_call(self, caller: Caller | None):
+        """Counts a call as open while inside; 429 when `[gateway] max_open_requests` are open already, or
+        `max_open_requests_per_caller` of the member `caller` (all its API keys together; an open mesh has no
+        members, so only the first limit applies there)."""
+        settings = self.settings.gateway
+        if self.open_calls >= settings.max_open_requests:
+            raise overloaded(f"this gateway has {settings.max_open_requests} calls open ([gateway] "
+                             "max_open_requests); try again", settings.retry_after_s)
+        member = caller.name if caller is not None else None
+        if member is not None and self.open_calls_by_member[member] >= settings.max_open_requests_per_caller:
+            raise overloaded(f"this API key's member has {settings.max_open_requests_per_caller} calls open "
+                             "([gateway] max_open_requests_per_caller); try again when one ends",
+                             settings.retry_after_s)
+        self.open_calls += 1
+        if member is not None:
+            self.open_calls_by_member[member] += 1
+        try:
+            yield
+        finally:
+            self.open_calls -= 1
+            if member is not None:
+                self.open_calls_by_member[member] -= 1
+                if not self.open_calls_by_member[member]:
+                    del self.open_calls_by_member[member]
+
+    def call(self, request: ChatRequest, caller: Caller | None) -> "MeshCall":
+        return MeshCall(self, request, caller)
+
+
+class MeshCall:
+    """One `llm.chat.request` under way; `next()` gives its answer frames one by one, the last one final."""
+
+    def __init__(self, gateway: Gateway, request: ChatRequest, caller: Caller | None) -> None:
+        client = gateway.settings.client
+        self.request = request
+        self.started = time.perf_counter()
+        self._frames = stream_chat(gateway.nc, request, signer=caller.key if caller else None,
+                                   first_frame_timeout=client.first_frame_timeout_s,
+                                   frame_gap_timeout=client.silence_timeout_s)
+
+    async def next(self) -> AnswerFrame:
+        async for frame in self._frames:
+            if isinstance(frame, (TokenDeltaFrame, TokensWithdrawnFrame, *FINAL)):
+                return frame
+        # stream_chat always ends with a final frame (one of its own when the orchestrator sends none).
+        raise GatewayError(500, "internal_error", "the call's frames ended without a final frame", type="server_error")
+
+    async def first_answer(self) -> TokenDeltaFrame | DoneFrame | ErrorFrame | PipelineAbortedFrame:
+        """The first token, or the final frame when none comes: until then no HTTP status is decided."""
+        while True:
+            frame = await self.next()
+            # Before the first token there is nothing to take back.
+            if not isinstance(frame, TokensWithdrawnFrame):
+                return frame
+
+    async def aclose(self) -> None:
+        """Stop listening: the orchestrator's next frame finds no responder and ends the call at once."""
+        await self._frames.aclose()
+
+
+async def unless_disconnected(receive, work: Awaitable[T]) -> T:
+    """Await `work` unless the HTTP client disconnects first (ASGI `http.disconnect` from `receive`, read after
+    the request body): then cancel it and raise ClientGone."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnected(receive))
+    try:
+        await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    if task.cancelled():
+        raise ClientGone()
+    return task.result()
+
+
+async def _disconnected(receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass

@@ -1,0 +1,320 @@
+"""The OpenAI wire format the gateway speaks: request bodies of /v1/chat/completions and /v1/completions, the
+objects and stream chunks it answers with, and the mapping of a request onto hearth's `llm.chat.request`.
+
+Only what hearth can honour is accepted: a field that would change the answer in a way hearth cannot (`n` over
+8, the legacy `functions`) is refused with a message naming it, rather than silently ignored; fields that change
+nothing (`user`, `metadata`, `store`) are accepted. `n` (1-8) asks for that many choices, each its own pipeline.
+`response_format`, `tools` and `tool_choice` go onto the request as they are (hearth/protocol/chat_tools.py bounds
+them); assistant messages with `tool_calls` and `tool` messages are part of the history. `logprobs`/`top_logprobs`, the
+penalties (`repetition_penalty` too, an extension) and `logit_bias` go onto the request as they are (its validation
+bounds them). Sampling defaults are OpenAI's (temperature 1, top_p 1); `max_tokens` defaults to hearth's (128).
+hearth's own options, which no other server shares, come in one object `hearth` (`{"hearth": {"verify": "all"}}`),
+so they cannot collide with a field OpenAI adds, and a misspelt one is refused rather than ignored.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from hearth.protocol.chat import (
+    BadRequest,
+    ChatMessage,
+    ChatParams,
+    ChatRequest,
+    VerifyLevel,
+    describe_validation_error,
+    max_choices,
+    max_top_logprobs,
+)
+from hearth.services.gateway.logprobs import ChatLogprobs, CompletionLogprobs
+from hearth.services.gateway.tool_calls import ToolCallBody
+
+openai_temperature_max = 2.0
+openai_max_stop_strings = 4
+
+
+class Unsupported(BadRequest):
+    """A request field hearth refuses (one it cannot honour, or a value it does not take); `param` names it."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class TextPart(BaseModel):
+    """One part of a message's content given as a list (only text parts exist for hearth)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text"]
+    text: str
+
+
+class OpenAIMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+    def to_chat_message(self) -> ChatMessage:
+        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
+        # A developer message is what newer OpenAI models call a system message.
+        fields: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": content}
+        if self.tool_calls:
+            fields["tool_calls"] = self.tool_calls
+        if self.tool_call_id is not None:
+            fields["tool_call_id"] = self.tool_call_id
+        return ChatMessage(**fields)
+
+
+class HearthOptions(BaseModel):
+    """`hearth`: the body's object of hearth's own options, each mapped onto `params` of `llm.chat.request`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    # params.verify: how much of the shards' work other replicas check (absent: the request's default).
+    verify: VerifyLevel | None = None
+
+    def params(self) -> ChatParams:
+        return ChatParams(**self.model_dump(exclude_none=True))
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    """What both endpoints share."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = Field(default=None, min_length=1, max_length=512)
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0, le=openai_temperature_max)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    seed: int | None = Field(default=None, ge=0)
+    stop: str | list[str] | None = None
+    n: int | None = Field(default=None, ge=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    # An extension of OpenAI's API (transformers' and vLLM's name).
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    # hearth's own options (HearthOptions), checked when mapped so that a refusal names the option.
+    hearth: dict[str, Any] | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def _refuse_what_hearth_cannot_do(self) -> None:
+        if self.n is not None and self.n > max_choices:
+            raise Unsupported("n", f"'n' must be at most {max_choices}: hearth answers at most {max_choices} choices "
+                                   f"per request (got {self.n})")
+        if isinstance(self.stop, list) and len(self.stop) > openai_max_stop_strings:
+            raise Unsupported("stop", f"'stop' takes at most {openai_max_stop_strings} strings")
+
+    def _chat_request(self, *, max_tokens: int | None, **inputs: Any) -> ChatRequest:
+        fields: dict[str, Any] = {
+            "request_id": uuid.uuid4().hex, "model": self.model,
+            "temperature": 1.0 if self.temperature is None else self.temperature,
+            "top_p": 1.0 if self.top_p is None else self.top_p, "seed": self.seed,
+            "stop": [self.stop] if isinstance(self.stop, str) else list(self.stop or []), **inputs}
+        if max_tokens is not None:
+            fields["max_tokens"] = max_tokens
+        for name in ("n", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias"):
+            if getattr(self, name) is not None:
+                fields[name] = getattr(self, name)
+        if self.hearth:
+            fields["params"] = self._hearth_options().params()
+        try:
+            return ChatRequest(**fields)
+        except ValidationError as error:
+            raise BadRequest(describe_validation_error(error)) from None
+
+    def _hearth_options(self) -> HearthOptions:
+        try:
+            return HearthOptions.model_validate(self.hearth)
+        except ValidationError as error:
+            problems = error.errors(include_url=False)
+            names = [".".join(["hearth", *(str(part) for part in item["loc"])]) for item in problems]
+            message = "; ".join(f"field '{name}': {item['msg']}" for name, item in zip(names, problems))
+            raise Unsupported(names[0], message) from None
+
+
+class ChatCompletionRequest(_Sampling):
+    """The body of POST /v1/chat/completions."""
+
+    messages: list[OpenAIMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=max_top_logprobs)
+
+    def to_chat_request(self) -> ChatRequest:
+        self._refuse_what_hearth_cannot_do()
+        if self.functions or self.function_call not in (None, "none"):
+            raise Unsupported("functions", "'functions' and 'function_call' (deprecated by OpenAI) are not supported "
+                                           "by hearth: send 'tools' and 'tool_choice'")
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        structured: dict[str, Any] = {}
+        for name in ("response_format", "tools", "tool_choice"):
+            if getattr(self, name) is not None:
+                structured[name] = getattr(self, name)
+        try:
+            messages = [m.to_chat_message() for m in self.messages]
+        except ValidationError as error:
+            raise BadRequest(describe_validation_error(error)) from None
+        return self._chat_request(max_tokens=max_tokens, messages=messages, logprobs=bool(self.logprobs),
+                                  top_logprobs=self.top_logprobs or 0, **structured)
+
+    @property
+    def may_call_tools(self) -> bool:
+        """Whether the answer may be a tool call (its text then becomes `tool_calls`)."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+
+class CompletionRequest(_Sampling):
+    """The body of POST /v1/completions (the legacy text completion)."""
+
+    prompt: str | list[str]
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+    # How many most likely tokens to report beside each sampled one (0: the sampled token's only); None: no logprobs.
+    logprobs: int | None = Field(default=None, ge=0, le=max_top_logprobs)
+
+    def to_chat_request(self) -> ChatRequest:
+        self._refuse_what_hearth_cannot_do()
+        if isinstance(self.prompt, list) and len(self.prompt) != 1:
+            raise Unsupported("prompt", "'prompt' must be one string: hearth completes one prompt per request")
+        if self.echo or self.suffix or self.best_of not in (None, 1):
+            raise Unsupported("echo", "'echo', 'suffix' and 'best_of' are not supported by hearth")
+        prompt = self.prompt[0] if isinstance(self.prompt, list) else self.prompt
+        return self._chat_request(max_tokens=self.max_tokens, prompt=prompt, logprobs=self.logprobs is not None,
+                                  top_logprobs=self.logprobs or 0)
+
+
+# --- responses -------------------------------------------------------------------------------------------------
+
+
+class UsageBody(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+def usage_body(prompt_tokens: int, completion_tokens: int) -> UsageBody:
+    return UsageBody(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                     total_tokens=prompt_tokens + completion_tokens)
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    # None when the answer is a tool call (as OpenAI sends it).
+    content: str | None
+    tool_calls: list[ToolCallBody] | None = Field(default=None, exclude_if=lambda value: value is None)
+
+
+FinishReason = Literal["stop", "length", "tool_calls"]
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    finish_reason: FinishReason
+    logprobs: ChatLogprobs | None = None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageBody
+
+
+def _is_none(value: object) -> bool:
+    return value is None
+
+
+class ChunkDelta(BaseModel):
+    """What one chunk adds: the role in the first, text in the others, nothing in the last (as OpenAI sends)."""
+
+    role: Literal["assistant"] | None = Field(default=None, exclude_if=_is_none)
+    content: str | None = Field(default=None, exclude_if=_is_none)
+    tool_calls: list[ToolCallBody] | None = Field(default=None, exclude_if=_is_none)
+
+
+class ChunkChoice(BaseModel):
+    index: int = 0
+    delta: ChunkDelta
+    finish_reason: FinishReason | None = None
+    logprobs: ChatLogprobs | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: UsageBody | None = Field(default=None, exclude_if=_is_none)
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    finish_reason: Literal["stop", "length"] | None = None
+    logprobs: CompletionLogprobs | None = None
+
+
+class Completion(BaseModel):
+    """A text completion, and (object `text_completion` too, as OpenAI sends it) one chunk of a streamed one."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageBody | None = Field(default=None, exclude_if=_is_none)
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = 0
+    owned_by: str = "hearth"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorBody(BaseModel):
+    """What every error answer is: `{"error": {...}}`, as OpenAI's API and its clients expect."""
+
+    error: ErrorDetail

@@ -1,0 +1,98 @@
+"""Tool calls in OpenAI's form, from the text of an answer that called a tool: hearth's models answer a call as the
+compact JSON object ``{"name": ..., "arguments": {...}}`` (hearth/services/orchestrator/constrained.py), which the
+gateway turns into `tool_calls` (one call, id `call_<hex>`) of the whole answer, or streams as OpenAI does: the call's
+id and function name first, then its arguments in fragments as they come, and finish_reason `tool_calls`."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+from pydantic import BaseModel, Field
+
+_ARGUMENTS_KEY = '"arguments":'
+
+
+class FunctionCallBody(BaseModel):
+    name: str | None = None
+    arguments: str
+
+
+class ToolCallBody(BaseModel):
+    """`message.tool_calls[]` of a whole answer, and (with `index`; id, type and name only in the first) each
+    streamed fragment's `delta.tool_calls[]`."""
+
+    index: int | None = Field(default=None, exclude_if=lambda value: value is None)
+    id: str | None = Field(default=None, exclude_if=lambda value: value is None)
+    type: str | None = Field(default=None, exclude_if=lambda value: value is None)
+    function: FunctionCallBody
+
+
+def new_tool_call_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+def tool_call_of(text: str) -> ToolCallBody | None:
+    """The tool call an answer's text makes (None: the text is no call)."""
+    try:
+        call = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str) or "arguments" not in call:
+        return None
+    return ToolCallBody(id=new_tool_call_id(), type="function",
+                        function=FunctionCallBody(name=call["name"], arguments=json.dumps(call["arguments"])))
+
+
+class ToolCallStream:
+    """Splits a streamed answer into text or one tool call: until its first character that is not blank it holds
+    the text back; an answer opening with ``{`` is a call, whose name goes out once its arguments start and whose
+    arguments go out as they come (all but the object's closing brace, which only the end may release)."""
+
+    def __init__(self) -> None:
+        self.is_call: bool | None = None
+        self.text = ""
+        self._sent_arguments_to = 0
+        self._name_sent = False
+        self.id = new_tool_call_id()
+
+    def take(self, text: str) -> tuple[str, list[ToolCallBody]]:
+        """Text to send as content, and tool-call fragments to send, for the answer's next piece of text."""
+        self.text += text
+        if self.is_call is None:
+            stripped = self.text.lstrip()
+            if not stripped:
+                return "", []
+            self.is_call = stripped.startswith("{")
+            if not self.is_call:
+                return self.text, []
+        if not self.is_call:
+            return text, []
+        return "", self._fragments(final=False)
+
+    def finish(self) -> tuple[str, list[ToolCallBody]]:
+        """What is still held back when the answer ends."""
+        if self.is_call:
+            return "", self._fragments(final=True)
+        return ("" if self.is_call is not None else self.text), []
+
+    def _fragments(self, *, final: bool) -> list[ToolCallBody]:
+        start = self.text.find(_ARGUMENTS_KEY)
+        if start < 0:
+            return []
+        fragments = []
+        if not self._name_sent:
+            try:
+                name = json.loads(self.text[self.text.index(":") + 1:start].strip().rstrip(","))
+            except ValueError:
+                name = None
+            fragments.append(ToolCallBody(index=0, id=self.id, type="function",
+                                          function=FunctionCallBody(name=str(name), arguments="")))
+            self._name_sent = True
+            self._sent_arguments_to = start + len(_ARGUMENTS_KEY)
+        end = len(self.text.rstrip()) - 1 if final else len(self.text) - 1
+        if end > self._sent_arguments_to:
+            fragments.append(ToolCallBody(index=0, function=FunctionCallBody(
+                arguments=self.text[self._sent_arguments_to:end])))
+            self._sent_arguments_to = end
+        return fragments

@@ -1,0 +1,236 @@
+"""The `hearth host` process: read the mesh's coverage, load the contiguous layer range that fits this host's memory
+budget and most improves it (hearth/services/host/planner.py), serve it as `hearth shard` would, and move to fill a hole
+when one opens (a host left) and this host's layers are all held elsewhere, after the hole has lasted
+`rebalance_hold_s`.
+
+The model may be a folder, a GGUF file, a hub id or `store:NAME`: its layers' sizes come from hearth/services/host/
+model_layout.py before anything is fetched, and only the chosen range is then downloaded or fetched.
+
+Coverage comes from a read model this process keeps itself (an in-process projector of the shard events on a
+temporary SQLite file), with the routing rules' idea of a live shard (hearth/services/orchestrator/router.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+from sqlalchemy.orm import sessionmaker
+
+from hearth.events.streams import SHARDS_STREAM
+from hearth.protocol.subjects import shard_id_for
+from hearth.inference import InferenceError
+from hearth.inference.memory import MiB, megabytes
+from hearth.readmodels.runner import Projector
+from hearth.services.common.config import HearthSettings
+from hearth.services.common.config_processes import serve_shards_refused
+from hearth.services.common.event_trust import event_verifier, stream_setup
+from hearth.services.common.lifecycle import Stopped, unless_stopped
+from hearth.services.common.metrics import serve_process_metrics
+from hearth.services.broker.connection import connect_nats, drain_or_close
+from hearth.services.host.model_layout import model_layout
+from hearth.services.host.planner import LayerRange, better_range, choose_range, replicas_per_layer
+from hearth.services.orchestrator.router import ShardRouter
+from hearth.services.shard.main import (
+    ShardRefused,
+    configure_torch_threads,
+    default_node_id,
+    load_shard,
+    resolve_compute,
+    resolve_quantization,
+    serve_loaded_shard,
+)
+from hearth.services.shard.memory_plan import kv_reserve_bytes
+from hearth.services.weights_store import WeightsStoreError
+
+log = logging.getLogger(__name__)
+
+
+# A KV reserve left at its default takes at most this share of a `--memory-budget-mb` (the default alone can exceed
+# a small budget, leaving no room for any layer).
+DEFAULT_KV_RESERVE_MAX_BUDGET_SHARE = 0.25
+
+
+def with_memory_budget(settings: HearthSettings, memory_budget_mb: float | None) -> HearthSettings:
+    """The settings with `--memory-budget-mb` as this host's `[shard] max_memory_mb` (when given), and a KV reserve
+    not set explicitly (file or environment) capped at DEFAULT_KV_RESERVE_MAX_BUDGET_SHARE of it."""
+    if memory_budget_mb is None:
+        return settings
+    shard = settings.shard
+    update: dict[str, float] = {"max_memory_mb": memory_budget_mb}
+    if "kv_cache_budget_mb" not in shard.model_fields_set:
+        update["kv_cache_budget_mb"] = min(shard.kv_cache_budget_mb,
+                                           DEFAULT_KV_RESERVE_MAX_BUDGET_SHARE * memory_budget_mb)
+    return settings.model_copy(update={"shard": shard.model_copy(update=update)})
+
+
+class CoverageReader:
+    """How many live replicas hold each layer of one model, read through `router` (the routing rules' idea of a
+    live shard) after `catch_up` (waiting for the read model to reach the event log's end) when given."""
+
+    def __init__(self, router: ShardRouter, *, model_id: str, weights_sha256: str, total_layers: int,
+                 catch_up: Callable[[], Awaitable[object]] | None = None, quantization: str = "none") -> None:
+        self.router, self.catch_up = router, catch_up
+        self.model_id, self.weights_sha256, self.total_layers = model_id, weights_sha256, total_layers
+        self.quantization = quantization
+
+    async def replicas(self, leave_out: str | None = None) -> list[int]:
+        shards, alive = await self._live_shards()
+        return replicas_per_layer(shards, total_layers=self.total_layers, weights_sha256=self.weights_sha256,
+                                  alive=alive, leave_out=leave_out, quantization=self.quantization)
+
+    async def turn(self, current: LayerRange, shard_id: str) -> int:
+        """This host's place among the live hosts holding any of `current`'s layers (0: first), in shard-id order:
+        hosts that could all leave the same layers move one after another (wait_for_hole), never together."""
+        shards, alive = await self._live_shards()
+        return sum(1 for shard in shards
+                   if shard.shard_id < shard_id and shard.weights_sha256 == self.weights_sha256
+                   and shard.quantization == self.quantization and alive(shard)
+                   and shard.layer_lo <= current.hi and current.lo <= shard.layer_hi)
+
+    async def _live_shards(self) -> tuple[list, Callable[[object], bool]]:
+        if self.catch_up is not None:
+            with contextlib.suppress(asyncio.TimeoutError, TimeoutError):
+                await self.catch_up()
+        shards = await asyncio.to_thread(self.router.candidates, self.model_id)
+        now = self.router.now()
+        return shards, lambda shard: self.router.alive(shard, now)
+
+
+def coverage_from(projector: Projector, settings: HearthSettings, node_id: str, **model) -> CoverageReader:
+    """A CoverageReader over this host's own projector (started)."""
+    router = ShardRouter(sessionmaker(projector.engine), allow_self_as_shard=True, self_node_id=node_id,
+                         health_timeout_s=settings.research.distributed_inference.shard_health_timeout_s,
+                         silent_log_grace_s=settings.research.distributed_inference.silent_log_grace_s)
+    timeout_s = settings.orchestrator.catch_up_timeout_s
+    return CoverageReader(router, catch_up=lambda: projector.wait_until_caught_up(timeout_s=timeout_s), **model)
+
+
+async def wait_for_hole(coverage: CoverageReader, current: LayerRange, shard_id: str, layer_bytes: list[int],
+                        weights_budget: int, settings: HearthSettings) -> LayerRange:
+    """The range to move to, once a hole has lasted `rebalance_hold_s` and this host's layers are held elsewhere.
+
+    Hosts that saw the same hole and hold the same layers must not all move at once (each sees the other holding
+    their layers, and together they would drop the last replica): they take turns, the n-th in shard-id order among
+    the live holders of its layers (`CoverageReader.turn`) waiting n + 1 holds, so the first's move is in every read
+    model before the next one decides, and the next sees no hole any more, or its layers held nowhere else. The
+    checks are jittered so that hosts do not look in step."""
+    host = settings.research.distributed_inference.host
+    hold_s: float | None = None
+    seen_since: float | None = None
+    while True:
+        await asyncio.sleep(host.rebalance_check_interval_s * random.uniform(0.5, 1.5))
+        target = better_range(current, await coverage.replicas(leave_out=shard_id), layer_bytes, weights_budget)
+        if target is None:
+            seen_since = None
+        elif seen_since is None:
+            seen_since = time.monotonic()
+            hold_s = host.rebalance_hold_s * (1 + await coverage.turn(current, shard_id))
+        elif time.monotonic() - seen_since >= hold_s:
+            return target
+
+
+async def run_host(*, model: str, memory_budget_mb: float | None, nats_url: str | None,
+                   settings: HearthSettings | None = None, node_id: str | None = None, model_id: str | None = None,
+                   device: str | None = None, dtype: str | None = None, torch_threads: int | None = None,
+                   busy_threads: int | None = None, ready_file: str | None = None,
+                   metrics_port: int | None = None, quantize: str | None = None,
+                   stop_event: asyncio.Event) -> None:
+    """Serve the best range of `model` that fits the budget until `stop_event`, moving when a hole opens; the
+    budget counts the weights as `quantize` (None: the host settings) holds them."""
+    settings = with_memory_budget(settings or HearthSettings(), memory_budget_mb)
+    host, shard = settings.research.distributed_inference.host, settings.shard
+    if serve_shards_refused(shard):
+        raise ShardRefused("this host's configuration says serve_shards = false")
+    configure_torch_threads(torch_threads)
+    node = node_id or default_node_id()
+    compute_device, compute_dtype = resolve_compute(device, dtype, host)
+    scheme = resolve_quantization(quantize, host, compute_device)
+    try:
+        layout = await unless_stopped(model_layout(model, model_id=model_id, compute_dtype=compute_dtype,
+                                                   scheme=scheme, device=compute_device, nats_url=nats_url,
+                                                   settings=settings), stop_event)
+    except Stopped:
+        raise
+    except (InferenceError, WeightsStoreError, ValueError, KeyError, OSError) as error:
+        raise ShardRefused(f"cannot plan a range of {model}: {(str(error).splitlines() or [repr(error)])[0]}") \
+            from None
+    except Exception as error:  # the broker's refusals and timeouts while reading the store's manifest
+        raise ShardRefused(f"cannot read {model} from the store: {type(error).__name__}: {error}") from None
+    total_layers, layer_bytes, served_id = layout.total_layers, layout.layer_bytes, layout.served_id
+    digest = layout.weights_sha256
+    weights_budget = int(shard.max_memory_mb * MiB) - kv_reserve_bytes(shard)
+    nc = await unless_stopped(connect_nats(nats_url, name=f"hearth-host {node}", settings=settings.nats), stop_event)
+    metrics_server = None
+    with tempfile.TemporaryDirectory(prefix="hearth-host-") as folder:
+        projector = Projector(Path(folder) / "coverage.sqlite", nc.jetstream(), streams=(SHARDS_STREAM,),
+                              verifier=event_verifier(settings), stream_setup=stream_setup(settings.nats))
+        try:
+            # Served once for the host's life: its figures carry on across a move (the range is a label).
+            metrics_server = serve_process_metrics(metrics_port, f"host {node}", host=settings.metrics.host)
+            await projector.start()
+            coverage = coverage_from(projector, settings, node, model_id=served_id, weights_sha256=digest,
+                                     total_layers=total_layers, quantization=scheme.label)
+            chosen = choose_range(await coverage.replicas(), layer_bytes, weights_budget)
+            while not stop_event.is_set():
+                if chosen is None:
+                    raise ShardRefused(
+                        f"a memory budget of {shard.max_memory_mb:.1f} MB holds no layer of {served_id}: the "
+                        f"smallest needs {megabytes(min(layer_bytes)):.1f} MB plus "
+                        f"{shard.kv_cache_budget_mb:.1f} MB kv_cache_budget_mb")
+                log.info("host %s: serving layers %s of %s in %s (coverage: %s)", node, chosen, served_id,
+                         scheme.label, await coverage.replicas())
+                chosen = await _serve_until_moved(chosen, coverage, model=model, model_id=served_id, node=node,
+                                                  settings=settings, device=device, dtype=dtype, nats_url=nats_url,
+                                                  layer_bytes=layer_bytes, weights_budget=weights_budget,
+                                                  busy_threads=busy_threads, ready_file=ready_file,
+                                                  stop_event=stop_event)
+        finally:
+            await projector.stop()
+            if metrics_server is not None:
+                metrics_server.stop()
+            await drain_or_close(nc, settings.nats.drain_timeout_s)
+
+
+async def _serve_until_moved(chosen: LayerRange, coverage: CoverageReader, *, model: str, model_id: str, node: str,
+                             settings: HearthSettings, device: str | None, dtype: str | None, nats_url: str | None,
+                             layer_bytes: list[int], weights_budget: int, busy_threads: int | None,
+                             ready_file: str | None, stop_event: asyncio.Event) -> LayerRange | None:
+    """Serve `chosen` until stopped (returns None) or until a hole is worth moving to (returns the new range)."""
+    loaded = await load_shard(model=model, lo=chosen.lo, hi=chosen.hi, node=node, settings=settings,
+                              model_id=model_id, device=device, dtype=dtype, quantize=coverage.quantization,
+                              stop_event=stop_event, nats_url=nats_url)
+    shard_id = shard_id_for(model_id, chosen.lo, chosen.hi, node)
+    leave = asyncio.Event()
+    moved: list[LayerRange] = []
+
+    async def watch() -> None:
+        stop_task = asyncio.create_task(stop_event.wait())
+        hole_task = asyncio.create_task(wait_for_hole(coverage, chosen, shard_id, layer_bytes, weights_budget,
+                                                      settings))
+        try:
+            done, _ = await asyncio.wait({stop_task, hole_task}, return_when=asyncio.FIRST_COMPLETED)
+            if hole_task in done:
+                moved.append(hole_task.result())
+                log.info("host %s: layers %s are held elsewhere and %s is a hole: moving", node, chosen, moved[0])
+        finally:
+            for task in (stop_task, hole_task):
+                task.cancel()
+            await asyncio.gather(stop_task, hole_task, return_exceptions=True)
+            leave.set()
+
+    watcher = asyncio.create_task(watch(), name="host-rebalance")
+    try:
+        await serve_loaded_shard(loaded, nats_url=nats_url, settings=settings, busy_threads=busy_threads,
+                                 ready_file=ready_file, stop_event=leave,
+                                 withdraw_reason=lambda: "moved" if moved else "shutdown")
+    finally:
+        watcher.cancel()
+        await asyncio.gather(watcher, return_exceptions=True)
+    return moved[0] if moved and not stop_event.is_set() else None

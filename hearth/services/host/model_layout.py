@@ -1,0 +1,80 @@
+"""What `hearth host` knows of a model before choosing its layers, with no layer fetched: how many layers, the bytes
+each takes as this host would hold it, the weights digest and the id it is served under.
+
+A local folder or GGUF file (or a hub id whose snapshot is complete in the hub cache) is read from disk; a
+`store:NAME` model from the community store's manifest (hearth/services/weights_store.py); any other hub id from the
+hub's listing, config.json and safetensors headers, or a hub GGUF's header read by byte ranges
+(hearth/inference/hub_fetch.hub_layout; `org/name:FILE.gguf` names one GGUF of a repository holding several). Loading
+the chosen range then fetches only that range (hearth/services/shard/main.load_shard).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from hearth.inference import read_config_dict, resolve_model_path, weights_sha256
+from hearth.inference.checkpoint import looks_like_local_path, default_model_id
+from hearth.inference.gguf_checkpoint import default_read_device
+from hearth.inference.hub_fetch import complete_hub_snapshot, hub_layout
+from hearth.inference.memory import layer_weight_bytes, layer_weight_bytes_of
+from hearth.inference.quantization import QuantizationScheme
+from hearth.services.common.config import HearthSettings
+from hearth.services.weights_store import read_manifest, store_model_name
+
+
+@dataclass(frozen=True)
+class ModelLayout:
+    """A model as `hearth host` plans with it."""
+
+    total_layers: int
+    # Bytes of each decoder layer (index = layer) in the compute dtype under the quantization scheme.
+    layer_bytes: list[int]
+    weights_sha256: str
+    served_id: str
+
+
+async def model_layout(model: str, *, model_id: str | None, compute_dtype: torch.dtype, scheme: QuantizationScheme,
+                       nats_url: str | None, settings: HearthSettings,
+                       device: torch.device | str = default_read_device) -> ModelLayout:
+    """The ModelLayout of `model` (a folder, GGUF file, hub id or `store:NAME`) as `device` will hold it;
+    CheckpointError or WeightsStoreError (one line) when it cannot be read."""
+    if (name := store_model_name(model)) is not None:
+        manifest = await _store_manifest(name, nats_url, settings)
+        return ModelLayout(manifest.num_layers, manifest.layer_weight_bytes(compute_dtype, scheme, device),
+                           manifest.weights_sha256, model_id or name)
+    local = await asyncio.to_thread(_local_checkpoint, model)
+    if local is None:
+        layout = await asyncio.to_thread(hub_layout, model)
+        total = int(layout.config["num_hidden_layers"])
+        per_layer = layer_weight_bytes_of(layout.tensors, compute_dtype, scheme, device=device)
+        return ModelLayout(total, [per_layer.get(index, 0) for index in range(total)], layout.weights_sha256,
+                           model_id or model)
+    total = int(read_config_dict(local)["num_hidden_layers"])
+    per_layer = await asyncio.to_thread(layer_weight_bytes, local, compute_dtype, quantization=scheme,
+                                       device=device)
+    digest = await asyncio.to_thread(weights_sha256, local)
+    served_id = model_id or (default_model_id(local) if Path(model).expanduser().exists() else model)
+    return ModelLayout(total, [per_layer.get(index, 0) for index in range(total)], digest, served_id)
+
+
+def _local_checkpoint(model: str) -> Path | None:
+    """The folder or GGUF file of `model` on this disk (a hub id: its complete snapshot), None for a hub id to read
+    from the hub."""
+    as_path = Path(model).expanduser()
+    if as_path.exists() or looks_like_local_path(model):
+        return resolve_model_path(model)  # CheckpointError for a path that is not a checkpoint
+    return complete_hub_snapshot(model, None, None)
+
+
+async def _store_manifest(name: str, nats_url: str | None, settings: HearthSettings):
+    from hearth.services.broker.connection import connect_nats
+
+    nc = await connect_nats(nats_url, name=f"hearth host {name}", settings=settings.nats)
+    try:
+        return await read_manifest(nc.jetstream(), name)
+    finally:
+        await nc.close()

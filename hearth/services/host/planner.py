@@ -1,0 +1,88 @@
+"""Which contiguous layer range a `hearth host` serves: the one that fits its memory budget and most improves the
+mesh's coverage (least-replicated layers first, as Petals servers choose their blocks), and when to move.
+
+Coverage is read from the read model: how many live replicas (advertised, unexpired, recently heard from, same
+weights and quantization scheme) hold each layer, this host's own shard left out. All decisions here are pure
+functions of that count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from hearth.readmodels.queries import ShardCandidate
+
+
+@dataclass(frozen=True)
+class LayerRange:
+    lo: int
+    hi: int  # inclusive
+
+    def __str__(self) -> str:
+        return f"{self.lo}-{self.hi}"
+
+    def layers(self) -> range:
+        return range(self.lo, self.hi + 1)
+
+
+def replicas_per_layer(shards: Iterable[ShardCandidate], *, total_layers: int, weights_sha256: str,
+                       alive: Callable[[ShardCandidate], bool], leave_out: str | None = None,
+                       quantization: str = "none") -> list[int]:
+    """Live replicas of each layer among `shards` (one model's) that serve its weights in `quantization` (a
+    pipeline never mixes schemes), the shard `leave_out` (this host's) not counted."""
+    replicas = [0] * total_layers
+    for shard in shards:
+        if (shard.shard_id == leave_out or shard.weights_sha256 != weights_sha256
+                or shard.quantization != quantization or not alive(shard)):
+            continue
+        for layer in range(max(shard.layer_lo, 0), min(shard.layer_hi, total_layers - 1) + 1):
+            replicas[layer] += 1
+    return replicas
+
+
+def widest_fit(lo: int, layer_bytes: list[int], budget_bytes: int) -> int | None:
+    """The last layer of the longest range starting at `lo` whose weights fit `budget_bytes`; None if none does."""
+    total, hi = 0, None
+    for index in range(lo, len(layer_bytes)):
+        total += layer_bytes[index]
+        if total > budget_bytes:
+            break
+        hi = index
+    return hi
+
+
+def _score(window: LayerRange, replicas: list[int]) -> tuple:
+    counts = [replicas[layer] for layer in window.layers()]
+    # Most uncovered layers first, then the longest range, then the least replicated, then the lowest layers.
+    return (-sum(1 for count in counts if count == 0), -len(counts), sum(counts), window.lo)
+
+
+def choose_range(replicas: list[int], layer_bytes: list[int], budget_bytes: int) -> LayerRange | None:
+    """The range this host should load: of the widest ranges that fit from each start, the best for coverage."""
+    windows = []
+    for lo in range(len(replicas)):
+        hi = widest_fit(lo, layer_bytes, budget_bytes)
+        if hi is not None:
+            windows.append(LayerRange(lo, hi))
+    if not windows:
+        return None
+    return min(windows, key=lambda window: _score(window, replicas))
+
+
+def uncovered(replicas: list[int], window: LayerRange) -> int:
+    return sum(1 for layer in window.layers() if replicas[layer] == 0)
+
+
+def better_range(current: LayerRange, replicas_without_me: list[int], layer_bytes: list[int],
+                 budget_bytes: int) -> LayerRange | None:
+    """A range worth moving to, or None. Never when a layer of `current` has no other replica (moving would drop
+    its last one); only to a range that covers layers nobody serves (a hole), so balanced meshes stay put."""
+    if any(replicas_without_me[layer] == 0 for layer in current.layers()):
+        return None
+    if not any(count == 0 for count in replicas_without_me):
+        return None
+    candidate = choose_range(replicas_without_me, layer_bytes, budget_bytes)
+    if candidate is None or candidate == current:
+        return None
+    return candidate if uncovered(replicas_without_me, candidate) > 0 else None

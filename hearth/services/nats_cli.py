@@ -1,0 +1,197 @@
+"""`hearth nats`: runs the broker: one nats-server, `--cluster N` clustered ones on this machine, or `--node NAME`,
+one node of a cluster spread over machines or containers (compose.yaml); open, or for a community (its members'
+permissions and TLS)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Optional
+
+import typer
+
+from hearth.services.common.config_sections import loopback_host
+
+if TYPE_CHECKING:
+    import threading
+
+    from hearth.services.broker.server import EmbeddedNatsServer
+
+COMMAND = "hearth nats"
+NATS_HELP_EPILOG = (
+    "A cluster: `hearth nats --cluster 3` runs three nodes here (client ports PORT, PORT+1, PORT+2; cluster ports "
+    "from --cluster-port; stores STORE/nats-0..2) and prints their URLs comma-separated, which --nats and "
+    "HEARTH_NATS_URL take as they are. Each node runs nats/hearth-cluster.conf; the event streams then keep three "
+    "copies, and losing one node loses no acknowledged event. SIGINT/SIGTERM stops every node."
+)
+
+
+def _fail(message: str) -> None:
+    typer.echo(f"{COMMAND}: {message}", err=True)
+    raise typer.Exit(1)
+
+
+def _authorization(community: Path | None) -> str | None:
+    if community is None:
+        return None
+    from hearth.services.broker.permissions import render_authorization
+    from hearth.trust.community import Community
+    from hearth.trust.keys import KeyFileError
+    from hearth.trust.roster import RosterError
+
+    try:
+        return render_authorization(Community(community).roster())
+    except (RosterError, KeyFileError) as error:
+        _fail(str(error))
+
+
+def _route_password(community: Path | None) -> str | None:
+    """The community's route password (None: a random one; only nodes started together can share it)."""
+    if community is None:
+        return None
+    from hearth.services.broker.cluster import community_route_password
+    from hearth.trust.community import Community
+    from hearth.trust.keys import KeyFileError
+
+    try:
+        return community_route_password(Community(community))
+    except KeyFileError as error:
+        _fail(f"the cluster's route password comes from the community's system key: {error}")
+
+
+def _tls_block(tls_cert: Path | None, tls_key: Path | None, tls_ca: Path | None) -> str | None:
+    if (tls_cert is None) != (tls_key is None) or (tls_ca is not None and tls_cert is None):
+        _fail("TLS needs --tls-cert and --tls-key (and --tls-ca only with them)")
+    if tls_cert is None:
+        return None
+    from hearth.services.broker.tls import server_tls_block
+
+    return server_tls_block(tls_cert, tls_key, tls_ca)
+
+
+def nats_command(
+    port: Annotated[int, typer.Option("--port", help="Client port to listen on (the first node's, with --cluster).")]
+    = 4222,
+    store: Annotated[
+        Path, typer.Option("--store", help="Directory for JetStream data (kept across restarts).")
+    ] = Path(".hearth/nats"),
+    host: Annotated[
+        str, typer.Option("--host", help="Interface to listen on; 0.0.0.0 to accept other machines.")
+    ] = loopback_host,
+    community: Annotated[Optional[Path], typer.Option(
+        "--community", help="Community folder: only its members may connect, each with its role's permissions "
+                            "(rendered from its roster, as `hearth community nats-config` does).")] = None,
+    tls_cert: Annotated[Optional[Path], typer.Option("--tls-cert", help="Serve TLS only, with this certificate "
+                                                     "(PEM; with --tls-key).")] = None,
+    tls_key: Annotated[Optional[Path], typer.Option("--tls-key", help="The certificate's private key (PEM).")] = None,
+    tls_ca: Annotated[Optional[Path], typer.Option("--tls-ca", help="Verify client certificates against this CA "
+                                                   "(PEM); members then need [nats] tls_cert_file too.")] = None,
+    cluster: Annotated[Optional[int], typer.Option(
+        "--cluster", min=3, show_default=False,
+        help="Run this many clustered nodes on this machine (3 or more) and print their URLs comma-separated.")]
+    = None,
+    node: Annotated[Optional[str], typer.Option(
+        "--node", show_default=False,
+        help="Run one node of a cluster whose other nodes run elsewhere (compose.yaml): its name, unique in the "
+             "cluster; needs --routes and --community (the route password derives from its system key).")] = None,
+    routes: Annotated[Optional[str], typer.Option(
+        "--routes", show_default=False,
+        help="With --node: every node's cluster address, this one's included, comma-separated "
+             "(nats-0:6222,nats-1:6222,nats-2:6222).")] = None,
+    cluster_port: Annotated[int, typer.Option(
+        "--cluster-port", help="Port the nodes connect to each other on (with --cluster: the first node's).")]
+    = 6222,
+    monitor_port: Annotated[int, typer.Option(
+        "--monitor-port", help="A node's monitoring port on 127.0.0.1: /healthz, /jsz, /routez (with --cluster: "
+                               "the first node's).")] = 8222,
+    check: Annotated[bool, typer.Option(
+        "--check", help="Write the configuration, have nats-server test it (-t) and exit: 0 when it is valid.")]
+    = False,
+) -> None:
+    """Run nats-server with JetStream (fsync on every write) until SIGINT/SIGTERM: one server, or a cluster."""
+    from hearth.services.broker.cluster import ClusterNodeServer, EmbeddedNatsCluster
+    from hearth.services.broker.server import EmbeddedNatsServer, NatsServerError
+
+    stop_requested = _stop_on_signals()  # from now on: a stop while the servers start lets them start, then stops
+    if cluster is not None and node is not None:
+        _fail("give --cluster (every node here) or --node (one node), not both")
+    if (node is None) != (routes is None):
+        _fail("--node and --routes go together")
+    if node is not None and community is None:
+        _fail("--node needs --community: the nodes' route password derives from the community's system key")
+    server_options = dict(host=host, authorization=_authorization(community),
+                          tls_block=_tls_block(tls_cert, tls_key, tls_ca))
+    if cluster is not None:
+        servers = EmbeddedNatsCluster(
+            cluster, store_dir=store, ports=[port + i for i in range(cluster)],
+            cluster_ports=[cluster_port + i for i in range(cluster)],
+            monitor_ports=[monitor_port + i for i in range(cluster)],
+            route_password=_route_password(community), **server_options)
+    elif node is not None:
+        route_list = [route.strip() for route in routes.split(",") if route.strip()]
+        servers = ClusterNodeServer(name=node, routes=route_list, route_password=_route_password(community),
+                                    cluster_listen=f"{host}:{cluster_port}", monitor_port=monitor_port, port=port,
+                                    store_dir=store, **server_options)
+    else:
+        servers = EmbeddedNatsServer(port=port, store_dir=store, **server_options)
+    try:
+        if check:
+            servers.check_config()
+            typer.echo(f"{COMMAND}: configuration valid", err=True)
+            return
+        servers.start()
+    except NatsServerError as error:
+        _fail(str(error))
+    if community is not None:
+        _create_streams(servers, community, tls=tls_cert is not None, one_node=node is not None)
+    typer.echo(servers.url)
+    typer.echo(f"JetStream store: {store.resolve()}  (Ctrl-C to stop)", err=True)
+    _serve_until_stopped(servers, stop_requested)
+
+
+def _create_streams(servers: "EmbeddedNatsServer", community: Path, *, tls: bool, one_node: bool) -> None:
+    """The event streams, created with the community's system key: no other member may administer them."""
+    from hearth.services.broker.streams import create_community_streams_blocking
+    from hearth.services.common.config import load_settings
+    from hearth.trust.community import Community
+
+    later = f"create them with `hearth community streams --dir {community} --nats URL`"
+    settings = load_settings().nats
+    if one_node:  # the cluster's other nodes may not be up yet: JetStream has no quorum
+        typer.echo(f"{COMMAND}: the event streams need the whole cluster; {later} once every node runs", err=True)
+        return
+    if tls and settings.tls_ca_file is None:
+        typer.echo(f"{COMMAND}: no [nats] tls_ca_file to reach this TLS broker with; {later}", err=True)
+        return
+    settings = settings.model_copy(update={"url": servers.url, "roster_file": Community(community).roster_path})
+    try:
+        create_community_streams_blocking(settings, Community(community).system_key_path,
+                                          ready_timeout_s=settings.streams_create_timeout_s)
+    except Exception as error:  # the broker still serves; the streams can be created later
+        typer.echo(f"{COMMAND}: the event streams were not created ({error}); {later}", err=True)
+        return
+    typer.echo(f"{COMMAND}: event streams ready", err=True)
+
+
+def _stop_on_signals() -> "threading.Event":
+    import signal
+    import threading
+
+    stop_requested = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop_requested.set())
+    return stop_requested
+
+
+def _serve_until_stopped(servers: "EmbeddedNatsServer", stop_requested: "threading.Event") -> None:
+    exit_code = 0
+    try:
+        while not stop_requested.wait(timeout=0.5):
+            # A terminal's Ctrl-C reaches nats-server too; that exit is a requested stop, not a crash.
+            if not servers.is_running() and not stop_requested.wait(timeout=0.5):
+                typer.echo(f"{COMMAND}: nats-server exited unexpectedly", err=True)
+                exit_code = 1
+                break
+    finally:
+        servers.stop()
+    if exit_code:
+        raise typer.Exit(exit_code)

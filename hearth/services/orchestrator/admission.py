@@ -1,0 +1,105 @@
+"""Admission of a valid request against its model: the prompt is tokenized only when it can fit the model's
+context, its tokens plus `max_tokens` must fit, and every refusal is a BadRequest naming the fields.
+
+Two moments, so that tokenizing waits its turn: `prompt_room` is cheap and is checked as a request arrives;
+`admit_prompt` tokenizes and is called once the call's turn in the fair queue came (hearth/services/orchestrator/
+queue.py), so one caller's long prompts and large templates never run ahead of other callers' calls.
+
+Why a bound before tokenizing: tokenizing a 1 M-character prompt takes seconds, and a prompt that long could
+never fit a context anyway. TokenLowerBound says, in one pass of the normalizer, how many tokens the text needs
+at least; beyond the room the context leaves, the request is refused without tokenizing it.
+"""
+
+from __future__ import annotations
+
+from jinja2 import TemplateError
+
+from hearth.inference import Head, InferenceError
+from hearth.inference.compute_thread import on_compute_thread
+from hearth.protocol.chat import BadRequest, ChatRequest
+from hearth.services.orchestrator.catalog import LoadedModel
+from hearth.services.orchestrator.constrained import output_grammar
+
+# A chat template's own error message is the client's to read, but only its start.
+template_error_chars = 300
+# Control tokens written as text in a request's messages are each encoded on their own (hearth/inference/head.py
+# `encode_chat`), several times the cost of plain text; a request writing more is refused before tokenizing.
+max_control_tokens_in_messages = 1024
+# The exceptions tokenizing a client's text can raise because of that text (anything else is our bug).
+_INPUT_ERRORS = (TemplateError, InferenceError, ValueError, TypeError)
+
+
+def prompt_room(request: ChatRequest, model: LoadedModel) -> int | None:
+    """The tokens the model's context leaves for the prompt (None: unknown), or BadRequest when `max_tokens`
+    leaves none, `logit_bias` names a token the model does not have or no grammar can be made of `response_format`
+    or `tools`; no tokenizing."""
+    output_grammar(request)
+    vocab_size = model.head.info.vocab_size
+    beyond = sorted(token_id for token_id in request.logit_bias if token_id >= vocab_size)
+    if beyond:
+        raise BadRequest(f"field 'logit_bias.{beyond[0]}': token id {beyond[0]} is not in the model's vocabulary of "
+                         f"{vocab_size} tokens")
+    context = model.context_length
+    room = None if context is None else context - request.max_tokens
+    if room is not None and room < 1:
+        raise BadRequest(f"field 'max_tokens': max_tokens {request.max_tokens} leaves no room for a prompt in the "
+                         f"model's context of {context} tokens")
+    return room
+
+
+async def admit_prompt(request: ChatRequest, model: LoadedModel) -> list[int]:
+    """The request's prompt token ids, or BadRequest when its prompt cannot be served with this model."""
+    field = "messages" if request.messages is not None else "prompt"
+    context = model.context_length
+    room = prompt_room(request, model)
+    prompt_ids, at_least = await on_compute_thread(_tokenize_within, request, model, room)
+    grammar = output_grammar(request)
+    if grammar is not None:
+        # Compiling reads the model's whole vocabulary the first time: on the compute thread too.
+        await on_compute_thread(grammar.check, model)
+    if prompt_ids is None:
+        raise BadRequest(f"fields '{field}' and 'max_tokens': the prompt's at least {at_least} tokens plus "
+                         f"max_tokens {request.max_tokens} exceed the model's context of {context} tokens")
+    if not prompt_ids:
+        raise BadRequest(f"field '{field}': the prompt encodes to no tokens")
+    if room is not None and len(prompt_ids) > room:
+        raise BadRequest(f"fields '{field}' and 'max_tokens': the prompt's {len(prompt_ids)} tokens plus max_tokens "
+                         f"{request.max_tokens} = {len(prompt_ids) + request.max_tokens} exceed the model's context "
+                         f"of {context} tokens")
+    return prompt_ids
+
+
+def _tokenize_within(request: ChatRequest, model: LoadedModel, room: int | None) -> tuple[list[int] | None, int]:
+    """On the compute thread: (token ids, 0), or (None, the tokens the prompt needs at least) when that lower
+    bound already exceeds `room` and tokenizing would be wasted."""
+    head = model.head
+    field = "messages" if request.messages is not None else "prompt"
+    messages = [m.for_template() for m in request.messages] if request.messages is not None else None
+    tools = [tool.model_dump(exclude_none=True) for tool in request.tools] if request.tools else None
+    if not head.has_tokenizer:
+        raise BadRequest(f"field 'model': model {model.model_id} has no tokenizer on this orchestrator")
+    if messages is not None and not getattr(head.tokenizer, "chat_template", None):
+        raise BadRequest(f"field 'messages': model {model.model_id} has no chat template; send 'prompt' instead")
+    if messages is not None:
+        _refuse_many_control_tokens(head, messages)
+    try:
+        if messages is not None:
+            text = head.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
+                                                      tokenize=False)
+        else:
+            text = request.prompt
+        at_least = model.token_bound.at_least(text) if model.token_bound is not None else 0
+        if room is not None and at_least > room:
+            return None, at_least
+        ids = head.encode_chat(messages, tools=tools) if messages is not None else head.encode_prompt(text)
+    except _INPUT_ERRORS as error:
+        first_line = (str(error).splitlines() or [type(error).__name__])[0][:template_error_chars]
+        raise BadRequest(f"field '{field}': the model's tokenizer or chat template refused it: {first_line}") from None
+    return list(ids), 0
+
+
+def _refuse_many_control_tokens(head: Head, messages: list[dict[str, str]]) -> None:
+    written = head.control_tokens_in(message["content"] for message in messages)
+    if written > max_control_tokens_in_messages:
+        raise BadRequest(f"field 'messages': {written} control tokens of the chat template written as text, more than "
+                         f"{max_control_tokens_in_messages}")

@@ -1,0 +1,72 @@
+"""Prefix affinity in routing: a call whose leading blocks a chain kept goes to that chain's shards when the prefill it
+saves there outweighs what they cost beyond the cheapest chain, by predicted time of the whole call. Which chain kept
+them comes from this orchestrator's own memory (hearth/services/orchestrator/prefix.py, KeptChains) and from the read
+model (hearth/readmodels/kept_prefixes.py: every orchestrator's calls, through `pipeline.completed`), the longer holding
+winning.
+
+A chain's predicted time per token is what routing minimises (hearth/services/orchestrator/predict.py); a prompt token
+is taken to cost `[prefix_cache] prefill_token_cost` of that (prefill runs many positions per step), so
+
+    call_ms(chain) = time_per_token(chain) * (prefill_token_cost * positions to prefill + max_tokens)
+
+and the kept chain wins when its call_ms, prefilling only past the blocks it holds, is the smaller.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from hearth.readmodels.queries import KeptChain, ShardCandidate
+from hearth.services.orchestrator.capacity import ShardLoad
+from hearth.services.orchestrator.predict import HopCosts
+from hearth.services.orchestrator.router import Hop
+
+
+def hop_ranges(hops: Iterable[Hop]) -> tuple[tuple[str, int, int], ...]:
+    """A chain's hops as a kept chain records them: (shard id, first layer run, last layer run) each, in order."""
+    return tuple((hop.shard_id, hop.layer_lo_to_run, hop.layer_hi_to_run) for hop in hops)
+
+
+def time_per_token_ms(hops: Iterable[Hop], by_id: dict[str, ShardCandidate], costs: HopCosts) -> float:
+    return sum(costs.hop_ms(by_id[hop.shard_id], hop.layer_hi_to_run - hop.layer_lo_to_run + 1) for hop in hops)
+
+
+def kept_hops(kept: KeptChain, usable: dict[str, ShardCandidate], quantization: str) -> list[Hop] | None:
+    """The kept chain as hops, when every one of its shards may serve now (else None)."""
+    hops = []
+    for shard_id, layer_lo, layer_hi in kept.hops:
+        shard = usable.get(shard_id)
+        if shard is None or shard.quantization != quantization or not shard.layer_lo <= layer_lo <= layer_hi \
+                <= shard.layer_hi:
+            return None
+        hops.append(Hop(shard_id=shard_id, control_subject=shard.control_subject, node_id=shard.node_id,
+                        layer_lo_to_run=layer_lo, layer_hi_to_run=layer_hi, quantization=quantization))
+    return hops
+
+
+def prefer_kept(planned: list[Hop], kept: KeptChain | None, usable: dict[str, ShardCandidate], *,
+                load: ShardLoad | None, block_tokens: int, prompt_positions: int, max_tokens: int,
+                prefill_token_cost: float) -> tuple[list[Hop], int]:
+    """The chain to open (`planned`, the cheapest, or the kept one) and the blocks it is expected to hold."""
+    if kept is None or not planned:
+        return planned, 0
+    candidate = kept_hops(kept, usable, planned[0].quantization)
+    if candidate is None:
+        return planned, 0
+    if hop_ranges(planned) == tuple(kept.hops):
+        return planned, kept.blocks
+    total_layers = max(hop.layer_hi_to_run for hop in planned) + 1
+    costs = HopCosts(list(usable.values()), total_layers, load)
+    reused = min(kept.blocks * block_tokens, max(prompt_positions - 1, 0))
+    planned_ms = time_per_token_ms(planned, usable, costs) * (prefill_token_cost * prompt_positions + max_tokens)
+    kept_ms = time_per_token_ms(candidate, usable, costs) * (prefill_token_cost * (prompt_positions - reused)
+                                                              + max_tokens)
+    return (candidate, kept.blocks) if kept_ms < planned_ms else (planned, 0)
+
+
+def longer_kept(ours: KeptChain | None, recorded: KeptChain | None) -> KeptChain | None:
+    """Of our own memory's kept chain and the read model's, the one holding more of the call's leading blocks (ours
+    on a tie: it does not lag behind the event log)."""
+    if recorded is None or (ours is not None and ours.blocks >= recorded.blocks):
+        return ours
+    return recorded

@@ -1,0 +1,160 @@
+"""Canaries: work whose honest outputs are known (a check confirmed them: two hosts agreed) replayed from time to
+time to another host of the same layers, as a session it cannot tell from a call's hop, and compared (EdgeLlama's
+fortification check). A host is only ever sent work it never saw, recorded from other hosts."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import torch
+
+from hearth.events.models import IntegrityMismatchConfirmed, IntegrityShardsVerified, ShardVerification
+from hearth.inference.activation_compare import (evidence_digest, first_mismatch, position_errors, reportable_error,
+                                          tolerance_for)
+from hearth.services.orchestrator.guards import RangeKey
+from hearth.services.orchestrator.metrics import verification_checks_total
+from hearth.services.orchestrator.mirror import Mirror, serves_range
+from hearth.services.orchestrator.outcomes import StepFailure
+from hearth.services.orchestrator.placement import ChainPlacement
+from hearth.services.orchestrator.router import Hop
+from hearth.services.transport import FrameKind
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Canary:
+    """A confirmed run of one hop from position 0: its inputs, outputs and step kinds, where the hop sat, and the
+    two hosts whose outputs agreed on it."""
+
+    key: RangeKey
+    weights_sha256: str
+    dtype: str
+    wire_dtype: str
+    placement: ChainPlacement
+    kinds: tuple[FrameKind, ...]
+    inputs: torch.Tensor
+    outputs: torch.Tensor
+    parties: tuple[str, str]
+
+    @property
+    def positions(self) -> int:
+        return int(self.inputs.shape[1])
+
+
+class CanaryLibrary:
+    """A few canaries per layer range (a new one replaces a random old one), each cut to `max_positions`."""
+
+    def __init__(self, per_range: int, max_positions: int) -> None:
+        self.per_range = per_range
+        self.max_positions = max_positions
+        self._kept: dict[RangeKey, list[Canary]] = {}
+        self._chance = random.SystemRandom()
+
+    def keep(self, canary: Canary) -> None:
+        if self.per_range == 0:
+            return
+        cut = min(canary.positions, self.max_positions)
+        canary = Canary(canary.key, canary.weights_sha256, canary.dtype, canary.wire_dtype, canary.placement,
+                        canary.kinds[:cut], canary.inputs[:, :cut].clone(), canary.outputs[:, :cut].clone(),
+                        canary.parties)
+        kept = self._kept.setdefault(canary.key, [])
+        if len(kept) < self.per_range:
+            kept.append(canary)
+        else:
+            kept[self._chance.randrange(len(kept))] = canary
+
+    def all(self) -> list[Canary]:
+        return [canary for kept in self._kept.values() for canary in kept]
+
+
+class CanaryRunner:
+    """Every `[verification] canary_interval_s` (jittered), replays one canary to one host that did not record it;
+    a host that answers it wrongly is quarantined with the canary's two parties as witnesses."""
+
+    def __init__(self, ctx, record: Callable[[object], Awaitable[None]]) -> None:
+        self.ctx = ctx
+        self._record = record
+        self._chance = random.SystemRandom()
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        if self.ctx.settings.verification.canary_interval_s > 0:
+            self._task = asyncio.create_task(self._run(), name="canaries")
+
+    async def close(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def _run(self) -> None:
+        interval_s = self.ctx.settings.verification.canary_interval_s
+        while True:
+            await asyncio.sleep(interval_s * self._chance.uniform(0.5, 1.5))
+            try:
+                await self.replay_one()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a canary must never take the orchestrator down
+                log.exception("replaying a canary failed")
+
+    async def replay_one(self) -> str | None:
+        """Replay one canary to one eligible host; the host's shard id (None when no pair was eligible)."""
+        pairs = [(canary, host) for canary in self.ctx.canaries.all() for host in await self._hosts(canary)]
+        if not pairs:
+            return None
+        canary, host = self._chance.choice(pairs)
+        await self._replay(canary, host)
+        return host.shard_id
+
+    async def _hosts(self, canary: Canary) -> list[Hop]:
+        model_id, lo, hi, quantization = canary.key
+        candidates = await asyncio.to_thread(self.ctx.router.candidates, model_id)
+        now = self.ctx.router.now()
+        return [Hop(shard_id=c.shard_id, control_subject=c.control_subject, node_id=c.node_id, layer_lo_to_run=lo,
+                    layer_hi_to_run=hi, quantization=quantization)
+                for c in candidates
+                if c.shard_id not in canary.parties and c.shard_id not in self.ctx.quarantined
+                and self.ctx.router.alive(c, now)
+                and serves_range(c, canary.weights_sha256, quantization, canary.dtype, lo, hi)]
+
+    async def _replay(self, canary: Canary, host: Hop) -> None:
+        settings = self.ctx.settings
+        mirror = Mirror(self.ctx.nc, host, node_id=self.ctx.node_id, model_id=canary.key[0],
+                        weights_sha256=canary.weights_sha256, transport=settings.transport,
+                        wire_dtype=canary.wire_dtype, hidden_size=int(canary.inputs.shape[-1]),
+                        max_session_tokens=canary.positions, chunk_tokens=settings.orchestrator.prefill_chunk_tokens,
+                        dtype=canary.dtype, placement=canary.placement)
+        try:
+            failure = await mirror.open()
+            output = failure if failure is not None else await mirror.run(canary.inputs, 0, canary.kinds)
+        finally:
+            await mirror.close()
+        if isinstance(output, StepFailure):
+            log.info("canary to %s did not come back: %s", host.shard_id, output)
+            return
+        tolerance = tolerance_for(None, canary.dtype, canary.key[3], canary.wire_dtype)
+        errors = position_errors(output, canary.outputs)
+        bad = first_mismatch(errors, tolerance)
+        pipeline_id = mirror.chain.pipeline_id
+        if bad is None:
+            verification_checks_total.labels("canary_confirmed").inc()
+            await self._record(IntegrityShardsVerified(node_id=self.ctx.node_id, pipeline_id=pipeline_id, shards=[
+                ShardVerification(shard_id=host.shard_id, checks=1, verified_positions=canary.positions)]))
+            return
+        log.warning("%s answered a canary of layers %d-%d wrongly (position %d, relative error %.3g); quarantined",
+                    host.shard_id, canary.key[1], canary.key[2], bad, float(errors[bad]))
+        verification_checks_total.labels("canary_mismatch").inc()
+        self.ctx.quarantined.add(host.shard_id)
+        await self._record(IntegrityMismatchConfirmed(
+            node_id=self.ctx.node_id, pipeline_id=pipeline_id, shard_id=host.shard_id, witnesses=list(canary.parties),
+            layer_lo=canary.key[1], layer_hi=canary.key[2], quantization=canary.key[3], dtype=canary.dtype,
+            position=bad, step_kind=canary.kinds[bad].value, relative_error=reportable_error(errors[bad]),
+            tolerance=tolerance, evidence_sha256=evidence_digest(canary.inputs, output, canary.outputs)))

@@ -1,0 +1,400 @@
+"""HopChain: sends one step into remote shard hops and returns what leaves the last one, or a StepFailure saying which
+hop failed and why (hearth/services/orchestrator/local_chain.py runs a step on a whole local model instead: the
+fallback).
+
+A step fails (a typed result, never an exception) when:
+- a hop tells us so at once on the pipeline's notice subject (a notice counts only with the MAC of the hop it
+  names, hearth/services/transport/notices.py): its layers raised (`step_failed`, that hop is to blame), its input
+  failed an integrity check (`reported`: the hop before it is routed around for this call, but blamed nowhere,
+  since the orchestrator cannot verify the report), or its session's KV cache was evicted (`evicted`: nobody is
+  to blame; the caller re-prefills on the same chain);
+- the output that reaches us fails the integrity check (`corrupt`, the last hop);
+- the stall watch finds a hop gone or holding the step too long (`gone`, `stalled`; stall.py);
+- our connection to the broker was lost while the step was out (`broker`, nobody's shard is to blame).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from nats.errors import Error as NatsError, NoRespondersError
+
+from hearth.protocol.control import CloseHop, ControlReply, HopNotice, KeepHop, OpenHop, PrefixBlocks
+from hearth.protocol.subjects import LinkNodes, hop_notice_subject, keepalive_subject, node_token
+from hearth.services.common.config import TransportSettings
+from hearth.services.broker.connection import flush_ordered
+from hearth.services.orchestrator.metrics import HopLatencies, hop_notices_refused_total
+from hearth.services.orchestrator.hop_notices import notice_failure
+from hearth.services.orchestrator.outcomes import StepFailure
+from hearth.services.orchestrator.placement import ChainPlacement
+from hearth.services.orchestrator.recording import ChainRecorder
+from hearth.services.orchestrator.router import Hop
+from hearth.services.orchestrator.stall import StallWatch
+from hearth.services.transport import (
+    AckObserver,
+    AckWindowSender,
+    ActivationReceiver,
+    FrameHeader,
+    FrameKind,
+    ReceivedStep,
+    StepInfo,
+    StepLimits,
+    StepRefusal,
+    TransportError,
+    TransportTimeout,
+    WaitInterrupted,
+    wire_dtype_from_setting,
+)
+from hearth.services.transport.integrity import NormBounds, count_integrity_failure
+from hearth.services.transport.mac import encode_link_key, new_link_key
+from hearth.services.transport.notices import read_notice
+
+log = logging.getLogger(__name__)
+
+# How often (a fraction of the step timeout) a waiting step looks at the acks for a hop holding it too long.
+stall_poll_fraction = 0.1
+shortest_poll_s = 0.01
+
+
+
+def _encoded(link_key: bytes | None) -> str | None:
+    return encode_link_key(link_key) if link_key is not None else None
+
+
+@dataclass(frozen=True)
+class SentStep:
+    """A step sent into hop 0 whose output has not been awaited yet (several may be out: chunked prefill)."""
+
+    info: StepInfo
+    sent_at: float
+    timeout_s: float
+    # Whether steps sent before it were still out: then its hop latencies include queueing and are not observed.
+    queued_behind: bool
+
+
+class HopChain:
+    """One epoch of a pipeline: the opened hops, the sender into hop 0 and the sink after the last hop."""
+
+    def __init__(self, nc: NatsClient, pipeline_id: str, hops: list[Hop], *, node_id: str, model_id: str,
+                 weights_sha256: str, transport: TransportSettings, wire_dtype: str = "auto",
+                 sink_bounds: NormBounds | None = None, hidden_size: int | None = None,
+                 max_session_tokens: int | None = None,
+                 on_round_trip: Callable[[str, float], None] | None = None, accusers: set[str] | None = None,
+                 record_budget_bytes: int | None = None, placement: ChainPlacement | None = None,
+                 prefix: PrefixBlocks | None = None) -> None:
+        self.nc = nc
+        # The blocks its hops may start from (hearth/services/orchestrator/prefix.py) and the positions every hop holds
+        # of them once opened: where the chain's first prefill starts.
+        self.prefix = prefix
+        self.reused_tokens = self._prefill_start = 0
+        # Where these hops sit in the pipeline as their hosts are told (a mirror's or a canary's single hop looks
+        # like that hop of a real call); by default the whole pipeline, between this orchestrator's two ends.
+        self.placement = placement or ChainPlacement()
+        first, upstream = self.placement.first_hop, self.placement.upstream_node or node_id
+        downstream = self.placement.downstream_node or node_id
+        # The call's shards that reported bad input before (shared by its chains): one that reports again is the
+        # common factor of its reports, and is routed around itself.
+        self.accusers = set() if accusers is None else accusers
+        # Told (shard_id, seconds) for every hop that answered `open`: routing's measured round trip.
+        self.on_round_trip = on_round_trip
+        self.node_id = node_id
+        self.pipeline_id = pipeline_id
+        self.hops = hops
+        self.model_id = model_id
+        self.weights_sha256 = weights_sha256
+        self.transport = transport
+        self.wire_dtype = wire_dtype
+        self.session_id = uuid.uuid4().hex[:16]
+        # One fresh MAC key per link (into hop i; the last into our sink), told only to the link's two ends.
+        self.link_keys = [new_link_key() if transport.activation_macs else None for _ in range(len(hops) + 1)]
+        # Sealed links encrypt frames end to end with keys derived from those (no link keys, nothing to seal with).
+        self.sealed = transport.seal_activations and transport.activation_macs
+        # And one per hop for its notices, told to that hop alone: a notice can speak only for its sender's hop.
+        self.notice_keys = [new_link_key() for _ in hops]
+        # Indexed by the hop a notice names; keys nobody was told stand for the hops before these.
+        self._notice_keys_by_hop = [new_link_key() for _ in range(first)] + self.notice_keys
+        self.sink_bounds = sink_bounds or NormBounds()
+        self._sender = AckWindowSender(nc, pipeline_id, first, nodes=LinkNodes(sender=upstream,
+                                                                               receiver=hops[0].node_id),
+                                       link_key=self.link_keys[0], seal=self.sealed,
+                                       window_chunks=transport.window_chunks,
+                                       ack_timeout_s=transport.step_timeout_s, chunk_bytes=transport.chunk_bytes,
+                                       wire_dtype=wire_dtype_from_setting(wire_dtype))
+        # Every hop and the sink know what a step of this call can be: [1, tokens, hidden] within its positions.
+        self.max_session_tokens = max_session_tokens
+        step_limits = None
+        if hidden_size is not None and max_session_tokens is not None:
+            step_limits = StepLimits.for_pipeline(hidden_size=hidden_size, max_tokens=max_session_tokens,
+                                                  activation_dtype=wire_dtype)
+        # What every hop received and sent, for checks on other replicas (hearth/services/orchestrator/recording.py).
+        self.recorder = ChainRecorder(nc, pipeline_id, [hop.node_id for hop in hops], link_keys=self.link_keys,
+                                      sealed=self.sealed, step_limits=step_limits,
+                                      budget_bytes=record_budget_bytes) if record_budget_bytes else None
+        self._sink = ActivationReceiver(nc, pipeline_id, first + len(hops),
+                                        nodes=LinkNodes(sender=hops[-1].node_id, receiver=downstream),
+                                        step_limits=step_limits, on_refused=self._on_refused_output,
+                                        link_key=self.link_keys[len(hops)], seal=self.sealed)
+        self._refused_output: StepFailure | None = None
+        self._observer = AckObserver(nc, pipeline_id, sink_hop=first + len(hops),
+                                     link_keys=dict(enumerate(self.link_keys, start=first))
+                                     if transport.activation_macs else None)
+        self._watch = StallWatch(nc, hops, self._observer, transport, first_hop=first)
+        self._latencies = HopLatencies(self.shard_ids)
+        self._notice_sub = None
+        self._notices: list[HopNotice] = []
+        self._open_sent = False
+        self._step = 0
+        # Steps sent whose outputs were not awaited yet, and outputs that came before the one awaited.
+        self._outstanding: set[int] = set()
+        self._early: dict[int, ReceivedStep] = {}
+
+    @property
+    def shard_ids(self) -> list[str]:
+        return [hop.shard_id for hop in self.hops]
+
+    def take_reused_tokens(self) -> int:
+        """Where the chain's first prefill starts (its hops hold the positions before); 0 for every later one (a
+        re-prefill after an eviction starts over)."""
+        reused, self._prefill_start = self._prefill_start, 0
+        return reused
+
+    async def open(self) -> StepFailure | None:
+        """Subscribe the sink first (so no output is lost), then open every hop; the first hop that refused or
+        did not answer (`broker`: our connection failed under the subscriptions), or None when all are open."""
+        epoch = self.nc.stats["reconnects"]
+        try:
+            await self._sink.start()
+            if self.recorder is not None:
+                await self.recorder.start(self.session_id)
+            await self._observer.start()
+            await self._sender.start()
+            self._notice_sub = await self.nc.subscribe(hop_notice_subject(self.pipeline_id), cb=self._on_notice)
+        except NatsError as error:
+            return self._broker_failure(epoch, "subscribing") or StepFailure("broker", None, f"subscribing: {error}")
+        self._open_sent = True
+        replies = await asyncio.gather(*(self._open_hop(i, hop) for i, hop in enumerate(self.hops)),
+                                       return_exceptions=True)
+        for hop, reply in zip(self.hops, replies):
+            if isinstance(reply, NoRespondersError):
+                return StepFailure("gone", hop.shard_id, "no responder on its control subject")
+            if isinstance(reply, BaseException):
+                return self._broker_failure(epoch, "opening the pipeline") or StepFailure(
+                    "refused", hop.shard_id, f"did not answer open: {reply!r}")
+            if not reply.ok:
+                return StepFailure("refused", hop.shard_id, f"refused: {reply.code or 'refused'}: {reply.message}",
+                                   code=reply.code)
+        if self.prefix is not None:
+            self.reused_tokens = self._prefill_start = min(reply.cached_tokens for reply in replies)
+        return None
+
+    async def _open_hop(self, index: int, hop: Hop) -> ControlReply:
+        # The hop refuses steps beyond the call's positions (without it, OpenHop's default bound).
+        session_bound = {} if self.max_session_tokens is None else {"max_session_tokens": self.max_session_tokens}
+        placement = self.placement
+        request = OpenHop(
+            pipeline_id=self.pipeline_id, session_id=self.session_id, hop=placement.first_hop + index,
+            hop_count=placement.hop_count or len(self.hops),
+            model_id=self.model_id, weights_sha256=self.weights_sha256, layer_lo=hop.layer_lo_to_run,
+            layer_hi=hop.layer_hi_to_run, wire_dtype=self.wire_dtype, **session_bound,
+            upstream_node=node_token(self.hops[index - 1].node_id if index > 0
+                                     else placement.upstream_node or self.node_id),
+            downstream_node=node_token(self.hops[index + 1].node_id if index + 1 < len(self.hops)
+                                       else placement.downstream_node or self.node_id),
+            inbound_link_key=_encoded(self.link_keys[index]),
+            outbound_link_key=_encoded(self.link_keys[index + 1]),
+            notice_key=encode_link_key(self.notice_keys[index]), seal_activations=self.sealed, prefix=self.prefix,
+        )
+        asked_at = time.perf_counter()
+        message = await self.nc.request(hop.control_subject, request.model_dump_json().encode(),
+                                        timeout=self.transport.control_timeout_s)
+        if self.on_round_trip is not None:
+            self.on_round_trip(hop.shard_id, time.perf_counter() - asked_at)
+        return ControlReply.model_validate_json(message.data)
+
+    async def keep_now(self, keep: PrefixBlocks) -> bool:
+        """Have every hop keep a copy of its session's whole blocks of `keep` while it goes on; whether all did."""
+        request = KeepHop(pipeline_id=self.pipeline_id, session_id=self.session_id, keep=keep).model_dump_json()
+        asks = [self.nc.request(hop.control_subject, request.encode(), timeout=self.transport.control_timeout_s)
+                for hop in self.hops]
+        replies = await asyncio.gather(*asks, return_exceptions=True)  # a hop gone: the others prefill the rest
+        return all(not isinstance(r, BaseException) and ControlReply.model_validate_json(r.data).ok for r in replies)
+
+    async def keep_alive(self) -> None:
+        """Tell the hops this pipeline's orchestrator is alive (hearth/services/shard/hops.py drops silent ones)."""
+        with contextlib.suppress(Exception):
+            await self.nc.publish(keepalive_subject(self.pipeline_id), b"")
+
+    async def close(self, keep: PrefixBlocks | None = None) -> None:
+        """Tell every hop asked to open to close this session (freeing its KV cache, but for the blocks of `keep`
+        it holds whole: hearth/services/orchestrator/prefix.py); drop the subscriptions.
+
+        Closes are published without waiting for answers: a dead or frozen hop must not hold up a failover,
+        and because each names this chain's session, a close that a shard reads late never closes a newer
+        session of the same pipeline.
+        """
+        self._watch.cancel()
+        # Every hop, not only those that confirmed: one whose answer to `open` timed out may still open late.
+        hops = self.hops if self._open_sent else []
+        self._open_sent = False
+        request = CloseHop(pipeline_id=self.pipeline_id, session_id=self.session_id,
+                           keep=keep).model_dump_json().encode()
+        for hop in hops:
+            with contextlib.suppress(Exception):
+                await self.nc.publish(hop.control_subject, request)
+        if hops:
+            with contextlib.suppress(Exception):
+                await flush_ordered(self.nc, self.transport.control_timeout_s)
+        closers = [self._sender.close, self._sink.close, self._observer.close]
+        if self.recorder is not None:
+            closers.append(self.recorder.close)
+        for closer in closers:
+            with contextlib.suppress(Exception):
+                await closer()
+        if self._notice_sub is not None:
+            with contextlib.suppress(Exception):
+                await self._notice_sub.unsubscribe()
+            self._notice_sub = None
+
+    async def _on_notice(self, msg: Msg) -> None:
+        notice = read_notice(msg.data, msg.headers, pipeline_id=self.pipeline_id, session_id=self.session_id,
+                             notice_keys=self._notice_keys_by_hop)
+        if isinstance(notice, str):
+            hop_notices_refused_total.labels(notice).inc()
+            log.debug("pipeline %s: dropped a hop notice (%s)", self.pipeline_id, notice)
+            return
+        # Only steps out now: a late notice of an earlier step (one re-prefilled since) is stale.
+        if notice is not None and notice.step in self._outstanding and notice.hop >= self.placement.first_hop:
+            # Kept by the index of the hop among these.
+            self._notices.append(notice.model_copy(update={"hop": notice.hop - self.placement.first_hop}))
+            self._sink.interrupt_waiters()
+
+    async def _on_refused_output(self, header: FrameHeader, refusal: StepRefusal) -> None:
+        """The last hop sent a step of this chain's session that does not fit the pipeline (empty, mis-shaped,
+        another dtype or size): the step fails at once, blaming it, instead of waiting for a timeout."""
+        if header.session == self.session_id and header.step in self._outstanding and self._refused_output is None:
+            self._refused_output = StepFailure("corrupt", self.hops[-1].shard_id,
+                                               f"its output of step {header.step} was refused: {refusal.message}",
+                                               check="shape")
+            self._sink.interrupt_waiters()
+
+    def _notice_failure(self) -> StepFailure:
+        notice = self._notices[0]
+        self._notices.clear()  # the chain stays usable: an evicted session is re-prefilled on the same hops
+        return notice_failure(notice, self.hops, self.accusers)
+
+    def _broker_failure(self, epoch: int, doing: str) -> StepFailure | None:
+        """A failure blaming the broker when our connection dropped since `epoch` (a reconnect count)."""
+        if self.nc.is_connected and self.nc.stats["reconnects"] == epoch:
+            return None
+        url = self.nc.connected_url or next(iter(self.nc.servers), None)
+        where = url.netloc if url is not None else "(unknown address)"
+        return StepFailure("broker", None, f"the connection to the NATS broker at {where} was lost while {doing}")
+
+    def _step_timeout_s(self, kind: FrameKind, tokens: int) -> float:
+        if kind is FrameKind.prefill:
+            return self.transport.step_timeout_s + self.transport.prefill_timeout_per_token_s * tokens
+        return self.transport.step_timeout_s
+
+    async def step(self, kind: FrameKind, pos: int, hidden: torch.Tensor) -> torch.Tensor | StepFailure:
+        """Send one step into hop 0; what leaves the last hop, or why it will not."""
+        sent = await self.send_step(kind, pos, hidden)
+        if isinstance(sent, StepFailure):
+            return sent
+        return await self.await_step(sent)
+
+    async def send_step(self, kind: FrameKind, pos: int, hidden: torch.Tensor, *,
+                        queued_tokens: int = 0) -> SentStep | StepFailure:
+        """Publish one step into hop 0 without waiting for its output (await_step it, in sending order).
+
+        `queued_tokens`: prefill tokens of steps still out ahead of it, which every hop runs first, so its
+        timeout grows by their share too."""
+        self._step += 1
+        info = StepInfo(session=self.session_id, step=self._step, kind=kind, pos=pos)
+        timeout_s = self._step_timeout_s(kind, int(hidden.shape[1]) + queued_tokens)
+        epoch = self.nc.stats["reconnects"]
+        queued_behind = bool(self._outstanding)
+        self._outstanding.add(self._step)
+        if self.recorder is not None:
+            self.recorder.sent(info, hidden)
+        try:
+            await self._sender.send(info, hidden)
+        except TransportTimeout as error:
+            self._forget_outstanding()
+            return self._broker_failure(epoch, f"step {self._step} was out") or StepFailure(
+                "stalled", self.hops[0].shard_id, f"hop 0 did not ack: {error}")
+        return SentStep(info, time.monotonic(), timeout_s, queued_behind)
+
+    def _forget_outstanding(self) -> None:
+        """After a failure every step still out is abandoned: its late notices and outputs are stale."""
+        self._outstanding.clear()
+        self._early.clear()
+
+    async def await_step(self, sent: SentStep) -> torch.Tensor | StepFailure:
+        """The output of a step sent earlier (the oldest still out), or why it will not come."""
+        result = await self._await_output(sent)
+        if isinstance(result, StepFailure):
+            self._forget_outstanding()
+        else:
+            self._outstanding.discard(sent.info.step)
+            if self.recorder is not None:
+                self.recorder.completed(sent.info, result)
+        return result
+
+    async def _await_output(self, sent: SentStep) -> torch.Tensor | StepFailure:
+        info = sent.info
+        self._watch.cancel()
+        epoch = self.nc.stats["reconnects"]
+        doing = f"step {info.step} was out"
+        poll_s = max(shortest_poll_s, min(self.transport.step_timeout_s * stall_poll_fraction,
+                                          self.transport.gone_check_after_s / 2))
+        while True:
+            if self._notices:
+                return self._notice_failure()
+            if self._refused_output is not None:
+                return self._refused_output
+            received = self._early.pop(info.step, None) or await self._next_output(poll_s)
+            if isinstance(received, StepFailure):
+                return received
+            if received is None:
+                failure = self._broker_failure(epoch, doing) or await self._watch.check(info, sent.sent_at,
+                                                                                       sent.timeout_s)
+                if failure is not None:
+                    return failure
+                continue
+            if received.session != self.session_id or received.step not in self._outstanding:
+                continue
+            if received.step != info.step:
+                self._early[received.step] = received  # a later step out: kept until it is awaited
+                continue
+            if self._notices:
+                return self._notice_failure()
+            failed_check = self.sink_bounds.check(received.tensor)
+            if failed_check is not None:
+                count_integrity_failure(failed_check, "sink")
+                return StepFailure("corrupt", self.hops[-1].shard_id, f"output failed the {failed_check} check",
+                                   check=failed_check)
+            progress = self._observer.progress(self.session_id, info.step)
+            if progress is not None and not sent.queued_behind:
+                self._latencies.observe(progress.first_ack_at, time.monotonic())
+            return received.tensor
+
+    async def _next_output(self, wait_s: float):
+        """The next step out of the last hop; None after `wait_s` or once a hop notice or a refusal arrives."""
+        if self._notices or self._refused_output is not None:
+            return None
+        try:
+            # Awaited directly (no helper tasks): on every token this is the orchestrator's critical path.
+            return await self._sink.next_step(timeout_s=wait_s)
+        except (TransportTimeout, WaitInterrupted):
+            return None
+        except TransportError as error:
+            return StepFailure("stalled", self.hops[-1].shard_id, f"sink failed: {error}")

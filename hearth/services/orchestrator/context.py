@@ -1,0 +1,55 @@
+"""RunContext: what every call of one orchestrator shares (its connection, settings, router, event outbox, head
+batcher, live routing room), handed to each call's PipelineRun by the service."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from nats.aio.client import Client as NatsClient
+
+from hearth.events.outbox import EventOutbox
+from hearth.readmodels.runner import Projector
+from hearth.services.common.config import HearthSettings
+from hearth.services.orchestrator.canaries import CanaryLibrary
+from hearth.services.orchestrator.capacity import ShardLoad
+from hearth.services.orchestrator.guards import RangeGuards
+from hearth.services.orchestrator.catalog import ModelCatalog
+from hearth.services.orchestrator.head_batcher import HeadSteps
+from hearth.services.orchestrator.health import RecentFailures
+from hearth.services.orchestrator.kept_inputs import KeptInputs
+from hearth.services.orchestrator.prefix import KeptChains
+from hearth.services.orchestrator.router import ShardRouter
+from hearth.services.transport.integrity import NormBounds
+
+
+@dataclass
+class RunContext:
+    """What every call of one orchestrator shares."""
+
+    nc: NatsClient
+    node_id: str
+    settings: HearthSettings
+    router: ShardRouter
+    projector: Projector
+    catalog: ModelCatalog
+    outbox: EventOutbox
+    recent_failures: RecentFailures
+    # Every call's per-token head work, batched across the calls decoding at once.
+    head_steps: HeadSteps
+    # Per model: bounds of the activations that reach us (the sink's integrity check), shared by all calls.
+    sink_bounds: dict[str, NormBounds]
+    # The streams this orchestrator holds on each shard and the shards that just refused it (live routing room).
+    load: ShardLoad
+    # Per layer range: the norms of outputs a check confirmed (hearth/services/orchestrator/guards.py).
+    guards: RangeGuards
+    # Confirmed work kept for replay to other hosts (hearth/services/orchestrator/canaries.py).
+    canaries: CanaryLibrary
+    running_calls: int = 0
+    # Which of our chains kept which blocks of their calls (hearth/services/orchestrator/prefix.py), for routing.
+    kept_chains: KeptChains = field(default_factory=KeptChains)
+    # What entered each hop over kept prefixes, so hops that begin from them can be checked (set by the service).
+    kept_inputs: KeptInputs = field(default_factory=lambda: KeptInputs(0))
+    # Per model: the token ids of each public system prompt alone (encoded once).
+    public_prompt_ids: dict[str, list[list[int]]] = field(default_factory=dict)
+    # Shards a check of ours proved wrong: out of every chain at once, before the read model says so too.
+    quarantined: set[str] = field(default_factory=set)

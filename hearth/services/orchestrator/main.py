@@ -1,0 +1,81 @@
+"""The `hearth orchestrator` process: connect, run the Orchestrator until SIGINT/SIGTERM, stop cleanly."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from pathlib import Path
+
+from hearth.services.common.config import HearthSettings
+from hearth.services.common.lifecycle import CommandRefused, unless_stopped
+from hearth.services.common.metrics import serve_process_metrics
+from hearth.services.broker.connection import connect_nats, drain_or_close
+from hearth.services.orchestrator.service import Orchestrator
+from hearth.inference.devices import resolve_placement
+from hearth.inference.quantization import QuantizationError, check_device_supports, parse_quantization
+
+
+
+@dataclass(frozen=True)
+class OrchestratorOptions:
+    """What the command line says beyond the settings."""
+
+    node_id: str
+    db_path: Path | None = None
+    model_search_dirs: tuple[Path, ...] = ()
+    local_model: str | None = None
+    # Intra-op threads per step while several calls run (inference.compute_thread.StepThreads).
+    busy_threads: int | None = None
+    # --metrics-port: 0 serves no /metrics (and skips per-step observations); None leaves metrics as they are.
+    metrics_port: int | None = None
+    # Where the heads compute (None: [research.distributed_inference.host] device and dtype).
+    device: str | None = None
+    dtype: str | None = None
+    # How the head's and the local model's weights are held (None: [research.distributed_inference.host] quantize).
+    quantize: str | None = None
+
+
+def with_step_timeout(settings: HearthSettings, step_timeout_s: float | None) -> HearthSettings:
+    """The settings with `--step-timeout-s` in place of `[transport] step_timeout_s` when given."""
+    if step_timeout_s is None:
+        return settings
+    transport = settings.transport.model_copy(update={"step_timeout_s": step_timeout_s})
+    return settings.model_copy(update={"transport": transport})
+
+
+async def run_orchestrator(settings: HearthSettings, options: OrchestratorOptions, nats_url: str | None, *,
+                           preload: list[str] = (), ready_file: str | None = None,
+                           stop_event: asyncio.Event) -> None:
+    host = settings.research.distributed_inference.host
+    try:  # before connecting: a bad option is one line, whether or not a broker is reachable
+        device, dtype = resolve_placement(options.device or host.device, options.dtype or host.dtype)
+        scheme = parse_quantization(options.quantize or host.quantize)
+        check_device_supports(scheme, device)
+    except QuantizationError as error:
+        raise CommandRefused(f"--quantize: {error}") from None
+    except ValueError as error:
+        raise CommandRefused(str(error)) from None
+    nc = await unless_stopped(
+        connect_nats(nats_url, name=f"hearth-orchestrator {options.node_id}", settings=settings.nats), stop_event)
+    orchestrator = Orchestrator(nc, settings, node_id=options.node_id, db_path=options.db_path,
+                                model_search_dirs=list(options.model_search_dirs), local_model=options.local_model,
+                                busy_threads=options.busy_threads)
+    orchestrator.catalog.use_compute(device, dtype, quantization=scheme)
+    orchestrator.catalog.use_store(nc.jetstream())  # `store:NAME` models come through this connection
+    metrics_server = None
+    try:
+        metrics_server = serve_process_metrics(options.metrics_port, f"orchestrator {options.node_id}",
+                                               host=settings.metrics.host)
+        await orchestrator.start()
+        for model in preload:
+            await orchestrator.catalog.preload(model)
+        print(f"orchestrator {options.node_id} ready", flush=True)
+        if ready_file:
+            with open(ready_file, "w") as handle:
+                handle.write(options.node_id)
+        await stop_event.wait()
+    finally:
+        if metrics_server is not None:
+            metrics_server.stop()
+        await orchestrator.stop()
+        await drain_or_close(nc, settings.nats.drain_timeout_s)

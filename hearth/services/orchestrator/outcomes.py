@@ -1,0 +1,84 @@
+"""What can come of one step of a call (a sampled token, the call finished, or a failure) and why a chain could not
+be had: the results the call's loop (hearth/services/orchestrator/pipeline.py) acts on and the recovery policy
+(hearth/services/orchestrator/recovery.py) decides on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from hearth.events.models import UNVERIFIED_REPORT
+
+# `reported`: a hop said its input failed a check. The orchestrator cannot verify that, so the hop accused is only
+# routed around for this call: nobody is blamed in events or kept out of other calls' routing.
+# `refuted`: a check on other replicas confirmed that the shard computed a step wrongly; `disputed`: one other replica
+# disagreed with it and nobody could say who was right (routed around for this call, blamed nowhere).
+FailureKind = Literal["stalled", "step_failed", "corrupt", "reported", "gone", "refused", "broker", "evicted",
+                      "refuted", "disputed"]
+# Failures the orchestrator did not see for itself: nobody is blamed in events or kept out of other calls' routing.
+UNVERIFIED_KINDS = frozenset({UNVERIFIED_REPORT, "disputed"})
+
+
+@dataclass(frozen=True)
+class StepFailure:
+    """Why a step (or an open) did not come through, and whom to route around: `shard_id` is None when the
+    broker connection was lost and no shard is to blame."""
+
+    kind: FailureKind
+    shard_id: str | None
+    reason: str
+    check: str | None = None
+    # The code of a shard's refusal to open (`at_capacity`, `weights_mismatch`, ...), when it refused.
+    code: str | None = None
+    # For `refuted` and `disputed`: the first position whose output is refuted; the tokens sampled from it on
+    # are withdrawn before the call goes on.
+    rewind_to: int | None = None
+
+    @property
+    def verified(self) -> bool:
+        """Whether the orchestrator saw the failure itself (its own check, probe or refusal, or a hop's authenticated
+        word about itself), so that it may blame the shard in events and keep it out of other calls for a while."""
+        return self.kind not in UNVERIFIED_KINDS
+
+    def __str__(self) -> str:
+        return f"{self.shard_id}: {self.reason}" if self.shard_id else self.reason
+
+
+@dataclass(frozen=True)
+class RoutingFailure:
+    """No chain could be opened for the call (the router's RoutingError code and message); `replacing`: the failure
+    whose shard the chain was to replace (None for the call's first chain)."""
+
+    code: str
+    message: str
+    replacing: StepFailure | None = None
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    """A token the call sampled from the output of its chain's last hop."""
+
+    token_id: int
+    # The text it released to the client (text held back for a possible stop string comes later).
+    text: str
+    # Why the call ends with this token (`stop`, `length`), None while it goes on.
+    finish_reason: str | None
+    # Whether the client is sent a delta for it: an end-of-sequence token that produced no text is not.
+    shown: bool
+    # The token's embedding: the input of the next decode step.
+    embedding: torch.Tensor
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The call's last token was streamed: it ends with `reason`."""
+
+    reason: str
+
+
+StepOutcome = SampledToken | Finished | StepFailure
+# What the recovery policy decides on.
+Failure = StepFailure | RoutingFailure

@@ -1,0 +1,108 @@
+"""HopCosts: the predicted time a token spends on one hop, from measurements, and the cheapest chain by dynamic
+programming over layer ranges (Parallax-style), for ShardRouter.
+
+A hop running `n` layers of shard `s` costs, per token,
+
+    (step_ms_per_layer(s) * n * (1 + streams we hold on s + its queue depth) + round_trip_ms(s)) * weight(s)
+
+- `step_ms_per_layer`: the shard's measured decode step over its whole range (heartbeat `decode_step_ms`)
+  divided by its layers;
+- the queue factor: a shard's compute is shared by the streams it serves (ours are known live, the
+  heartbeat's `queue_depth` tells of the rest), which is also what spreads load over replicas;
+- `round_trip_ms`: the orchestrator's own measurement of the shard's control round trip (ShardLoad);
+- a shard that has not reported a step time yet is predicted from the fastest measured replica of the same
+  layer range (of any range when none; `default_*` when nothing is measured): it wins ties, so it is tried
+  and measured before it can lose;
+- `weight`: the `hop_weight` the host declared is a prior, not a claim that outweighs measurements: a weight
+  below 1 ("prefer me") counts only until the shard is measured, while a weight above 1 (a host asking to be
+  used last: far, metered, on battery) is always honoured.
+
+The chain minimises the sum; ties go to fewer hops, then to longer reach early (a shard's whole range), then
+to unmeasured shards and shard ids, so equal plans are stable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from hearth.readmodels.queries import ShardCandidate
+from hearth.services.orchestrator.capacity import ShardLoad
+
+default_step_ms_per_layer = 1.0
+default_round_trip_ms = 1.0
+
+
+@dataclass(frozen=True)
+class PlannedHop:
+    shard: ShardCandidate
+    layer_lo: int
+    layer_hi: int
+
+
+class HopCosts:
+    """Predicted per-token cost of running layers on each candidate (one planning's worth of figures)."""
+
+    def __init__(self, candidates: list[ShardCandidate], total_layers: int, load: ShardLoad | None) -> None:
+        self.total_layers = total_layers
+        self.load = load
+        self._measured = [s for s in candidates if s.decode_step_ms is not None]
+
+    def range_layers(self, shard: ShardCandidate) -> int:
+        return min(shard.layer_hi, self.total_layers - 1) - shard.layer_lo + 1
+
+    def measured(self, shard: ShardCandidate) -> bool:
+        return shard.decode_step_ms is not None
+
+    def hop_ms(self, shard: ShardCandidate, layers: int) -> float:
+        held = self.load.held(shard.shard_id) if self.load is not None else 0
+        queue_factor = 1 + held + (shard.queue_depth or 0)
+        if self.measured(shard):
+            trip = self._round_trip(shard)
+            step, weight = self._step_per_layer(shard), max(1.0, shard.hop_weight)
+        else:
+            step, trip, weight = self._prior(shard)
+        return (step * layers * queue_factor + (default_round_trip_ms if trip is None else trip)) * weight
+
+    def _step_per_layer(self, shard: ShardCandidate) -> float:
+        return shard.decode_step_ms / self.range_layers(shard)
+
+    def _round_trip(self, shard: ShardCandidate) -> float | None:
+        return self.load.round_trip_ms(shard.shard_id) if self.load is not None else None
+
+    def _prior(self, shard: ShardCandidate) -> tuple[float, float | None, float]:
+        """(step ms per layer, round trip ms, weight) assumed for a shard that has not reported a step time."""
+        replicas = [s for s in self._measured if (s.layer_lo, s.layer_hi) == (shard.layer_lo, shard.layer_hi)]
+        peers = replicas or self._measured
+        if not peers:
+            return default_step_ms_per_layer, None, shard.hop_weight
+        trips = [trip for s in peers if (trip := self._round_trip(s)) is not None]
+        return min(self._step_per_layer(s) for s in peers), min(trips, default=None), shard.hop_weight
+
+
+def cheapest_chain(candidates: list[ShardCandidate], costs: HopCosts,
+                   may_be_hop_zero: Callable[[ShardCandidate], bool]) -> list[PlannedHop] | None:
+    """The chain covering layers 0..total-1 with the least predicted time per token, or None when none does.
+
+    Positions a chain can reach are 0 and every shard's layer_lo and layer_hi + 1, so a hop ends at its
+    shard's last layer or just before another shard's range begins: O(shards^3) work at most.
+    """
+    total = costs.total_layers
+    cuts = sorted({0, total} | {s.layer_lo for s in candidates if s.layer_lo < total}
+                  | {min(s.layer_hi, total - 1) + 1 for s in candidates})
+    # position -> (ordering key, chain reaching it)
+    best: dict[int, tuple[tuple, list[PlannedHop]]] = {0: ((0.0, 0, (), ()), [])}
+    for cursor in cuts:
+        if cursor not in best or cursor >= total:
+            continue
+        (cost, hops, ends, names), chain = best[cursor]
+        for shard in candidates:
+            if not shard.layer_lo <= cursor <= shard.layer_hi or (cursor == 0 and not may_be_hop_zero(shard)):
+                continue
+            reach = min(shard.layer_hi, total - 1)
+            for end in [cut - 1 for cut in cuts if cursor < cut <= reach + 1]:
+                key = (round(cost + costs.hop_ms(shard, end - cursor + 1), 6), hops + 1, ends + (-end,),
+                       names + ((costs.measured(shard), shard.shard_id),))
+                if end + 1 not in best or key < best[end + 1][0]:
+                    best[end + 1] = (key, chain + [PlannedHop(shard, cursor, end)])
+    return best[total][1] if total in best else None

@@ -1,0 +1,76 @@
+"""Chunked prefill: a call's prompt goes through its chain in chunks of `prefill_chunk_tokens`, pipelined.
+
+Why chunks: a shard runs the steps of all its sessions one at a time, in arrival order (one compute thread, each
+hop hands it one step at a time; hearth/services/shard/hops.py). A 4 000-token prompt in one step would hold every shard
+for its whole prefill while other sessions' tokens wait; cut into chunks, another session's decode step waits at
+most one chunk.
+
+Why pipelined: chunk k+1 is sent into hop 0 while chunk k is still in later hops, so with h hops up to h chunks
+compute at once (hop 1 on chunk k while hop 0 runs chunk k+1), which also shortens the long prompt's own time to
+first token. At most `hops + 1` chunks are out at once (and never more than a receiver holds ready,
+`max_ready_steps`): enough to keep every hop busy, few enough that a chunk's timeout stays bounded.
+
+The transport keeps them in order: one sender per link publishes whole steps in call order, and NATS delivers a
+connection's messages on a subject in order, so every hop (and the sink) sees chunk k complete before chunk k+1.
+Only the last chunk's output matters (the sampler reads its last position); the others are read and dropped. A
+failure of any chunk fails the prefill; the caller re-prefills from position 0
+(hearth/services/orchestrator/pipeline.py) and the chunks still out on the old chain are stale (HopChain ignores their
+notices and outputs).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from hearth.services.orchestrator.chain import HopChain, SentStep
+from hearth.services.orchestrator.local_chain import LocalChain
+from hearth.services.orchestrator.outcomes import StepFailure
+from hearth.services.transport import FrameKind
+
+
+def chunk_spans(total_tokens: int, chunk_tokens: int) -> list[tuple[int, int]]:
+    """[start, end) of each chunk of a `total_tokens` prompt; one span when `chunk_tokens` is 0 (no chunking)."""
+    if total_tokens < 1:
+        raise ValueError(f"a prefill needs at least one token, got {total_tokens}")
+    if chunk_tokens < 0:
+        raise ValueError(f"chunk_tokens must be 0 (no chunking) or positive, got {chunk_tokens}")
+    size = chunk_tokens or total_tokens
+    return [(start, min(start + size, total_tokens)) for start in range(0, total_tokens, size)]
+
+
+def chunks_in_flight(hop_count: int, max_ready_steps: int) -> int:
+    """How many chunks a chain of `hop_count` hops gets at once (see the module docstring)."""
+    return max(1, min(hop_count + 1, max_ready_steps))
+
+
+async def prefill(chain: HopChain | LocalChain, hidden: torch.Tensor, chunk_tokens: int,
+                  start: int = 0) -> torch.Tensor | StepFailure:
+    """Prefill `hidden` ([1, tokens, hidden], positions from `start`: the chain's hops hold those before) through
+    `chain` in chunks; the last chunk's output, or the failure that stopped it."""
+    spans = chunk_spans(int(hidden.shape[1]), chunk_tokens)
+    if len(spans) == 1:
+        return await chain.step(FrameKind.prefill, start, hidden)
+    if isinstance(chain, LocalChain):
+        # One compute-thread trip per chunk: the orchestrator's other calls get the thread in between.
+        output = None
+        for first, end in spans:
+            output = await chain.step(FrameKind.prefill, start + first, hidden[:, first:end])
+        return output
+    depth = chunks_in_flight(len(chain.hops), chain.transport.max_ready_steps)
+    out: deque[tuple[SentStep, int]] = deque()
+    next_span = 0
+    while True:
+        while next_span < len(spans) and len(out) < depth:
+            first, end = spans[next_span]
+            sent = await chain.send_step(FrameKind.prefill, start + first, hidden[:, first:end].contiguous(),
+                                         queued_tokens=sum(tokens for _, tokens in out))
+            if isinstance(sent, StepFailure):
+                return sent
+            out.append((sent, end - first))
+            next_span += 1
+        oldest, _ = out.popleft()
+        output = await chain.await_step(oldest)
+        if isinstance(output, StepFailure) or (not out and next_span == len(spans)):
+            return output

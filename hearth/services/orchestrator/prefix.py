@@ -1,0 +1,134 @@
+"""Kept prefixes, the orchestrator's side: the chained names of a call's whole token blocks (what shards keep and
+find their KV by), whose blocks may be shared, which of this orchestrator's chains kept which (for routing) and
+which names a completed call records for every orchestrator's read model.
+
+A block's name is a 128-bit BLAKE2b digest over the name of the block before it (the first over the model id, its
+weights' digest, the scheme, the wire dtype and the block size), the block's scope and its token ids, so one name
+stands for every token before it and for what computed them: equal names, equal KV (up to float rounding). The scope
+is the caller (a roster member; every unsigned caller together) unless the block's tokens are those of a system prompt
+listed in `[prefix_cache] public_system_prompts` rendered alone: no member's call can find another member's blocks,
+so nothing about another member's conversation leaks through time to first token.
+
+A call reuses a prefix only for its chain's first prefill, and never at `verify` levels `all` and `vote` (they
+check every position, and a mirror would need the positions the call did not compute). Blocks are kept when a call
+ends well: every position its hops ran (the prompt and each token fed back).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from hearth.protocol.control import PrefixBlocks, max_prefix_blocks
+from hearth.readmodels.queries import KeptChain
+from hearth.services.common.config_processes import PrefixCacheSettings
+
+PUBLIC_SCOPE = "public"
+# Block names remembered for routing, with the chain that kept each.
+remembered_names = 65536
+
+
+def first_name(model_id: str, weights_sha256: str, quantization: str, wire_dtype: str, block_tokens: int) -> bytes:
+    """What the first block's name is chained onto: everything besides the tokens that shapes their KV."""
+    identity = "\0".join(["hearth-prefix-1", model_id, weights_sha256, quantization, wire_dtype, str(block_tokens)])
+    return hashlib.blake2b(identity.encode(), digest_size=16).digest()
+
+
+def block_names(ids: Sequence[int], block_tokens: int, first: bytes, scope: str, public_blocks: int = 0) -> list[str]:
+    """The names of the whole blocks of `ids` (the first `public_blocks` in the public scope, the rest in `scope`)."""
+    names, previous = [], first
+    for index in range(min(len(ids) // block_tokens, max_prefix_blocks)):
+        block = ids[index * block_tokens:(index + 1) * block_tokens]
+        block_scope = PUBLIC_SCOPE if index < public_blocks else scope
+        digest = hashlib.blake2b(previous, digest_size=16)
+        digest.update(block_scope.encode() + b"\0")
+        digest.update(struct.pack(f"<{len(block)}q", *block))
+        previous = digest.digest()
+        names.append(previous.hex())
+    return names
+
+
+def caller_scope(caller: str | None) -> str:
+    return f"member:{caller}" if caller else "unsigned"
+
+
+@dataclass(frozen=True)
+class CallPrefix:
+    """One call's naming of its blocks (built per chain: the scheme is known once routed)."""
+
+    settings: PrefixCacheSettings
+    first: bytes
+    scope: str
+    public_blocks: int
+    reuse_allowed: bool
+
+    def reusable(self, known_ids: Sequence[int]) -> PrefixBlocks | None:
+        """The blocks a chain's first prefill may take from kept prefixes: whole blocks before the last known token
+        (whose output the next token needs)."""
+        if not self.reuse_allowed or len(known_ids) <= self.settings.block_tokens:
+            return None
+        return self._blocks(known_ids[:len(known_ids) - 1])
+
+    def kept(self, fed_ids: Sequence[int]) -> PrefixBlocks | None:
+        """The blocks of the positions a chain ran, for its hops to keep."""
+        if len(fed_ids) < self.settings.block_tokens:
+            return None
+        return self._blocks(fed_ids)
+
+    def _blocks(self, ids: Sequence[int]) -> PrefixBlocks:
+        bs = self.settings.block_tokens
+        return PrefixBlocks(block_tokens=bs, hashes=block_names(ids, bs, self.first, self.scope, self.public_blocks))
+
+
+def public_blocks_of(prompt_ids: Sequence[int], public_prompt_ids: Sequence[Sequence[int]], block_tokens: int) -> int:
+    """How many whole blocks of a prompt are tokens of a public system prompt's own rendering (their longest common
+    beginning: a template may end the system turn alone differently, e.g. with an end-of-text token)."""
+    longest = 0
+    for ids in public_prompt_ids:
+        common = 0
+        for ours, public in zip(prompt_ids, ids):
+            if ours != public:
+                break
+            common += 1
+        longest = max(longest, common)
+    return longest // block_tokens
+
+
+def kept_marks(names: Sequence[str], prompt_blocks: int) -> list[tuple[int, str]]:
+    """Which of a call's kept block names its `pipeline.completed` records, as (blocks closed, name): the last, the
+    last two wholly inside the prompt (a next turn resends the prompt as it was, while the answer may tokenize
+    differently where it meets what follows) and the 1st, 2nd, 4th, ... (an edited history still finds some)."""
+    counts = {len(names), prompt_blocks, prompt_blocks - 1}
+    power = 1
+    while power < len(names):
+        counts.add(power)
+        power *= 2
+    return [(blocks, names[blocks - 1]) for blocks in sorted(counts) if 1 <= blocks <= len(names)]
+
+
+class KeptChains:
+    """Which chains of this orchestrator kept which blocks (every block's name, most recent last); what routing
+    consults to send a conversation's next turn where its prefix is."""
+
+    def __init__(self, capacity: int = remembered_names) -> None:
+        self.capacity = capacity
+        self._by_name: OrderedDict[str, tuple[tuple[tuple[str, int, int], ...], int]] = OrderedDict()
+
+    def remember(self, names: Sequence[str], hops: Sequence[tuple[str, int, int]]) -> None:
+        chain = tuple(hops)
+        for blocks, name in enumerate(names, start=1):
+            self._by_name[name] = (chain, blocks)
+            self._by_name.move_to_end(name)
+        while len(self._by_name) > self.capacity:
+            self._by_name.popitem(last=False)
+
+    def holding(self, names: Sequence[str]) -> KeptChain | None:
+        """The chain that kept the most leading blocks of `names` (how many: `blocks` of the answer)."""
+        for blocks in range(len(names), 0, -1):
+            kept = self._by_name.get(names[blocks - 1])
+            if kept is not None:
+                return KeptChain(kept[0], blocks)
+        return None

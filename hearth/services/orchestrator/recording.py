@@ -1,0 +1,199 @@
+"""ChainRecorder: what every hop of one chain received and sent, step by step, so that each hop's work can be run
+again on another replica and compared (hearth/services/orchestrator/verification.py).
+
+Hop 0's input is what the orchestrator sent, the last hop's output is what reached its sink; what passed between
+two hops is read off their link by a tap: a second subscriber to the link's subject that opens the frames with the
+link key (the orchestrator made every link key) and never acks. One publish reaches the next hop and the tap
+alike, so a hop cannot show the tap one thing and its successor another. Nothing recorded leaves the process or is
+persisted; it outlives the chain only as kept inputs (hearth/services/orchestrator/kept_inputs.py), in memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+from nats.aio.client import Client as NatsClient
+
+from hearth.protocol.subjects import LinkNodes
+from hearth.services.transport import ActivationReceiver, FrameKind, StepInfo, StepLimits, TransportError
+
+log = logging.getLogger(__name__)
+
+# Steps a tap holds for the recorder; far more than a chain has out at once, so a tap never drops one.
+tap_ready_steps = 4096
+
+
+@dataclass
+class RecordedStep:
+    """One step of the chain: where it starts, and per hop its input (index 0: what the orchestrator sent)."""
+
+    step: int
+    kind: FrameKind
+    pos: int
+    tokens: int
+    inputs: list[torch.Tensor | None]
+    # What left the last hop (set once the sink returned it).
+    output: torch.Tensor | None = None
+
+    def hop_output(self, hop: int) -> torch.Tensor | None:
+        """What hop `hop` sent on: the next hop's input, or the chain's output for the last hop."""
+        return self.inputs[hop + 1] if hop + 1 < len(self.inputs) else self.output
+
+
+@dataclass(frozen=True)
+class HopSpan:
+    """A run of consecutive positions of one hop: its inputs and outputs concatenated along positions."""
+
+    hop: int
+    first_pos: int
+    inputs: torch.Tensor
+    outputs: torch.Tensor
+    # The kind of step that computed each position on the hop (for the evidence).
+    kinds: tuple[FrameKind, ...] = field(default=())
+    last_step: int = 0
+
+    @property
+    def positions(self) -> int:
+        return int(self.inputs.shape[1])
+
+    @property
+    def end_pos(self) -> int:
+        return self.first_pos + self.positions
+
+
+class ChainRecorder:
+    """Records one chain's steps; `generation` moves on whenever the chain starts again from position 0 (a re-prefill
+    after an eviction), which makes every earlier span void."""
+
+    def __init__(self, nc: NatsClient, pipeline_id: str, node_ids: list[str], *, link_keys: list[bytes | None],
+                 sealed: bool, step_limits: StepLimits | None, budget_bytes: int | None = None) -> None:
+        self.nc = nc
+        self.pipeline_id = pipeline_id
+        self.hop_count = len(node_ids)
+        self.generation = 0
+        self.steps: dict[int, RecordedStep] = {}
+        # Hops whose input a tap missed: their record has a hole, so they cannot be checked on this chain any more.
+        self.broken: set[int] = set()
+        self._taps = [ActivationReceiver(nc, pipeline_id, hop,
+                                         nodes=LinkNodes(sender=node_ids[hop - 1], receiver=node_ids[hop]),
+                                         link_key=link_keys[hop], seal=sealed and link_keys[hop] is not None,
+                                         step_limits=step_limits, max_ready_steps=tap_ready_steps, acks=False,
+                                         on_refused=self._refused_on(hop))
+                      for hop in range(1, self.hop_count)]
+        self._session: str | None = None
+        # What the record may hold; beyond it nothing more is recorded and no hop can be checked any more.
+        self.budget_bytes = budget_bytes
+        self.held_bytes = 0
+        self._latest: int | None = None
+
+    async def start(self, session_id: str) -> None:
+        self._session = session_id
+        for tap in self._taps:
+            await tap.start()
+
+    async def close(self) -> None:
+        for tap in self._taps:
+            try:
+                await tap.close()
+            except Exception:  # closing a chain must not fail on a tap
+                log.debug("closing a tap of %s failed", self.pipeline_id, exc_info=True)
+        self.steps.clear()
+
+    def sent(self, info: StepInfo, hidden: torch.Tensor) -> None:
+        """Hop 0's input of step `info.step` went out."""
+        if info.pos == 0 and info.kind is FrameKind.prefill:
+            # Everything before belongs to an earlier run of the chain's positions.
+            self.steps.clear()
+            self.broken.clear()
+            self.generation += 1
+            self.held_bytes, self._latest = 0, None
+        step_bytes = hidden.numel() * hidden.element_size() * (self.hop_count + 1)
+        if self.budget_bytes is not None and self.held_bytes + step_bytes > self.budget_bytes:
+            if len(self.broken) < self.hop_count:
+                log.info("pipeline %s: its record reached its budget (%d MiB); no more checks on this chain",
+                         self.pipeline_id, self.budget_bytes >> 20)
+            self.broken.update(range(self.hop_count))
+            return
+        self.held_bytes += step_bytes
+        self.steps[info.step] = RecordedStep(info.step, info.kind, info.pos, int(hidden.shape[1]),
+                                             [hidden.detach()] + [None] * (self.hop_count - 1))
+
+    def completed(self, info: StepInfo, output: torch.Tensor) -> RecordedStep | None:
+        """The chain's output of step `info.step` arrived; what the taps hold so far is filed with it."""
+        recorded = self.steps.get(info.step)
+        if recorded is not None:
+            recorded.output = output.detach()
+            self._latest = max(self._latest or 0, info.step)
+        self._file_tapped()
+        return recorded
+
+    def latest_step(self) -> int | None:
+        """The newest step whose output arrived."""
+        return self._latest
+
+    async def settled(self, upto_step: int, timeout_s: float, hops: set[int] | None = None) -> None:
+        """Wait (at most `timeout_s`) until the taps filed the inputs of `hops` (None: every hop) for every step up to
+        `upto_step`; a hop whose input did not come is marked broken."""
+        deadline = time.monotonic() + timeout_s
+        for index, tap in enumerate(self._taps, start=1):
+            if hops is not None and index not in hops:
+                continue
+            while index not in self.broken and self._missing(index, upto_step):
+                remaining_s = deadline - time.monotonic()
+                try:
+                    if remaining_s <= 0:
+                        raise TransportError("tap timed out")
+                    received = await tap.next_step(timeout_s=remaining_s)
+                except TransportError:
+                    log.info("pipeline %s: the tap of hop %d missed a step; that hop is not checked on this chain",
+                             self.pipeline_id, index)
+                    self.broken.add(index)
+                    break
+                self._file(index, received)
+
+    def span(self, hop: int, from_pos: int, upto_step: int) -> HopSpan | None:
+        """Hop `hop`'s inputs and outputs from position `from_pos` through step `upto_step` (None when there is
+        nothing new, or the record has a hole)."""
+        steps = sorted((s for s in self.steps.values() if s.step <= upto_step and s.pos + s.tokens > from_pos),
+                       key=lambda s: s.pos)
+        inputs, outputs, kinds = [], [], []
+        expected_pos = from_pos
+        for recorded in steps:
+            hop_input, hop_output = recorded.inputs[hop], recorded.hop_output(hop)
+            if hop_input is None or hop_output is None or recorded.pos > expected_pos:
+                return None
+            skip = expected_pos - recorded.pos
+            inputs.append(hop_input[:, skip:])
+            outputs.append(hop_output[:, skip:])
+            kinds += [recorded.kind] * (recorded.tokens - skip)
+            expected_pos = recorded.pos + recorded.tokens
+        if not inputs:
+            return None
+        return HopSpan(hop, from_pos, torch.cat(inputs, dim=1), torch.cat(outputs, dim=1), tuple(kinds),
+                       last_step=max(s.step for s in steps))
+
+    def _refused_on(self, hop: int):
+        async def refused(header, refusal) -> None:
+            # A frame that does not fit the pipeline never completes: nothing to wait for on this link.
+            if header.session == self._session:
+                self.broken.add(hop)
+        return refused
+
+    def _missing(self, hop: int, upto_step: int) -> bool:
+        return any(s.inputs[hop] is None for s in self.steps.values() if s.step <= upto_step)
+
+    def _file_tapped(self) -> None:
+        for index, tap in enumerate(self._taps, start=1):
+            for received in tap.take_ready():
+                self._file(index, received)
+
+    def _file(self, hop: int, received) -> None:
+        if received.session != self._session:
+            return
+        recorded = self.steps.get(received.step)
+        if recorded is not None and received.tensor is not None:
+            recorded.inputs[hop] = received.tensor
+

@@ -1,0 +1,254 @@
+"""ShardRouter: picks the chain of shards covering every layer of a model, from the read model (docs/design.md §5).
+
+Rules, in order:
+1. candidates are the shards of the model with matching weights_sha256 and one quantization scheme (the
+   request's, else the most precise one whose shards cover every layer: none, int8, int4; a call's failover
+   keeps its scheme) that are advertised (not withdrawn),
+   not expired (`now < expires_at`), alive (latest heartbeat, or the advertisement itself when no heartbeat
+   came yet, at most `health_timeout_s` old), where "now" is the wall clock held back to the newest heartbeat the
+   read model has heard, for at most `silent_log_grace_s` (a silent event log is not dead shards: while the
+   heartbeats' stream elects a leader or a restarted projector catches up, every shard would look stale at once;
+   a shard silent while others are heard goes stale as before), not quarantined (a confirmed mismatch that no
+   steward has cleared: hearth/readmodels/reputation.py), not excluded, and with room by this orchestrator's live
+   knowledge (ShardLoad: the streams it holds there and recent `at_capacity` refusals; a heartbeat's
+   `active_streams` is seconds old and not used);
+2. the chain covering every layer with the least predicted time per token, by dynamic programming over
+   layer ranges (hearth/services/orchestrator/predict.py: each shard's measured decode step time from its
+   heartbeat, the round trip this orchestrator measured to it, and its queue, which also spreads load
+   over replicas); a hop may run part of its shard's range;
+3. a shard on the orchestrator's own node is not hop 0 unless `allow_self_as_shard`;
+4. a layer no candidate can run is `shard_unavailable`, or `weights_mismatch` when a shard with other
+   weights would otherwise have been usable; the message names the uncovered layers (and the scheme); a
+   requested scheme no live shard serves is `shard_unavailable` naming it.
+
+All instants are epoch seconds (the read model floors them to whole seconds).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Literal
+
+from sqlalchemy.orm import Session
+
+from hearth.readmodels.queries import ShardCandidate, all_shards, newest_sign_of_life, shards_of_model
+from hearth.protocol.quantization_labels import accepts, precision_order
+from hearth.services.orchestrator.capacity import ShardLoad
+from hearth.services.orchestrator.predict import HopCosts, cheapest_chain
+
+RoutingErrorCode = Literal["shard_unavailable", "weights_mismatch", "overloaded"]
+
+
+@dataclass(frozen=True)
+class Hop:
+    """One step of a pipeline: which shard, how to reach it, and the exact layers (inclusive) it must run."""
+
+    shard_id: str
+    control_subject: str
+    node_id: str
+    layer_lo_to_run: int
+    layer_hi_to_run: int
+    # The weight quantization scheme of the shard; every hop of a chain has the same one.
+    quantization: str = "none"
+
+
+class RoutingError(Exception):
+    """No pipeline can be built; `code` is the client-facing error code of docs/protocol.md."""
+
+    def __init__(
+        self, code: RoutingErrorCode, message: str, *, uncovered_layers: tuple[int, ...] = ()
+    ) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.uncovered_layers = uncovered_layers
+
+
+def format_layer_ranges(layers: Iterable[int]) -> str:
+    """[0, 1, 2, 5, 7, 8] -> '0-2, 5, 7-8'."""
+    ranges: list[list[int]] = []
+    for layer in sorted(set(layers)):
+        if ranges and layer == ranges[-1][1] + 1:
+            ranges[-1][1] = layer
+        else:
+            ranges.append([layer, layer])
+    return ", ".join(str(lo) if lo == hi else f"{lo}-{hi}" for lo, hi in ranges)
+
+
+def judged_instant(wall_s: float, newest_heard_s: float | None, silent_log_grace_s: float) -> float:
+    """The instant shards' heartbeats and expiries are judged against: the wall clock, held back to the newest sign
+    of life the read model has heard while the log has been silent for at most `silent_log_grace_s` (never ahead
+    of the wall clock, so a host whose clock runs ahead changes nothing)."""
+    if newest_heard_s is None:
+        return wall_s
+    return min(wall_s, max(newest_heard_s, wall_s - silent_log_grace_s))
+
+
+class ShardRouter:
+    """Every `pick` reads the current read model through `session_factory`; between reads it holds only the newest
+    sign of life the last one saw (what `now` judges health against)."""
+
+    def __init__(
+        self,
+        session_factory: Callable[[], Session],
+        *,
+        health_timeout_s: float,
+        allow_self_as_shard: bool,
+        self_node_id: str,
+        clock: Callable[[], float] = time.time,
+        max_hops: int | None = None,
+        silent_log_grace_s: float = 0.0,
+    ) -> None:
+        self._session_factory = session_factory
+        self.health_timeout_s = health_timeout_s
+        self.silent_log_grace_s = silent_log_grace_s
+        self._newest_heard_s: float | None = None
+        self.allow_self_as_shard = allow_self_as_shard
+        self.self_node_id = self_node_id
+        self._clock = clock
+        self.max_hops = max_hops
+
+    def pick(self, model_id: str, weights_sha256: str, exclude: Iterable[str] = (),
+             quantization: str | None = None) -> list[Hop]:
+        """The hops covering layers 0..total_layers-1 of `model_id`, or RoutingError."""
+        return self.plan(self.candidates(model_id), model_id, weights_sha256, exclude=exclude, now=self.now(),
+                         quantization=quantization)
+
+    def candidates(self, model_id: str) -> list[ShardCandidate]:
+        """One read of the model's shards from the read model (`plan` decides on them, as often as needed)."""
+        with self._session_factory() as session:
+            self._newest_heard_s = newest_sign_of_life(session)
+            return shards_of_model(session, model_id)
+
+    def all_candidates(self) -> list[ShardCandidate]:
+        """One read of every model's shards (model discovery)."""
+        with self._session_factory() as session:
+            self._newest_heard_s = newest_sign_of_life(session)
+            return all_shards(session)
+
+    def now(self) -> float:
+        """The instant `alive` judges shards read since the last `candidates` against (`judged_instant`)."""
+        return judged_instant(self._clock(), self._newest_heard_s, self.silent_log_grace_s)
+
+    def alive(self, shard: ShardCandidate, now: float) -> bool:
+        """Advertised, not expired, not quarantined, and heard from within the health timeout (busy or not): a
+        quarantined shard is, to routing and model discovery, not there."""
+        if shard.status != "advertised" or now >= shard.expires_at or shard.quarantined:
+            return False
+        # The advertisement is itself a sign of life, so a shard is routable before its first heartbeat.
+        last_seen = max(shard.advertised_at, shard.last_seen or shard.advertised_at)
+        return now - last_seen <= self.health_timeout_s
+
+    def plan(
+        self,
+        shards: list[ShardCandidate],
+        model_id: str,
+        weights_sha256: str,
+        *,
+        exclude: Iterable[str] = (),
+        now: float,
+        load: ShardLoad | None = None,
+        quantization: str | None = None,
+    ) -> list[Hop]:
+        """The routing decision itself, on rows already read (pure, for tests and what-if tools); `load`: the
+        live room of each shard (None: every live shard has room); `quantization`: the scheme the chain must
+        serve (a label of hearth/protocol/quantization_labels.py; None: the most precise one that covers)."""
+        excluded = set(exclude)
+        usable = [s for s in shards if s.shard_id not in excluded and self.alive(s, now)
+                  and (load is None or load.has_room(s))]
+        same_weights = [s for s in usable if s.weights_sha256 == weights_sha256]
+        mismatched = [s for s in usable if s.weights_sha256 != weights_sha256]
+        total_layers = _total_layers(same_weights) or _total_layers(mismatched) or _total_layers(shards)
+        if total_layers is None:
+            raise RoutingError(
+                "shard_unavailable", f"no shard of model {model_id!r} has been advertised"
+            )
+        schemes = sorted({s.quantization for s in same_weights if accepts(quantization, s.quantization)},
+                         key=precision_order)
+        if quantization is not None and not schemes and same_weights:
+            served = ", ".join(sorted({s.quantization for s in same_weights}, key=precision_order))
+            raise RoutingError("shard_unavailable", f"no healthy shard of {model_id!r} serves quantization "
+                                                    f"{quantization!r} (served now: {served})")
+        too_many_hops: list[Hop] | None = None
+        for scheme in schemes:
+            candidates = [s for s in same_weights if s.quantization == scheme]
+            chain = cheapest_chain(
+                candidates, HopCosts(candidates, total_layers, load),
+                may_be_hop_zero=lambda s: self.allow_self_as_shard or s.node_id != self.self_node_id,
+            )
+            if chain is None:
+                continue
+            hops = [Hop(shard_id=p.shard.shard_id, control_subject=p.shard.control_subject,
+                        node_id=p.shard.node_id, layer_lo_to_run=p.layer_lo, layer_hi_to_run=p.layer_hi,
+                        quantization=scheme) for p in chain]
+            if self.max_hops is None or len(hops) <= self.max_hops:
+                return hops
+            too_many_hops = too_many_hops or hops
+        if too_many_hops is not None:
+            raise RoutingError(
+                "shard_unavailable",
+                f"covering the {total_layers} layers of {model_id!r} needs {len(too_many_hops)} shards, "
+                f"more than max_shards_per_request={self.max_hops}",
+            )
+        # The scheme that came closest names the uncovered layers (the most precise of equals).
+        scheme = min(schemes, default=quantization, key=lambda label: (
+            -_covered_layer_count([s for s in same_weights if s.quantization == label], total_layers),
+            precision_order(label)))
+        candidates = [s for s in same_weights if s.quantization == scheme]
+        named = quantization is not None or len(schemes) > 1 or scheme not in (None, "none")
+        self._fail(model_id, weights_sha256, candidates, mismatched, total_layers, 0,
+                   scheme=scheme if named else None)
+
+    def _fail(
+        self,
+        model_id: str,
+        weights_sha256: str,
+        candidates: list[ShardCandidate],
+        mismatched: list[ShardCandidate],
+        total_layers: int,
+        cursor: int,
+        *,
+        scheme: str | None = None,
+    ) -> None:
+        uncovered = [
+            layer for layer in range(total_layers)
+            if not any(s.layer_lo <= layer <= s.layer_hi for s in candidates)
+        ]
+        if not uncovered:
+            # Every layer has a holder, but the ones holding `cursor` are this node's own, barred from hop 0.
+            reach = max(s.layer_hi for s in candidates if s.layer_lo <= cursor <= s.layer_hi)
+            uncovered = list(range(cursor, min(reach, total_layers - 1) + 1))
+            reason = (
+                f"layers {format_layer_ranges(uncovered)} of {model_id!r} are held only by this node "
+                f"({self.self_node_id}), which may not be hop 0 (allow_self_as_shard is off)"
+            )
+            raise RoutingError("shard_unavailable", reason, uncovered_layers=tuple(uncovered))
+        layers = format_layer_ranges(uncovered)
+        of_model = f"of {model_id!r}" + (f" in quantization {scheme!r}" if scheme else "")
+        covered_elsewhere = [
+            layer for layer in uncovered if any(s.layer_lo <= layer <= s.layer_hi for s in mismatched)
+        ]
+        if mismatched:
+            others = sorted({s.weights_sha256[:12] for s in mismatched})
+            raise RoutingError(
+                "weights_mismatch",
+                f"no healthy shard with weights {weights_sha256[:12]}… covers layers {layers} "
+                f"{of_model}"
+                f" ({len(covered_elsewhere)} of them are served with other weights: {', '.join(others)})",
+                uncovered_layers=tuple(uncovered),
+            )
+        raise RoutingError(
+            "shard_unavailable",
+            f"no healthy shard covers layers {layers} {of_model} (of {total_layers})",
+            uncovered_layers=tuple(uncovered),
+        )
+
+
+def _total_layers(shards: list[ShardCandidate]) -> int | None:
+    return max((s.total_layers for s in shards), default=None)
+
+
+def _covered_layer_count(shards: list[ShardCandidate], total_layers: int) -> int:
+    return sum(1 for layer in range(total_layers) if any(s.layer_lo <= layer <= s.layer_hi for s in shards))

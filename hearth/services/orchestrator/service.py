@@ -1,0 +1,370 @@
+"""The orchestrator service: answers `llm.chat.request` in a queue group, validates and admits each request, turns
+it into a Call served by a PipelineRun (hearth/services/orchestrator/pipeline.py) over its in-process routing read
+model, and keeps the call's client told that it is alive (keepalives) until its final frame; answers `llm.models`
+(hearth/services/orchestrator/discovery.py).
+
+A call ends early when its client goes away (ClientStream notices "no responders" on the client's inbox): its
+run ends it `client_gone` and, as for every other ending, every hop's session is closed and its KV cache freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import tempfile
+import time
+from pathlib import Path
+
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from nats.errors import Error as NatsError
+from pydantic import ValidationError
+from sqlalchemy.orm import sessionmaker
+
+from hearth.events.outbox import EventOutbox
+from hearth.inference.compute_thread import StepThreads
+from hearth.readmodels.runner import Projector
+from hearth.services.common.call_signing import CallRefused
+from hearth.protocol.chat import (
+    BadRequest,
+    ErrorFrame,
+    ModelsRequest,
+    QueuedFrame,
+    describe_validation_error,
+    parse_chat_request,
+)
+from hearth.protocol.subjects import CHAT_REQUEST_SUBJECT, MODELS_REQUEST_SUBJECT
+from hearth.services.common.config import HearthSettings
+from hearth.services.common.event_trust import call_verifier, event_signing_key, event_verifier, stream_setup
+from hearth.services.common.metrics import counter
+from hearth.services.broker.connection import flush_ordered
+from hearth.services.broker.permissions import reply_allowed
+from hearth.services.orchestrator.admission import admit_prompt, prompt_room
+from hearth.services.orchestrator.call import Call, ClientStream
+from hearth.services.orchestrator.capacity import ShardLoad
+from hearth.services.orchestrator.catalog import ModelCatalog, UnknownModel
+from hearth.events.streams import MiB
+from hearth.services.orchestrator.canaries import CanaryLibrary, CanaryRunner
+from hearth.services.orchestrator.choices import ChoiceClient, ChoiceGroup, choice_request
+from hearth.services.orchestrator.kept_inputs import KeptInputs
+from hearth.services.orchestrator.context import RunContext
+from hearth.services.orchestrator.guards import RangeGuards
+from hearth.services.orchestrator.discovery import describe_models, is_advertised
+from hearth.services.orchestrator.head_batcher import HeadSteps
+from hearth.services.orchestrator.health import RecentFailures
+from hearth.services.orchestrator.metrics import calls_in_flight, count_request, observe_event
+from hearth.services.orchestrator.pipeline import PipelineRun
+from hearth.services.orchestrator.queue import FairQueue, LeftQueue, Overloaded
+from hearth.services.transport.headers import header_bytes
+from hearth.services.orchestrator.router import ShardRouter
+
+log = logging.getLogger(__name__)
+calls_refused_total = counter("hearth_calls_refused_total", "Calls refused as unauthorized, by reason", ["reason"])
+calls_by_caller_total = counter("hearth_calls_total", "Signed calls accepted, by the calling member", ["caller"])
+# foreign_reply: a request whose reply subject is not a caller's inbox; it gets no answer at all.
+for _reason in ("unsigned", "malformed", "unknown_signer", "bad_signature", "stale", "replayed", "untrusted",
+                "foreign_reply"):
+    calls_refused_total.labels(_reason)  # read 0, not nothing, before any refusal
+
+ORCHESTRATOR_QUEUE_GROUP = "hearth-orchestrators"
+error_message_chars = 500
+
+
+async def read_model_caught_up(projector: Projector, timeout_s: float) -> bool:
+    """Wait (at most `timeout_s`) until `projector` has applied the event log as it stands; False when it could not
+    tell or did not get there. An orchestrator waits so before it answers calls: one restarted with an empty read
+    model would route on heartbeats minutes old and find no shard alive."""
+    started = time.monotonic()
+    try:
+        targets = await projector.wait_until_caught_up(timeout_s=timeout_s)
+    except (TimeoutError, NatsError) as error:
+        log.warning("read model not caught up with the event log within %.0f s (%s); answering calls anyway",
+                    timeout_s, error or type(error).__name__)
+        return False
+    log.info("read model caught up with the event log (%s) in %.1f s",
+             ", ".join(f"{stream} {seq}" for stream, seq in targets.items()), time.monotonic() - started)
+    return True
+
+
+class Orchestrator:
+    """One orchestrator process's service: its subscription, its routing read model, its calls."""
+
+    def __init__(self, nc: NatsClient, settings: HearthSettings, *, node_id: str, db_path: Path | None = None,
+                 model_search_dirs: list[Path] | None = None, local_model: str | None = None,
+                 busy_threads: int | None = None) -> None:
+        self.nc = nc
+        self.js = nc.jetstream()
+        self.settings = settings
+        self.node_id = node_id
+        distributed = settings.research.distributed_inference
+        self.enabled = settings.research.enable and distributed.enabled
+        self.catalog = ModelCatalog(list(model_search_dirs or []), local_model, shard_settings=settings.shard)
+        self._tmp_dir: tempfile.TemporaryDirectory | None = None
+        if db_path is None:
+            self._tmp_dir = tempfile.TemporaryDirectory(prefix="hearth-orchestrator-")
+            db_path = Path(self._tmp_dir.name) / "routing.sqlite"
+        self.db_path = db_path
+        # Routing reads only events the community's roster vouches for (none rejected on an open mesh), and
+        # this orchestrator's own events go out signed by its member key.
+        self.projector = Projector(db_path, self.js, verifier=event_verifier(settings),
+                                   stream_setup=stream_setup(settings.nats))
+        self.outbox = EventOutbox(self.js, max_queued=settings.orchestrator.event_queue_max,
+                                  retry_wait_s=settings.orchestrator.event_retry_wait_s,
+                                  publish_delay_s=settings.orchestrator.event_publish_delay_s,
+                                  signing_key=event_signing_key(settings.nats))
+        # Calls must be signed by a roster member on a community mesh; None on an open one.
+        self.call_verifier = call_verifier(settings)
+        # Calls beyond what may run now wait here, round-robin by caller (hearth/services/orchestrator/queue.py).
+        limits = settings.orchestrator
+        self.queue = FairQueue(max_running=distributed.max_concurrent_pipelines,
+                               max_per_caller=limits.max_streams_per_caller, max_queued=limits.max_queued_requests,
+                               max_queued_per_caller=limits.max_queued_per_caller,
+                               retry_after_s=limits.overloaded_retry_after_s)
+        self._subscription = None
+        self._models_subscription = None
+        self._requests: set[asyncio.Task] = set()
+        self.context: RunContext | None = None
+        self._canaries: CanaryRunner | None = None
+        self._step_threads = StepThreads(busy_threads)
+
+    async def start(self) -> None:
+        await self.projector.start()
+        self.outbox.start()
+        distributed = self.settings.research.distributed_inference
+        verification = self.settings.verification
+        router = ShardRouter(
+            sessionmaker(self.projector.engine), health_timeout_s=distributed.shard_health_timeout_s,
+            allow_self_as_shard=distributed.allow_self_as_shard, self_node_id=self.node_id,
+            max_hops=distributed.max_shards_per_request, silent_log_grace_s=distributed.silent_log_grace_s,
+        )
+        self.catalog.use_advertised(functools.partial(is_advertised, router))
+        self.context = RunContext(
+            nc=self.nc, node_id=self.node_id, settings=self.settings, router=router, projector=self.projector,
+            catalog=self.catalog, outbox=self.outbox,
+            recent_failures=RecentFailures(distributed.shard_health_timeout_s),
+            head_steps=HeadSteps(self.settings.orchestrator, self._step_threads, lambda: self.context.running_calls),
+            sink_bounds={},
+            load=ShardLoad(retry_s=self.settings.orchestrator.at_capacity_retry_s),
+            guards=RangeGuards(verification.guard_margin, verification.guard_min_positions),
+            canaries=CanaryLibrary(verification.canaries_per_range, verification.canary_max_positions),
+            kept_inputs=KeptInputs(int(verification.kept_inputs_mb * MiB)))
+        self._canaries = CanaryRunner(self.context, self._record_event)
+        self._canaries.start()
+        await read_model_caught_up(self.projector, self.settings.orchestrator.start_catch_up_timeout_s)
+        self._subscription = await self.nc.subscribe(CHAT_REQUEST_SUBJECT, queue=ORCHESTRATOR_QUEUE_GROUP,
+                                                     cb=self._on_request)
+        self._models_subscription = await self.nc.subscribe(MODELS_REQUEST_SUBJECT, queue=ORCHESTRATOR_QUEUE_GROUP,
+                                                            cb=self._on_models_request)
+        await flush_ordered(self.nc, self.settings.transport.control_timeout_s)
+        log.info("orchestrator %s answering %s", self.node_id, CHAT_REQUEST_SUBJECT)
+
+    async def _record_event(self, event) -> None:
+        """An event of the orchestrator's own (not of one call's run): counted in metrics, then into the outbox."""
+        observe_event(event)
+        await self.outbox.record(event)
+
+    async def stop(self) -> None:
+        for subscription in (self._subscription, self._models_subscription):
+            if subscription is not None:
+                with contextlib.suppress(Exception):
+                    await subscription.unsubscribe()
+        for task in list(self._requests):
+            task.cancel()
+        if self._requests:
+            await asyncio.gather(*self._requests, return_exceptions=True)
+        await self.queue.close()
+        if self._canaries is not None:
+            await self._canaries.close()
+        if self.context is not None:
+            await self.context.head_steps.close()
+        await self.outbox.stop(self.settings.orchestrator.event_flush_timeout_s)
+        await self.projector.stop()
+        self.catalog.close()
+        if self._tmp_dir is not None:
+            self._tmp_dir.cleanup()
+
+    async def _on_models_request(self, msg: Msg) -> None:
+        task = asyncio.create_task(self._answer_models(msg), name="models-request")
+        self._requests.add(task)
+        task.add_done_callback(self._requests.discard)
+
+    async def _answer_models(self, msg: Msg) -> None:
+        if not msg.reply or self._reply_refused(msg):
+            return
+        try:
+            reply = self._oversized(msg)
+            if reply is None:
+                if msg.data.strip():
+                    ModelsRequest.model_validate_json(msg.data)
+                reply = await describe_models(self.context.router, self.catalog)
+        except ValidationError as error:
+            reply = ErrorFrame(seq=0, code="bad_request", message=describe_validation_error(error))
+        with contextlib.suppress(Exception):  # the asker or the broker is gone: nobody to tell
+            await msg.respond(reply.model_dump_json().encode())
+
+    def _oversized(self, msg: Msg) -> ErrorFrame | None:
+        """A `bad_request` for a request whose body or headers are over their limits, checked before either is
+        parsed or read: a large body costs many times its size once decoded."""
+        limits = self.settings.orchestrator
+        if len(msg.data) > limits.max_request_bytes:
+            return ErrorFrame(seq=0, code="bad_request", message=(
+                f"body: {len(msg.data)} bytes is over max_request_bytes {limits.max_request_bytes}"))
+        size = header_bytes(msg.headers)
+        if size > limits.max_request_header_bytes:
+            return ErrorFrame(seq=0, code="bad_request", message=(
+                f"headers: {size} bytes is over max_request_header_bytes {limits.max_request_header_bytes}"))
+        return None
+
+    def _reply_refused(self, msg: Msg) -> bool:
+        """A request whose reply subject is not a caller's inbox is dropped unanswered (there is nowhere safe to
+        answer it), counted and logged without its body: answering would publish with our rights."""
+        if reply_allowed(msg.reply, self.call_verifier.role_of if self.call_verifier is not None else None):
+            return False
+        calls_refused_total.labels("foreign_reply").inc()
+        log.warning("%s request dropped: its reply subject is not a caller's inbox", msg.subject)
+        return True
+
+    async def _on_request(self, msg: Msg) -> None:
+        task = asyncio.create_task(self._serve(msg), name="chat-request")
+        self._requests.add(task)
+        task.add_done_callback(self._requests.discard)
+
+    async def _serve(self, msg: Msg) -> None:
+        if not msg.reply:
+            log.warning("chat request without a reply subject dropped")
+            return
+        if self._reply_refused(msg):
+            return
+        caller = self._caller_admitted(msg)
+        if isinstance(caller, ErrorFrame):
+            refusal = caller
+            # Refused before any work on the call (no inbox watch, no keepalives, no parsing): one frame and done,
+            # so that a member flooding the mesh spends little of the time other members' calls need.
+            with contextlib.suppress(Exception):  # the asker or the broker is gone: nobody to tell
+                await self.nc.publish(msg.reply, refusal.model_dump_json().encode())
+            count_request(refusal.code, False)
+            return
+        client = await ClientStream(self.nc, msg.reply,
+                                    resubscribe_grace_s=self.settings.orchestrator.client_resubscribe_grace_s).start()
+        keepalive = asyncio.create_task(self._keep_client_told(client), name="client-keepalive")
+        try:
+            await asyncio.wait_for(self._serve_request(msg, client, caller),
+                                   timeout=self.settings.orchestrator.request_deadline_s)
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:
+            log.exception("request failed")
+            with contextlib.suppress(Exception):
+                await client.send(ErrorFrame(seq=0, code="internal_error", message=str(error)[:error_message_chars]))
+        finally:
+            count_request(client.final_code, client.client_gone.is_set())
+            keepalive.cancel()
+            await asyncio.gather(keepalive, return_exceptions=True)
+            await client.close()
+
+    async def _keep_client_told(self, client: ClientStream) -> None:
+        """Keepalives while the call waits for something (a head loading, a slow step, a failover)."""
+        interval_s = self.settings.transport.keepalive_interval_s
+        while True:
+            await asyncio.sleep(interval_s)
+            with contextlib.suppress(Exception):  # the broker may be away; the next one tries again
+                await client.keep_alive(interval_s)
+
+    def _caller_admitted(self, msg: Msg) -> str | None | ErrorFrame:
+        """The calling member's name (None on an open mesh), or the frame refusing the call: its body or headers
+        over their limits, its signature refused, or its caller's share of the queue full."""
+        refusal = self._oversized(msg)
+        if refusal is not None:
+            return refusal
+        caller = None
+        if self.call_verifier is not None:
+            checked = self.call_verifier.check(msg.subject, msg.reply, msg.data, msg.headers)
+            if isinstance(checked, CallRefused):
+                calls_refused_total.labels(checked.reason).inc()
+                return ErrorFrame(seq=0, code="unauthorized", message=checked.message)
+            caller = checked.name
+            calls_by_caller_total.labels(caller).inc()  # roster names only: a bounded label set
+        overloaded = self.queue.share_refusal(caller)
+        if overloaded is not None:
+            return ErrorFrame(seq=0, code="overloaded", message=str(overloaded), retry_after_s=overloaded.retry_after_s)
+        return caller
+
+    async def _serve_request(self, msg: Msg, client: ClientStream, caller: str | None) -> None:
+        try:
+            request = parse_chat_request(msg.data)
+        except BadRequest as error:
+            await client.send(ErrorFrame(seq=0, code="bad_request", message=str(error)))
+            return
+        if not self.enabled:
+            await client.send(ErrorFrame(seq=0, code="experimental_disabled",
+                                         message="distributed inference is disabled on this orchestrator"))
+            return
+        if request.model is None:
+            served = await describe_models(self.context.router, self.catalog)
+            if served.default_model is None:
+                servable = [m.id for m in served.models if m.complete or m.runnable_locally]
+                await client.send(ErrorFrame(seq=0, code="bad_request", message=(
+                    f"field 'model': required when the mesh does not serve exactly one model (it serves "
+                    f"{len(servable)}: {', '.join(servable) or 'none'}; ask {MODELS_REQUEST_SUBJECT})")))
+                return
+            request = request.model_copy(update={"model": served.default_model})
+        try:
+            model = await self.catalog.get_requested(request.model)
+            # Only cheap checks before the queue: the prompt is tokenized when the call's turn comes.
+            prompt_room(request, model)
+        except UnknownModel as error:
+            await client.send(ErrorFrame(seq=0, code="bad_request", message=f"field 'model': {error}"))
+            return
+        except BadRequest as error:
+            await client.send(ErrorFrame(seq=0, code="bad_request", message=str(error)))
+            return
+        try:
+            async with self.queue.place(caller, _position_teller(client), client.client_gone) as admission:
+                try:
+                    prompt_ids = await admit_prompt(request, model)
+                except BadRequest as error:
+                    await client.send(ErrorFrame(seq=0, code="bad_request", message=str(error)))
+                    return
+                if request.n > 1:
+                    group = ChoiceGroup(client, self.context)
+                    calls = [Call(request=choice_request(request, index), model=model,
+                                  client=ChoiceClient(group, index), prompt_ids=prompt_ids, caller=caller,
+                                  queue_wait_s=admission.queue_wait_s) for index in range(request.n)]
+                    async with self._counted_as_running():
+                        await group.serve(calls)
+                    return
+                run = PipelineRun(Call(request=request, model=model, client=client, prompt_ids=prompt_ids,
+                                       caller=caller, queue_wait_s=admission.queue_wait_s), self.context)
+                async with self._counted_as_running():
+                    try:
+                        await run.serve()
+                    finally:
+                        # Shielded: a cancelled request (shutdown) must still free its hops' sessions.
+                        await asyncio.shield(run.close())
+        except Overloaded as error:
+            await client.send(ErrorFrame(seq=0, code="overloaded", message=str(error),
+                                         retry_after_s=error.retry_after_s))
+        except LeftQueue:
+            log.info("request %s: the client went away while it was queued", request.request_id)
+
+    @contextlib.asynccontextmanager
+    async def _counted_as_running(self):
+        self.context.running_calls += 1
+        calls_in_flight.inc()
+        try:
+            yield
+        finally:
+            self.context.running_calls -= 1
+            calls_in_flight.dec()
+
+
+def _position_teller(client: ClientStream):
+    """Tells the client its place in the queue (a `queued` frame) each time it changes."""
+
+    async def tell(position: int, queued: int) -> None:
+        with contextlib.suppress(Exception):  # the client or the broker is gone: its call leaves the queue anyway
+            await client.send(QueuedFrame(seq=0, position=position, queued_requests=queued))
+
+    return tell

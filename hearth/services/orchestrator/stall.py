@@ -1,0 +1,154 @@
+"""StallWatch: decides, while a step is held somewhere in a chain, which hop is to blame and when.
+
+Who is to blame for a stalled step: the acks say which hop last took the step in (hop h), but not whether
+h is slow or the hop after it never received h's output (it died, or is frozen with its connection still
+open). So the watch probes hops h and h+1 with a `stat` control request: a hop that does not answer within
+the probe's time (or has no responder at all) is the culprit; when both answer, h holds the step and is the
+one to route around. The probe starts `probe_timeout_s` (at most half the step timeout) before the step
+times out, so the verdict is there when it does: a stall is declared within the step timeout.
+
+A host that died (killed, crashed, unplugged) need not wait that long: its NATS connection is gone, and
+with it the subscription on its control subject, so a request there fails at once with "no responders".
+Once a step has been held `gone_check_after_s` (far longer than a step normally takes, far shorter than
+the step timeout), the watch asks the suspects once; one without a responder is failed over right away.
+A host whose link is cut (its process running on) still has its subscriptions at the broker until the broker
+gives up on its connection, so a request there is silent instead: a suspect that stays silent through the gone
+check and a second probe of `probe_timeout_s` is failed over too, unless the step moved on meanwhile. A busy
+host is not taken for one: its control loop answers `stat` while its compute thread runs a step (even a long
+prefill). A merely slow host answers, and is left to the step timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+
+from nats.aio.client import Client as NatsClient
+from nats.errors import NoRespondersError
+
+from hearth.services.common.config import TransportSettings
+from hearth.protocol.control import ShardStat, StatShard
+from hearth.services.orchestrator.outcomes import StepFailure
+from hearth.services.orchestrator.router import Hop
+from hearth.services.transport import AckObserver, StepInfo
+
+
+class ProbeOutcome(enum.Enum):
+    answered = "answered"
+    no_responder = "no_responder"  # nothing subscribes to its control subject: the host is gone
+    silent = "silent"  # no answer in time: frozen, overloaded, or the answer was lost
+
+
+async def probe_outcome(nc: NatsClient, hop: Hop, timeout_s: float) -> ProbeOutcome:
+    """How the hop's shard reacts to `stat`: answers, has no responder (gone), or stays silent."""
+    try:
+        message = await nc.request(hop.control_subject, StatShard().model_dump_json().encode(), timeout=timeout_s)
+        ShardStat.model_validate_json(message.data)
+    except NoRespondersError:
+        return ProbeOutcome.no_responder
+    except Exception:  # a timeout, a closed connection, or an answer that is not a ShardStat
+        return ProbeOutcome.silent
+    return ProbeOutcome.answered
+
+
+class StallWatch:
+    """Looked at by HopChain every poll while a step is outstanding; gives a StepFailure once one is due."""
+
+    def __init__(self, nc: NatsClient, hops: list[Hop], observer: AckObserver, transport: TransportSettings, *,
+                 first_hop: int = 0) -> None:
+        self.nc = nc
+        # The pipeline's index of hops[0]: acks name hops by the pipeline's index.
+        self.first_hop = first_hop
+        self.hops = hops
+        self.observer = observer
+        self.transport = transport
+        # The liveness probe of the step currently held too long: (step, holder hop) and its task.
+        self._probe_key: tuple[int, int] | None = None
+        self._probe: asyncio.Task | None = None
+        # The (step, holder hop) whose suspects were already checked for a lost connection.
+        self._gone_checked: tuple[int, int] | None = None
+
+    def cancel(self) -> None:
+        if self._probe is not None:
+            self._probe.cancel()
+        self._probe, self._probe_key = None, None
+
+    async def check(self, info: StepInfo, sent_at: float, timeout_s: float) -> StepFailure | None:
+        progress = self.observer.progress(info.session, info.step)
+        now = time.monotonic()
+        if progress is None:
+            holder, since = 0, sent_at
+        else:
+            # Acked by hop h: hop h holds it until hop h+1 acks. Acked by the sink hop: we are just slow.
+            holder, since = progress.hop - self.first_hop, progress.last_ack_monotonic
+            if holder >= len(self.hops):
+                return None
+        # Hop 0 never acked: nobody after it is involved. Otherwise the next hop may be the one gone.
+        suspects = [i for i in ([holder] if progress is None else [holder, holder + 1]) if i < len(self.hops)]
+        held_s = now - since
+        probe_s = min(self.transport.probe_timeout_s, self.transport.step_timeout_s / 2)
+        if held_s > self.transport.gone_check_after_s and self._gone_checked != (info.step, holder):
+            self._gone_checked = (info.step, holder)
+            failure = await self._check_reachable(info, suspects, held_s, probe_s)
+            if failure is not None:
+                return failure
+        if len(suspects) > 1 and held_s > timeout_s - probe_s and self._probe_key != (info.step, holder):
+            self.cancel()
+            self._probe_key = (info.step, holder)
+            self._probe = asyncio.create_task(self._answered(suspects, probe_s), name="hop-probe")
+        if held_s <= timeout_s:
+            return None
+        culprit = await self._blame(suspects)
+        if culprit == holder:
+            reason = f"step {info.step} not passed on within {timeout_s:.1f} s"
+        else:
+            reason = f"does not answer; step {info.step} not taken in within {timeout_s:.1f} s"
+        return StepFailure("stalled", self.hops[culprit].shard_id, reason)
+
+    def _position(self, info: StepInfo) -> tuple[int, float] | None:
+        """The highest hop that acked the step and when its last ack came (None before any)."""
+        progress = self.observer.progress(info.session, info.step)
+        return None if progress is None else (progress.hop, progress.last_ack_monotonic)
+
+    async def _check_reachable(self, info: StepInfo, suspects: list[int], held_s: float,
+                               probe_s: float) -> StepFailure | None:
+        """The gone check: a suspect without a responder is gone; one silent to it and to a second probe of
+        `probe_s` is unreachable (a cut link, or a frozen host), unless the step was passed on meanwhile."""
+        position = self._position(info)
+        outcomes = await self._outcomes(suspects, self.transport.gone_check_timeout_s)
+        for index, outcome in zip(suspects, outcomes):
+            if outcome is ProbeOutcome.no_responder:
+                return StepFailure("gone", self.hops[index].shard_id,
+                                   f"no longer connected (no responder on its control subject); step "
+                                   f"{info.step} held {held_s:.2f} s")
+        silent = [index for index, outcome in zip(suspects, outcomes) if outcome is ProbeOutcome.silent]
+        if not silent:
+            return None
+        confirmed = await self._outcomes(silent, probe_s)
+        if self._position(info) != position:
+            return None  # acked by another hop meanwhile: whoever was silent is not what holds it up
+        waited_s = self.transport.gone_check_timeout_s + probe_s
+        for index, outcome in zip(silent, confirmed):
+            if outcome is not ProbeOutcome.answered:
+                return StepFailure("stalled", self.hops[index].shard_id,
+                                   f"does not answer probes for {waited_s:.2f} s (link cut, or host frozen); "
+                                   f"step {info.step} held {held_s:.2f} s")
+        return None
+
+    async def _blame(self, suspects: list[int]) -> int:
+        """The first suspect hop that does not answer a probe; the first suspect when every one answers."""
+        if len(suspects) == 1:
+            return suspects[0]
+        probe, self._probe, self._probe_key = self._probe, None, None
+        answers = await (probe if probe is not None else self._answered(suspects, self.transport.probe_timeout_s))
+        for index, answered in zip(suspects, answers):
+            if not answered:
+                return index
+        return suspects[0]
+
+    async def _answered(self, suspects: list[int], timeout_s: float) -> list[bool]:
+        return [outcome is ProbeOutcome.answered for outcome in await self._outcomes(suspects, timeout_s)]
+
+    async def _outcomes(self, suspects: list[int], timeout_s: float) -> list[ProbeOutcome]:
+        return list(await asyncio.gather(*(probe_outcome(self.nc, self.hops[i], timeout_s) for i in suspects)))

@@ -1,0 +1,395 @@
+"""CallVerifier: checks the work of one call's shard hosts on other replicas, and says when a step was refuted.
+
+Each hop's inputs and outputs are recorded as the chain runs (hearth/services/orchestrator/recording.py). A check of hop
+i feeds the inputs it ran since its last check to a mirror, a session of a second replica serving the same layers,
+scheme and dtype (hearth/services/orchestrator/mirror.py), and compares the outputs position by position within the
+honest tolerance of that dtype (hearth/inference/activation_compare.py). When a check is made, by the call's `verify`:
+
+| level     | which steps                                                                   | on the token's path |
+|-----------|-------------------------------------------------------------------------------|---------------------|
+| `none`    | none                                                                          | -                   |
+| `sampled` | each hop with chance `sample_rate` per step; at a chain's first step while    | no (the last frame  |
+|           | the range's guard has not learned; at once when an output leaves the guard    | waits for checks)   |
+| `all`     | every step, every hop, one mirror each                                        | yes                 |
+| `vote`    | every step, every hop, two mirrors each (three replicas, majority)            | yes                 |
+
+A mismatch is settled by a third party: a witness replica fed the same inputs. The side the witness agrees with
+is right and the other is quarantined (`integrity.mismatch_confirmed`, naming both agreeing parties); with no witness,
+or one that agrees with neither, nobody is blamed (`integrity.mismatch_disputed`). Either way, when the call's own
+hop is not the side confirmed, the step is refuted: the call withdraws the tokens sampled from that position on
+and fails over around the hop. A replica that fails to answer is no evidence; it is dropped as a mirror.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from hearth.events.models import (IntegrityMismatchConfirmed, IntegrityMismatchDisputed, IntegrityShardsVerified,
+                           ShardVerification, max_verified_shards)
+from hearth.inference.activation_compare import (evidence_digest, first_mismatch, position_errors, reportable_error,
+                                          tolerance_for)
+from hearth.services.orchestrator.canaries import Canary
+from hearth.services.orchestrator.chain import HopChain
+from hearth.services.orchestrator.check_policy import MIRRORS_PER_LEVEL, sampled_check_due
+from hearth.services.orchestrator.guards import RangeKey
+from hearth.services.orchestrator.metrics import verification_checks_total
+from hearth.services.orchestrator.mirror import Mirror, open_mirror
+from hearth.services.orchestrator.outcomes import StepFailure
+from hearth.services.orchestrator.placement import ChainPlacement
+from hearth.services.orchestrator.recording import HopSpan
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _HopChecks:
+    """What the verifier keeps for one hop of the current chain."""
+
+    mirrors: list[Mirror] = field(default_factory=list)
+    task: asyncio.Task | None = None
+    # Another check was asked for while one ran: it runs right after.
+    again: bool = False
+    # Replicas that failed or lost a dispute on this hop: not asked again in this call.
+    avoid: set[str] = field(default_factory=set)
+    # The positions before this one were confirmed by a check.
+    confirmed_pos: int = 0
+
+
+@dataclass
+class _Tally:
+    checks: int = 0
+    verified_positions: int = 0
+
+
+class CallVerifier:
+    """The checks of one call (PipelineRun owns it): `attach` each chain it opens, `after_step` after each step's
+    output, `verify_step` (levels `all`, `vote`) before sampling from it, `settle` before the last frame, and
+    `refuted` at every turn of the loop."""
+
+    def __init__(self, call, ctx, record: Callable[[object], Awaitable[None]]) -> None:
+        self.call = call
+        self.ctx = ctx
+        # Records an event (the call's own way: counted in metrics, then into the outbox).
+        self._record = record
+        self.level = call.request.params.verify
+        self.settings = ctx.settings.verification
+        self.chain: HopChain | None = None
+        self._hops: list[_HopChecks] = []
+        self._tally: dict[str, _Tally] = {}
+        self._refutation: StepFailure | None = None
+        self._chain_steps = 0
+        # Unpredictable to the hosts: a liar must not know which steps are checked.
+        self._chance = random.SystemRandom()
+
+    @property
+    def records(self) -> bool:
+        """Whether the call's chains record their hops' work."""
+        return self.level != "none"
+
+    @property
+    def mirrors_per_hop(self) -> int:
+        return MIRRORS_PER_LEVEL[self.level]
+
+    # ------------------------------------------------------------------ the call's side
+
+    async def attach(self, chain: HopChain) -> None:
+        """Check `chain` from now on (the checks of an earlier chain end: it is closed)."""
+        await self.detach()
+        if chain.recorder is None:
+            return
+        self.chain = chain
+        self._hops = [_HopChecks() for _ in chain.hops]
+        self._chain_steps = 0
+
+    async def detach(self) -> None:
+        """Stop checking the current chain: cancel its checks, close its mirrors."""
+        hops, self._hops, self.chain = self._hops, [], None
+        for hop in hops:
+            if hop.task is not None:
+                hop.task.cancel()
+        await asyncio.gather(*(hop.task for hop in hops if hop.task is not None), return_exceptions=True)
+        for hop in hops:
+            for mirror in hop.mirrors:
+                with contextlib.suppress(Exception):
+                    await mirror.close()
+
+    async def check_report(self, accused: str) -> None:
+        """A hop reported that its input, the output of `accused`, failed a check: check `accused` on everything up
+        to the step that stopped, from the tap's copy of that output (so the report, unverifiable in itself, is
+        settled on evidence: a confirmed mismatch quarantines the accused; a confirmed output clears it)."""
+        chain = self.chain
+        if chain is None or not chain.recorder.steps:
+            return
+        index = next((i for i, hop in enumerate(chain.hops) if hop.shard_id == accused), None)
+        if index is None:
+            return
+        try:
+            # The reporting hop had the output already, so the tap has it too (or refused it): no long wait.
+            await self._check_hop(chain, index, upto=max(chain.recorder.steps),
+                                  settle_s=self.ctx.settings.transport.probe_timeout_s)
+        except Exception:  # a check must never take the call down with it
+            log.exception("pipeline %s: checking the hop accused by a report failed", self.call.pipeline_id)
+
+    async def keep_alive(self) -> None:
+        """Tell the mirrors' replicas that their sessions live, as a call's hops are told."""
+        for hop in self._hops:
+            for mirror in hop.mirrors:
+                await mirror.chain.keep_alive()
+
+    def refutation_of(self, shard_id: str) -> StepFailure | None:
+        """The pending refutation of `shard_id` (then forgotten): the call is routing around it already."""
+        if self._refutation is not None and self._refutation.shard_id == shard_id:
+            failure, self._refutation = self._refutation, None
+            return failure
+        return None
+
+    def refuted(self) -> StepFailure | None:
+        """The refutation a check found since the last turn (then forgotten), or None. A hop that another call's
+        check (or a canary) proved wrong meanwhile is refuted from the first position this call did not confirm."""
+        if self._refutation is None and self.chain is not None:
+            for index, hop in enumerate(self.chain.hops):
+                if hop.shard_id in self.ctx.quarantined:
+                    self._refute("refuted", hop.shard_id, self._hops[index].confirmed_pos,
+                                 "quarantined meanwhile (another check proved it wrong); its unconfirmed work here "
+                                 "is withdrawn")
+                    break
+        failure, self._refutation = self._refutation, None
+        return failure
+
+    def after_step(self) -> None:
+        """A step's output came: start the checks this step calls for (level `sampled`)."""
+        if self.chain is None or self.level != "sampled":
+            return
+        self._chain_steps += 1
+        recorder = self.chain.recorder
+        latest = recorder.latest_step()
+        recorded = recorder.steps.get(latest) if latest is not None else None
+        for index in range(len(self.chain.hops)):
+            key = self._range_key(index)
+            output = recorded.hop_output(index) if recorded is not None else None
+            why = sampled_check_due(first_step=self._chain_steps == 1, learned=self.ctx.guards.learned(key),
+                                    suspect=output is not None and self.ctx.guards.suspect(key, output),
+                                    draw=self._chance.random(), sample_rate=self.settings.sample_rate)
+            if why is not None:
+                self._start_check(index, why)
+
+    async def verify_step(self) -> StepFailure | None:
+        """Levels `all` and `vote`: check every hop up to the step just done, now; the refutation, if any."""
+        if self.chain is None or self.level not in ("all", "vote"):
+            return None
+        await asyncio.gather(*(self._check(index) for index in range(len(self.chain.hops))))
+        return self.refuted()
+
+    async def settle(self) -> StepFailure | None:
+        """Before the call's last frame: wait for the checks still running (at most `settle_timeout_s`)."""
+        running = [hop.task for hop in self._hops if hop.task is not None and not hop.task.done()]
+        if running:
+            done, pending = await asyncio.wait(running, timeout=self.settings.settle_timeout_s)
+            if pending:
+                log.warning("pipeline %s: %d checks still running after %.0f s; the answer goes out unchecked "
+                            "there", self.call.pipeline_id, len(pending), self.settings.settle_timeout_s)
+        return self.refuted()
+
+    def summaries(self) -> list[IntegrityShardsVerified]:
+        """The call's checks that found nothing wrong, per shard: one event per call (more only past the most
+        shards one event may name)."""
+        shards = [ShardVerification(shard_id=shard_id, checks=tally.checks,
+                                    verified_positions=tally.verified_positions)
+                  for shard_id, tally in self._tally.items() if tally.checks]
+        return [IntegrityShardsVerified(node_id=self.ctx.node_id, pipeline_id=self.call.pipeline_id,
+                                        shards=shards[start:start + max_verified_shards])
+                for start in range(0, len(shards), max_verified_shards)]
+
+    # ------------------------------------------------------------------ checks
+
+    def _start_check(self, index: int, why: str) -> None:
+        hop = self._hops[index]
+        if hop.task is not None and not hop.task.done():
+            hop.again = True
+            return
+        log.debug("pipeline %s: checking hop %d (%s)", self.call.pipeline_id, index, why)
+        hop.task = asyncio.create_task(self._check_until_caught_up(index),
+                                       name=f"check-{self.call.pipeline_id}-{index}")
+
+    async def _check_until_caught_up(self, index: int) -> None:
+        hop = self._hops[index]
+        while True:
+            hop.again = False
+            await self._check(index)
+            if not hop.again or self._refutation is not None:
+                return
+
+    async def _check(self, index: int) -> None:
+        """Check hop `index` on everything it ran since its last check; a refutation is kept for the call."""
+        chain = self.chain
+        try:
+            await self._check_hop(chain, index)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # a check must never take the call down with it
+            log.exception("pipeline %s: checking hop %d failed", self.call.pipeline_id, index)
+
+    async def _check_hop(self, chain: HopChain, index: int, upto: int | None = None,
+                         settle_s: float | None = None) -> None:
+        recorder, hop = chain.recorder, self._hops[index]
+        latest = upto if upto is not None else recorder.latest_step()
+        if latest is None:
+            return
+        await recorder.settled(latest, settle_s or self.ctx.settings.transport.step_timeout_s, hops={index, index + 1})
+        if index in recorder.broken:
+            return
+        mirrors = await self._mirrors(chain, index)
+        if not mirrors:
+            verification_checks_total.labels("no_replica").inc()
+            return
+        spans = [recorder.span(index, mirror.fed_pos, latest) for mirror in mirrors]
+        if any(span is None for span in spans):
+            return
+        # A vote's two mirrors run at once: the check takes the time of the slower, not of both.
+        outputs = await asyncio.gather(*(mirror.run(span.inputs, span.first_pos)
+                                         for mirror, span in zip(mirrors, spans)))
+        for mirror, output in zip(mirrors, outputs):
+            if isinstance(output, StepFailure):
+                log.info("pipeline %s: mirror %s of hop %d failed (%s); dropped", self.call.pipeline_id,
+                         mirror.shard_id, index, output)
+                await self._drop_mirror(hop, mirror)
+        if any(isinstance(output, StepFailure) for output in outputs):
+            return
+        runs = list(zip(mirrors, spans, outputs))
+        # Mirrors of one hop are fed alike, so their spans match; judge on the shortest common one.
+        span = min((run[1] for run in runs), key=lambda s: s.positions)
+        claimed = span.outputs
+        tolerance = tolerance_for(None, mirrors[0].dtype, chain.hops[index].quantization, chain.wire_dtype)
+        outcomes = [(mirror, _tail(output, span), first_mismatch(position_errors(claimed, _tail(output, span)),
+                                                                  tolerance))
+                    for mirror, _, output in runs]
+        if all(bad is None for _, _, bad in outcomes):
+            self._confirm(chain.hops[index].shard_id, span, index)
+            for mirror, _, _ in outcomes:
+                self._confirm(mirror.shard_id, span, None)
+            if span.first_pos == 0:
+                self.ctx.canaries.keep(Canary(
+                    self._range_key(index), self.call.model.weights_sha256, mirrors[0].dtype, chain.wire_dtype,
+                    ChainPlacement.of_hop(chain.hops, index), span.kinds, span.inputs, span.outputs,
+                    (chain.hops[index].shard_id, mirrors[0].shard_id)))
+            return
+        mirror, reference, _ = next(outcome for outcome in outcomes if outcome[2] is not None)
+        await self._settle_mismatch(chain, index, span, mirror, reference, tolerance, outcomes)
+
+    async def _settle_mismatch(self, chain: HopChain, index: int, span: HopSpan, mirror: Mirror,
+                               reference: torch.Tensor, tolerance: float, outcomes) -> None:
+        """The hop and `mirror` disagree on `span`: ask a witness (the second mirror, in a vote), judge, record."""
+        primary = chain.hops[index].shard_id
+        hop = self._hops[index]
+        others = [(m, output) for m, output, _ in outcomes if m is not mirror]
+        if not others:
+            witness = await self._witness(chain, index, span, avoid={primary, mirror.shard_id} | hop.avoid)
+            others = [witness] if witness is not None else []
+        errors = position_errors(span.outputs, reference)
+        bad = first_mismatch(errors, tolerance)
+        evidence = dict(layer_lo=chain.hops[index].layer_lo_to_run, layer_hi=chain.hops[index].layer_hi_to_run,
+                        quantization=chain.hops[index].quantization, dtype=mirror.dtype,
+                        position=span.first_pos + bad, step_kind=span.kinds[bad].value,
+                        relative_error=reportable_error(errors[bad]), tolerance=tolerance,
+                        evidence_sha256=evidence_digest(span.inputs, span.outputs, reference), node_id=self.ctx.node_id,
+                        pipeline_id=self.call.pipeline_id)
+        for witness, witnessed in others:
+            sides_with_mirror = first_mismatch(position_errors(witnessed, reference), tolerance) is None
+            sides_with_hop = first_mismatch(position_errors(witnessed, span.outputs), tolerance) is None
+            if sides_with_mirror and not sides_with_hop:
+                await self._quarantine(primary, [mirror.shard_id, witness.shard_id], evidence)
+                if witness not in hop.mirrors:  # the call leaves this chain: a fresh witness has no more to do
+                    await witness.close()
+                self._refute("refuted", primary, span.first_pos + bad,
+                             f"its output at position {span.first_pos + bad} was refuted by {mirror.shard_id} and "
+                             f"{witness.shard_id} (relative error {float(errors[bad]):.3g} > {tolerance:g}); "
+                             f"quarantined")
+                return
+            if sides_with_hop and not sides_with_mirror:
+                await self._quarantine(mirror.shard_id, [primary, witness.shard_id], evidence)
+                await self._drop_mirror(hop, mirror)
+                if witness not in hop.mirrors:  # a fresh witness takes the dropped mirror's place
+                    hop.mirrors.append(witness)
+                self._confirm(primary, span, index)
+                return
+        await self._record(IntegrityMismatchDisputed(shard_ids=[primary, mirror.shard_id], **evidence))
+        verification_checks_total.labels("disputed").inc()
+        await self._drop_mirror(hop, mirror)
+        for witness, _ in others:
+            if witness not in hop.mirrors:
+                await witness.close()
+        self._refute("disputed", primary, span.first_pos + bad,
+                     f"its output at position {span.first_pos + bad} differs from {mirror.shard_id}'s (relative "
+                     f"error {float(errors[bad]):.3g} > {tolerance:g}) and no third replica settled it: routed "
+                     f"around for this call, nobody blamed")
+
+    async def _witness(self, chain: HopChain, index: int, span: HopSpan, avoid: set[str]):
+        """A third replica fed the hop's inputs from position 0 through `span`: (mirror, its outputs over `span`)."""
+        witness = await self._open_mirror(chain, index, avoid)
+        return await witness.witness(chain.recorder, index, span) if witness is not None else None
+
+    # ------------------------------------------------------------------ mirrors
+
+    async def _mirrors(self, chain: HopChain, index: int) -> list[Mirror]:
+        """The hop's mirrors (opened as needed): the replicas that check it, fed from where they stopped."""
+        hop = self._hops[index]
+        generation = chain.recorder.generation
+        for mirror in [m for m in hop.mirrors if m.generation != generation]:
+            hop.mirrors.remove(mirror)
+            await mirror.close()
+        while len(hop.mirrors) < self.mirrors_per_hop:
+            avoid = {chain.hops[index].shard_id} | hop.avoid | {m.shard_id for m in hop.mirrors}
+            mirror = await self._open_mirror(chain, index, avoid)
+            if mirror is None:
+                break
+            hop.mirrors.append(mirror)
+        return list(hop.mirrors) if len(hop.mirrors) == self.mirrors_per_hop else []
+
+    async def _open_mirror(self, chain: HopChain, index: int, avoid: set[str]) -> Mirror | None:
+        return await open_mirror(self.ctx, self.call, chain, index, avoid | self.call.excluded, self._chance)
+
+    async def _drop_mirror(self, hop: _HopChecks, mirror: Mirror) -> None:
+        hop.avoid.add(mirror.shard_id)
+        if mirror in hop.mirrors:
+            hop.mirrors.remove(mirror)
+        with contextlib.suppress(Exception):
+            await mirror.close()
+
+    # ------------------------------------------------------------------ outcomes
+
+    def _confirm(self, shard_id: str, span: HopSpan, index: int | None) -> None:
+        tally = self._tally.setdefault(shard_id, _Tally())
+        tally.checks += 1
+        tally.verified_positions += span.positions
+        verification_checks_total.labels("confirmed").inc()
+        if index is not None:
+            self.ctx.guards.learn(self._range_key(index), span.outputs)
+            self._hops[index].confirmed_pos = max(self._hops[index].confirmed_pos, span.end_pos)
+
+    async def _quarantine(self, shard_id: str, witnesses: list[str], evidence: dict) -> None:
+        log.warning("pipeline %s: %s computed layers %d-%d wrongly (witnesses %s); quarantined",
+                    self.call.pipeline_id, shard_id, evidence["layer_lo"], evidence["layer_hi"],
+                    ", ".join(witnesses))
+        self.ctx.quarantined.add(shard_id)
+        verification_checks_total.labels("mismatch").inc()
+        await self._record(IntegrityMismatchConfirmed(shard_id=shard_id, witnesses=witnesses, **evidence))
+
+    def _refute(self, kind: str, shard_id: str, position: int, reason: str) -> None:
+        if self._refutation is None or position < (self._refutation.rewind_to or 0):
+            self._refutation = StepFailure(kind, shard_id, reason, check="mismatch", rewind_to=position)
+
+    def _range_key(self, index: int) -> RangeKey:
+        hop = self.chain.hops[index]
+        return (self.call.model.model_id, hop.layer_lo_to_run, hop.layer_hi_to_run, hop.quantization)
+
+
+def _tail(output: torch.Tensor, span: HopSpan) -> torch.Tensor:
+    """A mirror's outputs over the last `span.positions` positions it ran (mirrors may have run more)."""
+    return output[:, output.shape[1] - span.positions:]

@@ -1,0 +1,304 @@
+"""ShardServer: hosts one layer range, advertises and heartbeats it, answers its control subject (open, close,
+stat) and keeps the hops it serves (hearth/services/shard/hops.py), closing those whose orchestrator went silent.
+
+Control requests are answered concurrently, each in a task of its own: a liveness probe (`stat`) must not
+wait behind an `open` or `close` that waits for a long prefill, and `stat` itself never touches the runner
+(ShardCompute keeps a snapshot of its cache figures). Opens and closes still take effect in the order they
+arrived (one lock, acquired in arrival order), so a late close never overtakes the re-open after a failover.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from pydantic import ValidationError
+
+from hearth.events.models import ShardAdvertised, ShardHeartbeat, ShardWithdrawn, default_hop_weight
+from hearth.events.publish import publish_event
+from hearth.events.streams import SHARDS_STREAM, ensure_streams
+from hearth.services.common.config import HearthSettings
+from hearth.protocol.control import (
+    CloseHop,
+    ControlReply,
+    KeepHop,
+    OpenHop,
+    PrefixBlocks,
+    ShardStat,
+    StatShard,
+    control_request_adapter,
+)
+from hearth.services.common.event_trust import event_signing_key, stream_setup
+from hearth.services.broker.connection import flush_ordered
+from hearth.services.broker.permissions import reply_allowed
+from hearth.services.shard.compute import ShardCompute
+from hearth.services.shard.hops import HopLimits, ServedHop
+
+log = logging.getLogger(__name__)
+
+withdraw_max_attempts = 2
+
+
+@dataclass(frozen=True)
+class ShardIdentity:
+    """What this shard is, as advertised."""
+
+    shard_id: str
+    model_id: str
+    node_id: str
+    weights_sha256: str
+    layer_lo: int
+    layer_hi: int
+    total_layers: int
+    dtype: str
+    memory_required_mb: float
+    control_subject: str
+    device_kind: str | None = None
+    device_name: str | None = None
+    kv_cache_budget_mb: float | None = None
+    # The weight quantization scheme's label ("none", "int8", "int4/g64").
+    quantization: str = "none"
+
+
+class ShardServer:
+    """Serves `open`/`close`/`stat` on its control subject and runs each open hop through ShardCompute."""
+
+    def __init__(self, nc: NatsClient, compute: ShardCompute, identity: ShardIdentity, settings: HearthSettings, *,
+                 hop_weight: float = default_hop_weight) -> None:
+        self.nc = nc
+        self.js = nc.jetstream()
+        self.compute = compute
+        self.identity = identity
+        self.settings = settings.shard
+        self.control_timeout_s = settings.transport.control_timeout_s
+        # A host configured to seal refuses to be opened in clear on links that carry keys (security by default).
+        self.requires_sealing = settings.transport.seal_activations
+        self.hop_weight = hop_weight
+        # This host's member key signs its advertisements, heartbeats and withdrawals (None on an open mesh).
+        self.signing_key = event_signing_key(settings.nats)
+        # On a community broker the steward creates the streams; on an open one this host does.
+        self.stream_setup = stream_setup(settings.nats)
+        self.limits = HopLimits(
+            idle_timeout_s=settings.shard.eviction_idle_s,
+            orphan_timeout_s=settings.transport.orphan_timeout_s, close_timeout_s=settings.shard.hop_close_timeout_s,
+            transport=settings.transport)
+        self._hops: dict[str, ServedHop] = {}
+        self._control_sub = None
+        self._background: list[asyncio.Task] = []
+        self._control_tasks: set[asyncio.Task] = set()
+        self._readvertise = asyncio.Event()
+        self._hop_changes = asyncio.Lock()
+        self._stopped = False
+
+    @property
+    def active_streams(self) -> int:
+        return len(self._hops)
+
+    async def start(self) -> None:
+        await self.stream_setup.ready(self.js, (SHARDS_STREAM,))
+        self._control_sub = await self.nc.subscribe(self.identity.control_subject, cb=self._on_control)
+        await flush_ordered(self.nc, self.control_timeout_s)
+        await self.advertise()
+        self._background = [
+            asyncio.create_task(self._heartbeat_loop(), name="shard-heartbeat"),
+            asyncio.create_task(self._advertise_loop(), name="shard-advertise"),
+            asyncio.create_task(self._watchdog_loop(), name="shard-hop-watchdog"),
+        ]
+        log.info("shard %s serving layers %d-%d on %s", self.identity.shard_id, self.identity.layer_lo,
+                 self.identity.layer_hi, self.identity.control_subject)
+
+    def request_readvertise(self) -> None:
+        """Called after a reconnect: a restarted broker may have lost nothing, but routing must see us at once."""
+        self._readvertise.set()
+
+    async def advertise(self) -> None:
+        ident = self.identity
+        await publish_event(self.js, ShardAdvertised(
+            node_id=ident.node_id, shard_id=ident.shard_id, model_id=ident.model_id,
+            weights_sha256=ident.weights_sha256, layer_lo=ident.layer_lo, layer_hi=ident.layer_hi,
+            total_layers=ident.total_layers, dtype=ident.dtype, memory_required_mb=ident.memory_required_mb,
+            max_concurrent_streams=self.settings.max_concurrent_streams, control_subject=ident.control_subject,
+            hop_weight=self.hop_weight, ttl_s=self.settings.advertisement_ttl_s, device_kind=ident.device_kind,
+            device_name=ident.device_name, kv_cache_budget_mb=ident.kv_cache_budget_mb,
+            quantization=ident.quantization,
+        ), signing_key=self.signing_key)
+
+    async def heartbeat(self) -> None:
+        stats = self.compute.stats
+        queue_depth = stats.steps_in_compute + sum(h.receiver.ready_steps for h in self._hops.values())
+        await publish_event(self.js, ShardHeartbeat(
+            node_id=self.identity.node_id, shard_id=self.identity.shard_id, queue_depth=queue_depth,
+            active_streams=self.active_streams, p95_latency_ms=stats.p95_latency_ms(),
+            tokens_served_total=stats.tokens_served_total, decode_step_ms=stats.decode_step_ms(),
+        ), signing_key=self.signing_key)
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.heartbeat_interval_s)
+            try:
+                await self.heartbeat()
+            except Exception as error:  # the broker may be restarting; the next beat tries again
+                log.warning("heartbeat not published: %s", error)
+
+    async def _advertise_loop(self) -> None:
+        # Re-advertise well inside the TTL so the advertisement never expires while we are alive.
+        while True:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._readvertise.wait(), timeout=self.settings.advertisement_ttl_s / 3)
+            self._readvertise.clear()
+            try:
+                if self.stream_setup.create:
+                    await ensure_streams(self.js)
+                await self.advertise()
+            except Exception as error:
+                log.warning("advertisement not published: %s", error)
+
+    async def _watchdog_loop(self) -> None:
+        """Close hops whose orchestrator went silent, and evict the caches of idle sessions
+        (hearth/services/shard/hops.py)."""
+        interval_s = min(self.limits.orphan_timeout_s, self.limits.idle_timeout_s) / 4
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                await self.compute.evict_idle()
+            except Exception as error:  # a closed runner at shutdown: nothing left to evict
+                log.debug("idle eviction skipped: %s", error)
+            now = time.monotonic()
+            for pipeline_id, hop in list(self._hops.items()):
+                reason = hop.expiry_reason(now)
+                if reason is None:
+                    continue
+                async with self._hop_changes:
+                    detached = self._detach_hop(pipeline_id) if self._hops.get(pipeline_id) is hop else None
+                if detached is not None:  # not re-opened meanwhile
+                    log.info("pipeline %s: %s; closing its hop", pipeline_id, reason)
+                    await self._finish_closing(pipeline_id, detached)
+
+    async def stop(self, reason: str = "shutdown") -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        tasks = [*self._background, *self._control_tasks]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._control_sub is not None:
+            with contextlib.suppress(Exception):
+                await self._control_sub.unsubscribe()
+        for pipeline_id in list(self._hops):
+            await self._close_hop(pipeline_id)
+        try:
+            await publish_event(self.js, ShardWithdrawn(
+                node_id=self.identity.node_id, shard_id=self.identity.shard_id, reason=reason),
+                timeout_s=self.settings.withdraw_timeout_s, max_attempts=withdraw_max_attempts,
+                signing_key=self.signing_key)
+        except Exception as error:
+            log.warning("withdrawal not published: %s", error)
+
+    # ---------------------------------------------------------------- control
+
+    async def _on_control(self, msg: Msg) -> None:
+        # nats-py runs one subscription's callbacks one after another: answer each request in its own task.
+        task = asyncio.create_task(self._answer_control(msg), name="shard-control")
+        self._control_tasks.add(task)
+        task.add_done_callback(self._control_tasks.discard)
+
+    async def _answer_control(self, msg: Msg) -> None:
+        try:
+            request = control_request_adapter.validate_json(msg.data)
+        except ValidationError as error:
+            await self._reply(msg, ControlReply(ok=False, code="bad_request", message=str(error)[:500]))
+            return
+        if isinstance(request, StatShard):
+            await self._reply(msg, self.stat())
+        elif isinstance(request, KeepHop):
+            hop = self._hops.get(request.pipeline_id)
+            if hop is None or hop.request.session_id != request.session_id:
+                await self._reply(msg, ControlReply(ok=False, code="unknown_pipeline",
+                                                    message="no such session open here"))
+            else:
+                kept = await self.compute.keep_now(hop.request, request.keep)
+                await self._reply(msg, ControlReply(ok=True, cached_tokens=kept))
+        elif isinstance(request, CloseHop):
+            # Detached under the lock, closed outside it: closing waits for the compute thread (the session's
+            # cache reset queues behind the step in progress there), and an `open` of another pipeline must not
+            # wait for that (it would be refused as `shard_unavailable` once control_timeout_s passed).
+            async with self._hop_changes:
+                hop = self._hops.get(request.pipeline_id)
+                # A close naming an older session (sent before a failover re-opened this pipeline) is stale.
+                if hop is not None and request.session_id in (None, hop.request.session_id):
+                    hop = self._detach_hop(request.pipeline_id)
+                else:
+                    hop = None
+            if hop is not None:
+                await self._finish_closing(request.pipeline_id, hop, request.keep)
+            await self._reply(msg, ControlReply(ok=True))
+        else:
+            async with self._hop_changes:
+                reply = await self._open_hop(request)
+            await self._reply(msg, reply)
+
+    async def _reply(self, msg: Msg, reply: ControlReply | ShardStat) -> None:
+        # Only into an inbox: an answer elsewhere (an event or API subject) would act with this host's rights.
+        if msg.reply and not reply_allowed(msg.reply):
+            log.warning("control request on %s dropped: its reply subject is not an inbox", msg.subject)
+        elif msg.reply:
+            reply.shard_id = self.identity.shard_id
+            with contextlib.suppress(Exception):  # the asker or the broker is gone: nobody to tell
+                await msg.respond(reply.model_dump_json().encode())
+
+    def stat(self) -> ShardStat:
+        """What this shard holds right now (answers `stat`; also a liveness probe for the orchestrator)."""
+        cache = self.compute.cache
+        return ShardStat(shard_id=self.identity.shard_id, active_streams=self.active_streams,
+                         open_pipelines=sorted(self._hops), cached_sessions=cache.sessions,
+                         cache_bytes=cache.cache_bytes)
+
+    async def _open_hop(self, request: OpenHop) -> ControlReply:
+        ident = self.identity
+        if request.weights_sha256 != ident.weights_sha256 or request.model_id != ident.model_id:
+            return ControlReply(ok=False, code="weights_mismatch",
+                                message=f"this shard serves {ident.model_id} with weights {ident.weights_sha256}")
+        if not (ident.layer_lo <= request.layer_lo <= request.layer_hi <= ident.layer_hi):
+            return ControlReply(ok=False, code="bad_range",
+                                message=f"layers {request.layer_lo}-{request.layer_hi} are not inside "
+                                        f"{ident.layer_lo}-{ident.layer_hi}")
+        if self.requires_sealing and request.inbound_link_key is not None and not request.seal_activations:
+            return ControlReply(ok=False, code="bad_request",
+                                message="this shard seals activations ([transport] seal_activations): open the hop "
+                                        "with seal_activations")
+        if request.pipeline_id in self._hops:
+            # A re-open (failover reuses this hop with a new session): start over cleanly.
+            await self._close_hop(request.pipeline_id)
+        limit = self.settings.max_concurrent_streams
+        if len(self._hops) >= limit:
+            return ControlReply(ok=False, code="at_capacity", message=f"{len(self._hops)} of {limit} streams in use")
+        hop = ServedHop(self.nc, request, self.compute, self.limits, self.identity.node_id)
+        self._hops[request.pipeline_id] = hop
+        self.compute.active_streams = len(self._hops)
+        # Before the hop serves: no step of its session can come before this answer anyway.
+        cached = await self.compute.attach_prefix(request)
+        await hop.start()
+        log.info("opened hop %d of pipeline %s (layers %d-%d, %d positions kept from earlier)", request.hop,
+                 request.pipeline_id, request.layer_lo, request.layer_hi, cached)
+        return ControlReply(ok=True, cached_tokens=cached)
+
+    async def _close_hop(self, pipeline_id: str) -> None:
+        hop = self._detach_hop(pipeline_id)
+        if hop is not None:
+            await self._finish_closing(pipeline_id, hop)
+
+    def _detach_hop(self, pipeline_id: str) -> ServedHop | None:
+        """Stop counting a hop as open (call under `_hop_changes`); `_finish_closing` then closes it."""
+        hop = self._hops.pop(pipeline_id, None)
+        self.compute.active_streams = len(self._hops)
+        return hop
+
+    async def _finish_closing(self, pipeline_id: str, hop: ServedHop, keep: PrefixBlocks | None = None) -> None:
+        kept = await hop.close(keep)
+        log.info("closed pipeline %s (%d positions kept for later calls)", pipeline_id, kept)

@@ -1,0 +1,112 @@
+"""`hearth weights`: publish a checkpoint into the community's object store, list what is stored, prefetch a part.
+
+The bodies live in hearth/services/weights_store.py (imported when a command runs, so `hearth` starts without torch).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from hearth.services.cli_options import EXIT_BAD_INPUT, CredsOption, InsecureOption, NatsUrlOption, resolve_nats_url, \
+    settings, use_credentials
+
+weights_app = typer.Typer(help="The community's checkpoints in the NATS object store, stored per layer "
+                               "(load one with --model store:NAME).", rich_markup_mode=None, no_args_is_help=True)
+
+
+def _fail(command: str, message: str) -> None:
+    typer.echo(f"hearth weights {command}: {message}", err=True)
+    raise typer.Exit(EXIT_BAD_INPUT)
+
+
+def _run(ctx: typer.Context, command: str, nats_url: str | None, work):
+    """Connect, run `work(js)`, close; one line and exit code 2 on bad input or an unreachable broker."""
+    from hearth.services.broker.connection import connect_nats
+    from hearth.services.weights_store import WeightsStoreError
+
+    url = resolve_nats_url(ctx, nats_url)
+
+    async def session():
+        nc = await connect_nats(url, name=f"hearth weights {command}", settings=settings(ctx).nats)
+        try:
+            return await work(nc.jetstream())
+        finally:
+            await nc.close()
+
+    try:
+        return asyncio.run(session())
+    except WeightsStoreError as error:
+        _fail(command, str(error))
+    except Exception as error:  # broker refusals and timeouts: one line, not a traceback
+        _fail(command, f"{type(error).__name__}: {error}")
+
+
+def _parse_part(part: str):
+    if part in ("all", "head"):
+        return None if part == "all" else "head"
+    lo, _, hi = part.partition("-")
+    if not (lo.isdigit() and hi.isdigit() and int(lo) <= int(hi)):
+        raise typer.BadParameter("give LO-HI (e.g. 0-11), head or all")
+    return int(lo), int(hi)
+
+
+@weights_app.command("publish")
+def publish_command(
+    ctx: typer.Context,
+    path: Annotated[Path, typer.Argument(help="A safetensors checkpoint folder (config.json, *.safetensors), a "
+                                             "GGUF file, or a folder holding one GGUF.")],
+    name: Annotated[str, typer.Option("--name", help="The name members load it by: --model store:NAME.")],
+    nats_url: NatsUrlOption = None,
+    creds: CredsOption = None,
+    insecure: InsecureOption = False,
+) -> None:
+    """Store a checkpoint per layer (plus head and tokenizer files and a manifest with each object's SHA-256; a
+    GGUF keeps its block types, its metadata stored as one header object). On a community mesh only the steward's
+    `system` key may write the store."""
+    from hearth.services.weights_store import WeightsStoreError, check_publishable, publish_checkpoint
+
+    try:
+        check_publishable(path)
+    except WeightsStoreError as error:
+        _fail("publish", str(error))
+    use_credentials(ctx, "hearth weights publish", creds, insecure)
+    manifest = _run(ctx, "publish", nats_url, lambda js: publish_checkpoint(js, path, name))
+    typer.echo(f"published {name}: {manifest.num_layers} layers in {len(manifest.objects)} objects, weights "
+               f"{manifest.weights_sha256[:12]}; load it with --model store:{name}")
+
+
+@weights_app.command("list")
+def list_command(
+    ctx: typer.Context,
+    nats_url: NatsUrlOption = None,
+    creds: CredsOption = None,
+    insecure: InsecureOption = False,
+) -> None:
+    """The models in the community's store: name, layers, size, weights digest."""
+    from hearth.services.weights_store import list_models
+
+    use_credentials(ctx, "hearth weights list", creds, insecure)
+    for manifest in _run(ctx, "list", nats_url, list_models):
+        size_mb = sum(stored.size for stored in manifest.objects) / (1 << 20)
+        typer.echo(f"{manifest.name}\t{manifest.num_layers} layers\t{size_mb:.1f} MB\t{manifest.weights_sha256[:12]}")
+
+
+@weights_app.command("fetch")
+def fetch_command(
+    ctx: typer.Context,
+    name: Annotated[str, typer.Argument(help="The stored model's name.")],
+    part: Annotated[str, typer.Option("--part", help="LO-HI (layers, inclusive), head, or all.")] = "all",
+    nats_url: NatsUrlOption = None,
+    creds: CredsOption = None,
+    insecure: InsecureOption = False,
+) -> None:
+    """Fetch (ahead of `hearth shard --model store:NAME`) what a part needs into the local cache; prints the folder."""
+    from hearth.services.weights_store import fetch_stored_model
+
+    needed = _parse_part(part)
+    use_credentials(ctx, "hearth weights fetch", creds, insecure)
+    typer.echo(_run(ctx, "fetch", nats_url, lambda js: fetch_stored_model(js, name, needed)))

@@ -1,0 +1,400 @@
+"""The community's weights in NATS JetStream's object store: published once per layer, fetched by layer range.
+
+`hearth weights publish` stores a safetensors checkpoint in the bucket WEIGHTS_BUCKET under its name: one object per
+decoder layer (that layer's tensors as one safetensors blob, as stored), one for every tensor outside the layers
+(embedding, final norm, lm_head: the "head"), one per config/tokenizer/chat template file, and last a manifest
+listing each object with its size and SHA-256 plus the original checkpoint's weights_sha256. A GGUF is stored the
+same way with its bytes kept (hearth/inference/gguf_parts.py): its header (metadata, tokenizer, tensor infos) as one
+object in place of the files, each layer's and the head's tensor data, in their block types, and the manifest's `gguf`
+section saying where each tensor lies. A model given as `store:NAME` is fetched into $HEARTH_CACHE_DIR/store/NAME
+(default ~/.cache/hearth): only the objects a layer range (or the head) needs, each checked against the manifest,
+then assembled into a folder the loader reads (hearth/inference/partial_checkpoint.py; for a GGUF, a GGUF holding only
+those tensors), which advertises the original checkpoint's digest.
+
+Who may do what (hearth/services/broker/permissions.py): on a community mesh only the `system` member (the steward)
+writes the bucket; shard hosts and orchestrators read it (look the stream up, get a message, read through an
+ephemeral consumer of their own). On an open mesh anyone who reaches the broker may do both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+import re
+import tempfile
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+from hearth.inference.checksum import GGUF_SUFFIX
+from hearth.inference.gguf_checkpoint import default_read_device
+from hearth.inference.gguf_parts import StoredLayout
+from hearth.inference.partial_checkpoint import NON_WEIGHT_PATTERNS, NeededTensors, assemble_partial_folder, \
+    check_needed, complete_partial_folder, hearth_cache_dir, layer_of, selection_name
+from hearth.services.broker.permissions import WEIGHTS_BUCKET
+
+log = logging.getLogger(__name__)
+
+STORE_MODEL_PREFIX = "store:"
+STORE_CACHE_FOLDER = "store"
+MANIFEST_OBJECT = "manifest.json"
+MANIFEST_MAX_BYTES = 4 << 20
+MAX_STORED_OBJECTS = 4096
+MAX_MODEL_NAME_CHARS = 64
+MODEL_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+HEAD_OBJECT = "head.safetensors"
+LAYER_OBJECT_FORMAT = "layer-{:05d}.safetensors"
+GGUF_HEADER_OBJECT = "gguf-header.bin"
+GGUF_HEAD_OBJECT = "head.gguf-data"
+GGUF_LAYER_OBJECT_FORMAT = "layer-{:05d}.gguf-data"
+# The manifest's format_version: 1 for safetensors, 2 for a GGUF (a host that predates it refuses the manifest).
+GGUF_FORMAT_VERSION = 2
+SHA256_PATTERN = r"^[0-9a-f]{64}$"
+# Object-store chunks (nats-py's default is 128 KiB): larger chunks mean fewer messages per layer.
+OBJECT_CHUNK_BYTES = 512 * 1024
+# nats-py waits for an object's chunks without a deadline: a fetch gets this long plus its size at this rate.
+OBJECT_FETCH_BASE_TIMEOUT_S = 30.0
+OBJECT_FETCH_MIN_BYTES_PER_S = 1 << 20
+
+
+class WeightsStoreError(Exception):
+    """A store model that cannot be published or fetched; the message is one line naming what and why."""
+
+
+class StoredObject(BaseModel):
+    """One object of a stored checkpoint: a file to place in the loader's folder under `file`."""
+
+    file: str = Field(max_length=200, pattern=r"^[A-Za-z0-9_.-]+$")
+    kind: Literal["file", "layer", "head", "gguf_header"]
+    layer: int | None = Field(default=None, ge=0, le=100_000)
+    size: int = Field(ge=0)
+    sha256: str = Field(pattern=SHA256_PATTERN)
+
+
+class TensorSpec(BaseModel):
+    """A stored tensor's dtype (safetensors' name, e.g. "BF16") and shape: what a host sizes its range from before
+    fetching anything."""
+
+    dtype: str = Field(max_length=16)
+    shape: list[int] = Field(max_length=8)
+
+
+class WeightsManifest(BaseModel):
+    """What a stored checkpoint is made of: the manifest object, the last one published."""
+
+    format_version: Literal[1, 2] = 1
+    name: str = Field(max_length=MAX_MODEL_NAME_CHARS)
+    num_layers: int = Field(ge=1, le=100_000)
+    weights_sha256: str = Field(pattern=SHA256_PATTERN)
+    objects: list[StoredObject] = Field(max_length=MAX_STORED_OBJECTS)
+    # Tensor name -> the object file holding it.
+    weight_map: dict[str, str] = Field(max_length=1_000_000)
+    # Tensor name -> its dtype and shape (empty in a manifest published before hosts sized ranges from it).
+    tensors: dict[str, TensorSpec] = Field(default_factory=dict, max_length=1_000_000)
+    # How a GGUF's objects form it again (format_version 2; its tensors' dtypes above are GGML type names).
+    gguf: StoredLayout | None = None
+
+    def needed_objects(self, needed: NeededTensors) -> list[StoredObject]:
+        """The objects a layer range, the head (None: everything) needs, files always."""
+        def wanted(stored: StoredObject) -> bool:
+            if stored.kind in ("file", "gguf_header") or needed is None:
+                return True
+            if needed == "head":
+                return stored.kind == "head"
+            return stored.kind == "layer" and needed[0] <= stored.layer <= needed[1]
+        return [stored for stored in self.objects if wanted(stored)]
+
+    def layer_weight_bytes(self, compute_dtype, quantization, device=default_read_device) -> list[int]:
+        """Bytes each decoder layer takes once loaded in `compute_dtype` under `quantization` on `device`
+        (inference.memory.layer_weight_bytes_of), from the manifest alone."""
+        from hearth.inference.gguf_parts import gguf_layer_of
+        from hearth.inference.memory import layer_weight_bytes_of
+
+        if not self.tensors:
+            raise WeightsStoreError(f"the manifest of {self.name!r} lists no tensor shapes: publish it again")
+        specs = ((name, spec.dtype, spec.shape) for name, spec in self.tensors.items())
+        if self.gguf is not None:  # GGUF tensors by their block types (hearth/inference/memory.py)
+            specs = ((f"layers.{gguf_layer_of(name)}.{name}", spec.dtype, spec.shape)
+                     for name, spec in self.tensors.items() if gguf_layer_of(name) is not None)
+        per_layer = layer_weight_bytes_of(specs, compute_dtype, quantization, device=device)
+        return [per_layer.get(index, 0) for index in range(self.num_layers)]
+
+
+def check_model_name(name: str) -> str:
+    """`name` when it can name a stored model; WeightsStoreError otherwise."""
+    if len(name) > MAX_MODEL_NAME_CHARS or not MODEL_NAME_RE.fullmatch(name):
+        raise WeightsStoreError(f"model name {name[:80]!r} must be 1-{MAX_MODEL_NAME_CHARS} letters, digits, "
+                                "'_', '.' or '-', starting with a letter or digit")
+    return name
+
+
+def store_model_name(model: str) -> str | None:
+    """NAME of a `store:NAME` model string, else None."""
+    return check_model_name(model[len(STORE_MODEL_PREFIX):]) if model.startswith(STORE_MODEL_PREFIX) else None
+
+
+def object_key(name: str, file: str) -> str:
+    return f"{name}/{file}"
+
+
+def _progress(total_bytes: int, description: str):
+    from tqdm import tqdm
+
+    return tqdm(total=total_bytes, unit="B", unit_scale=True, desc=description, leave=False,
+                disable=None)  # disable=None: no bar when stderr is not a terminal
+
+
+async def _bucket(js, *, create: bool):
+    from nats.js.api import ObjectStoreConfig
+    from nats.js.errors import BucketNotFoundError
+
+    try:
+        return await js.object_store(WEIGHTS_BUCKET)
+    except BucketNotFoundError:
+        if not create:
+            raise WeightsStoreError(f"the broker has no {WEIGHTS_BUCKET!r} object store: nothing was published") \
+                from None
+    return await js.create_object_store(WEIGHTS_BUCKET, config=ObjectStoreConfig(
+        description="hearth: checkpoints stored per layer (hearth weights publish)"))
+
+
+def _layer_blobs(folder: Path):
+    """(object file, kind, layer, safetensors bytes, {tensor name: TensorSpec}) for each layer and the head, one
+    at a time."""
+    from safetensors import safe_open
+    from safetensors.torch import save
+
+    from hearth.inference.checkpoint import SAFETENSORS_DTYPES, SafetensorsCheckpoint
+
+    dtype_names = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
+
+    file_of = SafetensorsCheckpoint(folder).file_of
+    groups: dict[int | None, list[str]] = {}
+    for tensor in sorted(file_of):
+        groups.setdefault(layer_of(tensor), []).append(tensor)
+    for layer in sorted(groups, key=lambda key: -1 if key is None else key):
+        tensors = {}
+        for tensor in groups[layer]:
+            with safe_open(file_of[tensor], framework="pt") as handle:
+                tensors[tensor] = handle.get_tensor(tensor)  # as stored: the store keeps the checkpoint's bytes
+        file = HEAD_OBJECT if layer is None else LAYER_OBJECT_FORMAT.format(layer)
+        specs = {tensor: TensorSpec(dtype=dtype_names[value.dtype], shape=list(value.shape))
+                 for tensor, value in tensors.items()}
+        yield file, ("head" if layer is None else "layer"), layer, save(tensors), specs
+
+
+def _gguf_blobs(path: Path):
+    """(the manifest's gguf section, the number of layers, the objects as _layer_blobs gives them, the header first)
+    of the GGUF at `path` (hearth/inference/gguf_parts.py)."""
+    from hearth.inference.gguf_parts import stored_parts
+
+    layout, num_layers, parts = stored_parts(path, GGUF_HEADER_OBJECT, lambda layer: GGUF_HEAD_OBJECT
+                                             if layer is None else GGUF_LAYER_OBJECT_FORMAT.format(layer))
+    return layout, num_layers, ((file, kind, layer, data, {tensor: TensorSpec(dtype=dtype, shape=shape)
+                                                            for tensor, (dtype, shape) in specs.items()})
+                                for file, kind, layer, data, specs in parts)
+
+
+def _side_files(folder: Path) -> list[Path]:
+    import fnmatch
+
+    from hearth.inference.checkpoint_files import SAFETENSORS_INDEX_NAME
+
+    return sorted(file for file in folder.iterdir() if file.is_file() and file.name != SAFETENSORS_INDEX_NAME
+                  and any(fnmatch.fnmatch(file.name, pattern) for pattern in NON_WEIGHT_PATTERNS))
+
+
+def check_publishable(path: Path) -> Path | None:
+    """The GGUF file `path` names (itself, or a folder's one GGUF), checked as the loader checks it, or None for a
+    safetensors checkpoint folder; WeightsStoreError (one line) for anything else."""
+    from hearth.inference.errors import CheckpointError
+    from hearth.inference.gguf_parts import publishable_gguf
+
+    try:
+        gguf = publishable_gguf(path)
+    except CheckpointError as error:
+        raise WeightsStoreError(str(error)) from None
+    if gguf is None and not (path / "config.json").is_file():
+        raise WeightsStoreError(f"{path} is not a checkpoint folder (no config.json) nor a GGUF file")
+    return gguf
+
+
+async def publish_checkpoint(js, folder: Path, name: str) -> WeightsManifest:
+    """Store the checkpoint `folder` (a safetensors folder, a GGUF file or a folder holding one) as `name`
+    (replacing what was there), one layer in memory at a time; the manifest goes last, so a reader never sees a
+    manifest naming objects not yet stored."""
+    from hearth.inference import read_config_dict, weights_sha256
+    from hearth.inference.errors import CheckpointError
+
+    check_model_name(name)
+    gguf = await asyncio.to_thread(check_publishable, folder)
+    try:
+        stored_gguf, num_layers, blobs = (await asyncio.to_thread(_gguf_blobs, gguf) if gguf else (
+            None, int(read_config_dict(folder)["num_hidden_layers"]), _layer_blobs(folder)))
+        digest = await asyncio.to_thread(weights_sha256, gguf or folder)
+        layer_bytes = gguf.stat().st_size if gguf else sum(file.stat().st_size for file in folder.glob("*.safetensors"))
+    except (CheckpointError, KeyError, ValueError, OSError) as error:
+        raise WeightsStoreError(f"{folder} is not a checkpoint hearth can publish: {error}") from None
+    store = await _bucket(js, create=True)
+    objects: list[StoredObject] = []
+    weight_map: dict[str, str] = {}
+    tensor_specs: dict[str, TensorSpec] = {}
+
+    async def put(file: str, kind: str, layer: int | None, data: bytes) -> None:
+        await store.put(object_key(name, file), data, meta=_chunked(object_key(name, file)))
+        objects.append(StoredObject(file=file, kind=kind, layer=layer, size=len(data),
+                                    sha256=hashlib.sha256(data).hexdigest()))
+        bar.update(len(data))
+
+    with _progress(layer_bytes, f"publishing {name}") as bar:
+        for side_file in [] if gguf else _side_files(folder):
+            await put(side_file.name, "file", None, side_file.read_bytes())
+        while (item := await asyncio.to_thread(next, blobs, None)) is not None:
+            file, kind, layer, data, specs = item
+            await put(file, kind, layer, data)
+            weight_map.update(dict.fromkeys(specs, file))
+            tensor_specs.update(specs)
+    manifest = WeightsManifest(format_version=GGUF_FORMAT_VERSION if gguf else 1, name=name, num_layers=num_layers,
+                               weights_sha256=digest, objects=objects, weight_map=weight_map, tensors=tensor_specs,
+                               gguf=stored_gguf)
+    await store.put(object_key(name, MANIFEST_OBJECT), manifest.model_dump_json().encode())
+    log.info("published %s: %d objects, weights %s", name, len(objects), digest[:12])
+    return manifest
+
+
+def _chunked(key: str):
+    from nats.js.api import ObjectMeta, ObjectMetaOptions
+
+    return ObjectMeta(name=key, options=ObjectMetaOptions(max_chunk_size=OBJECT_CHUNK_BYTES))
+
+
+async def read_manifest(js, name: str) -> WeightsManifest:
+    """The manifest of stored model `name`; WeightsStoreError when absent, oversized or malformed."""
+    from nats.js.errors import ObjectNotFoundError
+    from pydantic import ValidationError
+
+    store = await _bucket(js, create=False)
+    try:
+        info = await store.get_info(object_key(name, MANIFEST_OBJECT))
+    except ObjectNotFoundError:
+        raise WeightsStoreError(f"no model {name!r} in the community's store (`hearth weights list`)") from None
+    if info.size > MANIFEST_MAX_BYTES:
+        raise WeightsStoreError(f"the manifest of {name!r} is {info.size} bytes, over {MANIFEST_MAX_BYTES}")
+    data = (await store.get(object_key(name, MANIFEST_OBJECT))).data
+    try:
+        manifest = WeightsManifest.model_validate_json(data)
+    except ValidationError as error:
+        raise WeightsStoreError(f"the manifest of {name!r} is malformed: {error.errors()[0]['msg']}") from None
+    if manifest.name != name:
+        raise WeightsStoreError(f"the manifest stored as {name!r} names {manifest.name!r}")
+    return manifest
+
+
+async def list_models(js) -> list[WeightsManifest]:
+    """The manifests of every stored model, by name."""
+    from nats.js.errors import NotFoundError
+
+    store = await _bucket(js, create=False)
+    try:
+        infos = await store.list()
+    except NotFoundError:  # an empty bucket
+        return []
+    names = sorted(info.name[:-len(MANIFEST_OBJECT) - 1] for info in infos
+                   if info.name.endswith("/" + MANIFEST_OBJECT) and not info.deleted)
+    return [await read_manifest(js, name) for name in names]
+
+
+async def fetch_stored_model(js, name: str, needed: NeededTensors, *, cache_dir: Path | None = None) -> Path:
+    """A loadable folder (for a GGUF: the GGUF file, NAME.gguf) holding what `needed` asks for of stored model `name`
+    ((lo, hi), "head" or None for all): objects already cached and intact are kept, the others fetched and checked
+    against the manifest's SHA-256."""
+    needed = check_needed(needed)
+    manifest = await read_manifest(js, check_model_name(name))
+    if isinstance(needed, tuple) and needed[1] >= manifest.num_layers:
+        raise WeightsStoreError(f"{name!r} has {manifest.num_layers} layers: no layer {needed[1]}")
+    root = (cache_dir or hearth_cache_dir()) / STORE_CACHE_FOLDER / name / manifest.weights_sha256[:16]
+    gguf_name = f"{name}{GGUF_SUFFIX}"
+    if (done := complete_partial_folder(root / selection_name(needed))) is not None:
+        return done / gguf_name if manifest.gguf else done
+    objects_dir = root / "objects"
+    objects_dir.mkdir(parents=True, exist_ok=True)
+    wanted = manifest.needed_objects(needed)
+    missing = [stored for stored in wanted if not await asyncio.to_thread(_intact, objects_dir / stored.file, stored)]
+    store = await _bucket(js, create=False)
+    with _progress(sum(stored.size for stored in missing), f"fetching {name}") as bar:
+        for stored in missing:
+            await _fetch_object(store, name, stored, objects_dir)
+            bar.update(stored.size)
+    if manifest.gguf is not None:
+        return await asyncio.to_thread(_write_gguf, manifest, root / selection_name(needed), gguf_name,
+                                       {stored.file: objects_dir / stored.file for stored in wanted})
+    return await asyncio.to_thread(
+        assemble_partial_folder, root / selection_name(needed),
+        {stored.file: objects_dir / stored.file for stored in wanted}, manifest.weight_map,
+        weights_sha256=manifest.weights_sha256, source=f"{STORE_MODEL_PREFIX}{name}")
+
+
+def _write_gguf(manifest: WeightsManifest, target: Path, gguf_name: str, files: dict[str, Path]) -> Path:
+    from hearth.inference.errors import CheckpointError
+    from hearth.inference.gguf_parts import write_gguf_folder
+
+    try:
+        return write_gguf_folder(target, gguf_name, GGUF_HEADER_OBJECT, manifest.gguf, files,
+                                 weights_sha256=manifest.weights_sha256, source=f"{STORE_MODEL_PREFIX}{manifest.name}")
+    except CheckpointError as error:
+        raise WeightsStoreError(f"{manifest.name!r}: {error}") from None
+
+
+def _intact(file: Path, stored: StoredObject) -> bool:
+    from hearth.inference.checksum import file_sha256
+
+    return file.is_file() and file.stat().st_size == stored.size and file_sha256(file) == stored.sha256
+
+
+def object_fetch_timeout_s(size_bytes: int) -> float:
+    """How long fetching an object of `size_bytes` may take before it counts as stalled."""
+    return OBJECT_FETCH_BASE_TIMEOUT_S + size_bytes / OBJECT_FETCH_MIN_BYTES_PER_S
+
+
+async def _fetch_object(store, name: str, stored: StoredObject, objects_dir: Path) -> None:
+    from nats.js.errors import DigestMismatchError, ObjectNotFoundError
+
+    with tempfile.NamedTemporaryFile(dir=objects_dir, prefix=f".{stored.file}-", delete=False) as partial:
+        try:
+            await asyncio.wait_for(store.get(object_key(name, stored.file), writeinto=partial),
+                                   timeout=object_fetch_timeout_s(stored.size))
+        except (asyncio.TimeoutError, TimeoutError):
+            os.unlink(partial.name)
+            raise WeightsStoreError(f"object {stored.file} of {name!r} did not arrive within "
+                                    f"{object_fetch_timeout_s(stored.size):.0f} s") from None
+        except ObjectNotFoundError:
+            os.unlink(partial.name)
+            raise WeightsStoreError(f"{name!r} lacks its object {stored.file}: publish it again") from None
+        except DigestMismatchError:
+            os.unlink(partial.name)
+            raise WeightsStoreError(f"object {stored.file} of {name!r} arrived corrupted") from None
+    fetched = Path(partial.name)
+    if not await asyncio.to_thread(_intact, fetched, stored):
+        fetched.unlink()
+        raise WeightsStoreError(f"object {stored.file} of {name!r} does not match the SHA-256 in its manifest "
+                                "(republished or tampered with): nothing loaded")
+    os.replace(fetched, objects_dir / stored.file)
+
+
+async def resolve_model_source(model: str, needed: NeededTensors, *, nats_url: str | None, settings) -> Path:
+    """The local folder for `model`: `store:NAME` fetched from the community's store (only what `needed` asks
+    for), anything else through inference's resolve_model_path (a hub id downloads only what `needed` asks for)."""
+    from hearth.inference import resolve_model_path
+    from hearth.services.broker.connection import connect_nats
+
+    name = store_model_name(model)
+    if name is None:
+        return await asyncio.to_thread(resolve_model_path, model, needed_layers=needed)
+    nc = await connect_nats(nats_url, name=f"hearth weights {name}", settings=settings.nats)
+    try:
+        return await fetch_stored_model(nc.jetstream(), name, needed)
+    finally:
+        await nc.close()

@@ -1,0 +1,72 @@
+"""A community folder on disk: `roster.json` (shared with every member) and `keys/<name>.nk` for the member keys
+generated here (each mode 0600, handed to its member), among them `keys/system.nk`, the steward's own key."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from hearth.trust.keys import MemberKey
+from hearth.trust.roster import (
+    ROSTER_FILE,
+    SYSTEM_MEMBER,
+    Member,
+    Role,
+    Roster,
+    RosterError,
+    TrustLevel,
+    new_member,
+    new_roster,
+    seed_path,
+)
+
+
+
+@dataclass(frozen=True)
+class AddedMember:
+    member: Member
+    seed_file: Path | None  # None when the member brought its own public key
+
+
+@dataclass(frozen=True)
+class Community:
+    directory: Path
+
+    @property
+    def roster_path(self) -> Path:
+        return self.directory / ROSTER_FILE
+
+    @property
+    def system_key_path(self) -> Path:
+        return seed_path(self.directory, SYSTEM_MEMBER)
+
+    @classmethod
+    def init(cls, directory: Path, name: str) -> "Community":
+        """A new community whose one member is the steward's system key; refuses to overwrite one."""
+        community = cls(directory)
+        if community.roster_path.exists():
+            raise RosterError(f"{community.roster_path} exists: {directory} already holds a community")
+        directory.mkdir(parents=True, exist_ok=True)
+        new_roster(name).save(community.roster_path)
+        community.add(SYSTEM_MEMBER, "system")
+        return community
+
+    def roster(self) -> Roster:
+        return Roster.load(self.roster_path)
+
+    def system_key(self) -> MemberKey:
+        return MemberKey.load(self.system_key_path)
+
+    def add(self, name: str, role: Role, *, trust: TrustLevel | None = None,
+            public_key: str | None = None) -> AddedMember:
+        """Add a member; without `public_key` a key pair is generated and its seed written to keys/<name>.nk."""
+        roster = self.roster()
+        generated = MemberKey.generate() if public_key is None else None
+        member = new_member(name, role, public_key or generated.public_key, trust)
+        updated = roster.with_member(member)  # refuses a taken name or key before any file is written
+        seed_file = None
+        if generated is not None:
+            seed_file = seed_path(self.directory, name)
+            generated.save(seed_file)
+        updated.save(self.roster_path)
+        return AddedMember(member, seed_file)

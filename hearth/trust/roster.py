@@ -1,0 +1,126 @@
+"""The community roster: each member's name, role, trust level and public key, kept in one JSON file the
+community shares, plus the folder layout `hearth community` writes (roster and generated seed files)."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from hearth.trust.keys import PUBLIC_KEY_PATTERN, check_public_key
+
+Role = Literal["shard", "orchestrator", "projector", "client", "auditor", "system"]
+# The roles `hearth community add` gives; `system` is the steward's own key, made once by `community init`, which
+# the broker lets do anything (watch every subject, manage the streams) and the orchestrator answers.
+ROLES: tuple[Role, ...] = ("shard", "orchestrator", "projector", "client", "auditor")
+SYSTEM_MEMBER = "system"
+TrustLevel = Literal["member", "trusted", "steward"]
+TRUST_ORDER: dict[TrustLevel, int] = {"member": 0, "trusted": 1, "steward": 2}
+# Hosts that serve shards or orchestrate see activations (from which a prompt can be recovered), so a steward
+# adding one vouches for it; people who only ask questions or read the log start as plain members.
+DEFAULT_TRUST: dict[Role, TrustLevel] = {"shard": "trusted", "orchestrator": "trusted", "projector": "trusted",
+                                         "client": "member", "auditor": "member", "system": "steward"}
+# A name becomes a NATS subject token (node ids, inbox prefixes), so no dots, wildcards or spaces.
+MEMBER_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$"
+ROSTER_FILE = "roster.json"
+KEYS_DIR = "keys"
+SEED_SUFFIX = ".nk"
+
+
+class RosterError(ValueError):
+    """The roster file is missing or malformed, or a change to it would break one of its rules."""
+
+
+def trust_at_least(level: TrustLevel, minimum: TrustLevel) -> bool:
+    return TRUST_ORDER[level] >= TRUST_ORDER[minimum]
+
+
+class Member(BaseModel):
+    """One member: `name` is also its node id and NATS inbox token; `public_key` its nkey (`U...`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(pattern=MEMBER_NAME_PATTERN)
+    role: Role
+    trust: TrustLevel
+    public_key: str = Field(pattern=PUBLIC_KEY_PATTERN)
+    added_at: datetime
+
+    @field_validator("public_key")
+    @classmethod
+    def _well_formed_key(cls, value: str) -> str:
+        return check_public_key(value)
+
+
+class Roster(BaseModel):
+    """The community's members; names and public keys are unique."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    format: Literal[1] = 1
+    community: str = Field(min_length=1, max_length=100)
+    created_at: datetime
+    members: list[Member] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _unique(self) -> "Roster":
+        for attribute in ("name", "public_key"):
+            values = [getattr(member, attribute) for member in self.members]
+            duplicated = sorted({value for value in values if values.count(value) > 1})
+            if duplicated:
+                raise ValueError(f"members share a {attribute}: {', '.join(duplicated)}")
+        return self
+
+    def by_name(self, name: str) -> Member | None:
+        return next((member for member in self.members if member.name == name), None)
+
+    def by_key(self, public_key: str) -> Member | None:
+        return next((member for member in self.members if member.public_key == public_key), None)
+
+    def with_member(self, member: Member) -> "Roster":
+        if self.by_name(member.name) is not None:
+            raise RosterError(f"a member named {member.name!r} is already in the roster")
+        if self.by_key(member.public_key) is not None:
+            raise RosterError(f"that public key already belongs to {self.by_key(member.public_key).name!r}")
+        return self.model_copy(update={"members": [*self.members, member]})
+
+    @classmethod
+    def load(cls, path: Path) -> "Roster":
+        try:
+            return cls.model_validate_json(path.read_bytes())
+        except OSError as error:
+            raise RosterError(f"cannot read the roster {path}: {error.strerror}") from None
+        except ValidationError as error:
+            first = error.errors()[0]
+            where = ".".join(str(part) for part in first["loc"]) or "(file)"
+            raise RosterError(f"{path} is not a hearth roster: {where}: {first['msg']}") from None
+
+    def save(self, path: Path) -> None:
+        """Replace the file atomically, so a reader never sees half a roster."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        text = json.dumps(self.model_dump(mode="json"), indent=2) + "\n"
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=".roster-", delete=False) as handle:
+            handle.write(text)
+        os.replace(handle.name, path)
+
+
+def new_roster(community: str) -> Roster:
+    return Roster(community=community, created_at=datetime.now(timezone.utc))
+
+
+def new_member(name: str, role: Role, public_key: str, trust: TrustLevel | None = None) -> Member:
+    try:
+        return Member(name=name, role=role, trust=trust or DEFAULT_TRUST[role], public_key=public_key,
+                      added_at=datetime.now(timezone.utc))
+    except ValidationError as error:
+        first = error.errors()[0]
+        raise RosterError(f"{'.'.join(str(part) for part in first['loc'])}: {first['msg']}") from None
+
+
+def seed_path(community_dir: Path, name: str) -> Path:
+    return community_dir / KEYS_DIR / f"{name}{SEED_SUFFIX}"
