@@ -60,3 +60,13 @@ def test_installed_entry_points_show_help(script):
     result = subprocess.run([str(BIN / script), "--help"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert "Usage" in result.stdout
+
+
+def test_python_dash_m_hearth_is_the_hearth_command_and_loads_no_torch():
+    code = ("import sys, runpy; sys.argv = ['hearth', '--help']\n"
+            "try:\n    runpy.run_module('hearth', run_name='__main__', alter_sys=True)\n"
+            "except SystemExit as exit_:\n    assert exit_.code in (0, None), exit_.code\n")
+    assert loaded_heavy_modules(code) == []
+    result = subprocess.run([sys.executable, "-m", "hearth", "--help"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert "Usage: " in result.stdout and "shard" in result.stdout
