@@ -32,7 +32,7 @@ def ring_rates(path: str, ranges, threads: int, rounds: int, new_tokens: int) ->
 
 
 def hearth_bench(shape: str, shards: int, repeats: int, new_tokens: int) -> dict:
-    # `python -m services.cli` from this checkout (not the installed `hearth`): a worktree benches its own code.
+    # `python -m hearth.services.cli` from this checkout (not the installed `hearth`): a worktree benches its own code.
     command = [sys.executable, "-m", "hearth.services.cli", "bench", "--model", f"random:{shape}", "--shards",
                str(shards), "--repeats", str(repeats), "--new-tokens", str(new_tokens), "--sessions", "1",
                "--no-library-defaults", "--json"]

@@ -35,8 +35,8 @@
 #   git archive --format=tar.gz -o .whl/hearth-src.tgz HEAD -- . ':!models'
 #   (device) ... --target /tmp/site .whl/*.whl && mkdir -p /tmp/src && tar xzf .whl/hearth-src.tgz -C /tmp/src &&
 #            cp -r models /tmp/src/ && cd /tmp/src && export PYTHONPATH=/tmp/site:/tmp/src ... && OUT=... bash scripts/gpu_session.sh tests
-# Do not `pkill -f services.cli` in the device command: the pattern matches the command's own shell; match
-# '[s]ervices[.]cli (bench|shard|orchestrator)' instead.
+# Do not `pkill -f hearth.services.cli` in the device command: the pattern matches the command's own shell; match
+# 'hearth[.][s]ervices[.]cli (bench|shard|orchestrator)' instead.
 set -u
 stages=("$@")
 [ ${#stages[@]} -gt 0 ] || { echo "usage: gpu_session.sh STAGE... (checkpoints tests prefix tolerance quantized llama3-8b-int4 llama3-8b-one tinyllama llama3-8b llama3-8b-fp32 batching cpu together load-memory probe)" >&2; exit 2; }
@@ -63,7 +63,7 @@ fi
 bench() {  # name, then hearth bench arguments
   local name=$1; shift
   echo "== $name: hearth bench $*" | tee -a "$out/stages.txt"
-  "$python" -m services.cli bench "$@" --json --work-dir "$out/work-$name" > "$out/bench-$name.json" \
+  "$python" -m hearth.services.cli bench "$@" --json --work-dir "$out/work-$name" > "$out/bench-$name.json" \
     2> "$out/bench-$name.log"
   echo "exit $?" | tee -a "$out/stages.txt"
   find "$out/work-$name" -type f ! -name '*.log' -delete; find "$out/work-$name" -type d -empty -delete  # logs only
@@ -74,7 +74,7 @@ for stage in "${stages[@]}"; do
 echo "== stage $stage starts $(date -u +%T)" | tee -a "$out/stages.txt"
 case "$stage" in
   checkpoints)
-    "$python" -c "import sys; from services.devtools.random_models import random_checkpoint as write
+    "$python" -c "import sys; from hearth.services.devtools.random_models import random_checkpoint as write
 for shape in sys.argv[1:]: print(write('random:' + shape))" "$mid" "$big" > "$out/checkpoints.log" 2>&1
     echo "checkpoints exit $?" | tee -a "$out/stages.txt"
     ;;

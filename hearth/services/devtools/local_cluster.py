@@ -155,7 +155,7 @@ class LocalCluster:
     metrics: bool = True
     # True: hearth processes are forked from a launcher that has imported torch and transformers once
     # (services.devtools.prefork), so a mesh starts in seconds; None: as the HEARTH_PREFORK environment says
-    # (the test suite sets it), else each process is a fresh `python -m services.cli`.
+    # (the test suite sets it), else each process is a fresh `python -m hearth.services.cli`.
     prefork: bool | None = None
     # The names and addresses the broker's TLS certificate is valid for (the broker's host, as clients dial it).
     tls_host_names: tuple[str, ...] = ("localhost", "127.0.0.1")
@@ -277,7 +277,7 @@ class LocalCluster:
 
     def _launch(self, hearth_args: list[str], env: dict[str, str], log_path: Path,
                 cpus: Sequence[int] | None, command_prefix: Sequence[str] = ()) -> subprocess.Popen | PreforkedProcess:
-        """`hearth <hearth_args>` as a fork of the prefork launcher, or as a fresh `python -m services.cli` run
+        """`hearth <hearth_args>` as a fork of the prefork launcher, or as a fresh `python -m hearth.services.cli` run
         behind `command_prefix` (e.g. `ip netns exec NAME`: the launcher's forks could not run behind one)."""
         repo_root = SOURCES_ROOT
         if self._prefork_enabled() and not command_prefix:

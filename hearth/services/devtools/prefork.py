@@ -10,7 +10,7 @@ them gets its own launcher (`import_environment`).
 Wire (JSON lines): the client writes a `SpawnRequest` on the launcher's stdin; the launcher answers each with a
 `SpawnReply` on its stdout, in order, and an `ExitReport` whenever a child ends (only their parent can reap them).
 
-Run as `python -m services.devtools.prefork` by `PreforkLauncher`; nothing else starts it.
+Run as `python -m hearth.services.devtools.prefork` by `PreforkLauncher`; nothing else starts it.
 """
 
 from __future__ import annotations

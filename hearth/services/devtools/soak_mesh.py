@@ -3,8 +3,8 @@ a household test bed where one can be made (hearth/services/devtools/netbed.py),
 
 With a bed: NATS node 0, the orchestrators and the projector in the hub, nodes 1 and 2 in households 0 and 1, each
 shard host in a household of its own (so its link can be cut). Without one (not root, no iproute2): everything on
-loopback, and the soak leaves link cuts out of its schedule. Processes are fresh `python -m services.cli` runs (the
-prefork launcher's forks could not change namespace), so a restart is a real start."""
+loopback, and the soak leaves link cuts out of its schedule. Processes are fresh `python -m hearth.services.cli` runs
+(the prefork launcher's forks could not change namespace), so a restart is a real start."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`python -m services.projector --db PATH [--nats-url URL] [--metrics-port N]`: projector without the CLI."""
+"""`python -m hearth.services.projector --db PATH [--nats-url URL] [--metrics-port N]`: projector without the CLI."""
 
 from __future__ import annotations
 

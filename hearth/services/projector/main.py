@@ -85,7 +85,7 @@ async def run_projector(
 
 
 def main(db: Path, nats_url: str | None = None, metrics_port: int = 0) -> None:
-    """Entry point for `python -m services.projector`: runs until SIGTERM/SIGINT, then stops cleanly."""
+    """Entry point for `python -m hearth.services.projector`: runs until SIGTERM/SIGINT, then stops cleanly."""
     from hearth.services.common.config import load_settings
     from hearth.services.common.event_trust import event_verifier
     from hearth.services.common.lifecycle import run_until_stopped
