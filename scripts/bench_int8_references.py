@@ -23,13 +23,11 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench_quantized_linear import LAYER_LINEARS, STREAMED_LAYERS, int8_weight_only  # noqa: E402
 from hearth.services.devtools.random_models import RANDOM_PREFIX, random_checkpoint  # noqa: E402
 
 PROMPT_TOKENS = 16
 NEW_TOKENS = 32
-# One layer's Linears of the 250M Llama shape (q, k, v, o; gate, up; down) as (out, in), and how many layers.
-LAYER_LINEARS = ((1024, 1024),) * 4 + ((2816, 1024),) * 2 + ((1024, 2816),)
-STREAMED_LAYERS = 16
 
 
 def generate_decode_rate(model, prompt: torch.Tensor) -> float:
@@ -55,7 +53,8 @@ def dynamic(args: argparse.Namespace) -> dict:
             AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval(), {nn.Linear}, dtype=torch.qint8)
     prompt = torch.tensor([list(range(10, 10 + PROMPT_TOKENS))])
     rates: dict[str, list[float]] = {"fp32": [], "torch_dynamic_int8": []}
-    generate_decode_rate(fp32, prompt), generate_decode_rate(int8, prompt)  # warm-up
+    for model in (fp32, int8):  # warm-up
+        generate_decode_rate(model, prompt)
     for _ in range(args.rounds):
         rates["fp32"].append(round(generate_decode_rate(fp32, prompt), 2))
         rates["torch_dynamic_int8"].append(round(generate_decode_rate(int8, prompt), 2))
@@ -65,11 +64,10 @@ def dynamic(args: argparse.Namespace) -> dict:
 class WeightOnlyInt8(nn.Module):
     """int8 codes per output row with bf16 scales; the product torch.compile is asked to fuse."""
 
-    def __init__(self, out_features: int, in_features: int) -> None:
+    def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__()
-        weight = torch.randn(out_features, in_features)
-        scales = weight.abs().amax(dim=1) / 127
-        self.register_buffer("codes", torch.round(weight / scales[:, None]).to(torch.int8))
+        codes, scales = int8_weight_only(torch.randn(out_features, in_features))
+        self.register_buffer("codes", codes)
         self.register_buffer("scales", scales.to(torch.bfloat16))
 
     def forward(self, rows: torch.Tensor) -> torch.Tensor:
@@ -91,8 +89,8 @@ def compiled(args: argparse.Namespace) -> dict:
     import torch._inductor.config as inductor
 
     shapes = [shape for _ in range(STREAMED_LAYERS) for shape in LAYER_LINEARS]
-    modules = [WeightOnlyInt8(out_features, in_features) for out_features, in_features in shapes]
-    dense = [torch.randn(out_features, in_features) for out_features, in_features in shapes]
+    modules = [WeightOnlyInt8(in_features, out_features) for in_features, out_features in shapes]
+    dense = [torch.randn(out_features, in_features) for in_features, out_features in shapes]
     rows = {features: torch.randn(1, features, dtype=torch.bfloat16) for features in (1024, 2816)}
     rows_fp32 = {features: row.float() for features, row in rows.items()}
     figures: dict[str, list[float]] = {}

@@ -60,7 +60,7 @@ def layer_weight_bytes_of(tensors: Iterable[tuple[str, str, list[int]]], compute
     "BF16" or a GGUF block type such as "Q4_1" (read in the compute dtype, 4-bit groups held as stored on
     `device`: _held_bytes); tensors outside the decoder layers are left out."""
     scheme = parse_quantization(quantization)
-    element = torch.empty((), dtype=compute_dtype).element_size()
+    element = compute_dtype.itemsize
     totals: dict[int, int] = defaultdict(int)
     for name, stored_dtype, shape in tensors:
         if (found := _layer_name_re.search(name)) is None:
@@ -102,15 +102,11 @@ def quantized_weight_bytes(out_features: int, in_features: int, scheme: Quantiza
     """Bytes a Linear weight of that shape takes under ``scheme`` (codes plus scales and zeros); the dense size
     for "none"."""
     if scheme.kind == "int8":
-        return out_features * in_features + out_features * _element_bytes(KERNEL_DTYPE)
+        return out_features * in_features + out_features * KERNEL_DTYPE.itemsize
     if scheme.kind == "int4":
         groups = in_features // scheme.group_size
-        return out_features * in_features // 2 + groups * out_features * 2 * _element_bytes(KERNEL_DTYPE)
+        return out_features * in_features // 2 + groups * out_features * 2 * KERNEL_DTYPE.itemsize
     return out_features * in_features * dense_element_bytes
-
-
-def _element_bytes(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def range_weight_bytes(per_layer: dict[int, int], lo: int, hi: int) -> int:

@@ -202,7 +202,7 @@ def kv_bytes_per_token_per_layer(config: PretrainedConfig, dtype: torch.dtype) -
     """KV-cache bytes one token takes in one layer (keys and values of every KV head)."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    return 2 * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    return 2 * kv_heads * head_dim * dtype.itemsize
 
 
 def as_position(start_pos) -> int:
