@@ -32,8 +32,8 @@ from .errors import CheckpointError
 from .gguf_checkpoint import GGUFCheckpoint, gguf_config, is_gguf_file, load_gguf_tokenizer
 from .head import Head
 from .quantization import QuantizationScheme, QuantizedLinear, check_device_supports, \
-    check_quantizable, dense_linears, head_quantization, held_as_stored, parse_quantization, quantize_linears, \
-    release_freed_heap
+    check_quantizable, dense_linears, head_quantization, held_as_stored, parse_quantization, quantize_linears
+from .heap import release_freed_heap
 from .runner import LayerRangeRunner
 from .sessions import EvictedSession
 

@@ -26,11 +26,7 @@ QuantizationError.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import functools
 import re
-import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -38,6 +34,7 @@ import torch
 from torch import nn
 
 from .errors import InferenceError
+from .heap import release_freed_heap
 from .int8_kernels import INT8_MAX, INT_MM_FEATURE_MULTIPLE, cuda_row_product, fbgemm_row_product, \
     int8_rows_on_cpu, pack_for_fbgemm
 
@@ -377,22 +374,3 @@ def quantize_linears(layer: nn.Module, scheme: QuantizationScheme) -> int:
                 setattr(module, name, nn.Parameter(parameter.detach().clone(), requires_grad=False))
     release_freed_heap()
     return replaced
-
-
-def release_freed_heap() -> None:
-    """Hand the quantization's freed temporaries back to the OS: glibc keeps freed heap memory mapped (and counted
-    in the process's RSS) otherwise, a good part of the quantized range again (BENCHMARKS.md, "Quantized shard
-    kernels")."""
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
-
-
-@functools.cache
-def _malloc_trim():
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):  # not glibc (musl has no malloc_trim)
-        return None

@@ -36,6 +36,7 @@ from hearth.inference.layer_pass import SteppedForward
 from hearth.inference.compute_thread import (StepThreads, compute_executor, on_compute_thread, on_thread,
                                             prefill_executor, use_intra_op_threads)
 from hearth.inference.host_staging import to_device, to_host
+from hearth.inference.heap import release_freed_heap
 from hearth.services.common.config import ShardSettings
 from hearth.protocol.control import OpenHop, PrefixBlocks
 from hearth.services.shard.batcher import QueuedStep, StepQueue
@@ -182,6 +183,8 @@ class ShardCompute:
         kept = self.runner.keep_prefix(request.session_id, keep.hashes, keep.block_tokens,
                                        (request.layer_lo, request.layer_hi), end_session)
         self._measure_cache()
+        if end_session:
+            self._release_heap()
         return kept
 
     def cache_event_figures(self) -> tuple[int, int]:
@@ -271,6 +274,7 @@ class ShardCompute:
         evicted = self.runner.evict_expired()
         if evicted:
             self._measure_cache()
+            self._release_heap()
         return len(evicted)
 
     async def reset(self, session_id: str) -> int:
@@ -372,7 +376,12 @@ class ShardCompute:
     def _reset_and_measure(self, session_id: str) -> int:
         freed = self.runner.reset(session_id)
         self._measure_cache()
+        self._release_heap()
         return freed
+
+    def _release_heap(self) -> None:
+        if self.runner.device.type == "cpu":
+            release_freed_heap()
 
     def _measure_cache(self) -> None:
         self.cache = CacheSnapshot(sessions=len(self.runner.session_ids()), cache_bytes=self.runner.cache_bytes)

@@ -1,0 +1,87 @@
+"""Freed heap goes back to the OS (hearth/inference/heap.py): fragments glibc keeps resident after a large block
+raised its mmap threshold leave the process's RSS once released, and a CPU shard releases them whenever a session's
+caches are dropped (reset, ended keeping a prefix, evicted idle), not on every step."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from hearth.inference import load_head, load_layer_range
+from hearth.inference.heap import _malloc_trim
+from hearth.protocol.control import PrefixBlocks
+from hearth.services.shard import compute as shard_compute
+from hearth.services.shard.compute import ShardCompute
+from hearth.services.transport import FrameKind
+from tests.runner_limits import RUNNER_KV_LIMITS
+
+from .inference_tiny_models import TINY_NUM_LAYERS, one_torch_thread, tiny_model_dir  # noqa: F401
+from .test_layer_slices import _open_hop, _received, shard_settings
+
+MIB = 1 << 20
+
+# Loading frees large blocks (raising glibc's mmap threshold), then blocks below it are served from the arena; a
+# live block above them keeps the arena's top in use, so only a release hands their pages back.
+_FRAGMENTS = """
+import json, torch
+from hearth.inference.heap import release_freed_heap
+def rss_mib():
+    for line in open('/proc/self/status'):
+        if line.startswith('VmRSS:'):
+            return int(line.split()[1]) / 1024
+large = torch.ones(48 << 20, dtype=torch.uint8)
+del large
+start = rss_mib()
+blocks = [torch.ones(512 << 10, dtype=torch.uint8) for _ in range(120)]
+pin = torch.ones(640 << 10, dtype=torch.uint8)
+del blocks
+freed = rss_mib()
+release_freed_heap()
+print(json.dumps({"start": start, "freed": freed, "released": rss_mib()}))
+"""
+
+
+@pytest.mark.skipif(_malloc_trim() is None, reason="the C library has no malloc_trim (not glibc on Linux)")
+def test_freed_fragments_leave_the_resident_memory_once_released():
+    finished = subprocess.run([sys.executable, "-c", _FRAGMENTS], capture_output=True, text=True, timeout=120,
+                              check=True)
+    figures = json.loads(finished.stdout.strip().splitlines()[-1])
+    assert figures["freed"] - figures["start"] > 40, figures  # freed, yet still resident
+    assert figures["freed"] - figures["released"] > 40, figures
+
+
+async def test_a_cpu_shard_releases_the_heap_when_a_sessions_caches_are_dropped(tiny_model_dir, monkeypatch):
+    releases = []
+    monkeypatch.setattr(shard_compute, "release_freed_heap", lambda: releases.append(1))
+    path = tiny_model_dir("llama")
+    head = load_head(path)
+    now = [0.0]
+    runner = load_layer_range(path, 0, TINY_NUM_LAYERS - 1, cache_budget_bytes=RUNNER_KV_LIMITS["cache_budget_bytes"],
+                              session_ttl_s=60.0, prefix_ttl_s=600.0, clock=lambda: now[0])
+    compute = ShardCompute(runner, "shard-0", shard_settings())
+    hop = _open_hop("s", TINY_NUM_LAYERS - 1)
+
+    async def prefill_and_decode(session_id: str) -> None:
+        await compute.run(_open_hop(session_id, TINY_NUM_LAYERS - 1),
+                          _received(session_id, FrameKind.prefill, 0, head.embed(list(range(5, 13)))))
+        await compute.run(_open_hop(session_id, TINY_NUM_LAYERS - 1),
+                          _received(session_id, FrameKind.decode, 8, head.embed([13])))
+
+    await prefill_and_decode("s")
+    assert releases == []  # steps leave the heap alone
+    await compute.reset("s")
+    assert len(releases) == 1
+
+    await prefill_and_decode("s")
+    assert await compute.end_session(hop, PrefixBlocks(block_tokens=4, hashes=["a" * 32, "b" * 32])) == 8
+    assert len(releases) == 2
+    assert await compute.evict_idle() == 0
+    assert len(releases) == 2  # nothing dropped, nothing released
+
+    await prefill_and_decode("idle")
+    now[0] += 61.0
+    assert await compute.evict_idle() == 1
+    assert len(releases) == 3
