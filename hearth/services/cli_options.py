@@ -241,7 +241,8 @@ DtypeOption = Annotated[
 QuantizeOption = Annotated[
     Optional[str],
     typer.Option("--quantize", help="none|int8|int4|int4/gN: weights held as full precision, int8 per output channel "
-                 "or int4 in groups of N inputs; CPU only (default: [research.distributed_inference.host] quantize).",
+                 "or int4 in groups of N inputs; the CPU, and CUDA (int4 from compute capability 8.0) (default: "
+                 "[research.distributed_inference.host] quantize).",
                  show_default=False),
 ]
 
