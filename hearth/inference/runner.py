@@ -11,13 +11,14 @@ from typing import Literal
 
 import torch
 from torch import nn
-from transformers import DynamicCache, PretrainedConfig
+from transformers import PretrainedConfig
 
 from .architectures import ArchitectureAdapter
 from .checkpoint import ModelInfo
 from .batched import BatchRow, StackingBuffers, batched_steps_supported, run_batched_step
 from .layer_pass import MASK_BUILDERS, DecoderStack, SteppedForward
 from .errors import InferenceError, SessionEvictedError, SessionStateError
+from .kv_growth import growing_cache
 from .quantization import held_tensor_bytes
 from .prefix_cache import CacheLengths, PrefixCache, PrefixSessions
 from .sessions import EvictedSession, SessionCaches, as_position, kv_bytes_per_token_per_layer
@@ -96,7 +97,7 @@ class LayerRangeRunner(RunnerChecks):
         # Kept prefixes (hearth/inference/prefix_cache.py), in dynamic and static caches alike.
         prefixes = PrefixCache(ttl_s=prefix_ttl_s, clock=clock) if prefix_ttl_s else None
         self._caches = SessionCaches(
-            self._static.new_cache if self._static is not None else (lambda: DynamicCache(config=config)),
+            self._static.new_cache if self._static is not None else (lambda: growing_cache(config)),
             range(self.layer_lo, self.layer_hi + 1), budget_bytes=cache_budget_bytes, ttl_s=session_ttl_s,
             clock=clock, on_evict=on_evict, prefixes=prefixes, session_reserve_bytes=self.static_session_bytes or 0)
         lengths = StaticCacheLengths(self._static) if self._static is not None else CacheLengths()

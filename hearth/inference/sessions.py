@@ -40,7 +40,9 @@ class _Session:
 
 
 def kv_cache_bytes(cache: DynamicCache, layer_indices: Iterable[int]) -> int:
-    """Bytes of the storages behind the keys and values of the given cache layers (shared storages once)."""
+    """Bytes of the keys and values the given cache layers hold (a tensor shared by layers once): the positions
+    cached, or a static cache's every position; not the room a growing layer keeps for its next positions
+    (hearth/inference/kv_growth.py: at most `KV_GROWTH_POSITIONS` a layer)."""
     seen_storages: set[int] = set()
     total = 0
     for layer_index in layer_indices:
@@ -49,10 +51,10 @@ def kv_cache_bytes(cache: DynamicCache, layer_indices: Iterable[int]) -> int:
             if not isinstance(tensor, torch.Tensor):
                 continue
             storage = tensor.untyped_storage()
-            if storage.nbytes() == 0 or storage.data_ptr() in seen_storages:
+            if tensor.numel() == 0 or storage.data_ptr() in seen_storages:
                 continue
             seen_storages.add(storage.data_ptr())
-            total += storage.nbytes()
+            total += tensor.numel() * tensor.element_size()
     return total
 
 
