@@ -23,8 +23,9 @@ from .test_layer_slices import _open_hop, _received, shard_settings
 
 MIB = 1 << 20
 
-# Loading frees large blocks (raising glibc's mmap threshold), then blocks below it are served from the arena; a
-# live block above them keeps the arena's top in use, so only a release hands their pages back.
+# Loading frees large blocks, which raises glibc's mmap threshold to their size (up to 32 MiB), so blocks below it are
+# then served from the arena; a live block above them keeps the arena's top in use, so only a release hands their
+# pages back.
 _FRAGMENTS = """
 import json, torch
 from hearth.inference.heap import release_freed_heap
@@ -32,7 +33,7 @@ def rss_mib():
     for line in open('/proc/self/status'):
         if line.startswith('VmRSS:'):
             return int(line.split()[1]) / 1024
-large = torch.ones(48 << 20, dtype=torch.uint8)
+large = torch.ones(24 << 20, dtype=torch.uint8)
 del large
 start = rss_mib()
 blocks = [torch.ones(512 << 10, dtype=torch.uint8) for _ in range(120)]
