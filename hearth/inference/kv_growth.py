@@ -59,10 +59,10 @@ class GrowingLayer(DynamicLayer):
     def _views_fit(self, held: int, total: int, key_states: torch.Tensor, value_states: torch.Tensor) -> bool:
         """Whether `keys`/`values` are still the buffers' first positions (nothing replaced them: a batch selection
         or repetition makes new tensors) and the buffers have room for ``total`` positions of these states."""
-        buffers = (self._key_buffer, self._value_buffer)
-        if buffers[0] is None or buffers[1] is None:
+        if self._key_buffer is None:  # set together with the value buffer
             return False
-        for buffer, states, cached in zip(buffers, (key_states, value_states), (self.keys, self.values)):
+        for buffer, states, cached in ((self._key_buffer, key_states, self.keys),
+                                       (self._value_buffer, value_states, self.values)):
             if (buffer.shape[-2] < total or buffer.shape[:-2] != states.shape[:-2]
                     or buffer.shape[-1] != states.shape[-1] or buffer.dtype != states.dtype
                     or buffer.device != states.device):

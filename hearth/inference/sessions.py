@@ -43,18 +43,15 @@ def kv_cache_bytes(cache: DynamicCache, layer_indices: Iterable[int]) -> int:
     """Bytes of the keys and values the given cache layers hold (a tensor shared by layers once): the positions
     cached, or a static cache's every position; not the room a growing layer keeps for its next positions
     (hearth/inference/kv_growth.py: at most `KV_GROWTH_POSITIONS` a layer)."""
-    seen_storages: set[int] = set()
+    seen_tensors: set[int] = set()
     total = 0
     for layer_index in layer_indices:
         layer = cache.layers[layer_index]
         for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None)):
-            if not isinstance(tensor, torch.Tensor):
+            if not isinstance(tensor, torch.Tensor) or tensor.numel() == 0 or tensor.data_ptr() in seen_tensors:
                 continue
-            storage = tensor.untyped_storage()
-            if tensor.numel() == 0 or storage.data_ptr() in seen_storages:
-                continue
-            seen_storages.add(storage.data_ptr())
-            total += tensor.numel() * tensor.element_size()
+            seen_tensors.add(tensor.data_ptr())
+            total += tensor.nbytes
     return total
 
 
