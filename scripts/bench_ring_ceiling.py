@@ -13,7 +13,9 @@ The gap between ``pipe`` and ``mono`` is what splitting a model across processes
 before any transport; the gap between ``nats`` and hearth's pipeline is what hearth's own code costs.
 
     OMP_WAIT_POLICY=PASSIVE GOMP_SPINCOUNT=20000 .venv/bin/python scripts/bench_ring_ceiling.py \
-        --shape llama-250m --modes mono pipe nats --rounds 3
+        --shape llama-250m --modes mono pipe nats --rounds 3 [--quantize int8|int4]
+
+``--quantize`` gives every process the layers and head a shard and an orchestrator load under that scheme.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ def stage_step(runner, message: bytes) -> bytes | None:
     return message[:frame_header.size] + output_bytes + message[hidden_end:] + compute_s
 
 
-def load_stage(path: str, lo: int, hi: int, threads: int):
+def load_stage(path: str, lo: int, hi: int, threads: int, quantization: str):
     import torch
 
     from hearth.inference import load_layer_range
@@ -65,25 +67,26 @@ def load_stage(path: str, lo: int, hi: int, threads: int):
     torch.set_num_threads(threads)
     shard = ShardSettings()  # the KV limits a shard has by default
     return load_layer_range(path, lo, hi, cache_budget_bytes=shard.kv_cache_budget_bytes,
-                            session_ttl_s=shard.eviction_idle_s)
+                            session_ttl_s=shard.eviction_idle_s, quantization=quantization)
 
 
-def pipe_stage(path: str, lo: int, hi: int, threads: int, inbound, outbound) -> None:
-    runner = load_stage(path, lo, hi, threads)
+def pipe_stage(path: str, lo: int, hi: int, threads: int, quantization: str, inbound, outbound) -> None:
+    runner = load_stage(path, lo, hi, threads, quantization)
     while (reply := stage_step(runner, message := inbound.recv_bytes())) is not None:
         outbound.send_bytes(reply)
     outbound.send_bytes(message)
 
 
-def nats_stage(path: str, lo: int, hi: int, threads: int, url: str, index: int) -> None:
+def nats_stage(path: str, lo: int, hi: int, threads: int, quantization: str, url: str, index: int) -> None:
     from hearth.inference.compute_thread import on_compute_thread
     from hearth.services.common.lifecycle import run_event_loop
-
-    runner = load_stage(path, lo, hi, threads)
 
     async def serve() -> None:
         import nats
 
+        # Loaded on the compute thread, as a shard does: a second OpenMP team (quantizing on the main thread)
+        # would stop libgomp from spinning.
+        runner = await on_compute_thread(load_stage, path, lo, hi, threads, quantization)
         nc = await nats.connect(url)
         stopped = asyncio.Event()
 
@@ -110,13 +113,13 @@ class Head:
     since it was last reset, so a step's time minus it is what passing the frames round cost.
     """
 
-    def __init__(self, path: str, threads: int) -> None:
+    def __init__(self, path: str, threads: int, quantization: str) -> None:
         import torch
 
         from hearth.inference import load_head
 
         torch.set_num_threads(threads)
-        self.head = load_head(path, load_tokenizer=False)
+        self.head = load_head(path, load_tokenizer=False, quantization=quantization)
         self.compute_s = 0.0
 
     def frame(self, token_ids: list[int], pos: int) -> bytes:
@@ -162,9 +165,10 @@ async def timed_generations(step, head: Head, rounds: int, new_tokens: int) -> l
     return [await timed_generation(step, head, new_tokens) for _ in range(rounds)]
 
 
-def run_mono(path: str, ranges, threads: int, rounds: int, new_tokens: int) -> list[Generation]:
-    head = Head(path, threads)
-    runner = load_stage(path, 0, ranges[-1][1], threads)
+def run_mono(path: str, ranges, threads: int, quantization: str, rounds: int,
+             new_tokens: int) -> list[Generation]:
+    head = Head(path, threads, quantization)
+    runner = load_stage(path, 0, ranges[-1][1], threads, quantization)
 
     async def step(token_ids: list[int], pos: int) -> int:
         return head.next_token(stage_step(runner, head.frame(token_ids, pos)))
@@ -172,14 +176,16 @@ def run_mono(path: str, ranges, threads: int, rounds: int, new_tokens: int) -> l
     return asyncio.run(timed_generations(step, head, rounds, new_tokens))
 
 
-def run_pipe(path: str, ranges, threads: int, rounds: int, new_tokens: int) -> list[Generation]:
+def run_pipe(path: str, ranges, threads: int, quantization: str, rounds: int,
+             new_tokens: int) -> list[Generation]:
     context = mp.get_context("spawn")
     pipes = [context.Pipe(duplex=False) for _ in range(len(ranges) + 1)]  # pipe i feeds stage i
-    stages = [context.Process(target=pipe_stage, args=(path, lo, hi, threads, pipes[i][0], pipes[i + 1][1]))
+    stages = [context.Process(target=pipe_stage, args=(path, lo, hi, threads, quantization, pipes[i][0],
+                                                                 pipes[i + 1][1]))
               for i, (lo, hi) in enumerate(ranges)]
     for stage in stages:
         stage.start()
-    head = Head(path, threads)
+    head = Head(path, threads, quantization)
 
     async def step(token_ids: list[int], pos: int) -> int:
         pipes[0][1].send_bytes(head.frame(token_ids, pos))
@@ -193,22 +199,23 @@ def run_pipe(path: str, ranges, threads: int, rounds: int, new_tokens: int) -> l
             stage.join(30)
 
 
-def run_nats(path: str, ranges, threads: int, rounds: int, new_tokens: int) -> list[Generation]:
+def run_nats(path: str, ranges, threads: int, quantization: str, rounds: int,
+             new_tokens: int) -> list[Generation]:
     from hearth.inference.compute_thread import on_compute_thread
     from hearth.services.common.lifecycle import run_event_loop
     from hearth.services.broker.server import EmbeddedNatsServer
 
     context = mp.get_context("spawn")
     with EmbeddedNatsServer() as server:
-        stages = [context.Process(target=nats_stage, args=(path, lo, hi, threads, server.url, i))
+        stages = [context.Process(target=nats_stage, args=(path, lo, hi, threads, quantization, server.url, i))
                   for i, (lo, hi) in enumerate(ranges)]
         for stage in stages:
             stage.start()
-        head = Head(path, threads)
 
         async def drive() -> list[Generation]:
             import nats
 
+            head = await on_compute_thread(Head, path, threads, quantization)
             nc = await nats.connect(server.url)
             outputs: asyncio.Queue[bytes] = asyncio.Queue()
             ready: asyncio.Queue[bytes] = asyncio.Queue()
@@ -254,6 +261,7 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", choices=["mono", "pipe", "nats"], default=["mono", "pipe", "nats"])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--quantize", default="none", help="the layers' and head's scheme: none, int8, int4[/gN]")
     args = parser.parse_args()
 
     from transformers import AutoConfig
@@ -269,7 +277,7 @@ def main() -> None:
         # Each mode in a fresh process: a second OpenMP team left behind (the nats head's compute thread)
         # would stop libgomp from spinning in the next mode.
         with ProcessPoolExecutor(1, mp_context=context) as pool:  # not daemonic: it may start stages
-            generations = pool.submit(run_mode, mode, path, ranges, args.threads, args.rounds,
+            generations = pool.submit(run_mode, mode, path, ranges, args.threads, args.quantize, args.rounds,
                                       args.new_tokens).result()
         rates = [generation.tokens_per_s for generation in generations]
         results[mode] = statistics.median(rates)
