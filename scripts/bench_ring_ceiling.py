@@ -180,8 +180,8 @@ def run_pipe(path: str, ranges, threads: int, quantization: str, rounds: int,
              new_tokens: int) -> list[Generation]:
     context = mp.get_context("spawn")
     pipes = [context.Pipe(duplex=False) for _ in range(len(ranges) + 1)]  # pipe i feeds stage i
-    stages = [context.Process(target=pipe_stage, args=(path, lo, hi, threads, quantization, pipes[i][0],
-                                                                 pipes[i + 1][1]))
+    stages = [context.Process(target=pipe_stage,
+                              args=(path, lo, hi, threads, quantization, pipes[i][0], pipes[i + 1][1]))
               for i, (lo, hi) in enumerate(ranges)]
     for stage in stages:
         stage.start()
