@@ -1,18 +1,29 @@
 """Freed heap goes back to the OS (hearth/inference/heap.py): fragments glibc keeps resident after a large block
 raised its mmap threshold leave the process's RSS once released, and a CPU shard releases them whenever a session's
-caches are dropped (reset, ended keeping a prefix, evicted idle), not on every step."""
+caches are dropped (reset, ended keeping a prefix, evicted idle), not on every step, and an orchestrator computing
+on the CPU releases them when its last running call ends."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
+import threading
+from types import SimpleNamespace
+from unittest.mock import MagicMock
 
 import pytest
+import torch
 
 from hearth.inference import load_head, load_layer_range
+from hearth.inference.compute_thread import COMPUTE_THREAD_NAME
 from hearth.inference.heap import _malloc_trim
 from hearth.protocol.control import PrefixBlocks
+from hearth.services.common.config import HearthSettings
+from hearth.services.orchestrator import catalog as orchestrator_catalog
+from hearth.services.orchestrator.catalog import ModelCatalog
+from hearth.services.orchestrator.service import Orchestrator
 from hearth.services.shard import compute as shard_compute
 from hearth.services.shard.compute import ShardCompute
 from hearth.services.transport import FrameKind
@@ -86,3 +97,46 @@ async def test_a_cpu_shard_releases_the_heap_when_a_sessions_caches_are_dropped(
     now[0] += 61.0
     assert await compute.evict_idle() == 1
     assert len(releases) == 3
+
+
+async def test_an_orchestrator_releases_the_heap_on_its_compute_thread_when_its_last_running_call_ends(monkeypatch):
+    threads = []
+    monkeypatch.setattr(orchestrator_catalog, "release_freed_heap",
+                        lambda: threads.append(threading.current_thread().name))
+    orchestrator = Orchestrator(MagicMock(), HearthSettings(), node_id="orchestrator-heap")
+    orchestrator.catalog.use_compute(torch.device("cpu"), torch.float32)
+    orchestrator.context = SimpleNamespace(running_calls=0)
+    first_ends, second_ends = asyncio.Event(), asyncio.Event()
+
+    async def call(ends: asyncio.Event) -> None:
+        async with orchestrator._counted_as_running():
+            await ends.wait()
+
+    first = asyncio.create_task(call(first_ends))
+    second = asyncio.create_task(call(second_ends))
+    await asyncio.sleep(0)
+    first_ends.set()
+    await first
+    assert threads == []  # another call still runs
+    second_ends.set()
+    await second
+    assert threads == [COMPUTE_THREAD_NAME + "_0"]
+
+    cancelled = asyncio.create_task(call(asyncio.Event()))
+    await asyncio.sleep(0)
+    cancelled.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await cancelled
+    assert len(threads) == 1  # a cancelled call (shutdown) does not wait for the compute thread
+
+
+async def test_an_orchestrator_computing_on_a_gpu_leaves_the_c_heap_alone(monkeypatch):
+    releases = []
+    monkeypatch.setattr(orchestrator_catalog, "release_freed_heap", lambda: releases.append(1))
+    catalog = ModelCatalog()
+    catalog.use_compute(torch.device("cuda"), torch.bfloat16)
+    await catalog.release_freed_heap()
+    assert releases == []
+    catalog.use_compute(torch.device("cpu"), torch.float32)
+    await catalog.release_freed_heap()
+    assert releases == [1]

@@ -20,11 +20,14 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from hearth.inference import CheckpointError, Head, LocalModel, load_full, load_head, resolve_model_path, weights_sha256
 from hearth.inference.checkpoint import default_model_id, read_config_dict
 from hearth.inference.checkpoint_files import HUB_ALLOW_PATTERNS
 from hearth.inference.hub_ids import is_hub_gguf_id
 from hearth.inference.compute_thread import on_compute_thread
+from hearth.inference.heap import release_freed_heap
 from hearth.inference.quantization import QuantizationScheme, parse_quantization
 from hearth.inference.token_bounds import TokenLowerBound
 from hearth.inference.partial_checkpoint import NeededTensors
@@ -335,6 +338,13 @@ class ModelCatalog:
         if self._local.info.model_id != loaded.model_id or self._local_digest != loaded.weights_sha256:
             return None
         return self._local
+
+    async def release_freed_heap(self) -> None:
+        """Hand the heap that finished calls freed (a long prompt's embeddings, the local model's caches) back to
+        the OS, on the compute thread; on the CPU only (CUDA memory is torch's caching allocator's). Why: glibc
+        keeps freed fragments resident (hearth/inference/heap.py)."""
+        if torch.device(self._compute.get("device", "cpu")).type == "cpu":
+            await on_compute_thread(release_freed_heap)
 
     async def preload(self, model: str) -> None:
         self._configured.add(model)

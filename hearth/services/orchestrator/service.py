@@ -351,6 +351,8 @@ class Orchestrator:
 
     @contextlib.asynccontextmanager
     async def _counted_as_running(self):
+        """Counts a call as running while it runs; when the last one ended (not cancelled), the heap its head
+        steps freed goes back to the OS (ModelCatalog.release_freed_heap)."""
         self.context.running_calls += 1
         calls_in_flight.inc()
         try:
@@ -358,6 +360,8 @@ class Orchestrator:
         finally:
             self.context.running_calls -= 1
             calls_in_flight.dec()
+        if self.context.running_calls == 0:
+            await self.catalog.release_freed_heap()
 
 
 def _position_teller(client: ClientStream):
