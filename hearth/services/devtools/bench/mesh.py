@@ -31,13 +31,19 @@ def replica_node_id(hop: int, replica: int) -> str:
     return f"{BENCH_NODE_PREFIX}-{hop}" if replica == 0 else f"{BENCH_NODE_PREFIX}-{hop}-r{replica}"
 
 
+def one_caller_streams_env(max_streams: int) -> dict[str, str]:
+    """Settings under which one caller (a bench: a roster member on a secure mesh) runs `max_streams` calls at once.
+    A member never holds every running place (hearth/services/orchestrator/queue.py), so the orchestrator has one
+    place more than the bench's streams; with as many, the last of N concurrent sessions waited for another to end."""
+    return {"HEARTH_RESEARCH__DISTRIBUTED_INFERENCE__MAX_CONCURRENT_PIPELINES": str(max_streams + 1),
+            "HEARTH_ORCHESTRATOR__MAX_STREAMS_PER_CALLER": str(max_streams)}
+
+
 def bench_cluster_env(max_streams: int, *, secure: bool, child_env: dict[str, str]) -> dict[str, str]:
-    """The environment of a bench's processes: the bench is one caller and may run as many calls as the
-    orchestrator (an open mesh also drops activation MACs). Its rounds repeat one prompt, which kept prefixes would
-    serve from the second round on: every call prefills whole here (scripts/bench_conversation.py measures them)."""
-    return {"HEARTH_RESEARCH__DISTRIBUTED_INFERENCE__MAX_CONCURRENT_PIPELINES": str(max_streams),
-            "HEARTH_ORCHESTRATOR__MAX_STREAMS_PER_CALLER": str(max_streams),
-            "HEARTH_PREFIX_CACHE__ENABLED": "false",
+    """The environment of a bench's processes: the bench is one caller and may run `max_streams` calls at once (an
+    open mesh also drops activation MACs). Its rounds repeat one prompt, which kept prefixes would serve from the
+    second round on: every call prefills whole here (scripts/bench_conversation.py measures them)."""
+    return {**one_caller_streams_env(max_streams), "HEARTH_PREFIX_CACHE__ENABLED": "false",
             **({} if secure else {"HEARTH_TRANSPORT__ACTIVATION_MACS": "false"}), **child_env}
 
 

@@ -35,6 +35,7 @@ from pathlib import Path
 
 from hearth.services.devtools.bench.defaults import default_new_tokens, default_prompt_tokens
 from hearth.services.devtools.bench.errors import BenchError
+from hearth.services.devtools.bench.mesh import one_caller_streams_env
 from hearth.services.devtools.bench.monolithic import MonolithicInfo, MonolithicWorker
 from hearth.services.devtools.bench.pipeline import pipeline_generation
 from hearth.services.devtools.bench.timing import GenerationTiming
@@ -153,8 +154,7 @@ class TogetherBench:
         load_before = _load_average()
         counts = options.session_counts()
         max_streams = max(4, *counts)
-        env = {"HEARTH_RESEARCH__DISTRIBUTED_INFERENCE__MAX_CONCURRENT_PIPELINES": str(max_streams),
-               "HEARTH_ORCHESTRATOR__MAX_STREAMS_PER_CALLER": str(max_streams), **options.child_env}
+        env = {**one_caller_streams_env(max_streams), **options.child_env}
         with LocalCluster(torch_threads=1, extra_env=env, log_level="WARNING", secure=options.secure) as cluster:
             baseline = self._baseline(cluster, model, cores[0], max(counts))
             try:
