@@ -1,5 +1,6 @@
 """The pieces of checking shard hosts, without a mesh: how two outputs are compared, guards that learn only from
-confirmed outputs, what a chain's record hands a check, and a call going back to before a refuted step."""
+confirmed outputs, what a chain's record hands a check and waits for from its taps, and a call going back to
+before a refuted step."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from hearth.protocol.chat import ChatParams, ChatRequest
 from hearth.services.orchestrator.call import Call
 from hearth.services.orchestrator.guards import RangeGuards
 from hearth.services.orchestrator.recording import ChainRecorder
-from hearth.services.transport import FrameKind, StepInfo
+from hearth.services.transport import FrameKind, StepInfo, TransportError
 
 HIDDEN = 8
 KEY = ("m", 2, 3, "none")
@@ -163,3 +164,44 @@ def test_a_record_past_its_budget_stops_and_its_chain_is_not_checked_any_more():
     assert not recorder.broken
     step(recorder, 2, FrameKind.decode, 4, 1)
     assert recorder.broken == {0} and recorder.span(0, 0, upto_step=2).end_pos == 4
+
+
+class _ScriptedTap:
+    """A tap that hands over the steps it was given, in order, then times out."""
+
+    def __init__(self, steps: list[int]) -> None:
+        self.steps = list(steps)
+        self.handed = 0
+
+    async def next_step(self, timeout_s: float):
+        if not self.steps:
+            raise TransportError("tap timed out")
+        self.handed += 1
+        return SimpleNamespace(session="s1", step=self.steps.pop(0), tensor=torch.zeros(1, 1, HIDDEN))
+
+    def take_ready(self) -> list:
+        return []
+
+
+async def test_settling_waits_for_the_inputs_taps_have_not_filed_and_marks_a_hop_whose_tap_missed_one():
+    recorder = ChainRecorder(None, "p-test", ["h0", "h1", "h2"], link_keys=[None, None, None], sealed=False,
+                             step_limits=None)
+    recorder._session = "s1"
+    recorder._taps = [_ScriptedTap([1, 2, 3]), _ScriptedTap([1, 2])]
+    for number, kind, pos in ((1, FrameKind.prefill, 0), (2, FrameKind.decode, 4), (3, FrameKind.decode, 5)):
+        recorder.sent(StepInfo(session="s1", step=number, kind=kind, pos=pos), torch.zeros(1, 1, HIDDEN))
+
+    await recorder.settled(2, timeout_s=1.0)
+    assert [tap.handed for tap in recorder._taps] == [2, 2] and not recorder.broken
+    await recorder.settled(2, timeout_s=1.0)
+    assert [tap.handed for tap in recorder._taps] == [2, 2], "filed steps are not waited for again"
+    await recorder.settled(3, timeout_s=1.0, hops={1})
+    assert recorder._taps[0].handed == 3 and not recorder.broken
+    await recorder.settled(3, timeout_s=1.0)
+    assert recorder.broken == {2}, "hop 2's tap never brought step 3"
+
+    # A re-prefill from position 0 starts a new record: nothing of the old one is waited for.
+    recorder.sent(StepInfo(session="s1", step=4, kind=FrameKind.prefill, pos=0), torch.zeros(1, 5, HIDDEN))
+    recorder._taps = [_ScriptedTap([4]), _ScriptedTap([4])]
+    await recorder.settled(4, timeout_s=1.0)
+    assert [tap.handed for tap in recorder._taps] == [1, 1] and not recorder.broken

@@ -75,6 +75,8 @@ class ChainRecorder:
         self.hop_count = len(node_ids)
         self.generation = 0
         self.steps: dict[int, RecordedStep] = {}
+        # Per tapped hop, the recorded steps whose input its tap has not filed yet (what `settled` waits for).
+        self._unfiled: dict[int, set[int]] = {hop: set() for hop in range(1, self.hop_count)}
         # Hops whose input a tap missed: their record has a hole, so they cannot be checked on this chain any more.
         self.broken: set[int] = set()
         self._taps = [ActivationReceiver(nc, pipeline_id, hop,
@@ -100,13 +102,13 @@ class ChainRecorder:
                 await tap.close()
             except Exception:  # closing a chain must not fail on a tap
                 log.debug("closing a tap of %s failed", self.pipeline_id, exc_info=True)
-        self.steps.clear()
+        self._forget_steps()
 
     def sent(self, info: StepInfo, hidden: torch.Tensor) -> None:
         """Hop 0's input of step `info.step` went out."""
         if info.pos == 0 and info.kind is FrameKind.prefill:
             # Everything before belongs to an earlier run of the chain's positions.
-            self.steps.clear()
+            self._forget_steps()
             self.broken.clear()
             self.generation += 1
             self.held_bytes, self._latest = 0, None
@@ -120,6 +122,8 @@ class ChainRecorder:
         self.held_bytes += step_bytes
         self.steps[info.step] = RecordedStep(info.step, info.kind, info.pos, int(hidden.shape[1]),
                                              [hidden.detach()] + [None] * (self.hop_count - 1))
+        for unfiled in self._unfiled.values():
+            unfiled.add(info.step)
 
     def completed(self, info: StepInfo, output: torch.Tensor) -> RecordedStep | None:
         """The chain's output of step `info.step` arrived; what the taps hold so far is filed with it."""
@@ -183,7 +187,12 @@ class ChainRecorder:
         return refused
 
     def _missing(self, hop: int, upto_step: int) -> bool:
-        return any(s.inputs[hop] is None for s in self.steps.values() if s.step <= upto_step)
+        return any(step <= upto_step for step in self._unfiled[hop])
+
+    def _forget_steps(self) -> None:
+        self.steps.clear()
+        for unfiled in self._unfiled.values():
+            unfiled.clear()
 
     def _file_tapped(self) -> None:
         for index, tap in enumerate(self._taps, start=1):
@@ -196,4 +205,5 @@ class ChainRecorder:
         recorded = self.steps.get(received.step)
         if recorded is not None and received.tensor is not None:
             recorded.inputs[hop] = received.tensor
+            self._unfiled[hop].discard(received.step)
 
