@@ -107,7 +107,8 @@ def coverage_from(projector: Projector, settings: HearthSettings, node_id: str, 
     """A CoverageReader over this host's own projector (started)."""
     router = ShardRouter(sessionmaker(projector.engine), allow_self_as_shard=True, self_node_id=node_id,
                          health_timeout_s=settings.research.distributed_inference.shard_health_timeout_s,
-                         silent_log_grace_s=settings.research.distributed_inference.silent_log_grace_s)
+                         silent_log_grace_s=settings.research.distributed_inference.silent_log_grace_s,
+                         read_model_version=lambda: projector.batches_total)
     timeout_s = settings.orchestrator.catch_up_timeout_s
     return CoverageReader(router, catch_up=lambda: projector.wait_until_caught_up(timeout_s=timeout_s), **model)
 

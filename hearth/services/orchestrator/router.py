@@ -88,7 +88,10 @@ def judged_instant(wall_s: float, newest_heard_s: float | None, silent_log_grace
 
 class ShardRouter:
     """Every `pick` reads the current read model through `session_factory`; between reads it holds only the newest
-    sign of life the last one saw (what `now` judges health against)."""
+    sign of life the last one saw (what `now` judges health against). Given `read_model_version` (what changes
+    whenever the read model does: the projector's count of applied batches), a model's shards read under the version
+    the last read saw are that read's, without a query; the version is taken before a query, so a read racing a
+    projector's commit is read again next time."""
 
     def __init__(
         self,
@@ -100,8 +103,12 @@ class ShardRouter:
         clock: Callable[[], float] = time.time,
         max_hops: int | None = None,
         silent_log_grace_s: float = 0.0,
+        read_model_version: Callable[[], int] | None = None,
     ) -> None:
         self._session_factory = session_factory
+        self._read_model_version = read_model_version
+        # model id -> (the version it was read under, its shards, the newest sign of life then)
+        self._reads: dict[str, tuple[int, list[ShardCandidate], float | None]] = {}
         self.health_timeout_s = health_timeout_s
         self.silent_log_grace_s = silent_log_grace_s
         self._newest_heard_s: float | None = None
@@ -118,9 +125,17 @@ class ShardRouter:
 
     def candidates(self, model_id: str) -> list[ShardCandidate]:
         """One read of the model's shards from the read model (`plan` decides on them, as often as needed)."""
+        version = self._read_model_version() if self._read_model_version is not None else None
+        last = self._reads.get(model_id)
+        if last is not None and last[0] == version:
+            self._newest_heard_s = last[2]
+            return list(last[1])
         with self._session_factory() as session:
-            self._newest_heard_s = newest_sign_of_life(session)
-            return shards_of_model(session, model_id)
+            newest, shards = newest_sign_of_life(session), shards_of_model(session, model_id)
+        self._newest_heard_s = newest
+        if version is not None:
+            self._reads[model_id] = (version, shards, newest)
+        return list(shards)
 
     def all_candidates(self) -> list[ShardCandidate]:
         """One read of every model's shards (model discovery)."""

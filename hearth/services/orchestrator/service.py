@@ -138,6 +138,7 @@ class Orchestrator:
             sessionmaker(self.projector.engine), health_timeout_s=distributed.shard_health_timeout_s,
             allow_self_as_shard=distributed.allow_self_as_shard, self_node_id=self.node_id,
             max_hops=distributed.max_shards_per_request, silent_log_grace_s=distributed.silent_log_grace_s,
+            read_model_version=lambda: self.projector.batches_total,
         )
         self.catalog.use_advertised(functools.partial(is_advertised, router))
         self.context = RunContext(
