@@ -3,7 +3,7 @@
 shard, without transport or other processes.
 
     .venv/bin/python scripts/bench_batched_decode.py --model random:llama-250m --layers 0-5 [--device cuda]
-        [--cpu-linear-kernel torch|onednn-batched|onednn]
+        [--cpu-linear-kernel torch|onednn-batched|onednn] [--prompt-tokens 1000] [--quantize int8]
 
 Prints a table (tokens/s one by one, batched, speed-up; the best of --repeats alternating runs) and, with --json,
 one JSON object.
@@ -71,6 +71,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
     parser.add_argument("--cpu-linear-kernel", choices=CPU_LINEAR_KERNELS, default=DEFAULT_CPU_LINEAR_KERNEL,
                         help="which kernel the layers' projections run on (hearth/inference/cpu_kernels.py)")
+    parser.add_argument("--quantize", default="none", help="the layers' scheme: none, int8, int4[/gN]")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     if args.threads:
@@ -81,6 +82,7 @@ def main() -> None:
     head = load_head(path, device=args.device)
     shard = ShardSettings()  # the KV limits a shard has by default
     runner = load_layer_range(path, lo, hi, device=args.device, cpu_linear_kernel=args.cpu_linear_kernel,
+                              quantization=args.quantize,
                               cache_budget_bytes=shard.kv_cache_budget_bytes, session_ttl_s=shard.eviction_idle_s)
     rows = []
     for sessions in (1, 2, 4, 8):
@@ -92,11 +94,12 @@ def main() -> None:
                      "batched_tokens_per_s": round(batched, 2), "speedup": round(batched / one_by_one, 2)})
     if args.json:
         print(json.dumps({"model": args.model, "layers": args.layers, "device": args.device,
-                          "cpu_linear_kernel": args.cpu_linear_kernel,
+                          "cpu_linear_kernel": args.cpu_linear_kernel, "quantization": args.quantize,
+                          "prompt_tokens": args.prompt_tokens,
                           "threads": torch.get_num_threads(), "rows": rows}))
         return
     print(f"{args.model} layers {args.layers} on {args.device} ({torch.get_num_threads()} threads, "
-          f"{args.cpu_linear_kernel} linear kernel)")
+          f"{args.cpu_linear_kernel} linear kernel, {args.quantize} weights, {args.prompt_tokens}-token prompts)")
     print("sessions  one-by-one tok/s  batched tok/s  speed-up")
     for row in rows:
         print(f"{row['sessions']:8d}  {row['one_by_one_tokens_per_s']:16.2f}  {row['batched_tokens_per_s']:13.2f}  "

@@ -6,6 +6,7 @@ compute theirs; a monolithic generate() never waits. This times the same decode 
 after sleeping between steps, with the OpenMP environment it was started with:
 
     OMP_WAIT_POLICY=PASSIVE .venv/bin/python scripts/bench_idle_gap.py --shape llama-250m --layers 0-4 --threads 1 2
+    (add --quantize int8 or int4/g32 for a quantized shard's layers)
 """
 
 from __future__ import annotations
@@ -46,12 +47,13 @@ def main() -> None:
     parser.add_argument("--gaps-ms", type=float, nargs="+", default=[0, 20, 60, 250])
     parser.add_argument("--steps", type=int, default=15)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--quantize", default="none", help="none, int8 or int4/gN (the shard's scheme)")
     args = parser.parse_args()
     lo, hi = (int(part) for part in args.layers.split("-"))
     path = random_checkpoint(f"random:{args.shape}")
     shard = ShardSettings()  # the KV limits a shard has by default
     runner = load_layer_range(path, lo, hi, cache_budget_bytes=shard.kv_cache_budget_bytes,
-                              session_ttl_s=shard.eviction_idle_s)
+                              session_ttl_s=shard.eviction_idle_s, quantization=args.quantize)
     head = load_head(path)
     print(f"| threads | {' | '.join(f'gap {gap:g} ms' for gap in args.gaps_ms)} |")
     print(f"|---:|{'---:|' * len(args.gaps_ms)}")

@@ -11,17 +11,21 @@ row's queries its own keys up to its position (and, for sliding layers, inside t
 query sees only the key column it sits at, so no softmax row is empty (its output is dropped).
 
 Why per-session caches rather than one batched slot cache: sessions join and leave between steps without copying
-anyone's cache, and eviction/accounting stay per session (hearth/inference/sessions.py). The price is one copy per layer
-of every row's keys and values into the stacked tensors. Those are written into `StackingBuffers` that the runner keeps
-from step to step, and only each row's padding is zeroed: a fresh zero-filled tensor per layer cost more than the
-batched projections at a few hundred tokens of context (freshly mapped pages faulted in, then written twice;
-BENCHMARKS.md, "Batched steps at long contexts").
+anyone's cache, and eviction/accounting stay per session (hearth/inference/sessions.py). Stacked, the price is one copy
+per layer of every row's keys and values into the stacked tensors. Those are written into `StackingBuffers` that the
+runner keeps from step to step, and only each row's padding is zeroed: a fresh zero-filled tensor per layer cost more
+than the batched projections at a few hundred tokens of context (freshly mapped pages faulted in, then written twice;
+BENCHMARKS.md, "Batched steps at long contexts"). A CPU layer range that attends through SDPA copies nothing: it is
+loaded under hearth/inference/row_attention.py's implementation, and each row attends its own cache's keys and values
+under the mask its solo step builds (transformers' own builder, against the row's cache as the step found it), while
+the projections stay one product for the batch.
 
 Parity: masked keys contribute exact zeros to attention, but batched matrix products may round differently from
 one-row ones; the tests compare greedy tokens of batched and solo runs for every tiny architecture. A row's padding
-changes nothing of its real tokens' results beyond that rounding (it is masked from them). Only the ``sdpa`` and
-``eager`` attention implementations are batched (their masks are the boolean / additive ones built here);
-LayerRangeRunner runs other steps one by one.
+changes nothing of its real tokens' results beyond that rounding (it is masked from them). Attended row by row, a row's
+attention is its solo step's, so where the projections are exact per row (int8, int4) a batched row is bitwise its solo
+step. Only the ``sdpa`` (and row-wise SDPA) and ``eager`` attention implementations are batched (their masks are the
+boolean / additive ones built here); LayerRangeRunner runs other steps one by one.
 """
 
 from __future__ import annotations
@@ -35,9 +39,11 @@ from torch import nn
 from transformers import DynamicCache, PretrainedConfig
 
 from .architectures import FULL_ATTENTION, SLIDING_ATTENTION
-from .layer_call import run_decoder_layer
+from .layer_call import build_mask, run_decoder_layer
+from .layer_pass import MASK_BUILDERS
+from .row_attention import SDPA_IMPLEMENTATIONS, attends_by_row
 
-BATCHED_ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
+BATCHED_ATTENTION_IMPLEMENTATIONS = (*SDPA_IMPLEMENTATIONS, "eager")
 
 
 def batched_steps_supported(config: PretrainedConfig, attention_types: Sequence[str]) -> bool:
@@ -95,13 +101,21 @@ class StackingBuffers:
 
 
 class RowCaches:
-    """Stands in for a layer's KV cache argument across a batch: row i's keys/values live in ``caches[i]``."""
+    """Stands in for a layer's KV cache argument across a batch: row i's keys/values live in ``caches[i]``.
+
+    With ``row_masks`` (per row, its solo step's mask per attention type) the rows are attended one by one
+    (hearth/inference/row_attention.py): `update` keeps each row's keys and values for the layer's attention and
+    stacks nothing."""
 
     def __init__(self, caches: Sequence[DynamicCache], new_tokens: Sequence[int],
-                 buffers: StackingBuffers | None = None) -> None:
+                 buffers: StackingBuffers | None = None, *, row_masks: list[dict[str, object]] | None = None,
+                 attention_types: Sequence[str] = ()) -> None:
         self.caches = list(caches)
         self.new_tokens = list(new_tokens)
         self.buffers = buffers if buffers is not None else StackingBuffers()
+        self.row_masks = row_masks
+        self._attention_types = attention_types
+        self._updated: tuple[int, list[torch.Tensor], list[torch.Tensor]] | None = None
 
     def stored_tokens(self, layer_index: int) -> list[int]:
         """Tokens each row's cache holds for one layer before this step (what a step attends besides itself)."""
@@ -111,9 +125,19 @@ class RowCaches:
                **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         keys, values = update_rows(self.caches, self._real_tokens(key_states), self._real_tokens(value_states),
                                    layer_idx, *args, **kwargs)
+        if self.row_masks is not None:
+            self._updated = (layer_idx, keys, values)
+            return key_states, value_states  # the attention reads row_attention_inputs instead
         width = max(k.shape[-2] for k in keys)
         return (self.buffers.left_padded(StackingBuffers.KEYS, keys, width),
                 self.buffers.left_padded(StackingBuffers.VALUES, values, width))
+
+    def row_attention_inputs(self, row: int, layer_index: int) -> tuple[torch.Tensor, torch.Tensor, object]:
+        """Row's keys and values after this layer's update, and the mask its solo step has for the layer."""
+        if self._updated is None or self._updated[0] != layer_index or self.row_masks is None:
+            raise RuntimeError(f"layer {layer_index} attends by row before its rows' caches were updated")
+        _, keys, values = self._updated
+        return keys[row], values[row], self.row_masks[row][self._attention_types[layer_index]]
 
     def _real_tokens(self, states: torch.Tensor) -> list[torch.Tensor]:
         """Row i's ``[1, heads, T_i, dim]``: its own tokens' states, without the padding on their left."""
@@ -151,6 +175,14 @@ def run_batched_step(*, config: PretrainedConfig, layers: dict[int, nn.Module], 
     position_ids = (torch.tensor(list(positions), device=device).view(-1, 1) - padding
                     + torch.arange(most, device=device).view(1, -1)).clamp(min=0)
     position_embeddings = rotary_embedding(stacked, position_ids)
+    if attends_by_row(config):
+        rows = RowCaches(caches, new_tokens, row_masks=_solo_masks(config, attention_types, caches, hidden_states,
+                                                                   positions, run_lo, run_hi),
+                         attention_types=attention_types)
+        for layer_index in range(run_lo, run_hi + 1):
+            stacked = run_decoder_layer(layers[layer_index], stacked, attention_mask=None, position_ids=position_ids,
+                                        cache=rows, position_embeddings=position_embeddings, hearth_rows=rows)
+        return [stacked[row:row + 1, most - tokens:] for row, tokens in enumerate(new_tokens)]
     rows = RowCaches(caches, new_tokens, buffers)
     window = getattr(config, "sliding_window", None)
     for layer_index in range(run_lo, run_hi + 1):
@@ -159,6 +191,23 @@ def run_batched_step(*, config: PretrainedConfig, layers: dict[int, nn.Module], 
         stacked = run_decoder_layer(layers[layer_index], stacked, attention_mask=mask, position_ids=position_ids,
                                     cache=rows, position_embeddings=position_embeddings)
     return [stacked[row:row + 1, most - tokens:] for row, tokens in enumerate(new_tokens)]
+
+
+def _solo_masks(config: PretrainedConfig, attention_types: Sequence[str], caches: Sequence[DynamicCache],
+                hidden_states: Sequence[torch.Tensor], positions: Sequence[int], run_lo: int,
+                run_hi: int) -> list[dict[str, object]]:
+    """Per row, the mask of each attention type its solo step would build (hearth/inference/layer_pass.py's way: sized
+    against the first layer of that type in the range, from the cache as the step found it)."""
+    first_layer: dict[str, int] = {}
+    for layer_index in range(run_lo, run_hi + 1):
+        first_layer.setdefault(attention_types[layer_index], layer_index)
+    masks = []
+    for cache, states, start in zip(caches, hidden_states, positions, strict=True):
+        position_ids = torch.arange(start, start + states.shape[1], device=states.device).unsqueeze(0)
+        masks.append({kind: build_mask(MASK_BUILDERS[kind], config=config, inputs_embeds=states, attention_mask=None,
+                                       cache=cache, position_ids=position_ids, layer_idx=layer_index)
+                      for kind, layer_index in first_layer.items()})
+    return masks
 
 
 def _stored(cache: DynamicCache, layer_index: int) -> int:
@@ -196,7 +245,7 @@ def _row_mask(stored: list[int], new_tokens: list[int], window: int | None, hidd
     if window is not None:
         visible &= distance < window
     visible = torch.where(real_query, visible, distance == 0).view(len(stored), 1, most, width)
-    if config._attn_implementation == "sdpa":
+    if config._attn_implementation in SDPA_IMPLEMENTATIONS:
         return visible
     zero = torch.zeros((), dtype=hidden_states.dtype, device=device)
     return torch.where(visible, zero, torch.finfo(hidden_states.dtype).min)

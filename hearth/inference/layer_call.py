@@ -24,10 +24,13 @@ def cache_argument(function: Callable) -> str:
 
 def run_decoder_layer(layer: nn.Module, hidden_states: torch.Tensor, *, attention_mask: object,
                       position_ids: torch.Tensor, cache: object,
-                      position_embeddings: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """One decoder layer's forward; its hidden states out (some classes return a tuple, some a tensor)."""
+                      position_embeddings: tuple[torch.Tensor, torch.Tensor], **attention_arguments: object,
+                      ) -> torch.Tensor:
+    """One decoder layer's forward; its hidden states out (some classes return a tuple, some a tensor).
+    ``attention_arguments`` reach the layer's attention function (transformers passes a layer's extra keywords on)."""
     output = layer(hidden_states, attention_mask=attention_mask, position_ids=position_ids,
-                   position_embeddings=position_embeddings, **{cache_argument(type(layer).forward): cache})
+                   position_embeddings=position_embeddings, **{cache_argument(type(layer).forward): cache},
+                   **attention_arguments)
     return output[0] if isinstance(output, tuple) else output
 
 

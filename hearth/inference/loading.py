@@ -34,6 +34,7 @@ from .head import Head
 from .quantization import QuantizationScheme, QuantizedLinear, check_device_supports, \
     check_quantizable, dense_linears, head_quantization, held_as_stored, parse_quantization, quantize_linears
 from .heap import release_freed_heap
+from .row_attention import use_row_attention
 from .runner import LayerRangeRunner
 from .sessions import EvictedSession
 
@@ -205,6 +206,7 @@ def load_layer_range(
         raise ValueError(
             f"layer range {lo}-{hi} is not inside 0-{num_layers - 1} of {skeleton.info.model_id}"
         )
+    use_row_attention(skeleton.model, skeleton.device)
     decoder = skeleton.model.get_decoder()
     check_device_supports(scheme, skeleton.device)
     for layer_index in range(lo, hi + 1):

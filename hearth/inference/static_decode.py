@@ -47,12 +47,13 @@ from .batched import update_rows
 from .layer_call import run_decoder_layer
 from .errors import SessionTooLargeError
 from .prefix_cache import CacheLengths
+from .row_attention import SDPA_IMPLEMENTATIONS
 
 
 def static_decode_supported(config: PretrainedConfig, attention_types: list[str]) -> bool:
     """True when every layer attends fully through SDPA (the masks built here are SDPA's boolean ones)."""
     return all(kind == FULL_ATTENTION for kind in attention_types) and getattr(
-        config, "_attn_implementation", None) == "sdpa"
+        config, "_attn_implementation", None) in SDPA_IMPLEMENTATIONS
 
 
 # The fewest key positions a graphed decode step attends: each graph attends the power of two of positions that

@@ -1,8 +1,9 @@
 """Batched prefills (LayerRangeRunner.step_batch with rows of several tokens, hearth/inference/batched.py): prompts of
 different lengths prefilled together give each session its solo greedy tokens, for every tiny architecture (past
 the sliding window too); rows continuing a chunked prefill, starting one and decoding mix in one batch with the
-results of the same steps run alone; a padded row's output is finite and a row's error stays its own; a shard batches
-its hops' short prefills (hearth/services/shard/compute.py)."""
+results of the same steps run alone (bit for bit with int8 weights: a CPU's rows attend their own caches, while an
+eager family stacks them); a padded row's output is finite and a row's error stays its own; a shard batches its hops'
+short prefills (hearth/services/shard/compute.py)."""
 
 from __future__ import annotations
 
@@ -73,6 +74,49 @@ def test_continuing_starting_and_decoding_rows_in_one_batch_match_the_same_steps
         assert output.shape == reference.shape and torch.isfinite(output).all()
         torch.testing.assert_close(output, reference, rtol=1e-4, atol=1e-4)
         assert batched.cached_tokens(row.session_id) == alone.cached_tokens(row.session_id)
+
+
+@pytest.mark.parametrize("architecture", ["llama", "mistral", "qwen3"])  # mistral: past its sliding window of 8
+def test_with_int8_weights_every_row_of_a_batch_is_its_solo_step_bitwise(tiny_model_dir, architecture):
+    """int8 products are exact per row, and on a CPU each row attends its own cache under its solo step's mask
+    (hearth/inference/row_attention.py): continuing, starting and decoding rows equal the same steps alone, bit for
+    bit."""
+    path = tiny_model_dir(architecture)
+    head = load_head(path)
+    batched, alone = (load_layer_range(path, 0, 5, quantization="int8", **RUNNER_KV_LIMITS) for _ in range(2))
+    torch.manual_seed(0)
+    # Contexts far apart: stacked, the short row would be padded by dozens of keys.
+    first = {"chunked": torch.randn(1, 6, head.info.hidden_size), "decoding": torch.randn(1, 45, head.info.hidden_size),
+             "short": torch.randn(1, 2, head.info.hidden_size)}
+    for runner in (batched, alone):
+        for sid, states in first.items():
+            runner.forward(sid, states, 0, "prefill")
+    for step in range(3):
+        rows = [BatchRow("decoding", torch.randn(1, 1, head.info.hidden_size), 45 + step, "decode"),
+                BatchRow("short", torch.randn(1, 1, head.info.hidden_size), 2 + step, "decode")]
+        if step == 0:
+            rows += [BatchRow("chunked", torch.randn(1, 5, head.info.hidden_size), 6, "prefill"),
+                     BatchRow("fresh", torch.randn(1, 9, head.info.hidden_size), 0, "prefill")]
+        for row, output in zip(rows, batched.step_batch(rows), strict=True):
+            assert torch.equal(output, alone.forward(row.session_id, row.hidden_states, row.start_pos, row.kind))
+
+
+@pytest.mark.parametrize(("architecture", "stacks"), [("llama", False), ("mistral", False), ("gemma2", True)])
+def test_on_a_cpu_sdpa_families_attend_row_by_row_and_eager_ones_stack(tiny_model_dir, monkeypatch, architecture,
+                                                                         stacks):
+    stacked = []
+    original = StackingBuffers.left_padded
+    monkeypatch.setattr(StackingBuffers, "left_padded",
+                        lambda self, *args: stacked.append(1) or original(self, *args))
+    path = tiny_model_dir(architecture)
+    head = load_head(path)
+    runner = load_layer_range(path, 0, 5, **RUNNER_KV_LIMITS)
+    rows = [BatchRow("a", head.embed([1, 5, 6]), 0, "prefill"),
+            BatchRow("b", head.embed([1, 7, 8, 9, 3]), 0, "prefill")]
+    assert all(isinstance(output, torch.Tensor) for output in runner.step_batch(rows))
+    rows = [BatchRow("a", head.embed([4]), 3, "decode"), BatchRow("b", head.embed([2]), 5, "decode")]
+    assert all(isinstance(output, torch.Tensor) for output in runner.step_batch(rows))
+    assert bool(stacked) is stacks
 
 
 def test_a_prefill_row_s_own_error_does_not_stop_the_others(tiny_model_dir):
