@@ -39,8 +39,8 @@ from torch import nn
 from transformers import DynamicCache, PretrainedConfig
 
 from .architectures import FULL_ATTENTION, SLIDING_ATTENTION
-from .layer_call import build_mask, run_decoder_layer
-from .layer_pass import MASK_BUILDERS
+from .layer_call import run_decoder_layer
+from .layer_pass import step_masks
 from .row_attention import SDPA_IMPLEMENTATIONS, attends_by_row
 
 BATCHED_ATTENTION_IMPLEMENTATIONS = (*SDPA_IMPLEMENTATIONS, "eager")
@@ -196,18 +196,10 @@ def run_batched_step(*, config: PretrainedConfig, layers: dict[int, nn.Module], 
 def _solo_masks(config: PretrainedConfig, attention_types: Sequence[str], caches: Sequence[DynamicCache],
                 hidden_states: Sequence[torch.Tensor], positions: Sequence[int], run_lo: int,
                 run_hi: int) -> list[dict[str, object]]:
-    """Per row, the mask of each attention type its solo step would build (hearth/inference/layer_pass.py's way: sized
-    against the first layer of that type in the range, from the cache as the step found it)."""
-    first_layer: dict[str, int] = {}
-    for layer_index in range(run_lo, run_hi + 1):
-        first_layer.setdefault(attention_types[layer_index], layer_index)
-    masks = []
-    for cache, states, start in zip(caches, hidden_states, positions, strict=True):
-        position_ids = torch.arange(start, start + states.shape[1], device=states.device).unsqueeze(0)
-        masks.append({kind: build_mask(MASK_BUILDERS[kind], config=config, inputs_embeds=states, attention_mask=None,
-                                       cache=cache, position_ids=position_ids, layer_idx=layer_index)
-                      for kind, layer_index in first_layer.items()})
-    return masks
+    """Per row, the masks its solo step builds (hearth/inference/layer_pass.py's `step_masks`)."""
+    return [step_masks(config, attention_types, cache, states,
+                       torch.arange(start, start + states.shape[1], device=states.device).unsqueeze(0), run_lo, run_hi)
+            for cache, states, start in zip(caches, hidden_states, positions, strict=True)]
 
 
 def _stored(cache: DynamicCache, layer_index: int) -> int:

@@ -30,6 +30,22 @@ MASK_BUILDERS = {
 }
 
 
+def step_masks(config: PretrainedConfig, attention_types: Sequence[str], cache: DynamicCache,
+               hidden_states: torch.Tensor, position_ids: torch.Tensor, run_lo: int,
+               run_hi: int) -> dict[str, object]:
+    """The mask of each attention type in layers ``run_lo..run_hi`` for one session's step (``hidden_states`` at
+    ``position_ids``), built by transformers' builder against `cache` as the step finds it."""
+    masks: dict[str, object] = {}
+    for layer_index in range(run_lo, run_hi + 1):
+        attention_type = attention_types[layer_index]
+        if attention_type not in masks:
+            # Sized against a layer this runner actually fills: the cache's other layers stay empty.
+            masks[attention_type] = build_mask(
+                MASK_BUILDERS[attention_type], config=config, inputs_embeds=hidden_states, attention_mask=None,
+                cache=cache, position_ids=position_ids, layer_idx=layer_index)
+    return masks
+
+
 @dataclass(frozen=True)
 class DecoderStack:
     """The decoder layers of a runner and what every pass over them needs (read-only but for the rotary embedding)."""
@@ -68,14 +84,7 @@ class LayerPass:
         self._position_ids = torch.arange(start_pos, start_pos + num_tokens,
                                           device=hidden_states.device).unsqueeze(0)
         self._position_embeddings = rotary_embedding(hidden_states, self._position_ids)
-        self._masks = {}
-        for layer_index in range(run_lo, run_hi + 1):
-            attention_type = attention_types[layer_index]
-            if attention_type not in self._masks:
-                # Sized against a layer this runner actually fills: the cache's other layers stay empty.
-                self._masks[attention_type] = build_mask(
-                    MASK_BUILDERS[attention_type], config=config, inputs_embeds=hidden_states, attention_mask=None,
-                    cache=cache, position_ids=self._position_ids, layer_idx=layer_index)
+        self._masks = step_masks(config, attention_types, cache, hidden_states, self._position_ids, run_lo, run_hi)
 
     @property
     def done(self) -> bool:
