@@ -59,21 +59,27 @@ class DecoderStack:
     rotary_lock: threading.RLock
 
     def layer_pass(self, cache: DynamicCache, hidden_states: torch.Tensor, start_pos: int, run_lo: int,
-                   run_hi: int) -> LayerPass:
+                   run_hi: int, replay: bool = False) -> LayerPass:
         """A pass of `hidden_states` (at `start_pos`) through layers ``run_lo..run_hi`` over `cache`; the layers
-        themselves run unlocked."""
+        themselves run unlocked. ``replay``: its queries attend as decode steps would (`LayerPass`)."""
         with self.rotary_lock:
             return LayerPass(config=self.config, layers=self.layers, rotary_embedding=self.rotary_embedding,
                              attention_types=self.attention_types, cache=cache, hidden_states=hidden_states,
-                             start_pos=start_pos, run_lo=run_lo, run_hi=run_hi)
+                             start_pos=start_pos, run_lo=run_lo, run_hi=run_hi, replay=replay)
 
 
 class LayerPass:
-    """Layers ``run_lo..run_hi`` (inclusive) of one step, run in order by `run` calls; call under inference mode."""
+    """Layers ``run_lo..run_hi`` (inclusive) of one step, run in order by `run` calls; call under inference mode.
+
+    With ``replay``, each query of a full-attention layer attends its keys alone, as the decode step of its token did
+    (hearth/inference/row_attention.py; a model not loaded under its implementation ignores the request): a session's
+    tokens prefilled again after a failover then rebuild the cache their decode steps built, bit for bit where the
+    projections are exact per row (int8, int4), instead of attention that blocks its sums over the keys otherwise."""
 
     def __init__(self, *, config: PretrainedConfig, layers: dict[int, nn.Module], rotary_embedding: nn.Module,
                  attention_types: Sequence[str], cache: DynamicCache, hidden_states: torch.Tensor, start_pos: int,
-                 run_lo: int, run_hi: int) -> None:
+                 run_lo: int, run_hi: int, replay: bool = False) -> None:
+        self._replay = replay
         self._layers = layers
         self._attention_types = attention_types
         self._cache = cache
@@ -103,10 +109,12 @@ class LayerPass:
         last = self._run_hi if max_layers is None else min(self._run_hi, self._next_layer + max_layers - 1)
         hidden_states = self._hidden_states
         for layer_index in range(self._next_layer, last + 1):
+            attention_type = self._attention_types[layer_index]
             hidden_states = run_decoder_layer(
                 self._layers[layer_index], hidden_states,
-                attention_mask=self._masks[self._attention_types[layer_index]], position_ids=self._position_ids,
-                cache=self._cache, position_embeddings=self._position_embeddings)
+                attention_mask=self._masks[attention_type], position_ids=self._position_ids,
+                cache=self._cache, position_embeddings=self._position_embeddings,
+                **({"hearth_replay": True} if self._replay and attention_type == FULL_ATTENTION else {}))
         self._hidden_states = hidden_states
         self._next_layer = last + 1
         return hidden_states if self.done else None
@@ -155,7 +163,7 @@ class SteppedForward:
                 end = self._done_tokens + (piece_tokens or self._total_tokens)
                 piece = self.hidden_states[:, self._done_tokens:end]
                 self._piece = self.stack.layer_pass(self.session.cache, piece, self.start_pos + self._done_tokens,
-                                                    self.run_lo, self.run_hi)
+                                                    self.run_lo, self.run_hi, replay=self.kind == "replay")
             output = self._piece.run(max_layers)
             if output is None:
                 return None

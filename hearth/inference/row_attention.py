@@ -39,9 +39,17 @@ class RowsOfOneLayer(Protocol):
 
 def attention_rows(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                    attention_mask: torch.Tensor | None, *, hearth_rows: RowsOfOneLayer | None = None,
-                   **kwargs) -> tuple[torch.Tensor, None]:
+                   hearth_replay: bool = False, **kwargs) -> tuple[torch.Tensor, None]:
     """SDPA attention; with ``hearth_rows``, each row's real queries (``query``'s right end) over that row's own keys
-    and values, ``key``/``value``/``attention_mask`` unused; padding queries' outputs are zeros (dropped later)."""
+    and values, ``key``/``value``/``attention_mask`` unused; padding queries' outputs are zeros (dropped later).
+    With ``hearth_replay`` (one session's step over a full-attention layer), each query over the keys up to its own, as
+    its decode step attended them: the call that step made, with no mask."""
+    if hearth_replay and hearth_rows is None and query.shape[2] > 1:
+        tokens, keys = query.shape[2], key.shape[2]
+        outputs = [sdpa_attention_forward(module, query[:, :, index:index + 1], key[:, :, :keys - tokens + index + 1],
+                                          value[:, :, :keys - tokens + index + 1], None, **kwargs)[0]
+                   for index in range(tokens)]
+        return torch.cat(outputs, dim=1), None
     if hearth_rows is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     most = query.shape[2]

@@ -25,8 +25,10 @@ from .sessions import EvictedSession, SessionCaches, as_position, kv_bytes_per_t
 from .runner_checks import RunnerChecks
 from .static_decode import StaticCacheLengths, StaticDecoder, static_decode_supported
 
-StepKind = Literal["prefill", "decode"]
-STEP_KINDS: tuple[str, ...] = ("prefill", "decode")
+# "replay": tokens a session already decoded, prefilled again (after a failover) query by query as their decode steps
+# ran, so on a CPU with int8/int4 layers the cache and outputs equal the decode steps' (hearth/inference/layer_pass.py).
+StepKind = Literal["prefill", "decode", "replay"]
+STEP_KINDS: tuple[str, ...] = ("prefill", "decode", "replay")
 
 
 class LayerRangeRunner(RunnerChecks):
@@ -219,7 +221,8 @@ class LayerRangeRunner(RunnerChecks):
             return outcomes
 
     def _run_rows(self, ready: list, run_lo: int, run_hi: int) -> list[torch.Tensor]:
-        batchable = self._batched if self._static is None else all(h.shape[1] == 1 for _, _, h, _ in ready)
+        batchable = (self._batched if self._static is None else all(h.shape[1] == 1 for _, _, h, _ in ready)
+                     ) and all(row.kind != "replay" for _, row, _, _ in ready)  # replayed queries attend alone
         if len(ready) < 2 or not batchable:
             return [self._run_solo(session.cache, hidden, as_position(row.start_pos), run_lo, run_hi, row.kind)
                     for _, row, hidden, session in ready]
@@ -237,7 +240,7 @@ class LayerRangeRunner(RunnerChecks):
                   kind: StepKind) -> torch.Tensor:
         if self._static is not None:
             return self._static.run(cache, hidden_states, start_pos, run_lo, run_hi, kind)
-        return self._stack.layer_pass(cache, hidden_states, start_pos, run_lo, run_hi).run()
+        return self._stack.layer_pass(cache, hidden_states, start_pos, run_lo, run_hi, kind == "replay").run()
 
     def _session_for(self, session_id: str, start_pos: int, num_tokens: int, kind: str, run_lo: int, run_hi: int):
         """The session a step runs in: a prefill at 0 (re)starts it, any other step continues it (checked)."""
