@@ -9,7 +9,8 @@ is its solo step's attention (bitwise, given the same query), and nothing is cop
 
 How: a layer range on a CPU whose family attends through SDPA is loaded under `ROW_ATTENTION` (`use_row_attention`).
 Its mask builder is SDPA's own, and its attention function is SDPA's own unless the layer was called with
-``hearth_rows`` (a `RowCaches` that holds each row's keys, values and masks for that layer): steps of one session,
+``hearth_rows`` (a `RowCaches` that holds each row's keys, values and masks for that layer) or ``hearth_replay`` (a
+replay step's queries, each attended as its decode step was: hearth/inference/layer_pass.py): steps of one session,
 and anything else that runs the layers, compute exactly what ``sdpa`` computes.
 """
 
