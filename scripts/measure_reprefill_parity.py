@@ -1,7 +1,8 @@
 """Measures whether re-prefilling gives a call the tokens it would have had: greedy tokens of an uninterrupted run
-against a run whose caches were rebuilt mid-generation by one prefill of the prompt plus the tokens so far (what the
-orchestrator does after a failover), and a prompt prefilled in the orchestrator's chunks against one whole prefill
-(what generate() does).
+against a run whose caches were rebuilt mid-generation from the prompt and the tokens so far, the way the
+orchestrator re-prefills after a failover (the prompt in its chunks, the decoded tokens as replay steps:
+hearth/services/orchestrator/prefill.py) and as plain prefill chunks; and a prompt prefilled in the orchestrator's
+chunks against one whole prefill (what generate() does).
 
 In one process, with hearth's layer runner and head over every layer of a `random:<shape>` checkpoint (or a model
 path), for the bench's prompts (hearth/services/devtools/bench/prompts.py) of each variant:
@@ -9,12 +10,15 @@ path), for the bench's prompts (hearth/services/devtools/bench/prompts.py) of ea
     .venv/bin/python scripts/measure_reprefill_parity.py --model random:llama-250m --quantize int8 \
         --prompt-tokens 64 --failover-at 20 --new-tokens 40 --prompts 8
 
-Prints, per prompt, how many tokens of the two runs agree before they part (the whole run: they never do).
+Prints, per prompt, how many tokens of the two runs agree before they part (the whole run: they never do). With
+`--cost-tokens 32,256,512` it first prints what re-prefilling that many decoded tokens after the prompt costs, as
+replay steps and as one prefill step (the best of 3 each).
 """
 
 from __future__ import annotations
 
 import argparse
+import time
 from pathlib import Path
 
 import torch
@@ -24,6 +28,7 @@ from hearth.inference.sampling import SamplingParams
 from hearth.services.common.config_processes import OrchestratorSettings
 from hearth.services.devtools.bench.prompts import build_prompt
 from hearth.services.devtools.random_models import RANDOM_PREFIX, random_checkpoint
+from hearth.services.orchestrator.prefill import step_spans
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -55,13 +60,33 @@ class Generation:
         self.runner.reset("run")
         return tokens
 
-    def failed_over(self, ids: list[int], tokens: list[int], failover_at: int, new_tokens: int) -> list[int]:
-        """Re-prefill the prompt and the tokens before the one last sampled, then decode the rest from it."""
+    def failed_over(self, ids: list[int], tokens: list[int], failover_at: int, new_tokens: int,
+                    replay: bool) -> list[int]:
+        """Re-prefill the prompt and the tokens before the one last sampled (those as replay steps, or as prefill
+        chunks), then decode the rest from it."""
         known = ids + tokens[:failover_at - 1]
-        self.prefill("again", known, self.chunk_tokens)
+        hidden = self.head.embed(known)
+        for first, end, kind in step_spans(len(known), self.chunk_tokens, 0, len(ids) if replay else None):
+            self.runner.forward("again", hidden[:, first:end], first, kind.value)
         again = self.decode("again", list(tokens[:failover_at]), len(known), new_tokens)
         self.runner.reset("again")
         return again
+
+
+def reprefill_costs(runner, head, ids: list[int], decoded_tokens: int) -> dict[str, float]:
+    """Seconds (best of 3) to re-prefill `decoded_tokens` positions after the prompt `ids`, per step kind."""
+    hidden = head.embed((ids * (1 + decoded_tokens // len(ids) + 1))[:len(ids) + decoded_tokens])
+    costs = {}
+    for kind in ("replay", "prefill"):
+        best = float("inf")
+        for _ in range(3):
+            runner.forward("cost", hidden[:, :len(ids)], 0, "prefill")
+            started = time.perf_counter()
+            runner.forward("cost", hidden[:, len(ids):], len(ids), kind)
+            best = min(best, time.perf_counter() - started)
+            runner.reset("cost")
+        costs[kind] = best
+    return costs
 
 
 def agreeing(first: list[int], second: list[int]) -> int:
@@ -77,6 +102,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=40)
     parser.add_argument("--prompts", type=int, default=8, help="prompt variants")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--cost-tokens", default="", help="comma-separated decoded-token counts to time re-prefills of")
     args = parser.parse_args()
     if not 1 <= args.failover_at < args.new_tokens:
         parser.error("--failover-at must lie between 1 and --new-tokens")
@@ -87,16 +113,24 @@ def main() -> None:
                               cache_budget_bytes=4 << 30, session_ttl_s=3600.0)
     chunk_tokens = OrchestratorSettings().prefill_chunk_tokens
     generation = Generation(runner, head, chunk_tokens)
+    for decoded_tokens in (int(count) for count in args.cost_tokens.split(",") if count):
+        _, ids = build_prompt(head.tokenizer, path, args.prompt_tokens, 0)
+        costs = reprefill_costs(runner, head, ids, decoded_tokens)
+        print(f"re-prefill of {decoded_tokens} decoded tokens after {len(ids)}: replay steps "
+              f"{costs['replay'] * 1000:.0f} ms, one prefill step {costs['prefill'] * 1000:.0f} ms", flush=True)
     print(f"{args.model}, {args.quantize}, {args.prompt_tokens}-token prompts, {args.new_tokens} new tokens; "
           f"tokens agreeing before the runs part (of {args.new_tokens})")
-    print(f"| prompt | failed over at {args.failover_at} | {chunk_tokens}-token chunks vs one prefill |")
-    print("|---:|---:|---:|")
+    print(f"| prompt | failed over at {args.failover_at}, replayed | failed over at {args.failover_at}, prefilled | "
+          f"{chunk_tokens}-token chunks vs one prefill |")
+    print("|---:|---:|---:|---:|")
     for variant in range(args.prompts):
         _, ids = build_prompt(head.tokenizer, path, args.prompt_tokens, variant)
         tokens = generation.run(ids, args.new_tokens, chunk_tokens)
-        again = generation.failed_over(ids, tokens, args.failover_at, args.new_tokens)
+        replayed = generation.failed_over(ids, tokens, args.failover_at, args.new_tokens, replay=True)
+        prefilled = generation.failed_over(ids, tokens, args.failover_at, args.new_tokens, replay=False)
         whole = generation.run(ids, args.new_tokens, 0)
-        print(f"| {variant} | {agreeing(tokens, again)} | {agreeing(tokens, whole)} |", flush=True)
+        print(f"| {variant} | {agreeing(tokens, replayed)} | {agreeing(tokens, prefilled)} | "
+              f"{agreeing(tokens, whole)} |", flush=True)
 
 
 if __name__ == "__main__":

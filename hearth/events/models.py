@@ -235,7 +235,7 @@ class IntegrityCorruptionDetected(_PipelineEvent):
 # How many shards one verification summary may name (a call checked on more sends several summaries).
 max_verified_shards = max_event_hops
 Sha256Hex = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$", max_length=64)]
-StepKind = Literal["prefill", "decode"]
+StepKind = Literal["prefill", "decode", "replay"]
 
 
 class ShardVerification(BaseModel):

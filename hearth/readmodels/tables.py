@@ -264,7 +264,7 @@ class IntegrityEvidence(Base):
     quantization: Mapped[str] = mapped_column(String, nullable=False)
     dtype: Mapped[str] = mapped_column(String, nullable=False)
     position: Mapped[int] = mapped_column(Integer, nullable=False)
-    step_kind: Mapped[str] = mapped_column(String, nullable=False, comment="prefill | decode")
+    step_kind: Mapped[str] = mapped_column(String, nullable=False, comment="prefill | decode | replay")
     relative_error: Mapped[float] = mapped_column(Float, nullable=False)
     tolerance: Mapped[float] = mapped_column(Float, nullable=False)
     evidence_sha256: Mapped[str] = mapped_column(String, nullable=False)

@@ -84,13 +84,14 @@ def three_shard_mesh(work_dir: Path, models_dir: Path, *, nats_options: dict | N
 
 
 def start_orchestrator(cluster: LocalCluster, models_dir: Path, *, extra_args: list[str] = (),
-                       wait_ready: bool = False, env: dict[str, str] | None = None):
-    """The orchestrator of `cluster` serving the tiny model; `env`: settings for it alone (read when it starts)."""
+                       wait_ready: bool = False, env: dict[str, str] | None = None, model_name: str = TINY_MODEL_NAME):
+    """The orchestrator of `cluster` serving `model_name` of `models_dir` (the tiny model); `env`: settings for it
+    alone (read when it starts)."""
     before = dict(cluster.extra_env)
     cluster.extra_env.update(env or {})
     try:
         return cluster.start_orchestrator(
-            extra_args=["--models-dir", str(models_dir), "--preload", TINY_MODEL_NAME, *extra_args],
+            extra_args=["--models-dir", str(models_dir), "--preload", model_name, *extra_args],
             wait_ready=wait_ready,
         )
     finally:

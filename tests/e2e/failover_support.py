@@ -81,10 +81,11 @@ class FailoverMesh:
     orchestrator: ManagedProcess | None = None
     orchestrator_db: Path | None = None
     projector_db: Path | None = None
+    model_name: str = TINY_MODEL_NAME
 
     @property
     def model_path(self) -> Path:
-        return self.models_dir / TINY_MODEL_NAME
+        return self.models_dir / self.model_name
 
     def start_shard(self, node_id: str, lo: int, hi: int, *, hop_weight: float, fault: str | None = None,
                     metrics_port: int | None = None, wait_ready: bool = True,
@@ -105,10 +106,11 @@ class FailoverMesh:
         self.orchestrator_db = self.cluster.work_dir / "orchestrator-routing.sqlite"
         args = ["--step-timeout-s", str(STEP_TIMEOUT_S), "--db", str(self.orchestrator_db)]
         if local_model:
-            args += ["--local-model", TINY_MODEL_NAME]
+            args += ["--local-model", self.model_name]
         # Replicas are picked by hop weight after a same-prompt reference call, which kept prefixes would route back.
         kept = {"HEARTH_PREFIX_CACHE__ENABLED": self.cluster.extra_env.get("HEARTH_PREFIX_CACHE__ENABLED", "false")}
-        self.orchestrator = start_orchestrator(self.cluster, self.models_dir, extra_args=args, env=kept)
+        self.orchestrator = start_orchestrator(self.cluster, self.models_dir, extra_args=args, env=kept,
+                                               model_name=self.model_name)
         return self.orchestrator
 
     def stop_shard(self, handle: ShardHandle) -> None:
@@ -190,13 +192,13 @@ class FailoverMesh:
 
 
 @contextlib.contextmanager
-def failover_mesh(tmp_path_factory, models_dir: Path, name: str,
-                  extra_env: dict[str, str] | None = None) -> Iterator[FailoverMesh]:
+def failover_mesh(tmp_path_factory, models_dir: Path, name: str, extra_env: dict[str, str] | None = None,
+                  model_name: str = TINY_MODEL_NAME) -> Iterator[FailoverMesh]:
     work_dir = tmp_path_factory.mktemp(name)
     env = {**failover_env(), **(extra_env or {})}
     with LocalCluster(work_dir=work_dir / "cluster", torch_threads=1, extra_env=env) as cluster:
         cluster.start_nats()
-        mesh = FailoverMesh(cluster, models_dir)
+        mesh = FailoverMesh(cluster, models_dir, model_name=model_name)
         try:
             yield mesh
         finally:
@@ -301,9 +303,7 @@ async def wait_until_released(nc: NatsClient, handles: list[ShardHandle],
     deadline = time.monotonic() + timeout_s
     while True:
         stats = {handle.node_id: await shard_stat(nc, handle) for handle in handles}
-        if all(s.active_streams == 0 and s.cached_sessions == 0 for s in stats.values()):
-            return stats
-        if time.monotonic() > deadline:
+        if all(s.active_streams == 0 and s.cached_sessions == 0 for s in stats.values()) or time.monotonic() > deadline:
             return stats
         await asyncio.sleep(0.05)
 
@@ -371,8 +371,7 @@ def replay_pipeline(cluster: LocalCluster, pipeline_id: str) -> list[dict]:
 __all__ = [
     "ACT_AFTER_TOKENS", "HEALTH_TIMEOUT_S", "MAX_TOKENS", "PIPELINES_STREAM", "PREFERRED_WEIGHT", "PRIMARY_WEIGHT",
     "REPLICA_WEIGHT", "SHARDS_STREAM", "STEP_TIMEOUT_S", "FailoverMesh", "ShardHandle", "StreamedCall",
-    "chat_request", "failover_mesh", "pipeline_events", "read_events", "replay_pipeline",
-    "scrape_metric", "shard_stat",
+    "chat_request", "failover_mesh", "pipeline_events", "read_events", "replay_pipeline", "scrape_metric", "shard_stat",
     "stream_with_action", "wait_for_event", "wait_for_pipeline_end", "wait_until_released",
 ]
 

@@ -10,7 +10,8 @@ import torch
 from hearth.inference import SamplingParams, load_full, load_head, load_layer_range
 from tests.runner_limits import RUNNER_KV_LIMITS
 from hearth.services.orchestrator.local_chain import LocalChain
-from hearth.services.orchestrator.prefill import chunk_spans, prefill
+from hearth.services.orchestrator.prefill import chunk_spans, prefill, step_spans
+from hearth.services.transport import FrameKind
 
 from .inference_tiny_models import one_torch_thread, tiny_model_dir  # noqa: F401  (fixtures are used by name)
 
@@ -61,6 +62,21 @@ def test_chunk_spans_cover_the_prompt_once_in_order():
     assert chunk_spans(10, 0) == [(0, 10)] == chunk_spans(10, 256)
     with pytest.raises(ValueError):
         chunk_spans(0, 4)
+
+
+def test_a_reprefill_sends_the_prompt_in_its_chunks_and_the_decoded_tokens_as_replay_steps():
+    prefill_, replay = FrameKind.prefill, FrameKind.replay
+    # A first prefill: no decoded tokens, nothing replayed.
+    assert step_spans(10, 4, replay_from=10) == [(0, 4, prefill_), (4, 8, prefill_), (8, 10, prefill_)]
+    assert step_spans(10, 4) == step_spans(10, 4, replay_from=10)
+    # Prompt of 10, 7 tokens decoded: the prompt's chunks as before, then the decoded tokens chunked on their own.
+    assert step_spans(17, 4, replay_from=10) == [(0, 4, prefill_), (4, 8, prefill_), (8, 10, prefill_),
+                                                 (10, 14, replay), (14, 17, replay)]
+    assert step_spans(17, 0, replay_from=10) == [(0, 10, prefill_), (10, 17, replay)]
+    # Hops holding the first 6 positions already (a kept prefix): spans count from there.
+    assert step_spans(11, 0, start=6, replay_from=10) == [(0, 4, prefill_), (4, 11, replay)]
+    # A kept prefix reaching past the prompt: everything sent is replayed.
+    assert step_spans(3, 4, start=12, replay_from=10) == [(0, 3, replay)]
 
 
 async def test_the_local_fallback_prefills_in_chunks_to_the_same_greedy_token(tiny_model_dir):

@@ -179,6 +179,7 @@ def test_header_mapping_round_trips_and_uses_documented_names():
     assert headers[HEADER_DTYPE] == "int8" and headers[HEADER_COMPUTE_DTYPE] == "bfloat16"
     assert headers["Hearth-Pos"] == "0" and headers["Hearth-Sent-Ns"] == "42" and headers["Hearth-Hop"] == "2"
     assert FrameHeader.from_nats_headers(headers) == header
+    assert FrameHeader.from_nats_headers({**headers, HEADER_KIND: "replay"}).kind is FrameKind.replay
 
 
 def good_headers() -> dict[str, str]:
@@ -193,7 +194,7 @@ def good_headers() -> dict[str, str]:
         ({HEADER_STEP: "-1"}, "Hearth-Step: expected a non-negative integer"),
         ({HEADER_CHUNK: "1"}, "Hearth-Chunk: expected 'i/n'"),
         ({HEADER_CHUNK: "1/1"}, "index must be below the count"),
-        ({HEADER_KIND: "embed"}, "Hearth-Kind: 'embed' is not one of prefill, decode, reset"),
+        ({HEADER_KIND: "embed"}, "Hearth-Kind: 'embed' is not one of prefill, decode, replay, reset"),
         ({HEADER_DTYPE: "float64"}, "Hearth-Dtype: 'float64' is not one of"),
         ({HEADER_DTYPE: None}, "needs Hearth-Dtype and Hearth-Shape"),
         ({HEADER_SHAPE: "2,x"}, "Hearth-Shape: expected comma-separated"),

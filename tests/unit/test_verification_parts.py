@@ -1,6 +1,6 @@
 """The pieces of checking shard hosts, without a mesh: how two outputs are compared, guards that learn only from
-confirmed outputs, what a chain's record hands a check and waits for from its taps, and a call going back to
-before a refuted step."""
+confirmed outputs, what a chain's record hands a check and waits for from its taps, the steps a mirror sends its
+replica, and a call going back to before a refuted step."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from hearth.inference.detokenizer import TextDelta
 from hearth.protocol.chat import ChatParams, ChatRequest
 from hearth.services.orchestrator.call import Call
 from hearth.services.orchestrator.guards import RangeGuards
+from hearth.services.orchestrator.mirror import steps_as_sent
 from hearth.services.orchestrator.recording import ChainRecorder
 from hearth.services.transport import FrameKind, StepInfo, TransportError
 
@@ -77,6 +78,17 @@ def step(recorder: ChainRecorder, number: int, kind: FrameKind, pos: int, tokens
     recorder.sent(info, hidden)
     recorder.completed(info, hidden * 2)
     return hidden
+
+
+def test_a_mirror_sends_recorded_positions_as_the_call_did_one_kind_per_step():
+    prefill, decode, replay = FrameKind.prefill, FrameKind.decode, FrameKind.replay
+    # A prompt of 5, two decode steps; then (after a failover) a re-prefill: prompt chunks, 3 replayed tokens.
+    kinds = [prefill] * 5 + [decode] * 2 + [prefill] * 5 + [replay] * 3 + [decode]
+    assert steps_as_sent(len(kinds), kinds, 4) == [
+        (0, 4, prefill), (4, 5, prefill), (5, 6, decode), (6, 7, decode), (7, 11, prefill), (11, 12, prefill),
+        (12, 15, replay), (15, 16, decode)]
+    assert steps_as_sent(8, [replay] * 2, 0) == [(0, 2, replay), (2, 8, prefill)]
+    assert steps_as_sent(3, (), 0) == [(0, 3, prefill)]
 
 
 def test_a_record_hands_a_check_the_positions_since_its_last_one_in_order():

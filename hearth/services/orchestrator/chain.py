@@ -300,7 +300,7 @@ class HopChain:
         return StepFailure("broker", None, f"the connection to the NATS broker at {where} was lost while {doing}")
 
     def _step_timeout_s(self, kind: FrameKind, tokens: int) -> float:
-        if kind is FrameKind.prefill:
+        if kind is not FrameKind.decode:
             return self.transport.step_timeout_s + self.transport.prefill_timeout_per_token_s * tokens
         return self.transport.step_timeout_s
 

@@ -61,34 +61,19 @@ class Mirror:
     async def run(self, inputs: torch.Tensor, first_pos: int,
                   kinds: Sequence[FrameKind] = ()) -> torch.Tensor | StepFailure:
         """Run `inputs` ([1, positions, hidden], from `first_pos` = `fed_pos`) through the replica's layers, each
-        position as the kind of step that ran it on the checked hop (`kinds`; prefill when not given): prefill
-        positions in chunks, decode positions one step each, as a call sends them. The outputs for every
-        position, or why they did not come."""
+        position as the kind of step that ran it on the checked hop (`kinds`; prefill when not given): prefill and
+        replay positions in chunks of one kind, decode positions one step each, as a call sends them. The outputs
+        for every position, or why they did not come."""
         if first_pos != self.fed_pos:
             raise ValueError(f"a mirror fed up to position {self.fed_pos} cannot run from {first_pos}")
         outputs = []
-        for start, end, kind in self._steps(int(inputs.shape[1]), kinds):
+        for start, end, kind in steps_as_sent(int(inputs.shape[1]), kinds, self.chunk_tokens):
             output = await self.chain.step(kind, first_pos + start, inputs[:, start:end].contiguous())
             if isinstance(output, StepFailure):
                 return output
             outputs.append(output)
             self.fed_pos = first_pos + end
         return torch.cat(outputs, dim=1)
-
-    def _steps(self, positions: int, kinds: Sequence[FrameKind]) -> list[tuple[int, int, FrameKind]]:
-        """[start, end) and kind of each step that runs `positions` positions."""
-        steps: list[tuple[int, int, FrameKind]] = []
-        start = 0
-        while start < positions:
-            kind = kinds[start] if start < len(kinds) else FrameKind.prefill
-            end = start + 1
-            if kind is not FrameKind.decode:
-                limit = start + (self.chunk_tokens or positions)
-                while end < min(limit, positions) and (end >= len(kinds) or kinds[end] is not FrameKind.decode):
-                    end += 1
-            steps.append((start, end, kind))
-            start = end
-        return steps
 
     async def close(self) -> None:
         await self.chain.close()
@@ -104,6 +89,27 @@ class Mirror:
             await self.close()
             return None
         return self, output[:, span.first_pos - first_pos:span.end_pos - first_pos]
+
+
+def steps_as_sent(positions: int, kinds: Sequence[FrameKind], chunk_tokens: int) -> list[tuple[int, int, FrameKind]]:
+    """[start, end) and kind of each step that runs `positions` positions of kinds `kinds` (prefill past their end)
+    as a call sends them: a decode step per decode position, runs of prefill or of replay positions in chunks of at
+    most `chunk_tokens` (0: no limit)."""
+    def kind_at(position: int) -> FrameKind:
+        return kinds[position] if position < len(kinds) else FrameKind.prefill
+
+    steps: list[tuple[int, int, FrameKind]] = []
+    start = 0
+    while start < positions:
+        kind = kind_at(start)
+        end = start + 1
+        if kind is not FrameKind.decode:
+            limit = start + (chunk_tokens or positions)
+            while end < min(limit, positions) and kind_at(end) is kind:
+                end += 1
+        steps.append((start, end, kind))
+        start = end
+    return steps
 
 
 async def _feed_kept_prefix(ctx, call, chain: HopChain, index: int, mirror: Mirror) -> StepFailure | None:

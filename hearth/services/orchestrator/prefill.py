@@ -16,6 +16,12 @@ Only the last chunk's output matters (the sampler reads its last position); the 
 failure of any chunk fails the prefill; the caller re-prefills from position 0
 (hearth/services/orchestrator/pipeline.py) and the chunks still out on the old chain are stale (HopChain ignores their
 notices and outputs).
+
+Why replay steps: a re-prefill (after a failover, an eviction or a broker outage) sends the prompt in the chunks its
+first prefill had and the tokens the call decoded as `replay` steps, in which each query attends as its decode step
+did. A prefill's attention sums its keys in another order than one query's, and a quantized layer can round that
+difference up to a whole level; replayed, every hop rebuilds the cache and outputs the first chain computed, so the
+call goes on with the tokens an uninterrupted run would give (BENCHMARKS.md, "Failover").
 """
 
 from __future__ import annotations
@@ -45,26 +51,41 @@ def chunks_in_flight(hop_count: int, max_ready_steps: int) -> int:
     return max(1, min(hop_count + 1, max_ready_steps))
 
 
+def step_spans(total_tokens: int, chunk_tokens: int, start: int = 0,
+               replay_from: int | None = None) -> list[tuple[int, int, FrameKind]]:
+    """[start, end) (relative to `start`) and kind of each step that prefills `total_tokens` tokens from position
+    `start`: those before position `replay_from` (the prompt) in `prefill` chunks, those from it on (tokens the call
+    decoded, sent again after a failover) in `replay` chunks, so every hop rebuilds the cache the first chain built."""
+    replayed_from = total_tokens if replay_from is None else min(total_tokens, max(0, replay_from - start))
+    spans = [(first, end, FrameKind.prefill) for first, end in chunk_spans(replayed_from, chunk_tokens)
+             ] if replayed_from else []
+    if replayed_from < total_tokens:
+        spans += [(replayed_from + first, replayed_from + end, FrameKind.replay)
+                  for first, end in chunk_spans(total_tokens - replayed_from, chunk_tokens)]
+    return spans
+
+
 async def prefill(chain: HopChain | LocalChain, hidden: torch.Tensor, chunk_tokens: int,
-                  start: int = 0) -> torch.Tensor | StepFailure:
+                  start: int = 0, replay_from: int | None = None) -> torch.Tensor | StepFailure:
     """Prefill `hidden` ([1, tokens, hidden], positions from `start`: the chain's hops hold those before) through
-    `chain` in chunks; the last chunk's output, or the failure that stopped it."""
-    spans = chunk_spans(int(hidden.shape[1]), chunk_tokens)
+    `chain` in chunks, positions from `replay_from` on as replay steps (step_spans); the last chunk's output, or the
+    failure that stopped it."""
+    spans = step_spans(int(hidden.shape[1]), chunk_tokens, start, replay_from)
     if len(spans) == 1:
-        return await chain.step(FrameKind.prefill, start, hidden)
+        return await chain.step(spans[0][2], start, hidden)
     if isinstance(chain, LocalChain):
         # One compute-thread trip per chunk: the orchestrator's other calls get the thread in between.
         output = None
-        for first, end in spans:
-            output = await chain.step(FrameKind.prefill, start + first, hidden[:, first:end])
+        for first, end, kind in spans:
+            output = await chain.step(kind, start + first, hidden[:, first:end])
         return output
     depth = chunks_in_flight(len(chain.hops), chain.transport.max_ready_steps)
     out: deque[tuple[SentStep, int]] = deque()
     next_span = 0
     while True:
         while next_span < len(spans) and len(out) < depth:
-            first, end = spans[next_span]
-            sent = await chain.send_step(FrameKind.prefill, start + first, hidden[:, first:end].contiguous(),
+            first, end, kind = spans[next_span]
+            sent = await chain.send_step(kind, start + first, hidden[:, first:end].contiguous(),
                                          queued_tokens=sum(tokens for _, tokens in out))
             if isinstance(sent, StepFailure):
                 return sent

@@ -283,10 +283,12 @@ class ShardCompute:
 
     def _batchable(self, received: ReceivedStep) -> bool:
         """Decode steps of one token, and on a CPU prefills that run whole (shorter than the sliced ones): a GPU's
-        static caches batch decode steps only (a batch of prefills would run them one by one there anyway)."""
+        static caches batch decode steps only (a batch of prefills would run them one by one there anyway). A replay
+        never: its queries attend one by one, alone (LayerRangeRunner.step_batch would run it solo)."""
         if received.kind is FrameKind.decode:
             return received.tensor.shape[1] == 1
-        return self.runner.device.type == "cpu" and self._slice_layers(received) is None
+        return (received.kind is FrameKind.prefill and self.runner.device.type == "cpu"
+                and self._slice_layers(received) is None)
 
     def _slice_layers(self, received: ReceivedStep) -> int | None:
         """Layers per compute-thread trip for this step; None: the whole step in one trip. Sliced even while this hop

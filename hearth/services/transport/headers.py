@@ -15,7 +15,9 @@ Hearth-Session         session id (one per chat request)
 Hearth-Step            step number within the session, monotonic (a hop forwards its output of a
                        step under the same session and step)
 Hearth-Chunk           ``i/n``: chunk ``i`` (0-based) of ``n`` chunks of this step
-Hearth-Kind            ``prefill``, ``decode`` or ``reset`` (drop this session's cache; no payload)
+Hearth-Kind            ``prefill``, ``decode``, ``replay`` (tokens the session decoded, prefilled again after
+                       a failover, each attending as its decode step did) or ``reset`` (drop this
+                       session's cache; no payload)
 Hearth-Pos             position of the first token of this step
 Hearth-Dtype           wire dtype of the payload: ``float32``, ``bfloat16``, ``float16`` or ``int8``
 Hearth-Compute-Dtype   dtype the receiver restores (``float32``, ``bfloat16``, ``float16``); absent
@@ -86,6 +88,9 @@ class FrameKind(str, enum.Enum):
 
     prefill = "prefill"
     decode = "decode"
+    # Tokens the session decoded one by one, prefilled again (a re-prefill after a failover): each query attends as
+    # its decode step did, so the hop rebuilds the very cache and outputs (hearth/inference/row_attention.py).
+    replay = "replay"
     reset = "reset"
 
 
