@@ -1,6 +1,6 @@
-"""Failover with quantized layers keeps the uninterrupted run's every bit: an int8 mesh of a model whose attention
-heads have 64 dimensions, its middle shard killed after 12 greedy tokens, goes on over the int8 replica with the
-tokens and the log-probabilities (compared exactly) of an uninterrupted call, because the re-prefill sends the
+"""Failover with quantized layers keeps the uninterrupted run's every bit: an int8 (and an int4) mesh of a model whose
+attention heads have 64 dimensions, its middle shard killed after 12 greedy tokens, goes on over its replica with
+the tokens and the log-probabilities (compared exactly) of an uninterrupted call, because the re-prefill sends the
 tokens already decoded as replay steps (hearth/services/orchestrator/prefill.py).
 
 Why this model: the prompt and the replayed tokens sit past 32 positions, where a prefill's attention sums its keys
@@ -35,16 +35,21 @@ KILL_AFTER_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
-def mesh(tmp_path_factory):
-    models_dir = tmp_path_factory.mktemp("wide-heads-models")
-    write_tiny_model(models_dir / MODEL_NAME, "llama", hidden_size=256, intermediate_size=512, head_dim=64,
+def models_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("wide-heads-models")
+    write_tiny_model(folder / MODEL_NAME, "llama", hidden_size=256, intermediate_size=512, head_dim=64,
                      num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=TINY_LAYERS)
-    with failover_mesh(tmp_path_factory, models_dir, "replay-mesh", model_name=MODEL_NAME) as mesh:
+    return folder
+
+
+@pytest.fixture(scope="module", params=["int8", "int4"])
+def mesh(request, tmp_path_factory, models_dir):
+    scheme = ["--quantize", request.param]
+    with failover_mesh(tmp_path_factory, models_dir, f"replay-mesh-{request.param}", model_name=MODEL_NAME) as mesh:
         for index, (lo, hi) in enumerate(THREE_SHARD_RANGES):
-            mesh.start_shard(f"p{index}", lo, hi, hop_weight=PRIMARY_WEIGHT, wait_ready=False,
-                             extra_args=["--quantize", "int8"])
+            mesh.start_shard(f"p{index}", lo, hi, hop_weight=PRIMARY_WEIGHT, wait_ready=False, extra_args=scheme)
         lo, hi = THREE_SHARD_RANGES[1]
-        mesh.start_shard("r1", lo, hi, hop_weight=REPLICA_WEIGHT, wait_ready=False, extra_args=["--quantize", "int8"])
+        mesh.start_shard("r1", lo, hi, hop_weight=REPLICA_WEIGHT, wait_ready=False, extra_args=scheme)
         mesh.start_orchestrator(local_model=False)
         mesh.cluster.wait_all_ready()
         mesh.wait_all_advertised()
@@ -60,7 +65,7 @@ def logprobs(call) -> list[float]:
     return [frame.logprobs.logprob for frame in call.frames if isinstance(frame, TokenDeltaFrame)]
 
 
-async def test_an_int8_failover_continues_with_the_uninterrupted_calls_tokens_and_logprobs(mesh, nc):
+async def test_a_quantized_failover_continues_with_the_uninterrupted_calls_tokens_and_logprobs(mesh, nc):
     victim, replica = mesh.shards["p1"], mesh.shards["r1"]
     uninterrupted = await stream_with_action(nc, request())
     assert uninterrupted.final.type == "done", uninterrupted.final
