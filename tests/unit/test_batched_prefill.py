@@ -180,6 +180,27 @@ async def test_a_shard_runs_the_short_prefills_of_its_hops_as_one_batch_and_long
     await compute.close()
 
 
+async def test_a_replay_step_runs_alone_at_once_never_waiting_for_a_batch(tiny_model_dir):
+    """A short replay (tokens a session decoded, sent again after a failover) would batch like a short prefill; its
+    queries attend alone, so the shard runs it at once instead of waiting out the batch window for other hops."""
+    path = tiny_model_dir("llama")
+    head = load_head(path)
+    runner = load_layer_range(path, 0, TINY_NUM_LAYERS - 1, **RUNNER_KV_LIMITS)
+    alone = load_layer_range(path, 0, TINY_NUM_LAYERS - 1, **RUNNER_KV_LIMITS)
+    compute = ShardCompute(runner, "shard-0", shard_settings(batch_window_ms=30_000.0, max_batch_sessions=8,
+                                                             max_batch_tokens=1 << 20))
+    compute.start()
+    compute.active_streams = 2  # another hop is open: a batchable step would wait for its step
+    prompt, decoded = head.embed(head.encode_prompt("the quick brown fox")), head.embed([5, 6, 7])
+    for layers in (runner, alone):
+        layers.forward("s", prompt, 0, "prefill")
+    result = await asyncio.wait_for(compute.run(_open_hop("s", TINY_NUM_LAYERS - 1),
+                                                _received("s", FrameKind.replay, prompt.shape[1], decoded)), timeout=10)
+    assert torch.equal(result.output, alone.forward("s", decoded, prompt.shape[1], "replay"))
+    assert compute.prefill_batching_figures() == (0, 0) and compute.batching_figures() == (0, 0)
+    await compute.close()
+
+
 def test_a_batch_of_one_row_is_the_solo_step_bitwise(tiny_model_dir):
     path = tiny_model_dir("qwen2")
     head = load_head(path)

@@ -133,19 +133,25 @@ def _open_hop(session_id: str, hi: int) -> OpenHop:
                    weights_sha256="0" * 64, layer_lo=0, layer_hi=hi)
 
 
+@pytest.mark.parametrize("kind", [FrameKind.prefill, FrameKind.replay])
 @pytest.mark.parametrize("prefill_slice_layers", [0, 1])
-async def test_a_shards_steps_run_between_the_slices_of_a_long_prefill(tiny_model_dir, prefill_slice_layers):
-    """The compute thread is held while three steps queue: a long prefill, then a short call's decode step. Sliced,
-    the decode step runs after the prefill's first slice and ends first; whole, it waits for the whole prefill."""
+async def test_a_shards_steps_run_between_the_slices_of_a_long_prefill(tiny_model_dir, prefill_slice_layers, kind):
+    """The compute thread is held while three steps queue: a long prefill (or replay of decoded tokens), then a short
+    call's decode step. Sliced, the decode step runs after the long step's first slice and ends first; whole, it waits
+    for the whole long step. Either way the long step's output is the runner's for that step."""
     path = tiny_model_dir("llama")
     head = load_head(path)
     runner = load_layer_range(path, 0, TINY_NUM_LAYERS - 1, **RUNNER_KV_LIMITS)
+    reference = load_layer_range(path, 0, TINY_NUM_LAYERS - 1, **RUNNER_KV_LIMITS)
     runner.forward("short", head.embed([5, 6, 7]), 0, "prefill")
+    long_pos = 0 if kind is FrameKind.prefill else 2  # a replay continues a session
+    for layers in (runner, reference):
+        if long_pos:
+            layers.forward("long", head.embed([5, 6]), 0, "prefill")
     compute = ShardCompute(runner, "shard-0", shard_settings(prefill_slice_layers=prefill_slice_layers,
                                                              prefill_slice_min_tokens=8))
-    long_prompt = head.embed(head.tokenizer.encode(PROMPT * 2))
-    expected_long = load_layer_range(path, 0, TINY_NUM_LAYERS - 1, **RUNNER_KV_LIMITS).forward(
-        "long", long_prompt, 0, "prefill")
+    long_input = head.embed(head.tokenizer.encode(PROMPT * 2))
+    expected_long = reference.forward("long", long_input, long_pos, kind.value)
     held = threading.Event()
     blocker = asyncio.ensure_future(on_compute_thread(held.wait, 10.0))
     finished: list[str] = []
@@ -155,8 +161,8 @@ async def test_a_shards_steps_run_between_the_slices_of_a_long_prefill(tiny_mode
         finished.append(name)
         return result
 
-    long_step = asyncio.ensure_future(step("long", FrameKind.prefill, 0, long_prompt))
-    await asyncio.sleep(0)  # the long prefill's first trip is queued on the compute thread before the short step's
+    long_step = asyncio.ensure_future(step("long", kind, long_pos, long_input))
+    await asyncio.sleep(0)  # the long step's first trip is queued on the compute thread before the short step's
     short_step = asyncio.ensure_future(step("short", FrameKind.decode, 3, head.embed([8])))
     await asyncio.sleep(0)
     held.set()

@@ -291,11 +291,11 @@ class ShardCompute:
                 and self._slice_layers(received) is None)
 
     def _slice_layers(self, received: ReceivedStep) -> int | None:
-        """Layers per compute-thread trip for this step; None: the whole step in one trip. Sliced even while this hop
-        is the only one open (a call that opens meanwhile would wait for a whole chunk on a CPU, while a turn costs
-        a fraction of a millisecond against tens of a piece's layer); whole on a GPU (a chunk's layer takes well
-        under a millisecond there, about what a turn costs)."""
-        if (self.prefill_slice_layers and self.runner.device.type == "cpu" and received.kind is FrameKind.prefill
+        """Layers per compute-thread trip for a long prefill or replay step; None: the whole step in one trip. Sliced
+        even while this hop is the only one open (a call that opens meanwhile would wait for a whole chunk on a CPU,
+        while a turn costs a fraction of a millisecond against tens of a piece's layer); whole on a GPU (a chunk's
+        layer takes well under a millisecond there, about what a turn costs)."""
+        if (self.prefill_slice_layers and self.runner.device.type == "cpu" and received.kind is not FrameKind.decode
                 and received.tensor.shape[1] >= self.prefill_slice_min_tokens):
             return self.prefill_slice_layers
         return None
