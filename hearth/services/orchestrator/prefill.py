@@ -56,13 +56,13 @@ def step_spans(total_tokens: int, chunk_tokens: int, start: int = 0,
     """[start, end) (relative to `start`) and kind of each step that prefills `total_tokens` tokens from position
     `start`: those before position `replay_from` (the prompt) in `prefill` chunks, those from it on (tokens the call
     decoded, sent again after a failover) in `replay` chunks, so every hop rebuilds the cache the first chain built."""
-    replayed_from = total_tokens if replay_from is None else min(total_tokens, max(0, replay_from - start))
-    spans = [(first, end, FrameKind.prefill) for first, end in chunk_spans(replayed_from, chunk_tokens)
-             ] if replayed_from else []
-    if replayed_from < total_tokens:
-        spans += [(replayed_from + first, replayed_from + end, FrameKind.replay)
-                  for first, end in chunk_spans(total_tokens - replayed_from, chunk_tokens)]
-    return spans
+    def chunks(first: int, end: int, kind: FrameKind) -> list[tuple[int, int, FrameKind]]:
+        if end <= first:
+            return []
+        return [(first + lo, first + hi, kind) for lo, hi in chunk_spans(end - first, chunk_tokens)]
+
+    prompt_end = total_tokens if replay_from is None else min(total_tokens, max(0, replay_from - start))
+    return chunks(0, prompt_end, FrameKind.prefill) + chunks(prompt_end, total_tokens, FrameKind.replay)
 
 
 async def prefill(chain: HopChain | LocalChain, hidden: torch.Tensor, chunk_tokens: int,
