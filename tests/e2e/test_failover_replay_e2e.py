@@ -44,7 +44,7 @@ def models_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module", params=["int8", "int4"])
 def mesh(request, tmp_path_factory, models_dir):
-    scheme = ["--quantize", request.param]
+    scheme = ["--quantize", request.param, "--device", "cpu"]  # a GPU runs a replay as a prefill
     with failover_mesh(tmp_path_factory, models_dir, f"replay-mesh-{request.param}", model_name=MODEL_NAME) as mesh:
         for index, (lo, hi) in enumerate(THREE_SHARD_RANGES):
             mesh.start_shard(f"p{index}", lo, hi, hop_weight=PRIMARY_WEIGHT, wait_ready=False, extra_args=scheme)
