@@ -2,8 +2,9 @@
 fails over.
 
 Real processes on this machine (services.devtools.local_cluster.LocalCluster): nats-server, an orchestrator with
-`--step-timeout-s`, replica shards r0-r2 (hop_weight 2) over the three layer ranges of a tiny random Llama,
-and for every kill a fresh preferred shard (hop_weight 1) over one range (rotating first, middle, last hop).
+`--step-timeout-s`, replica shards r0-r2 (hop_weight 2) over three layer ranges of a random Llama (`--shape`,
+hearth's `tiny` by default; weights in `--quantize`'s scheme on every shard and the orchestrator's head), and for every
+kill a fresh preferred shard (hop_weight 1) over one range (rotating first, middle, last hop).
 Each round streams one greedy request and SIGKILLs the preferred shard (`--signal stop`: SIGSTOPs it, so its
 connection stays open and only the step timeout and the liveness probe can tell) right after the client has
 received `--kill-after-tokens` tokens. Every round must complete with exactly one `shard_failover` and the same tokens
@@ -16,7 +17,7 @@ Reported per round and as p50/p95 (client-side instants, monotonic clock):
   re-prefill: `shard_failover` -> next token (prompt + generated tokens through the new chain, one sample).
 
 Usage: .venv/bin/python scripts/bench_failover.py [--kills 12] [--signal kill|stop] [--step-timeout-s 1.0]
-       [--markdown]
+       [--shape tiny] [--quantize none|int8|int4] [--markdown]
 """
 
 from __future__ import annotations
@@ -38,16 +39,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hearth.services.devtools.local_cluster import LocalCluster  # noqa: E402
+from hearth.services.devtools.local_cluster import LocalCluster, even_layer_ranges  # noqa: E402
 from hearth.services.client.chat import stream_chat  # noqa: E402
 from hearth.protocol.chat import ChatParams, ChatRequest, TokenDeltaFrame  # noqa: E402
 from hearth.services.broker.connection import connect_nats  # noqa: E402
-from hearth.services.devtools.random_models import RANDOM_PREFIX, random_checkpoint  # noqa: E402
+from hearth.services.devtools.random_models import RANDOM_PREFIX, RANDOM_SHAPES, random_checkpoint  # noqa: E402
 
-# hearth's random `tiny` shape (6 layers, hidden 64: the tests' tiny checkpoint's shape); served by its folder name.
-MODEL_SHAPE = "tiny"
-MODEL_NAME = MODEL_SHAPE
-LAYER_RANGES = [(0, 1), (2, 3), (4, 5)]
 PROMPT = "the quick brown fox jumps over"
 health_timeout_s = 5.0
 heartbeat_s = 0.5
@@ -64,8 +61,13 @@ class Round:
     reprefill_s: float
 
 
-def write_model(folder: Path) -> Path:
-    return random_checkpoint(f"{RANDOM_PREFIX}{MODEL_SHAPE}", cache_dir=folder)
+def write_model(folder: Path, shape: str) -> Path:
+    """The random checkpoint of `shape`, served by its folder name (the shape)."""
+    return random_checkpoint(f"{RANDOM_PREFIX}{shape}", cache_dir=folder)
+
+
+def layer_ranges(shape: str) -> list[tuple[int, int]]:
+    return even_layer_ranges(RANDOM_SHAPES[shape]["num_hidden_layers"], 3)
 
 
 def percentile(values: list[float], q: int) -> float:
@@ -112,8 +114,8 @@ def measure(hop: int, frames, times, killed_at) -> Round:
 
 
 async def run_rounds(cluster: LocalCluster, model_path: Path, db_path: Path, args) -> list[Round]:
-    nc = await connect_nats(cluster.nats_url, name="bench-failover")
-    request = ChatRequest(model=MODEL_NAME, prompt=PROMPT, max_tokens=args.max_tokens, temperature=0.0,
+    nc = await connect_nats(cluster.nats_url, name="bench-failover", settings=cluster.nats_settings())
+    request = ChatRequest(model=args.shape, prompt=PROMPT, max_tokens=args.max_tokens, temperature=0.0,
                           params=ChatParams(fallback_to_local=False))
     rounds: list[Round] = []
     try:
@@ -122,11 +124,12 @@ async def run_rounds(cluster: LocalCluster, model_path: Path, db_path: Path, arg
         if frames[-1].type != "done" or len(reference) <= args.kill_after_tokens:
             raise RuntimeError(f"reference run too short: {frames[-1]}")
         for number in range(args.kills):
-            hop = number % len(LAYER_RANGES)
-            lo, hi = LAYER_RANGES[hop]
+            ranges = layer_ranges(args.shape)
+            hop = number % len(ranges)
+            lo, hi = ranges[hop]
             victim = await asyncio.to_thread(
                 cluster.start_shard, str(model_path), lo, hi, node_id=f"victim{number}",
-                extra_args=["--hop-weight", "1.0", "--heartbeat-s", str(heartbeat_s)])
+                extra_args=["--hop-weight", "1.0", "--heartbeat-s", str(heartbeat_s), "--quantize", args.quantize])
             shard_id = victim.ready_file.read_text().strip()
             await wait_routable(db_path, shard_id)
             signum = signal.SIGKILL if args.signal == "kill" else signal.SIGSTOP
@@ -156,6 +159,7 @@ def report(rounds: list[Round], args, command: str) -> str:
                 f"{max(values) * 1000:.0f} |")
 
     what = "dies (SIGKILL)" if args.signal == "kill" else "freezes (SIGSTOP)"
+    dims = RANDOM_SHAPES[args.shape]
     load = " ".join(f"{x:.1f}" for x in os.getloadavg())
     lines = [
         f"## Failover: the pause a client sees when a shard host {what} mid-generation",
@@ -164,7 +168,8 @@ def report(rounds: list[Round], args, command: str) -> str:
         f"{os.cpu_count()} CPUs (load average {load} at the end, shared with other work), "
         f"Python {platform.python_version()}. {len(rounds)} SIG{args.signal.upper()}s of the preferred shard "
         f"(first, middle and last hop in turn) after {args.kill_after_tokens} streamed tokens of a {args.max_tokens}-token greedy "
-        f"request; tiny random Llama (6 layers, hidden 64) on 3 hops, one replica per hop; step timeout "
+        f"request; random Llama `{args.shape}` ({dims['num_hidden_layers']} layers, hidden {dims['hidden_size']}), "
+        f"weights {args.quantize}, on 3 hops, one replica per hop; step timeout "
         f"{args.step_timeout_s} s. Every round completed with exactly one `shard_failover` and the tokens of an "
         "uninterrupted run. Client-side instants.",
         "",
@@ -195,6 +200,8 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--signal", choices=("kill", "stop"), default="kill",
                         help="SIGKILL the shard host (it dies) or SIGSTOP it (frozen, connection open)")
+    parser.add_argument("--shape", default="tiny", choices=sorted(RANDOM_SHAPES), help="random model shape")
+    parser.add_argument("--quantize", default="none", help="every shard's and the head's scheme: none, int8, int4[/gN]")
     parser.add_argument("--markdown", action="store_true", help="print the BENCHMARKS.md section at the end")
     args = parser.parse_args()
     if args.kills < 1:
@@ -202,17 +209,18 @@ def main() -> int:
     command = ".venv/bin/python scripts/bench_failover.py " + " ".join(sys.argv[1:])
     with tempfile.TemporaryDirectory(prefix="hearth-bench-failover-") as tmp:
         work = Path(tmp)
-        model_path = write_model(work / "models")
+        model_path = write_model(work / "models", args.shape)
         env = {"HEARTH_RESEARCH__DISTRIBUTED_INFERENCE__SHARD_HEALTH_TIMEOUT_S": str(health_timeout_s)}
         db_path = work / "routing.sqlite"
         with LocalCluster(work_dir=work / "cluster", torch_threads=1, extra_env=env) as cluster:
             cluster.start_nats()
-            for hop, (lo, hi) in enumerate(LAYER_RANGES):
+            for hop, (lo, hi) in enumerate(layer_ranges(args.shape)):
                 cluster.start_shard(str(model_path), lo, hi, node_id=f"r{hop}", wait_ready=False,
-                                    extra_args=["--hop-weight", "2.0", "--heartbeat-s", str(heartbeat_s)])
+                                    extra_args=["--hop-weight", "2.0", "--heartbeat-s", str(heartbeat_s),
+                                                "--quantize", args.quantize])
             cluster.start_orchestrator(extra_args=[
-                "--models-dir", str(model_path.parent), "--preload", MODEL_NAME, "--db", str(db_path),
-                "--step-timeout-s", str(args.step_timeout_s)], wait_ready=False)
+                "--models-dir", str(model_path.parent), "--preload", args.shape, "--db", str(db_path),
+                "--step-timeout-s", str(args.step_timeout_s), "--quantize", args.quantize], wait_ready=False)
             cluster.wait_all_ready()
             try:
                 rounds = asyncio.run(run_rounds(cluster, model_path, db_path, args))
