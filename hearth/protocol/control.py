@@ -130,6 +130,9 @@ class ControlReply(BaseModel):
     shard_id: str = Field(default="", max_length=max_shard_id_chars)
     # An opened hop's session positions taken from a kept prefix (OpenHop.prefix), or those `keep` kept.
     cached_tokens: int = Field(default=0, ge=0)
+    # An opened hop takes `replay` steps (Hearth-Kind); shards from before them leave it out, and a re-prefill then
+    # sends them the tokens decoded so far as prefill chunks.
+    replay_steps: bool = False
 
 
 class ShardStat(BaseModel):

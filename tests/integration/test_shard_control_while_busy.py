@@ -49,7 +49,8 @@ async def test_an_open_is_answered_while_a_closing_hop_waits_for_the_compute_thr
     try:
         await server.start()
         first = await client.request(subject, open_request("pipeline-a", 1), timeout=control_reply_timeout_s)
-        assert ControlReply.model_validate_json(first.data).ok
+        opened = ControlReply.model_validate_json(first.data)
+        assert opened.ok and opened.replay_steps  # the hop takes re-prefills' replay steps
         # The compute thread is busy (a long prefill step, say): pipeline-a's cache reset will queue behind it.
         blocker = asyncio.ensure_future(on_compute_thread(compute_thread_held.wait, 60.0))
         closing = asyncio.ensure_future(client.request(

@@ -79,6 +79,34 @@ def test_a_reprefill_sends_the_prompt_in_its_chunks_and_the_decoded_tokens_as_re
     assert step_spans(3, 4, start=12, replay_from=10) == [(0, 3, replay)]
 
 
+class KindsSeen(LocalChain):
+    """A local chain that remembers the kind of every step it was sent."""
+
+    def __init__(self, local, replay_steps: bool) -> None:
+        super().__init__(local)
+        self.replay_steps = replay_steps
+        self.kinds: list[FrameKind] = []
+
+    async def step(self, kind: FrameKind, pos: int, hidden: torch.Tensor) -> torch.Tensor:
+        self.kinds.append(kind)
+        return await super().step(kind, pos, hidden)
+
+
+@pytest.mark.parametrize("replay_steps", [True, False])
+async def test_a_chain_whose_hops_take_no_replay_steps_gets_the_decoded_tokens_as_prefill_chunks(tiny_model_dir,
+                                                                                                 replay_steps):
+    local = load_full(tiny_model_dir("llama"), **RUNNER_KV_LIMITS)
+    chain = KindsSeen(local, replay_steps)
+    try:
+        known = local.head.encode_prompt(PROMPT) + [5, 6, 7, 8, 9]
+        await prefill(chain, local.head.embed(known), 4, replay_from=len(known) - 5)
+        replayed = [FrameKind.replay] * 2 if replay_steps else [FrameKind.prefill] * 2
+        assert chain.kinds[-2:] == replayed and set(chain.kinds[:-2]) == {FrameKind.prefill}
+        assert local.runner.cached_tokens(chain.session_id) == len(known)
+    finally:
+        await chain.close()
+
+
 async def test_the_local_fallback_prefills_in_chunks_to_the_same_greedy_token(tiny_model_dir):
     local = load_full(tiny_model_dir("llama"), **RUNNER_KV_LIMITS)
     prompt_ids = local.head.encode_prompt(PROMPT)

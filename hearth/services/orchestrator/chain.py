@@ -65,7 +65,6 @@ stall_poll_fraction = 0.1
 shortest_poll_s = 0.01
 
 
-
 def _encoded(link_key: bytes | None) -> str | None:
     return encode_link_key(link_key) if link_key is not None else None
 
@@ -93,9 +92,10 @@ class HopChain:
                  prefix: PrefixBlocks | None = None) -> None:
         self.nc = nc
         # The blocks its hops may start from (hearth/services/orchestrator/prefix.py) and the positions every hop holds
-        # of them once opened: where the chain's first prefill starts.
+        # of them once opened: where the chain's first prefill starts; whether every hop takes `replay` steps.
         self.prefix = prefix
         self.reused_tokens = self._prefill_start = 0
+        self.replay_steps = False
         # Where these hops sit in the pipeline as their hosts are told (a mirror's or a canary's single hop looks
         # like that hop of a real call); by default the whole pipeline, between this orchestrator's two ends.
         self.placement = placement or ChainPlacement()
@@ -194,6 +194,7 @@ class HopChain:
                                    code=reply.code)
         if self.prefix is not None:
             self.reused_tokens = self._prefill_start = min(reply.cached_tokens for reply in replies)
+        self.replay_steps = all(reply.replay_steps for reply in replies)
         return None
 
     async def _open_hop(self, index: int, hop: Hop) -> ControlReply:
@@ -300,9 +301,8 @@ class HopChain:
         return StepFailure("broker", None, f"the connection to the NATS broker at {where} was lost while {doing}")
 
     def _step_timeout_s(self, kind: FrameKind, tokens: int) -> float:
-        if kind is not FrameKind.decode:
-            return self.transport.step_timeout_s + self.transport.prefill_timeout_per_token_s * tokens
-        return self.transport.step_timeout_s
+        per_token_s = 0.0 if kind is FrameKind.decode else self.transport.prefill_timeout_per_token_s
+        return self.transport.step_timeout_s + per_token_s * tokens
 
     async def step(self, kind: FrameKind, pos: int, hidden: torch.Tensor) -> torch.Tensor | StepFailure:
         """Send one step into hop 0; what leaves the last hop, or why it will not."""

@@ -18,6 +18,7 @@ class LocalChain:
         self.local = local
         self.session_id = "local-" + uuid.uuid4().hex[:16]
         self.shard_ids: list[str] = []
+        self.replay_steps = True
 
     async def keep_alive(self) -> None:
         return None

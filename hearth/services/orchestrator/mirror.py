@@ -62,10 +62,12 @@ class Mirror:
                   kinds: Sequence[FrameKind] = ()) -> torch.Tensor | StepFailure:
         """Run `inputs` ([1, positions, hidden], from `first_pos` = `fed_pos`) through the replica's layers, each
         position as the kind of step that ran it on the checked hop (`kinds`; prefill when not given): prefill and
-        replay positions in chunks of one kind, decode positions one step each, as a call sends them. The outputs
-        for every position, or why they did not come."""
+        replay positions in chunks of one kind (prefill chunks for a replica that takes no replay steps), decode
+        positions one step each, as a call sends them. The outputs for every position, or why they did not come."""
         if first_pos != self.fed_pos:
             raise ValueError(f"a mirror fed up to position {self.fed_pos} cannot run from {first_pos}")
+        if not self.chain.replay_steps:
+            kinds = [FrameKind.prefill if kind is FrameKind.replay else kind for kind in kinds]
         outputs = []
         for start, end, kind in steps_as_sent(int(inputs.shape[1]), kinds, self.chunk_tokens):
             output = await self.chain.step(kind, first_pos + start, inputs[:, start:end].contiguous())

@@ -68,9 +68,9 @@ def step_spans(total_tokens: int, chunk_tokens: int, start: int = 0,
 async def prefill(chain: HopChain | LocalChain, hidden: torch.Tensor, chunk_tokens: int,
                   start: int = 0, replay_from: int | None = None) -> torch.Tensor | StepFailure:
     """Prefill `hidden` ([1, tokens, hidden], positions from `start`: the chain's hops hold those before) through
-    `chain` in chunks, positions from `replay_from` on as replay steps (step_spans); the last chunk's output, or the
-    failure that stopped it."""
-    spans = step_spans(int(hidden.shape[1]), chunk_tokens, start, replay_from)
+    `chain` in chunks, positions from `replay_from` on as replay steps where every hop takes them (step_spans), as
+    prefill chunks where one does not; the last chunk's output, or the failure that stopped it."""
+    spans = step_spans(int(hidden.shape[1]), chunk_tokens, start, replay_from if chain.replay_steps else None)
     if len(spans) == 1:
         return await chain.step(spans[0][2], start, hidden)
     if isinstance(chain, LocalChain):

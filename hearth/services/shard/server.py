@@ -286,7 +286,7 @@ class ShardServer:
         await hop.start()
         log.info("opened hop %d of pipeline %s (layers %d-%d, %d positions kept from earlier)", request.hop,
                  request.pipeline_id, request.layer_lo, request.layer_hi, cached)
-        return ControlReply(ok=True, cached_tokens=cached)
+        return ControlReply(ok=True, cached_tokens=cached, replay_steps=True)
 
     async def _close_hop(self, pipeline_id: str) -> None:
         hop = self._detach_hop(pipeline_id)
