@@ -261,7 +261,7 @@ class LayerRangeRunner(RunnerChecks):
         if session is None:
             raise SessionStateError(f"session {session_id!r} has no cache on layers {self.layer_lo}-{self.layer_hi} "
                                     "(never prefilled, reset or evicted); re-prefill from position 0")
-        if kind == "prefill" and self._prefix_sessions is not None:
+        if kind != "decode" and self._prefix_sessions is not None:  # a chain's first step: a prefill or a replay
             self._prefix_sessions.cut_back(session, start_pos, range(self.layer_lo, self.layer_hi + 1))
         self._check_continues(session_id, session.cache, start_pos, run_lo, run_hi)
         self._check_fits(start_pos, num_tokens, run_lo, run_hi, cached_bytes=session.cached_bytes)
@@ -272,7 +272,8 @@ class LayerRangeRunner(RunnerChecks):
     def attach_prefix(self, session_id: str, block_hashes: Sequence[str], block_tokens: int,
                       layers: tuple[int, int] | None = None) -> int:
         """(Re)start a session holding the longest kept prefix of the named blocks; the positions it holds (its first
-        step, a prefill, may start anywhere up to them). 0 when none is kept or prefixes are not kept here."""
+        step, a prefill or a replay, may start anywhere up to them). 0 when none is kept or prefixes are not kept
+        here."""
         with self._lock:
             self._check_open()
             run_lo, run_hi = self._validate_sub_range(layers)

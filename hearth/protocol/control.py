@@ -71,7 +71,7 @@ class OpenHop(BaseModel):
     seal_activations: bool = False
     # The call's leading blocks an ended session of this shard may have kept (hearth/inference/prefix_cache.py): the hop
     # starts on the longest run it keeps and answers how many positions that is (`cached_tokens`); its first step,
-    # a prefill, may start anywhere up to them (where every hop of the chain holds them).
+    # a prefill or a replay, may start anywhere up to them (where every hop of the chain holds them).
     prefix: PrefixBlocks | None = None
 
     @model_validator(mode="after")

@@ -57,14 +57,16 @@ def test_a_session_attached_to_kept_blocks_continues_as_if_it_had_computed_them(
     torch.testing.assert_close(again, rest, rtol=0, atol=0)
 
 
-def test_a_first_step_may_start_before_the_attached_end(model):
-    # Another hop of the chain held fewer blocks: every hop starts where the one holding least ends.
+@pytest.mark.parametrize("kind", ["prefill", "replay"])
+def test_a_first_step_may_start_before_the_attached_end(model, kind):
+    # Another hop of the chain held fewer blocks: every hop starts where the one holding least ends. A re-prefill
+    # whose kept blocks reach past the prompt begins with a replay step.
     path, head, _ = model
     runner = runner_of(model)
     whole = runner.forward("first", head.embed(PROMPT), 0, "prefill")
     runner.keep_prefix("first", ["b0", "b1"], BLOCK)
     assert runner.attach_prefix("second", ["b0", "b1"], BLOCK) == 2 * BLOCK
-    rest = runner.forward("second", head.embed(PROMPT[BLOCK:]), BLOCK, "prefill")
+    rest = runner.forward("second", head.embed(PROMPT[BLOCK:]), BLOCK, kind)
     torch.testing.assert_close(rest, whole[:, BLOCK:], rtol=1e-4, atol=1e-4)
     assert runner.cached_tokens("second") == len(PROMPT)
 
