@@ -39,12 +39,11 @@ class Generation:
     def __init__(self, runner, head, chunk_tokens: int) -> None:
         self.runner, self.head, self.chunk_tokens = runner, head, chunk_tokens
 
-    def prefill(self, session: str, ids: list[int], chunk_tokens: int) -> torch.Tensor:
-        position, output = 0, None
-        while position < len(ids):
-            part = ids[position:position + (chunk_tokens or len(ids))]
-            output = self.runner.forward(session, self.head.embed(part), position, "prefill")
-            position += len(part)
+    def prefill(self, session: str, ids: list[int], chunk_tokens: int, replay_from: int | None = None) -> torch.Tensor:
+        """`ids` in the orchestrator's steps (prefill.step_spans): chunks, those from `replay_from` on replayed."""
+        hidden, output = self.head.embed(ids), None
+        for first, end, kind in step_spans(len(ids), chunk_tokens, 0, replay_from):
+            output = self.runner.forward(session, hidden[:, first:end], first, kind.value)
         return output
 
     def decode(self, session: str, tokens: list[int], position: int, new_tokens: int) -> list[int]:
@@ -65,9 +64,7 @@ class Generation:
         """Re-prefill the prompt and the tokens before the one last sampled (those as replay steps, or as prefill
         chunks), then decode the rest from it."""
         known = ids + tokens[:failover_at - 1]
-        hidden = self.head.embed(known)
-        for first, end, kind in step_spans(len(known), self.chunk_tokens, 0, len(ids) if replay else None):
-            self.runner.forward("again", hidden[:, first:end], first, kind.value)
+        self.prefill("again", known, self.chunk_tokens, len(ids) if replay else None)
         again = self.decode("again", list(tokens[:failover_at]), len(known), new_tokens)
         self.runner.reset("again")
         return again
