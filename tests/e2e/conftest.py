@@ -27,6 +27,33 @@ THREE_SHARD_RANGES = [(0, 1), (2, 3), (4, 5)]
 TINY_CONTEXT_LENGTH = 1024
 
 
+# How much of each process's log a failed test shows.
+FAILED_TEST_LOG_CHARS = 6000
+
+
+def _clusters_of(item: pytest.Item) -> list[LocalCluster]:
+    """The LocalClusters a test's fixtures hold (directly, or as a mesh's `cluster`)."""
+    found: list[LocalCluster] = []
+    for value in getattr(item, "funcargs", {}).values():
+        cluster = value if isinstance(value, LocalCluster) else getattr(value, "cluster", None)
+        if isinstance(cluster, LocalCluster) and cluster not in found:
+            found.append(cluster)
+    return found
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call):
+    """A failed test shows the log tails of its mesh's processes beside it (a module's mesh prints them only when
+    the module ends, under whichever test ran last)."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.when != "call" or not report.failed:
+        return
+    for cluster in _clusters_of(item):
+        for process in cluster.processes:
+            report.sections.append((f"log of {process.name}", process.log_tail(FAILED_TEST_LOG_CHARS)))
+
+
 @pytest.fixture(scope="session")
 def tiny_models_dir(tmp_path_factory) -> Path:
     """A folder holding `tiny-llama` (6 layers) as a real checkpoint: processes load it by name or path."""

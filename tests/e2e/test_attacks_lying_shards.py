@@ -31,6 +31,8 @@ HONEST_CHECKED_WEIGHT = 50.0
 # Guards judge after few confirmed positions here, so a host that turns liar mid-call leaves them at once; and a
 # quarter of the steps are checked, so a lying verifier is met within a few calls; no canaries here
 # (tests/e2e/test_canaries.py), so each liar is caught by what these tests look at.
+# Each call's check picks the lying verifier with probability 1/2: this many calls all miss it once in a million.
+CALLS_TO_MEET_A_LYING_VERIFIER = 20
 MESH_ENV = {"HEARTH_VERIFICATION__GUARD_MIN_POSITIONS": "4", "HEARTH_VERIFICATION__SAMPLE_RATE": "0.25",
             "HEARTH_VERIFICATION__CANARY_INTERVAL_S": "0"}
 
@@ -93,9 +95,9 @@ async def test_a_host_honest_for_a_while_then_lying_is_caught_by_the_learned_gua
 
 async def test_a_lying_verifier_is_the_one_quarantined(mesh, reference, nc, liar):
     # The liar is never the primary (h1 and r1 are preferred over it): it can only lie as the replica that checks
-    # them. Each call's check picks its verifier at random from the two others, so a few calls meet it.
+    # them. Each call's check picks its verifier at random from the two others.
     x = await liar("false-witness", "scale=40", hop_weight=HONEST_CHECKED_WEIGHT * 4)
-    for _ in range(8):
+    for _ in range(CALLS_TO_MEET_A_LYING_VERIFIER):
         call = await stream_with_action(nc, chat_request())
         assert call.final.type == "done", call.final
         assert call.answer_token_ids == reference.token_ids

@@ -111,6 +111,7 @@ async def test_an_orchestrator_releases_the_heap_on_its_compute_thread_when_its_
     async def call(ends: asyncio.Event) -> None:
         async with orchestrator._counted_as_running():
             await ends.wait()
+        await orchestrator._release_heap_when_idle()
 
     first = asyncio.create_task(call(first_ends))
     second = asyncio.create_task(call(second_ends))

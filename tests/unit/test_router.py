@@ -202,6 +202,25 @@ def test_hole_in_the_layers_is_shard_unavailable_naming_the_layers(mesh):
     assert "layers 4-5" in str(error.value)
 
 
+def test_an_uncovered_layer_names_the_shards_holding_it_that_were_left_out_and_why(mesh):
+    mesh.add(0, 3, "a")
+    stale = mesh.add(4, 7, "stale", heartbeat_t=-40.0, t=-40.0)
+    excluded = mesh.add(4, 5, "excluded")
+    full = mesh.add(6, 7, "full")  # max_concurrent_streams is 2
+    load = ShardLoad(retry_s=10.0)
+    load.hold([full, full])
+    router = mesh.router()
+    with pytest.raises(RoutingError) as error:
+        router.plan(router.candidates(MODEL_ID), MODEL_ID, WEIGHTS_SHA, exclude=[excluded], now=mesh.now, load=load)
+    assert error.value.uncovered_layers == (4, 5, 6, 7)
+    message = str(error.value)
+    assert message.startswith("no healthy shard covers layers 4-7"), message
+    assert f"{stale}: not heard from for 45 s (health_timeout_s=30)" in message
+    assert f"{excluded}: excluded from this call" in message
+    assert f"{full}: full (2 of 2 streams held" in message
+    assert "@a:" not in message  # usable, and not holding an uncovered layer
+
+
 def test_other_weights_are_weights_mismatch(mesh):
     mesh.add(0, 3, "a")
     mesh.add(4, 7, "b", weights_sha256=OTHER_SHA)

@@ -25,6 +25,7 @@ import itertools
 import os
 import re
 import shutil
+import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -45,6 +46,9 @@ ip_command_timeout_s = 10.0
 # How long a healed link may take to forward again, and how often heal() looks.
 heal_timeout_s = 10.0
 heal_poll_interval_s = 0.05
+# How long a new bed's households may take to reach the hub, and how long each probe's connection may take.
+link_up_timeout_s = 10.0
+link_probe_timeout_s = 0.5
 # tbf needs a bucket of at least one timer tick's worth of bytes at the rate (HZ is 100 to 1000).
 shaping_bucket_ticks_per_s = 100
 shaping_smallest_bucket_bytes = 16 * 1024
@@ -121,7 +125,8 @@ class Place:
 
 
 class NetBed:
-    """A hub and `households` households; `up()` builds it, `close()` (or leaving the `with`) removes it."""
+    """A hub and `households` households; `up()` builds it and returns once every household reaches the hub,
+    `close()` (or leaving the `with`) removes it."""
 
     def __init__(self, households: int) -> None:
         if not 1 <= households <= max_households:
@@ -172,6 +177,27 @@ class NetBed:
             _run("ip", "-n", household.namespace, "addr", "add", f"{household.address}/{prefix}", "dev",
                  HOUSEHOLD_INTERFACE)
             _run("ip", "-n", household.namespace, "link", "set", HOUSEHOLD_INTERFACE, "up")
+        self._wait_reachable()
+
+    def _wait_reachable(self) -> None:
+        """Until every household opens a TCP connection to the hub, at most link_up_timeout_s: a link just set up
+        may drop packets for a moment (the kernel activates a device's queue a little after its carrier)."""
+        with self.entered(self.hub):
+            listener = socket.create_server((self.hub.address, 0))
+        with listener:
+            port = listener.getsockname()[1]
+            deadline = time.monotonic() + link_up_timeout_s
+            for index, household in enumerate(self.households):
+                with self.entered(household):
+                    while True:
+                        try:
+                            socket.create_connection((self.hub.address, port), timeout=link_probe_timeout_s).close()
+                            break
+                        except OSError as error:
+                            if time.monotonic() > deadline:
+                                raise NetBedError(f"household {index} does not reach the hub within "
+                                                  f"{link_up_timeout_s} s: {error}") from None
+                            time.sleep(heal_poll_interval_s)
 
     def cut(self, index: int) -> None:
         """Take household `index`'s link down at the hub: its packets are dropped, its processes keep running."""

@@ -64,13 +64,32 @@ class ClientStream:
         self._status_sub = None
         self._reconnects = nc.stats["reconnects"]
         self._reconnect_noticed_at = float("-inf")
+        # The call's final frame, held back while `final_frame_last` holds it (None: none held).
+        self._holding_final = False
+        self._held_final = None
 
     async def start(self) -> "ClientStream":
         self._status_inbox = self.nc.new_inbox()
         self._status_sub = await self.nc.subscribe(self._status_inbox, cb=self._on_status)
         return self
 
+    @contextlib.asynccontextmanager
+    async def final_frame_last(self):
+        """Holds the call's final frame back until the body ended: a client that saw it may call again at once,
+        because the call has let go of its running place and told its hops to close by then."""
+        self._holding_final = True
+        try:
+            yield
+        finally:
+            self._holding_final = False
+            held, self._held_final = self._held_final, None
+            if held is not None:
+                await self.send(held)
+
     async def send(self, frame) -> None:
+        if self._holding_final and final_frame_code(frame) is not None:
+            self._held_final = frame
+            return
         self._reconnected_recently()
         if isinstance(frame, KeepaliveFrame):
             # Not numbered (it repeats the last seq): a lost keepalive is no gap in what the client must see.

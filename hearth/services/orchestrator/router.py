@@ -150,11 +150,21 @@ class ShardRouter:
     def alive(self, shard: ShardCandidate, now: float) -> bool:
         """Advertised, not expired, not quarantined, and heard from within the health timeout (busy or not): a
         quarantined shard is, to routing and model discovery, not there."""
-        if shard.status != "advertised" or now >= shard.expires_at or shard.quarantined:
-            return False
+        return self.not_alive_because(shard, now) is None
+
+    def not_alive_because(self, shard: ShardCandidate, now: float) -> str | None:
+        """Why `shard` is not alive at `now`, in a few words (None: it is)."""
+        if shard.status != "advertised":
+            return shard.status
+        if shard.quarantined:
+            return "quarantined"
+        if now >= shard.expires_at:
+            return f"advert expired {now - shard.expires_at:.0f} s ago"
         # The advertisement is itself a sign of life, so a shard is routable before its first heartbeat.
         last_seen = max(shard.advertised_at, shard.last_seen or shard.advertised_at)
-        return now - last_seen <= self.health_timeout_s
+        if now - last_seen > self.health_timeout_s:
+            return f"not heard from for {now - last_seen:.0f} s (health_timeout_s={self.health_timeout_s:g})"
+        return None
 
     def plan(
         self,
@@ -213,8 +223,22 @@ class ShardRouter:
             precision_order(label)))
         candidates = [s for s in same_weights if s.quantization == scheme]
         named = quantization is not None or len(schemes) > 1 or scheme not in (None, "none")
+        left_out = [(s, why) for s in shards if s.weights_sha256 == weights_sha256
+                    and (scheme is None or s.quantization == scheme)
+                    and (why := self._left_out_because(s, excluded, now, load)) is not None]
         self._fail(model_id, weights_sha256, candidates, mismatched, total_layers, 0,
-                   scheme=scheme if named else None)
+                   scheme=scheme if named else None, left_out=left_out)
+
+    def _left_out_because(self, shard: ShardCandidate, excluded: set[str], now: float,
+                          load: ShardLoad | None) -> str | None:
+        """Why `plan` did not use `shard` (None: usable)."""
+        if shard.shard_id in excluded:
+            return "excluded from this call (it failed, or a check proved it wrong)"
+        why = self.not_alive_because(shard, now)
+        if why is None and load is not None and not load.has_room(shard):
+            return f"full ({load.held(shard.shard_id)} of {shard.max_concurrent_streams} streams held, or it " \
+                   f"answered at_capacity)"
+        return why
 
     def _fail(
         self,
@@ -226,6 +250,7 @@ class ShardRouter:
         cursor: int,
         *,
         scheme: str | None = None,
+        left_out: Iterable[tuple[ShardCandidate, str]] = (),
     ) -> None:
         uncovered = [
             layer for layer in range(total_layers)
@@ -254,9 +279,13 @@ class ShardRouter:
                 f" ({len(covered_elsewhere)} of them are served with other weights: {', '.join(others)})",
                 uncovered_layers=tuple(uncovered),
             )
+        # The shards that hold an uncovered layer yet were left out, and why: what an operator looks at first.
+        holders = sorted(f"{s.shard_id}: {why}" for s, why in left_out
+                         if any(s.layer_lo <= layer <= s.layer_hi for layer in uncovered))
         raise RoutingError(
             "shard_unavailable",
-            f"no healthy shard covers layers {layers} {of_model} (of {total_layers})",
+            f"no healthy shard covers layers {layers} {of_model} (of {total_layers})"
+            + (f"; left out: {'; '.join(holders)}" if holders else ""),
             uncovered_layers=tuple(uncovered),
         )
 

@@ -29,6 +29,7 @@ from hearth.readmodels.runner import Projector
 from hearth.services.common.call_signing import CallRefused
 from hearth.protocol.chat import (
     BadRequest,
+    ChatRequest,
     ErrorFrame,
     ModelsRequest,
     QueuedFrame,
@@ -44,7 +45,7 @@ from hearth.services.broker.permissions import reply_allowed
 from hearth.services.orchestrator.admission import admit_prompt, prompt_room
 from hearth.services.orchestrator.call import Call, ClientStream
 from hearth.services.orchestrator.capacity import ShardLoad
-from hearth.services.orchestrator.catalog import ModelCatalog, UnknownModel
+from hearth.services.orchestrator.catalog import LoadedModel, ModelCatalog, UnknownModel
 from hearth.events.streams import MiB
 from hearth.services.orchestrator.canaries import CanaryLibrary, CanaryRunner
 from hearth.services.orchestrator.choices import ChoiceClient, ChoiceGroup, choice_request
@@ -321,39 +322,48 @@ class Orchestrator:
         except BadRequest as error:
             await client.send(ErrorFrame(seq=0, code="bad_request", message=str(error)))
             return
+        ran = False
         try:
-            async with self.queue.place(caller, _position_teller(client), client.client_gone) as admission:
+            async with client.final_frame_last(), self.queue.place(caller, _position_teller(client),
+                                                                   client.client_gone) as admission:
                 try:
                     prompt_ids = await admit_prompt(request, model)
                 except BadRequest as error:
                     await client.send(ErrorFrame(seq=0, code="bad_request", message=str(error)))
                     return
-                if request.n > 1:
-                    group = ChoiceGroup(client, self.context)
-                    calls = [Call(request=choice_request(request, index), model=model,
-                                  client=ChoiceClient(group, index), prompt_ids=prompt_ids, caller=caller,
-                                  queue_wait_s=admission.queue_wait_s) for index in range(request.n)]
-                    async with self._counted_as_running():
-                        await group.serve(calls)
-                    return
-                run = PipelineRun(Call(request=request, model=model, client=client, prompt_ids=prompt_ids,
-                                       caller=caller, queue_wait_s=admission.queue_wait_s), self.context)
+                ran = True
                 async with self._counted_as_running():
-                    try:
-                        await run.serve()
-                    finally:
-                        # Shielded: a cancelled request (shutdown) must still free its hops' sessions.
-                        await asyncio.shield(run.close())
+                    await self._run_admitted(request, model, client, caller, prompt_ids, admission.queue_wait_s)
         except Overloaded as error:
             await client.send(ErrorFrame(seq=0, code="overloaded", message=str(error),
                                          retry_after_s=error.retry_after_s))
         except LeftQueue:
             log.info("request %s: the client went away while it was queued", request.request_id)
+        if ran:
+            # After the final frame: the client need not wait for the release.
+            await self._release_heap_when_idle()
+
+    async def _run_admitted(self, request: ChatRequest, model: LoadedModel, client: ClientStream, caller: str | None,
+                            prompt_ids: list[int], queue_wait_s: float) -> None:
+        """Serve an admitted call (its `n` choices as one group); its hops are freed whatever way it ended."""
+        if request.n > 1:
+            group = ChoiceGroup(client, self.context)
+            calls = [Call(request=choice_request(request, index), model=model, client=ChoiceClient(group, index),
+                          prompt_ids=prompt_ids, caller=caller, queue_wait_s=queue_wait_s)
+                     for index in range(request.n)]
+            await group.serve(calls)
+            return
+        run = PipelineRun(Call(request=request, model=model, client=client, prompt_ids=prompt_ids, caller=caller,
+                               queue_wait_s=queue_wait_s), self.context)
+        try:
+            await run.serve()
+        finally:
+            # Shielded: a cancelled request (shutdown) must still free its hops' sessions.
+            await asyncio.shield(run.close())
 
     @contextlib.asynccontextmanager
     async def _counted_as_running(self):
-        """Counts a call as running while it runs; when the last one ended (not cancelled), the heap its head
-        steps freed goes back to the OS (ModelCatalog.release_freed_heap)."""
+        """Counts a call as running while it runs."""
         self.context.running_calls += 1
         calls_in_flight.inc()
         try:
@@ -361,6 +371,10 @@ class Orchestrator:
         finally:
             self.context.running_calls -= 1
             calls_in_flight.dec()
+
+    async def _release_heap_when_idle(self) -> None:
+        """When no call runs (the last one ended, not cancelled), the heap their head steps freed goes back to the
+        OS (ModelCatalog.release_freed_heap)."""
         if self.context.running_calls == 0:
             await self.catalog.release_freed_heap()
 
