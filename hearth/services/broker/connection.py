@@ -31,6 +31,11 @@ pending_buffer_bytes = 64 * 1024 * 1024
 # While nats-py still holds back commands sent before a flush_ordered (a busy or slow connection), it looks again
 # this often.
 flush_ordered_poll_interval_s = 0.001
+# How long nats-py itself waits for a flush's PONG: far beyond any caller's wait and beyond the pings that reveal a
+# dead link (a reconnect forgets the PING), so it never gives up on a PONG that may still come (flush_ordered).
+pong_wait_cap_s = 600.0
+# The flushes whose callers stopped waiting, until their PONG (or the cap) ends them.
+_unawaited_flushes: set[asyncio.Task] = set()
 # Errors that announce a disconnect the disconnected callback reports anyway.
 _DISCONNECTING_ERRORS = (nats_errors.UnexpectedEOF, nats_errors.StaleConnectionError)
 
@@ -211,6 +216,12 @@ async def drain_or_close(nc: NatsClient, timeout_s: float) -> None:
         await close_quietly(nc)
 
 
+def _forget_flush(flush: asyncio.Task) -> None:
+    _unawaited_flushes.discard(flush)
+    if not flush.cancelled():
+        flush.exception()  # retrieved: nobody may be waiting for it any more
+
+
 async def flush_ordered(nc: NatsClient, timeout_s: float = DEFAULT_FLUSH_TIMEOUT) -> None:
     """Return once the server has processed every command this connection sent before the call: a subscription is
     in its interest graph, a publish was routed (or answered "no responders"); FlushTimeoutError after `timeout_s`.
@@ -229,6 +240,15 @@ async def flush_ordered(nc: NatsClient, timeout_s: float = DEFAULT_FLUSH_TIMEOUT
         if remaining_s <= 0:
             raise nats_errors.FlushTimeoutError
         if nc.pending_data_size == 0:
-            await nc.flush(timeout=remaining_s)
+            # nats-py's flush cancels its PONG future on a timeout or a cancellation but leaves it queued: the PONG
+            # that comes later fails the connection's read loop (InvalidStateError), and the connection hears
+            # nothing until it reconnects. So its flush is left to run to its PONG, and only our wait is bounded.
+            flush = asyncio.ensure_future(nc.flush(timeout=pong_wait_cap_s))
+            _unawaited_flushes.add(flush)
+            flush.add_done_callback(_forget_flush)
+            done, _ = await asyncio.wait({flush}, timeout=remaining_s)
+            if not done:
+                raise nats_errors.FlushTimeoutError
+            flush.result()
             return
         await asyncio.sleep(min(flush_ordered_poll_interval_s, remaining_s))

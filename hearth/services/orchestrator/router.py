@@ -18,8 +18,9 @@ Rules, in order:
    over replicas); a hop may run part of its shard's range;
 3. a shard on the orchestrator's own node is not hop 0 unless `allow_self_as_shard`;
 4. a layer no candidate can run is `shard_unavailable`, or `weights_mismatch` when a shard with other
-   weights would otherwise have been usable; the message names the uncovered layers (and the scheme); a
-   requested scheme no live shard serves is `shard_unavailable` naming it.
+   weights would otherwise have been usable; the message names the uncovered layers (and the scheme), and the
+   shards holding them that were left out, each with why; a requested scheme no live shard serves is
+   `shard_unavailable` naming it.
 
 All instants are epoch seconds (the read model floors them to whole seconds).
 """
