@@ -15,7 +15,7 @@ from hearth.inference.detokenizer import TextDelta
 from hearth.protocol.chat import ChatParams, ChatRequest
 from hearth.services.orchestrator.call import Call
 from hearth.services.orchestrator.guards import RangeGuards
-from hearth.services.orchestrator.mirror import steps_as_sent
+from hearth.services.orchestrator.prefill import steps_as_sent
 from hearth.services.orchestrator.recording import ChainRecorder
 from hearth.services.transport import FrameKind, StepInfo, TransportError
 

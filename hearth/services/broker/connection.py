@@ -34,7 +34,7 @@ flush_ordered_poll_interval_s = 0.001
 # How long nats-py itself waits for a flush's PONG: far beyond any caller's wait and beyond the pings that reveal a
 # dead link (a reconnect forgets the PING), so it never gives up on a PONG that may still come (flush_ordered).
 pong_wait_cap_s = 600.0
-# The flushes whose callers stopped waiting, until their PONG (or the cap) ends them.
+# Every flush under way, held until its PONG (or the cap) ends it: a caller that stops waiting leaves it running.
 _unawaited_flushes: set[asyncio.Task] = set()
 # Errors that announce a disconnect the disconnected callback reports anyway.
 _DISCONNECTING_ERRORS = (nats_errors.UnexpectedEOF, nats_errors.StaleConnectionError)

@@ -209,8 +209,8 @@ class ChainBuilder:
             return hops
         router = self.ctx.router
         now = router.now()
-        usable = {c.shard_id: c for c in candidates if c.shard_id not in excluded and router.alive(c, now)
-                  and c.weights_sha256 == self.call.model.weights_sha256 and (load is None or load.has_room(c))}
+        usable = {c.shard_id: c for c in candidates if c.weights_sha256 == self.call.model.weights_sha256
+                  and router.left_out_because(c, excluded, now, load) is None}
         # Ours first (no lag behind the log), the read model's when it knows of more blocks (another orchestrator's
         # calls, or ours before a restart).
         kept = longer_kept(self.ctx.kept_chains.holding(reusable.hashes), self.recorded_kept.get(hops[0].quantization))

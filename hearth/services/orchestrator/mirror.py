@@ -26,6 +26,7 @@ from hearth.services.orchestrator.call import new_pipeline_id
 from hearth.services.orchestrator.chain import HopChain
 from hearth.services.orchestrator.outcomes import StepFailure
 from hearth.services.orchestrator.placement import ChainPlacement
+from hearth.services.orchestrator.prefill import steps_as_sent
 from hearth.services.orchestrator.kept_inputs import first_blocks
 from hearth.services.orchestrator.recording import ChainRecorder, HopSpan
 from hearth.services.orchestrator.router import Hop
@@ -91,27 +92,6 @@ class Mirror:
             await self.close()
             return None
         return self, output[:, span.first_pos - first_pos:span.end_pos - first_pos]
-
-
-def steps_as_sent(positions: int, kinds: Sequence[FrameKind], chunk_tokens: int) -> list[tuple[int, int, FrameKind]]:
-    """[start, end) and kind of each step that runs `positions` positions of kinds `kinds` (prefill past their end)
-    as a call sends them: a decode step per decode position, runs of prefill or of replay positions in chunks of at
-    most `chunk_tokens` (0: no limit)."""
-    def kind_at(position: int) -> FrameKind:
-        return kinds[position] if position < len(kinds) else FrameKind.prefill
-
-    steps: list[tuple[int, int, FrameKind]] = []
-    start = 0
-    while start < positions:
-        kind = kind_at(start)
-        end = start + 1
-        if kind is not FrameKind.decode:
-            limit = start + (chunk_tokens or positions)
-            while end < min(limit, positions) and kind_at(end) is kind:
-                end += 1
-        steps.append((start, end, kind))
-        start = end
-    return steps
 
 
 async def _feed_kept_prefix(ctx, call, chain: HopChain, index: int, mirror: Mirror) -> StepFailure | None:

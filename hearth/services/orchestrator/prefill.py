@@ -27,6 +27,7 @@ call goes on with the tokens an uninterrupted run would give (BENCHMARKS.md, "Fa
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 
 import torch
 
@@ -51,18 +52,36 @@ def chunks_in_flight(hop_count: int, max_ready_steps: int) -> int:
     return max(1, min(hop_count + 1, max_ready_steps))
 
 
+def steps_as_sent(positions: int, kinds: Sequence[FrameKind], chunk_tokens: int) -> list[tuple[int, int, FrameKind]]:
+    """[start, end) and kind of each step that runs `positions` positions of kinds `kinds` (prefill past their end)
+    as a call sends them: a decode step per decode position, runs of prefill or of replay positions in chunks of at
+    most `chunk_tokens` (0: no limit; chunk_spans)."""
+    def kind_at(position: int) -> FrameKind:
+        return kinds[position] if position < len(kinds) else FrameKind.prefill
+
+    steps: list[tuple[int, int, FrameKind]] = []
+    start = 0
+    while start < positions:
+        kind = kind_at(start)
+        end = start + 1
+        if kind is FrameKind.decode:
+            steps.append((start, end, kind))
+        else:
+            while end < positions and kind_at(end) is kind:
+                end += 1
+            steps += [(start + lo, start + hi, kind) for lo, hi in chunk_spans(end - start, chunk_tokens)]
+        start = end
+    return steps
+
+
 def step_spans(total_tokens: int, chunk_tokens: int, start: int = 0,
                replay_from: int | None = None) -> list[tuple[int, int, FrameKind]]:
     """[start, end) (relative to `start`) and kind of each step that prefills `total_tokens` tokens from position
     `start`: those before position `replay_from` (the prompt) in `prefill` chunks, those from it on (tokens the call
     decoded, sent again after a failover) in `replay` chunks, so every hop rebuilds the cache the first chain built."""
-    def chunks(first: int, end: int, kind: FrameKind) -> list[tuple[int, int, FrameKind]]:
-        if end <= first:
-            return []
-        return [(first + lo, first + hi, kind) for lo, hi in chunk_spans(end - first, chunk_tokens)]
-
     prompt_end = total_tokens if replay_from is None else min(total_tokens, max(0, replay_from - start))
-    return chunks(0, prompt_end, FrameKind.prefill) + chunks(prompt_end, total_tokens, FrameKind.replay)
+    kinds = [FrameKind.prefill] * prompt_end + [FrameKind.replay] * (total_tokens - prompt_end)
+    return steps_as_sent(total_tokens, kinds, chunk_tokens)
 
 
 async def prefill(chain: HopChain | LocalChain, hidden: torch.Tensor, chunk_tokens: int,

@@ -182,8 +182,8 @@ class ShardRouter:
         live room of each shard (None: every live shard has room); `quantization`: the scheme the chain must
         serve (a label of hearth/protocol/quantization_labels.py; None: the most precise one that covers)."""
         excluded = set(exclude)
-        usable = [s for s in shards if s.shard_id not in excluded and self.alive(s, now)
-                  and (load is None or load.has_room(s))]
+        left_out = {s.shard_id: why for s in shards if (why := self.left_out_because(s, excluded, now, load))}
+        usable = [s for s in shards if s.shard_id not in left_out]
         same_weights = [s for s in usable if s.weights_sha256 == weights_sha256]
         mismatched = [s for s in usable if s.weights_sha256 != weights_sha256]
         total_layers = _total_layers(same_weights) or _total_layers(mismatched) or _total_layers(shards)
@@ -224,15 +224,14 @@ class ShardRouter:
             precision_order(label)))
         candidates = [s for s in same_weights if s.quantization == scheme]
         named = quantization is not None or len(schemes) > 1 or scheme not in (None, "none")
-        left_out = [(s, why) for s in shards if s.weights_sha256 == weights_sha256
-                    and (scheme is None or s.quantization == scheme)
-                    and (why := self._left_out_because(s, excluded, now, load)) is not None]
         self._fail(model_id, weights_sha256, candidates, mismatched, total_layers, 0,
-                   scheme=scheme if named else None, left_out=left_out)
+                   scheme=scheme if named else None,
+                   left_out=[(s, left_out[s.shard_id]) for s in shards if s.shard_id in left_out
+                             and s.weights_sha256 == weights_sha256 and (scheme is None or s.quantization == scheme)])
 
-    def _left_out_because(self, shard: ShardCandidate, excluded: set[str], now: float,
-                          load: ShardLoad | None) -> str | None:
-        """Why `plan` did not use `shard` (None: usable)."""
+    def left_out_because(self, shard: ShardCandidate, excluded: set[str], now: float,
+                         load: ShardLoad | None) -> str | None:
+        """Why routing does not use `shard` now (None: usable): `excluded`, not alive, or without room by `load`."""
         if shard.shard_id in excluded:
             return "excluded from this call (it failed, or a check proved it wrong)"
         why = self.not_alive_because(shard, now)
