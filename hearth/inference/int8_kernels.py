@@ -14,7 +14,8 @@ scales instead and quantizes each row itself:
   levels go through one product as two rows, so activations carry about 13 bits, where one 7-bit level alone lost
   several points of top-1 agreement on a trained model.
 Codes stay within 7 bits (1..127 around fbgemm's zero point 64), as torch's dynamic quantization does on x86: AVX2's
-int8 multiply-add saturates pairs of 8-bit products in 16 bits. torch deprecates its quantized tensors; where this
+int8 multiply-add saturates pairs of 8-bit products in 16 bits. Linears reading one input share one packed product
+(SharedRowProduct). torch deprecates its quantized tensors; where this
 torch has no fbgemm engine or no such operator, int8 keeps the weight-only kernel (int8_rows_on_cpu says which).
 """
 
@@ -22,8 +23,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import threading
 import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -34,10 +38,6 @@ _ROW_ACTIVATION_ZERO = 64
 _ROW_CODE_STEPS = 63
 _FINE_LEVEL = 2 * _ROW_CODE_STEPS
 _FBGEMM_ENGINE = "fbgemm"
-# Inputs of up to this many rows (decode steps) keep their levels for the next product (_row_levels); larger ones
-# (prefill chunks) are not held.
-_KEPT_LEVELS_MAX_ROWS = 64
-_last_levels = threading.local()
 # cuBLASLt's int8 product takes more than 16 rows: fewer are padded (to a multiple of 8, which it also needs).
 INT_MM_MIN_ROWS = 24
 INT_MM_FEATURE_MULTIPLE = 8
@@ -62,29 +62,75 @@ def pack_for_fbgemm(codes: torch.Tensor, scales: torch.Tensor) -> torch.ScriptOb
 def fbgemm_row_product(rows: torch.Tensor, packed: torch.ScriptObject) -> torch.Tensor:
     """``rows @ (codes * scales)^T`` in float32, each row (rounded to bfloat16) on its own largest magnitude in two
     7-bit levels: its codes, then what they leave, as two rows of one product (see the module docstring)."""
-    count = rows.shape[0]
-    levels, steps = _row_levels(rows.to(torch.bfloat16, copy=True))
+    return _product_of_rounded(rows.to(torch.bfloat16, copy=True), packed)
+
+
+class SharedRowProduct:
+    """One packed int8 product for the Linears of a module that read the same input (q, k and v; gate and up): the
+    first member called with an input computes every member's columns at once, the others take theirs while their
+    input holds the same values (compared, so a changed input is computed again), and the product is let go once
+    every member took its part. Each column is the number its own Linear's product gives (exact int32 sums), so
+    sharing changes no result; it saves the products' fixed cost (BENCHMARKS.md "Quantized shard kernels")."""
+
+    def __init__(self, packed: torch.ScriptObject, widths: Sequence[int]) -> None:
+        self.packed = packed
+        starts = [0, *itertools.accumulate(widths)]
+        self.bounds = list(zip(starts[:-1], starts[1:], strict=True))
+        self._kept = threading.local()
+
+    @classmethod
+    def joining(cls, parts: Sequence[torch.ScriptObject]) -> SharedRowProduct:
+        """The shared product of packed weights ``parts`` (one per member, same input features), repacked as one."""
+        weights = [torch.ops.quantized.linear_unpack(part)[0] for part in parts]
+        codes = torch.cat([weight.int_repr() for weight in weights])
+        scales = torch.cat([weight.q_per_channel_scales() for weight in weights])
+        return cls(pack_for_fbgemm(codes, scales), [weight.shape[0] for weight in weights])
+
+    def columns(self, member: int, rows: torch.Tensor) -> torch.Tensor:
+        """Member ``member``'s product of ``rows`` (float32, contiguous)."""
+        rounded = rows.to(torch.bfloat16, copy=True)
+        kept = getattr(self._kept, "entry", None)
+        if kept is None or kept.rounded.shape != rounded.shape or not torch.equal(kept.rounded, rounded):
+            kept = _KeptProduct(rounded, _product_of_rounded(rounded, self.packed))
+            self._kept.entry = kept
+        kept.taken.add(member)
+        if len(kept.taken) == len(self.bounds):
+            self._kept.entry = None
+        first, last = self.bounds[member]
+        part = kept.product[:, first:last]
+        return part if part.is_contiguous() else part.contiguous()
+
+
+@dataclass
+class _KeptProduct:
+    """A shared product's input (as rounded), its every column, and which members took theirs."""
+
+    rounded: torch.Tensor
+    product: torch.Tensor
+    taken: set[int] = field(default_factory=set)
+
+
+def _product_of_rounded(rounded: torch.Tensor, packed: torch.ScriptObject) -> torch.Tensor:
+    count = rounded.shape[0]
+    levels, steps = _row_levels(rounded)
     product = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
         levels, 1.0, _ROW_ACTIVATION_ZERO, packed)
     return torch.add(product[:count], product[count:], alpha=1.0 / _FINE_LEVEL).mul_(steps)
 
 
 def _row_levels(rounded: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The two levels of bfloat16 ``rounded`` as fbgemm's input rows (codes first, then what they leave), and each
-    row's step. A few rows' levels are kept for the next call of this thread, so projections reading one input (q,
-    k and v; gate and up) quantize it once: for one row its small operations take most of what the product does."""
+    """The two levels of bfloat16 ``rounded`` as fbgemm's input rows (codes first, then what they leave, scaled),
+    and each row's step; written into one buffer with few operations, as for one row they take about as long as the
+    product itself."""
     count = rounded.shape[0]
-    kept = getattr(_last_levels, "entry", None)
-    if kept is not None and kept[0].shape == rounded.shape and torch.equal(kept[0], rounded):
-        return kept[1], kept[2]
-    wide = rounded.float()
-    steps = torch.linalg.vector_norm(wide, ord=float("inf"), dim=1, keepdim=True).clamp_(
+    levels = torch.empty(2 * count, rounded.shape[1])
+    codes, rest = levels[:count], levels[count:]
+    codes.copy_(rounded)
+    steps = torch.linalg.vector_norm(codes, ord=float("inf"), dim=1, keepdim=True).clamp_(
         min=torch.finfo(torch.float32).tiny).div_(_ROW_CODE_STEPS)
-    wide.div_(steps)
-    levels = torch.empty(2 * count, wide.shape[1])
-    torch.round(wide, out=levels[:count])
-    torch.sub(wide, levels[:count], out=levels[count:]).mul_(_FINE_LEVEL)
-    _last_levels.entry = (rounded, levels, steps) if count <= _KEPT_LEVELS_MAX_ROWS else None
+    torch.div(codes, steps, out=rest)
+    torch.round(rest, out=codes)
+    rest.sub_(codes).mul_(_FINE_LEVEL)
     return levels, steps
 
 

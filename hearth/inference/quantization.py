@@ -35,8 +35,8 @@ from torch import nn
 
 from .errors import InferenceError
 from .heap import release_freed_heap
-from .int8_kernels import INT8_MAX, INT_MM_FEATURE_MULTIPLE, cuda_row_product, fbgemm_row_product, \
-    int8_rows_on_cpu, pack_for_fbgemm
+from .int8_kernels import INT8_MAX, INT_MM_FEATURE_MULTIPLE, SharedRowProduct, cuda_row_product, \
+    fbgemm_row_product, int8_rows_on_cpu, pack_for_fbgemm
 
 DEFAULT_QUANTIZATION = "none"
 # Faithful to the 4-bit GGUF blocks (Q4_0, Q4_1: groups of 32) and measured best on their models (BENCHMARKS.md
@@ -232,6 +232,7 @@ class QuantizedLinear(nn.Module):
         self._int8_dynamic = (device.type == "cuda" and scheme.kind == "int8"
                               and columns % INT_MM_FEATURE_MULTIPLE == 0 and rows % INT_MM_FEATURE_MULTIPLE == 0)
         self._fbgemm_packed = None
+        self._shared: tuple[SharedRowProduct, int] | None = None
         with torch.no_grad():
             if scheme.kind == "int8":
                 codes = torch.empty(rows, columns, dtype=torch.int8, device=device)
@@ -263,7 +264,10 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         leading = inputs.shape[:-1]
-        if self._fbgemm_packed is not None:
+        if self._shared is not None:
+            shared, member = self._shared
+            product = shared.columns(member, inputs.reshape(-1, self.in_features))
+        elif self._fbgemm_packed is not None:
             rows = inputs.reshape(-1, self.in_features)
             product = fbgemm_row_product(rows, self._fbgemm_packed)
         else:
@@ -284,8 +288,10 @@ class QuantizedLinear(nn.Module):
 
     @property
     def packed_bytes(self) -> int:
-        """Bytes of the weight held outside the module's buffers (the int8 codes in fbgemm's packed form)."""
-        return 0 if self._fbgemm_packed is None else self.out_features * self.in_features
+        """Bytes of the weight held outside the module's buffers (the int8 codes in fbgemm's packed form, its own or
+        its part of a shared one)."""
+        packed = self._fbgemm_packed is not None or self._shared is not None
+        return self.out_features * self.in_features if packed else 0
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme.label}"
@@ -368,9 +374,26 @@ def quantize_linears(layer: nn.Module, scheme: QuantizationScheme) -> int:
     for parent, name, linear in dense_linears(layer):
         setattr(parent, name, QuantizedLinear(linear, scheme))
         replaced += 1
+    _share_input_products(layer)
     with torch.no_grad():
         for module in layer.modules():
             for name, parameter in list(module.named_parameters(recurse=False)):
                 setattr(module, name, nn.Parameter(parameter.detach().clone(), requires_grad=False))
     release_freed_heap()
     return replaced
+
+
+# Linears of one module that read the same input in the supported architectures (Phi-3 fuses them itself).
+SHARED_INPUT_LINEARS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def _share_input_products(layer: nn.Module) -> None:
+    """Let the int8 Linears of each SHARED_INPUT_LINEARS group of ``layer`` run on one packed product."""
+    for parent in layer.modules():
+        for names in SHARED_INPUT_LINEARS:
+            members = [getattr(parent, name, None) for name in names]
+            if all(isinstance(member, QuantizedLinear) and member._fbgemm_packed is not None for member in members) \
+                    and len({member.in_features for member in members}) == 1:
+                shared = SharedRowProduct.joining([member._fbgemm_packed for member in members])
+                for index, member in enumerate(members):  # the shared product holds the codes from now on
+                    member._shared, member._fbgemm_packed = (shared, index), None

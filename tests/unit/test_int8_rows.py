@@ -1,6 +1,7 @@
 """int8 on the CPU with activations quantized per row (hearth/inference/int8_kernels.py): a row's product never depends
 on its batch, the two levels keep it as close to the int8 weights' product as bfloat16 activations do, the packed form
-holds the very codes of per-row int8, and a torch without the operator keeps the weight-only kernel."""
+holds the very codes of per-row int8, Linears reading one input share one product, and a torch without the operator
+keeps the weight-only kernel."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 from torch import nn
 
 from hearth.inference import quantization
-from hearth.inference.int8_kernels import fbgemm_row_product, int8_rows_on_cpu, pack_for_fbgemm
+from hearth.inference.int8_kernels import SharedRowProduct, fbgemm_row_product, int8_rows_on_cpu, pack_for_fbgemm
 from hearth.inference.quantization import QuantizedLinear, parse_quantization
 
 needs_fbgemm = pytest.mark.skipif(not int8_rows_on_cpu(), reason="this torch has no fbgemm int8 product")
@@ -93,15 +94,39 @@ def test_without_the_operator_int8_keeps_the_weight_only_kernel(monkeypatch):
 
 
 @needs_fbgemm
-def test_an_input_changed_in_place_is_quantized_again():
-    """Levels are kept for the next product of the same input (q, k and v read one): never for changed values."""
+def test_linears_reading_one_input_share_one_product_and_give_what_each_gives_alone():
+    """q, k and v (and gate and up) run on one packed product: the same numbers as each Linear's own, contiguous,
+    whatever member comes first; the product is let go once every member took its part."""
+    torch.manual_seed(4)
+    attention = nn.Module()
+    attention.q_proj, attention.k_proj, attention.v_proj, attention.o_proj = (
+        nn.Linear(IN_FEATURES, width, bias=width == 64) for width in (OUT_FEATURES, 64, 64, IN_FEATURES))
+    alone = {name: QuantizedLinear(getattr(attention, name), parse_quantization("int8"))
+             for name in ("q_proj", "k_proj", "v_proj", "o_proj")}
+    assert quantization.quantize_linears(attention, parse_quantization("int8")) == 4
+    shared = attention.q_proj._shared[0]
+    assert attention.k_proj._shared[0] is shared and attention.v_proj._shared[0] is shared
+    assert attention.o_proj._shared is None and attention.o_proj._fbgemm_packed is not None
+    assert sum(held.packed_bytes for held in (attention.q_proj, attention.k_proj, attention.v_proj)) \
+        == fbgemm_codes(shared.packed).numel()
+    rows = heavy_tailed_rows(5).reshape(1, 5, IN_FEATURES)
+    with torch.inference_mode():
+        for order in (("q_proj", "k_proj", "v_proj"), ("v_proj", "q_proj", "k_proj")):
+            for name in order:
+                ours = getattr(attention, name)(rows)
+                assert ours.is_contiguous() and torch.equal(ours, alone[name](rows))
+            assert getattr(shared._kept, "entry", None) is None
+
+
+@needs_fbgemm
+def test_a_shared_input_changed_in_place_is_computed_again():
     codes, scales = int8_weights(3)
     packed = pack_for_fbgemm(codes, scales)
-    rows = heavy_tailed_rows(2).bfloat16()
-    before = fbgemm_row_product(rows, packed)
-    assert torch.equal(fbgemm_row_product(rows, packed), before)
+    shared = SharedRowProduct.joining([packed, pack_for_fbgemm(codes[:64], scales[:64])])
+    rows = heavy_tailed_rows(2)
+    before = shared.columns(0, rows)
+    assert torch.equal(before, fbgemm_row_product(rows, packed))
     rows[1] *= -3
-    changed = fbgemm_row_product(rows, packed)
-    assert torch.equal(changed[0], before[0]) and not torch.equal(changed[1], before[1])
-    assert torch.equal(changed, fbgemm_row_product(rows.clone(), packed_again := pack_for_fbgemm(codes, scales)))
-    assert torch.equal(fbgemm_row_product(rows.float(), packed_again), changed)
+    changed = shared.columns(1, rows)
+    assert torch.equal(changed, fbgemm_row_product(rows, packed)[:, :64])
+    assert not torch.equal(changed[1], before[1, :64])
