@@ -37,6 +37,9 @@ INT8_MAX = 127
 _ROW_ACTIVATION_ZERO = 64
 _ROW_CODE_STEPS = 63
 _FINE_LEVEL = 2 * _ROW_CODE_STEPS
+# The same numbers as float32 tensors: an operation given a Python number wraps it in a tensor on every call.
+_CODE_STEPS, _FINE_FACTOR = torch.tensor(float(_ROW_CODE_STEPS)), torch.tensor(float(_FINE_LEVEL))
+_TINY = torch.tensor(torch.finfo(torch.float32).tiny)
 _FBGEMM_ENGINE = "fbgemm"
 # cuBLASLt's int8 product takes more than 16 rows: fewer are padded (to a multiple of 8, which it also needs).
 INT_MM_MIN_ROWS = 24
@@ -126,11 +129,10 @@ def _row_levels(rounded: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     levels = torch.empty(2 * count, rounded.shape[1])
     codes, rest = levels[:count], levels[count:]
     codes.copy_(rounded)
-    steps = torch.linalg.vector_norm(codes, ord=float("inf"), dim=1, keepdim=True).clamp_(
-        min=torch.finfo(torch.float32).tiny).div_(_ROW_CODE_STEPS)
+    steps = codes.abs().amax(dim=1, keepdim=True).clamp_min_(_TINY).div_(_CODE_STEPS)
     torch.div(codes, steps, out=rest)
     torch.round(rest, out=codes)
-    rest.sub_(codes).mul_(_FINE_LEVEL)
+    rest.sub_(codes).mul_(_FINE_FACTOR)
     return levels, steps
 
 
