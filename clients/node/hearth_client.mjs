@@ -16,8 +16,8 @@
 // answers an unsigned or badly signed call with an `error` frame of code `unauthorized`.
 //
 // Exit codes: 0 the stream ended with `done`; 1 it ended with `error` or `pipeline_aborted` (the summary
-// is still printed); 2 a schema violation, a seq gap, a timeout, no orchestrator, a refused login or
-// permission, or bad arguments. An `unauthorized` error frame also says why on stderr (exit code 1).
+// is still printed); 2 a schema violation, a seq gap not filled in time, a timeout, no orchestrator, a refused
+// login or permission, or bad arguments. An `unauthorized` error frame also says why on stderr (exit code 1).
 import { randomBytes, randomUUID } from "node:crypto";
 import { readFileSync } from "node:fs";
 import { fileURLToPath } from "node:url";
@@ -28,6 +28,7 @@ import Ajv2020 from "ajv/dist/2020.js";
 
 const FINAL_FRAME_TYPES = new Set(["done", "error", "pipeline_aborted"]); // docs/protocol.md, "Frames"
 const CHAT_REQUEST_SUBJECT = "llm.chat.request";
+const MAX_HELD_FRAMES = 1024; // frames held after a gap before the call is given up
 
 class Failure extends Error {}
 
@@ -218,10 +219,24 @@ async function streamChat(nc, request, keyPair) {
   nc.publish(CHAT_REQUEST_SUBJECT, body, publishOptions);
   const seen = [];
   let lastSeq = -1;
+  // After a broker node went away the orchestrator sends again what we missed (docs/protocol.md, "Frames"):
+  // frames after a gap wait here until it is filled; a frame seen before is skipped.
+  const held = new Map();
+  let gapDeadline = null;
+  const gapFailure = () => new Failure(`frames were lost: seq ${lastSeq + 1} to ${Math.min(...held.keys()) - 1} ` +
+    "never came, not even sent again");
   try {
     for (;;) {
-      const waitMs = seen.length ? seconds("silence-timeout") : seconds("first-frame-timeout");
-      const { value: msg, done } = await within(waitMs, `a frame after seq ${lastSeq} on ${inbox}`, frames.next());
+      let waitMs = seen.length ? seconds("silence-timeout") : seconds("first-frame-timeout");
+      if (gapDeadline !== null) waitMs = Math.max(0, Math.min(waitMs, gapDeadline - Date.now()));
+      let next;
+      try {
+        next = await within(waitMs, `a frame after seq ${lastSeq} on ${inbox}`, frames.next());
+      } catch (err) {
+        if (gapDeadline !== null && Date.now() >= gapDeadline) throw gapFailure();
+        throw err;
+      }
+      const { value: msg, done } = next;
       if (done) throw new Failure("the reply subscription closed before a final frame");
       if (msg.headers?.code === 503) throw new Failure(`no orchestrator is listening on ${CHAT_REQUEST_SUBJECT}`);
       let frame;
@@ -231,19 +246,37 @@ async function streamChat(nc, request, keyPair) {
         throw new Failure(`a frame is not JSON: ${msg.string().slice(0, 200)}`);
       }
       const typed = frame !== null && typeof frame === "object" && typeof frame.type === "string";
-      if (typed && !knownFrameType(frame.type)) {
-        // A frame type added after these schemas: skipped, its seq still counted (docs/protocol.md, "Frames").
-        console.error(`[skipped a '${frame.type.slice(0, 64)}' frame: a type this client does not know]`);
-        if (frame.seq === lastSeq + 1) lastSeq = frame.seq;
+      const known = !typed || knownFrameType(frame.type);
+      if (known) {
+        check(frameSchema(frame?.type), frame, `a '${frame?.type}' frame`);
+        if (frame.type === "keepalive") { // not numbered: it repeats the last seq
+          seen.push(frame);
+          if (gapDeadline !== null && Date.now() >= gapDeadline) throw gapFailure();
+          continue;
+        }
+      }
+      if (!Number.isInteger(frame.seq) || frame.seq <= lastSeq) continue; // sent again: seen before
+      if (frame.seq > lastSeq + 1) {
+        held.set(frame.seq, { frame, known });
+        gapDeadline ??= Date.now() + seconds("silence-timeout");
+        if (held.size > MAX_HELD_FRAMES || Date.now() >= gapDeadline) throw gapFailure();
         continue;
       }
-      check(frameSchema(frame?.type), frame, `a '${frame?.type}' frame`);
-      seen.push(frame);
-      if (frame.type === "keepalive") continue; // not numbered: it repeats the last seq
-      if (frame.seq !== lastSeq + 1) throw new Failure(`frames were lost: seq ${frame.seq} after ${lastSeq}`);
-      lastSeq = frame.seq;
-      if (frame.type === "queued") console.error(`[queued: ${frame.position} of ${frame.queued_requests}]`);
-      if (FINAL_FRAME_TYPES.has(frame.type)) return seen;
+      for (let ready = { frame, known }; ready; ready = held.get(lastSeq + 1)) {
+        held.delete(ready.frame.seq);
+        lastSeq = ready.frame.seq;
+        if (!ready.known) {
+          // A frame type added after these schemas: skipped, its seq still counted (docs/protocol.md, "Frames").
+          console.error(`[skipped a '${ready.frame.type.slice(0, 64)}' frame: a type this client does not know]`);
+          continue;
+        }
+        seen.push(ready.frame);
+        if (ready.frame.type === "queued") {
+          console.error(`[queued: ${ready.frame.position} of ${ready.frame.queued_requests}]`);
+        }
+        if (FINAL_FRAME_TYPES.has(ready.frame.type)) return seen;
+      }
+      gapDeadline = held.size ? Date.now() + seconds("silence-timeout") : null;
     }
   } finally {
     subscription.unsubscribe();

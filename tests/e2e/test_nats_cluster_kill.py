@@ -1,6 +1,7 @@
 """A mesh on a three-node NATS cluster loses one node mid-generation (SIGKILL): the generation completes with the
 same tokens as an undisturbed one, no acknowledged event is lost (contiguous sequences, the projector's read
-model equals a rebuild), and the node rejoins, its copies of both streams caught up."""
+model equals a rebuild), and the node rejoins, its copies of both streams caught up. The calling client is on the
+killed node too, or on a surviving one: frames it missed while it reconnected are sent again, in order."""
 
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 ORCHESTRATOR_CONNECTION = "hearth-orchestrator orchestrator"
 rejoin_timeout_s = 30.0
+# Connections made until one lands on the node asked for (nats-py picks a random node of the list).
+placement_attempts = 40
 
 
 def node_serving(nodes: list[ClusterNodeServer], connection_name: str) -> ClusterNodeServer:
@@ -30,6 +33,16 @@ def node_serving(nodes: list[ClusterNodeServer], connection_name: str) -> Cluste
         if any(connection.get("name") == connection_name for connection in connections):
             return node
     raise AssertionError(f"no node serves {connection_name!r}")
+
+
+async def connect_on(mesh, nodes: list[ClusterNodeServer], node: ClusterNodeServer, name: str):
+    """A client connection (given the whole node list, so it can reconnect to any) that `node` serves."""
+    for _ in range(placement_attempts):
+        nc = await connect_nats(mesh.nats_url, name=name, settings=mesh.nats_settings())
+        if node_serving(nodes, name) is node:
+            return nc
+        await asyncio.wait_for(nc.close(), timeout=5)
+    raise AssertionError(f"{placement_attempts} connections, none on {node.name}")
 
 
 async def stream_peers(js, stream: str) -> dict[str, bool]:
@@ -53,7 +66,8 @@ async def wait_caught_up(js, node: ClusterNodeServer) -> None:
         await asyncio.sleep(0.1)
 
 
-async def test_a_nats_node_killed_mid_generation_loses_nothing_and_rejoins(tmp_path, tiny_models_dir):
+@pytest.mark.parametrize("caller_on_victim", [True, False], ids=["caller-on-the-killed-node", "caller-elsewhere"])
+async def test_a_nats_node_killed_mid_generation_loses_nothing_and_rejoins(tmp_path, tiny_models_dir, caller_on_victim):
     projector_db = tmp_path / "projector.sqlite"
     with three_shard_mesh(tmp_path / "mesh", tiny_models_dir, nats_options={"cluster_size": 3},
                           projector_db=projector_db) as mesh:
@@ -72,7 +86,13 @@ async def test_a_nats_node_killed_mid_generation_loses_nothing_and_rejoins(tmp_p
             async def kill_victim() -> None:
                 await asyncio.to_thread(victim.stop, kill=True)
 
-            in_flight = await stream_with_action(nc, chat_request(), kill_victim)
+            caller_node = victim if caller_on_victim else survivors[0]
+            caller = await connect_on(mesh, nats_cluster.nodes, caller_node, "cluster-kill-caller")
+            try:
+                in_flight = await stream_with_action(caller, chat_request(), kill_victim)
+                assert caller.stats["reconnects"] == (1 if caller_on_victim else 0)
+            finally:
+                await asyncio.wait_for(caller.close(), timeout=5)
             assert in_flight.final.type == "done", in_flight.final
             assert in_flight.token_ids == solo.token_ids
             assert in_flight.of_type("shard_status") == [] and in_flight.of_type("shard_failover") == []

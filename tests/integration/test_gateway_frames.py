@@ -1,7 +1,8 @@
 """The gateway's app over a real nats-server, with a scripted stand-in for the orchestrator answering
 `llm.chat.request`: frames the HTTP answer does not carry (failover, shard status, keepalive, a `queued` frame an
-admission queue sends, a type added later) leave the stream whole, and each way a call can end has its HTTP
-answer: 429 with the Retry-After the frame names, 503 for a stalled pipeline, an error event mid-stream."""
+admission queue sends, a type added later) leave the stream whole, so do frames sent again after a broker node
+went away, and each way a call can end has its HTTP answer: 429 with the Retry-After the frame names, 503 for a
+stalled pipeline, an error event mid-stream."""
 
 from __future__ import annotations
 
@@ -81,6 +82,22 @@ async def test_frames_the_answer_does_not_carry_leave_the_stream_whole(scripted)
     assert chunks[-1]["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
     sent = received[-1]
     assert (sent.stop, sent.seed, sent.top_p, sent.temperature, sent.max_tokens) == (["x"], 7, 0.5, 1.0, 128)
+
+
+async def test_frames_sent_again_after_a_gap_make_the_answer_once_and_in_order(scripted):
+    """After a broker node went away the orchestrator sends again what a caller missed, and more than that: frames
+    after a gap wait for it to be filled, frames seen before are skipped; a gap never filled ends the call."""
+    http, script, _ = scripted
+    script.append([token(0, "He"), token(2, "lo"), token(0, "He"), token(1, "l"), token(2, "lo"),
+                   {"type": "keepalive", "seq": 2}, {**DONE, "seq": 3}])
+    response = await http.post("/v1/chat/completions", json=body())
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["message"]["content"] == "Hello"
+
+    script.append([token(0, "He"), token(2, "lo"), {**DONE, "seq": 3}])
+    response = await http.post("/v1/chat/completions", json=body())
+    assert (response.status_code, response.json()["error"]["code"]) == (503, "pipeline_stalled")
+    assert "frames 1-1 were lost" in response.json()["error"]["message"]
 
 
 async def test_overloaded_is_429_with_retry_after(scripted):

@@ -1,6 +1,6 @@
-"""A call's final frame goes out last (hearth/services/orchestrator/call.py `ClientStream.final_frame_last`): after
-the call let go of its running place, so a caller that saw its call end may at once call again within its share;
-frames before it keep their order, and a body that fails still sends the final frame it held."""
+"""A call's final frame goes out last (hearth/services/orchestrator/client_stream.py `ClientStream.final_frame_last`):
+after the call let go of its running place, so a caller that saw its call end may at once call again within its
+share; frames before it keep their order, and a body that fails still sends the final frame it held."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 from hearth.protocol.chat import ChatRequest, DoneFrame, ErrorFrame, TokenDeltaFrame, Usage
 from hearth.services.common.config import HearthSettings
 from hearth.services.orchestrator import service as orchestrator_service
-from hearth.services.orchestrator.call import ClientStream
+from hearth.services.orchestrator.client_stream import ClientStream
 from hearth.services.orchestrator.service import Orchestrator
 
 
@@ -38,7 +38,7 @@ def done() -> DoneFrame:
 
 async def test_the_final_frame_waits_for_the_body_and_comes_after_every_other_frame():
     inbox = Inbox()
-    client = ClientStream(inbox, "_INBOX.caller", resubscribe_grace_s=1.0)
+    client = ClientStream(inbox, "_INBOX.caller", resubscribe_grace_s=1.0, probe_timeout_s=0.25)
     async with client.final_frame_last():
         await client.send(TokenDeltaFrame(seq=0, text="a", token_id=1))
         await client.send(done())
@@ -81,7 +81,7 @@ async def test_a_caller_sees_its_call_end_only_once_the_call_has_left_its_runnin
 
     orchestrator._run_admitted = run_admitted
     inbox = Inbox(seen_with=lambda: orchestrator.queue.running)
-    client = ClientStream(inbox, "_INBOX.caller", resubscribe_grace_s=1.0)
+    client = ClientStream(inbox, "_INBOX.caller", resubscribe_grace_s=1.0, probe_timeout_s=0.25)
     request = ChatRequest(model="tiny", prompt="hello", max_tokens=1)
     msg = SimpleNamespace(data=request.model_dump_json().encode(), headers=None, subject="llm.chat.request")
     await orchestrator._serve_request(msg, client, "alice")

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -36,6 +37,8 @@ from hearth.trust.keys import MemberKey
 
 log = logging.getLogger(__name__)
 _client_defaults = ClientSettings()
+# Frames held after a gap before the call is given up (the orchestrator keeps about as many to send again).
+max_held_frames = 1024
 
 
 def _ending(code: str, message: str, after_seq: int) -> ErrorFrame:
@@ -62,8 +65,10 @@ async def stream_chat_raw(
     The orchestrator sends a frame or a keepalive at least every `[transport] keepalive_interval_s`, so a
     silence of `frame_gap_timeout` means it is gone: the stream then ends with an `orchestrator_gone` error
     frame of its own (as it does at once when no orchestrator listens at all). A silence while our own
-    connection to the broker was down proves nothing and is waited out. Frames lost while the broker was away
-    (a gap in `seq`) end the stream with `pipeline_stalled`: the text would be missing a piece.
+    connection to the broker was down proves nothing and is waited out. Frames lost while a broker node was away
+    (a gap in `seq`) are sent again by the orchestrator once this inbox is listened to again: frames after a gap
+    are held until it is filled, and a frame seen before is skipped. A gap not filled within `frame_gap_timeout`
+    ends the stream with `pipeline_stalled`: the text would be missing a piece.
     """
     inbox = nc.new_inbox()
     subscription = await nc.subscribe(inbox)
@@ -74,45 +79,93 @@ async def stream_chat_raw(
     headers = signed_call_headers(key, CHAT_REQUEST_SUBJECT, inbox, payload) if key else None
     try:
         await nc.publish(CHAT_REQUEST_SUBJECT, payload, reply=inbox, headers=headers)
-        timeout, last_seq = first_frame_timeout, -1
+        order = _FrameOrder(frame_gap_timeout)
+        timeout = first_frame_timeout
         reconnects = nc.stats["reconnects"]
         while True:
             try:
-                message = await subscription.next_msg(timeout=timeout)
+                message = await subscription.next_msg(timeout=order.wait_s(timeout))
             except (asyncio.TimeoutError, TimeoutError):
+                if order.gap_overdue():
+                    yield order.stalled()
+                    return
                 if not nc.is_connected or nc.stats["reconnects"] != reconnects:
                     reconnects = nc.stats["reconnects"]
                     continue
                 yield _ending("orchestrator_gone", f"no frame and no keepalive from the orchestrator for "
-                                                   f"{timeout} s", last_seq)
+                                                   f"{timeout} s", order.last_seq)
                 return
             if message.headers and message.headers.get("Status") == NO_RESPONDERS_STATUS:
                 yield _ending("orchestrator_gone", f"no orchestrator is listening on {CHAT_REQUEST_SUBJECT}",
-                              last_seq)
+                              order.last_seq)
                 return
             frame = _decode_known(message.data)
             if frame is None:
                 log.debug("skipped a message on %s that is not a frame", inbox)
                 continue
             timeout = frame_gap_timeout
-            if isinstance(frame, int):  # a frame type this client does not know: only its number matters
-                last_seq = frame if frame == last_seq + 1 else last_seq
-                continue
             if isinstance(frame, KeepaliveFrame):
                 if include_keepalives:
                     yield frame
-                continue
-            if frame.seq != last_seq + 1:
-                yield _ending("pipeline_stalled", f"frames {last_seq + 1}-{frame.seq - 1} were lost while the "
-                                                  f"connection to the NATS broker was down", last_seq)
-                return
-            last_seq = frame.seq
-            yield frame
-            if frame.type in FINAL_FRAME_TYPES:
+            else:
+                for ready in order.arrived(frame):
+                    yield ready
+                    if ready.type in FINAL_FRAME_TYPES:
+                        return
+            if order.gap_overdue() or order.too_many_held():
+                yield order.stalled()
                 return
     finally:
         with contextlib.suppress(Exception):
             await subscription.unsubscribe()
+
+
+class _FrameOrder:
+    """Puts numbered frames in `seq` order: one already seen (sent again after a broker node went away) is skipped,
+    and frames after a gap are held until the orchestrator sends the missing ones again; a gap still open after
+    `gap_timeout_s` ends the call. A frame of a type this client does not know is an int (its seq) and only counts."""
+
+    def __init__(self, gap_timeout_s: float) -> None:
+        self.gap_timeout_s = gap_timeout_s
+        self.last_seq = -1
+        self._held: dict[int, ChatFrame | int] = {}
+        self._gap_deadline: float | None = None
+
+    def arrived(self, frame: ChatFrame | int) -> list[ChatFrame]:
+        """The frames now in order, `frame` and any held ones it lets through."""
+        seq = frame if isinstance(frame, int) else frame.seq
+        if seq <= self.last_seq:
+            return []
+        if seq > self.last_seq + 1:
+            self._held.setdefault(seq, frame)
+            if self._gap_deadline is None:
+                self._gap_deadline = time.monotonic() + self.gap_timeout_s
+            return []
+        ready = []
+        while frame is not None:
+            self.last_seq += 1
+            if not isinstance(frame, int):
+                ready.append(frame)
+            frame = self._held.pop(self.last_seq + 1, None)
+        self._gap_deadline = None if not self._held else time.monotonic() + self.gap_timeout_s
+        return ready
+
+    def wait_s(self, timeout_s: float) -> float:
+        """How long to wait for the next message: `timeout_s`, or less while a gap is open."""
+        if self._gap_deadline is None:
+            return timeout_s
+        return max(0.0, min(timeout_s, self._gap_deadline - time.monotonic()))
+
+    def gap_overdue(self) -> bool:
+        return self._gap_deadline is not None and time.monotonic() >= self._gap_deadline
+
+    def too_many_held(self) -> bool:
+        return len(self._held) > max_held_frames
+
+    def stalled(self) -> ErrorFrame:
+        missing = min(self._held) - 1 if self._held else self.last_seq + 1
+        return _ending("pipeline_stalled", f"frames {self.last_seq + 1}-{missing} were lost while a connection to "
+                                           f"the NATS broker was down, and not sent again", self.last_seq)
 
 
 def _decode_known(data: bytes) -> ChatFrame | int | None:

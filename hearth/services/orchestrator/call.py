@@ -1,18 +1,9 @@
 """Call: everything one `llm.chat.request` is while the orchestrator serves it (the request, its model, its
 pipeline id, its status, its sampling state, the tokens so far, its timing, its failovers, what the client was
-sent) and ClientStream, the call's outbox, which numbers and publishes its frames to the client's inbox.
-
-A client that goes away (its connection closed, or it stopped reading and unsubscribed its inbox) is noticed
-through NATS "no responders": every frame is published with a reply subject of ours, and when nobody listens
-on the client's inbox any more the server answers that publish with a 503 status. Right after our own
-connection reconnected (a broker restart) the client may simply not have resubscribed yet, so 503s within
-`client_resubscribe_grace_s` of a reconnect are not taken as the client leaving.
-"""
+sent through its ClientStream)."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import enum
 import secrets
 import time
@@ -21,21 +12,15 @@ from functools import cached_property
 
 import torch
 
-from nats.aio.client import Client as NatsClient
-from nats.aio.msg import Msg
-
 from hearth.inference import SamplingParams, TextStream
 from hearth.inference.grammar import GrammarState
 from hearth.inference.logit_shaping import LogitShaping
-from hearth.protocol.chat import ChatRequest, KeepaliveFrame, TokenAlternative, TokenDeltaFrame, TokenLogprobs
-from hearth.services.broker.connection import NO_RESPONDERS_STATUS, flush_ordered
+from hearth.protocol.chat import ChatRequest, TokenAlternative, TokenLogprobs
 from hearth.services.orchestrator.catalog import LoadedModel
+from hearth.services.orchestrator.client_stream import ClientStream
 from hearth.services.orchestrator.constrained import FINISH_TOOL_CALLS, OutputGrammar, output_grammar
-from hearth.services.orchestrator.metrics import final_frame_code
 from hearth.services.orchestrator.outcomes import SampledToken
 
-# Event-loop turns after a flush for a subscription callback to run (its message is already read).
-status_dispatch_yields = 3
 # What OpenAI reports for a log-probability too small for a float (JSON has no -Infinity).
 lowest_reported_logprob = -9999.0
 pipeline_id_random_bytes = 16
@@ -44,107 +29,6 @@ pipeline_id_random_bytes = 16
 def new_pipeline_id() -> str:
     """128 random bits: a pipeline's activation subjects carry its id, so it must not be guessable."""
     return "p-" + secrets.token_hex(pipeline_id_random_bytes)
-
-
-class ClientStream:
-    """Numbers frames (monotonic `seq`), publishes them to one reply subject, and notices the client leaving."""
-
-    def __init__(self, nc: NatsClient, reply_subject: str, *, resubscribe_grace_s: float) -> None:
-        self.nc = nc
-        self.reply_subject = reply_subject
-        self.resubscribe_grace_s = resubscribe_grace_s
-        self.seq = 0
-        self.tokens_sent = 0
-        # "ok" or the error code of the final frame sent (None: none yet), for hearth_requests_total.
-        self.final_code: str | None = None
-        self.last_sent_at = time.monotonic()
-        self.client_gone = asyncio.Event()
-        self._missed_frames = 0
-        self._status_inbox: str | None = None
-        self._status_sub = None
-        self._reconnects = nc.stats["reconnects"]
-        self._reconnect_noticed_at = float("-inf")
-        # The call's final frame, held back while `final_frame_last` holds it (None: none held).
-        self._holding_final = False
-        self._held_final = None
-
-    async def start(self) -> "ClientStream":
-        self._status_inbox = self.nc.new_inbox()
-        self._status_sub = await self.nc.subscribe(self._status_inbox, cb=self._on_status)
-        return self
-
-    @contextlib.asynccontextmanager
-    async def final_frame_last(self):
-        """Holds the call's final frame back until the body ended: a client that saw it may call again at once,
-        because the call has let go of its running place and told its hops to close by then."""
-        self._holding_final = True
-        try:
-            yield
-        finally:
-            self._holding_final = False
-            held, self._held_final = self._held_final, None
-            if held is not None:
-                await self.send(held)
-
-    async def send(self, frame) -> None:
-        if self._holding_final and final_frame_code(frame) is not None:
-            self._held_final = frame
-            return
-        self._reconnected_recently()
-        if isinstance(frame, KeepaliveFrame):
-            # Not numbered (it repeats the last seq): a lost keepalive is no gap in what the client must see.
-            numbered = frame.model_copy(update={"seq": max(self.seq - 1, 0)})
-        else:
-            numbered = frame.model_copy(update={"seq": self.seq})
-            self.seq += 1
-        if isinstance(frame, TokenDeltaFrame):
-            self.tokens_sent += 1
-        else:
-            self.final_code = final_frame_code(frame) or self.final_code
-        self.last_sent_at = time.monotonic()
-        await self.nc.publish(self.reply_subject, numbered.model_dump_json().encode(),
-                              reply=self._status_inbox or "")
-
-    async def keep_alive(self, interval_s: float) -> None:
-        """A keepalive frame when nothing else went out for `interval_s`."""
-        if time.monotonic() - self.last_sent_at >= interval_s:
-            await self.send(KeepaliveFrame(seq=0))
-
-    async def reachable(self, timeout_s: float) -> bool:
-        """Whether the client's inbox has a subscriber again (after a broker restart the client resubscribes
-        when its own connection is back): a keepalive that nobody received comes back as "no responders",
-        which the server sends before it answers the flush's ping."""
-        missed = self._missed_frames
-        await self.send(KeepaliveFrame(seq=0))
-        try:
-            await flush_ordered(self.nc, timeout_s)
-        except Exception:
-            return False
-        # The status message has been read off the socket; let its subscription's callback run.
-        for _ in range(status_dispatch_yields):
-            await asyncio.sleep(0)
-        return self._missed_frames == missed
-
-    async def close(self) -> None:
-        sub, self._status_sub = self._status_sub, None
-        if sub is not None:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
-
-    async def _on_status(self, msg: Msg) -> None:
-        no_responders = msg.headers is not None and msg.headers.get("Status") == NO_RESPONDERS_STATUS
-        if not no_responders:
-            return
-        self._missed_frames += 1
-        if not self._reconnected_recently():
-            self.client_gone.set()
-
-    def _reconnected_recently(self) -> bool:
-        count = self.nc.stats["reconnects"]
-        now = time.monotonic()
-        if count != self._reconnects:
-            self._reconnects, self._reconnect_noticed_at = count, now
-        return now - self._reconnect_noticed_at < self.resubscribe_grace_s
 
 
 class CallStatus(enum.Enum):

@@ -18,7 +18,8 @@ from hearth.protocol.chat import (
     ChatRequest, ChoiceEnd, DoneFrame, ErrorFrame, PipelineAbortedFrame, TokenDeltaFrame, Usage,
 )
 from hearth.services.orchestrator.affinity import hop_ranges
-from hearth.services.orchestrator.call import Call, ClientStream
+from hearth.services.orchestrator.call import Call
+from hearth.services.orchestrator.client_stream import ClientStream
 from hearth.services.orchestrator.context import RunContext
 from hearth.services.orchestrator.pipeline import PipelineRun
 from hearth.services.orchestrator.chain import HopChain

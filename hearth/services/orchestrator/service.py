@@ -43,7 +43,8 @@ from hearth.services.common.metrics import counter
 from hearth.services.broker.connection import flush_ordered
 from hearth.services.broker.permissions import reply_allowed
 from hearth.services.orchestrator.admission import admit_prompt, prompt_room
-from hearth.services.orchestrator.call import Call, ClientStream
+from hearth.services.orchestrator.call import Call
+from hearth.services.orchestrator.client_stream import ClientStream
 from hearth.services.orchestrator.capacity import ShardLoad
 from hearth.services.orchestrator.catalog import LoadedModel, ModelCatalog, UnknownModel
 from hearth.events.streams import MiB
@@ -249,7 +250,8 @@ class Orchestrator:
             count_request(refusal.code, False)
             return
         client = await ClientStream(self.nc, msg.reply,
-                                    resubscribe_grace_s=self.settings.orchestrator.client_resubscribe_grace_s).start()
+                                    resubscribe_grace_s=self.settings.orchestrator.client_resubscribe_grace_s,
+                                    probe_timeout_s=self.settings.transport.gone_check_timeout_s).start()
         keepalive = asyncio.create_task(self._keep_client_told(client), name="client-keepalive")
         try:
             await asyncio.wait_for(self._serve_request(msg, client, caller),
@@ -264,6 +266,7 @@ class Orchestrator:
             count_request(client.final_code, client.client_gone.is_set())
             keepalive.cancel()
             await asyncio.gather(keepalive, return_exceptions=True)
+            await client.settle()
             await client.close()
 
     async def _keep_client_told(self, client: ClientStream) -> None:

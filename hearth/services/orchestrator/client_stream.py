@@ -1,0 +1,204 @@
+"""ClientStream: a call's outbox, which numbers its frames, publishes them to the client's inbox, notices the client
+leaving, and sends again the frames a client missed while the broker reorganized.
+
+A client that goes away (its connection closed, or it stopped reading and unsubscribed its inbox) is noticed
+through NATS "no responders": every frame is published with a reply subject of ours naming its `seq`, and when
+nobody listens on the client's inbox any more the server answers that publish with a 503 status. Right after our
+own connection reconnected (a broker node went away) the client may simply not have resubscribed yet, so 503s
+within `client_resubscribe_grace_s` of a reconnect are not taken as the client leaving: the frames they name are
+sent again, in order, once a probe finds the client's inbox listened to again. Frames written just before our
+connection dropped may have vanished without any answer, so a reconnect of ours sends the kept frames again too.
+A client skips a `seq` it has already seen and holds frames that come after a gap until the gap is filled
+(docs/protocol.md, "Frames").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+
+from hearth.protocol.chat import KeepaliveFrame, TokenDeltaFrame
+from hearth.services.broker.connection import NO_RESPONDERS_STATUS, flush_ordered
+from hearth.services.orchestrator.metrics import final_frame_code
+
+log = logging.getLogger(__name__)
+
+# Event-loop turns after a flush for a subscription callback to run (its message is already read).
+status_dispatch_yields = 3
+# The newest frames a call keeps to send again (a call's frames are small, but how many is the client's choice).
+replayable_frames = 1024
+# The last token of a keepalive's status subject (a numbered frame's is its seq).
+_KEEPALIVE_STATUS_TOKEN = "k"
+
+
+class ClientStream:
+    """Numbers frames (monotonic `seq`), publishes them to one reply subject, notices the client leaving, and sends
+    again what the client missed while the broker reorganized."""
+
+    def __init__(self, nc: NatsClient, reply_subject: str, *, resubscribe_grace_s: float,
+                 probe_timeout_s: float) -> None:
+        self.nc = nc
+        self.reply_subject = reply_subject
+        self.resubscribe_grace_s = resubscribe_grace_s
+        self.probe_timeout_s = probe_timeout_s
+        self.seq = 0
+        self.tokens_sent = 0
+        # "ok" or the error code of the final frame sent (None: none yet), for hearth_requests_total.
+        self.final_code: str | None = None
+        self.last_sent_at = time.monotonic()
+        self.client_gone = asyncio.Event()
+        self.frames_sent_again = 0
+        self._missed_frames = 0
+        self._status_inbox: str | None = None
+        self._status_sub = None
+        self._reconnects = nc.stats["reconnects"]
+        self._reconnect_noticed_at = float("-inf")
+        # The call's final frame, held back while `final_frame_last` holds it (None: none held).
+        self._holding_final = False
+        self._held_final = None
+        self._kept: deque[tuple[int, bytes]] = deque(maxlen=replayable_frames)
+        # The first seq to send again once the client listens again (None: nothing known missed).
+        self._replay_from: int | None = None
+
+    async def start(self) -> "ClientStream":
+        self._status_inbox = self.nc.new_inbox()
+        self._status_sub = await self.nc.subscribe(f"{self._status_inbox}.*", cb=self._on_status)
+        return self
+
+    @contextlib.asynccontextmanager
+    async def final_frame_last(self):
+        """Holds the call's final frame back until the body ended: a client that saw it may call again at once,
+        because the call has let go of its running place and told its hops to close by then."""
+        self._holding_final = True
+        try:
+            yield
+        finally:
+            self._holding_final = False
+            held, self._held_final = self._held_final, None
+            if held is not None:
+                await self.send(held)
+
+    async def send(self, frame) -> None:
+        if self._holding_final and final_frame_code(frame) is not None:
+            self._held_final = frame
+            return
+        self._reconnected_recently()
+        if isinstance(frame, KeepaliveFrame):
+            # Not numbered (it repeats the last seq): a lost keepalive is no gap in what the client must see.
+            await self._replay_missed()
+            await self._publish_keepalive()
+            return
+        await self._replay_missed()
+        numbered = frame.model_copy(update={"seq": self.seq})
+        self.seq += 1
+        if isinstance(frame, TokenDeltaFrame):
+            self.tokens_sent += 1
+        else:
+            self.final_code = final_frame_code(frame) or self.final_code
+        data = numbered.model_dump_json().encode()
+        self._kept.append((numbered.seq, data))
+        self.last_sent_at = time.monotonic()
+        await self.nc.publish(self.reply_subject, data, reply=self._status_subject(str(numbered.seq)))
+
+    async def keep_alive(self, interval_s: float) -> None:
+        """A keepalive frame when nothing else went out for `interval_s` (and what the client missed, once it
+        listens again)."""
+        if time.monotonic() - self.last_sent_at >= interval_s or self._replay_from is not None:
+            await self.send(KeepaliveFrame(seq=0))
+
+    async def reachable(self, timeout_s: float) -> bool:
+        """Whether the client's inbox has a subscriber again (after a broker restart the client resubscribes
+        when its own connection is back): a keepalive that nobody received comes back as "no responders",
+        which the server sends before it answers the flush's ping."""
+        missed = self._missed_frames
+        await self._publish_keepalive()
+        if not await self._flushed(timeout_s):
+            return False
+        return self._missed_frames == missed
+
+    async def settle(self) -> None:
+        """At the call's end: wait for the answers to what was sent, and send again what the client missed, for at
+        most `resubscribe_grace_s` (the final frame too may have gone while the broker reorganized)."""
+        deadline = time.monotonic() + self.resubscribe_grace_s
+        self._reconnected_recently()
+        if not await self._flushed(self.probe_timeout_s):
+            return
+        while self._replay_from is not None and not self.client_gone.is_set() and time.monotonic() < deadline:
+            await self._replay_missed()
+            if self._replay_from is not None or not await self._flushed(self.probe_timeout_s):
+                await asyncio.sleep(self.probe_timeout_s / 10)
+
+    async def close(self) -> None:
+        sub, self._status_sub = self._status_sub, None
+        if sub is not None:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+
+    async def _replay_missed(self) -> None:
+        """Send again, in order, every kept frame from the first one missed, once the client listens again."""
+        if self._replay_from is None or not self.nc.is_connected:
+            return
+        if not await self.reachable(self.probe_timeout_s):
+            return
+        first, self._replay_from = self._replay_from, None
+        frames = [(seq, data) for seq, data in self._kept if seq >= first]
+        if not frames or frames[0][0] > first:
+            log.warning("%s: frames from seq %d were missed by the client but are no longer kept", self.reply_subject,
+                        first)
+        for seq, data in frames:
+            await self.nc.publish(self.reply_subject, data, reply=self._status_subject(str(seq)))
+        self.frames_sent_again += len(frames)
+        log.info("%s: sent %d frames again from seq %d (missed while the broker reorganized)", self.reply_subject,
+                 len(frames), first)
+        self.last_sent_at = time.monotonic()
+
+    async def _publish_keepalive(self) -> None:
+        frame = KeepaliveFrame(seq=max(self.seq - 1, 0))
+        self.last_sent_at = time.monotonic()
+        await self.nc.publish(self.reply_subject, frame.model_dump_json().encode(),
+                              reply=self._status_subject(_KEEPALIVE_STATUS_TOKEN))
+
+    async def _flushed(self, timeout_s: float) -> bool:
+        """Whether every publish so far reached the broker within `timeout_s`, its "no responders" answers read."""
+        try:
+            await flush_ordered(self.nc, timeout_s)
+        except Exception:
+            return False
+        # The status messages have been read off the socket; let their subscription's callback run.
+        for _ in range(status_dispatch_yields):
+            await asyncio.sleep(0)
+        return True
+
+    def _status_subject(self, token: str) -> str:
+        return f"{self._status_inbox}.{token}" if self._status_inbox else ""
+
+    async def _on_status(self, msg: Msg) -> None:
+        no_responders = msg.headers is not None and msg.headers.get("Status") == NO_RESPONDERS_STATUS
+        if not no_responders:
+            return
+        self._missed_frames += 1
+        if not self._reconnected_recently():
+            self.client_gone.set()
+            return
+        token = msg.subject.rpartition(".")[2]
+        if token.isdigit():
+            self._missed_from(int(token))
+
+    def _missed_from(self, seq: int) -> None:
+        self._replay_from = seq if self._replay_from is None else min(self._replay_from, seq)
+
+    def _reconnected_recently(self) -> bool:
+        count = self.nc.stats["reconnects"]
+        now = time.monotonic()
+        if count != self._reconnects:
+            self._reconnects, self._reconnect_noticed_at = count, now
+            # What was written just before our connection dropped may have gone without a "no responders".
+            if self._kept:
+                self._missed_from(self._kept[0][0])
+        return now - self._reconnect_noticed_at < self.resubscribe_grace_s
