@@ -1,8 +1,9 @@
 """Frames a caller missed while the broker went away reach it all the same (hearth/services/orchestrator/
-client_stream.py, hearth/services/client/chat.py): a real nats-server restarts mid-call; the orchestrator's
-connection is back long before the caller's, so the frames it sends meanwhile find nobody on the caller's inbox
-("no responders"). Once the caller resubscribed they are sent again, and the caller sees every frame once, in
-order, and the call's end. A caller that leaves for good is still noticed once the grace after a reconnect is over.
+client_stream.py, hearth/services/client/chat.py), over a real nats-server: when it restarts mid-call (the
+orchestrator's connection is back long before the caller's), and when only the caller's connection is cut for a
+while (its broker node went away), the frames sent meanwhile find nobody on the caller's inbox ("no responders").
+Once the caller resubscribed they are sent again, and the caller sees every frame once, in order, and the call's
+end. A caller that leaves for good is still noticed once the grace is over.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import pytest
 
 from hearth.protocol.chat import ChatRequest, DoneFrame, TokenDeltaFrame, Usage
 from hearth.protocol.subjects import CHAT_REQUEST_SUBJECT
-from hearth.services.broker.connection import connect_nats
+from hearth.services.broker.connection import close_quietly, connect_nats, flush_ordered
 from hearth.services.client.chat import stream_chat_raw
 from hearth.services.common.config import NatsSettings
 from hearth.services.orchestrator.client_stream import ClientStream
@@ -27,20 +28,21 @@ token_interval_s = 0.05
 caller_reconnect_wait_s = 1.5
 orchestrator_reconnect_wait_s = 0.05
 server_down_s = 0.3
+link_down_s = 0.6
 grace_s = 5.0
 probe_timeout_s = 0.5
 call_timeout_s = 30.0
 
 
-async def serve_one_call(orchestrator, calls: asyncio.Queue, restart_after_tokens: int, restart) -> ClientStream:
-    """Answer the first call with TOKENS token frames and `done`, restarting the broker after some of them."""
+async def serve_one_call(orchestrator, calls: asyncio.Queue, disturb_after_tokens: int, disturb) -> ClientStream:
+    """Answer the first call with TOKENS token frames and `done`, running `disturb` (blocking) after some of them."""
     request = await asyncio.wait_for(calls.get(), timeout=call_timeout_s)
-    client = await ClientStream(orchestrator, request.reply, resubscribe_grace_s=grace_s,
+    client = await ClientStream(orchestrator, request.reply, resubscribe_grace_s=grace_s, missing_grace_s=grace_s,
                                 probe_timeout_s=probe_timeout_s).start()
     try:
         for index in range(TOKENS):
-            if index == restart_after_tokens:
-                await asyncio.to_thread(restart)
+            if index == disturb_after_tokens:
+                await asyncio.to_thread(disturb)
             await client.send(TokenDeltaFrame(seq=0, text=f" t{index}", token_id=index))
             await asyncio.sleep(token_interval_s)
         await client.send(DoneFrame(seq=0, finish_reason="length",
@@ -58,7 +60,7 @@ async def test_frames_sent_while_the_caller_reconnects_are_sent_again_in_order(n
                                 settings=NatsSettings(reconnect_wait_s=caller_reconnect_wait_s))
     calls: asyncio.Queue = asyncio.Queue()
     await orchestrator.subscribe(CHAT_REQUEST_SUBJECT, cb=calls.put)
-    await orchestrator.flush()
+    await flush_ordered(orchestrator)
 
     def restart() -> None:
         nats_server.stop()
@@ -71,14 +73,97 @@ async def test_frames_sent_while_the_caller_reconnects_are_sent_again_in_order(n
         frames = [frame async for frame in stream_chat_raw(caller, payload, frame_gap_timeout=call_timeout_s)]
         stream = await asyncio.wait_for(serving, timeout=call_timeout_s)
     finally:
-        await orchestrator.close()
-        await caller.close()
+        await close_quietly(orchestrator)
+        await close_quietly(caller)
 
     assert caller.stats["reconnects"] == 1 and orchestrator.stats["reconnects"] == 1
     assert stream.frames_sent_again > 0  # the caller did miss frames: they came again
     assert [frame.seq for frame in frames] == list(range(TOKENS + 1))
     assert [frame.token_id for frame in frames[:-1]] == list(range(TOKENS))
     assert frames[-1].type == "done"
+
+
+class CuttableLink:
+    """A TCP relay between the caller and nats-server that can cut its connections and refuse new ones for a
+    while: to the broker, the caller's connection ends as if its node had gone away."""
+
+    def __init__(self, server_host: str, server_port: int) -> None:
+        self.server = (server_host, server_port)
+        self.down = False
+        self._writers: list[asyncio.StreamWriter] = []
+        self._pipes: set[asyncio.Task] = set()
+        self._relay: asyncio.Server | None = None
+
+    async def start(self) -> str:
+        self._relay = await asyncio.start_server(self._accept, "127.0.0.1", 0)
+        return f"nats://127.0.0.1:{self._relay.sockets[0].getsockname()[1]}"
+
+    async def cut_for(self, seconds: float) -> None:
+        self.down = True
+        for writer in self._writers:
+            writer.close()
+        self._writers.clear()
+        await asyncio.sleep(seconds)
+        self.down = False
+
+    async def close(self) -> None:
+        self._relay.close()
+        for writer in self._writers:
+            writer.close()
+        for pipe in self._pipes:
+            pipe.cancel()
+        await asyncio.gather(*self._pipes, return_exceptions=True)
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.down:
+            writer.close()
+            return
+        server_reader, server_writer = await asyncio.open_connection(*self.server)
+        self._writers += [writer, server_writer]
+        for source, sink in ((reader, server_writer), (server_reader, writer)):
+            pipe = asyncio.create_task(self._pipe(source, sink))
+            self._pipes.add(pipe)
+            pipe.add_done_callback(self._pipes.discard)
+
+    @staticmethod
+    async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while data := await reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            writer.close()
+
+
+async def test_frames_sent_while_only_the_caller_is_cut_off_are_sent_again_in_order(nats_server):
+    link = CuttableLink(nats_server.host, nats_server.port)
+    link_url = await link.start()
+    orchestrator = await connect_nats(nats_server.url, name="orchestrator")
+    caller = await connect_nats(link_url, name="caller", settings=NatsSettings(reconnect_wait_s=0.1))
+    calls: asyncio.Queue = asyncio.Queue()
+    await orchestrator.subscribe(CHAT_REQUEST_SUBJECT, cb=calls.put)
+    await flush_ordered(orchestrator)
+    loop = asyncio.get_running_loop()
+
+    def cut() -> None:
+        asyncio.run_coroutine_threadsafe(link.cut_for(link_down_s), loop).result(timeout=call_timeout_s)
+
+    try:
+        serving = asyncio.create_task(serve_one_call(orchestrator, calls, 5, cut))
+        payload = ChatRequest(prompt="hello", max_tokens=TOKENS).model_dump_json().encode()
+        frames = [frame async for frame in stream_chat_raw(caller, payload, frame_gap_timeout=call_timeout_s)]
+        stream = await asyncio.wait_for(serving, timeout=call_timeout_s)
+    finally:
+        await close_quietly(orchestrator)
+        await close_quietly(caller)
+        await link.close()
+
+    assert caller.stats["reconnects"] == 1 and orchestrator.stats["reconnects"] == 0
+    assert not stream.client_gone.is_set() and stream.frames_sent_again > 0
+    assert [frame.seq for frame in frames] == list(range(TOKENS + 1))
+    assert [frame.token_id for frame in frames[:-1]] == list(range(TOKENS))
 
 
 async def test_a_caller_that_does_not_come_back_is_gone_once_the_grace_is_over(nats_server):
@@ -88,15 +173,15 @@ async def test_a_caller_that_does_not_come_back_is_gone_once_the_grace_is_over(n
     caller = await connect_nats(nats_server.url, name="caller")
     inbox = caller.new_inbox()
     await caller.subscribe(inbox)
-    await caller.flush()
+    await flush_ordered(caller)
     client = await ClientStream(orchestrator, inbox, resubscribe_grace_s=short_grace_s,
-                                probe_timeout_s=probe_timeout_s).start()
+                                missing_grace_s=short_grace_s, probe_timeout_s=probe_timeout_s).start()
     try:
         await client.send(TokenDeltaFrame(seq=0, text=" t0", token_id=0))
         await asyncio.to_thread(nats_server.stop)
-        await caller.close()  # it leaves while the broker is away: nobody resubscribes its inbox
+        await close_quietly(caller)  # it leaves while the broker is away: nobody resubscribes its inbox
         await asyncio.to_thread(nats_server.start)
-        await asyncio.wait_for(orchestrator.flush(), timeout=call_timeout_s)  # our connection is back
+        await flush_ordered(orchestrator, call_timeout_s)  # our connection is back
         first_send_after = time.monotonic()
         deadline = first_send_after + call_timeout_s
         while not client.client_gone.is_set() and time.monotonic() < deadline:
@@ -105,7 +190,7 @@ async def test_a_caller_that_does_not_come_back_is_gone_once_the_grace_is_over(n
         gone_after_s = time.monotonic() - first_send_after
     finally:
         await client.close()
-        await orchestrator.close()
+        await close_quietly(orchestrator)
 
     assert client.client_gone.is_set()
     assert gone_after_s >= short_grace_s  # "no responders" within the grace was waited out

@@ -38,7 +38,8 @@ def done() -> DoneFrame:
 
 async def test_the_final_frame_waits_for_the_body_and_comes_after_every_other_frame():
     inbox = Inbox()
-    client = ClientStream(inbox, "_INBOX.caller", resubscribe_grace_s=1.0, probe_timeout_s=0.25)
+    client = ClientStream(inbox, "_INBOX.caller", resubscribe_grace_s=1.0, missing_grace_s=1.0,
+                          probe_timeout_s=0.25)
     async with client.final_frame_last():
         await client.send(TokenDeltaFrame(seq=0, text="a", token_id=1))
         await client.send(done())
@@ -81,7 +82,8 @@ async def test_a_caller_sees_its_call_end_only_once_the_call_has_left_its_runnin
 
     orchestrator._run_admitted = run_admitted
     inbox = Inbox(seen_with=lambda: orchestrator.queue.running)
-    client = ClientStream(inbox, "_INBOX.caller", resubscribe_grace_s=1.0, probe_timeout_s=0.25)
+    client = ClientStream(inbox, "_INBOX.caller", resubscribe_grace_s=1.0, missing_grace_s=1.0,
+                          probe_timeout_s=0.25)
     request = ChatRequest(model="tiny", prompt="hello", max_tokens=1)
     msg = SimpleNamespace(data=request.model_dump_json().encode(), headers=None, subject="llm.chat.request")
     await orchestrator._serve_request(msg, client, "alice")

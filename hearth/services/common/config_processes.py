@@ -28,6 +28,10 @@ class OrchestratorSettings(ConfigSection):
         default=3600.0, gt=0, description="a call still running after this ends (leaves room to load a head)")
     client_resubscribe_grace_s: float = Field(
         default=5.0, ge=0, description="after a reconnect, 'no responders' on a client inbox is not yet a leave")
+    client_missing_grace_s: float = Field(
+        default=1.0, ge=0,
+        description="'no responders' on a client inbox for this long (no reconnect of ours) is a leave: a client "
+                    "whose broker node went away subscribes again on another one within it")
     catch_up_timeout_s: float = Field(
         default=2.0, gt=0, description="how long routing waits for its read model to reach the event log's end")
     silent_shard_recheck_s: float = Field(

@@ -3,11 +3,12 @@ leaving, and sends again the frames a client missed while the broker reorganized
 
 A client that goes away (its connection closed, or it stopped reading and unsubscribed its inbox) is noticed
 through NATS "no responders": every frame is published with a reply subject of ours naming its `seq`, and when
-nobody listens on the client's inbox any more the server answers that publish with a 503 status. Right after our
-own connection reconnected (a broker node went away) the client may simply not have resubscribed yet, so 503s
-within `client_resubscribe_grace_s` of a reconnect are not taken as the client leaving: the frames they name are
-sent again, in order, once a probe finds the client's inbox listened to again. Frames written just before our
-connection dropped may have vanished without any answer, so a reconnect of ours sends the kept frames again too.
+nobody listens on the client's inbox any more the server answers that publish with a 503 status. A client whose
+broker node went away is not listened for either until it subscribed again on another node, so 503s are a leave
+only once they lasted `client_missing_grace_s`, or `client_resubscribe_grace_s` after our own connection
+reconnected (the whole broker may have restarted). The frames they name are sent again, in order, once a probe
+finds the client's inbox listened to again. Frames written just before our connection dropped may have vanished
+without any answer, so a reconnect of ours sends the kept frames again too.
 A client skips a `seq` it has already seen and holds frames that come after a gap until the gap is filled
 (docs/protocol.md, "Frames").
 """
@@ -41,11 +42,12 @@ class ClientStream:
     """Numbers frames (monotonic `seq`), publishes them to one reply subject, notices the client leaving, and sends
     again what the client missed while the broker reorganized."""
 
-    def __init__(self, nc: NatsClient, reply_subject: str, *, resubscribe_grace_s: float,
+    def __init__(self, nc: NatsClient, reply_subject: str, *, resubscribe_grace_s: float, missing_grace_s: float,
                  probe_timeout_s: float) -> None:
         self.nc = nc
         self.reply_subject = reply_subject
         self.resubscribe_grace_s = resubscribe_grace_s
+        self.missing_grace_s = missing_grace_s
         self.probe_timeout_s = probe_timeout_s
         self.seq = 0
         self.tokens_sent = 0
@@ -55,6 +57,8 @@ class ClientStream:
         self.client_gone = asyncio.Event()
         self.frames_sent_again = 0
         self._missed_frames = 0
+        # When "no responders" began (None: the client was listening when last heard of).
+        self._missing_since: float | None = None
         self._status_inbox: str | None = None
         self._status_sub = None
         self._reconnects = nc.stats["reconnects"]
@@ -118,14 +122,15 @@ class ClientStream:
         which the server sends before it answers the flush's ping."""
         missed = self._missed_frames
         await self._publish_keepalive()
-        if not await self._flushed(timeout_s):
+        if not await self._flushed(timeout_s) or self._missed_frames != missed:
             return False
-        return self._missed_frames == missed
+        self._missing_since = None
+        return True
 
     async def settle(self) -> None:
         """At the call's end: wait for the answers to what was sent, and send again what the client missed, for at
-        most `resubscribe_grace_s` (the final frame too may have gone while the broker reorganized)."""
-        deadline = time.monotonic() + self.resubscribe_grace_s
+        most the longer grace (the final frame too may have gone while the broker reorganized)."""
+        deadline = time.monotonic() + max(self.resubscribe_grace_s, self.missing_grace_s)
         self._reconnected_recently()
         if not await self._flushed(self.probe_timeout_s):
             return
@@ -183,7 +188,10 @@ class ClientStream:
         if not no_responders:
             return
         self._missed_frames += 1
-        if not self._reconnected_recently():
+        now = time.monotonic()
+        if self._missing_since is None:
+            self._missing_since = now
+        if not self._reconnected_recently() and now - self._missing_since >= self.missing_grace_s:
             self.client_gone.set()
             return
         token = msg.subject.rpartition(".")[2]

@@ -251,6 +251,7 @@ class Orchestrator:
             return
         client = await ClientStream(self.nc, msg.reply,
                                     resubscribe_grace_s=self.settings.orchestrator.client_resubscribe_grace_s,
+                                    missing_grace_s=self.settings.orchestrator.client_missing_grace_s,
                                     probe_timeout_s=self.settings.transport.gone_check_timeout_s).start()
         keepalive = asyncio.create_task(self._keep_client_told(client), name="client-keepalive")
         try:
