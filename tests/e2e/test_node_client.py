@@ -16,8 +16,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hearth.services.devtools.local_cluster import LocalCluster
 from hearth.services.client.chat import chat
-from hearth.protocol.chat import ChatRequest
-from hearth.services.broker.connection import connect_nats
+from hearth.protocol.chat import ChatRequest, ModelsReply, ServedModel
+from hearth.protocol.subjects import CHAT_REQUEST_SUBJECT, MODELS_REQUEST_SUBJECT
+from hearth.services.broker.connection import connect_nats, flush_ordered
 from tests.e2e.conftest import TINY_MODEL_NAME, three_shard_mesh
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -26,6 +27,7 @@ SCRIPT = CLIENT_DIR / "hearth_client.mjs"
 PROMPT = "the lazy dog"
 MAX_TOKENS = 8
 NODE_MEMBER = "node-client"
+SCRIPTED_MODEL = "scripted"
 # Two busy cores shared with other test runs: generous waits (the protocol's defaults are 10 s and 2.5 s).
 NODE_TIMEOUT_ARGS = ["--connect-timeout", "30", "--first-frame-timeout", "30", "--silence-timeout", "10"]
 NPM_CI_TIMEOUT_S = 300
@@ -168,3 +170,50 @@ def test_the_orchestrator_refuses_the_node_clients_call_unsigned(node_client, ru
     assert summary["error"]["type"] == "error" and summary["error"]["code"] == "unauthorized"
     assert "not signed" in summary["error"]["detail"]
     assert "the orchestrator refused the call as unauthorized" in completed.stderr
+
+
+@pytest.fixture
+async def scripted_orchestrator(nats_url):
+    """A stand-in orchestrator on an open broker: it lists one model and answers each call with the next script."""
+    orchestrator = await connect_nats(nats_url, name="scripted-orchestrator")
+    scripts: list[list[dict]] = []
+
+    async def answer(msg) -> None:
+        for frame in scripts.pop(0):
+            await orchestrator.publish(msg.reply, json.dumps(frame).encode())
+
+    async def models(msg) -> None:
+        reply = ModelsReply(models=[ServedModel(id=SCRIPTED_MODEL, total_layers=2, complete=True)],
+                            default_model=SCRIPTED_MODEL)
+        await msg.respond(reply.model_dump_json().encode())
+
+    await orchestrator.subscribe(CHAT_REQUEST_SUBJECT, cb=answer)
+    await orchestrator.subscribe(MODELS_REQUEST_SUBJECT, cb=models)
+    await flush_ordered(orchestrator)
+    yield scripts
+    await orchestrator.close()
+
+
+def scripted_token(seq: int, text: str) -> dict:
+    return {"type": "token_delta", "seq": seq, "text": text, "token_id": seq}
+
+
+async def test_node_client_skips_frames_sent_again_and_waits_for_a_gap_to_fill(node_client, scripted_orchestrator,
+                                                                                 nats_url):
+    """After a broker node went away the orchestrator sends the frames it keeps again (docs/protocol.md, "Frames"):
+    the Node client holds frames after a gap until it is filled and skips those it has seen; a gap never filled
+    exits 2."""
+    done = {"type": "done", "finish_reason": "length", "usage": {"prompt_tokens": 1, "completion_tokens": 3}}
+    scripted_orchestrator.append([scripted_token(0, "He"), scripted_token(2, "lo"), scripted_token(0, "He"),
+                                  scripted_token(1, "l"), {"type": "keepalive", "seq": 1}, scripted_token(2, "lo"),
+                                  {**done, "seq": 3}])
+    command = [*node_client, "--nats", nats_url, *NODE_TIMEOUT_ARGS[:4], "--silence-timeout", "1", PROMPT]
+    completed = await asyncio.to_thread(subprocess.run, command, capture_output=True, text=True, timeout=120)
+    assert completed.returncode == 0, f"stdout: {completed.stdout}\nstderr: {completed.stderr}"
+    summary = json.loads(completed.stdout.strip().splitlines()[-1])
+    assert (summary["text"], summary["token_ids"]) == ("Hello", [0, 1, 2])
+
+    scripted_orchestrator.append([scripted_token(0, "He"), scripted_token(2, "lo"), {**done, "seq": 3}])
+    completed = await asyncio.to_thread(subprocess.run, command, capture_output=True, text=True, timeout=120)
+    assert completed.returncode == 2, f"stdout: {completed.stdout}\nstderr: {completed.stderr}"
+    assert "frames were lost: seq 1 to 1 never came" in completed.stderr

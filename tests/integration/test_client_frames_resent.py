@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 
 import pytest
 
@@ -23,6 +24,7 @@ from hearth.services.orchestrator.client_stream import ClientStream
 pytestmark = pytest.mark.timeout(60)
 
 TOKENS = 40
+disturb_after_tokens = 5
 token_interval_s = 0.05
 # The caller's connection waits this long before trying the restarted server again; the orchestrator's much less.
 caller_reconnect_wait_s = 1.5
@@ -34,23 +36,42 @@ probe_timeout_s = 0.5
 call_timeout_s = 30.0
 
 
-async def serve_one_call(orchestrator, calls: asyncio.Queue, disturb_after_tokens: int, disturb) -> ClientStream:
-    """Answer the first call with TOKENS token frames and `done`, running `disturb` (blocking) after some of them."""
+async def serve_one_call(orchestrator, calls: asyncio.Queue, disturb: Callable[[], Awaitable[None]]) -> ClientStream:
+    """Answer the first call with TOKENS token frames and `done`, `disturb` starting after a few of them."""
     request = await asyncio.wait_for(calls.get(), timeout=call_timeout_s)
     client = await ClientStream(orchestrator, request.reply, resubscribe_grace_s=grace_s, missing_grace_s=grace_s,
                                 probe_timeout_s=probe_timeout_s).start()
+    disturbance = None
     try:
         for index in range(TOKENS):
             if index == disturb_after_tokens:
-                await asyncio.to_thread(disturb)
+                disturbance = asyncio.create_task(disturb())
             await client.send(TokenDeltaFrame(seq=0, text=f" t{index}", token_id=index))
             await asyncio.sleep(token_interval_s)
         await client.send(DoneFrame(seq=0, finish_reason="length",
                                     usage=Usage(prompt_tokens=1, completion_tokens=TOKENS)))
         await client.settle()
+        await asyncio.wait_for(disturbance, timeout=call_timeout_s)
     finally:
         await client.close()
     return client
+
+
+async def one_call(orchestrator, caller, disturb: Callable[[], Awaitable[None]]) -> tuple[list, ClientStream]:
+    """The frames `caller` saw of one call `orchestrator` answered while `disturb` ran, and the call's stream."""
+    calls: asyncio.Queue = asyncio.Queue()
+    await orchestrator.subscribe(CHAT_REQUEST_SUBJECT, cb=calls.put)
+    await flush_ordered(orchestrator)
+    serving = asyncio.create_task(serve_one_call(orchestrator, calls, disturb))
+    payload = ChatRequest(prompt="hello", max_tokens=TOKENS).model_dump_json().encode()
+    frames = [frame async for frame in stream_chat_raw(caller, payload, frame_gap_timeout=call_timeout_s)]
+    return frames, await asyncio.wait_for(serving, timeout=call_timeout_s)
+
+
+def assert_every_frame_once_in_order(frames: list) -> None:
+    assert [frame.seq for frame in frames] == list(range(TOKENS + 1))
+    assert [frame.token_id for frame in frames[:-1]] == list(range(TOKENS))
+    assert frames[-1].type == "done"
 
 
 async def test_frames_sent_while_the_caller_reconnects_are_sent_again_in_order(nats_server):
@@ -58,29 +79,21 @@ async def test_frames_sent_while_the_caller_reconnects_are_sent_again_in_order(n
                                       settings=NatsSettings(reconnect_wait_s=orchestrator_reconnect_wait_s))
     caller = await connect_nats(nats_server.url, name="caller",
                                 settings=NatsSettings(reconnect_wait_s=caller_reconnect_wait_s))
-    calls: asyncio.Queue = asyncio.Queue()
-    await orchestrator.subscribe(CHAT_REQUEST_SUBJECT, cb=calls.put)
-    await flush_ordered(orchestrator)
 
-    def restart() -> None:
-        nats_server.stop()
-        time.sleep(server_down_s)
-        nats_server.start()
+    async def restart() -> None:
+        await asyncio.to_thread(nats_server.stop)
+        await asyncio.sleep(server_down_s)
+        await asyncio.to_thread(nats_server.start)
 
     try:
-        serving = asyncio.create_task(serve_one_call(orchestrator, calls, 5, restart))
-        payload = ChatRequest(prompt="hello", max_tokens=TOKENS).model_dump_json().encode()
-        frames = [frame async for frame in stream_chat_raw(caller, payload, frame_gap_timeout=call_timeout_s)]
-        stream = await asyncio.wait_for(serving, timeout=call_timeout_s)
+        frames, stream = await one_call(orchestrator, caller, restart)
     finally:
         await close_quietly(orchestrator)
         await close_quietly(caller)
 
     assert caller.stats["reconnects"] == 1 and orchestrator.stats["reconnects"] == 1
     assert stream.frames_sent_again > 0  # the caller did miss frames: they came again
-    assert [frame.seq for frame in frames] == list(range(TOKENS + 1))
-    assert [frame.token_id for frame in frames[:-1]] == list(range(TOKENS))
-    assert frames[-1].type == "done"
+    assert_every_frame_once_in_order(frames)
 
 
 class CuttableLink:
@@ -142,19 +155,8 @@ async def test_frames_sent_while_only_the_caller_is_cut_off_are_sent_again_in_or
     link_url = await link.start()
     orchestrator = await connect_nats(nats_server.url, name="orchestrator")
     caller = await connect_nats(link_url, name="caller", settings=NatsSettings(reconnect_wait_s=0.1))
-    calls: asyncio.Queue = asyncio.Queue()
-    await orchestrator.subscribe(CHAT_REQUEST_SUBJECT, cb=calls.put)
-    await flush_ordered(orchestrator)
-    loop = asyncio.get_running_loop()
-
-    def cut() -> None:
-        asyncio.run_coroutine_threadsafe(link.cut_for(link_down_s), loop).result(timeout=call_timeout_s)
-
     try:
-        serving = asyncio.create_task(serve_one_call(orchestrator, calls, 5, cut))
-        payload = ChatRequest(prompt="hello", max_tokens=TOKENS).model_dump_json().encode()
-        frames = [frame async for frame in stream_chat_raw(caller, payload, frame_gap_timeout=call_timeout_s)]
-        stream = await asyncio.wait_for(serving, timeout=call_timeout_s)
+        frames, stream = await one_call(orchestrator, caller, lambda: link.cut_for(link_down_s))
     finally:
         await close_quietly(orchestrator)
         await close_quietly(caller)
@@ -162,8 +164,7 @@ async def test_frames_sent_while_only_the_caller_is_cut_off_are_sent_again_in_or
 
     assert caller.stats["reconnects"] == 1 and orchestrator.stats["reconnects"] == 0
     assert not stream.client_gone.is_set() and stream.frames_sent_again > 0
-    assert [frame.seq for frame in frames] == list(range(TOKENS + 1))
-    assert [frame.token_id for frame in frames[:-1]] == list(range(TOKENS))
+    assert_every_frame_once_in_order(frames)
 
 
 async def test_a_caller_that_does_not_come_back_is_gone_once_the_grace_is_over(nats_server):

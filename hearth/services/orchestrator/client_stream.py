@@ -1,16 +1,16 @@
 """ClientStream: a call's outbox, which numbers its frames, publishes them to the client's inbox, notices the client
-leaving, and sends again the frames a client missed while the broker reorganized.
+leaving, and sends again what a client missed while the broker reorganized.
 
 A client that goes away (its connection closed, or it stopped reading and unsubscribed its inbox) is noticed
-through NATS "no responders": every frame is published with a reply subject of ours naming its `seq`, and when
-nobody listens on the client's inbox any more the server answers that publish with a 503 status. A client whose
-broker node went away is not listened for either until it subscribed again on another node, so 503s are a leave
-only once they lasted `client_missing_grace_s`, or `client_resubscribe_grace_s` after our own connection
-reconnected (the whole broker may have restarted). The frames they name are sent again, in order, once a probe
-finds the client's inbox listened to again. Frames written just before our connection dropped may have vanished
-without any answer, so a reconnect of ours sends the kept frames again too.
-A client skips a `seq` it has already seen and holds frames that come after a gap until the gap is filled
-(docs/protocol.md, "Frames").
+through NATS "no responders": every frame is published with a reply subject of ours naming it, and when nobody
+listens on the client's inbox any more the server answers that publish with a 503 status. A client whose broker
+node went away is not listened for either until it subscribed again on another node, so 503s are a leave only
+once they lasted `client_missing_grace_s`, or `client_resubscribe_grace_s` after our own connection reconnected
+(the whole broker may have restarted). Frames can also vanish without any answer: those the broker had already
+handed to a client connection that then dropped, and those we wrote just before our own connection dropped. So
+after either sign (a 503, or a reconnect of ours) the kept frames are sent again, in order, once a probe finds the
+client's inbox listened to again; a client skips a `seq` it has already seen and holds frames that come after a
+gap until the gap is filled (docs/protocol.md, "Frames").
 """
 
 from __future__ import annotations
@@ -66,9 +66,9 @@ class ClientStream:
         # The call's final frame, held back while `final_frame_last` holds it (None: none held).
         self._holding_final = False
         self._held_final = None
-        self._kept: deque[tuple[int, bytes]] = deque(maxlen=replayable_frames)
-        # The first seq to send again once the client listens again (None: nothing known missed).
-        self._replay_from: int | None = None
+        self._kept: deque[bytes] = deque(maxlen=replayable_frames)
+        # Whether the kept frames are to be sent again once the client listens again.
+        self._replay_due = False
 
     async def start(self) -> "ClientStream":
         self._status_inbox = self.nc.new_inbox()
@@ -106,14 +106,14 @@ class ClientStream:
         else:
             self.final_code = final_frame_code(frame) or self.final_code
         data = numbered.model_dump_json().encode()
-        self._kept.append((numbered.seq, data))
+        self._kept.append(data)
         self.last_sent_at = time.monotonic()
         await self.nc.publish(self.reply_subject, data, reply=self._status_subject(str(numbered.seq)))
 
     async def keep_alive(self, interval_s: float) -> None:
         """A keepalive frame when nothing else went out for `interval_s` (and what the client missed, once it
         listens again)."""
-        if time.monotonic() - self.last_sent_at >= interval_s or self._replay_from is not None:
+        if time.monotonic() - self.last_sent_at >= interval_s or self._replay_due:
             await self.send(KeepaliveFrame(seq=0))
 
     async def reachable(self, timeout_s: float) -> bool:
@@ -134,10 +134,10 @@ class ClientStream:
         self._reconnected_recently()
         if not await self._flushed(self.probe_timeout_s):
             return
-        while self._replay_from is not None and not self.client_gone.is_set() and time.monotonic() < deadline:
+        while self._replay_due and not self.client_gone.is_set() and time.monotonic() < deadline:
             await self._replay_missed()
-            if self._replay_from is not None or not await self._flushed(self.probe_timeout_s):
-                await asyncio.sleep(self.probe_timeout_s / 10)
+            if self._replay_due or not await self._flushed(self.probe_timeout_s):
+                await asyncio.sleep(self.probe_timeout_s)
 
     async def close(self) -> None:
         sub, self._status_sub = self._status_sub, None
@@ -146,28 +146,29 @@ class ClientStream:
                 await sub.unsubscribe()
 
     async def _replay_missed(self) -> None:
-        """Send again, in order, every kept frame from the first one missed, once the client listens again."""
-        if self._replay_from is None or not self.nc.is_connected:
+        """Send the kept frames again, in order, once the client listens again."""
+        if not self._replay_due or not self.nc.is_connected:
             return
         if not await self.reachable(self.probe_timeout_s):
             return
-        first, self._replay_from = self._replay_from, None
-        frames = [(seq, data) for seq, data in self._kept if seq >= first]
-        if not frames or frames[0][0] > first:
-            log.warning("%s: frames from seq %d were missed by the client but are no longer kept", self.reply_subject,
-                        first)
-        for seq, data in frames:
+        self._replay_due = False
+        frames = list(self._kept)
+        first = self.seq - len(frames)
+        for seq, data in enumerate(frames, start=first):
             await self.nc.publish(self.reply_subject, data, reply=self._status_subject(str(seq)))
         self.frames_sent_again += len(frames)
-        log.info("%s: sent %d frames again from seq %d (missed while the broker reorganized)", self.reply_subject,
-                 len(frames), first)
         self.last_sent_at = time.monotonic()
+        log.info("%s: sent the last %d frames again (the client may have missed some while the broker reorganized)",
+                 self.reply_subject, len(frames))
 
     async def _publish_keepalive(self) -> None:
         frame = KeepaliveFrame(seq=max(self.seq - 1, 0))
         self.last_sent_at = time.monotonic()
         await self.nc.publish(self.reply_subject, frame.model_dump_json().encode(),
                               reply=self._status_subject(_KEEPALIVE_STATUS_TOKEN))
+
+    def _status_subject(self, token: str) -> str:
+        return f"{self._status_inbox}.{token}" if self._status_inbox else ""
 
     async def _flushed(self, timeout_s: float) -> bool:
         """Whether every publish so far reached the broker within `timeout_s`, its "no responders" answers read."""
@@ -180,9 +181,6 @@ class ClientStream:
             await asyncio.sleep(0)
         return True
 
-    def _status_subject(self, token: str) -> str:
-        return f"{self._status_inbox}.{token}" if self._status_inbox else ""
-
     async def _on_status(self, msg: Msg) -> None:
         no_responders = msg.headers is not None and msg.headers.get("Status") == NO_RESPONDERS_STATUS
         if not no_responders:
@@ -194,19 +192,14 @@ class ClientStream:
         if not self._reconnected_recently() and now - self._missing_since >= self.missing_grace_s:
             self.client_gone.set()
             return
-        token = msg.subject.rpartition(".")[2]
-        if token.isdigit():
-            self._missed_from(int(token))
-
-    def _missed_from(self, seq: int) -> None:
-        self._replay_from = seq if self._replay_from is None else min(self._replay_from, seq)
+        # A keepalive unheard after the final frame went out: the client most likely left having read it.
+        if msg.subject.rpartition(".")[2] != _KEEPALIVE_STATUS_TOKEN or self.final_code is None:
+            self._replay_due = bool(self._kept)
 
     def _reconnected_recently(self) -> bool:
         count = self.nc.stats["reconnects"]
         now = time.monotonic()
         if count != self._reconnects:
             self._reconnects, self._reconnect_noticed_at = count, now
-            # What was written just before our connection dropped may have gone without a "no responders".
-            if self._kept:
-                self._missed_from(self._kept[0][0])
+            self._replay_due = bool(self._kept)
         return now - self._reconnect_noticed_at < self.resubscribe_grace_s
