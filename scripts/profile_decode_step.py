@@ -1,0 +1,81 @@
+"""Where a shard's decode step spends its time: wall time against the time inside torch's operators, per scheme.
+
+Loads one shard's layer range of a `random:<shape>` checkpoint (services.devtools.random_models) under each scheme,
+prefills a context, then times decode steps back to back and runs more of them under torch.profiler. The wall time
+less the operators' own time is Python and dispatch between operators; the table names the operators that take the
+most:
+
+    .venv/bin/python scripts/profile_decode_step.py --shape llama-250m --layers 0-4 --context 300 \\
+        --schemes none int8 int4/g32 --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from hearth.inference import load_head, load_layer_range
+from hearth.services.common.config_processes import ShardSettings
+from hearth.services.devtools.random_models import random_checkpoint
+
+warmup_steps = 20
+timed_steps = 40
+profiled_steps = 20
+operators_listed = 4
+
+
+def profile_scheme(path, lo: int, hi: int, scheme: str, context: int) -> str:
+    shard = ShardSettings()  # the KV limits a shard has by default
+    runner = load_layer_range(path, lo, hi, cache_budget_bytes=shard.kv_cache_budget_bytes,
+                              session_ttl_s=shard.eviction_idle_s, quantization=scheme)
+    head = load_head(path)
+    runner.forward("profile", head.embed([5 + index % 100 for index in range(context)]), 0, "prefill")
+    hidden = head.embed([7])
+    position = context
+
+    def step() -> None:
+        nonlocal position
+        runner.forward("profile", hidden, position, "decode")
+        position += 1
+
+    for _ in range(warmup_steps):
+        step()
+    times = []
+    for _ in range(timed_steps):
+        started = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - started)
+    with profile(activities=[ProfilerActivity.CPU]) as profiled:
+        for _ in range(profiled_steps):
+            step()
+    averages = sorted(profiled.key_averages(), key=lambda event: event.self_cpu_time_total, reverse=True)
+    inside_ms = sum(event.self_cpu_time_total for event in averages) / 1000.0 / profiled_steps
+    top = ", ".join(f"{event.key} {event.self_cpu_time_total / 1000.0 / profiled_steps:.2f} ms"
+                    for event in averages[:operators_listed])
+    runner.reset("profile")
+    return (f"| {scheme} | {statistics.median(times) * 1000.0:.1f} | {inside_ms:.1f} | {top} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="llama-250m")
+    parser.add_argument("--layers", default="0-4", help="inclusive range, e.g. 0-4 (a third of 16 layers)")
+    parser.add_argument("--context", type=int, default=300, help="tokens prefilled before the decode steps")
+    parser.add_argument("--schemes", nargs="+", default=["none", "int8", "int4/g32"])
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    lo, hi = (int(part) for part in args.layers.split("-"))
+    torch.set_num_threads(args.threads)
+    path = random_checkpoint(f"random:{args.shape}")
+    print("| scheme | step, wall (ms, median) | inside operators (ms) | operators taking the most (a step) |")
+    print("|---|---:|---:|---|")
+    for scheme in args.schemes:
+        print(profile_scheme(path, lo, hi, scheme, args.context), flush=True)
+
+
+if __name__ == "__main__":
+    main()
