@@ -34,6 +34,8 @@ log = logging.getLogger(__name__)
 status_dispatch_yields = 3
 # The newest frames a call keeps to send again (a call's frames are small, but how many is the client's choice).
 replayable_frames = 1024
+# How often one call sends its kept frames again: a client that keeps leaving and coming back gets no more.
+replays_per_call = 8
 # The last token of a keepalive's status subject (a numbered frame's is its seq).
 _KEEPALIVE_STATUS_TOKEN = "k"
 
@@ -56,6 +58,7 @@ class ClientStream:
         self.last_sent_at = time.monotonic()
         self.client_gone = asyncio.Event()
         self.frames_sent_again = 0
+        self.replays = 0
         self._missed_frames = 0
         # When "no responders" began (None: the client was listening when last heard of).
         self._missing_since: float | None = None
@@ -152,6 +155,11 @@ class ClientStream:
         if not await self.reachable(self.probe_timeout_s):
             return
         self._replay_due = False
+        if self.replays == replays_per_call:
+            log.warning("%s: the client missed frames again; %d replays were its share", self.reply_subject,
+                        replays_per_call)
+            return
+        self.replays += 1
         frames = list(self._kept)
         first = self.seq - len(frames)
         for seq, data in enumerate(frames, start=first):
