@@ -15,7 +15,7 @@ scales instead and quantizes each row itself:
   several points of top-1 agreement on a trained model.
 Codes stay within 7 bits (1..127 around fbgemm's zero point 64), as torch's dynamic quantization does on x86: AVX2's
 int8 multiply-add saturates pairs of 8-bit products in 16 bits. Linears reading one input share one packed product
-(SharedRowProduct). torch deprecates its quantized tensors; where this
+(fbgemm_shared_product). torch deprecates its quantized tensors; where this
 torch has no fbgemm engine or no such operator, int8 keeps the weight-only kernel (int8_rows_on_cpu says which).
 """
 
@@ -23,13 +23,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
-import threading
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
+
+from .shared_products import SharedRowProduct
 
 INT8_MAX = 127
 # Activation codes -63..63 around fbgemm's zero point 64: 7 bits; the second level scales a remainder of at most
@@ -68,49 +67,14 @@ def fbgemm_row_product(rows: torch.Tensor, packed: torch.ScriptObject) -> torch.
     return _product_of_rounded(rows.to(torch.bfloat16, copy=True), packed)
 
 
-class SharedRowProduct:
-    """One packed int8 product for the Linears of a module that read the same input (q, k and v; gate and up): the
-    first member called with an input computes every member's columns at once, the others take theirs while their
-    input holds the same values (compared, so a changed input is computed again), and the product is let go once
-    every member took its part. Each column is the number its own Linear's product gives (exact int32 sums), so
-    sharing changes no result; it saves the products' fixed cost (BENCHMARKS.md "Quantized shard kernels")."""
-
-    def __init__(self, packed: torch.ScriptObject, widths: Sequence[int]) -> None:
-        self.packed = packed
-        starts = [0, *itertools.accumulate(widths)]
-        self.bounds = list(zip(starts[:-1], starts[1:], strict=True))
-        self._kept = threading.local()
-
-    @classmethod
-    def joining(cls, parts: Sequence[torch.ScriptObject]) -> SharedRowProduct:
-        """The shared product of packed weights ``parts`` (one per member, same input features), repacked as one."""
-        weights = [torch.ops.quantized.linear_unpack(part)[0] for part in parts]
-        codes = torch.cat([weight.int_repr() for weight in weights])
-        scales = torch.cat([weight.q_per_channel_scales() for weight in weights])
-        return cls(pack_for_fbgemm(codes, scales), [weight.shape[0] for weight in weights])
-
-    def columns(self, member: int, rows: torch.Tensor) -> torch.Tensor:
-        """Member ``member``'s product of ``rows`` (float32, contiguous)."""
-        rounded = rows.to(torch.bfloat16, copy=True)
-        kept = getattr(self._kept, "entry", None)
-        if kept is None or kept.rounded.shape != rounded.shape or not torch.equal(kept.rounded, rounded):
-            kept = _KeptProduct(rounded, _product_of_rounded(rounded, self.packed))
-            self._kept.entry = kept
-        kept.taken.add(member)
-        if len(kept.taken) == len(self.bounds):
-            self._kept.entry = None
-        first, last = self.bounds[member]
-        part = kept.product[:, first:last]
-        return part if part.is_contiguous() else part.contiguous()
-
-
-@dataclass
-class _KeptProduct:
-    """A shared product's input (as rounded), its every column, and which members took theirs."""
-
-    rounded: torch.Tensor
-    product: torch.Tensor
-    taken: set[int] = field(default_factory=set)
+def fbgemm_shared_product(parts: Sequence[torch.ScriptObject]) -> SharedRowProduct:
+    """One shared product of packed weights ``parts`` (one per member, same input features), repacked as one."""
+    weights = [torch.ops.quantized.linear_unpack(part)[0] for part in parts]
+    codes = torch.cat([weight.int_repr() for weight in weights])
+    scales = torch.cat([weight.q_per_channel_scales() for weight in weights])
+    packed = pack_for_fbgemm(codes, scales)
+    widths = [weight.shape[0] for weight in weights]
+    return SharedRowProduct(lambda rounded: _product_of_rounded(rounded, packed), widths)
 
 
 def _product_of_rounded(rounded: torch.Tensor, packed: torch.ScriptObject) -> torch.Tensor:

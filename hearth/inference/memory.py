@@ -21,7 +21,8 @@ from .devices import MiB
 from .gguf_checkpoint import SUPPORTED_GGUF_TYPE_NAMES, FLOAT_GGUF_TYPE_NAMES, default_read_device, \
     gguf_layer_tensors, is_gguf_file, layer_tensor_blocks
 from .gguf_int4 import STORED_INT4_GROUP_SIZES
-from .quantization import KERNEL_DTYPE, QuantizationScheme, held_as_stored, parse_quantization
+from .quantization import QuantizationScheme, held_as_stored, parse_quantization
+from .weight_codes import int4_held_bytes, int8_held_bytes
 
 _layer_name_re = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _UNKNOWN_KIND_BYTES = 4
@@ -102,10 +103,9 @@ def quantized_weight_bytes(out_features: int, in_features: int, scheme: Quantiza
     """Bytes a Linear weight of that shape takes under ``scheme`` (codes plus scales and zeros); the dense size
     for "none"."""
     if scheme.kind == "int8":
-        return out_features * in_features + out_features * KERNEL_DTYPE.itemsize
+        return int8_held_bytes(out_features, in_features)
     if scheme.kind == "int4":
-        groups = in_features // scheme.group_size
-        return out_features * in_features // 2 + groups * out_features * 2 * KERNEL_DTYPE.itemsize
+        return int4_held_bytes(out_features, in_features, scheme.group_size)
     return out_features * in_features * dense_element_bytes
 
 

@@ -35,8 +35,10 @@ from torch import nn
 
 from .errors import InferenceError
 from .heap import release_freed_heap
-from .int8_kernels import INT8_MAX, INT_MM_FEATURE_MULTIPLE, SharedRowProduct, cuda_row_product, \
-    fbgemm_row_product, int8_rows_on_cpu, pack_for_fbgemm
+from .int8_kernels import INT_MM_FEATURE_MULTIPLE, cuda_row_product, fbgemm_row_product, fbgemm_shared_product, \
+    int8_rows_on_cpu, pack_for_fbgemm
+from .shared_products import SharedRowProduct
+from .weight_codes import INT4_MIDPOINT, KERNEL_DTYPE, int4_grouped_codes, int8_per_channel, pack_int4_for_cuda
 
 DEFAULT_QUANTIZATION = "none"
 # Faithful to the 4-bit GGUF blocks (Q4_0, Q4_1: groups of 32) and measured best on their models (BENCHMARKS.md
@@ -44,12 +46,6 @@ DEFAULT_QUANTIZATION = "none"
 DEFAULT_INT4_GROUP_SIZE = 32
 INT4_GROUP_SIZES: tuple[int, ...] = (32, 64, 128, 256)
 QUANTIZATION_KINDS: tuple[str, ...] = ("none", "int8", "int4")
-# The kernels' float32 activation paths are much slower than their bfloat16 ones (BENCHMARKS.md, "Quantized shard
-# kernels").
-KERNEL_DTYPE = torch.bfloat16
-# torch's int4 kernels dequantize a code q as (q - 8) * scale + zero.
-_INT4_MIDPOINT = 8
-_INT4_MAX_CODE = 15
 # Weights are quantized this many output rows at a time, so the float temporaries stay small and reuse the same
 # freed memory instead of growing the heap; a multiple of the int4 packing's block of 32 rows.
 QUANTIZE_ROWS_PER_CHUNK = 256
@@ -169,7 +165,7 @@ class Int4Groups:
         """Rows first..last as torch's int4 kernels take them: the codes, and the [groups, rows, 2] (scale, zero)
         table, zero being the value of the midpoint code."""
         scales = self.scales[first:last]
-        zeros = self.minimums[first:last] + scales * _INT4_MIDPOINT
+        zeros = self.minimums[first:last] + scales * INT4_MIDPOINT
         return self.codes[first:last], torch.stack([scales.t(), zeros.t()], dim=2).to(KERNEL_DTYPE).contiguous()
 
 
@@ -238,7 +234,7 @@ class QuantizedLinear(nn.Module):
                 codes = torch.empty(rows, columns, dtype=torch.int8, device=device)
                 scales = torch.empty(rows, dtype=KERNEL_DTYPE, device=device)
                 for first, last in _row_chunks(rows):
-                    codes[first:last], scales[first:last] = _int8_per_channel(weight[first:last].float())
+                    codes[first:last], scales[first:last] = int8_per_channel(weight[first:last].float())
                 if device.type == "cpu" and int8_rows_on_cpu():  # the codes live in the packed form only
                     self._fbgemm_packed = pack_for_fbgemm(codes, scales.float())
                 else:
@@ -246,8 +242,8 @@ class QuantizedLinear(nn.Module):
                 self.register_buffer("scales", scales)
             elif device.type == "cuda":
                 codes, scales_and_zeros = (stored.kernel_form(0, rows) if stored is not None
-                                           else _int4_grouped_codes(weight.float(), scheme.group_size))
-                self.register_buffer("weight_int4pack", _pack_int4_for_cuda(codes))
+                                           else int4_grouped_codes(weight.float(), scheme.group_size))
+                self.register_buffer("weight_int4pack", pack_int4_for_cuda(codes))
                 self.register_buffer("scales_and_zeros", scales_and_zeros)
             else:
                 packed = torch.empty(rows, columns // 2, dtype=torch.uint8)
@@ -255,7 +251,7 @@ class QuantizedLinear(nn.Module):
                 for first, last in _row_chunks(rows):
                     codes, scales_and_zeros[:, first:last] = (
                         stored.kernel_form(first, last) if stored is not None
-                        else _int4_grouped_codes(weight[first:last].float(), scheme.group_size))
+                        else int4_grouped_codes(weight[first:last].float(), scheme.group_size))
                     packed[first:last] = torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
                 self.register_buffer("weight_int4pack", packed)
                 self.register_buffer("scales_and_zeros", scales_and_zeros)
@@ -301,35 +297,6 @@ def _row_chunks(rows: int) -> list[tuple[int, int]]:
     """Row ranges to quantize one at a time (all rows at once where they are not whole packing blocks)."""
     step = QUANTIZE_ROWS_PER_CHUNK if rows % _INT4_PACK_ROWS == 0 else rows
     return [(first, min(first + step, rows)) for first in range(0, rows, step)]
-
-
-def _int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 codes and one scale per output row (the row's largest magnitude maps to 127)."""
-    scales = weight.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / INT8_MAX
-    codes = torch.clamp(torch.round(weight / scales[:, None]), -INT8_MAX, INT8_MAX).to(torch.int8)
-    return codes.contiguous(), scales
-
-
-def _pack_int4_for_cuda(codes: torch.Tensor) -> torch.Tensor:
-    """[out, in] codes 0..15 in tinygemm's tiled layout: two codes a byte (even column high), then
-    ``torch._convert_weight_to_int4pack`` with the largest inner tiling the input features allow."""
-    in_features = codes.shape[1]
-    inner_k_tiles = next(tiles for tiles in (8, 4, 2) if in_features % (tiles * 16) == 0)
-    pairs = (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8).contiguous()
-    return torch._convert_weight_to_int4pack(pairs, inner_k_tiles)
-
-
-def _int4_grouped_codes(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """uint4 codes [out, in] (as uint8), and the kernels' [groups, out, 2] (scale, zero) table; each group of input
-    features spans its own minimum..maximum."""
-    out_features, in_features = weight.shape
-    grouped = weight.reshape(out_features, in_features // group_size, group_size)
-    low, high = grouped.amin(dim=2), grouped.amax(dim=2)
-    scales = ((high - low) / _INT4_MAX_CODE).clamp(min=torch.finfo(torch.float32).tiny)
-    zeros = low + scales * _INT4_MIDPOINT
-    codes = torch.clamp(torch.round((grouped - low[..., None]) / scales[..., None]), 0, _INT4_MAX_CODE)
-    scales_and_zeros = torch.stack([scales.t(), zeros.t()], dim=2).to(KERNEL_DTYPE).contiguous()
-    return codes.reshape(out_features, in_features).to(torch.uint8), scales_and_zeros
 
 
 # ----------------------------------------------------------------------------------------------- layers
@@ -394,6 +361,6 @@ def _share_input_products(layer: nn.Module) -> None:
             members = [getattr(parent, name, None) for name in names]
             if all(isinstance(member, QuantizedLinear) and member._fbgemm_packed is not None for member in members) \
                     and len({member.in_features for member in members}) == 1:
-                shared = SharedRowProduct.joining([member._fbgemm_packed for member in members])
+                shared = fbgemm_shared_product([member._fbgemm_packed for member in members])
                 for index, member in enumerate(members):  # the shared product holds the codes from now on
                     member._shared, member._fbgemm_packed = (shared, index), None

@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from hearth.inference import quantization
-from hearth.inference.int8_kernels import SharedRowProduct, fbgemm_row_product, int8_rows_on_cpu, pack_for_fbgemm
+from hearth.inference.int8_kernels import fbgemm_row_product, fbgemm_shared_product, int8_rows_on_cpu, pack_for_fbgemm
+from hearth.inference.weight_codes import int8_per_channel
 from hearth.inference.quantization import QuantizedLinear, parse_quantization
 
 needs_fbgemm = pytest.mark.skipif(not int8_rows_on_cpu(), reason="this torch has no fbgemm int8 product")
@@ -74,7 +75,7 @@ def test_the_packed_form_holds_per_row_int8_codes_and_leaves_the_engine_as_it_wa
     dense = nn.Linear(IN_FEATURES, OUT_FEATURES, bias=False)
     held = QuantizedLinear(dense, parse_quantization("int8"))
     assert torch.backends.quantized.engine == engine
-    expected_codes, _ = quantization._int8_per_channel(dense.weight.detach())
+    expected_codes, _ = int8_per_channel(dense.weight.detach())
     assert torch.equal(fbgemm_codes(held._fbgemm_packed), expected_codes)
     assert "weight_int8" not in dict(held.named_buffers())
     assert held.packed_bytes == OUT_FEATURES * IN_FEATURES
@@ -108,7 +109,7 @@ def test_linears_reading_one_input_share_one_product_and_give_what_each_gives_al
     assert attention.k_proj._shared[0] is shared and attention.v_proj._shared[0] is shared
     assert attention.o_proj._shared is None and attention.o_proj._fbgemm_packed is not None
     assert sum(held.packed_bytes for held in (attention.q_proj, attention.k_proj, attention.v_proj)) \
-        == fbgemm_codes(shared.packed).numel()
+        == (OUT_FEATURES + 64 + 64) * IN_FEATURES
     rows = heavy_tailed_rows(5).reshape(1, 5, IN_FEATURES)
     with torch.inference_mode():
         for order in (("q_proj", "k_proj", "v_proj"), ("v_proj", "q_proj", "k_proj")):
@@ -122,7 +123,7 @@ def test_linears_reading_one_input_share_one_product_and_give_what_each_gives_al
 def test_a_shared_input_changed_in_place_is_computed_again():
     codes, scales = int8_weights(3)
     packed = pack_for_fbgemm(codes, scales)
-    shared = SharedRowProduct.joining([packed, pack_for_fbgemm(codes[:64], scales[:64])])
+    shared = fbgemm_shared_product([packed, pack_for_fbgemm(codes[:64], scales[:64])])
     rows = heavy_tailed_rows(2)
     before = shared.columns(0, rows)
     assert torch.equal(before, fbgemm_row_product(rows, packed))
