@@ -96,12 +96,11 @@ class ClientStream:
             self._held_final = frame
             return
         self._reconnected_recently()
+        await self._replay_missed()
         if isinstance(frame, KeepaliveFrame):
             # Not numbered (it repeats the last seq): a lost keepalive is no gap in what the client must see.
-            await self._replay_missed()
             await self._publish_keepalive()
             return
-        await self._replay_missed()
         numbered = frame.model_copy(update={"seq": self.seq})
         self.seq += 1
         if isinstance(frame, TokenDeltaFrame):
@@ -155,11 +154,10 @@ class ClientStream:
         if not await self.reachable(self.probe_timeout_s):
             return
         self._replay_due = False
-        if self.replays == replays_per_call:
-            log.warning("%s: the client missed frames again; %d replays were its share", self.reply_subject,
-                        replays_per_call)
-            return
         self.replays += 1
+        if self.replays == replays_per_call:
+            log.warning("%s: the kept frames go again for the last time (%d a call): what the client misses from now "
+                        "on is not sent again", self.reply_subject, replays_per_call)
         frames = list(self._kept)
         first = self.seq - len(frames)
         for seq, data in enumerate(frames, start=first):
@@ -202,12 +200,15 @@ class ClientStream:
             return
         # A keepalive unheard after the final frame went out: the client most likely left having read it.
         if msg.subject.rpartition(".")[2] != _KEEPALIVE_STATUS_TOKEN or self.final_code is None:
-            self._replay_due = bool(self._kept)
+            self._mark_replay_due()
 
     def _reconnected_recently(self) -> bool:
         count = self.nc.stats["reconnects"]
         now = time.monotonic()
         if count != self._reconnects:
             self._reconnects, self._reconnect_noticed_at = count, now
-            self._replay_due = bool(self._kept)
+            self._mark_replay_due()
         return now - self._reconnect_noticed_at < self.resubscribe_grace_s
+
+    def _mark_replay_due(self) -> None:
+        self._replay_due = bool(self._kept) and self.replays < replays_per_call
