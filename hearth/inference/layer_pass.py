@@ -12,8 +12,9 @@ order on the same tensors, so a sliced pass is bitwise equal to an unsliced one.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,7 @@ from transformers.masking_utils import create_causal_mask, create_sliding_window
 
 from .architectures import FULL_ATTENTION, SLIDING_ATTENTION
 from .layer_call import build_mask, run_decoder_layer
+from .lean_decode import LeanDecoder, LeanSlot, verified_lean_decoder
 
 MASK_BUILDERS = {
     FULL_ATTENTION: create_causal_mask,
@@ -57,15 +59,25 @@ class DecoderStack:
     # The runner's lock: a dynamic or longrope rotary embedding rewrites its frequencies for the positions asked
     # (transformers' dynamic_rope_update), so two passes must not build theirs at once.
     rotary_lock: threading.RLock
+    # One-token steps without transformers' call machinery, where checked equal (hearth/inference/lean_decode.py).
+    lean: LeanSlot | None = None
+
+    def with_lean_decode(self, new_cache: Callable[[], DynamicCache]) -> DecoderStack:
+        """This stack, its one-token steps run by a LeanDecoder if one checks out on caches from `new_cache` (checked
+        at its first one-token pass, so that loading allocates nothing for it)."""
+        stack = dataclasses.replace(self, lean=None)
+        return dataclasses.replace(self, lean=LeanSlot(lambda: verified_lean_decoder(stack, new_cache)))
 
     def layer_pass(self, cache: DynamicCache, hidden_states: torch.Tensor, start_pos: int, run_lo: int,
-                   run_hi: int, replay: bool = False) -> LayerPass:
+                   run_hi: int, replay: bool = False, lean: bool = True) -> LayerPass:
         """A pass of `hidden_states` (at `start_pos`) through layers ``run_lo..run_hi`` over `cache`; the layers
-        themselves run unlocked. ``replay``: its queries attend as decode steps would (`LayerPass`)."""
+        themselves run unlocked. ``replay``: its queries attend as decode steps would (`LayerPass`). ``lean``: a
+        one-token pass may run on the stack's LeanDecoder (the same numbers)."""
         with self.rotary_lock:
             return LayerPass(config=self.config, layers=self.layers, rotary_embedding=self.rotary_embedding,
                              attention_types=self.attention_types, cache=cache, hidden_states=hidden_states,
-                             start_pos=start_pos, run_lo=run_lo, run_hi=run_hi, replay=replay)
+                             start_pos=start_pos, run_lo=run_lo, run_hi=run_hi, replay=replay,
+                             lean=self.lean.decoder() if lean and self.lean and hidden_states.shape[1] == 1 else None)
 
 
 class LayerPass:
@@ -78,7 +90,7 @@ class LayerPass:
 
     def __init__(self, *, config: PretrainedConfig, layers: dict[int, nn.Module], rotary_embedding: nn.Module,
                  attention_types: Sequence[str], cache: DynamicCache, hidden_states: torch.Tensor, start_pos: int,
-                 run_lo: int, run_hi: int, replay: bool = False) -> None:
+                 run_lo: int, run_hi: int, replay: bool = False, lean: LeanDecoder | None = None) -> None:
         self._replay = replay
         self._layers = layers
         self._attention_types = attention_types
@@ -90,7 +102,11 @@ class LayerPass:
         self._position_ids = torch.arange(start_pos, start_pos + num_tokens,
                                           device=hidden_states.device).unsqueeze(0)
         self._position_embeddings = rotary_embedding(hidden_states, self._position_ids)
-        self._masks = step_masks(config, attention_types, cache, hidden_states, self._position_ids, run_lo, run_hi)
+        # A single query attends every cached key, under no mask: the lean steps need none built.
+        self._lean = lean
+        self._lean_factors = None if self._lean is None else self._lean.factors(self._position_embeddings)
+        self._masks = {} if self._lean is not None else step_masks(
+            config, attention_types, cache, hidden_states, self._position_ids, run_lo, run_hi)
 
     @property
     def done(self) -> bool:
@@ -109,6 +125,9 @@ class LayerPass:
         last = self._run_hi if max_layers is None else min(self._run_hi, self._next_layer + max_layers - 1)
         hidden_states = self._hidden_states
         for layer_index in range(self._next_layer, last + 1):
+            if self._lean is not None:
+                hidden_states = self._lean.run_layer(layer_index, hidden_states, self._cache, self._lean_factors)
+                continue
             attention_type = self._attention_types[layer_index]
             hidden_states = run_decoder_layer(
                 self._layers[layer_index], hidden_states,

@@ -283,6 +283,11 @@ class QuantizedLinear(nn.Module):
                                                  self.scales_and_zeros)
 
     @property
+    def shared(self) -> tuple[SharedRowProduct, int] | None:
+        """The product this Linear shares with others reading its input, and its member index there; None if own."""
+        return self._shared
+
+    @property
     def packed_bytes(self) -> int:
         """Bytes of the weight held outside the module's buffers (the int8 codes in fbgemm's packed form, its own or
         its part of a shared one)."""

@@ -25,8 +25,7 @@ from .sessions import EvictedSession, SessionCaches, as_position, kv_bytes_per_t
 from .runner_checks import RunnerChecks
 from .static_decode import StaticCacheLengths, StaticDecoder, static_decode_supported
 
-# "replay": tokens a session already decoded, prefilled again (after a failover) query by query as their decode steps
-# ran, so on a CPU with int8/int4 layers the cache and outputs equal the decode steps' (hearth/inference/layer_pass.py).
+# "replay": a session's decoded tokens prefilled again (a failover), query by query as their decode steps ran.
 StepKind = Literal["prefill", "decode", "replay"]
 STEP_KINDS: tuple[str, ...] = ("prefill", "decode", "replay")
 
@@ -34,16 +33,15 @@ STEP_KINDS: tuple[str, ...] = ("prefill", "decode", "replay")
 class LayerRangeRunner(RunnerChecks):
     """Decoder layers ``layer_lo..layer_hi`` (inclusive, global indices) plus per-session KV caches.
 
-    ``forward`` takes the hidden states entering ``layer_lo`` (or the first layer of a requested
-    sub-range) and returns those leaving the last layer run. Every public method takes one lock, so
-    the runner can be driven from worker threads (e.g. ``asyncio.to_thread``); the layers of a dynamic-cache step
-    (`begin_forward`, then `advance` until it returns the output) run outside it, so steps of different sessions may
-    run side by side.
+    ``forward`` takes the hidden states entering ``layer_lo`` (or the first layer of a requested sub-range) and returns
+    those leaving the last layer run. Every public method takes one lock, so the runner can be driven from worker
+    threads (e.g. ``asyncio.to_thread``); the layers of a dynamic-cache step (`begin_forward`, then `advance` until it
+    returns the output) run outside it, so steps of different sessions may run side by side.
 
-    Cache rules: a ``prefill`` at ``start_pos`` 0 (re)starts the session; any other step must continue
-    it exactly (``start_pos`` equal to the tokens already cached in every layer it runs), otherwise
-    ``SessionStateError``. Sessions idle longer than ``session_ttl_s`` are evicted, and the least
-    recently used ones are evicted when all caches together exceed ``cache_budget_bytes``.
+    Cache rules: a ``prefill`` at ``start_pos`` 0 (re)starts the session; any other step must continue it exactly
+    (``start_pos`` equal to the tokens already cached in every layer it runs), otherwise ``SessionStateError``. Sessions
+    idle longer than ``session_ttl_s`` are evicted, and the least recently used ones are evicted when all caches
+    together exceed ``cache_budget_bytes``.
     """
     quantization: str = "none"  # the label of its Linears' scheme (hearth/inference/quantization.py); set when loaded
 
@@ -80,18 +78,19 @@ class LayerRangeRunner(RunnerChecks):
         self._kv_bytes_per_token_per_layer = kv_bytes_per_token_per_layer(config, info.dtype)
         # Re-entrant so an on_evict callback may read the runner's accounting without deadlocking.
         self._lock = threading.RLock()
-        self._stack = DecoderStack(config=config, layers=layers, rotary_embedding=rotary_embedding,
-                                   attention_types=self._attention_types, rotary_lock=self._lock)
         self._closed = False
         # Static caches and graphed decode steps (hearth/inference/static_decode.py) where asked for and supported.
         self._static: StaticDecoder | None = None
         if static_cache_tokens and static_decode_supported(
                 config, self._attention_types[self.layer_lo : self.layer_hi + 1]):
             # No session reaches beyond the model's context, so neither need its cache.
-            context = getattr(config, "max_position_embeddings", None) or static_cache_tokens
-            max_tokens = min(static_cache_tokens, context)
+            max_tokens = min(static_cache_tokens, getattr(config, "max_position_embeddings", 0) or static_cache_tokens)
             self._static = StaticDecoder(config=config, layers=layers, rotary_embedding=rotary_embedding,
                                          max_tokens=max_tokens, device=self.device, capture_graphs=True)
+        stack = DecoderStack(config=config, layers=layers, rotary_embedding=rotary_embedding,
+                             attention_types=self._attention_types, rotary_lock=self._lock)
+        # One-token steps over dynamic caches: the lean path where it checks out (hearth/inference/lean_decode.py).
+        self._stack = stack if self._static is not None else stack.with_lean_decode(lambda: growing_cache(config))
         # Batched steps over the sessions' own dynamic caches (hearth/inference/batched.py; static ones: StaticDecoder).
         self._batched = self._static is None and batched_steps_supported(
             config, self._attention_types[self.layer_lo : self.layer_hi + 1])
@@ -357,14 +356,15 @@ class LayerRangeRunner(RunnerChecks):
         return self._static.graph_captures_total if self._static is not None else 0
 
     @property
+    def lean_decode(self) -> bool:
+        """Whether one-token steps run on the lean path (hearth/inference/lean_decode.py), not transformers' modules."""
+        with self._lock:
+            return self._stack.lean is not None and self._stack.lean.decoder() is not None
+
+    @property
     def graphs_decode(self) -> bool:
         """True when decode steps replay CUDA graphs over static caches."""
         return self._static is not None and self._static.capture_graphs
-
-    def _cached_length(self, cache, layer_index: int) -> int:
-        if self._static is not None:
-            return self._static.cached_tokens(cache, layer_index)
-        return cache.layers[layer_index].get_seq_length()
 
     # ----------------------------------------------------------------- weights & lifecycle
 
@@ -390,7 +390,7 @@ class LayerRangeRunner(RunnerChecks):
             self._caches.drop_all()
             if self._caches.prefixes is not None:
                 self._caches.prefixes.clear()
-            self._stack = dataclasses.replace(self._stack, layers={})
+            self._stack = dataclasses.replace(self._stack, layers={}, lean=None)
             self._closed = True
 
     def __enter__(self) -> LayerRangeRunner:

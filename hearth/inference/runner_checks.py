@@ -11,6 +11,10 @@ from .errors import RunnerClosedError, SessionStateError, SessionTooLargeError
 class RunnerChecks:
     """Mixed into LayerRangeRunner: reads its layers, static decoder, caches and accounting."""
 
+    def _cached_length(self, cache, layer_index: int) -> int:
+        return (self._static.cached_tokens(cache, layer_index) if self._static is not None
+                else cache.layers[layer_index].get_seq_length())
+
     def _check_open(self) -> None:
         if self._closed:
             raise RunnerClosedError(f"runner for layers {self.layer_lo}-{self.layer_hi} is closed")

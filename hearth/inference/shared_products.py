@@ -28,6 +28,10 @@ class SharedRowProduct:
         self.bounds = list(zip(starts[:-1], starts[1:], strict=True))
         self._kept = threading.local()
 
+    def all_columns(self, rows: torch.Tensor) -> torch.Tensor:
+        """Every member's product of ``rows`` side by side (``bounds`` says whose columns are where)."""
+        return self.product(rows.to(torch.bfloat16, copy=True))
+
     def columns(self, member: int, rows: torch.Tensor) -> torch.Tensor:
         """Member ``member``'s product of ``rows`` (contiguous)."""
         rounded = rows.to(torch.bfloat16, copy=True)

@@ -178,14 +178,16 @@ def _own_nice() -> tuple[int, int]:
 
 
 async def test_a_long_prefill_runs_on_a_niced_thread_and_the_other_steps_on_the_compute_thread(tiny_model_dir):
-    """Where the layers really ran (a hook on the first layer notes the thread and its nice value): the long prefill's
-    turns on a thread `prefill_nice` below the compute thread, a short prefill and a decode step on the compute thread;
-    the long prefill's output is still bitwise the whole step's."""
+    """Where the layers really ran (a hook on the first layer's input norm, which one-token steps on the lean path call
+    too, notes the thread and its nice value): the long prefill's turns on a thread `prefill_nice` below the compute
+    thread, a short prefill and a decode step on the compute thread; the long prefill's output is still bitwise the
+    whole step's."""
     path = tiny_model_dir("llama")
     head = load_head(path)
     runner = load_layer_range(path, 0, TINY_NUM_LAYERS - 1, **RUNNER_KV_LIMITS)
     ran_on: list[tuple[int, int]] = []
-    runner._stack.layers[0].register_forward_pre_hook(lambda module, args: ran_on.append(_own_nice()))
+    assert runner.lean_decode  # checked now, so that the hook sees the steps alone
+    runner._stack.layers[0].input_layernorm.register_forward_pre_hook(lambda module, args: ran_on.append(_own_nice()))
     compute = ShardCompute(runner, "shard-0", shard_settings(prefill_slice_layers=1, prefill_slice_min_tokens=8,
                                                              prefill_nice=5))
     compute_thread, compute_nice = await on_compute_thread(_own_nice)
