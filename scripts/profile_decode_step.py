@@ -7,6 +7,10 @@ most:
 
     .venv/bin/python scripts/profile_decode_step.py --shape llama-250m --layers 0-4 --context 300 \\
         --schemes none int8 int4/g32 --threads 2
+
+With ``--lean-vs-modules`` it times instead the one-token steps of the lean path (hearth/inference/lean_decode.py)
+against transformers' modules on the same layers, alternated step by step over two sessions fed the same tokens,
+and checks that both give the same bits.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from hearth.inference import load_head, load_layer_range
+from hearth.inference.kv_growth import growing_cache
 from hearth.services.common.config_processes import ShardSettings
 from hearth.services.devtools.random_models import random_checkpoint
 
@@ -60,6 +65,36 @@ def profile_scheme(path, lo: int, hi: int, scheme: str, context: int) -> str:
     return (f"| {scheme} | {statistics.median(times) * 1000.0:.1f} | {inside_ms:.1f} | {top} |")
 
 
+def compare_lean(path, lo: int, hi: int, scheme: str, context: int, steps: int) -> str:
+    """Median one-token step through layers lo..hi, lean path against transformers' modules (alternated)."""
+    shard = ShardSettings()
+    runner = load_layer_range(path, lo, hi, cache_budget_bytes=shard.kv_cache_budget_bytes,
+                              session_ttl_s=shard.eviction_idle_s, quantization=scheme)
+    if not runner.lean_decode:
+        return f"| {scheme} | no lean path for this model | | |"
+    head = load_head(path)
+    stack = runner._stack  # the runner's layers, passes run on them directly to pick the path per step
+    prompt = head.embed([5 + index % 100 for index in range(context)])
+    caches = {}
+    with torch.inference_mode():
+        for lean in (True, False):
+            caches[lean] = growing_cache(stack.config)
+            stack.layer_pass(caches[lean], prompt, 0, lo, hi).run()
+        times: dict[bool, list[float]] = {True: [], False: []}
+        for step in range(warmup_steps + steps):
+            hidden = head.embed([7 + step % 50])
+            outputs = {}
+            for lean in (True, False):
+                started = time.perf_counter()
+                outputs[lean] = stack.layer_pass(caches[lean], hidden, context + step, lo, hi, lean=lean).run()
+                if step >= warmup_steps:
+                    times[lean].append(time.perf_counter() - started)
+            if not torch.equal(outputs[True], outputs[False]):
+                raise SystemExit(f"{scheme}: the lean step differs from the modules' at step {step}")
+    lean_ms, modules_ms = (statistics.median(times[lean]) * 1000.0 for lean in (True, False))
+    return f"| {scheme} | {lean_ms:.2f} | {modules_ms:.2f} | {modules_ms / lean_ms:.2f} |"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="llama-250m")
@@ -67,10 +102,19 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=300, help="tokens prefilled before the decode steps")
     parser.add_argument("--schemes", nargs="+", default=["none", "int8", "int4/g32"])
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--lean-vs-modules", action="store_true",
+                        help="time one-token steps on the lean path against transformers' modules instead")
+    parser.add_argument("--steps", type=int, default=200, help="alternated steps each (with --lean-vs-modules)")
     args = parser.parse_args()
     lo, hi = (int(part) for part in args.layers.split("-"))
     torch.set_num_threads(args.threads)
     path = random_checkpoint(f"random:{args.shape}")
+    if args.lean_vs_modules:
+        print("| scheme | lean step (ms, median) | modules' step (ms, median) | modules ÷ lean |")
+        print("|---|---:|---:|---:|")
+        for scheme in args.schemes:
+            print(compare_lean(path, lo, hi, scheme, args.context, args.steps), flush=True)
+        return
     print("| scheme | step, wall (ms, median) | inside operators (ms) | operators taking the most (a step) |")
     print("|---|---:|---:|---|")
     for scheme in args.schemes:
