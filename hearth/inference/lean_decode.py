@@ -131,9 +131,14 @@ class LeanSlot:
         self._decoder: LeanDecoder | None = None
 
     def decoder(self) -> LeanDecoder | None:
-        """The checked LeanDecoder, or None where the check refused it."""
+        """The checked LeanDecoder, or None where the check refused it or failed (the modules then run every step)."""
         if self._check is not None:
-            self._decoder, self._check = self._check(), None
+            check, self._check = self._check, None
+            try:
+                self._decoder = check()
+            except Exception:  # a check that cannot run must not fail the step that asked for it
+                logger.warning("one-token steps keep transformers' modules: the lean step's check failed",
+                               exc_info=True)
         return self._decoder
 
 

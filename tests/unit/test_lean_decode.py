@@ -11,7 +11,7 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 from hearth.inference import load_layer_range
 from hearth.inference.kv_growth import growing_cache
-from hearth.inference.lean_decode import verified_lean_decoder
+from hearth.inference.lean_decode import LeanSlot, verified_lean_decoder
 from tests.runner_limits import RUNNER_KV_LIMITS
 
 from .inference_tiny_models import TINY_NUM_LAYERS, one_torch_thread, tiny_model_dir  # noqa: F401  (fixtures)
@@ -85,3 +85,16 @@ def test_a_layer_that_computes_otherwise_keeps_transformers_modules(tiny_model_d
                                 rotary_embedding=stack.rotary_embedding, attention_types=stack.attention_types,
                                 rotary_lock=stack.rotary_lock)
     assert verified_lean_decoder(altered_stack, lambda: growing_cache(stack.config)) is None
+
+
+def test_a_check_that_fails_leaves_the_modules_in_charge_and_runs_once(caplog):
+    calls = []
+
+    def failing_check():
+        calls.append(1)
+        raise RuntimeError("no scratch cache here")
+
+    slot = LeanSlot(failing_check)
+    assert slot.decoder() is None and slot.decoder() is None
+    assert calls == [1]
+    assert "check failed" in caplog.text
