@@ -9,13 +9,14 @@ most:
         --schemes none int8 int4/g32 --threads 2
 
 With ``--lean-vs-modules`` it times instead the one-token steps of the lean path (hearth/inference/lean_decode.py)
-against transformers' modules on the same layers, alternated step by step over two sessions fed the same tokens,
-and checks that both give the same bits.
+against transformers' modules on the same layers, alternated step by step over two sets of sessions fed the same
+tokens (``--rows``: one session's solo step, or several sessions' batched step), and checks both give the same bits.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 
@@ -23,6 +24,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from hearth.inference import load_head, load_layer_range
+from hearth.inference.batched import run_batched_step
 from hearth.inference.kv_growth import growing_cache
 from hearth.services.common.config_processes import ShardSettings
 from hearth.services.devtools.random_models import random_checkpoint
@@ -65,34 +67,42 @@ def profile_scheme(path, lo: int, hi: int, scheme: str, context: int) -> str:
     return (f"| {scheme} | {statistics.median(times) * 1000.0:.1f} | {inside_ms:.1f} | {top} |")
 
 
-def compare_lean(path, lo: int, hi: int, scheme: str, context: int, steps: int) -> str:
-    """Median one-token step through layers lo..hi, lean path against transformers' modules (alternated)."""
+def compare_lean(path, lo: int, hi: int, scheme: str, context: int, steps: int, rows: int) -> str:
+    """Median one-token step of ``rows`` sessions through layers lo..hi (one row: a solo step; more: a batched one),
+    lean path against transformers' modules (alternated)."""
     shard = ShardSettings()
     runner = load_layer_range(path, lo, hi, cache_budget_bytes=shard.kv_cache_budget_bytes,
                               session_ttl_s=shard.eviction_idle_s, quantization=scheme)
     if not runner.lean_decode:
-        return f"| {scheme} | no lean path for this model | | |"
+        return f"| {scheme} | {rows} | no lean path for this model | | |"
     head = load_head(path)
-    stack = runner._stack  # the runner's layers, passes run on them directly to pick the path per step
-    prompt = head.embed([5 + index % 100 for index in range(context)])
+    lean_stack = runner._stack  # the runner's layers: passes run on them directly to pick the path per step
+    stacks = {True: lean_stack, False: dataclasses.replace(lean_stack, lean=None)}
+    prompts = [head.embed([5 + (index + row) % 100 for index in range(context + row)]) for row in range(rows)]
     caches = {}
-    with torch.inference_mode():
+    times: dict[bool, list[float]] = {True: [], False: []}
+    with torch.inference_mode(), lean_stack.rotary_lock:
         for lean in (True, False):
-            caches[lean] = growing_cache(stack.config)
-            stack.layer_pass(caches[lean], prompt, 0, lo, hi).run()
-        times: dict[bool, list[float]] = {True: [], False: []}
+            caches[lean] = [growing_cache(lean_stack.config) for _ in range(rows)]
+            for cache, prompt in zip(caches[lean], prompts, strict=True):
+                lean_stack.layer_pass(cache, prompt, 0, lo, hi).run()
         for step in range(warmup_steps + steps):
-            hidden = head.embed([7 + step % 50])
+            hidden = [head.embed([7 + (step + row) % 50]) for row in range(rows)]
+            positions = [context + row + step for row in range(rows)]
             outputs = {}
             for lean in (True, False):
                 started = time.perf_counter()
-                outputs[lean] = stack.layer_pass(caches[lean], hidden, context + step, lo, hi, lean=lean).run()
+                if rows == 1:
+                    outputs[lean] = [stacks[lean].layer_pass(caches[lean][0], hidden[0], positions[0], lo, hi).run()]
+                else:
+                    outputs[lean] = run_batched_step(stack=stacks[lean], caches=caches[lean], hidden_states=hidden,
+                                                     positions=positions, run_lo=lo, run_hi=hi)
                 if step >= warmup_steps:
                     times[lean].append(time.perf_counter() - started)
-            if not torch.equal(outputs[True], outputs[False]):
+            if not all(torch.equal(a, b) for a, b in zip(outputs[True], outputs[False], strict=True)):
                 raise SystemExit(f"{scheme}: the lean step differs from the modules' at step {step}")
     lean_ms, modules_ms = (statistics.median(times[lean]) * 1000.0 for lean in (True, False))
-    return f"| {scheme} | {lean_ms:.2f} | {modules_ms:.2f} | {modules_ms / lean_ms:.2f} |"
+    return f"| {scheme} | {rows} | {lean_ms:.2f} | {modules_ms:.2f} | {modules_ms / lean_ms:.2f} |"
 
 
 def main() -> None:
@@ -105,15 +115,18 @@ def main() -> None:
     parser.add_argument("--lean-vs-modules", action="store_true",
                         help="time one-token steps on the lean path against transformers' modules instead")
     parser.add_argument("--steps", type=int, default=200, help="alternated steps each (with --lean-vs-modules)")
+    parser.add_argument("--rows", type=int, nargs="+", default=[1],
+                        help="sessions stepping together (with --lean-vs-modules; more than one: a batched step)")
     args = parser.parse_args()
     lo, hi = (int(part) for part in args.layers.split("-"))
     torch.set_num_threads(args.threads)
     path = random_checkpoint(f"random:{args.shape}")
     if args.lean_vs_modules:
-        print("| scheme | lean step (ms, median) | modules' step (ms, median) | modules ÷ lean |")
-        print("|---|---:|---:|---:|")
+        print("| scheme | sessions | lean step (ms, median) | modules' step (ms, median) | modules ÷ lean |")
+        print("|---|---:|---:|---:|---:|")
         for scheme in args.schemes:
-            print(compare_lean(path, lo, hi, scheme, args.context, args.steps), flush=True)
+            for rows in args.rows:
+                print(compare_lean(path, lo, hi, scheme, args.context, args.steps, rows), flush=True)
         return
     print("| scheme | step, wall (ms, median) | inside operators (ms) | operators taking the most (a step) |")
     print("|---|---:|---:|---|")

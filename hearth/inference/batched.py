@@ -35,12 +35,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 from transformers import DynamicCache, PretrainedConfig
 
 from .architectures import FULL_ATTENTION, SLIDING_ATTENTION
 from .layer_call import run_decoder_layer
-from .layer_pass import step_masks
+from .layer_pass import DecoderStack, step_masks
 from .row_attention import SDPA_IMPLEMENTATIONS, attends_by_row
 
 BATCHED_ATTENTION_IMPLEMENTATIONS = (*SDPA_IMPLEMENTATIONS, "eager")
@@ -160,12 +159,14 @@ def update_rows(caches: Sequence, key_states: Sequence[torch.Tensor], value_stat
     return keys, values
 
 
-def run_batched_step(*, config: PretrainedConfig, layers: dict[int, nn.Module], rotary_embedding: nn.Module,
-                     attention_types: Sequence[str], caches: Sequence[DynamicCache],
-                     hidden_states: Sequence[torch.Tensor], positions: Sequence[int], run_lo: int,
-                     run_hi: int, buffers: StackingBuffers | None = None) -> list[torch.Tensor]:
-    """Layers ``run_lo..run_hi`` for row i's ``hidden_states[i]`` ``[1, T_i, hidden]`` at ``positions[i]`` of
-    caches[i]; row i's output ``[1, T_i, hidden]`` per row. ``buffers``: the caller's, kept between its steps."""
+def run_batched_step(*, stack: DecoderStack, caches: Sequence[DynamicCache], hidden_states: Sequence[torch.Tensor],
+                     positions: Sequence[int], run_lo: int, run_hi: int,
+                     buffers: StackingBuffers | None = None) -> list[torch.Tensor]:
+    """Layers ``run_lo..run_hi`` of `stack` for row i's ``hidden_states[i]`` ``[1, T_i, hidden]`` at ``positions[i]``
+    of caches[i]; row i's output ``[1, T_i, hidden]`` per row. ``buffers``: the caller's, kept between its steps. Call
+    under the stack's lock. Rows of one token each that attend by row run on the stack's lean path where it has one
+    (hearth/inference/lean_decode.py: each row attends its own cache, as below)."""
+    config, layers, attention_types = stack.config, stack.layers, stack.attention_types
     new_tokens = [states.shape[1] for states in hidden_states]
     most = max(new_tokens)
     stacked = _left_padded(list(hidden_states), most)
@@ -174,7 +175,13 @@ def run_batched_step(*, config: PretrainedConfig, layers: dict[int, nn.Module], 
     padding = torch.tensor([most - tokens for tokens in new_tokens], device=device).view(-1, 1)
     position_ids = (torch.tensor(list(positions), device=device).view(-1, 1) - padding
                     + torch.arange(most, device=device).view(1, -1)).clamp(min=0)
-    position_embeddings = rotary_embedding(stacked, position_ids)
+    position_embeddings = stack.rotary_embedding(stacked, position_ids)
+    lean = stack.lean.decoder() if stack.lean is not None and most == 1 and attends_by_row(config) else None
+    if lean is not None:
+        factors = lean.factors(position_embeddings)
+        for layer_index in range(run_lo, run_hi + 1):
+            stacked = lean.run_layer(layer_index, stacked, caches, factors)
+        return [stacked[row:row + 1] for row in range(len(caches))]
     if attends_by_row(config):
         rows = RowCaches(caches, new_tokens, row_masks=_solo_masks(config, attention_types, caches, hidden_states,
                                                                    positions, run_lo, run_hi),

@@ -126,7 +126,7 @@ class LayerPass:
         hidden_states = self._hidden_states
         for layer_index in range(self._next_layer, last + 1):
             if self._lean is not None:
-                hidden_states = self._lean.run_layer(layer_index, hidden_states, self._cache, self._lean_factors)
+                hidden_states = self._lean.run_layer(layer_index, hidden_states, [self._cache], self._lean_factors)
                 continue
             attention_type = self._attention_types[layer_index]
             hidden_states = run_decoder_layer(

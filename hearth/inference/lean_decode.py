@@ -14,8 +14,10 @@ same operations called directly, with two rewrites that change no bit:
 Attention is transformers' own SDPA function, under the mask a one-token step gets (none: a single query sees every
 cached key). Because a transformers release could change a layer's arithmetic, `verified_lean_decoder` runs a few
 steps both ways on scratch caches before a runner's first one-token step (`LeanSlot`: loading allocates nothing for
-it) and keeps the lean path only if every output and cached key and value is bitwise equal; anything else (other
-families, sliding windows, steps of several tokens, batched steps) runs through transformers' modules as before.
+it) and keeps the lean path only if every output and cached key and value is bitwise equal. A batched step whose
+rows are one token each, each row attending its own cache (hearth/inference/batched.py on a CPU), runs here too: the
+products and norms take every row at once, exactly as in the modules' batched step. Anything else (other families,
+sliding windows, steps of several tokens) runs through transformers' modules as before.
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ _CHECK_STEPS = 2
 
 @dataclass(frozen=True)
 class RotaryFactors:
-    """A one-token step's rotary factors, ``[1, 1, head_dim]``: cos, and sin with its first half negated."""
+    """A one-token step's rotary factors, ``[B, 1, head_dim]`` (a row per session): cos, and sin with its first half
+    negated."""
 
     cos: torch.Tensor
     signed_sin: torch.Tensor
@@ -58,26 +61,31 @@ class LeanDecoder:
 
     @staticmethod
     def factors(position_embeddings: tuple[torch.Tensor, torch.Tensor]) -> RotaryFactors:
-        """The rotary factors of a one-token step from the rotary embedding's ``(cos, sin)`` (``[1, 1, dim]``)."""
+        """The rotary factors of a one-token step from the rotary embedding's ``(cos, sin)`` (``[B, 1, dim]``)."""
         cos, sin = position_embeddings
         half = sin.shape[-1] // 2
         return RotaryFactors(cos=cos, signed_sin=torch.cat((-sin[..., :half], sin[..., half:]), dim=-1))
 
-    def run_layer(self, layer_index: int, hidden_states: torch.Tensor, cache: DynamicCache,
+    def run_layer(self, layer_index: int, hidden_states: torch.Tensor, caches: Sequence[DynamicCache],
                   factors: RotaryFactors) -> torch.Tensor:
-        """Layer ``layer_index`` on ``hidden_states`` (``[1, 1, hidden]``), appending its key and value to `cache`."""
+        """Layer ``layer_index`` on ``hidden_states`` ``[B, 1, hidden]``, row i of one session appending its key and
+        value to ``caches[i]`` and attending that cache alone (as a batched step's rows do: row_attention.py)."""
         layer = self._layers[layer_index]
         attention = layer.self_attn
+        rows, head_dim = hidden_states.shape[0], attention.head_dim
         residual = hidden_states
         normed = layer.input_layernorm(hidden_states)
         heads_and_keys, values = _rotated_queries_and_keys(attention, normed, factors)
         query_heads = attention.config.num_attention_heads
-        queries = heads_and_keys[:, :query_heads].view(1, 1, query_heads, -1).transpose(1, 2)
-        keys = heads_and_keys[:, query_heads:].view(1, 1, -1, attention.head_dim).transpose(1, 2)
-        keys, values = cache.update(keys, values.view(1, 1, -1, attention.head_dim).transpose(1, 2), layer_index)
-        attended, _ = sdpa_attention_forward(attention, queries, keys, values, None, dropout=0.0,
-                                             scaling=attention.scaling)
-        hidden_states = residual + attention.o_proj(attended.reshape(1, 1, -1).contiguous())
+        queries = heads_and_keys[:, :query_heads].view(rows, 1, query_heads, -1).transpose(1, 2)
+        keys = heads_and_keys[:, query_heads:].view(rows, 1, -1, head_dim).transpose(1, 2)
+        values = values.reshape(rows, 1, -1, head_dim).transpose(1, 2)
+        if rows == 1:
+            attended = _attend(attention, queries, keys, values, caches[0], layer_index)
+        else:
+            attended = torch.cat([_attend(attention, queries[row:row + 1], keys[row:row + 1], values[row:row + 1],
+                                          cache, layer_index) for row, cache in enumerate(caches)])
+        hidden_states = residual + attention.o_proj(attended.reshape(rows, 1, -1).contiguous())
         residual = hidden_states
         normed = layer.post_attention_layernorm(hidden_states)
         mlp = layer.mlp
@@ -85,29 +93,38 @@ class LeanDecoder:
         if gate_and_up is None:
             return residual + mlp(normed)
         gate, up = gate_and_up
-        return residual + mlp.down_proj(mlp.act_fn(gate) * up)
+        return residual + mlp.down_proj((mlp.act_fn(gate) * up).view(rows, 1, -1))
+
+
+def _attend(attention: nn.Module, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+            cache: DynamicCache, layer_index: int) -> torch.Tensor:
+    """One session's query ``[1, heads, 1, dim]`` over `cache` once its key and value are appended: ``[1, 1, heads,
+    dim]``."""
+    keys, values = cache.update(keys, values, layer_index)
+    return sdpa_attention_forward(attention, queries, keys, values, None, dropout=0.0, scaling=attention.scaling)[0]
 
 
 def _rotated_queries_and_keys(attention: nn.Module, normed: torch.Tensor,
                               factors: RotaryFactors) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[1, query heads + key heads, head_dim]`` rotated, and the values (any shape holding one row)."""
+    """``[B, query heads + key heads, head_dim]`` rotated, and the values (any shape holding one row per session)."""
+    rows = normed.shape[0]
     projections = _one_shared_product(normed, (attention.q_proj, attention.k_proj, attention.v_proj))
     if projections is None:
         projections = (attention.q_proj(normed), attention.k_proj(normed), attention.v_proj(normed))
     queries, keys, values = projections
-    both = torch.cat((queries.reshape(1, -1), keys.reshape(1, -1)), dim=-1).view(1, -1, attention.head_dim)
+    both = torch.cat((queries.reshape(rows, -1), keys.reshape(rows, -1)), dim=-1).view(rows, -1, attention.head_dim)
     half = attention.head_dim // 2
     return both * factors.cos + torch.roll(both, half, -1) * factors.signed_sin, values
 
 
 def _one_shared_product(normed: torch.Tensor, linears: Sequence[nn.Module]) -> tuple[torch.Tensor, ...] | None:
-    """Each of `linears`' outputs for one row, as views of one call of the product they share (None unless they are
-    its members in order, without biases)."""
+    """Each of `linears`' outputs for the rows of ``normed``, as views of one call of the product they share (None
+    unless they are its members in order, without biases)."""
     shared = getattr(linears[0], "shared", None)
     if shared is None or any(getattr(linear, "shared", None) != (shared[0], index) or linear.bias is not None
                              for index, linear in enumerate(linears)):
         return None
-    product = shared[0].all_columns(normed.reshape(1, -1)).to(normed.dtype)
+    product = shared[0].all_columns(normed.reshape(normed.shape[0], -1)).to(normed.dtype)
     return tuple(product[:, first:last] for first, last in shared[0].bounds)
 
 
@@ -177,7 +194,7 @@ def verified_lean_decoder(stack: ReferenceStack, new_cache: Callable[[], Dynamic
             factors = lean.factors(stack.rotary_embedding(token, torch.tensor([[position]], device=token.device)))
             got = token
             for index in range(first, last + 1):
-                got = lean.run_layer(index, got, lean_cache, factors)
+                got = lean.run_layer(index, got, [lean_cache], factors)
             if not torch.equal(expected, got):
                 logger.info("one-token steps keep transformers' modules: the lean step differs on this install")
                 return None

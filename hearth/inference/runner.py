@@ -230,10 +230,8 @@ class LayerRangeRunner(RunnerChecks):
         if self._static is not None:  # its graphs batch one-token steps only
             return self._static.run_batch(caches, torch.cat([hidden for _, _, hidden, _ in ready]), positions,
                                           run_lo, run_hi)
-        return run_batched_step(
-            config=self._stack.config, layers=self._stack.layers, rotary_embedding=self._stack.rotary_embedding,
-            attention_types=self._attention_types, caches=caches, hidden_states=[h for _, _, h, _ in ready],
-            positions=positions, run_lo=run_lo, run_hi=run_hi, buffers=self._stacking_buffers)
+        return run_batched_step(stack=self._stack, caches=caches, hidden_states=[h for _, _, h, _ in ready],
+                                positions=positions, run_lo=run_lo, run_hi=run_hi, buffers=self._stacking_buffers)
 
     def _run_solo(self, cache, hidden_states: torch.Tensor, start_pos: int, run_lo: int, run_hi: int,
                   kind: StepKind) -> torch.Tensor:

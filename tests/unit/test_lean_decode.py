@@ -4,12 +4,15 @@ load when a layer computes otherwise."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 from hearth.inference import load_layer_range
+from hearth.inference.batched import run_batched_step
 from hearth.inference.kv_growth import growing_cache
 from hearth.inference.lean_decode import LeanSlot, verified_lean_decoder
 from tests.runner_limits import RUNNER_KV_LIMITS
@@ -98,3 +101,36 @@ def test_a_check_that_fails_leaves_the_modules_in_charge_and_runs_once(caplog):
     assert slot.decoder() is None and slot.decoder() is None
     assert calls == [1]
     assert "check failed" in caplog.text
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8", "int4/g32"])
+def test_batched_one_token_steps_on_the_lean_path_equal_the_modules_bitwise(tiny_model_dir, quantization):
+    """Three sessions of different lengths decoding together: each row attends its own cache on both paths."""
+    runner = load_layer_range(tiny_model_dir("llama"), 0, LAST_LAYER, quantization=quantization, **RUNNER_KV_LIMITS)
+    assert runner.lean_decode
+    lean_stack = runner._stack
+    module_stack = dataclasses.replace(lean_stack, lean=None)
+    generator = torch.Generator().manual_seed(2)
+    prompts = [torch.randn(1, tokens, lean_stack.config.hidden_size, generator=generator) for tokens in (3, 7, 5)]
+    outputs = {}
+    for name, stack in (("lean", lean_stack), ("modules", module_stack)):
+        caches = [growing_cache(stack.config) for _ in prompts]
+        positions = [prompt.shape[1] for prompt in prompts]
+        steps = []
+        with torch.inference_mode(), stack.rotary_lock:
+            for cache, prompt in zip(caches, prompts, strict=True):
+                stack.layer_pass(cache, prompt, 0, 0, LAST_LAYER).run()
+            for step in range(DECODE_STEPS):
+                tokens = [torch.randn(1, 1, stack.config.hidden_size, generator=torch.Generator().manual_seed(step))
+                          for _ in prompts]
+                steps.append(run_batched_step(stack=stack, caches=caches, hidden_states=tokens,
+                                              positions=[position + step for position in positions], run_lo=0,
+                                              run_hi=LAST_LAYER))
+        outputs[name] = (steps, caches)
+    for step, (lean_rows, module_rows) in enumerate(zip(outputs["lean"][0], outputs["modules"][0], strict=True)):
+        for row, (lean_row, module_row) in enumerate(zip(lean_rows, module_rows, strict=True)):
+            assert torch.equal(lean_row, module_row), f"step {step}, row {row}"
+    for lean_cache, module_cache in zip(outputs["lean"][1], outputs["modules"][1], strict=True):
+        for index in range(TINY_NUM_LAYERS):
+            assert torch.equal(lean_cache.layers[index].keys, module_cache.layers[index].keys)
+            assert torch.equal(lean_cache.layers[index].values, module_cache.layers[index].values)
