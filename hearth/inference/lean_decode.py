@@ -22,6 +22,7 @@ sliding windows, steps of several tokens) runs through transformers' modules as 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .architectures import FULL_ATTENTION
 from .row_attention import SDPA_IMPLEMENTATIONS
+from .shared_products import SharedRowProduct
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +60,10 @@ class LeanDecoder:
 
     def __init__(self, layers: dict[int, nn.Module]) -> None:
         self._layers = layers
+        # Per layer, the shared products its q, k and v, and its gate and up, run on (None: each Linear on its own).
+        self._shared = {index: (_shared_by((layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj)),
+                                _shared_by((layer.mlp.gate_proj, layer.mlp.up_proj)))
+                        for index, layer in layers.items()}
 
     @staticmethod
     def factors(position_embeddings: tuple[torch.Tensor, torch.Tensor]) -> RotaryFactors:
@@ -71,11 +77,12 @@ class LeanDecoder:
         """Layer ``layer_index`` on ``hidden_states`` ``[B, 1, hidden]``, row i of one session appending its key and
         value to ``caches[i]`` and attending that cache alone (as a batched step's rows do: row_attention.py)."""
         layer = self._layers[layer_index]
+        qkv_product, gate_up_product = self._shared[layer_index]
         attention = layer.self_attn
         rows, head_dim = hidden_states.shape[0], attention.head_dim
         residual = hidden_states
         normed = layer.input_layernorm(hidden_states)
-        heads_and_keys, values = _rotated_queries_and_keys(attention, normed, factors)
+        heads_and_keys, values = _rotated_queries_and_keys(attention, normed, factors, qkv_product)
         query_heads = attention.config.num_attention_heads
         queries = heads_and_keys[:, :query_heads].view(rows, 1, query_heads, -1).transpose(1, 2)
         keys = heads_and_keys[:, query_heads:].view(rows, 1, -1, head_dim).transpose(1, 2)
@@ -89,10 +96,9 @@ class LeanDecoder:
         residual = hidden_states
         normed = layer.post_attention_layernorm(hidden_states)
         mlp = layer.mlp
-        gate_and_up = _one_shared_product(normed, (mlp.gate_proj, mlp.up_proj))
-        if gate_and_up is None:
+        if gate_up_product is None:
             return residual + mlp(normed)
-        gate, up = gate_and_up
+        gate, up = _columns(gate_up_product, normed)
         return residual + mlp.down_proj((mlp.act_fn(gate) * up).view(rows, 1, -1))
 
 
@@ -104,28 +110,32 @@ def _attend(attention: nn.Module, queries: torch.Tensor, keys: torch.Tensor, val
     return sdpa_attention_forward(attention, queries, keys, values, None, dropout=0.0, scaling=attention.scaling)[0]
 
 
-def _rotated_queries_and_keys(attention: nn.Module, normed: torch.Tensor,
-                              factors: RotaryFactors) -> tuple[torch.Tensor, torch.Tensor]:
+def _rotated_queries_and_keys(attention: nn.Module, normed: torch.Tensor, factors: RotaryFactors,
+                              qkv_product: SharedRowProduct | None) -> tuple[torch.Tensor, torch.Tensor]:
     """``[B, query heads + key heads, head_dim]`` rotated, and the values (any shape holding one row per session)."""
     rows = normed.shape[0]
-    projections = _one_shared_product(normed, (attention.q_proj, attention.k_proj, attention.v_proj))
-    if projections is None:
-        projections = (attention.q_proj(normed), attention.k_proj(normed), attention.v_proj(normed))
-    queries, keys, values = projections
+    if qkv_product is not None:
+        queries, keys, values = _columns(qkv_product, normed)
+    else:
+        queries, keys, values = attention.q_proj(normed), attention.k_proj(normed), attention.v_proj(normed)
     both = torch.cat((queries.reshape(rows, -1), keys.reshape(rows, -1)), dim=-1).view(rows, -1, attention.head_dim)
     half = attention.head_dim // 2
     return both * factors.cos + torch.roll(both, half, -1) * factors.signed_sin, values
 
 
-def _one_shared_product(normed: torch.Tensor, linears: Sequence[nn.Module]) -> tuple[torch.Tensor, ...] | None:
-    """Each of `linears`' outputs for the rows of ``normed``, as views of one call of the product they share (None
-    unless they are its members in order, without biases)."""
+def _shared_by(linears: Sequence[nn.Module]) -> SharedRowProduct | None:
+    """The product `linears` share, if they are its members in order and have no biases (QuantizedLinear.shared)."""
     shared = getattr(linears[0], "shared", None)
     if shared is None or any(getattr(linear, "shared", None) != (shared[0], index) or linear.bias is not None
                              for index, linear in enumerate(linears)):
         return None
-    product = shared[0].all_columns(normed.reshape(normed.shape[0], -1)).to(normed.dtype)
-    return tuple(product[:, first:last] for first, last in shared[0].bounds)
+    return shared[0]
+
+
+def _columns(product: SharedRowProduct, normed: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Each member's output for the rows of ``normed``, as views of one call of `product`."""
+    columns = product.all_columns(normed.reshape(normed.shape[0], -1)).to(normed.dtype)
+    return tuple(columns[:, first:last] for first, last in product.bounds)
 
 
 def lean_decode_supported(config: PretrainedConfig, attention_types: Sequence[str], layers: dict[int, nn.Module],
@@ -160,11 +170,11 @@ class LeanSlot:
 
 
 class ReferenceStack(Protocol):
-    """What the check needs of a runner's DecoderStack (hearth/inference/layer_pass.py)."""
+    """What the check needs of a runner's DecoderStack (hearth/inference/layer_pass.py), a dataclass whose ``lean``
+    field holds its LeanSlot."""
 
     config: PretrainedConfig
     layers: dict[int, nn.Module]
-    rotary_embedding: nn.Module
     attention_types: Sequence[str]
 
     def layer_pass(self, cache: DynamicCache, hidden_states: torch.Tensor, start_pos: int, run_lo: int,
@@ -179,6 +189,8 @@ def verified_lean_decoder(stack: ReferenceStack, new_cache: Callable[[], Dynamic
     if not layers or not lean_decode_supported(stack.config, stack.attention_types, layers):
         return None
     lean = LeanDecoder(layers)
+    # The candidate's steps run through the stack's own one-token pass, as they will once kept.
+    candidate = dataclasses.replace(stack, lean=LeanSlot(lambda: lean))
     first, last = min(layers), max(layers)
     norm_weight = layers[first].input_layernorm.weight
     generator = torch.Generator().manual_seed(0)
@@ -191,10 +203,7 @@ def verified_lean_decoder(stack: ReferenceStack, new_cache: Callable[[], Dynamic
         for position in range(_CHECK_PREFILL_TOKENS, _CHECK_PREFILL_TOKENS + _CHECK_STEPS):
             token = steps[:, position:position + 1]
             expected = stack.layer_pass(reference_cache, token, position, first, last, lean=False).run()
-            factors = lean.factors(stack.rotary_embedding(token, torch.tensor([[position]], device=token.device)))
-            got = token
-            for index in range(first, last + 1):
-                got = lean.run_layer(index, got, [lean_cache], factors)
+            got = candidate.layer_pass(lean_cache, token, position, first, last).run()
             if not torch.equal(expected, got):
                 logger.info("one-token steps keep transformers' modules: the lean step differs on this install")
                 return None
