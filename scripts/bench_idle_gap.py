@@ -3,7 +3,8 @@
 In a pipeline on one machine each shard process computes one step, then waits while the other hops
 compute theirs; a monolithic generate() never waits. This times the same decode step of one layer range
 (a shard's share of a `random:<shape>` checkpoint from services.devtools.random_models) in one process, back to back and
-after sleeping between steps, with the OpenMP environment it was started with:
+after sleeping between steps, with the OpenMP environment it was started with; each cell is the median / the mean
+step (the mean carries the tail of slow steps, which a pipeline's tokens/s pays):
 
     OMP_WAIT_POLICY=PASSIVE .venv/bin/python scripts/bench_idle_gap.py --shape llama-250m --layers 0-4 --threads 1 2
     (add --quantize int8 or int4/g32 for a quantized shard's layers)
@@ -24,8 +25,8 @@ from hearth.services.devtools.random_models import random_checkpoint
 prompt_tokens = 64
 
 
-def step_ms(runner, head, gap_s: float, steps: int) -> float:
-    """Median decode-step time (ms) when each step follows `gap_s` seconds of sleep."""
+def step_ms(runner, head, gap_s: float, steps: int) -> tuple[float, float]:
+    """Median and mean decode-step time (ms) when each step follows `gap_s` seconds of sleep."""
     runner.forward("gap", head.embed(list(range(5, 5 + prompt_tokens))), 0, "prefill")
     hidden = head.embed([7])
     times = []
@@ -36,7 +37,7 @@ def step_ms(runner, head, gap_s: float, steps: int) -> float:
         if gap_s:
             time.sleep(gap_s)
     runner.reset("gap")
-    return statistics.median(times) * 1000.0
+    return statistics.median(times) * 1000.0, statistics.mean(times) * 1000.0
 
 
 def main() -> None:
@@ -60,7 +61,8 @@ def main() -> None:
     for threads in args.threads:
         torch.set_num_threads(threads)
         for _ in range(args.rounds):
-            cells = [f"{step_ms(runner, head, gap / 1000.0, args.steps):.1f} ms" for gap in args.gaps_ms]
+            cells = ["{:.1f} / {:.1f} ms".format(*step_ms(runner, head, gap / 1000.0, args.steps))
+                     for gap in args.gaps_ms]
             print(f"| {threads} | {' | '.join(cells)} |", flush=True)
 
 

@@ -58,6 +58,13 @@ def test_bench_json_report_on_a_random_tiny_shape(tmp_path):
     assert pooled.shard_id == "all" and pooled.steps == SHARDS * REPEATS * (NEW_TOKENS - 1)
     assert pooled.p50_ms is not None and 0 < pooled.p50_ms <= pooled.p95_ms
     assert all(row.steps == REPEATS for row in report.transport_prefill if row.hop is not None)
+    # A decode token's time, split: every part measured, none larger than the token, the head inside the turn.
+    budget = report.token_budget
+    assert budget is not None and budget.token_ms == pytest.approx(1000.0 / report.pipeline.decode_tokens_per_s_median)
+    parts = (budget.hops_compute_ms, budget.hops_transport_ms, budget.orchestrator_turn_ms, budget.head_step_ms)
+    assert all(part is not None and 0 < part < budget.token_ms for part in parts)
+    assert budget.head_step_ms < budget.orchestrator_turn_ms
+    assert budget.other_ms == pytest.approx(budget.token_ms - sum(parts[:3]))
 
     concurrent = report.concurrent
     assert concurrent is not None and len(concurrent.sessions) == SESSIONS

@@ -35,6 +35,7 @@ ORCHESTRATOR_METRICS = {
     "hearth_shard_latency_seconds", "hearth_failovers_total", "hearth_fallback_to_local_total",
     "hearth_shard_corruption_detected_total", "hearth_requests_total", "hearth_calls_in_flight",
     "hearth_calls_total", "hearth_calls_refused_total", "hearth_integrity_failures_total",
+    "hearth_orchestrator_turn_seconds", "hearth_head_step_seconds",
 }
 SHARD_METRICS = {
     "hearth_shard_step_compute_seconds", "hearth_shard_step_transport_seconds", "hearth_shard_active_sessions",

@@ -17,6 +17,7 @@ from hearth.inference.head import head_onednn_min_rows
 from hearth.inference.head_batch import HeadRow, batched_next_tokens, solo_next_token
 from hearth.inference.sampling import SamplingParams
 from hearth.services.common.config import OrchestratorSettings
+from hearth.services.common.metrics import metrics_observed, sample_value, set_metrics_observed
 from hearth.services.orchestrator.head_batcher import HeadSteps
 
 from .inference_tiny_models import ARCHITECTURES, one_torch_thread, tiny_model_dir  # noqa: F401  (fixtures)
@@ -148,3 +149,27 @@ async def test_a_call_decoding_alone_never_waits_and_one_session_means_off(tiny_
         assert token == solo_next_token(head, row)
         await steps.close()
     assert head_steps(1).batching_figures == (0, 0)
+
+
+@pytest.fixture
+def observing():
+    """Per-step observations on for the test, as they were afterwards."""
+    before = metrics_observed()
+    set_metrics_observed(True)
+    yield
+    set_metrics_observed(before)
+
+
+async def test_each_head_step_is_timed_once_a_batch_or_alone(tiny_model_dir, observing):
+    head = load_head(tiny_model_dir("llama"))
+    rows = [HeadRow(hidden, GREEDY) for hidden in rows_of(head, 3)]
+    before = sample_value("hearth_head_step_seconds_count")
+    batched = head_steps(8)
+    with batched.decoding(), batched.decoding(), batched.decoding():
+        await asyncio.wait_for(asyncio.gather(*(batched.next_token(head, row) for row in rows)), timeout=30)
+    await batched.close()
+    assert sample_value("hearth_head_step_seconds_count") == before + 1
+    alone = head_steps(1)
+    with alone.decoding():
+        await asyncio.wait_for(alone.next_token(head, rows[0]), timeout=30)
+    assert sample_value("hearth_head_step_seconds_count") == before + 2

@@ -21,6 +21,7 @@ from hearth.services.common.metrics import (
 )
 from hearth.services.orchestrator.metrics import HopLatencies, count_request, final_frame_code, observe_event
 from hearth.services.shard.metrics import watch_serving
+from hearth.services.transport import FrameKind
 
 SHARDS = ["m:0-1@a", "m:2-3@b", "m:4-5@c"]
 
@@ -52,12 +53,39 @@ def test_each_hop_is_timed_from_its_first_ack_to_the_next_hops_or_to_the_output(
     assert sample_value("hearth_shard_latency_seconds_sum", {"shard_id": SHARDS[1]}) - total_before == 0.5
 
 
+def turn_count() -> float:
+    return sample_value("hearth_orchestrator_turn_seconds_count")
+
+
+def test_the_orchestrators_turn_runs_from_an_output_to_the_next_decode_step_sent(observing):
+    latencies = HopLatencies(SHARDS)
+    before, hop_before = turn_count(), latency_count(SHARDS[0])
+    latencies.step_sent(FrameKind.decode)  # no output yet (a chain's first step): no turn
+    assert turn_count() == before
+    latencies.output_reached({0: 1.0, 1: 2.0, 2: 3.0})  # the hops' shares are observed with it
+    assert latency_count(SHARDS[0]) == hop_before + 1
+    latencies.step_sent(FrameKind.decode)
+    assert turn_count() == before + 1
+    latencies.step_sent(FrameKind.decode)  # the turn ended with the step sent: one turn per output
+    latencies.output_reached(None)  # shares unknown (a step held up behind another): the turn still begins
+    latencies.step_sent(FrameKind.prefill)  # a re-prefill after it: no decode turn, and the output is forgotten
+    latencies.step_sent(FrameKind.decode)
+    assert turn_count() == before + 1 and latency_count(SHARDS[0]) == hop_before + 1
+    latencies.output_reached(None)
+    latencies.step_sent(FrameKind.decode)
+    assert turn_count() == before + 2
+
+
 def test_metrics_port_0_turns_the_per_step_observations_off(observing):
     latencies = HopLatencies(SHARDS)
     before = latency_count(SHARDS[0])
     assert serve_process_metrics(0, "test", host="127.0.0.1") is None
     latencies.observe({0: 1.0, 1: 2.0, 2: 3.0}, output_at=4.0)
     assert latency_count(SHARDS[0]) == before
+    turns = turn_count()
+    latencies.output_reached(None)
+    latencies.step_sent(FrameKind.decode)
+    assert turn_count() == turns
 
 
 def test_a_calls_events_feed_the_orchestrator_metrics(observing):

@@ -327,6 +327,7 @@ class HopChain:
             self.recorder.sent(info, hidden)
         try:
             await self._sender.send(info, hidden)
+            self._latencies.step_sent(kind)
         except TransportTimeout as error:
             self._forget_outstanding()
             return self._broker_failure(epoch, f"step {self._step} was out") or StepFailure(
@@ -383,8 +384,7 @@ class HopChain:
                 return StepFailure("corrupt", self.hops[-1].shard_id, f"output failed the {failed_check} check",
                                    check=failed_check)
             progress = self._observer.progress(self.session_id, info.step)
-            if progress is not None and not sent.queued_behind:
-                self._latencies.observe(progress.first_ack_at, time.monotonic())
+            self._latencies.output_reached(None if progress is None or sent.queued_behind else progress.first_ack_at)
             return received.tensor
 
     async def _next_output(self, wait_s: float):

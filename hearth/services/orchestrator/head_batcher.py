@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 
@@ -27,7 +28,7 @@ from hearth.inference.host_staging import to_host
 from hearth.services.common.batching import ReadyQueue
 from hearth.services.common.config import OrchestratorSettings
 from hearth.services.common.metrics import metrics_observed
-from hearth.services.orchestrator.metrics import head_batch_rows_total, head_batches_total
+from hearth.services.orchestrator.metrics import head_batch_rows_total, head_batches_total, head_step_seconds
 
 
 @dataclass(frozen=True)
@@ -95,9 +96,10 @@ class HeadSteps:
 
     @staticmethod
     def _solo(head: Head, row: HeadRow, threads: int) -> tuple[int, torch.Tensor]:
-        use_intra_op_threads(threads)
-        token_id = solo_next_token(head, row)
-        return token_id, to_host(head.embed([token_id]))
+        with _timed_head_step():
+            use_intra_op_threads(threads)
+            token_id = solo_next_token(head, row)
+            return token_id, to_host(head.embed([token_id]))
 
     async def _schedule(self) -> None:
         """The scheduler loop: takes each batch of ready head steps, runs it, and hands every call its own row."""
@@ -115,8 +117,20 @@ class HeadSteps:
 
     @staticmethod
     def _tokens_and_embeddings(steps: list[HeadStep], threads: int) -> list:
-        use_intra_op_threads(threads)
-        head = steps[0].head
-        outcomes = batched_next_tokens(head, [step.row for step in steps])
-        return [outcome if isinstance(outcome, Exception) else (outcome, to_host(head.embed([outcome])))
-                for outcome in outcomes]
+        with _timed_head_step():
+            use_intra_op_threads(threads)
+            head = steps[0].head
+            outcomes = batched_next_tokens(head, [step.row for step in steps])
+            return [outcome if isinstance(outcome, Exception) else (outcome, to_host(head.embed([outcome])))
+                    for outcome in outcomes]
+
+
+@contextlib.contextmanager
+def _timed_head_step() -> Iterator[None]:
+    """Observe the head step run inside (on the compute thread) in `hearth_head_step_seconds`."""
+    started = time.perf_counter()
+    try:
+        yield
+    finally:
+        if metrics_observed():
+            head_step_seconds.observe(time.perf_counter() - started)

@@ -1,11 +1,13 @@
 """Prometheus metrics of an orchestrator: how its calls end, how long construction, the first token and decoding
-take, how long each hop holds a step as the orchestrator sees it, failovers, fallbacks and corruption, and how its
-calls' head steps are batched (counted by hearth/services/orchestrator/head_batcher.py).
+take, how long each hop holds a step as the orchestrator sees it and how long its own turn between two decode steps
+takes, failovers, fallbacks and corruption, and how its calls' head steps are batched and how long they take (both
+observed by hearth/services/orchestrator/head_batcher.py).
 
 Most figures are taken from the audit events a PipelineRun records (`observe_event`, called by its `_record`), so
-the metrics and the event log cannot disagree and the pipeline code needs no extra calls. Two figures are not
-events: how a call ended for its client (`count_request`: "ok" or the error code of its final frame) and each
-hop's share of a step (`HopLatencies`, read off the acks the chain observes anyway).
+the metrics and the event log cannot disagree and the pipeline code needs no extra calls. The others are not
+events: how a call ended for its client (`count_request`: "ok" or the error code of its final frame), each hop's
+share of a step and the orchestrator's turn from a step's output to the next decode step (`HopLatencies`, read off
+the acks and sends the chain sees anyway), and the head steps.
 
 Label values are bounded: error codes and failure kinds are closed sets (initialised at import, so a rate over
 them reads 0 rather than nothing), shard ids come from the mesh's advertisements. docs/metrics.md lists them all.
@@ -13,6 +15,7 @@ them reads 0 rather than nothing), shard ids come from the mesh's advertisements
 
 from __future__ import annotations
 
+import time
 from typing import get_args
 
 from hearth.events.models import (
@@ -27,6 +30,7 @@ from hearth.protocol.chat import DoneFrame, ErrorCode, ErrorFrame, PipelineAbort
 from hearth.services.common.metrics import counter, gauge, histogram, metrics_observed
 from hearth.services.orchestrator.check_policy import CHECK_OUTCOMES, VERIFICATION_CHECKS_METRIC
 from hearth.services.orchestrator.outcomes import FailureKind
+from hearth.services.transport import FrameKind
 from hearth.services.transport.notices import NOTICE_REFUSALS
 
 # A call that ended without a final frame: its client went away, or the orchestrator stopped under it.
@@ -34,6 +38,8 @@ CLIENT_GONE = "client_gone"
 ORCHESTRATOR_GONE = "orchestrator_gone"
 OK = "ok"
 integrity_checks = ("nan", "inf", "norm", "shape")
+ORCHESTRATOR_TURN_METRIC = "hearth_orchestrator_turn_seconds"
+HEAD_STEP_METRIC = "hearth_head_step_seconds"
 
 construct_buckets_s = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 first_token_buckets_s = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -51,6 +57,13 @@ decode_tokens_per_second = histogram(
     "hearth_decode_tokens_per_second",
     "Decode speed of each completed call: tokens after the first, over the time since the first.",
     buckets=tokens_per_second_buckets)
+orchestrator_turn_seconds = histogram(
+    ORCHESTRATOR_TURN_METRIC,
+    "The orchestrator's share of a decode token: from a step's output reaching it to the call's next decode step "
+    "going out (the head step, sampling, streaming the token and sending the step included).", buckets=hop_buckets_s)
+head_step_seconds = histogram(
+    HEAD_STEP_METRIC, "A head step on the compute thread: final norm and lm_head, sampling, and the sampled tokens' "
+    "embeddings (once per batch of calls' rows).", buckets=hop_buckets_s)
 shard_latency_seconds = histogram(
     "hearth_shard_latency_seconds",
     "How long each hop held a step, as the orchestrator sees it: from the hop's first ack of the step to the next "
@@ -128,13 +141,28 @@ def count_request(final_code: str | None, client_gone: bool) -> None:
 
 
 class HopLatencies:
-    """Observes each hop's share of a step from the acks the chain's AckObserver collected for it."""
+    """Observes each hop's share of a step from the acks the chain's AckObserver collected for it, and the
+    orchestrator's turn between a step's output and the next decode step."""
 
     def __init__(self, shard_ids: list[str]) -> None:
         self._children = [shard_latency_seconds.labels(shard_id) for shard_id in shard_ids]
+        self._output_at: float | None = None
         for shard_id in shard_ids:  # rates over a chain's shards read 0, not nothing, before any corruption
             for check in integrity_checks:
                 shard_corruption_detected_total.labels(shard_id, check)
+
+    def output_reached(self, first_ack_at: dict[int, float] | None) -> None:
+        """A step's output reached us now: the orchestrator's turn begins, and each hop's share of the step is
+        observed (`first_ack_at`: hop -> monotonic time its first ack of the step was seen; None when unknown)."""
+        self._output_at = time.monotonic()
+        if first_ack_at is not None:
+            self.observe(first_ack_at, self._output_at)
+
+    def step_sent(self, kind: FrameKind) -> None:
+        """A step went out: a decode step ends the turn the last output began (other kinds just forget it)."""
+        if self._output_at is not None and kind is FrameKind.decode and metrics_observed():
+            orchestrator_turn_seconds.observe(time.monotonic() - self._output_at)
+        self._output_at = None
 
     def observe(self, first_ack_at: dict[int, float], output_at: float) -> None:
         """`first_ack_at`: hop -> monotonic time its first ack of the step was seen; `output_at`: when the step's

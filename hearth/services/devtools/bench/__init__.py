@@ -22,7 +22,10 @@ One invocation, one model, one prompt:
    (upstream publish -> last chunk here), its deserialisation and the serialisation of its output
    (hearth/services/shard/metrics.py, `hearth_shard_step_transport_seconds`); the bench scrapes the
    histograms before and after the measured rounds and reports p50/p95 of decode steps per hop and
-   pooled (linear interpolation inside buckets 0.1 ms wide up to 1 ms, plus the exact share <= 1 ms);
+   pooled (linear interpolation inside buckets 0.1 ms wide up to 1 ms, plus the exact share <= 1 ms), and where a
+   decode token's time goes: the hops' compute and transport (means, summed over the hops), the orchestrator's turn
+   from a step's output to the next step sent with its head step inside (`hearth_orchestrator_turn_seconds`,
+   `hearth_head_step_seconds`, scraped alike) and the rest;
 5. sends K requests at once (different prompts of the same length) and reports the aggregate
    tokens/s (all tokens / wall time from the first request to the last `done`) and each session's
    time to first token and finish, and whether any session produced its first token only after
@@ -44,6 +47,7 @@ says the level, the replicas and the orchestrator's verification checks during t
 Modules: ``command`` (the `hearth bench` entry), ``runner`` (the Bench: rounds, concurrent sessions), ``mesh`` (the
 processes started, replicas included), ``monolithic`` (the generate() worker and its handle; ``__main__`` starts the
 worker), ``pipeline`` (one timed request through the orchestrator), ``timing`` (one timed generation), ``burst`` (the
-burst part), ``prompts``, ``transport_metrics`` (scraped histograms -> per-hop figures), ``verification_metrics``
-(the orchestrator's checks counter), ``report`` (models and text), ``targets`` (verdicts), ``errors``.
+burst part), ``prompts``, ``transport_metrics`` (scraped histograms -> per-hop figures), ``verification_metrics`` (the
+orchestrator's checks counter), ``token_budget`` (a decode token's time, split), ``report`` (models and text),
+``targets`` (verdicts), ``errors``.
 """

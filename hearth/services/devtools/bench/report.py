@@ -70,6 +70,20 @@ class ConcurrentFigures(BaseModel):
     solo_tokens_agreeing: int | None = None
 
 
+class TokenBudget(BaseModel):
+    """Means per decode token, in ms: the token's time (1000 / the median decode tokens/s), the hops' compute and
+    transport summed over the hops, the orchestrator's turn and the head step inside it, and the rest (the legs'
+    hand-offs between event loops and threads that no histogram times, and the last leg back to the orchestrator).
+    None where a figure was not measured (metrics off)."""
+
+    token_ms: float
+    hops_compute_ms: float | None
+    hops_transport_ms: float | None
+    orchestrator_turn_ms: float | None
+    head_step_ms: float | None
+    other_ms: float | None
+
+
 class TargetCheck(BaseModel):
     target: str
     measured: str
@@ -156,6 +170,9 @@ class BenchReport(BaseModel):
     construct_ms_max: float | None
     transport_decode: list[TransportFigures]
     transport_prefill: list[TransportFigures]
+    # Where a decode token's time went in the pipeline runs (hearth/services/devtools/bench/token_budget.py); None in
+    # reports from before.
+    token_budget: TokenBudget | None = None
     concurrent: ConcurrentFigures | None
     targets: list[TargetCheck]
     # `--burst N`: N requests sent at once (hearth/services/devtools/bench/burst.py).
@@ -224,6 +241,9 @@ def format_report(report: BenchReport) -> str:
                          f"{_pct(row.share_at_most_1ms):>8s}{_ms(row.wire_p50_ms):>10s}{_ms(row.wire_p95_ms):>10s}"
                          f"{_ms(row.deserialize_p95_ms):>10s}{_ms(row.serialize_p95_ms):>9s}{_ms(row.mean_ms):>8s}"
                          f"{_ms(row.compute_mean_ms):>14s}")
+    if report.token_budget is not None:
+        lines.append("")
+        lines.append(budget_line(report.token_budget))
     if report.concurrent is not None:
         c = report.concurrent
         lines.append("")
@@ -311,3 +331,13 @@ def _ms(value: float | None) -> str:
 
 def _pct(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.1f}%"
+
+
+def budget_line(budget: TokenBudget) -> str:
+    """The split as one line of the text report."""
+    def ms(value: float | None) -> str:
+        return "n/a" if value is None else f"{value:.2f}"
+
+    return (f"a decode token: {budget.token_ms:.2f} ms = hops' compute {ms(budget.hops_compute_ms)} + hops' "
+            f"transport {ms(budget.hops_transport_ms)} + the orchestrator's turn {ms(budget.orchestrator_turn_ms)} "
+            f"(head step {ms(budget.head_step_ms)}) + other {ms(budget.other_ms)} (ms, means)")

@@ -39,6 +39,7 @@ from hearth.services.devtools.bench.report import (
 )
 from hearth.services.devtools.bench.targets import target_checks
 from hearth.services.devtools.bench.timing import GenerationTiming, tokens_before_divergence
+from hearth.services.devtools.bench.token_budget import scrape_orchestrator_timings, token_budget
 from hearth.services.devtools.bench.verification_metrics import checks_between, scrape_verification_checks
 from hearth.services.devtools.bench.transport_metrics import (
     cache_event_counts,
@@ -208,6 +209,7 @@ class Bench:
             await generation(nc, model_ref, prompt, options.new_tokens)
             before = await scrape_hosts(metrics_urls)
             checks_before = await self._verification_checks(mesh)
+            timings_before = await self._orchestrator_timings(mesh)
             mono_runs, pipe_runs, defaults_runs = [], [], []
             sides = ["monolithic", "pipeline"] + (["library defaults"] if defaults_worker is not None else [])
             for round_index in range(options.repeats):
@@ -228,6 +230,7 @@ class Bench:
                               + (f", construct {run.construct_ms:.1f} ms" if run.construct_ms is not None else ""))
             after = await scrape_hosts(metrics_urls)
             checks_after = await self._verification_checks(mesh)
+            timings_after = await self._orchestrator_timings(mesh)
             delta = histogram_deltas(after.histograms, before.histograms)
             concurrent = None
             if options.sessions > 1:
@@ -247,6 +250,7 @@ class Bench:
         mono, pipe = side_figures(mono_runs), side_figures(pipe_runs)
         ratios = [p.decode_tokens_per_s / m.decode_tokens_per_s for p, m in zip(pipe_runs, mono_runs)]
         constructs = sorted(r.construct_ms for r in pipe_runs if r.construct_ms is not None)
+        transport_decode = transport_figures(delta, "decode", hop_of)
         info = worker.info
         return BenchReport(
             started_at="",
@@ -277,7 +281,9 @@ class Bench:
             - 1000.0 / mono.decode_tokens_per_s_median,
             construct_ms_p50=statistics.median(constructs) if constructs else None,
             construct_ms_max=constructs[-1] if constructs else None,
-            transport_decode=transport_figures(delta, "decode", hop_of),
+            transport_decode=transport_decode,
+            token_budget=token_budget(pipe.decode_tokens_per_s_median, transport_decode, timings_after,
+                                      timings_before),
             transport_prefill=transport_figures(delta, "prefill", hop_of),
             concurrent=concurrent,
             targets=[],
@@ -295,6 +301,13 @@ class Bench:
         if mesh.orchestrator_metrics_url is None:
             return None
         return await asyncio.to_thread(scrape_verification_checks, mesh.orchestrator_metrics_url)
+
+    @staticmethod
+    async def _orchestrator_timings(mesh: BenchMesh) -> dict[str, tuple[float, float]] | None:
+        """The orchestrator's turn and head-step histograms now (None with metrics off)."""
+        if mesh.orchestrator_metrics_url is None:
+            return None
+        return await asyncio.to_thread(scrape_orchestrator_timings, mesh.orchestrator_metrics_url)
 
     async def _concurrent(self, nc, model_ref, worker: MonolithicWorker, metrics_urls, hop_of,
                           single_decode_tps: float, single_end_s: float) -> ConcurrentFigures:
