@@ -170,6 +170,14 @@ WHERE status = 'aborted' AND {in_range('constructed_at')} GROUP BY error_code OR
              PromTarget(histogram_p(0.5, "hearth_decode_tokens_per_second"), "decode tokens/s p50")),
         ),
         PromPanel(
+            "The orchestrator's turn and head step p95 (live)",
+            (PromTarget(histogram_p(0.95, "hearth_orchestrator_turn_seconds"), "turn p95 (s)"),
+             PromTarget(histogram_p(0.95, "hearth_head_step_seconds"), "head step p95 (s)")),
+            "The orchestrator's share of a decode token: from a step's output reaching it to the next step sent; "
+            "the head step (final norm, lm_head, sampling) is inside it, the rest is its own work and hand-offs.",
+            unit="s",
+        ),
+        PromPanel(
             "Failovers and fallbacks per second (live)",
             (PromTarget("sum by (reason) (rate(hearth_failovers_total[1m]))", "failover {{reason}}"),
              PromTarget("sum(rate(hearth_fallback_to_local_total[1m]))", "fallback to local")),
