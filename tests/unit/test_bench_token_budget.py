@@ -30,11 +30,13 @@ def hop_row(hop: int | None, compute_ms: float | None, transport_ms: float | Non
                             compute_mean_ms=compute_ms)
 
 
-def test_the_orchestrators_timings_are_read_as_sums_and_counts():
+def test_the_orchestrators_timings_are_read_as_their_histograms():
     timings = parse_orchestrator_timings(exposition([0.004, 0.006], [0.002]))
-    assert timings[ORCHESTRATOR_TURN_METRIC] == pytest.approx((0.010, 2.0))
-    assert timings[HEAD_STEP_METRIC] == pytest.approx((0.002, 1.0))
     assert set(timings) == {ORCHESTRATOR_TURN_METRIC, HEAD_STEP_METRIC}
+    turn, head = timings[ORCHESTRATOR_TURN_METRIC], timings[HEAD_STEP_METRIC]
+    assert (turn.count, head.count) == (2, 1)
+    assert turn.mean_ms == pytest.approx(5.0) and head.mean_ms == pytest.approx(2.0)
+    assert turn.share_at_most(0.005) == pytest.approx(0.5)  # the buckets come along, in order
 
 
 def test_a_tokens_time_is_split_into_the_hops_the_orchestrators_turn_and_the_rest():

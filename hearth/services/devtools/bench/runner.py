@@ -42,6 +42,7 @@ from hearth.services.devtools.bench.timing import GenerationTiming, tokens_befor
 from hearth.services.devtools.bench.token_budget import scrape_orchestrator_timings, token_budget
 from hearth.services.devtools.bench.verification_metrics import checks_between, scrape_verification_checks
 from hearth.services.devtools.bench.transport_metrics import (
+    Histogram,
     cache_event_counts,
     histogram_deltas,
     mean_batch_rows,
@@ -303,7 +304,7 @@ class Bench:
         return await asyncio.to_thread(scrape_verification_checks, mesh.orchestrator_metrics_url)
 
     @staticmethod
-    async def _orchestrator_timings(mesh: BenchMesh) -> dict[str, tuple[float, float]] | None:
+    async def _orchestrator_timings(mesh: BenchMesh) -> dict[str, Histogram] | None:
         """The orchestrator's turn and head-step histograms now (None with metrics off)."""
         if mesh.orchestrator_metrics_url is None:
             return None
