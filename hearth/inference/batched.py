@@ -176,13 +176,14 @@ def run_batched_step(*, stack: DecoderStack, caches: Sequence[DynamicCache], hid
     position_ids = (torch.tensor(list(positions), device=device).view(-1, 1) - padding
                     + torch.arange(most, device=device).view(1, -1)).clamp(min=0)
     position_embeddings = stack.rotary_embedding(stacked, position_ids)
-    lean = stack.lean.decoder() if stack.lean is not None and most == 1 and attends_by_row(config) else None
+    by_row = attends_by_row(config)
+    lean = stack.lean.decoder() if stack.lean is not None and most == 1 and by_row else None
     if lean is not None:
         factors = lean.factors(position_embeddings)
         for layer_index in range(run_lo, run_hi + 1):
             stacked = lean.run_layer(layer_index, stacked, caches, factors)
         return [stacked[row:row + 1] for row in range(len(caches))]
-    if attends_by_row(config):
+    if by_row:
         rows = RowCaches(caches, new_tokens, row_masks=_solo_masks(config, attention_types, caches, hidden_states,
                                                                    positions, run_lo, run_hi),
                          attention_types=attention_types)

@@ -39,11 +39,12 @@ from hearth.services.devtools.bench.report import (
 )
 from hearth.services.devtools.bench.targets import target_checks
 from hearth.services.devtools.bench.timing import GenerationTiming, tokens_before_divergence
-from hearth.services.devtools.bench.token_budget import scrape_orchestrator_timings, token_budget
-from hearth.services.devtools.bench.verification_metrics import checks_between, scrape_verification_checks
+from hearth.services.devtools.bench.token_budget import parse_orchestrator_timings, token_budget
+from hearth.services.devtools.bench.verification_metrics import checks_between, parse_verification_checks
 from hearth.services.devtools.bench.transport_metrics import (
     Histogram,
     cache_event_counts,
+    fetch_metrics_text,
     histogram_deltas,
     mean_batch_rows,
     scrape_hosts,
@@ -209,8 +210,7 @@ class Bench:
                 await asyncio.to_thread(defaults_worker.generate, prompt, options.new_tokens)
             await generation(nc, model_ref, prompt, options.new_tokens)
             before = await scrape_hosts(metrics_urls)
-            checks_before = await self._verification_checks(mesh)
-            timings_before = await self._orchestrator_timings(mesh)
+            checks_before, timings_before = await self._orchestrator_figures(mesh)
             mono_runs, pipe_runs, defaults_runs = [], [], []
             sides = ["monolithic", "pipeline"] + (["library defaults"] if defaults_worker is not None else [])
             for round_index in range(options.repeats):
@@ -230,8 +230,7 @@ class Bench:
                               f"{run.decode_tokens_per_s:7.2f} tokens/s, ttft {run.ttft_ms:7.1f} ms"
                               + (f", construct {run.construct_ms:.1f} ms" if run.construct_ms is not None else ""))
             after = await scrape_hosts(metrics_urls)
-            checks_after = await self._verification_checks(mesh)
-            timings_after = await self._orchestrator_timings(mesh)
+            checks_after, timings_after = await self._orchestrator_figures(mesh)
             delta = histogram_deltas(after.histograms, before.histograms)
             concurrent = None
             if options.sessions > 1:
@@ -297,18 +296,13 @@ class Bench:
         )
 
     @staticmethod
-    async def _verification_checks(mesh: BenchMesh) -> dict[str, float] | None:
-        """The orchestrator's verification counter now (None with metrics off)."""
+    async def _orchestrator_figures(mesh: BenchMesh) -> tuple[dict[str, float] | None, dict[str, Histogram] | None]:
+        """The orchestrator's verification counter and its turn and head-step histograms now, from one scrape of its
+        /metrics (None, None with metrics off)."""
         if mesh.orchestrator_metrics_url is None:
-            return None
-        return await asyncio.to_thread(scrape_verification_checks, mesh.orchestrator_metrics_url)
-
-    @staticmethod
-    async def _orchestrator_timings(mesh: BenchMesh) -> dict[str, Histogram] | None:
-        """The orchestrator's turn and head-step histograms now (None with metrics off)."""
-        if mesh.orchestrator_metrics_url is None:
-            return None
-        return await asyncio.to_thread(scrape_orchestrator_timings, mesh.orchestrator_metrics_url)
+            return None, None
+        text = await asyncio.to_thread(fetch_metrics_text, mesh.orchestrator_metrics_url)
+        return parse_verification_checks(text), parse_orchestrator_timings(text)
 
     async def _concurrent(self, nc, model_ref, worker: MonolithicWorker, metrics_urls, hop_of,
                           single_decode_tps: float, single_end_s: float) -> ConcurrentFigures:

@@ -4,10 +4,8 @@ shards' step histograms, transport_metrics.py) and the orchestrator's turn with 
 
 from __future__ import annotations
 
-import urllib.request
-
 from hearth.services.devtools.bench.report import TokenBudget, TransportFigures
-from hearth.services.devtools.bench.transport_metrics import Histogram, metrics_scrape_timeout_s
+from hearth.services.devtools.bench.transport_metrics import Histogram
 from hearth.services.orchestrator.metrics import HEAD_STEP_METRIC, ORCHESTRATOR_TURN_METRIC
 
 ORCHESTRATOR_TIMINGS = (ORCHESTRATOR_TURN_METRIC, HEAD_STEP_METRIC)
@@ -31,12 +29,6 @@ def parse_orchestrator_timings(text: str) -> dict[str, Histogram]:
     return {name: Histogram([bound for bound, _ in sorted(rows)], [count for _, count in sorted(rows)],
                             sums.get(name, 0.0))
             for name, rows in buckets.items()}
-
-
-def scrape_orchestrator_timings(url: str) -> dict[str, Histogram]:
-    """The orchestrator's turn and head-step histograms now (blocking: call it off the event loop)."""
-    with urllib.request.urlopen(url, timeout=metrics_scrape_timeout_s) as response:
-        return parse_orchestrator_timings(response.read().decode())
 
 
 def token_budget(decode_tokens_per_s: float, transport_decode: list[TransportFigures],

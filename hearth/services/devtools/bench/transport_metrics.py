@@ -99,12 +99,17 @@ class HostScrape:
     cache_events: dict[str, tuple[float, float]] = field(default_factory=dict)
 
 
+def fetch_metrics_text(url: str) -> str:
+    """One process's /metrics exposition (blocking: call it off the event loop)."""
+    with urllib.request.urlopen(url, timeout=metrics_scrape_timeout_s) as response:
+        return response.read().decode()
+
+
 def scrape_host(url: str) -> HostScrape:
     """One shard host's /metrics: its step histograms and batching counters, from one request."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    with urllib.request.urlopen(url, timeout=metrics_scrape_timeout_s) as response:
-        text = response.read().decode()
+    text = fetch_metrics_text(url)
     rows: dict[MetricKey, list[tuple[float, float]]] = {}
     sums: dict[MetricKey, float] = {}
     counted: dict[str, dict[str, list[float]]] = {"decode": {}, "prefill": {}, "cache": {}}

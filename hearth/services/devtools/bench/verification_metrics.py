@@ -3,9 +3,7 @@ scraped from /metrics, the difference of two scrapes per outcome, and how many c
 
 from __future__ import annotations
 
-import urllib.request
-
-from hearth.services.devtools.bench.transport_metrics import metrics_scrape_timeout_s
+from hearth.services.devtools.bench.transport_metrics import fetch_metrics_text
 
 from hearth.services.orchestrator.check_policy import CHECK_OUTCOMES, VERIFICATION_CHECKS_METRIC
 from hearth.services.orchestrator.check_policy import MIRRORS_PER_LEVEL as MIRRORS_PER_CHECK  # noqa: F401 (re-exported)
@@ -29,8 +27,7 @@ def parse_verification_checks(text: str) -> dict[str, float]:
 
 def scrape_verification_checks(url: str) -> dict[str, float]:
     """The orchestrator's verification counter now, per outcome (blocking: call it off the event loop)."""
-    with urllib.request.urlopen(url, timeout=metrics_scrape_timeout_s) as response:
-        return parse_verification_checks(response.read().decode())
+    return parse_verification_checks(fetch_metrics_text(url))
 
 
 def checks_between(after: dict[str, float], before: dict[str, float]) -> dict[str, int]:
