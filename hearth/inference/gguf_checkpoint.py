@@ -30,6 +30,8 @@ from torch import nn
 from .checksum import GGUF_SUFFIX
 from .errors import CheckpointError
 from .gguf_cache import gguf_cache_entry
+from .gguf_config import completed_config_of_file
+from .gguf_header import FLOAT_GGUF_TYPE_NAMES, check_block_types
 from .gguf_int4 import STORED_INT4_GROUP_SIZES, int4_groups_of_blocks
 from .quantization import Int4Groups
 
@@ -37,15 +39,8 @@ from .quantization import Int4Groups
 default_read_device = "cpu"
 # general.architecture values hearth serves (llama.cpp writes Mistral models as "llama"), and the HF model types
 # they load as.
-SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2")
-SUPPORTED_GGUF_MODEL_TYPES = ("llama", "mistral", "qwen2")
-# Storage types hearth reads: plain floats, and the legacy and K-quant block types gguf.quants dequantizes (its IQ
-# and TQ types are left out until tested; integer tensors are no weights).
-SUPPORTED_GGUF_TYPE_NAMES = (
-    "F32", "F16", "BF16", "F64", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
-)
-# Block types that hold plain floats; every other supported type is a quantized block.
-FLOAT_GGUF_TYPE_NAMES = frozenset({"F32", "F16", "BF16", "F64"})
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2")
+SUPPORTED_GGUF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2")
 # GGUF metadata keys naming end-of-generation tokens besides eos (chat models end turns with them).
 STOP_TOKEN_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 # Parsed metadata kept per process (a shard's memory planning and loading, a head and a local model share it).
@@ -147,7 +142,7 @@ def _parsed_config(path: Path) -> dict:
         )
     raw = config.to_dict()
     raw["architectures"] = raw.get("architectures") or [type(config).__name__.replace("Config", "ForCausalLM")]
-    return raw
+    return completed_config_of_file(raw, path)  # what transformers' reader leaves out
 
 
 def gguf_config(path: Path):
@@ -270,17 +265,6 @@ def gguf_layer_tensors(blocks: dict[int, list[tuple[tuple[int, ...], str]]]) -> 
     tensors given as {layer: [(shape, block type)]} (layer_tensor_blocks)."""
     return [(f"layers.{layer}.{index}", block_type, list(shape))
             for layer, tensors in blocks.items() for index, (shape, block_type) in enumerate(tensors)]
-
-
-def check_block_types(tensors: Iterable[tuple[str, str]], file_name: str) -> None:
-    """CheckpointError (one line) naming the first of `tensors` ((GGUF name, GGML type name)) stored in a block type
-    hearth does not read."""
-    for name, block_type in tensors:
-        if block_type not in SUPPORTED_GGUF_TYPE_NAMES:
-            raise CheckpointError(
-                f"tensor {name} of {file_name} is stored as {block_type}, a GGUF type hearth does not read (it "
-                f"reads {', '.join(SUPPORTED_GGUF_TYPE_NAMES)})"
-            )
 
 
 def _gguf_to_hf_names(model: nn.Module, architecture: str, num_layers: int) -> dict[str, str]:

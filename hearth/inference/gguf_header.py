@@ -1,4 +1,5 @@
-"""Parsing a GGUF's header (metadata and tensor table) from its first bytes alone, without the tensor data.
+"""A GGUF's header: what it lays out (GGUFSplit: its tensors and where each one's bytes lie; the block types hearth
+reads), parsed from the file's first bytes alone, without the tensor data.
 
 A GGUF read over HTTP ranges (hearth/inference/hub_gguf.py) has only its leading bytes here: the gguf package's reader
 maps a whole file, so this walks the header itself (magic, version, counts, key/values, tensor infos, as the GGUF
@@ -11,10 +12,11 @@ from __future__ import annotations
 
 import math
 import struct
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
 
 from .errors import CheckpointError
-from .gguf_parts import GGUFPartTensor, GGUFSplit, gguf_layer_of
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_GGUF_VERSIONS = (2, 3)
@@ -24,11 +26,79 @@ ARCHITECTURE_KEY = "general.architecture"
 MAX_TENSOR_COUNT = 1 << 20
 MAX_KV_COUNT = 1 << 20
 MAX_TENSOR_DIMS = 8
+# What read_gguf_header reads first; a header with a large vocabulary takes more, read as it asks.
+FIRST_HEADER_READ_BYTES = 1 << 20
 # GGUF value type ids (the specification's gguf_type) and the bytes of each fixed-size one.
 STRING_TYPE = 8
 ARRAY_TYPE = 9
 FIXED_TYPE_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q",
                       12: "<d"}
+
+
+# Storage types hearth reads: plain floats, and the legacy and K-quant block types gguf.quants dequantizes (its IQ
+# and TQ types are left out until tested; integer tensors are no weights).
+SUPPORTED_GGUF_TYPE_NAMES = (
+    "F32", "F16", "BF16", "F64", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+)
+# Block types that hold plain floats; every other supported type is a quantized block.
+FLOAT_GGUF_TYPE_NAMES = frozenset({"F32", "F16", "BF16", "F64"})
+LAYER_PREFIX = "blk"
+ROPE_FREQS_TENSOR = "rope_freqs.weight"
+# Phi-3's LongRoPE factors: transformers' GGUF reader maps none of them, and they change every position.
+LONGROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
+# Tensors every decoder layer reads though none owns them (its RoPE's frequencies): a layer range's part of a GGUF
+# holds them too, so a shard's config states the RoPE the whole file does (hearth/inference/gguf_config.py).
+EVERY_LAYER_TENSORS = (ROPE_FREQS_TENSOR, *LONGROPE_TENSORS)
+
+
+def gguf_layer_of(tensor_name: str) -> int | None:
+    """The decoder layer of a GGUF tensor name ("blk.3.attn_q.weight" -> 3), None for every other tensor."""
+    parts = tensor_name.split(".")
+    return int(parts[1]) if parts[0] == LAYER_PREFIX and len(parts) > 2 and parts[1].isdigit() else None
+
+
+@dataclass(frozen=True)
+class GGUFPartTensor:
+    """One tensor of a split GGUF: where its info lies in the header and its bytes in the file."""
+
+    name: str
+    layer: int | None
+    block_type: str  # the GGML type's name: "Q4_1", "F32", ...
+    shape: tuple[int, ...]  # torch order
+    info_start: int
+    info_end: int
+    data_start: int  # absolute, in the original file
+    n_bytes: int
+
+
+@dataclass(frozen=True)
+class GGUFSplit:
+    """What a GGUF is made of: its header's length (where tensor data starts), where its tensor infos start, its
+    alignment and its tensors in file order."""
+
+    header_bytes: int
+    kv_end: int
+    alignment: int
+    tensors: tuple[GGUFPartTensor, ...]
+
+    def groups(self) -> dict[int | None, list[GGUFPartTensor]]:
+        """The tensors by decoder layer (None: the head), each group in file order."""
+        grouped: dict[int | None, list[GGUFPartTensor]] = {}
+        for tensor in self.tensors:
+            grouped.setdefault(tensor.layer, []).append(tensor)
+        return grouped
+
+
+def check_block_types(tensors: Iterable[tuple[str, str]], file_name: str) -> None:
+    """CheckpointError (one line) naming the first of `tensors` ((GGUF name, GGML type name)) stored in a block type
+    hearth does not read."""
+    for name, block_type in tensors:
+        if block_type not in SUPPORTED_GGUF_TYPE_NAMES:
+            raise CheckpointError(
+                f"tensor {name} of {file_name} is stored as {block_type}, a GGUF type hearth does not read (it "
+                f"reads {', '.join(SUPPORTED_GGUF_TYPE_NAMES)})"
+            )
+
 
 
 class HeaderIncomplete(Exception):
@@ -46,6 +116,8 @@ class ParsedGGUFHeader:
 
     split: GGUFSplit
     architecture: str | None
+    # Scalar and string values by key; arrays (the vocabulary and the like) are skipped and read as None.
+    metadata: dict[str, object] = field(default_factory=dict)
 
 
 class _Cursor:
@@ -84,13 +156,13 @@ class _Cursor:
         return None
 
 
-def parse_gguf_header(buffer: bytes, file_size: int, file_name: str) -> ParsedGGUFHeader:
+def parse_gguf_header(buffer: bytes, file_size: int, file_name: str, *, check_tensors: bool = True
+                      ) -> ParsedGGUFHeader:
     """The header of the GGUF of `file_size` bytes whose first bytes are `buffer`. HeaderIncomplete when `buffer`
-    ends inside it; CheckpointError (one line) when it is no GGUF hearth reads, or a tensor lies past the file's
-    end."""
+    ends inside it; CheckpointError (one line) when it is no GGUF hearth reads, or (`check_tensors`) holds no tensor,
+    one in a block type hearth does not read or one lying past the file's end (unchecked, such a tensor counts no
+    bytes)."""
     from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGMLQuantizationType
-
-    from .gguf_checkpoint import check_block_types
 
     cursor = _Cursor(buffer)
     if cursor.take(4) != GGUF_MAGIC:
@@ -121,20 +193,39 @@ def parse_gguf_header(buffer: bytes, file_size: int, file_name: str) -> ParsedGG
     if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
         raise CheckpointError(f"{file_name}'s header states an invalid alignment {alignment!r}")
     data_start = (cursor.position + alignment - 1) // alignment * alignment
-    if not infos:
-        raise CheckpointError(f"{file_name} holds no tensors")
     known = {int(member): member for member in GGMLQuantizationType}
-    check_block_types(((name, known[type_id].name if type_id in known else f"type {type_id}")
-                       for name, _, type_id, *_ in infos), file_name)
+    if check_tensors:
+        if not infos:
+            raise CheckpointError(f"{file_name} holds no tensors")
+        check_block_types(((name, known[type_id].name if type_id in known else f"type {type_id}")
+                           for name, _, type_id, *_ in infos), file_name)
     tensors = []
     for name, dims, type_id, offset, info_start, info_end in infos:
-        block_size, type_size = GGML_QUANT_SIZES[known[type_id]]
+        block_size, type_size = GGML_QUANT_SIZES.get(known.get(type_id), (1, 0))
         n_bytes = math.prod(dims) // block_size * type_size
-        if data_start + offset + n_bytes > file_size:
+        if check_tensors and data_start + offset + n_bytes > file_size:
             raise CheckpointError(f"{file_name} is truncated: tensor {name} ends past the end of the file")
         tensors.append(GGUFPartTensor(
-            name=name, layer=gguf_layer_of(name), block_type=known[type_id].name, shape=tuple(reversed(dims)),
+            name=name, layer=gguf_layer_of(name), block_type=known[type_id].name if type_id in known
+            else f"type {type_id}", shape=tuple(reversed(dims)),
             info_start=info_start, info_end=info_end, data_start=data_start + offset, n_bytes=n_bytes))
     split = GGUFSplit(header_bytes=data_start, kv_end=kv_end, alignment=alignment, tensors=tuple(tensors))
     architecture = metadata.get(ARCHITECTURE_KEY)
-    return ParsedGGUFHeader(split=split, architecture=architecture if isinstance(architecture, str) else None)
+    return ParsedGGUFHeader(split=split, architecture=architecture if isinstance(architecture, str) else None,
+                            metadata=metadata)
+
+
+def read_gguf_header(path: Path) -> ParsedGGUFHeader:
+    """The header of the local GGUF at `path` (its tensors unchecked: a part of a GGUF may hold none), reading only
+    as many of its leading bytes as the header takes."""
+    file_size = path.stat().st_size
+    wanted = min(file_size, FIRST_HEADER_READ_BYTES)
+    while True:
+        with path.open("rb") as handle:
+            buffer = handle.read(wanted)
+        try:
+            return parse_gguf_header(buffer, file_size, path.name, check_tensors=False)
+        except HeaderIncomplete as incomplete:
+            if wanted >= file_size:
+                raise CheckpointError(f"{path.name} is truncated: its header ends past the end of the file") from None
+            wanted = min(file_size, max(incomplete.needed, 2 * wanted))

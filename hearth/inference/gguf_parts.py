@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import CheckpointError
+from .gguf_header import EVERY_LAYER_TENSORS, GGUFPartTensor, GGUFSplit, check_block_types, gguf_layer_of
 from .partial_checkpoint import complete_partial_folder, staged_partial_folder
 
 # After the magic and the version: the tensor count, a little-endian u64 (GGUF versions 2 and 3).
@@ -28,53 +29,12 @@ TENSOR_COUNT_FORMAT = "<Q"
 # A tensor info ends with its data offset (u64), relative to the start of the data section.
 INFO_OFFSET_BYTES = 8
 COPY_CHUNK_BYTES = 8 << 20
-LAYER_PREFIX = "blk"
-
-
-def gguf_layer_of(tensor_name: str) -> int | None:
-    """The decoder layer of a GGUF tensor name ("blk.3.attn_q.weight" -> 3), None for every other tensor."""
-    parts = tensor_name.split(".")
-    return int(parts[1]) if parts[0] == LAYER_PREFIX and len(parts) > 2 and parts[1].isdigit() else None
-
-
-@dataclass(frozen=True)
-class GGUFPartTensor:
-    """One tensor of a split GGUF: where its info lies in the header and its bytes in the file."""
-
-    name: str
-    layer: int | None
-    block_type: str  # the GGML type's name: "Q4_1", "F32", ...
-    shape: tuple[int, ...]  # torch order
-    info_start: int
-    info_end: int
-    data_start: int  # absolute, in the original file
-    n_bytes: int
-
-
-@dataclass(frozen=True)
-class GGUFSplit:
-    """What a GGUF is made of: its header's length (where tensor data starts), where its tensor infos start, its
-    alignment and its tensors in file order."""
-
-    header_bytes: int
-    kv_end: int
-    alignment: int
-    tensors: tuple[GGUFPartTensor, ...]
-
-    def groups(self) -> dict[int | None, list[GGUFPartTensor]]:
-        """The tensors by decoder layer (None: the head), each group in file order."""
-        grouped: dict[int | None, list[GGUFPartTensor]] = {}
-        for tensor in self.tensors:
-            grouped.setdefault(tensor.layer, []).append(tensor)
-        return grouped
-
-
 def split_gguf(path: Path) -> GGUFSplit:
     """The GGUFSplit of the GGUF at `path`, refused (CheckpointError, one line, the loader's own messages) when the
     loader would refuse it: truncated, of an architecture or a block type hearth does not read, big-endian."""
     from gguf import GGUFEndian
 
-    from .gguf_checkpoint import check_block_types, gguf_config_dict, open_reader
+    from .gguf_checkpoint import gguf_config_dict, open_reader
 
     reader = open_reader(path)  # truncation and architecture
     if reader.endianess != GGUFEndian.LITTLE:
@@ -212,32 +172,37 @@ class StoredLayout:
     placements: list[TensorPlacement]
 
 
-def stored_parts(path: Path, header_file: str, file_of: Callable[[int | None], str]):
+def stored_parts(path: Path, header_file: str, file_of: Callable[[int | None], str], every_layer_file: str):
     """(the GGUF's StoredLayout, its number of decoder layers, and each part read one at a time: (file, kind,
     layer, bytes, {tensor name: (GGML type name, shape)})): the header part `header_file` (kind "gguf_header")
-    first, then the head's (kind "head", named `file_of(None)`) and each layer's (kind "layer", `file_of(layer)`).
-    CheckpointError (one line) for a GGUF the loader would refuse."""
+    first, then, when the GGUF has any, the tensors every layer reads (kind "every_layer", `every_layer_file`), the
+    head's (kind "head", named `file_of(None)`) and each layer's (kind "layer", `file_of(layer)`). CheckpointError
+    (one line) for a GGUF the loader would refuse."""
     from .gguf_checkpoint import gguf_config_dict
 
     split = split_gguf(path)
     num_layers = int(gguf_config_dict(path)["num_hidden_layers"])
     groups = split.groups()
-    order = sorted(groups, key=lambda layer: -1 if layer is None else layer)
+    every_layer = [tensor for tensor in groups.get(None, []) if tensor.name in EVERY_LAYER_TENSORS]
+    if every_layer:
+        groups[None] = [tensor for tensor in groups[None] if tensor.name not in EVERY_LAYER_TENSORS]
+    parts_in_order = [(every_layer_file, "every_layer", None, every_layer)] if every_layer else []
+    parts_in_order += [(file_of(layer), "head" if layer is None else "layer", layer, groups[layer])
+                       for layer in sorted(groups, key=lambda layer: -1 if layer is None else layer) if groups[layer]]
     placements = []
-    for layer in order:
+    for file, _, _, tensors in parts_in_order:
         offset = 0
-        for tensor in groups[layer]:
-            placements.append(TensorPlacement(tensor.name, file_of(layer), offset, tensor.n_bytes, tensor.info_start,
+        for tensor in tensors:
+            placements.append(TensorPlacement(tensor.name, file, offset, tensor.n_bytes, tensor.info_start,
                                               tensor.info_end))
             offset += tensor.n_bytes
     placements.sort(key=lambda placement: placement.info_start)
 
     def parts():
         yield header_file, "gguf_header", None, read_header(path, split), {}
-        for layer in order:
-            specs = {tensor.name: (tensor.block_type, list(tensor.shape)) for tensor in groups[layer]}
-            yield (file_of(layer), "head" if layer is None else "layer", layer, read_tensor_data(path, groups[layer]),
-                   specs)
+        for file, kind, layer, tensors in parts_in_order:
+            specs = {tensor.name: (tensor.block_type, list(tensor.shape)) for tensor in tensors}
+            yield file, kind, layer, read_tensor_data(path, tensors), specs
     return StoredLayout(split.kv_end, split.alignment, placements), num_layers, parts()
 
 

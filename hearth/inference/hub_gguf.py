@@ -30,8 +30,8 @@ from pathlib import Path
 
 from .checksum import GGUF_DIGEST_NAME, digest_of_files
 from .errors import CheckpointError
-from .gguf_header import HeaderIncomplete, ParsedGGUFHeader, parse_gguf_header
-from .gguf_parts import GGUFPartTensor, StoredLayout, TensorPlacement, write_gguf_folder, write_gguf_part
+from .gguf_header import EVERY_LAYER_TENSORS, GGUFPartTensor, HeaderIncomplete, ParsedGGUFHeader, parse_gguf_header
+from .gguf_parts import StoredLayout, TensorPlacement, write_gguf_folder, write_gguf_part
 from .hub_ids import HUB_ENDPOINT_ENV
 from .partial_checkpoint import NeededTensors, complete_partial_folder, selection_name
 
@@ -180,6 +180,8 @@ def coalesced_spans(tensors: list[GGUFPartTensor]) -> list[tuple[int, int]]:
 def _is_wanted(tensor: GGUFPartTensor, needed: NeededTensors) -> bool:
     if needed == "head":
         return tensor.layer is None
+    if tensor.name in EVERY_LAYER_TENSORS:
+        return True
     return tensor.layer is not None and needed[0] <= tensor.layer <= needed[1]
 
 

@@ -9,10 +9,13 @@ see what a `DynamicLayer` shows them: `keys` and `values` hold exactly the cache
 first positions), so cropping, snapshots of kept prefixes and the batched steps' stacking work unchanged. A cache's
 bytes against the KV budget (hearth/inference/sessions.py) count the positions held, not the room kept for the next
 ones: at most one chunk a layer, so the chunk is small.
-Sliding-window layers keep transformers' own class (their cache never outgrows the window).
+Sliding-window layers keep transformers' own class (their cache never outgrows the window), and so does every
+layer on a GPU, where this was not measured.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from transformers import DynamicCache, PretrainedConfig
@@ -21,6 +24,17 @@ from transformers.cache_utils import DynamicLayer
 # Positions a full layer's buffers grow by when full: the copy of the cache is paid once per this many decode steps,
 # and at most this many positions a layer are held in reserve.
 KV_GROWTH_POSITIONS = 16
+# Devices whose sessions' dynamic caches grow in place (where it was measured).
+GROWING_CACHE_DEVICE_TYPES = ("cpu",)
+
+
+def dynamic_cache_maker(config: PretrainedConfig, device: torch.device) -> tuple[Callable[[], DynamicCache], bool]:
+    """What makes a session's dynamic cache on `device`, and whether it grows in place: on the CPU, where that (and
+    the lean one-token path over it) is measured (BENCHMARKS.md, "KV caches that grow in place"); elsewhere (a GPU's
+    tests and local fallback) transformers' own DynamicCache."""
+    if device.type in GROWING_CACHE_DEVICE_TYPES:
+        return (lambda: growing_cache(config)), True
+    return (lambda: DynamicCache(config=config)), False
 
 
 def growing_cache(config: PretrainedConfig) -> DynamicCache:

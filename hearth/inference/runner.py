@@ -18,7 +18,7 @@ from .checkpoint import ModelInfo
 from .batched import BatchRow, StackingBuffers, batched_steps_supported, run_batched_step
 from .layer_pass import MASK_BUILDERS, DecoderStack, SteppedForward
 from .errors import InferenceError, SessionEvictedError, SessionStateError
-from .kv_growth import growing_cache
+from .kv_growth import dynamic_cache_maker
 from .quantization import held_tensor_bytes
 from .prefix_cache import CacheLengths, PrefixCache, PrefixSessions
 from .sessions import EvictedSession, SessionCaches, as_position, kv_bytes_per_token_per_layer
@@ -89,8 +89,9 @@ class LayerRangeRunner(RunnerChecks):
                                          max_tokens=max_tokens, device=self.device, capture_graphs=True)
         stack = DecoderStack(config=config, layers=layers, rotary_embedding=rotary_embedding,
                              attention_types=self._attention_types, rotary_lock=self._lock)
-        # One-token steps over dynamic caches: the lean path where it checks out (hearth/inference/lean_decode.py).
-        self._stack = stack if self._static is not None else stack.with_lean_decode(lambda: growing_cache(config))
+        # One-token steps over caches that grow in place: the lean path where it checks out (lean_decode.py).
+        dynamic_cache, grows = dynamic_cache_maker(config, self.device)
+        self._stack = stack if self._static is not None or not grows else stack.with_lean_decode(dynamic_cache)
         # Batched steps over the sessions' own dynamic caches (hearth/inference/batched.py; static ones: StaticDecoder).
         self._batched = self._static is None and batched_steps_supported(
             config, self._attention_types[self.layer_lo : self.layer_hi + 1])
@@ -98,7 +99,7 @@ class LayerRangeRunner(RunnerChecks):
         # Kept prefixes (hearth/inference/prefix_cache.py), in dynamic and static caches alike.
         prefixes = PrefixCache(ttl_s=prefix_ttl_s, clock=clock) if prefix_ttl_s else None
         self._caches = SessionCaches(
-            self._static.new_cache if self._static is not None else (lambda: growing_cache(config)),
+            self._static.new_cache if self._static is not None else dynamic_cache,
             range(self.layer_lo, self.layer_hi + 1), budget_bytes=cache_budget_bytes, ttl_s=session_ttl_s,
             clock=clock, on_evict=on_evict, prefixes=prefixes, session_reserve_bytes=self.static_session_bytes or 0)
         lengths = StaticCacheLengths(self._static) if self._static is not None else CacheLengths()

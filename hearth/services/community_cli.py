@@ -164,7 +164,8 @@ def api_key_command(
     revoke: Annotated[bool, typer.Option("--revoke", help="Remove every API key of NAME instead.")] = False,
 ) -> None:
     """Make an API key for `hearth gateway` (printed once; only its SHA-256 is kept, in DIR/api_keys.json, mode
-    0600), or revoke a member's keys. Restart the gateway to apply."""
+    0600), or revoke a member's keys. A running gateway applies the change within `[gateway] api_keys_recheck_s`,
+    with no restart."""
     from hearth.services.gateway.keys import ApiKeyError, create_api_key, revoke_api_keys
 
     try:

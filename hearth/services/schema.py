@@ -98,9 +98,9 @@ def _discovery_schema(model: type[BaseModel]) -> WireSchema:
 
 
 def _event_subject_pattern(event_type: str) -> str:
-    """Where events of one type are published (protocol.subjects.event_subject), the variable token in <>."""
+    """Where events of one type are published (protocol.subjects.event_subject), the variable tokens in <>."""
     family, kind = event_type.split(".", 1)
-    token = "<shard_key>" if family == "shard" else "<pipeline_id>"
+    token = "<node_id>.<shard_key>" if family == "shard" else "<pipeline_id>"
     return f"{EVENTS_PREFIX}.{family}.{token}.{kind}"
 
 

@@ -2,14 +2,15 @@
 
 `hearth weights publish` stores a safetensors checkpoint in the bucket WEIGHTS_BUCKET under its name: one object per
 decoder layer (that layer's tensors as one safetensors blob, as stored), one for every tensor outside the layers
-(embedding, final norm, lm_head: the "head"), one per config/tokenizer/chat template file, and last a manifest
-listing each object with its size and SHA-256 plus the original checkpoint's weights_sha256. A GGUF is stored the
-same way with its bytes kept (hearth/inference/gguf_parts.py): its header (metadata, tokenizer, tensor infos) as one
-object in place of the files, each layer's and the head's tensor data, in their block types, and the manifest's `gguf`
-section saying where each tensor lies. A model given as `store:NAME` is fetched into $HEARTH_CACHE_DIR/store/NAME
-(default ~/.cache/hearth): only the objects a layer range (or the head) needs, each checked against the manifest,
-then assembled into a folder the loader reads (hearth/inference/partial_checkpoint.py; for a GGUF, a GGUF holding only
-those tensors), which advertises the original checkpoint's digest.
+(embedding, final norm, lm_head: the "head"), one per config/tokenizer/chat template file, and last a manifest listing
+each object with its size and SHA-256 plus the original checkpoint's weights_sha256. A GGUF is stored the same way with
+its bytes kept (hearth/inference/gguf_parts.py): its header (metadata, tokenizer, tensor infos) as one object in place
+of the files, each layer's and the head's tensor data, in their block types (tensors every layer reads, such as
+rope_freqs, apart: every host fetches them), and the manifest's `gguf` section saying where each tensor lies. A model
+given as `store:NAME` is fetched into $HEARTH_CACHE_DIR/store/NAME (default ~/.cache/hearth): only the objects a layer
+range (or the head) needs, each checked against the manifest, then assembled into a folder the loader reads
+(hearth/inference/partial_checkpoint.py; for a GGUF, a GGUF holding only those tensors), which advertises the original
+checkpoint's digest.
 
 Who may do what (hearth/services/broker/permissions.py): on a community mesh only the `system` member (the steward)
 writes the bucket; shard hosts and orchestrators read it (look the stream up, get a message, read through an
@@ -50,6 +51,7 @@ LAYER_OBJECT_FORMAT = "layer-{:05d}.safetensors"
 GGUF_HEADER_OBJECT = "gguf-header.bin"
 GGUF_HEAD_OBJECT = "head.gguf-data"
 GGUF_LAYER_OBJECT_FORMAT = "layer-{:05d}.gguf-data"
+GGUF_EVERY_LAYER_OBJECT = "every-layer.gguf-data"
 # The manifest's format_version: 1 for safetensors, 2 for a GGUF (a host that predates it refuses the manifest).
 GGUF_FORMAT_VERSION = 2
 SHA256_PATTERN = r"^[0-9a-f]{64}$"
@@ -68,7 +70,7 @@ class StoredObject(BaseModel):
     """One object of a stored checkpoint: a file to place in the loader's folder under `file`."""
 
     file: str = Field(max_length=200, pattern=r"^[A-Za-z0-9_.-]+$")
-    kind: Literal["file", "layer", "head", "gguf_header"]
+    kind: Literal["file", "layer", "head", "gguf_header", "every_layer"]
     layer: int | None = Field(default=None, ge=0, le=100_000)
     size: int = Field(ge=0)
     sha256: str = Field(pattern=SHA256_PATTERN)
@@ -100,7 +102,7 @@ class WeightsManifest(BaseModel):
     def needed_objects(self, needed: NeededTensors) -> list[StoredObject]:
         """The objects a layer range, the head (None: everything) needs, files always."""
         def wanted(stored: StoredObject) -> bool:
-            if stored.kind in ("file", "gguf_header") or needed is None:
+            if stored.kind in ("file", "gguf_header", "every_layer") or needed is None:
                 return True
             if needed == "head":
                 return stored.kind == "head"
@@ -110,7 +112,7 @@ class WeightsManifest(BaseModel):
     def layer_weight_bytes(self, compute_dtype, quantization, device=default_read_device) -> list[int]:
         """Bytes each decoder layer takes once loaded in `compute_dtype` under `quantization` on `device`
         (inference.memory.layer_weight_bytes_of), from the manifest alone."""
-        from hearth.inference.gguf_parts import gguf_layer_of
+        from hearth.inference.gguf_header import gguf_layer_of
         from hearth.inference.memory import layer_weight_bytes_of
 
         if not self.tensors:
@@ -191,8 +193,8 @@ def _gguf_blobs(path: Path):
     of the GGUF at `path` (hearth/inference/gguf_parts.py)."""
     from hearth.inference.gguf_parts import stored_parts
 
-    layout, num_layers, parts = stored_parts(path, GGUF_HEADER_OBJECT, lambda layer: GGUF_HEAD_OBJECT
-                                             if layer is None else GGUF_LAYER_OBJECT_FORMAT.format(layer))
+    layout, num_layers, parts = stored_parts(path, GGUF_HEADER_OBJECT, lambda layer: GGUF_HEAD_OBJECT if layer is None
+                                             else GGUF_LAYER_OBJECT_FORMAT.format(layer), GGUF_EVERY_LAYER_OBJECT)
     return layout, num_layers, ((file, kind, layer, data, {tensor: TensorSpec(dtype=dtype, shape=shape)
                                                             for tensor, (dtype, shape) in specs.items()})
                                 for file, kind, layer, data, specs in parts)
@@ -328,13 +330,11 @@ async def fetch_stored_model(js, name: str, needed: NeededTensors, *, cache_dir:
         for stored in missing:
             await _fetch_object(store, name, stored, objects_dir)
             bar.update(stored.size)
+    files = {stored.file: objects_dir / stored.file for stored in wanted}
     if manifest.gguf is not None:
-        return await asyncio.to_thread(_write_gguf, manifest, root / selection_name(needed), gguf_name,
-                                       {stored.file: objects_dir / stored.file for stored in wanted})
-    return await asyncio.to_thread(
-        assemble_partial_folder, root / selection_name(needed),
-        {stored.file: objects_dir / stored.file for stored in wanted}, manifest.weight_map,
-        weights_sha256=manifest.weights_sha256, source=f"{STORE_MODEL_PREFIX}{name}")
+        return await asyncio.to_thread(_write_gguf, manifest, root / selection_name(needed), gguf_name, files)
+    return await asyncio.to_thread(assemble_partial_folder, root / selection_name(needed), files, manifest.weight_map,
+                                   weights_sha256=manifest.weights_sha256, source=f"{STORE_MODEL_PREFIX}{name}")
 
 
 def _write_gguf(manifest: WeightsManifest, target: Path, gguf_name: str, files: dict[str, Path]) -> Path:

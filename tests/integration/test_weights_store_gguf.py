@@ -13,7 +13,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFReader
 
-from hearth.inference import load_head, load_layer_range, weights_sha256
+from hearth.inference import load_head, load_layer_range, read_config_dict, weights_sha256
 from hearth.inference.memory import layer_weight_bytes
 from hearth.inference.quantization import parse_quantization
 from hearth.services.cli_options import EXIT_BAD_INPUT
@@ -22,6 +22,7 @@ from hearth.services.host.model_layout import model_layout
 from hearth.services.orchestrator.catalog import ModelCatalog
 from hearth.services.shard.main import load_shard
 from hearth.services.weights_store import (
+    GGUF_EVERY_LAYER_OBJECT,
     GGUF_HEAD_OBJECT,
     GGUF_HEADER_OBJECT,
     GGUF_LAYER_OBJECT_FORMAT,
@@ -33,7 +34,7 @@ from hearth.services.weights_store import (
 )
 from tests.integration.test_weights_store import js  # noqa: F401  (a fixture)
 from tests.runner_limits import RUNNER_KV_LIMITS
-from tests.unit.gguf_files import write_tiny_gguf
+from tests.unit.gguf_files import LLAMA3_ROPE_OVERRIDES, write_tiny_gguf
 from tests.unit.inference_tiny_models import TINY_NUM_LAYERS, one_torch_thread  # noqa: F401  (fixture)
 
 NAME = "tiny-gguf"
@@ -74,6 +75,21 @@ async def test_a_shard_fetches_only_its_layers_and_loads_what_the_gguf_holds(js,
                             load_layer_range(original, 2, 3, **RUNNER_KV_LIMITS))
     assert weights_sha256(part, cache_dir=tmp_path / "s2") == manifest.weights_sha256
     assert await fetch_stored_model(js, NAME, (2, 3)) == part  # a second start reuses it
+
+
+async def test_a_shard_fetches_the_tensors_every_layer_reads_with_its_layers(js, tmp_path, monkeypatch):
+    monkeypatch.setenv("HEARTH_CACHE_DIR", str(tmp_path / "cache"))
+    (tmp_path / "model").mkdir()
+    original, _ = write_tiny_gguf(tmp_path / "model", "llama", GGMLQuantizationType.Q8_0, **LLAMA3_ROPE_OVERRIDES)
+    await publish_checkpoint(js, original, NAME)
+
+    part = await fetch_stored_model(js, NAME, (4, 5))
+
+    assert _fetched(tmp_path) == {GGUF_HEADER_OBJECT, GGUF_EVERY_LAYER_OBJECT, GGUF_LAYER_OBJECT_FORMAT.format(4),
+                                  GGUF_LAYER_OBJECT_FORMAT.format(5)}
+    assert read_config_dict(part)["rope_parameters"] == LLAMA3_ROPE_OVERRIDES["rope_parameters"]
+    assert _same_parameters(load_layer_range(part, 4, 5, **RUNNER_KV_LIMITS),
+                            load_layer_range(original, 4, 5, **RUNNER_KV_LIMITS))
 
 
 async def test_a_host_loading_the_store_and_one_loading_the_file_advertise_one_digest(published, nats_url):

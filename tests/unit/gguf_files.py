@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -11,13 +12,41 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
-from .inference_tiny_models import _COMMON, CHAT_TEMPLATE, write_tiny_tokenizer
+from .inference_tiny_models import _COMMON, CHAT_TEMPLATE, TINY_CONFIGS, write_tiny_tokenizer
 
-GGUF_ARCHITECTURE = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2}
-# Plain tiny configs: a GGUF cannot state the sliding windows the shared tiny qwen2 config uses.
-GGUF_TINY_CONFIGS = {"llama": lambda: LlamaConfig(**_COMMON), "qwen2": lambda: Qwen2Config(**_COMMON)}
+GGUF_ARCHITECTURE = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3,
+                     "phi3": gguf.MODEL_ARCH.PHI3, "gemma2": gguf.MODEL_ARCH.GEMMA2}
+# Plain tiny configs: a GGUF cannot state the sliding windows the shared tiny qwen2 config uses. Qwen3's heads are
+# wider than hidden size / heads, as in Qwen3 itself (its GGUF states them as key and value lengths).
+GGUF_TINY_CONFIGS = {"llama": lambda: LlamaConfig(**_COMMON), "qwen2": lambda: Qwen2Config(**_COMMON),
+                     "qwen3": lambda: Qwen3Config(**_COMMON, head_dim=32, tie_word_embeddings=True),
+                     "phi3": TINY_CONFIGS["phi3"], "gemma2": TINY_CONFIGS["gemma2"]}
+# A Llama 3 RoPE scaling whose divisors are neither all 1 nor all the factor for the tiny models' heads (see
+# llama3_rope_freqs): head_dim 32, so three frequencies lie between the bounds.
+LLAMA3_ROPE_OVERRIDES = dict(head_dim=32, max_position_embeddings=4096, rope_parameters={
+    "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 2000})
+
+
+def llama3_rope_freqs(rope: dict, head_dim: int) -> np.ndarray:
+    """The rope_freqs tensor llama.cpp's convert_hf_to_gguf.py writes for a Llama 3 RoPE scaling (its loop)."""
+    freqs = 1.0 / (rope["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    low_wavelen = rope["original_max_position_embeddings"] / rope["low_freq_factor"]
+    high_wavelen = rope["original_max_position_embeddings"] / rope["high_freq_factor"]
+    factors = []
+    for freq in freqs.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_wavelen:
+            factors.append(1)
+        elif wavelen > low_wavelen:
+            factors.append(rope["factor"])
+        else:
+            smooth = ((rope["original_max_position_embeddings"] / wavelen - rope["low_freq_factor"])
+                      / (rope["high_freq_factor"] - rope["low_freq_factor"]))
+            factors.append(1 / ((1 - smooth) / rope["factor"] + smooth))
+    return np.array(factors, dtype=np.float32)
 
 
 def llama_cpp_permute(weights: np.ndarray, n_head: int, n_head_kv: int) -> np.ndarray:
@@ -97,7 +126,7 @@ def write_tiny_gguf(folder: Path, architecture: str, block_type: GGMLQuantizatio
     write_tiny_tokenizer(reference)
     path = folder / "tiny.gguf"
     writer = gguf.GGUFWriter(str(path), gguf_architecture or gguf.MODEL_ARCH_NAMES[GGUF_ARCHITECTURE[architecture]])
-    head_dim = config.hidden_size // config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
@@ -108,6 +137,12 @@ def write_tiny_gguf(folder: Path, architecture: str, block_type: GGMLQuantizatio
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
     writer.add_rope_dimension_count(head_dim)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    if architecture == "gemma2":
+        writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
+        writer.add_final_logit_softcapping(config.final_logit_softcapping)
+        writer.add_sliding_window(config.sliding_window)
     writer.add_file_type(int(block_type))
     if with_tokenizer:
         _add_tokenizer(writer, reference)
@@ -115,11 +150,19 @@ def write_tiny_gguf(folder: Path, architecture: str, block_type: GGMLQuantizatio
         writer.add_eos_token_id(2)
     names = gguf.get_tensor_name_map(GGUF_ARCHITECTURE[architecture], config.num_hidden_layers)
     state = {}
+    rope = config.rope_parameters or {}
+    if rope.get("rope_type") == "llama3":
+        writer.add_tensor("rope_freqs.weight", llama3_rope_freqs(rope, head_dim), raw_dtype=GGMLQuantizationType.F32)
     for hf_name, tensor in model.state_dict().items():
         base, suffix = hf_name.rsplit(".", 1)
         values = tensor.numpy()
         stored_type = block_type if values.ndim == 2 else GGMLQuantizationType.F32
         state[hf_name] = torch.from_numpy(round_trip(values, stored_type))
+        if hf_name == "lm_head.weight" and config.tie_word_embeddings:
+            continue  # the converter writes no output tensor for tied embeddings
+        if architecture == "gemma2" and hf_name.endswith("norm.weight"):
+            values = values + 1  # the converter stores Gemma's norms as 1 + weight; the reader takes 1 off again
+            state[hf_name] = torch.from_numpy(values.astype(np.float32) - np.float32(1))
         if architecture == "llama" and base.endswith(("q_proj", "k_proj")):
             kv_heads = config.num_attention_heads if base.endswith("q_proj") else config.num_key_value_heads
             values = llama_cpp_permute(values, config.num_attention_heads, kv_heads)
@@ -146,7 +189,7 @@ def tiny_gguf(tmp_path_factory):
     written: dict = {}
 
     def make(architecture: str, block_type: GGMLQuantizationType, **kwargs):
-        key = (architecture, block_type, tuple(sorted(kwargs.items())))
+        key = (architecture, block_type, repr(sorted(kwargs.items())))
         if key not in written:
             folder = tmp_path_factory.mktemp(f"gguf-{architecture}-{block_type.name}")
             written[key] = write_tiny_gguf(folder, architecture, block_type, **kwargs)

@@ -96,7 +96,7 @@ def test_the_index_lists_exactly_the_schema_files():
     on_disk = sorted(path.name for path in SCHEMAS.glob("*.json") if path.name != "index.json")
     assert sorted(listed) == on_disk
     events = {entry["type"]: entry["subject"] for entry in index["schemas"] if entry["kind"] == "event"}
-    assert events["shard.advertised"] == "hearth.events.shard.<shard_key>.advertised"
+    assert events["shard.advertised"] == "hearth.events.shard.<node_id>.<shard_key>.advertised"
     assert events["pipeline.completed"] == "hearth.events.pipeline.<pipeline_id>.completed"
 
 

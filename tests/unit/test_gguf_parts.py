@@ -12,16 +12,17 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 
-from hearth.inference import CheckpointError, load_head, load_layer_range, weights_sha256
+from hearth.inference import CheckpointError, load_head, load_layer_range, read_config_dict, weights_sha256
 from hearth.inference.gguf_parts import publishable_gguf, split_gguf, stored_parts, write_gguf_folder
 from hearth.inference.memory import layer_weight_bytes
 from hearth.services.devtools.demo_model import real_demo_model_path
 from tests.runner_limits import RUNNER_KV_LIMITS
 
-from .gguf_files import rewrite_gguf, write_tiny_gguf
+from .gguf_files import LLAMA3_ROPE_OVERRIDES, rewrite_gguf, write_tiny_gguf
 from .inference_tiny_models import TINY_NUM_LAYERS, one_torch_thread  # noqa: F401  (fixture)
 
 HEADER = "header.bin"
+EVERY_LAYER = "every-layer.part"
 
 
 @pytest.fixture(autouse=True)
@@ -41,7 +42,7 @@ def part_name(layer: int | None) -> str:
 
 def split_into(path, folder):
     """Every part of the GGUF at `path` written into `folder`; (layout, number of layers, part name -> file)."""
-    layout, num_layers, parts = stored_parts(path, HEADER, part_name)
+    layout, num_layers, parts = stored_parts(path, HEADER, part_name, EVERY_LAYER)
     folder.mkdir(parents=True, exist_ok=True)
     files = {}
     for file, _kind, _layer, data, _specs in parts:
@@ -53,7 +54,7 @@ def split_into(path, folder):
 def write_back(path, tmp_path, keep, target="part"):
     """The GGUF written back from the header and the parts `keep` names, in a folder stating `path`'s digest."""
     layout, _, files = split_into(path, tmp_path / "parts")
-    wanted = {name: file for name, file in files.items() if name == HEADER or name in keep}
+    wanted = {name: file for name, file in files.items() if name in (HEADER, EVERY_LAYER) or name in keep}
     return write_gguf_folder(tmp_path / target, "model.gguf", HEADER, layout, wanted,
                              weights_sha256=weights_sha256(path, cache_dir=tmp_path / "sums"), source="test")
 
@@ -70,6 +71,23 @@ def test_every_part_written_back_is_the_original_byte_for_byte(tiny_q8, tmp_path
     whole = write_gguf_folder(tmp_path / "whole", "model.gguf", HEADER, layout, files, weights_sha256="0" * 64,
                               source="test")
     assert hashlib.sha256(whole.read_bytes()).digest() == hashlib.sha256(tiny_q8.read_bytes()).digest()
+
+
+def test_a_layer_range_holds_the_tensors_every_layer_reads_so_its_rope_is_the_whole_files(tmp_path):
+    path, _ = write_tiny_gguf(tmp_path / "llama3", "llama", GGMLQuantizationType.Q8_0, **LLAMA3_ROPE_OVERRIDES)
+    layout, _, files = split_into(path, tmp_path / "parts")
+    assert EVERY_LAYER in files
+    whole = write_gguf_folder(tmp_path / "whole", "model.gguf", HEADER, layout, files, weights_sha256="0" * 64,
+                              source="test")
+    assert whole.read_bytes() == path.read_bytes()
+
+    part = write_back(path, tmp_path, {part_name(3)})
+
+    assert {tensor.name for tensor in gguf.GGUFReader(part).tensors if not tensor.name.startswith("blk.3.")} == {
+        "rope_freqs.weight"}
+    assert same_parameters(load_layer_range(part, 3, 3, **RUNNER_KV_LIMITS),
+                           load_layer_range(path, 3, 3, **RUNNER_KV_LIMITS))
+    assert read_config_dict(part)["rope_parameters"]["rope_type"] == "llama3"
 
 
 def test_a_layer_range_written_back_holds_only_its_tensors_in_their_block_types_and_loads_as_the_original(

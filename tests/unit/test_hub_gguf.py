@@ -13,7 +13,8 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 
-from hearth.inference import CheckpointError, load_head, load_layer_range, resolve_model_path, weights_sha256
+from hearth.inference import CheckpointError, load_head, load_layer_range, read_config_dict, resolve_model_path, \
+    weights_sha256
 from hearth.inference.gguf_checkpoint import open_reader
 from hearth.inference.gguf_parts import split_gguf
 from hearth.inference.hub_gguf import SPANS_FOLDER, coalesced_spans
@@ -25,7 +26,7 @@ from hearth.services.host.model_layout import model_layout
 from hearth.services.orchestrator.catalog import ModelCatalog
 from tests.runner_limits import RUNNER_KV_LIMITS
 
-from .gguf_files import write_tiny_gguf
+from .gguf_files import LLAMA3_ROPE_OVERRIDES, write_tiny_gguf
 from .hub_server import FAKE_COMMIT, fake_hub  # noqa: F401  (fixture)
 from .inference_tiny_models import TINY_NUM_LAYERS, one_torch_thread  # noqa: F401  (fixture)
 
@@ -132,6 +133,19 @@ def test_an_id_naming_one_of_several_ggufs_serves_that_file(two_ggufs, tmp_path)
     layout = asyncio.run(model_layout(model, model_id=None, compute_dtype=torch.float32,
                                       scheme=parse_quantization("none"), nats_url=None, settings=HearthSettings()))
     assert layout.served_id == model and layout.weights_sha256 == other_digest
+
+
+def test_a_range_read_by_ranges_holds_the_tensors_every_layer_reads(served, tmp_path):
+    _, original = served
+    (tmp_path / "llama3").mkdir()
+    path, _ = write_tiny_gguf(tmp_path / "llama3", "llama", GGMLQuantizationType.Q8_0, **LLAMA3_ROPE_OVERRIDES)
+    shutil.copyfile(path, original.with_name("llama3.gguf"))
+
+    part = resolve_model_path(f"{REPO}:llama3.gguf", needed_layers=(4, 5))
+
+    assert "rope_freqs.weight" in {tensor.name for tensor in open_reader(part).tensors}
+    assert read_config_dict(part)["rope_parameters"] == read_config_dict(path)["rope_parameters"]
+    _assert_same_range(part, path, 4, 5)
 
 
 def test_a_4_bit_gguf_sized_from_its_header_counts_its_layers_as_held(two_ggufs):

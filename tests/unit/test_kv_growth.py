@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import DynamicCache
+from transformers import AutoConfig, DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from hearth.inference import load_head, load_layer_range
-from hearth.inference.kv_growth import KV_GROWTH_POSITIONS, GrowingLayer, growing_cache
+from hearth.inference.kv_growth import KV_GROWTH_POSITIONS, GrowingLayer, dynamic_cache_maker, growing_cache
 from hearth.inference.sessions import kv_cache_bytes
 from tests.runner_limits import RUNNER_KV_LIMITS
 
@@ -102,3 +102,13 @@ def test_steps_over_growing_caches_equal_steps_over_dynamic_caches_bitwise(tiny_
             outputs = {name: stack.layer_pass(cache, hidden, position, 0, TINY_NUM_LAYERS - 1).run()
                        for name, cache in caches.items()}
             assert torch.equal(outputs["growing"], outputs["dynamic"])
+
+
+def test_sessions_caches_grow_in_place_on_the_cpu_only(tiny_model_dir):
+    config = AutoConfig.from_pretrained(tiny_model_dir("llama"))
+    make_on_cpu, grows_on_cpu = dynamic_cache_maker(config, torch.device("cpu"))
+    make_on_gpu, grows_on_gpu = dynamic_cache_maker(config, torch.device("cuda"))
+
+    assert grows_on_cpu and not grows_on_gpu
+    assert all(isinstance(layer, GrowingLayer) for layer in make_on_cpu().layers)
+    assert not any(isinstance(layer, GrowingLayer) for layer in make_on_gpu().layers)

@@ -1,0 +1,168 @@
+"""A GGUF's model config as the file states it: what transformers' GGUF config reader leaves out (a head size of its
+own, RoPE scaling, Gemma 2's soft caps and attention scale) read from the file's metadata and its rope_freqs tensor;
+what hearth cannot express in a transformers config is refused in one line, never served with another model's
+positions.
+
+llama.cpp's converter stores Llama 3's RoPE scaling as a tensor, `rope_freqs.weight`, one divisor per rotary
+frequency, and no metadata: the config's `llama3` parameters are recovered from those divisors (Meta's low and high
+frequency factors, 1 and 4, which every Llama 3 model and the converter's defaults use; the original context from
+the divisors between them) and checked by computing the divisors back.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import numpy as np
+
+from .errors import CheckpointError
+from .gguf_header import LONGROPE_TENSORS, ROPE_FREQS_TENSOR, read_gguf_header
+LLAMA3_LOW_FREQ_FACTOR = 1.0
+LLAMA3_HIGH_FREQ_FACTOR = 4.0
+# The converter's default when a Llama 3 config names none; used only when no divisor lies between the bounds.
+LLAMA3_DEFAULT_ORIGINAL_CONTEXT = 8192
+# How far divisors computed back from the recovered parameters may lie from the stored float32 ones.
+ROPE_DIVISOR_RTOL = 1e-4
+# llama.cpp tells Gemma 2's sizes apart by their layers; its 27B scales queries by hidden size / heads, the others
+# by the head size.
+GEMMA2_27B_LAYERS = 46
+GEMMA2_SOFTCAP_KEYS = ("attn_logit_softcapping", "final_logit_softcapping")
+
+
+def completed_gguf_config(config: dict, architecture: str, metadata: Mapping[str, object], tensor_names: set[str],
+                          read_f32_tensor: Callable[[str], np.ndarray], file_name: str) -> dict:
+    """`config` (transformers' reading of the GGUF's metadata, as a dict) with what it leaves out filled in from
+    `metadata` (the GGUF's scalar key/values) and the tensors `tensor_names` lists (`read_f32_tensor(name)` reads
+    one stored as F32); CheckpointError (one line) for what hearth cannot express."""
+    config = dict(config)
+    _use_head_size(config, architecture, metadata, file_name)
+    _check_full_rotary(config, architecture, metadata, file_name)
+    rope = _rope_parameters(config, architecture, metadata, tensor_names, read_f32_tensor, file_name)
+    if rope is not None:
+        config["rope_parameters"] = rope
+    if architecture == "gemma2":
+        for key in GEMMA2_SOFTCAP_KEYS:
+            if (value := metadata.get(f"gemma2.{key}")) is not None:
+                config[key] = float(value)
+        config["query_pre_attn_scalar"] = (config["hidden_size"] // config["num_attention_heads"]
+                                           if config["num_hidden_layers"] == GEMMA2_27B_LAYERS
+                                           else _head_size(config))
+    if architecture == "phi3" and (window := metadata.get("phi3.attention.sliding_window")):
+        config["sliding_window"] = int(window)
+    return config
+
+
+def _head_size(config: dict) -> int:
+    return int(config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
+
+
+def _use_head_size(config: dict, architecture: str, metadata: Mapping[str, object], file_name: str) -> None:
+    keys, values = (metadata.get(f"{architecture}.attention.{kind}_length") for kind in ("key", "value"))
+    if keys is None:
+        return
+    if values is not None and values != keys:
+        raise CheckpointError(f"GGUF {file_name} has keys of {keys} and values of {values} dimensions per head; "
+                              "hearth serves models whose keys and values are the same size")
+    config["head_dim"] = int(keys)
+
+
+def _check_full_rotary(config: dict, architecture: str, metadata: Mapping[str, object], file_name: str) -> None:
+    rotary = metadata.get(f"{architecture}.rope.dimension_count")
+    if rotary is not None and rotary != _head_size(config):
+        raise CheckpointError(f"GGUF {file_name} rotates {rotary} of each head's {_head_size(config)} dimensions "
+                              "(a partial rotary embedding), which hearth does not read from GGUF files")
+
+
+def _rope_parameters(config: dict, architecture: str, metadata: Mapping[str, object], tensor_names: set[str],
+                     read_f32_tensor: Callable[[str], np.ndarray], file_name: str) -> dict | None:
+    """The config's rope_parameters when the GGUF scales its RoPE, None when it does not."""
+    base = dict(config.get("rope_parameters") or {})
+    scaling = metadata.get(f"{architecture}.rope.scaling.type")
+    if longrope := sorted(tensor_names.intersection(LONGROPE_TENSORS)):
+        raise CheckpointError(f"GGUF {file_name} scales its RoPE with LongRoPE factors ({', '.join(longrope)}), "
+                              "which hearth does not read from GGUF files")
+    if scaling == "linear":
+        factor = metadata.get(f"{architecture}.rope.scaling.factor")
+        if not isinstance(factor, (int, float)) or factor <= 0:
+            raise CheckpointError(f"GGUF {file_name} states linear RoPE scaling without a valid factor ({factor!r})")
+        return {**base, "rope_type": "linear", "factor": float(factor)}
+    if scaling not in (None, "none"):
+        raise CheckpointError(f"GGUF {file_name} scales its RoPE as {scaling!r}, which hearth does not read from "
+                              "GGUF files (it reads linear scaling and Llama 3's rope_freqs)")
+    if ROPE_FREQS_TENSOR not in tensor_names:
+        return None
+    if architecture != "llama":
+        raise CheckpointError(f"GGUF {file_name} holds {ROPE_FREQS_TENSOR} for a {architecture} model; hearth reads "
+                              "it as Llama 3's RoPE scaling only")
+    theta = float(base.get("rope_theta") or metadata.get(f"{architecture}.rope.freq_base") or 10000.0)
+    return llama3_rope_parameters(read_f32_tensor(ROPE_FREQS_TENSOR), theta, _head_size(config), file_name,
+                                  base=base, original_context=metadata.get(
+                                      f"{architecture}.rope.scaling.original_context_length"))
+
+
+def llama_cpp_rope_divisors(theta: float, rotary_dims: int, factor: float, low_freq_factor: float,
+                            high_freq_factor: float, original_context: float) -> np.ndarray:
+    """The rope_freqs divisors llama.cpp's converter writes for a Llama 3 RoPE scaling (its own formula)."""
+    frequencies = 1.0 / (theta ** (np.arange(0, rotary_dims, 2, dtype=np.float64) / rotary_dims))
+    low_wavelength = original_context / low_freq_factor
+    high_wavelength = original_context / high_freq_factor
+    divisors = []
+    for frequency in frequencies:
+        wavelength = 2 * math.pi / frequency
+        if wavelength < high_wavelength:
+            divisors.append(1.0)
+        elif wavelength > low_wavelength:
+            divisors.append(factor)
+        else:
+            smooth = (original_context / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor)
+            divisors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(divisors, dtype=np.float64)
+
+
+def llama3_rope_parameters(divisors: np.ndarray, theta: float, rotary_dims: int, file_name: str, *,
+                           base: Mapping[str, object] = (), original_context: object = None) -> dict | None:
+    """transformers' `llama3` rope_parameters that give `divisors` (a GGUF's rope_freqs), None when every divisor
+    is 1 (no scaling); CheckpointError when no such parameters give them back."""
+    divisors = np.asarray(divisors, dtype=np.float64).reshape(-1)
+    if divisors.size != rotary_dims // 2 or not np.all(np.isfinite(divisors)) or np.any(divisors <= 0):
+        raise CheckpointError(f"GGUF {file_name}'s {ROPE_FREQS_TENSOR} holds {divisors.size} values, not one positive "
+                              f"divisor for each of its {rotary_dims // 2} rotary frequencies")
+    factor = float(f"{divisors.max():.6g}")
+    if np.allclose(divisors, 1.0, rtol=ROPE_DIVISOR_RTOL):
+        return None
+    low, high = LLAMA3_LOW_FREQ_FACTOR, LLAMA3_HIGH_FREQ_FACTOR
+    wavelengths = 2 * math.pi * theta ** (np.arange(0, rotary_dims, 2, dtype=np.float64) / rotary_dims)
+    between = (divisors > 1 + ROPE_DIVISOR_RTOL) & (divisors < factor * (1 - ROPE_DIVISOR_RTOL))
+    if between.any():
+        # A divisor between the bounds is 1 / ((1 - s) / factor + s), s = (context / wavelength - low) / (high - low).
+        smooth = (1 / divisors[between] - 1 / factor) / (1 - 1 / factor)
+        context = float(round(np.median(wavelengths[between] * (smooth * (high - low) + low))))
+    elif isinstance(original_context, (int, float)) and original_context > 0:
+        context = float(original_context)
+    else:
+        context = float(LLAMA3_DEFAULT_ORIGINAL_CONTEXT)
+    expected = llama_cpp_rope_divisors(theta, rotary_dims, factor, low, high, context)
+    if not np.allclose(expected, divisors, rtol=ROPE_DIVISOR_RTOL):
+        raise CheckpointError(f"GGUF {file_name}'s {ROPE_FREQS_TENSOR} is no Llama 3 RoPE scaling with low and high "
+                              f"frequency factors {low:g} and {high:g}, which is all hearth reads it as")
+    return {**dict(base), "rope_type": "llama3", "rope_theta": theta, "factor": factor, "low_freq_factor": low,
+            "high_freq_factor": high, "original_max_position_embeddings": int(context)}
+
+
+def completed_config_of_file(config: dict, path: Path) -> dict:
+    """completed_gguf_config for the GGUF at `path`, reading its header and (when it has one) its rope_freqs."""
+    header = read_gguf_header(path)
+    tensors = {tensor.name: tensor for tensor in header.split.tensors}
+
+    def read_f32_tensor(name: str) -> np.ndarray:
+        tensor = tensors[name]
+        if tensor.block_type != "F32":
+            raise CheckpointError(f"GGUF {path.name} stores {name} as {tensor.block_type}, not F32")
+        with path.open("rb") as handle:
+            handle.seek(tensor.data_start)
+            return np.frombuffer(handle.read(tensor.n_bytes), dtype="<f4")
+
+    return completed_gguf_config(config, header.architecture or "", header.metadata, set(tensors), read_f32_tensor,
+                                 path.name)

@@ -1,0 +1,136 @@
+"""GGUFs of every architecture hearth serves, and their configs as the file states them: head sizes, Llama 3's RoPE
+scaling (rope_freqs), Gemma 2's soft caps; what hearth cannot express is refused in one line."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+
+from hearth.inference import CheckpointError, SamplingParams, load_full, load_head, load_layer_range
+from hearth.inference.gguf_checkpoint import gguf_config_dict
+from hearth.inference.gguf_config import llama3_rope_parameters
+from tests.runner_limits import RUNNER_KV_LIMITS
+
+from .gguf_files import LLAMA3_ROPE_OVERRIDES, llama3_rope_freqs, own_cache, rewrite_gguf, tiny_gguf  # noqa: F401
+from .inference_tiny_models import one_torch_thread  # noqa: F401  (fixture)
+
+PROMPT = "hello there, the quick brown fox"
+NEW_ARCHITECTURES = ["qwen3", "phi3", "gemma2"]
+
+
+def prefill(runner, head):
+    hidden = runner.forward("s", head.embed(head.encode_prompt(PROMPT)), 0, "prefill")
+    runner.reset("s")
+    return hidden
+
+
+def assert_layers_match(path, reference, lo=2, hi=4):
+    head = load_head(reference)
+    from_gguf = load_layer_range(path, lo, hi, **RUNNER_KV_LIMITS)
+    expected = load_layer_range(reference, lo, hi, **RUNNER_KV_LIMITS)
+    for (name, tensor), (_, want) in zip(from_gguf.named_parameters(), expected.named_parameters(), strict=True):
+        assert torch.equal(tensor, want), name
+    assert torch.equal(prefill(from_gguf, head), prefill(expected, head))
+
+
+@pytest.mark.parametrize("architecture", NEW_ARCHITECTURES)
+@pytest.mark.parametrize("block_type", [GGMLQuantizationType.F32, GGMLQuantizationType.Q8_0], ids=lambda t: t.name)
+def test_a_layer_range_of_each_architectures_gguf_computes_what_its_weights_do(tiny_gguf, architecture, block_type):
+    path, reference = tiny_gguf(architecture, block_type)
+    assert_layers_match(path, reference)
+
+
+@pytest.mark.parametrize("architecture", NEW_ARCHITECTURES)
+def test_a_whole_gguf_of_each_architecture_generates_its_weights_greedy_tokens(tiny_gguf, architecture):
+    path, reference = tiny_gguf(architecture, GGMLQuantizationType.Q8_0)
+    params = SamplingParams(max_tokens=8, stop_token_ids=())
+    expected = load_full(reference, **RUNNER_KV_LIMITS)
+    model = load_full(path, **RUNNER_KV_LIMITS)
+    prompt = expected.head.encode_prompt(PROMPT)
+    assert list(model.generate_ids(prompt, params)) == list(expected.generate_ids(prompt, params))
+
+
+def test_the_config_states_what_transformers_gguf_reader_leaves_out(tiny_gguf):
+    qwen3 = gguf_config_dict(tiny_gguf("qwen3", GGMLQuantizationType.F32)[0])
+    assert qwen3["head_dim"] == 32 != qwen3["hidden_size"] // qwen3["num_attention_heads"]
+    gemma2 = gguf_config_dict(tiny_gguf("gemma2", GGMLQuantizationType.F32)[0])
+    assert (gemma2["attn_logit_softcapping"], gemma2["final_logit_softcapping"]) == (5.0, 3.0)
+    assert gemma2["query_pre_attn_scalar"] == 16
+
+
+def test_llama3_rope_scaling_is_read_from_rope_freqs(tiny_gguf):
+    path, reference = tiny_gguf("llama", GGMLQuantizationType.Q8_0, **LLAMA3_ROPE_OVERRIDES)
+    assert "rope_freqs.weight" in {t.name for t in gguf.GGUFReader(path).tensors}
+
+    assert gguf_config_dict(path)["rope_parameters"] == LLAMA3_ROPE_OVERRIDES["rope_parameters"]
+    assert_layers_match(path, reference)
+
+
+@pytest.mark.parametrize("factor, original", [(8.0, 8192), (32.0, 8192), (8.0, 2000), (4.0, 1024)])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_llama3_parameters_come_back_from_the_converters_divisors(factor, original, head_dim):
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": factor, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": original}
+    recovered = llama3_rope_parameters(llama3_rope_freqs(rope, head_dim), 500000.0, head_dim, "x.gguf")
+    assert recovered == rope
+
+
+def test_divisors_of_another_scaling_are_refused_not_guessed():
+    rope = {"rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 2.0, "high_freq_factor": 16.0,
+            "original_max_position_embeddings": 8192}
+    with pytest.raises(CheckpointError, match="no Llama 3 RoPE scaling"):
+        llama3_rope_parameters(llama3_rope_freqs(rope, 128), 500000.0, 128, "x.gguf")
+    with pytest.raises(CheckpointError, match="one positive divisor"):
+        llama3_rope_parameters(np.ones(3, dtype=np.float32), 500000.0, 128, "x.gguf")
+    assert llama3_rope_parameters(np.ones(64, dtype=np.float32), 500000.0, 128, "x.gguf") is None
+
+
+def _with_keys(source, path, architecture, keys, extra_tensors=()):
+    """A copy of `source` with more metadata `keys` ({key: (value, GGUFValueType)}) and `extra_tensors`."""
+    reader = gguf.GGUFReader(source)
+    writer = gguf.GGUFWriter(str(path), architecture)
+    for key, field in reader.fields.items():
+        if not key.startswith("GGUF.") and key != "general.architecture":
+            writer.add_key_value(key, field.contents(), field.types[0],
+                                 sub_type=field.types[1] if len(field.types) > 1 else None)
+    for key, (value, value_type) in keys.items():
+        writer.add_key_value(key, value, value_type)
+    for tensor in reader.tensors:
+        writer.add_tensor(tensor.name, np.array(tensor.data), raw_dtype=tensor.tensor_type)
+    for name, values in extra_tensors:
+        writer.add_tensor(name, values, raw_dtype=GGMLQuantizationType.F32)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+STRING, FLOAT, UINT = gguf.GGUFValueType.STRING, gguf.GGUFValueType.FLOAT32, gguf.GGUFValueType.UINT32
+
+
+@pytest.mark.parametrize("architecture, keys, extra, named", [
+    ("llama", {"llama.rope.scaling.type": ("yarn", STRING), "llama.rope.scaling.factor": (4.0, FLOAT)}, (),
+     "'yarn'"),
+    ("phi3", {}, (("rope_factors_long.weight", np.ones(8, dtype=np.float32)),), "LongRoPE"),
+    ("qwen3", {"qwen3.rope.dimension_count": (16, UINT)}, (), "rotates 16 of each head's 32 dimensions"),
+    ("qwen2", {}, (("rope_freqs.weight", np.ones(8, dtype=np.float32)),), "Llama 3's RoPE scaling only"),
+])
+def test_positions_hearth_cannot_express_are_refused_in_one_line(tiny_gguf, tmp_path, architecture, keys, extra,
+                                                                  named):
+    source, _ = tiny_gguf(architecture, GGMLQuantizationType.F32)
+    path = _with_keys(source, tmp_path / "odd.gguf", architecture, keys, extra)
+    with pytest.raises(CheckpointError) as refused:
+        load_layer_range(path, 0, 0, **RUNNER_KV_LIMITS)
+    message = str(refused.value)
+    assert "\n" not in message and "odd.gguf" in message and named in message
+
+
+def test_linear_rope_scaling_is_read(tiny_gguf, tmp_path):
+    source, _ = tiny_gguf("llama", GGMLQuantizationType.F32)
+    path = _with_keys(source, tmp_path / "linear.gguf", "llama", {
+        "llama.rope.scaling.type": ("linear", STRING), "llama.rope.scaling.factor": (2.0, FLOAT)})
+    assert gguf_config_dict(path)["rope_parameters"] == {"rope_theta": 10000.0, "rope_type": "linear", "factor": 2.0}
