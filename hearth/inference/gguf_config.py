@@ -1,7 +1,7 @@
 """A GGUF's model config as the file states it: what transformers' GGUF config reader leaves out (a head size of its
-own, RoPE scaling, Gemma 2's soft caps and attention scale) read from the file's metadata and its rope_freqs tensor;
-what hearth cannot express in a transformers config is refused in one line, never served with another model's
-positions.
+own, RoPE scaling, Phi-3's LongRoPE and partial rotary embedding, Gemma 2's soft caps and attention scale) read from
+the file's metadata and its rope_freqs / rope_factors tensors; what hearth cannot express in a transformers config is
+refused in one line, never served with another model's positions.
 
 llama.cpp's converter stores Llama 3's RoPE scaling as a tensor, `rope_freqs.weight`, one divisor per rotary
 frequency, and no metadata: the config's `llama3` parameters are recovered from those divisors (Meta's low and high
@@ -38,8 +38,11 @@ def completed_gguf_config(config: dict, architecture: str, metadata: Mapping[str
     one stored as F32); CheckpointError (one line) for what hearth cannot express."""
     config = dict(config)
     _use_head_size(config, architecture, metadata, file_name)
-    _check_full_rotary(config, architecture, metadata, file_name)
-    rope = _rope_parameters(config, architecture, metadata, tensor_names, read_f32_tensor, file_name)
+    if architecture == "phi3":
+        rope = _phi3_rope_parameters(config, metadata, tensor_names, read_f32_tensor, file_name)
+    else:
+        _check_full_rotary(config, architecture, metadata, file_name)
+        rope = _rope_parameters(config, architecture, metadata, tensor_names, read_f32_tensor, file_name)
     if rope is not None:
         config["rope_parameters"] = rope
     if architecture == "gemma2":
@@ -73,6 +76,42 @@ def _check_full_rotary(config: dict, architecture: str, metadata: Mapping[str, o
     if rotary is not None and rotary != _head_size(config):
         raise CheckpointError(f"GGUF {file_name} rotates {rotary} of each head's {_head_size(config)} dimensions "
                               "(a partial rotary embedding), which hearth does not read from GGUF files")
+
+
+def _phi3_rope_parameters(config: dict, metadata: Mapping[str, object], tensor_names: set[str],
+                          read_f32_tensor: Callable[[str], np.ndarray], file_name: str) -> dict | None:
+    """Phi-3's rope_parameters: a partial rotary embedding (Phi-4-mini) as its `partial_rotary_factor`, and LongRoPE
+    (Phi-3.5, Phi-4-mini, the 128k Phi-3s) from the converter's `rope_factors_long`/`_short` tensors, the original
+    context and, where it is not the one transformers derives, the attention factor; None when neither applies."""
+    base = dict(config.get("rope_parameters") or {})
+    head, rotary = _head_size(config), metadata.get("phi3.rope.dimension_count")
+    rope = dict(base)
+    if rotary is not None and rotary != head:
+        if not 0 < rotary < head or rotary % 2:
+            raise CheckpointError(f"GGUF {file_name} rotates {rotary} of each head's {head} dimensions")
+        rope["partial_rotary_factor"] = rotary / head
+    rotary = int(rotary or head)
+    scaling = metadata.get("phi3.rope.scaling.type")
+    held = tensor_names.intersection(LONGROPE_TENSORS)
+    if scaling not in (None, "none", "longrope", "su") or (scaling in ("longrope", "su") and not held):
+        raise CheckpointError(f"GGUF {file_name} scales its RoPE as {scaling!r}, which hearth does not read from "
+                              "GGUF files for Phi-3 (it reads LongRoPE's factor tensors)")
+    if held:
+        if len(held) != len(LONGROPE_TENSORS):
+            raise CheckpointError(f"GGUF {file_name} holds {', '.join(sorted(held))} without its pair")
+        long, short = (read_f32_tensor(name).astype(np.float64).tolist() for name in LONGROPE_TENSORS)
+        original = metadata.get("phi3.rope.scaling.original_context_length")
+        if len(long) != rotary // 2 or len(short) != rotary // 2 or not isinstance(original, int) or original <= 0:
+            raise CheckpointError(f"GGUF {file_name}'s LongRoPE factors are not one per rotary frequency "
+                                  f"({rotary // 2}) with an original context")
+        rope.update(rope_type="longrope", long_factor=long, short_factor=short)
+        config["original_max_position_embeddings"] = original
+        stated = metadata.get("phi3.rope.scaling.attn_factor")
+        scale = config["max_position_embeddings"] / original
+        derived = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0
+        if isinstance(stated, (int, float)) and not math.isclose(stated, derived, rel_tol=ROPE_DIVISOR_RTOL):
+            rope["attention_factor"] = float(stated)
+    return rope if rope != base else None
 
 
 def _rope_parameters(config: dict, architecture: str, metadata: Mapping[str, object], tensor_names: set[str],

@@ -51,9 +51,20 @@ from .row_attention import SDPA_IMPLEMENTATIONS
 
 
 def static_decode_supported(config: PretrainedConfig, attention_types: list[str]) -> bool:
-    """True when every layer attends fully through SDPA (the masks built here are SDPA's boolean ones)."""
+    """True when every layer attends fully through SDPA (the masks built here are SDPA's boolean ones) and the RoPE
+    is no `dynamic` one (its frequencies change on the host as a session grows, which a captured graph would not)."""
     return all(kind == FULL_ATTENTION for kind in attention_types) and getattr(
-        config, "_attn_implementation", None) in SDPA_IMPLEMENTATIONS
+        config, "_attn_implementation", None) in SDPA_IMPLEMENTATIONS and not any(
+        "dynamic" in str(kind) for kind in _rope_types(getattr(config, "rope_parameters", None)))
+
+
+def _rope_types(rope_parameters) -> list[object]:
+    """The rope_type of a config's rope_parameters, or of each of its per-layer-type parameters."""
+    if not isinstance(rope_parameters, dict):
+        return []
+    if "rope_type" in rope_parameters:
+        return [rope_parameters["rope_type"]]
+    return [value.get("rope_type") for value in rope_parameters.values() if isinstance(value, dict)]
 
 
 # The fewest key positions a graphed decode step attends: each graph attends the power of two of positions that

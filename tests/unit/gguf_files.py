@@ -30,6 +30,13 @@ LLAMA3_ROPE_OVERRIDES = dict(head_dim=32, max_position_embeddings=4096, rope_par
     "original_max_position_embeddings": 2000})
 
 
+# Phi-3.5's RoPE in small: LongRoPE factors over half of each head's dimensions (Phi-4-mini rotates three quarters),
+# and an original context the test's prompts pass, so both factor sets are used.
+PHI3_LONGROPE_OVERRIDES = dict(max_position_embeddings=256, original_max_position_embeddings=16, rope_parameters={
+    "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+    "long_factor": [1.0, 1.7, 3.1, 6.5], "short_factor": [1.0, 1.1, 1.3, 1.9]})
+
+
 def llama3_rope_freqs(rope: dict, head_dim: int) -> np.ndarray:
     """The rope_freqs tensor llama.cpp's convert_hf_to_gguf.py writes for a Llama 3 RoPE scaling (its loop)."""
     freqs = 1.0 / (rope["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
@@ -127,6 +134,8 @@ def write_tiny_gguf(folder: Path, architecture: str, block_type: GGMLQuantizatio
     path = folder / "tiny.gguf"
     writer = gguf.GGUFWriter(str(path), gguf_architecture or gguf.MODEL_ARCH_NAMES[GGUF_ARCHITECTURE[architecture]])
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    rope = config.rope_parameters or {}
+    rotary_dims = int(head_dim * rope.get("partial_rotary_factor", 1.0))
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
@@ -136,7 +145,7 @@ def write_tiny_gguf(folder: Path, architecture: str, block_type: GGMLQuantizatio
     writer.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
-    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_dimension_count(rotary_dims)
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     if architecture == "gemma2":
@@ -150,9 +159,16 @@ def write_tiny_gguf(folder: Path, architecture: str, block_type: GGMLQuantizatio
         writer.add_eos_token_id(2)
     names = gguf.get_tensor_name_map(GGUF_ARCHITECTURE[architecture], config.num_hidden_layers)
     state = {}
-    rope = config.rope_parameters or {}
     if rope.get("rope_type") == "llama3":
         writer.add_tensor("rope_freqs.weight", llama3_rope_freqs(rope, head_dim), raw_dtype=GGMLQuantizationType.F32)
+    if rope.get("rope_type") == "longrope":  # Phi3MiniModel's set_gguf_parameters and generate_extra_tensors
+        original = config.original_max_position_embeddings
+        scale = config.max_position_embeddings / original
+        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
+        writer.add_rope_scaling_orig_ctx_len(original)
+        for name, factors in (("rope_factors_long.weight", rope["long_factor"]),
+                              ("rope_factors_short.weight", rope["short_factor"])):
+            writer.add_tensor(name, np.array(factors, dtype=np.float32), raw_dtype=GGMLQuantizationType.F32)
     for hf_name, tensor in model.state_dict().items():
         base, suffix = hf_name.rsplit(".", 1)
         values = tensor.numpy()

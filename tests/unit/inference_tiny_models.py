@@ -136,7 +136,7 @@ def tiny_model_dir(tmp_path_factory):
     written: dict[tuple, Path] = {}
 
     def make(architecture: str, **kwargs) -> Path:
-        key = (architecture, tuple(sorted(kwargs.items())))
+        key = (architecture, repr(sorted(kwargs.items())))
         if key not in written:
             folder = tmp_path_factory.mktemp(f"tiny-{architecture}")
             written[key] = write_tiny_model(folder, architecture, **kwargs)

@@ -14,7 +14,8 @@ from hearth.inference.gguf_checkpoint import gguf_config_dict
 from hearth.inference.gguf_config import llama3_rope_parameters
 from tests.runner_limits import RUNNER_KV_LIMITS
 
-from .gguf_files import LLAMA3_ROPE_OVERRIDES, llama3_rope_freqs, own_cache, rewrite_gguf, tiny_gguf  # noqa: F401
+from .gguf_files import (  # noqa: F401  (own_cache, tiny_gguf: fixtures)
+    LLAMA3_ROPE_OVERRIDES, PHI3_LONGROPE_OVERRIDES, llama3_rope_freqs, own_cache, tiny_gguf)
 from .inference_tiny_models import one_torch_thread  # noqa: F401  (fixture)
 
 PROMPT = "hello there, the quick brown fox"
@@ -115,7 +116,9 @@ STRING, FLOAT, UINT = gguf.GGUFValueType.STRING, gguf.GGUFValueType.FLOAT32, ggu
 @pytest.mark.parametrize("architecture, keys, extra, named", [
     ("llama", {"llama.rope.scaling.type": ("yarn", STRING), "llama.rope.scaling.factor": (4.0, FLOAT)}, (),
      "'yarn'"),
-    ("phi3", {}, (("rope_factors_long.weight", np.ones(8, dtype=np.float32)),), "LongRoPE"),
+    ("llama", {}, (("rope_factors_long.weight", np.ones(8, dtype=np.float32)),), "LongRoPE"),
+    ("phi3", {}, (("rope_factors_long.weight", np.ones(8, dtype=np.float32)),), "without its pair"),
+    ("phi3", {"phi3.rope.scaling.type": ("yarn", STRING)}, (), "'yarn'"),
     ("qwen3", {"qwen3.rope.dimension_count": (16, UINT)}, (), "rotates 16 of each head's 32 dimensions"),
     ("qwen2", {}, (("rope_freqs.weight", np.ones(8, dtype=np.float32)),), "Llama 3's RoPE scaling only"),
 ])
@@ -127,6 +130,22 @@ def test_positions_hearth_cannot_express_are_refused_in_one_line(tiny_gguf, tmp_
         load_layer_range(path, 0, 0, **RUNNER_KV_LIMITS)
     message = str(refused.value)
     assert "\n" not in message and "odd.gguf" in message and named in message
+
+
+def test_phi3s_longrope_and_partial_rotary_are_read_from_its_factor_tensors(tiny_gguf):
+    path, reference = tiny_gguf("phi3", GGMLQuantizationType.Q8_0, **PHI3_LONGROPE_OVERRIDES)
+    config = gguf_config_dict(path)
+    assert config["original_max_position_embeddings"] == 16
+    rope = config["rope_parameters"]
+    assert (rope["rope_type"], rope["partial_rotary_factor"]) == ("longrope", 0.5) and "attention_factor" not in rope
+    assert rope["long_factor"] == pytest.approx(PHI3_LONGROPE_OVERRIDES["rope_parameters"]["long_factor"])
+
+    assert_layers_match(path, reference)  # a prompt past the original context: the long factors
+    params = SamplingParams(max_tokens=8, stop_token_ids=())
+    expected, model = load_full(reference, **RUNNER_KV_LIMITS), load_full(path, **RUNNER_KV_LIMITS)
+    prompt = expected.head.encode_prompt("hello there, the quick")
+    assert len(prompt) < 16 < len(prompt) + 8  # prefilled on the short factors, decoded into the long ones
+    assert list(model.generate_ids(prompt, params)) == list(expected.generate_ids(prompt, params))
 
 
 def test_linear_rope_scaling_is_read(tiny_gguf, tmp_path):

@@ -24,6 +24,14 @@ STATIC_TOKENS = 64
 NEW_TOKENS_BATCHED = BATCHED_NEW_TOKENS
 
 
+def test_a_dynamic_rope_keeps_dynamic_caches_and_graphs_off(tiny_model_dir):
+    static = load_layer_range(tiny_model_dir("llama"), 0, 1, static_cache_tokens=STATIC_TOKENS, **RUNNER_KV_LIMITS)
+    dynamic_rope = tiny_model_dir("llama", rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0,
+                                                            "factor": 2.0})
+    runner = load_layer_range(dynamic_rope, 0, 1, static_cache_tokens=STATIC_TOKENS, **RUNNER_KV_LIMITS)
+    assert static._static is not None and runner._static is None
+
+
 @pytest.mark.parametrize("architecture", ["llama", "qwen3"])
 def test_a_static_cache_gives_the_dynamic_cache_s_tokens(tiny_model_dir, architecture):
     path = tiny_model_dir(architecture)
