@@ -93,7 +93,8 @@ def _phi3_rope_parameters(config: dict, metadata: Mapping[str, object], tensor_n
     rotary = int(rotary or head)
     scaling = metadata.get("phi3.rope.scaling.type")
     held = tensor_names.intersection(LONGROPE_TENSORS)
-    if scaling not in (None, "none", "longrope", "su") or (scaling in ("longrope", "su") and not held):
+    # A file of metadata alone (a hub GGUF's header, read to size a range) holds no tensor to judge.
+    if scaling not in (None, "none", "longrope", "su") or (scaling in ("longrope", "su") and not held and tensor_names):
         raise CheckpointError(f"GGUF {file_name} scales its RoPE as {scaling!r}, which hearth does not read from "
                               "GGUF files for Phi-3 (it reads LongRoPE's factor tensors)")
     if held:

@@ -12,6 +12,7 @@ from gguf import GGMLQuantizationType
 from hearth.inference import CheckpointError, SamplingParams, load_full, load_head, load_layer_range
 from hearth.inference.gguf_checkpoint import gguf_config_dict
 from hearth.inference.gguf_config import llama3_rope_parameters
+from hearth.inference.gguf_parts import split_gguf, write_gguf_part
 from tests.runner_limits import RUNNER_KV_LIMITS
 
 from .gguf_files import (  # noqa: F401  (own_cache, tiny_gguf: fixtures)
@@ -119,6 +120,7 @@ STRING, FLOAT, UINT = gguf.GGUFValueType.STRING, gguf.GGUFValueType.FLOAT32, ggu
     ("llama", {}, (("rope_factors_long.weight", np.ones(8, dtype=np.float32)),), "LongRoPE"),
     ("phi3", {}, (("rope_factors_long.weight", np.ones(8, dtype=np.float32)),), "without its pair"),
     ("phi3", {"phi3.rope.scaling.type": ("yarn", STRING)}, (), "'yarn'"),
+    ("phi3", {"phi3.rope.scaling.type": ("longrope", STRING)}, (), "'longrope'"),
     ("qwen3", {"qwen3.rope.dimension_count": (16, UINT)}, (), "rotates 16 of each head's 32 dimensions"),
     ("qwen2", {}, (("rope_freqs.weight", np.ones(8, dtype=np.float32)),), "Llama 3's RoPE scaling only"),
 ])
@@ -146,6 +148,17 @@ def test_phi3s_longrope_and_partial_rotary_are_read_from_its_factor_tensors(tiny
     prompt = expected.head.encode_prompt("hello there, the quick")
     assert len(prompt) < 16 < len(prompt) + 8  # prefilled on the short factors, decoded into the long ones
     assert list(model.generate_ids(prompt, params)) == list(expected.generate_ids(prompt, params))
+
+
+def test_a_header_alone_states_longrope_without_its_tensors_and_still_sizes_a_range(tiny_gguf, tmp_path):
+    source, _ = tiny_gguf("phi3", GGMLQuantizationType.Q8_0, **PHI3_LONGROPE_OVERRIDES)
+    stated = _with_keys(source, tmp_path / "stated.gguf", "phi3", {"phi3.rope.scaling.type": ("longrope", STRING)})
+    split = split_gguf(stated)
+    header_alone = write_gguf_part(tmp_path / "header.gguf", stated.read_bytes()[:split.header_bytes], split.kv_end,
+                                   split.alignment, [])
+
+    assert gguf_config_dict(header_alone)["rope_parameters"]["partial_rotary_factor"] == 0.5
+    assert gguf_config_dict(stated)["rope_parameters"]["rope_type"] == "longrope"
 
 
 def test_linear_rope_scaling_is_read(tiny_gguf, tmp_path):
