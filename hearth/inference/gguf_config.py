@@ -19,6 +19,7 @@ import numpy as np
 
 from .errors import CheckpointError
 from .gguf_header import LONGROPE_TENSORS, ROPE_FREQS_TENSOR, read_gguf_header
+
 LLAMA3_LOW_FREQ_FACTOR = 1.0
 LLAMA3_HIGH_FREQ_FACTOR = 4.0
 # The converter's default when a Llama 3 config names none; used only when no divisor lies between the bounds.

@@ -44,7 +44,7 @@ SUPPORTED_GGUF_TYPE_NAMES = (
 FLOAT_GGUF_TYPE_NAMES = frozenset({"F32", "F16", "BF16", "F64"})
 LAYER_PREFIX = "blk"
 ROPE_FREQS_TENSOR = "rope_freqs.weight"
-# Phi-3's LongRoPE factors: transformers' GGUF reader maps none of them, and they change every position.
+# Phi-3's LongRoPE factors (its long and short contexts' frequency divisors).
 LONGROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 # Tensors every decoder layer reads though none owns them (its RoPE's frequencies): a layer range's part of a GGUF
 # holds them too, so a shard's config states the RoPE the whole file does (hearth/inference/gguf_config.py).

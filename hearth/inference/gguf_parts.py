@@ -29,6 +29,8 @@ TENSOR_COUNT_FORMAT = "<Q"
 # A tensor info ends with its data offset (u64), relative to the start of the data section.
 INFO_OFFSET_BYTES = 8
 COPY_CHUNK_BYTES = 8 << 20
+
+
 def split_gguf(path: Path) -> GGUFSplit:
     """The GGUFSplit of the GGUF at `path`, refused (CheckpointError, one line, the loader's own messages) when the
     loader would refuse it: truncated, of an architecture or a block type hearth does not read, big-endian."""
