@@ -72,6 +72,8 @@ _ADAPTERS: dict[str, ArchitectureAdapter] = {
         ArchitectureAdapter("qwen3", "Qwen3ForCausalLM", notes="q/k norms live in Qwen3DecoderLayer"),
         ArchitectureAdapter("phi3", "Phi3ForCausalLM", notes="fused qkv/gate_up live in Phi3DecoderLayer"),
         Gemma2Adapter("gemma2", "Gemma2ForCausalLM", notes="embedding scale, final logit soft-capping"),
+        Gemma2Adapter("gemma3_text", "Gemma3ForCausalLM",
+                      notes="embedding scale; local and global layers rotate on bases of their own"),
     )
 }
 

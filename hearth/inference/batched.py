@@ -38,7 +38,7 @@ import torch
 from transformers import DynamicCache, PretrainedConfig
 
 from .architectures import FULL_ATTENTION, SLIDING_ATTENTION
-from .layer_call import run_decoder_layer
+from .layer_call import position_embeddings_by_type, run_decoder_layer
 from .layer_pass import DecoderStack, step_masks
 from .row_attention import SDPA_IMPLEMENTATIONS, attends_by_row
 
@@ -175,11 +175,12 @@ def run_batched_step(*, stack: DecoderStack, caches: Sequence[DynamicCache], hid
     padding = torch.tensor([most - tokens for tokens in new_tokens], device=device).view(-1, 1)
     position_ids = (torch.tensor(list(positions), device=device).view(-1, 1) - padding
                     + torch.arange(most, device=device).view(1, -1)).clamp(min=0)
-    position_embeddings = stack.rotary_embedding(stacked, position_ids)
+    position_embeddings = position_embeddings_by_type(stack.rotary_embedding, stacked, position_ids,
+                                                      attention_types[run_lo:run_hi + 1])
     by_row = attends_by_row(config)
     lean = stack.lean.decoder() if stack.lean is not None and most == 1 and by_row else None
     if lean is not None:
-        factors = lean.factors(position_embeddings)
+        factors = lean.factors(next(iter(position_embeddings.values())))
         for layer_index in range(run_lo, run_hi + 1):
             stacked = lean.run_layer(layer_index, stacked, caches, factors)
         return [stacked[row:row + 1] for row in range(len(caches))]
@@ -188,8 +189,9 @@ def run_batched_step(*, stack: DecoderStack, caches: Sequence[DynamicCache], hid
                                                                    positions, run_lo, run_hi),
                          attention_types=attention_types)
         for layer_index in range(run_lo, run_hi + 1):
-            stacked = run_decoder_layer(layers[layer_index], stacked, attention_mask=None, position_ids=position_ids,
-                                        cache=rows, position_embeddings=position_embeddings, hearth_rows=rows)
+            stacked = run_decoder_layer(
+                layers[layer_index], stacked, attention_mask=None, position_ids=position_ids, cache=rows,
+                position_embeddings=position_embeddings[attention_types[layer_index]], hearth_rows=rows)
         return [stacked[row:row + 1, most - tokens:] for row, tokens in enumerate(new_tokens)]
     rows = RowCaches(caches, new_tokens, buffers)
     window = getattr(config, "sliding_window", None)
@@ -197,7 +199,7 @@ def run_batched_step(*, stack: DecoderStack, caches: Sequence[DynamicCache], hid
         sliding = attention_types[layer_index] == SLIDING_ATTENTION
         mask = _row_mask(rows.stored_tokens(layer_index), new_tokens, window if sliding else None, stacked, config)
         stacked = run_decoder_layer(layers[layer_index], stacked, attention_mask=mask, position_ids=position_ids,
-                                    cache=rows, position_embeddings=position_embeddings)
+                                    cache=rows, position_embeddings=position_embeddings[attention_types[layer_index]])
     return [stacked[row:row + 1, most - tokens:] for row, tokens in enumerate(new_tokens)]
 
 

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 
 NEW_CACHE_ARGUMENT = "cache"
 OLD_CACHE_ARGUMENT = "past_key_values"
+LAYER_TYPE_ARGUMENT = "layer_type"
 
 
 @functools.cache
@@ -32,6 +33,18 @@ def run_decoder_layer(layer: nn.Module, hidden_states: torch.Tensor, *, attentio
                    position_embeddings=position_embeddings, **{cache_argument(type(layer).forward): cache},
                    **attention_arguments)
     return output[0] if isinstance(output, tuple) else output
+
+
+def position_embeddings_by_type(rotary_embedding: nn.Module, hidden_states: torch.Tensor,
+                                position_ids: torch.Tensor, attention_types: Sequence[str],
+                                ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """A step's rotary (cos, sin) for each attention type among `attention_types`: one per type where the model's
+    rotary embedding takes the layer's type (Gemma 3 rotates local and global layers on different bases), the same
+    one for every type otherwise."""
+    if LAYER_TYPE_ARGUMENT in inspect.signature(type(rotary_embedding).forward).parameters:
+        return {kind: rotary_embedding(hidden_states, position_ids, kind) for kind in dict.fromkeys(attention_types)}
+    shared = rotary_embedding(hidden_states, position_ids)
+    return {kind: shared for kind in attention_types}
 
 
 def build_mask(builder: Callable, *, cache: object, **arguments: object) -> object:

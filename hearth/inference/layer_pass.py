@@ -23,7 +23,7 @@ from transformers import DynamicCache, PretrainedConfig
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from .architectures import FULL_ATTENTION, SLIDING_ATTENTION
-from .layer_call import build_mask, run_decoder_layer
+from .layer_call import build_mask, position_embeddings_by_type, run_decoder_layer
 from .lean_decode import LeanDecoder, LeanSlot, verified_lean_decoder
 
 MASK_BUILDERS = {
@@ -101,10 +101,12 @@ class LayerPass:
         num_tokens = hidden_states.shape[1]
         self._position_ids = torch.arange(start_pos, start_pos + num_tokens,
                                           device=hidden_states.device).unsqueeze(0)
-        self._position_embeddings = rotary_embedding(hidden_states, self._position_ids)
+        self._position_embeddings = position_embeddings_by_type(
+            rotary_embedding, hidden_states, self._position_ids, attention_types[run_lo:run_hi + 1])
         # A single query attends every cached key, under no mask: the lean steps need none built.
         self._lean = lean
-        self._lean_factors = None if self._lean is None else self._lean.factors(self._position_embeddings)
+        self._lean_factors = None if self._lean is None else self._lean.factors(
+            next(iter(self._position_embeddings.values())))
         self._masks = {} if self._lean is not None else step_masks(
             config, attention_types, cache, hidden_states, self._position_ids, run_lo, run_hi)
 
@@ -132,7 +134,7 @@ class LayerPass:
             hidden_states = run_decoder_layer(
                 self._layers[layer_index], hidden_states,
                 attention_mask=self._masks[attention_type], position_ids=self._position_ids,
-                cache=self._cache, position_embeddings=self._position_embeddings,
+                cache=self._cache, position_embeddings=self._position_embeddings[attention_type],
                 **({"hearth_replay": True} if self._replay and attention_type == FULL_ATTENTION else {}))
         self._hidden_states = hidden_states
         self._next_layer = last + 1

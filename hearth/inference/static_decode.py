@@ -44,7 +44,7 @@ from transformers import PretrainedConfig, StaticCache
 
 from .architectures import FULL_ATTENTION
 from .batched import update_rows
-from .layer_call import run_decoder_layer
+from .layer_call import position_embeddings_by_type, run_decoder_layer
 from .errors import SessionTooLargeError
 from .prefix_cache import CacheLengths
 from .row_attention import SDPA_IMPLEMENTATIONS
@@ -203,7 +203,8 @@ class StaticDecoder:
               run_lo: int, run_hi: int) -> torch.Tensor:
         """The layers for row i's ``hidden[i]`` at ``position_ids[i]`` over caches[i], attending each row's first
         `width` positions; no host synchronisation (capturable when `width` is fixed)."""
-        position_embeddings = self._rotary_embedding(hidden, position_ids)
+        position_embeddings = position_embeddings_by_type(self._rotary_embedding, hidden, position_ids,
+                                                          [FULL_ATTENTION])[FULL_ATTENTION]
         # [B, 1, T, width], True where the key's position is at most the query's.
         mask = (self._key_positions[:width].view(1, 1, -1) <= position_ids.unsqueeze(-1)).unsqueeze(1)
         rows = _StaticRows(caches, width)

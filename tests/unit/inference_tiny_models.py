@@ -10,6 +10,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 from transformers import (
     AutoModelForCausalLM,
     Gemma2Config,
+    Gemma3TextConfig,
     LlamaConfig,
     MistralConfig,
     Phi3Config,
@@ -60,6 +61,10 @@ TINY_CONFIGS = {
     ),
     "qwen3": lambda: Qwen3Config(**_COMMON, head_dim=16, tie_word_embeddings=True),
     "phi3": lambda: Phi3Config(**_COMMON, resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0),
+    "gemma3": lambda: Gemma3TextConfig(
+        **_COMMON, head_dim=16, query_pre_attn_scalar=16, sliding_window=TINY_SLIDING_WINDOW,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+    ),
     "gemma2": lambda: Gemma2Config(
         **_COMMON,
         head_dim=16,

@@ -193,8 +193,9 @@ def test_a_conversation_s_next_turn_gives_the_greedy_tokens_of_a_whole_prefill(t
     with_kept = greedy(runner, head, "turn-2", second_turn, 4, start=attached)
     fresh = load_layer_range(path, 0, TINY_NUM_LAYERS - 1, **RUNNER_KV_LIMITS)
     assert with_kept == greedy(fresh, head, "whole", second_turn, 4)
-    # Mistral's layers, every other one of Gemma 2's and Qwen 2's upper ones slide over 8 positions.
-    sliding = architecture in ("mistral", "gemma2", "qwen2")
+    # Mistral's layers, every other one of Gemma 2's, two of three of Gemma 3's and Qwen 2's upper ones slide over
+    # 8 positions.
+    sliding = architecture in ("mistral", "gemma2", "gemma3", "qwen2")
     assert kept == (0 if sliding and len(ran) >= TINY_SLIDING_WINDOW else len(ran) // block * block)
 
 
