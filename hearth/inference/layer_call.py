@@ -41,10 +41,15 @@ def position_embeddings_by_type(rotary_embedding: nn.Module, hidden_states: torc
     """A step's rotary (cos, sin) for each attention type among `attention_types`: one per type where the model's
     rotary embedding takes the layer's type (Gemma 3 rotates local and global layers on different bases), the same
     one for every type otherwise."""
-    if LAYER_TYPE_ARGUMENT in inspect.signature(type(rotary_embedding).forward).parameters:
+    if _takes_layer_type(type(rotary_embedding).forward):
         return {kind: rotary_embedding(hidden_states, position_ids, kind) for kind in dict.fromkeys(attention_types)}
     shared = rotary_embedding(hidden_states, position_ids)
     return {kind: shared for kind in attention_types}
+
+
+@functools.cache
+def _takes_layer_type(forward: Callable) -> bool:
+    return LAYER_TYPE_ARGUMENT in inspect.signature(forward).parameters
 
 
 def build_mask(builder: Callable, *, cache: object, **arguments: object) -> object:
