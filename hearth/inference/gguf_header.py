@@ -100,7 +100,6 @@ def check_block_types(tensors: Iterable[tuple[str, str]], file_name: str) -> Non
             )
 
 
-
 class HeaderIncomplete(Exception):
     """The buffer ends inside the header: at least `needed` bytes of the file are required."""
 
@@ -194,20 +193,19 @@ def parse_gguf_header(buffer: bytes, file_size: int, file_name: str, *, check_te
         raise CheckpointError(f"{file_name}'s header states an invalid alignment {alignment!r}")
     data_start = (cursor.position + alignment - 1) // alignment * alignment
     known = {int(member): member for member in GGMLQuantizationType}
+    type_names = [known[type_id].name if type_id in known else f"type {type_id}" for _, _, type_id, *_ in infos]
     if check_tensors:
         if not infos:
             raise CheckpointError(f"{file_name} holds no tensors")
-        check_block_types(((name, known[type_id].name if type_id in known else f"type {type_id}")
-                           for name, _, type_id, *_ in infos), file_name)
+        check_block_types(((info[0], type_name) for info, type_name in zip(infos, type_names)), file_name)
     tensors = []
-    for name, dims, type_id, offset, info_start, info_end in infos:
+    for (name, dims, type_id, offset, info_start, info_end), type_name in zip(infos, type_names):
         block_size, type_size = GGML_QUANT_SIZES.get(known.get(type_id), (1, 0))
         n_bytes = math.prod(dims) // block_size * type_size
         if check_tensors and data_start + offset + n_bytes > file_size:
             raise CheckpointError(f"{file_name} is truncated: tensor {name} ends past the end of the file")
         tensors.append(GGUFPartTensor(
-            name=name, layer=gguf_layer_of(name), block_type=known[type_id].name if type_id in known
-            else f"type {type_id}", shape=tuple(reversed(dims)),
+            name=name, layer=gguf_layer_of(name), block_type=type_name, shape=tuple(reversed(dims)),
             info_start=info_start, info_end=info_end, data_start=data_start + offset, n_bytes=n_bytes))
     split = GGUFSplit(header_bytes=data_start, kv_end=kv_end, alignment=alignment, tensors=tuple(tensors))
     architecture = metadata.get(ARCHITECTURE_KEY)
