@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from .architectures import adapter_for
 from .checksum import GGUF_SUFFIX
 from .errors import CheckpointError
 from .gguf_cache import gguf_cache_entry
@@ -39,8 +40,8 @@ from .quantization import Int4Groups
 default_read_device = "cpu"
 # general.architecture values hearth serves (llama.cpp writes Mistral models as "llama"), and the HF model types
 # they load as.
-SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2")
-SUPPORTED_GGUF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2")
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
+SUPPORTED_GGUF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
 # GGUF metadata keys naming end-of-generation tokens besides eos (chat models end turns with them).
 STOP_TOKEN_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 # Parsed metadata kept per process (a shard's memory planning and loading, a head and a local model share it).
@@ -141,7 +142,7 @@ def _parsed_config(path: Path) -> dict:
             "(Mistral is written as llama)"
         )
     raw = config.to_dict()
-    raw["architectures"] = raw.get("architectures") or [type(config).__name__.replace("Config", "ForCausalLM")]
+    raw["architectures"] = raw.get("architectures") or [adapter_for(config).architecture]
     return completed_config_of_file(raw, path)  # what transformers' reader leaves out
 
 

@@ -1,7 +1,7 @@
 """A GGUF's model config as the file states it: what transformers' GGUF config reader leaves out (a head size of its
-own, RoPE scaling, Phi-3's LongRoPE and partial rotary embedding, Gemma 2's soft caps and attention scale) read from
-the file's metadata and its rope_freqs / rope_factors tensors; what hearth cannot express in a transformers config is
-refused in one line, never served with another model's positions.
+own, RoPE scaling, Phi-3's LongRoPE and partial rotary embedding, Gemma 2's soft caps and attention scale, Gemma 3's
+local and global layers) read from the file's metadata and its rope_freqs / rope_factors tensors; what hearth cannot
+express in a transformers config is refused in one line, never served with another model's positions.
 
 llama.cpp's converter stores Llama 3's RoPE scaling as a tensor, `rope_freqs.weight`, one divisor per rotary
 frequency, and no metadata: the config's `llama3` parameters are recovered from those divisors (Meta's low and high
@@ -18,8 +18,9 @@ from pathlib import Path
 import numpy as np
 
 from .errors import CheckpointError
-from .gguf_header import LONGROPE_TENSORS, ROPE_FREQS_TENSOR, read_gguf_header
+from .gguf_header import LONGROPE_TENSORS, OTHER_MODALITY_PREFIXES, ROPE_FREQS_TENSOR, read_gguf_header
 
+EMBEDDING_TENSOR = "token_embd.weight"
 LLAMA3_LOW_FREQ_FACTOR = 1.0
 LLAMA3_HIGH_FREQ_FACTOR = 4.0
 # The converter's default when a Llama 3 config names none; used only when no divisor lies between the bounds.
@@ -30,6 +31,19 @@ ROPE_DIVISOR_RTOL = 1e-4
 # by the head size.
 GEMMA2_27B_LAYERS = 46
 GEMMA2_SOFTCAP_KEYS = ("attn_logit_softcapping", "final_logit_softcapping")
+# What llama.cpp assumes of every Gemma 3 GGUF, which states none of it: five local (sliding-window) layers to one
+# global layer, local layers rotating on base 10 000 without scaling (the file's base and scaling are the global
+# layers'), and its 27B (62 layers) scaling queries by hidden size / heads.
+GEMMA3_SLIDING_WINDOW_PATTERN = 6
+GEMMA3_LOCAL_ROPE_THETA = 10000.0
+GEMMA3_GLOBAL_ROPE_THETA = 1_000_000.0
+GEMMA3_27B_LAYERS = 62
+# Gemma 3 4B, 12B and 27B scale their global layers' RoPE linearly by 8 to reach a 131 072-token context; Ollama's
+# converter wrote neither, and its files are told apart by keys and tensors of their own.
+GEMMA3_SCALED_CONTEXT = 131072
+GEMMA3_OLLAMA_LINEAR_FACTOR = 8.0
+OLLAMA_GEMMA3_KEYS = ("gemma3.rope.global.freq_base", "gemma3.rope.local.freq_base", "gemma3.mm.tokens_per_image",
+                      "tokenizer.ggml.add_padding_token", "tokenizer.ggml.add_unknown_token")
 
 
 def completed_gguf_config(config: dict, architecture: str, metadata: Mapping[str, object], tensor_names: set[str],
@@ -41,6 +55,9 @@ def completed_gguf_config(config: dict, architecture: str, metadata: Mapping[str
     _use_head_size(config, architecture, metadata, file_name)
     if architecture == "phi3":
         rope = _phi3_rope_parameters(config, metadata, tensor_names, read_f32_tensor, file_name)
+    elif architecture == "gemma3":
+        _check_full_rotary(config, architecture, metadata, file_name)
+        rope = _gemma3_layers(config, metadata, tensor_names, read_f32_tensor, file_name)
     else:
         _check_full_rotary(config, architecture, metadata, file_name)
         rope = _rope_parameters(config, architecture, metadata, tensor_names, read_f32_tensor, file_name)
@@ -52,6 +69,12 @@ def completed_gguf_config(config: dict, architecture: str, metadata: Mapping[str
                 config[key] = float(value)
         config["query_pre_attn_scalar"] = (config["hidden_size"] // config["num_attention_heads"]
                                            if config["num_hidden_layers"] == GEMMA2_27B_LAYERS
+                                           else _head_size(config))
+    if architecture == "gemma3":
+        if (softcap := metadata.get("gemma3.final_logit_softcapping")) is not None:
+            config["final_logit_softcapping"] = float(softcap)
+        config["query_pre_attn_scalar"] = (config["hidden_size"] // config["num_attention_heads"]
+                                           if config["num_hidden_layers"] == GEMMA3_27B_LAYERS
                                            else _head_size(config))
     if architecture == "phi3" and (window := metadata.get("phi3.attention.sliding_window")):
         config["sliding_window"] = int(window)
@@ -114,6 +137,48 @@ def _phi3_rope_parameters(config: dict, metadata: Mapping[str, object], tensor_n
         if isinstance(stated, (int, float)) and not math.isclose(stated, derived, rel_tol=ROPE_DIVISOR_RTOL):
             rope["attention_factor"] = float(stated)
     return rope if rope != base else None
+
+
+def _gemma3_layers(config: dict, metadata: Mapping[str, object], tensor_names: set[str],
+                   read_f32_tensor: Callable[[str], np.ndarray], file_name: str) -> dict:
+    """Gemma 3's layer types and its rope_parameters per layer type, as llama.cpp reads the file: with a sliding
+    window, every sixth layer global and the rest local (or as a stated pattern says); without one, every layer
+    global. Ollama's conversions name the bases differently and leave out the 4B-27B's scaling, which llama.cpp's
+    Ollama compatibility restores the same way."""
+    layers = int(config["num_hidden_layers"])
+    window, pattern = metadata.get("gemma3.attention.sliding_window"), metadata.get(
+        "gemma3.attention.sliding_window_pattern")
+    if not (isinstance(window, int) and window > 0):
+        config["sliding_window"], local = None, [False] * layers
+    elif isinstance(pattern, list) and len(pattern) == layers:
+        config["sliding_window"], local = window, [bool(is_local) for is_local in pattern]
+    else:
+        every = pattern if isinstance(pattern, int) and pattern > 0 else GEMMA3_SLIDING_WINDOW_PATTERN
+        config["sliding_window"], local = window, [bool((layer + 1) % every) for layer in range(layers)]
+    config["layer_types"] = ["sliding_attention" if is_local else "full_attention" for is_local in local]
+    ollama = _is_ollama_gemma3(metadata, tensor_names)
+    # The file's scaling is the global layers' only; transformers' per-type defaults are not carried over.
+    full = _rope_parameters({**config, "rope_parameters": {}}, "gemma3", metadata, tensor_names, read_f32_tensor,
+                            file_name) or {}
+    if ollama and not full and int(config.get("max_position_embeddings") or 0) >= GEMMA3_SCALED_CONTEXT:
+        full = {"rope_type": "linear", "factor": GEMMA3_OLLAMA_LINEAR_FACTOR}
+    theta = _first_number(metadata, ("gemma3.rope.freq_base", "gemma3.rope.global.freq_base"),
+                          GEMMA3_GLOBAL_ROPE_THETA)
+    local_theta = _first_number(metadata, ("gemma3.rope.freq_base_swa", "gemma3.rope.local.freq_base"),
+                                GEMMA3_LOCAL_ROPE_THETA)
+    return {"full_attention": {"rope_type": "default", **full, "rope_theta": theta},
+            "sliding_attention": {"rope_type": "default", "rope_theta": local_theta}}
+
+
+def _is_ollama_gemma3(metadata: Mapping[str, object], tensor_names: set[str]) -> bool:
+    """Whether a Gemma 3 GGUF shows any of Ollama's converter's marks (llama.cpp's own test for them)."""
+    return (any(key in metadata for key in OLLAMA_GEMMA3_KEYS)
+            or "gemma3.attention.layer_norm_rms_epsilon" not in metadata
+            or any(name.startswith(OTHER_MODALITY_PREFIXES) for name in tensor_names))
+
+
+def _first_number(metadata: Mapping[str, object], keys: tuple[str, ...], default: float) -> float:
+    return next((float(value) for key in keys if isinstance(value := metadata.get(key), (int, float))), default)
 
 
 def _rope_parameters(config: dict, architecture: str, metadata: Mapping[str, object], tensor_names: set[str],
@@ -205,5 +270,10 @@ def completed_config_of_file(config: dict, path: Path) -> dict:
             handle.seek(tensor.data_start)
             return np.frombuffer(handle.read(tensor.n_bytes), dtype="<f4")
 
-    return completed_gguf_config(config, header.architecture or "", header.metadata, set(tensors), read_f32_tensor,
-                                 path.name)
+    config = completed_gguf_config(config, header.architecture or "", header.metadata, set(tensors),
+                                   read_f32_tensor, path.name)
+    if (embedding := tensors.get(EMBEDDING_TENSOR)) is not None:
+        # The embedding's rows are the vocabulary the model computes over; transformers counts the tokenizer's
+        # tokens, which Ollama's Gemma 3 files list beyond them.
+        config["vocab_size"] = int(embedding.shape[0])
+    return config

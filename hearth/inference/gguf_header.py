@@ -49,6 +49,18 @@ LONGROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 # Tensors every decoder layer reads though none owns them (its RoPE's frequencies): a layer range's part of a GGUF
 # holds them too, so a shard's config states the RoPE the whole file does (hearth/inference/gguf_config.py).
 EVERY_LAYER_TENSORS = (ROPE_FREQS_TENSOR, *LONGROPE_TENSORS)
+# Tensors of other modalities that Ollama's files hold beside a model's text weights (a vision tower and its
+# projector, an audio encoder). hearth serves the text model: no split, part, fetched range or memory figure of a
+# GGUF counts them.
+OTHER_MODALITY_PREFIXES = ("v.", "mm.", "a.")
+# Fixed-size arrays in the metadata up to this many items are read (Gemma 3's per-layer pattern); longer ones (a
+# vocabulary's scores and types) are skipped.
+MAX_READ_ARRAY_ITEMS = 1024
+
+
+def is_text_model_tensor(tensor_name: str) -> bool:
+    """Whether a GGUF tensor belongs to the text model (not to a bundled vision or audio encoder)."""
+    return not tensor_name.startswith(OTHER_MODALITY_PREFIXES)
 
 
 def gguf_layer_of(tensor_name: str) -> int | None:
@@ -115,7 +127,8 @@ class ParsedGGUFHeader:
 
     split: GGUFSplit
     architecture: str | None
-    # Scalar and string values by key; arrays (the vocabulary and the like) are skipped and read as None.
+    # Scalar and string values by key, short arrays of scalars as lists; longer arrays (the vocabulary and the like)
+    # are skipped and read as None.
     metadata: dict[str, object] = field(default_factory=dict)
 
 
@@ -139,7 +152,8 @@ class _Cursor:
         return self.take(self.unpack("<Q"))
 
     def value(self, value_type: int):
-        """The value of `value_type` here: scalars and strings decoded, arrays skipped (None)."""
+        """The value of `value_type` here: scalars and strings decoded, short arrays of scalars as lists, other
+        arrays skipped (None)."""
         if value_type in FIXED_TYPE_FORMATS:
             return self.unpack(FIXED_TYPE_FORMATS[value_type])
         if value_type == STRING_TYPE:
@@ -147,6 +161,9 @@ class _Cursor:
         if value_type != ARRAY_TYPE:
             raise CheckpointError(f"a GGUF metadata value has the unknown type {value_type}")
         item_type, count = self.unpack("<I"), self.unpack("<Q")
+        if item_type in FIXED_TYPE_FORMATS and count <= MAX_READ_ARRAY_ITEMS:
+            return list(struct.unpack(f"<{count}{FIXED_TYPE_FORMATS[item_type].lstrip('<')}",
+                                      self.take(count * struct.calcsize(FIXED_TYPE_FORMATS[item_type]))))
         if item_type in FIXED_TYPE_FORMATS:
             self.take(count * struct.calcsize(FIXED_TYPE_FORMATS[item_type]))
         else:
@@ -187,7 +204,8 @@ def parse_gguf_header(buffer: bytes, file_size: int, file_name: str, *, check_te
             raise CheckpointError(f"{file_name}'s header is corrupt (tensor {name} has {n_dims} dimensions)")
         dims = [cursor.unpack("<Q") for _ in range(n_dims)]
         type_id, offset = cursor.unpack("<I"), cursor.unpack("<Q")
-        infos.append((name, dims, type_id, offset, info_start, cursor.position))
+        if is_text_model_tensor(name):
+            infos.append((name, dims, type_id, offset, info_start, cursor.position))
     alignment = metadata.get(ALIGNMENT_KEY) or GGUF_DEFAULT_ALIGNMENT
     if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
         raise CheckpointError(f"{file_name}'s header states an invalid alignment {alignment!r}")

@@ -2,7 +2,8 @@
 
 Every byte stays as the GGUF holds it. The header is the file's bytes before its tensor data (magic, version,
 counts, metadata key/values, tensor infos); a decoder layer's data is its tensors' (``blk.N.*``) bytes in the file's
-order, concatenated; the head's is every other tensor's (embedding, final norm, output). A part written back is a
+order, concatenated; the head's is every other tensor's (embedding, final norm, output), except a vision or audio
+encoder's that Ollama bundles (gguf_header.is_text_model_tensor), which no part holds. A part written back is a
 GGUF holding the original's metadata and only the chosen tensors, each tensor info copied with only its data offset
 changed and the tensors in their block types (Q4_1 stays Q4_1), so the loader reads it as it reads the original
 (hearth/inference/gguf_checkpoint.py). Written whole, in the original's order, a GGUF laid out as llama.cpp and the gguf
@@ -20,7 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import CheckpointError
-from .gguf_header import EVERY_LAYER_TENSORS, GGUFPartTensor, GGUFSplit, check_block_types, gguf_layer_of
+from .gguf_header import (
+    EVERY_LAYER_TENSORS, GGUFPartTensor, GGUFSplit, check_block_types, gguf_layer_of, is_text_model_tensor)
 from .partial_checkpoint import complete_partial_folder, staged_partial_folder
 
 # After the magic and the version: the tensor count, a little-endian u64 (GGUF versions 2 and 3).
@@ -41,18 +43,20 @@ def split_gguf(path: Path) -> GGUFSplit:
     reader = open_reader(path)  # truncation and architecture
     if reader.endianess != GGUFEndian.LITTLE:
         raise CheckpointError(f"{path.name} is a GGUF of the other byte order: hearth reads little-endian GGUFs")
-    if not reader.tensors:
-        raise CheckpointError(f"{path.name} holds no tensors")
-    check_block_types(((t.name, t.tensor_type.name) for t in reader.tensors), path.name)
+    text_tensors = [t for t in reader.tensors if is_text_model_tensor(t.name)]
+    if not text_tensors:
+        raise CheckpointError(f"{path.name} holds no tensors of a text model")
+    check_block_types(((t.name, t.tensor_type.name) for t in text_tensors), path.name)
     gguf_config_dict(path)  # the model type, as the loader checks it
+    kv_end = min(int(t.field.offset) for t in reader.tensors)
     tensors = tuple(
         GGUFPartTensor(
             name=t.name, layer=gguf_layer_of(t.name), block_type=t.tensor_type.name,
             shape=tuple(int(d) for d in reversed(t.shape.tolist())), info_start=int(t.field.offset),
             info_end=int(t.field.offset) + sum(int(part.nbytes) for part in t.field.parts),
             data_start=int(t.data_offset), n_bytes=int(t.n_bytes))
-        for t in reader.tensors)
-    return GGUFSplit(header_bytes=int(reader.data_offset), kv_end=min(t.info_start for t in tensors),
+        for t in text_tensors)
+    return GGUFSplit(header_bytes=int(reader.data_offset), kv_end=kv_end,
                      alignment=int(reader.alignment), tensors=tensors)
 
 

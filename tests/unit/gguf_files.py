@@ -12,17 +12,24 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+from transformers import AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, Qwen2Config, Qwen3Config
 
-from .inference_tiny_models import _COMMON, CHAT_TEMPLATE, TINY_CONFIGS, write_tiny_tokenizer
+from .inference_tiny_models import _COMMON, CHAT_TEMPLATE, TINY_CONFIGS, TINY_SLIDING_WINDOW, write_tiny_tokenizer
 
 GGUF_ARCHITECTURE = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3,
-                     "phi3": gguf.MODEL_ARCH.PHI3, "gemma2": gguf.MODEL_ARCH.GEMMA2}
+                     "phi3": gguf.MODEL_ARCH.PHI3, "gemma2": gguf.MODEL_ARCH.GEMMA2, "gemma3": gguf.MODEL_ARCH.GEMMA3}
+GEMMA3_GLOBAL_ROPE = {"rope_type": "linear", "factor": 8.0, "rope_theta": 100000.0}
 # Plain tiny configs: a GGUF cannot state the sliding windows the shared tiny qwen2 config uses. Qwen3's heads are
-# wider than hidden size / heads, as in Qwen3 itself (its GGUF states them as key and value lengths).
+# wider than hidden size / heads, as in Qwen3 itself (its GGUF states them as key and value lengths). Gemma 3 as its
+# GGUF states it: five local layers to one global, local layers on base 10 000 and the global ones scaled linearly
+# (Gemma 3 4B and up), on another base.
 GGUF_TINY_CONFIGS = {"llama": lambda: LlamaConfig(**_COMMON), "qwen2": lambda: Qwen2Config(**_COMMON),
                      "qwen3": lambda: Qwen3Config(**_COMMON, head_dim=32, tie_word_embeddings=True),
-                     "phi3": TINY_CONFIGS["phi3"], "gemma2": TINY_CONFIGS["gemma2"]}
+                     "phi3": TINY_CONFIGS["phi3"], "gemma2": TINY_CONFIGS["gemma2"],
+                     "gemma3": lambda: Gemma3TextConfig(
+                         **_COMMON, head_dim=16, sliding_window=TINY_SLIDING_WINDOW, query_pre_attn_scalar=16,
+                         rope_parameters={"full_attention": dict(GEMMA3_GLOBAL_ROPE),
+                                          "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})}
 # A Llama 3 RoPE scaling whose divisors are neither all 1 nor all the factor for the tiny models' heads (see
 # llama3_rope_freqs): head_dim 32, so three frequencies lie between the bounds.
 LLAMA3_ROPE_OVERRIDES = dict(head_dim=32, max_position_embeddings=4096, rope_parameters={
@@ -135,6 +142,8 @@ def write_tiny_gguf(folder: Path, architecture: str, block_type: GGMLQuantizatio
     writer = gguf.GGUFWriter(str(path), gguf_architecture or gguf.MODEL_ARCH_NAMES[GGUF_ARCHITECTURE[architecture]])
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     rope = config.rope_parameters or {}
+    # Gemma 3's file states its global layers' RoPE (Gemma3Model.set_gguf_parameters).
+    rope = rope.get("full_attention", rope)
     rotary_dims = int(head_dim * rope.get("partial_rotary_factor", 1.0))
     writer.add_block_count(config.num_hidden_layers)
     writer.add_context_length(config.max_position_embeddings)
@@ -142,7 +151,7 @@ def write_tiny_gguf(folder: Path, architecture: str, block_type: GGMLQuantizatio
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
-    writer.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
+    writer.add_rope_freq_base(float(rope["rope_theta"]))
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
     writer.add_rope_dimension_count(rotary_dims)
@@ -152,6 +161,11 @@ def write_tiny_gguf(folder: Path, architecture: str, block_type: GGMLQuantizatio
         writer.add_attn_logit_softcapping(config.attn_logit_softcapping)
         writer.add_final_logit_softcapping(config.final_logit_softcapping)
         writer.add_sliding_window(config.sliding_window)
+    if architecture == "gemma3":
+        writer.add_sliding_window(config.sliding_window)
+        if rope.get("rope_type") == "linear":
+            writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            writer.add_rope_scaling_factor(rope["factor"])
     writer.add_file_type(int(block_type))
     if with_tokenizer:
         _add_tokenizer(writer, reference)
@@ -176,7 +190,7 @@ def write_tiny_gguf(folder: Path, architecture: str, block_type: GGMLQuantizatio
         state[hf_name] = torch.from_numpy(round_trip(values, stored_type))
         if hf_name == "lm_head.weight" and config.tie_word_embeddings:
             continue  # the converter writes no output tensor for tied embeddings
-        if architecture == "gemma2" and hf_name.endswith("norm.weight"):
+        if architecture in ("gemma2", "gemma3") and hf_name.endswith("norm.weight"):
             values = values + 1  # the converter stores Gemma's norms as 1 + weight; the reader takes 1 off again
             state[hf_name] = torch.from_numpy(values.astype(np.float32) - np.float32(1))
         if architecture == "llama" and base.endswith(("q_proj", "k_proj")):

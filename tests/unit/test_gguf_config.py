@@ -1,5 +1,6 @@
 """GGUFs of every architecture hearth serves, and their configs as the file states them: head sizes, Llama 3's RoPE
-scaling (rope_freqs), Gemma 2's soft caps; what hearth cannot express is refused in one line."""
+scaling (rope_freqs), Gemma 2's soft caps, Gemma 3's local and global layers (Ollama's files too); what hearth cannot
+express is refused in one line."""
 
 from __future__ import annotations
 
@@ -11,16 +12,19 @@ from gguf import GGMLQuantizationType
 
 from hearth.inference import CheckpointError, SamplingParams, load_full, load_head, load_layer_range
 from hearth.inference.gguf_checkpoint import gguf_config_dict
-from hearth.inference.gguf_config import llama3_rope_parameters
+from hearth.inference.gguf_config import completed_gguf_config, llama3_rope_parameters
+from hearth.inference.gguf_header import read_gguf_header
 from hearth.inference.gguf_parts import split_gguf, write_gguf_part
 from tests.runner_limits import RUNNER_KV_LIMITS
 
 from .gguf_files import (  # noqa: F401  (own_cache, tiny_gguf: fixtures)
-    LLAMA3_ROPE_OVERRIDES, PHI3_LONGROPE_OVERRIDES, llama3_rope_freqs, own_cache, tiny_gguf)
+    GEMMA3_GLOBAL_ROPE, LLAMA3_ROPE_OVERRIDES, PHI3_LONGROPE_OVERRIDES, llama3_rope_freqs, own_cache, tiny_gguf)
 from .inference_tiny_models import one_torch_thread  # noqa: F401  (fixture)
 
 PROMPT = "hello there, the quick brown fox"
-NEW_ARCHITECTURES = ["qwen3", "phi3", "gemma2"]
+NEW_ARCHITECTURES = ["qwen3", "phi3", "gemma2", "gemma3"]
+# Layers 3-5: a range over local layers and Gemma 3's global one (its sixth).
+LAYER_RANGE = (3, 5)
 
 
 def prefill(runner, head):
@@ -29,7 +33,7 @@ def prefill(runner, head):
     return hidden
 
 
-def assert_layers_match(path, reference, lo=2, hi=4):
+def assert_layers_match(path, reference, lo=LAYER_RANGE[0], hi=LAYER_RANGE[1]):
     head = load_head(reference)
     from_gguf = load_layer_range(path, lo, hi, **RUNNER_KV_LIMITS)
     expected = load_layer_range(reference, lo, hi, **RUNNER_KV_LIMITS)
@@ -63,6 +67,35 @@ def test_the_config_states_what_transformers_gguf_reader_leaves_out(tiny_gguf):
     assert gemma2["query_pre_attn_scalar"] == 16
 
 
+def test_gemma3s_layers_and_their_rope_are_read_as_llama_cpp_reads_them(tiny_gguf, tmp_path):
+    path, _ = tiny_gguf("gemma3", GGMLQuantizationType.F32)
+    config = gguf_config_dict(path)
+    assert config["model_type"] == "gemma3_text" and config["architectures"] == ["Gemma3ForCausalLM"]
+    assert config["layer_types"] == ["sliding_attention"] * 5 + ["full_attention"]
+    assert config["sliding_window"] == 8 and config["query_pre_attn_scalar"] == 16
+    assert config["rope_parameters"] == {"full_attention": GEMMA3_GLOBAL_ROPE,
+                                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+
+    # A file without a window (a converted config of one layer pattern): every layer global, on the file's base.
+    unscaled = _with_keys(path, tmp_path / "global.gguf", "gemma3", {}, dropped=(
+        "gemma3.attention.sliding_window", "gemma3.rope.scaling.type", "gemma3.rope.scaling.factor"))
+    config = gguf_config_dict(unscaled)
+    assert config["layer_types"] == ["full_attention"] * 6 and config["sliding_window"] is None
+    assert config["rope_parameters"]["full_attention"] == {"rope_type": "default", "rope_theta": 100000.0}
+
+
+def test_gemma_27bs_query_scale_follows_llama_cpps_rule():
+    gemma3_27b = {"hidden_size": 5376, "num_attention_heads": 32, "head_dim": 128, "num_hidden_layers": 62,
+                  "rope_parameters": {}}
+    completed = completed_gguf_config(gemma3_27b, "gemma3", {"gemma3.attention.sliding_window": 1024}, set(),
+                                      lambda name: np.zeros(0), "g.gguf")
+    assert completed["query_pre_attn_scalar"] == 168
+    gemma3_12b = {**gemma3_27b, "hidden_size": 3840, "num_attention_heads": 16, "head_dim": 256,
+                  "num_hidden_layers": 48}
+    completed = completed_gguf_config(gemma3_12b, "gemma3", {}, set(), lambda name: np.zeros(0), "g.gguf")
+    assert completed["query_pre_attn_scalar"] == 256
+
+
 def test_llama3_rope_scaling_is_read_from_rope_freqs(tiny_gguf):
     path, reference = tiny_gguf("llama", GGMLQuantizationType.Q8_0, **LLAMA3_ROPE_OVERRIDES)
     assert "rope_freqs.weight" in {t.name for t in gguf.GGUFReader(path).tensors}
@@ -90,16 +123,17 @@ def test_divisors_of_another_scaling_are_refused_not_guessed():
     assert llama3_rope_parameters(np.ones(64, dtype=np.float32), 500000.0, 128, "x.gguf") is None
 
 
-def _with_keys(source, path, architecture, keys, extra_tensors=()):
-    """A copy of `source` with more metadata `keys` ({key: (value, GGUFValueType)}) and `extra_tensors`."""
+def _with_keys(source, path, architecture, keys, extra_tensors=(), dropped=()):
+    """A copy of `source` with more metadata `keys` ({key: (value, GGUFValueType[, item type of an array])}) and
+    `extra_tensors`, without the keys `dropped`."""
     reader = gguf.GGUFReader(source)
     writer = gguf.GGUFWriter(str(path), architecture)
     for key, field in reader.fields.items():
-        if not key.startswith("GGUF.") and key != "general.architecture":
+        if not key.startswith("GGUF.") and key != "general.architecture" and key not in dropped:
             writer.add_key_value(key, field.contents(), field.types[0],
                                  sub_type=field.types[1] if len(field.types) > 1 else None)
-    for key, (value, value_type) in keys.items():
-        writer.add_key_value(key, value, value_type)
+    for key, (value, value_type, *sub_type) in keys.items():
+        writer.add_key_value(key, value, value_type, sub_type=sub_type[0] if sub_type else None)
     for tensor in reader.tensors:
         writer.add_tensor(tensor.name, np.array(tensor.data), raw_dtype=tensor.tensor_type)
     for name, values in extra_tensors:
@@ -123,6 +157,7 @@ STRING, FLOAT, UINT = gguf.GGUFValueType.STRING, gguf.GGUFValueType.FLOAT32, ggu
     ("phi3", {"phi3.rope.scaling.type": ("longrope", STRING)}, (), "'longrope'"),
     ("qwen3", {"qwen3.rope.dimension_count": (16, UINT)}, (), "rotates 16 of each head's 32 dimensions"),
     ("qwen2", {}, (("rope_freqs.weight", np.ones(8, dtype=np.float32)),), "Llama 3's RoPE scaling only"),
+    ("gemma3", {"gemma3.rope.scaling.type": ("yarn", STRING)}, (), "'yarn'"),
 ])
 def test_positions_hearth_cannot_express_are_refused_in_one_line(tiny_gguf, tmp_path, architecture, keys, extra,
                                                                   named):
@@ -166,3 +201,42 @@ def test_linear_rope_scaling_is_read(tiny_gguf, tmp_path):
     path = _with_keys(source, tmp_path / "linear.gguf", "llama", {
         "llama.rope.scaling.type": ("linear", STRING), "llama.rope.scaling.factor": (2.0, FLOAT)})
     assert gguf_config_dict(path)["rope_parameters"] == {"rope_theta": 10000.0, "rope_type": "linear", "factor": 2.0}
+
+
+# Gemma 3 as Ollama's converter wrote it: the global and local bases under keys of its own, no RoPE scaling though the
+# context is the 4B's, no norm epsilon, a per-layer pattern, and the vision tower and projector in the same file.
+OLLAMA_GEMMA3_OVERRIDES = dict(
+    max_position_embeddings=131072, rms_norm_eps=1e-6,
+    layer_types=["sliding_attention", "sliding_attention", "full_attention"] * 2,
+    rope_parameters={"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
+                     "sliding_attention": {"rope_type": "default", "rope_theta": 20000.0}})
+
+
+def ollama_gemma3(source, path):
+    return _with_keys(source, path, "gemma3", {
+        "gemma3.rope.global.freq_base": (1_000_000.0, FLOAT), "gemma3.rope.local.freq_base": (20000.0, FLOAT),
+        "gemma3.attention.sliding_window_pattern": ([True, True, False] * 2, gguf.GGUFValueType.ARRAY,
+                                                    gguf.GGUFValueType.BOOL),
+    }, extra_tensors=(("v.blk.0.attn_q.weight", np.ones((8, 8), dtype=np.float32)),
+                      ("mm.input_projection.weight", np.ones((8, 64), dtype=np.float32))),
+        dropped=("gemma3.rope.freq_base", "gemma3.rope.scaling.type", "gemma3.rope.scaling.factor",
+                 "gemma3.attention.layer_norm_rms_epsilon", "gemma3.vocab_size"))
+
+
+def test_an_ollama_gemma3_gguf_is_read_as_llama_cpp_reads_it(tiny_gguf, tmp_path):
+    source, reference = tiny_gguf("gemma3", GGMLQuantizationType.Q8_0, **OLLAMA_GEMMA3_OVERRIDES)
+    path = ollama_gemma3(source, tmp_path / "ollama.gguf")
+    config = gguf_config_dict(path)
+    assert config["rope_parameters"] == OLLAMA_GEMMA3_OVERRIDES["rope_parameters"]
+    assert config["layer_types"] == OLLAMA_GEMMA3_OVERRIDES["layer_types"] and config["vocab_size"] == 320
+    assert_layers_match(path, reference)  # local layers 3 and 4, global layer 5
+
+    params = SamplingParams(max_tokens=8, stop_token_ids=())
+    expected, model = load_full(reference, **RUNNER_KV_LIMITS), load_full(path, **RUNNER_KV_LIMITS)
+    prompt = expected.head.encode_prompt(PROMPT)
+    assert list(model.generate_ids(prompt, params)) == list(expected.generate_ids(prompt, params))
+
+    # The vision tower is no part of any split, so no shard, store object or hub range carries it.
+    for split in (split_gguf(path), read_gguf_header(path).split):
+        names = {tensor.name for tensor in split.tensors}
+        assert "token_embd.weight" in names and not any(name.startswith(("v.", "mm.")) for name in names)
