@@ -21,6 +21,9 @@ from .errors import CheckpointError
 from .gguf_header import LONGROPE_TENSORS, OTHER_MODALITY_PREFIXES, ROPE_FREQS_TENSOR, read_gguf_header
 
 EMBEDDING_TENSOR = "token_embd.weight"
+# YaRN keys a GGUF may state that hearth reads only at the values that leave llama.cpp's YaRN transformers' (an
+# extrapolation factor of -1 is llama.cpp's "unset").
+YARN_NEUTRAL_VALUES = {"yarn_ext_factor": (1.0, -1.0), "yarn_attn_factor": (1.0,), "yarn_log_multiplier": (0.0,)}
 LLAMA3_LOW_FREQ_FACTOR = 1.0
 LLAMA3_HIGH_FREQ_FACTOR = 4.0
 # The converter's default when a Llama 3 config names none; used only when no divisor lies between the bounds.
@@ -194,9 +197,11 @@ def _rope_parameters(config: dict, architecture: str, metadata: Mapping[str, obj
         if not isinstance(factor, (int, float)) or factor <= 0:
             raise CheckpointError(f"GGUF {file_name} states linear RoPE scaling without a valid factor ({factor!r})")
         return {**base, "rope_type": "linear", "factor": float(factor)}
+    if scaling == "yarn":
+        return {**base, **_yarn_parameters(config, architecture, metadata, file_name)}
     if scaling not in (None, "none"):
         raise CheckpointError(f"GGUF {file_name} scales its RoPE as {scaling!r}, which hearth does not read from "
-                              "GGUF files (it reads linear scaling and Llama 3's rope_freqs)")
+                              "GGUF files (it reads linear, YaRN and Llama 3's rope_freqs)")
     if ROPE_FREQS_TENSOR not in tensor_names:
         return None
     if architecture != "llama":
@@ -206,6 +211,30 @@ def _rope_parameters(config: dict, architecture: str, metadata: Mapping[str, obj
     return llama3_rope_parameters(read_f32_tensor(ROPE_FREQS_TENSOR), theta, _head_size(config), file_name,
                                   base=base, original_context=metadata.get(
                                       f"{architecture}.rope.scaling.original_context_length"))
+
+
+def _yarn_parameters(config: dict, architecture: str, metadata: Mapping[str, object], file_name: str) -> dict:
+    """transformers' `yarn` parameters for a GGUF's YaRN scaling, as llama.cpp applies it: frequencies scaled by
+    1 / factor, blended into the unscaled ones between the dimensions its beta_fast / beta_slow rotations bound over
+    the original context, and cos/sin scaled by 1 + 0.1 ln(factor), which are transformers' defaults too. An
+    extrapolation or attention factor other than 1 and a log multiplier (DeepSeek's) are refused: llama.cpp combines
+    them with the above in ways transformers' parameters do not state."""
+    def stated(key: str):
+        return metadata.get(f"{architecture}.rope.scaling.{key}")
+
+    factor = stated("factor")
+    if not isinstance(factor, (int, float)) or factor < 1:
+        raise CheckpointError(f"GGUF {file_name} states YaRN scaling without a factor of at least 1 ({factor!r})")
+    for key, neutral in YARN_NEUTRAL_VALUES.items():
+        if (value := stated(key)) is not None and not any(math.isclose(value, n) for n in neutral):
+            raise CheckpointError(f"GGUF {file_name} states a YaRN {key.removeprefix('yarn_')} of {value!r}, "
+                                  "which hearth does not read from GGUF files")
+    original = stated("original_context_length") or config.get("max_position_embeddings")
+    rope = {"rope_type": "yarn", "factor": float(factor), "original_max_position_embeddings": int(original)}
+    for key in ("beta_fast", "beta_slow"):
+        if isinstance(value := stated(f"yarn_{key}"), (int, float)):
+            rope[key] = float(value)
+    return rope
 
 
 def llama_cpp_rope_divisors(theta: float, rotary_dims: int, factor: float, low_freq_factor: float,

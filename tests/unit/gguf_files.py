@@ -37,6 +37,15 @@ LLAMA3_ROPE_OVERRIDES = dict(head_dim=32, max_position_embeddings=4096, rope_par
     "original_max_position_embeddings": 2000})
 
 
+# YaRN (Qwen3's and Qwen2.5's long-context setting) in small: four times the original context, over which the blend
+# between scaled and unscaled frequencies spans several of the tiny heads' frequencies.
+YARN_OVERRIDES = dict(max_position_embeddings=1024, rope_parameters={
+    "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 256})
+YARN_BETAS_OVERRIDES = dict(max_position_embeddings=1024, rope_parameters={
+    "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 256,
+    "beta_fast": 16.0, "beta_slow": 2.0})
+
+
 # Phi-3.5's RoPE in small: LongRoPE factors over half of each head's dimensions (Phi-4-mini rotates three quarters),
 # and an original context the test's prompts pass, so both factor sets are used.
 PHI3_LONGROPE_OVERRIDES = dict(max_position_embeddings=256, original_max_position_embeddings=16, rope_parameters={
@@ -173,6 +182,13 @@ def write_tiny_gguf(folder: Path, architecture: str, block_type: GGMLQuantizatio
         writer.add_eos_token_id(2)
     names = gguf.get_tensor_name_map(GGUF_ARCHITECTURE[architecture], config.num_hidden_layers)
     state = {}
+    if rope.get("rope_type") == "yarn":  # TextModel.set_gguf_parameters
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(rope["factor"])
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        for key in ("beta_fast", "beta_slow"):
+            if key in rope:
+                writer.add_float32(f"{writer.arch}.rope.scaling.yarn_{key}", rope[key])
     if rope.get("rope_type") == "llama3":
         writer.add_tensor("rope_freqs.weight", llama3_rope_freqs(rope, head_dim), raw_dtype=GGMLQuantizationType.F32)
     if rope.get("rope_type") == "longrope":  # Phi3MiniModel's set_gguf_parameters and generate_extra_tensors

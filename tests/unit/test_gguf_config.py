@@ -18,7 +18,8 @@ from hearth.inference.gguf_parts import split_gguf, write_gguf_part
 from tests.runner_limits import RUNNER_KV_LIMITS
 
 from .gguf_files import (  # noqa: F401  (own_cache, tiny_gguf: fixtures)
-    GEMMA3_GLOBAL_ROPE, LLAMA3_ROPE_OVERRIDES, PHI3_LONGROPE_OVERRIDES, llama3_rope_freqs, own_cache, tiny_gguf)
+    GEMMA3_GLOBAL_ROPE, LLAMA3_ROPE_OVERRIDES, PHI3_LONGROPE_OVERRIDES, YARN_BETAS_OVERRIDES, YARN_OVERRIDES,
+    llama3_rope_freqs, own_cache, tiny_gguf)
 from .inference_tiny_models import one_torch_thread  # noqa: F401  (fixture)
 
 PROMPT = "hello there, the quick brown fox"
@@ -149,15 +150,19 @@ STRING, FLOAT, UINT = gguf.GGUFValueType.STRING, gguf.GGUFValueType.FLOAT32, ggu
 
 
 @pytest.mark.parametrize("architecture, keys, extra, named", [
-    ("llama", {"llama.rope.scaling.type": ("yarn", STRING), "llama.rope.scaling.factor": (4.0, FLOAT)}, (),
-     "'yarn'"),
+    ("llama", {"llama.rope.scaling.type": ("yarn", STRING), "llama.rope.scaling.factor": (4.0, FLOAT),
+               "llama.rope.scaling.yarn_attn_factor": (0.5, FLOAT)}, (), "attn_factor of 0.5"),
+    ("qwen2", {"qwen2.rope.scaling.type": ("yarn", STRING), "qwen2.rope.scaling.factor": (0.5, FLOAT)}, (),
+     "factor of at least 1"),
+    ("llama", {"llama.rope.scaling.type": ("dynamic", STRING)}, (), "'dynamic'"),
     ("llama", {}, (("rope_factors_long.weight", np.ones(8, dtype=np.float32)),), "LongRoPE"),
     ("phi3", {}, (("rope_factors_long.weight", np.ones(8, dtype=np.float32)),), "without its pair"),
     ("phi3", {"phi3.rope.scaling.type": ("yarn", STRING)}, (), "'yarn'"),
     ("phi3", {"phi3.rope.scaling.type": ("longrope", STRING)}, (), "'longrope'"),
     ("qwen3", {"qwen3.rope.dimension_count": (16, UINT)}, (), "rotates 16 of each head's 32 dimensions"),
     ("qwen2", {}, (("rope_freqs.weight", np.ones(8, dtype=np.float32)),), "Llama 3's RoPE scaling only"),
-    ("gemma3", {"gemma3.rope.scaling.type": ("yarn", STRING)}, (), "'yarn'"),
+    ("gemma3", {"gemma3.rope.scaling.type": ("yarn", STRING), "gemma3.rope.scaling.factor": (4.0, FLOAT),
+                "gemma3.rope.scaling.yarn_log_multiplier": (0.1, FLOAT)}, (), "log_multiplier"),
 ])
 def test_positions_hearth_cannot_express_are_refused_in_one_line(tiny_gguf, tmp_path, architecture, keys, extra,
                                                                   named):
@@ -194,6 +199,19 @@ def test_a_header_alone_states_longrope_without_its_tensors_and_still_sizes_a_ra
 
     assert gguf_config_dict(header_alone)["rope_parameters"]["partial_rotary_factor"] == 0.5
     assert gguf_config_dict(stated)["rope_parameters"]["rope_type"] == "longrope"
+
+
+@pytest.mark.parametrize("architecture, overrides", [("qwen3", YARN_OVERRIDES), ("qwen2", YARN_BETAS_OVERRIDES),
+                                                     ("llama", YARN_OVERRIDES)])
+def test_yarn_scaling_is_read_as_llama_cpp_applies_it(tiny_gguf, architecture, overrides):
+    path, reference = tiny_gguf(architecture, GGMLQuantizationType.Q8_0, **overrides)
+    rope = gguf_config_dict(path)["rope_parameters"]
+    assert rope == overrides["rope_parameters"]
+    assert_layers_match(path, reference)
+    params = SamplingParams(max_tokens=8, stop_token_ids=())
+    expected, model = load_full(reference, **RUNNER_KV_LIMITS), load_full(path, **RUNNER_KV_LIMITS)
+    prompt = expected.head.encode_prompt(PROMPT)
+    assert list(model.generate_ids(prompt, params)) == list(expected.generate_ids(prompt, params))
 
 
 def test_linear_rope_scaling_is_read(tiny_gguf, tmp_path):
