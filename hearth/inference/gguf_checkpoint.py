@@ -43,7 +43,8 @@ default_read_device = "cpu"
 SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
 SUPPORTED_GGUF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
 # GGUF metadata keys naming end-of-generation tokens besides eos (chat models end turns with them).
-STOP_TOKEN_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+STOP_TOKEN_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id",
+                   "tokenizer.ggml.eos_token_ids")  # the last an array: Ollama's files list end-of-turn tokens there
 # Parsed metadata kept per process (a shard's memory planning and loading, a head and a local model share it).
 METADATA_CACHE_ENTRIES = 4
 # What each parse is stored as in a file's disk cache entry (hearth/inference/gguf_cache.py).
@@ -227,7 +228,9 @@ def _parsed_table(path: Path) -> GGUFTable:
                      tuple(int(d) for d in reversed(t.shape.tolist())))
         for t in reader.tensors
     )
-    stop_ids = frozenset(int(value) for key in STOP_TOKEN_KEYS if (value := _field_value(reader, key)) is not None)
+    stated = (_field_value(reader, key) for key in STOP_TOKEN_KEYS)
+    stop_ids = frozenset(int(token) for value in stated if value is not None
+                         for token in (value if isinstance(value, list) else [value]))
     return GGUFTable(_field_value(reader, "general.architecture"), tensors, stop_ids)
 
 

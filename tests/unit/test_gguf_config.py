@@ -230,11 +230,15 @@ OLLAMA_GEMMA3_OVERRIDES = dict(
                      "sliding_attention": {"rope_type": "default", "rope_theta": 20000.0}})
 
 
+OLLAMA_END_OF_TURN = 7
+
+
 def ollama_gemma3(source, path):
     return _with_keys(source, path, "gemma3", {
         "gemma3.rope.global.freq_base": (1_000_000.0, FLOAT), "gemma3.rope.local.freq_base": (20000.0, FLOAT),
         "gemma3.attention.sliding_window_pattern": ([True, True, False] * 2, gguf.GGUFValueType.ARRAY,
                                                     gguf.GGUFValueType.BOOL),
+        "tokenizer.ggml.eos_token_ids": ([2, OLLAMA_END_OF_TURN], gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.INT32),
     }, extra_tensors=(("v.blk.0.attn_q.weight", np.ones((8, 8), dtype=np.float32)),
                       ("mm.input_projection.weight", np.ones((8, 64), dtype=np.float32))),
         dropped=("gemma3.rope.freq_base", "gemma3.rope.scaling.type", "gemma3.rope.scaling.factor",
@@ -247,6 +251,7 @@ def test_an_ollama_gemma3_gguf_is_read_as_llama_cpp_reads_it(tiny_gguf, tmp_path
     config = gguf_config_dict(path)
     assert config["rope_parameters"] == OLLAMA_GEMMA3_OVERRIDES["rope_parameters"]
     assert config["layer_types"] == OLLAMA_GEMMA3_OVERRIDES["layer_types"] and config["vocab_size"] == 320
+    assert {2, OLLAMA_END_OF_TURN} <= load_head(path).eos_token_ids  # Ollama's list of end-of-generation tokens
     assert_layers_match(path, reference)  # local layers 3 and 4, global layer 5
 
     params = SamplingParams(max_tokens=8, stop_token_ids=())
