@@ -16,8 +16,9 @@ from safetensors import safe_open
 from .checkpoint_files import HUB_ALLOW_PATTERNS, SAFETENSORS_INDEX_NAME, SAFETENSORS_SINGLE_NAME
 from .errors import CheckpointError
 from .hub_ids import is_hub_gguf_id
-from .gguf_checkpoint import GGUF_SUFFIX, GGUFCheckpoint, default_read_device, gguf_config_dict, is_gguf_file, \
-    single_gguf_in
+from .ollama_models import is_ollama_model, resolve_ollama_model
+from .gguf_checkpoint import GGUFCheckpoint, default_read_device, gguf_config_dict, single_gguf_in
+from .gguf_header import GGUF_SUFFIX, is_gguf_file
 
 HUB_DOWNLOAD_WORKERS = 4
 # Host bytes one read of a tensor that is converted or sent to a GPU stages at most (one row when a row is larger).
@@ -84,8 +85,9 @@ def resolve_dtype(dtype: torch.dtype | str | None, config_dtype: torch.dtype | s
 
 def looks_like_local_path(model: str) -> bool:
     """Whether `model` was meant as a folder or file: hub ids are "name" or "org/name", anything else with a path
-    shape is not one ("org/name:FILE.gguf" is: one GGUF of a hub repository)."""
-    return (model.startswith((".", "/", "~")) or model.count("/") > 1 or (os.sep != "/" and os.sep in model)
+    shape is not one ("org/name:FILE.gguf" is: one GGUF of a hub repository); an Ollama model is a file here."""
+    return (is_ollama_model(model) or model.startswith((".", "/", "~")) or model.count("/") > 1
+            or (os.sep != "/" and os.sep in model)
             or (model.lower().endswith(GGUF_SUFFIX) and not is_hub_gguf_id(model)))
 
 
@@ -98,7 +100,8 @@ def resolve_model_path(
     needed_layers: tuple[int, int] | str | None = None,
 ) -> Path:
     """The local folder of a checkpoint given as a folder or a hub id ("org/name", or "org/name:FILE.gguf" for one
-    GGUF of a repository holding several).
+    GGUF of a repository holding several), or the GGUF file of one given as a file or an Ollama model
+    (`ollama:NAME[:TAG]`, hearth/inference/ollama_models.py).
 
     With `needed_layers` ((lo, hi) for a shard, "head" for an orchestrator's head) a hub id fetches only the
     files holding those tensors into a partial folder (hearth/inference/hub_fetch.py; a GGUF's tensors by byte ranges);
@@ -108,6 +111,8 @@ def resolve_model_path(
     model starts without any network), and downloaded only when it is missing and downloads are allowed
     (``local_files_only`` false and ``HF_HUB_OFFLINE`` unset), like ``from_pretrained`` users expect.
     """
+    if is_ollama_model(model):
+        return resolve_ollama_model(model).resolve()
     if is_gguf_file(Path(model).expanduser()):
         return Path(model).expanduser().resolve()
     if isinstance(model, Path) or Path(model).expanduser().is_dir():

@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from .errors import CheckpointError
+from .gguf_header import is_gguf_file
 
 WEIGHTS_CACHE_DIR_ENV = "HEARTH_CACHE_DIR"
 DEFAULT_WEIGHTS_CACHE_DIR = Path("~/.cache/hearth")
@@ -18,7 +19,6 @@ WEIGHTS_CACHE_FILE_NAME = "weights_sha256.v2.json"
 WEIGHTS_CACHE_MAX_ENTRIES = 64
 HASH_CHUNK_BYTES = 8 << 20
 WEIGHT_FILE_GLOB = "*.safetensors"
-GGUF_SUFFIX = ".gguf"
 # The name a GGUF file is hashed under instead of its own: a renamed copy is still the same weights.
 GGUF_DIGEST_NAME = "model.gguf"
 # Written by hearth/inference/partial_checkpoint.py into a folder holding only part of a checkpoint: the whole one's
@@ -45,7 +45,7 @@ def weights_sha256(checkpoint_path: str | Path, *, cache_dir: str | Path | None 
     unchanged files reads no weight bytes at all.
     """
     folder = Path(checkpoint_path).expanduser().resolve()
-    gguf = folder.suffix.lower() == GGUF_SUFFIX and folder.is_file()
+    gguf = is_gguf_file(folder)
     marker = (folder.parent if gguf else folder) / PARTIAL_CHECKPOINT_MARKER
     if marker.is_file():
         return _partial_digest(marker)

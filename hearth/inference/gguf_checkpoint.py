@@ -28,11 +28,10 @@ import torch
 from torch import nn
 
 from .architectures import adapter_for
-from .checksum import GGUF_SUFFIX
 from .errors import CheckpointError
 from .gguf_cache import gguf_cache_entry
 from .gguf_config import completed_config_of_file
-from .gguf_header import FLOAT_GGUF_TYPE_NAMES, check_block_types
+from .gguf_header import FLOAT_GGUF_TYPE_NAMES, check_block_types, is_gguf_file
 from .gguf_int4 import STORED_INT4_GROUP_SIZES, int4_groups_of_blocks
 from .quantization import Int4Groups
 
@@ -58,12 +57,6 @@ def _gguf():
     import gguf
 
     return gguf
-
-
-def is_gguf_file(path: str | Path) -> bool:
-    """Whether `path` is a file named *.gguf."""
-    path = Path(path)
-    return path.suffix.lower() == GGUF_SUFFIX and path.is_file()
 
 
 def single_gguf_in(folder: Path) -> Path | None:

@@ -19,6 +19,7 @@ from pathlib import Path
 from .errors import CheckpointError
 
 GGUF_MAGIC = b"GGUF"
+GGUF_SUFFIX = ".gguf"
 SUPPORTED_GGUF_VERSIONS = (2, 3)
 ALIGNMENT_KEY = "general.alignment"
 ARCHITECTURE_KEY = "general.architecture"
@@ -61,6 +62,21 @@ MAX_READ_ARRAY_ITEMS = 1024
 def is_text_model_tensor(tensor_name: str) -> bool:
     """Whether a GGUF tensor belongs to the text model (not to a bundled vision or audio encoder)."""
     return not tensor_name.startswith(OTHER_MODALITY_PREFIXES)
+
+
+def is_gguf_file(path: str | Path) -> bool:
+    """Whether `path` is a GGUF file: named *.gguf, or starting with the GGUF magic (Ollama keeps its models' GGUFs
+    as blobs named by their digest)."""
+    path = Path(path)
+    if not path.is_file():
+        return False
+    if path.suffix.lower() == GGUF_SUFFIX:
+        return True
+    try:
+        with path.open("rb") as handle:
+            return handle.read(len(GGUF_MAGIC)) == GGUF_MAGIC
+    except OSError:
+        return False
 
 
 def gguf_layer_of(tensor_name: str) -> int | None:

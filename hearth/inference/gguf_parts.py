@@ -22,7 +22,8 @@ from pathlib import Path
 
 from .errors import CheckpointError
 from .gguf_header import (
-    EVERY_LAYER_TENSORS, GGUFPartTensor, GGUFSplit, check_block_types, gguf_layer_of, is_text_model_tensor)
+    EVERY_LAYER_TENSORS, GGUFPartTensor, GGUFSplit, check_block_types, gguf_layer_of, is_gguf_file,
+    is_text_model_tensor)
 from .partial_checkpoint import complete_partial_folder, staged_partial_folder
 
 # After the magic and the version: the tensor count, a little-endian u64 (GGUF versions 2 and 3).
@@ -151,11 +152,14 @@ class TensorPlacement:
 
 
 def publishable_gguf(path: Path) -> Path | None:
-    """The GGUF file `path` names (itself, or the one GGUF of a folder without config.json), checked as the loader
-    checks it (split_gguf), None when it names none; CheckpointError (one line) for a GGUF the loader would refuse
-    or a folder holding several."""
-    from .gguf_checkpoint import is_gguf_file, single_gguf_in
+    """The GGUF file `path` names (itself, an Ollama model's blob for `ollama:NAME[:TAG]`, or the one GGUF of a
+    folder without config.json), checked as the loader checks it (split_gguf), None when it names none;
+    CheckpointError (one line) for a GGUF the loader would refuse or a folder holding several."""
+    from .gguf_checkpoint import single_gguf_in
+    from .ollama_models import is_ollama_model, resolve_ollama_model
 
+    if is_ollama_model(str(path)):
+        path = resolve_ollama_model(str(path))
     if not is_gguf_file(path):
         if not path.is_dir():
             return None

@@ -31,7 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .checkpoint_files import SAFETENSORS_INDEX_NAME
-from .checksum import GGUF_DIGEST_NAME, GGUF_SUFFIX, PARTIAL_CHECKPOINT_MARKER, digest_of_files, file_sha256
+from .checksum import GGUF_DIGEST_NAME, PARTIAL_CHECKPOINT_MARKER, digest_of_files, file_sha256
+from .gguf_header import GGUF_SUFFIX
 from .errors import CheckpointError
 from .hub_gguf import HubGGUF, RangesUnsupported, cached_gguf_part, fetch_gguf_part, gguf_header, \
     gguf_metadata_file, layer_tensor_shapes_of

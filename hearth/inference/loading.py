@@ -29,7 +29,8 @@ from .checkpoint import ModelInfo, SafetensorsCheckpoint, default_model_id, open
     resolve_dtype, resolve_model_path
 from .cpu_kernels import DEFAULT_CPU_LINEAR_KERNEL, use_cpu_linear_kernel
 from .errors import CheckpointError
-from .gguf_checkpoint import GGUFCheckpoint, gguf_config, is_gguf_file, load_gguf_tokenizer
+from .gguf_checkpoint import GGUFCheckpoint, gguf_config, load_gguf_tokenizer
+from .gguf_header import is_gguf_file
 from .head import Head
 from .quantization import QuantizationScheme, QuantizedLinear, check_device_supports, \
     check_quantizable, dense_linears, head_quantization, held_as_stored, parse_quantization, quantize_linears

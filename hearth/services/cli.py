@@ -157,8 +157,9 @@ def projector_command(
 @long_running("hearth shard")
 def shard_command(
     ctx: typer.Context,
-    model: Annotated[str, typer.Option("--model", help="Checkpoint folder, GGUF file, hub model id or store:NAME "
-                                                       "(the community's store: only the layers served are fetched).")],
+    model: Annotated[str, typer.Option("--model", help="Checkpoint folder, GGUF file, ollama:NAME[:TAG] (a model "
+                                                       "Ollama pulled here), hub model id or store:NAME (the "
+                                                       "community's store: only the layers served are fetched).")],
     layers: Annotated[str, typer.Option("--layers", help="Inclusive layer range to host, e.g. 0-7.")],
     nats_url: NatsUrlOption = None,
     max_streams: Annotated[Optional[int], typer.Option(

@@ -58,7 +58,8 @@ def _parse_part(part: str):
 def publish_command(
     ctx: typer.Context,
     path: Annotated[Path, typer.Argument(help="A safetensors checkpoint folder (config.json, *.safetensors), a "
-                                             "GGUF file, or a folder holding one GGUF.")],
+                                             "GGUF file, a folder holding one GGUF, or ollama:NAME[:TAG] (a model "
+                                             "Ollama pulled onto this machine).")],
     name: Annotated[str, typer.Option("--name", help="The name members load it by: --model store:NAME.")],
     nats_url: NatsUrlOption = None,
     creds: CredsOption = None,

@@ -30,7 +30,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from hearth.inference.checksum import GGUF_SUFFIX
+from hearth.inference.gguf_header import GGUF_SUFFIX
 from hearth.inference.gguf_checkpoint import default_read_device
 from hearth.inference.gguf_parts import StoredLayout
 from hearth.inference.partial_checkpoint import NON_WEIGHT_PATTERNS, NeededTensors, assemble_partial_folder, \

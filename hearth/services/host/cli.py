@@ -34,8 +34,9 @@ from hearth.services.cli_options import (
 @long_running("hearth host")
 def host_command(
     ctx: typer.Context,
-    model: Annotated[str, typer.Option("--model", help="Checkpoint folder, GGUF file, hub model id or store:NAME "
-                                                       "(the community's store: only the layers served are fetched).")],
+    model: Annotated[str, typer.Option("--model", help="Checkpoint folder, GGUF file, ollama:NAME[:TAG] (a model "
+                                                       "Ollama pulled here), hub model id or store:NAME (the "
+                                                       "community's store: only the layers served are fetched).")],
     memory_budget_mb: Annotated[Optional[float], typer.Option(
         "--memory-budget-mb", min=0.001, show_default=False,
         help="Memory this host gives the mesh on its device: weights plus [shard] kv_cache_budget_mb, which left "

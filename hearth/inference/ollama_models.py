@@ -1,0 +1,91 @@
+"""Models Ollama has pulled onto this machine, named as Ollama names them (`ollama:NAME[:TAG]`): the GGUF blob that
+holds a model's weights, found through Ollama's manifest without Ollama running.
+
+Ollama keeps each model as a manifest, `<models>/manifests/<registry>/<namespace>/<model>/<tag>` (JSON, an OCI image
+manifest), whose layer of media type `application/vnd.ollama.image.model` names the weights' blob by its digest,
+`<models>/blobs/sha256-<hex>`: a GGUF file. `<models>` is $OLLAMA_MODELS, else `~/.ollama/models`, else the Linux
+service's `/usr/share/ollama/.ollama/models`. A name is `[registry/][namespace/]model[:tag]`, with Ollama's
+defaults `registry.ollama.ai`, `library` and `latest` (`gemma3:4b`,
+`hf.co/bartowski/Llama-3.2-1B-Instruct-GGUF:Q4_K_M`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+from .errors import CheckpointError
+
+OLLAMA_MODEL_PREFIX = "ollama:"
+OLLAMA_MODELS_ENV = "OLLAMA_MODELS"
+OLLAMA_MODELS_DIRS = (Path("~/.ollama/models"), Path("/usr/share/ollama/.ollama/models"))
+OLLAMA_DEFAULT_REGISTRY = "registry.ollama.ai"
+OLLAMA_DEFAULT_NAMESPACE = "library"
+OLLAMA_DEFAULT_TAG = "latest"
+OLLAMA_WEIGHTS_MEDIA_TYPE = "application/vnd.ollama.image.model"
+# A manifest lists a handful of layers; anything far larger is not one.
+MAX_MANIFEST_BYTES = 1 << 20
+MAX_NAME_CHARS = 256
+# Each part of a name becomes a folder name under the manifests folder: no separators, and no "." or "..".
+_NAME_PART = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_DIGEST = re.compile(r"^sha256:([0-9a-f]{64})$")
+
+
+def is_ollama_model(model: object) -> bool:
+    """Whether `model` names a model pulled by Ollama (`ollama:NAME[:TAG]`)."""
+    return isinstance(model, str) and model.startswith(OLLAMA_MODEL_PREFIX)
+
+
+def ollama_manifest_parts(model: str) -> tuple[str, str, str, str]:
+    """(registry, namespace, model, tag) of `ollama:NAME[:TAG]`; CheckpointError (one line) for a malformed name."""
+    name = model[len(OLLAMA_MODEL_PREFIX):] if is_ollama_model(model) else model
+    tagged = ":" in name.rpartition("/")[2]
+    path, _, tag = name.rpartition(":") if tagged else (name, "", OLLAMA_DEFAULT_TAG)
+    parts = path.split("/")
+    if not 1 <= len(parts) <= 3 or len(name) > MAX_NAME_CHARS:
+        raise CheckpointError(f"{model!r} is not an Ollama model name ([registry/][namespace/]model[:tag])")
+    registry, namespace = OLLAMA_DEFAULT_REGISTRY, OLLAMA_DEFAULT_NAMESPACE
+    if len(parts) == 3:
+        registry, namespace = parts[0], parts[1]
+    elif len(parts) == 2:
+        namespace = parts[0]
+    resolved = (registry, namespace, parts[-1], tag)
+    if not all(_NAME_PART.match(part) for part in resolved):
+        raise CheckpointError(f"{model!r} is not an Ollama model name ([registry/][namespace/]model[:tag])")
+    return resolved
+
+
+def ollama_models_dir() -> Path:
+    """Where Ollama keeps its models: $OLLAMA_MODELS, else the first of OLLAMA_MODELS_DIRS that exists."""
+    if configured := os.environ.get(OLLAMA_MODELS_ENV):
+        return Path(configured).expanduser()
+    candidates = [folder.expanduser() for folder in OLLAMA_MODELS_DIRS]
+    return next((folder for folder in candidates if folder.is_dir()), candidates[0])
+
+
+def resolve_ollama_model(model: str, models_dir: Path | None = None) -> Path:
+    """The GGUF blob of the Ollama model `model` (`ollama:NAME[:TAG]`) on this machine; CheckpointError (one line)
+    when Ollama has not pulled it or its manifest names no weights."""
+    registry, namespace, name, tag = ollama_manifest_parts(model)
+    folder = models_dir or ollama_models_dir()
+    manifest_file = folder / "manifests" / registry / namespace / name / tag
+    shown = f"{name}:{tag}" if registry == OLLAMA_DEFAULT_REGISTRY and namespace == OLLAMA_DEFAULT_NAMESPACE \
+        else f"{registry}/{namespace}/{name}:{tag}"
+    if not manifest_file.is_file():
+        raise CheckpointError(f"Ollama has not pulled {shown} into {folder} (`ollama pull {shown}` fetches it; "
+                              f"${OLLAMA_MODELS_ENV} names another models folder)")
+    if manifest_file.stat().st_size > MAX_MANIFEST_BYTES:
+        raise CheckpointError(f"Ollama's manifest of {shown} ({manifest_file}) is too large to be one")
+    try:
+        layers = json.loads(manifest_file.read_text(encoding="utf-8")).get("layers")
+        digests = [layer.get("digest") for layer in layers if layer.get("mediaType") == OLLAMA_WEIGHTS_MEDIA_TYPE]
+    except (ValueError, TypeError, AttributeError, UnicodeDecodeError):
+        raise CheckpointError(f"Ollama's manifest of {shown} ({manifest_file}) is not one hearth reads") from None
+    if len(digests) != 1 or not isinstance(digests[0], str) or not (found := _DIGEST.match(digests[0])):
+        raise CheckpointError(f"Ollama's manifest of {shown} names {len(digests)} weights layers, not one GGUF blob")
+    blob = folder / "blobs" / f"sha256-{found.group(1)}"
+    if not blob.is_file():
+        raise CheckpointError(f"Ollama's blob of {shown} ({blob}) is missing (`ollama pull {shown}` fetches it again)")
+    return blob
