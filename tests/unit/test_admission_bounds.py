@@ -1,5 +1,5 @@
 """Admission's cheap checks as a request arrives: a logit bias on a token the model does not have is refused naming
-it, `max_tokens` must leave the prompt room in the context."""
+it, `max_tokens` must leave the prompt room in the context, a prompt may not encode to a token beyond the embedding."""
 
 from __future__ import annotations
 
@@ -32,3 +32,15 @@ def test_a_bias_within_the_vocabulary_leaves_the_room_the_context_gives():
 def test_max_tokens_filling_the_context_is_refused():
     with pytest.raises(BadRequest, match="max_tokens"):
         prompt_room(request(max_tokens=64), model())
+
+
+async def test_a_prompt_encoding_to_a_token_the_model_has_no_embedding_for_is_refused():
+    from hearth.services.orchestrator.admission import admit_prompt
+
+    encoded = {"fine": [1, 2, 99], "image": [1, 2, 150]}  # a tokenizer knowing 50 tokens more than the embedding
+    head = SimpleNamespace(info=SimpleNamespace(vocab_size=100), has_tokenizer=True,
+                           encode_prompt=lambda text: encoded[text])
+    loaded = SimpleNamespace(head=head, context_length=64, token_bound=None, model_id="m")
+    assert await admit_prompt(ChatRequest(prompt="fine", max_tokens=8), loaded) == [1, 2, 99]
+    with pytest.raises(BadRequest, match="token 150, which model m has no embedding for"):
+        await admit_prompt(ChatRequest(prompt="image", max_tokens=8), loaded)

@@ -95,6 +95,10 @@ def _tokenize_within(request: ChatRequest, model: LoadedModel, room: int | None)
     except _INPUT_ERRORS as error:
         first_line = (str(error).splitlines() or [type(error).__name__])[0][:template_error_chars]
         raise BadRequest(f"field '{field}': the model's tokenizer or chat template refused it: {first_line}") from None
+    # A tokenizer may know tokens the model has no embedding for (Ollama's Gemma 3 files list image tokens beyond it).
+    if ids and (beyond := max(ids)) >= model.head.info.vocab_size:
+        raise BadRequest(f"field '{field}': it encodes to token {beyond}, which model {model.model_id} has no "
+                         f"embedding for (it has {model.head.info.vocab_size})")
     return list(ids), 0
 
 
