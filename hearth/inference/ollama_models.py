@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import CheckpointError
@@ -71,8 +72,7 @@ def resolve_ollama_model(model: str, models_dir: Path | None = None) -> Path:
     registry, namespace, name, tag = ollama_manifest_parts(model)
     folder = models_dir or ollama_models_dir()
     manifest_file = folder / "manifests" / registry / namespace / name / tag
-    shown = f"{name}:{tag}" if registry == OLLAMA_DEFAULT_REGISTRY and namespace == OLLAMA_DEFAULT_NAMESPACE \
-        else f"{registry}/{namespace}/{name}:{tag}"
+    shown = _short_name(registry, namespace, name, tag)
     if not manifest_file.is_file():
         raise CheckpointError(f"Ollama has not pulled {shown} into {folder} (`ollama pull {shown}` fetches it; "
                               f"${OLLAMA_MODELS_ENV} names another models folder)")
@@ -89,3 +89,55 @@ def resolve_ollama_model(model: str, models_dir: Path | None = None) -> Path:
     if not blob.is_file():
         raise CheckpointError(f"Ollama's blob of {shown} ({blob}) is missing (`ollama pull {shown}` fetches it again)")
     return blob
+
+
+def _short_name(registry: str, namespace: str, name: str, tag: str) -> str:
+    """The name as Ollama shows it: its default registry and namespace left out."""
+    if registry != OLLAMA_DEFAULT_REGISTRY:
+        return f"{registry}/{namespace}/{name}:{tag}"
+    return f"{name}:{tag}" if namespace == OLLAMA_DEFAULT_NAMESPACE else f"{namespace}/{name}:{tag}"
+
+
+@dataclass(frozen=True)
+class PulledModel:
+    """A model Ollama pulled onto this machine, as hearth sees it."""
+
+    name: str  # as --model takes it: ollama:NAME:TAG
+    size_bytes: int
+    architecture: str | None
+    num_layers: int | None
+    # Why hearth cannot serve it (one line), None when it reads the file's architecture and every block type.
+    problem: str | None
+
+
+def pulled_ollama_models(models_dir: Path | None = None) -> list[PulledModel]:
+    """Every model whose manifest lies under Ollama's models folder, in name order, each with its weights' GGUF
+    described from its header alone (what a shard would refuse at load beyond the architecture and block types,
+    such as a RoPE hearth does not read, is not checked here)."""
+    from .gguf_checkpoint import SUPPORTED_GGUF_ARCHITECTURES
+    from .gguf_header import check_block_types, read_gguf_header
+
+    folder = models_dir or ollama_models_dir()
+    manifests = folder / "manifests"
+    pulled = []
+    for manifest in sorted(path for path in manifests.glob("*/*/*/*") if path.is_file()):
+        name = OLLAMA_MODEL_PREFIX + _short_name(*manifest.relative_to(manifests).parts)
+        try:
+            blob = resolve_ollama_model(name, folder)
+            header = read_gguf_header(blob)
+        except CheckpointError as error:
+            pulled.append(PulledModel(name, 0, None, None, str(error)))
+            continue
+        architecture = header.architecture
+        layers = header.metadata.get(f"{architecture}.block_count")
+        problem = None
+        if architecture not in SUPPORTED_GGUF_ARCHITECTURES:
+            problem = f"a {architecture!r} model; hearth serves {', '.join(SUPPORTED_GGUF_ARCHITECTURES)}"
+        else:
+            try:
+                check_block_types(((t.name, t.block_type) for t in header.split.tensors), blob.name)
+            except CheckpointError as error:
+                problem = str(error)
+        pulled.append(PulledModel(name, blob.stat().st_size, architecture,
+                                  layers if isinstance(layers, int) else None, problem))
+    return sorted(pulled, key=lambda model: model.name)

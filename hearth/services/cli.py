@@ -323,6 +323,32 @@ def models_command(
     raise typer.Exit(run_models_command(url, as_json=as_json, settings=settings(ctx)))
 
 
+@app.command("ollama")
+def ollama_command(
+    as_json: Annotated[bool, typer.Option("--json", help="Print the list as JSON.")] = False,
+) -> None:
+    """List the models Ollama has pulled onto this machine ($OLLAMA_MODELS, else Ollama's own folders) and whether
+    hearth serves each: `--model ollama:NAME:TAG` on shard, host, orchestrator and demo. Ollama need not run."""
+    import dataclasses
+    import json
+
+    from hearth.inference.ollama_models import ollama_models_dir, pulled_ollama_models
+
+    pulled = pulled_ollama_models()
+    if as_json:
+        typer.echo(json.dumps([dataclasses.asdict(model) for model in pulled], indent=2))
+        return
+    if not pulled:
+        typer.echo(f"Ollama has pulled no model into {ollama_models_dir()}")
+        return
+    width = max(len(model.name) for model in pulled)
+    for model in pulled:
+        described = (f"{model.architecture}, {model.num_layers} layers, {model.size_bytes / 1e9:.2f} GB"
+                     if model.architecture else "")
+        verdict = "served" if model.problem is None else f"not served: {model.problem}"
+        typer.echo(f"{model.name:<{width}}  {described + '; ' if described else ''}{verdict}")
+
+
 @app.command("schema")
 def schema_command(
     out: Annotated[Path, typer.Option("--out", help="Docs folder to write into.")] = Path("docs"),

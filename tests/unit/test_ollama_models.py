@@ -117,3 +117,33 @@ def test_a_missing_model_or_blob_and_a_foreign_manifest_are_one_line_each(tiny_g
     garbage.write_text("[1, 2")
     with pytest.raises(CheckpointError, match="is not one hearth reads"):
         resolve_model_path("ollama:garbage")
+
+
+def test_hearth_ollama_lists_what_ollama_pulled_and_whether_hearth_serves_it(tiny_gguf, ollama_models, tmp_path):
+    import gguf
+    from typer.testing import CliRunner
+
+    from hearth.services.cli import app
+
+    source, _ = tiny_gguf("llama", GGMLQuantizationType.Q8_0)
+    pull(ollama_models, source, "registry.ollama.ai/library/tiny/latest")
+    writer = gguf.GGUFWriter(tmp_path / "bert.gguf", "bert")
+    writer.add_block_count(12)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    (ollama_models / "blobs" / f"sha256-{'ef' * 32}").write_bytes((tmp_path / "bert.gguf").read_bytes())
+    manifest = ollama_models / "manifests" / "registry.ollama.ai" / "someone" / "embedder" / "v1"
+    manifest.parent.mkdir(parents=True)
+    manifest.write_text(json.dumps({"layers": [{"mediaType": "application/vnd.ollama.image.model",
+                                                "digest": f"sha256:{'ef' * 32}"}]}))
+
+    listed = CliRunner().invoke(app, ["ollama"])
+    assert listed.exit_code == 0, listed.output
+    lines = listed.output.splitlines()
+    assert lines[0].startswith("ollama:someone/embedder:v1") and "not served: a 'bert' model" in lines[0]
+    assert lines[1].startswith("ollama:tiny:latest") and "llama, 6 layers" in lines[1] and lines[1].endswith("served")
+    as_json = json.loads(CliRunner().invoke(app, ["ollama", "--json"]).output)
+    assert [(model["name"], model["problem"] is None) for model in as_json] == [
+        ("ollama:someone/embedder:v1", False), ("ollama:tiny:latest", True)]
