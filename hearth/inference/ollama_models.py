@@ -26,6 +26,7 @@ OLLAMA_DEFAULT_REGISTRY = "registry.ollama.ai"
 OLLAMA_DEFAULT_NAMESPACE = "library"
 OLLAMA_DEFAULT_TAG = "latest"
 OLLAMA_WEIGHTS_MEDIA_TYPE = "application/vnd.ollama.image.model"
+OLLAMA_ADAPTER_MEDIA_TYPE = "application/vnd.ollama.image.adapter"
 # A manifest lists a handful of layers; anything far larger is not one.
 MAX_MANIFEST_BYTES = 1 << 20
 MAX_NAME_CHARS = 256
@@ -80,9 +81,13 @@ def resolve_ollama_model(model: str, models_dir: Path | None = None) -> Path:
         raise CheckpointError(f"Ollama's manifest of {shown} ({manifest_file}) is too large to be one")
     try:
         layers = json.loads(manifest_file.read_text(encoding="utf-8")).get("layers")
+        kinds = [layer.get("mediaType") for layer in layers]
         digests = [layer.get("digest") for layer in layers if layer.get("mediaType") == OLLAMA_WEIGHTS_MEDIA_TYPE]
     except (ValueError, TypeError, AttributeError, UnicodeDecodeError):
         raise CheckpointError(f"Ollama's manifest of {shown} ({manifest_file}) is not one hearth reads") from None
+    if OLLAMA_ADAPTER_MEDIA_TYPE in kinds:
+        raise CheckpointError(f"Ollama's {shown} applies a LoRA adapter to its weights, which hearth does not: "
+                              "served without it, it would be another model")
     if len(digests) != 1 or not isinstance(digests[0], str) or not (found := _DIGEST.match(digests[0])):
         raise CheckpointError(f"Ollama's manifest of {shown} names {len(digests)} weights layers, not one GGUF blob")
     blob = folder / "blobs" / f"sha256-{found.group(1)}"

@@ -107,10 +107,16 @@ def test_a_missing_model_or_blob_and_a_foreign_manifest_are_one_line_each(tiny_g
     with pytest.raises(CheckpointError, match="blob of tiny:latest .* is missing"):
         resolve_model_path("ollama:tiny")
 
-    pull(ollama_models, source, "registry.ollama.ai/library/adapter/latest", layers=[
-        {"mediaType": "application/vnd.ollama.image.adapter", "digest": f"sha256:{DIGEST}"}])
+    pull(ollama_models, source, "registry.ollama.ai/library/projector/latest", layers=[
+        {"mediaType": "application/vnd.ollama.image.projector", "digest": f"sha256:{DIGEST}"}])
     with pytest.raises(CheckpointError, match="names 0 weights layers"):
-        resolve_model_path("ollama:adapter")
+        resolve_model_path("ollama:projector")
+
+    pull(ollama_models, source, "registry.ollama.ai/library/tuned/latest", layers=[
+        {"mediaType": "application/vnd.ollama.image.model", "digest": f"sha256:{DIGEST}"},
+        {"mediaType": "application/vnd.ollama.image.adapter", "digest": f"sha256:{'12' * 32}"}])
+    with pytest.raises(CheckpointError, match="tuned:latest applies a LoRA adapter"):
+        resolve_model_path("ollama:tuned")
 
     garbage = ollama_models / "manifests" / "registry.ollama.ai" / "library" / "garbage" / "latest"
     garbage.parent.mkdir(parents=True)
