@@ -32,6 +32,8 @@ MAX_MANIFEST_BYTES = 1 << 20
 MAX_NAME_CHARS = 256
 # Each part of a name becomes a folder name under the manifests folder: no separators, and no "." or "..".
 _NAME_PART = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+# A registry may name its port (`localhost:5000/ns/model`), as Ollama's folder for it does.
+_REGISTRY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}(:[0-9]{1,5})?$")
 _DIGEST = re.compile(r"^sha256:([0-9a-f]{64})$")
 
 
@@ -54,7 +56,7 @@ def ollama_manifest_parts(model: str) -> tuple[str, str, str, str]:
     elif len(parts) == 2:
         namespace = parts[0]
     resolved = (registry, namespace, parts[-1], tag)
-    if not all(_NAME_PART.match(part) for part in resolved):
+    if not (_REGISTRY.match(registry) and all(_NAME_PART.match(part) for part in resolved[1:])):
         raise CheckpointError(f"{model!r} is not an Ollama model name ([registry/][namespace/]model[:tag])")
     return resolved
 

@@ -84,13 +84,15 @@ async def test_the_orchestrator_serves_an_ollama_model_under_the_name_its_shards
     ("ollama:someone/tiny:v1.5", ("registry.ollama.ai", "someone", "tiny", "v1.5")),
     ("ollama:hf.co/bartowski/Llama-3.2-1B-Instruct-GGUF:Q4_K_M",
      ("hf.co", "bartowski", "Llama-3.2-1B-Instruct-GGUF", "Q4_K_M")),
+    ("ollama:localhost:5000/team/tiny", ("localhost:5000", "team", "tiny", "latest")),
 ])
 def test_names_are_read_with_ollamas_defaults(name, parts):
     assert ollama_manifest_parts(name) == parts
 
 
 @pytest.mark.parametrize("name", ["ollama:", "ollama:../../etc/passwd", "ollama:a/b/c/d", "ollama:tiny:..",
-                                  "ollama:tiny:", "ollama:/tiny", "ollama:ti ny", "ollama:" + "x" * 300])
+                                  "ollama:tiny:", "ollama:/tiny", "ollama:ti ny", "ollama:" + "x" * 300,
+                                  "ollama:..:80/ns/tiny", "ollama:host:port/ns/tiny"])
 def test_malformed_names_are_refused_before_any_file_is_opened(name, ollama_models):
     with pytest.raises(CheckpointError, match="not an Ollama model name") as refused:
         resolve_model_path(name)
