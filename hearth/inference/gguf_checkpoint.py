@@ -31,7 +31,7 @@ from .architectures import adapter_for
 from .errors import CheckpointError
 from .gguf_cache import gguf_cache_entry
 from .gguf_config import completed_config_of_file
-from .gguf_header import FLOAT_GGUF_TYPE_NAMES, check_block_types, is_gguf_file
+from .gguf_header import FLOAT_GGUF_TYPE_NAMES, GGUF_SUFFIX, check_block_types, is_gguf_file
 from .gguf_int4 import STORED_INT4_GROUP_SIZES, int4_groups_of_blocks
 from .quantization import Int4Groups
 
@@ -60,11 +60,13 @@ def _gguf():
 
 
 def single_gguf_in(folder: Path) -> Path | None:
-    """The one *.gguf file of a folder that has no config.json, None when it has none; several are refused (which
-    one to serve would be a guess)."""
+    """The one GGUF file of a folder that has no config.json (named *.gguf, else told by its magic), None when it
+    has none; several are refused (which one to serve would be a guess)."""
     if (folder / "config.json").is_file():
         return None
-    found = sorted(p for p in folder.iterdir() if is_gguf_file(p))
+    # Files named *.gguf first: a partial download or staging file beside one (still GGUF inside) is not a second.
+    files = sorted(p for p in folder.iterdir() if p.is_file())
+    found = [p for p in files if p.suffix.lower() == GGUF_SUFFIX] or [p for p in files if is_gguf_file(p)]
     if len(found) > 1:
         names = ", ".join(p.name for p in found)
         raise CheckpointError(f"{folder} holds several GGUF files ({names}); pass the one to serve as --model")

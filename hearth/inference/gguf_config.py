@@ -18,12 +18,13 @@ from pathlib import Path
 import numpy as np
 
 from .errors import CheckpointError
-from .gguf_header import LONGROPE_TENSORS, OTHER_MODALITY_PREFIXES, ROPE_FREQS_TENSOR, read_gguf_header
+from .gguf_header import LONGROPE_TENSORS, ROPE_FREQS_TENSOR, read_gguf_header
 
 EMBEDDING_TENSOR = "token_embd.weight"
 # YaRN keys a GGUF may state that hearth reads only at the values that leave llama.cpp's YaRN transformers' (an
 # extrapolation factor of -1 is llama.cpp's "unset").
-YARN_NEUTRAL_VALUES = {"yarn_ext_factor": (1.0, -1.0), "yarn_attn_factor": (1.0,), "yarn_log_multiplier": (0.0,)}
+YARN_NEUTRAL_VALUES = {"yarn_ext_factor": (1.0, -1.0), "yarn_attn_factor": (1.0,), "yarn_log_multiplier": (0.0,),
+                       "attn_factor": (1.0,)}
 LLAMA3_LOW_FREQ_FACTOR = 1.0
 LLAMA3_HIGH_FREQ_FACTOR = 4.0
 # The converter's default when a Llama 3 config names none; used only when no divisor lies between the bounds.
@@ -74,7 +75,9 @@ def completed_gguf_config(config: dict, architecture: str, metadata: Mapping[str
                                            if config["num_hidden_layers"] == GEMMA2_27B_LAYERS
                                            else _head_size(config))
     if architecture == "gemma3":
-        if (softcap := metadata.get("gemma3.final_logit_softcapping")) is not None:
+        # Ollama's converter stated a cap of 30 that no Gemma 3 has (its runtime drops it, as hearth does).
+        softcap = None if _is_ollama_gemma3(metadata) else metadata.get("gemma3.final_logit_softcapping")
+        if softcap is not None:
             config["final_logit_softcapping"] = float(softcap)
         config["query_pre_attn_scalar"] = (config["hidden_size"] // config["num_attention_heads"]
                                            if config["num_hidden_layers"] == GEMMA3_27B_LAYERS
@@ -159,7 +162,7 @@ def _gemma3_layers(config: dict, metadata: Mapping[str, object], tensor_names: s
         every = pattern if isinstance(pattern, int) and pattern > 0 else GEMMA3_SLIDING_WINDOW_PATTERN
         config["sliding_window"], local = window, [bool((layer + 1) % every) for layer in range(layers)]
     config["layer_types"] = ["sliding_attention" if is_local else "full_attention" for is_local in local]
-    ollama = _is_ollama_gemma3(metadata, tensor_names)
+    ollama = _is_ollama_gemma3(metadata)
     # The file's scaling is the global layers' only; transformers' per-type defaults are not carried over.
     full = _rope_parameters({**config, "rope_parameters": {}}, "gemma3", metadata, tensor_names, read_f32_tensor,
                             file_name) or {}
@@ -173,11 +176,11 @@ def _gemma3_layers(config: dict, metadata: Mapping[str, object], tensor_names: s
             "sliding_attention": {"rope_type": "default", "rope_theta": local_theta}}
 
 
-def _is_ollama_gemma3(metadata: Mapping[str, object], tensor_names: set[str]) -> bool:
-    """Whether a Gemma 3 GGUF shows any of Ollama's converter's marks (llama.cpp's own test for them)."""
+def _is_ollama_gemma3(metadata: Mapping[str, object]) -> bool:
+    """Whether a Gemma 3 GGUF shows one of Ollama's converter's marks in its metadata (llama.cpp's own test for
+    them also looks for the bundled vision tensors, which come with Ollama's vision keys)."""
     return (any(key in metadata for key in OLLAMA_GEMMA3_KEYS)
-            or "gemma3.attention.layer_norm_rms_epsilon" not in metadata
-            or any(name.startswith(OTHER_MODALITY_PREFIXES) for name in tensor_names))
+            or "gemma3.attention.layer_norm_rms_epsilon" not in metadata)
 
 
 def _first_number(metadata: Mapping[str, object], keys: tuple[str, ...], default: float) -> float:
@@ -227,7 +230,7 @@ def _yarn_parameters(config: dict, architecture: str, metadata: Mapping[str, obj
         raise CheckpointError(f"GGUF {file_name} states YaRN scaling without a factor of at least 1 ({factor!r})")
     for key, neutral in YARN_NEUTRAL_VALUES.items():
         if (value := stated(key)) is not None and not any(math.isclose(value, n) for n in neutral):
-            raise CheckpointError(f"GGUF {file_name} states a YaRN {key.removeprefix('yarn_')} of {value!r}, "
+            raise CheckpointError(f"GGUF {file_name} states YaRN with rope.scaling.{key} of {value!r}, "
                                   "which hearth does not read from GGUF files")
     original = stated("original_context_length") or config.get("max_position_embeddings")
     rope = {"rope_type": "yarn", "factor": float(factor), "original_max_position_embeddings": int(original)}

@@ -31,6 +31,7 @@ from .cpu_kernels import DEFAULT_CPU_LINEAR_KERNEL, use_cpu_linear_kernel
 from .errors import CheckpointError
 from .gguf_checkpoint import GGUFCheckpoint, gguf_config, load_gguf_tokenizer
 from .gguf_header import is_gguf_file
+from .ollama_models import served_model_id
 from .head import Head
 from .quantization import QuantizationScheme, QuantizedLinear, check_device_supports, \
     check_quantizable, dense_linears, head_quantization, held_as_stored, parse_quantization, quantize_linears
@@ -119,7 +120,7 @@ def _open_skeleton(
     if isinstance(model, Path) or Path(str(model)).expanduser().exists():
         default_id = default_model_id(path)
     else:
-        default_id = str(model)
+        default_id = served_model_id(str(model))
     info = ModelInfo(
         model_id=model_id or default_id,
         path=path,

@@ -66,14 +66,43 @@ def ollama_models_dir() -> Path:
     if configured := os.environ.get(OLLAMA_MODELS_ENV):
         return Path(configured).expanduser()
     candidates = [folder.expanduser() for folder in OLLAMA_MODELS_DIRS]
-    return next((folder for folder in candidates if folder.is_dir()), candidates[0])
+    return next((folder for folder in candidates if _exists(folder)), candidates[0])
+
+
+def _exists(folder: Path) -> bool:
+    """Whether `folder` is there, readable or not (an unreadable one is Ollama's, and reading it says so)."""
+    try:
+        return folder.is_dir()
+    except PermissionError:
+        return True
+
+
+def served_model_id(model: str) -> str:
+    """The id a model string given as --model is served under when it is not a path: an Ollama model's canonical
+    name (canonical_ollama_name), anything else (a hub id) as given."""
+    return canonical_ollama_name(model) if is_ollama_model(model) else model
+
+
+def canonical_ollama_name(model: str) -> str:
+    """`ollama:NAME:TAG` as Ollama shows it (its default registry and namespace left out, the tag given): the id
+    every spelling of one model is served under, so `ollama:gemma3` and `ollama:library/gemma3:latest` agree."""
+    return OLLAMA_MODEL_PREFIX + _short_name(*ollama_manifest_parts(model))
 
 
 def resolve_ollama_model(model: str, models_dir: Path | None = None) -> Path:
     """The GGUF blob of the Ollama model `model` (`ollama:NAME[:TAG]`) on this machine; CheckpointError (one line)
     when Ollama has not pulled it or its manifest names no weights."""
-    registry, namespace, name, tag = ollama_manifest_parts(model)
+    parts = ollama_manifest_parts(model)
     folder = models_dir or ollama_models_dir()
+    try:
+        return _blob_of(parts, folder)
+    except OSError as error:  # the Linux service's folder is often readable by the `ollama` group alone
+        raise CheckpointError(f"cannot read Ollama's models in {folder} ({error.strerror or error}): join the group "
+                              f"that owns it, or copy them and name the copy in ${OLLAMA_MODELS_ENV}") from None
+
+
+def _blob_of(parts: tuple[str, str, str, str], folder: Path) -> Path:
+    registry, namespace, name, tag = parts
     manifest_file = folder / "manifests" / registry / namespace / name / tag
     shown = _short_name(registry, namespace, name, tag)
     if not manifest_file.is_file():
@@ -126,13 +155,18 @@ def pulled_ollama_models(models_dir: Path | None = None) -> list[PulledModel]:
 
     folder = models_dir or ollama_models_dir()
     manifests = folder / "manifests"
+    try:
+        found = sorted(path for path in manifests.glob("*/*/*/*") if path.is_file())
+    except OSError as error:
+        raise CheckpointError(f"cannot read Ollama's models in {folder} ({error.strerror or error})") from None
     pulled = []
-    for manifest in sorted(path for path in manifests.glob("*/*/*/*") if path.is_file()):
+    for manifest in found:
         name = OLLAMA_MODEL_PREFIX + _short_name(*manifest.relative_to(manifests).parts)
         try:
             blob = resolve_ollama_model(name, folder)
             header = read_gguf_header(blob)
-        except CheckpointError as error:
+            size = blob.stat().st_size
+        except (CheckpointError, OSError) as error:
             pulled.append(PulledModel(name, 0, None, None, str(error)))
             continue
         architecture = header.architecture
@@ -145,6 +179,6 @@ def pulled_ollama_models(models_dir: Path | None = None) -> list[PulledModel]:
                 check_block_types(((t.name, t.block_type) for t in header.split.tensors), blob.name)
             except CheckpointError as error:
                 problem = str(error)
-        pulled.append(PulledModel(name, blob.stat().st_size, architecture,
+        pulled.append(PulledModel(name, size, architecture,
                                   layers if isinstance(layers, int) else None, problem))
     return sorted(pulled, key=lambda model: model.name)

@@ -23,6 +23,7 @@ from hearth.services.dashboards.cli import dashboards_app, status_command
 from hearth.services.gateway.command import gateway_command
 from hearth.services.host.cli import host_command
 from hearth.services.cli_options import (
+    EXIT_BAD_INPUT,
     HostNodeIdOption,
     ModelIdOption,
     STOPPING_HELP,
@@ -332,9 +333,14 @@ def ollama_command(
     import dataclasses
     import json
 
+    from hearth.inference.errors import CheckpointError
     from hearth.inference.ollama_models import ollama_models_dir, pulled_ollama_models
 
-    pulled = pulled_ollama_models()
+    try:
+        pulled = pulled_ollama_models()
+    except CheckpointError as error:
+        typer.echo(f"hearth ollama: {error}", err=True)
+        raise typer.Exit(EXIT_BAD_INPUT) from None
     if as_json:
         typer.echo(json.dumps([dataclasses.asdict(model) for model in pulled], indent=2))
         return

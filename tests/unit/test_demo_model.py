@@ -138,4 +138,4 @@ def test_a_model_ollama_pulled_runs_under_its_ollama_name(tmp_path, monkeypatch)
 
     model = resolve_demo_model("ollama:tiny")
     assert (model.path, model.num_layers, model.has_chat_template) == (blob.resolve(), 7, True)
-    assert model.argument == model.name == "ollama:tiny" and model.is_gguf
+    assert model.argument == model.name == "ollama:tiny:latest" and model.is_gguf

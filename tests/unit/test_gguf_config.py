@@ -151,7 +151,9 @@ STRING, FLOAT, UINT = gguf.GGUFValueType.STRING, gguf.GGUFValueType.FLOAT32, ggu
 
 @pytest.mark.parametrize("architecture, keys, extra, named", [
     ("llama", {"llama.rope.scaling.type": ("yarn", STRING), "llama.rope.scaling.factor": (4.0, FLOAT),
-               "llama.rope.scaling.yarn_attn_factor": (0.5, FLOAT)}, (), "attn_factor of 0.5"),
+               "llama.rope.scaling.yarn_attn_factor": (0.5, FLOAT)}, (), "yarn_attn_factor of 0.5"),
+    ("qwen3", {"qwen3.rope.scaling.type": ("yarn", STRING), "qwen3.rope.scaling.factor": (4.0, FLOAT),
+               "qwen3.rope.scaling.attn_factor": (0.8, FLOAT)}, (), "scaling.attn_factor of 0.8"),
     ("qwen2", {"qwen2.rope.scaling.type": ("yarn", STRING), "qwen2.rope.scaling.factor": (0.5, FLOAT)}, (),
      "factor of at least 1"),
     ("llama", {"llama.rope.scaling.type": ("dynamic", STRING)}, (), "'dynamic'"),
@@ -239,6 +241,7 @@ def ollama_gemma3(source, path):
         "gemma3.attention.sliding_window_pattern": ([True, True, False] * 2, gguf.GGUFValueType.ARRAY,
                                                     gguf.GGUFValueType.BOOL),
         "tokenizer.ggml.eos_token_ids": ([2, OLLAMA_END_OF_TURN], gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.INT32),
+        "gemma3.final_logit_softcapping": (30.0, FLOAT),  # Ollama's converter's default, no Gemma 3's
     }, extra_tensors=(("v.blk.0.attn_q.weight", np.ones((8, 8), dtype=np.float32)),
                       ("mm.input_projection.weight", np.ones((8, 64), dtype=np.float32))),
         dropped=("gemma3.rope.freq_base", "gemma3.rope.scaling.type", "gemma3.rope.scaling.factor",
@@ -251,6 +254,7 @@ def test_an_ollama_gemma3_gguf_is_read_as_llama_cpp_reads_it(tiny_gguf, tmp_path
     config = gguf_config_dict(path)
     assert config["rope_parameters"] == OLLAMA_GEMMA3_OVERRIDES["rope_parameters"]
     assert config["layer_types"] == OLLAMA_GEMMA3_OVERRIDES["layer_types"] and config["vocab_size"] == 320
+    assert config.get("final_logit_softcapping") is None
     assert {2, OLLAMA_END_OF_TURN} <= load_head(path).eos_token_ids  # Ollama's list of end-of-generation tokens
     assert_layers_match(path, reference)  # local layers 3 and 4, global layer 5
 

@@ -74,8 +74,12 @@ async def test_the_orchestrator_serves_an_ollama_model_under_the_name_its_shards
     catalog = ModelCatalog(local_model="ollama:tiny")
 
     loaded = await catalog.get("ollama:tiny")
-    assert loaded.model_id == catalog.local_model_id() == "ollama:tiny"
+    # Every spelling of one model is served under its canonical name, so shards given another spelling agree.
+    assert loaded.model_id == catalog.local_model_id() == "ollama:tiny:latest"
     assert loaded.weights_sha256 == weights_sha256(source)
+    assert load_layer_range("ollama:library/tiny", 0, 0, **RUNNER_KV_LIMITS).info.model_id == "ollama:tiny:latest"
+    assert (await catalog.get_requested("ollama:registry.ollama.ai/library/tiny:latest")).model_id == loaded.model_id
+    assert (await catalog.get_requested("ollama:tiny:latest")).model_id == loaded.model_id
 
 
 @pytest.mark.parametrize("name, parts", [
@@ -155,3 +159,24 @@ def test_hearth_ollama_lists_what_ollama_pulled_and_whether_hearth_serves_it(tin
     as_json = json.loads(CliRunner().invoke(app, ["ollama", "--json"]).output)
     assert [(model["name"], model["problem"] is None) for model in as_json] == [
         ("ollama:someone/embedder:v1", False), ("ollama:tiny:latest", True)]
+
+
+def test_an_unreadable_models_folder_is_one_line_naming_it(ollama_models, monkeypatch):
+    def refuse(self):
+        raise PermissionError(13, "Permission denied")
+
+    (ollama_models / "manifests").mkdir(parents=True)
+    monkeypatch.setattr(Path, "is_file", refuse)  # as where the folder belongs to Ollama's service account
+    with pytest.raises(CheckpointError, match=r"cannot read Ollama's models in .*ollama-models \(Permission denied\)"):
+        resolve_model_path("ollama:tiny")
+
+
+def test_a_folder_serves_its_gguf_named_so_beside_another_gguf_file(tiny_gguf, tmp_path):
+    source, _ = tiny_gguf("llama", GGMLQuantizationType.Q8_0)
+    folder = tmp_path / "household"
+    folder.mkdir()
+    named = shutil.copy(source, folder / "model.gguf")
+    shutil.copy(source, folder / "model.gguf.part")  # a GGUF inside, as a download in progress is
+    assert resolve_model_path(folder) == Path(named).resolve()
+    (folder / "model.gguf").unlink()
+    assert resolve_model_path(folder) == (folder / "model.gguf.part").resolve()  # the only one, by its magic

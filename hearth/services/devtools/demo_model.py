@@ -55,7 +55,7 @@ class DemoModel:
     path: Path
     num_layers: int
     has_chat_template: bool
-    # The Ollama name it was given as (`ollama:NAME[:TAG]`), which processes are given and the mesh serves it under;
+    # The canonical name of an Ollama model (`ollama:NAME:TAG`), which processes are given and the mesh serves it under;
     # None for a model given as a path, a name under models/ or a hub id.
     ollama_name: str | None = None
 
@@ -122,8 +122,8 @@ def resolve_demo_model(spec: str | None, *, prefer_real: bool = False) -> DemoMo
     elif spec.startswith("random:"):
         path = random_checkpoint(spec)
     elif spec.startswith(OLLAMA_MODEL_PREFIX):
-        blob = _ollama_blob(spec)
-        return DemoModel(path=blob, ollama_name=spec, **_describe_gguf(blob))
+        blob, name = _ollama_blob(spec)
+        return DemoModel(path=blob, ollama_name=name, **_describe_gguf(blob))
     elif Path(spec).expanduser().exists():
         path = _checkpoint_in(Path(spec).expanduser())
     elif (BUNDLED_MODELS_DIR / spec / "config.json").is_file():
@@ -151,12 +151,13 @@ def _checkpoint_in(path: Path) -> Path:
     return found[0] if found else path
 
 
-def _ollama_blob(spec: str) -> Path:
+def _ollama_blob(spec: str) -> tuple[Path, str]:
+    """The GGUF blob of an Ollama model and the canonical name it is served under."""
     from hearth.inference import CheckpointError
-    from hearth.inference.ollama_models import resolve_ollama_model
+    from hearth.inference.ollama_models import canonical_ollama_name, resolve_ollama_model
 
     try:
-        return resolve_ollama_model(spec).resolve()
+        return resolve_ollama_model(spec).resolve(), canonical_ollama_name(spec)
     except CheckpointError as error:
         raise DemoError(str(error)) from None
 

@@ -21,6 +21,7 @@ from hearth.inference.checkpoint import looks_like_local_path, default_model_id
 from hearth.inference.gguf_checkpoint import default_read_device
 from hearth.inference.hub_fetch import complete_hub_snapshot, hub_layout
 from hearth.inference.memory import layer_weight_bytes, layer_weight_bytes_of
+from hearth.inference.ollama_models import served_model_id
 from hearth.inference.quantization import QuantizationScheme
 from hearth.services.common.config import HearthSettings
 from hearth.services.weights_store import read_manifest, store_model_name
@@ -57,7 +58,8 @@ async def model_layout(model: str, *, model_id: str | None, compute_dtype: torch
     per_layer = await asyncio.to_thread(layer_weight_bytes, local, compute_dtype, quantization=scheme,
                                        device=device)
     digest = await asyncio.to_thread(weights_sha256, local)
-    served_id = model_id or (default_model_id(local) if Path(model).expanduser().exists() else model)
+    served_id = model_id or (default_model_id(local) if Path(model).expanduser().exists()
+                             else served_model_id(model))
     return ModelLayout(total, [per_layer.get(index, 0) for index in range(total)], digest, served_id)
 
 

@@ -26,6 +26,7 @@ from hearth.inference import CheckpointError, Head, LocalModel, load_full, load_
 from hearth.inference.checkpoint import default_model_id, read_config_dict
 from hearth.inference.checkpoint_files import HUB_ALLOW_PATTERNS
 from hearth.inference.hub_ids import is_hub_gguf_id
+from hearth.inference.ollama_models import canonical_ollama_name, is_ollama_model, served_model_id
 from hearth.inference.compute_thread import on_compute_thread
 from hearth.inference.heap import release_freed_heap
 from hearth.inference.quantization import QuantizationScheme, parse_quantization
@@ -49,6 +50,16 @@ CONTEXT_LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_l
 
 class UnknownModel(LookupError):
     """No model of that name is in this orchestrator's catalog; the message names no path."""
+
+
+def _canonical_or_none(model: str) -> str | None:
+    """An Ollama model's canonical name, None for anything else or a malformed one."""
+    if not is_ollama_model(model):
+        return None
+    try:
+        return canonical_ollama_name(model)
+    except CheckpointError:
+        return None
 
 
 def stored_name(model: str) -> str | None:
@@ -199,7 +210,7 @@ class ModelCatalog:
         as_given = Path(model).expanduser()
         if as_given.exists() or any(path == (d / model).resolve() for d in self.search_dirs):
             return None
-        return model
+        return served_model_id(model)
 
     def local_model_id(self) -> str | None:
         """The id of the model this orchestrator may run whole (local fallback), as shards would advertise it."""
@@ -305,6 +316,11 @@ class ModelCatalog:
         """How the operator configured the model a request names `name`: as given, or `store:NAME` for NAME."""
         if name in self._configured:
             return name
+        if is_ollama_model(name):  # any spelling of a configured Ollama model
+            wanted = _canonical_or_none(name)
+            if wanted is None:
+                return None
+            return next((spec for spec in sorted(self._configured) if _canonical_or_none(spec) == wanted), None)
         spec = f"{STORE_MODEL_PREFIX}{name}"
         return spec if spec in self._configured else None
 

@@ -16,6 +16,7 @@ from hearth.events.models import default_hop_weight
 from hearth.protocol.subjects import shard_control_subject, shard_id_for
 from hearth.inference import InferenceError, LayerRangeRunner, load_layer_range, weights_sha256
 from hearth.inference.compute_thread import StepThreads, on_compute_thread
+from hearth.inference.ollama_models import served_model_id
 from hearth.inference.devices import describe_device, device_memory_allocated_bytes, resolve_placement
 from hearth.inference.quantization import (
     QuantizationError, QuantizationScheme, check_device_supports, parse_quantization,
@@ -202,7 +203,7 @@ def _default_model_id(model: str) -> str | None:
     # A stored model is served under its store name, as hosts loading a folder of that name would serve it.
     if (stored := store_model_name(model)) is not None:
         return stored
-    return None if Path(model).expanduser().exists() else model
+    return None if Path(model).expanduser().exists() else served_model_id(model)
 
 
 async def run_shard(
