@@ -43,7 +43,7 @@ GEMMA3_LOCAL_ROPE_THETA = 10000.0
 GEMMA3_GLOBAL_ROPE_THETA = 1_000_000.0
 GEMMA3_27B_LAYERS = 62
 # Gemma 3 4B, 12B and 27B scale their global layers' RoPE linearly by 8 to reach a 131 072-token context; Ollama's
-# converter wrote neither, and its files are told apart by keys and tensors of their own.
+# converter wrote neither, and its files are told apart by metadata of their own (_is_ollama_gemma3).
 GEMMA3_SCALED_CONTEXT = 131072
 GEMMA3_OLLAMA_LINEAR_FACTOR = 8.0
 OLLAMA_GEMMA3_KEYS = ("gemma3.rope.global.freq_base", "gemma3.rope.local.freq_base", "gemma3.mm.tokens_per_image",
@@ -71,20 +71,24 @@ def completed_gguf_config(config: dict, architecture: str, metadata: Mapping[str
         for key in GEMMA2_SOFTCAP_KEYS:
             if (value := metadata.get(f"gemma2.{key}")) is not None:
                 config[key] = float(value)
-        config["query_pre_attn_scalar"] = (config["hidden_size"] // config["num_attention_heads"]
-                                           if config["num_hidden_layers"] == GEMMA2_27B_LAYERS
-                                           else _head_size(config))
+        config["query_pre_attn_scalar"] = _gemma_query_scale(config, GEMMA2_27B_LAYERS)
     if architecture == "gemma3":
         # Ollama's converter stated a cap of 30 that no Gemma 3 has (its runtime drops it, as hearth does).
         softcap = None if _is_ollama_gemma3(metadata) else metadata.get("gemma3.final_logit_softcapping")
         if softcap is not None:
             config["final_logit_softcapping"] = float(softcap)
-        config["query_pre_attn_scalar"] = (config["hidden_size"] // config["num_attention_heads"]
-                                           if config["num_hidden_layers"] == GEMMA3_27B_LAYERS
-                                           else _head_size(config))
+        config["query_pre_attn_scalar"] = _gemma_query_scale(config, GEMMA3_27B_LAYERS)
     if architecture == "phi3" and (window := metadata.get("phi3.attention.sliding_window")):
         config["sliding_window"] = int(window)
     return config
+
+
+def _gemma_query_scale(config: dict, layers_of_27b: int) -> int:
+    """Gemma's query_pre_attn_scalar by llama.cpp's rule: hidden size / heads for the 27B, told by its layers;
+    the head size for every other size."""
+    if config["num_hidden_layers"] == layers_of_27b:
+        return config["hidden_size"] // config["num_attention_heads"]
+    return _head_size(config)
 
 
 def _head_size(config: dict) -> int:
