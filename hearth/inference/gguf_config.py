@@ -21,6 +21,8 @@ from .errors import CheckpointError
 from .gguf_header import LONGROPE_TENSORS, ROPE_FREQS_TENSOR, read_gguf_header
 
 EMBEDDING_TENSOR = "token_embd.weight"
+# What llama.cpp's converter puts in the name of every tensor holding a layer's experts (ffn_gate_exps, ...).
+EXPERT_TENSOR_MARK = "_exps."
 # YaRN keys a GGUF may state that hearth reads only at the values that leave llama.cpp's YaRN transformers' (an
 # extrapolation factor of -1 is llama.cpp's "unset").
 YARN_NEUTRAL_VALUES = {"yarn_ext_factor": (1.0, -1.0), "yarn_attn_factor": (1.0,), "yarn_log_multiplier": (0.0,),
@@ -56,6 +58,7 @@ def completed_gguf_config(config: dict, architecture: str, metadata: Mapping[str
     `metadata` (the GGUF's scalar key/values) and the tensors `tensor_names` lists (`read_f32_tensor(name)` reads
     one stored as F32); CheckpointError (one line) for what hearth cannot express."""
     config = dict(config)
+    _check_dense(architecture, metadata, tensor_names, file_name)
     _use_head_size(config, architecture, metadata, file_name)
     if architecture == "phi3":
         rope = _phi3_rope_parameters(config, metadata, tensor_names, read_f32_tensor, file_name)
@@ -81,6 +84,18 @@ def completed_gguf_config(config: dict, architecture: str, metadata: Mapping[str
     if architecture == "phi3" and (window := metadata.get("phi3.attention.sliding_window")):
         config["sliding_window"] = int(window)
     return config
+
+
+def _check_dense(architecture: str, metadata: Mapping[str, object], tensor_names: set[str], file_name: str) -> None:
+    """Refuse a mixture-of-experts GGUF: Mixtral's files are written as `llama` with experts, which transformers'
+    config reader does not see, and hearth's layers, kernels and memory figures are those of dense models."""
+    experts = metadata.get(f"{architecture}.expert_count")
+    stated = isinstance(experts, int) and experts > 0
+    expert_tensors = sorted(name for name in tensor_names if EXPERT_TENSOR_MARK in name)
+    if stated or expert_tensors:
+        what = f"{experts} experts a layer" if stated else f"expert tensors such as {expert_tensors[0]}"
+        raise CheckpointError(f"GGUF {file_name} is a mixture-of-experts {architecture} model ({what}; Mixtral's "
+                              "GGUFs are written as llama): hearth serves dense models only")
 
 
 def _gemma_query_scale(config: dict, layers_of_27b: int) -> int:

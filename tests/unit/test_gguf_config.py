@@ -165,6 +165,8 @@ STRING, FLOAT, UINT = gguf.GGUFValueType.STRING, gguf.GGUFValueType.FLOAT32, ggu
     ("qwen2", {}, (("rope_freqs.weight", np.ones(8, dtype=np.float32)),), "Llama 3's RoPE scaling only"),
     ("gemma3", {"gemma3.rope.scaling.type": ("yarn", STRING), "gemma3.rope.scaling.factor": (4.0, FLOAT),
                 "gemma3.rope.scaling.yarn_log_multiplier": (0.1, FLOAT)}, (), "log_multiplier"),
+    ("llama", {"llama.expert_count": (4, UINT)}, (), "mixture-of-experts llama model (4 experts a layer"),
+    ("qwen2", {}, (("blk.0.ffn_gate_exps.weight", np.ones(8, dtype=np.float32)),), "such as blk.0.ffn_gate_exps"),
 ])
 def test_positions_hearth_cannot_express_are_refused_in_one_line(tiny_gguf, tmp_path, architecture, keys, extra,
                                                                   named):
