@@ -313,18 +313,18 @@ class GGUFCheckpoint:
 
     def stored_quantized(self, name: str) -> bool:
         """Whether the tensor is stored in a quantized block type (not F32/F16/BF16/F64)."""
-        return self._tensor_of[name].block_type.name not in FLOAT_GGUF_TYPE_NAMES
+        return self._stored(name).block_type.name not in FLOAT_GGUF_TYPE_NAMES
 
     def stored_int4_group_size(self, name: str) -> int | None:
         """The group of input features a tensor stored as 4-bit codes in groups has (read_int4_groups reads it
         so), None for any other storage."""
-        stored = self._tensor_of[name]
+        stored = self._stored(name)
         return STORED_INT4_GROUP_SIZES.get(stored.block_type.name) if len(stored.shape) == 2 else None
 
     def read_int4_groups(self, name: str, device: torch.device | str = default_read_device) -> Int4Groups:
         """A 2-D tensor stored in a 4-bit block type (stored_int4_group_size) as its codes, scales and minimums on
         `device`, rows in HF order; nothing is re-rounded."""
-        stored = self._tensor_of[name]
+        stored = self._stored(name)
         if self.stored_int4_group_size(name) is None:
             raise CheckpointError(f"tensor {stored.name} of {self.path.name} is stored as {stored.block_type.name}, "
                                   "not in 4-bit groups")
@@ -347,18 +347,21 @@ class GGUFCheckpoint:
         one float32 copy of one tensor at a time); a missing name or a storage type hearth does not read is a
         CheckpointError raised before any tensor is read."""
         names = list(names)
-        for name in names:
-            if name not in self._tensor_of:
-                raise CheckpointError(f"tensor {name} is missing from the GGUF {self.path.name}")
-        check_block_types(((self._tensor_of[name].name, self._tensor_of[name].block_type.name) for name in names),
-                          self.path.name)
+        held = [self._stored(name) for name in names]
+        check_block_types(((stored.name, stored.block_type.name) for stored in held), self.path.name)
         target_device = torch.device(device)
         tensors: dict[str, torch.Tensor] = {}
-        for name in names:
-            stored = self._tensor_of[name]
+        for name, stored in zip(names, held, strict=True):
             tensors[name] = torch.from_numpy(self._dequantized(stored)).to(device=target_device, dtype=dtype)
             self.bytes_read += int(stored.n_bytes)
         return tensors
+
+    def _stored(self, name: str) -> StoredTensor:
+        """The GGUF's tensor behind HF name `name`; CheckpointError when the file lacks it."""
+        stored = self._tensor_of.get(name)
+        if stored is None:
+            raise CheckpointError(f"tensor {name} is missing from the GGUF {self.path.name}")
+        return stored
 
     def _stored_bytes(self, stored: StoredTensor) -> np.memmap:
         """The tensor's bytes as the file holds them, memory-mapped (read only when used)."""

@@ -137,6 +137,28 @@ def test_a_tensor_in_a_block_type_hearth_does_not_read_is_named(tmp_path, tiny_g
     assert "\n" not in message and "blk.1.attn_v.weight" in message and "I32" in message
 
 
+def test_a_gguf_lacking_a_layers_tensor_is_refused_in_one_line(tmp_path, tiny_gguf):
+    source, _ = tiny_gguf("llama", GGMLQuantizationType.Q8_0)
+    reader = gguf.GGUFReader(source)
+    writer = gguf.GGUFWriter(str(tmp_path / "holed.gguf"), "llama")
+    for key, field in reader.fields.items():
+        if key.startswith("llama.") or key == "tokenizer.ggml.eos_token_id":
+            writer.add_key_value(key, field.contents(), field.types[0])
+    for tensor in reader.tensors:
+        if tensor.name != "blk.1.ffn_up.weight":
+            writer.add_tensor(tensor.name, np.array(tensor.data), raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    load_layer_range(tmp_path / "holed.gguf", 0, 0, **RUNNER_KV_LIMITS)  # layer 0 is whole
+    with pytest.raises(CheckpointError) as refused:
+        load_layer_range(tmp_path / "holed.gguf", 1, 1, **RUNNER_KV_LIMITS, quantization="int4/g32")
+    message = str(refused.value)
+    assert "\n" not in message and "holed.gguf" in message and "model.layers.1.mlp.up_proj.weight" in message
+
+
 def test_k_quant_tensors_read_as_the_gguf_package_dequantizes_them(tmp_path, tiny_gguf):
     # gguf.quants cannot write K-quants: store random Q4_K / Q6_K blocks with finite scales and compare. Their
     # 256-wide blocks need rows that long: the down projections' with this intermediate size.
