@@ -22,6 +22,8 @@ from hearth.services.devtools.random_models import cache_root, random_checkpoint
 BUNDLED_MODELS_DIR = data_dir("models")
 BUNDLED_MODEL_NAME = "hearth-tiny-llama"
 GGUF_SUFFIX = ".gguf"
+# How a GGUF file begins: Ollama keeps its models' GGUFs as blobs named by their digest, without the suffix.
+GGUF_MAGIC = b"GGUF"
 # A model Ollama pulled onto this machine (hearth/inference/ollama_models.py, not imported here until one is named).
 OLLAMA_MODEL_PREFIX = "ollama:"
 # The real demo model: the distribution that ships it and its file. Installed without its own dependencies (the
@@ -73,7 +75,7 @@ class DemoModel:
 
     @property
     def is_gguf(self) -> bool:
-        return self.ollama_name is not None or (self.path.suffix.lower() == GGUF_SUFFIX and self.path.is_file())
+        return self.ollama_name is not None or is_gguf_file(self.path)
 
     @property
     def is_default(self) -> bool:
@@ -131,7 +133,7 @@ def resolve_demo_model(spec: str | None, *, prefer_real: bool = False) -> DemoMo
     else:
         path = _hub_cache_path(spec)
     path = path.resolve()
-    if path.suffix.lower() == GGUF_SUFFIX and path.is_file():
+    if is_gguf_file(path):
         return DemoModel(path=path, **_describe_gguf(path))
     return DemoModel(path=path, num_layers=_num_layers(path), has_chat_template=_has_chat_template(path))
 
@@ -139,8 +141,9 @@ def resolve_demo_model(spec: str | None, *, prefer_real: bool = False) -> DemoMo
 def _checkpoint_in(path: Path) -> Path:
     """A GGUF file as it is; a folder's one GGUF when it has no config.json (as inference.checkpoint serves it)."""
     if path.is_file():
-        if path.suffix.lower() != GGUF_SUFFIX:
-            raise DemoError(f"--model {path} is a file but not a GGUF (*.gguf); pass a checkpoint folder or a GGUF")
+        if not is_gguf_file(path):
+            raise DemoError(f"--model {path} is a file but not a GGUF (named *.gguf or starting with GGUF's magic); "
+                            "pass a checkpoint folder or a GGUF")
         return path
     if (path / "config.json").is_file():
         return path
@@ -149,6 +152,19 @@ def _checkpoint_in(path: Path) -> Path:
         raise DemoError(f"{path} holds several GGUF files ({', '.join(p.name for p in found)}); "
                         "pass the one to serve as --model")
     return found[0] if found else path
+
+
+def is_gguf_file(path: Path) -> bool:
+    """Whether `path` is a GGUF file, as hearth/inference/gguf_header.py tells one (its name or its magic)."""
+    if not path.is_file():
+        return False
+    if path.suffix.lower() == GGUF_SUFFIX:
+        return True
+    try:
+        with path.open("rb") as handle:
+            return handle.read(len(GGUF_MAGIC)) == GGUF_MAGIC
+    except OSError:
+        return False
 
 
 def _ollama_blob(spec: str) -> tuple[Path, str]:
