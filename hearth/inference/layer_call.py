@@ -14,6 +14,9 @@ from torch import nn
 NEW_CACHE_ARGUMENT = "cache"
 OLD_CACHE_ARGUMENT = "past_key_values"
 LAYER_TYPE_ARGUMENT = "layer_type"
+# RoPE types whose frequencies transformers picks by the largest position of a call (LongRoPE's short or long
+# factors), so rows of different sessions must not share a call and a piece of a sequence must say its length.
+LENGTH_PICKED_ROPE_TYPES = ("longrope",)
 
 
 @functools.cache
@@ -37,14 +40,48 @@ def run_decoder_layer(layer: nn.Module, hidden_states: torch.Tensor, *, attentio
 
 def position_embeddings_by_type(rotary_embedding: nn.Module, hidden_states: torch.Tensor,
                                 position_ids: torch.Tensor, attention_types: Sequence[str],
+                                extents: Sequence[int | None] | None = None,
                                 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """A step's rotary (cos, sin) for each attention type among `attention_types`: one per type where the model's
     rotary embedding takes the layer's type (Gemma 3 rotates local and global layers on different bases), the same
-    one for every type otherwise."""
+    one for every type otherwise.
+
+    Where the embedding picks its frequencies by the length of what it rotates (LongRoPE: its short factors up to the
+    original context, its long ones past it, by the largest position of the call), each row of a batch is rotated on
+    its own, as that session's step alone would be, and a row whose ``extents`` entry is given takes the factors of a
+    sequence that long (at least): the whole step's, or the whole prompt's, when it rotates only a piece of one."""
     if _takes_layer_type(type(rotary_embedding).forward):
-        return {kind: rotary_embedding(hidden_states, position_ids, kind) for kind in dict.fromkeys(attention_types)}
-    shared = rotary_embedding(hidden_states, position_ids)
+        return {kind: _rotated_rows(rotary_embedding, hidden_states, position_ids, kind, extents)
+                for kind in dict.fromkeys(attention_types)}
+    shared = _rotated_rows(rotary_embedding, hidden_states, position_ids, None, extents)
     return {kind: shared for kind in attention_types}
+
+
+def _rotated_rows(rotary_embedding: nn.Module, hidden_states: torch.Tensor, position_ids: torch.Tensor,
+                  layer_type: str | None, extents: Sequence[int | None] | None,
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    arguments = () if layer_type is None else (layer_type,)
+    batch = position_ids.shape[0]
+    if _rope_type(rotary_embedding, layer_type) not in LENGTH_PICKED_ROPE_TYPES or (
+            batch == 1 and (extents is None or extents[0] is None)):
+        return rotary_embedding(hidden_states, position_ids, *arguments)
+    rows = []
+    for row in range(batch):
+        row_ids = position_ids[row:row + 1]
+        extent = extents[row] if extents is not None else None
+        if extent is not None:
+            # One more position, the sequence's last, makes the call pick that length's factors; its row is dropped.
+            row_ids = torch.cat([row_ids, row_ids.new_full((1, 1), extent - 1)], dim=1)
+        cos, sin = rotary_embedding(hidden_states[row:row + 1], row_ids, *arguments)
+        rows.append((cos, sin) if extent is None else (cos[:, :-1], sin[:, :-1]))
+    # No positions read on the host: the calls stay capturable in a CUDA graph.
+    return torch.cat([cos for cos, _ in rows]), torch.cat([sin for _, sin in rows])
+
+
+def _rope_type(rotary_embedding: nn.Module, layer_type: str | None) -> object:
+    """The RoPE type transformers' rotary embedding runs for `layer_type` (a dict of types where it takes one)."""
+    rope_type = getattr(rotary_embedding, "rope_type", None)
+    return rope_type.get(layer_type) if isinstance(rope_type, dict) else rope_type
 
 
 @functools.cache

@@ -69,14 +69,15 @@ class DecoderStack:
         return dataclasses.replace(self, lean=LeanSlot(lambda: verified_lean_decoder(stack, new_cache)))
 
     def layer_pass(self, cache: DynamicCache, hidden_states: torch.Tensor, start_pos: int, run_lo: int,
-                   run_hi: int, replay: bool = False, lean: bool = True) -> LayerPass:
+                   run_hi: int, replay: bool = False, lean: bool = True, extent: int | None = None) -> LayerPass:
         """A pass of `hidden_states` (at `start_pos`) through layers ``run_lo..run_hi`` over `cache`; the layers
         themselves run unlocked. ``replay``: its queries attend as decode steps would (`LayerPass`). ``lean``: a
-        one-token pass may run on the stack's LeanDecoder (the same numbers)."""
+        one-token pass may run on the stack's LeanDecoder (the same numbers). ``extent``: the length of the sequence
+        these tokens are a piece of, where the rotary embedding picks its frequencies by it (layer_call)."""
         with self.rotary_lock:
             return LayerPass(config=self.config, layers=self.layers, rotary_embedding=self.rotary_embedding,
                              attention_types=self.attention_types, cache=cache, hidden_states=hidden_states,
-                             start_pos=start_pos, run_lo=run_lo, run_hi=run_hi, replay=replay,
+                             start_pos=start_pos, run_lo=run_lo, run_hi=run_hi, replay=replay, extent=extent,
                              lean=self.lean.decoder() if lean and self.lean and hidden_states.shape[1] == 1 else None)
 
 
@@ -90,7 +91,8 @@ class LayerPass:
 
     def __init__(self, *, config: PretrainedConfig, layers: dict[int, nn.Module], rotary_embedding: nn.Module,
                  attention_types: Sequence[str], cache: DynamicCache, hidden_states: torch.Tensor, start_pos: int,
-                 run_lo: int, run_hi: int, replay: bool = False, lean: LeanDecoder | None = None) -> None:
+                 run_lo: int, run_hi: int, replay: bool = False, lean: LeanDecoder | None = None,
+                 extent: int | None = None) -> None:
         self._replay = replay
         self._layers = layers
         self._attention_types = attention_types
@@ -102,7 +104,7 @@ class LayerPass:
         self._position_ids = torch.arange(start_pos, start_pos + num_tokens,
                                           device=hidden_states.device).unsqueeze(0)
         self._position_embeddings = position_embeddings_by_type(
-            rotary_embedding, hidden_states, self._position_ids, attention_types[run_lo:run_hi + 1])
+            rotary_embedding, hidden_states, self._position_ids, attention_types[run_lo:run_hi + 1], [extent])
         # A single query attends every cached key, under no mask: the lean steps need none built.
         self._lean = lean
         self._lean_factors = None if self._lean is None else self._lean.factors(
@@ -183,8 +185,10 @@ class SteppedForward:
                     raise RuntimeError("this layer pass has already run its last layer")
                 end = self._done_tokens + (piece_tokens or self._total_tokens)
                 piece = self.hidden_states[:, self._done_tokens:end]
+                # A piece's positions rotate as the whole step's do (layer_call: LongRoPE picks by the length).
                 self._piece = self.stack.layer_pass(self.session.cache, piece, self.start_pos + self._done_tokens,
-                                                    self.run_lo, self.run_hi, replay=self.kind == "replay")
+                                                    self.run_lo, self.run_hi, replay=self.kind == "replay",
+                                                    extent=self.start_pos + self._total_tokens)
             output = self._piece.run(max_layers)
             if output is None:
                 return None

@@ -1,0 +1,38 @@
+"""LongRoPE (Phi-3's long-context models) picks its short or long factors by the largest position of a call: a
+session's rotary embedding must not depend on which other sessions share its batched step, nor on the pieces a shard
+cuts its step into (hearth/inference/layer_call.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from hearth.inference import load_head, load_layer_range
+from tests.runner_limits import RUNNER_KV_LIMITS
+
+from .gguf_files import PHI3_LONGROPE_OVERRIDES
+from .inference_tiny_models import TINY_NUM_LAYERS, one_torch_thread, tiny_model_dir  # noqa: F401  (fixtures)
+from .test_batched_decode import decode_eight_sessions_together
+from .test_layer_slices import run_sliced
+
+ORIGINAL_CONTEXT = PHI3_LONGROPE_OVERRIDES["original_max_position_embeddings"]
+LONG_PROMPT = "the quick brown fox jumps over the lazy dog, twice"
+
+
+def test_sessions_either_side_of_the_original_context_decode_together_as_alone(tiny_model_dir):
+    batch, expected = decode_eight_sessions_together(tiny_model_dir("phi3", **PHI3_LONGROPE_OVERRIDES))
+    final = sorted(batch.positions.values())
+    assert final[0] < ORIGINAL_CONTEXT < final[-1]  # some rows on the short factors throughout, some on the long
+    assert batch.tokens == expected
+
+
+def test_a_step_past_the_original_context_rotates_as_one_whatever_its_pieces(tiny_model_dir):
+    path = tiny_model_dir("phi3", **PHI3_LONGROPE_OVERRIDES)
+    head = load_head(path)
+    whole, pieced = (load_layer_range(path, 0, TINY_NUM_LAYERS - 1, **RUNNER_KV_LIMITS) for _ in range(2))
+    prompt = head.embed(head.tokenizer.encode(LONG_PROMPT))
+    assert prompt.shape[1] > 2 * ORIGINAL_CONTEXT
+
+    expected = whole.forward("s", prompt, 0, "prefill")
+    # Pieces of fewer tokens than the original context: the first ones alone would pick the short factors.
+    got = run_sliced(pieced, "s", prompt, 0, "prefill", TINY_NUM_LAYERS, piece_tokens=ORIGINAL_CONTEXT // 2)
+    torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-3)  # the pieces attend in other sums
