@@ -38,7 +38,7 @@ import torch
 from transformers import DynamicCache, PretrainedConfig
 
 from .architectures import FULL_ATTENTION, SLIDING_ATTENTION
-from .layer_call import position_embeddings_by_type, run_decoder_layer
+from .layer_call import longer_extent, position_embeddings_by_type, run_decoder_layer
 from .layer_pass import DecoderStack, step_masks
 from .row_attention import SDPA_IMPLEMENTATIONS, attends_by_row
 
@@ -54,12 +54,14 @@ def batched_steps_supported(config: PretrainedConfig, attention_types: Sequence[
 @dataclass(frozen=True)
 class BatchRow:
     """One session's step in a batch: its hidden states ``[1, T, hidden]`` for positions ``start_pos..+T-1``; a
-    ``prefill`` at ``start_pos`` 0 starts the session (as in a solo step)."""
+    ``prefill`` at ``start_pos`` 0 starts the session (as in a solo step); ``prompt_tokens``: the length of the prompt
+    a prefill is a chunk of (LayerRangeRunner.forward)."""
 
     session_id: str
     hidden_states: torch.Tensor
     start_pos: int
     kind: str = "decode"
+    prompt_tokens: int | None = None
 
 
 class StackingBuffers:
@@ -161,9 +163,11 @@ def update_rows(caches: Sequence, key_states: Sequence[torch.Tensor], value_stat
 
 def run_batched_step(*, stack: DecoderStack, caches: Sequence[DynamicCache], hidden_states: Sequence[torch.Tensor],
                      positions: Sequence[int], run_lo: int, run_hi: int,
-                     buffers: StackingBuffers | None = None) -> list[torch.Tensor]:
+                     buffers: StackingBuffers | None = None,
+                     extents: Sequence[int | None] | None = None) -> list[torch.Tensor]:
     """Layers ``run_lo..run_hi`` of `stack` for row i's ``hidden_states[i]`` ``[1, T_i, hidden]`` at ``positions[i]``
-    of caches[i]; row i's output ``[1, T_i, hidden]`` per row. ``buffers``: the caller's, kept between its steps. Call
+    of caches[i] (rotated as a sequence of ``extents[i]`` tokens where given, layer_call); row i's output ``[1, T_i,
+    hidden]`` per row. ``buffers``: the caller's, kept between its steps. Call
     under the stack's lock. Rows of one token each that attend by row run on the stack's lean path where it has one
     (hearth/inference/lean_decode.py: each row attends its own cache, as below)."""
     config, layers, attention_types = stack.config, stack.layers, stack.attention_types
@@ -175,8 +179,11 @@ def run_batched_step(*, stack: DecoderStack, caches: Sequence[DynamicCache], hid
     padding = torch.tensor([most - tokens for tokens in new_tokens], device=device).view(-1, 1)
     position_ids = (torch.tensor(list(positions), device=device).view(-1, 1) - padding
                     + torch.arange(most, device=device).view(1, -1)).clamp(min=0)
+    row_extents = [longer_extent(extent, position, tokens)
+                   for extent, position, tokens in zip(extents or [None] * len(positions), positions, new_tokens,
+                                                       strict=True)]
     position_embeddings = position_embeddings_by_type(stack.rotary_embedding, stacked, position_ids,
-                                                      attention_types[run_lo:run_hi + 1])
+                                                      attention_types[run_lo:run_hi + 1], row_extents)
     by_row = attends_by_row(config)
     lean = stack.lean.decoder() if stack.lean is not None and most == 1 and by_row else None
     if lean is not None:

@@ -15,6 +15,7 @@ from .checkpoint import ModelInfo
 from .cpu_kernels import onednn_linear, onednn_linear_available
 from .detokenizer import TextStream
 from .errors import InferenceError
+from .layer_call import rope_switch_tokens
 from .quantization import QuantizedLinear, held_tensor_bytes
 from .sampling import SamplingParams, sample_token
 
@@ -146,6 +147,12 @@ class Head:
         """Bytes of the embedding, final norm and lm_head weights (a tied lm_head counts once; they never change, so
         measured once: every batched head step asks, hearth/services/orchestrator/head_batcher.py)."""
         return held_tensor_bytes((self._embed_tokens, self._final_norm, self._lm_head))
+
+    @functools.cached_property
+    def rope_switch_tokens(self) -> int | None:
+        """The prompt length past which the model's positions rotate on other factors (LongRoPE's original context:
+        layer_call), None where its RoPE does not depend on the length."""
+        return rope_switch_tokens(self._config)
 
     # ----------------------------------------------------------------- text
 

@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
+from transformers import PretrainedConfig
 
 NEW_CACHE_ARGUMENT = "cache"
 OLD_CACHE_ARGUMENT = "past_key_values"
@@ -57,6 +58,12 @@ def position_embeddings_by_type(rotary_embedding: nn.Module, hidden_states: torc
     return {kind: shared for kind in attention_types}
 
 
+def longer_extent(extent: int | None, start_pos: int, num_tokens: int) -> int | None:
+    """`extent` where it reaches past the end of a step's tokens (positions ``start_pos..+num_tokens-1``), else None:
+    a step alone rotates as long as it is."""
+    return extent if extent is not None and extent > start_pos + num_tokens else None
+
+
 def _rotated_rows(rotary_embedding: nn.Module, hidden_states: torch.Tensor, position_ids: torch.Tensor,
                   layer_type: str | None, extents: Sequence[int | None] | None,
                   ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,6 +83,15 @@ def _rotated_rows(rotary_embedding: nn.Module, hidden_states: torch.Tensor, posi
         rows.append((cos, sin) if extent is None else (cos[:, :-1], sin[:, :-1]))
     # No positions read on the host: the calls stay capturable in a CUDA graph.
     return torch.cat([cos for cos, _ in rows]), torch.cat([sin for _, sin in rows])
+
+
+def rope_switch_tokens(config: PretrainedConfig) -> int | None:
+    """The original context of a model whose RoPE picks its factors by the length (LongRoPE), else None."""
+    rope = getattr(config, "rope_parameters", None) or {}
+    if rope.get("rope_type") not in LENGTH_PICKED_ROPE_TYPES:
+        return None
+    original = rope.get("original_max_position_embeddings") or getattr(config, "original_max_position_embeddings", None)
+    return int(original) if original else None
 
 
 def _rope_type(rotary_embedding: nn.Module, layer_type: str | None) -> object:

@@ -23,7 +23,7 @@ from transformers import DynamicCache, PretrainedConfig
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from .architectures import FULL_ATTENTION, SLIDING_ATTENTION
-from .layer_call import build_mask, position_embeddings_by_type, run_decoder_layer
+from .layer_call import build_mask, longer_extent, position_embeddings_by_type, run_decoder_layer
 from .lean_decode import LeanDecoder, LeanSlot, verified_lean_decoder
 
 MASK_BUILDERS = {
@@ -104,7 +104,8 @@ class LayerPass:
         self._position_ids = torch.arange(start_pos, start_pos + num_tokens,
                                           device=hidden_states.device).unsqueeze(0)
         self._position_embeddings = position_embeddings_by_type(
-            rotary_embedding, hidden_states, self._position_ids, attention_types[run_lo:run_hi + 1], [extent])
+            rotary_embedding, hidden_states, self._position_ids, attention_types[run_lo:run_hi + 1],
+            [longer_extent(extent, start_pos, num_tokens)])
         # A single query attends every cached key, under no mask: the lean steps need none built.
         self._lean = lean
         self._lean_factors = None if self._lean is None else self._lean.factors(
@@ -156,7 +157,7 @@ class SteppedForward:
     """
 
     def __init__(self, *, session_id: str, session, hidden_states: torch.Tensor, start_pos: int, run_lo: int,
-                 run_hi: int, kind: str, stack: DecoderStack | None) -> None:
+                 run_hi: int, kind: str, stack: DecoderStack | None, prompt_tokens: int | None = None) -> None:
         self.session_id = session_id
         self.session = session  # the runner's record of the session, to notice it was evicted between advances
         self.hidden_states = hidden_states
@@ -166,14 +167,17 @@ class SteppedForward:
         # None: the step runs whole on its first advance (static caches: hearth/inference/static_decode.py).
         self.stack = stack
         self._total_tokens = hidden_states.shape[1]
+        # What its pieces rotate as (layer_call): the whole step, or the prompt it is a chunk of.
+        self.extent = max(start_pos + self._total_tokens, prompt_tokens or 0)
         self._outputs: list[torch.Tensor] = []
         self._done_tokens = 0
         self._piece: LayerPass | None = None
 
     @property
     def whole_step(self) -> tuple:
-        """(hidden states, start position, first layer, last layer, kind): what a static-cache step runs whole."""
-        return self.hidden_states, self.start_pos, self.run_lo, self.run_hi, self.kind
+        """(hidden states, start position, first layer, last layer, kind, extent): what a static-cache step runs
+        whole."""
+        return self.hidden_states, self.start_pos, self.run_lo, self.run_hi, self.kind, self.extent
 
     def run(self, max_layers: int | None, piece_tokens: int | None) -> torch.Tensor | None:
         """Run the next `max_layers` layers of the current piece (everything when None), starting a piece of
@@ -185,10 +189,9 @@ class SteppedForward:
                     raise RuntimeError("this layer pass has already run its last layer")
                 end = self._done_tokens + (piece_tokens or self._total_tokens)
                 piece = self.hidden_states[:, self._done_tokens:end]
-                # A piece's positions rotate as the whole step's do (layer_call: LongRoPE picks by the length).
                 self._piece = self.stack.layer_pass(self.session.cache, piece, self.start_pos + self._done_tokens,
                                                     self.run_lo, self.run_hi, replay=self.kind == "replay",
-                                                    extent=self.start_pos + self._total_tokens)
+                                                    extent=self.extent)
             output = self._piece.run(max_layers)
             if output is None:
                 return None

@@ -72,7 +72,8 @@ class LayerRangeRunner(RunnerChecks):
         # Where the layers and caches live; steps arriving elsewhere (the wire hands over CPU tensors) move here.
         self.device = device or torch.device("cpu")
         self._attention_types = adapter.attention_types(config)
-        unknown = set(self._attention_types[self.layer_lo : self.layer_hi + 1]) - set(MASK_BUILDERS)
+        own_types = self._attention_types[self.layer_lo : self.layer_hi + 1]
+        unknown = set(own_types) - set(MASK_BUILDERS)
         if unknown:
             raise ValueError(f"attention types {sorted(unknown)} are not supported by LayerRangeRunner")
         self._kv_bytes_per_token_per_layer = kv_bytes_per_token_per_layer(config, info.dtype)
@@ -81,8 +82,7 @@ class LayerRangeRunner(RunnerChecks):
         self._closed = False
         # Static caches and graphed decode steps (hearth/inference/static_decode.py) where asked for and supported.
         self._static: StaticDecoder | None = None
-        if static_cache_tokens and static_decode_supported(
-                config, self._attention_types[self.layer_lo : self.layer_hi + 1]):
+        if static_cache_tokens and static_decode_supported(config, own_types):
             # No session reaches beyond the model's context, so neither need its cache.
             max_tokens = min(static_cache_tokens, getattr(config, "max_position_embeddings", 0) or static_cache_tokens)
             self._static = StaticDecoder(config=config, layers=layers, rotary_embedding=rotary_embedding,
@@ -93,8 +93,7 @@ class LayerRangeRunner(RunnerChecks):
         dynamic_cache, grows = dynamic_cache_maker(config, self.device)
         self._stack = stack if self._static is not None or not grows else stack.with_lean_decode(dynamic_cache)
         # Batched steps over the sessions' own dynamic caches (hearth/inference/batched.py; static ones: StaticDecoder).
-        self._batched = self._static is None and batched_steps_supported(
-            config, self._attention_types[self.layer_lo : self.layer_hi + 1])
+        self._batched = self._static is None and batched_steps_supported(config, own_types)
         self._stacking_buffers = StackingBuffers()  # used under the lock: step_batch holds it throughout
         # Kept prefixes (hearth/inference/prefix_cache.py), in dynamic and static caches alike.
         prefixes = PrefixCache(ttl_s=prefix_ttl_s, clock=clock) if prefix_ttl_s else None
@@ -108,15 +107,15 @@ class LayerRangeRunner(RunnerChecks):
     # ----------------------------------------------------------------- compute
 
     def forward(self, session_id: str, hidden_states: torch.Tensor, start_pos: int, kind: StepKind = "prefill",
-                layers: tuple[int, int] | None = None) -> torch.Tensor:
+                layers: tuple[int, int] | None = None, prompt_tokens: int | None = None) -> torch.Tensor:
         """Run one step of a session through the loaded layers (or the inclusive sub-range ``layers``).
 
         ``hidden_states`` is ``[1, T, hidden_size]`` for the T tokens at positions ``start_pos .. start_pos+T-1``;
-        the result has the same shape, in the model's dtype."""
-        return self.advance(self.begin_forward(session_id, hidden_states, start_pos, kind, layers))
+        the result has the same shape, in the model's dtype. ``prompt_tokens``: the prompt's length (layer_call)."""
+        return self.advance(self.begin_forward(session_id, hidden_states, start_pos, kind, layers, prompt_tokens))
 
-    def begin_forward(self, session_id: str, hidden_states: torch.Tensor, start_pos: int,
-                      kind: StepKind = "prefill", layers: tuple[int, int] | None = None) -> SteppedForward:
+    def begin_forward(self, session_id: str, hidden_states: torch.Tensor, start_pos: int, kind: StepKind = "prefill",
+                      layers: tuple[int, int] | None = None, prompt_tokens: int | None = None) -> SteppedForward:
         """Check and start one step (as `forward`), to be run by `advance` a few layers (of a piece of its tokens) per
         call; other sessions' steps may run between the calls (hearth/inference/layer_pass.py says why)."""
         if not isinstance(session_id, str) or not session_id:
@@ -130,7 +129,7 @@ class LayerRangeRunner(RunnerChecks):
             session = self._session_for(session_id, start_pos, hidden_states.shape[1], kind, run_lo, run_hi)
             return SteppedForward(session_id=session_id, session=session, hidden_states=hidden_states,
                                   start_pos=start_pos, run_lo=run_lo, run_hi=run_hi, kind=kind,
-                                  stack=self._stack if self._static is None else None)
+                                  prompt_tokens=prompt_tokens, stack=self._stack if self._static is None else None)
 
     def advance(self, step: SteppedForward, max_layers: int | None = None,
                 piece_tokens: int | None = None) -> torch.Tensor | None:
@@ -224,21 +223,23 @@ class LayerRangeRunner(RunnerChecks):
         batchable = (self._batched if self._static is None else all(h.shape[1] == 1 for _, _, h, _ in ready)
                      ) and all(row.kind != "replay" for _, row, _, _ in ready)  # replayed queries attend alone
         if len(ready) < 2 or not batchable:
-            return [self._run_solo(session.cache, hidden, as_position(row.start_pos), run_lo, run_hi, row.kind)
-                    for _, row, hidden, session in ready]
+            return [self._run_solo(session.cache, hidden, as_position(row.start_pos), run_lo, run_hi, row.kind,
+                                   row.prompt_tokens) for _, row, hidden, session in ready]
         caches = [session.cache for *_, session in ready]
         positions = [as_position(row.start_pos) for _, row, _, _ in ready]
         if self._static is not None:  # its graphs batch one-token steps only
             return self._static.run_batch(caches, torch.cat([hidden for _, _, hidden, _ in ready]), positions,
                                           run_lo, run_hi)
         return run_batched_step(stack=self._stack, caches=caches, hidden_states=[h for _, _, h, _ in ready],
-                                positions=positions, run_lo=run_lo, run_hi=run_hi, buffers=self._stacking_buffers)
+                                positions=positions, run_lo=run_lo, run_hi=run_hi, buffers=self._stacking_buffers,
+                                extents=[row.prompt_tokens for _, row, _, _ in ready])
 
     def _run_solo(self, cache, hidden_states: torch.Tensor, start_pos: int, run_lo: int, run_hi: int,
-                  kind: StepKind) -> torch.Tensor:
+                  kind: StepKind, extent: int | None) -> torch.Tensor:
         if self._static is not None:
-            return self._static.run(cache, hidden_states, start_pos, run_lo, run_hi, kind)
-        return self._stack.layer_pass(cache, hidden_states, start_pos, run_lo, run_hi, kind == "replay").run()
+            return self._static.run(cache, hidden_states, start_pos, run_lo, run_hi, kind, extent)
+        return self._stack.layer_pass(cache, hidden_states, start_pos, run_lo, run_hi, kind == "replay",
+                                      extent=extent).run()
 
     def _session_for(self, session_id: str, start_pos: int, num_tokens: int, kind: str, run_lo: int, run_hi: int):
         """The session a step runs in: a prefill at 0 (re)starts it, any other step continues it (checked)."""

@@ -44,7 +44,7 @@ from transformers import PretrainedConfig, StaticCache
 
 from .architectures import FULL_ATTENTION
 from .batched import update_rows
-from .layer_call import position_embeddings_by_type, run_decoder_layer
+from .layer_call import longer_extent, position_embeddings_by_type, run_decoder_layer
 from .errors import SessionTooLargeError
 from .prefix_cache import CacheLengths
 from .row_attention import SDPA_IMPLEMENTATIONS
@@ -144,9 +144,10 @@ class StaticDecoder:
         return min(self.max_tokens, max(min_graph_width_tokens, 1 << (tokens - 1).bit_length()))
 
     def run(self, cache: StaticCache, hidden: torch.Tensor, start_pos: int, run_lo: int, run_hi: int,
-            kind: str) -> torch.Tensor:
-        """One step. A replayed graph's output is a static buffer in the graphs' shared memory pool: valid only until
-        the next replay of any of this decoder's graphs (copy it out first, as `to_host` does)."""
+            kind: str, extent: int | None = None) -> torch.Tensor:
+        """One step (rotated as a sequence of `extent` tokens where given: layer_call). A replayed graph's output is a
+        static buffer in the graphs' shared memory pool: valid only until the next replay of any of this decoder's
+        graphs (copy it out first, as `to_host` does)."""
         num_tokens = hidden.shape[1]
         self.check_room(start_pos, num_tokens)
         if kind == "decode" and num_tokens == 1 and self.capture_graphs:
@@ -158,7 +159,8 @@ class StaticDecoder:
             output = self._replay(entry, hidden, [start_pos])
         else:
             position_ids = torch.arange(start_pos, start_pos + num_tokens, device=self.device).unsqueeze(0)
-            output = self._body([cache], hidden, position_ids, start_pos + num_tokens, run_lo, run_hi)
+            output = self._body([cache], hidden, position_ids, start_pos + num_tokens, run_lo, run_hi,
+                                longer_extent(extent, start_pos, num_tokens))
         lengths = self._lengths[cache]
         for layer_index in range(run_lo, run_hi + 1):
             lengths[layer_index] = start_pos + num_tokens
@@ -200,11 +202,11 @@ class StaticDecoder:
         return self._batch_sightings[key]
 
     def _body(self, caches: Sequence[StaticCache], hidden: torch.Tensor, position_ids: torch.Tensor, width: int,
-              run_lo: int, run_hi: int) -> torch.Tensor:
+              run_lo: int, run_hi: int, extent: int | None = None) -> torch.Tensor:
         """The layers for row i's ``hidden[i]`` at ``position_ids[i]`` over caches[i], attending each row's first
         `width` positions; no host synchronisation (capturable when `width` is fixed)."""
         position_embeddings = position_embeddings_by_type(self._rotary_embedding, hidden, position_ids,
-                                                          [FULL_ATTENTION])[FULL_ATTENTION]
+                                                          [FULL_ATTENTION], extent and [extent])[FULL_ATTENTION]
         # [B, 1, T, width], True where the key's position is at most the query's.
         mask = (self._key_positions[:width].view(1, 1, -1) <= position_ids.unsqueeze(-1)).unsqueeze(1)
         rows = _StaticRows(caches, width)

@@ -80,16 +80,19 @@ def test_a_reprefill_sends_the_prompt_in_its_chunks_and_the_decoded_tokens_as_re
 
 
 class KindsSeen(LocalChain):
-    """A local chain that remembers the kind of every step it was sent."""
+    """A local chain that remembers the kind and the prompt length of every step it was sent."""
 
     def __init__(self, local, replay_steps: bool) -> None:
         super().__init__(local)
         self.replay_steps = replay_steps
         self.kinds: list[FrameKind] = []
+        self.prompt_tokens: list[int | None] = []
 
-    async def step(self, kind: FrameKind, pos: int, hidden: torch.Tensor) -> torch.Tensor:
+    async def step(self, kind: FrameKind, pos: int, hidden: torch.Tensor,
+                   prompt_tokens: int | None = None) -> torch.Tensor:
         self.kinds.append(kind)
-        return await super().step(kind, pos, hidden)
+        self.prompt_tokens.append(prompt_tokens)
+        return await super().step(kind, pos, hidden, prompt_tokens)
 
 
 @pytest.mark.parametrize("replay_steps", [True, False])
@@ -102,6 +105,9 @@ async def test_a_chain_whose_hops_take_no_replay_steps_gets_the_decoded_tokens_a
         await prefill(chain, local.head.embed(known), 4, replay_from=len(known) - 5)
         replayed = [FrameKind.replay] * 2 if replay_steps else [FrameKind.prefill] * 2
         assert chain.kinds[-2:] == replayed and set(chain.kinds[:-2]) == {FrameKind.prefill}
+        # Every prefill chunk says how long its prompt is (the decoded tokens are one when sent as prefill).
+        prompt = len(known) - 5 if replay_steps else len(known)
+        assert chain.prompt_tokens == [prompt] * (len(chain.kinds) - 2) + ([None] * 2 if replay_steps else [prompt] * 2)
         assert local.runner.cached_tokens(chain.session_id) == len(known)
     finally:
         await chain.close()

@@ -88,7 +88,8 @@ def builder(engine, failing_opens: int, kind: str = "gone") -> Builder:
                           projector=SimpleNamespace(session_factory=sessions, wait_until_caught_up=caught_up),
                           quarantined=set(), recent_failures=SimpleNamespace(current=lambda: set()),
                           public_prompt_ids={}, nc=SimpleNamespace(is_connected=True))
-    call = SimpleNamespace(model=SimpleNamespace(model_id=MODEL_ID, weights_sha256=WEIGHTS_SHA), caller=None,
+    call = SimpleNamespace(model=SimpleNamespace(model_id=MODEL_ID, weights_sha256=WEIGHTS_SHA,
+                                                 head=SimpleNamespace(rope_switch_tokens=None)), caller=None,
                            pipeline_id="p-1", request=SimpleNamespace(params=SimpleNamespace(verify="sampled"),
                                                                      max_tokens=4),
                            known_ids=[1, 2, 3], prompt_ids=[1, 2, 3], quantization=None, excluded=set())

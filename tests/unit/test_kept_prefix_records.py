@@ -154,7 +154,8 @@ def orchestrator_context(engine, settings: HearthSettings) -> SimpleNamespace:
 def call_of(prompt: list[int], generated: list[int] = ()) -> SimpleNamespace:
     """A call of `prompt` that has fed `generated` back (all of them: the positions its hops ran)."""
     known = [*prompt, *generated]
-    return SimpleNamespace(model=SimpleNamespace(model_id=MODEL_ID, weights_sha256=WEIGHTS_SHA), caller=None,
+    return SimpleNamespace(model=SimpleNamespace(model_id=MODEL_ID, weights_sha256=WEIGHTS_SHA,
+                                                 head=SimpleNamespace(rope_switch_tokens=None)), caller=None,
                            request=SimpleNamespace(params=SimpleNamespace(verify="sampled"), max_tokens=4),
                            known_ids=known, next_position=len(known), prompt_ids=list(prompt),
                            quantization=None, excluded=set())

@@ -36,3 +36,24 @@ def test_a_step_past_the_original_context_rotates_as_one_whatever_its_pieces(tin
     # Pieces of fewer tokens than the original context: the first ones alone would pick the short factors.
     got = run_sliced(pieced, "s", prompt, 0, "prefill", TINY_NUM_LAYERS, piece_tokens=ORIGINAL_CONTEXT // 2)
     torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-3)  # the pieces attend in other sums
+
+
+def test_a_prompt_sent_in_chunks_rotates_as_the_whole_prompt_told_its_length(tiny_model_dir):
+    path = tiny_model_dir("phi3", **PHI3_LONGROPE_OVERRIDES)
+    head = load_head(path)
+    whole, chunked, told = (load_layer_range(path, 0, TINY_NUM_LAYERS - 1, **RUNNER_KV_LIMITS) for _ in range(3))
+    prompt = head.embed(head.tokenizer.encode(LONG_PROMPT))
+    length, size = prompt.shape[1], ORIGINAL_CONTEXT // 2
+    expected = whole.forward("s", prompt, 0, "prefill")
+
+    def chunks(runner, prompt_tokens):
+        return torch.cat([runner.forward("s", prompt[:, start:start + size], start, "prefill",
+                                         prompt_tokens=prompt_tokens) for start in range(0, length, size)], dim=1)
+
+    # The orchestrator's chunks (Hearth-Prompt-Tokens): as the shard's own pieces of the whole step, bit for bit.
+    got = chunks(told, length)
+    assert torch.equal(got, run_sliced(load_layer_range(path, 0, TINY_NUM_LAYERS - 1, **RUNNER_KV_LIMITS), "s",
+                                       prompt, 0, "prefill", TINY_NUM_LAYERS, piece_tokens=size))
+    torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-3)
+    # Untold, the chunks before the original context's end rotate on the short factors.
+    assert not torch.allclose(chunks(chunked, None), expected, rtol=1e-2, atol=1e-2)

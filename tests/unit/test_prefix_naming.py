@@ -28,6 +28,10 @@ def test_a_name_stands_for_every_token_before_it_and_for_the_caller():
     assert tail_edited[:3] == names[:3] and tail_edited[3] != names[3]
     assert block_names(IDS, 4, FIRST, "member:bob")[0] != names[0]
     assert block_names(IDS, 4, first_name("tiny", "abc", "int8", "auto", 4), "member:ann")[0] != names[0]
+    # A LongRoPE model's prompts rotate on its short or long factors by their length: neither set's KV serves the other.
+    short, long = (block_names(IDS, 4, first_name("tiny", "abc", "none", "auto", 4, factors), "member:ann")[0]
+                   for factors in ("short", "long"))
+    assert len({short, long, names[0]}) == 3
 
 
 def test_blocks_inside_a_public_prompt_are_shared_and_the_rest_stays_the_caller_s():

@@ -19,11 +19,11 @@ LIMITS = StepLimits.for_pipeline(hidden_size=HIDDEN, max_tokens=MAX_TOKENS)
 
 
 def header(shape, *, dtype=WireDtype.float32, pos=0, chunk_count=1, kind=FrameKind.prefill, block=None,
-           compute=None) -> FrameHeader:
+           compute=None, prompt_tokens=None) -> FrameHeader:
     total = wire_nbytes(dtype, shape, block)
     return FrameHeader(pipeline_id=PIPELINE, hop=1, session="s", step=1, kind=kind, pos=pos, chunk_index=0,
                        chunk_count=chunk_count, dtype=dtype, compute_dtype=compute or dtype, shape=shape,
-                       total_bytes=total, int8_block=block)
+                       total_bytes=total, int8_block=block, prompt_tokens=prompt_tokens)
 
 
 @pytest.mark.parametrize("forged, reason", [
@@ -35,6 +35,8 @@ def header(shape, *, dtype=WireDtype.float32, pos=0, chunk_count=1, kind=FrameKi
     (header((1, MAX_TOKENS + 1, HIDDEN)), "positions"),
     (header((1, 1, HIDDEN), pos=MAX_TOKENS, kind=FrameKind.decode), "positions"),
     (header((1, 2_000_000, HIDDEN)), "positions"),  # 512 MB claimed
+    (header((1, 8, HIDDEN), pos=4, prompt_tokens=11), "positions"),  # a chunk reaching past its prompt
+    (header((1, 8, HIDDEN), prompt_tokens=MAX_TOKENS + 1), "positions"),  # a prompt beyond the session
     (header((1, 4, HIDDEN), dtype=WireDtype.int8, block=64, compute=WireDtype.float32), "dtype"),
     (header((1, 4, HIDDEN), chunk_count=1000), "chunks"),  # 1 KiB claimed in 1000 chunks
 ])

@@ -180,6 +180,12 @@ def test_header_mapping_round_trips_and_uses_documented_names():
     assert headers["Hearth-Pos"] == "0" and headers["Hearth-Sent-Ns"] == "42" and headers["Hearth-Hop"] == "2"
     assert FrameHeader.from_nats_headers(headers) == header
     assert FrameHeader.from_nats_headers({**headers, HEADER_KIND: "replay"}).kind is FrameKind.replay
+    assert "Hearth-Prompt-Tokens" not in headers and header.info.prompt_tokens is None
+
+    chunk = encode_step(PREFILL.model_copy(update={"pos": 5, "prompt_tokens": 40}), torch.randn(1, 5, 6))
+    chunk_headers = chunk.header(PIPELINE, 0, 0).to_nats_headers()
+    assert chunk_headers["Hearth-Prompt-Tokens"] == "40"
+    assert FrameHeader.from_nats_headers(chunk_headers).info == chunk.info  # forwarded hop to hop as it came
 
 
 def good_headers() -> dict[str, str]:
@@ -205,6 +211,8 @@ def good_headers() -> dict[str, str]:
         ({HEADER_INT8_BLOCK: "64"}, "only allowed with Hearth-Dtype int8"),
         ({HEADER_DTYPE: "int8", HEADER_BYTES: "12"}, "Hearth-Compute-Dtype"),
         ({HEADER_KIND: "reset"}, "a reset frame is a single chunk without dtype"),
+        ({"Hearth-Prompt-Tokens": "0"}, "Hearth-Prompt-Tokens"),
+        ({"Hearth-Prompt-Tokens": "9", HEADER_KIND: "decode"}, "only allowed on a prefill frame, not decode"),
     ],
 )
 def test_bad_headers_are_rejected_with_the_header_named(change, message):

@@ -304,21 +304,20 @@ class HopChain:
         per_token_s = 0.0 if kind is FrameKind.decode else self.transport.prefill_timeout_per_token_s
         return self.transport.step_timeout_s + per_token_s * tokens
 
-    async def step(self, kind: FrameKind, pos: int, hidden: torch.Tensor) -> torch.Tensor | StepFailure:
+    async def step(self, kind: FrameKind, pos: int, hidden: torch.Tensor,
+                   prompt_tokens: int | None = None) -> torch.Tensor | StepFailure:
         """Send one step into hop 0; what leaves the last hop, or why it will not."""
-        sent = await self.send_step(kind, pos, hidden)
-        if isinstance(sent, StepFailure):
-            return sent
-        return await self.await_step(sent)
+        sent = await self.send_step(kind, pos, hidden, prompt_tokens=prompt_tokens)
+        return sent if isinstance(sent, StepFailure) else await self.await_step(sent)
 
     async def send_step(self, kind: FrameKind, pos: int, hidden: torch.Tensor, *,
-                        queued_tokens: int = 0) -> SentStep | StepFailure:
+                        queued_tokens: int = 0, prompt_tokens: int | None = None) -> SentStep | StepFailure:
         """Publish one step into hop 0 without waiting for its output (await_step it, in sending order).
 
         `queued_tokens`: prefill tokens of steps still out ahead of it, which every hop runs first, so its
-        timeout grows by their share too."""
+        timeout grows by their share too. `prompt_tokens`: a prefill chunk's prompt length (Hearth-Prompt-Tokens)."""
         self._step += 1
-        info = StepInfo(session=self.session_id, step=self._step, kind=kind, pos=pos)
+        info = StepInfo(session=self.session_id, step=self._step, kind=kind, pos=pos, prompt_tokens=prompt_tokens)
         timeout_s = self._step_timeout_s(kind, int(hidden.shape[1]) + queued_tokens)
         epoch = self.nc.stats["reconnects"]
         queued_behind = bool(self._outstanding)

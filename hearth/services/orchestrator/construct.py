@@ -134,8 +134,12 @@ class ChainBuilder:
             return None
         bs = settings.prefix_cache.block_tokens
         wire_dtype = settings.research.distributed_inference.activation_dtype
+        # A LongRoPE prompt rotates on its short or its long factors by its length: KV of one set serves no prompt of
+        # the other.
+        switch = call.model.head.rope_switch_tokens
+        factors = "" if switch is None else ("long" if len(call.prompt_ids) > switch else "short")
         return CallPrefix(settings.prefix_cache, first_name(call.model.model_id, call.model.weights_sha256,
-                                                            quantization, wire_dtype, bs),
+                                                            quantization, wire_dtype, bs, factors),
                           caller_scope(call.caller), self.public_blocks,
                           reuse_allowed=call.request.params.verify not in ("all", "vote"))
 

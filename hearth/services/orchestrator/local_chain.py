@@ -23,8 +23,10 @@ class LocalChain:
     async def keep_alive(self) -> None:
         return None
 
-    async def step(self, kind: FrameKind, pos: int, hidden: torch.Tensor) -> torch.Tensor:
-        return await on_compute_thread(self.local.runner.forward, self.session_id, hidden, pos, kind.value)
+    async def step(self, kind: FrameKind, pos: int, hidden: torch.Tensor,
+                   prompt_tokens: int | None = None) -> torch.Tensor:
+        return await on_compute_thread(self.local.runner.forward, self.session_id, hidden, pos, kind.value, None,
+                                       prompt_tokens)
 
     async def close(self) -> None:
         await on_compute_thread(self.local.runner.reset, self.session_id)

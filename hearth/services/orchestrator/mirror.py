@@ -26,7 +26,7 @@ from hearth.services.orchestrator.call import new_pipeline_id
 from hearth.services.orchestrator.chain import HopChain
 from hearth.services.orchestrator.outcomes import StepFailure
 from hearth.services.orchestrator.placement import ChainPlacement
-from hearth.services.orchestrator.prefill import steps_as_sent
+from hearth.services.orchestrator.prefill import prompt_ends, steps_as_sent
 from hearth.services.orchestrator.kept_inputs import first_blocks
 from hearth.services.orchestrator.recording import ChainRecorder, HopSpan
 from hearth.services.orchestrator.router import Hop
@@ -70,8 +70,10 @@ class Mirror:
         if not self.chain.replay_steps:
             kinds = [FrameKind.prefill if kind is FrameKind.replay else kind for kind in kinds]
         outputs = []
-        for start, end, kind in steps_as_sent(int(inputs.shape[1]), kinds, self.chunk_tokens):
-            output = await self.chain.step(kind, first_pos + start, inputs[:, start:end].contiguous())
+        steps = steps_as_sent(int(inputs.shape[1]), kinds, self.chunk_tokens)
+        for (start, end, kind), prompt_end in zip(steps, prompt_ends(steps), strict=True):
+            output = await self.chain.step(kind, first_pos + start, inputs[:, start:end].contiguous(),
+                                           None if prompt_end is None else first_pos + prompt_end)
             if isinstance(output, StepFailure):
                 return output
             outputs.append(output)

@@ -74,6 +74,19 @@ def steps_as_sent(positions: int, kinds: Sequence[FrameKind], chunk_tokens: int)
     return steps
 
 
+def prompt_ends(steps: Sequence[tuple[int, int, FrameKind]]) -> list[int | None]:
+    """Per step of `steps` (steps_as_sent's), the end of the run of prefill positions a prefill step is a chunk of:
+    the prompt's length, which each of its chunks carries (Hearth-Prompt-Tokens: they rotate as the whole prompt);
+    None for the other kinds."""
+    ends: list[int | None] = [None] * len(steps)
+    run_end = None
+    for index in reversed(range(len(steps))):
+        _, end, kind = steps[index]
+        run_end = (run_end or end) if kind is FrameKind.prefill else None
+        ends[index] = run_end
+    return ends
+
+
 def step_spans(total_tokens: int, chunk_tokens: int, start: int = 0,
                replay_from: int | None = None) -> list[tuple[int, int, FrameKind]]:
     """[start, end) (relative to `start`) and kind of each step that prefills `total_tokens` tokens from position
@@ -90,13 +103,14 @@ async def prefill(chain: HopChain | LocalChain, hidden: torch.Tensor, chunk_toke
     `chain` in chunks, positions from `replay_from` on as replay steps where every hop takes them (step_spans), as
     prefill chunks where one does not; the last chunk's output, or the failure that stopped it."""
     spans = step_spans(int(hidden.shape[1]), chunk_tokens, start, replay_from if chain.replay_steps else None)
+    prompt_tokens = [None if end is None else start + end for end in prompt_ends(spans)]
     if len(spans) == 1:
-        return await chain.step(spans[0][2], start, hidden)
+        return await chain.step(spans[0][2], start, hidden, prompt_tokens[0])
     if isinstance(chain, LocalChain):
         # One compute-thread trip per chunk: the orchestrator's other calls get the thread in between.
         output = None
-        for first, end, kind in spans:
-            output = await chain.step(kind, start + first, hidden[:, first:end])
+        for (first, end, kind), prompt in zip(spans, prompt_tokens, strict=True):
+            output = await chain.step(kind, start + first, hidden[:, first:end], prompt)
         return output
     depth = chunks_in_flight(len(chain.hops), chain.transport.max_ready_steps)
     out: deque[tuple[SentStep, int]] = deque()
@@ -105,7 +119,8 @@ async def prefill(chain: HopChain | LocalChain, hidden: torch.Tensor, chunk_toke
         while next_span < len(spans) and len(out) < depth:
             first, end, kind = spans[next_span]
             sent = await chain.send_step(kind, start + first, hidden[:, first:end].contiguous(),
-                                         queued_tokens=sum(tokens for _, tokens in out))
+                                         queued_tokens=sum(tokens for _, tokens in out),
+                                         prompt_tokens=prompt_tokens[next_span])
             if isinstance(sent, StepFailure):
                 return sent
             out.append((sent, end - first))

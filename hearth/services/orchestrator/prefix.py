@@ -31,9 +31,12 @@ PUBLIC_SCOPE = "public"
 remembered_names = 65536
 
 
-def first_name(model_id: str, weights_sha256: str, quantization: str, wire_dtype: str, block_tokens: int) -> bytes:
-    """What the first block's name is chained onto: everything besides the tokens that shapes their KV."""
-    identity = "\0".join(["hearth-prefix-1", model_id, weights_sha256, quantization, wire_dtype, str(block_tokens)])
+def first_name(model_id: str, weights_sha256: str, quantization: str, wire_dtype: str, block_tokens: int,
+               rotary_factors: str = "") -> bytes:
+    """What the first block's name is chained onto: everything besides the tokens that shapes their KV (with
+    `rotary_factors`, which of its factor sets a model whose RoPE picks them by the prompt's length rotates it on)."""
+    identity = "\0".join(["hearth-prefix-1", model_id, weights_sha256, quantization, wire_dtype, str(block_tokens),
+                          *([rotary_factors] if rotary_factors else [])])
     return hashlib.blake2b(identity.encode(), digest_size=16).digest()
 
 

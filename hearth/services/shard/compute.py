@@ -313,7 +313,8 @@ class ShardCompute:
             # On a GPU: input queued onto the device, the layers queued, one wait for the output's copy to pinned
             # host memory (hearth/inference/host_staging.py); on the CPU both are no-ops.
             step = self.runner.begin_forward(request.session_id, to_device(received.tensor, self.runner.device),
-                                             received.pos, received.kind.value, (request.layer_lo, request.layer_hi))
+                                             received.pos, received.kind.value, (request.layer_lo, request.layer_hi),
+                                             received.prompt_tokens)
             output = self._turns(step, slice_layers)
             return None, step, None if output is None else to_host(output)
         finally:
@@ -357,7 +358,7 @@ class ShardCompute:
                 continue
             sound.append(index)
             rows.append(BatchRow(queued.request.session_id, to_device(queued.received.tensor, self.runner.device),
-                                 queued.received.pos, queued.received.kind.value))
+                                 queued.received.pos, queued.received.kind.value, queued.received.prompt_tokens))
         if not rows:
             return outcomes
         self.fault.raise_if_failing()

@@ -76,6 +76,7 @@ class EncodedStep:
             step=self.info.step,
             kind=self.info.kind,
             pos=self.info.pos,
+            prompt_tokens=self.info.prompt_tokens,
             chunk_index=chunk_index,
             chunk_count=self.chunk_count,
             dtype=self.dtype,
@@ -136,6 +137,7 @@ class StepAssembler:
             header.chunk_count != first.chunk_count
             or header.kind is not first.kind
             or header.pos != first.pos
+            or header.prompt_tokens != first.prompt_tokens
             or header.dtype is not first.dtype
             or header.compute_dtype is not first.compute_dtype
             or header.shape != first.shape
@@ -144,7 +146,7 @@ class StepAssembler:
         ):
             raise FrameError(
                 f"chunk {header.chunk_index}/{header.chunk_count} of step {header.step} (session "
-                f"{header.session}) disagrees with the step's first chunk on kind/pos/dtype/shape/size"
+                f"{header.session}) disagrees with the step's first chunk on kind/pos/prompt tokens/dtype/shape/size"
             )
         if header.chunk_index in self.received:
             return AddOutcome.duplicate
@@ -235,6 +237,10 @@ class ReceivedStep:
     @property
     def pos(self) -> int:
         return self.header.pos
+
+    @property
+    def prompt_tokens(self) -> int | None:
+        return self.header.prompt_tokens
 
     @property
     def wire_dtype(self) -> WireDtype | None:

@@ -19,6 +19,9 @@ Hearth-Kind            ``prefill``, ``decode``, ``replay`` (tokens the session d
                        a failover, each attending as its decode step did) or ``reset`` (drop this
                        session's cache; no payload)
 Hearth-Pos             position of the first token of this step
+Hearth-Prompt-Tokens   on a ``prefill`` step: how many tokens the prompt it is a chunk of has (its
+                       positions rotate as the whole prompt's; LongRoPE picks its factors by that
+                       length); absent means the step's own end
 Hearth-Dtype           wire dtype of the payload: ``float32``, ``bfloat16``, ``float16`` or ``int8``
 Hearth-Compute-Dtype   dtype the receiver restores (``float32``, ``bfloat16``, ``float16``); absent
                        means "same as Hearth-Dtype"
@@ -58,6 +61,7 @@ HEADER_STEP = "Hearth-Step"
 HEADER_CHUNK = "Hearth-Chunk"
 HEADER_KIND = "Hearth-Kind"
 HEADER_POS = "Hearth-Pos"
+HEADER_PROMPT_TOKENS = "Hearth-Prompt-Tokens"
 HEADER_DTYPE = "Hearth-Dtype"
 HEADER_COMPUTE_DTYPE = "Hearth-Compute-Dtype"
 HEADER_SHAPE = "Hearth-Shape"
@@ -103,6 +107,7 @@ class StepInfo(BaseModel):
     step: int = Field(ge=0)
     kind: FrameKind
     pos: int = Field(default=0, ge=0)
+    prompt_tokens: int | None = Field(default=None, ge=1)
 
 
 class FrameHeader(BaseModel):
@@ -116,6 +121,7 @@ class FrameHeader(BaseModel):
     step: int = Field(ge=0)
     kind: FrameKind
     pos: int = Field(ge=0)
+    prompt_tokens: int | None = Field(default=None, ge=1)
     chunk_index: int = Field(ge=0)
     chunk_count: int = Field(ge=1)
     dtype: WireDtype | None = None
@@ -136,6 +142,8 @@ class FrameHeader(BaseModel):
             return self
         if self.dtype is None or self.shape is None:
             raise ValueError(f"a {self.kind.value} frame needs Hearth-Dtype and Hearth-Shape")
+        if self.prompt_tokens is not None and self.kind is not FrameKind.prefill:
+            raise ValueError(f"Hearth-Prompt-Tokens is only allowed on a prefill frame, not {self.kind.value}")
         if not 1 <= len(self.shape) <= max_tensor_dims or any(dim < 0 for dim in self.shape):
             raise ValueError(f"shape {self.shape}: needs 1..{max_tensor_dims} non-negative dimensions")
         if self.compute_dtype is WireDtype.int8:
@@ -161,7 +169,8 @@ class FrameHeader(BaseModel):
 
     @property
     def info(self) -> StepInfo:
-        return StepInfo.model_construct(session=self.session, step=self.step, kind=self.kind, pos=self.pos)
+        return StepInfo.model_construct(session=self.session, step=self.step, kind=self.kind, pos=self.pos,
+                                        prompt_tokens=self.prompt_tokens)
 
     @property
     def restored_dtype(self) -> WireDtype | None:
@@ -172,6 +181,8 @@ class FrameHeader(BaseModel):
         headers = _identity_headers(self)
         headers[HEADER_KIND] = self.kind.value
         headers[HEADER_POS] = str(self.pos)
+        if self.prompt_tokens is not None:
+            headers[HEADER_PROMPT_TOKENS] = str(self.prompt_tokens)
         if self.dtype is not None:
             headers[HEADER_DTYPE] = self.dtype.value
         if self.compute_dtype is not None and self.compute_dtype is not self.dtype:
@@ -194,6 +205,7 @@ class FrameHeader(BaseModel):
             **_identity_fields(headers, "frame"),
             "kind": _enum_header(headers, HEADER_KIND, FrameKind),
             "pos": _int_header(headers, HEADER_POS),
+            "prompt_tokens": _int_header(headers, HEADER_PROMPT_TOKENS, required=False),
             "dtype": _enum_header(headers, HEADER_DTYPE, WireDtype, required=False),
             "compute_dtype": _enum_header(headers, HEADER_COMPUTE_DTYPE, WireDtype, required=False),
             "shape": _shape_header(headers),
@@ -217,6 +229,7 @@ _FIELD_HEADERS = {
     "step": HEADER_STEP,
     "kind": HEADER_KIND,
     "pos": HEADER_POS,
+    "prompt_tokens": HEADER_PROMPT_TOKENS,
     "chunk_index": HEADER_CHUNK,
     "chunk_count": HEADER_CHUNK,
     "dtype": HEADER_DTYPE,

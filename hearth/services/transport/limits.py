@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from hearth.services.common.config import smallest_chunk_bytes
 from hearth.services.transport.headers import (
-    HEADER_CHUNK, HEADER_DTYPE, HEADER_POS, HEADER_SHAPE, FrameHeader, FrameKind,
+    HEADER_CHUNK, HEADER_DTYPE, HEADER_POS, HEADER_PROMPT_TOKENS, HEADER_SHAPE, FrameHeader, FrameKind,
 )
 from hearth.services.transport.wire import WireDtype, wire_dtype_from_setting
 
@@ -67,6 +67,10 @@ class StepLimits:
         if header.pos + tokens > self.max_tokens:
             return StepRefusal("positions", f"{HEADER_POS} {header.pos} + {tokens} tokens goes beyond the "
                                             f"session's {self.max_tokens} positions")
+        if header.prompt_tokens is not None and not header.pos + tokens <= header.prompt_tokens <= self.max_tokens:
+            return StepRefusal("positions", f"{HEADER_PROMPT_TOKENS} {header.prompt_tokens} does not hold "
+                                            f"{HEADER_POS} {header.pos} + {tokens} tokens within the session's "
+                                            f"{self.max_tokens} positions")
         if header.dtype not in self.wire_dtypes:
             allowed = ", ".join(sorted(dtype.value for dtype in self.wire_dtypes))
             return StepRefusal("dtype", f"{HEADER_DTYPE} {header.dtype.value if header.dtype else None} is not "
