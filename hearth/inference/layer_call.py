@@ -41,7 +41,7 @@ def run_decoder_layer(layer: nn.Module, hidden_states: torch.Tensor, *, attentio
 
 def position_embeddings_by_type(rotary_embedding: nn.Module, hidden_states: torch.Tensor,
                                 position_ids: torch.Tensor, attention_types: Sequence[str],
-                                extents: Sequence[int | None] | None = None,
+                                extents: Sequence[int | None] | None = None, as_decoded: bool = False,
                                 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """A step's rotary (cos, sin) for each attention type among `attention_types`: one per type where the model's
     rotary embedding takes the layer's type (Gemma 3 rotates local and global layers on different bases), the same
@@ -50,11 +50,13 @@ def position_embeddings_by_type(rotary_embedding: nn.Module, hidden_states: torc
     Where the embedding picks its frequencies by the length of what it rotates (LongRoPE: its short factors up to the
     original context, its long ones past it, by the largest position of the call), each row of a batch is rotated on
     its own, as that session's step alone would be, and a row whose ``extents`` entry is given takes the factors of a
-    sequence that long (at least): the whole step's, or the whole prompt's, when it rotates only a piece of one."""
+    sequence that long (at least): the whole step's, or the whole prompt's, when it rotates only a piece of one. With
+    ``as_decoded`` (a replay step, tokens decoded one by one and prefilled again) each position takes the factors its
+    own decode step took instead: those of its own length."""
     if _takes_layer_type(type(rotary_embedding).forward):
-        return {kind: _rotated_rows(rotary_embedding, hidden_states, position_ids, kind, extents)
+        return {kind: _rotated_rows(rotary_embedding, hidden_states, position_ids, kind, extents, as_decoded)
                 for kind in dict.fromkeys(attention_types)}
-    shared = _rotated_rows(rotary_embedding, hidden_states, position_ids, None, extents)
+    shared = _rotated_rows(rotary_embedding, hidden_states, position_ids, None, extents, as_decoded)
     return {kind: shared for kind in attention_types}
 
 
@@ -65,13 +67,15 @@ def longer_extent(extent: int | None, start_pos: int, num_tokens: int) -> int | 
 
 
 def _rotated_rows(rotary_embedding: nn.Module, hidden_states: torch.Tensor, position_ids: torch.Tensor,
-                  layer_type: str | None, extents: Sequence[int | None] | None,
+                  layer_type: str | None, extents: Sequence[int | None] | None, as_decoded: bool,
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     arguments = () if layer_type is None else (layer_type,)
     batch = position_ids.shape[0]
     if _rope_type(rotary_embedding, layer_type) not in LENGTH_PICKED_ROPE_TYPES or (
-            batch == 1 and (extents is None or extents[0] is None)):
+            batch == 1 and not as_decoded and (extents is None or extents[0] is None)):
         return rotary_embedding(hidden_states, position_ids, *arguments)
+    if as_decoded:  # a replay step: one session's, never batched
+        return _rotated_as_decoded(rotary_embedding, hidden_states, position_ids, arguments)
     rows = []
     for row in range(batch):
         row_ids = position_ids[row:row + 1]
@@ -83,6 +87,20 @@ def _rotated_rows(rotary_embedding: nn.Module, hidden_states: torch.Tensor, posi
         rows.append((cos, sin) if extent is None else (cos[:, :-1], sin[:, :-1]))
     # No positions read on the host: the calls stay capturable in a CUDA graph.
     return torch.cat([cos for cos, _ in rows]), torch.cat([sin for _, sin in rows])
+
+
+def _rotated_as_decoded(rotary_embedding: nn.Module, hidden_states: torch.Tensor, position_ids: torch.Tensor,
+                        arguments: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's (cos, sin) with each position p at its own length, p + 1, as its decode step rotated it: where
+    the factors switch inside the sequence, each side in a call of its own (the positions read on the host: replay
+    steps run eagerly, never in a graph)."""
+    switch = rope_switch_tokens(rotary_embedding.config)
+    short = position_ids.shape[1] if switch is None else int((position_ids[0] < switch).sum())
+    if short in (0, position_ids.shape[1]):
+        return rotary_embedding(hidden_states, position_ids, *arguments)
+    parts = [rotary_embedding(hidden_states, position_ids[:, :short], *arguments),
+             rotary_embedding(hidden_states, position_ids[:, short:], *arguments)]
+    return torch.cat([cos for cos, _ in parts], dim=1), torch.cat([sin for _, sin in parts], dim=1)
 
 
 def rope_switch_tokens(config: PretrainedConfig) -> int | None:

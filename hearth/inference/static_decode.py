@@ -160,7 +160,7 @@ class StaticDecoder:
         else:
             position_ids = torch.arange(start_pos, start_pos + num_tokens, device=self.device).unsqueeze(0)
             output = self._body([cache], hidden, position_ids, start_pos + num_tokens, run_lo, run_hi,
-                                longer_extent(extent, start_pos, num_tokens))
+                                longer_extent(extent, start_pos, num_tokens), as_decoded=kind == "replay")
         lengths = self._lengths[cache]
         for layer_index in range(run_lo, run_hi + 1):
             lengths[layer_index] = start_pos + num_tokens
@@ -202,11 +202,12 @@ class StaticDecoder:
         return self._batch_sightings[key]
 
     def _body(self, caches: Sequence[StaticCache], hidden: torch.Tensor, position_ids: torch.Tensor, width: int,
-              run_lo: int, run_hi: int, extent: int | None = None) -> torch.Tensor:
+              run_lo: int, run_hi: int, extent: int | None = None, as_decoded: bool = False) -> torch.Tensor:
         """The layers for row i's ``hidden[i]`` at ``position_ids[i]`` over caches[i], attending each row's first
         `width` positions; no host synchronisation (capturable when `width` is fixed)."""
         position_embeddings = position_embeddings_by_type(self._rotary_embedding, hidden, position_ids,
-                                                          [FULL_ATTENTION], extent and [extent])[FULL_ATTENTION]
+                                                          [FULL_ATTENTION], extent and [extent],
+                                                          as_decoded)[FULL_ATTENTION]
         # [B, 1, T, width], True where the key's position is at most the query's.
         mask = (self._key_positions[:width].view(1, 1, -1) <= position_ids.unsqueeze(-1)).unsqueeze(1)
         rows = _StaticRows(caches, width)

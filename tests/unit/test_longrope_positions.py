@@ -1,10 +1,12 @@
 """LongRoPE (Phi-3's long-context models) picks its short or long factors by the largest position of a call: a
 session's rotary embedding must not depend on which other sessions share its batched step, nor on the pieces a shard
-cuts its step into (hearth/inference/layer_call.py)."""
+cuts its step into or the chunks the orchestrator sends a prompt in (Hearth-Prompt-Tokens), and replayed tokens
+rotate as their decode steps did (hearth/inference/layer_call.py)."""
 
 from __future__ import annotations
 
 import torch
+from transformers import Phi3Config, Phi3ForCausalLM
 
 from hearth.inference import load_head, load_layer_range
 from tests.runner_limits import RUNNER_KV_LIMITS
@@ -57,3 +59,27 @@ def test_a_prompt_sent_in_chunks_rotates_as_the_whole_prompt_told_its_length(tin
     torch.testing.assert_close(got, expected, rtol=1e-3, atol=1e-3)
     # Untold, the chunks before the original context's end rotate on the short factors.
     assert not torch.allclose(chunks(chunked, None), expected, rtol=1e-2, atol=1e-2)
+
+
+def test_decoded_tokens_replayed_across_the_original_context_rotate_as_their_decode_steps(tmp_path):
+    """A failover's replay of tokens decoded from below the original context to past it: each rotates on the factors
+    its own decode step took, so the outputs are the decode steps' bit for bit (int8, heads of 64 dimensions: see
+    test_replay_steps.py)."""
+    hidden, prompt_tokens, replayed, original = 256, 40, 30, 50
+    torch.manual_seed(0)
+    Phi3ForCausalLM(Phi3Config(vocab_size=128, hidden_size=hidden, intermediate_size=512, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256,
+                               original_max_position_embeddings=original, pad_token_id=0,
+                               rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                                "long_factor": [1.0 + index / 4 for index in range(32)],
+                                                "short_factor": [1.0 + index / 32 for index in range(32)]},
+                               )).save_pretrained(tmp_path)
+    runner = load_layer_range(tmp_path, 0, 1, quantization="int8", **RUNNER_KV_LIMITS)
+    prompt, inputs = torch.randn(1, prompt_tokens, hidden), torch.randn(1, replayed, hidden)
+    runner.forward("decoded", prompt, 0, "prefill")
+    expected = [runner.forward("decoded", inputs[:, index:index + 1], prompt_tokens + index, "decode")
+                for index in range(replayed)]
+
+    runner.forward("replayed", prompt, 0, "prefill")
+    assert prompt_tokens < original < prompt_tokens + replayed
+    assert torch.equal(runner.forward("replayed", inputs, prompt_tokens, "replay"), torch.cat(expected, dim=1))
