@@ -230,7 +230,7 @@ def parse_gguf_header(buffer: bytes, file_size: int, file_name: str, *, check_te
     type_names = [known[type_id].name if type_id in known else f"type {type_id}" for _, _, type_id, *_ in infos]
     if check_tensors:
         if not infos:
-            raise CheckpointError(f"{file_name} holds no tensors")
+            raise CheckpointError(f"{file_name} holds no tensors of a text model")
         check_block_types(((info[0], type_name) for info, type_name in zip(infos, type_names)), file_name)
     tensors = []
     for (name, dims, type_id, offset, info_start, info_end), type_name in zip(infos, type_names):
@@ -247,16 +247,16 @@ def parse_gguf_header(buffer: bytes, file_size: int, file_name: str, *, check_te
                             metadata=metadata)
 
 
-def read_gguf_header(path: Path) -> ParsedGGUFHeader:
-    """The header of the local GGUF at `path` (its tensors unchecked: a part of a GGUF may hold none), reading only
-    as many of its leading bytes as the header takes."""
+def read_gguf_header(path: Path, *, check_tensors: bool = False) -> ParsedGGUFHeader:
+    """The header of the local GGUF at `path` (its tensors checked only with `check_tensors`, parse_gguf_header: a
+    part of a GGUF may hold none), reading only as many of its leading bytes as the header takes."""
     file_size = path.stat().st_size
     wanted = min(file_size, FIRST_HEADER_READ_BYTES)
     while True:
         with path.open("rb") as handle:
             buffer = handle.read(wanted)
         try:
-            return parse_gguf_header(buffer, file_size, path.name, check_tensors=False)
+            return parse_gguf_header(buffer, file_size, path.name, check_tensors=check_tensors)
         except HeaderIncomplete as incomplete:
             if wanted >= file_size:
                 raise CheckpointError(f"{path.name} is truncated: its header ends past the end of the file") from None

@@ -22,8 +22,7 @@ from pathlib import Path
 
 from .errors import CheckpointError
 from .gguf_header import (
-    EVERY_LAYER_TENSORS, GGUFPartTensor, GGUFSplit, check_block_types, gguf_layer_of, is_gguf_file,
-    is_text_model_tensor)
+    EVERY_LAYER_TENSORS, GGUFPartTensor, GGUFSplit, is_gguf_file, read_gguf_header)
 from .partial_checkpoint import complete_partial_folder, staged_partial_folder
 
 # After the magic and the version: the tensor count, a little-endian u64 (GGUF versions 2 and 3).
@@ -35,30 +34,14 @@ COPY_CHUNK_BYTES = 8 << 20
 
 
 def split_gguf(path: Path) -> GGUFSplit:
-    """The GGUFSplit of the GGUF at `path`, refused (CheckpointError, one line, the loader's own messages) when the
-    loader would refuse it: truncated, of an architecture or a block type hearth does not read, big-endian."""
-    from gguf import GGUFEndian
+    """The GGUFSplit of the GGUF at `path`, refused (CheckpointError, one line) when the loader would refuse it:
+    truncated, of an architecture or a block type hearth does not read, big-endian. Read by hearth's own header
+    parser, which steps over the vocabulary where the gguf package's reader decodes every token of it."""
+    from .gguf_checkpoint import gguf_config_dict
 
-    from .gguf_checkpoint import gguf_config_dict, open_reader
-
-    reader = open_reader(path)  # truncation and architecture
-    if reader.endianess != GGUFEndian.LITTLE:
-        raise CheckpointError(f"{path.name} is a GGUF of the other byte order: hearth reads little-endian GGUFs")
-    text_tensors = [t for t in reader.tensors if is_text_model_tensor(t.name)]
-    if not text_tensors:
-        raise CheckpointError(f"{path.name} holds no tensors of a text model")
-    check_block_types(((t.name, t.tensor_type.name) for t in text_tensors), path.name)
+    split = read_gguf_header(path, check_tensors=True).split  # truncation, block types, byte order
     gguf_config_dict(path)  # the model type, as the loader checks it
-    kv_end = min(int(t.field.offset) for t in reader.tensors)
-    tensors = tuple(
-        GGUFPartTensor(
-            name=t.name, layer=gguf_layer_of(t.name), block_type=t.tensor_type.name,
-            shape=tuple(int(d) for d in reversed(t.shape.tolist())), info_start=int(t.field.offset),
-            info_end=int(t.field.offset) + sum(int(part.nbytes) for part in t.field.parts),
-            data_start=int(t.data_offset), n_bytes=int(t.n_bytes))
-        for t in text_tensors)
-    return GGUFSplit(header_bytes=int(reader.data_offset), kv_end=kv_end,
-                     alignment=int(reader.alignment), tensors=tensors)
+    return split
 
 
 def read_header(path: Path, split: GGUFSplit) -> bytes:
@@ -223,8 +206,6 @@ def write_gguf_folder(target: Path, gguf_name: str, header_file: str, layout: St
     whole GGUF's digest (the one weights_sha256 then reports for it). Built beside `target` and renamed into place,
     so two hosts writing the same part at once both end up with a complete folder. CheckpointError when the parts
     do not form a readable GGUF."""
-    from .gguf_checkpoint import open_reader
-
     if (done := complete_partial_folder(target)) is not None:
         return done / gguf_name
     if header_file not in files:
@@ -235,7 +216,7 @@ def write_gguf_folder(target: Path, gguf_name: str, header_file: str, layout: St
         written = write_gguf_part(
             staging / gguf_name, files[header_file].read_bytes(), layout.kv_end, layout.alignment,
             [TensorSource(p.info_start, p.info_end, files[p.file], p.offset, p.n_bytes) for p in wanted])
-        if [tensor.name for tensor in open_reader(written).tensors] != [placement.name for placement in wanted]:
+        if [tensor.name for tensor in read_gguf_header(written).split.tensors] != [p.name for p in wanted]:
             raise CheckpointError(f"the parts of {gguf_name} do not form a GGUF: the tensor table does not match "
                                   "its header")
     return target / gguf_name

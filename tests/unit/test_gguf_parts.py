@@ -127,12 +127,16 @@ def test_parts_that_do_not_match_the_layout_are_refused(tiny_q8, tmp_path):
     assert not (tmp_path / "cut").exists() and not (tmp_path / "headless").exists()
 
 
-def test_a_truncated_gguf_or_another_architecture_is_refused_in_the_loaders_words(tiny_q8, tmp_path):
+def test_a_truncated_gguf_or_another_architecture_is_refused_in_one_line(tiny_q8, tmp_path):
     truncated = tmp_path / "cut.gguf"
     truncated.write_bytes(tiny_q8.read_bytes()[: tiny_q8.stat().st_size // 2])
-    with pytest.raises(CheckpointError, match="cut.gguf is not a readable GGUF file") as refused:
+    with pytest.raises(CheckpointError, match=r"cut.gguf is truncated: tensor blk\.\d+\.\S+ ends past") as refused:
         publishable_gguf(truncated)
     assert "\n" not in str(refused.value)
+    header_cut = tmp_path / "header-cut.gguf"
+    header_cut.write_bytes(tiny_q8.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match="header-cut.gguf is truncated: its header ends past the end"):
+        publishable_gguf(header_cut)
 
     (tmp_path / "gpt2").mkdir()
     other, _ = write_tiny_gguf(tmp_path / "gpt2", "llama", GGMLQuantizationType.F32, with_tokenizer=False,
