@@ -15,6 +15,7 @@ from hearth.inference.detokenizer import TextDelta
 from hearth.protocol.chat import ChatParams, ChatRequest
 from hearth.services.orchestrator.call import Call
 from hearth.services.orchestrator.guards import RangeGuards
+from hearth.services.orchestrator.mirror import Mirror
 from hearth.services.orchestrator.prefill import steps_as_sent
 from hearth.services.orchestrator.recording import ChainRecorder
 from hearth.services.transport import FrameKind, StepInfo, TransportError
@@ -89,6 +90,34 @@ def test_a_mirror_sends_recorded_positions_as_the_call_did_one_kind_per_step():
         (12, 15, replay), (15, 16, decode)]
     assert steps_as_sent(8, [replay] * 2, 0) == [(0, 2, replay), (2, 8, prefill)]
     assert steps_as_sent(3, (), 0) == [(0, 3, prefill)]
+
+
+async def test_a_mirror_checks_a_span_as_the_hop_ran_it_and_its_decoded_positions_as_replays():
+    recorder = one_hop_recorder()
+    for number, (pos, tokens) in enumerate([(0, 4), (4, 2)], start=1):  # a prompt of 6 in chunks of 4
+        hidden = torch.randn(1, tokens, HIDDEN)
+        info = StepInfo(session="s1", step=number, kind=FrameKind.prefill, pos=pos, prompt_tokens=6)
+        recorder.sent(info, hidden)
+        recorder.completed(info, hidden * 2)
+    for number in range(3, 6):
+        step(recorder, number, FrameKind.decode, number + 3, 1)
+    sent = []
+
+    class Replica:  # the mirror's chain: takes replay steps, answers what it was sent
+        replay_steps = True
+
+        async def step(self, kind, pos, hidden, prompt_tokens=None):
+            sent.append((kind, pos, hidden.shape[1], prompt_tokens))
+            return hidden
+
+    mirror = Mirror.__new__(Mirror)
+    mirror.chain, mirror.chunk_tokens, mirror.fed_pos = Replica(), 3, 0
+    span = recorder.span(0, 0, upto_step=5)
+    assert span.prompt_tokens == 6
+    assert torch.equal(await mirror.check(span), span.inputs)
+    prefill, replay = FrameKind.prefill, FrameKind.replay
+    # The prompt's chunks told its length (LongRoPE picks its factors by it); the decoded tokens replayed, chunked.
+    assert sent == [(prefill, 0, 3, 6), (prefill, 3, 3, 6), (replay, 6, 3, None)]
 
 
 def test_a_record_hands_a_check_the_positions_since_its_last_one_in_order():

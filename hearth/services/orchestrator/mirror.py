@@ -59,12 +59,13 @@ class Mirror:
     async def open(self) -> StepFailure | None:
         return await self.chain.open()
 
-    async def run(self, inputs: torch.Tensor, first_pos: int,
-                  kinds: Sequence[FrameKind] = ()) -> torch.Tensor | StepFailure:
+    async def run(self, inputs: torch.Tensor, first_pos: int, kinds: Sequence[FrameKind] = (),
+                  prompt_tokens: int | None = None) -> torch.Tensor | StepFailure:
         """Run `inputs` ([1, positions, hidden], from `first_pos` = `fed_pos`) through the replica's layers, each
         position as the kind of step that ran it on the checked hop (`kinds`; prefill when not given): prefill and
         replay positions in chunks of one kind (prefill chunks for a replica that takes no replay steps), decode
-        positions one step each, as a call sends them. The outputs for every position, or why they did not come."""
+        positions one step each, as a call sends them; prefill chunks told `prompt_tokens` as their prompt's length
+        (the end of their run when not given). The outputs for every position, or why they did not come."""
         if first_pos != self.fed_pos:
             raise ValueError(f"a mirror fed up to position {self.fed_pos} cannot run from {first_pos}")
         if not self.chain.replay_steps:
@@ -72,13 +73,20 @@ class Mirror:
         outputs = []
         steps = steps_as_sent(int(inputs.shape[1]), kinds, self.chunk_tokens)
         for (start, end, kind), prompt_end in zip(steps, prompt_ends(steps), strict=True):
-            output = await self.chain.step(kind, first_pos + start, inputs[:, start:end].contiguous(),
-                                           None if prompt_end is None else first_pos + prompt_end)
+            told = None if prompt_end is None else max(prompt_tokens or 0, first_pos + prompt_end)
+            output = await self.chain.step(kind, first_pos + start, inputs[:, start:end].contiguous(), told)
             if isinstance(output, StepFailure):
                 return output
             outputs.append(output)
             self.fed_pos = first_pos + end
         return torch.cat(outputs, dim=1)
+
+    async def check(self, span: HopSpan) -> torch.Tensor | StepFailure:
+        """Run a checked hop's `span` (from `fed_pos`): its prefill positions as the hop ran them, the positions it
+        decoded one by one as replay steps, chunked, which compute each as its decode step did (and rotate each at
+        its own length: hearth/inference/layer_call.py)."""
+        kinds = [FrameKind.replay if kind is FrameKind.decode else kind for kind in span.kinds]
+        return await self.run(span.inputs, span.first_pos, kinds, span.prompt_tokens)
 
     async def close(self) -> None:
         await self.chain.close()
@@ -89,7 +97,7 @@ class Mirror:
         when they did not come."""
         first_pos = self.fed_pos
         history = recorder.span(index, first_pos, span.last_step)
-        output = await self.run(history.inputs, first_pos) if history is not None else None
+        output = await self.check(history) if history is not None else None
         if output is None or isinstance(output, StepFailure):
             await self.close()
             return None
@@ -110,7 +118,7 @@ async def _feed_kept_prefix(ctx, call, chain: HopChain, index: int, mirror: Mirr
     if inputs is None:
         return StepFailure("refused", mirror.shard_id, f"what entered layer {layer} over the {reused} kept positions "
                                                        f"hop {index} began from is no longer held here")
-    output = await mirror.run(inputs, 0)
+    output = await mirror.run(inputs, 0, prompt_tokens=len(call.prompt_ids))  # a prefix of the call's prompt's side
     return output if isinstance(output, StepFailure) else None
 
 

@@ -37,6 +37,8 @@ class RecordedStep:
     inputs: list[torch.Tensor | None]
     # What left the last hop (set once the sink returned it).
     output: torch.Tensor | None = None
+    # The prompt's length a prefill step was sent with (Hearth-Prompt-Tokens).
+    prompt_tokens: int | None = None
 
     def hop_output(self, hop: int) -> torch.Tensor | None:
         """What hop `hop` sent on: the next hop's input, or the chain's output for the last hop."""
@@ -54,6 +56,8 @@ class HopSpan:
     # The kind of step that computed each position on the hop (for the evidence).
     kinds: tuple[FrameKind, ...] = field(default=())
     last_step: int = 0
+    # The prompt's length its prefill positions were sent with, if it holds any.
+    prompt_tokens: int | None = None
 
     @property
     def positions(self) -> int:
@@ -121,7 +125,8 @@ class ChainRecorder:
             return
         self.held_bytes += step_bytes
         self.steps[info.step] = RecordedStep(info.step, info.kind, info.pos, int(hidden.shape[1]),
-                                             [hidden.detach()] + [None] * (self.hop_count - 1))
+                                             [hidden.detach()] + [None] * (self.hop_count - 1),
+                                             prompt_tokens=info.prompt_tokens)
         for unfiled in self._unfiled.values():
             unfiled.add(info.step)
 
@@ -177,7 +182,8 @@ class ChainRecorder:
         if not inputs:
             return None
         return HopSpan(hop, from_pos, torch.cat(inputs, dim=1), torch.cat(outputs, dim=1), tuple(kinds),
-                       last_step=max(s.step for s in steps))
+                       last_step=max(s.step for s in steps),
+                       prompt_tokens=max((s.prompt_tokens for s in steps if s.prompt_tokens), default=None))
 
     def _refused_on(self, hop: int):
         async def refused(header, refusal) -> None:

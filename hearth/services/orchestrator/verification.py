@@ -253,7 +253,7 @@ class CallVerifier:
         if any(span is None for span in spans):
             return
         # A vote's two mirrors run at once: the check takes the time of the slower, not of both.
-        outputs = await asyncio.gather(*(mirror.run(span.inputs, span.first_pos)
+        outputs = await asyncio.gather(*(mirror.check(span)
                                          for mirror, span in zip(mirrors, spans)))
         for mirror, output in zip(mirrors, outputs):
             if isinstance(output, StepFailure):
