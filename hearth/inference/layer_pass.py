@@ -105,7 +105,7 @@ class LayerPass:
                                           device=hidden_states.device).unsqueeze(0)
         self._position_embeddings = position_embeddings_by_type(
             rotary_embedding, hidden_states, self._position_ids, attention_types[run_lo:run_hi + 1],
-            [None if replay else longer_extent(extent, start_pos, num_tokens)], as_decoded=replay)
+            [longer_extent(extent, start_pos, num_tokens)], as_decoded=replay)
         # A single query attends every cached key, under no mask: the lean steps need none built.
         self._lean = lean
         self._lean_factors = None if self._lean is None else self._lean.factors(
