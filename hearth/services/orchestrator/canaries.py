@@ -9,7 +9,7 @@ import contextlib
 import logging
 import random
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -41,6 +41,9 @@ class Canary:
     inputs: torch.Tensor
     outputs: torch.Tensor
     parties: tuple[str, str]
+    # The prompt length its prefill chunks were told (Hearth-Prompt-Tokens): a canary cut inside a long prompt
+    # still tells the whole one, as the hop was told, since a LongRoPE model rotates by it.
+    prompt_tokens: int | None = None
 
     @property
     def positions(self) -> int:
@@ -60,9 +63,8 @@ class CanaryLibrary:
         if self.per_range == 0:
             return
         cut = min(canary.positions, self.max_positions)
-        canary = Canary(canary.key, canary.weights_sha256, canary.dtype, canary.wire_dtype, canary.placement,
-                        canary.kinds[:cut], canary.inputs[:, :cut].clone(), canary.outputs[:, :cut].clone(),
-                        canary.parties)
+        canary = replace(canary, kinds=canary.kinds[:cut], inputs=canary.inputs[:, :cut].clone(),
+                         outputs=canary.outputs[:, :cut].clone())
         kept = self._kept.setdefault(canary.key, [])
         if len(kept) < self.per_range:
             kept.append(canary)
@@ -127,14 +129,17 @@ class CanaryRunner:
 
     async def _replay(self, canary: Canary, host: Hop) -> None:
         settings = self.ctx.settings
+        # A session as long as the told prompt: a host refuses a prompt length beyond its session's.
+        session_tokens = max(canary.positions, canary.prompt_tokens or 0)
         mirror = Mirror(self.ctx.nc, host, node_id=self.ctx.node_id, model_id=canary.key[0],
                         weights_sha256=canary.weights_sha256, transport=settings.transport,
                         wire_dtype=canary.wire_dtype, hidden_size=int(canary.inputs.shape[-1]),
-                        max_session_tokens=canary.positions, chunk_tokens=settings.orchestrator.prefill_chunk_tokens,
+                        max_session_tokens=session_tokens, chunk_tokens=settings.orchestrator.prefill_chunk_tokens,
                         dtype=canary.dtype, placement=canary.placement)
         try:
             failure = await mirror.open()
-            output = failure if failure is not None else await mirror.run(canary.inputs, 0, canary.kinds)
+            output = failure if failure is not None else await mirror.run(canary.inputs, 0, canary.kinds,
+                                                                          canary.prompt_tokens)
         finally:
             await mirror.close()
         if isinstance(output, StepFailure):

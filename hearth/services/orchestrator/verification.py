@@ -278,7 +278,7 @@ class CallVerifier:
                 self.ctx.canaries.keep(Canary(
                     self._range_key(index), self.call.model.weights_sha256, mirrors[0].dtype, chain.wire_dtype,
                     ChainPlacement.of_hop(chain.hops, index), span.kinds, span.inputs, span.outputs,
-                    (chain.hops[index].shard_id, mirrors[0].shard_id)))
+                    (chain.hops[index].shard_id, mirrors[0].shard_id), span.prompt_tokens))
             return
         mirror, reference, _ = next(outcome for outcome in outcomes if outcome[2] is not None)
         await self._settle_mismatch(chain, index, span, mirror, reference, tolerance, outcomes)
