@@ -13,6 +13,8 @@ import threading
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from typing import Any, NoReturn, TypeVar
 
+from hearth.services.common.process_gc import freeze_startup_objects
+
 T = TypeVar("T")
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -29,7 +31,9 @@ EVENT_LOOP_ENV = "HEARTH_ASYNCIO_LOOP"
 
 
 def run_event_loop(coroutine: Coroutine[Any, Any, T]) -> T:
-    """asyncio.run with uvloop's loop when available (and not switched off by HEARTH_ASYNCIO_LOOP=asyncio)."""
+    """asyncio.run with uvloop's loop when available (and not switched off by HEARTH_ASYNCIO_LOOP=asyncio), once
+    the objects made while starting are frozen out of later garbage collections (process_gc)."""
+    freeze_startup_objects()
     if os.environ.get(EVENT_LOOP_ENV, "uvloop") != "asyncio":
         try:
             import uvloop
