@@ -5,7 +5,6 @@ The bodies live in hearth/services/weights_store.py (imported when a command run
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 from typing import Annotated
 
@@ -26,6 +25,7 @@ def _fail(command: str, message: str) -> None:
 def _run(ctx: typer.Context, command: str, nats_url: str | None, work):
     """Connect, run `work(js)`, close; one line and exit code 2 on bad input or an unreachable broker."""
     from hearth.services.broker.connection import connect_nats
+    from hearth.services.common.lifecycle import run_event_loop
     from hearth.services.weights_store import WeightsStoreError
 
     url = resolve_nats_url(ctx, nats_url)
@@ -38,7 +38,7 @@ def _run(ctx: typer.Context, command: str, nats_url: str | None, work):
             await nc.close()
 
     try:
-        return asyncio.run(session())
+        return run_event_loop(session())
     except WeightsStoreError as error:
         _fail(command, str(error))
     except Exception as error:  # broker refusals and timeouts: one line, not a traceback

@@ -42,8 +42,10 @@ def eval_command(
 ) -> None:
     """Next-token quality of quantized weights against the same weights in float32 over a text: KL divergence,
     top-1 agreement and perplexity (progress on stderr, report on stdout; exit code 2 on bad input)."""
+    from hearth.services.common.process_gc import freeze_startup_objects
     from hearth.services.devtools.bench.quality import run_eval_command
 
+    freeze_startup_objects()  # it runs no event loop: its imports are done here
     options = EvalOptions(text=text, model=model, schemes=tuple(quantize or EVAL_DEFAULT_SCHEMES),
                           context_tokens=context_tokens, max_tokens=max_tokens)
     raise typer.Exit(run_eval_command(options, as_json=as_json))
