@@ -1,10 +1,10 @@
 """The garbage collector over a hearth process's life: no full collections while the process imports its modules,
 then everything alive when its event loop starts frozen out of every later collection.
 
-Why: importing torch and transformers creates some 400 000 objects that live as long as the process, and each full
-(generation 2) collection scans every one of them, holding the GIL for about a third of a second: several times while
-a process starts, whenever one falls due while it serves, and at exit. Young collections still run throughout, so
-short-lived garbage cycles are freed as ever (BENCHMARKS.md, "Process start-up and the garbage collector")."""
+Why: importing torch and transformers leaves hundreds of thousands of objects that live as long as the process, and
+each full (generation 2) collection scans every one of them while it holds the GIL: several times while a process
+starts, whenever one falls due while it serves, and at exit. Young collections still run throughout, so short-lived
+garbage cycles are freed as ever (BENCHMARKS.md, "Process start-up and the garbage collector")."""
 
 from __future__ import annotations
 
