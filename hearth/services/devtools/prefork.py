@@ -38,6 +38,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from hearth.services.common.logging import log_tail_chars
+from hearth.services.common.process_gc import freeze_startup_objects, hold_full_collections
 
 log = logging.getLogger(__name__)
 
@@ -55,9 +56,8 @@ PRELOADED_MODULES = (
 )
 # Environment read while those modules are imported (by libgomp, torch, Hugging Face, Python itself): two
 # commands share a launcher only when these agree.
-IMPORT_ENVIRONMENT_PREFIXES = ("OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "TORCH", "PYTORCH_", "CUDA_",
-                               "HF_", "HUGGINGFACE_", "TRANSFORMERS_", "TOKENIZERS_", "PYTHON", "LD_", "XDG_",
-                               "HOME")
+IMPORT_ENVIRONMENT_PREFIXES = ("OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "TORCH", "PYTORCH_", "CUDA_", "HF_",
+                               "HUGGINGFACE_", "TRANSFORMERS_", "TOKENIZERS_", "PYTHON", "LD_", "XDG_", "HOME")
 # How long the launcher may take to import PRELOADED_MODULES and answer its first request.
 launcher_start_timeout_s = 120.0
 # The launcher wakes this often even without a request or a SIGCHLD, to notice a lost wake-up.
@@ -165,8 +165,7 @@ def _run_child(request: SpawnRequest, launcher_fds: Sequence[int]) -> None:
         traceback.print_exc()
         code = 1
     finally:
-        # As lifecycle.end_stopped_process: atexit handlers and flushed streams, without the interpreter's
-        # teardown of every module (and never back into the launcher's loop below).
+        # As lifecycle.end_stopped_process: atexit handlers, flushed streams, no teardown, never back to the loop.
         with contextlib.suppress(BaseException):
             atexit._run_exitfuncs()
         for stream in (sys.stdout, sys.stderr):
@@ -198,10 +197,12 @@ def _serve() -> None:
     os.set_blocking(wakeup_write, False)
     signal.set_wakeup_fd(wakeup_write)
     signal.signal(signal.SIGCHLD, lambda signum, frame: None)
+    hold_full_collections()  # as a `hearth` command imports (hearth/services/common/process_gc.py)
     for module in PRELOADED_MODULES:
         with contextlib.suppress(ImportError):  # the child imports it again and says what is wrong
             importlib.import_module(module)
-    gc.collect()
+    gc.collect()  # once: the freezes keep no garbage, and the children start from Python's own thresholds
+    freeze_startup_objects()
     pending = b""
     while True:
         readable, _, _ = select.select([0, wakeup_read], [], [], launcher_poll_interval_s)
@@ -221,10 +222,9 @@ def _serve() -> None:
             except ValueError as error:
                 _write(SpawnReply(error=f"not a spawn request: {error}"))
                 continue
-            # The imported modules' millions of objects go to the permanent generation: a child's full
-            # collections skip them (otherwise one lands on a child's first request: BENCHMARKS.md, "`hearth
-            # demo`") and leave their pages, which the children share with the launcher, untouched by the
-            # collector (gc.freeze's docs).
+            # What exists goes to the permanent generation: a child's full collections skip it (otherwise one
+            # lands on a child's first request: BENCHMARKS.md, "`hearth demo`") and leave its pages, shared with
+            # the launcher, untouched (gc.freeze's docs).
             gc.freeze()
             pid = os.fork()
             if pid == 0:
