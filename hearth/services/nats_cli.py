@@ -183,6 +183,9 @@ def _stop_on_signals() -> "threading.Event":
 
 
 def _serve_until_stopped(servers: "EmbeddedNatsServer", stop_requested: "threading.Event") -> None:
+    from hearth.services.common.process_gc import freeze_startup_objects
+
+    freeze_startup_objects()  # it serves without an event loop, whose start would do it (process_gc.py)
     exit_code = 0
     try:
         while not stop_requested.wait(timeout=0.5):

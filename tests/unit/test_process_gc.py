@@ -7,6 +7,7 @@ import gc
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -60,3 +61,26 @@ def test_the_hearth_command_holds_full_collections_back_until_its_loop_starts_an
                                env=env, timeout=120)
     assert "cannot reach NATS" in completed.stderr, completed.stderr
     assert completed.stdout.splitlines()[-1] == f"at exit {gc.get_threshold()[2]} True", completed.stdout
+
+
+def test_hearth_nats_freezes_once_it_serves_without_an_event_loop(restored_gc):
+    from hearth.services import nats_cli
+
+    class StoppedServers:
+        stopped = False
+
+        def is_running(self) -> bool:
+            return True
+
+        def stop(self) -> None:
+            self.stopped = True
+
+    young, middle, full = gc.get_threshold()
+    process_gc.hold_full_collections()
+    stop_requested = threading.Event()
+    stop_requested.set()
+    servers = StoppedServers()
+    nats_cli._serve_until_stopped(servers, stop_requested)
+    assert servers.stopped
+    assert gc.get_threshold() == (young, middle, full)
+    assert gc.get_freeze_count() > 0
