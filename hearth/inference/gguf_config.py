@@ -48,6 +48,13 @@ GEMMA3_27B_LAYERS = 62
 # converter wrote neither, and its files are told apart by metadata of their own (_is_ollama_gemma3).
 GEMMA3_SCALED_CONTEXT = 131072
 GEMMA3_OLLAMA_LINEAR_FACTOR = 8.0
+# Keys (after the architecture's name) this module reads as numbers; a file stating one as anything but a finite
+# number is refused rather than read (_check_numbers).
+NUMERIC_KEYS = ("attention.key_length", "attention.value_length", "attention.sliding_window", "expert_count",
+                "rope.dimension_count", "rope.freq_base", "rope.freq_base_swa", "rope.global.freq_base",
+                "rope.local.freq_base", "rope.scaling.factor", "rope.scaling.original_context_length",
+                "rope.scaling.yarn_beta_fast", "rope.scaling.yarn_beta_slow",
+                *(f"rope.scaling.{key}" for key in YARN_NEUTRAL_VALUES), *GEMMA2_SOFTCAP_KEYS)
 OLLAMA_GEMMA3_KEYS = ("gemma3.rope.global.freq_base", "gemma3.rope.local.freq_base", "gemma3.mm.tokens_per_image",
                       "tokenizer.ggml.add_padding_token", "tokenizer.ggml.add_unknown_token")
 
@@ -58,6 +65,7 @@ def completed_gguf_config(config: dict, architecture: str, metadata: Mapping[str
     `metadata` (the GGUF's scalar key/values) and the tensors `tensor_names` lists (`read_f32_tensor(name)` reads
     one stored as F32); CheckpointError (one line) for what hearth cannot express."""
     config = dict(config)
+    _check_numbers(architecture, metadata, file_name)
     _check_dense(architecture, metadata, tensor_names, file_name)
     _use_head_size(config, architecture, metadata, file_name)
     if architecture == "phi3":
@@ -84,6 +92,14 @@ def completed_gguf_config(config: dict, architecture: str, metadata: Mapping[str
     if architecture == "phi3" and (window := metadata.get("phi3.attention.sliding_window")):
         config["sliding_window"] = int(window)
     return config
+
+
+def _check_numbers(architecture: str, metadata: Mapping[str, object], file_name: str) -> None:
+    for key in (f"{architecture}.{suffix}" for suffix in NUMERIC_KEYS):
+        value = metadata.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not math.isfinite(value)):
+            raise CheckpointError(f"GGUF {file_name} states {key} as {value!r}, not a finite number")
 
 
 def _check_dense(architecture: str, metadata: Mapping[str, object], tensor_names: set[str], file_name: str) -> None:

@@ -29,6 +29,10 @@ MAX_KV_COUNT = 1 << 20
 MAX_TENSOR_DIMS = 8
 # What read_gguf_header reads first; a header with a large vocabulary takes more, read as it asks.
 FIRST_HEADER_READ_BYTES = 1 << 20
+# A header beyond this is refused: no tokenizer needs it, and a bogus file must not make a host read without end.
+MAX_GGUF_HEADER_BYTES = 64 << 20
+# Arrays of arrays nested deeper than this are refused: no model's metadata nests them, and the parser recurses.
+MAX_ARRAY_NESTING = 8
 # GGUF value type ids (the specification's gguf_type) and the bytes of each fixed-size one.
 STRING_TYPE = 8
 ARRAY_TYPE = 9
@@ -149,8 +153,9 @@ class ParsedGGUFHeader:
 
 
 class _Cursor:
-    def __init__(self, buffer: bytes):
+    def __init__(self, buffer: bytes, file_name: str):
         self.buffer = buffer
+        self.file_name = file_name
         self.position = 0
 
     def take(self, count: int) -> bytes:
@@ -167,15 +172,19 @@ class _Cursor:
     def string(self) -> bytes:
         return self.take(self.unpack("<Q"))
 
-    def value(self, value_type: int):
+    def value(self, value_type: int, nesting: int = 0):
         """The value of `value_type` here: scalars and strings decoded, short arrays of scalars as lists, other
-        arrays skipped (None)."""
+        arrays skipped (None); `nesting`: how many arrays hold it."""
         if value_type in FIXED_TYPE_FORMATS:
             return self.unpack(FIXED_TYPE_FORMATS[value_type])
         if value_type == STRING_TYPE:
             return self.string().decode("utf-8", errors="replace")
         if value_type != ARRAY_TYPE:
-            raise CheckpointError(f"a GGUF metadata value has the unknown type {value_type}")
+            raise CheckpointError(f"{self.file_name}'s header is corrupt (a metadata value of the unknown type "
+                                  f"{value_type})")
+        if nesting >= MAX_ARRAY_NESTING:
+            raise CheckpointError(f"{self.file_name}'s header is corrupt (metadata arrays nested deeper than "
+                                  f"{MAX_ARRAY_NESTING})")
         item_type, count = self.unpack("<I"), self.unpack("<Q")
         if item_type in FIXED_TYPE_FORMATS and count <= MAX_READ_ARRAY_ITEMS:
             return list(struct.unpack(f"<{count}{FIXED_TYPE_FORMATS[item_type].lstrip('<')}",
@@ -184,7 +193,7 @@ class _Cursor:
             self.take(count * struct.calcsize(FIXED_TYPE_FORMATS[item_type]))
         else:
             for _ in range(count):
-                self.value(item_type)
+                self.value(item_type, nesting + 1)
         return None
 
 
@@ -196,7 +205,7 @@ def parse_gguf_header(buffer: bytes, file_size: int, file_name: str, *, check_te
     bytes)."""
     from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGMLQuantizationType
 
-    cursor = _Cursor(buffer)
+    cursor = _Cursor(buffer, file_name)
     if cursor.take(4) != GGUF_MAGIC:
         raise CheckpointError(f"{file_name} is not a GGUF file (no GGUF magic)")
     version = cursor.unpack("<I")
@@ -249,7 +258,8 @@ def parse_gguf_header(buffer: bytes, file_size: int, file_name: str, *, check_te
 
 def read_gguf_header(path: Path, *, check_tensors: bool = False) -> ParsedGGUFHeader:
     """The header of the local GGUF at `path` (its tensors checked only with `check_tensors`, parse_gguf_header: a
-    part of a GGUF may hold none), reading only as many of its leading bytes as the header takes."""
+    part of a GGUF may hold none), reading only as many of its leading bytes as the header takes (at most
+    MAX_GGUF_HEADER_BYTES)."""
     file_size = path.stat().st_size
     wanted = min(file_size, FIRST_HEADER_READ_BYTES)
     while True:
@@ -258,6 +268,9 @@ def read_gguf_header(path: Path, *, check_tensors: bool = False) -> ParsedGGUFHe
         try:
             return parse_gguf_header(buffer, file_size, path.name, check_tensors=check_tensors)
         except HeaderIncomplete as incomplete:
-            if wanted >= file_size:
+            if incomplete.needed > file_size:
                 raise CheckpointError(f"{path.name} is truncated: its header ends past the end of the file") from None
-            wanted = min(file_size, max(incomplete.needed, 2 * wanted))
+            if incomplete.needed > MAX_GGUF_HEADER_BYTES:
+                raise CheckpointError(f"{path.name}'s header is longer than {MAX_GGUF_HEADER_BYTES} bytes, "
+                                      "hearth's bound on a GGUF header: not a GGUF hearth reads") from None
+            wanted = min(file_size, MAX_GGUF_HEADER_BYTES, max(incomplete.needed, 2 * wanted))

@@ -216,7 +216,13 @@ def write_gguf_folder(target: Path, gguf_name: str, header_file: str, layout: St
         written = write_gguf_part(
             staging / gguf_name, files[header_file].read_bytes(), layout.kv_end, layout.alignment,
             [TensorSource(p.info_start, p.info_end, files[p.file], p.offset, p.n_bytes) for p in wanted])
-        if [tensor.name for tensor in read_gguf_header(written).split.tensors] != [p.name for p in wanted]:
+        # Each tensor's bytes as its info's shape and block type count them: a layout stating other sizes would
+        # leave a tensor reading its neighbour's bytes, or the last one past the end.
+        try:
+            written_tensors = read_gguf_header(written, check_tensors=bool(wanted)).split.tensors
+        except CheckpointError as error:
+            raise CheckpointError(f"the parts of {gguf_name} do not form a GGUF: {error}") from None
+        if [(tensor.name, tensor.n_bytes) for tensor in written_tensors] != [(p.name, p.n_bytes) for p in wanted]:
             raise CheckpointError(f"the parts of {gguf_name} do not form a GGUF: the tensor table does not match "
                                   "its header")
     return target / gguf_name

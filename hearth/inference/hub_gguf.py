@@ -30,7 +30,14 @@ from pathlib import Path
 
 from .checksum import GGUF_DIGEST_NAME, digest_of_files
 from .errors import CheckpointError
-from .gguf_header import EVERY_LAYER_TENSORS, GGUFPartTensor, HeaderIncomplete, ParsedGGUFHeader, parse_gguf_header
+from .gguf_header import (
+    EVERY_LAYER_TENSORS,
+    MAX_GGUF_HEADER_BYTES,
+    GGUFPartTensor,
+    HeaderIncomplete,
+    ParsedGGUFHeader,
+    parse_gguf_header,
+)
 from .gguf_parts import StoredLayout, TensorPlacement, write_gguf_folder, write_gguf_part
 from .hub_ids import HUB_ENDPOINT_ENV
 from .partial_checkpoint import NeededTensors, complete_partial_folder, selection_name
@@ -38,8 +45,6 @@ from .partial_checkpoint import NeededTensors, complete_partial_folder, selectio
 # The first read of a header, and how much each further read grows it: real vocabularies make headers of a few MB.
 HEADER_FIRST_READ_BYTES = 64 << 10
 HEADER_GROWTH_FACTOR = 4
-# A header beyond this is refused: no tokenizer needs it, and a bogus file must not make a host read without end.
-MAX_GGUF_HEADER_BYTES = 64 << 20
 # Needed tensors closer than this in the file are fetched in one request (llama.cpp pads tensors to 32 bytes).
 COALESCE_GAP_BYTES = 4096
 # Retries of a span whose transfer broke off, each resuming where the last ended.

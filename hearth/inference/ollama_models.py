@@ -31,10 +31,10 @@ OLLAMA_ADAPTER_MEDIA_TYPE = "application/vnd.ollama.image.adapter"
 MAX_MANIFEST_BYTES = 1 << 20
 MAX_NAME_CHARS = 256
 # Each part of a name becomes a folder name under the manifests folder: no separators, and no "." or "..".
-_NAME_PART = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_NAME_PART = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 # A registry may name its port (`localhost:5000/ns/model`), as Ollama's folder for it does.
-_REGISTRY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}(:[0-9]{1,5})?$")
-_DIGEST = re.compile(r"^sha256:([0-9a-f]{64})$")
+_REGISTRY = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}(:[0-9]{1,5})?")
+_DIGEST = re.compile(r"sha256:([0-9a-f]{64})")
 
 
 def is_ollama_model(model: object) -> bool:
@@ -56,7 +56,7 @@ def ollama_manifest_parts(model: str) -> tuple[str, str, str, str]:
     elif len(parts) == 2:
         namespace = parts[0]
     resolved = (registry, namespace, parts[-1], tag)
-    if not (_REGISTRY.match(registry) and all(_NAME_PART.match(part) for part in resolved[1:])):
+    if not (_REGISTRY.fullmatch(registry) and all(_NAME_PART.fullmatch(part) for part in resolved[1:])):
         raise CheckpointError(f"{model!r} is not an Ollama model name ([registry/][namespace/]model[:tag])")
     return resolved
 
@@ -114,13 +114,15 @@ def _blob_of(parts: tuple[str, str, str, str], folder: Path) -> Path:
         layers = json.loads(manifest_file.read_text(encoding="utf-8")).get("layers")
         kinds = [layer.get("mediaType") for layer in layers]
         digests = [layer.get("digest") for layer in layers if layer.get("mediaType") == OLLAMA_WEIGHTS_MEDIA_TYPE]
-    except (ValueError, TypeError, AttributeError, UnicodeDecodeError):
+    except (ValueError, TypeError, AttributeError, UnicodeDecodeError, RecursionError):
         raise CheckpointError(f"Ollama's manifest of {shown} ({manifest_file}) is not one hearth reads") from None
     if OLLAMA_ADAPTER_MEDIA_TYPE in kinds:
         raise CheckpointError(f"Ollama's {shown} applies a LoRA adapter to its weights, which hearth does not: "
                               "served without it, it would be another model")
-    if len(digests) != 1 or not isinstance(digests[0], str) or not (found := _DIGEST.match(digests[0])):
+    if len(digests) != 1:
         raise CheckpointError(f"Ollama's manifest of {shown} names {len(digests)} weights layers, not one GGUF blob")
+    if not isinstance(digests[0], str) or not (found := _DIGEST.fullmatch(digests[0])):
+        raise CheckpointError(f"Ollama's manifest of {shown} ({manifest_file}) names its weights by no SHA-256 digest")
     blob = folder / "blobs" / f"sha256-{found.group(1)}"
     if not blob.is_file():
         raise CheckpointError(f"Ollama's blob of {shown} ({blob}) is missing (`ollama pull {shown}` fetches it again)")

@@ -167,6 +167,11 @@ STRING, FLOAT, UINT = gguf.GGUFValueType.STRING, gguf.GGUFValueType.FLOAT32, ggu
                 "gemma3.rope.scaling.yarn_log_multiplier": (0.1, FLOAT)}, (), "log_multiplier"),
     ("llama", {"llama.expert_count": (4, UINT)}, (), "mixture-of-experts llama model (4 experts a layer"),
     ("qwen2", {}, (("blk.0.ffn_gate_exps.weight", np.ones(8, dtype=np.float32)),), "such as blk.0.ffn_gate_exps"),
+    ("llama", {"llama.attention.key_length": ("abc", STRING)}, (), "llama.attention.key_length as 'abc', not a"),
+    ("llama", {"llama.rope.scaling.type": ("yarn", STRING), "llama.rope.scaling.factor": (4.0, FLOAT),
+               "llama.rope.scaling.yarn_ext_factor": ("x", STRING)}, (), "yarn_ext_factor as 'x'"),
+    ("qwen2", {"qwen2.rope.scaling.type": ("linear", STRING),
+               "qwen2.rope.scaling.factor": (float("nan"), FLOAT)}, (), "rope.scaling.factor as nan"),
 ])
 def test_positions_hearth_cannot_express_are_refused_in_one_line(tiny_gguf, tmp_path, architecture, keys, extra,
                                                                   named):

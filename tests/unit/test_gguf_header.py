@@ -9,7 +9,7 @@ import pytest
 from gguf import GGMLQuantizationType
 
 from hearth.inference import CheckpointError
-from hearth.inference.gguf_header import HeaderIncomplete, parse_gguf_header
+from hearth.inference.gguf_header import HeaderIncomplete, parse_gguf_header, read_gguf_header
 from hearth.inference.gguf_header import GGUFPartTensor
 from hearth.inference.gguf_parts import split_gguf
 from hearth.inference.hub_gguf import coalesced_spans
@@ -64,3 +64,36 @@ def _tensor(start: int, n_bytes: int) -> GGUFPartTensor:
 def test_neighbouring_tensors_are_fetched_in_one_span_whatever_their_order():
     tensors = [_tensor(10_000, 100), _tensor(0, 64), _tensor(96, 32), _tensor(50_000, 8)]
     assert coalesced_spans(tensors) == [(0, 127), (10_000, 10_099), (50_000, 50_007)]
+
+
+def _header_with_one_value(value: bytes) -> bytes:
+    """A GGUF header whose one metadata value is `value` (its type id first) and which lists no tensor."""
+    key = b"general.x"
+    return b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", len(key)) + key + value
+
+
+def test_metadata_arrays_nested_past_the_bound_are_refused_in_one_line():
+    depth = 2000
+    nested = struct.pack("<I", 9) + struct.pack("<IQ", 9, 1) * depth + struct.pack("<IQ", 0, 0)
+    data = _header_with_one_value(nested)
+    with pytest.raises(CheckpointError, match="metadata arrays nested deeper than") as refused:
+        parse_gguf_header(data, len(data), "nested.gguf", check_tensors=False)
+    assert "\n" not in str(refused.value)
+    shallow = _header_with_one_value(struct.pack("<I", 9) + struct.pack("<IQ", 9, 1) * 2 + struct.pack("<IQ", 0, 0))
+    assert parse_gguf_header(shallow, len(shallow), "shallow.gguf", check_tensors=False).metadata["general.x"] is None
+
+
+def test_a_local_header_longer_than_the_bound_is_refused_without_reading_the_file(tmp_path, monkeypatch):
+    monkeypatch.setattr("hearth.inference.gguf_header.FIRST_HEADER_READ_BYTES", 1024)
+    monkeypatch.setattr("hearth.inference.gguf_header.MAX_GGUF_HEADER_BYTES", 4096)
+    long_string = _header_with_one_value(struct.pack("<IQ", 8, 1 << 20))  # a string of 1 MiB
+    path = tmp_path / "long.gguf"
+    path.write_bytes(long_string + bytes(2 << 20))
+    with pytest.raises(CheckpointError, match="header is longer than 4096 bytes"):
+        read_gguf_header(path)
+    path.write_bytes(_header_with_one_value(struct.pack("<IQ", 8, 1 << 62)) + bytes(8192))
+    with pytest.raises(CheckpointError, match="long.gguf is truncated: its header ends past the end of the file"):
+        read_gguf_header(path)
+    with pytest.raises(CheckpointError, match="unknown type 99"):
+        path.write_bytes(_header_with_one_value(struct.pack("<I", 99)) + bytes(64))
+        read_gguf_header(path)

@@ -4,6 +4,7 @@ original's digest, and a GGUF the loader would refuse is refused before anything
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 
 import gguf
@@ -125,6 +126,24 @@ def test_parts_that_do_not_match_the_layout_are_refused(tiny_q8, tmp_path):
         write_gguf_folder(tmp_path / "headless", "model.gguf", HEADER, layout, {part_name(1): files[part_name(1)]},
                           weights_sha256="0" * 64, source="test")
     assert not (tmp_path / "cut").exists() and not (tmp_path / "headless").exists()
+
+
+@pytest.mark.parametrize("which", ["first", "last"])
+def test_a_layout_stating_other_tensor_sizes_than_the_header_is_refused(tiny_q8, tmp_path, which):
+    layout, _, files = split_into(tiny_q8, tmp_path / "parts")
+    index = 0 if which == "first" else -1
+    short = layout.placements[index]
+    placements = list(layout.placements)
+    placements[index] = dataclasses.replace(short, n_bytes=short.n_bytes - 64)
+    lying = dataclasses.replace(layout, placements=placements)
+    with pytest.raises(CheckpointError, match="the parts of model.gguf do not form a GGUF"):
+        write_gguf_folder(tmp_path / "lying", "model.gguf", HEADER, lying, files, weights_sha256="0" * 64,
+                          source="test")
+    assert not (tmp_path / "lying").exists()
+    # The folder is not left behind as complete: the true layout still writes the original.
+    whole = write_gguf_folder(tmp_path / "lying", "model.gguf", HEADER, layout, files, weights_sha256="0" * 64,
+                              source="test")
+    assert whole.read_bytes() == tiny_q8.read_bytes()
 
 
 def test_a_truncated_gguf_or_another_architecture_is_refused_in_one_line(tiny_q8, tmp_path):

@@ -96,7 +96,8 @@ def test_names_are_read_with_ollamas_defaults(name, parts):
 
 @pytest.mark.parametrize("name", ["ollama:", "ollama:../../etc/passwd", "ollama:a/b/c/d", "ollama:tiny:..",
                                   "ollama:tiny:", "ollama:/tiny", "ollama:ti ny", "ollama:" + "x" * 300,
-                                  "ollama:..:80/ns/tiny", "ollama:host:port/ns/tiny"])
+                                  "ollama:..:80/ns/tiny", "ollama:host:port/ns/tiny", "ollama:tiny:4b\n",
+                                  "ollama:tiny\n:4b"])
 def test_malformed_names_are_refused_before_any_file_is_opened(name, ollama_models):
     with pytest.raises(CheckpointError, match="not an Ollama model name") as refused:
         resolve_model_path(name)
@@ -129,6 +130,15 @@ def test_a_missing_model_or_blob_and_a_foreign_manifest_are_one_line_each(tiny_g
     garbage.write_text("[1, 2")
     with pytest.raises(CheckpointError, match="is not one hearth reads"):
         resolve_model_path("ollama:garbage")
+    garbage.write_text("[" * 200_000)  # nested past what the JSON parser recurses into
+    with pytest.raises(CheckpointError, match="is not one hearth reads"):
+        resolve_model_path("ollama:garbage")
+
+    for digest in ("sha256:../../etc/passwd", f"sha256:{DIGEST}\n", f"SHA256:{DIGEST}"):
+        pull(ollama_models, source, "registry.ollama.ai/library/odd/latest", layers=[
+            {"mediaType": "application/vnd.ollama.image.model", "digest": digest}])
+        with pytest.raises(CheckpointError, match="odd:latest .* names its weights by no SHA-256 digest"):
+            resolve_model_path("ollama:odd")
 
 
 def test_hearth_ollama_lists_what_ollama_pulled_and_whether_hearth_serves_it(tiny_gguf, ollama_models, tmp_path):
