@@ -198,6 +198,9 @@ def good_headers() -> dict[str, str]:
         ({HEADER_STEP: None}, "missing header Hearth-Step"),
         ({HEADER_STEP: "abc"}, "Hearth-Step: expected a non-negative integer"),
         ({HEADER_STEP: "-1"}, "Hearth-Step: expected a non-negative integer"),
+        ({HEADER_STEP: "\u00b2"}, "Hearth-Step: expected a non-negative integer"),  # a digit int() does not read
+        ({"Hearth-Prompt-Tokens": "\u0663"}, "Hearth-Prompt-Tokens: expected a non-negative integer"),
+        ({HEADER_SHAPE: "2,\u00b2"}, "Hearth-Shape: expected comma-separated"),
         ({HEADER_CHUNK: "1"}, "Hearth-Chunk: expected 'i/n'"),
         ({HEADER_CHUNK: "1/1"}, "index must be below the count"),
         ({HEADER_KIND: "embed"}, "Hearth-Kind: 'embed' is not one of prefill, decode, replay, reset"),

@@ -208,17 +208,24 @@ def test_a_record_past_its_budget_stops_and_its_chain_is_not_checked_any_more():
 
 
 class _ScriptedTap:
-    """A tap that hands over the steps it was given, in order, then times out."""
+    """A tap that hands over the steps it was given, in order, then times out; each told as `recorder` sent it, or
+    as `told` says (step number -> StepInfo)."""
 
-    def __init__(self, steps: list[int]) -> None:
+    def __init__(self, steps: list[int], recorder: ChainRecorder, told: dict[int, StepInfo] | None = None) -> None:
         self.steps = list(steps)
         self.handed = 0
+        self.recorder = recorder
+        self.told = told or {}
 
     async def next_step(self, timeout_s: float):
         if not self.steps:
             raise TransportError("tap timed out")
         self.handed += 1
-        return SimpleNamespace(session="s1", step=self.steps.pop(0), tensor=torch.zeros(1, 1, HIDDEN))
+        number = self.steps.pop(0)
+        sent = self.recorder.steps[number]
+        info = self.told.get(number) or StepInfo(session="s1", step=number, kind=sent.kind, pos=sent.pos,
+                                                 prompt_tokens=sent.prompt_tokens)
+        return SimpleNamespace(session="s1", step=number, tensor=torch.zeros(1, 1, HIDDEN), info=info)
 
     def take_ready(self) -> list:
         return []
@@ -228,7 +235,7 @@ async def test_settling_waits_for_the_inputs_taps_have_not_filed_and_marks_a_hop
     recorder = ChainRecorder(None, "p-test", ["h0", "h1", "h2"], link_keys=[None, None, None], sealed=False,
                              step_limits=None)
     recorder._session = "s1"
-    recorder._taps = [_ScriptedTap([1, 2, 3]), _ScriptedTap([1, 2])]
+    recorder._taps = [_ScriptedTap([1, 2, 3], recorder), _ScriptedTap([1, 2], recorder)]
     for number, kind, pos in ((1, FrameKind.prefill, 0), (2, FrameKind.decode, 4), (3, FrameKind.decode, 5)):
         recorder.sent(StepInfo(session="s1", step=number, kind=kind, pos=pos), torch.zeros(1, 1, HIDDEN))
 
@@ -243,6 +250,26 @@ async def test_settling_waits_for_the_inputs_taps_have_not_filed_and_marks_a_hop
 
     # A re-prefill from position 0 starts a new record: nothing of the old one is waited for.
     recorder.sent(StepInfo(session="s1", step=4, kind=FrameKind.prefill, pos=0), torch.zeros(1, 5, HIDDEN))
-    recorder._taps = [_ScriptedTap([4]), _ScriptedTap([4])]
+    recorder._taps = [_ScriptedTap([4], recorder), _ScriptedTap([4], recorder)]
     await recorder.settled(4, timeout_s=1.0)
     assert [tap.handed for tap in recorder._taps] == [1, 1] and not recorder.broken
+
+
+@pytest.mark.parametrize("told", [
+    {"kind": FrameKind.prefill, "pos": 0, "prompt_tokens": 80},  # another prompt length: other LongRoPE factors
+    {"kind": FrameKind.prefill, "pos": 0, "prompt_tokens": None},
+    {"kind": FrameKind.replay, "pos": 0, "prompt_tokens": None},
+    {"kind": FrameKind.prefill, "pos": 1, "prompt_tokens": 8},
+])
+async def test_a_hop_told_another_step_than_the_orchestrator_sent_is_not_checked_against_what_was_sent(told):
+    # Hop 0 passes step 1 on to hop 1 with a header of its own making: checked against the recorded header, the honest
+    # hop 1 would compute otherwise than its replica and be accused.
+    recorder = ChainRecorder(None, "p-test", ["h0", "h1", "h2"], link_keys=[None, None, None], sealed=False,
+                             step_limits=None)
+    recorder._session = "s1"
+    recorder.sent(StepInfo(session="s1", step=1, kind=FrameKind.prefill, pos=0, prompt_tokens=8),
+                  torch.zeros(1, 8, HIDDEN))
+    forged = {1: StepInfo(session="s1", step=1, **told)}
+    recorder._taps = [_ScriptedTap([1], recorder, told=forged), _ScriptedTap([1], recorder)]
+    await recorder.settled(1, timeout_s=1.0)
+    assert recorder.broken == {1}

@@ -210,6 +210,16 @@ class ChainRecorder:
             return
         recorded = self.steps.get(received.step)
         if recorded is not None and received.tensor is not None:
+            told = received.info
+            if (told.kind, told.pos, told.prompt_tokens) != (recorded.kind, recorded.pos, recorded.prompt_tokens):
+                # Hops pass a step's header on as they got it: hop - 1 told its successor another step than ours,
+                # so what hop `hop` computed cannot be checked against what we would have a replica compute.
+                if hop not in self.broken:
+                    log.warning("pipeline %s: hop %d passed step %d on as %s at %d (prompt %s), not as it was sent "
+                                "(%s at %d, prompt %s); hop %d is not checked on this chain", self.pipeline_id,
+                                hop - 1, received.step, told.kind.value, told.pos, told.prompt_tokens,
+                                recorded.kind.value, recorded.pos, recorded.prompt_tokens, hop)
+                self.broken.add(hop)
             recorded.inputs[hop] = received.tensor
             self._unfiled[hop].discard(received.step)
 

@@ -295,7 +295,7 @@ def _int_header(headers: Mapping[str, str], name: str, *, required: bool = True)
         if required:
             raise FrameError(f"missing header {name}")
         return None
-    if not value.isdigit() or len(value) > 20:
+    if not (value.isascii() and value.isdigit()) or len(value) > 20:
         raise FrameError(f"header {name}: expected a non-negative integer, got {value!r}")
     return int(value)
 
@@ -318,7 +318,7 @@ def _shape_header(headers: Mapping[str, str]) -> tuple[int, ...] | None:
     if value is None or value == "":
         return None
     dims = value.split(",")
-    if len(dims) > max_tensor_dims or not all(dim.isdigit() and len(dim) <= 12 for dim in dims):
+    if len(dims) > max_tensor_dims or not all(dim.isascii() and dim.isdigit() and len(dim) <= 12 for dim in dims):
         raise FrameError(f"header {HEADER_SHAPE}: expected comma-separated non-negative integers, got {value!r}")
     return tuple(int(dim) for dim in dims)
 
