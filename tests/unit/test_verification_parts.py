@@ -119,6 +119,14 @@ async def test_a_mirror_checks_a_span_as_the_hop_ran_it_and_its_decoded_position
     # The prompt's chunks told its length (LongRoPE picks its factors by it); the decoded tokens replayed, chunked.
     assert sent == [(prefill, 0, 3, 6), (prefill, 3, 3, 6), (replay, 6, 3, None)]
 
+    # A replica that takes no replay steps decodes them one by one again, as the hop did.
+    Replica.replay_steps, mirror.fed_pos = False, 0
+    sent.clear()
+    assert torch.equal(await mirror.check(span), span.inputs)
+    decode = FrameKind.decode
+    assert sent == [(prefill, 0, 3, 6), (prefill, 3, 3, 6), (decode, 6, 1, None), (decode, 7, 1, None),
+                    (decode, 8, 1, None)]
+
 
 def test_a_record_hands_a_check_the_positions_since_its_last_one_in_order():
     recorder = one_hop_recorder()

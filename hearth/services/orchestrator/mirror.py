@@ -84,8 +84,10 @@ class Mirror:
     async def check(self, span: HopSpan) -> torch.Tensor | StepFailure:
         """Run a checked hop's `span` (from `fed_pos`): its prefill positions as the hop ran them, the positions it
         decoded one by one as replay steps, chunked, which compute each as its decode step did (and rotate each at
-        its own length: hearth/inference/layer_call.py)."""
-        kinds = [FrameKind.replay if kind is FrameKind.decode else kind for kind in span.kinds]
+        its own length: hearth/inference/layer_call.py); on a replica that takes no replay steps, as decode steps
+        again (a prefill chunk would rotate them all at the chunk's length)."""
+        replay = self.chain.replay_steps
+        kinds = [FrameKind.replay if kind is FrameKind.decode and replay else kind for kind in span.kinds]
         return await self.run(span.inputs, span.first_pos, kinds, span.prompt_tokens)
 
     async def close(self) -> None:
