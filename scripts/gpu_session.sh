@@ -4,7 +4,7 @@
 # memory per shard in the report) and the CPU figure of the same machine. Everything lands under $OUT.
 #
 # Here first (wheels the GPU machine's image lacks; it reaches no registry):
-#   bash ../shared/gpu/fetch-wheels.sh nkeys cryptography rich starlette uvicorn pytest-timeout hypothesis PyYAML setproctitle
+#   bash ../shared/gpu/fetch-wheels.sh nkeys cryptography rich starlette uvicorn pytest-timeout hypothesis PyYAML setproctitle py-spy
 # Then `device run` calls carrying .whl, each naming one or more stages (run in order; the wheels install once):
 #   bash scripts/gpu_session.sh checkpoints  # write the random TinyLlama-1.1B and Llama-3-8B checkpoints (can run
 #                                            # in the background beside `tests`: the benches then find them written)
@@ -21,6 +21,8 @@
 #                                            # and the CUDA quantization tests (unit + an int4 mesh)
 #   bash scripts/gpu_session.sh llama3-8b-int4  # bench, Llama-3-8B shape, int4 weights (bf16 activations), 8 sessions
 #   bash scripts/gpu_session.sh llama3-8b-one   # bench, Llama-3-8B shape, bf16, one session (int4's baseline)
+#   bash scripts/gpu_session.sh profile      # the int4 8B pipeline under py-spy (fetch-wheels.sh py-spy first):
+#                                            # where its processes spend a token (scripts/profile_bench.py)
 #   bash scripts/gpu_session.sh prefix       # issue 30: kept prefixes in static caches: a 10-turn conversation through
 #                                            # the gateway, cache on and off (scripts/bench_conversation.py)
 #   bash scripts/gpu_session.sh tolerance    # issue 28: the honest tolerance of bf16/fp32 CUDA shards
@@ -39,7 +41,7 @@
 # 'hearth[.][s]ervices[.]cli (bench|shard|orchestrator)' instead.
 set -u
 stages=("$@")
-[ ${#stages[@]} -gt 0 ] || { echo "usage: gpu_session.sh STAGE... (checkpoints tests prefix tolerance quantized llama3-8b-int4 llama3-8b-one tinyllama llama3-8b llama3-8b-fp32 batching cpu together load-memory probe)" >&2; exit 2; }
+[ ${#stages[@]} -gt 0 ] || { echo "usage: gpu_session.sh STAGE... (checkpoints tests prefix tolerance quantized llama3-8b-int4 llama3-8b-one profile tinyllama llama3-8b llama3-8b-fp32 batching cpu together load-memory probe)" >&2; exit 2; }
 out=${OUT:-/tmp/hearth-gpu-out}
 mkdir -p "$out"
 site=/tmp/site
@@ -110,6 +112,15 @@ for shape in sys.argv[1:]: print(write('random:' + shape))" "$mid" "$big" > "$ou
     bench "$big-$device-int4" --model "random:$big" --device "$device" --dtype "$dtype" --quantize int4 --repeats 2 \
       --sessions 8 --new-tokens 64 --env HEARTH_SHARD__KV_CACHE_BUDGET_MB=$big_kv_mb
     ;;
+  profile)
+    # Where the 8B int4 pipeline's processes spend a token (the overhead above its weights' reading, BENCHMARKS.md
+    # "Quantized shards on a GPU"): py-spy from .whl samples every shard and the orchestrator; it needs ptrace.
+    echo "== profile: scripts/profile_bench.py, $big int4" | tee -a "$out/stages.txt"
+    "$python" scripts/profile_bench.py --out "$out/profile" --rate 200 -- --model "random:$big" --device "$device" \
+      --dtype "$dtype" --quantize int4 --repeats 1 --sessions 1 --new-tokens 128 > "$out/profile.txt" 2>&1
+    echo "exit $?" | tee -a "$out/stages.txt"
+    rm -rf "$out/profile/work"
+    ;;
   llama3-8b-one)
     bench "$big-$device-one" --model "random:$big" --device "$device" --dtype "$dtype" --repeats 2 --sessions 1 \
       --new-tokens 64
@@ -179,7 +190,7 @@ for shape in sys.argv[1:]: print(write('random:' + shape))" "$mid" "$big" > "$ou
     echo "exit $?" | tee -a "$out/stages.txt"
     ;;
   *)
-    echo "unknown stage $stage (checkpoints, tests, prefix, tolerance, quantized, llama3-8b-int4, llama3-8b-one, tinyllama, llama3-8b, llama3-8b-fp32, batching, cpu, together, load-memory or probe)" >&2
+    echo "unknown stage $stage (checkpoints, tests, prefix, tolerance, quantized, llama3-8b-int4, llama3-8b-one, profile, tinyllama, llama3-8b, llama3-8b-fp32, batching, cpu, together, load-memory or probe)" >&2
     exit 2
     ;;
 esac
