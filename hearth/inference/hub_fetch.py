@@ -27,6 +27,7 @@ import fnmatch
 import json
 import logging
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,6 +59,11 @@ HUB_GGUF_PARTS_FOLDER = "gguf-parts"
 # Names the GGUF a plain id of a one-GGUF repository resolved to at that commit, so it resolves offline too.
 HUB_DEFAULT_GGUF_FILE = "gguf-default"
 DEFAULT_REVISION = "main"
+COMMIT_HASH = re.compile(r"[0-9a-f]{40}")
+# Beyond these a repository's files besides its weights (config, tokenizer, index, ...) are no model's: refused
+# before any is downloaded.
+MAX_SIDE_FILES = 64
+MAX_SIDE_FILE_BYTES = 256 << 20
 HUB_OFFLINE_ENV = "HF_HUB_OFFLINE"
 
 
@@ -89,8 +95,8 @@ def fetch_hub_selection(model: str, needed: NeededTensors, *, revision: str | No
         return whole
     root = hub_partial_root(repo_id, cache_dir)
     ref_file = root / "refs" / (revision or DEFAULT_REVISION)
-    if ref_file.is_file():
-        commit_dir = root / ref_file.read_text().strip()
+    if ref_file.is_file() and is_commit_hash(commit := ref_file.read_text().strip()):
+        commit_dir = root / commit
         if (gguf := _cached_gguf(commit_dir, gguf_file, needed)) is not None:
             return gguf
         cached = None if gguf_file else complete_partial_folder(commit_dir / selection_name(needed))
@@ -168,6 +174,8 @@ def _repository(repo_id: str, revision: str | None):
 
     api = HfApi(endpoint=os.environ.get(HUB_ENDPOINT_ENV) or None)
     commit = api.repo_info(repo_id, revision=revision).sha
+    if not is_commit_hash(commit):  # it names folders of the cache: the hub's word alone must not choose them
+        raise CheckpointError(f"model {repo_id!r}: the hub answered {commit!r} as its commit, not a commit hash")
     listing = {entry.path: entry for entry in api.list_repo_tree(repo_id, recursive=True, revision=commit)
                if isinstance(entry, RepoFile) and "/" not in entry.path}
     weights = {name: entry for name, entry in listing.items() if name.endswith(".safetensors")}
@@ -199,6 +207,13 @@ def _download_selection(repo_id: str, gguf_file: str | None, needed: NeededTenso
         _write_ref(root, revision, commit)
         return path
     download = _downloader(repo_id, commit, root)
+    side_files = [entry for name, entry in listing.items() if name not in weights
+                  and any(fnmatch.fnmatch(name, pattern) for pattern in NON_WEIGHT_PATTERNS)]
+    oversized = [entry.path for entry in side_files if (entry.size or 0) > MAX_SIDE_FILE_BYTES]
+    if len(side_files) > MAX_SIDE_FILES or oversized:
+        raise CheckpointError(f"model {repo_id!r} lists {len(side_files)} files besides its weights"
+                              + (f", {oversized[0]} over {MAX_SIDE_FILE_BYTES} bytes" if oversized else
+                                 f" (more than {MAX_SIDE_FILES})") + ": not a model hearth downloads")
 
     weight_map = None
     if SAFETENSORS_INDEX_NAME in listing:
@@ -216,6 +231,7 @@ def _download_selection(repo_id: str, gguf_file: str | None, needed: NeededTenso
         fetched[name] = download(name)
         expected = weights[name].lfs.sha256 if weights[name].lfs is not None else None
         if expected is not None and file_sha256(fetched[name]) != expected:
+            _forget_download(fetched[name], root / commit / "files")  # else the next try would take it as done
             raise CheckpointError(f"model {repo_id!r}: {name} does not match its listed SHA-256 "
                                   "(corrupted download or tampered mirror)")
     digest = digest_of_files(_listed_hashes(weights, fetched))
@@ -223,6 +239,17 @@ def _download_selection(repo_id: str, gguf_file: str | None, needed: NeededTenso
                                      weights_sha256=digest, source=f"hub:{repo_id}@{commit}")
     _write_ref(root, revision, commit)
     return folder
+
+
+def is_commit_hash(text: object) -> bool:
+    """Whether `text` is a commit hash as the hub states them (40 lowercase hexadecimal digits)."""
+    return isinstance(text, str) and COMMIT_HASH.fullmatch(text) is not None
+
+
+def _forget_download(file: Path, files_dir: Path) -> None:
+    """Remove a downloaded file and huggingface_hub's record of it, so that it is downloaded again next time."""
+    file.unlink(missing_ok=True)
+    (files_dir / ".cache" / "huggingface" / "download" / f"{file.name}.metadata").unlink(missing_ok=True)
 
 
 def _write_ref(root: Path, revision: str | None, commit: str) -> None:

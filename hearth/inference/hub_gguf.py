@@ -246,6 +246,8 @@ def _fetch_range(hub: HubGGUF, first: int, last: int, out, bar) -> None:
                     position += len(chunk)
                     if bar is not None:
                         bar.update(len(chunk))
+                    if position > last:
+                        break  # a server sending on past the range is not read without end
         except (httpx2.TransportError, httpx2.StreamError):
             if retries == 0:
                 raise

@@ -80,6 +80,19 @@ def test_a_tampered_file_is_refused_with_one_line(served, tmp_path):
     hub.tampered[victim] = b"\0" * 64
     with pytest.raises(CheckpointError, match=f"{victim} does not match its listed SHA-256"):
         resolve_model_path(REPO, cache_dir=tmp_path / "cache", needed_layers=(1, 1))
+    # The refused file is not kept as downloaded: once the mirror serves it right, the next try fetches it again.
+    hub.tampered.clear()
+    folder = resolve_model_path(REPO, cache_dir=tmp_path / "cache", needed_layers=(1, 1))
+    assert (folder / victim).is_file()
+
+
+def test_a_commit_that_is_no_commit_hash_is_refused_before_any_folder_is_named_by_it(served, tmp_path, monkeypatch):
+    outside = tmp_path / "outside"
+    for answered in (str(outside), "../../outside", "main"):
+        monkeypatch.setattr("tests.unit.hub_server.FAKE_COMMIT", answered)
+        with pytest.raises(CheckpointError, match="not a commit hash"):
+            resolve_model_path(REPO, cache_dir=tmp_path / "cache", needed_layers=(1, 1))
+    assert not outside.exists() and not (tmp_path / "outside").exists()
 
 
 def test_offline_without_a_cached_part_is_a_checkpoint_error(served, tmp_path):
@@ -111,3 +124,16 @@ def test_a_host_sizes_its_range_from_headers_alone_then_fetches_only_that_range(
 def test_sizing_from_the_hub_offline_is_a_checkpoint_error(served):
     with pytest.raises(CheckpointError, match="downloads are disabled"):
         hub_layout(REPO, local_files_only=True)
+
+
+@pytest.mark.parametrize("bound, value, refusal", [
+    ("MAX_SIDE_FILE_BYTES", 16, "over 16 bytes"),
+    ("MAX_SIDE_FILES", 1, r"\(more than 1\)"),
+])
+def test_a_repository_listing_too_many_or_too_large_side_files_downloads_nothing(served, tmp_path, monkeypatch,
+                                                                                  bound, value, refusal):
+    hub, _, _ = served
+    monkeypatch.setattr(f"hearth.inference.hub_fetch.{bound}", value)
+    with pytest.raises(CheckpointError, match=f"files besides its weights.*{refusal}.*not a model hearth downloads"):
+        resolve_model_path(REPO, cache_dir=tmp_path / "cache", needed_layers=(1, 1))
+    assert not hub.downloaded(REPO)

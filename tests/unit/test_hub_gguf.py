@@ -257,3 +257,33 @@ async def test_an_orchestrator_given_a_gguf_hub_id_fetches_only_the_head(two_ggu
     assert hub.bytes_sent < other.stat().st_size
     assert loaded.weights_sha256 == weights_sha256(other, cache_dir=tmp_path / "sums")
     _assert_same_head(loaded.head, load_head(other))
+
+
+def test_a_server_sending_on_past_the_asked_range_is_not_read_without_end(tmp_path, monkeypatch):
+    import contextlib
+    import io
+    from types import SimpleNamespace
+
+    from hearth.inference import hub_gguf
+
+    first, last, sent = 100, 199, []
+
+    def endless():
+        while True:
+            sent.append(1)
+            if len(sent) > 1000:
+                raise AssertionError("the body was read on past the range")
+            yield b"x" * 64
+
+    class Session:
+        @contextlib.contextmanager
+        def stream(self, *args, **kwargs):
+            yield SimpleNamespace(status_code=206, headers={"Content-Range": f"bytes {first}-{last}/1000"},
+                                  iter_bytes=endless, raise_for_status=lambda: None)
+
+    monkeypatch.setattr("huggingface_hub.utils.get_session", lambda: Session())
+    hub = hub_gguf.HubGGUF(repo_id="o/r", file="x.gguf", commit=FAKE_COMMIT, size=1000, sha256="0" * 64,
+                           folder=tmp_path)
+    out = io.BytesIO()
+    hub_gguf._fetch_range(hub, first, last, out, None)
+    assert out.getvalue() == b"x" * (last - first + 1) and len(sent) == 2
