@@ -22,20 +22,20 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-import os
 import re
-import tempfile
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
+from hearth.inference.checksum import PARTIAL_CHECKPOINT_MARKER
 from hearth.inference.gguf_header import GGUF_SUFFIX
 from hearth.inference.gguf_checkpoint import default_read_device
 from hearth.inference.gguf_parts import StoredLayout
 from hearth.inference.partial_checkpoint import NON_WEIGHT_PATTERNS, NeededTensors, assemble_partial_folder, \
     check_needed, complete_partial_folder, hearth_cache_dir, layer_of, selection_name
 from hearth.services.broker.permissions import WEIGHTS_BUCKET
+from hearth.services.weights_objects import WeightsStoreError, fetch_object, object_intact, read_small_object
 
 log = logging.getLogger(__name__)
 
@@ -57,19 +57,13 @@ GGUF_FORMAT_VERSION = 2
 SHA256_PATTERN = r"^[0-9a-f]{64}$"
 # Object-store chunks (nats-py's default is 128 KiB): larger chunks mean fewer messages per layer.
 OBJECT_CHUNK_BYTES = 512 * 1024
-# nats-py waits for an object's chunks without a deadline: a fetch gets this long plus its size at this rate.
-OBJECT_FETCH_BASE_TIMEOUT_S = 30.0
-OBJECT_FETCH_MIN_BYTES_PER_S = 1 << 20
-
-
-class WeightsStoreError(Exception):
-    """A store model that cannot be published or fetched; the message is one line naming what and why."""
 
 
 class StoredObject(BaseModel):
     """One object of a stored checkpoint: a file to place in the loader's folder under `file`."""
 
-    file: str = Field(max_length=200, pattern=r"^[A-Za-z0-9_.-]+$")
+    # Not "." or "..", nor a dot first as the cache's partial downloads are named.
+    file: str = Field(max_length=200, pattern=r"^[A-Za-z0-9_-][A-Za-z0-9_.-]*$")
     kind: Literal["file", "layer", "head", "gguf_header", "every_layer"]
     layer: int | None = Field(default=None, ge=0, le=100_000)
     size: int = Field(ge=0)
@@ -98,6 +92,14 @@ class WeightsManifest(BaseModel):
     tensors: dict[str, TensorSpec] = Field(default_factory=dict, max_length=1_000_000)
     # How a GGUF's objects form it again (format_version 2; its tensors' dtypes above are GGML type names).
     gguf: StoredLayout | None = None
+
+    @field_validator("objects")
+    @classmethod
+    def _one_object_per_file(cls, objects: list[StoredObject]) -> list[StoredObject]:
+        files = [stored.file for stored in objects]
+        if len(set(files)) != len(files) or PARTIAL_CHECKPOINT_MARKER in files:
+            raise ValueError("its objects' files are not distinct names a checkpoint's files may have")
+        return objects
 
     def needed_objects(self, needed: NeededTensors) -> list[StoredObject]:
         """The objects a layer range, the head (None: everything) needs, files always."""
@@ -280,12 +282,10 @@ async def read_manifest(js, name: str) -> WeightsManifest:
 
     store = await _bucket(js, create=False)
     try:
-        info = await store.get_info(object_key(name, MANIFEST_OBJECT))
+        data = await read_small_object(store, object_key(name, MANIFEST_OBJECT), f"the manifest of {name!r}",
+                                       MANIFEST_MAX_BYTES)
     except ObjectNotFoundError:
         raise WeightsStoreError(f"no model {name!r} in the community's store (`hearth weights list`)") from None
-    if info.size > MANIFEST_MAX_BYTES:
-        raise WeightsStoreError(f"the manifest of {name!r} is {info.size} bytes, over {MANIFEST_MAX_BYTES}")
-    data = (await store.get(object_key(name, MANIFEST_OBJECT))).data
     try:
         manifest = WeightsManifest.model_validate_json(data)
     except ValidationError as error:
@@ -324,11 +324,12 @@ async def fetch_stored_model(js, name: str, needed: NeededTensors, *, cache_dir:
     objects_dir = root / "objects"
     objects_dir.mkdir(parents=True, exist_ok=True)
     wanted = manifest.needed_objects(needed)
-    missing = [stored for stored in wanted if not await asyncio.to_thread(_intact, objects_dir / stored.file, stored)]
+    missing = [stored for stored in wanted
+               if not await asyncio.to_thread(object_intact, objects_dir / stored.file, stored)]
     store = await _bucket(js, create=False)
     with _progress(sum(stored.size for stored in missing), f"fetching {name}") as bar:
         for stored in missing:
-            await _fetch_object(store, name, stored, objects_dir)
+            await fetch_object(store, object_key(name, stored.file), name, stored, objects_dir)
             bar.update(stored.size)
     files = {stored.file: objects_dir / stored.file for stored in wanted}
     if manifest.gguf is not None:
@@ -346,42 +347,6 @@ def _write_gguf(manifest: WeightsManifest, target: Path, gguf_name: str, files: 
                                  weights_sha256=manifest.weights_sha256, source=f"{STORE_MODEL_PREFIX}{manifest.name}")
     except CheckpointError as error:
         raise WeightsStoreError(f"{manifest.name!r}: {error}") from None
-
-
-def _intact(file: Path, stored: StoredObject) -> bool:
-    from hearth.inference.checksum import file_sha256
-
-    return file.is_file() and file.stat().st_size == stored.size and file_sha256(file) == stored.sha256
-
-
-def object_fetch_timeout_s(size_bytes: int) -> float:
-    """How long fetching an object of `size_bytes` may take before it counts as stalled."""
-    return OBJECT_FETCH_BASE_TIMEOUT_S + size_bytes / OBJECT_FETCH_MIN_BYTES_PER_S
-
-
-async def _fetch_object(store, name: str, stored: StoredObject, objects_dir: Path) -> None:
-    from nats.js.errors import DigestMismatchError, ObjectNotFoundError
-
-    with tempfile.NamedTemporaryFile(dir=objects_dir, prefix=f".{stored.file}-", delete=False) as partial:
-        try:
-            await asyncio.wait_for(store.get(object_key(name, stored.file), writeinto=partial),
-                                   timeout=object_fetch_timeout_s(stored.size))
-        except (asyncio.TimeoutError, TimeoutError):
-            os.unlink(partial.name)
-            raise WeightsStoreError(f"object {stored.file} of {name!r} did not arrive within "
-                                    f"{object_fetch_timeout_s(stored.size):.0f} s") from None
-        except ObjectNotFoundError:
-            os.unlink(partial.name)
-            raise WeightsStoreError(f"{name!r} lacks its object {stored.file}: publish it again") from None
-        except DigestMismatchError:
-            os.unlink(partial.name)
-            raise WeightsStoreError(f"object {stored.file} of {name!r} arrived corrupted") from None
-    fetched = Path(partial.name)
-    if not await asyncio.to_thread(_intact, fetched, stored):
-        fetched.unlink()
-        raise WeightsStoreError(f"object {stored.file} of {name!r} does not match the SHA-256 in its manifest "
-                                "(republished or tampered with): nothing loaded")
-    os.replace(fetched, objects_dir / stored.file)
 
 
 async def resolve_model_source(model: str, needed: NeededTensors, *, nats_url: str | None, settings) -> Path:

@@ -77,6 +77,19 @@ async def test_a_corrupted_object_is_refused_with_one_line(js, published, tmp_pa
         await fetch_stored_model(js, NAME, (1, 1), cache_dir=tmp_path)
 
 
+async def test_an_object_larger_than_its_manifest_states_is_refused_and_leaves_nothing(js, published, tmp_path):
+    original, manifest = published
+    stated = next(stored for stored in manifest.objects if stored.file == LAYER_OBJECT_FORMAT.format(1))
+    store = await js.object_store(WEIGHTS_BUCKET)
+    await store.put(object_key(NAME, stated.file), b"\0" * (stated.size + 1))
+    with pytest.raises(WeightsStoreError, match=f"layer-00001.safetensors of 'tiny-llama' is {stated.size + 1} "
+                                                f"bytes, over {stated.size}"):
+        await fetch_stored_model(js, NAME, (1, 1), cache_dir=tmp_path)
+    objects = tmp_path / "store" / NAME / manifest.weights_sha256[:16] / "objects"
+    assert stated.file not in {file.name for file in objects.iterdir()}
+    assert not [file for file in objects.iterdir() if file.name.startswith(f".{stated.file}")]
+
+
 async def test_listing_and_unknown_names(js, published, tmp_path):
     assert [manifest.name for manifest in await list_models(js)] == [NAME]
     with pytest.raises(WeightsStoreError, match="no model 'absent'"):

@@ -1,0 +1,109 @@
+"""Objects of the community's weights bucket read back: never more bytes than stated (into memory for a manifest,
+into a file of the cache for a layer's or a file's object), within a deadline, and an object checked against the
+SHA-256 its manifest states before it takes its name in the cache.
+
+Why bounded here: nats-py's object reader takes chunks until the stream says none are pending, whatever size the
+object's info states (a publisher writes that info itself), and follows a link to another object into memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import os
+import tempfile
+from pathlib import Path
+from typing import Protocol
+
+# nats-py waits for an object's chunks without a deadline: a fetch gets this long plus its size at this rate.
+OBJECT_FETCH_BASE_TIMEOUT_S = 30.0
+OBJECT_FETCH_MIN_BYTES_PER_S = 1 << 20
+
+
+class StoredObject(Protocol):
+    """What a manifest states of one object (weights_store.StoredObject)."""
+
+    file: str
+    size: int
+    sha256: str
+
+
+class WeightsStoreError(Exception):
+    """A store model that cannot be published or fetched; the message is one line naming what and why."""
+
+
+class _BoundedWriter:
+    """Hands an object's chunks to `sink` as nats-py reads them, refusing any past `limit` bytes."""
+
+    def __init__(self, sink, limit: int, what: str) -> None:
+        self.sink, self.limit, self.what = sink, limit, what
+        self.written = 0
+
+    def write(self, data: bytes) -> int:
+        self.written += len(data)
+        if self.written > self.limit:
+            raise WeightsStoreError(f"{self.what} holds more than the {self.limit} bytes stated for it")
+        return self.sink.write(data)
+
+
+async def _checked_info(store, key: str, what: str, max_bytes: int):
+    info = await store.get_info(key)
+    if info.is_link():
+        raise WeightsStoreError(f"{what} is a link to another object, which no stored model holds")
+    if info.size > max_bytes:
+        raise WeightsStoreError(f"{what} is {info.size} bytes, over {max_bytes}")
+    return info
+
+
+async def read_small_object(store, key: str, what: str, max_bytes: int) -> bytes:
+    """Object `key` of `store` in memory (`what` names it in errors): at most `max_bytes`, and no more than its
+    info states. nats-py's ObjectNotFoundError when it is absent."""
+    info = await _checked_info(store, key, what, max_bytes)
+    buffer = io.BytesIO()
+    await store.get(key, writeinto=_BoundedWriter(buffer, info.size, what))
+    return buffer.getvalue()
+
+
+def object_intact(file: Path, stored: StoredObject) -> bool:
+    """Whether `file` holds `stored` as its manifest states it (size and SHA-256)."""
+    from hearth.inference.checksum import file_sha256
+
+    return file.is_file() and file.stat().st_size == stored.size and file_sha256(file) == stored.sha256
+
+
+def object_fetch_timeout_s(size_bytes: int) -> float:
+    """How long fetching an object of `size_bytes` may take before it counts as stalled."""
+    return OBJECT_FETCH_BASE_TIMEOUT_S + size_bytes / OBJECT_FETCH_MIN_BYTES_PER_S
+
+
+async def fetch_object(store, key: str, name: str, stored: StoredObject, objects_dir: Path) -> None:
+    """Object `key` (model `name`'s `stored`) into `objects_dir` under its file name, once it holds exactly what the
+    manifest states; WeightsStoreError (one line) otherwise, and nothing of it is left behind."""
+    from nats.js.errors import DigestMismatchError, ObjectNotFoundError
+
+    what = f"object {stored.file} of {name!r}"
+    with tempfile.NamedTemporaryFile(dir=objects_dir, prefix=f".{stored.file}-", delete=False) as partial:
+        fetched = Path(partial.name)
+    try:
+        with fetched.open("wb") as out:
+            await asyncio.wait_for(_read_into(store, key, what, stored.size, out),
+                                   timeout=object_fetch_timeout_s(stored.size))
+        if not await asyncio.to_thread(object_intact, fetched, stored):
+            raise WeightsStoreError(f"{what} does not match the SHA-256 in its manifest (republished or tampered "
+                                    "with): nothing loaded")
+        os.replace(fetched, objects_dir / stored.file)
+    except (asyncio.TimeoutError, TimeoutError):
+        raise WeightsStoreError(f"{what} did not arrive within {object_fetch_timeout_s(stored.size):.0f} s") from None
+    except ObjectNotFoundError:
+        raise WeightsStoreError(f"{name!r} lacks its object {stored.file}: publish it again") from None
+    except DigestMismatchError:
+        raise WeightsStoreError(f"{what} arrived corrupted") from None
+    except OSError as error:
+        raise WeightsStoreError(f"{what} cannot be placed in {objects_dir}: {error.strerror or error}") from None
+    finally:
+        fetched.unlink(missing_ok=True)
+
+
+async def _read_into(store, key: str, what: str, size: int, out) -> None:
+    await _checked_info(store, key, what, size)
+    await store.get(key, writeinto=_BoundedWriter(out, size, what))

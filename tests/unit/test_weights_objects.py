@@ -1,0 +1,59 @@
+"""Objects of the weights bucket are read no further than stated, a manifest names each of its objects' files once
+and never as a path or the cache's own names."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from pydantic import ValidationError
+
+from hearth.services.weights_objects import WeightsStoreError, read_small_object
+from hearth.services.weights_store import StoredObject, WeightsManifest
+
+SHA = "ab" * 32
+
+
+class StubStore:
+    """An object store whose info states `stated` bytes and whose object holds `held`."""
+
+    def __init__(self, stated: int, held: int, *, link: bool = False) -> None:
+        self.stated, self.held, self.link = stated, held, link
+        self.read = 0
+
+    async def get_info(self, key):
+        return SimpleNamespace(size=self.stated, is_link=lambda: self.link)
+
+    async def get(self, key, writeinto=None):
+        for _ in range(0, self.held, 1000):
+            writeinto.write(b"x" * 1000)
+            self.read += 1000
+
+
+async def test_a_small_object_is_read_no_further_than_its_info_states():
+    assert await read_small_object(StubStore(3000, 3000), "k", "the manifest of 'm'", 4096) == b"x" * 3000
+    understated = StubStore(100, 10_000_000)
+    with pytest.raises(WeightsStoreError, match="the manifest of 'm' holds more than the 100 bytes stated for it"):
+        await read_small_object(understated, "k", "the manifest of 'm'", 4096)
+    assert understated.read <= 1000
+    with pytest.raises(WeightsStoreError, match="is 5000 bytes, over 4096"):
+        await read_small_object(StubStore(5000, 5000), "k", "the manifest of 'm'", 4096)
+    with pytest.raises(WeightsStoreError, match="is a link to another object"):
+        await read_small_object(StubStore(10, 10, link=True), "k", "the manifest of 'm'", 4096)
+
+
+@pytest.mark.parametrize("file", ["..", ".", ".hidden", "a/b", "", "x" * 201])
+def test_an_object_file_that_is_no_plain_name_is_refused(file):
+    with pytest.raises(ValidationError):
+        StoredObject(file=file, kind="file", size=1, sha256=SHA)
+
+
+def test_a_manifest_naming_a_file_twice_or_the_cache_marker_is_refused():
+    def manifest(*files: str) -> dict:
+        return {"name": "m", "num_layers": 1, "weights_sha256": SHA, "weight_map": {},
+                "objects": [{"file": file, "kind": "file", "size": 1, "sha256": SHA} for file in files]}
+
+    assert WeightsManifest.model_validate(manifest("config.json", "tokenizer.json"))
+    for files in (("config.json", "config.json"), ("hearth-partial-checkpoint.json",)):
+        with pytest.raises(ValidationError, match="distinct names"):
+            WeightsManifest.model_validate(manifest(*files))
