@@ -224,7 +224,9 @@ def _download_selection(repo_id: str, gguf_file: str | None, needed: NeededTenso
     unlisted = sorted(wanted_weights - set(weights))
     if unlisted:
         raise CheckpointError(f"model {repo_id!r}: its index names {unlisted[0]}, which the repository lacks")
-    others = [name for name in listing if name not in weights and name != SAFETENSORS_INDEX_NAME
+    # A listed marker of hearth's own is no file of the model: the folder's marker states the digest computed here.
+    others = [name for name in listing if name not in weights
+              and name not in (SAFETENSORS_INDEX_NAME, PARTIAL_CHECKPOINT_MARKER)
               and any(fnmatch.fnmatch(name, pattern) for pattern in NON_WEIGHT_PATTERNS)]
     fetched = {name: download(name) for name in sorted(others)}
     for name in sorted(wanted_weights):

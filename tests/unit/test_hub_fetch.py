@@ -137,3 +137,16 @@ def test_a_repository_listing_too_many_or_too_large_side_files_downloads_nothing
     with pytest.raises(CheckpointError, match=f"files besides its weights.*{refusal}.*not a model hearth downloads"):
         resolve_model_path(REPO, cache_dir=tmp_path / "cache", needed_layers=(1, 1))
     assert not hub.downloaded(REPO)
+
+
+def test_a_listed_partial_checkpoint_marker_is_not_taken_as_the_folders(served, tmp_path):
+    import shutil
+
+    hub, original, _ = served
+    copy = tmp_path / "served"
+    shutil.copytree(original, copy)
+    (copy / "hearth-partial-checkpoint.json").write_text(json.dumps({"weights_sha256": "0" * 64}))
+    hub.repos[REPO] = copy
+    folder = resolve_model_path(REPO, cache_dir=tmp_path / "cache", needed_layers=(1, 1))
+    assert "hearth-partial-checkpoint.json" not in hub.downloaded(REPO)
+    assert weights_sha256(folder, cache_dir=tmp_path / "s1") == weights_sha256(original, cache_dir=tmp_path / "s2")
