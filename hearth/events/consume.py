@@ -136,7 +136,8 @@ def decode_stored_message(
     """Decode one stored message; a failure becomes a logged, counted SkippedMessage, never an exception."""
     try:
         event = decode_event(data)
-    except (ValidationError, ValueError, TypeError) as error:
+    # RecursionError: a body nested deeper than the parser goes; OverflowError: a date past the calendar's ends.
+    except (ValidationError, ValueError, TypeError, RecursionError, OverflowError) as error:
         reason = _short_error(error)
         log.warning("skipping undecodable message %s#%d on %s: %s", stream, seq, subject, reason)
         events_undecodable_total.labels(stream=stream).inc()

@@ -7,7 +7,7 @@ import uuid
 from datetime import datetime, timezone
 from typing import Annotated, Any, Callable, Literal, Union
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, field_validator, model_validator
 
 from hearth.protocol.bounds import SUBJECT_TOKEN_PATTERN, max_id_chars, max_reason_chars, max_shard_id_chars
 from hearth.trust.keys import PUBLIC_KEY_PATTERN, USER_PUBLIC_KEY_LENGTH
@@ -21,6 +21,12 @@ max_label_chars = 64  # dtypes, statuses, codes, finish reasons
 default_hop_weight = 1.0
 max_event_hops = 64  # hops of a pipeline (also the most [research.distributed_inference] max_shards_per_request)
 max_signature_chars = 128  # an Ed25519 signature is 88 base64 characters; a longer one is refused
+# The largest magnitude of any number an event carries: no honest one comes near it, and the read models' 64-bit
+# columns and sums stay far from overflowing however many such events arrive.
+max_event_number = 2**40
+# The longest duration an event states (an advertisement's TTL, how long kept blocks stay): expiry times computed
+# from it stay within any calendar.
+max_event_duration_s = 10**7
 
 
 def _cut_to_reason_chars(value: object) -> object:
@@ -43,7 +49,21 @@ def utc_now() -> datetime:
     return datetime.now(timezone.utc)
 
 
-class EventEnvelope(BaseModel):
+class BoundedNumbers(BaseModel):
+    """A part of an event whose numbers are finite and within max_event_number: an event a member could make the read
+    models fail on (a poison message stalling every projector) is undecodable instead, skipped alike everywhere."""
+
+    model_config = ConfigDict(allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _numbers_within_bounds(self):
+        for name, value in self:
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and abs(value) > max_event_number:
+                raise ValueError(f"{name} is beyond {max_event_number} in magnitude")
+        return self
+
+
+class EventEnvelope(BoundedNumbers):
     """Fields every event carries; `event_id` doubles as the Nats-Msg-Id header for de-duplication."""
 
     model_config = ConfigDict(extra="ignore", frozen=True)
@@ -63,7 +83,10 @@ class EventEnvelope(BaseModel):
     def _aware_utc(cls, value: datetime) -> datetime:
         if value.tzinfo is None:
             return value.replace(tzinfo=timezone.utc)
-        return value.astimezone(timezone.utc)
+        try:
+            return value.astimezone(timezone.utc)
+        except OverflowError:  # an offset that moves it past the calendar's first or last day
+            raise ValueError("outside the dates UTC can hold") from None
 
     @property
     def kind(self) -> str:
@@ -95,7 +118,7 @@ class ShardAdvertised(EventEnvelope):
     max_concurrent_streams: int = Field(ge=1)
     control_subject: Id
     hop_weight: float = Field(default=default_hop_weight, gt=0)
-    ttl_s: float = Field(gt=0)
+    ttl_s: float = Field(gt=0, le=max_event_duration_s)
     # Where the shard computes (absent in advertisements from before devices were advertised).
     device_kind: Literal["cpu", "cuda"] | None = None
     device_name: Label | None = None
@@ -172,7 +195,7 @@ BlockName = Annotated[str, Field(pattern=r"^[0-9a-f]{32}$", max_length=32)]
 max_kept_marks = 24
 
 
-class KeptHop(BaseModel):
+class KeptHop(BoundedNumbers):
     """One hop of a chain that kept a call's blocks: the shard and the layers it ran."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -182,7 +205,7 @@ class KeptHop(BaseModel):
     layer_hi: int = Field(ge=0, description="inclusive")
 
 
-class KeptMark(BaseModel):
+class KeptMark(BoundedNumbers):
     """One kept block's name and how many blocks it closes (it stands for those and every one before)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -191,7 +214,7 @@ class KeptMark(BaseModel):
     name: BlockName
 
 
-class KeptPrefix(BaseModel):
+class KeptPrefix(BoundedNumbers):
     """The blocks a call's hops were asked to keep when it ended well (docs/design.md, "Kept prefixes"), so that
     every orchestrator can send a call beginning the same way to them. A block name is a digest over the scoped
     tokens of every block up to it: it reveals only that two calls began alike, never a token."""
@@ -205,7 +228,7 @@ class KeptPrefix(BaseModel):
     marks: list[KeptMark] = Field(min_length=1, max_length=max_kept_marks)
     # How long the hops keep blocks nobody uses (the mesh's `[shard] prefix_cache_idle_s` as the orchestrator knows
     # it): the read model forgets the record after that.
-    idle_s: float = Field(ge=0)
+    idle_s: float = Field(ge=0, le=max_event_duration_s)
 
 
 class PipelineCompleted(_PipelineEvent):
@@ -238,7 +261,7 @@ Sha256Hex = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$", max_length=64)]
 StepKind = Literal["prefill", "decode", "replay"]
 
 
-class ShardVerification(BaseModel):
+class ShardVerification(BoundedNumbers):
     """One shard's work in one call that spot-checks confirmed (hearth/services/orchestrator/verification.py)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)

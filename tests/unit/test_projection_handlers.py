@@ -8,7 +8,7 @@ import random
 import pytest
 from sqlalchemy.orm import Session
 
-from hearth.events.consume import SkippedMessage
+from hearth.events.consume import SkippedMessage, decode_stored_message
 from hearth.events.models import (
     IntegrityCorruptionDetected,
     PipelineAborted,
@@ -18,6 +18,7 @@ from hearth.events.models import (
     PipelineFirstToken,
     PipelineShardStatus,
     ShardWithdrawn,
+    encode_event,
 )
 from hearth.events.streams import PIPELINES_STREAM, SHARDS_STREAM
 from hearth.readmodels.pipeline_hops import hops_after_failover
@@ -204,6 +205,32 @@ def test_undecodable_message_moves_the_position_only(engine):
     with Session(engine) as session:
         assert load_positions(session) == {PIPELINES_STREAM: 1}
     assert all(not rows for table, rows in dump_rows(engine, include_positions=False).items())
+
+
+def _poisons() -> list[tuple[str, bytes]]:
+    """Messages a member could publish that decode by JSON's rules but that no read model can hold."""
+    advert = json.loads(encode_event(advertised(0, 3, "n1")))
+    beat = json.loads(encode_event(heartbeat(advert["shard_id"])))
+    return [
+        ("a date an offset moves past the calendar",
+         json.dumps({**advert, "occurred_at": "9999-12-31T23:59:59-05:00"})),
+        ("a date before its first day", json.dumps({**advert, "occurred_at": "0001-01-01T00:00:00+05:00"})),
+        ("an infinite TTL", json.dumps({**advert, "ttl_s": float("inf")})),
+        ("a TTL past any calendar", json.dumps({**advert, "ttl_s": 1e19})),
+        ("a NaN", json.dumps({**advert, "memory_required_mb": float("nan")})),
+        ("a count past any column", json.dumps({**beat, "queue_depth": 2**63})),
+        ("nesting past the JSON parser's depth", "[" * 100_000 + "]" * 100_000),
+    ]
+
+
+def test_messages_no_read_model_can_hold_are_skipped_not_applied(engine):
+    messages = [decode_stored_message(SHARDS_STREAM, seq, "hearth.events.shard.x", T0, {}, data.encode())
+                for seq, (_, data) in enumerate(_poisons(), start=1)]
+    assert all(isinstance(message, SkippedMessage) for message in messages), [
+        what for (what, _), message in zip(_poisons(), messages) if not isinstance(message, SkippedMessage)]
+    assert apply_all(engine, messages) == len(messages)
+    with Session(engine) as session:
+        assert load_positions(session) == {SHARDS_STREAM: len(messages)}
 
 
 def test_rows_and_position_roll_back_together(engine):

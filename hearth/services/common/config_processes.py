@@ -9,6 +9,7 @@ from typing import Literal
 
 from pydantic import Field
 
+from hearth.events.models import max_event_duration_s
 from hearth.events.streams import MiB
 from hearth.services.common.config_sections import ConfigSection
 
@@ -174,7 +175,7 @@ class ShardSettings(ConfigSection):
                     "session that would exceed it evicts the least recently used idle one (its next step is "
                     "answered `session_evicted`)")
     prefix_cache_idle_s: float = Field(
-        default=600, ge=0,
+        default=600, ge=0, le=max_event_duration_s,
         description="when a call ends well, its hops keep their KV for the whole blocks of its tokens (within "
                     "kv_cache_budget_mb, giving way first to live sessions) so that a call beginning the same way "
                     "prefills only the rest; kept blocks unused for this long are dropped (0: keep none). A GPU's "
@@ -194,7 +195,8 @@ class ShardSettings(ConfigSection):
                     "BENCHMARKS.md")
 
     heartbeat_interval_s: float = Field(default=2.0, gt=0, description="between shard.heartbeat events")
-    advertisement_ttl_s: float = Field(default=60.0, gt=0, description="an advertisement expires after this")
+    advertisement_ttl_s: float = Field(default=60.0, gt=0, le=max_event_duration_s,
+                                       description="an advertisement expires after this")
     max_concurrent_streams: int = Field(default=4, ge=1, description="pipelines one shard serves at once")
     hop_close_timeout_s: float = Field(
         default=5.0, gt=0, description="closing a hop waits this long for a step being computed to finish")
