@@ -30,7 +30,11 @@ def record_kept_prefix(event: PipelineCompleted, rows: BatchRows) -> None:
 
 
 def prune_expired_kept_prefixes(rows: BatchRows) -> None:
-    """Delete the records that expired before the batch's latest one (after `rows.flush()`, same transaction)."""
+    """Delete the records that expired before the latest one kept (after `rows.flush()`, same transaction), once a
+    batch brought any. Against the table's latest, not the batch's: the newest record is never deleted (it expires
+    after it was kept), so that bound only grows, and what is left does not depend on where batches were cut (a
+    rebuild's one batch leaves what the live projector's many did)."""
     if rows.kept_prefixes_seen_at is not None:
-        rows.cursor.execute(f"DELETE FROM {KEPT_PREFIXES.name} WHERE expires_at < ?", (rows.kept_prefixes_seen_at,))
+        table = KEPT_PREFIXES.name
+        rows.cursor.execute(f"DELETE FROM {table} WHERE expires_at < (SELECT MAX(kept_at) FROM {table})")
         rows.kept_prefixes_seen_at = None

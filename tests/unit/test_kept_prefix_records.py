@@ -9,7 +9,16 @@ from types import SimpleNamespace
 import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
-from hearth.events.models import KeptHop, KeptMark, KeptPrefix, PipelineCompleted, encode_event, max_kept_marks
+from hearth.events.models import (
+    KeptHop,
+    KeptMark,
+    KeptPrefix,
+    PipelineCompleted,
+    encode_event,
+    max_event_duration_s,
+    max_event_number,
+    max_kept_marks,
+)
 from hearth.events.streams import event_max_msg_bytes
 from hearth.protocol.bounds import max_shard_id_chars
 from hearth.readmodels.queries import kept_chain_holding
@@ -117,6 +126,21 @@ def test_records_expired_before_a_later_one_are_pruned_whatever_the_batching(tmp
     apart.dispose()
 
 
+def test_a_delayed_record_stored_after_a_later_one_is_pruned_whatever_the_batching(tmp_path):
+    # Another orchestrator's record of t=100 (expiring at 400) reaches the log after one of t=2000.
+    log = LogBuilder()
+    messages = [log.stored(completed("p1", kept(NAMES[:3], idle_s=300), t=2000)),
+                log.stored(completed("p2", kept(NAMES[:5], idle_s=300), t=100))]
+    together, apart = migrated_engine(tmp_path / "one.db"), migrated_engine(tmp_path / "two.db")
+    apply_all(together, messages)
+    for message in messages:
+        apply_all(apart, [message])
+    assert dump_rows(together) == dump_rows(apart)
+    assert [row[0] for row in dump_rows(apart)["kept_prefixes"]] == [NAMES[2]]
+    together.dispose()
+    apart.dispose()
+
+
 def test_the_same_blocks_kept_again_name_the_later_chain(engine):
     log = LogBuilder()
     chain_b = [KeptHop(shard_id="m:0-7@c", layer_lo=0, layer_hi=7)]
@@ -128,9 +152,10 @@ def test_the_same_blocks_kept_again_name_the_later_chain(engine):
 
 def test_the_largest_completed_event_with_a_kept_prefix_fits_the_streams():
     worst = "\x00" * max_shard_id_chars
-    event = completed("p" * 128, KeptPrefix(hops=[KeptHop(shard_id=worst, layer_lo=2**62, layer_hi=2**62)] * 64,
-                                            marks=[KeptMark(blocks=2**62, name="f" * 32)] * max_kept_marks,
-                                            idle_s=1e308))
+    widest = max_event_number  # the widest number an event may carry; the idle time the widest duration below it
+    event = completed("p" * 128, KeptPrefix(hops=[KeptHop(shard_id=worst, layer_lo=widest, layer_hi=widest)] * 64,
+                                            marks=[KeptMark(blocks=widest, name="f" * 32)] * max_kept_marks,
+                                            idle_s=max_event_duration_s - 2**-29))
     assert len(encode_event(event)) < event_max_msg_bytes - 4096
     with pytest.raises(ValueError):
         KeptMark(blocks=1, name="not a block name")
