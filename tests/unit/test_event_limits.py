@@ -3,6 +3,7 @@ every field at its limit still fits the streams' max_msg_size, so no event can f
 
 from __future__ import annotations
 
+import math
 import typing
 
 import pytest
@@ -10,6 +11,7 @@ from pydantic import BaseModel, ValidationError
 
 from hearth.events.models import (
     EVENT_CLASSES,
+    max_event_number,
     PipelineCompleted,
     PipelineFailover,
     ShardAdvertised,
@@ -90,9 +92,10 @@ def largest(event_class: type[BaseModel]) -> BaseModel:
         elif typing.get_origin(annotation) is typing.Literal:
             values[name] = typing.get_args(annotation)[0]
         elif annotation is int:
-            values[name] = 2**62
-        elif annotation is float:
-            values[name] = 1.7976931348623157e308
+            values[name] = max_event_number
+        elif annotation is float:  # just below its bound: the most digits a float within it takes
+            bound = next((b.le for b in field.metadata if getattr(b, "le", None) is not None), max_event_number)
+            values[name] = math.nextafter(float(bound), 0.0)
     return event_class(**values)
 
 
