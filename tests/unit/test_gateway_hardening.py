@@ -18,9 +18,9 @@ from hearth.services.client.chat import _decode_known
 from hearth.services.common.config import HearthSettings
 from hearth.services.gateway.app import create_app
 from hearth.services.gateway.errors import GatewayError
-from hearth.services.gateway.http_server import server_config
+from hearth.services.gateway.http_server import server_config, write_stall_timeouts_total
 from hearth.services.gateway.keys import Caller
-from hearth.services.gateway.mesh import Gateway
+from hearth.services.gateway.mesh import Gateway, MeshCall
 
 READ_TIMEOUT_S = 0.5
 # How long a test waits, at most, for the server to close a stalled connection (well above the deadline).
@@ -90,6 +90,57 @@ async def test_an_idle_connection_is_closed_without_an_answer_of_its_own():
         assert await received_until_closed(address, b"") == b""
         received = await received_until_closed(address, b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
         assert received.startswith(b"HTTP/1.1 200 ") and received.count(b"HTTP/1.1") == 1
+
+
+class EndlessAnswerGateway(Gateway):
+    """A gateway whose every call streams a long answer, without a mesh."""
+
+    async def models(self):
+        from hearth.protocol.chat import ModelsReply, ServedModel
+
+        self._known_models = {"m"}
+        return ModelsReply(models=[ServedModel(id="m", total_layers=2, complete=True)], default_model="m")
+
+    def call(self, request, caller):
+        return EndlessAnswer(request)
+
+
+class EndlessAnswer(MeshCall):
+    """A call whose answer is 20 MB of tokens, more than the socket buffers hold."""
+
+    def __init__(self, request) -> None:
+        from hearth.protocol.chat import DoneFrame, TokenDeltaFrame, Usage
+
+        async def frames():
+            for seq in range(2_000):
+                yield TokenDeltaFrame(seq=seq, text="x" * 10_000, token_id=1)
+            yield DoneFrame(seq=2_000, finish_reason="stop", usage=Usage(prompt_tokens=1, completion_tokens=2_000))
+
+        self.request, self.started, self._frames = request, 0.0, frames()
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_a_client_that_stops_reading_its_answer_is_dropped_and_frees_its_call(stream):
+    gateway = EndlessAnswerGateway(SimpleNamespace(is_connected=True),
+                                   HearthSettings(gateway={"write_stall_timeout_s": READ_TIMEOUT_S}), keyring=None)
+    dropped_before = write_stall_timeouts_total._value.get()
+    async with serving(gateway) as address:
+        client = socket.socket()
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a window the answer fills at once
+        client.connect(address)
+        body = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": %s}' % (
+            b"true" if stream else b"false")
+        client.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                       b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        try:
+            deadline = asyncio.get_running_loop().time() + CLOSE_WAIT_S
+            while ((gateway.open_calls or write_stall_timeouts_total._value.get() == dropped_before)
+                   and asyncio.get_running_loop().time() < deadline):
+                await asyncio.sleep(0.05)
+            assert write_stall_timeouts_total._value.get() == dropped_before + 1, "the connection was not dropped"
+            assert gateway.open_calls == 0, "the call still holds its slot"
+        finally:
+            client.close()
 
 
 async def test_a_head_growing_past_the_limit_is_refused():

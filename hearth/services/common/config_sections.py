@@ -51,6 +51,9 @@ class GatewaySettings(ConfigSection):
     request_read_timeout_s: float = Field(
         default=20.0, gt=0, description="a connection that has not sent a whole request (headers and body) within "
                                         "this of opening, or of its previous answer, is closed")
+    write_stall_timeout_s: float = Field(
+        default=30.0, gt=0, description="a connection whose client has read none of an answer's pending bytes for "
+                                        "this long is dropped, and its call ends as if the client had left")
     keep_alive_timeout_s: float = Field(
         default=5.0, gt=0, description="an idle connection between two requests is closed after this")
     max_connections: int = Field(

@@ -1,11 +1,14 @@
-"""The gateway's HTTP server on uvicorn: its limits (connections, backlog, header size, keep-alive) and a deadline
-for receiving each request whole, which uvicorn lacks.
+"""The gateway's HTTP server on uvicorn: its limits (connections, backlog, header size, keep-alive), a deadline
+for receiving each request whole and one for a client that stops reading an answer, which uvicorn lacks.
 
 uvicorn's keep-alive timeout covers only the idle time between requests and is reset by every byte received, so a
 client that sends half a header line and stalls (or trickles a byte at a time) would hold its connection forever
 without ever presenting an API key. uvicorn takes the HTTP protocol class as a setting (`http=`), so the deadline
 is its h11 protocol with a timer added: armed when a connection opens and after each answer, disarmed once the
 request (line, headers and body) is in. An ASGI middleware could not do it: the app runs only after the headers.
+uvicorn has no write timeout either: a client that stops reading a streamed answer (its receive window full) would
+hold its connection and its call's slot as long as it likes, so the transport's own flow control arms a second
+timer while it holds writing paused, and drops the connection when the client has not read for that long.
 """
 
 from __future__ import annotations
@@ -22,6 +25,9 @@ from hearth.services.common.metrics import counter
 request_read_timeouts_total = counter(
     "hearth_gateway_request_read_timeouts_total",
     "Connections closed because they had not sent a whole request within [gateway] request_read_timeout_s")
+write_stall_timeouts_total = counter(
+    "hearth_gateway_write_stall_timeouts_total",
+    "Connections dropped because their client read nothing of an answer for [gateway] write_stall_timeout_s")
 _REQUEST_TIMEOUT_BODY = b"request read timeout"
 # Written straight to the socket: h11 cannot send a response before a request head arrived.
 _REQUEST_TIMEOUT_RESPONSE = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain; charset=utf-8\r\n"
@@ -37,10 +43,12 @@ class RequestDeadlineProtocol(H11Protocol):
     finished)."""
 
     read_timeout_s: float  # set on the subclass request_deadline_protocol() makes
+    write_stall_timeout_s: float
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._read_deadline: asyncio.TimerHandle | None = None
+        self._write_deadline: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -48,7 +56,29 @@ class RequestDeadlineProtocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_read_deadline()
+        self._disarm_write_deadline()
         super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._write_deadline is None:
+            self._write_deadline = self.loop.call_later(self.write_stall_timeout_s, self._write_deadline_passed)
+
+    def resume_writing(self) -> None:
+        self._disarm_write_deadline()
+        super().resume_writing()
+
+    def _disarm_write_deadline(self) -> None:
+        if self._write_deadline is not None:
+            self._write_deadline.cancel()
+            self._write_deadline = None
+
+    def _write_deadline_passed(self) -> None:
+        self._write_deadline = None
+        if not self.transport.is_closing():
+            write_stall_timeouts_total.inc()
+        # abort, not close: close would wait for the unread bytes to drain, which is what the client withholds.
+        self.transport.abort()
 
     def handle_events(self) -> None:
         super().handle_events()
@@ -82,15 +112,17 @@ class RequestDeadlineProtocol(H11Protocol):
         self.transport.close()
 
 
-def request_deadline_protocol(read_timeout_s: float) -> type[RequestDeadlineProtocol]:
-    """The protocol class uvicorn gets as `http=`, with this deadline."""
-    return type("RequestDeadlineProtocol", (RequestDeadlineProtocol,), {"read_timeout_s": read_timeout_s})
+def request_deadline_protocol(read_timeout_s: float, write_stall_timeout_s: float) -> type[RequestDeadlineProtocol]:
+    """The protocol class uvicorn gets as `http=`, with these deadlines."""
+    return type("RequestDeadlineProtocol", (RequestDeadlineProtocol,),
+                {"read_timeout_s": read_timeout_s, "write_stall_timeout_s": write_stall_timeout_s})
 
 
 def server_config(app, settings: GatewaySettings) -> uvicorn.Config:
     """uvicorn's configuration for the gateway's ASGI `app` under `settings` ([gateway])."""
     return uvicorn.Config(
-        app, http=request_deadline_protocol(settings.request_read_timeout_s), ws="none", lifespan="off",
+        app, http=request_deadline_protocol(settings.request_read_timeout_s, settings.write_stall_timeout_s),
+        ws="none", lifespan="off",
         access_log=False, log_level="warning", timeout_graceful_shutdown=settings.shutdown_grace_s,
         timeout_keep_alive=settings.keep_alive_timeout_s, limit_concurrency=settings.max_connections,
         backlog=settings.listen_backlog, h11_max_incomplete_event_size=settings.max_header_bytes)
