@@ -24,11 +24,15 @@ TOOL_NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
 
 
 def _depth(value: Any) -> int:
-    if isinstance(value, dict):
-        return 1 + max((_depth(item) for item in value.values()), default=0)
-    if isinstance(value, list):
-        return 1 + max((_depth(item) for item in value), default=0)
-    return 0
+    """How deep JSON `value` nests its objects and arrays (without recursing: a client chooses the depth)."""
+    deepest, pending = 0, [(value, 0)]
+    while pending:
+        item, depth = pending.pop()
+        if isinstance(item, (dict, list)):
+            depth += 1
+            deepest = max(deepest, depth)
+            pending.extend((child, depth) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
 
 
 def _bounded_schema(schema: dict[str, Any]) -> dict[str, Any]:
@@ -113,8 +117,21 @@ class FunctionCall(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: ToolName
-    # The arguments as JSON text (OpenAI's form).
+    # The arguments as JSON text (OpenAI's form); where they parse, chat templates get them as JSON, bounded as a
+    # schema's nesting is.
     arguments: str = Field(default="{}", max_length=max_tool_call_arguments_chars)
+
+    @model_validator(mode="after")
+    def _arguments_nest_within_bounds(self) -> "FunctionCall":
+        try:
+            depth = _depth(json.loads(self.arguments))
+        except ValueError:
+            return self  # not JSON: templates get the text as it is
+        except RecursionError:  # deeper than the parser goes
+            depth = max_schema_depth + 1
+        if depth > max_schema_depth:
+            raise ValueError(f"the arguments nest more than {max_schema_depth} levels deep")
+        return self
 
 
 class ToolCall(BaseModel):

@@ -43,6 +43,10 @@ def body(**fields) -> bytes:
     (b'{"prompt": "hi", "max_tokens": 1e400}', "max_tokens"),
     (body(model=""), "model"),
     (body(model="m" * 513), "model"),
+    (json.dumps({"model": MODEL, "messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "type": "function", "function": {
+            "name": "f", "arguments": "[" * 700 + "]" * 700}}]}]}).encode(), "messages.1.tool_calls.0.function"),
 ])
 def test_a_bad_field_is_refused_by_name(payload, field):
     with pytest.raises(BadRequest, match=f"field '{field}'"):

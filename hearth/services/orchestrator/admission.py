@@ -12,6 +12,8 @@ at least; beyond the room the context leaves, the request is refused without tok
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from jinja2 import TemplateError
 
 from hearth.inference import Head, InferenceError
@@ -26,7 +28,7 @@ template_error_chars = 300
 # `encode_chat`), several times the cost of plain text; a request writing more is refused before tokenizing.
 max_control_tokens_in_messages = 1024
 # The exceptions tokenizing a client's text can raise because of that text (anything else is our bug).
-_INPUT_ERRORS = (TemplateError, InferenceError, ValueError, TypeError)
+_INPUT_ERRORS = (TemplateError, InferenceError, ValueError, TypeError, RecursionError)
 
 
 def prompt_room(request: ChatRequest, model: LoadedModel) -> int | None:
@@ -74,14 +76,17 @@ def _tokenize_within(request: ChatRequest, model: LoadedModel, room: int | None)
     bound already exceeds `room` and tokenizing would be wasted."""
     head = model.head
     field = "messages" if request.messages is not None else "prompt"
-    messages = [m.for_template() for m in request.messages] if request.messages is not None else None
+    try:
+        messages = [m.for_template() for m in request.messages] if request.messages is not None else None
+    except _INPUT_ERRORS as error:
+        raise BadRequest(f"field 'messages': {type(error).__name__}: {str(error)[:template_error_chars]}") from None
     tools = [tool.model_dump(exclude_none=True) for tool in request.tools] if request.tools else None
     if not head.has_tokenizer:
         raise BadRequest(f"field 'model': model {model.model_id} has no tokenizer on this orchestrator")
     if messages is not None and not getattr(head.tokenizer, "chat_template", None):
         raise BadRequest(f"field 'messages': model {model.model_id} has no chat template; send 'prompt' instead")
     if messages is not None:
-        _refuse_many_control_tokens(head, messages)
+        _refuse_control_tokens(head, messages, tools)
     try:
         if messages is not None:
             text = head.tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True,
@@ -102,8 +107,29 @@ def _tokenize_within(request: ChatRequest, model: LoadedModel, room: int | None)
     return list(ids), 0
 
 
-def _refuse_many_control_tokens(head: Head, messages: list[dict[str, str]]) -> None:
-    written = head.control_tokens_in(message["content"] for message in messages)
+def _refuse_control_tokens(head: Head, messages: list[dict], tools: list[dict] | None) -> None:
+    """Refuse a request writing more control tokens as text than max_control_tokens_in_messages, or any in a key:
+    templates get the values of messages (tool calls' arguments among them) with control tokens marked as text, but
+    the keys of arguments and of tools' parameters as they are, so a control token there would forge a turn."""
+    written = head.control_tokens_in(_json_parts(messages, keys=False))
     if written > max_control_tokens_in_messages:
         raise BadRequest(f"field 'messages': {written} control tokens of the chat template written as text, more than "
                          f"{max_control_tokens_in_messages}")
+    if head.control_tokens_in(_json_parts([messages, tools], keys=True)):
+        raise BadRequest("fields 'messages' and 'tools': a key of a tool call's arguments or of a tool's parameters "
+                         "writes a control token of the chat template")
+
+
+def _json_parts(value, *, keys: bool) -> Iterator[str]:
+    """The keys (`keys`) or the string values of JSON-like `value`, however deep (without recursing)."""
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, dict):
+            if keys:
+                yield from (key for key in item if isinstance(key, str))
+            pending.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            pending.extend(item)
+        elif isinstance(item, str) and not keys:
+            yield item
