@@ -199,3 +199,33 @@ def test_a_message_that_is_no_frame_is_skipped_uncounted(data):
                                        (b'{"type": "newer", "seq": true}', -1)])
 def test_a_frame_of_an_unknown_type_is_skipped_but_its_number_counts(data, seq):
     assert _decode_known(data) == seq
+
+
+async def test_asking_the_mesh_about_an_unseen_model_counts_as_an_open_call():
+    class SlowCatalogGateway(Gateway):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self.asked, self.release = asyncio.Event(), asyncio.Event()
+
+        async def models(self):
+            from hearth.protocol.chat import ModelsReply
+
+            self.asked.set()
+            await self.release.wait()
+            return ModelsReply(models=[], default_model=None)
+
+    gateway = SlowCatalogGateway(SimpleNamespace(is_connected=True), HearthSettings(gateway={"max_open_requests": 1}),
+                                 keyring=None)
+
+    def ask(model: str) -> bytes:
+        body = b'{"model": "%s", "prompt": "hi"}' % model.encode()
+        return (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nConnection: close\r\n"
+                b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+
+    async with serving(gateway) as address:
+        first = asyncio.create_task(received_until_closed(address, ask("unseen-1")))
+        await asyncio.wait_for(gateway.asked.wait(), CLOSE_WAIT_S)
+        second = await received_until_closed(address, ask("unseen-2"))
+        assert second.startswith(b"HTTP/1.1 429 "), second[:80]
+        gateway.release.set()
+        assert (await first).startswith(b"HTTP/1.1 404 ")

@@ -145,8 +145,9 @@ class GatewayApp:
                 raise bad_request(str(error), error.param) from None
             except BadRequest as error:
                 raise bad_request(str(error)) from None
-            await self.gateway.check_model(chat_request.model)
+            # The slot first: asking the mesh about a model name it has not seen counts as an open call too.
             slot.enter_context(self.gateway.open_call(caller))
+            await self.gateway.check_model(chat_request.model)
             model = chat_request.model or (await self.gateway.models()).default_model or "default"
             shape = shape_class(id=id_prefix + chat_request.request_id, model=model)
             if isinstance(shape, ChatShape):
