@@ -111,32 +111,22 @@ def test_a_long_call_s_names_are_looked_up_in_parts_longest_first(engine):
     assert holding(engine, names[:650], at(6).timestamp()).blocks == 101
 
 
-def test_records_expired_before_a_later_one_are_pruned_whatever_the_batching(tmp_path):
-    log = LogBuilder()
-    messages = [log.stored(completed("p1", kept(NAMES[:3], idle_s=60), t=0)),
-                log.stored(completed("p2", kept(NAMES[:5], idle_s=60), t=30)),
-                log.stored(completed("p3", kept(NAMES[:9], idle_s=60), t=100))]
-    together, apart = migrated_engine(tmp_path / "one.db"), migrated_engine(tmp_path / "three.db")
-    apply_all(together, messages)
-    for message in messages:
-        apply_all(apart, [message])
-    assert dump_rows(together) == dump_rows(apart)
-    assert [row[0] for row in dump_rows(apart)["kept_prefixes"]] == [NAMES[8]]
-    together.dispose()
-    apart.dispose()
-
-
-def test_a_delayed_record_stored_after_a_later_one_is_pruned_whatever_the_batching(tmp_path):
+@pytest.mark.parametrize("records, left", [
+    # (blocks kept, idle_s, t) in log order; the one name left. Three in time order: the later prunes the earlier.
+    ([(3, 60, 0), (5, 60, 30), (9, 60, 100)], NAMES[8]),
     # Another orchestrator's record of t=100 (expiring at 400) reaches the log after one of t=2000.
+    ([(3, 300, 2000), (5, 300, 100)], NAMES[2]),
+])
+def test_records_expired_before_the_latest_one_kept_are_pruned_whatever_the_batching(tmp_path, records, left):
     log = LogBuilder()
-    messages = [log.stored(completed("p1", kept(NAMES[:3], idle_s=300), t=2000)),
-                log.stored(completed("p2", kept(NAMES[:5], idle_s=300), t=100))]
-    together, apart = migrated_engine(tmp_path / "one.db"), migrated_engine(tmp_path / "two.db")
+    messages = [log.stored(completed(f"p{index}", kept(NAMES[:blocks], idle_s=idle_s), t=t))
+                for index, (blocks, idle_s, t) in enumerate(records)]
+    together, apart = migrated_engine(tmp_path / "one.db"), migrated_engine(tmp_path / "apart.db")
     apply_all(together, messages)
     for message in messages:
         apply_all(apart, [message])
     assert dump_rows(together) == dump_rows(apart)
-    assert [row[0] for row in dump_rows(apart)["kept_prefixes"]] == [NAMES[2]]
+    assert [row[0] for row in dump_rows(apart)["kept_prefixes"]] == [left]
     together.dispose()
     apart.dispose()
 
