@@ -207,9 +207,11 @@ def _download_selection(repo_id: str, gguf_file: str | None, needed: NeededTenso
         _write_ref(root, revision, commit)
         return path
     download = _downloader(repo_id, commit, root)
-    side_files = [entry for name, entry in listing.items() if name not in weights
+    # The files besides the weights (the index among them). A listed marker of hearth's own is no file of the model:
+    # the folder's marker states the digest computed here.
+    side_files = [name for name in listing if name not in weights and name != PARTIAL_CHECKPOINT_MARKER
                   and any(fnmatch.fnmatch(name, pattern) for pattern in NON_WEIGHT_PATTERNS)]
-    oversized = [entry.path for entry in side_files if (entry.size or 0) > MAX_SIDE_FILE_BYTES]
+    oversized = [name for name in side_files if (listing[name].size or 0) > MAX_SIDE_FILE_BYTES]
     if len(side_files) > MAX_SIDE_FILES or oversized:
         raise CheckpointError(f"model {repo_id!r} lists {len(side_files)} files besides its weights"
                               + (f", {oversized[0]} over {MAX_SIDE_FILE_BYTES} bytes" if oversized else
@@ -224,10 +226,7 @@ def _download_selection(repo_id: str, gguf_file: str | None, needed: NeededTenso
     unlisted = sorted(wanted_weights - set(weights))
     if unlisted:
         raise CheckpointError(f"model {repo_id!r}: its index names {unlisted[0]}, which the repository lacks")
-    # A listed marker of hearth's own is no file of the model: the folder's marker states the digest computed here.
-    others = [name for name in listing if name not in weights
-              and name not in (SAFETENSORS_INDEX_NAME, PARTIAL_CHECKPOINT_MARKER)
-              and any(fnmatch.fnmatch(name, pattern) for pattern in NON_WEIGHT_PATTERNS)]
+    others = [name for name in side_files if name != SAFETENSORS_INDEX_NAME]
     fetched = {name: download(name) for name in sorted(others)}
     for name in sorted(wanted_weights):
         fetched[name] = download(name)
