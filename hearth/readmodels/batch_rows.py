@@ -78,8 +78,8 @@ class BatchRows:
         self._cursor = session_cursor(session)
         self._rows: dict[str, dict[Any, Row | None]] = {name: {} for name in TABLE_SQL}
         self._dirty: dict[str, dict[Any, Row]] = {name: {} for name in TABLE_SQL}
-        # The latest instant (epoch s) of the batch's kept-prefix records: rows expired by then are pruned after flush.
-        self.kept_prefixes_seen_at: int | None = None
+        # Whether the batch brought kept-prefix records: expired ones are then pruned after flush.
+        self.kept_prefixes_recorded = False
 
     @property
     def cursor(self):

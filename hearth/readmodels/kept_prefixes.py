@@ -26,7 +26,7 @@ def record_kept_prefix(event: PipelineCompleted, rows: BatchRows) -> None:
     for mark in kept.marks:
         rows.put(KEPT_PREFIXES, mark.name, dict(name=mark.name, pipeline_id=event.pipeline_id, hops=hops,
                                                 blocks=mark.blocks, kept_at=kept_at, expires_at=expires_at))
-    rows.kept_prefixes_seen_at = max(kept_at, rows.kept_prefixes_seen_at or kept_at)
+    rows.kept_prefixes_recorded = True
 
 
 def prune_expired_kept_prefixes(rows: BatchRows) -> None:
@@ -34,7 +34,7 @@ def prune_expired_kept_prefixes(rows: BatchRows) -> None:
     batch brought any. Against the table's latest, not the batch's: the newest record is never deleted (it expires
     after it was kept), so that bound only grows, and what is left does not depend on where batches were cut (a
     rebuild's one batch leaves what the live projector's many did)."""
-    if rows.kept_prefixes_seen_at is not None:
+    if rows.kept_prefixes_recorded:
         table = KEPT_PREFIXES.name
         rows.cursor.execute(f"DELETE FROM {table} WHERE expires_at < (SELECT MAX(kept_at) FROM {table})")
-        rows.kept_prefixes_seen_at = None
+        rows.kept_prefixes_recorded = False
