@@ -29,6 +29,7 @@ from hearth.protocol.chat import ChatParams, ChatRequest, TokenDeltaFrame
 from hearth.protocol.control import ShardStat, StatShard
 from hearth.services.broker.connection import connect_nats
 from tests.e2e.conftest import TINY_MODEL_NAME, start_orchestrator
+from tests.unit.inference_tiny_models import TINY_EOS_TOKEN_ID
 
 STEP_TIMEOUT_S = 1.0
 HEALTH_TIMEOUT_S = 5.0
@@ -45,6 +46,8 @@ PROMPT = "the quick brown fox jumps over"
 MAX_TOKENS = 24
 # The action (kill, freeze, ...) happens when this many tokens have streamed.
 ACT_AFTER_TOKENS = 3
+# Within the tiny model's context (TINY_CONTEXT_LENGTH) after PROMPT's tokens; seconds of tokens on any machine.
+LEAVING_CLIENT_MAX_TOKENS = 960
 stat_timeout_s = 2.0
 release_timeout_s = 10.0
 event_wait_timeout_s = 15.0
@@ -211,6 +214,14 @@ def chat_request(*, fallback_to_local: bool = False, max_tokens: int = MAX_TOKEN
                        params=ChatParams(fallback_to_local=fallback_to_local))
 
 
+def leaving_client_request() -> ChatRequest:
+    """A call whose client leaves after a few tokens: its answer must outlast the orchestrator's
+    `client_missing_grace_s` on the fastest machine, or the call completes before the leave is noticed. The tiny
+    model's greedy answer to PROMPT ends by itself after about 250 tokens, so its end-of-text token is barred."""
+    return ChatRequest(model=TINY_MODEL_NAME, prompt=PROMPT, max_tokens=LEAVING_CLIENT_MAX_TOKENS, temperature=0.0,
+                       logit_bias={TINY_EOS_TOKEN_ID: -100.0}, params=ChatParams(fallback_to_local=False))
+
+
 @dataclass
 class StreamedCall:
     """Every frame of one call, with the monotonic instant each arrived and when the action ran."""
@@ -371,7 +382,8 @@ def replay_pipeline(cluster: LocalCluster, pipeline_id: str) -> list[dict]:
 __all__ = [
     "ACT_AFTER_TOKENS", "HEALTH_TIMEOUT_S", "MAX_TOKENS", "PIPELINES_STREAM", "PREFERRED_WEIGHT", "PRIMARY_WEIGHT",
     "REPLICA_WEIGHT", "SHARDS_STREAM", "STEP_TIMEOUT_S", "FailoverMesh", "ShardHandle", "StreamedCall",
-    "chat_request", "failover_mesh", "pipeline_events", "read_events", "replay_pipeline", "scrape_metric", "shard_stat",
+    "chat_request", "failover_mesh", "leaving_client_request", "pipeline_events", "read_events", "replay_pipeline",
+    "scrape_metric", "shard_stat",
     "stream_with_action", "wait_for_event", "wait_for_pipeline_end", "wait_until_released",
 ]
 

@@ -34,6 +34,7 @@ from tests.e2e.failover_support import (
     PRIMARY_WEIGHT,
     REPLICA_WEIGHT,
     chat_request,
+    leaving_client_request,
     failover_mesh,
     stream_with_action,
     wait_for_pipeline_end,
@@ -84,7 +85,7 @@ async def _run_calls(mesh) -> None:
         assert failed_over.final.type == "done" and failed_over.of_type("shard_failover"), failed_over.final
         pipeline_ids.append(failed_over.pipeline_id)
         tokens = 0
-        async for frame in stream_chat(nc, chat_request(max_tokens=200)):
+        async for frame in stream_chat(nc, leaving_client_request()):
             if frame.type == "pipeline":
                 pipeline_ids.append(frame.pipeline_id)
             tokens += frame.type == "token_delta"

@@ -23,6 +23,7 @@ from tests.e2e.failover_support import (  # noqa: F401 (nc is a fixture)
     REPLICA_WEIGHT,
     STEP_TIMEOUT_S,
     chat_request,
+    leaving_client_request,
     failover_mesh,
     pipeline_events,
     replay_pipeline,
@@ -62,7 +63,7 @@ def reference(mesh):
 async def test_a_client_that_goes_away_has_its_hops_closed(mesh, reference, nc):
     pipeline_id = None
     tokens = 0
-    async for frame in stream_chat(nc, chat_request(max_tokens=200)):
+    async for frame in stream_chat(nc, leaving_client_request()):
         if frame.type == "pipeline":
             pipeline_id = frame.pipeline_id
         tokens += frame.type == "token_delta"

@@ -38,6 +38,8 @@ _CORPUS = [
     "<|user|> hello there <|assistant|> hi! how can I help you today?",
 ] * 4
 
+TINY_EOS_TOKEN_ID = 2
+
 _COMMON = dict(
     vocab_size=TINY_VOCAB_SIZE,
     hidden_size=TINY_HIDDEN_SIZE,
@@ -48,7 +50,7 @@ _COMMON = dict(
     max_position_embeddings=256,
     initializer_range=TINY_INIT_STD,
     bos_token_id=1,
-    eos_token_id=2,
+    eos_token_id=TINY_EOS_TOKEN_ID,
     pad_token_id=0,
 )
 
