@@ -20,7 +20,6 @@ import pytest
 from nats.aio.client import Client as NatsClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from hearth.events.consume import StoredEvent, read_stream
 from hearth.events.streams import PIPELINES_STREAM, SHARDS_STREAM
 from hearth.protocol.subjects import shard_control_subject
 from hearth.services.devtools.local_cluster import LocalCluster, ManagedProcess
@@ -29,6 +28,13 @@ from hearth.protocol.chat import ChatParams, ChatRequest, TokenDeltaFrame
 from hearth.protocol.control import ShardStat, StatShard
 from hearth.services.broker.connection import connect_nats
 from tests.e2e.conftest import TINY_MODEL_NAME, start_orchestrator
+from tests.e2e.event_log_support import (
+    event_wait_timeout_s,
+    pipeline_events,
+    read_events,
+    wait_for_event,
+    wait_for_pipeline_end,
+)
 from tests.unit.inference_tiny_models import TINY_EOS_TOKEN_ID
 
 STEP_TIMEOUT_S = 1.0
@@ -50,7 +56,6 @@ ACT_AFTER_TOKENS = 3
 LEAVING_CLIENT_MAX_TOKENS = 960
 stat_timeout_s = 2.0
 release_timeout_s = 10.0
-event_wait_timeout_s = 15.0
 
 
 def failover_env() -> dict[str, str]:
@@ -317,45 +322,6 @@ async def wait_until_released(nc: NatsClient, handles: list[ShardHandle],
         if all(s.active_streams == 0 and s.cached_sessions == 0 for s in stats.values()) or time.monotonic() > deadline:
             return stats
         await asyncio.sleep(0.05)
-
-
-async def read_events(nc: NatsClient, stream: str,
-                      subject_filter: str | list[str] | None = None) -> list[StoredEvent]:
-    js = nc.jetstream()
-    async with contextlib.aclosing(read_stream(js, stream, subject_filter=subject_filter)) as items:
-        return [item async for item in items if isinstance(item, StoredEvent)]
-
-
-async def pipeline_events(nc: NatsClient, pipeline_id: str, *, ended: bool = True) -> list[StoredEvent]:
-    """The pipeline's events; with `ended`, once its final event (completed or aborted) is stored: audit events
-    are written after the call's frames (hearth/events/outbox.py), so the last frame can arrive before them."""
-    if ended:
-        await wait_for_pipeline_end(nc, pipeline_id)
-    return await read_events(nc, PIPELINES_STREAM, [f"hearth.events.pipeline.{pipeline_id}.>",
-                                                    f"hearth.events.integrity.{pipeline_id}.>"])
-
-
-async def wait_for_pipeline_end(nc: NatsClient, pipeline_id: str, timeout_s: float = event_wait_timeout_s) -> None:
-    def final_event(item: StoredEvent) -> bool:
-        event = item.event
-        return event.type in ("pipeline.completed", "pipeline.aborted") and event.pipeline_id == pipeline_id
-
-    await wait_for_event(nc, PIPELINES_STREAM, final_event, timeout_s=timeout_s)
-
-
-async def wait_for_event(nc: NatsClient, stream: str, predicate: Callable[[StoredEvent], bool],
-                         timeout_s: float = event_wait_timeout_s) -> StoredEvent:
-    """Follow `stream` from its start until an event matches (the match may be stored already)."""
-    js = nc.jetstream()
-
-    async def first_match() -> StoredEvent:
-        async with contextlib.aclosing(read_stream(js, stream, follow=True)) as items:
-            async for item in items:
-                if isinstance(item, StoredEvent) and predicate(item):
-                    return item
-        raise AssertionError("stream ended")
-
-    return await asyncio.wait_for(first_match(), timeout=timeout_s)
 
 
 def scrape_metric(port: int, name: str, labels: dict[str, str]) -> float:
