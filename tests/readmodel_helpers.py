@@ -173,3 +173,20 @@ def synthetic_events(*, shards: int = 4, pipelines: int = 20, heartbeats_per_sha
                                                                   node_id="nodex", occurred_at=at(t0 + 10_000))))
     timed.sort(key=lambda pair: pair[0])
     return [event for _, event in timed]
+
+
+class PoisonedProjection(ReadModelProjection):
+    """The read-model projection, but its handler raises `error` on one event, as a handler's bug or a value that no
+    table column takes would."""
+
+    def __init__(self, poison_event_id: str, error: Exception) -> None:
+        super().__init__()
+        self.poison_event_id = poison_event_id
+        self.error = error
+        self.raised = 0
+
+    def handle(self, event, rows):
+        if event.event_id == self.poison_event_id:
+            self.raised += 1
+            raise self.error
+        return super().handle(event, rows)

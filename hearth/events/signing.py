@@ -27,11 +27,14 @@ log = logging.getLogger(__name__)
 
 SIGNATURE_FIELD = "signature"
 
+# The verifier's reasons, and `unapplicable`: an event no handler could apply (hearth/readmodels/unapplicable.py).
 RejectionReason = Literal[
-    "unsigned", "unknown_signer", "bad_signature", "role_may_not_emit", "node_mismatch", "future_dated"
+    "unsigned", "unknown_signer", "bad_signature", "role_may_not_emit", "node_mismatch", "future_dated",
+    "unapplicable",
 ]
 REJECTION_REASONS: tuple[RejectionReason, ...] = (
-    "unsigned", "unknown_signer", "bad_signature", "role_may_not_emit", "node_mismatch", "future_dated"
+    "unsigned", "unknown_signer", "bad_signature", "role_may_not_emit", "node_mismatch", "future_dated",
+    "unapplicable",
 )
 
 # Who may say what: a shard host its own shard events; an orchestrator the pipeline and integrity events of the

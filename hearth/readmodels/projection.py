@@ -121,12 +121,13 @@ class ReadModelProjection:
         return self.apply_many(session, (message,)) == 1
 
     def apply_many(self, session: Session, messages: Iterable[StoredEvent | SkippedMessage], *,
-                   rejections: list[Rejection] | None = None) -> int:
+                   rejections: list[Rejection] | None = None, reject_as: RejectionReason | None = None) -> int:
         """Apply messages (any mix of streams, each stream in sequence order) inside the session's current
         transaction, then write each touched stream's new position in that same transaction.
 
         With a verifier, an event that fails it is not applied: it becomes a rejected_events row (and is
-        appended to `rejections`, for the caller to count once it has committed) and its position advances.
+        appended to `rejections`, for the caller to count once it has committed) and its position advances; with
+        `reject_as`, so is every event, for that reason (readmodels.unapplicable).
         Returns how many messages moved a position (skipped, undecodable and rejected ones included). The
         caller commits; if it rolls back instead, neither rows nor positions change.
         """
@@ -145,7 +146,7 @@ class ReadModelProjection:
                         "%s: skipping undecodable message %s #%d on %s: %s",
                         self.name, message.stream, message.seq, message.subject, message.error,
                     )
-                elif (reason := self._rejection(message)) is not None:
+                elif (reason := reject_as or self._rejection(message)) is not None:
                     self._reject(message, reason, rows)
                     if rejections is not None:
                         rejections.append(Rejection(message.stream, message.seq, event.type, reason))

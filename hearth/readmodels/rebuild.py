@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -22,11 +22,12 @@ from sqlalchemy import select, text
 from sqlalchemy.orm import sessionmaker
 
 from hearth.events.consume import SkippedMessage, StoredEvent, read_stream
-from hearth.events.signing import EventVerifier
+from hearth.events.signing import EventVerifier, RejectionReason
 from hearth.events.streams import ALL_STREAMS
 from hearth.readmodels.db import open_engine, upgrade_database
 from hearth.readmodels.projection import PROJECTION_NAME, ReadModelProjection
 from hearth.readmodels.tables import Base, ProjectionPosition
+from hearth.readmodels.unapplicable import apply_rejecting_the_unapplicable
 
 log = logging.getLogger(__name__)
 
@@ -54,9 +55,13 @@ async def rebuild_database(
     session_factory = sessionmaker(engine)
     projection = ReadModelProjection(projection_name, verifier=verifier)
 
-    def apply(batch: list[StoredEvent | SkippedMessage]) -> int:
+    def apply_transaction(batch: Sequence[StoredEvent | SkippedMessage], reject_as: RejectionReason | None
+                          ) -> list[int]:
         with session_factory() as session, session.begin():
-            return projection.apply_many(session, batch)
+            return [projection.apply_many(session, batch, reject_as=reject_as)]
+
+    def apply(batch: list[StoredEvent | SkippedMessage]) -> int:
+        return sum(apply_rejecting_the_unapplicable(apply_transaction, batch, projection=projection.name))
 
     applied = 0
     pending: asyncio.Future[int] | None = None

@@ -11,7 +11,8 @@ queue; one applier task drains the queue in batches of up to `batch_max_events` 
 worker thread in ONE transaction (rows + positions). A follower whose read fails (broker gone, stream
 recreated) starts again from the last sequence it handed over; an applier whose transaction fails
 reloads the positions from the database and restarts the followers from there, so nothing is lost or
-applied twice.
+applied twice. A batch that fails on a message's content is applied message by message instead, and the one no
+handler can apply is recorded as rejected (readmodels.unapplicable), so it cannot hold the projection back.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,10 +30,11 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from hearth.events.consume import SkippedMessage, StoredEvent, read_stream, stream_last_seq
 from hearth.events.metrics import events_rejected_total
-from hearth.events.signing import REJECTION_REASONS, EventVerifier
+from hearth.events.signing import REJECTION_REASONS, EventVerifier, RejectionReason
 from hearth.events.streams import ALL_STREAMS, StreamSetup, stream_info_timeout_s
 from hearth.readmodels.db import open_engine, upgrade_database
 from hearth.readmodels.projection import PROJECTION_NAME, ReadModelProjection, Rejection, load_positions
+from hearth.readmodels.unapplicable import apply_rejecting_the_unapplicable
 
 log = logging.getLogger(__name__)
 
@@ -245,10 +247,13 @@ class Projector:
         await self._record(batch, newly_applied)
 
     def _apply_batch(self, batch: list[Message]) -> list[Message]:
+        return apply_rejecting_the_unapplicable(self._apply_transaction, batch, projection=self.projection.name)
+
+    def _apply_transaction(self, batch: Sequence[Message], reject_as: RejectionReason | None) -> list[Message]:
         rejections: list[Rejection] = []
         with self.session_factory() as session, session.begin():
             positions = load_positions(session, self.projection.name)
-            self.projection.apply_many(session, batch, rejections=rejections)
+            self.projection.apply_many(session, batch, rejections=rejections, reject_as=reject_as)
         # Counted only now that the transaction committed: a batch rolled back and applied again counts once.
         for rejection in rejections:
             self.rejected_total[rejection.reason] = self.rejected_total.get(rejection.reason, 0) + 1
