@@ -5,3 +5,5 @@ SUBJECT_TOKEN_PATTERN = r"^[A-Za-z0-9_-]{1,128}$"
 max_id_chars = 256  # node ids, model ids, digests, subjects, request ids
 max_shard_id_chars = 2 * max_id_chars + 32  # "<model_id>:<lo>-<hi>@<node_id>"
 max_reason_chars = 2000  # free text; an emitter's longer text is cut to this, never refused
+# Elements per scale of an int8 activation frame: a frame declaring more is refused before anything is restored.
+max_int8_block_elems = 2**16

@@ -5,6 +5,7 @@ checked before anything else is done with them; a hop's unverified report blames
 from __future__ import annotations
 
 import pytest
+import torch
 from pydantic import ValidationError
 from sqlalchemy.orm import Session
 
@@ -16,7 +17,13 @@ from hearth.services.transport import AckHeader, FrameError, FrameHeader, FrameK
 from hearth.services.transport.headers import max_header_bytes
 from hearth.services.transport.mac import HEADER_MAC, mac_is_valid, new_link_key, with_mac
 from hearth.services.transport.notices import max_notice_bytes, notice_message, read_notice
-from hearth.services.transport.wire import WireDtype
+from hearth.protocol.bounds import max_int8_block_elems
+from hearth.services.transport.wire import (
+    WireDtype,
+    dequantize_int8_blockwise,
+    quantize_int8_blockwise,
+    wire_nbytes,
+)
 from tests.readmodel_helpers import LogBuilder, apply_all, at, constructed, migrated_engine
 
 PIPELINE, SESSION = "p-notices", "s1"
@@ -76,6 +83,28 @@ def test_frame_and_ack_headers_over_the_bound_are_refused():
     AckHeader.from_nats_headers(ack)
     with pytest.raises(FrameError, match="headers"):
         AckHeader.from_nats_headers({**ack, "X-Padding": "x" * max_header_bytes})
+
+
+def test_an_int8_frame_declaring_a_huge_block_is_refused_and_restoring_needs_no_padding():
+    shape = (1, 1, 4)
+    header = dict(pipeline_id=PIPELINE, hop=0, session=SESSION, step=1, kind=FrameKind.decode, pos=0, chunk_index=0,
+                  chunk_count=1, dtype=WireDtype.int8, compute_dtype=WireDtype.float32, shape=shape)
+    frame = FrameHeader(**header, int8_block=64, total_bytes=wire_nbytes(WireDtype.int8, shape, 64))
+    huge = 2**27  # before, restoring these 8 bytes of values took 3 s and 1 GiB
+    with pytest.raises(FrameError):
+        FrameHeader.from_nats_headers({**frame.to_nats_headers(), "Hearth-Int8-Block": str(huge)})
+    with pytest.raises(ValidationError):
+        FrameHeader(**header, int8_block=max_int8_block_elems + 1,
+                    total_bytes=wire_nbytes(WireDtype.int8, shape, max_int8_block_elems + 1))
+    values = torch.tensor([0.5, -1.0, 0.25, 2.0])
+    for block in (1, 3, 4):
+        restored = dequantize_int8_blockwise(quantize_int8_blockwise(values, block), shape, block, torch.float32)
+        torch.testing.assert_close(restored.reshape(-1), values, rtol=0.01, atol=0.02)
+    # One block holds the whole frame from 4 elements on: the same bytes restore the same values under any larger
+    # block, without padding the values up to it.
+    one_block = quantize_int8_blockwise(values, 4)
+    assert torch.equal(dequantize_int8_blockwise(one_block, shape, huge, torch.float32),
+                       dequantize_int8_blockwise(one_block, shape, 4, torch.float32))
 
 
 def test_shard_control_messages_are_bounded():

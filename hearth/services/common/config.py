@@ -37,6 +37,7 @@ from hearth.services.common.config_processes import (
     VerificationSettings,
 )
 from hearth.services.common.config_sections import ClientSettings, ConfigSection, GatewaySettings, MetricsSettings
+from hearth.protocol.bounds import max_int8_block_elems
 from hearth.protocol.quantization_labels import QUANTIZATION_LABEL_PATTERN
 
 
@@ -158,7 +159,8 @@ class TransportSettings(ConfigSection):
         default=5.0, gt=0,
         description="a shard drops a hop whose orchestrator sent no frame and no keepalive for this long")
     int8_block_elems: int = Field(
-        default=64, ge=1, description="elements per quantisation block when the wire dtype is int8")
+        default=64, ge=1, le=max_int8_block_elems,
+        description="elements per quantisation block when the wire dtype is int8")
     subscribe_timeout_s: float = Field(
         default=5.0, gt=0, description="how long starting a sender, receiver or ack observer waits for the broker")
     max_ready_steps: int = Field(

@@ -48,6 +48,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from hearth.protocol.bounds import max_int8_block_elems
 from hearth.services.transport.errors import FrameError
 from hearth.services.transport.wire import WireDtype, max_tensor_dims, wire_nbytes
 
@@ -129,7 +130,7 @@ class FrameHeader(BaseModel):
     shape: tuple[int, ...] | None = None
     offset: int = Field(default=0, ge=0)
     total_bytes: int = Field(default=0, ge=0)
-    int8_block: int | None = Field(default=None, ge=1)
+    int8_block: int | None = Field(default=None, ge=1, le=max_int8_block_elems)
     sent_ns: int | None = Field(default=None, ge=0)
 
     @model_validator(mode="after")

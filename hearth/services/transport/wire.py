@@ -125,8 +125,13 @@ def dequantize_int8_blockwise(
     blocks = int8_block_count(numel, block_elems)
     scales = payload[: 4 * blocks].view(torch.float32)
     quantized = payload[4 * blocks : 4 * blocks + numel].view(torch.int8).to(torch.float32)
-    padded = torch.nn.functional.pad(quantized, (0, blocks * block_elems - numel)).view(blocks, block_elems)
-    return (padded * scales[:, None]).reshape(-1)[:numel].view(shape).to(dtype)
+    # Whole blocks as rows, the last partial one on its own: no padding, so memory follows the frame's elements
+    # whatever block size it declares.
+    whole = numel // block_elems
+    values = (quantized[: whole * block_elems].view(whole, block_elems) * scales[:whole, None]).reshape(-1)
+    if whole < blocks:
+        values = torch.cat((values, quantized[whole * block_elems:] * scales[whole]))
+    return values.view(shape).to(dtype)
 
 
 def encode_payload(
