@@ -65,6 +65,9 @@ class OpenHop(BaseModel):
     # A fresh key for the MAC on this hop's HopNotices, told to this hop alone (a link key is shared with the hop
     # before or after, which could then speak for this hop): a notice can only speak about its sender's own hop.
     notice_key: str | None = Field(default=None, pattern=LINK_KEY_PATTERN)
+    # A secret of the pipeline's orchestrator, the same for every chain of the pipeline (a failover's re-open too):
+    # a `close`, `keep` or re-open of an open hop counts only with it, so no other member ends or copies this hop.
+    owner_key: str | None = Field(default=None, pattern=LINK_KEY_PATTERN)
     # Whether this hop's inbound and outbound links are sealed (frames encrypted end to end with keys derived from
     # the link keys, hearth/services/transport/seal.py) or MAC-only. Both ends of every link learn it from their `open`,
     # so they agree; a host that does not know this field refuses the open rather than read ciphertext as a tensor.
@@ -94,6 +97,7 @@ class CloseHop(BaseModel):
     op: Literal["close"] = "close"
     pipeline_id: str = Field(pattern=SUBJECT_TOKEN_PATTERN)
     session_id: str | None = Field(default=None, pattern=SUBJECT_TOKEN_PATTERN)
+    owner_key: str | None = Field(default=None, pattern=LINK_KEY_PATTERN)  # the open's (OpenHop.owner_key)
     # The session's blocks to keep for later calls beginning the same way (a call that ended well); the shard
     # keeps those it holds whole, within its KV budget, and frees the rest.
     keep: PrefixBlocks | None = None
@@ -108,6 +112,7 @@ class KeepHop(BaseModel):
     op: Literal["keep"] = "keep"
     pipeline_id: str = Field(pattern=SUBJECT_TOKEN_PATTERN)
     session_id: str = Field(pattern=SUBJECT_TOKEN_PATTERN)
+    owner_key: str | None = Field(default=None, pattern=LINK_KEY_PATTERN)  # the open's (OpenHop.owner_key)
     keep: PrefixBlocks
 
 

@@ -16,7 +16,7 @@ import torch
 from hearth.inference import SessionStateError, load_head, load_layer_range
 from tests.runner_limits import RUNNER_KV_LIMITS
 from hearth.inference.batched import BatchRow, StackingBuffers, _left_padded, _row_mask
-from hearth.services.shard.compute import ShardCompute
+from hearth.services.shard.compute import ShardCompute, runner_session
 from hearth.services.transport import FrameKind
 
 from .inference_tiny_models import ARCHITECTURES, TINY_NUM_LAYERS, one_torch_thread, tiny_model_dir  # noqa: F401
@@ -192,8 +192,8 @@ async def test_a_replay_step_runs_alone_at_once_never_waiting_for_a_batch(tiny_m
     compute.start()
     compute.active_streams = 2  # another hop is open: a batchable step would wait for its step
     prompt, decoded = head.embed(head.encode_prompt("the quick brown fox")), head.embed([5, 6, 7])
-    for layers in (runner, alone):
-        layers.forward("s", prompt, 0, "prefill")
+    runner.forward(runner_session(_open_hop("s", TINY_NUM_LAYERS - 1)), prompt, 0, "prefill")
+    alone.forward("s", prompt, 0, "prefill")
     result = await asyncio.wait_for(compute.run(_open_hop("s", TINY_NUM_LAYERS - 1),
                                                 _received("s", FrameKind.replay, prompt.shape[1], decoded)), timeout=10)
     assert torch.equal(result.output, alone.forward("s", decoded, prompt.shape[1], "replay"))

@@ -19,7 +19,7 @@ from tests.runner_limits import RUNNER_KV_LIMITS
 from hearth.inference.compute_thread import on_compute_thread
 from hearth.services.common.config import ShardSettings
 from hearth.protocol.control import OpenHop
-from hearth.services.shard.compute import ShardCompute
+from hearth.services.shard.compute import ShardCompute, runner_session
 from hearth.services.transport import FrameKind, ReceivedStep
 from hearth.services.transport.frames import encode_step
 from hearth.services.transport.headers import StepInfo
@@ -143,11 +143,11 @@ async def test_a_shards_steps_run_between_the_slices_of_a_long_prefill(tiny_mode
     head = load_head(path)
     runner = load_layer_range(path, 0, TINY_NUM_LAYERS - 1, **RUNNER_KV_LIMITS)
     reference = load_layer_range(path, 0, TINY_NUM_LAYERS - 1, **RUNNER_KV_LIMITS)
-    runner.forward("short", head.embed([5, 6, 7]), 0, "prefill")
+    runner.forward(runner_session(_open_hop("short", TINY_NUM_LAYERS - 1)), head.embed([5, 6, 7]), 0, "prefill")
     long_pos = 0 if kind is FrameKind.prefill else 2  # a replay continues a session
-    for layers in (runner, reference):
-        if long_pos:
-            layers.forward("long", head.embed([5, 6]), 0, "prefill")
+    if long_pos:
+        runner.forward(runner_session(_open_hop("long", TINY_NUM_LAYERS - 1)), head.embed([5, 6]), 0, "prefill")
+        reference.forward("long", head.embed([5, 6]), 0, "prefill")
     compute = ShardCompute(runner, "shard-0", shard_settings(prefill_slice_layers=prefill_slice_layers,
                                                              prefill_slice_min_tokens=8))
     long_input = head.embed(head.tokenizer.encode(PROMPT * 2))
@@ -218,7 +218,7 @@ async def test_the_compute_threads_steps_run_while_a_prefill_turn_is_under_way(t
     path = tiny_model_dir("llama")
     head = load_head(path)
     runner = load_layer_range(path, 0, TINY_NUM_LAYERS - 1, **RUNNER_KV_LIMITS)
-    runner.forward("short", head.embed([5, 6, 7]), 0, "prefill")
+    runner.forward(runner_session(_open_hop("short", TINY_NUM_LAYERS - 1)), head.embed([5, 6, 7]), 0, "prefill")
     reference = load_layer_range(path, 0, TINY_NUM_LAYERS - 1, **RUNNER_KV_LIMITS)
     reference.forward("short", head.embed([5, 6, 7]), 0, "prefill")
     expected_short = reference.forward("short", head.embed([8]), 3, "decode")

@@ -1,6 +1,5 @@
 """HopChain: sends one step into remote shard hops and returns what leaves the last one, or a StepFailure saying which
-hop failed and why (hearth/services/orchestrator/local_chain.py runs a step on a whole local model instead: the
-fallback).
+hop failed and why (local_chain.py runs a step on a whole local model instead: the fallback).
 
 A step fails (a typed result, never an exception) when:
 - a hop tells us so at once on the pipeline's notice subject (a notice counts only with the MAC of the hop it
@@ -34,6 +33,7 @@ from hearth.services.common.config import TransportSettings
 from hearth.services.broker.connection import flush_ordered
 from hearth.services.orchestrator.metrics import HopLatencies, hop_notices_refused_total
 from hearth.services.orchestrator.hop_notices import notice_failure
+from hearth.services.orchestrator.hop_owner import owner_key
 from hearth.services.orchestrator.outcomes import StepFailure
 from hearth.services.orchestrator.placement import ChainPlacement
 from hearth.services.orchestrator.recording import ChainRecorder
@@ -213,7 +213,7 @@ class HopChain:
             inbound_link_key=_encoded(self.link_keys[index]),
             outbound_link_key=_encoded(self.link_keys[index + 1]),
             notice_key=encode_link_key(self.notice_keys[index]), seal_activations=self.sealed, prefix=self.prefix,
-        )
+            owner_key=owner_key(self.pipeline_id))
         asked_at = time.perf_counter()
         message = await self.nc.request(hop.control_subject, request.model_dump_json().encode(),
                                         timeout=self.transport.control_timeout_s)
@@ -223,7 +223,8 @@ class HopChain:
 
     async def keep_now(self, keep: PrefixBlocks) -> bool:
         """Have every hop keep a copy of its session's whole blocks of `keep` while it goes on; whether all did."""
-        request = KeepHop(pipeline_id=self.pipeline_id, session_id=self.session_id, keep=keep).model_dump_json()
+        request = KeepHop(pipeline_id=self.pipeline_id, session_id=self.session_id, keep=keep,
+                          owner_key=owner_key(self.pipeline_id)).model_dump_json()
         asks = [self.nc.request(hop.control_subject, request.encode(), timeout=self.transport.control_timeout_s)
                 for hop in self.hops]
         replies = await asyncio.gather(*asks, return_exceptions=True)  # a hop gone: the others prefill the rest
@@ -246,8 +247,8 @@ class HopChain:
         # Every hop, not only those that confirmed: one whose answer to `open` timed out may still open late.
         hops = self.hops if self._open_sent else []
         self._open_sent = False
-        request = CloseHop(pipeline_id=self.pipeline_id, session_id=self.session_id,
-                           keep=keep).model_dump_json().encode()
+        request = CloseHop(pipeline_id=self.pipeline_id, session_id=self.session_id, keep=keep,
+                           owner_key=owner_key(self.pipeline_id)).model_dump_json().encode()
         for hop in hops:
             with contextlib.suppress(Exception):
                 await self.nc.publish(hop.control_subject, request)

@@ -48,6 +48,12 @@ from hearth.services.transport.integrity import NormBounds
 latency_samples_kept = 256
 
 
+def runner_session(request: OpenHop) -> str:
+    """The runner's key for a hop's session: its pipeline's id with its session's, so that an `open` naming another
+    pipeline's session id (ids travel in plain headers) gets a session of its own, never that pipeline's KV."""
+    return f"{request.pipeline_id}/{request.session_id}"
+
+
 @dataclass(frozen=True)
 class StepResult:
     """What a step produced: its output, or the check its input failed (then nothing was run)."""
@@ -161,17 +167,17 @@ class ShardCompute:
         prefix = request.prefix
         if prefix is None:
             return 0
-        attached = await on_compute_thread(self.runner.attach_prefix, request.session_id, prefix.hashes,
+        attached = await on_compute_thread(self.runner.attach_prefix, runner_session(request), prefix.hashes,
                                            prefix.block_tokens, (request.layer_lo, request.layer_hi))
         if attached:
-            self.sessions_from_kept.add(request.session_id)
+            self.sessions_from_kept.add(runner_session(request))
         return attached
 
     async def end_session(self, request: OpenHop, keep: PrefixBlocks | None) -> int:
         """Free the hop's session, keeping the whole blocks of `keep` it holds as a prefix; the positions kept."""
-        self.sessions_from_kept.discard(request.session_id)
+        self.sessions_from_kept.discard(runner_session(request))
         if keep is None:
-            await self.reset(request.session_id)
+            await self.reset(request)
             return 0
         return await on_compute_thread(self._keep_and_measure, request, keep)
 
@@ -180,7 +186,7 @@ class ShardCompute:
         return await on_compute_thread(self._keep_and_measure, request, keep, False)
 
     def _keep_and_measure(self, request: OpenHop, keep: PrefixBlocks, end_session: bool = True) -> int:
-        kept = self.runner.keep_prefix(request.session_id, keep.hashes, keep.block_tokens,
+        kept = self.runner.keep_prefix(runner_session(request), keep.hashes, keep.block_tokens,
                                        (request.layer_lo, request.layer_hi), end_session)
         self._measure_cache()
         if end_session:
@@ -256,7 +262,7 @@ class ShardCompute:
                  output: torch.Tensor | None, compute_s: float) -> StepResult:
         if failed_check is None:
             output = self.fault.corrupt(output, request,
-                                        began_from_kept=request.session_id in self.sessions_from_kept)
+                                        began_from_kept=runner_session(request) in self.sessions_from_kept)
             self.stats.step_latencies_s.append(compute_s)
             layers_run = request.layer_hi - request.layer_lo + 1
             if received.kind is FrameKind.decode:
@@ -277,9 +283,9 @@ class ShardCompute:
             self._release_heap()
         return len(evicted)
 
-    async def reset(self, session_id: str) -> int:
-        """Drop a session's KV cache; the bytes freed."""
-        return await on_compute_thread(self._reset_and_measure, session_id)
+    async def reset(self, request: OpenHop) -> int:
+        """Drop the hop's session's KV cache; the bytes freed."""
+        return await on_compute_thread(self._reset_and_measure, runner_session(request))
 
     def _batchable(self, received: ReceivedStep) -> bool:
         """Decode steps of one token, and on a CPU prefills that run whole (shorter than the sliced ones): a GPU's
@@ -312,7 +318,7 @@ class ShardCompute:
         try:
             # On a GPU: input queued onto the device, the layers queued, one wait for the output's copy to pinned
             # host memory (hearth/inference/host_staging.py); on the CPU both are no-ops.
-            step = self.runner.begin_forward(request.session_id, to_device(received.tensor, self.runner.device),
+            step = self.runner.begin_forward(runner_session(request), to_device(received.tensor, self.runner.device),
                                              received.pos, received.kind.value, (request.layer_lo, request.layer_hi),
                                              received.prompt_tokens)
             output = self._turns(step, slice_layers)
@@ -357,7 +363,7 @@ class ShardCompute:
                 outcomes[index] = (failed_check, None)
                 continue
             sound.append(index)
-            rows.append(BatchRow(queued.request.session_id, to_device(queued.received.tensor, self.runner.device),
+            rows.append(BatchRow(runner_session(queued.request), to_device(queued.received.tensor, self.runner.device),
                                  queued.received.pos, queued.received.kind.value, queued.received.prompt_tokens))
         if not rows:
             return outcomes

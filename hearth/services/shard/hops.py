@@ -164,7 +164,7 @@ class ServedHop:
 
     async def _run_step(self, received: ReceivedStep) -> None:
         if received.kind is FrameKind.reset:
-            await self.compute.reset(self.request.session_id)
+            await self.compute.reset(self.request)
             await self._pass_on(received, None)
             return
         try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 import time
 from dataclasses import dataclass
@@ -218,7 +219,7 @@ class ShardServer:
             await self._reply(msg, self.stat())
         elif isinstance(request, KeepHop):
             hop = self._hops.get(request.pipeline_id)
-            if hop is None or hop.request.session_id != request.session_id:
+            if hop is None or hop.request.session_id != request.session_id or not _opened_by(hop, request.owner_key):
                 await self._reply(msg, ControlReply(ok=False, code="unknown_pipeline",
                                                     message="no such session open here"))
             else:
@@ -231,7 +232,8 @@ class ShardServer:
             async with self._hop_changes:
                 hop = self._hops.get(request.pipeline_id)
                 # A close naming an older session (sent before a failover re-opened this pipeline) is stale.
-                if hop is not None and request.session_id in (None, hop.request.session_id):
+                if (hop is not None and request.session_id in (None, hop.request.session_id)
+                        and _opened_by(hop, request.owner_key)):
                     hop = self._detach_hop(request.pipeline_id)
                 else:
                     hop = None
@@ -273,6 +275,9 @@ class ShardServer:
                                 message="this shard seals activations ([transport] seal_activations): open the hop "
                                         "with seal_activations")
         if request.pipeline_id in self._hops:
+            if not _opened_by(self._hops[request.pipeline_id], request.owner_key):
+                return ControlReply(ok=False, code="bad_request",
+                                    message=f"pipeline {request.pipeline_id} is open here for another orchestrator")
             # A re-open (failover reuses this hop with a new session): start over cleanly.
             await self._close_hop(request.pipeline_id)
         limit = self.settings.max_concurrent_streams
@@ -302,3 +307,10 @@ class ShardServer:
     async def _finish_closing(self, pipeline_id: str, hop: ServedHop, keep: PrefixBlocks | None = None) -> None:
         kept = await hop.close(keep)
         log.info("closed pipeline %s (%d positions kept for later calls)", pipeline_id, kept)
+
+
+def _opened_by(hop: ServedHop, owner_key: str | None) -> bool:
+    """Whether a request about an open hop comes from the orchestrator that opened it: it repeats the open's owner key
+    (OpenHop.owner_key). A hop opened without one (an orchestrator from before owner keys) is anyone's, as before."""
+    expected = hop.request.owner_key
+    return expected is None or (owner_key is not None and hmac.compare_digest(expected, owner_key))
