@@ -22,7 +22,7 @@ default_hop_weight = 1.0
 max_event_hops = 64  # hops of a pipeline (also the most [research.distributed_inference] max_shards_per_request)
 max_signature_chars = 128  # an Ed25519 signature is 88 base64 characters; a longer one is refused
 # The largest magnitude of any number an event carries: no honest one comes near it, and the read models' 64-bit
-# columns and sums stay far from overflowing however many such events arrive.
+# columns hold it (sums over many events saturate: hearth/readmodels/batch_rows.py, saturating_add).
 max_event_number = 2**40
 # The longest duration an event states (an advertisement's TTL, how long kept blocks stay): expiry times computed
 # from it stay within any calendar.
@@ -30,7 +30,10 @@ max_event_duration_s = 10**7
 
 
 def _cut_to_reason_chars(value: object) -> object:
-    return value[:max_reason_chars] if isinstance(value, str) else value
+    if not isinstance(value, str):
+        return value
+    # A lone surrogate (a JSON escape such as \ud800) is text no database or log can encode: it becomes "?".
+    return value[:max_reason_chars].encode("utf-8", "replace").decode("utf-8")
 
 
 Id = Annotated[str, Field(max_length=max_id_chars)]

@@ -63,7 +63,7 @@ def stored_canonical_bytes(data: bytes) -> bytes | None:
     """The canonical bytes of a stored event body; None when the body is not a JSON object."""
     try:
         document = json.loads(data)
-    except ValueError:
+    except (ValueError, RecursionError):  # a body nested past what this stack parses is no event's
         return None
     return canonical_json(document) if isinstance(document, dict) else None
 

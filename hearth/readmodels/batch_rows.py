@@ -43,6 +43,16 @@ KEPT_PREFIXES: Table = KeptPrefixRecord.__table__
 Row = dict[str, Any]
 
 
+# The most a count a read model sums over events holds: sums stop there (saturating_add), well inside SQLite's 64-bit
+# INTEGER, so no number of events, each within the events' own bounds, can make a row unwritable.
+max_summed_count = 2**62
+
+
+def saturating_add(total: int, amount: int) -> int:
+    """`total + amount`, but never past max_summed_count."""
+    return min(total + amount, max_summed_count)
+
+
 def session_cursor(session: Session):
     """A DB-API cursor on the session's own connection, so reads and writes share its transaction."""
     return session.connection().connection.cursor()

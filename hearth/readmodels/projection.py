@@ -60,6 +60,7 @@ from hearth.readmodels.batch_rows import (
     TABLE_SQL,
     BatchRows,
     Row,
+    saturating_add,
 )
 from hearth.readmodels.kept_prefixes import prune_expired_kept_prefixes, record_kept_prefix
 from hearth.readmodels.pipeline_hops import hops_after_failover
@@ -320,7 +321,7 @@ class ReadModelProjection:
         for shard_id in dict.fromkeys(_hops(pipeline)):
             tokens = rows.edit(SHARD_TOKENS_DAILY, (day, shard_id),
                                lambda shard_id=shard_id: dict(day=day, shard_id=shard_id, tokens=0))
-            tokens["tokens"] += event.prompt_tokens + event.completion_tokens
+            tokens["tokens"] = saturating_add(tokens["tokens"], event.prompt_tokens + event.completion_tokens)
         pipeline.update(
             status="completed",
             prompt_tokens=event.prompt_tokens,

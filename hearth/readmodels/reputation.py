@@ -28,7 +28,7 @@ from hearth.events.models import (
     IntegrityQuarantineCleared,
     IntegrityShardsVerified,
 )
-from hearth.readmodels.batch_rows import INTEGRITY_EVIDENCE, SHARD_REPUTATION, Row
+from hearth.readmodels.batch_rows import INTEGRITY_EVIDENCE, SHARD_REPUTATION, Row, saturating_add
 
 QUARANTINED = "quarantined"
 ReputationEvent = IntegrityShardsVerified | IntegrityMismatchConfirmed | IntegrityMismatchDisputed | \
@@ -99,8 +99,8 @@ def _shards_verified(event: IntegrityShardsVerified, rows: Rows) -> None:
     at = _epoch_s(event)
     for verified in event.shards:
         row = _reputation(rows, verified.shard_id, at)
-        row["checks"] += verified.checks
-        row["verified_positions"] += verified.verified_positions
+        row["checks"] = saturating_add(row["checks"], verified.checks)
+        row["verified_positions"] = saturating_add(row["verified_positions"], verified.verified_positions)
 
 
 @apply_reputation_event.register
