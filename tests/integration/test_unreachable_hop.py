@@ -84,3 +84,17 @@ async def test_a_silent_hop_is_not_blamed_when_the_step_moved_on_meanwhile(conne
     watch = StallWatch(orchestrator, hops, Observer(ack_while_probed=True), TRANSPORT)
     assert await watch.check(STEP, time.monotonic() - 1.0, TRANSPORT.step_timeout_s) is None
     watch.cancel()
+
+
+async def test_a_step_the_sink_took_part_of_is_blamed_on_the_last_hop_once_it_is_due(connections):
+    """The sink acked a chunk of the last hop's output, and the rest never came (the last hop died between chunks,
+    or forged the sink's ack): before, the watch took the step as ours and waited out the call's whole deadline."""
+    orchestrator, shard = connections
+    hops = await _mesh(orchestrator, shard, second_answers=True)
+    observer = Observer()
+    observer.current = Progress(2, time.monotonic() - 1.0)  # hop index 2: the sink, after the two hops
+    watch = StallWatch(orchestrator, hops, observer, TRANSPORT)
+    assert await watch.check(STEP, time.monotonic() - 1.0, TRANSPORT.step_timeout_s) is None  # not due yet
+    failure = await watch.check(STEP, time.monotonic() - 1.0, 0.5)
+    assert failure is not None and failure.kind == "stalled" and failure.shard_id == "second", failure
+    assert "not passed on" in failure.reason
