@@ -27,6 +27,9 @@ max_event_number = 2**40
 # The longest duration an event states (an advertisement's TTL, how long kept blocks stay): expiry times computed
 # from it stay within any calendar.
 max_event_duration_s = 10**7
+# The most decoder layers a model an advertisement names may have: far beyond any model, and few enough for routing's
+# per-layer walks.
+max_model_layers = 4096
 
 
 def _cut_to_reason_chars(value: object) -> object:
@@ -129,6 +132,14 @@ class ShardAdvertised(EventEnvelope):
     # How the weights are quantized ("none", "int8", "int4/g64"): part of the shard's identity, since a pipeline
     # never mixes schemes; advertisements from before quantization read as "none".
     quantization: Label = "none"
+
+    @model_validator(mode="after")
+    def _layers_inside_the_model(self) -> "ShardAdvertised":
+        # A range no model has would divide routing's per-layer costs by zero or walk layers that do not exist.
+        if not self.layer_lo <= self.layer_hi < self.total_layers <= max_model_layers:
+            raise ValueError(f"layers {self.layer_lo}-{self.layer_hi} of {self.total_layers} are no range of a model "
+                             f"(of at most {max_model_layers} layers)")
+        return self
 
 
 class ShardHeartbeat(EventEnvelope):

@@ -20,10 +20,12 @@ from hearth.events.models import (
     max_event_hops,
     max_id_chars,
     max_label_chars,
+    max_model_layers,
     max_reason_chars,
     max_shard_id_chars,
 )
 from hearth.events.streams import STREAM_SPECS, event_max_msg_bytes
+from tests.readmodel_helpers import advertised
 
 # A character JSON writes as six bytes (\u0000): the worst a string of n characters can cost.
 worst_char = "\x00"
@@ -67,6 +69,15 @@ def test_an_over_long_id_is_refused_and_an_over_long_reason_is_cut():
                          reason="gone", resumed_at_token=0)
 
 
+@pytest.mark.parametrize("lo, hi, total", [(3, 2, 8), (0, 8, 8), (0, 3, max_model_layers + 1)],
+                         ids=["backwards", "past-the-last-layer", "more-layers-than-any-model"])
+def test_an_advertised_range_that_is_no_range_of_a_model_is_refused(lo, hi, total):
+    """Such a range divided routing's per-layer costs by zero, or made it walk 2^40 layers on its event loop."""
+    with pytest.raises(ValidationError, match="no range of a model"):
+        advertised(lo, hi, "n", total=total)
+    advertised(0, total - 1 if total <= max_model_layers else 3, "n", total=min(total, max_model_layers))
+
+
 def largest(event_class: type[BaseModel]) -> BaseModel:
     """An instance of `event_class` with every string and list at its limit, in the costliest characters."""
     values = {}
@@ -77,6 +88,9 @@ def largest(event_class: type[BaseModel]) -> BaseModel:
         annotation = field.annotation
         if name == "evidence_sha256":
             values[name] = "0" * limit  # a digest: hex digits only
+            continue
+        if name in ("layer_lo", "layer_hi", "total_layers"):  # a range of the largest model an event names
+            values[name] = max_model_layers - (name != "total_layers")
             continue
         if name == "pipeline_id":
             values[name] = "p" * 128

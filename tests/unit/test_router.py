@@ -250,3 +250,17 @@ def test_max_hops_limits_the_pipeline_length(mesh):
 
 def test_format_layer_ranges():
     assert format_layer_ranges([7, 0, 1, 2, 5, 8]) == "0-2, 5, 7-8"
+
+
+def test_a_shard_advertising_another_layer_count_is_left_out_when_the_model_says_how_many(mesh):
+    mesh.add(0, 7, "honest")
+    mesh.add(0, 3, "liar", total=9)  # the same weights, one layer more: the model seemed to have 9
+    router = mesh.router()
+    candidates = router.candidates(MODEL_ID)
+    with pytest.raises(RoutingError, match="no healthy shard covers layers 8"):
+        router.plan(candidates, MODEL_ID, WEIGHTS_SHA, now=mesh.now)  # as the shards say: 9 layers, 8 uncovered
+    hops = router.plan(candidates, MODEL_ID, WEIGHTS_SHA, now=mesh.now, model_layers=8)
+    assert [(hop.node_id, hop.layer_lo_to_run, hop.layer_hi_to_run) for hop in hops] == [("honest", 0, 7)]
+    with pytest.raises(RoutingError, match="advertises 9 layers; the model has 8"):
+        router.plan(candidates, MODEL_ID, WEIGHTS_SHA, now=mesh.now, exclude=[f"{MODEL_ID}:0-7@honest"],
+                    model_layers=8)

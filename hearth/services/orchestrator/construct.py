@@ -190,7 +190,8 @@ class ChainBuilder:
 
     def _plan(self, candidates, *, load: ShardLoad | None) -> list[Hop]:
         router, model, excluded = self.ctx.router, self.call.model, self.call.excluded
-        route = dict(now=router.now(), load=load, quantization=self.call.quantization)
+        route = dict(now=router.now(), load=load, quantization=self.call.quantization,
+                     model_layers=model.head.info.num_layers)
         # Shards a check proved wrong are out at once (the read model quarantines them a moment later).
         excluded = excluded | self.ctx.quarantined
         penalised = self.ctx.recent_failures.current() - excluded

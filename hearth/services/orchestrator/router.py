@@ -177,12 +177,18 @@ class ShardRouter:
         now: float,
         load: ShardLoad | None = None,
         quantization: str | None = None,
+        model_layers: int | None = None,
     ) -> list[Hop]:
         """The routing decision itself, on rows already read (pure, for tests and what-if tools); `load`: the
         live room of each shard (None: every live shard has room); `quantization`: the scheme the chain must
-        serve (a label of hearth/protocol/quantization_labels.py; None: the most precise one that covers)."""
+        serve (a label of hearth/protocol/quantization_labels.py; None: the most precise one that covers);
+        `model_layers`: the layers of the model as the orchestrator loaded it (None: as the shards advertise), so
+        one shard advertising another count cannot make the model unroutable."""
         excluded = set(exclude)
         left_out = {s.shard_id: why for s in shards if (why := self.left_out_because(s, excluded, now, load))}
+        if model_layers is not None:
+            left_out.update({s.shard_id: f"advertises {s.total_layers} layers; the model has {model_layers}"
+                             for s in shards if s.total_layers != model_layers and s.shard_id not in left_out})
         usable = [s for s in shards if s.shard_id not in left_out]
         same_weights = [s for s in usable if s.weights_sha256 == weights_sha256]
         mismatched = [s for s in usable if s.weights_sha256 != weights_sha256]
@@ -191,6 +197,7 @@ class ShardRouter:
             raise RoutingError(
                 "shard_unavailable", f"no shard of model {model_id!r} has been advertised"
             )
+        total_layers = model_layers or total_layers
         schemes = sorted({s.quantization for s in same_weights if accepts(quantization, s.quantization)},
                          key=precision_order)
         if quantization is not None and not schemes and same_weights:
