@@ -176,3 +176,12 @@ class HopNotice(BaseModel):
         if (self.problem == "input_failed_check") != (self.check is not None):
             raise ValueError("check is given exactly when the problem is input_failed_check")
         return self
+
+
+def reply_says_ok(data: bytes) -> bool:
+    """Whether a shard's answer is a ControlReply saying `ok`: an answer that is none says no (a malformed reply of
+    one hop must not end the call that asked)."""
+    try:
+        return ControlReply.model_validate_json(data).ok
+    except ValueError:
+        return False

@@ -11,7 +11,7 @@ from sqlalchemy.orm import Session
 
 from hearth.events.models import UNVERIFIED_REPORT, PipelineFailover
 from hearth.readmodels.tables import ShardStats
-from hearth.protocol.control import ControlReply, HopNotice, OpenHop, ShardStat, max_open_pipelines
+from hearth.protocol.control import ControlReply, HopNotice, OpenHop, ShardStat, max_open_pipelines, reply_says_ok
 from hearth.services.orchestrator.outcomes import StepFailure
 from hearth.services.transport import AckHeader, FrameError, FrameHeader, FrameKind
 from hearth.services.transport.headers import max_header_bytes
@@ -105,6 +105,13 @@ def test_an_int8_frame_declaring_a_huge_block_is_refused_and_restoring_needs_no_
     one_block = quantize_int8_blockwise(values, 4)
     assert torch.equal(dequantize_int8_blockwise(one_block, shape, huge, torch.float32),
                        dequantize_int8_blockwise(one_block, shape, 4, torch.float32))
+
+
+def test_a_control_answer_that_is_no_reply_says_no():
+    assert reply_says_ok(ControlReply(ok=True).model_dump_json().encode())
+    assert not reply_says_ok(ControlReply(ok=False, code="unknown_pipeline").model_dump_json().encode())
+    for garbage in (b"", b"not json", b'{"ok": "maybe"}', b"[" * 100_000):  # before: a ValidationError ended the call
+        assert not reply_says_ok(garbage)
 
 
 def test_shard_control_messages_are_bounded():

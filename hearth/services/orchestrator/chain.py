@@ -2,11 +2,10 @@
 hop failed and why (local_chain.py runs a step on a whole local model instead: the fallback).
 
 A step fails (a typed result, never an exception) when:
-- a hop tells us so at once on the pipeline's notice subject (a notice counts only with the MAC of the hop it
-  names, hearth/services/transport/notices.py): its layers raised (`step_failed`, that hop is to blame), its input
-  failed an integrity check (`reported`: the hop before it is routed around for this call, but blamed nowhere,
-  since the orchestrator cannot verify the report), or its session's KV cache was evicted (`evicted`: nobody is
-  to blame; the caller re-prefills on the same chain);
+- a hop tells us so at once on the pipeline's notice subject (with the MAC of the hop it names, notices.py): its
+  layers raised (`step_failed`, that hop is to blame), its input failed an integrity check (`reported`: the hop
+  before it is routed around for this call, blamed nowhere: the orchestrator cannot verify the report), or its
+  session's KV cache was evicted (`evicted`: nobody is to blame; the caller re-prefills on the same chain);
 - the output that reaches us fails the integrity check (`corrupt`, the last hop);
 - the stall watch finds a hop gone or holding the step too long (`gone`, `stalled`; stall.py);
 - our connection to the broker was lost while the step was out (`broker`, nobody's shard is to blame).
@@ -27,7 +26,7 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError, NoRespondersError
 
-from hearth.protocol.control import CloseHop, ControlReply, HopNotice, KeepHop, OpenHop, PrefixBlocks
+from hearth.protocol.control import CloseHop, ControlReply, HopNotice, KeepHop, OpenHop, PrefixBlocks, reply_says_ok
 from hearth.protocol.subjects import LinkNodes, hop_notice_subject, keepalive_subject, node_token
 from hearth.services.common.config import TransportSettings
 from hearth.services.broker.connection import flush_ordered
@@ -192,8 +191,9 @@ class HopChain:
             if not reply.ok:
                 return StepFailure("refused", hop.shard_id, f"refused: {reply.code or 'refused'}: {reply.message}",
                                    code=reply.code)
-        if self.prefix is not None:
-            self.reused_tokens = self._prefill_start = min(reply.cached_tokens for reply in replies)
+        if self.prefix is not None:  # a hop holds at most the blocks named, whatever it answers
+            named_tokens = len(self.prefix.hashes) * self.prefix.block_tokens
+            self.reused_tokens = self._prefill_start = min(named_tokens, *(reply.cached_tokens for reply in replies))
         self.replay_steps = all(reply.replay_steps for reply in replies)
         return None
 
@@ -228,7 +228,7 @@ class HopChain:
         asks = [self.nc.request(hop.control_subject, request.encode(), timeout=self.transport.control_timeout_s)
                 for hop in self.hops]
         replies = await asyncio.gather(*asks, return_exceptions=True)  # a hop gone: the others prefill the rest
-        return all(not isinstance(r, BaseException) and ControlReply.model_validate_json(r.data).ok for r in replies)
+        return all(not isinstance(r, BaseException) and reply_says_ok(r.data) for r in replies)
 
     async def keep_alive(self) -> None:
         """Tell the hops this pipeline's orchestrator is alive (hearth/services/shard/hops.py drops silent ones)."""
