@@ -46,3 +46,34 @@ def test_an_empty_frame_passes_without_teaching_a_zero_bound() -> None:
     assert bounds.check(torch.empty(1, 0, 64)) is None
     assert bounds.max_norm is None
     assert bounds.check(honest_step(6)) is None
+
+
+def test_one_sources_first_frame_of_zeros_does_not_fail_the_others() -> None:
+    """Before, one caller's all-zero first frame taught a bound of 0, and every honest frame after it failed `norm`."""
+    bounds = NormBounds()
+    assert bounds.check(torch.zeros(1, 3, 64), source="attacker") is None
+    assert all(bounds.check(honest_step(seed), source=f"honest-{seed}") is None for seed in range(6))
+    assert bounds.check(honest_step(9), source="honest-0") is None
+
+
+def test_no_source_ratchets_the_bound_up_until_corruption_passes() -> None:
+    """Before, frames raised 40x a step each passed (under 50x the last) until a 1e4x one did too."""
+    bounds = NormBounds()
+    for seed in range(3):
+        assert bounds.check(honest_step(seed), source=f"honest-{seed}") is None
+    scale, failed = 1.0, None
+    for _ in range(4):
+        scale *= 40.0
+        failed = bounds.check(honest_step(5) * scale, source="attacker")
+        if failed is not None:
+            break
+    assert failed == "norm" and scale <= 40.0 * 40.0
+    assert bounds.check(honest_step(6) * 1e4, source="attacker") == "norm"
+    assert bounds.check(honest_step(7), source="honest-1") is None
+
+
+def test_with_few_sources_each_is_checked_against_its_own_bound_only() -> None:
+    bounds = NormBounds()
+    assert bounds.check(honest_step(1) * 1e-4, source="quiet") is None
+    assert bounds.check(honest_step(2), source="loud") is None  # 1e4x the other source's: its own first frame
+    assert bounds.check(honest_step(3) * 1e4, source="loud") == "norm"

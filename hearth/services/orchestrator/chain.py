@@ -378,7 +378,7 @@ class HopChain:
                 continue
             if self._notices:
                 return self._notice_failure()
-            failed_check = self.sink_bounds.check(received.tensor)
+            failed_check = self.sink_bounds.check(received.tensor, self.hops[-1].shard_id)
             if failed_check is not None:
                 count_integrity_failure(failed_check, "sink")
                 return StepFailure("corrupt", self.hops[-1].shard_id, f"output failed the {failed_check} check",

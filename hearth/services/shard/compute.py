@@ -11,7 +11,8 @@ Integrity: every step's input is checked (NaN, Inf, per-position L2 norm far abo
 received before) before its layers run. The norm bounds are kept per shard, across pipelines, keyed by
 the first layer the hop runs (the input of layer L has the same scale whoever sends it, and a shard used
 from different first layers sees different inputs): a per-pipeline bound would learn nothing before a
-pipeline's first frame, so a shard corrupting from its first step on would pass.
+pipeline's first frame, so a shard corrupting from its first step on would pass. Each pipeline is a source of
+its own (transport.integrity.NormBounds), so no pipeline's frames move the bound the others are checked against.
 
 Why a cache snapshot: the runner's lock may be held for a whole forward (a batched decode step), so asking
 the runner how many sessions it caches would make a liveness probe wait behind it. The compute thread records
@@ -380,7 +381,8 @@ class ShardCompute:
         if self.fault.accuse and self.fault.active:
             return "norm"
         with self._bounds_lock:
-            return self._input_bounds.setdefault(request.layer_lo, NormBounds()).check(received.tensor)
+            bounds = self._input_bounds.setdefault(request.layer_lo, NormBounds())
+            return bounds.check(received.tensor, request.pipeline_id)
 
     def _reset_and_measure(self, session_id: str) -> int:
         freed = self.runner.reset(session_id)

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import math
+import statistics
+from collections import OrderedDict
+from collections.abc import Hashable
 from typing import Literal, get_args
 
 import torch
@@ -31,14 +34,29 @@ def count_integrity_failure(check: IntegrityCheck, checked_at: str) -> None:
 
 
 class NormBounds:
-    """Running max of per-position L2 norms at one point of the pipeline (one hop's output)."""
+    """Bounds on the per-position L2 norms at one point of the pipeline (a hop's input, the last hop's output), learnt
+    from the frames that passed, per source: the pipeline or the shard a frame comes from.
 
-    def __init__(self, factor: float = norm_bound_factor) -> None:
+    Once `min_sources` sources are known, a frame is checked against the median of their running maxima, which no
+    one source moves: not down with a first frame of zeros (after which every honest frame failed), nor up by raising
+    its frames a little every step until a corrupted one passed. Before, it is checked against its own source's running
+    maximum only, so one source's frames never fail another's (its first frame passes: nothing is known of it yet).
+    The most recent `max_sources` sources are remembered."""
+
+    def __init__(self, factor: float = norm_bound_factor, *, min_sources: int = 3, max_sources: int = 64) -> None:
         self.factor = factor
-        self.max_norm: float | None = None
+        self.min_sources = min_sources
+        self.max_sources = max_sources
+        self._maxima: OrderedDict[Hashable, float] = OrderedDict()
+        self._median: float | None = None  # of the maxima, recomputed when one changes
 
-    def check(self, hidden: torch.Tensor) -> IntegrityCheck | None:
-        """The failed check's name, or None; learns the bounds from frames that pass."""
+    @property
+    def max_norm(self) -> float | None:
+        """The largest norm any remembered source's frames passed with (None before any)."""
+        return max(self._maxima.values(), default=None)
+
+    def check(self, hidden: torch.Tensor, source: Hashable = None) -> IntegrityCheck | None:
+        """The failed check's name, or None; learns `source`'s bound from a frame that passes."""
         # Three torch calls on the fast path: this runs on every hop of every token, with caches cold after the
         # layers, where each torch call is slow (BENCHMARKS.md, "`hearth bench`"). A NaN or an Inf anywhere
         # makes its position's norm NaN or Inf, and only then is it worth telling which. Half-precision inputs
@@ -49,7 +67,14 @@ class NormBounds:
         largest = norms.max().item()
         if not math.isfinite(largest):
             return "nan" if bool(torch.isnan(hidden).any()) else "inf"
-        if self.max_norm is not None and largest > self.max_norm * self.factor:
+        own = self._maxima.get(source)
+        reference = self._median if len(self._maxima) >= self.min_sources else own
+        if reference is not None and largest > reference * self.factor:
             return "norm"
-        self.max_norm = largest if self.max_norm is None else max(self.max_norm, largest)
+        if own is None or largest > own:
+            self._maxima[source] = largest
+            if len(self._maxima) > self.max_sources:
+                self._maxima.popitem(last=False)
+            self._median = statistics.median(self._maxima.values())
+        self._maxima.move_to_end(source)
         return None
