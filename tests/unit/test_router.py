@@ -144,6 +144,17 @@ def test_a_declared_weight_below_one_counts_only_until_measured_and_round_trips_
     assert plan_with(mesh, load) == [("honest", 0, 7)]
 
 
+def test_a_shard_that_stays_unmeasured_cannot_buy_every_plan_with_a_tiny_weight(mesh):
+    """A shard that never reports a step time stays unmeasured: before, its declared weight of 0.001 won every plan,
+    and its own measured round trip (5 s here) was ignored for its fast peers'."""
+    mesh.add(0, 7, "sly", hop_weight=0.001)
+    mesh.add(0, 7, "honest", decode_step_ms=8.0)
+    load = ShardLoad(retry_s=1.0)
+    load.observe_round_trip(f"{MODEL_ID}:0-7@honest", 0.002)
+    load.observe_round_trip(f"{MODEL_ID}:0-7@sly", 5.0)
+    assert plan_with(mesh, load) == [("honest", 0, 7)]
+
+
 def test_a_weight_above_one_is_always_honoured(mesh):
     mesh.add(0, 7, "primary", decode_step_ms=8.0)
     mesh.add(0, 7, "replica", hop_weight=2.0, decode_step_ms=6.0)
