@@ -44,6 +44,11 @@ def tolerance_for(device_kind: str | None, dtype: str, quantization: str = "none
     return compute + WIRE_TOLERANCE.get(wire_dtype or "auto", fallback_wire_tolerance)
 
 
+def looser_dtype(first: str | None, second: str) -> str:
+    """Of two computations' dtypes, the one with the looser honest tolerance: what comparing them is judged by."""
+    return second if first is None else max((first, second), key=lambda dtype: tolerance_for(None, dtype))
+
+
 def position_errors(claimed: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
     """Per position (the second-last dimension), ||claimed - reference|| / ||reference||, in float32; both
     tensors have the same shape `[..., positions, hidden]`. NaN or Inf anywhere in `claimed` gives `inf` there."""

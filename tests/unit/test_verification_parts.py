@@ -10,12 +10,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hearth.inference.activation_compare import first_mismatch, position_errors, tolerance_for
+from hearth.inference.activation_compare import first_mismatch, looser_dtype, position_errors, tolerance_for
 from hearth.inference.detokenizer import TextDelta
 from hearth.protocol.chat import ChatParams, ChatRequest
 from hearth.services.orchestrator.call import Call
 from hearth.services.orchestrator.guards import RangeGuards
-from hearth.services.orchestrator.mirror import Mirror
+from hearth.services.orchestrator.mirror import Mirror, serves_range
 from hearth.services.orchestrator.prefill import steps_as_sent
 from hearth.services.orchestrator.recording import ChainRecorder
 from hearth.services.transport import FrameKind, StepInfo, TransportError
@@ -281,3 +281,14 @@ async def test_a_hop_told_another_step_than_the_orchestrator_sent_is_not_checked
     recorder._taps = [_ScriptedTap([1], recorder, told=forged), _ScriptedTap([1], recorder)]
     await recorder.settled(1, timeout_s=1.0)
     assert recorder.broken == {1}
+
+
+def test_a_hops_own_dtype_label_neither_hides_it_from_checks_nor_tightens_an_honest_one():
+    """Before, a mirror had to advertise the hop's dtype: a float32 hop advertising `float64` (or a dtype no replica
+    had) was never checked, even at verify=all. Any dtype's replica checks it now, by the looser tolerance."""
+    replica = SimpleNamespace(weights_sha256="w", quantization="none", dtype="float32", layer_lo=0, layer_hi=7)
+    assert serves_range(replica, "w", "none", None, 2, 5)
+    assert not serves_range(replica, "w", "none", "bfloat16", 2, 5)  # canaries still ask for their own dtype
+    assert looser_dtype("float64", "float32") == "float64"  # an unknown label gets the loosest bound, no escape
+    assert looser_dtype("float32", "bfloat16") == "bfloat16" and looser_dtype(None, "float32") == "float32"
+    assert tolerance_for(None, looser_dtype("float32", "float32")) == tolerance_for(None, "float32")

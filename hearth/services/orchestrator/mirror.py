@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import torch
 from nats.aio.client import Client as NatsClient
 
+from hearth.inference.activation_compare import looser_dtype
 from hearth.inference.compute_thread import on_compute_thread
 from hearth.services.common.config import TransportSettings
 from hearth.services.orchestrator.call import new_pipeline_id
@@ -126,10 +127,10 @@ async def _feed_kept_prefix(ctx, call, chain: HopChain, index: int, mirror: Mirr
 
 def serves_range(candidate, weights_sha256: str, quantization: str, dtype: str | None, layer_lo: int,
                  layer_hi: int) -> bool:
-    """Whether `candidate` (a routing ShardCandidate) computes layers `layer_lo`..`layer_hi` exactly as another
-    replica would: the same weights, scheme and dtype, its range covering them."""
+    """Whether `candidate` (a routing ShardCandidate) computes layers `layer_lo`..`layer_hi` as another replica
+    would: the same weights and scheme, its range covering them, and the dtype `dtype` (None: any)."""
     return (candidate.weights_sha256 == weights_sha256 and candidate.quantization == quantization
-            and candidate.dtype == dtype and candidate.layer_lo <= layer_lo and layer_hi <= candidate.layer_hi)
+            and dtype in (None, candidate.dtype) and candidate.layer_lo <= layer_lo and layer_hi <= candidate.layer_hi)
 
 
 async def open_mirror(ctx, call, chain: HopChain, index: int, avoid: set[str],
@@ -145,8 +146,10 @@ async def open_mirror(ctx, call, chain: HopChain, index: int, avoid: set[str],
     dtype = by_id[hop.shard_id].dtype if hop.shard_id in by_id else None
     now = ctx.router.now()
     skip = avoid | ctx.quarantined
+    # A replica of any dtype: the hop's own label must not decide whether it is checked (a label no replica has
+    # would leave it unchecked); the check judges by the looser of the two dtypes' tolerances.
     replicas = [c for c in candidates if c.shard_id not in skip and c.node_id not in busy_nodes
-                and ctx.router.alive(c, now) and serves_range(c, call.model.weights_sha256, hop.quantization, dtype,
+                and ctx.router.alive(c, now) and serves_range(c, call.model.weights_sha256, hop.quantization, None,
                                                               hop.layer_lo_to_run, hop.layer_hi_to_run)]
     chance.shuffle(replicas)
     settings, model = ctx.settings, call.model
@@ -158,8 +161,8 @@ async def open_mirror(ctx, call, chain: HopChain, index: int, avoid: set[str],
                         weights_sha256=model.weights_sha256, transport=settings.transport,
                         wire_dtype=chain.wire_dtype, hidden_size=model.head.info.hidden_size,
                         max_session_tokens=chain.max_session_tokens or len(call.prompt_ids) + 1,
-                        chunk_tokens=settings.orchestrator.prefill_chunk_tokens, dtype=dtype or replica.dtype,
-                        placement=ChainPlacement.of_hop(chain.hops, index))
+                        chunk_tokens=settings.orchestrator.prefill_chunk_tokens,
+                        dtype=looser_dtype(dtype, replica.dtype), placement=ChainPlacement.of_hop(chain.hops, index))
         failure = await mirror.open()
         if failure is None:
             failure = await _feed_kept_prefix(ctx, call, chain, index, mirror)
