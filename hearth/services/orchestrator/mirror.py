@@ -152,6 +152,7 @@ async def open_mirror(ctx, call, chain: HopChain, index: int, avoid: set[str],
                 and ctx.router.alive(c, now) and serves_range(c, call.model.weights_sha256, hop.quantization, None,
                                                               hop.layer_lo_to_run, hop.layer_hi_to_run)]
     chance.shuffle(replicas)
+    replicas.sort(key=lambda replica: replica.dtype != dtype)  # the hop's own dtype first: the tighter check
     settings, model = ctx.settings, call.model
     for replica in replicas:
         on_replica = Hop(shard_id=replica.shard_id, control_subject=replica.control_subject, node_id=replica.node_id,
