@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 from hearth.services.transport.acks import AckObserver
 from hearth.services.transport.headers import AckHeader
+from hearth.services.transport.link_auth import LinkAuth
+from hearth.services.transport.mac import ack_witness_key, new_link_key
 from hearth.services.transport.stats import LatencySamples
 
 PIPELINE = "pipe-obs"
@@ -64,3 +68,22 @@ def test_latency_percentiles_are_nearest_rank(fraction, expected_ms):
         samples.add(millis / 1000.0)
     assert samples.percentile_ms(fraction) == pytest.approx(expected_ms)
     assert samples.summary().count == 100 and samples.summary().max_ms == pytest.approx(100.0)
+
+
+async def test_an_ack_counts_only_with_the_witness_of_the_hop_it_names():
+    """Hop 0 holds the key of the link into hop 1, so it could MAC an ack in hop 1's name, never pass the step on,
+    and get honest hop 1 blamed for holding it; the witness, keyed from hop 1's own notice key, it cannot make."""
+    link_into_1 = new_link_key()
+    notice_keys = {1: new_link_key(), 2: new_link_key()}
+    watched = observer(sink_hop=3, link_keys={1: link_into_1, 2: new_link_key()},
+                       ack_witness_keys={hop: ack_witness_key(key) for hop, key in notice_keys.items()})
+
+    async def deliver(auth: LinkAuth) -> None:
+        headers = auth.sign_ack(ack(hop=1, step=5).to_nats_headers())
+        await watched._on_ack(SimpleNamespace(headers=headers, data=b"", subject="hearth.ack.test"))
+
+    await deliver(LinkAuth(link_into_1, sealed=False))  # hop 0's forgery: the link's MAC, no witness
+    await deliver(LinkAuth(link_into_1, sealed=False, ack_witness_key=ack_witness_key(notice_keys[2])))  # another's
+    assert watched.progress("s1", 5) is None and watched.bad_acks == 2
+    await deliver(LinkAuth(link_into_1, sealed=False, ack_witness_key=ack_witness_key(notice_keys[1])))  # hop 1's own
+    assert watched.holder("s1", 5) == 1 and watched.bad_acks == 2

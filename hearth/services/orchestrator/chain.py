@@ -54,7 +54,7 @@ from hearth.services.transport import (
     wire_dtype_from_setting,
 )
 from hearth.services.transport.integrity import NormBounds, count_integrity_failure
-from hearth.services.transport.mac import encode_link_key, new_link_key
+from hearth.services.transport.mac import ack_witness_key, encode_link_key, new_link_key
 from hearth.services.transport.notices import read_notice
 
 log = logging.getLogger(__name__)
@@ -101,17 +101,11 @@ class HopChain:
         first, upstream = self.placement.first_hop, self.placement.upstream_node or node_id
         downstream = self.placement.downstream_node or node_id
         # The call's shards that reported bad input before (shared by its chains): one that reports again is the
-        # common factor of its reports, and is routed around itself.
-        self.accusers = set() if accusers is None else accusers
-        # Told (shard_id, seconds) for every hop that answered `open`: routing's measured round trip.
-        self.on_round_trip = on_round_trip
-        self.node_id = node_id
-        self.pipeline_id = pipeline_id
-        self.hops = hops
-        self.model_id = model_id
-        self.weights_sha256 = weights_sha256
-        self.transport = transport
-        self.wire_dtype = wire_dtype
+        # common factor of its reports, and is routed around itself. Told (shard_id, seconds) for every hop that
+        # answered `open`: routing's measured round trip.
+        self.accusers, self.on_round_trip = set() if accusers is None else accusers, on_round_trip
+        self.node_id, self.pipeline_id, self.hops, self.model_id = node_id, pipeline_id, hops, model_id
+        self.weights_sha256, self.transport, self.wire_dtype = weights_sha256, transport, wire_dtype
         self.session_id = uuid.uuid4().hex[:16]
         # One fresh MAC key per link (into hop i; the last into our sink), told only to the link's two ends.
         self.link_keys = [new_link_key() if transport.activation_macs else None for _ in range(len(hops) + 1)]
@@ -138,14 +132,18 @@ class HopChain:
         self.recorder = ChainRecorder(nc, pipeline_id, [hop.node_id for hop in hops], link_keys=self.link_keys,
                                       sealed=self.sealed, step_limits=step_limits,
                                       budget_bytes=record_budget_bytes) if record_budget_bytes else None
+        # Each hop's acks (and our sink's) carry a witness only it can make (transport/mac.py): no hop acks for another.
+        witness_keys = dict(enumerate((ack_witness_key(key) for key in [*self.notice_keys, new_link_key()]), first))
         self._sink = ActivationReceiver(nc, pipeline_id, first + len(hops),
                                         nodes=LinkNodes(sender=hops[-1].node_id, receiver=downstream),
                                         step_limits=step_limits, on_refused=self._on_refused_output,
-                                        link_key=self.link_keys[len(hops)], seal=self.sealed)
+                                        link_key=self.link_keys[len(hops)], seal=self.sealed,
+                                        ack_witness_key=witness_keys[first + len(hops)])
         self._refused_output: StepFailure | None = None
-        self._observer = AckObserver(nc, pipeline_id, sink_hop=first + len(hops),
-                                     link_keys=dict(enumerate(self.link_keys, start=first))
-                                     if transport.activation_macs else None)
+        macs = transport.activation_macs
+        self._observer = AckObserver(nc, pipeline_id, sink_hop=first + len(hops), ack_witness_keys=witness_keys
+                                     if macs else None, link_keys=dict(enumerate(self.link_keys, start=first))
+                                     if macs else None)
         self._watch = StallWatch(nc, hops, self._observer, transport, first_hop=first)
         self._latencies = HopLatencies(self.shard_ids)
         self._notice_sub = None

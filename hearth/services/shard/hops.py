@@ -46,7 +46,7 @@ from hearth.services.transport import (
     wire_dtype_from_setting,
 )
 from hearth.services.transport.integrity import count_integrity_failure
-from hearth.services.transport.mac import decode_link_key
+from hearth.services.transport.mac import ack_witness_key, decode_link_key
 from hearth.services.transport.notices import notice_message
 
 log = logging.getLogger(__name__)
@@ -87,15 +87,16 @@ class ServedHop:
         step_limits = StepLimits.for_pipeline(hidden_size=compute.runner.info.hidden_size,
                                               max_tokens=request.max_session_tokens,
                                               activation_dtype=request.wire_dtype)
+        # Only this hop and its orchestrator know it: our notices, and the witness on our acks, speak for this hop.
+        self._notice_key = _link_key(request.notice_key)
         self.receiver = ActivationReceiver(nc, request.pipeline_id, request.hop,
                                            nodes=LinkNodes(sender=request.upstream_node, receiver=node_id),
                                            link_key=_link_key(request.inbound_link_key),
                                            seal=request.seal_activations,
                                            idle_timeout_s=limits.idle_timeout_s, step_limits=step_limits,
-                                           on_refused=self._on_refused_input)
+                                           on_refused=self._on_refused_input, ack_witness_key=None
+                                           if self._notice_key is None else ack_witness_key(self._notice_key))
         self._last_refused_step: int | None = None
-        # Only this hop and its orchestrator know it: our notices are the only ones that can speak for this hop.
-        self._notice_key = _link_key(request.notice_key)
         self.sender = AckWindowSender(nc, request.pipeline_id, request.hop + 1,
                                       nodes=LinkNodes(sender=node_id, receiver=request.downstream_node),
                                       link_key=_link_key(request.outbound_link_key),

@@ -16,7 +16,7 @@ from hearth.protocol.subjects import all_acks_subject
 from hearth.services.common.config import TransportSettings
 from hearth.services.transport.errors import FrameError, TransportClosed, TransportTimeout
 from hearth.services.transport.headers import AckHeader
-from hearth.services.transport.mac import link_mac_key, mac_is_valid
+from hearth.services.transport.mac import ack_witness_is_valid, link_mac_key, mac_is_valid
 from hearth.services.transport.subscription import SubscribingEndpoint
 
 log = logging.getLogger(__name__)
@@ -62,6 +62,7 @@ class AckObserver(SubscribingEndpoint):
         *,
         sink_hop: int | None = None,
         link_keys: dict[int, bytes] | None = None,
+        ack_witness_keys: dict[int, bytes] | None = None,
         max_steps_per_session: int = _defaults.ack_observer_max_steps_per_session,
         max_sessions: int = _defaults.ack_observer_max_sessions,
     ) -> None:
@@ -71,6 +72,9 @@ class AckObserver(SubscribingEndpoint):
         # hop -> the key of the link into it: an ack without that link's MAC says nothing about the hop.
         self.link_keys = link_keys
         self._mac_keys = {hop: link_mac_key(key) for hop, key in link_keys.items()} if link_keys is not None else None
+        # hop -> the key only that hop witnesses its acks with (mac.py): the hop before it, which holds their link's
+        # key, cannot ack in its name and so make it look as if it held a step it never got.
+        self._witness_keys = ack_witness_keys
         self.max_steps_per_session = max_steps_per_session
         self.max_sessions = max_sessions
         self.subject = all_acks_subject(pipeline_id)
@@ -192,6 +196,10 @@ class AckObserver(SubscribingEndpoint):
             key = self._mac_keys.get(ack.hop) if self._mac_keys is not None else None
             if self._mac_keys is not None and (key is None or not mac_is_valid(key, msg.headers, msg.data)):
                 raise FrameError(f"ack for hop {ack.hop} without its link's MAC on {msg.subject}")
+            witness_key = self._witness_keys.get(ack.hop) if self._witness_keys is not None else None
+            if self._witness_keys is not None and (witness_key is None
+                                                   or not ack_witness_is_valid(witness_key, msg.headers)):
+                raise FrameError(f"ack for hop {ack.hop} without its own witness on {msg.subject}")
         except FrameError as error:
             self.bad_acks += 1
             log.warning("ignoring bad ack on %s: %s", msg.subject, error)

@@ -9,16 +9,26 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from hearth.services.transport.mac import HEADER_MAC, link_mac_key, mac_is_valid, message_mac, with_mac
+from hearth.services.transport.mac import (
+    HEADER_ACK_WITNESS,
+    HEADER_MAC,
+    ack_witness,
+    link_mac_key,
+    mac_is_valid,
+    message_mac,
+    with_mac,
+)
 from hearth.services.transport.seal import LinkSeal, is_sealed
 
 
 class LinkAuth:
     """The keys of one link as one end uses them: `sealed` is the link's mode, as `open` said."""
 
-    def __init__(self, link_key: bytes, *, sealed: bool) -> None:
+    def __init__(self, link_key: bytes, *, sealed: bool, ack_witness_key: bytes | None = None) -> None:
         self._mac_key = link_mac_key(link_key)
         self._seal = LinkSeal(link_key) if sealed else None
+        # The receiving hop's own key for witnessing its acks (mac.py): the link's sender cannot make one.
+        self._ack_witness_key = ack_witness_key
 
     @property
     def sealed(self) -> bool:
@@ -43,6 +53,8 @@ class LinkAuth:
         return self._seal is not None and not is_sealed(headers)
 
     def sign_ack(self, headers: dict[str, str]) -> dict[str, str]:
+        if self._ack_witness_key is not None:
+            headers[HEADER_ACK_WITNESS] = ack_witness(self._ack_witness_key, headers)
         return with_mac(self._mac_key, headers, b"")
 
     def ack_is_valid(self, headers: Mapping[str, str] | None, payload: bytes) -> bool:

@@ -3,7 +3,9 @@ is opened, every frame and ack on that link carries a MAC over its headers and p
 whatever fails it, so a member that may publish on activation subjects still cannot inject or alter a step.
 The MAC key of a link is derived from the link key with HKDF under its own label (the seal key of sealed links,
 hearth/services/transport/seal.py, under another), so the two never share key material.
-Hop notices carry one too, keyed with a key only that hop and its orchestrator hold."""
+Hop notices carry one too, keyed with a key only that hop and its orchestrator hold, and so do acks besides their
+link's MAC (``Hearth-Ack-Witness``, with a key derived from the notice key): the hop before a hop holds their link's
+key, and must not be able to ack in that hop's name (the orchestrator's stall watch blames by acks)."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from hearth.services.transport.headers import oversized_headers
 
 HEADER_MAC = "Hearth-Mac"
+HEADER_ACK_WITNESS = "Hearth-Ack-Witness"
 link_key_bytes = 32
 mac_digest_bytes = 16
 # Exactly what message_mac writes: anything else (too long, not ASCII) is refused before it is compared.
@@ -30,6 +33,7 @@ _MAC_RE = re.compile(rf"[0-9a-f]{{{2 * mac_digest_bytes}}}")
 # HKDF labels (`info`) of the keys derived from one link key: one per use, never shared.
 MAC_KEY_LABEL = b"hearth link mac v1"
 SEAL_KEY_LABEL = b"hearth link seal v1"
+ACK_WITNESS_KEY_LABEL = b"hearth ack witness v1"  # derived from a hop's notice key, not from a link key
 
 
 class LinkKeyError(ValueError):
@@ -89,3 +93,23 @@ def mac_is_valid(key: bytes, headers: Mapping[str, str] | None, payload: bytes |
     if claimed is None or not _MAC_RE.fullmatch(claimed):
         return False
     return hmac.compare_digest(claimed, message_mac(key, headers, payload))
+
+
+def ack_witness_key(notice_key: bytes) -> bytes:
+    """The key a hop's acks are witnessed with: known to that hop and its orchestrator only."""
+    return derived_key(notice_key, ACK_WITNESS_KEY_LABEL)
+
+
+def ack_witness(key: bytes, headers: Mapping[str, str]) -> str:
+    """The witness of an ack: a MAC over its headers but the MACs."""
+    return message_mac(key, {name: value for name, value in headers.items()
+                             if name not in (HEADER_MAC, HEADER_ACK_WITNESS)}, b"")
+
+
+def ack_witness_is_valid(key: bytes, headers: Mapping[str, str] | None) -> bool:
+    if not headers or oversized_headers(headers):
+        return False
+    claimed = headers.get(HEADER_ACK_WITNESS)
+    if claimed is None or not _MAC_RE.fullmatch(claimed):
+        return False
+    return hmac.compare_digest(claimed, ack_witness(key, headers))

@@ -92,7 +92,7 @@ class ActivationReceiver(SubscribingEndpoint):
                  max_partial_steps: int = _defaults.max_partial_steps,
                  max_tracked_sessions: int = _defaults.max_tracked_sessions, step_limits: StepLimits | None = None,
                  on_refused: RefusalListener | None = None, link_key: bytes | None = None, seal: bool = False,
-                 acks: bool = True) -> None:
+                 acks: bool = True, ack_witness_key: bytes | None = None) -> None:
         if max_ready_steps < 1 or (seal and link_key is None):
             raise ValueError(f"max_ready_steps must be at least 1 (got {max_ready_steps}); a sealed link needs its key")
         self.nc = nc
@@ -111,9 +111,9 @@ class ActivationReceiver(SubscribingEndpoint):
         self.nodes = nodes
         self.acks = acks  # False: a tap (see the class docstring)
         # With a key, only frames carrying its MAC are taken (`seal`: only frames sealed with its seal key), and
-        # acks carry the MAC too (hearth/services/transport/link_auth.py).
+        # acks carry the MAC too, and this hop's witness (hearth/services/transport/link_auth.py).
         self.link_key = link_key
-        self._auth = LinkAuth(link_key, sealed=seal) if link_key is not None else None
+        self._auth = LinkAuth(link_key, sealed=seal, ack_witness_key=ack_witness_key) if link_key is not None else None
         self.subject = activation_subject(pipeline_id, hop, nodes)
         self.ack_subject = ack_subject(pipeline_id, hop, nodes)
         self.stats = ReceiverStats()
