@@ -286,9 +286,17 @@ class ShardServer:
         hop = ServedHop(self.nc, request, self.compute, self.limits, self.identity.node_id)
         self._hops[request.pipeline_id] = hop
         self.compute.active_streams = len(self._hops)
-        # Before the hop serves: no step of its session can come before this answer anyway.
-        cached = await self.compute.attach_prefix(request)
-        await hop.start()
+        try:
+            # Before the hop serves: no step of its session can come before this answer anyway.
+            cached = await self.compute.attach_prefix(request)
+            await hop.start()
+        except Exception as error:  # the broker or the compute thread failed us: no half-open hop stays behind
+            log.warning("could not open hop %d of pipeline %s: %s", request.hop, request.pipeline_id,
+                        type(error).__name__)
+            self._detach_hop(request.pipeline_id)
+            with contextlib.suppress(Exception):
+                await self._finish_closing(request.pipeline_id, hop)
+            return ControlReply(ok=False, code="bad_request", message=f"could not open the hop: {type(error).__name__}")
         log.info("opened hop %d of pipeline %s (layers %d-%d, %d positions kept from earlier)", request.hop,
                  request.pipeline_id, request.layer_lo, request.layer_hi, cached)
         return ControlReply(ok=True, cached_tokens=cached, replay_steps=True)
