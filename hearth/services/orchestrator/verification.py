@@ -1,9 +1,9 @@
 """CallVerifier: checks the work of one call's shard hosts on other replicas, and says when a step was refuted.
 
 Each hop's inputs and outputs are recorded as the chain runs (hearth/services/orchestrator/recording.py). A check of hop
-i feeds the inputs it ran since its last check to a mirror, a session of a second replica serving the same layers,
-scheme and dtype (hearth/services/orchestrator/mirror.py), and compares the outputs position by position within the
-honest tolerance of that dtype (hearth/inference/activation_compare.py). When a check is made, by the call's `verify`:
+i feeds the inputs it ran since its last check to a mirror, a session of a second replica serving the same layers and
+scheme (hearth/services/orchestrator/mirror.py), and compares the outputs position by position within the honest
+tolerance of the looser dtype (hearth/inference/activation_compare.py). When a check is made, by the call's `verify`:
 
 | level     | which steps                                                                   | on the token's path |
 |-----------|-------------------------------------------------------------------------------|---------------------|
@@ -207,8 +207,6 @@ class CallVerifier:
                                         shards=shards[start:start + max_verified_shards])
                 for start in range(0, len(shards), max_verified_shards)]
 
-    # ------------------------------------------------------------------ checks
-
     def _start_check(self, index: int, why: str) -> None:
         hop = self._hops[index]
         if hop.task is not None and not hop.task.done():
@@ -266,9 +264,13 @@ class CallVerifier:
         # Mirrors of one hop are fed alike, so their spans match; judge on the shortest common one.
         span = min((run[1] for run in runs), key=lambda s: s.positions)
         claimed = span.outputs
-        tolerance = tolerance_for(None, mirrors[0].dtype, chain.hops[index].quantization, chain.wire_dtype)
+        # Each mirror by its dtype's tolerance (the looser of its and the hop's), a witness by the looser of its and
+        # the mirror's: an honest replica of a looser dtype is never judged by a tighter bound.
+        def tolerance(dtype: str) -> float:
+            return tolerance_for(None, dtype, chain.hops[index].quantization, chain.wire_dtype)
+
         outcomes = [(mirror, _tail(output, span), first_mismatch(position_errors(claimed, _tail(output, span)),
-                                                                  tolerance))
+                                                                  tolerance(mirror.dtype)))
                     for mirror, _, output in runs]
         if all(bad is None for _, _, bad in outcomes):
             self._confirm(chain.hops[index].shard_id, span, index)
@@ -284,7 +286,7 @@ class CallVerifier:
         await self._settle_mismatch(chain, index, span, mirror, reference, tolerance, outcomes)
 
     async def _settle_mismatch(self, chain: HopChain, index: int, span: HopSpan, mirror: Mirror,
-                               reference: torch.Tensor, tolerance: float, outcomes) -> None:
+                               reference: torch.Tensor, tolerance_of: Callable[[str], float], outcomes) -> None:
         """The hop and `mirror` disagree on `span`: ask a witness (the second mirror, in a vote), judge, record."""
         primary = chain.hops[index].shard_id
         hop = self._hops[index]
@@ -293,6 +295,7 @@ class CallVerifier:
             witness = await self._witness(chain, index, span, avoid={primary, mirror.shard_id} | hop.avoid)
             others = [witness] if witness is not None else []
         errors = position_errors(span.outputs, reference)
+        tolerance = tolerance_of(mirror.dtype)
         bad = first_mismatch(errors, tolerance)
         evidence = dict(layer_lo=chain.hops[index].layer_lo_to_run, layer_hi=chain.hops[index].layer_hi_to_run,
                         quantization=chain.hops[index].quantization, dtype=mirror.dtype,
@@ -301,8 +304,9 @@ class CallVerifier:
                         evidence_sha256=evidence_digest(span.inputs, span.outputs, reference), node_id=self.ctx.node_id,
                         pipeline_id=self.call.pipeline_id)
         for witness, witnessed in others:
-            sides_with_mirror = first_mismatch(position_errors(witnessed, reference), tolerance) is None
-            sides_with_hop = first_mismatch(position_errors(witnessed, span.outputs), tolerance) is None
+            judged = max(tolerance, tolerance_of(witness.dtype))
+            sides_with_mirror = first_mismatch(position_errors(witnessed, reference), judged) is None
+            sides_with_hop = first_mismatch(position_errors(witnessed, span.outputs), judged) is None
             if sides_with_mirror and not sides_with_hop:
                 await self._quarantine(primary, [mirror.shard_id, witness.shard_id], evidence)
                 if witness not in hop.mirrors:  # the call leaves this chain: a fresh witness has no more to do
