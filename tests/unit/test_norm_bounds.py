@@ -77,3 +77,13 @@ def test_with_few_sources_each_is_checked_against_its_own_bound_only() -> None:
     assert bounds.check(honest_step(1) * 1e-4, source="quiet") is None
     assert bounds.check(honest_step(2), source="loud") is None  # 1e4x the other source's: its own first frame
     assert bounds.check(honest_step(3) * 1e4, source="loud") == "norm"
+
+
+def test_many_sources_of_near_zero_frames_do_not_drag_the_median_down() -> None:
+    bounds = NormBounds()
+    for seed in range(3):
+        assert bounds.check(honest_step(seed), source=f"honest-{seed}") is None
+    for sybil in range(20):  # pipelines are cheap to open: one member's many near-zero first frames
+        assert bounds.check(honest_step(10 + sybil) * 1e-3, source=f"sybil-{sybil}") is None
+    assert bounds.check(honest_step(40), source="honest-new") is None
+    assert bounds.check(honest_step(41), source="honest-0") is None

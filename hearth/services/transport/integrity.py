@@ -41,7 +41,9 @@ class NormBounds:
     one source moves: not down with a first frame of zeros (after which every honest frame failed), nor up by raising
     its frames a little every step until a corrupted one passed. Before, it is checked against its own source's running
     maximum only, so one source's frames never fail another's (its first frame passes: nothing is known of it yet).
-    The most recent `max_sources` sources are remembered."""
+    Frames of zeros teach nothing, and once the median stands a new source far below it is not learnt. The most recent
+    `max_sources` sources are remembered. What remains: a majority of sources that are one member's (the first few
+    pipelines on a fresh shard, say) can still set the median."""
 
     def __init__(self, factor: float = norm_bound_factor, *, min_sources: int = 3, max_sources: int = 64) -> None:
         self.factor = factor
@@ -68,9 +70,14 @@ class NormBounds:
         if not math.isfinite(largest):
             return "nan" if bool(torch.isnan(hidden).any()) else "inf"
         own = self._maxima.get(source)
-        reference = self._median if len(self._maxima) >= self.min_sources else own
+        pooled = len(self._maxima) >= self.min_sources
+        reference = self._median if pooled else own
         if reference is not None and largest > reference * self.factor:
             return "norm"
+        # A source is learnt from frames with something in them and, once the median stands, none far below it:
+        # many sources of near-zero frames (pipelines are cheap to open) would otherwise drag the median down.
+        if largest <= 0.0 or (own is None and pooled and largest * self.factor < self._median):
+            return None
         if own is None or largest > own:
             self._maxima[source] = largest
             if len(self._maxima) > self.max_sources:
