@@ -65,7 +65,7 @@ class OpenHop(BaseModel):
     # A fresh key for the MAC on this hop's HopNotices, told to this hop alone (a link key is shared with the hop
     # before or after, which could then speak for this hop): a notice can only speak about its sender's own hop.
     notice_key: str | None = Field(default=None, pattern=LINK_KEY_PATTERN)
-    # A secret of the pipeline's orchestrator, the same for every chain of the pipeline (a failover's re-open too):
+    # A secret of the pipeline's orchestrator for this shard, the same for every chain of the pipeline (a re-open too):
     # a `close`, `keep` or re-open of an open hop counts only with it, so no other member ends or copies this hop.
     owner_key: str | None = Field(default=None, pattern=LINK_KEY_PATTERN)
     # Whether this hop's inbound and outbound links are sealed (frames encrypted end to end with keys derived from

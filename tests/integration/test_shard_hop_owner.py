@@ -36,8 +36,10 @@ async def test_only_the_opener_closes_keeps_or_reopens_a_hop_and_a_shared_sessio
                                                timeout=reply_timeout_s)
             return ShardStat.model_validate_json(reply.data).open_pipelines
 
-        victim, attacker = open_hop("pipeline-victim", owner_key("pipeline-victim")), open_hop("pipeline-other", None)
-        wrong_key = owner_key("pipeline-other")
+        victim_key = owner_key("pipeline-victim", "tiny-0-1")
+        victim, attacker = open_hop("pipeline-victim", victim_key), open_hop("pipeline-other", None)
+        # Another orchestrator's key, and the key this orchestrator gives another shard of the same pipeline.
+        wrong_keys = (owner_key("pipeline-other", "tiny-0-1"), owner_key("pipeline-victim", "tiny-2-3"))
         assert (await ask(victim)).ok
         # The victim's session holds a prompt's KV (as after its prefill).
         hidden = torch.randn(1, 4, runner.info.hidden_size)
@@ -50,7 +52,7 @@ async def test_only_the_opener_closes_keeps_or_reopens_a_hop_and_a_shared_sessio
         assert runner_session(victim) in runner.session_ids()
 
         # Closing, copying or re-opening the victim's hop without its owner key changes nothing.
-        for forged_key in (None, wrong_key):
+        for forged_key in (None, *wrong_keys):
             await ask(CloseHop(pipeline_id="pipeline-victim", owner_key=forged_key))
             await ask(CloseHop(pipeline_id="pipeline-victim", session_id=SESSION, owner_key=forged_key))
             keep = KeepHop(pipeline_id="pipeline-victim", session_id=SESSION, owner_key=forged_key,
@@ -63,5 +65,5 @@ async def test_only_the_opener_closes_keeps_or_reopens_a_hop_and_a_shared_sessio
 
         # Its own orchestrator re-opens it (a failover's new session) and closes it.
         assert (await ask(victim.model_copy(update={"session_id": "victim-session-2"}))).ok
-        assert (await ask(CloseHop(pipeline_id="pipeline-victim", owner_key=owner_key("pipeline-victim")))).ok
+        assert (await ask(CloseHop(pipeline_id="pipeline-victim", owner_key=victim_key))).ok
         assert await open_pipelines() == []

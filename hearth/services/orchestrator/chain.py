@@ -211,7 +211,7 @@ class HopChain:
             inbound_link_key=_encoded(self.link_keys[index]),
             outbound_link_key=_encoded(self.link_keys[index + 1]),
             notice_key=encode_link_key(self.notice_keys[index]), seal_activations=self.sealed, prefix=self.prefix,
-            owner_key=owner_key(self.pipeline_id))
+            owner_key=owner_key(self.pipeline_id, hop.shard_id))
         asked_at = time.perf_counter()
         message = await self.nc.request(hop.control_subject, request.model_dump_json().encode(),
                                         timeout=self.transport.control_timeout_s)
@@ -221,10 +221,10 @@ class HopChain:
 
     async def keep_now(self, keep: PrefixBlocks) -> bool:
         """Have every hop keep a copy of its session's whole blocks of `keep` while it goes on; whether all did."""
-        request = KeepHop(pipeline_id=self.pipeline_id, session_id=self.session_id, keep=keep,
-                          owner_key=owner_key(self.pipeline_id)).model_dump_json()
-        asks = [self.nc.request(hop.control_subject, request.encode(), timeout=self.transport.control_timeout_s)
-                for hop in self.hops]
+        asks = [self.nc.request(hop.control_subject, KeepHop(
+            pipeline_id=self.pipeline_id, session_id=self.session_id, keep=keep,
+            owner_key=owner_key(self.pipeline_id, hop.shard_id)).model_dump_json().encode(),
+            timeout=self.transport.control_timeout_s) for hop in self.hops]
         replies = await asyncio.gather(*asks, return_exceptions=True)  # a hop gone: the others prefill the rest
         return all(not isinstance(r, BaseException) and reply_says_ok(r.data) for r in replies)
 
@@ -245,11 +245,11 @@ class HopChain:
         # Every hop, not only those that confirmed: one whose answer to `open` timed out may still open late.
         hops = self.hops if self._open_sent else []
         self._open_sent = False
-        request = CloseHop(pipeline_id=self.pipeline_id, session_id=self.session_id, keep=keep,
-                           owner_key=owner_key(self.pipeline_id)).model_dump_json().encode()
         for hop in hops:
+            request = CloseHop(pipeline_id=self.pipeline_id, session_id=self.session_id, keep=keep,
+                               owner_key=owner_key(self.pipeline_id, hop.shard_id))
             with contextlib.suppress(Exception):
-                await self.nc.publish(hop.control_subject, request)
+                await self.nc.publish(hop.control_subject, request.model_dump_json().encode())
         if hops:
             with contextlib.suppress(Exception):
                 await flush_ordered(self.nc, self.transport.control_timeout_s)
