@@ -23,7 +23,10 @@ max_open_pipelines = 4096
 PREFIX_HASH_PATTERN = r"^[0-9a-f]{32}$"
 max_prefix_blocks = 8192
 max_prefix_block_tokens = 4096
-RefusalCode = Literal["at_capacity", "weights_mismatch", "bad_range", "bad_request", "unknown_pipeline"]
+# `pipeline_taken`: the pipeline is open on this shard for another orchestrator (its ids travel in plain headers, so a
+# member may have opened it first): the refused orchestrator routes around the shard without blaming it.
+RefusalCode = Literal["at_capacity", "weights_mismatch", "bad_range", "bad_request", "unknown_pipeline",
+                      "pipeline_taken"]
 
 
 class PrefixBlocks(BaseModel):

@@ -59,7 +59,7 @@ async def test_only_the_opener_closes_keeps_or_reopens_a_hop_and_a_shared_sessio
                            keep=PrefixBlocks(block_tokens=2, hashes=["0" * 32, "1" * 32]))
             assert (await ask(keep)).code == "unknown_pipeline"
             taken = await ask(victim.model_copy(update={"owner_key": forged_key}))
-            assert (taken.ok, taken.code) == (False, "bad_request"), taken
+            assert (taken.ok, taken.code) == (False, "pipeline_taken"), taken
             assert await open_pipelines() == ["pipeline-victim"]
             assert runner_session(victim) in runner.session_ids()
 

@@ -143,3 +143,8 @@ def test_a_reported_failure_is_unverified_and_its_failover_blames_nobody(tmp_pat
     with Session(engine) as session:
         assert session.get(ShardStats, a).failovers_caused == 0
     engine.dispose()
+
+
+def test_a_refusal_for_a_pipeline_another_member_opened_first_blames_nobody():
+    assert not StepFailure("refused", "m:0-3@n", "taken", code="pipeline_taken").verified
+    assert StepFailure("refused", "m:0-3@n", "full", code="at_capacity").verified

@@ -20,6 +20,8 @@ FailureKind = Literal["stalled", "step_failed", "corrupt", "reported", "gone", "
                       "refuted", "disputed"]
 # Failures the orchestrator did not see for itself: nobody is blamed in events or kept out of other calls' routing.
 UNVERIFIED_KINDS = frozenset({UNVERIFIED_REPORT, "disputed"})
+# Refusals that are no fault of the shard: another member opened the pipeline there first (protocol/control.py).
+UNBLAMED_REFUSALS = frozenset({"pipeline_taken"})
 
 
 @dataclass(frozen=True)
@@ -41,7 +43,7 @@ class StepFailure:
     def verified(self) -> bool:
         """Whether the orchestrator saw the failure itself (its own check, probe or refusal, or a hop's authenticated
         word about itself), so that it may blame the shard in events and keep it out of other calls for a while."""
-        return self.kind not in UNVERIFIED_KINDS
+        return self.kind not in UNVERIFIED_KINDS and self.code not in UNBLAMED_REFUSALS
 
     def __str__(self) -> str:
         return f"{self.shard_id}: {self.reason}" if self.shard_id else self.reason

@@ -276,7 +276,7 @@ class ShardServer:
                                         "with seal_activations")
         if request.pipeline_id in self._hops:
             if not _opened_by(self._hops[request.pipeline_id], request.owner_key):
-                return ControlReply(ok=False, code="bad_request",
+                return ControlReply(ok=False, code="pipeline_taken",
                                     message=f"pipeline {request.pipeline_id} is open here for another orchestrator")
             # A re-open (failover reuses this hop with a new session): start over cleanly.
             await self._close_hop(request.pipeline_id)
