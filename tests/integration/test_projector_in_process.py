@@ -13,7 +13,7 @@ from hearth.events.streams import SHARDS_STREAM, ensure_streams
 from hearth.readmodels.runner import Projector
 from hearth.services.broker.connection import connect_nats
 from hearth.services.orchestrator.router import RoutingError, ShardRouter
-from hearth.services.orchestrator.service import read_model_caught_up
+from hearth.readmodels.runner import read_model_caught_up
 from tests.readmodel_helpers import MODEL_ID, WEIGHTS_SHA, advertised, at
 
 pytestmark = pytest.mark.integration
@@ -78,9 +78,9 @@ async def test_an_orchestrator_waits_for_its_read_model_to_reach_the_log_before_
             last = await publish_event(js, advertised(0, 7, f"n{index}", t=float(index)))
         projector = Projector(tmp_path / "restarted.db", js)
         # Not reading the log yet: the wait gives up within its bound instead of hanging the start.
-        assert not await read_model_caught_up(projector, timeout_s=0.3)
+        assert not await read_model_caught_up(projector, timeout_s=0.3, going_on="on")
         async with projector:
-            assert await read_model_caught_up(projector, timeout_s=10)
+            assert await read_model_caught_up(projector, timeout_s=10, going_on="on")
             assert projector.positions[SHARDS_STREAM] >= last.seq
             router = ShardRouter(projector.session_factory, health_timeout_s=3600, allow_self_as_shard=False,
                                  self_node_id="orch", clock=lambda: at(40).timestamp())

@@ -43,7 +43,8 @@ class OrchestratorSettings(ConfigSection):
     start_catch_up_timeout_s: float = Field(
         default=30.0, ge=0,
         description="at start, how long the orchestrator waits for its read model to reach the event log's end "
-                    "before it answers calls (other orchestrators answer meanwhile); then it answers anyway")
+                    "before it answers calls (other orchestrators answer meanwhile; then it answers anyway), and a "
+                    "`hearth host` before it chooses its layers")
     event_queue_max: int = Field(
         default=10000, ge=1, description="audit events waiting to be written; a full queue holds the call back")
     event_retry_wait_s: float = Field(

@@ -27,7 +27,7 @@ from hearth.events.streams import SHARDS_STREAM
 from hearth.protocol.subjects import shard_id_for
 from hearth.inference import InferenceError
 from hearth.inference.memory import MiB, megabytes
-from hearth.readmodels.runner import Projector
+from hearth.readmodels.runner import Projector, read_model_caught_up
 from hearth.services.common.config import HearthSettings
 from hearth.services.common.config_processes import serve_shards_refused
 from hearth.services.common.event_trust import event_verifier, stream_setup
@@ -176,6 +176,10 @@ async def run_host(*, model: str, memory_budget_mb: float | None, nats_url: str 
             # Served once for the host's life: its figures carry on across a move (the range is a label).
             metrics_server = serve_process_metrics(metrics_port, f"host {node}", host=settings.metrics.host)
             await projector.start()
+            # The first choice reads the whole log first (its live adverts come last): within the short catch-up of
+            # later reads, a long log left it choosing as if no host served any layer.
+            await read_model_caught_up(projector, settings.orchestrator.start_catch_up_timeout_s,
+                                       going_on="choosing layers on what it has read")
             coverage = coverage_from(projector, settings, node, model_id=served_id, weights_sha256=digest,
                                      total_layers=total_layers, quantization=scheme.label)
             chosen = choose_range(await coverage.replicas(), layer_bytes, weights_budget)

@@ -14,18 +14,16 @@ import contextlib
 import functools
 import logging
 import tempfile
-import time
 from pathlib import Path
 
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
-from nats.errors import Error as NatsError
 from pydantic import ValidationError
 from sqlalchemy.orm import sessionmaker
 
 from hearth.events.outbox import EventOutbox
 from hearth.inference.compute_thread import StepThreads
-from hearth.readmodels.runner import Projector
+from hearth.readmodels.runner import Projector, read_model_caught_up
 from hearth.services.common.call_signing import CallRefused
 from hearth.protocol.chat import (
     BadRequest,
@@ -72,22 +70,6 @@ for _reason in ("unsigned", "malformed", "unknown_signer", "bad_signature", "sta
 
 ORCHESTRATOR_QUEUE_GROUP = "hearth-orchestrators"
 error_message_chars = 500
-
-
-async def read_model_caught_up(projector: Projector, timeout_s: float) -> bool:
-    """Wait (at most `timeout_s`) until `projector` has applied the event log as it stands; False when it could not
-    tell or did not get there. An orchestrator waits so before it answers calls: one restarted with an empty read
-    model would route on heartbeats minutes old and find no shard alive."""
-    started = time.monotonic()
-    try:
-        targets = await projector.wait_until_caught_up(timeout_s=timeout_s)
-    except (TimeoutError, NatsError) as error:
-        log.warning("read model not caught up with the event log within %.0f s (%s); answering calls anyway",
-                    timeout_s, error or type(error).__name__)
-        return False
-    log.info("read model caught up with the event log (%s) in %.1f s",
-             ", ".join(f"{stream} {seq}" for stream, seq in targets.items()), time.monotonic() - started)
-    return True
 
 
 class Orchestrator:
@@ -155,7 +137,8 @@ class Orchestrator:
             kept_inputs=KeptInputs(int(verification.kept_inputs_mb * MiB)))
         self._canaries = CanaryRunner(self.context, self._record_event)
         self._canaries.start()
-        await read_model_caught_up(self.projector, self.settings.orchestrator.start_catch_up_timeout_s)
+        await read_model_caught_up(self.projector, self.settings.orchestrator.start_catch_up_timeout_s,
+                                   going_on="answering calls anyway")
         self._subscription = await self.nc.subscribe(CHAT_REQUEST_SUBJECT, queue=ORCHESTRATOR_QUEUE_GROUP,
                                                      cb=self._on_request)
         self._models_subscription = await self.nc.subscribe(MODELS_REQUEST_SUBJECT, queue=ORCHESTRATOR_QUEUE_GROUP,
