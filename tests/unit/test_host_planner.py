@@ -77,6 +77,17 @@ async def test_a_newcomer_fills_the_hole_first(mesh):
     assert choose_range(await mesh.coverage().replicas(), LAYER_BYTES, TWO_LAYERS) == LayerRange(4, 5)
 
 
+async def test_one_nodes_many_adverts_of_the_same_layers_count_once(mesh):
+    """A member may advertise any number of shards: before, three of its adverts of layers 4-7 counted as three
+    replicas, and honest hosts all chose 0-3, leaving 4-7 to adverts alone."""
+    mesh.add(0, 7, "a")
+    for lo, hi in ((4, 7), (4, 6), (5, 7)):
+        mesh.add(lo, hi, "many")
+    replicas = await mesh.coverage().replicas()
+    assert replicas == [1, 1, 1, 1, 2, 2, 2, 2]
+    assert choose_range(replicas, LAYER_BYTES, TWO_LAYERS) == LayerRange(0, 1)
+
+
 def test_the_budget_decides_how_many_layers():
     assert widest_fit(0, LAYER_BYTES, 99) is None
     assert widest_fit(0, LAYER_BYTES, 300) == 2

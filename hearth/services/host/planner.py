@@ -30,14 +30,19 @@ def replicas_per_layer(shards: Iterable[ShardCandidate], *, total_layers: int, w
                        alive: Callable[[ShardCandidate], bool], leave_out: str | None = None,
                        quantization: str = "none") -> list[int]:
     """Live replicas of each layer among `shards` (one model's) that serve its weights in `quantization` (a
-    pipeline never mixes schemes), the shard `leave_out` (this host's) not counted."""
+    pipeline never mixes schemes), the shard `leave_out` (this host's) not counted, and one node's shards once per
+    layer: a member may advertise any number of shards, and its many adverts of layers must not pass for replicas
+    that keep honest hosts away from them (or herd them from range to range)."""
     replicas = [0] * total_layers
+    counted: set[tuple[str, int]] = set()
     for shard in shards:
         if (shard.shard_id == leave_out or shard.weights_sha256 != weights_sha256
                 or shard.quantization != quantization or not alive(shard)):
             continue
         for layer in range(max(shard.layer_lo, 0), min(shard.layer_hi, total_layers - 1) + 1):
-            replicas[layer] += 1
+            if (shard.node_id, layer) not in counted:
+                counted.add((shard.node_id, layer))
+                replicas[layer] += 1
     return replicas
 
 
