@@ -24,7 +24,7 @@ import hashlib
 import logging
 import re
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field, field_validator
 
@@ -75,7 +75,8 @@ class TensorSpec(BaseModel):
     fetching anything."""
 
     dtype: str = Field(max_length=16)
-    shape: list[int] = Field(max_length=8)
+    # Each dimension at most 2^40: no real tensor comes near, and a negative or huge one would size a range wrong.
+    shape: list[Annotated[int, Field(ge=0, le=2**40)]] = Field(max_length=8)
 
 
 class WeightsManifest(BaseModel):
@@ -124,7 +125,11 @@ class WeightsManifest(BaseModel):
             specs = ((f"layers.{gguf_layer_of(name)}.{name}", spec.dtype, spec.shape)
                      for name, spec in self.tensors.items() if gguf_layer_of(name) is not None)
         per_layer = layer_weight_bytes_of(specs, compute_dtype, quantization, device=device)
-        return [per_layer.get(index, 0) for index in range(self.num_layers)]
+        missing = [index for index in range(self.num_layers) if not per_layer.get(index)]
+        if missing:  # a layer that seemed to weigh nothing would be taken on for free
+            raise WeightsStoreError(f"the manifest of {self.name!r} lists no tensor of layer {missing[0]} "
+                                    f"({len(missing)} of {self.num_layers} layers): publish it again")
+        return [per_layer[index] for index in range(self.num_layers)]
 
 
 def check_model_name(name: str) -> str:

@@ -6,8 +6,10 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+import torch
 from pydantic import ValidationError
 
+from hearth.inference.quantization import parse_quantization
 from hearth.services.weights_objects import WeightsStoreError, read_small_object
 from hearth.services.weights_store import StoredObject, WeightsManifest
 
@@ -57,3 +59,21 @@ def test_a_manifest_naming_a_file_twice_or_the_cache_marker_is_refused():
     for files in (("config.json", "config.json"), ("hearth-partial-checkpoint.json",)):
         with pytest.raises(ValidationError, match="distinct names"):
             WeightsManifest.model_validate(manifest(*files))
+
+
+def test_tensor_shapes_that_would_size_a_range_wrong_are_refused():
+    """Before, a tensor of shape [-10**15] made layer 0 weigh minus 4 PB, and a host with a 256 MiB budget planned to
+    load all 32 layers; a layer the manifest lists no tensor of weighed nothing."""
+    def manifest(tensors: dict) -> WeightsManifest:
+        return WeightsManifest.model_validate({"name": "m", "num_layers": 2, "weights_sha256": SHA, "weight_map": {},
+                                               "objects": [], "tensors": tensors})
+
+    for shape in ([-10**15], [2**41]):
+        with pytest.raises(ValidationError):
+            manifest({"model.layers.0.mlp.down_proj.weight": {"dtype": "F32", "shape": shape}})
+    one_layer = manifest({"model.layers.0.mlp.down_proj.weight": {"dtype": "F32", "shape": [64, 64]}})
+    with pytest.raises(WeightsStoreError, match="no tensor of layer 1"):
+        one_layer.layer_weight_bytes(torch.float32, parse_quantization("none"))
+    both = manifest({f"model.layers.{layer}.mlp.down_proj.weight": {"dtype": "F32", "shape": [64, 64]}
+                     for layer in range(2)})
+    assert both.layer_weight_bytes(torch.float32, parse_quantization("none")) == [64 * 64 * 4] * 2
