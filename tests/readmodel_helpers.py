@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import itertools
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -22,6 +24,9 @@ from hearth.readmodels.projection import ReadModelProjection
 from hearth.readmodels.tables import Base
 
 MODEL_ID = "tiny/llama-test"
+MODEL_LAYERS = 8  # what advertised() says the model has
+# What a loaded head's `info` tells of that model (for stand-ins of an orchestrator's LoadedModel).
+MODEL_INFO = SimpleNamespace(num_layers=MODEL_LAYERS)
 WEIGHTS_SHA = "ab" * 32
 T0 = datetime(2026, 11, 21, 12, 0, 0, tzinfo=timezone.utc)
 
@@ -35,7 +40,8 @@ def at(seconds: float) -> datetime:
     return T0 + timedelta(seconds=seconds)
 
 
-def advertised(lo: int, hi: int, node: str, *, total: int = 8, t: float = 0.0, **overrides) -> ShardAdvertised:
+def advertised(lo: int, hi: int, node: str, *, total: int = MODEL_LAYERS, t: float = 0.0,
+               **overrides) -> ShardAdvertised:
     shard_id = shard_id_for(overrides.pop("model_id", MODEL_ID), lo, hi, node)
     fields = dict(
         shard_id=shard_id,

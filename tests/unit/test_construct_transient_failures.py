@@ -20,6 +20,7 @@ from hearth.services.orchestrator.outcomes import StepFailure
 from hearth.services.orchestrator.prefix import KeptChains
 from hearth.services.orchestrator.router import Hop, RoutingError, ShardRouter
 from tests.readmodel_helpers import (
+    MODEL_INFO,
     MODEL_ID,
     WEIGHTS_SHA,
     LogBuilder,
@@ -73,7 +74,6 @@ class Builder(ChainBuilder):
     def over(self, hops):
         return ChainStub(hops, self.opens, *self.failing)
 
-
 def builder(engine, failing_opens: int, kind: str = "gone") -> Builder:
     sessions = sessionmaker(engine)
 
@@ -89,7 +89,8 @@ def builder(engine, failing_opens: int, kind: str = "gone") -> Builder:
                           quarantined=set(), recent_failures=SimpleNamespace(current=lambda: set()),
                           public_prompt_ids={}, nc=SimpleNamespace(is_connected=True))
     call = SimpleNamespace(model=SimpleNamespace(model_id=MODEL_ID, weights_sha256=WEIGHTS_SHA,
-                                                 head=SimpleNamespace(rope_switch_tokens=None)), caller=None,
+                                                 head=SimpleNamespace(rope_switch_tokens=None, info=MODEL_INFO)),
+                           caller=None,
                            pipeline_id="p-1", request=SimpleNamespace(params=SimpleNamespace(verify="sampled"),
                                                                      max_tokens=4),
                            known_ids=[1, 2, 3], prompt_ids=[1, 2, 3], quantization=None, excluded=set())

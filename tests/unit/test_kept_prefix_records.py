@@ -29,6 +29,7 @@ from hearth.services.orchestrator.construct import ChainBuilder
 from hearth.services.orchestrator.prefix import KeptChains, block_names, first_name, kept_marks
 from hearth.services.orchestrator.router import Hop, ShardRouter
 from tests.readmodel_helpers import (
+    MODEL_INFO,
     MODEL_ID,
     WEIGHTS_SHA,
     LogBuilder,
@@ -49,7 +50,6 @@ def engine(tmp_path):
     engine = migrated_engine(tmp_path / "rm.db")
     yield engine
     engine.dispose()
-
 
 def completed(pipeline_id: str, kept: KeptPrefix | None, *, t: float = 5.0) -> PipelineCompleted:
     return PipelineCompleted(pipeline_id=pipeline_id, prompt_tokens=30, completion_tokens=6, duration_ms=40.0,
@@ -170,7 +170,8 @@ def call_of(prompt: list[int], generated: list[int] = ()) -> SimpleNamespace:
     """A call of `prompt` that has fed `generated` back (all of them: the positions its hops ran)."""
     known = [*prompt, *generated]
     return SimpleNamespace(model=SimpleNamespace(model_id=MODEL_ID, weights_sha256=WEIGHTS_SHA,
-                                                 head=SimpleNamespace(rope_switch_tokens=None)), caller=None,
+                                                 head=SimpleNamespace(rope_switch_tokens=None, info=MODEL_INFO)),
+                           caller=None,
                            request=SimpleNamespace(params=SimpleNamespace(verify="sampled"), max_tokens=4),
                            known_ids=known, next_position=len(known), prompt_ids=list(prompt),
                            quantization=None, excluded=set())
