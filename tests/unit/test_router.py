@@ -146,13 +146,13 @@ def test_a_declared_weight_below_one_counts_only_until_measured_and_round_trips_
 
 def test_a_shard_that_stays_unmeasured_cannot_buy_every_plan_with_a_tiny_weight(mesh):
     """A shard that never reports a step time stays unmeasured: before, its declared weight of 0.001 won every plan,
-    and its own measured round trip (5 s here) was ignored for its fast peers'."""
+    against a chain predicted 2.4x as fast; now its weight favours it at most 2x."""
     mesh.add(0, 7, "sly", hop_weight=0.001)
-    mesh.add(0, 7, "honest", decode_step_ms=8.0)
+    mesh.add(0, 7, "replica", decode_step_ms=12.0)  # the sly shard is predicted from it: 13 ms a token
+    mesh.add(0, 4, "front", decode_step_ms=2.0)  # with "back": 5.5 ms a token
+    mesh.add(5, 7, "back", decode_step_ms=1.5)
     load = ShardLoad(retry_s=1.0)
-    load.observe_round_trip(f"{MODEL_ID}:0-7@honest", 0.002)
-    load.observe_round_trip(f"{MODEL_ID}:0-7@sly", 5.0)
-    assert plan_with(mesh, load) == [("honest", 0, 7)]
+    assert plan_with(mesh, load) == [("front", 0, 4), ("back", 5, 7)]
 
 
 def test_a_weight_above_one_is_always_honoured(mesh):

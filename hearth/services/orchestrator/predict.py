@@ -16,8 +16,9 @@ A hop running `n` layers of shard `s` costs, per token,
 - `weight`: the `hop_weight` the host declared is a prior, not a claim that outweighs measurements: a weight
   below 1 ("prefer me") counts only until the shard is measured, and never below `least_prior_weight` (a shard
   that never reports a step time stays unmeasured, and a weight near 0 would win every plan), while a weight
-  above 1 (a host asking to be used last: far, metered, on battery) is always honoured. An unmeasured shard's
-  own round trip counts where the orchestrator has measured it.
+  above 1 (a host asking to be used last: far, metered, on battery) is always honoured. An unmeasured shard is
+  predicted with its peers' round trip, not its own: its first open's, taken cold, would keep a new primary from
+  being tried before its replicas.
 
 The chain minimises the sum; ties go to fewer hops, then to longer reach early (a shard's whole range), then
 to unmeasured shards and shard ids, so equal plans are stable.
@@ -78,11 +79,11 @@ class HopCosts:
         """(step ms per layer, round trip ms, weight) assumed for a shard that has not reported a step time."""
         replicas = [s for s in self._measured if (s.layer_lo, s.layer_hi) == (shard.layer_lo, shard.layer_hi)]
         peers = replicas or self._measured
-        weight, own_trip = max(least_prior_weight, shard.hop_weight), self._round_trip(shard)
+        weight = max(least_prior_weight, shard.hop_weight)
         if not peers:
-            return default_step_ms_per_layer, own_trip, weight
+            return default_step_ms_per_layer, None, weight
         trips = [trip for s in peers if (trip := self._round_trip(s)) is not None]
-        return min(self._step_per_layer(s) for s in peers), own_trip or min(trips, default=None), weight
+        return min(self._step_per_layer(s) for s in peers), min(trips, default=None), weight
 
 
 def cheapest_chain(candidates: list[ShardCandidate], costs: HopCosts,
