@@ -10,6 +10,7 @@ from nats.errors import TimeoutError as NatsTimeoutError
 from pydantic import ValidationError
 
 from hearth.services.client.chat import AnswerTokens, choice_of, list_models, stream_chat
+from hearth.services.common.display import display_text
 from hearth.protocol.chat import (
     ChatFrame,
     ChatMessage,
@@ -157,7 +158,8 @@ class ChatPrinter:
 
 
 def _say(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
+    # Error and status lines carry text other members wrote (a shard's refusal, say): escaped, one line each.
+    print(display_text(line), file=sys.stderr, flush=True)
 
 
 def run_models_command(nats_url: str, *, as_json: bool, settings: HearthSettings) -> int:
@@ -187,8 +189,8 @@ async def _models(nats_url: str, *, as_json: bool, settings: HearthSettings) -> 
     print(f"{'model':32s} {'layers covered':24s} {'complete':8s} {'context':>8s}  local  quantizations")
     for model in reply.models:
         covered = ", ".join(f"{lo}-{hi}" for lo, hi in model.covered_layers) or "-"
-        print(f"{model.id:32s} {covered + f' of {model.total_layers}':24s} {'yes' if model.complete else 'no':8s} "
-              f"{model.context_length or '?':>8}  {'yes' if model.runnable_locally else 'no':5s}  "
-              f"{', '.join(model.quantizations) or '-'}")
+        print(display_text(f"{model.id:32s} {covered + f' of {model.total_layers}':24s} "
+                           f"{'yes' if model.complete else 'no':8s} {model.context_length or '?':>8}  "
+                           f"{'yes' if model.runnable_locally else 'no':5s}  {', '.join(model.quantizations) or '-'}"))
     print(f"default model: {reply.default_model or '(none: name one with --model)'}")
     return 0

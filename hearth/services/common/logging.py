@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 import sys
 
+from hearth.services.common.display import DisplaySafeFormatter
+
 LOG_LEVEL_ENV = "HEARTH_LOG_LEVEL"
 default_log_level = "INFO"
 # How much of a failed child process's log an error shows.
@@ -46,7 +48,7 @@ def configure_logging(level: str | int = "INFO") -> None:
     """Send log records at `level` and above to stderr in one format; safe to call more than once."""
     number = parse_log_level(level)
     handler = _CurrentStderrHandler()
-    handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    handler.setFormatter(DisplaySafeFormatter(LOG_FORMAT))  # members' text in a record forges no line
     logging.basicConfig(level=number, handlers=[handler], force=True)
     for name in QUIETER_LOGGERS:
         logging.getLogger(name).setLevel(max(number, logging.WARNING))

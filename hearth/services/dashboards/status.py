@@ -16,6 +16,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from hearth.services.common.display import display_cell
 from hearth.services.dashboards.macros import TimeRange, open_read_only, run_panel_sql
 from hearth.services.dashboards.panels import LAYER_REPLICAS_CTE, MODELS_SQL, REPUTATION_SQL, SHARDS_ONLINE_SQL
 
@@ -50,7 +51,7 @@ def status_tables(connection: sqlite3.Connection, now_s: int) -> list[Table]:
         models.add_column(name)
     for model, layers, covered, min_replicas, shards in run_panel_sql(connection, MODELS_SQL, time_range)[1]:
         style = None if covered == layers else "bold red"
-        models.add_row(model, f"{covered}/{layers}", str(min_replicas), str(shards), coverage.get(model, ""),
+        _add_row(models, model, f"{covered}/{layers}", str(min_replicas), str(shards), coverage.get(model, ""),
                        style=style)
 
     shards = Table(title="Shards online", title_justify="left")
@@ -60,7 +61,7 @@ def status_tables(connection: sqlite3.Connection, now_s: int) -> list[Table]:
     columns, rows = run_panel_sql(connection, SHARDS_ONLINE_SQL, time_range)
     for row in rows:
         value = dict(zip(columns, row))
-        shards.add_row(value["node"], value["model"], value["layers"], value["dtype"],
+        _add_row(shards, value["node"], value["model"], value["layers"], value["dtype"],
                        _number(value["memory_mb"]), _number(value["heartbeat_age_s"]),
                        _number(value["active_streams"]), _number(value["p95_step_ms"]), value["reputation"],
                        style="bold red" if value["reputation"] == "quarantined" else None)
@@ -79,7 +80,7 @@ def reputation_table(connection: sqlite3.Connection, time_range: TimeRange) -> T
         table.add_column(name)
     for shard in shards:
         if shard["status"] == "quarantined" or shard["mismatches"] or shard["disputes"]:
-            table.add_row(shard["node"], shard["shard"], shard["status"], str(shard["checks"]),
+            _add_row(table, shard["node"], shard["shard"], shard["status"], str(shard["checks"]),
                           str(shard["verified_positions"]), str(shard["mismatches"]), str(shard["disputes"]),
                           shard["since"] or "-", shard["reason"],
                           style="bold red" if shard["status"] == "quarantined" else None)
@@ -91,8 +92,14 @@ def _calls_table(connection: sqlite3.Connection, time_range: TimeRange) -> Table
     for name in ("outcome", "calls", "mean ttft ms", "mean tokens/s"):
         calls.add_column(name)
     for outcome, count, ttft, rate in run_panel_sql(connection, CALLS_BY_OUTCOME_SQL, time_range)[1]:
-        calls.add_row(outcome, str(count), _number(ttft), _number(rate))
+        _add_row(calls, outcome, str(count), _number(ttft), _number(rate))
     return calls
+
+
+def _add_row(table: Table, *cells: object, style: str | None = None) -> None:
+    """A row of read-model values: members wrote some of them (model ids, reasons), so each is plain, escaped text
+    (hearth/services/common/display.py), never rich markup or a terminal's escape sequence."""
+    table.add_row(*(display_cell("" if cell is None else cell) for cell in cells), style=style)
 
 
 def _number(value) -> str:

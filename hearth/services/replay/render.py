@@ -7,6 +7,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from hearth.events.consume import SkippedMessage, StoredEvent
+from hearth.services.common.display import display_text
 
 LogItem = StoredEvent | SkippedMessage
 
@@ -29,6 +30,7 @@ def _format_value(value: Any) -> str:
         text = f"{value:g}"
     else:
         text = str(value)
+    text = display_text(text)  # members wrote it: no escape sequence, no line of its own
     return text if len(text) <= max_value_chars else text[: max_value_chars - 1] + "…"
 
 
@@ -47,9 +49,10 @@ def summarize_event(event: Any, *, exclude: frozenset[str] = frozenset()) -> str
 def table_row(item: LogItem) -> str:
     where = f"{item.stream}#{item.seq}"
     if isinstance(item, SkippedMessage):
-        return f"{format_time(item.time)}  {where:<22} {'UNDECODABLE':<30} {item.subject}: {item.error}"
+        return display_text(f"{format_time(item.time)}  {where:<22} {'UNDECODABLE':<30} {item.subject}: {item.error}")
     event = item.event
-    return f"{format_time(item.time)}  {where:<22} {event.type:<30} {summarize_event(event)} node={event.node_id}"
+    return display_text(f"{format_time(item.time)}  {where:<22} {event.type:<30} {summarize_event(event)} "
+                        f"node={event.node_id}")
 
 
 def json_record(item: LogItem) -> dict[str, Any]:
