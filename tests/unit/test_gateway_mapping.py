@@ -206,3 +206,21 @@ def test_a_running_gateway_sees_keys_made_and_revoked_within_the_recheck(communi
     assert keyring.caller_for(third) is None and len(keyring) == 0
     assert "last good ones stay in use" in caplog.text
 
+
+
+def test_a_member_removed_from_the_roster_does_not_freeze_the_other_keys(community, caplog):
+    """Before, one key of a member no longer in the roster failed the whole keyring read again, and the gateway kept
+    the last good keys for good: a revocation of anyone else's keys never took effect."""
+    community.add("carol", "client")
+    alice, carol = create_api_key(community.directory, "alice"), create_api_key(community.directory, "carol")
+    clock = SteppedClock()
+    keyring = WatchedApiKeyring(community.directory, recheck_s=1.0, clock=clock)
+    assert keyring.caller_for(carol).name == "carol"
+    roster_file = community.directory / "roster.json"
+    roster = json.loads(roster_file.read_text())
+    roster["members"] = [member for member in roster["members"] if member["name"] != "carol"]
+    roster_file.write_text(json.dumps(roster))
+    revoke_api_keys(community.directory, "alice")
+    clock.now_s = 1.0
+    assert keyring.caller_for(alice) is None and keyring.caller_for(carol) is None
+    assert "API keys of carol left out" in caplog.text

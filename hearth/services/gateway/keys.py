@@ -24,6 +24,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from hearth.services.common.display import display_text
 from hearth.trust.keys import KeyFileError, MemberKey, read_private_file
 from hearth.trust.roster import MEMBER_NAME_PATTERN, ROSTER_FILE, Roster, RosterError, seed_path
 
@@ -143,19 +144,29 @@ class ApiKeyring:
         self._entries = entries
 
     @classmethod
-    def load(cls, community_dir: Path) -> "ApiKeyring":
-        """Every key in api_keys.json with its member's signing key; ApiKeyError when one cannot be used."""
+    def load(cls, community_dir: Path, *, skip_unusable: bool = False) -> "ApiKeyring":
+        """Every key in api_keys.json with its member's signing key; ApiKeyError when one cannot be used, or, with
+        `skip_unusable` (a keyring read again while the gateway serves), that member's keys left out with a warning:
+        a member removed from the roster must not keep the file's other changes (revocations) from taking effect."""
         path = community_dir / API_KEYS_FILE
         if not path.exists():
             raise ApiKeyError(f"{path} does not exist: make a key with `hearth community api-key --dir "
                               f"{community_dir} --name MEMBER`")
         roster = _roster(community_dir)
-        members: dict[str, Caller] = {}
+        members: dict[str, Caller | None] = {}
         entries = []
         for entry in _read_keys_file(path).keys:
             if entry.name not in members:
-                members[entry.name] = Caller(entry.name, _member_key(community_dir, roster, entry.name))
-            entries.append((bytes.fromhex(entry.sha256), members[entry.name]))
+                try:
+                    members[entry.name] = Caller(entry.name, _member_key(community_dir, roster, entry.name))
+                except ApiKeyError as error:
+                    if not skip_unusable:
+                        raise
+                    log.warning("API keys of %s left out: %s", display_text(entry.name), error)
+                    members[entry.name] = None
+            caller = members[entry.name]
+            if caller is not None:
+                entries.append((bytes.fromhex(entry.sha256), caller))
         return cls(entries)
 
     def __len__(self) -> int:
@@ -212,7 +223,7 @@ class WatchedApiKeyring:
         if stamp != self._stamp:
             self._stamp = stamp
             try:
-                self._keyring = ApiKeyring.load(self.community_dir)
+                self._keyring = ApiKeyring.load(self.community_dir, skip_unusable=True)
                 log.info("API keys read again: %d keys of %d members", len(self._keyring),
                          len(self._keyring.members))
             except ApiKeyError as error:
