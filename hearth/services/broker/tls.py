@@ -4,6 +4,7 @@ authority (CA, a server certificate for the broker's host names, a client certif
 from __future__ import annotations
 
 import datetime
+import os
 import ipaddress
 import ssl
 from dataclasses import dataclass
@@ -65,7 +66,7 @@ def write_throwaway_ca(directory: Path, host_names: tuple[str, ...] = ("localhos
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-    directory.mkdir(parents=True, exist_ok=True)
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     now = datetime.datetime.now(datetime.timezone.utc)
     valid_until = now + datetime.timedelta(days=validity_days)
 
@@ -73,9 +74,12 @@ def write_throwaway_ca(directory: Path, host_names: tuple[str, ...] = ("localhos
         return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
 
     def write_key(path: Path, key) -> None:
-        path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+        # Created mode 0600 (never readable by others, not even for a moment), never through a link planted there.
+        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(descriptor, "wb") as handle:
+            os.fchmod(handle.fileno(), 0o600)
+            handle.write(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                            serialization.NoEncryption()))
-        path.chmod(0o600)
 
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_name = name("hearth throwaway CA")
