@@ -67,7 +67,7 @@ def test_no_source_ratchets_the_bound_up_until_corruption_passes() -> None:
         failed = bounds.check(honest_step(5) * scale, source="attacker")
         if failed is not None:
             break
-    assert failed == "norm" and scale <= 40.0 * 40.0
+    assert failed == "norm" and scale <= 40.0 ** 3
     assert bounds.check(honest_step(6) * 1e4, source="attacker") == "norm"
     assert bounds.check(honest_step(7), source="honest-1") is None
 
@@ -87,3 +87,15 @@ def test_many_sources_of_near_zero_frames_do_not_drag_the_median_down() -> None:
         assert bounds.check(honest_step(10 + sybil) * 1e-3, source=f"sybil-{sybil}") is None
     assert bounds.check(honest_step(40), source="honest-new") is None
     assert bounds.check(honest_step(41), source="honest-0") is None
+
+
+def test_a_first_tokens_large_norms_stay_covered_after_many_sources_without_them() -> None:
+    """Calls that start from kept prefixes never send position 0, whose norms can be far larger than the rest's: the
+    bound must not forget them when such calls make up every recent source."""
+    bounds = NormBounds()
+    for seed in range(3):
+        assert bounds.check(torch.cat([honest_step(seed) * 100.0, honest_step(seed + 50)], dim=1),
+                            source=f"fresh-{seed}") is None
+    for later in range(80):  # more than the sources remembered
+        assert bounds.check(honest_step(100 + later), source=f"kept-prefix-{later}") is None
+    assert bounds.check(honest_step(200) * 100.0, source="fresh-again") is None

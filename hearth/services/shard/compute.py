@@ -12,7 +12,8 @@ received before) before its layers run. The norm bounds are kept per shard, acro
 the first layer the hop runs (the input of layer L has the same scale whoever sends it, and a shard used
 from different first layers sees different inputs): a per-pipeline bound would learn nothing before a
 pipeline's first frame, so a shard corrupting from its first step on would pass. Each pipeline is a source of
-its own (transport.integrity.NormBounds), so no pipeline's frames move the bound the others are checked against.
+its own (transport.integrity.NormBounds): no one pipeline's frames lower the bound the others are checked against
+or ratchet it up.
 
 Why a cache snapshot: the runner's lock may be held for a whole forward (a batched decode step), so asking
 the runner how many sessions it caches would make a liveness probe wait behind it. The compute thread records

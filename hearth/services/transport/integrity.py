@@ -37,13 +37,14 @@ class NormBounds:
     """Bounds on the per-position L2 norms at one point of the pipeline (a hop's input, the last hop's output), learnt
     from the frames that passed, per source: the pipeline or the shard a frame comes from.
 
-    Once `min_sources` sources are known, a frame is checked against the median of their running maxima, which no
-    one source moves: not down with a first frame of zeros (after which every honest frame failed), nor up by raising
-    its frames a little every step until a corrupted one passed. Before, it is checked against its own source's running
-    maximum only, so one source's frames never fail another's (its first frame passes: nothing is known of it yet).
-    Frames of zeros teach nothing, and once the median stands a new source far below it is not learnt. The most recent
-    `max_sources` sources are remembered. What remains: a majority of sources that are one member's (the first few
-    pipelines on a fresh shard, say) can still set the median."""
+    Until `min_sources` sources are known, a frame is checked against its own source's running maximum only (its
+    first frame passes: nothing is known of it yet), so one source's frames never fail another's. From then on it is
+    checked against the shared bound: the largest norm any source passed with, never lowered (a first frame of
+    zeros, or many sources of near-zero frames, cannot make honest frames fail, and a first token's large norms stay
+    covered however many later calls started from kept prefixes), and raised only by norms within `factor` of the
+    median of the sources' maxima (no one source ratchets it up a little every step until corruption passes). Frames
+    of zeros teach nothing. The most recent `max_sources` sources are remembered. What remains: the first sources on
+    a fresh shard, if they are one member's, set the bound."""
 
     def __init__(self, factor: float = norm_bound_factor, *, min_sources: int = 3, max_sources: int = 64) -> None:
         self.factor = factor
@@ -51,11 +52,12 @@ class NormBounds:
         self.max_sources = max_sources
         self._maxima: OrderedDict[Hashable, float] = OrderedDict()
         self._median: float | None = None  # of the maxima, recomputed when one changes
+        self._bound: float | None = None
 
     @property
     def max_norm(self) -> float | None:
-        """The largest norm any remembered source's frames passed with (None before any)."""
-        return max(self._maxima.values(), default=None)
+        """The largest norm a frame passed with (None before any)."""
+        return max([*self._maxima.values(), *([] if self._bound is None else [self._bound])], default=None)
 
     def check(self, hidden: torch.Tensor, source: Hashable = None) -> IntegrityCheck | None:
         """The failed check's name, or None; learns `source`'s bound from a frame that passes."""
@@ -70,13 +72,11 @@ class NormBounds:
         if not math.isfinite(largest):
             return "nan" if bool(torch.isnan(hidden).any()) else "inf"
         own = self._maxima.get(source)
-        pooled = len(self._maxima) >= self.min_sources
-        reference = self._median if pooled else own
+        pooled = len(self._maxima) >= self.min_sources and self._bound is not None
+        reference = self._bound if pooled else own
         if reference is not None and largest > reference * self.factor:
             return "norm"
-        # A source is learnt from frames with something in them and, once the median stands, none far below it:
-        # many sources of near-zero frames (pipelines are cheap to open) would otherwise drag the median down.
-        if largest <= 0.0 or (own is None and pooled and largest * self.factor < self._median):
+        if largest <= 0.0:
             return None
         if own is None or largest > own:
             self._maxima[source] = largest
@@ -84,4 +84,6 @@ class NormBounds:
                 self._maxima.popitem(last=False)
             self._median = statistics.median(self._maxima.values())
         self._maxima.move_to_end(source)
+        if (self._bound is None or largest > self._bound) and largest <= self._median * self.factor:
+            self._bound = largest
         return None
