@@ -24,7 +24,6 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from hearth.services.common.display import display_text
 from hearth.trust.keys import KeyFileError, MemberKey, read_private_file
 from hearth.trust.roster import MEMBER_NAME_PATTERN, ROSTER_FILE, Roster, RosterError, seed_path
 
@@ -162,7 +161,7 @@ class ApiKeyring:
                 except ApiKeyError as error:
                     if not skip_unusable:
                         raise
-                    log.warning("API keys of %s left out: %s", display_text(entry.name), error)
+                    log.warning("API keys of %s left out: %s", entry.name, error)
                     members[entry.name] = None
             caller = members[entry.name]
             if caller is not None:
