@@ -85,14 +85,19 @@ def with_mac(key: bytes, headers: dict[str, str], payload: bytes | memoryview) -
     return headers
 
 
+def _claimed_mac(headers: Mapping[str, str] | None, name: str) -> str | None:
+    """Header `name` when it holds exactly what message_mac writes; None for one absent or of another form, and for
+    headers over max_header_bytes (refused unread)."""
+    if not headers or oversized_headers(headers):
+        return None
+    claimed = headers.get(name)
+    return claimed if claimed is not None and _MAC_RE.fullmatch(claimed) else None
+
+
 def mac_is_valid(key: bytes, headers: Mapping[str, str] | None, payload: bytes | memoryview) -> bool:
     """Whether the message carries a MAC of this key; headers over max_header_bytes are refused unread."""
-    if not headers or oversized_headers(headers):
-        return False
-    claimed = headers.get(HEADER_MAC)
-    if claimed is None or not _MAC_RE.fullmatch(claimed):
-        return False
-    return hmac.compare_digest(claimed, message_mac(key, headers, payload))
+    claimed = _claimed_mac(headers, HEADER_MAC)
+    return claimed is not None and hmac.compare_digest(claimed, message_mac(key, headers, payload))
 
 
 def ack_witness_key(notice_key: bytes) -> bytes:
@@ -107,9 +112,6 @@ def ack_witness(key: bytes, headers: Mapping[str, str]) -> str:
 
 
 def ack_witness_is_valid(key: bytes, headers: Mapping[str, str] | None) -> bool:
-    if not headers or oversized_headers(headers):
-        return False
-    claimed = headers.get(HEADER_ACK_WITNESS)
-    if claimed is None or not _MAC_RE.fullmatch(claimed):
-        return False
-    return hmac.compare_digest(claimed, ack_witness(key, headers))
+    """Whether the ack carries the witness of this key (checked as `mac_is_valid` checks a MAC)."""
+    claimed = _claimed_mac(headers, HEADER_ACK_WITNESS)
+    return claimed is not None and hmac.compare_digest(claimed, ack_witness(key, headers))
