@@ -12,12 +12,14 @@ from rich.console import Console
 from rich.table import Table
 
 from hearth.events.consume import SkippedMessage
-from hearth.events.models import ShardWithdrawn
+from hearth.events.models import PipelineAborted, ShardWithdrawn
 from hearth.services.common.display import DisplaySafeFormatter, display_text
 from hearth.services.common.logging import LOG_FORMAT
 from hearth.services.dashboards.status import _add_row
 from hearth.services.replay.render import table_row
-from tests.readmodel_helpers import T0, LogBuilder
+from hearth.services.replay.reports import pipeline_timeline
+from hearth.services.replay.shard_view import shard_view_lines
+from tests.readmodel_helpers import T0, LogBuilder, advertised
 
 HOSTILE = "ok\r\x1b[2K\x1b]0;PWNED\x07\x1b]8;;https://evil.example/\x1b\\\u202egpj.exe\nforged line"
 
@@ -52,3 +54,13 @@ def test_a_replay_row_of_a_members_event_or_of_an_undecodable_message_is_one_lin
     skipped = SkippedMessage("HEARTH_SHARDS", 7, "hearth.events.shard.n.x", T0, f"Input tag {HOSTILE!s}")
     for row in (table_row(withdrawn), table_row(skipped)):
         assert not any(ch in row for ch in "\r\n\x1b\x07\u202e"), row
+
+
+def test_the_pipeline_timeline_and_the_shard_view_show_a_members_text_escaped():
+    log = LogBuilder()
+    advert = log.stored(advertised(0, 3, "n", model_id="m\x1b]0;t\x07"))
+    withdrawn = log.stored(ShardWithdrawn(shard_id=advert.event.shard_id, reason=HOSTILE, node_id="n"))
+    lines = shard_view_lines("n", advert.event.shard_id, [advert, withdrawn], [], 30.0, now=T0)
+    aborted = log.stored(PipelineAborted(pipeline_id="p1", code="x", reason=HOSTILE, node_id="hub"))
+    for line in lines + pipeline_timeline("p1", [aborted]):
+        assert not any(ch in line for ch in "\r\n\x1b\x07\u202e"), line

@@ -14,6 +14,7 @@ from datetime import datetime, timezone
 from hearth.events.consume import StoredEvent
 from hearth.events.models import ShardAdvertised, ShardHeartbeat, ShardWithdrawn
 from hearth.events.streams import shards_max_msgs_per_subject
+from hearth.services.common.display import display_text
 from hearth.services.replay.render import format_time, summarize_event
 
 
@@ -33,7 +34,7 @@ def pipeline_timeline(pipeline_id: str, events: Sequence[StoredEvent]) -> list[s
         offset = (event.occurred_at - start).total_seconds()
         summary = summarize_event(event, exclude=frozenset({"pipeline_id"}))
         lines.append(f"{format_offset(offset):>10}  {event.type:<{width}}  {summary}".rstrip())
-    return lines
+    return [display_text(line) for line in lines]  # members wrote parts of them: no escape takes effect
 
 
 def pipeline_outcome(events: Sequence[StoredEvent]) -> str:

@@ -22,6 +22,7 @@ from hearth.events.models import (
     IntegrityShardsVerified,
 )
 from hearth.events.signing import EventVerifier
+from hearth.services.common.display import display_text
 from hearth.protocol.subjects import EVENTS_PREFIX, shard_key
 from hearth.readmodels.reputation import QUARANTINED, ReputationLog, mismatch_summary
 from hearth.services.replay.render import format_time
@@ -149,4 +150,5 @@ def shard_view_lines(shard: str, key: str, own: Sequence[StoredEvent], outcomes:
     lines = shard_report(f"{shard_id} (key {key})", own, health_timeout_s, now=now) if own else []
     if not own and outcomes:
         lines.append(f"shard {shard_id} (key {key}): no shard events left in the log")
-    return lines + evidence_lines(shard_id, outcomes, verifier)
+    # Members wrote parts of them (ids, reasons): no escape of theirs takes effect on the terminal.
+    return [display_text(line) for line in lines + evidence_lines(shard_id, outcomes, verifier)]
