@@ -45,8 +45,8 @@ def test_full_collections_wait_while_starting_and_resume_over_new_objects_once_t
     assert gc.get_threshold() == (young, middle, full)
     assert gc.get_freeze_count() >= len(made_while_starting)
     frozen = gc.get_freeze_count()
-    run_event_loop(nothing())  # a second loop freezes nothing more
-    assert gc.get_freeze_count() == frozen
+    run_event_loop(nothing())  # a second loop freezes nothing more (frozen objects may still be freed)
+    assert gc.get_freeze_count() <= frozen
 
 
 def test_the_hearth_command_holds_full_collections_back_until_its_loop_starts_and_then_freezes():

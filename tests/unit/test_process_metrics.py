@@ -3,6 +3,8 @@ hearth/services/shard/metrics.py), the `--metrics-port` switch and LocalCluster'
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 from prometheus_client import CollectorRegistry
 
@@ -13,6 +15,7 @@ from hearth.services.devtools.bench.transport_metrics import cache_event_counts
 from hearth.services.devtools.local_cluster import _metrics_port_in
 from hearth.protocol.chat import DoneFrame, ErrorFrame, KeepaliveFrame, Timing, Usage
 from hearth.services.common.metrics import (
+    counter,
     metrics_observed,
     render_metrics,
     sample_value,
@@ -161,6 +164,19 @@ def test_a_shards_evictions_and_graph_captures_are_counters_the_bench_reads_as_d
     after = {"m:0-5@x": (5.0, 12.0), "m:6-9@y": (1.0, 4.0), "m:10-11@z": (0.0, 2.0)}
     assert cache_event_counts(after, before) == {"m:0-5@x": {"kv_evictions": 2, "graph_captures": 12},
                                                  "m:10-11@z": {"kv_evictions": 0, "graph_captures": 2}}
+
+
+def test_a_registry_made_after_another_was_freed_gets_its_own_collectors():
+    # CPython hands a freed registry's id to the next one made: collectors kept by id went to the dead registry.
+    for _ in range(20):
+        registry, shard = CollectorRegistry(), WatchedShard()
+        shard.events = (3, 0)
+        watch_serving(shard, registry=registry)
+        counter("hearth_test_registry_reuse", "A counter of a short-lived registry.", registry=registry).inc()
+        assert sample_value("hearth_shard_kv_evictions_total", {"shard_id": shard.shard_id}, registry=registry) == 3
+        assert sample_value("hearth_test_registry_reuse_total", registry=registry) == 1
+        del registry, shard
+        gc.collect()
 
 
 @pytest.mark.parametrize(("args", "port"), [

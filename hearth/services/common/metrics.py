@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TypeVar
@@ -27,9 +28,11 @@ log = logging.getLogger(__name__)
 disable_created_metrics()
 
 _Collector = TypeVar("_Collector", Counter, Gauge, Histogram)
-# (registry id, name) -> collector: lets modules that are imported twice (tests, plugins) share one collector
-# instead of failing with "Duplicated timeseries".
-_created: dict[tuple[int, str], Counter | Gauge | Histogram] = {}
+# registry -> name -> collector: lets modules that are imported twice (tests, plugins) share one collector
+# instead of failing with "Duplicated timeseries". Weakly keyed by the registry itself: an id would be reused by a
+# later registry once the first is freed, which would then be handed a collector registered elsewhere.
+_created: weakref.WeakKeyDictionary[CollectorRegistry, dict[str, Counter | Gauge | Histogram]] = (
+    weakref.WeakKeyDictionary())
 _created_lock = threading.Lock()
 
 
@@ -41,15 +44,15 @@ def _get_or_create(
     registry: CollectorRegistry,
     **kwargs,
 ) -> _Collector:
-    key = (id(registry), name)
     with _created_lock:
-        existing = _created.get(key)
+        by_name = _created.setdefault(registry, {})
+        existing = by_name.get(name)
         if existing is not None:
             if not isinstance(existing, kind):
                 raise ValueError(f"metric {name} already exists as a {type(existing).__name__}")
             return existing
         collector = kind(name, documentation, labelnames=tuple(labelnames), registry=registry, **kwargs)
-        _created[key] = collector
+        by_name[name] = collector
         return collector
 
 

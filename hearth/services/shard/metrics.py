@@ -193,15 +193,16 @@ class ShardServingCollector(Collector):
                     lookups, prefix_evictions, reused, prefilled)
 
 
-_serving_collectors: dict[int, ShardServingCollector] = {}
+# Weakly keyed by the registry itself, not its id: a later registry may reuse a freed one's id.
+_serving_collectors: weakref.WeakKeyDictionary[CollectorRegistry, ShardServingCollector] = weakref.WeakKeyDictionary()
 _serving_lock = threading.Lock()
 
 
 def watch_serving(shard: ServingFigures, *, registry: CollectorRegistry = REGISTRY) -> None:
     """Expose `shard`'s serving figures on `registry` for as long as the shard lives."""
     with _serving_lock:
-        collector = _serving_collectors.get(id(registry))
+        collector = _serving_collectors.get(registry)
         if collector is None:
-            collector = _serving_collectors[id(registry)] = ShardServingCollector()
+            collector = _serving_collectors[registry] = ShardServingCollector()
             registry.register(collector)
     collector.watch(shard)
