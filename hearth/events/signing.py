@@ -21,7 +21,7 @@ from typing import Any, Literal
 from hearth.events.models import EventEnvelope
 from hearth.protocol.subjects import shard_control_subject
 from hearth.trust.keys import MemberKey, verify_b64
-from hearth.trust.roster import Member, Role, Roster, RosterError
+from hearth.trust.roster import Member, RemovedMember, Role, Roster, RosterError
 
 log = logging.getLogger(__name__)
 
@@ -29,12 +29,12 @@ SIGNATURE_FIELD = "signature"
 
 # The verifier's reasons, and `unapplicable`: an event no handler could apply (hearth/readmodels/unapplicable.py).
 RejectionReason = Literal[
-    "unsigned", "unknown_signer", "bad_signature", "role_may_not_emit", "node_mismatch", "future_dated",
-    "unapplicable",
+    "unsigned", "unknown_signer", "removed_signer", "bad_signature", "role_may_not_emit", "node_mismatch",
+    "future_dated", "unapplicable",
 ]
 REJECTION_REASONS: tuple[RejectionReason, ...] = (
-    "unsigned", "unknown_signer", "bad_signature", "role_may_not_emit", "node_mismatch", "future_dated",
-    "unapplicable",
+    "unsigned", "unknown_signer", "removed_signer", "bad_signature", "role_may_not_emit", "node_mismatch",
+    "future_dated", "unapplicable",
 )
 
 # Who may say what: a shard host its own shard events; an orchestrator the pipeline and integrity events of the
@@ -118,23 +118,25 @@ class EventVerifier:
         self.max_clock_skew = timedelta(seconds=max_clock_skew_s)
         self._members_of: Roster | None = None
         self._members_by_key: dict[str, Member] = {}
+        self._removed_by_key: dict[str, RemovedMember] = {}
 
     @classmethod
     def from_roster_file(cls, path: Path, *, max_clock_skew_s: float) -> "EventVerifier":
         return cls(RosterFile(path), max_clock_skew_s=max_clock_skew_s)
 
-    def _member(self, public_key: str) -> Member | None:
+    def _member(self, public_key: str) -> Member | RemovedMember | None:
         member = self._lookup(public_key, recheck_now=False)
         if member is None and self._roster_file is not None:
             member = self._lookup(public_key, recheck_now=True)  # perhaps a member added since the last look
         return member
 
-    def _lookup(self, public_key: str, *, recheck_now: bool) -> Member | None:
+    def _lookup(self, public_key: str, *, recheck_now: bool) -> Member | RemovedMember | None:
         roster = self._fixed_roster or self._roster_file.current(recheck_now=recheck_now)  # type: ignore[union-attr]
         if roster is not self._members_of:
             self._members_by_key = {member.public_key: member for member in roster.members}
+            self._removed_by_key = {gone.member.public_key: gone for gone in roster.removed}
             self._members_of = roster
-        return self._members_by_key.get(public_key)
+        return self._members_by_key.get(public_key) or self._removed_by_key.get(public_key)
 
     def rejection(self, event: EventEnvelope, *, received_at: datetime,
                   stored_data: bytes = b"") -> RejectionReason | None:
@@ -146,6 +148,13 @@ class EventVerifier:
         member = self._member(event.signer)
         if member is None:
             return "unknown_signer"
+        if received_at.tzinfo is None:
+            received_at = received_at.replace(tzinfo=timezone.utc)
+        if isinstance(member, RemovedMember):
+            # What it signed while it belonged stays valid, so a rebuild applies what the live projection did.
+            if received_at >= member.removed_at:
+                return "removed_signer"
+            member = member.member
         signed = stored_canonical_bytes(stored_data) if stored_data else canonical_bytes(event)
         if signed is None or not verify_b64(event.signer, signed, event.signature):
             return "bad_signature"
@@ -153,8 +162,6 @@ class EventVerifier:
             return "role_may_not_emit"
         if not names_only_its_own_node(event, member.name):
             return "node_mismatch"
-        if received_at.tzinfo is None:
-            received_at = received_at.replace(tzinfo=timezone.utc)
         if event.occurred_at > received_at + self.max_clock_skew:
             return "future_dated"
         return None

@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from nats.js import JetStreamContext
-from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
+from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig, StreamConsumerLimits
 from nats.errors import Error as NatsError
 from nats.js.errors import APIError, NotFoundError
 
@@ -39,6 +39,13 @@ pipelines_max_bytes = 1024 * MiB
 shards_max_msgs_per_subject = 1000
 # A re-publish with the same Nats-Msg-Id inside this window is dropped by the server.
 duplicate_window_s = 120.0
+# Every consumer of a stream is deleted by the server once it has been inactive this long (no interest on a push
+# consumer's deliver subject, no pull on a pull consumer's), whatever the member who made it asked: the broker checks
+# the API subject, not the request's body, so a reader could otherwise make a consumer that outlives it (a durable).
+# hearth's own readers ask for less (events/ordered_reader.py).
+consumer_inactive_limit_s = 60.0
+# Consumers a stream holds at once: a community's processes need a few each; a member making more is refused.
+max_consumers_per_stream = 1024
 
 # Copies of each stream on a cluster (a stream survives losing one node of three with its quorum); a single
 # server keeps the one copy it can.
@@ -84,7 +91,14 @@ class StreamSpec:
             duplicate_window=duplicate_window_s,
             num_replicas=replicas,
             allow_direct=True,
+            max_consumers=max_consumers_per_stream,
+            consumer_limits=consumer_limits(),
         )
+
+
+def consumer_limits() -> StreamConsumerLimits:
+    """The limits the server holds every consumer of a hearth stream to (the weights store's too)."""
+    return StreamConsumerLimits(inactive_threshold=consumer_inactive_limit_s)
 
 
 SHARDS_STREAM_SPEC = StreamSpec(

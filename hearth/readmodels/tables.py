@@ -174,8 +174,8 @@ class RejectedEvent(Base):
     signer: Mapped[str | None] = mapped_column(String, comment="the public key it names (NULL: unsigned)")
     reason: Mapped[str] = mapped_column(
         String, nullable=False,
-        comment="unsigned | unknown_signer | bad_signature | role_may_not_emit | node_mismatch | future_dated | "
-                "unapplicable",
+        comment="unsigned | unknown_signer | removed_signer | bad_signature | role_may_not_emit | node_mismatch | "
+                "future_dated | unapplicable",
     )
     occurred_at: Mapped[int] = mapped_column(Integer, nullable=False, comment="epoch s the event claims")
     rejected_at: Mapped[int] = mapped_column(

@@ -1,26 +1,14 @@
-"""`hearth community`: create a community, add members (each with an nkey), list them, render the NATS server's
-authorization block from the roster (`hearth nats`, hearth/services/nats_cli.py, runs a broker for it), show shard
-hosts' reputation from a read model and let a steward clear a quarantine (a signed `integrity.quarantine_cleared`).
-
-The reputation commands read the read model with plain SQL on a read-only connection (the projector may be
-writing); the clearing's publisher is handed in as a function, so the command's logic is tested without a broker."""
+"""`hearth community`: create a community, add and remove members (each with an nkey), list them, render the NATS
+server's authorization block from the roster (`hearth nats`, hearth/services/nats_cli.py, runs a broker for it and
+applies a changed roster at once), show shard hosts' reputation from a read model and let a steward clear a
+quarantine (hearth/services/community_reputation.py)."""
 
 from __future__ import annotations
 
-import sqlite3
-import uuid
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Optional
+from typing import Annotated, Optional
 
 import typer
-
-if TYPE_CHECKING:
-    from hearth.events.models import EventEnvelope, IntegrityQuarantineCleared
-    from hearth.services.common.config import NatsSettings
-    from hearth.trust.keys import MemberKey
 
 community_app = typer.Typer(help="Manage a community: its roster, member keys and the broker's permissions.",
                             rich_markup_mode=None,
@@ -72,7 +60,8 @@ def add_command(
                              "pair is generated and its seed written to keys/NAME.nk (mode 0600).")] = None,
     directory: DirOption = DEFAULT_COMMUNITY_DIR,
 ) -> None:
-    """Add a member to the roster; then run `hearth community nats-config` and reload the broker."""
+    """Add a member to the roster. A broker run by `hearth nats --community DIR` lets it in within seconds; for
+    any other, render `hearth community nats-config` and reload the broker."""
     from hearth.trust.community import Community
     from hearth.trust.keys import KeyFileError
     from hearth.trust.roster import ROLES, TRUST_ORDER, RosterError
@@ -90,10 +79,36 @@ def add_command(
     typer.echo(f"added {member.name} as {member.role} ({member.trust}), public key {member.public_key}{where}")
 
 
+@community_app.command("remove")
+def remove_command(
+    name: Annotated[str, typer.Option("--name", help="The member to remove (not `system`, the steward's key).")],
+    directory: DirOption = DEFAULT_COMMUNITY_DIR,
+) -> None:
+    """Remove a member: the broker refuses its key from then on (a broker run by `hearth nats --community DIR`
+    applies the roster within seconds and closes its connections), its gateway API keys are revoked, calls it signs
+    are refused, and events the broker stores from it afterwards are rejected (`removed_signer`), while what it
+    signed before still verifies. Its key can never join again; a member coming back is added with a new one."""
+    from hearth.services.gateway.keys import API_KEYS_FILE, ApiKeyError, revoke_api_keys
+    from hearth.trust.community import Community
+    from hearth.trust.roster import RosterError
+
+    try:
+        removed, seed_file = Community(directory).remove(name)
+        api_keys = revoke_api_keys(directory, name) if (directory / API_KEYS_FILE).is_file() else 0
+    except (RosterError, ApiKeyError) as error:
+        _fail(str(error))
+    member = removed.member
+    deleted = f"; deleted {seed_file}" if seed_file else ""
+    typer.echo(f"removed {member.name} ({member.role}, {member.trust}), public key {member.public_key}{deleted}; "
+               f"revoked its {api_keys} API keys. A broker run by `hearth nats --community` applies it at once; any "
+               "other: render `hearth community nats-config` and reload it.")
+
+
 @community_app.command("list")
 def list_command(directory: DirOption = DEFAULT_COMMUNITY_DIR, db: ReadModelOption = DEFAULT_READ_MODEL) -> None:
     """Print the roster: name, role, trust, public key, and (from the read model, when there is one) the shards of
     each member that are quarantined."""
+    from hearth.services.community_reputation import quarantined_shards_by_node
     from hearth.trust.community import Community
     from hearth.trust.roster import RosterError
 
@@ -113,6 +128,8 @@ def list_command(directory: DirOption = DEFAULT_COMMUNITY_DIR, db: ReadModelOpti
 def reputation_command(db: ReadModelOption = DEFAULT_READ_MODEL) -> None:
     """Each shard's reputation from the read model: checks that found nothing wrong, the positions they verified,
     mismatches confirmed against it, disputes, and whether it is quarantined (since when, on what evidence)."""
+    from hearth.services.community_reputation import ReadModelMissing, read_reputation, reputation_lines
+
     try:
         rows = read_reputation(db)
     except ReadModelMissing as error:
@@ -134,6 +151,12 @@ def clear_quarantine_command(
     from hearth.services.broker.connection import BrokerUnreachable
     from hearth.services.common.config import load_settings
     from hearth.services.common.lifecycle import run_event_loop
+    from hearth.services.community_reputation import (
+        NotQuarantined,
+        ReadModelMissing,
+        clear_quarantine,
+        steward_publisher,
+    )
     from hearth.trust.community import Community
     from hearth.trust.keys import KeyFileError
 
@@ -255,126 +278,3 @@ def streams_command(
     except Exception as error:  # JetStream refused or never became ready: say so in one line
         _fail(f"the event streams were not created: {error}", command)
     typer.echo(f"event streams ready on {nats.url}", err=True)
-
-
-# ---- reputation (read from a read model) and the steward's clearing -------------------------------------------
-
-REPUTATION_LISTING_SQL = """SELECT shard_id, COALESCE(node_id, ''), status, checks, verified_positions, mismatches,
-       disputes, status_since, COALESCE(status_reason, '')
-FROM shard_reputation
-ORDER BY status = 'quarantined' DESC, mismatches DESC, disputes DESC, shard_id"""
-
-Publish = Callable[["EventEnvelope"], Awaitable[None]]
-
-
-class ReadModelMissing(Exception):
-    """The read model a reputation command reads is absent or not migrated to a schema with reputation."""
-
-
-class NotQuarantined(Exception):
-    """The shard a steward asked to clear is not quarantined in the read model: nothing was published."""
-
-
-@dataclass(frozen=True)
-class ShardReputationRow:
-    shard_id: str
-    node_id: str
-    status: str
-    checks: int
-    verified_positions: int
-    mismatches: int
-    disputes: int
-    status_since: int | None
-    status_reason: str
-
-    @property
-    def quarantined(self) -> bool:
-        return self.status == "quarantined"
-
-
-def read_reputation(db: Path) -> list[ShardReputationRow]:
-    """Every shard verification has spoken about, quarantined ones first (ReadModelMissing when it cannot)."""
-    if not db.is_file():
-        raise ReadModelMissing(f"no read model at {db} (give --db, the file `hearth projector --db` keeps)")
-    connection = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5)
-    try:
-        return [ShardReputationRow(*row) for row in connection.execute(REPUTATION_LISTING_SQL)]
-    except sqlite3.OperationalError as error:
-        raise ReadModelMissing(f"{db} holds no reputation ({error}); run `hearth db upgrade --db {db}`") from None
-    finally:
-        connection.close()
-
-
-def format_instant(epoch_s: int | None) -> str:
-    if epoch_s is None:
-        return "-"
-    return datetime.fromtimestamp(epoch_s, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
-
-
-def reputation_lines(rows: list[ShardReputationRow]) -> list[str]:
-    """The `hearth community reputation` listing: a summary, then one line per shard (and its reason)."""
-    quarantined = sum(row.quarantined for row in rows)
-    lines = [f"{len(rows)} shards with verification outcomes, {quarantined} quarantined"]
-    for row in rows:
-        since = f" since {format_instant(row.status_since)}" if row.status_since is not None else ""
-        lines.append(f"{row.status.upper() if row.quarantined else row.status:11} {row.node_id:16} {row.shard_id}  "
-                     f"checks {row.checks}, verified positions {row.verified_positions}, mismatches "
-                     f"{row.mismatches}, disputes {row.disputes}{since}")
-        if row.status_reason:
-            lines.append(f"{'':11} {'cleared: ' if not row.quarantined else ''}{row.status_reason}")
-    return lines
-
-
-def quarantined_shards_by_node(db: Path) -> dict[str, list[str]]:
-    """node -> its quarantined shard ids; empty when there is no read model to ask."""
-    try:
-        rows = read_reputation(db)
-    except ReadModelMissing:
-        return {}
-    by_node: dict[str, list[str]] = {}
-    for row in rows:
-        if row.quarantined:
-            by_node.setdefault(row.node_id, []).append(row.shard_id)
-    return by_node
-
-
-def quarantine_clearing(shard_id: str, reason: str, steward_key: MemberKey) -> IntegrityQuarantineCleared:
-    """The signed event a steward publishes; its `pipeline_id` is the clearing's own id."""
-    from hearth.events.models import IntegrityQuarantineCleared
-    from hearth.events.signing import sign_event
-    from hearth.trust.roster import SYSTEM_MEMBER
-
-    event = IntegrityQuarantineCleared(pipeline_id=f"clear-{uuid.uuid4().hex}", node_id=SYSTEM_MEMBER,
-                                       shard_id=shard_id, reason=reason)
-    return sign_event(event, steward_key)  # type: ignore[return-value]
-
-
-async def clear_quarantine(shard_id: str, reason: str, *, db: Path, steward_key: MemberKey,
-                           publish: Publish) -> IntegrityQuarantineCleared:
-    """Publish the clearing of `shard_id`'s quarantine; NotQuarantined (nothing published) when the read model
-    does not hold it quarantined, ReadModelMissing when there is no read model to ask."""
-    row = next((row for row in read_reputation(db) if row.shard_id == shard_id), None)
-    if row is None or not row.quarantined:
-        state = "never checked" if row is None else f"status {row.status}"
-        raise NotQuarantined(f"shard {shard_id} is not quarantined in {db} ({state}); nothing was published")
-    event = quarantine_clearing(shard_id, reason, steward_key)
-    await publish(event)
-    return event
-
-
-def steward_publisher(nats: NatsSettings, system_key: Path) -> Publish:
-    """A Publish that connects to `nats.url` as the steward (`system_key`), publishes the (already signed) event
-    to its stream and closes the connection."""
-
-    async def publish(event: EventEnvelope) -> None:
-        from hearth.events.publish import publish_event
-        from hearth.services.broker.connection import close_quietly, connect_nats
-
-        settings = nats.model_copy(update={"creds_file": system_key})
-        connection = await connect_nats(settings.url, name="hearth steward", settings=settings)
-        try:
-            await publish_event(connection.jetstream(), event)
-        finally:
-            await close_quietly(connection, settings.close_timeout_s)
-
-    return publish

@@ -14,7 +14,9 @@ from hearth.services.common.config_sections import loopback_host
 if TYPE_CHECKING:
     import threading
 
+    from hearth.services.broker.consumer_sweep import ConsumerSweeper
     from hearth.services.broker.server import EmbeddedNatsServer
+    from hearth.services.common.config import NatsSettings
 
 COMMAND = "hearth nats"
 NATS_HELP_EPILOG = (
@@ -141,35 +143,93 @@ def nats_command(
         servers.start()
     except NatsServerError as error:
         _fail(str(error))
+    roster_watch, sweeper = None, None
     if community is not None:
-        _create_streams(servers, community, tls=tls_cert is not None, one_node=node is not None)
+        steward = _steward_settings(servers, community, tls=tls_cert is not None)
+        if steward is not None:
+            _create_streams(steward, community, one_node=node is not None)
+            sweeper = _consumer_sweeper(steward, community)
+        roster_watch = RosterWatch(community, server_options["authorization"])
     typer.echo(servers.url)
     typer.echo(f"JetStream store: {store.resolve()}  (Ctrl-C to stop)", err=True)
-    _serve_until_stopped(servers, stop_requested)
+    _serve_until_stopped(servers, stop_requested, roster_watch, sweeper)
 
 
-def _create_streams(servers: "EmbeddedNatsServer", community: Path, *, tls: bool, one_node: bool) -> None:
-    """The event streams, created with the community's system key: no other member may administer them."""
-    from hearth.services.broker.streams import create_community_streams_blocking
+class RosterWatch:
+    """Applies a community's changed roster to the running broker: a member added may connect within a second,
+    a member removed has its connections closed by nats-server. A roster that does not read keeps the last one."""
+
+    def __init__(self, community: Path, applied_authorization: str | None) -> None:
+        from hearth.events.signing import RosterFile
+        from hearth.trust.community import Community
+
+        self.roster_file = RosterFile(Community(community).roster_path)
+        self.applied_authorization = applied_authorization
+        self._applied_roster = None
+
+    def apply_changes(self, servers: "EmbeddedNatsServer") -> None:
+        from hearth.services.broker.permissions import render_authorization
+        from hearth.services.broker.server import NatsServerError
+
+        roster = self.roster_file.current()
+        if roster is self._applied_roster:
+            return
+        authorization = render_authorization(roster)
+        if authorization != self.applied_authorization:
+            try:
+                servers.reload(authorization)
+            except NatsServerError as error:  # it keeps serving as before and tries again at the next look
+                typer.echo(f"{COMMAND}: the changed roster was not applied: {error}", err=True)
+                return
+            typer.echo(f"{COMMAND}: roster changed; the broker now admits its {len(roster.members)} members",
+                       err=True)
+        self.applied_authorization, self._applied_roster = authorization, roster
+
+
+def _steward_settings(servers: "EmbeddedNatsServer", community: Path, *, tls: bool) -> "NatsSettings | None":
+    """How the steward's own tooling reaches this broker (None, said why, when it cannot: TLS without a CA)."""
     from hearth.services.common.config import load_settings
     from hearth.trust.community import Community
 
-    later = f"create them with `hearth community streams --dir {community} --nats URL`"
     settings = load_settings().nats
+    if tls and settings.tls_ca_file is None:
+        typer.echo(f"{COMMAND}: no [nats] tls_ca_file to reach this TLS broker with: create the event streams with "
+                   f"`hearth community streams --dir {community} --nats URL`; consumers that deliver elsewhere than "
+                   "their member's inbox are not swept", err=True)
+        return None
+    return settings.model_copy(update={"url": servers.url, "roster_file": Community(community).roster_path})
+
+
+def _create_streams(steward: "NatsSettings", community: Path, *, one_node: bool) -> None:
+    """The event streams, created with the community's system key: no other member may administer them."""
+    from hearth.services.broker.streams import create_community_streams_blocking
+    from hearth.trust.community import Community
+
+    later = f"create them with `hearth community streams --dir {community} --nats URL`"
     if one_node:  # the cluster's other nodes may not be up yet: JetStream has no quorum
         typer.echo(f"{COMMAND}: the event streams need the whole cluster; {later} once every node runs", err=True)
         return
-    if tls and settings.tls_ca_file is None:
-        typer.echo(f"{COMMAND}: no [nats] tls_ca_file to reach this TLS broker with; {later}", err=True)
-        return
-    settings = settings.model_copy(update={"url": servers.url, "roster_file": Community(community).roster_path})
     try:
-        create_community_streams_blocking(settings, Community(community).system_key_path,
-                                          ready_timeout_s=settings.streams_create_timeout_s)
+        create_community_streams_blocking(steward, Community(community).system_key_path,
+                                          ready_timeout_s=steward.streams_create_timeout_s)
     except Exception as error:  # the broker still serves; the streams can be created later
         typer.echo(f"{COMMAND}: the event streams were not created ({error}); {later}", err=True)
         return
     typer.echo(f"{COMMAND}: event streams ready", err=True)
+
+
+def _consumer_sweeper(steward: "NatsSettings", community: Path) -> "ConsumerSweeper":
+    """Deletes, as the steward, consumers of the community's streams that deliver elsewhere than a reader's inbox."""
+    from hearth.services.broker.consumer_sweep import ConsumerSweeper
+    from hearth.services.common.display import display_text
+    from hearth.trust.community import Community
+
+    def report(swept) -> None:
+        typer.echo(display_text(f"{COMMAND}: deleted consumer {swept.name} of {swept.stream}: {swept.why}"), err=True)
+
+    community_files = Community(community)
+    return ConsumerSweeper(steward, community_files.system_key_path, community_files.roster_path,
+                           report=report).start()
 
 
 def _stop_on_signals() -> "threading.Event":
@@ -182,7 +242,8 @@ def _stop_on_signals() -> "threading.Event":
     return stop_requested
 
 
-def _serve_until_stopped(servers: "EmbeddedNatsServer", stop_requested: "threading.Event") -> None:
+def _serve_until_stopped(servers: "EmbeddedNatsServer", stop_requested: "threading.Event",
+                         roster_watch: RosterWatch | None, sweeper: "ConsumerSweeper | None") -> None:
     from hearth.services.common.process_gc import freeze_startup_objects
 
     freeze_startup_objects()  # it serves without an event loop, whose start would do it (process_gc.py)
@@ -194,7 +255,11 @@ def _serve_until_stopped(servers: "EmbeddedNatsServer", stop_requested: "threadi
                 typer.echo(f"{COMMAND}: nats-server exited unexpectedly", err=True)
                 exit_code = 1
                 break
+            if roster_watch is not None:
+                roster_watch.apply_changes(servers)
     finally:
+        if sweeper is not None:  # before the broker goes, so its last sweep ends cleanly
+            sweeper.stop()
         servers.stop()
     if exit_code:
         raise typer.Exit(exit_code)

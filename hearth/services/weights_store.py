@@ -34,7 +34,7 @@ from hearth.inference.gguf_checkpoint import default_read_device
 from hearth.inference.gguf_parts import StoredLayout
 from hearth.inference.partial_checkpoint import NON_WEIGHT_PATTERNS, NeededTensors, assemble_partial_folder, \
     check_needed, complete_partial_folder, hearth_cache_dir, layer_of, selection_name
-from hearth.services.broker.permissions import WEIGHTS_BUCKET
+from hearth.services.broker.permissions import WEIGHTS_BUCKET, WEIGHTS_STREAM
 from hearth.services.weights_objects import WeightsStoreError, fetch_object, object_intact, read_small_object
 
 log = logging.getLogger(__name__)
@@ -161,13 +161,25 @@ async def _bucket(js, *, create: bool):
     from nats.js.errors import BucketNotFoundError
 
     try:
-        return await js.object_store(WEIGHTS_BUCKET)
+        store = await js.object_store(WEIGHTS_BUCKET)
     except BucketNotFoundError:
         if not create:
             raise WeightsStoreError(f"the broker has no {WEIGHTS_BUCKET!r} object store: nothing was published") \
                 from None
-    return await js.create_object_store(WEIGHTS_BUCKET, config=ObjectStoreConfig(
-        description="hearth: checkpoints stored per layer (hearth weights publish)"))
+        store = await js.create_object_store(WEIGHTS_BUCKET, config=ObjectStoreConfig(
+            description="hearth: checkpoints stored per layer (hearth weights publish)"))
+    if create:  # the publisher, the only one who may administer its stream, holds its readers' consumers to limits
+        await _limit_consumers(js)
+    return store
+
+
+async def _limit_consumers(js) -> None:
+    from hearth.events.streams import consumer_limits, max_consumers_per_stream
+
+    config = (await js.stream_info(WEIGHTS_STREAM)).config
+    if config.max_consumers != max_consumers_per_stream or config.consumer_limits != consumer_limits():
+        await js.update_stream(config.evolve(max_consumers=max_consumers_per_stream,
+                                             consumer_limits=consumer_limits()))
 
 
 def _layer_blobs(folder: Path):

@@ -4,6 +4,7 @@ generated here (each mode 0600, handed to its member), among them `keys/system.n
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 
 from hearth.trust.keys import MemberKey
@@ -11,6 +12,7 @@ from hearth.trust.roster import (
     ROSTER_FILE,
     SYSTEM_MEMBER,
     Member,
+    RemovedMember,
     Role,
     Roster,
     RosterError,
@@ -70,3 +72,15 @@ class Community:
             generated.save(seed_file)
         updated.save(self.roster_path)
         return AddedMember(member, seed_file)
+
+    def remove(self, name: str) -> tuple[RemovedMember, Path | None]:
+        """Move `name` to the roster's removed members and delete its seed file if one was left here; returns
+        the removal and the seed file deleted (None: there was none)."""
+        updated = self.roster().without_member(name, removed_at=datetime.now(timezone.utc))
+        updated.save(self.roster_path)
+        seed_file = seed_path(self.directory, name)
+        try:
+            seed_file.unlink()
+        except FileNotFoundError:
+            seed_file = None
+        return updated.removed[-1], seed_file

@@ -57,8 +57,19 @@ class Member(BaseModel):
         return check_public_key(value)
 
 
+class RemovedMember(BaseModel):
+    """A member no longer in the community: kept so that what it signed while it belonged still verifies (the
+    broker's storage time of an event, not its claimed time, is set against `removed_at`), and so that its key,
+    perhaps leaked, can never join again."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    member: Member
+    removed_at: datetime
+
+
 class Roster(BaseModel):
-    """The community's members; names and public keys are unique."""
+    """The community's members; names and public keys are unique, and no member holds a removed member's key."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -66,6 +77,7 @@ class Roster(BaseModel):
     community: str = Field(min_length=1, max_length=100)
     created_at: datetime
     members: list[Member] = Field(default_factory=list)
+    removed: list[RemovedMember] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _unique(self) -> "Roster":
@@ -74,20 +86,45 @@ class Roster(BaseModel):
             duplicated = sorted({value for value in values if values.count(value) > 1})
             if duplicated:
                 raise ValueError(f"members share a {attribute}: {', '.join(duplicated)}")
+        revoked = {gone.member.public_key for gone in self.removed}
+        reused = sorted(member.name for member in self.members if member.public_key in revoked)
+        if reused:
+            raise ValueError(f"members hold the key of a removed member: {', '.join(reused)}")
         return self
 
     def by_name(self, name: str) -> Member | None:
+        """The current member named `name` (removed ones are not members)."""
         return next((member for member in self.members if member.name == name), None)
 
     def by_key(self, public_key: str) -> Member | None:
+        """The current member holding `public_key` (removed ones are not members)."""
         return next((member for member in self.members if member.public_key == public_key), None)
+
+    def removed_by_key(self, public_key: str) -> RemovedMember | None:
+        """The removed member that held `public_key`, if one did."""
+        return next((gone for gone in self.removed if gone.member.public_key == public_key), None)
 
     def with_member(self, member: Member) -> "Roster":
         if self.by_name(member.name) is not None:
             raise RosterError(f"a member named {member.name!r} is already in the roster")
         if self.by_key(member.public_key) is not None:
             raise RosterError(f"that public key already belongs to {self.by_key(member.public_key).name!r}")
+        gone = self.removed_by_key(member.public_key)
+        if gone is not None:
+            raise RosterError(f"that public key belonged to {gone.member.name!r}, removed at "
+                              f"{gone.removed_at:%Y-%m-%d %H:%M:%S} UTC; a member coming back needs a new key")
         return self.model_copy(update={"members": [*self.members, member]})
+
+    def without_member(self, name: str, *, removed_at: datetime) -> "Roster":
+        """The roster with `name` moved to the removed members; the steward's `system` key stays."""
+        member = self.by_name(name)
+        if member is None:
+            raise RosterError(f"no member named {name!r} is in the roster")
+        if member.role == "system":
+            raise RosterError(f"{name!r} is the steward's system key, which the community cannot be without")
+        return self.model_copy(update={
+            "members": [kept for kept in self.members if kept.name != name],
+            "removed": [*self.removed, RemovedMember(member=member, removed_at=removed_at)]})
 
     @classmethod
     def load(cls, path: Path) -> "Roster":

@@ -12,7 +12,9 @@ import sys
 import time
 from pathlib import Path
 
+import nats
 import pytest
+from nats.js.api import AckPolicy, ConsumerConfig
 from typer.testing import CliRunner
 
 from hearth.events import SHARDS_STREAM, ensure_streams, publish_event, stream_last_seq
@@ -20,6 +22,7 @@ from hearth.events.models import ShardHeartbeat
 from hearth.services.cli import app
 from hearth.services.common.config import NatsSettings
 from hearth.services.broker.connection import BrokerUnreachable, connect_nats
+from hearth.services.broker.consumer_sweep import sweep_interval_s
 from hearth.services.broker.server import free_tcp_port
 from hearth.services.broker.tls import write_throwaway_ca
 from hearth.trust.community import Community
@@ -28,6 +31,8 @@ pytestmark = pytest.mark.integration
 
 BIN = Path(sys.executable).parent
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "HEARTH_NATS__INSECURE": "1"}  # an open broker
+# `hearth nats --community` looks at its roster every half second; a reload then takes nats-server well under one.
+ROSTER_APPLIED_WITHIN_S = 10.0
 
 
 def heartbeat(n: int) -> ShardHeartbeat:
@@ -161,3 +166,83 @@ def test_hearth_nats_for_a_community_over_tls_admits_members_only(tmp_path):
     finally:
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=15) == 0
+
+
+def test_hearth_nats_applies_a_changed_roster_cutting_off_a_removed_member_and_letting_in_an_added_one(tmp_path):
+    community = Community.init(tmp_path / "community", "cli-test")
+    alice = community.add("alice", "client").seed_file
+    alice_seed = alice.read_text()  # the removal deletes the file the steward still held
+    process, url = start_hearth_nats(free_tcp_port(), tmp_path / "store", "--community", str(community.directory))
+    cli = CliRunner()
+
+    async def connect_as(seed: str, closed: asyncio.Event | None = None):
+        async def on_closed() -> None:
+            if closed is not None:
+                closed.set()
+
+        async def on_error(error: Exception) -> None:  # the server's "authorization violation" as it cuts off
+            pass
+
+        return await nats.connect(url, nkeys_seed_str=seed, allow_reconnect=False, connect_timeout=2,
+                                  closed_cb=on_closed, error_cb=on_error)
+
+    async def membership_changes() -> None:
+        closed = asyncio.Event()
+        connection = await connect_as(alice_seed, closed)
+        removed = cli.invoke(app, ["community", "remove", "--name", "alice", "--dir", str(community.directory)])
+        assert removed.exit_code == 0, removed.output
+        assert not alice.exists()
+        await asyncio.wait_for(closed.wait(), ROSTER_APPLIED_WITHIN_S)  # nats-server closed her connection
+        assert connection.is_closed
+        with pytest.raises(Exception, match="(?i)authorization"):
+            await connect_as(alice_seed)
+        added = cli.invoke(app, ["community", "add", "--name", "bob", "--role", "client",
+                                 "--dir", str(community.directory)])
+        assert added.exit_code == 0, added.output
+        bob_seed = (community.directory / "keys" / "bob.nk").read_text()
+        deadline = asyncio.get_running_loop().time() + ROSTER_APPLIED_WITHIN_S
+        while True:  # let in once the broker has the new roster, without a restart
+            try:
+                await (await connect_as(bob_seed)).close()
+                break
+            except Exception:
+                if asyncio.get_running_loop().time() > deadline:
+                    raise
+                await asyncio.sleep(0.2)
+
+    try:
+        asyncio.run(membership_changes())
+    finally:
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=15) == 0
+    assert "roster changed" in process.stderr.read()
+
+
+def test_hearth_nats_for_a_community_sweeps_a_consumer_that_pushes_a_stream_elsewhere(tmp_path):
+    community = Community.init(tmp_path / "community", "cli-test")
+    eve = community.add("eve", "auditor").seed_file
+    process, url = start_hearth_nats(free_tcp_port(), tmp_path / "store", "--community", str(community.directory))
+
+    async def push_elsewhere_and_wait() -> None:
+        reader = await connect_nats(url, settings=NatsSettings(url=url, creds_file=eve, connect_timeout_s=5))
+        steward = await connect_nats(url, settings=NatsSettings(url=url, creds_file=community.system_key_path,
+                                                                connect_timeout_s=5))
+        try:
+            await reader.jetstream().add_consumer(SHARDS_STREAM, ConsumerConfig(
+                name="pushes-elsewhere", ack_policy=AckPolicy.NONE, deliver_subject="llm.chat.request"))
+            deadline = time.monotonic() + sweep_interval_s + ROSTER_APPLIED_WITHIN_S
+            while any(info.name == "pushes-elsewhere"
+                      for info in await steward.jetstream().consumers_info(SHARDS_STREAM)):
+                assert time.monotonic() < deadline, "the consumer was never swept"
+                await asyncio.sleep(0.2)
+        finally:
+            await reader.close()
+            await steward.close()
+
+    try:
+        asyncio.run(push_elsewhere_and_wait())
+    finally:
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=15) == 0
+    assert "deleted consumer pushes-elsewhere of HEARTH_SHARDS: it delivers to 'llm.chat.request'" in (
+        process.stderr.read())

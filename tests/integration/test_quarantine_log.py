@@ -26,7 +26,7 @@ from hearth.services.broker.server import EmbeddedNatsServer
 from hearth.services.broker.streams import create_community_streams
 from hearth.services.common.config import NatsSettings
 from hearth.services.community_cli import community_app
-from hearth.services.community_cli import quarantine_clearing
+from hearth.services.community_reputation import quarantine_clearing
 from hearth.services.replay.cli import app as replay_app
 from tests.readmodel_helpers import advertised
 from tests.reputation_events import confirmed, verified

@@ -12,9 +12,9 @@ from typer.testing import CliRunner
 
 from hearth.events.signing import EventVerifier
 from hearth.readmodels.reputation import ReputationLog
-from hearth.services import community_cli
+from hearth.services import community_reputation
 from hearth.services.community_cli import community_app
-from hearth.services.community_cli import NotQuarantined, ReadModelMissing, clear_quarantine, read_reputation
+from hearth.services.community_reputation import NotQuarantined, ReadModelMissing, clear_quarantine, read_reputation
 from tests.readmodel_helpers import LogBuilder, advertised, apply_all, migrated_engine
 from tests.reputation_events import confirmed, disputed, verified
 from hearth.trust.community import Community
@@ -127,7 +127,7 @@ def test_the_clear_command_publishes_through_the_steward_publisher(community, re
             published.append(event)
         return publish
 
-    monkeypatch.setattr(community_cli, "steward_publisher", fake_publisher)
+    monkeypatch.setattr(community_reputation, "steward_publisher", fake_publisher)
     result = CliRunner().invoke(community_app, ["clear-quarantine", A, "--reason", "new GPU", "--dir",
                                                 str(community.directory), "--db", str(read_model)])
     assert result.exit_code == 0, result.output

@@ -121,8 +121,8 @@ def test_a_field_a_newer_emitter_added_is_covered_by_the_signature(verifier):
 
 
 def test_every_reason_is_one_of_the_documented_ones():
-    assert REJECTION_REASONS == ("unsigned", "unknown_signer", "bad_signature", "role_may_not_emit",
-                                 "node_mismatch", "future_dated", "unapplicable")
+    assert REJECTION_REASONS == ("unsigned", "unknown_signer", "removed_signer", "bad_signature",
+                                 "role_may_not_emit", "node_mismatch", "future_dated", "unapplicable")
 
 
 def test_unsigned_and_half_signed_events_are_rejected(verifier):
@@ -182,6 +182,22 @@ def test_a_member_added_to_the_roster_file_after_start_is_known_at_once(tmp_path
     assert verdict(verifier, event) == "unknown_signer"
     community_roster(("hub", "host0")).save(path)
     assert verdict(verifier, event) is None
+
+
+def test_a_removed_member_s_events_stored_before_its_removal_still_apply_and_later_ones_do_not(tmp_path):
+    path = tmp_path / "roster.json"
+    community_roster().save(path)
+    verifier = EventVerifier(RosterFile(path, recheck_interval_s=0.0), max_clock_skew_s=SKEW_S)
+    before, after = (sign_event(own_advertisement("host0", t=t), KEYS["host0"]) for t in (10, 20))
+    assert verdict(verifier, before) is None
+    community_roster().without_member("host0", removed_at=at(15)).save(path)
+    # Judged by when the broker stored each, so a rebuild long after the removal applies what the live one did.
+    assert verdict(verifier, before) is None
+    assert verdict(verifier, after) == "removed_signer"
+    assert verdict(verifier, before, stored_at=at(16)) == "removed_signer"
+    # The removed member's old key still proves nothing it did not sign.
+    assert verdict(verifier, before.model_copy(update={"layer_hi": 7})) == "bad_signature"
+    assert verdict(verifier, sign_event(completed("host0", t=10), KEYS["host0"])) == "role_may_not_emit"
 
 
 # ---- the projection ---------------------------------------------------------------------------------------

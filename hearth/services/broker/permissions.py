@@ -84,8 +84,8 @@ def stream_reading(streams: Iterable[str]) -> tuple[str, ...]:
     """Read `streams` through ephemeral ordered consumers of one's own (events.ordered_reader): look a stream
     up, create a consumer on it (named, with or without filter tokens) and delete it, and answer the consumer's flow
     control. Nothing else: no message get or delete, no consumer on another stream. The broker checks the subject,
-    not the request's body: a member could make its consumer durable, or a push consumer (docs/design.md, "NATS
-    authorization")."""
+    not the request's body: what a member's consumer asks for is bounded by the stream's consumer limits
+    (events/streams.py) and swept by the steward (broker/consumer_sweep.py)."""
     reads: list[str] = []
     for stream in streams:
         reads += [f"{JS_API}.STREAM.INFO.{stream}", f"{JS_API}.CONSUMER.CREATE.{stream}.*",
