@@ -107,7 +107,7 @@ def remove_command(
 @community_app.command("list")
 def list_command(directory: DirOption = DEFAULT_COMMUNITY_DIR, db: ReadModelOption = DEFAULT_READ_MODEL) -> None:
     """Print the roster: name, role, trust, public key, and (from the read model, when there is one) the shards of
-    each member that are quarantined."""
+    each member that are quarantined; then the members removed, and when."""
     from hearth.services.community_reputation import quarantined_shards_by_node
     from hearth.trust.community import Community
     from hearth.trust.roster import RosterError
@@ -122,6 +122,9 @@ def list_command(directory: DirOption = DEFAULT_COMMUNITY_DIR, db: ReadModelOpti
         shards = quarantined.get(member.name)
         note = f"  QUARANTINED: {', '.join(shards)}" if shards else ""
         typer.echo(f"{member.name:24} {member.role:13} {member.trust:8} {member.public_key}{note}")
+    for gone in roster.removed:
+        typer.echo(f"{gone.member.name:24} {gone.member.role:13} {'removed':8} {gone.member.public_key}  "
+                   f"at {gone.removed_at:%Y-%m-%d %H:%M:%S} UTC")
 
 
 @community_app.command("reputation")

@@ -85,7 +85,9 @@ def test_hearth_community_remove_says_what_it_did_and_refuses_in_one_line(commun
     assert refused.exit_code == 1 and "no member named 'kitchen'" in refused.output
     assert "Traceback" not in refused.output
     listed = CliRunner().invoke(app, ["community", "list", "--dir", directory])
-    assert "kitchen" not in listed.output and "system" in listed.output
+    current, removed = listed.output.split("\nalice ", 1)
+    assert "kitchen" not in current and "system" in current
+    assert removed.split()[:3] == ["client", "removed", community.roster().removed[0].member.public_key]
 
 
 
