@@ -24,10 +24,36 @@ class ConcurrentProjectionError(RuntimeError):
 
 def load_positions(session: Session, projection: str = PROJECTION_NAME) -> dict[str, int]:
     """The last applied sequence per stream (streams never applied are absent)."""
+    return _per_stream(session, projection, "last_seq")
+
+
+def load_position_times(session: Session, projection: str = PROJECTION_NAME) -> dict[str, int | None]:
+    """When the stream stored the last message applied, per stream (epoch s; None when not recorded)."""
+    return _per_stream(session, projection, "last_event_at")
+
+
+def _per_stream(session: Session, projection: str, column: str) -> dict:
     cursor = session_cursor(session)
     try:
-        cursor.execute(f"SELECT stream, last_seq FROM {POSITIONS.name} WHERE projection = ?", (projection,))
+        cursor.execute(f"SELECT stream, {column} FROM {POSITIONS.name} WHERE projection = ?", (projection,))
         return dict(cursor.fetchall())
+    finally:
+        cursor.close()
+
+
+def reset_position(session: Session, projection: str, stream: str, previous_seq: int) -> None:
+    """Move `stream`'s position back to its start (it was recreated), guarded like save_position."""
+    cursor = session_cursor(session)
+    try:
+        cursor.execute(
+            f"UPDATE {POSITIONS.name} SET last_seq = 0, last_event_at = NULL "
+            "WHERE projection = ? AND stream = ? AND last_seq = ?",
+            (projection, stream, previous_seq),
+        )
+        if cursor.rowcount != 1:
+            raise ConcurrentProjectionError(
+                f"projection {projection!r} position of {stream} moved under us (expected {previous_seq})"
+            )
     finally:
         cursor.close()
 

@@ -13,6 +13,8 @@ recreated) starts again from the last sequence it handed over; an applier whose 
 reloads the positions from the database and restarts the followers from there, so nothing is lost or
 applied twice. A batch that fails on a message's content is applied message by message instead, and the one no
 handler can apply is recorded as rejected (readmodels.unapplicable), so it cannot hold the projection back.
+A stream deleted and created again (readmodels.stream_identity) is read again from its first message: the lag
+poll that follows each stream's last sequence notices it, moves the position back in the database and resumes.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +36,9 @@ from hearth.events.metrics import events_rejected_total
 from hearth.events.signing import REJECTION_REASONS, EventVerifier, RejectionReason
 from hearth.events.streams import ALL_STREAMS, StreamSetup, stream_info_timeout_s
 from hearth.readmodels.db import open_engine, upgrade_database
-from hearth.readmodels.projection import PROJECTION_NAME, ReadModelProjection, Rejection, load_positions
+from hearth.readmodels.positions import load_position_times, reset_position
+from hearth.readmodels.projection import PROJECTION_NAME, ReadModelProjection, Rejection, epoch_s, load_positions
+from hearth.readmodels.stream_identity import StreamState, created_after, recreated_since, stream_state
 from hearth.readmodels.unapplicable import apply_rejecting_the_unapplicable
 
 log = logging.getLogger(__name__)
@@ -90,10 +95,17 @@ class Projector:
         self.batches_total = 0
         self.apply_failures_total = 0
         self._handed_over: dict[str, int] = {}
+        # When the stream stored the last message applied (epoch s), and per stream the creation time of the stream
+        # as the broker says it now once it was found to be the one the position was taken in.
+        self._last_event_at: dict[str, int | None] = {stream: None for stream in self.streams}
+        self._confirmed_created: dict[str, datetime | None] = {}
         # Per stream, (seq, stored at epoch s) of every message handed to the applier and not applied yet: how old
         # the oldest one is tells how far behind the read model is in time.
         self._pending: dict[str, deque[tuple[int, float]]] = {stream: deque() for stream in self.streams}
-        self._queue: asyncio.Queue[Message] = asyncio.Queue(maxsize=queue_max_events)
+        # Each message with the generation of the followers that read it: followers replaced by a resume may still
+        # hand one over while they end, and the applier drops it.
+        self._queue: asyncio.Queue[tuple[int, Message]] = asyncio.Queue(maxsize=queue_max_events)
+        self._generation = 0
         self._followers: dict[str, asyncio.Task] = {}
         self._tasks: list[asyncio.Task] = []
         self._progress = asyncio.Condition()
@@ -110,6 +122,8 @@ class Projector:
         self.session_factory = sessionmaker(self.engine, expire_on_commit=False)
         await self._stream_setup.ready(self._js, self.streams)
         await self._load_positions()
+        for stream in self.streams:  # before any follower reads a recreated stream's messages past the position
+            await self._check_stream(stream)
         self._started = True
         for stream in self.streams:
             self._start_follower(stream)
@@ -181,29 +195,33 @@ class Projector:
     # ---- internals --------------------------------------------------------------------------------------
 
     async def _load_positions(self) -> None:
-        def read() -> dict[str, int]:
+        def read() -> tuple[dict[str, int], dict[str, int | None]]:
             with self.session_factory() as session:
-                return load_positions(session, self.projection.name)
+                return load_positions(session, self.projection.name), load_position_times(session, self.projection.name)
 
-        stored = await asyncio.to_thread(read)
+        stored, times = await asyncio.to_thread(read)
         for stream in self.streams:
             self.positions[stream] = stored.get(stream, 0)
+            self._last_event_at[stream] = times.get(stream)
             self._handed_over[stream] = self.positions[stream]
 
     def _start_follower(self, stream: str) -> None:
         if not self._started:
             return
-        self._followers[stream] = asyncio.create_task(self._follow(stream), name=f"projector-follow-{stream}")
+        self._followers[stream] = asyncio.create_task(self._follow(stream, self._generation),
+                                                      name=f"projector-follow-{stream}")
 
-    async def _follow(self, stream: str) -> None:
+    async def _follow(self, stream: str, generation: int) -> None:
         retry_s = follower_retry_initial_s
-        while True:
+        while generation == self._generation:
             from_seq = self._handed_over[stream] + 1
             try:
                 messages = read_stream(self._js, stream, from_seq=from_seq, follow=True)
                 async with contextlib.aclosing(messages) as reader:
                     async for message in reader:
-                        await self._queue.put(message)
+                        await self._queue.put((generation, message))
+                        if generation != self._generation:
+                            return
                         self._handed_over[stream] = message.seq
                         self._pending[stream].append((message.seq, message.time.timestamp()))
                         retry_s = follower_retry_initial_s
@@ -218,9 +236,11 @@ class Projector:
     async def _apply_loop(self) -> None:
         retry_s = apply_retry_initial_s
         while True:
-            batch = [await self._queue.get()]
+            batch = [await self._next_message()]
             while len(batch) < self._batch_max_events and not self._queue.empty():
-                batch.append(self._queue.get_nowait())
+                generation, message = self._queue.get_nowait()
+                if generation == self._generation:
+                    batch.append(message)
             try:
                 await self._apply_in_thread(batch)
                 retry_s = apply_retry_initial_s
@@ -233,6 +253,12 @@ class Projector:
                 await asyncio.sleep(retry_s)
                 retry_s = min(retry_s * 2, apply_retry_max_s)
                 await self._resume_from_database()
+
+    async def _next_message(self) -> Message:
+        while True:
+            generation, message = await self._queue.get()
+            if generation == self._generation:
+                return message
 
     async def _apply_in_thread(self, batch: list[Message]) -> None:
         work = asyncio.ensure_future(asyncio.to_thread(self._apply_batch, batch))
@@ -273,6 +299,7 @@ class Projector:
     async def _record(self, batch: list[Message], newly_applied: list[Message]) -> None:
         for message in newly_applied:
             self.applied_total[message.stream] += 1
+            self._last_event_at[message.stream] = epoch_s(message.time)
             if isinstance(message, SkippedMessage):
                 self.skipped_total[message.stream] += 1
         async with self._progress:
@@ -288,9 +315,8 @@ class Projector:
             self._progress.notify_all()
 
     async def _resume_from_database(self) -> None:
-        for task in self._followers.values():
-            task.cancel()
-        await asyncio.gather(*self._followers.values(), return_exceptions=True)
+        self._generation += 1
+        await _cancel_within(list(self._followers.values()), stop_timeout_s)
         while not self._queue.empty():
             self._queue.get_nowait()
         for pending in self._pending.values():
@@ -302,17 +328,40 @@ class Projector:
     async def _lag_loop(self) -> None:
         while True:
             for stream in self.streams:
-                try:
-                    last_seq = await asyncio.wait_for(
-                        stream_last_seq(self._js, stream), timeout=stream_info_timeout_s
-                    )
-                except asyncio.CancelledError:
-                    raise
-                except Exception as error:
-                    log.debug("projector: cannot read %s's last sequence: %s", stream, error)
-                    continue
-                self.stream_last_seqs[stream] = max(last_seq, self.positions[stream])
+                await self._check_stream(stream)
             await asyncio.sleep(lag_poll_interval_s)
+
+    async def _check_stream(self, stream: str) -> None:
+        """Poll `stream`'s last sequence, and read it again from the start if it was recreated."""
+        try:
+            state = await asyncio.wait_for(stream_state(self._js, stream), timeout=stream_info_timeout_s)
+            await self._read_again_if_recreated(stream, state)
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:
+            log.debug("projector: cannot read %s's state: %s", stream, error)
+            return
+        self.stream_last_seqs[stream] = max(state.last_seq, self.positions[stream])
+
+    async def _read_again_if_recreated(self, stream: str, state: StreamState) -> None:
+        """Read `stream` again from its first message when it is not the stream the position was taken in."""
+        position, last_event_at = self.positions[stream], self._last_event_at[stream]
+        if self._confirmed_created.get(stream) == state.created or not created_after(state, last_event_at):
+            return
+        why = await asyncio.wait_for(recreated_since(self._js, stream, state, position, last_event_at),
+                                     timeout=stream_info_timeout_s)
+        if why is None:
+            self._confirmed_created[stream] = state.created
+            return
+
+        def reset() -> None:
+            with self.session_factory() as session, session.begin():
+                reset_position(session, self.projection.name, stream, position)
+
+        log.warning("projector: %s was recreated (%s) after this read model applied it up to %d; reading it "
+                    "again from its first message", stream, why, position)
+        await asyncio.to_thread(reset)
+        await self._resume_from_database()
 
 
 async def _cancel_within(tasks: list[asyncio.Task], timeout_s: float) -> None:
