@@ -84,6 +84,7 @@ class RosterFile:
         self._stamp = self._file_stamp()
         self._roster = Roster.load(self.path)
         self._checked_at = time.monotonic()
+        self.looked_at = time.time()  # wall clock of the last look at the file
 
     def _file_stamp(self) -> tuple[int, int, int] | None:
         try:
@@ -97,7 +98,7 @@ class RosterFile:
         now = time.monotonic()
         if not recheck_now and now - self._checked_at < self.recheck_interval_s:
             return self._roster
-        self._checked_at = now
+        self._checked_at, self.looked_at = now, time.time()
         stamp = self._file_stamp()
         if stamp is not None and stamp != self._stamp:
             try:
@@ -145,11 +146,14 @@ class EventVerifier:
         event's own canonical bytes)."""
         if not event.signer or not event.signature:
             return "unsigned"
+        if received_at.tzinfo is None:
+            received_at = received_at.replace(tzinfo=timezone.utc)
+        if self._roster_file is not None and received_at.timestamp() >= self._roster_file.looked_at:
+            # Stored since the file was last looked at: a removal saved meanwhile must count, as it will in a rebuild.
+            self._roster_file.current(recheck_now=True)
         member = self._member(event.signer)
         if member is None:
             return "unknown_signer"
-        if received_at.tzinfo is None:
-            received_at = received_at.replace(tzinfo=timezone.utc)
         if isinstance(member, RemovedMember):
             # What it signed while it belonged stays valid, so a rebuild applies what the live projection did.
             if received_at >= member.removed_at:

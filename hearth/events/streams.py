@@ -44,7 +44,11 @@ duplicate_window_s = 120.0
 # the API subject, not the request's body, so a reader could otherwise make a consumer that outlives it (a durable).
 # hearth's own readers ask for less (events/ordered_reader.py).
 consumer_inactive_limit_s = 60.0
-# Consumers a stream holds at once: a community's processes need a few each; a member making more is refused.
+# The weights store's stream: nats-py's object store leaves each object's consumer behind to expire, so they must
+# expire soon (the server's own default for a consumer that names no threshold).
+weights_consumer_inactive_limit_s = 5.0
+# Consumers a stream holds at once: a community's processes need a few each. The server refuses more, whoever asks;
+# the steward's sweep (services/broker/consumer_sweep.py) keeps one member from taking them all.
 max_consumers_per_stream = 1024
 
 # Copies of each stream on a cluster (a stream survives losing one node of three with its quorum); a single
@@ -96,9 +100,9 @@ class StreamSpec:
         )
 
 
-def consumer_limits() -> StreamConsumerLimits:
-    """The limits the server holds every consumer of a hearth stream to (the weights store's too)."""
-    return StreamConsumerLimits(inactive_threshold=consumer_inactive_limit_s)
+def consumer_limits(inactive_limit_s: float = consumer_inactive_limit_s) -> StreamConsumerLimits:
+    """The limits the server holds every consumer of a hearth stream to (the weights store's with its own)."""
+    return StreamConsumerLimits(inactive_threshold=inactive_limit_s)
 
 
 SHARDS_STREAM_SPEC = StreamSpec(

@@ -87,14 +87,18 @@ def remove_command(
     """Remove a member: the broker refuses its key from then on (a broker run by `hearth nats --community DIR`
     applies the roster within seconds and closes its connections), its gateway API keys are revoked, calls it signs
     are refused, and events the broker stores from it afterwards are rejected (`removed_signer`), while what it
-    signed before still verifies. Its key can never join again; a member coming back is added with a new one."""
+    signed before still verifies. Its name and key can never join again (its history stays theirs); a member
+    coming back is added with new ones."""
     from hearth.services.gateway.keys import API_KEYS_FILE, ApiKeyError, revoke_api_keys
     from hearth.trust.community import Community
     from hearth.trust.roster import RosterError
 
+    community = Community(directory)
     try:
-        removed, seed_file = Community(directory).remove(name)
+        community.check_removable(name)  # before anything changes, so a refusal leaves everything as it was
+        # Its API keys go first: a removal that fails there can simply be run again.
         api_keys = revoke_api_keys(directory, name) if (directory / API_KEYS_FILE).is_file() else 0
+        removed, seed_file = community.remove(name)
     except (RosterError, ApiKeyError) as error:
         _fail(str(error))
     member = removed.member

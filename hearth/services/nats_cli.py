@@ -19,6 +19,8 @@ if TYPE_CHECKING:
     from hearth.services.common.config import NatsSettings
 
 COMMAND = "hearth nats"
+# After nats-server refused a changed roster, it is tried again this long later (or when the roster changes again).
+reload_retry_s = 30.0
 NATS_HELP_EPILOG = (
     "A cluster: `hearth nats --cluster 3` runs three nodes here (client ports PORT, PORT+1, PORT+2; cluster ports "
     "from --cluster-port; stores STORE/nats-0..2) and prints their URLs comma-separated, which --nats and "
@@ -135,6 +137,7 @@ def nats_command(
                                     store_dir=store, **server_options)
     else:
         servers = EmbeddedNatsServer(port=port, store_dir=store, **server_options)
+    roster_watch = None if community is None else _roster_watch(community, server_options["authorization"])
     try:
         if check:
             servers.check_config()
@@ -143,13 +146,12 @@ def nats_command(
         servers.start()
     except NatsServerError as error:
         _fail(str(error))
-    roster_watch, sweeper = None, None
+    sweeper = None
     if community is not None:
         steward = _steward_settings(servers, community, tls=tls_cert is not None)
         if steward is not None:
             _create_streams(steward, community, one_node=node is not None)
             sweeper = _consumer_sweeper(steward, community)
-        roster_watch = RosterWatch(community, server_options["authorization"])
     typer.echo(servers.url)
     typer.echo(f"JetStream store: {store.resolve()}  (Ctrl-C to stop)", err=True)
     _serve_until_stopped(servers, stop_requested, roster_watch, sweeper)
@@ -157,33 +159,55 @@ def nats_command(
 
 class RosterWatch:
     """Applies a community's changed roster to the running broker: a member added may connect within a second,
-    a member removed has its connections closed by nats-server. A roster that does not read keeps the last one."""
+    a member removed has its connections closed by nats-server. A roster that does not read keeps the last one; a
+    reload nats-server refuses is said at once and tried again when the roster changes or `reload_retry_s` later."""
 
     def __init__(self, community: Path, applied_authorization: str | None) -> None:
         from hearth.events.signing import RosterFile
         from hearth.trust.community import Community
 
-        self.roster_file = RosterFile(Community(community).roster_path)
+        self.roster_file = RosterFile(Community(community).roster_path, recheck_interval_s=0.0)
         self.applied_authorization = applied_authorization
-        self._applied_roster = None
+        self._applied_roster = None  # the first look renders it again: the file may have changed since
+        self._admitted_names = {member.name for member in self.roster_file.current().members}
+        self._failed: tuple[object, float] | None = None  # (the roster whose reload failed, when)
 
     def apply_changes(self, servers: "EmbeddedNatsServer") -> None:
-        from hearth.services.broker.permissions import render_authorization
+        import time
+
+        from hearth.services.broker.permissions import admitted, render_authorization
         from hearth.services.broker.server import NatsServerError
 
         roster = self.roster_file.current()
         if roster is self._applied_roster:
             return
+        if self._failed is not None and self._failed[0] is roster and time.monotonic() < self._failed[1]:
+            return
         authorization = render_authorization(roster)
         if authorization != self.applied_authorization:
             try:
                 servers.reload(authorization)
-            except NatsServerError as error:  # it keeps serving as before and tries again at the next look
-                typer.echo(f"{COMMAND}: the changed roster was not applied: {error}", err=True)
+            except NatsServerError as error:  # it keeps serving with the roster it had
+                self._failed = (roster, time.monotonic() + reload_retry_s)
+                still_in = sorted(self._admitted_names - {member.name for member in roster.members})
+                pending = f"; still admitted though removed: {', '.join(still_in)}" if still_in else ""
+                typer.echo(f"{COMMAND}: the changed roster was not applied ({error}){pending}; tried again when "
+                           f"the roster changes or in {reload_retry_s:g} s", err=True)
                 return
-            typer.echo(f"{COMMAND}: roster changed; the broker now admits its {len(roster.members)} members",
+            typer.echo(f"{COMMAND}: roster changed; the broker now admits "
+                       f"{sum(admitted(member) for member in roster.members)} of its {len(roster.members)} members",
                        err=True)
-        self.applied_authorization, self._applied_roster = authorization, roster
+        self.applied_authorization, self._applied_roster, self._failed = authorization, roster, None
+        self._admitted_names = {member.name for member in roster.members}
+
+
+def _roster_watch(community: Path, authorization: str | None) -> RosterWatch:
+    from hearth.trust.roster import RosterError
+
+    try:
+        return RosterWatch(community, authorization)
+    except RosterError as error:
+        _fail(str(error))
 
 
 def _steward_settings(servers: "EmbeddedNatsServer", community: Path, *, tls: bool) -> "NatsSettings | None":

@@ -174,12 +174,12 @@ async def _bucket(js, *, create: bool):
 
 
 async def _limit_consumers(js) -> None:
-    from hearth.events.streams import consumer_limits, max_consumers_per_stream
+    from hearth.events.streams import consumer_limits, max_consumers_per_stream, weights_consumer_inactive_limit_s
 
+    limits = consumer_limits(weights_consumer_inactive_limit_s)
     config = (await js.stream_info(WEIGHTS_STREAM)).config
-    if config.max_consumers != max_consumers_per_stream or config.consumer_limits != consumer_limits():
-        await js.update_stream(config.evolve(max_consumers=max_consumers_per_stream,
-                                             consumer_limits=consumer_limits()))
+    if config.max_consumers != max_consumers_per_stream or config.consumer_limits != limits:
+        await js.update_stream(config.evolve(max_consumers=max_consumers_per_stream, consumer_limits=limits))
 
 
 def _layer_blobs(folder: Path):

@@ -73,6 +73,10 @@ class Community:
         updated.save(self.roster_path)
         return AddedMember(member, seed_file)
 
+    def check_removable(self, name: str) -> None:
+        """RosterError, as `remove` would raise it, without changing anything."""
+        self.roster().without_member(name, removed_at=datetime.now(timezone.utc))
+
     def remove(self, name: str) -> tuple[RemovedMember, Path | None]:
         """Move `name` to the roster's removed members and delete its seed file if one was left here; returns
         the removal and the seed file deleted (None: there was none)."""

@@ -10,7 +10,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from hearth.trust.keys import PUBLIC_KEY_PATTERN, check_public_key
 
@@ -65,7 +65,7 @@ class RemovedMember(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     member: Member
-    removed_at: datetime
+    removed_at: AwareDatetime
 
 
 class Roster(BaseModel):
@@ -90,6 +90,10 @@ class Roster(BaseModel):
         reused = sorted(member.name for member in self.members if member.public_key in revoked)
         if reused:
             raise ValueError(f"members hold the key of a removed member: {', '.join(reused)}")
+        gone_names = {gone.member.name for gone in self.removed}
+        renamed = sorted(member.name for member in self.members if member.name in gone_names)
+        if renamed:
+            raise ValueError(f"members bear the name of a removed member: {', '.join(renamed)}")
         return self
 
     def by_name(self, name: str) -> Member | None:
@@ -113,6 +117,11 @@ class Roster(BaseModel):
         if gone is not None:
             raise RosterError(f"that public key belonged to {gone.member.name!r}, removed at "
                               f"{gone.removed_at:%Y-%m-%d %H:%M:%S} UTC; a member coming back needs a new key")
+        gone = next((removed for removed in self.removed if removed.member.name == member.name), None)
+        if gone is not None:
+            # Its node id, shards, reputation and signed events are that member's: a new member must not inherit them.
+            raise RosterError(f"{member.name!r} was a member removed at {gone.removed_at:%Y-%m-%d %H:%M:%S} UTC, "
+                              "whose node, shards and record keep that name; choose another name")
         return self.model_copy(update={"members": [*self.members, member]})
 
     def without_member(self, name: str, *, removed_at: datetime) -> "Roster":

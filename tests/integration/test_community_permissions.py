@@ -13,7 +13,7 @@ from hearth.protocol.subjects import shard_events_subject_of_node
 from hearth.services.common.config import NatsSettings
 from hearth.services.broker.connection import BrokerRefusedCredentials, connect_nats, flush_ordered
 from hearth.services.broker.permissions import render_authorization
-from hearth.services.broker.server import EmbeddedNatsServer
+from hearth.services.broker.server import EmbeddedNatsServer, NatsServerError, server_start_timeout_s
 from hearth.trust.community import Community
 from hearth.trust.keys import MemberKey
 
@@ -174,3 +174,15 @@ async def test_members_connecting_while_others_are_added_are_not_refused(communi
     reloading = False
     await asyncio.wait_for(connecting, 60)  # raises BrokerRefusedCredentials if a connect gave up
     assert connects >= reloads_while_connecting
+
+
+async def test_a_reload_nats_server_refuses_is_said_at_once_and_the_old_users_stay(community_server):
+    community, server = community_server
+    started = asyncio.get_running_loop().time()
+    with pytest.raises(NatsServerError, match="kept its previous configuration"):
+        await asyncio.to_thread(server.reload, "authorization { users = [ {nkey: ")
+    assert asyncio.get_running_loop().time() - started < server_start_timeout_s / 2
+    await asyncio.to_thread(server.restart)  # the file holds the running configuration again: it starts
+    nc = await connect_nats(settings=NatsSettings(url=server.url, creds_file=community.directory / "keys" / "alice.nk",
+                                                  connect_timeout_s=5))
+    await nc.close()

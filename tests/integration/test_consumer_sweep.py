@@ -17,7 +17,12 @@ from hearth.events.models import ShardHeartbeat
 from hearth.events.streams import consumer_inactive_limit_s
 from hearth.protocol.subjects import CHAT_REQUEST_SUBJECT
 from hearth.services.broker.connection import connect_nats
-from hearth.services.broker.consumer_sweep import ConsumerSweeper, sweep_consumers
+from hearth.services.broker.consumer_sweep import (
+    ConsumerSweeper,
+    listed_consumers,
+    max_consumers_per_member,
+    sweep_consumers,
+)
 from hearth.services.broker.permissions import render_authorization
 from hearth.services.broker.server import EmbeddedNatsServer
 from hearth.services.common.config import NatsSettings
@@ -51,13 +56,15 @@ def heartbeat(tokens_served: int) -> ShardHeartbeat:
 async def create_named_consumer(nc, stream: str, config: dict) -> dict:
     """The API request a reader is granted (CONSUMER.CREATE.<stream>.<name>), with any body it likes."""
     body = {"stream_name": stream, "config": {"ack_policy": "explicit", **config}}
-    reply = await nc.request(f"$JS.API.CONSUMER.CREATE.{stream}.{config['durable_name']}",
+    name = config.get("durable_name") or config["name"]
+    reply = await nc.request(f"$JS.API.CONSUMER.CREATE.{stream}.{name}",
                              json.dumps(body).encode(), timeout=5)
     return json.loads(reply.data)
 
 
-async def consumer_names(js, stream: str) -> set[str]:
-    return {info.name for info in await js.consumers_info(stream)}
+async def consumer_names(nc, stream: str) -> set[str]:
+    """As the broker lists them (nats-py's models fail on settings a member may choose)."""
+    return {entry["name"] for entry in await listed_consumers(nc, stream)}
 
 
 async def test_a_reader_pushing_a_stream_onto_another_subject_is_swept_and_its_own_readers_stay(community_server):
@@ -90,23 +97,24 @@ async def test_a_reader_pushing_a_stream_onto_another_subject_is_swept_and_its_o
         await eve.subscribe(own_inbox)
         await js.add_consumer(SHARDS_STREAM, ConsumerConfig(name="own-inbox", ack_policy=AckPolicy.NONE,
                                                             deliver_subject=own_inbox))
-        # A durable, through the subject she may use: the stream's limits hold it to the inactivity limit.
+        # A durable, through the subject she may use: the stream's limits hold it to the inactivity limit, and as a
+        # pull consumer (hearth's readers never make one) it is swept.
         refused = await create_named_consumer(eve, PIPELINES_STREAM, {"durable_name": "forever",
                                                                       "inactive_threshold": 3600 * 10**9})
         assert "inactive threshold exceeds" in refused["error"]["description"]
         limited = await create_named_consumer(eve, PIPELINES_STREAM, {"durable_name": "limited"})
         assert limited["config"]["inactive_threshold"] == consumer_inactive_limit_s * 10**9
 
-        swept = await sweep_consumers(steward.jetstream(), community.roster())
-        assert sorted((entry.stream, entry.name) for entry in swept) == [(SHARDS_STREAM, "old-durable"),
-                                                                         (SHARDS_STREAM, "pushes-elsewhere")]
-        assert await consumer_names(steward.jetstream(), SHARDS_STREAM) == {"own-inbox"}
-        assert await consumer_names(steward.jetstream(), PIPELINES_STREAM) == {"limited"}
+        swept = await sweep_consumers(steward, community.roster())
+        assert sorted((entry.stream, entry.name) for entry in swept) == [
+            (PIPELINES_STREAM, "limited"), (SHARDS_STREAM, "old-durable"), (SHARDS_STREAM, "pushes-elsewhere")]
+        assert await consumer_names(steward, SHARDS_STREAM) == {"own-inbox"}
+        assert await consumer_names(steward, PIPELINES_STREAM) == set()
         # hearth's own reader, as the orchestrator, following the stream: untouched by a sweep while it reads.
         async with aclosing(read_stream(orch.jetstream(), SHARDS_STREAM, follow=True)) as reading:
             assert (await anext(reading)).event.shard_id == "m:0-1@orch"
-            assert len(await consumer_names(steward.jetstream(), SHARDS_STREAM)) == 2
-            assert await sweep_consumers(steward.jetstream(), community.roster()) == []
+            assert len(await consumer_names(steward, SHARDS_STREAM)) == 2
+            assert await sweep_consumers(steward, community.roster()) == []
             await publish_event(steward.jetstream(), heartbeat(2))
             assert (await asyncio.wait_for(anext(reading), 5)).event.tokens_served_total == 2
     finally:
@@ -128,7 +136,7 @@ async def test_the_sweeper_thread_sweeps_again_and_again_and_stops(community_ser
             await eve.jetstream().add_consumer(PIPELINES_STREAM, ConsumerConfig(
                 name=name, ack_policy=AckPolicy.NONE, deliver_subject="hearth.act.somewhere"))
             deadline = asyncio.get_running_loop().time() + SWEEP_WAIT_S
-            while name in await consumer_names(steward.jetstream(), PIPELINES_STREAM):
+            while name in await consumer_names(steward, PIPELINES_STREAM):
                 assert asyncio.get_running_loop().time() < deadline, f"{name} was never swept"
                 await asyncio.sleep(0.1)
         assert [entry.name for entry in reported] == ["pushes-elsewhere-0", "pushes-elsewhere-1"]
@@ -137,3 +145,31 @@ async def test_the_sweeper_thread_sweeps_again_and_again_and_stops(community_ser
         for connection in (steward, eve):
             await connection.close()
     assert not sweeper._thread.is_alive()
+
+
+async def test_settings_a_client_cannot_parse_and_one_member_taking_every_place_are_swept(community_server):
+    community, server = community_server
+    steward = await connect_as(community, server, "system")
+    eve = await connect_as(community, server, "eve")
+    try:
+        await ensure_streams(steward.jetstream(), replicas=1)
+        inbox = eve.new_inbox()
+        await eve.subscribe(f"{inbox}.>")
+        # A start time nats-py's models fail to parse (a fraction with a negative offset), pushed to her own inbox:
+        # it may stay, and the sweep still judges every other consumer.
+        poison = await create_named_consumer(eve, SHARDS_STREAM, {
+            "name": "odd-time", "deliver_subject": f"{inbox}.odd", "ack_policy": "none",
+            "deliver_policy": "by_start_time", "opt_start_time": "2020-01-01T00:00:00.5-05:00"})
+        assert "error" not in poison, poison
+        for index in range(max_consumers_per_member + 3):
+            await create_named_consumer(eve, SHARDS_STREAM, {"name": f"own-{index}", "ack_policy": "none",
+                                                            "deliver_subject": f"{inbox}.{index}"})
+        await create_named_consumer(eve, SHARDS_STREAM, {"name": "pull", "ack_policy": "explicit"})
+        swept = await sweep_consumers(steward, community.roster())
+        assert {entry.name for entry in swept} == {"pull", *(f"own-{index}" for index in range(
+            max_consumers_per_member - 1, max_consumers_per_member + 3))}
+        left = await consumer_names(steward, SHARDS_STREAM)
+        assert "odd-time" in left and len(left) == max_consumers_per_member
+    finally:
+        for connection in (steward, eve):
+            await connection.close()

@@ -8,7 +8,7 @@ import torch
 
 from hearth.inference import load_head, load_layer_range, weights_sha256
 from tests.runner_limits import RUNNER_KV_LIMITS
-from hearth.events.streams import consumer_limits, max_consumers_per_stream
+from hearth.events.streams import consumer_limits, max_consumers_per_stream, weights_consumer_inactive_limit_s
 from hearth.services.broker.connection import connect_nats
 from hearth.services.broker.permissions import WEIGHTS_STREAM
 from hearth.services.weights_store import (
@@ -146,7 +146,8 @@ async def test_on_a_community_mesh_only_system_writes_and_shard_hosts_and_orches
         await publish_checkpoint(system_js, original, NAME)
         # Its readers' consumers are held to the event streams' limits (docs/design.md §11).
         stored = (await system_js.stream_info(WEIGHTS_STREAM)).config
-        assert (stored.max_consumers, stored.consumer_limits) == (max_consumers_per_stream, consumer_limits())
+        assert (stored.max_consumers, stored.consumer_limits) == (max_consumers_per_stream,
+                                                                  consumer_limits(weights_consumer_inactive_limit_s))
 
         folder = await fetch_stored_model(shard_js, NAME, (0, 1), cache_dir=tmp_path / "shard")
         assert _same_parameters(load_layer_range(folder, 0, 1, **RUNNER_KV_LIMITS),

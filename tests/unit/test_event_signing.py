@@ -4,6 +4,7 @@ what it rejects in rejected_events while its position still advances."""
 from __future__ import annotations
 
 import json
+from datetime import datetime, timedelta, timezone
 
 import pytest
 from sqlalchemy import select
@@ -198,6 +199,18 @@ def test_a_removed_member_s_events_stored_before_its_removal_still_apply_and_lat
     # The removed member's old key still proves nothing it did not sign.
     assert verdict(verifier, before.model_copy(update={"layer_hi": 7})) == "bad_signature"
     assert verdict(verifier, sign_event(completed("host0", t=10), KEYS["host0"])) == "role_may_not_emit"
+
+
+def test_a_removal_saved_after_the_roster_was_last_read_counts_for_events_stored_after_it(tmp_path):
+    path = tmp_path / "roster.json"
+    community_roster().save(path)
+    verifier = EventVerifier(RosterFile(path, recheck_interval_s=3600), max_clock_skew_s=SKEW_S)
+    event = sign_event(own_advertisement("host0"), KEYS["host0"])
+    assert verdict(verifier, event) is None
+    removed_at = datetime.now(timezone.utc)
+    community_roster().without_member("host0", removed_at=removed_at).save(path)
+    # Read live right after the removal: judged as a rebuild will judge it, not by the roster read an hour ago.
+    assert verdict(verifier, event, stored_at=removed_at + timedelta(milliseconds=1)) == "removed_signer"
 
 
 # ---- the projection ---------------------------------------------------------------------------------------

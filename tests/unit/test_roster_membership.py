@@ -37,17 +37,33 @@ def test_a_removed_member_leaves_the_members_and_the_broker_but_stays_on_record(
     assert roster.by_name("kitchen").public_key in render_authorization(roster)
 
 
-def test_a_removed_key_never_joins_again_but_its_name_may_with_a_new_key(community):
+def test_neither_a_removed_key_nor_a_removed_name_joins_again(community):
     alice = community.roster().by_name("alice")
     community.remove("alice")
     with pytest.raises(RosterError, match="removed at .* needs a new key"):
         community.add("alice-again", "client", public_key=alice.public_key)
-    assert community.add("alice", "client").member.public_key != alice.public_key
-    # A roster file edited by hand to let the key back in does not read.
+    # The name's node, shards and record are the removed member's: nobody new inherits them.
+    with pytest.raises(RosterError, match="'alice' was a member removed at .* choose another name"):
+        community.add("alice", "client")
+    assert community.add("alice2", "client").member.public_key != alice.public_key
+    # A roster file edited by hand to let the key or the name back in does not read.
+    for field, value, refusal in (("public_key", alice.public_key, "key of a removed member"),
+                                  ("name", "alice", "name of a removed member")):
+        document = json.loads(community.roster_path.read_text())
+        edited = json.loads(community.roster_path.read_text())
+        edited["members"][-1][field] = value
+        community.roster_path.write_text(json.dumps(edited))
+        with pytest.raises(RosterError, match=refusal):
+            community.roster()
+        community.roster_path.write_text(json.dumps(document))
+
+
+def test_a_removal_time_without_a_time_zone_does_not_read(community):
+    community.remove("alice")
     document = json.loads(community.roster_path.read_text())
-    document["members"][-1]["public_key"] = alice.public_key
+    document["removed"][0]["removed_at"] = "2026-12-05T00:00:00"
     community.roster_path.write_text(json.dumps(document))
-    with pytest.raises(RosterError, match="key of a removed member"):
+    with pytest.raises(RosterError, match="timezone"):
         community.roster()
 
 
@@ -83,6 +99,10 @@ def test_hearth_community_remove_says_what_it_did_and_refuses_in_one_line(commun
     assert "removed kitchen (shard, trusted)" in result.output and "deleted" in result.output
     refused = CliRunner().invoke(app, ["community", "remove", "--name", "kitchen", "--dir", directory])
     assert refused.exit_code == 1 and "no member named 'kitchen'" in refused.output
+    # A refusal changes nothing: the API keys of a member that cannot be removed stay.
+    create_api_key(community.directory, "system")
+    refused = CliRunner().invoke(app, ["community", "remove", "--name", "system", "--dir", directory])
+    assert refused.exit_code == 1 and len(ApiKeyring.load(community.directory)) == 2
     assert "Traceback" not in refused.output
     listed = CliRunner().invoke(app, ["community", "list", "--dir", directory])
     current, removed = listed.output.split("\nalice ", 1)
@@ -97,5 +117,5 @@ def test_a_process_started_with_a_removed_members_key_says_so_in_one_line(commun
     kept_key.chmod(0o600)
     assert load_identity(kept_key, community.roster_path).name == "kitchen"
     community.remove("kitchen")
-    with pytest.raises(IdentityError, match="belonged to 'kitchen', removed from the community at .* needs a new key"):
+    with pytest.raises(IdentityError, match="belonged to 'kitchen', removed from the community at .* new name and key"):
         load_identity(kept_key, community.roster_path)

@@ -23,6 +23,7 @@ server_stop_timeout_s = 10.0
 # Small on purpose: tests restart servers, and a dead server must be noticed quickly.
 readiness_poll_interval_s = 0.02
 _RELOADED_LINE = "Reloaded server configuration"
+_RELOAD_FAILED_LINE = "Failed to reload server configuration"
 
 
 class NatsServerError(RuntimeError):
@@ -192,22 +193,36 @@ class EmbeddedNatsServer:
 
     def reload(self, authorization: str | None) -> None:
         """Rewrite the configuration with new authorization and have the running server reload it (SIGHUP);
-        connections it now refuses are closed by the server, the others carry on."""
-        self.authorization = authorization
+        connections it now refuses are closed by the server, the others carry on. NatsServerError when the server
+        keeps its previous configuration, which the file then holds again (a restart starts as the server runs)."""
+        previous, self.authorization = self.authorization, authorization
         self._write_config()
         if not self.is_running():
             return
+        try:
+            self._signal_reload()
+        except NatsServerError:
+            self.authorization = previous
+            self._write_config()
+            raise
+
+    def _signal_reload(self) -> None:
         log_path = self.store_dir / "nats-server.log"
-        reloads_before = log_path.read_text(errors="replace").count(_RELOADED_LINE)
-        self._process.send_signal(signal.SIGHUP)
-        # The signal is handled asynchronously: a client that connects before the reload is applied would be
-        # judged by the old users, so wait for the server to say it is done.
-        deadline = time.monotonic() + server_start_timeout_s
-        while log_path.read_text(errors="replace").count(_RELOADED_LINE) <= reloads_before:
-            if time.monotonic() > deadline or not self.is_running():
-                raise NatsServerError(f"nats-server did not reload its configuration within "
-                                      f"{server_start_timeout_s} s:\n{log_path.read_text(errors='replace')[-2000:]}")
-            time.sleep(readiness_poll_interval_s)
+        with open(log_path, "rb") as log_file:
+            log_file.seek(0, os.SEEK_END)
+            self._process.send_signal(signal.SIGHUP)
+            # The signal is handled asynchronously: a client that connects before the reload is applied would be
+            # judged by the old users, so wait for the server to say it is done (or that it refused).
+            deadline, said = time.monotonic() + server_start_timeout_s, ""
+            while _RELOADED_LINE not in said:
+                if _RELOAD_FAILED_LINE in said:
+                    failure = said[said.index(_RELOAD_FAILED_LINE):].splitlines()[0]
+                    raise NatsServerError(f"nats-server kept its previous configuration: {failure}")
+                if time.monotonic() > deadline or not self.is_running():
+                    raise NatsServerError(f"nats-server did not reload its configuration within "
+                                          f"{server_start_timeout_s} s:\n{said[-2000:]}")
+                time.sleep(readiness_poll_interval_s)
+                said += log_file.read().decode(errors="replace")
 
     def _wait_until_accepting(self, log_path: Path) -> None:
         deadline = time.monotonic() + server_start_timeout_s

@@ -52,8 +52,9 @@ def load_identity(creds_file: Path, roster_file: Path | None = None) -> Identity
     member = roster.by_key(key.public_key)
     gone = roster.removed_by_key(key.public_key)
     if gone is not None:
-        raise IdentityError(f"the key in {creds_file} belonged to {gone.member.name!r}, removed from the community "
-                            f"at {gone.removed_at:%Y-%m-%d %H:%M:%S} UTC; a member coming back needs a new key")
+        raise IdentityError(f"the key in {creds_file} belonged to {gone.member.name!r}, removed from the "
+                            f"community at {gone.removed_at:%Y-%m-%d %H:%M:%S} UTC; a member coming back needs a new "
+                            "name and key")
     if member is None:
         raise IdentityError(f"the key in {creds_file} ({key.public_key[:12]}...) is not a member of the roster "
                             f"{roster_file}; ask a steward to run `hearth community add`")
