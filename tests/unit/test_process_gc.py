@@ -80,7 +80,7 @@ def test_hearth_nats_freezes_once_it_serves_without_an_event_loop(restored_gc):
     stop_requested = threading.Event()
     stop_requested.set()
     servers = StoppedServers()
-    nats_cli._serve_until_stopped(servers, stop_requested)
+    nats_cli._serve_until_stopped(servers, stop_requested, roster_watch=None, sweeper=None)
     assert servers.stopped
     assert gc.get_threshold() == (young, middle, full)
     assert gc.get_freeze_count() > 0
