@@ -15,6 +15,8 @@ max_tokens_limit = 8192
 # What a call generates at most when it does not say (hearth/inference/sampling.py mirrors it).
 default_max_tokens = 128
 max_prompt_chars = 1_000_000
+# Turns of one conversation: far beyond any context window's worth, and a bound on a body's validation work.
+max_messages = 4096
 max_stop_strings = 16
 max_stop_chars = 256
 # Beyond any vocabulary; a larger value would only ever mean "off" (as 0 does) and overflow torch's int64 arguments.
@@ -113,7 +115,7 @@ class ChatRequest(BaseModel):
     request_id: str = Field(default_factory=lambda: uuid.uuid4().hex, min_length=1, max_length=128)
     # May be left out when the mesh serves exactly one model (ModelsReply.default_model).
     model: str | None = Field(default=None, min_length=1, max_length=512)
-    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1, max_length=max_messages)
     prompt: str | None = Field(default=None, min_length=1, max_length=max_prompt_chars)
     max_tokens: int = Field(default=default_max_tokens, ge=1, le=max_tokens_limit)
     temperature: FiniteFloat = Field(default=0.0, ge=0.0, le=10.0)

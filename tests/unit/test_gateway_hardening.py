@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import socket
 import urllib.error
 import urllib.request
@@ -19,6 +20,7 @@ from hearth.services.common.config import HearthSettings
 from hearth.services.gateway.app import create_app
 from hearth.services.gateway.errors import GatewayError
 from hearth.services.gateway.http_server import server_config, write_stall_timeouts_total
+from hearth.protocol.chat import max_messages
 from hearth.services.gateway.keys import Caller
 from hearth.services.gateway.mesh import Gateway, MeshCall
 
@@ -33,10 +35,13 @@ def gateway_with(**gateway_settings) -> Gateway:
 
 
 @contextlib.asynccontextmanager
-async def serving(gateway: Gateway):
-    """The gateway's app on uvicorn as `hearth gateway` configures it, on a free loopback port: its base URL."""
+async def serving(gateway: Gateway, servers: list | None = None):
+    """The gateway's app on uvicorn as `hearth gateway` configures it, on a free loopback port: its base URL (the
+    uvicorn server appended to `servers`)."""
     sock = socket.create_server(("127.0.0.1", 0))
     server = uvicorn.Server(server_config(create_app(gateway), gateway.settings.gateway))
+    if servers is not None:
+        servers.append(server)
     server.capture_signals = contextlib.nullcontext  # the test runner owns the signals
     task = asyncio.create_task(server.serve(sockets=[sock]))
     try:
@@ -143,6 +148,34 @@ async def test_a_client_that_stops_reading_its_answer_is_dropped_and_frees_its_c
             client.close()
 
 
+async def test_a_client_that_never_reads_the_answers_to_a_few_pipelined_requests_is_dropped():
+    # Answers small enough that writing would not pause at the transport's default limit: uvicorn's keep-alive
+    # timeout then closes the connection, and close() waits for the client to read them, for ever.
+    gateway = gateway_with(write_stall_timeout_s=READ_TIMEOUT_S, keep_alive_timeout_s=READ_TIMEOUT_S,
+                           request_read_timeout_s=READ_TIMEOUT_S)
+    servers: list = []
+    dropped_before = write_stall_timeouts_total._value.get()
+    async with serving(gateway, servers) as address:
+        connections = servers[0].server_state.connections
+        client = socket.socket()
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
+        client.settimeout(CLOSE_WAIT_S)
+        client.connect(address)
+        try:
+            deadline = asyncio.get_running_loop().time() + CLOSE_WAIT_S
+            # Until an answer waits in the server's own buffer, the socket's being full.
+            while not any(connection.transport.get_write_buffer_size() for connection in connections):
+                assert asyncio.get_running_loop().time() < deadline, "no answer ever waited"
+                await asyncio.to_thread(client.sendall, b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n" * 20)
+                await asyncio.sleep(0.02)
+            while connections and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.05)
+            assert not connections, "the connection lingers with its unread answers"
+            assert write_stall_timeouts_total._value.get() == dropped_before + 1
+        finally:
+            client.close()
+
+
 async def test_a_head_growing_past_the_limit_is_refused():
     async with serving(gateway_with(max_header_bytes=1024)) as address:
         received = await received_until_closed(address, b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Padding: "
@@ -164,6 +197,21 @@ def test_one_member_has_at_most_its_open_calls_and_another_member_still_gets_in(
     assert gateway.open_calls == 0 and not gateway.open_calls_by_member
     with gateway.open_call(alice):  # freed again
         pass
+
+
+async def test_a_body_and_a_model_list_are_read_only_within_the_calls_share_and_messages_are_bounded():
+    gateway = gateway_with(max_open_requests=1, keep_alive_timeout_s=READ_TIMEOUT_S,
+                           request_read_timeout_s=READ_TIMEOUT_S)
+    async with serving(gateway) as address:
+        too_many = json.dumps({"model": "m", "messages": [{"role": "user"}] * (max_messages + 1)}).encode()
+        request = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                   b"Content-Length: %d\r\n\r\n%s" % (len(too_many), too_many))
+        answered = await received_until_closed(address, request + b"GET /x HTTP/1.1\r\nConnection: close\r\n\r\n")
+        assert answered.startswith(b"HTTP/1.1 400 ") and b'"param":"messages"' in answered.replace(b" ", b"")
+        with gateway.open_call(None):  # every place taken: the body is not even read, nor the mesh asked
+            answered = await received_until_closed(address, request)
+            listed = await asyncio.to_thread(get, address, "/v1/models")
+        assert answered.startswith(b"HTTP/1.1 429 ") and listed[0] == 429
 
 
 async def test_no_cors_headers_unless_origins_are_configured():
@@ -229,3 +277,40 @@ async def test_asking_the_mesh_about_an_unseen_model_counts_as_an_open_call():
         assert second.startswith(b"HTTP/1.1 429 "), second[:80]
         gateway.release.set()
         assert (await first).startswith(b"HTTP/1.1 404 ")
+
+
+def test_api_keys_asked_for_on_an_open_mesh_are_refused_in_one_line(tmp_path):
+    from typer.testing import CliRunner
+
+    from hearth.services.cli import app
+
+    result = CliRunner().invoke(app, ["gateway", "--insecure", "--community", str(tmp_path), "--port", "0"])
+    assert result.exit_code == 1 and "which an open mesh (--insecure) does not use" in result.output
+    assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize(("answer", "status", "code"), [
+    (b'{"type": "error", "seq": 0, "code": "bad_request", "message": "body: over max_request_bytes"}', 400,
+     "bad_request"),
+    (b'{"type": "error", "seq": 0, "code": "unauthorized", "message": "not a member"}', 403, "unauthorized"),
+    (b"no models reply", 502, "internal_error"),
+])
+async def test_an_orchestrator_s_refusal_of_llm_models_is_an_openai_error_not_a_crash(answer, status, code):
+    async def request(subject, data, timeout):
+        return SimpleNamespace(data=answer)
+
+    gateway = Gateway(SimpleNamespace(is_connected=True, request=request), HearthSettings(), keyring=None)
+    with pytest.raises(GatewayError) as refused:
+        await gateway.models()
+    assert (refused.value.status, refused.value.code) == (status, code)
+
+
+def test_paths_and_methods_the_gateway_does_not_serve_get_openai_shaped_errors_and_no_redirects():
+    from starlette.testclient import TestClient
+
+    client = TestClient(create_app(gateway_with()))
+    for method, path, status, code in (("GET", "/v1/nope", 404, "not_found"), ("GET", "/v1/models/", 404, "not_found"),
+                                       ("GET", "/v1/chat/completions", 405, "method_not_allowed")):
+        answered = client.request(method, path, follow_redirects=False)
+        assert (answered.status_code, answered.json()["error"]["code"]) == (status, code)
+    assert client.get("/v1/chat/completions").headers["allow"] == "POST"

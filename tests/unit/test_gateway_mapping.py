@@ -205,6 +205,14 @@ def test_a_running_gateway_sees_keys_made_and_revoked_within_the_recheck(communi
     clock.now_s = 3.0
     assert keyring.caller_for(third) is None and len(keyring) == 0
     assert "last good ones stay in use" in caplog.text
+    # A deleted file revokes every key, rather than leaving the last ones in use.
+    (community.directory / API_KEYS_FILE).unlink()
+    fourth = create_api_key(community.directory, "alice")
+    clock.now_s = 4.0
+    assert keyring.caller_for(fourth).name == "alice"
+    (community.directory / API_KEYS_FILE).unlink()
+    clock.now_s = 5.0
+    assert keyring.caller_for(fourth) is None and len(keyring) == 0
 
 
 

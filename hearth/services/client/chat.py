@@ -293,8 +293,25 @@ async def chat(nc: NatsClient, request: ChatRequest, **timeouts: float) -> ChatR
     return result
 
 
+class ModelsRefused(Exception):
+    """An orchestrator answered `llm.models` with an error frame (`frame`), or with what is no models reply (None)."""
+
+    def __init__(self, frame: ErrorFrame | None) -> None:
+        self.frame = frame
+        super().__init__(f"{frame.code}: {frame.message}" if frame is not None
+                         else f"the answer on {MODELS_REQUEST_SUBJECT} is no models reply")
+
+
 async def list_models(nc: NatsClient, timeout_s: float = _client_defaults.first_frame_timeout_s) -> ModelsReply:
     """Ask `llm.models` which models the mesh can serve now. Raises nats' NoRespondersError when no orchestrator
-    listens, and its TimeoutError when none answers within `timeout_s`."""
+    listens, its TimeoutError when none answers within `timeout_s`, and ModelsRefused for an answer that is no
+    models reply."""
     message = await nc.request(MODELS_REQUEST_SUBJECT, ModelsRequest().model_dump_json().encode(), timeout=timeout_s)
-    return ModelsReply.model_validate_json(message.data)
+    try:
+        return ModelsReply.model_validate_json(message.data)
+    except ValidationError:
+        try:
+            frame = ErrorFrame.model_validate_json(message.data)
+        except ValidationError:
+            raise ModelsRefused(None) from None
+        raise ModelsRefused(frame) from None

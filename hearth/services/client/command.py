@@ -9,7 +9,7 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from pydantic import ValidationError
 
-from hearth.services.client.chat import AnswerTokens, choice_of, list_models, stream_chat
+from hearth.services.client.chat import AnswerTokens, ModelsRefused, choice_of, list_models, stream_chat
 from hearth.services.common.display import display_text
 from hearth.protocol.chat import (
     ChatFrame,
@@ -180,6 +180,9 @@ async def _models(nats_url: str, *, as_json: bool, settings: HearthSettings) -> 
         return EXIT_NO_ANSWER
     except NatsTimeoutError:
         _say(f"hearth models: no orchestrator answered within {settings.client.first_frame_timeout_s:g} s")
+        return EXIT_NO_ANSWER
+    except ModelsRefused as refused:
+        _say(f"hearth models: the orchestrator refused: {refused}")
         return EXIT_NO_ANSWER
     finally:
         await close_quietly(nc, settings.nats.close_timeout_s)

@@ -19,6 +19,7 @@ from contextlib import ExitStack
 import anyio
 from pydantic import BaseModel, ValidationError
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
@@ -119,8 +120,9 @@ class GatewayApp:
 
     async def models(self, request: Request) -> Response:
         try:
-            self.gateway.caller(request.headers.get("authorization"))
-            reply = await self.gateway.models()
+            caller = self.gateway.caller(request.headers.get("authorization"))
+            with self.gateway.open_call(caller):  # each asks the mesh: within the member's share of calls
+                reply = await self.gateway.models()
         except GatewayError as error:
             return error.response()
         servable = [ModelCard(id=model.id) for model in reply.models if model.complete or model.runnable_locally]
@@ -138,6 +140,10 @@ class GatewayApp:
         call: MeshCall | None = None
         try:
             caller = self.gateway.caller(request.headers.get("authorization"))
+            # The slot before the body: a member's bodies are read and validated within its share of calls, so it
+            # cannot keep the event loop busy with more of them at once. Asking the mesh about a model name it has
+            # not seen counts as an open call too.
+            slot.enter_context(self.gateway.open_call(caller))
             body = await self._body(request, body_model)
             try:
                 chat_request = body.to_chat_request()
@@ -145,8 +151,6 @@ class GatewayApp:
                 raise bad_request(str(error), error.param) from None
             except BadRequest as error:
                 raise bad_request(str(error)) from None
-            # The slot first: asking the mesh about a model name it has not seen counts as an open call too.
-            slot.enter_context(self.gateway.open_call(caller))
             await self.gateway.check_model(chat_request.model)
             model = chat_request.model or (await self.gateway.models()).default_model or "default"
             shape = shape_class(id=id_prefix + chat_request.request_id, model=model)
@@ -181,7 +185,7 @@ class GatewayApp:
 
     async def _body(self, request: Request, body_model):
         limit = self.gateway.settings.orchestrator.max_request_bytes
-        data = b""
+        data = bytearray()  # a body trickled in small pieces would be copied again at each with bytes
         async for piece in request.stream():
             data += piece
             if len(data) > limit:
@@ -291,5 +295,15 @@ def create_app(gateway: Gateway) -> MetricsMiddleware:
         Route("/v1/models", handlers.models, methods=["GET"]),
         Route("/v1/chat/completions", handlers.chat_completions, methods=["POST"]),
         Route("/v1/completions", handlers.completions, methods=["POST"]),
-    ])
+    ], exception_handlers={HTTPException: _openai_shaped})
+    # A path with a trailing slash is not found, not redirected: a redirect's Location would be built from the
+    # client's own Host header.
+    app.router.redirect_slashes = False
     return MetricsMiddleware(app)
+
+
+async def _openai_shaped(request: Request, error: HTTPException) -> Response:
+    """Starlette's own refusals (no such path, a method the path does not take) in OpenAI's error shape."""
+    code = {404: "not_found", 405: "method_not_allowed"}.get(error.status_code, "invalid_request")
+    shaped = GatewayError(error.status_code, code, f"{request.method} {request.url.path}: {error.detail}")
+    return JSONResponse(shaped.body().model_dump(), status_code=error.status_code, headers=error.headers)

@@ -135,7 +135,8 @@ def gateway_command(
     port (--metrics-port).
 
     On a community mesh every call needs an API key (Authorization: Bearer KEY) of a member, and is signed
-    with that member's key; with --insecure (an open mesh) no key is asked for."""
+    with that member's key; with --insecure (an open mesh) no key is asked for, and anyone who reaches the port
+    (all of a LAN with --host 0.0.0.0) calls with no per-member limit."""
     from hearth.services.common.lifecycle import run_until_stopped
 
     wait_for_nats(ctx, wait_for_nats_flag)
@@ -143,6 +144,13 @@ def gateway_command(
     identity = use_credentials(ctx, "hearth gateway", creds, insecure)
     hearth_settings = settings(ctx)
     community_dir = None
+    if identity is None and (community is not None or hearth_settings.gateway.community_dir is not None):
+        # API keys sign calls with their members' keys: on an open mesh there is nothing to check them against, and
+        # serving without them while the operator asked for them would let anyone in unnoticed.
+        typer.echo("hearth gateway: --community (or [gateway] community_dir) asks for API keys, which an open "
+                   "mesh (--insecure) does not use: give --creds instead of --insecure, or leave out the community",
+                   err=True)
+        raise typer.Exit(1)
     if identity is not None:
         community_dir = (community or hearth_settings.gateway.community_dir
                          or community_of(hearth_settings.nats.creds_file))

@@ -6,9 +6,10 @@ client that sends half a header line and stalls (or trickles a byte at a time) w
 without ever presenting an API key. uvicorn takes the HTTP protocol class as a setting (`http=`), so the deadline
 is its h11 protocol with a timer added: armed when a connection opens and after each answer, disarmed once the
 request (line, headers and body) is in. An ASGI middleware could not do it: the app runs only after the headers.
-uvicorn has no write timeout either: a client that stops reading a streamed answer (its receive window full) would
-hold its connection and its call's slot as long as it likes, so the transport's own flow control arms a second
-timer while it holds writing paused, and drops the connection when the client has not read for that long.
+uvicorn has no write timeout either: a client that stops reading a streamed answer (its receive window full), or the
+answers to requests it pipelined, would hold its connection (and a call's slot) as long as it likes, so the
+transport's own flow control, pausing as soon as a byte waits, arms a second timer while it holds writing paused, and
+drops the connection when the client has not read for that long.
 """
 
 from __future__ import annotations
@@ -52,6 +53,9 @@ class RequestDeadlineProtocol(H11Protocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        # Writing pauses as soon as a byte waits for the client, so the stall deadline covers every unread answer,
+        # a short one the connection is closing after included (close() waits for those bytes to drain).
+        transport.set_write_buffer_limits(high=0)
         self._arm_read_deadline()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -75,8 +79,7 @@ class RequestDeadlineProtocol(H11Protocol):
 
     def _write_deadline_passed(self) -> None:
         self._write_deadline = None
-        if not self.transport.is_closing():
-            write_stall_timeouts_total.inc()
+        write_stall_timeouts_total.inc()
         # abort, not close: close would wait for the unread bytes to drain, which is what the client withholds.
         self.transport.abort()
 

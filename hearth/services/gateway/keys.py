@@ -149,6 +149,9 @@ class ApiKeyring:
         a member removed from the roster must not keep the file's other changes (revocations) from taking effect."""
         path = community_dir / API_KEYS_FILE
         if not path.exists():
+            if skip_unusable:  # deleted while the gateway serves: every key is revoked, not the last ones kept
+                log.warning("%s no longer exists: no API key is accepted until it does", path)
+                return cls([])
             raise ApiKeyError(f"{path} does not exist: make a key with `hearth community api-key --dir "
                               f"{community_dir} --name MEMBER`")
         roster = _roster(community_dir)

@@ -22,7 +22,7 @@ from nats.aio.client import Client as NatsClient
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
-from hearth.services.client.chat import list_models, stream_chat
+from hearth.services.client.chat import ModelsRefused, list_models, stream_chat
 from hearth.protocol.chat import (
     ChatRequest,
     DoneFrame,
@@ -34,7 +34,7 @@ from hearth.protocol.chat import (
 )
 from hearth.protocol.subjects import MODELS_REQUEST_SUBJECT
 from hearth.services.common.config import HearthSettings
-from hearth.services.gateway.errors import GatewayError, overloaded, unauthenticated, unknown_model
+from hearth.services.gateway.errors import GatewayError, from_frame, overloaded, unauthenticated, unknown_model
 from hearth.services.gateway.keys import Caller, WatchedApiKeyring, bearer_token
 
 log = logging.getLogger(__name__)
@@ -83,6 +83,10 @@ class Gateway:
         except (NatsTimeoutError, asyncio.TimeoutError):
             raise GatewayError(503, "orchestrator_gone", f"no orchestrator answered {MODELS_REQUEST_SUBJECT} "
                                f"within {timeout_s:g} s", type="service_unavailable_error") from None
+        except ModelsRefused as refused:
+            if refused.frame is not None:
+                raise from_frame(refused.frame, self.settings.gateway.retry_after_s) from None
+            raise GatewayError(502, "internal_error", str(refused), type="server_error") from None
         self._known_models = {model.id for model in reply.models}
         return reply
 

@@ -28,6 +28,7 @@ from hearth.protocol.chat import (
     VerifyLevel,
     describe_validation_error,
     max_choices,
+    max_messages,
     max_top_logprobs,
 )
 from hearth.services.gateway.logprobs import ChatLogprobs, CompletionLogprobs
@@ -155,7 +156,7 @@ class _Sampling(BaseModel):
 class ChatCompletionRequest(_Sampling):
     """The body of POST /v1/chat/completions."""
 
-    messages: list[OpenAIMessage] = Field(min_length=1)
+    messages: list[OpenAIMessage] = Field(min_length=1, max_length=max_messages)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
