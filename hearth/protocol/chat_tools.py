@@ -36,12 +36,15 @@ def _depth(value: Any) -> int:
 
 
 def _bounded_schema(schema: dict[str, Any]) -> dict[str, Any]:
-    size = len(json.dumps(schema, separators=(",", ":")))
-    if size > max_schema_chars:
-        raise ValueError(f"the schema is {size} characters of JSON, more than {max_schema_chars}")
     depth = _depth(schema)
     if depth > max_schema_depth:
         raise ValueError(f"the schema nests {depth} levels deep, more than {max_schema_depth}")
+    try:
+        size = len(json.dumps(schema, separators=(",", ":"), allow_nan=False))
+    except ValueError:  # it would travel on as null, a bound the caller never wrote
+        raise ValueError("the schema holds NaN or Infinity, which JSON has no numbers for") from None
+    if size > max_schema_chars:
+        raise ValueError(f"the schema is {size} characters of JSON, more than {max_schema_chars}")
     return schema
 
 

@@ -96,6 +96,12 @@ def nested(depth: int) -> dict:
     ({"response_format": {"type": "json_schema"}}, "response_format"),
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": nested(40)}}},
      "response_format.json_schema.schema"),
+    # NaN would travel on as null, a bound the caller never wrote.
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "number",
+                                                                            "maximum": float("nan")}}}},
+     "response_format.json_schema.schema': Value error, the schema holds NaN or Infinity"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"minimum": float("-inf")}}}]},
+     "tools.0.function.parameters': Value error, the schema holds NaN or Infinity"),
 ])
 def test_structured_options_hearth_cannot_take_are_bad_requests_naming_the_field(fields, named):
     with pytest.raises(BadRequest, match=named.replace(".", r"\.")):
