@@ -20,6 +20,7 @@ from hearth.events.models import (
 from hearth.events.streams import PIPELINES_STREAM, SHARDS_STREAM
 from hearth.protocol.subjects import event_subject, shard_id_for
 from hearth.readmodels.db import open_engine, upgrade_database
+from hearth.readmodels.rebuild import UNCOMPARED_COLUMNS
 from hearth.readmodels.projection import ReadModelProjection
 from hearth.readmodels.tables import Base
 
@@ -109,7 +110,9 @@ def dump_rows(engine: Engine, *, include_positions: bool = True) -> dict[str, li
         for table in Base.metadata.sorted_tables:
             if table.name == "projection_positions" and not include_positions:
                 continue
-            dump[table.name] = sorted(tuple(row) for row in connection.execute(select(table)))
+            columns = [column for column in table.columns
+                       if column.name not in UNCOMPARED_COLUMNS.get(table.name, ())]
+            dump[table.name] = sorted(tuple(row) for row in connection.execute(select(*columns)))
     return dump
 
 

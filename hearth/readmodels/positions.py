@@ -41,19 +41,30 @@ def _per_stream(session: Session, projection: str, column: str) -> dict:
         cursor.close()
 
 
-def reset_position(session: Session, projection: str, stream: str, previous_seq: int) -> None:
-    """Move `stream`'s position back to its start (it was recreated), guarded like save_position."""
+def load_stream_identities(session: Session, projection: str = PROJECTION_NAME) -> dict[str, str | None]:
+    """The creation time of the stream each position was taken in (None: not recorded yet)."""
+    return _per_stream(session, projection, "stream_created")
+
+
+def record_stream_identity(session: Session, projection: str, stream: str, created: str) -> None:
+    """Record the creation time of the stream `stream`'s position was taken in."""
+    cursor = session_cursor(session)
+    try:
+        cursor.execute(f"UPDATE {POSITIONS.name} SET stream_created = ? WHERE projection = ? AND stream = ?",
+                       (created, projection, stream))
+    finally:
+        cursor.close()
+
+
+def reset_position(session: Session, projection: str, stream: str, created: str) -> None:
+    """Move `stream`'s position back to its start, in the stream created at `created` (it was created again)."""
     cursor = session_cursor(session)
     try:
         cursor.execute(
-            f"UPDATE {POSITIONS.name} SET last_seq = 0, last_event_at = NULL "
-            "WHERE projection = ? AND stream = ? AND last_seq = ?",
-            (projection, stream, previous_seq),
+            f"UPDATE {POSITIONS.name} SET last_seq = 0, last_event_at = NULL, stream_created = ? "
+            "WHERE projection = ? AND stream = ?",
+            (created, projection, stream),
         )
-        if cursor.rowcount != 1:
-            raise ConcurrentProjectionError(
-                f"projection {projection!r} position of {stream} moved under us (expected {previous_seq})"
-            )
     finally:
         cursor.close()
 

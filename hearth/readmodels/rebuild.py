@@ -25,7 +25,9 @@ from hearth.events.consume import SkippedMessage, StoredEvent, read_stream
 from hearth.events.signing import EventVerifier, RejectionReason
 from hearth.events.streams import ALL_STREAMS
 from hearth.readmodels.db import open_engine, upgrade_database
+from hearth.readmodels.positions import record_stream_identity
 from hearth.readmodels.projection import PROJECTION_NAME, ReadModelProjection
+from hearth.readmodels.stream_identity import stream_state
 from hearth.readmodels.tables import Base, ProjectionPosition
 from hearth.readmodels.unapplicable import apply_rejecting_the_unapplicable
 
@@ -63,10 +65,16 @@ async def rebuild_database(
     def apply(batch: list[StoredEvent | SkippedMessage]) -> int:
         return sum(apply_rejecting_the_unapplicable(apply_transaction, batch, projection=projection.name))
 
+    def record(stream: str, created: str) -> None:
+        with session_factory() as session, session.begin():
+            record_stream_identity(session, projection.name, stream, created)
+
     applied = 0
     pending: asyncio.Future[int] | None = None
     try:
         for stream in streams:
+            # Which stream the positions are taken in, as a live projector records it (readmodels.stream_identity).
+            created = (await stream_state(js, stream)).created
             batch: list[StoredEvent | SkippedMessage] = []
             async for message in read_stream(js, stream, from_seq=1, follow=False):
                 batch.append(message)
@@ -81,6 +89,8 @@ async def rebuild_database(
                 pending = None
             if batch:
                 applied += await asyncio.to_thread(apply, batch)
+            if created is not None:
+                await asyncio.to_thread(record, stream, created)
     finally:
         if pending is not None:
             await asyncio.gather(pending, return_exceptions=True)
@@ -126,6 +136,11 @@ def _brief(row: dict[str, Any] | None, limit: int = 6) -> str:
     items = list((row or {}).items())
     shown = ", ".join(f"{name}={value!r}" for name, value in items[:limit])
     return shown + (", …" if len(items) > limit else "")
+
+
+# Columns no projection of the log writes: the stream a position was taken in is recorded by whichever process
+# looked at the broker, when it looked (readmodels.stream_identity).
+UNCOMPARED_COLUMNS: dict[str, tuple[str, ...]] = {"projection_positions": ("stream_created",)}
 
 
 def diff_databases(
@@ -182,9 +197,11 @@ def _schema_version(engine) -> str | None:
 
 
 def _rows_by_key(engine, table, key_columns: list[str]) -> dict[tuple, dict[str, Any]]:
+    uncompared = UNCOMPARED_COLUMNS.get(table.name, ())
     with engine.connect() as connection:
         rows = connection.execute(select(table)).mappings()
-        return {tuple(row[name] for name in key_columns): dict(row) for row in rows}
+        return {tuple(row[name] for name in key_columns): {name: value for name, value in row.items()
+                                                           if name not in uncompared} for row in rows}
 
 
 def _sortable(key: tuple) -> tuple:

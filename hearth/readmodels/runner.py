@@ -8,13 +8,12 @@ are counted in events.metrics' `hearth_events_rejected_total`, shared with every
 
 Flow: one follower task per stream reads `read_stream(..., follow=True)` from `position + 1` into a bounded
 queue; one applier task drains the queue in batches of up to `batch_max_events` and applies each batch in a
-worker thread in ONE transaction (rows + positions). A follower whose read fails (broker gone, stream
-recreated) starts again from the last sequence it handed over; an applier whose transaction fails
-reloads the positions from the database and restarts the followers from there, so nothing is lost or
-applied twice. A batch that fails on a message's content is applied message by message instead, and the one no
-handler can apply is recorded as rejected (readmodels.unapplicable), so it cannot hold the projection back.
-A stream deleted and created again (readmodels.stream_identity) is read again from its first message: the lag
-poll that follows each stream's last sequence notices it, moves the position back in the database and resumes.
+worker thread in ONE transaction (rows + positions). A follower whose read fails (broker gone) starts again from
+the last sequence it handed over; an applier whose transaction fails reloads the positions from the database and
+restarts the followers from there, so nothing is lost or applied twice. A batch that fails on a message's content
+is applied message by message instead, and the one no handler can apply is recorded as rejected
+(readmodels.unapplicable). A stream created again (readmodels.stream_identity) is read again from its first message:
+the lag poll moves its position back, while no batch is applied, and replaces the followers.
 """
 
 from __future__ import annotations
@@ -25,7 +24,6 @@ import logging
 import time
 from collections import deque
 from collections.abc import Iterable, Sequence
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -36,9 +34,14 @@ from hearth.events.metrics import events_rejected_total
 from hearth.events.signing import REJECTION_REASONS, EventVerifier, RejectionReason
 from hearth.events.streams import ALL_STREAMS, StreamSetup, stream_info_timeout_s
 from hearth.readmodels.db import open_engine, upgrade_database
-from hearth.readmodels.positions import load_position_times, reset_position
+from hearth.readmodels.positions import (
+    load_position_times,
+    load_stream_identities,
+    record_stream_identity,
+    reset_position,
+)
 from hearth.readmodels.projection import PROJECTION_NAME, ReadModelProjection, Rejection, epoch_s, load_positions
-from hearth.readmodels.stream_identity import StreamState, created_after, recreated_since, stream_state
+from hearth.readmodels.stream_identity import StreamState, is_its_own_stream, judge, stream_state
 from hearth.readmodels.unapplicable import apply_rejecting_the_unapplicable
 
 log = logging.getLogger(__name__)
@@ -95,10 +98,13 @@ class Projector:
         self.batches_total = 0
         self.apply_failures_total = 0
         self._handed_over: dict[str, int] = {}
-        # When the stream stored the last message applied (epoch s), and per stream the creation time of the stream
-        # as the broker says it now once it was found to be the one the position was taken in.
+        # When the stream stored the last message applied (epoch s), and the creation time of the stream the
+        # position was taken in (readmodels.stream_identity).
         self._last_event_at: dict[str, int | None] = {stream: None for stream in self.streams}
-        self._confirmed_created: dict[str, datetime | None] = {}
+        self._stream_created: dict[str, str | None] = {stream: None for stream in self.streams}
+        # A resume (followers replaced) at a time; a batch applied and a position moved back never at once.
+        self._resume_lock = asyncio.Lock()
+        self._apply_lock = asyncio.Lock()
         # Per stream, (seq, stored at epoch s) of every message handed to the applier and not applied yet: how old
         # the oldest one is tells how far behind the read model is in time.
         self._pending: dict[str, deque[tuple[int, float]]] = {stream: deque() for stream in self.streams}
@@ -195,14 +201,17 @@ class Projector:
     # ---- internals --------------------------------------------------------------------------------------
 
     async def _load_positions(self) -> None:
-        def read() -> tuple[dict[str, int], dict[str, int | None]]:
+        def read() -> tuple[dict[str, int], dict[str, int | None], dict[str, str | None]]:
             with self.session_factory() as session:
-                return load_positions(session, self.projection.name), load_position_times(session, self.projection.name)
+                name = self.projection.name
+                return (load_positions(session, name), load_position_times(session, name),
+                        load_stream_identities(session, name))
 
-        stored, times = await asyncio.to_thread(read)
+        stored, times, identities = await asyncio.to_thread(read)
         for stream in self.streams:
             self.positions[stream] = stored.get(stream, 0)
             self._last_event_at[stream] = times.get(stream)
+            self._stream_created[stream] = identities.get(stream)
             self._handed_over[stream] = self.positions[stream]
 
     def _start_follower(self, stream: str) -> None:
@@ -216,6 +225,9 @@ class Projector:
         while generation == self._generation:
             from_seq = self._handed_over[stream] + 1
             try:
+                if not await self._reads_its_own_stream(stream):  # the lag poll reads it again from the start
+                    await asyncio.sleep(lag_poll_interval_s)
+                    continue
                 messages = read_stream(self._js, stream, from_seq=from_seq, follow=True)
                 async with contextlib.aclosing(messages) as reader:
                     async for message in reader:
@@ -236,13 +248,12 @@ class Projector:
     async def _apply_loop(self) -> None:
         retry_s = apply_retry_initial_s
         while True:
-            batch = [await self._next_message()]
-            while len(batch) < self._batch_max_events and not self._queue.empty():
-                generation, message = self._queue.get_nowait()
-                if generation == self._generation:
-                    batch.append(message)
+            generation, batch = await self._next_batch()
             try:
-                await self._apply_in_thread(batch)
+                async with self._apply_lock:
+                    if generation != self._generation:  # read by followers a resume replaced meanwhile
+                        continue
+                    await self._apply_in_thread(batch)
                 retry_s = apply_retry_initial_s
             except asyncio.CancelledError:
                 raise
@@ -254,11 +265,17 @@ class Projector:
                 retry_s = min(retry_s * 2, apply_retry_max_s)
                 await self._resume_from_database()
 
-    async def _next_message(self) -> Message:
+    async def _next_batch(self) -> tuple[int, list[Message]]:
         while True:
             generation, message = await self._queue.get()
             if generation == self._generation:
-                return message
+                break
+        batch = [message]
+        while len(batch) < self._batch_max_events and not self._queue.empty():
+            queued_generation, message = self._queue.get_nowait()
+            if queued_generation == generation:
+                batch.append(message)
+        return generation, batch
 
     async def _apply_in_thread(self, batch: list[Message]) -> None:
         work = asyncio.ensure_future(asyncio.to_thread(self._apply_batch, batch))
@@ -314,16 +331,27 @@ class Projector:
             self.batches_total += 1
             self._progress.notify_all()
 
-    async def _resume_from_database(self) -> None:
-        self._generation += 1
-        await _cancel_within(list(self._followers.values()), stop_timeout_s)
-        while not self._queue.empty():
-            self._queue.get_nowait()
-        for pending in self._pending.values():
-            pending.clear()
-        await self._load_positions()
-        for stream in self.streams:
-            self._start_follower(stream)
+    async def _resume_from_database(self, *, read_again_from_start: StreamState | None = None,
+                                    stream: str = "") -> None:
+        """Replace the followers with ones reading from the stored positions; with `read_again_from_start`, first
+        move `stream`'s position back to its start in that stream (it was created again)."""
+        async with self._resume_lock:
+            self._generation += 1
+            await _cancel_within(list(self._followers.values()), stop_timeout_s)
+            if read_again_from_start is not None:
+                async with self._apply_lock:
+                    await asyncio.to_thread(self._write, reset_position, stream, read_again_from_start.created)
+            while not self._queue.empty():
+                self._queue.get_nowait()
+            for pending in self._pending.values():
+                pending.clear()
+            await self._load_positions()
+            for each in self.streams:
+                self._start_follower(each)
+
+    def _write(self, change, stream: str, created: str | None) -> None:
+        with self.session_factory() as session, session.begin():
+            change(session, self.projection.name, stream, created)
 
     async def _lag_loop(self) -> None:
         while True:
@@ -332,36 +360,32 @@ class Projector:
             await asyncio.sleep(lag_poll_interval_s)
 
     async def _check_stream(self, stream: str) -> None:
-        """Poll `stream`'s last sequence, and read it again from the start if it was recreated."""
+        """Poll `stream`'s last sequence, and read it again from the start if it was created again."""
         try:
             state = await asyncio.wait_for(stream_state(self._js, stream), timeout=stream_info_timeout_s)
-            await self._read_again_if_recreated(stream, state)
+            self.stream_last_seqs[stream] = max(state.last_seq, self.positions[stream])
+            await self._check_identity(stream, state)
         except asyncio.CancelledError:
             raise
         except Exception as error:
             log.debug("projector: cannot read %s's state: %s", stream, error)
-            return
-        self.stream_last_seqs[stream] = max(state.last_seq, self.positions[stream])
 
-    async def _read_again_if_recreated(self, stream: str, state: StreamState) -> None:
-        """Read `stream` again from its first message when it is not the stream the position was taken in."""
-        position, last_event_at = self.positions[stream], self._last_event_at[stream]
-        if self._confirmed_created.get(stream) == state.created or not created_after(state, last_event_at):
-            return
-        why = await asyncio.wait_for(recreated_since(self._js, stream, state, position, last_event_at),
-                                     timeout=stream_info_timeout_s)
-        if why is None:
-            self._confirmed_created[stream] = state.created
-            return
+    async def _check_identity(self, stream: str, state: StreamState) -> None:
+        position, recorded = self.positions[stream], self._stream_created[stream]
+        verdict = await asyncio.wait_for(judge(self._js, stream, state, position=position, recorded=recorded,
+                                               last_event_at=self._last_event_at[stream]),
+                                         timeout=stream_info_timeout_s)
+        if verdict in ("unrecorded", "restored"):
+            await asyncio.to_thread(self._write, record_stream_identity, stream, state.created)
+            self._stream_created[stream] = state.created
+        elif verdict == "recreated":
+            log.warning("projector: %s was created again (at %s; the position %d was taken in the one created at "
+                        "%s); reading it again from its first message", stream, state.created, position, recorded)
+            await self._resume_from_database(read_again_from_start=state, stream=stream)
 
-        def reset() -> None:
-            with self.session_factory() as session, session.begin():
-                reset_position(session, self.projection.name, stream, position)
-
-        log.warning("projector: %s was recreated (%s) after this read model applied it up to %d; reading it "
-                    "again from its first message", stream, why, position)
-        await asyncio.to_thread(reset)
-        await self._resume_from_database()
+    async def _reads_its_own_stream(self, stream: str) -> bool:
+        return await is_its_own_stream(self._js, stream, position=self.positions[stream],
+                                       recorded=self._stream_created[stream])
 
 
 async def _cancel_within(tasks: list[asyncio.Task], timeout_s: float) -> None:
@@ -374,20 +398,3 @@ async def _cancel_within(tasks: list[asyncio.Task], timeout_s: float) -> None:
     _done, pending = await asyncio.wait(tasks, timeout=timeout_s)
     if pending:
         log.warning("%d projector task(s) did not stop within %s s", len(pending), timeout_s)
-
-
-async def read_model_caught_up(projector: Projector, timeout_s: float, *, going_on: str) -> bool:
-    """Wait (at most `timeout_s`) until `projector` has applied the event log as it stands; False when it could not
-    tell or did not get there (logged, with what the caller does then: `going_on`). A process that decides on its read
-    model at start waits so: one started with an empty read model would route on heartbeats minutes old and find no
-    shard alive, or choose layers as if no host served any (the log's live adverts come last)."""
-    started = time.monotonic()
-    try:
-        targets = await projector.wait_until_caught_up(timeout_s=timeout_s)
-    except Exception as error:  # a timeout, or the broker could not say where the log ends
-        log.warning("read model not caught up with the event log within %.0f s (%s); %s", timeout_s,
-                    error or type(error).__name__, going_on)
-        return False
-    log.info("read model caught up with the event log (%s) in %.1f s",
-             ", ".join(f"{stream} {seq}" for stream, seq in targets.items()), time.monotonic() - started)
-    return True

@@ -2,59 +2,68 @@
 the one a projection's position was taken in, so a projector reads it again from its first message instead of
 waiting, silently, for sequences it has already passed.
 
-A stream's sequences never go back and its creation time never changes (not on an update, a restart or a leader
-change), so the stream a position was taken in was created before the last message applied from it was stored.
-A stream created after that message is another one when its last sequence is below the position, or when its message
-at the position was stored at another time; the same messages restored from a backup keep their storage times, and
-the position stands.
+A stream is known by its creation time, which the broker keeps unchanged across updates, restarts, scaling and
+leader changes; the read model records it with the position (projection_positions.stream_created). A position
+recorded before that (or in a database migrated to it) takes the stream it next sees for its own. A stream created
+again that holds the same messages (a backup restored) keeps its messages' storage times: when its message at the
+position was stored at the time the position records, the position stands and the new creation time is recorded.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import math
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timezone
+from typing import Literal
 
 from hearth.events.consume import read_stream
+from hearth.events.streams import stream_info_timeout_s
 
-# `last_event_at` is whole seconds, floored.
-_flooring_s = 1
+Verdict = Literal["its_own", "unrecorded", "restored", "recreated"]
 
 
 @dataclass(frozen=True)
 class StreamState:
-    """What the broker says of a stream now."""
+    """What the broker says of a stream now: its creation time (ISO 8601, UTC) and last sequence."""
 
-    created: datetime | None
+    created: str | None
     last_seq: int
 
 
 async def stream_state(js, stream: str) -> StreamState:
     info = await js.stream_info(stream)
-    return StreamState(created=info.created, last_seq=int(info.state.last_seq))
+    created = info.created.astimezone(timezone.utc).isoformat() if info.created is not None else None
+    return StreamState(created=created, last_seq=int(info.state.last_seq))
 
 
-def created_after(state: StreamState, last_event_at: int | None) -> bool:
-    """Whether the stream was created after the last applied message was stored (the cheap first test)."""
-    if state.created is None or last_event_at is None:
-        return False
-    return math.floor(state.created.timestamp()) > last_event_at + _flooring_s
+async def judge(js, stream: str, state: StreamState, *, position: int, recorded: str | None,
+                last_event_at: int | None) -> Verdict:
+    """Whether `stream` as `state` says is the one `position` was taken in: `its_own` (nothing to do),
+    `unrecorded` (no creation time recorded yet: it is taken for its own, to be recorded), `restored` (another
+    creation time, the same messages: the new time to be recorded) or `recreated` (to be read from its start)."""
+    if position <= 0 or state.created is None or state.created == recorded:
+        return "its_own"
+    if recorded is None:
+        return "unrecorded"
+    if state.last_seq >= position and last_event_at is not None:
+        stored_at = await _stored_at(js, stream, position)
+        if stored_at is not None and math.floor(stored_at.timestamp()) == last_event_at:
+            return "restored"
+    return "recreated"
 
 
-async def recreated_since(js, stream: str, state: StreamState, position: int,
-                          last_event_at: int | None) -> str | None:
-    """Why `stream` (as `state` says it is now) is not the stream `position` was applied from, or None when it is
-    (or when nothing says otherwise: no position, no time of the last applied message)."""
-    if position <= 0 or not created_after(state, last_event_at):
-        return None
-    if state.last_seq < position:
-        return f"created at {state.created:%Y-%m-%d %H:%M:%S} UTC, its last sequence is {state.last_seq}"
-    stored_at = await _stored_at(js, stream, position)
-    # The same messages restored, or none left at the position to tell by (the stream's limits removed it).
-    if stored_at is None or math.floor(stored_at.timestamp()) == last_event_at:
-        return None
-    return f"created at {state.created:%Y-%m-%d %H:%M:%S} UTC, its message {position} is another one"
+async def is_its_own_stream(js, stream: str, *, position: int, recorded: str | None) -> bool:
+    """False when `stream` is, as far as the broker says, not the one `position` was taken in (a follower then
+    waits for the projector to read it again from its start)."""
+    if recorded is None or position <= 0:
+        return True
+    try:
+        state = await asyncio.wait_for(stream_state(js, stream), timeout=stream_info_timeout_s)
+    except Exception:  # reading would fail the same way, and is tried again
+        return True
+    return state.created in (None, recorded)
 
 
 async def _stored_at(js, stream: str, seq: int) -> datetime | None:

@@ -158,6 +158,9 @@ class ProjectionPosition(Base):
     last_event_at: Mapped[int | None] = mapped_column(
         Integer, comment="epoch s the stream stored that message"
     )
+    stream_created: Mapped[str | None] = mapped_column(
+        String, comment="ISO 8601 UTC creation time of the stream, as the broker reports it"
+    )
 
 
 class RejectedEvent(Base):

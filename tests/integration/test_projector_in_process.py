@@ -13,7 +13,7 @@ from hearth.events.streams import SHARDS_STREAM, ensure_streams
 from hearth.readmodels.runner import Projector
 from hearth.services.broker.connection import connect_nats
 from hearth.services.orchestrator.router import RoutingError, ShardRouter
-from hearth.readmodels.runner import read_model_caught_up
+from hearth.readmodels.catch_up import read_model_caught_up
 from tests.readmodel_helpers import MODEL_ID, WEIGHTS_SHA, advertised, at
 
 pytestmark = pytest.mark.integration

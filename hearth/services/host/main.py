@@ -27,7 +27,8 @@ from hearth.events.streams import SHARDS_STREAM
 from hearth.protocol.subjects import shard_id_for
 from hearth.inference import InferenceError
 from hearth.inference.memory import MiB, megabytes
-from hearth.readmodels.runner import Projector, read_model_caught_up
+from hearth.readmodels.catch_up import read_model_caught_up
+from hearth.readmodels.runner import Projector
 from hearth.services.common.config import HearthSettings
 from hearth.services.common.config_processes import serve_shards_refused
 from hearth.services.common.event_trust import event_verifier, stream_setup

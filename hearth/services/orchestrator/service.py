@@ -23,7 +23,8 @@ from sqlalchemy.orm import sessionmaker
 
 from hearth.events.outbox import EventOutbox
 from hearth.inference.compute_thread import StepThreads
-from hearth.readmodels.runner import Projector, read_model_caught_up
+from hearth.readmodels.catch_up import read_model_caught_up
+from hearth.readmodels.runner import Projector
 from hearth.services.common.call_signing import CallRefused
 from hearth.protocol.chat import (
     BadRequest,
