@@ -31,3 +31,9 @@ class SessionTooLargeError(InferenceError):
 
 class RunnerClosedError(InferenceError):
     """The runner was closed; its weights and caches are gone."""
+
+
+def first_line(error: BaseException) -> str:
+    """The first line of `error`'s message (its type's name when it has none), for a one-line refusal."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__

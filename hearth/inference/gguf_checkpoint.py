@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import json
+import struct
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,18 +29,23 @@ import torch
 from torch import nn
 
 from .architectures import adapter_for
-from .errors import CheckpointError
+from .errors import CheckpointError, first_line
 from .gguf_cache import gguf_cache_entry
 from .gguf_config import completed_config_of_file
-from .gguf_header import FLOAT_GGUF_TYPE_NAMES, GGUF_SUFFIX, check_block_types, is_gguf_file
+from .gguf_header import (
+    FLOAT_GGUF_TYPE_NAMES,
+    GGUF_SUFFIX,
+    SUPPORTED_GGUF_ARCHITECTURES,
+    check_block_types,
+    checked_gguf_header,
+    is_gguf_file,
+)
 from .gguf_int4 import STORED_INT4_GROUP_SIZES, int4_groups_of_blocks
 from .quantization import Int4Groups
 
 # Where a checkpoint reader puts the tensors it reads unless told (the loader asks for its device).
 default_read_device = "cpu"
-# general.architecture values hearth serves (llama.cpp writes Mistral models as "llama"), and the HF model types
-# they load as.
-SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
+# The HF model types the architectures hearth serves (gguf_header.SUPPORTED_GGUF_ARCHITECTURES) load as.
 SUPPORTED_GGUF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
 # GGUF metadata keys naming end-of-generation tokens besides eos (chat models end turns with them).
 STOP_TOKEN_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id",
@@ -75,10 +81,11 @@ def single_gguf_in(folder: Path) -> Path | None:
 
 def open_reader(path: Path):
     """The gguf package's memory-mapped reader over `path`; CheckpointError when it is truncated, not GGUF, or of
-    an architecture hearth does not serve."""
+    an architecture hearth does not serve (checked_gguf_header first)."""
+    checked_gguf_header(path)
     try:
         reader = _gguf().GGUFReader(path)
-    except (ValueError, IndexError, OSError, TypeError, KeyError) as exc:
+    except (ValueError, IndexError, OSError, TypeError, KeyError, struct.error, RecursionError) as exc:
         raise CheckpointError(f"{path.name} is not a readable GGUF file (truncated or corrupt?): {exc}") from None
     file_bytes = path.stat().st_size
     for tensor in reader.tensors:
@@ -123,14 +130,14 @@ def _cached_config(path_text: str, size: int, mtime_ns: int) -> dict:
 def _parsed_config(path: Path) -> dict:
     from transformers import AutoConfig
 
+    checked_gguf_header(path)
     supported = ", ".join(SUPPORTED_GGUF_ARCHITECTURES)
     try:
         config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-    except (ValueError, KeyError, IndexError, OSError, TypeError) as exc:
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    except Exception as exc:  # transformers' reader and its config checks raise many kinds (struct.error and others)
         raise CheckpointError(
             f"{path.name} is not a GGUF hearth can read (truncated, corrupt, or an architecture other than "
-            f"{supported}): {first_line}"
+            f"{supported}): {first_line(exc)}"
         ) from None
     if config.model_type not in SUPPORTED_GGUF_MODEL_TYPES:
         raise CheckpointError(

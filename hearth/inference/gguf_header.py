@@ -5,11 +5,13 @@ A GGUF read over HTTP ranges (hearth/inference/hub_gguf.py) has only its leading
 maps a whole file, so this walks the header itself (magic, version, counts, key/values, tensor infos, as the GGUF
 specification lays them out, little-endian versions 2 and 3) and says how many more bytes it needs when the
 buffer ends first. The result is the same GGUFSplit that hearth/inference/gguf_parts.py makes from a whole file, so a
-part is written from ranged bytes exactly as from the file.
+part is written from ranged bytes exactly as from the file. A local file's header is read here too before anything
+that trusts what it declares (`checked_gguf_header`).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
 from collections.abc import Iterable
@@ -33,6 +35,13 @@ FIRST_HEADER_READ_BYTES = 1 << 20
 MAX_GGUF_HEADER_BYTES = 64 << 20
 # Arrays of arrays nested deeper than this are refused: no model's metadata nests them, and the parser recurses.
 MAX_ARRAY_NESTING = 8
+# general.architecture values hearth serves (llama.cpp writes Mistral models as "llama").
+SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
+# The most layers a GGUF may declare: a skeleton is built for every one it declares (and the mesh's adverts allow
+# no more).
+MAX_GGUF_BLOCK_COUNT = 4096
+# Files whose checked header a process keeps (a shard's planning and loading, a head and a local model share them).
+CHECKED_HEADERS_KEPT = 4
 # GGUF value type ids (the specification's gguf_type) and the bytes of each fixed-size one.
 STRING_TYPE = 8
 ARRAY_TYPE = 9
@@ -274,3 +283,35 @@ def read_gguf_header(path: Path, *, check_tensors: bool = False) -> ParsedGGUFHe
                 raise CheckpointError(f"{path.name}'s header is longer than {MAX_GGUF_HEADER_BYTES} bytes, "
                                       "hearth's bound on a GGUF header: not a GGUF hearth reads") from None
             wanted = min(file_size, MAX_GGUF_HEADER_BYTES, max(incomplete.needed, 2 * wanted))
+
+
+def checked_gguf_header(path: Path) -> ParsedGGUFHeader:
+    """`path`'s header read by hearth's bounded parser, before the gguf package's reader or transformers' see the
+    file (they trust what it declares: a metadata array of 2^62 items, or nested thousands deep, runs them out of
+    memory or stack); CheckpointError (one line) when it is truncated, corrupt, of an architecture hearth does not
+    serve, or declares a layer count no model has, or one its tensors contradict. Parsed once per file version."""
+    stat = path.stat()
+    return _checked_header(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=CHECKED_HEADERS_KEPT)
+def _checked_header(path_text: str, size: int, mtime_ns: int) -> ParsedGGUFHeader:
+    path = Path(path_text)
+    # Tensors' block types and bytes are checked where a range is read: a file may hold only a header (a hub
+    # download sized from it), or a block type hearth does not read in layers it is not asked for.
+    header = read_gguf_header(path, check_tensors=False)
+    architecture = header.architecture
+    if architecture not in SUPPORTED_GGUF_ARCHITECTURES:
+        raise CheckpointError(
+            f"GGUF {path.name} holds a {architecture!r} model; hearth serves "
+            f"{', '.join(SUPPORTED_GGUF_ARCHITECTURES)} GGUFs (Mistral is written as llama)"
+        )
+    block_count = header.metadata.get(f"{architecture}.block_count")
+    if type(block_count) is not int or not 1 <= block_count <= MAX_GGUF_BLOCK_COUNT:
+        raise CheckpointError(f"GGUF {path.name} states {architecture}.block_count {block_count!r}: a model's layer "
+                              f"count is a whole number from 1 to {MAX_GGUF_BLOCK_COUNT}")
+    beyond = [tensor.name for tensor in header.split.tensors if (tensor.layer or 0) >= block_count]
+    if beyond:
+        raise CheckpointError(f"GGUF {path.name} holds {beyond[0]}, a layer past its {block_count} layers "
+                              f"({architecture}.block_count)")
+    return header

@@ -28,7 +28,7 @@ from .devices import resolve_device
 from .checkpoint import ModelInfo, SafetensorsCheckpoint, default_model_id, open_checkpoint, read_config_dict, \
     resolve_dtype, resolve_model_path
 from .cpu_kernels import DEFAULT_CPU_LINEAR_KERNEL, use_cpu_linear_kernel
-from .errors import CheckpointError
+from .errors import CheckpointError, first_line
 from .gguf_checkpoint import GGUFCheckpoint, gguf_config, load_gguf_tokenizer
 from .gguf_header import is_gguf_file
 from .ollama_models import served_model_id
@@ -67,6 +67,11 @@ class _Skeleton:
         checkpoint_names = [prefix + name for name in local_names]
         tensors = self.checkpoint.read(checkpoint_names, self.info.dtype, self.device)
         state = {local: tensors[prefix + local] for local in local_names}
+        expected = module.state_dict(keep_vars=True)
+        for local, tensor in state.items():
+            if tuple(tensor.shape) != tuple(expected[local].shape):
+                raise CheckpointError(f"the checkpoint's {prefix + local} is {tuple(tensor.shape)}, where the "
+                                      f"model's config makes it {tuple(expected[local].shape)}")
         module.load_state_dict(state, strict=not except_names, assign=True)
         module.requires_grad_(False)
         return checkpoint_names
@@ -112,8 +117,12 @@ def _open_skeleton(
     skeleton_kwargs = {"dtype": compute_dtype}
     if attn_implementation is not None:
         skeleton_kwargs["attn_implementation"] = attn_implementation
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config, **skeleton_kwargs)
+    try:
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config, **skeleton_kwargs)
+    except Exception as exc:  # a head count of 0, sizes that do not divide: transformers raises many kinds
+        raise CheckpointError(f"{path.name}'s config does not describe a model transformers can build: "
+                              f"{first_line(exc)}") from None
     skeleton.eval()
     config = skeleton.config
     checkpoint = open_checkpoint(path, skeleton)

@@ -12,6 +12,7 @@ from hearth.services.common.metrics import serve_process_metrics
 from hearth.services.broker.connection import connect_nats, drain_or_close
 from hearth.services.orchestrator.service import Orchestrator
 from hearth.inference.devices import resolve_placement
+from hearth.inference.errors import InferenceError, first_line
 from hearth.inference.quantization import QuantizationError, check_device_supports, parse_quantization
 
 
@@ -68,7 +69,10 @@ async def run_orchestrator(settings: HearthSettings, options: OrchestratorOption
                                                host=settings.metrics.host)
         await orchestrator.start()
         for model in preload:
-            await orchestrator.catalog.preload(model)
+            try:
+                await orchestrator.catalog.preload(model)
+            except InferenceError as error:  # a checkpoint it cannot serve: one line, not a traceback
+                raise CommandRefused(f"--preload {model}: {first_line(error)}") from None
         print(f"orchestrator {options.node_id} ready", flush=True)
         if ready_file:
             with open(ready_file, "w") as handle:
