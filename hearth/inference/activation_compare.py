@@ -8,8 +8,9 @@ import hashlib
 
 import torch
 
-# The largest relative error an event reports (a NaN or an overflow compares as infinitely wrong).
-largest_reported_error = 1e30
+# The largest relative error an event reports (a NaN or an overflow compares as infinitely wrong): within what an
+# event's numbers may be (hearth/events/models.py max_event_number, 2^40), or the event would not validate.
+largest_reported_error = 1e12
 # Norms below this are treated as this, so an all-zero reference position does not divide by zero.
 smallest_reference_norm = 1e-6
 
@@ -68,8 +69,9 @@ def first_mismatch(errors: torch.Tensor, tolerance: float) -> int | None:
 
 
 def reportable_error(error: float) -> float:
-    """An error as an event can carry it (JSON has no infinity)."""
-    return min(float(error), largest_reported_error)
+    """An error as an event can carry it (JSON has no infinity or NaN)."""
+    error = float(error)
+    return error if error <= largest_reported_error else largest_reported_error  # NaN compares false too
 
 
 def evidence_digest(*tensors: torch.Tensor) -> str:

@@ -11,6 +11,7 @@ from pydantic import BaseModel, ValidationError
 
 from hearth.events.models import (
     EVENT_CLASSES,
+    IntegrityMismatchConfirmed,
     max_event_number,
     PipelineCompleted,
     PipelineFailover,
@@ -25,6 +26,7 @@ from hearth.events.models import (
     max_shard_id_chars,
 )
 from hearth.events.streams import STREAM_SPECS, event_max_msg_bytes
+from hearth.inference.activation_compare import largest_reported_error, reportable_error
 from tests.readmodel_helpers import advertised
 
 # A character JSON writes as six bytes (\u0000): the worst a string of n characters can cost.
@@ -126,3 +128,13 @@ def test_the_limits_are_those_of_the_docs():
     assert advertised["model_id"]["maxLength"] == max_id_chars
     assert advertised["dtype"]["maxLength"] == max_label_chars
     assert advertised["shard_id"]["maxLength"] == max_shard_id_chars
+
+
+@pytest.mark.parametrize("error", [math.inf, math.nan, 1e30, 3e12])
+def test_a_relative_error_however_large_is_reported_within_what_an_event_carries(error):
+    # A bitflip made errors of 1e30: the mismatch event did not validate, and the liar was never recorded.
+    event = IntegrityMismatchConfirmed(
+        pipeline_id="p", node_id="hub", shard_id="m:0-1@x", witnesses=["m:0-1@y", "m:0-1@z"], layer_lo=0, layer_hi=1,
+        quantization="none", dtype="float32", position=0, step_kind="prefill", relative_error=reportable_error(error),
+        tolerance=1e-4, evidence_sha256="0" * 64)
+    assert event.relative_error == largest_reported_error
