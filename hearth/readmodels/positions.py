@@ -27,9 +27,9 @@ def load_positions(session: Session, projection: str = PROJECTION_NAME) -> dict[
     return _per_stream(session, projection, "last_seq")
 
 
-def load_position_times(session: Session, projection: str = PROJECTION_NAME) -> dict[str, int | None]:
-    """When the stream stored the last message applied, per stream (epoch s; None when not recorded)."""
-    return _per_stream(session, projection, "last_event_at")
+def load_stream_identities(session: Session, projection: str = PROJECTION_NAME) -> dict[str, str | None]:
+    """The creation time of the stream each position was taken in (None: not recorded yet)."""
+    return _per_stream(session, projection, "stream_created")
 
 
 def _per_stream(session: Session, projection: str, column: str) -> dict:
@@ -41,30 +41,12 @@ def _per_stream(session: Session, projection: str, column: str) -> dict:
         cursor.close()
 
 
-def load_stream_identities(session: Session, projection: str = PROJECTION_NAME) -> dict[str, str | None]:
-    """The creation time of the stream each position was taken in (None: not recorded yet)."""
-    return _per_stream(session, projection, "stream_created")
-
-
 def record_stream_identity(session: Session, projection: str, stream: str, created: str) -> None:
     """Record the creation time of the stream `stream`'s position was taken in."""
     cursor = session_cursor(session)
     try:
         cursor.execute(f"UPDATE {POSITIONS.name} SET stream_created = ? WHERE projection = ? AND stream = ?",
                        (created, projection, stream))
-    finally:
-        cursor.close()
-
-
-def reset_position(session: Session, projection: str, stream: str, created: str) -> None:
-    """Move `stream`'s position back to its start, in the stream created at `created` (it was created again)."""
-    cursor = session_cursor(session)
-    try:
-        cursor.execute(
-            f"UPDATE {POSITIONS.name} SET last_seq = 0, last_event_at = NULL, stream_created = ? "
-            "WHERE projection = ? AND stream = ?",
-            (created, projection, stream),
-        )
     finally:
         cursor.close()
 

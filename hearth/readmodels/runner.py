@@ -12,8 +12,8 @@ worker thread in ONE transaction (rows + positions). A follower whose read fails
 the last sequence it handed over; an applier whose transaction fails reloads the positions from the database and
 restarts the followers from there, so nothing is lost or applied twice. A batch that fails on a message's content
 is applied message by message instead, and the one no handler can apply is recorded as rejected
-(readmodels.unapplicable). A stream created again (readmodels.stream_identity) is read again from its first message:
-the lag poll moves its position back, while no batch is applied, and replaces the followers.
+(readmodels.unapplicable). A stream deleted and created again is told by its creation time and reported
+(readmodels.stream_identity, `replaced_streams`), for a rebuild.
 """
 
 from __future__ import annotations
@@ -34,14 +34,9 @@ from hearth.events.metrics import events_rejected_total
 from hearth.events.signing import REJECTION_REASONS, EventVerifier, RejectionReason
 from hearth.events.streams import ALL_STREAMS, StreamSetup, stream_info_timeout_s
 from hearth.readmodels.db import open_engine, upgrade_database
-from hearth.readmodels.positions import (
-    load_position_times,
-    load_stream_identities,
-    record_stream_identity,
-    reset_position,
-)
-from hearth.readmodels.projection import PROJECTION_NAME, ReadModelProjection, Rejection, epoch_s, load_positions
-from hearth.readmodels.stream_identity import StreamState, is_its_own_stream, judge, stream_state
+from hearth.readmodels.positions import load_stream_identities, record_stream_identity
+from hearth.readmodels.projection import PROJECTION_NAME, ReadModelProjection, Rejection, load_positions
+from hearth.readmodels.stream_identity import StreamState, replaced, stream_state
 from hearth.readmodels.unapplicable import apply_rejecting_the_unapplicable
 
 log = logging.getLogger(__name__)
@@ -98,13 +93,12 @@ class Projector:
         self.batches_total = 0
         self.apply_failures_total = 0
         self._handed_over: dict[str, int] = {}
-        # When the stream stored the last message applied (epoch s), and the creation time of the stream the
-        # position was taken in (readmodels.stream_identity).
-        self._last_event_at: dict[str, int | None] = {stream: None for stream in self.streams}
+        # The creation time of the stream each position was taken in (readmodels.stream_identity).
         self._stream_created: dict[str, str | None] = {stream: None for stream in self.streams}
-        # A resume (followers replaced) at a time; a batch applied and a position moved back never at once.
+        # Streams found deleted and created again since the position was taken in them, with their new creation time.
+        self.replaced_streams: dict[str, str] = {}
+        # One resume (followers replaced) at a time: two at once left followers no one stopped.
         self._resume_lock = asyncio.Lock()
-        self._apply_lock = asyncio.Lock()
         # Per stream, (seq, stored at epoch s) of every message handed to the applier and not applied yet: how old
         # the oldest one is tells how far behind the read model is in time.
         self._pending: dict[str, deque[tuple[int, float]]] = {stream: deque() for stream in self.streams}
@@ -201,16 +195,14 @@ class Projector:
     # ---- internals --------------------------------------------------------------------------------------
 
     async def _load_positions(self) -> None:
-        def read() -> tuple[dict[str, int], dict[str, int | None], dict[str, str | None]]:
+        def read() -> tuple[dict[str, int], dict[str, str | None]]:
             with self.session_factory() as session:
-                name = self.projection.name
-                return (load_positions(session, name), load_position_times(session, name),
-                        load_stream_identities(session, name))
+                return load_positions(session, self.projection.name), load_stream_identities(session,
+                                                                                              self.projection.name)
 
-        stored, times, identities = await asyncio.to_thread(read)
+        stored, identities = await asyncio.to_thread(read)
         for stream in self.streams:
             self.positions[stream] = stored.get(stream, 0)
-            self._last_event_at[stream] = times.get(stream)
             self._stream_created[stream] = identities.get(stream)
             self._handed_over[stream] = self.positions[stream]
 
@@ -225,9 +217,6 @@ class Projector:
         while generation == self._generation:
             from_seq = self._handed_over[stream] + 1
             try:
-                if not await self._reads_its_own_stream(stream):  # the lag poll reads it again from the start
-                    await asyncio.sleep(lag_poll_interval_s)
-                    continue
                 messages = read_stream(self._js, stream, from_seq=from_seq, follow=True)
                 async with contextlib.aclosing(messages) as reader:
                     async for message in reader:
@@ -249,11 +238,10 @@ class Projector:
         retry_s = apply_retry_initial_s
         while True:
             generation, batch = await self._next_batch()
+            if generation != self._generation:  # read by followers a resume replaced meanwhile
+                continue
             try:
-                async with self._apply_lock:
-                    if generation != self._generation:  # read by followers a resume replaced meanwhile
-                        continue
-                    await self._apply_in_thread(batch)
+                await self._apply_in_thread(batch)
                 retry_s = apply_retry_initial_s
             except asyncio.CancelledError:
                 raise
@@ -316,7 +304,6 @@ class Projector:
     async def _record(self, batch: list[Message], newly_applied: list[Message]) -> None:
         for message in newly_applied:
             self.applied_total[message.stream] += 1
-            self._last_event_at[message.stream] = epoch_s(message.time)
             if isinstance(message, SkippedMessage):
                 self.skipped_total[message.stream] += 1
         async with self._progress:
@@ -331,16 +318,11 @@ class Projector:
             self.batches_total += 1
             self._progress.notify_all()
 
-    async def _resume_from_database(self, *, read_again_from_start: StreamState | None = None,
-                                    stream: str = "") -> None:
-        """Replace the followers with ones reading from the stored positions; with `read_again_from_start`, first
-        move `stream`'s position back to its start in that stream (it was created again)."""
+    async def _resume_from_database(self) -> None:
+        """Replace the followers with ones reading from the stored positions."""
         async with self._resume_lock:
             self._generation += 1
             await _cancel_within(list(self._followers.values()), stop_timeout_s)
-            if read_again_from_start is not None:
-                async with self._apply_lock:
-                    await asyncio.to_thread(self._write, reset_position, stream, read_again_from_start.created)
             while not self._queue.empty():
                 self._queue.get_nowait()
             for pending in self._pending.values():
@@ -349,10 +331,6 @@ class Projector:
             for each in self.streams:
                 self._start_follower(each)
 
-    def _write(self, change, stream: str, created: str | None) -> None:
-        with self.session_factory() as session, session.begin():
-            change(session, self.projection.name, stream, created)
-
     async def _lag_loop(self) -> None:
         while True:
             for stream in self.streams:
@@ -360,7 +338,7 @@ class Projector:
             await asyncio.sleep(lag_poll_interval_s)
 
     async def _check_stream(self, stream: str) -> None:
-        """Poll `stream`'s last sequence, and read it again from the start if it was created again."""
+        """Poll `stream`'s last sequence, and whether it is still the stream the position was taken in."""
         try:
             state = await asyncio.wait_for(stream_state(self._js, stream), timeout=stream_info_timeout_s)
             self.stream_last_seqs[stream] = max(state.last_seq, self.positions[stream])
@@ -372,20 +350,20 @@ class Projector:
 
     async def _check_identity(self, stream: str, state: StreamState) -> None:
         position, recorded = self.positions[stream], self._stream_created[stream]
-        verdict = await asyncio.wait_for(judge(self._js, stream, state, position=position, recorded=recorded,
-                                               last_event_at=self._last_event_at[stream]),
-                                         timeout=stream_info_timeout_s)
-        if verdict in ("unrecorded", "restored"):
-            await asyncio.to_thread(self._write, record_stream_identity, stream, state.created)
-            self._stream_created[stream] = state.created
-        elif verdict == "recreated":
-            log.warning("projector: %s was created again (at %s; the position %d was taken in the one created at "
-                        "%s); reading it again from its first message", stream, state.created, position, recorded)
-            await self._resume_from_database(read_again_from_start=state, stream=stream)
+        if position > 0 and recorded is None and state.created is not None:
+            def record() -> None:
+                with self.session_factory() as session, session.begin():
+                    record_stream_identity(session, self.projection.name, stream, state.created)
 
-    async def _reads_its_own_stream(self, stream: str) -> bool:
-        return await is_its_own_stream(self._js, stream, position=self.positions[stream],
-                                       recorded=self._stream_created[stream])
+            await asyncio.to_thread(record)
+            self._stream_created[stream] = state.created
+        elif replaced(state, position=position, recorded=recorded) and self.replaced_streams.get(stream) != (
+                state.created):
+            self.replaced_streams[stream] = state.created
+            log.error("projector: %s was deleted and created again (at %s; this read model's position %d was taken "
+                      "in the stream created at %s): its sequences started over, so this read model no longer "
+                      "follows the log; rebuild it (`hearth-replay rebuild`; a process whose read model is "
+                      "temporary, restarted)", stream, state.created, position, recorded)
 
 
 async def _cancel_within(tasks: list[asyncio.Task], timeout_s: float) -> None:

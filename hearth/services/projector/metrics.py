@@ -38,6 +38,11 @@ class ProjectorCollector(Collector):
         lag = GaugeMetricFamily(
             "hearth_projector_lag_events", "Stream last sequence minus the applied position.", labels=labels
         )
+        replaced = GaugeMetricFamily(
+            "hearth_projector_stream_replaced",
+            "1 when the stream was deleted and created again after this read model's position was taken in it: "
+            "the read model no longer follows the log until it is rebuilt.", labels=labels,
+        )
         lag_seconds = GaugeMetricFamily(
             "hearth_projector_lag_seconds",
             "Age of the oldest message read from the stream and not applied yet (0: everything read is applied).",
@@ -51,6 +56,7 @@ class ProjectorCollector(Collector):
             last_seq.add_metric(values, projector.stream_last_seqs[stream])
             lag.add_metric(values, projector.lag(stream))
             lag_seconds.add_metric(values, projector.lag_seconds(stream))
+            replaced.add_metric(values, 1 if stream in projector.replaced_streams else 0)
         by_type = CounterMetricFamily(
             "hearth_projector_events_applied",
             "Events applied to the read model, by event type (rejected and undecodable ones are not).",
@@ -70,4 +76,4 @@ class ProjectorCollector(Collector):
             labels=["projection"],
         )
         failures.add_metric([name], projector.apply_failures_total)
-        yield from (applied, by_type, skipped, position, last_seq, lag, lag_seconds, batches, failures)
+        yield from (applied, by_type, skipped, position, last_seq, lag, lag_seconds, replaced, batches, failures)
