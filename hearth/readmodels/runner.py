@@ -122,7 +122,7 @@ class Projector:
         self.session_factory = sessionmaker(self.engine, expire_on_commit=False)
         await self._stream_setup.ready(self._js, self.streams)
         await self._load_positions()
-        for stream in self.streams:  # before any follower reads a recreated stream's messages past the position
+        for stream in self.streams:  # a stream created again is reported before any of its messages is read
             await self._check_stream(stream)
         self._started = True
         for stream in self.streams:
@@ -237,9 +237,7 @@ class Projector:
     async def _apply_loop(self) -> None:
         retry_s = apply_retry_initial_s
         while True:
-            generation, batch = await self._next_batch()
-            if generation != self._generation:  # read by followers a resume replaced meanwhile
-                continue
+            batch = await self._next_batch()
             try:
                 await self._apply_in_thread(batch)
                 retry_s = apply_retry_initial_s
@@ -253,7 +251,8 @@ class Projector:
                 retry_s = min(retry_s * 2, apply_retry_max_s)
                 await self._resume_from_database()
 
-    async def _next_batch(self) -> tuple[int, list[Message]]:
+    async def _next_batch(self) -> list[Message]:
+        """Messages of the current followers only: those of followers a resume replaced are dropped."""
         while True:
             generation, message = await self._queue.get()
             if generation == self._generation:
@@ -263,7 +262,7 @@ class Projector:
             queued_generation, message = self._queue.get_nowait()
             if queued_generation == generation:
                 batch.append(message)
-        return generation, batch
+        return batch
 
     async def _apply_in_thread(self, batch: list[Message]) -> None:
         work = asyncio.ensure_future(asyncio.to_thread(self._apply_batch, batch))

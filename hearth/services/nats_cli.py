@@ -169,7 +169,7 @@ class RosterWatch:
         self.roster_file = RosterFile(Community(community).roster_path, recheck_interval_s=0.0)
         self.applied_authorization = applied_authorization
         self._applied_roster = None  # the first look renders it again: the file may have changed since
-        self._admitted_names = {member.name for member in self.roster_file.current().members}
+        self._applied_names = {member.name for member in self.roster_file.current().members}
         self._failed: tuple[object, float] | None = None  # (the roster whose reload failed, when)
 
     def apply_changes(self, servers: "EmbeddedNatsServer") -> None:
@@ -189,7 +189,7 @@ class RosterWatch:
                 servers.reload(authorization)
             except NatsServerError as error:  # it keeps serving with the roster it had
                 self._failed = (roster, time.monotonic() + reload_retry_s)
-                still_in = sorted(self._admitted_names - {member.name for member in roster.members})
+                still_in = sorted(self._applied_names - {member.name for member in roster.members})
                 pending = f"; still admitted though removed: {', '.join(still_in)}" if still_in else ""
                 typer.echo(f"{COMMAND}: the changed roster was not applied ({error}){pending}; tried again when "
                            f"the roster changes or in {reload_retry_s:g} s", err=True)
@@ -198,7 +198,7 @@ class RosterWatch:
                        f"{sum(admitted(member) for member in roster.members)} of its {len(roster.members)} members",
                        err=True)
         self.applied_authorization, self._applied_roster, self._failed = authorization, roster, None
-        self._admitted_names = {member.name for member in roster.members}
+        self._applied_names = {member.name for member in roster.members}
 
 
 def _roster_watch(community: Path, authorization: str | None) -> RosterWatch:
