@@ -305,5 +305,6 @@ def create_app(gateway: Gateway) -> MetricsMiddleware:
 async def _openai_shaped(request: Request, error: HTTPException) -> Response:
     """Starlette's own refusals (no such path, a method the path does not take) in OpenAI's error shape."""
     code = {404: "not_found", 405: "method_not_allowed"}.get(error.status_code, "invalid_request")
-    shaped = GatewayError(error.status_code, code, f"{request.method} {request.url.path}: {error.detail}")
-    return JSONResponse(shaped.body().model_dump(), status_code=error.status_code, headers=error.headers)
+    response = GatewayError(error.status_code, code, f"{request.method} {request.url.path}: {error.detail}").response()
+    response.headers.update(error.headers or {})  # a 405's Allow
+    return response
