@@ -173,3 +173,48 @@ async def test_settings_a_client_cannot_parse_and_one_member_taking_every_place_
     finally:
         for connection in (steward, eve):
             await connection.close()
+
+
+async def test_a_consumer_pushing_into_another_readers_inbox_is_swept_as_soon_as_the_broker_audits_it(
+        community_server):
+    """The broker's audit names who created a consumer: eve's consumers pushing into the orchestrator's inbox go at
+    once, so they can neither be heard there nor use up the orchestrator's places on the stream, while the
+    orchestrator's own reader and eve's consumer into her own inbox stay."""
+    community, server = community_server
+    steward = await connect_as(community, server, "system")
+    eve = await connect_as(community, server, "eve")
+    orch = await connect_as(community, server, "orch")
+    reported = []
+    # Only the audit sets a sweep off within the test's wait; the periodic one would come too late.
+    sweeper = ConsumerSweeper(NatsSettings(url=server.url), community.system_key_path, community.roster_path,
+                              report=reported.append, interval_s=600).start()
+    try:
+        await ensure_streams(steward.jetstream(), replicas=1)
+        await publish_event(steward.jetstream(), heartbeat(1))
+        deadline = asyncio.get_running_loop().time() + SWEEP_WAIT_S
+        while not sweeper.creators and asyncio.get_running_loop().time() < deadline:
+            # Until the sweeper hears the audit: each of these is eve's own and stays.
+            await create_named_consumer(eve, SHARDS_STREAM, {
+                "name": f"own-{len(await consumer_names(steward, SHARDS_STREAM))}", "ack_policy": "none",
+                "deliver_subject": f"{eve.new_inbox()}.own", "inactive_threshold": 10**9})
+            await asyncio.sleep(0.1)
+        squatters = [f"squat-{index}" for index in range(3)]
+        for name in squatters:
+            created = await create_named_consumer(eve, SHARDS_STREAM, {
+                "name": name, "ack_policy": "none", "deliver_subject": f"{orch.new_inbox()}.stolen"})
+            assert "error" not in created, created
+        while {entry.name for entry in reported} != set(squatters):
+            assert asyncio.get_running_loop().time() < deadline, f"swept only {reported}"
+            await asyncio.sleep(0.1)
+        assert all("eve made it deliver" in entry.why for entry in reported)
+        left = await consumer_names(steward, SHARDS_STREAM)
+        assert left and all(name.startswith("own-") for name in left)
+        async with aclosing(read_stream(orch.jetstream(), SHARDS_STREAM, follow=True)) as reading:
+            assert (await anext(reading)).event.tokens_served_total == 1
+            await publish_event(steward.jetstream(), heartbeat(2))
+            assert (await asyncio.wait_for(anext(reading), 5)).event.tokens_served_total == 2
+        assert {entry.name for entry in reported} == set(squatters)
+    finally:
+        await asyncio.to_thread(sweeper.stop)
+        for connection in (steward, eve, orch):
+            await connection.close()

@@ -4,11 +4,13 @@ stream pushed onto any subject (another member's request or activation subjects 
 or take every place the stream's consumer cap allows. The streams' own limits (events/streams.py) bound the rest:
 every consumer is deleted by the server once inactive, and a stream holds a bounded number.
 
-A consumer may stay when it pushes to the inbox (`_INBOX.<member>.…`) of a member who may read that stream, names an
-inactivity limit within the stream's, and is among the first `max_consumers_per_member` of that member on the
-stream; any other, and any whose settings do not read, is deleted. The consumers are read as the broker's JSON, not
-through a client's models: a member chooses what its consumer's settings hold. A sweep runs every
-`sweep_interval_s` and as soon as the broker announces a new consumer."""
+A consumer may stay when it pushes to the inbox (`_INBOX.<member>.…`) of the member who created it, that member may
+read the stream, it names an inactivity limit within the stream's, and it is among the first
+`max_consumers_per_member` of its creator on the stream; any other, and any whose settings do not read, is deleted.
+Who created a consumer is what the broker's API audit advisory says (`ConsumerCreators`: the key it logged in with);
+of a consumer created while the sweeper was away the inbox owner stands in. The consumers are read as the broker's
+JSON, not through a client's models: a member chooses what its consumer's settings hold. A sweep runs every
+`sweep_interval_s` and as soon as the broker audits a consumer's creation."""
 
 from __future__ import annotations
 
@@ -17,6 +19,8 @@ import contextlib
 import json
 import logging
 import threading
+import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,7 +53,11 @@ api_timeout_s = 5.0
 stop_poll_s = 0.2
 _NANOSECONDS = 1_000_000_000
 _STREAM_NOT_FOUND_ERR_CODE = 10059
-CONSUMER_CREATED_ADVISORIES = "$JS.EVENT.ADVISORY.CONSUMER.CREATED.>"
+# The broker's audit of every JetStream API call: who made it (the key it logged in with), the request, the answer.
+API_AUDIT_ADVISORIES = "$JS.EVENT.ADVISORY.API"
+_CONSUMER_CREATE_PREFIXES = (f"{JS_API}.CONSUMER.CREATE.", f"{JS_API}.CONSUMER.DURABLE.CREATE.")
+# Creations remembered at most: the live consumers of the swept streams, with room for those created between sweeps.
+max_remembered_creations = 4 * 1024 * len(SWEPT_STREAMS)
 
 
 @dataclass(frozen=True)
@@ -72,21 +80,77 @@ def stream_readers(roster: Roster, streams: Iterable[str] = SWEPT_STREAMS) -> di
     return {stream: frozenset(names) for stream, names in readers.items()}
 
 
-def owner_or_why_not(config: dict, readers: frozenset[str], inactive_limit_s: float) -> tuple[str | None, str]:
-    """(the member whose inbox the consumer pushes to, "") when it may stay, else (None, why it must go)."""
+class ConsumerCreators:
+    """Who created which consumer, from the broker's API audit advisories: (stream, consumer name) -> the
+    consumer's creation time as the broker answered it and the member whose key asked. Only the steward may publish
+    advisories, so a member cannot name another as a creator. Bounded: `forget_absent` drops what a listing no
+    longer shows, and past `max_remembered_creations` the oldest go."""
+
+    def __init__(self, limit: int | None = None) -> None:
+        self.limit = max_remembered_creations if limit is None else limit
+        self._created: OrderedDict[tuple[str, str], tuple[str, str, float]] = OrderedDict()
+
+    def record(self, advisory: object, roster: Callable[[], Roster]) -> bool:
+        """Take note of `advisory` (the parsed JSON) if it audits a consumer's successful creation by a member of
+        `roster()` (asked only then); whether it did."""
+        if not isinstance(advisory, dict) or not str(advisory.get("subject", "")).startswith(_CONSUMER_CREATE_PREFIXES):
+            return False
+        client = advisory.get("client")
+        key = client.get("user") if isinstance(client, dict) else None
+        member = roster().by_key(key) if isinstance(key, str) else None
+        try:
+            answer = json.loads(advisory.get("response") or "null")
+        except (TypeError, ValueError):
+            return False
+        if member is None or not isinstance(answer, dict) or "error" in answer:
+            return False
+        stream, name, created = answer.get("stream_name"), answer.get("name"), answer.get("created")
+        if not all(isinstance(value, str) for value in (stream, name, created)):
+            return False
+        self._created[(stream, name)] = (created, member.name, time.monotonic())
+        self._created.move_to_end((stream, name))
+        while len(self._created) > self.limit:
+            self._created.popitem(last=False)
+        return True
+
+    def creator(self, stream: str, entry: dict) -> str | None:
+        """The member that created the consumer `entry` (the broker's JSON) of `stream`, if an advisory said so."""
+        known = self._created.get((stream, entry.get("name")))
+        return known[1] if known is not None and known[0] == entry.get("created") else None
+
+    def forget_absent(self, stream: str, listed: Iterable[str], listed_since: float) -> None:
+        """Forget the consumers of `stream` missing from a listing that began at `listed_since` (monotonic)."""
+        present = set(listed)
+        for key in [key for key, (_, _, noted) in self._created.items()
+                    if key[0] == stream and key[1] not in present and noted < listed_since]:
+            del self._created[key]
+
+    def __len__(self) -> int:
+        return len(self._created)
+
+
+def owner_or_why_not(config: dict, readers: frozenset[str], inactive_limit_s: float,
+                     creator: str | None = None) -> tuple[str | None, str]:
+    """(the member the consumer counts against, "") when it may stay, else (None, why it must go). With its
+    `creator` known the consumer must push into the creator's own inbox; else into some reader's."""
     deliver = config.get("deliver_subject")
     if not deliver:
         return None, "a pull consumer (hearth's readers push to their inbox)"
-    if not (isinstance(deliver, str) and is_member_inbox(deliver) and deliver.split(".")[1] in readers):
+    inbox_owner = deliver.split(".")[1] if isinstance(deliver, str) and is_member_inbox(deliver) else None
+    if creator is not None and inbox_owner != creator:
+        return None, f"{creator} made it deliver to {deliver!r}, not into {creator}'s own inbox"
+    if inbox_owner not in readers:
         return None, f"it delivers to {deliver!r}, not the inbox of a member who reads the stream"
     threshold = config.get("inactive_threshold")
     if type(threshold) is not int or not 0 < threshold <= inactive_limit_s * _NANOSECONDS:
         return None, "it has no inactivity limit within the stream's, so it would outlive its member"
-    return deliver.split(".")[1], ""
+    return inbox_owner, ""
 
 
-def unwanted(consumers: list[dict], readers: frozenset[str], inactive_limit_s: float) -> dict[str, str]:
-    """consumer name -> why it must go, of `consumers` (the broker's JSON, oldest first) on one stream."""
+def unwanted(consumers: list[dict], readers: frozenset[str], inactive_limit_s: float,
+             creator_of: Callable[[dict], str | None] = lambda entry: None) -> dict[str, str]:
+    """consumer name -> why it must go, of `consumers` (the broker's JSON, oldest first) on one stream;
+    `creator_of` names an entry's creator where known."""
     verdicts: dict[str, str] = {}
     held: dict[str, int] = {}
     for entry in consumers:
@@ -97,7 +161,7 @@ def unwanted(consumers: list[dict], readers: frozenset[str], inactive_limit_s: f
         if not isinstance(config, dict):
             verdicts[name] = "its settings do not read"
             continue
-        owner, why = owner_or_why_not(config, readers, inactive_limit_s)
+        owner, why = owner_or_why_not(config, readers, inactive_limit_s, creator_of(entry))
         if owner is not None:
             held[owner] = held.get(owner, 0) + 1
             if held[owner] > max_consumers_per_member:
@@ -107,15 +171,22 @@ def unwanted(consumers: list[dict], readers: frozenset[str], inactive_limit_s: f
     return verdicts
 
 
-async def sweep_consumers(nc, roster: Roster, streams: Iterable[str] = SWEPT_STREAMS) -> list[SweptConsumer]:
-    """Delete every unwanted consumer of `streams` (one that does not exist is skipped); what was deleted."""
+async def sweep_consumers(nc, roster: Roster, streams: Iterable[str] = SWEPT_STREAMS,
+                          creators: ConsumerCreators | None = None) -> list[SweptConsumer]:
+    """Delete every unwanted consumer of `streams` (one that does not exist is skipped), judging those whose
+    creation `creators` saw by their creator; what was deleted."""
     streams = tuple(streams)
+    creators = ConsumerCreators() if creators is None else creators
     readers = stream_readers(roster, streams)
     swept: list[SweptConsumer] = []
     for stream in streams:
-        consumers = await listed_consumers(nc, stream)
-        consumers.sort(key=lambda entry: str(entry.get("created", "")) if isinstance(entry, dict) else "")
-        for name, why in unwanted(consumers, readers[stream], SWEPT_STREAMS.get(stream, 0.0)).items():
+        listed_since = time.monotonic()
+        consumers = [entry for entry in await listed_consumers(nc, stream) if isinstance(entry, dict)]
+        creators.forget_absent(stream, (entry.get("name") for entry in consumers), listed_since)
+        consumers.sort(key=lambda entry: str(entry.get("created", "")))
+        verdicts = unwanted(consumers, readers[stream], SWEPT_STREAMS.get(stream, 0.0),
+                            lambda entry, stream=stream: creators.creator(stream, entry))
+        for name, why in verdicts.items():
             if await _delete_consumer(nc, stream, name):
                 swept.append(SweptConsumer(stream, name, why))
     return swept
@@ -150,9 +221,9 @@ async def _delete_consumer(nc, stream: str, name: str) -> bool:
 
 
 class ConsumerSweeper:
-    """Sweeps every `interval_s`, and at once when a consumer is created, on a thread of its own (the broker's
-    process has no event loop), connected as the steward (`system_key`); `report` hears of each consumer deleted.
-    Failures are logged and tried at the next sweep."""
+    """Sweeps every `interval_s`, and at once when the broker audits a consumer's creation, on a thread of its own
+    (the broker's process has no event loop), connected as the steward (`system_key`); `report` hears of each
+    consumer deleted. Failures are logged and tried at the next sweep."""
 
     def __init__(self, settings: NatsSettings, system_key: Path, roster_path: Path, *,
                  report: Callable[[SweptConsumer], None], interval_s: float = sweep_interval_s) -> None:
@@ -160,6 +231,7 @@ class ConsumerSweeper:
         self.roster_file = RosterFile(roster_path)
         self.report = report
         self.interval_s = interval_s
+        self.creators = ConsumerCreators()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=lambda: asyncio.run(self._sweep_until_stopped()),
                                         name="hearth-consumer-sweep", daemon=True)
@@ -181,8 +253,13 @@ class ConsumerSweeper:
         connection = None
         created = asyncio.Event()
 
-        async def consumer_created(_msg) -> None:
-            created.set()
+        async def api_audited(msg) -> None:
+            try:
+                advisory = json.loads(msg.data)
+            except ValueError:
+                return
+            if self.creators.record(advisory, self.roster_file.current):
+                created.set()
 
         try:
             while not self._stop.is_set():
@@ -190,9 +267,10 @@ class ConsumerSweeper:
                     if connection is None or connection.is_closed:
                         connection = await connect_nats(self.settings.url, name="hearth consumer sweep",
                                                         settings=self.settings)
-                        await connection.subscribe(CONSUMER_CREATED_ADVISORIES, cb=consumer_created)
+                        await connection.subscribe(API_AUDIT_ADVISORIES, cb=api_audited)
                     created.clear()
-                    for swept in await sweep_consumers(connection, self.roster_file.current()):
+                    for swept in await sweep_consumers(connection, self.roster_file.current(),
+                                                       creators=self.creators):
                         self.report(swept)
                 except Exception as error:  # the broker restarting, JetStream without a leader yet: next time
                     log.warning("consumer sweep failed (%s); trying again in %g s", error, self.interval_s)
