@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from sqlalchemy.orm import sessionmaker
 
 from hearth.events.models import ShardWithdrawn
+from hearth.events.signing import roster_recheck_interval_s
 from hearth.readmodels.projection import epoch_s
+from hearth.services.common.config import HearthSettings
+from hearth.services.common.event_trust import node_membership
 from hearth.services.orchestrator.capacity import ShardLoad
 from hearth.services.orchestrator.router import Hop, RoutingError, ShardRouter, format_layer_ranges
+from hearth.trust.community import Community
 from tests.readmodel_helpers import (
     MODEL_ID,
     T0,
@@ -43,10 +49,11 @@ class Mesh:
         apply_all(self.engine, [self.log.stored(e) for e in events])
         return shard.shard_id
 
-    def router(self, *, allow_self: bool = False, self_node: str = "hub", max_hops: int | None = None):
+    def router(self, *, allow_self: bool = False, self_node: str = "hub", max_hops: int | None = None,
+               node_membership=None):
         return ShardRouter(sessionmaker(self.engine), health_timeout_s=health_timeout_s,
                            allow_self_as_shard=allow_self, self_node_id=self_node,
-                           clock=lambda: self.now, max_hops=max_hops)
+                           clock=lambda: self.now, max_hops=max_hops, node_membership=node_membership)
 
     def pick(self, *, exclude=(), weights=WEIGHTS_SHA, **router_kwargs) -> list[tuple[str, int, int]]:
         hops = self.router(**router_kwargs).pick(MODEL_ID, weights, exclude=exclude)
@@ -92,6 +99,26 @@ def test_unusable_shards_are_skipped(mesh):
     mesh.add(0, 7, "excluded")
     mesh.add(0, 7, "fine", queue_depth=5)
     assert mesh.pick(exclude=[f"{MODEL_ID}:0-7@excluded"]) == [("fine", 0, 7)]
+
+
+def test_a_removed_members_shards_are_left_out_at_once_and_the_refusal_says_why(mesh, tmp_path):
+    community = Community.init(tmp_path / "community", "router-test")
+    for name in ("a", "b"):
+        community.add(name, "shard")
+    settings = HearthSettings.model_validate({"nats": {"creds_file": str(community.directory / "keys" / "a.nk")}})
+    membership = node_membership(settings)
+    mesh.add(0, 7, "a")
+    mesh.add(0, 3, "b")
+    mesh.add(0, 7, "stranger")
+    router = mesh.router(node_membership=membership)
+    assert mesh.pick(node_membership=membership) == [("a", 0, 7)]
+    community.remove("a")
+    time.sleep(roster_recheck_interval_s)  # the roster file is looked at again after this
+    with pytest.raises(RoutingError) as refused:
+        router.pick(MODEL_ID, WEIGHTS_SHA)
+    assert "its member was removed from the community" in str(refused.value)
+    assert "not a member of the community" in str(refused.value)
+    assert node_membership(HearthSettings()) is None  # an open mesh routes by the read model alone
 
 
 def test_a_heartbeat_saying_full_is_stale_and_live_load_decides(mesh):

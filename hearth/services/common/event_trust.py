@@ -1,10 +1,11 @@
 """This process's part in signed events and calls: the member key it signs its events with, the verifier its
-projections check events with and the one an orchestrator checks calls with, all found from its [nats]
-credentials and the community roster."""
+projections check events with, the one an orchestrator checks calls with and the membership it routes by, all found
+from its [nats] credentials and the community roster."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 from hearth.events.signing import EventVerifier, RosterFile
@@ -50,6 +51,27 @@ def call_verifier(settings: HearthSettings) -> CallVerifier | None:
     return CallVerifier(lambda recheck: roster.current(recheck_now=recheck),
                         max_clock_skew_s=settings.events.max_clock_skew_s,
                         min_caller_trust=settings.orchestrator.min_caller_trust)
+
+
+def node_membership(settings: HearthSettings) -> Callable[[str], str | None] | None:
+    """On a community mesh, what says why a node may not serve shards (its member was removed from the roster or
+    never was in it; None: it may), read from the roster file as it changes; None on an open mesh. A removed
+    member's adverts stay in the read model until they expire, and its heartbeats stored before the removal keep
+    it looking alive for a while: routing must not wait for either."""
+    roster_file = community_roster_file(settings.nats)
+    if roster_file is None:
+        return None
+    roster = RosterFile(roster_file)
+
+    def why_not_a_member(node_id: str) -> str | None:
+        current = roster.current()
+        if current.by_name(node_id) is not None:
+            return None
+        if any(gone.member.name == node_id for gone in current.removed):
+            return "its member was removed from the community"
+        return "not a member of the community"
+
+    return why_not_a_member
 
 
 def event_verifier(settings: HearthSettings, roster_file: Path | None = None) -> EventVerifier | None:

@@ -9,9 +9,10 @@ Rules, in order:
    read model has heard, for at most `silent_log_grace_s` (a silent event log is not dead shards: while the
    heartbeats' stream elects a leader or a restarted projector catches up, every shard would look stale at once;
    a shard silent while others are heard goes stale as before), not quarantined (a confirmed mismatch that no
-   steward has cleared: hearth/readmodels/reputation.py), not excluded, and with room by this orchestrator's live
-   knowledge (ShardLoad: the streams it holds there and recent `at_capacity` refusals; a heartbeat's
-   `active_streams` is seconds old and not used);
+   steward has cleared: hearth/readmodels/reputation.py), held by a current member of the community's roster
+   (a removed member's shards are left out at once, not when their heartbeats age), not excluded, and with room
+   by this orchestrator's live knowledge (ShardLoad: the streams it holds there and recent `at_capacity`
+   refusals; a heartbeat's `active_streams` is seconds old and not used);
 2. the chain covering every layer with the least predicted time per token, by dynamic programming over
    layer ranges (hearth/services/orchestrator/predict.py: each shard's measured decode step time from its
    heartbeat, the round trip this orchestrator measured to it, and its queue, which also spreads load
@@ -105,9 +106,12 @@ class ShardRouter:
         max_hops: int | None = None,
         silent_log_grace_s: float = 0.0,
         read_model_version: Callable[[], int] | None = None,
+        node_membership: Callable[[str], str | None] | None = None,
     ) -> None:
         self._session_factory = session_factory
         self._read_model_version = read_model_version
+        # Why a node's member may not serve (removed from the community's roster), None on an open mesh.
+        self._node_membership = node_membership
         # model id -> (the version it was read under, its shards, the newest sign of life then)
         self._reads: dict[str, tuple[int, list[ShardCandidate], float | None]] = {}
         self.health_timeout_s = health_timeout_s
@@ -159,6 +163,9 @@ class ShardRouter:
             return shard.status
         if shard.quarantined:
             return "quarantined"
+        not_a_member = self._node_membership(shard.node_id) if self._node_membership is not None else None
+        if not_a_member is not None:
+            return not_a_member
         if now >= shard.expires_at:
             return f"advert expired {now - shard.expires_at:.0f} s ago"
         # The advertisement is itself a sign of life, so a shard is routable before its first heartbeat.

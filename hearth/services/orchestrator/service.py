@@ -37,7 +37,13 @@ from hearth.protocol.chat import (
 )
 from hearth.protocol.subjects import CHAT_REQUEST_SUBJECT, MODELS_REQUEST_SUBJECT
 from hearth.services.common.config import HearthSettings
-from hearth.services.common.event_trust import call_verifier, event_signing_key, event_verifier, stream_setup
+from hearth.services.common.event_trust import (
+    call_verifier,
+    event_signing_key,
+    event_verifier,
+    node_membership,
+    stream_setup,
+)
 from hearth.services.common.metrics import counter
 from hearth.services.broker.connection import flush_ordered
 from hearth.services.broker.permissions import reply_allowed
@@ -123,7 +129,7 @@ class Orchestrator:
             sessionmaker(self.projector.engine), health_timeout_s=distributed.shard_health_timeout_s,
             allow_self_as_shard=distributed.allow_self_as_shard, self_node_id=self.node_id,
             max_hops=distributed.max_shards_per_request, silent_log_grace_s=distributed.silent_log_grace_s,
-            read_model_version=lambda: self.projector.batches_total,
+            read_model_version=lambda: self.projector.batches_total, node_membership=node_membership(self.settings),
         )
         self.catalog.use_advertised(functools.partial(is_advertised, router))
         self.context = RunContext(
