@@ -2,11 +2,13 @@
 `llm.chat.request`: frames the HTTP answer does not carry (failover, shard status, keepalive, a `queued` frame an
 admission queue sends, a type added later) leave the stream whole, so do frames sent again after a broker node
 went away, and each way a call can end has its HTTP answer: 429 with the Retry-After the frame names, 503 for a
-stalled pipeline, an error event mid-stream."""
+stalled pipeline, an error event mid-stream; a request its mapping onto `llm.chat.request` grows past
+max_request_bytes is refused by the gateway, never published."""
 
 from __future__ import annotations
 
 import json
+import re
 
 import httpx2
 import pytest
@@ -36,9 +38,15 @@ async def scripted(nats_url):
     gateway_nc = await connect_nats(nats_url, name="gateway")
     script: list[list[dict]] = []
     received: list[ChatRequest] = []
+    limit = HearthSettings().orchestrator.max_request_bytes
 
     async def answer(msg) -> None:
         received.append(ChatRequest.model_validate_json(msg.data))
+        if len(msg.data) > limit:  # refused as the orchestrator refuses it
+            refusal = {"type": "error", "seq": 0, "code": "bad_request",
+                       "message": f"body: {len(msg.data)} bytes is over max_request_bytes {limit}"}
+            await orchestrator.publish(msg.reply, json.dumps(refusal).encode())
+            return
         for frame in script.pop(0):
             await orchestrator.publish(msg.reply, json.dumps(frame).encode())
 
@@ -98,6 +106,29 @@ async def test_frames_sent_again_after_a_gap_make_the_answer_once_and_in_order(s
     response = await http.post("/v1/chat/completions", json=body())
     assert (response.status_code, response.json()["error"]["code"]) == (503, "pipeline_stalled")
     assert "frames 1-1 were lost" in response.json()["error"]["message"]
+
+
+async def test_a_body_within_the_limit_that_the_mapping_grows_past_it_is_refused_by_the_gateway_unpublished(scripted):
+    """What the gateway publishes carries hearth's defaults for every field the client left out (and a request id),
+    so a compact body just within [orchestrator] max_request_bytes is over it once mapped: the gateway refuses it
+    itself, naming that size and the limit, rather than passing on the orchestrator's refusal of a size the client
+    never sent."""
+    http, _, received = scripted
+    limit = HearthSettings().orchestrator.max_request_bytes
+    compact = {"model": MODEL, "messages": [{"role": "user", "content": ""}, {"role": "user", "content": ""}]}
+    padding = limit - len(json.dumps(compact, separators=(",", ":")))
+    # Two messages: one may hold at most max_prompt_chars.
+    compact["messages"][0]["content"] = "x" * (padding // 2)
+    compact["messages"][1]["content"] = "y" * (padding - padding // 2)
+    sent = json.dumps(compact, separators=(",", ":")).encode()
+    assert len(sent) == limit
+    response = await http.post("/v1/chat/completions", content=sent, headers={"Content-Type": "application/json"})
+    error = response.json()["error"]
+    assert (response.status_code, error["code"], error["type"]) == (400, "bad_request", "invalid_request_error")
+    size = re.match(r"body: (\d+) bytes as sent on to the mesh", error["message"])
+    assert size and int(size[1]) > limit, error["message"]
+    assert f"max_request_bytes {limit}" in error["message"]
+    assert not received, "the request was published"
 
 
 async def test_overloaded_is_429_with_retry_after(scripted):

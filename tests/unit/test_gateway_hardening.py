@@ -1,6 +1,6 @@
 """The gateway's defences without a mesh: the request deadline of its HTTP server (a real uvicorn on the loopback),
-the per-member limit on open calls, CORS only for the origins configured, and junk on a call's inbox skipped by
-the chat client."""
+the per-member limit on open calls, CORS only for the origins configured (with the headers OpenAI's browser SDK
+sends), and junk on a call's inbox skipped by the chat client."""
 
 from __future__ import annotations
 
@@ -229,6 +229,24 @@ async def test_no_cors_headers_unless_origins_are_configured():
         other = {**preflight, "Origin": "https://evil.example.org"}
         status, headers = await asyncio.to_thread(get, address, "/v1/chat/completions", other, "OPTIONS")
         assert status == 400 and "access-control-allow-origin" not in headers
+
+
+async def test_a_preflight_of_openai_s_browser_sdk_is_allowed():
+    sdk_headers = ["authorization", "content-type", "openai-organization", "openai-project", "openai-beta",
+                   "x-stainless-os", "x-stainless-lang", "x-stainless-package-version", "x-stainless-runtime",
+                   "x-stainless-runtime-version", "x-stainless-arch", "x-stainless-retry-count",
+                   "x-stainless-timeout", "x-stainless-helper-method"]
+    preflight = {"Origin": "https://chat.example.org", "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": ",".join(sdk_headers)}
+    async with serving(gateway_with(cors_allowed_origins=["https://chat.example.org"])) as address:
+        status, headers = await asyncio.to_thread(get, address, "/v1/chat/completions", preflight, "OPTIONS")
+        assert status == 200 and headers["access-control-allow-origin"] == "https://chat.example.org"
+        allowed = {name.strip() for name in headers["access-control-allow-headers"].lower().split(",")}
+        assert set(sdk_headers) <= allowed
+        # Named, not every header: one no client of ours sends is still refused.
+        other = {**preflight, "Access-Control-Request-Headers": "x-something-else"}
+        status, headers = await asyncio.to_thread(get, address, "/v1/chat/completions", other, "OPTIONS")
+        assert status == 400 and "x-something-else" not in headers["access-control-allow-headers"].lower()
 
 
 def test_the_api_port_serves_no_metrics():

@@ -55,7 +55,8 @@ async def stream_chat_raw(
     include_keepalives: bool = False,
     signer: MemberKey | None = None,
 ) -> AsyncIterator[ChatFrame]:
-    """Publish raw request bytes (valid or not) and yield frames until a final one; for tests and tools.
+    """Publish raw request bytes (valid or not) and yield frames until a final one; for tests and tools,
+    and for the gateway, which checks the size of request_payload before it publishes it.
 
     The call is signed by `signer` when given (the gateway asks on behalf of the member an API key belongs to),
     else by the member the connection logged in as. A frame of a type this client does not know (one a newer
@@ -180,11 +181,16 @@ def _decode_known(data: bytes) -> ChatFrame | int | None:
     return seq if type(seq) is int else -1
 
 
+def request_payload(request: ChatRequest) -> bytes:
+    """The body `llm.chat.request` carries for `request`: what the orchestrator's max_request_bytes bounds."""
+    return request.model_dump_json(exclude_none=True).encode()
+
+
 async def stream_chat(nc: NatsClient, request: ChatRequest, *, signer: MemberKey | None = None,
                       **timeouts: float) -> AsyncIterator[ChatFrame]:
-    payload = request.model_dump_json(exclude_none=True).encode()
     # aclosing: a caller that stops early unsubscribes the inbox now, not at garbage collection.
-    async with contextlib.aclosing(stream_chat_raw(nc, payload, signer=signer, **timeouts)) as frames:
+    async with contextlib.aclosing(stream_chat_raw(nc, request_payload(request), signer=signer,
+                                                   **timeouts)) as frames:
         async for frame in frames:
             yield frame
 

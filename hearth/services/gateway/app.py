@@ -38,9 +38,18 @@ from hearth.services.gateway.openai_models import (
 
 log = logging.getLogger(__name__)
 ROUTES = ("/v1/models", "/v1/chat/completions", "/v1/completions", "/healthz")
-# What a browser page from an allowed origin may do ([gateway] cors_allowed_origins).
+# What a browser page from an allowed origin may do ([gateway] cors_allowed_origins): the headers are those OpenAI's
+# JavaScript SDK sends, which a preflight must allow or the browser sends nothing (the gateway reads only the first
+# two). Named rather than "*", so that a header no client of ours sends stays refused.
 CORS_METHODS = ("GET", "POST")
-CORS_HEADERS = ("Authorization", "Content-Type")
+CORS_HEADERS = (
+    "Authorization", "Content-Type",
+    "OpenAI-Organization", "OpenAI-Project", "OpenAI-Beta",
+    "X-Stainless-Lang", "X-Stainless-Package-Version", "X-Stainless-OS", "X-Stainless-Arch", "X-Stainless-Runtime",
+    "X-Stainless-Runtime-Version", "X-Stainless-Retry-Count", "X-Stainless-Timeout", "X-Stainless-Helper-Method",
+    # Set by the SDK too; Firefox lets a page set it, so asks for it in the preflight.
+    "User-Agent",
+)
 # nginx's "client closed request": recorded in /metrics for calls whose client left before the answer.
 CLIENT_CLOSED_STATUS = 499
 latency_buckets_s = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)

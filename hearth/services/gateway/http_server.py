@@ -38,6 +38,30 @@ _REQUEST_TIMEOUT_RESPONSE = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: tex
 _RECEIVING = (h11.IDLE, h11.SEND_BODY)
 
 
+class _Deadline:
+    """One timer, armed at most once at a time: `passed` runs `timeout_s` after `arm()` unless `disarm()` came
+    first."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, timeout_s: float, passed) -> None:
+        self._loop = loop
+        self._timeout_s = timeout_s
+        self._passed = passed
+        self._timer: asyncio.TimerHandle | None = None
+
+    def arm(self) -> None:
+        if self._timer is None:
+            self._timer = self._loop.call_later(self._timeout_s, self._run)
+
+    def disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _run(self) -> None:
+        self._timer = None  # disarmed before `passed`, which may arm it again
+        self._passed()
+
+
 class RequestDeadlineProtocol(H11Protocol):
     """uvicorn's h11 protocol with one deadline per request: a connection that has not sent a whole request within
     `read_timeout_s` of opening, or of its previous answer, is closed (answered 408 when it began a head it never
@@ -48,37 +72,30 @@ class RequestDeadlineProtocol(H11Protocol):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self._read_deadline: asyncio.TimerHandle | None = None
-        self._write_deadline: asyncio.TimerHandle | None = None
+        self._read_deadline = _Deadline(self.loop, self.read_timeout_s, self._read_deadline_passed)
+        self._write_deadline = _Deadline(self.loop, self.write_stall_timeout_s, self._write_deadline_passed)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         # Writing pauses as soon as a byte waits for the client, so the stall deadline covers every unread answer,
         # a short one the connection is closing after included (close() waits for those bytes to drain).
         transport.set_write_buffer_limits(high=0)
-        self._arm_read_deadline()
+        self._read_deadline.arm()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._disarm_read_deadline()
-        self._disarm_write_deadline()
+        self._read_deadline.disarm()
+        self._write_deadline.disarm()
         super().connection_lost(exc)
 
     def pause_writing(self) -> None:
         super().pause_writing()
-        if self._write_deadline is None:
-            self._write_deadline = self.loop.call_later(self.write_stall_timeout_s, self._write_deadline_passed)
+        self._write_deadline.arm()
 
     def resume_writing(self) -> None:
-        self._disarm_write_deadline()
+        self._write_deadline.disarm()
         super().resume_writing()
 
-    def _disarm_write_deadline(self) -> None:
-        if self._write_deadline is not None:
-            self._write_deadline.cancel()
-            self._write_deadline = None
-
     def _write_deadline_passed(self) -> None:
-        self._write_deadline = None
         write_stall_timeouts_total.inc()
         # abort, not close: close would wait for the unread bytes to drain, which is what the client withholds.
         self.transport.abort()
@@ -86,25 +103,15 @@ class RequestDeadlineProtocol(H11Protocol):
     def handle_events(self) -> None:
         super().handle_events()
         if self.conn.their_state not in _RECEIVING:
-            self._disarm_read_deadline()
+            self._read_deadline.disarm()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
         # Answered early (a 401 before the body came) the deadline runs on; a new request gets a fresh one.
         if not self.transport.is_closing() and self.conn.their_state in _RECEIVING:
-            self._arm_read_deadline()
-
-    def _arm_read_deadline(self) -> None:
-        if self._read_deadline is None:
-            self._read_deadline = self.loop.call_later(self.read_timeout_s, self._read_deadline_passed)
-
-    def _disarm_read_deadline(self) -> None:
-        if self._read_deadline is not None:
-            self._read_deadline.cancel()
-            self._read_deadline = None
+            self._read_deadline.arm()
 
     def _read_deadline_passed(self) -> None:
-        self._read_deadline = None
         if self.transport.is_closing():
             return
         request_read_timeouts_total.inc()

@@ -1,5 +1,6 @@
 """The gateway's side of the mesh: one NATS connection, who may call (API keys), which models exist, how many
-calls are open (in all and per member), and MeshCall, one `llm.chat.request` whose frames the HTTP side reads.
+calls are open (in all and per member), and MeshCall, one `llm.chat.request` (its body within the orchestrator's
+max_request_bytes) whose frames the HTTP side reads.
 
 A call is signed for the member its API key belongs to (services.client.chat signs with that key), so the
 orchestrator records that member as the caller. Frames the HTTP answer does not carry (pipeline, shard status,
@@ -22,7 +23,7 @@ from nats.aio.client import Client as NatsClient
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
-from hearth.services.client.chat import ModelsRefused, list_models, stream_chat
+from hearth.services.client.chat import ModelsRefused, list_models, request_payload, stream_chat_raw
 from hearth.protocol.chat import (
     ChatRequest,
     DoneFrame,
@@ -34,7 +35,9 @@ from hearth.protocol.chat import (
 )
 from hearth.protocol.subjects import MODELS_REQUEST_SUBJECT
 from hearth.services.common.config import HearthSettings
-from hearth.services.gateway.errors import GatewayError, from_frame, overloaded, unauthenticated, unknown_model
+from hearth.services.gateway.errors import (
+    GatewayError, bad_request, from_frame, overloaded, unauthenticated, unknown_model,
+)
 from hearth.services.gateway.keys import Caller, WatchedApiKeyring, bearer_token
 
 log = logging.getLogger(__name__)
@@ -124,25 +127,35 @@ class Gateway:
                     del self.open_calls_by_member[member]
 
     def call(self, request: ChatRequest, caller: Caller | None) -> "MeshCall":
-        return MeshCall(self, request, caller)
+        """`request` as a call of `caller`, published when its frames are first read; 400 when the body it is
+        published as is over `[orchestrator] max_request_bytes`, which the orchestrator would refuse. That body
+        is not the client's: hearth's defaults and request id add to it, so one within the limit can grow past it."""
+        payload = request_payload(request)
+        limit = self.settings.orchestrator.max_request_bytes
+        if len(payload) > limit:
+            raise bad_request(f"body: {len(payload)} bytes as sent on to the mesh (with hearth's defaults for the "
+                              f"fields left out), over [orchestrator] max_request_bytes {limit}: shorten the request "
+                              f"by {len(payload) - limit} bytes")
+        return MeshCall(self, request, payload, caller)
 
 
 class MeshCall:
     """One `llm.chat.request` under way; `next()` gives its answer frames one by one, the last one final."""
 
-    def __init__(self, gateway: Gateway, request: ChatRequest, caller: Caller | None) -> None:
+    def __init__(self, gateway: Gateway, request: ChatRequest, payload: bytes, caller: Caller | None) -> None:
         client = gateway.settings.client
         self.request = request
         self.started = time.perf_counter()
-        self._frames = stream_chat(gateway.nc, request, signer=caller.key if caller else None,
-                                   first_frame_timeout=client.first_frame_timeout_s,
-                                   frame_gap_timeout=client.silence_timeout_s)
+        # Not wrapped as stream_chat wraps it: aclose() below closes this generator itself.
+        self._frames = stream_chat_raw(gateway.nc, payload, signer=caller.key if caller else None,
+                                       first_frame_timeout=client.first_frame_timeout_s,
+                                       frame_gap_timeout=client.silence_timeout_s)
 
     async def next(self) -> AnswerFrame:
         async for frame in self._frames:
             if isinstance(frame, (TokenDeltaFrame, TokensWithdrawnFrame, *FINAL)):
                 return frame
-        # stream_chat always ends with a final frame (one of its own when the orchestrator sends none).
+        # stream_chat_raw always ends with a final frame (one of its own when the orchestrator sends none).
         raise GatewayError(500, "internal_error", "the call's frames ended without a final frame", type="server_error")
 
     async def first_answer(self) -> TokenDeltaFrame | DoneFrame | ErrorFrame | PipelineAbortedFrame:
