@@ -119,6 +119,10 @@ def test_a_removed_members_shards_are_left_out_at_once_and_the_refusal_says_why(
     assert "its member was removed from the community" in str(refused.value)
     assert "not a member of the community" in str(refused.value)
     assert node_membership(HearthSettings()) is None  # an open mesh routes by the read model alone
+    # A member added since the roster file was last looked at is routed to at once.
+    assert membership("newcomer") == "not a member of the community"
+    community.add("newcomer", "shard")
+    assert membership("newcomer") is None
 
 
 def test_a_heartbeat_saying_full_is_stale_and_live_load_decides(mesh):

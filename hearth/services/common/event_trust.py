@@ -65,6 +65,8 @@ def node_membership(settings: HearthSettings) -> Callable[[str], str | None] | N
 
     def why_not_a_member(node_id: str) -> str | None:
         current = roster.current()
+        if current.by_name(node_id) is None:  # perhaps added since the file was last looked at
+            current = roster.current(recheck_now=True)
         if current.by_name(node_id) is not None:
             return None
         if any(gone.member.name == node_id for gone in current.removed):
