@@ -43,3 +43,17 @@ def test_the_least_recently_used_entries_go_beyond_the_budget():
     kept.keep(blocks(2), {2: torch.zeros(1, 4, 1)})
     kept.keep(PrefixBlocks(block_tokens=2, hashes=NAMES[3:5]), {2: torch.zeros(1, 4, 1)})
     assert kept.inputs(blocks(2), 2) is None and kept.total_bytes == one_entry
+
+
+def test_an_earlier_turn_no_name_reaches_any_more_is_dropped_before_another_conversation_s_live_entry():
+    def conversation(tag: str, count: int) -> PrefixBlocks:
+        return PrefixBlocks(block_tokens=2, hashes=[f"{tag}{i:031x}" for i in range(count)])
+
+    entry_bytes = 4 * 2 * 4  # 4 blocks of 2 positions, one float32 each
+    kept = KeptInputs(budget_bytes=3 * entry_bytes)
+    kept.keep(conversation("b", 2), {2: torch.zeros(1, 4, 1)})  # another conversation, kept first
+    for turn in range(1, 4):  # each turn's blocks hold every earlier turn's
+        kept.keep(conversation("a", turn), {2: torch.ones(1, 2 * turn, 1)})
+    assert kept.inputs(conversation("b", 2), 2) is not None
+    assert kept.inputs(conversation("a", 3), 2) is not None
+    assert kept.total_bytes == (2 + 3) * 2 * 4  # the earlier turns' entries are gone

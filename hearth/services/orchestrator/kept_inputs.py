@@ -72,10 +72,16 @@ class KeptInputs:
         if not kept.hashes or not trimmed:
             return
         key = kept.hashes[-1]
+        superseded = {self._by_name[name][0] for name in kept.hashes if name in self._by_name} - {key}
         self._entries[key] = _Entry(positions, trimmed)
         self._entries.move_to_end(key)
         for blocks, name in enumerate(kept.hashes, start=1):
             self._by_name[name] = (key, blocks)
+        # An earlier turn's entry whose every name the new one took over is reached by nothing any more: drop it now,
+        # not after the live entries of other conversations the budget would push out first.
+        reached = {owner for owner, _ in self._by_name.values()} if superseded else set()
+        for old_key in superseded - reached:
+            self._entries.pop(old_key, None)
         while self._entries and self.total_bytes > self.budget_bytes:
             dropped, _ = self._entries.popitem(last=False)
             self._forget(dropped)
