@@ -220,7 +220,8 @@ class KeptHop(BoundedNumbers):
 
 
 class KeptMark(BoundedNumbers):
-    """One kept block's name and how many blocks it closes (it stands for those and every one before)."""
+    """One kept block's mark (a digest of its name: the name opens its KV on a shard, the mark only finds the chain
+    keeping it) and how many blocks it closes (it stands for those and every one before)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -230,8 +231,9 @@ class KeptMark(BoundedNumbers):
 
 class KeptPrefix(BoundedNumbers):
     """The blocks a call's hops were asked to keep when it ended well (docs/design.md, "Kept prefixes"), so that
-    every orchestrator can send a call beginning the same way to them. A block name is a digest over the scoped
-    tokens of every block up to it: it reveals only that two calls began alike, never a token."""
+    every orchestrator can send a call beginning the same way to them. A block's mark is a digest of its name, itself a
+    digest over the scoped tokens of every block up to it: it reveals only that two calls began alike, never a token,
+    and cannot be turned back into the name that would open the KV."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 

@@ -120,11 +120,12 @@ class PrefixCache:
         return sum(entry.nbytes for entry in self._entries.values())
 
     def lookup(self, keys: Sequence[str]) -> tuple[PrefixEntry, int] | None:
-        """The entry holding the most leading blocks of `keys` and how many it holds (counted as a hit or a miss),
-        or None."""
+        """The entry holding the most leading blocks of `keys`, each of them, and how many (counted as a hit or a
+        miss), or None."""
         for blocks in range(len(keys), 0, -1):
             entry_id = self._owner.get(keys[blocks - 1])
-            if entry_id is not None:
+            # Every block up to it must be the entry's own: one name alone, its predecessors junk, opens nothing.
+            if entry_id is not None and self._entries[entry_id].keys[:blocks] == tuple(keys[:blocks]):
                 entry = self._entries[entry_id]
                 entry.last_used_s = self._clock()
                 self._entries.move_to_end(entry_id)

@@ -26,7 +26,7 @@ from hearth.readmodels.tables import KeptPrefixRecord
 from hearth.services.common.config import HearthSettings
 from hearth.services.common.config_processes import PrefixCacheSettings
 from hearth.services.orchestrator.construct import ChainBuilder
-from hearth.services.orchestrator.prefix import KeptChains, block_names, first_name, kept_marks
+from hearth.services.orchestrator.prefix import KeptChains, block_names, first_name, kept_marks, published_mark
 from hearth.services.orchestrator.router import Hop, ShardRouter
 from tests.readmodel_helpers import (
     MODEL_INFO,
@@ -80,8 +80,10 @@ def test_a_completed_call_s_marked_blocks_become_rows_named_by_them(engine):
 def test_a_call_marks_its_last_block_the_last_two_of_its_prompt_and_powers_of_two():
     names = [f"{index:032x}" for index in range(1, 41)]
     assert [blocks for blocks, _ in kept_marks(names, prompt_blocks=37)] == [1, 2, 4, 8, 16, 32, 36, 37, 40]
-    assert kept_marks(names, prompt_blocks=37)[-1] == (40, names[39])
-    assert kept_marks(names[:1], prompt_blocks=1) == [(1, names[0])]
+    assert kept_marks(names, prompt_blocks=37)[-1] == (40, published_mark(names[39]))
+    assert kept_marks(names[:1], prompt_blocks=1) == [(1, published_mark(names[0]))]
+    # What the log records finds a chain but never opens KV: no mark is a block name.
+    assert not {mark for _, mark in kept_marks(names, prompt_blocks=37)} & set(names)
     # The most blocks a call may name still fit an event.
     assert len(kept_marks([f"{i:032x}" for i in range(8192)], prompt_blocks=8000)) <= max_kept_marks
 

@@ -76,8 +76,9 @@ def test_other_blocks_other_layers_and_other_block_sizes_miss(model):
     runner = runner_of(model)
     runner.forward("first", head.embed(PROMPT), 0, "prefill")
     runner.keep_prefix("first", ["b0", "b1"], BLOCK)
-    assert runner.attach_prefix("a", ["x0", "b1"], BLOCK) == 2 * BLOCK  # the last block's hash names its whole past
-    assert runner.attach_prefix("b", ["x0", "x1"], BLOCK) == 0
+    # A block's name opens its KV only behind the names of every block before it (one name learnt is not enough).
+    assert runner.attach_prefix("a", ["x0", "b1"], BLOCK) == 0
+    assert runner.attach_prefix("b", ["b0", "x1"], BLOCK) == BLOCK
     assert runner.attach_prefix("c", ["b0", "b1"], BLOCK, layers=(1, 1)) == 0
     assert runner.attach_prefix("d", ["b0", "b1"], 2 * BLOCK) == 0
     cache = runner.prefix_cache
@@ -152,6 +153,16 @@ def test_a_conversation_s_next_turn_replaces_its_earlier_entry_and_branches_stay
     clock[0] = 11
     cache.lookup(["a", "x"])
     assert cache.evict_expired() > 0 and len(cache) == 1 and cache.lookup(["a", "b", "c"])[1] == 1
+
+
+def test_a_block_s_name_opens_its_kv_only_after_every_block_before_it():
+    cache = PrefixCache(ttl_s=10, clock=lambda: 0.0)
+    kv = {0: (torch.zeros(1, 1, 12, 2), torch.zeros(1, 1, 12, 2))}
+    cache.put(["a", "b", "c"], kv, 4)
+    # One name learnt somewhere, behind junk: nothing of the entry is found (its first blocks' names are not "x", "y").
+    assert cache.lookup(["x", "y", "c"]) is None
+    assert cache.lookup(["a", "y", "c"])[1] == 1
+    assert cache.lookup(["a", "b", "c"])[1] == 3
 
 
 def test_shard_keys_depend_on_layers_and_block_size():

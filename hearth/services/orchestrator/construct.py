@@ -30,6 +30,7 @@ from hearth.services.orchestrator.prefix import (
     first_name,
     kept_marks,
     public_blocks_of,
+    published_mark,
 )
 from hearth.services.orchestrator.recovery import SHARD_UNAVAILABLE
 from hearth.services.orchestrator.router import Hop, RoutingError
@@ -235,7 +236,7 @@ class ChainBuilder:
             reusable = naming.reusable(self.call.known_ids) if naming is not None else None
             ours = self.ctx.kept_chains.holding(reusable.hashes) if reusable is not None else None
             if reusable is not None and (ours is None or ours.blocks < len(reusable.hashes)):
-                names[scheme] = reusable.hashes
+                names[scheme] = [published_mark(name) for name in reusable.hashes]  # as the log records them
         if sessions is None or not names:
             return {}
 

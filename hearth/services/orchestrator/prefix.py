@@ -9,6 +9,10 @@ is the caller (a roster member; every unsigned caller together) unless the block
 listed in `[prefix_cache] public_system_prompts` rendered alone: no member's call can find another member's blocks,
 so nothing about another member's conversation leaks through time to first token.
 
+A block's name opens its KV on the shards that keep it, so it travels only to the hops of the calls that computed or
+reuse it, never into the event log: a completed call records each kept block by its mark (`published_mark`, a digest
+of the name), which routing can look a call's own names up by but no member can turn back into a name to attach.
+
 A call reuses a prefix only for its chain's first prefill, and never at `verify` levels `all` and `vote` (they
 check every position, and a mirror would need the positions the call did not compute). Blocks are kept when a call
 ends well: every position its hops ran (the prompt and each token fed back).
@@ -100,8 +104,14 @@ def public_blocks_of(prompt_ids: Sequence[int], public_prompt_ids: Sequence[Sequ
     return longest // block_tokens
 
 
+def published_mark(name: str) -> str:
+    """What the event log records for the kept block `name`: a digest that finds the chain keeping it, never the
+    name itself, which would let any member reading the log attach that KV (or keep its own under it)."""
+    return hashlib.blake2b(b"hearth-kept-mark\0" + bytes.fromhex(name), digest_size=16).hexdigest()
+
+
 def kept_marks(names: Sequence[str], prompt_blocks: int) -> list[tuple[int, str]]:
-    """Which of a call's kept block names its `pipeline.completed` records, as (blocks closed, name): the last, the
+    """Which of a call's kept blocks its `pipeline.completed` records, as (blocks closed, published mark): the last, the
     last two wholly inside the prompt (a next turn resends the prompt as it was, while the answer may tokenize
     differently where it meets what follows) and the 1st, 2nd, 4th, ... (an edited history still finds some)."""
     counts = {len(names), prompt_blocks, prompt_blocks - 1}
@@ -109,7 +119,7 @@ def kept_marks(names: Sequence[str], prompt_blocks: int) -> list[tuple[int, str]
     while power < len(names):
         counts.add(power)
         power *= 2
-    return [(blocks, names[blocks - 1]) for blocks in sorted(counts) if 1 <= blocks <= len(names)]
+    return [(blocks, published_mark(names[blocks - 1])) for blocks in sorted(counts) if 1 <= blocks <= len(names)]
 
 
 class KeptChains:
