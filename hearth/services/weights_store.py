@@ -35,7 +35,8 @@ from hearth.inference.gguf_parts import StoredLayout
 from hearth.inference.partial_checkpoint import NON_WEIGHT_PATTERNS, NeededTensors, assemble_partial_folder, \
     check_needed, complete_partial_folder, hearth_cache_dir, layer_of, selection_name
 from hearth.services.broker.permissions import WEIGHTS_BUCKET, WEIGHTS_STREAM
-from hearth.services.weights_objects import WeightsStoreError, fetch_object, object_intact, read_small_object
+from hearth.services.weights_objects import WeightsStoreError, delete_objects_except, fetch_object, object_intact, \
+    read_small_object
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,7 @@ GGUF_EVERY_LAYER_OBJECT = "every-layer.gguf-data"
 # The manifest's format_version: 1 for safetensors, 2 for a GGUF (a host that predates it refuses the manifest).
 GGUF_FORMAT_VERSION = 2
 SHA256_PATTERN = r"^[0-9a-f]{64}$"
+OBJECTS_VERSION_PATTERN = r"^[0-9a-f]{16}$"
 # Object-store chunks (nats-py's default is 128 KiB): larger chunks mean fewer messages per layer.
 OBJECT_CHUNK_BYTES = 512 * 1024
 
@@ -93,6 +95,10 @@ class WeightsManifest(BaseModel):
     tensors: dict[str, TensorSpec] = Field(default_factory=dict, max_length=1_000_000)
     # How a GGUF's objects form it again (format_version 2; its tensors' dtypes above are GGML type names).
     gguf: StoredLayout | None = None
+    # The key prefix of this publication's objects (object_key): a republish writes new keys and switches the
+    # manifest last, so an interrupted one leaves the previous manifest's objects as they were. None: stored before
+    # publications had their own keys (NAME/FILE).
+    objects_version: str | None = Field(default=None, pattern=OBJECTS_VERSION_PATTERN)
 
     @field_validator("objects")
     @classmethod
@@ -145,8 +151,10 @@ def store_model_name(model: str) -> str | None:
     return check_model_name(model[len(STORE_MODEL_PREFIX):]) if model.startswith(STORE_MODEL_PREFIX) else None
 
 
-def object_key(name: str, file: str) -> str:
-    return f"{name}/{file}"
+def object_key(name: str, file: str, version: str | None = None) -> str:
+    """The bucket key of `file` of stored model `name`, published as `version` (None: the manifest's own key, or an
+    object published before publications had keys of their own)."""
+    return f"{name}/{file}" if version is None else f"{name}/{version}/{file}"
 
 
 def _progress(total_bytes: int, description: str):
@@ -245,8 +253,11 @@ def check_publishable(path: Path) -> Path | None:
 
 async def publish_checkpoint(js, folder: Path, name: str) -> WeightsManifest:
     """Store the checkpoint `folder` (a safetensors folder, a GGUF file or a folder holding one) as `name`
-    (replacing what was there), one layer in memory at a time; the manifest goes last, so a reader never sees a
-    manifest naming objects not yet stored."""
+    (replacing what was there), one layer in memory at a time, under keys of this publication's own; the manifest
+    goes last, so a reader never sees a manifest naming objects not yet stored or since rewritten, and only then are
+    the objects it does not name deleted."""
+    import secrets
+
     from hearth.inference import read_config_dict, weights_sha256
     from hearth.inference.errors import CheckpointError
 
@@ -263,9 +274,11 @@ async def publish_checkpoint(js, folder: Path, name: str) -> WeightsManifest:
     objects: list[StoredObject] = []
     weight_map: dict[str, str] = {}
     tensor_specs: dict[str, TensorSpec] = {}
+    version = secrets.token_hex(8)
 
     async def put(file: str, kind: str, layer: int | None, data: bytes) -> None:
-        await store.put(object_key(name, file), data, meta=_chunked(object_key(name, file)))
+        key = object_key(name, file, version)
+        await store.put(key, data, meta=_chunked(key))
         objects.append(StoredObject(file=file, kind=kind, layer=layer, size=len(data),
                                     sha256=hashlib.sha256(data).hexdigest()))
         bar.update(len(data))
@@ -280,8 +293,11 @@ async def publish_checkpoint(js, folder: Path, name: str) -> WeightsManifest:
             tensor_specs.update(specs)
     manifest = WeightsManifest(format_version=GGUF_FORMAT_VERSION if gguf else 1, name=name, num_layers=num_layers,
                                weights_sha256=digest, objects=objects, weight_map=weight_map, tensors=tensor_specs,
-                               gguf=stored_gguf)
+                               gguf=stored_gguf, objects_version=version)
     await store.put(object_key(name, MANIFEST_OBJECT), manifest.model_dump_json().encode())
+    # Only now: a host may still be reading the previous manifest's objects (it is refused, and reads this one anew).
+    await delete_objects_except(store, f"{name}/", {object_key(name, MANIFEST_OBJECT)} | {
+        object_key(name, stored.file, version) for stored in objects})
     log.info("published %s: %d objects, weights %s", name, len(objects), digest[:12])
     return manifest
 
@@ -321,8 +337,8 @@ async def list_models(js) -> list[WeightsManifest]:
         infos = await store.list()
     except NotFoundError:  # an empty bucket
         return []
-    names = sorted(info.name[:-len(MANIFEST_OBJECT) - 1] for info in infos
-                   if info.name.endswith("/" + MANIFEST_OBJECT) and not info.deleted)
+    names = sorted(info.name[:-len(MANIFEST_OBJECT) - 1] for info in infos  # not an object named manifest.json
+                   if info.name.endswith("/" + MANIFEST_OBJECT) and info.name.count("/") == 1 and not info.deleted)
     return [await read_manifest(js, name) for name in names]
 
 
@@ -346,7 +362,8 @@ async def fetch_stored_model(js, name: str, needed: NeededTensors, *, cache_dir:
     store = await _bucket(js, create=False)
     with _progress(sum(stored.size for stored in missing), f"fetching {name}") as bar:
         for stored in missing:
-            await fetch_object(store, object_key(name, stored.file), name, stored, objects_dir)
+            await fetch_object(store, object_key(name, stored.file, manifest.objects_version), name, stored,
+                               objects_dir)
             bar.update(stored.size)
     files = {stored.file: objects_dir / stored.file for stored in wanted}
     if manifest.gguf is not None:

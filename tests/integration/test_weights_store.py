@@ -14,6 +14,7 @@ from hearth.services.broker.permissions import WEIGHTS_STREAM
 from hearth.services.weights_store import (
     HEAD_OBJECT,
     LAYER_OBJECT_FORMAT,
+    MANIFEST_OBJECT,
     WEIGHTS_BUCKET,
     WeightsStoreError,
     fetch_stored_model,
@@ -73,8 +74,10 @@ async def test_the_head_fetches_only_the_head_object(js, published, tmp_path):
 
 
 async def test_a_corrupted_object_is_refused_with_one_line(js, published, tmp_path):
+    _, manifest = published
     store = await js.object_store(WEIGHTS_BUCKET)
-    await store.put(object_key(NAME, LAYER_OBJECT_FORMAT.format(1)), b"not the layer that was published")
+    await store.put(object_key(NAME, LAYER_OBJECT_FORMAT.format(1), manifest.objects_version),
+                    b"not the layer that was published")
     with pytest.raises(WeightsStoreError, match="layer-00001.safetensors of 'tiny-llama' does not match the SHA-256"):
         await fetch_stored_model(js, NAME, (1, 1), cache_dir=tmp_path)
 
@@ -83,13 +86,47 @@ async def test_an_object_larger_than_its_manifest_states_is_refused_and_leaves_n
     original, manifest = published
     stated = next(stored for stored in manifest.objects if stored.file == LAYER_OBJECT_FORMAT.format(1))
     store = await js.object_store(WEIGHTS_BUCKET)
-    await store.put(object_key(NAME, stated.file), b"\0" * (stated.size + 1))
+    await store.put(object_key(NAME, stated.file, manifest.objects_version), b"\0" * (stated.size + 1))
     with pytest.raises(WeightsStoreError, match=f"layer-00001.safetensors of 'tiny-llama' is {stated.size + 1} "
                                                 f"bytes, over {stated.size}"):
         await fetch_stored_model(js, NAME, (1, 1), cache_dir=tmp_path)
     objects = tmp_path / "store" / NAME / manifest.weights_sha256[:16] / "objects"
     assert stated.file not in {file.name for file in objects.iterdir()}
     assert not [file for file in objects.iterdir() if file.name.startswith(f".{stated.file}")]
+
+
+async def test_an_interrupted_republish_leaves_the_stored_model_as_it_was(js, published, tiny_model_dir, tmp_path,
+                                                                         monkeypatch):
+    import hearth.services.weights_store as weights_store
+
+    original, first = published
+    other = tiny_model_dir("llama", max_shard_size="100KB", seed=2)
+    every_blob = weights_store._layer_blobs
+
+    def stops_after_the_head_and_two_layers(folder):
+        for count, blob in enumerate(every_blob(folder)):
+            if count == 3:
+                raise KeyboardInterrupt("the publisher stops")
+            yield blob
+
+    monkeypatch.setattr(weights_store, "_layer_blobs", stops_after_the_head_and_two_layers)
+    with pytest.raises(KeyboardInterrupt):
+        await publish_checkpoint(js, other, NAME)
+    monkeypatch.undo()
+
+    folder = await fetch_stored_model(js, NAME, (0, 1), cache_dir=tmp_path)
+    assert _same_parameters(load_layer_range(folder, 0, 1, **RUNNER_KV_LIMITS),
+                            load_layer_range(original, 0, 1, **RUNNER_KV_LIMITS))
+    tokens = torch.tensor([[1, 4, 9]])
+    head = await fetch_stored_model(js, NAME, "head", cache_dir=tmp_path)
+    assert torch.equal(load_head(head).embed(tokens), load_head(original).embed(tokens))
+
+    second = await publish_checkpoint(js, other, NAME)  # the complete one keeps only its own objects
+    store = await js.object_store(WEIGHTS_BUCKET)
+    assert {info.name for info in await store.list() if not info.deleted} == {
+        object_key(NAME, MANIFEST_OBJECT), *(object_key(NAME, stored.file, second.objects_version)
+                                             for stored in second.objects)}
+    assert first.objects_version != second.objects_version
 
 
 async def test_listing_and_unknown_names(js, published, tmp_path):
