@@ -61,10 +61,14 @@ async def _checked_info(store, key: str, what: str, max_bytes: int):
 
 async def read_small_object(store, key: str, what: str, max_bytes: int) -> bytes:
     """Object `key` of `store` in memory (`what` names it in errors): at most `max_bytes`, and no more than its
-    info states. nats-py's ObjectNotFoundError when it is absent."""
+    info states, within object_fetch_timeout_s of that size. nats-py's ObjectNotFoundError when it is absent."""
     info = await _checked_info(store, key, what, max_bytes)
     buffer = io.BytesIO()
-    await store.get(key, writeinto=_BoundedWriter(buffer, info.size, what))
+    try:
+        await asyncio.wait_for(store.get(key, writeinto=_BoundedWriter(buffer, info.size, what)),
+                               timeout=object_fetch_timeout_s(info.size))
+    except (asyncio.TimeoutError, TimeoutError):
+        raise WeightsStoreError(f"{what} did not arrive within {object_fetch_timeout_s(info.size):.0f} s") from None
     return buffer.getvalue()
 
 
