@@ -1,20 +1,15 @@
 """The community's weights in NATS JetStream's object store: published once per layer, fetched by layer range.
 
 `hearth weights publish` stores a safetensors checkpoint in the bucket WEIGHTS_BUCKET under its name: one object per
-decoder layer (that layer's tensors as one safetensors blob, as stored), one for every tensor outside the layers
-(embedding, final norm, lm_head: the "head"), one per config/tokenizer/chat template file, and last a manifest listing
-each object with its size and SHA-256 plus the original checkpoint's weights_sha256. A GGUF is stored the same way with
-its bytes kept (hearth/inference/gguf_parts.py): its header (metadata, tokenizer, tensor infos) as one object in place
-of the files, each layer's and the head's tensor data, in their block types (tensors every layer reads, such as
-rope_freqs, apart: every host fetches them), and the manifest's `gguf` section saying where each tensor lies. A model
-given as `store:NAME` is fetched into $HEARTH_CACHE_DIR/store/NAME (default ~/.cache/hearth): only the objects a layer
-range (or the head) needs, each checked against the manifest, then assembled into a folder the loader reads
-(hearth/inference/partial_checkpoint.py; for a GGUF, a GGUF holding only those tensors), which advertises the original
-checkpoint's digest.
-
-Who may do what (hearth/services/broker/permissions.py): on a community mesh only the `system` member (the steward)
-writes the bucket; shard hosts and orchestrators read it (look the stream up, get a message, read through an
-ephemeral consumer of their own). On an open mesh anyone who reaches the broker may do both.
+decoder layer (its tensors as one safetensors blob, as stored), one for every tensor outside the layers (embedding,
+final norm, lm_head: the "head"), one per config/tokenizer/chat template file, and last a manifest listing each object
+with its size and SHA-256 plus the original checkpoint's weights_sha256. A GGUF is stored with its bytes kept
+(hearth/inference/gguf_parts.py): its header as one object in place of the files, each layer's and the head's tensor
+data in their block types (tensors every layer reads, such as rope_freqs, apart), and the manifest's `gguf` section
+saying where each tensor lies. `store:NAME` is fetched into $HEARTH_CACHE_DIR/store/NAME (default ~/.cache/hearth):
+only the objects a layer range (or the head) needs, each checked against the manifest, assembled into a folder the
+loader reads (hearth/inference/partial_checkpoint.py; for a GGUF, a GGUF of only those tensors) advertising the
+original checkpoint's digest. Who may write and read the bucket: hearth/services/broker/permissions.py.
 """
 
 from __future__ import annotations
@@ -95,9 +90,8 @@ class WeightsManifest(BaseModel):
     tensors: dict[str, TensorSpec] = Field(default_factory=dict, max_length=1_000_000)
     # How a GGUF's objects form it again (format_version 2; its tensors' dtypes above are GGML type names).
     gguf: StoredLayout | None = None
-    # The key prefix of this publication's objects (object_key): a republish writes new keys and switches the
-    # manifest last, so an interrupted one leaves the previous manifest's objects as they were. None: stored before
-    # publications had their own keys (NAME/FILE).
+    # This publication's key prefix (object_key): an interrupted republish leaves the previous manifest's objects as
+    # they were. None: stored before publications had keys of their own (NAME/FILE).
     objects_version: str | None = Field(default=None, pattern=OBJECTS_VERSION_PATTERN)
 
     @field_validator("objects")
@@ -117,6 +111,10 @@ class WeightsManifest(BaseModel):
                 return stored.kind == "head"
             return stored.kind == "layer" and needed[0] <= stored.layer <= needed[1]
         return [stored for stored in self.objects if wanted(stored)]
+
+    def digest(self) -> str:
+        """SHA-256 of what this manifest states, whichever keys its objects were published under."""
+        return hashlib.sha256(self.model_dump_json(exclude={"objects_version"}).encode()).hexdigest()
 
     def layer_weight_bytes(self, compute_dtype, quantization, device=default_read_device) -> list[int]:
         """Bytes each decoder layer takes once loaded in `compute_dtype` under `quantization` on `device`
@@ -351,24 +349,26 @@ async def fetch_stored_model(js, name: str, needed: NeededTensors, *, cache_dir:
     if isinstance(needed, tuple) and needed[1] >= manifest.num_layers:
         raise WeightsStoreError(f"{name!r} has {manifest.num_layers} layers: no layer {needed[1]}")
     root = (cache_dir or hearth_cache_dir()) / STORE_CACHE_FOLDER / name / manifest.weights_sha256[:16]
-    gguf_name = f"{name}{GGUF_SUFFIX}"
-    if (done := complete_partial_folder(root / selection_name(needed))) is not None:
+    # Side files are no part of weights_sha256: they, and the folders linking them, are kept per manifest.
+    published, gguf_name = root / manifest.digest()[:16], f"{name}{GGUF_SUFFIX}"
+    target = published / selection_name(needed)
+    if (done := complete_partial_folder(target)) is not None:
         return done / gguf_name if manifest.gguf else done
-    objects_dir = root / "objects"
-    objects_dir.mkdir(parents=True, exist_ok=True)
     wanted = manifest.needed_objects(needed)
-    missing = [stored for stored in wanted
-               if not await asyncio.to_thread(object_intact, objects_dir / stored.file, stored)]
+    files = {stored.file: (published / "files" if stored.kind == "file" else root / "objects") / stored.file
+             for stored in wanted}
+    for folder in {file.parent for file in files.values()}:
+        folder.mkdir(parents=True, exist_ok=True)
+    missing = [stored for stored in wanted if not await asyncio.to_thread(object_intact, files[stored.file], stored)]
     store = await _bucket(js, create=False)
     with _progress(sum(stored.size for stored in missing), f"fetching {name}") as bar:
         for stored in missing:
             await fetch_object(store, object_key(name, stored.file, manifest.objects_version), name, stored,
-                               objects_dir)
+                               files[stored.file].parent)
             bar.update(stored.size)
-    files = {stored.file: objects_dir / stored.file for stored in wanted}
     if manifest.gguf is not None:
-        return await asyncio.to_thread(_write_gguf, manifest, root / selection_name(needed), gguf_name, files)
-    return await asyncio.to_thread(assemble_partial_folder, root / selection_name(needed), files, manifest.weight_map,
+        return await asyncio.to_thread(_write_gguf, manifest, target, gguf_name, files)
+    return await asyncio.to_thread(assemble_partial_folder, target, files, manifest.weight_map,
                                    weights_sha256=manifest.weights_sha256, source=f"{STORE_MODEL_PREFIX}{name}")
 
 

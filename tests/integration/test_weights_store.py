@@ -3,6 +3,8 @@ fetching only its layers' objects (checked against the manifest), loading exactl
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -42,8 +44,8 @@ async def published(js, tiny_model_dir):
 
 
 def _fetched_objects(cache_dir, manifest) -> set[str]:
-    objects = cache_dir / "store" / NAME / manifest.weights_sha256[:16] / "objects"
-    return {file.name for file in objects.iterdir() if not file.name.startswith(".")}
+    root = cache_dir / "store" / NAME / manifest.weights_sha256[:16]
+    return {file.name for file in (*root.glob("objects/*"), *root.glob("*/files/*")) if not file.name.startswith(".")}
 
 
 def _same_parameters(first, second) -> bool:
@@ -127,6 +129,22 @@ async def test_an_interrupted_republish_leaves_the_stored_model_as_it_was(js, pu
         object_key(NAME, MANIFEST_OBJECT), *(object_key(NAME, stored.file, second.objects_version)
                                              for stored in second.objects)}
     assert first.objects_version != second.objects_version
+
+
+async def test_a_republished_side_file_reaches_hosts_that_fetched_the_previous_one(js, tiny_model_dir, tmp_path):
+    original = tmp_path / "original"
+    shutil.copytree(tiny_model_dir("llama", max_shard_size="100KB"), original)
+    (original / "chat_template.jinja").write_text("the template first published")
+    await publish_checkpoint(js, original, NAME)
+    head = await fetch_stored_model(js, NAME, "head", cache_dir=tmp_path / "cache")
+    assert (head / "chat_template.jinja").read_text() == "the template first published"
+
+    (original / "chat_template.jinja").write_text("the template fixed")  # the same weights, the same weights_sha256
+    await publish_checkpoint(js, original, NAME)
+    for needed in ("head", (0, 1)):
+        folder = await fetch_stored_model(js, NAME, needed, cache_dir=tmp_path / "cache")
+        assert (folder / "chat_template.jinja").read_text() == "the template fixed"
+    assert (head / "chat_template.jinja").read_text() == "the template first published"  # a folder in use stays
 
 
 async def test_listing_and_unknown_names(js, published, tmp_path):
