@@ -64,6 +64,8 @@ COMMIT_HASH = re.compile(r"[0-9a-f]{40}")
 # before any is downloaded.
 MAX_SIDE_FILES = 64
 MAX_SIDE_FILE_BYTES = 256 << 20
+# Beyond this many entries (files and folders, at any depth) a repository's listing is no model's: read no further.
+MAX_LISTED_ENTRIES = 10_000
 HUB_OFFLINE_ENV = "HF_HUB_OFFLINE"
 
 
@@ -176,8 +178,13 @@ def _repository(repo_id: str, revision: str | None):
     commit = api.repo_info(repo_id, revision=revision).sha
     if not is_commit_hash(commit):  # it names folders of the cache: the hub's word alone must not choose them
         raise CheckpointError(f"model {repo_id!r}: the hub answered {commit!r} as its commit, not a commit hash")
-    listing = {entry.path: entry for entry in api.list_repo_tree(repo_id, recursive=True, revision=commit)
-               if isinstance(entry, RepoFile) and "/" not in entry.path}
+    listing = {}
+    for count, entry in enumerate(api.list_repo_tree(repo_id, recursive=True, revision=commit)):
+        if count == MAX_LISTED_ENTRIES:  # a listing paged without end would be held in memory whole
+            raise CheckpointError(f"model {repo_id!r} lists more than {MAX_LISTED_ENTRIES} files: not a model "
+                                  "hearth downloads")
+        if isinstance(entry, RepoFile) and "/" not in entry.path:
+            listing[entry.path] = entry
     weights = {name: entry for name, entry in listing.items() if name.endswith(".safetensors")}
     if not weights and not any(name.lower().endswith(GGUF_SUFFIX) for name in listing):
         raise CheckpointError(f"model {repo_id!r} has no safetensors or GGUF weights on the hub")

@@ -86,6 +86,15 @@ def test_a_tampered_file_is_refused_with_one_line(served, tmp_path):
     assert (folder / victim).is_file()
 
 
+def test_a_listing_without_end_is_refused_past_its_bound(served, tmp_path):
+    hub, _, _ = served
+    hub.endless_listing = True
+    with pytest.raises(CheckpointError, match=f"^model '{REPO}' lists more than 10000 files: not a model hearth "
+                                              "downloads$"):
+        resolve_model_path(REPO, cache_dir=tmp_path / "cache", needed_layers=(1, 1))
+    assert hub.listing_pages <= 11
+
+
 def test_a_commit_that_is_no_commit_hash_is_refused_before_any_folder_is_named_by_it(served, tmp_path, monkeypatch):
     outside = tmp_path / "outside"
     for answered in (str(outside), "../../outside", "main"):
