@@ -156,7 +156,7 @@ def hub_layout(model: str, *, revision: str | None = None, cache_dir: str | Path
         if gguf_file is not None or not weights:
             root = hub_partial_root(repo_id, cache_dir)
             return _gguf_hub_layout(_hub_gguf(repo_id, commit, listing, gguf_file, root), listing)
-        config = json.loads(_downloader(repo_id, commit, hub_partial_root(repo_id, cache_dir))("config.json")
+        config = json.loads(_downloader(repo_id, commit, hub_partial_root(repo_id, cache_dir), listing)("config.json")
                             .read_text())
         tensors = [(name, info.dtype, list(info.shape))
                    for file in sorted(weights)
@@ -191,16 +191,31 @@ def _repository(repo_id: str, revision: str | None):
     return api, commit, listing, weights
 
 
-def _downloader(repo_id: str, commit: str, root: Path):
-    """A function downloading one file of `repo_id` at `commit` into `root`'s folder of that commit."""
+def _downloader(repo_id: str, commit: str, root: Path, listing: dict):
+    """A function downloading one file of `repo_id` at `commit` into `root`'s folder of that commit, refusing (and
+    removing) one whose size is not the size `listing` states."""
     from huggingface_hub import hf_hub_download
 
     endpoint = os.environ.get(HUB_ENDPOINT_ENV) or None
     files_dir = root / commit / "files"
 
     def download(name: str) -> Path:
-        return Path(hf_hub_download(repo_id, name, revision=commit, local_dir=files_dir, endpoint=endpoint))
+        if name not in listing:
+            raise CheckpointError(f"model {repo_id!r} lists no {name}")
+        path = Path(hf_hub_download(repo_id, name, revision=commit, local_dir=files_dir, endpoint=endpoint))
+        _check_listed_size(repo_id, name, path, listing[name], files_dir)
+        return path
     return download
+
+
+def _check_listed_size(repo_id: str, name: str, path: Path, entry, files_dir: Path) -> None:
+    """CheckpointError (the file removed) when `path` is not the size its listing `entry` states: the download takes
+    whatever the server sends, and only the listed size was bounded."""
+    stated = entry.lfs.size if entry.lfs is not None else entry.size
+    if stated is not None and (size := path.stat().st_size) != stated:
+        _forget_download(path, files_dir)
+        raise CheckpointError(f"model {repo_id!r}: {name} is {size} bytes, not the {stated} its listing states "
+                              "(corrupted download or tampered mirror)")
 
 
 def _download_selection(repo_id: str, gguf_file: str | None, needed: NeededTensors, revision: str | None,
@@ -213,7 +228,7 @@ def _download_selection(repo_id: str, gguf_file: str | None, needed: NeededTenso
             (root / commit / HUB_DEFAULT_GGUF_FILE).write_text(hub.file)
         _write_ref(root, revision, commit)
         return path
-    download = _downloader(repo_id, commit, root)
+    download = _downloader(repo_id, commit, root, listing)
     # The files besides the weights (the index among them). A listed marker of hearth's own is no file of the model:
     # the folder's marker states the digest computed here.
     side_files = [name for name in listing if name not in weights and name != PARTIAL_CHECKPOINT_MARKER
@@ -327,6 +342,7 @@ def _download_gguf(hub: HubGGUF, listing: dict) -> Path:
     entry, folder = listing[hub.file], commit_dir / HUB_GGUF_FOLDER / hub.file
     path = Path(hf_hub_download(hub.repo_id, hub.file, revision=hub.commit, local_dir=folder,
                                 endpoint=os.environ.get(HUB_ENDPOINT_ENV) or None))
+    _check_listed_size(hub.repo_id, hub.file, path, entry, folder)
     size, digest = path.stat().st_size, file_sha256(path)
     if entry.lfs is not None and (entry.lfs.sha256, entry.lfs.size) != (digest, size):
         path.unlink()

@@ -75,15 +75,30 @@ def test_two_ranges_of_one_repository_advertise_one_digest_and_a_second_start_ne
 
 
 def test_a_tampered_file_is_refused_with_one_line(served, tmp_path):
-    hub, _, weight_map = served
+    hub, original, weight_map = served
     victim = sorted(files_holding(weight_map, (1, 1)))[0]
-    hub.tampered[victim] = b"\0" * 64
+    hub.tampered[victim] = b"\0" * (original / victim).stat().st_size
     with pytest.raises(CheckpointError, match=f"{victim} does not match its listed SHA-256"):
         resolve_model_path(REPO, cache_dir=tmp_path / "cache", needed_layers=(1, 1))
     # The refused file is not kept as downloaded: once the mirror serves it right, the next try fetches it again.
     hub.tampered.clear()
     folder = resolve_model_path(REPO, cache_dir=tmp_path / "cache", needed_layers=(1, 1))
     assert (folder / victim).is_file()
+
+
+@pytest.mark.parametrize("kind", ["side file", "weight file"])
+def test_a_file_served_larger_than_listed_is_refused_and_not_kept(served, tmp_path, kind):
+    hub, original, weight_map = served
+    victim = "tokenizer.json" if kind == "side file" else sorted(files_holding(weight_map, (1, 1)))[0]
+    listed = (original / victim).stat().st_size
+    hub.tampered[victim] = (original / victim).read_bytes() + b" " * 4096
+    with pytest.raises(CheckpointError, match=f"^model '{REPO}': {victim} is {listed + 4096} bytes, not the {listed} "
+                                              "its listing states"):
+        resolve_model_path(REPO, cache_dir=tmp_path / "cache", needed_layers=(1, 1))
+    assert not list((tmp_path / "cache").rglob(victim))
+    hub.tampered.clear()
+    folder = resolve_model_path(REPO, cache_dir=tmp_path / "cache", needed_layers=(1, 1))
+    assert (folder / victim).read_bytes() == (original / victim).read_bytes()
 
 
 def test_a_listing_without_end_is_refused_past_its_bound(served, tmp_path):
