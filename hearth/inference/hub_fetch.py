@@ -31,7 +31,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from .checkpoint_files import SAFETENSORS_INDEX_NAME
+from .checkpoint_files import SAFETENSORS_INDEX_NAME, checked_weight_map
 from .checksum import GGUF_DIGEST_NAME, PARTIAL_CHECKPOINT_MARKER, digest_of_files, file_sha256
 from .gguf_header import GGUF_SUFFIX
 from .errors import CheckpointError
@@ -122,9 +122,10 @@ def complete_hub_snapshot(repo_id: str, revision: str | None, cache_dir: str | P
     try:
         folder = Path(snapshot_download(repo_id, revision=revision, cache_dir=cache_dir, local_files_only=True))
         index = folder / SAFETENSORS_INDEX_NAME
-        names = set(json.loads(index.read_text())["weight_map"].values()) if index.is_file() else set()
+        weight_map = json.loads(index.read_text())["weight_map"] if index.is_file() else {}
     except Exception:  # absent, or an unreadable index: not usable as it is
         return None
+    names = set(checked_weight_map(weight_map, index).values())
     complete = (folder / "config.json").is_file() and all((folder / name).is_file() for name in names)
     return folder if complete and (names or any(folder.glob("*.safetensors"))) else None
 
@@ -241,7 +242,8 @@ def _download_selection(repo_id: str, gguf_file: str | None, needed: NeededTenso
 
     weight_map = None
     if SAFETENSORS_INDEX_NAME in listing:
-        weight_map = json.loads(download(SAFETENSORS_INDEX_NAME).read_text())["weight_map"]
+        index = download(SAFETENSORS_INDEX_NAME)
+        weight_map = checked_weight_map(json.loads(index.read_text()).get("weight_map"), index)
         wanted_weights = files_holding(weight_map, needed)
     else:
         wanted_weights = set(weights)
