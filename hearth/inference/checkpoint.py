@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from .checkpoint_files import HUB_ALLOW_PATTERNS, SAFETENSORS_INDEX_NAME, SAFETENSORS_SINGLE_NAME
+from .checkpoint_files import HUB_ALLOW_PATTERNS, SAFETENSORS_INDEX_NAME, SAFETENSORS_SINGLE_NAME, checked_weight_map
 from .errors import CheckpointError
 from .hub_ids import is_hub_gguf_id
 from .ollama_models import is_ollama_model, resolve_ollama_model
@@ -187,7 +187,7 @@ class SafetensorsCheckpoint:
         self._file_of: dict[str, Path] = {}
         index_file = path / SAFETENSORS_INDEX_NAME
         if index_file.is_file():
-            weight_map = json.loads(index_file.read_text())["weight_map"]
+            weight_map = checked_weight_map(json.loads(index_file.read_text()).get("weight_map"), index_file)
             self._file_of = {name: path / file_name for name, file_name in weight_map.items()}
             return
         files = [path / SAFETENSORS_SINGLE_NAME] if (path / SAFETENSORS_SINGLE_NAME).is_file() else []

@@ -212,6 +212,7 @@ def write_gguf_folder(target: Path, gguf_name: str, header_file: str, layout: St
         raise CheckpointError(f"the parts of {gguf_name} lack its header {header_file}")
     placements = layout.placements
     wanted = [placement for placement in placements if placement.file in files]
+    _check_placements(gguf_name, placements, wanted, files)
     with staged_partial_folder(target, weights_sha256=weights_sha256, source=source) as staging:
         written = write_gguf_part(
             staging / gguf_name, files[header_file].read_bytes(), layout.kv_end, layout.alignment,
@@ -226,3 +227,27 @@ def write_gguf_folder(target: Path, gguf_name: str, header_file: str, layout: St
             raise CheckpointError(f"the parts of {gguf_name} do not form a GGUF: the tensor table does not match "
                                   "its header")
     return target / gguf_name
+
+
+def _check_placements(gguf_name: str, placements: list[TensorPlacement], wanted: list[TensorPlacement],
+                      files: Mapping[str, Path]) -> None:
+    """CheckpointError unless each tensor is placed once, no two tensor infos or byte spans in one part overlap, and
+    the spans written lie within their fetched parts: a layout repeating a placement would have one part's bytes
+    written many times over, and the written header's check compares tables holding the same repeats."""
+    def refused(why: str) -> CheckpointError:
+        return CheckpointError(f"the parts of {gguf_name} do not form a GGUF: its layout {why}")
+
+    if len({placement.name for placement in placements}) != len(placements):
+        raise refused("places a tensor twice")
+    if any(min(p.offset, p.n_bytes, p.info_start, p.info_end - p.info_start) < 0 for p in placements):
+        raise refused("states a negative offset or size")
+    infos = sorted((p.info_start, p.info_end) for p in placements)
+    spans = sorted((p.file, p.offset, p.offset + p.n_bytes) for p in placements)
+    if any(start < end for (_, end), (start, _) in zip(infos, infos[1:])) or any(
+            file == next_file and start < end for (file, _, end), (next_file, start, _) in zip(spans, spans[1:])):
+        raise refused("overlaps two tensors")
+    # Spans apart and within their parts: the bytes written are at most the fetched parts' sizes together.
+    sizes = {file: files[file].stat().st_size for file in {placement.file for placement in wanted}}
+    if past := next((p for p in wanted if p.offset + p.n_bytes > sizes[p.file]), None):
+        raise CheckpointError(f"the parts of {gguf_name} do not form a GGUF: {past.file} ends before a tensor's bytes "
+                              "do")

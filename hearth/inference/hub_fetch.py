@@ -31,7 +31,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from .checkpoint_files import SAFETENSORS_INDEX_NAME
+from .checkpoint_files import SAFETENSORS_INDEX_NAME, checked_weight_map
 from .checksum import GGUF_DIGEST_NAME, PARTIAL_CHECKPOINT_MARKER, digest_of_files, file_sha256
 from .gguf_header import GGUF_SUFFIX
 from .errors import CheckpointError
@@ -64,6 +64,8 @@ COMMIT_HASH = re.compile(r"[0-9a-f]{40}")
 # before any is downloaded.
 MAX_SIDE_FILES = 64
 MAX_SIDE_FILE_BYTES = 256 << 20
+# Beyond this many entries (files and folders, at any depth) a repository's listing is no model's: read no further.
+MAX_LISTED_ENTRIES = 10_000
 HUB_OFFLINE_ENV = "HF_HUB_OFFLINE"
 
 
@@ -120,9 +122,10 @@ def complete_hub_snapshot(repo_id: str, revision: str | None, cache_dir: str | P
     try:
         folder = Path(snapshot_download(repo_id, revision=revision, cache_dir=cache_dir, local_files_only=True))
         index = folder / SAFETENSORS_INDEX_NAME
-        names = set(json.loads(index.read_text())["weight_map"].values()) if index.is_file() else set()
+        weight_map = json.loads(index.read_text())["weight_map"] if index.is_file() else {}
     except Exception:  # absent, or an unreadable index: not usable as it is
         return None
+    names = set(checked_weight_map(weight_map, index).values())
     complete = (folder / "config.json").is_file() and all((folder / name).is_file() for name in names)
     return folder if complete and (names or any(folder.glob("*.safetensors"))) else None
 
@@ -154,7 +157,7 @@ def hub_layout(model: str, *, revision: str | None = None, cache_dir: str | Path
         if gguf_file is not None or not weights:
             root = hub_partial_root(repo_id, cache_dir)
             return _gguf_hub_layout(_hub_gguf(repo_id, commit, listing, gguf_file, root), listing)
-        config = json.loads(_downloader(repo_id, commit, hub_partial_root(repo_id, cache_dir))("config.json")
+        config = json.loads(_downloader(repo_id, commit, hub_partial_root(repo_id, cache_dir), listing)("config.json")
                             .read_text())
         tensors = [(name, info.dtype, list(info.shape))
                    for file in sorted(weights)
@@ -176,24 +179,44 @@ def _repository(repo_id: str, revision: str | None):
     commit = api.repo_info(repo_id, revision=revision).sha
     if not is_commit_hash(commit):  # it names folders of the cache: the hub's word alone must not choose them
         raise CheckpointError(f"model {repo_id!r}: the hub answered {commit!r} as its commit, not a commit hash")
-    listing = {entry.path: entry for entry in api.list_repo_tree(repo_id, recursive=True, revision=commit)
-               if isinstance(entry, RepoFile) and "/" not in entry.path}
+    listing = {}
+    for count, entry in enumerate(api.list_repo_tree(repo_id, recursive=True, revision=commit)):
+        if count == MAX_LISTED_ENTRIES:  # a listing paged without end would be held in memory whole
+            raise CheckpointError(f"model {repo_id!r} lists more than {MAX_LISTED_ENTRIES} files: not a model "
+                                  "hearth downloads")
+        if isinstance(entry, RepoFile) and "/" not in entry.path:
+            listing[entry.path] = entry
     weights = {name: entry for name, entry in listing.items() if name.endswith(".safetensors")}
     if not weights and not any(name.lower().endswith(GGUF_SUFFIX) for name in listing):
         raise CheckpointError(f"model {repo_id!r} has no safetensors or GGUF weights on the hub")
     return api, commit, listing, weights
 
 
-def _downloader(repo_id: str, commit: str, root: Path):
-    """A function downloading one file of `repo_id` at `commit` into `root`'s folder of that commit."""
+def _downloader(repo_id: str, commit: str, root: Path, listing: dict):
+    """A function downloading one file of `repo_id` at `commit` into `root`'s folder of that commit, refusing (and
+    removing) one whose size is not the size `listing` states."""
     from huggingface_hub import hf_hub_download
 
     endpoint = os.environ.get(HUB_ENDPOINT_ENV) or None
     files_dir = root / commit / "files"
 
     def download(name: str) -> Path:
-        return Path(hf_hub_download(repo_id, name, revision=commit, local_dir=files_dir, endpoint=endpoint))
+        if name not in listing:
+            raise CheckpointError(f"model {repo_id!r} lists no {name}")
+        path = Path(hf_hub_download(repo_id, name, revision=commit, local_dir=files_dir, endpoint=endpoint))
+        _check_listed_size(repo_id, name, path, listing[name], files_dir)
+        return path
     return download
+
+
+def _check_listed_size(repo_id: str, name: str, path: Path, entry, files_dir: Path) -> None:
+    """CheckpointError (the file removed) when `path` is not the size its listing `entry` states: the download takes
+    whatever the server sends, and only the listed size was bounded."""
+    stated = entry.lfs.size if entry.lfs is not None else entry.size
+    if stated is not None and (size := path.stat().st_size) != stated:
+        _forget_download(path, files_dir)
+        raise CheckpointError(f"model {repo_id!r}: {name} is {size} bytes, not the {stated} its listing states "
+                              "(corrupted download or tampered mirror)")
 
 
 def _download_selection(repo_id: str, gguf_file: str | None, needed: NeededTensors, revision: str | None,
@@ -206,7 +229,7 @@ def _download_selection(repo_id: str, gguf_file: str | None, needed: NeededTenso
             (root / commit / HUB_DEFAULT_GGUF_FILE).write_text(hub.file)
         _write_ref(root, revision, commit)
         return path
-    download = _downloader(repo_id, commit, root)
+    download = _downloader(repo_id, commit, root, listing)
     # The files besides the weights (the index among them). A listed marker of hearth's own is no file of the model:
     # the folder's marker states the digest computed here.
     side_files = [name for name in listing if name not in weights and name != PARTIAL_CHECKPOINT_MARKER
@@ -219,7 +242,8 @@ def _download_selection(repo_id: str, gguf_file: str | None, needed: NeededTenso
 
     weight_map = None
     if SAFETENSORS_INDEX_NAME in listing:
-        weight_map = json.loads(download(SAFETENSORS_INDEX_NAME).read_text())["weight_map"]
+        index = download(SAFETENSORS_INDEX_NAME)
+        weight_map = checked_weight_map(json.loads(index.read_text()).get("weight_map"), index)
         wanted_weights = files_holding(weight_map, needed)
     else:
         wanted_weights = set(weights)
@@ -320,6 +344,7 @@ def _download_gguf(hub: HubGGUF, listing: dict) -> Path:
     entry, folder = listing[hub.file], commit_dir / HUB_GGUF_FOLDER / hub.file
     path = Path(hf_hub_download(hub.repo_id, hub.file, revision=hub.commit, local_dir=folder,
                                 endpoint=os.environ.get(HUB_ENDPOINT_ENV) or None))
+    _check_listed_size(hub.repo_id, hub.file, path, entry, folder)
     size, digest = path.stat().st_size, file_sha256(path)
     if entry.lfs is not None and (entry.lfs.sha256, entry.lfs.size) != (digest, size):
         path.unlink()

@@ -1,6 +1,7 @@
-"""Objects of the community's weights bucket read back: never more bytes than stated (into memory for a manifest,
-into a file of the cache for a layer's or a file's object), within a deadline, and an object checked against the
-SHA-256 its manifest states before it takes its name in the cache.
+"""Objects of the community's weights bucket read back and cleared away: never more bytes than stated (into memory
+for a manifest, into a file of the cache for a layer's or a file's object), within a deadline, and an object checked
+against the SHA-256 its manifest states before it takes its name in the cache; a model's objects its manifest no
+longer names deleted.
 
 Why bounded here: nats-py's object reader takes chunks until the stream says none are pending, whatever size the
 object's info states (a publisher writes that info itself), and follows a link to another object into memory.
@@ -10,10 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import io
+import logging
 import os
 import tempfile
 from pathlib import Path
 from typing import Protocol
+
+log = logging.getLogger(__name__)
 
 # nats-py waits for an object's chunks without a deadline: a fetch gets this long plus its size at this rate.
 OBJECT_FETCH_BASE_TIMEOUT_S = 30.0
@@ -57,10 +61,14 @@ async def _checked_info(store, key: str, what: str, max_bytes: int):
 
 async def read_small_object(store, key: str, what: str, max_bytes: int) -> bytes:
     """Object `key` of `store` in memory (`what` names it in errors): at most `max_bytes`, and no more than its
-    info states. nats-py's ObjectNotFoundError when it is absent."""
+    info states, within object_fetch_timeout_s of that size. nats-py's ObjectNotFoundError when it is absent."""
     info = await _checked_info(store, key, what, max_bytes)
     buffer = io.BytesIO()
-    await store.get(key, writeinto=_BoundedWriter(buffer, info.size, what))
+    try:
+        await asyncio.wait_for(store.get(key, writeinto=_BoundedWriter(buffer, info.size, what)),
+                               timeout=object_fetch_timeout_s(info.size))
+    except (asyncio.TimeoutError, TimeoutError):
+        raise WeightsStoreError(f"{what} did not arrive within {object_fetch_timeout_s(info.size):.0f} s") from None
     return buffer.getvalue()
 
 
@@ -107,3 +115,21 @@ async def fetch_object(store, key: str, name: str, stored: StoredObject, objects
 async def _read_into(store, key: str, what: str, size: int, out) -> None:
     await _checked_info(store, key, what, size)
     await store.get(key, writeinto=_BoundedWriter(out, size, what))
+
+
+async def delete_objects_except(store, prefix: str, kept: set[str]) -> None:
+    """Delete every object of `store` whose key starts with `prefix` and is not in `kept`; one that cannot be deleted
+    is logged and left for the next call."""
+    from nats.errors import Error as NatsError
+    from nats.js.errors import NotFoundError
+
+    try:
+        infos = await store.list()
+    except NotFoundError:  # an empty bucket
+        return
+    for info in infos:
+        if info.name.startswith(prefix) and info.name not in kept and not info.deleted:
+            try:
+                await store.delete(info.name)
+            except NatsError as error:
+                log.warning("could not delete the unused object %s: %s", info.name, error)

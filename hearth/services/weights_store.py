@@ -1,20 +1,15 @@
 """The community's weights in NATS JetStream's object store: published once per layer, fetched by layer range.
 
 `hearth weights publish` stores a safetensors checkpoint in the bucket WEIGHTS_BUCKET under its name: one object per
-decoder layer (that layer's tensors as one safetensors blob, as stored), one for every tensor outside the layers
-(embedding, final norm, lm_head: the "head"), one per config/tokenizer/chat template file, and last a manifest listing
-each object with its size and SHA-256 plus the original checkpoint's weights_sha256. A GGUF is stored the same way with
-its bytes kept (hearth/inference/gguf_parts.py): its header (metadata, tokenizer, tensor infos) as one object in place
-of the files, each layer's and the head's tensor data, in their block types (tensors every layer reads, such as
-rope_freqs, apart: every host fetches them), and the manifest's `gguf` section saying where each tensor lies. A model
-given as `store:NAME` is fetched into $HEARTH_CACHE_DIR/store/NAME (default ~/.cache/hearth): only the objects a layer
-range (or the head) needs, each checked against the manifest, then assembled into a folder the loader reads
-(hearth/inference/partial_checkpoint.py; for a GGUF, a GGUF holding only those tensors), which advertises the original
-checkpoint's digest.
-
-Who may do what (hearth/services/broker/permissions.py): on a community mesh only the `system` member (the steward)
-writes the bucket; shard hosts and orchestrators read it (look the stream up, get a message, read through an
-ephemeral consumer of their own). On an open mesh anyone who reaches the broker may do both.
+decoder layer (its tensors as one safetensors blob, as stored), one for every tensor outside the layers (embedding,
+final norm, lm_head: the "head"), one per config/tokenizer/chat template file, and last a manifest listing each object
+with its size and SHA-256 plus the original checkpoint's weights_sha256. A GGUF is stored with its bytes kept
+(hearth/inference/gguf_parts.py): its header as one object in place of the files, each layer's and the head's tensor
+data in their block types (tensors every layer reads, such as rope_freqs, apart), and the manifest's `gguf` section
+saying where each tensor lies. `store:NAME` is fetched into $HEARTH_CACHE_DIR/store/NAME (default ~/.cache/hearth):
+only the objects a layer range (or the head) needs, each checked against the manifest, assembled into a folder the
+loader reads (hearth/inference/partial_checkpoint.py; for a GGUF, a GGUF of only those tensors) advertising the
+original checkpoint's digest. Who may write and read the bucket: hearth/services/broker/permissions.py.
 """
 
 from __future__ import annotations
@@ -35,7 +30,8 @@ from hearth.inference.gguf_parts import StoredLayout
 from hearth.inference.partial_checkpoint import NON_WEIGHT_PATTERNS, NeededTensors, assemble_partial_folder, \
     check_needed, complete_partial_folder, hearth_cache_dir, layer_of, selection_name
 from hearth.services.broker.permissions import WEIGHTS_BUCKET, WEIGHTS_STREAM
-from hearth.services.weights_objects import WeightsStoreError, fetch_object, object_intact, read_small_object
+from hearth.services.weights_objects import WeightsStoreError, delete_objects_except, fetch_object, object_intact, \
+    read_small_object
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +51,7 @@ GGUF_EVERY_LAYER_OBJECT = "every-layer.gguf-data"
 # The manifest's format_version: 1 for safetensors, 2 for a GGUF (a host that predates it refuses the manifest).
 GGUF_FORMAT_VERSION = 2
 SHA256_PATTERN = r"^[0-9a-f]{64}$"
+OBJECTS_VERSION_PATTERN = r"^[0-9a-f]{16}$"
 # Object-store chunks (nats-py's default is 128 KiB): larger chunks mean fewer messages per layer.
 OBJECT_CHUNK_BYTES = 512 * 1024
 
@@ -93,6 +90,9 @@ class WeightsManifest(BaseModel):
     tensors: dict[str, TensorSpec] = Field(default_factory=dict, max_length=1_000_000)
     # How a GGUF's objects form it again (format_version 2; its tensors' dtypes above are GGML type names).
     gguf: StoredLayout | None = None
+    # This publication's key prefix (object_key): an interrupted republish leaves the previous manifest's objects as
+    # they were. None: stored before publications had keys of their own (NAME/FILE).
+    objects_version: str | None = Field(default=None, pattern=OBJECTS_VERSION_PATTERN)
 
     @field_validator("objects")
     @classmethod
@@ -111,6 +111,10 @@ class WeightsManifest(BaseModel):
                 return stored.kind == "head"
             return stored.kind == "layer" and needed[0] <= stored.layer <= needed[1]
         return [stored for stored in self.objects if wanted(stored)]
+
+    def digest(self) -> str:
+        """SHA-256 of what this manifest states, whichever keys its objects were published under."""
+        return hashlib.sha256(self.model_dump_json(exclude={"objects_version"}).encode()).hexdigest()
 
     def layer_weight_bytes(self, compute_dtype, quantization, device=default_read_device) -> list[int]:
         """Bytes each decoder layer takes once loaded in `compute_dtype` under `quantization` on `device`
@@ -145,8 +149,10 @@ def store_model_name(model: str) -> str | None:
     return check_model_name(model[len(STORE_MODEL_PREFIX):]) if model.startswith(STORE_MODEL_PREFIX) else None
 
 
-def object_key(name: str, file: str) -> str:
-    return f"{name}/{file}"
+def object_key(name: str, file: str, version: str | None = None) -> str:
+    """The bucket key of `file` of stored model `name`, published as `version` (None: the manifest's own key, or an
+    object published before publications had keys of their own)."""
+    return f"{name}/{file}" if version is None else f"{name}/{version}/{file}"
 
 
 def _progress(total_bytes: int, description: str):
@@ -245,8 +251,11 @@ def check_publishable(path: Path) -> Path | None:
 
 async def publish_checkpoint(js, folder: Path, name: str) -> WeightsManifest:
     """Store the checkpoint `folder` (a safetensors folder, a GGUF file or a folder holding one) as `name`
-    (replacing what was there), one layer in memory at a time; the manifest goes last, so a reader never sees a
-    manifest naming objects not yet stored."""
+    (replacing what was there), one layer in memory at a time, under keys of this publication's own; the manifest
+    goes last, so a reader never sees a manifest naming objects not yet stored or since rewritten, and only then are
+    the objects it does not name deleted."""
+    import secrets
+
     from hearth.inference import read_config_dict, weights_sha256
     from hearth.inference.errors import CheckpointError
 
@@ -263,9 +272,11 @@ async def publish_checkpoint(js, folder: Path, name: str) -> WeightsManifest:
     objects: list[StoredObject] = []
     weight_map: dict[str, str] = {}
     tensor_specs: dict[str, TensorSpec] = {}
+    version = secrets.token_hex(8)
 
     async def put(file: str, kind: str, layer: int | None, data: bytes) -> None:
-        await store.put(object_key(name, file), data, meta=_chunked(object_key(name, file)))
+        key = object_key(name, file, version)
+        await store.put(key, data, meta=_chunked(key))
         objects.append(StoredObject(file=file, kind=kind, layer=layer, size=len(data),
                                     sha256=hashlib.sha256(data).hexdigest()))
         bar.update(len(data))
@@ -280,8 +291,11 @@ async def publish_checkpoint(js, folder: Path, name: str) -> WeightsManifest:
             tensor_specs.update(specs)
     manifest = WeightsManifest(format_version=GGUF_FORMAT_VERSION if gguf else 1, name=name, num_layers=num_layers,
                                weights_sha256=digest, objects=objects, weight_map=weight_map, tensors=tensor_specs,
-                               gguf=stored_gguf)
+                               gguf=stored_gguf, objects_version=version)
     await store.put(object_key(name, MANIFEST_OBJECT), manifest.model_dump_json().encode())
+    # Only now: a host may still be reading the previous manifest's objects (it is refused, and reads this one anew).
+    await delete_objects_except(store, f"{name}/", {object_key(name, MANIFEST_OBJECT)} | {
+        object_key(name, stored.file, version) for stored in objects})
     log.info("published %s: %d objects, weights %s", name, len(objects), digest[:12])
     return manifest
 
@@ -321,8 +335,8 @@ async def list_models(js) -> list[WeightsManifest]:
         infos = await store.list()
     except NotFoundError:  # an empty bucket
         return []
-    names = sorted(info.name[:-len(MANIFEST_OBJECT) - 1] for info in infos
-                   if info.name.endswith("/" + MANIFEST_OBJECT) and not info.deleted)
+    names = sorted(info.name[:-len(MANIFEST_OBJECT) - 1] for info in infos  # not an object named manifest.json
+                   if info.name.endswith("/" + MANIFEST_OBJECT) and info.name.count("/") == 1 and not info.deleted)
     return [await read_manifest(js, name) for name in names]
 
 
@@ -335,23 +349,26 @@ async def fetch_stored_model(js, name: str, needed: NeededTensors, *, cache_dir:
     if isinstance(needed, tuple) and needed[1] >= manifest.num_layers:
         raise WeightsStoreError(f"{name!r} has {manifest.num_layers} layers: no layer {needed[1]}")
     root = (cache_dir or hearth_cache_dir()) / STORE_CACHE_FOLDER / name / manifest.weights_sha256[:16]
-    gguf_name = f"{name}{GGUF_SUFFIX}"
-    if (done := complete_partial_folder(root / selection_name(needed))) is not None:
+    # Side files are no part of weights_sha256: they, and the folders linking them, are kept per manifest.
+    published, gguf_name = root / manifest.digest()[:16], f"{name}{GGUF_SUFFIX}"
+    target = published / selection_name(needed)
+    if (done := complete_partial_folder(target)) is not None:
         return done / gguf_name if manifest.gguf else done
-    objects_dir = root / "objects"
-    objects_dir.mkdir(parents=True, exist_ok=True)
     wanted = manifest.needed_objects(needed)
-    missing = [stored for stored in wanted
-               if not await asyncio.to_thread(object_intact, objects_dir / stored.file, stored)]
+    files = {stored.file: (published / "files" if stored.kind == "file" else root / "objects") / stored.file
+             for stored in wanted}
+    for folder in {file.parent for file in files.values()}:
+        folder.mkdir(parents=True, exist_ok=True)
+    missing = [stored for stored in wanted if not await asyncio.to_thread(object_intact, files[stored.file], stored)]
     store = await _bucket(js, create=False)
     with _progress(sum(stored.size for stored in missing), f"fetching {name}") as bar:
         for stored in missing:
-            await fetch_object(store, object_key(name, stored.file), name, stored, objects_dir)
+            await fetch_object(store, object_key(name, stored.file, manifest.objects_version), name, stored,
+                               files[stored.file].parent)
             bar.update(stored.size)
-    files = {stored.file: objects_dir / stored.file for stored in wanted}
     if manifest.gguf is not None:
-        return await asyncio.to_thread(_write_gguf, manifest, root / selection_name(needed), gguf_name, files)
-    return await asyncio.to_thread(assemble_partial_folder, root / selection_name(needed), files, manifest.weight_map,
+        return await asyncio.to_thread(_write_gguf, manifest, target, gguf_name, files)
+    return await asyncio.to_thread(assemble_partial_folder, target, files, manifest.weight_map,
                                    weights_sha256=manifest.weights_sha256, source=f"{STORE_MODEL_PREFIX}{name}")
 
 

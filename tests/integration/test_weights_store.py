@@ -3,6 +3,8 @@ fetching only its layers' objects (checked against the manifest), loading exactl
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -14,6 +16,7 @@ from hearth.services.broker.permissions import WEIGHTS_STREAM
 from hearth.services.weights_store import (
     HEAD_OBJECT,
     LAYER_OBJECT_FORMAT,
+    MANIFEST_OBJECT,
     WEIGHTS_BUCKET,
     WeightsStoreError,
     fetch_stored_model,
@@ -41,8 +44,8 @@ async def published(js, tiny_model_dir):
 
 
 def _fetched_objects(cache_dir, manifest) -> set[str]:
-    objects = cache_dir / "store" / NAME / manifest.weights_sha256[:16] / "objects"
-    return {file.name for file in objects.iterdir() if not file.name.startswith(".")}
+    root = cache_dir / "store" / NAME / manifest.weights_sha256[:16]
+    return {file.name for file in (*root.glob("objects/*"), *root.glob("*/files/*")) if not file.name.startswith(".")}
 
 
 def _same_parameters(first, second) -> bool:
@@ -73,8 +76,10 @@ async def test_the_head_fetches_only_the_head_object(js, published, tmp_path):
 
 
 async def test_a_corrupted_object_is_refused_with_one_line(js, published, tmp_path):
+    _, manifest = published
     store = await js.object_store(WEIGHTS_BUCKET)
-    await store.put(object_key(NAME, LAYER_OBJECT_FORMAT.format(1)), b"not the layer that was published")
+    await store.put(object_key(NAME, LAYER_OBJECT_FORMAT.format(1), manifest.objects_version),
+                    b"not the layer that was published")
     with pytest.raises(WeightsStoreError, match="layer-00001.safetensors of 'tiny-llama' does not match the SHA-256"):
         await fetch_stored_model(js, NAME, (1, 1), cache_dir=tmp_path)
 
@@ -83,13 +88,63 @@ async def test_an_object_larger_than_its_manifest_states_is_refused_and_leaves_n
     original, manifest = published
     stated = next(stored for stored in manifest.objects if stored.file == LAYER_OBJECT_FORMAT.format(1))
     store = await js.object_store(WEIGHTS_BUCKET)
-    await store.put(object_key(NAME, stated.file), b"\0" * (stated.size + 1))
+    await store.put(object_key(NAME, stated.file, manifest.objects_version), b"\0" * (stated.size + 1))
     with pytest.raises(WeightsStoreError, match=f"layer-00001.safetensors of 'tiny-llama' is {stated.size + 1} "
                                                 f"bytes, over {stated.size}"):
         await fetch_stored_model(js, NAME, (1, 1), cache_dir=tmp_path)
     objects = tmp_path / "store" / NAME / manifest.weights_sha256[:16] / "objects"
     assert stated.file not in {file.name for file in objects.iterdir()}
     assert not [file for file in objects.iterdir() if file.name.startswith(f".{stated.file}")]
+
+
+async def test_an_interrupted_republish_leaves_the_stored_model_as_it_was(js, published, tiny_model_dir, tmp_path,
+                                                                         monkeypatch):
+    import hearth.services.weights_store as weights_store
+
+    original, first = published
+    other = tiny_model_dir("llama", max_shard_size="100KB", seed=2)
+    every_blob = weights_store._layer_blobs
+
+    def stops_after_the_head_and_two_layers(folder):
+        for count, blob in enumerate(every_blob(folder)):
+            if count == 3:
+                raise KeyboardInterrupt("the publisher stops")
+            yield blob
+
+    monkeypatch.setattr(weights_store, "_layer_blobs", stops_after_the_head_and_two_layers)
+    with pytest.raises(KeyboardInterrupt):
+        await publish_checkpoint(js, other, NAME)
+    monkeypatch.undo()
+
+    folder = await fetch_stored_model(js, NAME, (0, 1), cache_dir=tmp_path)
+    assert _same_parameters(load_layer_range(folder, 0, 1, **RUNNER_KV_LIMITS),
+                            load_layer_range(original, 0, 1, **RUNNER_KV_LIMITS))
+    tokens = torch.tensor([[1, 4, 9]])
+    head = await fetch_stored_model(js, NAME, "head", cache_dir=tmp_path)
+    assert torch.equal(load_head(head).embed(tokens), load_head(original).embed(tokens))
+
+    second = await publish_checkpoint(js, other, NAME)  # the complete one keeps only its own objects
+    store = await js.object_store(WEIGHTS_BUCKET)
+    assert {info.name for info in await store.list() if not info.deleted} == {
+        object_key(NAME, MANIFEST_OBJECT), *(object_key(NAME, stored.file, second.objects_version)
+                                             for stored in second.objects)}
+    assert first.objects_version != second.objects_version
+
+
+async def test_a_republished_side_file_reaches_hosts_that_fetched_the_previous_one(js, tiny_model_dir, tmp_path):
+    original = tmp_path / "original"
+    shutil.copytree(tiny_model_dir("llama", max_shard_size="100KB"), original)
+    (original / "chat_template.jinja").write_text("the template first published")
+    await publish_checkpoint(js, original, NAME)
+    head = await fetch_stored_model(js, NAME, "head", cache_dir=tmp_path / "cache")
+    assert (head / "chat_template.jinja").read_text() == "the template first published"
+
+    (original / "chat_template.jinja").write_text("the template fixed")  # the same weights, the same weights_sha256
+    await publish_checkpoint(js, original, NAME)
+    for needed in ("head", (0, 1)):
+        folder = await fetch_stored_model(js, NAME, needed, cache_dir=tmp_path / "cache")
+        assert (folder / "chat_template.jinja").read_text() == "the template fixed"
+    assert (head / "chat_template.jinja").read_text() == "the template first published"  # a folder in use stays
 
 
 async def test_listing_and_unknown_names(js, published, tmp_path):

@@ -139,8 +139,10 @@ async def test_the_orchestrator_fetches_only_the_head_and_tokenizes_as_the_file(
 
 
 async def test_a_corrupted_layer_object_is_refused_with_one_line(js, published, tmp_path):
+    _, manifest = published
     store = await js.object_store(WEIGHTS_BUCKET)
-    await store.put(object_key(NAME, GGUF_LAYER_OBJECT_FORMAT.format(1)), b"not the layer that was published")
+    await store.put(object_key(NAME, GGUF_LAYER_OBJECT_FORMAT.format(1), manifest.objects_version),
+                    b"not the layer that was published")
     with pytest.raises(WeightsStoreError, match="layer-00001.gguf-data of 'tiny-gguf' does not match the SHA-256"):
         await fetch_stored_model(js, NAME, (1, 1))
 

@@ -37,6 +37,9 @@ class FakeHub:
     url: str = ""
     # File bytes sent in answers to resolve GETs, whole or ranged.
     bytes_sent: int = 0
+    # When true, every listing page names more files and links a next page (a hub that pages without end).
+    endless_listing: bool = False
+    listing_pages: int = 0
 
     def downloaded(self, repo_id: str) -> set[str]:
         """Names of the files of `repo_id` whose bytes were sent (GET of a resolve URL)."""
@@ -75,6 +78,12 @@ def _handler_for(hub: FakeHub):
                             f"/api/models/{repo_id}/revision/{FAKE_COMMIT}"):
                     siblings = [{"rfilename": file.name} for file in sorted(folder.iterdir()) if file.is_file()]
                     return self._json({"id": repo_id, "sha": FAKE_COMMIT, "siblings": siblings}, send_body)
+                if path.rstrip("/") == f"/api/models/{repo_id}/tree/{FAKE_COMMIT}" and hub.endless_listing:
+                    hub.listing_pages += 1
+                    page = [{"type": "file", "path": f"extra-{hub.listing_pages}-{index}.json", "size": 1,
+                             "oid": "0" * 40} for index in range(1000)]
+                    return self._json(page, send_body, link=f"<{hub.url}/api/models/{repo_id}/tree/{FAKE_COMMIT}"
+                                                            f"?cursor={hub.listing_pages}>; rel=\"next\"")
                 if path.rstrip("/") == f"/api/models/{repo_id}/tree/{FAKE_COMMIT}":
                     listing = [_listing_entry(file) for file in sorted(folder.iterdir()) if file.is_file()]
                     return self._json(listing, send_body)
@@ -97,13 +106,15 @@ def _handler_for(hub: FakeHub):
             self.send_header("Content-Length", "0")
             self.end_headers()
 
-        def _json(self, value, send_body: bool) -> None:
-            self._bytes(json.dumps(value).encode(), send_body, content_type="application/json")
+        def _json(self, value, send_body: bool, *, link: str | None = None) -> None:
+            self._bytes(json.dumps(value).encode(), send_body, content_type="application/json", link=link)
 
         def _bytes(self, data: bytes, send_body: bool, *, etag: str | None = None,
                    content_type: str = "application/octet-stream", status: int = 200,
-                   content_range: str | None = None) -> None:
+                   content_range: str | None = None, link: str | None = None) -> None:
             self.send_response(status)
+            if link is not None:
+                self.send_header("Link", link)
             if content_range is not None:
                 self.send_header("Content-Range", content_range)
             self.send_header("Content-Type", content_type)

@@ -146,6 +146,24 @@ def test_a_layout_stating_other_tensor_sizes_than_the_header_is_refused(tiny_q8,
     assert whole.read_bytes() == tiny_q8.read_bytes()
 
 
+@pytest.mark.parametrize("forgery", ["a placement repeated", "two spans overlapping"])
+def test_a_layout_writing_a_part_s_bytes_more_than_once_is_refused_before_writing(tiny_q8, tmp_path, forgery):
+    layout, _, files = split_into(tiny_q8, tmp_path / "parts")
+    in_part = [p for p in layout.placements if p.file == part_name(0)]
+    if forgery == "a placement repeated":
+        placements, why = [*layout.placements, *[in_part[0]] * 50], "places a tensor twice"
+    else:
+        placements = [dataclasses.replace(p, offset=in_part[0].offset) if p is in_part[1] else p
+                      for p in layout.placements]
+        why = "overlaps two tensors"
+    forged = dataclasses.replace(layout, placements=placements)
+    with pytest.raises(CheckpointError, match=f"^the parts of model.gguf do not form a GGUF: its layout {why}$"):
+        write_gguf_folder(tmp_path / "forged", "model.gguf", HEADER, forged, files, weights_sha256="0" * 64,
+                          source="test")
+    assert not (tmp_path / "forged").exists()
+    assert not [file for file in tmp_path.iterdir() if file.name.startswith(".forged")]
+
+
 def test_a_truncated_gguf_or_another_architecture_is_refused_in_one_line(tiny_q8, tmp_path):
     truncated = tmp_path / "cut.gguf"
     truncated.write_bytes(tiny_q8.read_bytes()[: tiny_q8.stat().st_size // 2])

@@ -6,18 +6,20 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
+import shutil
 
 import pytest
 import torch
 
 from hearth.inference import CheckpointError, load_head, load_layer_range, resolve_model_path, weights_sha256
 from tests.runner_limits import RUNNER_KV_LIMITS
-from hearth.inference.hub_fetch import hub_layout
+from hearth.inference.hub_fetch import complete_hub_snapshot, hub_layout
 from hearth.inference.memory import layer_weight_bytes
 from hearth.inference.partial_checkpoint import files_holding
 from hearth.inference.quantization import parse_quantization
 
-from .hub_server import fake_hub  # noqa: F401  (fixture)
+from .hub_server import FAKE_COMMIT, fake_hub  # noqa: F401  (fixture)
 from .inference_tiny_models import one_torch_thread, tiny_model_dir  # noqa: F401  (fixtures)
 
 REPO = "tiny-org/tiny-llama"
@@ -75,15 +77,64 @@ def test_two_ranges_of_one_repository_advertise_one_digest_and_a_second_start_ne
 
 
 def test_a_tampered_file_is_refused_with_one_line(served, tmp_path):
-    hub, _, weight_map = served
+    hub, original, weight_map = served
     victim = sorted(files_holding(weight_map, (1, 1)))[0]
-    hub.tampered[victim] = b"\0" * 64
+    hub.tampered[victim] = b"\0" * (original / victim).stat().st_size
     with pytest.raises(CheckpointError, match=f"{victim} does not match its listed SHA-256"):
         resolve_model_path(REPO, cache_dir=tmp_path / "cache", needed_layers=(1, 1))
     # The refused file is not kept as downloaded: once the mirror serves it right, the next try fetches it again.
     hub.tampered.clear()
     folder = resolve_model_path(REPO, cache_dir=tmp_path / "cache", needed_layers=(1, 1))
     assert (folder / victim).is_file()
+
+
+@pytest.mark.parametrize("kind", ["side file", "weight file"])
+def test_a_file_served_larger_than_listed_is_refused_and_not_kept(served, tmp_path, kind):
+    hub, original, weight_map = served
+    victim = "tokenizer.json" if kind == "side file" else sorted(files_holding(weight_map, (1, 1)))[0]
+    listed = (original / victim).stat().st_size
+    hub.tampered[victim] = (original / victim).read_bytes() + b" " * 4096
+    with pytest.raises(CheckpointError, match=f"^model '{REPO}': {victim} is {listed + 4096} bytes, not the {listed} "
+                                              "its listing states"):
+        resolve_model_path(REPO, cache_dir=tmp_path / "cache", needed_layers=(1, 1))
+    assert not list((tmp_path / "cache").rglob(victim))
+    hub.tampered.clear()
+    folder = resolve_model_path(REPO, cache_dir=tmp_path / "cache", needed_layers=(1, 1))
+    assert (folder / victim).read_bytes() == (original / victim).read_bytes()
+
+
+def test_a_listing_without_end_is_refused_past_its_bound(served, tmp_path):
+    hub, _, _ = served
+    hub.endless_listing = True
+    with pytest.raises(CheckpointError, match=f"^model '{REPO}' lists more than 10000 files: not a model hearth "
+                                              "downloads$"):
+        resolve_model_path(REPO, cache_dir=tmp_path / "cache", needed_layers=(1, 1))
+    assert hub.listing_pages <= 11
+
+
+@pytest.mark.parametrize("points_to", ["an absolute path", "a path up and out"])
+def test_an_index_naming_a_file_outside_its_folder_is_refused(fake_hub, tiny_model_dir, tmp_path, points_to):  # noqa: F811
+    repo = tmp_path / "repo"
+    shutil.copytree(tiny_model_dir("llama", max_shard_size="100KB"), repo)
+    index = json.loads((repo / "model.safetensors.index.json").read_text())
+    outside = tmp_path / "outside.safetensors"
+    shutil.copy(repo / index["weight_map"]["model.embed_tokens.weight"], outside)
+    named = str(outside) if points_to == "an absolute path" else "../../../../../../outside.safetensors"
+    index["weight_map"]["model.embed_tokens.weight"] = named
+    (repo / "model.safetensors.index.json").write_text(json.dumps(index))
+    fake_hub.repos[REPO] = repo
+    refusal = (f"model.safetensors.index.json maps 'model.embed_tokens.weight' to '{re.escape(named)}', not a file "
+               "of its folder$")
+    with pytest.raises(CheckpointError, match=refusal):  # a local folder
+        load_head(repo)
+    snapshots = tmp_path / "hub-cache" / f"models--{REPO.replace('/', '--')}"  # a snapshot the hub client cached
+    shutil.copytree(repo, snapshots / "snapshots" / FAKE_COMMIT)
+    (snapshots / "refs").mkdir()
+    (snapshots / "refs" / "main").write_text(FAKE_COMMIT)
+    with pytest.raises(CheckpointError, match=refusal):
+        complete_hub_snapshot(REPO, None, tmp_path / "hub-cache")
+    with pytest.raises(CheckpointError, match=refusal):  # a range's download
+        resolve_model_path(REPO, cache_dir=tmp_path / "cache", needed_layers="head")
 
 
 def test_a_commit_that_is_no_commit_hash_is_refused_before_any_folder_is_named_by_it(served, tmp_path, monkeypatch):

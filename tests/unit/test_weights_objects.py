@@ -3,6 +3,7 @@ and never as a path or the cache's own names."""
 
 from __future__ import annotations
 
+import asyncio
 from types import SimpleNamespace
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 from pydantic import ValidationError
 
 from hearth.inference.quantization import parse_quantization
+from hearth.services import weights_objects
 from hearth.services.weights_objects import WeightsStoreError, read_small_object
 from hearth.services.weights_store import StoredObject, WeightsManifest
 
@@ -42,6 +44,19 @@ async def test_a_small_object_is_read_no_further_than_its_info_states():
         await read_small_object(StubStore(5000, 5000), "k", "the manifest of 'm'", 4096)
     with pytest.raises(WeightsStoreError, match="is a link to another object"):
         await read_small_object(StubStore(10, 10, link=True), "k", "the manifest of 'm'", 4096)
+
+
+class StalledStore(StubStore):
+    """An object store whose info states an object whose chunks never come (purged, or never written)."""
+
+    async def get(self, key, writeinto=None):
+        await asyncio.Event().wait()
+
+
+async def test_a_small_object_whose_chunks_never_come_is_refused_within_its_deadline(monkeypatch):
+    monkeypatch.setattr(weights_objects, "OBJECT_FETCH_BASE_TIMEOUT_S", 0.2)
+    with pytest.raises(WeightsStoreError, match="^the manifest of 'm' did not arrive within 0 s$"):
+        await asyncio.wait_for(read_small_object(StalledStore(100, 100), "k", "the manifest of 'm'", 4096), 10)
 
 
 @pytest.mark.parametrize("file", ["..", ".", ".hidden", "a/b", "", "x" * 201])
