@@ -11,9 +11,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
-from .checkpoint_files import HUB_ALLOW_PATTERNS, SAFETENSORS_INDEX_NAME, SAFETENSORS_SINGLE_NAME, checked_weight_map
+from .checkpoint_files import (
+    HUB_ALLOW_PATTERNS,
+    SAFETENSORS_INDEX_NAME,
+    SAFETENSORS_SINGLE_NAME,
+    checked_weight_map,
+    opened_safetensors,
+)
 from .errors import CheckpointError
 from .hub_ids import is_hub_gguf_id
 from .ollama_models import is_ollama_model, resolve_ollama_model
@@ -197,7 +202,7 @@ class SafetensorsCheckpoint:
                 f"{path} has no safetensors weights (only safetensors checkpoints are supported)"
             )
         for file in files:
-            with safe_open(file, framework="pt") as handle:
+            with opened_safetensors(file) as handle:
                 for name in handle.keys():
                     self._file_of[name] = file
 
@@ -242,7 +247,7 @@ class SafetensorsCheckpoint:
             by_file[self._file_of[name]].append(name)
         tensors: dict[str, torch.Tensor] = {}
         for file, file_names in by_file.items():
-            with safe_open(file, framework="pt") as mapped:
+            with opened_safetensors(file) as mapped:
                 for name in file_names:
                     stored = mapped.get_slice(name)
                     shape = stored.get_shape()
@@ -268,12 +273,12 @@ def _read_in_chunks(file: Path, name: str, shape: list[int], source: torch.dtype
     """Tensor `name` allocated in `final` on `device`, filled by rows of its first dimension, each chunk read
     through its own memory map of `file` (unmapped when the chunk is copied)."""
     if not shape:
-        with safe_open(file, framework="pt") as handle:
+        with opened_safetensors(file) as handle:
             return handle.get_tensor(name).to(device=device, dtype=final)
     result = torch.empty(shape, dtype=final, device=device)
     rows_per_chunk = max(1, chunk_bytes // max(1, math.prod(shape[1:]) * source.itemsize))
     for first in range(0, shape[0], rows_per_chunk):
         last = min(first + rows_per_chunk, shape[0])
-        with safe_open(file, framework="pt") as handle:
+        with opened_safetensors(file) as handle:
             result[first:last].copy_(handle.get_slice(name)[first:last])
     return result

@@ -1,9 +1,13 @@
-"""The names of a safetensors checkpoint's files, what its index may name, and the patterns of the hub files hearth
-fetches."""
+"""The names of a safetensors checkpoint's files, what its index may name, opening one as a CheckpointError when it
+does not read, and the patterns of the hub files hearth fetches."""
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
-from .errors import CheckpointError
+from safetensors import SafetensorError, safe_open
+
+from .errors import CheckpointError, first_line
 
 SAFETENSORS_INDEX_NAME = "model.safetensors.index.json"
 SAFETENSORS_SINGLE_NAME = "model.safetensors"
@@ -21,3 +25,15 @@ def checked_weight_map(weight_map: object, index: Path) -> dict[str, str]:
         if not isinstance(file, str) or file in ("", ".", "..") or "/" in file or "\\" in file:
             raise CheckpointError(f"{index} maps {str(name)[:80]!r} to {str(file)[:120]!r}, not a file of its folder")
     return weight_map
+
+
+@contextlib.contextmanager
+def opened_safetensors(file: Path) -> Iterator:
+    """`file` opened by safetensors (memory-mapped); a file that does not read as one, now or while its tensors are
+    read (truncated by a full disk or a crash, damaged), is a CheckpointError of one line naming it."""
+    try:
+        with safe_open(file, framework="pt") as handle:
+            yield handle
+    except SafetensorError as error:
+        raise CheckpointError(f"{file} is no readable safetensors file ({first_line(error)}); delete it (or its "
+                              "folder, for a fetched checkpoint) to fetch it again") from None

@@ -14,9 +14,9 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from .checkpoint import SAFETENSORS_DTYPES, SafetensorsCheckpoint
+from .checkpoint_files import opened_safetensors
 from .devices import MiB
 from .gguf_checkpoint import default_read_device, gguf_layer_tensors, layer_tensor_blocks
 from .gguf_header import FLOAT_GGUF_TYPE_NAMES, SUPPORTED_GGUF_TYPE_NAMES, is_gguf_file
@@ -46,7 +46,7 @@ def layer_weight_bytes(model_path: Path, compute_dtype: torch.dtype,
             by_file[file].append(name)
     specs = []
     for file, names in by_file.items():
-        with safe_open(file, framework="pt") as handle:
+        with opened_safetensors(file) as handle:
             for name in names:
                 tensor = handle.get_slice(name)
                 specs.append((name, tensor.get_dtype(), tensor.get_shape()))

@@ -191,10 +191,10 @@ async def _limit_consumers(js) -> None:
 def _layer_blobs(folder: Path):
     """(object file, kind, layer, safetensors bytes, {tensor name: TensorSpec}) for each layer and the head, one
     at a time."""
-    from safetensors import safe_open
     from safetensors.torch import save
 
     from hearth.inference.checkpoint import SAFETENSORS_DTYPES, SafetensorsCheckpoint
+    from hearth.inference.checkpoint_files import opened_safetensors
 
     dtype_names = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
 
@@ -205,7 +205,7 @@ def _layer_blobs(folder: Path):
     for layer in sorted(groups, key=lambda key: -1 if key is None else key):
         tensors = {}
         for tensor in groups[layer]:
-            with safe_open(file_of[tensor], framework="pt") as handle:
+            with opened_safetensors(file_of[tensor]) as handle:
                 tensors[tensor] = handle.get_tensor(tensor)  # as stored: the store keeps the checkpoint's bytes
         file = HEAD_OBJECT if layer is None else LAYER_OBJECT_FORMAT.format(layer)
         specs = {tensor: TensorSpec(dtype=dtype_names[value.dtype], shape=list(value.shape))
