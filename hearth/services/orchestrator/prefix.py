@@ -11,7 +11,8 @@ so nothing about another member's conversation leaks through time to first token
 
 A call reuses a prefix only for its chain's first prefill, and never at `verify` levels `all` and `vote` (they
 check every position, and a mirror would need the positions the call did not compute). Blocks are kept when a call
-ends well: every position its hops ran (the prompt and each token fed back).
+ends well: its prompt's whole blocks at its close, then its answer's once a warm-up prefilled them (a decode step's KV
+is not a prefill's: hearth/services/orchestrator/answer_kv.py).
 """
 
 from __future__ import annotations
