@@ -234,3 +234,85 @@ def test_kept_prefixes_in_graphed_static_caches_give_a_whole_prefill_s_tokens_on
     with_kept = greedy(runner, head, "turn-2", second_turn, 8, start=kept)
     assert runner.graph_captures_total > captures  # the attached session's decode steps replay graphs of its own
     assert with_kept == greedy(graphed(), head, "whole", second_turn, 8)
+
+
+def wide_bf16_model(folder):
+    """A 2-layer random Llama with 64-dimension heads: in bf16 on the CPU its decode steps' KV is not a prefill's."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2,
+                                 max_position_embeddings=512)).save_pretrained(folder)
+    return folder
+
+
+def orchestrator_of(block_tokens: int):
+    """A ChainBuilder for a call of `prompt_ids` that generated `generated`, on stand-ins of what naming needs."""
+    from types import SimpleNamespace
+
+    from hearth.protocol.chat import ChatRequest
+    from hearth.services.common.config import HearthSettings
+    from hearth.services.orchestrator.call import Call
+    from hearth.services.orchestrator.construct import ChainBuilder
+    from hearth.services.orchestrator.prefix import KeptChains
+
+    settings = HearthSettings()
+    settings = settings.model_copy(update={"prefix_cache": settings.prefix_cache.model_copy(
+        update={"block_tokens": block_tokens})})
+    ctx = SimpleNamespace(settings=settings, kept_chains=KeptChains())
+    model = SimpleNamespace(model_id="wide", weights_sha256="0" * 64, head=SimpleNamespace(rope_switch_tokens=None))
+
+    def builder(prompt_ids: list[int], generated: list[int]) -> ChainBuilder:
+        call = Call(request=ChatRequest(model="wide", prompt="-", max_tokens=64), model=model, client=None,
+                    prompt_ids=prompt_ids, generated=generated)
+        return ChainBuilder(call, ctx)
+    return builder
+
+
+@pytest.mark.parametrize("seed", [2, 11])
+def test_a_conversation_s_next_turn_from_what_a_call_keeps_gives_a_whole_prefill_s_greedy_tokens_in_bf16(
+        tmp_path, one_torch_thread, seed):  # noqa: F811
+    # A decode step's KV is not bitwise a prefill's (other kernels): kept as they were, the answer's positions gave
+    # turn 2 other greedy tokens than its whole prefill in these conversations (on a 2-core AMD EPYC). What a call's hops keep instead
+    # (hearth/services/orchestrator/construct.py, answer_kv.py): the prompt's blocks at its close, then the answer's
+    # blocks as a warm-up prefilled them from there; turn 2 then begins past the answer and samples the whole prefill's
+    # tokens.
+    from hearth.services.orchestrator.router import Hop
+
+    path, block = wide_bf16_model(tmp_path / "wide"), 16
+    head = load_head(path, dtype="bf16")
+
+    def runner(**extra):
+        return load_layer_range(path, 0, 1, dtype="bf16", **RUNNER_KV_LIMITS, **extra)
+
+    generator = torch.Generator().manual_seed(seed)
+    first_turn = torch.randint(3, 128, (40,), generator=generator).tolist()
+    shard = runner(prefix_ttl_s=600.0)
+    answer = greedy(shard, head, "turn-1", first_turn, 30)
+    builder = orchestrator_of(block)(first_turn, answer)
+    builder.keep_on_completion(SimpleChain([Hop("s", "c", "n", 0, 1)]))
+    assert len(builder.kept.hashes) == len(first_turn) // block
+    assert shard.keep_prefix("turn-1", builder.kept.hashes, block) == len(first_turn) // block * block
+    # The warm-up: a fresh session from the prompt's blocks prefills the answer's whole blocks and keeps them all.
+    ran = first_turn + answer[:-1]
+    positions = len(builder.warm_up.hashes) * block
+    assert positions == len(ran) // block * block > len(builder.kept.hashes) * block
+    start = shard.attach_prefix("warm-up", builder.kept.hashes, block)
+    shard.forward("warm-up", head.embed(ran[start:positions]), start, "prefill", prompt_tokens=positions)
+    assert shard.keep_prefix("warm-up", builder.warm_up.hashes, block) == positions
+
+    second_turn = first_turn + answer + torch.randint(3, 128, (10,), generator=generator).tolist()
+    next_turn = orchestrator_of(block)(second_turn, [])
+    names = next_turn.naming("none").reusable(second_turn).hashes
+    assert names[:len(builder.warm_up.hashes)] == builder.warm_up.hashes
+    attached = shard.attach_prefix("turn-2", names, block)
+    assert attached == positions  # only the new tokens are computed
+    whole = greedy(runner(), head, "whole", second_turn, 10)
+    assert greedy(shard, head, "turn-2", second_turn, 10, start=attached) == whole
+
+
+class SimpleChain:
+    """What keep_on_completion reads of a chain: its hops."""
+
+    def __init__(self, hops) -> None:
+        self.hops = hops

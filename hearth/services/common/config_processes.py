@@ -154,6 +154,14 @@ class PrefixCacheSettings(ConfigSection):
         default=0.25, gt=0,
         description="routing weighs a chain holding a call's prefix against the otherwise cheapest one by "
                     "predicted time: a prompt token costs this share of a decode step per token")
+    warm_up_answers: bool = Field(
+        default=True,
+        description="once a call ended well and its answer was sent, its hops prefill the answer's whole blocks "
+                    "again in the background and keep them, so a conversation's next turn prefills only its new "
+                    "tokens (false: only the prompt's blocks are kept; a decode step's KV is never kept)")
+    warm_up_timeout_s: float = Field(
+        default=30, gt=0,
+        description="an answer's warm-up that has not ended within this is abandoned (its blocks are not kept)")
 
 
 class ShardSettings(ConfigSection):

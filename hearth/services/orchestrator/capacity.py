@@ -69,6 +69,12 @@ class ShardLoad:
         """The shard answered `at_capacity`: it is full until one of our streams on it ends or `retry_s` passes."""
         self._refused[shard_id] = (self._clock(), self.held(shard_id))
 
+    def refused_recently(self, shard_id: str) -> bool:
+        """Whether the shard answered `at_capacity` under `retry_s` ago and none of our streams on it ended since."""
+        refusal = self._refused.get(shard_id)
+        return (refusal is not None and self._clock() - refusal[0] < self.retry_s
+                and self.held(shard_id) >= refusal[1])
+
     def has_room(self, shard: ShardCandidate) -> bool:
         held = self.held(shard.shard_id)
         if held >= shard.max_concurrent_streams:

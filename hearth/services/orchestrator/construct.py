@@ -53,8 +53,10 @@ class ChainBuilder:
         self.public_blocks = 0
         # Per scheme: the chain the read model says keeps most of the call's leading blocks; set by build.
         self.recorded_kept: dict[str, KeptChain] = {}
-        # The blocks the call's last chain keeps once it ended well (keep_on_completion), for its close.
+        # The blocks the call's last chain keeps once it ended well (keep_on_completion), for its close: the prompt's,
+        # which a prefill computed; and those of every position it ran, for the answer's warm-up (answer_kv.py).
         self.kept: PrefixBlocks | None = None
+        self.warm_up: PrefixBlocks | None = None
 
     async def build(self) -> HopChain:
         """An open chain over what the router plans, routing around refusals and waiting while the shards that
@@ -145,26 +147,39 @@ class ChainBuilder:
                           reuse_allowed=call.request.params.verify not in ("all", "vote"))
 
     def keep_on_completion(self, chain: HopChain) -> KeptPrefix | None:
-        """The blocks of every position `chain` ran for the call (which ended well): remembered for routing, held
-        in `kept` for the chain's close, and described for the call's `pipeline.completed` (so every orchestrator's
-        read model knows where they are)."""
-        naming = self.naming(chain.hops[0].quantization)
-        self.kept = naming.kept(self.call.known_ids[:self.call.next_position]) if naming is not None else None
-        if self.kept is None:
+        """What `chain`'s hops keep of the call (which ended well): the prompt's whole blocks at its close (`kept`,
+        remembered for routing), then, when `[prefix_cache] warm_up_answers`, those of every position it ran once
+        the answer's warm-up prefilled them (`warm_up`: a decode step's KV is not a prefill's, so it is never kept,
+        hearth/services/orchestrator/answer_kv.py); described for the call's `pipeline.completed` (so every
+        orchestrator's read model knows where they are; the warm-up's blocks announced ahead: on a failed warm-up
+        the same hops still hold the prompt's, which the marks name too)."""
+        naming, call = self.naming(chain.hops[0].quantization), self.call
+        ran = naming.kept(call.known_ids[:call.next_position]) if naming is not None else None
+        if ran is None:
+            self.kept = self.warm_up = None
+            return None
+        prompt_blocks = len(call.prompt_ids) // ran.block_tokens
+        self.kept = PrefixBlocks(block_tokens=ran.block_tokens, hashes=ran.hashes[:prompt_blocks]) \
+            if prompt_blocks else None
+        self.warm_up = ran if naming.settings.warm_up_answers and len(ran.hashes) > prompt_blocks else None
+        announced = self.warm_up or self.kept
+        if announced is None:
             return None
         hops = hop_ranges(chain.hops)
-        self.ctx.kept_chains.remember(self.kept.hashes, hops)
-        marks = kept_marks(self.kept.hashes, len(self.call.prompt_ids) // self.kept.block_tokens)
+        if self.kept is not None:
+            self.ctx.kept_chains.remember(self.kept.hashes, hops)
+        marks = kept_marks(announced.hashes, prompt_blocks)
         return KeptPrefix(hops=[KeptHop(shard_id=shard_id, layer_lo=lo, layer_hi=hi) for shard_id, lo, hi in hops],
                           marks=[KeptMark(blocks=blocks, name=name) for blocks, name in marks],
                           idle_s=self.ctx.settings.shard.prefix_cache_idle_s)
 
-    def over(self, hops: list[Hop]) -> HopChain:
-        """A chain (not opened yet) over exactly `hops`."""
+    def over(self, hops: list[Hop], pipeline_id: str | None = None) -> HopChain:
+        """A chain (not opened yet) over exactly `hops` (as pipeline `pipeline_id`: by default the call's)."""
         model, settings = self.call.model, self.ctx.settings
         naming = self.naming(hops[0].quantization)
         # No step of this call reaches beyond its prompt plus max_tokens: every hop refuses frames that would.
-        return HopChain(self.ctx.nc, self.call.pipeline_id, hops, node_id=self.ctx.node_id, model_id=model.model_id,
+        return HopChain(self.ctx.nc, pipeline_id or self.call.pipeline_id, hops, node_id=self.ctx.node_id,
+                        model_id=model.model_id,
                         weights_sha256=model.weights_sha256, transport=settings.transport,
                         accusers=self.call.accusers,
                         wire_dtype=settings.research.distributed_inference.activation_dtype,
@@ -172,7 +187,13 @@ class ChainBuilder:
                         hidden_size=model.head.info.hidden_size,
                         max_session_tokens=len(self.call.prompt_ids) + self.call.request.max_tokens,
                         on_round_trip=self.ctx.load.observe_round_trip, record_budget_bytes=self.record_budget_bytes,
-                        prefix=naming.reusable(self.call.known_ids) if naming is not None else None)
+                        prefix=self._reusable(naming))
+
+    def _reusable(self, naming: CallPrefix | None) -> PrefixBlocks | None:
+        """The kept blocks a chain of the call may begin from: within its prompt, whose KV a prefill computed (a
+        failover replays the positions past it as its decode steps computed them: prefill.py)."""
+        known = self.call.known_ids[:len(self.call.prompt_ids) + 1]
+        return naming.reusable(known) if naming is not None else None
 
     def _only_room_lacks(self, candidates) -> bool:
         """Whether a chain could be planned if every shard had room (then waiting for room is worth it)."""
@@ -209,8 +230,7 @@ class ChainBuilder:
 
     def _with_affinity(self, hops: list[Hop], candidates, excluded: set[str], load: ShardLoad | None) -> list[Hop]:
         """`hops`, or the chain of ours that kept this call's leading blocks when that predicts the shorter call."""
-        naming = self.naming(hops[0].quantization) if hops else None
-        reusable = naming.reusable(self.call.known_ids) if naming is not None else None
+        reusable = self._reusable(self.naming(hops[0].quantization) if hops else None)
         if reusable is None:
             return hops
         router = self.ctx.router
@@ -232,8 +252,7 @@ class ChainBuilder:
         sessions = self.ctx.projector.session_factory
         names: dict[str, list[str]] = {}
         for scheme in {c.quantization for c in candidates if c.weights_sha256 == self.call.model.weights_sha256}:
-            naming = self.naming(scheme)
-            reusable = naming.reusable(self.call.known_ids) if naming is not None else None
+            reusable = self._reusable(self.naming(scheme))
             ours = self.ctx.kept_chains.holding(reusable.hashes) if reusable is not None else None
             if reusable is not None and (ours is None or ours.blocks < len(reusable.hashes)):
                 names[scheme] = [published_mark(name) for name in reusable.hashes]  # as the log records them

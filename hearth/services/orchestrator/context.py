@@ -10,6 +10,7 @@ from nats.aio.client import Client as NatsClient
 from hearth.events.outbox import EventOutbox
 from hearth.readmodels.runner import Projector
 from hearth.services.common.config import HearthSettings
+from hearth.services.orchestrator.answer_kv import AnswerWarmUps
 from hearth.services.orchestrator.canaries import CanaryLibrary
 from hearth.services.orchestrator.capacity import ShardLoad
 from hearth.services.orchestrator.guards import RangeGuards
@@ -49,6 +50,8 @@ class RunContext:
     kept_chains: KeptChains = field(default_factory=KeptChains)
     # What entered each hop over kept prefixes, so hops that begin from them can be checked (set by the service).
     kept_inputs: KeptInputs = field(default_factory=lambda: KeptInputs(0))
+    # The answers of calls that ended well being prefilled again for their hops to keep (answer_kv.py).
+    warm_ups: AnswerWarmUps = field(default_factory=AnswerWarmUps)
     # Per model: the token ids of each public system prompt alone (encoded once).
     public_prompt_ids: dict[str, list[list[int]]] = field(default_factory=dict)
     # Shards a check of ours proved wrong: out of every chain at once, before the read model says so too.

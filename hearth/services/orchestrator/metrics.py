@@ -83,6 +83,13 @@ shard_corruption_detected_total = counter(
 requests_total = counter(
     "hearth_requests_total", "Chat calls ended, by outcome: `ok`, or the code of the call's final error frame "
     "(`client_gone`, `orchestrator_gone`: ended without one).", ["code"])
+# How an answer's warm-up ended (hearth/services/orchestrator/answer_kv.py).
+WARM_UP_OUTCOMES = ("kept", "failed", "skipped")
+answer_warm_ups_total = counter(
+    "hearth_answer_warm_ups_total", "Answers of calls that ended well prefilled again on their hops so that those "
+    "keep their blocks, by outcome: `kept`, `failed` (a hop refused or failed, or it timed out: only the prompt's "
+    "blocks stay kept) or `skipped` (its hops at capacity or too many warm-ups under way; never retried).",
+    ["outcome"])
 head_batches_total = counter(
     "hearth_head_batches_total", "Head steps (final norm + lm_head, sampling) run as one batch for the calls whose "
     "tokens were due together (continuous batching; a batch of one row counts too).")
@@ -102,6 +109,8 @@ for _reason in NOTICE_REFUSALS:
     hop_notices_refused_total.labels(_reason)
 for _reason in get_args(FailureKind):
     failovers_total.labels(_reason)
+for _outcome in WARM_UP_OUTCOMES:
+    answer_warm_ups_total.labels(_outcome)
 for _code in (OK, CLIENT_GONE, ORCHESTRATOR_GONE, *get_args(ErrorCode)):
     requests_total.labels(_code)
 

@@ -42,9 +42,9 @@ from hearth.protocol.chat import (
     TokensWithdrawnFrame,
     Usage,
 )
+from hearth.services.orchestrator.answer_kv import close_keeping
 from hearth.services.orchestrator.call import Call, CallStatus
 from hearth.services.orchestrator.chain import HopChain
-from hearth.services.orchestrator.kept_inputs import keep_chain_inputs
 from hearth.services.orchestrator.local_chain import LocalChain
 from hearth.services.orchestrator.construct import ChainBuilder
 from hearth.services.orchestrator.context import RunContext
@@ -122,10 +122,7 @@ class PipelineRun:
         await self.verifier.detach()
         chain, self.chain = self.chain, None
         if isinstance(chain, HopChain):
-            kept = self.builder.kept if self.call.status is CallStatus.finished else None
-            if kept is not None:
-                await keep_chain_inputs(self.ctx.kept_inputs, chain, kept)
-            await chain.close(keep=kept)
+            await close_keeping(self.ctx, self.builder, chain, self.call.status is CallStatus.finished)
         elif chain is not None:
             await chain.close()
         held, self._held = self._held, []

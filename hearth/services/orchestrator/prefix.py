@@ -15,7 +15,8 @@ of the name), which routing can look a call's own names up by but no member can 
 
 A call reuses a prefix only for its chain's first prefill, and never at `verify` levels `all` and `vote` (they
 check every position, and a mirror would need the positions the call did not compute). Blocks are kept when a call
-ends well: every position its hops ran (the prompt and each token fed back).
+ends well: its prompt's whole blocks at its close, then its answer's once a warm-up prefilled them (a decode step's KV
+is not a prefill's: hearth/services/orchestrator/answer_kv.py).
 """
 
 from __future__ import annotations

@@ -171,6 +171,7 @@ class Orchestrator:
         if self._canaries is not None:
             await self._canaries.close()
         if self.context is not None:
+            await self.context.warm_ups.close()
             await self.context.head_steps.close()
         await self.outbox.stop(self.settings.orchestrator.event_flush_timeout_s)
         await self.projector.stop()

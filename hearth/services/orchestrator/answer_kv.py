@@ -1,0 +1,134 @@
+"""Answer warm-ups: a call that ended well has its hops keep its prompt's blocks at its close and then, in the
+background, prefill its answer's whole blocks again and keep those too, so a conversation's next turn prefills only
+its new tokens and still samples what a whole prefill of it would.
+
+Why not keep the decoded positions as they are: a decode step computes a position's KV with other kernels than a
+prefill (one query: a matrix-vector product, attention of another shape), so their KV is not bitwise a prefill's, and
+a next turn that began from it could sample other greedy tokens than the same turn prefilled whole (docs/design.md,
+"Kept prefixes"). A prefill split at a block boundary gives the whole prefill's KV: the warm-up opens a fresh chain
+over the call's hops that begins from the prompt's kept blocks, prefills the positions up to the last whole block the
+call ran, drops the output and closes keeping every block (the same path as a call's: ChainBuilder.over, open,
+prefill, close(keep)).
+
+Bounded and owned: each warm-up is a task of AnswerWarmUps (cancelled on shutdown), at most `max_warm_ups` at once,
+within `[prefix_cache] warm_up_timeout_s`, started beside the call once it ended (its last frame sent, or for a
+choice of `n` held for the group's: choices.py) and its chain closed; skipped (never retried) when a hop refused us
+for room a moment ago, and a failed or late one leaves only the prompt's blocks kept (`hearth_answer_warm_ups_total`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from hearth.inference.compute_thread import on_compute_thread
+from hearth.services.orchestrator.affinity import hop_ranges
+from hearth.services.orchestrator.call import new_pipeline_id
+from hearth.services.orchestrator.chain import HopChain
+from hearth.services.orchestrator.kept_inputs import keep_chain_inputs
+from hearth.services.orchestrator.metrics import answer_warm_ups_total
+from hearth.services.orchestrator.outcomes import StepFailure
+from hearth.services.orchestrator.prefill import prefill
+from hearth.services.orchestrator.router import Hop
+
+log = logging.getLogger(__name__)
+
+# `ctx` below is the orchestrator's RunContext and `builder` the call's ChainBuilder (not imported: each imports this).
+
+# Warm-ups of one orchestrator under way at once; a call that ends beyond them keeps only its prompt's blocks.
+max_warm_ups = 4
+KEPT, FAILED, SKIPPED = "kept", "failed", "skipped"
+
+
+class AnswerWarmUps:
+    """The answer warm-ups under way (tasks of the orchestrator's, cancelled by `close`)."""
+
+    def __init__(self, limit: int = max_warm_ups) -> None:
+        self.limit = limit
+        self._tasks: set[asyncio.Task] = set()
+
+    def start(self, ctx, builder, hops: list[Hop]) -> None:
+        """Warm the answer of `builder`'s call (which ended well, its chain over `hops` closed) up in the
+        background."""
+        if len(self._tasks) >= self.limit:
+            answer_warm_ups_total.labels(SKIPPED).inc()
+            return
+        task = asyncio.create_task(self._run(ctx, builder, hops), name=f"warm-up-{builder.call.pipeline_id}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _run(self, ctx, builder, hops: list[Hop]) -> None:
+        timeout_s = ctx.settings.prefix_cache.warm_up_timeout_s
+        try:
+            outcome = await asyncio.wait_for(warm_up(ctx, builder, hops), timeout=timeout_s)
+        except (asyncio.TimeoutError, TimeoutError):
+            log.info("pipeline %s: its answer's warm-up took over %s s; only its prompt's blocks stay kept",
+                     builder.call.pipeline_id, timeout_s)
+            outcome = FAILED
+        except Exception as error:  # a warm-up is an optimisation: whatever failed it, the prompt's blocks stay
+            log.warning("pipeline %s: its answer's warm-up failed: %r", builder.call.pipeline_id, error)
+            outcome = FAILED
+        answer_warm_ups_total.labels(outcome).inc()
+
+
+async def close_keeping(ctx, builder, chain: HopChain, ended_well: bool) -> None:
+    """Close the call's `chain`; when the call ended well its hops keep the prompt's blocks (with what entered them,
+    for checks) and the answer's warm-up starts."""
+    kept = builder.kept if ended_well else None
+    if kept is not None:
+        await keep_chain_inputs(ctx.kept_inputs, chain, kept)
+    await chain.close(keep=kept)
+    if ended_well and builder.warm_up is not None:
+        ctx.warm_ups.start(ctx, builder, list(chain.hops))
+
+
+async def warm_up(ctx, builder, hops: list[Hop]) -> str:
+    """Prefill the positions of `builder.warm_up`'s blocks past the prompt's kept ones on a fresh chain over `hops`
+    and have them keep every block; how it ended (KEPT, FAILED or SKIPPED)."""
+    call, blocks = builder.call, builder.warm_up
+    positions = len(blocks.hashes) * blocks.block_tokens
+    kept_tokens = len(builder.kept.hashes) * blocks.block_tokens if builder.kept is not None else 0
+    switch = call.model.head.rope_switch_tokens
+    if switch is not None and (positions > switch) != (len(call.prompt_ids) > switch):
+        return SKIPPED  # these positions would rotate on the other factor set than the blocks' names say
+    if any(ctx.load.refused_recently(hop.shard_id) for hop in hops):
+        return SKIPPED
+    # A pipeline of its own: the call's hops may still be closing its session, which a reopen would cut short.
+    chain = builder.over(hops, pipeline_id=new_pipeline_id())
+    held: list[str] = []
+    keep = None
+    try:
+        failure = await chain.open()
+        if failure is not None:
+            if failure.code == "at_capacity":
+                ctx.load.refused(failure.shard_id)
+                return SKIPPED
+            return FAILED
+        held = chain.shard_ids
+        ctx.load.hold(held)
+        start = chain.take_reused_tokens()
+        if start != kept_tokens:  # a hop lost the prompt's blocks: warming up would mean prefilling it all again
+            return FAILED
+        hidden = await on_compute_thread(call.model.head.embed, call.known_ids[start:positions])
+        output = await prefill(chain, hidden, ctx.settings.orchestrator.prefill_chunk_tokens, start=start)
+        if isinstance(output, StepFailure):
+            log.info("pipeline %s: its answer's warm-up failed: %s", call.pipeline_id, output)
+            return FAILED
+        await keep_chain_inputs(ctx.kept_inputs, chain, blocks)
+        keep = blocks
+        return KEPT
+    finally:
+        try:
+            # Shielded: a warm-up cancelled (its timeout, shutdown) still frees its hops' sessions.
+            await asyncio.shield(chain.close(keep=keep))
+        finally:
+            if held:
+                ctx.load.release(held)
+        if keep is not None:
+            ctx.kept_chains.remember(keep.hashes, hop_ranges(hops))
