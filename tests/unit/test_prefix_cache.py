@@ -273,10 +273,10 @@ def orchestrator_of(block_tokens: int):
 def test_a_conversation_s_next_turn_from_what_a_call_keeps_gives_a_whole_prefill_s_greedy_tokens_in_bf16(
         tmp_path, one_torch_thread, seed):  # noqa: F811
     # A decode step's KV is not bitwise a prefill's (other kernels): kept as they were, the answer's positions gave
-    # turn 2 other greedy tokens than its whole prefill in these conversations (on a 2-core AMD EPYC). What a call's hops keep instead
-    # (hearth/services/orchestrator/construct.py, answer_kv.py): the prompt's blocks at its close, then the answer's
-    # blocks as a warm-up prefilled them from there; turn 2 then begins past the answer and samples the whole prefill's
-    # tokens.
+    # turn 2 other greedy tokens than its whole prefill in these conversations (on a 2-core AMD EPYC). What a call's
+    # hops keep instead (hearth/services/orchestrator/construct.py, answer_kv.py): the prompt's blocks at its close,
+    # then the answer's blocks as a warm-up prefilled them from there; turn 2 then begins past the answer and samples
+    # the whole prefill's tokens.
     from hearth.services.orchestrator.router import Hop
 
     path, block = wide_bf16_model(tmp_path / "wide"), 16
