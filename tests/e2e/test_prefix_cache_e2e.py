@@ -171,12 +171,17 @@ def shared_blocks(models_dir, first_turn_ids: list[int], answer_ids: list[int], 
 
 async def test_after_its_answer_s_warm_up_a_next_turn_computes_only_its_new_tokens(cluster, tiny_models_dir):
     # The answer's positions were decode steps, whose KV is not a prefill's: the call keeps its prompt's blocks, and
-    # its answer's are prefilled again in the background and kept; the next turn then computes only what is new.
+    # its answer's are prefilled again in the background and kept; the next turn, sent at once, waits for that and
+    # then computes only what is new.
     orchestrator = start_mesh(cluster, tiny_models_dir, [{}, {}, {}])
-    first = await first_turn(cluster, tiny_models_dir)
-    assert await warm_ups(orchestrator, "kept") == 1
+    first = await chat_once(cluster, ChatRequest(model=TINY_MODEL_NAME, prompt=WARM_FIRST_TURN,
+                                                 max_tokens=ANSWER_TOKENS))
+    assert first.ok, first.final
     second_turn = WARM_FIRST_TURN + first.text + " and then the next house answers with what it knows"
     _, cached = await ask(cluster, tiny_models_dir, second_turn)
+    assert await warm_ups(orchestrator, "kept") >= 1  # the first turn's, and maybe the second's already
+    assert first.token_ids == await asyncio.to_thread(greedy_reference, tiny_models_dir / TINY_MODEL_NAME,
+                                                      WARM_FIRST_TURN, ANSWER_TOKENS)
     first_ids = AutoTokenizer.from_pretrained(tiny_models_dir / TINY_MODEL_NAME)(WARM_FIRST_TURN)["input_ids"]
     prompt_blocks, shared = shared_blocks(tiny_models_dir, first_ids, first.token_ids, second_turn)
     assert shared > prompt_blocks and cached == shared, (cached, prompt_blocks, shared)

@@ -55,3 +55,19 @@ async def test_warm_ups_are_bounded_timed_out_counted_and_cancelled_on_close(mon
     await asyncio.sleep(0.05)
     await asyncio.wait_for(warm_ups.close(), timeout=5)
     assert counted("kept") == before["kept"] + 2 and not warm_ups._tasks
+
+
+async def test_a_call_needing_blocks_a_warm_up_brings_in_waits_for_it_and_no_longer_than_its_deadline():
+    warm_ups = AnswerWarmUps()
+    announced = SimpleNamespace(kept=SimpleNamespace(hashes=["p0"]), warm_up=SimpleNamespace(hashes=["p0", "a1"]))
+    warm_ups.expect(announced, timeout_s=60.0)
+    await asyncio.wait_for(warm_ups.settle(["p0", "x1"]), 1)  # only the prompt's block, kept already: no wait
+    waiting = asyncio.ensure_future(warm_ups.settle(["p0", "a1", "n2"]))
+    await asyncio.sleep(0.05)
+    assert not waiting.done()
+    warm_ups.forget(announced)
+    await asyncio.wait_for(waiting, 1)
+    late = SimpleNamespace(kept=None, warm_up=SimpleNamespace(hashes=["b0"]))
+    warm_ups.expect(late, timeout_s=0.05)
+    await asyncio.wait_for(warm_ups.settle(["b0"]), 1)  # never over: waited for until its deadline only
+    await asyncio.wait_for(warm_ups.settle(["b0"]), 0.02)  # and forgotten after it

@@ -253,13 +253,14 @@ def orchestrator_of(block_tokens: int):
     from hearth.protocol.chat import ChatRequest
     from hearth.services.common.config import HearthSettings
     from hearth.services.orchestrator.call import Call
+    from hearth.services.orchestrator.answer_kv import AnswerWarmUps
     from hearth.services.orchestrator.construct import ChainBuilder
     from hearth.services.orchestrator.prefix import KeptChains
 
     settings = HearthSettings()
     settings = settings.model_copy(update={"prefix_cache": settings.prefix_cache.model_copy(
         update={"block_tokens": block_tokens})})
-    ctx = SimpleNamespace(settings=settings, kept_chains=KeptChains())
+    ctx = SimpleNamespace(settings=settings, kept_chains=KeptChains(), warm_ups=AnswerWarmUps())
     model = SimpleNamespace(model_id="wide", weights_sha256="0" * 64, head=SimpleNamespace(rope_switch_tokens=None))
 
     def builder(prompt_ids: list[int], generated: list[int]) -> ChainBuilder:

@@ -10,6 +10,10 @@ over the call's hops that begins from the prompt's kept blocks, prefills the pos
 call ran, drops the output and closes keeping every block (the same path as a call's: ChainBuilder.over, open,
 prefill, close(keep)).
 
+A call whose blocks a warm-up of this orchestrator is bringing in waits for it before routing (AnswerWarmUps.settle,
+from the moment the first call's answer is complete, its last frame not sent yet): a conversation's next turn sent at
+once would otherwise prefill the answer itself, beside the warm-up doing the same.
+
 Bounded and owned: each warm-up is a task of AnswerWarmUps (cancelled on shutdown), at most `max_warm_ups` at once,
 within `[prefix_cache] warm_up_timeout_s`, started beside the call once it ended (its last frame sent, or for a
 choice of `n` held for the group's: choices.py) and its chain closed; skipped (never retried) when a hop refused us
@@ -20,6 +24,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 from hearth.inference.compute_thread import on_compute_thread
 from hearth.services.orchestrator.affinity import hop_ranges
@@ -40,24 +47,71 @@ max_warm_ups = 4
 KEPT, FAILED, SKIPPED = "kept", "failed", "skipped"
 
 
+@dataclass
+class _Expected:
+    """A warm-up announced (its call's answer complete) and not over: the names of the blocks it brings in, and
+    until when a call may wait for it."""
+
+    names: frozenset[str]
+    deadline: float
+    over: asyncio.Event = field(default_factory=asyncio.Event)
+
+
 class AnswerWarmUps:
-    """The answer warm-ups under way (tasks of the orchestrator's, cancelled by `close`)."""
+    """The answer warm-ups announced or under way (tasks of the orchestrator's, cancelled by `close`)."""
 
     def __init__(self, limit: int = max_warm_ups) -> None:
         self.limit = limit
         self._tasks: set[asyncio.Task] = set()
+        self._expected: dict[int, _Expected] = {}  # by the id of the call's ChainBuilder
+
+    def expect(self, builder, timeout_s: float) -> None:
+        """Announce the warm-up of `builder`'s call (its `warm_up` blocks past its `kept` ones), at most `timeout_s`
+        from now, before the call's last frame lets its caller send the next turn."""
+        kept = len(builder.kept.hashes) if builder.kept is not None else 0
+        self._expected[id(builder)] = _Expected(frozenset(builder.warm_up.hashes[kept:]), time.monotonic() + timeout_s)
+
+    def forget(self, builder) -> None:
+        """The warm-up announced for `builder`'s call is over (or will not run): nobody waits for it any more."""
+        self._over(id(builder))
+
+    def _over(self, key: int) -> None:
+        expected = self._expected.pop(key, None)
+        if expected is not None:
+            expected.over.set()
+
+    async def settle(self, names: Iterable[str]) -> None:
+        """Until every warm-up announced that brings in one of the blocks `names` is over (each at most until its
+        deadline)."""
+        now = time.monotonic()
+        for key, expected in list(self._expected.items()):
+            if expected.deadline <= now:
+                self._over(key)
+        wanted = set(names)
+        pending = [expected for expected in self._expected.values() if expected.names & wanted]
+        for expected in pending:
+            left = expected.deadline - time.monotonic()
+            if left > 0 and not expected.over.is_set():
+                try:
+                    await asyncio.wait_for(expected.over.wait(), left)
+                except (asyncio.TimeoutError, TimeoutError):
+                    pass  # routed as things are: at worst the answer is prefilled again by this call
 
     def start(self, ctx, builder, hops: list[Hop]) -> None:
         """Warm the answer of `builder`'s call (which ended well, its chain over `hops` closed) up in the
         background."""
         if len(self._tasks) >= self.limit:
             answer_warm_ups_total.labels(SKIPPED).inc()
+            self.forget(builder)
             return
         task = asyncio.create_task(self._run(ctx, builder, hops), name=f"warm-up-{builder.call.pipeline_id}")
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(lambda _: self.forget(builder))
 
     async def close(self) -> None:
+        for key in list(self._expected):
+            self._over(key)
         for task in list(self._tasks):
             task.cancel()
         if self._tasks:
@@ -83,9 +137,15 @@ async def close_keeping(ctx, builder, chain: HopChain, ended_well: bool) -> None
     kept = builder.kept if ended_well else None
     if kept is not None:
         await keep_chain_inputs(ctx.kept_inputs, chain, kept)
-    await chain.close(keep=kept)
-    if ended_well and builder.warm_up is not None:
-        ctx.warm_ups.start(ctx, builder, list(chain.hops))
+    started = False
+    try:
+        await chain.close(keep=kept)
+        if ended_well and builder.warm_up is not None:
+            ctx.warm_ups.start(ctx, builder, list(chain.hops))
+            started = True
+    finally:
+        if not started:  # a call waiting for this warm-up goes on at once
+            ctx.warm_ups.forget(builder)
 
 
 async def warm_up(ctx, builder, hops: list[Hop]) -> str:

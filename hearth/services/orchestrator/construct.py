@@ -66,6 +66,9 @@ class ChainBuilder:
         router, model_id = self.ctx.router, call.model.model_id
         self.public_blocks = await self._public_blocks()
         candidates = await asyncio.to_thread(router.candidates, model_id)
+        # A conversation's next turn sent at once: the blocks of the answer before it may be on their way in.
+        await self.ctx.warm_ups.settle(name for blocks in self._reusable_by_scheme(candidates).values()
+                                       for name in blocks.hashes)
         self.recorded_kept = await self._recorded_kept(candidates)
         caught_up = rechecked = False
         silent: set[str] = set()  # shards this construction routed around for "no responders"
@@ -162,6 +165,8 @@ class ChainBuilder:
         self.kept = PrefixBlocks(block_tokens=ran.block_tokens, hashes=ran.hashes[:prompt_blocks]) \
             if prompt_blocks else None
         self.warm_up = ran if naming.settings.warm_up_answers and len(ran.hashes) > prompt_blocks else None
+        if self.warm_up is not None:
+            self.ctx.warm_ups.expect(self, naming.settings.warm_up_timeout_s)
         announced = self.warm_up or self.kept
         if announced is None:
             return None
@@ -194,6 +199,15 @@ class ChainBuilder:
         failover replays the positions past it as its decode steps computed them: prefill.py)."""
         known = self.call.known_ids[:len(self.call.prompt_ids) + 1]
         return naming.reusable(known) if naming is not None else None
+
+    def _reusable_by_scheme(self, candidates) -> dict[str, PrefixBlocks]:
+        """Per scheme the call may be served in, the kept blocks its chain may begin from."""
+        by_scheme = {}
+        for scheme in {c.quantization for c in candidates if c.weights_sha256 == self.call.model.weights_sha256}:
+            reusable = self._reusable(self.naming(scheme))
+            if reusable is not None:
+                by_scheme[scheme] = reusable
+        return by_scheme
 
     def _only_room_lacks(self, candidates) -> bool:
         """Whether a chain could be planned if every shard had room (then waiting for room is worth it)."""
@@ -251,10 +265,9 @@ class ChainBuilder:
         (asked only where our own memory does not hold them all)."""
         sessions = self.ctx.projector.session_factory
         names: dict[str, list[str]] = {}
-        for scheme in {c.quantization for c in candidates if c.weights_sha256 == self.call.model.weights_sha256}:
-            reusable = self._reusable(self.naming(scheme))
-            ours = self.ctx.kept_chains.holding(reusable.hashes) if reusable is not None else None
-            if reusable is not None and (ours is None or ours.blocks < len(reusable.hashes)):
+        for scheme, reusable in self._reusable_by_scheme(candidates).items():
+            ours = self.ctx.kept_chains.holding(reusable.hashes)
+            if ours is None or ours.blocks < len(reusable.hashes):
                 names[scheme] = [published_mark(name) for name in reusable.hashes]  # as the log records them
         if sessions is None or not names:
             return {}

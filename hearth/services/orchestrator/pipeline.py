@@ -367,6 +367,8 @@ class PipelineRun:
         call = self.call
         duration_ms = call.seconds_since_start() * 1000.0
         tokens_per_second = call.decode_tokens_per_second()
+        # Before the last frame, which lets the caller send its next turn: that turn waits for the answer's warm-up.
+        kept = self.builder.keep_on_completion(self.chain) if isinstance(self.chain, HopChain) else None
         await call.client.send(DoneFrame(
             seq=0, finish_reason=finish_reason,
             usage=Usage(prompt_tokens=len(call.prompt_ids), completion_tokens=call.completion_tokens),
@@ -375,7 +377,6 @@ class PipelineRun:
                           queue_wait_ms=call.queue_wait_ms()),
         ))
         await self._record_checks()
-        kept = self.builder.keep_on_completion(self.chain) if isinstance(self.chain, HopChain) else None
         await self._record(PipelineCompleted(
             node_id=self.ctx.node_id, pipeline_id=call.pipeline_id, prompt_tokens=len(call.prompt_ids),
             completion_tokens=call.completion_tokens, duration_ms=duration_ms,
