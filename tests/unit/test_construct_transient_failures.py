@@ -13,6 +13,7 @@ from hearth.services.common.config import HearthSettings, NatsSettings, Transpor
 from hearth.services.common.config_processes import OrchestratorSettings
 from nats.errors import FlushTimeoutError
 
+from hearth.services.orchestrator.answer_kv import AnswerWarmUps
 from hearth.services.orchestrator.capacity import ShardLoad
 from hearth.services.orchestrator.chain import HopChain
 from hearth.services.orchestrator.construct import ChainBuilder
@@ -87,7 +88,7 @@ def builder(engine, failing_opens: int, kind: str = "gone") -> Builder:
     ctx = SimpleNamespace(settings=settings, router=router, load=ShardLoad(retry_s=1.0), kept_chains=KeptChains(),
                           projector=SimpleNamespace(session_factory=sessions, wait_until_caught_up=caught_up),
                           quarantined=set(), recent_failures=SimpleNamespace(current=lambda: set()),
-                          public_prompt_ids={}, nc=SimpleNamespace(is_connected=True))
+                          public_prompt_ids={}, nc=SimpleNamespace(is_connected=True), warm_ups=AnswerWarmUps())
     call = SimpleNamespace(model=SimpleNamespace(model_id=MODEL_ID, weights_sha256=WEIGHTS_SHA,
                                                  head=SimpleNamespace(rope_switch_tokens=None, info=MODEL_INFO)),
                            caller=None,

@@ -26,6 +26,7 @@ from hearth.readmodels.tables import KeptPrefixRecord
 from hearth.services.common.config import HearthSettings
 from hearth.services.common.config_processes import PrefixCacheSettings
 from hearth.services.orchestrator.construct import ChainBuilder
+from hearth.services.orchestrator.answer_kv import AnswerWarmUps
 from hearth.services.orchestrator.prefix import KeptChains, block_names, first_name, kept_marks, published_mark
 from hearth.services.orchestrator.router import Hop, ShardRouter
 from tests.readmodel_helpers import (
@@ -164,7 +165,7 @@ def orchestrator_context(engine, settings: HearthSettings) -> SimpleNamespace:
     router = ShardRouter(sessions, health_timeout_s=60, allow_self_as_shard=True, self_node_id="orch",
                          clock=lambda: at(20).timestamp())
     return SimpleNamespace(settings=settings, router=router, projector=SimpleNamespace(session_factory=sessions),
-                           kept_chains=KeptChains(), quarantined=set(),
+                           kept_chains=KeptChains(), quarantined=set(), warm_ups=AnswerWarmUps(),
                            recent_failures=SimpleNamespace(current=lambda: set()))
 
 
@@ -198,7 +199,7 @@ async def test_a_fresh_orchestrator_routes_to_the_chain_another_one_s_call_kept(
     # what `far` keeps. The next turn's history renders the answer as other tokens: its blocks agree up to the last
     # whole block of that prompt.
     first = ChainBuilder(call_of(PROMPT[:30], [999, 998, 997]),
-                         SimpleNamespace(settings=settings, kept_chains=KeptChains()))
+                         SimpleNamespace(settings=settings, kept_chains=KeptChains(), warm_ups=AnswerWarmUps()))
     record = first.keep_on_completion(SimpleNamespace(hops=[Hop(shard_id=far.shard_id, control_subject="c",
                                                                 node_id="far", layer_lo_to_run=0,
                                                                 layer_hi_to_run=7)]))
