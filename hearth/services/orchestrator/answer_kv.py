@@ -45,6 +45,9 @@ log = logging.getLogger(__name__)
 # Warm-ups of one orchestrator under way at once; a call that ends beyond them keeps only its prompt's blocks.
 max_warm_ups = 4
 KEPT, FAILED, SKIPPED = "kept", "failed", "skipped"
+# The longest a call waits for warm-ups bringing in its blocks: about what prefilling an answer itself would cost it,
+# and a warm-up stuck on a frozen hop holds the next turn no longer than that.
+max_settle_wait_s = 5.0
 
 
 @dataclass
@@ -82,15 +85,16 @@ class AnswerWarmUps:
 
     async def settle(self, names: Iterable[str]) -> None:
         """Until every warm-up announced that brings in one of the blocks `names` is over (each at most until its
-        deadline)."""
+        deadline, all at most `max_settle_wait_s`)."""
         now = time.monotonic()
         for key, expected in list(self._expected.items()):
             if expected.deadline <= now:
                 self._over(key)
         wanted = set(names)
         pending = [expected for expected in self._expected.values() if expected.names & wanted]
+        until = time.monotonic() + max_settle_wait_s
         for expected in pending:
-            left = expected.deadline - time.monotonic()
+            left = min(expected.deadline, until) - time.monotonic()
             if left > 0 and not expected.over.is_set():
                 try:
                     await asyncio.wait_for(expected.over.wait(), left)
