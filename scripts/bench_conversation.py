@@ -204,6 +204,8 @@ def conversation(options: argparse.Namespace, mode: str, enabled: bool) -> list[
             rng = random.Random(options.seed + repeat)  # its own words: no block in common with the others
             calls, history, messages = [], "", []
             for turn in range(1, options.turns + 1):
+                if turn > 1:
+                    time.sleep(options.think_s)  # the user reading the answer and typing the next turn
                 user = words(rng, options.new_words)
                 if mode == "completions":
                     history = f"{history} {user}".strip()
@@ -275,6 +277,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="conversation: conversations per mesh")
     parser.add_argument("--new-words", type=int, default=60)
     parser.add_argument("--answer-tokens", type=int, default=40)
+    parser.add_argument("--think-s", type=float, default=0.0,
+                        help="conversation: seconds between an answer and the next turn (a user reading, typing)")
     parser.add_argument("--modes", default="completions,chat", help="conversation: completions and/or chat")
     parser.add_argument("--cache", default="on,off", help="conversation: the prefix cache on and/or off")
     parser.add_argument("--members", type=int, default=50, help="public: members sharing the system prompt")
