@@ -271,6 +271,12 @@ class ShardServer:
             return ControlReply(ok=False, code="bad_range",
                                 message=f"layers {request.layer_lo}-{request.layer_hi} are not inside "
                                         f"{ident.layer_lo}-{ident.layer_hi}")
+        context = self.compute.runner.info.max_positions
+        if context is not None and request.max_session_tokens > context:
+            # The hop's step limits (and so what its receiver may allocate) come from it.
+            return ControlReply(ok=False, code="bad_request",
+                                message=f"max_session_tokens {request.max_session_tokens} is beyond the model's "
+                                        f"context of {context} positions")
         if self.requires_sealing and request.inbound_link_key is not None and not request.seal_activations:
             return ControlReply(ok=False, code="bad_request",
                                 message="this shard seals activations ([transport] seal_activations): open the hop "
