@@ -9,7 +9,9 @@ from typing import Annotated, Any, Callable, Literal, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, field_validator, model_validator
 
-from hearth.protocol.bounds import SUBJECT_TOKEN_PATTERN, max_id_chars, max_reason_chars, max_shard_id_chars
+from hearth.protocol.bounds import (
+    SUBJECT_TOKEN_PATTERN, max_id_chars, max_pipeline_hops, max_reason_chars, max_shard_id_chars,
+)
 from hearth.trust.keys import PUBLIC_KEY_PATTERN, USER_PUBLIC_KEY_LENGTH
 
 _subject_token_re = re.compile(SUBJECT_TOKEN_PATTERN)
@@ -19,7 +21,7 @@ _subject_token_re = re.compile(SUBJECT_TOKEN_PATTERN)
 max_label_chars = 64  # dtypes, statuses, codes, finish reasons
 # A shard's distance as it advertises it unless told: on the same LAN (docs/design.md §5).
 default_hop_weight = 1.0
-max_event_hops = 64  # hops of a pipeline (also the most [research.distributed_inference] max_shards_per_request)
+max_event_hops = max_pipeline_hops  # hops of a pipeline (hearth/protocol/bounds.py)
 max_signature_chars = 128  # an Ed25519 signature is 88 base64 characters; a longer one is refused
 # The largest magnitude of any number an event carries: no honest one comes near it, and the read models' 64-bit
 # columns hold it (sums over many events saturate: hearth/readmodels/batch_rows.py, saturating_add).

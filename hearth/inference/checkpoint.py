@@ -68,6 +68,8 @@ class ModelInfo:
     vocab_size: int
     dtype: torch.dtype
     tie_word_embeddings: bool
+    # Positions the model takes (its config's max_position_embeddings); None when the config does not say.
+    max_positions: int | None = None
 
     @property
     def dtype_name(self) -> str:

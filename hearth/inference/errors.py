@@ -26,7 +26,8 @@ class SessionEvictedError(SessionStateError):
 
 
 class SessionTooLargeError(InferenceError):
-    """One session alone would need more KV-cache bytes than the runner's whole budget."""
+    """One session alone would need more KV-cache bytes than the runner's whole budget, or more positions than the
+    model's context."""
 
 
 class RunnerClosedError(InferenceError):

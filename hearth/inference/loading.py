@@ -140,6 +140,7 @@ def _open_skeleton(
         vocab_size=config.vocab_size,
         dtype=compute_dtype,
         tie_word_embeddings=bool(getattr(config.get_text_config(), "tie_word_embeddings", False)),
+        max_positions=getattr(config.get_text_config(), "max_position_embeddings", None) or None,
     )
     module_names = {id(module): name for name, module in skeleton.named_modules()}
     return _Skeleton(info, config, adapter, skeleton, checkpoint, module_names, compute_device)

@@ -46,6 +46,10 @@ class RunnerChecks:
     def _check_fits(self, start_pos: int, num_tokens: int, run_lo: int, run_hi: int, *, cached_bytes: int) -> None:
         # Upper bound (sliding-window layers stop growing); enough to refuse a hopeless session up front. A static
         # cache takes all its positions at once, and a step past them fails here (a batched row alone, not its batch).
+        context = self.info.max_positions
+        if context is not None and start_pos + num_tokens > context:  # no honest step reaches past it
+            raise SessionTooLargeError(f"positions {start_pos}..{start_pos + num_tokens - 1} go beyond the model's "
+                                       f"context of {context} positions")
         layers = run_hi - run_lo + 1
         if self._static is not None:
             self._static.check_room(start_pos, num_tokens)

@@ -12,7 +12,9 @@ from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
-from hearth.protocol.bounds import SUBJECT_TOKEN_PATTERN, max_id_chars, max_reason_chars, max_shard_id_chars
+from hearth.protocol.bounds import (
+    SUBJECT_TOKEN_PATTERN, max_id_chars, max_pipeline_hops, max_reason_chars, max_shard_id_chars,
+)
 from hearth.protocol.subjects import LOCAL_NODE
 
 LINK_KEY_PATTERN = r"^[A-Za-z0-9_-]{43}=$"
@@ -48,8 +50,9 @@ class OpenHop(BaseModel):
     op: Literal["open"] = "open"
     pipeline_id: str = Field(pattern=SUBJECT_TOKEN_PATTERN)
     session_id: str = Field(pattern=SUBJECT_TOKEN_PATTERN)
-    hop: int = Field(ge=0)
-    hop_count: int = Field(ge=1)
+    # Bounded: the shard's subjects carry the hop's number (a huge one would cost it its broker connection).
+    hop: int = Field(ge=0, lt=max_pipeline_hops)
+    hop_count: int = Field(ge=1, le=max_pipeline_hops)
     model_id: str = Field(max_length=max_id_chars)
     weights_sha256: str = Field(max_length=max_id_chars)
     layer_lo: int = Field(ge=0)
@@ -167,7 +170,7 @@ class HopNotice(BaseModel):
 
     pipeline_id: str = Field(pattern=SUBJECT_TOKEN_PATTERN)
     session_id: str = Field(pattern=SUBJECT_TOKEN_PATTERN)
-    hop: int = Field(ge=0)
+    hop: int = Field(ge=0, lt=max_pipeline_hops)
     step: int = Field(ge=0)
     problem: HopProblem
     check: Literal["nan", "inf", "norm", "shape"] | None = None

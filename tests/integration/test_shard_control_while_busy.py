@@ -10,7 +10,7 @@ import threading
 
 from hearth.inference.compute_thread import on_compute_thread
 from hearth.protocol.control import CloseHop, ControlReply, OpenHop
-from tests.integration.tiny_shard_server import tiny_shard_server
+from tests.integration.tiny_shard_server import CONTEXT, tiny_shard_server
 
 control_reply_timeout_s = 5.0
 
@@ -23,7 +23,8 @@ async def until(condition, timeout_s: float = 10.0) -> None:
 
 def open_request(pipeline_id: str, layer_hi: int) -> bytes:
     return OpenHop(pipeline_id=pipeline_id, session_id=f"{pipeline_id}-session", hop=0, hop_count=1,
-                   model_id="tiny", weights_sha256="0" * 64, layer_lo=0, layer_hi=layer_hi).model_dump_json().encode()
+                   model_id="tiny", weights_sha256="0" * 64, layer_lo=0, layer_hi=layer_hi,
+                   max_session_tokens=CONTEXT).model_dump_json().encode()
 
 
 async def test_an_open_is_answered_while_a_closing_hop_waits_for_the_compute_thread(nats_server):

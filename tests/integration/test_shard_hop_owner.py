@@ -11,7 +11,7 @@ from hearth.inference.compute_thread import on_compute_thread
 from hearth.protocol.control import CloseHop, ControlReply, KeepHop, OpenHop, PrefixBlocks, ShardStat, StatShard
 from hearth.services.orchestrator.hop_owner import owner_key
 from hearth.services.shard.compute import runner_session
-from tests.integration.tiny_shard_server import tiny_shard_server
+from tests.integration.tiny_shard_server import CONTEXT, tiny_shard_server
 
 reply_timeout_s = 5.0
 SESSION = "victim-session"
@@ -19,7 +19,7 @@ SESSION = "victim-session"
 
 def open_hop(pipeline_id: str, key: str | None) -> OpenHop:
     return OpenHop(pipeline_id=pipeline_id, session_id=SESSION, hop=0, hop_count=1, model_id="tiny",
-                   weights_sha256="0" * 64, layer_lo=0, layer_hi=1, owner_key=key)
+                   weights_sha256="0" * 64, layer_lo=0, layer_hi=1, owner_key=key, max_session_tokens=CONTEXT)
 
 
 async def test_only_the_opener_closes_keeps_or_reopens_a_hop_and_a_shared_session_id_shares_nothing(nats_server):

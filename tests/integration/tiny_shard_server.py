@@ -20,6 +20,8 @@ from hearth.services.shard.server import ShardIdentity, ShardServer
 from tests.runner_limits import RUNNER_KV_LIMITS
 
 MODEL = Path(__file__).resolve().parents[2] / "models" / "hearth-tiny-llama"
+# Its max_position_embeddings: a shard refuses an `open` whose max_session_tokens goes beyond it.
+CONTEXT = 512
 
 
 @dataclass

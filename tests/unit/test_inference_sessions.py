@@ -200,6 +200,19 @@ def test_a_session_larger_than_the_whole_budget_is_refused_before_computing(llam
     assert runner.session_bytes("fits") == 10 * 6 * KV_BYTES_PER_TOKEN_PER_LAYER
 
 
+def test_a_step_beyond_the_models_context_is_refused(llama):
+    path, head = llama
+    runner = load_layer_range(path, 0, 1, **RUNNER_KV_LIMITS)
+    context = runner.info.max_positions
+    assert context == 256  # the tiny llama's max_position_embeddings
+    with pytest.raises(SessionTooLargeError, match="context"):  # before: a prefill of any length ran
+        runner.forward("long", torch.zeros(1, context + 1, runner.info.hidden_size), 0, "prefill")
+    runner.forward("s", head.embed(list(range(1, context))), 0, "prefill")
+    with pytest.raises(SessionTooLargeError, match="context"):
+        runner.forward("s", head.embed([1, 2]), context - 1, "prefill")
+    runner.forward("s", head.embed([1]), context - 1, "decode")
+
+
 def test_bad_inputs_are_rejected_at_the_boundary(llama):
     path, head = llama
     runner = load_layer_range(path, 0, 1, **RUNNER_KV_LIMITS)

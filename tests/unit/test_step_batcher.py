@@ -93,6 +93,20 @@ async def test_batches_hold_one_layer_range_and_at_most_max_sessions():
     assert recorder.batches == [["a", "b"], ["x"], ["c"]]
 
 
+async def test_a_step_whose_hop_stopped_waiting_is_never_run():
+    recorder = Recorder()
+    batcher = StepBatcher(recorder, window_s=LONG_WINDOW_S, max_sessions=8, open_hops=lambda: 3)
+    kept = asyncio.ensure_future(batcher.submit(hop("a"), step()))
+    abandoned = asyncio.ensure_future(batcher.submit(hop("closed"), step()))
+    await asyncio.sleep(0)
+    abandoned.cancel()  # its hop closed while the step was queued
+    await asyncio.gather(abandoned, return_exceptions=True)
+    late = batcher.submit(hop("c"), step())
+    assert await asyncio.wait_for(asyncio.gather(kept, late), timeout=5) == ["a", "c"]
+    assert recorder.batches == [["a", "c"]]  # before: ["a", "closed", "c"], a closed session's KV re-created
+    await batcher.close()
+
+
 async def test_a_row_s_exception_reaches_only_its_own_hop():
     batcher = StepBatcher(Recorder(), window_s=0.0, max_sessions=8, open_hops=lambda: 2)
     good, bad = await asyncio.gather(batcher.submit(hop("good"), step()), batcher.submit(hop("bad"), step()),

@@ -39,6 +39,9 @@ def header(shape, *, dtype=WireDtype.float32, pos=0, chunk_count=1, kind=FrameKi
     (header((1, 8, HIDDEN), prompt_tokens=MAX_TOKENS + 1), "positions"),  # a prompt beyond the session
     (header((1, 4, HIDDEN), dtype=WireDtype.int8, block=64, compute=WireDtype.float32), "dtype"),
     (header((1, 4, HIDDEN), chunk_count=1000), "chunks"),  # 1 KiB claimed in 1000 chunks
+    # A "decode" of many tokens ran whole on the compute thread, holding every other session for its length.
+    (header((1, 2, HIDDEN), kind=FrameKind.decode), "shape"),
+    (header((1, MAX_TOKENS, HIDDEN), kind=FrameKind.decode), "shape"),
 ])
 def test_a_step_that_does_not_fit_the_pipeline_is_refused_with_its_reason(forged, reason):
     refusal = LIMITS.refusal(forged)
@@ -53,6 +56,11 @@ def test_the_wire_dtype_follows_the_activation_dtype_setting():
     assert int8.refusal(header((1, 3, HIDDEN), dtype=WireDtype.int8, block=64, compute=WireDtype.bfloat16)) is None
     assert all(LIMITS.refusal(header((1, 3, HIDDEN), dtype=dtype)) is None
                for dtype in (WireDtype.float32, WireDtype.bfloat16, WireDtype.float16))
+
+
+def test_a_decode_step_of_one_token_and_replays_of_many_fit():
+    assert LIMITS.refusal(header((1, 1, HIDDEN), pos=MAX_TOKENS - 1, kind=FrameKind.decode)) is None
+    assert LIMITS.refusal(header((1, 40, HIDDEN), pos=10, kind=FrameKind.replay)) is None
 
 
 def test_a_reset_needs_no_shape():

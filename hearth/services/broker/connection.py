@@ -15,13 +15,15 @@ from nats.aio.client import Client as NatsClient
 
 from hearth.services.common.config import DEFAULT_NATS_URL, NATS_URL_ENV, NatsSettings, default_nats_url
 from hearth.services.common.identity import Identity, load_identity
+from hearth.services.common.lifecycle import CommandRefused
 from hearth.services.broker.tls import client_ssl_context
 
 # The status of the answer the server sends in place of a reply when nothing subscribes to the subject.
 NO_RESPONDERS_STATUS = "503"
 
-__all__ = ["DEFAULT_NATS_URL", "NATS_URL_ENV", "BrokerRefusedCredentials", "BrokerUnreachable", "close_quietly",
-           "connect_nats", "default_nats_url", "drain_or_close", "flush_ordered", "keepalive_options"]
+__all__ = ["DEFAULT_NATS_URL", "NATS_URL_ENV", "BrokerConnectionClosed", "BrokerRefusedCredentials",
+           "BrokerUnreachable", "close_quietly", "connect_nats", "default_nats_url", "drain_or_close", "flush_ordered",
+           "keepalive_options", "until_stopped_or_closed"]
 _nats_defaults = NatsSettings()
 
 log = logging.getLogger(__name__)
@@ -49,6 +51,17 @@ class BrokerUnreachable(ConnectionError):
         self.timeout_s = timeout_s
 
 
+class BrokerConnectionClosed(CommandRefused):
+    """The connection was closed for good while serving (nats-py does not reconnect after some protocol errors,
+    such as the broker's `maximum control line exceeded`): a process left on it would run unreachable."""
+
+    def __init__(self, name: str, last_error: BaseException | None) -> None:
+        cause = f": {last_error}" if last_error is not None else ""
+        super().__init__(f"{name}: the NATS connection was closed for good{cause}; stopping")
+
+
+# Set once each connection connect_nats made is closed (by us, or for good by nats-py).
+_closed_events: "weakref.WeakKeyDictionary[NatsClient, asyncio.Event]" = weakref.WeakKeyDictionary()
 # Who each connection logged in as: the chat client signs its calls with that member's key.
 _identities: "weakref.WeakKeyDictionary[NatsClient, Identity]" = weakref.WeakKeyDictionary()
 
@@ -119,6 +132,7 @@ async def connect_nats(
     wait = settings.wait_for_broker if wait_for_broker is None else wait_for_broker
     target = url or settings.url
     nc = NatsClient()
+    closed_event = _closed_events.setdefault(nc, asyncio.Event())
     state = {"connected": False, "told_waiting": False}
     refused = asyncio.Event()  # the broker kept saying our credentials are not good: no point trying again
     loop = asyncio.get_running_loop()
@@ -150,6 +164,9 @@ async def connect_nats(
         else:
             log.warning("%s: disconnected from NATS %s; reconnecting", name, target)
 
+    async def closed() -> None:
+        closed_event.set()
+
     async def reconnected() -> None:
         log.info("%s: reconnected to NATS %s", name, target)
         if on_reconnected is not None:
@@ -170,6 +187,7 @@ async def connect_nats(
         pending_size=pending_buffer_bytes,
         disconnected_cb=disconnected,
         reconnected_cb=reconnected,
+        closed_cb=closed,
         error_cb=errored,
     )
     connect_task = asyncio.ensure_future(connecting)
@@ -196,6 +214,24 @@ async def connect_nats(
     if state["told_waiting"]:
         log.info("%s: connected to NATS %s", name, target)
     return nc
+
+
+async def until_stopped_or_closed(nc: NatsClient, stop_event: asyncio.Event, name: str) -> None:
+    """Wait for `stop_event`; BrokerConnectionClosed when `nc` (made by connect_nats) is closed for good first."""
+    closed_event = _closed_events.get(nc)
+    if closed_event is None:
+        await stop_event.wait()
+        return
+    stop_task = asyncio.ensure_future(stop_event.wait())
+    closed_task = asyncio.ensure_future(closed_event.wait())
+    try:
+        await asyncio.wait((stop_task, closed_task), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (stop_task, closed_task):
+            task.cancel()
+        await asyncio.gather(stop_task, closed_task, return_exceptions=True)
+    if not stop_event.is_set():
+        raise BrokerConnectionClosed(name, nc.last_error)
 
 
 async def close_quietly(nc: NatsClient, timeout_s: float = _nats_defaults.close_timeout_s) -> None:

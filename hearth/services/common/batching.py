@@ -146,6 +146,8 @@ class ReadyQueue(Generic[Item]):
                 return None
         await self._gather()
         batch = self._take_batch()
+        if not batch:
+            return None  # every queued item was abandoned
         self.batches_total += 1
         self.rows_total += len(batch)
         return ReadyBatch(batch)
@@ -190,6 +192,11 @@ class ReadyQueue(Generic[Item]):
         return until
 
     def _take_batch(self) -> list[_Waiting[Item]]:
+        # An item whose submitter stopped waiting (a closed hop's step) is dropped, never run: run late, a closed
+        # session's prefill would re-create its KV with no hop left to free it.
+        self._queue = [waiting for waiting in self._queue if not waiting.result.done()]
+        if not self._queue:
+            return []
         group = self._group(self._queue[0].item)
         batch: list[_Waiting[Item]] = []
         cost = 0

@@ -21,6 +21,7 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+from nats.aio.client import Client as NatsClient
 from sqlalchemy.orm import sessionmaker
 
 from hearth.events.streams import SHARDS_STREAM
@@ -34,7 +35,7 @@ from hearth.services.common.config_processes import serve_shards_refused
 from hearth.services.common.event_trust import event_verifier, stream_setup
 from hearth.services.common.lifecycle import Stopped, unless_stopped
 from hearth.services.common.metrics import serve_process_metrics
-from hearth.services.broker.connection import connect_nats, drain_or_close
+from hearth.services.broker.connection import connect_nats, drain_or_close, until_stopped_or_closed
 from hearth.services.host.model_layout import model_layout
 from hearth.services.host.planner import LayerRange, better_range, choose_range, replicas_per_layer
 from hearth.services.orchestrator.router import ShardRouter
@@ -192,7 +193,7 @@ async def run_host(*, model: str, memory_budget_mb: float | None, nats_url: str 
                         f"{shard.kv_cache_budget_mb:.1f} MB kv_cache_budget_mb")
                 log.info("host %s: serving layers %s of %s in %s (coverage: %s)", node, chosen, served_id,
                          scheme.label, await coverage.replicas())
-                chosen = await _serve_until_moved(chosen, coverage, model=model, model_id=served_id, node=node,
+                chosen = await _serve_until_moved(chosen, coverage, nc, model=model, model_id=served_id, node=node,
                                                   settings=settings, device=device, dtype=dtype, nats_url=nats_url,
                                                   layer_bytes=layer_bytes, weights_budget=weights_budget,
                                                   busy_threads=busy_threads, ready_file=ready_file,
@@ -204,20 +205,23 @@ async def run_host(*, model: str, memory_budget_mb: float | None, nats_url: str 
             await drain_or_close(nc, settings.nats.drain_timeout_s)
 
 
-async def _serve_until_moved(chosen: LayerRange, coverage: CoverageReader, *, model: str, model_id: str, node: str,
+async def _serve_until_moved(chosen: LayerRange, coverage: CoverageReader, nc: NatsClient, *, model: str,
+                             model_id: str, node: str,
                              settings: HearthSettings, device: str | None, dtype: str | None, nats_url: str | None,
                              layer_bytes: list[int], weights_budget: int, busy_threads: int | None,
                              ready_file: str | None, stop_event: asyncio.Event) -> LayerRange | None:
-    """Serve `chosen` until stopped (returns None) or until a hole is worth moving to (returns the new range)."""
+    """Serve `chosen` until stopped (returns None) or until a hole is worth moving to (returns the new range);
+    BrokerConnectionClosed when the host's own connection `nc` is closed for good (it could no longer see holes)."""
     loaded = await load_shard(model=model, lo=chosen.lo, hi=chosen.hi, node=node, settings=settings,
                               model_id=model_id, device=device, dtype=dtype, quantize=coverage.quantization,
                               stop_event=stop_event, nats_url=nats_url)
     shard_id = shard_id_for(model_id, chosen.lo, chosen.hi, node)
     leave = asyncio.Event()
     moved: list[LayerRange] = []
+    lost: list[BaseException] = []
 
     async def watch() -> None:
-        stop_task = asyncio.create_task(stop_event.wait())
+        stop_task = asyncio.create_task(until_stopped_or_closed(nc, stop_event, f"host {node}"))
         hole_task = asyncio.create_task(wait_for_hole(coverage, chosen, shard_id, layer_bytes, weights_budget,
                                                       settings))
         try:
@@ -225,6 +229,8 @@ async def _serve_until_moved(chosen: LayerRange, coverage: CoverageReader, *, mo
             if hole_task in done:
                 moved.append(hole_task.result())
                 log.info("host %s: layers %s are held elsewhere and %s is a hole: moving", node, chosen, moved[0])
+            elif stop_task.exception() is not None:
+                lost.append(stop_task.exception())
         finally:
             for task in (stop_task, hole_task):
                 task.cancel()
@@ -239,4 +245,6 @@ async def _serve_until_moved(chosen: LayerRange, coverage: CoverageReader, *, mo
     finally:
         watcher.cancel()
         await asyncio.gather(watcher, return_exceptions=True)
+    if lost:
+        raise lost[0]
     return moved[0] if moved and not stop_event.is_set() else None

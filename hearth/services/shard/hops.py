@@ -69,6 +69,13 @@ class HopLimits:
     transport: TransportSettings
 
 
+def receiver_settings(transport: TransportSettings) -> dict:
+    """The `[transport]` bounds of a hop's ActivationReceiver: what a host configured applies to every hop."""
+    return {"max_ready_steps": transport.max_ready_steps, "ready_wait_timeout_s": transport.ready_wait_timeout_s,
+            "max_step_bytes": transport.max_step_bytes, "max_partial_steps": transport.max_partial_steps,
+            "max_tracked_sessions": transport.max_tracked_sessions}
+
+
 def _link_key(encoded: str | None) -> bytes | None:
     return decode_link_key(encoded) if encoded is not None else None
 
@@ -94,6 +101,7 @@ class ServedHop:
                                            link_key=_link_key(request.inbound_link_key),
                                            seal=request.seal_activations,
                                            idle_timeout_s=limits.idle_timeout_s, step_limits=step_limits,
+                                           **receiver_settings(limits.transport),
                                            on_refused=self._on_refused_input, ack_witness_key=None
                                            if self._notice_key is None else ack_witness_key(self._notice_key))
         self._last_refused_step: int | None = None

@@ -25,7 +25,7 @@ from hearth.services.common.config import HearthSettings, HostSettings
 from hearth.services.common.config_processes import ShardSettings, serve_shards_refused
 from hearth.services.common.lifecycle import CommandRefused, Stopped, unless_stopped
 from hearth.services.common.metrics import serve_process_metrics
-from hearth.services.broker.connection import connect_nats, drain_or_close
+from hearth.services.broker.connection import connect_nats, drain_or_close, until_stopped_or_closed
 from hearth.services.shard.faults import ShardFault
 from hearth.services.shard.memory_plan import estimated_need, kv_reserve_bytes, measured_need, refusal
 from hearth.services.shard.compute import ShardCompute
@@ -283,7 +283,8 @@ async def serve_loaded_shard(loaded: LoadedShard, *, nats_url: str | None, setti
         if ready_file:
             with open(ready_file, "w") as handle:
                 handle.write(shard_id)
-        await stop_event.wait()
+        # A connection nats-py closed for good would leave the shard advertised but unreachable: it stops instead.
+        await until_stopped_or_closed(nc, stop_event, f"shard {shard_id}")
     finally:
         await server.stop(withdraw_reason())
         await compute.close()

@@ -23,6 +23,7 @@ from pydantic import ValidationError
 from hearth.events.models import ShardAdvertised, ShardHeartbeat, ShardWithdrawn, default_hop_weight
 from hearth.events.publish import publish_event
 from hearth.events.streams import SHARDS_STREAM, ensure_streams
+from hearth.protocol.bounds import max_reason_chars
 from hearth.services.common.config import HearthSettings
 from hearth.protocol.control import (
     CloseHop,
@@ -213,7 +214,7 @@ class ShardServer:
         try:
             request = control_request_adapter.validate_json(msg.data)
         except ValidationError as error:
-            await self._reply(msg, ControlReply(ok=False, code="bad_request", message=str(error)[:500]))
+            await self._reply(msg, ControlReply(ok=False, code="bad_request", message=_one_line(error)))
             return
         if isinstance(request, StatShard):
             await self._reply(msg, self.stat())
@@ -270,6 +271,12 @@ class ShardServer:
             return ControlReply(ok=False, code="bad_range",
                                 message=f"layers {request.layer_lo}-{request.layer_hi} are not inside "
                                         f"{ident.layer_lo}-{ident.layer_hi}")
+        context = self.compute.runner.info.max_positions
+        if context is not None and request.max_session_tokens > context:
+            # The hop's step limits (and so what its receiver may allocate) come from it.
+            return ControlReply(ok=False, code="bad_request",
+                                message=f"max_session_tokens {request.max_session_tokens} is beyond the model's "
+                                        f"context of {context} positions")
         if self.requires_sealing and request.inbound_link_key is not None and not request.seal_activations:
             return ControlReply(ok=False, code="bad_request",
                                 message="this shard seals activations ([transport] seal_activations): open the hop "
@@ -315,6 +322,11 @@ class ShardServer:
     async def _finish_closing(self, pipeline_id: str, hop: ServedHop, keep: PrefixBlocks | None = None) -> None:
         kept = await hop.close(keep)
         log.info("closed pipeline %s (%d positions kept for later calls)", pipeline_id, kept)
+
+
+def _one_line(error: ValidationError) -> str:
+    """A refused request's errors in one line, naming each field and never echoing its (perhaps huge) value."""
+    return "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in error.errors())[:max_reason_chars]
 
 
 def _opened_by(hop: ServedHop, owner_key: str | None) -> bool:

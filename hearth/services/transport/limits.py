@@ -1,11 +1,12 @@
 """StepLimits: what a step's declared shape, dtype, positions and chunk count may be on one pipeline link, checked
 from a frame's headers before the receiver allocates anything for the step.
 
-Every activation of a pipeline is `[1, tokens, hidden_size]`: `hidden_size` is the model's, `tokens` at least 1,
-and no position beyond the session's `max_tokens` (the prompt plus `max_tokens` of the call; `OpenHop`'s
-`max_session_tokens` on a shard). Its wire dtype is what the pipeline's `activation_dtype` setting makes (auto:
-the sender's compute dtype, any float). So a step's size is bounded by the pipeline, not by what a frame claims:
-a frame claiming a gigabyte, a million chunks, an empty tensor or another hidden size is refused at once.
+Every activation of a pipeline is `[1, tokens, hidden_size]`: `hidden_size` is the model's, `tokens` at least 1
+(exactly 1 for a decode step), and no position beyond the session's `max_tokens` (the prompt plus `max_tokens` of
+the call; `OpenHop`'s `max_session_tokens` on a shard). Its wire dtype is what the pipeline's `activation_dtype`
+setting makes (auto: the sender's compute dtype, any float). So a step's size is bounded by the pipeline, not by
+what a frame claims: a frame claiming a gigabyte, a million chunks, an empty tensor or another hidden size is
+refused at once.
 """
 
 from __future__ import annotations
@@ -64,6 +65,11 @@ class StepLimits:
         tokens = shape[1]
         if tokens < 1:
             return StepRefusal("shape", f"{HEADER_SHAPE} {','.join(map(str, shape))} carries no tokens")
+        if header.kind is FrameKind.decode and tokens != 1:
+            # A call decodes one token per step; a longer "decode" would run whole on the compute thread (never in
+            # turns, as a prefill or replay does) and hold every other session for its length.
+            return StepRefusal("shape", f"{HEADER_SHAPE} {','.join(map(str, shape))}: a decode step carries one "
+                                        "token")
         if header.pos + tokens > self.max_tokens:
             return StepRefusal("positions", f"{HEADER_POS} {header.pos} + {tokens} tokens goes beyond the "
                                             f"session's {self.max_tokens} positions")
