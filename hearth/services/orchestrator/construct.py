@@ -164,7 +164,9 @@ class ChainBuilder:
         prompt_blocks = len(call.prompt_ids) // ran.block_tokens
         self.kept = PrefixBlocks(block_tokens=ran.block_tokens, hashes=ran.hashes[:prompt_blocks]) \
             if prompt_blocks else None
-        self.warm_up = ran if naming.settings.warm_up_answers and len(ran.hashes) > prompt_blocks else None
+        # Not where reuse is not allowed (verify all, vote): no chain of the call's could begin from its blocks.
+        self.warm_up = ran if naming.settings.warm_up_answers and naming.reuse_allowed and \
+            len(ran.hashes) > prompt_blocks else None
         if self.warm_up is not None:
             self.ctx.warm_ups.expect(self, naming.settings.warm_up_timeout_s)
         announced = self.warm_up or self.kept
