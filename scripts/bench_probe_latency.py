@@ -57,7 +57,8 @@ async def probe_during_prefill(nc, control: str, model: Path, digest: str, layer
 
     pipeline_id, session_id = f"p-probe-bench-{round_index}", f"s-probe-bench-{round_index}"
     open_hop = OpenHop(pipeline_id=pipeline_id, session_id=session_id, hop=0, hop_count=1, model_id=model.name,
-                       weights_sha256=digest, layer_lo=layers[0], layer_hi=layers[1])
+                       weights_sha256=digest, layer_lo=layers[0], layer_hi=layers[1],
+                       max_session_tokens=args.prefill_tokens)  # within the model's context, or refused
     reply = await nc.request(control, open_hop.model_dump_json().encode(), timeout=control_timeout_s)
     answer = ControlReply.model_validate_json(reply.data)
     if not answer.ok:

@@ -151,7 +151,8 @@ async def occupy(nc, shard: ShardHandle, model_path: Path, pipeline_id: str) -> 
     digest = await asyncio.to_thread(weights_sha256, model_path)
     reply = await nc.request(shard.control_subject, OpenHop(
         pipeline_id=pipeline_id, session_id="s-other", hop=0, hop_count=1, model_id=TINY_MODEL_NAME,
-        weights_sha256=digest, layer_lo=shard.lo, layer_hi=shard.hi).model_dump_json().encode(), timeout=5)
+        weights_sha256=digest, layer_lo=shard.lo, layer_hi=shard.hi, max_session_tokens=64).model_dump_json().encode(),
+        timeout=5)
     assert ControlReply.model_validate_json(reply.data).ok
 
 
