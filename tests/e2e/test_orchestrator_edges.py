@@ -117,7 +117,8 @@ async def test_a_liveness_probe_is_answered_while_the_shard_runs_a_long_prefill(
     digest = await asyncio.to_thread(weights_sha256, long_context_model)
     reply = await nc.request(wide.control_subject, OpenHop(
         pipeline_id=pipeline_id, session_id=session_id, hop=0, hop_count=1, model_id=long_context_model.name,
-        weights_sha256=digest, layer_lo=0, layer_hi=3).model_dump_json().encode(), timeout=5)
+        weights_sha256=digest, layer_lo=0, layer_hi=3, max_session_tokens=PREFILL_TOKENS).model_dump_json().encode(),
+        timeout=5)
     assert ControlReply.model_validate_json(reply.data).ok
     sink = ActivationReceiver(nc, pipeline_id, 1, nodes=LinkNodes(sender=wide.node_id))
     sender = AckWindowSender(nc, pipeline_id, 0, nodes=LinkNodes(receiver=wide.node_id))
