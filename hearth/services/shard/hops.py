@@ -115,6 +115,8 @@ class ServedHop:
                                       wire_dtype=wire_dtype_from_setting(request.wire_dtype))
         self.last_heard = self.last_step = time.monotonic()
         self.closed = False
+        # Set once the server's `open` of this hop has ended (served, failed or cancelled): a close waits for it.
+        self.open_settled = asyncio.Event()
         self._keepalive_sub = None
         self._task: asyncio.Task | None = None
 
@@ -123,14 +125,16 @@ class ServedHop:
         return self.request.pipeline_id
 
     async def start(self) -> None:
+        # The orphan clock starts when the hop listens: its open may have waited for the compute thread.
+        self.last_heard = time.monotonic()
         await self.receiver.start()
         await self.sender.start()
         self._keepalive_sub = await self.nc.subscribe(keepalive_subject(self.pipeline_id), cb=self._on_keepalive)
         self._task = asyncio.create_task(self._serve(), name=f"hop-{self.pipeline_id}-{self.request.hop}")
 
     def expiry_reason(self, now: float) -> str | None:
-        """Why the watchdog should close this hop now, or None."""
-        if now - self.last_heard > self.limits.orphan_timeout_s:
+        """Why the watchdog should close this hop now, or None (never while it is being opened)."""
+        if self.open_settled.is_set() and now - self.last_heard > self.limits.orphan_timeout_s:
             return f"no step and no keepalive from its orchestrator for {now - self.last_heard:.1f} s"
         return None
 
