@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from types import SimpleNamespace
 
 import pytest
@@ -60,7 +61,9 @@ async def shard_answer_to(open_request: OpenHop, *, host_seals: bool) -> Control
     server = ShardServer.__new__(ShardServer)  # only what _open_hop reads before it serves
     server.identity = SimpleNamespace(model_id="m", weights_sha256="w", layer_lo=0, layer_hi=7, node_id="n0")
     server.requires_sealing = host_seals
+    server.compute = SimpleNamespace(runner=SimpleNamespace(info=SimpleNamespace(max_positions=None)))
     server._hops = {}
+    server._hop_changes = asyncio.Lock()
     server.settings = SimpleNamespace(max_concurrent_streams=0)  # a sound open is then refused as at_capacity
     return await server._open_hop(open_request)
 

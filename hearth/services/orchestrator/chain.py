@@ -54,6 +54,7 @@ from hearth.services.transport import (
     wire_dtype_from_setting,
 )
 from hearth.services.transport.integrity import NormBounds, count_integrity_failure
+from hearth.services.transport.keepalives import KeepaliveSender
 from hearth.services.transport.mac import ack_witness_key, encode_link_key, new_link_key
 from hearth.services.transport.notices import read_notice
 
@@ -115,6 +116,7 @@ class HopChain:
         self.notice_keys = [new_link_key() for _ in hops]
         # Indexed by the hop a notice names; keys nobody was told stand for the hops before these.
         self._notice_keys_by_hop = [new_link_key() for _ in range(first)] + self.notice_keys
+        self._keepalives = KeepaliveSender(first, self.notice_keys)
         self.sink_bounds = sink_bounds or NormBounds()
         self._sender = AckWindowSender(nc, pipeline_id, first, nodes=LinkNodes(sender=upstream,
                                                                                receiver=hops[0].node_id),
@@ -148,8 +150,7 @@ class HopChain:
         self._latencies = HopLatencies(self.shard_ids)
         self._notice_sub = None
         self._notices: list[HopNotice] = []
-        self._open_sent = False
-        self._step = 0
+        self._open_sent, self._step = False, 0
         # Steps sent whose outputs were not awaited yet, and outputs that came before the one awaited.
         self._outstanding: set[int] = set()
         self._early: dict[int, ReceivedStep] = {}
@@ -230,8 +231,8 @@ class HopChain:
 
     async def keep_alive(self) -> None:
         """Tell the hops this pipeline's orchestrator is alive (hearth/services/shard/hops.py drops silent ones)."""
-        with contextlib.suppress(Exception):
-            await self.nc.publish(keepalive_subject(self.pipeline_id), b"")
+        with contextlib.suppress(Exception):  # MACed for each hop: transport/keepalives.py
+            await self._keepalives.publish(self.nc, keepalive_subject(self.pipeline_id))
 
     async def close(self, keep: PrefixBlocks | None = None) -> None:
         """Tell every hop asked to open to close this session (freeing its KV cache, but for the blocks of `keep`

@@ -7,12 +7,12 @@ notice reports the hop before (`input_failed_check`: the orchestrator routes aro
 verify it, so blames nobody), and when the layers raise it blames this hop (`step_failed`); either way the
 orchestrator fails over at once instead of waiting for a step timeout.
 
-Liveness of the orchestrator: every step and every message on the pipeline's keepalive subject counts as a
-sign of life (`last_heard`). The shard's watchdog closes a hop that heard nothing for `orphan_timeout_s`
-(its orchestrator was killed, or lost the broker), freeing its KV cache. A hop whose orchestrator lives but that
-received no step for `[shard] eviction_idle_s` stays open, but its KV cache is evicted (as is the least
-recently used one when the caches outgrow `kv_cache_budget_mb`): its next step is answered `session_evicted`, and
-the orchestrator re-prefills.
+Liveness of the orchestrator: every step and every keepalive on the pipeline's keepalive subject that carries this
+hop's MAC (hearth/services/transport/keepalives.py) counts as a sign of life (`last_heard`). The shard's watchdog
+closes a hop that heard nothing for `orphan_timeout_s` (its orchestrator was killed, or lost the broker), freeing
+its KV cache. A hop whose orchestrator lives but that received no step for `[shard] eviction_idle_s` stays open, but
+its KV cache is evicted (as is the least recently used one when the caches outgrow `kv_cache_budget_mb`): its next
+step is answered `session_evicted`, and the orchestrator re-prefills.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ from hearth.services.transport import (
     wire_dtype_from_setting,
 )
 from hearth.services.transport.integrity import count_integrity_failure
+from hearth.services.transport.keepalives import keepalive_key, keepalive_number
 from hearth.services.transport.mac import ack_witness_key, decode_link_key
 from hearth.services.transport.notices import notice_message
 
@@ -115,7 +116,12 @@ class ServedHop:
                                       wire_dtype=wire_dtype_from_setting(request.wire_dtype))
         self.last_heard = self.last_step = time.monotonic()
         self.closed = False
+        # Set once the server's `open` of this hop has ended (served, failed or cancelled): a close waits for it.
+        self.open_settled = asyncio.Event()
         self._keepalive_sub = None
+        # An orchestrator from before notice keys gave none: its keepalives count unauthenticated, as before.
+        self._keepalive_key = None if self._notice_key is None else keepalive_key(self._notice_key)
+        self._keepalive_number = 0
         self._task: asyncio.Task | None = None
 
     @property
@@ -123,14 +129,16 @@ class ServedHop:
         return self.request.pipeline_id
 
     async def start(self) -> None:
+        # The orphan clock starts when the hop listens: its open may have waited for the compute thread.
+        self.last_heard = time.monotonic()
         await self.receiver.start()
         await self.sender.start()
         self._keepalive_sub = await self.nc.subscribe(keepalive_subject(self.pipeline_id), cb=self._on_keepalive)
         self._task = asyncio.create_task(self._serve(), name=f"hop-{self.pipeline_id}-{self.request.hop}")
 
     def expiry_reason(self, now: float) -> str | None:
-        """Why the watchdog should close this hop now, or None."""
-        if now - self.last_heard > self.limits.orphan_timeout_s:
+        """Why the watchdog should close this hop now, or None (never while it is being opened)."""
+        if self.open_settled.is_set() and now - self.last_heard > self.limits.orphan_timeout_s:
             return f"no step and no keepalive from its orchestrator for {now - self.last_heard:.1f} s"
         return None
 
@@ -152,7 +160,13 @@ class ServedHop:
                 await asyncio.wait_for(asyncio.shield(task), timeout=self.limits.close_timeout_s)
         return await self.compute.end_session(self.request, keep)
 
-    async def _on_keepalive(self, _msg: Msg) -> None:
+    async def _on_keepalive(self, msg: Msg) -> None:
+        if self._keepalive_key is not None:
+            # Only the opener's keepalive, and never one heard before: anyone may publish on this subject.
+            number = keepalive_number(msg.data, msg.headers, self.request.hop, self._keepalive_key)
+            if number is None or number <= self._keepalive_number:
+                return
+            self._keepalive_number = number
         self.last_heard = time.monotonic()
 
     async def _serve(self) -> None:

@@ -4,7 +4,9 @@ stat) and keeps the hops it serves (hearth/services/shard/hops.py), closing thos
 Control requests are answered concurrently, each in a task of its own: a liveness probe (`stat`) must not
 wait behind an `open` or `close` that waits for a long prefill, and `stat` itself never touches the runner
 (ShardCompute keeps a snapshot of its cache figures). Opens and closes still take effect in the order they
-arrived (one lock, acquired in arrival order), so a late close never overtakes the re-open after a failover.
+arrived (one lock, acquired in arrival order), so a late close never overtakes the re-open after a failover; but
+neither waits for the compute thread under that lock: an `open` reserves its hop under it and attaches its kept
+prefix (or resets the hop it replaces) outside it, and a `close` closes outside it what it detached under it.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ import contextlib
 import hmac
 import logging
 import time
-from dataclasses import dataclass
 
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
@@ -40,31 +41,11 @@ from hearth.services.broker.connection import flush_ordered
 from hearth.services.broker.permissions import reply_allowed
 from hearth.services.shard.compute import ShardCompute
 from hearth.services.shard.hops import HopLimits, ServedHop
+from hearth.services.shard.identity import ShardIdentity, open_refusal
 
 log = logging.getLogger(__name__)
 
 withdraw_max_attempts = 2
-
-
-@dataclass(frozen=True)
-class ShardIdentity:
-    """What this shard is, as advertised."""
-
-    shard_id: str
-    model_id: str
-    node_id: str
-    weights_sha256: str
-    layer_lo: int
-    layer_hi: int
-    total_layers: int
-    dtype: str
-    memory_required_mb: float
-    control_subject: str
-    device_kind: str | None = None
-    device_name: str | None = None
-    kv_cache_budget_mb: float | None = None
-    # The weight quantization scheme's label ("none", "int8", "int4/g64").
-    quantization: str = "none"
 
 
 class ShardServer:
@@ -220,7 +201,8 @@ class ShardServer:
             await self._reply(msg, self.stat())
         elif isinstance(request, KeepHop):
             hop = self._hops.get(request.pipeline_id)
-            if hop is None or hop.request.session_id != request.session_id or not _opened_by(hop, request.owner_key):
+            if (hop is None or not hop.open_settled.is_set() or hop.request.session_id != request.session_id
+                    or not _opened_by(hop, request.owner_key)):
                 await self._reply(msg, ControlReply(ok=False, code="unknown_pipeline",
                                                     message="no such session open here"))
             else:
@@ -242,9 +224,7 @@ class ShardServer:
                 await self._finish_closing(request.pipeline_id, hop, request.keep)
             await self._reply(msg, ControlReply(ok=True))
         else:
-            async with self._hop_changes:
-                reply = await self._open_hop(request)
-            await self._reply(msg, reply)
+            await self._reply(msg, await self._open_hop(request))
 
     async def _reply(self, msg: Msg, reply: ControlReply | ShardStat) -> None:
         # Only into an inbox: an answer elsewhere (an event or API subject) would act with this host's rights.
@@ -263,50 +243,70 @@ class ShardServer:
                          cache_bytes=cache.cache_bytes)
 
     async def _open_hop(self, request: OpenHop) -> ControlReply:
-        ident = self.identity
-        if request.weights_sha256 != ident.weights_sha256 or request.model_id != ident.model_id:
-            return ControlReply(ok=False, code="weights_mismatch",
-                                message=f"this shard serves {ident.model_id} with weights {ident.weights_sha256}")
-        if not (ident.layer_lo <= request.layer_lo <= request.layer_hi <= ident.layer_hi):
-            return ControlReply(ok=False, code="bad_range",
-                                message=f"layers {request.layer_lo}-{request.layer_hi} are not inside "
-                                        f"{ident.layer_lo}-{ident.layer_hi}")
-        context = self.compute.runner.info.max_positions
-        if context is not None and request.max_session_tokens > context:
-            # The hop's step limits (and so what its receiver may allocate) come from it.
-            return ControlReply(ok=False, code="bad_request",
-                                message=f"max_session_tokens {request.max_session_tokens} is beyond the model's "
-                                        f"context of {context} positions")
-        if self.requires_sealing and request.inbound_link_key is not None and not request.seal_activations:
-            return ControlReply(ok=False, code="bad_request",
-                                message="this shard seals activations ([transport] seal_activations): open the hop "
-                                        "with seal_activations")
-        if request.pipeline_id in self._hops:
-            if not _opened_by(self._hops[request.pipeline_id], request.owner_key):
-                return ControlReply(ok=False, code="pipeline_taken",
-                                    message=f"pipeline {request.pipeline_id} is open here for another orchestrator")
-            # A re-open (failover reuses this hop with a new session): start over cleanly.
-            await self._close_hop(request.pipeline_id)
-        limit = self.settings.max_concurrent_streams
-        if len(self._hops) >= limit:
-            return ControlReply(ok=False, code="at_capacity", message=f"{len(self._hops)} of {limit} streams in use")
-        hop = ServedHop(self.nc, request, self.compute, self.limits, self.identity.node_id)
-        self._hops[request.pipeline_id] = hop
-        self.compute.active_streams = len(self._hops)
+        """Reserve the hop under `_hop_changes`, wait for the compute thread (the replaced hop's reset, the kept prefix)
+        outside it, then start the hop under it again: an open waiting behind a long step holds up no other open or
+        close. Whoever detaches a hop closes it, once its open has settled (`_finish_closing`)."""
+        refusal = open_refusal(request, self.identity, self.compute.runner.info.max_positions, self.requires_sealing)
+        if refusal is not None:
+            return refusal
+        async with self._hop_changes:
+            reserved = self._reserve_hop(request)
+        if isinstance(reserved, ControlReply):
+            return reserved
+        hop, replaced = reserved
+        failure: Exception | None = None
         try:
-            # Before the hop serves: no step of its session can come before this answer anyway.
-            cached = await self.compute.attach_prefix(request)
-            await hop.start()
+            cached = await self._bring_up(request, hop, replaced)
         except Exception as error:  # the broker or the compute thread failed us: no half-open hop stays behind
+            failure = error
+        finally:
+            hop.open_settled.set()
+        if failure is not None:
             log.warning("could not open hop %d of pipeline %s: %s", request.hop, request.pipeline_id,
-                        type(error).__name__)
-            self._detach_hop(request.pipeline_id)
-            with contextlib.suppress(Exception):
-                await self._finish_closing(request.pipeline_id, hop)
-            return ControlReply(ok=False, code="bad_request", message=f"could not open the hop: {type(error).__name__}")
+                        type(failure).__name__)
+            async with self._hop_changes:
+                ours = self._hops.get(request.pipeline_id) is hop
+                if ours:
+                    self._detach_hop(request.pipeline_id)
+            if ours:  # else whoever detached it closes it
+                with contextlib.suppress(Exception):
+                    await self._finish_closing(request.pipeline_id, hop)
+            return ControlReply(ok=False, code="bad_request",
+                                message=f"could not open the hop: {type(failure).__name__}")
+        if cached is None:
+            return ControlReply(ok=False, code="unknown_pipeline", message="the hop was closed before its open ended")
         log.info("opened hop %d of pipeline %s (layers %d-%d, %d positions kept from earlier)", request.hop,
                  request.pipeline_id, request.layer_lo, request.layer_hi, cached)
         return ControlReply(ok=True, cached_tokens=cached, replay_steps=True)
+
+    def _reserve_hop(self, request: OpenHop) -> ControlReply | tuple[ServedHop, ServedHop | None]:
+        """Under `_hop_changes`: the new hop, counted as open, and the hop of its pipeline it replaces, detached."""
+        replaced = self._hops.get(request.pipeline_id)
+        if replaced is not None and not _opened_by(replaced, request.owner_key):
+            return ControlReply(ok=False, code="pipeline_taken",
+                                message=f"pipeline {request.pipeline_id} is open here for another orchestrator")
+        limit = self.settings.max_concurrent_streams
+        if replaced is None and len(self._hops) >= limit:  # a re-open takes the place of the hop it replaces
+            return ControlReply(ok=False, code="at_capacity", message=f"{len(self._hops)} of {limit} streams in use")
+        if replaced is not None:  # a re-open (failover reuses this hop with a new session): start over cleanly
+            self._detach_hop(request.pipeline_id)
+        hop = ServedHop(self.nc, request, self.compute, self.limits, self.identity.node_id)
+        self._hops[request.pipeline_id] = hop
+        self.compute.active_streams = len(self._hops)
+        return hop, replaced
+
+    async def _bring_up(self, request: OpenHop, hop: ServedHop, replaced: ServedHop | None) -> int | None:
+        """Close the replaced hop, attach the kept prefix and start the hop; the positions kept, or None when a close,
+        re-open or the watchdog detached the hop meanwhile (it is theirs to close)."""
+        if replaced is not None:
+            await self._finish_closing(request.pipeline_id, replaced)
+        # Before the hop serves: no step of its session can come before this answer anyway.
+        cached = await self.compute.attach_prefix(request)
+        async with self._hop_changes:  # a close detaches under it: none can overtake the start
+            if self._hops.get(request.pipeline_id) is not hop:
+                return None
+            await hop.start()
+        return cached
 
     async def _close_hop(self, pipeline_id: str) -> None:
         hop = self._detach_hop(pipeline_id)
@@ -320,6 +320,9 @@ class ShardServer:
         return hop
 
     async def _finish_closing(self, pipeline_id: str, hop: ServedHop, keep: PrefixBlocks | None = None) -> None:
+        # Its open ends first (it may still wait for the compute thread): its prefix is attached before the session's
+        # cache is freed, never after. Bounded as that open's own compute-thread wait is; set even if it failed.
+        await hop.open_settled.wait()
         kept = await hop.close(keep)
         log.info("closed pipeline %s (%d positions kept for later calls)", pipeline_id, kept)
 
