@@ -288,6 +288,13 @@ def test_a_conversation_s_next_turn_from_what_a_call_keeps_gives_a_whole_prefill
 
     generator = torch.Generator().manual_seed(seed)
     first_turn = torch.randint(3, 128, (40,), generator=generator).tolist()
+    # What kept prefixes rest on: a prefill split at a block boundary computes what the whole prefill does. Where
+    # this CPU's bf16 kernels do not (their blocking follows the rows), no kept KV could give a whole prefill's tokens.
+    whole, split = runner(), runner()
+    at_once = whole.forward("whole", head.embed(first_turn), 0, "prefill")
+    split.forward("split", head.embed(first_turn[:block]), 0, "prefill")
+    if not torch.equal(at_once[:, block:], split.forward("split", head.embed(first_turn[block:]), block, "prefill")):
+        pytest.skip("this CPU's bf16 prefill is not the same split at a block boundary")
     shard = runner(prefix_ttl_s=600.0)
     answer = greedy(shard, head, "turn-1", first_turn, 30)
     builder = orchestrator_of(block)(first_turn, answer)
