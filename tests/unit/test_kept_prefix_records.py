@@ -183,7 +183,7 @@ def call_of(prompt: list[int], generated: list[int] = ()) -> SimpleNamespace:
 async def planned(engine, settings, prompt) -> list[str]:
     builder = ChainBuilder(call_of(prompt), orchestrator_context(engine, settings))
     candidates = builder.ctx.router.candidates(MODEL_ID)
-    builder.recorded_kept = await builder._recorded_kept(candidates)
+    builder.recorded_kept = await builder._recorded_kept(builder._reusable_by_scheme(candidates))
     return [hop.shard_id for hop in builder._plan(candidates, load=None)]
 
 

@@ -76,16 +76,9 @@ class ShardLoad:
                 and self.held(shard_id) >= refusal[1])
 
     def has_room(self, shard: ShardCandidate) -> bool:
-        held = self.held(shard.shard_id)
-        if held >= shard.max_concurrent_streams:
+        if self.held(shard.shard_id) >= shard.max_concurrent_streams or self.refused_recently(shard.shard_id):
             return False
-        refusal = self._refused.get(shard.shard_id)
-        if refusal is None:
-            return True
-        refused_at, held_then = refusal
-        if self._clock() - refused_at < self.retry_s and held >= held_then:
-            return False
-        del self._refused[shard.shard_id]
+        self._refused.pop(shard.shard_id, None)  # a refusal that no longer holds
         return True
 
     async def wait_for_room(self, timeout_s: float) -> None:

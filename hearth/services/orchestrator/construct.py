@@ -67,9 +67,9 @@ class ChainBuilder:
         self.public_blocks = await self._public_blocks()
         candidates = await asyncio.to_thread(router.candidates, model_id)
         # A conversation's next turn sent at once: the blocks of the answer before it may be on their way in.
-        await self.ctx.warm_ups.settle(name for blocks in self._reusable_by_scheme(candidates).values()
-                                       for name in blocks.hashes)
-        self.recorded_kept = await self._recorded_kept(candidates)
+        reusable = self._reusable_by_scheme(candidates)
+        await self.ctx.warm_ups.settle(name for blocks in reusable.values() for name in blocks.hashes)
+        self.recorded_kept = await self._recorded_kept(reusable)
         caught_up = rechecked = False
         silent: set[str] = set()  # shards this construction routed around for "no responders"
         while True:
@@ -262,12 +262,12 @@ class ChainBuilder:
                                 prefill_token_cost=self.ctx.settings.prefix_cache.prefill_token_cost)
         return chosen
 
-    async def _recorded_kept(self, candidates) -> dict[str, KeptChain]:
-        """Per scheme the call may be served in, the chain the read model says keeps the most of its leading blocks
-        (asked only where our own memory does not hold them all)."""
+    async def _recorded_kept(self, reusable_by_scheme: dict[str, PrefixBlocks]) -> dict[str, KeptChain]:
+        """Per scheme the call may be served in (with the blocks its chain may begin from), the chain the read model
+        says keeps the most of its leading blocks (asked only where our own memory does not hold them all)."""
         sessions = self.ctx.projector.session_factory
         names: dict[str, list[str]] = {}
-        for scheme, reusable in self._reusable_by_scheme(candidates).items():
+        for scheme, reusable in reusable_by_scheme.items():
             ours = self.ctx.kept_chains.holding(reusable.hashes)
             if ours is None or ours.blocks < len(reusable.hashes):
                 names[scheme] = [published_mark(name) for name in reusable.hashes]  # as the log records them
