@@ -346,7 +346,7 @@ def _download_gguf(hub: HubGGUF, listing: dict) -> Path:
                                 endpoint=os.environ.get(HUB_ENDPOINT_ENV) or None))
     _check_listed_size(hub.repo_id, hub.file, path, entry, folder)
     size, digest = path.stat().st_size, file_sha256(path)
-    if entry.lfs is not None and (entry.lfs.sha256, entry.lfs.size) != (digest, size):
+    if entry.lfs is not None and entry.lfs.sha256 != digest:  # its size was checked against the listing above
         path.unlink()
         raise CheckpointError(f"model {hub.repo_id!r}: {hub.file} does not match its listed SHA-256 (corrupted "
                               "download or tampered mirror)")
