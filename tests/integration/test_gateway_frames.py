@@ -33,11 +33,13 @@ DONE = {"type": "done", "finish_reason": "stop", "usage": {"prompt_tokens": 3, "
 
 @pytest.fixture
 async def scripted(nats_url):
-    """(gateway app client, the frames the next call is answered with, the requests received)."""
+    """(gateway app client, the frames the next call is answered with, the requests received, and `llm.models`
+    requests received)."""
     orchestrator = await connect_nats(nats_url, name="scripted-orchestrator")
     gateway_nc = await connect_nats(nats_url, name="gateway")
     script: list[list[dict]] = []
     received: list[ChatRequest] = []
+    models_asked: list[bytes] = []
     limit = HearthSettings().orchestrator.max_request_bytes
 
     async def answer(msg) -> None:
@@ -51,6 +53,7 @@ async def scripted(nats_url):
             await orchestrator.publish(msg.reply, json.dumps(frame).encode())
 
     async def models(msg) -> None:
+        models_asked.append(msg.data)
         reply = ModelsReply(models=[ServedModel(id=MODEL, total_layers=2, complete=True)], default_model=MODEL)
         await msg.respond(reply.model_dump_json().encode())
 
@@ -59,7 +62,7 @@ async def scripted(nats_url):
     await flush_ordered(orchestrator)
     app = create_app(Gateway(gateway_nc, HearthSettings(), keyring=None))
     async with httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://gateway") as http:
-        yield http, script, received
+        yield http, script, received, models_asked
     await gateway_nc.close()
     await orchestrator.close()
 
@@ -68,8 +71,21 @@ def body(**changes) -> dict:
     return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **changes}
 
 
+def compact_body_at_the_limit(model: str) -> bytes:
+    """A request body of exactly [orchestrator] max_request_bytes, with no field the mapping could shorten."""
+    limit = HearthSettings().orchestrator.max_request_bytes
+    compact = {"model": model, "messages": [{"role": "user", "content": ""}, {"role": "user", "content": ""}]}
+    padding = limit - len(json.dumps(compact, separators=(",", ":")))
+    # Two messages: one may hold at most max_prompt_chars.
+    compact["messages"][0]["content"] = "x" * (padding // 2)
+    compact["messages"][1]["content"] = "y" * (padding - padding // 2)
+    sent = json.dumps(compact, separators=(",", ":")).encode()
+    assert len(sent) == limit
+    return sent
+
+
 async def test_frames_the_answer_does_not_carry_leave_the_stream_whole(scripted):
-    http, script, received = scripted
+    http, script, received, _ = scripted
     script.append([
         {"type": "queued", "seq": 0, "position": 3, "queued_requests": 3},
         {"type": "pipeline", "seq": 1, "pipeline_id": "p", "hops": ["a", "b"]},
@@ -95,7 +111,7 @@ async def test_frames_the_answer_does_not_carry_leave_the_stream_whole(scripted)
 async def test_frames_sent_again_after_a_gap_make_the_answer_once_and_in_order(scripted):
     """After a broker node went away the orchestrator sends again what a caller missed, and more than that: frames
     after a gap wait for it to be filled, frames seen before are skipped; a gap never filled ends the call."""
-    http, script, _ = scripted
+    http, script, _, _ = scripted
     script.append([token(0, "He"), token(2, "lo"), token(0, "He"), token(1, "l"), token(2, "lo"),
                    {"type": "keepalive", "seq": 2}, {**DONE, "seq": 3}])
     response = await http.post("/v1/chat/completions", json=body())
@@ -113,15 +129,9 @@ async def test_a_body_within_the_limit_that_the_mapping_grows_past_it_is_refused
     so a compact body just within [orchestrator] max_request_bytes is over it once mapped: the gateway refuses it
     itself, naming that size and the limit, rather than passing on the orchestrator's refusal of a size the client
     never sent."""
-    http, _, received = scripted
+    http, _, received, _ = scripted
     limit = HearthSettings().orchestrator.max_request_bytes
-    compact = {"model": MODEL, "messages": [{"role": "user", "content": ""}, {"role": "user", "content": ""}]}
-    padding = limit - len(json.dumps(compact, separators=(",", ":")))
-    # Two messages: one may hold at most max_prompt_chars.
-    compact["messages"][0]["content"] = "x" * (padding // 2)
-    compact["messages"][1]["content"] = "y" * (padding - padding // 2)
-    sent = json.dumps(compact, separators=(",", ":")).encode()
-    assert len(sent) == limit
+    sent = compact_body_at_the_limit(model=MODEL)
     response = await http.post("/v1/chat/completions", content=sent, headers={"Content-Type": "application/json"})
     error = response.json()["error"]
     assert (response.status_code, error["code"], error["type"]) == (400, "bad_request", "invalid_request_error")
@@ -131,10 +141,22 @@ async def test_a_body_within_the_limit_that_the_mapping_grows_past_it_is_refused
     assert not received, "the request was published"
 
 
+async def test_an_oversized_request_naming_an_unknown_model_is_refused_for_its_size_without_asking_the_mesh(scripted):
+    """The size as published is checked before the model: a member cannot make the gateway query `llm.models` with
+    requests it refuses anyway."""
+    http, _, received, models_asked = scripted
+    sent = compact_body_at_the_limit(model="never-served")
+    response = await http.post("/v1/chat/completions", content=sent, headers={"Content-Type": "application/json"})
+    error = response.json()["error"]
+    assert (response.status_code, error["code"]) == (400, "bad_request"), error
+    assert "as sent on to the mesh" in error["message"]
+    assert not received and not models_asked
+
+
 async def test_overloaded_is_429_with_retry_after(scripted):
     """Retry-After is the frame's `retry_after_s` where the orchestrator names one (tests/unit/test_gateway_mapping.py),
     else [gateway] retry_after_s."""
-    http, script, _ = scripted
+    http, script, _, _ = scripted
     script.append([{"type": "error", "seq": 0, "code": "overloaded", "message": "queue full"}])
     response = await http.post("/v1/chat/completions", json=body())
     assert (response.status_code, response.headers["retry-after"]) == (429, "1")
@@ -145,7 +167,7 @@ async def test_overloaded_is_429_with_retry_after(scripted):
 
 
 async def test_a_stalled_pipeline_is_503_before_the_first_token_and_an_error_event_after_it(scripted):
-    http, script, _ = scripted
+    http, script, _, _ = scripted
     stalled = {"type": "pipeline_aborted", "code": "pipeline_stalled", "reason": "broker gone"}
     script.append([{**stalled, "seq": 0}])
     response = await http.post("/v1/chat/completions", json=body(stream=True))

@@ -160,12 +160,13 @@ class GatewayApp:
                 raise bad_request(str(error), error.param) from None
             except BadRequest as error:
                 raise bad_request(str(error)) from None
+            # The size as published first: an oversized request naming an unknown model asks the mesh nothing.
+            call = self.gateway.call(chat_request, caller)
             await self.gateway.check_model(chat_request.model)
             model = chat_request.model or (await self.gateway.models()).default_model or "default"
             shape = shape_class(id=id_prefix + chat_request.request_id, model=model)
             if isinstance(shape, ChatShape):
                 shape.tools = body.may_call_tools
-            call = self.gateway.call(chat_request, caller)
             first = await unless_disconnected(request.receive, call.first_answer())
             if not isinstance(first, (TokenDeltaFrame, DoneFrame)):
                 raise self._error(first)
