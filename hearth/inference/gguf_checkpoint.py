@@ -370,10 +370,14 @@ class GGUFCheckpoint:
 
     def _dequantized(self, stored: StoredTensor) -> np.ndarray:
         data = self._stored_bytes(stored).view(stored.stored_dtype).reshape(stored.stored_shape)
-        try:
-            values = _gguf().quants.dequantize(data, stored.block_type)
-        except (ValueError, NotImplementedError) as exc:
-            raise CheckpointError(f"tensor {stored.name} of {self.path.name} cannot be dequantized: {exc}") from None
+        if data.dtype.kind == "f":
+            values = data  # F32, F16, F64 are numpy's own floats (the gguf package has no F64 dequantizer)
+        else:
+            try:
+                values = _gguf().quants.dequantize(data, stored.block_type)
+            except (ValueError, NotImplementedError) as exc:
+                raise CheckpointError(
+                    f"tensor {stored.name} of {self.path.name} cannot be dequantized: {exc}") from None
         values = self._processor.process(weights=values, name=stored.name).weights
         if not (values.flags.writeable and values.flags.c_contiguous):
             # A tensor stored as plain floats is a read-only view of the memory map: copy it out of the file.

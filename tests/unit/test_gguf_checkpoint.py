@@ -137,6 +137,23 @@ def test_a_tensor_in_a_block_type_hearth_does_not_read_is_named(tmp_path, tiny_g
     assert "\n" not in message and "blk.1.attn_v.weight" in message and "I32" in message
 
 
+def test_a_tensor_stored_as_f64_reads_as_its_values(tmp_path, tiny_gguf):
+    """F64 is a plain float type hearth reads; the gguf package has no dequantizer for it, so it is read as is."""
+    source, _ = tiny_gguf("llama", GGMLQuantizationType.F32)
+    stored = {}
+
+    def as_f64(name, values):
+        if name == "blk.1.attn_v.weight":
+            stored[name] = values.astype(np.float64)
+            return stored[name], None
+        return values, None
+
+    path = rewrite_gguf(source, tmp_path / "f64.gguf", "llama", as_f64)
+    params = dict(load_layer_range(path, 1, 1, **RUNNER_KV_LIMITS).named_parameters())
+    v_proj = next(v for k, v in params.items() if k.endswith("1.self_attn.v_proj.weight"))
+    assert torch.equal(v_proj, torch.from_numpy(stored["blk.1.attn_v.weight"]).to(v_proj.dtype))
+
+
 def test_a_gguf_lacking_a_layers_tensor_is_refused_in_one_line(tmp_path, tiny_gguf):
     source, _ = tiny_gguf("llama", GGMLQuantizationType.Q8_0)
     reader = gguf.GGUFReader(source)
