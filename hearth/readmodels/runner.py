@@ -95,6 +95,9 @@ class Projector:
         self._handed_over: dict[str, int] = {}
         # The creation time of the stream each position was taken in (readmodels.stream_identity).
         self._stream_created: dict[str, str | None] = {stream: None for stream in self.streams}
+        # The creation time of each stream as first seen, before anything of it was read: what a fresh position
+        # was taken in, recorded once it exists (a stream created again meanwhile then shows as replaced).
+        self._first_seen_created: dict[str, str] = {}
         # Streams found deleted and created again since the position was taken in them, with their new creation time.
         self.replaced_streams: dict[str, str] = {}
         # One resume (followers replaced) at a time: two at once left followers no one stopped.
@@ -349,14 +352,18 @@ class Projector:
 
     async def _check_identity(self, stream: str, state: StreamState) -> None:
         position, recorded = self.positions[stream], self._stream_created[stream]
+        if state.created is not None:
+            self._first_seen_created.setdefault(stream, state.created)
         if position > 0 and recorded is None and state.created is not None:
+            created = self._first_seen_created[stream]
+
             def record() -> None:
                 with self.session_factory() as session, session.begin():
-                    record_stream_identity(session, self.projection.name, stream, state.created)
+                    record_stream_identity(session, self.projection.name, stream, created)
 
             await asyncio.to_thread(record)
-            self._stream_created[stream] = state.created
-        elif replaced(state, position=position, recorded=recorded) and self.replaced_streams.get(stream) != (
+            self._stream_created[stream] = recorded = created
+        if replaced(state, position=position, recorded=recorded) and self.replaced_streams.get(stream) != (
                 state.created):
             self.replaced_streams[stream] = state.created
             log.error("projector: %s was deleted and created again (at %s; this read model's position %d was taken "

@@ -3,8 +3,9 @@ the one a projection's position was taken in, so a projector says so instead of 
 has already passed (or applying the new stream's messages past its position as if they followed the old ones).
 
 A stream is known by its creation time, which the broker keeps unchanged across updates, restarts, scaling and
-leader changes; the read model records it with the position (projection_positions.stream_created). A position
-recorded before that (or in a database migrated to it) takes the stream it next sees for its own.
+leader changes; the read model records it with the position (projection_positions.stream_created). A fresh
+position is taken in the stream as the projector saw it before reading anything of it; a position recorded before
+that column existed (a database migrated to it) takes the stream it next sees for its own.
 
 A projector does not move its position back by itself: messages of the new stream may already have been applied
 under the old position (its reader takes up a stream of the same name again after a gap), and a stream restored

@@ -13,6 +13,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from hearth.events.streams import ALL_STREAMS, ensure_streams
+from hearth.readmodels import runner
 from hearth.readmodels.runner import Projector
 from hearth.services.broker.connection import connect_nats
 from hearth.services.projector.main import run_projector
@@ -93,5 +94,25 @@ async def test_resumes_at_the_same_time_leave_one_follower_per_stream(nats_serve
         await asyncio.sleep(0)
         assert not [task for task in asyncio.all_tasks() if task.get_name().startswith("projector-follow-")
                     and not task.done()]
+    finally:
+        await nc.close()
+
+
+async def test_a_stream_created_again_before_a_fresh_read_models_first_poll_is_said(nats_server, tmp_path, monkeypatch):
+    """A fresh read model's position is taken in the stream as it was when the projector started reading it, not
+    in whatever stream of that name its first poll after applying finds."""
+    monkeypatch.setattr(runner, "lag_poll_interval_s", 3600.0)  # only the polls this test makes
+    nc = await connect_nats(nats_server.url, name="test-projector")
+    js = nc.jetstream()
+    await ensure_streams(js)
+    try:
+        async with Projector(tmp_path / "rm.db", js) as projector:
+            last = await publish_all(js, synthetic_events(pipelines=3, heartbeats_per_shard=2, seed=7))
+            for stream, seq in last.items():
+                await projector.wait_for_position(stream, seq, resume_timeout_s)
+            await recreate_streams(js)
+            for stream in last:
+                await projector._check_stream(stream)
+            assert set(projector.replaced_streams) == set(last)
     finally:
         await nc.close()
