@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 from hearth.protocol.bounds import (
     SUBJECT_TOKEN_PATTERN, max_id_chars, max_pipeline_hops, max_reason_chars, max_shard_id_chars,
 )
+from hearth.protocol.quantization_labels import QUANTIZATION_LABEL_PATTERN
 from hearth.protocol.subjects import LOCAL_NODE
 
 LINK_KEY_PATTERN = r"^[A-Za-z0-9_-]{43}=$"
@@ -55,6 +56,9 @@ class OpenHop(BaseModel):
     hop_count: int = Field(ge=1, le=max_pipeline_hops)
     model_id: str = Field(max_length=max_id_chars)
     weights_sha256: str = Field(max_length=max_id_chars)
+    # The scheme the chain was planned on: a shard serving another one refuses (weights_mismatch), as one restarted
+    # under the same id in another scheme would otherwise join a chain on its old advert. None: not checked.
+    quantization: str | None = Field(default=None, pattern=QUANTIZATION_LABEL_PATTERN)
     layer_lo: int = Field(ge=0)
     layer_hi: int = Field(ge=0)
     # Wire dtype for this hop's output: "auto" keeps the compute dtype (lossless).

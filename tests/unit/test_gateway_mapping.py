@@ -238,3 +238,10 @@ def test_a_member_removed_from_the_roster_does_not_freeze_the_other_keys(communi
     clock.now_s = 1.0
     assert keyring.caller_for(alice) is None and keyring.caller_for(carol) is None
     assert "API keys of carol left out" in caplog.text
+
+
+def test_a_body_may_ask_for_a_quantization_scheme():
+    assert chat(hearth={"quantization": "int4/g64"}).to_chat_request().params.quantization == "int4/g64"
+    assert chat().to_chat_request().params.quantization is None
+    with pytest.raises(Unsupported, match="hearth.quantization"):
+        chat(hearth={"quantization": "int3"}).to_chat_request()

@@ -59,7 +59,8 @@ async def shard_answer_to(open_request: OpenHop, *, host_seals: bool) -> Control
     from hearth.services.shard.server import ShardServer
 
     server = ShardServer.__new__(ShardServer)  # only what _open_hop reads before it serves
-    server.identity = SimpleNamespace(model_id="m", weights_sha256="w", layer_lo=0, layer_hi=7, node_id="n0")
+    server.identity = SimpleNamespace(model_id="m", weights_sha256="w", quantization="none", layer_lo=0, layer_hi=7,
+                                      node_id="n0")
     server.requires_sealing = host_seals
     server.compute = SimpleNamespace(runner=SimpleNamespace(info=SimpleNamespace(max_positions=None)))
     server._hops = {}

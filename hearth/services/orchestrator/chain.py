@@ -203,8 +203,8 @@ class HopChain:
         request = OpenHop(
             pipeline_id=self.pipeline_id, session_id=self.session_id, hop=placement.first_hop + index,
             hop_count=placement.hop_count or len(self.hops),
-            model_id=self.model_id, weights_sha256=self.weights_sha256, layer_lo=hop.layer_lo_to_run,
-            layer_hi=hop.layer_hi_to_run, wire_dtype=self.wire_dtype, **session_bound,
+            model_id=self.model_id, weights_sha256=self.weights_sha256, quantization=hop.quantization,
+            layer_lo=hop.layer_lo_to_run, layer_hi=hop.layer_hi_to_run, wire_dtype=self.wire_dtype, **session_bound,
             upstream_node=node_token(self.hops[index - 1].node_id if index > 0
                                      else placement.upstream_node or self.node_id),
             downstream_node=node_token(self.hops[index + 1].node_id if index + 1 < len(self.hops)

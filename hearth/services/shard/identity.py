@@ -34,6 +34,9 @@ def open_refusal(request: OpenHop, ident: ShardIdentity, context: int | None,
     if request.weights_sha256 != ident.weights_sha256 or request.model_id != ident.model_id:
         return ControlReply(ok=False, code="weights_mismatch",
                             message=f"this shard serves {ident.model_id} with weights {ident.weights_sha256}")
+    if request.quantization is not None and request.quantization != ident.quantization:
+        return ControlReply(ok=False, code="weights_mismatch",
+                            message=f"this shard serves quantization {ident.quantization}, not {request.quantization}")
     if not (ident.layer_lo <= request.layer_lo <= request.layer_hi <= ident.layer_hi):
         return ControlReply(ok=False, code="bad_range",
                             message=f"layers {request.layer_lo}-{request.layer_hi} are not inside "
