@@ -1,6 +1,6 @@
 """The Python client's answers per choice (`n` > 1): each choice's text and token ids from interleaved frames, a
 withdrawal applied to its own choice only, the first choice's answer as `ChatResult.text`, and `hearth chat --n`
-printing each choice under its label."""
+printing each choice under its label; `hearth chat --quantization`."""
 
 from __future__ import annotations
 
@@ -48,3 +48,30 @@ def test_hearth_chat_prints_each_choice_under_its_label_once_done(capsys):
     assert out == ("[choice 0: stop, 2 tokens]\nHello\n[choice 1: length, 2 tokens]\nHi!\n"
                    "[choice 2: stop, 1 tokens]\nYo\n")
     assert "tokens of choice 1 after token 1 are taken back" in err and "[stop: 5 tokens" in err
+
+
+def test_hearth_chat_asks_for_the_scheme_it_is_given_and_refuses_a_malformed_one_in_one_line(monkeypatch):
+    """`hearth chat --quantization` sets the request's params.quantization; a scheme that is not one is refused
+    in one line before anything is sent."""
+    from typer.testing import CliRunner
+
+    from hearth.services.cli import app
+    from hearth.services.client import command
+
+    sent: list[ChatRequest] = []
+
+    async def chat(nats_url, request, **_):
+        sent.append(request)
+        return 0
+
+    monkeypatch.setattr(command, "_chat", chat)  # what would be published, without a broker
+    options = ["--nats", "nats://127.0.0.1:9", "--insecure"]
+    asked = CliRunner().invoke(app, ["chat", "hi", "--quantization", "int4/g32", *options])
+    assert asked.exit_code == 0, asked.output
+    assert [request.params.quantization for request in sent] == ["int4/g32"]
+
+    refused = CliRunner().invoke(app, ["chat", "hi", "--quantization", "int7", *options])
+    assert refused.exit_code == 1, refused.output
+    lines = [line for line in refused.output.splitlines() if "bad_request" in line]
+    assert len(lines) == 1 and "quantization" in lines[0] and "Traceback" not in refused.output
+    assert len(sent) == 1

@@ -14,6 +14,7 @@ from hearth.services.common.display import display_text
 from hearth.protocol.chat import (
     ChatFrame,
     ChatMessage,
+    ChatParams,
     ChatRequest,
     DoneFrame,
     ErrorFrame,
@@ -36,7 +37,7 @@ requested_choices = ChatRequest.model_fields["n"].default
 
 def run_chat_command(nats_url: str, *, prompt: str, model: str | None, max_tokens: int, temperature: float,
                      seed: int | None, raw: bool, as_json: bool, choices: int,
-                     nats_settings: NatsSettings | None = None) -> int:
+                     nats_settings: NatsSettings | None = None, quantization: str | None = None) -> int:
     """`hearth chat`: stream one answer to stdout, everything else one line each to stderr; with `choices` > 1
     (the request's `n`), each choice's answer is printed once the call ended, under a `[choice I]` line.
 
@@ -48,12 +49,10 @@ def run_chat_command(nats_url: str, *, prompt: str, model: str | None, max_token
     the text goes on; the last stretch of stdout after such a line is the answer.
     """
     try:
-        if raw:
-            request = ChatRequest(model=model, prompt=prompt, max_tokens=max_tokens, temperature=temperature,
-                                  seed=seed, n=choices)
-        else:
-            request = ChatRequest(model=model, messages=[ChatMessage(role="user", content=prompt)],
-                                  max_tokens=max_tokens, temperature=temperature, seed=seed, n=choices)
+        request = ChatRequest(model=model, max_tokens=max_tokens, temperature=temperature, seed=seed, n=choices,
+                              params=ChatParams(quantization=quantization),
+                              **({"prompt": prompt} if raw else
+                                 {"messages": [ChatMessage(role="user", content=prompt)]}))
     except ValidationError as error:
         _say(f"error bad_request: {describe_validation_error(error)}")
         return EXIT_ERROR
