@@ -51,6 +51,7 @@ from hearth.services.transport import (
     TransportError,
     TransportTimeout,
     WaitInterrupted,
+    receiver_settings,
     wire_dtype_from_setting,
 )
 from hearth.services.transport.integrity import NormBounds, count_integrity_failure
@@ -132,15 +133,15 @@ class HopChain:
                                                   activation_dtype=wire_dtype)
         # What every hop received and sent, for checks on other replicas (hearth/services/orchestrator/recording.py).
         self.recorder = ChainRecorder(nc, pipeline_id, [hop.node_id for hop in hops], link_keys=self.link_keys,
-                                      sealed=self.sealed, step_limits=step_limits,
+                                      sealed=self.sealed, step_limits=step_limits, transport=transport,
                                       budget_bytes=record_budget_bytes) if record_budget_bytes else None
         # Each hop's acks (and our sink's) carry a witness only it can make (transport/mac.py): no hop acks for another.
         witness_keys = dict(enumerate((ack_witness_key(key) for key in [*self.notice_keys, new_link_key()]), first))
         self._sink = ActivationReceiver(nc, pipeline_id, first + len(hops),
                                         nodes=LinkNodes(sender=hops[-1].node_id, receiver=downstream),
                                         step_limits=step_limits, on_refused=self._on_refused_output,
-                                        link_key=self.link_keys[len(hops)], seal=self.sealed,
-                                        ack_witness_key=witness_keys[first + len(hops)])
+                                        link_key=self.link_keys[len(hops)], seal=self.sealed, **receiver_settings(
+                                            transport), ack_witness_key=witness_keys[first + len(hops)])
         self._refused_output: StepFailure | None = None
         macs = transport.activation_macs
         self._observer = AckObserver(nc, pipeline_id, sink_hop=first + len(hops), ack_witness_keys=witness_keys

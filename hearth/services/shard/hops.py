@@ -43,6 +43,7 @@ from hearth.services.transport import (
     TransportClosed,
     TransportError,
     TransportTimeout,
+    receiver_settings,
     wire_dtype_from_setting,
 )
 from hearth.services.transport.integrity import count_integrity_failure
@@ -68,13 +69,6 @@ class HopLimits:
     orphan_timeout_s: float
     close_timeout_s: float
     transport: TransportSettings
-
-
-def receiver_settings(transport: TransportSettings) -> dict:
-    """The `[transport]` bounds of a hop's ActivationReceiver: what a host configured applies to every hop."""
-    return {"max_ready_steps": transport.max_ready_steps, "ready_wait_timeout_s": transport.ready_wait_timeout_s,
-            "max_step_bytes": transport.max_step_bytes, "max_partial_steps": transport.max_partial_steps,
-            "max_tracked_sessions": transport.max_tracked_sessions}
 
 
 def _link_key(encoded: str | None) -> bytes | None:
