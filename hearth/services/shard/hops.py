@@ -185,7 +185,7 @@ class ServedHop:
             await self._pass_on(received, None)
             return
         try:
-            result = await self.compute.run(self.request, received)
+            result = await self.compute.run(self.request, received, still_open=lambda: not self.closed)
         except SessionEvictedError as error:
             log.info("pipeline %s hop %d: step %d: %s", self.pipeline_id, self.request.hop, received.step, error)
             await self._notify(received, "session_evicted", message=str(error))
