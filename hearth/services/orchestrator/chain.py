@@ -87,11 +87,11 @@ class HopChain:
     def __init__(self, nc: NatsClient, pipeline_id: str, hops: list[Hop], *, node_id: str, model_id: str,
                  weights_sha256: str, transport: TransportSettings, wire_dtype: str = "auto",
                  sink_bounds: NormBounds | None = None, hidden_size: int | None = None,
-                 max_session_tokens: int | None = None,
-                 on_round_trip: Callable[[str, float], None] | None = None, accusers: set[str] | None = None,
-                 record_budget_bytes: int | None = None, placement: ChainPlacement | None = None,
-                 prefix: PrefixBlocks | None = None) -> None:
-        self.nc = nc
+                 max_session_tokens: int | None = None, on_round_trip: Callable[[str, float], None] | None = None,
+                 accusers: set[str] | None = None, record_budget_bytes: int | None = None,
+                 placement: ChainPlacement | None = None, prefix: PrefixBlocks | None = None,
+                 sign_open: Callable[[str, bytes], dict[str, str]] | None = None) -> None:
+        self.nc, self.sign_open = nc, sign_open  # signs each `open` on a community mesh (hop_owner.open_signer)
         # The blocks its hops may start from (hearth/services/orchestrator/prefix.py) and the positions every hop holds
         # of them once opened: where the chain's first prefill starts; whether every hop takes `replay` steps.
         self.prefix = prefix
@@ -203,9 +203,8 @@ class HopChain:
         placement = self.placement
         request = OpenHop(
             pipeline_id=self.pipeline_id, session_id=self.session_id, hop=placement.first_hop + index,
-            hop_count=placement.hop_count or len(self.hops),
-            model_id=self.model_id, weights_sha256=self.weights_sha256, layer_lo=hop.layer_lo_to_run,
-            layer_hi=hop.layer_hi_to_run, wire_dtype=self.wire_dtype, **session_bound,
+            hop_count=placement.hop_count or len(self.hops), model_id=self.model_id, weights_sha256=self.weights_sha256,
+            layer_lo=hop.layer_lo_to_run, layer_hi=hop.layer_hi_to_run, wire_dtype=self.wire_dtype, **session_bound,
             upstream_node=node_token(self.hops[index - 1].node_id if index > 0
                                      else placement.upstream_node or self.node_id),
             downstream_node=node_token(self.hops[index + 1].node_id if index + 1 < len(self.hops)
@@ -215,8 +214,9 @@ class HopChain:
             notice_key=encode_link_key(self.notice_keys[index]), seal_activations=self.sealed, prefix=self.prefix,
             owner_key=owner_key(self.pipeline_id, hop.shard_id))
         asked_at = time.perf_counter()
-        message = await self.nc.request(hop.control_subject, request.model_dump_json().encode(),
-                                        timeout=self.transport.control_timeout_s)
+        body = request.model_dump_json().encode()
+        message = await self.nc.request(hop.control_subject, body, timeout=self.transport.control_timeout_s,
+                                        headers=self.sign_open and self.sign_open(hop.control_subject, body))
         if self.on_round_trip is not None:
             self.on_round_trip(hop.shard_id, time.perf_counter() - asked_at)
         return ControlReply.model_validate_json(message.data)

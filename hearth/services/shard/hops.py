@@ -110,6 +110,8 @@ class ServedHop:
                                       wire_dtype=wire_dtype_from_setting(request.wire_dtype))
         self.last_heard = self.last_step = time.monotonic()
         self.closed = False
+        # Who opened it (ShardServer._opener; None on an open mesh): the share of the shard's hops it counts against.
+        self.opener: str | None = None
         # Set once the server's `open` of this hop has ended (served, failed or cancelled): a close waits for it.
         self.open_settled = asyncio.Event()
         self._keepalive_sub = None
