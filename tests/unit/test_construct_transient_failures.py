@@ -143,7 +143,7 @@ class FailingFlushNats:
         self.stats["reconnects"] += 1
         raise FlushTimeoutError
 
-    async def request(self, subject: str, data: bytes, timeout: float):
+    async def request(self, subject: str, data: bytes, timeout: float, headers: dict | None = None):
         self.requests.append(subject)
         raise AssertionError("no hop is asked to open over subscriptions the broker did not confirm")
 

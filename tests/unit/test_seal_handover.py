@@ -22,7 +22,7 @@ class RecordingNats:
     def __init__(self) -> None:
         self.opens: list[OpenHop] = []
 
-    async def request(self, subject: str, data: bytes, timeout: float) -> SimpleNamespace:
+    async def request(self, subject: str, data: bytes, timeout: float, headers: dict | None = None) -> SimpleNamespace:
         self.opens.append(OpenHop.model_validate_json(data))
         return SimpleNamespace(data=ControlReply(ok=True).model_dump_json().encode())
 

@@ -207,6 +207,13 @@ class ShardSettings(ConfigSection):
     advertisement_ttl_s: float = Field(default=60.0, gt=0, le=max_event_duration_s,
                                        description="an advertisement expires after this")
     max_concurrent_streams: int = Field(default=4, ge=1, description="pipelines one shard serves at once")
+    max_hops_per_opener: int = Field(
+        default=0, ge=0, description="hops one orchestrator may hold on this shard at once, on a community mesh: the "
+                                     "roster member whose key signed the `open` (all unsigned or unverified opens "
+                                     "count as one opener); further opens are refused at_capacity, so no member "
+                                     "fills every stream with hops it keeps alive. 0: all but one of "
+                                     "max_concurrent_streams (all of one). On an open mesh (no roster) opens are "
+                                     "not told apart and only max_concurrent_streams applies")
     hop_close_timeout_s: float = Field(
         default=5.0, gt=0, description="closing a hop waits this long for a step being computed to finish")
     withdraw_timeout_s: float = Field(default=2.0, gt=0, description="how long stopping waits to say it leaves")
@@ -244,6 +251,12 @@ class ShardSettings(ConfigSection):
                                              "processes (other hops) short calls' steps go first (0: on the compute "
                                              "thread; a thread cannot raise its priority again once lowered)")
 
+
+    @property
+    def hops_per_opener(self) -> int:
+        """The hops one opener may hold (max_hops_per_opener, its 0 resolved), never more than the shard serves."""
+        share = self.max_hops_per_opener or max(1, self.max_concurrent_streams - 1)
+        return min(share, self.max_concurrent_streams)
 
     @property
     def kv_cache_budget_bytes(self) -> int:

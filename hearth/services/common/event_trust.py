@@ -53,6 +53,22 @@ def call_verifier(settings: HearthSettings) -> CallVerifier | None:
                         min_caller_trust=settings.orchestrator.min_caller_trust)
 
 
+def open_verifier(settings: HearthSettings) -> CallVerifier | None:
+    """The check a shard host runs on the signature of every `open` (an orchestrator signs it as a client signs a
+    call, with no reply subject), to tell whose hops it holds ([shard] max_hops_per_opener); None on an open mesh, or
+    when the roster does not read (then opens are not told apart, as on an open mesh)."""
+    roster_file = community_roster_file(settings.nats)
+    if roster_file is None:
+        return None
+    try:
+        roster = RosterFile(roster_file)
+    except Exception as error:  # a host serves without the share rather than not at all
+        log.warning("roster %s does not read (%s): opens are not told apart by orchestrator", roster_file, error)
+        return None
+    return CallVerifier(lambda recheck: roster.current(recheck_now=recheck),
+                        max_clock_skew_s=settings.events.max_clock_skew_s, min_caller_trust="member")
+
+
 def node_membership(settings: HearthSettings) -> Callable[[str], str | None] | None:
     """On a community mesh, what says why a node may not serve shards (its member was removed from the roster or
     never was in it; None: it may), read from the roster file as it changes; None on an open mesh. A removed

@@ -17,6 +17,7 @@ from hearth.events.models import IntegrityMismatchConfirmed, IntegrityShardsVeri
 from hearth.inference.activation_compare import (evidence_digest, first_mismatch, position_errors, reportable_error,
                                           tolerance_for)
 from hearth.services.orchestrator.guards import RangeKey
+from hearth.services.orchestrator.hop_owner import open_signer
 from hearth.services.orchestrator.metrics import verification_checks_total
 from hearth.services.orchestrator.mirror import Mirror, serves_range
 from hearth.services.orchestrator.outcomes import StepFailure
@@ -135,7 +136,8 @@ class CanaryRunner:
                         weights_sha256=canary.weights_sha256, transport=settings.transport,
                         wire_dtype=canary.wire_dtype, hidden_size=int(canary.inputs.shape[-1]),
                         max_session_tokens=session_tokens, chunk_tokens=settings.orchestrator.prefill_chunk_tokens,
-                        dtype=canary.dtype, placement=canary.placement)
+                        dtype=canary.dtype, placement=canary.placement,
+                        sign_open=open_signer(self.ctx.outbox.signing_key))
         try:
             failure = await mirror.open()
             output = failure if failure is not None else await mirror.run(canary.inputs, 0, canary.kinds,

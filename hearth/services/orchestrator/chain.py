@@ -27,7 +27,7 @@ from nats.aio.msg import Msg
 from nats.errors import Error as NatsError, NoRespondersError
 
 from hearth.protocol.control import CloseHop, ControlReply, HopNotice, KeepHop, OpenHop, PrefixBlocks, reply_says_ok
-from hearth.protocol.subjects import LinkNodes, hop_notice_subject, keepalive_subject, node_token
+from hearth.protocol.subjects import LinkNodes, hop_notice_subject, keepalive_subject
 from hearth.services.common.config import TransportSettings
 from hearth.services.broker.connection import flush_ordered
 from hearth.services.orchestrator.metrics import HopLatencies, hop_notices_refused_total
@@ -51,6 +51,7 @@ from hearth.services.transport import (
     TransportError,
     TransportTimeout,
     WaitInterrupted,
+    receiver_settings,
     wire_dtype_from_setting,
 )
 from hearth.services.transport.integrity import NormBounds, count_integrity_failure
@@ -86,11 +87,11 @@ class HopChain:
     def __init__(self, nc: NatsClient, pipeline_id: str, hops: list[Hop], *, node_id: str, model_id: str,
                  weights_sha256: str, transport: TransportSettings, wire_dtype: str = "auto",
                  sink_bounds: NormBounds | None = None, hidden_size: int | None = None,
-                 max_session_tokens: int | None = None,
-                 on_round_trip: Callable[[str, float], None] | None = None, accusers: set[str] | None = None,
-                 record_budget_bytes: int | None = None, placement: ChainPlacement | None = None,
-                 prefix: PrefixBlocks | None = None) -> None:
-        self.nc = nc
+                 max_session_tokens: int | None = None, on_round_trip: Callable[[str, float], None] | None = None,
+                 accusers: set[str] | None = None, record_budget_bytes: int | None = None,
+                 placement: ChainPlacement | None = None, prefix: PrefixBlocks | None = None,
+                 sign_open: Callable[[str, bytes], dict[str, str]] | None = None) -> None:
+        self.nc, self.sign_open = nc, sign_open  # signs each `open` on a community mesh (hop_owner.open_signer)
         # The blocks its hops may start from (hearth/services/orchestrator/prefix.py) and the positions every hop holds
         # of them once opened: where the chain's first prefill starts; whether every hop takes `replay` steps.
         self.prefix = prefix
@@ -132,15 +133,15 @@ class HopChain:
                                                   activation_dtype=wire_dtype)
         # What every hop received and sent, for checks on other replicas (hearth/services/orchestrator/recording.py).
         self.recorder = ChainRecorder(nc, pipeline_id, [hop.node_id for hop in hops], link_keys=self.link_keys,
-                                      sealed=self.sealed, step_limits=step_limits,
+                                      sealed=self.sealed, step_limits=step_limits, transport=transport,
                                       budget_bytes=record_budget_bytes) if record_budget_bytes else None
         # Each hop's acks (and our sink's) carry a witness only it can make (transport/mac.py): no hop acks for another.
         witness_keys = dict(enumerate((ack_witness_key(key) for key in [*self.notice_keys, new_link_key()]), first))
         self._sink = ActivationReceiver(nc, pipeline_id, first + len(hops),
                                         nodes=LinkNodes(sender=hops[-1].node_id, receiver=downstream),
                                         step_limits=step_limits, on_refused=self._on_refused_output,
-                                        link_key=self.link_keys[len(hops)], seal=self.sealed,
-                                        ack_witness_key=witness_keys[first + len(hops)])
+                                        link_key=self.link_keys[len(hops)], seal=self.sealed, **receiver_settings(
+                                            transport), ack_witness_key=witness_keys[first + len(hops)])
         self._refused_output: StepFailure | None = None
         macs = transport.activation_macs
         self._observer = AckObserver(nc, pipeline_id, sink_hop=first + len(hops), ack_witness_keys=witness_keys
@@ -199,23 +200,19 @@ class HopChain:
     async def _open_hop(self, index: int, hop: Hop) -> ControlReply:
         # The hop refuses steps beyond the call's positions (without it, OpenHop's default bound).
         session_bound = {} if self.max_session_tokens is None else {"max_session_tokens": self.max_session_tokens}
-        placement = self.placement
         request = OpenHop(
-            pipeline_id=self.pipeline_id, session_id=self.session_id, hop=placement.first_hop + index,
-            hop_count=placement.hop_count or len(self.hops),
+            pipeline_id=self.pipeline_id, session_id=self.session_id,
+            **self.placement.seen_by(self.hops, index, self.node_id),
             model_id=self.model_id, weights_sha256=self.weights_sha256, quantization=hop.quantization,
             layer_lo=hop.layer_lo_to_run, layer_hi=hop.layer_hi_to_run, wire_dtype=self.wire_dtype, **session_bound,
-            upstream_node=node_token(self.hops[index - 1].node_id if index > 0
-                                     else placement.upstream_node or self.node_id),
-            downstream_node=node_token(self.hops[index + 1].node_id if index + 1 < len(self.hops)
-                                       else placement.downstream_node or self.node_id),
             inbound_link_key=_encoded(self.link_keys[index]),
             outbound_link_key=_encoded(self.link_keys[index + 1]),
             notice_key=encode_link_key(self.notice_keys[index]), seal_activations=self.sealed, prefix=self.prefix,
             owner_key=owner_key(self.pipeline_id, hop.shard_id))
         asked_at = time.perf_counter()
-        message = await self.nc.request(hop.control_subject, request.model_dump_json().encode(),
-                                        timeout=self.transport.control_timeout_s)
+        body = request.model_dump_json().encode()
+        message = await self.nc.request(hop.control_subject, body, timeout=self.transport.control_timeout_s,
+                                        headers=self.sign_open and self.sign_open(hop.control_subject, body))
         if self.on_round_trip is not None:
             self.on_round_trip(hop.shard_id, time.perf_counter() - asked_at)
         return ControlReply.model_validate_json(message.data)

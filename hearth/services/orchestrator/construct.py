@@ -24,6 +24,7 @@ from hearth.services.orchestrator.call import Call
 from hearth.services.orchestrator.capacity import ShardLoad
 from hearth.services.orchestrator.chain import HopChain
 from hearth.services.orchestrator.context import RunContext
+from hearth.services.orchestrator.hop_owner import open_signer
 from hearth.services.orchestrator.prefix import (
     CallPrefix,
     caller_scope,
@@ -194,7 +195,7 @@ class ChainBuilder:
                         hidden_size=model.head.info.hidden_size,
                         max_session_tokens=len(self.call.prompt_ids) + self.call.request.max_tokens,
                         on_round_trip=self.ctx.load.observe_round_trip, record_budget_bytes=self.record_budget_bytes,
-                        prefix=self._reusable(naming))
+                        prefix=self._reusable(naming), sign_open=open_signer(self.ctx.outbox.signing_key))
 
     def _reusable(self, naming: CallPrefix | None) -> PrefixBlocks | None:
         """The kept blocks a chain of the call may begin from: within its prompt, whose KV a prefill computed (a

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from nats.aio.client import Client as NatsClient
@@ -41,7 +41,8 @@ class Mirror:
 
     def __init__(self, nc: NatsClient, replica: Hop, *, node_id: str, model_id: str, weights_sha256: str,
                  transport: TransportSettings, wire_dtype: str, hidden_size: int, max_session_tokens: int,
-                 chunk_tokens: int, dtype: str, placement: ChainPlacement | None = None) -> None:
+                 chunk_tokens: int, dtype: str, placement: ChainPlacement | None = None,
+                 sign_open: Callable[[str, bytes], dict[str, str]] | None = None) -> None:
         self.replica = replica
         self.dtype = dtype
         self.chunk_tokens = chunk_tokens
@@ -51,7 +52,7 @@ class Mirror:
         self.chain = HopChain(nc, new_pipeline_id(), [replica], node_id=node_id,
                               model_id=model_id, weights_sha256=weights_sha256, transport=transport,
                               wire_dtype=wire_dtype, hidden_size=hidden_size, max_session_tokens=max_session_tokens,
-                              placement=placement)
+                              placement=placement, sign_open=sign_open)
 
     @property
     def shard_id(self) -> str:
@@ -163,7 +164,8 @@ async def open_mirror(ctx, call, chain: HopChain, index: int, avoid: set[str],
                         wire_dtype=chain.wire_dtype, hidden_size=model.head.info.hidden_size,
                         max_session_tokens=chain.max_session_tokens or len(call.prompt_ids) + 1,
                         chunk_tokens=settings.orchestrator.prefill_chunk_tokens,
-                        dtype=looser_dtype(dtype, replica.dtype), placement=ChainPlacement.of_hop(chain.hops, index))
+                        dtype=looser_dtype(dtype, replica.dtype), placement=ChainPlacement.of_hop(chain.hops, index),
+                        sign_open=chain.sign_open)
         failure = await mirror.open()
         if failure is None:
             failure = await _feed_kept_prefix(ctx, call, chain, index, mirror)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from hearth.protocol.subjects import node_token
 from hearth.services.orchestrator.router import Hop
 
 
@@ -24,3 +25,11 @@ class ChainPlacement:
         return cls(first_hop=index, hop_count=len(hops),
                    upstream_node=hops[index - 1].node_id if index > 0 else None,
                    downstream_node=hops[index + 1].node_id if index + 1 < len(hops) else None)
+
+    def seen_by(self, hops: Sequence[Hop], index: int, own_node: str) -> dict:
+        """What the host of hop `index` of a chain over `hops` (opened by `own_node`) is told of its place: its hop
+        number, the pipeline's hop count, and the nodes it receives from and sends to (OpenHop's fields)."""
+        return {"hop": self.first_hop + index, "hop_count": self.hop_count or len(hops),
+                "upstream_node": node_token(hops[index - 1].node_id if index > 0 else self.upstream_node or own_node),
+                "downstream_node": node_token(hops[index + 1].node_id if index + 1 < len(hops)
+                                              else self.downstream_node or own_node)}

@@ -18,7 +18,9 @@ import torch
 from nats.aio.client import Client as NatsClient
 
 from hearth.protocol.subjects import LinkNodes
-from hearth.services.transport import ActivationReceiver, FrameKind, StepInfo, StepLimits, TransportError
+from hearth.services.common.config import TransportSettings
+from hearth.services.transport import (ActivationReceiver, FrameKind, StepInfo, StepLimits, TransportError,
+                                       receiver_settings)
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +75,8 @@ class ChainRecorder:
     after an eviction), which makes every earlier span void."""
 
     def __init__(self, nc: NatsClient, pipeline_id: str, node_ids: list[str], *, link_keys: list[bytes | None],
-                 sealed: bool, step_limits: StepLimits | None, budget_bytes: int | None = None) -> None:
+                 sealed: bool, step_limits: StepLimits | None, transport: TransportSettings | None = None,
+                 budget_bytes: int | None = None) -> None:
         self.nc = nc
         self.pipeline_id = pipeline_id
         self.hop_count = len(node_ids)
@@ -83,11 +86,13 @@ class ChainRecorder:
         self._unfiled: dict[int, set[int]] = {hop: set() for hop in range(1, self.hop_count)}
         # Hops whose input a tap missed: their record has a hole, so they cannot be checked on this chain any more.
         self.broken: set[int] = set()
+        # The host's `[transport]` bounds, but for the steps held: a tap never drops one for want of room.
+        bounds = {**receiver_settings(transport or TransportSettings()), "max_ready_steps": tap_ready_steps}
         self._taps = [ActivationReceiver(nc, pipeline_id, hop,
                                          nodes=LinkNodes(sender=node_ids[hop - 1], receiver=node_ids[hop]),
                                          link_key=link_keys[hop], seal=sealed and link_keys[hop] is not None,
-                                         step_limits=step_limits, max_ready_steps=tap_ready_steps, acks=False,
-                                         on_refused=self._refused_on(hop))
+                                         step_limits=step_limits, acks=False, on_refused=self._refused_on(hop),
+                                         **bounds)
                       for hop in range(1, self.hop_count)]
         self._session: str | None = None
         # What the record may hold; beyond it nothing more is recorded and no hop can be checked any more.

@@ -24,11 +24,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import statistics
+import functools
 import threading
 import time
-from collections import deque
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -43,11 +43,10 @@ from hearth.services.common.config import ShardSettings
 from hearth.protocol.control import OpenHop, PrefixBlocks
 from hearth.services.shard.batcher import QueuedStep, StepQueue
 from hearth.services.shard.faults import ShardFault
-from hearth.services.shard.metrics import ShardStepMetrics, watch_serving
+from hearth.services.shard.metrics import ServingStats, ShardStepMetrics, watch_serving
 from hearth.services.transport import FrameKind, ReceivedStep
 from hearth.services.transport.integrity import NormBounds
 
-latency_samples_kept = 256
 
 
 def runner_session(request: OpenHop) -> str:
@@ -69,27 +68,6 @@ class StepResult:
 class CacheSnapshot:
     sessions: int = 0
     cache_bytes: int = 0
-
-
-@dataclass
-class ServingStats:
-    tokens_served_total: int = 0
-    # Prompt positions this shard computed (a kept prefix's positions are not computed again).
-    prefill_tokens_total: int = 0
-    steps_in_compute: int = 0
-    step_latencies_s: deque = field(default_factory=lambda: deque(maxlen=latency_samples_kept))
-    # Decode steps only, each scaled to the shard's whole range (a hop may run part of it).
-    decode_step_s: deque = field(default_factory=lambda: deque(maxlen=latency_samples_kept))
-
-    def decode_step_ms(self) -> float | None:
-        """The median decode step over the whole range, in ms; None before the first decode step."""
-        return 1000.0 * statistics.median(self.decode_step_s) if self.decode_step_s else None
-
-    def p95_latency_ms(self) -> float:
-        if not self.step_latencies_s:
-            return 0.0
-        ordered = sorted(self.step_latencies_s)
-        return 1000.0 * ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))]
 
 
 class ShardCompute:
@@ -207,8 +185,10 @@ class ShardCompute:
         """Batched prefill steps run and the session rows in them, for the metrics."""
         return self.ready.figures(FrameKind.prefill) if self.ready is not None else (0, 0)
 
-    async def run(self, request: OpenHop, received: ReceivedStep) -> StepResult:
-        """Check and run one prefill/decode step; raises what the layers raise (the caller reports it)."""
+    async def run(self, request: OpenHop, received: ReceivedStep,
+                  still_open: Callable[[], bool] = lambda: True) -> StepResult:
+        """Check and run one prefill/decode step; raises what the layers raise (the caller reports it). `still_open`:
+        whether the step's hop is still open (`_trip` says why it is asked)."""
         if self.ready is not None and self._batchable(received):
             if self._scheduler is None:
                 raise RuntimeError("batched steps run on the scheduler loop: ShardCompute.start() was not called")
@@ -226,10 +206,11 @@ class ShardCompute:
             thread = prefill_executor(self.prefill_nice) if on_prefill_thread else compute_executor()
             self.prefill_thread_steps += on_prefill_thread
             try:
-                failed_check, step, output = await on_thread(thread, self._check_and_forward, request, received,
+                trip = functools.partial(self._trip, request, still_open if on_prefill_thread else None)
+                failed_check, step, output = await on_thread(thread, trip, self._check_and_forward, request, received,
                                                              threads, slice_layers)
                 while step is not None and output is None:
-                    output = await on_thread(thread, self._continue, step, threads, slice_layers)
+                    output = await on_thread(thread, trip, self._continue, step, threads, slice_layers)
             finally:
                 self.prefill_thread_steps -= on_prefill_thread
         finally:
@@ -327,6 +308,17 @@ class ShardCompute:
             return None, step, None if output is None else to_host(output)
         finally:
             self._measure_cache()
+
+    def _trip(self, request: OpenHop, still_open: Callable[[], bool] | None, function: Callable, *args):
+        """One trip of a step on its thread. The niced prefill thread runs beside the compute thread, so a close of the
+        hop can reset the session there before a trip's `begin_forward` (re)creates it, and nobody would free it again:
+        such a trip (`still_open` given) that ends on a closed hop drops the session itself. A compute-thread trip
+        needs no check: the close's reset queues behind it on the same thread."""
+        try:
+            return function(*args)
+        finally:
+            if still_open is not None and not still_open():
+                self._reset_and_measure(runner_session(request))
 
     def _continue(self, step: SteppedForward, threads: int, slice_layers: int | None) -> torch.Tensor | None:
         """On the compute thread: the next slice of a step begun by `_check_and_forward`; its output after the last."""

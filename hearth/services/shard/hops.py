@@ -43,6 +43,7 @@ from hearth.services.transport import (
     TransportClosed,
     TransportError,
     TransportTimeout,
+    receiver_settings,
     wire_dtype_from_setting,
 )
 from hearth.services.transport.integrity import count_integrity_failure
@@ -68,13 +69,6 @@ class HopLimits:
     orphan_timeout_s: float
     close_timeout_s: float
     transport: TransportSettings
-
-
-def receiver_settings(transport: TransportSettings) -> dict:
-    """The `[transport]` bounds of a hop's ActivationReceiver: what a host configured applies to every hop."""
-    return {"max_ready_steps": transport.max_ready_steps, "ready_wait_timeout_s": transport.ready_wait_timeout_s,
-            "max_step_bytes": transport.max_step_bytes, "max_partial_steps": transport.max_partial_steps,
-            "max_tracked_sessions": transport.max_tracked_sessions}
 
 
 def _link_key(encoded: str | None) -> bytes | None:
@@ -116,6 +110,8 @@ class ServedHop:
                                       wire_dtype=wire_dtype_from_setting(request.wire_dtype))
         self.last_heard = self.last_step = time.monotonic()
         self.closed = False
+        # Who opened it (ShardServer._opener; None on an open mesh): the share of the shard's hops it counts against.
+        self.opener: str | None = None
         # Set once the server's `open` of this hop has ended (served, failed or cancelled): a close waits for it.
         self.open_settled = asyncio.Event()
         self._keepalive_sub = None
@@ -191,7 +187,7 @@ class ServedHop:
             await self._pass_on(received, None)
             return
         try:
-            result = await self.compute.run(self.request, received)
+            result = await self.compute.run(self.request, received, still_open=lambda: not self.closed)
         except SessionEvictedError as error:
             log.info("pipeline %s hop %d: step %d: %s", self.pipeline_id, self.request.hop, received.step, error)
             await self._notify(received, "session_evicted", message=str(error))

@@ -32,9 +32,12 @@ and what kept prefixes save (hearth/inference/prefix_cache.py):
 
 from __future__ import annotations
 
+import statistics
 import threading
 import weakref
+from collections import deque
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from prometheus_client import REGISTRY, CollectorRegistry
@@ -69,6 +72,31 @@ PREFIX_LOOKUPS_FAMILY = "hearth_shard_prefix_lookups"
 PREFIX_EVICTIONS_FAMILY = "hearth_shard_prefix_evictions"
 PREFIX_REUSED_FAMILY = "hearth_shard_prefix_reused_tokens"
 PREFILL_TOKENS_FAMILY = "hearth_shard_prefill_tokens"
+
+latency_samples_kept = 256
+
+
+@dataclass
+class ServingStats:
+    """What a shard's ShardCompute counts of its work (its heartbeats and metrics read it)."""
+
+    tokens_served_total: int = 0
+    # Prompt positions this shard computed (a kept prefix's positions are not computed again).
+    prefill_tokens_total: int = 0
+    steps_in_compute: int = 0
+    step_latencies_s: deque = field(default_factory=lambda: deque(maxlen=latency_samples_kept))
+    # Decode steps only, each scaled to the shard's whole range (a hop may run part of it).
+    decode_step_s: deque = field(default_factory=lambda: deque(maxlen=latency_samples_kept))
+
+    def decode_step_ms(self) -> float | None:
+        """The median decode step over the whole range, in ms; None before the first decode step."""
+        return 1000.0 * statistics.median(self.decode_step_s) if self.decode_step_s else None
+
+    def p95_latency_ms(self) -> float:
+        if not self.step_latencies_s:
+            return 0.0
+        ordered = sorted(self.step_latencies_s)
+        return 1000.0 * ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))]
 
 
 class ShardStepMetrics:

@@ -36,7 +36,8 @@ from hearth.protocol.control import (
     StatShard,
     control_request_adapter,
 )
-from hearth.services.common.event_trust import event_signing_key, stream_setup
+from hearth.services.common.call_signing import CallRefused
+from hearth.services.common.event_trust import event_signing_key, open_verifier, stream_setup
 from hearth.services.broker.connection import flush_ordered
 from hearth.services.broker.permissions import reply_allowed
 from hearth.services.shard.compute import ShardCompute
@@ -46,6 +47,8 @@ from hearth.services.shard.identity import ShardIdentity, open_refusal
 log = logging.getLogger(__name__)
 
 withdraw_max_attempts = 2
+# The one opener every `open` not signed by a roster member counts as (no member's name is empty).
+unsigned_opener = ""
 
 
 class ShardServer:
@@ -66,6 +69,8 @@ class ShardServer:
         self.signing_key = event_signing_key(settings.nats)
         # On a community broker the steward creates the streams; on an open one this host does.
         self.stream_setup = stream_setup(settings.nats)
+        # On a community mesh, who signed each `open`: one orchestrator holds at most its share of the hops here.
+        self.open_verifier = open_verifier(settings)
         self.limits = HopLimits(
             idle_timeout_s=settings.shard.eviction_idle_s,
             orphan_timeout_s=settings.transport.orphan_timeout_s, close_timeout_s=settings.shard.hop_close_timeout_s,
@@ -224,7 +229,7 @@ class ShardServer:
                 await self._finish_closing(request.pipeline_id, hop, request.keep)
             await self._reply(msg, ControlReply(ok=True))
         else:
-            await self._reply(msg, await self._open_hop(request))
+            await self._reply(msg, await self._open_hop(request, self._opener(msg)))
 
     async def _reply(self, msg: Msg, reply: ControlReply | ShardStat) -> None:
         # Only into an inbox: an answer elsewhere (an event or API subject) would act with this host's rights.
@@ -242,7 +247,15 @@ class ShardServer:
                          open_pipelines=sorted(self._hops), cached_sessions=cache.sessions,
                          cache_bytes=cache.cache_bytes)
 
-    async def _open_hop(self, request: OpenHop) -> ControlReply:
+    def _opener(self, msg: Msg) -> str | None:
+        """Whose `open` this is: the roster member whose key signed it, `unsigned_opener` for every open not signed by
+        one; None on an open mesh, where opens are not told apart."""
+        if self.open_verifier is None:
+            return None
+        checked = self.open_verifier.check(msg.subject, "", msg.data, msg.headers)
+        return unsigned_opener if isinstance(checked, CallRefused) else checked.name
+
+    async def _open_hop(self, request: OpenHop, opener: str | None = None) -> ControlReply:
         """Reserve the hop under `_hop_changes`, wait for the compute thread (the replaced hop's reset, the kept prefix)
         outside it, then start the hop under it again: an open waiting behind a long step holds up no other open or
         close. Whoever detaches a hop closes it, once its open has settled (`_finish_closing`)."""
@@ -250,7 +263,7 @@ class ShardServer:
         if refusal is not None:
             return refusal
         async with self._hop_changes:
-            reserved = self._reserve_hop(request)
+            reserved = self._reserve_hop(request, opener)
         if isinstance(reserved, ControlReply):
             return reserved
         hop, replaced = reserved
@@ -279,7 +292,7 @@ class ShardServer:
                  request.pipeline_id, request.layer_lo, request.layer_hi, cached)
         return ControlReply(ok=True, cached_tokens=cached, replay_steps=True)
 
-    def _reserve_hop(self, request: OpenHop) -> ControlReply | tuple[ServedHop, ServedHop | None]:
+    def _reserve_hop(self, request: OpenHop, opener: str | None) -> ControlReply | tuple[ServedHop, ServedHop | None]:
         """Under `_hop_changes`: the new hop, counted as open, and the hop of its pipeline it replaces, detached."""
         replaced = self._hops.get(request.pipeline_id)
         if replaced is not None and not _opened_by(replaced, request.owner_key):
@@ -288,9 +301,14 @@ class ShardServer:
         limit = self.settings.max_concurrent_streams
         if replaced is None and len(self._hops) >= limit:  # a re-open takes the place of the hop it replaces
             return ControlReply(ok=False, code="at_capacity", message=f"{len(self._hops)} of {limit} streams in use")
+        held, share = sum(hop.opener == opener for hop in self._hops.values()), self.settings.hops_per_opener
+        if replaced is None and opener is not None and held >= share:  # see [shard] max_hops_per_opener
+            return ControlReply(ok=False, code="at_capacity",
+                                message=f"this orchestrator holds {held} of the {limit} streams here, its most")
         if replaced is not None:  # a re-open (failover reuses this hop with a new session): start over cleanly
             self._detach_hop(request.pipeline_id)
         hop = ServedHop(self.nc, request, self.compute, self.limits, self.identity.node_id)
+        hop.opener = opener
         self._hops[request.pipeline_id] = hop
         self.compute.active_streams = len(self._hops)
         return hop, replaced

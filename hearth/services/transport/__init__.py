@@ -24,7 +24,7 @@ from hearth.services.transport.errors import (
 )
 from hearth.services.transport.frames import EncodedStep, decode_frames, encode_step
 from hearth.services.transport.headers import AckHeader, FrameHeader, FrameKind, StepInfo
-from hearth.services.transport.limits import StepLimits, StepRefusal
+from hearth.services.transport.limits import StepLimits, StepRefusal, receiver_settings
 from hearth.services.transport.frames import ReceivedStep
 from hearth.services.transport.receiver import ActivationReceiver
 from hearth.services.transport.sender import AckWindowSender, SentStep
@@ -57,5 +57,6 @@ __all__ = [
     "WireDtype",
     "decode_frames",
     "encode_step",
+    "receiver_settings",
     "wire_dtype_from_setting",
 ]

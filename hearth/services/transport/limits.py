@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from hearth.services.common.config import smallest_chunk_bytes
+from hearth.services.common.config import TransportSettings, smallest_chunk_bytes
 from hearth.services.transport.headers import (
     HEADER_CHUNK, HEADER_DTYPE, HEADER_POS, HEADER_PROMPT_TOKENS, HEADER_SHAPE, FrameHeader, FrameKind,
 )
@@ -86,3 +86,11 @@ class StepLimits:
             return StepRefusal("chunks", f"{HEADER_CHUNK} count {header.chunk_count} for {header.total_bytes} "
                                          f"bytes (at most {most_chunks} chunks of {smallest_chunk_bytes} bytes)")
         return None
+
+
+def receiver_settings(transport: TransportSettings) -> dict:
+    """The `[transport]` bounds of an ActivationReceiver, as keyword arguments: what a host configured applies to every
+    receiver of its process, a shard's hops and an orchestrator's sinks and taps alike."""
+    return {"max_ready_steps": transport.max_ready_steps, "ready_wait_timeout_s": transport.ready_wait_timeout_s,
+            "max_step_bytes": transport.max_step_bytes, "max_partial_steps": transport.max_partial_steps,
+            "max_tracked_sessions": transport.max_tracked_sessions}
