@@ -13,6 +13,7 @@ from tests.runner_limits import RUNNER_KV_LIMITS
 from hearth.events.streams import consumer_limits, max_consumers_per_stream, weights_consumer_inactive_limit_s
 from hearth.services.broker.connection import connect_nats
 from hearth.services.broker.permissions import WEIGHTS_STREAM
+from hearth.services.weights_publish import publish_checkpoint
 from hearth.services.weights_store import (
     HEAD_OBJECT,
     LAYER_OBJECT_FORMAT,
@@ -22,7 +23,6 @@ from hearth.services.weights_store import (
     fetch_stored_model,
     list_models,
     object_key,
-    publish_checkpoint,
 )
 from tests.unit.inference_tiny_models import one_torch_thread, tiny_model_dir  # noqa: F401  (fixtures)
 
@@ -99,11 +99,11 @@ async def test_an_object_larger_than_its_manifest_states_is_refused_and_leaves_n
 
 async def test_an_interrupted_republish_leaves_the_stored_model_as_it_was(js, published, tiny_model_dir, tmp_path,
                                                                          monkeypatch):
-    import hearth.services.weights_store as weights_store
+    import hearth.services.weights_publish as weights_publish
 
     original, first = published
     other = tiny_model_dir("llama", max_shard_size="100KB", seed=2)
-    every_blob = weights_store._layer_blobs
+    every_blob = weights_publish._layer_blobs
 
     def stops_after_the_head_and_two_layers(folder):
         for count, blob in enumerate(every_blob(folder)):
@@ -111,7 +111,7 @@ async def test_an_interrupted_republish_leaves_the_stored_model_as_it_was(js, pu
                 raise KeyboardInterrupt("the publisher stops")
             yield blob
 
-    monkeypatch.setattr(weights_store, "_layer_blobs", stops_after_the_head_and_two_layers)
+    monkeypatch.setattr(weights_publish, "_layer_blobs", stops_after_the_head_and_two_layers)
     with pytest.raises(KeyboardInterrupt):
         await publish_checkpoint(js, other, NAME)
     monkeypatch.undo()

@@ -21,6 +21,7 @@ from hearth.services.common.config import HearthSettings, NatsSettings
 from hearth.services.host.model_layout import model_layout
 from hearth.services.orchestrator.catalog import ModelCatalog
 from hearth.services.shard.main import load_shard
+from hearth.services.weights_publish import publish_checkpoint
 from hearth.services.weights_store import (
     GGUF_EVERY_LAYER_OBJECT,
     GGUF_HEAD_OBJECT,
@@ -30,7 +31,6 @@ from hearth.services.weights_store import (
     WeightsStoreError,
     fetch_stored_model,
     object_key,
-    publish_checkpoint,
 )
 from tests.integration.test_weights_store import js  # noqa: F401  (a fixture)
 from tests.runner_limits import RUNNER_KV_LIMITS

@@ -1,0 +1,136 @@
+"""Publishing a checkpoint into the community's weights bucket: its objects under keys of this publication's own, the
+manifest last (hearth/services/weights_store.py says what is stored and how it is fetched)."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+from pathlib import Path
+
+from hearth.inference.partial_checkpoint import NON_WEIGHT_PATTERNS, layer_of
+from hearth.services.weights_objects import WeightsStoreError, delete_objects_except
+from hearth.services.weights_store import GGUF_EVERY_LAYER_OBJECT, GGUF_FORMAT_VERSION, GGUF_HEAD_OBJECT, \
+    GGUF_HEADER_OBJECT, GGUF_LAYER_OBJECT_FORMAT, HEAD_OBJECT, LAYER_OBJECT_FORMAT, MANIFEST_OBJECT, \
+    OBJECT_CHUNK_BYTES, StoredObject, TensorSpec, WeightsManifest, check_model_name, object_key, open_bucket, \
+    progress_bar
+
+log = logging.getLogger(__name__)
+
+
+def _layer_blobs(folder: Path):
+    """(object file, kind, layer, safetensors bytes, {tensor name: TensorSpec}) for each layer and the head, one
+    at a time."""
+    from safetensors.torch import save
+
+    from hearth.inference.checkpoint import SAFETENSORS_DTYPES, SafetensorsCheckpoint
+    from hearth.inference.checkpoint_files import opened_safetensors
+
+    dtype_names = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
+
+    file_of = SafetensorsCheckpoint(folder).file_of
+    groups: dict[int | None, list[str]] = {}
+    for tensor in sorted(file_of):
+        groups.setdefault(layer_of(tensor), []).append(tensor)
+    for layer in sorted(groups, key=lambda key: -1 if key is None else key):
+        tensors = {}
+        for tensor in groups[layer]:
+            with opened_safetensors(file_of[tensor]) as handle:
+                tensors[tensor] = handle.get_tensor(tensor)  # as stored: the store keeps the checkpoint's bytes
+        file = HEAD_OBJECT if layer is None else LAYER_OBJECT_FORMAT.format(layer)
+        specs = {tensor: TensorSpec(dtype=dtype_names[value.dtype], shape=list(value.shape))
+                 for tensor, value in tensors.items()}
+        yield file, ("head" if layer is None else "layer"), layer, save(tensors), specs
+
+
+def _gguf_blobs(path: Path):
+    """(the manifest's gguf section, the number of layers, the objects as _layer_blobs gives them, the header first)
+    of the GGUF at `path` (hearth/inference/gguf_parts.py)."""
+    from hearth.inference.gguf_parts import stored_parts
+
+    layout, num_layers, parts = stored_parts(path, GGUF_HEADER_OBJECT, lambda layer: GGUF_HEAD_OBJECT if layer is None
+                                             else GGUF_LAYER_OBJECT_FORMAT.format(layer), GGUF_EVERY_LAYER_OBJECT)
+    return layout, num_layers, ((file, kind, layer, data, {tensor: TensorSpec(dtype=dtype, shape=shape)
+                                                            for tensor, (dtype, shape) in specs.items()})
+                                for file, kind, layer, data, specs in parts)
+
+
+def _side_files(folder: Path) -> list[Path]:
+    import fnmatch
+
+    from hearth.inference.checkpoint_files import SAFETENSORS_INDEX_NAME
+
+    return sorted(file for file in folder.iterdir() if file.is_file() and file.name != SAFETENSORS_INDEX_NAME
+                  and any(fnmatch.fnmatch(file.name, pattern) for pattern in NON_WEIGHT_PATTERNS))
+
+
+def check_publishable(path: Path) -> Path | None:
+    """The GGUF file `path` names (itself, or a folder's one GGUF), checked as the loader checks it, or None for a
+    safetensors checkpoint folder; WeightsStoreError (one line) for anything else."""
+    from hearth.inference.errors import CheckpointError
+    from hearth.inference.gguf_parts import publishable_gguf
+
+    try:
+        gguf = publishable_gguf(path)
+    except CheckpointError as error:
+        raise WeightsStoreError(str(error)) from None
+    if gguf is None and not (path / "config.json").is_file():
+        raise WeightsStoreError(f"{path} is not a checkpoint folder (no config.json) nor a GGUF file")
+    return gguf
+
+
+async def publish_checkpoint(js, folder: Path, name: str) -> WeightsManifest:
+    """Store the checkpoint `folder` (a safetensors folder, a GGUF file or a folder holding one) as `name`
+    (replacing what was there), one layer in memory at a time, under keys of this publication's own; the manifest
+    goes last, so a reader never sees a manifest naming objects not yet stored or since rewritten, and only then are
+    the objects it does not name deleted."""
+    import secrets
+
+    from hearth.inference import read_config_dict, weights_sha256
+    from hearth.inference.errors import CheckpointError
+
+    check_model_name(name)
+    gguf = await asyncio.to_thread(check_publishable, folder)
+    try:
+        stored_gguf, num_layers, blobs = (await asyncio.to_thread(_gguf_blobs, gguf) if gguf else (
+            None, int(read_config_dict(folder)["num_hidden_layers"]), _layer_blobs(folder)))
+        digest = await asyncio.to_thread(weights_sha256, gguf or folder)
+        layer_bytes = gguf.stat().st_size if gguf else sum(file.stat().st_size for file in folder.glob("*.safetensors"))
+    except (CheckpointError, KeyError, ValueError, OSError) as error:
+        raise WeightsStoreError(f"{folder} is not a checkpoint hearth can publish: {error}") from None
+    store = await open_bucket(js, create=True)
+    objects: list[StoredObject] = []
+    weight_map: dict[str, str] = {}
+    tensor_specs: dict[str, TensorSpec] = {}
+    version = secrets.token_hex(8)
+
+    async def put(file: str, kind: str, layer: int | None, data: bytes) -> None:
+        key = object_key(name, file, version)
+        await store.put(key, data, meta=_chunked(key))
+        objects.append(StoredObject(file=file, kind=kind, layer=layer, size=len(data),
+                                    sha256=hashlib.sha256(data).hexdigest()))
+        bar.update(len(data))
+
+    with progress_bar(layer_bytes, f"publishing {name}") as bar:
+        for side_file in [] if gguf else _side_files(folder):
+            await put(side_file.name, "file", None, side_file.read_bytes())
+        while (item := await asyncio.to_thread(next, blobs, None)) is not None:
+            file, kind, layer, data, specs = item
+            await put(file, kind, layer, data)
+            weight_map.update(dict.fromkeys(specs, file))
+            tensor_specs.update(specs)
+    manifest = WeightsManifest(format_version=GGUF_FORMAT_VERSION if gguf else 1, name=name, num_layers=num_layers,
+                               weights_sha256=digest, objects=objects, weight_map=weight_map, tensors=tensor_specs,
+                               gguf=stored_gguf, objects_version=version)
+    await store.put(object_key(name, MANIFEST_OBJECT), manifest.model_dump_json().encode())
+    # Only now: a host may still be reading the previous manifest's objects (it is refused, and reads this one anew).
+    await delete_objects_except(store, f"{name}/", {object_key(name, MANIFEST_OBJECT)} | {
+        object_key(name, stored.file, version) for stored in objects})
+    log.info("published %s: %d objects, weights %s", name, len(objects), digest[:12])
+    return manifest
+
+
+def _chunked(key: str):
+    from nats.js.api import ObjectMeta, ObjectMetaOptions
+
+    return ObjectMeta(name=key, options=ObjectMetaOptions(max_chunk_size=OBJECT_CHUNK_BYTES))
