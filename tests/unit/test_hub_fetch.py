@@ -89,16 +89,33 @@ def test_a_tampered_file_is_refused_with_one_line(served, tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["side file", "weight file"])
-def test_a_file_served_larger_than_listed_is_refused_and_not_kept(served, tmp_path, kind):
+def test_a_file_served_larger_than_listed_is_refused_before_its_body_is_read(served, tmp_path, kind):
+    hub, original, weight_map = served
+    victim = "tokenizer.json" if kind == "side file" else sorted(files_holding(weight_map, (1, 1)))[0]
+    listed, extra = (original / victim).stat().st_size, 32 << 20
+    hub.tampered[victim] = (original / victim).read_bytes() + b" " * extra
+    with pytest.raises(CheckpointError, match=f"^model '{REPO}': {victim} is {listed + extra} bytes, not the {listed} "
+                                              "its listing states"):
+        resolve_model_path(REPO, cache_dir=tmp_path / "cache", needed_layers=(1, 1))
+    assert hub.bytes_delivered < 16 << 20  # its Content-Length refused it: the body was not read
+    assert not [file for file in (tmp_path / "cache").rglob(f"*{victim}*") if file.stat().st_size]  # its lock, empty
+    hub.tampered.clear()
+    folder = resolve_model_path(REPO, cache_dir=tmp_path / "cache", needed_layers=(1, 1))
+    assert (folder / victim).read_bytes() == (original / victim).read_bytes()
+
+
+@pytest.mark.parametrize("kind", ["side file", "weight file"])
+def test_a_file_sent_past_its_listed_size_is_cut_off_there_and_not_kept(served, tmp_path, kind):
     hub, original, weight_map = served
     victim = "tokenizer.json" if kind == "side file" else sorted(files_holding(weight_map, (1, 1)))[0]
     listed = (original / victim).stat().st_size
-    hub.tampered[victim] = (original / victim).read_bytes() + b" " * 4096
-    with pytest.raises(CheckpointError, match=f"^model '{REPO}': {victim} is {listed + 4096} bytes, not the {listed} "
+    hub.oversent[victim] = 64 << 20  # no Content-Length: only the listed size can bound it
+    with pytest.raises(CheckpointError, match=f"^model '{REPO}': {victim} arrived with more than the {listed} bytes "
                                               "its listing states"):
         resolve_model_path(REPO, cache_dir=tmp_path / "cache", needed_layers=(1, 1))
-    assert not list((tmp_path / "cache").rglob(victim))
-    hub.tampered.clear()
+    assert hub.bytes_delivered < 16 << 20  # stopped where it passed its size, not read to its end
+    assert not [file for file in (tmp_path / "cache").rglob(f"*{victim}*") if file.stat().st_size]  # its lock, empty
+    hub.oversent.clear()
     folder = resolve_model_path(REPO, cache_dir=tmp_path / "cache", needed_layers=(1, 1))
     assert (folder / victim).read_bytes() == (original / victim).read_bytes()
 
