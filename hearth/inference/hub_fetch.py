@@ -49,6 +49,7 @@ from .partial_checkpoint import (
     files_holding,
     hearth_cache_dir,
     selection_name,
+    written_marker,
 )
 
 logger = logging.getLogger(__name__)
@@ -327,8 +328,7 @@ def _download_gguf(hub: HubGGUF, listing: dict) -> Path:
         path.unlink()
         raise CheckpointError(f"model {hub.repo_id!r}: {hub.file} does not match its listed SHA-256 (corrupted "
                               "download or tampered mirror)")
-    marker = {"source": hub.source, "weights_sha256": digest_of_files([(GGUF_DIGEST_NAME, size, digest)])}
-    (folder / PARTIAL_CHECKPOINT_MARKER).write_text(json.dumps(marker))
+    written_marker(folder, weights_sha256=digest_of_files([(GGUF_DIGEST_NAME, size, digest)]), source=hub.source)
     return path
 
 

@@ -216,3 +216,17 @@ async def test_on_a_community_mesh_only_system_writes_and_shard_hosts_and_orches
     finally:
         for nc in (system, shard, orchestrator, client):
             await nc.close()
+
+
+async def test_a_damaged_cached_object_is_fetched_again_before_its_folder_is_reused(js, published, tmp_path):
+    original, manifest = published
+    folder = await fetch_stored_model(js, NAME, (2, 3), cache_dir=tmp_path)
+    damaged = (folder / LAYER_OBJECT_FORMAT.format(2)).resolve()
+    stated = next(stored.size for stored in manifest.objects if stored.file == damaged.name)
+    with damaged.open("r+b") as handle:  # truncated, as a full disk or a crash leaves a file
+        handle.truncate(stated // 2)
+
+    again = await fetch_stored_model(js, NAME, (2, 3), cache_dir=tmp_path)
+    assert again == folder and damaged.stat().st_size == stated
+    assert _same_parameters(load_layer_range(again, 2, 3, **RUNNER_KV_LIMITS),
+                            load_layer_range(original, 2, 3, **RUNNER_KV_LIMITS))

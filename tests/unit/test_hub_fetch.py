@@ -120,6 +120,21 @@ def test_a_file_sent_past_its_listed_size_is_cut_off_there_and_not_kept(served, 
     assert (folder / victim).read_bytes() == (original / victim).read_bytes()
 
 
+def test_a_damaged_cached_file_is_downloaded_again_before_its_folder_is_reused(served, tmp_path):
+    hub, original, weight_map = served
+    folder = resolve_model_path(REPO, cache_dir=tmp_path / "cache", needed_layers=(1, 1))
+    victim = sorted(files_holding(weight_map, (1, 1)))[0]
+    with (folder / victim).resolve().open("r+b") as handle:  # truncated, as a full disk or a crash leaves a file
+        handle.truncate(100)
+    with pytest.raises(CheckpointError, match="downloads are disabled"):  # offline: refused, not loaded damaged
+        resolve_model_path(REPO, cache_dir=tmp_path / "cache", needed_layers=(1, 1), local_files_only=True)
+
+    hub.requests.clear()
+    again = resolve_model_path(REPO, cache_dir=tmp_path / "cache", needed_layers=(1, 1))
+    assert again == folder and (again / victim).read_bytes() == (original / victim).read_bytes()
+    assert {name for name in hub.downloaded(REPO) if name.endswith(".safetensors")} == {victim}
+
+
 def test_a_listing_without_end_is_refused_past_its_bound(served, tmp_path):
     hub, _, _ = served
     hub.endless_listing = True
