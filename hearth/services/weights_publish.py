@@ -6,16 +6,25 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import re
+import time
 from pathlib import Path
 
 from hearth.inference.partial_checkpoint import NON_WEIGHT_PATTERNS, layer_of
-from hearth.services.weights_objects import WeightsStoreError, delete_objects_except
+from hearth.services.weights_objects import WeightsStoreError, delete_objects, meta_sequence, put_object_if_unchanged
 from hearth.services.weights_store import GGUF_EVERY_LAYER_OBJECT, GGUF_FORMAT_VERSION, GGUF_HEAD_OBJECT, \
     GGUF_HEADER_OBJECT, GGUF_LAYER_OBJECT_FORMAT, HEAD_OBJECT, LAYER_OBJECT_FORMAT, MANIFEST_OBJECT, \
     OBJECT_CHUNK_BYTES, StoredObject, TensorSpec, WeightsManifest, check_model_name, object_key, open_bucket, \
-    progress_bar
+    progress_bar, read_manifest
 
 log = logging.getLogger(__name__)
+
+# Tries of the manifest switch when other publishers of the name switch it meanwhile.
+MANIFEST_SWITCH_ATTEMPTS = 5
+# Objects of a version no manifest names are deleted once that publication has stored nothing for this long: an
+# interrupted publication's. Before that they may be another publisher's, still storing its objects (one object is a
+# layer: minutes at most).
+ABANDONED_PUBLICATION_AGE_S = 24 * 3600
 
 
 def _layer_blobs(folder: Path):
@@ -122,12 +131,66 @@ async def publish_checkpoint(js, folder: Path, name: str) -> WeightsManifest:
     manifest = WeightsManifest(format_version=GGUF_FORMAT_VERSION if gguf else 1, name=name, num_layers=num_layers,
                                weights_sha256=digest, objects=objects, weight_map=weight_map, tensors=tensor_specs,
                                gguf=stored_gguf, objects_version=version)
-    await store.put(object_key(name, MANIFEST_OBJECT), manifest.model_dump_json().encode())
-    # Only now: a host may still be reading the previous manifest's objects (it is refused, and reads this one anew).
-    await delete_objects_except(store, f"{name}/", {object_key(name, MANIFEST_OBJECT)} | {
-        object_key(name, stored.file, version) for stored in objects})
+    kept = {object_key(name, MANIFEST_OBJECT)} | {object_key(name, stored.file, version) for stored in objects}
+    try:
+        replaced = await _switch_manifest(js, name, manifest)
+    except WeightsStoreError:
+        await delete_objects(store, kept - {object_key(name, MANIFEST_OBJECT)})  # no manifest names them
+        raise
+    # Only now, and only the objects of the manifest this switch replaced: a host may still be reading them (it is
+    # refused, and reads this one anew), and another publisher's objects, stored or being stored, are its own.
+    if replaced is not None:
+        await delete_objects(store, {object_key(name, stored.file, replaced.objects_version)
+                                     for stored in replaced.objects} - kept)
+    await _delete_abandoned(store, name, kept)
     log.info("published %s: %d objects, weights %s", name, len(objects), digest[:12])
     return manifest
+
+
+async def _switch_manifest(js, name: str, manifest: WeightsManifest) -> WeightsManifest | None:
+    """Make `manifest` the stored manifest of `name`; the one it replaced (None: none, or unreadable). A switch that
+    raced another publisher's is refused by the server and tried again on the newer one."""
+    key, data = object_key(name, MANIFEST_OBJECT), manifest.model_dump_json().encode()
+    for _ in range(MANIFEST_SWITCH_ATTEMPTS):
+        sequence = await meta_sequence(js, key)
+        try:  # read after its sequence: a switch in between makes the put below refused
+            replaced = await read_manifest(js, name)
+        except WeightsStoreError:
+            replaced = None
+        if await put_object_if_unchanged(js, key, data, sequence, OBJECT_CHUNK_BYTES):
+            return replaced
+    raise WeightsStoreError(f"the manifest of {name!r} was replaced by other publishers {MANIFEST_SWITCH_ATTEMPTS} "
+                            "times while this publication tried to switch it: publish again")
+
+
+async def _delete_abandoned(store, name: str, kept: set[str]) -> None:
+    """Delete the objects of `name` outside `kept` whose publication (their key's version) stored nothing for
+    ABANDONED_PUBLICATION_AGE_S: an interrupted publication's. A younger one may be another publisher's at work."""
+    from nats.js.errors import NotFoundError
+
+    try:
+        infos = [info for info in await store.list()
+                 if info.name.startswith(f"{name}/") and info.name not in kept and not info.deleted]
+    except NotFoundError:  # an empty bucket
+        return
+    publications: dict[str, list] = {}
+    for info in infos:  # NAME/VERSION/FILE, or NAME/FILE stored before publications had versions
+        publications.setdefault(info.name.rsplit("/", 1)[0], []).append(info)
+    now = time.time()
+    for infos_of_one in publications.values():
+        if all(_age_s(info.mtime, now) >= ABANDONED_PUBLICATION_AGE_S for info in infos_of_one):
+            await delete_objects(store, {info.name for info in infos_of_one})
+
+
+def _age_s(mtime: str | None, now: float) -> float:
+    """Seconds since `mtime` (an object's ISO 8601 time as its writer stated it); 0 when it is unreadable."""
+    from datetime import datetime
+
+    try:  # Go clients write nanoseconds, which fromisoformat refuses
+        stamp = re.sub(r"(\.\d{6})\d+", r"\1", (mtime or "").replace("Z", "+00:00"))
+        return now - datetime.fromisoformat(stamp).timestamp()
+    except ValueError:
+        return 0.0
 
 
 def _chunked(key: str):
