@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .checkpoint_files import SAFETENSORS_INDEX_NAME, checked_weight_map
+from .cache_versions import hold_version, is_held, release_version, remove_unused_versions
 from .checksum import GGUF_DIGEST_NAME, PARTIAL_CHECKPOINT_MARKER, digest_of_files, file_sha256
 from .gguf_header import GGUF_SUFFIX
 from .errors import CheckpointError
@@ -101,12 +102,15 @@ def fetch_hub_selection(model: str, needed: NeededTensors, *, revision: str | No
     root = hub_partial_root(repo_id, cache_dir)
     ref_file = root / "refs" / (revision or DEFAULT_REVISION)
     if ref_file.is_file() and is_commit_hash(commit := ref_file.read_text().strip()):
-        commit_dir = root / commit
+        held_before = is_held(root / commit)
+        commit_dir = hold_version(root, root / commit)  # before it is read: no cleaning process removes it then
         if (gguf := _cached_gguf(commit_dir, gguf_file, needed)) is not None:
             return gguf
         cached = None if gguf_file else complete_partial_folder(commit_dir / selection_name(needed))
         if cached is not None:
             return cached
+        if not held_before:  # nothing of it used: the download below may be of a newer commit
+            release_version(commit_dir)
     if local_files_only:
         raise CheckpointError(f"model {model!r}: the {selection_name(needed)} part is not in {root} "
                               "(and downloads are disabled)")
@@ -157,11 +161,10 @@ def hub_layout(model: str, *, revision: str | None = None, cache_dir: str | Path
         raise CheckpointError(f"model {model!r} is not in the local hub cache (and downloads are disabled)")
     try:
         api, commit, listing, weights = _repository(repo_id, revision)
+        hold_version(root := hub_partial_root(repo_id, cache_dir), root / commit)
         if gguf_file is not None or not weights:
-            root = hub_partial_root(repo_id, cache_dir)
             return _gguf_hub_layout(_hub_gguf(repo_id, commit, listing, gguf_file, root), listing)
-        config = json.loads(_downloader(repo_id, commit, hub_partial_root(repo_id, cache_dir), listing)("config.json")
-                            .read_text())
+        config = json.loads(_downloader(repo_id, commit, root, listing)("config.json").read_text())
         tensors = [(name, info.dtype, list(info.shape))
                    for file in sorted(weights)
                    for name, info in api.parse_safetensors_file_metadata(repo_id, file, revision=commit)
@@ -210,6 +213,7 @@ def _downloader(repo_id: str, commit: str, root: Path, listing: dict):
 def _download_selection(repo_id: str, gguf_file: str | None, needed: NeededTensors, revision: str | None,
                         root: Path) -> Path:
     _, commit, listing, weights = _repository(repo_id, revision)
+    hold_version(root, root / commit)
     if gguf_file is not None or not weights:
         hub = _hub_gguf(repo_id, commit, listing, gguf_file, root)
         path = _fetch_gguf(hub, listing, needed)
@@ -260,9 +264,13 @@ def is_commit_hash(text: object) -> bool:
 
 
 def _write_ref(root: Path, revision: str | None, commit: str) -> None:
+    """Point the revision at `commit`, whose folder now holds a complete part, and remove the folders of commits no
+    revision points at any more that no process uses (hearth/inference/cache_versions.py)."""
     ref_file = root / "refs" / (revision or DEFAULT_REVISION)
     ref_file.parent.mkdir(parents=True, exist_ok=True)
     ref_file.write_text(commit)
+    refs = [ref.read_text().strip() for ref in (root / "refs").rglob("*") if ref.is_file()]  # a tag may hold a "/"
+    remove_unused_versions(root, {root / "refs"} | {root / ref for ref in refs if is_commit_hash(ref)})
 
 
 def _cached_gguf(commit_dir: Path, file: str | None, needed: NeededTensors) -> Path | None:

@@ -24,6 +24,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field, field_validator
 
+from hearth.inference.cache_versions import hold_version, remove_unused_versions
 from hearth.inference.checksum import PARTIAL_CHECKPOINT_MARKER
 from hearth.inference.gguf_header import GGUF_SUFFIX
 from hearth.inference.gguf_checkpoint import default_read_device
@@ -232,10 +233,12 @@ async def fetch_stored_model(js, name: str, needed: NeededTensors, *, cache_dir:
     manifest = await read_manifest(js, check_model_name(name))
     if isinstance(needed, tuple) and needed[1] >= manifest.num_layers:
         raise WeightsStoreError(f"{name!r} has {manifest.num_layers} layers: no layer {needed[1]}")
-    root = (cache_dir or hearth_cache_dir()) / STORE_CACHE_FOLDER / name / manifest.weights_sha256[:16]
+    model_dir = (cache_dir or hearth_cache_dir()) / STORE_CACHE_FOLDER / name
+    root = model_dir / manifest.weights_sha256[:16]
     # Side files are no part of weights_sha256: they, and the folders linking them, are kept per manifest.
     published, gguf_name = root / manifest.digest()[:16], f"{name}{GGUF_SUFFIX}"
     target = published / selection_name(needed)
+    await asyncio.to_thread(_hold_publication, model_dir, root, published)
     if (done := complete_partial_folder(target)) is not None:
         return done / gguf_name if manifest.gguf else done
     wanted = manifest.needed_objects(needed)
@@ -251,9 +254,27 @@ async def fetch_stored_model(js, name: str, needed: NeededTensors, *, cache_dir:
                                files[stored.file].parent)
             bar.update(stored.size)
     if manifest.gguf is not None:
-        return await asyncio.to_thread(_write_gguf, manifest, target, gguf_name, files)
-    return await asyncio.to_thread(assemble_partial_folder, target, files, manifest.weight_map,
-                                   weights_sha256=manifest.weights_sha256, source=f"{STORE_MODEL_PREFIX}{name}")
+        fetched = await asyncio.to_thread(_write_gguf, manifest, target, gguf_name, files)
+    else:
+        fetched = await asyncio.to_thread(assemble_partial_folder, target, files, manifest.weight_map,
+                                          weights_sha256=manifest.weights_sha256,
+                                          source=f"{STORE_MODEL_PREFIX}{name}")
+    # A complete folder of this publication is written: earlier publications' folders no process uses can go.
+    await asyncio.to_thread(remove_unused_versions, model_dir, {root})
+    await asyncio.to_thread(remove_unused_versions, root, {published, root / "objects"})
+    return fetched
+
+
+def _hold_publication(model_dir: Path, root: Path, published: Path) -> None:
+    """Hold the folders of this weights digest and this manifest in use while this process runs
+    (hearth/inference/cache_versions.py)."""
+    from hearth.inference.errors import CheckpointError
+
+    try:
+        hold_version(model_dir, root)
+        hold_version(root, published)
+    except CheckpointError as error:
+        raise WeightsStoreError(str(error)) from None
 
 
 def _write_gguf(manifest: WeightsManifest, target: Path, gguf_name: str, files: dict[str, Path]) -> Path:

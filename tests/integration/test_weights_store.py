@@ -289,3 +289,28 @@ async def test_a_manifest_switch_from_a_state_since_replaced_is_refused_by_the_s
     assert not await put_object_if_unchanged(js, key, b"{}", 0, 1024)  # 0: only where none is stored
     assert await read_manifest(js, NAME) == manifest
     assert await put_object_if_unchanged(js, object_key("other", MANIFEST_OBJECT), b"{}", 0, 1024)
+
+
+async def test_a_new_publication_fetched_removes_earlier_ones_no_process_uses(js, published, tiny_model_dir,
+                                                                              tmp_path):
+    import fcntl
+
+    from hearth.inference.cache_versions import IN_USE_LOCK, release_held_versions
+
+    _, first = published
+    model_dir = tmp_path / "store" / NAME
+    await fetch_stored_model(js, NAME, (0, 1), cache_dir=tmp_path)
+    release_held_versions()  # the process that fetched it ended
+    second = await publish_checkpoint(js, tiny_model_dir("llama", max_shard_size="100KB", seed=2), NAME)
+    with open(model_dir / first.weights_sha256[:16] / IN_USE_LOCK, "a") as other_process:
+        fcntl.flock(other_process, fcntl.LOCK_SH)  # ... but another process loaded it and runs on
+        await fetch_stored_model(js, NAME, (0, 1), cache_dir=tmp_path)
+        assert (model_dir / first.weights_sha256[:16] / first.digest()[:16] / "layers-0-1").is_dir()
+    release_held_versions()
+
+    third = await publish_checkpoint(js, tiny_model_dir("llama", max_shard_size="100KB", seed=3), NAME)
+    folder = await fetch_stored_model(js, NAME, (0, 1), cache_dir=tmp_path)
+    assert {entry.name for entry in model_dir.iterdir() if not entry.name.startswith(".")} == {
+        third.weights_sha256[:16]}
+    assert second.weights_sha256 != third.weights_sha256 and folder.is_dir()
+    release_held_versions()

@@ -135,6 +135,22 @@ def test_a_damaged_cached_file_is_downloaded_again_before_its_folder_is_reused(s
     assert {name for name in hub.downloaded(REPO) if name.endswith(".safetensors")} == {victim}
 
 
+def test_a_new_commit_downloaded_removes_earlier_ones_no_revision_names_and_no_process_uses(served, tmp_path,
+                                                                                           monkeypatch):
+    from hearth.inference.cache_versions import release_held_versions
+
+    root = tmp_path / "cache" / "hearth-partial" / REPO.replace("/", "--")
+    resolve_model_path(REPO, cache_dir=tmp_path / "cache", needed_layers=(1, 1))
+    resolve_model_path(REPO, cache_dir=tmp_path / "cache", needed_layers=(2, 2))
+    release_held_versions()  # the processes that loaded them ended
+    newer = "c0ffee0000000000000000000000000000000002"
+    monkeypatch.setattr("tests.unit.hub_server.FAKE_COMMIT", newer)  # the repository moved on
+    folder = resolve_model_path(REPO, cache_dir=tmp_path / "cache", needed_layers=(3, 3))  # a part not cached
+    assert folder.parent == root / newer
+    assert {entry.name for entry in root.iterdir() if not entry.name.startswith(".")} == {"refs", newer}
+    release_held_versions()
+
+
 def test_a_listing_without_end_is_refused_past_its_bound(served, tmp_path):
     hub, _, _ = served
     hub.endless_listing = True
