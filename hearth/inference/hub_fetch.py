@@ -2,8 +2,9 @@
 
 The repository's file listing (sizes and each LFS file's SHA-256) and its ``model.safetensors.index.json`` say which
 safetensors files hold the wanted tensors; only those, plus config, tokenizer and chat template files, are
-downloaded (huggingface_hub's ``hf_hub_download``, into hearth's cache rather than the hub snapshot cache, whose
-snapshot folders must stay complete for ``snapshot_download`` users). Each downloaded weight file is checked
+downloaded (never past the size the listing states: hearth/inference/hub_download.py), into hearth's cache rather
+than the hub snapshot cache, whose snapshot folders must stay complete for ``snapshot_download`` users. Each
+downloaded weight file is checked
 against its listed SHA-256, and the folder states the whole checkpoint's digest computed from the listing, so
 shard hosts holding different ranges of one repository form one pipeline (hearth/inference/partial_checkpoint.py).
 
@@ -32,11 +33,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .checkpoint_files import SAFETENSORS_INDEX_NAME, checked_weight_map
+from .cache_versions import hold_version, is_held, release_version, remove_unused_versions
 from .checksum import GGUF_DIGEST_NAME, PARTIAL_CHECKPOINT_MARKER, digest_of_files, file_sha256
 from .gguf_header import GGUF_SUFFIX
 from .errors import CheckpointError
 from .hub_gguf import HubGGUF, RangesUnsupported, cached_gguf_part, fetch_gguf_part, gguf_header, \
     gguf_metadata_file, layer_tensor_shapes_of
+from .hub_download import download_listed_file
 from .hub_ids import HUB_ENDPOINT_ENV, split_hub_model
 from .partial_checkpoint import (
     NON_WEIGHT_PATTERNS,
@@ -47,6 +50,7 @@ from .partial_checkpoint import (
     files_holding,
     hearth_cache_dir,
     selection_name,
+    written_marker,
 )
 
 logger = logging.getLogger(__name__)
@@ -98,12 +102,15 @@ def fetch_hub_selection(model: str, needed: NeededTensors, *, revision: str | No
     root = hub_partial_root(repo_id, cache_dir)
     ref_file = root / "refs" / (revision or DEFAULT_REVISION)
     if ref_file.is_file() and is_commit_hash(commit := ref_file.read_text().strip()):
-        commit_dir = root / commit
+        held_before = is_held(root / commit)
+        commit_dir = hold_version(root, root / commit)  # before it is read: no cleaning process removes it then
         if (gguf := _cached_gguf(commit_dir, gguf_file, needed)) is not None:
             return gguf
         cached = None if gguf_file else complete_partial_folder(commit_dir / selection_name(needed))
         if cached is not None:
             return cached
+        if not held_before:  # nothing of it used: the download below may be of a newer commit
+            release_version(commit_dir)
     if local_files_only:
         raise CheckpointError(f"model {model!r}: the {selection_name(needed)} part is not in {root} "
                               "(and downloads are disabled)")
@@ -154,11 +161,10 @@ def hub_layout(model: str, *, revision: str | None = None, cache_dir: str | Path
         raise CheckpointError(f"model {model!r} is not in the local hub cache (and downloads are disabled)")
     try:
         api, commit, listing, weights = _repository(repo_id, revision)
+        hold_version(root := hub_partial_root(repo_id, cache_dir), root / commit)
         if gguf_file is not None or not weights:
-            root = hub_partial_root(repo_id, cache_dir)
             return _gguf_hub_layout(_hub_gguf(repo_id, commit, listing, gguf_file, root), listing)
-        config = json.loads(_downloader(repo_id, commit, hub_partial_root(repo_id, cache_dir), listing)("config.json")
-                            .read_text())
+        config = json.loads(_downloader(repo_id, commit, root, listing)("config.json").read_text())
         tensors = [(name, info.dtype, list(info.shape))
                    for file in sorted(weights)
                    for name, info in api.parse_safetensors_file_metadata(repo_id, file, revision=commit)
@@ -193,35 +199,21 @@ def _repository(repo_id: str, revision: str | None):
 
 
 def _downloader(repo_id: str, commit: str, root: Path, listing: dict):
-    """A function downloading one file of `repo_id` at `commit` into `root`'s folder of that commit, refusing (and
-    removing) one whose size is not the size `listing` states."""
-    from huggingface_hub import hf_hub_download
-
-    endpoint = os.environ.get(HUB_ENDPOINT_ENV) or None
+    """A function downloading one file of `repo_id` at `commit` into `root`'s folder of that commit, never more bytes
+    than `listing` states for it (hearth/inference/hub_download.py)."""
     files_dir = root / commit / "files"
 
     def download(name: str) -> Path:
         if name not in listing:
             raise CheckpointError(f"model {repo_id!r} lists no {name}")
-        path = Path(hf_hub_download(repo_id, name, revision=commit, local_dir=files_dir, endpoint=endpoint))
-        _check_listed_size(repo_id, name, path, listing[name], files_dir)
-        return path
+        return download_listed_file(repo_id, commit, listing[name], files_dir)
     return download
-
-
-def _check_listed_size(repo_id: str, name: str, path: Path, entry, files_dir: Path) -> None:
-    """CheckpointError (the file removed) when `path` is not the size its listing `entry` states: the download takes
-    whatever the server sends, and only the listed size was bounded."""
-    stated = entry.lfs.size if entry.lfs is not None else entry.size
-    if stated is not None and (size := path.stat().st_size) != stated:
-        _forget_download(path, files_dir)
-        raise CheckpointError(f"model {repo_id!r}: {name} is {size} bytes, not the {stated} its listing states "
-                              "(corrupted download or tampered mirror)")
 
 
 def _download_selection(repo_id: str, gguf_file: str | None, needed: NeededTensors, revision: str | None,
                         root: Path) -> Path:
     _, commit, listing, weights = _repository(repo_id, revision)
+    hold_version(root, root / commit)
     if gguf_file is not None or not weights:
         hub = _hub_gguf(repo_id, commit, listing, gguf_file, root)
         path = _fetch_gguf(hub, listing, needed)
@@ -256,7 +248,7 @@ def _download_selection(repo_id: str, gguf_file: str | None, needed: NeededTenso
         fetched[name] = download(name)
         expected = weights[name].lfs.sha256 if weights[name].lfs is not None else None
         if expected is not None and file_sha256(fetched[name]) != expected:
-            _forget_download(fetched[name], root / commit / "files")  # else the next try would take it as done
+            fetched[name].unlink(missing_ok=True)  # else the next try would take it as done
             raise CheckpointError(f"model {repo_id!r}: {name} does not match its listed SHA-256 "
                                   "(corrupted download or tampered mirror)")
     digest = digest_of_files(_listed_hashes(weights, fetched))
@@ -271,16 +263,14 @@ def is_commit_hash(text: object) -> bool:
     return isinstance(text, str) and COMMIT_HASH.fullmatch(text) is not None
 
 
-def _forget_download(file: Path, files_dir: Path) -> None:
-    """Remove a downloaded file and huggingface_hub's record of it, so that it is downloaded again next time."""
-    file.unlink(missing_ok=True)
-    (files_dir / ".cache" / "huggingface" / "download" / f"{file.name}.metadata").unlink(missing_ok=True)
-
-
 def _write_ref(root: Path, revision: str | None, commit: str) -> None:
+    """Point the revision at `commit`, whose folder now holds a complete part, and remove the folders of commits no
+    revision points at any more that no process uses (hearth/inference/cache_versions.py)."""
     ref_file = root / "refs" / (revision or DEFAULT_REVISION)
     ref_file.parent.mkdir(parents=True, exist_ok=True)
     ref_file.write_text(commit)
+    refs = [ref.read_text().strip() for ref in (root / "refs").rglob("*") if ref.is_file()]  # a tag may hold a "/"
+    remove_unused_versions(root, {root / "refs"} | {root / ref for ref in refs if is_commit_hash(ref)})
 
 
 def _cached_gguf(commit_dir: Path, file: str | None, needed: NeededTensors) -> Path | None:
@@ -336,22 +326,17 @@ def _fetch_gguf(hub: HubGGUF, listing: dict, needed: NeededTensors) -> Path:
 def _download_gguf(hub: HubGGUF, listing: dict) -> Path:
     """`hub`'s GGUF file, downloaded (or resumed) whole and checked against its listed SHA-256, in a folder whose
     marker states its digest (so no host hashes it again)."""
-    from huggingface_hub import hf_hub_download
-
     commit_dir = hub.folder.parent.parent
     if (done := _complete_gguf(commit_dir, hub.file)) is not None:
         return done
     entry, folder = listing[hub.file], commit_dir / HUB_GGUF_FOLDER / hub.file
-    path = Path(hf_hub_download(hub.repo_id, hub.file, revision=hub.commit, local_dir=folder,
-                                endpoint=os.environ.get(HUB_ENDPOINT_ENV) or None))
-    _check_listed_size(hub.repo_id, hub.file, path, entry, folder)
+    path = download_listed_file(hub.repo_id, hub.commit, entry, folder)
     size, digest = path.stat().st_size, file_sha256(path)
-    if entry.lfs is not None and entry.lfs.sha256 != digest:  # its size was checked against the listing above
+    if entry.lfs is not None and entry.lfs.sha256 != digest:  # its size was checked against the listing as it came
         path.unlink()
         raise CheckpointError(f"model {hub.repo_id!r}: {hub.file} does not match its listed SHA-256 (corrupted "
                               "download or tampered mirror)")
-    marker = {"source": hub.source, "weights_sha256": digest_of_files([(GGUF_DIGEST_NAME, size, digest)])}
-    (folder / PARTIAL_CHECKPOINT_MARKER).write_text(json.dumps(marker))
+    written_marker(folder, weights_sha256=digest_of_files([(GGUF_DIGEST_NAME, size, digest)]), source=hub.source)
     return path
 
 

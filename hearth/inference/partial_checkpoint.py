@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -22,6 +23,8 @@ from typing import Literal, Union
 from .checkpoint_files import SAFETENSORS_INDEX_NAME
 from .checksum import DEFAULT_WEIGHTS_CACHE_DIR, PARTIAL_CHECKPOINT_MARKER, WEIGHTS_CACHE_DIR_ENV
 from .errors import CheckpointError
+
+logger = logging.getLogger(__name__)
 
 # What a caller needs: decoder layers lo..hi (inclusive), "head" (every tensor outside the decoder layers), or
 # None for the whole checkpoint.
@@ -77,8 +80,37 @@ def files_holding(weight_map: Mapping[str, str], needed: NeededTensors) -> set[s
 
 
 def complete_partial_folder(folder: Path) -> Path | None:
-    """`folder` when a finished partial folder is there (its marker written), else None."""
-    return folder if (folder / PARTIAL_CHECKPOINT_MARKER).is_file() else None
+    """`folder` when a finished partial folder is there (its marker written) and each file its marker lists still
+    has the size it was assembled with, else None: a file damaged since (truncated by a full disk or a crash) makes
+    the caller fetch it again instead of loading it."""
+    marker = folder / PARTIAL_CHECKPOINT_MARKER
+    if not marker.is_file():
+        return None
+    try:
+        sizes = json.loads(marker.read_text()).get("sizes") or {}  # none in a marker written before sizes were
+        damaged = [name for name, size in sizes.items() if _size_of(folder / name) != size]
+    except (OSError, ValueError, AttributeError):
+        return None
+    if damaged:
+        logger.warning("%s: %s is not the size it was fetched with (damaged?): fetching it again", folder, damaged[0])
+        return None
+    return folder
+
+
+def _size_of(file: Path) -> int | None:
+    try:
+        return file.stat().st_size  # through a link, the fetched file's
+    except OSError:
+        return None
+
+
+def written_marker(folder: Path, *, weights_sha256: str, source: str) -> None:
+    """Write `folder`'s PARTIAL_CHECKPOINT_MARKER naming `source` and the whole checkpoint's digest, with the size of
+    each file the folder holds (complete_partial_folder checks them before the folder is reused)."""
+    sizes = {file.name: file.stat().st_size for file in sorted(folder.iterdir())
+             if file.is_file() and not file.name.startswith(".")}  # not a download's lock or partial file
+    marker = {"source": source, "weights_sha256": weights_sha256, "sizes": sizes}
+    (folder / PARTIAL_CHECKPOINT_MARKER).write_text(json.dumps(marker))
 
 
 def assemble_partial_folder(target: Path, files: Mapping[str, Path], weight_map: Mapping[str, str] | None,
@@ -111,8 +143,7 @@ def staged_partial_folder(target: Path, *, weights_sha256: str, source: str) -> 
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
         yield staging
-        marker = {"source": source, "weights_sha256": weights_sha256}
-        (staging / PARTIAL_CHECKPOINT_MARKER).write_text(json.dumps(marker))
+        written_marker(staging, weights_sha256=weights_sha256, source=source)
         try:
             os.replace(staging, target)
         except OSError:

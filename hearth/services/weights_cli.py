@@ -1,6 +1,7 @@
 """`hearth weights`: publish a checkpoint into the community's object store, list what is stored, prefetch a part.
 
-The bodies live in hearth/services/weights_store.py (imported when a command runs, so `hearth` starts without torch).
+The bodies live in hearth/services/weights_store.py and weights_publish.py (imported when a command runs, so
+`hearth` starts without torch).
 """
 
 from __future__ import annotations
@@ -68,7 +69,8 @@ def publish_command(
     """Store a checkpoint per layer (plus head and tokenizer files and a manifest with each object's SHA-256; a
     GGUF keeps its block types, its metadata stored as one header object). On a community mesh only the steward's
     `system` key may write the store."""
-    from hearth.services.weights_store import WeightsStoreError, check_publishable, publish_checkpoint
+    from hearth.services.weights_publish import check_publishable, publish_checkpoint
+    from hearth.services.weights_store import WeightsStoreError
 
     try:
         check_publishable(path)

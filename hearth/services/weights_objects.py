@@ -1,7 +1,7 @@
-"""Objects of the community's weights bucket read back and cleared away: never more bytes than stated (into memory
-for a manifest, into a file of the cache for a layer's or a file's object), within a deadline, and an object checked
-against the SHA-256 its manifest states before it takes its name in the cache; a model's objects its manifest no
-longer names deleted.
+"""Objects of the community's weights bucket read back, replaced and cleared away: never more bytes than stated (into
+memory for a manifest, into a file of the cache for a layer's or a file's object), within a deadline, and an object
+checked against the SHA-256 its manifest states before it takes its name in the cache; a manifest replaced only from
+the state its publisher read (put_object_if_unchanged); unused objects deleted by key.
 
 Why bounded here: nats-py's object reader takes chunks until the stream says none are pending, whatever size the
 object's info states (a publisher writes that info itself), and follows a link to another object into memory.
@@ -10,18 +10,24 @@ object's info states (a publisher writes that info itself), and follows a link t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import logging
 import os
+import secrets
 import tempfile
 from pathlib import Path
 from typing import Protocol
+
+from hearth.services.broker.permissions import WEIGHTS_BUCKET, WEIGHTS_STREAM
 
 log = logging.getLogger(__name__)
 
 # nats-py waits for an object's chunks without a deadline: a fetch gets this long plus its size at this rate.
 OBJECT_FETCH_BASE_TIMEOUT_S = 30.0
 OBJECT_FETCH_MIN_BYTES_PER_S = 1 << 20
+# JetStream's answer to a publish whose Nats-Expected-Last-Subject-Sequence no longer holds.
+WRONG_LAST_SEQUENCE_ERR_CODE = 10071
 
 
 class StoredObject(Protocol):
@@ -117,19 +123,69 @@ async def _read_into(store, key: str, what: str, size: int, out) -> None:
     await store.get(key, writeinto=_BoundedWriter(out, size, what))
 
 
-async def delete_objects_except(store, prefix: str, kept: set[str]) -> None:
-    """Delete every object of `store` whose key starts with `prefix` and is not in `kept`; one that cannot be deleted
-    is logged and left for the next call."""
-    from nats.errors import Error as NatsError
+async def meta_sequence(js, key: str) -> int:
+    """The stream sequence of object `key`'s meta message in the weights bucket (what put_object_if_unchanged
+    compares), 0 when it was never stored."""
     from nats.js.errors import NotFoundError
 
     try:
-        infos = await store.list()
-    except NotFoundError:  # an empty bucket
-        return
-    for info in infos:
-        if info.name.startswith(prefix) and info.name not in kept and not info.deleted:
-            try:
-                await store.delete(info.name)
-            except NatsError as error:
-                log.warning("could not delete the unused object %s: %s", info.name, error)
+        return (await js.get_last_msg(WEIGHTS_STREAM, _meta_subject(key))).seq
+    except NotFoundError:
+        return 0
+
+
+async def put_object_if_unchanged(js, key: str, data: bytes, sequence: int, chunk_bytes: int) -> bool:
+    """Store `data` as object `key` of the weights bucket only while its meta message is still at `sequence`
+    (meta_sequence; 0: none): False, and nothing of it left, when another writer replaced the object meanwhile.
+
+    nats-py's put has no such condition; this writes what it writes (chunks on a subject of their own, then the meta
+    message rolling up the subject: ADR-20's layout) with JetStream's Nats-Expected-Last-Subject-Sequence on the
+    meta message, so the server itself refuses a switch from a state the writer did not see."""
+    import base64
+    import hashlib
+    import json
+    from datetime import datetime, timezone
+
+    from nats.js.api import Header, ObjectInfo, ObjectMetaOptions
+    from nats.js.errors import APIError, NotFoundError
+
+    nuid = secrets.token_hex(11)  # a subject token of its own, as nats-py's put names chunks by a NUID
+    chunk_subject = f"$O.{WEIGHTS_BUCKET}.C.{nuid}"
+    previous = None
+    with contextlib.suppress(NotFoundError):
+        previous = json.loads((await js.get_last_msg(WEIGHTS_STREAM, _meta_subject(key))).data)
+    try:
+        chunks = [data[start:start + chunk_bytes] for start in range(0, len(data), chunk_bytes)]
+        for chunk in chunks:
+            await js.publish(chunk_subject, chunk)
+        info = ObjectInfo(name=key, bucket=WEIGHTS_BUCKET, nuid=nuid, size=len(data), chunks=len(chunks),
+                          mtime=datetime.now(timezone.utc).isoformat(),
+                          digest="SHA-256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).decode(),
+                          options=ObjectMetaOptions(max_chunk_size=chunk_bytes))
+        await js.publish(_meta_subject(key), json.dumps(info.as_dict()).encode(), headers={
+            Header.ROLLUP: "sub", Header.EXPECTED_LAST_SUBJECT_SEQUENCE: str(sequence)})
+    except APIError as error:
+        await js.purge_stream(WEIGHTS_STREAM, subject=chunk_subject)
+        if error.err_code == WRONG_LAST_SEQUENCE_ERR_CODE:
+            return False
+        raise
+    if previous and previous.get("nuid") and not previous.get("deleted"):  # the replaced object's chunks
+        await js.purge_stream(WEIGHTS_STREAM, subject=f"$O.{WEIGHTS_BUCKET}.C.{previous['nuid']}")
+    return True
+
+
+def _meta_subject(key: str) -> str:
+    import base64
+
+    return f"$O.{WEIGHTS_BUCKET}.M.{base64.urlsafe_b64encode(key.encode()).decode()}"
+
+
+async def delete_objects(store, keys: set[str]) -> None:
+    """Delete the objects `keys` of `store`; one that cannot be deleted (or is gone already) is logged and left."""
+    from nats.errors import Error as NatsError
+
+    for key in sorted(keys):
+        try:
+            await store.delete(key)
+        except NatsError as error:
+            log.warning("could not delete the unused object %s: %s", key, error)

@@ -1,15 +1,16 @@
-"""The community's weights in NATS JetStream's object store: published once per layer, fetched by layer range.
+"""The community's weights in NATS JetStream's object store: what a stored checkpoint is, fetched by layer range.
 
-`hearth weights publish` stores a safetensors checkpoint in the bucket WEIGHTS_BUCKET under its name: one object per
-decoder layer (its tensors as one safetensors blob, as stored), one for every tensor outside the layers (embedding,
-final norm, lm_head: the "head"), one per config/tokenizer/chat template file, and last a manifest listing each object
-with its size and SHA-256 plus the original checkpoint's weights_sha256. A GGUF is stored with its bytes kept
-(hearth/inference/gguf_parts.py): its header as one object in place of the files, each layer's and the head's tensor
-data in their block types (tensors every layer reads, such as rope_freqs, apart), and the manifest's `gguf` section
-saying where each tensor lies. `store:NAME` is fetched into $HEARTH_CACHE_DIR/store/NAME (default ~/.cache/hearth):
-only the objects a layer range (or the head) needs, each checked against the manifest, assembled into a folder the
-loader reads (hearth/inference/partial_checkpoint.py; for a GGUF, a GGUF of only those tensors) advertising the
-original checkpoint's digest. Who may write and read the bucket: hearth/services/broker/permissions.py.
+`hearth weights publish` (hearth/services/weights_publish.py) stores a safetensors checkpoint in the bucket
+WEIGHTS_BUCKET under its name: one object per decoder layer (its tensors as one safetensors blob, as stored), one for
+every tensor outside the layers (embedding, final norm, lm_head: the "head"), one per config/tokenizer/chat template
+file, and last a manifest listing each object with its size and SHA-256 plus the original checkpoint's
+weights_sha256. A GGUF is stored with its bytes kept (hearth/inference/gguf_parts.py): its header as one object in
+place of the files, each layer's and the head's tensor data in their block types (tensors every layer reads, such as
+rope_freqs, apart), and the manifest's `gguf` section saying where each tensor lies. `store:NAME` is fetched into
+$HEARTH_CACHE_DIR/store/NAME (default ~/.cache/hearth): only the objects a layer range (or the head) needs, each
+checked against the manifest, assembled into a folder the loader reads (hearth/inference/partial_checkpoint.py; for a
+GGUF, a GGUF of only those tensors) advertising the original checkpoint's digest. Who may write and read the bucket:
+hearth/services/broker/permissions.py.
 """
 
 from __future__ import annotations
@@ -23,15 +24,15 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field, field_validator
 
+from hearth.inference.cache_versions import hold_version, remove_unused_versions
 from hearth.inference.checksum import PARTIAL_CHECKPOINT_MARKER
 from hearth.inference.gguf_header import GGUF_SUFFIX
 from hearth.inference.gguf_checkpoint import default_read_device
 from hearth.inference.gguf_parts import StoredLayout
-from hearth.inference.partial_checkpoint import NON_WEIGHT_PATTERNS, NeededTensors, assemble_partial_folder, \
-    check_needed, complete_partial_folder, hearth_cache_dir, layer_of, selection_name
+from hearth.inference.partial_checkpoint import NeededTensors, assemble_partial_folder, check_needed, \
+    complete_partial_folder, hearth_cache_dir, selection_name
 from hearth.services.broker.permissions import WEIGHTS_BUCKET, WEIGHTS_STREAM
-from hearth.services.weights_objects import WeightsStoreError, delete_objects_except, fetch_object, object_intact, \
-    read_small_object
+from hearth.services.weights_objects import WeightsStoreError, fetch_object, object_intact, read_small_object
 
 log = logging.getLogger(__name__)
 
@@ -155,14 +156,16 @@ def object_key(name: str, file: str, version: str | None = None) -> str:
     return f"{name}/{file}" if version is None else f"{name}/{version}/{file}"
 
 
-def _progress(total_bytes: int, description: str):
+def progress_bar(total_bytes: int, description: str):
+    """A byte progress bar on stderr, none when stderr is no terminal."""
     from tqdm import tqdm
 
     return tqdm(total=total_bytes, unit="B", unit_scale=True, desc=description, leave=False,
                 disable=None)  # disable=None: no bar when stderr is not a terminal
 
 
-async def _bucket(js, *, create: bool):
+async def open_bucket(js, *, create: bool):
+    """The weights bucket (created, and its readers' consumers limited, when `create`: the publisher)."""
     from nats.js.api import ObjectStoreConfig
     from nats.js.errors import BucketNotFoundError
 
@@ -188,130 +191,12 @@ async def _limit_consumers(js) -> None:
         await js.update_stream(config.evolve(max_consumers=max_consumers_per_stream, consumer_limits=limits))
 
 
-def _layer_blobs(folder: Path):
-    """(object file, kind, layer, safetensors bytes, {tensor name: TensorSpec}) for each layer and the head, one
-    at a time."""
-    from safetensors.torch import save
-
-    from hearth.inference.checkpoint import SAFETENSORS_DTYPES, SafetensorsCheckpoint
-    from hearth.inference.checkpoint_files import opened_safetensors
-
-    dtype_names = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
-
-    file_of = SafetensorsCheckpoint(folder).file_of
-    groups: dict[int | None, list[str]] = {}
-    for tensor in sorted(file_of):
-        groups.setdefault(layer_of(tensor), []).append(tensor)
-    for layer in sorted(groups, key=lambda key: -1 if key is None else key):
-        tensors = {}
-        for tensor in groups[layer]:
-            with opened_safetensors(file_of[tensor]) as handle:
-                tensors[tensor] = handle.get_tensor(tensor)  # as stored: the store keeps the checkpoint's bytes
-        file = HEAD_OBJECT if layer is None else LAYER_OBJECT_FORMAT.format(layer)
-        specs = {tensor: TensorSpec(dtype=dtype_names[value.dtype], shape=list(value.shape))
-                 for tensor, value in tensors.items()}
-        yield file, ("head" if layer is None else "layer"), layer, save(tensors), specs
-
-
-def _gguf_blobs(path: Path):
-    """(the manifest's gguf section, the number of layers, the objects as _layer_blobs gives them, the header first)
-    of the GGUF at `path` (hearth/inference/gguf_parts.py)."""
-    from hearth.inference.gguf_parts import stored_parts
-
-    layout, num_layers, parts = stored_parts(path, GGUF_HEADER_OBJECT, lambda layer: GGUF_HEAD_OBJECT if layer is None
-                                             else GGUF_LAYER_OBJECT_FORMAT.format(layer), GGUF_EVERY_LAYER_OBJECT)
-    return layout, num_layers, ((file, kind, layer, data, {tensor: TensorSpec(dtype=dtype, shape=shape)
-                                                            for tensor, (dtype, shape) in specs.items()})
-                                for file, kind, layer, data, specs in parts)
-
-
-def _side_files(folder: Path) -> list[Path]:
-    import fnmatch
-
-    from hearth.inference.checkpoint_files import SAFETENSORS_INDEX_NAME
-
-    return sorted(file for file in folder.iterdir() if file.is_file() and file.name != SAFETENSORS_INDEX_NAME
-                  and any(fnmatch.fnmatch(file.name, pattern) for pattern in NON_WEIGHT_PATTERNS))
-
-
-def check_publishable(path: Path) -> Path | None:
-    """The GGUF file `path` names (itself, or a folder's one GGUF), checked as the loader checks it, or None for a
-    safetensors checkpoint folder; WeightsStoreError (one line) for anything else."""
-    from hearth.inference.errors import CheckpointError
-    from hearth.inference.gguf_parts import publishable_gguf
-
-    try:
-        gguf = publishable_gguf(path)
-    except CheckpointError as error:
-        raise WeightsStoreError(str(error)) from None
-    if gguf is None and not (path / "config.json").is_file():
-        raise WeightsStoreError(f"{path} is not a checkpoint folder (no config.json) nor a GGUF file")
-    return gguf
-
-
-async def publish_checkpoint(js, folder: Path, name: str) -> WeightsManifest:
-    """Store the checkpoint `folder` (a safetensors folder, a GGUF file or a folder holding one) as `name`
-    (replacing what was there), one layer in memory at a time, under keys of this publication's own; the manifest
-    goes last, so a reader never sees a manifest naming objects not yet stored or since rewritten, and only then are
-    the objects it does not name deleted."""
-    import secrets
-
-    from hearth.inference import read_config_dict, weights_sha256
-    from hearth.inference.errors import CheckpointError
-
-    check_model_name(name)
-    gguf = await asyncio.to_thread(check_publishable, folder)
-    try:
-        stored_gguf, num_layers, blobs = (await asyncio.to_thread(_gguf_blobs, gguf) if gguf else (
-            None, int(read_config_dict(folder)["num_hidden_layers"]), _layer_blobs(folder)))
-        digest = await asyncio.to_thread(weights_sha256, gguf or folder)
-        layer_bytes = gguf.stat().st_size if gguf else sum(file.stat().st_size for file in folder.glob("*.safetensors"))
-    except (CheckpointError, KeyError, ValueError, OSError) as error:
-        raise WeightsStoreError(f"{folder} is not a checkpoint hearth can publish: {error}") from None
-    store = await _bucket(js, create=True)
-    objects: list[StoredObject] = []
-    weight_map: dict[str, str] = {}
-    tensor_specs: dict[str, TensorSpec] = {}
-    version = secrets.token_hex(8)
-
-    async def put(file: str, kind: str, layer: int | None, data: bytes) -> None:
-        key = object_key(name, file, version)
-        await store.put(key, data, meta=_chunked(key))
-        objects.append(StoredObject(file=file, kind=kind, layer=layer, size=len(data),
-                                    sha256=hashlib.sha256(data).hexdigest()))
-        bar.update(len(data))
-
-    with _progress(layer_bytes, f"publishing {name}") as bar:
-        for side_file in [] if gguf else _side_files(folder):
-            await put(side_file.name, "file", None, side_file.read_bytes())
-        while (item := await asyncio.to_thread(next, blobs, None)) is not None:
-            file, kind, layer, data, specs = item
-            await put(file, kind, layer, data)
-            weight_map.update(dict.fromkeys(specs, file))
-            tensor_specs.update(specs)
-    manifest = WeightsManifest(format_version=GGUF_FORMAT_VERSION if gguf else 1, name=name, num_layers=num_layers,
-                               weights_sha256=digest, objects=objects, weight_map=weight_map, tensors=tensor_specs,
-                               gguf=stored_gguf, objects_version=version)
-    await store.put(object_key(name, MANIFEST_OBJECT), manifest.model_dump_json().encode())
-    # Only now: a host may still be reading the previous manifest's objects (it is refused, and reads this one anew).
-    await delete_objects_except(store, f"{name}/", {object_key(name, MANIFEST_OBJECT)} | {
-        object_key(name, stored.file, version) for stored in objects})
-    log.info("published %s: %d objects, weights %s", name, len(objects), digest[:12])
-    return manifest
-
-
-def _chunked(key: str):
-    from nats.js.api import ObjectMeta, ObjectMetaOptions
-
-    return ObjectMeta(name=key, options=ObjectMetaOptions(max_chunk_size=OBJECT_CHUNK_BYTES))
-
-
 async def read_manifest(js, name: str) -> WeightsManifest:
     """The manifest of stored model `name`; WeightsStoreError when absent, oversized or malformed."""
     from nats.js.errors import ObjectNotFoundError
     from pydantic import ValidationError
 
-    store = await _bucket(js, create=False)
+    store = await open_bucket(js, create=False)
     try:
         data = await read_small_object(store, object_key(name, MANIFEST_OBJECT), f"the manifest of {name!r}",
                                        MANIFEST_MAX_BYTES)
@@ -330,7 +215,7 @@ async def list_models(js) -> list[WeightsManifest]:
     """The manifests of every stored model, by name."""
     from nats.js.errors import NotFoundError
 
-    store = await _bucket(js, create=False)
+    store = await open_bucket(js, create=False)
     try:
         infos = await store.list()
     except NotFoundError:  # an empty bucket
@@ -348,10 +233,12 @@ async def fetch_stored_model(js, name: str, needed: NeededTensors, *, cache_dir:
     manifest = await read_manifest(js, check_model_name(name))
     if isinstance(needed, tuple) and needed[1] >= manifest.num_layers:
         raise WeightsStoreError(f"{name!r} has {manifest.num_layers} layers: no layer {needed[1]}")
-    root = (cache_dir or hearth_cache_dir()) / STORE_CACHE_FOLDER / name / manifest.weights_sha256[:16]
+    model_dir = (cache_dir or hearth_cache_dir()) / STORE_CACHE_FOLDER / name
+    root = model_dir / manifest.weights_sha256[:16]
     # Side files are no part of weights_sha256: they, and the folders linking them, are kept per manifest.
     published, gguf_name = root / manifest.digest()[:16], f"{name}{GGUF_SUFFIX}"
     target = published / selection_name(needed)
+    await asyncio.to_thread(_hold_publication, model_dir, root, published)
     if (done := complete_partial_folder(target)) is not None:
         return done / gguf_name if manifest.gguf else done
     wanted = manifest.needed_objects(needed)
@@ -360,16 +247,34 @@ async def fetch_stored_model(js, name: str, needed: NeededTensors, *, cache_dir:
     for folder in {file.parent for file in files.values()}:
         folder.mkdir(parents=True, exist_ok=True)
     missing = [stored for stored in wanted if not await asyncio.to_thread(object_intact, files[stored.file], stored)]
-    store = await _bucket(js, create=False)
-    with _progress(sum(stored.size for stored in missing), f"fetching {name}") as bar:
+    store = await open_bucket(js, create=False)
+    with progress_bar(sum(stored.size for stored in missing), f"fetching {name}") as bar:
         for stored in missing:
             await fetch_object(store, object_key(name, stored.file, manifest.objects_version), name, stored,
                                files[stored.file].parent)
             bar.update(stored.size)
     if manifest.gguf is not None:
-        return await asyncio.to_thread(_write_gguf, manifest, target, gguf_name, files)
-    return await asyncio.to_thread(assemble_partial_folder, target, files, manifest.weight_map,
-                                   weights_sha256=manifest.weights_sha256, source=f"{STORE_MODEL_PREFIX}{name}")
+        fetched = await asyncio.to_thread(_write_gguf, manifest, target, gguf_name, files)
+    else:
+        fetched = await asyncio.to_thread(assemble_partial_folder, target, files, manifest.weight_map,
+                                          weights_sha256=manifest.weights_sha256,
+                                          source=f"{STORE_MODEL_PREFIX}{name}")
+    # A complete folder of this publication is written: earlier publications' folders no process uses can go.
+    await asyncio.to_thread(remove_unused_versions, model_dir, {root})
+    await asyncio.to_thread(remove_unused_versions, root, {published, root / "objects"})
+    return fetched
+
+
+def _hold_publication(model_dir: Path, root: Path, published: Path) -> None:
+    """Hold the folders of this weights digest and this manifest in use while this process runs
+    (hearth/inference/cache_versions.py)."""
+    from hearth.inference.errors import CheckpointError
+
+    try:
+        hold_version(model_dir, root)
+        hold_version(root, published)
+    except CheckpointError as error:
+        raise WeightsStoreError(str(error)) from None
 
 
 def _write_gguf(manifest: WeightsManifest, target: Path, gguf_name: str, files: dict[str, Path]) -> Path:

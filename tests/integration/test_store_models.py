@@ -17,12 +17,11 @@ from hearth.services.common.config import HearthSettings, NatsSettings
 from hearth.services.host.model_layout import model_layout
 from hearth.services.orchestrator.catalog import ModelCatalog, UnknownModel
 from hearth.services.shard.main import ShardRefused, load_shard
+from hearth.services.weights_publish import check_publishable, publish_checkpoint
 from hearth.services.weights_store import (
     HEAD_OBJECT,
     LAYER_OBJECT_FORMAT,
     WeightsStoreError,
-    check_publishable,
-    publish_checkpoint,
 )
 from tests.integration.test_weights_store import js  # noqa: F401  (a fixture)
 from tests.unit.inference_tiny_models import one_torch_thread, tiny_model_dir  # noqa: F401  (fixtures)

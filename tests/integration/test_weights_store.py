@@ -13,6 +13,7 @@ from tests.runner_limits import RUNNER_KV_LIMITS
 from hearth.events.streams import consumer_limits, max_consumers_per_stream, weights_consumer_inactive_limit_s
 from hearth.services.broker.connection import connect_nats
 from hearth.services.broker.permissions import WEIGHTS_STREAM
+from hearth.services.weights_publish import publish_checkpoint
 from hearth.services.weights_store import (
     HEAD_OBJECT,
     LAYER_OBJECT_FORMAT,
@@ -22,7 +23,6 @@ from hearth.services.weights_store import (
     fetch_stored_model,
     list_models,
     object_key,
-    publish_checkpoint,
 )
 from tests.unit.inference_tiny_models import one_torch_thread, tiny_model_dir  # noqa: F401  (fixtures)
 
@@ -99,11 +99,11 @@ async def test_an_object_larger_than_its_manifest_states_is_refused_and_leaves_n
 
 async def test_an_interrupted_republish_leaves_the_stored_model_as_it_was(js, published, tiny_model_dir, tmp_path,
                                                                          monkeypatch):
-    import hearth.services.weights_store as weights_store
+    import hearth.services.weights_publish as weights_publish
 
     original, first = published
     other = tiny_model_dir("llama", max_shard_size="100KB", seed=2)
-    every_blob = weights_store._layer_blobs
+    every_blob = weights_publish._layer_blobs
 
     def stops_after_the_head_and_two_layers(folder):
         for count, blob in enumerate(every_blob(folder)):
@@ -111,7 +111,7 @@ async def test_an_interrupted_republish_leaves_the_stored_model_as_it_was(js, pu
                 raise KeyboardInterrupt("the publisher stops")
             yield blob
 
-    monkeypatch.setattr(weights_store, "_layer_blobs", stops_after_the_head_and_two_layers)
+    monkeypatch.setattr(weights_publish, "_layer_blobs", stops_after_the_head_and_two_layers)
     with pytest.raises(KeyboardInterrupt):
         await publish_checkpoint(js, other, NAME)
     monkeypatch.undo()
@@ -123,12 +123,20 @@ async def test_an_interrupted_republish_leaves_the_stored_model_as_it_was(js, pu
     head = await fetch_stored_model(js, NAME, "head", cache_dir=tmp_path)
     assert torch.equal(load_head(head).embed(tokens), load_head(original).embed(tokens))
 
-    second = await publish_checkpoint(js, other, NAME)  # the complete one keeps only its own objects
+    second = await publish_checkpoint(js, other, NAME)  # deletes the objects of the manifest it replaced
     store = await js.object_store(WEIGHTS_BUCKET)
+    stored = {info.name for info in await store.list() if not info.deleted}
+    assert not {object_key(NAME, stored.file, first.objects_version) for stored in first.objects} & stored
+    interrupted = stored - {object_key(NAME, MANIFEST_OBJECT)} - {
+        object_key(NAME, stored.file, second.objects_version) for stored in second.objects}
+    assert len(interrupted) >= 3  # its head and 2 layers (and side files): kept while they may be a publisher's at work
+
+    monkeypatch.setattr(weights_publish, "ABANDONED_PUBLICATION_AGE_S", 0.0)  # ... until they are old enough
+    third = await publish_checkpoint(js, other, NAME)
     assert {info.name for info in await store.list() if not info.deleted} == {
-        object_key(NAME, MANIFEST_OBJECT), *(object_key(NAME, stored.file, second.objects_version)
-                                             for stored in second.objects)}
-    assert first.objects_version != second.objects_version
+        object_key(NAME, MANIFEST_OBJECT), *(object_key(NAME, stored.file, third.objects_version)
+                                             for stored in third.objects)}
+    assert len({first.objects_version, second.objects_version, third.objects_version}) == 3
 
 
 async def test_a_republished_side_file_reaches_hosts_that_fetched_the_previous_one(js, tiny_model_dir, tmp_path):
@@ -216,3 +224,93 @@ async def test_on_a_community_mesh_only_system_writes_and_shard_hosts_and_orches
     finally:
         for nc in (system, shard, orchestrator, client):
             await nc.close()
+
+
+async def test_a_damaged_cached_object_is_fetched_again_before_its_folder_is_reused(js, published, tmp_path):
+    original, manifest = published
+    folder = await fetch_stored_model(js, NAME, (2, 3), cache_dir=tmp_path)
+    damaged = (folder / LAYER_OBJECT_FORMAT.format(2)).resolve()
+    stated = next(stored.size for stored in manifest.objects if stored.file == damaged.name)
+    with damaged.open("r+b") as handle:  # truncated, as a full disk or a crash leaves a file
+        handle.truncate(stated // 2)
+
+    again = await fetch_stored_model(js, NAME, (2, 3), cache_dir=tmp_path)
+    assert again == folder and damaged.stat().st_size == stated
+    assert _same_parameters(load_layer_range(again, 2, 3, **RUNNER_KV_LIMITS),
+                            load_layer_range(original, 2, 3, **RUNNER_KV_LIMITS))
+
+
+async def test_two_publishers_of_one_name_at_once_never_delete_each_others_objects(js, published, tiny_model_dir,
+                                                                                   tmp_path, monkeypatch):
+    import asyncio
+    import threading
+
+    import hearth.services.weights_publish as weights_publish
+
+    original, first = published
+    other = tiny_model_dir("llama", max_shard_size="100KB", seed=2)
+    every_blob, midway, go_on = weights_publish._layer_blobs, threading.Event(), threading.Event()
+
+    def pauses_midway(folder):
+        for count, blob in enumerate(every_blob(folder)):
+            if count == 3 and folder == other:  # the slow publisher has stored its side files, the head, 2 layers
+                midway.set()
+                go_on.wait(timeout=60)
+            yield blob
+
+    monkeypatch.setattr(weights_publish, "_layer_blobs", pauses_midway)
+    slow = asyncio.create_task(publish_checkpoint(js, other, NAME))
+    try:
+        assert await asyncio.to_thread(midway.wait, 60)
+        fast = await publish_checkpoint(js, original, NAME)  # replaces `first` while `slow` is storing
+    finally:
+        go_on.set()
+    second = await slow  # replaces `fast`
+
+    store = await js.object_store(WEIGHTS_BUCKET)
+    assert {info.name for info in await store.list() if not info.deleted} == {
+        object_key(NAME, MANIFEST_OBJECT), *(object_key(NAME, stored.file, second.objects_version)
+                                             for stored in second.objects)}
+    assert len({first.objects_version, fast.objects_version, second.objects_version}) == 3
+    folder = await fetch_stored_model(js, NAME, (0, 5), cache_dir=tmp_path)
+    assert _same_parameters(load_layer_range(folder, 0, 5, **RUNNER_KV_LIMITS),
+                            load_layer_range(other, 0, 5, **RUNNER_KV_LIMITS))
+
+
+async def test_a_manifest_switch_from_a_state_since_replaced_is_refused_by_the_server(js, published):
+    from hearth.services.weights_objects import meta_sequence, put_object_if_unchanged
+    from hearth.services.weights_store import read_manifest
+
+    _, manifest = published
+    key = object_key(NAME, MANIFEST_OBJECT)
+    seen = await meta_sequence(js, key)
+    assert await put_object_if_unchanged(js, key, manifest.model_dump_json().encode(), seen, 1024)  # chunked
+    assert not await put_object_if_unchanged(js, key, b"{}", seen, 1024)  # a switch it did not see came between
+    assert not await put_object_if_unchanged(js, key, b"{}", 0, 1024)  # 0: only where none is stored
+    assert await read_manifest(js, NAME) == manifest
+    assert await put_object_if_unchanged(js, object_key("other", MANIFEST_OBJECT), b"{}", 0, 1024)
+
+
+async def test_a_new_publication_fetched_removes_earlier_ones_no_process_uses(js, published, tiny_model_dir,
+                                                                              tmp_path):
+    import fcntl
+
+    from hearth.inference.cache_versions import IN_USE_LOCK, release_held_versions
+
+    _, first = published
+    model_dir = tmp_path / "store" / NAME
+    await fetch_stored_model(js, NAME, (0, 1), cache_dir=tmp_path)
+    release_held_versions()  # the process that fetched it ended
+    second = await publish_checkpoint(js, tiny_model_dir("llama", max_shard_size="100KB", seed=2), NAME)
+    with open(model_dir / first.weights_sha256[:16] / IN_USE_LOCK, "a") as other_process:
+        fcntl.flock(other_process, fcntl.LOCK_SH)  # ... but another process loaded it and runs on
+        await fetch_stored_model(js, NAME, (0, 1), cache_dir=tmp_path)
+        assert (model_dir / first.weights_sha256[:16] / first.digest()[:16] / "layers-0-1").is_dir()
+    release_held_versions()
+
+    third = await publish_checkpoint(js, tiny_model_dir("llama", max_shard_size="100KB", seed=3), NAME)
+    folder = await fetch_stored_model(js, NAME, (0, 1), cache_dir=tmp_path)
+    assert {entry.name for entry in model_dir.iterdir() if not entry.name.startswith(".")} == {
+        third.weights_sha256[:16]}
+    assert second.weights_sha256 != third.weights_sha256 and folder.is_dir()
+    release_held_versions()

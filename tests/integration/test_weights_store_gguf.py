@@ -21,6 +21,7 @@ from hearth.services.common.config import HearthSettings, NatsSettings
 from hearth.services.host.model_layout import model_layout
 from hearth.services.orchestrator.catalog import ModelCatalog
 from hearth.services.shard.main import load_shard
+from hearth.services.weights_publish import publish_checkpoint
 from hearth.services.weights_store import (
     GGUF_EVERY_LAYER_OBJECT,
     GGUF_HEAD_OBJECT,
@@ -30,7 +31,6 @@ from hearth.services.weights_store import (
     WeightsStoreError,
     fetch_stored_model,
     object_key,
-    publish_checkpoint,
 )
 from tests.integration.test_weights_store import js  # noqa: F401  (a fixture)
 from tests.runner_limits import RUNNER_KV_LIMITS
@@ -159,3 +159,16 @@ def test_publishing_a_gguf_the_loader_refuses_fails_in_one_line_before_any_conne
     assert refused.returncode == EXIT_BAD_INPUT
     assert len(refused.stderr.strip().splitlines()) == 1, refused.stderr
     assert "hearth weights publish: cut.gguf is truncated: tensor blk." in refused.stderr
+
+
+async def test_a_damaged_cached_gguf_part_is_written_again_before_it_is_reused(js, published, tmp_path):
+    original, _ = published
+    part = await fetch_stored_model(js, NAME, (2, 3))
+    size = part.stat().st_size
+    with part.open("r+b") as handle:  # truncated, as a full disk or a crash leaves a file
+        handle.truncate(size // 2)
+
+    again = await fetch_stored_model(js, NAME, (2, 3))
+    assert again.stat().st_size == size
+    assert _same_parameters(load_layer_range(again, 2, 3, **RUNNER_KV_LIMITS),
+                            load_layer_range(original, 2, 3, **RUNNER_KV_LIMITS))

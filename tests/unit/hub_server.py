@@ -4,7 +4,8 @@ Just what huggingface_hub's clients ask for: repository info (`GET /api/models/{
 recursive file listing with each LFS file's SHA-256 (`GET /api/models/{repo}/tree/{rev}`), and files (`HEAD` then
 `GET /{repo}/resolve/{rev}/{file}`, answered with `X-Repo-Commit`, `ETag` and `Content-Length`; a `Range: bytes=A-B`
 or `bytes=A-` GET gets those bytes only, with status 206 and `Content-Range` as the hub's CDN answers, recorded as
-method "RANGE"; `bytes_sent` counts the file bytes sent). Point `HF_ENDPOINT` at `.url`.
+method "RANGE"; `bytes_sent` counts the file bytes sent, `bytes_delivered` those the client took before hanging up).
+Point `HF_ENDPOINT` at `.url`.
 """
 
 from __future__ import annotations
@@ -32,11 +33,16 @@ class FakeHub:
     requests: list[tuple[str, str]] = field(default_factory=list)
     # File name -> bytes served instead of the file's own (a tampered mirror); the listing keeps the true hash.
     tampered: dict[str, bytes] = field(default_factory=dict)
+    # File name -> bytes a GET sends after the file's own, with no Content-Length (a server sending past the listed
+    # size); a HEAD still states the listed size.
+    oversent: dict[str, int] = field(default_factory=dict)
     # When false, Range headers are ignored (the whole file is answered, status 200), as some mirrors do.
     serves_ranges: bool = True
     url: str = ""
     # File bytes sent in answers to resolve GETs, whole or ranged.
     bytes_sent: int = 0
+    # Body bytes the client took before it closed the connection (every answer's).
+    bytes_delivered: int = 0
     # When true, every listing page names more files and links a next page (a hub that pages without end).
     endless_listing: bool = False
     listing_pages: int = 0
@@ -99,6 +105,8 @@ def _handler_for(hub: FakeHub):
                             hub.bytes_sent += last + 1 - first
                             return self._bytes(data[first:last + 1], send_body, etag=etag, status=206,
                                                content_range=f"bytes {first}-{last}/{len(data)}")
+                        if name in hub.oversent and send_body:
+                            return self._endless(data, hub.oversent[name], etag)
                         hub.bytes_sent += len(data) if send_body else 0
                         return self._bytes(data, send_body, etag=etag)
             self.send_response(404)
@@ -124,7 +132,29 @@ def _handler_for(hub: FakeHub):
                 self.send_header("ETag", f'"{etag}"')
             self.end_headers()
             if send_body:
-                self.wfile.write(data)
+                self._deliver(data)
+
+        def _endless(self, data: bytes, extra: int, etag: str) -> None:
+            # HTTP/1.0-style: the body ends when the connection closes, so only the client's count bounds it.
+            self.send_response(200)
+            self.send_header("Content-Type", "application/octet-stream")
+            self.send_header("X-Repo-Commit", FAKE_COMMIT)
+            self.send_header("ETag", f'"{etag}"')
+            self.send_header("Connection", "close")
+            self.end_headers()
+            self.close_connection = True
+            if self._deliver(data):
+                self._deliver(b"\0" * extra)
+
+        def _deliver(self, data: bytes) -> bool:
+            try:
+                for start in range(0, len(data), 64 << 10):
+                    piece = data[start:start + (64 << 10)]
+                    self.wfile.write(piece)
+                    hub.bytes_delivered += len(piece)
+            except (BrokenPipeError, ConnectionResetError):
+                return False
+            return True
 
     return Handler
 

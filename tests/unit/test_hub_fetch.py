@@ -89,18 +89,66 @@ def test_a_tampered_file_is_refused_with_one_line(served, tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["side file", "weight file"])
-def test_a_file_served_larger_than_listed_is_refused_and_not_kept(served, tmp_path, kind):
+def test_a_file_served_larger_than_listed_is_refused_before_its_body_is_read(served, tmp_path, kind):
     hub, original, weight_map = served
     victim = "tokenizer.json" if kind == "side file" else sorted(files_holding(weight_map, (1, 1)))[0]
-    listed = (original / victim).stat().st_size
-    hub.tampered[victim] = (original / victim).read_bytes() + b" " * 4096
-    with pytest.raises(CheckpointError, match=f"^model '{REPO}': {victim} is {listed + 4096} bytes, not the {listed} "
+    listed, extra = (original / victim).stat().st_size, 32 << 20
+    hub.tampered[victim] = (original / victim).read_bytes() + b" " * extra
+    with pytest.raises(CheckpointError, match=f"^model '{REPO}': {victim} is {listed + extra} bytes, not the {listed} "
                                               "its listing states"):
         resolve_model_path(REPO, cache_dir=tmp_path / "cache", needed_layers=(1, 1))
-    assert not list((tmp_path / "cache").rglob(victim))
+    assert hub.bytes_delivered < 16 << 20  # its Content-Length refused it: the body was not read
+    assert not [file for file in (tmp_path / "cache").rglob(f"*{victim}*") if file.stat().st_size]  # its lock, empty
     hub.tampered.clear()
     folder = resolve_model_path(REPO, cache_dir=tmp_path / "cache", needed_layers=(1, 1))
     assert (folder / victim).read_bytes() == (original / victim).read_bytes()
+
+
+@pytest.mark.parametrize("kind", ["side file", "weight file"])
+def test_a_file_sent_past_its_listed_size_is_cut_off_there_and_not_kept(served, tmp_path, kind):
+    hub, original, weight_map = served
+    victim = "tokenizer.json" if kind == "side file" else sorted(files_holding(weight_map, (1, 1)))[0]
+    listed = (original / victim).stat().st_size
+    hub.oversent[victim] = 64 << 20  # no Content-Length: only the listed size can bound it
+    with pytest.raises(CheckpointError, match=f"^model '{REPO}': {victim} arrived with more than the {listed} bytes "
+                                              "its listing states"):
+        resolve_model_path(REPO, cache_dir=tmp_path / "cache", needed_layers=(1, 1))
+    assert hub.bytes_delivered < 16 << 20  # stopped where it passed its size, not read to its end
+    assert not [file for file in (tmp_path / "cache").rglob(f"*{victim}*") if file.stat().st_size]  # its lock, empty
+    hub.oversent.clear()
+    folder = resolve_model_path(REPO, cache_dir=tmp_path / "cache", needed_layers=(1, 1))
+    assert (folder / victim).read_bytes() == (original / victim).read_bytes()
+
+
+def test_a_damaged_cached_file_is_downloaded_again_before_its_folder_is_reused(served, tmp_path):
+    hub, original, weight_map = served
+    folder = resolve_model_path(REPO, cache_dir=tmp_path / "cache", needed_layers=(1, 1))
+    victim = sorted(files_holding(weight_map, (1, 1)))[0]
+    with (folder / victim).resolve().open("r+b") as handle:  # truncated, as a full disk or a crash leaves a file
+        handle.truncate(100)
+    with pytest.raises(CheckpointError, match="downloads are disabled"):  # offline: refused, not loaded damaged
+        resolve_model_path(REPO, cache_dir=tmp_path / "cache", needed_layers=(1, 1), local_files_only=True)
+
+    hub.requests.clear()
+    again = resolve_model_path(REPO, cache_dir=tmp_path / "cache", needed_layers=(1, 1))
+    assert again == folder and (again / victim).read_bytes() == (original / victim).read_bytes()
+    assert {name for name in hub.downloaded(REPO) if name.endswith(".safetensors")} == {victim}
+
+
+def test_a_new_commit_downloaded_removes_earlier_ones_no_revision_names_and_no_process_uses(served, tmp_path,
+                                                                                           monkeypatch):
+    from hearth.inference.cache_versions import release_held_versions
+
+    root = tmp_path / "cache" / "hearth-partial" / REPO.replace("/", "--")
+    resolve_model_path(REPO, cache_dir=tmp_path / "cache", needed_layers=(1, 1))
+    resolve_model_path(REPO, cache_dir=tmp_path / "cache", needed_layers=(2, 2))
+    release_held_versions()  # the processes that loaded them ended
+    newer = "c0ffee0000000000000000000000000000000002"
+    monkeypatch.setattr("tests.unit.hub_server.FAKE_COMMIT", newer)  # the repository moved on
+    folder = resolve_model_path(REPO, cache_dir=tmp_path / "cache", needed_layers=(3, 3))  # a part not cached
+    assert folder.parent == root / newer
+    assert {entry.name for entry in root.iterdir() if not entry.name.startswith(".")} == {"refs", newer}
+    release_held_versions()
 
 
 def test_a_listing_without_end_is_refused_past_its_bound(served, tmp_path):

@@ -51,6 +51,7 @@ ALLOWED_IMPORTS: dict[str, tuple[str, ...]] = {
     "services.transport": _BROKER_SIDE,
     "services.weights_store": (*_BROKER_SIDE, "inference", "services.weights_objects"),
     "services.weights_objects": (*_BROKER_SIDE, "inference"),
+    "services.weights_publish": (*_BROKER_SIDE, "inference", "services.weights_store", "services.weights_objects"),
     "services.schema": _BROKER_SIDE,
     "services.cli_options": _BROKER_SIDE,
     "services.shard": (*_MODEL_SIDE, "services.cli_options"),
@@ -64,7 +65,8 @@ ALLOWED_IMPORTS: dict[str, tuple[str, ...]] = {
                                "services.community_reputation"),
     "services.community_reputation": _BROKER_SIDE,
     "services.nats_cli": (*_BROKER_SIDE, "services.cli_options"),
-    "services.weights_cli": (*_BROKER_SIDE, "services.cli_options", "services.weights_store"),
+    "services.weights_cli": (*_BROKER_SIDE, "services.cli_options", "services.weights_store",
+                             "services.weights_publish"),
     "services.devtools": (*_MODEL_SIDE, "readmodels", "services.cli_options", "services.client", "services.gateway",
                           "services.shard", "services.orchestrator", "services.projector", "services.host"),
     "services.cli": ("*",),  # the entry point: every command's module, each loaded when its command runs

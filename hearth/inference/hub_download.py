@@ -1,0 +1,133 @@
+"""Downloading one file of a hub repository at a commit, never more bytes than the repository's listing states.
+
+huggingface_hub's downloader takes whatever a server sends and checks its size only once the file is written, so a
+mirror sending an oversized file could fill the disk first. Here a Content-Length beyond the listed size is refused
+before any byte of the body is read, and a body running past it (no Content-Length, or a lying one) is cut off at
+that byte; either way its partial file is removed and the error is one line. A download broken off midway resumes
+(RANGE_RETRIES times, and again on the next start) from the partial file, which a lock file beside it keeps to one
+writer among the processes sharing the cache. Every request names the commit, whose files never change.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+from pathlib import Path
+
+from .errors import CheckpointError
+from .hub_ids import HUB_ENDPOINT_ENV
+
+# Retries of a transfer that broke off, each resuming where the last ended (as hub_gguf's byte ranges).
+DOWNLOAD_RETRIES = 5
+PARTIAL_SUFFIX = ".part"
+LOCK_SUFFIX = ".lock"
+
+
+class OversizedDownload(CheckpointError):
+    """A server sent, or stated it would send, more bytes than the listing states for the file."""
+
+
+def listed_size(entry) -> int:
+    """The size a listing entry (huggingface_hub's RepoFile) states for its file: its LFS object's for an LFS file."""
+    return entry.lfs.size if entry.lfs is not None else entry.size
+
+
+def download_listed_file(repo_id: str, commit: str, entry, folder: Path) -> Path:
+    """`folder`/NAME holding listing `entry`'s file of `repo_id` at `commit`: kept when already there at its listed
+    size (one of another size is removed first), else downloaded, resumed from a partial download when one is there.
+    CheckpointError (one line) when the server states or sends another size than listed; nothing of an oversized
+    file is kept."""
+    name, size = entry.path, listed_size(entry)
+    target = folder / name
+    if _is_sized(target, size):
+        return target
+    folder.mkdir(parents=True, exist_ok=True)
+    partial = folder / f".{name}{PARTIAL_SUFFIX}"
+    with open(folder / f".{name}{LOCK_SUFFIX}", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when closed: a twin process downloading it finishes first
+        if _is_sized(target, size):
+            return target
+        target.unlink(missing_ok=True)  # damaged or of another size: no longer the listed file
+        try:
+            with partial.open("ab") as out:
+                _download_into(repo_id, commit, name, size, out)
+        except OversizedDownload:
+            partial.unlink(missing_ok=True)
+            raise
+        os.replace(partial, target)
+    return target
+
+
+def _is_sized(file: Path, size: int) -> bool:
+    try:
+        return file.is_file() and file.stat().st_size == size
+    except OSError:
+        return False
+
+
+def _download_into(repo_id: str, commit: str, name: str, size: int, out) -> None:
+    """Append `name`'s bytes to `out` (already holding its first bytes when resumed) until it holds `size`."""
+    import httpx2
+    from huggingface_hub import constants, hf_hub_url
+    from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
+
+    url = hf_hub_url(repo_id, name, revision=commit, endpoint=os.environ.get(HUB_ENDPOINT_ENV) or None)
+    have, retries = out.seek(0, os.SEEK_END), DOWNLOAD_RETRIES
+    if have > size:  # a partial longer than the file: start again
+        out.truncate(0)
+        have = 0
+    with _progress(size, name, have) as bar:
+        while have < size:
+            # Identity encoding: Content-Length is then the file's own size, and a resumed range its own bytes.
+            headers = {**build_hf_headers(), "Accept-Encoding": "identity"}
+            if have:
+                headers["Range"] = f"bytes={have}-"
+            try:
+                with get_session().stream("GET", url, headers=headers, follow_redirects=True,
+                                          timeout=constants.HF_HUB_DOWNLOAD_TIMEOUT) as response:
+                    hf_raise_for_status(response)
+                    if have and not _resumes_at(response, have):  # the whole file came back: start again
+                        out.truncate(0)
+                        bar.update(-have)
+                        have = 0
+                    _check_stated_length(repo_id, name, size, have, response)
+                    for chunk in response.iter_bytes():
+                        if have + len(chunk) > size:
+                            raise OversizedDownload(f"model {repo_id!r}: {name} arrived with more than the {size} "
+                                                    "bytes its listing states (a tampered mirror?): download stopped "
+                                                    "and removed")
+                        out.write(chunk)
+                        have += len(chunk)
+                        bar.update(len(chunk))
+            except (httpx2.TransportError, httpx2.StreamError):
+                if retries == 0:
+                    raise
+                retries -= 1
+                continue
+            break
+    if have != size:
+        raise CheckpointError(f"model {repo_id!r}: {name} arrived with {have} bytes, not the {size} its listing "
+                              "states (the transfer ended early; the next start resumes it)")
+
+
+def _resumes_at(response, have: int) -> bool:
+    """Whether `response` answers a request for the bytes from `have` on with exactly those."""
+    content_range = response.headers.get("Content-Range", "")
+    return response.status_code == 206 and content_range.startswith(f"bytes {have}-")
+
+
+def _check_stated_length(repo_id: str, name: str, size: int, have: int, response) -> None:
+    stated = response.headers.get("Content-Length")
+    if stated is not None and stated.isdigit() and have + int(stated) > size:
+        raise OversizedDownload(f"model {repo_id!r}: {name} is {have + int(stated)} bytes, not the {size} its "
+                                "listing states (as the server states it: a tampered mirror?); nothing of it was "
+                                "downloaded")
+
+
+@contextlib.contextmanager
+def _progress(total_bytes: int, name: str, initial: int):
+    from huggingface_hub.utils import tqdm
+
+    with tqdm(total=total_bytes, initial=initial, unit="B", unit_scale=True, desc=name, leave=False) as bar:
+        yield bar

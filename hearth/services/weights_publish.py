@@ -1,0 +1,199 @@
+"""Publishing a checkpoint into the community's weights bucket: its objects under keys of this publication's own, the
+manifest last (hearth/services/weights_store.py says what is stored and how it is fetched)."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import re
+import time
+from pathlib import Path
+
+from hearth.inference.partial_checkpoint import NON_WEIGHT_PATTERNS, layer_of
+from hearth.services.weights_objects import WeightsStoreError, delete_objects, meta_sequence, put_object_if_unchanged
+from hearth.services.weights_store import GGUF_EVERY_LAYER_OBJECT, GGUF_FORMAT_VERSION, GGUF_HEAD_OBJECT, \
+    GGUF_HEADER_OBJECT, GGUF_LAYER_OBJECT_FORMAT, HEAD_OBJECT, LAYER_OBJECT_FORMAT, MANIFEST_OBJECT, \
+    OBJECT_CHUNK_BYTES, StoredObject, TensorSpec, WeightsManifest, check_model_name, object_key, open_bucket, \
+    progress_bar, read_manifest
+
+log = logging.getLogger(__name__)
+
+# Tries of the manifest switch when other publishers of the name switch it meanwhile.
+MANIFEST_SWITCH_ATTEMPTS = 5
+# Objects of a version no manifest names are deleted once that publication has stored nothing for this long: an
+# interrupted publication's. Before that they may be another publisher's, still storing its objects (one object is a
+# layer: minutes at most).
+ABANDONED_PUBLICATION_AGE_S = 24 * 3600
+
+
+def _layer_blobs(folder: Path):
+    """(object file, kind, layer, safetensors bytes, {tensor name: TensorSpec}) for each layer and the head, one
+    at a time."""
+    from safetensors.torch import save
+
+    from hearth.inference.checkpoint import SAFETENSORS_DTYPES, SafetensorsCheckpoint
+    from hearth.inference.checkpoint_files import opened_safetensors
+
+    dtype_names = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
+
+    file_of = SafetensorsCheckpoint(folder).file_of
+    groups: dict[int | None, list[str]] = {}
+    for tensor in sorted(file_of):
+        groups.setdefault(layer_of(tensor), []).append(tensor)
+    for layer in sorted(groups, key=lambda key: -1 if key is None else key):
+        tensors = {}
+        for tensor in groups[layer]:
+            with opened_safetensors(file_of[tensor]) as handle:
+                tensors[tensor] = handle.get_tensor(tensor)  # as stored: the store keeps the checkpoint's bytes
+        file = HEAD_OBJECT if layer is None else LAYER_OBJECT_FORMAT.format(layer)
+        specs = {tensor: TensorSpec(dtype=dtype_names[value.dtype], shape=list(value.shape))
+                 for tensor, value in tensors.items()}
+        yield file, ("head" if layer is None else "layer"), layer, save(tensors), specs
+
+
+def _gguf_blobs(path: Path):
+    """(the manifest's gguf section, the number of layers, the objects as _layer_blobs gives them, the header first)
+    of the GGUF at `path` (hearth/inference/gguf_parts.py)."""
+    from hearth.inference.gguf_parts import stored_parts
+
+    layout, num_layers, parts = stored_parts(path, GGUF_HEADER_OBJECT, lambda layer: GGUF_HEAD_OBJECT if layer is None
+                                             else GGUF_LAYER_OBJECT_FORMAT.format(layer), GGUF_EVERY_LAYER_OBJECT)
+    return layout, num_layers, ((file, kind, layer, data, {tensor: TensorSpec(dtype=dtype, shape=shape)
+                                                            for tensor, (dtype, shape) in specs.items()})
+                                for file, kind, layer, data, specs in parts)
+
+
+def _side_files(folder: Path) -> list[Path]:
+    import fnmatch
+
+    from hearth.inference.checkpoint_files import SAFETENSORS_INDEX_NAME
+
+    return sorted(file for file in folder.iterdir() if file.is_file() and file.name != SAFETENSORS_INDEX_NAME
+                  and any(fnmatch.fnmatch(file.name, pattern) for pattern in NON_WEIGHT_PATTERNS))
+
+
+def check_publishable(path: Path) -> Path | None:
+    """The GGUF file `path` names (itself, or a folder's one GGUF), checked as the loader checks it, or None for a
+    safetensors checkpoint folder; WeightsStoreError (one line) for anything else."""
+    from hearth.inference.errors import CheckpointError
+    from hearth.inference.gguf_parts import publishable_gguf
+
+    try:
+        gguf = publishable_gguf(path)
+    except CheckpointError as error:
+        raise WeightsStoreError(str(error)) from None
+    if gguf is None and not (path / "config.json").is_file():
+        raise WeightsStoreError(f"{path} is not a checkpoint folder (no config.json) nor a GGUF file")
+    return gguf
+
+
+async def publish_checkpoint(js, folder: Path, name: str) -> WeightsManifest:
+    """Store the checkpoint `folder` (a safetensors folder, a GGUF file or a folder holding one) as `name`
+    (replacing what was there), one layer in memory at a time, under keys of this publication's own; the manifest
+    goes last, so a reader never sees a manifest naming objects not yet stored or since rewritten, and only then are
+    the objects it does not name deleted."""
+    import secrets
+
+    from hearth.inference import read_config_dict, weights_sha256
+    from hearth.inference.errors import CheckpointError
+
+    check_model_name(name)
+    gguf = await asyncio.to_thread(check_publishable, folder)
+    try:
+        stored_gguf, num_layers, blobs = (await asyncio.to_thread(_gguf_blobs, gguf) if gguf else (
+            None, int(read_config_dict(folder)["num_hidden_layers"]), _layer_blobs(folder)))
+        digest = await asyncio.to_thread(weights_sha256, gguf or folder)
+        layer_bytes = gguf.stat().st_size if gguf else sum(file.stat().st_size for file in folder.glob("*.safetensors"))
+    except (CheckpointError, KeyError, ValueError, OSError) as error:
+        raise WeightsStoreError(f"{folder} is not a checkpoint hearth can publish: {error}") from None
+    store = await open_bucket(js, create=True)
+    objects: list[StoredObject] = []
+    weight_map: dict[str, str] = {}
+    tensor_specs: dict[str, TensorSpec] = {}
+    version = secrets.token_hex(8)
+
+    async def put(file: str, kind: str, layer: int | None, data: bytes) -> None:
+        key = object_key(name, file, version)
+        await store.put(key, data, meta=_chunked(key))
+        objects.append(StoredObject(file=file, kind=kind, layer=layer, size=len(data),
+                                    sha256=hashlib.sha256(data).hexdigest()))
+        bar.update(len(data))
+
+    with progress_bar(layer_bytes, f"publishing {name}") as bar:
+        for side_file in [] if gguf else _side_files(folder):
+            await put(side_file.name, "file", None, side_file.read_bytes())
+        while (item := await asyncio.to_thread(next, blobs, None)) is not None:
+            file, kind, layer, data, specs = item
+            await put(file, kind, layer, data)
+            weight_map.update(dict.fromkeys(specs, file))
+            tensor_specs.update(specs)
+    manifest = WeightsManifest(format_version=GGUF_FORMAT_VERSION if gguf else 1, name=name, num_layers=num_layers,
+                               weights_sha256=digest, objects=objects, weight_map=weight_map, tensors=tensor_specs,
+                               gguf=stored_gguf, objects_version=version)
+    kept = {object_key(name, MANIFEST_OBJECT)} | {object_key(name, stored.file, version) for stored in objects}
+    try:
+        replaced = await _switch_manifest(js, name, manifest)
+    except WeightsStoreError:
+        await delete_objects(store, kept - {object_key(name, MANIFEST_OBJECT)})  # no manifest names them
+        raise
+    # Only now, and only the objects of the manifest this switch replaced: a host may still be reading them (it is
+    # refused, and reads this one anew), and another publisher's objects, stored or being stored, are its own.
+    if replaced is not None:
+        await delete_objects(store, {object_key(name, stored.file, replaced.objects_version)
+                                     for stored in replaced.objects} - kept)
+    await _delete_abandoned(store, name, kept)
+    log.info("published %s: %d objects, weights %s", name, len(objects), digest[:12])
+    return manifest
+
+
+async def _switch_manifest(js, name: str, manifest: WeightsManifest) -> WeightsManifest | None:
+    """Make `manifest` the stored manifest of `name`; the one it replaced (None: none, or unreadable). A switch that
+    raced another publisher's is refused by the server and tried again on the newer one."""
+    key, data = object_key(name, MANIFEST_OBJECT), manifest.model_dump_json().encode()
+    for _ in range(MANIFEST_SWITCH_ATTEMPTS):
+        sequence = await meta_sequence(js, key)
+        try:  # read after its sequence: a switch in between makes the put below refused
+            replaced = await read_manifest(js, name)
+        except WeightsStoreError:
+            replaced = None
+        if await put_object_if_unchanged(js, key, data, sequence, OBJECT_CHUNK_BYTES):
+            return replaced
+    raise WeightsStoreError(f"the manifest of {name!r} was replaced by other publishers {MANIFEST_SWITCH_ATTEMPTS} "
+                            "times while this publication tried to switch it: publish again")
+
+
+async def _delete_abandoned(store, name: str, kept: set[str]) -> None:
+    """Delete the objects of `name` outside `kept` whose publication (their key's version) stored nothing for
+    ABANDONED_PUBLICATION_AGE_S: an interrupted publication's. A younger one may be another publisher's at work."""
+    from nats.js.errors import NotFoundError
+
+    try:
+        infos = [info for info in await store.list()
+                 if info.name.startswith(f"{name}/") and info.name not in kept and not info.deleted]
+    except NotFoundError:  # an empty bucket
+        return
+    publications: dict[str, list] = {}
+    for info in infos:  # NAME/VERSION/FILE, or NAME/FILE stored before publications had versions
+        publications.setdefault(info.name.rsplit("/", 1)[0], []).append(info)
+    now = time.time()
+    for infos_of_one in publications.values():
+        if all(_age_s(info.mtime, now) >= ABANDONED_PUBLICATION_AGE_S for info in infos_of_one):
+            await delete_objects(store, {info.name for info in infos_of_one})
+
+
+def _age_s(mtime: str | None, now: float) -> float:
+    """Seconds since `mtime` (an object's ISO 8601 time as its writer stated it); 0 when it is unreadable."""
+    from datetime import datetime
+
+    try:  # Go clients write nanoseconds, which fromisoformat refuses
+        stamp = re.sub(r"(\.\d{6})\d+", r"\1", (mtime or "").replace("Z", "+00:00"))
+        return now - datetime.fromisoformat(stamp).timestamp()
+    except ValueError:
+        return 0.0
+
+
+def _chunked(key: str):
+    from nats.js.api import ObjectMeta, ObjectMetaOptions
+
+    return ObjectMeta(name=key, options=ObjectMetaOptions(max_chunk_size=OBJECT_CHUNK_BYTES))
