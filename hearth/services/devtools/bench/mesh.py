@@ -39,6 +39,12 @@ def one_caller_streams_env(max_streams: int) -> dict[str, str]:
             "HEARTH_ORCHESTRATOR__MAX_STREAMS_PER_CALLER": str(max_streams)}
 
 
+def one_caller_shard_args(max_streams: int) -> list[str]:
+    """A shard's arguments under which one caller's orchestrator opens `max_streams` hops on it at once: on a
+    community mesh one opener never holds every stream (`[shard] max_hops_per_opener`), so a shard has one more."""
+    return ["--max-streams", str(max_streams + 1)]
+
+
 def bench_cluster_env(max_streams: int, *, secure: bool, child_env: dict[str, str]) -> dict[str, str]:
     """The environment of a bench's processes: the bench is one caller and may run `max_streams` calls at once (an
     open mesh also drops activation MACs). Its rounds repeat one prompt, which kept prefixes would serve from the
@@ -71,7 +77,7 @@ def start_bench_mesh(cluster: LocalCluster, model, *, shards: int, replicas: int
         for hop, (lo, hi) in enumerate(ranges):
             node_id = replica_node_id(hop, replica)
             process = cluster.start_shard(str(model.path), lo, hi, node_id=node_id, wait_ready=False,
-                                          extra_args=["--max-streams", str(max_streams), *placement_args],
+                                          extra_args=[*one_caller_shard_args(max_streams), *placement_args],
                                           cpus=replica_cores(replica, cores_per_replica))
             shard_id = f"{model.name}:{lo}-{hi}@{node_id}"
             if process.metrics_url is not None:

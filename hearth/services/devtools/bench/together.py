@@ -35,7 +35,7 @@ from pathlib import Path
 
 from hearth.services.devtools.bench.defaults import default_new_tokens, default_prompt_tokens
 from hearth.services.devtools.bench.errors import BenchError
-from hearth.services.devtools.bench.mesh import one_caller_streams_env
+from hearth.services.devtools.bench.mesh import one_caller_shard_args, one_caller_streams_env
 from hearth.services.devtools.bench.monolithic import MonolithicInfo, MonolithicWorker
 from hearth.services.devtools.bench.pipeline import pipeline_generation
 from hearth.services.devtools.bench.timing import GenerationTiming
@@ -210,7 +210,7 @@ class TogetherBench:
         cluster.start_nats()
         for index, ((lo, hi), core) in enumerate(zip(ranges, cores)):
             cluster.start_shard(str(model.path), lo, hi, node_id=f"pinned-{index}", wait_ready=False, cpus=[core],
-                                extra_args=["--max-streams", str(max_streams)])
+                                extra_args=one_caller_shard_args(max_streams))
         cluster.start_orchestrator(node_id="bench-orchestrator", wait_ready=False, extra_args=[
             "--preload", str(model.path), "--step-timeout-s", str(bench_step_timeout_s)])
         for process in cluster.processes:
