@@ -1,7 +1,7 @@
 """No member fills every stream of a shard with hops of its own: on a community mesh an orchestrator signs its `open`s
-with its member key, and the shard lets one opener (a roster member; all unsigned or unverified opens together) hold
-at most `[shard] max_hops_per_opener` of its hops (by default all but one of max_concurrent_streams), so another
-orchestrator still finds room; a re-open of an opener's own hop takes no further place."""
+with its member key, and the shard lets one opener (a roster member) hold at most `[shard] max_hops_per_opener` of its
+hops (by default all but one of max_concurrent_streams), so another orchestrator still finds room; a re-open of an
+opener's own hop takes no further place, and an open that does not verify takes none."""
 
 from __future__ import annotations
 
@@ -49,13 +49,10 @@ async def test_one_orchestrator_holds_at_most_its_share_of_a_shards_streams(nats
         # Another orchestrator still finds the last stream; then the shard is full for everyone.
         assert (await _ask(shard, _open("other-0"), other)).ok
         assert (await _ask(shard, _open("other-1"), other)).code == "at_capacity"
-        # Unsigned opens (or ones whose signature does not verify) share one opener's place between them all.
-        await shard.client.request(shard.subject, CloseHop(pipeline_id="other-0", owner_key=owner_key(
-            "other-0", "tiny-0-1")).model_dump_json().encode(), timeout=reply_timeout_s)
+        # A hop closed gives its opener's place back.
         await shard.client.request(shard.subject, CloseHop(pipeline_id="hog-2", owner_key=owner_key(
             "hog-2", "tiny-0-1")).model_dump_json().encode(), timeout=reply_timeout_s)
-        assert (await _ask(shard, _open("unsigned-0"), None)).ok
-        assert (await _ask(shard, _open("forged-0"), MemberKey.generate())).ok
+        assert (await _ask(shard, _open("hog-4"), hogger)).ok
         assert shard.server.active_streams == 4
 
 
@@ -66,3 +63,26 @@ async def test_on_an_open_mesh_one_orchestrator_may_take_every_stream(nats_serve
         for index in range(3):
             assert (await _ask(shard, _open(f"p-{index}"), None)).ok
         assert (await _ask(shard, _open("p-3"), None)).code == "at_capacity"
+
+
+async def test_a_member_at_its_share_gets_no_stream_by_an_open_that_does_not_verify(nats_server, monkeypatch):
+    monkeypatch.setenv("HEARTH_SHARD__MAX_CONCURRENT_STREAMS", "2")
+    hogger = MemberKey.generate()
+    roster = Roster(community="t", created_at=datetime.now(timezone.utc)).with_member(
+        new_member("hogger", "orchestrator", hogger.public_key, "trusted"))
+    async with tiny_shard_server(nats_server.url) as shard:
+        shard.server.open_verifier = CallVerifier(roster, max_clock_skew_s=30, min_caller_trust="member")
+        assert (await _ask(shard, _open("hog-0"), hogger)).ok  # its share: 1 of 2
+        body = _open("hog-1")
+        headers = open_signer(hogger)(shard.subject, body)
+        first = ControlReply.model_validate_json((await shard.client.request(
+            shard.subject, body, timeout=reply_timeout_s, headers=headers)).data)
+        assert (first.ok, first.code) == (False, "at_capacity")
+        # Sent again as it was (its nonce now seen), unsigned, or signed by a key of no member: none takes the
+        # stream its share leaves to the others.
+        again = ControlReply.model_validate_json((await shard.client.request(
+            shard.subject, body, timeout=reply_timeout_s, headers=headers)).data)
+        assert (again.ok, again.code) == (False, "bad_request")
+        assert (await _ask(shard, _open("hog-2"), None)).code == "bad_request"
+        assert (await _ask(shard, _open("hog-3"), MemberKey.generate())).code == "bad_request"
+        assert shard.server.active_streams == 1

@@ -47,8 +47,6 @@ from hearth.services.shard.identity import ShardIdentity, open_refusal
 log = logging.getLogger(__name__)
 
 withdraw_max_attempts = 2
-# The one opener every `open` not signed by a roster member counts as (no member's name is empty).
-unsigned_opener = ""
 
 
 class ShardServer:
@@ -229,7 +227,9 @@ class ShardServer:
                 await self._finish_closing(request.pipeline_id, hop, request.keep)
             await self._reply(msg, ControlReply(ok=True))
         else:
-            await self._reply(msg, await self._open_hop(request, self._opener(msg)))
+            opener = self._opener(msg)
+            reply = opener if isinstance(opener, ControlReply) else await self._open_hop(request, opener)
+            await self._reply(msg, reply)
 
     async def _reply(self, msg: Msg, reply: ControlReply | ShardStat) -> None:
         # Only into an inbox: an answer elsewhere (an event or API subject) would act with this host's rights.
@@ -247,13 +247,17 @@ class ShardServer:
                          open_pipelines=sorted(self._hops), cached_sessions=cache.sessions,
                          cache_bytes=cache.cache_bytes)
 
-    def _opener(self, msg: Msg) -> str | None:
-        """Whose `open` this is: the roster member whose key signed it, `unsigned_opener` for every open not signed by
-        one; None on an open mesh, where opens are not told apart."""
+    def _opener(self, msg: Msg) -> str | ControlReply | None:
+        """Whose `open` this is: the roster member whose key signed it; None on an open mesh, where opens are not told
+        apart. An open no member signed (or one heard before) is refused: counted apart from the members, it would let
+        one member at its share take the streams left to the others (every orchestrator of a community signs)."""
         if self.open_verifier is None:
             return None
         checked = self.open_verifier.check(msg.subject, "", msg.data, msg.headers)
-        return unsigned_opener if isinstance(checked, CallRefused) else checked.name
+        if isinstance(checked, CallRefused):
+            return ControlReply(ok=False, code="bad_request",
+                                message=f"the open is not signed by a member ({checked.reason}): {checked.message}")
+        return checked.name
 
     async def _open_hop(self, request: OpenHop, opener: str | None = None) -> ControlReply:
         """Reserve the hop under `_hop_changes`, wait for the compute thread (the replaced hop's reset, the kept prefix)
