@@ -7,8 +7,9 @@ kernel releases it when the process ends, however it ends), since a running shar
 reload, a changed range). Removal is conservative: a version is removed only by a process that has just written a
 newer complete folder of the same model, only when it can take that lock exclusively without waiting (no process
 holds it in use, this one included), and it is renamed aside before it is deleted, so no process sees it half
-removed. A model-wide lock file (MODEL_LOCK) orders taking a version into use and removing one, so a version is never
-taken into use while it is being removed; removal skips a model another process is cleaning. A cache that refuses
+removed (one a process ending midway left aside is deleted by the next cleaning). A model-wide lock file (MODEL_LOCK)
+orders taking a version into use and removing one, so a version is never taken into use while it is being removed;
+removal skips a model another process is cleaning. A cache that refuses
 these locks (read only, or a filesystem without flock) serves its versions unheld: nothing can remove them there.
 """
 
@@ -69,6 +70,9 @@ def remove_unused_versions(model_dir: Path, keep: set[Path]) -> list[str]:
     try:
         with _model_lock(model_dir, wait_s=0.0):
             for folder in sorted(model_dir.iterdir()):
+                if folder.name.startswith(".") and folder.name.endswith(REMOVED_SUFFIX) and folder.is_dir():
+                    aside.append(folder)  # a removal cut short (or still under way: deleting it twice is harmless)
+                    continue
                 if folder.name.startswith(".") or folder in keep or not folder.is_dir() or folder in _held:
                     continue
                 if (moved := _moved_aside_if_unused(folder)) is not None:
