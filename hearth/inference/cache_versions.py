@@ -7,8 +7,10 @@ kernel releases it when the process ends, however it ends), since a running shar
 reload, a changed range). Removal is conservative: a version is removed only by a process that has just written a
 newer complete folder of the same model, only when it can take that lock exclusively without waiting (no process
 holds it in use, this one included), and it is renamed aside before it is deleted, so no process sees it half
-removed. A model-wide lock file (MODEL_LOCK) orders taking a version into use and removing one, so a version is never
-taken into use while it is being removed; removal skips a model another process is cleaning.
+removed (one a process ending midway left aside is deleted by the next cleaning). A model-wide lock file (MODEL_LOCK)
+orders taking a version into use and removing one, so a version is never taken into use while it is being removed;
+removal skips a model another process is cleaning. A cache that refuses
+these locks (read only, or a filesystem without flock) serves its versions unheld: nothing can remove them there.
 """
 
 from __future__ import annotations
@@ -40,15 +42,24 @@ _held: dict[Path, IO] = {}
 
 def hold_version(model_dir: Path, version: Path) -> Path:
     """`version` (a folder directly inside `model_dir`), created if need be and held in use by this process until it
-    ends. CheckpointError when another process keeps the model's lock past MODEL_LOCK_WAIT_S."""
+    ends; used unheld (a warning) where the cache refuses the lock. CheckpointError when another process keeps the
+    model's lock past MODEL_LOCK_WAIT_S."""
     if version in _held:
         return version
-    with _model_lock(model_dir, wait_s=MODEL_LOCK_WAIT_S):
-        version.mkdir(parents=True, exist_ok=True)
-        handle = open(version / IN_USE_LOCK, "a")  # noqa: SIM115 (held until the process ends)
-        # Never blocks: a remover holds a version's lock exclusively only while it holds the model's lock.
-        fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        _held[version] = handle
+    try:
+        with _model_lock(model_dir, wait_s=MODEL_LOCK_WAIT_S):
+            version.mkdir(parents=True, exist_ok=True)
+            with contextlib.ExitStack() as on_error:
+                handle = on_error.enter_context(open(version / IN_USE_LOCK, "a"))
+                # Never blocks: a remover holds a version's lock exclusively only while it holds the model's lock.
+                fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                on_error.pop_all()  # held open (and so locked) until the process ends
+            _held[version] = handle
+    except BlockingIOError:  # a remover's: never, as removers lock the model first; used unheld it could vanish
+        raise
+    except OSError as error:  # a read-only cache, or no flock: a remover fails the same way, so none removes it
+        logger.warning("using %s without marking it in use (%s): a process elsewhere with write access could "
+                       "remove it meanwhile", version, error.strerror or error)
     return version
 
 
@@ -59,6 +70,9 @@ def remove_unused_versions(model_dir: Path, keep: set[Path]) -> list[str]:
     try:
         with _model_lock(model_dir, wait_s=0.0):
             for folder in sorted(model_dir.iterdir()):
+                if folder.name.startswith(".") and folder.name.endswith(REMOVED_SUFFIX) and folder.is_dir():
+                    aside.append(folder)  # a removal cut short (or still under way: deleting it twice is harmless)
+                    continue
                 if folder.name.startswith(".") or folder in keep or not folder.is_dir() or folder in _held:
                     continue
                 if (moved := _moved_aside_if_unused(folder)) is not None:

@@ -5,7 +5,8 @@ mirror sending an oversized file could fill the disk first. Here a Content-Lengt
 before any byte of the body is read, and a body running past it (no Content-Length, or a lying one) is cut off at
 that byte; either way its partial file is removed and the error is one line. A download broken off midway resumes
 (RANGE_RETRIES times, and again on the next start) from the partial file, which a lock file beside it keeps to one
-writer among the processes sharing the cache. Every request names the commit, whose files never change.
+writer among the processes sharing the cache (a process waits for a twin's download only while its partial file
+grows). Every request names the commit, whose files never change.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import time
 from pathlib import Path
 
 from .errors import CheckpointError
@@ -22,6 +24,10 @@ from .hub_ids import HUB_ENDPOINT_ENV
 DOWNLOAD_RETRIES = 5
 PARTIAL_SUFFIX = ".part"
 LOCK_SUFFIX = ".lock"
+# A twin process downloading the same file is waited for until its partial file stops growing for this long (at
+# least as long as its retries may take without a byte: each waits a connect and a read timeout).
+TWIN_STALL_MIN_S = 120.0
+TWIN_POLL_S = 0.5
 
 
 class OversizedDownload(CheckpointError):
@@ -45,7 +51,7 @@ def download_listed_file(repo_id: str, commit: str, entry, folder: Path) -> Path
     folder.mkdir(parents=True, exist_ok=True)
     partial = folder / f".{name}{PARTIAL_SUFFIX}"
     with open(folder / f".{name}{LOCK_SUFFIX}", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when closed: a twin process downloading it finishes first
+        _lock_after_twin(lock, partial, repo_id, name)  # released when closed
         if _is_sized(target, size):
             return target
         target.unlink(missing_ok=True)  # damaged or of another size: no longer the listed file
@@ -57,6 +63,31 @@ def download_listed_file(repo_id: str, commit: str, entry, folder: Path) -> Path
             raise
         os.replace(partial, target)
     return target
+
+
+def _lock_after_twin(lock, partial: Path, repo_id: str, name: str) -> None:
+    """Lock `lock` exclusively once a twin process downloading the file ends; CheckpointError (one line) when the
+    twin's partial file has not grown for the stall limit (a stopped or stuck process)."""
+    from huggingface_hub import constants
+
+    stall_s = max(TWIN_STALL_MIN_S, (DOWNLOAD_RETRIES + 1) * 2 * constants.HF_HUB_DOWNLOAD_TIMEOUT)
+    seen, since = None, time.monotonic()
+    while True:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            pass
+        try:
+            grown = partial.stat().st_size
+        except OSError:  # not begun, or just renamed into place
+            grown = None
+        if grown != seen:
+            seen, since = grown, time.monotonic()
+        elif time.monotonic() - since >= stall_s:
+            raise CheckpointError(f"model {repo_id!r}: another process has been downloading {name} without progress "
+                                  f"for {stall_s:.0f} s (it holds {lock.name}): stop it, or try again")
+        time.sleep(TWIN_POLL_S)
 
 
 def _is_sized(file: Path, size: int) -> bool:

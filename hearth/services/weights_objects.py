@@ -154,17 +154,22 @@ async def put_object_if_unchanged(js, key: str, data: bytes, sequence: int, chun
     previous = None
     with contextlib.suppress(NotFoundError):
         previous = json.loads((await js.get_last_msg(WEIGHTS_STREAM, _meta_subject(key))).data)
+    chunks = [data[start:start + chunk_bytes] for start in range(0, len(data), chunk_bytes)]
     try:
-        chunks = [data[start:start + chunk_bytes] for start in range(0, len(data), chunk_bytes)]
         for chunk in chunks:
             await js.publish(chunk_subject, chunk)
+    except Exception:  # cut off midway: no meta message will name these chunks, so nothing else could delete them
+        with contextlib.suppress(Exception):
+            await js.purge_stream(WEIGHTS_STREAM, subject=chunk_subject)
+        raise
+    try:
         info = ObjectInfo(name=key, bucket=WEIGHTS_BUCKET, nuid=nuid, size=len(data), chunks=len(chunks),
                           mtime=datetime.now(timezone.utc).isoformat(),
                           digest="SHA-256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).decode(),
                           options=ObjectMetaOptions(max_chunk_size=chunk_bytes))
         await js.publish(_meta_subject(key), json.dumps(info.as_dict()).encode(), headers={
             Header.ROLLUP: "sub", Header.EXPECTED_LAST_SUBJECT_SEQUENCE: str(sequence)})
-    except APIError as error:
+    except APIError as error:  # refused (another error may come after the server stored it: the chunks stay)
         await js.purge_stream(WEIGHTS_STREAM, subject=chunk_subject)
         if error.err_code == WRONG_LAST_SEQUENCE_ERR_CODE:
             return False

@@ -314,3 +314,28 @@ async def test_a_new_publication_fetched_removes_earlier_ones_no_process_uses(js
         third.weights_sha256[:16]}
     assert second.weights_sha256 != third.weights_sha256 and folder.is_dir()
     release_held_versions()
+
+
+async def test_a_manifest_switch_cut_off_while_storing_its_chunks_leaves_none_behind(js, published, monkeypatch):
+    from nats.errors import TimeoutError as NatsTimeout
+
+    from hearth.services.weights_objects import meta_sequence, put_object_if_unchanged
+
+    async def chunk_subjects() -> dict:
+        info = await js.stream_info(WEIGHTS_STREAM, subjects_filter=f"$O.{WEIGHTS_BUCKET}.C.>")
+        return info.state.subjects or {}
+
+    before, publish, published_count = await chunk_subjects(), js.publish, []
+
+    async def cut_off(subject, payload=b"", **kwargs):
+        published_count.append(subject)
+        if len(published_count) == 3:  # the third chunk: the connection broke
+            raise NatsTimeout
+        return await publish(subject, payload, **kwargs)
+
+    key = object_key(NAME, MANIFEST_OBJECT)
+    monkeypatch.setattr(js, "publish", cut_off)
+    with pytest.raises(NatsTimeout):
+        await put_object_if_unchanged(js, key, b"{}" * 4096, await meta_sequence(js, key), 1024)
+    monkeypatch.undo()
+    assert await chunk_subjects() == before  # no meta message names them: nothing could delete them later
