@@ -4,7 +4,7 @@ huggingface_hub's downloader takes whatever a server sends and checks its size o
 mirror sending an oversized file could fill the disk first. Here a Content-Length beyond the listed size is refused
 before any byte of the body is read, and a body running past it (no Content-Length, or a lying one) is cut off at
 that byte; either way its partial file is removed and the error is one line. A download broken off midway resumes
-(RANGE_RETRIES times, and again on the next start) from the partial file, which a lock file beside it keeps to one
+(DOWNLOAD_RETRIES times, and again on the next start) from the partial file, which a lock file beside it keeps to one
 writer among the processes sharing the cache (a process waits for a twin's download only while its partial file
 grows). Every request names the commit, whose files never change.
 """
