@@ -1,6 +1,7 @@
-"""Models a command cannot use end it with one line naming what and why, no traceback, as real processes: an
-orchestrator's --preload that does not exist, is a folder holding several GGUFs or a `store:NAME` nobody published
-(against a real broker)."""
+"""Models and schemes a command cannot use end it with one line naming what and why, no traceback, as real
+processes: an orchestrator's --preload that does not exist, is a folder holding several GGUFs or a `store:NAME`
+nobody published (against a real broker); `hearth bench --model` a GGUF, which its transformers baseline cannot
+load; and a scheme or device the bench's baseline worker cannot load the model in."""
 
 from __future__ import annotations
 
@@ -12,10 +13,14 @@ from pathlib import Path
 
 import pytest
 
+from hearth.services.devtools.bench.errors import BenchError
+from hearth.services.devtools.bench.monolithic import MonolithicWorker
+
 pytestmark = pytest.mark.integration
 
 HEARTH = str(Path(sys.executable).parent / "hearth")
 REPO_ROOT = Path(__file__).resolve().parents[2]
+MODEL = REPO_ROOT / "models" / "hearth-tiny-llama"
 ENV = {**{k: v for k, v in os.environ.items() if k not in ("HEARTH_NATS_URL", "HEARTH_CONFIG")},
        "OMP_NUM_THREADS": "1", "HEARTH_NATS__INSECURE": "1"}  # an open broker: credentials are not the point here
 LOG_RECORD = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (DEBUG|INFO|WARNING|ERROR|CRITICAL) ")
@@ -48,3 +53,46 @@ def test_an_unknown_preload_is_one_line_naming_it(model, why, nats_url, tmp_path
     assert why in lines[0], lines[0]
 
 
+
+def small_llama_gguf(path: Path) -> Path:
+    """A GGUF whose metadata describes a one-layer llama (enough for the bench to read its layer count)."""
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((16, 32), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_bench_refuses_a_gguf_in_one_line_before_starting_anything(tmp_path):
+    model = small_llama_gguf(tmp_path / "small.gguf")
+    completed = subprocess.run([HEARTH, "bench", "--model", str(model), "--repeats", "1", "--work-dir",
+                                str(tmp_path / "work")], capture_output=True, text=True, env=ENV, cwd=REPO_ROOT,
+                               timeout=exit_timeout_s)
+    assert completed.returncode == 1, completed.stderr
+    assert completed.stderr.strip().splitlines() == [
+        f"hearth bench: --model {model}: a GGUF file; the bench compares the mesh with transformers' generate() on "
+        "the same checkpoint, which loads a checkpoint folder, a hub id or random:<shape> only"]
+    assert not (tmp_path / "work").exists()  # no broker, shard or worker was started
+
+
+@pytest.mark.parametrize(("options", "why"), [
+    ({"quantize": "int4/g33"}, "int4 group size 33 is not one of 32, 64, 128, 256"),
+    ({"device": "cuda:99"}, "cuda:99"),
+], ids=["int4-group-33", "a-device-not-here"])
+def test_the_bench_baseline_says_in_one_line_why_it_cannot_load_the_model(options, why, tmp_path):
+    worker = MonolithicWorker(MODEL, {"OMP_NUM_THREADS": "1"}, 1, tmp_path / "monolithic.log", **options)
+    try:
+        with pytest.raises(BenchError) as refused:
+            worker.wait_ready()
+    finally:
+        worker.close()
+    message = str(refused.value)
+    assert message.startswith(f"the monolithic worker cannot load {MODEL}: "), message
+    assert why in message and "\n" not in message, message
+    assert "Traceback" not in (tmp_path / "monolithic.log").read_text()
