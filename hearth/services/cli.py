@@ -287,6 +287,9 @@ def chat_command(
     choices: Annotated[int, typer.Option("--n", min=1, max=max_choices, help="Independent answers to ask for "
                                          "(each printed under a [choice I] line once all ended).")] = \
         ChatRequest.model_fields["n"].default,
+    quantization: Annotated[Optional[str], typer.Option(
+        "--quantization", help="Only an answer from weights held in this scheme: none, int8, int4 (any group size) "
+        "or int4/gN (default: the most precise one the mesh serves).", show_default=False)] = None,
     nats_url: NatsUrlOption = None,
     creds: CredsOption = None,
     insecure: InsecureOption = False,
@@ -301,7 +304,7 @@ def chat_command(
     url = resolve_nats_url(ctx, nats_url)
     code = run_chat_command(url, prompt=prompt, model=model, max_tokens=max_tokens, temperature=temperature,
                             seed=seed, raw=raw, as_json=as_json, nats_settings=settings(ctx).nats,
-                            choices=choices)
+                            choices=choices, quantization=quantization)
     raise typer.Exit(code)
 
 

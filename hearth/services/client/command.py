@@ -14,6 +14,7 @@ from hearth.services.common.display import display_text
 from hearth.protocol.chat import (
     ChatFrame,
     ChatMessage,
+    ChatParams,
     ChatRequest,
     DoneFrame,
     ErrorFrame,
@@ -23,6 +24,7 @@ from hearth.protocol.chat import (
     TokensWithdrawnFrame,
     describe_validation_error,
 )
+from hearth.protocol.quantization_labels import is_quantization_label
 from hearth.protocol.subjects import MODELS_REQUEST_SUBJECT
 from hearth.services.common.config import HearthSettings, NatsSettings
 from hearth.services.common.lifecycle import run_event_loop
@@ -36,7 +38,7 @@ requested_choices = ChatRequest.model_fields["n"].default
 
 def run_chat_command(nats_url: str, *, prompt: str, model: str | None, max_tokens: int, temperature: float,
                      seed: int | None, raw: bool, as_json: bool, choices: int,
-                     nats_settings: NatsSettings | None = None) -> int:
+                     nats_settings: NatsSettings | None = None, quantization: str | None = None) -> int:
     """`hearth chat`: stream one answer to stdout, everything else one line each to stderr; with `choices` > 1
     (the request's `n`), each choice's answer is printed once the call ended, under a `[choice I]` line.
 
@@ -47,13 +49,18 @@ def run_chat_command(nats_url: str, *, prompt: str, model: str | None, max_token
     `[tokens_withdrawn ...]` line goes to stderr, and the answer's kept text is printed again on stdout, where
     the text goes on; the last stretch of stdout after such a line is the answer.
     """
+    if quantization is not None and not is_quantization_label(quantization):
+        _say(f"error bad_request: --quantization {quantization!r} names no scheme: expected none, int8, int4 or "
+             "int4/gN (N: a group size)")
+        return EXIT_ERROR
     try:
+        params = ChatParams(quantization=quantization)
         if raw:
             request = ChatRequest(model=model, prompt=prompt, max_tokens=max_tokens, temperature=temperature,
-                                  seed=seed, n=choices)
+                                  seed=seed, n=choices, params=params)
         else:
             request = ChatRequest(model=model, messages=[ChatMessage(role="user", content=prompt)],
-                                  max_tokens=max_tokens, temperature=temperature, seed=seed, n=choices)
+                                  max_tokens=max_tokens, temperature=temperature, seed=seed, n=choices, params=params)
     except ValidationError as error:
         _say(f"error bad_request: {describe_validation_error(error)}")
         return EXIT_ERROR

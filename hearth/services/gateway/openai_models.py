@@ -31,6 +31,7 @@ from hearth.protocol.chat import (
     max_messages,
     max_top_logprobs,
 )
+from hearth.protocol.quantization_labels import QUANTIZATION_LABEL_PATTERN
 from hearth.services.gateway.logprobs import ChatLogprobs, CompletionLogprobs
 from hearth.services.gateway.tool_calls import ToolCallBody
 
@@ -81,6 +82,8 @@ class HearthOptions(BaseModel):
 
     # params.verify: how much of the shards' work other replicas check (absent: the request's default).
     verify: VerifyLevel | None = None
+    # params.quantization: the weight scheme the answer must come from (absent: the most precise one served).
+    quantization: str | None = Field(default=None, pattern=QUANTIZATION_LABEL_PATTERN)
 
     def params(self) -> ChatParams:
         return ChatParams(**self.model_dump(exclude_none=True))
