@@ -1,7 +1,8 @@
 """Models and schemes a command cannot use end it with one line naming what and why, no traceback, as real
 processes: an orchestrator's --preload that does not exist, is a folder holding several GGUFs or a `store:NAME`
-nobody published (against a real broker); `hearth bench --model` a GGUF, which its transformers baseline cannot
-load; and a scheme or device the bench's baseline worker cannot load the model in."""
+nobody published, and its --local-model that does not load (against a real broker); `hearth bench --model` a GGUF,
+which its transformers baseline cannot load; and a scheme or device the bench's baseline worker cannot load the
+model in."""
 
 from __future__ import annotations
 
@@ -54,12 +55,24 @@ def test_an_unknown_preload_is_one_line_naming_it(model, why, nats_url, tmp_path
 
 
 
-def small_llama_gguf(path: Path) -> Path:
-    """A GGUF whose metadata describes a one-layer llama (enough for the bench to read its layer count)."""
+def test_a_local_model_that_does_not_load_is_named_as_such_not_as_the_preload(nats_url, tmp_path):
+    mamba = small_gguf(tmp_path / "mamba.gguf", "mamba")
+    completed = subprocess.run([HEARTH, "orchestrator", "--node-id", "bad-local", "--torch-threads", "1",
+                                "--preload", str(MODEL), "--local-model", str(mamba), "--nats", nats_url],
+                               capture_output=True, text=True, env=ENV, cwd=REPO_ROOT, timeout=exit_timeout_s)
+    lines = [line for line in completed.stderr.splitlines() if line.strip() and not LOG_RECORD.match(line)]
+    assert completed.returncode == 1, completed.stderr
+    assert lines == [f"hearth orchestrator: --local-model {mamba}: GGUF mamba.gguf holds a 'mamba' model; hearth "
+                     "serves llama, qwen2, qwen3, phi3, gemma2, gemma3 GGUFs (Mistral is written as llama)"], \
+        completed.stderr
+
+
+def small_gguf(path: Path, architecture: str = "llama") -> Path:
+    """A GGUF whose metadata describes a one-layer `architecture` model (enough for a layer count to be read)."""
     import gguf
     import numpy as np
 
-    writer = gguf.GGUFWriter(str(path), "llama")
+    writer = gguf.GGUFWriter(str(path), architecture)
     writer.add_block_count(1)
     writer.add_tensor("token_embd.weight", np.zeros((16, 32), dtype=np.float32))
     writer.write_header_to_file()
@@ -70,7 +83,7 @@ def small_llama_gguf(path: Path) -> Path:
 
 
 def test_bench_refuses_a_gguf_in_one_line_before_starting_anything(tmp_path):
-    model = small_llama_gguf(tmp_path / "small.gguf")
+    model = small_gguf(tmp_path / "small.gguf")
     completed = subprocess.run([HEARTH, "bench", "--model", str(model), "--repeats", "1", "--work-dir",
                                 str(tmp_path / "work")], capture_output=True, text=True, env=ENV, cwd=REPO_ROOT,
                                timeout=exit_timeout_s)
