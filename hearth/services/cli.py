@@ -288,9 +288,8 @@ def chat_command(
                                          "(each printed under a [choice I] line once all ended).")] = \
         ChatRequest.model_fields["n"].default,
     quantization: Annotated[Optional[str], typer.Option(
-        "--quantization", help="The weight scheme the answer must come from: none, int8, int4 (any group) or "
-        "int4/gN (default: the most precise the mesh covers; `hearth models` lists them).",
-        show_default=False)] = None,
+        "--quantization", help="Only an answer from weights held in this scheme: none, int8, int4 (any group size) "
+        "or int4/gN (default: the most precise one the mesh serves).", show_default=False)] = None,
     nats_url: NatsUrlOption = None,
     creds: CredsOption = None,
     insecure: InsecureOption = False,

@@ -2,7 +2,7 @@
 URL and exit code 1 after nats.connect_timeout_s (with --wait-for-nats: one waiting line, not one per
 attempt); SIGTERM/SIGINT end shard, orchestrator, projector and demo within 2 s in every state (waiting
 for the broker, loading layers, serving, broker gone) with exit code 0 and no traceback; `hearth chat`
-ends quietly, and fails in one line."""
+ends quietly, and fails in one line (a scheme nobody serves, or none at all, included)."""
 
 from __future__ import annotations
 
@@ -272,6 +272,22 @@ def test_chat_with_an_unknown_model_is_one_line_and_a_failure(mesh_url):
     assert result.returncode == 1, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error bad_request: field 'model': "), result.stderr
+
+
+def test_chat_asking_for_a_scheme_nobody_serves_is_one_line_naming_it(mesh_url):
+    result = chat(mesh_url, "--quantization", "int4/g64", "Tell me a fortune.")
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "error shard_unavailable: no healthy shard of 'hearth-tiny-llama' serves quantization 'int4/g64' (served "
+        "now: none)"], result.stderr
+
+
+def test_chat_naming_no_scheme_is_one_line_before_connecting():
+    result = chat(unreachable_url(), "--quantization", "int7", "Tell me a fortune.")
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "error bad_request: --quantization 'int7' names no scheme: expected none, int8, int4 or int4/gN (N: a group "
+        "size)"]
 
 
 def test_chat_with_an_unreachable_broker_is_one_line_and_a_failure():

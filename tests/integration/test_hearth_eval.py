@@ -1,5 +1,6 @@
 """`hearth eval` end to end on tiny random models: the JSON report's figures are sane, full precision against itself
-measures no difference, and bad input is one line with exit code 2."""
+measures no difference, and bad input (a GGUF in a block type hearth does not read included) is one line with exit
+code 2."""
 
 from __future__ import annotations
 
@@ -7,16 +8,21 @@ import json
 import math
 from pathlib import Path
 
+import gguf
+import numpy as np
 import pytest
+from gguf import GGMLQuantizationType
 from typer.testing import CliRunner
 
 from hearth.services.cli import app
 from hearth.services.devtools.random_models import CACHE_DIR_ENV
+from tests.unit.gguf_files import rewrite_gguf, write_tiny_gguf
 from tests.unit.inference_tiny_models import one_torch_thread, write_tiny_model  # noqa: F401  (fixture by name)
 
 pytestmark = pytest.mark.integration
 
 SAMPLE_TEXT = Path(__file__).resolve().parents[1] / "data" / "eval_sample.txt"
+IQ4_NL = GGMLQuantizationType.IQ4_NL  # a block type gguf.quants knows and hearth does not read
 REPORT_KEYS = {"model", "text", "token_source", "context_tokens", "windows", "positions", "reference_dtype",
                "reference_perplexity", "schemes"}
 SCHEME_KEYS = {"scheme", "mean_kl_nats", "max_kl_nats", "top1_agreement", "perplexity"}
@@ -77,6 +83,24 @@ def test_bad_input_is_one_line_and_exit_code_2(tiny_llama, args, named):
     assert result.exit_code == 2, result.output
     message = result.stderr.strip().splitlines()[-1]
     assert message.startswith("hearth eval: ") and named in message
+    assert "Traceback" not in result.output
+
+
+def test_a_gguf_in_a_block_type_hearth_does_not_read_is_bad_input(tmp_path, monkeypatch):
+    monkeypatch.setenv("HEARTH_CACHE_DIR", str(tmp_path / "cache"))  # its parsed metadata, not in the user's cache
+    source, _ = write_tiny_gguf(tmp_path, "llama", GGMLQuantizationType.F32)
+
+    def one_tensor_in_iq4_nl(name: str, values: np.ndarray):
+        if name != "blk.0.ffn_down.weight":
+            return values, None
+        return np.zeros(gguf.quant_shape_to_byte_shape(values.shape, IQ4_NL), dtype=np.uint8), IQ4_NL
+
+    path = rewrite_gguf(source, tmp_path / "iq4.gguf", "llama", one_tensor_in_iq4_nl)
+    result = run_eval("--model", str(path), "--text", str(SAMPLE_TEXT), "--max-tokens", "16")
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip().splitlines()[-1] == (
+        "hearth eval: tensor blk.0.ffn_down.weight of iq4.gguf is stored as IQ4_NL, a GGUF type hearth does not "
+        "read (it reads F32, F16, BF16, F64, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K)")
     assert "Traceback" not in result.output
 
 

@@ -73,11 +73,15 @@ def test_a_folder_holding_several_ggufs_is_refused_naming_them(tmp_path):
         resolve_demo_model(str(tmp_path))
 
 
-@pytest.mark.parametrize("content", [b"", b"GGUF\x03\x00", b"not a gguf at all"])
-def test_a_truncated_or_foreign_gguf_is_refused_in_one_line(tmp_path, content):
+@pytest.mark.parametrize(("content", "why"), [
+    (b"", r"broken.gguf is empty \(0 bytes\): not a GGUF file$"),
+    (b"GGUF\x03\x00", r"broken.gguf is not a readable GGUF with a layer count \(truncated or corrupt\?\): "),
+    (b"not a gguf at all", r"broken.gguf is not a GGUF file \(no GGUF magic\)$"),
+], ids=["empty", "cut-in-its-header", "no-magic"])
+def test_a_truncated_or_foreign_gguf_is_refused_in_one_line(tmp_path, content, why):
     path = tmp_path / "broken.gguf"
     path.write_bytes(content)
-    with pytest.raises(DemoError, match="broken.gguf is not a readable GGUF") as raised:
+    with pytest.raises(DemoError, match=why) as raised:
         resolve_demo_model(str(path))
     assert "\n" not in str(raised.value)
 

@@ -1,7 +1,7 @@
 """Withdrawn tokens on the client side (issue 28): a tokens_withdrawn frame takes back the tokens after its
 `kept_tokens` in ChatResult, in `hearth chat`'s and the demo's printing, and in the gateway's answers (a whole answer
 leaves them out; a stream whose chunks carried them ends with an error event); and the gateway's `hearth.verify`
-option onto `params.verify`. The gateway runs over scripted frame streams, without a network."""
+and `hearth.quantization` options onto `params`. The gateway runs over scripted frame streams, without a network."""
 
 from __future__ import annotations
 
@@ -221,7 +221,20 @@ async def test_hearth_verify_maps_onto_params_verify(gateway):
     assert scripted.received[-1].params.verify == "sampled"
 
 
+async def test_hearth_quantization_maps_onto_params_quantization(gateway):
+    http, scripted = gateway
+    for label in ("none", "int8", "int4", "int4/g64"):
+        scripted.scripts.append([token(0, "Hi"), done(1, 1)])
+        response = await http.post("/v1/chat/completions", json=chat_body(hearth={"quantization": label}))
+        assert response.status_code == 200 and scripted.received[-1].params.quantization == label
+    scripted.scripts.append([token(0, "Hi"), done(1, 1)])
+    await http.post("/v1/chat/completions", json=chat_body())
+    assert scripted.received[-1].params.quantization is None
+
+
 @pytest.mark.parametrize("hearth, param", [
+    ({"quantization": "int7"}, "hearth.quantization"),
+    ({"quantization": "int4/g0"}, "hearth.quantization"),
     ({"verify": "most"}, "hearth.verify"),
     ({"verify": 1}, "hearth.verify"),
     ({"verfy": "all"}, "hearth.verfy"),

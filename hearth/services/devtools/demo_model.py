@@ -241,6 +241,17 @@ def _read_gguf_description(path: Path) -> dict:
     (hearth/inference/gguf_checkpoint.py)."""
     import gguf
 
+    # Told apart first, in plain words: the gguf package's own errors for these ("cannot mmap an empty
+    # file") say less.
+    try:
+        with path.open("rb") as handle:
+            magic = handle.read(len(GGUF_MAGIC))
+    except OSError as error:
+        raise DemoError(f"{path.name} is unreadable: {error.strerror or error}") from None
+    if not magic:
+        raise DemoError(f"{path.name} is empty (0 bytes): not a GGUF file")
+    if magic != GGUF_MAGIC:
+        raise DemoError(f"{path.name} is not a GGUF file (no GGUF magic)")
     try:
         reader = gguf.GGUFReader(path)
         architecture = reader.fields[GGUF_ARCHITECTURE_KEY].contents()

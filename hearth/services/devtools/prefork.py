@@ -42,7 +42,8 @@ from hearth.services.common.process_gc import freeze_startup_objects, hold_full_
 
 log = logging.getLogger(__name__)
 
-# What a child runs, as `python -m` would (named, not imported: the CLI loads the tooling that starts the launcher).
+# What a child runs (named, not imported: the CLI loads the tooling that starts the launcher), as `python -m hearth`
+# does: running this module, preloaded, as __main__ again would put runpy's RuntimeWarning in every child's log.
 HEARTH_MODULE = "hearth.services.cli"
 # Imported by the launcher before it forks anything: every module a long-running `hearth` command loads.
 PRELOADED_MODULES = (
@@ -107,8 +108,7 @@ class LauncherMessage(BaseModel):
 
 
 def import_environment(env: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
-    """The part of `env` that modules read while they are imported: a launcher serves only commands whose
-    import environment equals its own."""
+    """The part of `env` modules read as they are imported: a launcher serves only commands whose own is equal."""
     return tuple(sorted((key, value) for key, value in env.items() if key.startswith(IMPORT_ENVIRONMENT_PREFIXES)))
 
 
@@ -153,7 +153,7 @@ def _run_child(request: SpawnRequest, launcher_fds: Sequence[int]) -> None:
         torch.seed()  # a fresh process draws its own seed; a fork would otherwise share the launcher's
         sys.argv = ["hearth", *request.argv]
         try:
-            runpy.run_module(HEARTH_MODULE, run_name="__main__", alter_sys=True)
+            runpy.run_module("hearth", run_name="__main__", alter_sys=True)
             code = 0
         except SystemExit as exit_:
             code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)

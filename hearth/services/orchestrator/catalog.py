@@ -25,6 +25,7 @@ import torch
 from hearth.inference import CheckpointError, Head, LocalModel, load_full, load_head, resolve_model_path, weights_sha256
 from hearth.inference.checkpoint import default_model_id, read_config_dict
 from hearth.inference.checkpoint_files import HUB_ALLOW_PATTERNS
+from hearth.inference.errors import InferenceError, first_line
 from hearth.inference.hub_ids import is_hub_gguf_id
 from hearth.inference.ollama_models import canonical_ollama_name, is_ollama_model, served_model_id
 from hearth.inference.compute_thread import on_compute_thread
@@ -50,6 +51,10 @@ CONTEXT_LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_l
 
 class UnknownModel(LookupError):
     """No model of that name is in this orchestrator's catalog; the message names no path."""
+
+
+class LocalModelUnusable(RuntimeError):
+    """The model this orchestrator may run whole (its --local-model) does not load; the message says why."""
 
 
 def _canonical_or_none(model: str) -> str | None:
@@ -363,10 +368,15 @@ class ModelCatalog:
             await on_compute_thread(release_freed_heap)
 
     async def preload(self, model: str) -> None:
+        """Load `model`'s head, then the local model beside it (LocalModelUnusable when that is what fails, so that
+        the refusal names the local model, not `model`)."""
         self._configured.add(model)
         await self.get(model)
         if self.local_model_spec:
-            await self.local_model_for(self._loaded[model])
+            try:
+                await self.local_model_for(self._loaded[model])
+            except InferenceError as error:
+                raise LocalModelUnusable(first_line(error)) from None
 
     def close(self) -> None:
         if self._local is not None:

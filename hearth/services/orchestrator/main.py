@@ -10,6 +10,7 @@ from hearth.services.common.config import HearthSettings
 from hearth.services.common.lifecycle import CommandRefused, unless_stopped
 from hearth.services.common.metrics import serve_process_metrics
 from hearth.services.broker.connection import connect_nats, drain_or_close
+from hearth.services.orchestrator.catalog import LocalModelUnusable, UnknownModel
 from hearth.services.orchestrator.service import Orchestrator
 from hearth.inference.devices import resolve_placement
 from hearth.inference.errors import InferenceError, first_line
@@ -73,6 +74,10 @@ async def run_orchestrator(settings: HearthSettings, options: OrchestratorOption
                 await orchestrator.catalog.preload(model)
             except InferenceError as error:  # a checkpoint it cannot serve: one line, not a traceback
                 raise CommandRefused(f"--preload {model}: {first_line(error)}") from None
+            except UnknownModel as error:  # no such path, several GGUFs, a name the store lacks: its message names it
+                raise CommandRefused(f"--preload: {first_line(error)}") from None
+            except LocalModelUnusable as error:
+                raise CommandRefused(f"--local-model {options.local_model}: {error}") from None
         print(f"orchestrator {options.node_id} ready", flush=True)
         if ready_file:
             with open(ready_file, "w") as handle:

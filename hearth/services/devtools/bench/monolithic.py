@@ -22,6 +22,7 @@ from hearth.services.common.hearth_files import SOURCES_ROOT
 from hearth.services.devtools.bench.errors import BenchError
 from hearth.services.devtools.bench.prompts import build_prompt
 from hearth.services.devtools.bench.timing import GenerationTiming
+from hearth.services.devtools.demo_model import DemoModel
 
 
 
@@ -54,6 +55,15 @@ class MonolithicInfo(BaseModel):
     dtype: str
     torch_threads: int
     torch_version: str
+
+
+def check_baseline_loads(model: DemoModel) -> None:
+    """BenchError (one line) before anything starts when the monolithic baseline cannot load `model`: it is
+    transformers' from_pretrained of a checkpoint folder, which takes no GGUF file."""
+    if model.is_gguf:
+        raise BenchError(f"--model {model.argument}: a GGUF file; the bench compares the mesh with transformers' "
+                         "generate() on the same checkpoint, which loads a checkpoint folder, a hub id or "
+                         "random:<shape> only")
 
 
 class MonolithicModel:
@@ -170,7 +180,12 @@ def monolithic_worker_main(model_path: str, torch_threads: int | None, device: s
         import torch
 
         torch.set_num_threads(torch_threads)
-    model = MonolithicModel(Path(model_path), device, dtype, quantize)
+    try:
+        model = MonolithicModel(Path(model_path), device, dtype, quantize)
+    except Exception as error:  # a device, scheme or checkpoint it cannot load: the bench says why in one line
+        message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        replies.write(MonolithicReply(ok=False, error=message).model_dump_json() + "\n")
+        return
     replies.write(model.info.model_dump_json() + "\n")
     for line in sys.stdin:
         try:
@@ -198,10 +213,15 @@ class MonolithicWorker:
                                         env={**os.environ, **env}, text=True, bufsize=1,
                                         cwd=str(SOURCES_ROOT), preexec_fn=pin)
         self.log_path = log_path
+        self.model_path = model_path
         self.info: MonolithicInfo | None = None
 
     def wait_ready(self) -> MonolithicInfo:
-        self.info = MonolithicInfo.model_validate_json(self._read_line())
+        line = self._read_line()
+        refusal = MonolithicReply.model_validate_json(line)  # the model's info, or why the worker has no model
+        if not refusal.ok:
+            raise BenchError(f"the monolithic worker cannot load {self.model_path}: {refusal.error}")
+        self.info = MonolithicInfo.model_validate_json(line)
         return self.info
 
     def _read_line(self) -> str:

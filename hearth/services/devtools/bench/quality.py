@@ -16,7 +16,7 @@ from pydantic import BaseModel
 from tqdm import tqdm
 
 from hearth.inference import (
-    InferenceError, LocalModel, QuantizationError, load_full, parse_quantization, read_config_dict,
+    CheckpointError, InferenceError, LocalModel, QuantizationError, load_full, parse_quantization, read_config_dict,
 )
 from hearth.services.devtools.bench.eval_options import EVAL_MAX_TEXT_BYTES, EvalOptions
 from hearth.services.devtools.bench.quality_metrics import QualityTotals, compare_logits
@@ -61,7 +61,7 @@ def run_eval_command(options: EvalOptions, *, as_json: bool) -> int:
     logging.getLogger().setLevel(max(logging.getLogger().level, logging.ERROR))
     try:
         report = evaluate(options)
-    except EvalInputError as error:
+    except (EvalInputError, CheckpointError) as error:  # a checkpoint hearth cannot read is bad input too
         print(f"hearth eval: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except InferenceError as error:

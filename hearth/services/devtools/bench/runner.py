@@ -25,7 +25,7 @@ from hearth.services.devtools.bench.defaults import (
 )
 from hearth.services.devtools.bench.errors import BenchError
 from hearth.services.devtools.bench.mesh import BenchMesh, bench_cluster_env, start_bench_mesh, wait_mesh_ready
-from hearth.services.devtools.bench.monolithic import MonolithicWorker
+from hearth.services.devtools.bench.monolithic import MonolithicWorker, check_baseline_loads
 from hearth.services.devtools.bench.pipeline import pipeline_generation
 from hearth.services.devtools.bench.process_stats import shard_imports_memory
 from hearth.services.devtools.bench.report import (
@@ -136,6 +136,7 @@ class Bench:
         if spec is not None and spec.startswith(RANDOM_PREFIX):
             spec = str(random_checkpoint(spec, options.cache_dir))
         resolved = resolve_demo_model(spec)
+        check_baseline_loads(resolved)
         if not 1 <= options.shards <= resolved.num_layers:
             raise BenchError(f"--shards must be between 1 and the model's {resolved.num_layers} layers")
         started_at = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
