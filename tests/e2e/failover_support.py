@@ -25,8 +25,10 @@ from hearth.protocol.subjects import shard_control_subject
 from hearth.services.devtools.local_cluster import LocalCluster, ManagedProcess
 from hearth.services.client.chat import answer_tokens, stream_chat
 from hearth.protocol.chat import ChatParams, ChatRequest, TokenDeltaFrame
-from hearth.protocol.control import ShardStat, StatShard
+from hearth.protocol.control import ControlReply, OpenHop, ShardStat, StatShard
 from hearth.services.broker.connection import connect_nats
+from hearth.services.orchestrator.hop_owner import open_signer
+from hearth.trust.keys import MemberKey
 from tests.e2e.conftest import TINY_MODEL_NAME, start_orchestrator
 from tests.e2e.event_log_support import (
     event_wait_timeout_s,
@@ -60,6 +62,18 @@ release_timeout_s = 10.0
 
 def failover_env() -> dict[str, str]:
     return {"HEARTH_RESEARCH__DISTRIBUTED_INFERENCE__SHARD_HEALTH_TIMEOUT_S": str(HEALTH_TIMEOUT_S)}
+
+
+async def open_hop_as_orchestrator(nc, cluster: LocalCluster, control_subject: str, request: OpenHop,
+                                   timeout_s: float = 5.0) -> ControlReply:
+    """Send `request` to a shard as an orchestrator does: on a community mesh signed with an orchestrator member's
+    key (a shard there refuses an open no member signed)."""
+    key_file = cluster.member_key("test-orchestrator", "orchestrator")
+    body = request.model_dump_json().encode()
+    sign = open_signer(MemberKey.load(key_file) if key_file is not None else None)
+    reply = await nc.request(control_subject, body, timeout=timeout_s,
+                             headers=sign(control_subject, body) if sign is not None else None)
+    return ControlReply.model_validate_json(reply.data)
 
 
 @dataclass

@@ -18,10 +18,10 @@ from hearth.inference import weights_sha256
 from hearth.services.devtools.local_cluster import LocalCluster
 from hearth.services.client.chat import ChatResult, chat, stream_chat
 from hearth.protocol.chat import ChatParams, ChatRequest, ErrorFrame, QueuedFrame
-from hearth.protocol.control import CloseHop, ControlReply, OpenHop
+from hearth.protocol.control import CloseHop, OpenHop
 from hearth.services.broker.connection import connect_nats
 from tests.e2e.conftest import TINY_MODEL_NAME, start_orchestrator, three_shard_mesh
-from tests.e2e.failover_support import ShardHandle
+from tests.e2e.failover_support import ShardHandle, open_hop_as_orchestrator
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -146,21 +146,20 @@ def solo_mesh(tmp_path, tiny_models_dir):
                 print(f"----- {process.name} -----\n{process.log_tail(3000)}")
 
 
-async def occupy(nc, shard: ShardHandle, model_path: Path, pipeline_id: str) -> None:
+async def occupy(nc, cluster: LocalCluster, shard: ShardHandle, model_path: Path, pipeline_id: str) -> None:
     """Take the shard's one stream, as another orchestrator's call would."""
     digest = await asyncio.to_thread(weights_sha256, model_path)
-    reply = await nc.request(shard.control_subject, OpenHop(
+    reply = await open_hop_as_orchestrator(nc, cluster, shard.control_subject, OpenHop(
         pipeline_id=pipeline_id, session_id="s-other", hop=0, hop_count=1, model_id=TINY_MODEL_NAME,
-        weights_sha256=digest, layer_lo=shard.lo, layer_hi=shard.hi, max_session_tokens=64).model_dump_json().encode(),
-        timeout=5)
-    assert ControlReply.model_validate_json(reply.data).ok
+        weights_sha256=digest, layer_lo=shard.lo, layer_hi=shard.hi, max_session_tokens=64))
+    assert reply.ok, reply
 
 
 async def test_a_shard_at_capacity_makes_the_call_wait_then_try_a_replica(solo_mesh, tiny_models_dir):
     cluster, solo = solo_mesh
     model_path = tiny_models_dir / TINY_MODEL_NAME
     async with connected(cluster) as nc:
-        await occupy(nc, solo, model_path, "p-other-1")
+        await occupy(nc, cluster, solo, model_path, "p-other-1")
         # No replica: the call waits (keepalives) instead of failing, and runs once the stream is free.
         keepalives = 0
         frames = []
@@ -177,7 +176,7 @@ async def test_a_shard_at_capacity_makes_the_call_wait_then_try_a_replica(solo_m
         # With a replica: the full shard is routed around.
         spare = cluster.start_shard(str(model_path), 0, 5, node_id="spare")
         spare_id = spare.ready_file.read_text().strip()
-        await occupy(nc, solo, model_path, "p-other-2")
+        await occupy(nc, cluster, solo, model_path, "p-other-2")
         result = await chat(nc, greedy(), **PATIENT)
         assert result.ok, result.final
         assert result.frames_of("pipeline")[0].hops == [spare_id]

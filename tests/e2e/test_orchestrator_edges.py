@@ -21,9 +21,10 @@ from hearth.services.devtools.local_cluster import LocalCluster, ManagedProcess
 from hearth.protocol.chat import ChatMessage, ChatParams, ChatRequest
 from hearth.services.common.config import TransportSettings
 from hearth.services.common.config_sections import ClientSettings
-from hearth.protocol.control import ControlReply, OpenHop
+from hearth.protocol.control import OpenHop
 from hearth.services.transport import AckWindowSender, ActivationReceiver, FrameKind, StepInfo
 from tests.e2e.failover_support import (  # noqa: F401 (nc is a fixture)
+    open_hop_as_orchestrator,
     ShardHandle,
     nc,
     pipeline_events,
@@ -115,11 +116,10 @@ async def test_a_liveness_probe_is_answered_while_the_shard_runs_a_long_prefill(
     stat = await shard_stat(nc, wide)
     assert stat.active_streams == 0
     digest = await asyncio.to_thread(weights_sha256, long_context_model)
-    reply = await nc.request(wide.control_subject, OpenHop(
+    reply = await open_hop_as_orchestrator(nc, mesh.cluster, wide.control_subject, OpenHop(
         pipeline_id=pipeline_id, session_id=session_id, hop=0, hop_count=1, model_id=long_context_model.name,
-        weights_sha256=digest, layer_lo=0, layer_hi=3, max_session_tokens=PREFILL_TOKENS).model_dump_json().encode(),
-        timeout=5)
-    assert ControlReply.model_validate_json(reply.data).ok
+        weights_sha256=digest, layer_lo=0, layer_hi=3, max_session_tokens=PREFILL_TOKENS))
+    assert reply.ok, reply
     sink = ActivationReceiver(nc, pipeline_id, 1, nodes=LinkNodes(sender=wide.node_id))
     sender = AckWindowSender(nc, pipeline_id, 0, nodes=LinkNodes(receiver=wide.node_id))
     await sink.start()
