@@ -154,6 +154,18 @@ class _RawConfigView:
         self.architectures = raw.get("architectures")
 
 
+def check_config(path: Path) -> None:
+    """Refuse, reading no weight, a resolved checkpoint whose config (config.json, a GGUF's metadata) does not read
+    or names a family hearth does not serve: CheckpointError or UnsupportedArchitectureError."""
+    try:
+        raw_config = read_config_dict(path)
+    except (OSError, ValueError) as error:  # unreadable, or not JSON
+        raise CheckpointError(f"{path.name}: its config does not read ({first_line(error)})") from None
+    if not isinstance(raw_config, dict):
+        raise CheckpointError(f"{path.name}: its config.json is not a JSON object")
+    adapter_for(_RawConfigView(raw_config))
+
+
 def _assert_materialized(module: nn.Module, what: str) -> None:
     leftovers = [name for name, t in [*module.named_parameters(), *module.named_buffers()] if t.is_meta]
     if leftovers:
