@@ -16,8 +16,20 @@ _label_re = re.compile(QUANTIZATION_LABEL_PATTERN)
 _KIND_ORDER = ("none", "int8", "int4")
 
 
+# Why a text is no scheme, in every message that says so (a command's --quantize, a request's quantization).
+QUANTIZATION_LABEL_EXPECTED = "expected none, int8, int4 or int4/gN (N: a group size)"
+
+
 def is_quantization_label(text: str) -> bool:
-    return bool(_label_re.match(text))
+    return bool(_label_re.fullmatch(text))  # fullmatch: "$" alone lets a trailing newline through
+
+
+def check_quantization_label(text: str) -> str:
+    """`text` when it is a scheme's label as written on the wire (exactly: no case folding, no trimming), else
+    ValueError naming it and the forms expected."""
+    if not isinstance(text, str) or not is_quantization_label(text):
+        raise ValueError(f"{text!r} names no scheme: {QUANTIZATION_LABEL_EXPECTED}")
+    return text
 
 
 def accepts(requested: str | None, served: str) -> bool:
