@@ -8,6 +8,10 @@ module only reads labels, so a request or an advertisement can be judged without
 from __future__ import annotations
 
 import re
+from typing import Annotated
+
+from pydantic import AfterValidator, Field
+from pydantic_core import PydanticCustomError
 
 # What parse_quantization accepts: none, int8, int4 (its default group size) or int4/gN.
 QUANTIZATION_LABEL_PATTERN = r"^(none|int8|int4(/g[1-9][0-9]{0,4})?)$"
@@ -30,6 +34,20 @@ def check_quantization_label(text: str) -> str:
     if not isinstance(text, str) or not is_quantization_label(text):
         raise ValueError(f"{text!r} names no scheme: {QUANTIZATION_LABEL_EXPECTED}")
     return text
+
+
+def _checked_field(text: str) -> str:
+    try:
+        return check_quantization_label(text)
+    except ValueError:  # pydantic's own message would be the pattern's regex
+        raise PydanticCustomError("quantization_label", "{label} names no scheme: " + QUANTIZATION_LABEL_EXPECTED,
+                                  {"label": repr(text)}) from None
+
+
+# A model field holding a scheme's label (a request's, the gateway's option): refused in the words `hearth chat
+# --quantization` uses; its JSON schema keeps the pattern.
+QuantizationLabel = Annotated[str, AfterValidator(_checked_field),
+                              Field(json_schema_extra={"pattern": QUANTIZATION_LABEL_PATTERN})]
 
 
 def accepts(requested: str | None, served: str) -> bool:
