@@ -1,6 +1,6 @@
-"""An orchestrator's --local-model is checked at start from its config alone (a missing path, an unreadable config, a
-family hearth does not serve: one line naming --local-model), and a request may name it by the id llm.models lists
-it under, though it was given as a path."""
+"""An orchestrator's --local-model is checked at start, reading no weight (a missing path, an unreadable config, a
+family hearth does not serve, no safetensors weights, a GGUF layer in a block type hearth does not read: one line
+naming --local-model), and a request may name it by the id llm.models lists it under, though given as a path."""
 
 from __future__ import annotations
 
@@ -14,7 +14,11 @@ from hearth.services.common.lifecycle import CommandRefused
 from hearth.services.orchestrator.catalog import ModelCatalog
 from hearth.services.orchestrator.main import OrchestratorOptions, check_local_model
 
+from .gguf_files import own_cache  # noqa: F401  (a fixture)
 from .inference_tiny_models import one_torch_thread, tiny_model_dir  # noqa: F401  (fixtures)
+from .test_host_gguf_block_types import one_layer_tensor_in_iq4_nl
+
+MODEL = Path(__file__).resolve().parents[2] / "models" / "hearth-tiny-llama"
 
 
 def folder_with_config(tmp_path: Path, text: str) -> Path:
@@ -29,7 +33,9 @@ def folder_with_config(tmp_path: Path, text: str) -> Path:
     (lambda tmp_path: folder_with_config(tmp_path, "{not json"), "its config does not read"),
     (lambda tmp_path: folder_with_config(tmp_path, '{"model_type": "mamba", "architectures": ["MambaForCausalLM"]}'),
      "unsupported architecture MambaForCausalLM"),
-], ids=["missing", "config-not-json", "unsupported-family"])
+    (lambda tmp_path: folder_with_config(tmp_path, (MODEL / "config.json").read_text()), "has no safetensors weights"),
+    (lambda tmp_path: one_layer_tensor_in_iq4_nl(tmp_path), "stored as IQ4_NL, a GGUF type hearth does not read"),
+], ids=["missing", "config-not-json", "unsupported-family", "no-weights", "gguf-layer-unreadable"])
 def test_a_local_model_that_cannot_load_is_refused_in_one_line_naming_the_option(make, why, tmp_path):
     spec = str(make(tmp_path))
     with pytest.raises(CommandRefused) as refused:

@@ -16,7 +16,7 @@ from hearth.services.orchestrator.service import Orchestrator
 from hearth.inference.devices import resolve_placement
 from hearth.inference.errors import InferenceError, first_line
 from hearth.inference.hub_ids import is_hub_gguf_id
-from hearth.inference.loading import check_config
+from hearth.inference.loading import check_checkpoint
 from hearth.inference.quantization import QuantizationError, check_device_supports, parse_quantization
 
 
@@ -58,7 +58,7 @@ def check_local_model(options: OrchestratorOptions) -> None:
         if stored_name(spec) is not None:
             return
         path = ModelCatalog(list(options.model_search_dirs), spec).resolve(spec)
-        check_config(path)
+        check_checkpoint(path)
     except UnknownModel as error:
         if not (HUB_ID_PATTERN.match(spec) or is_hub_gguf_id(spec)):
             raise CommandRefused(f"--local-model {spec}: {first_line(error)}") from None
