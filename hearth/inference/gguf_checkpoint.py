@@ -260,6 +260,13 @@ def layer_tensor_blocks(path: Path) -> dict[int, list[tuple[tuple[int, ...], str
     return blocks
 
 
+def check_layer_block_types(path: Path) -> None:
+    """CheckpointError naming the GGUF's first decoder-layer tensor in a block type hearth does not read, from the
+    tensor table alone (a command refuses it at start rather than when a layer is loaded)."""
+    layer_tensors = (tensor for tensor in gguf_table(path).tensors if tensor.name.startswith("blk."))
+    check_block_types(((tensor.name, tensor.block_type.name) for tensor in layer_tensors), path.name)
+
+
 def gguf_layer_tensors(blocks: dict[int, list[tuple[tuple[int, ...], str]]]) -> list[tuple[str, str, list[int]]]:
     """The (name, stored type, shape) that hearth/inference/memory.py's layer_weight_bytes_of counts, of a GGUF's layer
     tensors given as {layer: [(shape, block type)]} (layer_tensor_blocks)."""

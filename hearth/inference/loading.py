@@ -29,7 +29,7 @@ from .checkpoint import ModelInfo, SafetensorsCheckpoint, default_model_id, open
     resolve_dtype, resolve_model_path
 from .cpu_kernels import DEFAULT_CPU_LINEAR_KERNEL, use_cpu_linear_kernel
 from .errors import CheckpointError, first_line
-from .gguf_checkpoint import GGUFCheckpoint, gguf_config, load_gguf_tokenizer
+from .gguf_checkpoint import GGUFCheckpoint, check_layer_block_types, gguf_config, load_gguf_tokenizer
 from .gguf_header import is_gguf_file
 from .ollama_models import served_model_id
 from .head import Head
@@ -152,6 +152,23 @@ class _RawConfigView:
     def __init__(self, raw: dict):
         self.model_type = raw.get("model_type")
         self.architectures = raw.get("architectures")
+
+
+def check_checkpoint(path: Path) -> None:
+    """Refuse, reading no weight, a resolved checkpoint whose config (config.json, a GGUF's metadata) does not read
+    or names a family hearth does not serve, a folder without readable safetensors headers, or a GGUF with a layer in
+    a block type hearth does not read: CheckpointError or UnsupportedArchitectureError."""
+    try:
+        raw_config = read_config_dict(path)
+    except (OSError, ValueError) as error:  # unreadable, or not JSON
+        raise CheckpointError(f"{path.name}: its config does not read ({first_line(error)})") from None
+    if not isinstance(raw_config, dict):
+        raise CheckpointError(f"{path.name}: its config.json is not a JSON object")
+    adapter_for(_RawConfigView(raw_config))
+    if is_gguf_file(path):
+        check_layer_block_types(path)
+    else:
+        SafetensorsCheckpoint(path)
 
 
 def _assert_materialized(module: nn.Module, what: str) -> None:

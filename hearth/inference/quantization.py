@@ -101,7 +101,7 @@ def parse_quantization(text: str | QuantizationScheme | None) -> QuantizationSch
         return QuantizationScheme()
     if not isinstance(text, str):
         raise QuantizationError(f"quantization must be a string such as 'int8', not {type(text).__name__}")
-    match = _SCHEME_RE.match(text.strip().lower())
+    match = _SCHEME_RE.fullmatch(text)  # exact, as labels travel on the wire
     if match is None:
         raise QuantizationError(
             f"unknown quantization {text!r}: expected none, int8, int4 or int4/g<group size> "

@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
 from hearth.protocol.chat_tools import ResponseFormat, ToolCallList, ToolChoice, ToolList
-from hearth.protocol.quantization_labels import QUANTIZATION_LABEL_PATTERN
+from hearth.protocol.quantization_labels import QuantizationLabel
 
 max_tokens_limit = 8192
 # What a call generates at most when it does not say (hearth/inference/sampling.py mirrors it).
@@ -100,7 +100,7 @@ class ChatParams(BaseModel):
     fallback_to_local: bool = True
     # The weight quantization scheme the answer must come from: none, int8, int4 (any group size) or int4/gN;
     # absent: the most precise scheme whose shards cover the model (none, then int8, then int4).
-    quantization: str | None = Field(default=None, pattern=QUANTIZATION_LABEL_PATTERN)
+    quantization: QuantizationLabel | None = None
     # How much of the shards' work is checked on other replicas (docs/design.md, "Honest shards"): `none`;
     # `sampled` (a fraction of steps, off the token's path; a refuted step withdraws the tokens after it);
     # `all` (every step also on a second replica before its token goes out); `vote` (two more replicas, majority).

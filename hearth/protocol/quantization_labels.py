@@ -8,6 +8,10 @@ module only reads labels, so a request or an advertisement can be judged without
 from __future__ import annotations
 
 import re
+from typing import Annotated
+
+from pydantic import AfterValidator, Field
+from pydantic_core import PydanticCustomError
 
 # What parse_quantization accepts: none, int8, int4 (its default group size) or int4/gN.
 QUANTIZATION_LABEL_PATTERN = r"^(none|int8|int4(/g[1-9][0-9]{0,4})?)$"
@@ -16,8 +20,34 @@ _label_re = re.compile(QUANTIZATION_LABEL_PATTERN)
 _KIND_ORDER = ("none", "int8", "int4")
 
 
+# Why a text is no scheme, in every message that says so (a command's --quantize, a request's quantization).
+QUANTIZATION_LABEL_EXPECTED = "expected none, int8, int4 or int4/gN (N: a group size)"
+
+
 def is_quantization_label(text: str) -> bool:
-    return bool(_label_re.match(text))
+    return bool(_label_re.fullmatch(text))  # fullmatch: "$" alone lets a trailing newline through
+
+
+def check_quantization_label(text: str) -> str:
+    """`text` when it is a scheme's label as written on the wire (exactly: no case folding, no trimming), else
+    ValueError naming it and the forms expected."""
+    if not isinstance(text, str) or not is_quantization_label(text):
+        raise ValueError(f"{text!r} names no scheme: {QUANTIZATION_LABEL_EXPECTED}")
+    return text
+
+
+def _checked_field(text: str) -> str:
+    try:
+        return check_quantization_label(text)
+    except ValueError:  # pydantic's own message would be the pattern's regex
+        raise PydanticCustomError("quantization_label", "{label} names no scheme: " + QUANTIZATION_LABEL_EXPECTED,
+                                  {"label": repr(text)}) from None
+
+
+# A model field holding a scheme's label (a request's, the gateway's option): refused in the words `hearth chat
+# --quantization` uses; its JSON schema keeps the pattern.
+QuantizationLabel = Annotated[str, AfterValidator(_checked_field),
+                              Field(json_schema_extra={"pattern": QUANTIZATION_LABEL_PATTERN})]
 
 
 def accepts(requested: str | None, served: str) -> bool:

@@ -238,12 +238,28 @@ DtypeOption = Annotated[
     typer.Option("--dtype", help="auto|fp32|bf16|fp16 (auto: bf16 on CUDA, fp16 where bf16 is unsupported, fp32 on "
                  "the CPU; default: [research.distributed_inference.host] dtype).", show_default=False),
 ]
+
+
+def checked_quantize(value: str | list[str] | None) -> str | list[str] | None:
+    """Every command's --quantize check (a list: each scheme): a label exactly as written on the wire, as the
+    configuration and requests take it, else a usage error before anything starts."""
+    from hearth.protocol.quantization_labels import check_quantization_label
+
+    for label in value if isinstance(value, list) else [value]:
+        if label is not None:
+            try:
+                check_quantization_label(label)
+            except ValueError as error:
+                raise typer.BadParameter(str(error)) from None
+    return value
+
+
 QuantizeOption = Annotated[
     Optional[str],
-    typer.Option("--quantize", help="none|int8|int4|int4/gN: weights held as full precision, int8 per output channel "
-                 "or int4 in groups of N inputs; the CPU, and CUDA (int4 from compute capability 8.0) (default: "
-                 "[research.distributed_inference.host] quantize).",
-                 show_default=False),
+    typer.Option("--quantize", callback=checked_quantize, show_default=False,
+                 help="none|int8|int4|int4/gN: weights held as full precision, int8 per output channel or int4 in "
+                      "groups of N inputs; the CPU, and CUDA (int4 from compute capability 8.0) (default: "
+                      "[research.distributed_inference.host] quantize)."),
 ]
 
 TorchThreadsOption = Annotated[

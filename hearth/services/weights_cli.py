@@ -103,15 +103,16 @@ def list_command(
 @weights_app.command("fetch")
 def fetch_command(
     ctx: typer.Context,
-    name: Annotated[str, typer.Argument(help="The stored model's name.")],
+    name: Annotated[str, typer.Argument(help="The stored model: NAME, or store:NAME as --model names it.")],
     part: Annotated[str, typer.Option("--part", help="LO-HI (layers, inclusive), head, or all.")] = "all",
     nats_url: NatsUrlOption = None,
     creds: CredsOption = None,
     insecure: InsecureOption = False,
 ) -> None:
     """Fetch (ahead of `hearth shard --model store:NAME`) what a part needs into the local cache; prints the folder."""
-    from hearth.services.weights_store import fetch_stored_model
+    from hearth.services.weights_store import STORE_MODEL_PREFIX, fetch_stored_model
 
     needed = _parse_part(part)
+    name = name.removeprefix(STORE_MODEL_PREFIX)  # the name checked where it is fetched
     use_credentials(ctx, "hearth weights fetch", creds, insecure)
     typer.echo(_run(ctx, "fetch", nats_url, lambda js: fetch_stored_model(js, name, needed)))

@@ -72,7 +72,6 @@ def test_a_random_shape_reads_bytes_and_full_precision_matches_itself(random_cac
 
 
 @pytest.mark.parametrize(("args", "named"), [
-    (["--quantize", "int3"], "--quantize: unknown quantization 'int3'"),
     (["--quantize", "int4/g128"], "--quantize int4/g128: "),  # the tiny model's 64 inputs take no group of 128
     (["--text", "/nonexistent/text.txt"], "no such file"),
     (["--context-tokens", "100000"], "more than the model's 256 positions"),

@@ -1,7 +1,7 @@
 """`store:NAME` models where they are used, against a real nats-server: `hearth host` sizes its range from the
 manifest alone, the orchestrator's catalog fetches only the head (the whole model for its local fallback) and
-serves it under NAME, a shard loads only its range's objects, and an unreadable GGUF is refused at publishing (GGUFs
-that load: tests/integration/test_weights_store_gguf.py)."""
+serves it under NAME, a shard loads only its range's objects, `hearth weights fetch` takes NAME or store:NAME, and
+an unreadable GGUF is refused at publishing (GGUFs that load: tests/integration/test_weights_store_gguf.py)."""
 
 from __future__ import annotations
 
@@ -107,3 +107,20 @@ def test_an_unreadable_gguf_is_refused_at_publishing_with_one_line(tmp_path):
     for path in (tmp_path / "model.gguf", tmp_path):
         with pytest.raises(WeightsStoreError, match="model.gguf is truncated: its header ends past the end"):
             check_publishable(path)
+
+
+def test_weights_fetch_takes_a_stored_model_as_every_model_option_names_it(published, nats_url, monkeypatch):
+    from typer.testing import CliRunner
+
+    from hearth.services.cli import app
+
+    monkeypatch.setenv("HEARTH_NATS__INSECURE", "1")
+    folders = []
+    for spec in (NAME, f"store:{NAME}"):
+        result = CliRunner().invoke(app, ["weights", "fetch", spec, "--part", "head", "--nats", nats_url])
+        assert result.exit_code == 0, result.output
+        folders.append(result.stdout.strip())
+    assert folders[0] == folders[1]
+    result = CliRunner().invoke(app, ["weights", "fetch", "store:no such name", "--nats", nats_url])
+    assert result.exit_code == 2 and result.stderr.strip().splitlines()[-1].startswith(
+        "hearth weights fetch: model name 'no such name' must be"), result.output

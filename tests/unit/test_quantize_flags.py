@@ -44,10 +44,16 @@ def test_the_config_key_refuses_a_malformed_scheme():
         HostSettings(quantize="int3")
 
 
-def test_hearth_bench_refuses_a_bad_scheme_before_starting_anything():
-    result = CliRunner().invoke(app, ["bench", "--quantize", "int3"])
-    assert result.exit_code == 2
-    assert "--quantize" in result.output and "int3" in result.output
+@pytest.mark.parametrize("command", [["shard", "--model", "m", "--layers", "0-1"], ["host", "--model", "m"],
+                                     ["orchestrator"], ["demo"], ["bench"], ["eval", "--model", "m"]],
+                         ids=lambda command: command[0])
+@pytest.mark.parametrize("label", ["int3", "INT8", "int4/g64 ", "int8\n"])
+def test_every_command_refuses_a_malformed_scheme_alike_before_starting_anything(command, label):
+    result = CliRunner().invoke(app, [*command, "--quantize", label])
+    assert result.exit_code == 2, result.output
+    assert f"Invalid value for '--quantize': {label!r} names no scheme: expected none, int8, int4 or int4/gN" \
+        in result.output, result.output
+    assert "Traceback" not in result.output
 
 
 def test_a_hosts_coverage_counts_only_replicas_of_its_scheme():

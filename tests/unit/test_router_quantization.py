@@ -115,12 +115,14 @@ def test_a_call_starts_from_its_requested_scheme():
     assert Call(request=ChatRequest(prompt="hello"), model=None, client=None).quantization is None
 
 
-@pytest.mark.parametrize("label", ["int3", "int4/g0", "INT8", "int8 ", "fp8"])
-def test_a_malformed_scheme_is_a_bad_request_naming_the_field(label):
+@pytest.mark.parametrize("label", ["int3", "int4/g0", "INT8", "int8 ", "fp8", "int8\n", "{label}"])
+def test_a_malformed_scheme_is_a_bad_request_naming_the_field_in_plain_words(label):
     body = ChatRequest(prompt="hello").model_dump(mode="json")
     body["params"]["quantization"] = label
-    with pytest.raises(BadRequest, match="params.quantization"):
+    with pytest.raises(BadRequest) as refused:
         parse_chat_request(json.dumps(body).encode())
+    assert str(refused.value) == (f"field 'params.quantization': {label!r} names no scheme: expected none, int8, "
+                                  "int4 or int4/gN (N: a group size)")  # as `hearth chat --quantization` says it
 
 
 def test_labels_order_and_acceptance():

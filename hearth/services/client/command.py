@@ -24,7 +24,7 @@ from hearth.protocol.chat import (
     TokensWithdrawnFrame,
     describe_validation_error,
 )
-from hearth.protocol.quantization_labels import is_quantization_label
+from hearth.protocol.quantization_labels import check_quantization_label
 from hearth.protocol.subjects import MODELS_REQUEST_SUBJECT
 from hearth.services.common.config import HearthSettings, NatsSettings
 from hearth.services.common.lifecycle import run_event_loop
@@ -49,9 +49,11 @@ def run_chat_command(nats_url: str, *, prompt: str, model: str | None, max_token
     `[tokens_withdrawn ...]` line goes to stderr, and the answer's kept text is printed again on stdout, where
     the text goes on; the last stretch of stdout after such a line is the answer.
     """
-    if quantization is not None and not is_quantization_label(quantization):
-        _say(f"error bad_request: --quantization {quantization!r} names no scheme: expected none, int8, int4 or "
-             "int4/gN (N: a group size)")
+    try:
+        if quantization is not None:
+            check_quantization_label(quantization)
+    except ValueError as error:
+        _say(f"error bad_request: --quantization {error}")
         return EXIT_ERROR
     try:
         request = ChatRequest(model=model, max_tokens=max_tokens, temperature=temperature, seed=seed, n=choices,

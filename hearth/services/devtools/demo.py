@@ -101,7 +101,6 @@ class DemoRun:
         previous_hup = signal.signal(signal.SIGHUP, _raise_stop)
         cluster: LocalCluster | None = None
         try:
-            self._check_quantize()
             demo_model = resolve_demo_model(self.model, prefer_real=True)
             if self.model is None and not demo_model.is_gguf:
                 _say(f"hearth demo: running the bundled toy model; {REAL_DEMO_MODEL_HINT}")
@@ -204,14 +203,6 @@ class DemoRun:
     def _placement_args(self) -> list[str]:
         return [*(["--device", self.device] if self.device else []), *(["--dtype", self.dtype] if self.dtype else []),
                 *(["--quantize", self.quantize] if self.quantize else [])]
-
-    def _check_quantize(self) -> None:
-        # By its label only, so this process stays free of torch: a shard refuses a scheme it cannot run.
-        from hearth.protocol.quantization_labels import is_quantization_label
-
-        if self.quantize is not None and not is_quantization_label(self.quantize):
-            raise DemoError(f"--quantize: unknown quantization {self.quantize!r}: expected none, int8, int4 or "
-                            "int4/g<group size>")
 
     # ------------------------------------------------------------------ the answer
 

@@ -31,7 +31,7 @@ from hearth.protocol.chat import (
     max_messages,
     max_top_logprobs,
 )
-from hearth.protocol.quantization_labels import QUANTIZATION_LABEL_PATTERN
+from hearth.protocol.quantization_labels import QuantizationLabel
 from hearth.services.gateway.logprobs import ChatLogprobs, CompletionLogprobs
 from hearth.services.gateway.tool_calls import ToolCallBody
 
@@ -83,7 +83,7 @@ class HearthOptions(BaseModel):
     # params.verify: how much of the shards' work other replicas check (absent: the request's default).
     verify: VerifyLevel | None = None
     # params.quantization: the weight scheme the answer must come from (absent: the most precise fully covered).
-    quantization: str | None = Field(default=None, pattern=QUANTIZATION_LABEL_PATTERN)
+    quantization: QuantizationLabel | None = None
 
     def params(self) -> ChatParams:
         return ChatParams(**self.model_dump(exclude_none=True))

@@ -18,7 +18,8 @@ import torch
 
 from hearth.inference import read_config_dict, resolve_model_path, weights_sha256
 from hearth.inference.checkpoint import looks_like_local_path, default_model_id
-from hearth.inference.gguf_checkpoint import default_read_device
+from hearth.inference.gguf_checkpoint import check_layer_block_types, default_read_device
+from hearth.inference.gguf_header import is_gguf_file
 from hearth.inference.hub_fetch import complete_hub_snapshot, hub_layout
 from hearth.inference.memory import layer_weight_bytes, layer_weight_bytes_of
 from hearth.inference.ollama_models import served_model_id
@@ -55,6 +56,8 @@ async def model_layout(model: str, *, model_id: str | None, compute_dtype: torch
         return ModelLayout(total, [per_layer.get(index, 0) for index in range(total)], layout.weights_sha256,
                            model_id or model)
     total = int(read_config_dict(local)["num_hidden_layers"])
+    if is_gguf_file(local):  # refused while planning, not once a range is announced and loading it fails
+        await asyncio.to_thread(check_layer_block_types, local)
     per_layer = await asyncio.to_thread(layer_weight_bytes, local, compute_dtype, quantization=scheme,
                                        device=device)
     digest = await asyncio.to_thread(weights_sha256, local)

@@ -5,9 +5,9 @@ may be a folder path, `store:NAME` (fetched from the community's store: the head
 the local fallback) or a hub id (`org/name`, `org/name:FILE.gguf`; when not in the local hub cache, fetched as
 shard hosts fetch their ranges: the head only, a GGUF's by byte ranges, or the whole model for the local
 fallback). A name in a request is only ever looked up in the catalog: a configured name (NAME for a configured
-`store:NAME`), the id of a loaded model, a folder name inside a models folder (`--models-dir`, `models/`), a hub
-id (`org/name`) already in the local hub cache, or a hub id (`org/name`, `org/name:FILE.gguf`) that live shards
-advertise (its head fetched then, as for the operator's). A request's name is never opened as a path,
+`store:NAME`, the local model's id), the id of a loaded model, a folder name inside a models folder (`--models-dir`,
+`models/`), a hub id (`org/name`) already in the local hub cache, or a hub id (`org/name`, `org/name:FILE.gguf`) that
+live shards advertise (its head fetched then, as for the operator's). A request's name is never opened as a path,
 and what a request is told about a name it may not use carries no path of this machine.
 """
 
@@ -271,6 +271,8 @@ class ModelCatalog:
     async def get_requested(self, name: str) -> LoadedModel:
         """The model a request names, from the catalog only; UnknownModel (naming no path) otherwise."""
         configured = self._configured_as(name)
+        if configured is None and self.local_model_spec and name == await asyncio.to_thread(self.local_model_id):
+            configured = self.local_model_spec  # a path's: named by the id llm.models lists it under
         if configured is not None:
             try:
                 return await self.get(configured)

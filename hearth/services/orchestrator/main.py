@@ -10,12 +10,14 @@ from hearth.services.common.config import HearthSettings
 from hearth.services.common.lifecycle import CommandRefused, unless_stopped
 from hearth.services.common.metrics import serve_process_metrics
 from hearth.services.broker.connection import connect_nats, drain_or_close
-from hearth.services.orchestrator.catalog import LocalModelUnusable, UnknownModel
+from hearth.services.orchestrator.catalog import HUB_ID_PATTERN, LocalModelUnusable, ModelCatalog, UnknownModel, \
+    stored_name
 from hearth.services.orchestrator.service import Orchestrator
 from hearth.inference.devices import resolve_placement
 from hearth.inference.errors import InferenceError, first_line
+from hearth.inference.hub_ids import is_hub_gguf_id
+from hearth.inference.loading import check_checkpoint
 from hearth.inference.quantization import QuantizationError, check_device_supports, parse_quantization
-
 
 
 @dataclass(frozen=True)
@@ -45,6 +47,25 @@ def with_step_timeout(settings: HearthSettings, step_timeout_s: float | None) ->
     return settings.model_copy(update={"transport": transport})
 
 
+def check_local_model(options: OrchestratorOptions) -> None:
+    """Refuse a --local-model that is not there or whose config does not read or names a family hearth does not
+    serve, reading no weight: loaded only when first needed, it would otherwise be listed by llm.models and fail
+    then. A `store:NAME` model, or a hub id not in the local hub cache, is fetched when first needed instead."""
+    spec = options.local_model
+    if spec is None:
+        return
+    try:
+        if stored_name(spec) is not None:
+            return
+        path = ModelCatalog(list(options.model_search_dirs), spec).resolve(spec)
+        check_checkpoint(path)
+    except UnknownModel as error:
+        if not (HUB_ID_PATTERN.match(spec) or is_hub_gguf_id(spec)):
+            raise CommandRefused(f"--local-model {spec}: {first_line(error)}") from None
+    except InferenceError as error:
+        raise CommandRefused(f"--local-model {spec}: {first_line(error)}") from None
+
+
 async def run_orchestrator(settings: HearthSettings, options: OrchestratorOptions, nats_url: str | None, *,
                            preload: list[str] = (), ready_file: str | None = None,
                            stop_event: asyncio.Event) -> None:
@@ -57,6 +78,7 @@ async def run_orchestrator(settings: HearthSettings, options: OrchestratorOption
         raise CommandRefused(f"--quantize: {error}") from None
     except ValueError as error:
         raise CommandRefused(str(error)) from None
+    check_local_model(options)
     nc = await unless_stopped(
         connect_nats(nats_url, name=f"hearth-orchestrator {options.node_id}", settings=settings.nats), stop_event)
     orchestrator = Orchestrator(nc, settings, node_id=options.node_id, db_path=options.db_path,

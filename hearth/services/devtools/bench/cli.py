@@ -10,7 +10,6 @@ import typer
 
 from hearth.services.cli_options import DeviceOption, DtypeOption, QuantizeOption, TorchThreadsOption
 from hearth.protocol.chat import VerifyLevel
-from hearth.protocol.quantization_labels import is_quantization_label
 from hearth.services.devtools.bench.defaults import (
     default_new_tokens,
     default_prompt_tokens,
@@ -103,8 +102,6 @@ def bench_command(
         if not separator or not key:
             raise typer.BadParameter(f"expected KEY=VALUE, got {item!r}", param_hint="--env")
         child_env[key] = value
-    if quantize is not None and not is_quantization_label(quantize):
-        raise typer.BadParameter(f"expected none, int8, int4 or int4/gN, got {quantize!r}", param_hint="--quantize")
     check_verification_options(verify, replicas, pin_cores=pin_cores)
     if pin_cores is not None:
         from hearth.services.devtools.bench.together import TogetherOptions

@@ -8,6 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from hearth.services.cli_options import checked_quantize
 from hearth.services.devtools.bench.eval_options import (
     EVAL_DEFAULT_CONTEXT_TOKENS,
     EVAL_DEFAULT_MAX_TOKENS,
@@ -28,8 +29,9 @@ def eval_command(
                            "tokenizer read its UTF-8 bytes as token ids).")
     ] = EVAL_DEFAULT_TEXT,
     quantize: Annotated[
-        Optional[list[str]], typer.Option("--quantize", help="A scheme to compare with full precision: int8, int4, "
-                                          "int4/gN, none (repeatable; default: int8 and int4).", show_default=False)
+        Optional[list[str]], typer.Option("--quantize", callback=checked_quantize, show_default=False,
+                                          help="A scheme to compare with full precision: int8, int4, int4/gN, none "
+                                               "(repeatable; default: int8 and int4).")
     ] = None,
     context_tokens: Annotated[
         int, typer.Option("--context-tokens", min=2, help="Tokens per window; each window is one prefill from "

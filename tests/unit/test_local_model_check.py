@@ -1,0 +1,60 @@
+"""An orchestrator's --local-model is checked at start, reading no weight (a missing path, an unreadable config, a
+family hearth does not serve, no safetensors weights, a GGUF layer in a block type hearth does not read: one line
+naming --local-model), and a request may name it by the id llm.models lists it under, though given as a path."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from pathlib import Path
+
+import pytest
+
+from hearth.services.common.lifecycle import CommandRefused
+from hearth.services.orchestrator.catalog import ModelCatalog
+from hearth.services.orchestrator.main import OrchestratorOptions, check_local_model
+
+from .gguf_files import own_cache  # noqa: F401  (a fixture)
+from .inference_tiny_models import one_torch_thread, tiny_model_dir  # noqa: F401  (fixtures)
+from .test_host_gguf_block_types import one_layer_tensor_in_iq4_nl
+
+MODEL = Path(__file__).resolve().parents[2] / "models" / "hearth-tiny-llama"
+
+
+def folder_with_config(tmp_path: Path, text: str) -> Path:
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text(text)
+    return folder
+
+
+@pytest.mark.parametrize(("make", "why"), [
+    (lambda tmp_path: tmp_path / "nope", "does not exist"),
+    (lambda tmp_path: folder_with_config(tmp_path, "{not json"), "its config does not read"),
+    (lambda tmp_path: folder_with_config(tmp_path, '{"model_type": "mamba", "architectures": ["MambaForCausalLM"]}'),
+     "unsupported architecture MambaForCausalLM"),
+    (lambda tmp_path: folder_with_config(tmp_path, (MODEL / "config.json").read_text()), "has no safetensors weights"),
+    (lambda tmp_path: one_layer_tensor_in_iq4_nl(tmp_path), "stored as IQ4_NL, a GGUF type hearth does not read"),
+], ids=["missing", "config-not-json", "unsupported-family", "no-weights", "gguf-layer-unreadable"])
+def test_a_local_model_that_cannot_load_is_refused_in_one_line_naming_the_option(make, why, tmp_path):
+    spec = str(make(tmp_path))
+    with pytest.raises(CommandRefused) as refused:
+        check_local_model(OrchestratorOptions(node_id="o", local_model=spec))
+    message = str(refused.value)
+    assert message.startswith(f"--local-model {spec}: ") and why in message and "\n" not in message, message
+
+
+@pytest.mark.parametrize("spec", [None, "store:fetched-when-needed", "nobody-here/not-in-the-hub-cache"])
+def test_models_fetched_when_first_needed_are_not_checked_at_start(spec, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    check_local_model(OrchestratorOptions(node_id="o", local_model=spec))
+
+
+def test_a_request_names_a_local_model_given_as_a_path_by_its_listed_id(tiny_model_dir, tmp_path):
+    folder = shutil.copytree(tiny_model_dir("llama"), tmp_path / "my-own-model")
+    check_local_model(OrchestratorOptions(node_id="o", local_model=str(folder)))
+    catalog = ModelCatalog(local_model=str(folder))
+    assert catalog.local_model_id() == "my-own-model"
+    loaded = asyncio.run(catalog.get_requested("my-own-model"))
+    assert loaded.model_id == "my-own-model" and loaded.path == folder.resolve()
