@@ -1,7 +1,8 @@
 """A shard is never left running unreachable: an `open` naming a hop beyond a pipeline's bound is refused before any
 subject is built from it (a hop number of thousands of digits made the shard subscribe past the broker's control
 line, and the broker dropped its connection), and a shard whose connection nats-py closed for good stops with one
-line instead of staying up advertised but deaf."""
+line instead of staying up advertised but deaf; so does a host (`hearth host`) whose own connection is closed for
+good, its shard with it, instead of serving a range while blind to the holes it watches for."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from hearth.protocol.subjects import shard_control_subject
 from hearth.services.broker import connection
 from hearth.services.broker.connection import BrokerConnectionClosed
 from hearth.services.common.config import load_settings
+from hearth.services.host import main as host_main
 from hearth.services.shard import main as shard_main
 from hearth.services.shard.main import LoadedShard, serve_loaded_shard
 from hearth.services.shard.server import ShardIdentity
@@ -26,6 +28,25 @@ from tests.runner_limits import RUNNER_KV_LIMITS
 reply_timeout_s = 5.0
 # Longer than nats-server's max_control_line (4 KiB).
 oversized_subject_chars = 8000
+ready_wait_s = 60.0
+
+
+def kept_connections(monkeypatch, module) -> list:
+    """The broker connections `module` makes through its `connect_nats`, kept as they are made."""
+    connections = []
+
+    async def connect_and_keep(*args, **kwargs):
+        nc = await connection.connect_nats(*args, **kwargs)
+        connections.append(nc)
+        return nc
+
+    monkeypatch.setattr(module, "connect_nats", connect_and_keep)
+    return connections
+
+
+async def close_for_good(nc) -> None:
+    """The broker answers a control line past its limit by dropping the connection, and nats-py gives it up."""
+    await nc.subscribe("x" * oversized_subject_chars)
 
 
 async def test_an_open_naming_a_huge_hop_is_refused_and_the_shard_stays_reachable(nats_server):
@@ -49,14 +70,7 @@ async def test_a_shard_whose_connection_is_closed_for_good_stops_with_one_line(n
         shard_id="tiny-0-1", model_id="tiny", node_id="node0", weights_sha256="0" * 64, layer_lo=0, layer_hi=1,
         total_layers=runner.info.num_layers, dtype="float32", memory_required_mb=1.0,
         control_subject=shard_control_subject("node0", "tiny-0-1"))
-    connections = []
-
-    async def connect_and_keep(*args, **kwargs):
-        nc = await connection.connect_nats(*args, **kwargs)
-        connections.append(nc)
-        return nc
-
-    monkeypatch.setattr(shard_main, "connect_nats", connect_and_keep)
+    connections = kept_connections(monkeypatch, shard_main)
     ready = tmp_path / "ready"
     serving = asyncio.create_task(serve_loaded_shard(
         LoadedShard(runner, identity), nats_url=nats_server.url, settings=load_settings(), ready_file=str(ready),
@@ -67,10 +81,32 @@ async def test_a_shard_whose_connection_is_closed_for_good_stops_with_one_line(n
                 break
             await asyncio.sleep(0.05)
         assert ready.exists()
-        # The broker answers a control line past its limit by dropping the connection, and nats-py gives it up.
-        await connections[0].subscribe("x" * oversized_subject_chars)
+        await close_for_good(connections[0])
         with pytest.raises(BrokerConnectionClosed, match="closed for good"):
             await asyncio.wait_for(serving, timeout=30)
     finally:
         serving.cancel()
         await asyncio.gather(serving, return_exceptions=True)
+
+
+async def test_a_host_whose_connection_is_closed_for_good_stops(nats_server, tmp_path, monkeypatch):
+    # The host's own connection (its coverage watch), not its shard's (hearth/services/shard/main.py makes that one).
+    host_connections = kept_connections(monkeypatch, host_main)
+    ready = tmp_path / "ready"
+    stop_event = asyncio.Event()
+    hosting = asyncio.create_task(host_main.run_host(
+        model=str(MODEL), memory_budget_mb=None, nats_url=nats_server.url, settings=load_settings(), node_id="node0",
+        ready_file=str(ready), stop_event=stop_event))
+    try:
+        async with asyncio.timeout(ready_wait_s):
+            while not (ready.exists() or hosting.done()):
+                await asyncio.sleep(0.05)
+        assert ready.exists() and len(host_connections) == 1
+        await close_for_good(host_connections[0])
+        with pytest.raises(BrokerConnectionClosed, match="closed for good"):
+            await asyncio.wait_for(hosting, timeout=30)
+        assert not stop_event.is_set()  # it stopped on its own
+    finally:
+        stop_event.set()
+        hosting.cancel()
+        await asyncio.gather(hosting, return_exceptions=True)

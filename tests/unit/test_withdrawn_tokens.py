@@ -207,29 +207,21 @@ async def test_a_withdrawal_of_tokens_no_chunk_carried_leaves_the_stream_whole(g
     assert events[-1] == "[DONE]" and streamed_text(events) == "Hello!"
 
 
-async def test_hearth_verify_maps_onto_params_verify(gateway):
+@pytest.mark.parametrize(("option", "values", "absent"), [
+    ("verify", ("none", "sampled", "all", "vote"), "sampled"),
+    ("quantization", ("none", "int8", "int4", "int4/g64"), None)])
+async def test_each_hearth_option_maps_onto_its_params_field(gateway, option, values, absent):
     http, scripted = gateway
-    for level in ("none", "sampled", "all", "vote"):
+    for value in values:
         scripted.scripts.append([token(0, "Hi"), done(1, 1)])
-        response = await http.post("/v1/chat/completions", json=chat_body(hearth={"verify": level}))
-        assert response.status_code == 200 and scripted.received[-1].params.verify == level
+        response = await http.post("/v1/chat/completions", json=chat_body(hearth={option: value}))
+        assert response.status_code == 200 and getattr(scripted.received[-1].params, option) == value
     scripted.scripts.append([token(0, "Hi"), done(1, 1)])
-    await http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "hearth": {"verify": "all"}})
-    assert scripted.received[-1].params.verify == "all"
+    await http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "hearth": {option: values[-1]}})
+    assert getattr(scripted.received[-1].params, option) == values[-1]
     scripted.scripts.append([token(0, "Hi"), done(1, 1)])
     await http.post("/v1/chat/completions", json=chat_body())
-    assert scripted.received[-1].params.verify == "sampled"
-
-
-async def test_hearth_quantization_maps_onto_params_quantization(gateway):
-    http, scripted = gateway
-    for label in ("none", "int8", "int4", "int4/g64"):
-        scripted.scripts.append([token(0, "Hi"), done(1, 1)])
-        response = await http.post("/v1/chat/completions", json=chat_body(hearth={"quantization": label}))
-        assert response.status_code == 200 and scripted.received[-1].params.quantization == label
-    scripted.scripts.append([token(0, "Hi"), done(1, 1)])
-    await http.post("/v1/chat/completions", json=chat_body())
-    assert scripted.received[-1].params.quantization is None
+    assert getattr(scripted.received[-1].params, option) == absent
 
 
 @pytest.mark.parametrize("hearth, param", [
