@@ -29,7 +29,7 @@ max_prefix_block_tokens = 4096
 # `pipeline_taken`: the pipeline is open on this shard for another orchestrator (its ids travel in plain headers, so a
 # member may have opened it first): the refused orchestrator routes around the shard without blaming it.
 RefusalCode = Literal["at_capacity", "weights_mismatch", "bad_range", "bad_request", "unknown_pipeline",
-                      "pipeline_taken"]
+                      "pipeline_taken", "unauthorized"]
 
 
 class PrefixBlocks(BaseModel):

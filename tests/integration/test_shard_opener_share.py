@@ -82,7 +82,7 @@ async def test_a_member_at_its_share_gets_no_stream_by_an_open_that_does_not_ver
         # stream its share leaves to the others.
         again = ControlReply.model_validate_json((await shard.client.request(
             shard.subject, body, timeout=reply_timeout_s, headers=headers)).data)
-        assert (again.ok, again.code) == (False, "bad_request")
-        assert (await _ask(shard, _open("hog-2"), None)).code == "bad_request"
-        assert (await _ask(shard, _open("hog-3"), MemberKey.generate())).code == "bad_request"
+        assert (again.ok, again.code) == (False, "unauthorized")
+        assert (await _ask(shard, _open("hog-2"), None)).code == "unauthorized"
+        assert (await _ask(shard, _open("hog-3"), MemberKey.generate())).code == "unauthorized"
         assert shard.server.active_streams == 1

@@ -145,6 +145,8 @@ def test_a_reported_failure_is_unverified_and_its_failover_blames_nobody(tmp_pat
     engine.dispose()
 
 
-def test_a_refusal_for_a_pipeline_another_member_opened_first_blames_nobody():
+def test_a_refusal_for_a_pipeline_another_member_opened_first_or_of_an_open_not_verified_blames_nobody():
     assert not StepFailure("refused", "m:0-3@n", "taken", code="pipeline_taken").verified
+    # The open's signature did not verify on the shard: this orchestrator's key or clock, not the shard, is at fault.
+    assert not StepFailure("refused", "m:0-3@n", "stale", code="unauthorized").verified
     assert StepFailure("refused", "m:0-3@n", "full", code="at_capacity").verified

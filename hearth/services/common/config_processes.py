@@ -210,7 +210,7 @@ class ShardSettings(ConfigSection):
     max_hops_per_opener: int = Field(
         default=0, ge=0, description="hops one orchestrator may hold on this shard at once, on a community mesh: the "
                                      "roster member whose key signed the `open` (one no member signed, or heard "
-                                     "before, is refused bad_request); further opens are refused at_capacity, so no "
+                                     "before, is refused unauthorized); further opens are refused at_capacity, so no "
                                      "member fills every stream with hops it keeps alive. 0: all but one of "
                                      "max_concurrent_streams (all of one). On an open mesh (no roster) opens are "
                                      "not told apart and only max_concurrent_streams applies")

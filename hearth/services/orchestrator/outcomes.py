@@ -20,8 +20,9 @@ FailureKind = Literal["stalled", "step_failed", "corrupt", "reported", "gone", "
                       "refuted", "disputed"]
 # Failures the orchestrator did not see for itself: nobody is blamed in events or kept out of other calls' routing.
 UNVERIFIED_KINDS = frozenset({UNVERIFIED_REPORT, "disputed"})
-# Refusals that are no fault of the shard: another member opened the pipeline there first (protocol/control.py).
-UNBLAMED_REFUSALS = frozenset({"pipeline_taken"})
+# Refusals that are no fault of the shard (protocol/control.py): another member opened the pipeline there first;
+# the open's signature did not verify there (this orchestrator's key or clock, not the shard, is at fault).
+UNBLAMED_REFUSALS = frozenset({"pipeline_taken", "unauthorized"})
 
 
 @dataclass(frozen=True)

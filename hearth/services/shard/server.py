@@ -255,7 +255,7 @@ class ShardServer:
             return None
         checked = self.open_verifier.check(msg.subject, "", msg.data, msg.headers)
         if isinstance(checked, CallRefused):
-            return ControlReply(ok=False, code="bad_request",
+            return ControlReply(ok=False, code="unauthorized",
                                 message=f"the open is not signed by a member ({checked.reason}): {checked.message}")
         return checked.name
 
