@@ -4,7 +4,7 @@ huggingface_hub's downloader takes whatever a server sends and checks its size o
 mirror sending an oversized file could fill the disk first. Here a Content-Length beyond the listed size is refused
 before any byte of the body is read, and a body running past it (no Content-Length, or a lying one) is cut off at
 that byte; either way its partial file is removed and the error is one line. A download broken off midway resumes
-(DOWNLOAD_RETRIES times, and again on the next start) from the partial file, which a lock file beside it keeps to one
+(TRANSFER_RETRIES times, and again on the next start) from the partial file, which a lock file beside it keeps to one
 writer among the processes sharing the cache (a process waits for a twin's download only while its partial file
 grows). Every request names the commit, whose files never change.
 """
@@ -20,8 +20,9 @@ from pathlib import Path
 from .errors import CheckpointError
 from .hub_ids import HUB_ENDPOINT_ENV
 
-# Retries of a transfer that broke off, each resuming where the last ended (as hub_gguf's byte ranges).
-DOWNLOAD_RETRIES = 5
+# Retries of a transfer that broke off, each resuming where the last ended (a whole file's here, a byte range's in
+# hub_gguf.py).
+TRANSFER_RETRIES = 5
 PARTIAL_SUFFIX = ".part"
 LOCK_SUFFIX = ".lock"
 # A twin process downloading the same file is waited for until its partial file stops growing for this long (at
@@ -70,7 +71,7 @@ def _lock_after_twin(lock, partial: Path, repo_id: str, name: str) -> None:
     twin's partial file has not grown for the stall limit (a stopped or stuck process)."""
     from huggingface_hub import constants
 
-    stall_s = max(TWIN_STALL_MIN_S, (DOWNLOAD_RETRIES + 1) * 2 * constants.HF_HUB_DOWNLOAD_TIMEOUT)
+    stall_s = max(TWIN_STALL_MIN_S, (TRANSFER_RETRIES + 1) * 2 * constants.HF_HUB_DOWNLOAD_TIMEOUT)
     seen, since = None, time.monotonic()
     while True:
         try:
@@ -104,11 +105,11 @@ def _download_into(repo_id: str, commit: str, name: str, size: int, out) -> None
     from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
 
     url = hf_hub_url(repo_id, name, revision=commit, endpoint=os.environ.get(HUB_ENDPOINT_ENV) or None)
-    have, retries = out.seek(0, os.SEEK_END), DOWNLOAD_RETRIES
+    have, retries = out.seek(0, os.SEEK_END), TRANSFER_RETRIES
     if have > size:  # a partial longer than the file: start again
         out.truncate(0)
         have = 0
-    with _progress(size, name, have) as bar:
+    with download_progress(size, name, initial=have) as bar:
         while have < size:
             # Identity encoding: Content-Length is then the file's own size, and a resumed range its own bytes.
             headers = {**build_hf_headers(), "Accept-Encoding": "identity"}
@@ -157,8 +158,9 @@ def _check_stated_length(repo_id: str, name: str, size: int, have: int, response
 
 
 @contextlib.contextmanager
-def _progress(total_bytes: int, name: str, initial: int):
+def download_progress(total_bytes: int, description: str, *, initial: int = 0):
+    """A byte progress bar of a hub download (huggingface_hub's, which its settings can turn off)."""
     from huggingface_hub.utils import tqdm
 
-    with tqdm(total=total_bytes, initial=initial, unit="B", unit_scale=True, desc=name, leave=False) as bar:
+    with tqdm(total=total_bytes, initial=initial, unit="B", unit_scale=True, desc=description, leave=False) as bar:
         yield bar

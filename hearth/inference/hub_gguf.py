@@ -24,7 +24,6 @@ import fcntl
 import io
 import os
 import re
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +38,7 @@ from .gguf_header import (
     parse_gguf_header,
 )
 from .gguf_parts import StoredLayout, TensorPlacement, write_gguf_folder, write_gguf_part
+from .hub_download import TRANSFER_RETRIES, download_progress
 from .hub_ids import HUB_ENDPOINT_ENV
 from .partial_checkpoint import NeededTensors, complete_partial_folder, selection_name
 
@@ -47,8 +47,6 @@ HEADER_FIRST_READ_BYTES = 64 << 10
 HEADER_GROWTH_FACTOR = 4
 # Needed tensors closer than this in the file are fetched in one request (llama.cpp pads tensors to 32 bytes).
 COALESCE_GAP_BYTES = 4096
-# Retries of a span whose transfer broke off, each resuming where the last ended.
-RANGE_RETRIES = 5
 HEADER_FILE = "header.bin"
 METADATA_FOLDER = "metadata"
 SPANS_FOLDER = "spans"
@@ -145,7 +143,8 @@ def fetch_gguf_part(hub: HubGGUF, needed: NeededTensors) -> Path:
     spans = coalesced_spans(wanted)
     files = {HEADER_FILE: hub.folder / HEADER_FILE}
     missing = [(first, last) for first, last in spans if not _span_file(hub, first, last).is_file()]
-    with _progress(sum(last - first + 1 for first, last in missing), f"{hub.file} {selection_name(needed)}") as bar:
+    with download_progress(sum(last - first + 1 for first, last in missing),
+                           f"{hub.file} {selection_name(needed)}") as bar:
         for first, last in spans:
             files[_span_name(first, last)] = _fetch_span(hub, first, last, bar)
     placements = []
@@ -227,12 +226,12 @@ def _fetch_span(hub: HubGGUF, first: int, last: int, bar) -> Path:
 
 
 def _fetch_range(hub: HubGGUF, first: int, last: int, out, bar) -> None:
-    """Write bytes first..last of `hub`'s file to `out`, resuming after a broken transfer (RANGE_RETRIES times)."""
+    """Write bytes first..last of `hub`'s file to `out`, resuming after a broken transfer (TRANSFER_RETRIES times)."""
     import httpx2
     from huggingface_hub import constants
     from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
 
-    position, retries = first, RANGE_RETRIES
+    position, retries = first, TRANSFER_RETRIES
     while position <= last:
         try:
             headers = {**build_hf_headers(), "Range": f"bytes={position}-{last}"}
@@ -265,14 +264,6 @@ def _check_ranged_answer(hub: HubGGUF, response, first: int, last: int) -> None:
     if (int(found.group(1)), int(found.group(2))) != (first, last) or found.group(3) not in ("*", str(hub.size)):
         raise CheckpointError(f"{hub.file}: asked for bytes {first}-{last} of {hub.size}, the server sent "
                               f"{response.headers['Content-Range']} (a different file than listed?)")
-
-
-@contextlib.contextmanager
-def _progress(total_bytes: int, description: str) -> Iterator:
-    from huggingface_hub.utils import tqdm
-
-    with tqdm(total=total_bytes, unit="B", unit_scale=True, desc=description, leave=False) as bar:
-        yield bar
 
 
 def _write_atomically(target: Path, data: bytes) -> None:
