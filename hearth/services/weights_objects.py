@@ -12,10 +12,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
+import json
 import logging
 import os
 import secrets
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -123,37 +125,45 @@ async def _read_into(store, key: str, what: str, size: int, out) -> None:
     await store.get(key, writeinto=_BoundedWriter(out, size, what))
 
 
-async def meta_sequence(js, key: str) -> int:
-    """The stream sequence of object `key`'s meta message in the weights bucket (what put_object_if_unchanged
-    compares), 0 when it was never stored."""
+@dataclass(frozen=True)
+class StoredMeta:
+    """Object `key`'s meta message in the weights bucket as last stored: its stream sequence (what
+    put_object_if_unchanged compares; 0: never stored) and the subject token of the chunks it names (None: none, or
+    the object is deleted)."""
+
+    sequence: int = 0
+    chunks_nuid: str | None = None
+
+
+async def stored_meta(js, key: str) -> StoredMeta:
+    """What the weights bucket holds of object `key` now (StoredMeta() when it was never stored)."""
     from nats.js.errors import NotFoundError
 
     try:
-        return (await js.get_last_msg(WEIGHTS_STREAM, _meta_subject(key))).seq
+        message = await js.get_last_msg(WEIGHTS_STREAM, _meta_subject(key))
     except NotFoundError:
-        return 0
+        return StoredMeta()
+    meta = json.loads(message.data)
+    return StoredMeta(message.seq, None if meta.get("deleted") else meta.get("nuid") or None)
 
 
-async def put_object_if_unchanged(js, key: str, data: bytes, sequence: int, chunk_bytes: int) -> bool:
-    """Store `data` as object `key` of the weights bucket only while its meta message is still at `sequence`
-    (meta_sequence; 0: none): False, and nothing of it left, when another writer replaced the object meanwhile.
+async def put_object_if_unchanged(js, key: str, data: bytes, seen: StoredMeta, chunk_bytes: int) -> bool:
+    """Store `data` as object `key` of the weights bucket only while its meta message is still the one `seen`
+    (stored_meta): False, and nothing of it left, when another writer replaced the object meanwhile; once stored, the
+    chunks of the object it replaced are purged.
 
     nats-py's put has no such condition; this writes what it writes (chunks on a subject of their own, then the meta
     message rolling up the subject: ADR-20's layout) with JetStream's Nats-Expected-Last-Subject-Sequence on the
     meta message, so the server itself refuses a switch from a state the writer did not see."""
     import base64
     import hashlib
-    import json
     from datetime import datetime, timezone
 
     from nats.js.api import Header, ObjectInfo, ObjectMetaOptions
-    from nats.js.errors import APIError, NotFoundError
+    from nats.js.errors import APIError
 
     nuid = secrets.token_hex(11)  # a subject token of its own, as nats-py's put names chunks by a NUID
     chunk_subject = f"$O.{WEIGHTS_BUCKET}.C.{nuid}"
-    previous = None
-    with contextlib.suppress(NotFoundError):
-        previous = json.loads((await js.get_last_msg(WEIGHTS_STREAM, _meta_subject(key))).data)
     chunks = [data[start:start + chunk_bytes] for start in range(0, len(data), chunk_bytes)]
     try:
         for chunk in chunks:
@@ -168,14 +178,14 @@ async def put_object_if_unchanged(js, key: str, data: bytes, sequence: int, chun
                           digest="SHA-256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).decode(),
                           options=ObjectMetaOptions(max_chunk_size=chunk_bytes))
         await js.publish(_meta_subject(key), json.dumps(info.as_dict()).encode(), headers={
-            Header.ROLLUP: "sub", Header.EXPECTED_LAST_SUBJECT_SEQUENCE: str(sequence)})
+            Header.ROLLUP: "sub", Header.EXPECTED_LAST_SUBJECT_SEQUENCE: str(seen.sequence)})
     except APIError as error:  # refused (another error may come after the server stored it: the chunks stay)
         await js.purge_stream(WEIGHTS_STREAM, subject=chunk_subject)
         if error.err_code == WRONG_LAST_SEQUENCE_ERR_CODE:
             return False
         raise
-    if previous and previous.get("nuid") and not previous.get("deleted"):  # the replaced object's chunks
-        await js.purge_stream(WEIGHTS_STREAM, subject=f"$O.{WEIGHTS_BUCKET}.C.{previous['nuid']}")
+    if seen.chunks_nuid is not None:  # the replaced object's chunks
+        await js.purge_stream(WEIGHTS_STREAM, subject=f"$O.{WEIGHTS_BUCKET}.C.{seen.chunks_nuid}")
     return True
 
 

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from hearth.inference.partial_checkpoint import NON_WEIGHT_PATTERNS, layer_of
-from hearth.services.weights_objects import WeightsStoreError, delete_objects, meta_sequence, put_object_if_unchanged
+from hearth.services.weights_objects import WeightsStoreError, delete_objects, put_object_if_unchanged, stored_meta
 from hearth.services.weights_store import GGUF_EVERY_LAYER_OBJECT, GGUF_FORMAT_VERSION, GGUF_HEAD_OBJECT, \
     GGUF_HEADER_OBJECT, GGUF_LAYER_OBJECT_FORMAT, HEAD_OBJECT, LAYER_OBJECT_FORMAT, MANIFEST_OBJECT, \
     OBJECT_CHUNK_BYTES, StoredObject, TensorSpec, WeightsManifest, check_model_name, object_key, open_bucket, \
@@ -152,12 +152,12 @@ async def _switch_manifest(js, name: str, manifest: WeightsManifest) -> WeightsM
     raced another publisher's is refused by the server and tried again on the newer one."""
     key, data = object_key(name, MANIFEST_OBJECT), manifest.model_dump_json().encode()
     for _ in range(MANIFEST_SWITCH_ATTEMPTS):
-        sequence = await meta_sequence(js, key)
-        try:  # read after its sequence: a switch in between makes the put below refused
+        seen = await stored_meta(js, key)
+        try:  # read after its meta message: a switch in between makes the put below refused
             replaced = await read_manifest(js, name)
         except WeightsStoreError:
             replaced = None
-        if await put_object_if_unchanged(js, key, data, sequence, OBJECT_CHUNK_BYTES):
+        if await put_object_if_unchanged(js, key, data, seen, OBJECT_CHUNK_BYTES):
             return replaced
     raise WeightsStoreError(f"the manifest of {name!r} was replaced by other publishers {MANIFEST_SWITCH_ATTEMPTS} "
                             "times while this publication tried to switch it: publish again")

@@ -278,17 +278,17 @@ async def test_two_publishers_of_one_name_at_once_never_delete_each_others_objec
 
 
 async def test_a_manifest_switch_from_a_state_since_replaced_is_refused_by_the_server(js, published):
-    from hearth.services.weights_objects import meta_sequence, put_object_if_unchanged
+    from hearth.services.weights_objects import StoredMeta, put_object_if_unchanged, stored_meta
     from hearth.services.weights_store import read_manifest
 
     _, manifest = published
     key = object_key(NAME, MANIFEST_OBJECT)
-    seen = await meta_sequence(js, key)
+    seen = await stored_meta(js, key)
     assert await put_object_if_unchanged(js, key, manifest.model_dump_json().encode(), seen, 1024)  # chunked
     assert not await put_object_if_unchanged(js, key, b"{}", seen, 1024)  # a switch it did not see came between
-    assert not await put_object_if_unchanged(js, key, b"{}", 0, 1024)  # 0: only where none is stored
+    assert not await put_object_if_unchanged(js, key, b"{}", StoredMeta(), 1024)  # only where none is stored
     assert await read_manifest(js, NAME) == manifest
-    assert await put_object_if_unchanged(js, object_key("other", MANIFEST_OBJECT), b"{}", 0, 1024)
+    assert await put_object_if_unchanged(js, object_key("other", MANIFEST_OBJECT), b"{}", StoredMeta(), 1024)
 
 
 async def test_a_new_publication_fetched_removes_earlier_ones_no_process_uses(js, published, tiny_model_dir,
@@ -319,7 +319,7 @@ async def test_a_new_publication_fetched_removes_earlier_ones_no_process_uses(js
 async def test_a_manifest_switch_cut_off_while_storing_its_chunks_leaves_none_behind(js, published, monkeypatch):
     from nats.errors import TimeoutError as NatsTimeout
 
-    from hearth.services.weights_objects import meta_sequence, put_object_if_unchanged
+    from hearth.services.weights_objects import put_object_if_unchanged, stored_meta
 
     async def chunk_subjects() -> dict:
         info = await js.stream_info(WEIGHTS_STREAM, subjects_filter=f"$O.{WEIGHTS_BUCKET}.C.>")
@@ -336,6 +336,6 @@ async def test_a_manifest_switch_cut_off_while_storing_its_chunks_leaves_none_be
     key = object_key(NAME, MANIFEST_OBJECT)
     monkeypatch.setattr(js, "publish", cut_off)
     with pytest.raises(NatsTimeout):
-        await put_object_if_unchanged(js, key, b"{}" * 4096, await meta_sequence(js, key), 1024)
+        await put_object_if_unchanged(js, key, b"{}" * 4096, await stored_meta(js, key), 1024)
     monkeypatch.undo()
     assert await chunk_subjects() == before  # no meta message names them: nothing could delete them later
