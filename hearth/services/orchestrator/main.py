@@ -78,7 +78,7 @@ async def run_orchestrator(settings: HearthSettings, options: OrchestratorOption
         raise CommandRefused(f"--quantize: {error}") from None
     except ValueError as error:
         raise CommandRefused(str(error)) from None
-    check_local_model(options)
+    await asyncio.to_thread(check_local_model, options)  # reads config and headers: off the event loop
     nc = await unless_stopped(
         connect_nats(nats_url, name=f"hearth-orchestrator {options.node_id}", settings=settings.nats), stop_event)
     orchestrator = Orchestrator(nc, settings, node_id=options.node_id, db_path=options.db_path,

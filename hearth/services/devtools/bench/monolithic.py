@@ -183,8 +183,9 @@ def monolithic_worker_main(model_path: str, torch_threads: int | None, device: s
     try:
         model = MonolithicModel(Path(model_path), device, dtype, quantize)
     except Exception as error:  # a device, scheme or checkpoint it cannot load: the bench says why in one line
-        message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        replies.write(MonolithicReply(ok=False, error=message).model_dump_json() + "\n")
+        from hearth.inference.errors import first_line
+
+        replies.write(MonolithicReply(ok=False, error=first_line(error)).model_dump_json() + "\n")
         return
     replies.write(model.info.model_dump_json() + "\n")
     for line in sys.stdin:
