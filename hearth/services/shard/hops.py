@@ -79,7 +79,7 @@ class ServedHop:
     """An opened hop: its receiver, its sender to the next hop, its keepalive subscription and serving task."""
 
     def __init__(self, nc: NatsClient, request: OpenHop, compute: ShardCompute, limits: HopLimits,
-                 node_id: str) -> None:
+                 node_id: str, *, opener: str | None = None) -> None:
         self.nc = nc
         self.request = request
         self.compute = compute
@@ -111,7 +111,7 @@ class ServedHop:
         self.last_heard = self.last_step = time.monotonic()
         self.closed = False
         # Who opened it (ShardServer._opener; None on an open mesh): the share of the shard's hops it counts against.
-        self.opener: str | None = None
+        self.opener = opener
         # Set once the server's `open` of this hop has ended (served, failed or cancelled): a close waits for it.
         self.open_settled = asyncio.Event()
         self._keepalive_sub = None

@@ -311,8 +311,7 @@ class ShardServer:
                                 message=f"this orchestrator holds {held} of the {limit} streams here, its most")
         if replaced is not None:  # a re-open (failover reuses this hop with a new session): start over cleanly
             self._detach_hop(request.pipeline_id)
-        hop = ServedHop(self.nc, request, self.compute, self.limits, self.identity.node_id)
-        hop.opener = opener
+        hop = ServedHop(self.nc, request, self.compute, self.limits, self.identity.node_id, opener=opener)
         self._hops[request.pipeline_id] = hop
         self.compute.active_streams = len(self._hops)
         return hop, replaced
