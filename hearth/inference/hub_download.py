@@ -52,7 +52,7 @@ def download_listed_file(repo_id: str, commit: str, entry, folder: Path) -> Path
     folder.mkdir(parents=True, exist_ok=True)
     partial = folder / f".{name}{PARTIAL_SUFFIX}"
     with open(folder / f".{name}{LOCK_SUFFIX}", "a") as lock:
-        _lock_after_twin(lock, partial, repo_id, name)  # released when closed
+        lock_after_twin(lock, partial, repo_id, name)  # released when closed
         if _is_sized(target, size):
             return target
         target.unlink(missing_ok=True)  # damaged or of another size: no longer the listed file
@@ -66,7 +66,7 @@ def download_listed_file(repo_id: str, commit: str, entry, folder: Path) -> Path
     return target
 
 
-def _lock_after_twin(lock, partial: Path, repo_id: str, name: str) -> None:
+def lock_after_twin(lock, partial: Path, repo_id: str, name: str) -> None:
     """Lock `lock` exclusively once a twin process downloading the file ends; CheckpointError (one line) when the
     twin's partial file has not grown for the stall limit (a stopped or stuck process)."""
     from huggingface_hub import constants

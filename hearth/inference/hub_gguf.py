@@ -20,7 +20,6 @@ whole-file download until it is hashed; a household that needs more publishes th
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import io
 import os
 import re
@@ -38,7 +37,7 @@ from .gguf_header import (
     parse_gguf_header,
 )
 from .gguf_parts import StoredLayout, TensorPlacement, write_gguf_folder, write_gguf_part
-from .hub_download import TRANSFER_RETRIES, download_progress
+from .hub_download import TRANSFER_RETRIES, download_progress, lock_after_twin
 from .hub_ids import HUB_ENDPOINT_ENV
 from .partial_checkpoint import NeededTensors, complete_partial_folder, selection_name
 
@@ -203,14 +202,15 @@ def _span_file(hub: HubGGUF, first: int, last: int) -> Path:
 
 def _fetch_span(hub: HubGGUF, first: int, last: int, bar) -> Path:
     """The span's bytes in its file, resumed from what an interrupted fetch left; the partial file is locked while
-    it grows, so two hosts on one machine never write it together."""
+    it grows, so two hosts on one machine never write it together, and one waits for the other only while the
+    partial file grows (CheckpointError, one line, once it has stalled)."""
     done = _span_file(hub, first, last)
     if done.is_file():
         return done
     done.parent.mkdir(parents=True, exist_ok=True)
     partial = done.with_suffix(".part")
     with partial.open("ab") as out:
-        fcntl.flock(out, fcntl.LOCK_EX)  # released when closed
+        lock_after_twin(out, partial, hub.repo_id, f"{hub.file} bytes {first}-{last}")  # released when closed
         if done.is_file():  # a twin finished it while this one waited
             return done
         have = out.seek(0, os.SEEK_END)

@@ -174,3 +174,31 @@ def fake_hub(monkeypatch):
     finally:
         server.shutdown()
         server.server_close()
+
+
+def error_beside_a_stalled_twin(lock_path: Path, fetch, monkeypatch) -> BaseException | None:
+    """What `fetch` raises, run on a thread while `lock_path` is held locked by a twin that never writes (a process
+    downloading the same bytes, stopped or stuck), with the stall limit cut to 1 s; fails when it waits on."""
+    import fcntl
+
+    from hearth.inference import hub_download
+
+    monkeypatch.setattr(hub_download, "TWIN_STALL_MIN_S", 1.0)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_DOWNLOAD_TIMEOUT", 0.1)
+    outcome: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            fetch()
+        except Exception as error:  # handed to the test's thread
+            outcome.append(error)
+        else:
+            outcome.append(None)
+
+    with open(lock_path, "ab") as twin:
+        fcntl.flock(twin, fcntl.LOCK_EX)
+        worker = threading.Thread(target=run, daemon=True)
+        worker.start()
+        worker.join(timeout=30)
+    assert not worker.is_alive(), "waited on the stalled twin without end"
+    return outcome[0]

@@ -19,7 +19,7 @@ from hearth.inference.memory import layer_weight_bytes
 from hearth.inference.partial_checkpoint import files_holding
 from hearth.inference.quantization import parse_quantization
 
-from .hub_server import FAKE_COMMIT, fake_hub  # noqa: F401  (fixture)
+from .hub_server import FAKE_COMMIT, error_beside_a_stalled_twin, fake_hub  # noqa: F401  (fixture)
 from .inference_tiny_models import one_torch_thread, tiny_model_dir  # noqa: F401  (fixtures)
 
 REPO = "tiny-org/tiny-llama"
@@ -252,31 +252,12 @@ def test_a_listed_partial_checkpoint_marker_is_not_taken_as_the_folders(served, 
 
 
 def test_a_download_waits_for_a_twin_only_while_the_twin_makes_progress(served, tmp_path, monkeypatch):
-    import fcntl
-    import threading
-
     from hearth.inference import hub_download
 
     hub, _, weight_map = served
     files = tmp_path / "cache" / "hearth-partial" / REPO.replace("/", "--") / FAKE_COMMIT / "files"
     files.mkdir(parents=True)
     victim = sorted(files_holding(weight_map, (1, 1)))[0]
-    monkeypatch.setattr(hub_download, "TWIN_STALL_MIN_S", 1.0)
-    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_DOWNLOAD_TIMEOUT", 0.1)
-    outcome = []
-    with open(files / f".{victim}{hub_download.LOCK_SUFFIX}", "a") as twin:
-        fcntl.flock(twin, fcntl.LOCK_EX)  # a process downloading it, stopped (Ctrl-Z) or stuck
-        worker = threading.Thread(target=lambda: outcome.append(_raised(lambda: resolve_model_path(
-            REPO, cache_dir=tmp_path / "cache", needed_layers=(1, 1)))), daemon=True)
-        worker.start()
-        worker.join(timeout=30)
-    assert not worker.is_alive(), "waited on the stalled twin without end"
-    assert isinstance(outcome[0], CheckpointError) and "without progress for 1 s" in str(outcome[0])
-
-
-def _raised(call):
-    try:
-        call()
-    except Exception as error:  # handed to the test's thread
-        return error
-    return None
+    error = error_beside_a_stalled_twin(files / f".{victim}{hub_download.LOCK_SUFFIX}", lambda: resolve_model_path(
+        REPO, cache_dir=tmp_path / "cache", needed_layers=(1, 1)), monkeypatch)
+    assert isinstance(error, CheckpointError) and "without progress for 1 s" in str(error)

@@ -27,7 +27,7 @@ from hearth.services.orchestrator.catalog import ModelCatalog
 from tests.runner_limits import RUNNER_KV_LIMITS
 
 from .gguf_files import LLAMA3_ROPE_OVERRIDES, write_tiny_gguf
-from .hub_server import FAKE_COMMIT, fake_hub  # noqa: F401  (fixture)
+from .hub_server import FAKE_COMMIT, error_beside_a_stalled_twin, fake_hub  # noqa: F401  (fixture)
 from .inference_tiny_models import TINY_NUM_LAYERS, one_torch_thread  # noqa: F401  (fixture)
 
 REPO = "tiny-org/tiny-gguf"
@@ -287,3 +287,15 @@ def test_a_server_sending_on_past_the_asked_range_is_not_read_without_end(tmp_pa
     out = io.BytesIO()
     hub_gguf._fetch_range(hub, first, last, out, None)
     assert out.getvalue() == b"x" * (last - first + 1) and len(sent) == 2
+
+
+def test_a_span_waits_for_a_twin_only_while_the_twin_makes_progress(served, monkeypatch):
+    hub, original = served
+    resolve_model_path(REPO, needed_layers=(0, 0))  # the header is kept; what follows reads only spans
+    [(first, last)] = coalesced_spans([tensor for tensor in split_gguf(original).tensors if tensor.layer == 1])
+    spans = _parts_folder(FILE) / SPANS_FOLDER
+    spans.mkdir(parents=True, exist_ok=True)
+    error = error_beside_a_stalled_twin(spans / f"{first}-{last}.part",
+                                        lambda: resolve_model_path(REPO, needed_layers=(1, 1)), monkeypatch)
+    assert isinstance(error, CheckpointError) and "without progress for 1 s" in str(error)
+    assert "\n" not in str(error)
