@@ -5,10 +5,11 @@ opener's own hop takes no further place, and an open that does not verify takes 
 
 from __future__ import annotations
 
+import time
 from datetime import datetime, timezone
 
 from hearth.protocol.control import CloseHop, ControlReply, OpenHop
-from hearth.services.common.call_signing import CallVerifier
+from hearth.services.common.call_signing import CallVerifier, signed_call_headers
 from hearth.services.orchestrator.hop_owner import open_signer, owner_key
 from hearth.trust.keys import MemberKey
 from hearth.trust.roster import Roster, new_member
@@ -86,3 +87,19 @@ async def test_a_member_at_its_share_gets_no_stream_by_an_open_that_does_not_ver
         assert (await _ask(shard, _open("hog-2"), None)).code == "unauthorized"
         assert (await _ask(shard, _open("hog-3"), MemberKey.generate())).code == "unauthorized"
         assert shard.server.active_streams == 1
+
+
+async def test_an_open_signed_on_a_clock_far_off_the_shards_is_refused_saying_so(nats_server):
+    late = MemberKey.generate()
+    roster = Roster(community="t", created_at=datetime.now(timezone.utc)).with_member(
+        new_member("late", "orchestrator", late.public_key, "trusted"))
+    async with tiny_shard_server(nats_server.url) as shard:
+        shard.server.open_verifier = CallVerifier(roster, max_clock_skew_s=30, min_caller_trust="member",
+                                                  signed="open", receiver="shard")
+        body = _open("late-0")
+        headers = signed_call_headers(late, shard.subject, "", body, now_s=time.time() - 95)  # its clock is slow
+        refused = ControlReply.model_validate_json((await shard.client.request(
+            shard.subject, body, timeout=reply_timeout_s, headers=headers)).data)
+        assert (refused.ok, refused.code) == (False, "unauthorized")
+        assert "the open's timestamp is 95 s from this shard's clock" in refused.message
+        assert "NTP" in refused.message and shard.server.active_streams == 0

@@ -43,6 +43,11 @@ def engine(tmp_path):
     engine.dispose()
 
 
+# What a shard answers an open signed by an orchestrator whose clock is off the shard's (shard/server.py).
+STALE_OPEN = ("refused: unauthorized: the open is not signed by a member (stale): the open's timestamp is 95 s from "
+              "this shard's clock (at most 30 s allowed)")
+
+
 class ChainStub:
     """A chain whose open fails the first `failing_opens` times: its hop silent, or (`kind` broker) our broker."""
 
@@ -58,6 +63,8 @@ class ChainStub:
             return None
         if self._kind == "broker":
             return StepFailure("broker", None, "subscribing: nats: flush timeout")
+        if self._kind == "unauthorized":
+            return StepFailure("refused", self.hops[0].shard_id, STALE_OPEN, code="unauthorized")
         return StepFailure("gone", self.hops[0].shard_id, "no responder on its control subject")
 
     async def close(self) -> None:
@@ -94,7 +101,7 @@ def builder(engine, failing_opens: int, kind: str = "gone") -> Builder:
                            caller=None,
                            pipeline_id="p-1", request=SimpleNamespace(params=SimpleNamespace(verify="sampled"),
                                                                      max_tokens=4),
-                           known_ids=[1, 2, 3], prompt_ids=[1, 2, 3], quantization=None, excluded=set())
+                           known_ids=[1, 2, 3], prompt_ids=[1, 2, 3], quantization=None, excluded={})
     return Builder(call, ctx, failing_opens, kind)
 
 
@@ -102,7 +109,7 @@ async def test_a_shard_silent_once_is_tried_again_before_the_call_is_unavailable
     build = builder(engine, failing_opens=1)
     chain = await build.build()
     assert build.opens == [chain.hops[0].shard_id] * 2
-    assert build.call.excluded == set()
+    assert build.call.excluded == {}
 
 
 async def test_a_shard_still_silent_after_the_pause_makes_the_call_unavailable(engine):
@@ -111,14 +118,22 @@ async def test_a_shard_still_silent_after_the_pause_makes_the_call_unavailable(e
         await build.build()
     assert error.value.code == "shard_unavailable"
     assert len(build.opens) == 2  # one more try, not a loop
-    assert build.call.excluded == {f"{MODEL_ID}:0-7@only"}
+    assert build.call.excluded.keys() == {f"{MODEL_ID}:0-7@only"}
 
 
 async def test_a_broker_failure_under_the_open_waits_for_the_connection_and_goes_on(engine):
     build = builder(engine, failing_opens=1, kind="broker")
     chain = await build.build()
     assert build.opens == [chain.hops[0].shard_id] * 2
-    assert build.call.excluded == set()  # no shard is to blame
+    assert build.call.excluded == {}  # no shard is to blame
+
+
+async def test_a_call_no_shard_would_open_is_told_what_the_shards_answered(engine):
+    build = builder(engine, failing_opens=10, kind="unauthorized")
+    with pytest.raises(RoutingError) as error:
+        await build.build()
+    assert error.value.code == "shard_unavailable"
+    assert STALE_OPEN in error.value.message and "\n" not in error.value.message
 
 
 class FailingFlushNats:

@@ -177,7 +177,7 @@ def call_of(prompt: list[int], generated: list[int] = ()) -> SimpleNamespace:
                            caller=None,
                            request=SimpleNamespace(params=SimpleNamespace(verify="sampled"), max_tokens=4),
                            known_ids=known, next_position=len(known), prompt_ids=list(prompt),
-                           quantization=None, excluded=set())
+                           quantization=None, excluded={})
 
 
 async def planned(engine, settings, prompt) -> list[str]:

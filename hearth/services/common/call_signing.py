@@ -77,12 +77,14 @@ class CallVerifier:
     nonce, and trust at least `min_caller_trust`."""
 
     def __init__(self, roster: Roster | Callable[[bool], Roster], *, max_clock_skew_s: float,
-                 min_caller_trust: TrustLevel) -> None:
+                 min_caller_trust: TrustLevel, signed: str = "call", receiver: str = "orchestrator") -> None:
         # A callable (given `recheck`: look at the roster file again now) is asked on every call: a long-running
         # orchestrator must know the members a steward added since it started.
         self._roster = roster if callable(roster) else (lambda recheck: roster)
         self.max_clock_skew_s = max_clock_skew_s
         self.min_caller_trust = min_caller_trust
+        # What is signed and who checks it, as refusals name them ("the open's timestamp ... this shard's clock").
+        self.signed, self.receiver = signed, receiver
         self._seen: OrderedDict[str, float] = OrderedDict()
 
     def check(self, subject: str, reply: str, body: bytes, headers: Mapping[str, str] | None,
@@ -92,24 +94,25 @@ class CallVerifier:
         signer, timestamp = headers.get(HEADER_CALLER), headers.get(HEADER_CALLER_TIME)
         nonce, signature = headers.get(HEADER_CALLER_NONCE), headers.get(HEADER_CALLER_SIGNATURE)
         if not (signer and timestamp and nonce and signature):
-            return CallRefused("unsigned", "the call is not signed: send it with a member key (--creds)")
+            return CallRefused("unsigned", f"the {self.signed} is not signed: send it with a member key (--creds)")
         malformed = malformed_signing_header(headers)
         if malformed is not None:
-            return CallRefused("malformed", f"the call's {malformed} header is not of the form signers write "
+            return CallRefused("malformed", f"the {self.signed}'s {malformed} header is not of the form signers write "
                                             "(docs/protocol.md, Signed calls)")
         signed_at_s = float(timestamp)
         skew_s = abs(now_s - signed_at_s)
         # The form admits only finite decimals; checked again because a NaN compares False with everything.
         if not math.isfinite(signed_at_s) or not skew_s <= self.max_clock_skew_s:
-            return CallRefused("stale", f"the call's timestamp is {skew_s:.0f} s from this orchestrator's clock "
-                                        f"(at most {self.max_clock_skew_s:g} s allowed)")
+            return CallRefused("stale", f"the {self.signed}'s timestamp is {skew_s:.0f} s from this "
+                                        f"{self.receiver}'s clock (at most {self.max_clock_skew_s:g} s allowed): "
+                                        "are both clocks set by NTP?")
         member = self._roster(False).by_key(signer) or self._roster(True).by_key(signer)
         if member is None:
-            return CallRefused("unknown_signer", "the call's key is not a member of this community")
+            return CallRefused("unknown_signer", f"the {self.signed}'s key is not a member of this community")
         if not verify_b64(signer, _signed_bytes(subject, reply, timestamp, nonce, body), signature):
-            return CallRefused("bad_signature", "the call's signature does not match it")
+            return CallRefused("bad_signature", f"the {self.signed}'s signature does not match it")
         if not self._remember(nonce, now_s):
-            return CallRefused("replayed", "this call was already received (same nonce)")
+            return CallRefused("replayed", f"this {self.signed} was already received (same nonce)")
         if not trust_at_least(member.trust, self.min_caller_trust):
             return CallRefused("untrusted", f"{member.name} is a {member.trust}; this mesh answers "
                                             f"{self.min_caller_trust} or higher")

@@ -66,7 +66,8 @@ def open_verifier(settings: HearthSettings) -> CallVerifier | None:
         log.warning("roster %s does not read (%s): opens are not told apart by orchestrator", roster_file, error)
         return None
     return CallVerifier(lambda recheck: roster.current(recheck_now=recheck),
-                        max_clock_skew_s=settings.events.max_clock_skew_s, min_caller_trust="member")
+                        max_clock_skew_s=settings.events.max_clock_skew_s, min_caller_trust="member", signed="open",
+                        receiver="shard")
 
 
 def node_membership(settings: HearthSettings) -> Callable[[str], str | None] | None:

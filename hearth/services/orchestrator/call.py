@@ -89,8 +89,9 @@ class Call:
     broker_repairs: int = 0
     # Re-prefills on the same chain after a hop answered `session_evicted`.
     eviction_reprefills: int = 0
-    # Shards this call routes around: they failed or refused it.
-    excluded: set[str] = field(default_factory=set)
+    # Shards this call routes around (they failed or refused it), each with the failure's words: a call that no
+    # chain serves any more says what its shards answered.
+    excluded: dict[str, str] = field(default_factory=dict)
     # Shards that reported bad input from the hop before them in this call (hearth/services/orchestrator/chain.py).
     accusers: set[str] = field(default_factory=set)
     # The weight quantization scheme every chain of this call serves: the request's (None: any), then the one

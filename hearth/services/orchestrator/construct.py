@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Mapping
 
 from hearth.events.models import KeptHop, KeptMark, KeptPrefix
 from hearth.events.streams import MiB
@@ -38,6 +39,8 @@ from hearth.services.orchestrator.router import Hop, RoutingError
 from hearth.services.transport.integrity import NormBounds
 
 log = logging.getLogger(__name__)
+
+PROVED_WRONG = "a check proved it wrong"
 
 
 class ChainBuilder:
@@ -88,7 +91,8 @@ class ChainBuilder:
                     # re-forming): before answering unavailable, give the silent ones one more try after a pause.
                     rechecked = True
                     await asyncio.sleep(self.ctx.settings.orchestrator.silent_shard_recheck_s)
-                    call.excluded -= silent
+                    for shard_id in silent:
+                        call.excluded.pop(shard_id, None)
                     candidates = await asyncio.to_thread(router.candidates, model_id)
                     continue
                 if not self._only_room_lacks(candidates):
@@ -120,7 +124,7 @@ class ChainBuilder:
                 self.ctx.load.refused(failure.shard_id)
                 continue
             log.info("pipeline %s: %s; routing around it", call.pipeline_id, failure)
-            call.excluded.add(failure.shard_id)
+            call.excluded[failure.shard_id] = failure.reason
             if failure.kind == "gone" and not rechecked:
                 silent.add(failure.shard_id)
 
@@ -232,20 +236,21 @@ class ChainBuilder:
         route = dict(now=router.now(), load=load, quantization=self.call.quantization,
                      model_layers=model.head.info.num_layers)
         # Shards a check proved wrong are out at once (the read model quarantines them a moment later).
-        excluded = excluded | self.ctx.quarantined
-        penalised = self.ctx.recent_failures.current() - excluded
+        excluded = {**dict.fromkeys(self.ctx.quarantined, PROVED_WRONG), **excluded}
+        penalised = self.ctx.recent_failures.current() - excluded.keys()
         if penalised:
             # Shards that just failed other requests are the last resort, not a reason to give up.
+            avoided = {**excluded, **dict.fromkeys(penalised, "it failed another call just now")}
             try:
-                hops = router.plan(candidates, model.model_id, model.weights_sha256, exclude=excluded | penalised,
-                                   **route)
-                return self._with_affinity(hops, candidates, excluded | penalised, load)
+                hops = router.plan(candidates, model.model_id, model.weights_sha256, exclude=avoided, **route)
+                return self._with_affinity(hops, candidates, avoided, load)
             except RoutingError:
                 pass
         hops = router.plan(candidates, model.model_id, model.weights_sha256, exclude=excluded, **route)
         return self._with_affinity(hops, candidates, excluded, load)
 
-    def _with_affinity(self, hops: list[Hop], candidates, excluded: set[str], load: ShardLoad | None) -> list[Hop]:
+    def _with_affinity(self, hops: list[Hop], candidates, excluded: Mapping[str, str],
+                       load: ShardLoad | None) -> list[Hop]:
         """`hops`, or the chain of ours that kept this call's leading blocks when that predicts the shorter call."""
         reusable = self._reusable(self.naming(hops[0].quantization) if hops else None)
         if reusable is None:

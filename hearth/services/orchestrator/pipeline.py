@@ -275,7 +275,7 @@ class PipelineRun:
             ctx.recent_failures.add(failure.shard_id)
             await self._record(PipelineShardStatus(node_id=ctx.node_id, pipeline_id=call.pipeline_id, **status))
         await call.client.send(ShardStatusFrame(seq=0, **status))
-        call.excluded.add(failure.shard_id)
+        call.excluded[failure.shard_id] = failure.reason
 
     async def _withdraw(self, failure: StepFailure) -> None:
         """A check refuted the output at `failure.rewind_to`: the tokens sampled from it on are withdrawn (the client

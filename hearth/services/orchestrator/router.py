@@ -29,7 +29,7 @@ All instants are epoch seconds (the read model floors them to whole seconds).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -54,6 +54,10 @@ class Hop:
     layer_hi_to_run: int
     # The weight quantization scheme of the shard; every hop of a chain has the same one.
     quantization: str = "none"
+
+
+# How much of the words a shard was excluded with (its refusal's, say) a routing failure repeats for it.
+MAX_EXCLUSION_CHARS = 300
 
 
 class RoutingError(Exception):
@@ -180,7 +184,7 @@ class ShardRouter:
         model_id: str,
         weights_sha256: str,
         *,
-        exclude: Iterable[str] = (),
+        exclude: Mapping[str, str] | Iterable[str] = (),
         now: float,
         load: ShardLoad | None = None,
         quantization: str | None = None,
@@ -190,8 +194,9 @@ class ShardRouter:
         live room of each shard (None: every live shard has room); `quantization`: the scheme the chain must
         serve (a label of hearth/protocol/quantization_labels.py; None: the most precise one that covers);
         `model_layers`: the layers of the model as the orchestrator loaded it (None: as the shards advertise), so
-        one shard advertising another count cannot make the model unroutable."""
-        excluded = set(exclude)
+        one shard advertising another count cannot make the model unroutable; `exclude`: shards not to use, each
+        with why when a mapping (a failure to route repeats it)."""
+        excluded = dict(exclude) if isinstance(exclude, Mapping) else dict.fromkeys(exclude, "")
         left_out = {s.shard_id: why for s in shards if (why := self.left_out_because(s, excluded, now, load))}
         if model_layers is not None:
             left_out.update({s.shard_id: f"advertises {s.total_layers} layers; the model has {model_layers}"
@@ -243,11 +248,13 @@ class ShardRouter:
                    left_out=[(s, left_out[s.shard_id]) for s in shards if s.shard_id in left_out
                              and s.weights_sha256 == weights_sha256 and (scheme is None or s.quantization == scheme)])
 
-    def left_out_because(self, shard: ShardCandidate, excluded: set[str], now: float,
+    def left_out_because(self, shard: ShardCandidate, excluded: Mapping[str, str], now: float,
                          load: ShardLoad | None) -> str | None:
         """Why routing does not use `shard` now (None: usable): `excluded`, not alive, or without room by `load`."""
         if shard.shard_id in excluded:
-            return "excluded from this call (it failed, or a check proved it wrong)"
+            why = excluded[shard.shard_id]
+            return f"excluded from this call: {why[:MAX_EXCLUSION_CHARS]}" if why else \
+                "excluded from this call (it failed, or a check proved it wrong)"
         why = self.not_alive_because(shard, now)
         if why is None and load is not None and not load.has_room(shard):
             return f"full ({load.held(shard.shard_id)} of {shard.max_concurrent_streams} streams held, or it " \

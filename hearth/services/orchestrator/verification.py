@@ -357,7 +357,7 @@ class CallVerifier:
         return list(hop.mirrors) if len(hop.mirrors) == self.mirrors_per_hop else []
 
     async def _open_mirror(self, chain: HopChain, index: int, avoid: set[str]) -> Mirror | None:
-        return await open_mirror(self.ctx, self.call, chain, index, avoid | self.call.excluded, self._chance)
+        return await open_mirror(self.ctx, self.call, chain, index, avoid | self.call.excluded.keys(), self._chance)
 
     async def _drop_mirror(self, hop: _HopChecks, mirror: Mirror) -> None:
         hop.avoid.add(mirror.shard_id)
