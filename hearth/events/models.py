@@ -222,8 +222,9 @@ class KeptHop(BoundedNumbers):
 
 
 class KeptMark(BoundedNumbers):
-    """One kept block's mark (a digest of its name: the name opens its KV on a shard, the mark only finds the chain
-    keeping it) and how many blocks it closes (it stands for those and every one before)."""
+    """One kept block's mark (a digest of its name, on a community mesh of the orchestrator's member key too: the name
+    opens its KV on a shard, the mark only finds the chain keeping it for that member) and how many blocks it closes
+    (it stands for those and every one before)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 

@@ -3,7 +3,9 @@ whose tokens begin the same way starts where they left off (idle TTL, least-rece
 
 The orchestrator names each full block of `block_tokens` tokens by a hash chained over every token before it and
 over what it ran them with (model, weights, scheme, wire dtype, caller scope: hearth/services/orchestrator/prefix.py);
-the shard only keys those names by the layers it ran (`prefix_keys`), since KV of layers 3-5 cannot stand in for 0-5.
+the shard only keys those names by the layers it ran and by who opened the hop (`prefix_keys`), since KV of layers 3-5
+cannot stand in for 0-5, and a shard cannot tell KV computed from a name's tokens from junk kept under it: on a
+community mesh only hops a member opened may attach what its hops kept (anyone's where opens are not told apart).
 An entry holds the keys and values of its first `tokens` positions for every layer of the run, copied out of the
 session's cache; a lookup returns the entry holding the longest run of the asked blocks, and `attach` copies its
 first blocks into a new session's cache through the cache's own `update`, so sliding-window layers keep their
@@ -32,10 +34,14 @@ import torch
 KeysValues = dict[int, tuple[torch.Tensor, torch.Tensor]]
 
 
-def prefix_keys(block_hashes: Sequence[str], run_lo: int, run_hi: int, block_tokens: int) -> list[str]:
+def prefix_keys(block_hashes: Sequence[str], run_lo: int, run_hi: int, block_tokens: int,
+                opener: str | None = None) -> list[str]:
     """The shard's own keys for the orchestrator's block hashes: the same blocks run over other layers, or cut into
-    other block sizes, are other KV."""
-    salt = f"{run_lo}-{run_hi}/{block_tokens}:".encode()
+    other block sizes, are other KV, and blocks kept by hops of one `opener` (the member whose signed `open` the hop
+    answered; None on an open mesh) are found by that opener's hops only."""
+    # Member names hold no NUL: no opener's salt is another's.
+    salt = f"{run_lo}-{run_hi}/{block_tokens}:".encode() if opener is None else \
+        f"{run_lo}-{run_hi}/{block_tokens}\0opener\0{opener}\0:".encode()
     return [hashlib.blake2b(salt + block_hash.encode(), digest_size=16).hexdigest() for block_hash in block_hashes]
 
 
@@ -185,12 +191,12 @@ class PrefixSessions:
         self.lengths = lengths
 
     def attach(self, session_id: str, block_hashes: Sequence[str], block_tokens: int, run_lo: int,
-               run_hi: int) -> int:
-        """Start `session_id` afresh and copy into it the longest kept prefix of the blocks named; the positions it
-        holds now (0 when none is kept)."""
+               run_hi: int, opener: str | None = None) -> int:
+        """Start `session_id` afresh and copy into it the longest prefix of the blocks named that hops of `opener`
+        kept; the positions it holds now (0 when none is kept)."""
         session = self.caches.start(session_id)
         self.prefixes.evict_expired()
-        found = self.prefixes.lookup(prefix_keys(block_hashes, run_lo, run_hi, block_tokens))
+        found = self.prefixes.lookup(prefix_keys(block_hashes, run_lo, run_hi, block_tokens, opener))
         if found is None:
             return 0
         entry, blocks = found
@@ -202,9 +208,9 @@ class PrefixSessions:
         return tokens
 
     def keep(self, session_id: str, block_hashes: Sequence[str], block_tokens: int, run_lo: int, run_hi: int,
-             cached_tokens: int, end_session: bool = True) -> int:
-        """Keep the session's first blocks (those it holds whole of the ones named) as a prefix, ending the session
-        (its cache freed) unless `end_session` is False; the positions kept."""
+             cached_tokens: int, end_session: bool = True, opener: str | None = None) -> int:
+        """Keep the session's first blocks (those it holds whole of the ones named) as a prefix for hops of `opener`,
+        ending the session (its cache freed) unless `end_session` is False; the positions kept."""
         session = self.caches.pop(session_id) if end_session else self.caches.get(session_id)
         blocks = min(len(block_hashes), cached_tokens // block_tokens)
         if session is None or blocks < 1:
@@ -212,7 +218,8 @@ class PrefixSessions:
         kv = cache_snapshot(session.cache, range(run_lo, run_hi + 1), blocks * block_tokens, self.lengths)
         if kv is None:
             return 0
-        self.prefixes.put(prefix_keys(block_hashes[:blocks], run_lo, run_hi, block_tokens), kv, block_tokens)
+        keys = prefix_keys(block_hashes[:blocks], run_lo, run_hi, block_tokens, opener)
+        self.prefixes.put(keys, kv, block_tokens)
         self.caches.enforce_budget()
         return blocks * block_tokens
 

@@ -269,22 +269,22 @@ class LayerRangeRunner(RunnerChecks):
     # ----------------------------------------------------------------- sessions
 
     def attach_prefix(self, session_id: str, block_hashes: Sequence[str], block_tokens: int,
-                      layers: tuple[int, int] | None = None) -> int:
-        """(Re)start a session holding the longest kept prefix of the named blocks; the positions it holds (its first
-        step, a prefill or a replay, may start anywhere up to them). 0 when none is kept or prefixes are not kept
-        here."""
+                      layers: tuple[int, int] | None = None, opener: str | None = None) -> int:
+        """(Re)start a session holding the longest prefix of the named blocks that sessions of `opener` kept; the
+        positions it holds (its first step, a prefill or a replay, may start anywhere up to them). 0 when none is
+        kept or prefixes are not kept here."""
         with self._lock:
             self._check_open()
             run_lo, run_hi = self._validate_sub_range(layers)
             if self._prefix_sessions is None:
                 self._caches.start(session_id)
                 return 0
-            return self._prefix_sessions.attach(session_id, block_hashes, block_tokens, run_lo, run_hi)
+            return self._prefix_sessions.attach(session_id, block_hashes, block_tokens, run_lo, run_hi, opener)
 
     def keep_prefix(self, session_id: str, block_hashes: Sequence[str], block_tokens: int,
-                    layers: tuple[int, int] | None = None, end_session: bool = True) -> int:
-        """Keep the positions of the named blocks a session holds whole as a prefix for later sessions, ending it
-        (freed as by `reset`) unless `end_session` is False; the positions kept."""
+                    layers: tuple[int, int] | None = None, end_session: bool = True, opener: str | None = None) -> int:
+        """Keep the positions of the named blocks a session holds whole as a prefix for later sessions of `opener`,
+        ending it (freed as by `reset`) unless `end_session` is False; the positions kept."""
         with self._lock:
             self._check_open()
             run_lo, run_hi = self._validate_sub_range(layers)
@@ -295,7 +295,7 @@ class LayerRangeRunner(RunnerChecks):
                 return 0
             cached = min(self._cached_length(session.cache, i) for i in range(run_lo, run_hi + 1))
             return self._prefix_sessions.keep(session_id, block_hashes, block_tokens, run_lo, run_hi, cached,
-                                              end_session)
+                                              end_session, opener)
 
     @property
     def prefix_cache(self) -> PrefixCache | None:

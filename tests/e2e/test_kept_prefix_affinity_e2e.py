@@ -1,7 +1,9 @@
 """Prefix affinity across orchestrators over real processes: a conversation's first turn runs through one orchestrator,
-its next turn through another that never saw it, which finds in its read model (from the first's
-`pipeline.completed`) the host keeping the history's blocks and routes there although cost alone picks a replica;
-the turn begins from kept blocks and its greedy tokens stay generate()'s."""
+its next turn through another of the same member that never saw it (here: the member's orchestrator restarted with a
+fresh read model), which finds in its read model (from the first's `pipeline.completed`) the host keeping the
+history's blocks and routes there although cost alone picks a replica; the turn begins from kept blocks. An
+orchestrator of another member finds no record it could use (the host keeps those blocks for the first member's hops
+only) and routes by cost."""
 
 from __future__ import annotations
 
@@ -61,17 +63,27 @@ async def test_a_conversation_s_next_turn_through_another_orchestrator_goes_wher
     assert keeper_id.endswith("@keeper")
 
     cluster.start_shard(model, 0, TINY_LAYERS - 1, node_id="replica")
+    replica_id = keeper_id.replace("@keeper", "@replica")
+    first.stop()  # the next turn can only reach an orchestrator that never served this conversation
     second_db = tmp_path / "b.sqlite"
-    start_orchestrator_named(cluster, tiny_models_dir, "orchestrator-b", second_db)
-    first.stop()  # the next turn can only reach the orchestrator that never served this conversation
+    second = start_orchestrator_named(cluster, tiny_models_dir, "orchestrator-a", second_db)
     await wait_for_kept_record(second_db)
 
     second_turn = FIRST_TURN + answer + " and then the next house answers with what it knows"
     _, turn_two = await ask_constructed(cluster, tiny_models_dir, second_turn)
-    assert turn_two.node_id == "orchestrator-b"
+    assert turn_two.node_id == "orchestrator-a"
     assert turn_two.hops == [keeper_id]
     assert turn_two.cached_prompt_tokens > 0 and turn_two.cached_prompt_tokens % BLOCK == 0
     # Cost alone: a call that begins like nothing kept goes to the replica.
     _, unrelated = await ask_constructed(cluster, tiny_models_dir,
                                          "a different conversation about gardens and their seasons")
-    assert unrelated.hops == [keeper_id.replace("@keeper", "@replica")] and unrelated.cached_prompt_tokens == 0
+    assert unrelated.hops == [replica_id] and unrelated.cached_prompt_tokens == 0
+
+    # Another member's orchestrator: the keeper would attach nothing for its hops, so it goes by cost.
+    other_db = tmp_path / "c.sqlite"
+    start_orchestrator_named(cluster, tiny_models_dir, "orchestrator-c", other_db)
+    second.stop()
+    await wait_for_kept_record(other_db)
+    _, elsewhere = await ask_constructed(cluster, tiny_models_dir, second_turn)
+    assert elsewhere.node_id == "orchestrator-c"
+    assert elsewhere.hops == [replica_id] and elsewhere.cached_prompt_tokens == 0

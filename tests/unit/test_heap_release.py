@@ -88,7 +88,7 @@ async def test_a_cpu_shard_releases_the_heap_when_a_sessions_caches_are_dropped(
     assert len(releases) == 1
 
     await prefill_and_decode("s")
-    assert await compute.end_session(hop, PrefixBlocks(block_tokens=4, hashes=["a" * 32, "b" * 32])) == 8
+    assert await compute.end_session(hop, PrefixBlocks(block_tokens=4, hashes=["a" * 32, "b" * 32]), None) == 8
     assert len(releases) == 2
     assert await compute.evict_idle() == 0
     assert len(releases) == 2  # nothing dropped, nothing released

@@ -29,6 +29,7 @@ from hearth.services.orchestrator.construct import ChainBuilder
 from hearth.services.orchestrator.answer_kv import AnswerWarmUps
 from hearth.services.orchestrator.prefix import KeptChains, block_names, first_name, kept_marks, published_mark
 from hearth.services.orchestrator.router import Hop, ShardRouter
+from hearth.trust.keys import MemberKey
 from tests.readmodel_helpers import (
     MODEL_INFO,
     MODEL_ID,
@@ -80,13 +81,17 @@ def test_a_completed_call_s_marked_blocks_become_rows_named_by_them(engine):
 
 def test_a_call_marks_its_last_block_the_last_two_of_its_prompt_and_powers_of_two():
     names = [f"{index:032x}" for index in range(1, 41)]
-    assert [blocks for blocks, _ in kept_marks(names, prompt_blocks=37)] == [1, 2, 4, 8, 16, 32, 36, 37, 40]
-    assert kept_marks(names, prompt_blocks=37)[-1] == (40, published_mark(names[39]))
-    assert kept_marks(names[:1], prompt_blocks=1) == [(1, published_mark(names[0]))]
+    marked = kept_marks(names, prompt_blocks=37, keeper=None)
+    assert [blocks for blocks, _ in marked] == [1, 2, 4, 8, 16, 32, 36, 37, 40]
+    assert marked[-1] == (40, published_mark(names[39], None))
+    assert kept_marks(names[:1], prompt_blocks=1, keeper=None) == [(1, published_mark(names[0], None))]
     # What the log records finds a chain but never opens KV: no mark is a block name.
-    assert not {mark for _, mark in kept_marks(names, prompt_blocks=37)} & set(names)
+    assert not {mark for _, mark in marked} & set(names)
+    # On a community mesh a mark is its member's: another member's hops could not attach the blocks it finds.
+    member, other = MemberKey.generate().public_key, MemberKey.generate().public_key
+    assert len({published_mark(names[0], keeper) for keeper in (None, member, other)}) == 3
     # The most blocks a call may name still fit an event.
-    assert len(kept_marks([f"{i:032x}" for i in range(8192)], prompt_blocks=8000)) <= max_kept_marks
+    assert len(kept_marks([f"{i:032x}" for i in range(8192)], prompt_blocks=8000, keeper=None)) <= max_kept_marks
 
 
 def test_the_chain_holding_the_most_leading_names_is_found(engine):
@@ -159,14 +164,16 @@ def test_the_largest_completed_event_with_a_kept_prefix_fits_the_streams():
 PROMPT = list(range(100, 141))  # 41 tokens: ten whole blocks of 4 before the last
 
 
-def orchestrator_context(engine, settings: HearthSettings) -> SimpleNamespace:
-    """What ChainBuilder reads of an orchestrator that has just started: a read model, no memory of kept chains."""
+def orchestrator_context(engine, settings: HearthSettings, signing_key: MemberKey | None = None) -> SimpleNamespace:
+    """What ChainBuilder reads of an orchestrator (of `signing_key`'s member; None: on an open mesh) that has just
+    started: a read model, no memory of kept chains."""
     sessions = sessionmaker(engine)
     router = ShardRouter(sessions, health_timeout_s=60, allow_self_as_shard=True, self_node_id="orch",
                          clock=lambda: at(20).timestamp())
     return SimpleNamespace(settings=settings, router=router, projector=SimpleNamespace(session_factory=sessions),
                            kept_chains=KeptChains(), quarantined=set(), warm_ups=AnswerWarmUps(),
-                           recent_failures=SimpleNamespace(current=lambda: set()))
+                           recent_failures=SimpleNamespace(current=lambda: set()),
+                           outbox=SimpleNamespace(signing_key=signing_key))
 
 
 def call_of(prompt: list[int], generated: list[int] = ()) -> SimpleNamespace:
@@ -180,11 +187,21 @@ def call_of(prompt: list[int], generated: list[int] = ()) -> SimpleNamespace:
                            quantization=None, excluded={})
 
 
-async def planned(engine, settings, prompt) -> list[str]:
-    builder = ChainBuilder(call_of(prompt), orchestrator_context(engine, settings))
+async def planned(engine, settings, prompt, signing_key: MemberKey | None = None) -> list[str]:
+    builder = ChainBuilder(call_of(prompt), orchestrator_context(engine, settings, signing_key))
     candidates = builder.ctx.router.candidates(MODEL_ID)
     builder.recorded_kept = await builder._recorded_kept(builder._reusable_by_scheme(candidates))
     return [hop.shard_id for hop in builder._plan(candidates, load=None)]
+
+
+def completed_call_on(shard_id: str, settings: HearthSettings, signing_key: MemberKey | None = None) -> KeptPrefix:
+    """What a first turn's call (30 prompt tokens, 3 fed back) through an orchestrator of `signing_key`'s member
+    records once it ran on `shard_id` and ended well."""
+    first = ChainBuilder(call_of(PROMPT[:30], [999, 998, 997]),
+                         SimpleNamespace(settings=settings, kept_chains=KeptChains(), warm_ups=AnswerWarmUps(),
+                                         outbox=SimpleNamespace(signing_key=signing_key)))
+    return first.keep_on_completion(SimpleNamespace(hops=[Hop(shard_id=shard_id, control_subject="c", node_id="far",
+                                                              layer_lo_to_run=0, layer_hi_to_run=7)]))
 
 
 async def test_a_fresh_orchestrator_routes_to_the_chain_another_one_s_call_kept(engine):
@@ -198,14 +215,25 @@ async def test_a_fresh_orchestrator_routes_to_the_chain_another_one_s_call_kept(
     # The first orchestrator's call (30 prompt tokens, 3 fed back) ran on `far` and ended well: its completion names
     # what `far` keeps. The next turn's history renders the answer as other tokens: its blocks agree up to the last
     # whole block of that prompt.
-    first = ChainBuilder(call_of(PROMPT[:30], [999, 998, 997]),
-                         SimpleNamespace(settings=settings, kept_chains=KeptChains(), warm_ups=AnswerWarmUps()))
-    record = first.keep_on_completion(SimpleNamespace(hops=[Hop(shard_id=far.shard_id, control_subject="c",
-                                                                node_id="far", layer_lo_to_run=0,
-                                                                layer_hi_to_run=7)]))
+    record = completed_call_on(far.shard_id, settings)
     assert record.marks[-1].blocks == 8 and record.hops == [KeptHop(shard_id=far.shard_id, layer_lo=0, layer_hi=7)]
     apply_all(engine, [log.stored(completed("p1", record, t=10))])
     # The next turn (the same tokens and more) through an orchestrator that remembers nothing: to `far`.
     assert await planned(engine, settings, PROMPT) == [far.shard_id]
     # A call that shares no block with it still goes by cost.
     assert await planned(engine, settings, [7, *PROMPT[1:]]) == [near.shard_id]
+
+
+async def test_on_a_community_mesh_only_its_own_member_s_kept_chains_draw_an_orchestrator(engine):
+    # A shard lets only hops its own member opened attach what a member's hops kept: a chain another member's call
+    # kept would cost a whole prefill anyway, so routing must not prefer it over the cheapest.
+    settings = HearthSettings(prefix_cache=PrefixCacheSettings(enabled=True, block_tokens=4))
+    keeper, other = MemberKey.generate(), MemberKey.generate()
+    log = LogBuilder()
+    far, near = advertised(0, 7, "far", hop_weight=1.5), advertised(0, 7, "near")
+    apply_all(engine, [log.stored(far), log.stored(near), log.stored(heartbeat(far.shard_id, decode_step_ms=5.0)),
+                       log.stored(heartbeat(near.shard_id, decode_step_ms=5.0))])
+    apply_all(engine, [log.stored(completed("p1", completed_call_on(far.shard_id, settings, keeper), t=10))])
+    assert await planned(engine, settings, PROMPT, keeper) == [far.shard_id]  # another orchestrator of its member
+    assert await planned(engine, settings, PROMPT, other) == [near.shard_id]
+    assert await planned(engine, settings, PROMPT) == [near.shard_id]  # nor an orchestrator of an open mesh

@@ -85,6 +85,17 @@ def test_other_blocks_other_layers_and_other_block_sizes_miss(model):
     assert (cache.hits_total, cache.misses_total) == (1, 3)
 
 
+def test_blocks_kept_for_one_opener_are_attached_by_its_sessions_only(model):
+    path, head, _ = model
+    runner = runner_of(model)
+    runner.forward("first", head.embed(PROMPT), 0, "prefill")
+    assert runner.keep_prefix("first", ["b0", "b1"], BLOCK, opener="mallory") == 2 * BLOCK
+    # Another member's hop, or one of an open mesh, computing the same names finds nothing of it.
+    assert runner.attach_prefix("victim", ["b0", "b1"], BLOCK, opener="victor") == 0
+    assert runner.attach_prefix("anyone", ["b0", "b1"], BLOCK) == 0
+    assert runner.attach_prefix("own", ["b0", "b1"], BLOCK, opener="mallory") == 2 * BLOCK
+
+
 def test_only_whole_blocks_the_session_holds_are_kept(model):
     path, head, _ = model
     runner = runner_of(model)
@@ -168,6 +179,11 @@ def test_a_block_s_name_opens_its_kv_only_after_every_block_before_it():
 def test_shard_keys_depend_on_layers_and_block_size():
     assert prefix_keys(["h"], 0, 3, 16) != prefix_keys(["h"], 0, 4, 16) != prefix_keys(["h"], 0, 4, 32)
     assert prefix_keys(["h", "i"], 0, 3, 16)[0] == prefix_keys(["h"], 0, 3, 16)[0]
+
+
+def test_shard_keys_depend_on_the_opener():
+    keys = {tuple(prefix_keys(["h"], 0, 3, 16, opener)) for opener in (None, "", "ann", "bob", "ann\0")}
+    assert len(keys) == 5
 
 
 def greedy(runner, head, session_id: str, ids: list[int], steps: int, start: int = 0) -> list[int]:
@@ -260,7 +276,8 @@ def orchestrator_of(block_tokens: int):
     settings = HearthSettings()
     settings = settings.model_copy(update={"prefix_cache": settings.prefix_cache.model_copy(
         update={"block_tokens": block_tokens})})
-    ctx = SimpleNamespace(settings=settings, kept_chains=KeptChains(), warm_ups=AnswerWarmUps())
+    ctx = SimpleNamespace(settings=settings, kept_chains=KeptChains(), warm_ups=AnswerWarmUps(),
+                          outbox=SimpleNamespace(signing_key=None))
     model = SimpleNamespace(model_id="wide", weights_sha256="0" * 64, head=SimpleNamespace(rope_switch_tokens=None))
 
     def builder(prompt_ids: list[int], generated: list[int]) -> ChainBuilder:

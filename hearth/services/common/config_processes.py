@@ -148,8 +148,9 @@ class PrefixCacheSettings(ConfigSection):
         description="tokens per kept block: a call reuses the whole blocks it shares with an earlier one")
     public_system_prompts: list[str] = Field(
         default=[],
-        description="system prompts whose blocks every caller may share (a community-wide prompt); any other "
-                    "blocks are kept per caller, so no member learns from timing what another one asked")
+        description="system prompts whose blocks every caller may share (a community-wide prompt; on a community "
+                    "mesh a shard keeps them per member whose orchestrators opened the hop); any other blocks are "
+                    "kept per caller, so no member learns from timing what another one asked")
     prefill_token_cost: float = Field(
         default=0.25, gt=0,
         description="routing weighs a chain holding a call's prefix against the otherwise cheapest one by "

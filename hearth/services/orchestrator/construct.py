@@ -180,7 +180,7 @@ class ChainBuilder:
         hops = hop_ranges(chain.hops)
         if self.kept is not None:
             self.ctx.kept_chains.remember(self.kept.hashes, hops)
-        marks = kept_marks(announced.hashes, prompt_blocks)
+        marks = kept_marks(announced.hashes, prompt_blocks, self._mark_keeper())
         return KeptPrefix(hops=[KeptHop(shard_id=shard_id, layer_lo=lo, layer_hi=hi) for shard_id, lo, hi in hops],
                           marks=[KeptMark(blocks=blocks, name=name) for blocks, name in marks],
                           idle_s=self.ctx.settings.shard.prefix_cache_idle_s)
@@ -200,6 +200,12 @@ class ChainBuilder:
                         max_session_tokens=len(self.call.prompt_ids) + self.call.request.max_tokens,
                         on_round_trip=self.ctx.load.observe_round_trip, record_budget_bytes=self.record_budget_bytes,
                         prefix=self._reusable(naming), sign_open=open_signer(self.ctx.outbox.signing_key))
+
+    def _mark_keeper(self) -> str | None:
+        """Whose hops keep our calls' blocks, as marks are drawn: our member key (None on an open mesh, where shards
+        do not tell openers apart)."""
+        key = self.ctx.outbox.signing_key
+        return key.public_key if key is not None else None
 
     def _reusable(self, naming: CallPrefix | None) -> PrefixBlocks | None:
         """The kept blocks a chain of the call may begin from: within its prompt, whose KV a prefill computed (a
@@ -276,7 +282,8 @@ class ChainBuilder:
         for scheme, reusable in reusable_by_scheme.items():
             ours = self.ctx.kept_chains.holding(reusable.hashes)
             if ours is None or ours.blocks < len(reusable.hashes):
-                names[scheme] = [published_mark(name) for name in reusable.hashes]  # as the log records them
+                # As the log records them for our member: another's hops keep nothing ours may attach.
+                names[scheme] = [published_mark(name, self._mark_keeper()) for name in reusable.hashes]
         if sessions is None or not names:
             return {}
 

@@ -13,6 +13,13 @@ A block's name opens its KV on the shards that keep it, so it travels only to th
 reuse it, never into the event log: a completed call records each kept block by its mark (`published_mark`, a digest
 of the name), which routing can look a call's own names up by but no member can turn back into a name to attach.
 
+A name alone does not open KV kept by another member's hops: on a community mesh a shard finds kept blocks only for
+hops opened (signed) by the member whose hops kept them (hearth/inference/prefix_cache.py, `prefix_keys`), since an
+orchestrator that can guess a call's tokens can compute its names and keep junk under them, and a shard never sees
+tokens to tell. A public system prompt's blocks are so shared by the callers of one member's orchestrators, each
+member prefilling them once per shard. A mark is likewise drawn per member (its orchestrators' key): routing finds
+only chains whose blocks its own hops may attach.
+
 A call reuses a prefix only for its chain's first prefill, and never at `verify` levels `all` and `vote` (they
 check every position, and a mirror would need the positions the call did not compute). Blocks are kept when a call
 ends well: its prompt's whole blocks at its close, then its answer's once a warm-up prefilled them (a decode step's KV
@@ -105,22 +112,30 @@ def public_blocks_of(prompt_ids: Sequence[int], public_prompt_ids: Sequence[Sequ
     return longest // block_tokens
 
 
-def published_mark(name: str) -> str:
-    """What the event log records for the kept block `name`: a digest that finds the chain keeping it, never the
-    name itself, which would let any member reading the log attach that KV (or keep its own under it)."""
-    return hashlib.blake2b(b"hearth-kept-mark\0" + bytes.fromhex(name), digest_size=16).hexdigest()
+def published_mark(name: str, keeper: str | None) -> str:
+    """What the event log records for the kept block `name` that hops of `keeper` keep (the public key of the member
+    whose orchestrators opened them; None on an open mesh): a digest that finds the chain keeping it for that member's
+    orchestrators only (another member's hops could not attach it), never the name itself, which would let any member
+    reading the log attach that KV (or keep its own under it)."""
+    if keeper is None:
+        return hashlib.blake2b(b"hearth-kept-mark\0" + bytes.fromhex(name), digest_size=16).hexdigest()
+    # Public keys hold no NUL, and the unscoped form has no keeper field: no member's mark is another's.
+    message = b"hearth-kept-mark-of\0" + keeper.encode() + b"\0" + bytes.fromhex(name)
+    return hashlib.blake2b(message, digest_size=16).hexdigest()
 
 
-def kept_marks(names: Sequence[str], prompt_blocks: int) -> list[tuple[int, str]]:
-    """Which of a call's kept blocks its `pipeline.completed` records, as (blocks closed, published mark): the last, the
-    last two wholly inside the prompt (a next turn resends the prompt as it was, while the answer may tokenize
-    differently where it meets what follows) and the 1st, 2nd, 4th, ... (an edited history still finds some)."""
+def kept_marks(names: Sequence[str], prompt_blocks: int, keeper: str | None) -> list[tuple[int, str]]:
+    """Which of a call's kept blocks its `pipeline.completed` records, as (blocks closed, published mark of `keeper`):
+    the last, the last two wholly inside the prompt (a next turn resends the prompt as it was, while the answer may
+    tokenize differently where it meets what follows) and the 1st, 2nd, 4th, ... (an edited history still finds
+    some)."""
     counts = {len(names), prompt_blocks, prompt_blocks - 1}
     power = 1
     while power < len(names):
         counts.add(power)
         power *= 2
-    return [(blocks, published_mark(names[blocks - 1])) for blocks in sorted(counts) if 1 <= blocks <= len(names)]
+    return [(blocks, published_mark(names[blocks - 1], keeper)) for blocks in sorted(counts)
+            if 1 <= blocks <= len(names)]
 
 
 class KeptChains:

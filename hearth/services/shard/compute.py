@@ -142,32 +142,36 @@ class ShardCompute:
         return (kept.hits_total, kept.misses_total, kept.evictions_total, kept.reused_tokens_total,
                 self.stats.prefill_tokens_total)
 
-    async def attach_prefix(self, request: OpenHop) -> int:
-        """Start the hop's session on the longest kept prefix of the blocks `open` named; the positions it holds."""
+    async def attach_prefix(self, request: OpenHop, opener: str | None) -> int:
+        """Start the hop's session on the longest prefix of the blocks `open` named that hops of its `opener` (the
+        member whose signature the open verified under; None on an open mesh) kept; the positions it holds."""
         prefix = request.prefix
         if prefix is None:
             return 0
         attached = await on_compute_thread(self.runner.attach_prefix, runner_session(request), prefix.hashes,
-                                           prefix.block_tokens, (request.layer_lo, request.layer_hi))
+                                           prefix.block_tokens, (request.layer_lo, request.layer_hi), opener)
         if attached:
             self.sessions_from_kept.add(runner_session(request))
         return attached
 
-    async def end_session(self, request: OpenHop, keep: PrefixBlocks | None) -> int:
-        """Free the hop's session, keeping the whole blocks of `keep` it holds as a prefix; the positions kept."""
+    async def end_session(self, request: OpenHop, keep: PrefixBlocks | None, opener: str | None) -> int:
+        """Free the hop's session, keeping the whole blocks of `keep` it holds as a prefix for hops of its `opener`;
+        the positions kept."""
         self.sessions_from_kept.discard(runner_session(request))
         if keep is None:
             await self.reset(request)
             return 0
-        return await on_compute_thread(self._keep_and_measure, request, keep)
+        return await on_compute_thread(self._keep_and_measure, request, keep, opener)
 
-    async def keep_now(self, request: OpenHop, keep: PrefixBlocks) -> int:
-        """Keep a copy of the hop's session's whole blocks of `keep` while it goes on; the positions kept."""
-        return await on_compute_thread(self._keep_and_measure, request, keep, False)
+    async def keep_now(self, request: OpenHop, keep: PrefixBlocks, opener: str | None) -> int:
+        """Keep a copy of the hop's session's whole blocks of `keep` for hops of its `opener` while it goes on; the
+        positions kept."""
+        return await on_compute_thread(self._keep_and_measure, request, keep, opener, False)
 
-    def _keep_and_measure(self, request: OpenHop, keep: PrefixBlocks, end_session: bool = True) -> int:
+    def _keep_and_measure(self, request: OpenHop, keep: PrefixBlocks, opener: str | None,
+                          end_session: bool = True) -> int:
         kept = self.runner.keep_prefix(runner_session(request), keep.hashes, keep.block_tokens,
-                                       (request.layer_lo, request.layer_hi), end_session)
+                                       (request.layer_lo, request.layer_hi), end_session, opener)
         self._measure_cache()
         if end_session:
             self._release_heap()

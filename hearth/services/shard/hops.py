@@ -110,7 +110,8 @@ class ServedHop:
                                       wire_dtype=wire_dtype_from_setting(request.wire_dtype))
         self.last_heard = self.last_step = time.monotonic()
         self.closed = False
-        # Who opened it (ShardServer._opener; None on an open mesh): the share of the shard's hops it counts against.
+        # Who opened it (ShardServer._opener; None on an open mesh): the share of the shard's hops it counts against,
+        # and whose hops alone may attach the blocks it keeps.
         self.opener = opener
         # Set once the server's `open` of this hop has ended (served, failed or cancelled): a close waits for it.
         self.open_settled = asyncio.Event()
@@ -154,7 +155,7 @@ class ServedHop:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, asyncio.TimeoutError, Exception):
                 await asyncio.wait_for(asyncio.shield(task), timeout=self.limits.close_timeout_s)
-        return await self.compute.end_session(self.request, keep)
+        return await self.compute.end_session(self.request, keep, self.opener)
 
     async def _on_keepalive(self, msg: Msg) -> None:
         if self._keepalive_key is not None:

@@ -209,7 +209,7 @@ class ShardServer:
                 await self._reply(msg, ControlReply(ok=False, code="unknown_pipeline",
                                                     message="no such session open here"))
             else:
-                kept = await self.compute.keep_now(hop.request, request.keep)
+                kept = await self.compute.keep_now(hop.request, request.keep, hop.opener)
                 await self._reply(msg, ControlReply(ok=True, cached_tokens=kept))
         elif isinstance(request, CloseHop):
             # Detached under the lock, closed outside it: closing waits for the compute thread (the session's
@@ -322,7 +322,7 @@ class ShardServer:
         if replaced is not None:
             await self._finish_closing(request.pipeline_id, replaced)
         # Before the hop serves: no step of its session can come before this answer anyway.
-        cached = await self.compute.attach_prefix(request)
+        cached = await self.compute.attach_prefix(request, hop.opener)
         async with self._hop_changes:  # a close detaches under it: none can overtake the start
             if self._hops.get(request.pipeline_id) is not hop:
                 return None
