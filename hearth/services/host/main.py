@@ -25,7 +25,6 @@ from nats.aio.client import Client as NatsClient
 from sqlalchemy.orm import sessionmaker
 
 from hearth.events.streams import SHARDS_STREAM
-from hearth.protocol.subjects import shard_id_for
 from hearth.inference import InferenceError
 from hearth.inference.memory import MiB, megabytes
 from hearth.readmodels.catch_up import read_model_caught_up
@@ -215,7 +214,7 @@ async def _serve_until_moved(chosen: LayerRange, coverage: CoverageReader, nc: N
     loaded = await load_shard(model=model, lo=chosen.lo, hi=chosen.hi, node=node, settings=settings,
                               model_id=model_id, device=device, dtype=dtype, quantize=coverage.quantization,
                               stop_event=stop_event, nats_url=nats_url)
-    shard_id = shard_id_for(model_id, chosen.lo, chosen.hi, node)
+    shard_id = loaded.identity.shard_id
     leave = asyncio.Event()
     moved: list[LayerRange] = []
     lost: list[BaseException] = []
