@@ -43,7 +43,8 @@ def at(seconds: float) -> datetime:
 
 def advertised(lo: int, hi: int, node: str, *, total: int = MODEL_LAYERS, t: float = 0.0,
                **overrides) -> ShardAdvertised:
-    shard_id = shard_id_for(overrides.pop("model_id", MODEL_ID), lo, hi, node)
+    shard_id = shard_id_for(overrides.pop("model_id", MODEL_ID), lo, hi, node,
+                            quantization=overrides.get("quantization", "none"))
     fields = dict(
         shard_id=shard_id,
         model_id=shard_id.split(":")[0],

@@ -1,11 +1,14 @@
 """Every NATS subject hearth uses (docs/design.md §3, §6): calls, events, shard control, activations and acks, hop
-notices and keepalives; and the shard_key digest and node token that go into them."""
+notices and keepalives; the shard_id, and the shard_key digest and node token that go into them."""
 
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass
 from typing import Protocol
+
+from hearth.protocol.quantization_labels import is_quantization_label
 
 # Where clients call the orchestrators (a queue group answers) and ask which models the mesh serves.
 CHAT_REQUEST_SUBJECT = "llm.chat.request"
@@ -21,8 +24,36 @@ INTEGRITY_EVENTS_WILDCARD = f"{EVENTS_PREFIX}.integrity.>"
 shard_key_hex_chars = 12
 
 
-def shard_id_for(model_id: str, layer_lo: int, layer_hi: int, node_id: str) -> str:
-    return f"{model_id}:{layer_lo}-{layer_hi}@{node_id}"
+def shard_id_for(model_id: str, layer_lo: int, layer_hi: int, node_id: str, *, quantization: str = "none") -> str:
+    """`<model_id>:<lo>-<hi>@<node_id>`, with `+<scheme>` after the layers when the weights are quantized: one node
+    may serve one range in two schemes, and those are two shards (their own subjects and read-model rows), while an
+    unquantized shard keeps the id it had before schemes were part of it."""
+    scheme = "" if quantization == "none" else f"+{quantization}"
+    return f"{model_id}:{layer_lo}-{layer_hi}{scheme}@{node_id}"
+
+
+@dataclass(frozen=True)
+class ShardIdParts:
+    """What a shard_id names (shard_id_for's arguments)."""
+
+    model_id: str
+    layer_lo: int
+    layer_hi: int
+    quantization: str
+    node_id: str
+
+
+# Read from the right: model ids carry colons (`ollama:gemma3:4b`) and slashes, a scheme's label a slash.
+_SHARD_ID_RE = re.compile(r"^(?P<model>.+):(?P<lo>\d+)-(?P<hi>\d+)(?:\+(?P<scheme>[^@]+))?@(?P<node>.+)$")
+
+
+def parse_shard_id(shard_id: str) -> ShardIdParts | None:
+    """The parts of a shard_id made by shard_id_for; None when it is not one."""
+    match = _SHARD_ID_RE.fullmatch(shard_id)
+    if match is None or (match["scheme"] is not None and not is_quantization_label(match["scheme"])):
+        return None
+    return ShardIdParts(match["model"], int(match["lo"]), int(match["hi"]), match["scheme"] or "none",
+                        match["node"])
 
 
 def shard_key(shard_id: str) -> str:

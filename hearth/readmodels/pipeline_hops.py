@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import re
+from hearth.protocol.subjects import parse_shard_id
 
 
 def hops_after_failover(
@@ -13,9 +13,8 @@ def hops_after_failover(
     Producers use `replacement_hops` in two ways: docs/events.md's example lists only the shards taking over
     the failed shard's layers (hops [A 0-11, B 12-23], B fails, replacement [C 12-23] -> [A, C]), while an
     orchestrator that repicks the whole chain lists every new hop. It is read as the whole new chain when
-    it repeats a surviving hop, when nothing survives, or when its layers (from the shard ids,
-    `<model>:<lo>-<hi>@<node>`) reach from the chain's first layer to its last; otherwise it is spliced in
-    at the failed shard's place.
+    it repeats a surviving hop, when nothing survives, or when its layers (read from the shard ids: parse_shard_id)
+    reach from the chain's first layer to its last; otherwise it is spliced in at the failed shard's place.
     """
     surviving = [shard_id for shard_id in current_hops if shard_id != failed_shard_id]
     if failed_shard_id not in current_hops or not surviving or set(replacement_hops) & set(surviving):
@@ -28,17 +27,14 @@ def hops_after_failover(
     return current_hops[:index] + list(replacement_hops) + current_hops[index + 1:]
 
 
-_SHARD_ID_RE = re.compile(r"^(?P<model>.+):(?P<lo>\d+)-(?P<hi>\d+)@(?P<node>.+)$")
-
-
 def _layer_span(shard_ids: list[str]) -> tuple[int, int] | None:
     """(lowest lo, highest hi) of the layer ranges named in the shard ids; None if one does not parse."""
     ranges = []
     for shard_id in shard_ids:
-        match = _SHARD_ID_RE.match(shard_id)
-        if match is None:
+        parts = parse_shard_id(shard_id)
+        if parts is None:
             return None
-        ranges.append((int(match["lo"]), int(match["hi"])))
+        ranges.append((parts.layer_lo, parts.layer_hi))
     if not ranges:
         return None
     return min(lo for lo, _ in ranges), max(hi for _, hi in ranges)

@@ -47,7 +47,7 @@ class Rows(Protocol):
 
 
 def node_of_shard(shard_id: str) -> str | None:
-    """The host a shard id names (`<model>:<lo>-<hi>@<node>`), or None when it names none."""
+    """The host a shard id names (after its last `@`: shard_id_for), or None when it names none."""
     _, at_sign, node = shard_id.rpartition("@")
     return node if at_sign and node else None
 

@@ -147,7 +147,7 @@ def reputation_command(db: ReadModelOption = DEFAULT_READ_MODEL) -> None:
 
 @community_app.command("clear-quarantine")
 def clear_quarantine_command(
-    shard_id: Annotated[str, typer.Argument(help="The quarantined shard ('<model>:<lo>-<hi>@<node>').")],
+    shard_id: Annotated[str, typer.Argument(help="The quarantined shard ('<model>:<lo>-<hi>[+<scheme>]@<node>').")],
     reason: Annotated[str, typer.Option("--reason", help="Why it may serve again (kept in the event log).")],
     directory: DirOption = DEFAULT_COMMUNITY_DIR,
     db: ReadModelOption = DEFAULT_READ_MODEL,

@@ -1,12 +1,13 @@
 """`hearth host` over real processes: three hosts whose memory budgets are each 40 % of the model's weights choose
 their own layers from the mesh's coverage and together serve a model none of them could hold, with generate()'s
 greedy output and each host's measured memory within its budget; when a host leaves, one of two hosts holding the
-same layers moves to fill the hole."""
+same layers moves to fill the hole; a host killed and restarted at once takes its own layers back."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
 import time
 
 import pytest
@@ -104,3 +105,18 @@ async def test_three_budgeted_hosts_serve_a_model_none_could_hold(cluster, tiny_
     [mover] = movers
     assert hops[1] == f"{TINY_MODEL_NAME}:2-3@{mover}"
     assert hops[0] == f"{TINY_MODEL_NAME}:0-1@{({'host-a', 'host-d'} - movers).pop()}"
+
+
+async def test_a_host_restarted_after_a_crash_takes_its_layers_back(cluster, tiny_models_dir):
+    """A killed host's advert lives on until the health timeout. Restarted at once, the host counted it as a replica
+    of its old layers, chose the lowest ones again and left its own held by nobody; its shards that no longer answer
+    are not counted now."""
+    path = tiny_models_dir / TINY_MODEL_NAME
+    budget_mb = 0.4 * checkpoint_weight_bytes(path) / 2**20  # two of the six layers
+    cluster.extra_env.update({SHARD_ENV + "KV_CACHE_BUDGET_MB": "0.02"})
+    hosts = [cluster.start_host(str(path), budget_mb, node_id=f"host-{name}") for name in "abc"]
+    hosts[2].signal(signal.SIGKILL)
+    hosts[2].popen.wait(timeout=30)
+    cluster.start_host(str(path), budget_mb, node_id="host-c")
+    adverts = [(a.node_id, a.layer_lo, a.layer_hi) for a in await advertisements(cluster)]
+    assert adverts == [("host-a", 0, 1), ("host-b", 2, 3), ("host-c", 4, 5), ("host-c", 4, 5)]

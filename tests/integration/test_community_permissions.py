@@ -92,6 +92,9 @@ async def test_each_role_gets_only_its_own_subjects(community_server):
         # A shard host: its own control subject yes, another's no; its own events yes, another's no.
         assert not await shard.refused(lambda nc: nc.subscribe("hearth.ctl.shard-a.abc"))
         assert await shard.refused(lambda nc: nc.subscribe("hearth.ctl.shard-b.abc"))
+        # It may ask its own node's shards (a restarted `hearth host`: which of them still serve), not another's.
+        assert not await shard.refused(lambda nc: nc.publish("hearth.ctl.shard-a.abc", b"{}"))
+        assert await shard.refused(lambda nc: nc.publish("hearth.ctl.shard-b.abc", b"{}"))
         assert await shard.refused(lambda nc: nc.subscribe("hearth.act.shard-b.p1.0"))
         assert not await shard.refused(lambda nc: nc.publish(
             shard_events_subject_of_node("shard-a").replace(">", "k.heartbeat"), b"{}"))

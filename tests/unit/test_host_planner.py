@@ -142,3 +142,23 @@ async def test_a_host_waits_one_hold_more_per_host_before_it_in_turn(mesh):
                                                   settings), timeout=5)
     assert target == LayerRange(4, 5)
     assert loop.time() - started >= 2 * 0.2  # second in turn: two holds (the first host's move would show meanwhile)
+
+
+async def test_a_restarted_host_leaves_out_its_own_earlier_shard_that_no_longer_answers(mesh):
+    """A host restarted after a crash finds its old advert still alive (until the health timeout): counted, it
+    passed for a replica of the host's old layers, which the host then left to it and chose others, leaving its old
+    layers held by nobody. Another process of the same node that answers still counts."""
+    mesh.add(0, 1, "a")
+    mesh.add(2, 3, "b")
+    crashed = mesh.add(4, 5, "me")  # the host's own shard before the crash
+    mesh.add(6, 7, "me")  # another process of this node, serving on
+
+    async def answers(shard) -> bool:
+        return shard.shard_id != crashed
+
+    coverage = mesh.coverage()
+    left_out = await coverage.unanswering_shards_of("me", answers)
+    assert left_out == {crashed}
+    replicas = await coverage.replicas(leave_out=left_out)
+    assert replicas == [1, 1, 1, 1, 0, 0, 1, 1]
+    assert choose_range(replicas, LAYER_BYTES, TWO_LAYERS) == LayerRange(4, 5)

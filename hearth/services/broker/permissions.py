@@ -111,9 +111,10 @@ def role_permissions(role: Role, name: str, caller_inboxes: Iterable[str] = ()) 
     if role == "shard":
         return Permissions(
             # The shards stream only: `hearth host` reads the mesh's coverage to choose its layers; the pipelines
-            # stream (who called, which hops) is none of a shard host's business.
-            publish=(shard_events_subject_of_node(name), "hearth.act.>", "hearth.ack.>", "hearth.notice.>",
-                     *stream_reading((SHARDS_STREAM,)), *weights_store_reading()),
+            # stream (who called, which hops) is none of a shard host's business. Its own node's control subjects:
+            # a restarted `hearth host` asks which of its node's adverts are still served.
+            publish=(shard_events_subject_of_node(name), f"hearth.ctl.{node}.>", "hearth.act.>", "hearth.ack.>",
+                     "hearth.notice.>", *stream_reading((SHARDS_STREAM,)), *weights_store_reading()),
             subscribe=(f"hearth.ctl.{node}.>", f"hearth.act.{node}.>", f"hearth.ack.{node}.>",
                        "hearth.keepalive.>", own_inbox),
             # Control replies go back to the orchestrator that asked (hearth/services/shard/server.py answers `_INBOX.`

@@ -24,6 +24,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+from hearth.protocol.subjects import parse_shard_id
 from hearth.services.common.lifecycle import STOP_EXIT_CODE, Interrupted, run_cancelling_on_signal
 from hearth.services.common.logging import default_log_level
 from hearth.services.devtools.local_cluster import (
@@ -56,10 +57,13 @@ class _Stop(Exception):
 
 
 def shard_label(shard_id: str) -> str:
-    """`model:0-1@demo-host-0` -> `demo-host-0 [layers 0-1]`."""
-    head, _, node = shard_id.rpartition("@")
-    layers = head.rpartition(":")[2]
-    return f"{node or shard_id} [layers {layers}]" if head else shard_id
+    """`model:0-1@demo-host-0` -> `demo-host-0 [layers 0-1]`; `model:0-1+int8@demo-host-0` -> `demo-host-0 [layers
+    0-1, int8]`."""
+    parts = parse_shard_id(shard_id)
+    if parts is None:
+        return shard_id
+    scheme = "" if parts.quantization == "none" else f", {parts.quantization}"
+    return f"{parts.node_id} [layers {parts.layer_lo}-{parts.layer_hi}{scheme}]"
 
 
 def chain_text(hops: list[str]) -> str:

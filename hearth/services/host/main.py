@@ -18,17 +18,17 @@ import logging
 import random
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Set
 from pathlib import Path
 
 from nats.aio.client import Client as NatsClient
 from sqlalchemy.orm import sessionmaker
 
 from hearth.events.streams import SHARDS_STREAM
-from hearth.protocol.subjects import shard_id_for
 from hearth.inference import InferenceError
 from hearth.inference.memory import MiB, megabytes
 from hearth.readmodels.catch_up import read_model_caught_up
+from hearth.readmodels.queries import ShardCandidate
 from hearth.readmodels.runner import Projector
 from hearth.services.common.config import HearthSettings
 from hearth.services.common.config_processes import serve_shards_refused
@@ -39,6 +39,7 @@ from hearth.services.broker.connection import connect_nats, drain_or_close, unti
 from hearth.services.host.model_layout import model_layout
 from hearth.services.host.planner import LayerRange, better_range, choose_range, replicas_per_layer
 from hearth.services.orchestrator.router import ShardRouter
+from hearth.services.orchestrator.stall import ProbeOutcome, probe_outcome
 from hearth.services.shard.main import (
     ShardRefused,
     configure_torch_threads,
@@ -82,21 +83,34 @@ class CoverageReader:
         self.model_id, self.weights_sha256, self.total_layers = model_id, weights_sha256, total_layers
         self.quantization = quantization
 
-    async def replicas(self, leave_out: str | None = None) -> list[int]:
+    async def replicas(self, leave_out: Set[str] = frozenset()) -> list[int]:
         shards, alive = await self._live_shards()
         return replicas_per_layer(shards, total_layers=self.total_layers, weights_sha256=self.weights_sha256,
                                   alive=alive, leave_out=leave_out, quantization=self.quantization)
+
+    async def unanswering_shards_of(self, node_id: str,
+                                    answers: Callable[[ShardCandidate], Awaitable[bool]]) -> frozenset[str]:
+        """The shards of `node_id` that replicas() counts but that do not `answers` (are not served any more): a
+        crashed run's, whose advert lives on until the health timeout. A node may run other processes, whose
+        shards answer and stay counted."""
+        shards, alive = await self._live_shards()
+        mine = [shard for shard in shards if shard.node_id == node_id and self._counted(shard, alive)]
+        answered = await asyncio.gather(*(answers(shard) for shard in mine))
+        return frozenset(shard.shard_id for shard, answer in zip(mine, answered) if not answer)
 
     async def turn(self, current: LayerRange, shard_id: str) -> int:
         """This host's place among the live hosts holding any of `current`'s layers (0: first), in shard-id order:
         hosts that could all leave the same layers move one after another (wait_for_hole), never together."""
         shards, alive = await self._live_shards()
         return sum(1 for shard in shards
-                   if shard.shard_id < shard_id and shard.weights_sha256 == self.weights_sha256
-                   and shard.quantization == self.quantization and alive(shard)
+                   if shard.shard_id < shard_id and self._counted(shard, alive)
                    and shard.layer_lo <= current.hi and current.lo <= shard.layer_hi)
 
-    async def _live_shards(self) -> tuple[list, Callable[[object], bool]]:
+    def _counted(self, shard: ShardCandidate, alive: Callable[[ShardCandidate], bool]) -> bool:
+        return (shard.weights_sha256 == self.weights_sha256 and shard.quantization == self.quantization
+                and alive(shard))
+
+    async def _live_shards(self) -> tuple[list[ShardCandidate], Callable[[ShardCandidate], bool]]:
         if self.catch_up is not None:
             with contextlib.suppress(asyncio.TimeoutError, TimeoutError):
                 await self.catch_up()
@@ -115,6 +129,21 @@ def coverage_from(projector: Projector, settings: HearthSettings, node_id: str, 
     return CoverageReader(router, catch_up=lambda: projector.wait_until_caught_up(timeout_s=timeout_s), **model)
 
 
+async def earlier_shards_gone(coverage: CoverageReader, nc: NatsClient, node: str,
+                              settings: HearthSettings) -> frozenset[str]:
+    """This node's shards in `coverage` whose control subject has no responder or stays silent to `stat`: what a
+    crashed run of this host left advertised, which its first choice must not take for a replica."""
+    timeout_s = settings.transport.probe_timeout_s
+
+    async def answers(shard: ShardCandidate) -> bool:
+        return await probe_outcome(nc, shard, timeout_s) is ProbeOutcome.answered
+
+    gone = await coverage.unanswering_shards_of(node, answers)
+    if gone:
+        log.info("host %s: not counting its earlier shards that no longer answer: %s", node, ", ".join(sorted(gone)))
+    return gone
+
+
 async def wait_for_hole(coverage: CoverageReader, current: LayerRange, shard_id: str, layer_bytes: list[int],
                         weights_budget: int, settings: HearthSettings) -> LayerRange:
     """The range to move to, once a hole has lasted `rebalance_hold_s` and this host's layers are held elsewhere.
@@ -129,7 +158,7 @@ async def wait_for_hole(coverage: CoverageReader, current: LayerRange, shard_id:
     seen_since: float | None = None
     while True:
         await asyncio.sleep(host.rebalance_check_interval_s * random.uniform(0.5, 1.5))
-        target = better_range(current, await coverage.replicas(leave_out=shard_id), layer_bytes, weights_budget)
+        target = better_range(current, await coverage.replicas(leave_out={shard_id}), layer_bytes, weights_budget)
         if target is None:
             seen_since = None
         elif seen_since is None:
@@ -184,7 +213,10 @@ async def run_host(*, model: str, memory_budget_mb: float | None, nats_url: str 
                                        going_on="choosing layers on what it has read")
             coverage = coverage_from(projector, settings, node, model_id=served_id, weights_sha256=digest,
                                      total_layers=total_layers, quantization=scheme.label)
-            chosen = choose_range(await coverage.replicas(), layer_bytes, weights_budget)
+            # A run of this host that crashed left its advert alive until the health timeout: counted, its layers
+            # would pass for held and the host would choose others, leaving them held by nobody.
+            gone = await earlier_shards_gone(coverage, nc, node, settings)
+            chosen = choose_range(await coverage.replicas(leave_out=gone), layer_bytes, weights_budget)
             while not stop_event.is_set():
                 if chosen is None:
                     raise ShardRefused(
@@ -215,7 +247,7 @@ async def _serve_until_moved(chosen: LayerRange, coverage: CoverageReader, nc: N
     loaded = await load_shard(model=model, lo=chosen.lo, hi=chosen.hi, node=node, settings=settings,
                               model_id=model_id, device=device, dtype=dtype, quantize=coverage.quantization,
                               stop_event=stop_event, nats_url=nats_url)
-    shard_id = shard_id_for(model_id, chosen.lo, chosen.hi, node)
+    shard_id = loaded.identity.shard_id
     leave = asyncio.Event()
     moved: list[LayerRange] = []
     lost: list[BaseException] = []

@@ -2,13 +2,14 @@
 mesh's coverage (least-replicated layers first, as Petals servers choose their blocks), and when to move.
 
 Coverage is read from the read model: how many live replicas (advertised, unexpired, recently heard from, same
-weights and quantization scheme) hold each layer, this host's own shard left out. All decisions here are pure
-functions of that count.
+weights and quantization scheme) hold each layer, this host's own shards left out (the one it serves, or at its first
+choice those of its node that no longer answer: an earlier run's, crashed). All decisions here are pure functions of
+that count.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Set
 from dataclasses import dataclass
 
 from hearth.readmodels.queries import ShardCandidate
@@ -27,16 +28,16 @@ class LayerRange:
 
 
 def replicas_per_layer(shards: Iterable[ShardCandidate], *, total_layers: int, weights_sha256: str,
-                       alive: Callable[[ShardCandidate], bool], leave_out: str | None = None,
+                       alive: Callable[[ShardCandidate], bool], leave_out: Set[str] = frozenset(),
                        quantization: str = "none") -> list[int]:
     """Live replicas of each layer among `shards` (one model's) that serve its weights in `quantization` (a
-    pipeline never mixes schemes), the shard `leave_out` (this host's) not counted, and one node's shards once per
+    pipeline never mixes schemes), the shards `leave_out` (this host's) not counted, and one node's shards once per
     layer: a member may advertise any number of shards, and its many adverts of layers must not pass for replicas
     that keep honest hosts away from them (or herd them from range to range)."""
     replicas = [0] * total_layers
     counted: set[tuple[str, int]] = set()
     for shard in shards:
-        if (shard.shard_id == leave_out or shard.weights_sha256 != weights_sha256
+        if (shard.shard_id in leave_out or shard.weights_sha256 != weights_sha256
                 or shard.quantization != quantization or not alive(shard)):
             continue
         for layer in range(max(shard.layer_lo, 0), min(shard.layer_hi, total_layers - 1) + 1):

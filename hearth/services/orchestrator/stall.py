@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import time
+from typing import Protocol
 
 from nats.aio.client import Client as NatsClient
 from nats.errors import NoRespondersError
@@ -40,10 +41,17 @@ class ProbeOutcome(enum.Enum):
     silent = "silent"  # no answer in time: frozen, overloaded, or the answer was lost
 
 
-async def probe_outcome(nc: NatsClient, hop: Hop, timeout_s: float) -> ProbeOutcome:
-    """How the hop's shard reacts to `stat`: answers, has no responder (gone), or stays silent."""
+class _Controlled(Protocol):
+    """A shard as far as a probe needs it (a Hop, or a read model's ShardCandidate)."""
+
+    @property
+    def control_subject(self) -> str: ...
+
+
+async def probe_outcome(nc: NatsClient, shard: _Controlled, timeout_s: float) -> ProbeOutcome:
+    """How the shard reacts to `stat`: answers, has no responder (gone), or stays silent."""
     try:
-        message = await nc.request(hop.control_subject, StatShard().model_dump_json().encode(), timeout=timeout_s)
+        message = await nc.request(shard.control_subject, StatShard().model_dump_json().encode(), timeout=timeout_s)
         ShardStat.model_validate_json(message.data)
     except NoRespondersError:
         return ProbeOutcome.no_responder

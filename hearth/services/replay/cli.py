@@ -259,7 +259,7 @@ async def _print_pipeline(url: str, pipeline_id: str, output: OutputFormat) -> i
 @app.command("shard")
 def shard_command(
     ctx: typer.Context,
-    shard: Annotated[str, typer.Argument(help="A shard_id ('<model>:<lo>-<hi>@<node>') or its shard_key.")],
+    shard: Annotated[str, typer.Argument(help="A shard_id ('<model>:<lo>-<hi>[+<scheme>]@<node>') or its shard_key.")],
     health_timeout_s: Annotated[
         Optional[float],
         typer.Option(

@@ -139,7 +139,7 @@ async def load_shard(*, model: str, lo: int, hi: int, node: str, settings: Heart
         raise ShardRefused(reason)
     info = runner.info
     digest = await unless_stopped(asyncio.to_thread(weights_sha256, info.path), stop_event)
-    shard_id = shard_id_for(info.model_id, lo, hi, node)
+    shard_id = shard_id_for(info.model_id, lo, hi, node, quantization=runner.quantization)
     described = describe_device(compute_device)
     identity = ShardIdentity(
         shard_id=shard_id, model_id=info.model_id, node_id=node, weights_sha256=digest, layer_lo=lo,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
-from hearth.services.devtools.local_cluster import LocalCluster, even_layer_ranges
+from hearth.services.devtools.local_cluster import LocalCluster, ManagedProcess, even_layer_ranges
 
 # The node of a range's first replica keeps the name it had before ranges had replicas.
 BENCH_NODE_PREFIX = "bench-host"
@@ -16,13 +16,28 @@ cluster_ready_timeout_s = 600.0
 
 @dataclass
 class BenchMesh:
-    """The started mesh: per shard id its /metrics URL, its hop (index of its layer range) and process id, and the
-    orchestrator's /metrics URL (None with metrics off)."""
+    """The started mesh: its shard processes with their hops (index of their layer range), and the orchestrator's
+    /metrics URL (None with metrics off). Once ready (`wait_mesh_ready`), per shard id: its /metrics URL, hop and
+    process id; the ids are the shards' own (each writes it to its ready file), scheme and all."""
 
-    metrics_urls: dict[str, str]
-    hop_of: dict[str, int]
-    pid_of: dict[str, int]
+    shards: list[tuple[ManagedProcess, int]]
     orchestrator_metrics_url: str | None
+
+    def _by_shard_id(self) -> list[tuple[str, ManagedProcess, int]]:
+        return [(process.ready_file.read_text().strip(), process, hop) for process, hop in self.shards]
+
+    @property
+    def metrics_urls(self) -> dict[str, str]:
+        return {shard_id: process.metrics_url for shard_id, process, _ in self._by_shard_id()
+                if process.metrics_url is not None}
+
+    @property
+    def hop_of(self) -> dict[str, int]:
+        return {shard_id: hop for shard_id, _, hop in self._by_shard_id()}
+
+    @property
+    def pid_of(self) -> dict[str, int]:
+        return {shard_id: process.popen.pid for shard_id, process, _ in self._by_shard_id()}
 
 
 def replica_node_id(hop: int, replica: int) -> str:
@@ -72,21 +87,17 @@ def start_bench_mesh(cluster: LocalCluster, model, *, shards: int, replicas: int
     print(f"starting nats-server, {len(ranges)}{copies} shard hosts ({ranges}) and an orchestrator ...",
           file=sys.stderr, flush=True)
     cluster.start_nats()
-    metrics_urls, hop_of, pid_of = {}, {}, {}
+    shard_processes = []
     for replica in range(replicas):
         for hop, (lo, hi) in enumerate(ranges):
             node_id = replica_node_id(hop, replica)
             process = cluster.start_shard(str(model.path), lo, hi, node_id=node_id, wait_ready=False,
                                           extra_args=[*one_caller_shard_args(max_streams), *placement_args],
                                           cpus=replica_cores(replica, cores_per_replica))
-            shard_id = f"{model.name}:{lo}-{hi}@{node_id}"
-            if process.metrics_url is not None:
-                metrics_urls[shard_id] = process.metrics_url
-            hop_of[shard_id] = hop
-            pid_of[shard_id] = process.popen.pid
+            shard_processes.append((process, hop))
     orchestrator = cluster.start_orchestrator(node_id=BENCH_ORCHESTRATOR_NODE, wait_ready=False, extra_args=[
         "--preload", str(model.path), "--step-timeout-s", str(step_timeout_s), *placement_args])
-    return BenchMesh(metrics_urls, hop_of, pid_of, orchestrator.metrics_url)
+    return BenchMesh(shard_processes, orchestrator.metrics_url)
 
 
 def wait_mesh_ready(cluster: LocalCluster) -> None:
