@@ -141,13 +141,19 @@ def check_block_types(tensors: Iterable[tuple[str, str]], file_name: str) -> Non
             )
 
 
-def check_data_layout(spans: Iterable[tuple[int, int | None, str]], data_bytes: int, alignment: int,
-                      file_name: str) -> None:
-    """CheckpointError (one line) naming the tensor whose bytes ((offset in the data section, bytes its block type and
-    shape count, None when its type is unknown: it may take up to the next tensor, name)) llama.cpp would refuse: at
-    an offset that is no multiple of `alignment`, overlapping the next tensor's, past the `data_bytes` the file
-    holds, or followed by more bytes than it counts before the next tensor starts (a tensor info naming a smaller
-    block type or shape than its bytes)."""
+def truncated_refusal(file_name: str, what_it_needs: str, file_size: int) -> CheckpointError:
+    """The one line refusing a file cut short: what it needs (its header's bytes, its tensors'), what it holds."""
+    return CheckpointError(f"{file_name} is truncated: {what_it_needs}, the file holds {file_size} (re-download it)")
+
+
+def check_data_layout(spans: Iterable[tuple[int, int | None, str]], data_start: int, file_size: int,
+                      alignment: int, file_name: str) -> None:
+    """CheckpointError (one line) when the tensors' bytes ((offset in the data section, which starts at byte
+    `data_start`; bytes its block type and shape count, None when its type is unknown: it may take up to the next
+    tensor; name)) end past the `file_size` bytes the file holds (a truncated file), or naming the tensor whose bytes
+    llama.cpp would refuse: at an offset that is no multiple of `alignment`, overlapping the next tensor's, or
+    followed by more bytes than it counts before the next tensor starts (a tensor info naming a smaller block type or
+    shape than its bytes)."""
     # In offset order, each tensor's bytes padded to the alignment end where the next one's start, as every GGUF
     # writer (llama.cpp's, the gguf package's, Ollama's, gguf_parts') lays them and llama.cpp's loader requires: a
     # tensor info that states another size would read its neighbour's bytes, or leave some of its own unread.
@@ -156,12 +162,13 @@ def check_data_layout(spans: Iterable[tuple[int, int | None, str]], data_bytes: 
         if offset % alignment:
             raise CheckpointError(f"{file_name}'s header is corrupt (tensor {name}'s data offset {offset} is not a "
                                   f"multiple of the file's alignment {alignment})")
+    ends = [data_start + offset + n_bytes for offset, n_bytes, _ in ordered if n_bytes is not None]
+    if ends and max(ends) > file_size:
+        raise truncated_refusal(file_name, f"its tensors need {max(ends)} bytes", file_size)
     for (offset, n_bytes, name), following in zip(ordered, [*ordered[1:], None]):
         if n_bytes is None:
             continue
         end = offset + n_bytes
-        if end > data_bytes:
-            raise CheckpointError(f"{file_name} is truncated: tensor {name} ends past the end of the file")
         if following is not None and following[0] != (end + alignment - 1) // alignment * alignment:
             how = "overlap" if following[0] < end else "leave a gap before"
             raise CheckpointError(
@@ -237,9 +244,10 @@ class _Cursor:
 def parse_gguf_header(buffer: bytes, file_size: int, file_name: str, *, check_tensors: bool = True
                       ) -> ParsedGGUFHeader:
     """The header of the GGUF of `file_size` bytes whose first bytes are `buffer`. HeaderIncomplete when `buffer`
-    ends inside it; CheckpointError (one line) when it is no GGUF hearth reads, its tensors' bytes are not laid out
-    as llama.cpp lays them (check_data_layout), or (`check_tensors`) it holds no tensor or one in a block type hearth
-    does not read (unchecked, a tensor of a type the gguf package does not know counts no bytes)."""
+    ends inside it; CheckpointError (one line) when it is no GGUF hearth reads, its tensors' bytes end past
+    `file_size` or are not laid out as llama.cpp lays them (check_data_layout), or (`check_tensors`) it holds no
+    tensor or one in a block type hearth does not read (unchecked, a tensor of a type the gguf package does not know
+    counts no bytes)."""
     from gguf import GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGMLQuantizationType
 
     cursor = _Cursor(buffer, file_name)
@@ -279,7 +287,7 @@ def parse_gguf_header(buffer: bytes, file_size: int, file_name: str, *, check_te
             raise CheckpointError(f"{file_name}'s header is corrupt (tensor {name}'s rows of {dims[0]} values are "
                                   f"no whole number of {known[type_id].name} blocks of {block_size})")
         spans.append((offset, None if block_size is None else math.prod(dims) // block_size * type_size, name))
-    check_data_layout(spans, file_size - data_start, alignment, file_name)
+    check_data_layout(spans, data_start, file_size, alignment, file_name)
     text = [(info, span[1]) for info, span in zip(infos, spans) if is_text_model_tensor(info[0])]
     type_names = [known[info[2]].name if info[2] in known else f"type {info[2]}" for info, _ in text]
     if check_tensors:
@@ -300,8 +308,11 @@ def parse_gguf_header(buffer: bytes, file_size: int, file_name: str, *, check_te
 def read_gguf_header(path: Path, *, check_tensors: bool = False) -> ParsedGGUFHeader:
     """The header of the local GGUF at `path` (its tensors checked only with `check_tensors`, parse_gguf_header: a
     part of a GGUF may hold none), reading only as many of its leading bytes as the header takes (at most
-    MAX_GGUF_HEADER_BYTES)."""
+    MAX_GGUF_HEADER_BYTES); CheckpointError (one line) when the file is empty, or truncated: cut inside its header, or
+    shorter than its tensor infos say its tensors need."""
     file_size = path.stat().st_size
+    if not file_size:
+        raise CheckpointError(f"{path.name} is empty (0 bytes): not a GGUF file")
     wanted = min(file_size, FIRST_HEADER_READ_BYTES)
     while True:
         with path.open("rb") as handle:
@@ -310,7 +321,8 @@ def read_gguf_header(path: Path, *, check_tensors: bool = False) -> ParsedGGUFHe
             return parse_gguf_header(buffer, file_size, path.name, check_tensors=check_tensors)
         except HeaderIncomplete as incomplete:
             if incomplete.needed > file_size:
-                raise CheckpointError(f"{path.name} is truncated: its header ends past the end of the file") from None
+                raise truncated_refusal(path.name, f"its header needs at least {incomplete.needed} bytes",
+                                        file_size) from None
             if incomplete.needed > MAX_GGUF_HEADER_BYTES:
                 raise CheckpointError(f"{path.name}'s header is longer than {MAX_GGUF_HEADER_BYTES} bytes, "
                                       "hearth's bound on a GGUF header: not a GGUF hearth reads") from None

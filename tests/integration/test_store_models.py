@@ -105,7 +105,7 @@ async def test_a_store_model_the_store_lacks_is_an_unknown_model(published, js):
 def test_an_unreadable_gguf_is_refused_at_publishing_with_one_line(tmp_path):
     (tmp_path / "model.gguf").write_bytes(b"GGUF")
     for path in (tmp_path / "model.gguf", tmp_path):
-        with pytest.raises(WeightsStoreError, match="model.gguf is truncated: its header ends past the end"):
+        with pytest.raises(WeightsStoreError, match="model.gguf is truncated: its header needs at least"):
             check_publishable(path)
 
 

@@ -52,7 +52,8 @@ def test_a_file_hearth_does_not_read_is_refused_in_one_line(tiny_gguf, change, r
 
 def test_a_file_shorter_than_its_tensor_table_says_is_refused_as_truncated(tiny_gguf):
     data = tiny_gguf.read_bytes()
-    with pytest.raises(CheckpointError, match="is truncated: tensor output.weight ends past the end of the file"):
+    cut_short = rf"is truncated: its tensors need {len(data)} bytes, the file holds {len(data) - 1} \(re-download it\)$"
+    with pytest.raises(CheckpointError, match=cut_short):
         parse_gguf_header(data, len(data) - 1, tiny_gguf.name)
 
 
@@ -92,7 +93,8 @@ def test_a_local_header_longer_than_the_bound_is_refused_without_reading_the_fil
     with pytest.raises(CheckpointError, match="header is longer than 4096 bytes"):
         read_gguf_header(path)
     path.write_bytes(_header_with_one_value(struct.pack("<IQ", 8, 1 << 62)) + bytes(8192))
-    with pytest.raises(CheckpointError, match="long.gguf is truncated: its header ends past the end of the file"):
+    cut_short = r"long.gguf is truncated: its header needs at least \d+ bytes, the file holds 8245 \(re-download it\)$"
+    with pytest.raises(CheckpointError, match=cut_short):
         read_gguf_header(path)
     with pytest.raises(CheckpointError, match="unknown type 99"):
         path.write_bytes(_header_with_one_value(struct.pack("<I", 99)) + bytes(64))

@@ -5,6 +5,8 @@ package is installed, else the bundled toy model (models/hearth-tiny-llama). The
 free of torch (importing inference would add seconds before anything starts), so a checkpoint is described here
 from its files alone: config.json for a folder, the GGUF's own metadata (the gguf package's reader, its result
 cached per file version in hearth's GGUF cache, beside what shards and heads keep of the same file) for a GGUF.
+Only a GGUF that reader fails on is passed to hearth's own header check (hearth/inference/gguf_header.py, which
+brings torch), so a truncated file is refused in the same line every other command gives.
 """
 
 from __future__ import annotations
@@ -257,8 +259,24 @@ def _read_gguf_description(path: Path) -> dict:
         architecture = reader.fields[GGUF_ARCHITECTURE_KEY].contents()
         layers = reader.fields[f"{architecture}.block_count"].contents()
     except (ValueError, IndexError, KeyError, OSError, TypeError) as error:
-        raise DemoError(f"{path.name} is not a readable GGUF with a layer count (truncated or corrupt?): "
-                        f"{type(error).__name__}: {error}") from None
+        raise DemoError(_why_unreadable(path, error)) from None
     if not isinstance(layers, int) or layers < 1:
         raise DemoError(f"{path.name} has no layer count ({architecture}.block_count)")
     return {"num_layers": layers, "has_chat_template": bool(reader.fields.get(GGUF_CHAT_TEMPLATE_KEY))}
+
+
+def _why_unreadable(path: Path, error: Exception) -> str:
+    """Why the gguf package's reader failed on the GGUF at `path`, in one line: hearth's own header check says what
+    is wrong with a truncated or corrupt file where the reader's error ("cannot reshape array ...") does not. Importing
+    it brings torch into this process, which only a refused run pays."""
+    from hearth.inference.errors import CheckpointError
+    from hearth.inference.gguf_header import read_gguf_header
+
+    try:
+        read_gguf_header(path)
+    except CheckpointError as refusal:
+        return str(refusal)
+    except OSError as unreadable:
+        return f"{path.name} is unreadable: {unreadable.strerror or unreadable}"
+    return (f"{path.name} is not a readable GGUF with a layer count (truncated or corrupt?): "
+            f"{type(error).__name__}: {error}")
