@@ -7,7 +7,7 @@ import asyncio
 from hearth.protocol.control import ShardStat
 from hearth.services.broker.connection import flush_ordered
 from hearth.services.orchestrator.router import Hop
-from hearth.services.orchestrator.stall import ProbeOutcome, probe_outcome
+from hearth.services.transport.probe import ProbeOutcome, probe_outcome
 
 
 def _hop(name: str) -> Hop:

@@ -39,7 +39,7 @@ from hearth.services.broker.connection import connect_nats, drain_or_close, unti
 from hearth.services.host.model_layout import model_layout
 from hearth.services.host.planner import LayerRange, better_range, choose_range, replicas_per_layer
 from hearth.services.orchestrator.router import ShardRouter
-from hearth.services.orchestrator.stall import ProbeOutcome, probe_outcome
+from hearth.services.transport.probe import ProbeOutcome, probe_outcome
 from hearth.services.shard.main import (
     ShardRefused,
     configure_torch_threads,

@@ -21,43 +21,15 @@ prefill). A merely slow host answers, and is left to the step timeout.
 from __future__ import annotations
 
 import asyncio
-import enum
 import time
-from typing import Protocol
 
 from nats.aio.client import Client as NatsClient
-from nats.errors import NoRespondersError
 
 from hearth.services.common.config import TransportSettings
-from hearth.protocol.control import ShardStat, StatShard
 from hearth.services.orchestrator.outcomes import StepFailure
 from hearth.services.orchestrator.router import Hop
 from hearth.services.transport import AckObserver, StepInfo
-
-
-class ProbeOutcome(enum.Enum):
-    answered = "answered"
-    no_responder = "no_responder"  # nothing subscribes to its control subject: the host is gone
-    silent = "silent"  # no answer in time: frozen, overloaded, or the answer was lost
-
-
-class _Controlled(Protocol):
-    """A shard as far as a probe needs it (a Hop, or a read model's ShardCandidate)."""
-
-    @property
-    def control_subject(self) -> str: ...
-
-
-async def probe_outcome(nc: NatsClient, shard: _Controlled, timeout_s: float) -> ProbeOutcome:
-    """How the shard reacts to `stat`: answers, has no responder (gone), or stays silent."""
-    try:
-        message = await nc.request(shard.control_subject, StatShard().model_dump_json().encode(), timeout=timeout_s)
-        ShardStat.model_validate_json(message.data)
-    except NoRespondersError:
-        return ProbeOutcome.no_responder
-    except Exception:  # a timeout, a closed connection, or an answer that is not a ShardStat
-        return ProbeOutcome.silent
-    return ProbeOutcome.answered
+from hearth.services.transport.probe import ProbeOutcome, probe_outcome
 
 
 class StallWatch:

@@ -38,11 +38,13 @@ from hearth.protocol.control import (
 )
 from hearth.services.common.call_signing import CallRefused
 from hearth.services.common.event_trust import event_signing_key, open_verifier, stream_setup
+from hearth.services.common.lifecycle import CommandRefused
 from hearth.services.broker.connection import flush_ordered
 from hearth.services.broker.permissions import reply_allowed
 from hearth.services.shard.compute import ShardCompute
 from hearth.services.shard.hops import HopLimits, ServedHop
 from hearth.services.shard.identity import ShardIdentity, open_refusal
+from hearth.services.transport.probe import ProbeOutcome, probe_outcome
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +62,7 @@ class ShardServer:
         self.identity = identity
         self.settings = settings.shard
         self.control_timeout_s = settings.transport.control_timeout_s
+        self.probe_timeout_s = settings.transport.probe_timeout_s
         # A host configured to seal refuses to be opened in clear on links that carry keys (security by default).
         self.requires_sealing = settings.transport.seal_activations
         self.hop_weight = hop_weight
@@ -87,6 +90,11 @@ class ShardServer:
 
     async def start(self) -> None:
         await self.stream_setup.ready(self.js, (SHARDS_STREAM,))
+        # Two processes under one shard id would share its subjects and read-model row: each would answer the other's
+        # hops' opens and steps. A crashed or frozen earlier run does not answer, and is replaced.
+        if await probe_outcome(self.nc, self.identity, self.probe_timeout_s) is ProbeOutcome.answered:
+            raise CommandRefused(f"shard {self.identity.shard_id} is already served by another process on this "
+                                 "node: stop it, or serve another range or scheme, or give another --node-id")
         self._control_sub = await self.nc.subscribe(self.identity.control_subject, cb=self._on_control)
         await flush_ordered(self.nc, self.control_timeout_s)
         await self.advertise()

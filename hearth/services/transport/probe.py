@@ -1,0 +1,37 @@
+"""Whether a shard answers on its control subject: the liveness probe behind the stall watch's verdicts, a restarted
+host's look at its node's earlier adverts, and a starting shard's check that no other process serves its id."""
+
+from __future__ import annotations
+
+import enum
+from typing import Protocol
+
+from nats.aio.client import Client as NatsClient
+from nats.errors import NoRespondersError
+
+from hearth.protocol.control import ShardStat, StatShard
+
+
+class ProbeOutcome(enum.Enum):
+    answered = "answered"
+    no_responder = "no_responder"  # nothing subscribes to its control subject: the host is gone
+    silent = "silent"  # no answer in time: frozen, overloaded, or the answer was lost
+
+
+class Controlled(Protocol):
+    """A shard as far as a probe needs it (a Hop, a read model's ShardCandidate, a shard's own identity)."""
+
+    @property
+    def control_subject(self) -> str: ...
+
+
+async def probe_outcome(nc: NatsClient, shard: Controlled, timeout_s: float) -> ProbeOutcome:
+    """How the shard reacts to `stat`: answers, has no responder (gone), or stays silent."""
+    try:
+        message = await nc.request(shard.control_subject, StatShard().model_dump_json().encode(), timeout=timeout_s)
+        ShardStat.model_validate_json(message.data)
+    except NoRespondersError:
+        return ProbeOutcome.no_responder
+    except Exception:  # a timeout, a closed connection, or an answer that is not a ShardStat
+        return ProbeOutcome.silent
+    return ProbeOutcome.answered
