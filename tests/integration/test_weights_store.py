@@ -339,3 +339,38 @@ async def test_a_manifest_switch_cut_off_while_storing_its_chunks_leaves_none_be
         await put_object_if_unchanged(js, key, b"{}" * 4096, await stored_meta(js, key), 1024)
     monkeypatch.undo()
     assert await chunk_subjects() == before  # no meta message names them: nothing could delete them later
+
+
+async def test_abandoned_objects_are_judged_by_the_servers_clock_not_their_publishers(js, published, monkeypatch):
+    """A publisher's clock behind never has its upload under way deleted by another publisher; one ahead never keeps
+    its junk: the age is the time the server stored each object at."""
+    import asyncio
+    from datetime import datetime, timedelta
+
+    import nats.js.object_store as object_store
+
+    import hearth.services.weights_publish as weights_publish
+
+    original, _ = published
+    store = await js.object_store(WEIGHTS_BUCKET)
+    under_way = object_key(NAME, LAYER_OBJECT_FORMAT.format(0), "a" * 16)
+    junk = object_key(NAME, LAYER_OBJECT_FORMAT.format(0), "b" * 16)
+
+    def stamped(skew: timedelta):
+        class SkewedClock(datetime):
+            @classmethod
+            def now(cls, tz=None):
+                return datetime.now(tz) + skew
+        return SkewedClock
+
+    monkeypatch.setattr(weights_publish, "ABANDONED_PUBLICATION_AGE_S", 1.0)
+    monkeypatch.setattr(object_store, "datetime", stamped(timedelta(days=3650)))
+    await store.put(junk, b"left by a publisher whose clock runs ahead")
+    await asyncio.sleep(1.5)  # older than the (shortened) abandoned age by the server's clock
+    monkeypatch.setattr(object_store, "datetime", stamped(timedelta(days=-2)))
+    await store.put(under_way, b"stored just now by a publisher whose clock runs behind")
+    monkeypatch.setattr(object_store, "datetime", datetime)
+
+    await publish_checkpoint(js, original, NAME)
+    left = {info.name for info in await store.list() if not info.deleted}
+    assert under_way in left and junk not in left
