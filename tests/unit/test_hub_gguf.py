@@ -287,3 +287,17 @@ def test_a_server_sending_on_past_the_asked_range_is_not_read_without_end(tmp_pa
     out = io.BytesIO()
     hub_gguf._fetch_range(hub, first, last, out, None)
     assert out.getvalue() == b"x" * (last - first + 1) and len(sent) == 2
+
+
+def test_a_gguf_part_of_a_range_left_behind_is_removed_once_no_process_holds_it(served):
+    from hearth.inference.cache_ranges import SELECTION_NAME, release_held_ranges, release_range
+
+    try:
+        left = resolve_model_path(REPO, needed_layers=(0, 1))
+        head = resolve_model_path(REPO, needed_layers="head")
+        release_range(left)  # a host that moved on to another range
+        resolve_model_path(REPO, needed_layers=(2, 3))
+        parts = {entry.name for entry in _parts_folder(FILE).iterdir() if SELECTION_NAME.match(entry.name)}
+        assert parts == {"layers-2-3", "head"} and head.is_file()
+    finally:
+        release_held_ranges()
