@@ -47,7 +47,7 @@ def hold_version(model_dir: Path, version: Path) -> Path:
     if version in _held:
         return version
     try:
-        with _model_lock(model_dir, wait_s=MODEL_LOCK_WAIT_S):
+        with folder_lock(model_dir, MODEL_LOCK, wait_s=MODEL_LOCK_WAIT_S):
             version.mkdir(parents=True, exist_ok=True)
             with contextlib.ExitStack() as on_error:
                 handle = on_error.enter_context(open(version / IN_USE_LOCK, "a"))
@@ -68,7 +68,7 @@ def remove_unused_versions(model_dir: Path, keep: set[Path]) -> list[str]:
     their names. Best effort: nothing when another process is cleaning the model, a folder it cannot lock is kept."""
     removed, aside = [], []
     try:
-        with _model_lock(model_dir, wait_s=0.0):
+        with folder_lock(model_dir, MODEL_LOCK, wait_s=0.0):
             for folder in sorted(model_dir.iterdir()):
                 if folder.name.startswith(".") and folder.name.endswith(REMOVED_SUFFIX) and folder.is_dir():
                     aside.append(folder)  # a removal cut short (or still under way: deleting it twice is harmless)
@@ -80,10 +80,16 @@ def remove_unused_versions(model_dir: Path, keep: set[Path]) -> list[str]:
                     removed.append(folder.name)
     except (CheckpointError, OSError) as error:  # busy, or a cache it cannot read: the next writer tries again
         logger.debug("not cleaning %s: %s", model_dir, error)
+    return deleted_aside(aside, removed, f"unused cached version(s) of {model_dir}")
+
+
+def deleted_aside(aside: list[Path], removed: list[str], what: str) -> list[str]:
+    """Delete the folders moved `aside` (outside any lock: no process sees them any more) and log the `removed`
+    names as `what`; those names."""
     for folder in aside:
         shutil.rmtree(folder, ignore_errors=True)
     if removed:
-        logger.info("removed %d unused cached version(s) of %s: %s", len(removed), model_dir, ", ".join(removed))
+        logger.info("removed %d %s: %s", len(removed), what, ", ".join(removed))
     return removed
 
 
@@ -120,9 +126,11 @@ def _moved_aside_if_unused(folder: Path) -> Path | None:
 
 
 @contextlib.contextmanager
-def _model_lock(model_dir: Path, *, wait_s: float) -> Iterator[None]:
-    model_dir.mkdir(parents=True, exist_ok=True)
-    with open(model_dir / MODEL_LOCK, "a") as handle:
+def folder_lock(folder: Path, lock_name: str, *, wait_s: float) -> Iterator[None]:
+    """The lock file `lock_name` of `folder` held exclusively for the block; CheckpointError when another process
+    keeps it past `wait_s`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / lock_name, "a") as handle:
         deadline = time.monotonic() + wait_s
         while True:
             try:
@@ -130,7 +138,7 @@ def _model_lock(model_dir: Path, *, wait_s: float) -> Iterator[None]:
                 break
             except BlockingIOError:
                 if time.monotonic() >= deadline:
-                    raise CheckpointError(f"{model_dir} stayed locked by another process for {wait_s:.0f} s") \
+                    raise CheckpointError(f"{folder} stayed locked by another process for {wait_s:.0f} s") \
                         from None
                 time.sleep(MODEL_LOCK_POLL_S)
         yield  # released when the file is closed

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .checkpoint_files import SAFETENSORS_INDEX_NAME, checked_weight_map
+from .cache_ranges import held_complete_folder, hold_range, remove_superseded_ranges
 from .cache_versions import hold_version, is_held, release_version, remove_unused_versions
 from .checksum import GGUF_DIGEST_NAME, PARTIAL_CHECKPOINT_MARKER, digest_of_files, file_sha256
 from .gguf_header import GGUF_SUFFIX
@@ -106,7 +107,7 @@ def fetch_hub_selection(model: str, needed: NeededTensors, *, revision: str | No
         commit_dir = hold_version(root, root / commit)  # before it is read: no cleaning process removes it then
         if (gguf := _cached_gguf(commit_dir, gguf_file, needed)) is not None:
             return gguf
-        cached = None if gguf_file else complete_partial_folder(commit_dir / selection_name(needed))
+        cached = None if gguf_file else held_complete_folder(commit_dir, commit_dir / selection_name(needed))
         if cached is not None:
             return cached
         if not held_before:  # nothing of it used: the download below may be of a newer commit
@@ -243,6 +244,8 @@ def _download_selection(repo_id: str, gguf_file: str | None, needed: NeededTenso
     if unlisted:
         raise CheckpointError(f"model {repo_id!r}: its index names {unlisted[0]}, which the repository lacks")
     others = [name for name in side_files if name != SAFETENSORS_INDEX_NAME]
+    target = root / commit / selection_name(needed)
+    hold_range(root / commit, target)  # before its files are fetched: a cleaning process keeps them
     fetched = {name: download(name) for name in sorted(others)}
     for name in sorted(wanted_weights):
         fetched[name] = download(name)
@@ -252,9 +255,13 @@ def _download_selection(repo_id: str, gguf_file: str | None, needed: NeededTenso
             raise CheckpointError(f"model {repo_id!r}: {name} does not match its listed SHA-256 "
                                   "(corrupted download or tampered mirror)")
     digest = digest_of_files(_listed_hashes(weights, fetched))
-    folder = assemble_partial_folder(root / commit / selection_name(needed), fetched, weight_map,
-                                     weights_sha256=digest, source=f"hub:{repo_id}@{commit}")
+    folder = assemble_partial_folder(target, fetched, weight_map, weights_sha256=digest,
+                                     source=f"hub:{repo_id}@{commit}")
     _write_ref(root, revision, commit)
+    # The commit's other ranges no process uses, and the weight files only they needed (cache_ranges.py).
+    remove_superseded_ranges(root / commit, [root / commit], root / commit / "files",
+                             lambda selected: set() if weight_map is None else files_holding(weight_map, selected),
+                             written=target.name)
     return folder
 
 
@@ -283,7 +290,11 @@ def _cached_gguf(commit_dir: Path, file: str | None, needed: NeededTensors) -> P
         file = default.read_text().strip()
     if (whole := _complete_gguf(commit_dir, file)) is not None:
         return whole
-    return None if needed is None else cached_gguf_part(commit_dir / HUB_GGUF_PARTS_FOLDER / file, file, needed)
+    if needed is None:
+        return None
+    parts = commit_dir / HUB_GGUF_PARTS_FOLDER / file
+    return cached_gguf_part(parts, file, needed) if held_complete_folder(parts, parts / selection_name(needed)) \
+        else None
 
 
 def _complete_gguf(commit_dir: Path, file: str) -> Path | None:
@@ -317,7 +328,10 @@ def _fetch_gguf(hub: HubGGUF, listing: dict, needed: NeededTensors) -> Path:
         return whole
     if needed is not None and hub.sha256:
         try:
-            return fetch_gguf_part(hub, needed)
+            hold_range(hub.folder, hub.folder / selection_name(needed))
+            part = fetch_gguf_part(hub, needed)
+            remove_superseded_ranges(hub.folder, [hub.folder], None, lambda _: set(), written=selection_name(needed))
+            return part
         except RangesUnsupported as unsupported:
             logger.warning("%s; downloading %s whole", unsupported, hub.file)
     return _download_gguf(hub, listing)

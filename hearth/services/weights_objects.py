@@ -18,6 +18,7 @@ import os
 import secrets
 import tempfile
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Protocol
 
@@ -128,11 +129,13 @@ async def _read_into(store, key: str, what: str, size: int, out) -> None:
 @dataclass(frozen=True)
 class StoredMeta:
     """Object `key`'s meta message in the weights bucket as last stored: its stream sequence (what
-    put_object_if_unchanged compares; 0: never stored) and the subject token of the chunks it names (None: none, or
-    the object is deleted)."""
+    put_object_if_unchanged compares; 0: never stored), the subject token of the chunks it names (None: none, or
+    the object is deleted) and when the server stored it (None: never), by the server's clock: unlike the info's
+    mtime, which its writer states, no publisher sets it."""
 
     sequence: int = 0
     chunks_nuid: str | None = None
+    stored_at: datetime | None = None
 
 
 async def stored_meta(js, key: str) -> StoredMeta:
@@ -144,7 +147,7 @@ async def stored_meta(js, key: str) -> StoredMeta:
     except NotFoundError:
         return StoredMeta()
     meta = json.loads(message.data)
-    return StoredMeta(message.seq, None if meta.get("deleted") else meta.get("nuid") or None)
+    return StoredMeta(message.seq, None if meta.get("deleted") else meta.get("nuid") or None, message.time)
 
 
 async def put_object_if_unchanged(js, key: str, data: bytes, seen: StoredMeta, chunk_bytes: int) -> bool:
@@ -157,7 +160,7 @@ async def put_object_if_unchanged(js, key: str, data: bytes, seen: StoredMeta, c
     meta message, so the server itself refuses a switch from a state the writer did not see."""
     import base64
     import hashlib
-    from datetime import datetime, timezone
+    from datetime import timezone
 
     from nats.js.api import Header, ObjectInfo, ObjectMetaOptions
     from nats.js.errors import APIError

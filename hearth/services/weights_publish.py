@@ -6,8 +6,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-import re
-import time
 from pathlib import Path
 
 from hearth.inference.partial_checkpoint import NON_WEIGHT_PATTERNS, layer_of
@@ -142,7 +140,7 @@ async def publish_checkpoint(js, folder: Path, name: str) -> WeightsManifest:
     if replaced is not None:
         await delete_objects(store, {object_key(name, stored.file, replaced.objects_version)
                                      for stored in replaced.objects} - kept)
-    await _delete_abandoned(store, name, kept)
+    await _delete_abandoned(js, store, name, kept)
     log.info("published %s: %d objects, weights %s", name, len(objects), digest[:12])
     return manifest
 
@@ -163,9 +161,13 @@ async def _switch_manifest(js, name: str, manifest: WeightsManifest) -> WeightsM
                             "times while this publication tried to switch it: publish again")
 
 
-async def _delete_abandoned(store, name: str, kept: set[str]) -> None:
+async def _delete_abandoned(js, store, name: str, kept: set[str]) -> None:
     """Delete the objects of `name` outside `kept` whose publication (their key's version) stored nothing for
-    ABANDONED_PUBLICATION_AGE_S: an interrupted publication's. A younger one may be another publisher's at work."""
+    ABANDONED_PUBLICATION_AGE_S: an interrupted publication's. A younger one may be another publisher's at work.
+
+    Ages are the server's: when it stored each object's info, against when it stored this publication's manifest
+    switch. The info's mtime is the writer's own clock: a publisher's clock running behind would have its upload
+    deleted by another publisher while still under way, one running ahead would keep its junk for as long."""
     from nats.js.errors import NotFoundError
 
     try:
@@ -173,24 +175,16 @@ async def _delete_abandoned(store, name: str, kept: set[str]) -> None:
                  if info.name.startswith(f"{name}/") and info.name not in kept and not info.deleted]
     except NotFoundError:  # an empty bucket
         return
-    publications: dict[str, list] = {}
+    now = (await stored_meta(js, object_key(name, MANIFEST_OBJECT))).stored_at
+    if now is None:  # no manifest stored (deleted meanwhile): nothing to measure ages against
+        return
+    publications: dict[str, list[str]] = {}
     for info in infos:  # NAME/VERSION/FILE, or NAME/FILE stored before publications had versions
-        publications.setdefault(info.name.rsplit("/", 1)[0], []).append(info)
-    now = time.time()
-    for infos_of_one in publications.values():
-        if all(_age_s(info.mtime, now) >= ABANDONED_PUBLICATION_AGE_S for info in infos_of_one):
-            await delete_objects(store, {info.name for info in infos_of_one})
-
-
-def _age_s(mtime: str | None, now: float) -> float:
-    """Seconds since `mtime` (an object's ISO 8601 time as its writer stated it); 0 when it is unreadable."""
-    from datetime import datetime
-
-    try:  # Go clients write nanoseconds, which fromisoformat refuses
-        stamp = re.sub(r"(\.\d{6})\d+", r"\1", (mtime or "").replace("Z", "+00:00"))
-        return now - datetime.fromisoformat(stamp).timestamp()
-    except ValueError:
-        return 0.0
+        publications.setdefault(info.name.rsplit("/", 1)[0], []).append(info.name)
+    for keys in publications.values():
+        stored = [(await stored_meta(js, key)).stored_at for key in keys]
+        if all(at is not None and (now - at).total_seconds() >= ABANDONED_PUBLICATION_AGE_S for at in stored):
+            await delete_objects(store, set(keys))
 
 
 def _chunked(key: str):

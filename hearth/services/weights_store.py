@@ -24,6 +24,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field, field_validator
 
+from hearth.inference.cache_ranges import hold_range, remove_superseded_ranges
 from hearth.inference.cache_versions import hold_version, remove_unused_versions
 from hearth.inference.checksum import PARTIAL_CHECKPOINT_MARKER
 from hearth.inference.gguf_header import GGUF_SUFFIX
@@ -238,7 +239,7 @@ async def fetch_stored_model(js, name: str, needed: NeededTensors, *, cache_dir:
     # Side files are no part of weights_sha256: they, and the folders linking them, are kept per manifest.
     published, gguf_name = root / manifest.digest()[:16], f"{name}{GGUF_SUFFIX}"
     target = published / selection_name(needed)
-    await asyncio.to_thread(_hold_publication, model_dir, root, published)
+    await asyncio.to_thread(_hold_publication, model_dir, root, published, target)
     if (done := complete_partial_folder(target)) is not None:
         return done / gguf_name if manifest.gguf else done
     wanted = manifest.needed_objects(needed)
@@ -259,20 +260,25 @@ async def fetch_stored_model(js, name: str, needed: NeededTensors, *, cache_dir:
         fetched = await asyncio.to_thread(assemble_partial_folder, target, files, manifest.weight_map,
                                           weights_sha256=manifest.weights_sha256,
                                           source=f"{STORE_MODEL_PREFIX}{name}")
-    # A complete folder of this publication is written: earlier publications' folders no process uses can go.
+    # A complete folder of this publication is written: earlier publications' folders no process uses can go, and
+    # so can this one's other ranges no process uses (hearth/inference/cache_ranges.py).
     await asyncio.to_thread(remove_unused_versions, model_dir, {root})
     await asyncio.to_thread(remove_unused_versions, root, {published, root / "objects"})
+    await asyncio.to_thread(remove_superseded_ranges, root, [published], root / "objects",
+                            lambda selected: {stored.file for stored in manifest.needed_objects(selected)
+                                              if stored.kind != "file"}, written=target.name)
     return fetched
 
 
-def _hold_publication(model_dir: Path, root: Path, published: Path) -> None:
+def _hold_publication(model_dir: Path, root: Path, published: Path, target: Path) -> None:
     """Hold the folders of this weights digest and this manifest in use while this process runs
-    (hearth/inference/cache_versions.py)."""
+    (hearth/inference/cache_versions.py), and the selection `target` until released (cache_ranges.py)."""
     from hearth.inference.errors import CheckpointError
 
     try:
         hold_version(model_dir, root)
         hold_version(root, published)
+        hold_range(root, target)
     except CheckpointError as error:
         raise WeightsStoreError(str(error)) from None
 

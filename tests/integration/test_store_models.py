@@ -76,7 +76,7 @@ async def test_a_shard_loads_only_its_range_from_the_store_under_the_store_name(
 async def test_the_catalog_fetches_the_head_and_serves_it_under_the_store_name(published, js, tmp_path):
     catalog = ModelCatalog(local_model=f"store:{NAME}")
     catalog.use_store(js)
-    assert catalog.local_model_id() == NAME  # no network: fetched when first needed
+    assert catalog.local_model_id() is None  # listed once fetched whole (it could answer no call before)
     assert catalog.path_of_id(NAME) is None
 
     loaded = await catalog.get_requested(NAME)
@@ -85,8 +85,9 @@ async def test_the_catalog_fetches_the_head_and_serves_it_under_the_store_name(p
     assert _cached_weight_objects(tmp_path) == {HEAD_OBJECT}
     assert catalog.path_of_id(NAME) == loaded.path
 
-    local = await catalog.local_model_for(loaded)
-    assert local is not None and local.info.model_id == NAME
+    assert await catalog.local_model_for(loaded) is None  # a call does not wait for the whole model's fetch ...
+    local = await catalog.local_model_for(loaded, wait_for_fetch=True)  # ... that it started (--preload waits)
+    assert local is not None and local.info.model_id == NAME and catalog.local_model_id() == NAME
     assert _cached_weight_objects(tmp_path) == {HEAD_OBJECT, *(LAYER_OBJECT_FORMAT.format(i) for i in range(6))}
     catalog.close()
 

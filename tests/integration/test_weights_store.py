@@ -339,3 +339,62 @@ async def test_a_manifest_switch_cut_off_while_storing_its_chunks_leaves_none_be
         await put_object_if_unchanged(js, key, b"{}" * 4096, await stored_meta(js, key), 1024)
     monkeypatch.undo()
     assert await chunk_subjects() == before  # no meta message names them: nothing could delete them later
+
+
+async def test_abandoned_objects_are_judged_by_the_servers_clock_not_their_publishers(js, published, monkeypatch):
+    """A publisher's clock behind never loses its upload under way to another publisher; one ahead keeps no junk."""
+    import asyncio
+    from datetime import datetime, timedelta
+
+    import nats.js.object_store as object_store
+    import hearth.services.weights_publish as weights_publish
+
+    original, store = published[0], await js.object_store(WEIGHTS_BUCKET)
+    under_way = object_key(NAME, LAYER_OBJECT_FORMAT.format(0), "a" * 16)
+    junk = object_key(NAME, LAYER_OBJECT_FORMAT.format(0), "b" * 16)
+
+    def stamped(skew: timedelta):
+        class SkewedClock(datetime):
+            @classmethod
+            def now(cls, tz=None):
+                return datetime.now(tz) + skew
+        return SkewedClock
+
+    monkeypatch.setattr(weights_publish, "ABANDONED_PUBLICATION_AGE_S", 1.0)
+    monkeypatch.setattr(object_store, "datetime", stamped(timedelta(days=3650)))
+    await store.put(junk, b"left by a publisher whose clock runs ahead")
+    await asyncio.sleep(1.5)  # older than the (shortened) abandoned age by the server's clock
+    monkeypatch.setattr(object_store, "datetime", stamped(timedelta(days=-2)))
+    await store.put(under_way, b"stored just now by a publisher whose clock runs behind")
+    monkeypatch.setattr(object_store, "datetime", datetime)
+
+    await publish_checkpoint(js, original, NAME)
+    left = {info.name for info in await store.list() if not info.deleted}
+    assert under_way in left and junk not in left
+
+
+async def test_a_range_left_behind_is_removed_with_the_objects_only_it_needed_unless_a_process_holds_it(
+        js, published, tmp_path):
+    import fcntl
+
+    from hearth.inference.cache_ranges import RANGES_FOLDER, release_held_ranges, release_range
+
+    _, manifest = published
+    root = tmp_path / "store" / NAME / manifest.weights_sha256[:16]
+    published_dir = root / manifest.digest()[:16]
+    layer_objects = lambda: {file.name for file in (root / "objects").glob("layer-*")}  # noqa: E731
+    try:
+        left = await fetch_stored_model(js, NAME, (0, 1), cache_dir=tmp_path)
+        release_range(left)  # a host that moved on to another range
+        await fetch_stored_model(js, NAME, (2, 3), cache_dir=tmp_path)
+        assert not (published_dir / "layers-0-1").exists()
+        assert layer_objects() == {LAYER_OBJECT_FORMAT.format(layer) for layer in (2, 3)}
+
+        release_held_ranges()  # the process serving 2-3 ended ...
+        with open(root / RANGES_FOLDER / "layers-2-3.in-use", "a") as other_process:
+            fcntl.flock(other_process, fcntl.LOCK_SH)  # ... but another one on the machine serves it
+            await fetch_stored_model(js, NAME, (4, 5), cache_dir=tmp_path)
+            assert (published_dir / "layers-2-3").is_dir()
+            assert layer_objects() == {LAYER_OBJECT_FORMAT.format(layer) for layer in (2, 3, 4, 5)}
+    finally:
+        release_held_ranges()

@@ -130,7 +130,7 @@ async def test_the_orchestrator_fetches_only_the_head_and_tokenizes_as_the_file(
         assert loaded.head.encode_prompt("the quick brown fox") == tokens
         assert torch.equal(loaded.head.embed(torch.tensor([tokens])), reference.embed(torch.tensor([tokens])))
 
-        local = await catalog.local_model_for(loaded)  # its local fallback: the whole model
+        local = await catalog.local_model_for(loaded, wait_for_fetch=True)  # its local fallback: the whole model
         assert local is not None and local.info.model_id == NAME
         assert _fetched(tmp_path) == {GGUF_HEADER_OBJECT, GGUF_HEAD_OBJECT,
                                       *(GGUF_LAYER_OBJECT_FORMAT.format(i) for i in range(TINY_NUM_LAYERS))}

@@ -261,3 +261,30 @@ def test_a_download_waits_for_a_twin_only_while_the_twin_makes_progress(served, 
     error = error_beside_a_stalled_twin(files / f".{victim}{hub_download.LOCK_SUFFIX}", lambda: resolve_model_path(
         REPO, cache_dir=tmp_path / "cache", needed_layers=(1, 1)), monkeypatch)
     assert isinstance(error, CheckpointError) and "without progress for 1 s" in str(error)
+
+
+def test_a_range_left_behind_is_removed_with_the_files_only_it_needed_unless_a_process_holds_it(served, tmp_path):
+    import fcntl
+
+    from hearth.inference.cache_ranges import RANGES_FOLDER, release_held_ranges, release_range
+
+    _, _, weight_map = served
+    commit_dir = tmp_path / "cache" / "hearth-partial" / REPO.replace("/", "--") / FAKE_COMMIT
+    weight_files = lambda: {file.name for file in (commit_dir / "files").glob("*.safetensors")}  # noqa: E731
+    try:
+        left = resolve_model_path(REPO, cache_dir=tmp_path / "cache", needed_layers=(0, 1))
+        release_range(left)  # a host that moved on to another range
+        resolve_model_path(REPO, cache_dir=tmp_path / "cache", needed_layers=(4, 5))
+        assert not (commit_dir / "layers-0-1").exists()
+        assert weight_files() == files_holding(weight_map, (4, 5)) != files_holding(weight_map, (0, 1))
+
+        release_held_ranges()  # the process serving 4-5 ended ...
+        with open(commit_dir / RANGES_FOLDER / "layers-4-5.in-use", "a") as other_process:
+            fcntl.flock(other_process, fcntl.LOCK_SH)  # ... but another one on the machine serves it
+            resolve_model_path(REPO, cache_dir=tmp_path / "cache", needed_layers=(2, 3))
+            assert (commit_dir / "layers-4-5").is_dir()
+            assert weight_files() == files_holding(weight_map, (4, 5)) | files_holding(weight_map, (2, 3))
+        again = resolve_model_path(REPO, cache_dir=tmp_path / "cache", needed_layers=(4, 5), local_files_only=True)
+        assert again == commit_dir / "layers-4-5"
+    finally:
+        release_held_ranges()

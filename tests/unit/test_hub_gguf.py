@@ -299,3 +299,17 @@ def test_a_span_waits_for_a_twin_only_while_the_twin_makes_progress(served, monk
                                         lambda: resolve_model_path(REPO, needed_layers=(1, 1)), monkeypatch)
     assert isinstance(error, CheckpointError) and "without progress for 1 s" in str(error)
     assert "\n" not in str(error)
+
+
+def test_a_gguf_part_of_a_range_left_behind_is_removed_once_no_process_holds_it(served):
+    from hearth.inference.cache_ranges import SELECTION_NAME, release_held_ranges, release_range
+
+    try:
+        left = resolve_model_path(REPO, needed_layers=(0, 1))
+        head = resolve_model_path(REPO, needed_layers="head")
+        release_range(left)  # a host that moved on to another range
+        resolve_model_path(REPO, needed_layers=(2, 3))
+        parts = {entry.name for entry in _parts_folder(FILE).iterdir() if SELECTION_NAME.match(entry.name)}
+        assert parts == {"layers-2-3", "head"} and head.is_file()
+    finally:
+        release_held_ranges()

@@ -26,6 +26,7 @@ from sqlalchemy.orm import sessionmaker
 
 from hearth.events.streams import SHARDS_STREAM
 from hearth.inference import InferenceError
+from hearth.inference.cache_ranges import release_range
 from hearth.inference.memory import MiB, megabytes
 from hearth.readmodels.catch_up import read_model_caught_up
 from hearth.readmodels.queries import ShardCandidate
@@ -277,6 +278,8 @@ async def _serve_until_moved(chosen: LayerRange, coverage: CoverageReader, nc: N
     finally:
         watcher.cancel()
         await asyncio.gather(watcher, return_exceptions=True)
+    if moved:  # served no more by this process: a process fetching another range may remove its folder
+        release_range(loaded.runner.info.path)
     if lost:
         raise lost[0]
     return moved[0] if moved and not stop_event.is_set() else None

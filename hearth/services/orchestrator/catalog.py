@@ -36,6 +36,7 @@ from hearth.inference.partial_checkpoint import NeededTensors
 from hearth.protocol.quantization_labels import accepts
 from hearth.services.common.config_processes import ShardSettings
 from hearth.services.common.hearth_files import data_dir
+from hearth.services.orchestrator.local_fetch import LocalModelFetch, fetch_unless_at_hand
 from hearth.services.weights_store import STORE_MODEL_PREFIX, WeightsStoreError, fetch_stored_model, store_model_name
 
 log = logging.getLogger(__name__)
@@ -113,6 +114,8 @@ class ModelCatalog:
         self._locks: dict[str, asyncio.Lock] = {}
         self._local: LocalModel | None = None
         self._local_lock = asyncio.Lock()
+        self._local_fetch = LocalModelFetch(local_model, lambda: self.folder(local_model, None)) \
+            if local_model and local_model.startswith(STORE_MODEL_PREFIX) else None
         # The local model's KV caches are bounded like a shard's on this machine ([shard] kv_cache_budget_mb and
         # eviction_idle_s).
         shard_settings = shard_settings or ShardSettings()
@@ -221,13 +224,19 @@ class ModelCatalog:
         """The id of the model this orchestrator may run whole (local fallback), as shards would advertise it."""
         if self.local_model_spec is None:
             return None
-        if (name := stored_name(self.local_model_spec)) is not None:
-            return name  # fetched when first needed (local_model_for)
-        try:
-            path = self.resolve(self.local_model_spec)
+        try:  # one that must be fetched is listed only once it has arrived (it can answer then)
+            path = self._local_fetch.folder if self._local_fetch else self.resolve(self.local_model_spec)
         except UnknownModel:
             return None
-        return self.advertised_id(self.local_model_spec, path) or default_model_id(path)
+        return None if path is None else self.advertised_id(self.local_model_spec, path) or default_model_id(path)
+
+    async def start_local_fetch(self) -> None:
+        """Start fetching the local model whole in the background when it must be fetched first (local_fetch.py)."""
+        spec = self.local_model_spec
+        if spec is not None and self._local_fetch is None and (HUB_ID_PATTERN.match(spec) or is_hub_gguf_id(spec)):
+            self._local_fetch = await fetch_unless_at_hand(spec, self.resolve, lambda: self.folder(spec, None))
+        if self._local_fetch is not None:
+            self._local_fetch.start()
 
     def catalog_path(self, name: str) -> Path | None:
         """The folder of a catalog name (see the module docstring), or None; never takes `name` as a path."""
@@ -339,9 +348,10 @@ class ModelCatalog:
         self._loaded[key] = LoadedModel(head.info.model_id, path, head, digest, length, bound)
         log.info("loaded head of %s (weights %s)", head.info.model_id, digest[:12])
 
-    async def local_model_for(self, loaded: LoadedModel, quantization: str | None = None) -> LocalModel | None:
-        """The whole model for local fallback, when this orchestrator was given the same checkpoint and holds it in
-        a scheme that `quantization` (a call's; None: any) accepts."""
+    async def local_model_for(self, loaded: LoadedModel, quantization: str | None = None, *,
+                              wait_for_fetch: bool = False) -> LocalModel | None:
+        """The whole model for local fallback (None while fetched, unless `wait_for_fetch`), when this orchestrator was
+        given the same checkpoint and holds it in a scheme that `quantization` (a call's; None: any) accepts."""
         if self.local_model_spec is None:
             return None
         own_scheme = parse_quantization(self._compute.get("quantization")).label
@@ -350,9 +360,12 @@ class ModelCatalog:
         async with self._local_lock:
             if self._local is None:
                 try:
-                    path = await self.folder(self.local_model_spec, None)
-                except UnknownModel as error:  # a stored model the store cannot give now: no local fallback
+                    path = await (self._local_fetch.folder_at_hand(wait=wait_for_fetch) if self._local_fetch
+                                  else self.folder(self.local_model_spec, None))
+                except UnknownModel as error:  # a model it cannot find now: no local fallback
                     log.warning("local model unavailable: %s", error)
+                    return None
+                if path is None:  # still being fetched, or its fetch failed (logged)
                     return None
                 self._local = await on_compute_thread(
                     load_full, path, model_id=self.advertised_id(self.local_model_spec, path), **self._compute,
@@ -376,10 +389,12 @@ class ModelCatalog:
         await self.get(model)
         if self.local_model_spec:
             try:
-                await self.local_model_for(self._loaded[model])
+                await self.local_model_for(self._loaded[model], wait_for_fetch=True)
             except InferenceError as error:
                 raise LocalModelUnusable(first_line(error)) from None
 
     def close(self) -> None:
+        if self._local_fetch is not None:
+            self._local_fetch.close()
         if self._local is not None:
             self._local.close()

@@ -50,7 +50,8 @@ def with_step_timeout(settings: HearthSettings, step_timeout_s: float | None) ->
 def check_local_model(options: OrchestratorOptions) -> None:
     """Refuse a --local-model that is not there or whose config does not read or names a family hearth does not
     serve, reading no weight: loaded only when first needed, it would otherwise be listed by llm.models and fail
-    then. A `store:NAME` model, or a hub id not in the local hub cache, is fetched when first needed instead."""
+    then. A `store:NAME` model, or a hub id not in the local hub cache, is fetched in the background from the start
+    instead, and listed once it has arrived (hearth/services/orchestrator/local_fetch.py)."""
     spec = options.local_model
     if spec is None:
         return
@@ -91,6 +92,7 @@ async def run_orchestrator(settings: HearthSettings, options: OrchestratorOption
         metrics_server = serve_process_metrics(options.metrics_port, f"orchestrator {options.node_id}",
                                                host=settings.metrics.host)
         await orchestrator.start()
+        await orchestrator.catalog.start_local_fetch()  # listed by llm.models once it has arrived
         for model in preload:
             try:
                 await orchestrator.catalog.preload(model)
