@@ -68,7 +68,7 @@ async def describe_models(router: ShardRouter, catalog: ModelCatalog) -> ModelsR
         if router.alive(shard, now):
             live[shard.model_id].append(shard)
     models = {model_id: served_model(model_id, shards) for model_id, shards in live.items()}
-    local_id = catalog.local_model_id()
+    local_id = await asyncio.to_thread(catalog.local_model_id)  # it may read config and headers from disk
     if local_id is not None:
         entry = models.get(local_id) or ServedModel(id=local_id, total_layers=0, complete=False)
         models[local_id] = entry.model_copy(update={"runnable_locally": True})
