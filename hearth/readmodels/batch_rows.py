@@ -21,6 +21,7 @@ from hearth.readmodels.tables import (
     KeptPrefixRecord,
     Pipeline,
     RejectedEvent,
+    RejectedEventCount,
     Shard,
     ShardHealth,
     ShardReputation,
@@ -34,6 +35,7 @@ SHARD_STATS: Table = ShardStats.__table__
 PIPELINES: Table = Pipeline.__table__
 FAILOVERS: Table = Failover.__table__
 REJECTED_EVENTS: Table = RejectedEvent.__table__
+REJECTED_EVENT_COUNTS: Table = RejectedEventCount.__table__
 EVENT_COUNTS: Table = EventCount.__table__
 SHARD_TOKENS_DAILY: Table = ShardTokensDaily.__table__
 SHARD_REPUTATION: Table = ShardReputation.__table__
@@ -76,8 +78,8 @@ class TableSql:
 
 TABLE_SQL = {
     table.name: TableSql(table)
-    for table in (SHARDS, SHARD_HEALTH, SHARD_STATS, PIPELINES, FAILOVERS, REJECTED_EVENTS, EVENT_COUNTS,
-                  SHARD_TOKENS_DAILY, SHARD_REPUTATION, INTEGRITY_EVIDENCE, KEPT_PREFIXES)
+    for table in (SHARDS, SHARD_HEALTH, SHARD_STATS, PIPELINES, FAILOVERS, REJECTED_EVENTS, REJECTED_EVENT_COUNTS,
+                  EVENT_COUNTS, SHARD_TOKENS_DAILY, SHARD_REPUTATION, INTEGRITY_EVIDENCE, KEPT_PREFIXES)
 }
 
 

@@ -52,7 +52,6 @@ from hearth.readmodels.batch_rows import (
     EVENT_COUNTS,
     FAILOVERS,
     PIPELINES,
-    REJECTED_EVENTS,
     SHARD_HEALTH,
     SHARD_STATS,
     SHARD_TOKENS_DAILY,
@@ -66,7 +65,9 @@ from hearth.readmodels.kept_prefixes import prune_expired_kept_prefixes, record_
 from hearth.readmodels.pipeline_hops import hops_after_failover
 from hearth.readmodels.pipeline_minutes import refresh_minutes
 from hearth.readmodels.positions import PROJECTION_NAME, load_positions, save_position
+from hearth.readmodels.rejections import record_rejection
 from hearth.readmodels.reputation import ReputationEvent, apply_reputation_event
+from hearth.readmodels.retention import RetentionPolicy
 
 if TYPE_CHECKING:
     from hearth.events.consume import SkippedMessage, StoredEvent
@@ -103,17 +104,21 @@ def _older_than_what_is_known(row: Row | None, event: EventEnvelope, *time_colum
 
 def _new_stats(shard_id: str) -> Callable[[], Row]:
     return lambda: dict(
-        shard_id=shard_id, tokens_served=0, pipelines_joined=0, failovers_caused=0, corruption_detections=0
+        shard_id=shard_id, tokens_served=0, pipelines_joined=0, failovers_caused=0, corruption_detections=0,
+        last_counted_at=None,
     )
 
 
 class ReadModelProjection:
     """Event handlers for the read-model tables plus the position bookkeeping that makes them exactly once."""
 
-    def __init__(self, name: str = PROJECTION_NAME, *, verifier: EventVerifier | None = None) -> None:
+    def __init__(self, name: str = PROJECTION_NAME, *, verifier: EventVerifier | None = None,
+                 retention: RetentionPolicy | None = None) -> None:
         self.name = name
         # None (an open mesh, no roster): every decodable event is applied, as before events were signed.
         self.verifier = verifier
+        # Rejected events kept as rows per minute, stream and reason (None, no policy: every one).
+        self.rejected_samples_per_minute = None if retention is None else retention.rejected_samples_per_minute
 
     # ---- applying messages -------------------------------------------------------------------------------
 
@@ -148,7 +153,8 @@ class ReadModelProjection:
                         self.name, message.stream, message.seq, message.subject, message.error,
                     )
                 elif (reason := reject_as or self._rejection(message)) is not None:
-                    self._reject(message, reason, rows)
+                    record_rejection(message, reason, rows, projection=self.name,
+                                     samples_per_minute=self.rejected_samples_per_minute)
                     if rejections is not None:
                         rejections.append(Rejection(message.stream, message.seq, event.type, reason))
                 else:
@@ -172,22 +178,6 @@ class ReadModelProjection:
         # rejects exactly what the live projection rejected.
         return self.verifier.rejection(message.event, received_at=message.time,
                                        stored_data=getattr(message, "data", b""))
-
-    def _reject(self, message: StoredEvent, reason: RejectionReason, rows: BatchRows) -> None:
-        event = message.event
-        log.warning("%s: rejected %s #%d %s %s from node %s (signer %s): %s", self.name, message.stream,
-                    message.seq, event.type, event.event_id, event.node_id, event.signer or "none", reason)
-        rows.put(REJECTED_EVENTS, (message.stream, message.seq), dict(
-            stream=message.stream,
-            stream_seq=message.seq,
-            event_id=event.event_id,
-            type=event.type,
-            node_id=event.node_id,
-            signer=event.signer,
-            reason=reason,
-            occurred_at=epoch_s(event.occurred_at),
-            rejected_at=epoch_s(message.time),
-        ))
 
     # ---- one handler per event type ---------------------------------------------------------------------
 
@@ -271,7 +261,7 @@ class ReadModelProjection:
             hops=json.dumps(list(event.hops)),
         )
         _set_live_status(pipeline)
-        self._count(rows, newly_joined, "pipelines_joined")
+        self._count(rows, newly_joined, "pipelines_joined", event)
 
     @handle.register
     def _pipeline_first_token(self, event: PipelineFirstToken, rows: BatchRows) -> None:
@@ -303,9 +293,9 @@ class ReadModelProjection:
         pipeline["hops"] = json.dumps(new_hops)
         _set_live_status(pipeline)
         newly_joined = [s for s in dict.fromkeys(event.replacement_hops) if s not in current_hops]
-        self._count(rows, newly_joined, "pipelines_joined")
+        self._count(rows, newly_joined, "pipelines_joined", event)
         if event.reason != UNVERIFIED_REPORT:  # a hop's unverified word about another blames nobody
-            self._count(rows, [event.failed_shard_id], "failovers_caused")
+            self._count(rows, [event.failed_shard_id], "failovers_caused", event)
 
     @handle.register
     def _pipeline_fallback_local(self, event: PipelineFallbackLocal, rows: BatchRows) -> None:
@@ -344,7 +334,7 @@ class ReadModelProjection:
 
     @handle.register
     def _corruption_detected(self, event: IntegrityCorruptionDetected, rows: BatchRows) -> None:
-        self._count(rows, [event.shard_id], "corruption_detections")
+        self._count(rows, [event.shard_id], "corruption_detections", event)
 
     @handle.register
     def _verification_outcome(self, event: ReputationEvent, rows: BatchRows) -> None:
@@ -373,9 +363,12 @@ class ReadModelProjection:
         return pipeline
 
     @staticmethod
-    def _count(rows: BatchRows, shard_ids: Iterable[str], column: str) -> None:
+    def _count(rows: BatchRows, shard_ids: Iterable[str], column: str, event: EventEnvelope) -> None:
+        counted_at = epoch_s(event.occurred_at)
         for shard_id in shard_ids:
-            rows.edit(SHARD_STATS, shard_id, _new_stats(shard_id))[column] += 1
+            stats = rows.edit(SHARD_STATS, shard_id, _new_stats(shard_id))
+            stats[column] += 1
+            stats["last_counted_at"] = max(stats["last_counted_at"] or counted_at, counted_at)
 
 
 def _count_event(event: EventEnvelope, rows: BatchRows) -> None:

@@ -48,12 +48,14 @@ class ShardCandidate:
 
 
 def shards_of_model(session: Session, model_id: str) -> list[ShardCandidate]:
-    """Every shard ever advertised for `model_id` (withdrawn and expired ones included), with its health."""
+    """Every shard advertised for `model_id` (withdrawn and expired ones included, until the retention prunes
+    them: readmodels.retention), with its health."""
     return _shards(session, Shard.model_id == model_id)
 
 
 def all_shards(session: Session) -> list[ShardCandidate]:
-    """Every shard ever advertised, of every model (withdrawn and expired ones included), with its health."""
+    """Every shard advertised, of every model (withdrawn and expired ones included, until the retention prunes
+    them), with its health."""
     return _shards(session, None)
 
 

@@ -1,7 +1,8 @@
 """Rebuilds a read-model database from the whole event log and diffs two read-model databases row by row.
 
 `rebuild_database` is the proof that the read model is only a cache of the log: a fresh file, migrated by
-Alembic, fed every stored message of both streams through the same projection the live projector uses.
+Alembic, fed every stored message of both streams through the same projection the live projector uses, then
+pruned by the same retention policy (readmodels.retention), so it holds what a live projector's pruning leaves.
 `diff_databases(new, live)` then lists every row that differs, is missing from live or is extra in live,
 per table. `projection_positions` is left out by default: it records how far each file has read, not
 what the log says, and a live database that kept running after the rebuild is legitimately ahead;
@@ -27,6 +28,7 @@ from hearth.events.streams import ALL_STREAMS
 from hearth.readmodels.db import open_engine, upgrade_database
 from hearth.readmodels.positions import record_stream_identity
 from hearth.readmodels.projection import PROJECTION_NAME, ReadModelProjection
+from hearth.readmodels.retention import RetentionPolicy, prune_all
 from hearth.readmodels.stream_identity import stream_state
 from hearth.readmodels.tables import Base, ProjectionPosition
 from hearth.readmodels.unapplicable import apply_rejecting_the_unapplicable
@@ -46,16 +48,17 @@ async def rebuild_database(
     projection_name: str = PROJECTION_NAME,
     batch_events: int = rebuild_batch_events,
     verifier: EventVerifier | None = None,
+    retention: RetentionPolicy | None = None,
 ) -> int:
     """Create a fresh read model at `db_path` from every message the streams hold now; returns how many
     messages were applied. Refuses an existing file unless `overwrite` (which deletes it first). Give the
-    `verifier` the live projector uses, or the events it rejected are applied here."""
+    `verifier` and the `retention` the live projector uses, or the rows differ from its."""
     path = Path(db_path)
     _prepare_fresh_path(path, overwrite=overwrite)
     await asyncio.to_thread(upgrade_database, path)
     engine = open_engine(path)
     session_factory = sessionmaker(engine)
-    projection = ReadModelProjection(projection_name, verifier=verifier)
+    projection = ReadModelProjection(projection_name, verifier=verifier, retention=retention)
 
     def apply_transaction(batch: Sequence[StoredEvent | SkippedMessage], reject_as: RejectionReason | None
                           ) -> list[int]:
@@ -91,6 +94,8 @@ async def rebuild_database(
                 applied += await asyncio.to_thread(apply, batch)
             if created is not None:
                 await asyncio.to_thread(record, stream, created)
+        if retention is not None:
+            await asyncio.to_thread(prune_all, session_factory, retention, projection.name)
     finally:
         if pending is not None:
             await asyncio.gather(pending, return_exceptions=True)

@@ -13,7 +13,8 @@ the last sequence it handed over; an applier whose transaction fails reloads the
 restarts the followers from there, so nothing is lost or applied twice. A batch that fails on a message's content
 is applied message by message instead, and the one no handler can apply is recorded as rejected
 (readmodels.unapplicable). A stream deleted and created again is told by its creation time and reported
-(readmodels.stream_identity, `replaced_streams`), for a rebuild.
+(readmodels.stream_identity, `replaced_streams`), for a rebuild. With a retention policy, a third task prunes
+history every `prune_interval_s` (readmodels.retention), in short transactions taken in turn with the applier's.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from hearth.events.streams import ALL_STREAMS, StreamSetup, stream_info_timeout_
 from hearth.readmodels.db import open_engine, upgrade_database
 from hearth.readmodels.positions import load_stream_identities, record_stream_identity
 from hearth.readmodels.projection import PROJECTION_NAME, ReadModelProjection, Rejection, load_positions
+from hearth.readmodels.retention import RetentionPolicy, keep_pruning
 from hearth.readmodels.stream_identity import StreamState, replaced, stream_state
 from hearth.readmodels.unapplicable import apply_rejecting_the_unapplicable
 
@@ -62,6 +64,7 @@ class Projector:
     `session_factory` (after start) reads the same database, e.g. for ShardRouter. With a `verifier` (a
     community's roster) only events that pass it are applied; the others become rejected_events rows.
     `stream_setup` says whether it creates the streams it follows (an open broker) or waits for the steward's.
+    With a `retention` policy history is pruned as it ages and rejected events are kept as samples; without, kept.
     """
 
     def __init__(
@@ -74,10 +77,12 @@ class Projector:
         stream_setup: StreamSetup = StreamSetup(),
         batch_max_events: int = batch_max_events,
         verifier: EventVerifier | None = None,
+        retention: RetentionPolicy | None = None,
     ) -> None:
         self.db_path = Path(db_path)
         self._js = js
-        self.projection = projection or ReadModelProjection(PROJECTION_NAME, verifier=verifier)
+        self.projection = projection or ReadModelProjection(PROJECTION_NAME, verifier=verifier, retention=retention)
+        self.retention = retention
         self.streams: tuple[str, ...] = tuple(streams)
         self._stream_setup = stream_setup
         self._batch_max_events = batch_max_events
@@ -92,6 +97,9 @@ class Projector:
         self.applied_by_type: dict[str, int] = {}  # events applied (not rejected), by event type
         self.batches_total = 0
         self.apply_failures_total = 0
+        self.pruned_total = 0  # history rows deleted by the retention policy
+        # The applier and the pruner write in turn: one SQLite writer at a time, neither waiting on the other's lock.
+        self._write_turn = asyncio.Lock()
         self._handed_over: dict[str, int] = {}
         # The creation time of the stream each position was taken in (readmodels.stream_identity).
         self._stream_created: dict[str, str | None] = {stream: None for stream in self.streams}
@@ -134,6 +142,10 @@ class Projector:
             asyncio.create_task(self._apply_loop(), name="projector-apply"),
             asyncio.create_task(self._lag_loop(), name="projector-lag"),
         ]
+        if self.retention is not None:
+            pruning = keep_pruning(self.session_factory, self.retention, self.projection.name, self._write_turn,
+                                   self._count_pruned)
+            self._tasks.append(asyncio.create_task(pruning, name="projector-prune"))
         log.info("projector %s on %s started at %s", self.projection.name, self.db_path, self.positions)
         return self
 
@@ -242,7 +254,8 @@ class Projector:
         while True:
             batch = await self._next_batch()
             try:
-                await self._apply_in_thread(batch)
+                async with self._write_turn:
+                    await self._apply_in_thread(batch)
                 retry_s = apply_retry_initial_s
             except asyncio.CancelledError:
                 raise
@@ -332,6 +345,9 @@ class Projector:
             await self._load_positions()
             for each in self.streams:
                 self._start_follower(each)
+
+    def _count_pruned(self, rows: int) -> None:
+        self.pruned_total += rows
 
     async def _lag_loop(self) -> None:
         while True:

@@ -128,6 +128,8 @@ class Failover(Base):
     resumed_at_token: Mapped[int] = mapped_column(Integer, nullable=False)
     occurred_at: Mapped[int] = mapped_column(Integer, nullable=False, comment="epoch s")
 
+    __table_args__ = (Index(None, "occurred_at"),)
+
 
 class ShardStats(Base):
     """Per-shard reputation counters.
@@ -145,6 +147,8 @@ class ShardStats(Base):
     pipelines_joined: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
     failovers_caused: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
     corruption_detections: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
+    last_counted_at: Mapped[int | None] = mapped_column(
+        Integer, comment="epoch s of the latest pipelines-stream event counted on it (NULL: none yet)")
 
 
 class ProjectionPosition(Base):
@@ -165,7 +169,8 @@ class ProjectionPosition(Base):
 
 class RejectedEvent(Base):
     """An event a projection did not apply: unsigned, signed by a non-member, by a role that may not emit its
-    type, for another node, or dated in the future (hearth/events/signing.py). Its position still advanced."""
+    type, for another node, or dated in the future (hearth/events/signing.py). Its position still advanced.
+    A sample: the first few of each reason in each minute of each stream (rejected_event_counts counts them all)."""
 
     __tablename__ = "rejected_events"
 
@@ -186,7 +191,19 @@ class RejectedEvent(Base):
         comment="epoch s the stream stored it (from the log, not the clock, so a rebuild gives the same row)",
     )
 
-    __table_args__ = (Index(None, "reason"),)
+    __table_args__ = (Index(None, "reason"), Index(None, "stream", "rejected_at"))
+
+
+class RejectedEventCount(Base):
+    """How many events of one stream a projection rejected for one reason per minute of `rejected_at` (when the
+    stream stored them): exact however many come, where rejected_events keeps only samples."""
+
+    __tablename__ = "rejected_event_counts"
+
+    minute: Mapped[int] = mapped_column(Integer, primary_key=True, comment="epoch s, a multiple of 60")
+    stream: Mapped[str] = mapped_column(String, primary_key=True)
+    reason: Mapped[str] = mapped_column(String, primary_key=True)
+    events: Mapped[int] = mapped_column(Integer, nullable=False)
 
 
 class EventCount(Base):

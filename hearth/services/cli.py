@@ -149,7 +149,8 @@ def projector_command(
     metrics_interface = settings(ctx).metrics.host
     run_until_stopped(lambda stop_event: run_projector(db, url, metrics_port, stop_event=stop_event,
                                                        metrics_host=metrics_interface, nats_settings=nats_settings,
-                                                       verifier=verifier, ready_file=ready_file))
+                                                       verifier=verifier, ready_file=ready_file,
+                                                       readmodel_settings=settings(ctx).readmodels))
 
 
 

@@ -138,6 +138,7 @@ UNIT_SUFFIXES = (
     ("_bytes", "bytes"),
     ("_ms", "milliseconds"),
     ("_mb", "MiB"),
+    ("_days", "days"),
     ("_s", "seconds"),
 )
 # Defaults computed from the environment when the settings are built: what they fall back to, and the variable.

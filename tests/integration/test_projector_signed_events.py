@@ -76,7 +76,7 @@ async def test_signed_events_are_applied_and_a_forged_one_is_kept_aside(nats_url
         assert diff_databases(with_verifier, live) == []
         # Without the roster the forged shard is applied (and counted among the events applied per minute): a
         # rebuild must use the live projectors' verifier.
-        assert {d.table for d in diff_databases(without_verifier, live)} == {"shards", "rejected_events",
-                                                                              "event_counts"}
+        assert {d.table for d in diff_databases(without_verifier, live)} == {
+            "shards", "rejected_events", "rejected_event_counts", "event_counts"}
     finally:
         await nc.close()

@@ -28,7 +28,7 @@ from pydantic_settings import (
 )
 
 from hearth.events.models import max_event_hops
-from hearth.events.streams import MiB
+from hearth.events.streams import MiB, pipelines_max_age_s, seconds_per_day, shards_max_age_s
 from hearth.services.common.config_aliases import KeysMovedSource, move_aliased_keys
 from hearth.services.common.config_processes import (
     OrchestratorSettings,
@@ -239,6 +239,35 @@ class EventsSettings(ConfigSection):
                     "(future_dated), so no timestamp can pin routing")
 
 
+class ReadModelSettings(ConfigSection):
+    """[readmodels]: how long every read model (the projector's, an orchestrator's, a host's) keeps history, by the
+    log's clock (docs/design.md §4, "Retention"); rows that are state are kept whatever their age."""
+
+    shards_retention_days: float = Field(
+        default=shards_max_age_s / seconds_per_day, gt=0,
+        description="history of the shards stream (shards withdrawn or expired, their heartbeats, rejected "
+                    "events, events per minute) is pruned this long after it; the stream's own max age, so a "
+                    "rebuild from the log gives the same rows")
+    pipelines_retention_days: float = Field(
+        default=pipelines_max_age_s / seconds_per_day, gt=0,
+        description="history of the pipelines stream (calls, failovers, per-minute rollups, integrity evidence of "
+                    "no quarantine in force, rejected events) is pruned this long after it; the stream's own max age")
+    daily_totals_retention_days: float = Field(
+        default=400.0, gt=0,
+        description="tokens through each host per day (shard_tokens_daily) are kept this long: one row per shard "
+                    "per day, a year's accounting and more, which the log no longer holds past the pipelines' "
+                    "retention")
+    rejected_samples_per_minute: int = Field(
+        default=5, ge=0,
+        description="rejected events kept as rows (rejected_events) per minute, stream and reason; every one is "
+                    "still counted (rejected_event_counts), so a flood of junk adds a bounded number of rows")
+    prune_interval_s: float = Field(
+        default=60.0, gt=0, description="how often a projector prunes what aged past the retention")
+    prune_batch_rows: int = Field(
+        default=500, ge=1,
+        description="rows deleted per transaction while pruning: the projector's batches go on between two")
+
+
 class HearthSettings(BaseSettings):
     """Everything configurable in hearth; obtain it with `load_settings()`."""
 
@@ -260,6 +289,7 @@ class HearthSettings(BaseSettings):
     client: ClientSettings = ClientSettings()
     gateway: GatewaySettings = GatewaySettings()
     events: EventsSettings = EventsSettings()
+    readmodels: ReadModelSettings = ReadModelSettings()
     metrics: MetricsSettings = MetricsSettings()
 
     @model_validator(mode="before")

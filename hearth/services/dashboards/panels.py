@@ -258,9 +258,10 @@ WHERE {in_range('minute')} ORDER BY minute, type""",
         ),
         SqlPanel(
             "Rejected events per minute by reason", "timeseries",
-            f"""SELECT $__unixEpochGroupSeconds(rejected_at, 60) AS time, reason, COUNT(*) AS rejected
-FROM rejected_events WHERE {in_range('rejected_at')} GROUP BY 1, 2 ORDER BY 1, 2""",
-            ("time", "reason", "rejected"), "Events the projector refused (unsigned, unknown signer, ...).",
+            f"""SELECT $__unixEpochGroupSeconds(minute, 60) AS time, reason, SUM(events) AS rejected
+FROM rejected_event_counts WHERE {in_range('minute')} GROUP BY 1, 2 ORDER BY 1, 2""",
+            ("time", "reason", "rejected"), "Events the projector refused (unsigned, unknown signer, ...), every one "
+            "counted (rejected_event_counts).",
             bars=True,
         ),
         SqlPanel(
@@ -269,6 +270,8 @@ FROM rejected_events WHERE {in_range('rejected_at')} GROUP BY 1, 2 ORDER BY 1, 2
        stream, stream_seq
 FROM rejected_events WHERE {in_range('rejected_at')} ORDER BY rejected_at DESC, stream_seq DESC LIMIT 50""",
             ("time", "reason", "type", "claimed_node"),
+            "A sample: the first [readmodels] rejected_samples_per_minute of each reason in each minute of each "
+            "stream (rejected_events); `hearth-replay verify` lists every one the log holds.",
         ),
         SqlPanel(
             "Projection positions", "table",

@@ -30,6 +30,7 @@ from hearth.inference.cache_ranges import release_range
 from hearth.inference.memory import MiB, megabytes
 from hearth.readmodels.catch_up import read_model_caught_up
 from hearth.readmodels.queries import ShardCandidate
+from hearth.readmodels.retention import retention_policy
 from hearth.readmodels.runner import Projector
 from hearth.services.common.config import HearthSettings
 from hearth.services.common.config_processes import serve_shards_refused
@@ -203,6 +204,7 @@ async def run_host(*, model: str, memory_budget_mb: float | None, nats_url: str 
     metrics_server = None
     with tempfile.TemporaryDirectory(prefix="hearth-host-") as folder:
         projector = Projector(Path(folder) / "coverage.sqlite", nc.jetstream(), streams=(SHARDS_STREAM,),
+                              retention=retention_policy(settings.readmodels),
                               verifier=event_verifier(settings), stream_setup=stream_setup(settings.nats))
         try:
             # Served once for the host's life: its figures carry on across a move (the range is a label).

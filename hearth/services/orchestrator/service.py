@@ -24,6 +24,7 @@ from sqlalchemy.orm import sessionmaker
 from hearth.events.outbox import EventOutbox
 from hearth.inference.compute_thread import StepThreads
 from hearth.readmodels.catch_up import read_model_caught_up
+from hearth.readmodels.retention import retention_policy
 from hearth.readmodels.runner import Projector
 from hearth.services.common.call_signing import CallRefused
 from hearth.protocol.chat import (
@@ -100,6 +101,7 @@ class Orchestrator:
         # Routing reads only events the community's roster vouches for (none rejected on an open mesh), and
         # this orchestrator's own events go out signed by its member key.
         self.projector = Projector(db_path, self.js, verifier=event_verifier(settings),
+                                   retention=retention_policy(settings.readmodels),
                                    stream_setup=stream_setup(settings.nats))
         self.outbox = EventOutbox(self.js, max_queued=settings.orchestrator.event_queue_max,
                                   retry_wait_s=settings.orchestrator.event_retry_wait_s,

@@ -9,8 +9,9 @@ from pathlib import Path
 from prometheus_client import REGISTRY, CollectorRegistry
 
 from hearth.events.signing import EventVerifier
+from hearth.readmodels.retention import retention_policy
 from hearth.readmodels.runner import Projector
-from hearth.services.common.config import NatsSettings
+from hearth.services.common.config import NatsSettings, ReadModelSettings
 from hearth.services.common.config_sections import MetricsSettings
 from hearth.services.common.event_trust import stream_setup
 from hearth.services.common.lifecycle import Stopped, unless_stopped
@@ -38,11 +39,13 @@ async def run_projector(
     nats_settings: NatsSettings | None = None,
     verifier: EventVerifier | None = None,
     ready_file: str | Path | None = None,
+    readmodel_settings: ReadModelSettings | None = None,
 ) -> None:
     """Run until `stop_event` is set (or forever): migrate `db_path`, follow both streams, serve /metrics.
     With a `verifier` (the community's roster) only events that pass it are applied; the others are kept in
     rejected_events and counted in `hearth_events_rejected_total`. `ready_file` is written once the database
-    is migrated and both streams are followed (what `hearth demo` waits for before its first call).
+    is migrated and both streams are followed (what `hearth demo` waits for before its first call). History is
+    pruned as `readmodel_settings` say ([readmodels]; its defaults when None).
 
     A broker that is down at start is waited for as `nats_settings` say (connect_timeout_s, then
     BrokerUnreachable; or wait_for_broker); once connected, broker restarts are survived by the
@@ -55,7 +58,9 @@ async def run_projector(
                                   stop_event)
     except Stopped:
         return
-    projector = Projector(db_path, nc.jetstream(), verifier=verifier, stream_setup=stream_setup(settings))
+    retention = retention_policy(readmodel_settings or ReadModelSettings())
+    projector = Projector(db_path, nc.jetstream(), verifier=verifier, stream_setup=stream_setup(settings),
+                          retention=retention)
     collector = ProjectorCollector(projector)
     metrics_server = None
     try:
@@ -95,4 +100,5 @@ def main(db: Path, nats_url: str | None = None, metrics_port: int = 0) -> None:
     settings = load_settings()
     verifier = event_verifier(settings)
     run_until_stopped(lambda stop_event: run_projector(db, nats_url, metrics_port, stop_event=stop_event,
-                                                       nats_settings=settings.nats, verifier=verifier))
+                                                       nats_settings=settings.nats, verifier=verifier,
+                                                       readmodel_settings=settings.readmodels))

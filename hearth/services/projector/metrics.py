@@ -76,4 +76,11 @@ class ProjectorCollector(Collector):
             labels=["projection"],
         )
         failures.add_metric([name], projector.apply_failures_total)
-        yield from (applied, by_type, skipped, position, last_seq, lag, lag_seconds, replaced, batches, failures)
+        pruned = CounterMetricFamily(
+            "hearth_projector_pruned_rows",
+            "History rows deleted as they aged past the [readmodels] retention.",
+            labels=["projection"],
+        )
+        pruned.add_metric([name], projector.pruned_total)
+        yield from (applied, by_type, skipped, position, last_seq, lag, lag_seconds, replaced, batches, failures,
+                    pruned)

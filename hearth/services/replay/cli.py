@@ -323,21 +323,25 @@ def rebuild_command(
 
     # The live projectors' check (when the community's roster is at hand), so the rebuilt rows match theirs.
     verifier = event_verifier(settings(ctx))
-    raise typer.Exit(_run(_rebuild(resolve_nats_url(ctx, nats_url), db, diff, force, verifier)))
+    readmodels = settings(ctx).readmodels  # and the live projectors' retention
+    raise typer.Exit(_run(_rebuild(resolve_nats_url(ctx, nats_url), db, diff, force, verifier, readmodels)))
 
 
-async def _rebuild(url: str, db: Path, diff: Path | None, force: bool, verifier=None) -> int:
+async def _rebuild(url: str, db: Path, diff: Path | None, force: bool, verifier=None, readmodels=None) -> int:
     import asyncio
 
     from hearth.events.streams import ALL_STREAMS
     from hearth.readmodels.rebuild import diff_databases, rebuild_database
+    from hearth.readmodels.retention import retention_policy
     from hearth.services.replay.query import existing_streams
 
     async with _jetstream(url) as js:
         present, missing = await existing_streams(js, ALL_STREAMS)
         for name in missing:
             typer.echo(f"hearth-replay: stream {name} does not exist yet; nothing to read from it", err=True)
-        applied = await rebuild_database(js, db, overwrite=force, streams=present, verifier=verifier)
+        retention = None if readmodels is None else retention_policy(readmodels)
+        applied = await rebuild_database(js, db, overwrite=force, streams=present, verifier=verifier,
+                                         retention=retention)
     typer.echo(f"rebuilt {db} from {applied} messages")
     if diff is None:
         return 0

@@ -1,0 +1,45 @@
+"""Records an event a projection did not apply: counted in rejected_event_counts per minute, stream and reason, and
+kept as a rejected_events row while that count is within the sample limit, so a flood of junk grows neither table
+past a fixed number of rows per minute (docs/design.md §4, "Retention")."""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import TYPE_CHECKING
+
+from hearth.events.signing import RejectionReason
+from hearth.readmodels.batch_rows import REJECTED_EVENT_COUNTS, REJECTED_EVENTS, BatchRows, saturating_add
+
+if TYPE_CHECKING:
+    from hearth.events.consume import StoredEvent
+
+log = logging.getLogger(__name__)
+
+
+def record_rejection(message: StoredEvent, reason: RejectionReason, rows: BatchRows, *, projection: str,
+                     samples_per_minute: int | None) -> None:
+    """Count the rejected message and keep it as a sample unless its minute already holds `samples_per_minute` of
+    its stream and reason (None: keep every one). By the time the stream stored it, never the event's own claim."""
+    event = message.event
+    rejected_at = math.floor(message.time.timestamp())
+    key = (rejected_at // 60 * 60, message.stream, reason)
+    counted = rows.edit(REJECTED_EVENT_COUNTS, key, lambda: dict(minute=key[0], stream=key[1], reason=key[2],
+                                                                 events=0))
+    counted["events"] = saturating_add(counted["events"], 1)
+    if samples_per_minute is not None and counted["events"] > samples_per_minute:
+        return
+    # Logged only as it is kept: a flood logs no more lines than it leaves rows.
+    log.warning("%s: rejected %s #%d %s %s from node %s (signer %s): %s", projection, message.stream,
+                message.seq, event.type, event.event_id, event.node_id, event.signer or "none", reason)
+    rows.put(REJECTED_EVENTS, (message.stream, message.seq), dict(
+        stream=message.stream,
+        stream_seq=message.seq,
+        event_id=event.event_id,
+        type=event.type,
+        node_id=event.node_id,
+        signer=event.signer,
+        reason=reason,
+        occurred_at=math.floor(event.occurred_at.timestamp()),
+        rejected_at=rejected_at,
+    ))

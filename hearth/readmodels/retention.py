@@ -1,0 +1,169 @@
+"""Retention of the read models: which rows are history, pruned once older than the policy allows by the log's own
+clock, and the pruning itself, a few hundred rows per transaction (docs/design.md §4, "Retention").
+
+The clock is each stream's: the time the broker stored the last message a projection applied from it
+(projection_positions.last_event_at), never this machine's. A row is pruned once its own time, from the events, is
+older than that minus the retention of its stream; a row that is state (a shard not long gone, a quarantine, a
+kept prefix not expired) is never pruned for age. Every rule is a function of the rows and the positions alone and
+what it deletes only stays deleted, so a rebuild pruned at the end holds what a projector pruned now and then does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import Any
+
+from sqlalchemy.orm import Session
+
+from hearth.events.streams import PIPELINES_STREAM, SHARDS_STREAM, seconds_per_day
+from hearth.readmodels.batch_rows import session_cursor
+from hearth.readmodels.positions import POSITIONS
+
+log = logging.getLogger(__name__)
+
+seconds_per_minute = 60
+
+
+@dataclass(frozen=True)
+class RetentionPolicy:
+    """How long the read models keep history ([readmodels] in the configuration, which holds the defaults)."""
+
+    shards_retention_days: float
+    pipelines_retention_days: float
+    daily_totals_retention_days: float
+    rejected_samples_per_minute: int
+    prune_interval_s: float
+    prune_batch_rows: int
+
+
+def retention_policy(section: Any) -> RetentionPolicy:
+    """The policy a configuration section names field by field (the `[readmodels]` settings)."""
+    return RetentionPolicy(**{field.name: getattr(section, field.name) for field in fields(RetentionPolicy)})
+
+
+@dataclass(frozen=True)
+class PruneRule:
+    """Rows of `table` matching `where` (SQL over `:cutoff`, epoch s, and `:stream`) go once older than the cutoff:
+    the clock of `stream` less `retention(policy)` days, floored to `align_s`."""
+
+    table: str
+    stream: str
+    where: str
+    retention: Callable[[RetentionPolicy], float]
+    align_s: int = seconds_per_minute
+
+
+def _shards(policy: RetentionPolicy) -> float:
+    return policy.shards_retention_days
+
+
+def _pipelines(policy: RetentionPolicy) -> float:
+    return policy.pipelines_retention_days
+
+
+def _daily_totals(policy: RetentionPolicy) -> float:
+    return policy.daily_totals_retention_days
+
+
+_NOT_QUARANTINED = "shard_id NOT IN (SELECT shard_id FROM shard_reputation WHERE status = 'quarantined')"
+
+# In order: a rule that reads another table (shard_health reads shards) comes after that table's own rule.
+PRUNE_RULES: tuple[PruneRule, ...] = (
+    # A shard withdrawn, or expired without a new advert, that long ago; a live one expires ahead of the clock.
+    PruneRule("shards", SHARDS_STREAM, "MAX(expires_at, COALESCE(withdrawn_at, expires_at)) < :cutoff", _shards),
+    PruneRule("shard_health", SHARDS_STREAM,
+              "last_seen < :cutoff AND shard_id NOT IN (SELECT shard_id FROM shards)", _shards),
+    PruneRule("event_counts", SHARDS_STREAM, "minute < :cutoff AND type LIKE 'shard.%'", _shards),
+    PruneRule("event_counts", PIPELINES_STREAM, "minute < :cutoff AND type NOT LIKE 'shard.%'", _pipelines),
+    # A call's row goes once nothing happened to it within the retention and its minute's rollup goes too.
+    PruneRule("pipelines", PIPELINES_STREAM,
+              "updated_at < :cutoff AND (constructed_at IS NULL OR constructed_at < :cutoff)", _pipelines),
+    PruneRule("failovers", PIPELINES_STREAM, "occurred_at < :cutoff", _pipelines),
+    PruneRule("pipeline_minutes", PIPELINES_STREAM, "minute < :cutoff", _pipelines),
+    # The evidence of a quarantine in force stays while it is in force, whatever its age.
+    PruneRule("integrity_evidence", PIPELINES_STREAM, f"occurred_at < :cutoff AND {_NOT_QUARANTINED}", _pipelines),
+    PruneRule("shard_reputation", PIPELINES_STREAM, "status != 'quarantined' AND updated_at < :cutoff", _pipelines),
+    # A shard's counters go with the shard, once no call counted on it within the retention either.
+    PruneRule("shard_stats", PIPELINES_STREAM,
+              "(last_counted_at IS NULL OR last_counted_at < :cutoff) AND shard_id NOT IN (SELECT shard_id FROM "
+              "shards) AND shard_id NOT IN (SELECT shard_id FROM shard_health)", _pipelines),
+    PruneRule("shard_tokens_daily", PIPELINES_STREAM, "day < :cutoff", _daily_totals, align_s=seconds_per_day),
+    *(PruneRule(table, stream, f"stream = :stream AND {column} < :cutoff", retention)
+      for stream, retention in ((SHARDS_STREAM, _shards), (PIPELINES_STREAM, _pipelines))
+      for table, column in (("rejected_events", "rejected_at"), ("rejected_event_counts", "minute"))),
+)
+
+
+def log_clocks(cursor: Any, projection: str) -> dict[str, int]:
+    """Per stream, when the broker stored the last message the projection applied (streams never read: absent)."""
+    cursor.execute(f"SELECT stream, last_event_at FROM {POSITIONS.name} WHERE projection = ? AND last_event_at "
+                   "IS NOT NULL", (projection,))
+    return dict(cursor.fetchall())
+
+
+def cutoff_of(rule: PruneRule, policy: RetentionPolicy, clocks: dict[str, int]) -> int | None:
+    """The instant (epoch s) before which the rule's rows go; None while its stream has not been read."""
+    clock = clocks.get(rule.stream)
+    if clock is None:
+        return None
+    cutoff = int(clock - rule.retention(policy) * seconds_per_day)
+    return cutoff // rule.align_s * rule.align_s
+
+
+def prune_once(session: Session, policy: RetentionPolicy, projection: str) -> int:
+    """Delete at most `prune_batch_rows` rows of the first rule that has any to delete, in the session's transaction
+    (the caller commits); how many went (0: nothing is left to prune)."""
+    cursor = session_cursor(session)
+    try:
+        clocks = log_clocks(cursor, projection)
+        for rule in PRUNE_RULES:
+            cutoff = cutoff_of(rule, policy, clocks)
+            if cutoff is None:
+                continue
+            cursor.execute(
+                f"DELETE FROM {rule.table} WHERE rowid IN (SELECT rowid FROM {rule.table} WHERE {rule.where} "
+                "LIMIT :limit)", dict(cutoff=cutoff, stream=rule.stream, limit=policy.prune_batch_rows))
+            if cursor.rowcount > 0:
+                return cursor.rowcount
+        return 0
+    finally:
+        cursor.close()
+
+
+def prune_all(session_factory: Callable[[], Session], policy: RetentionPolicy, projection: str) -> int:
+    """Prune until nothing is left, one short transaction per `prune_batch_rows` rows; how many rows went."""
+    pruned = 0
+    while True:
+        with session_factory() as session, session.begin():
+            deleted = prune_once(session, policy, projection)
+        if deleted == 0:
+            return pruned
+        pruned += deleted
+
+
+async def keep_pruning(session_factory: Callable[[], Session], policy: RetentionPolicy, projection: str,
+                       write_turn: asyncio.Lock, count: Callable[[int], None]) -> None:
+    """Every `prune_interval_s`, prune until nothing is left (a live projector's task): each transaction holds
+    `write_turn`, which the applier takes for each batch, so batches go on between them; `count(rows)` after each."""
+
+    def prune_transaction() -> int:
+        with session_factory() as session, session.begin():
+            return prune_once(session, policy, projection)
+
+    while True:
+        await asyncio.sleep(policy.prune_interval_s)
+        try:
+            while True:
+                async with write_turn:
+                    deleted = await asyncio.to_thread(prune_transaction)
+                if deleted == 0:
+                    break
+                count(deleted)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # a busy or failing database: the next round tries again
+            log.exception("%s: pruning the read model failed; trying again in %.0f s", projection,
+                          policy.prune_interval_s)
