@@ -16,9 +16,9 @@ import os
 import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
-from hearth.events.models import EventEnvelope
+from hearth.events.models import EventEnvelope, MemberRemoved
 from hearth.protocol.subjects import shard_control_subject
 from hearth.trust.keys import MemberKey, verify_b64
 from hearth.trust.roster import Member, RemovedMember, Role, Roster, RosterError
@@ -30,18 +30,19 @@ SIGNATURE_FIELD = "signature"
 # The verifier's reasons, and `unapplicable`: an event no handler could apply (hearth/readmodels/unapplicable.py).
 RejectionReason = Literal[
     "unsigned", "unknown_signer", "removed_signer", "bad_signature", "role_may_not_emit", "node_mismatch",
-    "future_dated", "unapplicable",
+    "wrong_stream", "future_dated", "unapplicable",
 ]
 REJECTION_REASONS: tuple[RejectionReason, ...] = (
     "unsigned", "unknown_signer", "removed_signer", "bad_signature", "role_may_not_emit", "node_mismatch",
-    "future_dated", "unapplicable",
+    "wrong_stream", "future_dated", "unapplicable",
 )
 
 # Who may say what: a shard host its own shard events; an orchestrator the pipeline and integrity events of the
-# calls it runs; a steward (the `system` member) lifts a quarantine. No other role emits events (projectors,
-# auditors and clients only read or ask). A type named in EMITTING_ROLE_BY_TYPE overrides its family's rule.
+# calls it runs; a steward (the `system` member) lifts a quarantine and removes members. No other role emits events
+# (projectors, auditors and clients only read or ask). A type named in EMITTING_ROLE_BY_TYPE overrides its family's
+# rule.
 EMITTING_ROLE: dict[str, Role] = {"shard": "shard", "pipeline": "orchestrator", "integrity": "orchestrator"}
-EMITTING_ROLE_BY_TYPE: dict[str, Role] = {"integrity.quarantine_cleared": "system"}
+EMITTING_ROLE_BY_TYPE: dict[str, Role] = {"integrity.quarantine_cleared": "system", "member.removed": "system"}
 
 # How often a long-running verifier looks at its roster file for a change (a member added or removed).
 roster_recheck_interval_s = 1.0
@@ -110,6 +111,13 @@ class RosterFile:
         return self._roster
 
 
+class StreamPosition(NamedTuple):
+    """Where the broker stored an event: its stream and its sequence there."""
+
+    stream: str
+    seq: int
+
+
 class EventVerifier:
     """Decides whether a projection may apply an event: returns None, or the reason it is rejected."""
 
@@ -139,13 +147,18 @@ class EventVerifier:
             self._members_of = roster
         return self._members_by_key.get(public_key) or self._removed_by_key.get(public_key)
 
-    def rejection(self, event: EventEnvelope, *, received_at: datetime,
-                  stored_data: bytes = b"") -> RejectionReason | None:
+    def rejection(self, event: EventEnvelope, *, received_at: datetime, stored_data: bytes = b"",
+                  position: StreamPosition | None = None, removal_logged: bool = False) -> RejectionReason | None:
         """Why `event` must not be applied, or None. `received_at` is when the broker stored it (the clock that
         bounds `occurred_at`); `stored_data` is the stored body the signature is checked over (without it, the
-        event's own canonical bytes)."""
+        event's own canonical bytes); `position` is where it is stored, which a removed member's cut on that stream
+        is set against (without it, or without a cut there, the removal's time is). `removal_logged`: a verified
+        `member.removed` of its signer came earlier in the same stream, so it is rejected whatever the roster says
+        yet (the steward saves the roster after publishing the removal)."""
         if not event.signer or not event.signature:
             return "unsigned"
+        if removal_logged:
+            return "removed_signer"
         if received_at.tzinfo is None:
             received_at = received_at.replace(tzinfo=timezone.utc)
         if self._roster_file is not None and received_at.timestamp() >= self._roster_file.looked_at:
@@ -155,8 +168,9 @@ class EventVerifier:
         if member is None:
             return "unknown_signer"
         if isinstance(member, RemovedMember):
-            # What it signed while it belonged stays valid, so a rebuild applies what the live projection did.
-            if received_at >= member.removed_at:
+            # What it signed before its removal stays valid, so a rebuild applies what the live projection did.
+            stream, seq = position if position is not None else (None, None)
+            if member.stored_after_removal(received_at, stream, seq):
                 return "removed_signer"
             member = member.member
         signed = stored_canonical_bytes(stored_data) if stored_data else canonical_bytes(event)
@@ -166,6 +180,8 @@ class EventVerifier:
             return "role_may_not_emit"
         if not names_only_its_own_node(event, member.name):
             return "node_mismatch"
+        if isinstance(event, MemberRemoved) and position is not None and event.stream != position.stream:
+            return "wrong_stream"  # a removal marks a position in the stream it names only
         if event.occurred_at > received_at + self.max_clock_skew:
             return "future_dated"
         return None

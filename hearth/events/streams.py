@@ -15,7 +15,13 @@ from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfi
 from nats.errors import Error as NatsError
 from nats.js.errors import APIError, NotFoundError
 
-from hearth.protocol.subjects import INTEGRITY_EVENTS_WILDCARD, PIPELINE_EVENTS_WILDCARD, SHARD_EVENTS_WILDCARD
+from hearth.protocol.subjects import (
+    EVENTS_PREFIX,
+    INTEGRITY_EVENTS_WILDCARD,
+    PIPELINE_EVENTS_WILDCARD,
+    SHARD_EVENTS_WILDCARD,
+)
+from hearth.trust.roster import SYSTEM_MEMBER
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +127,13 @@ PIPELINES_STREAM_SPEC = StreamSpec(
     description="hearth pipeline lifecycle and integrity detections",
 )
 STREAM_SPECS: tuple[StreamSpec, ...] = (SHARDS_STREAM_SPEC, PIPELINES_STREAM_SPEC)
+
+# Where the steward publishes a `member.removed` on each stream: under the shard family's `system` node on
+# HEARTH_SHARDS (no shard host may publish there), as an integrity subject on HEARTH_PIPELINES.
+MEMBER_REMOVAL_SUBJECTS: dict[str, str] = {
+    SHARDS_STREAM: f"{EVENTS_PREFIX}.shard.{SYSTEM_MEMBER}.members.removed",
+    PIPELINES_STREAM: f"{EVENTS_PREFIX}.integrity.members.removed",
+}
 
 
 def stream_for_subject(subject: str) -> str:

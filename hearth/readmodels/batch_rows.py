@@ -19,6 +19,7 @@ from hearth.readmodels.tables import (
     Failover,
     IntegrityEvidence,
     KeptPrefixRecord,
+    MemberRemoval,
     Pipeline,
     RejectedEvent,
     RejectedEventCount,
@@ -41,6 +42,7 @@ SHARD_TOKENS_DAILY: Table = ShardTokensDaily.__table__
 SHARD_REPUTATION: Table = ShardReputation.__table__
 INTEGRITY_EVIDENCE: Table = IntegrityEvidence.__table__
 KEPT_PREFIXES: Table = KeptPrefixRecord.__table__
+MEMBER_REMOVALS: Table = MemberRemoval.__table__
 
 Row = dict[str, Any]
 
@@ -79,7 +81,8 @@ class TableSql:
 TABLE_SQL = {
     table.name: TableSql(table)
     for table in (SHARDS, SHARD_HEALTH, SHARD_STATS, PIPELINES, FAILOVERS, REJECTED_EVENTS, REJECTED_EVENT_COUNTS,
-                  EVENT_COUNTS, SHARD_TOKENS_DAILY, SHARD_REPUTATION, INTEGRITY_EVIDENCE, KEPT_PREFIXES)
+                  EVENT_COUNTS, SHARD_TOKENS_DAILY, SHARD_REPUTATION, INTEGRITY_EVIDENCE, KEPT_PREFIXES,
+                  MEMBER_REMOVALS)
 }
 
 

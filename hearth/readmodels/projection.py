@@ -7,7 +7,8 @@ forward; messages at or below the position (redeliveries, a replay over an up-to
 The caller commits once, so a crash between two batches leaves rows and positions consistent.
 
 Handlers do not talk SQL: they edit plain dict rows held by a readmodels.batch_rows.BatchRows unit of
-work, flushed before the positions (readmodels.positions) are moved.
+work, flushed before the positions (readmodels.positions) are moved. On a community mesh an event is applied only
+when readmodels.admission lets it (signed by a member that may emit it, not after its signer's removal there).
 
 Determinism: every stored value comes from the event (instants from `occurred_at`, never the wall clock),
 each table column is written from one stream only, and rows are keyed on the payload (shard_id,
@@ -24,7 +25,6 @@ import json
 import logging
 import math
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from datetime import datetime
 from functools import singledispatchmethod
 from typing import TYPE_CHECKING, Any
@@ -35,6 +35,7 @@ from hearth.events.models import (
     UNVERIFIED_REPORT,
     EventEnvelope,
     IntegrityCorruptionDetected,
+    MemberRemoved,
     PipelineAborted,
     PipelineCompleted,
     PipelineConstructed,
@@ -47,6 +48,7 @@ from hearth.events.models import (
     ShardWithdrawn,
 )
 from hearth.events.signing import EventVerifier, RejectionReason
+from hearth.readmodels.admission import Rejection, record_member_removal, rejection
 from hearth.events.streams import seconds_per_day
 from hearth.readmodels.batch_rows import (
     EVENT_COUNTS,
@@ -75,16 +77,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 TERMINAL_PIPELINE_STATUSES = frozenset({"completed", "aborted"})
-
-
-@dataclass(frozen=True)
-class Rejection:
-    """One event a batch did not apply, and why (the row it left in rejected_events)."""
-
-    stream: str
-    seq: int
-    event_type: str
-    reason: RejectionReason
 
 
 def epoch_s(instant: datetime) -> int:
@@ -152,7 +144,7 @@ class ReadModelProjection:
                         "%s: skipping undecodable message %s #%d on %s: %s",
                         self.name, message.stream, message.seq, message.subject, message.error,
                     )
-                elif (reason := reject_as or self._rejection(message)) is not None:
+                elif (reason := reject_as or rejection(self.verifier, message, rows)) is not None:
                     record_rejection(message, reason, rows, projection=self.name,
                                      samples_per_minute=self.rejected_samples_per_minute)
                     if rejections is not None:
@@ -170,14 +162,6 @@ class ReadModelProjection:
         for stream, at in last_event_at.items():
             save_position(session, self.name, stream, stored_positions.get(stream), positions[stream], at)
         return applied
-
-    def _rejection(self, message: StoredEvent) -> RejectionReason | None:
-        if self.verifier is None:
-            return None
-        # The broker's storage time bounds occurred_at (not this process's clock), so a replay of the log
-        # rejects exactly what the live projection rejected.
-        return self.verifier.rejection(message.event, received_at=message.time,
-                                       stored_data=getattr(message, "data", b""))
 
     # ---- one handler per event type ---------------------------------------------------------------------
 
@@ -339,6 +323,10 @@ class ReadModelProjection:
     @handle.register
     def _verification_outcome(self, event: ReputationEvent, rows: BatchRows) -> None:
         apply_reputation_event(event, rows)  # one handler per type there: shard_reputation, integrity_evidence
+
+    @handle.register
+    def _member_removed(self, event: MemberRemoved, rows: BatchRows) -> None:
+        record_member_removal(event, rows)  # the cut later events of its key on this stream are held to
 
     # ---- helpers -----------------------------------------------------------------------------------------
 

@@ -168,9 +168,10 @@ class ProjectionPosition(Base):
 
 
 class RejectedEvent(Base):
-    """An event a projection did not apply: unsigned, signed by a non-member, by a role that may not emit its
-    type, for another node, or dated in the future (hearth/events/signing.py). Its position still advanced.
-    A sample: the first few of each reason in each minute of each stream (rejected_event_counts counts them all)."""
+    """An event a projection did not apply: unsigned, signed by a non-member or a removed one, by a role that may not
+    emit its type, for another node or stream, or dated in the future (hearth/events/signing.py). Its position still
+    advanced. A sample: the first few of each reason in each minute of each stream (rejected_event_counts counts them
+    all)."""
 
     __tablename__ = "rejected_events"
 
@@ -183,7 +184,7 @@ class RejectedEvent(Base):
     reason: Mapped[str] = mapped_column(
         String, nullable=False,
         comment="unsigned | unknown_signer | removed_signer | bad_signature | role_may_not_emit | node_mismatch | "
-                "future_dated | unapplicable",
+                "wrong_stream | future_dated | unapplicable",
     )
     occurred_at: Mapped[int] = mapped_column(Integer, nullable=False, comment="epoch s the event claims")
     rejected_at: Mapped[int] = mapped_column(
@@ -204,6 +205,19 @@ class RejectedEventCount(Base):
     stream: Mapped[str] = mapped_column(String, primary_key=True)
     reason: Mapped[str] = mapped_column(String, primary_key=True)
     events: Mapped[int] = mapped_column(Integer, nullable=False)
+
+
+class MemberRemoval(Base):
+    """A member's removal as one stream's log shows it: a `member.removed` signed by a steward. What that member's key
+    signed and the stream stored after it is rejected (`removed_signer`), whatever the roster file says yet."""
+
+    __tablename__ = "member_removals"
+
+    stream: Mapped[str] = mapped_column(String, primary_key=True, comment="the stream whose position it marks")
+    public_key: Mapped[str] = mapped_column(String, primary_key=True, comment="the removed member's key")
+    member: Mapped[str] = mapped_column(String, nullable=False, comment="its name (node id)")
+    event_id: Mapped[str] = mapped_column(String, nullable=False, comment="the first removal event of it there")
+    removed_at: Mapped[int] = mapped_column(Integer, nullable=False, comment="epoch s the steward says")
 
 
 class EventCount(Base):

@@ -1,7 +1,8 @@
-"""`hearth community`: create a community, add and remove members (each with an nkey), list them, render the NATS
-server's authorization block from the roster (`hearth nats`, hearth/services/nats_cli.py, runs a broker for it and
-applies a changed roster at once), show shard hosts' reputation from a read model and let a steward clear a
-quarantine (hearth/services/community_reputation.py)."""
+"""`hearth community`: create a community, add and remove members (each with an nkey; a removal is also published in
+the event log, hearth/services/community_removal.py), list them, render the NATS server's authorization block from
+the roster (`hearth nats`, hearth/services/nats_cli.py, runs a broker for it and applies a changed roster at once),
+show shard hosts' reputation from a read model and let a steward clear a quarantine
+(hearth/services/community_reputation.py)."""
 
 from __future__ import annotations
 
@@ -83,35 +84,59 @@ def add_command(
 def remove_command(
     name: Annotated[str, typer.Option("--name", help="The member to remove (not `system`, the steward's key).")],
     directory: DirOption = DEFAULT_COMMUNITY_DIR,
+    nats_url: NatsOption = None,
+    offline: Annotated[bool, typer.Option(
+        "--offline", help="Change the roster only, publishing no removal event (no broker to reach): projections "
+                          "then cut the member's events off by this machine's clock, not by a position in the log."
+    )] = False,
 ) -> None:
-    """Remove a member: the broker refuses its key from then on (a broker run by `hearth nats --community DIR`
-    applies the roster within seconds and closes its connections), its gateway API keys are revoked, calls it signs
-    are refused, and events the broker stores from it afterwards are rejected (`removed_signer`), while what it
-    signed before still verifies. Its name and key can never join again (its history stays theirs); a member
-    coming back is added with new ones."""
+    """Remove a member: first a signed member.removed (the steward's system key, DIR/keys/system.nk) goes on each
+    event stream, then the roster records where. The broker refuses its key from then on (a broker run by `hearth
+    nats --community DIR` applies the roster within seconds and closes its connections), its gateway API keys are
+    revoked, calls it signs are refused, and events each stream stores from it after its removal event are rejected
+    (`removed_signer`), while what it signed before still verifies. Its name and key can never join again (its
+    history stays theirs); a member coming back is added with new ones."""
+    from hearth.services.broker.connection import BrokerUnreachable
+    from hearth.services.community_removal import PublishedRemoval, RemovalNotPublished, publish_community_removal
     from hearth.services.gateway.keys import API_KEYS_FILE, ApiKeyError, revoke_api_keys
     from hearth.trust.community import Community
+    from hearth.trust.keys import KeyFileError
     from hearth.trust.roster import RosterError
 
+    command = "hearth community remove"
     community = Community(directory)
+    published = PublishedRemoval()
     try:
         community.check_removable(name)  # before anything changes, so a refusal leaves everything as it was
-        # Its API keys go first: a removal that fails there can simply be run again.
+        if not offline:
+            published = publish_community_removal(community, name, nats_url)
+        # Its API keys go next: a removal that fails there can simply be run again (publishing its events anew).
         api_keys = revoke_api_keys(directory, name) if (directory / API_KEYS_FILE).is_file() else 0
-        removed, seed_file = community.remove(name)
-    except (RosterError, ApiKeyError) as error:
-        _fail(str(error))
+        removed, seed_file = community.remove(name, cuts=published.cuts)
+    except (RosterError, ApiKeyError, KeyFileError) as error:
+        _fail(str(error), command)
+    except (BrokerUnreachable, RemovalNotPublished) as error:
+        _fail(f"{error}; nothing was changed. Give the broker with --nats, or --offline to change the roster alone "
+              "(projections then cut its events off by this machine's clock)", command)
     member = removed.member
     deleted = f"; deleted {seed_file}" if seed_file else ""
+    where = ", ".join(f"{cut.stream} #{cut.seq}" for cut in removed.cuts)
+    logged = f"; its removal is at {where}" if where else ""
     typer.echo(f"removed {member.name} ({member.role}, {member.trust}), public key {member.public_key}{deleted}; "
-               f"revoked its {api_keys} API keys. A broker run by `hearth nats --community` applies it at once; any "
-               "other: render `hearth community nats-config` and reload it.")
+               f"revoked its {api_keys} API keys{logged}. A broker run by `hearth nats --community` applies it at "
+               "once; any other: render `hearth community nats-config` and reload it.")
+    for stream, why in published.failures.items():
+        typer.echo(f"{command}: warning: {stream} did not take the removal event ({why}): there, its events are cut "
+                   "off by this machine's clock", err=True)
+    if offline:
+        typer.echo(f"{command}: warning: no removal event published (--offline): its events are cut off by this "
+                   "machine's clock", err=True)
 
 
 @community_app.command("list")
 def list_command(directory: DirOption = DEFAULT_COMMUNITY_DIR, db: ReadModelOption = DEFAULT_READ_MODEL) -> None:
     """Print the roster: name, role, trust, public key, and (from the read model, when there is one) the shards of
-    each member that are quarantined; then the members removed, and when."""
+    each member that are quarantined; then the members removed, when, and where in each stream."""
     from hearth.services.community_reputation import quarantined_shards_by_node
     from hearth.trust.community import Community
     from hearth.trust.roster import RosterError
@@ -127,8 +152,9 @@ def list_command(directory: DirOption = DEFAULT_COMMUNITY_DIR, db: ReadModelOpti
         note = f"  QUARANTINED: {', '.join(shards)}" if shards else ""
         typer.echo(f"{member.name:24} {member.role:13} {member.trust:8} {member.public_key}{note}")
     for gone in roster.removed:
+        cuts = "".join(f", {cut.stream} #{cut.seq}" for cut in gone.cuts)
         typer.echo(f"{gone.member.name:24} {gone.member.role:13} {'removed':8} {gone.member.public_key}  "
-                   f"at {gone.removed_at:%Y-%m-%d %H:%M:%S} UTC")
+                   f"at {gone.removed_at:%Y-%m-%d %H:%M:%S} UTC{cuts}")
 
 
 @community_app.command("reputation")

@@ -21,6 +21,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
 from hearth.events.models import EVENT_CLASSES
+from hearth.events.streams import MEMBER_REMOVAL_SUBJECTS
 from hearth.protocol import chat as chat_protocol
 from hearth.protocol.subjects import CHAT_REQUEST_SUBJECT, EVENTS_PREFIX, MODELS_REQUEST_SUBJECT
 from hearth.services.common import config
@@ -100,6 +101,8 @@ def _discovery_schema(model: type[BaseModel]) -> WireSchema:
 def _event_subject_pattern(event_type: str) -> str:
     """Where events of one type are published (protocol.subjects.event_subject), the variable tokens in <>."""
     family, kind = event_type.split(".", 1)
+    if family == "member":  # one subject in each stream (events.streams.MEMBER_REMOVAL_SUBJECTS)
+        return " | ".join(MEMBER_REMOVAL_SUBJECTS.values())
     token = "<node_id>.<shard_key>" if family == "shard" else "<pipeline_id>"
     return f"{EVENTS_PREFIX}.{family}.{token}.{kind}"
 

@@ -3,6 +3,7 @@ generated here (each mode 0600, handed to its member), among them `keys/system.n
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -12,6 +13,7 @@ from hearth.trust.roster import (
     ROSTER_FILE,
     SYSTEM_MEMBER,
     Member,
+    RemovalCut,
     RemovedMember,
     Role,
     Roster,
@@ -77,10 +79,11 @@ class Community:
         """RosterError, as `remove` would raise it, without changing anything."""
         self.roster().without_member(name, removed_at=datetime.now(timezone.utc))
 
-    def remove(self, name: str) -> tuple[RemovedMember, Path | None]:
-        """Move `name` to the roster's removed members and delete its seed file if one was left here; returns
-        the removal and the seed file deleted (None: there was none)."""
-        updated = self.roster().without_member(name, removed_at=datetime.now(timezone.utc))
+    def remove(self, name: str, cuts: Sequence[RemovalCut] = ()) -> tuple[RemovedMember, Path | None]:
+        """Move `name` to the roster's removed members, with the positions of the removal events published for it
+        (`cuts`), and delete its seed file if one was left here; returns the removal and the seed file deleted
+        (None: there was none)."""
+        updated = self.roster().without_member(name, removed_at=datetime.now(timezone.utc), cuts=cuts)
         updated.save(self.roster_path)
         seed_file = seed_path(self.directory, name)
         try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Literal
@@ -57,15 +58,40 @@ class Member(BaseModel):
         return check_public_key(value)
 
 
+class RemovalCut(BaseModel):
+    """Where a member's removal falls in one event stream: the sequence of the signed `member.removed` the steward
+    published there (hearth/events/models.py, MemberRemoved)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    stream: str = Field(min_length=1, max_length=64)
+    seq: int = Field(ge=1)
+    event_id: str = Field(min_length=1, max_length=64)
+
+
 class RemovedMember(BaseModel):
-    """A member no longer in the community: kept so that what it signed while it belonged still verifies (the
-    broker's storage time of an event, not its claimed time, is set against `removed_at`), and so that its key,
-    perhaps leaked, can never join again."""
+    """A member no longer in the community: kept so that what it signed while it belonged still verifies, and so
+    that its key, perhaps leaked, can never join again. Where it left each stream is the position of its removal
+    event there (`cuts`); on a stream without one (a removal made before removal events, or that could not publish
+    one) the broker's storage time of an event, not its claimed time, is set against `removed_at`, the steward's
+    clock."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     member: Member
     removed_at: AwareDatetime
+    cuts: list[RemovalCut] = Field(default_factory=list)
+
+    def cut_in(self, stream: str) -> RemovalCut | None:
+        return next((cut for cut in self.cuts if cut.stream == stream), None)
+
+    def stored_after_removal(self, stored_at: datetime, stream: str | None = None, seq: int | None = None) -> bool:
+        """Whether an event of this member's key that `stream` stored at `seq` (at `stored_at`, by the broker's clock)
+        came after its removal: by the removal event's position where the stream has one, else by `removed_at`."""
+        cut = self.cut_in(stream) if stream is not None and seq is not None else None
+        if cut is not None:
+            return seq > cut.seq  # type: ignore[operator]
+        return stored_at >= self.removed_at
 
 
 class Roster(BaseModel):
@@ -124,8 +150,9 @@ class Roster(BaseModel):
                               "whose node, shards and record keep that name; choose another name")
         return self.model_copy(update={"members": [*self.members, member]})
 
-    def without_member(self, name: str, *, removed_at: datetime) -> "Roster":
-        """The roster with `name` moved to the removed members; the steward's `system` key stays."""
+    def without_member(self, name: str, *, removed_at: datetime, cuts: Sequence[RemovalCut] = ()) -> "Roster":
+        """The roster with `name` moved to the removed members, its removal events at `cuts`; the steward's `system`
+        key stays."""
         member = self.by_name(name)
         if member is None:
             raise RosterError(f"no member named {name!r} is in the roster")
@@ -133,7 +160,7 @@ class Roster(BaseModel):
             raise RosterError(f"{name!r} is the steward's system key, which the community cannot be without")
         return self.model_copy(update={
             "members": [kept for kept in self.members if kept.name != name],
-            "removed": [*self.removed, RemovedMember(member=member, removed_at=removed_at)]})
+            "removed": [*self.removed, RemovedMember(member=member, removed_at=removed_at, cuts=list(cuts))]})
 
     @classmethod
     def load(cls, path: Path) -> "Roster":

@@ -20,6 +20,7 @@ from typer.testing import CliRunner
 from hearth.events import SHARDS_STREAM, ensure_streams, publish_event, stream_last_seq
 from hearth.events.models import ShardHeartbeat
 from hearth.services.cli import app
+from hearth.services.community_cli import community_app
 from hearth.services.common.config import NatsSettings
 from hearth.services.broker.connection import BrokerUnreachable, connect_nats
 from hearth.services.broker.consumer_sweep import sweep_interval_s
@@ -189,7 +190,10 @@ def test_hearth_nats_applies_a_changed_roster_cutting_off_a_removed_member_and_l
     async def membership_changes() -> None:
         closed = asyncio.Event()
         connection = await connect_as(alice_seed, closed)
-        removed = cli.invoke(app, ["community", "remove", "--name", "alice", "--dir", str(community.directory)])
+        # In a thread: the command runs an event loop of its own to publish the removal (and only the main thread
+        # may set signal handlers, as `hearth` itself does).
+        removed = await asyncio.to_thread(cli.invoke, community_app, ["remove", "--name", "alice", "--dir",
+                                                                      str(community.directory), "--nats", url])
         assert removed.exit_code == 0, removed.output
         assert not alice.exists()
         await asyncio.wait_for(closed.wait(), ROSTER_APPLIED_WITHIN_S)  # nats-server closed her connection

@@ -5,19 +5,15 @@ a live read model that applied the same messages equals the rebuild, and `hearth
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 import pytest
 from sqlalchemy.orm import Session
 from typer.testing import CliRunner
 
-from hearth.events.consume import read_stream
-from hearth.events.models import utc_now
+from hearth.events.envelope import utc_now
 from hearth.events.publish import publish_event
 from hearth.events.signing import EventVerifier
-from hearth.events.streams import ALL_STREAMS
 from hearth.readmodels.db import open_engine
-from hearth.readmodels.projection import ReadModelProjection
 from hearth.readmodels.rebuild import diff_databases, rebuild_database
 from hearth.readmodels.tables import RejectedEvent, ShardReputation
 from hearth.services.broker.connection import connect_nats
@@ -28,6 +24,7 @@ from hearth.services.common.config import NatsSettings
 from hearth.services.community_cli import community_app
 from hearth.services.community_reputation import quarantine_clearing
 from hearth.services.replay.cli import app as replay_app
+from tests.community_log import apply_new_messages, as_auditor
 from tests.readmodel_helpers import advertised
 from tests.reputation_events import confirmed, verified
 from hearth.trust.community import Community
@@ -60,34 +57,8 @@ async def publish_as(community: Community, url: str, member: str, events) -> Non
         await connection.close()
 
 
-async def as_auditor(community: Community, url: str, work):
-    settings = NatsSettings(url=url, creds_file=community.directory / "keys" / "eve.nk")
-    connection = await connect_nats(url, name="test-auditor", settings=settings)
-    try:
-        return await work(connection.jetstream())
-    finally:
-        await connection.close()
-
-
 def rebuild(community, url, path, verifier) -> None:
     asyncio.run(as_auditor(community, url, lambda js: rebuild_database(js, path, verifier=verifier)))
-
-
-def apply_new_messages(community, url, path, verifier) -> None:
-    """What a live projector does: apply every message beyond its stored positions."""
-
-    async def work(js):
-        messages = []
-        for stream in ALL_STREAMS:
-            async with contextlib.aclosing(read_stream(js, stream)) as items:
-                messages += [item async for item in items]
-        return messages
-
-    messages = asyncio.run(as_auditor(community, url, work))
-    engine = open_engine(path)
-    with Session(engine) as session, session.begin():
-        ReadModelProjection(verifier=verifier).apply_many(session, messages)
-    engine.dispose()
 
 
 def status(path, shard_id: str) -> str:

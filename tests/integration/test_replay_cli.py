@@ -15,7 +15,15 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from hearth.events import PIPELINES_STREAM, SHARDS_STREAM, decode_event, ensure_streams, event_subject, publish_event
+from hearth.events import (
+    PIPELINES_STREAM,
+    SHARDS_STREAM,
+    decode_event,
+    ensure_streams,
+    event_subject,
+    publish_event,
+    stream_for_subject,
+)
 from hearth.events.models import ShardAdvertised, ShardHeartbeat, ShardWithdrawn
 from hearth.services.broker.connection import connect_nats
 from hearth.services.replay.cli import app
@@ -292,7 +300,8 @@ def test_events_follow_prints_new_events_of_both_streams_and_stops_cleanly_on_si
         fresh = shard_history()[1]
         publish(nats_url, [(None, fresh)])
         row = json.loads(_read_line(process, 15))
-        assert row["seq"] == 4 and row["event"]["event_id"] == fresh.event_id
+        next_shards_seq = 1 + sum(stream_for_subject(record["subject"]) == SHARDS_STREAM for record in records)
+        assert row["seq"] == next_shards_seq and row["event"]["event_id"] == fresh.event_id
         assert consumer_counts(nats_url) == {SHARDS_STREAM: 1, PIPELINES_STREAM: 1}
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=15) == 130

@@ -9,22 +9,18 @@ import typing
 import pytest
 from pydantic import BaseModel, ValidationError
 
+from hearth.events.envelope import max_event_hops, max_event_number, max_label_chars
 from hearth.events.models import (
     EVENT_CLASSES,
     IntegrityMismatchConfirmed,
-    max_event_number,
     PipelineCompleted,
     PipelineFailover,
     ShardAdvertised,
     ShardWithdrawn,
     encode_event,
-    max_event_hops,
-    max_id_chars,
-    max_label_chars,
     max_model_layers,
-    max_reason_chars,
-    max_shard_id_chars,
 )
+from hearth.protocol.bounds import max_id_chars, max_reason_chars, max_shard_id_chars
 from hearth.events.streams import STREAM_SPECS, event_max_msg_bytes
 from hearth.inference.activation_compare import largest_reported_error, reportable_error
 from tests.readmodel_helpers import advertised
@@ -90,6 +86,9 @@ def largest(event_class: type[BaseModel]) -> BaseModel:
         annotation = field.annotation
         if name == "evidence_sha256":
             values[name] = "0" * limit  # a digest: hex digits only
+            continue
+        if name in ("member", "public_key"):  # a member's name and nkey: plain letters, by their patterns
+            values[name] = "U" + "A" * (limit - 1)
             continue
         if name in ("layer_lo", "layer_hi", "total_layers"):  # a range of the largest model an event names
             values[name] = max_model_layers - (name != "total_layers")

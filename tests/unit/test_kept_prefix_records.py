@@ -15,10 +15,9 @@ from hearth.events.models import (
     KeptPrefix,
     PipelineCompleted,
     encode_event,
-    max_event_duration_s,
-    max_event_number,
     max_kept_marks,
 )
+from hearth.events.envelope import max_event_duration_s, max_event_number
 from hearth.events.streams import event_max_msg_bytes
 from hearth.protocol.bounds import max_shard_id_chars
 from hearth.readmodels.queries import kept_chain_holding

@@ -89,19 +89,19 @@ def test_hearth_community_remove_says_what_it_did_and_refuses_in_one_line(commun
     create_api_key(community.directory, "alice")
     create_api_key(community.directory, "alice")
     kept = create_api_key(community.directory, "system")
-    result = CliRunner().invoke(app, ["community", "remove", "--name", "alice", "--dir", directory])
+    result = CliRunner().invoke(app, ["community", "remove", "--name", "alice", "--dir", directory, "--offline"])
     assert result.exit_code == 0, result.output
     assert "removed alice (client, member)" in result.output and "revoked its 2 API keys" in result.output
     keyring = ApiKeyring.load(community.directory)
     assert keyring.members == ["system"] and keyring.caller_for(kept) is not None
-    result = CliRunner().invoke(app, ["community", "remove", "--name", "kitchen", "--dir", directory])
+    result = CliRunner().invoke(app, ["community", "remove", "--name", "kitchen", "--dir", directory, "--offline"])
     assert result.exit_code == 0, result.output
     assert "removed kitchen (shard, trusted)" in result.output and "deleted" in result.output
-    refused = CliRunner().invoke(app, ["community", "remove", "--name", "kitchen", "--dir", directory])
+    refused = CliRunner().invoke(app, ["community", "remove", "--name", "kitchen", "--dir", directory, "--offline"])
     assert refused.exit_code == 1 and "no member named 'kitchen'" in refused.output
     # A refusal changes nothing: the API keys of a member that cannot be removed stay.
     create_api_key(community.directory, "system")
-    refused = CliRunner().invoke(app, ["community", "remove", "--name", "system", "--dir", directory])
+    refused = CliRunner().invoke(app, ["community", "remove", "--name", "system", "--dir", directory, "--offline"])
     assert refused.exit_code == 1 and len(ApiKeyring.load(community.directory)) == 2
     assert "Traceback" not in refused.output
     listed = CliRunner().invoke(app, ["community", "list", "--dir", directory])

@@ -5,7 +5,7 @@ counters are pruned only once no call counted on it within the retention.
 
 Revision ID: 0010
 Revises: 0009
-Create Date: 2026-12-08
+Create Date: 2026-12-05
 
 The counts are filled from the rejected_events rows already held; those rows stay until they age out. Counters held
 before this revision have no last_counted_at: they go with their shard's rows.

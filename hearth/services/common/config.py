@@ -27,7 +27,7 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-from hearth.events.models import max_event_hops
+from hearth.events.envelope import max_event_hops
 from hearth.events.streams import MiB, pipelines_max_age_s, seconds_per_day, shards_max_age_s
 from hearth.services.common.config_aliases import KeysMovedSource, move_aliased_keys
 from hearth.services.common.config_processes import (
@@ -90,7 +90,7 @@ class DistributedInferenceSettings(ConfigSection):
         default=True,
         description="the specification's switch of this feature; the orchestrator serves calls only while both it "
                     "and [research] enable are true (either false: every call is answered experimental_disabled)")
-    # At most what a pipeline event may list (events.models.max_event_hops).
+    # At most what a pipeline event may list (events.envelope.max_event_hops).
     max_shards_per_request: int = Field(default=16, ge=1, le=max_event_hops)
     shard_health_timeout_s: float = Field(
         default=30, gt=0,

@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from hearth.events.models import max_event_duration_s
+from hearth.events.envelope import max_event_duration_s
 from hearth.events.streams import MiB
 from hearth.services.common.config_sections import ConfigSection
 

@@ -21,7 +21,7 @@ from hearth.events.models import (
     IntegrityQuarantineCleared,
     IntegrityShardsVerified,
 )
-from hearth.events.signing import EventVerifier
+from hearth.events.signing import EventVerifier, StreamPosition
 from hearth.services.common.display import display_text
 from hearth.protocol.subjects import EVENTS_PREFIX, shard_key
 from hearth.readmodels.reputation import QUARANTINED, ReputationLog, mismatch_summary
@@ -100,7 +100,9 @@ def evidence_lines(shard_id: str, outcomes: Sequence[StoredEvent], verifier: Eve
     for item in outcomes:
         event = item.event
         when = f"  {format_time(event.occurred_at)}"
-        rejection = verifier.rejection(event, received_at=item.time, stored_data=getattr(item, "data", b"")) \
+        # Removals are judged by the roster's cuts: this view reads only the events naming the shard.
+        rejection = verifier.rejection(event, received_at=item.time, stored_data=getattr(item, "data", b""),
+                                       position=StreamPosition(item.stream, item.seq)) \
             if verifier is not None else None
         if rejection is not None:
             details.append(f"{when}  REJECTED {event.type} {event.event_id} from {event.node_id} ({rejection}): "

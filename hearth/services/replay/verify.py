@@ -1,6 +1,6 @@
 """`hearth-replay verify`: checks every stored event of the event streams by the rule a projection applies
 (hearth/events/signing.py: signed, by a member of the roster whose role may emit the type, for its own node, not
-dated after the broker stored it) and reports each event that fails it."""
+stored after its signer's removal, not dated after the broker stored it) and reports each event that fails it."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hearth.events.consume import SkippedMessage, read_stream
-from hearth.events.signing import EventVerifier
+from hearth.events.models import MemberRemoved
+from hearth.events.signing import EventVerifier, StreamPosition
 
 # Not a signature verdict, but just as bad for an audit: a stored message that is no event at all.
 UNDECODABLE = "undecodable"
@@ -66,25 +67,30 @@ async def verify_streams(js: Any, verifier: EventVerifier, streams: Iterable[str
     """Read each stream from its first stored message to its end and check every message; `on_bad` hears of
     each bad one as it is found."""
     report = VerifyReport()
+    removals: set[tuple[str, str]] = set()  # (stream, key) of each verified member.removed read so far
     for stream in streams:
         report.checked[stream] = 0
         async with contextlib.aclosing(read_stream(js, stream, from_seq=1, follow=False)) as messages:
             async for message in messages:
                 report.checked[stream] += 1
-                bad = _verdict(verifier, message)
+                bad = _verdict(verifier, message, removals)
                 if bad is not None:
                     report.bad.append(bad)
                     on_bad(bad)
     return report
 
 
-def _verdict(verifier: EventVerifier, message: Any) -> BadEvent | None:
+def _verdict(verifier: EventVerifier, message: Any, removals: set[tuple[str, str]]) -> BadEvent | None:
     if isinstance(message, SkippedMessage):
         return BadEvent(message.stream, message.seq, UNDECODABLE, detail=message.error)
     event = message.event
-    # The broker's storage time bounds occurred_at, as in the live projection.
-    reason = verifier.rejection(event, received_at=message.time, stored_data=message.data)
+    # The broker's storage time and position, and the removals this stream showed before, as in the live projection.
+    reason = verifier.rejection(event, received_at=message.time, stored_data=message.data,
+                                position=StreamPosition(message.stream, message.seq),
+                                removal_logged=(message.stream, event.signer) in removals)
     if reason is None:
+        if isinstance(event, MemberRemoved):
+            removals.add((event.stream, event.public_key))
         return None
     return BadEvent(message.stream, message.seq, reason, event_type=event.type, event_id=event.event_id,
                     node_id=event.node_id, signer=event.signer)

@@ -1,0 +1,58 @@
+"""Which stored events a projection applies on a community mesh: the verifier's verdict on each
+(hearth/events/signing.py), told of the member removals the stream's own log has shown before it; the rejected_events
+row of each event turned away, and the record of each removal (`member.removed`) as the stream shows it.
+
+A removal is a position in each stream, not a time: the first verified `member.removed` of a key on a stream is kept
+in member_removals in the batch's transaction, and every later event of that key on that stream is rejected
+(`removed_signer`), whatever the roster file says yet. A rebuild reads the same events in the same order, so it
+rejects exactly what the live projection did.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from hearth.events.models import MemberRemoved
+from hearth.events.signing import EventVerifier, RejectionReason, StreamPosition
+from hearth.readmodels.batch_rows import MEMBER_REMOVALS, BatchRows
+
+if TYPE_CHECKING:
+    from hearth.events.consume import StoredEvent
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """One event a batch did not apply, and why (the row it left in rejected_events)."""
+
+    stream: str
+    seq: int
+    event_type: str
+    reason: RejectionReason
+
+
+def rejection(verifier: EventVerifier | None, message: StoredEvent, rows: BatchRows) -> RejectionReason | None:
+    """Why `message` must not be applied (None: apply it; always None without a verifier, an open mesh)."""
+    if verifier is None:
+        return None
+    event = message.event
+    removal_logged = event.signer is not None and rows.get(MEMBER_REMOVALS, (message.stream, event.signer)) is not None
+    # The broker's storage time and position (not this process's clock), so a replay of the log rejects exactly
+    # what the live projection rejected.
+    return verifier.rejection(event, received_at=message.time, stored_data=message.data,
+                              position=StreamPosition(message.stream, message.seq), removal_logged=removal_logged)
+
+
+def record_member_removal(event: MemberRemoved, rows: BatchRows) -> None:
+    """Keep the first removal of a key on its stream (the verifier has checked that it is stored there): a copy
+    published later moves the cut nowhere."""
+    key = (event.stream, event.public_key)
+    if rows.get(MEMBER_REMOVALS, key) is not None:
+        return
+    rows.put(MEMBER_REMOVALS, key, dict(stream=event.stream, public_key=event.public_key, member=event.member,
+                                        event_id=event.event_id,
+                                        removed_at=math.floor(event.occurred_at.timestamp())))

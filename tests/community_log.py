@@ -1,0 +1,44 @@
+"""Test helpers for a community's event log on a real broker: reading it as the auditor `eve` and applying it to a
+read model as a live projector does."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+from sqlalchemy.orm import Session
+
+from hearth.events.consume import read_stream
+from hearth.events.streams import ALL_STREAMS
+from hearth.readmodels.db import open_engine
+from hearth.readmodels.projection import ReadModelProjection
+from hearth.services.broker.connection import connect_nats
+from hearth.services.common.config import NatsSettings
+from hearth.trust.community import Community
+
+
+async def as_auditor(community: Community, url: str, work):
+    """`work(js)` over a connection as the community's auditor `eve`."""
+    settings = NatsSettings(url=url, creds_file=community.directory / "keys" / "eve.nk")
+    connection = await connect_nats(url, name="test-auditor", settings=settings)
+    try:
+        return await work(connection.jetstream())
+    finally:
+        await connection.close()
+
+
+def apply_new_messages(community, url, path, verifier) -> None:
+    """What a live projector does: apply every message beyond its stored positions."""
+
+    async def work(js):
+        messages = []
+        for stream in ALL_STREAMS:
+            async with contextlib.aclosing(read_stream(js, stream)) as items:
+                messages += [item async for item in items]
+        return messages
+
+    messages = asyncio.run(as_auditor(community, url, work))
+    engine = open_engine(path)
+    with Session(engine) as session, session.begin():
+        ReadModelProjection(verifier=verifier).apply_many(session, messages)
+    engine.dispose()
