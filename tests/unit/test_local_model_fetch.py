@@ -75,3 +75,40 @@ async def test_a_hub_local_model_not_in_the_local_cache_is_fetched_whole_and_the
     await asyncio.wait_for(catalog._local_fetch.folder_at_hand(wait=True), timeout=10)
     assert catalog.local_model_id() == "nobody-here/not-in-the-hub-cache"
     catalog.close()
+
+
+def test_a_hub_download_under_way_does_not_hold_up_the_end_of_the_process(monkeypatch, tmp_path):
+    """An orchestrator that fails to start (a --preload refused) while its --local-model downloads in the background
+    ends at once: the download (a blocking call, gigabytes) must not keep asyncio.run or the interpreter waiting."""
+    import threading
+    import time
+
+    import hearth.services.orchestrator.catalog as catalog_module
+    from hearth.inference.errors import CheckpointError
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    downloading, finish = threading.Event(), threading.Event()
+
+    def slow_download(model, needed_layers=None, local_files_only=False):
+        if local_files_only:
+            raise CheckpointError("not in the local hub cache")
+        downloading.set()
+        finish.wait(timeout=20)
+        raise CheckpointError("cut short")
+
+    monkeypatch.setattr(catalog_module, "resolve_model_path", slow_download)
+
+    async def start_that_fails() -> None:
+        catalog = ModelCatalog(local_model="nobody-here/a-big-model")
+        await catalog.start_local_fetch()
+        assert await asyncio.to_thread(downloading.wait, 10)
+        catalog.close()  # as orchestrator.stop() does before the command's refusal
+
+    began = time.monotonic()
+    try:
+        asyncio.run(start_that_fails())
+        ended_s = time.monotonic() - began
+    finally:
+        finish.set()
+    assert ended_s < 5

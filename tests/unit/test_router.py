@@ -263,6 +263,20 @@ def test_an_uncovered_layer_names_the_shards_holding_it_that_were_left_out_and_w
     assert "@a:" not in message  # usable, and not holding an uncovered layer
 
 
+def test_the_words_a_shard_was_excluded_with_stay_on_one_line_of_the_routing_failure(mesh):
+    # They are a shard's own (its refusal's message): a newline in them must not make the client's error two lines.
+    mesh.add(0, 3, "a")
+    refusing = mesh.add(4, 7, "refusing")
+    router = mesh.router()
+    why = "refused: bad_request: no\r\nERROR: something else entirely\tand more"
+    with pytest.raises(RoutingError) as error:
+        router.plan(router.candidates(MODEL_ID), MODEL_ID, WEIGHTS_SHA, exclude={refusing: why}, now=mesh.now)
+    message = str(error.value)
+    assert len(message.splitlines()) == 1, message
+    assert f"{refusing}: excluded from this call: refused: bad_request: no ERROR: something else entirely and more" \
+        in message
+
+
 def test_other_weights_are_weights_mismatch(mesh):
     mesh.add(0, 3, "a")
     mesh.add(4, 7, "b", weights_sha256=OTHER_SHA)

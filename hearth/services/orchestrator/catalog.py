@@ -36,7 +36,7 @@ from hearth.inference.partial_checkpoint import NeededTensors
 from hearth.protocol.quantization_labels import accepts
 from hearth.services.common.config_processes import ShardSettings
 from hearth.services.common.hearth_files import data_dir
-from hearth.services.orchestrator.local_fetch import LocalModelFetch, fetch_unless_at_hand
+from hearth.services.orchestrator.local_fetch import LocalModelFetch, fetch_unless_at_hand, on_daemon_thread
 from hearth.services.weights_store import STORE_MODEL_PREFIX, WeightsStoreError, fetch_stored_model, store_model_name
 
 log = logging.getLogger(__name__)
@@ -178,7 +178,7 @@ class ModelCatalog:
         """What `needed` asks for of a hub id the operator named (a GGUF's by byte ranges:
         hearth/inference/hub_fetch.py), kept for resolve()."""
         try:
-            folder = await asyncio.to_thread(resolve_model_path, model, needed_layers=needed)
+            folder = await on_daemon_thread(resolve_model_path, model, needed_layers=needed)  # see local_fetch.py
         except CheckpointError as error:
             raise UnknownModel(f"unknown model {model!r}: {error}") from None
         self._hub_folders.setdefault(model, {})[needed] = folder

@@ -4,19 +4,49 @@ run as the local fallback) only once it has arrived.
 
 Listed earlier, calls routed to it would wait minutes for gigabytes, or fail, before their first token. The fetchers
 show their own progress (a bar on a terminal); a failure is one warning line, and the next call that would fall back
-on the model starts the fetch again (the store or the hub may be back).
+on the model starts the fetch again (the store or the hub may be back). A hub download runs on a daemon thread
+(`on_daemon_thread`): a cancelled task cannot stop a blocking call, and an orchestrator whose start failed (or that
+stopped) would otherwise wait for gigabytes before its process could end; one cut short resumes at the next fetch.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import logging
+import threading
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import TypeVar
 
 from hearth.inference.errors import first_line
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+async def on_daemon_thread(function: Callable[..., T], *args, **kwargs) -> T:
+    """`function(*args, **kwargs)` on a thread of its own that neither asyncio.run's end nor the interpreter's waits
+    for (asyncio.to_thread's are joined at both); cancelling the wait leaves the call running, its result dropped."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def settle(outcome: Callable[[], object]) -> None:
+        if not future.done():  # the waiter may have been cancelled
+            outcome()
+
+    def run() -> None:
+        try:
+            outcome = functools.partial(future.set_result, function(*args, **kwargs))
+        except BaseException as error:  # handed to the waiter, whatever it is
+            outcome = functools.partial(future.set_exception, error)
+        with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits any more
+            loop.call_soon_threadsafe(settle, outcome)
+
+    threading.Thread(target=run, name=f"hearth-daemon-{getattr(function, '__name__', 'call')}", daemon=True).start()
+    return await future
 
 
 async def fetch_unless_at_hand(spec: str, resolve: Callable[[str], Path],

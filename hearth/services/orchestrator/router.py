@@ -252,7 +252,8 @@ class ShardRouter:
                          load: ShardLoad | None) -> str | None:
         """Why routing does not use `shard` now (None: usable): `excluded`, not alive, or without room by `load`."""
         if shard.shard_id in excluded:
-            why = excluded[shard.shard_id]
+            # Often a shard's own words (its refusal's message): on one line, whatever it sent.
+            why = " ".join(excluded[shard.shard_id].split())
             return f"excluded from this call: {why[:MAX_EXCLUSION_CHARS]}" if why else \
                 "excluded from this call (it failed, or a check proved it wrong)"
         why = self.not_alive_because(shard, now)
