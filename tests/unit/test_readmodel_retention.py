@@ -42,7 +42,7 @@ JUNK_NODE = "junk"
 class RejectsJunk:
     """A verifier that refuses every event claiming the junk node, as a roster refuses a non-member's."""
 
-    def rejection(self, event, *, received_at, stored_data=b""):
+    def rejection(self, event, *, received_at, stored_data=b"", position=None, removal_logged=False):
         return "unknown_signer" if event.node_id == JUNK_NODE else None
 
 
