@@ -261,7 +261,9 @@ def test_rebuild_writes_a_fresh_read_model_and_diff_reports_every_differing_row(
     exists = replay(nats_url, "rebuild", "--db", str(live))
     assert exists.exit_code == 2 and "--force" in exists.output
 
-    publish(nats_url, [(None, shard_history()[0])])
+    # An advert of now: one dated at T0 expired long ago, and a rebuild prunes it as history (retention).
+    fresh = shard_history()[0].model_copy(update={"occurred_at": datetime.now(timezone.utc)})
+    publish(nats_url, [(None, fresh)])
     newer = tmp_path / "newer.sqlite"
     differs = replay(nats_url, "rebuild", "--db", str(newer), "--diff", str(live))
     assert differs.exit_code == 1, differs.output

@@ -12,7 +12,7 @@ reply_timeout_s = 5.0
 
 async def test_an_open_failing_midway_is_refused_and_leaves_nothing_open(nats_server):
     async with tiny_shard_server(nats_server.url) as shard:
-        async def no_prefix(request) -> int:
+        async def no_prefix(request, opener) -> int:
             raise RuntimeError("the compute thread failed")
 
         shard.server.compute.attach_prefix = no_prefix
