@@ -7,6 +7,8 @@ lifecycles with some failovers, aborts, fallbacks and corruption reports), then 
 1. the projector (readmodels.runner.Projector, as `hearth projector` runs it) catching up from an empty
    database until both streams are applied: events/s;
 2. `rebuild_database` of the same log into a fresh file: seconds (and events/s);
+3. with `--prune`, the retention policy of `[readmodels]` pruning the projected database once its log's clock has
+   passed every event by more than the pipelines stream's retention (a projector back after long away): rows/s;
 and checks that both databases hold identical rows. Prints a Markdown section for BENCHMARKS.md.
 """
 
@@ -23,6 +25,8 @@ import time
 from collections import Counter
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
+
+from sqlalchemy import text
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -42,10 +46,14 @@ from hearth.events.models import (  # noqa: E402
 from hearth.events.publish import MSG_ID_HEADER  # noqa: E402
 from hearth.events.streams import ensure_streams  # noqa: E402
 from hearth.protocol.subjects import event_subject, shard_id_for  # noqa: E402
+from hearth.readmodels.db import open_engine, session_factory  # noqa: E402
+from hearth.readmodels.positions import PROJECTION_NAME  # noqa: E402
 from hearth.readmodels.rebuild import diff_databases, rebuild_database  # noqa: E402
+from hearth.readmodels.retention import prune_all, retention_policy  # noqa: E402
 from hearth.readmodels.runner import Projector  # noqa: E402
 from hearth.services.broker.connection import connect_nats  # noqa: E402
 from hearth.services.broker.server import EmbeddedNatsServer  # noqa: E402
+from hearth.services.common.config import ReadModelSettings  # noqa: E402
 
 model_id = "bench/model-24l"
 weights = "ee" * 32
@@ -136,7 +144,7 @@ async def load(js, events: list) -> float:
     return time.perf_counter() - started
 
 
-async def bench(n: int, seed: int) -> dict:
+async def bench(n: int, seed: int, prune: bool = False) -> dict:
     events = realistic_events(n, seed)
     mix = Counter(e.type for e in events)
     with EmbeddedNatsServer() as server, tempfile.TemporaryDirectory(prefix="hearth-bench-") as tmp:
@@ -161,17 +169,36 @@ async def bench(n: int, seed: int) -> dict:
         rebuild_s, rebuild_cpu_s = time.perf_counter() - started, time.process_time() - cpu_started
         differences = diff_databases(rebuilt, live, include_positions=True)
         await nc.close()
-    return dict(n=n, mix=mix, load_s=load_s, stored=stored, projected=projected, project_s=project_s,
+        pruned, prune_s = prune_long_after(live) if prune else (0, 0.0)
+    return dict(pruned=pruned, prune_s=prune_s, n=n, mix=mix, load_s=load_s, stored=stored, projected=projected, project_s=project_s,
                 project_cpu_s=project_cpu_s, batches=batches, rebuild_s=rebuild_s, rebuild_cpu_s=rebuild_cpu_s,
                 applied=applied, differences=len(differences), load_average=os.getloadavg())
+
+
+def prune_long_after(db: Path) -> tuple[int, float]:
+    """Rows the default retention prunes from `db` once its log's clock stands a retention past its last event, and
+    the seconds it took (short transactions, as a projector's pruning task runs them)."""
+    policy = retention_policy(ReadModelSettings())
+    engine = open_engine(db)
+    sessions = session_factory(engine)
+    try:
+        with sessions() as session, session.begin():
+            session.execute(text("UPDATE projection_positions SET last_event_at = last_event_at + :later"),
+                            {"later": int((policy.pipelines_retention_days + 1) * 86_400)})
+        started = time.perf_counter()
+        pruned = prune_all(sessions, policy, PROJECTION_NAME)
+        return pruned, time.perf_counter() - started
+    finally:
+        engine.dispose()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--events", type=int, default=100_000)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prune", action="store_true", help="also time the retention's pruning of the read model")
     args = parser.parse_args()
-    result = asyncio.run(bench(args.events, args.seed))
+    result = asyncio.run(bench(args.events, args.seed, args.prune))
     n = result["n"]
     heartbeats = result["mix"]["shard.heartbeat"]
     print(f"## Projector ({time.strftime('%Y-%m-%d')})\n")
@@ -188,6 +215,10 @@ def main() -> None:
           f"**{result['rebuild_s']:.2f} s** ({result['applied'] / result['rebuild_s']:,.0f} events/s; "
           f"{result['rebuild_cpu_s']:.2f} s CPU)")
     print(f"- rows differing between projector and rebuild: {result['differences']}")
+    if args.prune:
+        print(f"- the default retention pruning the projected database once its log's clock stands past every "
+              f"event: {result['pruned']} rows in **{result['prune_s']:.2f} s** "
+              f"({result['pruned'] / max(result['prune_s'], 1e-9):,.0f} rows/s)")
     print(f"- 1/5/15-min load average at the end (the 2 cores are shared): "
           f"{' / '.join(f'{x:.1f}' for x in result['load_average'])}")
 
