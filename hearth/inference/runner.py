@@ -229,7 +229,7 @@ class LayerRangeRunner(RunnerChecks):
         positions = [as_position(row.start_pos) for _, row, _, _ in ready]
         if self._static is not None:  # its graphs batch one-token steps only
             return self._static.run_batch(caches, torch.cat([hidden for _, _, hidden, _ in ready]), positions,
-                                          run_lo, run_hi)
+                                          run_lo, run_hi, extents=[row.prompt_tokens for _, row, _, _ in ready])
         return run_batched_step(stack=self._stack, caches=caches, hidden_states=[h for _, _, h, _ in ready],
                                 positions=positions, run_lo=run_lo, run_hi=run_hi, buffers=self._stacking_buffers,
                                 extents=[row.prompt_tokens for _, row, _, _ in ready])

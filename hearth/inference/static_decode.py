@@ -13,13 +13,14 @@ Capture writes nothing: before capturing, one warm-up step runs on a side stream
 state exists) and its cache writes are undone by resetting the length counters; the replay that follows rewrites
 the same slot. Graphs are kept per cache object (weakly): an evicted or reset session frees its graphs with it.
 
-Continuous batching over static caches (`run_batch`): the decode steps of several sessions run as one forward, each
-row appending to its own cache at its own length counter, the layer attending every row's keys stacked and masked
-by that row's position. On a GPU a batch is graphed too, one graph per set of sessions (and layer range): a set seen
-for the first time steps its sessions one by one through their own graphs, as before; from its
-`batch_capture_after_sightings`-th sighting on it is captured and replayed. Why not capture every batch at once: the
-batcher's groups change as sessions join, leave and drift apart, and a capture costs about two eager steps, while a
-set that keeps decoding together repeats for hundreds of tokens.
+Continuous batching over static caches (`run_batch`): the one-token steps of several sessions run as one forward,
+each row appending to its own cache at its own length counter, the layer attending every row's keys stacked and masked
+by that row's position. A row that is a prompt's one-token chunk rotates as the whole prompt (Hearth-Prompt-Tokens,
+as in a solo step: LongRoPE picks its factors by that length), eagerly. On a GPU a batch is graphed too, one graph
+per set of sessions (and layer range): a set seen for the first time steps its sessions one by one through their own
+graphs, as before; from its `batch_capture_after_sightings`-th sighting on it is captured and replayed. Why not
+capture every batch at once: the batcher's groups change as sessions join, leave and drift apart, and a capture costs
+about two eager steps, while a set that keeps decoding together repeats for hundreds of tokens.
 
 A graph has fixed shapes, so it attends a fixed number of each row's key positions: the power of two that covers its
 rows (`graph_width`, at least `min_graph_width_tokens`), and a session or set crossing one is captured again (a few
@@ -160,19 +161,24 @@ class StaticDecoder:
         else:
             position_ids = torch.arange(start_pos, start_pos + num_tokens, device=self.device).unsqueeze(0)
             output = self._body([cache], hidden, position_ids, start_pos + num_tokens, run_lo, run_hi,
-                                longer_extent(extent, start_pos, num_tokens), as_decoded=kind == "replay")
+                                [longer_extent(extent, start_pos, num_tokens)], as_decoded=kind == "replay")
         lengths = self._lengths[cache]
         for layer_index in range(run_lo, run_hi + 1):
             lengths[layer_index] = start_pos + num_tokens
         return output
 
     def run_batch(self, caches: Sequence[StaticCache], hidden: torch.Tensor, positions: Sequence[int], run_lo: int,
-                  run_hi: int) -> list[torch.Tensor]:
-        """One decode step (one token each, ``hidden`` ``[B, 1, hidden]``) of several sessions: row i at positions[i]
-        of caches[i]; each row's output ``[1, 1, hidden]``, valid as `run`'s until the next replay."""
+                  run_hi: int, extents: Sequence[int | None] | None = None) -> list[torch.Tensor]:
+        """One step of one token each (``hidden`` ``[B, 1, hidden]``) of several sessions: row i at positions[i]
+        of caches[i], rotated as a sequence of extents[i] tokens where given (a prompt's one-token chunk told the
+        prompt's length: layer_call); each row's output ``[1, 1, hidden]``, valid as `run`'s until the next replay."""
         for position in positions:
             self.check_room(position, 1)
-        if self.capture_graphs:
+        longer = [longer_extent(extent, position, 1)
+                  for extent, position in zip(extents or [None] * len(positions), positions, strict=True)]
+        # A graph fixes its rows' rotary lengths (and steps each row as a decode step): a row told a longer prompt's
+        # length runs eagerly.
+        if self.capture_graphs and all(extent is None for extent in longer):
             width = self.graph_width(max(positions) + 1)
             key = (tuple(id(cache) for cache in caches), run_lo, run_hi, width)
             entry = self._batch_graphs.get(key)
@@ -187,7 +193,7 @@ class StaticDecoder:
             output = self._replay(entry, hidden, positions)
         else:
             position_ids = torch.tensor(list(positions), dtype=torch.long, device=self.device).view(-1, 1)
-            output = self._body(caches, hidden, position_ids, max(positions) + 1, run_lo, run_hi)
+            output = self._body(caches, hidden, position_ids, max(positions) + 1, run_lo, run_hi, longer)
         self.batched_steps_total += 1
         for cache, position in zip(caches, positions, strict=True):
             lengths = self._lengths[cache]
@@ -202,12 +208,13 @@ class StaticDecoder:
         return self._batch_sightings[key]
 
     def _body(self, caches: Sequence[StaticCache], hidden: torch.Tensor, position_ids: torch.Tensor, width: int,
-              run_lo: int, run_hi: int, extent: int | None = None, as_decoded: bool = False) -> torch.Tensor:
-        """The layers for row i's ``hidden[i]`` at ``position_ids[i]`` over caches[i], attending each row's first
-        `width` positions; no host synchronisation (capturable when `width` is fixed)."""
+              run_lo: int, run_hi: int, extents: Sequence[int | None] | None = None, as_decoded: bool = False,
+              ) -> torch.Tensor:
+        """The layers for row i's ``hidden[i]`` at ``position_ids[i]`` over caches[i] (rotated as extents[i] tokens
+        where given), attending each row's first `width` positions; no host synchronisation (capturable when `width`
+        is fixed)."""
         position_embeddings = position_embeddings_by_type(self._rotary_embedding, hidden, position_ids,
-                                                          [FULL_ATTENTION], extent and [extent],
-                                                          as_decoded)[FULL_ATTENTION]
+                                                          [FULL_ATTENTION], extents, as_decoded)[FULL_ATTENTION]
         # [B, 1, T, width], True where the key's position is at most the query's.
         mask = (self._key_positions[:width].view(1, 1, -1) <= position_ids.unsqueeze(-1)).unsqueeze(1)
         rows = _StaticRows(caches, width)

@@ -1,14 +1,17 @@
 """LongRoPE (Phi-3's long-context models) picks its short or long factors by the largest position of a call: a
 session's rotary embedding must not depend on which other sessions share its batched step, nor on the pieces a shard
 cuts its step into or the chunks the orchestrator sends a prompt in (Hearth-Prompt-Tokens), and replayed tokens
-rotate as their decode steps did (hearth/inference/layer_call.py)."""
+rotate as their decode steps did (hearth/inference/layer_call.py), over dynamic caches and static ones alike."""
 
 from __future__ import annotations
 
 import torch
 from transformers import Phi3Config, Phi3ForCausalLM
 
+import pytest
+
 from hearth.inference import load_head, load_layer_range
+from hearth.inference.batched import BatchRow
 from tests.runner_limits import RUNNER_KV_LIMITS
 
 from .gguf_files import PHI3_LONGROPE_OVERRIDES
@@ -18,13 +21,45 @@ from .test_layer_slices import run_sliced
 
 ORIGINAL_CONTEXT = PHI3_LONGROPE_OVERRIDES["original_max_position_embeddings"]
 LONG_PROMPT = "the quick brown fox jumps over the lazy dog, twice"
+STATIC_TOKENS = 64
+# Dynamic caches, and static ones (hearth/inference/static_decode.py; eager on the CPU).
+CACHES = [pytest.param({}, id="dynamic"), pytest.param({"static_cache_tokens": STATIC_TOKENS}, id="static")]
 
 
-def test_sessions_either_side_of_the_original_context_decode_together_as_alone(tiny_model_dir):
-    batch, expected = decode_eight_sessions_together(tiny_model_dir("phi3", **PHI3_LONGROPE_OVERRIDES))
+@pytest.mark.parametrize("cache_options", CACHES)
+def test_sessions_either_side_of_the_original_context_decode_together_as_alone(tiny_model_dir, cache_options):
+    batch, expected = decode_eight_sessions_together(tiny_model_dir("phi3", **PHI3_LONGROPE_OVERRIDES),
+                                                     **cache_options)
     final = sorted(batch.positions.values())
     assert final[0] < ORIGINAL_CONTEXT < final[-1]  # some rows on the short factors throughout, some on the long
     assert batch.tokens == expected
+
+
+@pytest.mark.parametrize("cache_options", CACHES)
+def test_a_one_token_chunk_of_a_long_prompt_batched_with_a_decode_step_rotates_as_the_prompt(tiny_model_dir,
+                                                                                             cache_options):
+    """A prompt's one-token chunk below the original context, told the prompt's length past it, in a batched step
+    beside another session's decode step: the long factors, as its solo step takes them."""
+    path = tiny_model_dir("phi3", **PHI3_LONGROPE_OVERRIDES)
+    solo, batched = (load_layer_range(path, 0, TINY_NUM_LAYERS - 1, **cache_options, **RUNNER_KV_LIMITS)
+                     for _ in range(2))
+    assert (batched._static is not None) == bool(cache_options)
+    torch.manual_seed(0)
+    hidden_size = load_head(path).info.hidden_size
+    prompt, other_prompt = torch.randn(1, 10, hidden_size), torch.randn(1, 5, hidden_size)
+    chunk, decoded = torch.randn(1, 1, hidden_size), torch.randn(1, 1, hidden_size)
+    prompt_tokens = 2 * ORIGINAL_CONTEXT
+    for runner in (solo, batched):
+        runner.forward("prompt", prompt, 0, "prefill", prompt_tokens=prompt_tokens)
+        runner.forward("other", other_prompt, 0, "prefill")
+    expected = [solo.forward("prompt", chunk, 10, "prefill", prompt_tokens=prompt_tokens),
+                solo.forward("other", decoded, 5, "decode")]
+
+    got = batched.step_batch([BatchRow("prompt", chunk, 10, "prefill", prompt_tokens),
+                              BatchRow("other", decoded, 5, "decode")])
+    assert batched._static is None or batched._static.batched_steps_total == 1  # one batched step, not two solo
+    for row, solo_row in zip(got, expected, strict=True):
+        torch.testing.assert_close(row, solo_row, rtol=1e-3, atol=1e-3)  # batched products round otherwise
 
 
 def test_a_step_past_the_original_context_rotates_as_one_whatever_its_pieces(tiny_model_dir):
