@@ -11,8 +11,9 @@ what it deletes only stays deleted, so a rebuild pruned at the end holds what a 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -25,6 +26,8 @@ from hearth.readmodels.positions import POSITIONS
 log = logging.getLogger(__name__)
 
 seconds_per_minute = 60
+# How long a cancelled pruner waits for its transaction under way (a few hundred rows) to end.
+prune_finish_timeout_s = 10.0
 
 
 @dataclass(frozen=True)
@@ -158,7 +161,7 @@ async def keep_pruning(session_factory: Callable[[], Session], policy: Retention
         try:
             while True:
                 async with write_turn:
-                    deleted = await asyncio.to_thread(prune_transaction)
+                    deleted = await _finished_even_if_cancelled(asyncio.to_thread(prune_transaction))
                 if deleted == 0:
                     break
                 count(deleted)
@@ -167,3 +170,15 @@ async def keep_pruning(session_factory: Callable[[], Session], policy: Retention
         except Exception:  # a busy or failing database: the next round tries again
             log.exception("%s: pruning the read model failed; trying again in %.0f s", projection,
                           policy.prune_interval_s)
+
+
+async def _finished_even_if_cancelled(work: Awaitable[int]) -> int:
+    """`work`'s result; cancelled meanwhile, it still waits (at most prune_finish_timeout_s) for the transaction under
+    way in its thread to end, so the write turn is not handed on, nor the engine disposed, while it writes."""
+    running = asyncio.ensure_future(work)
+    try:
+        return await asyncio.shield(running)
+    except asyncio.CancelledError:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(running, timeout=prune_finish_timeout_s)
+        raise

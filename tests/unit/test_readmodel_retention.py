@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
+import time
 from datetime import timedelta
 
 import pytest
@@ -15,6 +17,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from hearth.events.models import PipelineCompleted, ShardWithdrawn
 from hearth.events.streams import pipelines_max_age_s, seconds_per_day, shards_max_age_s
 from hearth.readmodels.db import alembic_config, open_engine, upgrade_database
+from hearth.readmodels import retention
 from hearth.readmodels.projection import ReadModelProjection
 from hearth.readmodels.retention import keep_pruning, prune_all, retention_policy
 from hearth.services.common.config import ReadModelSettings
@@ -226,3 +229,26 @@ def test_a_completed_call_is_counted_on_its_shards_with_the_time_it_was_counted(
                                                     duration_ms=1.0, tokens_per_second=1.0, finish_reason="stop",
                                                     node_id="hub", occurred_at=at(6.0)))], projection())
     assert count(engine, "SELECT last_counted_at FROM shard_stats") == int(T0.timestamp()) + 5
+
+
+async def test_a_cancelled_pruner_ends_only_once_its_transaction_has(tmp_path, engine, monkeypatch):
+    """Stopping a projector cancels its pruner: the transaction under way in its thread ends first, holding the write
+    turn meanwhile, so no other writer starts and the engine is not disposed under it."""
+    started, finished = threading.Event(), threading.Event()
+
+    def slow_prune(session, policy, projection):
+        started.set()
+        time.sleep(0.3)
+        finished.set()
+        return 0
+
+    monkeypatch.setattr(retention, "prune_once", slow_prune)
+    turn = asyncio.Lock()
+    policy = retention_policy(ReadModelSettings(prune_interval_s=0.01))
+    task = asyncio.create_task(keep_pruning(sessionmaker(engine), policy, projection().name, turn, lambda rows: None))
+    while not started.is_set():
+        await asyncio.sleep(0.01)
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    assert finished.is_set() and not turn.locked()

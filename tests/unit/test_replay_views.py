@@ -16,7 +16,7 @@ from hearth.events.models import (
     ShardHeartbeat,
     ShardWithdrawn,
 )
-from hearth.events.streams import PIPELINES_STREAM, SHARDS_STREAM
+from hearth.events.streams import MEMBER_REMOVAL_SUBJECTS, PIPELINES_STREAM, SHARDS_STREAM
 from hearth.protocol.subjects import event_subject
 from hearth.services.replay.query import (
     QueryError,
@@ -24,7 +24,7 @@ from hearth.services.replay.query import (
     parse_duration,
     parse_timestamp,
     select_streams,
-    subject_for_type,
+    subjects_for_type,
     subject_is_subset,
     subjects_collide,
     type_matches,
@@ -81,14 +81,24 @@ def test_parse_timestamp_accepts_rfc3339_and_treats_naive_times_as_utc():
 
 
 def test_types_map_to_subject_filters():
-    assert subject_for_type("pipeline.completed") == "hearth.events.pipeline.*.completed"
-    assert subject_for_type("shard.heartbeat") == "hearth.events.shard.*.*.heartbeat"
-    assert subject_for_type("integrity.corruption_detected") == "hearth.events.integrity.*.corruption_detected"
-    assert subject_for_type("shard") == "hearth.events.shard.>"
+    assert subjects_for_type("pipeline.completed") == ("hearth.events.pipeline.*.completed",)
+    assert subjects_for_type("shard.heartbeat") == ("hearth.events.shard.*.*.heartbeat",)
+    assert subjects_for_type("integrity.corruption_detected") == ("hearth.events.integrity.*.corruption_detected",)
+    assert subjects_for_type("shard") == ("hearth.events.shard.>",)
     with pytest.raises(QueryError, match="unknown event type"):
-        subject_for_type("shard.exploded")
+        subjects_for_type("shard.exploded")
     assert type_matches("shard.heartbeat", ["shard"]) and type_matches("shard.heartbeat", [])
     assert not type_matches("shard.heartbeat", ["shard.advertised", "pipeline"])
+
+
+def test_a_removal_is_found_on_the_subject_it_has_in_each_stream():
+    """`--type member.removed` (or `member`) reads both streams, where the steward publishes a removal: not the
+    subject its family would give it, which no stream holds."""
+    for wanted in ("member.removed", "member"):
+        selections = select_streams(types=[wanted])
+        assert {selection.stream for selection in selections} == {SHARDS_STREAM, PIPELINES_STREAM}
+        for selection in selections:
+            assert selection.filters == (MEMBER_REMOVAL_SUBJECTS[selection.stream],)
 
 
 def test_subject_algebra():

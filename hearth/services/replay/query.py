@@ -19,7 +19,7 @@ import nats.js.errors
 
 from hearth.events.consume import SkippedMessage, StoredEvent, first_stream_seq, read_stream
 from hearth.events.models import EVENT_TYPES
-from hearth.events.streams import ALL_STREAMS, STREAM_SPECS
+from hearth.events.streams import ALL_STREAMS, MEMBER_REMOVAL_SUBJECTS, STREAM_SPECS
 from hearth.protocol.subjects import EVENTS_PREFIX, event_type_filter
 
 LogItem = StoredEvent | SkippedMessage
@@ -27,6 +27,10 @@ LogItem = StoredEvent | SkippedMessage
 _duration_part_re = re.compile(r"(\d+(?:\.\d+)?)([smhdw])")
 _duration_units_s = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 _EVENT_FAMILIES = sorted({event_type.split(".", 1)[0] for event_type in EVENT_TYPES})
+# Types and families published on subjects of their own rather than under their family's (event_subject): a member's
+# removal goes on one subject in each stream.
+_OWN_SUBJECTS: dict[str, tuple[str, ...]] = {name: tuple(MEMBER_REMOVAL_SUBJECTS.values())
+                                             for name in ("member.removed", "member")}
 
 
 class QueryError(ValueError):
@@ -53,12 +57,15 @@ def parse_timestamp(text: str) -> datetime:
     return value.astimezone(timezone.utc)
 
 
-def subject_for_type(event_type: str) -> str:
-    """The subject filter that selects one event type (`pipeline.completed`) or family (`shard`)."""
+def subjects_for_type(event_type: str) -> tuple[str, ...]:
+    """The subject filters that select one event type (`pipeline.completed`) or family (`shard`): one, but a
+    removal's (`member.removed`), which is on one subject in each stream."""
+    if event_type in _OWN_SUBJECTS:
+        return _OWN_SUBJECTS[event_type]
     if event_type in EVENT_TYPES:
-        return event_type_filter(event_type)
+        return (event_type_filter(event_type),)
     if event_type in _EVENT_FAMILIES:
-        return f"{EVENTS_PREFIX}.{event_type}.>"
+        return (f"{EVENTS_PREFIX}.{event_type}.>",)
     known = ", ".join(sorted(EVENT_TYPES) + _EVENT_FAMILIES)
     raise QueryError(f"unknown event type {event_type!r}; known: {known}")
 
@@ -122,7 +129,7 @@ def select_streams(
     for name in chosen:
         if name not in specs:
             raise QueryError(f"unknown stream {name!r}; hearth streams are {', '.join(ALL_STREAMS)}")
-    wanted_filters = [subject] if subject else [subject_for_type(t) for t in types]
+    wanted_filters = [subject] if subject else [each for t in types for each in subjects_for_type(t)]
     selections: list[StreamSelection] = []
     for name in chosen:
         stream_subjects = specs[name].subjects
