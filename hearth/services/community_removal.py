@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -19,8 +20,9 @@ if TYPE_CHECKING:
     from hearth.trust.community import Community
     from hearth.trust.keys import MemberKey
 
-# Publishes one signed event on a subject and says where the broker stored it: (stream, sequence).
-Publish = Callable[["MemberRemoved", str], Awaitable[tuple[str, int]]]
+# Publishes one signed event on a subject and says where and when the broker stored it: (stream, sequence, the
+# broker's storage time).
+Publish = Callable[["MemberRemoved", str], Awaitable[tuple[str, int, datetime]]]
 
 
 class RemovalNotPublished(Exception):
@@ -52,14 +54,14 @@ async def publish_removal(member: Member, steward_key: MemberKey, publish: Publi
     for stream in streams:
         event = removal_event(member, stream, steward_key)
         try:
-            stored_in, seq = await publish(event, MEMBER_REMOVAL_SUBJECTS[stream])
+            stored_in, seq, stored_at = await publish(event, MEMBER_REMOVAL_SUBJECTS[stream])
         except Exception as error:  # that stream refused or did not answer: the others may still take it
             published.failures[stream] = str(error) or type(error).__name__
             continue
         if stored_in != stream:
             published.failures[stream] = f"the broker stored it in {stored_in}"
             continue
-        published.cuts.append(RemovalCut(stream=stream, seq=seq, event_id=event.event_id))
+        published.cuts.append(RemovalCut(stream=stream, seq=seq, event_id=event.event_id, stored_at=stored_at))
     if not published.cuts:
         reasons = "; ".join(f"{stream}: {why}" for stream, why in published.failures.items())
         raise RemovalNotPublished(f"no event stream took the removal ({reasons})")
@@ -76,9 +78,13 @@ async def steward_publisher(nats: NatsSettings, system_key: Path) -> AsyncIterat
     settings = nats.model_copy(update={"creds_file": system_key})
     connection = await connect_nats(settings.url, name="hearth steward", settings=settings)
 
-    async def publish(event: MemberRemoved, subject: str) -> tuple[str, int]:
-        ack = await publish_event(connection.jetstream(), event, subject=subject)
-        return ack.stream, ack.seq
+    async def publish(event: MemberRemoved, subject: str) -> tuple[str, int, datetime]:
+        js = connection.jetstream()
+        ack = await publish_event(js, event, subject=subject)
+        # The ack says where, not when: the stored message says when, by the broker's clock (a request bounded by
+        # the JetStream context's timeout).
+        stored = await js.get_msg(ack.stream, ack.seq)
+        return ack.stream, ack.seq, stored.time
 
     try:
         yield publish

@@ -60,13 +60,22 @@ class Member(BaseModel):
 
 class RemovalCut(BaseModel):
     """Where a member's removal falls in one event stream: the sequence of the signed `member.removed` the steward
-    published there (hearth/events/models.py, MemberRemoved)."""
+    published there (hearth/events/models.py, MemberRemoved), and when the broker stored it (its clock, not the
+    steward's): a stream deleted and created again numbers its messages from 1, and what it stores after that time
+    still comes after the removal."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     stream: str = Field(min_length=1, max_length=64)
     seq: int = Field(ge=1)
     event_id: str = Field(min_length=1, max_length=64)
+    # None in a roster written before cuts held it.
+    stored_at: AwareDatetime | None = None
+
+    def passed_by(self, seq: int, stored_at: datetime) -> bool:
+        """Whether a message of this stream stored at `seq`, at `stored_at` by the broker's clock, came after the
+        removal: after it in the stream, or stored later (a stream created again since)."""
+        return seq > self.seq or (self.stored_at is not None and stored_at > self.stored_at)
 
 
 class RemovedMember(BaseModel):
@@ -90,7 +99,7 @@ class RemovedMember(BaseModel):
         came after its removal: by the removal event's position where the stream has one, else by `removed_at`."""
         cut = self.cut_in(stream) if stream is not None and seq is not None else None
         if cut is not None:
-            return seq > cut.seq  # type: ignore[operator]
+            return cut.passed_by(seq, stored_at)  # type: ignore[arg-type]
         return stored_at >= self.removed_at
 
 

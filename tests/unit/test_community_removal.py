@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from datetime import datetime, timezone
 
 import pytest
 from typer.testing import CliRunner
@@ -25,6 +26,9 @@ def community(tmp_path) -> Community:
     return community
 
 
+STORED_AT = datetime(2026, 12, 5, 10, 0, tzinfo=timezone.utc)  # by the broker's clock
+
+
 class FakeBroker:
     """Stores what is published, one sequence per stream; refuses the streams in `refusing`."""
 
@@ -32,21 +36,21 @@ class FakeBroker:
         self.refusing = refusing
         self.stored: list[tuple[str, int, str, object]] = []
 
-    async def publish(self, event, subject: str) -> tuple[str, int]:
+    async def publish(self, event, subject: str) -> tuple[str, int, datetime]:
         stream = next(name for name, removal_subject in MEMBER_REMOVAL_SUBJECTS.items() if removal_subject == subject)
         if stream in self.refusing:
             raise TimeoutError("nats: timeout")
         seq = 40 + len(self.stored)
         self.stored.append((stream, seq, subject, event))
-        return stream, seq
+        return stream, seq, STORED_AT
 
 
 def test_the_removal_goes_on_every_stream_signed_by_the_steward_and_the_cuts_say_where(community):
     broker = FakeBroker()
     attic = community.roster().by_name("attic")
     published = asyncio.run(publish_removal(attic, community.system_key(), broker.publish))
-    assert [(cut.stream, cut.seq) for cut in published.cuts] == [(stream, 40 + n) for n, stream in
-                                                                 enumerate(ALL_STREAMS)]
+    assert [(cut.stream, cut.seq, cut.stored_at) for cut in published.cuts] == [
+        (stream, 40 + n, STORED_AT) for n, stream in enumerate(ALL_STREAMS)]
     assert published.failures == {}
     verifier = EventVerifier(community.roster(), max_clock_skew_s=30)
     for (stream, seq, _subject, event), cut in zip(broker.stored, published.cuts):

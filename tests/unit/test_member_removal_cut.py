@@ -172,3 +172,17 @@ def test_the_verifier_sets_a_removed_members_events_against_the_cut_of_their_own
                                      removal_logged=True) == "removed_signer"
     assert member_verifier.rejection(beat, received_at=beat.occurred_at + timedelta(days=1),
                                      position=StreamPosition(SHARDS_STREAM, 9)) is None
+
+
+def test_a_stream_created_again_still_cuts_by_when_the_broker_stored_the_removal():
+    removal_stored = at(REMOVED_AT_S)
+    cuts = [RemovalCut(stream=SHARDS_STREAM, seq=REMOVAL_SEQ, event_id="e", stored_at=removal_stored)]
+    verifier = EventVerifier(roster_without_attic(cuts=cuts), max_clock_skew_s=SKEW_S)
+    # The stream wiped and created again: its messages are numbered from 1, below the cut.
+    replayed = sign_event(heartbeat(SHARD_ID, t=REMOVED_AT_S + 10 * 86_400, node="attic"), ATTIC)
+    assert verifier.rejection(replayed, received_at=replayed.occurred_at,
+                              position=StreamPosition(SHARDS_STREAM, 2)) == "removed_signer"
+    # Before the removal, in the stream as it was: still the member's.
+    before = sign_event(heartbeat(SHARD_ID, t=REMOVED_AT_S - 5, node="attic"), ATTIC)
+    assert verifier.rejection(before, received_at=before.occurred_at,
+                              position=StreamPosition(SHARDS_STREAM, REMOVAL_SEQ - 1)) is None
