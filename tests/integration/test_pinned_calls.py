@@ -3,10 +3,11 @@ hearth/services/gateway/conversations.py), over a real nats-server with scripted
 each answering the queue group's subject and its own: a pinned call reaches its orchestrator only; it goes to the
 queue group at once when nobody listens on that subject, and when the orchestrator answers `overloaded` before any
 token, but not for any other ending; the gateway sends a request that extends a conversation it carried to the
-orchestrator that answered it, for the same member only."""
+orchestrator that answered it, for the same member only; so does `hearth chat --interactive`."""
 
 from __future__ import annotations
 
+import io
 import json
 import time
 from collections import defaultdict
@@ -18,6 +19,7 @@ from hearth.protocol.chat import ChatRequest, ModelsReply, ServedModel
 from hearth.protocol.subjects import CHAT_REQUEST_SUBJECT, MODELS_REQUEST_SUBJECT, orchestrator_request_subject
 from hearth.services.broker.connection import connect_nats, flush_ordered
 from hearth.services.client.chat import ChatResult
+from hearth.services.client.command import _conversation
 from hearth.services.client.pinned import stream_chat_pinned
 from hearth.services.common.config import HearthSettings
 from hearth.services.gateway.app import create_app
@@ -162,3 +164,18 @@ def test_pins_are_per_member_and_bounded():
     for index in range(2):
         pins.remember("alice", ChatRequest(model=MODEL, messages=[{"role": "user", "content": str(index)}]), "x")
     assert len(pins) == 2 and pins.pinned("alice", going_on) is None
+
+
+async def test_hearth_chat_interactive_sends_each_next_turn_to_the_orchestrator_that_answered(
+        mesh, nats_url, monkeypatch, capsys):
+    orchestrators, _ = mesh
+    for name in ("orch-a", "orch-b"):
+        await orchestrators.start(name)
+    monkeypatch.setattr("sys.stdin", io.StringIO("and then?\nand after that?\n\n"))
+    first_turn = ChatRequest(model=MODEL, messages=[{"role": "user", "content": "hello"}])
+    assert await _conversation(nats_url, first_turn, nats_settings=None) == 0
+    first = next(name for name, subjects in orchestrators.heard.items() if subjects)
+    assert orchestrators.heard[first] == [CHAT_REQUEST_SUBJECT] + [orchestrator_request_subject(first)] * 2
+    assert [len(request.messages) for request in orchestrators.requests] == [1, 3, 5]
+    assert orchestrators.requests[-1].messages[-2].content == "ok"
+    assert capsys.readouterr().out == "ok\nok\nok\n"
