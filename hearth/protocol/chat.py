@@ -8,6 +8,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
+from hearth.protocol.bounds import max_id_chars
 from hearth.protocol.chat_tools import ResponseFormat, ToolCallList, ToolChoice, ToolList
 from hearth.protocol.quantization_labels import QuantizationLabel
 
@@ -318,6 +319,8 @@ class DoneFrame(_Frame):
     usage: Usage
     timing: Timing = Field(default_factory=Timing)
     choices: list[ChoiceEnd] | None = Field(default=None, max_length=max_choices, exclude_if=_is_none)
+    # The orchestrator that answered (its node id): a conversation's next turn goes to its own subject first.
+    orchestrator: str | None = Field(default=None, min_length=1, max_length=max_id_chars, exclude_if=_is_none)
 
 
 class KeepaliveFrame(_Frame):
@@ -347,8 +350,7 @@ class ErrorFrame(_Frame):
 
 ChatFrame = Annotated[
     Union[PipelineFrame, TokenDeltaFrame, ShardStatusFrame, ShardFailoverFrame, TokensWithdrawnFrame,
-          PipelineAbortedFrame,
-          DoneFrame, ErrorFrame, KeepaliveFrame, QueuedFrame],
+          PipelineAbortedFrame, DoneFrame, ErrorFrame, KeepaliveFrame, QueuedFrame],
     Field(discriminator="type"),
 ]
 _frame_adapter: TypeAdapter[ChatFrame] = TypeAdapter(ChatFrame)

@@ -13,6 +13,9 @@ from hearth.protocol.quantization_labels import is_quantization_label
 # Where clients call the orchestrators (a queue group answers) and ask which models the mesh serves.
 CHAT_REQUEST_SUBJECT = "llm.chat.request"
 MODELS_REQUEST_SUBJECT = "llm.models"
+# Every orchestrator's own subject (orchestrator_request_subject), where a conversation's next turn goes to the
+# orchestrator whose member's hops keep its history; any caller may send there.
+ORCHESTRATOR_REQUEST_WILDCARD = f"{CHAT_REQUEST_SUBJECT}.*"
 
 # Replies go to inboxes under this root, each member's under its own token (inbox_prefix).
 INBOX_ROOT = "_INBOX"
@@ -134,6 +137,12 @@ def node_token(text: str) -> str:
     """Make free text (a node id) usable as one subject token."""
     safe = "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in text)
     return safe or "_"
+
+
+def orchestrator_request_subject(node_id: str) -> str:
+    """Where one orchestrator (its node id, on a community mesh its member name) answers calls besides the queue
+    group's subject: the `orchestrator` a done frame names, made one subject token whatever text it is."""
+    return f"{CHAT_REQUEST_SUBJECT}.{node_token(node_id)}"
 
 
 def hop_notice_subject(pipeline_id: str) -> str:

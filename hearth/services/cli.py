@@ -285,6 +285,9 @@ def chat_command(
     seed: Annotated[Optional[int], typer.Option("--seed", help="Makes sampling reproducible.")] = None,
     raw: Annotated[bool, typer.Option("--raw", help="Send PROMPT as raw text, no chat template.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print every frame as one JSON line.")] = False,
+    interactive: Annotated[bool, typer.Option("--interactive", "-i", help="Go on with the conversation: each "
+                                              "line read from stdin is the next turn (an empty line or EOF ends "
+                                              "it).")] = False,
     choices: Annotated[int, typer.Option("--n", min=1, max=max_choices, help="Independent answers to ask for "
                                          "(each printed under a [choice I] line once all ended).")] = \
         ChatRequest.model_fields["n"].default,
@@ -305,7 +308,7 @@ def chat_command(
     url = resolve_nats_url(ctx, nats_url)
     code = run_chat_command(url, prompt=prompt, model=model, max_tokens=max_tokens, temperature=temperature,
                             seed=seed, raw=raw, as_json=as_json, nats_settings=settings(ctx).nats,
-                            choices=choices, quantization=quantization)
+                            choices=choices, quantization=quantization, interactive=interactive)
     raise typer.Exit(code)
 
 

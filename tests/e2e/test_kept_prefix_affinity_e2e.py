@@ -3,7 +3,8 @@ its next turn through another of the same member that never saw it (here: the me
 fresh read model), which finds in its read model (from the first's `pipeline.completed`) the host keeping the
 history's blocks and routes there although cost alone picks a replica; the turn begins from kept blocks. An
 orchestrator of another member finds no record it could use (the host keeps those blocks for the first member's hops
-only) and routes by cost."""
+only) and routes by cost. A client's later turns go back to the orchestrator that answered the first, so they begin
+from kept blocks whichever member's orchestrator the queue picked first."""
 
 from __future__ import annotations
 
@@ -14,9 +15,14 @@ from pathlib import Path
 
 import pytest
 
+from hearth.protocol.chat import ChatRequest
+from hearth.services.broker.connection import connect_nats
+from hearth.services.client.chat import ChatResult
+from hearth.services.client.pinned import stream_chat_pinned
 from hearth.services.devtools.local_cluster import LocalCluster
 from tests.e2e.conftest import TINY_LAYERS, TINY_MODEL_NAME
-from tests.e2e.test_prefix_cache_e2e import BLOCK, FIRST_TURN, ask_constructed
+from tests.e2e.failover_support import pipeline_events
+from tests.e2e.test_prefix_cache_e2e import BLOCK, FIRST_TURN, NEW_TOKENS, ask_constructed
 
 pytestmark = pytest.mark.e2e
 
@@ -87,3 +93,37 @@ async def test_a_conversation_s_next_turn_through_another_orchestrator_goes_wher
     _, elsewhere = await ask_constructed(cluster, tiny_models_dir, second_turn)
     assert elsewhere.node_id == "orchestrator-c"
     assert elsewhere.hops == [replica_id] and elsewhere.cached_prompt_tokens == 0
+
+
+async def test_a_conversation_s_turns_stay_with_the_orchestrator_whose_member_keeps_its_history(
+        cluster, tiny_models_dir):
+    """Two members' orchestrators share the queue: a client member's later turns go to the orchestrator the done
+    frame named (its own subject, which the broker lets the client publish to and that orchestrator alone hear), so
+    each begins from the blocks its member's hops kept."""
+    cluster.start_shard(str(tiny_models_dir / TINY_MODEL_NAME), 0, TINY_LAYERS - 1, node_id="keeper", wait_ready=False)
+    for name in ("orchestrator-a", "orchestrator-b"):
+        start_orchestrator_named(cluster, tiny_models_dir, name, cluster.work_dir / f"{name}.sqlite")
+    cluster.wait_all_ready()
+    client = await connect_nats(cluster.nats_url, name="e2e-alice",
+                                settings=cluster.nats_settings(cluster.member_key("alice", "client")))
+    events = await connect_nats(cluster.nats_url, name="e2e-events", settings=cluster.nats_settings())
+    try:
+        prompt, answered_by, served = FIRST_TURN, None, []
+        for turn in range(3):
+            result = ChatResult()
+            async for frame in stream_chat_pinned(client, ChatRequest(model=TINY_MODEL_NAME, prompt=prompt,
+                                                                      max_tokens=NEW_TOKENS),
+                                                  orchestrator=answered_by):
+                result.frames.append(frame)
+            assert result.ok, result.final
+            answered_by = result.final.orchestrator
+            stored = await pipeline_events(events, result.frames_of("pipeline")[0].pipeline_id)
+            constructed = next(item.event for item in stored if item.event.type == "pipeline.constructed")
+            assert constructed.node_id == answered_by
+            served.append((answered_by, constructed.cached_prompt_tokens))
+            prompt += result.text + f" and then turn {turn} asks what the next house knows"
+    finally:
+        await asyncio.wait_for(client.close(), timeout=5)
+        await asyncio.wait_for(events.close(), timeout=5)
+    assert len({name for name, _ in served}) == 1, served
+    assert all(cached > 0 and cached % BLOCK == 0 for _, cached in served[1:]), served

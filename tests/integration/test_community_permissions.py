@@ -9,7 +9,7 @@ import nats
 import pytest
 from nats.errors import NoServersError
 
-from hearth.protocol.subjects import shard_events_subject_of_node
+from hearth.protocol.subjects import orchestrator_request_subject, shard_events_subject_of_node
 from hearth.services.common.config import NatsSettings
 from hearth.services.broker.connection import BrokerRefusedCredentials, connect_nats, flush_ordered
 from hearth.services.broker.permissions import render_authorization
@@ -111,10 +111,21 @@ async def test_each_role_gets_only_its_own_subjects(community_server):
         # A client: asks, and hears only on its own inbox.
         assert not await client.refused(lambda nc: nc.publish("llm.chat.request", b"{}"))
         assert await client.refused(lambda nc: nc.subscribe("llm.chat.request"))
+        # Any orchestrator's own subject (a conversation's next turn), to send only.
+        assert not await client.refused(lambda nc: nc.publish(orchestrator_request_subject("orch"), b"{}"))
+        assert await client.refused(lambda nc: nc.subscribe(orchestrator_request_subject("orch")))
         assert await client.refused(lambda nc: nc.subscribe("_INBOX.shard-a.x"))
         assert await client.refused(lambda nc: nc.publish("hearth.ctl.shard-a.abc", b"{}"))
         # An auditor reads the streams' API, but publishes nothing into the log.
         assert await auditor.refused(lambda nc: nc.publish("hearth.events.pipeline.p1.completed", b"{}"))
+        # An orchestrator hears the queue's subject and its own, not another orchestrator's.
+        orchestrator = await Member(community, "orch").connect(server.url)
+        try:
+            assert not await orchestrator.refused(lambda nc: nc.subscribe("llm.chat.request", queue="q"))
+            assert not await orchestrator.refused(lambda nc: nc.subscribe(orchestrator_request_subject("orch")))
+            assert await orchestrator.refused(lambda nc: nc.subscribe(orchestrator_request_subject("orch-b")))
+        finally:
+            await orchestrator.nc.close()
     finally:
         for member in (shard, client, auditor):
             await member.nc.close()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from hearth.events.streams import ALL_STREAMS, PIPELINES_STREAM, SHARDS_STREAM
+from hearth.protocol.subjects import CHAT_REQUEST_SUBJECT, ORCHESTRATOR_REQUEST_WILDCARD, orchestrator_request_subject
 from hearth.services.broker.permissions import (
     is_member_inbox,
     reply_allowed,
@@ -70,3 +71,19 @@ def test_replies_go_only_to_a_caller_s_inbox():
                   "hearth.events.pipeline.p.completed", f"$JS.API.STREAM.INFO.{PIPELINES_STREAM}"):
         assert not reply_allowed(reply, roles), reply
     assert reply_allowed("_INBOX.Zx9") and not reply_allowed("hearth.events.shard.n.k.heartbeat")
+
+
+def may_subscribe(role: str, subject: str, name: str = "m") -> bool:
+    return any(matches(pattern, subject) for pattern in role_permissions(role, name, ("_INBOX.alice",)).subscribe)
+
+
+def test_an_orchestrator_hears_the_queue_and_its_own_subject_only_and_a_client_may_call_any():
+    own, another = orchestrator_request_subject("orch-a"), orchestrator_request_subject("orch-b")
+    assert may_subscribe("orchestrator", CHAT_REQUEST_SUBJECT, "orch-a")
+    assert may_subscribe("orchestrator", own, "orch-a") and not may_subscribe("orchestrator", another, "orch-a")
+    assert not may_subscribe("orchestrator", ORCHESTRATOR_REQUEST_WILDCARD, "orch-a")
+    for subject in (CHAT_REQUEST_SUBJECT, own, another):
+        assert may_publish("client", subject), subject
+        assert not may_subscribe("client", subject), subject
+    # One token under the queue's subject, nothing deeper.
+    assert not may_publish("client", f"{own}.x")

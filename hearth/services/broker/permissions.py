@@ -30,7 +30,14 @@ from hearth.protocol.subjects import (
     node_token,
     shard_events_subject_of_node,
 )
-from hearth.protocol.subjects import CHAT_REQUEST_SUBJECT, INBOX_ROOT, MODELS_REQUEST_SUBJECT, inbox_prefix
+from hearth.protocol.subjects import (
+    CHAT_REQUEST_SUBJECT,
+    INBOX_ROOT,
+    MODELS_REQUEST_SUBJECT,
+    ORCHESTRATOR_REQUEST_WILDCARD,
+    inbox_prefix,
+    orchestrator_request_subject,
+)
 from hearth.trust.roster import Member, Role, Roster, TrustLevel, trust_at_least
 
 JS_API = "$JS.API"
@@ -134,13 +141,17 @@ def role_permissions(role: Role, name: str, caller_inboxes: Iterable[str] = ()) 
             # Every activation link, not only those into itself: it taps the links between its pipelines' hops to
             # check what each hop computed (hearth/services/orchestrator/recording.py). Another orchestrator's links are
             # sealed under keys it never had, so it learns nothing from them.
-            subscribe=(CHAT_REQUEST_SUBJECT, MODELS_REQUEST_SUBJECT, "hearth.act.>", "hearth.ack.>",
-                       "hearth.notice.>", own_inbox),
+            # Of the orchestrators' own subjects only its own: another member's calls to its orchestrator are not
+            # ours to hear.
+            subscribe=(CHAT_REQUEST_SUBJECT, orchestrator_request_subject(name), MODELS_REQUEST_SUBJECT,
+                       "hearth.act.>", "hearth.ack.>", "hearth.notice.>", own_inbox),
         )
     if role in ("projector", "auditor"):
         return Permissions(publish=stream_reading(ALL_STREAMS), subscribe=(own_inbox,))
     if role == "client":
-        return Permissions(publish=(CHAT_REQUEST_SUBJECT, MODELS_REQUEST_SUBJECT), subscribe=(own_inbox,))
+        # Any orchestrator's own subject: a conversation's next turn goes to the one that answered the last.
+        return Permissions(publish=(CHAT_REQUEST_SUBJECT, ORCHESTRATOR_REQUEST_WILDCARD, MODELS_REQUEST_SUBJECT),
+                           subscribe=(own_inbox,))
     if role == "system":
         return Permissions(publish=(">",), subscribe=(">",), allow_responses=True)
     raise ValueError(f"unknown role {role!r}")

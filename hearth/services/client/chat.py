@@ -54,14 +54,17 @@ async def stream_chat_raw(
     frame_gap_timeout: float = _client_defaults.silence_timeout_s,
     include_keepalives: bool = False,
     signer: MemberKey | None = None,
+    subject: str = CHAT_REQUEST_SUBJECT,
 ) -> AsyncIterator[ChatFrame]:
     """Publish raw request bytes (valid or not) and yield frames until a final one; for tests and tools,
     and for the gateway, which checks the size of request_payload before it publishes it.
 
     The call is signed by `signer` when given (the gateway asks on behalf of the member an API key belongs to),
-    else by the member the connection logged in as. A frame of a type this client does not know (one a newer
-    orchestrator sends) is skipped; a numbered one still counts in the `seq` check. A message that is no frame at
-    all (not a JSON object with a `type`, or a known type whose fields do not fit) is skipped too, uncounted.
+    else by the member the connection logged in as. It goes to `subject`: the orchestrators' queue group, or one
+    orchestrator's own subject (hearth/services/client/pinned.py). A frame of a type this client does not know (one
+    a newer orchestrator sends) is skipped; a numbered one still counts in the `seq` check. A message that is no
+    frame at all (not a JSON object with a `type`, or a known type whose fields do not fit) is skipped too,
+    uncounted.
 
     The orchestrator sends a frame or a keepalive at least every `[transport] keepalive_interval_s`, so a
     silence of `frame_gap_timeout` means it is gone: the stream then ends with an `orchestrator_gone` error
@@ -77,9 +80,9 @@ async def stream_chat_raw(
     # On a community mesh every call is signed by a member (the orchestrator answers `unauthorized` otherwise);
     # the signature covers the inbox, so the answer cannot be redirected.
     key = signer or (identity.key if identity else None)
-    headers = signed_call_headers(key, CHAT_REQUEST_SUBJECT, inbox, payload) if key else None
+    headers = signed_call_headers(key, subject, inbox, payload) if key else None
     try:
-        await nc.publish(CHAT_REQUEST_SUBJECT, payload, reply=inbox, headers=headers)
+        await nc.publish(subject, payload, reply=inbox, headers=headers)
         order = _FrameOrder(frame_gap_timeout)
         timeout = first_frame_timeout
         reconnects = nc.stats["reconnects"]
@@ -97,7 +100,7 @@ async def stream_chat_raw(
                                                    f"{timeout} s", order.last_seq)
                 return
             if message.headers and message.headers.get("Status") == NO_RESPONDERS_STATUS:
-                yield _ending("orchestrator_gone", f"no orchestrator is listening on {CHAT_REQUEST_SUBJECT}",
+                yield _ending("orchestrator_gone", f"no orchestrator is listening on {subject}",
                               order.last_seq)
                 return
             frame = _decode_known(message.data)
@@ -187,9 +190,9 @@ def request_payload(request: ChatRequest) -> bytes:
 
 
 async def stream_chat(nc: NatsClient, request: ChatRequest, *, signer: MemberKey | None = None,
-                      **timeouts: float) -> AsyncIterator[ChatFrame]:
+                      subject: str = CHAT_REQUEST_SUBJECT, **timeouts: float) -> AsyncIterator[ChatFrame]:
     # aclosing: a caller that stops early unsubscribes the inbox now, not at garbage collection.
-    async with contextlib.aclosing(stream_chat_raw(nc, request_payload(request), signer=signer,
+    async with contextlib.aclosing(stream_chat_raw(nc, request_payload(request), signer=signer, subject=subject,
                                                    **timeouts)) as frames:
         async for frame in frames:
             yield frame

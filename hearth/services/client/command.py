@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import sys
+import uuid
 
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from pydantic import ValidationError
 
 from hearth.services.client.chat import AnswerTokens, ModelsRefused, choice_of, list_models, stream_chat
+from hearth.services.client.pinned import answered_by, stream_chat_pinned
 from hearth.services.common.display import display_text
 from hearth.protocol.chat import (
     ChatFrame,
@@ -38,7 +41,8 @@ requested_choices = ChatRequest.model_fields["n"].default
 
 def run_chat_command(nats_url: str, *, prompt: str, model: str | None, max_tokens: int, temperature: float,
                      seed: int | None, raw: bool, as_json: bool, choices: int,
-                     nats_settings: NatsSettings | None = None, quantization: str | None = None) -> int:
+                     nats_settings: NatsSettings | None = None, quantization: str | None = None,
+                     interactive: bool = False) -> int:
     """`hearth chat`: stream one answer to stdout, everything else one line each to stderr; with `choices` > 1
     (the request's `n`), each choice's answer is printed once the call ended, under a `[choice I]` line.
 
@@ -48,12 +52,18 @@ def run_chat_command(nats_url: str, *, prompt: str, model: str | None, max_token
     Text already printed cannot be taken back: when a tokens_withdrawn frame comes, the line ends, a
     `[tokens_withdrawn ...]` line goes to stderr, and the answer's kept text is printed again on stdout, where
     the text goes on; the last stretch of stdout after such a line is the answer.
+
+    With `interactive`, each line then read from stdin is the conversation's next turn (an empty line or EOF ends
+    it, exit code 0), sent to the orchestrator that answered the last turn (hearth/services/client/pinned.py).
     """
     try:
         if quantization is not None:
             check_quantization_label(quantization)
     except ValueError as error:
         _say(f"error bad_request: --quantization {error}")
+        return EXIT_ERROR
+    if interactive and (raw or as_json or choices != requested_choices):
+        _say("error bad_request: --interactive goes on with a conversation of messages: not with --raw, --json or --n")
         return EXIT_ERROR
     try:
         request = ChatRequest(model=model, max_tokens=max_tokens, temperature=temperature, seed=seed, n=choices,
@@ -63,6 +73,8 @@ def run_chat_command(nats_url: str, *, prompt: str, model: str | None, max_token
     except ValidationError as error:
         _say(f"error bad_request: {describe_validation_error(error)}")
         return EXIT_ERROR
+    if interactive:
+        return run_event_loop(_conversation(nats_url, request, nats_settings=nats_settings))
     return run_event_loop(_chat(nats_url, request, as_json=as_json, nats_settings=nats_settings))
 
 
@@ -84,6 +96,34 @@ async def _chat(nats_url: str, request: ChatRequest, *, as_json: bool, nats_sett
                 if exit_code is not None:
                     return exit_code
         return 0
+    finally:
+        await close_quietly(nc, (nats_settings or NatsSettings()).close_timeout_s)
+
+
+async def _conversation(nats_url: str, request: ChatRequest, *, nats_settings: NatsSettings | None) -> int:
+    """`hearth chat --interactive`: `request`'s turn, then one turn per line of stdin, each sent to the orchestrator
+    that answered the one before (its member's hops keep the history's KV)."""
+    try:
+        nc = await connect_nats(nats_url, name="hearth-chat", settings=nats_settings, wait_for_broker=False)
+    except BrokerUnreachable as error:
+        _say(f"hearth chat: {error}")
+        return EXIT_NO_ANSWER
+    messages, orchestrator = list(request.messages), None
+    try:
+        while True:
+            printer = ChatPrinter()
+            turn = request.model_copy(update={"messages": messages, "request_id": uuid.uuid4().hex})
+            async with contextlib.aclosing(stream_chat_pinned(nc, turn, orchestrator=orchestrator)) as frames:
+                async for frame in frames:
+                    exit_code = printer.show(frame)
+                    if exit_code is not None:
+                        return exit_code
+                    orchestrator = answered_by(frame) or orchestrator
+            messages.append(ChatMessage(role="assistant", content=printer.answer.text))
+            line = await asyncio.to_thread(sys.stdin.readline)  # off the event loop: stdin blocks
+            if not line.strip():
+                return 0
+            messages.append(ChatMessage(role="user", content=line.rstrip("\n")))
     finally:
         await close_quietly(nc, (nats_settings or NatsSettings()).close_timeout_s)
 

@@ -64,6 +64,10 @@ class GatewaySettings(ConfigSection):
     max_header_bytes: int = Field(
         default=16 * 1024, ge=1024, description="a request line and headers that grow past this before they end "
                                                 "are answered 400 (h11's max_incomplete_event_size)")
+    remembered_conversations: int = Field(
+        default=4096, ge=0, description="conversations whose answering orchestrator the gateway remembers (least "
+                                        "recently used forgotten), so that a next turn goes where its history is "
+                                        "kept; 0: every call goes to the orchestrators' queue group")
     cors_allowed_origins: list[str] = Field(
         default=[], description="web origins (e.g. https://chat.example.org) whose pages may call the "
                                           "API from a browser; empty: no CORS headers at all")

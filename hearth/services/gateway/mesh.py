@@ -23,7 +23,8 @@ from nats.aio.client import Client as NatsClient
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
-from hearth.services.client.chat import ModelsRefused, list_models, request_payload, stream_chat_raw
+from hearth.services.client.chat import ModelsRefused, list_models, request_payload
+from hearth.services.client.pinned import stream_chat_pinned_raw
 from hearth.protocol.chat import (
     ChatRequest,
     DoneFrame,
@@ -38,6 +39,7 @@ from hearth.services.common.config import HearthSettings
 from hearth.services.gateway.errors import (
     GatewayError, bad_request, from_frame, overloaded, unauthenticated, unknown_model,
 )
+from hearth.services.gateway.conversations import ConversationPins
 from hearth.services.gateway.keys import Caller, WatchedApiKeyring, bearer_token
 
 log = logging.getLogger(__name__)
@@ -61,6 +63,8 @@ class Gateway:
         self.open_calls = 0
         self.open_calls_by_member: Counter[str] = Counter()
         self._known_models: set[str] = set()
+        # Which orchestrator answered each recent conversation: its next turn goes there first.
+        self.pins = ConversationPins(settings.gateway.remembered_conversations)
 
     def caller(self, authorization: str | None) -> Caller | None:
         """The member whose API key came with the call; None on an open mesh (no keys asked for)."""
@@ -146,13 +150,18 @@ class MeshCall:
         client = gateway.settings.client
         self.request = request
         self.started = time.perf_counter()
+        self._pins, self._member = gateway.pins, caller.name if caller else None
         # Not wrapped as stream_chat wraps it: aclose() below closes this generator itself.
-        self._frames = stream_chat_raw(gateway.nc, payload, signer=caller.key if caller else None,
-                                       first_frame_timeout=client.first_frame_timeout_s,
-                                       frame_gap_timeout=client.silence_timeout_s)
+        pinned = self._pins.pinned(self._member, request)
+        self._frames = stream_chat_pinned_raw(gateway.nc, payload, orchestrator=pinned,
+                                              signer=caller.key if caller else None,
+                                              first_frame_timeout=client.first_frame_timeout_s,
+                                              frame_gap_timeout=client.silence_timeout_s)
 
     async def next(self) -> AnswerFrame:
         async for frame in self._frames:
+            if isinstance(frame, DoneFrame) and frame.orchestrator is not None:
+                self._pins.remember(self._member, self.request, frame.orchestrator)
             if isinstance(frame, (TokenDeltaFrame, TokensWithdrawnFrame, *FINAL)):
                 return frame
         # stream_chat_raw always ends with a final frame (one of its own when the orchestrator sends none).

@@ -374,7 +374,7 @@ class PipelineRun:
             usage=Usage(prompt_tokens=len(call.prompt_ids), completion_tokens=call.completion_tokens),
             timing=Timing(ttft_ms=call.ttft_ms(), tokens_per_second=tokens_per_second, duration_ms=duration_ms,
                           construct_ms=call.construct_ms, failovers=call.failovers,
-                          queue_wait_ms=call.queue_wait_ms()),
+                          queue_wait_ms=call.queue_wait_ms()), orchestrator=self.ctx.node_id,
         ))
         await self._record_checks()
         await self._record(PipelineCompleted(

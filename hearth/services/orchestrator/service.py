@@ -1,4 +1,5 @@
-"""The orchestrator service: answers `llm.chat.request` in a queue group, validates and admits each request, turns
+"""The orchestrator service: answers `llm.chat.request` in a queue group (and on its own subject, where a
+conversation's next turn comes back to it), validates and admits each request, turns
 it into a Call served by a PipelineRun (hearth/services/orchestrator/pipeline.py) over its in-process routing read
 model, and keeps the call's client told that it is alive (keepalives) until its final frame; answers `llm.models`
 (hearth/services/orchestrator/discovery.py).
@@ -36,7 +37,7 @@ from hearth.protocol.chat import (
     describe_validation_error,
     parse_chat_request,
 )
-from hearth.protocol.subjects import CHAT_REQUEST_SUBJECT, MODELS_REQUEST_SUBJECT
+from hearth.protocol.subjects import CHAT_REQUEST_SUBJECT, MODELS_REQUEST_SUBJECT, orchestrator_request_subject
 from hearth.services.common.config import HearthSettings
 from hearth.services.common.event_trust import (
     call_verifier,
@@ -116,6 +117,7 @@ class Orchestrator:
                                max_queued_per_caller=limits.max_queued_per_caller,
                                retry_after_s=limits.overloaded_retry_after_s)
         self._subscription = None
+        self._own_subscription = None
         self._models_subscription = None
         self._requests: set[asyncio.Task] = set()
         self.context: RunContext | None = None
@@ -150,10 +152,15 @@ class Orchestrator:
                                    going_on="answering calls anyway")
         self._subscription = await self.nc.subscribe(CHAT_REQUEST_SUBJECT, queue=ORCHESTRATOR_QUEUE_GROUP,
                                                      cb=self._on_request)
+        # Our own subject too (a conversation's next turn, where our member's hops keep its history); in the queue
+        # group as well, so that of two processes of one member only one answers a call.
+        self._own_subscription = await self.nc.subscribe(orchestrator_request_subject(self.node_id),
+                                                         queue=ORCHESTRATOR_QUEUE_GROUP, cb=self._on_request)
         self._models_subscription = await self.nc.subscribe(MODELS_REQUEST_SUBJECT, queue=ORCHESTRATOR_QUEUE_GROUP,
                                                             cb=self._on_models_request)
         await flush_ordered(self.nc, self.settings.transport.control_timeout_s)
-        log.info("orchestrator %s answering %s", self.node_id, CHAT_REQUEST_SUBJECT)
+        log.info("orchestrator %s answering %s and %s", self.node_id, CHAT_REQUEST_SUBJECT,
+                 orchestrator_request_subject(self.node_id))
 
     async def _record_event(self, event) -> None:
         """An event of the orchestrator's own (not of one call's run): counted in metrics, then into the outbox."""
@@ -161,7 +168,7 @@ class Orchestrator:
         await self.outbox.record(event)
 
     async def stop(self) -> None:
-        for subscription in (self._subscription, self._models_subscription):
+        for subscription in (self._subscription, self._own_subscription, self._models_subscription):
             if subscription is not None:
                 with contextlib.suppress(Exception):
                     await subscription.unsubscribe()
