@@ -89,12 +89,13 @@ class BenchMesh:
     key for each member named."""
 
     def __init__(self, model: Path, shards: int, members: list[str], env: dict[str, str], work_dir: Path | None,
-                 device_args: list[str] = ()):
+                 device_args: list[str] = (), orchestrators: int = 1):
         self.cluster = LocalCluster(work_dir=work_dir, extra_env=dict(env), prefork=True)
         self.device_args = list(device_args)  # --device/--dtype of the shards and the orchestrator's head
         self.model = model
         self.shards = shards
         self.members = members
+        self.orchestrators = orchestrators  # each its own member, as households' orchestrators are
         self.keys: dict[str, str] = {}
 
     def __enter__(self) -> "BenchMesh":
@@ -107,7 +108,10 @@ class BenchMesh:
         for index, (lo, hi) in enumerate(even_layer_ranges(layers, self.shards)):
             cluster.start_shard(str(self.model), lo, hi, node_id=f"conv-host-{index}", extra_args=self.device_args,
                                 wait_ready=False)
-        cluster.start_orchestrator(extra_args=["--preload", str(self.model), *self.device_args], wait_ready=False)
+        for index in range(self.orchestrators):
+            name = {} if self.orchestrators == 1 else {"node_id": f"conv-orchestrator-{index}"}
+            cluster.start_orchestrator(extra_args=["--preload", str(self.model), *self.device_args], wait_ready=False,
+                                       **name)
         cluster.wait_all_ready()
         self.url = cluster.start_gateway().ready_file.read_text().strip()
         return self
@@ -181,8 +185,10 @@ def device_args(options: argparse.Namespace) -> list[str]:
                                                                           else [])]
 
 
-def cache_env(enabled: bool, public_prompt: str | None = None) -> dict[str, str]:
+def cache_env(enabled: bool, public_prompt: str | None = None, pins: bool = True) -> dict[str, str]:
     env = {"HEARTH_PREFIX_CACHE__ENABLED": "true" if enabled else "false"}
+    if not pins:  # the gateway sends every call to the orchestrators' queue group
+        env["HEARTH_GATEWAY__REMEMBERED_CONVERSATIONS"] = "0"
     if public_prompt is not None:
         env["HEARTH_PREFIX_CACHE__PUBLIC_SYSTEM_PROMPTS"] = json.dumps([public_prompt])
     return env
@@ -193,11 +199,12 @@ def warm_up(mesh: BenchMesh, member: str, rng: random.Random) -> None:
     mesh.call(member, "warm-up", prompt=words(rng, 100), max_tokens=8)
 
 
-def conversation(options: argparse.Namespace, mode: str, enabled: bool) -> list[list[CallFigures]]:
+def conversation(options: argparse.Namespace, mode: str, enabled: bool, pins: bool = True) -> list[list[CallFigures]]:
     """`options.repeats` conversations of `options.turns` turns each, one after the other on one mesh, each
-    resending its whole history every turn (the load of a shared machine varies: medians over them)."""
-    with BenchMesh(model_path(options.model), options.shards, ["alice"], cache_env(enabled), options.work_dir,
-                   device_args(options)) as mesh:
+    resending its whole history every turn (the load of a shared machine varies: medians over them); `pins`: the
+    gateway sends a conversation's next turn to the orchestrator that answered the last."""
+    with BenchMesh(model_path(options.model), options.shards, ["alice"], cache_env(enabled, pins=pins),
+                   options.work_dir, device_args(options), options.orchestrators) as mesh:
         warm_up(mesh, "alice", random.Random(options.seed - 1))
         runs = []
         for repeat in range(options.repeats):
@@ -281,6 +288,9 @@ def main() -> None:
                         help="conversation: seconds between an answer and the next turn (a user reading, typing)")
     parser.add_argument("--modes", default="completions,chat", help="conversation: completions and/or chat")
     parser.add_argument("--cache", default="on,off", help="conversation: the prefix cache on and/or off")
+    parser.add_argument("--orchestrators", type=int, default=1,
+                        help="conversation: orchestrators, each of its own member (kept KV is per member)")
+    parser.add_argument("--pins", default="on", help="conversation: the gateway's conversation pins on and/or off")
     parser.add_argument("--members", type=int, default=50, help="public: members sharing the system prompt")
     parser.add_argument("--baseline-members", type=int, default=5,
                         help="public: members calling with the prompt not marked public")
@@ -296,9 +306,10 @@ def main() -> None:
     if options.part == "conversation":
         for mode in options.modes.split(","):
             for state in options.cache.split(","):
-                title = f"{mode}, cache {state}"
-                raw[title] = conversation(options, mode, state == "on")
-                results[title + f" (ttft: median of {options.repeats})"] = median_turns(raw[title])
+                for pins in options.pins.split(","):
+                    title = f"{mode}, cache {state}" + (f", pins {pins}" if options.orchestrators > 1 else "")
+                    raw[title] = conversation(options, mode, state == "on", pins == "on")
+                    results[title + f" (ttft: median of {options.repeats})"] = median_turns(raw[title])
     else:
         results["system prompt public"] = public_prompt_calls(options, True)
         if options.baseline_members:
