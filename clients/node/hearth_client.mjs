@@ -1,10 +1,11 @@
 #!/usr/bin/env node
 // A hearth client that shares no code with hearth: it asks `llm.models` which models the mesh serves,
-// streams one `llm.chat.request`, checks the request, the reply and every frame against the published
-// JSON Schemas (docs/schemas, draft 2020-12) and prints one JSON summary line. See docs/protocol.md.
+// streams one `llm.chat.request` (or each turn of a conversation), checks the request, the reply and every frame
+// against the published JSON Schemas (docs/schemas, draft 2020-12) and prints one JSON summary line a call.
+// See docs/protocol.md.
 //
 //   node hearth_client.mjs [--nats URL] [--creds FILE --inbox-prefix _INBOX.NAME] [--model ID] [--max-tokens N]
-//                          [--n N] PROMPT...
+//                          [--n N] [--orchestrator NAME] [--then PROMPT]... PROMPT...
 //
 // A secure mesh (the default) only lets in members: --creds names the member's nkey seed file
 // (`keys/NAME.nk`, one `SU...` line) and --inbox-prefix the only inbox the broker lets that member
@@ -15,11 +16,18 @@
 // reply inbox, time, nonce and body; hearth/services/common/call_signing.py is the reference), and the orchestrator
 // answers an unsigned or badly signed call with an `error` frame of code `unauthorized`.
 //
+// Each orchestrator also answers on its own subject, `llm.chat.request.<node token>`, and names itself in the `done`
+// frame (`orchestrator`). --orchestrator NAME sends the call there first (signed over that subject); --then PROMPT
+// (repeatable) makes a conversation of `messages` whose later turns go to the orchestrator that answered the last,
+// so the shards' kept KV of its history is used again. A pinned call goes to `llm.chat.request` at once when nobody
+// listens on that subject, or it ends `overloaded` or `orchestrator_gone` (or goes silent) before its first token;
+// hearth/services/client/pinned.py is the reference. Each turn prints its own summary line.
+//
 // Exit codes: 0 the stream ended with `done`; 1 it ended with `error` or `pipeline_aborted` (the summary
 // is still printed); 2 a schema violation, a seq gap not filled in time, a timeout, no orchestrator, a refused
 // login or permission, or bad arguments. An `unauthorized` error frame also says why on stderr (exit code 1).
 import { randomBytes, randomUUID } from "node:crypto";
-import { readFileSync } from "node:fs";
+import { readFileSync, realpathSync } from "node:fs";
 import { fileURLToPath } from "node:url";
 import { parseArgs } from "node:util";
 import { fromSeed } from "@nats-io/nkeys";
@@ -28,14 +36,24 @@ import Ajv2020 from "ajv/dist/2020.js";
 
 const FINAL_FRAME_TYPES = new Set(["done", "error", "pipeline_aborted"]); // docs/protocol.md, "Frames"
 const CHAT_REQUEST_SUBJECT = "llm.chat.request";
+// Endings of a pinned call before any token after which the call goes to the queue group instead (pinned.py).
+const FALLBACK_CODES = new Set(["orchestrator_gone", "overloaded"]);
 const MAX_HELD_FRAMES = 1024; // frames held after a gap before the call is given up
 
 class Failure extends Error {}
+// No orchestrator answered the call before its first token: nobody listens on its subject (`no_responders`), or none
+// sent a frame in time (`orchestrator_gone`). A pinned call then goes to the queue group; any other call fails (2).
+class Gone extends Failure {
+  constructor(message, reason) {
+    super(message);
+    this.reason = reason;
+  }
+}
 
 const USAGE = `usage: node hearth_client.mjs [options] PROMPT...
 
-Asks llm.models which models the mesh serves, streams one llm.chat.request and prints one JSON summary line,
-checking the request, the reply and every frame against docs/schemas.
+Asks llm.models which models the mesh serves, streams one llm.chat.request (one a turn with --then) and prints
+one JSON summary line a call, checking the request, the reply and every frame against docs/schemas.
 
 options:
   --nats URL                  NATS server (default: $HEARTH_NATS_URL, $NATS_URL or nats://127.0.0.1:4222)
@@ -49,6 +67,13 @@ options:
   --n N                       independent answers (choices) to ask for, 1-8 (default 1); the summary's 'text'
                               is the first choice's, 'choice_texts' every choice's
   --response-format JSON      the request's response_format, e.g. '{"type": "json_object"}' (default: text)
+  --orchestrator NAME         send the (first) call to that orchestrator's own subject, llm.chat.request.<NAME as
+                              one subject token>, as a done frame's 'orchestrator' names it; it goes to
+                              llm.chat.request at once when nobody listens there, or the orchestrator answers
+                              overloaded or goes silent before its first token
+  --then PROMPT               a conversation: PROMPT (repeat --then for more turns) is the next user turn after the
+                              answer, sent with the whole history as 'messages' (the first turn too) to the
+                              orchestrator that answered the last turn; one summary line per turn
   --connect-timeout S         seconds to connect, and to wait for the llm.models reply (default 10)
   --first-frame-timeout S     seconds to wait for the first frame (default 10)
   --silence-timeout S         seconds to wait between frames; keepalives reset it (default 2.5)
@@ -69,6 +94,8 @@ const OPTIONS = {
   "max-tokens": { type: "string", default: "16" },
   n: { type: "string", default: "1" }, // llm.chat.request's n; the schema bounds it
   "response-format": { type: "string" }, // JSON of llm.chat.request's response_format; default: text
+  orchestrator: { type: "string" }, // pin the first call to this orchestrator (a done frame's `orchestrator`)
+  then: { type: "string", multiple: true, default: [] }, // the conversation's next user turns, pinned
   "connect-timeout": { type: "string", default: "10" }, // seconds; also the wait for the llm.models reply
   "first-frame-timeout": { type: "string", default: "10" }, // [client] first_frame_timeout_s
   "silence-timeout": { type: "string", default: "2.5" }, // [client] silence_timeout_s (keepalives reset it)
@@ -152,6 +179,20 @@ function explainNatsError(err) {
   return null;
 }
 
+// ---------------------------------------------------------------- each orchestrator's own subject
+// A node id made one subject token, exactly as hearth/protocol/subjects.py node_token does: each code point that is
+// not a letter or a number (Python's str.isalnum: Unicode categories L* and N*), `-` or `_` becomes `_`; an empty
+// id becomes `_`. (Python and this Node.js may know different Unicode versions: code points assigned in between
+// differ.)
+export function nodeToken(text) {
+  let safe = "";
+  for (const ch of text) safe += /^[\p{L}\p{N}_-]$/u.test(ch) ? ch : "_";
+  return safe || "_";
+}
+
+// Where one orchestrator answers calls besides the queue group's subject (orchestrator_request_subject).
+export const orchestratorRequestSubject = (nodeId) => `${CHAT_REQUEST_SUBJECT}.${nodeToken(nodeId)}`;
+
 // ---------------------------------------------------------------- schemas, found through index.json
 let schemaDir, index, ajv;
 const compiled = {};
@@ -209,14 +250,16 @@ async function listModels(nc) {
     "llm.models reply");
 }
 
-async function streamChat(nc, request, keyPair) {
+// The frames of one call sent on `subject` (the queue group's or an orchestrator's own), up to its final frame.
+async function streamChat(nc, request, keyPair, subject) {
   const inbox = createInbox(opts["inbox-prefix"]);
   const subscription = nc.subscribe(inbox);
   const frames = subscription[Symbol.asyncIterator]();
   const body = encoder.encode(JSON.stringify(request)); // the exact bytes signed are the bytes published
   const publishOptions = { reply: inbox };
-  if (keyPair) publishOptions.headers = signedCallHeaders(keyPair, CHAT_REQUEST_SUBJECT, inbox, body);
-  nc.publish(CHAT_REQUEST_SUBJECT, body, publishOptions);
+  // The signature covers the subject: the orchestrator checks it against the one it received the call on.
+  if (keyPair) publishOptions.headers = signedCallHeaders(keyPair, subject, inbox, body);
+  nc.publish(subject, body, publishOptions);
   const seen = [];
   let lastSeq = -1;
   // After a broker node went away the orchestrator sends again what we missed (docs/protocol.md, "Frames"):
@@ -234,11 +277,15 @@ async function streamChat(nc, request, keyPair) {
         next = await within(waitMs, `a frame after seq ${lastSeq} on ${inbox}`, frames.next());
       } catch (err) {
         if (gapDeadline !== null && Date.now() >= gapDeadline) throw gapFailure();
+        // Silent (the deadline passed) before any token: the orchestrator is gone, as far as this call goes.
+        if (err instanceof Failure && !seen.some((f) => f.type === "token_delta")) {
+          throw new Gone(err.message, "orchestrator_gone");
+        }
         throw err;
       }
       const { value: msg, done } = next;
       if (done) throw new Failure("the reply subscription closed before a final frame");
-      if (msg.headers?.code === 503) throw new Failure(`no orchestrator is listening on ${CHAT_REQUEST_SUBJECT}`);
+      if (msg.headers?.code === 503) throw new Gone(`no orchestrator is listening on ${subject}`, "no_responders");
       let frame;
       try {
         frame = msg.json();
@@ -283,6 +330,66 @@ async function streamChat(nc, request, keyPair) {
   }
 }
 
+// One call, sent first to `orchestrator`'s own subject when given, and to the queue group instead when that one
+// cannot take it (hearth/services/client/pinned.py): nobody listens there, or the call ends `orchestrator_gone` or
+// `overloaded` (or goes silent) before its first token. Any other ending is the answer. Returns the answering call's
+// frames, every subject the call was sent on, and why it left the pinned one (absent when it did not).
+async function chatPinned(nc, request, keyPair, orchestrator) {
+  if (orchestrator != null) {
+    const subject = orchestratorRequestSubject(orchestrator);
+    let fellBack;
+    try {
+      const frames = await streamChat(nc, request, keyPair, subject);
+      const final = frames.at(-1);
+      if (frames.some((f) => f.type === "token_delta") || !FALLBACK_CODES.has(final.code)) {
+        return { frames, subjects: [subject] };
+      }
+      fellBack = final.code;
+    } catch (err) {
+      if (!(err instanceof Gone)) throw err;
+      fellBack = err.reason;
+    }
+    console.error(`[the call pinned to orchestrator ${orchestrator} went to ${CHAT_REQUEST_SUBJECT}: ${fellBack}]`);
+    const frames = await streamChat(nc, request, keyPair, CHAT_REQUEST_SUBJECT);
+    return { frames, subjects: [subject, CHAT_REQUEST_SUBJECT], fell_back: fellBack };
+  }
+  return { frames: await streamChat(nc, request, keyPair, CHAT_REQUEST_SUBJECT), subjects: [CHAT_REQUEST_SUBJECT] };
+}
+
+// One call's summary line: the first choice's text and token ids as they stand, its ending, the orchestrator that
+// answered (the done frame's `orchestrator`, null when none is named) and the subjects the call was sent on.
+function summarize(models, { frames, subjects, fell_back }, choices) {
+  const final = frames.at(-1);
+  // Each choice's deltas as they stand (a frame without `choice` is the first choice's): a tokens_withdrawn
+  // frame keeps only the first kept_tokens of its choice's.
+  const deltasByChoice = Array.from({ length: choices }, () => []);
+  for (const f of frames) {
+    const deltas = deltasByChoice[f.choice ?? 0];
+    if (!deltas) continue;
+    if (f.type === "token_delta") deltas.push(f);
+    else if (f.type === "tokens_withdrawn") deltas.splice(f.kept_tokens);
+  }
+  const deltas = deltasByChoice[0];
+  return {
+    models: models.models.map((m) => m.id),
+    default_model: models.default_model ?? null,
+    text: deltas.map((f) => f.text).join(""),
+    token_ids: deltas.map((f) => f.token_id),
+    ...(choices > 1 ? { choice_texts: deltasByChoice.map((d) => d.map((f) => f.text).join("")),
+                        choices: final.choices ?? null } : {}),
+    frame_types: [...new Set(frames.map((f) => f.type))],
+    finish_reason: final.finish_reason ?? null,
+    usage: final.usage ?? null,
+    orchestrator: final.orchestrator ?? null,
+    subjects,
+    ...(fell_back ? { fell_back } : {}),
+    ...(final.type === "done"
+      ? {}
+      : { error: { type: final.type, code: final.code, detail: final.message ?? final.reason,
+                   ...(final.retry_after_s != null ? { retry_after_s: final.retry_after_s } : {}) } }),
+  };
+}
+
 async function main() {
   let positionals;
   try {
@@ -325,55 +432,54 @@ async function main() {
       throw new Failure(`--response-format is not JSON: ${err.message}`);
     }
     const choices = Number(opts.n);
-    const request = {
-      request_id: `node-${randomUUID()}`,
-      ...(opts.model ? { model: opts.model } : {}),
-      prompt,
-      max_tokens: opts["self-test-invalid"] ? String(maxTokens) : maxTokens,
-      temperature: 0,
-      ...(choices !== 1 ? { n: choices } : {}),
-      ...(responseFormat ? { response_format: responseFormat } : {}),
-    };
-    check(schemaFile((e) => e.subject === CHAT_REQUEST_SUBJECT, CHAT_REQUEST_SUBJECT), request, "the chat request");
-    const frames = await streamChat(nc, request, keyPair);
-    const final = frames.at(-1);
-    if (final.type === "error" && final.code === "unauthorized") {
-      console.error(`hearth_client: ${explainUnauthorized(final)}`);
+    const conversation = opts.then.length > 0;
+    if (conversation && choices !== 1) throw new Failure("--then goes on with one answer: not with --n");
+    // A conversation's history: each user turn and the answer to it (`messages`); a single call sends `prompt`.
+    const messages = [];
+    let orchestrator = opts.orchestrator ?? null;
+    for (const [turn, text] of [prompt, ...opts.then].entries()) {
+      if (conversation) messages.push({ role: "user", content: text });
+      const request = {
+        request_id: `node-${randomUUID()}`,
+        ...(opts.model ? { model: opts.model } : {}),
+        ...(conversation ? { messages } : { prompt }),
+        max_tokens: opts["self-test-invalid"] ? String(maxTokens) : maxTokens,
+        temperature: 0,
+        ...(choices !== 1 ? { n: choices } : {}),
+        ...(responseFormat ? { response_format: responseFormat } : {}),
+      };
+      check(schemaFile((e) => e.subject === CHAT_REQUEST_SUBJECT, CHAT_REQUEST_SUBJECT), request, "the chat request");
+      const answer = await chatPinned(nc, request, keyPair, orchestrator);
+      const final = answer.frames.at(-1);
+      if (final.type === "error" && final.code === "unauthorized") {
+        console.error(`hearth_client: ${explainUnauthorized(final)}`);
+      }
+      const summary = summarize(models, answer, choices);
+      console.log(JSON.stringify(conversation ? { turn, ...summary } : summary));
+      if (final.type !== "done") return 1;
+      // The next turn goes to the orchestrator that answered this one (an older one names none: keep the pin).
+      orchestrator = final.orchestrator ?? orchestrator;
+      messages.push({ role: "assistant", content: summary.text });
     }
-    // Each choice's deltas as they stand (a frame without `choice` is the first choice's): a tokens_withdrawn
-    // frame keeps only the first kept_tokens of its choice's.
-    const deltasByChoice = Array.from({ length: choices }, () => []);
-    for (const f of frames) {
-      const deltas = deltasByChoice[f.choice ?? 0];
-      if (!deltas) continue;
-      if (f.type === "token_delta") deltas.push(f);
-      else if (f.type === "tokens_withdrawn") deltas.splice(f.kept_tokens);
-    }
-    const deltas = deltasByChoice[0];
-    console.log(JSON.stringify({
-      models: models.models.map((m) => m.id),
-      default_model: models.default_model ?? null,
-      text: deltas.map((f) => f.text).join(""),
-      token_ids: deltas.map((f) => f.token_id),
-      ...(choices > 1 ? { choice_texts: deltasByChoice.map((d) => d.map((f) => f.text).join("")),
-                          choices: final.choices ?? null } : {}),
-      frame_types: [...new Set(frames.map((f) => f.type))],
-      finish_reason: final.finish_reason ?? null,
-      usage: final.usage ?? null,
-      ...(final.type === "done"
-        ? {}
-        : { error: { type: final.type, code: final.code, detail: final.message ?? final.reason,
-                     ...(final.retry_after_s != null ? { retry_after_s: final.retry_after_s } : {}) } }),
-    }));
-    return final.type === "done" ? 0 : 1;
+    return 0;
   } finally {
     await within(5000, "the NATS connection to close", nc.close());
   }
 }
 
-try {
-  process.exitCode = await main();
-} catch (err) {
-  console.error(`hearth_client: ${err instanceof Failure ? err.message : err.stack}`);
-  process.exitCode = 2;
+// Run as a program (`node hearth_client.mjs ...`); imported, it only lends nodeToken and orchestratorRequestSubject.
+const runAsProgram = (() => {
+  try {
+    return realpathSync(process.argv[1]) === fileURLToPath(import.meta.url);
+  } catch {
+    return false;
+  }
+})();
+if (runAsProgram) {
+  try {
+    process.exitCode = await main();
+  } catch (err) {
+    console.error(`hearth_client: ${err instanceof Failure ? err.message : err.stack}`);
+    process.exitCode = 2;
+  }
 }

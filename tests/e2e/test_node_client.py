@@ -1,4 +1,6 @@
-"""End to end with a client that shares no code with hearth: clients/node/hearth_client.mjs against a real mesh."""
+"""End to end with a client that shares no code with hearth: clients/node/hearth_client.mjs against a real mesh, and
+against scripted stand-ins for orchestrators (frames sent again, a conversation pinned to the orchestrator that
+answered its last turn)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import json
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -17,9 +20,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from hearth.services.devtools.local_cluster import LocalCluster
 from hearth.services.client.chat import chat
 from hearth.protocol.chat import ChatRequest, ModelsReply, ServedModel
-from hearth.protocol.subjects import CHAT_REQUEST_SUBJECT, MODELS_REQUEST_SUBJECT
+from hearth.protocol.subjects import CHAT_REQUEST_SUBJECT, MODELS_REQUEST_SUBJECT, orchestrator_request_subject
 from hearth.services.broker.connection import connect_nats, flush_ordered
 from tests.e2e.conftest import TINY_MODEL_NAME, three_shard_mesh
+from tests.scripted_orchestrators import ScriptedOrchestrators
 
 ROOT = Path(__file__).resolve().parents[2]
 CLIENT_DIR = ROOT / "clients" / "node"
@@ -172,6 +176,16 @@ def test_the_orchestrator_refuses_the_node_clients_call_unsigned(node_client, ru
     assert "the orchestrator refused the call as unauthorized" in completed.stderr
 
 
+async def answer_models(nc) -> None:
+    """Answer llm.models on `nc`: one model, the default."""
+    async def models(msg) -> None:
+        reply = ModelsReply(models=[ServedModel(id=SCRIPTED_MODEL, total_layers=2, complete=True)],
+                            default_model=SCRIPTED_MODEL)
+        await msg.respond(reply.model_dump_json().encode())
+
+    await nc.subscribe(MODELS_REQUEST_SUBJECT, cb=models)
+
+
 @pytest.fixture
 async def scripted_orchestrator(nats_url):
     """A stand-in orchestrator on an open broker: it lists one model and answers each call with the next script."""
@@ -182,13 +196,8 @@ async def scripted_orchestrator(nats_url):
         for frame in scripts.pop(0):
             await orchestrator.publish(msg.reply, json.dumps(frame).encode())
 
-    async def models(msg) -> None:
-        reply = ModelsReply(models=[ServedModel(id=SCRIPTED_MODEL, total_layers=2, complete=True)],
-                            default_model=SCRIPTED_MODEL)
-        await msg.respond(reply.model_dump_json().encode())
-
     await orchestrator.subscribe(CHAT_REQUEST_SUBJECT, cb=answer)
-    await orchestrator.subscribe(MODELS_REQUEST_SUBJECT, cb=models)
+    await answer_models(orchestrator)
     await flush_ordered(orchestrator)
     yield scripts
     await orchestrator.close()
@@ -217,3 +226,116 @@ async def test_node_client_skips_frames_sent_again_and_waits_for_a_gap_to_fill(n
     completed = await asyncio.to_thread(subprocess.run, command, capture_output=True, text=True, timeout=120)
     assert completed.returncode == 2, f"stdout: {completed.stdout}\nstderr: {completed.stderr}"
     assert "frames were lost: seq 1 to 1 never came" in completed.stderr
+
+
+def summaries(completed: subprocess.CompletedProcess) -> list[dict]:
+    return [json.loads(line) for line in completed.stdout.strip().splitlines()]
+
+
+def test_node_client_pins_a_conversation_to_the_orchestrator_that_answered_signed_over_its_subject(
+    node_client, running_mesh
+):
+    # Signed over the orchestrator's own subject: signed over llm.chat.request, the call would be `unauthorized`.
+    completed = run_node(node_client, running_mesh, "--max-tokens", "3", "--then", "and then?", PROMPT)
+    assert completed.returncode == 0, f"stdout: {completed.stdout}\nstderr: {completed.stderr}"
+    first, second = summaries(completed)
+    assert first["subjects"] == [CHAT_REQUEST_SUBJECT] and first["orchestrator"]
+    assert second["subjects"] == [orchestrator_request_subject(first["orchestrator"])]
+    assert second["orchestrator"] == first["orchestrator"] and "fell_back" not in second
+    assert (first["turn"], second["turn"]) == (0, 1) and second["frame_types"][-1] == "done"
+
+    # Pinned to an orchestrator that is gone: nobody listens on its subject, so the call goes to the queue group.
+    completed = run_node(node_client, running_mesh, "--max-tokens", "2", "--orchestrator", "long gone", PROMPT)
+    assert completed.returncode == 0, f"stdout: {completed.stdout}\nstderr: {completed.stderr}"
+    (summary,) = summaries(completed)
+    assert summary["subjects"] == ["llm.chat.request.long_gone", CHAT_REQUEST_SUBJECT]
+    assert summary["fell_back"] == "no_responders" and summary["orchestrator"] == first["orchestrator"]
+
+
+AWKWARD_NODE_IDS = ["kitchen-pc", "kitchen pc.local", "a*b>c", "", "küche_2", "e\u0301", "Ⅻ²٣", "日本", "🔥x", "x\ty"]
+
+
+def test_node_client_makes_an_orchestrator_s_subject_as_python_does(node_client):
+    script = (f"import {{ orchestratorRequestSubject }} from {json.dumps(SCRIPT.as_uri())};"
+              f"console.log(JSON.stringify({json.dumps(AWKWARD_NODE_IDS)}.map(orchestratorRequestSubject)));")
+    completed = subprocess.run(["node", "--input-type=module", "-e", script], capture_output=True, text=True,
+                               timeout=60, cwd=CLIENT_DIR)
+    assert completed.returncode == 0, completed.stderr
+    assert json.loads(completed.stdout) == [orchestrator_request_subject(node_id) for node_id in AWKWARD_NODE_IDS]
+
+
+@pytest.fixture
+async def scripted_orchestrators(nats_url):
+    """Two scripted orchestrators on an open broker (one named with a space and a dot), and the llm.models answer."""
+    nc = await connect_nats(nats_url, name="scripted-orchestrators")
+    await answer_models(nc)
+    orchestrators = ScriptedOrchestrators(nc)
+    for name in ("kitchen pc.local", "attic-box"):
+        await orchestrators.start(name)
+    yield orchestrators
+    await nc.close()
+
+
+def run_scripted(node_client: list[str], nats_url: str, *args: str) -> subprocess.CompletedProcess:
+    command = [*node_client, "--nats", nats_url, *NODE_TIMEOUT_ARGS, "--max-tokens", "1", *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=120)
+
+
+async def test_node_client_sends_each_next_turn_to_the_orchestrator_that_answered_the_last(
+    node_client, scripted_orchestrators, nats_url
+):
+    completed = await asyncio.to_thread(run_scripted, node_client, nats_url, "--then", "and then?", "--then",
+                                        "and after that?", "hello")
+    assert completed.returncode == 0, f"stdout: {completed.stdout}\nstderr: {completed.stderr}"
+    turns = summaries(completed)
+    first = turns[0]["orchestrator"]
+    assert [turn["orchestrator"] for turn in turns] == [first] * 3
+    assert scripted_orchestrators.heard == {first: [CHAT_REQUEST_SUBJECT] + [orchestrator_request_subject(first)] * 2}
+    assert [turn["subjects"] for turn in turns[1:]] == [[orchestrator_request_subject(first)]] * 2
+    requests = scripted_orchestrators.requests
+    assert [len(request.messages) for request in requests] == [1, 3, 5] and requests[0].prompt is None
+    assert [(m.role, m.content) for m in requests[-1].messages] == [
+        ("user", "hello"), ("assistant", "ok"), ("user", "and then?"), ("assistant", "ok"), ("user", "and after that?")]
+
+
+@pytest.mark.parametrize(("pinned", "answers", "fell_back"), [
+    ("gone-box", None, "no_responders"),
+    ("busy-box", [{"type": "error", "seq": 0, "code": "overloaded", "message": "full", "retry_after_s": 1.0}],
+     "overloaded"),
+    ("mute-box", [], "orchestrator_gone"),
+])
+async def test_a_pinned_node_client_call_the_orchestrator_cannot_take_goes_to_the_queue_group(
+    node_client, scripted_orchestrators, nats_url, pinned, answers, fell_back
+):
+    if answers is not None:
+        scripted_orchestrators.answers[pinned] = answers
+        await scripted_orchestrators.start(pinned, in_queue=False)
+    # At once, not after the first-frame timeout (30 s) but where the orchestrator is silent (here 2 s).
+    wait = ["--first-frame-timeout", "2"] if pinned == "mute-box" else []
+    started = time.monotonic()
+    completed = await asyncio.to_thread(run_scripted, node_client, nats_url, *wait, "--orchestrator", pinned, "hi")
+    assert completed.returncode == 0, f"stdout: {completed.stdout}\nstderr: {completed.stderr}"
+    assert time.monotonic() - started < 20
+    (summary,) = summaries(completed)
+    assert summary["subjects"] == [orchestrator_request_subject(pinned), CHAT_REQUEST_SUBJECT]
+    assert summary["fell_back"] == fell_back and summary["orchestrator"] in ("kitchen pc.local", "attic-box")
+    assert f"pinned to orchestrator {pinned} went to llm.chat.request: {fell_back}" in completed.stderr
+    assert scripted_orchestrators.heard[pinned] == ([] if answers is None else [orchestrator_request_subject(pinned)])
+
+
+async def test_a_pinned_node_client_call_keeps_any_other_ending(node_client, scripted_orchestrators, nats_url):
+    # A refusal other than `overloaded` is the answer; so is `overloaded` after a token (the text would come twice).
+    scripted_orchestrators.answers["busy-box"] = [{"type": "error", "seq": 0, "code": "bad_request", "message": "no"}]
+    await scripted_orchestrators.start("busy-box", in_queue=False)
+    completed = await asyncio.to_thread(run_scripted, node_client, nats_url, "--orchestrator", "busy-box", "hi")
+    assert completed.returncode == 1, f"stdout: {completed.stdout}\nstderr: {completed.stderr}"
+    (summary,) = summaries(completed)
+    assert summary["error"]["code"] == "bad_request" and "fell_back" not in summary
+    scripted_orchestrators.answers["busy-box"] = [
+        scripted_token(0, "a"), {"type": "pipeline_aborted", "seq": 1, "code": "overloaded", "reason": "x"}]
+    completed = await asyncio.to_thread(run_scripted, node_client, nats_url, "--orchestrator", "busy-box", "hi")
+    assert completed.returncode == 1, f"stdout: {completed.stdout}\nstderr: {completed.stderr}"
+    (summary,) = summaries(completed)
+    assert summary["error"]["code"] == "overloaded" and summary["text"] == "a" and "fell_back" not in summary
+    assert summary["subjects"] == [orchestrator_request_subject("busy-box")]
+    assert not scripted_orchestrators.heard["kitchen pc.local"] and not scripted_orchestrators.heard["attic-box"]

@@ -8,9 +8,7 @@ orchestrator that answered it, for the same member only; so does `hearth chat --
 from __future__ import annotations
 
 import io
-import json
 import time
-from collections import defaultdict
 
 import httpx2
 import pytest
@@ -25,42 +23,12 @@ from hearth.services.common.config import HearthSettings
 from hearth.services.gateway.app import create_app
 from hearth.services.gateway.conversations import ConversationPins
 from hearth.services.gateway.mesh import Gateway
+from tests.scripted_orchestrators import ScriptedOrchestrators
 
 pytestmark = pytest.mark.integration
 MODEL = "scripted"
-QUEUE = "hearth-orchestrators"
 # A fallback "at once": far below the client's first-frame timeout.
 at_once_s = 2.0
-
-
-def done(name: str) -> dict:
-    return {"type": "done", "seq": 1, "finish_reason": "stop", "usage": {"prompt_tokens": 3, "completion_tokens": 1},
-            "orchestrator": name}
-
-
-class ScriptedOrchestrators:
-    """Stand-ins for orchestrators: each answers a token and a done frame naming it, or what `answers` scripts for
-    it; `heard` lists, per orchestrator, the subjects its calls came on."""
-
-    def __init__(self, nc) -> None:
-        self.nc = nc
-        self.answers: dict[str, list[dict]] = {}
-        self.heard: dict[str, list[str]] = defaultdict(list)
-        self.requests: list[ChatRequest] = []
-
-    async def start(self, name: str, *, in_queue: bool = True) -> None:
-        async def answer(msg) -> None:
-            self.heard[name].append(msg.subject)
-            self.requests.append(ChatRequest.model_validate_json(msg.data))
-            frames = self.answers.get(name) or [{"type": "token_delta", "seq": 0, "text": "ok", "token_id": 1},
-                                                done(name)]
-            for frame in frames:
-                await self.nc.publish(msg.reply, json.dumps(frame).encode())
-
-        if in_queue:
-            await self.nc.subscribe(CHAT_REQUEST_SUBJECT, queue=QUEUE, cb=answer)
-        await self.nc.subscribe(orchestrator_request_subject(name), queue=QUEUE, cb=answer)
-        await flush_ordered(self.nc)
 
 
 @pytest.fixture
