@@ -74,11 +74,11 @@ async def mesh(nats_url):
         await orchestrators_nc.close()
 
 
-async def call(nc, orchestrator: str | None) -> tuple[ChatResult, float]:
+async def call(nc, orchestrator: str | None, **timeouts: float) -> tuple[ChatResult, float]:
     started = time.perf_counter()
     result = ChatResult()
     async for frame in stream_chat_pinned(nc, ChatRequest(model=MODEL, prompt="hi", max_tokens=1),
-                                          orchestrator=orchestrator):
+                                          orchestrator=orchestrator, **timeouts):
         result.frames.append(frame)
     return result, time.perf_counter() - started
 
@@ -100,6 +100,22 @@ async def test_a_pinned_call_nobody_hears_goes_to_the_queue_group_at_once(mesh):
     result, took_s = await call(nc, "orch-gone")
     assert result.ok and result.final.orchestrator == "orch-a" and took_s < at_once_s
     assert [frame.type for frame in result.frames] == ["token_delta", "done"]
+
+
+async def test_a_pinned_call_nothing_answers_goes_to_the_queue_group_after_a_silence_not_the_first_frame_wait(mesh):
+    """A publish that nobody answers and that gets no "no responders" (a broker whose permissions predate the
+    orchestrators' own subjects drops it; here a subscriber that never answers): the turn goes to the queue group
+    once the orchestrator has been silent as long as one mid-call would be gone, not after the first-frame wait."""
+    orchestrators, nc = mesh
+    await orchestrators.start("orch-a")
+
+    async def never_answer(msg) -> None:
+        pass
+
+    await orchestrators.nc.subscribe(orchestrator_request_subject("orch-mute"), cb=never_answer)
+    await flush_ordered(orchestrators.nc)
+    result, took_s = await call(nc, "orch-mute", first_frame_timeout=8 * at_once_s, frame_gap_timeout=0.5)
+    assert result.ok and result.final.orchestrator == "orch-a" and took_s < at_once_s
 
 
 async def test_an_overloaded_orchestrator_sends_the_turn_to_the_queue_group_other_endings_do_not(mesh):
