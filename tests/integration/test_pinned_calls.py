@@ -2,8 +2,9 @@
 hearth/services/gateway/conversations.py), over a real nats-server with scripted stand-ins for two orchestrators,
 each answering the queue group's subject and its own: a pinned call reaches its orchestrator only; it goes to the
 queue group at once when nobody listens on that subject, and when the orchestrator answers `overloaded` before any
-token, but not for any other ending; the gateway sends a request that extends a conversation it carried to the
-orchestrator that answered it, for the same member only; so does `hearth chat --interactive`."""
+token, or after a silence (not the first-frame wait), but not for any other ending; the gateway sends a request that
+extends a conversation it carried to the orchestrator that answered it, for the same member only; so does `hearth
+chat --interactive`, which refuses a line no message may carry in one line."""
 
 from __future__ import annotations
 
@@ -15,11 +16,11 @@ from collections import defaultdict
 import httpx2
 import pytest
 
-from hearth.protocol.chat import ChatRequest, ModelsReply, ServedModel
+from hearth.protocol.chat import ChatRequest, ModelsReply, ServedModel, max_prompt_chars
 from hearth.protocol.subjects import CHAT_REQUEST_SUBJECT, MODELS_REQUEST_SUBJECT, orchestrator_request_subject
 from hearth.services.broker.connection import connect_nats, flush_ordered
 from hearth.services.client.chat import ChatResult
-from hearth.services.client.command import _conversation
+from hearth.services.client.command import EXIT_ERROR, _conversation
 from hearth.services.client.pinned import stream_chat_pinned
 from hearth.services.common.config import HearthSettings
 from hearth.services.gateway.app import create_app
@@ -195,3 +196,15 @@ async def test_hearth_chat_interactive_sends_each_next_turn_to_the_orchestrator_
     assert [len(request.messages) for request in orchestrators.requests] == [1, 3, 5]
     assert orchestrators.requests[-1].messages[-2].content == "ok"
     assert capsys.readouterr().out == "ok\nok\nok\n"
+
+
+@pytest.mark.parametrize("line", ["x" * (max_prompt_chars + 1), "caf\udce9"], ids=["too long", "not utf-8"])
+async def test_hearth_chat_interactive_refuses_a_line_no_message_may_carry_in_one_line(
+        mesh, nats_url, monkeypatch, capsys, line):
+    orchestrators, _ = mesh
+    await orchestrators.start("orch-a")
+    monkeypatch.setattr("sys.stdin", io.StringIO(f"{line}\nnever sent\n"))
+    first_turn = ChatRequest(model=MODEL, messages=[{"role": "user", "content": "hello"}])
+    assert await _conversation(nats_url, first_turn, nats_settings=None) == EXIT_ERROR
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1].startswith("error bad_request: ") and len(orchestrators.requests) == 1
