@@ -250,8 +250,11 @@ async function listModels(nc) {
     "llm.models reply");
 }
 
-// The frames of one call sent on `subject` (the queue group's or an orchestrator's own), up to its final frame.
-async function streamChat(nc, request, keyPair, subject) {
+// The frames of one call sent on `subject` (the queue group's or an orchestrator's own), up to its final frame;
+// `pinned`: its first frame is waited for only as long as a silence (an orchestrator that took the call sends a
+// keepalive within that, and a broker whose permissions predate the orchestrators' own subjects drops the publish
+// without a "no responders"), as pinned.py does.
+async function streamChat(nc, request, keyPair, subject, pinned = false) {
   const inbox = createInbox(opts["inbox-prefix"]);
   const subscription = nc.subscribe(inbox);
   const frames = subscription[Symbol.asyncIterator]();
@@ -270,7 +273,7 @@ async function streamChat(nc, request, keyPair, subject) {
     "never came, not even sent again");
   try {
     for (;;) {
-      let waitMs = seen.length ? seconds("silence-timeout") : seconds("first-frame-timeout");
+      let waitMs = seen.length || pinned ? seconds("silence-timeout") : seconds("first-frame-timeout");
       if (gapDeadline !== null) waitMs = Math.max(0, Math.min(waitMs, gapDeadline - Date.now()));
       let next;
       try {
@@ -339,7 +342,7 @@ async function chatPinned(nc, request, keyPair, orchestrator) {
     const subject = orchestratorRequestSubject(orchestrator);
     let fellBack;
     try {
-      const frames = await streamChat(nc, request, keyPair, subject);
+      const frames = await streamChat(nc, request, keyPair, subject, true);
       const final = frames.at(-1);
       if (frames.some((f) => f.type === "token_delta") || !FALLBACK_CODES.has(final.code)) {
         return { frames, subjects: [subject] };

@@ -5,6 +5,7 @@ publisher is handed in as a function so the logic is tested without a broker."""
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -20,9 +21,11 @@ if TYPE_CHECKING:
     from hearth.trust.community import Community
     from hearth.trust.keys import MemberKey
 
+log = logging.getLogger(__name__)
+
 # Publishes one signed event on a subject and says where and when the broker stored it: (stream, sequence, the
-# broker's storage time).
-Publish = Callable[["MemberRemoved", str], Awaitable[tuple[str, int, datetime]]]
+# broker's storage time, None when it could not be read back).
+Publish = Callable[["MemberRemoved", str], Awaitable[tuple[str, int, datetime | None]]]
 
 
 class RemovalNotPublished(Exception):
@@ -78,12 +81,17 @@ async def steward_publisher(nats: NatsSettings, system_key: Path) -> AsyncIterat
     settings = nats.model_copy(update={"creds_file": system_key})
     connection = await connect_nats(settings.url, name="hearth steward", settings=settings)
 
-    async def publish(event: MemberRemoved, subject: str) -> tuple[str, int, datetime]:
+    async def publish(event: MemberRemoved, subject: str) -> tuple[str, int, datetime | None]:
         js = connection.jetstream()
         ack = await publish_event(js, event, subject=subject)
         # The ack says where, not when: the stored message says when, by the broker's clock (a request bounded by
-        # the JetStream context's timeout).
-        stored = await js.get_msg(ack.stream, ack.seq)
+        # the JetStream context's timeout). Stored it is: a failed read-back keeps the cut's position without it.
+        try:
+            stored = await js.get_msg(ack.stream, ack.seq)
+        except Exception as error:  # a timeout or an API error: the position alone still cuts
+            log.warning("the removal stored as %s #%d could not be read back (%s): its cut holds no storage time",
+                        ack.stream, ack.seq, error)
+            return ack.stream, ack.seq, None
         return ack.stream, ack.seq, stored.time
 
     try:

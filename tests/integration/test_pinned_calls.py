@@ -2,8 +2,9 @@
 hearth/services/gateway/conversations.py), over a real nats-server with scripted stand-ins for two orchestrators,
 each answering the queue group's subject and its own: a pinned call reaches its orchestrator only; it goes to the
 queue group at once when nobody listens on that subject, and when the orchestrator answers `overloaded` before any
-token, but not for any other ending; the gateway sends a request that extends a conversation it carried to the
-orchestrator that answered it, for the same member only; so does `hearth chat --interactive`."""
+token, or after a silence (not the first-frame wait), but not for any other ending; the gateway sends a request that
+extends a conversation it carried to the orchestrator that answered it, for the same member only; so does `hearth
+chat --interactive`, which refuses a line no message may carry in one line."""
 
 from __future__ import annotations
 
@@ -13,11 +14,11 @@ import time
 import httpx2
 import pytest
 
-from hearth.protocol.chat import ChatRequest, ModelsReply, ServedModel
+from hearth.protocol.chat import ChatRequest, ModelsReply, ServedModel, max_prompt_chars
 from hearth.protocol.subjects import CHAT_REQUEST_SUBJECT, MODELS_REQUEST_SUBJECT, orchestrator_request_subject
 from hearth.services.broker.connection import connect_nats, flush_ordered
 from hearth.services.client.chat import ChatResult
-from hearth.services.client.command import _conversation
+from hearth.services.client.command import EXIT_ERROR, _conversation
 from hearth.services.client.pinned import stream_chat_pinned
 from hearth.services.common.config import HearthSettings
 from hearth.services.gateway.app import create_app
@@ -42,11 +43,11 @@ async def mesh(nats_url):
         await orchestrators_nc.close()
 
 
-async def call(nc, orchestrator: str | None) -> tuple[ChatResult, float]:
+async def call(nc, orchestrator: str | None, **timeouts: float) -> tuple[ChatResult, float]:
     started = time.perf_counter()
     result = ChatResult()
     async for frame in stream_chat_pinned(nc, ChatRequest(model=MODEL, prompt="hi", max_tokens=1),
-                                          orchestrator=orchestrator):
+                                          orchestrator=orchestrator, **timeouts):
         result.frames.append(frame)
     return result, time.perf_counter() - started
 
@@ -68,6 +69,22 @@ async def test_a_pinned_call_nobody_hears_goes_to_the_queue_group_at_once(mesh):
     result, took_s = await call(nc, "orch-gone")
     assert result.ok and result.final.orchestrator == "orch-a" and took_s < at_once_s
     assert [frame.type for frame in result.frames] == ["token_delta", "done"]
+
+
+async def test_a_pinned_call_nothing_answers_goes_to_the_queue_group_after_a_silence_not_the_first_frame_wait(mesh):
+    """A publish that nobody answers and that gets no "no responders" (a broker whose permissions predate the
+    orchestrators' own subjects drops it; here a subscriber that never answers): the turn goes to the queue group
+    once the orchestrator has been silent as long as one mid-call would be gone, not after the first-frame wait."""
+    orchestrators, nc = mesh
+    await orchestrators.start("orch-a")
+
+    async def never_answer(msg) -> None:
+        pass
+
+    await orchestrators.nc.subscribe(orchestrator_request_subject("orch-mute"), cb=never_answer)
+    await flush_ordered(orchestrators.nc)
+    result, took_s = await call(nc, "orch-mute", first_frame_timeout=8 * at_once_s, frame_gap_timeout=0.5)
+    assert result.ok and result.final.orchestrator == "orch-a" and took_s < at_once_s
 
 
 async def test_an_overloaded_orchestrator_sends_the_turn_to_the_queue_group_other_endings_do_not(mesh):
@@ -147,3 +164,15 @@ async def test_hearth_chat_interactive_sends_each_next_turn_to_the_orchestrator_
     assert [len(request.messages) for request in orchestrators.requests] == [1, 3, 5]
     assert orchestrators.requests[-1].messages[-2].content == "ok"
     assert capsys.readouterr().out == "ok\nok\nok\n"
+
+
+@pytest.mark.parametrize("line", ["x" * (max_prompt_chars + 1), "caf\udce9"], ids=["too long", "not utf-8"])
+async def test_hearth_chat_interactive_refuses_a_line_no_message_may_carry_in_one_line(
+        mesh, nats_url, monkeypatch, capsys, line):
+    orchestrators, _ = mesh
+    await orchestrators.start("orch-a")
+    monkeypatch.setattr("sys.stdin", io.StringIO(f"{line}\nnever sent\n"))
+    first_turn = ChatRequest(model=MODEL, messages=[{"role": "user", "content": "hello"}])
+    assert await _conversation(nats_url, first_turn, nats_settings=None) == EXIT_ERROR
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1].startswith("error bad_request: ") and len(orchestrators.requests) == 1

@@ -123,7 +123,11 @@ async def _conversation(nats_url: str, request: ChatRequest, *, nats_settings: N
             line = await asyncio.to_thread(sys.stdin.readline)  # off the event loop: stdin blocks
             if not line.strip():
                 return 0
-            messages.append(ChatMessage(role="user", content=line.rstrip("\n")))
+            try:
+                messages.append(ChatMessage(role="user", content=line.rstrip("\n")))
+            except ValidationError as error:  # a line no message may carry (too long; bytes that are not UTF-8)
+                _say(f"error bad_request: {describe_validation_error(error)}")
+                return EXIT_ERROR
     finally:
         await close_quietly(nc, (nats_settings or NatsSettings()).close_timeout_s)
 
