@@ -4,18 +4,20 @@
 Alembic, fed every stored message of both streams through the same projection the live projector uses, then
 pruned by the same retention policy (readmodels.retention), so it holds what a live projector's pruning leaves.
 `diff_databases(new, live)` then lists every row that differs, is missing from live or is extra in live,
-per table. `projection_positions` is left out by default: it records how far each file has read, not
-what the log says, and a live database that kept running after the rebuild is legitimately ahead;
-compare positions with `include_positions=True` (a live projector that is ahead explains differences in
-rows touched by the newer events).
+per table; `diff_within_log` leaves out the rows older than the log's window (readmodels.log_window), which a
+live read model keeps from events the streams have since dropped and no rebuild can make. `projection_positions`
+is left out by default: it records how far each file has read, not what the log says, and a live database that
+kept running after the rebuild is legitimately ahead; compare positions with `include_positions=True` (a live
+projector that is ahead explains differences in rows touched by the newer events).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Literal
 
@@ -26,6 +28,7 @@ from hearth.events.consume import SkippedMessage, StoredEvent, read_stream
 from hearth.events.signing import EventVerifier, RejectionReason
 from hearth.events.streams import ALL_STREAMS
 from hearth.readmodels.db import open_engine, upgrade_database
+from hearth.readmodels.log_window import keys_older_than_log, window_start
 from hearth.readmodels.positions import record_stream_identity
 from hearth.readmodels.projection import PROJECTION_NAME, ReadModelProjection
 from hearth.readmodels.retention import RetentionPolicy, prune_all
@@ -49,10 +52,12 @@ async def rebuild_database(
     batch_events: int = rebuild_batch_events,
     verifier: EventVerifier | None = None,
     retention: RetentionPolicy | None = None,
+    window: dict[str, int] | None = None,
 ) -> int:
     """Create a fresh read model at `db_path` from every message the streams hold now; returns how many
     messages were applied. Refuses an existing file unless `overwrite` (which deletes it first). Give the
-    `verifier` and the `retention` the live projector uses, or the rows differ from its."""
+    `verifier` and the `retention` the live projector uses, or the rows differ from its. A `window` given is filled
+    with, per stream that dropped messages, where what it still holds starts (log_window.window_start)."""
     path = Path(db_path)
     _prepare_fresh_path(path, overwrite=overwrite)
     await asyncio.to_thread(upgrade_database, path)
@@ -77,9 +82,13 @@ async def rebuild_database(
     try:
         for stream in streams:
             # Which stream the positions are taken in, as a live projector records it (readmodels.stream_identity).
-            created = (await stream_state(js, stream)).created
+            state = await stream_state(js, stream)
+            created = state.created
+            first: StoredEvent | SkippedMessage | None = None
             batch: list[StoredEvent | SkippedMessage] = []
             async for message in read_stream(js, stream, from_seq=1, follow=False):
+                if first is None:
+                    first = message
                 batch.append(message)
                 if len(batch) >= batch_events:
                     # Read the next batch while this one is written.
@@ -94,6 +103,9 @@ async def rebuild_database(
                 applied += await asyncio.to_thread(apply, batch)
             if created is not None:
                 await asyncio.to_thread(record, stream, created)
+            start = window_start(first, state.last_seq)
+            if window is not None and start is not None:
+                window[stream] = start
         if retention is not None:
             await asyncio.to_thread(prune_all, session_factory, retention, projection.name)
     finally:
@@ -148,10 +160,37 @@ def _brief(row: dict[str, Any] | None, limit: int = 6) -> str:
 UNCOMPARED_COLUMNS: dict[str, tuple[str, ...]] = {"projection_positions": ("stream_created",)}
 
 
+@dataclass(frozen=True)
+class LogDiff:
+    """The rows that differ within the log's window, and how many rows of each side were left out as older."""
+
+    differences: list[RowDifference]
+    window: Mapping[str, int]
+    left_out_new: int
+    left_out_live: int
+
+    def window_lines(self, new_name: object, live_name: object) -> list[str]:
+        """Where each stream's window starts and how many rows were left out, one line each (none: nothing dropped)."""
+        lines = [f"{stream} holds messages from {datetime.fromtimestamp(start, timezone.utc):%Y-%m-%d %H:%M:%S} UTC on"
+                 for stream, start in self.window.items()]
+        if self.window:
+            lines.append(f"left out as older than the log: {self.left_out_new} rows of {new_name}, "
+                         f"{self.left_out_live} rows of {live_name}")
+        return lines
+
+
 def diff_databases(
     new_path: str | Path, live_path: str | Path, *, include_positions: bool = False
 ) -> list[RowDifference]:
     """Every row that differs between two read-model databases, per table, ordered by table and key."""
+    return diff_within_log(new_path, live_path, {}, include_positions=include_positions).differences
+
+
+def diff_within_log(
+    new_path: str | Path, live_path: str | Path, window: Mapping[str, int], *, include_positions: bool = False
+) -> LogDiff:
+    """`diff_databases`, leaving out on both sides every key whose row, on either side, began before the `window`
+    of its stream (per stream that dropped messages, where what it holds starts: rebuild_database fills it)."""
     for path in (new_path, live_path):
         if not Path(path).is_file():
             raise FileNotFoundError(f"no read-model database at {path}")
@@ -164,12 +203,19 @@ def diff_databases(
                 "migrate both to the same revision first"
             )
         differences: list[RowDifference] = []
+        left_out_new = left_out_live = 0
         for table in Base.metadata.sorted_tables:
             if table.name in _BOOKKEEPING_TABLES and not include_positions:
                 continue
             key_columns = [column.name for column in table.primary_key.columns]
             new_rows = _rows_by_key(new_engine, table, key_columns)
             live_rows = _rows_by_key(live_engine, table, key_columns)
+            older = _keys_older_than_log(new_engine, table.name, key_columns, window) | _keys_older_than_log(
+                live_engine, table.name, key_columns, window)
+            left_out_new += len(older & new_rows.keys())
+            left_out_live += len(older & live_rows.keys())
+            new_rows = {key: row for key, row in new_rows.items() if key not in older}
+            live_rows = {key: row for key, row in live_rows.items() if key not in older}
             for key in sorted(new_rows.keys() | live_rows.keys(), key=_sortable):
                 new_row, live_row = new_rows.get(key), live_rows.get(key)
                 key_dict = dict(zip(key_columns, key))
@@ -187,7 +233,7 @@ def diff_databases(
                         RowDifference(table.name, key_dict, "changed", new_row=new_row, live_row=live_row,
                                       columns=columns)
                     )
-        return differences
+        return LogDiff(differences, dict(window), left_out_new, left_out_live)
     finally:
         new_engine.dispose()
         live_engine.dispose()
@@ -199,6 +245,11 @@ def _schema_version(engine) -> str | None:
             return connection.execute(text("SELECT version_num FROM alembic_version")).scalar()
         except Exception:
             return None
+
+
+def _keys_older_than_log(engine, table: str, key_columns: list[str], window: Mapping[str, int]) -> set[tuple]:
+    with engine.connect() as connection:
+        return keys_older_than_log(connection, table, key_columns, window)
 
 
 def _rows_by_key(engine, table, key_columns: list[str]) -> dict[tuple, dict[str, Any]]:

@@ -9,9 +9,8 @@ with `--follow` the two are interleaved as messages arrive.
 
 from __future__ import annotations
 
-import os
-
 import contextlib
+import os
 import sys
 from datetime import datetime, timezone
 from enum import Enum
@@ -309,7 +308,7 @@ def rebuild_command(
     db: Annotated[Path, typer.Option("--db", help="Where to write the fresh read model (must not exist).")],
     diff: Annotated[
         Optional[Path],
-        typer.Option("--diff", help="A live read model to compare with; exit 1 when any row differs."),
+        typer.Option("--diff", help="A live read model to compare with; exit 1 when a row the log holds differs."),
     ] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing --db file.")] = False,
     nats_url: NatsUrlOption = None,
@@ -331,7 +330,7 @@ async def _rebuild(url: str, db: Path, diff: Path | None, force: bool, verifier=
     import asyncio
 
     from hearth.events.streams import ALL_STREAMS
-    from hearth.readmodels.rebuild import diff_databases, rebuild_database
+    from hearth.readmodels.rebuild import diff_within_log, rebuild_database
     from hearth.readmodels.retention import retention_policy
     from hearth.services.replay.query import existing_streams
 
@@ -340,16 +339,17 @@ async def _rebuild(url: str, db: Path, diff: Path | None, force: bool, verifier=
         for name in missing:
             typer.echo(f"hearth-replay: stream {name} does not exist yet; nothing to read from it", err=True)
         retention = None if readmodels is None else retention_policy(readmodels)
+        window: dict[str, int] = {}
         applied = await rebuild_database(js, db, overwrite=force, streams=present, verifier=verifier,
-                                         retention=retention)
+                                         retention=retention, window=window)
     typer.echo(f"rebuilt {db} from {applied} messages")
     if diff is None:
         return 0
-    differences = await asyncio.to_thread(diff_databases, db, diff)
-    for difference in differences:
-        typer.echo(str(difference))
-    if differences:
-        typer.echo(f"{len(differences)} rows differ between {db} (from the log) and {diff}", err=True)
+    compared = await asyncio.to_thread(diff_within_log, db, diff, window)
+    for line in [*compared.window_lines(db, diff), *map(str, compared.differences)]:
+        typer.echo(line)
+    if compared.differences:
+        typer.echo(f"{len(compared.differences)} rows differ between {db} (from the log) and {diff}", err=True)
         return 1
     typer.echo(f"no differences between {db} and {diff}")
     return 0

@@ -1,0 +1,77 @@
+"""Which rows of a read model hold what the event log no longer stores: rows older than the first message each
+stream still keeps, which a rebuild cannot make, so a diff of a rebuild against a live read model leaves them out.
+
+A stream that still holds its first message (sequence 1) has lost nothing and leaves nothing out. Otherwise its
+window starts after the second in which the broker stored the oldest message it keeps, and each table's rule below
+says which of its rows began before that: history by its own time (a minute, a day, a call's first event), the
+counters summed over a stream's whole life (shard_stats, shard_reputation) entirely, since no row says when its
+sum began.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import text
+
+from hearth.events.consume import SkippedMessage, StoredEvent
+from hearth.events.streams import PIPELINES_STREAM, SHARDS_STREAM
+
+
+@dataclass(frozen=True)
+class OlderThanLogRule:
+    """Rows of `table` matching `older` (SQL over `:start`, epoch s, and `:stream`) began before `stream`'s window."""
+
+    table: str
+    stream: str
+    older: str
+
+
+_CALL_BEGAN = "MIN(COALESCE(constructed_at, updated_at), COALESCE(first_token_at, updated_at))"
+
+OLDER_THAN_LOG_RULES: tuple[OlderThanLogRule, ...] = (
+    OlderThanLogRule("shards", SHARDS_STREAM, "advertised_at < :start"),
+    OlderThanLogRule("shard_health", SHARDS_STREAM, "last_seen < :start"),
+    # A bucket (minute, day) that began before the window holds a part the log dropped.
+    OlderThanLogRule("event_counts", SHARDS_STREAM, "minute < :start AND type LIKE 'shard.%'"),
+    OlderThanLogRule("event_counts", PIPELINES_STREAM, "minute < :start AND type NOT LIKE 'shard.%'"),
+    OlderThanLogRule("pipelines", PIPELINES_STREAM, f"{_CALL_BEGAN} < :start"),
+    OlderThanLogRule("failovers", PIPELINES_STREAM, "occurred_at < :start OR pipeline_id IN (SELECT pipeline_id FROM "
+                     f"pipelines WHERE {_CALL_BEGAN} < :start)"),
+    OlderThanLogRule("pipeline_minutes", PIPELINES_STREAM, "minute < :start"),
+    OlderThanLogRule("integrity_evidence", PIPELINES_STREAM, "occurred_at < :start"),
+    OlderThanLogRule("shard_reputation", PIPELINES_STREAM, "1"),
+    OlderThanLogRule("shard_stats", PIPELINES_STREAM, "1"),
+    OlderThanLogRule("shard_tokens_daily", PIPELINES_STREAM, "day < :start"),
+    OlderThanLogRule("kept_prefixes", PIPELINES_STREAM, "kept_at < :start"),
+    *(OlderThanLogRule(table, stream, f"stream = :stream AND {column} < :start")
+      for stream in (SHARDS_STREAM, PIPELINES_STREAM)
+      for table, column in (("rejected_events", "rejected_at"), ("rejected_event_counts", "minute"),
+                            ("member_removals", "removed_at"))),
+)
+
+
+def window_start(first: StoredEvent | SkippedMessage | None, last_seq: int) -> int | None:
+    """Where a stream's window starts (epoch s) given the first message read of it and its last sequence before the
+    read; None while it still holds everything it stored."""
+    if first is None:
+        # Every message it stored aged out: the log holds nothing from before now.
+        return None if last_seq == 0 else int(time.time())
+    # Rows keep whole seconds: one in the oldest message's second may hold an earlier message of that second.
+    return None if first.seq == 1 else int(first.time.timestamp()) + 1
+
+
+def keys_older_than_log(connection: Any, table: str, key_columns: list[str], starts: Mapping[str, int]
+                        ) -> set[tuple]:
+    """The keys of `table`'s rows that began before their stream's window (`starts`: streams that dropped any)."""
+    keys: set[tuple] = set()
+    for rule in OLDER_THAN_LOG_RULES:
+        if rule.table != table or rule.stream not in starts:
+            continue
+        rows = connection.execute(text(f"SELECT {', '.join(key_columns)} FROM {table} WHERE {rule.older}"),
+                                  dict(start=starts[rule.stream], stream=rule.stream))
+        keys.update(tuple(row) for row in rows)
+    return keys
