@@ -64,8 +64,6 @@ def hold_range(lock_root: Path, folder: Path) -> None:
                 fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)  # a remover locks it only under RANGES_LOCK
                 on_error.pop_all()
             _held[key] = handle
-    except CheckpointError:
-        raise
     except OSError as error:  # a read-only cache, or no flock: a remover fails the same way
         logger.warning("using %s without marking it in use (%s): a process elsewhere with write access could "
                        "remove it meanwhile", folder, error.strerror or error)

@@ -1,6 +1,6 @@
 """Which stored events a projection applies on a community mesh: the verifier's verdict on each
-(hearth/events/signing.py), told of the member removals the stream's own log has shown before it; the rejected_events
-row of each event turned away, and the record of each removal (`member.removed`) as the stream shows it.
+(hearth/events/signing.py), told of the member removals the stream's own log has shown before it, and the record of
+each removal (`member.removed`) as the stream shows it (an event turned away is recorded by rejections.py).
 
 A removal is a position in each stream, not a time: the first verified `member.removed` of a key on a stream is kept
 in member_removals in the batch's transaction, and every later event of that key on that stream is rejected
@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Rejection:
-    """One event a batch did not apply, and why (the row it left in rejected_events)."""
+    """One event a batch did not apply, and why (counted in rejected_event_counts, perhaps kept in rejected_events)."""
 
     stream: str
     seq: int
