@@ -1,5 +1,6 @@
 """The kept_prefixes read model: which chain's hops keep which block names, from `pipeline.completed`'s kept prefix,
-and the pruning that keeps the table to records whose blocks may still be held.
+each record under the key that signed it, and the pruning that keeps the table to records whose blocks may still be
+held.
 
 Pruning follows event time, never the wall clock: each batch deletes the rows that expired before the latest record
 it applied, so a replay of the log leaves the same rows (the newest records' `expires_at` is ahead of every record
@@ -15,17 +16,31 @@ from hearth.events.models import PipelineCompleted
 from hearth.readmodels.batch_rows import KEPT_PREFIXES, BatchRows
 
 
+# The signer column of records from unsigned events (an open mesh): a key column holds no NULL.
+UNSIGNED_RECORDS = ""
+
+
+def records_signer(keeper: str | None) -> str:
+    """The signer column of the records `keeper` (a member's public key; None on an open mesh) signed."""
+    return keeper or UNSIGNED_RECORDS
+
+
 def record_kept_prefix(event: PipelineCompleted, rows: BatchRows) -> None:
-    """A completed call's kept blocks, one row per mark (a later record of the same name replaces it)."""
+    """A completed call's kept blocks, one row per mark under the event's signer (the projection applies a signed
+    event only once it verified that key: admission.py), so a later record of the same name replaces only the same
+    member's; another member copying the mark from the log keeps its own row, which routing for this one never reads
+    (a mark is drawn over the key of the member whose hops keep the blocks: hearth/services/orchestrator/prefix.py)."""
     kept = event.kept_prefix
     if kept is None:
         return
+    signer = records_signer(event.signer)
     kept_at = math.floor(event.occurred_at.timestamp())
     hops = json.dumps([[hop.shard_id, hop.layer_lo, hop.layer_hi] for hop in kept.hops])
     expires_at = math.floor(event.occurred_at.timestamp() + kept.idle_s)
     for mark in kept.marks:
-        rows.put(KEPT_PREFIXES, mark.name, dict(name=mark.name, pipeline_id=event.pipeline_id, hops=hops,
-                                                blocks=mark.blocks, kept_at=kept_at, expires_at=expires_at))
+        rows.put(KEPT_PREFIXES, (signer, mark.name), dict(
+            signer=signer, name=mark.name, pipeline_id=event.pipeline_id, hops=hops, blocks=mark.blocks,
+            kept_at=kept_at, expires_at=expires_at))
     rows.kept_prefixes_recorded = True
 
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from hearth.readmodels.kept_prefixes import records_signer
 from hearth.readmodels.projection import PROJECTION_NAME, load_positions
 from hearth.readmodels.reputation import QUARANTINED
 from hearth.readmodels.tables import KeptPrefixRecord, Shard, ShardHealth, ShardReputation
@@ -110,15 +111,20 @@ class KeptChain:
     blocks: int
 
 
-def kept_chain_holding(session: Session, names: Sequence[str], now_s: float) -> KeptChain | None:
+def kept_chain_holding(session: Session, names: Sequence[str], now_s: float,
+                       keeper: str | None) -> KeptChain | None:
     """The recorded chain keeping the most leading blocks of `names` (a call's block names, first to last), among
-    records not expired at `now_s`; None when no record names one of them."""
+    records not expired at `now_s` that `keeper` signed (the looking-up orchestrator's member key, which its marks are
+    drawn over; None on an open mesh: the unsigned records); None when no such record names one of them. Only its
+    own member's records: another member may copy a mark from the log, but not sign as this one."""
+    signer = records_signer(keeper)
     for end in range(len(names), 0, -kept_names_per_lookup):
         start = max(0, end - kept_names_per_lookup)
         position = {name: index for index, name in enumerate(names[start:end], start=start)}
         found = session.execute(
             select(KeptPrefixRecord.name, KeptPrefixRecord.hops)
-            .where(KeptPrefixRecord.name.in_(list(position)), KeptPrefixRecord.expires_at >= now_s)
+            .where(KeptPrefixRecord.signer == signer, KeptPrefixRecord.name.in_(list(position)),
+                   KeptPrefixRecord.expires_at >= now_s)
         ).all()
         if found:
             longest = max(found, key=lambda row: position[row.name])

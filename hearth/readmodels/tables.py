@@ -310,10 +310,14 @@ class KeptPrefixRecord(Base):
     """A block name that a chain's hops were asked to keep (a mark of `pipeline.completed`'s kept prefix), with how
     many blocks it closes: what routing looks a call's own block names up in, longest first. Only names are stored
     (digests of scoped token blocks: they tell that two calls began alike, never what they said); rows past their
-    `expires_at` are useless (the hops dropped those blocks) and are pruned as later ones come in."""
+    `expires_at` are useless (the hops dropped those blocks) and are pruned as later ones come in. A record is its
+    signer's: routing reads only the rows its own member key signed, so a member that copies another's marks from the
+    log into a completion of its own keeps a row beside that member's, never in its place."""
 
     __tablename__ = "kept_prefixes"
 
+    signer: Mapped[str] = mapped_column(
+        String, primary_key=True, comment="public key that signed the event ('': unsigned, an open mesh)")
     name: Mapped[str] = mapped_column(String, primary_key=True, comment="128-bit block name, hex")
     pipeline_id: Mapped[str] = mapped_column(String, nullable=False)
     hops: Mapped[str] = mapped_column(

@@ -17,6 +17,7 @@ from hearth.events.models import (
     encode_event,
     max_kept_marks,
 )
+from hearth.events.signing import sign_event
 from hearth.events.envelope import max_event_duration_s, max_event_number
 from hearth.events.streams import event_max_msg_bytes
 from hearth.protocol.bounds import max_shard_id_chars
@@ -64,8 +65,9 @@ def kept(names: list[str], hops=CHAIN_A, idle_s: float = 600.0) -> KeptPrefix:
 
 
 def holding(engine, names, now_s):
+    """The chain the read model names for an orchestrator of an open mesh (unsigned records)."""
     with Session(engine) as session:
-        return kept_chain_holding(session, names, now_s)
+        return kept_chain_holding(session, names, now_s, None)
 
 
 def test_a_completed_call_s_marked_blocks_become_rows_named_by_them(engine):
@@ -74,8 +76,8 @@ def test_a_completed_call_s_marked_blocks_become_rows_named_by_them(engine):
                         idle_s=600)
     apply_all(engine, [log.stored(completed("p1", marked, t=5.5)), log.stored(completed("p2", None))])
     hops, kept_at = '[["m:0-3@a", 0, 3], ["m:4-7@b", 4, 7]]', int(at(5.5).timestamp())
-    assert sorted(dump_rows(engine)["kept_prefixes"], key=lambda row: row[3]) == [
-        (NAMES[1], "p1", hops, 2, kept_at, kept_at + 600), (NAMES[5], "p1", hops, 6, kept_at, kept_at + 600)]
+    assert sorted(dump_rows(engine)["kept_prefixes"], key=lambda row: row[4]) == [
+        ("", NAMES[1], "p1", hops, 2, kept_at, kept_at + 600), ("", NAMES[5], "p1", hops, 6, kept_at, kept_at + 600)]
 
 
 def test_a_call_marks_its_last_block_the_last_two_of_its_prompt_and_powers_of_two():
@@ -133,7 +135,7 @@ def test_records_expired_before_the_latest_one_kept_are_pruned_whatever_the_batc
     for message in messages:
         apply_all(apart, [message])
     assert dump_rows(together) == dump_rows(apart)
-    assert [row[0] for row in dump_rows(apart)["kept_prefixes"]] == [left]
+    assert [row[1] for row in dump_rows(apart)["kept_prefixes"]] == [left]
     together.dispose()
     apart.dispose()
 
@@ -144,7 +146,7 @@ def test_the_same_blocks_kept_again_name_the_later_chain(engine):
     apply_all(engine, [log.stored(completed("p1", kept(NAMES[:4]), t=1)),
                        log.stored(completed("p2", kept(NAMES[:4], hops=chain_b), t=2))])
     with Session(engine) as session:
-        assert session.get(KeptPrefixRecord, NAMES[3]).pipeline_id == "p2"
+        assert session.get(KeptPrefixRecord, ("", NAMES[3])).pipeline_id == "p2"
 
 
 def test_the_largest_completed_event_with_a_kept_prefix_fits_the_streams():
@@ -232,7 +234,8 @@ async def test_on_a_community_mesh_only_its_own_member_s_kept_chains_draw_an_orc
     far, near = advertised(0, 7, "far", hop_weight=1.5), advertised(0, 7, "near")
     apply_all(engine, [log.stored(far), log.stored(near), log.stored(heartbeat(far.shard_id, decode_step_ms=5.0)),
                        log.stored(heartbeat(near.shard_id, decode_step_ms=5.0))])
-    apply_all(engine, [log.stored(completed("p1", completed_call_on(far.shard_id, settings, keeper), t=10))])
+    record = completed("p1", completed_call_on(far.shard_id, settings, keeper), t=10)
+    apply_all(engine, [log.stored(sign_event(record, keeper))])
     assert await planned(engine, settings, PROMPT, keeper) == [far.shard_id]  # another orchestrator of its member
     assert await planned(engine, settings, PROMPT, other) == [near.shard_id]
     assert await planned(engine, settings, PROMPT) == [near.shard_id]  # nor an orchestrator of an open mesh

@@ -286,12 +286,14 @@ class ChainBuilder:
                 names[scheme] = [published_mark(name, self._mark_keeper()) for name in reusable.hashes]
         if sessions is None or not names:
             return {}
+        keeper = self._mark_keeper()
 
         def read() -> dict[str, KeptChain]:
             found: dict[str, KeptChain] = {}
             with sessions() as session:
                 for scheme, scheme_names in names.items():
-                    recorded = kept_chain_holding(session, scheme_names, now_s)
+                    # Only records our member signed (what it signs with is what its marks are drawn over).
+                    recorded = kept_chain_holding(session, scheme_names, now_s, keeper)
                     if recorded is not None:
                         found[scheme] = recorded
             return found

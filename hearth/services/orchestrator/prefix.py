@@ -18,7 +18,8 @@ hops opened (signed) by the member whose hops kept them (hearth/inference/prefix
 orchestrator that can guess a call's tokens can compute its names and keep junk under them, and a shard never sees
 tokens to tell. A public system prompt's blocks are so shared by the callers of one member's orchestrators, each
 member prefilling them once per shard. A mark is likewise drawn per member (its orchestrators' key): routing finds
-only chains whose blocks its own hops may attach.
+only chains whose blocks its own hops may attach, and reads only records its member signed (a copy of the mark in
+another member's event is that member's record: hearth/readmodels/kept_prefixes.py).
 
 A call reuses a prefix only for its chain's first prefill, and never at `verify` levels `all` and `vote` (they
 check every position, and a mirror would need the positions the call did not compute). Blocks are kept when a call
