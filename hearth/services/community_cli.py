@@ -95,7 +95,9 @@ def remove_command(
     nats --community DIR` applies the roster within seconds and closes its connections), its gateway API keys are
     revoked, calls it signs are refused, and events each stream stores from it after its removal event are rejected
     (`removed_signer`), while what it signed before still verifies. Its name and key can never join again (its
-    history stays theirs); a member coming back is added with new ones."""
+    history stays theirs); a member coming back is added with new ones. Run again after a failure, it keeps the
+    removal events an earlier run published and publishes only where none is."""
+    from hearth.events.streams import StreamsMissing
     from hearth.services.broker.connection import BrokerUnreachable
     from hearth.services.community_removal import PublishedRemoval, RemovalNotPublished, publish_community_removal
     from hearth.services.gateway.keys import API_KEYS_FILE, ApiKeyError, revoke_api_keys
@@ -110,17 +112,18 @@ def remove_command(
         community.check_removable(name)  # before anything changes, so a refusal leaves everything as it was
         if not offline:
             published = publish_community_removal(community, name, nats_url)
-        # Its API keys go next: a removal that fails there can simply be run again (publishing its events anew).
+        # Its API keys go next: a removal that fails there can simply be run again (which finds its events).
         api_keys = revoke_api_keys(directory, name) if (directory / API_KEYS_FILE).is_file() else 0
-        removed, seed_file = community.remove(name, cuts=published.cuts)
+        removed, seed_file = community.remove(name, cuts=published.cuts, removed_at=published.found_since)
     except (RosterError, ApiKeyError, KeyFileError) as error:
         _fail(str(error), command)
-    except (BrokerUnreachable, RemovalNotPublished) as error:
+    except (BrokerUnreachable, StreamsMissing, RemovalNotPublished) as error:
         _fail(f"{error}; nothing was changed. Give the broker with --nats, or --offline to change the roster alone "
               "(projections then cut its events off by this machine's clock)", command)
     member = removed.member
     deleted = f"; deleted {seed_file}" if seed_file else ""
-    where = ", ".join(f"{cut.stream} #{cut.seq}" for cut in removed.cuts)
+    earlier = {stream: " (published by an earlier run)" for stream in published.found}
+    where = ", ".join(f"{cut.stream} #{cut.seq}{earlier.get(cut.stream, '')}" for cut in removed.cuts)
     logged = f"; its removal is at {where}" if where else ""
     typer.echo(f"removed {member.name} ({member.role}, {member.trust}), public key {member.public_key}{deleted}; "
                f"revoked its {api_keys} API keys{logged}. A broker run by `hearth nats --community` applies it at "

@@ -1,42 +1,66 @@
 """The steward's removal of a member as the event log records it: a `member.removed` signed with the system key,
-published on each event stream before the roster changes, whose positions (the cuts) the roster then keeps; the
-publisher is handed in as a function so the logic is tested without a broker."""
+published on each event stream before the roster changes (or, where an earlier run already published it, found
+there), whose positions (the cuts) the roster then keeps; the streams are handed in as an object so the logic is
+tested without a broker."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
-from hearth.events.streams import ALL_STREAMS, MEMBER_REMOVAL_SUBJECTS
+from hearth.events.streams import ALL_STREAMS, MEMBER_REMOVAL_SUBJECTS, STREAMS_CREATED_BY, StreamsMissing
 from hearth.trust.roster import SYSTEM_MEMBER, Member, RemovalCut, RosterError
 
 if TYPE_CHECKING:
+    from nats.js import JetStreamContext
+
+    from hearth.events.consume import SkippedMessage, StoredEvent
     from hearth.events.models import MemberRemoved
+    from hearth.events.signing import EventVerifier
     from hearth.services.common.config import NatsSettings
     from hearth.trust.community import Community
     from hearth.trust.keys import MemberKey
 
 log = logging.getLogger(__name__)
 
-# Publishes one signed event on a subject and says where and when the broker stored it: (stream, sequence, the
-# broker's storage time, None when it could not be read back).
-Publish = Callable[["MemberRemoved", str], Awaitable[tuple[str, int, datetime | None]]]
+# How long reading the removals a stream already holds may take, before that stream counts as not taking this one.
+removal_lookup_timeout_s = 10.0
+
+
+class RemovalLog(Protocol):
+    """The event streams as the steward's removal uses them."""
+
+    where: str  # the broker, for the line that says a stream is missing
+
+    async def missing(self, streams: Sequence[str]) -> list[str]:
+        """Which of `streams` the broker does not hold."""
+
+    async def removals(self, stream: str) -> list[StoredEvent | SkippedMessage]:
+        """The messages `stream` holds on its removal subject, oldest first."""
+
+    async def publish(self, event: MemberRemoved, subject: str) -> tuple[str, int, datetime | None]:
+        """Publish one signed event on `subject`: where and when the broker stored it (stream, sequence, the
+        broker's storage time, None when it could not be read back)."""
 
 
 class RemovalNotPublished(Exception):
     """No stream took the removal event: nothing was changed."""
 
 
-@dataclass(frozen=True)
+@dataclass
 class PublishedRemoval:
-    """Where the removal went in (`cuts`), and why each stream it did not go in refused it."""
+    """Where the removal is in each stream that holds it (`cuts`), which of those an earlier run had published
+    (`found`) and since when by the steward's clock (`found_since`), and why each stream without it refused it."""
 
     cuts: list[RemovalCut] = field(default_factory=list)
+    found: list[str] = field(default_factory=list)
+    found_since: datetime | None = None
     failures: dict[str, str] = field(default_factory=dict)
 
 
@@ -49,15 +73,52 @@ def removal_event(member: Member, stream: str, steward_key: MemberKey) -> Member
     return sign_event(event, steward_key)  # type: ignore[return-value]
 
 
-async def publish_removal(member: Member, steward_key: MemberKey, publish: Publish,
+def first_removal(member: Member, stream: str, messages: Sequence[StoredEvent | SkippedMessage],
+                  verifier: EventVerifier) -> StoredEvent | None:
+    """The first removal of `member`'s key that `stream` holds and a projection would apply (a steward's, signed,
+    marking this stream): the one that cuts it off there, whatever was published after it."""
+    from hearth.events.consume import StoredEvent
+    from hearth.events.models import MemberRemoved
+    from hearth.events.signing import StreamPosition
+
+    for message in messages:
+        if not isinstance(message, StoredEvent) or not isinstance(message.event, MemberRemoved):
+            continue
+        if message.event.public_key != member.public_key:
+            continue
+        if verifier.rejection(message.event, received_at=message.time, stored_data=message.data,
+                              position=StreamPosition(stream, message.seq)) is None:
+            return message
+    return None
+
+
+async def publish_removal(member: Member, steward_key: MemberKey, removal_log: RemovalLog, verifier: EventVerifier,
                           streams: tuple[str, ...] = ALL_STREAMS) -> PublishedRemoval:
-    """Publish `member`'s removal on every stream (whichever it could write to: a removal costs one small event
-    each); RemovalNotPublished when no stream took it."""
+    """Put `member`'s removal on every stream (whichever it could write to: a removal costs one small event each),
+    publishing it only where no earlier run did: a projection cuts at the first removal of a key, so the roster must
+    too. StreamsMissing when a stream does not exist (nothing published); RemovalNotPublished when no stream took
+    it."""
+    missing = await removal_log.missing(streams)
+    if missing:
+        raise StreamsMissing(f"the event streams {', '.join(missing)} do not exist on {removal_log.where}; "
+                             f"{STREAMS_CREATED_BY}")
     published = PublishedRemoval()
     for stream in streams:
+        try:
+            earlier = first_removal(member, stream, await removal_log.removals(stream), verifier)
+        except Exception as error:  # publishing blind could move the cut past the member's events since
+            published.failures[stream] = f"could not read the removals it holds ({str(error) or type(error).__name__})"
+            continue
+        if earlier is not None:
+            published.cuts.append(RemovalCut(stream=stream, seq=earlier.seq, event_id=earlier.event.event_id,
+                                             stored_at=earlier.time))
+            published.found.append(stream)
+            since = earlier.event.occurred_at
+            published.found_since = min(published.found_since or since, since)
+            continue
         event = removal_event(member, stream, steward_key)
         try:
-            stored_in, seq, stored_at = await publish(event, MEMBER_REMOVAL_SUBJECTS[stream])
+            stored_in, seq, stored_at = await removal_log.publish(event, MEMBER_REMOVAL_SUBJECTS[stream])
         except Exception as error:  # that stream refused or did not answer: the others may still take it
             published.failures[stream] = str(error) or type(error).__name__
             continue
@@ -71,44 +132,68 @@ async def publish_removal(member: Member, steward_key: MemberKey, publish: Publi
     return published
 
 
-@contextlib.asynccontextmanager
-async def steward_publisher(nats: NatsSettings, system_key: Path) -> AsyncIterator[Publish]:
-    """A Publish over one connection to `nats.url` as the steward (`system_key`), closed on leaving;
-    BrokerUnreachable when the broker cannot be reached."""
-    from hearth.events.publish import publish_event
-    from hearth.services.broker.connection import close_quietly, connect_nats
+class BrokerRemovalLog:
+    """A RemovalLog over one JetStream connection as the steward."""
 
-    settings = nats.model_copy(update={"creds_file": system_key})
-    connection = await connect_nats(settings.url, name="hearth steward", settings=settings)
+    def __init__(self, js: JetStreamContext, where: str) -> None:
+        self._js = js
+        self.where = where
 
-    async def publish(event: MemberRemoved, subject: str) -> tuple[str, int, datetime | None]:
-        js = connection.jetstream()
-        ack = await publish_event(js, event, subject=subject)
+    async def missing(self, streams: Sequence[str]) -> list[str]:
+        from hearth.events.streams import missing_streams
+
+        return await missing_streams(self._js, streams)
+
+    async def removals(self, stream: str) -> list[StoredEvent | SkippedMessage]:
+        from hearth.events.consume import read_stream
+
+        async def read() -> list[StoredEvent | SkippedMessage]:
+            async with contextlib.aclosing(read_stream(self._js, stream, subject_filter=MEMBER_REMOVAL_SUBJECTS[stream],
+                                                       follow=False)) as messages:
+                return [message async for message in messages]
+
+        return await asyncio.wait_for(read(), timeout=removal_lookup_timeout_s)
+
+    async def publish(self, event: MemberRemoved, subject: str) -> tuple[str, int, datetime | None]:
+        from hearth.events.publish import publish_event
+
+        ack = await publish_event(self._js, event, subject=subject)
         # The ack says where, not when: the stored message says when, by the broker's clock (a request bounded by
         # the JetStream context's timeout). Stored it is: a failed read-back keeps the cut's position without it.
         try:
-            stored = await js.get_msg(ack.stream, ack.seq)
+            stored = await self._js.get_msg(ack.stream, ack.seq)
         except Exception as error:  # a timeout or an API error: the position alone still cuts
             log.warning("the removal stored as %s #%d could not be read back (%s): its cut holds no storage time",
                         ack.stream, ack.seq, error)
             return ack.stream, ack.seq, None
         return ack.stream, ack.seq, stored.time
 
+
+@contextlib.asynccontextmanager
+async def steward_removal_log(nats: NatsSettings, system_key: Path) -> AsyncIterator[RemovalLog]:
+    """A RemovalLog over one connection to `nats.url` as the steward (`system_key`), closed on leaving;
+    BrokerUnreachable when the broker cannot be reached."""
+    from hearth.services.broker.connection import close_quietly, connect_nats
+
+    settings = nats.model_copy(update={"creds_file": system_key})
+    connection = await connect_nats(settings.url, name="hearth steward", settings=settings)
     try:
-        yield publish
+        yield BrokerRemovalLog(connection.jetstream(), settings.url)
     finally:
         await close_quietly(connection, settings.close_timeout_s)
 
 
-async def publish_removal_as_steward(member: Member, steward_key: MemberKey, nats: NatsSettings,
-                                     system_key: Path) -> PublishedRemoval:
-    async with steward_publisher(nats, system_key) as publish:
-        return await publish_removal(member, steward_key, publish)
+async def publish_removal_as_steward(member: Member, steward_key: MemberKey, verifier: EventVerifier,
+                                     nats: NatsSettings, system_key: Path) -> PublishedRemoval:
+    async with steward_removal_log(nats, system_key) as removal_log:
+        return await publish_removal(member, steward_key, removal_log, verifier)
 
 
 def publish_community_removal(community: Community, name: str, nats_url: str | None) -> PublishedRemoval:
-    """Publish the removal of `community`'s member `name` on the community's broker (`nats_url`, else [nats] url) with
-    the steward's system key; KeyFileError without that key, BrokerUnreachable, RemovalNotPublished."""
+    """Put the removal of `community`'s member `name` on the community's broker (`nats_url`, else [nats] url) with
+    the steward's system key; KeyFileError without that key, BrokerUnreachable, StreamsMissing,
+    RemovalNotPublished."""
+    from hearth.events.signing import EventVerifier
     from hearth.services.common.config import load_settings
     from hearth.services.common.lifecycle import run_event_loop
     from hearth.trust.keys import KeyFileError
@@ -116,9 +201,14 @@ def publish_community_removal(community: Community, name: str, nats_url: str | N
     if not community.system_key_path.is_file():
         raise KeyFileError(f"{community.system_key_path} does not exist: only the steward, with the community's "
                            "system key, publishes a removal (or give --offline)")
-    member = community.roster().by_name(name)
+    roster = community.roster()
+    member = roster.by_name(name)
     if member is None:
         raise RosterError(f"no member named {name!r} is in the roster")
-    nats = load_settings().nats
-    nats = nats.model_copy(update={"url": nats_url or nats.url, "roster_file": community.roster_path})
-    return run_event_loop(publish_removal_as_steward(member, community.system_key(), nats, community.system_key_path))
+    settings = load_settings()
+    nats = settings.nats.model_copy(update={"url": nats_url or settings.nats.url,
+                                            "roster_file": community.roster_path})
+    # The roster as it stands, with the member still in it: an earlier run's removal verifies as a projection's would.
+    verifier = EventVerifier(roster, max_clock_skew_s=settings.events.max_clock_skew_s)
+    return run_event_loop(publish_removal_as_steward(member, community.system_key(), verifier, nats,
+                                                     community.system_key_path))

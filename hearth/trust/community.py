@@ -79,11 +79,12 @@ class Community:
         """RosterError, as `remove` would raise it, without changing anything."""
         self.roster().without_member(name, removed_at=datetime.now(timezone.utc))
 
-    def remove(self, name: str, cuts: Sequence[RemovalCut] = ()) -> tuple[RemovedMember, Path | None]:
-        """Move `name` to the roster's removed members, with the positions of the removal events published for it
-        (`cuts`), and delete its seed file if one was left here; returns the removal and the seed file deleted
-        (None: there was none)."""
-        updated = self.roster().without_member(name, removed_at=datetime.now(timezone.utc), cuts=cuts)
+    def remove(self, name: str, cuts: Sequence[RemovalCut] = (),
+               removed_at: datetime | None = None) -> tuple[RemovedMember, Path | None]:
+        """Move `name` to the roster's removed members, removed at `removed_at` (default now), with the positions of
+        the removal events published for it (`cuts`), and delete its seed file if one was left here; returns the
+        removal and the seed file deleted (None: there was none)."""
+        updated = self.roster().without_member(name, removed_at=removed_at or datetime.now(timezone.utc), cuts=cuts)
         updated.save(self.roster_path)
         seed_file = seed_path(self.directory, name)
         try:

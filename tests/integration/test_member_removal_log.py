@@ -110,3 +110,81 @@ def test_a_removal_through_a_community_broker_cuts_at_its_event_live_in_a_rebuil
 
     report = asyncio.run(as_auditor(community, server.url, lambda js: verify_streams(js, verifier, ALL_STREAMS)))
     assert [(bad.stream, bad.seq, bad.reason) for bad in report.bad] == after_the_removal
+
+
+async def as_steward(community: Community, url: str, work):
+    """`work(js)` over a connection as the community's steward (its system key)."""
+    settings = NatsSettings(url=url, creds_file=community.system_key_path)
+    connection = await connect_nats(url, name="test-steward", settings=settings)
+    try:
+        return await work(connection.jetstream())
+    finally:
+        await connection.close()
+
+
+def remove_attic(community, url):
+    return CliRunner().invoke(community_app, ["remove", "--name", "attic", "--dir", str(community.directory),
+                                              "--nats", url])
+
+
+def test_a_removal_run_again_keeps_the_first_runs_cut_even_once_that_event_has_aged_out(
+        community_broker, tmp_path, monkeypatch):
+    """The first run's removal events went in but its roster write failed; attic published meanwhile. The rerun
+    records the first run's positions, publishing nothing, so a rebuild after the first removal event left the
+    stream's retention rejects what attic published between the runs, as the live projection did."""
+    community, server, attic_seed = community_broker
+    seed_file = tmp_path / "attic.nk"
+    seed_file.write_text(attic_seed)
+    seed_file.chmod(0o600)
+    advert = advertised(0, 3, "attic", control_subject=shard_control_subject("attic", ATTIC_SHARD))
+    asyncio.run(publish_as_attic(server.url, seed_file, [advert, heartbeat(ATTIC_SHARD, node="attic", tokens=1)]))
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(Community, "remove", disk_full)
+        failed = remove_attic(community, server.url)
+    assert failed.exit_code != 0 and community.roster().by_name("attic") is not None
+    between_the_runs = utc_now()
+    asyncio.run(publish_as_attic(server.url, seed_file, [heartbeat(ATTIC_SHARD, node="attic", tokens=2)]))
+
+    removed = remove_attic(community, server.url)
+    assert removed.exit_code == 0, removed.output
+    assert (f"its removal is at {SHARDS_STREAM} #3 (published by an earlier run), {PIPELINES_STREAM} #1 (published "
+            "by an earlier run)") in removed.output
+    cuts = {cut.stream: cut.seq for cut in community.roster().removed[0].cuts}
+    assert cuts == {SHARDS_STREAM: 3, PIPELINES_STREAM: 1}
+    assert community.roster().removed[0].removed_at < between_the_runs  # the removal began with the first run
+    asyncio.run(publish_as_attic(server.url, seed_file, [heartbeat(ATTIC_SHARD, node="attic", tokens=3)]))
+    after_the_removal = [(SHARDS_STREAM, 4, "removed_signer"), (SHARDS_STREAM, 5, "removed_signer")]
+    live = tmp_path / "live.sqlite"
+    upgrade_database(live)
+    apply_new_messages(community, server.url, live, EventVerifier(RosterFile(community.roster_path),
+                                                                  max_clock_skew_s=30))
+    assert rejected(live) == after_the_removal
+
+    # Retention drops the oldest messages, the first removal event with them: the roster's cut stands in for it.
+    asyncio.run(as_steward(community, server.url, lambda js: js.purge_stream(SHARDS_STREAM, seq=4)))
+    verifier = EventVerifier(Roster.load(community.roster_path), max_clock_skew_s=30)
+    fresh = tmp_path / "fresh.sqlite"
+    asyncio.run(as_auditor(community, server.url, lambda js: rebuild_database(js, fresh, verifier=verifier)))
+    assert rejected(fresh) == after_the_removal
+    report = asyncio.run(as_auditor(community, server.url, lambda js: verify_streams(js, verifier, ALL_STREAMS)))
+    assert [(bad.stream, bad.seq, bad.reason) for bad in report.bad] == after_the_removal
+
+
+def test_remove_with_a_stream_missing_says_so_in_one_line_at_once_and_changes_nothing(community_broker, caplog):
+    community, server, _ = community_broker
+    asyncio.run(as_steward(community, server.url, lambda js: js.delete_stream(PIPELINES_STREAM)))
+    refused = remove_attic(community, server.url)
+    assert refused.exit_code == 1, refused.output
+    assert refused.output.startswith(f"hearth community remove: the event streams {PIPELINES_STREAM} do not exist on "
+                                     f"{server.url}; the community's steward creates them: `hearth nats --community "
+                                     "DIR` does when it starts")
+    assert "nothing was changed" in refused.output and len(refused.output.strip().splitlines()) == 1
+    # Refused before any publish (no retries against the missing stream), and nothing went into the other one.
+    assert not [record for record in caplog.records if "publishing member.removed" in record.getMessage()]
+    info = asyncio.run(as_steward(community, server.url, lambda js: js.stream_info(SHARDS_STREAM)))
+    assert info.state.last_seq == 0
+    assert community.roster().by_name("attic") is not None

@@ -1,21 +1,36 @@
 """`hearth community remove` publishes the removal on each stream before the roster changes and records where it
-went; with no stream to take it, it changes nothing unless told `--offline`."""
+went, keeping a removal an earlier run published there rather than publishing a later one; with a stream missing
+or none to take it, it changes nothing unless told `--offline`."""
 
 from __future__ import annotations
 
 import asyncio
 import socket
-from datetime import datetime, timezone
+from datetime import datetime, timedelta
 
 import pytest
 from typer.testing import CliRunner
 
-from hearth.events.signing import EventVerifier, StreamPosition
-from hearth.events.streams import ALL_STREAMS, MEMBER_REMOVAL_SUBJECTS, PIPELINES_STREAM, SHARDS_STREAM
+from hearth.events.consume import StoredEvent
+from hearth.events.models import encode_event
+from hearth.events.signing import EventVerifier, StreamPosition, sign_event
+from hearth.events.streams import (
+    ALL_STREAMS,
+    MEMBER_REMOVAL_SUBJECTS,
+    PIPELINES_STREAM,
+    SHARDS_STREAM,
+    StreamsMissing,
+)
 from hearth.services.cli import app
-from hearth.services.community_removal import RemovalNotPublished, publish_removal
+from hearth.services.community_removal import (
+    PublishedRemoval,
+    RemovalNotPublished,
+    publish_removal,
+    removal_event,
+)
 from hearth.services.gateway.keys import ApiKeyring, create_api_key
 from hearth.trust.community import Community
+from hearth.trust.keys import MemberKey
 from hearth.trust.roster import RemovalCut, Roster
 
 
@@ -26,15 +41,31 @@ def community(tmp_path) -> Community:
     return community
 
 
-STORED_AT = datetime(2026, 12, 5, 10, 0, tzinfo=timezone.utc)  # by the broker's clock
+def broker_time(event) -> datetime:
+    """When the fake broker stored `event`, by its own clock (a second after the steward signed it)."""
+    return event.occurred_at + timedelta(seconds=1)
 
 
 class FakeBroker:
-    """Stores what is published, one sequence per stream; refuses the streams in `refusing`."""
+    """Stores what is published, one sequence per stream; refuses the streams in `refusing`, holds none of those
+    in `missing`, and cannot be read on those in `unreadable`."""
 
-    def __init__(self, refusing: tuple[str, ...] = ()) -> None:
-        self.refusing = refusing
+    where = "nats://hub:4222"
+
+    def __init__(self, refusing: tuple[str, ...] = (), missing: tuple[str, ...] = (),
+                 unreadable: tuple[str, ...] = ()) -> None:
+        self.refusing, self.absent, self.unreadable = refusing, missing, unreadable
         self.stored: list[tuple[str, int, str, object]] = []
+
+    async def missing(self, streams) -> list[str]:
+        return [stream for stream in streams if stream in self.absent]
+
+    async def removals(self, stream: str) -> list[StoredEvent]:
+        if stream in self.unreadable:
+            raise TimeoutError("nats: timeout")
+        return [StoredEvent(stream=stored_in, seq=seq, subject=subject, time=broker_time(event), headers={},
+                            event=event, data=encode_event(event))
+                for stored_in, seq, subject, event in self.stored if stored_in == stream]
 
     async def publish(self, event, subject: str) -> tuple[str, int, datetime]:
         stream = next(name for name, removal_subject in MEMBER_REMOVAL_SUBJECTS.items() if removal_subject == subject)
@@ -42,15 +73,23 @@ class FakeBroker:
             raise TimeoutError("nats: timeout")
         seq = 40 + len(self.stored)
         self.stored.append((stream, seq, subject, event))
-        return stream, seq, STORED_AT
+        return stream, seq, broker_time(event)
+
+
+def remove(community: Community, broker: FakeBroker) -> PublishedRemoval:
+    """`publish_removal` of attic as `hearth community remove` runs it (the roster as it stands verifies)."""
+    verifier = EventVerifier(community.roster(), max_clock_skew_s=30)
+    attic = community.roster().by_name("attic")
+    return asyncio.run(publish_removal(attic, community.system_key(), broker, verifier))
 
 
 def test_the_removal_goes_on_every_stream_signed_by_the_steward_and_the_cuts_say_where(community):
     broker = FakeBroker()
     attic = community.roster().by_name("attic")
-    published = asyncio.run(publish_removal(attic, community.system_key(), broker.publish))
+    published = remove(community, broker)
     assert [(cut.stream, cut.seq, cut.stored_at) for cut in published.cuts] == [
-        (stream, 40 + n, STORED_AT) for n, stream in enumerate(ALL_STREAMS)]
+        (stream, 40 + n, broker_time(event)) for n, (stream, *_, event) in enumerate(broker.stored)]
+    assert [cut.stream for cut in published.cuts] == list(ALL_STREAMS)
     assert published.failures == {}
     verifier = EventVerifier(community.roster(), max_clock_skew_s=30)
     for (stream, seq, _subject, event), cut in zip(broker.stored, published.cuts):
@@ -61,12 +100,56 @@ def test_the_removal_goes_on_every_stream_signed_by_the_steward_and_the_cuts_say
 
 
 def test_a_stream_that_refuses_it_is_reported_and_none_taking_it_is_an_error(community):
-    attic = community.roster().by_name("attic")
-    published = asyncio.run(publish_removal(attic, community.system_key(), FakeBroker((PIPELINES_STREAM,)).publish))
+    published = remove(community, FakeBroker((PIPELINES_STREAM,)))
     assert [cut.stream for cut in published.cuts] == [SHARDS_STREAM]
     assert published.failures == {PIPELINES_STREAM: "nats: timeout"}
     with pytest.raises(RemovalNotPublished, match="no event stream took the removal"):
-        asyncio.run(publish_removal(attic, community.system_key(), FakeBroker(ALL_STREAMS).publish))
+        remove(community, FakeBroker(ALL_STREAMS))
+
+
+def test_a_rerun_keeps_the_removal_an_earlier_run_published_and_publishes_only_where_none_is(community):
+    """The first run's events went in (its roster write did not, or only one stream took them): a projection cuts
+    at the first removal of a key, so the rerun records that one, not a later copy."""
+    broker = FakeBroker(refusing=(PIPELINES_STREAM,))
+    first = remove(community, broker)
+    [first_event] = [event for *_, event in broker.stored]
+    broker.refusing = ()
+    rerun = remove(community, broker)
+    assert rerun.cuts[0] == first.cuts[0] and rerun.cuts[0].stream == SHARDS_STREAM
+    assert [(stream, seq) for stream, seq, *_ in broker.stored] == [(SHARDS_STREAM, 40), (PIPELINES_STREAM, 41)]
+    assert [cut.stream for cut in rerun.cuts] == list(ALL_STREAMS) and rerun.found == [SHARDS_STREAM]
+    assert rerun.found_since == first_event.occurred_at and rerun.failures == {}
+    again = remove(community, broker)
+    assert again.cuts == rerun.cuts and again.found == list(ALL_STREAMS) and len(broker.stored) == 2
+
+
+@pytest.mark.parametrize("not_the_removal", ["another member's", "not the steward's", "altered"])
+def test_a_rerun_takes_only_the_stewards_removal_of_that_member_for_an_earlier_one(community, not_the_removal):
+    eve = community.add("eve", "orchestrator")
+    eve_key = MemberKey.load(eve.seed_file)
+    attic = community.roster().by_name("attic")
+    event = removal_event(attic, SHARDS_STREAM, community.system_key())
+    if not_the_removal == "another member's":
+        event = removal_event(eve.member, SHARDS_STREAM, community.system_key())
+    elif not_the_removal == "not the steward's":
+        event = sign_event(event.model_copy(update={"node_id": "eve"}), eve_key)
+    else:
+        event = event.model_copy(update={"stream": PIPELINES_STREAM})
+    broker = FakeBroker()
+    broker.stored.append((SHARDS_STREAM, 7, MEMBER_REMOVAL_SUBJECTS[SHARDS_STREAM], event))
+    published = remove(community, broker)
+    assert published.found == [] and [cut.seq for cut in published.cuts] == [41, 42]
+
+
+def test_a_missing_stream_changes_nothing_and_an_unreadable_one_is_not_published_blind(community):
+    broker = FakeBroker(missing=(PIPELINES_STREAM,))
+    with pytest.raises(StreamsMissing, match=f"^the event streams {PIPELINES_STREAM} do not exist on nats://hub:4222; "
+                                             "the community's steward creates them: `hearth nats --community DIR`"):
+        remove(community, broker)
+    assert broker.stored == []
+    published = remove(community, FakeBroker(unreadable=(SHARDS_STREAM,)))
+    assert [cut.stream for cut in published.cuts] == [PIPELINES_STREAM]
+    assert published.failures == {SHARDS_STREAM: "could not read the removals it holds (nats: timeout)"}
 
 
 def test_the_roster_keeps_the_cuts_and_an_older_removal_without_them_still_reads(community):
