@@ -100,15 +100,15 @@ def release_held_ranges() -> None:
 
 
 def remove_superseded_ranges(lock_root: Path, parents: Iterable[Path], pool: Path | None,
-                             files_of: Callable[[NeededTensors], set[str]], *, written: str) -> list[str]:
+                             files_of: Callable[[NeededTensors], set[str]], *, written: str | None) -> list[str]:
     """Remove the selection folders in `parents` that no process holds, and the files of `pool` that `files_of`
     (the pool files a selection needs; of None, every one a selection may need) names for no held selection, the
-    selection just `written` counted as held; the names of the folders removed. Best effort: nothing when another
-    process is cleaning, or the cache refuses."""
+    selection just `written` (if any) counted as held; the names of the folders removed. Best effort: nothing when
+    another process is cleaning, or the cache refuses."""
     removed, aside = [], []
     try:
         with folder_lock(lock_root, RANGES_LOCK, wait_s=0.0):
-            held = _held_selections(lock_root) | {written}
+            held = _held_selections(lock_root) | ({written} if written is not None else set())
             for parent in parents:
                 for folder in sorted(parent.iterdir()) if parent.is_dir() else ():
                     if SELECTION_NAME.match(folder.name) and folder.name not in held and folder.is_dir():

@@ -39,7 +39,7 @@ from .checksum import GGUF_DIGEST_NAME, PARTIAL_CHECKPOINT_MARKER, digest_of_fil
 from .gguf_header import GGUF_SUFFIX
 from .errors import CheckpointError
 from .hub_gguf import HubGGUF, RangesUnsupported, cached_gguf_part, fetch_gguf_part, gguf_header, \
-    gguf_metadata_file, layer_tensor_shapes_of
+    gguf_metadata_file, layer_tensor_shapes_of, remove_part_leftovers
 from .hub_download import download_listed_file
 from .hub_ids import HUB_ENDPOINT_ENV, split_hub_model
 from .partial_checkpoint import (
@@ -298,9 +298,12 @@ def _cached_gguf(commit_dir: Path, file: str | None, needed: NeededTensors) -> P
 
 
 def _complete_gguf(commit_dir: Path, file: str) -> Path | None:
-    """The GGUF `file` downloaded whole and checked earlier for that commit, None when it is not."""
-    folder = complete_partial_folder(commit_dir / HUB_GGUF_FOLDER / file)
-    return None if folder is None else folder / file
+    """The GGUF `file` downloaded whole and checked earlier for that commit, None when it is not; when it is, its
+    ranged parts no process holds are removed (the whole file serves every range, so none is built again)."""
+    if (folder := complete_partial_folder(commit_dir / HUB_GGUF_FOLDER / file)) is None:
+        return None
+    remove_part_leftovers(commit_dir / HUB_GGUF_PARTS_FOLDER / file, None, None)
+    return folder / file
 
 
 def _hub_gguf(repo_id: str, commit: str, listing: dict, file: str | None, root: Path) -> HubGGUF:
@@ -330,7 +333,7 @@ def _fetch_gguf(hub: HubGGUF, listing: dict, needed: NeededTensors) -> Path:
         try:
             hold_range(hub.folder, hub.folder / selection_name(needed))
             part = fetch_gguf_part(hub, needed)
-            remove_superseded_ranges(hub.folder, [hub.folder], None, lambda _: set(), written=selection_name(needed))
+            remove_part_leftovers(hub.folder, gguf_header(hub)[0], needed)
             return part
         except RangesUnsupported as unsupported:
             logger.warning("%s; downloading %s whole", unsupported, hub.file)
@@ -351,7 +354,7 @@ def _download_gguf(hub: HubGGUF, listing: dict) -> Path:
         raise CheckpointError(f"model {hub.repo_id!r}: {hub.file} does not match its listed SHA-256 (corrupted "
                               "download or tampered mirror)")
     written_marker(folder, weights_sha256=digest_of_files([(GGUF_DIGEST_NAME, size, digest)]), source=hub.source)
-    return path
+    return _complete_gguf(commit_dir, hub.file) or path  # the parts built before it removed there
 
 
 def _gguf_hub_layout(hub: HubGGUF, listing: dict) -> HubLayout:

@@ -9,6 +9,12 @@ of only those tensors (hearth/inference/gguf_parts.py), in a folder whose PARTIA
 file's digest: hosts holding the whole file, its ranged parts or its parts from the community's store form one
 pipeline.
 
+What is left behind is removed as cache_ranges.py removes a layer range's folder, under its locks: once a part is
+written, the part folders no process holds, and the span files no part still being fetched by a process that holds it
+needs; those of parts written go at once, an interrupted part's once untouched for STALE_SPAN_S (a restart within it
+resumes them). With the file downloaded whole, which serves every range, the parts no process holds and every span
+file go (unless a process still fetches a part).
+
 What is trusted: a partial read cannot be checked against the file's SHA-256 (the hub lists only the whole file's),
 and a GGUF carries no per-tensor checksums. Every request names the commit, whose files never change, and each
 ranged answer must state the listed file size (Content-Range); the header must parse, every tensor lie inside the
@@ -23,9 +29,11 @@ import contextlib
 import io
 import os
 import re
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from .cache_ranges import SELECTION_NAME, needed_of, remove_superseded_ranges
 from .checksum import GGUF_DIGEST_NAME, digest_of_files
 from .errors import CheckpointError
 from .gguf_header import (
@@ -37,7 +45,7 @@ from .gguf_header import (
     parse_gguf_header,
 )
 from .gguf_parts import StoredLayout, TensorPlacement, write_gguf_folder, write_gguf_part
-from .hub_download import TRANSFER_RETRIES, download_progress, lock_after_twin
+from .hub_download import PARTIAL_SUFFIX, TRANSFER_RETRIES, download_progress, lock_after_twin
 from .hub_ids import HUB_ENDPOINT_ENV
 from .partial_checkpoint import NeededTensors, complete_partial_folder, selection_name
 
@@ -49,6 +57,8 @@ COALESCE_GAP_BYTES = 4096
 HEADER_FILE = "header.bin"
 METADATA_FOLDER = "metadata"
 SPANS_FOLDER = "spans"
+# How long an interrupted part's span files, which no process fetching a part needs, are kept for a restart to resume.
+STALE_SPAN_S = 24 * 3600.0
 CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+|\*)$")
 
 
@@ -153,11 +163,44 @@ def fetch_gguf_part(hub: HubGGUF, needed: NeededTensors) -> Path:
                                           tensor.data_start - first, tensor.n_bytes, tensor.info_start,
                                           tensor.info_end))
     layout = StoredLayout(parsed.split.kv_end, parsed.split.alignment, placements)
-    path = write_gguf_folder(hub.folder / selection_name(needed), hub.file, HEADER_FILE, layout, files,
+    # Its span files stay until remove_part_leftovers: another process's part may need the same span.
+    return write_gguf_folder(hub.folder / selection_name(needed), hub.file, HEADER_FILE, layout, files,
                              weights_sha256=hub.weights_sha256, source=hub.source)
-    for first, last in spans:  # the part holds their bytes now
-        _span_file(hub, first, last).unlink(missing_ok=True)
-    return path
+
+
+def remove_part_leftovers(parts_folder: Path, parsed: ParsedGGUFHeader | None, written: NeededTensors) -> None:
+    """Remove from `parts_folder` (a GGUF's ranged parts) the part folders no process holds, the one for `written`
+    just written counted as held, and the span files no part that a process holds and still fetches needs: those of
+    parts written at once, others once untouched for STALE_SPAN_S. `parsed` None: the file is here whole, so every
+    span file goes unless a held part is still being fetched. Best effort, as cache_ranges.remove_superseded_ranges."""
+    if not parts_folder.is_dir():
+        return
+    spans = parts_folder / SPANS_FOLDER
+    written_name = None if parsed is None else selection_name(written)
+    present = {entry.name for entry in spans.iterdir()} if spans.is_dir() else set()
+    if parsed is None:
+        removable = present
+    else:
+        built = set().union(*(span_files_of(parsed, needed_of(folder.name)) for folder in parts_folder.iterdir()
+                              if SELECTION_NAME.match(folder.name) and folder.name != selection_name(None)
+                              and complete_partial_folder(folder)))
+        removable = {name for name in present if name in built or _untouched_for(spans / name, STALE_SPAN_S)}
+
+    def kept_or_removable(needed: NeededTensors) -> set[str]:
+        if needed is None:  # asked for the candidates (a parts folder holds no "all" part)
+            return removable
+        if complete_partial_folder(parts_folder / selection_name(needed)) is not None:
+            return set()
+        return present if parsed is None else span_files_of(parsed, needed)
+
+    remove_superseded_ranges(parts_folder, [parts_folder], spans, kept_or_removable, written=written_name)
+
+
+def span_files_of(parsed: ParsedGGUFHeader, needed: NeededTensors) -> set[str]:
+    """The span files, done and partial, that fetching the part for `needed` of the file `parsed` reads or writes."""
+    spans = coalesced_spans([tensor for tensor in parsed.split.tensors if _is_wanted(tensor, needed)])
+    return {name for first, last in spans
+            for name in (_span_name(first, last), _span_name(first, last, PARTIAL_SUFFIX))}
 
 
 def layer_tensor_shapes_of(parsed: ParsedGGUFHeader) -> list[tuple[str, str, list[int]]]:
@@ -192,8 +235,15 @@ def _last_of(spans: list[tuple[int, int]], first: int) -> int:
     return next(last for start, last in spans if start == first)
 
 
-def _span_name(first: int, last: int) -> str:
-    return f"{first}-{last}.bin"
+def _span_name(first: int, last: int, suffix: str = ".bin") -> str:
+    return f"{first}-{last}{suffix}"
+
+
+def _untouched_for(file: Path, age_s: float) -> bool:
+    try:
+        return time.time() - file.stat().st_mtime >= age_s
+    except OSError:  # removed meanwhile
+        return False
 
 
 def _span_file(hub: HubGGUF, first: int, last: int) -> Path:
@@ -208,7 +258,7 @@ def _fetch_span(hub: HubGGUF, first: int, last: int, bar) -> Path:
     if done.is_file():
         return done
     done.parent.mkdir(parents=True, exist_ok=True)
-    partial = done.with_suffix(".part")
+    partial = done.with_name(_span_name(first, last, PARTIAL_SUFFIX))
     with partial.open("ab") as out:
         lock_after_twin(out, partial, hub.repo_id, f"{hub.file} bytes {first}-{last}")  # released when closed
         if done.is_file():  # a twin finished it while this one waited

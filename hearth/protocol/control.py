@@ -2,8 +2,9 @@
 
 Besides §6's `open` and `close`, a shard answers `stat` with a ShardStat: what it holds open right now.
 The orchestrator uses it as a liveness probe when a step stalls (a frozen or dead shard does not answer,
-so the stall is blamed on it rather than on the hop feeding it), and tests use it to check that every
-session and its KV cache is freed when a request ends.
+so the stall is blamed on it rather than on the hop feeding it), a shard starting under an id asks it to learn
+who else serves or claims that id, and tests use it to check that every session and its KV cache is freed when a
+request ends.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ max_open_pipelines = 4096
 # A kept prefix's block names (hearth/services/orchestrator/prefix.py): 128-bit hex digests, as many as a session's
 # positions allow blocks of the smallest size.
 PREFIX_HASH_PATTERN = r"^[0-9a-f]{32}$"
+# A starting shard's claim on its id (hearth/services/shard/claim.py): 128 random bits, hex.
+CLAIM_NONCE_PATTERN = r"^[0-9a-f]{32}$"
 max_prefix_blocks = 8192
 max_prefix_block_tokens = 4096
 # `pipeline_taken`: the pipeline is open on this shard for another orchestrator (its ids travel in plain headers, so a
@@ -127,11 +130,13 @@ class KeepHop(BaseModel):
 
 
 class StatShard(BaseModel):
-    """Ask a shard what it holds open; answered with a ShardStat."""
+    """Ask a shard what it holds open; answered with a ShardStat. A shard starting under the same id sends its
+    `claim` (hearth/services/shard/claim.py): who else answers serves that id, or starts under it too."""
 
     model_config = ConfigDict(extra="forbid")
 
     op: Literal["stat"] = "stat"
+    claim: str | None = Field(default=None, pattern=CLAIM_NONCE_PATTERN)
 
 
 ControlRequest = Annotated[Union[OpenHop, CloseHop, KeepHop, StatShard], Field(discriminator="op")]
@@ -159,6 +164,8 @@ class ShardStat(BaseModel):
                                                                           max_length=max_open_pipelines)
     cached_sessions: int = Field(ge=0)
     cache_bytes: int = Field(ge=0)
+    # The answering process's own claim while it is still deciding whether it keeps its id; None once it serves.
+    claim: str | None = Field(default=None, pattern=CLAIM_NONCE_PATTERN)
 
 
 HopProblem = Literal["input_failed_check", "step_failed", "session_evicted"]

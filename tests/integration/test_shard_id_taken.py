@@ -1,31 +1,94 @@
 """One shard id, one process: a shard starting under an id another live process serves (same node, range and scheme)
-refuses in one line instead of sharing its subjects, while one whose earlier run is gone starts."""
+refuses in one line instead of sharing its subjects, and withdraws nothing; of processes starting under one id at
+the same moment exactly one serves; one whose earlier run is gone starts."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+
 import pytest
 
+from hearth.protocol.control import ShardStat, StatShard
+from hearth.protocol.subjects import EVENTS_PREFIX
 from hearth.services.broker.connection import connect_nats
 from hearth.services.common.config import load_settings
 from hearth.services.common.lifecycle import CommandRefused
 from hearth.services.shard.compute import ShardCompute
 from hearth.services.shard.server import ShardServer
-from tests.integration.tiny_shard_server import tiny_shard_server
+from tests.integration.tiny_shard_server import TinyShard, tiny_shard_server
+
+REFUSAL = "tiny-0-1 is already served by another process"
 
 
 async def test_a_second_process_under_a_served_shard_id_refuses_to_start(nats_server):
     settings = load_settings()
     async with tiny_shard_server(nats_server.url) as first:
+        shard_events: list[str] = []
+
+        async def on_event(msg) -> None:
+            shard_events.append(json.loads(msg.data)["type"])
+
+        await first.client.subscribe(f"{EVENTS_PREFIX}.shard.>", cb=on_event)
+        await first.client.flush()
         twin_nc = await connect_nats(nats_server.url, name="twin-shard", settings=settings.nats)
         twin = ShardServer(twin_nc, ShardCompute(first.runner, "tiny-0-1", settings.shard), first.server.identity,
                            settings)
         try:
-            with pytest.raises(CommandRefused, match="tiny-0-1 is already served by another process") as refused:
+            with pytest.raises(CommandRefused, match=REFUSAL) as refused:
                 await twin.start()
             assert "\n" not in str(refused.value)
+            # The refused process stops as `hearth shard` does; the id it never held is not withdrawn.
+            await twin.stop()
         finally:
             await twin_nc.close()
         assert first.server.active_streams == 0 and first.server._control_sub is not None
+        await _answers_stat(first)
+        assert "shard.withdrawn" not in shard_events
     # The first one gone (its subscription with it), the id is free again.
     async with tiny_shard_server(nats_server.url) as again:
         assert again.server._control_sub is not None
+
+
+async def test_of_processes_starting_under_one_shard_id_at_once_exactly_one_serves(nats_server):
+    settings = load_settings()
+    async with tiny_shard_server(nats_server.url) as first:
+        await first.server.stop()  # the id free again; its runner and identity serve the processes below
+        for twin_count in (2, 3, 2, 3):
+            connections = [await connect_nats(nats_server.url, name=f"twin-shard-{i}", settings=settings.nats)
+                           for i in range(twin_count)]
+            twins = [ShardServer(nc, ShardCompute(first.runner, "tiny-0-1", settings.shard), first.server.identity,
+                                 settings) for nc in connections]
+            try:
+                outcomes = await asyncio.gather(*(twin.start() for twin in twins), return_exceptions=True)
+                refusals = [outcome for outcome in outcomes if isinstance(outcome, CommandRefused)]
+                assert outcomes.count(None) == 1 and len(refusals) == twin_count - 1, outcomes
+                assert all(REFUSAL in str(refusal) and "\n" not in str(refusal) for refusal in refusals)
+                # The winner goes on serving, and it alone answers on the id's control subject.
+                assert len(await _stat_answers(first)) == 1
+            finally:
+                for twin in twins:
+                    await twin.stop()
+                for nc in connections:
+                    await nc.close()
+
+
+async def _answers_stat(shard: TinyShard) -> None:
+    reply = await shard.client.request(shard.subject, StatShard().model_dump_json().encode(), timeout=5)
+    assert ShardStat.model_validate_json(reply.data).shard_id == "tiny-0-1"
+
+
+async def _stat_answers(shard: TinyShard) -> list[ShardStat]:
+    """Every answer to one `stat` on the shard's control subject within a second."""
+    inbox = shard.client.new_inbox()
+    sub = await shard.client.subscribe(inbox)
+    await shard.client.publish(shard.subject, StatShard().model_dump_json().encode(), reply=inbox)
+    answers = []
+    try:
+        while True:
+            answers.append(ShardStat.model_validate_json((await sub.next_msg(timeout=1.0)).data))
+    except Exception:  # nats' TimeoutError: no more answers
+        pass
+    finally:
+        await sub.unsubscribe()
+    return answers

@@ -7,6 +7,8 @@ wait behind an `open` or `close` that waits for a long prefill, and `stat` itsel
 arrived (one lock, acquired in arrival order), so a late close never overtakes the re-open after a failover; but
 neither waits for the compute thread under that lock: an `open` reserves its hop under it and attaches its kept
 prefix (or resets the hop it replaces) outside it, and a `close` closes outside it what it detached under it.
+Until it knows it keeps its shard id (hearth/services/shard/claim.py) it answers other claims at once and holds every
+other request until then; a process that lost its claim answers nothing and withdraws nothing.
 """
 
 from __future__ import annotations
@@ -38,13 +40,12 @@ from hearth.protocol.control import (
 )
 from hearth.services.common.call_signing import CallRefused
 from hearth.services.common.event_trust import event_signing_key, open_verifier, stream_setup
-from hearth.services.common.lifecycle import CommandRefused
 from hearth.services.broker.connection import flush_ordered
 from hearth.services.broker.permissions import reply_allowed
+from hearth.services.shard.claim import ShardClaim, claim_answers, taken
 from hearth.services.shard.compute import ShardCompute
 from hearth.services.shard.hops import HopLimits, ServedHop
 from hearth.services.shard.identity import ShardIdentity, open_refusal
-from hearth.services.transport.probe import ProbeOutcome, probe_outcome
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +84,7 @@ class ShardServer:
         self._readvertise = asyncio.Event()
         self._hop_changes = asyncio.Lock()
         self._stopped = False
+        self._claim = ShardClaim()
 
     @property
     def active_streams(self) -> int:
@@ -90,13 +92,14 @@ class ShardServer:
 
     async def start(self) -> None:
         await self.stream_setup.ready(self.js, (SHARDS_STREAM,))
-        # Two processes under one shard id would share its subjects and read-model row: each would answer the other's
-        # hops' opens and steps. A crashed or frozen earlier run does not answer, and is replaced.
-        if await probe_outcome(self.nc, self.identity, self.probe_timeout_s) is ProbeOutcome.answered:
-            raise CommandRefused(f"shard {self.identity.shard_id} is already served by another process on this "
-                                 "node: stop it, or serve another range or scheme, or give another --node-id")
+        # One id, one process (hearth/services/shard/claim.py): listening first, then asking who else answers.
         self._control_sub = await self.nc.subscribe(self.identity.control_subject, cb=self._on_control)
         await flush_ordered(self.nc, self.control_timeout_s)
+        await claim_answers(self.nc, self.identity.control_subject, self._claim, self.probe_timeout_s)
+        if not self._claim.decide():
+            with contextlib.suppress(Exception):
+                await self._control_sub.unsubscribe()
+            raise taken(self.identity.shard_id)
         await self.advertise()
         self._background = [
             asyncio.create_task(self._heartbeat_loop(), name="shard-heartbeat"),
@@ -186,6 +189,8 @@ class ShardServer:
                 await self._control_sub.unsubscribe()
         for pipeline_id in list(self._hops):
             await self._close_hop(pipeline_id)
+        if not self._claim.kept:  # the id is another process's (or was never claimed): its withdrawal is not ours
+            return
         try:
             await publish_event(self.js, ShardWithdrawn(
                 node_id=self.identity.node_id, shard_id=self.identity.shard_id, reason=reason),
@@ -203,10 +208,21 @@ class ShardServer:
         task.add_done_callback(self._control_tasks.discard)
 
     async def _answer_control(self, msg: Msg) -> None:
+        if self._claim.kept is False:  # another process keeps this id: it answers
+            return
         try:
             request = control_request_adapter.validate_json(msg.data)
         except ValidationError as error:
             await self._reply(msg, ControlReply(ok=False, code="bad_request", message=_one_line(error)))
+            return
+        if isinstance(request, StatShard) and request.claim is not None:
+            # Another process starting under this id: heard and answered at once, so it and this one agree on
+            # who keeps the id (our own claim goes unanswered).
+            if request.claim != self._claim.nonce:
+                self._claim.hear_claim(request.claim)
+                await self._reply(msg, self.stat())
+            return
+        if not await self._claim.settle(self.control_timeout_s):
             return
         if isinstance(request, StatShard):
             await self._reply(msg, self.stat())
@@ -253,7 +269,7 @@ class ShardServer:
         cache = self.compute.cache
         return ShardStat(shard_id=self.identity.shard_id, active_streams=self.active_streams,
                          open_pipelines=sorted(self._hops), cached_sessions=cache.sessions,
-                         cache_bytes=cache.cache_bytes)
+                         cache_bytes=cache.cache_bytes, claim=self._claim.answer_claim())
 
     def _opener(self, msg: Msg) -> str | ControlReply | None:
         """Whose `open` this is: the roster member whose key signed it; None on an open mesh, where opens are not told

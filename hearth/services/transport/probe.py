@@ -1,5 +1,5 @@
-"""Whether a shard answers on its control subject: the liveness probe behind the stall watch's verdicts, a restarted
-host's look at its node's earlier adverts, and a starting shard's check that no other process serves its id."""
+"""Whether a shard answers on its control subject: the liveness probe behind the stall watch's verdicts and a
+restarted host's look at its node's earlier adverts."""
 
 from __future__ import annotations
 
