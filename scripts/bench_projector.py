@@ -8,7 +8,8 @@ lifecycles with some failovers, aborts, fallbacks and corruption reports), then 
    database until both streams are applied: events/s;
 2. `rebuild_database` of the same log into a fresh file: seconds (and events/s);
 3. with `--prune`, the retention policy of `[readmodels]` pruning the projected database once its log's clock has
-   passed every event by more than the pipelines stream's retention (a projector back after long away): rows/s;
+   passed every event by more than the pipelines stream's retention (a projector back after long away): rows/s,
+   the free pages given back to the disk included, and the file's size before and after;
 and checks that both databases hold identical rows. Prints a Markdown section for BENCHMARKS.md.
 """
 
@@ -169,16 +170,18 @@ async def bench(n: int, seed: int, prune: bool = False) -> dict:
         rebuild_s, rebuild_cpu_s = time.perf_counter() - started, time.process_time() - cpu_started
         differences = diff_databases(rebuilt, live, include_positions=True)
         await nc.close()
-        pruned, prune_s = prune_long_after(live) if prune else (0, 0.0)
-    return dict(pruned=pruned, prune_s=prune_s, n=n, mix=mix, load_s=load_s, stored=stored, projected=projected, project_s=project_s,
+        pruned, prune_s, sizes = prune_long_after(live) if prune else (0, 0.0, (0, 0))
+    return dict(pruned=pruned, prune_s=prune_s, sizes=sizes, n=n, mix=mix, load_s=load_s, stored=stored, projected=projected, project_s=project_s,
                 project_cpu_s=project_cpu_s, batches=batches, rebuild_s=rebuild_s, rebuild_cpu_s=rebuild_cpu_s,
                 applied=applied, differences=len(differences), load_average=os.getloadavg())
 
 
-def prune_long_after(db: Path) -> tuple[int, float]:
-    """Rows the default retention prunes from `db` once its log's clock stands a retention past its last event, and
-    the seconds it took (short transactions, as a projector's pruning task runs them)."""
+def prune_long_after(db: Path) -> tuple[int, float, tuple[int, int]]:
+    """Rows the default retention prunes from `db` once its log's clock stands a retention past its last event, the
+    seconds it took (short transactions, as a projector's pruning task runs them), and the file's bytes before and
+    after (each once closed, its WAL checkpointed)."""
     policy = retention_policy(ReadModelSettings())
+    size_before = db.stat().st_size
     engine = open_engine(db)
     sessions = session_factory(engine)
     try:
@@ -187,9 +190,10 @@ def prune_long_after(db: Path) -> tuple[int, float]:
                             {"later": int((policy.pipelines_retention_days + 1) * 86_400)})
         started = time.perf_counter()
         pruned = prune_all(sessions, policy, PROJECTION_NAME)
-        return pruned, time.perf_counter() - started
+        prune_s = time.perf_counter() - started
     finally:
         engine.dispose()
+    return pruned, prune_s, (size_before, db.stat().st_size)
 
 
 def main() -> None:
@@ -218,7 +222,8 @@ def main() -> None:
     if args.prune:
         print(f"- the default retention pruning the projected database once its log's clock stands past every "
               f"event: {result['pruned']} rows in **{result['prune_s']:.2f} s** "
-              f"({result['pruned'] / max(result['prune_s'], 1e-9):,.0f} rows/s)")
+              f"({result['pruned'] / max(result['prune_s'], 1e-9):,.0f} rows/s); the file "
+              f"{result['sizes'][0] / 2**20:.1f} MiB before, {result['sizes'][1] / 2**20:.1f} MiB after")
     print(f"- 1/5/15-min load average at the end (the 2 cores are shared): "
           f"{' / '.join(f'{x:.1f}' for x in result['load_average'])}")
 

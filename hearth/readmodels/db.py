@@ -1,4 +1,5 @@
-"""Opens read-model SQLite files (WAL: readers never block the projector) and migrates them with Alembic."""
+"""Opens read-model SQLite files (WAL: readers never block the projector), migrates them with Alembic, and gives the
+pages that pruning frees back to the disk (incremental auto-vacuum)."""
 
 from __future__ import annotations
 
@@ -8,24 +9,33 @@ from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import Connection, Engine, create_engine, event
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
+
+from hearth.readmodels.batch_rows import session_cursor
 
 log = logging.getLogger(__name__)
 
 # A writer holding the lock (the projector commits every batch) must not make readers fail immediately.
 sqlite_busy_timeout_ms = 5_000
+# `PRAGMA auto_vacuum`'s value for INCREMENTAL: free pages stay in the file until `PRAGMA incremental_vacuum`.
+auto_vacuum_incremental = 2
 
 
 def _set_sqlite_pragmas(dbapi_connection, _connection_record) -> None:
     cursor = dbapi_connection.cursor()
     try:
+        cursor.execute(f"PRAGMA busy_timeout={sqlite_busy_timeout_ms}")
+        # A new file is made able to give pages back: auto_vacuum takes only before the first page is written,
+        # which entering WAL does. An older file is switched by one full VACUUM (switch_to_incremental_vacuum).
+        if cursor.execute("PRAGMA page_count").fetchone()[0] == 0:
+            cursor.execute("PRAGMA auto_vacuum=INCREMENTAL")
         # WAL: readers see the last committed snapshot while the projector writes.
         cursor.execute("PRAGMA journal_mode=WAL")
         # NORMAL is durable against application crashes in WAL mode; a power loss may drop the last
         # transactions, which is harmless here because the position rolls back with them (replay redoes them).
         cursor.execute("PRAGMA synchronous=NORMAL")
-        cursor.execute(f"PRAGMA busy_timeout={sqlite_busy_timeout_ms}")
         cursor.execute("PRAGMA foreign_keys=ON")
     finally:
         cursor.close()
@@ -62,13 +72,67 @@ def alembic_config(path: str | Path | None = None) -> Config:
 
 
 def upgrade_database(path: str | Path, revision: str = "head") -> None:
-    """Create or migrate the read-model schema at `path` to `revision` (tables are created only this way)."""
+    """Create or migrate the read-model schema at `path` to `revision` (tables are created only this way), and switch
+    a file made before incremental auto-vacuum to it."""
     engine = open_engine(path)
     try:
         with engine.begin() as connection:
             config = alembic_config(path)
             config.attributes["connection"] = connection
             command.upgrade(config, revision)
+        switch_to_incremental_vacuum(engine)
     finally:
         engine.dispose()
     log.debug("read-model database %s migrated to %s", path, revision)
+
+
+def _autocommit(engine: Engine) -> Connection:
+    # VACUUM cannot run inside a transaction.
+    return engine.connect().execution_options(isolation_level="AUTOCOMMIT")
+
+
+def switch_to_incremental_vacuum(engine: Engine) -> None:
+    """Give a file made without incremental auto-vacuum the one full VACUUM that switches it on. A file that cannot
+    be rewritten now (a full disk: VACUUM needs room for a copy) keeps working as before and is tried again at the
+    next upgrade."""
+    with _autocommit(engine) as connection:
+        if connection.exec_driver_sql("PRAGMA auto_vacuum").scalar() == auto_vacuum_incremental:
+            return
+    try:
+        vacuum_database(engine)
+    except OperationalError as error:
+        log.warning("read-model database %s: cannot switch it to incremental auto-vacuum now (%s); the pages pruning "
+                    "frees are reused but not given back to the disk until it can", engine.url.database, error.orig)
+        return
+    log.info("read-model database %s switched to incremental auto-vacuum (one full VACUUM)", engine.url.database)
+
+
+def vacuum_database(engine: Engine) -> None:
+    """Rewrite the whole file without its free pages (a full VACUUM, which holds the write lock throughout and leaves
+    the file on incremental auto-vacuum), then empty the WAL the rewrite went through."""
+    with _autocommit(engine) as connection:
+        # Read by VACUUM: the file it writes is switched to incremental auto-vacuum.
+        connection.exec_driver_sql("PRAGMA auto_vacuum=INCREMENTAL")
+        connection.exec_driver_sql("VACUUM")
+        # Every page went through the WAL, which would otherwise keep the file's size on disk beside it.
+        connection.exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)")
+
+
+def release_free_pages(session: Session, max_pages: int) -> int:
+    """Give at most `max_pages` of the file's free pages back to the disk, in a transaction of its own (in a session
+    without one under way); how many it gave back (0 also when the file is not on incremental auto-vacuum)."""
+    cursor = session_cursor(session)
+    try:
+        free_before = free_pages(cursor)
+        if free_before == 0:
+            return 0
+        # A script runs the pragma to its end: it yields a row per page released, and execute() steps it only once.
+        cursor.executescript(f"PRAGMA incremental_vacuum({int(max_pages)})")
+        return free_before - free_pages(cursor)
+    finally:
+        cursor.close()
+
+
+def free_pages(cursor) -> int:
+    """Pages of the file that no table or index uses (`PRAGMA freelist_count`), given a DB-API cursor on it."""
+    return cursor.execute("PRAGMA freelist_count").fetchone()[0]

@@ -6,6 +6,7 @@ The clock is each stream's: the time the broker stored the last message a projec
 older than that minus the retention of its stream; a row that is state (a shard not long gone, a quarantine, a
 kept prefix not expired) is never pruned for age. Every rule is a function of the rows and the positions alone and
 what it deletes only stays deleted, so a rebuild pruned at the end holds what a projector pruned now and then does.
+After each pass the pages it freed go back to the disk (db.release_free_pages), a bounded number per transaction.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from sqlalchemy.orm import Session
 
 from hearth.events.streams import PIPELINES_STREAM, SHARDS_STREAM, seconds_per_day
 from hearth.readmodels.batch_rows import session_cursor
+from hearth.readmodels.db import release_free_pages
 from hearth.readmodels.positions import POSITIONS
 
 log = logging.getLogger(__name__)
@@ -28,6 +30,8 @@ log = logging.getLogger(__name__)
 seconds_per_minute = 60
 # How long a cancelled pruner waits for its transaction under way (a few hundred rows) to end.
 prune_finish_timeout_s = 10.0
+# Free pages given back to the disk per transaction: a step short beside an applier's batch (2 MiB of 4 KiB pages).
+release_step_pages = 500
 
 
 @dataclass(frozen=True)
@@ -137,34 +141,50 @@ def prune_once(session: Session, policy: RetentionPolicy, projection: str) -> in
 
 
 def prune_all(session_factory: Callable[[], Session], policy: RetentionPolicy, projection: str) -> int:
-    """Prune until nothing is left, one short transaction per `prune_batch_rows` rows; how many rows went."""
+    """Prune until nothing is left, one short transaction per `prune_batch_rows` rows, then give the free pages back to
+    the disk; how many rows went."""
     pruned = 0
     while True:
         with session_factory() as session, session.begin():
             deleted = prune_once(session, policy, projection)
         if deleted == 0:
-            return pruned
+            break
         pruned += deleted
+    while release_step(session_factory) > 0:
+        pass
+    return pruned
+
+
+def release_step(session_factory: Callable[[], Session]) -> int:
+    """Give at most `release_step_pages` free pages back to the disk, in one transaction; how many went."""
+    with session_factory() as session:
+        return release_free_pages(session, release_step_pages)
 
 
 async def keep_pruning(session_factory: Callable[[], Session], policy: RetentionPolicy, projection: str,
                        write_turn: asyncio.Lock, count: Callable[[int], None]) -> None:
-    """Every `prune_interval_s`, prune until nothing is left (a live projector's task): each transaction holds
-    `write_turn`, which the applier takes for each batch, so batches go on between them; `count(rows)` after each."""
+    """Every `prune_interval_s`, prune until nothing is left, then give the free pages back to the disk (a live
+    projector's task): each transaction holds `write_turn`, which the applier takes for each batch, so batches go on
+    between them; `count(rows)` after each that pruned."""
 
     def prune_transaction() -> int:
         with session_factory() as session, session.begin():
             return prune_once(session, policy, projection)
 
+    def release_transaction() -> int:
+        return release_step(session_factory)
+
+    async def in_turn(transaction: Callable[[], int]) -> int:
+        async with write_turn:
+            return await _finished_even_if_cancelled(asyncio.to_thread(transaction))
+
     while True:
         await asyncio.sleep(policy.prune_interval_s)
         try:
-            while True:
-                async with write_turn:
-                    deleted = await _finished_even_if_cancelled(asyncio.to_thread(prune_transaction))
-                if deleted == 0:
-                    break
+            while (deleted := await in_turn(prune_transaction)) > 0:
                 count(deleted)
+            while await in_turn(release_transaction) > 0:
+                pass
         except asyncio.CancelledError:
             raise
         except Exception:  # a busy or failing database: the next round tries again

@@ -19,6 +19,7 @@ import typer
 from typer.core import TyperGroup
 
 from hearth.services.community_cli import community_app
+from hearth.services.db_cli import db_app
 from hearth.services.dashboards.cli import dashboards_app, status_command
 from hearth.services.gateway.command import gateway_command
 from hearth.services.host.cli import host_command
@@ -83,7 +84,6 @@ app = typer.Typer(
     # Help texts name configuration tables as `[shard]`: shown as written, not read as markup.
     rich_markup_mode=None,
 )
-db_app = typer.Typer(help="Manage a read-model SQLite database.", no_args_is_help=True, rich_markup_mode=None)
 app.add_typer(db_app, name="db")
 app.add_typer(community_app, name="community")
 app.add_typer(dashboards_app, name="dashboards")
@@ -109,17 +109,6 @@ app.command("nats", epilog=NATS_HELP_EPILOG)(nats_command)
 app.command("status")(status_command)
 app.command("gateway", epilog=STOPPING_HELP)(gateway_command)
 app.command("host", epilog=STOPPING_HELP)(host_command)
-
-
-@db_app.command("upgrade")
-def db_upgrade_command(
-    db: Annotated[Path, typer.Option("--db", help="SQLite read-model file (created when missing).")],
-) -> None:
-    """Create or migrate a read-model database to the latest schema (Alembic)."""
-    from hearth.readmodels.db import upgrade_database
-
-    upgrade_database(db)
-    typer.echo(f"{db}: schema at the latest revision")
 
 
 @app.command("projector", epilog=STOPPING_HELP)

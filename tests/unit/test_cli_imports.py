@@ -35,6 +35,7 @@ def test_importing_the_hearth_cli_does_not_load_torch():
         ["hearth.services.cli", "nats", "--help"],
         ["hearth.services.cli", "projector", "--help"],
         ["hearth.services.cli", "db", "upgrade", "--help"],
+        ["hearth.services.cli", "db", "vacuum", "--help"],
     ],
 )
 def test_help_of_the_light_commands_does_not_load_torch(argv):

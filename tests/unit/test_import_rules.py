@@ -66,6 +66,7 @@ ALLOWED_IMPORTS: dict[str, tuple[str, ...]] = {
     "services.community_reputation": _BROKER_SIDE,
     "services.community_removal": _BROKER_SIDE,
     "services.nats_cli": (*_BROKER_SIDE, "services.cli_options"),
+    "services.db_cli": (*_BROKER_SIDE, "readmodels", "services.cli_options"),
     "services.weights_cli": (*_BROKER_SIDE, "services.cli_options", "services.weights_store",
                              "services.weights_publish"),
     "services.devtools": (*_MODEL_SIDE, "readmodels", "services.cli_options", "services.client", "services.gateway",

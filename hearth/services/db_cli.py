@@ -1,0 +1,54 @@
+"""`hearth db`: creates or migrates a read-model SQLite file (`upgrade`) and rewrites it without its free pages
+(`vacuum`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from hearth.services.cli_options import EXIT_BAD_INPUT, EXIT_REFUSED
+
+db_app = typer.Typer(help="Manage a read-model SQLite database.", no_args_is_help=True, rich_markup_mode=None)
+
+
+@db_app.command("upgrade")
+def db_upgrade_command(
+    db: Annotated[Path, typer.Option("--db", help="SQLite read-model file (created when missing).")],
+) -> None:
+    """Create or migrate a read-model database to the latest schema (Alembic)."""
+    from hearth.readmodels.db import upgrade_database
+
+    upgrade_database(db)
+    typer.echo(f"{db}: schema at the latest revision")
+
+
+@db_app.command("vacuum")
+def db_vacuum_command(
+    db: Annotated[Path, typer.Option("--db", help="SQLite read-model file to rewrite.")],
+) -> None:
+    """Rewrite a read-model database without its free pages (a full VACUUM; projectors give pages back as they prune,
+    so this is rarely needed). It holds the write lock throughout: a running projector's batches wait for it."""
+    from sqlalchemy.exc import OperationalError
+
+    from hearth.readmodels.db import open_engine, vacuum_database
+
+    if not db.is_file():
+        typer.echo(f"{db}: no such read-model file", err=True)
+        raise typer.Exit(EXIT_BAD_INPUT)
+    before = _bytes_on_disk(db)
+    engine = open_engine(db)
+    try:
+        vacuum_database(engine)
+    except OperationalError as error:
+        typer.echo(f"{db}: not vacuumed: {error.orig} (another writer, or no room for the copy it writes)", err=True)
+        raise typer.Exit(EXIT_REFUSED) from None
+    finally:
+        engine.dispose()
+    typer.echo(f"{db}: vacuumed, {before:,} bytes before, {_bytes_on_disk(db):,} now (with its WAL)")
+
+
+def _bytes_on_disk(db: Path) -> int:
+    wal = db.with_name(db.name + "-wal")
+    return db.stat().st_size + (wal.stat().st_size if wal.exists() else 0)
