@@ -28,8 +28,10 @@ from tests.scripted_orchestrators import ScriptedOrchestrators
 
 pytestmark = pytest.mark.integration
 MODEL = "scripted"
-# A fallback "at once": far below the client's first-frame timeout.
-at_once_s = 2.0
+# Waits long enough that a fallback at once (no responders, `overloaded`) and one after a silence or the first-frame
+# wait stay apart by a wide margin on a loaded machine: "at once" is under a third of the silence.
+long_waits = {"first_frame_timeout": 60.0, "frame_gap_timeout": 30.0}
+at_once_s = long_waits["frame_gap_timeout"] / 3
 
 
 @pytest.fixture
@@ -66,8 +68,9 @@ async def test_a_pinned_call_reaches_its_orchestrator_and_only_it(mesh):
 async def test_a_pinned_call_nobody_hears_goes_to_the_queue_group_at_once(mesh):
     orchestrators, nc = mesh
     await orchestrators.start("orch-a")
-    result, took_s = await call(nc, "orch-gone")
-    assert result.ok and result.final.orchestrator == "orch-a" and took_s < at_once_s
+    result, took_s = await call(nc, "orch-gone", **long_waits)
+    assert result.ok and result.final.orchestrator == "orch-a"
+    assert took_s < at_once_s, f"the fallback took {took_s:.1f} s: it waited for a silence, not for no responders"
     assert [frame.type for frame in result.frames] == ["token_delta", "done"]
 
 
@@ -83,8 +86,11 @@ async def test_a_pinned_call_nothing_answers_goes_to_the_queue_group_after_a_sil
 
     await orchestrators.nc.subscribe(orchestrator_request_subject("orch-mute"), cb=never_answer)
     await flush_ordered(orchestrators.nc)
-    result, took_s = await call(nc, "orch-mute", first_frame_timeout=8 * at_once_s, frame_gap_timeout=0.5)
-    assert result.ok and result.final.orchestrator == "orch-a" and took_s < at_once_s
+    silence_s = 1.0
+    result, took_s = await call(nc, "orch-mute", first_frame_timeout=long_waits["first_frame_timeout"],
+                                frame_gap_timeout=silence_s)
+    assert result.ok and result.final.orchestrator == "orch-a"
+    assert took_s < long_waits["first_frame_timeout"] / 3, f"the fallback took {took_s:.1f} s"
 
 
 async def test_an_overloaded_orchestrator_sends_the_turn_to_the_queue_group_other_endings_do_not(mesh):
@@ -93,7 +99,7 @@ async def test_an_overloaded_orchestrator_sends_the_turn_to_the_queue_group_othe
     await orchestrators.start("orch-busy", in_queue=False)
     overloaded = {"type": "error", "seq": 0, "code": "overloaded", "message": "full", "retry_after_s": 1.0}
     orchestrators.answers["orch-busy"] = [overloaded]
-    result, took_s = await call(nc, "orch-busy")
+    result, took_s = await call(nc, "orch-busy", **long_waits)
     assert result.ok and result.final.orchestrator == "orch-a" and took_s < at_once_s
     assert orchestrators.heard["orch-busy"] == [orchestrator_request_subject("orch-busy")]
     # Any other refusal is the answer; so is an ending after a token (the text would be sent twice).

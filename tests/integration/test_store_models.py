@@ -77,13 +77,13 @@ async def test_the_catalog_fetches_the_head_and_serves_it_under_the_store_name(p
     catalog = ModelCatalog(local_model=f"store:{NAME}")
     catalog.use_store(js)
     assert catalog.local_model_id() is None  # listed once fetched whole (it could answer no call before)
-    assert catalog.path_of_id(NAME) is None
+    assert catalog.path_of_id(NAME, catalog.local_model_at_hand()) is None
 
     loaded = await catalog.get_requested(NAME)
     assert loaded.model_id == NAME
     assert loaded.weights_sha256 == weights_sha256(published, cache_dir=tmp_path / "sums")
     assert _cached_weight_objects(tmp_path) == {HEAD_OBJECT}
-    assert catalog.path_of_id(NAME) == loaded.path
+    assert catalog.path_of_id(NAME, catalog.local_model_at_hand()) == loaded.path
 
     assert await catalog.local_model_for(loaded) is None  # a call does not wait for the whole model's fetch ...
     local = await catalog.local_model_for(loaded, wait_for_fetch=True)  # ... that it started (--preload waits)

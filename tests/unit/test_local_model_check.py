@@ -1,17 +1,21 @@
 """An orchestrator's --local-model is checked at start, reading no weight (a missing path, an unreadable config, a
 family hearth does not serve, no safetensors weights, a GGUF layer in a block type hearth does not read: one line
-naming --local-model), and a request may name it by the id llm.models lists it under, though given as a path."""
+naming --local-model), and a request may name it by the id llm.models lists it under, though given as a path;
+llm.models finds it once per answer."""
 
 from __future__ import annotations
 
 import asyncio
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
+from hearth.readmodels.queries import ShardCandidate
 from hearth.services.common.lifecycle import CommandRefused
 from hearth.services.orchestrator.catalog import ModelCatalog
+from hearth.services.orchestrator.discovery import describe_models
 from hearth.services.orchestrator.main import OrchestratorOptions, check_local_model
 
 from .gguf_files import own_cache  # noqa: F401  (a fixture)
@@ -58,3 +62,26 @@ def test_a_request_names_a_local_model_given_as_a_path_by_its_listed_id(tiny_mod
     assert catalog.local_model_id() == "my-own-model"
     loaded = asyncio.run(catalog.get_requested("my-own-model"))
     assert loaded.model_id == "my-own-model" and loaded.path == folder.resolve()
+
+
+def served_shard(model_id: str) -> ShardCandidate:
+    return ShardCandidate(shard_id=f"{model_id}:0-1@a", model_id=model_id, weights_sha256="0" * 64, node_id="a",
+                          layer_lo=0, layer_hi=1, total_layers=2, control_subject="c", hop_weight=1.0,
+                          max_concurrent_streams=1, status="advertised", advertised_at=0, expires_at=10,
+                          last_seen=None, queue_depth=None, active_streams=None, quantization="none")
+
+
+def test_llm_models_finds_the_local_model_once_per_answer(tiny_model_dir, tmp_path, monkeypatch):
+    folder = shutil.copytree(tiny_model_dir("llama"), tmp_path / "my-own-model")
+    advertised = ["my-own-model", "other/a", "other/b", "other/c"]
+    router = SimpleNamespace(all_candidates=lambda: [served_shard(model_id) for model_id in advertised],
+                             now=lambda: 0.0, alive=lambda shard, now: True)
+    resolved, resolve = [], ModelCatalog.resolve
+    monkeypatch.setattr(ModelCatalog, "resolve", lambda self, model: resolved.append(model) or resolve(self, model))
+    catalog = ModelCatalog(local_model=str(folder))
+    reply = asyncio.run(describe_models(router, catalog))
+    assert resolved == [str(folder)]  # not once more for each id listed, nor again for its own
+    listed = {model.id: model for model in reply.models}
+    assert sorted(listed) == sorted(advertised)
+    assert listed["my-own-model"].runnable_locally and listed["my-own-model"].context_length is not None
+    assert not listed["other/a"].runnable_locally and listed["other/a"].context_length is None

@@ -28,7 +28,7 @@ async def test_a_stored_local_model_is_listed_only_once_it_has_arrived(tmp_path)
     assert asked == [("big-model", None)] and catalog.local_model_id() is None
     assert await asyncio.wait_for(catalog.local_model_for(loaded=None), timeout=5) is None  # no wait on the fetch
     arrived.set()
-    await asyncio.wait_for(catalog._local_fetch.folder_at_hand(wait=True), timeout=10)
+    await asyncio.wait_for(catalog.local.fetch.folder_at_hand(wait=True), timeout=10)
     assert catalog.local_model_id() == "big-model" and asked == [("big-model", None)]
     catalog.close()
 
@@ -46,11 +46,11 @@ async def test_a_failed_fetch_is_one_warning_line_and_the_next_fallback_tries_ag
     catalog._store_fetch = unreachable
     with caplog.at_level(logging.WARNING):
         await catalog.start_local_fetch()
-        await asyncio.wait_for(catalog._local_fetch.start(), timeout=10)  # the fetch started from the start
+        await asyncio.wait_for(catalog.local.fetch.start(), timeout=10)  # the fetch started from the start
     [warning] = [record.getMessage() for record in caplog.records if record.levelno == logging.WARNING]
     assert warning.startswith("--local-model store:big-model could not be fetched") and "\n" not in warning
     assert catalog.local_model_id() is None
-    assert await asyncio.wait_for(catalog._local_fetch.folder_at_hand(wait=True), timeout=10) == Path(tmp_path)
+    assert await asyncio.wait_for(catalog.local.fetch.folder_at_hand(wait=True), timeout=10) == Path(tmp_path)
     assert catalog.local_model_id() == "big-model" and len(tries) == 2
     catalog.close()
 
@@ -72,7 +72,7 @@ async def test_a_hub_local_model_not_in_the_local_cache_is_fetched_whole_and_the
     await asyncio.sleep(0.1)
     assert fetched == [None] and catalog.local_model_id() is None
     arrived.set()
-    await asyncio.wait_for(catalog._local_fetch.folder_at_hand(wait=True), timeout=10)
+    await asyncio.wait_for(catalog.local.fetch.folder_at_hand(wait=True), timeout=10)
     assert catalog.local_model_id() == "nobody-here/not-in-the-hub-cache"
     catalog.close()
 

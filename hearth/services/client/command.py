@@ -27,7 +27,6 @@ from hearth.protocol.chat import (
     TokensWithdrawnFrame,
     describe_validation_error,
 )
-from hearth.protocol.quantization_labels import check_quantization_label
 from hearth.protocol.subjects import MODELS_REQUEST_SUBJECT
 from hearth.services.common.config import HearthSettings, NatsSettings
 from hearth.services.common.lifecycle import run_event_loop
@@ -56,18 +55,17 @@ def run_chat_command(nats_url: str, *, prompt: str, model: str | None, max_token
     With `interactive`, each line then read from stdin is the conversation's next turn (an empty line or EOF ends
     it, exit code 0), sent to the orchestrator that answered the last turn (hearth/services/client/pinned.py).
     """
-    try:
-        if quantization is not None:
-            check_quantization_label(quantization)
-    except ValueError as error:
-        _say(f"error bad_request: --quantization {error}")
+    try:  # the request's own field checks the label (QuantizationLabel); its refusal names the option given
+        params = ChatParams(quantization=quantization)
+    except ValidationError as error:
+        _say(f"error bad_request: --quantization {error.errors(include_url=False)[0]['msg']}")
         return EXIT_ERROR
     if interactive and (raw or as_json or choices != requested_choices):
         _say("error bad_request: --interactive goes on with a conversation of messages: not with --raw, --json or --n")
         return EXIT_ERROR
     try:
         request = ChatRequest(model=model, max_tokens=max_tokens, temperature=temperature, seed=seed, n=choices,
-                              params=ChatParams(quantization=quantization),
+                              params=params,
                               **({"prompt": prompt} if raw else
                                  {"messages": [ChatMessage(role="user", content=prompt)]}))
     except ValidationError as error:

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from hearth.inference import CheckpointError, Head, LocalModel, load_full, load_head, resolve_model_path, weights_sha256
-from hearth.inference.checkpoint import default_model_id, read_config_dict
+from hearth.inference import CheckpointError, Head, LocalModel, load_head, resolve_model_path, weights_sha256
+from hearth.inference.checkpoint import read_config_dict
 from hearth.inference.checkpoint_files import HUB_ALLOW_PATTERNS
 from hearth.inference.errors import InferenceError, first_line
 from hearth.inference.hub_ids import is_hub_gguf_id
@@ -36,7 +36,8 @@ from hearth.inference.partial_checkpoint import NeededTensors
 from hearth.protocol.quantization_labels import accepts
 from hearth.services.common.config_processes import ShardSettings
 from hearth.services.common.hearth_files import data_dir
-from hearth.services.orchestrator.local_fetch import LocalModelFetch, fetch_unless_at_hand, on_daemon_thread
+from hearth.services.orchestrator.local_fetch import on_daemon_thread
+from hearth.services.orchestrator.local_model import LocalModelAtHand, LocalModelHolder
 from hearth.services.weights_store import STORE_MODEL_PREFIX, WeightsStoreError, fetch_stored_model, store_model_name
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,11 @@ FOLDER_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 HUB_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
 # config.json keys that give a model's context length, in the order architectures use them.
 CONTEXT_LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+
+
+def is_hub_id(model: str) -> bool:
+    """Whether `model` names a hub model: "org/name", or "org/name:FILE.gguf"."""
+    return bool(HUB_ID_PATTERN.match(model)) or is_hub_gguf_id(model)
 
 
 class UnknownModel(LookupError):
@@ -112,15 +118,9 @@ class ModelCatalog:
         self._configured: set[str] = {local_model} if local_model else set()
         self._loaded: dict[str, LoadedModel] = {}
         self._locks: dict[str, asyncio.Lock] = {}
-        self._local: LocalModel | None = None
-        self._local_lock = asyncio.Lock()
-        self._local_fetch = LocalModelFetch(local_model, lambda: self.folder(local_model, None)) \
-            if local_model and local_model.startswith(STORE_MODEL_PREFIX) else None
-        # The local model's KV caches are bounded like a shard's on this machine ([shard] kv_cache_budget_mb and
-        # eviction_idle_s).
-        shard_settings = shard_settings or ShardSettings()
-        self._local_kv_limits = {"cache_budget_bytes": shard_settings.kv_cache_budget_bytes,
-                                 "session_ttl_s": shard_settings.eviction_idle_s}
+        self.local = LocalModelHolder(
+            local_model, resolve=self.resolve, folder=self.folder, advertised_id=self.advertised_id,
+            hub_id=is_hub_id(local_model), shard_settings=shard_settings or ShardSettings()) if local_model else None
         # Where heads (and the local model) compute: the CPU in the checkpoint's dtype until told (use_compute).
         self._compute: dict = {}
         # How `store:NAME` models are fetched (use_store), and the folder each was fetched into.
@@ -159,7 +159,7 @@ class ModelCatalog:
                 try:
                     return await asyncio.to_thread(self.resolve, model)
                 except UnknownModel:
-                    if not (HUB_ID_PATTERN.match(model) or is_hub_gguf_id(model)):
+                    if not is_hub_id(model):
                         raise
             return await self._fetch_hub(model, needed)
         if self._store_fetch is None:
@@ -220,23 +220,19 @@ class ModelCatalog:
             return None
         return served_model_id(model)
 
+    def local_model_at_hand(self) -> LocalModelAtHand | None:
+        """The model this orchestrator may run whole (local fallback): its id, as shards would advertise it, and its
+        folder, from one resolution (blocking); None when there is none, or not yet (local_model.py)."""
+        return self.local.at_hand() if self.local is not None else None
+
     def local_model_id(self) -> str | None:
-        """The id of the model this orchestrator may run whole (local fallback), as shards would advertise it."""
-        if self.local_model_spec is None:
-            return None
-        try:  # one that must be fetched is listed only once it has arrived (it can answer then)
-            path = self._local_fetch.folder if self._local_fetch else self.resolve(self.local_model_spec)
-        except UnknownModel:
-            return None
-        return None if path is None else self.advertised_id(self.local_model_spec, path) or default_model_id(path)
+        """The id of the model this orchestrator may run whole (local_model_at_hand)."""
+        return at_hand.model_id if (at_hand := self.local_model_at_hand()) is not None else None
 
     async def start_local_fetch(self) -> None:
         """Start fetching the local model whole in the background when it must be fetched first (local_fetch.py)."""
-        spec = self.local_model_spec
-        if spec is not None and self._local_fetch is None and (HUB_ID_PATTERN.match(spec) or is_hub_gguf_id(spec)):
-            self._local_fetch = await fetch_unless_at_hand(spec, self.resolve, lambda: self.folder(spec, None))
-        if self._local_fetch is not None:
-            self._local_fetch.start()
+        if self.local is not None:
+            await self.local.start_fetch()
 
     def catalog_path(self, name: str) -> Path | None:
         """The folder of a catalog name (see the module docstring), or None; never takes `name` as a path."""
@@ -254,17 +250,15 @@ class ModelCatalog:
                 return None
         return None
 
-    def path_of_id(self, model_id: str) -> Path | None:
+    def path_of_id(self, model_id: str, local: LocalModelAtHand | None) -> Path | None:
         """The folder of a model id that shard hosts advertise, looked up as a request's name is (never as a
-        path), or None."""
+        path), or None; `local` is the local model as local_model_at_hand found it for the same answer (one
+        resolution serves every id)."""
         for loaded in list(self._loaded.values()):
             if loaded.model_id == model_id:
                 return loaded.path
-        if self.local_model_spec is not None and model_id == self.local_model_id():
-            try:
-                return self.resolve(self.local_model_spec)
-            except UnknownModel:  # a stored model not fetched yet
-                return None
+        if local is not None and model_id == local.model_id:
+            return local.path
         return self.catalog_path(model_id)
 
     async def get(self, model: str) -> LoadedModel:
@@ -291,7 +285,7 @@ class ModelCatalog:
             if loaded.model_id == name:
                 return loaded
         path = await asyncio.to_thread(self.catalog_path, name)
-        if path is None and (HUB_ID_PATTERN.match(name) or is_hub_gguf_id(name)):
+        if path is None and is_hub_id(name):
             return await self._get_advertised_hub_model(name)
         if path is None:
             raise UnknownModel(f"unknown model {name!r}: not one this orchestrator serves (ask llm.models; a model "
@@ -352,28 +346,12 @@ class ModelCatalog:
                               wait_for_fetch: bool = False) -> LocalModel | None:
         """The whole model for local fallback (None while fetched, unless `wait_for_fetch`), when this orchestrator was
         given the same checkpoint and holds it in a scheme that `quantization` (a call's; None: any) accepts."""
-        if self.local_model_spec is None:
+        if self.local is None or not accepts(quantization, parse_quantization(self._compute.get("quantization")).label):
             return None
-        own_scheme = parse_quantization(self._compute.get("quantization")).label
-        if not accepts(quantization, own_scheme):
-            return None
-        async with self._local_lock:
-            if self._local is None:
-                try:
-                    path = await (self._local_fetch.folder_at_hand(wait=wait_for_fetch) if self._local_fetch
-                                  else self.folder(self.local_model_spec, None))
-                except UnknownModel as error:  # a model it cannot find now: no local fallback
-                    log.warning("local model unavailable: %s", error)
-                    return None
-                if path is None:  # still being fetched, or its fetch failed (logged)
-                    return None
-                self._local = await on_compute_thread(
-                    load_full, path, model_id=self.advertised_id(self.local_model_spec, path), **self._compute,
-                    **self._local_kv_limits)
-                self._local_digest = await asyncio.to_thread(weights_sha256, path)
-        if self._local.info.model_id != loaded.model_id or self._local_digest != loaded.weights_sha256:
-            return None
-        return self._local
+        local = await self.local.model(self._compute, wait_for_fetch=wait_for_fetch)
+        same_checkpoint = local is not None and (local.info.model_id, self.local.weights_sha256) == (
+            loaded.model_id, loaded.weights_sha256)
+        return local if same_checkpoint else None
 
     async def release_freed_heap(self) -> None:
         """Hand the heap that finished calls freed (a long prompt's embeddings, the local model's caches) back to
@@ -394,7 +372,5 @@ class ModelCatalog:
                 raise LocalModelUnusable(first_line(error)) from None
 
     def close(self) -> None:
-        if self._local_fetch is not None:
-            self._local_fetch.close()
-        if self._local is not None:
-            self._local.close()
+        if self.local is not None:
+            self.local.close()

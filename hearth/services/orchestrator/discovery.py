@@ -68,15 +68,16 @@ async def describe_models(router: ShardRouter, catalog: ModelCatalog) -> ModelsR
         if router.alive(shard, now):
             live[shard.model_id].append(shard)
     models = {model_id: served_model(model_id, shards) for model_id, shards in live.items()}
-    local_id = await asyncio.to_thread(catalog.local_model_id)  # it may read config and headers from disk
-    if local_id is not None:
-        entry = models.get(local_id) or ServedModel(id=local_id, total_layers=0, complete=False)
-        models[local_id] = entry.model_copy(update={"runnable_locally": True})
+    # Found once for the whole answer (every id below is matched against it): it may read config and headers from disk.
+    local = await asyncio.to_thread(catalog.local_model_at_hand)
+    if local is not None:
+        entry = models.get(local.model_id) or ServedModel(id=local.model_id, total_layers=0, complete=False)
+        models[local.model_id] = entry.model_copy(update={"runnable_locally": True})
     described = []
     for model_id in sorted(models):
         length = None
         # Advertised ids come from other members: looked up in the catalog only, never opened as paths.
-        path = await asyncio.to_thread(catalog.path_of_id, model_id)
+        path = await asyncio.to_thread(catalog.path_of_id, model_id, local)
         if path is not None:
             length = await asyncio.to_thread(context_length, path)
         else:

@@ -10,12 +10,10 @@ from hearth.services.common.config import HearthSettings
 from hearth.services.common.lifecycle import CommandRefused, unless_stopped
 from hearth.services.common.metrics import serve_process_metrics
 from hearth.services.broker.connection import connect_nats, drain_or_close
-from hearth.services.orchestrator.catalog import HUB_ID_PATTERN, LocalModelUnusable, ModelCatalog, UnknownModel, \
-    stored_name
+from hearth.services.orchestrator.catalog import LocalModelUnusable, ModelCatalog, UnknownModel, is_hub_id, stored_name
 from hearth.services.orchestrator.service import Orchestrator
 from hearth.inference.devices import resolve_placement
 from hearth.inference.errors import InferenceError, first_line
-from hearth.inference.hub_ids import is_hub_gguf_id
 from hearth.inference.loading import check_checkpoint
 from hearth.inference.quantization import QuantizationError, check_device_supports, parse_quantization
 
@@ -61,7 +59,7 @@ def check_local_model(options: OrchestratorOptions) -> None:
         path = ModelCatalog(list(options.model_search_dirs), spec).resolve(spec)
         check_checkpoint(path)
     except UnknownModel as error:
-        if not (HUB_ID_PATTERN.match(spec) or is_hub_gguf_id(spec)):
+        if not is_hub_id(spec):
             raise CommandRefused(f"--local-model {spec}: {first_line(error)}") from None
     except InferenceError as error:
         raise CommandRefused(f"--local-model {spec}: {first_line(error)}") from None
