@@ -59,6 +59,13 @@ def parse_shard_id(shard_id: str) -> ShardIdParts | None:
                         match["node"])
 
 
+def node_of_shard(shard_id: str) -> str | None:
+    """The node a shard id names (after its last `@`), or None when it names none: what a reputation row and a
+    quarantine hold, read from any id that names a node, since an id from an old or foreign host may not parse."""
+    _, at_sign, node = shard_id.rpartition("@")
+    return node if at_sign and node else None
+
+
 def shard_key(shard_id: str) -> str:
     """A short, stable, subject-safe digest of a shard_id (model ids carry dots and slashes)."""
     return hashlib.sha256(shard_id.encode()).hexdigest()[:shard_key_hex_chars]

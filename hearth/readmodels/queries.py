@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from sqlalchemy import func, select
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, aliased
 
 from hearth.readmodels.kept_prefixes import records_signer
 from hearth.readmodels.projection import PROJECTION_NAME, load_positions
@@ -44,6 +44,9 @@ class ShardCandidate:
     quantization: str = "none"
     # A confirmed mismatch was blamed on it and no steward has cleared it since: never routed.
     quarantined: bool = False
+    # Another shard of its node that is quarantined (None: none is): a quarantine holds the node, so this one is not
+    # routed either, whatever its range or scheme (a new shard id is no way out of a quarantine).
+    node_quarantined_by: str | None = None
     # The dtype it computes in: two replicas' outputs are compared within that dtype's honest tolerance.
     dtype: str = "float32"
 
@@ -70,6 +73,12 @@ def newest_sign_of_life(session: Session) -> int | None:
 
 
 def _shards(session: Session, condition) -> list[ShardCandidate]:
+    sibling = aliased(ShardReputation)
+    node_quarantined_by = (
+        select(func.min(sibling.shard_id))
+        .where(sibling.status == QUARANTINED, sibling.node_id == Shard.node_id, sibling.shard_id != Shard.shard_id)
+        .scalar_subquery()
+    )
     query = (
         select(
             Shard.shard_id,
@@ -92,6 +101,7 @@ def _shards(session: Session, condition) -> list[ShardCandidate]:
             Shard.quantization,
             Shard.dtype,
             func.coalesce(ShardReputation.status == QUARANTINED, False).label("quarantined"),
+            node_quarantined_by.label("node_quarantined_by"),
         )
         .outerjoin(ShardHealth, ShardHealth.shard_id == Shard.shard_id)
         .outerjoin(ShardReputation, ShardReputation.shard_id == Shard.shard_id)

@@ -5,10 +5,12 @@ get/edit/put interface as readmodels.batch_rows.BatchRows, so `ReputationLog` (p
 reader of the log (`hearth-replay shard`) reach exactly the status the read model holds.
 
 Rules: a confirmed mismatch quarantines the shard it names (its witnesses, two parties that agreed, are not
-blamed); a disputed one counts against both shards and quarantines nobody; a steward's clearing lifts a
-quarantine unless it is older than the quarantine (a re-published old clearing is history, not news); a
-mismatch event applied twice (re-published after the broker's de-duplication window) counts once, since its
-evidence row exists. Every value comes from the events (instants from `occurred_at`), all from one stream.
+blamed), and while it is quarantined its node's other shards are not routed either (routing reads that from these
+rows: hearth/readmodels/queries.py; hearth/protocol/quarantine.py words it); a disputed one counts against both shards
+and quarantines nobody; a steward's clearing lifts a quarantine unless it is older than the quarantine (a
+re-published old clearing is history, not news); a mismatch event applied twice (re-published after the broker's
+de-duplication window) counts once, since its evidence row exists. Every value comes from the events (instants
+from `occurred_at`), all from one stream.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from hearth.events.models import (
     IntegrityQuarantineCleared,
     IntegrityShardsVerified,
 )
+from hearth.protocol.subjects import node_of_shard
 from hearth.readmodels.batch_rows import INTEGRITY_EVIDENCE, SHARD_REPUTATION, Row, saturating_add
 
 QUARANTINED = "quarantined"
@@ -44,12 +47,6 @@ class Rows(Protocol):
     def edit(self, table: Table, key: Any, new_row: Callable[[], Row] | None = None) -> Row | None: ...
 
     def put(self, table: Table, key: Any, row: Row) -> None: ...
-
-
-def node_of_shard(shard_id: str) -> str | None:
-    """The host a shard id names (after its last `@`: shard_id_for), or None when it names none."""
-    _, at_sign, node = shard_id.rpartition("@")
-    return node if at_sign and node else None
 
 
 def mismatch_summary(mismatch: MismatchEvent | Row) -> str:
@@ -158,6 +155,9 @@ class ReputationLog:
 
     def reputation(self, shard_id: str) -> Row | None:
         return self.get(SHARD_REPUTATION, shard_id)
+
+    def quarantined_shards(self) -> list[str]:
+        return [shard_id for shard_id, row in self._rows[SHARD_REPUTATION.name].items() if row["status"] == QUARANTINED]
 
     def evidence(self, shard_id: str) -> list[Row]:
         """The shard's evidence rows in the order they were applied."""

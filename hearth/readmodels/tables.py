@@ -259,7 +259,8 @@ class PipelineMinute(Base):
 
 class ShardReputation(Base):
     """What verification says about each shard (hearth/readmodels/reputation.py): the work spot-checks confirmed, the
-    mismatches blamed on it, and whether it is quarantined (never routed) until a steward clears it."""
+    mismatches blamed on it, and whether it is quarantined (never routed, nor any other shard of its node) until a
+    steward clears it."""
 
     __tablename__ = "shard_reputation"
 

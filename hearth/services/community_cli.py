@@ -139,7 +139,8 @@ def remove_command(
 @community_app.command("list")
 def list_command(directory: DirOption = DEFAULT_COMMUNITY_DIR, db: ReadModelOption = DEFAULT_READ_MODEL) -> None:
     """Print the roster: name, role, trust, public key, and (from the read model, when there is one) the shards of
-    each member that are quarantined; then the members removed, when, and where in each stream."""
+    each member that are quarantined, which hold the member's node (none of its shards is routed); then the members
+    removed, when, and where in each stream."""
     from hearth.services.community_reputation import quarantined_shards_by_node
     from hearth.trust.community import Community
     from hearth.trust.roster import RosterError
@@ -152,7 +153,7 @@ def list_command(directory: DirOption = DEFAULT_COMMUNITY_DIR, db: ReadModelOpti
     typer.echo(f"community {roster.community!r}: {len(roster.members)} members")
     for member in roster.members:
         shards = quarantined.get(member.name)
-        note = f"  QUARANTINED: {', '.join(shards)}" if shards else ""
+        note = f"  node held, none of its shards routed; QUARANTINED: {', '.join(shards)}" if shards else ""
         typer.echo(f"{member.name:24} {member.role:13} {member.trust:8} {member.public_key}{note}")
     for gone in roster.removed:
         cuts = "".join(f", {cut.stream} #{cut.seq}" for cut in gone.cuts)
@@ -183,14 +184,17 @@ def clear_quarantine_command(
     nats_url: NatsOption = None,
 ) -> None:
     """Let a quarantined shard serve again: publish a signed integrity.quarantine_cleared with the steward's system
-    key (DIR/keys/system.nk). Refused, with nothing published, when the read model does not hold it quarantined."""
+    key (DIR/keys/system.nk). Refused, with nothing published, when the read model does not hold it quarantined. Its
+    node serves again once none of its shards is quarantined."""
     from hearth.services.broker.connection import BrokerUnreachable
     from hearth.services.common.config import load_settings
     from hearth.services.common.lifecycle import run_event_loop
+    from hearth.protocol.subjects import node_of_shard
     from hearth.services.community_reputation import (
         NotQuarantined,
         ReadModelMissing,
         clear_quarantine,
+        quarantined_shards_by_node,
         steward_publisher,
     )
     from hearth.trust.community import Community
@@ -211,8 +215,12 @@ def clear_quarantine_command(
         _fail(str(error), command)
     except Exception as error:  # JetStream refused or timed out: say so in one line
         _fail(f"the clearing was not published: {error}", command)
+    node = node_of_shard(shard_id)
+    still = [other for other in quarantined_shards_by_node(db).get(node or "", []) if other != shard_id]
     typer.echo(f"cleared the quarantine of {shard_id} (event {event.event_id}, clearing {event.pipeline_id}); "
-               "routers plan it again once their read model applies it")
+               + (f"node {node} stays held (no shard of it is routed) while {', '.join(still)} "
+                  f"{'is' if len(still) == 1 else 'are'} quarantined" if still else
+                  "routers plan it again once their read model applies it"))
 
 
 @community_app.command("api-key")

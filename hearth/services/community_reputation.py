@@ -70,9 +70,14 @@ def format_instant(epoch_s: int | None) -> str:
 
 
 def reputation_lines(rows: list[ShardReputationRow]) -> list[str]:
-    """The `hearth community reputation` listing: a summary, then one line per shard (and its reason)."""
+    """The `hearth community reputation` listing: a summary (with the nodes a quarantine holds), then one line per
+    shard (and its reason, and for a shard not quarantined itself the quarantine of its node that holds it out)."""
+    from hearth.protocol.quarantine import node_quarantine_reason, quarantined_nodes
+
     quarantined = sum(row.quarantined for row in rows)
-    lines = [f"{len(rows)} shards with verification outcomes, {quarantined} quarantined"]
+    held = quarantined_nodes(row.shard_id for row in rows if row.quarantined)
+    nodes = f"; nodes held (none of their shards is routed): {', '.join(sorted(held))}" if held else ""
+    lines = [f"{len(rows)} shards with verification outcomes, {quarantined} quarantined{nodes}"]
     for row in rows:
         since = f" since {format_instant(row.status_since)}" if row.status_since is not None else ""
         lines.append(f"{row.status.upper() if row.quarantined else row.status:11} {row.node_id:16} {row.shard_id}  "
@@ -80,6 +85,8 @@ def reputation_lines(rows: list[ShardReputationRow]) -> list[str]:
                      f"{row.mismatches}, disputes {row.disputes}{since}")
         if row.status_reason:
             lines.append(f"{'':11} {'cleared: ' if not row.quarantined else ''}{row.status_reason}")
+        if not row.quarantined and row.node_id in held:
+            lines.append(f"{'':11} not routed: {node_quarantine_reason(row.node_id, held[row.node_id])}")
     return lines
 
 

@@ -1,6 +1,7 @@
 """Reputation through a real community broker: an orchestrator's signed verification outcomes quarantine a shard in
 a rebuilt read model, a forged clearing is rejected, the steward's `hearth community clear-quarantine` lifts it,
-a live read model that applied the same messages equals the rebuild, and `hearth-replay shard` shows the evidence."""
+a live read model that applied the same messages equals the rebuild, and `hearth-replay shard` shows the evidence
+(and, for another shard of the quarantined node, the quarantine that holds it)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ from hearth.trust.keys import MemberKey
 pytestmark = pytest.mark.integration
 runner = CliRunner()
 KITCHEN, ATTIC, GARAGE = (advertised(0, 3, node).shard_id for node in ("kitchen-pc", "attic-pc", "garage-pc"))
+GARAGE_INT8 = advertised(0, 3, "garage-pc", quantization="int8").shard_id  # the caught node under a new shard id
 
 
 @pytest.fixture
@@ -87,6 +89,11 @@ def test_quarantine_and_clearing_through_a_community_broker(community_broker, tm
         [rejected] = session.query(RejectedEvent).all()
         assert (rejected.type, rejected.reason) == ("integrity.quarantine_cleared", "role_may_not_emit")
     engine.dispose()
+    # As `--creds` would, through the environment (monkeypatch restores it for the tests that follow).
+    monkeypatch.setenv("HEARTH_NATS__CREDS_FILE", str(community.directory / "keys" / "eve.nk"))
+    held = runner.invoke(replay_app, ["shard", GARAGE_INT8, "--nats", server.url])
+    assert held.exit_code == 0, held.output
+    assert f"routing: node garage-pc quarantined (shard {GARAGE} mismatched)" in held.output
 
     cleared = runner.invoke(community_app, ["clear-quarantine", GARAGE, "--reason", "new GPU", "--dir",
                                             str(community.directory), "--db", str(live), "--nats", server.url])
@@ -98,8 +105,6 @@ def test_quarantine_and_clearing_through_a_community_broker(community_broker, tm
     rebuild(community, server.url, fresh, verifier)
     assert diff_databases(fresh, live) == []
 
-    # As `--creds` would, through the environment (monkeypatch restores it for the tests that follow).
-    monkeypatch.setenv("HEARTH_NATS__CREDS_FILE", str(community.directory / "keys" / "eve.nk"))
     shown = runner.invoke(replay_app, ["shard", GARAGE, "--nats", server.url])
     assert shown.exit_code == 0, shown.output
     assert "verification: status ok since" in shown.output

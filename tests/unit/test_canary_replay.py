@@ -1,5 +1,6 @@
 """Canaries cut to the library's length still run as the hop ran them: the prompt length its prefill chunks were
-told (a LongRoPE model rotates by it) goes with the canary, and the replica is opened for a session that long."""
+told (a LongRoPE model rotates by it) goes with the canary, and the replica is opened for a session that long; no
+canary goes to a node whose shard a check of ours just proved wrong."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import pytest
 import torch
 
 from hearth.events.models import IntegrityShardsVerified
+from hearth.protocol.subjects import shard_id_for
+from hearth.readmodels.queries import ShardCandidate
 from hearth.services.orchestrator import mirror as mirror_module
 from hearth.services.orchestrator.canaries import Canary, CanaryLibrary, CanaryRunner
 from hearth.services.orchestrator.placement import ChainPlacement
@@ -89,3 +92,21 @@ async def test_a_cut_canary_tells_the_replica_the_whole_prompt_length_as_the_hop
     [verified] = records
     assert isinstance(verified, IntegrityShardsVerified) and verified.shards[0].shard_id == "x"
     assert "x" not in ctx.quarantined
+
+
+async def test_no_canary_goes_to_a_node_a_check_of_ours_just_caught():
+    canary = recorded_canary()
+
+    def host(node: str, scheme: str = "int8") -> ShardCandidate:
+        return ShardCandidate(shard_id=shard_id_for("m", 0, 3, node, quantization=scheme), model_id="m",
+                              weights_sha256=canary.weights_sha256, node_id=node, layer_lo=0, layer_hi=3,
+                              total_layers=8, control_subject="c", hop_weight=1.0, max_concurrent_streams=1,
+                              status="advertised", advertised_at=0, expires_at=10, last_seen=None, queue_depth=None,
+                              active_streams=None, quantization=scheme)
+
+    router = SimpleNamespace(candidates=lambda model_id: [host("liar"), host("honest")], now=lambda: 0.0,
+                             alive=lambda shard, now: True)
+    # The liar's unquantized shard was proved wrong; its int8 shard is another id on the same node.
+    ctx = SimpleNamespace(router=router, quarantined={shard_id_for("m", 0, 3, "liar")})
+    hosts = await CanaryRunner(ctx, None)._hosts(canary)
+    assert [hop.node_id for hop in hosts] == ["honest"]

@@ -1,6 +1,6 @@
-"""`hearth community` and reputation: the listing, quarantined shards beside their members, and a steward's clearing
-(signed with the system key, accepted by a community's projector, refused with nothing published when the shard
-is not quarantined)."""
+"""`hearth community` and reputation: the listing, quarantined shards beside their members (whose nodes they hold),
+and a steward's clearing (signed with the system key, accepted by a community's projector, refused with nothing
+published when the shard is not quarantined; the node stays held while another of its shards is quarantined)."""
 
 from __future__ import annotations
 
@@ -45,7 +45,8 @@ def test_the_reputation_listing_shows_quarantined_shards_first_with_their_eviden
     result = CliRunner().invoke(community_app, ["reputation", "--db", str(read_model)])
     assert result.exit_code == 0, result.output
     lines = result.output.splitlines()
-    assert lines[0] == "3 shards with verification outcomes, 1 quarantined"
+    assert lines[0] == ("3 shards with verification outcomes, 1 quarantined; nodes held (none of their shards is "
+                        "routed): kitchen-pc")
     assert lines[1].startswith("QUARANTINED kitchen-pc") and A in lines[1] and "mismatches 1" in lines[1]
     assert "relative error 0.42 > tolerance 0.002" in lines[2] and "pipeline p3" in lines[2]
     assert any(B in line and "disputes 1" in line and "checks 3, verified positions 33" in line for line in lines)
@@ -55,7 +56,7 @@ def test_the_member_list_marks_members_whose_shards_are_quarantined(community, r
     result = CliRunner().invoke(community_app, ["list", "--dir", str(community.directory), "--db", str(read_model)])
     assert result.exit_code == 0, result.output
     by_member = {line.split()[0]: line for line in result.output.splitlines()[1:]}
-    assert by_member["kitchen-pc"].endswith(f"QUARANTINED: {A}")
+    assert by_member["kitchen-pc"].endswith(f"node held, none of its shards routed; QUARANTINED: {A}")
     assert "QUARANTINED" not in by_member["attic-pc"] and "QUARANTINED" not in by_member["hub"]
     without_db = CliRunner().invoke(community_app, ["list", "--dir", str(community.directory),
                                                     "--db", str(read_model.parent / "absent.sqlite")])
@@ -135,6 +136,33 @@ def test_the_clear_command_publishes_through_the_steward_publisher(community, re
     assert event.signer == community.system_key().public_key and event.reason == "new GPU"
     assert f"cleared the quarantine of {A} (event {event.event_id}" in result.output
     assert [row.status for row in read_reputation(read_model) if row.shard_id == A] == ["quarantined"]
+
+
+def test_a_sibling_of_a_quarantined_shard_is_listed_as_held_and_clearing_one_of_two_leaves_the_node_held(
+        community, read_model, monkeypatch):
+    sibling, second = advertised(0, 2, "kitchen-pc").shard_id, advertised(4, 7, "kitchen-pc").shard_id
+    engine = migrated_engine(read_model)
+    log = LogBuilder()
+    for _ in range(3):  # the fixture's three outcomes came first
+        log.stored(verified("p0", {}))
+    apply_all(engine, [log.stored(verified("p4", {sibling: (1, 5)})), log.stored(confirmed("p5", second, [B, C]))])
+    engine.dispose()
+    listing = CliRunner().invoke(community_app, ["reputation", "--db", str(read_model)]).output.splitlines()
+    [row] = [index for index, line in enumerate(listing) if sibling in line]
+    assert listing[row].startswith("ok") and listing[row + 1].strip() == (
+        f"not routed: node kitchen-pc quarantined (shard {A} mismatched)")
+    published = []
+
+    def fake_publisher(nats, system_key):
+        async def publish(event) -> None:
+            published.append(event)
+        return publish
+
+    monkeypatch.setattr(community_reputation, "steward_publisher", fake_publisher)
+    result = CliRunner().invoke(community_app, ["clear-quarantine", A, "--reason", "new GPU", "--dir",
+                                                str(community.directory), "--db", str(read_model)])
+    assert result.exit_code == 0, result.output
+    assert f"node kitchen-pc stays held (no shard of it is routed) while {second} is quarantined" in result.output
 
 
 def test_every_other_integrity_event_stays_the_orchestrators(community):

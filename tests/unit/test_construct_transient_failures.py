@@ -1,6 +1,7 @@
 """Unit tests of what a chain's construction rides through: shards silent to their open ("no responders": one more
 try after `[orchestrator] silent_shard_recheck_s` before the call is answered shard_unavailable), and our own broker
-connection failing under the open's subscriptions (a `broker` failure, and the construction goes on once it is back)."""
+connection failing under the open's subscriptions (a `broker` failure, and the construction goes on once it is back);
+and what a check of ours just proved wrong is out at once, with every other shard of its node."""
 
 from __future__ import annotations
 
@@ -119,6 +120,17 @@ async def test_a_shard_still_silent_after_the_pause_makes_the_call_unavailable(e
     assert error.value.code == "shard_unavailable"
     assert len(build.opens) == 2  # one more try, not a loop
     assert build.call.excluded.keys() == {f"{MODEL_ID}:0-7@only"}
+
+
+async def test_a_shard_our_check_proved_wrong_holds_its_nodes_other_shards_out_at_once(engine):
+    build = builder(engine, failing_opens=0)
+    caught = f"{MODEL_ID}:0-3+int8@only"  # proved wrong a moment ago; the read model does not know it yet
+    build.ctx.quarantined.add(caught)
+    with pytest.raises(RoutingError) as error:
+        await build.build()
+    assert f"{MODEL_ID}:0-7@only: excluded from this call: node only quarantined (shard {caught} mismatched)" \
+        in error.value.message
+    assert build.opens == []
 
 
 async def test_a_broker_failure_under_the_open_waits_for_the_connection_and_goes_on(engine):

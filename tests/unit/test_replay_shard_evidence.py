@@ -1,5 +1,6 @@
 """`hearth-replay shard`'s verification part: totals, each mismatch with its witnesses, position, error against
-tolerance and digest, disputes, clearings and their effect, and the status the read model derives."""
+tolerance and digest, disputes, clearings and their effect, the status the read model derives, and a quarantine of
+another shard of the node holding this one out of routing."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from datetime import timedelta
 
 from hearth.events.consume import StoredEvent
 from hearth.protocol.subjects import event_subject, shard_key
-from hearth.services.replay.shard_view import evidence_lines, names_shard, shard_view_lines
+from hearth.services.replay.shard_view import evidence_lines, holds_node, names_shard, shard_view_lines
 from tests.readmodel_helpers import advertised, at
 from tests.reputation_events import EVIDENCE_SHA, cleared, confirmed, disputed, verified
 
@@ -91,3 +92,17 @@ def test_with_the_communitys_check_a_forged_clearing_is_shown_rejected_and_not_a
                for line in lines)
     assert evidence_lines(A, stored([confirmed("p1", A, [B, C], t=4.0), forged]))[0].startswith(
         "verification: status ok")  # an open mesh applies every event, as its projector does
+
+
+def test_a_shard_whose_node_is_held_by_a_sibling_quarantine_says_so_until_the_sibling_is_cleared():
+    caught, restarted = A, advertised(0, 2, "node-a").shard_id  # the same node, another range: another shard id
+    log = [confirmed("p1", caught, [B, C], t=4.0)]
+    assert holds_node(log[0], "node-a") and not holds_node(log[0], "node-b")
+    assert evidence_lines(restarted, stored(log)) == [
+        f"routing: node node-a quarantined (shard {caught} mismatched): no shard of node-a is routed while {caught} "
+        "is quarantined"]
+    checked = stored([verified("p0", {restarted: (1, 4)}, t=1.0), *log])
+    assert evidence_lines(restarted, checked)[0] == "verification: status ok"
+    assert evidence_lines(restarted, checked)[-1].startswith("routing: node node-a quarantined")
+    assert evidence_lines(restarted, stored([*log, cleared(caught, t=9.0)])) == []
+    assert not any(line.startswith("routing:") for line in evidence_lines(caught, stored(log)))

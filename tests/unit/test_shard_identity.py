@@ -10,7 +10,7 @@ import pytest
 
 from hearth.protocol.subjects import ShardIdParts, parse_shard_id, shard_id_for, shard_key
 from hearth.readmodels.pipeline_hops import hops_after_failover
-from hearth.readmodels.reputation import node_of_shard
+from hearth.protocol.subjects import node_of_shard
 from hearth.services.common.config import HearthSettings
 from hearth.services.devtools.demo import shard_label
 from hearth.services.shard.main import load_shard

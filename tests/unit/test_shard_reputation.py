@@ -13,7 +13,8 @@ from sqlalchemy.orm import Session, sessionmaker
 from hearth.readmodels.db import open_engine, upgrade_database
 from hearth.readmodels.projection import epoch_s
 from hearth.readmodels.queries import shard_reputations, shards_of_model
-from hearth.readmodels.reputation import ReputationLog, node_of_shard
+from hearth.protocol.subjects import node_of_shard
+from hearth.readmodels.reputation import ReputationLog
 from hearth.readmodels.tables import IntegrityEvidence, ShardReputation
 from hearth.services.orchestrator.router import RoutingError, ShardRouter
 from tests.readmodel_helpers import (

@@ -1,5 +1,6 @@
 """Reputation on `hearth status` and the dashboards: the shards online carry their status, the reputation table
-counts verified and quarantined shards and lists the ones with a mismatch or a dispute, the panel runs."""
+counts verified and quarantined shards (and the nodes they hold) and lists the ones with a mismatch or a dispute, a
+shard held out by its node's quarantine says which shard holds it, the panel runs."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from rich.console import Console
 
 from hearth.services.dashboards.macros import TimeRange, open_read_only, run_panel_sql
 from hearth.services.dashboards.panels import REPUTATION_SQL, SHARD_HOSTS, SHARDS_ONLINE_SQL
+from hearth.protocol.quarantine import node_quarantine_reason
 from hearth.services.dashboards.status import run_status_command
 from tests.readmodel_helpers import LogBuilder, advertised, apply_all, heartbeat, migrated_engine
 from tests.reputation_events import confirmed, disputed, verified
@@ -46,3 +48,26 @@ def test_status_shows_reputation(tmp_path):
     assert [row[columns.index("node")] for row in listed] == ["node-a", "node-b", "node-c"]
     assert listed[0][columns.index("since")] is not None and listed[1][columns.index("since")] is None
     assert any(panel.sql == REPUTATION_SQL for panel in SHARD_HOSTS.sql_panels)
+
+
+def test_a_shard_of_a_quarantined_node_says_which_shard_holds_it(tmp_path):
+    path, shards = read_model(tmp_path)
+    engine = migrated_engine(path)
+    log = LogBuilder()
+    for _ in range(2 * len(NODES)):  # the shards stream's events read_model applied came first
+        log.stored(shards[0])
+    restarted = advertised(0, 6, "node-a", total=8)  # the caught node again, under a new shard id
+    apply_all(engine, [log.stored(restarted), log.stored(heartbeat(restarted.shard_id, node="node-a"))])
+    engine.dispose()
+    now_s = int(shards[0].occurred_at.timestamp()) + 5
+    with contextlib.closing(open_read_only(path)) as connection:
+        columns, online = run_panel_sql(connection, SHARDS_ONLINE_SQL, TimeRange(now_s - 60, now_s))
+    by_shard = {row[columns.index("shard")]: row[columns.index("reputation")] for row in online}
+    assert by_shard[restarted.shard_id] == node_quarantine_reason("node-a", shards[0].shard_id)
+    assert by_shard[shards[0].shard_id] == "quarantined" and by_shard[shards[1].shard_id] == "ok"
+    console = Console(width=400, record=True)
+    assert run_status_command(path, now_s=now_s, console=console) == 0
+    screen = console.export_text()
+    assert "Reputation: 3 shards verified, 1 quarantined (nodes held, none of their shards routed: node-a)" in screen
+    assert node_quarantine_reason("node-a", shards[0].shard_id) in screen
+

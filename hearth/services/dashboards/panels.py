@@ -44,12 +44,19 @@ SELECT layer_replicas.model_id AS model, COUNT(*) AS layers, SUM(replicas > 0) A
        (SELECT COUNT(*) FROM shards WHERE shards.model_id = layer_replicas.model_id AND {LIVE_SHARD}) AS shards_online
 FROM layer_replicas GROUP BY layer_replicas.model_id ORDER BY model"""
 
+# A shard's reputation as routing reads it: its own status, or the quarantine of another shard of its node that holds
+# it out (worded as hearth/protocol/quarantine.py's node_quarantine_reason).
+REPUTATION_OF_SHARD = """CASE WHEN shard_reputation.status = 'quarantined' THEN 'quarantined' ELSE COALESCE(
+         (SELECT 'node ' || shards.node_id || ' quarantined (shard ' || MIN(held.shard_id) || ' mismatched)'
+          FROM shard_reputation AS held WHERE held.node_id = shards.node_id AND held.status = 'quarantined'),
+         shard_reputation.status, 'unchecked') END"""
+
 SHARDS_ONLINE_SQL = f"""SELECT shards.node_id AS node, shards.model_id AS model,
        shards.layer_lo || '-' || shards.layer_hi AS layers, shards.dtype AS dtype,
        shards.memory_required_mb AS memory_mb, {NOW_S} - shard_health.last_seen AS heartbeat_age_s,
        shard_health.active_streams AS active_streams, shard_health.queue_depth AS queue_depth,
        shard_health.p95_latency_ms AS p95_step_ms, shards.shard_id AS shard,
-       COALESCE(shard_reputation.status, 'unchecked') AS reputation
+       {REPUTATION_OF_SHARD} AS reputation
 FROM shards LEFT JOIN shard_health ON shard_health.shard_id = shards.shard_id
      LEFT JOIN shard_reputation ON shard_reputation.shard_id = shards.shard_id
 WHERE {LIVE_SHARD}
@@ -98,7 +105,8 @@ SELECT model_id || ' L' || layer AS layer, replicas FROM layer_replicas ORDER BY
             "Shards online", "table", SHARDS_ONLINE_SQL,
             ("node", "layers", "memory_mb", "heartbeat_age_s", "p95_step_ms", "reputation"),
             "Advertised and not expired. memory_mb is what the range needs (from its advertisement); the "
-            "device is not advertised yet. reputation: ok, quarantined (never routed) or unchecked.",
+            "device is not advertised yet. reputation: ok, quarantined (never routed), unchecked, or node N "
+            "quarantined (shard X mismatched): a quarantine holds the node, so none of its shards is routed.",
         ),
         PromPanel(
             "KV cache by shard", (PromTarget("sum by (shard_id) (hearth_shard_kv_cache_bytes)", "{{shard_id}}"),),
@@ -224,7 +232,8 @@ ORDER BY corruption_detections DESC, failovers_caused DESC, shard""",
             ("node", "shard", "status", "checks", "verified_positions", "mismatches", "disputes", "since"),
             "From the spot-checks' signed outcomes (shard_reputation): checks that found nothing wrong and the "
             "positions they verified; mismatches two other parties confirmed; disputes nobody could settle. A "
-            "quarantined shard is never routed until a steward runs `hearth community clear-quarantine`; since: "
+            "quarantined shard, and every other shard of its node, is never routed until a steward runs "
+            "`hearth community clear-quarantine`; since: "
             "when its status last changed (UTC), reason: the evidence or the steward's reason.",
         ),
         PromPanel(

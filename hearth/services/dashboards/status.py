@@ -64,17 +64,21 @@ def status_tables(connection: sqlite3.Connection, now_s: int) -> list[Table]:
         _add_row(shards, value["node"], value["model"], value["layers"], value["dtype"],
                        _number(value["memory_mb"]), _number(value["heartbeat_age_s"]),
                        _number(value["active_streams"]), _number(value["p95_step_ms"]), value["reputation"],
-                       style="bold red" if value["reputation"] == "quarantined" else None)
+                       style="bold red" if "quarantined" in value["reputation"] else None)
 
     return [models, shards, reputation_table(connection, time_range), _calls_table(connection, time_range)]
 
 
 def reputation_table(connection: sqlite3.Connection, time_range: TimeRange) -> Table:
-    """A summary title (shards checked, quarantined) over the shards with a mismatch, a dispute or a quarantine."""
+    """A summary title (shards checked, quarantined, the nodes a quarantine holds) over the shards with a mismatch, a
+    dispute or a quarantine."""
     columns, rows = run_panel_sql(connection, REPUTATION_SQL, time_range)
     shards = [dict(zip(columns, row)) for row in rows]
     quarantined = sum(shard["status"] == "quarantined" for shard in shards)
-    table = Table(title=f"Reputation: {len(shards)} shards verified, {quarantined} quarantined", title_justify="left")
+    held = sorted({shard["node"] for shard in shards if shard["status"] == "quarantined" and shard["node"]})
+    nodes = f" (nodes held, none of their shards routed: {', '.join(held)})" if held else ""
+    table = Table(title=f"Reputation: {len(shards)} shards verified, {quarantined} quarantined{nodes}",
+                  title_justify="left")
     for name in ("node", "shard", "status", "checks", "verified positions", "mismatches", "disputes", "since (UTC)",
                  "reason"):
         table.add_column(name)

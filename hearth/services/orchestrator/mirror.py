@@ -22,6 +22,7 @@ from nats.aio.client import Client as NatsClient
 
 from hearth.inference.activation_compare import looser_dtype
 from hearth.inference.compute_thread import on_compute_thread
+from hearth.protocol.quarantine import quarantined_nodes
 from hearth.services.common.config import TransportSettings
 from hearth.services.orchestrator.call import new_pipeline_id
 from hearth.services.orchestrator.chain import HopChain
@@ -137,8 +138,8 @@ def serves_range(candidate, weights_sha256: str, quantization: str, dtype: str |
 async def open_mirror(ctx, call, chain: HopChain, index: int, avoid: set[str],
                       chance: random.Random) -> Mirror | None:
     """A mirror of hop `index` of `call`'s `chain` on a live replica running exactly its layers (same weights, scheme
-    and dtype) on another node, none of `avoid` nor quarantined (`ctx`: the call's RunContext); None when there is
-    none."""
+    and dtype) on another node, none of `avoid` nor quarantined, nor on a quarantined shard's node (`ctx`: the call's
+    RunContext); None when there is none."""
     hop = chain.hops[index]
     candidates = await asyncio.to_thread(ctx.router.candidates, call.model.model_id)
     by_id = {c.shard_id: c for c in candidates}
@@ -147,6 +148,7 @@ async def open_mirror(ctx, call, chain: HopChain, index: int, avoid: set[str],
     dtype = by_id[hop.shard_id].dtype if hop.shard_id in by_id else None
     now = ctx.router.now()
     skip = avoid | ctx.quarantined
+    busy_nodes |= set(quarantined_nodes(ctx.quarantined))  # a quarantine holds its node's every shard
     # A replica of any dtype: the hop's own label must not decide whether it is checked (a label no replica has
     # would leave it unchecked); the check judges by the looser of the two dtypes' tolerances.
     replicas = [c for c in candidates if c.shard_id not in skip and c.node_id not in busy_nodes

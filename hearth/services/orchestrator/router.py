@@ -9,10 +9,11 @@ Rules, in order:
    read model has heard, for at most `silent_log_grace_s` (a silent event log is not dead shards: while the
    heartbeats' stream elects a leader or a restarted projector catches up, every shard would look stale at once;
    a shard silent while others are heard goes stale as before), not quarantined (a confirmed mismatch that no
-   steward has cleared: hearth/readmodels/reputation.py), held by a current member of the community's roster
-   (a removed member's shards are left out at once, not when their heartbeats age), not excluded, and with room
-   by this orchestrator's live knowledge (ShardLoad: the streams it holds there and recent `at_capacity`
-   refusals; a heartbeat's `active_streams` is seconds old and not used);
+   steward has cleared: hearth/readmodels/reputation.py) and on a node none of whose shards is quarantined (a
+   quarantine holds the node: a shard restarted under another range or scheme is still held), held by a current
+   member of the community's roster (a removed member's shards are left out at once, not when their heartbeats
+   age), not excluded, and with room by this orchestrator's live knowledge (ShardLoad: the streams it holds there
+   and recent `at_capacity` refusals; a heartbeat's `active_streams` is seconds old and not used);
 2. the chain covering every layer with the least predicted time per token, by dynamic programming over
    layer ranges (hearth/services/orchestrator/predict.py: each shard's measured decode step time from its
    heartbeat, the round trip this orchestrator measured to it, and its queue, which also spreads load
@@ -21,7 +22,7 @@ Rules, in order:
 4. a layer no candidate can run is `shard_unavailable`, or `weights_mismatch` when a shard with other
    weights would otherwise have been usable; the message names the uncovered layers (and the scheme), and the
    shards holding them that were left out, each with why; a requested scheme no live shard serves is
-   `shard_unavailable` naming it.
+   `shard_unavailable` naming it (and the shards of it that were left out, each with why).
 
 All instants are epoch seconds (the read model floors them to whole seconds).
 """
@@ -36,6 +37,7 @@ from typing import Literal
 from sqlalchemy.orm import Session
 
 from hearth.readmodels.queries import ShardCandidate, all_shards, newest_sign_of_life, shards_of_model
+from hearth.protocol.quarantine import node_quarantine_reason
 from hearth.protocol.quantization_labels import accepts, precision_order
 from hearth.services.orchestrator.capacity import ShardLoad
 from hearth.services.orchestrator.predict import HopCosts, cheapest_chain
@@ -157,8 +159,9 @@ class ShardRouter:
         return judged_instant(self._clock(), self._newest_heard_s, self.silent_log_grace_s)
 
     def alive(self, shard: ShardCandidate, now: float) -> bool:
-        """Advertised, not expired, not quarantined, and heard from within the health timeout (busy or not): a
-        quarantined shard is, to routing and model discovery, not there."""
+        """Advertised, not expired, not quarantined (nor any shard of its node), and heard from within the health
+        timeout (busy or not): a quarantined shard, and every shard of its node, is to routing and model discovery
+        not there."""
         return self.not_alive_because(shard, now) is None
 
     def not_alive_because(self, shard: ShardCandidate, now: float) -> str | None:
@@ -167,6 +170,8 @@ class ShardRouter:
             return shard.status
         if shard.quarantined:
             return "quarantined"
+        if shard.node_quarantined_by is not None:
+            return node_quarantine_reason(shard.node_id, shard.node_quarantined_by)
         not_a_member = self._node_membership(shard.node_id) if self._node_membership is not None else None
         if not_a_member is not None:
             return not_a_member
@@ -214,8 +219,11 @@ class ShardRouter:
                          key=precision_order)
         if quantization is not None and not schemes and same_weights:
             served = ", ".join(sorted({s.quantization for s in same_weights}, key=precision_order))
+            held = sorted(f"{s.shard_id}: {left_out[s.shard_id]}" for s in shards if s.shard_id in left_out
+                          and s.weights_sha256 == weights_sha256 and accepts(quantization, s.quantization))
             raise RoutingError("shard_unavailable", f"no healthy shard of {model_id!r} serves quantization "
-                                                    f"{quantization!r} (served now: {served})")
+                                                    f"{quantization!r} (served now: {served})"
+                                                    + (f"; left out: {'; '.join(held)}" if held else ""))
         too_many_hops: list[Hop] | None = None
         for scheme in schemes:
             candidates = [s for s in same_weights if s.quantization == scheme]

@@ -35,6 +35,7 @@ from hearth.events.models import (IntegrityMismatchConfirmed, IntegrityMismatchD
                            ShardVerification, max_verified_shards)
 from hearth.inference.activation_compare import (evidence_digest, first_mismatch, position_errors, reportable_error,
                                           tolerance_for)
+from hearth.protocol.quarantine import quarantined_nodes
 from hearth.services.orchestrator.canaries import Canary
 from hearth.services.orchestrator.chain import HopChain
 from hearth.services.orchestrator.check_policy import MIRRORS_PER_LEVEL, sampled_check_due
@@ -155,10 +156,10 @@ class CallVerifier:
         check (or a canary) proved wrong meanwhile is refuted from the first position this call did not confirm."""
         if self._refutation is None and self.chain is not None:
             for index, hop in enumerate(self.chain.hops):
-                if hop.shard_id in self.ctx.quarantined:
+                if hop.shard_id in self.ctx.quarantined or hop.node_id in quarantined_nodes(self.ctx.quarantined):
                     self._refute("refuted", hop.shard_id, self._hops[index].confirmed_pos,
-                                 "quarantined meanwhile (another check proved it wrong); its unconfirmed work here "
-                                 "is withdrawn")
+                                 "quarantined meanwhile (another check proved it, or its node, wrong); its unconfirmed "
+                                 "work here is withdrawn")
                     break
         failure, self._refutation = self._refutation, None
         return failure

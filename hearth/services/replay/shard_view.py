@@ -1,9 +1,11 @@
 """`hearth-replay shard`: one shard's life (shards stream) and the verification evidence about it (integrity events
 of the pipelines stream): checks, verified positions, each mismatch with its witnesses, position, error against
-tolerance and digest, clearings, and the status the read model derives from them (hearth/readmodels/reputation.py).
+tolerance and digest, clearings, and the status the read model derives from them (hearth/readmodels/reputation.py),
+and whether another shard of its node is quarantined (a quarantine holds the node: routing leaves this one out too).
 
 Integrity events are addressed by pipeline, not by shard, so every outcome event is read and those naming the
-shard are kept. Their times are the orchestrators' (or the steward's) clocks, printed as instants.
+shard are kept, with the mismatches and clearings of its node's other shards. Their times are the orchestrators'
+(or the steward's) clocks, printed as instants.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from hearth.events.models import (
 )
 from hearth.events.signing import EventVerifier, StreamPosition
 from hearth.services.common.display import display_text
-from hearth.protocol.subjects import EVENTS_PREFIX, shard_key
+from hearth.protocol.quarantine import node_quarantine_reason
+from hearth.protocol.subjects import EVENTS_PREFIX, node_of_shard, shard_key
 from hearth.readmodels.reputation import QUARANTINED, ReputationLog, mismatch_summary
 from hearth.services.replay.render import format_time
 from hearth.services.replay.reports import shard_report
@@ -46,8 +49,14 @@ def names_shard(event: EventEnvelope, shard: str, key: str) -> bool:
     return any(shard_id == shard or shard_key(shard_id) == key for shard_id in named)
 
 
+def holds_node(event: EventEnvelope, node: str | None) -> bool:
+    """Whether `event` quarantines or clears a shard of `node` (what holds its node's other shards, or frees them)."""
+    return (node is not None and isinstance(event, IntegrityMismatchConfirmed | IntegrityQuarantineCleared)
+            and node_of_shard(event.shard_id) == node)
+
+
 async def read_shard_log(js: Any, shard: str, key: str) -> tuple[list[StoredEvent], list[StoredEvent]]:
-    """The shard's own events and the verification outcomes naming it, each in stream order."""
+    """The shard's own events and the verification outcomes naming it or holding its node, each in stream order."""
     from hearth.events.consume import read_stream
     from hearth.events.streams import PIPELINES_STREAM, SHARDS_STREAM
     from hearth.protocol.subjects import shard_events_filter
@@ -60,11 +69,12 @@ async def read_shard_log(js: Any, shard: str, key: str) -> tuple[list[StoredEven
         shard_filter = shard_events_filter(key)
         async with contextlib.aclosing(read_stream(js, SHARDS_STREAM, subject_filter=shard_filter)) as items:
             own = [item async for item in items if isinstance(item, StoredEvent)]
+    node = node_of_shard(_shard_id(shard, key, own, []))
     if PIPELINES_STREAM in present:
         filters = [f"{EVENTS_PREFIX}.integrity.*.{kind}" for kind in OUTCOME_KINDS]
         async with contextlib.aclosing(read_stream(js, PIPELINES_STREAM, subject_filter=filters)) as items:
-            outcomes = [item async for item in items
-                        if isinstance(item, StoredEvent) and names_shard(item.event, shard, key)]
+            outcomes = [item async for item in items if isinstance(item, StoredEvent)
+                        and (names_shard(item.event, shard, key) or holds_node(item.event, node))]
     return own, outcomes
 
 
@@ -92,18 +102,24 @@ def _named(event: EventEnvelope) -> list[str]:
 
 
 def evidence_lines(shard_id: str, outcomes: Sequence[StoredEvent], verifier: EventVerifier | None = None) -> list[str]:
-    """The reputation part of the view: totals, the status, then one line per mismatch, dispute and clearing.
-    With the community's `verifier` an event a projector would reject is listed as rejected and not applied."""
+    """The reputation part of the view: totals, the status, then one line per mismatch, dispute and clearing, and
+    the node's other quarantined shards (outcomes about those only are applied, not listed). With the community's
+    `verifier` an event a projector would reject is listed as rejected and not applied."""
     log = ReputationLog()
     details: list[str] = []
-    calls_checked = 0
+    calls_checked = naming = 0
     for item in outcomes:
         event = item.event
         when = f"  {format_time(event.occurred_at)}"
-        # Removals are judged by the roster's cuts: this view reads only the events naming the shard.
+        # Removals are judged by the roster's cuts: this view reads only the events naming the shard or its node.
         rejection = verifier.rejection(event, received_at=item.time, stored_data=getattr(item, "data", b""),
                                        position=StreamPosition(item.stream, item.seq)) \
             if verifier is not None else None
+        if not names_shard(event, shard_id, shard_key(shard_id)):
+            if rejection is None:
+                log.apply(event)  # a sibling's quarantine or clearing: it holds or frees this shard's node
+            continue
+        naming += 1
         if rejection is not None:
             details.append(f"{when}  REJECTED {event.type} {event.event_id} from {event.node_id} ({rejection}): "
                            "not applied, as a community's projector does not apply it")
@@ -127,15 +143,20 @@ def evidence_lines(shard_id: str, outcomes: Sequence[StoredEvent], verifier: Eve
                 else "changed nothing (not quarantined then, or older than the quarantine)"
             details.append(f"{when}  cleared by {event.node_id} (clearing {event.pipeline_id}): {event.reason!r}; "
                            f"{effect}")
+    node = node_of_shard(shard_id)
+    siblings = sorted(other for other in log.quarantined_shards() if other != shard_id and node_of_shard(other) == node)
+    held = [f"routing: {node_quarantine_reason(node, siblings[0])}: no shard of {node} is routed while "
+            f"{', '.join(siblings)} {'is' if len(siblings) == 1 else 'are'} quarantined"] if node and siblings else []
     row = log.reputation(shard_id)
     if row is None:
-        return [f"verification: {len(outcomes)} outcome events name it only as a witness"] + details if details else []
+        witness = [f"verification: {naming} outcome events name it only as a witness"] + details if details else []
+        return witness + held
     status = row["status"].upper() if row["status"] == QUARANTINED else row["status"]
     since = f" since {_instant(row['status_since'])} (event {row['status_event_id']})" if row["status_since"] else ""
     lines = [f"verification: status {status}{since}",
              f"  {row['checks']} checks found nothing wrong in {calls_checked} calls, {row['verified_positions']} "
              f"positions verified; {row['mismatches']} mismatches confirmed against it, {row['disputes']} disputed"]
-    lines += details
+    lines += details + held
     if row["status"] == QUARANTINED:
         lines.append(f"  a steward clears it: hearth community clear-quarantine '{shard_id}' --reason TEXT")
     return lines
