@@ -188,6 +188,7 @@ def clear_quarantine_command(
     node serves again once none of its shards is quarantined."""
     from hearth.services.broker.connection import BrokerUnreachable
     from hearth.services.common.config import load_settings
+    from hearth.events.streams import StreamsMissing
     from hearth.services.common.lifecycle import run_event_loop
     from hearth.protocol.subjects import node_of_shard
     from hearth.services.community_reputation import (
@@ -211,7 +212,7 @@ def clear_quarantine_command(
         key = community.system_key()
         event = run_event_loop(clear_quarantine(shard_id, reason, db=db, steward_key=key,
                                                 publish=steward_publisher(nats, community.system_key_path)))
-    except (NotQuarantined, ReadModelMissing, KeyFileError, BrokerUnreachable) as error:
+    except (NotQuarantined, ReadModelMissing, KeyFileError, BrokerUnreachable, StreamsMissing) as error:
         _fail(str(error), command)
     except Exception as error:  # JetStream refused or timed out: say so in one line
         _fail(f"the clearing was not published: {error}", command)

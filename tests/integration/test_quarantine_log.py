@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 from hearth.events.envelope import utc_now
 from hearth.events.publish import publish_event
 from hearth.events.signing import EventVerifier
+from hearth.events.streams import PIPELINES_STREAM
 from hearth.readmodels.db import open_engine
 from hearth.readmodels.rebuild import diff_databases, rebuild_database
 from hearth.readmodels.tables import RejectedEvent, ShardReputation
@@ -112,3 +113,29 @@ def test_quarantine_and_clearing_through_a_community_broker(community_broker, tm
     assert "relative error 0.42 > tolerance 0.002" in shown.output
     assert "'new GPU'; lifted the quarantine" in shown.output
     assert "REJECTED integrity.quarantine_cleared" in shown.output and "(role_may_not_emit)" in shown.output
+
+
+def test_a_clearing_with_its_stream_missing_says_so_in_one_line_before_any_publish(community_broker, tmp_path,
+                                                                                   caplog):
+    community, server = community_broker
+    outcomes = [event.model_copy(update={"occurred_at": utc_now()}) for event in (
+        verified("p1", {KITCHEN: (2, 30), GARAGE: (1, 9)}), confirmed("p2", GARAGE, [KITCHEN, ATTIC]))]
+    asyncio.run(publish_as(community, server.url, "hub", outcomes))
+    live = tmp_path / "live.sqlite"
+    rebuild(community, server.url, live, EventVerifier(community.roster(), max_clock_skew_s=30))
+
+    async def delete_pipelines(url: str) -> None:
+        settings = NatsSettings(url=url, creds_file=community.system_key_path)
+        connection = await connect_nats(url, name="test-steward", settings=settings)
+        try:
+            await connection.jetstream().delete_stream(PIPELINES_STREAM)
+        finally:
+            await connection.close()
+
+    asyncio.run(delete_pipelines(server.url))
+    refused = runner.invoke(community_app, ["clear-quarantine", GARAGE, "--reason", "new GPU", "--dir",
+                                            str(community.directory), "--db", str(live), "--nats", server.url])
+    assert refused.exit_code == 1, refused.output
+    assert f"the event stream {PIPELINES_STREAM} does not exist on {server.url}" in refused.output
+    assert "nothing was changed" in refused.output and len(refused.output.strip().splitlines()) == 1
+    assert not [record for record in caplog.records if "publishing integrity.quarantine_cleared" in record.getMessage()]

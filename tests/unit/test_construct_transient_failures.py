@@ -8,6 +8,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+from sqlalchemy import text
 from sqlalchemy.orm import sessionmaker
 
 from hearth.services.common.config import HearthSettings, NatsSettings, TransportSettings
@@ -183,3 +184,21 @@ async def test_a_chain_whose_subscriptions_the_broker_did_not_confirm_is_a_broke
     failure = await chain.open()
     assert failure is not None and failure.kind == "broker" and failure.shard_id is None
     assert nc.requests == []
+
+
+async def test_our_quarantine_hands_over_to_the_read_model_so_a_stewards_clearing_lifts_it(engine):
+    build = builder(engine, failing_opens=0)
+    caught = f"{MODEL_ID}:0-3+int8@only"
+    build.ctx.quarantined.add(caught)
+    with engine.begin() as connection:  # the read model has projected our mismatch event
+        connection.execute(text(
+            "INSERT INTO shard_reputation (shard_id, node_id, checks, verified_positions, mismatches, disputes, "
+            "status, updated_at) VALUES (:shard, 'only', 0, 0, 1, 0, 'quarantined', 5)"), {"shard": caught})
+    with pytest.raises(RoutingError):
+        await build.build()
+    assert build.ctx.quarantined == set()  # the read model holds it now
+    with engine.begin() as connection:  # a steward cleared it
+        connection.execute(text("UPDATE shard_reputation SET status = 'ok'"))
+    build.call.excluded = {}
+    chain = await build.build()
+    assert [hop.shard_id for hop in chain.hops] == [f"{MODEL_ID}:0-7@only"]

@@ -243,7 +243,9 @@ class ChainBuilder:
         route = dict(now=router.now(), load=load, quantization=self.call.quantization,
                      model_layers=model.head.info.num_layers)
         # Shards a check proved wrong, and the other shards of their nodes, are out at once (the read model
-        # quarantines them a moment later).
+        # quarantines them a moment later); once it does, it holds them alone, so a steward's clearing lifts them.
+        self.ctx.quarantined -= {c.shard_id for c in candidates if c.quarantined} | {
+            c.node_quarantined_by for c in candidates}
         held = quarantined_nodes(self.ctx.quarantined)
         excluded = {**{c.shard_id: node_quarantine_reason(c.node_id, held[c.node_id]) for c in candidates
                        if c.node_id in held}, **dict.fromkeys(self.ctx.quarantined, PROVED_WRONG), **excluded}

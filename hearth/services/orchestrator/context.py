@@ -54,5 +54,5 @@ class RunContext:
     warm_ups: AnswerWarmUps = field(default_factory=AnswerWarmUps)
     # Per model: the token ids of each public system prompt alone (encoded once).
     public_prompt_ids: dict[str, list[list[int]]] = field(default_factory=dict)
-    # Shards a check of ours proved wrong: out of every chain at once, before the read model says so too.
+    # Shards a check of ours proved wrong: out of every chain at once, until the read model says so too.
     quarantined: set[str] = field(default_factory=set)
