@@ -19,6 +19,9 @@ log = logging.getLogger(__name__)
 
 # A writer holding the lock (the projector commits every batch) must not make readers fail immediately.
 sqlite_busy_timeout_ms = 5_000
+# What a WAL file is cut back to after a checkpoint: one large transaction (a rebuild's batch, a pruning pass) would
+# otherwise leave it at its largest size on disk for as long as the file is open.
+wal_size_limit_bytes = 4 * 1024 * 1024
 # `PRAGMA auto_vacuum`'s value for INCREMENTAL: free pages stay in the file until `PRAGMA incremental_vacuum`.
 auto_vacuum_incremental = 2
 
@@ -33,6 +36,7 @@ def _set_sqlite_pragmas(dbapi_connection, _connection_record) -> None:
             cursor.execute("PRAGMA auto_vacuum=INCREMENTAL")
         # WAL: readers see the last committed snapshot while the projector writes.
         cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute(f"PRAGMA journal_size_limit={wal_size_limit_bytes}")
         # NORMAL is durable against application crashes in WAL mode; a power loss may drop the last
         # transactions, which is harmless here because the position rolls back with them (replay redoes them).
         cursor.execute("PRAGMA synchronous=NORMAL")

@@ -152,3 +152,24 @@ def test_hearth_db_vacuum_refuses_in_one_line_a_missing_file_or_one_another_writ
         writer.execute("ROLLBACK")
     assert locked.exit_code == 1 and locked.output.strip().count("\n") == 0, locked.output
     assert "not vacuumed: database is locked" in locked.output
+
+
+def test_the_wal_is_cut_back_after_a_checkpoint_while_the_file_stays_open(tmp_path):
+    path = tmp_path / "rm.db"
+    upgrade_database(path)
+    engine = open_engine(path)
+    wal = path.with_name(path.name + "-wal")
+    try:
+        with engine.begin() as connection:  # one transaction far larger than the limit, as a rebuild's batch
+            connection.execute(text(
+                "INSERT INTO failovers VALUES (:pipeline, 1, 'failed-shard', '[\"replacement-shard\"]', 'stalled', 3, "
+                ":at)"), [dict(pipeline=f"p-{i:08d}-{'x' * 200}", at=1_000 + i) for i in range(60_000)])
+        with engine.connect() as connection:
+            assert connection.exec_driver_sql("PRAGMA journal_size_limit").scalar() == \
+                readmodel_db.wal_size_limit_bytes
+            connection.exec_driver_sql("PRAGMA wal_checkpoint(PASSIVE)")
+            connection.exec_driver_sql("INSERT INTO failovers VALUES ('later', 1, 's', '[]', 'stalled', 3, 1)")
+            connection.commit()  # the next writer after a checkpoint restarts the WAL, cut to the limit
+        assert wal.exists() and wal.stat().st_size <= 4 * 1024 * 1024
+    finally:
+        engine.dispose()

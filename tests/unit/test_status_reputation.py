@@ -9,7 +9,7 @@ import contextlib
 from rich.console import Console
 
 from hearth.services.dashboards.macros import TimeRange, open_read_only, run_panel_sql
-from hearth.services.dashboards.panels import REPUTATION_SQL, SHARD_HOSTS, SHARDS_ONLINE_SQL
+from hearth.services.dashboards.panels import MODELS_SQL, REPUTATION_SQL, SHARD_HOSTS, SHARDS_ONLINE_SQL
 from hearth.protocol.quarantine import node_quarantine_reason
 from hearth.services.dashboards.status import run_status_command
 from tests.readmodel_helpers import LogBuilder, advertised, apply_all, heartbeat, migrated_engine
@@ -71,3 +71,13 @@ def test_a_shard_of_a_quarantined_node_says_which_shard_holds_it(tmp_path):
     assert "Reputation: 3 shards verified, 1 quarantined (nodes held, none of their shards routed: node-a)" in screen
     assert node_quarantine_reason("node-a", shards[0].shard_id) in screen
 
+
+
+def test_replicas_count_only_shards_routing_may_use(tmp_path):
+    path, shards = read_model(tmp_path)  # node-a's shard quarantined; four nodes each hold all 8 layers
+    now_s = int(shards[0].occurred_at.timestamp()) + 5
+    with contextlib.closing(open_read_only(path)) as connection:
+        columns, models = run_panel_sql(connection, MODELS_SQL, TimeRange(now_s - 60, now_s))
+    [row] = models
+    assert row[columns.index("min_replicas")] == 3  # node-a's is not one routing would use
+    assert row[columns.index("shards_online")] == 4

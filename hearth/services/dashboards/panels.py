@@ -24,8 +24,11 @@ def in_range(column: str) -> str:
     (scripts/bench_dashboard_queries.py). `$__from`/`$__to` are epoch milliseconds, replaced by Grafana."""
     return f"{column} BETWEEN $__from / 1000 AND $__to / 1000"
 LIVE_SHARD = f"shards.status = 'advertised' AND shards.expires_at >= {NOW_S}"
+# A live shard routing may use: no shard of its node is quarantined (a quarantine holds the node).
+ROUTABLE_SHARD = (f"{LIVE_SHARD} AND NOT EXISTS (SELECT 1 FROM shard_reputation AS held "
+                  "WHERE held.node_id = shards.node_id AND held.status = 'quarantined')")
 
-# Every layer of every model with how many live shards hold it (a recursive CTE enumerates the layers).
+# Every layer of every model with how many routable shards hold it (a recursive CTE enumerates the layers).
 LAYER_REPLICAS_CTE = f"""WITH RECURSIVE layers(model_id, layer, total_layers) AS (
   SELECT model_id, 0, MAX(total_layers) FROM shards GROUP BY model_id
   UNION ALL
@@ -33,7 +36,7 @@ LAYER_REPLICAS_CTE = f"""WITH RECURSIVE layers(model_id, layer, total_layers) AS
 ), layer_replicas AS (
   SELECT layers.model_id AS model_id, layers.layer AS layer, COUNT(shards.shard_id) AS replicas
   FROM layers LEFT JOIN shards
-    ON shards.model_id = layers.model_id AND {LIVE_SHARD}
+    ON shards.model_id = layers.model_id AND {ROUTABLE_SHARD}
    AND layers.layer BETWEEN shards.layer_lo AND shards.layer_hi
   GROUP BY layers.model_id, layers.layer
 )"""
@@ -87,19 +90,21 @@ def histogram_p(quantile: float, metric: str, by: str = "") -> str:
 MESH = Dashboard(
     uid="hearth-mesh",
     title="hearth / Mesh",
-    description="Which models the mesh can serve: every layer's live replicas, and each shard online.",
+    description="Which models the mesh can serve: every layer's routable replicas, and each shard online.",
     panels=(
         SqlPanel(
             "Models", "table", MODELS_SQL,
             ("model", "layers", "covered_layers", "min_replicas", "shards_online"),
-            "A model can be served when covered_layers = layers; min_replicas is its weakest layer.",
+            "A model can be served when covered_layers = layers; min_replicas is its weakest layer. Replicas "
+            "count the shards routing may use (not those of a quarantined node); shards_online counts every one.",
         ),
         SqlPanel(
             "Live replicas per layer", "barchart",
             f"""{LAYER_REPLICAS_CTE}
 SELECT model_id || ' L' || layer AS layer, replicas FROM layer_replicas ORDER BY model_id, layer""",
             ("layer", "replicas"),
-            "0: that layer (and the model) cannot be served; 1: no failover possible.",
+            "0: that layer (and the model) cannot be served; 1: no failover possible. A quarantined node's "
+            "shards are not counted.",
         ),
         SqlPanel(
             "Shards online", "table", SHARDS_ONLINE_SQL,
