@@ -99,7 +99,7 @@ def test_model_discovery_does_not_count_a_held_nodes_shards(engine):
     serve(engine, log, caught)
     apply_all(engine, [log.stored(confirmed("p1", caught.shard_id, ["w:0-7@x", "w:0-7@y"], t=3.0))])
     serve(engine, log, advertised(0, 7, LIAR, total=8, t=4.0, quantization="int8"))
-    catalog = SimpleNamespace(local_model_id=lambda: None, path_of_id=lambda model_id: None)
+    catalog = SimpleNamespace(local_model_at_hand=lambda: None, path_of_id=lambda model_id, local: None)
     reply = asyncio.run(describe_models(router(epoch_s(at(5.0)), engine), catalog))
     assert reply.models == []
 
