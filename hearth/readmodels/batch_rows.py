@@ -93,8 +93,8 @@ class BatchRows:
         self._cursor = session_cursor(session)
         self._rows: dict[str, dict[Any, Row | None]] = {name: {} for name in TABLE_SQL}
         self._dirty: dict[str, dict[Any, Row]] = {name: {} for name in TABLE_SQL}
-        # Whether the batch brought kept-prefix records: expired ones are then pruned after flush.
-        self.kept_prefixes_recorded = False
+        # The signers whose kept-prefix records the batch brought: their expired ones are pruned after flush.
+        self.kept_prefix_signers: set[str] = set()
 
     @property
     def cursor(self):

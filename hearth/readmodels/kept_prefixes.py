@@ -2,9 +2,13 @@
 each record under the key that signed it, and the pruning that keeps the table to records whose blocks may still be
 held.
 
-Pruning follows event time, never the wall clock: each batch deletes the rows that expired before the latest record
-it applied, so a replay of the log leaves the same rows (the newest records' `expires_at` is ahead of every record
-still useful to routing, which also skips rows expired by its own clock).
+Pruning follows event time, never the wall clock, and each signer's own: each batch deletes, of every signer whose
+records it applied, the records that expired before that signer's latest one was kept. An event may be dated ahead
+of when the broker stored it (by up to the verifier's `max_clock_skew_s`), so a member whose clock runs ahead hurries
+out only its own records, never another member's. A replay of the log leaves the same rows (a signer's newest
+record's `expires_at` is ahead of every record of its own still useful to routing, which also skips rows expired by
+its own clock). A signer that keeps nothing more leaves its last records until the retention prunes them, once they
+expired before the log's pipelines cutoff (hearth/readmodels/retention.py).
 """
 
 from __future__ import annotations
@@ -41,15 +45,18 @@ def record_kept_prefix(event: PipelineCompleted, rows: BatchRows) -> None:
         rows.put(KEPT_PREFIXES, (signer, mark.name), dict(
             signer=signer, name=mark.name, pipeline_id=event.pipeline_id, hops=hops, blocks=mark.blocks,
             kept_at=kept_at, expires_at=expires_at))
-    rows.kept_prefixes_recorded = True
+    rows.kept_prefix_signers.add(signer)
 
 
 def prune_expired_kept_prefixes(rows: BatchRows) -> None:
-    """Delete the records that expired before the latest one kept (after `rows.flush()`, same transaction), once a
-    batch brought any. Against the table's latest, not the batch's: the newest record is never deleted (it expires
-    after it was kept), so that bound only grows, and what is left does not depend on where batches were cut (a
-    rebuild's one batch leaves what the live projector's many did)."""
-    if rows.kept_prefixes_recorded:
+    """Delete, of each signer whose records the batch brought (after `rows.flush()`, same transaction), the records
+    that expired before that signer's latest one was kept. Against the table's latest of that signer, not the batch's:
+    a signer's newest record is never deleted (it expires after it was kept), so its bound only grows, and what is
+    left does not depend on where batches were cut (a rebuild's one batch leaves what the live projector's many did);
+    a signer the batch brought nothing of was pruned against that same bound in the last batch that did."""
+    if rows.kept_prefix_signers:
         table = KEPT_PREFIXES.name
-        rows.cursor.execute(f"DELETE FROM {table} WHERE expires_at < (SELECT MAX(kept_at) FROM {table})")
-        rows.kept_prefixes_recorded = False
+        latest = f"SELECT MAX(kept_at) FROM {table} WHERE signer = ?"
+        rows.cursor.executemany(f"DELETE FROM {table} WHERE signer = ? AND expires_at < ({latest})",
+                                [(signer, signer) for signer in sorted(rows.kept_prefix_signers)])
+        rows.kept_prefix_signers.clear()

@@ -311,9 +311,10 @@ class KeptPrefixRecord(Base):
     """A block name that a chain's hops were asked to keep (a mark of `pipeline.completed`'s kept prefix), with how
     many blocks it closes: what routing looks a call's own block names up in, longest first. Only names are stored
     (digests of scoped token blocks: they tell that two calls began alike, never what they said); rows past their
-    `expires_at` are useless (the hops dropped those blocks) and are pruned as later ones come in. A record is its
-    signer's: routing reads only the rows its own member key signed, so a member that copies another's marks from the
-    log into a completion of its own keeps a row beside that member's, never in its place."""
+    `expires_at` are useless (the hops dropped those blocks) and are pruned as later ones of the same signer come in,
+    or by the retention once expired before the log's pipelines cutoff. A record is its signer's: routing reads only
+    the rows its own member key signed, so a member that copies another's marks from the log into a completion of its
+    own keeps a row beside that member's, never in its place."""
 
     __tablename__ = "kept_prefixes"
 
@@ -328,4 +329,5 @@ class KeptPrefixRecord(Base):
     expires_at: Mapped[int] = mapped_column(
         Integer, nullable=False, comment="epoch s, kept_at + the hops' idle time for kept blocks")
 
-    __table_args__ = (Index(None, "expires_at"),)
+    # Pruning goes by signer: a range of the expired among its records, and their latest kept_at from the index alone.
+    __table_args__ = (Index(None, "expires_at"), Index(None, "signer", "expires_at", "kept_at"))

@@ -7,17 +7,19 @@ from __future__ import annotations
 import pytest
 from alembic import command
 from sqlalchemy import text
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, sessionmaker
 
 from hearth.events.consume import StoredEvent
 from hearth.events.models import KeptHop, KeptMark, KeptPrefix, PipelineCompleted, encode_event
 from hearth.events.signing import EventVerifier, sign_event
-from hearth.events.streams import PIPELINES_STREAM, SHARDS_STREAM
+from hearth.events.streams import PIPELINES_STREAM, SHARDS_STREAM, seconds_per_day
 from hearth.protocol.subjects import event_subject, shard_control_subject, shard_id_for
 from hearth.readmodels.db import alembic_config, open_engine, upgrade_database
+from hearth.readmodels.positions import PROJECTION_NAME
 from hearth.readmodels.projection import ReadModelProjection
 from hearth.readmodels.queries import kept_chain_holding
-from hearth.services.common.config import HearthSettings
+from hearth.readmodels.retention import prune_all, retention_policy
+from hearth.services.common.config import HearthSettings, ReadModelSettings
 from hearth.services.common.config_processes import PrefixCacheSettings
 from hearth.trust.keys import MemberKey
 from hearth.trust.roster import new_member, new_roster
@@ -33,6 +35,7 @@ from tests.readmodel_helpers import (
 )
 from tests.unit.test_kept_prefix_records import PROMPT, completed_call_on, planned
 
+DAY = seconds_per_day
 SETTINGS = HearthSettings(prefix_cache=PrefixCacheSettings(enabled=True, block_tokens=4))
 KEYS = {name: MemberKey.generate() for name in ("hub-a", "hub-b", "far", "near", "bait")}
 ROLES = {"hub-a": "orchestrator", "hub-b": "orchestrator", "far": "shard", "near": "shard", "bait": "shard"}
@@ -52,12 +55,14 @@ class SignedLog:
         self.messages: list[StoredEvent] = []
         self._seqs = {SHARDS_STREAM: 0, PIPELINES_STREAM: 0}
 
-    def add(self, event) -> StoredEvent:
+    def add(self, event, *, stored_at: float | None = None) -> StoredEvent:
+        """Sign and store `event`; the broker stores it at `stored_at` (s after T0), by default when it occurred."""
         signed = sign_event(event, KEYS[event.node_id])
         stream = SHARDS_STREAM if signed.type.startswith("shard.") else PIPELINES_STREAM
         self._seqs[stream] += 1
+        stored = signed.occurred_at if stored_at is None else at(stored_at)
         message = StoredEvent(stream=stream, seq=self._seqs[stream], subject=event_subject(signed),
-                              time=signed.occurred_at, headers={}, event=signed, data=encode_event(signed))
+                              time=stored, headers={}, event=signed, data=encode_event(signed))
         self.messages.append(message)
         return message
 
@@ -145,6 +150,64 @@ def test_a_record_is_found_only_for_its_signer_s_lookups_and_a_rebuild_keeps_the
     assert sorted((row[0], row[1], row[2]) for row in rows) == sorted(
         [(a.public_key, marks[2], "p-a"), (b.public_key, marks[2], "p-b"), (b.public_key, marks[4], "p-b2")])
     rebuilt.dispose()
+
+
+def test_a_member_dating_its_records_ahead_hurries_out_only_its_own(mesh, tmp_path):
+    engine, log, shards = mesh
+    a, b = KEYS["hub-a"], KEYS["hub-b"]
+    marks = [f"{index:032x}" for index in range(1, 6)]
+
+    def kept_on(node: str, blocks: int) -> KeptPrefix:
+        return KeptPrefix(hops=[KeptHop(shard_id=shards[node], layer_lo=0, layer_hi=7)],
+                          marks=[KeptMark(blocks=blocks, name=marks[blocks - 1])], idle_s=60)
+
+    # hub-b's record of t=5 expires at 65, hub-a's of t=10 at 70; hub-b's next, stored at 50, says it was kept at 80,
+    # as far ahead as the verifier lets a clock run (30 s).
+    records = [log.add(completed_by("hub-b", "p-b", kept_on("bait", 1), t=5)),
+               log.add(completed_by("hub-a", "p-a", kept_on("far", 3), t=10)),
+               log.add(completed_by("hub-b", "p-b2", kept_on("bait", 2), t=80), stored_at=50)]
+    for message in records:
+        apply_verified(engine, [message])
+    assert not dump_rows(engine)["rejected_events"]
+    # hub-a's record has not expired: its next call, a few seconds on, still goes to the chain that holds its blocks.
+    with Session(engine) as session:
+        by_a = kept_chain_holding(session, marks, at(55).timestamp(), a.public_key)
+    assert by_a is not None and (by_a.hops, by_a.blocks) == (((shards["far"], 0, 7),), 3)
+    # hub-b's own record that expired before its latest was kept goes, as before.
+    assert sorted((row[0], row[1]) for row in dump_rows(engine)["kept_prefixes"]) == sorted(
+        [(a.public_key, marks[2]), (b.public_key, marks[1])])
+    # The same rows whether the log is applied a record at a time or in one batch (a rebuild).
+    rebuilt = migrated_engine(tmp_path / "rebuilt.db")
+    apply_verified(rebuilt, log.messages)
+    assert dump_rows(rebuilt) == dump_rows(engine)
+    rebuilt.dispose()
+
+
+def test_a_signer_that_keeps_nothing_more_leaves_its_records_until_they_age_out_of_the_log(mesh):
+    engine, log, shards = mesh
+    a, b = KEYS["hub-a"], KEYS["hub-b"]
+    marks = [f"{index:032x}" for index in range(1, 3)]
+
+    def kept_by(node: str, mark: str, t: float):
+        kept = KeptPrefix(hops=[KeptHop(shard_id=shards["far"], layer_lo=0, layer_hi=7)],
+                          marks=[KeptMark(blocks=1, name=mark)], idle_s=60)
+        return log.add(completed_by(node, f"p-{node}-{int(t)}", kept, t=t))
+
+    def signers_left() -> set[str]:
+        return {row[0] for row in dump_rows(engine)["kept_prefixes"]}
+
+    def prune() -> None:
+        prune_all(sessionmaker(engine), retention_policy(ReadModelSettings()), PROJECTION_NAME)
+
+    # hub-a keeps nothing after t=10; hub-b's later records prune only hub-b's.
+    apply_verified(engine, [kept_by("hub-a", marks[0], 10), kept_by("hub-b", marks[1], 20 * DAY)])
+    prune()
+    assert signers_left() == {a.public_key, b.public_key}  # hub-a's record is still in the log
+    # Once the log's clock is a retention past its expiry, the retention prunes it.
+    apply_verified(engine, [kept_by("hub-b", marks[1], 31 * DAY)])
+    assert signers_left() == {a.public_key, b.public_key}
+    prune()
+    assert signers_left() == {b.public_key}
 
 
 def test_on_an_open_mesh_records_are_unsigned_and_found_by_unsigned_lookups(tmp_path):

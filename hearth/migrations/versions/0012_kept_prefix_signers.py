@@ -6,8 +6,8 @@ Revises: 0011
 Create Date: 2026-12-06
 
 Records kept before this revision do not say who signed them: they are carried over as unsigned (''), which is what a
-rebuild makes of them on an open mesh; on a community mesh no member's routing reads them, and they are pruned once
-expired, while routing learns again from the next calls that keep blocks.
+rebuild makes of them on an open mesh; on a community mesh no member's routing reads them, and the retention prunes them
+once they expired before the log's pipelines cutoff, while routing learns again from the next calls that keep blocks.
 """
 
 from __future__ import annotations
