@@ -2,8 +2,8 @@
 rebuild --diff` compares the counters a log that dropped its oldest messages still holds whole, and leaves out only
 those that began before it (hearth/readmodels/log_window.py).
 
-Revision ID: 0013
-Revises: 0012
+Revision ID: 0014
+Revises: 0013
 Create Date: 2026-12-07
 
 Rows held before this revision do not say when their sums began: they get 0, before any window, so a diff keeps
@@ -18,8 +18,8 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = "0013"
-down_revision: str | None = "0012"
+revision: str = "0014"
+down_revision: str | None = "0013"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
