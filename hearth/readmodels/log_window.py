@@ -4,8 +4,8 @@ stream still keeps, which a rebuild cannot make, so a diff of a rebuild against 
 A stream that still holds its first message (sequence 1) has lost nothing and leaves nothing out. Otherwise its
 window starts after the second in which the broker stored the oldest message it keeps, and each table's rule below
 says which of its rows began before that: history by its own time (a minute, a day, a call's first event), the
-counters summed over a stream's whole life (shard_stats, shard_reputation) entirely, since no row says when its
-sum began.
+counters summed over a shard's life (shard_stats, shard_reputation) by the earliest event summed into them, and a
+shard's latest heartbeat total (shard_stats.tokens_served) by that heartbeat, which shard_health keeps.
 """
 
 from __future__ import annotations
@@ -43,8 +43,13 @@ OLDER_THAN_LOG_RULES: tuple[OlderThanLogRule, ...] = (
                      f"pipelines WHERE {_CALL_BEGAN} < :start)"),
     OlderThanLogRule("pipeline_minutes", PIPELINES_STREAM, "minute < :start"),
     OlderThanLogRule("integrity_evidence", PIPELINES_STREAM, "occurred_at < :start"),
-    OlderThanLogRule("shard_reputation", PIPELINES_STREAM, "1"),
-    OlderThanLogRule("shard_stats", PIPELINES_STREAM, "1"),
+    # A sum that began before the window lacks what the log dropped (0: began before that time was recorded).
+    OlderThanLogRule("shard_reputation", PIPELINES_STREAM, "first_event_at < :start"),
+    OlderThanLogRule("shard_stats", PIPELINES_STREAM, "first_counted_at < :start"),
+    # What a row holds from the shards stream (a heartbeat's total, or the row itself when no call counted on it)
+    # is its latest heartbeat's: gone once that is older than the window.
+    OlderThanLogRule("shard_stats", SHARDS_STREAM, "(tokens_served != 0 OR last_counted_at IS NULL) AND shard_id "
+                     "NOT IN (SELECT shard_id FROM shard_health WHERE last_seen >= :start)"),
     OlderThanLogRule("shard_tokens_daily", PIPELINES_STREAM, "day < :start"),
     OlderThanLogRule("kept_prefixes", PIPELINES_STREAM, "kept_at < :start"),
     *(OlderThanLogRule(table, stream, f"stream = :stream AND {column} < :start")

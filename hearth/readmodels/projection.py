@@ -97,7 +97,7 @@ def _older_than_what_is_known(row: Row | None, event: EventEnvelope, *time_colum
 def _new_stats(shard_id: str) -> Callable[[], Row]:
     return lambda: dict(
         shard_id=shard_id, tokens_served=0, pipelines_joined=0, failovers_caused=0, corruption_detections=0,
-        last_counted_at=None,
+        last_counted_at=None, first_counted_at=None,
     )
 
 
@@ -357,6 +357,9 @@ class ReadModelProjection:
             stats = rows.edit(SHARD_STATS, shard_id, _new_stats(shard_id))
             stats[column] += 1
             stats["last_counted_at"] = max(stats["last_counted_at"] or counted_at, counted_at)
+            # When its sums began, so a diff against a log that dropped older calls can tell whether they are whole.
+            first = stats["first_counted_at"]
+            stats["first_counted_at"] = counted_at if first is None else min(first, counted_at)
 
 
 def _count_event(event: EventEnvelope, rows: BatchRows) -> None:

@@ -65,9 +65,12 @@ def _reputation(rows: Rows, shard_id: str, at: int) -> Row:
     row = rows.edit(SHARD_REPUTATION, shard_id, lambda: dict(
         shard_id=shard_id, node_id=node_of_shard(shard_id), checks=0, verified_positions=0, mismatches=0,
         disputes=0, status="ok", status_since=None, status_event_id=None, status_reason=None, updated_at=at,
+        first_event_at=at,
     ))
     assert row is not None  # created by the factory when missing
     row["updated_at"] = at
+    # When its sums began: a diff against a log that dropped older outcomes compares only rows it holds whole.
+    row["first_event_at"] = min(row["first_event_at"], at)
     return row
 
 

@@ -149,6 +149,9 @@ class ShardStats(Base):
     corruption_detections: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
     last_counted_at: Mapped[int | None] = mapped_column(
         Integer, comment="epoch s of the latest pipelines-stream event counted on it (NULL: none yet)")
+    first_counted_at: Mapped[int | None] = mapped_column(
+        Integer, comment="epoch s of the earliest pipelines-stream event counted on it (NULL: none yet; 0: counted "
+                         "before this was recorded)")
 
 
 class ProjectionPosition(Base):
@@ -278,6 +281,9 @@ class ShardReputation(Base):
     status_reason: Mapped[str | None] = mapped_column(
         Text, comment="the evidence summary (quarantined) or the steward's reason (cleared)")
     updated_at: Mapped[int] = mapped_column(Integer, nullable=False, comment="epoch s of the latest event")
+    first_event_at: Mapped[int] = mapped_column(
+        Integer, nullable=False, server_default="0",
+        comment="epoch s of the earliest event summed into it (0: summed before this was recorded)")
 
     __table_args__ = (Index(None, "status"),)
 

@@ -7,19 +7,30 @@ from datetime import timedelta
 
 from sqlalchemy import text
 
-from hearth.events.streams import SHARDS_STREAM, pipelines_max_age_s, shards_max_age_s
-from hearth.readmodels.log_window import OLDER_THAN_LOG_RULES, window_start
+from hearth.events.streams import (
+    PIPELINES_STREAM,
+    SHARDS_STREAM,
+    pipelines_max_age_s,
+    seconds_per_day,
+    shards_max_age_s,
+)
+from hearth.readmodels.db import open_engine, upgrade_database
+from hearth.readmodels.log_window import OLDER_THAN_LOG_RULES, keys_older_than_log, window_start
 from hearth.readmodels.rebuild import diff_databases, diff_within_log
 from hearth.readmodels.tables import Base, ProjectionPosition
-from tests.readmodel_helpers import LogBuilder, apply_all, migrated_engine
+from tests.readmodel_helpers import LogBuilder, advertised, apply_all, constructed, heartbeat, migrated_engine
+from tests.reputation_events import confirmed
 from tests.unit.test_readmodel_retention import forty_days_of_traffic, projection, prune
 
+DAY = seconds_per_day
 
-def live_and_rebuilt(tmp_path) -> tuple:
-    """A live read model that projected forty days as they came, and a rebuild from what the streams keep at the end
-    (each drops what is older than its max age); returns both paths and the rebuild's window."""
+
+def live_and_rebuilt(tmp_path, events: list | None = None) -> tuple:
+    """A live read model that projected forty days (`events`, or forty_days_of_traffic) as they came, and a rebuild
+    from what the streams keep at the end (each drops what is older than its max age); returns both paths and the
+    rebuild's window."""
     log = LogBuilder()
-    messages = [log.stored(event) for event in forty_days_of_traffic()]
+    messages = [log.stored(event) for event in events or forty_days_of_traffic()]
     live, rebuilt = tmp_path / "live.db", tmp_path / "rebuilt.db"
     engine = migrated_engine(live)
     for start in range(0, len(messages), 7):
@@ -75,3 +86,83 @@ def test_a_stream_that_kept_its_first_message_leaves_nothing_out():
 def test_every_table_of_the_log_says_which_of_its_rows_are_older_than_it():
     covered = {rule.table for rule in OLDER_THAN_LOG_RULES}
     assert covered == {table.name for table in Base.metadata.sorted_tables} - {ProjectionPosition.__tablename__}
+
+
+def forty_days_and_two_late_shards() -> tuple[list, str, str]:
+    """forty_days_of_traffic, and two shards that first appear inside the pipelines stream's window: one quarantined
+    on day 36, one that served a call on day 20 and was gone a week later (its heartbeats older than the shards
+    stream keeps); returns the events and the two shard ids."""
+    fresh, quiet = advertised(4, 7, "fresh", t=36 * DAY), advertised(4, 7, "quiet", t=20 * DAY)
+    late = [fresh, heartbeat(fresh.shard_id, t=36 * DAY + 1, tokens=40, node="fresh"),
+            constructed("f-1", [fresh.shard_id], t=36 * DAY + 5),
+            confirmed("f-1", fresh.shard_id, ["w1", "w2"], t=36 * DAY + 6),
+            quiet, heartbeat(quiet.shard_id, t=20 * DAY + 1, tokens=500, node="quiet"),
+            constructed("q-2", [quiet.shard_id], t=20 * DAY + 5)]
+    events = sorted(forty_days_of_traffic() + late, key=lambda event: event.occurred_at)
+    return events, fresh.shard_id, quiet.shard_id
+
+
+def tamper(live, sql: str) -> None:
+    engine = migrated_engine(live)
+    with engine.begin() as connection:
+        assert connection.execute(text(sql)).rowcount == 1
+    engine.dispose()
+
+
+def test_counters_that_began_inside_the_window_are_compared(tmp_path):
+    """The pipelines stream dropped its first days, yet a shard whose whole reputation lies inside its window is
+    checked: a quarantine the live read model lost, and its calls miscounted, show; the shard quarantined on day 0,
+    whose sums began before the window, is still left out whatever live says of it."""
+    events, fresh, _ = forty_days_and_two_late_shards()
+    rebuilt, live, window = live_and_rebuilt(tmp_path, events)
+    assert [str(difference) for difference in diff_within_log(rebuilt, live, window).differences] == []
+    tamper(live, f"UPDATE shard_reputation SET status = 'ok' WHERE shard_id = '{fresh}'")
+    tamper(live, f"UPDATE shard_stats SET pipelines_joined = 7 WHERE shard_id = '{fresh}'")
+    tamper(live, "UPDATE shard_reputation SET status = 'ok', mismatches = 0 WHERE node_id = 'bad'")
+    differences = diff_within_log(rebuilt, live, window).differences
+    assert [(d.table, d.key, d.kind, d.columns) for d in differences] == [
+        ("shard_reputation", {"shard_id": fresh}, "changed", ("status",)),
+        ("shard_stats", {"shard_id": fresh}, "changed", ("pipelines_joined",)),
+    ]
+    assert differences[0].live_row["status"] == "ok" and differences[0].new_row["status"] == "quarantined"
+
+
+def test_a_heartbeat_total_older_than_the_shards_window_is_left_out(tmp_path):
+    """A shard's tokens_served is its latest heartbeat's: once the shards stream dropped that, a rebuild cannot
+    give it, even though the calls counted on the shard are all inside the pipelines stream's window."""
+    events, _, quiet = forty_days_and_two_late_shards()
+    rebuilt, live, window = live_and_rebuilt(tmp_path, events)
+    rows = {}
+    for name, path in (("live", live), ("rebuilt", rebuilt)):
+        engine = migrated_engine(path)
+        with engine.connect() as connection:
+            rows[name] = connection.execute(text("SELECT tokens_served, pipelines_joined FROM shard_stats "
+                                                 f"WHERE shard_id = '{quiet}'")).one()
+        engine.dispose()
+    assert rows == {"live": (500, 1), "rebuilt": (0, 1)}
+    assert [str(difference) for difference in diff_within_log(rebuilt, live, window).differences] == []
+
+
+def test_counters_held_before_their_start_was_recorded_stay_left_out(tmp_path):
+    """A read model migrated from before rows said when their sums began: its counters count as begun before any
+    window, while a shard that only heartbeats made has nothing of the pipelines stream to lose."""
+    path = tmp_path / "old.db"
+    upgrade_database(path, "0013")
+    engine = open_engine(path)
+    with engine.begin() as connection:
+        for shard_id, joined, counted_at in (("called", 3, None), ("counted", 1, 500), ("heartbeats-only", 0, None)):
+            connection.execute(text(
+                "INSERT INTO shard_stats (shard_id, tokens_served, pipelines_joined, failovers_caused, "
+                "corruption_detections, last_counted_at) VALUES (:shard_id, 9, :joined, 0, 0, :counted_at)"),
+                dict(shard_id=shard_id, joined=joined, counted_at=counted_at))
+        connection.execute(text(
+            "INSERT INTO shard_reputation (shard_id, node_id, checks, verified_positions, mismatches, disputes, "
+            "status, updated_at) VALUES ('checked', NULL, 2, 8, 0, 0, 'ok', 1000)"))
+    engine.dispose()
+    upgrade_database(path)
+    engine = open_engine(path)
+    with engine.connect() as connection:
+        window = {PIPELINES_STREAM: 1}  # the earliest a window can start
+        assert keys_older_than_log(connection, "shard_stats", ["shard_id"], window) == {("called",), ("counted",)}
+        assert keys_older_than_log(connection, "shard_reputation", ["shard_id"], window) == {("checked",)}
+    engine.dispose()
