@@ -59,6 +59,21 @@ OLDER_THAN_LOG_RULES: tuple[OlderThanLogRule, ...] = (
 )
 
 
+# Per table, the column that says when a row's sums began. A row summed before that was recorded holds
+# `sums_began_unrecorded` there (migration 0014): its beginning is unknown, so a diff does not compare that column.
+SUMS_BEGAN_AT: dict[str, str] = {"shard_stats": "first_counted_at", "shard_reputation": "first_event_at"}
+sums_began_unrecorded = 0
+
+
+def compared_columns(table: str, new_row: Mapping[str, Any], live_row: Mapping[str, Any]) -> tuple[str, ...]:
+    """The columns whose values differ between two rows of `table` with one key, leaving out when its sums began where
+    either row does not know that."""
+    unknown = SUMS_BEGAN_AT.get(table)
+    if unknown is not None and sums_began_unrecorded not in (new_row.get(unknown), live_row.get(unknown)):
+        unknown = None
+    return tuple(column for column in new_row if column != unknown and new_row[column] != live_row.get(column))
+
+
 def window_start(first: StoredEvent | SkippedMessage | None, last_seq: int) -> int | None:
     """Where a stream's window starts (epoch s) given the first message read of it and its last sequence before the
     read; None while it still holds everything it stored."""

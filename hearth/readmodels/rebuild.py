@@ -28,7 +28,7 @@ from hearth.events.consume import SkippedMessage, StoredEvent, read_stream
 from hearth.events.signing import EventVerifier, RejectionReason
 from hearth.events.streams import ALL_STREAMS
 from hearth.readmodels.db import open_engine, upgrade_database
-from hearth.readmodels.log_window import keys_older_than_log, window_start
+from hearth.readmodels.log_window import compared_columns, keys_older_than_log, window_start
 from hearth.readmodels.positions import record_stream_identity
 from hearth.readmodels.projection import PROJECTION_NAME, ReadModelProjection
 from hearth.readmodels.retention import RetentionPolicy, prune_all
@@ -227,8 +227,7 @@ def diff_within_log(
                     differences.append(
                         RowDifference(table.name, key_dict, "extra_in_live", live_row=live_row)
                     )
-                elif new_row != live_row:
-                    columns = tuple(c for c in new_row if new_row[c] != live_row.get(c))
+                elif columns := compared_columns(table.name, new_row, live_row):
                     differences.append(
                         RowDifference(table.name, key_dict, "changed", new_row=new_row, live_row=live_row,
                                       columns=columns)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+from alembic import command
 from sqlalchemy import text
 
 from hearth.events.streams import (
@@ -14,7 +15,7 @@ from hearth.events.streams import (
     seconds_per_day,
     shards_max_age_s,
 )
-from hearth.readmodels.db import open_engine, upgrade_database
+from hearth.readmodels.db import alembic_config, open_engine, upgrade_database
 from hearth.readmodels.log_window import OLDER_THAN_LOG_RULES, keys_older_than_log, window_start
 from hearth.readmodels.rebuild import diff_databases, diff_within_log
 from hearth.readmodels.tables import Base, ProjectionPosition
@@ -166,3 +167,25 @@ def test_counters_held_before_their_start_was_recorded_stay_left_out(tmp_path):
         assert keys_older_than_log(connection, "shard_stats", ["shard_id"], window) == {("called",), ("counted",)}
         assert keys_older_than_log(connection, "shard_reputation", ["shard_id"], window) == {("checked",)}
     engine.dispose()
+
+
+def test_a_read_model_migrated_from_before_matches_a_rebuild_of_a_log_that_dropped_nothing(tmp_path):
+    """Rows summed before their beginning was recorded hold 0 there, which says nothing: against a rebuild of a whole
+    log their counters are still compared, and that 0 is not a difference."""
+    log = LogBuilder()
+    first, second = advertised(0, 3, "first"), advertised(4, 7, "second")
+    messages = [log.stored(event) for event in (
+        first, second, heartbeat(first.shard_id, t=1, node="first"),
+        constructed("p-1", [first.shard_id, second.shard_id], t=5),
+        confirmed("p-1", second.shard_id, ["w1", "w2"], t=6))]
+    live, rebuilt = tmp_path / "live.db", tmp_path / "rebuilt.db"
+    for path in (live, rebuilt):
+        engine = migrated_engine(path)
+        apply_all(engine, messages, projection())
+        engine.dispose()
+    command.downgrade(alembic_config(live), "0013")  # as a projector before that revision left it
+    upgrade_database(live)
+
+    assert [str(difference) for difference in diff_databases(rebuilt, live)] == []
+    tamper(live, f"UPDATE shard_stats SET pipelines_joined = 7 WHERE shard_id = '{second.shard_id}'")
+    assert [(d.table, d.columns) for d in diff_databases(rebuilt, live)] == [("shard_stats", ("pipelines_joined",))]

@@ -7,8 +7,8 @@ Revises: 0013
 Create Date: 2026-12-07
 
 Rows held before this revision do not say when their sums began: they get 0, before any window, so a diff keeps
-leaving them out as it did; counters that hold nothing from the pipelines stream (a shard only heartbeats made)
-keep NULL, none counted yet.
+leaving them out as it did (and, against a log that dropped nothing, compares their counters but not that 0);
+counters that hold nothing from the pipelines stream (a shard only heartbeats made) keep NULL, none counted yet.
 """
 
 from __future__ import annotations
