@@ -12,8 +12,9 @@ pipeline.
 What is left behind is removed as cache_ranges.py removes a layer range's folder, under its locks: once a part is
 written, the part folders no process holds, and the span files no part still being fetched by a process that holds it
 needs; those of parts written go at once, an interrupted part's once untouched for STALE_SPAN_S (a restart within it
-resumes them). With the file downloaded whole, which serves every range, the parts no process holds and every span
-file go (unless a process still fetches a part).
+resumes them); a process still fetching a part that a twin process wrote first takes the twin's folder. With the
+file downloaded whole, which serves every range, the parts no process holds and every span file go (unless a process
+still fetches a part).
 
 What is trusted: a partial read cannot be checked against the file's SHA-256 (the hub lists only the whole file's),
 and a GGUF carries no per-tensor checksums. Every request names the commit, whose files never change, and each
@@ -164,8 +165,14 @@ def fetch_gguf_part(hub: HubGGUF, needed: NeededTensors) -> Path:
                                           tensor.info_end))
     layout = StoredLayout(parsed.split.kv_end, parsed.split.alignment, placements)
     # Its span files stay until remove_part_leftovers: another process's part may need the same span.
-    return write_gguf_folder(hub.folder / selection_name(needed), hub.file, HEADER_FILE, layout, files,
-                             weights_sha256=hub.weights_sha256, source=hub.source)
+    try:
+        return write_gguf_folder(hub.folder / selection_name(needed), hub.file, HEADER_FILE, layout, files,
+                                 weights_sha256=hub.weights_sha256, source=hub.source)
+    except FileNotFoundError:
+        # A twin process writing the same part finished first and removed the spans this one was reading.
+        if (done := cached_gguf_part(hub.folder, hub.file, needed)) is not None:
+            return done
+        raise
 
 
 def remove_part_leftovers(parts_folder: Path, parsed: ParsedGGUFHeader | None, written: NeededTensors) -> None:

@@ -8,8 +8,10 @@ import os
 
 from hearth.inference import resolve_model_path
 from hearth.inference.cache_ranges import SELECTION_NAME, hold_range, release_held_ranges, release_range
+from hearth.inference import gguf_parts, hub_gguf
+from hearth.inference.gguf_header import parse_gguf_header
 from hearth.inference.gguf_parts import split_gguf
-from hearth.inference.hub_gguf import SPANS_FOLDER, STALE_SPAN_S, coalesced_spans
+from hearth.inference.hub_gguf import HEADER_FILE, SPANS_FOLDER, STALE_SPAN_S, coalesced_spans, remove_part_leftovers
 from tests.unit.hub_server import fake_hub  # noqa: F401  (fixture)
 from tests.unit.test_hub_gguf import FILE, REPO, _parts_folder, served  # noqa: F401  (fixture: one GGUF served)
 
@@ -100,5 +102,36 @@ def test_once_the_file_is_downloaded_whole_its_parts_no_process_holds_are_remove
         hub.requests.clear()
         assert resolve_model_path(REPO, needed_layers=(2, 2), local_files_only=True) == whole
         assert _parts() == set() and hub.requests == []
+    finally:
+        release_held_ranges()
+
+
+
+def test_a_twin_that_writes_the_same_part_first_leaves_this_process_its_folder(served, monkeypatch):
+    """Two hosts on one machine fetch the same part at once: the one that writes it first removes its span files,
+    which the other may still be reading to write its own copy; that one then serves the folder written."""
+    _, original = served
+    writes: list[tuple] = []
+    write_folder, check_placements = gguf_parts.write_gguf_folder, gguf_parts._check_placements
+
+    def recorded_write(*args, **kwargs):
+        writes.append((args, kwargs))
+        return write_folder(*args, **kwargs)
+
+    def twin_writes_it_meanwhile(*args):
+        check_placements(*args)
+        if len(writes) == 1:  # this process has begun writing the part: the twin finishes first, and cleans
+            writes.append(("twin",))
+            write_folder(*writes[0][0], **writes[0][1])
+            parsed = parse_gguf_header((_parts_folder(FILE) / HEADER_FILE).read_bytes(), original.stat().st_size,
+                                       FILE)
+            remove_part_leftovers(_parts_folder(FILE), parsed, (1, 1))
+
+    monkeypatch.setattr(hub_gguf, "write_gguf_folder", recorded_write)
+    monkeypatch.setattr(gguf_parts, "_check_placements", twin_writes_it_meanwhile)
+    try:
+        part = resolve_model_path(REPO, needed_layers=(1, 1))
+        assert writes[1] == ("twin",) and _span_files() == set()
+        assert part == _parts_folder(FILE) / "layers-1-1" / FILE and part.is_file()
     finally:
         release_held_ranges()
