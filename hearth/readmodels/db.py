@@ -97,8 +97,8 @@ def _autocommit(engine: Engine) -> Connection:
 
 def switch_to_incremental_vacuum(engine: Engine) -> None:
     """Give a file made without incremental auto-vacuum the one full VACUUM that switches it on. A file that cannot
-    be rewritten now (a full disk: VACUUM needs room for a copy) keeps working as before and is tried again at the
-    next upgrade."""
+    be rewritten now (a full disk: VACUUM needs room for two copies, its temporary one and the WAL) keeps working as
+    before and is tried again at the next upgrade."""
     with _autocommit(engine) as connection:
         if connection.exec_driver_sql("PRAGMA auto_vacuum").scalar() == auto_vacuum_incremental:
             return

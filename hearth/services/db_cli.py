@@ -42,7 +42,8 @@ def db_vacuum_command(
     try:
         vacuum_database(engine)
     except OperationalError as error:
-        typer.echo(f"{db}: not vacuumed: {error.orig} (another writer, or no room for the copy it writes)", err=True)
+        typer.echo(f"{db}: not vacuumed: {error.orig} (another writer, or no room for the two copies it writes)",
+                   err=True)
         raise typer.Exit(EXIT_REFUSED) from None
     finally:
         engine.dispose()
