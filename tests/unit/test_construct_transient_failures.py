@@ -202,3 +202,24 @@ async def test_our_quarantine_hands_over_to_the_read_model_so_a_stewards_clearin
     build.call.excluded = {}
     chain = await build.build()
     assert [hop.shard_id for hop in chain.hops] == [f"{MODEL_ID}:0-7@only"]
+
+
+async def test_every_shard_of_a_node_our_checks_proved_wrong_hands_over_though_none_is_advertised(engine):
+    # Two shards of one node caught at once, both gone since: the read model's quarantine of each is handed over,
+    # so clearing both frees the node here too (not only the one that names the node's hold).
+    build = builder(engine, failing_opens=0)
+    caught = {f"{MODEL_ID}:0-3+int8@only", f"{MODEL_ID}:4-7+int8@only"}
+    build.ctx.quarantined |= caught
+    with engine.begin() as connection:  # the read model has projected both mismatch events
+        for shard in caught:
+            connection.execute(text(
+                "INSERT INTO shard_reputation (shard_id, node_id, checks, verified_positions, mismatches, disputes, "
+                "status, updated_at) VALUES (:shard, 'only', 0, 0, 1, 0, 'quarantined', 5)"), {"shard": shard})
+    with pytest.raises(RoutingError):
+        await build.build()
+    assert build.ctx.quarantined == set()
+    with engine.begin() as connection:  # a steward cleared both
+        connection.execute(text("UPDATE shard_reputation SET status = 'ok'"))
+    build.call.excluded = {}
+    chain = await build.build()
+    assert [hop.shard_id for hop in chain.hops] == [f"{MODEL_ID}:0-7@only"]
