@@ -151,6 +151,12 @@ def shard_reputations(session: Session) -> list[ShardReputation]:
     return list(session.scalars(query))
 
 
+def quarantined_among(session: Session, shard_ids: Sequence[str]) -> set[str]:
+    """Which of `shard_ids` are quarantined (a handful: the shards an orchestrator's own checks proved wrong)."""
+    return set(session.scalars(select(ShardReputation.shard_id).where(
+        ShardReputation.status == QUARANTINED, ShardReputation.shard_id.in_(list(shard_ids)))))
+
+
 def shard_reputation(session: Session, shard_id: str) -> ShardReputation | None:
     return session.get(ShardReputation, shard_id)
 

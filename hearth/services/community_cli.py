@@ -114,7 +114,10 @@ def remove_command(
             published = publish_community_removal(community, name, nats_url)
         # Its API keys go next: a removal that fails there can simply be run again (which finds its events).
         api_keys = revoke_api_keys(directory, name) if (directory / API_KEYS_FILE).is_file() else 0
-        removed, seed_file = community.remove(name, cuts=published.cuts, removed_at=published.found_since)
+        # The removal dates from the first run that published it only where each stream holds it (a cut): a stream
+        # without one cuts by the roster's time, and projections applied what the member stored there until now.
+        began = published.found_since if not published.failures else None
+        removed, seed_file = community.remove(name, cuts=published.cuts, removed_at=began)
     except (RosterError, ApiKeyError, KeyFileError) as error:
         _fail(str(error), command)
     except (BrokerUnreachable, StreamsMissing, RemovalNotPublished) as error:

@@ -1,6 +1,7 @@
 """One shard id, one process: a shard starting under an id another live process serves (same node, range and scheme)
 refuses in one line instead of sharing its subjects, and withdraws nothing; of processes starting under one id at
-the same moment exactly one serves; one whose earlier run is gone starts."""
+the same moment exactly one serves, whatever claims others send on its control subject; one whose earlier run is gone
+starts."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from hearth.services.common.config import load_settings
 from hearth.services.common.lifecycle import CommandRefused
 from hearth.services.shard.compute import ShardCompute
 from hearth.services.shard.server import ShardServer
+from hearth.trust.community import Community
 from tests.integration.tiny_shard_server import TinyShard, tiny_shard_server
 
 REFUSAL = "tiny-0-1 is already served by another process"
@@ -92,3 +94,42 @@ async def _stat_answers(shard: TinyShard) -> list[ShardStat]:
     finally:
         await sub.unsubscribe()
     return answers
+
+
+async def test_a_low_claim_not_signed_by_the_node_keeps_no_process_of_it_from_its_id(nats_server, tmp_path):
+    # On a community mesh orchestrators may publish on every shard's control subject: a claim they send must not
+    # count as a rival's, or one sending the lowest claim there would keep a restarting shard from its own id.
+    community = Community.init(tmp_path / "community", "test-community")
+    community.add("node0", "shard")
+    settings = load_settings()
+    signed = settings.model_copy(update={"nats": settings.nats.model_copy(update={
+        "creds_file": community.directory / "keys" / "node0.nk", "roster_file": community.roster_path})})
+    async with tiny_shard_server(nats_server.url) as first:
+        await first.server.stop()  # restarted below, twice at once, under the node's key
+        forging = asyncio.Event()
+
+        async def forge() -> None:
+            while not forging.is_set():
+                await first.client.publish(first.subject, StatShard(claim="0" * 32).model_dump_json().encode())
+                await asyncio.sleep(0.02)
+
+        forger = asyncio.create_task(forge())
+        connections = [await connect_nats(nats_server.url, name=f"node0-shard-{i}", settings=settings.nats)
+                       for i in range(2)]
+        twins = [ShardServer(nc, ShardCompute(first.runner, "tiny-0-1", settings.shard), first.server.identity,
+                             signed) for nc in connections]
+        try:
+            outcomes = await asyncio.gather(*(twin.start() for twin in twins), return_exceptions=True)
+            forging.set()
+            await forger
+            # The node's own processes still settle it between them: one serves, the other refuses.
+            assert outcomes.count(None) == 1, outcomes
+            assert [REFUSAL in str(outcome) for outcome in outcomes if outcome is not None] == [True]
+            assert len(await _stat_answers(first)) == 1
+        finally:
+            forging.set()
+            await forger
+            for twin in twins:
+                await twin.stop()
+            for nc in connections:
+                await nc.close()

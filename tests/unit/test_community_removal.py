@@ -12,7 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from hearth.events.consume import StoredEvent
-from hearth.events.models import encode_event
+from hearth.events.models import ShardHeartbeat, encode_event
 from hearth.events.signing import EventVerifier, StreamPosition, sign_event
 from hearth.events.streams import (
     ALL_STREAMS,
@@ -21,6 +21,7 @@ from hearth.events.streams import (
     SHARDS_STREAM,
     StreamsMissing,
 )
+from hearth.services import community_removal
 from hearth.services.cli import app
 from hearth.services.community_removal import (
     PublishedRemoval,
@@ -185,3 +186,33 @@ def test_remove_with_no_broker_to_take_the_removal_changes_nothing_unless_offlin
     assert removed.exit_code == 0, removed.output
     assert "no removal event published (--offline)" in removed.output
     assert community.roster().removed[0].cuts == []
+
+
+def test_a_rerun_leaving_a_stream_without_its_removal_cuts_it_off_there_when_the_roster_changes(community, monkeypatch):
+    """On a stream no removal event reached, the roster's time cuts the member off. Until the rerun wrote the roster,
+    projections applied what it stored there; a time from the first run would make a rebuild reject that."""
+    attic_key = MemberKey.load(community.directory / "keys" / "attic.nk")
+    broker = FakeBroker(refusing=(SHARDS_STREAM,))
+
+    async def as_steward(member, steward_key, verifier, nats, system_key):
+        return await publish_removal(member, steward_key, broker, verifier)
+
+    monkeypatch.setattr(community_removal, "publish_removal_as_steward", as_steward)
+    remove(community, broker)  # the first run: its roster write did not happen
+    [(_, _, _, first_event)] = broker.stored
+    between = first_event.occurred_at + timedelta(microseconds=1)
+    beat = sign_event(ShardHeartbeat(shard_id="m:0-1@attic", queue_depth=0, active_streams=0, p95_latency_ms=1.0,
+                                     tokens_served_total=1, node_id="attic", occurred_at=between), attic_key)
+    where = StreamPosition(SHARDS_STREAM, 3)
+    live = EventVerifier(community.roster(), max_clock_skew_s=30)
+    assert live.rejection(beat, received_at=between, position=where) is None
+
+    rerun = CliRunner().invoke(app, ["community", "remove", "--name", "attic", "--dir", str(community.directory),
+                                     "--nats", "nats://hub:4222"])
+    assert rerun.exit_code == 0, rerun.output
+    [gone] = community.roster().removed
+    assert [cut.stream for cut in gone.cuts] == [PIPELINES_STREAM]
+    rebuilt = EventVerifier(community.roster(), max_clock_skew_s=30)
+    assert rebuilt.rejection(beat, received_at=between, position=where) is None
+    assert rebuilt.rejection(beat, received_at=datetime.now(gone.removed_at.tzinfo), position=where) == \
+        "removed_signer"

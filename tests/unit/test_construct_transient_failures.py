@@ -19,9 +19,11 @@ from hearth.services.orchestrator.answer_kv import AnswerWarmUps
 from hearth.services.orchestrator.capacity import ShardLoad
 from hearth.services.orchestrator.chain import HopChain
 from hearth.services.orchestrator.construct import ChainBuilder
+from hearth.services.orchestrator.context import RunContext
 from hearth.services.orchestrator.outcomes import StepFailure
 from hearth.services.orchestrator.prefix import KeptChains
 from hearth.services.orchestrator.router import Hop, RoutingError, ShardRouter
+from hearth.services.orchestrator.verification import CallVerifier
 from tests.readmodel_helpers import (
     MODEL_INFO,
     MODEL_ID,
@@ -94,10 +96,11 @@ def builder(engine, failing_opens: int, kind: str = "gone") -> Builder:
                               nats=NatsSettings(reconnect_wait_s=0.01))
     router = ShardRouter(sessions, health_timeout_s=60, allow_self_as_shard=True, self_node_id="orch",
                          clock=lambda: at(5).timestamp())
-    ctx = SimpleNamespace(settings=settings, router=router, load=ShardLoad(retry_s=1.0), kept_chains=KeptChains(),
-                          projector=SimpleNamespace(session_factory=sessions, wait_until_caught_up=caught_up),
-                          quarantined=set(), recent_failures=SimpleNamespace(current=lambda: set()),
-                          public_prompt_ids={}, nc=SimpleNamespace(is_connected=True), warm_ups=AnswerWarmUps())
+    ctx = RunContext(nc=SimpleNamespace(is_connected=True), node_id="orch", settings=settings, router=router,
+                     projector=SimpleNamespace(session_factory=sessions, wait_until_caught_up=caught_up), catalog=None,
+                     outbox=SimpleNamespace(signing_key=None), recent_failures=SimpleNamespace(current=lambda: set()),
+                     head_steps=None, sink_bounds={}, load=ShardLoad(retry_s=1.0), guards=None, canaries=None,
+                     kept_chains=KeptChains(), warm_ups=AnswerWarmUps())
     call = SimpleNamespace(model=SimpleNamespace(model_id=MODEL_ID, weights_sha256=WEIGHTS_SHA,
                                                  head=SimpleNamespace(rope_switch_tokens=None, info=MODEL_INFO)),
                            caller=None,
@@ -202,3 +205,51 @@ async def test_our_quarantine_hands_over_to_the_read_model_so_a_stewards_clearin
     build.call.excluded = {}
     chain = await build.build()
     assert [hop.shard_id for hop in chain.hops] == [f"{MODEL_ID}:0-7@only"]
+
+
+async def test_every_shard_of_a_node_our_checks_proved_wrong_hands_over_though_none_is_advertised(engine):
+    # Two shards of one node caught at once, both gone since: the read model's quarantine of each is handed over,
+    # so clearing both frees the node here too (not only the one that names the node's hold).
+    build = builder(engine, failing_opens=0)
+    caught = {f"{MODEL_ID}:0-3+int8@only", f"{MODEL_ID}:4-7+int8@only"}
+    build.ctx.quarantined |= caught
+    with engine.begin() as connection:  # the read model has projected both mismatch events
+        for shard in caught:
+            connection.execute(text(
+                "INSERT INTO shard_reputation (shard_id, node_id, checks, verified_positions, mismatches, disputes, "
+                "status, updated_at) VALUES (:shard, 'only', 0, 0, 1, 0, 'quarantined', 5)"), {"shard": shard})
+    with pytest.raises(RoutingError):
+        await build.build()
+    assert build.ctx.quarantined == set()
+    with engine.begin() as connection:  # a steward cleared both
+        connection.execute(text("UPDATE shard_reputation SET status = 'ok'"))
+    build.call.excluded = {}
+    chain = await build.build()
+    assert [hop.shard_id for hop in chain.hops] == [f"{MODEL_ID}:0-7@only"]
+
+
+async def test_a_call_running_on_a_shard_proved_wrong_meanwhile_withdraws_its_work_there_once_it_is_handed_over(
+        engine):
+    # Another call's check proves the hop wrong, the read model quarantines it and a construction hands it over,
+    # all between two turns of this call (a long prefill): this call still withdraws the hop's unconfirmed work.
+    running = builder(engine, failing_opens=0)
+    chain = await running.build()
+    verifier = CallVerifier(running.call, running.ctx, record=None)
+    await verifier.attach(SimpleNamespace(hops=chain.hops, recorder=object()))
+    [hop] = chain.hops
+    running.ctx.prove_wrong(hop.shard_id)
+    with engine.begin() as connection:
+        connection.execute(text(
+            "INSERT INTO shard_reputation (shard_id, node_id, checks, verified_positions, mismatches, disputes, "
+            "status, updated_at) VALUES (:shard, 'only', 0, 0, 1, 0, 'quarantined', 5)"), {"shard": hop.shard_id})
+    another = builder(engine, failing_opens=0)
+    another.ctx = running.ctx
+    with pytest.raises(RoutingError):
+        await another.build()
+    assert running.ctx.quarantined == set()  # handed over
+    refuted = verifier.refuted()
+    assert refuted is not None and refuted.shard_id == hop.shard_id and "quarantined meanwhile" in refuted.reason
+    # A call that begins after the proof was never routed there: nothing of it to refute.
+    later = CallVerifier(running.call, running.ctx, record=None)
+    await later.attach(SimpleNamespace(hops=chain.hops, recorder=object()))
+    assert later.refuted() is None

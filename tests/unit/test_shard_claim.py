@@ -1,9 +1,13 @@
-"""A starting shard's verdict on its id: it keeps it unless a process serves it or a rival's claim is lower."""
+"""A starting shard's verdict on its id: it keeps it unless a process serves it or a rival's claim is lower; on a
+community mesh a rival is a process that signs its claim with the node's own key."""
 
 from __future__ import annotations
 
-from hearth.protocol.control import ControlReply, ShardStat
+from types import SimpleNamespace
+
+from hearth.protocol.control import ControlReply, ShardStat, StatShard
 from hearth.services.shard.claim import ShardClaim
+from hearth.trust.keys import MemberKey
 
 
 def answer(claim: str | None) -> bytes:
@@ -60,3 +64,28 @@ def test_a_claim_heard_once_decided_changes_nothing():
     assert claim.decide() is True
     claim.hear_claim("0" * 32)
     assert claim.kept is True and claim.answer_claim() is None
+
+
+def claim_message(subject: str, reply: str, body: bytes, headers: dict[str, str] | None) -> SimpleNamespace:
+    return SimpleNamespace(subject=subject, reply=reply, data=body, headers=headers)
+
+
+def test_on_a_community_mesh_only_a_claim_signed_with_the_node_s_key_is_a_rival_s():
+    node_key, other_key = MemberKey.generate(), MemberKey.generate()
+    ours, rival = ShardClaim(node_key), ShardClaim(node_key)
+    subject, inbox = "hearth.ctl.n.abc", "_INBOX.n.x"
+    body = StatShard(claim=rival.nonce).model_dump_json().encode()
+    assert ours.from_this_node(claim_message(subject, inbox, body, rival.headers(subject, inbox, body)))
+    # Unsigned (an orchestrator may publish on the control subject), another member's, or moved elsewhere: no rival.
+    assert not ours.from_this_node(claim_message(subject, inbox, body, None))
+    assert not ours.from_this_node(claim_message(subject, inbox, body, ShardClaim(other_key).headers(
+        subject, inbox, body)))
+    assert not ours.from_this_node(claim_message(subject, "_INBOX.n.y", body, rival.headers(subject, inbox, body)))
+    lower = StatShard(claim="0" * 32).model_dump_json().encode()
+    assert not ours.from_this_node(claim_message(subject, inbox, lower, rival.headers(subject, inbox, body)))
+
+
+def test_on_an_open_mesh_claims_go_unsigned_and_every_one_is_heard():
+    claim = ShardClaim()
+    assert claim.headers("hearth.ctl.n.abc", "_INBOX.x", b"{}") is None
+    assert claim.from_this_node(claim_message("hearth.ctl.n.abc", "_INBOX.x", b"{}", None))

@@ -64,6 +64,19 @@ def signed_call_headers(key: MemberKey, subject: str, reply: str, body: bytes,
             HEADER_CALLER_SIGNATURE: key.sign_b64(_signed_bytes(subject, reply, timestamp, nonce, body))}
 
 
+def signed_by(public_key: str, subject: str, reply: str, body: bytes, headers: Mapping[str, str] | None) -> bool:
+    """Whether `headers` (as signed_call_headers writes them) sign `subject`, `reply` and `body` with `public_key`;
+    no clock, nonce or roster check (for a message only the signer's own processes can hear)."""
+    headers = headers or {}
+    timestamp, nonce = headers.get(HEADER_CALLER_TIME), headers.get(HEADER_CALLER_NONCE)
+    signature = headers.get(HEADER_CALLER_SIGNATURE)
+    if headers.get(HEADER_CALLER) != public_key or not (timestamp and nonce and signature):
+        return False
+    if malformed_signing_header(headers) is not None:
+        return False
+    return verify_b64(public_key, _signed_bytes(subject, reply, timestamp, nonce, body), signature)
+
+
 @dataclass(frozen=True)
 class CallRefused:
     """Why a call is not accepted; `reason` is a short code for metrics, `message` for the caller."""

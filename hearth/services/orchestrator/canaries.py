@@ -161,7 +161,7 @@ class CanaryRunner:
         log.warning("%s answered a canary of layers %d-%d wrongly (position %d, relative error %.3g); quarantined",
                     host.shard_id, canary.key[1], canary.key[2], bad, float(errors[bad]))
         verification_checks_total.labels("canary_mismatch").inc()
-        self.ctx.quarantined.add(host.shard_id)
+        self.ctx.prove_wrong(host.shard_id)
         await self._record(IntegrityMismatchConfirmed(
             node_id=self.ctx.node_id, pipeline_id=pipeline_id, shard_id=host.shard_id, witnesses=list(canary.parties),
             layer_lo=canary.key[1], layer_hi=canary.key[2], quantization=canary.key[3], dtype=canary.dtype,

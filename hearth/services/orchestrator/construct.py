@@ -70,6 +70,10 @@ class ChainBuilder:
         started = time.perf_counter()
         router, model_id = self.ctx.router, call.model.model_id
         self.public_blocks = await self._public_blocks()
+        if self.ctx.quarantined:
+            # Shards our checks proved wrong that the read model quarantines now are its to hold from here on (each
+            # looked up itself, whether advertised or not), so a steward's clearing lifts them.
+            self.ctx.quarantined -= await asyncio.to_thread(router.quarantined, set(self.ctx.quarantined))
         candidates = await asyncio.to_thread(router.candidates, model_id)
         # A conversation's next turn sent at once: the blocks of the answer before it may be on their way in.
         reusable = self._reusable_by_scheme(candidates)
@@ -242,10 +246,8 @@ class ChainBuilder:
         router, model, excluded = self.ctx.router, self.call.model, self.call.excluded
         route = dict(now=router.now(), load=load, quantization=self.call.quantization,
                      model_layers=model.head.info.num_layers)
-        # Shards a check proved wrong, and the other shards of their nodes, are out at once (the read model
-        # quarantines them a moment later); once it does, it holds them alone, so a steward's clearing lifts them.
-        self.ctx.quarantined -= {c.shard_id for c in candidates if c.quarantined} | {
-            c.node_quarantined_by for c in candidates}
+        # Shards a check proved wrong, and the other shards of their nodes, are out at once, until the read model
+        # quarantines them too (handed over in `build`).
         held = quarantined_nodes(self.ctx.quarantined)
         excluded = {**{c.shard_id: node_quarantine_reason(c.node_id, held[c.node_id]) for c in candidates
                        if c.node_id in held}, **dict.fromkeys(self.ctx.quarantined, PROVED_WRONG), **excluded}

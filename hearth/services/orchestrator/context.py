@@ -56,3 +56,11 @@ class RunContext:
     public_prompt_ids: dict[str, list[list[int]]] = field(default_factory=dict)
     # Shards a check of ours proved wrong: out of every chain at once, until the read model says so too.
     quarantined: set[str] = field(default_factory=set)
+    # Every shard a check of ours proved wrong, in the order proved: a call running then withdraws its unconfirmed
+    # work there (verification.py), even once routing has handed that quarantine over to the read model.
+    proved_wrong: list[str] = field(default_factory=list)
+
+    def prove_wrong(self, shard_id: str) -> None:
+        """A check of ours proved `shard_id` wrong: out of routing at once, and refuted in every running call."""
+        self.quarantined.add(shard_id)
+        self.proved_wrong.append(shard_id)

@@ -36,7 +36,8 @@ from typing import Literal
 
 from sqlalchemy.orm import Session
 
-from hearth.readmodels.queries import ShardCandidate, all_shards, newest_sign_of_life, shards_of_model
+from hearth.readmodels.queries import (ShardCandidate, all_shards, newest_sign_of_life, quarantined_among,
+                                      shards_of_model)
 from hearth.protocol.quarantine import node_quarantine_reason
 from hearth.protocol.quantization_labels import accepts, precision_order
 from hearth.services.orchestrator.capacity import ShardLoad
@@ -153,6 +154,11 @@ class ShardRouter:
         with self._session_factory() as session:
             self._newest_heard_s = newest_sign_of_life(session)
             return all_shards(session)
+
+    def quarantined(self, shard_ids: Iterable[str]) -> set[str]:
+        """Which of `shard_ids` the read model holds quarantined."""
+        with self._session_factory() as session:
+            return quarantined_among(session, sorted(shard_ids))
 
     def now(self) -> float:
         """The instant `alive` judges shards read since the last `candidates` against (`judged_instant`)."""

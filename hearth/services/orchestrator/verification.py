@@ -75,10 +75,8 @@ class CallVerifier:
     `refuted` at every turn of the loop."""
 
     def __init__(self, call, ctx, record: Callable[[object], Awaitable[None]]) -> None:
-        self.call = call
-        self.ctx = ctx
-        # Records an event (the call's own way: counted in metrics, then into the outbox).
-        self._record = record
+        self.call, self.ctx = call, ctx
+        self._record = record  # records an event the call's own way: counted in metrics, then into the outbox
         self.level = call.request.params.verify
         self.settings = ctx.settings.verification
         self.chain: HopChain | None = None
@@ -86,6 +84,7 @@ class CallVerifier:
         self._tally: dict[str, _Tally] = {}
         self._refutation: StepFailure | None = None
         self._chain_steps = 0
+        self._proofs_before = len(ctx.proved_wrong)  # those shards were out of its routing from the start
         # Unpredictable to the hosts: a liar must not know which steps are checked.
         self._chance = random.SystemRandom()
 
@@ -155,8 +154,9 @@ class CallVerifier:
         """The refutation a check found since the last turn (then forgotten), or None. A hop that another call's
         check (or a canary) proved wrong meanwhile is refuted from the first position this call did not confirm."""
         if self._refutation is None and self.chain is not None:
+            proved = self.ctx.proved_wrong[self._proofs_before:]
             for index, hop in enumerate(self.chain.hops):
-                if hop.shard_id in self.ctx.quarantined or hop.node_id in quarantined_nodes(self.ctx.quarantined):
+                if hop.shard_id in proved or hop.node_id in quarantined_nodes(proved):
                     self._refute("refuted", hop.shard_id, self._hops[index].confirmed_pos,
                                  "quarantined meanwhile (another check proved it, or its node, wrong); its unconfirmed "
                                  "work here is withdrawn")
@@ -382,7 +382,7 @@ class CallVerifier:
         log.warning("pipeline %s: %s computed layers %d-%d wrongly (witnesses %s); quarantined",
                     self.call.pipeline_id, shard_id, evidence["layer_lo"], evidence["layer_hi"],
                     ", ".join(witnesses))
-        self.ctx.quarantined.add(shard_id)
+        self.ctx.prove_wrong(shard_id)
         verification_checks_total.labels("mismatch").inc()
         await self._record(IntegrityMismatchConfirmed(shard_id=shard_id, witnesses=witnesses, **evidence))
 

@@ -7,6 +7,11 @@ and the newcomer refuses; one that answers with its own claim is starting too, a
 Listening before asking closes the window a plain probe leaves open: of two processes starting at once, the later one
 to ask is heard by the other, which answers it, so both know of both, whichever machine each runs on. A crashed or
 frozen earlier run does not answer, and is replaced; a process that lost falls silent at once.
+
+On a community mesh a claim is signed with the node's own member key and heard as a rival's only when that key
+signed it: orchestrators may publish on every shard's control subject, and an unsigned low claim would otherwise make
+a starting shard refuse its own id. Only the node's processes (and the steward) hear a claim, so none is replayed. On
+an open mesh claims go unsigned, as everything does there.
 """
 
 from __future__ import annotations
@@ -16,11 +21,14 @@ import contextlib
 import secrets
 
 from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeoutError
 from pydantic import ValidationError
 
 from hearth.protocol.control import ShardStat, StatShard
+from hearth.services.common.call_signing import signed_by, signed_call_headers
 from hearth.services.common.lifecycle import CommandRefused
+from hearth.trust.keys import MemberKey
 
 
 def taken(shard_id: str) -> CommandRefused:
@@ -32,8 +40,9 @@ def taken(shard_id: str) -> CommandRefused:
 class ShardClaim:
     """One start's claim on its shard id: what it heard from other processes under that id, and its verdict."""
 
-    def __init__(self) -> None:
+    def __init__(self, key: MemberKey | None = None) -> None:
         self.nonce = secrets.token_hex(16)
+        self.key = key  # the node's member key, which signs its claims (None: an open mesh)
         self.kept: bool | None = None  # None while deciding
         self.settled = asyncio.Event()
         self._rivals: set[str] = set()
@@ -46,6 +55,17 @@ class ShardClaim:
     def answer_claim(self) -> str | None:
         """The claim a `stat` answer carries: this process's own while it decides, None once it serves."""
         return self.nonce if self.deciding else None
+
+    def headers(self, control_subject: str, reply: str, body: bytes) -> dict[str, str] | None:
+        """What signs this process's claim (None on an open mesh)."""
+        return signed_call_headers(self.key, control_subject, reply, body) if self.key is not None else None
+
+    def from_this_node(self, msg: Msg) -> bool:
+        """Whether a claim heard on the control subject comes from a process of this node: signed with its key (on an
+        open mesh, any claim). Another one is a plain `stat`, answered once this process has decided."""
+        if self.key is None:
+            return True
+        return signed_by(self.key.public_key, msg.subject, msg.reply, msg.data, msg.headers)
 
     def hear_claim(self, claim: str) -> None:
         """Another process starting under this id asked: a rival while this one still decides (once decided, the
@@ -85,7 +105,8 @@ async def claim_answers(nc: NatsClient, control_subject: str, claim: ShardClaim,
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
     try:
-        await nc.publish(control_subject, StatShard(claim=claim.nonce).model_dump_json().encode(), reply=inbox)
+        body = StatShard(claim=claim.nonce).model_dump_json().encode()
+        await nc.publish(control_subject, body, reply=inbox, headers=claim.headers(control_subject, inbox, body))
         while (left_s := deadline - loop.time()) > 0:
             try:
                 message = await answers.next_msg(timeout=left_s)

@@ -84,7 +84,7 @@ class ShardServer:
         self._readvertise = asyncio.Event()
         self._hop_changes = asyncio.Lock()
         self._stopped = False
-        self._claim = ShardClaim()
+        self._claim = ShardClaim(self.signing_key)
 
     @property
     def active_streams(self) -> int:
@@ -215,9 +215,9 @@ class ShardServer:
         except ValidationError as error:
             await self._reply(msg, ControlReply(ok=False, code="bad_request", message=_one_line(error)))
             return
-        if isinstance(request, StatShard) and request.claim is not None:
+        if isinstance(request, StatShard) and request.claim is not None and self._claim.from_this_node(msg):
             # Another process starting under this id: heard and answered at once, so it and this one agree on
-            # who keeps the id (our own claim goes unanswered).
+            # who keeps the id (our own claim goes unanswered). A claim not of this node is a plain `stat`.
             if request.claim != self._claim.nonce:
                 self._claim.hear_claim(request.claim)
                 await self._reply(msg, self.stat())
