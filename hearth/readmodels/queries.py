@@ -126,18 +126,21 @@ def kept_chain_holding(session: Session, names: Sequence[str], now_s: float,
     """The recorded chain keeping the most leading blocks of `names` (a call's block names, first to last), among
     records not expired at `now_s` that `keeper` signed (the looking-up orchestrator's member key, which its marks are
     drawn over; None on an open mesh: the unsigned records); None when no such record names one of them. Only its
-    own member's records: another member may copy a mark from the log, but not sign as this one."""
+    own member's records: another member may copy a mark from the log, but not sign as this one. Of a name's records,
+    the latest kept (one per second: the key) names the chain, so a lookup too goes by event time alone."""
     signer = records_signer(keeper)
     for end in range(len(names), 0, -kept_names_per_lookup):
         start = max(0, end - kept_names_per_lookup)
         position = {name: index for index, name in enumerate(names[start:end], start=start)}
         found = session.execute(
-            select(KeptPrefixRecord.name, KeptPrefixRecord.hops)
-            .where(KeptPrefixRecord.signer == signer, KeptPrefixRecord.name.in_(list(position)),
-                   KeptPrefixRecord.expires_at >= now_s)
+            select(KeptPrefixRecord.name, KeptPrefixRecord.kept_at, KeptPrefixRecord.expires_at, KeptPrefixRecord.hops)
+            .where(KeptPrefixRecord.signer == signer, KeptPrefixRecord.name.in_(list(position)))
         ).all()
+        # Expiry is sifted here, not in SQL: a range on expires_at draws SQLite to the pruning index, through every
+        # unexpired record of the signer, instead of the key's few rows per name.
+        found = [row for row in found if row.expires_at >= now_s]
         if found:
-            longest = max(found, key=lambda row: position[row.name])
+            longest = max(found, key=lambda row: (position[row.name], row.kept_at))
             hops = tuple((shard_id, layer_lo, layer_hi) for shard_id, layer_lo, layer_hi in json.loads(longest.hops))
             return KeptChain(hops=hops, blocks=position[longest.name] + 1)
     return None

@@ -320,7 +320,8 @@ class KeptPrefixRecord(Base):
     `expires_at` are useless (the hops dropped those blocks) and are pruned as later ones of the same signer come in,
     or by the retention once expired before the log's pipelines cutoff. A record is its signer's: routing reads only
     the rows its own member key signed, so a member that copies another's marks from the log into a completion of its
-    own keeps a row beside that member's, never in its place."""
+    own keeps a row beside that member's, never in its place. Each record of a name is its own row, keyed by when it
+    was kept too, so one dated before another never replaces it (the name's latest kept names the chain)."""
 
     __tablename__ = "kept_prefixes"
 
@@ -331,9 +332,9 @@ class KeptPrefixRecord(Base):
     hops: Mapped[str] = mapped_column(
         Text, nullable=False, comment="JSON list of [shard_id, layer_lo, layer_hi] (inclusive), in chain order")
     blocks: Mapped[int] = mapped_column(Integer, nullable=False, comment="blocks kept up to and with this one")
-    kept_at: Mapped[int] = mapped_column(Integer, nullable=False, comment="epoch s")
+    kept_at: Mapped[int] = mapped_column(Integer, primary_key=True, comment="epoch s")
     expires_at: Mapped[int] = mapped_column(
         Integer, nullable=False, comment="epoch s, kept_at + the hops' idle time for kept blocks")
 
-    # Pruning goes by signer: a range of the expired among its records, and their latest kept_at from the index alone.
-    __table_args__ = (Index(None, "expires_at"), Index(None, "signer", "expires_at", "kept_at"))
+    # Pruning goes by signer: a range of the expired among its records, against their latest kept_at (one index step).
+    __table_args__ = (Index(None, "expires_at"), Index(None, "signer", "expires_at"), Index(None, "signer", "kept_at"))

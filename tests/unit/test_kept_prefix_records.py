@@ -140,13 +140,40 @@ def test_records_expired_before_the_latest_one_kept_are_pruned_whatever_the_batc
     apart.dispose()
 
 
+def test_a_record_dated_before_one_of_the_same_name_leaves_the_same_rows_whatever_the_batching(tmp_path):
+    # Two orchestrators of one member with clocks apart (or a clock stepped back): the name X kept at 100 is kept
+    # again by a record dated 40 that the log stores after it, and keeps its blocks longer.
+    chain_b, chain_c = ([KeptHop(shard_id=f"m:0-7@{node}", layer_lo=0, layer_hi=7)] for node in "bc")
+    log = LogBuilder()
+    messages = [log.stored(completed("p-y", kept(NAMES[:2], idle_s=10), t=50)),
+                log.stored(completed("p-x", kept(NAMES[:4], hops=chain_b, idle_s=10), t=100)),
+                log.stored(completed("p-x-again", kept(NAMES[:4], hops=chain_c, idle_s=200), t=40))]
+    together, apart = migrated_engine(tmp_path / "one.db"), migrated_engine(tmp_path / "apart.db")
+    apply_all(together, messages)
+    for message in messages:
+        apply_all(apart, [message])
+    assert dump_rows(together) == dump_rows(apart)
+    # Y expired before X was kept at 100; both records of X stay, each its own row.
+    assert sorted((row[1], row[2]) for row in dump_rows(apart)["kept_prefixes"]) == [
+        (NAMES[3], "p-x"), (NAMES[3], "p-x-again")]
+    # The newest record of a name not expired names the chain: X's of 100 until it expires, then X's of 40.
+    assert holding(apart, NAMES, at(105).timestamp()).hops == (("m:0-7@b", 0, 7),)
+    assert holding(apart, NAMES, at(200).timestamp()).hops == (("m:0-7@c", 0, 7),)
+    assert holding(apart, NAMES[:2], at(60).timestamp()) is None
+    together.dispose()
+    apart.dispose()
+
+
 def test_the_same_blocks_kept_again_name_the_later_chain(engine):
     log = LogBuilder()
     chain_b = [KeptHop(shard_id="m:0-7@c", layer_lo=0, layer_hi=7)]
     apply_all(engine, [log.stored(completed("p1", kept(NAMES[:4]), t=1)),
                        log.stored(completed("p2", kept(NAMES[:4], hops=chain_b), t=2))])
+    assert holding(engine, NAMES[:4], at(3).timestamp()).hops == (("m:0-7@c", 0, 7),)
+    # Each record is its own row: the earlier stays until its signer keeps one after it expired.
     with Session(engine) as session:
-        assert session.get(KeptPrefixRecord, ("", NAMES[3])).pipeline_id == "p2"
+        assert [record.pipeline_id for record in session.query(KeptPrefixRecord).order_by(KeptPrefixRecord.kept_at)
+                ] == ["p1", "p2"]
 
 
 def test_the_largest_completed_event_with_a_kept_prefix_fits_the_streams():

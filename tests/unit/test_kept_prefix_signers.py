@@ -245,3 +245,31 @@ def test_records_from_before_signers_were_kept_carry_over_as_unsigned_and_back(t
     with engine.connect() as connection:
         assert connection.execute(text("SELECT name, pipeline_id FROM kept_prefixes")).all() == [(row["name"], "p2")]
     engine.dispose()
+
+
+def test_records_keyed_by_signer_and_name_carry_over_and_back_to_the_latest_kept(tmp_path):
+    path = tmp_path / "old.db"
+    upgrade_database(path, "0014")
+    columns = "signer, name, pipeline_id, hops, blocks, kept_at, expires_at"
+    insert = text(f"INSERT INTO kept_prefixes ({columns}) VALUES (:signer, :name, :pipeline_id, :hops, :blocks, "
+                  ":kept_at, :expires_at)")
+    held = [dict(signer=signer, name="cd" * 16, pipeline_id=f"p-{signer}", hops='[["m:0-7@far", 0, 7]]', blocks=2,
+                 kept_at=10, expires_at=610) for signer in ("", "someone")]
+    engine = open_engine(path)
+    with engine.begin() as connection:
+        connection.execute(insert, held)
+    engine.dispose()
+    upgrade_database(path)
+    engine = open_engine(path)
+    assert dump_rows(engine)["kept_prefixes"] == [tuple(row.values()) for row in held]
+    # A record of the same name kept earlier sits beside the one held; down again, the latest kept of each stays.
+    with engine.begin() as connection:
+        connection.execute(insert, dict(held[1], pipeline_id="p-earlier", kept_at=5, expires_at=900))
+    assert len(dump_rows(engine)["kept_prefixes"]) == 3
+    engine.dispose()
+    command.downgrade(alembic_config(path), "0014")
+    engine = open_engine(path)
+    with engine.connect() as connection:
+        assert sorted(connection.execute(text("SELECT signer, pipeline_id FROM kept_prefixes")).all()) == [
+            ("", "p-"), ("someone", "p-someone")]
+    engine.dispose()
