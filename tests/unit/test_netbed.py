@@ -65,6 +65,7 @@ def test_shaping_puts_a_token_bucket_on_both_ends_of_the_link():
 
 
 def test_everything_is_removed_after_a_failure_and_stale_beds_are_swept():
+    sweep_stale()  # beds a killed earlier run left would be swept below, and are not this test's
     before = namespaces()
     with pytest.raises(RuntimeError, match="boom"):
         with NetBed(households=2) as bed:
