@@ -181,14 +181,23 @@ class StreamsMissing(RuntimeError):
     """The event streams a process needs do not exist, and on a community broker it may not create them."""
 
 
+class StreamsUnknown(StreamsMissing):
+    """The broker did not say whether a stream exists (no answer in time, JetStream off, a permission refused): not
+    the same as a stream it says it lacks, and told apart in what a process prints."""
+
+
 async def missing_streams(js: JetStreamContext, names: Iterable[str]) -> list[str]:
-    """Which of `names` the broker does not hold (or would not say within stream_info_timeout_s)."""
+    """Which of `names` the broker says it does not hold; StreamsUnknown when it would not say for one of them within
+    stream_info_timeout_s."""
     missing = []
     for name in names:
         try:
             await asyncio.wait_for(js.stream_info(name), timeout=stream_info_timeout_s)
-        except (NotFoundError, NatsError, asyncio.TimeoutError):
+        except NotFoundError:
             missing.append(name)
+        except (NatsError, asyncio.TimeoutError) as error:
+            reason = str(error) or f"no answer within {stream_info_timeout_s:g} s"
+            raise StreamsUnknown(f"the broker did not say whether the event stream {name} exists ({reason})") from None
     return missing
 
 
@@ -197,8 +206,9 @@ async def wait_for_streams(js: JetStreamContext, names: Iterable[str], *, wait_s
     names = tuple(names)
     deadline = None if wait_s is None else time.monotonic() + wait_s
     told = False
-    while missing := await missing_streams(js, names):
-        message = f"the event streams {', '.join(missing)} do not exist; {STREAMS_CREATED_BY}"
+    while missing := await _missing_or_why(js, names):
+        message = missing if isinstance(missing, str) else \
+            f"the event streams {', '.join(missing)} do not exist; {STREAMS_CREATED_BY}"
         if deadline is not None and time.monotonic() >= deadline:
             raise StreamsMissing(f"{message} (waited {wait_s:g} s)")
         if not told:
@@ -207,6 +217,14 @@ async def wait_for_streams(js: JetStreamContext, names: Iterable[str], *, wait_s
         await asyncio.sleep(streams_poll_interval_s)
     if told:
         log.info("the event streams %s exist now", ", ".join(names))
+
+
+async def _missing_or_why(js: JetStreamContext, names: tuple[str, ...]) -> list[str] | str:
+    """The streams of `names` the broker lacks, or why it did not say (a waiting process asks again)."""
+    try:
+        return await missing_streams(js, names)
+    except StreamsUnknown as error:
+        return str(error)
 
 
 @dataclass(frozen=True)
