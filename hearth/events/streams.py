@@ -181,6 +181,12 @@ class StreamsMissing(RuntimeError):
     """The event streams a process needs do not exist, and on a community broker it may not create them."""
 
 
+def streams_missing(missing: Iterable[str], where: str | None = None) -> StreamsMissing:
+    """The one line that says which event streams the broker (at `where`) lacks, and who creates them."""
+    on = f" on {where}" if where else ""
+    return StreamsMissing(f"the event streams {', '.join(missing)} do not exist{on}; {STREAMS_CREATED_BY}")
+
+
 class StreamsUnknown(StreamsMissing):
     """The broker did not say whether a stream exists (no answer in time, JetStream off, a permission refused): not
     the same as a stream it says it lacks, and told apart in what a process prints."""
@@ -207,8 +213,7 @@ async def wait_for_streams(js: JetStreamContext, names: Iterable[str], *, wait_s
     deadline = None if wait_s is None else time.monotonic() + wait_s
     told = False
     while missing := await _missing_or_why(js, names):
-        message = missing if isinstance(missing, str) else \
-            f"the event streams {', '.join(missing)} do not exist; {STREAMS_CREATED_BY}"
+        message = missing if isinstance(missing, str) else str(streams_missing(missing))
         if deadline is not None and time.monotonic() >= deadline:
             raise StreamsMissing(f"{message} (waited {wait_s:g} s)")
         if not told:

@@ -215,8 +215,10 @@ def clear_quarantine_command(
         key = community.system_key()
         event = run_event_loop(clear_quarantine(shard_id, reason, db=db, steward_key=key,
                                                 publish=steward_publisher(nats, community.system_key_path)))
-    except (NotQuarantined, ReadModelMissing, KeyFileError, BrokerUnreachable, StreamsMissing) as error:
+    except (NotQuarantined, ReadModelMissing, KeyFileError, BrokerUnreachable) as error:
         _fail(str(error), command)
+    except StreamsMissing as error:
+        _fail(f"{error}; nothing was changed", command)
     except Exception as error:  # JetStream refused or timed out: say so in one line
         _fail(f"the clearing was not published: {error}", command)
     node = node_of_shard(shard_id)

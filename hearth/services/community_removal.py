@@ -14,7 +14,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from hearth.events.streams import ALL_STREAMS, MEMBER_REMOVAL_SUBJECTS, STREAMS_CREATED_BY, StreamsMissing
+from hearth.events.streams import ALL_STREAMS, MEMBER_REMOVAL_SUBJECTS, streams_missing
 from hearth.trust.roster import SYSTEM_MEMBER, Member, RemovalCut, RosterError
 
 if TYPE_CHECKING:
@@ -100,8 +100,7 @@ async def publish_removal(member: Member, steward_key: MemberKey, removal_log: R
     it."""
     missing = await removal_log.missing(streams)
     if missing:
-        raise StreamsMissing(f"the event streams {', '.join(missing)} do not exist on {removal_log.where}; "
-                             f"{STREAMS_CREATED_BY}")
+        raise streams_missing(missing, removal_log.where)
     published = PublishedRemoval()
     for stream in streams:
         try:
@@ -173,14 +172,10 @@ class BrokerRemovalLog:
 async def steward_removal_log(nats: NatsSettings, system_key: Path) -> AsyncIterator[RemovalLog]:
     """A RemovalLog over one connection to `nats.url` as the steward (`system_key`), closed on leaving;
     BrokerUnreachable when the broker cannot be reached."""
-    from hearth.services.broker.connection import close_quietly, connect_nats
+    from hearth.services.broker.connection import steward_connection
 
-    settings = nats.model_copy(update={"creds_file": system_key})
-    connection = await connect_nats(settings.url, name="hearth steward", settings=settings)
-    try:
-        yield BrokerRemovalLog(connection.jetstream(), settings.url)
-    finally:
-        await close_quietly(connection, settings.close_timeout_s)
+    async with steward_connection(nats, system_key) as connection:
+        yield BrokerRemovalLog(connection.jetstream(), nats.url)
 
 
 async def publish_removal_as_steward(member: Member, steward_key: MemberKey, verifier: EventVerifier,

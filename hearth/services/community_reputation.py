@@ -133,21 +133,15 @@ def steward_publisher(nats: NatsSettings, system_key: Path) -> Publish:
 
     async def publish(event: EventEnvelope) -> None:
         from hearth.events.publish import publish_event
-        from hearth.events.streams import STREAMS_CREATED_BY, StreamsMissing, missing_streams, stream_for_subject
+        from hearth.events.streams import missing_streams, stream_for_subject, streams_missing
         from hearth.protocol.subjects import event_subject
-        from hearth.services.broker.connection import close_quietly, connect_nats
+        from hearth.services.broker.connection import steward_connection
 
-        settings = nats.model_copy(update={"creds_file": system_key})
-        connection = await connect_nats(settings.url, name="hearth steward", settings=settings)
-        try:
+        async with steward_connection(nats, system_key) as connection:
             js = connection.jetstream()
             # A missing stream would cost the publish its whole retry schedule before failing.
-            stream = stream_for_subject(event_subject(event))
-            if await missing_streams(js, [stream]):
-                raise StreamsMissing(f"the event stream {stream} does not exist on {settings.url}; "
-                                     f"{STREAMS_CREATED_BY}; nothing was changed")
+            if missing := await missing_streams(js, [stream_for_subject(event_subject(event))]):
+                raise streams_missing(missing, nats.url)
             await publish_event(js, event)
-        finally:
-            await close_quietly(connection, settings.close_timeout_s)
 
     return publish

@@ -136,6 +136,6 @@ def test_a_clearing_with_its_stream_missing_says_so_in_one_line_before_any_publi
     refused = runner.invoke(community_app, ["clear-quarantine", GARAGE, "--reason", "new GPU", "--dir",
                                             str(community.directory), "--db", str(live), "--nats", server.url])
     assert refused.exit_code == 1, refused.output
-    assert f"the event stream {PIPELINES_STREAM} does not exist on {server.url}" in refused.output
+    assert f"the event streams {PIPELINES_STREAM} do not exist on {server.url}" in refused.output
     assert "nothing was changed" in refused.output and len(refused.output.strip().splitlines()) == 1
     assert not [record for record in caplog.records if "publishing integrity.quarantine_cleared" in record.getMessage()]

@@ -7,7 +7,8 @@ import asyncio
 import contextlib
 import logging
 import weakref
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 
 from nats import errors as nats_errors
 from nats.aio.client import DEFAULT_FLUSH_TIMEOUT
@@ -238,6 +239,18 @@ async def close_quietly(nc: NatsClient, timeout_s: float = _nats_defaults.close_
     """Close a client without waiting long or raising (its broker may be gone, its first connect given up)."""
     with contextlib.suppress(Exception, asyncio.CancelledError):
         await asyncio.wait_for(nc.close(), timeout=timeout_s)
+
+
+@contextlib.asynccontextmanager
+async def steward_connection(nats: NatsSettings, system_key: Path) -> AsyncIterator[NatsClient]:
+    """A connection to `nats.url` as the community's steward (`system_key`: the system member's key), closed on
+    leaving; BrokerUnreachable when the broker cannot be reached."""
+    settings = nats.model_copy(update={"creds_file": system_key})
+    connection = await connect_nats(settings.url, name="hearth steward", settings=settings)
+    try:
+        yield connection
+    finally:
+        await close_quietly(connection, settings.close_timeout_s)
 
 
 async def drain_or_close(nc: NatsClient, timeout_s: float) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from hearth.events.streams import ensure_streams
 from hearth.services.common.config import NatsSettings
-from hearth.services.broker.connection import close_quietly, connect_nats
+from hearth.services.broker.connection import steward_connection
 
 log = logging.getLogger(__name__)
 
@@ -24,9 +24,7 @@ retry_interval_s = 0.5
 async def create_community_streams(nats: NatsSettings, system_key: Path, *, ready_timeout_s: float) -> None:
     """Connect to `nats.url` as the steward (`system_key`) and ensure both streams (three copies on a cluster,
     one on a single server), trying again for up to `ready_timeout_s` while JetStream is not ready yet."""
-    settings = nats.model_copy(update={"creds_file": system_key})
-    nc = await connect_nats(settings.url, name="hearth steward", settings=settings)
-    try:
+    async with steward_connection(nats, system_key) as nc:
         deadline = time.monotonic() + ready_timeout_s
         while True:
             try:
@@ -37,8 +35,6 @@ async def create_community_streams(nats: NatsSettings, system_key: Path, *, read
                     raise
                 log.debug("creating the event streams: %s; trying again", error)
                 await asyncio.sleep(retry_interval_s)
-    finally:
-        await close_quietly(nc, settings.close_timeout_s)
 
 
 def create_community_streams_blocking(nats: NatsSettings, system_key: Path, *, ready_timeout_s: float) -> None:
