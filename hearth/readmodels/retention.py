@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, fields
@@ -175,9 +176,6 @@ async def keep_pruning(session_factory: Callable[[], Session], policy: Retention
         with session_factory() as session, session.begin():
             return prune_once(session, policy, projection)
 
-    def release_transaction() -> int:
-        return release_step(session_factory)
-
     async def in_turn(transaction: Callable[[], int]) -> int:
         async with write_turn:
             return await _finished_even_if_cancelled(asyncio.to_thread(transaction))
@@ -187,7 +185,7 @@ async def keep_pruning(session_factory: Callable[[], Session], policy: Retention
         try:
             while (deleted := await in_turn(prune_transaction)) > 0:
                 count(deleted)
-            while await in_turn(release_transaction) > 0:
+            while await in_turn(functools.partial(release_step, session_factory)) > 0:
                 pass
         except asyncio.CancelledError:
             raise

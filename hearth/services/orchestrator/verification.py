@@ -155,8 +155,9 @@ class CallVerifier:
         check (or a canary) proved wrong meanwhile is refuted from the first position this call did not confirm."""
         if self._refutation is None and self.chain is not None:
             proved = self.ctx.proved_wrong[self._proofs_before:]
+            held = quarantined_nodes(proved) if proved else {}
             for index, hop in enumerate(self.chain.hops):
-                if hop.shard_id in proved or hop.node_id in quarantined_nodes(proved):
+                if hop.shard_id in proved or hop.node_id in held:
                     self._refute("refuted", hop.shard_id, self._hops[index].confirmed_pos,
                                  "quarantined meanwhile (another check proved it, or its node, wrong); its unconfirmed "
                                  "work here is withdrawn")
