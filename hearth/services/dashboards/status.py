@@ -16,6 +16,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from hearth.protocol.quarantine import quarantined_nodes
 from hearth.services.common.display import display_cell
 from hearth.services.dashboards.macros import TimeRange, open_read_only, run_panel_sql
 from hearth.services.dashboards.panels import LAYER_REPLICAS_CTE, MODELS_SQL, REPUTATION_SQL, SHARDS_ONLINE_SQL
@@ -75,7 +76,7 @@ def reputation_table(connection: sqlite3.Connection, time_range: TimeRange) -> T
     columns, rows = run_panel_sql(connection, REPUTATION_SQL, time_range)
     shards = [dict(zip(columns, row)) for row in rows]
     quarantined = sum(shard["status"] == "quarantined" for shard in shards)
-    held = sorted({shard["node"] for shard in shards if shard["status"] == "quarantined" and shard["node"]})
+    held = sorted(quarantined_nodes(shard["shard"] for shard in shards if shard["status"] == "quarantined"))
     nodes = f" (nodes held, none of their shards routed: {', '.join(held)})" if held else ""
     table = Table(title=f"Reputation: {len(shards)} shards verified, {quarantined} quarantined{nodes}",
                   title_justify="left")
