@@ -154,8 +154,7 @@ class CallVerifier:
         """The refutation a check found since the last turn (then forgotten), or None. A hop that another call's
         check (or a canary) proved wrong meanwhile is refuted from the first position this call did not confirm."""
         if self._refutation is None and self.chain is not None:
-            proved = self.ctx.proved_wrong[self._proofs_before:]
-            held = quarantined_nodes(proved) if proved else {}
+            held = quarantined_nodes(proved := self.ctx.proved_wrong[self._proofs_before:])
             for index, hop in enumerate(self.chain.hops):
                 if hop.shard_id in proved or hop.node_id in held:
                     self._refute("refuted", hop.shard_id, self._hops[index].confirmed_pos,
