@@ -1,13 +1,21 @@
 """What a quarantine holds: a confirmed mismatch quarantines a shard id, and that holds its whole node (every shard
 of it, any model, range or scheme), so a host caught lying cannot come back under a new shard id; and the one
 wording that says so wherever a held shard is shown (routing failures, `hearth-replay shard`, `hearth community`,
-`hearth status` and the dashboards' SQL, hearth/services/dashboards/panels.py)."""
+`hearth status` and the dashboards' SQL, hearth/services/dashboards/panels.py); and how far one reporter's word
+reaches: a member's checks hold at most MAX_NODES_HELD_PER_REPORTER nodes at once, so one orchestrator that lies in
+its accusations cannot take the mesh down before a steward reads them."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
 from hearth.protocol.subjects import node_of_shard
+
+# The most nodes one reporter's confirmed mismatches hold quarantined at once (hearth/readmodels/reputation.py): an
+# accusation is the reporter's word (nothing in the log proves the accused's output was wrong), so past this bound
+# its further accusations are kept as evidence (kind "unheld") for a steward, and quarantine nobody. An honest
+# orchestrator that caught more liars still routes around them itself (RunContext.quarantined).
+MAX_NODES_HELD_PER_REPORTER = 2
 
 
 def quarantined_nodes(quarantined_shard_ids: Iterable[str]) -> dict[str, str]:
@@ -23,3 +31,15 @@ def quarantined_nodes(quarantined_shard_ids: Iterable[str]) -> dict[str, str]:
 def node_quarantine_reason(node_id: str, quarantined_shard_id: str) -> str:
     """Why a shard of `node_id` is left out while another shard of it, `quarantined_shard_id`, is quarantined."""
     return f"node {node_id} quarantined (shard {quarantined_shard_id} mismatched)"
+
+
+def held_node(shard_id: str) -> str:
+    """The node a quarantine of `shard_id` holds (the shard id itself when it names no node)."""
+    return node_of_shard(shard_id) or shard_id
+
+
+def unheld_reason(reporter: str, held: Iterable[str]) -> str:
+    """Why a confirmed mismatch reported by `reporter` quarantined nobody: its checks already hold `held`."""
+    nodes = sorted(held)
+    return (f"not quarantined: {reporter}'s checks already hold {len(nodes)} nodes quarantined ({', '.join(nodes)}), "
+            f"the most one reporter's hold at once; a steward reads the evidence")

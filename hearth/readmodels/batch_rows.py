@@ -111,6 +111,20 @@ class BatchRows:
             rows[key] = dict(zip(sql.columns, found)) if found is not None else None
         return rows[key]
 
+    def where(self, table: Table, column: str, value: Any) -> list[Row]:
+        """Every current row whose `column` is `value`: the stored ones loaded into the batch (a row it already
+        holds stays as edited), then all the batch holds that match, its own edits and new rows included."""
+        sql = TABLE_SQL[table.name]
+        if column not in sql.columns:
+            raise ValueError(f"{table.name} has no column {column}")
+        rows = self._rows[table.name]
+        self._cursor.execute(f"SELECT {', '.join(sql.columns)} FROM {table.name} WHERE {column} = ?", (value,))
+        for found in self._cursor.fetchall():
+            row = dict(zip(sql.columns, found))
+            key = tuple(row[name] for name in sql.key_columns)
+            rows.setdefault(key if len(key) > 1 else key[0], row)
+        return [row for row in rows.values() if row is not None and row[column] == value]
+
     def edit(self, table: Table, key: Any, new_row: Callable[[], Row] | None = None) -> Row | None:
         """The row to change in place: created with `new_row()` if missing (None without a factory)."""
         row = self.get(table, key)

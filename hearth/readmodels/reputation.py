@@ -6,7 +6,9 @@ reader of the log (`hearth-replay shard`) reach exactly the status the read mode
 
 Rules: a confirmed mismatch quarantines the shard it names (its witnesses, two parties that agreed, are not
 blamed), and while it is quarantined its node's other shards are not routed either (routing reads that from these
-rows: hearth/readmodels/queries.py; hearth/protocol/quarantine.py words it); a disputed one counts against both shards
+rows: hearth/readmodels/queries.py; hearth/protocol/quarantine.py words it), unless its reporter's earlier
+accusations already hold MAX_NODES_HELD_PER_REPORTER other nodes (then it is kept as `unheld` evidence and counted,
+and quarantines nobody: one member's word reaches that far, no further); a disputed one counts against both shards
 and quarantines nobody; a steward's clearing lifts a quarantine unless it is older than the quarantine (a
 re-published old clearing is history, not news); a mismatch event applied twice (re-published after the broker's
 de-duplication window) counts once, since its evidence row exists. Every value comes from the events (instants
@@ -30,6 +32,7 @@ from hearth.events.models import (
     IntegrityQuarantineCleared,
     IntegrityShardsVerified,
 )
+from hearth.protocol.quarantine import MAX_NODES_HELD_PER_REPORTER, held_node
 from hearth.protocol.subjects import node_of_shard
 from hearth.readmodels.batch_rows import INTEGRITY_EVIDENCE, SHARD_REPUTATION, Row, saturating_add
 
@@ -48,6 +51,8 @@ class Rows(Protocol):
 
     def put(self, table: Table, key: Any, row: Row) -> None: ...
 
+    def where(self, table: Table, column: str, value: Any) -> list[Row]: ...
+
 
 def mismatch_summary(mismatch: MismatchEvent | Row) -> str:
     """One line of evidence: layers, scheme, the position and step, the error against the tolerance, the digest."""
@@ -65,7 +70,7 @@ def _reputation(rows: Rows, shard_id: str, at: int) -> Row:
     row = rows.edit(SHARD_REPUTATION, shard_id, lambda: dict(
         shard_id=shard_id, node_id=node_of_shard(shard_id), checks=0, verified_positions=0, mismatches=0,
         disputes=0, status="ok", status_since=None, status_event_id=None, status_reason=None, updated_at=at,
-        first_event_at=at,
+        first_event_at=at, quarantined_by=None,
     ))
     assert row is not None  # created by the factory when missing
     row["updated_at"] = at
@@ -103,17 +108,35 @@ def _shards_verified(event: IntegrityShardsVerified, rows: Rows) -> None:
         row["verified_positions"] = saturating_add(row["verified_positions"], verified.verified_positions)
 
 
+def nodes_held_by(rows: Rows, reporter: str) -> set[str]:
+    """The nodes that quarantines on `reporter`'s word hold now."""
+    return {held_node(row["shard_id"]) for row in rows.where(SHARD_REPUTATION, "quarantined_by", reporter)
+            if row["status"] == QUARANTINED}
+
+
+def _holds(rows: Rows, reporter: str, shard_id: str) -> bool:
+    """Whether `reporter`'s accusation of `shard_id` quarantines it: its node is one the reporter's word already
+    holds, or that word holds fewer than MAX_NODES_HELD_PER_REPORTER nodes."""
+    held = nodes_held_by(rows, reporter)
+    return held_node(shard_id) in held or len(held) < MAX_NODES_HELD_PER_REPORTER
+
+
 @apply_reputation_event.register
 def _mismatch_confirmed(event: IntegrityMismatchConfirmed, rows: Rows) -> None:
-    if not _record_evidence(rows, event, event.shard_id, "confirmed", list(event.witnesses)):
+    current = rows.get(SHARD_REPUTATION, event.shard_id)
+    # The first confirmed mismatch is the one a steward reads; later ones only count.
+    held_already = current is not None and current["status"] == QUARANTINED
+    quarantines = not held_already and _holds(rows, event.node_id, event.shard_id)
+    kind = "confirmed" if quarantines or held_already else "unheld"
+    if not _record_evidence(rows, event, event.shard_id, kind, list(event.witnesses)):
         return
     at = _epoch_s(event)
     row = _reputation(rows, event.shard_id, at)
     row["mismatches"] += 1
-    if row["status"] != QUARANTINED:  # the first confirmed mismatch is the one a steward reads
-        row.update(status=QUARANTINED, status_since=at, status_event_id=event.event_id,
+    if quarantines:
+        row.update(status=QUARANTINED, status_since=at, status_event_id=event.event_id, quarantined_by=event.node_id,
                    status_reason=f"{mismatch_summary(event)}; witnesses {', '.join(event.witnesses)}; "
-                                 f"pipeline {event.pipeline_id}")
+                                 f"pipeline {event.pipeline_id}; reported by {event.node_id}")
 
 
 @apply_reputation_event.register
@@ -132,7 +155,8 @@ def _quarantine_cleared(event: IntegrityQuarantineCleared, rows: Rows) -> None:
     if row is None or row["status"] != QUARANTINED or (row["status_since"] or 0) > at:
         return
     row = _reputation(rows, event.shard_id, at)
-    row.update(status="ok", status_since=at, status_event_id=event.event_id, status_reason=event.reason)
+    row.update(status="ok", status_since=at, status_event_id=event.event_id, status_reason=event.reason,
+               quarantined_by=None)
 
 
 class ReputationLog:
@@ -152,6 +176,9 @@ class ReputationLog:
 
     def put(self, table: Table, key: Any, row: Row) -> None:
         self._rows[table.name][key] = row
+
+    def where(self, table: Table, column: str, value: Any) -> list[Row]:
+        return [row for row in self._rows[table.name].values() if row[column] == value]
 
     def apply(self, event: EventEnvelope) -> None:
         apply_reputation_event(event, self)

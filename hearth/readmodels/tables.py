@@ -284,8 +284,10 @@ class ShardReputation(Base):
     first_event_at: Mapped[int] = mapped_column(
         Integer, nullable=False, server_default="0",
         comment="epoch s of the earliest event summed into it (0: summed before this was recorded)")
+    quarantined_by: Mapped[str | None] = mapped_column(
+        String, comment="the node whose confirmed mismatch quarantined it (NULL: not quarantined)")
 
-    __table_args__ = (Index(None, "status"),)
+    __table_args__ = (Index(None, "status"), Index(None, "quarantined_by"))
 
 
 class IntegrityEvidence(Base):
@@ -295,7 +297,9 @@ class IntegrityEvidence(Base):
 
     shard_id: Mapped[str] = mapped_column(String, primary_key=True)
     event_id: Mapped[str] = mapped_column(String, primary_key=True)
-    kind: Mapped[str] = mapped_column(String, nullable=False, comment="confirmed | disputed")
+    kind: Mapped[str] = mapped_column(
+        String, nullable=False,
+        comment="confirmed | unheld (confirmed, but its reporter already held the most nodes) | disputed")
     pipeline_id: Mapped[str] = mapped_column(String, nullable=False)
     reported_by: Mapped[str] = mapped_column(String, nullable=False, comment="the orchestrator's node id")
     witnesses: Mapped[str] = mapped_column(

@@ -18,8 +18,9 @@ if TYPE_CHECKING:
     from hearth.trust.keys import MemberKey
 
 REPUTATION_LISTING_SQL = """SELECT shard_id, COALESCE(node_id, ''), status, checks, verified_positions, mismatches,
-       disputes, status_since, COALESCE(status_reason, '')
-FROM shard_reputation
+       disputes, status_since, COALESCE(status_reason, ''),
+       (SELECT COUNT(*) FROM integrity_evidence e WHERE e.shard_id = r.shard_id AND e.kind = 'unheld')
+FROM shard_reputation r
 ORDER BY status = 'quarantined' DESC, mismatches DESC, disputes DESC, shard_id"""
 
 Publish = Callable[["EventEnvelope"], Awaitable[None]]
@@ -44,6 +45,8 @@ class ShardReputationRow:
     disputes: int
     status_since: int | None
     status_reason: str
+    # Confirmed mismatches that quarantined nobody: their reporter already held the most nodes one member's word may.
+    unheld: int
 
     @property
     def quarantined(self) -> bool:
@@ -72,7 +75,7 @@ def format_instant(epoch_s: int | None) -> str:
 def reputation_lines(rows: list[ShardReputationRow]) -> list[str]:
     """The `hearth community reputation` listing: a summary (with the nodes a quarantine holds), then one line per
     shard (and its reason, and for a shard not quarantined itself the quarantine of its node that holds it out)."""
-    from hearth.protocol.quarantine import node_quarantine_reason, quarantined_nodes
+    from hearth.protocol.quarantine import MAX_NODES_HELD_PER_REPORTER, node_quarantine_reason, quarantined_nodes
 
     quarantined = sum(row.quarantined for row in rows)
     held = quarantined_nodes(row.shard_id for row in rows if row.quarantined)
@@ -85,6 +88,9 @@ def reputation_lines(rows: list[ShardReputationRow]) -> list[str]:
                      f"{row.mismatches}, disputes {row.disputes}{since}")
         if row.status_reason:
             lines.append(f"{'':11} {'cleared: ' if not row.quarantined else ''}{row.status_reason}")
+        if row.unheld:
+            lines.append(f"{'':11} {row.unheld} confirmed mismatches quarantined nobody: their reporter's checks "
+                         f"already held {MAX_NODES_HELD_PER_REPORTER} nodes; read them with hearth-replay shard")
         if not row.quarantined and row.node_id in held:
             lines.append(f"{'':11} not routed: {node_quarantine_reason(row.node_id, held[row.node_id])}")
     return lines

@@ -178,3 +178,18 @@ def test_every_other_integrity_event_stays_the_orchestrators(community):
     assert verifier.rejection(sign_event(blame, hub), received_at=blame.occurred_at) is None
     as_steward = sign_event(blame.model_copy(update={"node_id": "system"}), community.system_key())
     assert verifier.rejection(as_steward, received_at=blame.occurred_at) == "role_may_not_emit"
+
+
+def test_the_listing_counts_accusations_past_their_reporters_bound(tmp_path):
+    d = advertised(0, 3, "shed-pc").shard_id
+    path = tmp_path / "readmodel.sqlite"
+    engine = migrated_engine(path)
+    log = LogBuilder()
+    apply_all(engine, [log.stored(e) for e in (confirmed("p1", A, [B, C], t=1.0), confirmed("p2", B, [A, C], t=2.0),
+                                               confirmed("p3", d, [A, B], t=3.0))])
+    engine.dispose()
+    lines = CliRunner().invoke(community_app, ["reputation", "--db", str(path)]).output.splitlines()
+    at = next(n for n, line in enumerate(lines) if d in line)
+    assert lines[at].startswith("ok") and "mismatches 1" in lines[at]
+    assert lines[at + 1].strip() == ("1 confirmed mismatches quarantined nobody: their reporter's checks already held "
+                                     "2 nodes; read them with hearth-replay shard")

@@ -8,7 +8,7 @@ from datetime import timedelta
 
 from hearth.events.consume import StoredEvent
 from hearth.protocol.subjects import event_subject, shard_key
-from hearth.services.replay.shard_view import evidence_lines, holds_node, names_shard, shard_view_lines
+from hearth.services.replay.shard_view import evidence_lines, names_shard, shapes_quarantines, shard_view_lines
 from tests.readmodel_helpers import advertised, at
 from tests.reputation_events import EVIDENCE_SHA, cleared, confirmed, disputed, verified
 
@@ -97,7 +97,8 @@ def test_with_the_communitys_check_a_forged_clearing_is_shown_rejected_and_not_a
 def test_a_shard_whose_node_is_held_by_a_sibling_quarantine_says_so_until_the_sibling_is_cleared():
     caught, restarted = A, advertised(0, 2, "node-a").shard_id  # the same node, another range: another shard id
     log = [confirmed("p1", caught, [B, C], t=4.0)]
-    assert holds_node(log[0], "node-a") and not holds_node(log[0], "node-b")
+    assert shapes_quarantines(log[0]) and shapes_quarantines(cleared(caught)) and not shapes_quarantines(verified(
+        "p0", {caught: (1, 1)}))
     assert evidence_lines(restarted, stored(log)) == [
         f"routing: node node-a quarantined (shard {caught} mismatched): no shard of node-a is routed while {caught} "
         "is quarantined"]
@@ -106,3 +107,16 @@ def test_a_shard_whose_node_is_held_by_a_sibling_quarantine_says_so_until_the_si
     assert evidence_lines(restarted, checked)[-1].startswith("routing: node node-a quarantined")
     assert evidence_lines(restarted, stored([*log, cleared(caught, t=9.0)])) == []
     assert not any(line.startswith("routing:") for line in evidence_lines(caught, stored(log)))
+
+
+def test_an_accusation_past_its_reporters_bound_says_it_quarantined_nobody():
+    d = advertised(0, 3, "node-d").shard_id
+    earlier = [confirmed("p1", B, [A, C], t=1.0), confirmed("p2", C, [A, B], t=2.0)]  # hub's word holds node-b, node-c
+    lines = evidence_lines(d, stored([*earlier, confirmed("p3", d, [A, B], t=3.0)]))
+    assert lines[0] == "verification: status ok"
+    assert ("not quarantined: hub's checks already hold 2 nodes quarantined (node-b, node-c), the most one reporter's "
+            "hold at once; a steward reads the evidence") in lines[2]
+    assert not any("clear-quarantine" in line for line in lines)
+    # Once a steward cleared one of them, the same accusation holds.
+    freed = evidence_lines(d, stored([*earlier, cleared(B, t=2.5), confirmed("p3", d, [A, B], t=3.0)]))
+    assert freed[0].startswith("verification: status QUARANTINED") and "not quarantined" not in freed[2]

@@ -25,9 +25,9 @@ from hearth.events.models import (
 )
 from hearth.events.signing import EventVerifier, StreamPosition
 from hearth.services.common.display import display_text
-from hearth.protocol.quarantine import node_quarantine_reason
+from hearth.protocol.quarantine import node_quarantine_reason, unheld_reason
 from hearth.protocol.subjects import EVENTS_PREFIX, node_of_shard, shard_key
-from hearth.readmodels.reputation import QUARANTINED, ReputationLog, mismatch_summary
+from hearth.readmodels.reputation import QUARANTINED, ReputationLog, mismatch_summary, nodes_held_by
 from hearth.services.replay.render import format_time
 from hearth.services.replay.reports import shard_report
 
@@ -49,14 +49,15 @@ def names_shard(event: EventEnvelope, shard: str, key: str) -> bool:
     return any(shard_id == shard or shard_key(shard_id) == key for shard_id in named)
 
 
-def holds_node(event: EventEnvelope, node: str | None) -> bool:
-    """Whether `event` quarantines or clears a shard of `node` (what holds its node's other shards, or frees them)."""
-    return (node is not None and isinstance(event, IntegrityMismatchConfirmed | IntegrityQuarantineCleared)
-            and node_of_shard(event.shard_id) == node)
+def shapes_quarantines(event: EventEnvelope) -> bool:
+    """Whether `event` may quarantine or free a shard (a confirmed mismatch, a clearing): what holds a shard's node,
+    and how many nodes each reporter's word holds, which bounds whether its next accusation quarantines."""
+    return isinstance(event, IntegrityMismatchConfirmed | IntegrityQuarantineCleared)
 
 
 async def read_shard_log(js: Any, shard: str, key: str) -> tuple[list[StoredEvent], list[StoredEvent]]:
-    """The shard's own events and the verification outcomes naming it or holding its node, each in stream order."""
+    """The shard's own events and the verification outcomes naming it or shaping quarantines, each in stream
+    order."""
     from hearth.events.consume import read_stream
     from hearth.events.streams import PIPELINES_STREAM, SHARDS_STREAM
     from hearth.protocol.subjects import shard_events_filter
@@ -69,12 +70,11 @@ async def read_shard_log(js: Any, shard: str, key: str) -> tuple[list[StoredEven
         shard_filter = shard_events_filter(key)
         async with contextlib.aclosing(read_stream(js, SHARDS_STREAM, subject_filter=shard_filter)) as items:
             own = [item async for item in items if isinstance(item, StoredEvent)]
-    node = node_of_shard(_shard_id(shard, key, own, []))
     if PIPELINES_STREAM in present:
         filters = [f"{EVENTS_PREFIX}.integrity.*.{kind}" for kind in OUTCOME_KINDS]
         async with contextlib.aclosing(read_stream(js, PIPELINES_STREAM, subject_filter=filters)) as items:
             outcomes = [item async for item in items if isinstance(item, StoredEvent)
-                        and (names_shard(item.event, shard, key) or holds_node(item.event, node))]
+                        and (names_shard(item.event, shard, key) or shapes_quarantines(item.event))]
     return own, outcomes
 
 
@@ -116,8 +116,8 @@ def evidence_lines(shard_id: str, outcomes: Sequence[StoredEvent], verifier: Eve
                                        position=StreamPosition(item.stream, item.seq)) \
             if verifier is not None else None
         if not names_shard(event, shard_id, shard_key(shard_id)):
-            if rejection is None:
-                log.apply(event)  # a sibling's quarantine or clearing: it holds or frees this shard's node
+            if rejection is None:  # another shard's quarantine or clearing: it holds or frees this shard's node, or
+                log.apply(event)  # counts towards its reporter's bound
             continue
         naming += 1
         if rejection is not None:
@@ -125,13 +125,16 @@ def evidence_lines(shard_id: str, outcomes: Sequence[StoredEvent], verifier: Eve
                            "not applied, as a community's projector does not apply it")
             continue
         before = dict(log.reputation(shard_id) or {})
+        reporters_hold = nodes_held_by(log, event.node_id)
         log.apply(event)
         after = log.reputation(shard_id) or {}
         if isinstance(event, IntegrityShardsVerified):
             calls_checked += any(verified.shard_id == shard_id for verified in event.shards)
         elif isinstance(event, IntegrityMismatchConfirmed) and event.shard_id == shard_id:
+            unheld = before.get("status") != QUARANTINED and after.get("status") != QUARANTINED
             details.append(f"{when}  mismatch confirmed in pipeline {event.pipeline_id} (reported by {event.node_id}): "
-                           f"{mismatch_summary(event)}; witnesses that agreed: {', '.join(event.witnesses)}")
+                           f"{mismatch_summary(event)}; witnesses that agreed: {', '.join(event.witnesses)}"
+                           + (f"; {unheld_reason(event.node_id, reporters_hold)}" if unheld else ""))
         elif isinstance(event, IntegrityMismatchConfirmed):
             details.append(f"{when}  witness against {event.shard_id} in pipeline {event.pipeline_id}")
         elif isinstance(event, IntegrityMismatchDisputed):
