@@ -8,6 +8,7 @@ its accusations cannot take the mesh down before a steward reads them."""
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from hearth.protocol.subjects import node_of_shard
 
@@ -26,6 +27,29 @@ def quarantined_nodes(quarantined_shard_ids: Iterable[str]) -> dict[str, str]:
         if node is not None:
             nodes.setdefault(node, shard_id)
     return nodes
+
+
+@dataclass(frozen=True)
+class Held:
+    """What a set of quarantined shard ids holds out: those shards, and every shard of their nodes. The one form in
+    which the orchestrator's own proofs are applied (routing, mirrors, canaries, running calls); the read model's
+    quarantines reach routing through queries.py, in SQL."""
+
+    shard_ids: frozenset[str]
+    nodes: dict[str, str]  # node -> the first (by id) of shard_ids on it
+
+    @classmethod
+    def of(cls, quarantined_shard_ids: Iterable[str]) -> Held:
+        shard_ids = frozenset(quarantined_shard_ids)
+        return cls(shard_ids, quarantined_nodes(shard_ids))
+
+    def holds(self, shard_id: str, node_id: str | None) -> bool:
+        """Whether the shard `shard_id` of `node_id` is held out: quarantined itself, or its node is."""
+        return shard_id in self.shard_ids or node_id in self.nodes
+
+    def node_reason(self, node_id: str) -> str:
+        """Why a shard of a held node is left out (node_quarantine_reason)."""
+        return node_quarantine_reason(node_id, self.nodes[node_id])
 
 
 def node_quarantine_reason(node_id: str, quarantined_shard_id: str) -> str:

@@ -16,7 +16,7 @@ import torch
 from hearth.events.models import IntegrityMismatchConfirmed, IntegrityShardsVerified, ShardVerification
 from hearth.inference.activation_compare import (evidence_digest, first_mismatch, position_errors, reportable_error,
                                           tolerance_for)
-from hearth.protocol.quarantine import quarantined_nodes
+from hearth.protocol.quarantine import Held
 from hearth.services.orchestrator.guards import RangeKey
 from hearth.services.orchestrator.hop_owner import open_signer
 from hearth.services.orchestrator.metrics import verification_checks_total
@@ -122,11 +122,11 @@ class CanaryRunner:
         model_id, lo, hi, quantization = canary.key
         candidates = await asyncio.to_thread(self.ctx.router.candidates, model_id)
         now = self.ctx.router.now()
-        held = quarantined_nodes(self.ctx.quarantined)  # a quarantine holds the node's every shard
+        held = Held.of(self.ctx.quarantined)
         return [Hop(shard_id=c.shard_id, control_subject=c.control_subject, node_id=c.node_id, layer_lo_to_run=lo,
                     layer_hi_to_run=hi, quantization=quantization)
                 for c in candidates
-                if c.shard_id not in canary.parties and c.shard_id not in self.ctx.quarantined and c.node_id not in held
+                if c.shard_id not in canary.parties and not held.holds(c.shard_id, c.node_id)
                 and self.ctx.router.alive(c, now)
                 and serves_range(c, canary.weights_sha256, quantization, canary.dtype, lo, hi)]
 

@@ -24,7 +24,7 @@ from hearth.services.orchestrator.affinity import hop_ranges, longer_kept, prefe
 from hearth.services.orchestrator.call import Call
 from hearth.services.orchestrator.capacity import ShardLoad
 from hearth.services.orchestrator.chain import HopChain
-from hearth.protocol.quarantine import node_quarantine_reason, quarantined_nodes
+from hearth.protocol.quarantine import Held
 from hearth.services.orchestrator.context import RunContext
 from hearth.services.orchestrator.hop_owner import open_signer
 from hearth.services.orchestrator.prefix import (
@@ -248,9 +248,9 @@ class ChainBuilder:
                      model_layers=model.head.info.num_layers)
         # Shards a check proved wrong, and the other shards of their nodes, are out at once, until the read model
         # quarantines them too (handed over in `build`).
-        held = quarantined_nodes(self.ctx.quarantined)
-        excluded = {**{c.shard_id: node_quarantine_reason(c.node_id, held[c.node_id]) for c in candidates
-                       if c.node_id in held}, **dict.fromkeys(self.ctx.quarantined, PROVED_WRONG), **excluded}
+        held = Held.of(self.ctx.quarantined)
+        excluded = {**{c.shard_id: held.node_reason(c.node_id) for c in candidates if c.node_id in held.nodes},
+                    **dict.fromkeys(held.shard_ids, PROVED_WRONG), **excluded}
         penalised = self.ctx.recent_failures.current() - excluded.keys()
         if penalised:
             # Shards that just failed other requests are the last resort, not a reason to give up.

@@ -22,7 +22,7 @@ from nats.aio.client import Client as NatsClient
 
 from hearth.inference.activation_compare import looser_dtype
 from hearth.inference.compute_thread import on_compute_thread
-from hearth.protocol.quarantine import quarantined_nodes
+from hearth.protocol.quarantine import Held
 from hearth.services.common.config import TransportSettings
 from hearth.services.orchestrator.call import new_pipeline_id
 from hearth.services.orchestrator.chain import HopChain
@@ -147,13 +147,13 @@ async def open_mirror(ctx, call, chain: HopChain, index: int, avoid: set[str],
     busy_nodes = {by_id[shard].node_id for shard in avoid | {hop.shard_id} if shard in by_id}
     dtype = by_id[hop.shard_id].dtype if hop.shard_id in by_id else None
     now = ctx.router.now()
-    skip = avoid | ctx.quarantined
-    busy_nodes |= set(quarantined_nodes(ctx.quarantined))  # a quarantine holds its node's every shard
+    held = Held.of(ctx.quarantined)
     # A replica of any dtype: the hop's own label must not decide whether it is checked (a label no replica has
     # would leave it unchecked); the check judges by the looser of the two dtypes' tolerances.
-    replicas = [c for c in candidates if c.shard_id not in skip and c.node_id not in busy_nodes
-                and ctx.router.alive(c, now) and serves_range(c, call.model.weights_sha256, hop.quantization, None,
-                                                              hop.layer_lo_to_run, hop.layer_hi_to_run)]
+    replicas = [c for c in candidates if c.shard_id not in avoid and c.node_id not in busy_nodes
+                and not held.holds(c.shard_id, c.node_id) and ctx.router.alive(c, now)
+                and serves_range(c, call.model.weights_sha256, hop.quantization, None, hop.layer_lo_to_run,
+                                 hop.layer_hi_to_run)]
     chance.shuffle(replicas)
     replicas.sort(key=lambda replica: replica.dtype != dtype)  # the hop's own dtype first: the tighter check
     settings, model = ctx.settings, call.model

@@ -35,7 +35,7 @@ from hearth.events.models import (IntegrityMismatchConfirmed, IntegrityMismatchD
                            ShardVerification, max_verified_shards)
 from hearth.inference.activation_compare import (evidence_digest, first_mismatch, position_errors, reportable_error,
                                           tolerance_for)
-from hearth.protocol.quarantine import quarantined_nodes
+from hearth.protocol.quarantine import Held
 from hearth.services.orchestrator.canaries import Canary
 from hearth.services.orchestrator.chain import HopChain
 from hearth.services.orchestrator.check_policy import MIRRORS_PER_LEVEL, sampled_check_due
@@ -154,9 +154,9 @@ class CallVerifier:
         """The refutation a check found since the last turn (then forgotten), or None. A hop that another call's
         check (or a canary) proved wrong meanwhile is refuted from the first position this call did not confirm."""
         if self._refutation is None and self.chain is not None:
-            held = quarantined_nodes(proved := self.ctx.proved_wrong[self._proofs_before:])
+            held = Held.of(self.ctx.proved_wrong[self._proofs_before:])
             for index, hop in enumerate(self.chain.hops):
-                if hop.shard_id in proved or hop.node_id in held:
+                if held.holds(hop.shard_id, hop.node_id):
                     self._refute("refuted", hop.shard_id, self._hops[index].confirmed_pos,
                                  "quarantined meanwhile (another check proved it, or its node, wrong); its unconfirmed "
                                  "work here is withdrawn")
