@@ -1,7 +1,8 @@
 """One shard id, one process: a shard starting under an id another live process serves (same node, range and scheme)
 refuses in one line instead of sharing its subjects, and withdraws nothing; of processes starting under one id at
 the same moment exactly one serves, whatever claims others send on its control subject; one whose earlier run is gone
-starts."""
+starts; and an answer that comes after a newcomer's deadline, or a claim heard only once a process reconnects, still
+leaves exactly one serving."""
 
 from __future__ import annotations
 
@@ -169,7 +170,7 @@ async def test_an_answer_later_than_the_newcomer_s_deadline_still_leaves_exactly
         newcomer._claim.nonce = "0" * 32  # the lowest nonce: a later claim still ranks after the serving one
         try:
             await serving.start()
-            serving.answer_delay_s = 3 * settings.transport.probe_timeout_s
+            serving.answer_delay_s = 6 * settings.transport.probe_timeout_s  # well after the newcomer's deadline
             await newcomer.start()  # heard nothing in time: keeps the id at first
             with pytest.raises(CommandRefused, match=REFUSAL) as refused:
                 await newcomer.serve_until(asyncio.sleep(20 * serving.answer_delay_s))
