@@ -3,8 +3,8 @@
 Besides §6's `open` and `close`, a shard answers `stat` with a ShardStat: what it holds open right now.
 The orchestrator uses it as a liveness probe when a step stalls (a frozen or dead shard does not answer,
 so the stall is blamed on it rather than on the hop feeding it), a shard starting under an id asks it to learn
-who else serves or claims that id, and tests use it to check that every session and its KV cache is freed when a
-request ends.
+whose claim on that id ranks before its own, and tests use it to check that every session and its KV cache is
+freed when a request ends.
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ max_open_pipelines = 4096
 PREFIX_HASH_PATTERN = r"^[0-9a-f]{32}$"
 # A starting shard's claim on its id (hearth/services/shard/claim.py): 128 random bits, hex.
 CLAIM_NONCE_PATTERN = r"^[0-9a-f]{32}$"
+# When a claim was made: Unix time in nanoseconds, as a signed 64-bit count.
+max_claim_time_ns = 2**63 - 1
 max_prefix_blocks = 8192
 max_prefix_block_tokens = 4096
 # `pipeline_taken`: the pipeline is open on this shard for another orchestrator (its ids travel in plain headers, so a
@@ -129,14 +131,30 @@ class KeepHop(BaseModel):
     keep: PrefixBlocks
 
 
+class ClaimRank(BaseModel):
+    """A shard process's claim on its id and when it made it: of processes under one id, the earliest claim (then the
+    lowest nonce) keeps it (hearth/services/shard/claim.py)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    at_ns: int = Field(ge=0, le=max_claim_time_ns)
+    nonce: str = Field(pattern=CLAIM_NONCE_PATTERN)
+
+    def before(self, other: ClaimRank) -> bool:
+        """Whether this claim outranks `other`: made earlier, or at the same time with a lower nonce."""
+        return (self.at_ns, self.nonce) < (other.at_ns, other.nonce)
+
+
 class StatShard(BaseModel):
     """Ask a shard what it holds open; answered with a ShardStat. A shard starting under the same id sends its
-    `claim` (hearth/services/shard/claim.py): who else answers serves that id, or starts under it too."""
+    `claim` and when it made it (hearth/services/shard/claim.py): who else answers has a claim on that id that ranks
+    first."""
 
     model_config = ConfigDict(extra="forbid")
 
     op: Literal["stat"] = "stat"
     claim: str | None = Field(default=None, pattern=CLAIM_NONCE_PATTERN)
+    claimed_at_ns: int | None = Field(default=None, ge=0, le=max_claim_time_ns)  # when; None from shards before it
 
 
 ControlRequest = Annotated[Union[OpenHop, CloseHop, KeepHop, StatShard], Field(discriminator="op")]
@@ -164,8 +182,10 @@ class ShardStat(BaseModel):
                                                                           max_length=max_open_pipelines)
     cached_sessions: int = Field(ge=0)
     cache_bytes: int = Field(ge=0)
-    # The answering process's own claim while it is still deciding whether it keeps its id; None once it serves.
+    # Answering another process's claim (hearth/services/shard/claim.py): the answering process's own claim and when
+    # it made it (`claimed`). Only shards from before `claimed` send `claim`: their own claim while still deciding.
     claim: str | None = Field(default=None, pattern=CLAIM_NONCE_PATTERN)
+    claimed: ClaimRank | None = None
 
 
 HopProblem = Literal["input_failed_check", "step_failed", "session_evicted"]

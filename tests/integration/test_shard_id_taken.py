@@ -1,7 +1,8 @@
 """One shard id, one process: a shard starting under an id another live process serves (same node, range and scheme)
 refuses in one line instead of sharing its subjects, and withdraws nothing; of processes starting under one id at
 the same moment exactly one serves, whatever claims others send on its control subject; one whose earlier run is gone
-starts."""
+starts; and an answer that comes after a newcomer's deadline, or a claim heard only once a process reconnects, still
+leaves exactly one serving."""
 
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ async def test_a_second_process_under_a_served_shard_id_refuses_to_start(nats_se
         twin_nc = await connect_nats(nats_server.url, name="twin-shard", settings=settings.nats)
         twin = ShardServer(twin_nc, ShardCompute(first.runner, "tiny-0-1", settings.shard), first.server.identity,
                            settings)
+        twin._claim.nonce = "0" * 32  # the lowest nonce: a claim made later still ranks after the serving one
         try:
             with pytest.raises(CommandRefused, match=REFUSAL) as refused:
                 await twin.start()
@@ -131,5 +133,85 @@ async def test_a_low_claim_not_signed_by_the_node_keeps_no_process_of_it_from_it
             await forger
             for twin in twins:
                 await twin.stop()
+            for nc in connections:
+                await nc.close()
+
+
+class SlowToAnswer(ShardServer):
+    """A process whose event loop is busy (or whose broker is loaded): it answers each control request only
+    `answer_delay_s` after it arrives."""
+
+    answer_delay_s = 0.0
+
+    async def _answer_control(self, msg) -> None:
+        await asyncio.sleep(self.answer_delay_s)
+        await super()._answer_control(msg)
+
+
+async def test_an_answer_later_than_the_newcomer_s_deadline_still_leaves_exactly_one_process_under_the_id(
+        nats_server):
+    # The process serving the id answers the newcomer's claim only after the newcomer stopped waiting for answers:
+    # the newcomer keeps the id at first, and gives it up (silently, withdrawing nothing) once the late answer comes.
+    settings = load_settings()
+    async with tiny_shard_server(nats_server.url) as first:
+        await first.server.stop()  # its runner and identity serve the two processes below
+        shard_events: list[str] = []
+
+        async def on_event(msg) -> None:
+            shard_events.append(json.loads(msg.data)["type"])
+
+        await first.client.subscribe(f"{EVENTS_PREFIX}.shard.>", cb=on_event)
+        connections = [await connect_nats(nats_server.url, name=f"shard-{i}", settings=settings.nats)
+                       for i in range(2)]
+        serving = SlowToAnswer(connections[0], ShardCompute(first.runner, "tiny-0-1", settings.shard),
+                               first.server.identity, settings)
+        newcomer = ShardServer(connections[1], ShardCompute(first.runner, "tiny-0-1", settings.shard),
+                               first.server.identity, settings)
+        newcomer._claim.nonce = "0" * 32  # the lowest nonce: a later claim still ranks after the serving one
+        try:
+            await serving.start()
+            serving.answer_delay_s = 6 * settings.transport.probe_timeout_s  # well after the newcomer's deadline
+            await newcomer.start()  # heard nothing in time: keeps the id at first
+            with pytest.raises(CommandRefused, match=REFUSAL) as refused:
+                await newcomer.serve_until(asyncio.sleep(20 * serving.answer_delay_s))
+            assert "\n" not in str(refused.value)
+            await newcomer.stop()
+            assert [serving._claim.kept, newcomer._claim.kept] == [True, False]
+            serving.answer_delay_s = 0.0
+            assert len(await _stat_answers(first)) == 1
+            assert "shard.withdrawn" not in shard_events
+        finally:
+            for process in (serving, newcomer):
+                await process.stop()
+            for nc in connections:
+                await nc.close()
+
+
+async def test_a_process_cut_off_while_another_started_asks_again_on_reconnecting_and_exactly_one_keeps_the_id(
+        nats_server):
+    # While the serving process was cut off, the broker held nothing for it: a newcomer heard no answer and serves
+    # too. Reconnected, the first one asks again; its claim ranks first, so the newcomer gives way.
+    settings = load_settings()
+    async with tiny_shard_server(nats_server.url) as first:
+        await first.server.stop()
+        connections = [await connect_nats(nats_server.url, name=f"shard-{i}", settings=settings.nats)
+                       for i in range(2)]
+        earlier, newcomer = (ShardServer(nc, ShardCompute(first.runner, "tiny-0-1", settings.shard),
+                                         first.server.identity, settings) for nc in connections)
+        try:
+            await earlier.start()
+            await earlier._control_sub.unsubscribe()  # cut off: what comes on its control subject is lost to it
+            await connections[0].flush()
+            await newcomer.start()
+            earlier._control_sub = await connections[0].subscribe(first.subject, cb=earlier._on_control)
+            earlier.request_readvertise()  # as on reconnecting
+            with pytest.raises(CommandRefused, match=REFUSAL):
+                await newcomer.serve_until(asyncio.sleep(30))
+            assert [earlier._claim.kept, newcomer._claim.kept] == [True, False]
+            await newcomer.stop()
+            assert len(await _stat_answers(first)) == 1
+        finally:
+            for process in (earlier, newcomer):
+                await process.stop()
             for nc in connections:
                 await nc.close()

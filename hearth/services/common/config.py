@@ -148,7 +148,8 @@ class TransportSettings(ConfigSection):
     probe_timeout_s: float = Field(
         default=0.5, gt=0, description="a shard silent to the gone check and then to a probe this long is cut off, "
                                        "frozen or gone (failed over before step_timeout_s); a starting shard "
-                                       "listens this long for other processes under its id")
+                                       "keeps its id when no earlier claim on it is heard this long after asking "
+                                       "(and gives it up on one heard later)")
     gone_check_timeout_s: float = Field(
         default=0.25, gt=0, description="'no responders' comes back at once; a slower answer proves nothing")
     hop_ack_timeout_s: float = Field(

@@ -1,15 +1,30 @@
-"""A starting shard's claim on its id: of the processes that start under one shard id, exactly one keeps it.
+"""A shard process's claim on its id: of the processes that start under one shard id, exactly one keeps it.
 
 Two processes under one id would share its subjects and read-model row, each answering the other's hops' opens and
-steps. A starting shard listens on its control subject first, then asks there (`stat` with its `claim`, 128 random
-bits) and hears every answer for `[transport] probe_timeout_s`: a process that answers without a claim serves the id
-and the newcomer refuses; one that answers with its own claim is starting too, and the lowest claim keeps the id.
-Listening before asking closes the window a plain probe leaves open: of two processes starting at once, the later one
-to ask is heard by the other, which answers it, so both know of both, whichever machine each runs on. A crashed or
-frozen earlier run does not answer, and is replaced; a process that lost falls silent at once.
+steps. A starting shard listens on its control subject first, then asks there (`stat` with its `claim`: 128 random
+bits, and when it made it). Claims are ranked, the earliest first and then the lowest nonce (ClaimRank), and a
+process gives way, for good, to every claim it hears that outranks its own, however late and in whatever order:
+
+- a claim heard on its control subject that outranks its own is never answered; one it outranks is answered at once
+  with its own claim (while it decides and while it serves), which makes the asker give way;
+- it hears answers to its own claim for as long as it runs, not only while it decides: an answer slower than
+  `[transport] probe_timeout_s` (a busy event loop, a loaded broker) still makes it give way, even once it serves.
+  An answer without a rank comes from a shard from before ranks that serves the id, which keeps it;
+- it keeps its id when nothing that outranks it was heard within `probe_timeout_s` of asking, and asks again after
+  a reconnect (the broker drops what comes while a process is cut off).
+
+So the process whose claim ranks first never gives way, and every other one hears of it: it asked after that one
+subscribed (and is answered) or before (and hears its claim). Listening before asking is what makes that so. A process
+serving an id ranks before any that starts later, so a newcomer never displaces it; a crashed or frozen run does not
+answer, and one starting then keeps the id, but a frozen run that thaws and answers its claim keeps it again (the
+newcomer gives way). Ranks read the clocks of the processes' machines: a clock set back by more than a rival's head
+start only changes which one keeps the id, never that exactly one does. A process that gives way answers nothing,
+withdraws nothing, and stops with `taken`. Should the first claim's process die while the others give way to it,
+none serves until one starts again. (A compare-and-set on the broker, a JetStream KV `create`, would need new
+permissions for every role and a lease that lets a crashed run's id go; ranked claims need neither.)
 
 On a community mesh a claim is signed with the node's own member key and heard as a rival's only when that key
-signed it: orchestrators may publish on every shard's control subject, and an unsigned low claim would otherwise make
+signed it: orchestrators may publish on every shard's control subject, and an unsigned early claim would otherwise make
 a starting shard refuse its own id. Only the node's processes (and the steward) hear a claim, so none is replayed. On
 an open mesh claims go unsigned, as everything does there.
 """
@@ -19,13 +34,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
+import time
+from collections.abc import Awaitable, Callable
 
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
-from nats.errors import TimeoutError as NatsTimeoutError
+from nats.aio.subscription import Subscription
 from pydantic import ValidationError
 
-from hearth.protocol.control import ShardStat, StatShard
+from hearth.protocol.control import ClaimRank, ShardStat, StatShard
 from hearth.services.common.call_signing import signed_by, signed_call_headers
 from hearth.services.common.lifecycle import CommandRefused
 from hearth.trust.keys import MemberKey
@@ -38,23 +55,36 @@ def taken(shard_id: str) -> CommandRefused:
 
 
 class ShardClaim:
-    """One start's claim on its shard id: what it heard from other processes under that id, and its verdict."""
+    """One process's claim on its shard id: its rank, what it heard from other processes under that id, its verdict."""
 
-    def __init__(self, key: MemberKey | None = None) -> None:
+    def __init__(self, key: MemberKey | None = None, clock_ns: Callable[[], int] = time.time_ns) -> None:
         self.nonce = secrets.token_hex(16)
         self.key = key  # the node's member key, which signs its claims (None: an open mesh)
-        self.kept: bool | None = None  # None while deciding
+        self.kept: bool | None = None  # None while deciding; False once it gave way, for good
         self.settled = asyncio.Event()
-        self._rivals: set[str] = set()
-        self._served_elsewhere = False
+        self.lost = asyncio.Event()
+        self._clock_ns = clock_ns
+        self._rank: ClaimRank | None = None
+        self._outranked = False  # heard, while deciding, of a claim that outranks this one
 
     @property
     def deciding(self) -> bool:
         return self.kept is None
 
-    def answer_claim(self) -> str | None:
-        """The claim a `stat` answer carries: this process's own while it decides, None once it serves."""
-        return self.nonce if self.deciding else None
+    @property
+    def rank(self) -> ClaimRank:
+        """This process's claim and when it made it: when it first asked or heard a claim, after it subscribed."""
+        if self._rank is None:
+            self._rank = ClaimRank(at_ns=self._clock_ns(), nonce=self.nonce)
+        return self._rank
+
+    def question(self) -> StatShard:
+        return StatShard(claim=self.nonce, claimed_at_ns=self.rank.at_ns)
+
+    def answer_fields(self) -> dict[str, object]:
+        """The claim fields of an answer to another's claim: its rank. No `claim`: a shard from before ranks then
+        takes this one for serving the id and refuses, as it should (its own untimed claim ranks last)."""
+        return {"claimed": self.rank}
 
     def headers(self, control_subject: str, reply: str, body: bytes) -> dict[str, str] | None:
         """What signs this process's claim (None on an open mesh)."""
@@ -67,26 +97,37 @@ class ShardClaim:
             return True
         return signed_by(self.key.public_key, msg.subject, msg.reply, msg.data, msg.headers)
 
-    def hear_claim(self, claim: str) -> None:
-        """Another process starting under this id asked: a rival while this one still decides (once decided, the
-        answer says so and the asker refuses)."""
-        if self.deciding and claim != self.nonce:
-            self._rivals.add(claim)
+    def hear_claim(self, request: StatShard) -> bool:
+        """Another process under this id asked: whether to answer it, which it gives way to. Not when this process
+        gave way, nor to its own claim; a claim that outranks this one makes this process give way instead. A claim
+        with no time (a shard from before ranks) ranks after every timed one."""
+        if self.kept is False or request.claim is None or request.claim == self.nonce:
+            return False
+        heard = ClaimRank(at_ns=request.claimed_at_ns if request.claimed_at_ns is not None else 2**63 - 1,
+                          nonce=request.claim)
+        if heard.before(self.rank):
+            self._give_way()
+            return False
+        return True
 
     def hear_answer(self, data: bytes) -> None:
-        """An answer to this process's claim: from one serving the id, or one starting under it too."""
+        """An answer to this process's claim, however late: from a process whose claim outranks it (it answers no
+        other), or from a shard from before ranks that serves the id."""
         try:
-            claim = ShardStat.model_validate_json(data).claim
+            answered = ShardStat.model_validate_json(data).claimed
         except ValidationError:  # a shard that does not know claims refuses the field, and so proves it serves
-            claim = None
-        if claim is None:
-            self._served_elsewhere = True
-        elif claim != self.nonce:
-            self._rivals.add(claim)
+            answered = None
+        if self.kept is False or (answered is not None and answered.nonce == self.nonce):
+            return
+        if answered is None or answered.before(self.rank):
+            self._give_way()
 
     def decide(self) -> bool:
-        """Whether this process keeps its id: nobody serves it and no rival's claim is lower."""
-        self.kept = not self._served_elsewhere and all(self.nonce < rival for rival in self._rivals)
+        """Whether this process keeps its id: nothing that outranks its claim was heard while it decided."""
+        if self.deciding:
+            self.kept = not self._outranked
+        if not self.kept:
+            self.lost.set()
         self.settled.set()
         return self.kept
 
@@ -96,23 +137,55 @@ class ShardClaim:
             await asyncio.wait_for(self.settled.wait(), timeout=timeout_s)
         return self.kept is True
 
+    def _give_way(self) -> None:
+        if self.deciding:  # decided at its deadline, as the process's start expects
+            self._outranked = True
+            return
+        self.kept = False
+        self.lost.set()
 
-async def claim_answers(nc: NatsClient, control_subject: str, claim: ShardClaim, timeout_s: float) -> None:
-    """Ask on `control_subject` who else answers under this id, and tell `claim` every answer heard within
-    `timeout_s` (not only the first: a rival and a serving process may both answer)."""
-    inbox = nc.new_inbox()
-    answers = await nc.subscribe(inbox)
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
+
+class ClaimQuestion:
+    """This process's claim asked on its control subject, and every answer to it heard for as long as it runs."""
+
+    def __init__(self, nc: NatsClient, control_subject: str, claim: ShardClaim) -> None:
+        self.nc = nc
+        self.control_subject = control_subject
+        self.claim = claim
+        self._answers: Subscription | None = None
+        self._inbox = ""
+
+    async def ask(self) -> None:
+        """Ask (again: after a reconnect) who else answers under this id; answers go on to `claim` as they come."""
+        if self._answers is None:
+            self._inbox = self.nc.new_inbox()
+            self._answers = await self.nc.subscribe(self._inbox, cb=self._hear)
+        body = self.claim.question().model_dump_json().encode()
+        await self.nc.publish(self.control_subject, body, reply=self._inbox,
+                              headers=self.claim.headers(self.control_subject, self._inbox, body))
+
+    async def close(self) -> None:
+        if self._answers is not None:
+            with contextlib.suppress(Exception):
+                await self._answers.unsubscribe()
+            self._answers = None
+
+    async def _hear(self, msg: Msg) -> None:
+        self.claim.hear_answer(msg.data)
+
+
+async def unless_taken(ended: Awaitable[None], claim: ShardClaim, shard_id: str) -> None:
+    """Await `ended` (a serving process's stop); raise `taken` first if `claim` gives way meanwhile (an answer to it
+    that came late, or a claim that outranks it)."""
+    ending = asyncio.ensure_future(ended)
+    lost = asyncio.ensure_future(claim.lost.wait())
     try:
-        body = StatShard(claim=claim.nonce).model_dump_json().encode()
-        await nc.publish(control_subject, body, reply=inbox, headers=claim.headers(control_subject, inbox, body))
-        while (left_s := deadline - loop.time()) > 0:
-            try:
-                message = await answers.next_msg(timeout=left_s)
-            except NatsTimeoutError:
-                break
-            claim.hear_answer(message.data)
+        await asyncio.wait((ending, lost), return_when=asyncio.FIRST_COMPLETED)
     finally:
-        with contextlib.suppress(Exception):
-            await answers.unsubscribe()
+        for task in (ending, lost):
+            task.cancel()
+        await asyncio.gather(ending, lost, return_exceptions=True)
+    if not ending.cancelled():
+        ending.result()  # its own end, or what it raised
+    else:
+        raise taken(shard_id)

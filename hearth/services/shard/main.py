@@ -283,8 +283,9 @@ async def serve_loaded_shard(loaded: LoadedShard, *, nats_url: str | None, setti
         if ready_file:
             with open(ready_file, "w") as handle:
                 handle.write(shard_id)
-        # A connection nats-py closed for good would leave the shard advertised but unreachable: it stops instead.
-        await until_stopped_or_closed(nc, stop_event, f"shard {shard_id}")
+        # A connection nats-py closed for good would leave the shard advertised but unreachable: it stops instead. So
+        # does one that learns late that another process keeps its id (hearth/services/shard/claim.py).
+        await server.serve_until(until_stopped_or_closed(nc, stop_event, f"shard {shard_id}"))
     finally:
         await server.stop(withdraw_reason())
         await compute.close()

@@ -7,8 +7,8 @@ wait behind an `open` or `close` that waits for a long prefill, and `stat` itsel
 arrived (one lock, acquired in arrival order), so a late close never overtakes the re-open after a failover; but
 neither waits for the compute thread under that lock: an `open` reserves its hop under it and attaches its kept
 prefix (or resets the hop it replaces) outside it, and a `close` closes outside it what it detached under it.
-Until it knows it keeps its shard id (hearth/services/shard/claim.py) it answers other claims at once and holds every
-other request until then; a process that lost its claim answers nothing and withdraws nothing.
+Until it knows it keeps its shard id (hearth/services/shard/claim.py) it answers the claims it outranks at once and
+holds every other request until then; a process that gave way, then or later, answers nothing and withdraws nothing.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import contextlib
 import hmac
 import logging
 import time
+from collections.abc import Awaitable
 
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
@@ -42,7 +43,7 @@ from hearth.services.common.call_signing import CallRefused
 from hearth.services.common.event_trust import event_signing_key, open_verifier, stream_setup
 from hearth.services.broker.connection import flush_ordered
 from hearth.services.broker.permissions import reply_allowed
-from hearth.services.shard.claim import ShardClaim, claim_answers, taken
+from hearth.services.shard.claim import ClaimQuestion, ShardClaim, taken, unless_taken
 from hearth.services.shard.compute import ShardCompute
 from hearth.services.shard.hops import HopLimits, ServedHop
 from hearth.services.shard.identity import ShardIdentity, open_refusal
@@ -85,6 +86,7 @@ class ShardServer:
         self._hop_changes = asyncio.Lock()
         self._stopped = False
         self._claim = ShardClaim(self.signing_key)
+        self._question = ClaimQuestion(nc, identity.control_subject, self._claim)
 
     @property
     def active_streams(self) -> int:
@@ -95,10 +97,12 @@ class ShardServer:
         # One id, one process (hearth/services/shard/claim.py): listening first, then asking who else answers.
         self._control_sub = await self.nc.subscribe(self.identity.control_subject, cb=self._on_control)
         await flush_ordered(self.nc, self.control_timeout_s)
-        await claim_answers(self.nc, self.identity.control_subject, self._claim, self.probe_timeout_s)
+        await self._question.ask()
+        await asyncio.sleep(self.probe_timeout_s)
         if not self._claim.decide():
             with contextlib.suppress(Exception):
                 await self._control_sub.unsubscribe()
+            await self._question.close()
             raise taken(self.identity.shard_id)
         await self.advertise()
         self._background = [
@@ -108,6 +112,10 @@ class ShardServer:
         ]
         log.info("shard %s serving layers %d-%d on %s", self.identity.shard_id, self.identity.layer_lo,
                  self.identity.layer_hi, self.identity.control_subject)
+
+    async def serve_until(self, ended: Awaitable[None]) -> None:
+        """Await `ended` (the process's stop), unless this process gives way to another under its id first: `taken`."""
+        await unless_taken(ended, self._claim, self.identity.shard_id)
 
     def request_readvertise(self) -> None:
         """Called after a reconnect: a restarted broker may have lost nothing, but routing must see us at once."""
@@ -137,6 +145,8 @@ class ShardServer:
     async def _heartbeat_loop(self) -> None:
         while True:
             await asyncio.sleep(self.settings.heartbeat_interval_s)
+            if not self._claim.kept:  # it gave way: the id is another process's
+                return
             try:
                 await self.heartbeat()
             except Exception as error:  # the broker may be restarting; the next beat tries again
@@ -147,8 +157,13 @@ class ShardServer:
         while True:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._readvertise.wait(), timeout=self.settings.advertisement_ttl_s / 3)
+            reconnected = self._readvertise.is_set()
             self._readvertise.clear()
+            if not self._claim.kept:  # it gave way: the id is another process's
+                return
             try:
+                if reconnected:  # claims sent while this process was cut off never reached it: ask again
+                    await self._question.ask()
                 if self.stream_setup.create:
                     await ensure_streams(self.js)
                 await self.advertise()
@@ -187,6 +202,7 @@ class ShardServer:
         if self._control_sub is not None:
             with contextlib.suppress(Exception):
                 await self._control_sub.unsubscribe()
+        await self._question.close()
         for pipeline_id in list(self._hops):
             await self._close_hop(pipeline_id)
         if not self._claim.kept:  # the id is another process's (or was never claimed): its withdrawal is not ours
@@ -216,11 +232,10 @@ class ShardServer:
             await self._reply(msg, ControlReply(ok=False, code="bad_request", message=_one_line(error)))
             return
         if isinstance(request, StatShard) and request.claim is not None and self._claim.from_this_node(msg):
-            # Another process starting under this id: heard and answered at once, so it and this one agree on
-            # who keeps the id (our own claim goes unanswered). A claim not of this node is a plain `stat`.
-            if request.claim != self._claim.nonce:
-                self._claim.hear_claim(request.claim)
-                await self._reply(msg, self.stat())
+            # Another process under this id: answered at once when this one outranks it (it then gives way), else this
+            # one gives way and answers nothing. A claim not of this node is a plain `stat`.
+            if self._claim.hear_claim(request):
+                await self._reply(msg, self.stat(answering_claim=True))
             return
         if not await self._claim.settle(self.control_timeout_s):
             return
@@ -264,12 +279,13 @@ class ShardServer:
             with contextlib.suppress(Exception):  # the asker or the broker is gone: nobody to tell
                 await msg.respond(reply.model_dump_json().encode())
 
-    def stat(self) -> ShardStat:
-        """What this shard holds right now (answers `stat`; also a liveness probe for the orchestrator)."""
+    def stat(self, answering_claim: bool = False) -> ShardStat:
+        """What this shard holds right now (answers `stat`; also a liveness probe for the orchestrator), and its own
+        claim when answering another's."""
         cache = self.compute.cache
         return ShardStat(shard_id=self.identity.shard_id, active_streams=self.active_streams,
                          open_pipelines=sorted(self._hops), cached_sessions=cache.sessions,
-                         cache_bytes=cache.cache_bytes, claim=self._claim.answer_claim())
+                         cache_bytes=cache.cache_bytes, **(self._claim.answer_fields() if answering_claim else {}))
 
     def _opener(self, msg: Msg) -> str | ControlReply | None:
         """Whose `open` this is: the roster member whose key signed it; None on an open mesh, where opens are not told
