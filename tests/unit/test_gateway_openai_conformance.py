@@ -1,0 +1,156 @@
+"""The gateway as OpenAI's own client and curl meet it, over scripted frame streams without a network: a model
+retrieved by id, content parts hearth cannot read refused by name, bounds named by the field the client sent, fields
+that ask for what hearth cannot give refused, and a failure the gateway did not foresee (its broker connection
+closed) answered as an OpenAI error, a streamed one ending with an error event rather than a silent cut."""
+
+from __future__ import annotations
+
+import json
+
+import httpx2
+import openai
+import pytest
+from nats.errors import ConnectionClosedError
+
+from hearth.protocol.chat import max_tokens_limit
+from hearth.services.gateway.app import create_app
+from tests.unit.test_withdrawn_tokens import (  # noqa: F401 (gateway is a fixture)
+    MODEL, ScriptedCall, ScriptedGateway, chat_body, done, events_of, gateway, token,
+)
+
+
+def openai_client(http: httpx2.AsyncClient) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url="http://gateway/v1", api_key="unused", http_client=http, max_retries=0)
+
+
+async def test_a_model_is_retrieved_by_its_id_and_an_unknown_one_is_404_model_not_found(gateway):
+    http, _ = gateway
+    model = await openai_client(http).models.retrieve(MODEL)
+    assert (model.id, model.object, model.owned_by) == (MODEL, "model", "hearth")
+    with pytest.raises(openai.NotFoundError) as missing:
+        await openai_client(http).models.retrieve("never-served")
+    assert (missing.value.code, missing.value.param) == ("model_not_found", "model")
+
+
+@pytest.mark.parametrize("part, kind", [
+    ({"type": "image_url", "image_url": {"url": "https://example.org/cat.png"}}, "image_url"),
+    ({"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}, "input_audio"),
+    ({"type": "file", "file": {"file_id": "file-1"}}, "file"),
+])
+async def test_a_content_part_that_is_not_text_is_refused_by_its_type(gateway, part, kind):
+    http, scripted = gateway
+    content = [{"type": "text", "text": "what is this?"}, part]
+    response = await http.post("/v1/chat/completions", json=chat_body(messages=[{"role": "user", "content": content}]))
+    error = response.json()["error"]
+    assert (response.status_code, error["param"]) == (400, "messages"), error
+    assert f"messages.0.content.1: content parts of type '{kind}' are not supported" in error["message"], error
+    assert "TextPart" not in error["message"] and not scripted.received
+
+
+async def test_text_parts_and_an_assistant_s_refusal_part_are_read_as_text(gateway):
+    http, scripted = gateway
+    scripted.scripts.append([token(0, "ok"), done(1, 1)])
+    messages = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+                {"role": "assistant", "content": [{"type": "refusal", "refusal": "I cannot."}]},
+                {"role": "user", "content": "please"}]
+    response = await http.post("/v1/chat/completions", json=chat_body(messages=messages))
+    assert response.status_code == 200, response.text
+    assert [m.content for m in scripted.received[-1].messages] == ["ab", "I cannot.", "please"]
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"max_completion_tokens": max_tokens_limit + 1}, "max_completion_tokens"),
+    ({"max_tokens": max_tokens_limit + 1}, "max_tokens"),
+    ({"seed": 2**64}, "seed"),
+    ({"stop": ""}, "stop"),
+    ({"stop": ["x" * 257]}, "stop"),
+    ({"logit_bias": {"5": 101}}, "logit_bias"),
+])
+async def test_a_value_out_of_bounds_is_a_400_naming_the_field_the_client_sent(gateway, fields, param):
+    http, scripted = gateway
+    response = await http.post("/v1/chat/completions", json=chat_body(**fields))
+    error = response.json()["error"]
+    assert (response.status_code, error["param"]) == (400, param), error
+    assert f"'{param}" in error["message"] and not scripted.received
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"}}, "modalities"),
+    ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+    ({"web_search_options": {}}, "web_search_options"),
+])
+async def test_fields_asking_for_what_hearth_cannot_give_are_refused_by_name(gateway, fields, param):
+    http, scripted = gateway
+    response = await http.post("/v1/chat/completions", json=chat_body(**fields))
+    error = response.json()["error"]
+    assert (response.status_code, error["param"]) == (400, param), error
+    assert not scripted.received
+
+
+async def test_text_only_modalities_and_top_k_are_honoured(gateway):
+    http, scripted = gateway
+    scripted.scripts.append([token(0, "ok"), done(1, 1)])
+    response = await http.post("/v1/chat/completions", json=chat_body(modalities=["text"], top_k=40))
+    assert response.status_code == 200, response.text
+    assert scripted.received[-1].top_k == 40
+
+
+class BrokerClosedCall(ScriptedCall):
+    """A call whose broker connection closes after `tokens` tokens."""
+
+    def __init__(self, request, tokens: int) -> None:
+        async def frames():
+            for seq in range(tokens):
+                yield token(seq, "x")
+            raise ConnectionClosedError
+
+        super().__init__(request, [])
+        self._frames = frames()
+
+
+class BrokerClosedGateway(ScriptedGateway):
+    def __init__(self, tokens: int) -> None:
+        super().__init__()
+        self.tokens = tokens
+
+    def call(self, request, caller):
+        return BrokerClosedCall(request, self.tokens)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_closed_broker_connection_before_the_first_token_is_an_openai_shaped_503(stream):
+    scripted = BrokerClosedGateway(tokens=0)
+    transport = httpx2.ASGITransport(app=create_app(scripted), raise_app_exceptions=False)
+    async with httpx2.AsyncClient(transport=transport, base_url="http://gateway") as http:
+        response = await http.post("/v1/chat/completions", json=chat_body(stream=stream))
+    assert response.status_code == 503 and response.headers["content-type"] == "application/json"
+    assert response.json()["error"]["type"] == "service_unavailable_error"
+    assert scripted.open_calls == 0
+
+
+async def test_a_stream_cut_by_a_failure_ends_with_an_error_event_that_openai_s_client_raises():
+    scripted = BrokerClosedGateway(tokens=2)
+    transport = httpx2.ASGITransport(app=create_app(scripted), raise_app_exceptions=False)
+    async with httpx2.AsyncClient(transport=transport, base_url="http://gateway") as http:
+        response = await http.post("/v1/chat/completions", json=chat_body(stream=True))
+        events = events_of(response)
+        assert events[-1] != "[DONE]" and json.loads(events[-1])["error"]["type"] == "service_unavailable_error"
+        stream = await openai_client(http).chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], stream=True)
+        with pytest.raises(openai.APIError):
+            async for _ in stream:
+                pass
+    assert scripted.open_calls == 0
+
+
+async def test_a_model_list_with_the_broker_connection_closed_is_an_openai_shaped_503():
+    class ClosedCatalogGateway(ScriptedGateway):
+        async def models(self):
+            raise ConnectionClosedError
+
+    transport = httpx2.ASGITransport(app=create_app(ClosedCatalogGateway()), raise_app_exceptions=False)
+    async with httpx2.AsyncClient(transport=transport, base_url="http://gateway") as http:
+        listed = await http.get("/v1/models")
+        retrieved = await http.get(f"/v1/models/{MODEL}")
+    for response in (listed, retrieved):
+        assert response.status_code == 503 and response.json()["error"]["type"] == "service_unavailable_error"
