@@ -5,6 +5,7 @@ closed) answered as an OpenAI error, a streamed one ending with an error event r
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import httpx2
@@ -14,6 +15,7 @@ from nats.errors import ConnectionClosedError
 
 from hearth.protocol.chat import max_tokens_limit
 from hearth.services.gateway.app import create_app
+from tests.unit.test_gateway_hardening import CLOSE_WAIT_S, serving
 from tests.unit.test_withdrawn_tokens import (  # noqa: F401 (gateway is a fixture)
     MODEL, ScriptedCall, ScriptedGateway, chat_body, done, events_of, gateway, token,
 )
@@ -154,3 +156,69 @@ async def test_a_model_list_with_the_broker_connection_closed_is_an_openai_shape
         retrieved = await http.get(f"/v1/models/{MODEL}")
     for response in (listed, retrieved):
         assert response.status_code == 503 and response.json()["error"]["type"] == "service_unavailable_error"
+
+
+class EndlessCall(ScriptedCall):
+    """A call that sends one token and then waits for the next for ever, noting when it is closed."""
+
+    def __init__(self, request, closed: asyncio.Event) -> None:
+        async def frames():
+            try:
+                yield token(0, "x")
+                await asyncio.Event().wait()
+            finally:
+                closed.set()
+
+        super().__init__(request, [])
+        self._frames = frames()
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_a_client_that_leaves_while_its_call_waits_for_a_token_has_the_call_closed_at_once(stream):
+    closed = asyncio.Event()
+
+    class EndlessGateway(ScriptedGateway):
+        def call(self, request, caller):
+            return EndlessCall(request, closed)
+
+    scripted = EndlessGateway()
+    async with serving(scripted) as address:
+        reader, writer = await asyncio.open_connection(*address)
+        body = json.dumps(chat_body(stream=stream)).encode()
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        await writer.drain()
+        if stream:
+            assert b'"content":"x"' in await asyncio.wait_for(reader.readuntil(b'"content":"x"'), CLOSE_WAIT_S)
+        else:
+            while not scripted.open_calls:
+                await asyncio.sleep(0.01)
+        writer.close()
+        await asyncio.wait_for(closed.wait(), CLOSE_WAIT_S)
+        while scripted.open_calls:
+            await asyncio.sleep(0.01)
+
+
+@pytest.mark.parametrize("path, fields", [("/v1/chat/completions", {}), ("/v1/completions", {"prompt": "x"})])
+async def test_a_seed_anywhere_in_openai_s_range_is_taken_and_the_same_seed_draws_the_same(gateway, path, fields):
+    """OpenAI's seed is any 64-bit signed integer; hearth's is 0 to 2**63 - 1, so a negative one is carried into
+    that range, one to one for the seeds a client would pick."""
+    http, scripted = gateway
+    body = {"model": MODEL, **(fields or {"messages": [{"role": "user", "content": "hi"}]})}
+    seeds = []
+    for seed in (-1, -(2**63), 7, -1):
+        scripted.scripts.append([token(0, "ok"), done(1, 1)])
+        response = await http.post(path, json={**body, "seed": seed})
+        assert response.status_code == 200, response.text
+        seeds.append(scripted.received[-1].seed)
+    assert seeds[0] == seeds[3] and len(set(seeds[:3])) == 3 and all(0 <= seed < 2**63 for seed in seeds)
+    response = await http.post(path, json={**body, "seed": 2**63})
+    assert (response.status_code, response.json()["error"]["param"]) == (400, "seed")
+
+
+async def test_top_p_0_which_openai_takes_is_the_greedy_answer(gateway):
+    http, scripted = gateway
+    scripted.scripts.append([token(0, "ok"), done(1, 1)])
+    response = await http.post("/v1/chat/completions", json=chat_body(top_p=0, temperature=0.7))
+    assert response.status_code == 200, response.text
+    assert (scripted.received[-1].temperature, scripted.received[-1].top_p) == (0.0, 1.0)

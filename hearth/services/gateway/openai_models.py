@@ -39,6 +39,7 @@ from hearth.services.gateway.tool_calls import ToolCallBody
 
 openai_temperature_max = 2.0
 openai_max_stop_strings = 4
+openai_seed_bound = 2**63
 
 
 class Unsupported(BadRequest):
@@ -121,8 +122,10 @@ class _Sampling(BaseModel):
     model: str | None = Field(default=None, min_length=1, max_length=512)
     max_tokens: int | None = Field(default=None, ge=1, le=max_tokens_limit)
     temperature: float | None = Field(default=None, ge=0.0, le=openai_temperature_max)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    seed: int | None = Field(default=None, ge=0)
+    # OpenAI's range: 0 is the most likely token only, the greedy answer.
+    top_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    # OpenAI's range, a 64-bit signed integer; hearth's seeds are 0 to 2**63 - 1 (_chat_request carries it there).
+    seed: int | None = Field(default=None, ge=-openai_seed_bound, lt=openai_seed_bound)
     stop: str | list[str] | None = None
     n: int | None = Field(default=None, ge=1)
     stream: bool = False
@@ -148,10 +151,12 @@ class _Sampling(BaseModel):
             raise Unsupported("stop", f"'stop' takes at most {openai_max_stop_strings} strings")
 
     def _chat_request(self, *, max_tokens: int | None, **inputs: Any) -> ChatRequest:
+        greedy = self.top_p == 0  # hearth's top_p must keep some mass: the greedy answer is what 0 asks for
         fields: dict[str, Any] = {
             "request_id": uuid.uuid4().hex, "model": self.model,
-            "temperature": 1.0 if self.temperature is None else self.temperature,
-            "top_p": 1.0 if self.top_p is None else self.top_p, "seed": self.seed,
+            "temperature": 0.0 if greedy else 1.0 if self.temperature is None else self.temperature,
+            "top_p": 1.0 if greedy or self.top_p is None else self.top_p,
+            "seed": None if self.seed is None else self.seed % openai_seed_bound,
             "stop": [self.stop] if isinstance(self.stop, str) else list(self.stop or []), **inputs}
         if max_tokens is not None:
             fields["max_tokens"] = max_tokens
