@@ -222,3 +222,19 @@ async def test_top_p_0_which_openai_takes_is_the_greedy_answer(gateway):
     response = await http.post("/v1/chat/completions", json=chat_body(top_p=0, temperature=0.7))
     assert response.status_code == 200, response.text
     assert (scripted.received[-1].temperature, scripted.received[-1].top_p) == (0.0, 1.0)
+
+
+async def test_a_streamed_tool_call_s_argument_fragments_carry_no_name_as_openai_s_do(gateway):
+    """After the fragment that names the function, OpenAI's fragments hold only `index` and `function.arguments`: a
+    client that appends every fragment's name would otherwise read "lookupNone" (or "lookupnull")."""
+    http, scripted = gateway
+    lookup = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}
+    scripted.scripts.append([token(0, '{"name": "lookup", "arguments": {"q'), token(1, '": "x"}}'),
+                             done(2, 2).model_copy(update={"finish_reason": "tool_calls"})])
+    response = await http.post("/v1/chat/completions", json=chat_body(tools=[lookup], stream=True))
+    fragments = [call for event in events_of(response)[:-1] for choice in json.loads(event)["choices"]
+                 for call in choice["delta"].get("tool_calls", [])]
+    assert fragments[0]["function"]["name"] == "lookup"
+    assert all(set(fragment) == {"index", "function"} and set(fragment["function"]) == {"arguments"}
+               for fragment in fragments[1:]), fragments
+    assert json.loads("".join(fragment["function"]["arguments"] for fragment in fragments)) == {"q": "x"}
