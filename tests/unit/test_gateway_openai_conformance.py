@@ -238,3 +238,27 @@ async def test_a_streamed_tool_call_s_argument_fragments_carry_no_name_as_openai
     assert all(set(fragment) == {"index", "function"} and set(fragment["function"]) == {"arguments"}
                for fragment in fragments[1:]), fragments
     assert json.loads("".join(fragment["function"]["arguments"] for fragment in fragments)) == {"q": "x"}
+
+
+CHAT_NULLABLE = ("frequency_penalty", "logit_bias", "logprobs", "max_completion_tokens", "max_tokens", "metadata",
+                 "modalities", "n", "presence_penalty", "response_format", "seed", "service_tier", "stop", "store",
+                 "stream", "stream_options", "temperature", "tool_choice", "tools", "top_logprobs", "top_p", "user",
+                 "audio", "web_search_options", "parallel_tool_calls", "reasoning_effort", "prediction")
+COMPLETION_NULLABLE = ("best_of", "echo", "frequency_penalty", "logit_bias", "logprobs", "max_tokens", "n",
+                       "presence_penalty", "seed", "stop", "stream", "stream_options", "suffix", "temperature",
+                       "top_p", "user")
+
+
+@pytest.mark.parametrize("path, body, nullable", [
+    ("/v1/chat/completions", chat_body(), CHAT_NULLABLE),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi"}, COMPLETION_NULLABLE),
+])
+async def test_every_optional_field_sent_as_null_means_left_out(gateway, path, body, nullable):
+    """OpenAI's API takes null for each of its optional fields (clients that serialise every field send them)."""
+    http, scripted = gateway
+    scripted.scripts.append([token(0, "ok"), done(1, 1)])
+    response = await http.post(path, json={**body, **dict.fromkeys(nullable)})
+    assert response.status_code == 200, response.text
+    scripted.scripts.append([token(0, "ok"), done(1, 1)])
+    streamed = await http.post(path, json={**body, "stream": True, "stream_options": {"include_usage": None}})
+    assert streamed.status_code == 200 and events_of(streamed)[-1] == "[DONE]", streamed.text

@@ -111,7 +111,7 @@ class HearthOptions(BaseModel):
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    include_usage: bool = False
+    include_usage: bool | None = None
 
 
 class _Sampling(BaseModel):
@@ -128,7 +128,8 @@ class _Sampling(BaseModel):
     seed: int | None = Field(default=None, ge=-openai_seed_bound, lt=openai_seed_bound)
     stop: str | list[str] | None = None
     n: int | None = Field(default=None, ge=1)
-    stream: bool = False
+    # Every optional field takes null, as OpenAI's API does: left out.
+    stream: bool | None = None
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -240,7 +241,7 @@ class CompletionRequest(_Sampling):
     """The body of POST /v1/completions (the legacy text completion)."""
 
     prompt: str | list[str]
-    echo: bool = False
+    echo: bool | None = None
     suffix: str | None = None
     best_of: int | None = None
     # How many most likely tokens to report beside each sampled one (0: the sampled token's only); None: no logprobs.
