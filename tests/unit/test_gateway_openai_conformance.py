@@ -13,7 +13,7 @@ import openai
 import pytest
 from nats.errors import ConnectionClosedError
 
-from hearth.protocol.chat import max_tokens_limit
+from hearth.protocol.chat import BadRequest, max_tokens_limit, parse_chat_request
 from hearth.services.gateway.app import create_app
 from tests.unit.test_gateway_hardening import CLOSE_WAIT_S, serving
 from tests.unit.test_withdrawn_tokens import (  # noqa: F401 (gateway is a fixture)
@@ -262,3 +262,41 @@ async def test_every_optional_field_sent_as_null_means_left_out(gateway, path, b
     scripted.scripts.append([token(0, "ok"), done(1, 1)])
     streamed = await http.post(path, json={**body, "stream": True, "stream_options": {"include_usage": None}})
     assert streamed.status_code == 200 and events_of(streamed)[-1] == "[DONE]", streamed.text
+
+
+def _many(item: str, count: int = 150_000) -> str:
+    return "[" + ",".join([item] * count) + "]"
+
+
+@pytest.mark.parametrize("path, raw", [
+    ("/v1/completions", '{"model": "scripted", "prompt": %s}' % _many("1")),  # token ids
+    ("/v1/chat/completions", '{"model": "scripted", "messages": [{"role": "user", "content": %s}]}' % _many("{}")),
+    ("/v1/chat/completions", '{"model": "scripted", "messages": [{"role": "user", "content": "x"}], "stop": %s}'
+     % _many("1")),
+    ("/v1/chat/completions", '{"model": "scripted", "messages": [{"role": "user", "content": "x"}], "tools": %s}'
+     % _many("1")),
+    ("/v1/chat/completions", '{"model": "scripted", "messages": [{"role": "assistant", "content": "x", '
+                             '"tool_calls": %s}]}' % _many("1")),
+    ("/v1/chat/completions", '{"model": "scripted", "messages": [{"role": "user", "content": "x"}], "logit_bias": '
+                             '{%s}}' % ",".join(f'"{i}": "a"' for i in range(80_000))),
+    ("/v1/chat/completions", '{"model": "scripted", "messages": [{"role": "user", "content": "x"}], "logit_bias": '
+                             '{%s}}' % ",".join(f'"{i}": 1' for i in range(80_000))),
+])
+async def test_a_body_with_many_wrong_items_is_refused_in_a_few_lines_not_one_per_item(gateway, path, raw):
+    """Each wrong item of a list used to be described: a 1 MB body drew an answer of tens of MB, built on the event
+    loop for seconds."""
+    http, scripted = gateway
+    assert len(raw) < 1_048_576
+    response = await http.post(path, content=raw.encode())
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["param"] is not None, error
+    assert len(error["message"]) < 2_000, error["message"][:500]
+    assert not scripted.received
+
+
+def test_llm_chat_request_with_many_wrong_logit_biases_is_refused_in_one_line():
+    """The orchestrator's own parse of `llm.chat.request`, which another client than the gateway may send."""
+    entries = ",".join(f'"{token_id}": "a"' for token_id in range(50_000))
+    with pytest.raises(BadRequest) as refused:
+        parse_chat_request(('{"prompt": "x", "logit_bias": {%s}}' % entries).encode())
+    assert len(str(refused.value)) < 500 and "logit_bias" in str(refused.value), str(refused.value)[:500]

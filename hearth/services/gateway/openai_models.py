@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -29,6 +29,7 @@ from hearth.protocol.chat import (
     VerifyLevel,
     describe_validation_error,
     max_choices,
+    max_logit_bias_entries,
     max_messages,
     max_tokens_limit,
     max_top_logprobs,
@@ -40,6 +41,10 @@ from hearth.services.gateway.tool_calls import ToolCallBody
 openai_temperature_max = 2.0
 openai_max_stop_strings = 4
 openai_seed_bound = 2**63
+Item = TypeVar("Item")
+# A list whose first wrong item ends its validation: a body of many wrong items is refused for one, not described
+# item by item (a 1 MB body of them drew tens of MB of error, built on the event loop).
+FailFastList = Annotated[list[Item], Field(fail_fast=True)]
 
 
 class Unsupported(BadRequest):
@@ -76,8 +81,8 @@ class OpenAIMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    content: str | FailFastList[ContentPart] | None = None
+    tool_calls: FailFastList[dict[str, Any]] | None = None
     tool_call_id: str | None = None
 
     def to_chat_message(self, index: int = 0) -> ChatMessage:
@@ -126,7 +131,7 @@ class _Sampling(BaseModel):
     top_p: float | None = Field(default=None, ge=0.0, le=1.0)
     # OpenAI's range, a 64-bit signed integer; hearth's seeds are 0 to 2**63 - 1 (_chat_request carries it there).
     seed: int | None = Field(default=None, ge=-openai_seed_bound, lt=openai_seed_bound)
-    stop: str | list[str] | None = None
+    stop: str | FailFastList[str] | None = None
     n: int | None = Field(default=None, ge=1)
     # Every optional field takes null, as OpenAI's API does: left out.
     stream: bool | None = None
@@ -136,7 +141,8 @@ class _Sampling(BaseModel):
     # Extensions of OpenAI's API (transformers' and vLLM's names).
     repetition_penalty: float | None = None
     top_k: int | None = None
-    logit_bias: dict[str, float] | None = None
+    # Its values are bounded by llm.chat.request's validation; here only how many, counted before any is read.
+    logit_bias: dict[str, Any] | None = Field(default=None, max_length=max_logit_bias_entries)
     # hearth's own options (HearthOptions), checked when mapped so that a refusal names the option.
     hearth: dict[str, Any] | None = None
 
@@ -195,15 +201,15 @@ class ChatCompletionRequest(_Sampling):
 
     messages: list[OpenAIMessage] = Field(min_length=1, max_length=max_messages)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=max_tokens_limit)
-    tools: list[dict[str, Any]] | None = None
+    tools: FailFastList[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    functions: list[dict[str, Any]] | None = None
+    functions: FailFastList[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=max_top_logprobs)
     # What answers hearth cannot give (audio, a web search): refused, never answered with text alone.
-    modalities: list[str] | None = None
+    modalities: FailFastList[str] | None = None
     audio: dict[str, Any] | None = None
     web_search_options: dict[str, Any] | None = None
 
@@ -240,7 +246,7 @@ class ChatCompletionRequest(_Sampling):
 class CompletionRequest(_Sampling):
     """The body of POST /v1/completions (the legacy text completion)."""
 
-    prompt: str | list[str]
+    prompt: str | FailFastList[str]
     echo: bool | None = None
     suffix: str | None = None
     best_of: int | None = None
