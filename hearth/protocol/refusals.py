@@ -7,6 +7,9 @@ from pydantic import ValidationError
 # The wrong fields a refusal names at most (then how many more): a body of many wrong items must not draw an answer
 # many times its size.
 max_described_problems = 8
+# What the refusal of a prompt too long for its model's context says (hearth/services/orchestrator/admission.py): the
+# gateway answers it with OpenAI's code for it, `context_length_exceeded`.
+CONTEXT_EXCEEDED = "exceed the model's context"
 
 
 def describe_validation_error(error: ValidationError) -> str:

@@ -13,7 +13,7 @@ import openai
 import pytest
 from nats.errors import ConnectionClosedError
 
-from hearth.protocol.chat import BadRequest, max_tokens_limit, parse_chat_request
+from hearth.protocol.chat import BadRequest, ErrorFrame, max_tokens_limit, parse_chat_request
 from hearth.services.gateway.app import create_app
 from tests.unit.test_gateway_hardening import CLOSE_WAIT_S, serving
 from tests.unit.test_withdrawn_tokens import (  # noqa: F401 (gateway is a fixture)
@@ -300,3 +300,22 @@ def test_llm_chat_request_with_many_wrong_logit_biases_is_refused_in_one_line():
     with pytest.raises(BadRequest) as refused:
         parse_chat_request(('{"prompt": "x", "logit_bias": {%s}}' % entries).encode())
     assert len(str(refused.value)) < 500 and "logit_bias" in str(refused.value), str(refused.value)[:500]
+
+
+@pytest.mark.parametrize("message, code, param", [
+    ("fields 'messages' and 'max_tokens': the prompt's 900 tokens plus max_tokens 200 = 1100 exceed the model's "
+     "context of 1024 tokens", "context_length_exceeded", "messages"),
+    ("fields 'prompt' and 'max_tokens': the prompt's at least 5000 tokens plus max_tokens 16 exceed the model's "
+     "context of 2048 tokens", "context_length_exceeded", "prompt"),
+    ("field 'logit_bias.99999': token id 99999 is not in the model's vocabulary of 32000 tokens", "bad_request",
+     "logit_bias"),
+    ("a request carries exactly one of 'messages' or 'prompt'", "bad_request", None),
+])
+async def test_the_mesh_s_refusals_name_their_field_and_a_prompt_over_the_context_is_openai_s_code(
+        gateway, message, code, param):
+    """Clients trim a conversation when OpenAI answers `context_length_exceeded`; they read `param` for the field."""
+    http, scripted = gateway
+    scripted.scripts.append([ErrorFrame(seq=0, code="bad_request", message=message)])
+    with pytest.raises(openai.BadRequestError) as refused:
+        await openai_client(http).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+    assert (refused.value.status_code, refused.value.code, refused.value.param) == (400, code, param)

@@ -6,6 +6,7 @@ closed under it, a bug)."""
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 from nats.errors import (
@@ -15,6 +16,7 @@ from nats.errors import (
 from starlette.responses import JSONResponse
 
 from hearth.protocol.chat import ErrorFrame, PipelineAbortedFrame, TokensWithdrawnFrame
+from hearth.protocol.refusals import CONTEXT_EXCEEDED
 from hearth.services.gateway.openai_models import ErrorBody, ErrorDetail
 
 # Error codes of the mesh (chat_protocol.ErrorCode) -> (HTTP status, OpenAI error type); the rest are 500.
@@ -28,6 +30,8 @@ _FRAME_STATUS: dict[str, tuple[int, str]] = {
 }
 # What the orchestrator says when a request names a model its catalog does not know (hearth/services/orchestrator).
 _UNKNOWN_MODEL_PREFIX = "field 'model':"
+# How a refusal names its field ("field 'stop.0': ...", "fields 'messages' and 'max_tokens': ..."): OpenAI's `param`.
+_REFUSED_FIELD = re.compile(r"fields? '([^'.]+)")
 default_retry_after_s = 1.0
 # The gateway's NATS connection cannot carry a call now (closed, draining at shutdown, reconnecting): a 503.
 _BROKER_DOWN = (ConnectionClosedError, ConnectionDrainingError, ConnectionReconnectingError, OutboundBufferLimitError,
@@ -84,6 +88,10 @@ def from_frame(frame: ErrorFrame | PipelineAbortedFrame,
     message = frame.message if isinstance(frame, ErrorFrame) else frame.reason
     if frame.code == "bad_request" and message.startswith(_UNKNOWN_MODEL_PREFIX):
         return GatewayError(404, "model_not_found", message, param="model")
+    if frame.code == "bad_request":
+        field = _REFUSED_FIELD.match(message)
+        code = "context_length_exceeded" if CONTEXT_EXCEEDED in message else "bad_request"
+        return GatewayError(400, code, message, param=field[1] if field else None)
     status, error_type = _FRAME_STATUS.get(frame.code, (500, "server_error"))
     retry_after_s = (getattr(frame, "retry_after_s", None) or default_retry_after_s) if status == 429 else None
     return GatewayError(status, frame.code, message, type=error_type, retry_after_s=retry_after_s)
