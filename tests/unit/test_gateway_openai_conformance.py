@@ -49,6 +49,17 @@ async def test_a_content_part_that_is_not_text_is_refused_by_its_type(gateway, p
     assert "TextPart" not in error["message"] and not scripted.received
 
 
+@pytest.mark.parametrize("message, refused", [
+    ({"role": "user", "content": [{"type": "text"}]}, "messages.0.content.0: a 'text' part needs its 'text' string"),
+    ({"role": "user", "content": [{"type": "refusal", "refusal": "no"}]},
+     "messages.0.content.0: only an assistant's message may hold a 'refusal' part"),
+])
+async def test_a_text_or_refusal_part_that_cannot_be_read_is_refused_saying_why(gateway, message, refused):
+    http, _ = gateway
+    response = await http.post("/v1/chat/completions", json=chat_body(messages=[message]))
+    assert (response.status_code, response.json()["error"]["message"]) == (400, refused)
+
+
 async def test_text_parts_and_an_assistant_s_refusal_part_are_read_as_text(gateway):
     http, scripted = gateway
     scripted.scripts.append([token(0, "ok"), done(1, 1)])

@@ -69,7 +69,9 @@ class ContentPart(BaseModel):
         """The part's text; Unsupported naming `where` (messages.I.content.J) when hearth cannot read it."""
         if self.type == "text" and self.text is not None:
             return self.text
-        if self.type == "refusal" and role == "assistant" and self.refusal is not None:
+        if self.type == "refusal" and role != "assistant":
+            raise Unsupported("messages", f"{where}: only an assistant's message may hold a 'refusal' part")
+        if self.type == "refusal" and self.refusal is not None:
             return self.refusal
         if self.type in ("text", "refusal"):
             raise Unsupported("messages", f"{where}: a '{self.type}' part needs its '{self.type}' string")
