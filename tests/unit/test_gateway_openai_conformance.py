@@ -330,3 +330,11 @@ async def test_the_mesh_s_refusals_name_their_field_and_a_prompt_over_the_contex
     with pytest.raises(openai.BadRequestError) as refused:
         await openai_client(http).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
     assert (refused.value.status_code, refused.value.code, refused.value.param) == (400, code, param)
+
+
+async def test_a_stream_whose_frames_end_without_a_final_one_ends_with_that_error_event(gateway):
+    http, scripted = gateway
+    scripted.scripts.append([token(0, "a"), token(1, "b")])
+    response = await http.post("/v1/chat/completions", json=chat_body(stream=True))
+    error = json.loads(events_of(response)[-1])["error"]
+    assert "ended without a final frame" in error["message"], error

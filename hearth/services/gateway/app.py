@@ -259,6 +259,9 @@ class GatewayApp:
             try:
                 async for event in events:
                     yield event
+            except GatewayError as error:
+                log.info("%s: stream ended by %s", route, error)
+                yield sse_event(error.body())
             except Exception as error:
                 # Too late for a status: an error event, which the client raises, not a stream that just stops.
                 yield sse_event(_unforeseen(route, error).body())
