@@ -290,6 +290,8 @@ def _many(item: str, count: int = 150_000) -> str:
                              '"tool_calls": %s}]}' % _many("1")),
     ("/v1/chat/completions", '{"model": "scripted", "messages": [{"role": "user", "content": "x"}], "logit_bias": '
                              '{%s}}' % ",".join(f'"{i}": "a"' for i in range(80_000))),
+    ("/v1/chat/completions", '{"model": "scripted", "messages": [{"role": "user", "content": "x"}], "hearth": '
+                             '{%s}}' % ",".join(f'"k{i}": 1' for i in range(80_000))),
     ("/v1/chat/completions", '{"model": "scripted", "messages": [{"role": "user", "content": "x"}], "logit_bias": '
                              '{%s}}' % ",".join(f'"{i}": 1' for i in range(80_000))),
 ])

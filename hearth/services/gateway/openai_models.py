@@ -181,12 +181,16 @@ class _Sampling(BaseModel):
 
     def _hearth_options(self) -> HearthOptions:
         try:
-            return HearthOptions.model_validate(self.hearth)
+            return _HearthField.model_validate({"hearth": self.hearth}).hearth
         except ValidationError as error:
-            problems = error.errors(include_url=False)
-            names = [".".join(["hearth", *(str(part) for part in item["loc"])]) for item in problems]
-            message = "; ".join(f"field '{name}': {item['msg']}" for name, item in zip(names, problems))
-            raise Unsupported(names[0], message) from None
+            first = error.errors(include_url=False)[0]["loc"]
+            raise Unsupported(".".join(str(part) for part in first), describe_validation_error(error)) from None
+
+
+class _HearthField(BaseModel):
+    """The body's `hearth` alone, so that a refusal names each option as `hearth.NAME`."""
+
+    hearth: HearthOptions
 
 
 def _refusal(error: ValidationError, param: str | None = None) -> BadRequest:
