@@ -6,11 +6,14 @@ import sys
 import uuid
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
+from pydantic import (
+    AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator, model_validator,
+)
 
 from hearth.protocol.bounds import max_id_chars
 from hearth.protocol.chat_tools import ResponseFormat, ToolCallList, ToolChoice, ToolList
 from hearth.protocol.quantization_labels import QuantizationLabel
+from hearth.protocol.refusals import describe_validation_error
 
 max_tokens_limit = 8192
 # What a call generates at most when it does not say (hearth/inference/sampling.py mirrors it).
@@ -147,6 +150,14 @@ class ChatRequest(BaseModel):
     n: int = Field(default=1, ge=1, le=max_choices)
     params: ChatParams = Field(default_factory=ChatParams)
 
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _logit_bias_counted_first(cls, value: object) -> object:
+        # A dict's max_length is checked after its entries: a body of many wrong ones would be refused entry by entry.
+        if isinstance(value, dict) and len(value) > max_logit_bias_entries:
+            raise ValueError(f"at most {max_logit_bias_entries} entries (got {len(value)})")
+        return value
+
     @model_validator(mode="after")
     def _tools_agree(self) -> "ChatRequest":
         choice = self.tool_choice
@@ -187,19 +198,6 @@ def parse_chat_request(data: bytes) -> ChatRequest:
         return ChatRequest.model_validate_json(data)
     except ValidationError as error:
         raise BadRequest(describe_validation_error(error)) from None
-
-
-def describe_validation_error(error: ValidationError) -> str:
-    problems = []
-    for item in error.errors(include_url=False):
-        location = ".".join(str(part) for part in item["loc"])
-        if item["type"] == "json_invalid":
-            problems.append(f"body is not valid JSON: {item['msg']}")
-        elif location:
-            problems.append(f"field '{location}': {item['msg']}")
-        else:
-            problems.append(item["msg"])
-    return "; ".join(problems)
 
 
 class _Frame(BaseModel):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from pydantic import ValidationError
 
 from hearth.protocol.chat import BadRequest, DoneFrame, ErrorFrame, PipelineAbortedFrame, Usage
 from hearth.services.gateway.answers import ChatShape, CompletionShape, finish_reason
@@ -109,8 +110,10 @@ def test_structured_options_hearth_cannot_take_are_bad_requests_naming_the_field
 
 
 def test_values_hearth_refuses_are_bad_requests():
-    with pytest.raises(BadRequest, match="max_tokens"):
-        chat(max_tokens=10**6).to_chat_request()
+    with pytest.raises(BadRequest, match="stop"):
+        chat(stop="").to_chat_request()
+    with pytest.raises(ValidationError, match="max_tokens"):  # bounded in the body itself
+        chat(max_tokens=10**6)
     with pytest.raises(Unsupported):
         CompletionRequest.model_validate({"prompt": ["a", "b"]}).to_chat_request()
 

@@ -1,20 +1,24 @@
-"""The gateway's ASGI app (Starlette): OpenAI's /v1/models, /v1/chat/completions and /v1/completions over the
-mesh's `llm.chat.request`, plus /healthz (its /metrics has a server of its own: `hearth gateway --metrics-port`).
+"""The gateway's ASGI app (Starlette): OpenAI's /v1/models (and /v1/models/{model}), /v1/chat/completions and
+/v1/completions over the mesh's `llm.chat.request`, plus /healthz (its /metrics has a server of its own:
+`hearth gateway --metrics-port`).
 
 No HTTP status is sent before the call's first token or its final frame, so a call the mesh refuses or cannot
 serve gets its own status (400, 404, 429, 503, ...) even when streamed; after the first token a streamed call
 that fails ends with an OpenAI error event instead of `data: [DONE]`, and so does one whose chunks carried tokens
-the mesh withdrew (a whole answer just leaves them out). A client that disconnects, while waiting
-or mid-stream, has its call's inbox closed at once, which ends the call on the orchestrator and frees the hops.
-No CORS headers are sent unless `[gateway] cors_allowed_origins` names the web origins that may call from a browser.
+the mesh withdrew (a whole answer just leaves them out), and one cut by a failure the gateway did not foresee (its
+broker connection closed): a stream never just stops, which a client would take for a whole answer. A client that
+disconnects, while waiting or mid-stream, has its call's inbox closed at once, which ends the call on the
+orchestrator and frees the hops. No CORS headers are sent unless `[gateway] cors_allowed_origins` names the web
+origins that may call from a browser.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+import traceback
 from collections.abc import AsyncIterator
-from contextlib import ExitStack
+from contextlib import ExitStack, aclosing
 
 import anyio
 from pydantic import BaseModel, ValidationError
@@ -30,7 +34,9 @@ from hearth.protocol.chat import BadRequest, DoneFrame, TokenDeltaFrame, TokensW
 from hearth.services.client.chat import AnswerTokens, choice_of
 from hearth.services.common.metrics import counter, histogram
 from hearth.services.gateway.answers import SSE_DONE, AnswerShape, ChatShape, ChoiceAnswer, CompletionShape, sse_event
-from hearth.services.gateway.errors import GatewayError, bad_request, from_frame, tokens_withdrawn
+from hearth.services.gateway.errors import (
+    GatewayError, bad_request, from_frame, tokens_withdrawn, unforeseen, unknown_model,
+)
 from hearth.services.gateway.mesh import AnswerFrame, ClientGone, Gateway, MeshCall, unless_disconnected
 from hearth.services.gateway.openai_models import (
     ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, Unsupported,
@@ -38,6 +44,7 @@ from hearth.services.gateway.openai_models import (
 
 log = logging.getLogger(__name__)
 ROUTES = ("/v1/models", "/v1/chat/completions", "/v1/completions", "/healthz")
+MODEL_ROUTE_PREFIX = "/v1/models/"
 # What a browser page from an allowed origin may do ([gateway] cors_allowed_origins): the headers are those OpenAI's
 # JavaScript SDK sends, which a preflight must allow or the browser sends nothing (the gateway reads only the first
 # two). Named rather than "*", so that a header no client of ours sends stays refused.
@@ -99,7 +106,9 @@ class MetricsMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        route = scope["path"] if scope["path"] in ROUTES else "other"
+        path = scope["path"]
+        route = path if path in ROUTES else MODEL_ROUTE_PREFIX + "{model}" if path.startswith(MODEL_ROUTE_PREFIX) \
+            else "other"
         status = [500]
 
         async def sending(message) -> None:
@@ -129,13 +138,35 @@ class GatewayApp:
 
     async def models(self, request: Request) -> Response:
         try:
+            servable = await self._servable_models(request)
+        except GatewayError as error:
+            return error.response()
+        return JSONResponse(ModelList(data=servable).model_dump())
+
+    async def model(self, request: Request) -> Response:
+        """GET /v1/models/{model}: one model of the list, or 404 `model_not_found`."""
+        model_id = request.path_params["model"]
+        try:
+            if not model_id:  # /v1/models/: no model named, so no such path
+                raise GatewayError(404, "not_found", f"GET {request.url.path}: Not Found")
+            card = next((card for card in await self._servable_models(request) if card.id == model_id), None)
+            if card is None:
+                raise unknown_model(model_id)
+        except GatewayError as error:
+            return error.response()
+        return JSONResponse(card.model_dump())
+
+    async def _servable_models(self, request: Request) -> list[ModelCard]:
+        """The models the mesh can serve now, asked for by the request's caller."""
+        try:
             caller = self.gateway.caller(request.headers.get("authorization"))
             with self.gateway.open_call(caller):  # each asks the mesh: within the member's share of calls
                 reply = await self.gateway.models()
-        except GatewayError as error:
-            return error.response()
-        servable = [ModelCard(id=model.id) for model in reply.models if model.complete or model.runnable_locally]
-        return JSONResponse(ModelList(data=servable).model_dump())
+        except GatewayError:
+            raise
+        except Exception as error:
+            raise _unforeseen(request.url.path, error) from None
+        return [ModelCard(id=model.id) for model in reply.models if model.complete or model.runnable_locally]
 
     async def chat_completions(self, request: Request) -> Response:
         return await self._answer(request, ChatCompletionRequest, ChatShape, "chatcmpl-")
@@ -184,6 +215,8 @@ class GatewayApp:
             return error.response()
         except (ClientGone, ClientDisconnect):
             return Response(status_code=CLIENT_CLOSED_STATUS)
+        except Exception as error:
+            return _unforeseen(request.url.path, error).response()
         finally:
             if call is not None:
                 with anyio.CancelScope(shield=True):
@@ -222,6 +255,19 @@ class GatewayApp:
 
     async def _events(self, route: str, call: MeshCall, shape: AnswerShape, first: AnswerFrame,
                       answers: list[AnswerTokens], include_usage: bool) -> AsyncIterator[bytes]:
+        async with aclosing(self._events_of_answer(route, call, shape, first, answers, include_usage)) as events:
+            try:
+                async for event in events:
+                    yield event
+            except GatewayError as error:
+                log.info("%s: stream ended by %s", route, error)
+                yield sse_event(error.body())
+            except Exception as error:
+                # Too late for a status: an error event, which the client raises, not a stream that just stops.
+                yield sse_event(_unforeseen(route, error).body())
+
+    async def _events_of_answer(self, route: str, call: MeshCall, shape: AnswerShape, first: AnswerFrame,
+                                answers: list[AnswerTokens], include_usage: bool) -> AsyncIterator[bytes]:
         # Per choice: tokens of its answer up to the last one that made a chunk (what a withdrawal must not reach).
         shown_tokens = [0] * len(answers)
         opened: set[int] = set()
@@ -289,6 +335,18 @@ def _carries(frame: TokenDeltaFrame) -> bool:
     return bool(frame.text) or frame.logprobs is not None
 
 
+def _unforeseen(route: str, error: Exception) -> GatewayError:
+    """`error` as an OpenAI error, logged by its type and where it was raised: never its message, which may quote
+    the request."""
+    answer = unforeseen(error)
+    if answer.status >= 500 and answer.code == "internal_error":
+        log.error("%s: %s raised at\n%s", route, type(error).__name__,
+                  "".join(traceback.format_tb(error.__traceback__)).rstrip())
+    else:
+        log.info("%s: %s", route, answer)
+    return answer
+
+
 def _first_param(error: ValidationError) -> str | None:
     locations = [item["loc"] for item in error.errors(include_url=False) if item["loc"]]
     return str(locations[0][0]) if locations else None
@@ -303,6 +361,8 @@ def create_app(gateway: Gateway) -> MetricsMiddleware:
     app = Starlette(middleware=middleware, routes=[
         Route("/healthz", handlers.healthz, methods=["GET"]),
         Route("/v1/models", handlers.models, methods=["GET"]),
+        # :path, as a model's id may hold a slash ("org/name"), which a client sends as it is or as %2F.
+        Route(MODEL_ROUTE_PREFIX + "{model:path}", handlers.model, methods=["GET"]),
         Route("/v1/chat/completions", handlers.chat_completions, methods=["POST"]),
         Route("/v1/completions", handlers.completions, methods=["POST"]),
     ], exception_handlers={HTTPException: _openai_shaped})

@@ -1,15 +1,22 @@
 """Errors of the HTTP gateway as OpenAI error objects: the HTTP status, `type` and `code` for each way a call can
-fail, from a request the gateway refuses itself, from the error frame the mesh ended a call with, or from a
-withdrawal of tokens a stream already sent."""
+fail, from a request the gateway refuses itself, from the error frame the mesh ended a call with, from a
+withdrawal of tokens a stream already sent, or from a failure the gateway did not foresee (its broker connection
+closed under it, a bug)."""
 
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
+from nats.errors import (
+    ConnectionClosedError, ConnectionDrainingError, ConnectionReconnectingError, OutboundBufferLimitError,
+    StaleConnectionError,
+)
 from starlette.responses import JSONResponse
 
 from hearth.protocol.chat import ErrorFrame, PipelineAbortedFrame, TokensWithdrawnFrame
+from hearth.protocol.refusals import CONTEXT_EXCEEDED
 from hearth.services.gateway.openai_models import ErrorBody, ErrorDetail
 
 # Error codes of the mesh (chat_protocol.ErrorCode) -> (HTTP status, OpenAI error type); the rest are 500.
@@ -23,7 +30,12 @@ _FRAME_STATUS: dict[str, tuple[int, str]] = {
 }
 # What the orchestrator says when a request names a model its catalog does not know (hearth/services/orchestrator).
 _UNKNOWN_MODEL_PREFIX = "field 'model':"
+# How a refusal names its field ("field 'stop.0': ...", "fields 'messages' and 'max_tokens': ..."): OpenAI's `param`.
+_REFUSED_FIELD = re.compile(r"fields? '([^'.]+)")
 default_retry_after_s = 1.0
+# The gateway's NATS connection cannot carry a call now (closed, draining at shutdown, reconnecting): a 503.
+_BROKER_DOWN = (ConnectionClosedError, ConnectionDrainingError, ConnectionReconnectingError, OutboundBufferLimitError,
+                StaleConnectionError)
 
 
 @dataclass
@@ -76,6 +88,10 @@ def from_frame(frame: ErrorFrame | PipelineAbortedFrame,
     message = frame.message if isinstance(frame, ErrorFrame) else frame.reason
     if frame.code == "bad_request" and message.startswith(_UNKNOWN_MODEL_PREFIX):
         return GatewayError(404, "model_not_found", message, param="model")
+    if frame.code == "bad_request":
+        field = _REFUSED_FIELD.match(message)
+        code = "context_length_exceeded" if CONTEXT_EXCEEDED in message else "bad_request"
+        return GatewayError(400, code, message, param=field[1] if field else None)
     status, error_type = _FRAME_STATUS.get(frame.code, (500, "server_error"))
     retry_after_s = (getattr(frame, "retry_after_s", None) or default_retry_after_s) if status == 429 else None
     return GatewayError(status, frame.code, message, type=error_type, retry_after_s=retry_after_s)
@@ -88,3 +104,14 @@ def tokens_withdrawn(frame: TokensWithdrawnFrame, kept_characters: int) -> Gatew
                         f"({frame.reason}): only the first {frame.kept_tokens} tokens ({kept_characters} "
                         "characters) of the streamed text stand, the text after them is withdrawn; send the "
                         "request again for a whole answer", type="server_error")
+
+
+def unforeseen(error: Exception) -> GatewayError:
+    """The OpenAI error for an exception no other answer covers: 503 `nats_disconnected` when the broker connection
+    cannot carry the call, else 500 `internal_error` (its message only names the exception's type: a message may
+    quote the request)."""
+    if isinstance(error, _BROKER_DOWN):
+        return GatewayError(503, "nats_disconnected", "the gateway's connection to the mesh's broker is down "
+                            f"({type(error).__name__}); try again", type="service_unavailable_error")
+    return GatewayError(500, "internal_error", f"the gateway failed ({type(error).__name__}); its log says where",
+                        type="server_error")

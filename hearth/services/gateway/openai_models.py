@@ -2,12 +2,13 @@
 objects and stream chunks it answers with, and the mapping of a request onto hearth's `llm.chat.request`.
 
 Only what hearth can honour is accepted: a field that would change the answer in a way hearth cannot (`n` over
-8, the legacy `functions`) is refused with a message naming it, rather than silently ignored; fields that change
-nothing (`user`, `metadata`, `store`) are accepted. `n` (1-8) asks for that many choices, each its own pipeline.
-`response_format`, `tools` and `tool_choice` go onto the request as they are (hearth/protocol/chat_tools.py bounds
-them); assistant messages with `tool_calls` and `tool` messages are part of the history. `logprobs`/`top_logprobs`, the
-penalties (`repetition_penalty` too, an extension) and `logit_bias` go onto the request as they are (its validation
-bounds them). Sampling defaults are OpenAI's (temperature 1, top_p 1); `max_tokens` defaults to hearth's (128).
+8, the legacy `functions`, `audio`, a content part that is no text) is refused with a message naming it, rather
+than silently ignored; fields that change nothing (`user`, `metadata`, `store`) are accepted. `n` (1-8) asks for
+that many choices, each its own pipeline. `response_format`, `tools` and `tool_choice` go onto the request as they
+are (hearth/protocol/chat_tools.py bounds them); assistant messages with `tool_calls` and `tool` messages are part
+of the history. `logprobs`/`top_logprobs`, the penalties (`repetition_penalty` too, an extension, as is `top_k`)
+and `logit_bias` go onto the request as they are (its validation bounds them, a refusal naming the field).
+Sampling defaults are OpenAI's (temperature 1, top_p 1); `max_tokens` defaults to hearth's (128).
 hearth's own options, which no other server shares, come in one object `hearth` (`{"hearth": {"verify": "all"}}`),
 so they cannot collide with a field OpenAI adds, and a misspelt one is refused rather than ignored.
 """
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -28,7 +29,9 @@ from hearth.protocol.chat import (
     VerifyLevel,
     describe_validation_error,
     max_choices,
+    max_logit_bias_entries,
     max_messages,
+    max_tokens_limit,
     max_top_logprobs,
 )
 from hearth.protocol.quantization_labels import QuantizationLabel
@@ -37,6 +40,11 @@ from hearth.services.gateway.tool_calls import ToolCallBody
 
 openai_temperature_max = 2.0
 openai_max_stop_strings = 4
+openai_seed_bound = 2**63
+Item = TypeVar("Item")
+# A list whose first wrong item ends its validation: a body of many wrong items is refused for one, not described
+# item by item (a 1 MB body of them drew tens of MB of error, built on the event loop).
+FailFastList = Annotated[list[Item], Field(fail_fast=True)]
 
 
 class Unsupported(BadRequest):
@@ -47,25 +55,43 @@ class Unsupported(BadRequest):
         self.param = param
 
 
-class TextPart(BaseModel):
-    """One part of a message's content given as a list (only text parts exist for hearth)."""
+class ContentPart(BaseModel):
+    """One part of a message's content given as a list: hearth reads `text` parts (and an assistant's `refusal`);
+    any other type (`image_url`, `input_audio`, `file`) is refused by name when mapped."""
 
     model_config = ConfigDict(extra="ignore")
 
-    type: Literal["text"]
-    text: str
+    type: str = Field(max_length=64)
+    text: str | None = None
+    refusal: str | None = None
+
+    def text_of(self, role: str, where: str) -> str:
+        """The part's text; Unsupported naming `where` (messages.I.content.J) when hearth cannot read it."""
+        if self.type == "text" and self.text is not None:
+            return self.text
+        if self.type == "refusal" and role != "assistant":
+            raise Unsupported("messages", f"{where}: only an assistant's message may hold a 'refusal' part")
+        if self.type == "refusal" and self.refusal is not None:
+            return self.refusal
+        if self.type in ("text", "refusal"):
+            raise Unsupported("messages", f"{where}: a '{self.type}' part needs its '{self.type}' string")
+        raise Unsupported("messages", f"{where}: content parts of type {self.type!r} are not supported by hearth: "
+                                      "its models read text only ('text' parts)")
 
 
 class OpenAIMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-    tool_calls: list[dict[str, Any]] | None = None
+    content: str | FailFastList[ContentPart] | None = None
+    tool_calls: FailFastList[dict[str, Any]] | None = None
     tool_call_id: str | None = None
 
-    def to_chat_message(self) -> ChatMessage:
-        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
+    def to_chat_message(self, index: int = 0) -> ChatMessage:
+        """hearth's message; `index`: this one's place in `messages`, which a refusal names."""
+        content = self.content if isinstance(self.content, str) else "".join(
+            part.text_of(self.role, f"messages.{index}.content.{number}")
+            for number, part in enumerate(self.content or []))
         # A developer message is what newer OpenAI models call a system message.
         fields: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": content}
         if self.tool_calls:
@@ -92,7 +118,7 @@ class HearthOptions(BaseModel):
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    include_usage: bool = False
+    include_usage: bool | None = None
 
 
 class _Sampling(BaseModel):
@@ -101,19 +127,24 @@ class _Sampling(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str | None = Field(default=None, min_length=1, max_length=512)
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=max_tokens_limit)
     temperature: float | None = Field(default=None, ge=0.0, le=openai_temperature_max)
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    seed: int | None = Field(default=None, ge=0)
-    stop: str | list[str] | None = None
+    # OpenAI's range: 0 is the most likely token only, the greedy answer.
+    top_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    # OpenAI's range, a 64-bit signed integer; hearth's seeds are 0 to 2**63 - 1 (_chat_request carries it there).
+    seed: int | None = Field(default=None, ge=-openai_seed_bound, lt=openai_seed_bound)
+    stop: str | FailFastList[str] | None = None
     n: int | None = Field(default=None, ge=1)
-    stream: bool = False
+    # Every optional field takes null, as OpenAI's API does: left out.
+    stream: bool | None = None
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    # An extension of OpenAI's API (transformers' and vLLM's name).
+    # Extensions of OpenAI's API (transformers' and vLLM's names).
     repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    top_k: int | None = None
+    # Its values are bounded by llm.chat.request's validation; here only how many, counted before any is read.
+    logit_bias: dict[str, Any] | None = Field(default=None, max_length=max_logit_bias_entries)
     # hearth's own options (HearthOptions), checked when mapped so that a refusal names the option.
     hearth: dict[str, Any] | None = None
 
@@ -129,14 +160,16 @@ class _Sampling(BaseModel):
             raise Unsupported("stop", f"'stop' takes at most {openai_max_stop_strings} strings")
 
     def _chat_request(self, *, max_tokens: int | None, **inputs: Any) -> ChatRequest:
+        greedy = self.top_p == 0  # hearth's top_p must keep some mass: the greedy answer is what 0 asks for
         fields: dict[str, Any] = {
             "request_id": uuid.uuid4().hex, "model": self.model,
-            "temperature": 1.0 if self.temperature is None else self.temperature,
-            "top_p": 1.0 if self.top_p is None else self.top_p, "seed": self.seed,
+            "temperature": 0.0 if greedy else 1.0 if self.temperature is None else self.temperature,
+            "top_p": 1.0 if greedy or self.top_p is None else self.top_p,
+            "seed": None if self.seed is None else self.seed % openai_seed_bound,
             "stop": [self.stop] if isinstance(self.stop, str) else list(self.stop or []), **inputs}
         if max_tokens is not None:
             fields["max_tokens"] = max_tokens
-        for name in ("n", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias"):
+        for name in ("n", "presence_penalty", "frequency_penalty", "repetition_penalty", "top_k", "logit_bias"):
             if getattr(self, name) is not None:
                 fields[name] = getattr(self, name)
         if self.hearth:
@@ -144,45 +177,69 @@ class _Sampling(BaseModel):
         try:
             return ChatRequest(**fields)
         except ValidationError as error:
-            raise BadRequest(describe_validation_error(error)) from None
+            raise _refusal(error) from None
 
     def _hearth_options(self) -> HearthOptions:
         try:
-            return HearthOptions.model_validate(self.hearth)
+            return _HearthField.model_validate({"hearth": self.hearth}).hearth
         except ValidationError as error:
-            problems = error.errors(include_url=False)
-            names = [".".join(["hearth", *(str(part) for part in item["loc"])]) for item in problems]
-            message = "; ".join(f"field '{name}': {item['msg']}" for name, item in zip(names, problems))
-            raise Unsupported(names[0], message) from None
+            first = error.errors(include_url=False)[0]["loc"]
+            raise Unsupported(".".join(str(part) for part in first), describe_validation_error(error)) from None
+
+
+class _HearthField(BaseModel):
+    """The body's `hearth` alone, so that a refusal names each option as `hearth.NAME`."""
+
+    hearth: HearthOptions
+
+
+def _refusal(error: ValidationError, param: str | None = None) -> BadRequest:
+    """A request hearth's own bounds refuse, naming the field (`param`, else the first one refused) as the
+    client sent it: the request's fields carry the body's names."""
+    locations = [item["loc"] for item in error.errors(include_url=False) if item["loc"]]
+    param = param or (str(locations[0][0]) if locations else None)
+    message = describe_validation_error(error)
+    return Unsupported(param, message) if param else BadRequest(message)
 
 
 class ChatCompletionRequest(_Sampling):
     """The body of POST /v1/chat/completions."""
 
     messages: list[OpenAIMessage] = Field(min_length=1, max_length=max_messages)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    tools: list[dict[str, Any]] | None = None
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=max_tokens_limit)
+    tools: FailFastList[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    functions: list[dict[str, Any]] | None = None
+    functions: FailFastList[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=max_top_logprobs)
+    # What answers hearth cannot give (audio, a web search): refused, never answered with text alone.
+    modalities: FailFastList[str] | None = None
+    audio: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
 
     def to_chat_request(self) -> ChatRequest:
         self._refuse_what_hearth_cannot_do()
         if self.functions or self.function_call not in (None, "none"):
             raise Unsupported("functions", "'functions' and 'function_call' (deprecated by OpenAI) are not supported "
                                            "by hearth: send 'tools' and 'tool_choice'")
+        if set(self.modalities or []) - {"text"}:
+            raise Unsupported("modalities", "hearth answers in text only: 'modalities' may only be [\"text\"]")
+        if self.audio is not None:
+            raise Unsupported("audio", "'audio' is not supported by hearth: its answers are text")
+        if self.web_search_options is not None:
+            raise Unsupported("web_search_options", "'web_search_options' is not supported by hearth: it does not "
+                                                    "search the web")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         structured: dict[str, Any] = {}
         for name in ("response_format", "tools", "tool_choice"):
             if getattr(self, name) is not None:
                 structured[name] = getattr(self, name)
         try:
-            messages = [m.to_chat_message() for m in self.messages]
+            messages = [message.to_chat_message(index) for index, message in enumerate(self.messages)]
         except ValidationError as error:
-            raise BadRequest(describe_validation_error(error)) from None
+            raise _refusal(error, "messages") from None
         return self._chat_request(max_tokens=max_tokens, messages=messages, logprobs=bool(self.logprobs),
                                   top_logprobs=self.top_logprobs or 0, **structured)
 
@@ -195,8 +252,8 @@ class ChatCompletionRequest(_Sampling):
 class CompletionRequest(_Sampling):
     """The body of POST /v1/completions (the legacy text completion)."""
 
-    prompt: str | list[str]
-    echo: bool = False
+    prompt: str | FailFastList[str]
+    echo: bool | None = None
     suffix: str | None = None
     best_of: int | None = None
     # How many most likely tokens to report beside each sampled one (0: the sampled token's only); None: no logprobs.

@@ -14,7 +14,8 @@ _ARGUMENTS_KEY = '"arguments":'
 
 
 class FunctionCallBody(BaseModel):
-    name: str | None = None
+    # Left out, not null, in a streamed fragment after the first, as OpenAI sends them.
+    name: str | None = Field(default=None, exclude_if=lambda value: value is None)
     arguments: str
 
 

@@ -19,6 +19,7 @@ from jinja2 import TemplateError
 from hearth.inference import Head, InferenceError
 from hearth.inference.compute_thread import on_compute_thread
 from hearth.protocol.chat import BadRequest, ChatRequest
+from hearth.protocol.refusals import CONTEXT_EXCEEDED
 from hearth.services.orchestrator.catalog import LoadedModel
 from hearth.services.orchestrator.constrained import output_grammar
 
@@ -61,12 +62,12 @@ async def admit_prompt(request: ChatRequest, model: LoadedModel) -> list[int]:
         await on_compute_thread(grammar.check, model)
     if prompt_ids is None:
         raise BadRequest(f"fields '{field}' and 'max_tokens': the prompt's at least {at_least} tokens plus "
-                         f"max_tokens {request.max_tokens} exceed the model's context of {context} tokens")
+                         f"max_tokens {request.max_tokens} {CONTEXT_EXCEEDED} of {context} tokens")
     if not prompt_ids:
         raise BadRequest(f"field '{field}': the prompt encodes to no tokens")
     if room is not None and len(prompt_ids) > room:
         raise BadRequest(f"fields '{field}' and 'max_tokens': the prompt's {len(prompt_ids)} tokens plus max_tokens "
-                         f"{request.max_tokens} = {len(prompt_ids) + request.max_tokens} exceed the model's context "
+                         f"{request.max_tokens} = {len(prompt_ids) + request.max_tokens} {CONTEXT_EXCEEDED} "
                          f"of {context} tokens")
     return prompt_ids
 
