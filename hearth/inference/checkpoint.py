@@ -200,9 +200,12 @@ class SafetensorsCheckpoint:
         files = [path / SAFETENSORS_SINGLE_NAME] if (path / SAFETENSORS_SINGLE_NAME).is_file() else []
         files = files or sorted(path.glob("*.safetensors"))
         if not files:
-            raise CheckpointError(
-                f"{path} has no safetensors weights (only safetensors checkpoints are supported)"
-            )
+            # A folder with a config.json is a safetensors checkpoint's (single_gguf_in), even when it holds a GGUF
+            # too, as some hub repositories of GGUFs do: name the file that would serve.
+            ggufs = sorted(file for file in path.iterdir() if file.is_file() and file.suffix.lower() == GGUF_SUFFIX)
+            raise CheckpointError(f"{path} has no safetensors weights beside its config.json" + (
+                f": to serve its GGUF, pass the file {ggufs[0]} as the model" if ggufs
+                else " (hearth reads safetensors checkpoints and GGUF files)"))
         for file in files:
             with opened_safetensors(file) as handle:
                 for name in handle.keys():
