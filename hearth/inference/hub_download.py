@@ -109,7 +109,7 @@ def _download_into(repo_id: str, commit: str, name: str, size: int, out) -> None
     if have > size:  # a partial longer than the file: start again
         out.truncate(0)
         have = 0
-    with download_progress(size, name, initial=have) as bar:
+    with byte_progress(size, name, initial=have) as bar:
         while have < size:
             # Identity encoding: Content-Length is then the file's own size, and a resumed range its own bytes.
             headers = {**build_hf_headers(), "Accept-Encoding": "identity"}
@@ -158,9 +158,11 @@ def _check_stated_length(repo_id: str, name: str, size: int, have: int, response
 
 
 @contextlib.contextmanager
-def download_progress(total_bytes: int, description: str, *, initial: int = 0):
-    """A byte progress bar of a hub download (huggingface_hub's, which its settings can turn off)."""
+def byte_progress(total_bytes: int, description: str, *, initial: int = 0, shown: bool = True):
+    """A byte progress bar of a hub download or of hashing a weight file (huggingface_hub's, which its settings can
+    turn off; none when not `shown`)."""
     from huggingface_hub.utils import tqdm
 
-    with tqdm(total=total_bytes, initial=initial, unit="B", unit_scale=True, desc=description, leave=False) as bar:
+    with tqdm(total=total_bytes, initial=initial, unit="B", unit_scale=True, desc=description, leave=False,
+              disable=not shown) as bar:
         yield bar

@@ -46,7 +46,7 @@ from .gguf_header import (
     parse_gguf_header,
 )
 from .gguf_parts import StoredLayout, TensorPlacement, write_gguf_folder, write_gguf_part
-from .hub_download import PARTIAL_SUFFIX, TRANSFER_RETRIES, download_progress, lock_after_twin
+from .hub_download import PARTIAL_SUFFIX, TRANSFER_RETRIES, byte_progress, lock_after_twin
 from .hub_ids import HUB_ENDPOINT_ENV
 from .partial_checkpoint import NeededTensors, complete_partial_folder, selection_name
 
@@ -153,7 +153,7 @@ def fetch_gguf_part(hub: HubGGUF, needed: NeededTensors) -> Path:
     spans = coalesced_spans(wanted)
     files = {HEADER_FILE: hub.folder / HEADER_FILE}
     missing = [(first, last) for first, last in spans if not _span_file(hub, first, last).is_file()]
-    with download_progress(sum(last - first + 1 for first, last in missing),
+    with byte_progress(sum(last - first + 1 for first, last in missing),
                            f"{hub.file} {selection_name(needed)}") as bar:
         for first, last in spans:
             files[_span_name(first, last)] = _fetch_span(hub, first, last, bar)
