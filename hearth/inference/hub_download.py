@@ -47,13 +47,13 @@ def download_listed_file(repo_id: str, commit: str, entry, folder: Path) -> Path
     file is kept."""
     name, size = entry.path, listed_size(entry)
     target = folder / name
-    if _is_sized(target, size):
+    if is_sized(target, size):
         return target
     folder.mkdir(parents=True, exist_ok=True)
     partial = folder / f".{name}{PARTIAL_SUFFIX}"
     with open(folder / f".{name}{LOCK_SUFFIX}", "a") as lock:
         lock_after_twin(lock, partial, repo_id, name)  # released when closed
-        if _is_sized(target, size):
+        if is_sized(target, size):
             return target
         target.unlink(missing_ok=True)  # damaged or of another size: no longer the listed file
         try:
@@ -91,7 +91,9 @@ def lock_after_twin(lock, partial: Path, repo_id: str, name: str) -> None:
         time.sleep(TWIN_POLL_S)
 
 
-def _is_sized(file: Path, size: int) -> bool:
+def is_sized(file: Path, size: int) -> bool:
+    """Whether `file` is there with `size` bytes (a file renamed into place whole may be cut short since: a crash
+    before its bytes reached the disk leaves it empty)."""
     try:
         return file.is_file() and file.stat().st_size == size
     except OSError:

@@ -313,3 +313,18 @@ def test_a_gguf_part_of_a_range_left_behind_is_removed_once_no_process_holds_it(
         assert parts == {"layers-2-3", "head"} and head.is_file()
     finally:
         release_held_ranges()
+
+
+def test_a_finished_span_left_short_by_a_crash_is_fetched_again(served):
+    # A span renamed into place whole and cut short since (a crash before its bytes reached the disk leaves it
+    # empty): taken as done, every later start refused the part as not forming a GGUF.
+    hub, original = served
+    resolve_model_path(REPO, needed_layers=(0, 0))  # the header is kept; what follows reads only spans
+    wanted = [tensor for tensor in split_gguf(original).tensors if tensor.layer == 1]
+    [(first, last)] = coalesced_spans(wanted)
+    spans = _parts_folder(FILE) / SPANS_FOLDER
+    spans.mkdir(parents=True, exist_ok=True)
+    (spans / f"{first}-{last}.bin").write_bytes(b"")
+
+    path = resolve_model_path(REPO, needed_layers=(1, 1))
+    _assert_same_range(path, original, 1, 1)
