@@ -352,8 +352,9 @@ def _gguf_hub_layout(hub: HubGGUF, listing: dict) -> HubLayout:
         from .gguf_checkpoint import gguf_config_dict
 
         try:
-            parsed, _ = gguf_header(hub)
-            return HubLayout(config=gguf_config_dict(gguf_metadata_file(hub)), tensors=layer_tensor_shapes_of(parsed),
+            parsed, header = gguf_header(hub)
+            return HubLayout(config=gguf_config_dict(gguf_metadata_file(hub, parsed, header)),
+                             tensors=layer_tensor_shapes_of(parsed),
                              weights_sha256=hub.weights_sha256)
         except RangesUnsupported as unsupported:
             logger.warning("%s; downloading %s whole", unsupported, hub.file)

@@ -124,12 +124,15 @@ def gguf_header(hub: HubGGUF) -> tuple[ParsedGGUFHeader, bytes]:
     return parsed, buffer
 
 
-def gguf_metadata_file(hub: HubGGUF) -> Path:
-    """A GGUF holding `hub`'s metadata and no tensor, for what is read from metadata alone (its config)."""
+def gguf_metadata_file(hub: HubGGUF, parsed: ParsedGGUFHeader, header: bytes) -> Path:
+    """A GGUF holding `hub`'s metadata (its header `parsed` from `header`, gguf_header) and no tensor, for what is
+    read from metadata alone (its config); written again when the one there is not its size (cut short since by a
+    crash: renamed into place whole, its bytes may not have reached the disk)."""
     target = hub.folder / METADATA_FOLDER / hub.file
-    if not target.is_file():
-        parsed, header = gguf_header(hub)
-        write_gguf_part(target, header, parsed.split.kv_end, parsed.split.alignment, [])
+    split = parsed.split
+    # A GGUF of no tensor is the header up to its tensor infos, padded to the alignment (write_gguf_part).
+    if not is_sized(target, -(-split.kv_end // split.alignment) * split.alignment):
+        write_gguf_part(target, header, split.kv_end, split.alignment, [])
     return target
 
 

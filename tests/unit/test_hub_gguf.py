@@ -17,7 +17,8 @@ from hearth.inference import CheckpointError, load_head, load_layer_range, read_
     weights_sha256
 from hearth.inference.gguf_checkpoint import open_reader
 from hearth.inference.gguf_parts import split_gguf
-from hearth.inference.hub_gguf import SPANS_FOLDER, coalesced_spans
+from hearth.inference.hub_fetch import hub_layout
+from hearth.inference.hub_gguf import METADATA_FOLDER, SPANS_FOLDER, coalesced_spans
 from hearth.inference.memory import layer_weight_bytes
 from hearth.inference.quantization import parse_quantization
 from hearth.services.common.config import HearthSettings
@@ -328,3 +329,14 @@ def test_a_finished_span_left_short_by_a_crash_is_fetched_again(served):
 
     path = resolve_model_path(REPO, needed_layers=(1, 1))
     _assert_same_range(path, original, 1, 1)
+
+
+def test_a_metadata_file_left_empty_by_a_crash_is_written_again(served, tmp_path):
+    # Written whole and renamed into place, but a crash before its bytes reached the disk leaves it empty: taken as
+    # written, every later sizing refused the model as an empty GGUF.
+    hub, original = served
+    layout = hub_layout(REPO)
+    metadata = _parts_folder(FILE) / METADATA_FOLDER / FILE
+    metadata.write_bytes(b"")
+
+    assert hub_layout(REPO) == layout
