@@ -179,15 +179,19 @@ def check_data_layout(spans: Iterable[tuple[int, int | None, str]], data_start: 
                 f"block type and shape count them, {how} tensor {following[2]}'s at {following[0]})")
 
 
+class SplitGGUFError(CheckpointError):
+    """A part of a GGUF split into several files (check_not_split)."""
+
+
 def check_not_split(metadata: dict[str, object], file_name: str) -> None:
-    """CheckpointError (one line) when `metadata` is that of one part of a GGUF split into several files: the first
+    """SplitGGUFError (one line) when `metadata` is that of one part of a GGUF split into several files: the first
     holds only some of the tensors (read as one file, a range would load what it holds and a host plan the rest as
     weighing nothing), the others no model metadata."""
     count = metadata.get(SPLIT_COUNT_KEY)
     if isinstance(count, int) and count > 1:
         number = metadata.get(SPLIT_NO_KEY)
         part = f"part {number + 1} of {count}" if isinstance(number, int) else f"one of {count} parts"
-        raise CheckpointError(f"{file_name} is {part} of a split GGUF, which hearth does not read as one: merge the "
+        raise SplitGGUFError(f"{file_name} is {part} of a split GGUF, which hearth does not read as one: merge the "
                               "parts into one file (llama.cpp's `llama-gguf-split --merge FIRST_PART OUT.gguf`)")
 
 

@@ -90,3 +90,9 @@ def test_a_gguf_stating_a_split_of_one_file_is_whole_and_loads(tiny_gguf, tmp_pa
         "split.no": (0, GGUFValueType.UINT16), "split.count": (1, GGUFValueType.UINT16)})
     assert checked_gguf_header(whole).metadata["split.count"] == 1
     load_head(whole)
+
+
+def test_a_folder_holding_the_parts_is_refused_as_a_split_gguf_not_as_a_choice_of_files(parts):
+    with pytest.raises(CheckpointError) as refusal:
+        load_head(parts[0].parent)
+    assert_split_refusal(str(refusal.value), parts[0], parts)
