@@ -20,7 +20,7 @@ from .checkpoint_files import (
     opened_safetensors,
 )
 from .errors import CheckpointError
-from .hub_ids import is_hub_gguf_id
+from .hub_ids import HUB_ENDPOINT_ENV, is_hub_gguf_id
 from .ollama_models import is_ollama_model, resolve_ollama_model
 from .gguf_checkpoint import GGUFCheckpoint, default_read_device, gguf_config_dict, single_gguf_in
 from .gguf_header import GGUF_SUFFIX, is_gguf_file
@@ -115,8 +115,9 @@ def resolve_model_path(
     a folder is used as it is. A "org/name:FILE.gguf" id without `needed_layers` is that file, downloaded whole.
 
     A hub id is looked up in the huggingface_hub snapshot cache first (so a machine that already has the
-    model starts without any network), and downloaded only when it is missing and downloads are allowed
-    (``local_files_only`` false and ``HF_HUB_OFFLINE`` unset), like ``from_pretrained`` users expect.
+    model starts without any network; a GGUF there too: hearth/inference/hub_cache.py), and downloaded only when it
+    is missing and downloads are allowed (``local_files_only`` false and ``HF_HUB_OFFLINE`` unset), like
+    ``from_pretrained`` users expect.
     """
     if is_ollama_model(model):
         return resolve_ollama_model(model).resolve()
@@ -141,9 +142,10 @@ def resolve_model_path(
 
         return fetch_hub_selection(model, needed_layers, revision=revision, cache_dir=cache_dir,
                                    local_files_only=offline)
-    kwargs = dict(revision=revision, cache_dir=cache_dir, allow_patterns=HUB_ALLOW_PATTERNS)
+    kwargs = dict(revision=revision, cache_dir=cache_dir, allow_patterns=HUB_ALLOW_PATTERNS,
+                  endpoint=os.environ.get(HUB_ENDPOINT_ENV) or None)
     try:
-        return Path(snapshot_download(model, local_files_only=True, **kwargs))
+        folder = Path(snapshot_download(model, local_files_only=True, **kwargs))
     except HFValidationError as exc:
         raise CheckpointError(f"{model!r} is neither a checkpoint folder nor a valid hub model id") from exc
     except LocalEntryNotFoundError as exc:
@@ -152,12 +154,18 @@ def resolve_model_path(
                 f"model {model!r} is neither a local folder nor in the local hub cache "
                 "(and downloads are disabled)"
             ) from exc
-    try:
-        return Path(snapshot_download(model, max_workers=HUB_DOWNLOAD_WORKERS, **kwargs))
-    except Exception as exc:  # the hub client raises many network error types; all mean "not available"
-        raise CheckpointError(
-            f"model {model!r} is neither a local folder nor fetchable from the hub: {exc}"
-        ) from exc
+        try:
+            folder = Path(snapshot_download(model, max_workers=HUB_DOWNLOAD_WORKERS, **kwargs))
+        except Exception as exc:  # the hub client raises many network error types; all mean "not available"
+            raise CheckpointError(
+                f"model {model!r} is neither a local folder nor fetchable from the hub: {exc}"
+            ) from exc
+    if (folder / "config.json").is_file():
+        return folder
+    # No config.json: a repository of one GGUF, which the hub cache may hold whole (else it is downloaded whole).
+    from .hub_fetch import fetch_hub_selection
+
+    return fetch_hub_selection(model, None, revision=revision, cache_dir=cache_dir, local_files_only=offline)
 
 
 def read_config_dict(path: Path) -> dict:
@@ -200,9 +208,12 @@ class SafetensorsCheckpoint:
         files = [path / SAFETENSORS_SINGLE_NAME] if (path / SAFETENSORS_SINGLE_NAME).is_file() else []
         files = files or sorted(path.glob("*.safetensors"))
         if not files:
-            raise CheckpointError(
-                f"{path} has no safetensors weights (only safetensors checkpoints are supported)"
-            )
+            # A folder with a config.json is a safetensors checkpoint's (single_gguf_in), even when it holds a GGUF
+            # too, as some hub repositories of GGUFs do: name the file that would serve.
+            ggufs = sorted(file for file in path.iterdir() if file.is_file() and file.suffix.lower() == GGUF_SUFFIX)
+            raise CheckpointError(f"{path} has no safetensors weights beside its config.json" + (
+                f": to serve its GGUF, pass the file {ggufs[0]} as the model" if ggufs
+                else " (hearth reads safetensors checkpoints and GGUF files)"))
         for file in files:
             with opened_safetensors(file) as handle:
                 for name in handle.keys():

@@ -18,6 +18,8 @@ DEFAULT_WEIGHTS_CACHE_DIR = Path("~/.cache/hearth")
 WEIGHTS_CACHE_FILE_NAME = "weights_sha256.v2.json"
 WEIGHTS_CACHE_MAX_ENTRIES = 64
 HASH_CHUNK_BYTES = 8 << 20
+# Hashing a file this large shows a progress bar: a weight file, tens of seconds to minutes for a large model's.
+HASH_PROGRESS_MIN_BYTES = 256 << 20
 WEIGHT_FILE_GLOB = "*.safetensors"
 # The name a GGUF file is hashed under instead of its own: a renamed copy is still the same weights.
 GGUF_DIGEST_NAME = "model.gguf"
@@ -79,11 +81,16 @@ def digest_of_files(entries: Iterable[tuple[str, int, str]]) -> str:
 
 
 def file_sha256(file: Path) -> str:
-    """Hex SHA-256 of one file's bytes."""
+    """Hex SHA-256 of one file's bytes, with a progress bar for a file of at least HASH_PROGRESS_MIN_BYTES."""
+    from .hub_download import byte_progress
+
     digest = hashlib.sha256()
     with file.open("rb") as handle:
-        while chunk := handle.read(HASH_CHUNK_BYTES):
-            digest.update(chunk)
+        size = os.fstat(handle.fileno()).st_size
+        with byte_progress(size, f"hashing {file.name}", shown=size >= HASH_PROGRESS_MIN_BYTES) as bar:
+            while chunk := handle.read(HASH_CHUNK_BYTES):
+                digest.update(chunk)
+                bar.update(len(chunk))
     return digest.hexdigest()
 
 

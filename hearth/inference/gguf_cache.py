@@ -28,7 +28,7 @@ from .checksum import DEFAULT_WEIGHTS_CACHE_DIR, WEIGHTS_CACHE_DIR_ENV
 GGUF_CACHE_DIR_NAME = "gguf"
 # Part of every entry's name: bumped whenever what an entry holds changes shape or what parsing refuses, so no
 # process misreads an old one or serves a file it now refuses.
-GGUF_CACHE_FORMAT = 4
+GGUF_CACHE_FORMAT = 5
 # File versions kept; each holds a tokenizer (a few MB for a real vocabulary).
 GGUF_CACHE_MAX_ENTRIES = 16
 ENTRY_NAME_HEX_CHARS = 32

@@ -36,9 +36,11 @@ from .gguf_header import (
     FLOAT_GGUF_TYPE_NAMES,
     GGUF_SUFFIX,
     SUPPORTED_GGUF_ARCHITECTURES,
+    SplitGGUFError,
     check_block_types,
     checked_gguf_header,
     is_gguf_file,
+    read_gguf_header,
 )
 from .gguf_int4 import STORED_INT4_GROUP_SIZES, int4_groups_of_blocks
 from .quantization import Int4Groups
@@ -74,6 +76,12 @@ def single_gguf_in(folder: Path) -> Path | None:
     files = sorted(p for p in folder.iterdir() if p.is_file())
     found = [p for p in files if p.suffix.lower() == GGUF_SUFFIX] or [p for p in files if is_gguf_file(p)]
     if len(found) > 1:
+        try:  # the parts of one split GGUF, of which no file serves, are refused as such
+            read_gguf_header(found[0])
+        except SplitGGUFError:
+            raise
+        except CheckpointError:
+            pass  # a truncated or corrupt file: which one to serve is still the question
         names = ", ".join(p.name for p in found)
         raise CheckpointError(f"{folder} holds several GGUF files ({names}); pass the one to serve as --model")
     return found[0] if found else None

@@ -25,6 +25,9 @@ GGUF_SUFFIX = ".gguf"
 SUPPORTED_GGUF_VERSIONS = (2, 3)
 ALIGNMENT_KEY = "general.alignment"
 ARCHITECTURE_KEY = "general.architecture"
+# llama.cpp's gguf-split states in every part of a GGUF split into several files its index and the parts' count.
+SPLIT_COUNT_KEY = "split.count"
+SPLIT_NO_KEY = "split.no"
 # Counts past these are no model hearth could serve; a header claiming them is corrupt (or not little-endian).
 MAX_TENSOR_COUNT = 1 << 20
 MAX_KV_COUNT = 1 << 20
@@ -176,6 +179,22 @@ def check_data_layout(spans: Iterable[tuple[int, int | None, str]], data_start: 
                 f"block type and shape count them, {how} tensor {following[2]}'s at {following[0]})")
 
 
+class SplitGGUFError(CheckpointError):
+    """A part of a GGUF split into several files (check_not_split)."""
+
+
+def check_not_split(metadata: dict[str, object], file_name: str) -> None:
+    """SplitGGUFError (one line) when `metadata` is that of one part of a GGUF split into several files: the first
+    holds only some of the tensors (read as one file, a range would load what it holds and a host plan the rest as
+    weighing nothing), the others no model metadata."""
+    count = metadata.get(SPLIT_COUNT_KEY)
+    if isinstance(count, int) and count > 1:
+        number = metadata.get(SPLIT_NO_KEY)
+        part = f"part {number + 1} of {count}" if isinstance(number, int) else f"one of {count} parts"
+        raise SplitGGUFError(f"{file_name} is {part} of a split GGUF, which hearth does not read as one: merge the "
+                              "parts into one file (llama.cpp's `llama-gguf-split --merge FIRST_PART OUT.gguf`)")
+
+
 class HeaderIncomplete(Exception):
     """The buffer ends inside the header: at least `needed` bytes of the file are required."""
 
@@ -264,6 +283,7 @@ def parse_gguf_header(buffer: bytes, file_size: int, file_name: str, *, check_te
     for _ in range(kv_count):
         key = cursor.string().decode("utf-8", errors="replace")
         metadata[key] = cursor.value(cursor.unpack("<I"))
+    check_not_split(metadata, file_name)
     kv_end = cursor.position
     infos = []
     for _ in range(tensor_count):

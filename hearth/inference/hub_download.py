@@ -47,13 +47,13 @@ def download_listed_file(repo_id: str, commit: str, entry, folder: Path) -> Path
     file is kept."""
     name, size = entry.path, listed_size(entry)
     target = folder / name
-    if _is_sized(target, size):
+    if is_sized(target, size):
         return target
     folder.mkdir(parents=True, exist_ok=True)
     partial = folder / f".{name}{PARTIAL_SUFFIX}"
     with open(folder / f".{name}{LOCK_SUFFIX}", "a") as lock:
         lock_after_twin(lock, partial, repo_id, name)  # released when closed
-        if _is_sized(target, size):
+        if is_sized(target, size):
             return target
         target.unlink(missing_ok=True)  # damaged or of another size: no longer the listed file
         try:
@@ -91,7 +91,9 @@ def lock_after_twin(lock, partial: Path, repo_id: str, name: str) -> None:
         time.sleep(TWIN_POLL_S)
 
 
-def _is_sized(file: Path, size: int) -> bool:
+def is_sized(file: Path, size: int) -> bool:
+    """Whether `file` is there with `size` bytes (a file renamed into place whole may be cut short since: a crash
+    before its bytes reached the disk leaves it empty)."""
     try:
         return file.is_file() and file.stat().st_size == size
     except OSError:
@@ -109,7 +111,7 @@ def _download_into(repo_id: str, commit: str, name: str, size: int, out) -> None
     if have > size:  # a partial longer than the file: start again
         out.truncate(0)
         have = 0
-    with download_progress(size, name, initial=have) as bar:
+    with byte_progress(size, name, initial=have) as bar:
         while have < size:
             # Identity encoding: Content-Length is then the file's own size, and a resumed range its own bytes.
             headers = {**build_hf_headers(), "Accept-Encoding": "identity"}
@@ -158,9 +160,11 @@ def _check_stated_length(repo_id: str, name: str, size: int, have: int, response
 
 
 @contextlib.contextmanager
-def download_progress(total_bytes: int, description: str, *, initial: int = 0):
-    """A byte progress bar of a hub download (huggingface_hub's, which its settings can turn off)."""
+def byte_progress(total_bytes: int, description: str, *, initial: int = 0, shown: bool = True):
+    """A byte progress bar of a hub download or of hashing a weight file (huggingface_hub's, which its settings can
+    turn off; none when not `shown`)."""
     from huggingface_hub.utils import tqdm
 
-    with tqdm(total=total_bytes, initial=initial, unit="B", unit_scale=True, desc=description, leave=False) as bar:
+    with tqdm(total=total_bytes, initial=initial, unit="B", unit_scale=True, desc=description, leave=False,
+              disable=not shown) as bar:
         yield bar

@@ -38,6 +38,7 @@ from .cache_versions import hold_version, is_held, release_version, remove_unuse
 from .checksum import GGUF_DIGEST_NAME, PARTIAL_CHECKPOINT_MARKER, digest_of_files, file_sha256
 from .gguf_header import GGUF_SUFFIX
 from .errors import CheckpointError
+from .hub_cache import complete_hub_snapshot, hub_cache_gguf
 from .hub_gguf import HubGGUF, RangesUnsupported, cached_gguf_part, fetch_gguf_part, gguf_header, \
     gguf_metadata_file, layer_tensor_shapes_of, remove_part_leftovers
 from .hub_download import download_listed_file
@@ -100,6 +101,8 @@ def fetch_hub_selection(model: str, needed: NeededTensors, *, revision: str | No
     repo_id, gguf_file = split_hub_model(model)
     if gguf_file is None and (whole := complete_hub_snapshot(repo_id, revision, cache_dir)) is not None:
         return whole
+    if (downloaded := hub_cache_gguf(model, revision, cache_dir)) is not None:
+        return downloaded  # whole, so it serves any range
     root = hub_partial_root(repo_id, cache_dir)
     ref_file = root / "refs" / (revision or DEFAULT_REVISION)
     if ref_file.is_file() and is_commit_hash(commit := ref_file.read_text().strip()):
@@ -121,21 +124,6 @@ def fetch_hub_selection(model: str, needed: NeededTensors, *, revision: str | No
         raise
     except Exception as exc:  # the hub client raises many network error types; all mean "not available"
         raise CheckpointError(f"model {model!r} is not fetchable from the hub: {exc}") from exc
-
-
-def complete_hub_snapshot(repo_id: str, revision: str | None, cache_dir: str | Path | None) -> Path | None:
-    """The hub snapshot cache's folder of `repo_id` when it already holds every weight file its index names."""
-    from huggingface_hub import snapshot_download
-
-    try:
-        folder = Path(snapshot_download(repo_id, revision=revision, cache_dir=cache_dir, local_files_only=True))
-        index = folder / SAFETENSORS_INDEX_NAME
-        weight_map = json.loads(index.read_text())["weight_map"] if index.is_file() else {}
-    except Exception:  # absent, or an unreadable index: not usable as it is
-        return None
-    names = set(checked_weight_map(weight_map, index).values())
-    complete = (folder / "config.json").is_file() and all((folder / name).is_file() for name in names)
-    return folder if complete and (names or any(folder.glob("*.safetensors"))) else None
 
 
 @dataclass(frozen=True)
@@ -364,8 +352,9 @@ def _gguf_hub_layout(hub: HubGGUF, listing: dict) -> HubLayout:
         from .gguf_checkpoint import gguf_config_dict
 
         try:
-            parsed, _ = gguf_header(hub)
-            return HubLayout(config=gguf_config_dict(gguf_metadata_file(hub)), tensors=layer_tensor_shapes_of(parsed),
+            parsed, header = gguf_header(hub)
+            return HubLayout(config=gguf_config_dict(gguf_metadata_file(hub, parsed, header)),
+                             tensors=layer_tensor_shapes_of(parsed),
                              weights_sha256=hub.weights_sha256)
         except RangesUnsupported as unsupported:
             logger.warning("%s; downloading %s whole", unsupported, hub.file)

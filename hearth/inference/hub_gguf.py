@@ -46,7 +46,7 @@ from .gguf_header import (
     parse_gguf_header,
 )
 from .gguf_parts import StoredLayout, TensorPlacement, write_gguf_folder, write_gguf_part
-from .hub_download import PARTIAL_SUFFIX, TRANSFER_RETRIES, download_progress, lock_after_twin
+from .hub_download import PARTIAL_SUFFIX, TRANSFER_RETRIES, byte_progress, is_sized, lock_after_twin
 from .hub_ids import HUB_ENDPOINT_ENV
 from .partial_checkpoint import NeededTensors, complete_partial_folder, selection_name
 
@@ -124,12 +124,15 @@ def gguf_header(hub: HubGGUF) -> tuple[ParsedGGUFHeader, bytes]:
     return parsed, buffer
 
 
-def gguf_metadata_file(hub: HubGGUF) -> Path:
-    """A GGUF holding `hub`'s metadata and no tensor, for what is read from metadata alone (its config)."""
+def gguf_metadata_file(hub: HubGGUF, parsed: ParsedGGUFHeader, header: bytes) -> Path:
+    """A GGUF holding `hub`'s metadata (its header `parsed` from `header`, gguf_header) and no tensor, for what is
+    read from metadata alone (its config); written again when the one there is not its size (cut short since by a
+    crash: renamed into place whole, its bytes may not have reached the disk)."""
     target = hub.folder / METADATA_FOLDER / hub.file
-    if not target.is_file():
-        parsed, header = gguf_header(hub)
-        write_gguf_part(target, header, parsed.split.kv_end, parsed.split.alignment, [])
+    split = parsed.split
+    # A GGUF of no tensor is the header up to its tensor infos, padded to the alignment (write_gguf_part).
+    if not is_sized(target, -(-split.kv_end // split.alignment) * split.alignment):
+        write_gguf_part(target, header, split.kv_end, split.alignment, [])
     return target
 
 
@@ -152,9 +155,9 @@ def fetch_gguf_part(hub: HubGGUF, needed: NeededTensors) -> Path:
         raise CheckpointError(f"{hub.file} holds no tensors of {selection_name(needed)}")
     spans = coalesced_spans(wanted)
     files = {HEADER_FILE: hub.folder / HEADER_FILE}
-    missing = [(first, last) for first, last in spans if not _span_file(hub, first, last).is_file()]
-    with download_progress(sum(last - first + 1 for first, last in missing),
-                           f"{hub.file} {selection_name(needed)}") as bar:
+    missing = [(first, last) for first, last in spans if not is_sized(_span_file(hub, first, last), last - first + 1)]
+    with byte_progress(sum(last - first + 1 for first, last in missing),
+                       f"{hub.file} {selection_name(needed)}") as bar:
         for first, last in spans:
             files[_span_name(first, last)] = _fetch_span(hub, first, last, bar)
     placements = []
@@ -262,14 +265,15 @@ def _fetch_span(hub: HubGGUF, first: int, last: int, bar) -> Path:
     it grows, so two hosts on one machine never write it together, and one waits for the other only while the
     partial file grows (CheckpointError, one line, once it has stalled)."""
     done = _span_file(hub, first, last)
-    if done.is_file():
+    if is_sized(done, last - first + 1):
         return done
     done.parent.mkdir(parents=True, exist_ok=True)
     partial = done.with_name(_span_name(first, last, PARTIAL_SUFFIX))
     with partial.open("ab") as out:
         lock_after_twin(out, partial, hub.repo_id, f"{hub.file} bytes {first}-{last}")  # released when closed
-        if done.is_file():  # a twin finished it while this one waited
+        if is_sized(done, last - first + 1):  # a twin finished it while this one waited
             return done
+        done.unlink(missing_ok=True)  # cut short since it was finished: fetched again
         have = out.seek(0, os.SEEK_END)
         if bar is not None:
             bar.update(have)

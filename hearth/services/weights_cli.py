@@ -72,6 +72,7 @@ def publish_command(
     from hearth.services.weights_publish import check_publishable, publish_checkpoint
     from hearth.services.weights_store import WeightsStoreError
 
+    path = path.expanduser()  # as --model takes a path: one quoted for its spaces keeps its "~"
     try:
         check_publishable(path)
     except WeightsStoreError as error:

@@ -3,6 +3,7 @@ refused with one clear line."""
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import gguf
@@ -23,7 +24,7 @@ from hearth.inference import (
     weights_sha256,
 )
 from tests.runner_limits import RUNNER_KV_LIMITS
-from hearth.inference.gguf_checkpoint import GGUFCheckpoint, gguf_config
+from hearth.inference.gguf_checkpoint import GGUFCheckpoint, gguf_config, gguf_config_dict
 from hearth.inference.memory import layer_weight_bytes
 
 from .gguf_files import own_cache, rewrite_gguf, tiny_gguf, write_tiny_gguf  # noqa: F401  (fixtures)
@@ -97,6 +98,21 @@ def test_a_folder_holding_one_gguf_resolves_to_it_and_the_checksum_ignores_its_n
     shutil.copy(path, folder / "second.gguf")
     with pytest.raises(CheckpointError, match="several GGUF files"):
         resolve_model_path(folder)
+
+
+def test_a_folder_holding_a_gguf_beside_a_config_json_is_refused_naming_the_gguf_to_pass(tiny_gguf, tmp_path):
+    # As some hub repositories of GGUFs hold a config.json: the folder is then a safetensors checkpoint's.
+    path, _ = tiny_gguf("llama", GGMLQuantizationType.F16)
+    folder = tmp_path / "downloaded"
+    folder.mkdir()
+    shutil.copy(path, folder / "model-Q8_0.gguf")
+    (folder / "config.json").write_text(json.dumps(gguf_config_dict(path)))
+
+    with pytest.raises(CheckpointError) as refusal:
+        load_layer_range(folder, 0, 0, **RUNNER_KV_LIMITS)
+    message = str(refusal.value)
+    assert "\n" not in message and "has no safetensors weights" in message, message
+    assert str(folder / "model-Q8_0.gguf") in message and "only safetensors" not in message, message
 
 
 def test_memory_planning_counts_a_ggufs_layers_as_they_will_be_held(tiny_gguf):

@@ -14,7 +14,8 @@ import torch
 
 from hearth.inference import CheckpointError, load_head, load_layer_range, resolve_model_path, weights_sha256
 from tests.runner_limits import RUNNER_KV_LIMITS
-from hearth.inference.hub_fetch import complete_hub_snapshot, hub_layout
+from hearth.inference.hub_cache import complete_hub_snapshot
+from hearth.inference.hub_fetch import hub_layout
 from hearth.inference.memory import layer_weight_bytes
 from hearth.inference.partial_checkpoint import files_holding
 from hearth.inference.quantization import parse_quantization

@@ -17,7 +17,8 @@ from hearth.inference import CheckpointError, load_head, load_layer_range, read_
     weights_sha256
 from hearth.inference.gguf_checkpoint import open_reader
 from hearth.inference.gguf_parts import split_gguf
-from hearth.inference.hub_gguf import SPANS_FOLDER, coalesced_spans
+from hearth.inference.hub_fetch import hub_layout
+from hearth.inference.hub_gguf import METADATA_FOLDER, SPANS_FOLDER, coalesced_spans
 from hearth.inference.memory import layer_weight_bytes
 from hearth.inference.quantization import parse_quantization
 from hearth.services.common.config import HearthSettings
@@ -313,3 +314,29 @@ def test_a_gguf_part_of_a_range_left_behind_is_removed_once_no_process_holds_it(
         assert parts == {"layers-2-3", "head"} and head.is_file()
     finally:
         release_held_ranges()
+
+
+def test_a_finished_span_left_short_by_a_crash_is_fetched_again(served):
+    # A span renamed into place whole and cut short since (a crash before its bytes reached the disk leaves it
+    # empty): taken as done, every later start refused the part as not forming a GGUF.
+    hub, original = served
+    resolve_model_path(REPO, needed_layers=(0, 0))  # the header is kept; what follows reads only spans
+    wanted = [tensor for tensor in split_gguf(original).tensors if tensor.layer == 1]
+    [(first, last)] = coalesced_spans(wanted)
+    spans = _parts_folder(FILE) / SPANS_FOLDER
+    spans.mkdir(parents=True, exist_ok=True)
+    (spans / f"{first}-{last}.bin").write_bytes(b"")
+
+    path = resolve_model_path(REPO, needed_layers=(1, 1))
+    _assert_same_range(path, original, 1, 1)
+
+
+def test_a_metadata_file_left_empty_by_a_crash_is_written_again(served, tmp_path):
+    # Written whole and renamed into place, but a crash before its bytes reached the disk leaves it empty: taken as
+    # written, every later sizing refused the model as an empty GGUF.
+    hub, original = served
+    layout = hub_layout(REPO)
+    metadata = _parts_folder(FILE) / METADATA_FOLDER / FILE
+    metadata.write_bytes(b"")
+
+    assert hub_layout(REPO) == layout

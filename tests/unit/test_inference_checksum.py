@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -11,6 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from hearth.inference import CheckpointError, load_layer_range, weights_sha256
 from tests.runner_limits import RUNNER_KV_LIMITS
+from hearth.inference import checksum
 from hearth.inference.checksum import WEIGHTS_CACHE_FILE_NAME
 
 from .inference_tiny_models import one_torch_thread, tiny_model_dir  # noqa: F401  (fixtures)
@@ -80,3 +82,17 @@ def test_a_corrupt_cache_file_is_ignored(tmp_path, checkpoint):
 def test_folder_without_weights_is_an_error(tmp_path):
     with pytest.raises(CheckpointError, match="no \\*.safetensors"):
         weights_sha256(tmp_path, cache_dir=tmp_path / "cache")
+
+
+def test_hashing_a_weight_sized_file_shows_a_progress_bar_and_a_small_one_none(tmp_path, monkeypatch, capsys):
+    # A large model's file takes tens of seconds to hash (minutes from a disk), during a host's planning or after
+    # a download: without a bar nothing moves meanwhile. Cut to 1 MiB here, from a weight file's size.
+    monkeypatch.setattr(checksum, "HASH_PROGRESS_MIN_BYTES", 1 << 20)
+    small, large = tmp_path / "config.json", tmp_path / "model.gguf"
+    small.write_bytes(b"{}")
+    large.write_bytes(os.urandom(2 << 20))
+
+    checksum.file_sha256(small)
+    assert "hashing" not in capsys.readouterr().err
+    assert checksum.file_sha256(large) == hashlib.sha256(large.read_bytes()).hexdigest()
+    assert "hashing model.gguf" in capsys.readouterr().err

@@ -41,7 +41,7 @@ GGUF_ARCHITECTURE_KEY = "general.architecture"
 # GGUF cache, named as hearth/inference/gguf_cache.py names it (that module is not imported here: it would bring torch
 # into the supervising process); tests/unit/test_gguf_cache.py keeps the two in step.
 GGUF_CACHE_DIR_NAME = "gguf"
-GGUF_CACHE_FORMAT = 4
+GGUF_CACHE_FORMAT = 5
 GGUF_CACHE_ENTRY_NAME_HEX_CHARS = 32
 GGUF_DESCRIPTION_CACHE_FILE = "demo-description.json"
 # What the demo asks when no --prompt is given: the toy was trained on fortunes; a real model gets a factual

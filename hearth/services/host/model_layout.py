@@ -20,7 +20,8 @@ from hearth.inference import read_config_dict, resolve_model_path, weights_sha25
 from hearth.inference.checkpoint import looks_like_local_path, default_model_id
 from hearth.inference.gguf_checkpoint import check_layer_block_types, default_read_device
 from hearth.inference.gguf_header import is_gguf_file
-from hearth.inference.hub_fetch import complete_hub_snapshot, hub_layout
+from hearth.inference.hub_cache import complete_hub_snapshot, hub_cache_gguf
+from hearth.inference.hub_fetch import hub_layout
 from hearth.inference.memory import layer_weight_bytes, layer_weight_bytes_of
 from hearth.inference.ollama_models import served_model_id
 from hearth.inference.quantization import QuantizationScheme
@@ -67,12 +68,12 @@ async def model_layout(model: str, *, model_id: str | None, compute_dtype: torch
 
 
 def _local_checkpoint(model: str) -> Path | None:
-    """The folder or GGUF file of `model` on this disk (a hub id: its complete snapshot), None for a hub id to read
-    from the hub."""
+    """The folder or GGUF file of `model` on this disk (a hub id: its complete snapshot, or its GGUF in the hub
+    cache), None for a hub id to read from the hub."""
     as_path = Path(model).expanduser()
     if as_path.exists() or looks_like_local_path(model):
         return resolve_model_path(model)  # CheckpointError for a path that is not a checkpoint
-    return complete_hub_snapshot(model, None, None)
+    return complete_hub_snapshot(model, None, None) or hub_cache_gguf(model, None, None)
 
 
 async def _store_manifest(name: str, nats_url: str | None, settings: HearthSettings):
