@@ -29,6 +29,7 @@ is not a prefill's: hearth/services/orchestrator/answer_kv.py).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import struct
 from collections import OrderedDict
@@ -123,8 +124,13 @@ def published_mark(name: str, keeper: MemberKey | None) -> str:
     would let any of them confirm a guessed conversation of another's against the log."""
     if keeper is None:
         return hashlib.blake2b(b"hearth-kept-mark\0" + bytes.fromhex(name), digest_size=16).hexdigest()
-    secret = hashlib.blake2b(keeper.seed, digest_size=32, person=b"hearth-kept-mark").digest()
-    return hashlib.blake2b(bytes.fromhex(name), digest_size=16, key=secret).hexdigest()
+    return hashlib.blake2b(bytes.fromhex(name), digest_size=16, key=_mark_secret(keeper.seed)).hexdigest()
+
+
+@functools.lru_cache(maxsize=4)
+def _mark_secret(seed: bytes) -> bytes:
+    """The key a member's marks are drawn with (once per seed: a call's lookup draws up to `max_prefix_blocks`)."""
+    return hashlib.blake2b(seed, digest_size=32, person=b"hearth-kept-mark").digest()
 
 
 def kept_marks(names: Sequence[str], prompt_blocks: int, keeper: MemberKey | None) -> list[tuple[int, str]]:
