@@ -81,17 +81,20 @@ class CacheLengths:
         """Note that `layers` hold `tokens` positions after a fill (a dynamic cache counts them itself)."""
 
 
-def cache_snapshot(cache, layers: range, tokens: int, lengths: CacheLengths) -> KeysValues | None:
+def cache_snapshot(cache, layers: range, tokens: int, lengths: CacheLengths,
+                   max_bytes: int | None = None) -> KeysValues | None:
     """Copies of the first `tokens` positions' keys and values of `layers`, or None when some layer no longer holds
-    every position up to `tokens` (a sliding window dropped some) or holds none."""
-    snapshot = {}
+    every position up to `tokens` (a sliding window dropped some) or holds none, or they would take over `max_bytes`."""
+    views = {}
     for layer_index in layers:
         held = lengths.held(cache, layer_index)
         if held is None or held < tokens:
             return None
         layer = cache.layers[layer_index]
-        snapshot[layer_index] = (layer.keys[..., :tokens, :].clone(), layer.values[..., :tokens, :].clone())
-    return snapshot
+        views[layer_index] = (layer.keys[..., :tokens, :], layer.values[..., :tokens, :])
+    if max_bytes is not None and sum(k.nbytes + v.nbytes for k, v in views.values()) > max_bytes:
+        return None
+    return {layer_index: (keys.clone(), values.clone()) for layer_index, (keys, values) in views.items()}
 
 
 def fill_cache(cache, kv: KeysValues, tokens: int, lengths: CacheLengths) -> None:
@@ -210,12 +213,16 @@ class PrefixSessions:
     def keep(self, session_id: str, block_hashes: Sequence[str], block_tokens: int, run_lo: int, run_hi: int,
              cached_tokens: int, end_session: bool = True, opener: str | None = None) -> int:
         """Keep the session's first blocks (those it holds whole of the ones named) as a prefix for hops of `opener`,
-        ending the session (its cache freed) unless `end_session` is False; the positions kept."""
+        ending the session (its cache freed) unless `end_session` is False; the positions kept (none when they alone
+        would not fit the budget beside the live sessions)."""
         session = self.caches.pop(session_id) if end_session else self.caches.get(session_id)
         blocks = min(len(block_hashes), cached_tokens // block_tokens)
         if session is None or blocks < 1:
             return 0
-        kv = cache_snapshot(session.cache, range(run_lo, run_hi + 1), blocks * block_tokens, self.lengths)
+        # Never more than the room the live sessions leave: kept, it would push out every other kept prefix, then
+        # itself (a session's copy kept while it goes on).
+        room = self.caches.budget_bytes - self.caches.total_bytes
+        kv = cache_snapshot(session.cache, range(run_lo, run_hi + 1), blocks * block_tokens, self.lengths, room)
         if kv is None:
             return 0
         keys = prefix_keys(block_hashes[:blocks], run_lo, run_hi, block_tokens, opener)

@@ -57,3 +57,14 @@ def test_an_earlier_turn_no_name_reaches_any_more_is_dropped_before_another_conv
     assert kept.inputs(conversation("b", 2), 2) is not None
     assert kept.inputs(conversation("a", 3), 2) is not None
     assert kept.total_bytes == (2 + 3) * 2 * 4  # the earlier turns' entries are gone
+
+
+def test_an_entry_larger_than_the_whole_budget_is_not_kept_and_pushes_out_nothing():
+    # A very long history's inputs alone beyond `kept_inputs_mb`: keeping it would push out every other conversation's
+    # entry (least recently used first) and then itself, leaving their kept-prefix hops unchecked for nothing.
+    kept = KeptInputs(budget_bytes=4 * 4)
+    kept.keep(blocks(2), {2: torch.zeros(1, 4, 1)})
+    kept.keep(PrefixBlocks(block_tokens=2, hashes=NAMES[3:6]), {2: torch.zeros(1, 6, 1)})
+    assert kept.inputs(blocks(2), 2) is not None
+    assert kept.inputs(PrefixBlocks(block_tokens=2, hashes=NAMES[3:6]), 2) is None
+    assert kept.total_bytes == 4 * 4

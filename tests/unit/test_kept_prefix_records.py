@@ -89,7 +89,7 @@ def test_a_call_marks_its_last_block_the_last_two_of_its_prompt_and_powers_of_tw
     # What the log records finds a chain but never opens KV: no mark is a block name.
     assert not {mark for _, mark in marked} & set(names)
     # On a community mesh a mark is its member's: another member's hops could not attach the blocks it finds.
-    member, other = MemberKey.generate().public_key, MemberKey.generate().public_key
+    member, other = MemberKey.generate(), MemberKey.generate()
     assert len({published_mark(names[0], keeper) for keeper in (None, member, other)}) == 3
     # The most blocks a call may name still fit an event.
     assert len(kept_marks([f"{i:032x}" for i in range(8192)], prompt_blocks=8000, keeper=None)) <= max_kept_marks
@@ -266,3 +266,27 @@ async def test_on_a_community_mesh_only_its_own_member_s_kept_chains_draw_an_orc
     assert await planned(engine, settings, PROMPT, keeper) == [far.shard_id]  # another orchestrator of its member
     assert await planned(engine, settings, PROMPT, other) == [near.shard_id]
     assert await planned(engine, settings, PROMPT) == [near.shard_id]  # nor an orchestrator of an open mesh
+
+
+def test_a_member_reading_the_log_cannot_test_a_guess_of_another_member_s_conversation():
+    # Everything a block's name is drawn over but the tokens is known to every member (the model, its weights and
+    # scheme, the caller's roster name, the keeper's public key): were a mark a digest of public things, anyone
+    # reading `pipeline.completed` could confirm a guessed conversation ("did member x ask about ...?") by computing
+    # its marks. A mark is keyed by a secret of the keeper's member: its orchestrators share it, no other member has it.
+    import hashlib
+
+    keeper = MemberKey.generate()
+    settings = HearthSettings(prefix_cache=PrefixCacheSettings(enabled=True, block_tokens=4))
+    recorded = {mark.name for mark in completed_call_on("far", settings, keeper).marks}
+    first = first_name(MODEL_ID, WEIGHTS_SHA, "none", settings.research.distributed_inference.activation_dtype, 4)
+    guessed = block_names([*PROMPT[:30], 999, 998, 997], 4, first, "unsigned")
+
+    def from_public_things(name: str) -> str:
+        message = b"hearth-kept-mark-of\0" + keeper.public_key.encode() + b"\0" + bytes.fromhex(name)
+        return hashlib.blake2b(message, digest_size=16).hexdigest()
+
+    assert recorded  # the guess is right: these are the call's names
+    assert not recorded & {from_public_things(name) for name in guessed}
+    assert not recorded & {published_mark(name, MemberKey.generate()) for name in guessed}
+    # Another orchestrator of the same member (the same key) draws the same marks.
+    assert recorded <= {published_mark(name, MemberKey.from_seed(keeper.seed)) for name in guessed}

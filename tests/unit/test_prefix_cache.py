@@ -132,6 +132,24 @@ def test_kept_blocks_give_way_to_live_sessions(model):
     assert "live" in small.session_ids()
 
 
+def test_a_copy_that_cannot_fit_beside_the_live_sessions_is_not_kept_and_pushes_out_nothing(tiny_model_dir):
+    # A live session's copy (a request's `n` choices share its prompt's blocks so) larger than the room its own and the
+    # other live sessions leave: kept, it would push out every other kept prefix (least recently used first) and then
+    # itself, leaving nothing.
+    model = (tiny_model_dir("llama"), load_head(tiny_model_dir("llama")), None)
+    _, head, _ = model
+    probe = runner_of(model)
+    probe.forward("probe", head.embed(PROMPT), 0, "prefill")
+    per_token = probe.session_bytes("probe") // len(PROMPT)
+    small = runner_of(model, cache_budget_bytes=16 * per_token, session_ttl_s=600)
+    small.forward("other", head.embed(PROMPT[:BLOCK]), 0, "prefill")
+    assert small.keep_prefix("other", ["o0"], BLOCK) == BLOCK
+    small.forward("live", head.embed(PROMPT), 0, "prefill")  # 11 positions live beside 4 kept: 15 of 16
+    assert small.keep_prefix("live", ["b0", "b1"], BLOCK, end_session=False) == 0  # 8 more would not fit
+    assert small.attach_prefix("again", ["o0"], BLOCK) == BLOCK
+    assert "live" in small.session_ids()
+
+
 def test_a_static_session_s_whole_cache_is_made_room_for_before_it_is_taken(tiny_model_dir):
     # A static cache takes all its positions at its first step: kept blocks that would leave no room for it go first.
     path = tiny_model_dir("llama")

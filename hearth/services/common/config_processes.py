@@ -121,8 +121,8 @@ class VerificationSettings(ConfigSection):
     kept_inputs_mb: float = Field(
         default=128, ge=0,
         description="what entered each hop over the positions its shards kept for later calls, held in memory so a "
-                    "hop that begins from kept KV can still be checked (least recently used dropped beyond this; "
-                    "such a hop is not checked then)")
+                    "hop that begins from kept KV can still be checked (least recently used dropped beyond this, "
+                    "a call's that alone exceeds it never kept; such a hop is not checked then)")
     record_budget_mb: float = Field(
         default=128.0, gt=0,
         description="what a call's chain may hold in memory of its hops' inputs and outputs for checks; beyond "

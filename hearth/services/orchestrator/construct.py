@@ -38,6 +38,7 @@ from hearth.services.orchestrator.prefix import (
 from hearth.services.orchestrator.recovery import SHARD_UNAVAILABLE
 from hearth.services.orchestrator.router import Hop, RoutingError
 from hearth.services.transport.integrity import NormBounds
+from hearth.trust.keys import MemberKey
 
 log = logging.getLogger(__name__)
 
@@ -206,11 +207,10 @@ class ChainBuilder:
                         on_round_trip=self.ctx.load.observe_round_trip, record_budget_bytes=self.record_budget_bytes,
                         prefix=self._reusable(naming), sign_open=open_signer(self.ctx.outbox.signing_key))
 
-    def _mark_keeper(self) -> str | None:
+    def _mark_keeper(self) -> MemberKey | None:
         """Whose hops keep our calls' blocks, as marks are drawn: our member key (None on an open mesh, where shards
         do not tell openers apart)."""
-        key = self.ctx.outbox.signing_key
-        return key.public_key if key is not None else None
+        return self.ctx.outbox.signing_key
 
     def _reusable(self, naming: CallPrefix | None) -> PrefixBlocks | None:
         """The kept blocks a chain of the call may begin from: within its prompt, whose KV a prefill computed (a
@@ -294,7 +294,8 @@ class ChainBuilder:
                 names[scheme] = [published_mark(name, self._mark_keeper()) for name in reusable.hashes]
         if sessions is None or not names:
             return {}
-        keeper = self._mark_keeper()
+        key = self._mark_keeper()
+        keeper = key.public_key if key is not None else None
 
         def read() -> dict[str, KeptChain]:
             found: dict[str, KeptChain] = {}

@@ -65,15 +65,16 @@ class KeptInputs:
         return tensor[:, :positions]
 
     def keep(self, kept: PrefixBlocks, inputs: dict[int, torch.Tensor]) -> None:
-        """Hold `inputs` (per layer, at least the positions of `kept`'s blocks) under those blocks' names."""
+        """Hold `inputs` (per layer, at least the positions of `kept`'s blocks) under those blocks' names; not when they
+        alone exceed the budget."""
         positions = len(kept.hashes) * kept.block_tokens
-        trimmed = {layer: tensor[:, :positions].clone() for layer, tensor in inputs.items()
-                   if tensor.shape[1] >= positions}
-        if not kept.hashes or not trimmed:
-            return
+        trimmed = {layer: tensor[:, :positions] for layer, tensor in inputs.items() if tensor.shape[1] >= positions}
+        if not kept.hashes or not trimmed or _Entry(positions, trimmed).nbytes > self.budget_bytes:
+            return  # one beyond the whole budget would push out every other entry, then itself
+        entry = _Entry(positions, {layer: tensor.clone() for layer, tensor in trimmed.items()})
         key = kept.hashes[-1]
         superseded = {self._by_name[name][0] for name in kept.hashes if name in self._by_name} - {key}
-        self._entries[key] = _Entry(positions, trimmed)
+        self._entries[key] = entry
         self._entries.move_to_end(key)
         for blocks, name in enumerate(kept.hashes, start=1):
             self._by_name[name] = (key, blocks)

@@ -29,6 +29,7 @@ is not a prefill's: hearth/services/orchestrator/answer_kv.py).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import struct
 from collections import OrderedDict
@@ -38,6 +39,7 @@ from dataclasses import dataclass
 from hearth.protocol.control import PrefixBlocks, max_prefix_blocks
 from hearth.readmodels.queries import KeptChain
 from hearth.services.common.config_processes import PrefixCacheSettings
+from hearth.trust.keys import MemberKey
 
 PUBLIC_SCOPE = "public"
 # Block names remembered for routing, with the chain that kept each.
@@ -113,19 +115,25 @@ def public_blocks_of(prompt_ids: Sequence[int], public_prompt_ids: Sequence[Sequ
     return longest // block_tokens
 
 
-def published_mark(name: str, keeper: str | None) -> str:
-    """What the event log records for the kept block `name` that hops of `keeper` keep (the public key of the member
-    whose orchestrators opened them; None on an open mesh): a digest that finds the chain keeping it for that member's
+def published_mark(name: str, keeper: MemberKey | None) -> str:
+    """What the event log records for the kept block `name` that hops of `keeper` keep (the key of the member whose
+    orchestrators opened them; None on an open mesh): a digest that finds the chain keeping it for that member's
     orchestrators only (another member's hops could not attach it), never the name itself, which would let any member
-    reading the log attach that KV (or keep its own under it)."""
+    reading the log attach that KV (or keep its own under it). Keyed by a secret drawn from the member's seed: all
+    else a name is drawn over is known to every member (model, scheme, the caller's roster name), so an unkeyed mark
+    would let any of them confirm a guessed conversation of another's against the log."""
     if keeper is None:
         return hashlib.blake2b(b"hearth-kept-mark\0" + bytes.fromhex(name), digest_size=16).hexdigest()
-    # Public keys hold no NUL, and the unscoped form has no keeper field: no member's mark is another's.
-    message = b"hearth-kept-mark-of\0" + keeper.encode() + b"\0" + bytes.fromhex(name)
-    return hashlib.blake2b(message, digest_size=16).hexdigest()
+    return hashlib.blake2b(bytes.fromhex(name), digest_size=16, key=_mark_secret(keeper.seed)).hexdigest()
 
 
-def kept_marks(names: Sequence[str], prompt_blocks: int, keeper: str | None) -> list[tuple[int, str]]:
+@functools.lru_cache(maxsize=4)
+def _mark_secret(seed: bytes) -> bytes:
+    """The key a member's marks are drawn with (once per seed: a call's lookup draws up to `max_prefix_blocks`)."""
+    return hashlib.blake2b(seed, digest_size=32, person=b"hearth-kept-mark").digest()
+
+
+def kept_marks(names: Sequence[str], prompt_blocks: int, keeper: MemberKey | None) -> list[tuple[int, str]]:
     """Which of a call's kept blocks its `pipeline.completed` records, as (blocks closed, published mark of `keeper`):
     the last, the last two wholly inside the prompt (a next turn resends the prompt as it was, while the answer may
     tokenize differently where it meets what follows) and the 1st, 2nd, 4th, ... (an edited history still finds
