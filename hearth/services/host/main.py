@@ -246,7 +246,8 @@ async def _serve_until_moved(chosen: LayerRange, coverage: CoverageReader, nc: N
                              layer_bytes: list[int], weights_budget: int, busy_threads: int | None,
                              ready_file: str | None, stop_event: asyncio.Event) -> LayerRange | None:
     """Serve `chosen` until stopped (returns None) or until a hole is worth moving to (returns the new range);
-    BrokerConnectionClosed when the host's own connection `nc` is closed for good (it could no longer see holes)."""
+    BrokerConnectionClosed when the host's own connection `nc` is closed for good (it could no longer see holes), and
+    the error of a failed read of the coverage likewise."""
     loaded = await load_shard(model=model, lo=chosen.lo, hi=chosen.hi, node=node, settings=settings,
                               model_id=model_id, device=device, dtype=dtype, quantize=coverage.quantization,
                               stop_event=stop_event, nats_url=nats_url)
@@ -261,7 +262,9 @@ async def _serve_until_moved(chosen: LayerRange, coverage: CoverageReader, nc: N
                                                       settings))
         try:
             done, _ = await asyncio.wait({stop_task, hole_task}, return_when=asyncio.FIRST_COMPLETED)
-            if hole_task in done:
+            if hole_task in done and hole_task.exception() is not None:
+                lost.append(hole_task.exception())  # serving on blind to holes, or ending as if moved, hides it
+            elif hole_task in done:
                 moved.append(hole_task.result())
                 log.info("host %s: layers %s are held elsewhere and %s is a hole: moving", node, chosen, moved[0])
             elif stop_task.exception() is not None:

@@ -1,0 +1,57 @@
+"""`hearth host` while it serves a range: when reading the mesh's coverage fails, the host stops serving and says
+why, rather than ending its range in silence and blaming its memory budget."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+import hearth.services.host.main as host_main
+from hearth.services.common.config import HearthSettings
+from hearth.services.host.planner import LayerRange
+
+LAYER_BYTES = [100] * 4
+
+
+class BrokenCoverage:
+    quantization = "none"
+
+    async def replicas(self, leave_out=frozenset()) -> list[int]:
+        raise RuntimeError("read model unreadable")
+
+    async def turn(self, current, shard_id) -> int:
+        return 0
+
+
+def quick_checks() -> HearthSettings:
+    settings = HearthSettings()
+    distributed = settings.research.distributed_inference
+    host = distributed.host.model_copy(update={"rebalance_check_interval_s": 0.01})
+    research = settings.research.model_copy(update={"distributed_inference": distributed.model_copy(
+        update={"host": host})})
+    return settings.model_copy(update={"research": research})
+
+
+async def test_a_failing_coverage_read_stops_the_host_with_its_error(monkeypatch):
+    """Before, the watcher's error was swallowed: the range was withdrawn, _serve_until_moved returned None and
+    run_host refused with 'a memory budget of ... holds no layer', a budget that had just held the range."""
+    served = asyncio.Event()
+
+    async def load_shard(**_):
+        return SimpleNamespace(identity=SimpleNamespace(shard_id="m:0-1@me"), runner=None)
+
+    async def serve_loaded_shard(loaded, *, stop_event, **_):
+        served.set()
+        await asyncio.wait_for(stop_event.wait(), timeout=10)
+
+    monkeypatch.setattr(host_main, "load_shard", load_shard)
+    monkeypatch.setattr(host_main, "serve_loaded_shard", serve_loaded_shard)
+    monkeypatch.setattr(host_main, "until_stopped_or_closed", lambda nc, stop_event, name: stop_event.wait())
+    with pytest.raises(RuntimeError, match="read model unreadable"):
+        await asyncio.wait_for(host_main._serve_until_moved(
+            LayerRange(0, 1), BrokenCoverage(), None, model="m", model_id="m", node="me", settings=quick_checks(),
+            device=None, dtype=None, nats_url=None, layer_bytes=LAYER_BYTES, weights_budget=250, busy_threads=None,
+            ready_file=None, stop_event=asyncio.Event()), timeout=10)
+    assert served.is_set()
