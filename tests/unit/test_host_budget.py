@@ -39,3 +39,28 @@ def test_no_budget_leaves_the_settings_alone(monkeypatch):
     monkeypatch.delenv(KV_ENV, raising=False)
     settings = HearthSettings()
     assert with_memory_budget(settings, None) is settings
+
+
+@pytest.mark.parametrize("budget", ["inf", "1e400", "nan", "0", "4GB"])
+def test_a_budget_that_is_no_finite_positive_number_is_refused_by_the_command_line(budget):
+    """Before, "inf" (or a number too large for a float) passed the option's check and the host failed with an
+    OverflowError traceback once it turned the budget into bytes."""
+    from typer.testing import CliRunner
+
+    from hearth.services.cli import app
+
+    result = CliRunner().invoke(app, ["host", "--model", "m", "--memory-budget-mb", budget, "--insecure",
+                                      "--nats", "nats://127.0.0.1:1"])
+    assert result.exit_code == 2, result.output
+    assert "Invalid value for '--memory-budget-mb'" in result.output
+    assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("name", ["MAX_MEMORY_MB", "KV_CACHE_BUDGET_MB"])
+def test_an_infinite_memory_setting_is_refused_as_configuration(monkeypatch, name):
+    """An infinite `[shard] max_memory_mb` or `kv_cache_budget_mb` failed later as an OverflowError traceback."""
+    from pydantic import ValidationError
+
+    monkeypatch.setenv("HEARTH_SHARD__" + name, "inf")
+    with pytest.raises(ValidationError, match="finite number"):
+        HearthSettings()
