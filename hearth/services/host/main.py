@@ -21,19 +21,21 @@ import time
 from collections.abc import Awaitable, Callable, Set
 from pathlib import Path
 
+import torch
 from nats.aio.client import Client as NatsClient
 from sqlalchemy.orm import sessionmaker
 
 from hearth.events.streams import SHARDS_STREAM
 from hearth.inference import InferenceError
 from hearth.inference.cache_ranges import release_range
+from hearth.inference.devices import device_memory_available_bytes
 from hearth.inference.memory import MiB, megabytes
 from hearth.readmodels.catch_up import read_model_caught_up
 from hearth.readmodels.queries import ShardCandidate
 from hearth.readmodels.retention import retention_policy
 from hearth.readmodels.runner import Projector
 from hearth.services.common.config import HearthSettings
-from hearth.services.common.config_processes import serve_shards_refused
+from hearth.services.common.config_processes import ShardSettings, serve_shards_refused
 from hearth.services.common.event_trust import event_verifier, stream_setup
 from hearth.services.common.lifecycle import Stopped, unless_stopped
 from hearth.services.common.metrics import serve_process_metrics
@@ -73,6 +75,20 @@ def with_memory_budget(settings: HearthSettings, memory_budget_mb: float | None)
         update["kv_cache_budget_mb"] = min(shard.kv_cache_budget_mb,
                                            DEFAULT_KV_RESERVE_MAX_BUDGET_SHARE * memory_budget_mb)
     return settings.model_copy(update={"shard": shard.model_copy(update=update)})
+
+
+async def planned_budget_bytes(shard: ShardSettings, device: torch.device, node: str) -> int:
+    """The bytes this host plans its weights and KV reserve within: its budget (`[shard] max_memory_mb`), or what
+    `device` has free when that is less (with a warning): a range chosen by the budget alone would not fit, the host
+    would be killed loading it, and again on every restart."""
+    budget_bytes = int(shard.max_memory_mb * MiB)
+    available = await asyncio.to_thread(device_memory_available_bytes, device)
+    if available is None or available >= budget_bytes:
+        return budget_bytes
+    log.warning("host %s: its memory budget of %.1f MB (--memory-budget-mb, else [shard] max_memory_mb) is more than "
+                "the %.1f MB free on %s: choosing layers that fit what is free", node, shard.max_memory_mb,
+                available / MiB, device)
+    return available
 
 
 class CoverageReader:
@@ -199,7 +215,8 @@ async def run_host(*, model: str, memory_budget_mb: float | None, nats_url: str 
         raise ShardRefused(f"cannot read {model} from the store: {type(error).__name__}: {error}") from None
     total_layers, layer_bytes, served_id = layout.total_layers, layout.layer_bytes, layout.served_id
     digest = layout.weights_sha256
-    weights_budget = int(shard.max_memory_mb * MiB) - kv_reserve_bytes(shard)
+    budget_bytes = await planned_budget_bytes(shard, compute_device, node)
+    weights_budget = budget_bytes - kv_reserve_bytes(shard)
     nc = await unless_stopped(connect_nats(nats_url, name=f"hearth-host {node}", settings=settings.nats), stop_event)
     metrics_server = None
     with tempfile.TemporaryDirectory(prefix="hearth-host-") as folder:
@@ -223,7 +240,7 @@ async def run_host(*, model: str, memory_budget_mb: float | None, nats_url: str 
             while not stop_event.is_set():
                 if chosen is None:
                     raise ShardRefused(
-                        f"a memory budget of {shard.max_memory_mb:.1f} MB holds no layer of {served_id}: the "
+                        f"a memory budget of {megabytes(budget_bytes):.1f} MB holds no layer of {served_id}: the "
                         f"smallest needs {megabytes(min(layer_bytes)):.1f} MB plus "
                         f"{shard.kv_cache_budget_mb:.1f} MB kv_cache_budget_mb")
                 log.info("host %s: serving layers %s of %s in %s (coverage: %s)", node, chosen, served_id,
