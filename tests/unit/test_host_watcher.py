@@ -55,3 +55,31 @@ async def test_a_failing_coverage_read_stops_the_host_with_its_error(monkeypatch
             device=None, dtype=None, nats_url=None, layer_bytes=LAYER_BYTES, weights_budget=250, busy_threads=None,
             ready_file=None, stop_event=asyncio.Event()), timeout=10)
     assert served.is_set()
+
+
+async def test_a_restarted_host_does_not_take_its_crashed_runs_advert_for_a_replica_of_its_layers(tmp_path):
+    """A host restarted after a crash (here with a larger budget: another range, another shard id) left its earlier
+    shard out of its first choice only: watching for holes, it counted that advert (alive until the health timeout)
+    as another replica of its layers, and moved to a hole, leaving them held by nobody."""
+    from hearth.services.host.main import wait_for_hole
+    from tests.unit.test_host_planner import Mesh
+    from tests.readmodel_helpers import migrated_engine
+
+    engine = migrated_engine(tmp_path / "host.db")
+    try:
+        mesh = Mesh(engine)
+        mesh.add(0, 1, "a")
+        crashed = mesh.add(2, 3, "me")  # the earlier run's, no longer answering
+        mesh.add(4, 4, "c")
+        mine = mesh.add(2, 4, "me")  # layers 5-7 are a hole; 2-3 are held by this host alone
+        settings = quick_checks()
+        distributed = settings.research.distributed_inference
+        host = distributed.host.model_copy(update={"rebalance_hold_s": 0.05})
+        settings = settings.model_copy(update={"research": settings.research.model_copy(update={
+            "distributed_inference": distributed.model_copy(update={"host": host})})})
+        with pytest.raises(TimeoutError):
+            moved_to = await asyncio.wait_for(wait_for_hole(
+                mesh.coverage(), LayerRange(2, 4), mine, [100] * 8, 300, settings, leave_out={crashed}), timeout=1)
+            pytest.fail(f"moved to {moved_to}, dropping the last replica of layers 2-3")
+    finally:
+        engine.dispose()

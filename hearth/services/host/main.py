@@ -163,20 +163,24 @@ async def earlier_shards_gone(coverage: CoverageReader, nc: NatsClient, node: st
 
 
 async def wait_for_hole(coverage: CoverageReader, current: LayerRange, shard_id: str, layer_bytes: list[int],
-                        weights_budget: int, settings: HearthSettings) -> LayerRange:
+                        weights_budget: int, settings: HearthSettings,
+                        leave_out: Set[str] = frozenset()) -> LayerRange:
     """The range to move to, once a hole has lasted `rebalance_hold_s` and this host's layers are held elsewhere.
 
     Hosts that saw the same hole and hold the same layers must not all move at once (each sees the other holding
     their layers, and together they would drop the last replica): they take turns, the n-th in shard-id order among
     the live holders of its layers (`CoverageReader.turn`) waiting n + 1 holds, so the first's move is in every read
     model before the next one decides, and the next sees no hole any more, or its layers held nowhere else. The
-    checks are jittered so that hosts do not look in step."""
+    checks are jittered so that hosts do not look in step. `leave_out`: shards of this node not to count besides
+    `shard_id`, those of an earlier run that no longer answered at start (earlier_shards_gone): counted, their
+    adverts (alive until the health timeout) passed for other replicas of this host's layers."""
     host = settings.research.distributed_inference.host
     hold_s: float | None = None
     seen_since: float | None = None
     while True:
         await asyncio.sleep(host.rebalance_check_interval_s * random.uniform(0.5, 1.5))
-        target = better_range(current, await coverage.replicas(leave_out={shard_id}), layer_bytes, weights_budget)
+        target = better_range(current, await coverage.replicas(leave_out={shard_id, *leave_out}), layer_bytes,
+                              weights_budget)
         if target is None:
             seen_since = None
         elif seen_since is None:
@@ -249,7 +253,7 @@ async def run_host(*, model: str, memory_budget_mb: float | None, nats_url: str 
                                                   settings=settings, device=device, dtype=dtype, nats_url=nats_url,
                                                   layer_bytes=layer_bytes, weights_budget=weights_budget,
                                                   busy_threads=busy_threads, ready_file=ready_file,
-                                                  stop_event=stop_event)
+                                                  stop_event=stop_event, gone=gone)
         finally:
             await projector.stop()
             if metrics_server is not None:
@@ -261,7 +265,8 @@ async def _serve_until_moved(chosen: LayerRange, coverage: CoverageReader, nc: N
                              model_id: str, node: str,
                              settings: HearthSettings, device: str | None, dtype: str | None, nats_url: str | None,
                              layer_bytes: list[int], weights_budget: int, busy_threads: int | None,
-                             ready_file: str | None, stop_event: asyncio.Event) -> LayerRange | None:
+                             ready_file: str | None, stop_event: asyncio.Event,
+                             gone: Set[str] = frozenset()) -> LayerRange | None:
     """Serve `chosen` until stopped (returns None) or until a hole is worth moving to (returns the new range);
     BrokerConnectionClosed when the host's own connection `nc` is closed for good (it could no longer see holes), and
     the error of a failed read of the coverage likewise."""
@@ -276,7 +281,7 @@ async def _serve_until_moved(chosen: LayerRange, coverage: CoverageReader, nc: N
     async def watch() -> None:
         stop_task = asyncio.create_task(until_stopped_or_closed(nc, stop_event, f"host {node}"))
         hole_task = asyncio.create_task(wait_for_hole(coverage, chosen, shard_id, layer_bytes, weights_budget,
-                                                      settings))
+                                                      settings, leave_out=gone))
         try:
             done, _ = await asyncio.wait({stop_task, hole_task}, return_when=asyncio.FIRST_COMPLETED)
             if hole_task in done and hole_task.exception() is not None:
