@@ -1,5 +1,6 @@
-"""`hearth host` while it serves a range: when reading the mesh's coverage fails, the host stops serving and says
-why, rather than ending its range in silence and blaming its memory budget."""
+"""`hearth host` loading and serving a range: when reading the mesh's coverage fails, the host stops and says why
+(rather than ending its range in silence and blaming its budget); a restarted host's watch for holes does not count
+its crashed run's advert; a device out of memory while loading is a one-line refusal."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import asyncio
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 import hearth.services.host.main as host_main
 from hearth.services.common.config import HearthSettings
@@ -83,3 +85,20 @@ async def test_a_restarted_host_does_not_take_its_crashed_runs_advert_for_a_repl
             pytest.fail(f"moved to {moved_to}, dropping the last replica of layers 2-3")
     finally:
         engine.dispose()
+
+
+async def test_running_out_of_device_memory_while_loading_is_one_line_refusal(monkeypatch):
+    """A device that had less room than its free memory said (another process took some, fragmentation) raised
+    torch's OutOfMemoryError through the host as a traceback."""
+    import hearth.services.shard.main as shard_main
+    from hearth.services.shard.main import ShardRefused, load_shard
+    from tests.integration.tiny_shard_server import MODEL
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore detail")
+
+    monkeypatch.setattr(shard_main, "load_layer_range", out_of_memory)
+    with pytest.raises(ShardRefused, match=r"^cannot load layers 0-1 of .*: CUDA out of memory. Tried to allocate "
+                                           r"2.00 GiB$"):
+        await load_shard(model=str(MODEL), lo=0, hi=1, node="me", settings=HearthSettings(), model_id=None,
+                         device="cpu", dtype=None, stop_event=asyncio.Event())
