@@ -64,3 +64,20 @@ def test_an_infinite_memory_setting_is_refused_as_configuration(monkeypatch, nam
     monkeypatch.setenv("HEARTH_SHARD__" + name, "inf")
     with pytest.raises(ValidationError, match="finite number"):
         HearthSettings()
+
+
+def test_a_budget_that_holds_no_layer_is_refused_before_the_broker_is_dialled(monkeypatch):
+    """No layer fits whatever the mesh serves, so the host says so at once: before, it dialled the broker first, and
+    with none reachable (or none yet: --wait-for-nats) the budget's problem was never named."""
+    import asyncio
+
+    from hearth.services.host.main import run_host
+    from hearth.services.shard.main import ShardRefused
+    from tests.integration.tiny_shard_server import MODEL
+
+    monkeypatch.delenv(KV_ENV, raising=False)
+    with pytest.raises(ShardRefused, match=r"^a memory budget of 1\.0 MB holds no layer of hearth-tiny-llama: the "
+                                           r"smallest needs 3\.0 MB plus 0\.2 MB kv_cache_budget_mb$"):
+        asyncio.run(asyncio.wait_for(run_host(
+            model=str(MODEL), memory_budget_mb=1.0, nats_url="nats://127.0.0.1:1", settings=HearthSettings(),
+            node_id="n1", device="cpu", stop_event=asyncio.Event()), timeout=60))

@@ -221,6 +221,11 @@ async def run_host(*, model: str, memory_budget_mb: float | None, nats_url: str 
     digest = layout.weights_sha256
     budget_bytes = await planned_budget_bytes(shard, compute_device, node)
     weights_budget = budget_bytes - kv_reserve_bytes(shard)
+    if not any(size <= weights_budget for size in layer_bytes):  # whatever the mesh serves: said before dialling
+        raise ShardRefused(
+            f"a memory budget of {megabytes(budget_bytes):.1f} MB holds no layer of {served_id}: the smallest needs "
+            f"{megabytes(min(layer_bytes, default=0)):.1f} MB plus {shard.kv_cache_budget_mb:.1f} MB "
+            "kv_cache_budget_mb")
     nc = await unless_stopped(connect_nats(nats_url, name=f"hearth-host {node}", settings=settings.nats), stop_event)
     metrics_server = None
     with tempfile.TemporaryDirectory(prefix="hearth-host-") as folder:
@@ -241,12 +246,7 @@ async def run_host(*, model: str, memory_budget_mb: float | None, nats_url: str 
             # would pass for held and the host would choose others, leaving them held by nobody.
             gone = await earlier_shards_gone(coverage, nc, node, settings)
             chosen = choose_range(await coverage.replicas(leave_out=gone), layer_bytes, weights_budget)
-            while not stop_event.is_set():
-                if chosen is None:
-                    raise ShardRefused(
-                        f"a memory budget of {megabytes(budget_bytes):.1f} MB holds no layer of {served_id}: the "
-                        f"smallest needs {megabytes(min(layer_bytes)):.1f} MB plus "
-                        f"{shard.kv_cache_budget_mb:.1f} MB kv_cache_budget_mb")
+            while chosen is not None and not stop_event.is_set():  # None: stopped (a layer fits, checked above)
                 log.info("host %s: serving layers %s of %s in %s (coverage: %s)", node, chosen, served_id,
                          scheme.label, await coverage.replicas())
                 chosen = await _serve_until_moved(chosen, coverage, nc, model=model, model_id=served_id, node=node,
