@@ -102,3 +102,19 @@ async def test_running_out_of_device_memory_while_loading_is_one_line_refusal(mo
                                            r"2.00 GiB$"):
         await load_shard(model=str(MODEL), lo=0, hi=1, node="me", settings=HearthSettings(), model_id=None,
                          device="cpu", dtype=None, stop_event=asyncio.Event())
+
+
+async def test_a_host_whose_range_another_process_of_its_node_kept_chooses_again_once_per_range(tmp_path):
+    """Its rival's advert may not have reached the read model yet: the taken layers count as held all the same.
+    When the best choice is a taken range again, there is none (the host stops with the refusal)."""
+    from hearth.services.host.main import range_besides_taken
+    from tests.unit.test_host_planner import Mesh
+    from tests.readmodel_helpers import migrated_engine
+
+    engine = migrated_engine(tmp_path / "host.db")
+    try:
+        coverage = Mesh(engine).coverage()
+        assert await range_besides_taken(coverage, {LayerRange(0, 1)}, set(), [100] * 8, 250) == LayerRange(2, 3)
+        assert await range_besides_taken(coverage, {LayerRange(0, 7)}, set(), [100] * 8, 800) is None
+    finally:
+        engine.dispose()

@@ -53,6 +53,7 @@ from hearth.services.shard.main import (
     resolve_quantization,
     serve_loaded_shard,
 )
+from hearth.services.shard.claim import ShardIdTaken
 from hearth.services.shard.memory_plan import kv_reserve_bytes
 from hearth.services.weights_store import WeightsStoreError
 
@@ -246,19 +247,41 @@ async def run_host(*, model: str, memory_budget_mb: float | None, nats_url: str 
             # would pass for held and the host would choose others, leaving them held by nobody.
             gone = await earlier_shards_gone(coverage, nc, node, settings)
             chosen = choose_range(await coverage.replicas(leave_out=gone), layer_bytes, weights_budget)
+            taken: set[LayerRange] = set()
             while chosen is not None and not stop_event.is_set():  # None: stopped (a layer fits, checked above)
                 log.info("host %s: serving layers %s of %s in %s (coverage: %s)", node, chosen, served_id,
                          scheme.label, await coverage.replicas())
-                chosen = await _serve_until_moved(chosen, coverage, nc, model=model, model_id=served_id, node=node,
-                                                  settings=settings, device=device, dtype=dtype, nats_url=nats_url,
-                                                  layer_bytes=layer_bytes, weights_budget=weights_budget,
-                                                  busy_threads=busy_threads, ready_file=ready_file,
-                                                  stop_event=stop_event, gone=gone)
+                try:
+                    chosen = await _serve_until_moved(chosen, coverage, nc, model=model, model_id=served_id,
+                                                      node=node, settings=settings, device=device, dtype=dtype,
+                                                      nats_url=nats_url, layer_bytes=layer_bytes,
+                                                      weights_budget=weights_budget, busy_threads=busy_threads,
+                                                      ready_file=ready_file, stop_event=stop_event, gone=gone)
+                except ShardIdTaken:
+                    taken.add(chosen)
+                    if (chosen := await range_besides_taken(coverage, taken, gone, layer_bytes,
+                                                            weights_budget)) is None:
+                        raise
+                    log.warning("host %s: another process of this node serves layers %s: choosing again", node,
+                                ", ".join(map(str, sorted(taken, key=lambda taken_range: taken_range.lo))))
         finally:
             await projector.stop()
             if metrics_server is not None:
                 metrics_server.stop()
             await drain_or_close(nc, settings.nats.drain_timeout_s)
+
+
+async def range_besides_taken(coverage: CoverageReader, taken: Set[LayerRange], gone: Set[str],
+                              layer_bytes: list[int], weights_budget: int) -> LayerRange | None:
+    """The range to serve once another process of this node kept the shard id of each range in `taken` (hosts of one
+    node started together choose the same layers, and so the same id): those layers count as held by it, whether its
+    advert has reached the read model or not. None when the best choice would be one of them again."""
+    replicas = await coverage.replicas(leave_out=gone)
+    for taken_range in taken:
+        for layer in taken_range.layers():
+            replicas[layer] = max(replicas[layer], 1)
+    chosen = choose_range(replicas, layer_bytes, weights_budget)
+    return None if chosen in taken else chosen
 
 
 async def _serve_until_moved(chosen: LayerRange, coverage: CoverageReader, nc: NatsClient, *, model: str,
