@@ -81,3 +81,15 @@ def test_a_budget_that_holds_no_layer_is_refused_before_the_broker_is_dialled(mo
         asyncio.run(asyncio.wait_for(run_host(
             model=str(MODEL), memory_budget_mb=1.0, nats_url="nats://127.0.0.1:1", settings=HearthSettings(),
             node_id="n1", device="cpu", stop_event=asyncio.Event()), timeout=60))
+
+
+def test_a_range_the_host_plans_within_its_budget_is_not_refused_by_the_rounded_figure():
+    """The shard compared its need rounded to a thousandth of a MB with the budget: a range `hearth host` had chosen
+    within its budget by bytes was refused once rounding carried it over (and chosen again on every restart)."""
+    from hearth.inference.memory import MiB
+    from hearth.services.shard.memory_plan import MemoryNeed, kv_reserve_bytes, refusal
+
+    shard = HearthSettings().shard.model_copy(update={"max_memory_mb": 6.0006, "kv_cache_budget_mb": 1.0})
+    weights_budget = int(shard.max_memory_mb * MiB) - kv_reserve_bytes(shard)  # as run_host plans it
+    assert refusal(0, 1, MemoryNeed(weights_budget, kv_reserve_bytes(shard)), shard, measured=False) is None
+    assert refusal(0, 1, MemoryNeed(weights_budget + 1, kv_reserve_bytes(shard)), shard, measured=False)
