@@ -44,7 +44,8 @@ def host_command(
     memory_budget_mb: Annotated[Optional[float], typer.Option(
         "--memory-budget-mb", min=0.001, max=MAX_MEMORY_BUDGET_MB, show_default=False,
         help="Memory this host gives the mesh on its device: weights plus [shard] kv_cache_budget_mb, which left "
-             "at its default takes at most a quarter of this (default: [shard] max_memory_mb).")] = None,
+             "at its default takes at most a quarter of this (default: [shard] max_memory_mb; at most what the "
+             "device has free at start).")] = None,
     device: DeviceOption = None,
     dtype: DtypeOption = None,
     quantize: QuantizeOption = None,
