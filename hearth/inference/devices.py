@@ -79,6 +79,21 @@ def describe_device(device: torch.device) -> DeviceDescription:
     return DeviceDescription("cpu", (platform.processor() or platform.machine() or "cpu")[:64])
 
 
+def device_memory_available_bytes(device: torch.device) -> int | None:
+    """Bytes `device` has free for new allocations (blocking: call it off the event loop): the CUDA driver's free
+    memory, or the kernel's MemAvailable for the CPU; None where neither can be read (not Linux)."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # stated in kB
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 def device_memory_allocated_bytes(device: torch.device) -> int | None:
     """Bytes torch's allocator holds on a CUDA device right now; None on the CPU (no allocator to ask)."""
     if device.type != "cuda":

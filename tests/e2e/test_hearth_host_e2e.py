@@ -120,3 +120,23 @@ async def test_a_host_restarted_after_a_crash_takes_its_layers_back(cluster, tin
     cluster.start_host(str(path), budget_mb, node_id="host-c")
     adverts = [(a.node_id, a.layer_lo, a.layer_hi) for a in await advertisements(cluster)]
     assert adverts == [("host-a", 0, 1), ("host-b", 2, 3), ("host-c", 4, 5), ("host-c", 4, 5)]
+
+
+async def test_two_hosts_of_one_node_started_together_serve_different_layers(cluster, tiny_models_dir):
+    """Two hosts of one node (a machine with two GPUs under one member key, started together at boot) chose the same
+    layers at the same moment, and so the same shard id: one kept it, the other stopped with "already served by
+    another process on this node", leaving its device idle. It chooses again now, counting the other's range."""
+    path = tiny_models_dir / TINY_MODEL_NAME
+    budget_mb = 0.4 * checkpoint_weight_bytes(path) / 2**20  # two of the six layers
+    cluster.extra_env.update({SHARD_ENV + "KV_CACHE_BUDGET_MB": "0.02"})
+    hosts = [cluster.start_host(str(path), budget_mb, node_id="two-gpu-pc", name=f"host-gpu{index}",
+                                wait_ready=False) for index in range(2)]
+    for host in hosts:
+        cluster.wait_ready(host)
+    deadline = time.monotonic() + MOVE_TIMEOUT_S
+    while len(served := {host.ready_file.read_text() for host in hosts}) < 2:
+        assert all(host.alive for host in hosts), [host.log_tail(600) for host in hosts]
+        assert time.monotonic() < deadline, served
+        await asyncio.sleep(0.5)
+    assert all(host.alive for host in hosts)
+    assert {shard_id.split(":")[-1] for shard_id in served} == {"0-1@two-gpu-pc", "2-3@two-gpu-pc"}

@@ -177,10 +177,10 @@ class ShardSettings(ConfigSection):
         description="a session that has received no step for this long has its KV cache evicted (its hop stays "
                     "open; its next step is answered `session_evicted`)")
     max_memory_mb: float = Field(
-        default=20000, gt=0,
+        default=20000, gt=0, allow_inf_nan=False,
         description="a shard whose weights plus KV reserve need more than this on its device refuses to start")
     kv_cache_budget_mb: float = Field(
-        default=1024, gt=0,
+        default=1024, gt=0, allow_inf_nan=False,
         description="KV caches of one shard (and of an orchestrator's local model) together stay within this: a new "
                     "session that would exceed it evicts the least recently used idle one (its next step is "
                     "answered `session_evicted`)")

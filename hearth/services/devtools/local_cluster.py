@@ -320,13 +320,14 @@ class LocalCluster:
                            command_prefix=command_prefix, nats_url=nats_url)
 
     def start_host(self, model: str, memory_budget_mb: float, *, node_id: str, extra_args: list[str] = (),
-                   wait_ready: bool = True) -> ManagedProcess:
-        """`hearth host`: a shard host that chooses its own layers within `memory_budget_mb`."""
+                   wait_ready: bool = True, name: str | None = None) -> ManagedProcess:
+        """`hearth host`: a shard host that chooses its own layers within `memory_budget_mb`; `name` (default:
+        host-NODE) names its log and ready file, for several hosts of one node."""
         args = ["host", "--model", model, "--memory-budget-mb", repr(memory_budget_mb), "--node-id", node_id,
                 "--busy-threads", str(shared_machine_busy_threads), *extra_args]
         if self.torch_threads:
             args += ["--torch-threads", str(self.torch_threads)]
-        return self._spawn(f"host-{node_id}", args, wait_ready=wait_ready, member=(node_id, "shard"),
+        return self._spawn(name or f"host-{node_id}", args, wait_ready=wait_ready, member=(node_id, "shard"),
                            env=self.shared_machine_shard_env(None, _device_argument(args)))
 
     def shared_machine_shard_env(self, cpus: Sequence[int] | None, device: str | None = None) -> dict[str, str]:

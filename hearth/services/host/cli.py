@@ -30,6 +30,10 @@ from hearth.services.cli_options import (
     wait_for_nats,
 )
 
+# A bound on `--memory-budget-mb` (about an exabyte): any machine's memory is within it, and "inf" is refused here
+# rather than failing as a traceback once the budget is turned into bytes.
+MAX_MEMORY_BUDGET_MB = 1e12
+
 
 @long_running("hearth host")
 def host_command(
@@ -38,9 +42,10 @@ def host_command(
                                                        "Ollama pulled here), hub model id or store:NAME (the "
                                                        "community's store: only the layers served are fetched).")],
     memory_budget_mb: Annotated[Optional[float], typer.Option(
-        "--memory-budget-mb", min=0.001, show_default=False,
+        "--memory-budget-mb", min=0.001, max=MAX_MEMORY_BUDGET_MB, show_default=False,
         help="Memory this host gives the mesh on its device: weights plus [shard] kv_cache_budget_mb, which left "
-             "at its default takes at most a quarter of this (default: [shard] max_memory_mb).")] = None,
+             "at its default takes at most a quarter of this (default: [shard] max_memory_mb; at most what the "
+             "device has free at start).")] = None,
     device: DeviceOption = None,
     dtype: DtypeOption = None,
     quantize: QuantizeOption = None,

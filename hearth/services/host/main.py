@@ -21,19 +21,21 @@ import time
 from collections.abc import Awaitable, Callable, Set
 from pathlib import Path
 
+import torch
 from nats.aio.client import Client as NatsClient
 from sqlalchemy.orm import sessionmaker
 
 from hearth.events.streams import SHARDS_STREAM
 from hearth.inference import InferenceError
 from hearth.inference.cache_ranges import release_range
+from hearth.inference.devices import device_memory_available_bytes
 from hearth.inference.memory import MiB, megabytes
 from hearth.readmodels.catch_up import read_model_caught_up
 from hearth.readmodels.queries import ShardCandidate
 from hearth.readmodels.retention import retention_policy
 from hearth.readmodels.runner import Projector
 from hearth.services.common.config import HearthSettings
-from hearth.services.common.config_processes import serve_shards_refused
+from hearth.services.common.config_processes import ShardSettings, serve_shards_refused
 from hearth.services.common.event_trust import event_verifier, stream_setup
 from hearth.services.common.lifecycle import Stopped, unless_stopped
 from hearth.services.common.metrics import serve_process_metrics
@@ -51,6 +53,7 @@ from hearth.services.shard.main import (
     resolve_quantization,
     serve_loaded_shard,
 )
+from hearth.services.shard.claim import ShardIdTaken
 from hearth.services.shard.memory_plan import kv_reserve_bytes
 from hearth.services.weights_store import WeightsStoreError
 
@@ -73,6 +76,20 @@ def with_memory_budget(settings: HearthSettings, memory_budget_mb: float | None)
         update["kv_cache_budget_mb"] = min(shard.kv_cache_budget_mb,
                                            DEFAULT_KV_RESERVE_MAX_BUDGET_SHARE * memory_budget_mb)
     return settings.model_copy(update={"shard": shard.model_copy(update=update)})
+
+
+async def planned_budget_bytes(shard: ShardSettings, device: torch.device, node: str) -> int:
+    """The bytes this host plans its weights and KV reserve within: its budget (`[shard] max_memory_mb`), or what
+    `device` has free when that is less (with a warning): a range chosen by the budget alone would not fit, the host
+    would be killed loading it, and again on every restart."""
+    budget_bytes = int(shard.max_memory_mb * MiB)
+    available = await asyncio.to_thread(device_memory_available_bytes, device)
+    if available is None or available >= budget_bytes:
+        return budget_bytes
+    log.warning("host %s: its memory budget of %.1f MB (--memory-budget-mb, else [shard] max_memory_mb) is more than "
+                "the %.1f MB free on %s: choosing layers that fit what is free", node, shard.max_memory_mb,
+                available / MiB, device)
+    return available
 
 
 class CoverageReader:
@@ -147,20 +164,24 @@ async def earlier_shards_gone(coverage: CoverageReader, nc: NatsClient, node: st
 
 
 async def wait_for_hole(coverage: CoverageReader, current: LayerRange, shard_id: str, layer_bytes: list[int],
-                        weights_budget: int, settings: HearthSettings) -> LayerRange:
+                        weights_budget: int, settings: HearthSettings,
+                        leave_out: Set[str] = frozenset()) -> LayerRange:
     """The range to move to, once a hole has lasted `rebalance_hold_s` and this host's layers are held elsewhere.
 
     Hosts that saw the same hole and hold the same layers must not all move at once (each sees the other holding
     their layers, and together they would drop the last replica): they take turns, the n-th in shard-id order among
     the live holders of its layers (`CoverageReader.turn`) waiting n + 1 holds, so the first's move is in every read
     model before the next one decides, and the next sees no hole any more, or its layers held nowhere else. The
-    checks are jittered so that hosts do not look in step."""
+    checks are jittered so that hosts do not look in step. `leave_out`: shards of this node not to count besides
+    `shard_id`, those of an earlier run that no longer answered at start (earlier_shards_gone): counted, their
+    adverts (alive until the health timeout) passed for other replicas of this host's layers."""
     host = settings.research.distributed_inference.host
     hold_s: float | None = None
     seen_since: float | None = None
     while True:
         await asyncio.sleep(host.rebalance_check_interval_s * random.uniform(0.5, 1.5))
-        target = better_range(current, await coverage.replicas(leave_out={shard_id}), layer_bytes, weights_budget)
+        target = better_range(current, await coverage.replicas(leave_out={shard_id, *leave_out}), layer_bytes,
+                              weights_budget)
         if target is None:
             seen_since = None
         elif seen_since is None:
@@ -199,7 +220,13 @@ async def run_host(*, model: str, memory_budget_mb: float | None, nats_url: str 
         raise ShardRefused(f"cannot read {model} from the store: {type(error).__name__}: {error}") from None
     total_layers, layer_bytes, served_id = layout.total_layers, layout.layer_bytes, layout.served_id
     digest = layout.weights_sha256
-    weights_budget = int(shard.max_memory_mb * MiB) - kv_reserve_bytes(shard)
+    budget_bytes = await planned_budget_bytes(shard, compute_device, node)
+    weights_budget = budget_bytes - kv_reserve_bytes(shard)
+    if not any(size <= weights_budget for size in layer_bytes):  # whatever the mesh serves: said before dialling
+        raise ShardRefused(
+            f"a memory budget of {megabytes(budget_bytes):.1f} MB holds no layer of {served_id}: the smallest needs "
+            f"{megabytes(min(layer_bytes, default=0)):.1f} MB plus {shard.kv_cache_budget_mb:.1f} MB "
+            "kv_cache_budget_mb")
     nc = await unless_stopped(connect_nats(nats_url, name=f"hearth-host {node}", settings=settings.nats), stop_event)
     metrics_server = None
     with tempfile.TemporaryDirectory(prefix="hearth-host-") as folder:
@@ -220,19 +247,23 @@ async def run_host(*, model: str, memory_budget_mb: float | None, nats_url: str 
             # would pass for held and the host would choose others, leaving them held by nobody.
             gone = await earlier_shards_gone(coverage, nc, node, settings)
             chosen = choose_range(await coverage.replicas(leave_out=gone), layer_bytes, weights_budget)
-            while not stop_event.is_set():
-                if chosen is None:
-                    raise ShardRefused(
-                        f"a memory budget of {shard.max_memory_mb:.1f} MB holds no layer of {served_id}: the "
-                        f"smallest needs {megabytes(min(layer_bytes)):.1f} MB plus "
-                        f"{shard.kv_cache_budget_mb:.1f} MB kv_cache_budget_mb")
+            taken: set[LayerRange] = set()
+            while chosen is not None and not stop_event.is_set():  # None: stopped (a layer fits, checked above)
                 log.info("host %s: serving layers %s of %s in %s (coverage: %s)", node, chosen, served_id,
                          scheme.label, await coverage.replicas())
-                chosen = await _serve_until_moved(chosen, coverage, nc, model=model, model_id=served_id, node=node,
-                                                  settings=settings, device=device, dtype=dtype, nats_url=nats_url,
-                                                  layer_bytes=layer_bytes, weights_budget=weights_budget,
-                                                  busy_threads=busy_threads, ready_file=ready_file,
-                                                  stop_event=stop_event)
+                try:
+                    chosen = await _serve_until_moved(chosen, coverage, nc, model=model, model_id=served_id,
+                                                      node=node, settings=settings, device=device, dtype=dtype,
+                                                      nats_url=nats_url, layer_bytes=layer_bytes,
+                                                      weights_budget=weights_budget, busy_threads=busy_threads,
+                                                      ready_file=ready_file, stop_event=stop_event, gone=gone)
+                except ShardIdTaken:
+                    taken.add(chosen)
+                    if (chosen := await range_besides_taken(coverage, taken, gone, layer_bytes,
+                                                            weights_budget)) is None:
+                        raise
+                    log.warning("host %s: another process of this node serves layers %s: choosing again", node,
+                                ", ".join(map(str, sorted(taken, key=lambda taken_range: taken_range.lo))))
         finally:
             await projector.stop()
             if metrics_server is not None:
@@ -240,13 +271,28 @@ async def run_host(*, model: str, memory_budget_mb: float | None, nats_url: str 
             await drain_or_close(nc, settings.nats.drain_timeout_s)
 
 
+async def range_besides_taken(coverage: CoverageReader, taken: Set[LayerRange], gone: Set[str],
+                              layer_bytes: list[int], weights_budget: int) -> LayerRange | None:
+    """The range to serve once another process of this node kept the shard id of each range in `taken` (hosts of one
+    node started together choose the same layers, and so the same id): those layers count as held by it, whether its
+    advert has reached the read model or not. None when the best choice would be one of them again."""
+    replicas = await coverage.replicas(leave_out=gone)
+    for taken_range in taken:
+        for layer in taken_range.layers():
+            replicas[layer] = max(replicas[layer], 1)
+    chosen = choose_range(replicas, layer_bytes, weights_budget)
+    return None if chosen in taken else chosen
+
+
 async def _serve_until_moved(chosen: LayerRange, coverage: CoverageReader, nc: NatsClient, *, model: str,
                              model_id: str, node: str,
                              settings: HearthSettings, device: str | None, dtype: str | None, nats_url: str | None,
                              layer_bytes: list[int], weights_budget: int, busy_threads: int | None,
-                             ready_file: str | None, stop_event: asyncio.Event) -> LayerRange | None:
+                             ready_file: str | None, stop_event: asyncio.Event,
+                             gone: Set[str] = frozenset()) -> LayerRange | None:
     """Serve `chosen` until stopped (returns None) or until a hole is worth moving to (returns the new range);
-    BrokerConnectionClosed when the host's own connection `nc` is closed for good (it could no longer see holes)."""
+    BrokerConnectionClosed when the host's own connection `nc` is closed for good (it could no longer see holes), and
+    the error of a failed read of the coverage likewise."""
     loaded = await load_shard(model=model, lo=chosen.lo, hi=chosen.hi, node=node, settings=settings,
                               model_id=model_id, device=device, dtype=dtype, quantize=coverage.quantization,
                               stop_event=stop_event, nats_url=nats_url)
@@ -258,10 +304,12 @@ async def _serve_until_moved(chosen: LayerRange, coverage: CoverageReader, nc: N
     async def watch() -> None:
         stop_task = asyncio.create_task(until_stopped_or_closed(nc, stop_event, f"host {node}"))
         hole_task = asyncio.create_task(wait_for_hole(coverage, chosen, shard_id, layer_bytes, weights_budget,
-                                                      settings))
+                                                      settings, leave_out=gone))
         try:
             done, _ = await asyncio.wait({stop_task, hole_task}, return_when=asyncio.FIRST_COMPLETED)
-            if hole_task in done:
+            if hole_task in done and hole_task.exception() is not None:
+                lost.append(hole_task.exception())  # serving on blind to holes, or ending as if moved, hides it
+            elif hole_task in done:
                 moved.append(hole_task.result())
                 log.info("host %s: layers %s are held elsewhere and %s is a hole: moving", node, chosen, moved[0])
             elif stop_task.exception() is not None:

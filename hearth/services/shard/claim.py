@@ -48,9 +48,13 @@ from hearth.services.common.lifecycle import CommandRefused
 from hearth.trust.keys import MemberKey
 
 
-def taken(shard_id: str) -> CommandRefused:
+class ShardIdTaken(CommandRefused):
+    """Another process of this node keeps the shard id (a `hearth host` then chooses another range)."""
+
+
+def taken(shard_id: str) -> ShardIdTaken:
     """The one-line refusal of a process that may not serve `shard_id`: another process keeps it."""
-    return CommandRefused(f"shard {shard_id} is already served by another process on this node: stop it, or serve "
+    return ShardIdTaken(f"shard {shard_id} is already served by another process on this node: stop it, or serve "
                           "another range or scheme, or give another --node-id")
 
 

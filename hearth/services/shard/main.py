@@ -131,7 +131,7 @@ async def load_shard(*, model: str, lo: int, hi: int, node: str, settings: Heart
             session_ttl_s=shard.eviction_idle_s, prefix_ttl_s=shard.prefix_cache_idle_s or None,
             static_cache_tokens=shard.cuda_graph_max_tokens if compute_device.type == "cuda" else None,
             cpu_linear_kernel=shard.cpu_linear_kernel, quantization=scheme), stop_event)
-    except (InferenceError, ValueError) as error:
+    except (InferenceError, ValueError, torch.OutOfMemoryError) as error:  # the device had less room than it said
         raise ShardRefused(f"cannot load layers {lo}-{hi} of {model}: {_first_line(error)}") from None
     need = measured_need(runner, allocated_before, shard)
     if (reason := refusal(lo, hi, need, shard, measured=True) or static_cache_refusal(runner, shard)) is not None:

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from hearth.inference import LayerRangeRunner
-from hearth.inference.devices import device_memory_allocated_bytes
+from hearth.inference.devices import MiB, device_memory_allocated_bytes
 from hearth.inference.gguf_checkpoint import default_read_device
 from hearth.inference.memory import layer_weight_bytes, megabytes, range_weight_bytes
 from hearth.inference.quantization import QuantizationScheme
@@ -58,7 +58,8 @@ def measured_need(runner: LayerRangeRunner, allocated_before: int | None, shard:
 
 def refusal(lo: int, hi: int, need: MemoryNeed, shard: ShardSettings, *, measured: bool) -> str | None:
     """Why the range may not be served here (both numbers named), or None when it fits."""
-    if need.required_mb <= shard.max_memory_mb:
+    # In bytes, as `hearth host` plans: the need rounded to a thousandth of a MB could pass the budget it fits.
+    if need.weight_bytes + need.kv_reserve_bytes <= int(shard.max_memory_mb * MiB):
         return None
     how = "need" if measured else "would need"
     return (f"layers {lo}-{hi} {how} {need.required_mb:.1f} MB ({megabytes(need.weight_bytes):.1f} MB of weights "
