@@ -35,6 +35,7 @@ from hearth.services.orchestrator.hop_notices import notice_failure
 from hearth.services.orchestrator.hop_owner import owner_key
 from hearth.services.orchestrator.outcomes import StepFailure
 from hearth.services.orchestrator.placement import ChainPlacement
+from hearth.services.orchestrator.prefix import behind_hops
 from hearth.services.orchestrator.recording import ChainRecorder
 from hearth.services.orchestrator.router import Hop
 from hearth.services.orchestrator.stall import StallWatch
@@ -207,7 +208,8 @@ class HopChain:
             layer_lo=hop.layer_lo_to_run, layer_hi=hop.layer_hi_to_run, wire_dtype=self.wire_dtype, **session_bound,
             inbound_link_key=_encoded(self.link_keys[index]),
             outbound_link_key=_encoded(self.link_keys[index + 1]),
-            notice_key=encode_link_key(self.notice_keys[index]), seal_activations=self.sealed, prefix=self.prefix,
+            notice_key=encode_link_key(self.notice_keys[index]), seal_activations=self.sealed,
+            prefix=behind_hops(self.prefix, self.hops, index),
             owner_key=owner_key(self.pipeline_id, hop.shard_id))
         asked_at = time.perf_counter()
         body = request.model_dump_json().encode()
@@ -220,9 +222,9 @@ class HopChain:
     async def keep_now(self, keep: PrefixBlocks) -> bool:
         """Have every hop keep a copy of its session's whole blocks of `keep` while it goes on; whether all did."""
         asks = [self.nc.request(hop.control_subject, KeepHop(
-            pipeline_id=self.pipeline_id, session_id=self.session_id, keep=keep,
+            pipeline_id=self.pipeline_id, session_id=self.session_id, keep=behind_hops(keep, self.hops, index),
             owner_key=owner_key(self.pipeline_id, hop.shard_id)).model_dump_json().encode(),
-            timeout=self.transport.control_timeout_s) for hop in self.hops]
+            timeout=self.transport.control_timeout_s) for index, hop in enumerate(self.hops)]
         replies = await asyncio.gather(*asks, return_exceptions=True)  # a hop gone: the others prefill the rest
         return all(not isinstance(r, BaseException) and reply_says_ok(r.data) for r in replies)
 
@@ -243,8 +245,9 @@ class HopChain:
         # Every hop, not only those that confirmed: one whose answer to `open` timed out may still open late.
         hops = self.hops if self._open_sent else []
         self._open_sent = False
-        for hop in hops:
-            request = CloseHop(pipeline_id=self.pipeline_id, session_id=self.session_id, keep=keep,
+        for index, hop in enumerate(hops):
+            request = CloseHop(pipeline_id=self.pipeline_id, session_id=self.session_id,
+                               keep=behind_hops(keep, self.hops, index),
                                owner_key=owner_key(self.pipeline_id, hop.shard_id))
             with contextlib.suppress(Exception):
                 await self.nc.publish(hop.control_subject, request.model_dump_json().encode())

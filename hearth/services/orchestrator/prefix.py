@@ -7,7 +7,8 @@ weights' digest, the scheme, the wire dtype and the block size), the block's sco
 stands for every token before it and for what computed them: equal names, equal KV (up to float rounding). The scope
 is the caller (a roster member; every unsigned caller together) unless the block's tokens are those of a system prompt
 listed in `[prefix_cache] public_system_prompts` rendered alone: no member's call can find another member's blocks,
-so nothing about another member's conversation leaks through time to first token.
+so nothing about another member's conversation leaks through time to first token. A hop after the first keeps and
+finds the names bound to the hops before it (`behind_hops`), so kept KV is attached only behind the hosts that fed it.
 
 A block's name opens its KV on the shards that keep it, so it travels only to the hops of the calls that computed or
 reuse it, never into the event log: a completed call records each kept block by its mark (`published_mark`, a digest
@@ -39,6 +40,7 @@ from dataclasses import dataclass
 from hearth.protocol.control import PrefixBlocks, max_prefix_blocks
 from hearth.readmodels.queries import KeptChain
 from hearth.services.common.config_processes import PrefixCacheSettings
+from hearth.services.orchestrator.router import Hop
 from hearth.trust.keys import MemberKey
 
 PUBLIC_SCOPE = "public"
@@ -67,6 +69,22 @@ def block_names(ids: Sequence[int], block_tokens: int, first: bytes, scope: str,
         previous = digest.digest()
         names.append(previous.hex())
     return names
+
+
+def behind_hops(blocks: PrefixBlocks | None, hops: Sequence[Hop], index: int) -> PrefixBlocks | None:
+    """The names hop `index` of a chain over `hops` keeps and attaches `blocks` under: the call's own for the first hop,
+    and for a later one bound to the hops before it (their shard ids and layers), so KV a hop kept is attached again
+    only behind the very hosts whose activations computed it. Behind other hosts a hop finds nothing and the chain
+    prefills (a replica's activations differ in their last bits, and a host proved wrong since must not go on
+    feeding later turns through the KV it fed: hearth/services/orchestrator/verification.py)."""
+    if blocks is None or index == 0:
+        return blocks
+    upstream = hashlib.blake2b(digest_size=16, person=b"hearth-behind")
+    for hop in hops[:index]:
+        upstream.update(f"{hop.shard_id}\0{hop.layer_lo_to_run}\0{hop.layer_hi_to_run}\0".encode())
+    lineage = upstream.digest()
+    return PrefixBlocks(block_tokens=blocks.block_tokens, hashes=[
+        hashlib.blake2b(bytes.fromhex(name), digest_size=16, key=lineage).hexdigest() for name in blocks.hashes])
 
 
 def caller_scope(caller: str | None) -> str:
