@@ -4,11 +4,13 @@ pages that pruning frees back to the disk (incremental auto-vacuum)."""
 from __future__ import annotations
 
 import logging
+import sqlite3
 from importlib import resources
 from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
+from alembic.script import ScriptDirectory
 from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
@@ -26,10 +28,20 @@ wal_size_limit_bytes = 4 * 1024 * 1024
 auto_vacuum_incremental = 2
 
 
+# SQLite's answers for a file that is not a database, or one whose pages are damaged.
+_unreadable_file_codes = frozenset({sqlite3.SQLITE_NOTADB, sqlite3.SQLITE_CORRUPT})
+
+
+class ReadModelUnusable(RuntimeError):
+    """A read-model file this hearth cannot use as it is (not a SQLite database, damaged, or of a newer schema); the
+    message is one line naming the file, and the file is left as it was."""
+
+
 def _set_sqlite_pragmas(dbapi_connection, _connection_record) -> None:
     cursor = dbapi_connection.cursor()
     try:
         cursor.execute(f"PRAGMA busy_timeout={sqlite_busy_timeout_ms}")
+        _refuse_an_unreadable_file(cursor)
         # A new file is made able to give pages back: auto_vacuum takes only before the first page is written,
         # which entering WAL does. An older file is switched by one full VACUUM (switch_to_incremental_vacuum).
         if cursor.execute("PRAGMA page_count").fetchone()[0] == 0:
@@ -43,6 +55,18 @@ def _set_sqlite_pragmas(dbapi_connection, _connection_record) -> None:
         cursor.execute("PRAGMA foreign_keys=ON")
     finally:
         cursor.close()
+
+
+def _refuse_an_unreadable_file(cursor) -> None:
+    # The first read of the file's header: where a file that is no database says so, before any pragma writes to it.
+    try:
+        cursor.execute("PRAGMA schema_version").fetchone()
+    except sqlite3.DatabaseError as error:
+        if getattr(error, "sqlite_errorcode", None) in _unreadable_file_codes:
+            database = cursor.execute("PRAGMA database_list").fetchone()[2]
+            raise ReadModelUnusable(f"{database}: not a read-model database SQLite can read ({error}); move it "
+                                    "aside and rebuild one (hearth-replay rebuild)") from None
+        raise
 
 
 def database_url(path: str | Path) -> str:
@@ -81,13 +105,34 @@ def upgrade_database(path: str | Path, revision: str = "head") -> None:
     engine = open_engine(path)
     try:
         with engine.begin() as connection:
+            # pysqlite begins a transaction only before a row is written: without this each schema change of a
+            # migration commits alone, and one stopped midway (killed, a full disk) leaves a file that no later
+            # upgrade can finish ("duplicate column name"). SQLite's DDL is transactional inside one.
+            connection.exec_driver_sql("BEGIN")
             config = alembic_config(path)
             config.attributes["connection"] = connection
+            _refuse_a_newer_schema(connection, config, path)
             command.upgrade(config, revision)
         switch_to_incremental_vacuum(engine)
     finally:
         engine.dispose()
     log.debug("read-model database %s migrated to %s", path, revision)
+
+
+def _refuse_a_newer_schema(connection: Connection, config: Config, path: str | Path) -> None:
+    """ReadModelUnusable when the file's schema is at a revision this hearth does not know (made by a newer one)."""
+    has_versions = connection.exec_driver_sql(
+        "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'alembic_version'").first()
+    if has_versions is None:
+        return
+    scripts = ScriptDirectory.from_config(config)
+    known = {script.revision for script in scripts.walk_revisions()}
+    for (stored,) in connection.exec_driver_sql("SELECT version_num FROM alembic_version"):
+        if stored not in known:
+            raise ReadModelUnusable(
+                f"{path}: its read-model schema is at revision {stored}, newer than this hearth knows (its latest: "
+                f"{scripts.get_current_head()}); run a newer hearth on it, or rebuild one for this version into "
+                "another file (hearth-replay rebuild)")
 
 
 def _autocommit(engine: Engine) -> Connection:

@@ -27,7 +27,7 @@ from sqlalchemy.orm import sessionmaker
 from hearth.events.consume import SkippedMessage, StoredEvent, read_stream
 from hearth.events.signing import EventVerifier, RejectionReason
 from hearth.events.streams import ALL_STREAMS
-from hearth.readmodels.db import open_engine, upgrade_database
+from hearth.readmodels.db import ReadModelUnusable, open_engine, upgrade_database
 from hearth.readmodels.log_window import compared_columns, keys_older_than_log, window_start
 from hearth.readmodels.positions import record_stream_identity
 from hearth.readmodels.projection import PROJECTION_NAME, ReadModelProjection
@@ -182,7 +182,8 @@ class LogDiff:
 def diff_databases(
     new_path: str | Path, live_path: str | Path, *, include_positions: bool = False
 ) -> list[RowDifference]:
-    """Every row that differs between two read-model databases, per table, ordered by table and key."""
+    """Every row that differs between two read-model databases, per table, ordered by table and key;
+    ReadModelUnusable when either is damaged or their schema revisions differ."""
     return diff_within_log(new_path, live_path, {}, include_positions=include_positions).differences
 
 
@@ -198,7 +199,7 @@ def diff_within_log(
     try:
         new_version, live_version = _schema_version(new_engine), _schema_version(live_engine)
         if new_version != live_version:
-            raise ValueError(
+            raise ReadModelUnusable(
                 f"schema versions differ ({new_path}: {new_version}, {live_path}: {live_version}); "
                 "migrate both to the same revision first"
             )

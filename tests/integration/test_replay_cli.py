@@ -26,6 +26,7 @@ from hearth.events import (
 )
 from hearth.events.models import ShardAdvertised, ShardHeartbeat, ShardWithdrawn
 from hearth.services.broker.connection import connect_nats
+from hearth.readmodels.db import upgrade_database
 from hearth.services.replay.cli import app
 
 pytestmark = pytest.mark.integration
@@ -312,3 +313,17 @@ def test_events_follow_prints_new_events_of_both_streams_and_stops_cleanly_on_si
             process.kill()
             process.wait()
     assert consumer_counts(nats_url) == {SHARDS_STREAM: 0, PIPELINES_STREAM: 0}
+
+
+def test_rebuild_diff_against_a_file_it_cannot_compare_says_so_in_one_line(nats_url, tmp_path):
+    seed_examples(nats_url)
+    corrupt = tmp_path / "corrupt.sqlite"
+    corrupt.write_bytes(b"not a database " * 512)
+    older = tmp_path / "older.sqlite"
+    upgrade_database(older, "0015")
+
+    for n, live in enumerate((corrupt, older)):
+        result = replay(nats_url, "rebuild", "--db", str(tmp_path / f"new{n}.sqlite"), "--diff", str(live))
+        assert result.exit_code == 2 and result.stderr.strip().count("\n") == 0, result.output
+        assert str(live) in result.stderr and "Traceback" not in result.output
+    assert corrupt.read_bytes() == b"not a database " * 512

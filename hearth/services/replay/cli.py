@@ -20,15 +20,8 @@ from typing import Annotated, Optional
 import typer
 
 from hearth.events.consume import first_stream_seq
-from hearth.services.cli_options import (
-    ConfigOption,
-    CredsOption,
-    LogLevelOption,
-    NatsUrlOption,
-    apply_top_level_options,
-    resolve_nats_url,
-    settings,
-)
+from hearth.services.cli_options import (ConfigOption, CredsOption, LogLevelOption, NatsUrlOption,
+                                         apply_top_level_options, resolve_nats_url, settings)
 
 # hearth-replay is a reading tool: quieter than the services, and quick to say when the broker is not there.
 replay_log_level = "WARNING"
@@ -330,7 +323,7 @@ async def _rebuild(url: str, db: Path, diff: Path | None, force: bool, verifier=
     import asyncio
 
     from hearth.events.streams import ALL_STREAMS
-    from hearth.readmodels.rebuild import diff_within_log, rebuild_database
+    from hearth.readmodels.rebuild import ReadModelUnusable, diff_within_log, rebuild_database
     from hearth.readmodels.retention import retention_policy
     from hearth.services.replay.query import existing_streams
 
@@ -345,7 +338,10 @@ async def _rebuild(url: str, db: Path, diff: Path | None, force: bool, verifier=
     typer.echo(f"rebuilt {db} from {applied} messages")
     if diff is None:
         return 0
-    compared = await asyncio.to_thread(diff_within_log, db, diff, window)
+    try:
+        compared = await asyncio.to_thread(diff_within_log, db, diff, window)
+    except ReadModelUnusable as error:  # a damaged --diff file, or one of another schema revision
+        raise _fail(f"cannot compare with {diff}: {error}") from None
     for line in [*compared.window_lines(db, diff), *map(str, compared.differences)]:
         typer.echo(line)
     if compared.differences:
