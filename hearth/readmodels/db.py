@@ -30,11 +30,23 @@ auto_vacuum_incremental = 2
 
 # SQLite's answers for a file that is not a database, or one whose pages are damaged.
 _unreadable_file_codes = frozenset({sqlite3.SQLITE_NOTADB, sqlite3.SQLITE_CORRUPT})
+# Its answers for a file that cannot be written now: no room, read-only, cannot be opened, an I/O error.
+_storage_fault_codes = frozenset({sqlite3.SQLITE_FULL, sqlite3.SQLITE_READONLY, sqlite3.SQLITE_CANTOPEN,
+                                  sqlite3.SQLITE_IOERR, sqlite3.SQLITE_PERM})
 
 
 class ReadModelUnusable(RuntimeError):
-    """A read-model file this hearth cannot use as it is (not a SQLite database, damaged, or of a newer schema); the
-    message is one line naming the file, and the file is left as it was."""
+    """A read-model file this hearth cannot use as it is (not a SQLite database, damaged, of a newer schema, or not
+    writable now: a full disk, a read-only file); the message is one line naming the file, and the file is left as it
+    was."""
+
+
+def storage_fault(error: BaseException) -> str | None:
+    """What keeps the file from being written (SQLite's words: "database or disk is full", ...), when `error` is that
+    and not a fault of the SQL or the rows; None otherwise."""
+    cause = getattr(error, "orig", error)
+    code = getattr(cause, "sqlite_errorcode", None)
+    return str(cause) if code is not None and code & 0xFF in _storage_fault_codes else None
 
 
 def _set_sqlite_pragmas(dbapi_connection, _connection_record) -> None:
@@ -101,7 +113,7 @@ def alembic_config(path: str | Path | None = None) -> Config:
 
 def upgrade_database(path: str | Path, revision: str = "head") -> None:
     """Create or migrate the read-model schema at `path` to `revision` (tables are created only this way), and switch
-    a file made before incremental auto-vacuum to it."""
+    a file made before incremental auto-vacuum to it. ReadModelUnusable (one line) for a file it cannot use or write."""
     engine = open_engine(path)
     try:
         with engine.begin() as connection:
@@ -114,6 +126,10 @@ def upgrade_database(path: str | Path, revision: str = "head") -> None:
             _refuse_a_newer_schema(connection, config, path)
             command.upgrade(config, revision)
         switch_to_incremental_vacuum(engine)
+    except OperationalError as error:
+        if (fault := storage_fault(error)) is None:
+            raise
+        raise ReadModelUnusable(f"{path}: cannot write it ({fault}); its schema is left as it was") from None
     finally:
         engine.dispose()
     log.debug("read-model database %s migrated to %s", path, revision)

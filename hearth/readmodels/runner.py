@@ -34,7 +34,7 @@ from hearth.events.consume import SkippedMessage, StoredEvent, read_stream, stre
 from hearth.events.metrics import events_rejected_total
 from hearth.events.signing import REJECTION_REASONS, EventVerifier, RejectionReason
 from hearth.events.streams import ALL_STREAMS, StreamSetup, stream_info_timeout_s
-from hearth.readmodels.db import open_engine, upgrade_database
+from hearth.readmodels.db import open_engine, storage_fault, upgrade_database
 from hearth.readmodels.positions import ConcurrentProjectionError, load_stream_identities, record_stream_identity
 from hearth.readmodels.projection import PROJECTION_NAME, ReadModelProjection, Rejection, load_positions
 from hearth.readmodels.retention import RetentionPolicy, keep_pruning
@@ -265,6 +265,9 @@ class Projector:
                 if isinstance(error, ConcurrentProjectionError):  # no fault of the batch: a second writer of the file
                     log.warning("projector: %s (is another projector writing %s?); resuming from the stored positions "
                                 "in %.1f s", error, self.db_path, retry_s)
+                elif (fault := storage_fault(error)) is not None:  # a full disk, a read-only file: the operator's
+                    log.error("projector: cannot write %s (%s); nothing of the batch was applied, trying again in "
+                              "%.1f s", self.db_path, fault, retry_s)
                 else:
                     log.exception("projector: applying a batch of %d failed; resuming from the stored positions "
                                   "in %.1f s", len(batch), retry_s)

@@ -13,6 +13,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
+from sqlalchemy import Engine, event
 from typer.testing import CliRunner
 
 from hearth.events import (
@@ -327,3 +328,18 @@ def test_rebuild_diff_against_a_file_it_cannot_compare_says_so_in_one_line(nats_
         assert result.exit_code == 2 and result.stderr.strip().count("\n") == 0, result.output
         assert str(live) in result.stderr and "Traceback" not in result.output
     assert corrupt.read_bytes() == b"not a database " * 512
+
+
+def test_rebuild_onto_a_full_disk_says_so_in_one_line(nats_url, tmp_path):
+    seed_examples(nats_url)
+
+    def cap(dbapi_connection, _record) -> None:
+        dbapi_connection.execute("PRAGMA max_page_count = 4")
+
+    event.listen(Engine, "connect", cap)
+    try:
+        result = replay(nats_url, "rebuild", "--db", str(tmp_path / "new.sqlite"))
+    finally:
+        event.remove(Engine, "connect", cap)
+    assert result.exit_code == 1 and result.stderr.strip().count("\n") == 0, result.output
+    assert "database or disk is full" in result.stderr

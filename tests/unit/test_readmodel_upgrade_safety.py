@@ -7,6 +7,7 @@ import contextlib
 import sqlite3
 
 import pytest
+from sqlalchemy import Engine, event
 from typer.testing import CliRunner
 
 from hearth.readmodels.db import ReadModelUnusable, open_engine, upgrade_database
@@ -94,3 +95,39 @@ def test_open_engine_on_a_corrupt_file_fails_as_unusable(tmp_path):
                 pass
     finally:
         engine.dispose()
+
+
+@pytest.fixture
+def disk_full_after_pages():
+    """Every connection opened meanwhile may grow its file to a few pages only: SQLite then answers as on a full disk
+    ("database or disk is full")."""
+
+    def cap(dbapi_connection, _record) -> None:
+        dbapi_connection.execute("PRAGMA max_page_count = 4")
+
+    event.listen(Engine, "connect", cap)
+    yield
+    event.remove(Engine, "connect", cap)
+
+
+def test_upgrade_on_a_full_disk_is_one_line_and_the_next_one_completes(tmp_path, disk_full_after_pages):
+    path = tmp_path / "rm.db"
+    with pytest.raises(ReadModelUnusable, match="cannot write it \\(database or disk is full\\)") as refused:
+        upgrade_database(path)
+    assert "\n" not in str(refused.value)
+    result = CliRunner().invoke(app, ["db", "upgrade", "--db", str(path)])
+    assert result.exit_code == 1 and result.output.strip().count("\n") == 0, result.output
+    assert "database or disk is full" in result.output
+
+
+def test_an_upgrade_after_a_full_disk_completes_once_there_is_room(tmp_path):
+    path = tmp_path / "rm.db"
+    cap = lambda dbapi_connection, _record: dbapi_connection.execute("PRAGMA max_page_count = 4")  # noqa: E731
+    event.listen(Engine, "connect", cap)
+    try:
+        with pytest.raises(ReadModelUnusable):
+            upgrade_database(path)
+    finally:
+        event.remove(Engine, "connect", cap)
+    upgrade_database(path)
+    assert schema_revision(path) == "0016"

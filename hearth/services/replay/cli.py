@@ -333,8 +333,11 @@ async def _rebuild(url: str, db: Path, diff: Path | None, force: bool, verifier=
             typer.echo(f"hearth-replay: stream {name} does not exist yet; nothing to read from it", err=True)
         retention = None if readmodels is None else retention_policy(readmodels)
         window: dict[str, int] = {}
-        applied = await rebuild_database(js, db, overwrite=force, streams=present, verifier=verifier,
-                                         retention=retention, window=window)
+        try:
+            applied = await rebuild_database(js, db, overwrite=force, streams=present, verifier=verifier,
+                                             retention=retention, window=window)
+        except ReadModelUnusable as error:  # no room for it, say
+            raise _fail(str(error), 1) from None
     typer.echo(f"rebuilt {db} from {applied} messages")
     if diff is None:
         return 0
