@@ -30,15 +30,16 @@ auto_vacuum_incremental = 2
 
 # SQLite's answers for a file that is not a database, or one whose pages are damaged.
 _unreadable_file_codes = frozenset({sqlite3.SQLITE_NOTADB, sqlite3.SQLITE_CORRUPT})
-# Its answers for a file that cannot be written now: no room, read-only, cannot be opened, an I/O error.
+# Its answers for a file that cannot be written now: no room, read-only, cannot be opened, an I/O error, another
+# writer holding it past the busy timeout (`hearth db vacuum`, say).
 _storage_fault_codes = frozenset({sqlite3.SQLITE_FULL, sqlite3.SQLITE_READONLY, sqlite3.SQLITE_CANTOPEN,
-                                  sqlite3.SQLITE_IOERR, sqlite3.SQLITE_PERM})
+                                  sqlite3.SQLITE_IOERR, sqlite3.SQLITE_PERM, sqlite3.SQLITE_BUSY})
 
 
 class ReadModelUnusable(RuntimeError):
     """A read-model file this hearth cannot use as it is (not a SQLite database, damaged, of a newer schema, or not
-    writable now: a full disk, a read-only file); the message is one line naming the file, and the file is left as it
-    was."""
+    writable now: a full disk, a read-only file, another writer holding it); the message is one line naming the file,
+    and the file is left as it was."""
 
 
 def storage_fault(error: BaseException) -> str | None:

@@ -10,6 +10,7 @@ import pytest
 from sqlalchemy import Engine, event
 from typer.testing import CliRunner
 
+from hearth.readmodels import db as readmodel_db
 from hearth.readmodels.db import ReadModelUnusable, open_engine, upgrade_database
 from hearth.services.cli import app
 
@@ -129,5 +130,17 @@ def test_an_upgrade_after_a_full_disk_completes_once_there_is_room(tmp_path):
             upgrade_database(path)
     finally:
         event.remove(Engine, "connect", cap)
+    upgrade_database(path)
+    assert schema_revision(path) == "0016"
+
+
+def test_upgrade_of_a_file_another_writer_holds_is_one_line(tmp_path, monkeypatch):
+    path = tmp_path / "rm.db"
+    monkeypatch.setattr(readmodel_db, "sqlite_busy_timeout_ms", 50)
+    with contextlib.closing(sqlite3.connect(path, isolation_level=None)) as writer:
+        writer.execute("BEGIN IMMEDIATE")
+        with pytest.raises(ReadModelUnusable, match="cannot write it \\(database is locked\\)"):
+            upgrade_database(path)
+        writer.execute("ROLLBACK")
     upgrade_database(path)
     assert schema_revision(path) == "0016"
