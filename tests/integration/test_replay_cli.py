@@ -343,3 +343,17 @@ def test_rebuild_onto_a_full_disk_says_so_in_one_line(nats_url, tmp_path):
         event.remove(Engine, "connect", cap)
     assert result.exit_code == 1 and result.stderr.strip().count("\n") == 0, result.output
     assert "database or disk is full" in result.stderr
+
+
+def test_rebuild_refuses_to_replace_the_read_model_it_is_asked_to_diff(nats_url, tmp_path):
+    seed_examples(nats_url)
+    live = tmp_path / "live.sqlite"
+    assert replay(nats_url, "rebuild", "--db", str(live)).exit_code == 0
+    before = live.read_bytes()
+    (tmp_path / "link.sqlite").symlink_to(live)
+
+    for diff in (live, tmp_path / "link.sqlite"):
+        result = replay(nats_url, "rebuild", "--db", str(live), "--force", "--diff", str(diff))
+        assert result.exit_code == 2 and result.stderr.strip().count("\n") == 0, result.output
+        assert "one file" in result.stderr
+    assert live.read_bytes() == before

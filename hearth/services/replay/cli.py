@@ -299,16 +299,16 @@ async def _print_shard(url: str, shard: str, key: str, health_timeout_s: float, 
 def rebuild_command(
     ctx: typer.Context,
     db: Annotated[Path, typer.Option("--db", help="Where to write the fresh read model (must not exist).")],
-    diff: Annotated[
-        Optional[Path],
-        typer.Option("--diff", help="A live read model to compare with; exit 1 when a row the log holds differs."),
-    ] = None,
+    diff: Annotated[Optional[Path], typer.Option(
+        "--diff", help="A live read model to compare with; exit 1 when a row the log holds differs.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing --db file.")] = False,
     nats_url: NatsUrlOption = None,
 ) -> None:
     """Build a fresh read model from the whole event log; with --diff, print every row that differs."""
     if diff is not None and not diff.is_file():
         raise _fail(f"no read-model database at {diff}")
+    if diff is not None and db.exists() and db.samefile(diff):  # --force would delete the rows it is to compare
+        raise _fail(f"--db and --diff name one file ({diff}); rebuild into another file to compare with it")
     if db.exists() and not force:
         raise _fail(f"{db} exists; a rebuild writes a fresh database (use --force to replace it)")
     from hearth.services.common.event_trust import event_verifier
