@@ -12,7 +12,7 @@ from alembic import command
 from alembic.config import Config
 from alembic.script import ScriptDirectory
 from sqlalchemy import Connection, Engine, create_engine, event
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import DatabaseError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from hearth.readmodels.batch_rows import session_cursor
@@ -40,6 +40,16 @@ class ReadModelUnusable(RuntimeError):
     """A read-model file this hearth cannot use as it is (not a SQLite database, damaged, of a newer schema, or not
     writable now: a full disk, a read-only file, another writer holding it); the message is one line naming the file,
     and the file is left as it was."""
+
+
+def damaged_file(path: object, error: BaseException) -> ReadModelUnusable | None:
+    """ReadModelUnusable for an error (SQLAlchemy's or sqlite3's) that says the file is not a database or is damaged;
+    None for any other."""
+    cause = getattr(error, "orig", error)
+    if getattr(cause, "sqlite_errorcode", None) not in _unreadable_file_codes:
+        return None
+    return ReadModelUnusable(f"{path}: not a read-model database SQLite can read ({cause}); move it aside and "
+                             "rebuild one (hearth-replay rebuild)")
 
 
 def storage_fault(error: BaseException) -> str | None:
@@ -75,10 +85,8 @@ def _refuse_an_unreadable_file(cursor) -> None:
     try:
         cursor.execute("PRAGMA schema_version").fetchone()
     except sqlite3.DatabaseError as error:
-        if getattr(error, "sqlite_errorcode", None) in _unreadable_file_codes:
-            database = cursor.execute("PRAGMA database_list").fetchone()[2]
-            raise ReadModelUnusable(f"{database}: not a read-model database SQLite can read ({error}); move it "
-                                    "aside and rebuild one (hearth-replay rebuild)") from None
+        if (damaged := damaged_file(cursor.execute("PRAGMA database_list").fetchone()[2], error)) is not None:
+            raise damaged from None
         raise
 
 
@@ -127,7 +135,9 @@ def upgrade_database(path: str | Path, revision: str = "head") -> None:
             _refuse_a_newer_schema(connection, config, path)
             command.upgrade(config, revision)
         switch_to_incremental_vacuum(engine)
-    except OperationalError as error:
+    except DatabaseError as error:
+        if (damaged := damaged_file(path, error)) is not None:
+            raise damaged from None
         if (fault := storage_fault(error)) is None:
             raise
         raise ReadModelUnusable(f"{path}: cannot write it ({fault}); its schema is left as it was") from None
@@ -179,7 +189,12 @@ def vacuum_database(engine: Engine) -> None:
     with _autocommit(engine) as connection:
         # Read by VACUUM: the file it writes is switched to incremental auto-vacuum.
         connection.exec_driver_sql("PRAGMA auto_vacuum=INCREMENTAL")
-        connection.exec_driver_sql("VACUUM")
+        try:
+            connection.exec_driver_sql("VACUUM")
+        except DatabaseError as error:
+            if (damaged := damaged_file(engine.url.database, error)) is not None:
+                raise damaged from None
+            raise
         # Every page went through the WAL, which would otherwise keep the file's size on disk beside it.
         connection.exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)")
 

@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 
 from hearth.readmodels import db as readmodel_db
 from hearth.readmodels.db import ReadModelUnusable, open_engine, upgrade_database
+from hearth.readmodels.rebuild import diff_databases
 from hearth.services.cli import app
 
 
@@ -61,7 +62,21 @@ def a_corrupt_file(tmp_path):
     return path
 
 
-@pytest.mark.parametrize("made", [a_newer_file, a_corrupt_file])
+def a_damaged_file(tmp_path):
+    """A read model whose alembic_version page was overwritten: SQLite opens it, and finds it malformed on reading."""
+    path = tmp_path / "damaged.db"
+    upgrade_database(path)
+    with contextlib.closing(sqlite3.connect(path)) as connection:
+        connection.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        root = connection.execute("SELECT rootpage FROM sqlite_master WHERE name = 'alembic_version'").fetchone()[0]
+        page_size = connection.execute("PRAGMA page_size").fetchone()[0]
+    data = bytearray(path.read_bytes())
+    data[(root - 1) * page_size:root * page_size] = b"\x07" * page_size
+    path.write_bytes(bytes(data))
+    return path
+
+
+@pytest.mark.parametrize("made", [a_newer_file, a_corrupt_file, a_damaged_file])
 def test_upgrade_refuses_a_file_it_cannot_use_and_leaves_its_bytes_alone(tmp_path, made):
     path = made(tmp_path)
     before = path.read_bytes()
@@ -76,7 +91,7 @@ def test_a_newer_schema_is_named_as_such(tmp_path):
         upgrade_database(a_newer_file(tmp_path))
 
 
-@pytest.mark.parametrize("made", [a_newer_file, a_corrupt_file])
+@pytest.mark.parametrize("made", [a_newer_file, a_corrupt_file, a_damaged_file])
 @pytest.mark.parametrize("command", ["upgrade", "vacuum"])
 def test_hearth_db_refuses_an_unusable_file_in_one_line(tmp_path, made, command):
     path = made(tmp_path)
@@ -144,3 +159,22 @@ def test_upgrade_of_a_file_another_writer_holds_is_one_line(tmp_path, monkeypatc
         writer.execute("ROLLBACK")
     upgrade_database(path)
     assert schema_revision(path) == "0016"
+
+
+def test_a_diff_against_a_file_damaged_in_a_table_is_refused_naming_it(tmp_path):
+    live = tmp_path / "live.db"
+    upgrade_database(live)
+    with contextlib.closing(sqlite3.connect(live)) as connection, connection:
+        connection.executemany("INSERT INTO failovers VALUES (?, 1, 'x', '[]', 'made up', 0, 0)",
+                               [(f"p{n}",) for n in range(300)])
+    with contextlib.closing(sqlite3.connect(live)) as connection:
+        connection.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        root = connection.execute("SELECT rootpage FROM sqlite_master WHERE name = 'failovers'").fetchone()[0]
+        page_size = connection.execute("PRAGMA page_size").fetchone()[0]
+    data = bytearray(live.read_bytes())
+    data[(root - 1) * page_size:root * page_size] = b"\x07" * page_size
+    live.write_bytes(bytes(data))
+    new = tmp_path / "new.db"
+    upgrade_database(new)
+    with pytest.raises(ReadModelUnusable, match=f"{live}: not a read-model database SQLite can read"):
+        diff_databases(new, live)
