@@ -46,7 +46,8 @@ def damaged_file(path: object, error: BaseException) -> ReadModelUnusable | None
     """ReadModelUnusable for an error (SQLAlchemy's or sqlite3's) that says the file is not a database or is damaged;
     None for any other."""
     cause = getattr(error, "orig", error)
-    if getattr(cause, "sqlite_errorcode", None) not in _unreadable_file_codes:
+    code = getattr(cause, "sqlite_errorcode", None)
+    if code is None or code & 0xFF not in _unreadable_file_codes:  # extended codes keep the primary in the low byte
         return None
     return ReadModelUnusable(f"{path}: not a read-model database SQLite can read ({cause}); move it aside and "
                              "rebuild one (hearth-replay rebuild)")
