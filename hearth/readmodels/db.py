@@ -4,13 +4,15 @@ pages that pruning frees back to the disk (incremental auto-vacuum)."""
 from __future__ import annotations
 
 import logging
+import sqlite3
 from importlib import resources
 from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
+from alembic.script import ScriptDirectory
 from sqlalchemy import Connection, Engine, create_engine, event
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import DatabaseError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from hearth.readmodels.batch_rows import session_cursor
@@ -26,10 +28,44 @@ wal_size_limit_bytes = 4 * 1024 * 1024
 auto_vacuum_incremental = 2
 
 
+# SQLite's answers for a file that is not a database, or one whose pages are damaged.
+_unreadable_file_codes = frozenset({sqlite3.SQLITE_NOTADB, sqlite3.SQLITE_CORRUPT})
+# Its answers for a file that cannot be written now: no room, read-only, cannot be opened, an I/O error, another
+# writer holding it past the busy timeout (`hearth db vacuum`, say).
+_storage_fault_codes = frozenset({sqlite3.SQLITE_FULL, sqlite3.SQLITE_READONLY, sqlite3.SQLITE_CANTOPEN,
+                                  sqlite3.SQLITE_IOERR, sqlite3.SQLITE_PERM, sqlite3.SQLITE_BUSY})
+
+
+class ReadModelUnusable(RuntimeError):
+    """A read-model file this hearth cannot use as it is (not a SQLite database, damaged, of a newer schema, or not
+    writable now: a full disk, a read-only file, another writer holding it); the message is one line naming the file,
+    and the file is left as it was."""
+
+
+def damaged_file(path: object, error: BaseException) -> ReadModelUnusable | None:
+    """ReadModelUnusable for an error (SQLAlchemy's or sqlite3's) that says the file is not a database or is damaged;
+    None for any other."""
+    cause = getattr(error, "orig", error)
+    code = getattr(cause, "sqlite_errorcode", None)
+    if code is None or code & 0xFF not in _unreadable_file_codes:  # extended codes keep the primary in the low byte
+        return None
+    return ReadModelUnusable(f"{path}: not a read-model database SQLite can read ({cause}); move it aside and "
+                             "rebuild one (hearth-replay rebuild)")
+
+
+def storage_fault(error: BaseException) -> str | None:
+    """What keeps the file from being written (SQLite's words: "database or disk is full", ...), when `error` is that
+    and not a fault of the SQL or the rows; None otherwise."""
+    cause = getattr(error, "orig", error)
+    code = getattr(cause, "sqlite_errorcode", None)
+    return str(cause) if code is not None and code & 0xFF in _storage_fault_codes else None
+
+
 def _set_sqlite_pragmas(dbapi_connection, _connection_record) -> None:
     cursor = dbapi_connection.cursor()
     try:
         cursor.execute(f"PRAGMA busy_timeout={sqlite_busy_timeout_ms}")
+        _refuse_an_unreadable_file(cursor)
         # A new file is made able to give pages back: auto_vacuum takes only before the first page is written,
         # which entering WAL does. An older file is switched by one full VACUUM (switch_to_incremental_vacuum).
         if cursor.execute("PRAGMA page_count").fetchone()[0] == 0:
@@ -43,6 +79,16 @@ def _set_sqlite_pragmas(dbapi_connection, _connection_record) -> None:
         cursor.execute("PRAGMA foreign_keys=ON")
     finally:
         cursor.close()
+
+
+def _refuse_an_unreadable_file(cursor) -> None:
+    # The first read of the file's header: where a file that is no database says so, before any pragma writes to it.
+    try:
+        cursor.execute("PRAGMA schema_version").fetchone()
+    except sqlite3.DatabaseError as error:
+        if (damaged := damaged_file(cursor.execute("PRAGMA database_list").fetchone()[2], error)) is not None:
+            raise damaged from None
+        raise
 
 
 def database_url(path: str | Path) -> str:
@@ -77,17 +123,44 @@ def alembic_config(path: str | Path | None = None) -> Config:
 
 def upgrade_database(path: str | Path, revision: str = "head") -> None:
     """Create or migrate the read-model schema at `path` to `revision` (tables are created only this way), and switch
-    a file made before incremental auto-vacuum to it."""
+    a file made before incremental auto-vacuum to it. ReadModelUnusable (one line) for a file it cannot use or write."""
     engine = open_engine(path)
     try:
         with engine.begin() as connection:
+            # pysqlite begins a transaction only before a row is written: without this each schema change of a
+            # migration commits alone, and one stopped midway (killed, a full disk) leaves a file that no later
+            # upgrade can finish ("duplicate column name"). SQLite's DDL is transactional inside one.
+            connection.exec_driver_sql("BEGIN")
             config = alembic_config(path)
             config.attributes["connection"] = connection
+            _refuse_a_newer_schema(connection, config, path)
             command.upgrade(config, revision)
         switch_to_incremental_vacuum(engine)
+    except DatabaseError as error:
+        if (damaged := damaged_file(path, error)) is not None:
+            raise damaged from None
+        if (fault := storage_fault(error)) is None:
+            raise
+        raise ReadModelUnusable(f"{path}: cannot write it ({fault}); its schema is left as it was") from None
     finally:
         engine.dispose()
     log.debug("read-model database %s migrated to %s", path, revision)
+
+
+def _refuse_a_newer_schema(connection: Connection, config: Config, path: str | Path) -> None:
+    """ReadModelUnusable when the file's schema is at a revision this hearth does not know (made by a newer one)."""
+    has_versions = connection.exec_driver_sql(
+        "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'alembic_version'").first()
+    if has_versions is None:
+        return
+    scripts = ScriptDirectory.from_config(config)
+    known = {script.revision for script in scripts.walk_revisions()}
+    for (stored,) in connection.exec_driver_sql("SELECT version_num FROM alembic_version"):
+        if stored not in known:
+            raise ReadModelUnusable(
+                f"{path}: its read-model schema is at revision {stored}, newer than this hearth knows (its latest: "
+                f"{scripts.get_current_head()}); run a newer hearth on it, or rebuild one for this version into "
+                "another file (hearth-replay rebuild)")
 
 
 def _autocommit(engine: Engine) -> Connection:
@@ -117,7 +190,12 @@ def vacuum_database(engine: Engine) -> None:
     with _autocommit(engine) as connection:
         # Read by VACUUM: the file it writes is switched to incremental auto-vacuum.
         connection.exec_driver_sql("PRAGMA auto_vacuum=INCREMENTAL")
-        connection.exec_driver_sql("VACUUM")
+        try:
+            connection.exec_driver_sql("VACUUM")
+        except DatabaseError as error:
+            if (damaged := damaged_file(engine.url.database, error)) is not None:
+                raise damaged from None
+            raise
         # Every page went through the WAL, which would otherwise keep the file's size on disk beside it.
         connection.exec_driver_sql("PRAGMA wal_checkpoint(TRUNCATE)")
 

@@ -59,12 +59,15 @@ def save_position(
     cursor = session_cursor(session)
     try:
         if previous_seq is None:
-            # A concurrent first insert fails on the primary key, rolling our batch back.
+            # Another projector's first position, inserted meanwhile, is the same race as one moved: the key stops ours.
             cursor.execute(
                 f"INSERT INTO {POSITIONS.name} (projection, stream, last_seq, last_event_at) "
-                "VALUES (?, ?, ?, ?)",
+                "VALUES (?, ?, ?, ?) ON CONFLICT DO NOTHING",
                 (projection, stream, last_seq, last_event_at),
             )
+            if cursor.rowcount != 1:
+                raise ConcurrentProjectionError(
+                    f"projection {projection!r} position of {stream} was taken under us (expected none)")
             return
         # Guarded by the value we read: if another projector advanced it meanwhile, nothing matches.
         cursor.execute(

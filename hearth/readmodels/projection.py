@@ -11,7 +11,8 @@ work, flushed before the positions (readmodels.positions) are moved. On a commun
 when readmodels.admission lets it (signed by a member that may emit it, not after its signer's removal there).
 
 Determinism: every stored value comes from the event (instants from `occurred_at`, never the wall clock),
-each table column is written from one stream only, and rows are keyed on the payload (shard_id,
+each table column is written from one stream only (but event_counts' minute of
+member.removed, published in both, which sums them in any order), and rows are keyed on the payload (shard_id,
 pipeline_id), so deleting the database and replaying the log gives the same rows whatever the
 interleaving of the two streams. Two caveats that come from the log's retention, not from this code:
 heartbeats are capped per subject and events age out (7/30 days), so counters over trimmed history

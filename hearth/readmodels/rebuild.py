@@ -22,12 +22,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 from sqlalchemy import select, text
+from sqlalchemy.exc import DatabaseError
 from sqlalchemy.orm import sessionmaker
 
 from hearth.events.consume import SkippedMessage, StoredEvent, read_stream
 from hearth.events.signing import EventVerifier, RejectionReason
 from hearth.events.streams import ALL_STREAMS
-from hearth.readmodels.db import open_engine, upgrade_database
+from hearth.readmodels.db import ReadModelUnusable, damaged_file, open_engine, upgrade_database
 from hearth.readmodels.log_window import compared_columns, keys_older_than_log, window_start
 from hearth.readmodels.positions import record_stream_identity
 from hearth.readmodels.projection import PROJECTION_NAME, ReadModelProjection
@@ -182,7 +183,8 @@ class LogDiff:
 def diff_databases(
     new_path: str | Path, live_path: str | Path, *, include_positions: bool = False
 ) -> list[RowDifference]:
-    """Every row that differs between two read-model databases, per table, ordered by table and key."""
+    """Every row that differs between two read-model databases, per table, ordered by table and key;
+    ReadModelUnusable when either is damaged or their schema revisions differ."""
     return diff_within_log(new_path, live_path, {}, include_positions=include_positions).differences
 
 
@@ -198,7 +200,7 @@ def diff_within_log(
     try:
         new_version, live_version = _schema_version(new_engine), _schema_version(live_engine)
         if new_version != live_version:
-            raise ValueError(
+            raise ReadModelUnusable(
                 f"schema versions differ ({new_path}: {new_version}, {live_path}: {live_version}); "
                 "migrate both to the same revision first"
             )
@@ -254,9 +256,14 @@ def _keys_older_than_log(engine, table: str, key_columns: list[str], window: Map
 def _rows_by_key(engine, table, key_columns: list[str]) -> dict[tuple, dict[str, Any]]:
     uncompared = UNCOMPARED_COLUMNS.get(table.name, ())
     with engine.connect() as connection:
-        rows = connection.execute(select(table)).mappings()
-        return {tuple(row[name] for name in key_columns): {name: value for name, value in row.items()
-                                                           if name not in uncompared} for row in rows}
+        try:
+            rows = connection.execute(select(table)).mappings()
+            return {tuple(row[name] for name in key_columns): {name: value for name, value in row.items()
+                                                               if name not in uncompared} for row in rows}
+        except DatabaseError as error:
+            if (damaged := damaged_file(engine.url.database, error)) is not None:
+                raise damaged from None
+            raise
 
 
 def _sortable(key: tuple) -> tuple:

@@ -34,11 +34,12 @@ from hearth.events.consume import SkippedMessage, StoredEvent, read_stream, stre
 from hearth.events.metrics import events_rejected_total
 from hearth.events.signing import REJECTION_REASONS, EventVerifier, RejectionReason
 from hearth.events.streams import ALL_STREAMS, StreamSetup, stream_info_timeout_s
-from hearth.readmodels.db import open_engine, upgrade_database
-from hearth.readmodels.positions import load_stream_identities, record_stream_identity
+from hearth.readmodels.db import open_engine, storage_fault, upgrade_database
+from hearth.readmodels.positions import ConcurrentProjectionError, load_stream_identities, record_stream_identity
 from hearth.readmodels.projection import PROJECTION_NAME, ReadModelProjection, Rejection, load_positions
 from hearth.readmodels.retention import RetentionPolicy, keep_pruning
 from hearth.readmodels.stream_identity import StreamState, replaced, stream_state
+from hearth.readmodels.task_cancel import cancel_within
 from hearth.readmodels.unapplicable import apply_rejecting_the_unapplicable
 
 log = logging.getLogger(__name__)
@@ -157,11 +158,11 @@ class Projector:
         tasks = list(self._followers.values()) + self._tasks
         self._followers.clear()
         self._tasks = []
-        await _cancel_within(tasks, stop_timeout_s)
+        await cancel_within(tasks, stop_timeout_s)
         # The applier may have been restarting followers while we cancelled it.
         leftovers = list(self._followers.values())
         self._followers.clear()
-        await _cancel_within(leftovers, stop_timeout_s)
+        await cancel_within(leftovers, stop_timeout_s)
         if self.engine is not None:
             self.engine.dispose()
         log.info("projector %s stopped at %s", self.projection.name, self.positions)
@@ -259,10 +260,17 @@ class Projector:
                 retry_s = apply_retry_initial_s
             except asyncio.CancelledError:
                 raise
-            except Exception:
+            except Exception as error:
                 self.apply_failures_total += 1
-                log.exception("projector: applying a batch of %d failed; resuming from the stored positions "
-                              "in %.1f s", len(batch), retry_s)
+                if isinstance(error, ConcurrentProjectionError):  # no fault of the batch: a second writer of the file
+                    log.warning("projector: %s (is another projector writing %s?); resuming from the stored positions "
+                                "in %.1f s", error, self.db_path, retry_s)
+                elif (fault := storage_fault(error)) is not None:  # a full disk, a read-only file: the operator's
+                    log.error("projector: cannot write %s (%s); nothing of the batch was applied, trying again in "
+                              "%.1f s", self.db_path, fault, retry_s)
+                else:
+                    log.exception("projector: applying a batch of %d failed; resuming from the stored positions "
+                                  "in %.1f s", len(batch), retry_s)
                 await asyncio.sleep(retry_s)
                 retry_s = min(retry_s * 2, apply_retry_max_s)
                 await self._resume_from_database()
@@ -337,12 +345,14 @@ class Projector:
         """Replace the followers with ones reading from the stored positions."""
         async with self._resume_lock:
             self._generation += 1
-            await _cancel_within(list(self._followers.values()), stop_timeout_s)
+            await cancel_within(list(self._followers.values()), stop_timeout_s)
             while not self._queue.empty():
                 self._queue.get_nowait()
             for pending in self._pending.values():
                 pending.clear()
             await self._load_positions()
+            async with self._progress:  # another writer of the file may have moved them past what a caller awaits
+                self._progress.notify_all()
             for each in self.streams:
                 self._start_follower(each)
 
@@ -387,14 +397,3 @@ class Projector:
                       "follows the log; rebuild it (`hearth-replay rebuild`; a process whose read model is "
                       "temporary, restarted)", stream, state.created, position, recorded)
 
-
-async def _cancel_within(tasks: list[asyncio.Task], timeout_s: float) -> None:
-    """Cancel `tasks` and wait at most `timeout_s` for them to end. Not wait_for(gather(...)): on Python 3.11
-    a task whose own wait_for swallowed the cancellation never ends, and wait_for would wait for it forever."""
-    for task in tasks:
-        task.cancel()
-    if not tasks:
-        return
-    _done, pending = await asyncio.wait(tasks, timeout=timeout_s)
-    if pending:
-        log.warning("%d projector task(s) did not stop within %s s", len(pending), timeout_s)

@@ -18,9 +18,13 @@ def db_upgrade_command(
     db: Annotated[Path, typer.Option("--db", help="SQLite read-model file (created when missing).")],
 ) -> None:
     """Create or migrate a read-model database to the latest schema (Alembic)."""
-    from hearth.readmodels.db import upgrade_database
+    from hearth.readmodels.db import ReadModelUnusable, upgrade_database
 
-    upgrade_database(db)
+    try:
+        upgrade_database(db)
+    except ReadModelUnusable as error:
+        typer.echo(str(error), err=True)
+        raise typer.Exit(EXIT_REFUSED) from None
     typer.echo(f"{db}: schema at the latest revision")
 
 
@@ -32,7 +36,7 @@ def db_vacuum_command(
     so this is rarely needed). It holds the write lock throughout: a running projector's batches wait for it."""
     from sqlalchemy.exc import OperationalError
 
-    from hearth.readmodels.db import open_engine, vacuum_database
+    from hearth.readmodels.db import ReadModelUnusable, open_engine, vacuum_database
 
     if not db.is_file():
         typer.echo(f"{db}: no such read-model file", err=True)
@@ -44,6 +48,9 @@ def db_vacuum_command(
     except OperationalError as error:
         typer.echo(f"{db}: not vacuumed: {error.orig} (another writer, or no room for the two copies it writes)",
                    err=True)
+        raise typer.Exit(EXIT_REFUSED) from None
+    except ReadModelUnusable as error:
+        typer.echo(str(error), err=True)
         raise typer.Exit(EXIT_REFUSED) from None
     finally:
         engine.dispose()

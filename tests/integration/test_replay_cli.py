@@ -13,6 +13,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
+from sqlalchemy import Engine, event
 from typer.testing import CliRunner
 
 from hearth.events import (
@@ -26,6 +27,7 @@ from hearth.events import (
 )
 from hearth.events.models import ShardAdvertised, ShardHeartbeat, ShardWithdrawn
 from hearth.services.broker.connection import connect_nats
+from hearth.readmodels.db import upgrade_database
 from hearth.services.replay.cli import app
 
 pytestmark = pytest.mark.integration
@@ -312,3 +314,46 @@ def test_events_follow_prints_new_events_of_both_streams_and_stops_cleanly_on_si
             process.kill()
             process.wait()
     assert consumer_counts(nats_url) == {SHARDS_STREAM: 0, PIPELINES_STREAM: 0}
+
+
+def test_rebuild_diff_against_a_file_it_cannot_compare_says_so_in_one_line(nats_url, tmp_path):
+    seed_examples(nats_url)
+    corrupt = tmp_path / "corrupt.sqlite"
+    corrupt.write_bytes(b"not a database " * 512)
+    older = tmp_path / "older.sqlite"
+    upgrade_database(older, "0015")
+
+    for n, live in enumerate((corrupt, older)):
+        result = replay(nats_url, "rebuild", "--db", str(tmp_path / f"new{n}.sqlite"), "--diff", str(live))
+        assert result.exit_code == 2 and result.stderr.strip().count("\n") == 0, result.output
+        assert str(live) in result.stderr and "Traceback" not in result.output
+    assert corrupt.read_bytes() == b"not a database " * 512
+
+
+def test_rebuild_onto_a_full_disk_says_so_in_one_line(nats_url, tmp_path):
+    seed_examples(nats_url)
+
+    def cap(dbapi_connection, _record) -> None:
+        dbapi_connection.execute("PRAGMA max_page_count = 4")
+
+    event.listen(Engine, "connect", cap)
+    try:
+        result = replay(nats_url, "rebuild", "--db", str(tmp_path / "new.sqlite"))
+    finally:
+        event.remove(Engine, "connect", cap)
+    assert result.exit_code == 1 and result.stderr.strip().count("\n") == 0, result.output
+    assert "database or disk is full" in result.stderr
+
+
+def test_rebuild_refuses_to_replace_the_read_model_it_is_asked_to_diff(nats_url, tmp_path):
+    seed_examples(nats_url)
+    live = tmp_path / "live.sqlite"
+    assert replay(nats_url, "rebuild", "--db", str(live)).exit_code == 0
+    before = live.read_bytes()
+    (tmp_path / "link.sqlite").symlink_to(live)
+
+    for diff in (live, tmp_path / "link.sqlite"):
+        result = replay(nats_url, "rebuild", "--db", str(live), "--force", "--diff", str(diff))
+        assert result.exit_code == 2 and result.stderr.strip().count("\n") == 0, result.output
+        assert "one file" in result.stderr
+    assert live.read_bytes() == before

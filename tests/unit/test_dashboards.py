@@ -175,3 +175,11 @@ def test_status_screen_pieces(tmp_path, capsys):
     assert coverage_text([(0, 2), (1, 2), (2, 1), (3, 0)]) == "0-1 x2, 2 x1, 3 MISSING"
     assert run_status_command(tmp_path / "absent.sqlite") == 1
     assert "no read model" in capsys.readouterr().out
+
+
+def test_status_on_a_file_that_is_not_a_database_is_one_line(tmp_path, capsys):
+    corrupt = tmp_path / "corrupt.sqlite"
+    corrupt.write_bytes(b"not a database " * 512)
+    assert run_status_command(corrupt) == 1
+    said = " ".join(capsys.readouterr().out.split())  # the console wraps it at its width
+    assert said == f"hearth status: {corrupt} is not a migrated read model (file is not a database)"

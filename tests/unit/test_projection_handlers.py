@@ -316,3 +316,21 @@ def test_a_concurrent_projector_cannot_apply_the_same_event_twice(engine):
     with Session(engine) as session:
         assert load_positions(session) == {PIPELINES_STREAM: 2}
     assert get(engine, ShardStats, shard_id).pipelines_joined == 2
+
+
+def test_a_concurrent_projector_that_takes_the_first_position_first_is_a_concurrency_error(engine):
+    """On a fresh file the other projector's first position, inserted meanwhile, is the same race as a moved one:
+    ConcurrentProjectionError (retried from the positions), not an error of the message's (applied one by one)."""
+    log = LogBuilder()
+    first = log.stored(constructed("p0", ["m:0-7@a"]))
+
+    class InterleavedProjection(ReadModelProjection):
+        def handle(self, event, rows):
+            apply_all(engine, [first])
+            return super().handle(event, rows)
+
+    with pytest.raises(ConcurrentProjectionError), Session(engine) as session, session.begin():
+        InterleavedProjection().apply_many(session, [first])
+    with Session(engine) as session:
+        assert load_positions(session) == {PIPELINES_STREAM: 1}
+    assert get(engine, ShardStats, "m:0-7@a").pipelines_joined == 1

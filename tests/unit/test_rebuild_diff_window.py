@@ -8,7 +8,10 @@ from datetime import timedelta
 from alembic import command
 from sqlalchemy import text
 
+from hearth.events.consume import StoredEvent
+from hearth.events.models import MemberRemoved
 from hearth.events.streams import (
+    MEMBER_REMOVAL_SUBJECTS,
     PIPELINES_STREAM,
     SHARDS_STREAM,
     pipelines_max_age_s,
@@ -19,7 +22,9 @@ from hearth.readmodels.db import alembic_config, open_engine, upgrade_database
 from hearth.readmodels.log_window import OLDER_THAN_LOG_RULES, keys_older_than_log, window_start
 from hearth.readmodels.rebuild import diff_databases, diff_within_log
 from hearth.readmodels.tables import Base, ProjectionPosition
-from tests.readmodel_helpers import LogBuilder, advertised, apply_all, constructed, heartbeat, migrated_engine
+from hearth.protocol.subjects import event_subject
+from tests.readmodel_helpers import (LogBuilder, advertised, apply_all, at, constructed, heartbeat, migrated_engine,
+                                     stream_of, synthetic_events)
 from tests.reputation_events import confirmed
 from tests.unit.test_readmodel_retention import forty_days_of_traffic, projection, prune
 
@@ -189,3 +194,32 @@ def test_a_read_model_migrated_from_before_matches_a_rebuild_of_a_log_that_dropp
     assert [str(difference) for difference in diff_databases(rebuilt, live)] == []
     tamper(live, f"UPDATE shard_stats SET pipelines_joined = 7 WHERE shard_id = '{second.shard_id}'")
     assert [(d.table, d.columns) for d in diff_databases(rebuilt, live)] == [("shard_stats", ("pipelines_joined",))]
+
+
+def test_a_removal_the_shards_stream_dropped_while_the_pipelines_stream_keeps_its_twin_is_left_out(tmp_path):
+    """A member's removal is published in both streams and both copies count in one event_counts row
+    (minute, member.removed); once the shards stream (7 days) dropped its copy and the pipelines stream (30) has not,
+    no rebuild can make that row: it is older than the shards window, not a difference of a healthy read model."""
+    seqs = {SHARDS_STREAM: 0, PIPELINES_STREAM: 0}
+
+    def stored(event, stream: str) -> StoredEvent:
+        seqs[stream] += 1
+        subject = MEMBER_REMOVAL_SUBJECTS[stream] if isinstance(event, MemberRemoved) else event_subject(event)
+        return StoredEvent(stream=stream, seq=seqs[stream], subject=subject, time=event.occurred_at, headers={},
+                           event=event)
+
+    removals = [stored(MemberRemoved(node_id="system", member="attic", public_key="U" + "A" * 55, stream=stream,
+                                     occurred_at=at(60.0)), stream) for stream in (SHARDS_STREAM, PIPELINES_STREAM)]
+    later = synthetic_events(seed=1, t0=10 * DAY, shards=2, pipelines=3, heartbeats_per_shard=2)
+    messages = removals + [stored(event, stream_of(event)) for event in later]
+    live, rebuilt = migrated_engine(tmp_path / "live.db"), migrated_engine(tmp_path / "rebuilt.db")
+    apply_all(live, messages, projection())
+    apply_all(rebuilt, messages[1:], projection())  # the shards stream kept nothing older than 7 days
+    live.dispose()
+    rebuilt.dispose()
+    first_kept_shard = next(m for m in messages[1:] if m.stream == SHARDS_STREAM)
+    window = {SHARDS_STREAM: window_start(first_kept_shard, seqs[SHARDS_STREAM])}
+
+    compared = diff_within_log(tmp_path / "rebuilt.db", tmp_path / "live.db", window)
+    assert [str(difference) for difference in compared.differences] == []
+    assert compared.left_out_live >= 1

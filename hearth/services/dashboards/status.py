@@ -122,7 +122,7 @@ def run_status_command(db: Path, *, now_s: int | None = None, console: Console |
     connection = open_read_only(db)
     try:
         tables = status_tables(connection, int(time.time()) if now_s is None else now_s)
-    except sqlite3.OperationalError as error:
+    except sqlite3.DatabaseError as error:  # tables missing, or no SQLite database at all (OperationalError's base)
         console.print(f"hearth status: {db} is not a migrated read model ({error})", markup=False)
         return 1
     finally:

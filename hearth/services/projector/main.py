@@ -9,12 +9,13 @@ from pathlib import Path
 from prometheus_client import REGISTRY, CollectorRegistry
 
 from hearth.events.signing import EventVerifier
+from hearth.readmodels.db import ReadModelUnusable
 from hearth.readmodels.retention import retention_policy
 from hearth.readmodels.runner import Projector
 from hearth.services.common.config import NatsSettings, ReadModelSettings
 from hearth.services.common.config_sections import MetricsSettings
 from hearth.services.common.event_trust import stream_setup
-from hearth.services.common.lifecycle import Stopped, unless_stopped
+from hearth.services.common.lifecycle import CommandRefused, Stopped, unless_stopped
 from hearth.services.common.metrics import serve_process_metrics
 from hearth.services.broker.connection import close_quietly, connect_nats, drain_or_close
 from hearth.services.projector.metrics import ProjectorCollector
@@ -64,7 +65,10 @@ async def run_projector(
     collector = ProjectorCollector(projector)
     metrics_server = None
     try:
-        await projector.start()
+        try:
+            await projector.start()
+        except ReadModelUnusable as error:  # one line and exit 1, the file left as it was
+            raise CommandRefused(str(error)) from None
         registry.register(collector)
         metrics_server = serve_process_metrics(metrics_port, "projector", host=metrics_host or MetricsSettings().host,
                                                registry=registry)

@@ -20,15 +20,8 @@ from typing import Annotated, Optional
 import typer
 
 from hearth.events.consume import first_stream_seq
-from hearth.services.cli_options import (
-    ConfigOption,
-    CredsOption,
-    LogLevelOption,
-    NatsUrlOption,
-    apply_top_level_options,
-    resolve_nats_url,
-    settings,
-)
+from hearth.services.cli_options import (ConfigOption, CredsOption, LogLevelOption, NatsUrlOption,
+                                         apply_top_level_options, resolve_nats_url, settings)
 
 # hearth-replay is a reading tool: quieter than the services, and quick to say when the broker is not there.
 replay_log_level = "WARNING"
@@ -306,16 +299,16 @@ async def _print_shard(url: str, shard: str, key: str, health_timeout_s: float, 
 def rebuild_command(
     ctx: typer.Context,
     db: Annotated[Path, typer.Option("--db", help="Where to write the fresh read model (must not exist).")],
-    diff: Annotated[
-        Optional[Path],
-        typer.Option("--diff", help="A live read model to compare with; exit 1 when a row the log holds differs."),
-    ] = None,
+    diff: Annotated[Optional[Path], typer.Option(
+        "--diff", help="A live read model to compare with; exit 1 when a row the log holds differs.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing --db file.")] = False,
     nats_url: NatsUrlOption = None,
 ) -> None:
     """Build a fresh read model from the whole event log; with --diff, print every row that differs."""
     if diff is not None and not diff.is_file():
         raise _fail(f"no read-model database at {diff}")
+    if diff is not None and db.exists() and db.samefile(diff):  # --force would delete the rows it is to compare
+        raise _fail(f"--db and --diff name one file ({diff}); rebuild into another file to compare with it")
     if db.exists() and not force:
         raise _fail(f"{db} exists; a rebuild writes a fresh database (use --force to replace it)")
     from hearth.services.common.event_trust import event_verifier
@@ -330,7 +323,7 @@ async def _rebuild(url: str, db: Path, diff: Path | None, force: bool, verifier=
     import asyncio
 
     from hearth.events.streams import ALL_STREAMS
-    from hearth.readmodels.rebuild import diff_within_log, rebuild_database
+    from hearth.readmodels.rebuild import ReadModelUnusable, diff_within_log, rebuild_database
     from hearth.readmodels.retention import retention_policy
     from hearth.services.replay.query import existing_streams
 
@@ -340,12 +333,18 @@ async def _rebuild(url: str, db: Path, diff: Path | None, force: bool, verifier=
             typer.echo(f"hearth-replay: stream {name} does not exist yet; nothing to read from it", err=True)
         retention = None if readmodels is None else retention_policy(readmodels)
         window: dict[str, int] = {}
-        applied = await rebuild_database(js, db, overwrite=force, streams=present, verifier=verifier,
-                                         retention=retention, window=window)
+        try:
+            applied = await rebuild_database(js, db, overwrite=force, streams=present, verifier=verifier,
+                                             retention=retention, window=window)
+        except ReadModelUnusable as error:  # no room for it, say
+            raise _fail(str(error), 1) from None
     typer.echo(f"rebuilt {db} from {applied} messages")
     if diff is None:
         return 0
-    compared = await asyncio.to_thread(diff_within_log, db, diff, window)
+    try:
+        compared = await asyncio.to_thread(diff_within_log, db, diff, window)
+    except ReadModelUnusable as error:  # a damaged --diff file, or one of another schema revision
+        raise _fail(f"cannot compare with {diff}: {error}") from None
     for line in [*compared.window_lines(db, diff), *map(str, compared.differences)]:
         typer.echo(line)
     if compared.differences:
