@@ -18,6 +18,7 @@ import torch
 
 from hearth.inference import read_config_dict, resolve_model_path, weights_sha256
 from hearth.inference.checkpoint import looks_like_local_path, default_model_id
+from hearth.inference.errors import CheckpointError
 from hearth.inference.gguf_checkpoint import check_layer_block_types, default_read_device
 from hearth.inference.gguf_header import is_gguf_file
 from hearth.inference.hub_cache import complete_hub_snapshot, hub_cache_gguf
@@ -54,8 +55,7 @@ async def model_layout(model: str, *, model_id: str | None, compute_dtype: torch
         layout = await asyncio.to_thread(hub_layout, model)
         total = int(layout.config["num_hidden_layers"])
         per_layer = layer_weight_bytes_of(layout.tensors, compute_dtype, scheme, device=device)
-        return ModelLayout(total, [per_layer.get(index, 0) for index in range(total)], layout.weights_sha256,
-                           model_id or model)
+        return ModelLayout(total, _each_layers_bytes(model, total, per_layer), layout.weights_sha256, model_id or model)
     total = int(read_config_dict(local)["num_hidden_layers"])
     if is_gguf_file(local):  # refused while planning, not once a range is announced and loading it fails
         await asyncio.to_thread(check_layer_block_types, local)
@@ -64,7 +64,17 @@ async def model_layout(model: str, *, model_id: str | None, compute_dtype: torch
     digest = await asyncio.to_thread(weights_sha256, local)
     served_id = model_id or (default_model_id(local) if Path(model).expanduser().exists()
                              else served_model_id(model))
-    return ModelLayout(total, [per_layer.get(index, 0) for index in range(total)], digest, served_id)
+    return ModelLayout(total, _each_layers_bytes(model, total, per_layer), digest, served_id)
+
+
+def _each_layers_bytes(model: str, total: int, per_layer: dict[int, int]) -> list[int]:
+    """Each of the `total` layers' bytes; CheckpointError when `model` holds no weights of some of them (an incomplete
+    checkpoint: a layer that seemed to weigh nothing would be taken on for free, and then fail to load)."""
+    missing = [index for index in range(total) if not per_layer.get(index)]
+    if missing:
+        raise CheckpointError(f"{model} holds no weights of layer {missing[0]} ({len(missing)} of its {total} layers "
+                              "have none): an incomplete checkpoint, download or convert it again")
+    return [per_layer[index] for index in range(total)]
 
 
 def _local_checkpoint(model: str) -> Path | None:
