@@ -204,6 +204,9 @@ class Orchestrator:
                 reply = await describe_models(self.context.router, self.catalog)
         except ValidationError as error:
             reply = ErrorFrame(seq=0, code="bad_request", message=describe_validation_error(error))
+        except Exception as error:  # the read model or the catalog failed us: said, as a chat request's failure is
+            log.exception("models request failed")
+            reply = ErrorFrame(seq=0, code="internal_error", message=str(error)[:error_message_chars])
         with contextlib.suppress(Exception):  # the asker or the broker is gone: nobody to tell
             await msg.respond(reply.model_dump_json().encode())
 
