@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import functools
+import logging
 import os
 import signal
 import sys
@@ -16,6 +18,7 @@ from typing import Any, NoReturn, TypeVar
 from hearth.services.common.process_gc import freeze_startup_objects
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 # A requested stop (SIGINT/SIGTERM) is a success: the process did what it was asked.
@@ -140,6 +143,21 @@ def _loop_signal_handlers(loop: asyncio.AbstractEventLoop, handler: Callable[...
             loop.remove_signal_handler(signum)
             if previous[signum] is not None:
                 signal.signal(signum, previous[signum])
+
+
+def owned_task(tasks: set[asyncio.Task], coroutine: Coroutine[Any, Any, Any], *, name: str) -> asyncio.Task:
+    """`coroutine` as a task held in `tasks` until it ends (whoever stops cancels what is there); an exception it ends
+    with is logged here, not left to asyncio's 'Task exception was never retrieved' once the task is collected."""
+    task = asyncio.create_task(coroutine, name=name)
+    tasks.add(task)
+    task.add_done_callback(functools.partial(_forget_task, tasks))
+    return task
+
+
+def _forget_task(tasks: set[asyncio.Task], task: asyncio.Task) -> None:
+    tasks.discard(task)
+    if not task.cancelled() and (error := task.exception()) is not None:
+        log.error("%s failed: %s", task.get_name(), error, exc_info=error)
 
 
 class Stopped(Exception):

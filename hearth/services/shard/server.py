@@ -41,6 +41,7 @@ from hearth.protocol.control import (
 )
 from hearth.services.common.call_signing import CallRefused
 from hearth.services.common.event_trust import event_signing_key, open_verifier, stream_setup
+from hearth.services.common.lifecycle import owned_task
 from hearth.services.broker.connection import flush_ordered
 from hearth.services.broker.permissions import reply_allowed
 from hearth.services.shard.claim import ClaimQuestion, ShardClaim, taken, unless_taken
@@ -219,9 +220,7 @@ class ShardServer:
 
     async def _on_control(self, msg: Msg) -> None:
         # nats-py runs one subscription's callbacks one after another: answer each request in its own task.
-        task = asyncio.create_task(self._answer_control(msg), name="shard-control")
-        self._control_tasks.add(task)
-        task.add_done_callback(self._control_tasks.discard)
+        owned_task(self._control_tasks, self._answer_control(msg), name="shard-control")
 
     async def _answer_control(self, msg: Msg) -> None:
         if self._claim.kept is False:  # another process keeps this id: it answers
