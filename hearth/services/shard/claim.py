@@ -137,8 +137,11 @@ class ShardClaim:
 
     async def settle(self, timeout_s: float) -> bool:
         """Whether this process keeps its id, once it has decided (False when not decided within `timeout_s`)."""
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self.settled.wait(), timeout=timeout_s)
+        # asyncio.timeout, not wait_for: on Python 3.11 a wait_for whose wait is already over swallows a cancellation
+        # (the shard stopping), and the control request it checks went on to open a hop or wait for the compute thread.
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout_s):
+                await self.settled.wait()
         return self.kept is True
 
     def _give_way(self) -> None:
