@@ -106,3 +106,50 @@ async def test_a_chat_request_that_fails_before_its_call_is_logged_not_left_unre
 
     assert unretrieved == []
     assert "connection closed" in caplog.text
+
+
+class _BusyCompute:
+    """A compute thread busy for good: a `keep` waits on it until cancelled."""
+
+    async def keep_now(self, request, keep, opener) -> int:
+        await asyncio.Event().wait()
+
+
+class _Subscription:
+    def __init__(self) -> None:
+        self.active = True
+
+    async def unsubscribe(self) -> None:
+        self.active = False
+
+
+class _OpenHop:
+    def __init__(self) -> None:
+        self.open_settled = asyncio.Event()
+        self.open_settled.set()
+        self.opener = None
+        self.request = SimpleNamespace(session_id="s", owner_key=None)
+
+    async def close(self, keep=None) -> int:
+        return 0
+
+
+async def test_stop_leaves_no_control_request_running_though_requests_keep_coming():
+    identity = ShardIdentity(shard_id="s", model_id="m", node_id="n", weights_sha256="w", layer_lo=0, layer_hi=3,
+                             total_layers=8, dtype="float32", memory_required_mb=1.0, control_subject="hearth.ctl.n.s")
+    server = ShardServer(_Connection(), _BusyCompute(), identity, HearthSettings())
+    server._claim.decide()
+    server._hops["p"] = _OpenHop()
+    subscription = server._control_sub = _Subscription()
+
+    async def broker() -> None:  # delivers a request at every turn of the loop while the subscription lasts
+        while subscription.active:
+            await server._on_control(_KeepRequest())
+            await asyncio.sleep(0)
+
+    delivering = asyncio.create_task(broker())
+    await asyncio.sleep(0.01)
+    await asyncio.wait_for(server.stop(), timeout=5)
+    delivering.cancel()
+
+    assert [task for task in server._control_tasks if not task.done()] == []

@@ -196,13 +196,13 @@ class ShardServer:
         if self._stopped:
             return
         self._stopped = True
+        if self._control_sub is not None:  # first: a request heard after its tasks were cancelled would run on
+            with contextlib.suppress(Exception):
+                await self._control_sub.unsubscribe()
         tasks = [*self._background, *self._control_tasks]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        if self._control_sub is not None:
-            with contextlib.suppress(Exception):
-                await self._control_sub.unsubscribe()
         await self._question.close()
         for pipeline_id in list(self._hops):
             await self._close_hop(pipeline_id)
