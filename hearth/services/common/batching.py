@@ -97,6 +97,13 @@ class ReadyBatch(Generic[Item]):
             self.cancel()
 
 
+async def _arrival(arrived: asyncio.Event, timeout_s: float) -> None:
+    """Until `arrived` is set; TimeoutError after `timeout_s`. Not wait_for: on Python 3.11 one whose wait is just over
+    swallows a cancellation, and the scheduler loop being stopped went on (its close never returned)."""
+    async with asyncio.timeout(timeout_s):
+        await arrived.wait()
+
+
 class ReadyQueue(Generic[Item]):
     """Items ready to run, handed out as batches by `next_batch` (the module docstring says which and when)."""
 
@@ -141,7 +148,7 @@ class ReadyQueue(Generic[Item]):
         if not self._queue:
             self._arrived.clear()
             try:
-                await asyncio.wait_for(self._arrived.wait(), timeout=idle_wait_s)
+                await _arrival(self._arrived, idle_wait_s)
             except TimeoutError:
                 return None
         await self._gather()
@@ -169,7 +176,7 @@ class ReadyQueue(Generic[Item]):
                 return
             self._arrived.clear()
             try:
-                await asyncio.wait_for(self._arrived.wait(), timeout=until - now)
+                await _arrival(self._arrived, until - now)
             except TimeoutError:
                 return
 
