@@ -153,3 +153,19 @@ async def test_stop_leaves_no_control_request_running_though_requests_keep_comin
     delivering.cancel()
 
     assert [task for task in server._control_tasks if not task.done()] == []
+
+
+async def test_the_advertise_loop_cancelled_as_a_reconnect_asks_for_an_advert_ends():
+    identity = ShardIdentity(shard_id="s", model_id="m", node_id="n", weights_sha256="w", layer_lo=0, layer_hi=3,
+                             total_layers=8, dtype="float32", memory_required_mb=1.0, control_subject="hearth.ctl.n.s")
+    server = ShardServer(_Connection(), _BusyCompute(), identity, HearthSettings())
+    server._claim.decide()
+    loop = asyncio.create_task(server._advertise_loop())
+    await asyncio.sleep(0.01)  # waiting for the next advertisement
+    server.request_readvertise()  # a reconnect, in the very turn the shard stops
+    loop.cancel()
+    await asyncio.wait({loop}, timeout=2)
+    if not loop.done():
+        loop.cancel()  # the loop that went on: not left behind by this test
+
+    assert loop.cancelled()

@@ -145,6 +145,17 @@ def _loop_signal_handlers(loop: asyncio.AbstractEventLoop, handler: Callable[...
                 signal.signal(signum, previous[signum])
 
 
+async def event_within(event: asyncio.Event, timeout_s: float) -> bool:
+    """Whether `event` is set within `timeout_s`. Not asyncio.wait_for: on Python 3.11 one whose wait is over in the
+    very turn a cancellation lands swallows it, and the task being stopped goes on (its stop waits for ever)."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            await event.wait()
+    except TimeoutError:
+        return False
+    return True
+
+
 def owned_task(tasks: set[asyncio.Task], coroutine: Coroutine[Any, Any, Any], *, name: str) -> asyncio.Task:
     """`coroutine` as a task held in `tasks` until it ends (whoever stops cancels what is there); an exception it ends
     with is logged here, not left to asyncio's 'Task exception was never retrieved' once the task is collected."""

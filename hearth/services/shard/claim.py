@@ -44,7 +44,7 @@ from pydantic import ValidationError
 
 from hearth.protocol.control import ClaimRank, ShardStat, StatShard
 from hearth.services.common.call_signing import signed_by, signed_call_headers
-from hearth.services.common.lifecycle import CommandRefused
+from hearth.services.common.lifecycle import CommandRefused, event_within
 from hearth.trust.keys import MemberKey
 
 
@@ -137,11 +137,8 @@ class ShardClaim:
 
     async def settle(self, timeout_s: float) -> bool:
         """Whether this process keeps its id, once it has decided (False when not decided within `timeout_s`)."""
-        # asyncio.timeout, not wait_for: on Python 3.11 a wait_for whose wait is already over swallows a cancellation
-        # (the shard stopping), and the control request it checks went on to open a hop or wait for the compute thread.
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(timeout_s):
-                await self.settled.wait()
+        # event_within, not wait_for: a control request cancelled here (the shard stopping) must not go on.
+        await event_within(self.settled, timeout_s)
         return self.kept is True
 
     def _give_way(self) -> None:

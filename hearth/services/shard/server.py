@@ -41,7 +41,7 @@ from hearth.protocol.control import (
 )
 from hearth.services.common.call_signing import CallRefused
 from hearth.services.common.event_trust import event_signing_key, open_verifier, stream_setup
-from hearth.services.common.lifecycle import owned_task
+from hearth.services.common.lifecycle import event_within, owned_task
 from hearth.services.broker.connection import flush_ordered
 from hearth.services.broker.permissions import reply_allowed
 from hearth.services.shard.claim import ClaimQuestion, ShardClaim, taken, unless_taken
@@ -156,8 +156,7 @@ class ShardServer:
     async def _advertise_loop(self) -> None:
         # Re-advertise well inside the TTL so the advertisement never expires while we are alive.
         while True:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._readvertise.wait(), timeout=self.settings.advertisement_ttl_s / 3)
+            await event_within(self._readvertise, self.settings.advertisement_ttl_s / 3)  # a stop is never lost
             reconnected = self._readvertise.is_set()
             self._readvertise.clear()
             if not self._claim.kept:  # it gave way: the id is another process's
