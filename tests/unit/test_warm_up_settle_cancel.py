@@ -30,3 +30,26 @@ async def test_a_call_cancelled_as_the_warm_up_it_waits_for_ends_is_cancelled():
         task.cancel()
 
     assert went_on == []
+
+
+async def test_a_call_cancelled_as_a_shard_gets_room_is_cancelled():
+    from hearth.services.orchestrator.capacity import ShardLoad
+
+    load = ShardLoad(retry_s=1.0)
+    load.hold(["s"])
+    went_on: list[bool] = []
+
+    async def call() -> None:
+        await load.wait_for_room(5.0)
+        went_on.append(True)
+        await asyncio.Event().wait()  # planning again, opening hops...
+
+    task = asyncio.create_task(call())
+    await asyncio.sleep(0.01)  # waiting for room
+    load.release(["s"])  # another call's stream ends in the very turn this call's client leaves
+    task.cancel()
+    await asyncio.wait({task}, timeout=2)
+    if not task.done():
+        task.cancel()
+
+    assert went_on == []
