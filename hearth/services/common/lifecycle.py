@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 import threading
+import traceback
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from typing import Any, NoReturn, TypeVar
 
@@ -158,7 +159,8 @@ async def event_within(event: asyncio.Event, timeout_s: float) -> bool:
 
 def owned_task(tasks: set[asyncio.Task], coroutine: Coroutine[Any, Any, Any], *, name: str) -> asyncio.Task:
     """`coroutine` as a task held in `tasks` until it ends (whoever stops cancels what is there); an exception it ends
-    with is logged here, not left to asyncio's 'Task exception was never retrieved' once the task is collected."""
+    with is logged here (its type and traceback), not left to asyncio's 'Task exception was never retrieved' once the
+    task is collected."""
     task = asyncio.create_task(coroutine, name=name)
     tasks.add(task)
     task.add_done_callback(functools.partial(_forget_task, tasks))
@@ -168,7 +170,9 @@ def owned_task(tasks: set[asyncio.Task], coroutine: Coroutine[Any, Any, Any], *,
 def _forget_task(tasks: set[asyncio.Task], task: asyncio.Task) -> None:
     tasks.discard(task)
     if not task.cancelled() and (error := task.exception()) is not None:
-        log.error("%s failed: %s", task.get_name(), error, exc_info=error)
+        # By type and where it was raised, never its message: that may quote a request's prompt.
+        log.error("%s failed: %s raised at\n%s", task.get_name(), type(error).__name__,
+                  "".join(traceback.format_tb(error.__traceback__)).rstrip())
 
 
 class Stopped(Exception):
