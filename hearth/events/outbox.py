@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 
 from nats.js import JetStreamContext
 
@@ -56,10 +55,13 @@ class EventOutbox:
 
     async def flush(self, timeout_s: float) -> bool:
         """Wait until every event recorded so far is stored; False when `timeout_s` passed first."""
-        deadline = time.monotonic() + timeout_s
-        while self.depth and time.monotonic() < deadline:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(asyncio.shield(self._queue.join()), timeout=deadline - time.monotonic())
+        if self.depth:
+            # One join, cancelled however the wait ends: left running, it would wait for events nobody writes now.
+            joined = asyncio.ensure_future(self._queue.join())
+            try:
+                await asyncio.wait({joined}, timeout=timeout_s)
+            finally:
+                joined.cancel()
         return self.depth == 0
 
     async def stop(self, timeout_s: float) -> None:

@@ -298,7 +298,7 @@ async def resolve_model_source(model: str, needed: NeededTensors, *, nats_url: s
     """The local folder for `model`: `store:NAME` fetched from the community's store (only what `needed` asks
     for), anything else through inference's resolve_model_path (a hub id downloads only what `needed` asks for)."""
     from hearth.inference import resolve_model_path
-    from hearth.services.broker.connection import connect_nats
+    from hearth.services.broker.connection import close_quietly, connect_nats
 
     name = store_model_name(model)
     if name is None:
@@ -307,4 +307,4 @@ async def resolve_model_source(model: str, needed: NeededTensors, *, nats_url: s
     try:
         return await fetch_stored_model(nc.jetstream(), name, needed)
     finally:
-        await nc.close()
+        await close_quietly(nc, settings.nats.close_timeout_s)

@@ -40,6 +40,8 @@ from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+from hearth.services.common.lifecycle import event_within
+
 Item = TypeVar("Item")
 # A stream due later than a wait's end by more than this share of its interval is not waited for (jitter below it).
 pace_slack_intervals = 0.25
@@ -140,9 +142,7 @@ class ReadyQueue(Generic[Item]):
         """The next batch to run, once gathered (window, pacing, merging); None when no item came in `idle_wait_s`."""
         if not self._queue:
             self._arrived.clear()
-            try:
-                await asyncio.wait_for(self._arrived.wait(), timeout=idle_wait_s)
-            except TimeoutError:
+            if not await event_within(self._arrived, idle_wait_s):  # a stopped loop's cancellation is never lost
                 return None
         await self._gather()
         batch = self._take_batch()
@@ -168,9 +168,7 @@ class ReadyQueue(Generic[Item]):
             if now >= until or len(self._queue) >= self._may_come(until):
                 return
             self._arrived.clear()
-            try:
-                await asyncio.wait_for(self._arrived.wait(), timeout=until - now)
-            except TimeoutError:
+            if not await event_within(self._arrived, until - now):
                 return
 
     def _queued_streams(self) -> set:

@@ -6,16 +6,20 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import functools
+import logging
 import os
 import signal
 import sys
 import threading
+import traceback
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from typing import Any, NoReturn, TypeVar
 
 from hearth.services.common.process_gc import freeze_startup_objects
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 # A requested stop (SIGINT/SIGTERM) is a success: the process did what it was asked.
@@ -140,6 +144,35 @@ def _loop_signal_handlers(loop: asyncio.AbstractEventLoop, handler: Callable[...
             loop.remove_signal_handler(signum)
             if previous[signum] is not None:
                 signal.signal(signum, previous[signum])
+
+
+async def event_within(event: asyncio.Event, timeout_s: float) -> bool:
+    """Whether `event` is set within `timeout_s`. Not asyncio.wait_for: on Python 3.11 one whose wait is over in the
+    very turn a cancellation lands swallows it, and the task being stopped goes on (its stop waits for ever)."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            await event.wait()
+    except TimeoutError:
+        return False
+    return True
+
+
+def owned_task(tasks: set[asyncio.Task], coroutine: Coroutine[Any, Any, Any], *, name: str) -> asyncio.Task:
+    """`coroutine` as a task held in `tasks` until it ends (whoever stops cancels what is there); an exception it ends
+    with is logged here (its type and traceback), not left to asyncio's 'Task exception was never retrieved' once the
+    task is collected."""
+    task = asyncio.create_task(coroutine, name=name)
+    tasks.add(task)
+    task.add_done_callback(functools.partial(_forget_task, tasks))
+    return task
+
+
+def _forget_task(tasks: set[asyncio.Task], task: asyncio.Task) -> None:
+    tasks.discard(task)
+    if not task.cancelled() and (error := task.exception()) is not None:
+        # By type and where it was raised, never its message: that may quote a request's prompt.
+        log.error("%s failed: %s raised at\n%s", task.get_name(), type(error).__name__,
+                  "".join(traceback.format_tb(error.__traceback__)).rstrip())
 
 
 class Stopped(Exception):

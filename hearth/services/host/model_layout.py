@@ -87,10 +87,10 @@ def _local_checkpoint(model: str) -> Path | None:
 
 
 async def _store_manifest(name: str, nats_url: str | None, settings: HearthSettings):
-    from hearth.services.broker.connection import connect_nats
+    from hearth.services.broker.connection import close_quietly, connect_nats
 
     nc = await connect_nats(nats_url, name=f"hearth host {name}", settings=settings.nats)
     try:
         return await read_manifest(nc.jetstream(), name)
     finally:
-        await nc.close()
+        await close_quietly(nc, settings.nats.close_timeout_s)

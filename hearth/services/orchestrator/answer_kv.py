@@ -29,6 +29,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from hearth.inference.compute_thread import on_compute_thread
+from hearth.services.common.lifecycle import event_within
 from hearth.services.orchestrator.affinity import hop_ranges
 from hearth.services.orchestrator.call import new_pipeline_id
 from hearth.services.orchestrator.chain import HopChain
@@ -96,10 +97,8 @@ class AnswerWarmUps:
         for expected in pending:
             left = min(expected.deadline, until) - time.monotonic()
             if left > 0 and not expected.over.is_set():
-                try:
-                    await asyncio.wait_for(expected.over.wait(), left)
-                except (asyncio.TimeoutError, TimeoutError):
-                    pass  # routed as things are: at worst the answer is prefilled again by this call
+                # Not over in time: routed as things are (at worst the answer is prefilled again by this call).
+                await event_within(expected.over, left)
 
     def start(self, ctx, builder, hops: list[Hop]) -> None:
         """Warm the answer of `builder`'s call (which ended well, its chain over `hops` closed) up in the

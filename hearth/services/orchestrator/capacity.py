@@ -12,11 +12,11 @@ only teaches us to route around it or to wait. `wait_for_room` wakes on any of o
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Callable, Iterable
 
 from hearth.readmodels.queries import ShardCandidate
+from hearth.services.common.lifecycle import event_within
 
 # Weight of a new round-trip measurement in the running average (one slow answer moves it a quarter).
 round_trip_smoothing = 0.25
@@ -83,5 +83,4 @@ class ShardLoad:
 
     async def wait_for_room(self, timeout_s: float) -> None:
         """Until one of our streams ends (a shard may have room again), at most `timeout_s`."""
-        with contextlib.suppress(asyncio.TimeoutError, TimeoutError):
-            await asyncio.wait_for(self._released.wait(), timeout=timeout_s)
+        await event_within(self._released, timeout_s)  # a call cancelled meanwhile (its client left) ends here

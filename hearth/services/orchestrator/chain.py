@@ -40,20 +40,8 @@ from hearth.services.orchestrator.recording import ChainRecorder
 from hearth.services.orchestrator.router import Hop
 from hearth.services.orchestrator.stall import StallWatch
 from hearth.services.transport import (
-    AckObserver,
-    AckWindowSender,
-    ActivationReceiver,
-    FrameHeader,
-    FrameKind,
-    ReceivedStep,
-    StepInfo,
-    StepLimits,
-    StepRefusal,
-    TransportError,
-    TransportTimeout,
-    WaitInterrupted,
-    receiver_settings,
-    wire_dtype_from_setting,
+    AckObserver, AckWindowSender, ActivationReceiver, FrameHeader, FrameKind, ReceivedStep, StepInfo, StepLimits,
+    StepRefusal, TransportError, TransportTimeout, WaitInterrupted, receiver_settings, wire_dtype_from_setting,
 )
 from hearth.services.transport.integrity import NormBounds, count_integrity_failure
 from hearth.services.transport.keepalives import KeepaliveSender
@@ -170,6 +158,13 @@ class HopChain:
     async def open(self) -> StepFailure | None:
         """Subscribe the sink first (so no output is lost), then open every hop; the first hop that refused or
         did not answer (`broker`: our connection failed under the subscriptions), or None when all are open."""
+        try:
+            return await self._open()
+        except BaseException:  # cancelled (the client left, a deadline, a shutdown): the caller never got it to close
+            await asyncio.shield(self.close())
+            raise
+
+    async def _open(self) -> StepFailure | None:
         epoch = self.nc.stats["reconnects"]
         try:
             await self._sink.start()

@@ -74,17 +74,18 @@ class ChoiceGroup:
         runs = [PipelineRun(call, self.ctx) for call in calls]
         runs[0].on_first_token = self._share_prefill
         first = asyncio.create_task(self._serve(runs[0]), name=f"choice-0-{calls[0].pipeline_id}")
+        # Ends with the group: a first choice that fails before its first token never sets `_prefilled`.
+        prefilled = asyncio.create_task(self._prefilled.wait(), name=f"choice-prefill-{calls[0].pipeline_id}")
         others: list[asyncio.Task] = []
         try:
-            await asyncio.wait([first, asyncio.create_task(self._prefilled.wait())],
-                               return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait([first, prefilled], return_when=asyncio.FIRST_COMPLETED)
             others = [asyncio.create_task(self._serve(run), name=f"choice-{index}-{run.call.pipeline_id}")
                       for index, run in enumerate(runs[1:], start=1)]
             await asyncio.gather(first, *others)
         finally:
-            for task in (first, *others):
+            for task in (first, prefilled, *others):
                 task.cancel()
-            await asyncio.gather(first, *others, return_exceptions=True)
+            await asyncio.gather(first, prefilled, *others, return_exceptions=True)
         await self.client.send(self._last_frame(calls))
 
     async def _serve(self, run: PipelineRun) -> None:

@@ -102,7 +102,11 @@ class Mirror:
         when they did not come."""
         first_pos = self.fed_pos
         history = recorder.span(index, first_pos, span.last_step)
-        output = await self.check(history) if history is not None else None
+        try:
+            output = await self.check(history) if history is not None else None
+        except BaseException:  # cancelled (the call's checks ended): nobody else holds this fresh witness
+            await asyncio.shield(self.close())
+            raise
         if output is None or isinstance(output, StepFailure):
             await self.close()
             return None
@@ -168,9 +172,14 @@ async def open_mirror(ctx, call, chain: HopChain, index: int, avoid: set[str],
                         chunk_tokens=settings.orchestrator.prefill_chunk_tokens,
                         dtype=looser_dtype(dtype, replica.dtype), placement=ChainPlacement.of_hop(chain.hops, index),
                         sign_open=chain.sign_open)
-        failure = await mirror.open()
-        if failure is None:
-            failure = await _feed_kept_prefix(ctx, call, chain, index, mirror)
+        try:
+            failure = await mirror.open()
+            if failure is None:
+                failure = await _feed_kept_prefix(ctx, call, chain, index, mirror)
+        except BaseException:
+            # Cancelled (the call's checks ended) or failed while opening: nobody else holds it to close it.
+            await asyncio.shield(mirror.close())
+            raise
         if failure is None:
             mirror.generation = chain.recorder.generation
             return mirror

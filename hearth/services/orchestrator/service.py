@@ -47,6 +47,7 @@ from hearth.services.common.event_trust import (
     stream_setup,
 )
 from hearth.services.common.metrics import counter
+from hearth.services.common.lifecycle import owned_task
 from hearth.services.broker.connection import flush_ordered
 from hearth.services.broker.permissions import reply_allowed
 from hearth.services.orchestrator.admission import admit_prompt, prompt_room
@@ -189,9 +190,7 @@ class Orchestrator:
             self._tmp_dir.cleanup()
 
     async def _on_models_request(self, msg: Msg) -> None:
-        task = asyncio.create_task(self._answer_models(msg), name="models-request")
-        self._requests.add(task)
-        task.add_done_callback(self._requests.discard)
+        owned_task(self._requests, self._answer_models(msg), name="models-request")
 
     async def _answer_models(self, msg: Msg) -> None:
         if not msg.reply or self._reply_refused(msg):
@@ -204,6 +203,9 @@ class Orchestrator:
                 reply = await describe_models(self.context.router, self.catalog)
         except ValidationError as error:
             reply = ErrorFrame(seq=0, code="bad_request", message=describe_validation_error(error))
+        except Exception as error:  # the read model or the catalog failed us: said, as a chat request's failure is
+            log.exception("models request failed")
+            reply = ErrorFrame(seq=0, code="internal_error", message=str(error)[:error_message_chars])
         with contextlib.suppress(Exception):  # the asker or the broker is gone: nobody to tell
             await msg.respond(reply.model_dump_json().encode())
 
@@ -230,9 +232,7 @@ class Orchestrator:
         return True
 
     async def _on_request(self, msg: Msg) -> None:
-        task = asyncio.create_task(self._serve(msg), name="chat-request")
-        self._requests.add(task)
-        task.add_done_callback(self._requests.discard)
+        owned_task(self._requests, self._serve(msg), name="chat-request")
 
     async def _serve(self, msg: Msg) -> None:
         if not msg.reply:

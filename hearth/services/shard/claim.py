@@ -44,7 +44,7 @@ from pydantic import ValidationError
 
 from hearth.protocol.control import ClaimRank, ShardStat, StatShard
 from hearth.services.common.call_signing import signed_by, signed_call_headers
-from hearth.services.common.lifecycle import CommandRefused
+from hearth.services.common.lifecycle import CommandRefused, event_within
 from hearth.trust.keys import MemberKey
 
 
@@ -137,8 +137,8 @@ class ShardClaim:
 
     async def settle(self, timeout_s: float) -> bool:
         """Whether this process keeps its id, once it has decided (False when not decided within `timeout_s`)."""
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self.settled.wait(), timeout=timeout_s)
+        # event_within, not wait_for: a control request cancelled here (the shard stopping) must not go on.
+        await event_within(self.settled, timeout_s)
         return self.kept is True
 
     def _give_way(self) -> None:

@@ -41,6 +41,7 @@ from hearth.protocol.control import (
 )
 from hearth.services.common.call_signing import CallRefused
 from hearth.services.common.event_trust import event_signing_key, open_verifier, stream_setup
+from hearth.services.common.lifecycle import event_within, owned_task
 from hearth.services.broker.connection import flush_ordered
 from hearth.services.broker.permissions import reply_allowed
 from hearth.services.shard.claim import ClaimQuestion, ShardClaim, taken, unless_taken
@@ -155,8 +156,7 @@ class ShardServer:
     async def _advertise_loop(self) -> None:
         # Re-advertise well inside the TTL so the advertisement never expires while we are alive.
         while True:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._readvertise.wait(), timeout=self.settings.advertisement_ttl_s / 3)
+            await event_within(self._readvertise, self.settings.advertisement_ttl_s / 3)  # a stop is never lost
             reconnected = self._readvertise.is_set()
             self._readvertise.clear()
             if not self._claim.kept:  # it gave way: the id is another process's
@@ -195,13 +195,13 @@ class ShardServer:
         if self._stopped:
             return
         self._stopped = True
+        if self._control_sub is not None:  # first: a request heard after its tasks were cancelled would run on
+            with contextlib.suppress(Exception):
+                await self._control_sub.unsubscribe()
         tasks = [*self._background, *self._control_tasks]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        if self._control_sub is not None:
-            with contextlib.suppress(Exception):
-                await self._control_sub.unsubscribe()
         await self._question.close()
         for pipeline_id in list(self._hops):
             await self._close_hop(pipeline_id)
@@ -219,9 +219,7 @@ class ShardServer:
 
     async def _on_control(self, msg: Msg) -> None:
         # nats-py runs one subscription's callbacks one after another: answer each request in its own task.
-        task = asyncio.create_task(self._answer_control(msg), name="shard-control")
-        self._control_tasks.add(task)
-        task.add_done_callback(self._control_tasks.discard)
+        owned_task(self._control_tasks, self._answer_control(msg), name="shard-control")
 
     async def _answer_control(self, msg: Msg) -> None:
         if self._claim.kept is False:  # another process keeps this id: it answers
