@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -242,3 +243,15 @@ def tiny_gguf(tmp_path_factory):
         return written[key]
 
     return make
+
+
+def hub_repository_of_a_tiny_gguf(tmp_path: Path, file: str) -> Path:
+    """A repository folder (for the fake hub to serve) holding one tiny Q8_0 GGUF named `file` and a README; the
+    GGUF's path there."""
+    (tmp_path / "written").mkdir()
+    path, _ = write_tiny_gguf(tmp_path / "written", "llama", GGMLQuantizationType.Q8_0)
+    repository = tmp_path / "repository"
+    repository.mkdir()
+    shutil.copyfile(path, repository / file)
+    (repository / "README.md").write_text("a tiny GGUF\n")
+    return repository / file

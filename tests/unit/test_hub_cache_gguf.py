@@ -12,7 +12,6 @@ import shutil
 
 import pytest
 import torch
-from gguf import GGMLQuantizationType
 from huggingface_hub import hf_hub_download
 
 from hearth.inference import CheckpointError, read_config_dict, resolve_model_path, weights_sha256
@@ -20,7 +19,7 @@ from hearth.inference.quantization import parse_quantization
 from hearth.services.common.config import HearthSettings
 from hearth.services.host.model_layout import model_layout
 
-from .gguf_files import write_tiny_gguf
+from .gguf_files import hub_repository_of_a_tiny_gguf
 from .hub_server import fake_hub  # noqa: F401  (fixture)
 from .inference_tiny_models import TINY_NUM_LAYERS
 
@@ -34,14 +33,9 @@ def served(fake_hub, tmp_path, monkeypatch):  # noqa: F811
     folder; (hub, the original file)."""
     monkeypatch.setenv("HEARTH_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "hub-cache"))
-    (tmp_path / "written").mkdir()
-    path, _ = write_tiny_gguf(tmp_path / "written", "llama", GGMLQuantizationType.Q8_0)
-    repository = tmp_path / "repository"
-    repository.mkdir()
-    shutil.copyfile(path, repository / FILE)
-    (repository / "README.md").write_text("a tiny GGUF\n")
-    fake_hub.repos[REPO] = repository
-    return fake_hub, repository / FILE
+    gguf_file = hub_repository_of_a_tiny_gguf(tmp_path, FILE)
+    fake_hub.repos[REPO] = gguf_file.parent
+    return fake_hub, gguf_file
 
 
 def test_a_plain_id_of_a_one_gguf_repository_asked_for_whole_is_its_gguf(served):

@@ -27,7 +27,7 @@ from hearth.services.host.model_layout import model_layout
 from hearth.services.orchestrator.catalog import ModelCatalog
 from tests.runner_limits import RUNNER_KV_LIMITS
 
-from .gguf_files import LLAMA3_ROPE_OVERRIDES, write_tiny_gguf
+from .gguf_files import LLAMA3_ROPE_OVERRIDES, hub_repository_of_a_tiny_gguf, write_tiny_gguf
 from .hub_server import FAKE_COMMIT, error_beside_a_stalled_twin, fake_hub  # noqa: F401  (fixture)
 from .inference_tiny_models import TINY_NUM_LAYERS, one_torch_thread  # noqa: F401  (fixture)
 
@@ -40,14 +40,9 @@ OTHER_FILE = "tiny-Q4_0.gguf"
 def served(fake_hub, tmp_path, monkeypatch):  # noqa: F811
     """The fake hub serving a repository holding one tiny Q8_0 GGUF (and a README); (hub, the original file)."""
     monkeypatch.setenv("HEARTH_CACHE_DIR", str(tmp_path / "cache"))
-    (tmp_path / "written").mkdir()
-    path, _ = write_tiny_gguf(tmp_path / "written", "llama", GGMLQuantizationType.Q8_0)
-    repository = tmp_path / "repository"
-    repository.mkdir()
-    shutil.copyfile(path, repository / FILE)
-    (repository / "README.md").write_text("a tiny GGUF\n")
-    fake_hub.repos[REPO] = repository
-    return fake_hub, repository / FILE
+    gguf_file = hub_repository_of_a_tiny_gguf(tmp_path, FILE)
+    fake_hub.repos[REPO] = gguf_file.parent
+    return fake_hub, gguf_file
 
 
 @pytest.fixture
