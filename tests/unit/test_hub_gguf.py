@@ -224,13 +224,19 @@ def test_a_header_past_the_bound_is_refused_in_one_line(served, monkeypatch):
     assert "\n" not in str(refused.value) and hub.bytes_sent <= 2048
 
 
-def test_an_interrupted_span_is_resumed_where_it_ended(served):
-    hub, original = served
-    resolve_model_path(REPO, needed_layers=(0, 0))  # the header is kept; what follows reads only spans
-    wanted = [tensor for tensor in split_gguf(original).tensors if tensor.layer == 1]
-    [(first, last)] = coalesced_spans(wanted)
+def _layer_one_span(original):
+    """Once the header is kept (what follows reads only spans): the spans folder and layer 1's one span (first and
+    last byte)."""
+    resolve_model_path(REPO, needed_layers=(0, 0))
+    [(first, last)] = coalesced_spans([tensor for tensor in split_gguf(original).tensors if tensor.layer == 1])
     spans = _parts_folder(FILE) / SPANS_FOLDER
     spans.mkdir(parents=True, exist_ok=True)
+    return spans, first, last
+
+
+def test_an_interrupted_span_is_resumed_where_it_ended(served):
+    hub, original = served
+    spans, first, last = _layer_one_span(original)
     already = (last - first + 1) // 2
     (spans / f"{first}-{last}.part").write_bytes(original.read_bytes()[first:first + already])
     before = hub.bytes_sent
@@ -315,11 +321,7 @@ def test_a_finished_span_left_short_by_a_crash_is_fetched_again(served):
     # A span renamed into place whole and cut short since (a crash before its bytes reached the disk leaves it
     # empty): taken as done, every later start refused the part as not forming a GGUF.
     hub, original = served
-    resolve_model_path(REPO, needed_layers=(0, 0))  # the header is kept; what follows reads only spans
-    wanted = [tensor for tensor in split_gguf(original).tensors if tensor.layer == 1]
-    [(first, last)] = coalesced_spans(wanted)
-    spans = _parts_folder(FILE) / SPANS_FOLDER
-    spans.mkdir(parents=True, exist_ok=True)
+    spans, first, last = _layer_one_span(original)
     (spans / f"{first}-{last}.bin").write_bytes(b"")
 
     path = resolve_model_path(REPO, needed_layers=(1, 1))
