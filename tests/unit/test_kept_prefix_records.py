@@ -27,7 +27,16 @@ from hearth.services.common.config import HearthSettings
 from hearth.services.common.config_processes import PrefixCacheSettings
 from hearth.services.orchestrator.construct import ChainBuilder
 from hearth.services.orchestrator.answer_kv import AnswerWarmUps
-from hearth.services.orchestrator.prefix import KeptChains, block_names, first_name, kept_marks, published_mark
+from hearth.protocol.control import PrefixBlocks
+from hearth.services.orchestrator.prefix import (
+    KeptChains,
+    behind_hops,
+    block_names,
+    caller_scope,
+    first_name,
+    kept_marks,
+    published_mark,
+)
 from hearth.services.orchestrator.router import Hop, ShardRouter
 from hearth.trust.keys import MemberKey
 from tests.readmodel_helpers import (
@@ -278,7 +287,9 @@ def test_a_member_reading_the_log_cannot_test_a_guess_of_another_member_s_conver
     keeper = MemberKey.generate()
     settings = HearthSettings(prefix_cache=PrefixCacheSettings(enabled=True, block_tokens=4))
     recorded = {mark.name for mark in completed_call_on("far", settings, keeper).marks}
-    first = first_name(MODEL_ID, WEIGHTS_SHA, "none", settings.research.distributed_inference.activation_dtype, 4)
+    # The names themselves are keyed by the keeper (test below): grant the guesser even those.
+    first = first_name(MODEL_ID, WEIGHTS_SHA, "none", settings.research.distributed_inference.activation_dtype, 4,
+                       keeper=keeper)
     guessed = block_names([*PROMPT[:30], 999, 998, 997], 4, first, "unsigned")
 
     def from_public_things(name: str) -> str:
@@ -290,3 +301,31 @@ def test_a_member_reading_the_log_cannot_test_a_guess_of_another_member_s_conver
     assert not recorded & {published_mark(name, MemberKey.generate()) for name in guessed}
     # Another orchestrator of the same member (the same key) draws the same marks.
     assert recorded <= {published_mark(name, MemberKey.from_seed(keeper.seed)) for name in guessed}
+
+
+def test_a_later_hop_s_host_cannot_test_a_guess_of_a_conversation_against_the_names_it_keeps():
+    # A later hop sees a call's block names but not its tokens (the first hop sees the embeddings anyway). Were the
+    # names drawn over public things only (model, weights, scheme, the caller's roster name, the hops before it), its
+    # host could confirm a guessed conversation by computing them. They chain onto a first name keyed by a secret of
+    # the calling orchestrators' member: another orchestrator of that member draws the same, nobody else can.
+    settings = HearthSettings(prefix_cache=PrefixCacheSettings(enabled=True, block_tokens=4))
+    keeper = MemberKey.generate()
+    hops = [Hop(shard_id=f"m:{lo}-{lo + 3}@{node}", control_subject="c", node_id=node, layer_lo_to_run=lo,
+                layer_hi_to_run=lo + 3) for lo, node in ((0, "a"), (4, "b"))]
+    ran = [*PROMPT[:30], 999, 998, 997]
+
+    def second_hop_names(key: MemberKey | None) -> list[str]:
+        context = SimpleNamespace(settings=settings, kept_chains=KeptChains(), warm_ups=AnswerWarmUps(),
+                                  outbox=SimpleNamespace(signing_key=key))
+        naming = ChainBuilder(call_of(PROMPT[:30], ran[30:]), context).naming("none")
+        return behind_hops(naming.kept(ran), hops, 1).hashes
+
+    seen = second_hop_names(keeper)
+    wire_dtype = settings.research.distributed_inference.activation_dtype
+    public_first = first_name(MODEL_ID, WEIGHTS_SHA, "none", wire_dtype, 4)
+    guessed = PrefixBlocks(block_tokens=4, hashes=block_names(ran, 4, public_first, caller_scope(None)))
+    assert len(seen) == 8 and not set(seen) & set(behind_hops(guessed, hops, 1).hashes)
+    assert not set(seen) & set(second_hop_names(MemberKey.generate()))
+    assert second_hop_names(MemberKey.from_seed(keeper.seed)) == seen
+    # On an open mesh (no members) the names are the public ones.
+    assert second_hop_names(None) == behind_hops(guessed, hops, 1).hashes

@@ -156,7 +156,8 @@ class ChainBuilder:
         switch = call.model.head.rope_switch_tokens
         factors = "" if switch is None else ("long" if len(call.prompt_ids) > switch else "short")
         return CallPrefix(settings.prefix_cache, first_name(call.model.model_id, call.model.weights_sha256,
-                                                            quantization, wire_dtype, bs, factors),
+                                                            quantization, wire_dtype, bs, factors,
+                                                            self._mark_keeper()),
                           caller_scope(call.caller), self.public_blocks,
                           reuse_allowed=call.request.params.verify not in ("all", "vote"))
 

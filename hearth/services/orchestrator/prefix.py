@@ -9,6 +9,8 @@ is the caller (a roster member; every unsigned caller together) unless the block
 listed in `[prefix_cache] public_system_prompts` rendered alone: no member's call can find another member's blocks,
 so nothing about another member's conversation leaks through time to first token. A hop after the first keeps and
 finds the names bound to the hops before it (`behind_hops`), so kept KV is attached only behind the hosts that fed it.
+On a community mesh the names are keyed by a secret of the calling orchestrators' member (`first_name`): the hosts
+of a call's later hops see its names but not its tokens, and must not be able to test a guess at them.
 
 A block's name opens its KV on the shards that keep it, so it travels only to the hops of the calls that computed or
 reuse it, never into the event log: a completed call records each kept block by its mark (`published_mark`, a digest
@@ -49,12 +51,17 @@ remembered_names = 65536
 
 
 def first_name(model_id: str, weights_sha256: str, quantization: str, wire_dtype: str, block_tokens: int,
-               rotary_factors: str = "") -> bytes:
+               rotary_factors: str = "", keeper: MemberKey | None = None) -> bytes:
     """What the first block's name is chained onto: everything besides the tokens that shapes their KV (with
-    `rotary_factors`, which of its factor sets a model whose RoPE picks them by the prompt's length rotates it on)."""
+    `rotary_factors`, which of its factor sets a model whose RoPE picks them by the prompt's length rotates it on),
+    keyed by a secret of `keeper`, the member whose orchestrators name the call's blocks (None on an open mesh).
+    Every name chains onto this one, and all else a name is drawn over is known to every member: unkeyed, a later
+    hop's host, which sees the names but not the tokens, could confirm a guess at a conversation by computing them.
+    Only hops opened by that member find the blocks anyway (`prefix_keys`), so the key costs no sharing."""
     identity = "\0".join(["hearth-prefix-1", model_id, weights_sha256, quantization, wire_dtype, str(block_tokens),
                           *([rotary_factors] if rotary_factors else [])])
-    return hashlib.blake2b(identity.encode(), digest_size=16).digest()
+    key = b"" if keeper is None else _member_secret(keeper.seed, b"hearth-kept-name")
+    return hashlib.blake2b(identity.encode(), digest_size=16, key=key).digest()
 
 
 def block_names(ids: Sequence[int], block_tokens: int, first: bytes, scope: str, public_blocks: int = 0) -> list[str]:
@@ -142,13 +149,15 @@ def published_mark(name: str, keeper: MemberKey | None) -> str:
     would let any of them confirm a guessed conversation of another's against the log."""
     if keeper is None:
         return hashlib.blake2b(b"hearth-kept-mark\0" + bytes.fromhex(name), digest_size=16).hexdigest()
-    return hashlib.blake2b(bytes.fromhex(name), digest_size=16, key=_mark_secret(keeper.seed)).hexdigest()
+    return hashlib.blake2b(bytes.fromhex(name), digest_size=16,
+                           key=_member_secret(keeper.seed, b"hearth-kept-mark")).hexdigest()
 
 
-@functools.lru_cache(maxsize=4)
-def _mark_secret(seed: bytes) -> bytes:
-    """The key a member's marks are drawn with (once per seed: a call's lookup draws up to `max_prefix_blocks`)."""
-    return hashlib.blake2b(seed, digest_size=32, person=b"hearth-kept-mark").digest()
+@functools.lru_cache(maxsize=8)
+def _member_secret(seed: bytes, purpose: bytes) -> bytes:
+    """A key drawn from a member's seed for one `purpose` (once per seed: a call's lookup draws up to
+    `max_prefix_blocks` marks)."""
+    return hashlib.blake2b(seed, digest_size=32, person=purpose).digest()
 
 
 def kept_marks(names: Sequence[str], prompt_blocks: int, keeper: MemberKey | None) -> list[tuple[int, str]]:
