@@ -1,4 +1,5 @@
-"""weights_sha256: one digest over a checkpoint's weight files (or its GGUF file), cached by (path, size, mtime)."""
+"""weights_sha256: one digest over a checkpoint's weight files (or its GGUF file), cached by each file's version
+(file_version: its inode, size, mtime and ctime)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,14 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from .errors import CheckpointError
+from .file_version import file_version
 from .gguf_header import is_gguf_file
 
 WEIGHTS_CACHE_DIR_ENV = "HEARTH_CACHE_DIR"
 DEFAULT_WEIGHTS_CACHE_DIR = Path("~/.cache/hearth")
 # v2: the digest combines each file's own SHA-256, so a partial copy can state it from its source's listing.
-WEIGHTS_CACHE_FILE_NAME = "weights_sha256.v2.json"
+# v3: each file keyed by file_version, not its size and mtime alone (a v2 file's entries would never match).
+WEIGHTS_CACHE_FILE_NAME = "weights_sha256.v3.json"
 WEIGHTS_CACHE_MAX_ENTRIES = 64
 HASH_CHUNK_BYTES = 8 << 20
 # Hashing a file this large shows a progress bar: a weight file, tens of seconds to minutes for a large model's.
@@ -43,8 +46,8 @@ def weights_sha256(checkpoint_path: str | Path, *, cache_dir: str | Path | None 
     the same file under different names agree. A folder holding only part of a checkpoint (a layer range
     fetched from the hub or the community's store) states the whole checkpoint's digest in its
     PARTIAL_CHECKPOINT_MARKER, as does the folder of a GGUF written from part of one (hearth/inference/gguf_parts.py).
-    The result is cached under the folder's path together with each file's size and mtime; a later call with
-    unchanged files reads no weight bytes at all.
+    The result is cached under the folder's path together with each file's version (file_version: its device and
+    inode, size, mtime and ctime); a later call with unchanged files reads no weight bytes at all.
     """
     folder = Path(checkpoint_path).expanduser().resolve()
     gguf = is_gguf_file(folder)
@@ -55,7 +58,7 @@ def weights_sha256(checkpoint_path: str | Path, *, cache_dir: str | Path | None 
     if not files:
         raise CheckpointError(f"{folder} has no {WEIGHT_FILE_GLOB} weight files")
     # stat() follows hub-cache symlinks to their blobs, so a re-downloaded blob invalidates the entry.
-    fingerprint = [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+    fingerprint = [[f.name, *file_version(f.stat())] for f in files]
     cache_file = weights_cache_file(cache_dir)
     cache = _read_cache(cache_file)
     entry = cache.get(str(folder))

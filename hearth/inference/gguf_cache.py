@@ -3,11 +3,12 @@ description of it), one folder per file version, so a process starting on an unc
 files instead of parsing the GGUF's metadata again (seconds for a real vocabulary: BENCHMARKS.md, "GGUF start-up").
 
 An entry lives in $HEARTH_CACHE_DIR (default ~/.cache/hearth)/gguf/<entry name>, the name a digest of the file's
-resolved path, size and mtime_ns: a changed file has a new entry, the old one is pruned with the least recently
-written beyond GGUF_CACHE_MAX_ENTRIES. Every artifact is written to a temporary name and renamed into place, so
-processes starting together (a demo's shards and head) never read a torn one, and a cache folder that cannot be
-written only costs the next process the same parse. hearth/services/devtools/demo_model.py writes its description into
-the same entry without importing this module (it stays free of torch): keep ``gguf_cache_entry_name`` in step with it.
+resolved path and version (file_version: its device and inode, size, mtime and ctime): a changed file has a new
+entry, the old one is pruned with the least recently written beyond GGUF_CACHE_MAX_ENTRIES. Every artifact is written
+to a temporary name and renamed into place, so processes starting together (a demo's shards and head) never read a
+torn one, and a cache folder that cannot be written only costs the next process the same parse.
+hearth/services/devtools/demo_model.py writes its description into the same entry without importing this module (it
+stays free of torch): keep ``gguf_cache_entry_name`` in step with it.
 """
 
 from __future__ import annotations
@@ -24,11 +25,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .checksum import DEFAULT_WEIGHTS_CACHE_DIR, WEIGHTS_CACHE_DIR_ENV
+from .file_version import FileVersion, file_version
 
 GGUF_CACHE_DIR_NAME = "gguf"
 # Part of every entry's name: bumped whenever what an entry holds changes shape or what parsing refuses, so no
-# process misreads an old one or serves a file it now refuses.
-GGUF_CACHE_FORMAT = 5
+# process misreads an old one or serves a file it now refuses (6: named by file_version, not size and mtime alone).
+GGUF_CACHE_FORMAT = 6
 # File versions kept; each holds a tokenizer (a few MB for a real vocabulary).
 GGUF_CACHE_MAX_ENTRIES = 16
 ENTRY_NAME_HEX_CHARS = 32
@@ -42,9 +44,9 @@ def gguf_cache_root() -> Path:
     return Path(os.environ.get(WEIGHTS_CACHE_DIR_ENV) or DEFAULT_WEIGHTS_CACHE_DIR).expanduser() / GGUF_CACHE_DIR_NAME
 
 
-def gguf_cache_entry_name(path: Path, size: int, mtime_ns: int) -> str:
+def gguf_cache_entry_name(path: Path, version: FileVersion) -> str:
     """The entry folder name of one version of the GGUF at resolved `path`."""
-    text = f"{GGUF_CACHE_FORMAT}\0{path}\0{size}\0{mtime_ns}"
+    text = "\0".join(map(str, (GGUF_CACHE_FORMAT, path, *version)))
     return hashlib.sha256(text.encode()).hexdigest()[:ENTRY_NAME_HEX_CHARS]
 
 
@@ -133,10 +135,9 @@ class GGUFCacheEntry:
 
 
 def gguf_cache_entry(path: str | Path) -> GGUFCacheEntry:
-    """The cache entry of the GGUF file at `path` as it is now (its resolved path, size and mtime)."""
+    """The cache entry of the GGUF file at `path` as it is now (its resolved path and file_version)."""
     path = Path(path).resolve()
-    stat = path.stat()
-    return GGUFCacheEntry(gguf_cache_root() / gguf_cache_entry_name(path, stat.st_size, stat.st_mtime_ns))
+    return GGUFCacheEntry(gguf_cache_root() / gguf_cache_entry_name(path, file_version(path.stat())))
 
 
 def _prune(root: Path, *, keep: Path) -> None:

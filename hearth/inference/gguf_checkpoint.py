@@ -30,6 +30,7 @@ from torch import nn
 
 from .architectures import adapter_for
 from .errors import CheckpointError, first_line
+from .file_version import FileVersion, file_version
 from .gguf_cache import gguf_cache_entry
 from .gguf_config import completed_config_of_file
 from .gguf_header import (
@@ -108,12 +109,11 @@ def gguf_config_dict(path: Path) -> dict:
     transformers' ``AutoConfig.from_pretrained(..., gguf_file=...)``); parsed once per file version, then read from
     the disk cache."""
     path = Path(path).resolve()
-    stat = path.stat()
-    return dict(_cached_config(str(path), stat.st_size, stat.st_mtime_ns))
+    return dict(_cached_config(str(path), file_version(path.stat())))
 
 
 @functools.lru_cache(maxsize=METADATA_CACHE_ENTRIES)
-def _cached_config(path_text: str, size: int, mtime_ns: int) -> dict:
+def _cached_config(path_text: str, version: FileVersion) -> dict:
     entry = gguf_cache_entry(path_text)
     with entry.parsing(CONFIG_CACHE_NAME):
         cached = entry.read_json(CONFIG_CACHE_NAME)
@@ -204,12 +204,11 @@ def gguf_table(path: Path) -> GGUFTable:
     """The GGUF's tensor table (parsed once per file version, then read from the disk cache; the reader is dropped,
     so no mapping of the file outlives the call)."""
     path = Path(path).resolve()
-    stat = path.stat()
-    return _cached_table(str(path), stat.st_size, stat.st_mtime_ns)
+    return _cached_table(str(path), file_version(path.stat()))
 
 
 @functools.lru_cache(maxsize=METADATA_CACHE_ENTRIES)
-def _cached_table(path_text: str, size: int, mtime_ns: int) -> GGUFTable:
+def _cached_table(path_text: str, version: FileVersion) -> GGUFTable:
     entry = gguf_cache_entry(path_text)
     with entry.parsing(TABLE_CACHE_NAME):
         try:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import CheckpointError
+from .file_version import FileVersion, file_version
 
 GGUF_MAGIC = b"GGUF"
 GGUF_SUFFIX = ".gguf"
@@ -355,12 +356,11 @@ def checked_gguf_header(path: Path) -> ParsedGGUFHeader:
     memory or stack); CheckpointError (one line) when it is truncated, corrupt (tensor bytes overlapping, misaligned
     or not filling what their infos state: check_data_layout), of an architecture hearth does not serve, or declares
     a layer count no model has, or one its tensors contradict. Parsed once per file version."""
-    stat = path.stat()
-    return _checked_header(str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    return _checked_header(str(path.resolve()), file_version(path.stat()))
 
 
 @functools.lru_cache(maxsize=CHECKED_HEADERS_KEPT)
-def _checked_header(path_text: str, size: int, mtime_ns: int) -> ParsedGGUFHeader:
+def _checked_header(path_text: str, version: FileVersion) -> ParsedGGUFHeader:
     path = Path(path_text)
     # Tensors' block types are checked where a range is read: a file may hold only metadata (a hub download's, sized
     # from it), or a block type hearth does not read in layers it is not asked for. Their bytes' layout is checked

@@ -37,9 +37,9 @@ _storage_fault_codes = frozenset({sqlite3.SQLITE_FULL, sqlite3.SQLITE_READONLY, 
 
 
 class ReadModelUnusable(RuntimeError):
-    """A read-model file this hearth cannot use as it is (not a SQLite database, damaged, of a newer schema, or not
-    writable now: a full disk, a read-only file, another writer holding it); the message is one line naming the file,
-    and the file is left as it was."""
+    """A read-model file this hearth cannot use as it is (not a SQLite database, damaged, of a newer schema or of none,
+    or not writable now: a full disk, a read-only file, another writer holding it); the message is one line naming the
+    file, and the file is left as it was."""
 
 
 def damaged_file(path: object, error: BaseException) -> ReadModelUnusable | None:
@@ -133,7 +133,7 @@ def upgrade_database(path: str | Path, revision: str = "head") -> None:
             connection.exec_driver_sql("BEGIN")
             config = alembic_config(path)
             config.attributes["connection"] = connection
-            _refuse_a_newer_schema(connection, config, path)
+            _refuse_an_unknown_schema(connection, config, path)
             command.upgrade(config, revision)
         switch_to_incremental_vacuum(engine)
     except DatabaseError as error:
@@ -147,20 +147,33 @@ def upgrade_database(path: str | Path, revision: str = "head") -> None:
     log.debug("read-model database %s migrated to %s", path, revision)
 
 
-def _refuse_a_newer_schema(connection: Connection, config: Config, path: str | Path) -> None:
-    """ReadModelUnusable when the file's schema is at a revision this hearth does not know (made by a newer one)."""
-    has_versions = connection.exec_driver_sql(
-        "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'alembic_version'").first()
-    if has_versions is None:
+def _refuse_an_unknown_schema(connection: Connection, config: Config, path: str | Path) -> None:
+    """ReadModelUnusable when the file's schema is at a revision this hearth does not know (made by a newer one), or
+    has tables but no revision at all (Alembic would take it for an empty file and fail creating its tables)."""
+    tables = {name for (name,) in connection.exec_driver_sql(
+        "SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite\\_%' ESCAPE '\\'")}
+    stored_revisions = ([stored for (stored,) in connection.exec_driver_sql("SELECT version_num FROM alembic_version")]
+                        if "alembic_version" in tables else [])
+    if not stored_revisions:
+        if tables - {"alembic_version"}:
+            raise unversioned_file(path)
         return
     scripts = ScriptDirectory.from_config(config)
     known = {script.revision for script in scripts.walk_revisions()}
-    for (stored,) in connection.exec_driver_sql("SELECT version_num FROM alembic_version"):
+    for stored in stored_revisions:
         if stored not in known:
             raise ReadModelUnusable(
                 f"{path}: its read-model schema is at revision {stored}, newer than this hearth knows (its latest: "
                 f"{scripts.get_current_head()}); run a newer hearth on it, or rebuild one for this version into "
                 "another file (hearth-replay rebuild)")
+
+
+def unversioned_file(path: object) -> ReadModelUnusable:
+    """The refusal of a file that holds no schema revision: no migration can tell what its tables are."""
+    return ReadModelUnusable(
+        f"{path}: holds no schema revision (no alembic_version row; made by hand, or by an older hearth's "
+        "create_all), so hearth cannot tell which migrations its tables need; move it aside and rebuild one "
+        "(hearth-replay rebuild)")
 
 
 def _autocommit(engine: Engine) -> Connection:

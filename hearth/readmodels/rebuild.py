@@ -28,7 +28,7 @@ from sqlalchemy.orm import sessionmaker
 from hearth.events.consume import SkippedMessage, StoredEvent, read_stream
 from hearth.events.signing import EventVerifier, RejectionReason
 from hearth.events.streams import ALL_STREAMS
-from hearth.readmodels.db import ReadModelUnusable, damaged_file, open_engine, upgrade_database
+from hearth.readmodels.db import ReadModelUnusable, damaged_file, open_engine, unversioned_file, upgrade_database
 from hearth.readmodels.log_window import compared_columns, keys_older_than_log, window_start
 from hearth.readmodels.positions import record_stream_identity
 from hearth.readmodels.projection import PROJECTION_NAME, ReadModelProjection
@@ -184,7 +184,7 @@ def diff_databases(
     new_path: str | Path, live_path: str | Path, *, include_positions: bool = False
 ) -> list[RowDifference]:
     """Every row that differs between two read-model databases, per table, ordered by table and key;
-    ReadModelUnusable when either is damaged or their schema revisions differ."""
+    ReadModelUnusable when either is damaged, holds no schema revision, or their schema revisions differ."""
     return diff_within_log(new_path, live_path, {}, include_positions=include_positions).differences
 
 
@@ -199,6 +199,9 @@ def diff_within_log(
     new_engine, live_engine = open_engine(new_path), open_engine(live_path)
     try:
         new_version, live_version = _schema_version(new_engine), _schema_version(live_engine)
+        for path, version in ((new_path, new_version), (live_path, live_version)):
+            if version is None:
+                raise unversioned_file(path)
         if new_version != live_version:
             raise ReadModelUnusable(
                 f"schema versions differ ({new_path}: {new_version}, {live_path}: {live_version}); "

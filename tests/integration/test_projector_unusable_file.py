@@ -1,5 +1,5 @@
-"""`hearth projector` on a read-model file it cannot use (corrupt, damaged, of a newer schema) ends in one line,
-exit 1, and leaves the file's bytes as they were."""
+"""`hearth projector` on a read-model file it cannot use (corrupt, damaged, of a newer schema, with tables but no
+schema revision) ends in one line, exit 1, and leaves the file's bytes as they were."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from hearth.readmodels.db import upgrade_database
-from tests.unit.test_readmodel_upgrade_safety import a_damaged_file
+from tests.unit.test_readmodel_upgrade_safety import a_damaged_file, an_unversioned_file
 
 pytestmark = pytest.mark.integration
 
@@ -38,7 +38,11 @@ def damaged(path: Path) -> Path:
     return a_damaged_file(path.parent)
 
 
-@pytest.mark.parametrize("made", [newer, corrupt, damaged])
+def unversioned(path: Path) -> Path:
+    return an_unversioned_file(path.parent)
+
+
+@pytest.mark.parametrize("made", [newer, corrupt, damaged, unversioned])
 def test_the_projector_refuses_a_file_it_cannot_use_in_one_line(made, nats_url, tmp_path):
     path = made(tmp_path / "read.sqlite")
     before = path.read_bytes()

@@ -99,6 +99,24 @@ def test_a_changed_file_is_parsed_again(tmp_path, parses):
     assert parses["table"] == 3
 
 
+def test_a_file_rewritten_with_its_size_and_mtime_restored_is_parsed_again(tmp_path, parses):
+    path, _ = write_tiny_gguf(tmp_path / "v1", "llama", GGMLQuantizationType.F16)
+    first = gguf_table(path)
+    stat = path.stat()
+    old_entry = gguf_cache_entry(path).folder
+    new_process()
+    rewritten, _ = write_tiny_gguf(tmp_path / "v2", "llama", GGMLQuantizationType.F16)
+    content = bytearray(rewritten.read_bytes())
+    content[-1] ^= 0xFF  # other weights, the same size and tensor table
+    assert len(content) == stat.st_size
+    path.write_bytes(bytes(content))
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # as `cp -p`, `touch -r` or `rsync -t` leave it
+
+    assert gguf_table(path) == first and parses["table"] == 2  # parsed again, not served from the old entry
+    assert gguf_cache_entry(path).folder != old_entry
+    assert demo_model.gguf_cache_entry_folder(path.resolve()) == gguf_cache_entry(path).folder
+
+
 def test_an_unwritable_cache_only_costs_a_parse(tiny_gguf_file, tmp_path, monkeypatch, parses):
     blocker = tmp_path / "not-a-folder"
     blocker.write_text("")

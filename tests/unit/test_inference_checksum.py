@@ -46,22 +46,60 @@ def test_changing_one_tensor_changes_the_digest(tmp_path, checkpoint):
     assert weights_sha256(checkpoint, cache_dir=tmp_path / "cache") != before
 
 
-def test_second_call_is_served_from_the_cache_until_size_or_mtime_change(tmp_path, checkpoint):
+@pytest.fixture
+def hashed_files(monkeypatch):
+    """The weight files hashed since, by name (a cached call hashes none)."""
+    names: list[str] = []
+    real = checksum.file_sha256
+
+    def counted(file):
+        names.append(file.name)
+        return real(file)
+
+    monkeypatch.setattr(checksum, "file_sha256", counted)
+    return names
+
+
+def test_second_call_is_served_from_the_cache_without_reading_a_weight_byte(tmp_path, checkpoint, hashed_files):
     cache_dir = tmp_path / "cache"
     digest = weights_sha256(checkpoint, cache_dir=cache_dir)
     cached = json.loads((cache_dir / WEIGHTS_CACHE_FILE_NAME).read_text())
     assert cached[str(checkpoint.resolve())]["sha256"] == digest
+    hashed_files.clear()
 
-    # Same size and restored mtime: a cached call cannot notice, which proves it read no weight bytes.
+    assert weights_sha256(checkpoint, cache_dir=cache_dir) == digest
+    assert hashed_files == []
+
+
+def _flipped_last_byte(file) -> bytes:
+    content = bytearray(file.read_bytes())
+    content[-1] ^= 0xFF
+    return bytes(content)
+
+
+def test_a_file_rewritten_in_place_with_its_size_and_mtime_restored_is_hashed_again(tmp_path, checkpoint):
+    cache_dir = tmp_path / "cache"
+    digest = weights_sha256(checkpoint, cache_dir=cache_dir)
     shard = sorted(checkpoint.glob("*.safetensors"))[0]
     stat = shard.stat()
-    content = bytearray(shard.read_bytes())
-    content[-1] ^= 0xFF
-    shard.write_bytes(bytes(content))
-    os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns))
-    assert weights_sha256(checkpoint, cache_dir=cache_dir) == digest
+    shard.write_bytes(_flipped_last_byte(shard))
+    os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # as `cp -p`, `touch -r` or `rsync -t` leave it
+    assert shard.stat().st_size == stat.st_size and shard.stat().st_mtime_ns == stat.st_mtime_ns
 
-    os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))
+    assert weights_sha256(checkpoint, cache_dir=cache_dir) == weights_sha256(checkpoint, cache_dir=tmp_path / "fresh")
+    assert weights_sha256(checkpoint, cache_dir=cache_dir) != digest
+
+
+def test_a_file_replaced_by_another_with_the_same_size_and_mtime_is_hashed_again(tmp_path, checkpoint):
+    cache_dir = tmp_path / "cache"
+    digest = weights_sha256(checkpoint, cache_dir=cache_dir)
+    shard = sorted(checkpoint.glob("*.safetensors"))[0]
+    stat = shard.stat()
+    replacement = tmp_path / "replacement"
+    replacement.write_bytes(_flipped_last_byte(shard))
+    os.utime(replacement, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    os.replace(replacement, shard)
+
     assert weights_sha256(checkpoint, cache_dir=cache_dir) != digest
 
 

@@ -1,5 +1,6 @@
-"""Migrating a read-model file is all or nothing, and a file no hearth can use (corrupt, from a newer schema) is
-refused in one line by `hearth db` and `hearth-replay rebuild --diff`, with its bytes left as they were."""
+"""Migrating a read-model file is all or nothing, and a file no hearth can use (corrupt, from a newer schema, with
+tables but no schema revision) is refused in one line by `hearth db` and `hearth-replay rebuild --diff`, with its
+bytes left as they were."""
 
 from __future__ import annotations
 
@@ -62,6 +63,15 @@ def a_corrupt_file(tmp_path):
     return path
 
 
+def an_unversioned_file(tmp_path):
+    """A read model's tables without its alembic_version (made by an older `create_all`, or by hand)."""
+    path = tmp_path / "unversioned.db"
+    upgrade_database(path)
+    with contextlib.closing(sqlite3.connect(path)) as connection, connection:
+        connection.execute("DROP TABLE alembic_version")
+    return path
+
+
 def a_damaged_file(tmp_path):
     """A read model whose alembic_version page was overwritten: SQLite opens it, and finds it malformed on reading."""
     path = tmp_path / "damaged.db"
@@ -76,7 +86,7 @@ def a_damaged_file(tmp_path):
     return path
 
 
-@pytest.mark.parametrize("made", [a_newer_file, a_corrupt_file, a_damaged_file])
+@pytest.mark.parametrize("made", [a_newer_file, a_corrupt_file, a_damaged_file, an_unversioned_file])
 def test_upgrade_refuses_a_file_it_cannot_use_and_leaves_its_bytes_alone(tmp_path, made):
     path = made(tmp_path)
     before = path.read_bytes()
@@ -91,16 +101,45 @@ def test_a_newer_schema_is_named_as_such(tmp_path):
         upgrade_database(a_newer_file(tmp_path))
 
 
-@pytest.mark.parametrize("made", [a_newer_file, a_corrupt_file, a_damaged_file])
+@pytest.mark.parametrize("made", [a_newer_file, a_corrupt_file, a_damaged_file, an_unversioned_file])
 @pytest.mark.parametrize("command", ["upgrade", "vacuum"])
 def test_hearth_db_refuses_an_unusable_file_in_one_line(tmp_path, made, command):
     path = made(tmp_path)
     result = CliRunner().invoke(app, ["db", command, "--db", str(path)])
-    if command == "vacuum" and made is a_newer_file:
+    if command == "vacuum" and made in (a_newer_file, an_unversioned_file):
         assert result.exit_code == 0, result.output  # a VACUUM keeps every row of any schema: nothing to refuse
         return
     assert result.exit_code == 1 and result.output.strip().count("\n") == 0, result.output
     assert "Traceback" not in result.output and str(path) in result.output
+
+
+def test_a_file_with_tables_but_no_schema_revision_is_named_as_such(tmp_path):
+    with pytest.raises(ReadModelUnusable, match="no schema revision.*hearth-replay rebuild"):
+        upgrade_database(an_unversioned_file(tmp_path))
+
+
+def test_a_file_with_an_empty_alembic_version_is_refused_as_one_without_a_revision(tmp_path):
+    path = an_unversioned_file(tmp_path)
+    with contextlib.closing(sqlite3.connect(path)) as connection, connection:
+        connection.execute("CREATE TABLE alembic_version (version_num VARCHAR(32) NOT NULL PRIMARY KEY)")
+    with pytest.raises(ReadModelUnusable, match="no schema revision"):
+        upgrade_database(path)
+
+
+def test_an_empty_file_is_still_migrated(tmp_path):
+    path = tmp_path / "empty.db"
+    path.write_bytes(b"")
+    upgrade_database(path)
+    assert schema_revision(path) == "0016"
+
+
+def test_a_diff_against_a_file_without_a_schema_revision_names_it(tmp_path):
+    (tmp_path / "new").mkdir()
+    new = tmp_path / "new" / "new.db"
+    upgrade_database(new)
+    unversioned = an_unversioned_file(tmp_path)
+    with pytest.raises(ReadModelUnusable, match=f"{unversioned}: .*no schema revision"):
+        diff_databases(new, unversioned)
 
 
 def test_open_engine_on_a_corrupt_file_fails_as_unusable(tmp_path):

@@ -170,9 +170,14 @@ def owned_task(tasks: set[asyncio.Task], coroutine: Coroutine[Any, Any, Any], *,
 def _forget_task(tasks: set[asyncio.Task], task: asyncio.Task) -> None:
     tasks.discard(task)
     if not task.cancelled() and (error := task.exception()) is not None:
-        # By type and where it was raised, never its message: that may quote a request's prompt.
-        log.error("%s failed: %s raised at\n%s", task.get_name(), type(error).__name__,
-                  "".join(traceback.format_tb(error.__traceback__)).rstrip())
+        log_failure(log, task.get_name(), error)
+
+
+def log_failure(logger: logging.Logger, what: str, error: BaseException, level: int = logging.ERROR) -> None:
+    """Log that `what` failed with `error`, by its type and where it was raised: never its message, which may quote a
+    request's prompt or a step's activations."""
+    logger.log(level, "%s failed: %s raised at\n%s", what, type(error).__name__,
+               "".join(traceback.format_tb(error.__traceback__)).rstrip())
 
 
 class Stopped(Exception):

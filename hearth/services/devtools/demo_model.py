@@ -41,7 +41,7 @@ GGUF_ARCHITECTURE_KEY = "general.architecture"
 # GGUF cache, named as hearth/inference/gguf_cache.py names it (that module is not imported here: it would bring torch
 # into the supervising process); tests/unit/test_gguf_cache.py keeps the two in step.
 GGUF_CACHE_DIR_NAME = "gguf"
-GGUF_CACHE_FORMAT = 5
+GGUF_CACHE_FORMAT = 6
 GGUF_CACHE_ENTRY_NAME_HEX_CHARS = 32
 GGUF_DESCRIPTION_CACHE_FILE = "demo-description.json"
 # What the demo asks when no --prompt is given: the toy was trained on fortunes; a real model gets a factual
@@ -232,7 +232,9 @@ def _describe_gguf(path: Path) -> dict:
 def gguf_cache_entry_folder(path: Path) -> Path:
     """The GGUF cache entry of the file at resolved `path` as it is now (hearth/inference/gguf_cache.py's layout)."""
     stat = path.stat()
-    text = f"{GGUF_CACHE_FORMAT}\0{path}\0{stat.st_size}\0{stat.st_mtime_ns}"
+    # hearth/inference/file_version.py's version of the file, in its order.
+    version = (stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
+    text = "\0".join(map(str, (GGUF_CACHE_FORMAT, path, *version)))
     name = hashlib.sha256(text.encode()).hexdigest()[:GGUF_CACHE_ENTRY_NAME_HEX_CHARS]
     return cache_root() / GGUF_CACHE_DIR_NAME / name
 

@@ -1,5 +1,6 @@
 """ShardServer: hosts one layer range, advertises and heartbeats it, answers its control subject (open, close,
-stat) and keeps the hops it serves (hearth/services/shard/hops.py), closing those whose orchestrator went silent.
+stat) and keeps the hops it serves (hearth/services/shard/hops.py), closing those whose orchestrator went silent
+(hearth/services/shard/watchdog.py).
 
 Control requests are answered concurrently, each in a task of its own: a liveness probe (`stat`) must not
 wait behind an `open` or `close` that waits for a long prefill, and `stat` itself never touches the runner
@@ -17,7 +18,6 @@ import asyncio
 import contextlib
 import hmac
 import logging
-import time
 from collections.abc import Awaitable
 
 from nats.aio.client import Client as NatsClient
@@ -48,6 +48,7 @@ from hearth.services.shard.claim import ClaimQuestion, ShardClaim, taken, unless
 from hearth.services.shard.compute import ShardCompute
 from hearth.services.shard.hops import HopLimits, ServedHop
 from hearth.services.shard.identity import ShardIdentity, open_refusal
+from hearth.services.shard.watchdog import watch_hops
 
 log = logging.getLogger(__name__)
 
@@ -171,25 +172,15 @@ class ShardServer:
                 log.warning("advertisement not published: %s", error)
 
     async def _watchdog_loop(self) -> None:
-        """Close hops whose orchestrator went silent, and evict the caches of idle sessions
-        (hearth/services/shard/hops.py)."""
-        interval_s = min(self.limits.orphan_timeout_s, self.limits.idle_timeout_s) / 4
-        while True:
-            await asyncio.sleep(interval_s)
-            try:
-                await self.compute.evict_idle()
-            except Exception as error:  # a closed runner at shutdown: nothing left to evict
-                log.debug("idle eviction skipped: %s", error)
-            now = time.monotonic()
-            for pipeline_id, hop in list(self._hops.items()):
-                reason = hop.expiry_reason(now)
-                if reason is None:
-                    continue
-                async with self._hop_changes:
-                    detached = self._detach_hop(pipeline_id) if self._hops.get(pipeline_id) is hop else None
-                if detached is not None:  # not re-opened meanwhile
-                    log.info("pipeline %s: %s; closing its hop", pipeline_id, reason)
-                    await self._finish_closing(pipeline_id, detached)
+        await watch_hops(self._hops, self.limits, self.compute.evict_idle, self._close_expired)
+
+    async def _close_expired(self, pipeline_id: str, hop: ServedHop, reason: str) -> None:
+        """Close a hop the watchdog found expired (hearth/services/shard/hops.py), unless it was re-opened meanwhile."""
+        async with self._hop_changes:
+            detached = self._detach_hop(pipeline_id) if self._hops.get(pipeline_id) is hop else None
+        if detached is not None:
+            log.info("pipeline %s: %s; closing its hop", pipeline_id, reason)
+            await self._finish_closing(pipeline_id, detached)
 
     async def stop(self, reason: str = "shutdown") -> None:
         if self._stopped:
