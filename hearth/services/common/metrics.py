@@ -21,6 +21,8 @@ from prometheus_client import (
 )
 from prometheus_client import start_http_server as _prometheus_start_http_server
 
+from hearth.services.common.lifecycle import CommandRefused
+
 log = logging.getLogger(__name__)
 
 # No `<name>_created` sample beside every counter and histogram: Prometheus does not use them, and they would
@@ -113,8 +115,13 @@ class MetricsServer:
 
 def start_metrics_server(port: int, *, host: str, registry: CollectorRegistry = REGISTRY) -> MetricsServer:
     """Serve `registry` on http://host:port/metrics from a daemon thread; port 0 picks a free port. `host` is
-    the interface ([metrics] host): /metrics has no authentication and names callers."""
-    server, thread = _prometheus_start_http_server(port, addr=host, registry=registry)
+    the interface ([metrics] host): /metrics has no authentication and names callers. CommandRefused when the
+    address cannot be had (the port taken, an unknown host): one line, not a traceback."""
+    try:
+        server, thread = _prometheus_start_http_server(port, addr=host, registry=registry)
+    except OSError as error:
+        raise CommandRefused(f"--metrics-port {port}: cannot listen on {host}:{port}: "
+                             f"{error.strerror or error}") from None
     bound_port = server.server_address[1]
     log.info("metrics on http://%s:%d/metrics", host, bound_port)
     return MetricsServer(host=host, port=bound_port, _server=server, _thread=thread)
