@@ -14,7 +14,8 @@ from collections import defaultdict
 from datetime import datetime, timezone
 from pathlib import Path
 
-from hearth.services.dashboards.macros import TimeRange, open_read_only, run_panel_sql
+from hearth.services.common.sqlite_read_only import open_read_only
+from hearth.services.dashboards.macros import TimeRange, run_panel_sql
 from hearth.services.dashboards.model import Dashboard, PromPanel, SqlPanel
 from hearth.services.dashboards.panels import DASHBOARDS
 
