@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from typer.testing import CliRunner
 
+from hearth.services.cli import app
 from hearth.services.dashboards.grafana_json import DASHBOARDS_DIR, write_dashboards
 from hearth.services.common.sqlite_read_only import open_read_only
 from hearth.services.dashboards.macros import TimeRange, expand, run_panel_sql
@@ -195,3 +197,27 @@ def test_status_reads_the_file_its_path_names_whatever_characters_the_path_holds
     # Nothing opened (and so created) under the part of the name before a `#` or `?`.
     assert sorted(child.name for child in tmp_path.iterdir()) == sorted(
         [name, f"{name}-shm", f"{name}-wal"] if (tmp_path / f"{name}-wal").exists() else [name])
+
+
+def nothing_at(path: Path) -> Path:
+    return path
+
+
+def an_empty_file(path: Path) -> Path:
+    path.touch()
+    return path
+
+
+def a_read_model_without_events(path: Path) -> Path:
+    migrated_engine(path).dispose()
+    return path
+
+
+@pytest.mark.parametrize("made", [nothing_at, an_empty_file, a_read_model_without_events])
+def test_rendering_what_is_no_read_model_with_events_is_one_line(tmp_path, made):
+    db = made(tmp_path / "readmodel.sqlite")
+    result = CliRunner().invoke(app, ["dashboards", "render", "--db", str(db), "--out", str(tmp_path / "img")])
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.exception
+    said = " ".join(result.stderr.split())
+    assert said.startswith("hearth dashboards render: ") and str(db) in said, said
+    assert not (tmp_path / "img").exists()
