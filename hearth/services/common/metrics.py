@@ -103,9 +103,10 @@ class MetricsServer:
 
     @property
     def url(self) -> str:
-        """Where to scrape it from this machine (a server on every interface is reached on the loopback)."""
-        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
-        return f"http://{host}:{self.port}/metrics"
+        """Where to scrape it from this machine (a server on every interface is reached on the loopback; an IPv6
+        address goes in brackets)."""
+        host = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(self.host, self.host)
+        return f"http://{f'[{host}]' if ':' in host else host}:{self.port}/metrics"
 
     def stop(self) -> None:
         self._server.shutdown()
@@ -122,9 +123,9 @@ def start_metrics_server(port: int, *, host: str, registry: CollectorRegistry = 
     except OSError as error:
         raise CommandRefused(f"--metrics-port {port}: cannot listen on {host}:{port}: "
                              f"{error.strerror or error}") from None
-    bound_port = server.server_address[1]
-    log.info("metrics on http://%s:%d/metrics", host, bound_port)
-    return MetricsServer(host=host, port=bound_port, _server=server, _thread=thread)
+    metrics_server = MetricsServer(host=host, port=server.server_address[1], _server=server, _thread=thread)
+    log.info("metrics on %s (interface %s)", metrics_server.url, host)
+    return metrics_server
 
 
 # Off in a process started with `--metrics-port 0`: nobody can scrape it, so the observations made for every step
