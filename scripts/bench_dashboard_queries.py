@@ -46,7 +46,8 @@ from hearth.events.streams import PIPELINES_STREAM, SHARDS_STREAM  # noqa: E402
 from hearth.protocol.subjects import event_subject, shard_id_for  # noqa: E402
 from hearth.readmodels.db import open_engine, upgrade_database  # noqa: E402
 from hearth.readmodels.projection import ReadModelProjection  # noqa: E402
-from hearth.services.dashboards.macros import TimeRange, open_read_only, run_panel_sql  # noqa: E402
+from hearth.services.common.sqlite_read_only import open_read_only  # noqa: E402
+from hearth.services.dashboards.macros import TimeRange, run_panel_sql  # noqa: E402
 from hearth.services.dashboards.panels import DASHBOARDS  # noqa: E402
 
 MODEL = "bench/llama-8b"

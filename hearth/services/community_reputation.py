@@ -12,6 +12,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from hearth.services.common.sqlite_read_only import open_read_only
+
 if TYPE_CHECKING:
     from hearth.events.models import EventEnvelope, IntegrityQuarantineCleared
     from hearth.services.common.config import NatsSettings
@@ -57,7 +59,7 @@ def read_reputation(db: Path) -> list[ShardReputationRow]:
     """Every shard verification has spoken about, quarantined ones first (ReadModelMissing when it cannot)."""
     if not db.is_file():
         raise ReadModelMissing(f"no read model at {db} (give --db, the file `hearth projector --db` keeps)")
-    connection = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5)
+    connection = open_read_only(db)
     try:
         return [ShardReputationRow(*row) for row in connection.execute(REPUTATION_LISTING_SQL)]
     except sqlite3.OperationalError as error:

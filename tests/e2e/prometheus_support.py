@@ -7,6 +7,7 @@ import json
 import re
 import shutil
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.parse
@@ -17,8 +18,10 @@ from pathlib import Path
 from hearth.services.broker.server import free_tcp_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-# Where `make tools` unpacks Debian's prometheus package (the venv may be a link shared by worktrees).
-TOOLS_BIN = REPO_ROOT / ".venv" / "tools" / "prometheus" / "usr" / "bin"
+# Where `make tools` unpacks Debian's prometheus package: the checkout's venv (it may be a link shared by worktrees),
+# else the venv running the tests (a worktree without a .venv of its own).
+TOOLS_BINS = tuple(venv / "tools" / "prometheus" / "usr" / "bin"
+                   for venv in (REPO_ROOT / ".venv", Path(sys.executable).parent.parent))
 DASHBOARDS_DIR = REPO_ROOT / "grafana" / "dashboards"
 poll_interval_s = 0.25
 http_timeout_s = 5.0
@@ -55,9 +58,9 @@ CORE_EXPRESSIONS = (
 
 def tool(name: str) -> Path | None:
     """`promtool` or `prometheus` from `make tools`, else from PATH; None when neither has it."""
-    unpacked = TOOLS_BIN / name
-    if unpacked.is_file():
-        return unpacked
+    for tools_bin in TOOLS_BINS:
+        if (tools_bin / name).is_file():
+            return tools_bin / name
     found = shutil.which(name)
     return Path(found) if found else None
 

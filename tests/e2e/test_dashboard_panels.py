@@ -25,7 +25,8 @@ from hearth.events.models import ShardHeartbeat
 from hearth.events.publish import publish_event
 from hearth.services.client.chat import stream_chat
 from hearth.services.broker.connection import connect_nats
-from hearth.services.dashboards.macros import open_read_only, run_panel_sql
+from hearth.services.common.sqlite_read_only import open_read_only
+from hearth.services.dashboards.macros import run_panel_sql
 from hearth.services.dashboards.panels import DASHBOARDS
 from hearth.services.dashboards.render import data_time_range, render_all
 from tests.e2e.conftest import THREE_SHARD_RANGES, TINY_MODEL_NAME

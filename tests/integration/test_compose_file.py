@@ -133,7 +133,8 @@ def test_every_hearth_environment_variable_is_a_setting():
 
 
 def test_health_checks_and_start_order_agree_with_the_commands():
-    published = [port.split(":")[0] for service in SERVICES.values() for port in service.get("ports") or []]
+    # [address:]host port, each published once.
+    published = [port.rsplit(":", 1)[0] for service in SERVICES.values() for port in service.get("ports") or []]
     assert len(published) == len(set(published))
     for name, service in SERVICES.items():
         for dependency, condition in (service.get("depends_on") or {}).items():
@@ -172,6 +173,14 @@ def test_prometheus_scrapes_every_hearth_process_on_its_metrics_port():
                     else environment.get("HEARTH_METRICS__HOST"))
             assert host == "0.0.0.0", name
     assert {target.split(":")[0] for target in targets} <= set(SERVICES) | {"localhost"}
+
+
+def test_prometheus_and_grafana_are_published_on_the_loopback_only():
+    # Prometheus answers every series it scraped (callers' names included) and Grafana starts as admin/admin, both
+    # without TLS: published on every interface they would hand the LAN what /metrics keeps off it.
+    for name in ("prometheus", "grafana"):
+        for port in SERVICES[name]["ports"]:
+            assert port.startswith("127.0.0.1:"), (name, port)
 
 
 def test_prometheus_accepts_its_configuration():

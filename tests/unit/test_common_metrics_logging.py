@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import logging
+import socket
+import urllib.parse
 import urllib.request
 
 import pytest
 from prometheus_client import CollectorRegistry
 
+from hearth.services.common.lifecycle import CommandRefused
 from hearth.services.common.logging import configure_logging, parse_log_level
 from hearth.services.common.metrics import counter, gauge, histogram, render_metrics, sample_value, start_metrics_server
 
@@ -36,6 +39,26 @@ def test_the_metrics_server_serves_the_registry_and_stops():
         server.stop()
     with pytest.raises(OSError):
         urllib.request.urlopen(server.url, timeout=2)
+
+
+def test_a_metrics_port_already_taken_is_refused_in_one_line_naming_it():
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        with pytest.raises(CommandRefused, match=f"--metrics-port {port}: cannot listen on 127.0.0.1:{port}: "):
+            start_metrics_server(port, host="127.0.0.1", registry=CollectorRegistry())
+
+
+@pytest.mark.parametrize("host", ["::1", "::"])
+def test_a_metrics_server_on_ipv6_prints_a_url_it_can_be_scraped_at(host):
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6 on this machine")
+    server = start_metrics_server(0, host=host, registry=CollectorRegistry())
+    try:
+        assert server.url == f"http://[::1]:{server.port}/metrics"
+        assert urllib.parse.urlsplit(server.url).port == server.port
+        urllib.request.urlopen(server.url, timeout=5).read()
+    finally:
+        server.stop()
 
 
 def test_log_levels_parse_by_name_or_number_and_reject_nonsense():

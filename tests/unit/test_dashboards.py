@@ -12,9 +12,12 @@ from pathlib import Path
 
 import pytest
 import yaml
+from typer.testing import CliRunner
 
+from hearth.services.cli import app
 from hearth.services.dashboards.grafana_json import DASHBOARDS_DIR, write_dashboards
-from hearth.services.dashboards.macros import TimeRange, expand, open_read_only, run_panel_sql
+from hearth.services.common.sqlite_read_only import open_read_only
+from hearth.services.dashboards.macros import TimeRange, expand, run_panel_sql
 from hearth.services.dashboards.model import PROMETHEUS_DATASOURCE, READ_MODEL_DATASOURCE, PromPanel
 from hearth.services.dashboards.panels import DASHBOARDS
 from hearth.services.dashboards.status import coverage_text, run_status_command
@@ -183,3 +186,38 @@ def test_status_on_a_file_that_is_not_a_database_is_one_line(tmp_path, capsys):
     assert run_status_command(corrupt) == 1
     said = " ".join(capsys.readouterr().out.split())  # the console wraps it at its width
     assert said == f"hearth status: {corrupt} is not a migrated read model (file is not a database)"
+
+
+@pytest.mark.parametrize("name", ["read#model.sqlite", "read?mode=rwc.sqlite", "read%20model.sqlite"])
+def test_status_reads_the_file_its_path_names_whatever_characters_the_path_holds(tmp_path, capsys, name):
+    made = tmp_path / "made.sqlite"
+    migrated_engine(made).dispose()
+    path = made.rename(tmp_path / name)
+    assert run_status_command(path) == 0, capsys.readouterr().out
+    # Nothing opened (and so created) under the part of the name before a `#` or `?`.
+    assert sorted(child.name for child in tmp_path.iterdir()) == sorted(
+        [name, f"{name}-shm", f"{name}-wal"] if (tmp_path / f"{name}-wal").exists() else [name])
+
+
+def nothing_at(path: Path) -> Path:
+    return path
+
+
+def an_empty_file(path: Path) -> Path:
+    path.touch()
+    return path
+
+
+def a_read_model_without_events(path: Path) -> Path:
+    migrated_engine(path).dispose()
+    return path
+
+
+@pytest.mark.parametrize("made", [nothing_at, an_empty_file, a_read_model_without_events])
+def test_rendering_what_is_no_read_model_with_events_is_one_line(tmp_path, made):
+    db = made(tmp_path / "readmodel.sqlite")
+    result = CliRunner().invoke(app, ["dashboards", "render", "--db", str(db), "--out", str(tmp_path / "img")])
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.exception
+    said = " ".join(result.stderr.split())
+    assert said.startswith("hearth dashboards render: ") and str(db) in said, said
+    assert not (tmp_path / "img").exists()

@@ -23,7 +23,7 @@ from hearth.services.common.metrics import (
     set_metrics_observed,
 )
 from hearth.services.orchestrator.metrics import HopLatencies, count_request, final_frame_code, observe_event
-from hearth.services.shard.metrics import watch_serving
+from hearth.services.shard.metrics import ServingStats, watch_serving
 from hearth.services.transport import FrameKind
 
 SHARDS = ["m:0-1@a", "m:2-3@b", "m:4-5@c"]
@@ -186,3 +186,11 @@ def test_a_registry_made_after_another_was_freed_gets_its_own_collectors():
 ])
 def test_local_cluster_reads_a_metrics_port_given_in_the_arguments(args, port):
     assert _metrics_port_in(args) == port
+
+
+def test_a_shards_heartbeat_p95_is_the_nearest_rank_one_not_the_slowest_step():
+    stats = ServingStats()
+    stats.step_latencies_s.extend(step_ms / 1000.0 for step_ms in range(1, 21))
+    # 19 of the 20 steps took at most 19 ms: that is the p95, the 20 ms step is the slowest only.
+    assert stats.p95_latency_ms() == pytest.approx(19.0)
+    assert ServingStats().p95_latency_ms() == 0.0

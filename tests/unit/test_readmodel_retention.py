@@ -21,7 +21,8 @@ from hearth.readmodels import retention
 from hearth.readmodels.projection import ReadModelProjection
 from hearth.readmodels.retention import keep_pruning, prune_all, retention_policy
 from hearth.services.common.config import ReadModelSettings
-from hearth.services.dashboards.macros import TimeRange, open_read_only, run_panel_sql
+from hearth.services.common.sqlite_read_only import open_read_only
+from hearth.services.dashboards.macros import TimeRange, run_panel_sql
 from hearth.services.dashboards.panels import DASHBOARDS
 from tests.readmodel_helpers import (
     T0,

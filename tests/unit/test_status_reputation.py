@@ -8,7 +8,8 @@ import contextlib
 
 from rich.console import Console
 
-from hearth.services.dashboards.macros import TimeRange, open_read_only, run_panel_sql
+from hearth.services.common.sqlite_read_only import open_read_only
+from hearth.services.dashboards.macros import TimeRange, run_panel_sql
 from hearth.services.dashboards.panels import MODELS_SQL, REPUTATION_SQL, SHARD_HOSTS, SHARDS_ONLINE_SQL
 from hearth.protocol.quarantine import node_quarantine_reason
 from hearth.services.dashboards.status import run_status_command

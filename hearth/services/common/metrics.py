@@ -21,6 +21,8 @@ from prometheus_client import (
 )
 from prometheus_client import start_http_server as _prometheus_start_http_server
 
+from hearth.services.common.lifecycle import CommandRefused
+
 log = logging.getLogger(__name__)
 
 # No `<name>_created` sample beside every counter and histogram: Prometheus does not use them, and they would
@@ -101,9 +103,10 @@ class MetricsServer:
 
     @property
     def url(self) -> str:
-        """Where to scrape it from this machine (a server on every interface is reached on the loopback)."""
-        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
-        return f"http://{host}:{self.port}/metrics"
+        """Where to scrape it from this machine (a server on every interface is reached on the loopback; an IPv6
+        address goes in brackets)."""
+        host = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(self.host, self.host)
+        return f"http://{f'[{host}]' if ':' in host else host}:{self.port}/metrics"
 
     def stop(self) -> None:
         self._server.shutdown()
@@ -113,11 +116,16 @@ class MetricsServer:
 
 def start_metrics_server(port: int, *, host: str, registry: CollectorRegistry = REGISTRY) -> MetricsServer:
     """Serve `registry` on http://host:port/metrics from a daemon thread; port 0 picks a free port. `host` is
-    the interface ([metrics] host): /metrics has no authentication and names callers."""
-    server, thread = _prometheus_start_http_server(port, addr=host, registry=registry)
-    bound_port = server.server_address[1]
-    log.info("metrics on http://%s:%d/metrics", host, bound_port)
-    return MetricsServer(host=host, port=bound_port, _server=server, _thread=thread)
+    the interface ([metrics] host): /metrics has no authentication and names callers. CommandRefused when the
+    address cannot be had (the port taken, an unknown host): one line, not a traceback."""
+    try:
+        server, thread = _prometheus_start_http_server(port, addr=host, registry=registry)
+    except OSError as error:
+        raise CommandRefused(f"--metrics-port {port}: cannot listen on {host}:{port}: "
+                             f"{error.strerror or error}") from None
+    metrics_server = MetricsServer(host=host, port=server.server_address[1], _server=server, _thread=thread)
+    log.info("metrics on %s (interface %s)", metrics_server.url, host)
+    return metrics_server
 
 
 # Off in a process started with `--metrics-port 0`: nobody can scrape it, so the observations made for every step

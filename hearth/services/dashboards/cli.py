@@ -34,9 +34,14 @@ def render_command(
     out: Annotated[Path, typer.Option("--out", help="Folder for one PNG per dashboard.")] = Path("docs/img"),
 ) -> None:
     """Draw each dashboard as a PNG (matplotlib) from the same panel queries Grafana runs, on `--db`."""
-    from hearth.services.dashboards.render import render_all
+    from hearth.services.dashboards.render import RenderRefused, render_all
 
-    for path in render_all(db, out):
+    try:
+        paths = render_all(db, out)
+    except RenderRefused as error:
+        typer.echo(f"hearth dashboards render: {error}", err=True)
+        raise typer.Exit(1) from None
+    for path in paths:
         typer.echo(f"wrote {path}")
 
 

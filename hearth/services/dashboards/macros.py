@@ -53,8 +53,3 @@ def run_panel_sql(connection: sqlite3.Connection, sql: str, time_range: TimeRang
         return [description[0] for description in cursor.description], cursor.fetchall()
     finally:
         cursor.close()
-
-
-def open_read_only(path) -> sqlite3.Connection:
-    """A read-only connection to a read model, as the Grafana datasource opens it (`file:PATH?mode=ro`)."""
-    return sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5)

@@ -302,7 +302,11 @@ FROM projection_positions ORDER BY projection, stream""",
         PromPanel(
             "Events applied per second by type (live)",
             (PromTarget("sum by (event_type) (rate(hearth_projector_events_applied_total[1m]))", "{{event_type}}"),
-             PromTarget("sum by (reason) (rate(hearth_events_rejected_total[1m]))", "rejected {{reason}}")),
+             # max, not sum: every process that projects the log (the projector, each orchestrator's routing read
+             # model) counts the same rejected event.
+             PromTarget("max by (reason) (rate(hearth_events_rejected_total[1m]))", "rejected {{reason}}")),
+            "Every process projecting the log counts the same rejected events: the rejected rate is the highest "
+            "of theirs, not their sum.",
         ),
     ),
 )

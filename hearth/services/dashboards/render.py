@@ -14,7 +14,8 @@ from collections import defaultdict
 from datetime import datetime, timezone
 from pathlib import Path
 
-from hearth.services.dashboards.macros import TimeRange, open_read_only, run_panel_sql
+from hearth.services.common.sqlite_read_only import open_read_only
+from hearth.services.dashboards.macros import TimeRange, run_panel_sql
 from hearth.services.dashboards.model import Dashboard, PromPanel, SqlPanel
 from hearth.services.dashboards.panels import DASHBOARDS
 
@@ -23,25 +24,40 @@ CELL_MAX_CHARS = 28
 COLUMNS = 2
 
 
+class NoEvents(ValueError):
+    """The read model has no applied event to draw a time range from."""
+
+
 def data_time_range(connection: sqlite3.Connection) -> TimeRange:
     """From the first minute the read model counted an event to one second after its newest applied event."""
     first, = connection.execute("SELECT MIN(minute) FROM event_counts").fetchone()
     last, = connection.execute("SELECT MAX(last_event_at) FROM projection_positions").fetchone()
     if first is None or last is None:
-        raise ValueError("the read model holds no events")
+        raise NoEvents("the read model holds no events yet")
     return TimeRange(first - 60, last + 1)
+
+
+class RenderRefused(Exception):
+    """`db` is nothing to draw: absent, not a migrated read model, or without events (the command says it in
+    one line)."""
 
 
 def render_all(db: Path, out_dir: Path) -> list[Path]:
     """One PNG per dashboard under `out_dir` (dashboard-<name>.png); returns their paths."""
     import matplotlib
 
+    if not db.is_file():
+        raise RenderRefused(f"no read model at {db} (run `hearth projector --db {db}`)")
     matplotlib.use("Agg")
-    out_dir.mkdir(parents=True, exist_ok=True)
     connection = open_read_only(db)
     try:
         time_range = data_time_range(connection)
+        out_dir.mkdir(parents=True, exist_ok=True)
         return [render_dashboard(connection, dashboard, time_range, out_dir) for dashboard in DASHBOARDS]
+    except sqlite3.DatabaseError as error:  # tables missing, or no SQLite database at all
+        raise RenderRefused(f"{db} is not a migrated read model ({error})") from None
+    except NoEvents as error:
+        raise RenderRefused(f"{db}: {error}") from None
     finally:
         connection.close()
 

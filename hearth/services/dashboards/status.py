@@ -18,7 +18,8 @@ from rich.table import Table
 
 from hearth.protocol.quarantine import quarantined_nodes
 from hearth.services.common.display import display_cell
-from hearth.services.dashboards.macros import TimeRange, open_read_only, run_panel_sql
+from hearth.services.common.sqlite_read_only import open_read_only
+from hearth.services.dashboards.macros import TimeRange, run_panel_sql
 from hearth.services.dashboards.panels import LAYER_REPLICAS_CTE, MODELS_SQL, REPUTATION_SQL, SHARDS_ONLINE_SQL
 
 RECENT_CALLS_S = 3600

@@ -27,6 +27,7 @@ from pathlib import Path
 from hearth.protocol.subjects import parse_shard_id
 from hearth.services.common.lifecycle import STOP_EXIT_CODE, Interrupted, run_cancelling_on_signal
 from hearth.services.common.logging import default_log_level
+from hearth.services.common.sqlite_read_only import open_read_only
 from hearth.services.devtools.local_cluster import (
     ClusterError,
     LocalCluster,
@@ -259,7 +260,7 @@ class DemoRun:
         deadline = time.monotonic() + read_model_wait_s
         while time.monotonic() < deadline:
             try:
-                with sqlite3.connect(f"file:{self.read_model_path}?mode=ro", uri=True, timeout=1.0) as db:
+                with contextlib.closing(open_read_only(self.read_model_path, busy_wait=1.0)) as db:
                     row = db.execute("SELECT status, completion_tokens FROM pipelines WHERE pipeline_id = ?",
                                      (pipeline_id,)).fetchone()
             except sqlite3.Error:

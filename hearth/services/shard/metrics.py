@@ -45,6 +45,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from hearth.services.common.metrics import histogram, metrics_observed
+from hearth.services.common.percentiles import nearest_rank
 
 transport_buckets_s = (
     0.00005, 0.0001, 0.0002, 0.0003, 0.0004, 0.0005, 0.0006, 0.0007, 0.0008, 0.0009, 0.001,
@@ -93,10 +94,9 @@ class ServingStats:
         return 1000.0 * statistics.median(self.decode_step_s) if self.decode_step_s else None
 
     def p95_latency_ms(self) -> float:
-        if not self.step_latencies_s:
-            return 0.0
-        ordered = sorted(self.step_latencies_s)
-        return 1000.0 * ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))]
+        """Nearest-rank p95 of the kept steps in ms, as every p95 hearth reports (0.0 before the first step)."""
+        p95 = nearest_rank(sorted(self.step_latencies_s), 0.95)
+        return 0.0 if p95 is None else 1000.0 * p95
 
 
 class ShardStepMetrics:

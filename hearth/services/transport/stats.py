@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from dataclasses import dataclass, field
+
+from hearth.services.common.percentiles import nearest_rank
 
 default_latency_samples = 4096
 
@@ -33,11 +34,8 @@ class LatencySamples:
 
     def percentile_ms(self, fraction: float) -> float | None:
         """Nearest-rank percentile over the kept samples, in milliseconds; None when there are none."""
-        if not self._samples:
-            return None
-        ordered = sorted(self._samples)
-        rank = min(len(ordered) - 1, max(0, math.ceil(fraction * len(ordered)) - 1))
-        return ordered[rank] * 1000.0
+        value = nearest_rank(sorted(self._samples), fraction)
+        return None if value is None else value * 1000.0
 
     def summary(self) -> LatencySummary:
         if not self._samples:
