@@ -44,6 +44,8 @@ def init_command(
         community = Community.init(directory, name)
     except (RosterError, ValueError) as error:
         _fail(str(error))
+    except OSError as error:  # the folder is a file, or may not be written
+        _fail(f"cannot write the community into {directory}: {error.strerror}")
     typer.echo(f"created community {name!r} in {directory}: roster {community.roster_path}, "
                f"system key {community.system_key_path} (keep it with the broker; never share it)")
 
@@ -260,11 +262,16 @@ def tls_command(
 ) -> None:
     """Make a small certificate authority in DIR/tls: a broker certificate for the given hosts and one client
     certificate for the members (for a LAN without a CA of its own; keys mode 0600)."""
-    from hearth.services.broker.tls import write_throwaway_ca
+    from hearth.services.broker.tls import TlsConfigError, write_throwaway_ca
 
     if (directory / "tls" / "ca.pem").exists():
         _fail(f"{directory / 'tls'} already holds a CA; not replacing it")
-    files = write_throwaway_ca(directory / "tls", tuple(host), validity_days=tls_validity_days)
+    try:
+        files = write_throwaway_ca(directory / "tls", tuple(host), validity_days=tls_validity_days)
+    except TlsConfigError as error:
+        _fail(f"--host: {error}")
+    except OSError as error:
+        _fail(f"cannot write {directory / 'tls'}: {error.strerror}")
     typer.echo(f"wrote {files.ca_file}, {files.server_cert_file} (for {', '.join(host)}) and {files.client_cert_file};"
                f" valid {tls_validity_days} days")
 
@@ -292,9 +299,12 @@ def nats_config_command(
     text = render_authorization(roster)
     if out is None:
         typer.echo(text, nl=False)
-    else:
+        return
+    try:
         out.write_text(text)
-        typer.echo(f"wrote {out}", err=True)
+    except OSError as error:
+        _fail(f"cannot write {out}: {error.strerror}")
+    typer.echo(f"wrote {out}", err=True)
 
 
 

@@ -192,7 +192,11 @@ class Roster(BaseModel):
 
 
 def new_roster(community: str) -> Roster:
-    return Roster(community=community, created_at=datetime.now(timezone.utc))
+    try:
+        return Roster(community=community, created_at=datetime.now(timezone.utc))
+    except ValidationError as error:
+        first = error.errors()[0]
+        raise RosterError(f"the community's name: {first['msg']}") from None
 
 
 def new_member(name: str, role: Role, public_key: str, trust: TrustLevel | None = None) -> Member:
