@@ -14,6 +14,7 @@ from hearth.services.common.call_signing import CallVerifier
 from hearth.services.common.config import HearthSettings, NatsSettings
 from hearth.services.common.identity import IdentityError, default_roster_for, load_identity
 from hearth.trust.keys import MemberKey
+from hearth.trust.roster import CALLER_ROLES
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +58,7 @@ def call_verifier(settings: HearthSettings) -> CallVerifier | None:
     roster = RosterFile(roster_file)
     return CallVerifier(lambda recheck: roster.current(recheck_now=recheck),
                         max_clock_skew_s=settings.events.max_clock_skew_s,
-                        min_caller_trust=settings.orchestrator.min_caller_trust)
+                        min_caller_trust=settings.orchestrator.min_caller_trust, caller_roles=CALLER_ROLES)
 
 
 def open_verifier(settings: HearthSettings) -> CallVerifier | None:
