@@ -77,6 +77,8 @@ def add_command(
         added = Community(directory).add(name, role, trust=trust, public_key=public_key)  # type: ignore[arg-type]
     except (RosterError, KeyFileError, ValueError) as error:
         _fail(str(error))
+    except OSError as error:
+        _fail(f"cannot write the roster or the key in {directory}: {error.strerror}; nothing was added")
     member = added.member
     where = f"; its key: {added.seed_file} (give it to {name}, then delete it here)" if added.seed_file else ""
     typer.echo(f"added {member.name} as {member.role} ({member.trust}), public key {member.public_key}{where}")
@@ -125,6 +127,9 @@ def remove_command(
     except (BrokerUnreachable, StreamsMissing, RemovalNotPublished) as error:
         _fail(f"{error}; nothing was changed. Give the broker with --nats, or --offline to change the roster alone "
               "(projections then cut its events off by this machine's clock)", command)
+    except OSError as error:  # the roster (or the API keys file) could not be written
+        _fail(f"{error.strerror}: {name} is still in the roster; run it again (it keeps the removal events "
+              "already published)", command)
     member = removed.member
     deleted = f"; deleted {seed_file}" if seed_file else ""
     earlier = {stream: " (published by an earlier run)" for stream in published.found}

@@ -74,7 +74,12 @@ class Community:
         if generated is not None:
             seed_file = seed_path(self.directory, name)
             generated.save(seed_file)
-        updated.save(self.roster_path)
+        try:
+            updated.save(self.roster_path)
+        except OSError:
+            if seed_file is not None:  # a key no roster names would only block adding the member again
+                seed_file.unlink(missing_ok=True)
+            raise
         return AddedMember(member, seed_file)
 
     def check_removable(self, name: str) -> None:

@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 from hearth.services.community_cli import community_app
 from hearth.trust.community import Community
 from hearth.trust.keys import KeyFileError, MemberKey
-from hearth.trust.roster import seed_path
+from hearth.trust.roster import Roster, seed_path
 
 
 def refused_in_one_line(arguments: list[str], *expected: str) -> str:
@@ -79,3 +79,25 @@ def test_nats_config_into_a_folder_that_does_not_exist_is_said_in_one_line(commu
 def test_tls_refuses_a_host_no_certificate_can_name(community, host):
     refused_in_one_line(["tls", "--host", host, "--dir", str(community.directory)], "--host")
     assert not (community.directory / "tls" / "ca.pem").exists()
+
+
+def disk_full(*args, **kwargs):
+    raise OSError(28, "No space left on device")
+
+
+def test_an_add_whose_roster_write_fails_is_said_in_one_line(community, monkeypatch):
+    monkeypatch.setattr(Roster, "save", disk_full)
+    refused_in_one_line(["add", "--name", "garage-pc", "--role", "shard", "--dir", str(community.directory)],
+                        "No space left on device")
+    # The key generated for it went with the roster write: nothing blocks adding it once there is room.
+    assert not seed_path(community.directory, "garage-pc").exists()
+    monkeypatch.undo()
+    assert community.add("garage-pc", "shard").seed_file.is_file()
+
+
+def test_a_removal_whose_roster_write_fails_says_to_run_it_again(community, monkeypatch):
+    monkeypatch.setattr(Community, "remove", disk_full)
+    refused_in_one_line(["remove", "--name", "kitchen-pc", "--dir", str(community.directory), "--offline"],
+                        "No space left on device", "run it again")
+    assert community.roster().by_name("kitchen-pc") is not None
+
