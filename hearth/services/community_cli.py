@@ -238,8 +238,8 @@ def clear_quarantine_command(
 
 @community_app.command("api-key")
 def api_key_command(
-    name: Annotated[str, typer.Option("--name", help="The member whose calls the key makes (its key must be in "
-                                      "DIR/keys/NAME.nk: the gateway signs its calls with it).")],
+    name: Annotated[str, typer.Option("--name", help="The member whose calls the key makes: a client (or system), "
+                                      "whose key is in DIR/keys/NAME.nk (the gateway signs its calls with it).")],
     directory: DirOption = DEFAULT_COMMUNITY_DIR,
     revoke: Annotated[bool, typer.Option("--revoke", help="Remove every API key of NAME instead.")] = False,
 ) -> None:
