@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
 from hearth.events.models import EventEnvelope, MemberRemoved
-from hearth.protocol.subjects import shard_control_subject
+from hearth.events.streams import MEMBER_REMOVAL_SUBJECTS, stream_for_subject
+from hearth.protocol.subjects import event_subject, shard_control_subject
 from hearth.trust.keys import MemberKey, verify_b64
 from hearth.trust.roster import Member, RemovedMember, Role, Roster, RosterError
 
@@ -112,10 +113,12 @@ class RosterFile:
 
 
 class StreamPosition(NamedTuple):
-    """Where the broker stored an event: its stream and its sequence there."""
+    """Where the broker stored an event: its stream, its sequence there and the subject it was published on (None:
+    not known, then only the stream is checked)."""
 
     stream: str
     seq: int
+    subject: str | None = None
 
 
 class EventVerifier:
@@ -169,7 +172,7 @@ class EventVerifier:
             return "unknown_signer"
         if isinstance(member, RemovedMember):
             # What it signed before its removal stays valid, so a rebuild applies what the live projection did.
-            stream, seq = position if position is not None else (None, None)
+            stream, seq = (position.stream, position.seq) if position is not None else (None, None)
             if member.stored_after_removal(received_at, stream, seq):
                 return "removed_signer"
             member = member.member
@@ -180,11 +183,30 @@ class EventVerifier:
             return "role_may_not_emit"
         if not names_only_its_own_node(event, member.name):
             return "node_mismatch"
-        if isinstance(event, MemberRemoved) and position is not None and event.stream != position.stream:
-            return "wrong_stream"  # a removal marks a position in the stream it names only
+        if position is not None and not stored_on_its_own_subject(event, position):
+            return "wrong_stream"
         if event.occurred_at > received_at + self.max_clock_skew:
             return "future_dated"
         return None
+
+
+def stored_on_its_own_subject(event: EventEnvelope, position: StreamPosition) -> bool:
+    """Whether `event` is stored where its emitter publishes it: the signature covers the event, not where it went,
+    and a member that may publish on one event subject must not have another's signed event counted again there (an
+    orchestrator a shard host's in the pipelines stream, one host another's under its own node). A removal marks a
+    position only in the stream it names, on that stream's removal subject."""
+    if isinstance(event, MemberRemoved):
+        expected = MEMBER_REMOVAL_SUBJECTS.get(event.stream)
+        if event.stream != position.stream:
+            return False
+    else:
+        try:
+            expected = event_subject(event)  # type: ignore[arg-type]
+        except (ValueError, AttributeError):  # a type no emitter publishes
+            return False
+        if stream_for_subject(expected) != position.stream:
+            return False
+    return position.subject is None or position.subject == expected
 
 
 def emitting_role(event_type: str) -> Role | None:

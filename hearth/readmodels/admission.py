@@ -44,7 +44,8 @@ def rejection(verifier: EventVerifier | None, message: StoredEvent, rows: BatchR
     # The broker's storage time and position (not this process's clock), so a replay of the log rejects exactly
     # what the live projection rejected.
     return verifier.rejection(event, received_at=message.time, stored_data=message.data,
-                              position=StreamPosition(message.stream, message.seq), removal_logged=removal_logged)
+                              position=StreamPosition(message.stream, message.seq, message.subject),
+                              removal_logged=removal_logged)
 
 
 def record_member_removal(event: MemberRemoved, rows: BatchRows) -> None:

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from hearth.services.common.config import HearthSettings
 
 F = TypeVar("F", bound=Callable[..., Any])
+T = TypeVar("T")
 
 CONFIG_ENV = "HEARTH_CONFIG"
 
@@ -214,10 +215,29 @@ def use_credentials(ctx: typer.Context, command: str, creds: Path | None, insecu
         raise typer.Exit(EXIT_REFUSED) from None
 
 
+def roster_checked(command: str, make: Callable[[], T]) -> T:
+    """`make()`, which finds the community roster (hearth/services/common/event_trust.py); a member key with none
+    ends `command` in one line."""
+    from hearth.services.common.identity import IdentityError
+
+    try:
+        return make()
+    except IdentityError as error:
+        typer.echo(f"{command}: {error}", err=True)
+        raise typer.Exit(EXIT_REFUSED) from None
+
+
 def node_id_for(command: str, identity, node_id: str | None, role: str) -> str | None:
-    """A host's node id is its member name (broker permissions name it); None: the default (host name)."""
-    if identity is None or identity.member is None:
+    """A host's node id is its member name (broker permissions name it); None: the default (host name). A key
+    that no roster names (none was found beside it) is refused: neither its role nor its name could be checked."""
+    if identity is None:
         return node_id
+    if identity.member is None:
+        typer.echo(f"{command}: no community roster names the key {identity.key.public_key[:12]}... (none beside it, "
+                   "no [nats] roster_file): a "
+                   f"{role} checks its own role and the members' signatures against it. Put the community's "
+                   "roster.json beside the key's keys/ folder, or set [nats] roster_file", err=True)
+        raise typer.Exit(EXIT_REFUSED)
     if identity.member.role != role:
         typer.echo(f"{command}: the key belongs to {identity.name}, a {identity.member.role}, not a {role}", err=True)
         raise typer.Exit(EXIT_REFUSED)

@@ -44,6 +44,8 @@ def init_command(
         community = Community.init(directory, name)
     except (RosterError, ValueError) as error:
         _fail(str(error))
+    except OSError as error:  # the folder is a file, or may not be written
+        _fail(f"cannot write the community into {directory}: {error.strerror}")
     typer.echo(f"created community {name!r} in {directory}: roster {community.roster_path}, "
                f"system key {community.system_key_path} (keep it with the broker; never share it)")
 
@@ -75,6 +77,8 @@ def add_command(
         added = Community(directory).add(name, role, trust=trust, public_key=public_key)  # type: ignore[arg-type]
     except (RosterError, KeyFileError, ValueError) as error:
         _fail(str(error))
+    except OSError as error:
+        _fail(f"cannot write the roster or the key in {directory}: {error.strerror}; nothing was added")
     member = added.member
     where = f"; its key: {added.seed_file} (give it to {name}, then delete it here)" if added.seed_file else ""
     typer.echo(f"added {member.name} as {member.role} ({member.trust}), public key {member.public_key}{where}")
@@ -123,6 +127,9 @@ def remove_command(
     except (BrokerUnreachable, StreamsMissing, RemovalNotPublished) as error:
         _fail(f"{error}; nothing was changed. Give the broker with --nats, or --offline to change the roster alone "
               "(projections then cut its events off by this machine's clock)", command)
+    except OSError as error:  # the roster (or the API keys file) could not be written
+        _fail(f"{error.strerror}: {name} is still in the roster; run it again (it keeps the removal events "
+              "already published)", command)
     member = removed.member
     deleted = f"; deleted {seed_file}" if seed_file else ""
     earlier = {stream: " (published by an earlier run)" for stream in published.found}
@@ -231,8 +238,8 @@ def clear_quarantine_command(
 
 @community_app.command("api-key")
 def api_key_command(
-    name: Annotated[str, typer.Option("--name", help="The member whose calls the key makes (its key must be in "
-                                      "DIR/keys/NAME.nk: the gateway signs its calls with it).")],
+    name: Annotated[str, typer.Option("--name", help="The member whose calls the key makes: a client (or system), "
+                                      "whose key is in DIR/keys/NAME.nk (the gateway signs its calls with it).")],
     directory: DirOption = DEFAULT_COMMUNITY_DIR,
     revoke: Annotated[bool, typer.Option("--revoke", help="Remove every API key of NAME instead.")] = False,
 ) -> None:
@@ -260,11 +267,16 @@ def tls_command(
 ) -> None:
     """Make a small certificate authority in DIR/tls: a broker certificate for the given hosts and one client
     certificate for the members (for a LAN without a CA of its own; keys mode 0600)."""
-    from hearth.services.broker.tls import write_throwaway_ca
+    from hearth.services.broker.tls import TlsConfigError, write_throwaway_ca
 
     if (directory / "tls" / "ca.pem").exists():
         _fail(f"{directory / 'tls'} already holds a CA; not replacing it")
-    files = write_throwaway_ca(directory / "tls", tuple(host), validity_days=tls_validity_days)
+    try:
+        files = write_throwaway_ca(directory / "tls", tuple(host), validity_days=tls_validity_days)
+    except TlsConfigError as error:
+        _fail(f"--host: {error}")
+    except OSError as error:
+        _fail(f"cannot write {directory / 'tls'}: {error.strerror}")
     typer.echo(f"wrote {files.ca_file}, {files.server_cert_file} (for {', '.join(host)}) and {files.client_cert_file};"
                f" valid {tls_validity_days} days")
 
@@ -292,9 +304,12 @@ def nats_config_command(
     text = render_authorization(roster)
     if out is None:
         typer.echo(text, nl=False)
-    else:
+        return
+    try:
         out.write_text(text)
-        typer.echo(f"wrote {out}", err=True)
+    except OSError as error:
+        _fail(f"cannot write {out}: {error.strerror}")
+    typer.echo(f"wrote {out}", err=True)
 
 
 

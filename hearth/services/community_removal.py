@@ -87,7 +87,7 @@ def first_removal(member: Member, stream: str, messages: Sequence[StoredEvent | 
         if message.event.public_key != member.public_key:
             continue
         if verifier.rejection(message.event, received_at=message.time, stored_data=message.data,
-                              position=StreamPosition(stream, message.seq)) is None:
+                              position=StreamPosition(stream, message.seq, message.subject)) is None:
             return message
     return None
 

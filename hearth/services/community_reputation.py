@@ -64,6 +64,8 @@ def read_reputation(db: Path) -> list[ShardReputationRow]:
         return [ShardReputationRow(*row) for row in connection.execute(REPUTATION_LISTING_SQL)]
     except sqlite3.OperationalError as error:
         raise ReadModelMissing(f"{db} holds no reputation ({error}); run `hearth db upgrade --db {db}`") from None
+    except sqlite3.DatabaseError as error:  # not SQLite at all, or a damaged file
+        raise ReadModelMissing(f"{db} is not a hearth read model ({error})") from None
     finally:
         connection.close()
 

@@ -46,13 +46,15 @@ class Community:
 
     @classmethod
     def init(cls, directory: Path, name: str) -> "Community":
-        """A new community whose one member is the steward's system key; refuses to overwrite one."""
+        """A new community whose one member is the steward's system key; refuses to overwrite one. The roster is
+        written last, so a refusal (a key left in keys/ from before) leaves no roster without its steward behind."""
         community = cls(directory)
         if community.roster_path.exists():
             raise RosterError(f"{community.roster_path} exists: {directory} already holds a community")
-        directory.mkdir(parents=True, exist_ok=True)
-        new_roster(name).save(community.roster_path)
-        community.add(SYSTEM_MEMBER, "system")
+        system_key = MemberKey.generate()
+        roster = new_roster(name).with_member(new_member(SYSTEM_MEMBER, "system", system_key.public_key))
+        system_key.save(community.system_key_path)  # never replaces a key
+        roster.save(community.roster_path)
         return community
 
     def roster(self) -> Roster:
@@ -72,7 +74,12 @@ class Community:
         if generated is not None:
             seed_file = seed_path(self.directory, name)
             generated.save(seed_file)
-        updated.save(self.roster_path)
+        try:
+            updated.save(self.roster_path)
+        except OSError:
+            if seed_file is not None:  # a key no roster names would only block adding the member again
+                seed_file.unlink(missing_ok=True)
+            raise
         return AddedMember(member, seed_file)
 
     def check_removable(self, name: str) -> None:

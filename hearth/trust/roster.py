@@ -20,6 +20,9 @@ Role = Literal["shard", "orchestrator", "projector", "client", "auditor", "syste
 # the broker lets do anything (watch every subject, manage the streams) and the orchestrator answers.
 ROLES: tuple[Role, ...] = ("shard", "orchestrator", "projector", "client", "auditor")
 SYSTEM_MEMBER = "system"
+# Roles whose members may call the orchestrators (`llm.chat.request`, `llm.models`): the broker lets only them publish
+# there, orchestrators answer only into their inboxes, and a call signed by any other member's key is refused.
+CALLER_ROLES: tuple[Role, ...] = ("client", "system")
 TrustLevel = Literal["member", "trusted", "steward"]
 TRUST_ORDER: dict[TrustLevel, int] = {"member": 0, "trusted": 1, "steward": 2}
 # Hosts that serve shards or orchestrate see activations (from which a prompt can be recovered), so a steward
@@ -192,7 +195,11 @@ class Roster(BaseModel):
 
 
 def new_roster(community: str) -> Roster:
-    return Roster(community=community, created_at=datetime.now(timezone.utc))
+    try:
+        return Roster(community=community, created_at=datetime.now(timezone.utc))
+    except ValidationError as error:
+        first = error.errors()[0]
+        raise RosterError(f"the community's name: {first['msg']}") from None
 
 
 def new_member(name: str, role: Role, public_key: str, trust: TrustLevel | None = None) -> Member:

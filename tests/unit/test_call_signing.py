@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from datetime import datetime, timezone
 
+from hearth.services.common.config import HearthSettings
+from hearth.services.common.event_trust import call_verifier, open_verifier
 from hearth.services.common.call_signing import (
     HEADER_CALLER,
     HEADER_CALLER_NONCE,
@@ -16,6 +18,7 @@ from hearth.services.common.call_signing import (
     signed_call_headers,
 )
 from hearth.services.transport.headers import header_bytes
+from hearth.trust.community import Community
 from hearth.trust.keys import MemberKey
 from hearth.trust.roster import Roster, new_member
 
@@ -109,3 +112,22 @@ def test_the_role_behind_a_reply_inbox_is_looked_up_only_for_a_member_s_name():
 def test_request_header_bytes_counts_names_and_values():
     assert header_bytes(None) == 0
     assert header_bytes({"Ab": "cde", HEADER_CALLER_NONCE: "x" * 1000}) == 5 + len(HEADER_CALLER_NONCE) + 1000
+
+
+
+def test_only_members_whose_role_may_call_are_answered(tmp_path):
+    """A shard host, orchestrator, projector or auditor key may sign a call (the gateway signs with the key of any
+    member an API key names); the broker keeps their own connections off the call subjects, so their signature on a
+    call means their key is used where it should not be. Refused, however trusted the member; opens are not calls."""
+    community = Community.init(tmp_path / "community", "t")
+    keys = {"system": community.system_key()}
+    for role in ("client", "shard", "orchestrator", "projector", "auditor"):
+        keys[role] = MemberKey.load(community.add(f"a-{role}", role, trust="steward").seed_file)
+    names = {"system": "system"} | {role: f"a-{role}" for role in keys if role != "system"}
+    settings = HearthSettings.model_validate({"nats": {"creds_file": str(community.system_key_path)}})
+    calls, opens = call_verifier(settings), open_verifier(settings)
+    for role, key in keys.items():
+        headers = signed_call_headers(key, SUBJECT, REPLY, BODY, now_s=NOW_S)
+        expected = f"accepted {names[role]}" if role in ("client", "system") else "role_may_not_call"
+        assert reason(calls.check(SUBJECT, REPLY, BODY, headers, now_s=NOW_S)) == expected, role
+        assert reason(opens.check(SUBJECT, REPLY, BODY, headers, now_s=NOW_S)) == f"accepted {names[role]}"

@@ -171,18 +171,19 @@ def unused_port() -> int:
 def test_remove_with_no_broker_to_take_the_removal_changes_nothing_unless_offline(community, monkeypatch):
     monkeypatch.setenv("HEARTH_NATS__CONNECT_TIMEOUT_S", "0.5")
     directory = str(community.directory)
-    create_api_key(community.directory, "attic")
-    refused = CliRunner().invoke(app, ["community", "remove", "--name", "attic", "--dir", directory,
+    community.add("porch", "client")  # a member that calls, so it has API keys
+    create_api_key(community.directory, "porch")
+    refused = CliRunner().invoke(app, ["community", "remove", "--name", "porch", "--dir", directory,
                                        "--nats", f"nats://127.0.0.1:{unused_port()}"])
     assert refused.exit_code == 1, refused.output
     assert "cannot reach NATS" in refused.output and "nothing was changed" in refused.output
-    assert community.roster().by_name("attic") is not None and ApiKeyring.load(community.directory).members
+    assert community.roster().by_name("porch") is not None and ApiKeyring.load(community.directory).members
     # Without the system key there is no removal event to sign.
     community.system_key_path.rename(community.directory / "elsewhere.nk")
-    refused = CliRunner().invoke(app, ["community", "remove", "--name", "attic", "--dir", directory])
+    refused = CliRunner().invoke(app, ["community", "remove", "--name", "porch", "--dir", directory])
     assert refused.exit_code == 1 and "only the steward" in refused.output
-    assert community.roster().by_name("attic") is not None
-    removed = CliRunner().invoke(app, ["community", "remove", "--name", "attic", "--dir", directory, "--offline"])
+    assert community.roster().by_name("porch") is not None
+    removed = CliRunner().invoke(app, ["community", "remove", "--name", "porch", "--dir", directory, "--offline"])
     assert removed.exit_code == 0, removed.output
     assert "no removal event published (--offline)" in removed.output
     assert community.roster().removed[0].cuts == []

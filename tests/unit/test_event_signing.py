@@ -21,11 +21,12 @@ from hearth.events.signing import (
     REJECTION_REASONS,
     EventVerifier,
     RosterFile,
+    StreamPosition,
     canonical_bytes,
     canonical_json,
     sign_event,
 )
-from hearth.events.streams import SHARDS_STREAM
+from hearth.events.streams import PIPELINES_STREAM, SHARDS_STREAM
 from hearth.protocol.subjects import event_subject, shard_control_subject, shard_id_for
 from hearth.readmodels.positions import load_positions
 from hearth.readmodels.projection import ReadModelProjection, Rejection
@@ -256,3 +257,48 @@ def test_without_a_verifier_every_event_is_applied_as_before(tmp_path):
     finally:
         engine.dispose()
 
+
+
+def test_a_signed_event_counts_only_on_its_own_subject(verifier):
+    """The signature covers the event, not where it was published: a member that may publish on some event subject
+    could store another member's signed event there (an orchestrator a shard host's in the pipelines stream, a shard
+    host an orchestrator's in the shards stream or another host's under its own node) and have it applied again. An
+    event is judged where it is stored, so it counts only on its own subject."""
+    advert = sign_event(own_advertisement("host0"), KEYS["host0"])
+    done = sign_event(completed("hub"), KEYS["hub"])
+
+    def where(event, stream, subject):
+        return verifier.rejection(event, received_at=event.occurred_at, stored_data=encode_event(event),
+                                  position=StreamPosition(stream, 7, subject))
+
+    assert where(advert, SHARDS_STREAM, event_subject(advert)) is None
+    assert where(done, PIPELINES_STREAM, event_subject(done)) is None
+    host1_subject = event_subject(advert).replace(".host0.", ".host1.")
+    for event, stream, subject in (
+            (advert, PIPELINES_STREAM, "hearth.events.pipeline.p-9.advertised"),  # an orchestrator's replay
+            (done, SHARDS_STREAM, "hearth.events.shard.host1.abcdef012345.completed"),  # a shard host's replay
+            (advert, SHARDS_STREAM, host1_subject),  # host1 re-publishing host0's event under its own node
+            (done, PIPELINES_STREAM, "hearth.events.pipeline.p-other.completed")):  # another pipeline's subject
+        assert where(event, stream, subject) == "wrong_stream", (event.type, subject)
+    # Without the subject (callers that know only the stream), the stream is still checked.
+    assert verifier.rejection(advert, received_at=advert.occurred_at,
+                              position=StreamPosition(PIPELINES_STREAM, 7)) == "wrong_stream"
+    assert verifier.rejection(advert, received_at=advert.occurred_at,
+                              position=StreamPosition(SHARDS_STREAM, 7)) is None
+
+
+
+def test_the_projection_does_not_count_a_completed_call_again_from_another_subject(tmp_path, verifier):
+    """A pipeline.completed adds its tokens to each hop's day (shard_tokens_daily): a copy re-published under
+    another pipeline's subject (after the broker's de-duplication window) must not add them again."""
+    engine = migrated_engine(tmp_path / "copy.db")
+    done = sign_event(completed("hub"), KEYS["hub"])
+    copy = StoredEvent(stream=PIPELINES_STREAM, seq=2, subject="hearth.events.pipeline.p-copy.completed",
+                       time=done.occurred_at, headers={}, event=done, data=encode_event(done))
+    rejections: list[Rejection] = []
+    try:
+        with Session(engine) as session, session.begin():
+            ReadModelProjection(verifier=verifier).apply_many(session, [stored(done), copy], rejections=rejections)
+        assert [(r.seq, r.reason) for r in rejections] == [(2, "wrong_stream")]
+    finally:
+        engine.dispose()

@@ -184,6 +184,24 @@ def test_a_key_for_a_member_whose_key_is_not_here_is_refused(community):
         ApiKeyring.load(community.directory)
 
 
+def test_no_key_is_made_or_used_for_a_member_whose_role_may_not_call(community, caplog):
+    """The gateway signs with the member's own key: a key for a shard host or an orchestrator would put that
+    member's seed (which signs its events) in an HTTP-facing process, for calls orchestrators refuse."""
+    community.add("kitchen-pc", "shard")
+    with pytest.raises(ApiKeyError, match="kitchen-pc is a shard"):
+        create_api_key(community.directory, "kitchen-pc")
+    # One written before this rule (or by hand): refused at start, left out of a keyring read again.
+    create_api_key(community.directory, "alice")
+    keys_file = community.directory / API_KEYS_FILE
+    document = json.loads(keys_file.read_text())
+    document["keys"].append({**document["keys"][0], "name": "kitchen-pc", "sha256": "0" * 64})
+    keys_file.write_text(json.dumps(document))
+    with pytest.raises(ApiKeyError, match="kitchen-pc is a shard"):
+        ApiKeyring.load(community.directory)
+    assert ApiKeyring.load(community.directory, skip_unusable=True).members == ["alice"]
+    assert create_api_key(community.directory, "system")  # the steward's own key may call
+
+
 def test_bearer_tokens():
     assert bearer_token("Bearer abc") == bearer_token("bearer  abc ") == "abc"
     assert bearer_token(None) is bearer_token("Basic abc") is bearer_token("Bearer ") is None

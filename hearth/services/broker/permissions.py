@@ -38,7 +38,7 @@ from hearth.protocol.subjects import (
     inbox_prefix,
     orchestrator_request_subject,
 )
-from hearth.trust.roster import Member, Role, Roster, TrustLevel, trust_at_least
+from hearth.trust.roster import CALLER_ROLES, Member, Role, Roster, TrustLevel, trust_at_least
 
 JS_API = "$JS.API"
 # Roles that receive activations (from which a prompt can be recovered): only members at this trust or above.
@@ -47,8 +47,6 @@ DEFAULT_MIN_ACTIVATION_TRUST: TrustLevel = "trusted"
 # it.
 WEIGHTS_BUCKET = "hearth-weights"
 WEIGHTS_STREAM = f"OBJ_{WEIGHTS_BUCKET}"
-# Roles whose members may call the orchestrators (`llm.chat.request`, `llm.models`), so whose inboxes hear frames.
-CALLER_ROLES: tuple[Role, ...] = ("client", "system")
 
 
 def is_member_inbox(reply: str) -> bool:

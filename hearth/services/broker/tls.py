@@ -6,15 +6,22 @@ from __future__ import annotations
 import datetime
 import os
 import ipaddress
+import re
 import ssl
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from cryptography import x509
 
 throwaway_validity_days = 7
+max_dns_name_chars = 253
+_DNS_LABEL = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
 
 
 class TlsConfigError(ValueError):
-    """The configured TLS files are incomplete or unreadable."""
+    """The configured TLS files are incomplete or unreadable, or a host name no certificate can hold."""
 
 
 def client_ssl_context(ca_file: Path | None, cert_file: Path | None, key_file: Path | None) -> ssl.SSLContext | None:
@@ -58,14 +65,32 @@ def server_tls_block(cert_file: Path, key_file: Path, client_ca_file: Path | Non
     return "tls {\n" + "\n".join([*lines, "  timeout: 2"]) + "\n}\n"
 
 
+def certificate_host_name(host: str) -> "x509.GeneralName":
+    """What a certificate names `host` by: an IP address, or a DNS name in ASCII (labels of letters, digits and
+    hyphens, a `*.` wildcard first at most); TlsConfigError for anything else, which no client could match."""
+    from cryptography import x509
+
+    try:
+        return x509.IPAddress(ipaddress.ip_address(host))
+    except ValueError:
+        pass
+    labels = host.removeprefix("*.").split(".")
+    if len(host) > max_dns_name_chars or not all(_DNS_LABEL.fullmatch(label) for label in labels):
+        raise TlsConfigError(f"{host[:80]!r} is neither an IP address nor a DNS name (ASCII letters, digits, hyphens "
+                             "and dots; an internationalized name in its xn-- form)")
+    return x509.DNSName(host)
+
+
 def write_throwaway_ca(directory: Path, host_names: tuple[str, ...] = ("localhost", "127.0.0.1"), *,
                        validity_days: int = throwaway_validity_days) -> TlsFiles:
-    """A new CA with one server certificate (for `host_names`) and one client certificate, keys mode 0600."""
+    """A new CA with one server certificate (for `host_names`) and one client certificate, keys mode 0600;
+    TlsConfigError, with nothing written, for a host name no certificate can hold."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+    alt_names = [certificate_host_name(host) for host in host_names]
     directory.mkdir(mode=0o700, parents=True, exist_ok=True)
     now = datetime.datetime.now(datetime.timezone.utc)
     valid_until = now + datetime.timedelta(days=validity_days)
@@ -99,12 +124,6 @@ def write_throwaway_ca(directory: Path, host_names: tuple[str, ...] = ("localhos
             builder = builder.add_extension(x509.SubjectAlternativeName(alt_names), critical=False)
         return builder.sign(ca_key, hashes.SHA256()).public_bytes(serialization.Encoding.PEM), key
 
-    alt_names = []
-    for host in host_names:
-        try:
-            alt_names.append(x509.IPAddress(ipaddress.ip_address(host)))
-        except ValueError:
-            alt_names.append(x509.DNSName(host))
     files = TlsFiles(directory / "ca.pem", directory / "server.pem", directory / "server-key.pem",
                      directory / "client.pem", directory / "client-key.pem")
     files.ca_file.write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))

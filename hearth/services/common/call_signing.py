@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from hearth.trust.keys import PUBLIC_KEY_PATTERN, MemberKey, verify_b64
-from hearth.trust.roster import MEMBER_NAME_PATTERN, Member, Roster, TrustLevel, trust_at_least
+from hearth.trust.roster import MEMBER_NAME_PATTERN, Member, Role, Roster, TrustLevel, trust_at_least
 
 HEADER_CALLER = "Hearth-Caller"
 HEADER_CALLER_TIME = "Hearth-Caller-Time"
@@ -87,15 +87,18 @@ class CallRefused:
 
 class CallVerifier:
     """Checks signed calls against a roster: a known signer, a valid signature, a fresh timestamp, an unseen
-    nonce, and trust at least `min_caller_trust`."""
+    nonce, trust at least `min_caller_trust`, and a role among `caller_roles` (None: any role; an orchestrator's
+    check of calls gives CALLER_ROLES: hearth/services/common/event_trust.py, call_verifier)."""
 
     def __init__(self, roster: Roster | Callable[[bool], Roster], *, max_clock_skew_s: float,
-                 min_caller_trust: TrustLevel, signed: str = "call", receiver: str = "orchestrator") -> None:
+                 min_caller_trust: TrustLevel, signed: str = "call", receiver: str = "orchestrator",
+                 caller_roles: tuple[Role, ...] | None = None) -> None:
         # A callable (given `recheck`: look at the roster file again now) is asked on every call: a long-running
         # orchestrator must know the members a steward added since it started.
         self._roster = roster if callable(roster) else (lambda recheck: roster)
         self.max_clock_skew_s = max_clock_skew_s
         self.min_caller_trust = min_caller_trust
+        self.caller_roles = caller_roles
         # What is signed and who checks it, as refusals name them ("the open's timestamp ... this shard's clock").
         self.signed, self.receiver = signed, receiver
         self._seen: OrderedDict[str, float] = OrderedDict()
@@ -129,6 +132,10 @@ class CallVerifier:
         if not trust_at_least(member.trust, self.min_caller_trust):
             return CallRefused("untrusted", f"{member.name} is a {member.trust}; this mesh answers "
                                             f"{self.min_caller_trust} or higher")
+        if self.caller_roles is not None and member.role not in self.caller_roles:
+            # Its own connection may not publish a call: its key signing one is used where it must not be.
+            return CallRefused("role_may_not_call", f"{member.name} is a {member.role}; only "
+                                                    f"{' and '.join(self.caller_roles)} members call")
         return member
 
     def role_of(self, name: str) -> str | None:

@@ -12,8 +12,9 @@ from hearth.events.signing import EventVerifier, RosterFile
 from hearth.events.streams import StreamSetup
 from hearth.services.common.call_signing import CallVerifier
 from hearth.services.common.config import HearthSettings, NatsSettings
-from hearth.services.common.identity import default_roster_for, load_identity
+from hearth.services.common.identity import IdentityError, default_roster_for, load_identity
 from hearth.trust.keys import MemberKey
+from hearth.trust.roster import CALLER_ROLES
 
 log = logging.getLogger(__name__)
 
@@ -33,12 +34,19 @@ def stream_setup(nats: NatsSettings) -> StreamSetup:
 
 
 def community_roster_file(nats: NatsSettings) -> Path | None:
-    """[nats] roster_file, else the roster beside the key (`community/keys/NAME.nk` -> `community/roster.json`)."""
+    """[nats] roster_file, else the roster beside the key (`community/keys/NAME.nk` -> `community/roster.json`);
+    None on an open mesh (no key). IdentityError for a key with neither: a process that logs in with a member key is
+    on a community mesh, and the checks it runs against the roster must not be skipped for want of one."""
     if nats.roster_file is not None:
         return nats.roster_file
-    if nats.creds_file is not None:
-        return default_roster_for(nats.creds_file)
-    return None
+    if nats.creds_file is None:
+        return None
+    roster_file = default_roster_for(nats.creds_file)
+    if roster_file is None:
+        raise IdentityError(f"no community roster for the key {nats.creds_file}: signed calls and events are checked "
+                            "against it. Put the roster.json of the community beside the key's keys/ folder, or set "
+                            "[nats] roster_file (HEARTH_NATS__ROSTER_FILE)")
+    return roster_file
 
 
 def call_verifier(settings: HearthSettings) -> CallVerifier | None:
@@ -50,13 +58,14 @@ def call_verifier(settings: HearthSettings) -> CallVerifier | None:
     roster = RosterFile(roster_file)
     return CallVerifier(lambda recheck: roster.current(recheck_now=recheck),
                         max_clock_skew_s=settings.events.max_clock_skew_s,
-                        min_caller_trust=settings.orchestrator.min_caller_trust)
+                        min_caller_trust=settings.orchestrator.min_caller_trust, caller_roles=CALLER_ROLES)
 
 
 def open_verifier(settings: HearthSettings) -> CallVerifier | None:
     """The check a shard host runs on the signature of every `open` (an orchestrator signs it as a client signs a
     call, with no reply subject), to tell whose hops it holds ([shard] max_hops_per_opener); None on an open mesh, or
-    when the roster does not read (then opens are not told apart, as on an open mesh)."""
+    when the roster does not read (then opens are not told apart, as on an open mesh); IdentityError for a member
+    key with no roster at all (community_roster_file)."""
     roster_file = community_roster_file(settings.nats)
     if roster_file is None:
         return None
@@ -98,8 +107,5 @@ def event_verifier(settings: HearthSettings, roster_file: Path | None = None) ->
     a roster (an open mesh), where every event is applied as it comes."""
     roster_file = roster_file or community_roster_file(settings.nats)
     if roster_file is None:
-        if settings.nats.creds_file is not None:
-            log.warning("no community roster beside %s and no [nats] roster_file: events are applied without "
-                        "checking their signatures", settings.nats.creds_file)
         return None
     return EventVerifier.from_roster_file(roster_file, max_clock_skew_s=settings.events.max_clock_skew_s)

@@ -25,7 +25,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from hearth.trust.keys import KeyFileError, MemberKey, read_private_file
-from hearth.trust.roster import MEMBER_NAME_PATTERN, ROSTER_FILE, Roster, RosterError, seed_path
+from hearth.trust.roster import CALLER_ROLES, MEMBER_NAME_PATTERN, ROSTER_FILE, Roster, RosterError, seed_path
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +92,11 @@ def _member_key(community_dir: Path, roster: Roster, name: str) -> MemberKey:
     member = roster.by_name(name)
     if member is None:
         raise ApiKeyError(f"{name!r} is not a member of the community in {community_dir}")
+    if member.role not in CALLER_ROLES:
+        # Its seed also signs what its role says (events, opens): it has no place in an HTTP-facing process, and
+        # orchestrators refuse the calls it would sign.
+        raise ApiKeyError(f"{name} is a {member.role}; API keys are for members that call "
+                          f"({' and '.join(CALLER_ROLES)}): add one with `hearth community add --role client`")
     try:
         key = MemberKey.load(seed_path(community_dir, name))
     except KeyFileError as error:

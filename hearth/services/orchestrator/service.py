@@ -75,7 +75,7 @@ calls_refused_total = counter("hearth_calls_refused_total", "Calls refused as un
 calls_by_caller_total = counter("hearth_calls_total", "Signed calls accepted, by the calling member", ["caller"])
 # foreign_reply: a request whose reply subject is not a caller's inbox; it gets no answer at all.
 for _reason in ("unsigned", "malformed", "unknown_signer", "bad_signature", "stale", "replayed", "untrusted",
-                "foreign_reply"):
+                "role_may_not_call", "foreign_reply"):
     calls_refused_total.labels(_reason)  # read 0, not nothing, before any refusal
 
 ORCHESTRATOR_QUEUE_GROUP = "hearth-orchestrators"

@@ -21,7 +21,7 @@ import typer
 
 from hearth.events.consume import first_stream_seq
 from hearth.services.cli_options import (ConfigOption, CredsOption, LogLevelOption, NatsUrlOption,
-                                         apply_top_level_options, resolve_nats_url, settings)
+                                         apply_top_level_options, resolve_nats_url, roster_checked, settings)
 
 # hearth-replay is a reading tool: quieter than the services, and quick to say when the broker is not there.
 replay_log_level = "WARNING"
@@ -276,7 +276,7 @@ def shard_command(
     from hearth.services.common.event_trust import event_verifier
 
     # The live projectors' check, so the evidence shown is what the read model applied.
-    verifier = event_verifier(settings(ctx))
+    verifier = roster_checked("hearth-replay", lambda: event_verifier(settings(ctx)))
     raise typer.Exit(_run(_print_shard(resolve_nats_url(ctx, nats_url), shard, key, float(timeout_s), verifier)))
 
 
@@ -314,7 +314,7 @@ def rebuild_command(
     from hearth.services.common.event_trust import event_verifier
 
     # The live projectors' check (when the community's roster is at hand), so the rebuilt rows match theirs.
-    verifier = event_verifier(settings(ctx))
+    verifier = roster_checked("hearth-replay", lambda: event_verifier(settings(ctx)))
     readmodels = settings(ctx).readmodels  # and the live projectors' retention
     raise typer.Exit(_run(_rebuild(resolve_nats_url(ctx, nats_url), db, diff, force, verifier, readmodels)))
 
@@ -369,7 +369,7 @@ def verify_command(
     from hearth.trust.roster import Roster, RosterError
 
     current = settings(ctx)
-    roster_file = roster or community_roster_file(current.nats)
+    roster_file = roster or roster_checked("hearth-replay", lambda: community_roster_file(current.nats))
     if roster_file is None:
         raise _fail("verify needs the community roster: give --roster FILE (or [nats] roster_file)")
     try:

@@ -113,7 +113,7 @@ def evidence_lines(shard_id: str, outcomes: Sequence[StoredEvent], verifier: Eve
         when = f"  {format_time(event.occurred_at)}"
         # Removals are judged by the roster's cuts: this view reads only the events naming the shard or its node.
         rejection = verifier.rejection(event, received_at=item.time, stored_data=getattr(item, "data", b""),
-                                       position=StreamPosition(item.stream, item.seq)) \
+                                       position=StreamPosition(item.stream, item.seq, item.subject)) \
             if verifier is not None else None
         if not names_shard(event, shard_id, shard_key(shard_id)):
             if rejection is None:  # another shard's quarantine or clearing: it holds or frees this shard's node, or

@@ -86,7 +86,7 @@ def _verdict(verifier: EventVerifier, message: Any, removals: set[tuple[str, str
     event = message.event
     # The broker's storage time and position, and the removals this stream showed before, as in the live projection.
     reason = verifier.rejection(event, received_at=message.time, stored_data=message.data,
-                                position=StreamPosition(message.stream, message.seq),
+                                position=StreamPosition(message.stream, message.seq, message.subject),
                                 removal_logged=(message.stream, event.signer) in removals)
     if reason is None:
         if isinstance(event, MemberRemoved):
