@@ -4,6 +4,7 @@ so is a silent one when the step moved on while it was probed."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass
 
@@ -98,3 +99,42 @@ async def test_a_step_the_sink_took_part_of_is_blamed_on_the_last_hop_once_it_is
     failure = await watch.check(STEP, time.monotonic() - 1.0, 0.5)
     assert failure is not None and failure.kind == "stalled" and failure.shard_id == "second", failure
     assert "not passed on" in failure.reason
+
+
+async def _watched_once_with_both_answering(orchestrator, shard) -> tuple[StallWatch, list[Hop]]:
+    """A watch whose first gone check found both suspects answering, as during a long prefill on hop 0."""
+    hops = [_hop("first"), _hop("second")]
+
+    async def answer(msg) -> None:
+        stat = ShardStat(shard_id="x", active_streams=1, cached_sessions=1, cache_bytes=0)
+        await shard.publish(msg.reply, stat.model_dump_json().encode())
+
+    subscriptions = [await shard.subscribe(hop.control_subject, cb=answer) for hop in hops]
+    await flush_ordered(shard)
+    watch = StallWatch(orchestrator, hops, Observer(), TRANSPORT)
+    assert await watch.check(STEP, time.monotonic() - 1.0, TRANSPORT.step_timeout_s) is None
+    await subscriptions[1].unsubscribe()  # hop 1's host dies while hop 0 still computes the step
+    return watch, hops
+
+
+async def test_a_hop_that_dies_after_the_first_gone_check_is_failed_over_before_the_step_timeout(connections):
+    """Before, the gone check ran once per step and holder: a host that died after it (hop 1 while hop 0 ran a long
+    prefill) was found only once the whole step timeout (with its per-token share) had passed."""
+    orchestrator, shard = connections
+    watch, _ = await _watched_once_with_both_answering(orchestrator, shard)
+    await flush_ordered(shard)
+    await asyncio.sleep(TRANSPORT.gone_check_after_s * 2)
+    failure = await watch.check(STEP, time.monotonic() - 1.0, TRANSPORT.step_timeout_s)
+    assert failure is not None and failure.kind == "gone" and failure.shard_id == "second", failure
+    watch.cancel()
+
+
+async def test_a_hop_answering_every_gone_check_is_left_to_the_step_timeout(connections):
+    """The gone check repeats while a step is held, and hops that answer each time are never blamed early."""
+    orchestrator, shard = connections
+    hops = await _mesh(orchestrator, shard, second_answers=True)
+    watch = StallWatch(orchestrator, hops, Observer(), TRANSPORT)
+    for _ in range(3):
+        assert await watch.check(STEP, time.monotonic() - 1.0, TRANSPORT.step_timeout_s) is None
+        await asyncio.sleep(TRANSPORT.gone_check_after_s * 2)
+    watch.cancel()
