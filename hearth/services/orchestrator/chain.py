@@ -8,7 +8,8 @@ A step fails (a typed result, never an exception) when:
   session's KV cache was evicted (`evicted`: nobody is to blame; the caller re-prefills on the same chain);
 - the output that reaches us fails the integrity check (`corrupt`, the last hop);
 - the stall watch finds a hop gone or holding the step too long (`gone`, `stalled`; stall.py);
-- our connection to the broker was lost while the step was out (`broker`, nobody's shard is to blame).
+- our connection to the broker was lost while the step was out, or could not take it (`broker`, nobody's shard is
+  to blame).
 """
 
 from __future__ import annotations
@@ -326,6 +327,10 @@ class HopChain:
             self._forget_outstanding()
             return self._broker_failure(epoch, f"step {self._step} was out") or StepFailure(
                 "stalled", self.hops[0].shard_id, f"hop 0 did not ack: {error}")
+        except TransportError as error:  # the publish failed (reconnect buffer full, connection closed): no hop's fault
+            self._forget_outstanding()
+            return self._broker_failure(epoch, f"step {self._step} was sent") or StepFailure(
+                "broker", None, f"step {self._step} could not be published: {error}")
         return SentStep(info, time.monotonic(), timeout_s, queued_behind)
 
     def _forget_outstanding(self) -> None:
