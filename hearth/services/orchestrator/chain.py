@@ -69,6 +69,8 @@ class SentStep:
     timeout_s: float
     # Whether steps sent before it were still out: then its hop latencies include queueing and are not observed.
     queued_behind: bool
+    # Our connection's reconnect count when it was sent: what the hops answered across a later reconnect is lost.
+    epoch: int
 
 
 class HopChain:
@@ -331,7 +333,7 @@ class HopChain:
             self._forget_outstanding()
             return self._broker_failure(epoch, f"step {self._step} was sent") or StepFailure(
                 "broker", None, f"step {self._step} could not be published: {error}")
-        return SentStep(info, time.monotonic(), timeout_s, queued_behind)
+        return SentStep(info, time.monotonic(), timeout_s, queued_behind, epoch)
 
     def _forget_outstanding(self) -> None:
         """After a failure every step still out is abandoned: its late notices and outputs are stale."""
@@ -352,8 +354,7 @@ class HopChain:
     async def _await_output(self, sent: SentStep) -> torch.Tensor | StepFailure:
         info = sent.info
         self._watch.cancel()
-        epoch = self.nc.stats["reconnects"]
-        doing = f"step {info.step} was out"
+        epoch, doing = sent.epoch, f"step {info.step} was out"
         poll_s = max(shortest_poll_s, min(self.transport.step_timeout_s * stall_poll_fraction,
                                           self.transport.gone_check_after_s / 2))
         while True:
