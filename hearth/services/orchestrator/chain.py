@@ -45,7 +45,7 @@ from hearth.services.transport import (
     StepRefusal, TransportError, TransportTimeout, WaitInterrupted, receiver_settings, wire_dtype_from_setting,
 )
 from hearth.services.transport.integrity import NormBounds, count_integrity_failure
-from hearth.services.transport.keepalives import KeepaliveSender
+from hearth.services.transport.keepalives import KeepaliveSender, telling_while
 from hearth.services.transport.mac import ack_witness_key, encode_link_key, new_link_key
 from hearth.services.transport.notices import read_notice
 
@@ -54,10 +54,6 @@ log = logging.getLogger(__name__)
 # How often (a fraction of the step timeout) a waiting step looks at the acks for a hop holding it too long.
 stall_poll_fraction = 0.1
 shortest_poll_s = 0.01
-
-
-def _encoded(link_key: bytes | None) -> str | None:
-    return encode_link_key(link_key) if link_key is not None else None
 
 
 @dataclass(frozen=True)
@@ -179,8 +175,9 @@ class HopChain:
         except NatsError as error:
             return self._broker_failure(epoch, "subscribing") or StepFailure("broker", None, f"subscribing: {error}")
         self._open_sent = True
-        replies = await asyncio.gather(*(self._open_hop(i, hop) for i, hop in enumerate(self.hops)),
-                                       return_exceptions=True)
+        opening = asyncio.gather(*(self._open_hop(i, hop) for i, hop in enumerate(self.hops)), return_exceptions=True)
+        # A re-open waits for its shard's compute thread: the hops that answered at once must not close as orphans.
+        replies = await telling_while(opening, self.keep_alive, self.transport.keepalive_interval_s)
         for hop, reply in zip(self.hops, replies):
             if isinstance(reply, NoRespondersError):
                 return StepFailure("gone", hop.shard_id, "no responder on its control subject")
@@ -204,8 +201,8 @@ class HopChain:
             **self.placement.seen_by(self.hops, index, self.node_id),
             model_id=self.model_id, weights_sha256=self.weights_sha256, quantization=hop.quantization,
             layer_lo=hop.layer_lo_to_run, layer_hi=hop.layer_hi_to_run, wire_dtype=self.wire_dtype, **session_bound,
-            inbound_link_key=_encoded(self.link_keys[index]),
-            outbound_link_key=_encoded(self.link_keys[index + 1]),
+            inbound_link_key=self.link_keys[index] and encode_link_key(self.link_keys[index]),
+            outbound_link_key=self.link_keys[index + 1] and encode_link_key(self.link_keys[index + 1]),
             notice_key=encode_link_key(self.notice_keys[index]), seal_activations=self.sealed,
             prefix=behind_hops(self.prefix, self.hops, index),
             owner_key=owner_key(self.pipeline_id, hop.shard_id))
