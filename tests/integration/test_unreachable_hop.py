@@ -5,12 +5,15 @@ so is a silent one when the step moved on while it was probed."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from dataclasses import dataclass
 
 from hearth.services.common.config import TransportSettings
 from hearth.protocol.control import ShardStat
-from hearth.services.broker.connection import flush_ordered
+from hearth.services.broker.connection import connect_nats, flush_ordered
+from hearth.services.broker.server import free_tcp_port, loopback_host
+from hearth.services.devtools.netbed_relay import LatencyRelay, Link
 from hearth.services.orchestrator.router import Hop
 from hearth.services.orchestrator.stall import StallWatch
 from hearth.services.transport import FrameKind, StepInfo
@@ -18,6 +21,8 @@ from hearth.services.transport import FrameKind, StepInfo
 TRANSPORT = TransportSettings(step_timeout_s=30.0, gone_check_after_s=0.05, gone_check_timeout_s=0.05,
                               probe_timeout_s=0.1)
 STEP = StepInfo(session="s-watch", step=1, kind=FrameKind.decode, pos=0)
+# A relay delay no probe outlives: the link is cut.
+cut_rtt_ms = 600_000.0
 
 
 def _hop(name: str) -> Hop:
@@ -138,3 +143,27 @@ async def test_a_hop_answering_every_gone_check_is_left_to_the_step_timeout(conn
         assert await watch.check(STEP, time.monotonic() - 1.0, TRANSPORT.step_timeout_s) is None
         await asyncio.sleep(TRANSPORT.gone_check_after_s * 2)
     watch.cancel()
+
+
+async def test_our_own_link_cut_is_a_broker_failure_not_a_silent_hop(nats_server):
+    """Our household's link is cut: the connection looks up until its pings go unanswered (10-15 s), and every hop
+    is silent to our probes. Before, the watch blamed a healthy hop (kept out of every call's routing for a while,
+    and the failover's opens then timed out on every shard); now a ping of our own connection that goes unanswered
+    says the broker link is what failed."""
+    port = free_tcp_port()
+    relay = LatencyRelay(loopback_host, [Link(listen_port=port, upstream_port=nats_server.port)])
+    await relay.start()
+    orchestrator = await connect_nats(f"nats://{loopback_host}:{port}", name="test-orchestrator")
+    shard = await connect_nats(nats_server.url, name="test-shard")
+    try:
+        hops = await _mesh(orchestrator, shard, second_answers=True)
+        watch = StallWatch(orchestrator, hops, Observer(), TRANSPORT)
+        relay.set_rtt(port, cut_rtt_ms)  # nothing crosses the link from now on
+        failure = await watch.check(STEP, time.monotonic() - 1.0, TRANSPORT.step_timeout_s)
+        assert failure is not None and failure.kind == "broker" and failure.shard_id is None, failure
+        watch.cancel()
+    finally:
+        for connection in (orchestrator, shard):
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(connection.close(), 2.0)
+        await relay.close()

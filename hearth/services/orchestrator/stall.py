@@ -15,8 +15,9 @@ held (a host may die while the hop before it still computes a long prefill); one
 over right away.
 A host whose link is cut (its process running on) still has its subscriptions at the broker until the broker
 gives up on its connection, so a request there is silent instead: a suspect that stays silent through the gone
-check and a second probe of `probe_timeout_s` is failed over too, unless the step moved on meanwhile. A busy
-host is not taken for one: its control loop answers `stat` while its compute thread runs a step (even a long
+check and a second probe of `probe_timeout_s` is failed over too, unless the step moved on meanwhile, or our own
+connection did not answer a ping meanwhile either: then our link is the one cut, a `broker` failure blaming nobody.
+A busy host is not taken for one: its control loop answers `stat` while its compute thread runs a step (even a long
 prefill). A merely slow host answers, and is left to the step timeout.
 """
 
@@ -27,6 +28,7 @@ import time
 
 from nats.aio.client import Client as NatsClient
 
+from hearth.services.broker.connection import answers_ping
 from hearth.services.common.config import TransportSettings
 from hearth.services.orchestrator.outcomes import StepFailure
 from hearth.services.orchestrator.router import Hop
@@ -110,10 +112,14 @@ class StallWatch:
         silent = [index for index, outcome in zip(suspects, outcomes) if outcome is ProbeOutcome.silent]
         if not silent:
             return None
-        confirmed = await self._outcomes(silent, probe_s)
+        # Every hop is silent to us when our own link is cut, and nats-py notices only once its pings go unanswered.
+        confirmed, linked = await asyncio.gather(self._outcomes(silent, probe_s), answers_ping(self.nc, probe_s))
+        waited_s = self.transport.gone_check_timeout_s + probe_s
+        if not linked:
+            return StepFailure("broker", None, f"the connection to the NATS broker does not answer a ping (our link is "
+                                               f"cut); step {info.step} held {held_s:.2f} s")
         if self._position(info) != position:
             return None  # acked by another hop meanwhile: whoever was silent is not what holds it up
-        waited_s = self.transport.gone_check_timeout_s + probe_s
         for index, outcome in zip(silent, confirmed):
             if outcome is not ProbeOutcome.answered:
                 return StepFailure("stalled", self.hops[index].shard_id,
