@@ -362,16 +362,16 @@ class HopChain:
             received = self._early.pop(info.step, None) or await self._next_output(poll_s)
             if isinstance(received, StepFailure):
                 return received
-            if received is None:
+            ours = received is not None and received.session == self.session_id and received.step in self._outstanding
+            if ours and received.step != info.step:
+                self._early[received.step] = received  # a later step out: kept until it is awaited
+            if not ours or received.step != info.step:
+                # Nothing yet, or another step's output: either way the watch looks (a last hop that sends step
+                # after step we do not await must not put it off for ever).
                 failure = self._broker_failure(epoch, doing) or await self._watch.check(info, sent.sent_at,
                                                                                        sent.timeout_s)
                 if failure is not None:
                     return failure
-                continue
-            if received.session != self.session_id or received.step not in self._outstanding:
-                continue
-            if received.step != info.step:
-                self._early[received.step] = received  # a later step out: kept until it is awaited
                 continue
             if self._notices:
                 return self._notice_failure()
