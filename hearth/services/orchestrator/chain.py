@@ -56,6 +56,10 @@ stall_poll_fraction = 0.1
 shortest_poll_s = 0.01
 
 
+def _encoded(link_key: bytes | None) -> str | None:
+    return encode_link_key(link_key) if link_key is not None else None
+
+
 @dataclass(frozen=True)
 class SentStep:
     """A step sent into hop 0 whose output has not been awaited yet (several may be out: chunked prefill)."""
@@ -201,8 +205,8 @@ class HopChain:
             **self.placement.seen_by(self.hops, index, self.node_id),
             model_id=self.model_id, weights_sha256=self.weights_sha256, quantization=hop.quantization,
             layer_lo=hop.layer_lo_to_run, layer_hi=hop.layer_hi_to_run, wire_dtype=self.wire_dtype, **session_bound,
-            inbound_link_key=self.link_keys[index] and encode_link_key(self.link_keys[index]),
-            outbound_link_key=self.link_keys[index + 1] and encode_link_key(self.link_keys[index + 1]),
+            inbound_link_key=_encoded(self.link_keys[index]),
+            outbound_link_key=_encoded(self.link_keys[index + 1]),
             notice_key=encode_link_key(self.notice_keys[index]), seal_activations=self.sealed,
             prefix=behind_hops(self.prefix, self.hops, index),
             owner_key=owner_key(self.pipeline_id, hop.shard_id))
@@ -366,8 +370,7 @@ class HopChain:
             if ours and received.step != info.step:
                 self._early[received.step] = received  # a later step out: kept until it is awaited
             if not ours or received.step != info.step:
-                # Nothing yet, or another step's output: either way the watch looks (a last hop that sends step
-                # after step we do not await must not put it off for ever).
+                # Nothing yet, or another step's output: the watch looks either way (a last hop may send those forever).
                 failure = self._broker_failure(epoch, doing) or await self._watch.check(info, sent.sent_at,
                                                                                        sent.timeout_s)
                 if failure is not None:

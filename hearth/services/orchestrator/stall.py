@@ -114,12 +114,12 @@ class StallWatch:
             return None
         # Every hop is silent to us when our own link is cut, and nats-py notices only once its pings go unanswered.
         confirmed, linked = await asyncio.gather(self._outcomes(silent, probe_s), answers_ping(self.nc, probe_s))
-        waited_s = self.transport.gone_check_timeout_s + probe_s
         if not linked:
             return StepFailure("broker", None, f"the connection to the NATS broker does not answer a ping (our link is "
                                                f"cut); step {info.step} held {held_s:.2f} s")
         if self._position(info) != position:
             return None  # acked by another hop meanwhile: whoever was silent is not what holds it up
+        waited_s = self.transport.gone_check_timeout_s + probe_s
         for index, outcome in zip(silent, confirmed):
             if outcome is not ProbeOutcome.answered:
                 return StepFailure("stalled", self.hops[index].shard_id,
