@@ -1,22 +1,36 @@
 """StallWatch's gone check against a real nats-server: a suspect hop that stays silent to two probes (a cut link:
 the broker still holds its subscription) is failed over early; one that answers is left to the step timeout, and
-so is a silent one when the step moved on while it was probed."""
+so is a silent one when the step moved on while it was probed; the check repeats while the step stays held; our
+own cut link blames no hop; and a chain's wait always reaches the watch."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import itertools
 import time
 from dataclasses import dataclass
 
 from hearth.services.common.config import TransportSettings
-from hearth.protocol.control import ShardStat
-from hearth.services.broker.connection import flush_ordered
+import torch
+
+from hearth.protocol.control import ControlReply, OpenHop, ShardStat, control_request_adapter
+from hearth.protocol.subjects import LinkNodes
+from hearth.services.broker.connection import connect_nats, flush_ordered
+from hearth.services.broker.server import free_tcp_port, loopback_host
+from hearth.services.devtools.netbed_relay import LatencyRelay, Link
+from hearth.services.orchestrator.chain import HopChain
+from hearth.services.orchestrator.outcomes import StepFailure
 from hearth.services.orchestrator.router import Hop
 from hearth.services.orchestrator.stall import StallWatch
-from hearth.services.transport import FrameKind, StepInfo
+from hearth.services.transport import AckWindowSender, FrameKind, StepInfo
+from hearth.services.transport.mac import decode_link_key
 
 TRANSPORT = TransportSettings(step_timeout_s=30.0, gone_check_after_s=0.05, gone_check_timeout_s=0.05,
                               probe_timeout_s=0.1)
 STEP = StepInfo(session="s-watch", step=1, kind=FrameKind.decode, pos=0)
+# A relay delay no probe outlives: the link is cut.
+cut_rtt_ms = 600_000.0
 
 
 def _hop(name: str) -> Hop:
@@ -98,3 +112,113 @@ async def test_a_step_the_sink_took_part_of_is_blamed_on_the_last_hop_once_it_is
     failure = await watch.check(STEP, time.monotonic() - 1.0, 0.5)
     assert failure is not None and failure.kind == "stalled" and failure.shard_id == "second", failure
     assert "not passed on" in failure.reason
+
+
+async def _watched_once_with_both_answering(orchestrator, shard) -> tuple[StallWatch, list[Hop]]:
+    """A watch whose first gone check found both suspects answering, as during a long prefill on hop 0."""
+    hops = [_hop("first"), _hop("second")]
+
+    async def answer(msg) -> None:
+        stat = ShardStat(shard_id="x", active_streams=1, cached_sessions=1, cache_bytes=0)
+        await shard.publish(msg.reply, stat.model_dump_json().encode())
+
+    subscriptions = [await shard.subscribe(hop.control_subject, cb=answer) for hop in hops]
+    await flush_ordered(shard)
+    watch = StallWatch(orchestrator, hops, Observer(), TRANSPORT)
+    assert await watch.check(STEP, time.monotonic() - 1.0, TRANSPORT.step_timeout_s) is None
+    await subscriptions[1].unsubscribe()  # hop 1's host dies while hop 0 still computes the step
+    return watch, hops
+
+
+async def test_a_hop_that_dies_after_the_first_gone_check_is_failed_over_before_the_step_timeout(connections):
+    """Before, the gone check ran once per step and holder: a host that died after it (hop 1 while hop 0 ran a long
+    prefill) was found only once the whole step timeout (with its per-token share) had passed."""
+    orchestrator, shard = connections
+    watch, _ = await _watched_once_with_both_answering(orchestrator, shard)
+    await flush_ordered(shard)
+    await asyncio.sleep(TRANSPORT.gone_check_after_s * 2)
+    failure = await watch.check(STEP, time.monotonic() - 1.0, TRANSPORT.step_timeout_s)
+    assert failure is not None and failure.kind == "gone" and failure.shard_id == "second", failure
+    watch.cancel()
+
+
+async def test_a_hop_answering_every_gone_check_is_left_to_the_step_timeout(connections):
+    """The gone check repeats while a step is held, and hops that answer each time are never blamed early."""
+    orchestrator, shard = connections
+    hops = await _mesh(orchestrator, shard, second_answers=True)
+    watch = StallWatch(orchestrator, hops, Observer(), TRANSPORT)
+    for _ in range(3):
+        assert await watch.check(STEP, time.monotonic() - 1.0, TRANSPORT.step_timeout_s) is None
+        await asyncio.sleep(TRANSPORT.gone_check_after_s * 2)
+    watch.cancel()
+
+
+async def test_our_own_link_cut_is_a_broker_failure_not_a_silent_hop(nats_server):
+    """Our household's link is cut: the connection looks up until its pings go unanswered (10-15 s), and every hop
+    is silent to our probes. Before, the watch blamed a healthy hop (kept out of every call's routing for a while,
+    and the failover's opens then timed out on every shard); now a ping of our own connection that goes unanswered
+    says the broker link is what failed."""
+    port = free_tcp_port()
+    relay = LatencyRelay(loopback_host, [Link(listen_port=port, upstream_port=nats_server.port)])
+    await relay.start()
+    orchestrator = await connect_nats(f"nats://{loopback_host}:{port}", name="test-orchestrator")
+    shard = await connect_nats(nats_server.url, name="test-shard")
+    try:
+        hops = await _mesh(orchestrator, shard, second_answers=True)
+        watch = StallWatch(orchestrator, hops, Observer(), TRANSPORT)
+        relay.set_rtt(port, cut_rtt_ms)  # nothing crosses the link from now on
+        failure = await watch.check(STEP, time.monotonic() - 1.0, TRANSPORT.step_timeout_s)
+        assert failure is not None and failure.kind == "broker" and failure.shard_id is None, failure
+        watch.cancel()
+    finally:
+        for connection in (orchestrator, shard):
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(connection.close(), 2.0)
+        await relay.close()
+
+
+async def test_a_last_hop_flooding_the_sink_with_other_steps_is_still_failed_over(connections):
+    """The last hop (with the link key of the sink, so its frames are taken) sends step after step of the session
+    that nobody awaits, more often than the chain polls: before, every such output sent the wait round again without
+    a look at the stall watch, and the call waited forever; now the step still fails within its timeout."""
+    orchestrator, shard = connections
+    hop = _hop("flooding")
+    opened: list[OpenHop] = []
+
+    async def answer(msg) -> None:
+        request = control_request_adapter.validate_json(msg.data)
+        if isinstance(request, OpenHop):
+            opened.append(request)
+            reply = ControlReply(ok=True)
+        else:
+            reply = ShardStat(shard_id="flooding", active_streams=1, cached_sessions=1, cache_bytes=0)
+        await shard.publish(msg.reply, reply.model_dump_json().encode())
+
+    await shard.subscribe(hop.control_subject, cb=answer)
+    await flush_ordered(shard)
+    transport = TransportSettings(step_timeout_s=1.0, gone_check_after_s=0.2, control_timeout_s=2.0)
+    chain = HopChain(orchestrator, "p-flood", [hop], node_id="orch", model_id="m", weights_sha256="0" * 64,
+                     transport=transport, wire_dtype="fp32")
+    assert await chain.open() is None
+    request = opened[0]
+    flood = AckWindowSender(shard, "p-flood", 1, nodes=LinkNodes(sender="n", receiver="orch"),
+                            link_key=decode_link_key(request.outbound_link_key), seal=request.seal_activations,
+                            window_chunks=1 << 16)
+    await flood.start()
+
+    async def keep_flooding() -> None:
+        for step in itertools.count(1000):
+            await flood.send(StepInfo(session=request.session_id, step=step, kind=FrameKind.decode, pos=0),
+                             torch.zeros(1, 1, 8))
+            await asyncio.sleep(0.01)
+
+    flooding = asyncio.create_task(keep_flooding())
+    try:
+        stepping = chain.step(FrameKind.decode, 0, torch.zeros(1, 1, 8))
+        output = await asyncio.wait_for(stepping, 10 * transport.step_timeout_s)
+        assert isinstance(output, StepFailure) and output.shard_id == "flooding", output
+    finally:
+        flooding.cancel()
+        await asyncio.gather(flooding, return_exceptions=True)
+        await flood.close()
+        await chain.close()

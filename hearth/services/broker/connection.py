@@ -301,3 +301,13 @@ async def flush_ordered(nc: NatsClient, timeout_s: float = DEFAULT_FLUSH_TIMEOUT
             flush.result()
             return
         await asyncio.sleep(min(flush_ordered_poll_interval_s, remaining_s))
+
+
+async def answers_ping(nc: NatsClient, timeout_s: float) -> bool:
+    """Whether the broker answered a ping on `nc` (after everything sent before it) within `timeout_s`: False when our
+    link is cut, which nats-py notices only once its own pings went unanswered (`[nats]` ping settings), or closed."""
+    try:
+        await flush_ordered(nc, timeout_s)
+    except Exception:  # a flush timeout, a closed connection
+        return False
+    return True

@@ -140,7 +140,8 @@ class TransportSettings(ConfigSection):
     gone_check_after_s: float = Field(
         default=0.5, gt=0,
         description="a step held this long makes the orchestrator check that the hops holding it are still "
-                    "connected (a dead host is failed over at once instead of after step_timeout_s)",
+                    "connected, and again as often while it stays held (a dead host is failed over at once "
+                    "instead of after step_timeout_s)",
     )
     prefill_timeout_per_token_s: float = Field(
         default=0.01, ge=0, description="added to step_timeout_s per prompt token of a prefill step")

@@ -28,7 +28,9 @@ class OrchestratorSettings(ConfigSection):
     request_deadline_s: float = Field(
         default=3600.0, gt=0, description="a call still running after this ends (leaves room to load a head)")
     client_resubscribe_grace_s: float = Field(
-        default=5.0, ge=0, description="after a reconnect, 'no responders' on a client inbox is not yet a leave")
+        default=5.0, ge=0,
+        description="after a reconnect, 'no responders' on a client inbox is not yet a leave, nor on the control "
+                    "subject of a call's hop its host gone (the call then fails over around it)")
     client_missing_grace_s: float = Field(
         default=1.0, ge=0,
         description="'no responders' on a client inbox for this long (no reconnect of ours) is a leave: a client "

@@ -8,7 +8,8 @@ A step fails (a typed result, never an exception) when:
   session's KV cache was evicted (`evicted`: nobody is to blame; the caller re-prefills on the same chain);
 - the output that reaches us fails the integrity check (`corrupt`, the last hop);
 - the stall watch finds a hop gone or holding the step too long (`gone`, `stalled`; stall.py);
-- our connection to the broker was lost while the step was out (`broker`, nobody's shard is to blame).
+- our connection to the broker was lost while the step was out, or could not take it (`broker`, nobody's shard is
+  to blame).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from hearth.services.transport import (
     StepRefusal, TransportError, TransportTimeout, WaitInterrupted, receiver_settings, wire_dtype_from_setting,
 )
 from hearth.services.transport.integrity import NormBounds, count_integrity_failure
-from hearth.services.transport.keepalives import KeepaliveSender
+from hearth.services.transport.keepalives import KeepaliveSender, telling_while
 from hearth.services.transport.mac import ack_witness_key, encode_link_key, new_link_key
 from hearth.services.transport.notices import read_notice
 
@@ -68,6 +69,8 @@ class SentStep:
     timeout_s: float
     # Whether steps sent before it were still out: then its hop latencies include queueing and are not observed.
     queued_behind: bool
+    # Our connection's reconnect count when it was sent: what the hops answered across a later reconnect is lost.
+    epoch: int
 
 
 class HopChain:
@@ -176,8 +179,9 @@ class HopChain:
         except NatsError as error:
             return self._broker_failure(epoch, "subscribing") or StepFailure("broker", None, f"subscribing: {error}")
         self._open_sent = True
-        replies = await asyncio.gather(*(self._open_hop(i, hop) for i, hop in enumerate(self.hops)),
-                                       return_exceptions=True)
+        opening = asyncio.gather(*(self._open_hop(i, hop) for i, hop in enumerate(self.hops)), return_exceptions=True)
+        # A re-open waits for its shard's compute thread: the hops that answered at once must not close as orphans.
+        replies = await telling_while(opening, self.keep_alive, self.transport.keepalive_interval_s)
         for hop, reply in zip(self.hops, replies):
             if isinstance(reply, NoRespondersError):
                 return StepFailure("gone", hop.shard_id, "no responder on its control subject")
@@ -326,7 +330,11 @@ class HopChain:
             self._forget_outstanding()
             return self._broker_failure(epoch, f"step {self._step} was out") or StepFailure(
                 "stalled", self.hops[0].shard_id, f"hop 0 did not ack: {error}")
-        return SentStep(info, time.monotonic(), timeout_s, queued_behind)
+        except TransportError as error:  # the publish failed (reconnect buffer full, connection closed): no hop's fault
+            self._forget_outstanding()
+            return self._broker_failure(epoch, f"step {self._step} was sent") or StepFailure(
+                "broker", None, f"step {self._step} could not be published: {error}")
+        return SentStep(info, time.monotonic(), timeout_s, queued_behind, epoch)
 
     def _forget_outstanding(self) -> None:
         """After a failure every step still out is abandoned: its late notices and outputs are stale."""
@@ -347,8 +355,7 @@ class HopChain:
     async def _await_output(self, sent: SentStep) -> torch.Tensor | StepFailure:
         info = sent.info
         self._watch.cancel()
-        epoch = self.nc.stats["reconnects"]
-        doing = f"step {info.step} was out"
+        epoch, doing = sent.epoch, f"step {info.step} was out"
         poll_s = max(shortest_poll_s, min(self.transport.step_timeout_s * stall_poll_fraction,
                                           self.transport.gone_check_after_s / 2))
         while True:
@@ -359,16 +366,15 @@ class HopChain:
             received = self._early.pop(info.step, None) or await self._next_output(poll_s)
             if isinstance(received, StepFailure):
                 return received
-            if received is None:
+            ours = received is not None and received.session == self.session_id and received.step in self._outstanding
+            if ours and received.step != info.step:
+                self._early[received.step] = received  # a later step out: kept until it is awaited
+            if not ours or received.step != info.step:
+                # Nothing yet, or another step's output: the watch looks either way (a last hop may send those forever).
                 failure = self._broker_failure(epoch, doing) or await self._watch.check(info, sent.sent_at,
                                                                                        sent.timeout_s)
                 if failure is not None:
                     return failure
-                continue
-            if received.session != self.session_id or received.step not in self._outstanding:
-                continue
-            if received.step != info.step:
-                self._early[received.step] = received  # a later step out: kept until it is awaited
                 continue
             if self._notices:
                 return self._notice_failure()

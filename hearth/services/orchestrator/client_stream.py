@@ -25,7 +25,7 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
 from hearth.protocol.chat import KeepaliveFrame, TokenDeltaFrame
-from hearth.services.broker.connection import NO_RESPONDERS_STATUS, flush_ordered
+from hearth.services.broker.connection import NO_RESPONDERS_STATUS, answers_ping
 from hearth.services.orchestrator.metrics import final_frame_code
 
 log = logging.getLogger(__name__)
@@ -178,9 +178,7 @@ class ClientStream:
 
     async def _flushed(self, timeout_s: float) -> bool:
         """Whether every publish so far reached the broker within `timeout_s`, its "no responders" answers read."""
-        try:
-            await flush_ordered(self.nc, timeout_s)
-        except Exception:
+        if not await answers_ping(self.nc, timeout_s):
             return False
         # The status messages have been read off the socket; let their subscription's callback run.
         for _ in range(status_dispatch_yields):

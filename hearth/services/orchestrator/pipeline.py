@@ -291,16 +291,17 @@ class PipelineRun:
                                                     reason=failure.reason))
 
     async def _rebuild(self, hops: list[Hop], failure: StepFailure) -> StepFailure | None:
-        """Our broker connection dropped mid-step: no shard is to blame. Once we (and the same hops, and the
-        client) are reachable again, reopen the same hops and re-prefill; a hop that refuses to reopen is a failure
-        to decide on; `pipeline_stalled` naming the broker when that does not happen within
-        `[orchestrator] broker_wait_s`."""
+        """Our broker connection dropped mid-step (no shard to blame): once we, the hops and the client are reachable,
+        reopen the same hops and re-prefill; a hop that refuses, or has no responder `client_resubscribe_grace_s` after
+        we are back (its host did not come back), is a failure to decide on; `pipeline_stalled` past `broker_wait_s`."""
         call, nc, settings = self.call, self.ctx.nc, self.ctx.settings
         call.broker_repairs += 1
         log.warning("pipeline %s: %s; rebuilding it once the broker is back", call.pipeline_id, failure)
         deadline = time.monotonic() + settings.orchestrator.broker_wait_s
+        gone_after = None  # when a hop without a responder is gone: the grace after we are back
         while time.monotonic() < deadline:
             if nc.is_connected and await call.client.reachable(settings.transport.control_timeout_s):
+                gone_after = gone_after or time.monotonic() + settings.orchestrator.client_resubscribe_grace_s
                 chain = self.builder.over(hops)
                 reopened = await chain.open()
                 if reopened is None:
@@ -308,7 +309,8 @@ class PipelineRun:
                     self._enter(CallStatus.prefilling)
                     return None
                 await chain.close()
-                if reopened.kind == "refused":  # a shard answered and said no: route around it as usual
+                # A shard that said no, or is gone for good: route around it as usual (a replica may serve the call).
+                if reopened.kind == "refused" or (reopened.kind == "gone" and time.monotonic() > gone_after):
                     return reopened
             # The hops' own connections may come back a little after ours.
             await asyncio.sleep(settings.nats.reconnect_wait_s)

@@ -10,11 +10,14 @@ times out, so the verdict is there when it does: a stall is declared within the 
 A host that died (killed, crashed, unplugged) need not wait that long: its NATS connection is gone, and
 with it the subscription on its control subject, so a request there fails at once with "no responders".
 Once a step has been held `gone_check_after_s` (far longer than a step normally takes, far shorter than
-the step timeout), the watch asks the suspects once; one without a responder is failed over right away.
+the step timeout), the watch asks the suspects, and asks again every `gone_check_after_s` while the step stays
+held (a host may die while the hop before it still computes a long prefill); one without a responder is failed
+over right away.
 A host whose link is cut (its process running on) still has its subscriptions at the broker until the broker
 gives up on its connection, so a request there is silent instead: a suspect that stays silent through the gone
-check and a second probe of `probe_timeout_s` is failed over too, unless the step moved on meanwhile. A busy
-host is not taken for one: its control loop answers `stat` while its compute thread runs a step (even a long
+check and a second probe of `probe_timeout_s` is failed over too, unless the step moved on meanwhile, or our own
+connection did not answer a ping meanwhile either: then our link is the one cut, a `broker` failure blaming nobody.
+A busy host is not taken for one: its control loop answers `stat` while its compute thread runs a step (even a long
 prefill). A merely slow host answers, and is left to the step timeout.
 """
 
@@ -25,6 +28,7 @@ import time
 
 from nats.aio.client import Client as NatsClient
 
+from hearth.services.broker.connection import answers_ping
 from hearth.services.common.config import TransportSettings
 from hearth.services.orchestrator.outcomes import StepFailure
 from hearth.services.orchestrator.router import Hop
@@ -46,8 +50,9 @@ class StallWatch:
         # The liveness probe of the step currently held too long: (step, holder hop) and its task.
         self._probe_key: tuple[int, int] | None = None
         self._probe: asyncio.Task | None = None
-        # The (step, holder hop) whose suspects were already checked for a lost connection.
+        # The (step, holder hop) whose suspects were last checked for a lost connection, and when to check again.
         self._gone_checked: tuple[int, int] | None = None
+        self._next_gone_check = 0.0
 
     def cancel(self) -> None:
         if self._probe is not None:
@@ -68,11 +73,13 @@ class StallWatch:
         suspects = [i for i in ([holder] if progress is None else [holder, holder + 1]) if i < len(self.hops)]
         held_s = now - since
         probe_s = min(self.transport.probe_timeout_s, self.transport.step_timeout_s / 2)
-        if held_s > self.transport.gone_check_after_s and self._gone_checked != (info.step, holder):
+        if held_s > self.transport.gone_check_after_s and (self._gone_checked != (info.step, holder)
+                                                            or now >= self._next_gone_check):
             self._gone_checked = (info.step, holder)
             failure = await self._check_reachable(info, suspects, held_s, probe_s)
             if failure is not None:
                 return failure
+            self._next_gone_check = time.monotonic() + self.transport.gone_check_after_s
         if len(suspects) > 1 and held_s > timeout_s - probe_s and self._probe_key != (info.step, holder):
             self.cancel()
             self._probe_key = (info.step, holder)
@@ -105,7 +112,11 @@ class StallWatch:
         silent = [index for index, outcome in zip(suspects, outcomes) if outcome is ProbeOutcome.silent]
         if not silent:
             return None
-        confirmed = await self._outcomes(silent, probe_s)
+        # Every hop is silent to us when our own link is cut, and nats-py notices only once its pings go unanswered.
+        confirmed, linked = await asyncio.gather(self._outcomes(silent, probe_s), answers_ping(self.nc, probe_s))
+        if not linked:
+            return StepFailure("broker", None, f"the connection to the NATS broker does not answer a ping (our link is "
+                                               f"cut); step {info.step} held {held_s:.2f} s")
         if self._position(info) != position:
             return None  # acked by another hop meanwhile: whoever was silent is not what holds it up
         waited_s = self.transport.gone_check_timeout_s + probe_s

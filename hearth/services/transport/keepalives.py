@@ -4,8 +4,10 @@ grows; a hop counts it as a sign of life only when its own MAC fits and the numb
 
 from __future__ import annotations
 
+import asyncio
 import hmac
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import TypeVar
 
 from nats.aio.client import Client as NatsClient
 
@@ -16,6 +18,8 @@ KEEPALIVE_KEY_LABEL = b"hearth keepalive v1"  # derived from a hop's notice key,
 HEADER_ALIVE_PREFIX = "Hearth-Alive-"  # then the hop's index: one MAC per hop in one message
 # A keepalive's number in decimal: anything longer is not one.
 max_keepalive_bytes = 20
+
+T = TypeVar("T")
 
 
 def keepalive_key(notice_key: bytes) -> bytes:
@@ -51,3 +55,15 @@ class KeepaliveSender:
         self._sent += 1
         payload, headers = keepalive_message(self._sent, self._keys)
         await nc.publish(subject, payload, headers=headers)
+
+
+async def telling_while(pending: asyncio.Future[T], tell: Callable[[], Awaitable[None]], interval_s: float) -> T:
+    """`pending`'s result, calling `tell` every `interval_s` while it is awaited and once when it is done (the hops
+    opened meanwhile hear of their orchestrator from then on); `pending` is cancelled when the wait is."""
+    try:
+        while not (await asyncio.wait({pending}, timeout=interval_s))[0]:
+            await tell()
+        await tell()
+        return pending.result()
+    finally:
+        pending.cancel()
