@@ -14,6 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from hearth.services.common.child_processes import ends_with_this_process
 from hearth.services.common.config_sections import loopback_host
 
 log = logging.getLogger(__name__)
@@ -157,6 +158,8 @@ class EmbeddedNatsServer:
             stdin=subprocess.DEVNULL,
             start_new_session=self.start_new_session,
             env={**os.environ, **self.config_environment()},
+            # Its owner killed (a demo's SIGKILL), it would serve on with nobody to stop it.
+            preexec_fn=ends_with_this_process(),
         )
         self._wait_until_accepting(log_path)
         log.info("nats-server %s listening on %s (store %s)", binary, self.url, self.store_dir)
