@@ -15,3 +15,10 @@ def test_without_a_nats_server_binary_the_demo_says_so_in_one_line(tmp_path, mon
     err = capsys.readouterr().err
     assert exit_code == 1, err
     assert "hearth demo: nats-server binary not found" in err and "Traceback" not in err
+
+
+def test_an_unknown_random_shape_is_refused_in_one_line(tmp_path, capsys):
+    exit_code = DemoRun(model="random:no-such-shape", work_dir=tmp_path / "work").run()
+    err = capsys.readouterr().err
+    assert exit_code == 1, err
+    assert "hearth demo: unknown random shape 'no-such-shape'" in err and "Traceback" not in err

@@ -36,6 +36,7 @@ from hearth.services.devtools.local_cluster import (
     prefork_from_environment,
 )
 from hearth.services.devtools.prefork import LauncherError
+from hearth.services.devtools.random_models import UnknownRandomShape
 from hearth.services.devtools.demo_model import (
     REAL_DEMO_MODEL_HINT,
     DemoError,
@@ -127,7 +128,7 @@ class DemoRun:
             if self.serve:
                 self._serve_until_stopped(cluster, demo_model)
             return 0 if answered else 1
-        except DemoError as error:
+        except (DemoError, UnknownRandomShape) as error:
             _say(f"hearth demo: {error}")
             return 1
         except (ClusterError, NatsServerError, LauncherError) as error:  # a part of the mesh did not start
