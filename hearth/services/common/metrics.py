@@ -21,6 +21,8 @@ from prometheus_client import (
 )
 from prometheus_client import start_http_server as _prometheus_start_http_server
 
+from hearth.services.common.lifecycle import CommandRefused
+
 log = logging.getLogger(__name__)
 
 # No `<name>_created` sample beside every counter and histogram: Prometheus does not use them, and they would
@@ -146,6 +148,9 @@ def serve_process_metrics(port: int | None, process: str, *, host: str,
         set_metrics_observed(False)
         return None
     set_metrics_observed(True)
-    server = start_metrics_server(port, host=host, registry=registry)
+    try:
+        server = start_metrics_server(port, host=host, registry=registry)
+    except OSError as error:  # the port is taken (another process's /metrics, say), or the interface is not here
+        raise CommandRefused(f"cannot serve /metrics on {host}:{port}: {error.strerror or error}") from None
     print(f"{process} metrics on {server.url}", flush=True)
     return server
