@@ -187,9 +187,11 @@ def shard_command(
     insecure: InsecureOption = False,
 ) -> None:
     """Host one contiguous layer range of a model: advertise it, heartbeat, serve activation streams."""
+    from hearth.services.common.hearth_files import bundled_model_or
     from hearth.services.common.lifecycle import run_until_stopped
     from hearth.services.shard.main import run_shard
 
+    model = bundled_model_or(model)
     wait_for_nats(ctx, wait_for_nats_flag)
     use_metrics_host(ctx, metrics_host)
     node_id = node_id_for("hearth shard", use_credentials(ctx, "hearth shard", creds, insecure), node_id, "shard")

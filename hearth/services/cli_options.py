@@ -83,12 +83,18 @@ class CliState:
 
     def settings(self) -> "HearthSettings":
         if self._settings is None:
+            from pydantic import ValidationError
+
+            from hearth.protocol.refusals import describe_validation_error
             from hearth.services.common.config import ConfigError, load_settings
 
             try:
                 self._settings = load_settings(self.config_path)
             except ConfigError as error:
-                raise typer.BadParameter(str(error), param_hint="--config") from error
+                raise typer.BadParameter(str(error), param_hint="--config") from None
+            except ValidationError as error:  # a key or value of the file, or of a HEARTH_* variable
+                raise typer.BadParameter(f"invalid configuration: {describe_validation_error(error)}",
+                                         param_hint="--config or HEARTH_*") from None
         return self._settings
 
 

@@ -78,11 +78,16 @@ def installed(tmp_path_factory) -> dict:
     return {"wheel": wheel, "venv": venv, "files": files, "cwd": outside}
 
 
+def outside_environment() -> dict[str, str]:
+    """This process's environment without what points at the checkout (a PYTHONPATH that runs the suite from it
+    would have the venv import the checkout's hearth, not the wheel's)."""
+    return {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "VIRTUAL_ENV")}
+
+
 def run_hearth(installed: dict, *args: str, timeout: float = command_timeout_s,
                env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    environment = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "VIRTUAL_ENV")}
     return subprocess.run([str(installed["venv"] / "bin" / "hearth"), *args], cwd=installed["cwd"], text=True,
-                          capture_output=True, timeout=timeout, env={**environment, **(env or {})})
+                          capture_output=True, timeout=timeout, env={**outside_environment(), **(env or {})})
 
 
 def test_the_wheel_carries_every_code_package_and_the_data_files(installed):
@@ -100,7 +105,7 @@ def test_installed_hearth_finds_its_data_in_the_venv_not_the_checkout(installed)
         [str(installed["venv"] / "bin" / "python"), "-c",
          "from hearth.services.common.hearth_files import data_dir\n"
          "for f in ('models', 'nats', 'grafana'): print(data_dir(f))"],
-        cwd=installed["cwd"], capture_output=True, text=True, check=True)
+        cwd=installed["cwd"], capture_output=True, text=True, check=True, env=outside_environment())
     for line in completed.stdout.split():
         assert Path(line).is_dir() and Path(line).is_relative_to(installed["venv"]), completed.stdout
 

@@ -126,6 +126,31 @@ def test_a_missing_file_is_an_error(tmp_path):
         load_settings(tmp_path / "nope.toml")
 
 
+def test_a_file_that_is_not_valid_toml_is_a_config_error_naming_it(tmp_path):
+    path = tmp_path / "broken.toml"
+    path.write_text("[shard\nserve_shards = \n")
+    with pytest.raises(ConfigError, match=f"{re.escape(str(path))} is not valid TOML"):
+        load_settings(path)
+
+
+@pytest.mark.parametrize(
+    "toml, expected",
+    [("[shard\n", "is not valid TOML"), ("[shard]\nbogus_key = 1\n", "field 'shard.bogus_key'")],
+)
+def test_a_command_given_a_bad_configuration_file_says_so_in_one_line(tmp_path, toml, expected):
+    from typer.testing import CliRunner
+
+    from hearth.services.cli import app
+
+    path = tmp_path / "hearth.toml"
+    path.write_text(toml)
+    result = CliRunner().invoke(app, ["--config", str(path), "orchestrator", "--insecure", "--nats",
+                                      "nats://127.0.0.1:1"])
+    assert result.exit_code == 2, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    assert expected in result.output and "Traceback" not in result.output
+
+
 @pytest.mark.parametrize(
     "toml, field",
     [

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
@@ -14,6 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from hearth.services.common.child_processes import ends_with_this_process
 from hearth.services.common.config_sections import loopback_host
 
 log = logging.getLogger(__name__)
@@ -22,8 +24,18 @@ server_start_timeout_s = 15.0
 server_stop_timeout_s = 10.0
 # Small on purpose: tests restart servers, and a dead server must be noticed quickly.
 readiness_poll_interval_s = 0.02
+# What nats-server logs once every listener is up, and when one cannot bind its port.
+_READY_LINE = "Server is ready"
+_ADDRESS_IN_USE = "address already in use"
 _RELOADED_LINE = "Reloaded server configuration"
 _RELOAD_FAILED_LINE = "Failed to reload server configuration"
+
+
+def _read_from(path: Path, offset: int) -> str:
+    with contextlib.suppress(OSError), open(path, "rb") as log_file:
+        log_file.seek(offset)
+        return log_file.read().decode(errors="replace")
+    return ""
 
 
 class NatsServerError(RuntimeError):
@@ -150,6 +162,7 @@ class EmbeddedNatsServer:
         binary = find_nats_server_binary()
         log_path = self.store_dir / "nats-server.log"
         self._log_file = open(log_path, "ab")
+        log_start = self._log_file.tell()  # the log is kept across restarts: only this start's lines count
         self._process = subprocess.Popen(
             [str(binary), "-c", str(config_path)],
             stdout=self._log_file,
@@ -157,8 +170,10 @@ class EmbeddedNatsServer:
             stdin=subprocess.DEVNULL,
             start_new_session=self.start_new_session,
             env={**os.environ, **self.config_environment()},
+            # Its owner killed (a demo's SIGKILL), it would serve on with nobody to stop it.
+            preexec_fn=ends_with_this_process(),
         )
-        self._wait_until_accepting(log_path)
+        self._wait_until_accepting(log_path, log_start)
         log.info("nats-server %s listening on %s (store %s)", binary, self.url, self.store_dir)
         return self
 
@@ -224,17 +239,24 @@ class EmbeddedNatsServer:
                 time.sleep(readiness_poll_interval_s)
                 said += log_file.read().decode(errors="replace")
 
-    def _wait_until_accepting(self, log_path: Path) -> None:
+    def _wait_until_accepting(self, log_path: Path, log_start: int) -> None:
+        """Until this server says it is ready and its port accepts: a port that accepts alone may be another
+        program's (a second `hearth nats` on a port in use), while this server fails to listen and exits."""
         deadline = time.monotonic() + server_start_timeout_s
         while time.monotonic() < deadline:
             if self._process.poll() is not None:
-                tail = log_path.read_text(errors="replace")[-2000:]
-                raise NatsServerError(f"nats-server exited with {self._process.returncode}:\n{tail}")
-            try:
-                with socket.create_connection((self.host, self.port), timeout=0.2):
-                    return
-            except OSError:
-                time.sleep(readiness_poll_interval_s)
+                log_text = _read_from(log_path, log_start)
+                if _ADDRESS_IN_USE in log_text:
+                    raise NatsServerError(f"cannot listen on {self.host}:{self.port}: the port is in use (another "
+                                          "nats-server, or another program)")
+                raise NatsServerError(f"nats-server exited with {self._process.returncode}:\n{log_text[-2000:]}")
+            if _READY_LINE in _read_from(log_path, log_start):
+                try:
+                    with socket.create_connection((self.host, self.port), timeout=0.2):
+                        return
+                except OSError:
+                    pass
+            time.sleep(readiness_poll_interval_s)
         self.stop()
         raise NatsServerError(f"nats-server did not accept connections on {self.url} "
                               f"within {server_start_timeout_s} s")

@@ -15,6 +15,7 @@ error.
 from __future__ import annotations
 
 import os
+import tomllib
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Literal
@@ -331,7 +332,8 @@ def config_path_from_env() -> Path | None:
 def load_settings(path: str | Path | None = None, **overrides: Any) -> HearthSettings:
     """Settings from the TOML file at `path` (or `$HEARTH_CONFIG`, or none), then env vars, then `overrides`.
 
-    Raises ConfigError when a named file does not exist, pydantic.ValidationError when a value is invalid.
+    Raises ConfigError when a named file does not exist or cannot be read as TOML, pydantic.ValidationError when a
+    value is invalid.
     """
     toml_path = Path(path) if path is not None else config_path_from_env()
     if toml_path is not None and not toml_path.is_file():
@@ -339,5 +341,9 @@ def load_settings(path: str | Path | None = None, **overrides: Any) -> HearthSet
     token = _toml_path_being_loaded.set(toml_path)
     try:
         return HearthSettings(**overrides)
+    except tomllib.TOMLDecodeError as error:
+        raise ConfigError(f"configuration file {toml_path} is not valid TOML: {error}") from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise ConfigError(f"cannot read configuration file {toml_path}: {error}") from None
     finally:
         _toml_path_being_loaded.reset(token)

@@ -20,3 +20,15 @@ def data_dir(folder: str) -> Path:
         raise ValueError(f"{folder!r} is not one of hearth's data folders {DATA_FOLDERS}")
     installed = SOURCES_ROOT / DATA_PACKAGE / folder
     return installed if installed.is_dir() else SOURCES_ROOT / folder
+
+
+def bundled_model_or(model: str) -> str:
+    """`model` as given, unless it names a model bundled with hearth (`hearth-tiny-llama`, or
+    `models/hearth-tiny-llama` as the checkout's README writes it) and no such path exists here: then the bundled
+    folder's path, so that an installed hearth, run from any folder, finds it by name instead of asking the hub."""
+    if Path(model).expanduser().exists():
+        return model
+    name = model.removeprefix("models/")
+    if name and "/" not in name and (data_dir("models") / name / "config.json").is_file():
+        return str(data_dir("models") / name)
+    return model

@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from typing import Any, NoReturn, TypeVar
 
 from hearth.services.common.process_gc import freeze_startup_objects
+from hearth.services.common.scratch_folders import remove_live_scratch_folders
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -94,6 +95,9 @@ def end_stopped_process() -> NoReturn:
 
 
 def _exit_now() -> NoReturn:
+    # The deadline ends the process without its exit handlers: its scratch folders would stay behind.
+    with contextlib.suppress(Exception):
+        remove_live_scratch_folders()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()

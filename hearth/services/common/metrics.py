@@ -154,6 +154,9 @@ def serve_process_metrics(port: int | None, process: str, *, host: str,
         set_metrics_observed(False)
         return None
     set_metrics_observed(True)
-    server = start_metrics_server(port, host=host, registry=registry)
+    try:
+        server = start_metrics_server(port, host=host, registry=registry)
+    except OSError as error:  # the port is taken (another process's /metrics, say), or the interface is not here
+        raise CommandRefused(f"cannot serve /metrics on {host}:{port}: {error.strerror or error}") from None
     print(f"{process} metrics on {server.url}", flush=True)
     return server

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hearth.protocol.subjects import parse_shard_id
+from hearth.services.broker.server import NatsServerError
 from hearth.services.common.lifecycle import STOP_EXIT_CODE, Interrupted, run_cancelling_on_signal
 from hearth.services.common.logging import default_log_level
 from hearth.services.common.sqlite_read_only import open_read_only
@@ -35,6 +36,8 @@ from hearth.services.devtools.local_cluster import (
     even_layer_ranges,
     prefork_from_environment,
 )
+from hearth.services.devtools.prefork import LauncherError
+from hearth.services.devtools.random_models import UnknownRandomShape
 from hearth.services.devtools.demo_model import (
     REAL_DEMO_MODEL_HINT,
     DemoError,
@@ -126,10 +129,10 @@ class DemoRun:
             if self.serve:
                 self._serve_until_stopped(cluster, demo_model)
             return 0 if answered else 1
-        except DemoError as error:
+        except (DemoError, UnknownRandomShape) as error:
             _say(f"hearth demo: {error}")
             return 1
-        except ClusterError as error:
+        except (ClusterError, NatsServerError, LauncherError) as error:  # a part of the mesh did not start
             _say(f"hearth demo: {error}")
             return 1
         except (KeyboardInterrupt, _Stop):

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
-from hearth.services.common.hearth_files import data_dir
+from hearth.services.common.hearth_files import bundled_model_or, data_dir
 from hearth.services.devtools.random_models import cache_root, random_checkpoint
 
 BUNDLED_MODELS_DIR = data_dir("models")
@@ -128,10 +128,8 @@ def resolve_demo_model(spec: str | None, *, prefer_real: bool = False) -> DemoMo
     elif spec.startswith(OLLAMA_MODEL_PREFIX):
         blob, name = _ollama_blob(spec)
         return DemoModel(path=blob, ollama_name=name, **_describe_gguf(blob))
-    elif Path(spec).expanduser().exists():
-        path = _checkpoint_in(Path(spec).expanduser())
-    elif (BUNDLED_MODELS_DIR / spec / "config.json").is_file():
-        path = BUNDLED_MODELS_DIR / spec
+    elif Path(local := bundled_model_or(spec)).expanduser().exists():  # a path, or a bundled model's name
+        path = _checkpoint_in(Path(local).expanduser())
     else:
         path = _hub_cache_path(spec)
     path = path.resolve()

@@ -6,16 +6,17 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from hearth.services.broker.streams import create_community_streams_blocking
+from hearth.services.common.child_processes import ends_with_this_process
 from hearth.services.common.config import ENV_NESTED_DELIMITER, ENV_PREFIX, NatsSettings
 from hearth.services.common.hearth_files import SOURCES_ROOT
 from hearth.services.common.logging import default_log_level, log_tail_chars
+from hearth.services.common.scratch_folders import ScratchFolder
 from hearth.services.broker.permissions import render_authorization
 from hearth.services.broker.cluster import EmbeddedNatsCluster
 from hearth.services.broker.server import EmbeddedNatsServer, free_tcp_port
@@ -163,8 +164,8 @@ class LocalCluster:
     def __post_init__(self) -> None:
         self._tmp = None
         if self.work_dir is None:
-            self._tmp = tempfile.TemporaryDirectory(prefix="hearth-cluster-")
-            self.work_dir = Path(self._tmp.name)
+            self._tmp = ScratchFolder("hearth-cluster-")  # a killed owner's is removed by the next cluster's
+            self.work_dir = self._tmp.path
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self.nats: EmbeddedNatsServer | EmbeddedNatsCluster | None = None
         self.community: Community | None = None
@@ -289,7 +290,7 @@ class LocalCluster:
         with open(log_path, "ab") as log_file:
             return subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     env=env, cwd=str(repo_root), start_new_session=self.start_new_session,
-                                    preexec_fn=pin)
+                                    preexec_fn=ends_with_this_process(then=pin))
 
     def _prefork_enabled(self) -> bool:
         return self.prefork if self.prefork is not None else prefork_from_environment(default=False)

@@ -10,21 +10,16 @@ them gets its own launcher (`import_environment`).
 Wire (JSON lines): the client writes a `SpawnRequest` on the launcher's stdin; the launcher answers each with a
 `SpawnReply` on its stdout, in order, and an `ExitReport` whenever a child ends (only their parent can reap them).
 
-Run as `python -m hearth.services.devtools.prefork` by `PreforkLauncher`; nothing else starts it.
+The launcher's own side is services.devtools.prefork_launcher, run as `python -m` by `PreforkLauncher`.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
-import gc
-import importlib
 import json
 import logging
 import os
-import runpy
-import select
-import shlex
 import signal
 import subprocess
 import sys
@@ -38,13 +33,14 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from hearth.services.common.logging import log_tail_chars
-from hearth.services.common.process_gc import freeze_startup_objects, hold_full_collections
 
 log = logging.getLogger(__name__)
 
 # What a child runs (named, not imported: the CLI loads the tooling that starts the launcher), as `python -m hearth`
 # does: running this module, preloaded, as __main__ again would put runpy's RuntimeWarning in every child's log.
 HEARTH_MODULE = "hearth.services.cli"
+# The launcher process's module (run with -m).
+LAUNCHER_MODULE = "hearth.services.devtools.prefork_launcher"
 # Imported by the launcher before it forks anything: every module a long-running `hearth` command loads.
 PRELOADED_MODULES = (
     HEARTH_MODULE,
@@ -112,127 +108,6 @@ def import_environment(env: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
     return tuple(sorted((key, value) for key, value in env.items() if key.startswith(IMPORT_ENVIRONMENT_PREFIXES)))
 
 
-def _returncode(status: int) -> int:
-    return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
-
-
-# ------------------------------------------------------------------ the launcher process
-
-
-def _run_child(request: SpawnRequest, launcher_fds: Sequence[int]) -> None:
-    """In the forked child: become the command the request names, run it, and exit with its status."""
-    code = 1
-    try:
-        signal.set_wakeup_fd(-1)
-        for fd in launcher_fds:
-            os.close(fd)
-        # SIGPIPE stays ignored, as in a fresh interpreter: a write to a closed socket raises BrokenPipeError.
-        for signum in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP):
-            signal.signal(signum, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        with contextlib.suppress(ImportError):  # cosmetic: ps would show the launcher's command line instead
-            import setproctitle
-
-            setproctitle.setproctitle(shlex.join([sys.executable, "-m", HEARTH_MODULE, *request.argv]))
-        if request.new_session:
-            os.setsid()
-        if request.cpus:
-            os.sched_setaffinity(0, request.cpus)
-        log_fd = os.open(request.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        null_fd = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(null_fd, 0)
-        os.dup2(log_fd, 1)
-        os.dup2(log_fd, 2)
-        os.close(log_fd)
-        os.close(null_fd)
-        os.chdir(request.cwd)
-        os.environ.clear()
-        os.environ.update(request.env)
-        import torch
-
-        torch.seed()  # a fresh process draws its own seed; a fork would otherwise share the launcher's
-        sys.argv = ["hearth", *request.argv]
-        try:
-            runpy.run_module("hearth", run_name="__main__", alter_sys=True)
-            code = 0
-        except SystemExit as exit_:
-            code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
-            if isinstance(exit_.code, str):
-                print(exit_.code, file=sys.stderr)
-    except BaseException:  # noqa: BLE001 - the child must never return into the launcher's loop
-        import traceback
-
-        traceback.print_exc()
-        code = 1
-    finally:
-        # As lifecycle.end_stopped_process: atexit handlers, flushed streams, no teardown, never back to the loop.
-        with contextlib.suppress(BaseException):
-            atexit._run_exitfuncs()
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(BaseException):
-                stream.flush()
-        os._exit(code)
-
-
-def _write(message: SpawnReply | ExitReport) -> None:
-    os.write(1, (message.model_dump_json() + "\n").encode())
-
-
-def _reap_children() -> None:
-    while True:
-        try:
-            pid, status = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
-        _write(ExitReport(pid=pid, returncode=_returncode(status)))
-
-
-def _serve() -> None:
-    """The launcher's loop: import, then fork on each request and report each child's exit, until stdin ends."""
-    # Ctrl-C in a terminal reaches the launcher's process group too; the owner decides when it ends (stdin).
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    wakeup_read, wakeup_write = os.pipe()
-    os.set_blocking(wakeup_write, False)
-    signal.set_wakeup_fd(wakeup_write)
-    signal.signal(signal.SIGCHLD, lambda signum, frame: None)
-    hold_full_collections()  # as a `hearth` command imports (hearth/services/common/process_gc.py)
-    for module in PRELOADED_MODULES:
-        with contextlib.suppress(ImportError):  # the child imports it again and says what is wrong
-            importlib.import_module(module)
-    gc.collect()  # once: the freezes keep no garbage, and the children start from Python's own thresholds
-    freeze_startup_objects()
-    pending = b""
-    while True:
-        readable, _, _ = select.select([0, wakeup_read], [], [], launcher_poll_interval_s)
-        if wakeup_read in readable:
-            os.read(wakeup_read, 4096)
-        _reap_children()
-        if 0 not in readable:
-            continue
-        chunk = os.read(0, 65536)
-        if not chunk:
-            break
-        pending += chunk
-        while b"\n" in pending:
-            line, pending = pending.split(b"\n", 1)
-            try:
-                request = SpawnRequest.model_validate_json(line)
-            except ValueError as error:
-                _write(SpawnReply(error=f"not a spawn request: {error}"))
-                continue
-            # What exists goes to the permanent generation: a child's full collections skip it (otherwise one
-            # lands on a child's first request: BENCHMARKS.md, "`hearth demo`") and leave its pages, shared with
-            # the launcher, untouched (gc.freeze's docs).
-            gc.freeze()
-            pid = os.fork()
-            if pid == 0:
-                _run_child(request, (wakeup_read, wakeup_write))
-            _write(SpawnReply(pid=pid))
-    _reap_children()
-
-
 # ------------------------------------------------------------------ the client side
 
 
@@ -283,7 +158,7 @@ class PreforkLauncher:
         # What the launcher itself says (an import that failed, a crash) is kept for LauncherError's message.
         self._stderr = tempfile.TemporaryFile()
         self._process = subprocess.Popen(
-            [sys.executable, "-m", "hearth.services.devtools.prefork"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            [sys.executable, "-m", LAUNCHER_MODULE], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=self._stderr, env={**env, "PYTHONUNBUFFERED": "1"}, cwd=str(cwd))
         self._reader = threading.Thread(target=self._read_messages, name="prefork-reader", daemon=True)
         self._reader.start()
@@ -360,11 +235,12 @@ class PreforkLauncher:
         """End the launcher at once; children it forked keep running until their owners stop them.
 
         Killed rather than asked: it keeps nothing worth a clean exit, and it may still be importing (a stop
-        while a mesh starts), which would delay its owner's exit by seconds."""
+        while a mesh starts), which would delay its owner's exit by seconds. Killed before its stdin closes: a
+        launcher that reads the end of its stdin takes its owner for gone and ends its children."""
+        self._process.kill()
         with contextlib.suppress(OSError):
             if self._process.stdin is not None:
                 self._process.stdin.close()
-        self._process.kill()
         self._process.wait(timeout=launcher_poll_interval_s * 5)
         self._stderr.close()
 
@@ -395,6 +271,3 @@ def _close_launchers() -> None:
             launcher.close()
         _launchers.clear()
 
-
-if __name__ == "__main__":
-    _serve()

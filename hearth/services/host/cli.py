@@ -63,9 +63,11 @@ def host_command(
 ) -> None:
     """Serve the layers of MODEL that fit this host's memory budget and most improve the mesh's coverage
     (least-replicated layers first); move to fill a hole when a host leaves, never dropping a layer's last replica."""
+    from hearth.services.common.hearth_files import bundled_model_or
     from hearth.services.common.lifecycle import run_until_stopped
     from hearth.services.host.main import run_host
 
+    model = bundled_model_or(model)
     wait_for_nats(ctx, wait_for_nats_flag)
     use_metrics_host(ctx, metrics_host)
     node_id = node_id_for("hearth host", use_credentials(ctx, "hearth host", creds, insecure), node_id, "shard")

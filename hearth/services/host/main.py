@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import logging
 import random
-import tempfile
 import time
 from collections.abc import Awaitable, Callable, Set
 from pathlib import Path
@@ -39,6 +38,7 @@ from hearth.services.common.config_processes import ShardSettings, serve_shards_
 from hearth.services.common.event_trust import event_verifier, stream_setup
 from hearth.services.common.lifecycle import Stopped, unless_stopped
 from hearth.services.common.metrics import serve_process_metrics
+from hearth.services.common.scratch_folders import ScratchFolder
 from hearth.services.broker.connection import connect_nats, drain_or_close, until_stopped_or_closed
 from hearth.services.host.model_layout import model_layout
 from hearth.services.host.planner import LayerRange, better_range, choose_range, replicas_per_layer
@@ -229,7 +229,7 @@ async def run_host(*, model: str, memory_budget_mb: float | None, nats_url: str 
             "kv_cache_budget_mb")
     nc = await unless_stopped(connect_nats(nats_url, name=f"hearth-host {node}", settings=settings.nats), stop_event)
     metrics_server = None
-    with tempfile.TemporaryDirectory(prefix="hearth-host-") as folder:
+    with ScratchFolder("hearth-host-") as folder:
         projector = Projector(Path(folder) / "coverage.sqlite", nc.jetstream(), streams=(SHARDS_STREAM,),
                               retention=retention_policy(settings.readmodels),
                               verifier=event_verifier(settings), stream_setup=stream_setup(settings.nats))

@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import functools
 import logging
-import tempfile
 from pathlib import Path
 
 from nats.aio.client import Client as NatsClient
@@ -48,6 +47,7 @@ from hearth.services.common.event_trust import (
 )
 from hearth.services.common.metrics import counter
 from hearth.services.common.lifecycle import owned_task
+from hearth.services.common.scratch_folders import ScratchFolder
 from hearth.services.broker.connection import flush_ordered
 from hearth.services.broker.permissions import reply_allowed
 from hearth.services.orchestrator.admission import admit_prompt, prompt_room
@@ -95,10 +95,10 @@ class Orchestrator:
         distributed = settings.research.distributed_inference
         self.enabled = settings.research.enable and distributed.enabled
         self.catalog = ModelCatalog(list(model_search_dirs or []), local_model, shard_settings=settings.shard)
-        self._tmp_dir: tempfile.TemporaryDirectory | None = None
+        self._tmp_dir: ScratchFolder | None = None
         if db_path is None:
-            self._tmp_dir = tempfile.TemporaryDirectory(prefix="hearth-orchestrator-")
-            db_path = Path(self._tmp_dir.name) / "routing.sqlite"
+            self._tmp_dir = ScratchFolder("hearth-orchestrator-")
+            db_path = self._tmp_dir.path / "routing.sqlite"
         self.db_path = db_path
         # Routing reads only events the community's roster vouches for (none rejected on an open mesh), and
         # this orchestrator's own events go out signed by its member key.
