@@ -24,5 +24,6 @@ def test_a_metrics_port_in_use_is_one_line_and_a_failure(command, nats_url, tmp_
         completed = subprocess.run([*command_args(command, nats_url, tmp_path), "--metrics-port", str(port)],
                                    capture_output=True, text=True, cwd=REPO_ROOT, env=ENV, timeout=command_timeout_s)
     assert completed.returncode == 1, completed.stderr
-    assert f"hearth {command}: cannot serve /metrics on 127.0.0.1:{port}: " in completed.stderr, completed.stderr
+    refusal = f"hearth {command}: --metrics-port {port}: cannot listen on 127.0.0.1:{port}: "
+    assert refusal in completed.stderr, completed.stderr
     assert "Traceback" not in completed.stderr, completed.stderr

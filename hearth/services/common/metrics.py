@@ -154,9 +154,6 @@ def serve_process_metrics(port: int | None, process: str, *, host: str,
         set_metrics_observed(False)
         return None
     set_metrics_observed(True)
-    try:
-        server = start_metrics_server(port, host=host, registry=registry)
-    except OSError as error:  # the port is taken (another process's /metrics, say), or the interface is not here
-        raise CommandRefused(f"cannot serve /metrics on {host}:{port}: {error.strerror or error}") from None
+    server = start_metrics_server(port, host=host, registry=registry)
     print(f"{process} metrics on {server.url}", flush=True)
     return server
