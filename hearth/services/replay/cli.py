@@ -64,8 +64,8 @@ def _fail(message: str, code: int = 2) -> typer.Exit:
 def _run(coroutine) -> int:
     """Run one command's coroutine; SIGINT/SIGTERM stop it cleanly (consumers are deleted on the way out)."""
     import nats.errors
-
     from hearth.services.common.lifecycle import Interrupted, run_cancelling_on_signal
+    from hearth.services.replay.render import broker_failure_line
 
     try:
         return run_cancelling_on_signal(coroutine)
@@ -73,13 +73,14 @@ def _run(coroutine) -> int:
         return 130
     except (nats.errors.NoServersError, ConnectionRefusedError, OSError) as error:
         raise _fail(f"cannot reach NATS: {error}", 3) from error
+    except nats.errors.Error as error:  # reached, but it did not answer as a JetStream broker does
+        raise _fail(broker_failure_line(error), 3) from None
 
 
 async def _connect(url: str):
     import logging
 
     import nats
-
     from hearth.services.common.config import load_settings
     from hearth.services.broker.connection import credential_options, keepalive_options, server_urls
 
