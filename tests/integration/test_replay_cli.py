@@ -27,7 +27,6 @@ from hearth.events import (
 )
 from hearth.events.models import ShardAdvertised, ShardHeartbeat, ShardWithdrawn
 from hearth.services.broker.connection import connect_nats
-from hearth.services.broker.server import EmbeddedNatsServer
 from hearth.readmodels.db import upgrade_database
 from hearth.services.replay.cli import app
 
@@ -359,19 +358,3 @@ def test_rebuild_refuses_to_replace_the_read_model_it_is_asked_to_diff(nats_url,
         assert "one file" in result.stderr
     assert live.read_bytes() == before
 
-
-class BrokerWithoutJetStream(EmbeddedNatsServer):
-    """A nats-server that serves core NATS only: every JetStream request goes unanswered."""
-
-    def render_config(self) -> str:
-        return "\n".join(line for line in super().render_config().splitlines()
-                         if line.startswith(("listen", "max_payload")))
-
-
-@pytest.mark.parametrize("command", [["events"], ["pipeline", "p-7f3a9c"], ["shard", "8ce114b3009c"],
-                                     ["rebuild", "--db", "{tmp}/new.sqlite"]])
-def test_a_broker_without_jetstream_is_one_line_not_a_traceback(command, tmp_path):
-    with BrokerWithoutJetStream(store_dir=tmp_path / "nats") as server:
-        result = replay(server.url, *(part.format(tmp=tmp_path) for part in command))
-    assert result.exit_code == 3 and result.stderr.strip().count("\n") == 0, result.output
-    assert "JetStream" in result.stderr and "Traceback" not in result.output

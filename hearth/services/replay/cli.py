@@ -64,6 +64,7 @@ def _fail(message: str, code: int = 2) -> typer.Exit:
 def _run(coroutine) -> int:
     """Run one command's coroutine; SIGINT/SIGTERM stop it cleanly (consumers are deleted on the way out)."""
     import nats.errors
+    from hearth.services.broker.connection import BrokerUnreachable
     from hearth.services.common.lifecycle import Interrupted, run_cancelling_on_signal
     from hearth.services.replay.render import broker_failure_line
 
@@ -71,6 +72,8 @@ def _run(coroutine) -> int:
         return run_cancelling_on_signal(coroutine)
     except Interrupted:
         return 130
+    except BrokerUnreachable as error:
+        raise _fail(str(error), 3) from None
     except (nats.errors.NoServersError, ConnectionRefusedError, OSError) as error:
         raise _fail(f"cannot reach NATS: {error}", 3) from error
     except nats.errors.Error as error:  # reached, but it did not answer as a JetStream broker does
@@ -78,31 +81,13 @@ def _run(coroutine) -> int:
 
 
 async def _connect(url: str):
-    import logging
-
-    import nats
+    from hearth.services.broker.connection import connect_nats
     from hearth.services.common.config import load_settings
-    from hearth.services.broker.connection import credential_options, keepalive_options, server_urls
 
-    log = logging.getLogger("hearth.replay")
-
-    async def on_error(error: Exception) -> None:
-        log.debug("NATS: %s", error)
-
-    nats_settings = load_settings(None).nats
-    # Two quick attempts and no reconnect loop: a reader should fail fast and say so when the broker is away.
-    return await nats.connect(
-        servers=server_urls(url),
-        name="hearth-replay",
-        connect_timeout=replay_connect_timeout_s,
-        allow_reconnect=False,
-        max_reconnect_attempts=1,
-        reconnect_time_wait=0.2,
-        error_cb=on_error,
-        # The member key from $HEARTH_NATS__CREDS_FILE (an auditor's, on a community mesh).
-        **credential_options(nats_settings),
-        **keepalive_options(nats_settings),
-    )
+    # The member key from $HEARTH_NATS__CREDS_FILE (an auditor's, on a community mesh). A reader says soon when the
+    # broker is away, and, once connected, rides out a restart of it as every hearth process does (--follow).
+    nats_settings = load_settings(None).nats.model_copy(update={"connect_timeout_s": replay_connect_timeout_s})
+    return await connect_nats(url, name="hearth-replay", settings=nats_settings, wait_for_broker=False)
 
 
 @contextlib.asynccontextmanager

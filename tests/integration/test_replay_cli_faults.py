@@ -1,0 +1,59 @@
+"""hearth-replay against a broker that fails it: one without JetStream, one that restarts under `events --follow`."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from hearth.services.broker.server import EmbeddedNatsServer
+from tests.integration.test_replay_cli import publish, replay, shard_history
+
+pytestmark = pytest.mark.integration
+
+
+class BrokerWithoutJetStream(EmbeddedNatsServer):
+    """A nats-server that serves core NATS only: every JetStream request goes unanswered."""
+
+    def render_config(self) -> str:
+        return "\n".join(line for line in super().render_config().splitlines()
+                         if line.startswith(("listen", "max_payload")))
+
+
+@pytest.mark.parametrize("command", [["events"], ["pipeline", "p-7f3a9c"], ["shard", "8ce114b3009c"],
+                                     ["rebuild", "--db", "{tmp}/new.sqlite"]])
+def test_a_broker_without_jetstream_is_one_line_not_a_traceback(command, tmp_path):
+    with BrokerWithoutJetStream(store_dir=tmp_path / "nats") as server:
+        result = replay(server.url, *(part.format(tmp=tmp_path) for part in command))
+    assert result.exit_code == 3 and result.stderr.strip().count("\n") == 0, result.output
+    assert "JetStream" in result.stderr and "Traceback" not in result.output
+
+
+def test_events_follow_carries_on_across_a_broker_restart(nats_server):
+    before, after = shard_history()[:2]
+    publish(nats_server.url, [(None, before)])
+    process = subprocess.Popen(
+        [sys.executable, "-m", "hearth.services.replay.cli", "events", "--follow", "-o", "jsonl",
+         "--nats", nats_server.url],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in process.stdout], daemon=True).start()
+    try:
+        assert json.loads(lines.get(timeout=30))["event"]["event_id"] == before.event_id
+        nats_server.restart()
+        publish(nats_server.url, [(None, after)])
+
+        assert json.loads(lines.get(timeout=30))["event"]["event_id"] == after.event_id
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=15) == 130
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
