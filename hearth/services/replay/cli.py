@@ -140,14 +140,14 @@ def events_command(
     nats_url: NatsUrlOption = None,
 ) -> None:
     """Print stored events (with stream, sequence, subject, time); stops at the end of the log unless --follow."""
-    from hearth.services.replay.query import LogQuery, QueryError, parse_duration, parse_timestamp, select_streams
+    from hearth.services.replay.query import LogQuery, QueryError, parse_since, parse_timestamp, select_streams
 
     if since and from_time:
         raise _fail("give --since or --from-time, not both")
     try:
         start_time = None
         if since:
-            start_time = datetime.now(timezone.utc) - parse_duration(since)
+            start_time = parse_since(since, datetime.now(timezone.utc))
         elif from_time:
             start_time = parse_timestamp(from_time)
         types = tuple(event_type or ())
