@@ -1,7 +1,9 @@
-"""hearth-replay against a broker that fails it: one without JetStream, one that restarts under `events --follow`."""
+"""hearth-replay against a broker that fails it: one without JetStream, one that restarts under `events --follow`, one
+that lost a stream `verify` is to check."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import queue
@@ -12,7 +14,10 @@ import threading
 
 import pytest
 
+from hearth.events.streams import PIPELINES_STREAM, ensure_streams
+from hearth.services.broker.connection import connect_nats
 from hearth.services.broker.server import EmbeddedNatsServer
+from hearth.trust.roster import new_roster
 from tests.integration.test_replay_cli import publish, replay, shard_history
 
 pytestmark = pytest.mark.integration
@@ -57,3 +62,24 @@ def test_events_follow_carries_on_across_a_broker_restart(nats_server):
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def test_verify_names_a_stream_that_does_not_exist_instead_of_passing_it_over(nats_url, tmp_path):
+    roster = tmp_path / "roster.json"
+    new_roster("test").save(roster)
+    asyncio.run(_only_the_shards_stream(nats_url))
+
+    result = replay(nats_url, "verify", "--roster", str(roster))
+
+    assert result.exit_code == 0, result.output  # nothing stored is bad
+    assert f"stream {PIPELINES_STREAM} does not exist" in result.stderr, result.output
+    assert "HEARTH_SHARDS 0" in result.stdout
+
+
+async def _only_the_shards_stream(url: str) -> None:
+    nc = await connect_nats(url, name="test-one-stream")
+    try:
+        await ensure_streams(nc.jetstream())
+        await nc.jetstream().delete_stream(PIPELINES_STREAM)
+    finally:
+        await nc.close()

@@ -371,7 +371,9 @@ async def _verify(url: str, verifier) -> int:
     from hearth.services.replay.verify import verify_streams
 
     async with _jetstream(url) as js:
-        present, _ = await existing_streams(js, ALL_STREAMS)
+        present, missing = await existing_streams(js, ALL_STREAMS)
+        for name in missing:  # deleted, or never created: an audit says what it could not read
+            typer.echo(f"hearth-replay: stream {name} does not exist; nothing verified there", err=True)
         report = await verify_streams(js, verifier, present, on_bad=lambda bad: typer.echo(bad.line()))
     typer.echo(report.summary())
     return 0 if report.ok else 1
