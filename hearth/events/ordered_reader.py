@@ -61,8 +61,8 @@ class StreamReadStalled(TimeoutError):
     """A bounded read (follow=False) saw no expected message for `idle_timeout_s`."""
 
 
-def _core_client(js: JetStreamContext) -> NatsClient:
-    # nats-py exposes no public accessor for the connection behind a JetStreamContext.
+def core_client(js: JetStreamContext) -> NatsClient:
+    """The connection behind `js` (nats-py exposes no public accessor for it)."""
     return js._nc  # noqa: SLF001
 
 
@@ -81,7 +81,7 @@ class OrderedPushReader:
         idle_timeout_s: float,
     ) -> None:
         self._js = js
-        self._nc = _core_client(js)
+        self._nc = core_client(js)
         self._stream = stream
         self._next_stream_seq = start_seq
         self._start_time = start_time

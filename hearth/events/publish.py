@@ -1,5 +1,5 @@
 """Publishes one event to JetStream with its event_id as `Nats-Msg-Id`, signed by the emitting member's key
-when it has one, retrying transient failures."""
+when it has one, retrying transient failures (never through a connection that is away: see publish_event)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from tenacity import (
 
 from hearth.events.metrics import events_published_total
 from hearth.events.models import EventEnvelope, encode_event
+from hearth.events.ordered_reader import core_client
 from hearth.events.signing import sign_event
 from hearth.protocol.subjects import event_subject
 from hearth.trust.keys import MemberKey
@@ -68,6 +69,7 @@ async def publish_event(
             state.attempt_number + 1, max_attempts, state.next_action.sleep if state.next_action else 0.0,
         )
 
+    connection = core_client(js)
     retrying = AsyncRetrying(
         retry=retry_if_exception_type(TRANSIENT_PUBLISH_ERRORS),
         stop=stop_after_attempt(max_attempts) | stop_after_delay(publish_total_deadline_s),
@@ -77,6 +79,10 @@ async def publish_event(
     )
     async for attempt in retrying:
         with attempt:
+            if connection.is_reconnecting:
+                # Not handed to a connection that is away: it would buffer the request and send it at the reconnect,
+                # perhaps past the duplicate window after an earlier try that was stored, and that copy would be kept.
+                raise nats.errors.ConnectionReconnectingError
             ack = await js.publish(target, payload, timeout=timeout_s, headers=headers)
     events_published_total.labels(type=event.type).inc()  # type: ignore[attr-defined]
     return ack

@@ -3,6 +3,7 @@ the stream's duplicate window, is stored once."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 
@@ -12,9 +13,11 @@ import pytest
 import hearth.events.outbox
 import hearth.events.streams
 from hearth.events.consume import StoredEvent, read_stream
-from hearth.events.models import PipelineCompleted
+from hearth.events.models import PipelineCompleted, encode_event
 from hearth.events.outbox import EventOutbox
+from hearth.events.publish import MSG_ID_HEADER
 from hearth.events.streams import PIPELINES_STREAM, ensure_streams
+from hearth.protocol.subjects import event_subject
 from hearth.services.broker.connection import connect_nats
 
 pytestmark = pytest.mark.integration
@@ -66,6 +69,26 @@ async def test_an_event_stored_with_its_ack_lost_and_retried_past_the_duplicate_
     outbox.start()
     try:
         await outbox.record(event)
+        assert await outbox.flush(timeout_s=30)
+    finally:
+        await outbox.stop(timeout_s=1)
+
+    async with contextlib.aclosing(read_stream(js, PIPELINES_STREAM)) as items:
+        stored = [item.event.event_id async for item in items if isinstance(item, StoredEvent)]
+    assert stored == [event.event_id]
+
+
+async def test_an_event_stored_before_a_long_broker_outage_is_not_stored_again_when_it_returns(nats_server, js):
+    event = PipelineCompleted(node_id="orch", pipeline_id="p-outage", prompt_tokens=3, completion_tokens=5,
+                              duration_ms=10.0, tokens_per_second=500.0, finish_reason="stop")
+    await js.publish(event_subject(event), encode_event(event), headers={MSG_ID_HEADER: event.event_id})
+    await asyncio.to_thread(nats_server.stop)  # stored, and the broker went down before its ack came back
+    outbox = EventOutbox(js, max_queued=4, retry_wait_s=0.2)
+    outbox.start()
+    try:
+        await outbox.record(event)
+        await asyncio.sleep(3 * short_duplicate_window_s)  # writes tried while the broker is away
+        await asyncio.to_thread(nats_server.start)
         assert await outbox.flush(timeout_s=30)
     finally:
         await outbox.stop(timeout_s=1)
