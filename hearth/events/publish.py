@@ -3,7 +3,9 @@ when it has one, retrying transient failures (never through a connection that is
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 
 import nats.errors
 import nats.js.errors
@@ -33,6 +35,8 @@ publish_max_attempts = 5
 publish_total_deadline_s = 30.0
 publish_retry_initial_wait_s = 0.1
 publish_retry_max_wait_s = 2.0
+# How often an attempt waiting for the connection to come back looks again.
+reconnect_poll_interval_s = 0.05
 
 # Worth retrying: the same Nats-Msg-Id makes a retry of an event that was in fact stored a no-op.
 # NoStreamResponseError: JetStream is restarting or the stream is being (re)created.
@@ -79,10 +83,18 @@ async def publish_event(
     )
     async for attempt in retrying:
         with attempt:
-            if connection.is_reconnecting:
-                # Not handed to a connection that is away: it would buffer the request and send it at the reconnect,
-                # perhaps past the duplicate window after an earlier try that was stored, and that copy would be kept.
-                raise nats.errors.ConnectionReconnectingError
+            await _until_connected(connection, timeout_s)
             ack = await js.publish(target, payload, timeout=timeout_s, headers=headers)
     events_published_total.labels(type=event.type).inc()  # type: ignore[attr-defined]
     return ack
+
+
+async def _until_connected(connection, timeout_s: float) -> None:
+    """Return once `connection` is not reconnecting; ConnectionReconnectingError after `timeout_s`. An event is never
+    handed to a connection that is away: it would hold the request and send it at the reconnect, perhaps past the
+    stream's duplicate window after an earlier try that was stored, and that copy would be kept too."""
+    deadline = time.monotonic() + timeout_s
+    while connection.is_reconnecting:
+        if time.monotonic() >= deadline:
+            raise nats.errors.ConnectionReconnectingError
+        await asyncio.sleep(reconnect_poll_interval_s)
