@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
@@ -83,3 +84,24 @@ async def _only_the_shards_stream(url: str) -> None:
         await nc.jetstream().delete_stream(PIPELINES_STREAM)
     finally:
         await nc.close()
+
+
+def test_events_follow_on_a_broker_without_the_streams_yet_waits_for_them(nats_url):
+    process = subprocess.Popen(
+        [sys.executable, "-m", "hearth.services.replay.cli", "events", "--follow", "-o", "jsonl", "--nats", nats_url],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in process.stdout], daemon=True).start()
+    try:
+        time.sleep(2)  # it has looked for the streams and found none
+        first = shard_history()[0]
+        publish(nats_url, [(None, first)])  # creates both streams, as the first process on an open mesh does
+
+        assert json.loads(lines.get(timeout=30))["event"]["event_id"] == first.event_id
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=15) == 130
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()

@@ -103,7 +103,8 @@ async def _jetstream(url: str):
 EVENTS_HELP = (
     "Print stored events (with stream, sequence, subject, time); stops at the end of the log unless --follow.\n\n"
     "Without --stream both streams are read, merged by the time the server stored each message; with --follow "
-    "they are interleaved as messages arrive. --from-seq/--to-seq apply to each stream's own sequence numbers, "
+    "they are interleaved as messages arrive, and a stream not created yet is waited for. --from-seq/--to-seq "
+    "apply to each stream's own sequence numbers, "
     "so they are most useful with one --stream."
 )
 
@@ -171,11 +172,15 @@ def events_command(
 async def _print_events(url: str, query, output: OutputFormat) -> int:
     from dataclasses import replace
 
+    from hearth.events.streams import wait_for_streams
     from hearth.services.replay.query import existing_streams, read_log
     from hearth.services.replay.render import jsonl_line, table_row
 
     async with _jetstream(url) as js:
         present, missing = await existing_streams(js, [s.stream for s in query.selections])
+        if missing and query.follow:  # following is waiting for what comes: the first event creates them
+            await wait_for_streams(js, missing, wait_s=None)
+            present, missing = present + missing, []
         for name in missing:
             typer.echo(f"hearth-replay: stream {name} does not exist yet (nothing published)", err=True)
         query = replace(query, selections=[s for s in query.selections if s.stream in present])
