@@ -1,5 +1,5 @@
-"""hearth-replay against a broker that fails it: one without JetStream, one that restarts under `events --follow`, one
-that lost a stream `verify` is to check."""
+"""hearth-replay against a broker that fails it: one without JetStream, one that restarts under `events --follow` or
+has no streams yet, one that lost a stream `verify` is to check, one that refuses the member reading."""
 
 from __future__ import annotations
 
@@ -17,7 +17,11 @@ import pytest
 
 from hearth.events.streams import PIPELINES_STREAM, ensure_streams
 from hearth.services.broker.connection import connect_nats
+from hearth.services.broker.permissions import render_authorization
 from hearth.services.broker.server import EmbeddedNatsServer
+from hearth.services.broker.streams import create_community_streams_blocking
+from hearth.services.common.config import NatsSettings
+from hearth.trust.community import Community, seed_path
 from hearth.trust.roster import new_roster
 from tests.integration.test_replay_cli import publish, replay, shard_history
 
@@ -105,3 +109,16 @@ def test_events_follow_on_a_broker_without_the_streams_yet_waits_for_them(nats_u
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def test_a_member_the_broker_refuses_is_told_so_in_one_line_not_a_timeout(tmp_path):
+    community = Community.init(tmp_path / "community", "test-community")
+    community.add("alice", "client")  # a client may call orchestrators, not read the event log
+    authorization = render_authorization(community.roster())
+    with EmbeddedNatsServer(store_dir=tmp_path / "nats", authorization=authorization) as server:
+        create_community_streams_blocking(NatsSettings(url=server.url, roster_file=community.roster_path),
+                                          community.system_key_path, ready_timeout_s=10)
+        result = replay(server.url, "--creds", str(seed_path(community.directory, "alice")), "events")
+
+    assert result.exit_code == 3, result.output
+    assert "refused this member a request" in result.stderr and "cannot reach" not in result.stderr

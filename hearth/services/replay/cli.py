@@ -20,12 +20,12 @@ from typing import Annotated, Optional
 import typer
 
 from hearth.events.consume import first_stream_seq
+from hearth.services.replay.broker import jetstream
 from hearth.services.cli_options import (ConfigOption, CredsOption, LogLevelOption, NatsUrlOption,
                                          apply_top_level_options, resolve_nats_url, settings)
 
-# hearth-replay is a reading tool: quieter than the services, and quick to say when the broker is not there.
+# hearth-replay is a reading tool: quieter than the services (and quick to say when the broker is not there).
 replay_log_level = "WARNING"
-replay_connect_timeout_s = 5.0
 
 app = typer.Typer(
     name="hearth-replay",
@@ -66,38 +66,19 @@ def _run(coroutine) -> int:
     import nats.errors
     from hearth.services.broker.connection import BrokerUnreachable
     from hearth.services.common.lifecycle import Interrupted, run_cancelling_on_signal
+    from hearth.services.replay.broker import MemberRefused
     from hearth.services.replay.render import broker_failure_line
 
     try:
         return run_cancelling_on_signal(coroutine)
     except Interrupted:
         return 130
-    except BrokerUnreachable as error:
+    except (BrokerUnreachable, MemberRefused) as error:
         raise _fail(str(error), 3) from None
     except (nats.errors.NoServersError, ConnectionRefusedError, OSError) as error:
         raise _fail(f"cannot reach NATS: {error}", 3) from error
     except nats.errors.Error as error:  # reached, but it did not answer as a JetStream broker does
         raise _fail(broker_failure_line(error), 3) from None
-
-
-async def _connect(url: str):
-    from hearth.services.broker.connection import connect_nats
-    from hearth.services.common.config import load_settings
-
-    # The member key from $HEARTH_NATS__CREDS_FILE (an auditor's, on a community mesh). A reader says soon when the
-    # broker is away, and, once connected, rides out a restart of it as every hearth process does (--follow).
-    nats_settings = load_settings(None).nats.model_copy(update={"connect_timeout_s": replay_connect_timeout_s})
-    return await connect_nats(url, name="hearth-replay", settings=nats_settings, wait_for_broker=False)
-
-
-@contextlib.asynccontextmanager
-async def _jetstream(url: str):
-    nc = await _connect(url)
-    try:
-        yield nc.jetstream()
-    finally:
-        with contextlib.suppress(Exception):
-            await nc.close()
 
 
 EVENTS_HELP = (
@@ -176,7 +157,7 @@ async def _print_events(url: str, query, output: OutputFormat) -> int:
     from hearth.services.replay.query import existing_streams, read_log
     from hearth.services.replay.render import jsonl_line, table_row
 
-    async with _jetstream(url) as js:
+    async with jetstream(url) as js:
         present, missing = await existing_streams(js, [s.stream for s in query.selections])
         if missing and query.follow:  # following is waiting for what comes: the first event creates them
             await wait_for_streams(js, missing, wait_s=None)
@@ -219,7 +200,7 @@ async def _print_pipeline(url: str, pipeline_id: str, output: OutputFormat) -> i
     from hearth.services.replay.reports import pipeline_outcome, pipeline_timeline
 
     filters = [f"{EVENTS_PREFIX}.pipeline.{pipeline_id}.>", f"{EVENTS_PREFIX}.integrity.{pipeline_id}.>"]
-    async with _jetstream(url) as js:
+    async with jetstream(url) as js:
         present, _ = await existing_streams(js, [PIPELINES_STREAM])
         events: list[StoredEvent] = []
         if present:
@@ -274,7 +255,7 @@ def shard_command(
 async def _print_shard(url: str, shard: str, key: str, health_timeout_s: float, verifier) -> int:
     from hearth.services.replay.shard_view import read_shard_log, shard_view_lines
 
-    async with _jetstream(url) as js:
+    async with jetstream(url) as js:
         own, outcomes = await read_shard_log(js, shard, key)
     lines = shard_view_lines(shard, key, own, outcomes, health_timeout_s, now=datetime.now(timezone.utc),
                              verifier=verifier)
@@ -318,7 +299,7 @@ async def _rebuild(url: str, db: Path, diff: Path | None, force: bool, verifier=
     from hearth.readmodels.retention import retention_policy
     from hearth.services.replay.query import existing_streams
 
-    async with _jetstream(url) as js:
+    async with jetstream(url) as js:
         present, missing = await existing_streams(js, ALL_STREAMS)
         for name in missing:
             typer.echo(f"hearth-replay: stream {name} does not exist yet; nothing to read from it", err=True)
@@ -375,7 +356,7 @@ async def _verify(url: str, verifier) -> int:
     from hearth.services.replay.query import existing_streams
     from hearth.services.replay.verify import verify_streams
 
-    async with _jetstream(url) as js:
+    async with jetstream(url) as js:
         present, missing = await existing_streams(js, ALL_STREAMS)
         for name in missing:  # deleted, or never created: an audit says what it could not read
             typer.echo(f"hearth-replay: stream {name} does not exist; nothing verified there", err=True)
