@@ -14,6 +14,7 @@ import threading
 import time
 
 import pytest
+import sqlalchemy
 
 from hearth.events.streams import PIPELINES_STREAM, ensure_streams
 from hearth.services.broker.connection import connect_nats
@@ -111,14 +112,38 @@ def test_events_follow_on_a_broker_without_the_streams_yet_waits_for_them(nats_u
             process.wait()
 
 
-def test_a_member_the_broker_refuses_is_told_so_in_one_line_not_a_timeout(tmp_path):
+def test_a_member_the_broker_refuses_is_told_so_in_one_line_not_a_timeout(tmp_path, monkeypatch):
     community = Community.init(tmp_path / "community", "test-community")
     community.add("alice", "client")  # a client may call orchestrators, not read the event log
     authorization = render_authorization(community.roster())
     with EmbeddedNatsServer(store_dir=tmp_path / "nats", authorization=authorization) as server:
         create_community_streams_blocking(NatsSettings(url=server.url, roster_file=community.roster_path),
                                           community.system_key_path, ready_timeout_s=10)
-        result = replay(server.url, "--creds", str(seed_path(community.directory, "alice")), "events")
+        # The key as --creds gives it, which a test run must not keep for the tests after it.
+        monkeypatch.setenv("HEARTH_NATS__CREDS_FILE", str(seed_path(community.directory, "alice")))
+        result = replay(server.url, "events")
 
     assert result.exit_code == 3, result.output
     assert "refused this member a request" in result.stderr and "cannot reach" not in result.stderr
+
+
+def test_a_rebuild_that_fails_leaves_no_half_read_model_and_keeps_the_one_it_was_to_replace(nats_url, tmp_path):
+    publish(nats_url, [(None, event) for event in shard_history()])
+    fresh, kept = tmp_path / "fresh.sqlite", tmp_path / "kept.sqlite"
+    assert replay(nats_url, "rebuild", "--db", str(kept)).exit_code == 0
+    before = kept.read_bytes()
+
+    def cap(dbapi_connection, _record) -> None:  # the disk fills up halfway
+        dbapi_connection.execute("PRAGMA max_page_count = 4")
+
+    sqlalchemy.event.listen(sqlalchemy.Engine, "connect", cap)
+    try:
+        failed = [replay(nats_url, "rebuild", "--db", str(fresh)),
+                  replay(nats_url, "rebuild", "--db", str(kept), "--force")]
+    finally:
+        sqlalchemy.event.remove(sqlalchemy.Engine, "connect", cap)
+
+    assert [result.exit_code for result in failed] == [1, 1], [result.output for result in failed]
+    assert not fresh.exists() and kept.read_bytes() == before
+    assert sorted(path.name for path in tmp_path.iterdir() if path.name != "nats") == ["kept.sqlite"]
+    assert replay(nats_url, "rebuild", "--db", str(fresh)).exit_code == 0  # no --force needed: nothing was left
