@@ -1,5 +1,5 @@
 """Publishes one event to JetStream with its event_id as `Nats-Msg-Id`, signed by the emitting member's key
-when it has one, retrying transient failures (never through a connection that is away: see publish_event)."""
+when it has one, retrying transient failures (never through a connection that is away: `_until_connected`)."""
 
 from __future__ import annotations
 
