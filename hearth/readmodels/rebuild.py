@@ -72,17 +72,21 @@ async def rebuild_database(
     _remove_database_files(partial)
     try:
         applied = await _rebuild_into(js, partial, streams, projection_name, batch_events, verifier, retention, window)
+        _move_database_files(partial, path)
     except BaseException:
         _remove_database_files(partial)
         raise
-    for companion in reversed(_SQLITE_COMPANIONS):  # journals first: one beside either file belongs to it alone
-        finished, target = partial.with_name(partial.name + companion), path.with_name(path.name + companion)
-        if finished.exists():
-            finished.replace(target)
-        else:
-            target.unlink(missing_ok=True)
     log.info("rebuilt %s from %d messages", path, applied)
     return applied
+
+
+def _move_database_files(source: Path, target: Path) -> None:
+    for companion in reversed(_SQLITE_COMPANIONS):  # journals first: one beside either file belongs to it alone
+        finished, replaced = source.with_name(source.name + companion), target.with_name(target.name + companion)
+        if finished.exists():
+            finished.replace(replaced)
+        else:
+            replaced.unlink(missing_ok=True)
 
 
 async def _rebuild_into(js: Any, path: Path, streams: Iterable[str], projection_name: str, batch_events: int,

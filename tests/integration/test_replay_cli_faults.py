@@ -147,3 +147,13 @@ def test_a_rebuild_that_fails_leaves_no_half_read_model_and_keeps_the_one_it_was
     assert not fresh.exists() and kept.read_bytes() == before
     assert sorted(path.name for path in tmp_path.iterdir() if path.name != "nats") == ["kept.sqlite"]
     assert replay(nats_url, "rebuild", "--db", str(fresh)).exit_code == 0  # no --force needed: nothing was left
+
+
+def test_a_rebuild_onto_a_directory_is_one_line_and_leaves_nothing_beside_it(nats_url, tmp_path):
+    target = tmp_path / "models"
+    target.mkdir()
+
+    result = replay(nats_url, "rebuild", "--db", str(target), "--force")
+
+    assert result.exit_code == 2 and "is a directory" in result.stderr, result.output
+    assert sorted(path.name for path in tmp_path.iterdir() if path.name != "nats") == ["models"]

@@ -281,6 +281,8 @@ def rebuild_command(
         raise _fail(f"no read-model database at {diff}")
     if diff is not None and db.exists() and db.samefile(diff):  # --force would delete the rows it is to compare
         raise _fail(f"--db and --diff name one file ({diff}); rebuild into another file to compare with it")
+    if db.is_dir():
+        raise _fail(f"{db} is a directory; --db names the read model's file")
     if db.exists() and not force:
         raise _fail(f"{db} exists; a rebuild writes a fresh database (use --force to replace it)")
     from hearth.services.common.event_trust import event_verifier
