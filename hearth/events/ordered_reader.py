@@ -15,7 +15,8 @@ does not keep two guarantees that events.consume.read_stream gives its callers, 
 Here, any gap in the consumer sequence, a missed heartbeat, a reconnect (the server may have restarted)
 or a deletion notice makes the reader delete its consumer and create a new one from the next stream
 sequence it still needs (or the start time, before the first message), so the caller sees every stored
-message exactly once and in order; `close()` deletes the consumer. If the process dies instead, the
+message exactly once and in order; `close()` deletes the consumer. A connection closed for good ends the read
+(ConnectionClosedError): no consumer can be made on it again. If the process dies instead, the
 server drops it after `consumer_inactive_threshold_s`.
 """
 
@@ -60,8 +61,8 @@ class StreamReadStalled(TimeoutError):
     """A bounded read (follow=False) saw no expected message for `idle_timeout_s`."""
 
 
-def _core_client(js: JetStreamContext) -> NatsClient:
-    # nats-py exposes no public accessor for the connection behind a JetStreamContext.
+def core_client(js: JetStreamContext) -> NatsClient:
+    """The connection behind `js` (nats-py exposes no public accessor for it)."""
     return js._nc  # noqa: SLF001
 
 
@@ -80,7 +81,7 @@ class OrderedPushReader:
         idle_timeout_s: float,
     ) -> None:
         self._js = js
-        self._nc = _core_client(js)
+        self._nc = core_client(js)
         self._stream = stream
         self._next_stream_seq = start_seq
         self._start_time = start_time
@@ -202,6 +203,8 @@ class OrderedPushReader:
             try:
                 return await self._create_consumer()
             except (nats.errors.Error, asyncio.TimeoutError) as error:
+                if self._nc.is_closed:  # closed for good: no later try can pass
+                    raise nats.errors.ConnectionClosedError from error
                 now = time.monotonic()
                 first_failure_at = first_failure_at or now
                 if not self._follow and now - first_failure_at > self._idle_timeout_s:

@@ -6,6 +6,11 @@ call must not stream its tokens at that pace. Nothing is dropped while the proce
 bounded (`max_queued`), and a full queue makes `record` wait instead. Its depth is the gauge
 `hearth_event_outbox_depth` and `depth`. `stop` writes what is left within its deadline and reports (at
 ERROR) any event it could not write before the process ends.
+
+Nothing is stored twice either: a write that failed may have been stored all the same (its ack lost when the
+broker went down right after storing it), and the server drops a re-publish of the same `Nats-Msg-Id` only within
+the stream's duplicate window, so a retry later than `unchecked_retry_horizon_s` first looks for the event in the
+stream.
 """
 
 from __future__ import annotations
@@ -13,15 +18,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 
 from nats.js import JetStreamContext
 
+from hearth.events.consume import StoredEvent, read_stream
 from hearth.events.metrics import event_outbox_depth
 from hearth.events.models import EventEnvelope
-from hearth.events.publish import publish_event
+from hearth.events.publish import MSG_ID_HEADER, publish_event, publish_timeout_s, publish_total_deadline_s
+from hearth.events.streams import duplicate_window_s, stream_for_subject
+from hearth.protocol.subjects import event_subject
 from hearth.trust.keys import MemberKey
 
 log = logging.getLogger(__name__)
+
+# Past this long after an event's first write, a retry may come more than the duplicate window after an earlier try
+# that was stored (one publish_event call retries up to its deadline plus one timeout): it looks in the stream first.
+unchecked_retry_horizon_s = duplicate_window_s - publish_total_deadline_s - publish_timeout_s
 
 
 class EventOutbox:
@@ -89,9 +102,14 @@ class EventOutbox:
     async def _write(self, event: EventEnvelope) -> None:
         if self.publish_delay_s:
             await asyncio.sleep(self.publish_delay_s)
+        first_try_at = time.monotonic()
         failures = 0
         while True:
             try:
+                if (failures and time.monotonic() - first_try_at > unchecked_retry_horizon_s
+                        and await self._stored_already(event)):
+                    log.info("event %s %s was stored by an earlier try", event.type, event.event_id)
+                    return
                 await publish_event(self.js, event, signing_key=self.signing_key)
                 return
             except Exception as error:  # publish_event already retried the transient ones; keep the order
@@ -100,3 +118,13 @@ class EventOutbox:
                     log.warning("event %s %s not written yet (%s); retrying until it is", event.type,
                                 event.event_id, error)
                 await asyncio.sleep(self.retry_wait_s)
+
+    async def _stored_already(self, event: EventEnvelope) -> bool:
+        """Whether the stream holds `event`, read from its subject's events (one kind of one pipeline's: a few)."""
+        subject = event_subject(event)
+        async with contextlib.aclosing(read_stream(self.js, stream_for_subject(subject),
+                                                   subject_filter=subject)) as stored:
+            async for item in stored:
+                if isinstance(item, StoredEvent) and item.headers.get(MSG_ID_HEADER) == event.event_id:
+                    return True
+        return False

@@ -1,9 +1,11 @@
 """Publishes one event to JetStream with its event_id as `Nats-Msg-Id`, signed by the emitting member's key
-when it has one, retrying transient failures."""
+when it has one, retrying transient failures (never through a connection that is away: `_until_connected`)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 
 import nats.errors
 import nats.js.errors
@@ -20,6 +22,7 @@ from tenacity import (
 
 from hearth.events.metrics import events_published_total
 from hearth.events.models import EventEnvelope, encode_event
+from hearth.events.ordered_reader import core_client
 from hearth.events.signing import sign_event
 from hearth.protocol.subjects import event_subject
 from hearth.trust.keys import MemberKey
@@ -32,6 +35,8 @@ publish_max_attempts = 5
 publish_total_deadline_s = 30.0
 publish_retry_initial_wait_s = 0.1
 publish_retry_max_wait_s = 2.0
+# How often an attempt waiting for the connection to come back looks again.
+reconnect_poll_interval_s = 0.05
 
 # Worth retrying: the same Nats-Msg-Id makes a retry of an event that was in fact stored a no-op.
 # NoStreamResponseError: JetStream is restarting or the stream is being (re)created.
@@ -68,6 +73,7 @@ async def publish_event(
             state.attempt_number + 1, max_attempts, state.next_action.sleep if state.next_action else 0.0,
         )
 
+    connection = core_client(js)
     retrying = AsyncRetrying(
         retry=retry_if_exception_type(TRANSIENT_PUBLISH_ERRORS),
         stop=stop_after_attempt(max_attempts) | stop_after_delay(publish_total_deadline_s),
@@ -77,6 +83,18 @@ async def publish_event(
     )
     async for attempt in retrying:
         with attempt:
+            await _until_connected(connection, timeout_s)
             ack = await js.publish(target, payload, timeout=timeout_s, headers=headers)
     events_published_total.labels(type=event.type).inc()  # type: ignore[attr-defined]
     return ack
+
+
+async def _until_connected(connection, timeout_s: float) -> None:
+    """Return once `connection` is not reconnecting; ConnectionReconnectingError after `timeout_s`. An event is never
+    handed to a connection that is away: it would hold the request and send it at the reconnect, perhaps past the
+    stream's duplicate window after an earlier try that was stored, and that copy would be kept too."""
+    deadline = time.monotonic() + timeout_s
+    while connection.is_reconnecting:
+        if time.monotonic() >= deadline:
+            raise nats.errors.ConnectionReconnectingError
+        await asyncio.sleep(reconnect_poll_interval_s)

@@ -68,10 +68,13 @@ stream_info_timeout_s = 5.0
 STREAMS_CREATED_BY = ("the community's steward creates them: `hearth nats --community DIR` does when it starts, "
                       "`hearth community streams --nats URL` for a broker run otherwise")
 
-# JetStream error codes: "stream name already in use with a different configuration", and "replicas > 1 not
-# supported in non-clustered mode".
+# JetStream error codes: "stream name already in use with a different configuration", "replicas > 1 not
+# supported in non-clustered mode", "stream configuration update can not change ..." (storage, retention,
+# deny_delete) and "subjects overlap with an existing stream".
 _STREAM_NAME_IN_USE_ERR_CODE = 10058
 _REPLICAS_NEED_A_CLUSTER_ERR_CODE = 10074
+_STREAM_UPDATE_REFUSED_ERR_CODE = 10052
+_SUBJECTS_OVERLAP_ERR_CODE = 10065
 
 
 @dataclass(frozen=True)
@@ -166,6 +169,10 @@ async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
         log.debug("stream %s ensured", config.name)
         return
     except APIError as error:
+        if error.err_code == _SUBJECTS_OVERLAP_ERR_CODE:
+            raise StreamsIncompatible(
+                f"the event stream {config.name} cannot be created: another stream on the broker already holds its "
+                f"subjects ({', '.join(config.subjects or ())}); remove those subjects from it") from None
         if error.err_code != _STREAM_NAME_IN_USE_ERR_CODE:
             raise
     # It exists with another configuration (an older hearth, or replicas differ): update it in place.
@@ -175,6 +182,15 @@ async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
     except NotFoundError:
         # Deleted between our add and update: create it.
         await js.add_stream(config)
+    except APIError as error:
+        if error.err_code != _STREAM_UPDATE_REFUSED_ERR_CODE:
+            raise
+        # Made by hand or by other tooling with a setting no update may change: only its owner can decide what to
+        # do with what it holds, so it is named, never deleted here.
+        raise StreamsIncompatible(
+            f"the event stream {config.name} exists with settings the broker will not change to hearth's "
+            f"({error.description}); keep a copy of it if you need one and delete it (`nats stream rm "
+            f"{config.name}`), then start again") from None
 
 
 class StreamsMissing(RuntimeError):
@@ -185,6 +201,11 @@ def streams_missing(missing: Iterable[str], where: str | None = None) -> Streams
     """The one line that says which event streams the broker (at `where`) lacks, and who creates them."""
     on = f" on {where}" if where else ""
     return StreamsMissing(f"the event streams {', '.join(missing)} do not exist{on}; {STREAMS_CREATED_BY}")
+
+
+class StreamsIncompatible(StreamsMissing):
+    """A stream exists with settings the broker will not bring to hearth's (storage, retention, deny_delete), or another
+    stream holds its subjects: as unusable as a missing one, and not the same to fix."""
 
 
 class StreamsUnknown(StreamsMissing):

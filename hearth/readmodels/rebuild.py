@@ -40,6 +40,9 @@ from hearth.readmodels.unapplicable import apply_rejecting_the_unapplicable
 log = logging.getLogger(__name__)
 
 rebuild_batch_events = 5_000
+# Where a rebuild writes until it is whole (beside the file it makes), and the files SQLite keeps for one database.
+partial_suffix = ".partial"
+_SQLITE_COMPANIONS = ("", "-wal", "-shm")
 _BOOKKEEPING_TABLES = frozenset({ProjectionPosition.__tablename__})
 
 
@@ -56,11 +59,39 @@ async def rebuild_database(
     window: dict[str, int] | None = None,
 ) -> int:
     """Create a fresh read model at `db_path` from every message the streams hold now; returns how many
-    messages were applied. Refuses an existing file unless `overwrite` (which deletes it first). Give the
+    messages were applied. Refuses an existing file unless `overwrite` (which it replaces). Give the
     `verifier` and the `retention` the live projector uses, or the rows differ from its. A `window` given is filled
-    with, per stream that dropped messages, where what it still holds starts (log_window.window_start)."""
+    with, per stream that dropped messages, where what it still holds starts (log_window.window_start).
+
+    It is built beside `db_path` and moved there once whole: a rebuild that fails (a full disk, the broker gone, a
+    stop) leaves no half read model that reads as a whole one, and keeps the file it was to replace."""
     path = Path(db_path)
-    _prepare_fresh_path(path, overwrite=overwrite)
+    if path.exists() and not overwrite:
+        raise FileExistsError(f"{path} exists; a rebuild writes a fresh database (pass overwrite=True)")
+    partial = path.with_name(path.name + partial_suffix)
+    _remove_database_files(partial)
+    try:
+        applied = await _rebuild_into(js, partial, streams, projection_name, batch_events, verifier, retention, window)
+        _move_database_files(partial, path)
+    except BaseException:
+        _remove_database_files(partial)
+        raise
+    log.info("rebuilt %s from %d messages", path, applied)
+    return applied
+
+
+def _move_database_files(source: Path, target: Path) -> None:
+    for companion in reversed(_SQLITE_COMPANIONS):  # journals first: one beside either file belongs to it alone
+        finished, replaced = source.with_name(source.name + companion), target.with_name(target.name + companion)
+        if finished.exists():
+            finished.replace(replaced)
+        else:
+            replaced.unlink(missing_ok=True)
+
+
+async def _rebuild_into(js: Any, path: Path, streams: Iterable[str], projection_name: str, batch_events: int,
+                        verifier: EventVerifier | None, retention: RetentionPolicy | None,
+                        window: dict[str, int] | None) -> int:
     await asyncio.to_thread(upgrade_database, path)
     engine = open_engine(path)
     session_factory = sessionmaker(engine)
@@ -113,16 +144,12 @@ async def rebuild_database(
         if pending is not None:
             await asyncio.gather(pending, return_exceptions=True)
         engine.dispose()
-    log.info("rebuilt %s from %d messages", path, applied)
     return applied
 
 
-def _prepare_fresh_path(path: Path, *, overwrite: bool) -> None:
-    companions = [path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")]
-    if path.exists() and not overwrite:
-        raise FileExistsError(f"{path} exists; a rebuild writes a fresh database (pass overwrite=True)")
-    for file in companions:
-        file.unlink(missing_ok=True)
+def _remove_database_files(path: Path) -> None:
+    for companion in _SQLITE_COMPANIONS:
+        path.with_name(path.name + companion).unlink(missing_ok=True)
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ import json
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
+import nats.errors
 import pytest
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType
 
@@ -338,3 +339,13 @@ async def test_publish_rides_out_a_broker_restart_and_stores_the_event_once(nats
         assert [item.event.event_id for item in items][-1] == event.event_id and len(items) == 2
     finally:
         await nc.close()
+
+
+async def test_a_read_on_a_connection_closed_for_good_ends_instead_of_retrying_forever(nats_url):
+    nc = await connect_nats(nats_url, name="test-closed-read")
+    js = nc.jetstream()
+    await ensure_streams(js)
+    await nc.close()
+
+    with pytest.raises(nats.errors.ConnectionClosedError):
+        await asyncio.wait_for(read_all(js, SHARDS_STREAM, follow=True), timeout=10)

@@ -357,3 +357,4 @@ def test_rebuild_refuses_to_replace_the_read_model_it_is_asked_to_diff(nats_url,
         assert result.exit_code == 2 and result.stderr.strip().count("\n") == 0, result.output
         assert "one file" in result.stderr
     assert live.read_bytes() == before
+

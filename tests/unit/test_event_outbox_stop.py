@@ -8,7 +8,13 @@ from hearth.events.models import ShardWithdrawn
 from hearth.events.outbox import EventOutbox
 
 
+class _Connected:
+    is_reconnecting = False
+
+
 class _BrokerStoringNothing:
+    _nc = _Connected()
+
     async def publish(self, *args, **kwargs):
         raise RuntimeError("no stream answers")
 

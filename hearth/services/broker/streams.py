@@ -11,7 +11,7 @@ import threading
 import time
 from pathlib import Path
 
-from hearth.events.streams import ensure_streams
+from hearth.events.streams import StreamsIncompatible, ensure_streams
 from hearth.services.common.config import NatsSettings
 from hearth.services.broker.connection import steward_connection
 
@@ -30,6 +30,8 @@ async def create_community_streams(nats: NatsSettings, system_key: Path, *, read
             try:
                 await ensure_streams(nc.jetstream())
                 return
+            except StreamsIncompatible:  # no later try passes: say so now
+                raise
             except Exception as error:  # JetStream not ready (no leader yet): the next try may pass
                 if time.monotonic() >= deadline:
                     raise

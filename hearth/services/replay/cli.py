@@ -20,12 +20,12 @@ from typing import Annotated, Optional
 import typer
 
 from hearth.events.consume import first_stream_seq
+from hearth.services.replay.broker import jetstream
 from hearth.services.cli_options import (ConfigOption, CredsOption, LogLevelOption, NatsUrlOption,
                                          apply_top_level_options, resolve_nats_url, roster_checked, settings)
 
-# hearth-replay is a reading tool: quieter than the services, and quick to say when the broker is not there.
+# hearth-replay is a reading tool: quieter than the services (and quick to say when the broker is not there).
 replay_log_level = "WARNING"
-replay_connect_timeout_s = 5.0
 
 app = typer.Typer(
     name="hearth-replay",
@@ -64,60 +64,28 @@ def _fail(message: str, code: int = 2) -> typer.Exit:
 def _run(coroutine) -> int:
     """Run one command's coroutine; SIGINT/SIGTERM stop it cleanly (consumers are deleted on the way out)."""
     import nats.errors
-
+    from hearth.services.broker.connection import BrokerUnreachable
     from hearth.services.common.lifecycle import Interrupted, run_cancelling_on_signal
+    from hearth.services.replay.broker import MemberRefused
+    from hearth.services.replay.render import broker_failure_line
 
     try:
         return run_cancelling_on_signal(coroutine)
     except Interrupted:
         return 130
+    except (BrokerUnreachable, MemberRefused) as error:
+        raise _fail(str(error), 3) from None
     except (nats.errors.NoServersError, ConnectionRefusedError, OSError) as error:
         raise _fail(f"cannot reach NATS: {error}", 3) from error
-
-
-async def _connect(url: str):
-    import logging
-
-    import nats
-
-    from hearth.services.common.config import load_settings
-    from hearth.services.broker.connection import credential_options, keepalive_options, server_urls
-
-    log = logging.getLogger("hearth.replay")
-
-    async def on_error(error: Exception) -> None:
-        log.debug("NATS: %s", error)
-
-    nats_settings = load_settings(None).nats
-    # Two quick attempts and no reconnect loop: a reader should fail fast and say so when the broker is away.
-    return await nats.connect(
-        servers=server_urls(url),
-        name="hearth-replay",
-        connect_timeout=replay_connect_timeout_s,
-        allow_reconnect=False,
-        max_reconnect_attempts=1,
-        reconnect_time_wait=0.2,
-        error_cb=on_error,
-        # The member key from $HEARTH_NATS__CREDS_FILE (an auditor's, on a community mesh).
-        **credential_options(nats_settings),
-        **keepalive_options(nats_settings),
-    )
-
-
-@contextlib.asynccontextmanager
-async def _jetstream(url: str):
-    nc = await _connect(url)
-    try:
-        yield nc.jetstream()
-    finally:
-        with contextlib.suppress(Exception):
-            await nc.close()
+    except nats.errors.Error as error:  # reached, but it did not answer as a JetStream broker does
+        raise _fail(broker_failure_line(error), 3) from None
 
 
 EVENTS_HELP = (
     "Print stored events (with stream, sequence, subject, time); stops at the end of the log unless --follow.\n\n"
     "Without --stream both streams are read, merged by the time the server stored each message; with --follow "
-    "they are interleaved as messages arrive. --from-seq/--to-seq apply to each stream's own sequence numbers, "
+    "they are interleaved as messages arrive, and a stream not created yet is waited for. --from-seq/--to-seq "
+    "apply to each stream's own sequence numbers, "
     "so they are most useful with one --stream."
 )
 
@@ -154,14 +122,14 @@ def events_command(
     nats_url: NatsUrlOption = None,
 ) -> None:
     """Print stored events (with stream, sequence, subject, time); stops at the end of the log unless --follow."""
-    from hearth.services.replay.query import LogQuery, QueryError, parse_duration, parse_timestamp, select_streams
+    from hearth.services.replay.query import LogQuery, QueryError, parse_since, parse_timestamp, select_streams
 
     if since and from_time:
         raise _fail("give --since or --from-time, not both")
     try:
         start_time = None
         if since:
-            start_time = datetime.now(timezone.utc) - parse_duration(since)
+            start_time = parse_since(since, datetime.now(timezone.utc))
         elif from_time:
             start_time = parse_timestamp(from_time)
         types = tuple(event_type or ())
@@ -185,11 +153,15 @@ def events_command(
 async def _print_events(url: str, query, output: OutputFormat) -> int:
     from dataclasses import replace
 
+    from hearth.events.streams import wait_for_streams
     from hearth.services.replay.query import existing_streams, read_log
     from hearth.services.replay.render import jsonl_line, table_row
 
-    async with _jetstream(url) as js:
+    async with jetstream(url) as js:
         present, missing = await existing_streams(js, [s.stream for s in query.selections])
+        if missing and query.follow:  # following is waiting for what comes: the first event creates them
+            await wait_for_streams(js, missing, wait_s=None)
+            present, missing = present + missing, []
         for name in missing:
             typer.echo(f"hearth-replay: stream {name} does not exist yet (nothing published)", err=True)
         query = replace(query, selections=[s for s in query.selections if s.stream in present])
@@ -228,7 +200,7 @@ async def _print_pipeline(url: str, pipeline_id: str, output: OutputFormat) -> i
     from hearth.services.replay.reports import pipeline_outcome, pipeline_timeline
 
     filters = [f"{EVENTS_PREFIX}.pipeline.{pipeline_id}.>", f"{EVENTS_PREFIX}.integrity.{pipeline_id}.>"]
-    async with _jetstream(url) as js:
+    async with jetstream(url) as js:
         present, _ = await existing_streams(js, [PIPELINES_STREAM])
         events: list[StoredEvent] = []
         if present:
@@ -283,7 +255,7 @@ def shard_command(
 async def _print_shard(url: str, shard: str, key: str, health_timeout_s: float, verifier) -> int:
     from hearth.services.replay.shard_view import read_shard_log, shard_view_lines
 
-    async with _jetstream(url) as js:
+    async with jetstream(url) as js:
         own, outcomes = await read_shard_log(js, shard, key)
     lines = shard_view_lines(shard, key, own, outcomes, health_timeout_s, now=datetime.now(timezone.utc),
                              verifier=verifier)
@@ -309,6 +281,8 @@ def rebuild_command(
         raise _fail(f"no read-model database at {diff}")
     if diff is not None and db.exists() and db.samefile(diff):  # --force would delete the rows it is to compare
         raise _fail(f"--db and --diff name one file ({diff}); rebuild into another file to compare with it")
+    if db.is_dir():
+        raise _fail(f"{db} is a directory; --db names the read model's file")
     if db.exists() and not force:
         raise _fail(f"{db} exists; a rebuild writes a fresh database (use --force to replace it)")
     from hearth.services.common.event_trust import event_verifier
@@ -327,7 +301,7 @@ async def _rebuild(url: str, db: Path, diff: Path | None, force: bool, verifier=
     from hearth.readmodels.retention import retention_policy
     from hearth.services.replay.query import existing_streams
 
-    async with _jetstream(url) as js:
+    async with jetstream(url) as js:
         present, missing = await existing_streams(js, ALL_STREAMS)
         for name in missing:
             typer.echo(f"hearth-replay: stream {name} does not exist yet; nothing to read from it", err=True)
@@ -384,8 +358,10 @@ async def _verify(url: str, verifier) -> int:
     from hearth.services.replay.query import existing_streams
     from hearth.services.replay.verify import verify_streams
 
-    async with _jetstream(url) as js:
-        present, _ = await existing_streams(js, ALL_STREAMS)
+    async with jetstream(url) as js:
+        present, missing = await existing_streams(js, ALL_STREAMS)
+        for name in missing:  # deleted, or never created: an audit says what it could not read
+            typer.echo(f"hearth-replay: stream {name} does not exist; nothing verified there", err=True)
         report = await verify_streams(js, verifier, present, on_bad=lambda bad: typer.echo(bad.line()))
     typer.echo(report.summary())
     return 0 if report.ok else 1

@@ -43,7 +43,19 @@ def parse_duration(text: str) -> timedelta:
     parts = _duration_part_re.findall(compact)
     if not compact or "".join(number + unit for number, unit in parts) != compact:
         raise QueryError(f"duration {text!r} must look like 90s, 15m, 2h, 1d or 1h30m")
-    return timedelta(seconds=sum(float(number) * _duration_units_s[unit] for number, unit in parts))
+    try:
+        return timedelta(seconds=sum(float(number) * _duration_units_s[unit] for number, unit in parts))
+    except OverflowError:
+        raise QueryError(f"duration {text!r} is longer than any calendar holds") from None
+
+
+def parse_since(text: str, now: datetime) -> datetime:
+    """The instant a duration (`--since 15m`, as parse_duration reads it) before `now`."""
+    duration = parse_duration(text)
+    try:
+        return now - duration
+    except OverflowError:
+        raise QueryError(f"duration {text!r} reaches back before the calendar's first day") from None
 
 
 def parse_timestamp(text: str) -> datetime:
@@ -54,7 +66,25 @@ def parse_timestamp(text: str) -> datetime:
         raise QueryError(f"time {text!r} is not RFC 3339 (e.g. 2026-11-21T12:00:00Z)") from error
     if value.tzinfo is None:
         value = value.replace(tzinfo=timezone.utc)
-    return value.astimezone(timezone.utc)
+    try:
+        return value.astimezone(timezone.utc)
+    except OverflowError:  # an offset that moves it past the calendar's first or last day
+        raise QueryError(f"time {text!r} is outside the dates UTC can hold") from None
+
+
+def check_subject_filter(subject: str) -> str:
+    """`subject` if NATS can filter by it: dot-separated tokens, none empty, no whitespace or control character,
+    `>` only as the last token; QueryError (before any request) otherwise."""
+    tokens = _tokens(subject)
+    if any(not token for token in tokens):
+        problem = "has an empty token"
+    elif not all(character.isprintable() and not character.isspace() for character in subject):
+        problem = "holds whitespace or a control character"
+    elif ">" in tokens[:-1]:
+        problem = "has `>` before its last token"
+    else:
+        return subject
+    raise QueryError(f"subject filter {subject!r} {problem}; e.g. 'hearth.events.shard.*.*.withdrawn'")
 
 
 def subjects_for_type(event_type: str) -> tuple[str, ...]:
@@ -129,7 +159,8 @@ def select_streams(
     for name in chosen:
         if name not in specs:
             raise QueryError(f"unknown stream {name!r}; hearth streams are {', '.join(ALL_STREAMS)}")
-    wanted_filters = [subject] if subject else [each for t in types for each in subjects_for_type(t)]
+    wanted_filters = [check_subject_filter(subject)] if subject else [each for t in types for each in
+                                                                       subjects_for_type(t)]
     selections: list[StreamSelection] = []
     for name in chosen:
         stream_subjects = specs[name].subjects

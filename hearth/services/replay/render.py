@@ -1,4 +1,5 @@
-"""Turns log items into hearth-replay output lines: a readable table row or one JSON object per line."""
+"""Turns log items into hearth-replay output lines: a readable table row or one JSON object per line (and a broker's
+failure into one line)."""
 
 from __future__ import annotations
 
@@ -73,3 +74,14 @@ def json_record(item: LogItem) -> dict[str, Any]:
 
 def jsonl_line(item: LogItem, **extra: Any) -> str:
     return json.dumps({**json_record(item), **extra}, ensure_ascii=False, separators=(",", ":"))
+
+
+def broker_failure_line(error: Exception) -> str:
+    """The one line for a broker that was reached but failed a request (JetStream off, refused, gone mid-read)."""
+    import nats.errors
+    import nats.js.errors
+
+    if isinstance(error, (nats.js.errors.ServiceUnavailableError, nats.errors.NoRespondersError)):
+        return "the broker answers no JetStream request (JetStream is off there, or not ready yet)"
+    detail = getattr(error, "description", None) or str(error) or type(error).__name__
+    return f"the broker failed a JetStream request: {detail}"

@@ -13,6 +13,7 @@ from typing import Any
 from hearth.events.consume import SkippedMessage, read_stream
 from hearth.events.models import MemberRemoved
 from hearth.events.signing import EventVerifier, StreamPosition
+from hearth.services.common.display import display_text
 
 # Not a signature verdict, but just as bad for an audit: a stored message that is no event at all.
 UNDECODABLE = "undecodable"
@@ -33,12 +34,13 @@ class BadEvent:
     detail: str = ""
 
     def line(self) -> str:
+        """One line, whatever the event's member-written fields hold (no escape takes effect, no line is forged)."""
         where = f"{self.stream}#{self.seq}"
         if self.reason == UNDECODABLE:
-            return f"{where} {UNDECODABLE}: {self.detail}"
+            return display_text(f"{where} {UNDECODABLE}: {self.detail}")
         signer = f"{self.signer[:signer_shown_chars]}..." if self.signer else "none"
-        return (f"{where} {self.event_type} {self.event_id} node={self.node_id} signer={signer}: "
-                f"{self.reason}")
+        return display_text(f"{where} {self.event_type} {self.event_id} node={self.node_id} signer={signer}: "
+                            f"{self.reason}")
 
 
 @dataclass
