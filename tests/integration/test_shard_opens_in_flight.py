@@ -12,7 +12,7 @@ import time
 from datetime import datetime, timezone
 
 from hearth.inference.compute_thread import on_compute_thread
-from hearth.protocol.control import ControlReply, OpenHop
+from hearth.protocol.control import ControlReply, KeepHop, OpenHop, PrefixBlocks
 from hearth.services.common.call_signing import CallVerifier
 from hearth.services.orchestrator.hop_owner import open_signer, owner_key
 from hearth.trust.keys import MemberKey
@@ -21,6 +21,8 @@ from tests.integration.tiny_shard_server import CONTEXT, tiny_shard_server
 
 reply_timeout_s = 20.0
 burst = 40
+# How long a test holds the compute thread at most, waiting for what should be answered meanwhile.
+busy_s = 5.0
 streams = 4
 
 
@@ -67,3 +69,27 @@ async def test_a_burst_of_re_opens_holds_at_most_max_concurrent_streams_opens_in
         assert len(refused) >= burst - streams, [reply.code for reply in replies]
         assert all("in progress" in reply.message for reply in refused)
         assert shard.server.active_streams == 2
+
+
+async def test_a_burst_of_keeps_of_one_hop_queues_one_on_the_compute_thread(nats_server):
+    """A `keep` copies KV on the compute thread, where every member's steps run: one hop's keeps run one at a time,
+    and one asked while another runs keeps nothing (0 positions) rather than queue behind it."""
+    async with tiny_shard_server(nats_server.url) as shard:
+        assert (await shard.client.request(shard.subject, _open("hog", "s0"), timeout=reply_timeout_s)).data
+        keep = KeepHop(pipeline_id="hog", session_id="s0", owner_key=owner_key("hog", "tiny-0-1"),
+                       keep=PrefixBlocks(block_tokens=16, hashes=["0" * 32])).model_dump_json().encode()
+        release = threading.Event()
+        long_step = asyncio.ensure_future(on_compute_thread(release.wait, reply_timeout_s))
+        try:
+            asks = [asyncio.ensure_future(shard.client.request(shard.subject, keep, timeout=reply_timeout_s))
+                    for _ in range(burst)]
+            deadline = time.monotonic() + busy_s
+            while sum(ask.done() for ask in asks) < burst - 1 and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            answered_while_busy = sum(ask.done() for ask in asks)
+        finally:
+            release.set()
+            await long_step
+        replies = [ControlReply.model_validate_json(message.data) for message in await asyncio.gather(*asks)]
+        assert answered_while_busy == burst - 1
+        assert all(reply.ok and reply.cached_tokens == 0 for reply in replies)

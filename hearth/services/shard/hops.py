@@ -114,6 +114,7 @@ class ServedHop:
         # Who opened it (ShardServer._opener; None on an open mesh): the share of the shard's hops it counts against,
         # and whose hops alone may attach the blocks it keeps.
         self.opener = opener
+        self._keeping = False  # a `keep` of this hop is running on the compute thread
         # Set once the server's `open` of this hop has ended (served, failed or cancelled): a close waits for it.
         self.open_settled = asyncio.Event()
         self._keepalive_sub = None
@@ -157,6 +158,18 @@ class ServedHop:
             with contextlib.suppress(asyncio.CancelledError, asyncio.TimeoutError, Exception):
                 await asyncio.wait_for(asyncio.shield(task), timeout=self.limits.close_timeout_s)
         return await self.compute.end_session(self.request, keep, self.opener)
+
+    async def keep_now(self, keep: PrefixBlocks) -> int:
+        """Keep a copy of the session's whole blocks of `keep` while it goes on; the positions kept. One at a time: a
+        keep asked while another runs keeps nothing (0), so a member's burst of them never queues on the compute
+        thread ahead of every other member's steps."""
+        if self._keeping:
+            return 0
+        self._keeping = True
+        try:
+            return await self.compute.keep_now(self.request, keep, self.opener)
+        finally:
+            self._keeping = False
 
     async def _on_keepalive(self, msg: Msg) -> None:
         if self._keepalive_key is not None:

@@ -248,7 +248,7 @@ class ShardServer:
                 await self._reply(msg, ControlReply(ok=False, code="unknown_pipeline",
                                                     message="no such session open here"))
             else:
-                kept = await self.compute.keep_now(hop.request, request.keep, hop.opener)
+                kept = await hop.keep_now(request.keep)
                 await self._reply(msg, ControlReply(ok=True, cached_tokens=kept))
         elif isinstance(request, CloseHop):
             # Detached under the lock, closed outside it: closing waits for the compute thread (the session's
