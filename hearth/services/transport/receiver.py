@@ -65,11 +65,11 @@ class ActivationReceiver(SubscribingEndpoint):
     """Subscribes to ``hearth.act.<receiver node>.<pipeline_id>.<hop>`` and acks on
     ``hearth.ack.<sender node>.<pipeline_id>.<hop>`` (``nodes``: the two ends of the link).
 
-    Steps come out whole (``await receiver.next_step(timeout_s)`` or ``async for step in receiver``) in
-    the order they complete. Per session, a step at or below the newest step already handed out is
-    stale: its chunks are acked (so the sender's window frees) but never handed out again; duplicates
-    of chunks already placed are acked and dropped. When a newer step of a session completes, older
-    unfinished steps of that session are abandoned. Step numbers stay monotonic across a reset.
+    Steps come out whole (``await receiver.next_step(timeout_s)`` or ``async for step in receiver``) in the order they
+    complete. Per session, a step at or below the newest step already handed out is stale: dropped, and not acked (an
+    ack says this hop took the chunk in, and the stall watch blames the hop holding a step; an honest sender never
+    sends one); duplicates of chunks already placed are acked and dropped. When a newer step of a session completes,
+    older unfinished steps of that session are abandoned. Step numbers stay monotonic across a reset.
 
     Backpressure: at most `max_ready_steps` complete steps, two of the largest at most in bytes (ready.py), wait for
     the consumer; beyond that the receiver stops taking (and acking) frames, which blocks the sender once its window
@@ -226,7 +226,6 @@ class ActivationReceiver(SubscribingEndpoint):
         newest = self._newest_delivered.get(header.session)
         if newest is not None and header.step <= newest:
             self.stats.stale_chunks += 1
-            await self._ack(header)
             return
         partial = self._partial.get(key)
         if partial is None:
