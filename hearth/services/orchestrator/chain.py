@@ -372,6 +372,9 @@ class HopChain:
                 continue
             if self._notices:
                 return self._notice_failure()
+            if received.tensor is None:  # a reset: no hop passes one on, so the last hop made it
+                return StepFailure("corrupt", self.hops[-1].shard_id, f"its output of step {info.step} was a reset",
+                                   check="shape")
             failed_check = self.sink_bounds.check(received.tensor, self.hops[-1].shard_id)
             if failed_check is not None:
                 count_integrity_failure(failed_check, "sink")

@@ -5,7 +5,8 @@ cannot be passed on, and notice when the orchestrator has gone silent.
 A step that cannot be passed on is never dropped silently: when its input fails an integrity check the
 notice reports the hop before (`input_failed_check`: the orchestrator routes around it for the call but cannot
 verify it, so blames nobody), as it does when the step's header does not continue the session's cache (a position
-past it, a session never prefilled here: the hop before may write any header); when the layers raise it blames this
+past it, a session never prefilled here) or is a `reset` (no orchestrator sends one): the hop before may write any
+header; when the layers raise it blames this
 hop (`step_failed`); either way the orchestrator fails over at once instead of waiting for a step timeout.
 
 Liveness of the orchestrator: every step and every keepalive on the pipeline's keepalive subject that carries this
@@ -198,8 +199,10 @@ class ServedHop:
 
     async def _run_step(self, received: ReceivedStep) -> None:
         if received.kind is FrameKind.reset:
-            await self.compute.reset(self.request)
-            await self._pass_on(received, None)
+            # No orchestrator sends one: the hop before (which holds the link key) made it, to drop this session's
+            # cache and have the next step fail here. Refused input, neither run nor passed on.
+            await self._notify(received, "input_failed_check", check=refused_input_check,
+                               message="input refused: a reset step (no orchestrator sends one)")
             return
         try:
             result = await self.compute.run(self.request, received, still_open=lambda: not self.closed)
