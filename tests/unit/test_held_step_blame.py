@@ -21,6 +21,8 @@ from hearth.services.common.config import TransportSettings
 from hearth.services.orchestrator.router import Hop
 from hearth.services.orchestrator.stall import StallWatch
 from hearth.services.transport import AckHeader, ActivationReceiver, AckObserver, FrameKind, StepInfo, encode_step
+from hearth.services.transport.link_auth import LinkAuth
+from hearth.services.transport.mac import ack_witness_key, new_link_key
 
 PIPELINE = "pipe-stale"
 
@@ -88,3 +90,32 @@ async def test_a_step_partly_acked_by_a_hop_is_held_by_the_hop_before_it():
     assert await blamed([_ack(0, 0, 1, long_ago), _ack(1, 0, 2, long_ago), _ack(1, 1, 2, long_ago)]) == "shard-1"
     # Hop 0 took in part of what the orchestrator sent: hop 0 is the one to look at, as before any ack.
     assert await blamed([_ack(0, 0, 2, long_ago)]) == "shard-0"
+
+
+def _signed_ack(hop: int, step: int, link_keys: dict, notice_keys: dict, chunk: int = 0,
+                count: int = 1) -> SimpleNamespace:
+    headers = AckHeader(pipeline_id=PIPELINE, hop=hop, session="s", step=step, chunk_index=chunk,
+                        chunk_count=count).to_nats_headers()
+    LinkAuth(link_keys[hop], sealed=False, ack_witness_key=ack_witness_key(notice_keys[hop])).sign_ack(headers)
+    return SimpleNamespace(headers=headers, data=b"", subject=f"hearth.ack.x.{PIPELINE}.{hop}")
+
+
+async def test_a_hops_own_acks_of_steps_not_out_neither_push_out_the_awaited_step_nor_grow_without_bound():
+    """Hop 1's acks carry its own MAC and witness, whatever they name: acks of 256 steps that were never sent pushed
+    the step awaited out of the table, and with no ack on record the stall watch blamed hop 0 for it; acks of one
+    step's chunks under a count of a billion grew its table by one entry each."""
+    link_keys = {hop: new_link_key() for hop in range(3)}
+    notice_keys = {hop: new_link_key() for hop in range(3)}
+    outstanding = {7}
+    observer = AckObserver(None, PIPELINE, sink_hop=2, link_keys=link_keys,  # type: ignore[arg-type]
+                           ack_witness_keys={hop: ack_witness_key(key) for hop, key in notice_keys.items()},
+                           tracked=lambda session, step: session == "s" and step in outstanding, max_chunks_per_step=64)
+    await observer._on_ack(_signed_ack(0, 7, link_keys, notice_keys))
+    await observer._on_ack(_signed_ack(1, 7, link_keys, notice_keys))
+    for bogus in range(1000, 1300):
+        await observer._on_ack(_signed_ack(1, bogus, link_keys, notice_keys))
+    for chunk in range(1000):
+        await observer._on_ack(_signed_ack(1, 7, link_keys, notice_keys, chunk=chunk, count=999_999_999))
+    assert observer.holder("s", 7) == 1
+    assert observer.progress("s", 1000) is None
+    assert observer.progress("s", 7).chunks_acked <= 64

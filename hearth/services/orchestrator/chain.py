@@ -135,7 +135,9 @@ class HopChain:
         macs = transport.activation_macs
         self._observer = AckObserver(nc, pipeline_id, sink_hop=first + len(hops), ack_witness_keys=witness_keys
                                      if macs else None, link_keys=dict(enumerate(self.link_keys, start=first))
-                                     if macs else None)
+                                     if macs else None, tracked=lambda session, step: session == self.session_id
+                                     and step in self._outstanding, max_chunks_per_step=step_limits and
+                                     step_limits.max_chunks)
         self._watch = StallWatch(nc, hops, self._observer, transport, first_hop=first)
         self._latencies = HopLatencies(self.shard_ids)
         self._notice_sub = None
