@@ -53,5 +53,5 @@ async def test_a_reset_as_a_steps_output_is_the_last_hops_corrupt_output():
     info = StepInfo(session=chain.session_id, step=3, kind=FrameKind.decode, pos=5)
     chain._outstanding.add(info.step)
     chain._sink._ready.append(_reset(info.step, chain.session_id, "pipe", len(hops)))
-    failure = await chain._await_output(SentStep(info, time.monotonic(), 10.0, False))
+    failure = await chain._await_output(SentStep(info, time.monotonic(), 10.0, False, 1))
     assert (failure.kind, failure.shard_id, failure.check) == ("corrupt", "shard-1", "shape"), failure

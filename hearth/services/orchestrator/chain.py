@@ -6,7 +6,8 @@ A step fails (a typed result, never an exception) when:
   layers raised (`step_failed`, that hop is to blame), its input failed an integrity check (`reported`: the hop
   before it is routed around for this call, blamed nowhere: the orchestrator cannot verify the report), or its
   session's KV cache was evicted (`evicted`: nobody is to blame; the caller re-prefills on the same chain);
-- the output that reaches us fails the integrity check (`corrupt`, the last hop);
+- the output that reaches us fails the integrity check (`corrupt`, the last hop), or has another number of positions
+  than the step sent (`reported`: a hop before the last may have changed it, so it is routed around, blamed nowhere);
 - the stall watch finds a hop gone or holding the step too long (`gone`, `stalled`; stall.py);
 - our connection to the broker was lost while the step was out (`broker`, nobody's shard is to blame).
 """
@@ -33,7 +34,7 @@ from hearth.services.broker.connection import flush_ordered
 from hearth.services.orchestrator.metrics import HopLatencies, hop_notices_refused_total
 from hearth.services.orchestrator.hop_notices import notice_failure
 from hearth.services.orchestrator.hop_owner import owner_key
-from hearth.services.orchestrator.outcomes import StepFailure
+from hearth.services.orchestrator.outcomes import StepFailure, output_failure
 from hearth.services.orchestrator.placement import ChainPlacement
 from hearth.services.orchestrator.prefix import behind_hops
 from hearth.services.orchestrator.recording import ChainRecorder
@@ -43,7 +44,7 @@ from hearth.services.transport import (
     AckObserver, AckWindowSender, ActivationReceiver, FrameHeader, FrameKind, ReceivedStep, StepInfo, StepLimits,
     StepRefusal, TransportError, TransportTimeout, WaitInterrupted, receiver_settings, wire_dtype_from_setting,
 )
-from hearth.services.transport.integrity import NormBounds, count_integrity_failure
+from hearth.services.transport.integrity import NormBounds
 from hearth.services.transport.keepalives import KeepaliveSender
 from hearth.services.transport.mac import ack_witness_key, encode_link_key, new_link_key
 from hearth.services.transport.notices import read_notice
@@ -68,6 +69,7 @@ class SentStep:
     timeout_s: float
     # Whether steps sent before it were still out: then its hop latencies include queueing and are not observed.
     queued_behind: bool
+    tokens: int  # its positions: its output has as many
 
 
 class HopChain:
@@ -328,7 +330,7 @@ class HopChain:
             self._forget_outstanding()
             return self._broker_failure(epoch, f"step {self._step} was out") or StepFailure(
                 "stalled", self.hops[0].shard_id, f"hop 0 did not ack: {error}")
-        return SentStep(info, time.monotonic(), timeout_s, queued_behind)
+        return SentStep(info, time.monotonic(), timeout_s, queued_behind, int(hidden.shape[1]))
 
     def _forget_outstanding(self) -> None:
         """After a failure every step still out is abandoned: its late notices and outputs are stale."""
@@ -374,14 +376,9 @@ class HopChain:
                 continue
             if self._notices:
                 return self._notice_failure()
-            if received.tensor is None:  # a reset: no hop passes one on, so the last hop made it
-                return StepFailure("corrupt", self.hops[-1].shard_id, f"its output of step {info.step} was a reset",
-                                   check="shape")
-            failed_check = self.sink_bounds.check(received.tensor, self.hops[-1].shard_id)
-            if failed_check is not None:
-                count_integrity_failure(failed_check, "sink")
-                return StepFailure("corrupt", self.hops[-1].shard_id, f"output failed the {failed_check} check",
-                                   check=failed_check)
+            failure = output_failure(received.tensor, info.step, sent.tokens, self.hops[-1].shard_id, self.sink_bounds)
+            if failure is not None:
+                return failure
             progress = self._observer.progress(self.session_id, info.step)
             self._latencies.output_reached(None if progress is None or sent.queued_behind else progress.first_ack_at)
             return received.tensor

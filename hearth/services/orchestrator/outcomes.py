@@ -11,6 +11,7 @@ from typing import Literal
 import torch
 
 from hearth.events.models import UNVERIFIED_REPORT
+from hearth.services.transport.integrity import NormBounds, count_integrity_failure
 
 # `reported`: a hop said its input failed a check. The orchestrator cannot verify that, so the hop accused is only
 # routed around for this call: nobody is blamed in events or kept out of other calls' routing.
@@ -80,6 +81,24 @@ class Finished:
     """The call's last token was streamed: it ends with `reason`."""
 
     reason: str
+
+
+def output_failure(output: torch.Tensor | None, step: int, sent_tokens: int, last_hop: str,
+                   bounds: NormBounds) -> StepFailure | None:
+    """Why the chain's output of `step` (`sent_tokens` positions sent) is not taken, or None: it must be a tensor of
+    those positions that passes the sink's integrity check (`bounds`, per last hop `last_hop`)."""
+    if output is None:  # a reset: no hop passes one on, so the last hop made it
+        return StepFailure("corrupt", last_hop, f"its output of step {step} was a reset", check="shape")
+    if output.shape[1] != sent_tokens:
+        # Hops pass a step's header on as they got it, so one before may have changed it: nobody is blamed. Never taken:
+        # the checks of its work on other replicas could not compare outputs of two lengths, and a liar evaded them.
+        return StepFailure(UNVERIFIED_REPORT, last_hop, f"its output of step {step} has {output.shape[1]} positions, "
+                                                        f"not the {sent_tokens} sent")
+    failed_check = bounds.check(output, last_hop)
+    if failed_check is not None:
+        count_integrity_failure(failed_check, "sink")
+        return StepFailure("corrupt", last_hop, f"output failed the {failed_check} check", check=failed_check)
+    return None
 
 
 StepOutcome = SampledToken | Finished | StepFailure
