@@ -7,7 +7,7 @@ A step fails (a typed result, never an exception) when:
   before it is routed around for this call, blamed nowhere: the orchestrator cannot verify the report), or its
   session's KV cache was evicted (`evicted`: nobody is to blame; the caller re-prefills on the same chain);
 - the output that reaches us fails the integrity check (`corrupt`, the last hop), or has another number of positions
-  than the step sent (`reported`: a hop before the last may have changed it, so it is routed around, blamed nowhere);
+  than the step sent (`corrupt`, the hop the taps saw change them; else `reported`: the last hop, blamed nowhere);
 - the stall watch finds a hop gone or holding the step too long (`gone`, `stalled`; stall.py);
 - our connection to the broker was lost while the step was out (`broker`, nobody's shard is to blame).
 """
@@ -376,7 +376,8 @@ class HopChain:
                 continue
             if self._notices:
                 return self._notice_failure()
-            failure = output_failure(received.tensor, info.step, sent.tokens, self.hops[-1].shard_id, self.sink_bounds)
+            failure = output_failure(received.tensor, info.step, sent.tokens, self.shard_ids, self.sink_bounds,
+                                     self.recorder and self.recorder.resized_by)
             if failure is not None:
                 return failure
             progress = self._observer.progress(self.session_id, info.step)
