@@ -42,6 +42,7 @@ def _hop(name: str) -> Hop:
 class Progress:
     hop: int
     last_ack_monotonic: float
+    fully_acked: bool = True  # every chunk of the step reached `hop`
 
 
 class Observer:

@@ -41,12 +41,14 @@ class _KeepRequest:
 async def test_a_control_request_that_fails_is_logged_not_left_unretrieved(caplog):
     identity = ShardIdentity(shard_id="s", model_id="m", node_id="n", weights_sha256="w", layer_lo=0, layer_hi=3,
                              total_layers=8, dtype="float32", memory_required_mb=1.0, control_subject="hearth.ctl.n.s")
-    server = ShardServer(_Connection(), _ComputeThatFails(), identity, HearthSettings())
+    compute = _ComputeThatFails()
+    server = ShardServer(_Connection(), compute, identity, HearthSettings())
     server._claim.decide()
     open_hop = asyncio.Event()
     open_hop.set()
-    server._hops["p"] = SimpleNamespace(open_settled=open_hop, opener=None,
-                                        request=SimpleNamespace(session_id="s", owner_key=None))
+    request = SimpleNamespace(session_id="s", owner_key=None)
+    server._hops["p"] = SimpleNamespace(open_settled=open_hop, opener=None, request=request,
+                                        keep_now=lambda keep: compute.keep_now(request, keep, None))
     unretrieved: list[dict] = []
     loop = asyncio.get_running_loop()
     loop.set_exception_handler(lambda loop, context: unretrieved.append(context))

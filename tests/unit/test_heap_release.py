@@ -86,6 +86,10 @@ async def test_a_cpu_shard_releases_the_heap_when_a_sessions_caches_are_dropped(
     assert releases == []  # steps leave the heap alone
     await compute.reset(_open_hop("s", TINY_NUM_LAYERS - 1))
     assert len(releases) == 1
+    # A hop closed before any step (a member may open and close its hops as fast as it likes): nothing dropped, and
+    # no malloc_trim on the compute thread, where every member's steps run.
+    await compute.reset(_open_hop("never-ran", TINY_NUM_LAYERS - 1))
+    assert len(releases) == 1
 
     await prefill_and_decode("s")
     assert await compute.end_session(hop, PrefixBlocks(block_tokens=4, hashes=["a" * 32, "b" * 32]), None) == 8

@@ -6,7 +6,8 @@ A step fails (a typed result, never an exception) when:
   layers raised (`step_failed`, that hop is to blame), its input failed an integrity check (`reported`: the hop
   before it is routed around for this call, blamed nowhere: the orchestrator cannot verify the report), or its
   session's KV cache was evicted (`evicted`: nobody is to blame; the caller re-prefills on the same chain);
-- the output that reaches us fails the integrity check (`corrupt`, the last hop);
+- the output that reaches us fails the integrity check (`corrupt`, the last hop), or has another number of positions
+  than the step sent (`corrupt`, the hop the taps saw change them; else `reported`: the last hop, blamed nowhere);
 - the stall watch finds a hop gone or holding the step too long (`gone`, `stalled`; stall.py);
 - our connection to the broker was lost while the step was out, or could not take it (`broker`, nobody's shard is
   to blame).
@@ -34,7 +35,7 @@ from hearth.services.broker.connection import flush_ordered
 from hearth.services.orchestrator.metrics import HopLatencies, hop_notices_refused_total
 from hearth.services.orchestrator.hop_notices import notice_failure
 from hearth.services.orchestrator.hop_owner import owner_key
-from hearth.services.orchestrator.outcomes import StepFailure
+from hearth.services.orchestrator.outcomes import StepFailure, output_failure
 from hearth.services.orchestrator.placement import ChainPlacement
 from hearth.services.orchestrator.prefix import behind_hops
 from hearth.services.orchestrator.recording import ChainRecorder
@@ -44,7 +45,7 @@ from hearth.services.transport import (
     AckObserver, AckWindowSender, ActivationReceiver, FrameHeader, FrameKind, ReceivedStep, StepInfo, StepLimits,
     StepRefusal, TransportError, TransportTimeout, WaitInterrupted, receiver_settings, wire_dtype_from_setting,
 )
-from hearth.services.transport.integrity import NormBounds, count_integrity_failure
+from hearth.services.transport.integrity import NormBounds
 from hearth.services.transport.keepalives import KeepaliveSender, telling_while
 from hearth.services.transport.mac import ack_witness_key, encode_link_key, new_link_key
 from hearth.services.transport.notices import read_notice
@@ -67,10 +68,9 @@ class SentStep:
     info: StepInfo
     sent_at: float
     timeout_s: float
-    # Whether steps sent before it were still out: then its hop latencies include queueing and are not observed.
-    queued_behind: bool
-    # Our connection's reconnect count when it was sent: what the hops answered across a later reconnect is lost.
-    epoch: int
+    queued_behind: bool  # steps sent before it were still out: its hop latencies include queueing, not observed
+    epoch: int  # our reconnect count when it was sent: what the hops answered across a later reconnect is lost
+    tokens: int  # its positions: its output has as many
 
 
 class HopChain:
@@ -138,7 +138,9 @@ class HopChain:
         macs = transport.activation_macs
         self._observer = AckObserver(nc, pipeline_id, sink_hop=first + len(hops), ack_witness_keys=witness_keys
                                      if macs else None, link_keys=dict(enumerate(self.link_keys, start=first))
-                                     if macs else None)
+                                     if macs else None, tracked=lambda session, step: session == self.session_id
+                                     and step in self._outstanding, max_chunks_per_step=step_limits and
+                                     step_limits.max_chunks)
         self._watch = StallWatch(nc, hops, self._observer, transport, first_hop=first)
         self._latencies = HopLatencies(self.shard_ids)
         self._notice_sub = None
@@ -334,7 +336,7 @@ class HopChain:
             self._forget_outstanding()
             return self._broker_failure(epoch, f"step {self._step} was sent") or StepFailure(
                 "broker", None, f"step {self._step} could not be published: {error}")
-        return SentStep(info, time.monotonic(), timeout_s, queued_behind, epoch)
+        return SentStep(info, time.monotonic(), timeout_s, queued_behind, epoch, int(hidden.shape[1]))
 
     def _forget_outstanding(self) -> None:
         """After a failure every step still out is abandoned: its late notices and outputs are stale."""
@@ -353,9 +355,8 @@ class HopChain:
         return result
 
     async def _await_output(self, sent: SentStep) -> torch.Tensor | StepFailure:
-        info = sent.info
+        info, epoch, doing = sent.info, sent.epoch, f"step {sent.info.step} was out"
         self._watch.cancel()
-        epoch, doing = sent.epoch, f"step {info.step} was out"
         poll_s = max(shortest_poll_s, min(self.transport.step_timeout_s * stall_poll_fraction,
                                           self.transport.gone_check_after_s / 2))
         while True:
@@ -378,11 +379,10 @@ class HopChain:
                 continue
             if self._notices:
                 return self._notice_failure()
-            failed_check = self.sink_bounds.check(received.tensor, self.hops[-1].shard_id)
-            if failed_check is not None:
-                count_integrity_failure(failed_check, "sink")
-                return StepFailure("corrupt", self.hops[-1].shard_id, f"output failed the {failed_check} check",
-                                   check=failed_check)
+            failure = output_failure(received.tensor, info.step, sent.tokens, self.shard_ids, self.sink_bounds,
+                                     self.recorder and self.recorder.resized_by)
+            if failure is not None:
+                return failure
             progress = self._observer.progress(self.session_id, info.step)
             self._latencies.output_reached(None if progress is None or sent.queued_behind else progress.first_ack_at)
             return received.tensor

@@ -5,12 +5,14 @@ be had: the results the call's loop (hearth/services/orchestrator/pipeline.py) a
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
 from hearth.events.models import UNVERIFIED_REPORT
+from hearth.services.transport.integrity import NormBounds, count_integrity_failure
 
 # `reported`: a hop said its input failed a check. The orchestrator cannot verify that, so the hop accused is only
 # routed around for this call: nobody is blamed in events or kept out of other calls' routing.
@@ -80,6 +82,29 @@ class Finished:
     """The call's last token was streamed: it ends with `reason`."""
 
     reason: str
+
+
+def output_failure(output: torch.Tensor | None, step: int, sent_tokens: int, shard_ids: list[str],
+                   bounds: NormBounds, resized_by: Callable[[int, int], int | None] | None) -> StepFailure | None:
+    """Why the chain's output of `step` (`sent_tokens` positions sent) is not taken, or None: it must be a tensor of
+    those positions that passes the sink's integrity check (`bounds`, per last hop). `resized_by`: which hop (an index
+    into `shard_ids`) the taps saw change a step's positions (ChainRecorder.resized_by), when the chain records."""
+    last_hop = shard_ids[-1]
+    if output is None:  # a reset: no hop passes one on, so the last hop made it
+        return StepFailure("corrupt", last_hop, f"its output of step {step} was a reset", check="shape")
+    if output.shape[1] != sent_tokens:
+        # Never taken: the checks of its work on other replicas could not compare outputs of two lengths, and a liar
+        # evaded them. Hops pass a step on as they got it: the taps tell which one changed it, else nobody is blamed.
+        reason = f"its output of step {step} has {output.shape[1]} positions, not the {sent_tokens} sent"
+        culprit = resized_by(step, sent_tokens) if resized_by is not None else None
+        if culprit is None:
+            return StepFailure(UNVERIFIED_REPORT, last_hop, reason)
+        return StepFailure("corrupt", shard_ids[culprit], f"{reason}: this hop changed them", check="shape")
+    failed_check = bounds.check(output, last_hop)
+    if failed_check is not None:
+        count_integrity_failure(failed_check, "sink")
+        return StepFailure("corrupt", last_hop, f"output failed the {failed_check} check", check=failed_check)
+    return None
 
 
 StepOutcome = SampledToken | Finished | StepFailure

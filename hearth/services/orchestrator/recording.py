@@ -190,6 +190,22 @@ class ChainRecorder:
                        last_step=max(s.step for s in steps),
                        prompt_tokens=max((s.prompt_tokens for s in steps if s.prompt_tokens), default=None))
 
+    def resized_by(self, step: int, tokens: int) -> int | None:
+        """The hop that passed `step` (sent with `tokens` positions) on with other positions, as the taps saw it (a hop
+        cannot show its next hop and a tap different frames): the hop before the first link whose copy differs, the
+        last hop when every link's copy has `tokens`; None when a tap has no copy of it."""
+        self._file_tapped()
+        recorded = self.steps.get(step)
+        if recorded is None:
+            return None
+        for hop in range(1, self.hop_count):
+            tapped = recorded.inputs[hop]
+            if tapped is None:
+                return None
+            if tapped.shape[1] != tokens:
+                return hop - 1
+        return self.hop_count - 1
+
     def _refused_on(self, hop: int):
         async def refused(header, refusal) -> None:
             # A frame that does not fit the pipeline never completes: nothing to wait for on this link.

@@ -65,10 +65,13 @@ class StallWatch:
         if progress is None:
             holder, since = 0, sent_at
         else:
-            # Acked by hop h: hop h holds it until hop h+1 acks. Acked by our own receiver (the sink) while the
-            # output is still awaited: the last hop owes the rest of its chunks, and is blamed as any holder is (a
-            # sink's ack, which the last hop can forge with their shared link key, never waits out the call).
-            holder, since = min(progress.hop - self.first_hop, len(self.hops) - 1), progress.last_ack_monotonic
+            # Every chunk acked by hop h: hop h holds it until hop h+1 acks. Some of them: the hop before still owes
+            # the rest (it could send a chunk, then a later step whole, and have h drop the rest and be blamed). Acked
+            # by our own receiver (the sink) while the output is still awaited: the last hop owes the rest of its
+            # chunks, and is blamed as any holder is (a sink's ack, which the last hop can forge with their shared
+            # link key, never waits out the call).
+            holder = progress.hop - self.first_hop - (not progress.fully_acked)
+            holder, since = min(max(holder, 0), len(self.hops) - 1), progress.last_ack_monotonic
         # Hop 0 never acked: nobody after it is involved. Otherwise the next hop may be the one gone.
         suspects = [i for i in ([holder] if progress is None else [holder, holder + 1]) if i < len(self.hops)]
         held_s = now - since

@@ -384,7 +384,8 @@ class ShardCompute:
     def _reset_and_measure(self, session_id: str) -> int:
         freed = self.runner.reset(session_id)
         self._measure_cache()
-        self._release_heap()
+        if freed:  # a hop closed before any step drops nothing: no malloc_trim for a member's open/close churn
+            self._release_heap()
         return freed
 
     def _release_heap(self) -> None:

@@ -4,8 +4,10 @@ cannot be passed on, and notice when the orchestrator has gone silent.
 
 A step that cannot be passed on is never dropped silently: when its input fails an integrity check the
 notice reports the hop before (`input_failed_check`: the orchestrator routes around it for the call but cannot
-verify it, so blames nobody), and when the layers raise it blames this hop (`step_failed`); either way the
-orchestrator fails over at once instead of waiting for a step timeout.
+verify it, so blames nobody), as it does when the step's header does not continue the session's cache (a position
+past it, a session never prefilled here) or is a `reset` (no orchestrator sends one): the hop before may write any
+header; when the layers raise it blames this
+hop (`step_failed`); either way the orchestrator fails over at once instead of waiting for a step timeout.
 
 Liveness of the orchestrator: every step and every keepalive on the pipeline's keepalive subject that carries this
 hop's MAC (hearth/services/transport/keepalives.py) counts as a sign of life (`last_heard`). The shard's watchdog
@@ -27,7 +29,7 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
 from hearth.protocol.subjects import LinkNodes
-from hearth.inference import SessionEvictedError
+from hearth.inference import SessionEvictedError, SessionStateError
 from hearth.services.common.config import TransportSettings
 from hearth.protocol.control import HopNotice, HopProblem, OpenHop, PrefixBlocks
 from hearth.protocol.subjects import hop_notice_subject, keepalive_subject
@@ -53,8 +55,8 @@ from hearth.services.transport.notices import notice_message
 
 log = logging.getLogger(__name__)
 
-# The HopNotice check sent when this hop's input was refused for its declared shape, dtype or size (the message
-# says which); like the others, it blames the hop before this one.
+# The HopNotice check sent when this hop's input was refused for its declared shape, dtype, size or positions (the
+# message says which); like the others, it accuses the hop before this one.
 refused_input_check = "shape"
 # HopNotice refuses a longer message: ours are cut to fit rather than lost.
 notice_message_chars = next(bound.max_length for bound in HopNotice.model_fields["message"].metadata
@@ -113,6 +115,7 @@ class ServedHop:
         # Who opened it (ShardServer._opener; None on an open mesh): the share of the shard's hops it counts against,
         # and whose hops alone may attach the blocks it keeps.
         self.opener = opener
+        self._keeping = False  # a `keep` of this hop is running on the compute thread
         # Set once the server's `open` of this hop has ended (served, failed or cancelled): a close waits for it.
         self.open_settled = asyncio.Event()
         self._keepalive_sub = None
@@ -157,6 +160,18 @@ class ServedHop:
                 await asyncio.wait_for(asyncio.shield(task), timeout=self.limits.close_timeout_s)
         return await self.compute.end_session(self.request, keep, self.opener)
 
+    async def keep_now(self, keep: PrefixBlocks) -> int:
+        """Keep a copy of the session's whole blocks of `keep` while it goes on; the positions kept. One at a time: a
+        keep asked while another runs keeps nothing (0), so a member's burst of them never queues on the compute
+        thread ahead of every other member's steps."""
+        if self._keeping:
+            return 0
+        self._keeping = True
+        try:
+            return await self.compute.keep_now(self.request, keep, self.opener)
+        finally:
+            self._keeping = False
+
     async def _on_keepalive(self, msg: Msg) -> None:
         if self._keepalive_key is not None:
             # Only the opener's keepalive, and never one heard before: anyone may publish on this subject.
@@ -184,8 +199,10 @@ class ServedHop:
 
     async def _run_step(self, received: ReceivedStep) -> None:
         if received.kind is FrameKind.reset:
-            await self.compute.reset(self.request)
-            await self._pass_on(received, None)
+            # No orchestrator sends one: the hop before (which holds the link key) made it, to drop this session's
+            # cache and have the next step fail here. Refused input, neither run nor passed on.
+            await self._notify(received, "input_failed_check", check=refused_input_check,
+                               message="input refused: a reset step (no orchestrator sends one)")
             return
         try:
             result = await self.compute.run(self.request, received, still_open=lambda: not self.closed)
@@ -193,8 +210,17 @@ class ServedHop:
             log.info("pipeline %s hop %d: step %d: %s", self.pipeline_id, self.request.hop, received.step, error)
             await self._notify(received, "session_evicted", message=str(error))
             return
+        except SessionStateError as error:
+            # The step's header does not continue the session's cache (a position past it, a session never
+            # prefilled, a cache a reset step dropped): what the input declared, which the hop before may write as it
+            # likes, not what this hop did. Reported as its input, as a refused frame is, so nobody is blamed.
+            log.warning("pipeline %s hop %d: step %d does not continue its session: %s", self.pipeline_id,
+                        self.request.hop, received.step, error)
+            await self._notify(received, "input_failed_check", check=refused_input_check,
+                               message=f"input refused: {_first_line(error)}")
+            return
         except Exception as error:
-            first_line = (str(error).splitlines() or [""])[0][:300]
+            first_line = _first_line(error)
             log.warning("pipeline %s hop %d: step %d failed: %s: %s", self.pipeline_id, self.request.hop,
                         received.step, type(error).__name__, first_line)
             await self._notify(received, "step_failed", message=f"{type(error).__name__}: {first_line}")
@@ -244,3 +270,8 @@ class ServedHop:
             await self.nc.publish(hop_notice_subject(self.pipeline_id), payload, headers=headers)
         except Exception as error:  # the broker is gone too: the orchestrator's stall watch takes over
             log.warning("pipeline %s hop %d: notice not sent: %s", self.pipeline_id, self.request.hop, error)
+
+
+def _first_line(error: Exception) -> str:
+    """An exception's first line, cut short: what a notice and the log say of it (never tensor contents)."""
+    return (str(error).splitlines() or [""])[0][:300]

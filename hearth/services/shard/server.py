@@ -1,15 +1,16 @@
-"""ShardServer: hosts one layer range, advertises and heartbeats it, answers its control subject (open, close,
-stat) and keeps the hops it serves (hearth/services/shard/hops.py), closing those whose orchestrator went silent
+"""ShardServer: hosts one layer range, advertises and heartbeats it, answers its control subject (open, close, stat)
+and keeps the hops it serves (hearth/services/shard/hops.py), closing those whose orchestrator went silent
 (hearth/services/shard/watchdog.py).
 
-Control requests are answered concurrently, each in a task of its own: a liveness probe (`stat`) must not
-wait behind an `open` or `close` that waits for a long prefill, and `stat` itself never touches the runner
-(ShardCompute keeps a snapshot of its cache figures). Opens and closes still take effect in the order they
-arrived (one lock, acquired in arrival order), so a late close never overtakes the re-open after a failover; but
-neither waits for the compute thread under that lock: an `open` reserves its hop under it and attaches its kept
-prefix (or resets the hop it replaces) outside it, and a `close` closes outside it what it detached under it.
-Until it knows it keeps its shard id (hearth/services/shard/claim.py) it answers the claims it outranks at once and
-holds every other request until then; a process that gave way, then or later, answers nothing and withdraws nothing.
+Control requests are answered concurrently, each in a task of its own: a liveness probe (`stat`) must not wait behind
+an `open` or `close` that waits for a long prefill, and `stat` itself never touches the runner (ShardCompute keeps a
+snapshot of its cache figures); one opener has at most max_concurrent_streams opens in progress (opens_in_flight.py).
+Opens and closes still take effect in the order they arrived (one lock, acquired in arrival order), so a late close
+never overtakes the re-open after a failover; but neither waits for the compute thread under that lock: an `open`
+reserves its hop under it and attaches its kept prefix (or resets the hop it replaces) outside it, and a `close`
+closes outside it what it detached under it. Until it knows it keeps its shard id (hearth/services/shard/claim.py) it
+answers the claims it outranks at once and holds every other request until then; a process that gave way, then or
+later, answers nothing and withdraws nothing.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from hearth.services.shard.claim import ClaimQuestion, ShardClaim, taken, unless
 from hearth.services.shard.compute import ShardCompute
 from hearth.services.shard.hops import HopLimits, ServedHop
 from hearth.services.shard.identity import ShardIdentity, open_refusal
+from hearth.services.shard.opens_in_flight import OpensInFlight
 from hearth.services.shard.watchdog import watch_hops
 
 log = logging.getLogger(__name__)
@@ -76,6 +78,7 @@ class ShardServer:
         self.stream_setup = stream_setup(settings.nats)
         # On a community mesh, who signed each `open`: one orchestrator holds at most its share of the hops here.
         self.open_verifier = open_verifier(settings)
+        self._opens = OpensInFlight(settings.shard.max_concurrent_streams)  # each opener's, in progress at once
         self.limits = HopLimits(
             idle_timeout_s=settings.shard.eviction_idle_s,
             orphan_timeout_s=settings.transport.orphan_timeout_s, close_timeout_s=settings.shard.hop_close_timeout_s,
@@ -237,7 +240,7 @@ class ShardServer:
                 await self._reply(msg, ControlReply(ok=False, code="unknown_pipeline",
                                                     message="no such session open here"))
             else:
-                kept = await self.compute.keep_now(hop.request, request.keep, hop.opener)
+                kept = await hop.keep_now(request.keep)
                 await self._reply(msg, ControlReply(ok=True, cached_tokens=kept))
         elif isinstance(request, CloseHop):
             # Detached under the lock, closed outside it: closing waits for the compute thread (the session's
@@ -256,7 +259,8 @@ class ShardServer:
             await self._reply(msg, ControlReply(ok=True))
         else:
             opener = self._opener(msg)
-            reply = opener if isinstance(opener, ControlReply) else await self._open_hop(request, opener)
+            reply = opener if isinstance(opener, ControlReply) else await self._opens.answer(
+                opener, lambda: self._open_hop(request, opener))
             await self._reply(msg, reply)
 
     async def _reply(self, msg: Msg, reply: ControlReply | ShardStat) -> None:
@@ -269,8 +273,7 @@ class ShardServer:
                 await msg.respond(reply.model_dump_json().encode())
 
     def stat(self, answering_claim: bool = False) -> ShardStat:
-        """What this shard holds right now (answers `stat`; also a liveness probe for the orchestrator), and its own
-        claim when answering another's."""
+        """What this shard holds now (answers `stat`: the orchestrator's liveness probe); its claim, to another's."""
         cache = self.compute.cache
         return ShardStat(shard_id=self.identity.shard_id, active_streams=self.active_streams,
                          open_pipelines=sorted(self._hops), cached_sessions=cache.sessions,

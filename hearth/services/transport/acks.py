@@ -6,6 +6,7 @@ import asyncio
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from nats.aio.client import Client as NatsClient
@@ -53,6 +54,11 @@ class AckObserver(SubscribingEndpoint):
     With `sink_hop` = number of shard hops (the orchestrator's own receiver acks as that hop), a step
     whose highest hop is below the sink and whose last ack is older than `step_timeout_s` is held by
     that hop: ``stalled(step_timeout_s)`` lists them. Memory is bounded per session and in sessions.
+
+    A hop's acks carry its own MAC and witness whatever (session, step, chunk) they name: with `tracked`, only acks of
+    the steps it says are awaited are recorded (acks of steps never sent would push the awaited one out of the table,
+    and the stall watch, finding no ack of it, would blame hop 0), and with `max_chunks_per_step` only chunks a step
+    of the pipeline can have (each other index would take an entry).
     """
 
     def __init__(
@@ -65,6 +71,8 @@ class AckObserver(SubscribingEndpoint):
         ack_witness_keys: dict[int, bytes] | None = None,
         max_steps_per_session: int = _defaults.ack_observer_max_steps_per_session,
         max_sessions: int = _defaults.ack_observer_max_sessions,
+        tracked: Callable[[str, int], bool] | None = None,
+        max_chunks_per_step: int | None = None,
     ) -> None:
         self.nc = nc
         self.pipeline_id = pipeline_id
@@ -77,6 +85,8 @@ class AckObserver(SubscribingEndpoint):
         self._witness_keys = ack_witness_keys
         self.max_steps_per_session = max_steps_per_session
         self.max_sessions = max_sessions
+        self.tracked = tracked
+        self.max_chunks_per_step = max_chunks_per_step
         self.subject = all_acks_subject(pipeline_id)
         self.bad_acks = 0
         self._sessions: OrderedDict[str, OrderedDict[int, StepProgress]] = OrderedDict()
@@ -203,5 +213,10 @@ class AckObserver(SubscribingEndpoint):
         except FrameError as error:
             self.bad_acks += 1
             log.warning("ignoring bad ack on %s: %s", msg.subject, error)
+            return
+        if self.tracked is not None and not self.tracked(ack.session, ack.step):
+            return  # a step not awaited (done, never sent, another session's): nothing to tell
+        if self.max_chunks_per_step is not None and ack.chunk_count > self.max_chunks_per_step:
+            self.bad_acks += 1
             return
         self.record(ack)

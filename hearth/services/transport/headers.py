@@ -330,7 +330,7 @@ class AckHeader(BaseModel):
 
     Headers: Hearth-Pipeline, Hearth-Hop (the hop that acks, i.e. the receiver), Hearth-Session,
     Hearth-Step, Hearth-Chunk (``i/n``) and Hearth-Acked-Ns (``time.time_ns()`` at the receiver). A
-    receiver acks a chunk once it has placed it (or knows it as a duplicate or stale chunk); the chunk
+    receiver acks a chunk once it has placed it (or knows it as a duplicate; never a stale step's); the chunk
     that completes a step is acked once the step has been queued for the hop's consumer, so a consumer
     that stops taking steps stops the acks, and the sender's window turns that into backpressure.
     The sender frees its window on acks; the orchestrator watches ``hearth.ack.*.<pipeline_id>.*`` to see

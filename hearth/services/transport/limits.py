@@ -55,6 +55,11 @@ class StepLimits:
         """The largest wire payload a step of this pipeline can have."""
         return self.max_tokens * self.hidden_size * _max_bytes_per_element
 
+    @property
+    def max_chunks(self) -> int:
+        """The most chunks a step of this pipeline can come in (the largest, in chunks of the smallest size)."""
+        return math.ceil(self.max_step_bytes / smallest_chunk_bytes)
+
     def refusal(self, header: FrameHeader) -> StepRefusal | None:
         if header.kind is FrameKind.reset:
             return None

@@ -22,6 +22,7 @@ from hearth.services.transport.frames import AddOutcome, ReceivedStep, StepAssem
 from hearth.services.transport.headers import AckHeader, FrameHeader
 from hearth.services.transport.link_auth import LinkAuth
 from hearth.services.transport.limits import StepLimits, StepRefusal
+from hearth.services.transport.ready import ReadySteps, ready_budget_steps
 from hearth.services.transport.stats import ReceiverStats
 from hearth.services.transport.subscription import SubscribingEndpoint
 from hearth.services.transport.wire import conversion_offload_bytes
@@ -64,15 +65,15 @@ class ActivationReceiver(SubscribingEndpoint):
     """Subscribes to ``hearth.act.<receiver node>.<pipeline_id>.<hop>`` and acks on
     ``hearth.ack.<sender node>.<pipeline_id>.<hop>`` (``nodes``: the two ends of the link).
 
-    Steps come out whole (``await receiver.next_step(timeout_s)`` or ``async for step in receiver``) in
-    the order they complete. Per session, a step at or below the newest step already handed out is
-    stale: its chunks are acked (so the sender's window frees) but never handed out again; duplicates
-    of chunks already placed are acked and dropped. When a newer step of a session completes, older
-    unfinished steps of that session are abandoned. Step numbers stay monotonic across a reset.
+    Steps come out whole (``await receiver.next_step(timeout_s)`` or ``async for step in receiver``) in the order they
+    complete. Per session, a step at or below the newest step already handed out is stale: dropped, and not acked (an
+    ack says this hop took the chunk in, and the stall watch blames the hop holding a step; an honest sender never
+    sends one); duplicates of chunks already placed are acked and dropped. When a newer step of a session completes,
+    older unfinished steps of that session are abandoned. Step numbers stay monotonic across a reset.
 
-    Backpressure: at most `max_ready_steps` complete steps wait for the consumer; beyond that the
-    receiver stops taking (and acking) frames, which blocks the sender once its window is full. A step
-    that finds no room within `ready_wait_timeout_s` is dropped (counted in stats.dropped_steps).
+    Backpressure: at most `max_ready_steps` complete steps, two of the largest at most in bytes (ready.py), wait for
+    the consumer; beyond that the receiver stops taking (and acking) frames, which blocks the sender once its window
+    is full. A step that finds no room within `ready_wait_timeout_s` is dropped (counted in stats.dropped_steps).
 
     Memory: a frame that starts a step is checked before anything is allocated for the step: against
     `step_limits` (the pipeline's hidden size, positions, wire dtype and chunk count,
@@ -119,7 +120,7 @@ class ActivationReceiver(SubscribingEndpoint):
         self.stats = ReceiverStats()
         self._partial: dict[StepKey, _PartialStep] = {}
         self._newest_delivered: OrderedDict[str, int] = OrderedDict()
-        self._ready: deque[ReceivedStep] = deque()
+        self._ready = ReadySteps(max_ready_steps, ready_budget_steps * self.max_step_bytes)
         self._getters: deque[asyncio.Future[None]] = deque()
         self._interrupted = False
         self._room_waiter: asyncio.Future[None] | None = None
@@ -169,8 +170,7 @@ class ActivationReceiver(SubscribingEndpoint):
 
     def take_ready(self) -> list[ReceivedStep]:
         """Every complete step waiting, without waiting for more."""
-        taken = list(self._ready)
-        self._ready.clear()
+        taken = self._ready.take_all()
         self._room_freed()
         return taken
 
@@ -226,7 +226,6 @@ class ActivationReceiver(SubscribingEndpoint):
         newest = self._newest_delivered.get(header.session)
         if newest is not None and header.step <= newest:
             self.stats.stale_chunks += 1
-            await self._ack(header)
             return
         partial = self._partial.get(key)
         if partial is None:
@@ -288,10 +287,10 @@ class ActivationReceiver(SubscribingEndpoint):
 
     async def _wait_for_room(self, received: ReceivedStep) -> bool:
         """Hold this frame (and every later one, and their acks) until the consumer takes a step."""
-        if len(self._ready) < self.max_ready_steps:
+        if self._ready.room_for(received):
             return True
         deadline = time.perf_counter() + self.ready_wait_timeout_s
-        while len(self._ready) >= self.max_ready_steps:
+        while not self._ready.room_for(received):
             remaining_s = deadline - time.perf_counter()
             waiter = asyncio.get_running_loop().create_future()
             self._room_waiter = waiter
