@@ -3,20 +3,23 @@ memory for a manifest, into a file of the cache for a layer's or a file's object
 checked against the SHA-256 its manifest states before it takes its name in the cache; a manifest replaced only from
 the state its publisher read (put_object_if_unchanged); unused objects deleted by key.
 
-Why bounded here: nats-py's object reader takes chunks until the stream says none are pending, whatever size the
-object's info states (a publisher writes that info itself), and follows a link to another object into memory.
+Why read here and not by nats-py's ObjectStore.get: it takes chunks until the stream says none are pending, whatever
+size the object's info states (a publisher writes that info itself), follows a link to another object into memory,
+and keeps its chunk subscription running when a write fails or the read is given up.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import io
 import json
 import logging
 import os
 import secrets
 import tempfile
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -59,26 +62,83 @@ class _BoundedWriter:
         return self.sink.write(data)
 
 
-async def _checked_info(store, key: str, what: str, max_bytes: int):
-    info = await store.get_info(key)
+async def _checked_info(js, key: str, what: str, max_bytes: int):
+    """Object `key`'s info as its meta message states it; nats-py's ObjectNotFoundError when absent or deleted."""
+    from nats.js.api import ObjectInfo
+    from nats.js.errors import NotFoundError, ObjectNotFoundError
+
+    try:
+        message = await js.get_last_msg(WEIGHTS_STREAM, _meta_subject(key))
+    except NotFoundError:
+        raise ObjectNotFoundError from None
+    try:
+        info = ObjectInfo.from_response(json.loads(message.data))
+    except (ValueError, TypeError, KeyError, AttributeError):
+        raise WeightsStoreError(f"{what} has unreadable object info") from None
+    if info.deleted:
+        raise ObjectNotFoundError
     if info.is_link():
         raise WeightsStoreError(f"{what} is a link to another object, which no stored model holds")
-    if info.size > max_bytes:
+    if not isinstance(info.size, int) or info.size > max_bytes:
         raise WeightsStoreError(f"{what} is {info.size} bytes, over {max_bytes}")
     return info
 
 
-async def read_small_object(store, key: str, what: str, max_bytes: int) -> bytes:
-    """Object `key` of `store` in memory (`what` names it in errors): at most `max_bytes`, and no more than its
-    info states, within object_fetch_timeout_s of that size. nats-py's ObjectNotFoundError when it is absent."""
-    info = await _checked_info(store, key, what, max_bytes)
-    buffer = io.BytesIO()
+async def _read_chunks(js, info, what: str, write: Callable[[bytes], Awaitable[None]]):
+    """Hand each chunk of the object `info` describes to `write`, in order; the SHA-256 of what was read.
+
+    Read here rather than by nats-py's ObjectStore.get, which leaves its chunk subscription (and the heartbeat and
+    flow-control tasks that go with it) running when a write fails or the read is given up: on a long-lived
+    connection every failed fetch would keep a consumer pushing chunks into memory nobody reads."""
+    from nats.errors import Error as NatsError
+
+    digest = hashlib.sha256()
+    if info.size == 0:
+        return digest
+    if not info.nuid:
+        raise WeightsStoreError(f"{what} names no chunks")
+    sub = await js.subscribe(f"$O.{WEIGHTS_BUCKET}.C.{info.nuid}", stream=WEIGHTS_STREAM, ordered_consumer=True)
     try:
-        await asyncio.wait_for(store.get(key, writeinto=_BoundedWriter(buffer, info.size, what)),
-                               timeout=object_fetch_timeout_s(info.size))
+        while True:
+            message = await sub.next_msg(timeout=None)  # the caller bounds the whole read
+            await write(message.data)
+            digest.update(message.data)
+            if message.metadata.num_pending == 0:
+                return digest
+    finally:
+        with contextlib.suppress(NatsError):  # a closed connection has dropped it already
+            await sub.unsubscribe()
+
+
+async def read_small_object(js, key: str, what: str, max_bytes: int) -> bytes:
+    """Object `key` of the weights bucket in memory (`what` names it in errors): at most `max_bytes`, no more than
+    its info states and matching the SHA-256 that info states, within object_fetch_timeout_s of that size.
+    nats-py's ObjectNotFoundError when it is absent."""
+    info = await _checked_info(js, key, what, max_bytes)
+    buffer = io.BytesIO()
+    bounded = _BoundedWriter(buffer, info.size, what)
+
+    async def write(data: bytes) -> None:
+        bounded.write(data)
+
+    try:
+        digest = await asyncio.wait_for(_read_chunks(js, info, what, write), timeout=object_fetch_timeout_s(info.size))
     except (asyncio.TimeoutError, TimeoutError):
         raise WeightsStoreError(f"{what} did not arrive within {object_fetch_timeout_s(info.size):.0f} s") from None
-    return buffer.getvalue()
+    data = buffer.getvalue()
+    if len(data) != info.size or _info_digest(info) != digest.digest():
+        raise WeightsStoreError(f"{what} arrived corrupted")
+    return data
+
+
+def _info_digest(info) -> bytes | None:
+    import base64
+
+    stated = (info.digest or "").removeprefix("SHA-256=").removeprefix("sha-256=")
+    try:
+        return base64.urlsafe_b64decode(stated)
+    except ValueError:
+        return None
 
 
 def object_intact(file: Path, stored: StoredObject) -> bool:
@@ -93,37 +153,46 @@ def object_fetch_timeout_s(size_bytes: int) -> float:
     return OBJECT_FETCH_BASE_TIMEOUT_S + size_bytes / OBJECT_FETCH_MIN_BYTES_PER_S
 
 
-async def fetch_object(store, key: str, name: str, stored: StoredObject, objects_dir: Path) -> None:
+async def fetch_object(js, key: str, name: str, stored: StoredObject, objects_dir: Path,
+                       progress: Callable[[int], object] = lambda _: None) -> None:
     """Object `key` (model `name`'s `stored`) into `objects_dir` under its file name, once it holds exactly what the
-    manifest states; WeightsStoreError (one line) otherwise, and nothing of it is left behind."""
-    from nats.js.errors import DigestMismatchError, ObjectNotFoundError
+    manifest states (size and SHA-256, checked as it arrives), `progress` told the bytes of each chunk written;
+    WeightsStoreError (one line) otherwise, and nothing of it is left behind."""
+    from nats.js.errors import ObjectNotFoundError
 
     what = f"object {stored.file} of {name!r}"
     with tempfile.NamedTemporaryFile(dir=objects_dir, prefix=f".{stored.file}-", delete=False) as partial:
         fetched = Path(partial.name)
     try:
         with fetched.open("wb") as out:
-            await asyncio.wait_for(_read_into(store, key, what, stored.size, out),
-                                   timeout=object_fetch_timeout_s(stored.size))
-        if not await asyncio.to_thread(object_intact, fetched, stored):
-            raise WeightsStoreError(f"{what} does not match the SHA-256 in its manifest (republished or tampered "
-                                    "with): nothing loaded")
+            bounded = _BoundedWriter(out, stored.size, what)
+
+            async def write(data: bytes) -> None:
+                await asyncio.to_thread(bounded.write, data)
+                progress(len(data))
+
+            info = await _checked_info(js, key, what, stored.size)
+            digest = await asyncio.wait_for(_read_chunks(js, info, what, write),
+                                            timeout=object_fetch_timeout_s(stored.size))
+            if bounded.written != stored.size or digest.hexdigest() != stored.sha256:
+                raise WeightsStoreError(f"{what} does not match the SHA-256 in its manifest (republished or tampered "
+                                        "with): nothing loaded")
+            # On disk before it takes its name: a crash must not leave a named object the cache trusts by its size.
+            await asyncio.to_thread(_flushed, out)
         os.replace(fetched, objects_dir / stored.file)
     except (asyncio.TimeoutError, TimeoutError):
         raise WeightsStoreError(f"{what} did not arrive within {object_fetch_timeout_s(stored.size):.0f} s") from None
     except ObjectNotFoundError:
         raise WeightsStoreError(f"{name!r} lacks its object {stored.file}: publish it again") from None
-    except DigestMismatchError:
-        raise WeightsStoreError(f"{what} arrived corrupted") from None
     except OSError as error:
         raise WeightsStoreError(f"{what} cannot be placed in {objects_dir}: {error.strerror or error}") from None
     finally:
         fetched.unlink(missing_ok=True)
 
 
-async def _read_into(store, key: str, what: str, size: int, out) -> None:
-    await _checked_info(store, key, what, size)
-    await store.get(key, writeinto=_BoundedWriter(out, size, what))
+def _flushed(out) -> None:
+    out.flush()
+    os.fsync(out.fileno())
 
 
 @dataclass(frozen=True)
@@ -159,7 +228,6 @@ async def put_object_if_unchanged(js, key: str, data: bytes, seen: StoredMeta, c
     message rolling up the subject: ADR-20's layout) with JetStream's Nats-Expected-Last-Subject-Sequence on the
     meta message, so the server itself refuses a switch from a state the writer did not see."""
     import base64
-    import hashlib
     from datetime import timezone
 
     from nats.js.api import Header, ObjectInfo, ObjectMetaOptions

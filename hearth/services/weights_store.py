@@ -197,9 +197,9 @@ async def read_manifest(js, name: str) -> WeightsManifest:
     from nats.js.errors import ObjectNotFoundError
     from pydantic import ValidationError
 
-    store = await open_bucket(js, create=False)
+    await open_bucket(js, create=False)  # one clear line when nothing was ever published
     try:
-        data = await read_small_object(store, object_key(name, MANIFEST_OBJECT), f"the manifest of {name!r}",
+        data = await read_small_object(js, object_key(name, MANIFEST_OBJECT), f"the manifest of {name!r}",
                                        MANIFEST_MAX_BYTES)
     except ObjectNotFoundError:
         raise WeightsStoreError(f"no model {name!r} in the community's store (`hearth weights list`)") from None
@@ -248,12 +248,10 @@ async def fetch_stored_model(js, name: str, needed: NeededTensors, *, cache_dir:
     for folder in {file.parent for file in files.values()}:
         folder.mkdir(parents=True, exist_ok=True)
     missing = [stored for stored in wanted if not await asyncio.to_thread(object_intact, files[stored.file], stored)]
-    store = await open_bucket(js, create=False)
     with progress_bar(sum(stored.size for stored in missing), f"fetching {name}") as bar:
         for stored in missing:
-            await fetch_object(store, object_key(name, stored.file, manifest.objects_version), name, stored,
-                               files[stored.file].parent)
-            bar.update(stored.size)
+            await fetch_object(js, object_key(name, stored.file, manifest.objects_version), name, stored,
+                               files[stored.file].parent, progress=bar.update)
     if manifest.gguf is not None:
         fetched = await asyncio.to_thread(_write_gguf, manifest, target, gguf_name, files)
     else:
