@@ -160,11 +160,15 @@ async def fetch_object(js, key: str, name: str, stored: StoredObject, objects_di
     WeightsStoreError (one line) otherwise, and nothing of it is left behind."""
     from nats.js.errors import ObjectNotFoundError
 
+    from hearth.inference.partial_checkpoint import BEING_WRITTEN_SUFFIX, locked_while_written
+
     what = f"object {stored.file} of {name!r}"
-    with tempfile.NamedTemporaryFile(dir=objects_dir, prefix=f".{stored.file}-", delete=False) as partial:
+    with tempfile.NamedTemporaryFile(dir=objects_dir, prefix=f".{stored.file}-", suffix=BEING_WRITTEN_SUFFIX,
+                                     delete=False) as partial:
         fetched = Path(partial.name)
     try:
-        with fetched.open("wb") as out:
+        # Locked until it takes its name: a fetch dying midway leaves it to the cache's cleaning, no other.
+        with fetched.open("wb") as out, locked_while_written(fetched):
             bounded = _BoundedWriter(out, stored.size, what)
 
             async def write(data: bytes) -> None:
@@ -179,7 +183,7 @@ async def fetch_object(js, key: str, name: str, stored: StoredObject, objects_di
                                         "with): nothing loaded")
             # On disk before it takes its name: a crash must not leave a named object the cache trusts by its size.
             await asyncio.to_thread(_flushed, out)
-        os.replace(fetched, objects_dir / stored.file)
+            os.replace(fetched, objects_dir / stored.file)
     except (asyncio.TimeoutError, TimeoutError):
         raise WeightsStoreError(f"{what} did not arrive within {object_fetch_timeout_s(stored.size):.0f} s") from None
     except ObjectNotFoundError:

@@ -31,7 +31,7 @@ from hearth.inference.gguf_header import GGUF_SUFFIX
 from hearth.inference.gguf_checkpoint import default_read_device
 from hearth.inference.gguf_parts import StoredLayout
 from hearth.inference.partial_checkpoint import NeededTensors, assemble_partial_folder, check_needed, \
-    complete_partial_folder, hearth_cache_dir, selection_name
+    complete_partial_folder, hearth_cache_dir, remove_abandoned, selection_name
 from hearth.services.broker.permissions import WEIGHTS_BUCKET, WEIGHTS_STREAM
 from hearth.services.weights_objects import WeightsStoreError, fetch_object, object_intact, read_small_object
 
@@ -262,6 +262,7 @@ async def fetch_stored_model(js, name: str, needed: NeededTensors, *, cache_dir:
     # so can this one's other ranges no process uses (hearth/inference/cache_ranges.py).
     await asyncio.to_thread(remove_unused_versions, model_dir, {root})
     await asyncio.to_thread(remove_unused_versions, root, {published, root / "objects"})
+    await asyncio.to_thread(remove_abandoned, published / "files")  # the other folders: remove_superseded_ranges
     await asyncio.to_thread(remove_superseded_ranges, root, [published], root / "objects",
                             lambda selected: {stored.file for stored in manifest.needed_objects(selected)
                                               if stored.kind != "file"}, written=target.name)

@@ -3,12 +3,16 @@ leaves nothing behind, on disk or on the connection."""
 
 from __future__ import annotations
 
+import asyncio
 import errno
+import os
+import subprocess
+import sys
 
 import pytest
 
 from hearth.services.weights_objects import fetch_object
-from hearth.services.weights_store import LAYER_OBJECT_FORMAT, WeightsStoreError, object_key
+from hearth.services.weights_store import LAYER_OBJECT_FORMAT, WeightsStoreError, fetch_stored_model, object_key
 from tests.integration.test_weights_store import NAME, js, published  # noqa: F401  (fixtures)
 from tests.unit.inference_tiny_models import one_torch_thread, tiny_model_dir  # noqa: F401  (fixtures)
 
@@ -38,3 +42,78 @@ async def test_an_object_fetch_cut_short_leaves_no_subscription_and_counts_its_c
     await fetch_object(js, key, NAME, stated, objects, progress=counted.append)
     assert sum(counted) == stated.size and (objects / stated.file).stat().st_size == stated.size
     assert len(js._nc._subs) == subscriptions
+
+
+KILLED_FETCH = """
+import asyncio, sys, time
+from pathlib import Path
+import hearth.inference.partial_checkpoint as partial_checkpoint
+import hearth.services.weights_objects as weights_objects
+from hearth.services.broker.connection import connect_nats
+from hearth.services.weights_store import fetch_stored_model
+
+url, cache, layer, stop_at, ready = sys.argv[1:]
+
+flushed = weights_objects._flushed
+
+def stopped(*_args, **_kwargs):  # where a host dies: all of an object written, or a range's folder staged
+    Path(ready).touch()
+    time.sleep(3600)
+
+if stop_at == "object":  # its layer's object, after its side files
+    weights_objects._flushed = lambda out: stopped() if "layer-" in out.name else flushed(out)
+else:
+    partial_checkpoint.written_marker = stopped
+
+async def main():
+    nc = await connect_nats(url, name="killed-fetch")
+    await fetch_stored_model(nc.jetstream(), "tiny-llama", (int(layer), int(layer)), cache_dir=Path(cache))
+
+asyncio.run(main())
+"""
+
+
+def _left_behind(folder) -> set[str]:
+    """What a fetch cut short left in `folder`: entries named with a dot first, apart from the cache's locks."""
+    return {entry.name for entry in folder.iterdir() if entry.name.startswith(".") and not entry.name.endswith(
+        (".lock", ".ranges"))} if folder.is_dir() else set()
+
+
+async def test_what_a_killed_fetch_was_writing_is_removed_once_no_process_writes_it(js, published, nats_url,
+                                                                                   tmp_path, monkeypatch):
+    """Before, a host killed while it fetched an object (a layer: gigabytes) or staged a range's folder (for a GGUF,
+    a copy of the range) left its partial file or folder in the cache for good: nothing ever removed a name with a
+    dot first. A fetch that is still writing keeps its own."""
+    from hearth.inference import partial_checkpoint
+    from hearth.inference.partial_checkpoint import BEING_WRITTEN_SUFFIX
+
+    _, manifest = published
+    cache = tmp_path / "cache"
+    root = cache / "store" / NAME / manifest.weights_sha256[:16]
+    published_dir = root / manifest.digest()[:16]
+    fetches = []
+    try:
+        for layer, stop_at in ((1, "object"), (2, "folder")):
+            ready = tmp_path / f"ready-{stop_at}"
+            fetches.append(subprocess.Popen([sys.executable, "-c", KILLED_FETCH, nats_url, str(cache), str(layer),
+                                             stop_at, str(ready)], env={**os.environ, "PYTHONPATH": os.getcwd()}))
+            for _ in range(1200):
+                if ready.exists() or fetches[-1].poll() is not None:
+                    break
+                await asyncio.sleep(0.1)
+            assert ready.exists(), f"the fetch stopping at its {stop_at} never got there"
+        monkeypatch.setattr(partial_checkpoint, "ABANDONED_AFTER_S", 0.0)
+        await fetch_stored_model(js, NAME, (0, 0), cache_dir=cache)
+        assert _left_behind(root / "objects") and _left_behind(published_dir)  # still being written: kept
+        killed_long_ago = published_dir / "files" / f".config.json-x{BEING_WRITTEN_SUFFIX}"
+        killed_long_ago.write_bytes(b"{")
+    finally:
+        for fetch in fetches:
+            fetch.kill()
+            fetch.wait(timeout=30)
+
+    folder = await fetch_stored_model(js, NAME, (3, 3), cache_dir=cache)
+    assert not _left_behind(root / "objects")
+    assert not _left_behind(published_dir)
+    assert not _left_behind(published_dir / "files")
+    assert (folder / LAYER_OBJECT_FORMAT.format(3)).is_file()
