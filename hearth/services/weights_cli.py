@@ -90,12 +90,15 @@ def list_command(
     creds: CredsOption = None,
     insecure: InsecureOption = False,
 ) -> None:
-    """The models in the community's store: name, layers, size, weights digest."""
+    """The models in the community's store: name, layers, size, weights digest (or why its manifest is unreadable)."""
     from hearth.services.common.display import display_text
     from hearth.services.weights_store import list_models
 
     use_credentials(ctx, "hearth weights list", creds, insecure)
-    for manifest in _run(ctx, "list", nats_url, list_models):
+    for name, manifest in _run(ctx, "list", nats_url, list_models):
+        if isinstance(manifest, Exception):
+            typer.echo(f"{display_text(name)}\tunreadable: {display_text(str(manifest))}")
+            continue
         size_mb = sum(stored.size for stored in manifest.objects) / (1 << 20)
         typer.echo(f"{display_text(manifest.name)}\t{manifest.num_layers} layers\t{size_mb:.1f} MB\t"
                    f"{manifest.weights_sha256[:12]}")

@@ -212,8 +212,9 @@ async def read_manifest(js, name: str) -> WeightsManifest:
     return manifest
 
 
-async def list_models(js) -> list[WeightsManifest]:
-    """The manifests of every stored model, by name."""
+async def list_models(js) -> list[tuple[str, WeightsManifest | WeightsStoreError]]:
+    """Every stored model by name, with its manifest or why that cannot be read: one unreadable manifest (malformed,
+    or of a format this hearth predates) does not hide the others."""
     from nats.js.errors import NotFoundError
 
     store = await open_bucket(js, create=False)
@@ -223,7 +224,13 @@ async def list_models(js) -> list[WeightsManifest]:
         return []
     names = sorted(info.name[:-len(MANIFEST_OBJECT) - 1] for info in infos  # not an object named manifest.json
                    if info.name.endswith("/" + MANIFEST_OBJECT) and info.name.count("/") == 1 and not info.deleted)
-    return [await read_manifest(js, name) for name in names]
+    listed: list[tuple[str, WeightsManifest | WeightsStoreError]] = []
+    for name in names:
+        try:
+            listed.append((name, await read_manifest(js, name)))
+        except WeightsStoreError as error:
+            listed.append((name, error))
+    return listed
 
 
 async def fetch_stored_model(js, name: str, needed: NeededTensors, *, cache_dir: Path | None = None) -> Path:

@@ -1,5 +1,5 @@
-"""The community's object store failing partway, against a real nats-server: a fetch cut short (a full disk)
-leaves nothing behind, on disk or on the connection."""
+"""The community's object store when something fails, against a real nats-server: a fetch cut short (a full disk, a
+killed host) leaves nothing behind, on disk or on the connection; an unreadable manifest hides no other model."""
 
 from __future__ import annotations
 
@@ -117,3 +117,27 @@ async def test_what_a_killed_fetch_was_writing_is_removed_once_no_process_writes
     assert not _left_behind(published_dir)
     assert not _left_behind(published_dir / "files")
     assert (folder / LAYER_OBJECT_FORMAT.format(3)).is_file()
+
+
+def test_an_unreadable_manifest_is_listed_as_such_beside_the_others(published, nats_url, monkeypatch):
+    """Before, `hearth weights list` failed whole on one manifest it could not read (malformed, or of a format
+    published by a newer hearth), showing none of the models it could."""
+    from typer.testing import CliRunner
+
+    from hearth.services.broker.connection import connect_nats
+    from hearth.services.cli import app
+    from hearth.services.weights_store import MANIFEST_OBJECT, WEIGHTS_BUCKET
+
+    async def store_a_manifest_of_a_later_format():
+        nc = await connect_nats(nats_url, name="later-publisher")
+        store = await nc.jetstream().object_store(WEIGHTS_BUCKET)
+        await store.put(object_key("later", MANIFEST_OBJECT), b'{"format_version": 3, "name": "later"}')
+        await nc.close()
+
+    asyncio.run(store_a_manifest_of_a_later_format())
+    monkeypatch.setenv("HEARTH_NATS__INSECURE", "1")
+    result = CliRunner().invoke(app, ["weights", "list", "--nats", nats_url])
+    assert result.exit_code == 0, result.output
+    later, tiny = result.stdout.strip().splitlines()
+    assert later.startswith("later\tunreadable: the manifest of 'later' is malformed")
+    assert tiny.startswith(f"{NAME}\t6 layers\t")
