@@ -38,7 +38,7 @@ NON_WEIGHT_PATTERNS = ("*.json", "*.model", "*.txt", "*.jinja", "tokenizer*")
 # this suffix, and locked by its writer for as long as it writes. One no process locks that has not changed for
 # ABANDONED_AFTER_S was left by a process that died writing it (a host killed mid-fetch): remove_abandoned removes
 # it. The age covers the moment between a writer creating its file and locking it.
-BEING_WRITTEN_SUFFIX = ".partial"
+BEING_WRITTEN_SUFFIX = ".writing"  # not hub_download.PARTIAL_SUFFIX: a hub download resumes its part, this restarts
 ABANDONED_AFTER_S = 60.0
 
 
