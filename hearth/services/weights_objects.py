@@ -97,7 +97,7 @@ async def _read_chunks(js, info, what: str, write: Callable[[bytes], Awaitable[N
         return digest
     if not info.nuid:
         raise WeightsStoreError(f"{what} names no chunks")
-    sub = await js.subscribe(f"$O.{WEIGHTS_BUCKET}.C.{info.nuid}", stream=WEIGHTS_STREAM, ordered_consumer=True)
+    sub = await js.subscribe(_chunk_subject(info.nuid), stream=WEIGHTS_STREAM, ordered_consumer=True)
     try:
         while True:
             message = await sub.next_msg(timeout=None)  # the caller bounds the whole read
@@ -231,37 +231,75 @@ async def put_object_if_unchanged(js, key: str, data: bytes, seen: StoredMeta, c
     nats-py's put has no such condition; this writes what it writes (chunks on a subject of their own, then the meta
     message rolling up the subject: ADR-20's layout) with JetStream's Nats-Expected-Last-Subject-Sequence on the
     meta message, so the server itself refuses a switch from a state the writer did not see."""
+    nuid, count = await _stored_chunks(js, data, chunk_bytes)
+    if not await _meta_stored(js, key, data, nuid, count, chunk_bytes, seen):
+        return False
+    if seen.chunks_nuid is not None:  # the replaced object's chunks
+        await js.purge_stream(WEIGHTS_STREAM, subject=_chunk_subject(seen.chunks_nuid))
+    return True
+
+
+async def put_new_object(js, key: str, data: bytes, chunk_bytes: int) -> None:
+    """Store `data` as object `key` of the weights bucket, a key never stored before (a publication's own);
+    WeightsStoreError when another writer stored it first. Stopped midway (an error, or Ctrl-C cancelling the task),
+    it leaves none of its chunks: no meta message would name them, so no deletion could ever reach them (nats-py's
+    put purges them on an Exception only)."""
+    nuid, count = await _stored_chunks(js, data, chunk_bytes)
+    try:
+        stored = await _meta_stored(js, key, data, nuid, count, chunk_bytes, StoredMeta())
+    except BaseException:  # stored or not: the publication owning the key fails with it, so nothing names it
+        await _purge_quietly(js, nuid)
+        raise
+    if not stored:
+        raise WeightsStoreError(f"object {key} was stored meanwhile by another publisher: publish again")
+
+
+async def _stored_chunks(js, data: bytes, chunk_bytes: int) -> tuple[str, int]:
+    """Store `data` in chunks of `chunk_bytes` on a subject of their own: its token (as nats-py's put names chunks
+    by a NUID) and the number of chunks. None of them is left when it is stopped midway."""
+    nuid = secrets.token_hex(11)
+    count = 0
+    try:
+        for start in range(0, len(data), chunk_bytes):  # one chunk copied at a time: a layer's object is large
+            await js.publish(_chunk_subject(nuid), data[start:start + chunk_bytes])
+            count += 1
+    except BaseException:  # an error, or Ctrl-C cancelling the task
+        await _purge_quietly(js, nuid)
+        raise
+    return nuid, count
+
+
+async def _meta_stored(js, key: str, data: bytes, nuid: str, count: int, chunk_bytes: int, seen: StoredMeta) -> bool:
+    """Store the meta message naming the `count` chunks `nuid` of `data` as object `key`, unless its meta message is
+    no longer the one `seen`: False then, its chunks purged."""
     import base64
     from datetime import timezone
 
     from nats.js.api import Header, ObjectInfo, ObjectMetaOptions
     from nats.js.errors import APIError
 
-    nuid = secrets.token_hex(11)  # a subject token of its own, as nats-py's put names chunks by a NUID
-    chunk_subject = f"$O.{WEIGHTS_BUCKET}.C.{nuid}"
-    chunks = [data[start:start + chunk_bytes] for start in range(0, len(data), chunk_bytes)]
+    info = ObjectInfo(name=key, bucket=WEIGHTS_BUCKET, nuid=nuid, size=len(data), chunks=count,
+                      mtime=datetime.now(timezone.utc).isoformat(),
+                      digest="SHA-256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).decode(),
+                      options=ObjectMetaOptions(max_chunk_size=chunk_bytes))
     try:
-        for chunk in chunks:
-            await js.publish(chunk_subject, chunk)
-    except Exception:  # cut off midway: no meta message will name these chunks, so nothing else could delete them
-        with contextlib.suppress(Exception):
-            await js.purge_stream(WEIGHTS_STREAM, subject=chunk_subject)
-        raise
-    try:
-        info = ObjectInfo(name=key, bucket=WEIGHTS_BUCKET, nuid=nuid, size=len(data), chunks=len(chunks),
-                          mtime=datetime.now(timezone.utc).isoformat(),
-                          digest="SHA-256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).decode(),
-                          options=ObjectMetaOptions(max_chunk_size=chunk_bytes))
         await js.publish(_meta_subject(key), json.dumps(info.as_dict()).encode(), headers={
             Header.ROLLUP: "sub", Header.EXPECTED_LAST_SUBJECT_SEQUENCE: str(seen.sequence)})
     except APIError as error:  # refused (another error may come after the server stored it: the chunks stay)
-        await js.purge_stream(WEIGHTS_STREAM, subject=chunk_subject)
+        await js.purge_stream(WEIGHTS_STREAM, subject=_chunk_subject(nuid))
         if error.err_code == WRONG_LAST_SEQUENCE_ERR_CODE:
             return False
         raise
-    if seen.chunks_nuid is not None:  # the replaced object's chunks
-        await js.purge_stream(WEIGHTS_STREAM, subject=f"$O.{WEIGHTS_BUCKET}.C.{seen.chunks_nuid}")
     return True
+
+
+async def _purge_quietly(js, nuid: str) -> None:
+    with contextlib.suppress(Exception):  # the error that stopped the writer is the one to tell
+        await js.purge_stream(WEIGHTS_STREAM, subject=_chunk_subject(nuid))
+
+
+def _chunk_subject(nuid: str) -> str:
+    return f"$O.{WEIGHTS_BUCKET}.C.{nuid}"
 
 
 def _meta_subject(key: str) -> str:

@@ -9,7 +9,8 @@ import logging
 from pathlib import Path
 
 from hearth.inference.partial_checkpoint import NON_WEIGHT_PATTERNS, layer_of
-from hearth.services.weights_objects import WeightsStoreError, delete_objects, put_object_if_unchanged, stored_meta
+from hearth.services.weights_objects import WeightsStoreError, delete_objects, put_new_object, \
+    put_object_if_unchanged, stored_meta
 from hearth.services.weights_store import GGUF_EVERY_LAYER_OBJECT, GGUF_FORMAT_VERSION, GGUF_HEAD_OBJECT, \
     GGUF_HEADER_OBJECT, GGUF_LAYER_OBJECT_FORMAT, HEAD_OBJECT, LAYER_OBJECT_FORMAT, MANIFEST_OBJECT, \
     OBJECT_CHUNK_BYTES, StoredObject, TensorSpec, WeightsManifest, check_model_name, object_key, open_bucket, \
@@ -112,8 +113,7 @@ async def publish_checkpoint(js, folder: Path, name: str) -> WeightsManifest:
     version = secrets.token_hex(8)
 
     async def put(file: str, kind: str, layer: int | None, data: bytes) -> None:
-        key = object_key(name, file, version)
-        await store.put(key, data, meta=_chunked(key))
+        await put_new_object(js, object_key(name, file, version), data, OBJECT_CHUNK_BYTES)
         objects.append(StoredObject(file=file, kind=kind, layer=layer, size=len(data),
                                     sha256=hashlib.sha256(data).hexdigest()))
         bar.update(len(data))
@@ -185,9 +185,3 @@ async def _delete_abandoned(js, store, name: str, kept: set[str]) -> None:
         stored = [(await stored_meta(js, key)).stored_at for key in keys]
         if all(at is not None and (now - at).total_seconds() >= ABANDONED_PUBLICATION_AGE_S for at in stored):
             await delete_objects(store, set(keys))
-
-
-def _chunked(key: str):
-    from nats.js.api import ObjectMeta, ObjectMetaOptions
-
-    return ObjectMeta(name=key, options=ObjectMetaOptions(max_chunk_size=OBJECT_CHUNK_BYTES))

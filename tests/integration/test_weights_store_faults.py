@@ -11,7 +11,9 @@ import sys
 
 import pytest
 
+from hearth.services.broker.permissions import WEIGHTS_BUCKET, WEIGHTS_STREAM
 from hearth.services.weights_objects import fetch_object
+from hearth.services.weights_publish import publish_checkpoint
 from hearth.services.weights_store import LAYER_OBJECT_FORMAT, WeightsStoreError, fetch_stored_model, object_key
 from tests.integration.test_weights_store import NAME, js, published  # noqa: F401  (fixtures)
 from tests.unit.inference_tiny_models import one_torch_thread, tiny_model_dir  # noqa: F401  (fixtures)
@@ -126,7 +128,7 @@ def test_an_unreadable_manifest_is_listed_as_such_beside_the_others(published, n
 
     from hearth.services.broker.connection import connect_nats
     from hearth.services.cli import app
-    from hearth.services.weights_store import MANIFEST_OBJECT, WEIGHTS_BUCKET
+    from hearth.services.weights_store import MANIFEST_OBJECT
 
     async def store_a_manifest_of_a_later_format():
         nc = await connect_nats(nats_url, name="later-publisher")
@@ -141,3 +143,45 @@ def test_an_unreadable_manifest_is_listed_as_such_beside_the_others(published, n
     later, tiny = result.stdout.strip().splitlines()
     assert later.startswith("later\tunreadable: the manifest of 'later' is malformed")
     assert tiny.startswith(f"{NAME}\t6 layers\t")
+
+
+def _stopped_at(js, where: str, monkeypatch) -> None:
+    """Stop `js`'s publisher (Ctrl-C: its task cancelled) at the second chunk of an object (`where` "chunk"), or at
+    the first object's meta message, its chunks stored ("meta")."""
+    publish, chunks = js.publish, []
+
+    async def cut_off(subject, payload=b"", **kwargs):
+        if subject.startswith(f"$O.{WEIGHTS_BUCKET}.C."):
+            if where == "chunk" and subject in chunks:
+                raise asyncio.CancelledError
+            chunks.append(subject)
+        elif subject.startswith(f"$O.{WEIGHTS_BUCKET}.M.") and where == "meta":
+            raise asyncio.CancelledError
+        return await publish(subject, payload, **kwargs)
+
+    monkeypatch.setattr(js, "publish", cut_off)
+
+
+async def _unnamed_chunks(js) -> set[str]:
+    """The chunk subjects of the weights stream that no object's meta message names: nothing could delete them."""
+    state = (await js.stream_info(WEIGHTS_STREAM, subjects_filter=f"$O.{WEIGHTS_BUCKET}.C.>")).state
+    store = await js.object_store(WEIGHTS_BUCKET)
+    named = {info.nuid for info in await store.list(ignore_deletes=True)}
+    return {subject for subject in (state.subjects or {}) if subject.rsplit(".", 1)[1] not in named}
+
+
+@pytest.mark.parametrize("where", ["chunk", "meta"])
+async def test_a_publish_stopped_midway_leaves_no_chunks_no_object_names(js, published, tiny_model_dir, where,
+                                                                         monkeypatch):
+    """Before, a publish stopped (Ctrl-C) while an object's chunks were being stored, or before its meta message was,
+    left those chunks in the stream for good: no object names them, so no deletion ever reaches them."""
+    from hearth.services import weights_publish
+
+    monkeypatch.setattr(weights_publish, "OBJECT_CHUNK_BYTES", 16 * 1024)  # a layer in several chunks
+    other = tiny_model_dir("llama", max_shard_size="100KB", seed=2)
+    assert not await _unnamed_chunks(js)
+    _stopped_at(js, where, monkeypatch)
+    with pytest.raises(asyncio.CancelledError):
+        await publish_checkpoint(js, other, NAME)
+    monkeypatch.undo()
+    assert not await _unnamed_chunks(js)
