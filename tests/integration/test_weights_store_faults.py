@@ -15,7 +15,7 @@ from hearth.services.broker.permissions import WEIGHTS_BUCKET, WEIGHTS_STREAM
 from hearth.services.weights_objects import fetch_object
 from hearth.services.weights_publish import publish_checkpoint
 from hearth.services.weights_store import LAYER_OBJECT_FORMAT, WeightsStoreError, fetch_stored_model, object_key
-from tests.integration.test_weights_store import NAME, js, published  # noqa: F401  (fixtures)
+from tests.integration.test_weights_store import NAME, community_server, js, published  # noqa: F401  (fixtures)
 from tests.unit.inference_tiny_models import one_torch_thread, tiny_model_dir  # noqa: F401  (fixtures)
 
 
@@ -185,3 +185,22 @@ async def test_a_publish_stopped_midway_leaves_no_chunks_no_object_names(js, pub
         await publish_checkpoint(js, other, NAME)
     monkeypatch.undo()
     assert not await _unnamed_chunks(js)
+
+
+def test_a_key_the_broker_refuses_is_told_as_such_in_one_line(community_server, tiny_model_dir):
+    """Before, a member whose key may not read or write the store got `TimeoutError: nats: timeout` as the
+    command's line: the broker's refusal went only to a log line above it."""
+    from typer.testing import CliRunner
+
+    from hearth.services.cli import app
+
+    community, server = community_server
+    keys = community.directory / "keys"
+    original = tiny_model_dir("llama", max_shard_size="100KB")
+    for command, key in ((["weights", "publish", str(original), "--name", NAME], "shard-a"),
+                         (["weights", "list"], "alice")):
+        result = CliRunner().invoke(app, [*command, "--nats", server.url, "--creds", str(keys / f"{key}.nk")])
+        assert result.exit_code == 2, result.output
+        assert result.stderr.strip().splitlines()[-1].startswith(
+            f"hearth {' '.join(command[:2])}: the broker refused this key (nats: permissions violation for publish "
+            "to "), result.stderr
