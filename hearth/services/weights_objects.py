@@ -48,6 +48,11 @@ class WeightsStoreError(Exception):
     """A store model that cannot be published or fetched; the message is one line naming what and why."""
 
 
+class ObjectMissing(WeightsStoreError):
+    """An object its manifest names is not in the bucket: deleted by the publication that replaced it, or never
+    stored."""
+
+
 class _BoundedWriter:
     """Hands an object's chunks to `sink` as nats-py reads them, refusing any past `limit` bytes."""
 
@@ -187,7 +192,7 @@ async def fetch_object(js, key: str, name: str, stored: StoredObject, objects_di
     except (asyncio.TimeoutError, TimeoutError):
         raise WeightsStoreError(f"{what} did not arrive within {object_fetch_timeout_s(stored.size):.0f} s") from None
     except ObjectNotFoundError:
-        raise WeightsStoreError(f"{name!r} lacks its object {stored.file}: publish it again") from None
+        raise ObjectMissing(f"{name!r} lacks its object {stored.file}: publish it again") from None
     except OSError as error:
         raise WeightsStoreError(f"{what} cannot be placed in {objects_dir}: {error.strerror or error}") from None
     finally:

@@ -33,7 +33,8 @@ from hearth.inference.gguf_parts import StoredLayout
 from hearth.inference.partial_checkpoint import NeededTensors, assemble_partial_folder, check_needed, \
     complete_partial_folder, hearth_cache_dir, remove_abandoned, selection_name
 from hearth.services.broker.permissions import WEIGHTS_BUCKET, WEIGHTS_STREAM
-from hearth.services.weights_objects import WeightsStoreError, fetch_object, object_intact, read_small_object
+from hearth.services.weights_objects import ObjectMissing, WeightsStoreError, fetch_object, object_intact, \
+    read_small_object
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,8 @@ SHA256_PATTERN = r"^[0-9a-f]{64}$"
 OBJECTS_VERSION_PATTERN = r"^[0-9a-f]{16}$"
 # Object-store chunks (nats-py's default is 128 KiB): larger chunks mean fewer messages per layer.
 OBJECT_CHUNK_BYTES = 512 * 1024
+# Publications of one model a fetch tries when each is replaced (its objects deleted) while it is fetched.
+FETCH_PUBLICATION_ATTEMPTS = 3
 
 
 class StoredObject(BaseModel):
@@ -236,9 +239,24 @@ async def list_models(js) -> list[tuple[str, WeightsManifest | WeightsStoreError
 async def fetch_stored_model(js, name: str, needed: NeededTensors, *, cache_dir: Path | None = None) -> Path:
     """A loadable folder (for a GGUF: the GGUF file, NAME.gguf) holding what `needed` asks for of stored model `name`
     ((lo, hi), "head" or None for all): objects already cached and intact are kept, the others fetched and checked
-    against the manifest's SHA-256."""
+    against the manifest's SHA-256. A publication replaced while it is fetched (its objects deleted) is left for the
+    one that replaced it, up to FETCH_PUBLICATION_ATTEMPTS times."""
     needed = check_needed(needed)
     manifest = await read_manifest(js, check_model_name(name))
+    for _ in range(FETCH_PUBLICATION_ATTEMPTS - 1):
+        try:
+            return await _fetch_publication(js, manifest, needed, cache_dir)
+        except ObjectMissing:
+            replacing = await read_manifest(js, name)
+            if (replacing.objects_version, replacing.digest()) == (manifest.objects_version, manifest.digest()):
+                raise  # not republished: this publication lacks it
+            log.info("%s was republished while it was fetched: fetching the new publication", name)
+            manifest = replacing
+    return await _fetch_publication(js, manifest, needed, cache_dir)
+
+
+async def _fetch_publication(js, manifest: WeightsManifest, needed: NeededTensors, cache_dir: Path | None) -> Path:
+    name = manifest.name
     if isinstance(needed, tuple) and needed[1] >= manifest.num_layers:
         raise WeightsStoreError(f"{name!r} has {manifest.num_layers} layers: no layer {needed[1]}")
     model_dir = (cache_dir or hearth_cache_dir()) / STORE_CACHE_FOLDER / name

@@ -204,3 +204,27 @@ def test_a_key_the_broker_refuses_is_told_as_such_in_one_line(community_server, 
         assert result.stderr.strip().splitlines()[-1].startswith(
             f"hearth {' '.join(command[:2])}: the broker refused this key (nats: permissions violation for publish "
             "to "), result.stderr
+
+
+async def test_a_fetch_under_way_when_its_model_is_republished_fetches_the_new_publication(js, published,
+                                                                                          tiny_model_dir, tmp_path,
+                                                                                          monkeypatch):
+    """Before, a host fetching while the steward republished failed its start with "lacks its object ...: publish
+    it again": the switch deletes the replaced publication's objects, and the fetch never read the manifest anew."""
+    from hearth.inference import load_layer_range
+    from hearth.services import weights_store
+    from tests.integration.test_weights_store import _same_parameters
+    from tests.runner_limits import RUNNER_KV_LIMITS
+
+    other = tiny_model_dir("llama", max_shard_size="100KB", seed=2)
+    fetch, republished = weights_store.fetch_object, []
+
+    async def republished_meanwhile(*args, **kwargs):
+        if not republished:
+            republished.append(await publish_checkpoint(js, other, NAME))
+        return await fetch(*args, **kwargs)
+
+    monkeypatch.setattr(weights_store, "fetch_object", republished_meanwhile)
+    folder = await fetch_stored_model(js, NAME, (0, 1), cache_dir=tmp_path)
+    assert _same_parameters(load_layer_range(folder, 0, 1, **RUNNER_KV_LIMITS),
+                            load_layer_range(other, 0, 1, **RUNNER_KV_LIMITS))
