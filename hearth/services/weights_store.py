@@ -22,7 +22,7 @@ import re
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from hearth.inference.cache_ranges import hold_range, remove_superseded_ranges
 from hearth.inference.cache_versions import hold_version, remove_unused_versions
@@ -106,6 +106,20 @@ class WeightsManifest(BaseModel):
         if len(set(files)) != len(files) or PARTIAL_CHECKPOINT_MARKER in files:
             raise ValueError("its objects' files are not distinct names a checkpoint's files may have")
         return objects
+
+    @model_validator(mode="after")
+    def _objects_fit_the_layers(self) -> WeightsManifest:
+        # What needed_objects and the loader take for granted: a layer object states its layer, and only layer
+        # objects do (one past num_layers may be a checkpoint's extra, such as a multi-token-prediction layer);
+        # every tensor (and a GGUF's every placement) lies in an object listed.
+        for stored in self.objects:
+            if (stored.kind == "layer") != (stored.layer is not None):
+                raise ValueError(f"its object {stored.file} of kind {stored.kind!r} states layer {stored.layer}")
+        files = {stored.file for stored in self.objects}
+        placed = [placement.file for placement in self.gguf.placements] if self.gguf is not None else []
+        if unlisted := next((file for file in (*self.weight_map.values(), *placed) if file not in files), None):
+            raise ValueError(f"it places tensors in {unlisted[:80]!r}, which none of its objects is")
+        return self
 
     def needed_objects(self, needed: NeededTensors) -> list[StoredObject]:
         """The objects a layer range, the head (None: everything) needs, files always."""

@@ -120,3 +120,16 @@ def test_tensor_shapes_that_would_size_a_range_wrong_are_refused():
     both = manifest({f"model.layers.{layer}.mlp.down_proj.weight": {"dtype": "F32", "shape": [64, 64]}
                      for layer in range(2)})
     assert both.layer_weight_bytes(torch.float32, parse_quantization("none")) == [64 * 64 * 4] * 2
+
+
+@pytest.mark.parametrize("broken", [
+    {"objects": [{"file": "layer-00000.safetensors", "kind": "layer", "size": 1, "sha256": SHA}]},  # no layer
+    {"objects": [{"file": "head.safetensors", "kind": "head", "layer": 0, "size": 1, "sha256": SHA}]},
+    {"objects": [], "weight_map": {"model.norm.weight": "head.safetensors"}},  # a file no object is
+])
+def test_a_manifest_whose_objects_do_not_fit_its_tensors_is_refused(broken):
+    """Before, a layer object stating no layer passed, and a fetch of a range then failed with a TypeError
+    comparing None to a layer index; a tensor placed in no object passed unnoticed."""
+    manifest = {"name": "m", "num_layers": 2, "weights_sha256": SHA, "weight_map": {}, "objects": [], **broken}
+    with pytest.raises(ValidationError):
+        WeightsManifest.model_validate(manifest)
