@@ -32,6 +32,8 @@ log = logging.getLogger(__name__)
 # nats-py waits for an object's chunks without a deadline: a fetch gets this long plus its size at this rate.
 OBJECT_FETCH_BASE_TIMEOUT_S = 30.0
 OBJECT_FETCH_MIN_BYTES_PER_S = 1 << 20
+# ... and gives up sooner when no chunk comes for this long (the broker sends heartbeats every 5 s meanwhile).
+OBJECT_CHUNK_IDLE_S = 30.0
 # JetStream's answer to a publish whose Nats-Expected-Last-Subject-Sequence no longer holds.
 WRONG_LAST_SEQUENCE_ERR_CODE = 10071
 
@@ -89,13 +91,16 @@ async def _checked_info(js, key: str, what: str, max_bytes: int):
     return info
 
 
-async def _read_chunks(js, info, what: str, write: Callable[[bytes], Awaitable[None]]):
-    """Hand each chunk of the object `info` describes to `write`, in order; the SHA-256 of what was read.
+async def _read_chunks(js, key: str, info, what: str, write: Callable[[bytes], Awaitable[None]]):
+    """Hand each chunk of object `key`, as `info` describes it, to `write`, in order; the SHA-256 of what was read.
+    A chunk that does not come within OBJECT_CHUNK_IDLE_S ends the read: ObjectMissing when the object was deleted
+    or replaced meanwhile (its chunks purged), WeightsStoreError otherwise.
 
     Read here rather than by nats-py's ObjectStore.get, which leaves its chunk subscription (and the heartbeat and
     flow-control tasks that go with it) running when a write fails or the read is given up: on a long-lived
     connection every failed fetch would keep a consumer pushing chunks into memory nobody reads."""
     from nats.errors import Error as NatsError
+    from nats.errors import TimeoutError as NatsTimeoutError
 
     digest = hashlib.sha256()
     if info.size == 0:
@@ -105,7 +110,12 @@ async def _read_chunks(js, info, what: str, write: Callable[[bytes], Awaitable[N
     sub = await js.subscribe(_chunk_subject(info.nuid), stream=WEIGHTS_STREAM, ordered_consumer=True)
     try:
         while True:
-            message = await sub.next_msg(timeout=None)  # the caller bounds the whole read
+            try:  # the caller bounds the whole read; this, a stall (nothing left to come, or a broker gone quiet)
+                message = await sub.next_msg(timeout=OBJECT_CHUNK_IDLE_S)
+            except NatsTimeoutError:
+                if (await stored_meta(js, key)).chunks_nuid != info.nuid:
+                    raise ObjectMissing(f"{what} was deleted while it was read") from None
+                raise WeightsStoreError(f"{what}: no chunk of it arrived for {OBJECT_CHUNK_IDLE_S:.0f} s") from None
             await write(message.data)
             digest.update(message.data)
             if message.metadata.num_pending == 0:
@@ -127,7 +137,8 @@ async def read_small_object(js, key: str, what: str, max_bytes: int) -> bytes:
         bounded.write(data)
 
     try:
-        digest = await asyncio.wait_for(_read_chunks(js, info, what, write), timeout=object_fetch_timeout_s(info.size))
+        digest = await asyncio.wait_for(_read_chunks(js, key, info, what, write),
+                                        timeout=object_fetch_timeout_s(info.size))
     except (asyncio.TimeoutError, TimeoutError):
         raise WeightsStoreError(f"{what} did not arrive within {object_fetch_timeout_s(info.size):.0f} s") from None
     data = buffer.getvalue()
@@ -181,7 +192,7 @@ async def fetch_object(js, key: str, name: str, stored: StoredObject, objects_di
                 progress(len(data))
 
             info = await _checked_info(js, key, what, stored.size)
-            digest = await asyncio.wait_for(_read_chunks(js, info, what, write),
+            digest = await asyncio.wait_for(_read_chunks(js, key, info, what, write),
                                             timeout=object_fetch_timeout_s(stored.size))
             if bounded.written != stored.size or digest.hexdigest() != stored.sha256:
                 raise WeightsStoreError(f"{what} does not match the SHA-256 in its manifest (republished or tampered "
@@ -191,7 +202,7 @@ async def fetch_object(js, key: str, name: str, stored: StoredObject, objects_di
             os.replace(fetched, objects_dir / stored.file)
     except (asyncio.TimeoutError, TimeoutError):
         raise WeightsStoreError(f"{what} did not arrive within {object_fetch_timeout_s(stored.size):.0f} s") from None
-    except ObjectNotFoundError:
+    except (ObjectNotFoundError, ObjectMissing):
         raise ObjectMissing(f"{name!r} lacks its object {stored.file}: publish it again") from None
     except OSError as error:
         raise WeightsStoreError(f"{what} cannot be placed in {objects_dir}: {error.strerror or error}") from None

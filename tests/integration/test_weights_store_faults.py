@@ -228,3 +228,36 @@ async def test_a_fetch_under_way_when_its_model_is_republished_fetches_the_new_p
     folder = await fetch_stored_model(js, NAME, (0, 1), cache_dir=tmp_path)
     assert _same_parameters(load_layer_range(folder, 0, 1, **RUNNER_KV_LIMITS),
                             load_layer_range(other, 0, 1, **RUNNER_KV_LIMITS))
+
+
+@pytest.mark.parametrize("gone", ["chunks", "object"])
+async def test_an_object_whose_chunks_stop_coming_is_given_up_without_waiting_out_its_size(js, published, tmp_path,
+                                                                                             gone, monkeypatch):
+    """Before, a fetch whose chunks stopped coming (purged, or the object deleted by a republish after its info was
+    read) waited the whole object's deadline: half an hour for a 2 GB layer. Now a chunk that does not come within
+    OBJECT_CHUNK_IDLE_S ends it, as a missing object when it was deleted meanwhile (the fetch then reads the manifest
+    anew)."""
+    from hearth.services import weights_objects
+    from hearth.services.weights_objects import ObjectMissing
+
+    _, manifest = published
+    stated = next(stored for stored in manifest.objects if stored.file == LAYER_OBJECT_FORMAT.format(1))
+    key = object_key(NAME, stated.file, manifest.objects_version)
+    store = await js.object_store(WEIGHTS_BUCKET)
+    monkeypatch.setattr(weights_objects, "OBJECT_FETCH_BASE_TIMEOUT_S", 600.0)  # the whole object's: not the one
+    monkeypatch.setattr(weights_objects, "OBJECT_CHUNK_IDLE_S", 1.0)
+    if gone == "chunks":
+        await js.purge_stream(WEIGHTS_STREAM, subject=f"$O.{WEIGHTS_BUCKET}.C.{(await store.get_info(key)).nuid}")
+    else:
+        subscribe = js.subscribe
+
+        async def deleted_meanwhile(*args, **kwargs):
+            await store.delete(key)
+            return await subscribe(*args, **kwargs)
+
+        monkeypatch.setattr(js, "subscribe", deleted_meanwhile)
+    objects = tmp_path / "objects"
+    objects.mkdir()
+    refusal = ObjectMissing if gone == "object" else WeightsStoreError
+    with pytest.raises(refusal, match="lacks its object" if gone == "object" else "no chunk .* for 1 s"):
+        await asyncio.wait_for(fetch_object(js, key, NAME, stated, objects), 20)
