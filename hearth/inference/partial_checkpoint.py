@@ -112,6 +112,19 @@ def _size_of(file: Path) -> int | None:
         return None
 
 
+def partial_source(folder: Path) -> str | None:
+    """What the partial folder `folder` was fetched from, as its marker names it ("a checkpoint" when unreadable);
+    None when `folder` is no partial folder."""
+    marker = folder / PARTIAL_CHECKPOINT_MARKER
+    if not marker.is_file():
+        return None
+    try:
+        source = json.loads(marker.read_text()).get("source")
+    except (OSError, ValueError, AttributeError):
+        source = None
+    return source[:200] if isinstance(source, str) and source.isprintable() else "a checkpoint"
+
+
 def written_marker(folder: Path, *, weights_sha256: str, source: str) -> None:
     """Write `folder`'s PARTIAL_CHECKPOINT_MARKER naming `source` and the whole checkpoint's digest, with the size of
     each file the folder holds (complete_partial_folder checks them before the folder is reused)."""

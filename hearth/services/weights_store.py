@@ -54,6 +54,9 @@ GGUF_EVERY_LAYER_OBJECT = "every-layer.gguf-data"
 # The manifest's format_version: 1 for safetensors, 2 for a GGUF (a host that predates it refuses the manifest).
 GGUF_FORMAT_VERSION = 2
 SHA256_PATTERN = r"^[0-9a-f]{64}$"
+# An object's file name: not "." or "..", nor a dot first as the cache's partial downloads are named.
+OBJECT_FILE_PATTERN = r"^[A-Za-z0-9_-][A-Za-z0-9_.-]*$"
+OBJECT_FILE_MAX_CHARS = 200
 OBJECTS_VERSION_PATTERN = r"^[0-9a-f]{16}$"
 # Object-store chunks (nats-py's default is 128 KiB): larger chunks mean fewer messages per layer.
 OBJECT_CHUNK_BYTES = 512 * 1024
@@ -64,8 +67,7 @@ FETCH_PUBLICATION_ATTEMPTS = 3
 class StoredObject(BaseModel):
     """One object of a stored checkpoint: a file to place in the loader's folder under `file`."""
 
-    # Not "." or "..", nor a dot first as the cache's partial downloads are named.
-    file: str = Field(max_length=200, pattern=r"^[A-Za-z0-9_-][A-Za-z0-9_.-]*$")
+    file: str = Field(max_length=OBJECT_FILE_MAX_CHARS, pattern=OBJECT_FILE_PATTERN)
     kind: Literal["file", "layer", "head", "gguf_header", "every_layer"]
     layer: int | None = Field(default=None, ge=0, le=100_000)
     size: int = Field(ge=0)

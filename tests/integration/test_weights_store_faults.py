@@ -261,3 +261,36 @@ async def test_an_object_whose_chunks_stop_coming_is_given_up_without_waiting_ou
     refusal = ObjectMissing if gone == "object" else WeightsStoreError
     with pytest.raises(refusal, match="lacks its object" if gone == "object" else "no chunk .* for 1 s"):
         await asyncio.wait_for(fetch_object(js, key, NAME, stated, objects), 20)
+
+
+async def test_a_fetched_part_is_refused_for_publishing_in_one_line_before_anything_is_stored(js, published,
+                                                                                            tmp_path):
+    """Before, publishing a folder hearth fetched (a layer range of a stored or hub model) stored all its objects and
+    then failed on its cache marker with a four-line pydantic dump; a part published so would have stood for the
+    whole checkpoint's digest with most of its layers missing."""
+    from hearth.services.weights_publish import check_publishable
+
+    part = await fetch_stored_model(js, NAME, (0, 1), cache_dir=tmp_path)
+    one_line = (r"^.*layers-0-1 holds only part of a checkpoint \(fetched by hearth from store:tiny-llama\): publish "
+                r"the original$")
+    with pytest.raises(WeightsStoreError, match=one_line):
+        check_publishable(part)
+    with pytest.raises(WeightsStoreError, match=one_line):
+        await publish_checkpoint(js, part, "part")
+    store = await js.object_store(WEIGHTS_BUCKET)
+    assert not [info.name for info in await store.list() if info.name.startswith("part/")]
+
+
+def test_a_side_file_no_object_may_be_named_is_refused_for_publishing_in_one_line(tiny_model_dir, tmp_path):
+    """Before, a side file whose name no object may have (an editor's `tokenizer.json~`) was stored, and then its
+    StoredObject failed with a pydantic dump, the objects before it left behind."""
+    import shutil
+
+    from hearth.services.weights_publish import check_publishable
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model_dir("llama", max_shard_size="100KB"), folder)
+    (folder / "tokenizer.json~").write_text("{}")
+    with pytest.raises(WeightsStoreError, match=r"^.*tokenizer\.json~ cannot be published under its name \(letters, "
+                                                r"digits, '_', '\.' or '-'\): rename or remove it$"):
+        check_publishable(folder)

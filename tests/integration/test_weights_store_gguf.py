@@ -182,3 +182,11 @@ async def test_writing_a_fetched_range_as_a_gguf_shows_a_progress_bar(js, publis
     monkeypatch.setattr(checksum, "HASH_PROGRESS_MIN_BYTES", 0)
     await fetch_stored_model(js, NAME, (0, 1))
     assert f"writing {NAME}.gguf" in capsys.readouterr().err
+
+
+async def test_a_fetched_gguf_range_is_refused_for_publishing(js, published):
+    from hearth.services.weights_publish import check_publishable
+
+    with pytest.raises(WeightsStoreError, match=r"holds only part of a checkpoint \(fetched by hearth from "
+                                                r"store:tiny-gguf\): publish the original$"):
+        check_publishable(await fetch_stored_model(js, NAME, (0, 1)))
