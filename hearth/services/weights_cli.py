@@ -26,22 +26,17 @@ def _fail(command: str, message: str) -> None:
 def _run(ctx: typer.Context, command: str, nats_url: str | None, work):
     """Connect, run `work(js)`, close; one line and exit code 2 on bad input, an unreachable broker or one that
     refuses this member's key."""
-    from hearth.services.broker.connection import broker_refusal, connect_nats
+    from hearth.services.broker.connection import connect_nats
     from hearth.services.common.lifecycle import run_event_loop
-    from hearth.services.weights_store import WeightsStoreError
+    from hearth.services.weights_store import WeightsStoreError, refusals_told
 
     url = resolve_nats_url(ctx, nats_url)
 
     async def session():
         nc = await connect_nats(url, name=f"hearth weights {command}", settings=settings(ctx).nats)
         try:
-            return await work(nc.jetstream())
-        except Exception as error:
-            if isinstance(error, WeightsStoreError) or (refusal := broker_refusal(nc)) is None:
-                raise
-            # The request it refused timed out: its refusal is what to tell.
-            raise WeightsStoreError(f"the broker refused this key ({refusal}): on a community mesh only the "
-                                    "steward's system key publishes, and shard hosts and orchestrators read") from None
+            async with refusals_told(nc):
+                return await work(nc.jetstream())
         finally:
             await nc.close()
 

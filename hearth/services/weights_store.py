@@ -16,6 +16,7 @@ hearth/services/broker/permissions.py.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import re
@@ -334,6 +335,22 @@ def _write_gguf(manifest: WeightsManifest, target: Path, gguf_name: str, files: 
         raise WeightsStoreError(f"{manifest.name!r}: {error}") from None
 
 
+@contextlib.asynccontextmanager
+async def refusals_told(nc):
+    """The block, its error turned into WeightsStoreError naming what the broker refused `nc` (made by connect_nats)
+    for its key's permissions, if it did: nats-py tells that only to the error callback, and the JetStream request
+    it refused just times out."""
+    from hearth.services.broker.connection import broker_refusal
+
+    try:
+        yield
+    except Exception as error:
+        if isinstance(error, WeightsStoreError) or (refusal := broker_refusal(nc)) is None:
+            raise
+        raise WeightsStoreError(f"the broker refused this key ({refusal}): on a community mesh only the steward's "
+                                "system key publishes, and shard hosts and orchestrators read") from None
+
+
 async def resolve_model_source(model: str, needed: NeededTensors, *, nats_url: str | None, settings) -> Path:
     """The local folder for `model`: `store:NAME` fetched from the community's store (only what `needed` asks
     for), anything else through inference's resolve_model_path (a hub id downloads only what `needed` asks for)."""
@@ -345,6 +362,7 @@ async def resolve_model_source(model: str, needed: NeededTensors, *, nats_url: s
         return await asyncio.to_thread(resolve_model_path, model, needed_layers=needed)
     nc = await connect_nats(nats_url, name=f"hearth weights {name}", settings=settings.nats)
     try:
-        return await fetch_stored_model(nc.jetstream(), name, needed)
+        async with refusals_told(nc):
+            return await fetch_stored_model(nc.jetstream(), name, needed)
     finally:
         await close_quietly(nc, settings.nats.close_timeout_s)

@@ -189,7 +189,11 @@ async def test_a_publish_stopped_midway_leaves_no_chunks_no_object_names(js, pub
 
 def test_a_key_the_broker_refuses_is_told_as_such_in_one_line(community_server, tiny_model_dir):
     """Before, a member whose key may not read or write the store got `TimeoutError: nats: timeout` as the
-    command's line: the broker's refusal went only to a log line above it."""
+    command's line (and a shard host started with it, as its refusal): the broker's refusal went only to a log line
+    above it."""
+    from hearth.services.common.config import HearthSettings, NatsSettings
+    from hearth.services.weights_store import resolve_model_source
+
     from typer.testing import CliRunner
 
     from hearth.services.cli import app
@@ -204,6 +208,9 @@ def test_a_key_the_broker_refuses_is_told_as_such_in_one_line(community_server, 
         assert result.stderr.strip().splitlines()[-1].startswith(
             f"hearth {' '.join(command[:2])}: the broker refused this key (nats: permissions violation for publish "
             "to "), result.stderr
+    settings = HearthSettings(nats=NatsSettings(url=server.url, creds_file=keys / "alice.nk"))
+    with pytest.raises(WeightsStoreError, match="^the broker refused this key"):
+        asyncio.run(resolve_model_source(f"store:{NAME}", (0, 1), nats_url=server.url, settings=settings))
 
 
 async def test_a_fetch_under_way_when_its_model_is_republished_fetches_the_new_publication(js, published,
