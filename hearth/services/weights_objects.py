@@ -29,7 +29,7 @@ from hearth.services.broker.permissions import WEIGHTS_BUCKET, WEIGHTS_STREAM
 
 log = logging.getLogger(__name__)
 
-# nats-py waits for an object's chunks without a deadline: a fetch gets this long plus its size at this rate.
+# A fetch of an object gets this long plus its size at this rate (a JetStream consumer waits without a deadline)...
 OBJECT_FETCH_BASE_TIMEOUT_S = 30.0
 OBJECT_FETCH_MIN_BYTES_PER_S = 1 << 20
 # ... and gives up sooner when no chunk comes for this long (the broker sends heartbeats every 5 s meanwhile).
@@ -56,7 +56,7 @@ class ObjectMissing(WeightsStoreError):
 
 
 class _BoundedWriter:
-    """Hands an object's chunks to `sink` as nats-py reads them, refusing any past `limit` bytes."""
+    """Hands an object's chunks to `sink` as they are read, refusing any past `limit` bytes."""
 
     def __init__(self, sink, limit: int, what: str) -> None:
         self.sink, self.limit, self.what = sink, limit, what
