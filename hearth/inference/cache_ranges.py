@@ -26,7 +26,7 @@ from typing import IO
 
 from .cache_versions import MODEL_LOCK_WAIT_S, REMOVED_SUFFIX, deleted_aside, folder_lock
 from .errors import CheckpointError
-from .partial_checkpoint import NeededTensors, complete_partial_folder
+from .partial_checkpoint import NeededTensors, complete_partial_folder, remove_abandoned
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +120,9 @@ def remove_superseded_ranges(lock_root: Path, parents: Iterable[Path], pool: Pat
                     (pool / name).unlink(missing_ok=True)
     except (CheckpointError, OSError) as error:  # busy, or a cache it cannot change: the next writer tries again
         logger.debug("not cleaning the ranges of %s: %s", lock_root, error)
+    for folder in (*parents, *([pool] if pool is not None else [])):  # what processes died writing
+        with contextlib.suppress(OSError):
+            remove_abandoned(folder)
     return deleted_aside(aside, removed, f"unused layer range folder(s) of {lock_root}")
 
 

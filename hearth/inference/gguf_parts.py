@@ -81,10 +81,15 @@ def write_gguf_part(target: Path, header: bytes, kv_end: int, alignment: int, te
         if not (kv_end <= source.info_start and source.info_start + INFO_OFFSET_BYTES <= source.info_end
                 <= len(header)) or source.offset < 0 or source.n_bytes < 0:
             raise CheckpointError(f"{target.name}: a tensor's info or bytes lie outside its parts")
+    from . import checksum
+    from .hub_download import byte_progress
+
     target.parent.mkdir(parents=True, exist_ok=True)
     descriptor, staging = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}-")
-    try:
-        with os.fdopen(descriptor, "wb") as out:
+    total = sum(source.n_bytes for source in tensors)
+    try:  # a bar from a weight file's size on: a large model's range takes minutes to copy
+        with os.fdopen(descriptor, "wb") as out, byte_progress(
+                total, f"writing {target.name}", shown=total >= checksum.HASH_PROGRESS_MIN_BYTES) as bar:
             out.write(header[:TENSOR_COUNT_OFFSET])
             out.write(struct.pack(TENSOR_COUNT_FORMAT, len(tensors)))
             out.write(header[TENSOR_COUNT_OFFSET + 8:kv_end])
@@ -95,7 +100,7 @@ def write_gguf_part(target: Path, header: bytes, kv_end: int, alignment: int, te
                 offset += _aligned(source.n_bytes, alignment)
             out.write(bytes(_aligned(out.tell(), alignment) - out.tell()))
             for source in tensors:
-                _copy(source, out, target.name)
+                _copy(source, out, target.name, bar)
                 out.write(bytes(_aligned(source.n_bytes, alignment) - source.n_bytes))
         os.replace(staging, target)
     finally:
@@ -108,7 +113,7 @@ def _aligned(position: int, alignment: int) -> int:
     return (position + alignment - 1) // alignment * alignment
 
 
-def _copy(source: TensorSource, out, target_name: str) -> None:
+def _copy(source: TensorSource, out, target_name: str, bar) -> None:
     with source.file.open("rb") as handle:
         handle.seek(source.offset)
         left = source.n_bytes
@@ -117,6 +122,7 @@ def _copy(source: TensorSource, out, target_name: str) -> None:
             if not chunk:
                 raise CheckpointError(f"{target_name}: {source.file.name} ends before a tensor's bytes do")
             out.write(chunk)
+            bar.update(len(chunk))
             left -= len(chunk)
 
 

@@ -10,12 +10,14 @@ checkpoint advertise the same weights_sha256). The marker is written last: a fol
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import logging
 import os
 import re
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Literal, Union
@@ -32,6 +34,12 @@ NeededTensors = Union[tuple[int, int], Literal["head"], None]
 LAYER_TENSOR_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 # Files besides the weights that loading, tokenizing and chat templates read.
 NON_WEIGHT_PATTERNS = ("*.json", "*.model", "*.txt", "*.jinja", "tokenizer*")
+# What a process is still writing into the cache (a fetched object, a staged folder): named with a dot first and
+# this suffix, and locked by its writer for as long as it writes. One no process locks that has not changed for
+# ABANDONED_AFTER_S was left by a process that died writing it (a host killed mid-fetch): remove_abandoned removes
+# it. The age covers the moment between a writer creating its file and locking it.
+BEING_WRITTEN_SUFFIX = ".writing"  # not hub_download.PARTIAL_SUFFIX: a hub download resumes its part, this restarts
+ABANDONED_AFTER_S = 60.0
 
 
 def hearth_cache_dir() -> Path:
@@ -104,6 +112,19 @@ def _size_of(file: Path) -> int | None:
         return None
 
 
+def partial_source(folder: Path) -> str | None:
+    """What the partial folder `folder` was fetched from, as its marker names it ("a checkpoint" when unreadable);
+    None when `folder` is no partial folder."""
+    marker = folder / PARTIAL_CHECKPOINT_MARKER
+    if not marker.is_file():
+        return None
+    try:
+        source = json.loads(marker.read_text()).get("source")
+    except (OSError, ValueError, AttributeError):
+        source = None
+    return source[:200] if isinstance(source, str) and source.isprintable() else "a checkpoint"
+
+
 def written_marker(folder: Path, *, weights_sha256: str, source: str) -> None:
     """Write `folder`'s PARTIAL_CHECKPOINT_MARKER naming `source` and the whole checkpoint's digest, with the size of
     each file the folder holds (complete_partial_folder checks them before the folder is reused)."""
@@ -140,16 +161,57 @@ def staged_partial_folder(target: Path, *, weights_sha256: str, source: str) -> 
     `source` and the whole checkpoint's digest is written into it and it is renamed into place (a complete folder a
     concurrent twin put there first is kept, a stale unfinished one replaced). Removed whatever happens."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", suffix=BEING_WRITTEN_SUFFIX, dir=target.parent))
     try:
-        yield staging
-        written_marker(staging, weights_sha256=weights_sha256, source=source)
-        try:
-            os.replace(staging, target)
-        except OSError:
-            if complete_partial_folder(target) is None:  # not a concurrent twin: a stale, unfinished folder
-                shutil.rmtree(target, ignore_errors=True)
+        with locked_while_written(staging):
+            yield staging
+            written_marker(staging, weights_sha256=weights_sha256, source=source)
+            try:
                 os.replace(staging, target)
+            except OSError:
+                if complete_partial_folder(target) is None:  # not a concurrent twin: a stale, unfinished folder
+                    shutil.rmtree(target, ignore_errors=True)
+                    os.replace(staging, target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def locked_while_written(path: Path) -> Iterator[None]:
+    """Hold `path` (a file or folder named with a dot first and BEING_WRITTEN_SUFFIX) locked for the block, so that
+    remove_abandoned leaves it to this writer."""
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX)  # only a remover's check holds it, and only for a moment
+        yield
+    finally:
+        os.close(descriptor)
+
+
+def remove_abandoned(folder: Path) -> list[str]:
+    """Remove the files and folders in `folder` that a process died writing (BEING_WRITTEN_SUFFIX, locked by no
+    process, unchanged for ABANDONED_AFTER_S); their names. Best effort: one it cannot lock or remove is left."""
+    removed = []
+    for entry in sorted(folder.iterdir()) if folder.is_dir() else ():
+        if not (entry.name.startswith(".") and entry.name.endswith(BEING_WRITTEN_SUFFIX)):
+            continue
+        try:
+            descriptor = os.open(entry, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError while its writer writes
+            if time.time() - os.fstat(descriptor).st_mtime >= ABANDONED_AFTER_S:
+                if entry.is_dir():
+                    shutil.rmtree(entry)
+                else:
+                    entry.unlink()
+                removed.append(entry.name)
+        except OSError:
+            continue
+        finally:
+            os.close(descriptor)
+    if removed:
+        logger.info("removed %d file(s) a process died writing in %s: %s", len(removed), folder, ", ".join(removed))
+    return removed
 

@@ -24,17 +24,19 @@ def _fail(command: str, message: str) -> None:
 
 
 def _run(ctx: typer.Context, command: str, nats_url: str | None, work):
-    """Connect, run `work(js)`, close; one line and exit code 2 on bad input or an unreachable broker."""
+    """Connect, run `work(js)`, close; one line and exit code 2 on bad input, an unreachable broker or one that
+    refuses this member's key."""
     from hearth.services.broker.connection import connect_nats
     from hearth.services.common.lifecycle import run_event_loop
-    from hearth.services.weights_store import WeightsStoreError
+    from hearth.services.weights_store import WeightsStoreError, refusals_told
 
     url = resolve_nats_url(ctx, nats_url)
 
     async def session():
         nc = await connect_nats(url, name=f"hearth weights {command}", settings=settings(ctx).nats)
         try:
-            return await work(nc.jetstream())
+            async with refusals_told(nc):
+                return await work(nc.jetstream())
         finally:
             await nc.close()
 
@@ -90,12 +92,15 @@ def list_command(
     creds: CredsOption = None,
     insecure: InsecureOption = False,
 ) -> None:
-    """The models in the community's store: name, layers, size, weights digest."""
+    """The models in the community's store: name, layers, size, weights digest (or why its manifest is unreadable)."""
     from hearth.services.common.display import display_text
     from hearth.services.weights_store import list_models
 
     use_credentials(ctx, "hearth weights list", creds, insecure)
-    for manifest in _run(ctx, "list", nats_url, list_models):
+    for name, manifest in _run(ctx, "list", nats_url, list_models):
+        if isinstance(manifest, Exception):
+            typer.echo(f"{display_text(name)}\tunreadable: {display_text(str(manifest))}")
+            continue
         size_mb = sum(stored.size for stored in manifest.objects) / (1 << 20)
         typer.echo(f"{display_text(manifest.name)}\t{manifest.num_layers} layers\t{size_mb:.1f} MB\t"
                    f"{manifest.weights_sha256[:12]}")

@@ -6,14 +6,16 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import re
 from pathlib import Path
 
-from hearth.inference.partial_checkpoint import NON_WEIGHT_PATTERNS, layer_of
-from hearth.services.weights_objects import WeightsStoreError, delete_objects, put_object_if_unchanged, stored_meta
+from hearth.inference.partial_checkpoint import NON_WEIGHT_PATTERNS, layer_of, partial_source
+from hearth.services.weights_objects import WeightsStoreError, delete_objects, put_new_object, \
+    put_object_if_unchanged, stored_meta
 from hearth.services.weights_store import GGUF_EVERY_LAYER_OBJECT, GGUF_FORMAT_VERSION, GGUF_HEAD_OBJECT, \
     GGUF_HEADER_OBJECT, GGUF_LAYER_OBJECT_FORMAT, HEAD_OBJECT, LAYER_OBJECT_FORMAT, MANIFEST_OBJECT, \
-    OBJECT_CHUNK_BYTES, StoredObject, TensorSpec, WeightsManifest, check_model_name, object_key, open_bucket, \
-    progress_bar, read_manifest
+    OBJECT_CHUNK_BYTES, OBJECT_FILE_MAX_CHARS, OBJECT_FILE_PATTERN, StoredObject, TensorSpec, WeightsManifest, \
+    check_model_name, object_key, open_bucket, progress_bar, read_manifest
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +85,14 @@ def check_publishable(path: Path) -> Path | None:
         raise WeightsStoreError(str(error)) from None
     if gguf is None and not (path / "config.json").is_file():
         raise WeightsStoreError(f"{path} is not a checkpoint folder (no config.json) nor a GGUF file")
+    for side_file in [] if gguf else _side_files(path):  # refused here, not once the objects before it are stored
+        if len(side_file.name) > OBJECT_FILE_MAX_CHARS or not re.fullmatch(OBJECT_FILE_PATTERN, side_file.name):
+            raise WeightsStoreError(f"{side_file} cannot be published under its name (letters, digits, '_', '.' or "
+                                    "'-'): rename or remove it")
+    # A part hearth fetched states the whole checkpoint's digest: published, it would stand for all of it.
+    if (source := partial_source(gguf.parent if gguf else path)) is not None:
+        raise WeightsStoreError(f"{path} holds only part of a checkpoint (fetched by hearth from {source}): publish "
+                                "the original")
     return gguf
 
 
@@ -92,6 +102,8 @@ async def publish_checkpoint(js, folder: Path, name: str) -> WeightsManifest:
     goes last, so a reader never sees a manifest naming objects not yet stored or since rewritten, and only then are
     the objects it does not name deleted."""
     import secrets
+
+    from pydantic import ValidationError
 
     from hearth.inference import read_config_dict, weights_sha256
     from hearth.inference.errors import CheckpointError
@@ -112,8 +124,7 @@ async def publish_checkpoint(js, folder: Path, name: str) -> WeightsManifest:
     version = secrets.token_hex(8)
 
     async def put(file: str, kind: str, layer: int | None, data: bytes) -> None:
-        key = object_key(name, file, version)
-        await store.put(key, data, meta=_chunked(key))
+        await put_new_object(js, object_key(name, file, version), data, OBJECT_CHUNK_BYTES)
         objects.append(StoredObject(file=file, kind=kind, layer=layer, size=len(data),
                                     sha256=hashlib.sha256(data).hexdigest()))
         bar.update(len(data))
@@ -126,9 +137,14 @@ async def publish_checkpoint(js, folder: Path, name: str) -> WeightsManifest:
             await put(file, kind, layer, data)
             weight_map.update(dict.fromkeys(specs, file))
             tensor_specs.update(specs)
-    manifest = WeightsManifest(format_version=GGUF_FORMAT_VERSION if gguf else 1, name=name, num_layers=num_layers,
-                               weights_sha256=digest, objects=objects, weight_map=weight_map, tensors=tensor_specs,
-                               gguf=stored_gguf, objects_version=version)
+    try:
+        manifest = WeightsManifest(format_version=GGUF_FORMAT_VERSION if gguf else 1, name=name,
+                                   num_layers=num_layers, weights_sha256=digest, objects=objects,
+                                   weight_map=weight_map, tensors=tensor_specs, gguf=stored_gguf,
+                                   objects_version=version)
+    except ValidationError as error:  # nothing names the objects stored
+        await delete_objects(store, {object_key(name, stored.file, version) for stored in objects})
+        raise WeightsStoreError(f"{folder} cannot be published: {error.errors()[0]['msg']}") from None
     kept = {object_key(name, MANIFEST_OBJECT)} | {object_key(name, stored.file, version) for stored in objects}
     try:
         replaced = await _switch_manifest(js, name, manifest)
@@ -185,9 +201,3 @@ async def _delete_abandoned(js, store, name: str, kept: set[str]) -> None:
         stored = [(await stored_meta(js, key)).stored_at for key in keys]
         if all(at is not None and (now - at).total_seconds() >= ABANDONED_PUBLICATION_AGE_S for at in stored):
             await delete_objects(store, set(keys))
-
-
-def _chunked(key: str):
-    from nats.js.api import ObjectMeta, ObjectMetaOptions
-
-    return ObjectMeta(name=key, options=ObjectMetaOptions(max_chunk_size=OBJECT_CHUNK_BYTES))

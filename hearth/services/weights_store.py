@@ -16,13 +16,14 @@ hearth/services/broker/permissions.py.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import re
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from hearth.inference.cache_ranges import hold_range, remove_superseded_ranges
 from hearth.inference.cache_versions import hold_version, remove_unused_versions
@@ -31,9 +32,10 @@ from hearth.inference.gguf_header import GGUF_SUFFIX
 from hearth.inference.gguf_checkpoint import default_read_device
 from hearth.inference.gguf_parts import StoredLayout
 from hearth.inference.partial_checkpoint import NeededTensors, assemble_partial_folder, check_needed, \
-    complete_partial_folder, hearth_cache_dir, selection_name
+    complete_partial_folder, hearth_cache_dir, remove_abandoned, selection_name
 from hearth.services.broker.permissions import WEIGHTS_BUCKET, WEIGHTS_STREAM
-from hearth.services.weights_objects import WeightsStoreError, fetch_object, object_intact, read_small_object
+from hearth.services.weights_objects import ObjectMissing, WeightsStoreError, fetch_object, object_intact, \
+    read_small_object
 
 log = logging.getLogger(__name__)
 
@@ -53,16 +55,20 @@ GGUF_EVERY_LAYER_OBJECT = "every-layer.gguf-data"
 # The manifest's format_version: 1 for safetensors, 2 for a GGUF (a host that predates it refuses the manifest).
 GGUF_FORMAT_VERSION = 2
 SHA256_PATTERN = r"^[0-9a-f]{64}$"
+# An object's file name: not "." or "..", nor a dot first as the cache's partial downloads are named.
+OBJECT_FILE_PATTERN = r"^[A-Za-z0-9_-][A-Za-z0-9_.-]*$"
+OBJECT_FILE_MAX_CHARS = 200
 OBJECTS_VERSION_PATTERN = r"^[0-9a-f]{16}$"
 # Object-store chunks (nats-py's default is 128 KiB): larger chunks mean fewer messages per layer.
 OBJECT_CHUNK_BYTES = 512 * 1024
+# Publications of one model a fetch tries when each is replaced (its objects deleted) while it is fetched.
+FETCH_PUBLICATION_ATTEMPTS = 3
 
 
 class StoredObject(BaseModel):
     """One object of a stored checkpoint: a file to place in the loader's folder under `file`."""
 
-    # Not "." or "..", nor a dot first as the cache's partial downloads are named.
-    file: str = Field(max_length=200, pattern=r"^[A-Za-z0-9_-][A-Za-z0-9_.-]*$")
+    file: str = Field(max_length=OBJECT_FILE_MAX_CHARS, pattern=OBJECT_FILE_PATTERN)
     kind: Literal["file", "layer", "head", "gguf_header", "every_layer"]
     layer: int | None = Field(default=None, ge=0, le=100_000)
     size: int = Field(ge=0)
@@ -103,6 +109,20 @@ class WeightsManifest(BaseModel):
         if len(set(files)) != len(files) or PARTIAL_CHECKPOINT_MARKER in files:
             raise ValueError("its objects' files are not distinct names a checkpoint's files may have")
         return objects
+
+    @model_validator(mode="after")
+    def _objects_fit_the_layers(self) -> WeightsManifest:
+        # What needed_objects and the loader take for granted: a layer object states its layer, and only layer
+        # objects do (one past num_layers may be a checkpoint's extra, such as a multi-token-prediction layer);
+        # every tensor (and a GGUF's every placement) lies in an object listed.
+        for stored in self.objects:
+            if (stored.kind == "layer") != (stored.layer is not None):
+                raise ValueError(f"its object {stored.file} of kind {stored.kind!r} states layer {stored.layer}")
+        files = {stored.file for stored in self.objects}
+        placed = [placement.file for placement in self.gguf.placements] if self.gguf is not None else []
+        if unlisted := next((file for file in (*self.weight_map.values(), *placed) if file not in files), None):
+            raise ValueError(f"it places tensors in {unlisted[:80]!r}, which none of its objects is")
+        return self
 
     def needed_objects(self, needed: NeededTensors) -> list[StoredObject]:
         """The objects a layer range, the head (None: everything) needs, files always."""
@@ -197,9 +217,9 @@ async def read_manifest(js, name: str) -> WeightsManifest:
     from nats.js.errors import ObjectNotFoundError
     from pydantic import ValidationError
 
-    store = await open_bucket(js, create=False)
+    await open_bucket(js, create=False)  # one clear line when nothing was ever published
     try:
-        data = await read_small_object(store, object_key(name, MANIFEST_OBJECT), f"the manifest of {name!r}",
+        data = await read_small_object(js, object_key(name, MANIFEST_OBJECT), f"the manifest of {name!r}",
                                        MANIFEST_MAX_BYTES)
     except ObjectNotFoundError:
         raise WeightsStoreError(f"no model {name!r} in the community's store (`hearth weights list`)") from None
@@ -212,8 +232,9 @@ async def read_manifest(js, name: str) -> WeightsManifest:
     return manifest
 
 
-async def list_models(js) -> list[WeightsManifest]:
-    """The manifests of every stored model, by name."""
+async def list_models(js) -> list[tuple[str, WeightsManifest | WeightsStoreError]]:
+    """Every stored model by name, with its manifest or why that cannot be read: one unreadable manifest (malformed,
+    or of a format this hearth predates) does not hide the others."""
     from nats.js.errors import NotFoundError
 
     store = await open_bucket(js, create=False)
@@ -223,15 +244,36 @@ async def list_models(js) -> list[WeightsManifest]:
         return []
     names = sorted(info.name[:-len(MANIFEST_OBJECT) - 1] for info in infos  # not an object named manifest.json
                    if info.name.endswith("/" + MANIFEST_OBJECT) and info.name.count("/") == 1 and not info.deleted)
-    return [await read_manifest(js, name) for name in names]
+    listed: list[tuple[str, WeightsManifest | WeightsStoreError]] = []
+    for name in names:
+        try:
+            listed.append((name, await read_manifest(js, name)))
+        except WeightsStoreError as error:
+            listed.append((name, error))
+    return listed
 
 
 async def fetch_stored_model(js, name: str, needed: NeededTensors, *, cache_dir: Path | None = None) -> Path:
     """A loadable folder (for a GGUF: the GGUF file, NAME.gguf) holding what `needed` asks for of stored model `name`
     ((lo, hi), "head" or None for all): objects already cached and intact are kept, the others fetched and checked
-    against the manifest's SHA-256."""
+    against the manifest's SHA-256. A publication replaced while it is fetched (its objects deleted) is left for the
+    one that replaced it, up to FETCH_PUBLICATION_ATTEMPTS times."""
     needed = check_needed(needed)
     manifest = await read_manifest(js, check_model_name(name))
+    for _ in range(FETCH_PUBLICATION_ATTEMPTS - 1):
+        try:
+            return await _fetch_publication(js, manifest, needed, cache_dir)
+        except ObjectMissing:
+            replacing = await read_manifest(js, name)
+            if (replacing.objects_version, replacing.digest()) == (manifest.objects_version, manifest.digest()):
+                raise  # not republished: this publication lacks it
+            log.info("%s was republished while it was fetched: fetching the new publication", name)
+            manifest = replacing
+    return await _fetch_publication(js, manifest, needed, cache_dir)
+
+
+async def _fetch_publication(js, manifest: WeightsManifest, needed: NeededTensors, cache_dir: Path | None) -> Path:
+    name = manifest.name
     if isinstance(needed, tuple) and needed[1] >= manifest.num_layers:
         raise WeightsStoreError(f"{name!r} has {manifest.num_layers} layers: no layer {needed[1]}")
     model_dir = (cache_dir or hearth_cache_dir()) / STORE_CACHE_FOLDER / name
@@ -248,12 +290,10 @@ async def fetch_stored_model(js, name: str, needed: NeededTensors, *, cache_dir:
     for folder in {file.parent for file in files.values()}:
         folder.mkdir(parents=True, exist_ok=True)
     missing = [stored for stored in wanted if not await asyncio.to_thread(object_intact, files[stored.file], stored)]
-    store = await open_bucket(js, create=False)
     with progress_bar(sum(stored.size for stored in missing), f"fetching {name}") as bar:
         for stored in missing:
-            await fetch_object(store, object_key(name, stored.file, manifest.objects_version), name, stored,
-                               files[stored.file].parent)
-            bar.update(stored.size)
+            await fetch_object(js, object_key(name, stored.file, manifest.objects_version), name, stored,
+                               files[stored.file].parent, progress=bar.update)
     if manifest.gguf is not None:
         fetched = await asyncio.to_thread(_write_gguf, manifest, target, gguf_name, files)
     else:
@@ -264,6 +304,7 @@ async def fetch_stored_model(js, name: str, needed: NeededTensors, *, cache_dir:
     # so can this one's other ranges no process uses (hearth/inference/cache_ranges.py).
     await asyncio.to_thread(remove_unused_versions, model_dir, {root})
     await asyncio.to_thread(remove_unused_versions, root, {published, root / "objects"})
+    await asyncio.to_thread(remove_abandoned, published / "files")  # the other folders: remove_superseded_ranges
     await asyncio.to_thread(remove_superseded_ranges, root, [published], root / "objects",
                             lambda selected: {stored.file for stored in manifest.needed_objects(selected)
                                               if stored.kind != "file"}, written=target.name)
@@ -294,6 +335,22 @@ def _write_gguf(manifest: WeightsManifest, target: Path, gguf_name: str, files: 
         raise WeightsStoreError(f"{manifest.name!r}: {error}") from None
 
 
+@contextlib.asynccontextmanager
+async def refusals_told(nc):
+    """The block, its error turned into WeightsStoreError naming what the broker refused `nc` (made by connect_nats)
+    for its key's permissions, if it did: nats-py tells that only to the error callback, and the JetStream request
+    it refused just times out."""
+    from hearth.services.broker.connection import broker_refusal
+
+    try:
+        yield
+    except Exception as error:
+        if isinstance(error, WeightsStoreError) or (refusal := broker_refusal(nc)) is None:
+            raise
+        raise WeightsStoreError(f"the broker refused this key ({refusal}): on a community mesh only the steward's "
+                                "system key publishes, and shard hosts and orchestrators read") from None
+
+
 async def resolve_model_source(model: str, needed: NeededTensors, *, nats_url: str | None, settings) -> Path:
     """The local folder for `model`: `store:NAME` fetched from the community's store (only what `needed` asks
     for), anything else through inference's resolve_model_path (a hub id downloads only what `needed` asks for)."""
@@ -305,6 +362,7 @@ async def resolve_model_source(model: str, needed: NeededTensors, *, nats_url: s
         return await asyncio.to_thread(resolve_model_path, model, needed_layers=needed)
     nc = await connect_nats(nats_url, name=f"hearth weights {name}", settings=settings.nats)
     try:
-        return await fetch_stored_model(nc.jetstream(), name, needed)
+        async with refusals_told(nc):
+            return await fetch_stored_model(nc.jetstream(), name, needed)
     finally:
         await close_quietly(nc, settings.nats.close_timeout_s)

@@ -156,7 +156,7 @@ async def test_a_republished_side_file_reaches_hosts_that_fetched_the_previous_o
 
 
 async def test_listing_and_unknown_names(js, published, tmp_path):
-    assert [manifest.name for manifest in await list_models(js)] == [NAME]
+    assert [(name, manifest.name) for name, manifest in await list_models(js)] == [(NAME, NAME)]
     with pytest.raises(WeightsStoreError, match="no model 'absent'"):
         await fetch_stored_model(js, "absent", (0, 0), cache_dir=tmp_path)
     with pytest.raises(WeightsStoreError, match="must be 1-64 letters"):

@@ -172,3 +172,21 @@ async def test_a_damaged_cached_gguf_part_is_written_again_before_it_is_reused(j
     assert again.stat().st_size == size
     assert _same_parameters(load_layer_range(again, 2, 3, **RUNNER_KV_LIMITS),
                             load_layer_range(original, 2, 3, **RUNNER_KV_LIMITS))
+
+
+async def test_writing_a_fetched_range_as_a_gguf_shows_a_progress_bar(js, published, monkeypatch, capsys):
+    """Before, copying a range's tensors into its GGUF (tens of GB for a large model's range) showed nothing after
+    the fetch's bar had finished. Cut to no minimum here, from a weight file's size."""
+    from hearth.inference import checksum
+
+    monkeypatch.setattr(checksum, "HASH_PROGRESS_MIN_BYTES", 0)
+    await fetch_stored_model(js, NAME, (0, 1))
+    assert f"writing {NAME}.gguf" in capsys.readouterr().err
+
+
+async def test_a_fetched_gguf_range_is_refused_for_publishing(js, published):
+    from hearth.services.weights_publish import check_publishable
+
+    with pytest.raises(WeightsStoreError, match=r"holds only part of a checkpoint \(fetched by hearth from "
+                                                r"store:tiny-gguf\): publish the original$"):
+        check_publishable(await fetch_stored_model(js, NAME, (0, 1)))

@@ -4,6 +4,9 @@ and never as a path or the cache's own names."""
 from __future__ import annotations
 
 import asyncio
+import base64
+import hashlib
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -18,45 +21,70 @@ from hearth.services.weights_store import StoredObject, WeightsManifest
 SHA = "ab" * 32
 
 
-class StubStore:
-    """An object store whose info states `stated` bytes and whose object holds `held`."""
+class StubJetStream:
+    """A JetStream whose weights bucket holds one object: its info states `stated` bytes, its chunks hold `held`
+    (1000 bytes each; none ever come when `stalled`)."""
 
-    def __init__(self, stated: int, held: int, *, link: bool = False) -> None:
-        self.stated, self.held, self.link = stated, held, link
+    def __init__(self, stated: int, held: int, *, link: bool = False, stalled: bool = False) -> None:
+        self.stated, self.held, self.link, self.stalled = stated, held, link, stalled
         self.read = 0
+        self.subscribed = self.unsubscribed = 0
 
-    async def get_info(self, key):
-        return SimpleNamespace(size=self.stated, is_link=lambda: self.link)
+    async def get_last_msg(self, stream, subject):
+        info = {"name": "k", "bucket": "b", "nuid": "n", "size": self.stated, "chunks": 1,
+                "digest": "SHA-256=" + base64.urlsafe_b64encode(hashlib.sha256(b"x" * self.held).digest()).decode()}
+        if self.link:
+            info["options"] = {"link": {"bucket": "b", "name": "other"}}
+        return SimpleNamespace(data=json.dumps(info).encode())
 
-    async def get(self, key, writeinto=None):
-        for _ in range(0, self.held, 1000):
-            writeinto.write(b"x" * 1000)
-            self.read += 1000
+    async def subscribe(self, subject, stream=None, ordered_consumer=False):
+        self.subscribed += 1
+        chunks = iter(range(0, self.held, 1000))
+        store = self
+
+        class Subscription:
+            async def next_msg(self, timeout=None):
+                if store.stalled:
+                    await asyncio.Event().wait()
+                start = next(chunks)
+                store.read += 1000
+                pending = max(0, (store.held - start - 1000 + 999) // 1000)
+                return SimpleNamespace(data=b"x" * min(1000, store.held - start),
+                                       metadata=SimpleNamespace(num_pending=pending))
+
+            async def unsubscribe(self):
+                store.unsubscribed += 1
+
+        return Subscription()
 
 
 async def test_a_small_object_is_read_no_further_than_its_info_states():
-    assert await read_small_object(StubStore(3000, 3000), "k", "the manifest of 'm'", 4096) == b"x" * 3000
-    understated = StubStore(100, 10_000_000)
+    assert await read_small_object(StubJetStream(3000, 3000), "k", "the manifest of 'm'", 4096) == b"x" * 3000
+    understated = StubJetStream(100, 10_000_000)
     with pytest.raises(WeightsStoreError, match="the manifest of 'm' holds more than the 100 bytes stated for it"):
         await read_small_object(understated, "k", "the manifest of 'm'", 4096)
     assert understated.read <= 1000
     with pytest.raises(WeightsStoreError, match="is 5000 bytes, over 4096"):
-        await read_small_object(StubStore(5000, 5000), "k", "the manifest of 'm'", 4096)
+        await read_small_object(StubJetStream(5000, 5000), "k", "the manifest of 'm'", 4096)
     with pytest.raises(WeightsStoreError, match="is a link to another object"):
-        await read_small_object(StubStore(10, 10, link=True), "k", "the manifest of 'm'", 4096)
-
-
-class StalledStore(StubStore):
-    """An object store whose info states an object whose chunks never come (purged, or never written)."""
-
-    async def get(self, key, writeinto=None):
-        await asyncio.Event().wait()
+        await read_small_object(StubJetStream(10, 10, link=True), "k", "the manifest of 'm'", 4096)
 
 
 async def test_a_small_object_whose_chunks_never_come_is_refused_within_its_deadline(monkeypatch):
     monkeypatch.setattr(weights_objects, "OBJECT_FETCH_BASE_TIMEOUT_S", 0.2)
     with pytest.raises(WeightsStoreError, match="^the manifest of 'm' did not arrive within 0 s$"):
-        await asyncio.wait_for(read_small_object(StalledStore(100, 100), "k", "the manifest of 'm'", 4096), 10)
+        await asyncio.wait_for(read_small_object(StubJetStream(100, 100, stalled=True), "k", "the manifest of 'm'",
+                                                 4096), 10)
+
+
+async def test_a_read_given_up_leaves_no_subscription_behind(monkeypatch):
+    """Before, nats-py's ObjectStore.get kept its chunk subscription (and its heartbeat and flow-control tasks) when
+    a read failed or ran past its deadline: on an orchestrator's connection each failed fetch added one for good."""
+    monkeypatch.setattr(weights_objects, "OBJECT_FETCH_BASE_TIMEOUT_S", 0.2)
+    for bucket in (StubJetStream(100, 100, stalled=True), StubJetStream(100, 10_000)):
+        with pytest.raises(WeightsStoreError):
+            await asyncio.wait_for(read_small_object(bucket, "k", "the manifest of 'm'", 4096), 10)
+        assert bucket.subscribed == bucket.unsubscribed == 1
 
 
 @pytest.mark.parametrize("file", ["..", ".", ".hidden", "a/b", "", "x" * 201])
@@ -92,3 +120,16 @@ def test_tensor_shapes_that_would_size_a_range_wrong_are_refused():
     both = manifest({f"model.layers.{layer}.mlp.down_proj.weight": {"dtype": "F32", "shape": [64, 64]}
                      for layer in range(2)})
     assert both.layer_weight_bytes(torch.float32, parse_quantization("none")) == [64 * 64 * 4] * 2
+
+
+@pytest.mark.parametrize("broken", [
+    {"objects": [{"file": "layer-00000.safetensors", "kind": "layer", "size": 1, "sha256": SHA}]},  # no layer
+    {"objects": [{"file": "head.safetensors", "kind": "head", "layer": 0, "size": 1, "sha256": SHA}]},
+    {"objects": [], "weight_map": {"model.norm.weight": "head.safetensors"}},  # a file no object is
+])
+def test_a_manifest_whose_objects_do_not_fit_its_tensors_is_refused(broken):
+    """Before, a layer object stating no layer passed, and a fetch of a range then failed with a TypeError
+    comparing None to a layer index; a tensor placed in no object passed unnoticed."""
+    manifest = {"name": "m", "num_layers": 2, "weights_sha256": SHA, "weight_map": {}, "objects": [], **broken}
+    with pytest.raises(ValidationError):
+        WeightsManifest.model_validate(manifest)

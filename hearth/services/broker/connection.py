@@ -67,6 +67,16 @@ _closed_events: "weakref.WeakKeyDictionary[NatsClient, asyncio.Event]" = weakref
 _identities: "weakref.WeakKeyDictionary[NatsClient, Identity]" = weakref.WeakKeyDictionary()
 
 
+# The broker's last refusal on each connection (a publish or subscribe its permissions deny): nats-py tells it only
+# to the error callback, and a JetStream request refused so shows as a bare timeout.
+_refusals: "weakref.WeakKeyDictionary[NatsClient, str]" = weakref.WeakKeyDictionary()
+
+
+def broker_refusal(nc: NatsClient) -> str | None:
+    """The last thing the broker refused `nc` (made by connect_nats) for its permissions, as nats-py words it."""
+    return _refusals.get(nc)
+
+
 def connection_identity(nc: NatsClient) -> Identity | None:
     """The member `nc` logged in as (connect_nats), or None on an open broker."""
     return _identities.get(nc)
@@ -157,6 +167,8 @@ async def connect_nats(
             # The disconnected callback says it once; each failed reconnect attempt is no news.
             log.debug("%s: NATS error while reconnecting: %s", name, error)
         else:
+            if "permissions violation" in str(error).lower():
+                _refusals[nc] = str(error)
             log.warning("%s: NATS error: %s", name, error)
 
     async def disconnected() -> None:

@@ -27,7 +27,7 @@ from hearth.inference.memory import layer_weight_bytes, layer_weight_bytes_of
 from hearth.inference.ollama_models import served_model_id
 from hearth.inference.quantization import QuantizationScheme
 from hearth.services.common.config import HearthSettings
-from hearth.services.weights_store import read_manifest, store_model_name
+from hearth.services.weights_store import read_manifest, refusals_told, store_model_name
 
 
 @dataclass(frozen=True)
@@ -91,6 +91,7 @@ async def _store_manifest(name: str, nats_url: str | None, settings: HearthSetti
 
     nc = await connect_nats(nats_url, name=f"hearth host {name}", settings=settings.nats)
     try:
-        return await read_manifest(nc.jetstream(), name)
+        async with refusals_told(nc):
+            return await read_manifest(nc.jetstream(), name)
     finally:
         await close_quietly(nc, settings.nats.close_timeout_s)
