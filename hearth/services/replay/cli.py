@@ -15,13 +15,16 @@ import sys
 from datetime import datetime, timezone
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
 from hearth.events.consume import first_stream_seq
 from hearth.services.cli_options import (ConfigOption, CredsOption, LogLevelOption, NatsUrlOption,
-                                         apply_top_level_options, resolve_nats_url, settings)
+                                         apply_top_level_options, nats_settings_for, settings)
+
+if TYPE_CHECKING:
+    from hearth.services.common.config import NatsSettings
 
 # hearth-replay is a reading tool: quieter than the services, and quick to say when the broker is not there.
 replay_log_level = "WARNING"
@@ -75,12 +78,11 @@ def _run(coroutine) -> int:
         raise _fail(f"cannot reach NATS: {error}", 3) from error
 
 
-async def _connect(url: str):
+async def _connect(nats_settings: "NatsSettings"):
     import logging
 
     import nats
 
-    from hearth.services.common.config import load_settings
     from hearth.services.broker.connection import credential_options, keepalive_options, server_urls
 
     log = logging.getLogger("hearth.replay")
@@ -88,10 +90,9 @@ async def _connect(url: str):
     async def on_error(error: Exception) -> None:
         log.debug("NATS: %s", error)
 
-    nats_settings = load_settings(None).nats
     # Two quick attempts and no reconnect loop: a reader should fail fast and say so when the broker is away.
     return await nats.connect(
-        servers=server_urls(url),
+        servers=server_urls(nats_settings.url),
         name="hearth-replay",
         connect_timeout=replay_connect_timeout_s,
         allow_reconnect=False,
@@ -105,8 +106,8 @@ async def _connect(url: str):
 
 
 @contextlib.asynccontextmanager
-async def _jetstream(url: str):
-    nc = await _connect(url)
+async def _jetstream(nats_settings: "NatsSettings"):
+    nc = await _connect(nats_settings)
     try:
         yield nc.jetstream()
     finally:
@@ -177,18 +178,17 @@ def events_command(
         follow=follow,
         limit=limit,
     )
-    url = resolve_nats_url(ctx, nats_url)
-    code = _run(_print_events(url, query, output))
+    code = _run(_print_events(nats_settings_for(ctx, nats_url), query, output))
     raise typer.Exit(code)
 
 
-async def _print_events(url: str, query, output: OutputFormat) -> int:
+async def _print_events(broker: "NatsSettings", query, output: OutputFormat) -> int:
     from dataclasses import replace
 
     from hearth.services.replay.query import existing_streams, read_log
     from hearth.services.replay.render import jsonl_line, table_row
 
-    async with _jetstream(url) as js:
+    async with _jetstream(broker) as js:
         present, missing = await existing_streams(js, [s.stream for s in query.selections])
         for name in missing:
             typer.echo(f"hearth-replay: stream {name} does not exist yet (nothing published)", err=True)
@@ -216,10 +216,10 @@ def pipeline_command(
 
     if not re.match(SUBJECT_TOKEN_PATTERN, pipeline_id):
         raise _fail(f"pipeline_id {pipeline_id!r} must match {SUBJECT_TOKEN_PATTERN}")
-    raise typer.Exit(_run(_print_pipeline(resolve_nats_url(ctx, nats_url), pipeline_id, output)))
+    raise typer.Exit(_run(_print_pipeline(nats_settings_for(ctx, nats_url), pipeline_id, output)))
 
 
-async def _print_pipeline(url: str, pipeline_id: str, output: OutputFormat) -> int:
+async def _print_pipeline(broker: "NatsSettings", pipeline_id: str, output: OutputFormat) -> int:
     from hearth.events.consume import StoredEvent, read_stream
     from hearth.events.streams import PIPELINES_STREAM
     from hearth.protocol.subjects import EVENTS_PREFIX
@@ -228,7 +228,7 @@ async def _print_pipeline(url: str, pipeline_id: str, output: OutputFormat) -> i
     from hearth.services.replay.reports import pipeline_outcome, pipeline_timeline
 
     filters = [f"{EVENTS_PREFIX}.pipeline.{pipeline_id}.>", f"{EVENTS_PREFIX}.integrity.{pipeline_id}.>"]
-    async with _jetstream(url) as js:
+    async with _jetstream(broker) as js:
         present, _ = await existing_streams(js, [PIPELINES_STREAM])
         events: list[StoredEvent] = []
         if present:
@@ -277,13 +277,13 @@ def shard_command(
 
     # The live projectors' check, so the evidence shown is what the read model applied.
     verifier = event_verifier(settings(ctx))
-    raise typer.Exit(_run(_print_shard(resolve_nats_url(ctx, nats_url), shard, key, float(timeout_s), verifier)))
+    raise typer.Exit(_run(_print_shard(nats_settings_for(ctx, nats_url), shard, key, float(timeout_s), verifier)))
 
 
-async def _print_shard(url: str, shard: str, key: str, health_timeout_s: float, verifier) -> int:
+async def _print_shard(broker: "NatsSettings", shard: str, key: str, health_timeout_s: float, verifier) -> int:
     from hearth.services.replay.shard_view import read_shard_log, shard_view_lines
 
-    async with _jetstream(url) as js:
+    async with _jetstream(broker) as js:
         own, outcomes = await read_shard_log(js, shard, key)
     lines = shard_view_lines(shard, key, own, outcomes, health_timeout_s, now=datetime.now(timezone.utc),
                              verifier=verifier)
@@ -316,10 +316,11 @@ def rebuild_command(
     # The live projectors' check (when the community's roster is at hand), so the rebuilt rows match theirs.
     verifier = event_verifier(settings(ctx))
     readmodels = settings(ctx).readmodels  # and the live projectors' retention
-    raise typer.Exit(_run(_rebuild(resolve_nats_url(ctx, nats_url), db, diff, force, verifier, readmodels)))
+    raise typer.Exit(_run(_rebuild(nats_settings_for(ctx, nats_url), db, diff, force, verifier, readmodels)))
 
 
-async def _rebuild(url: str, db: Path, diff: Path | None, force: bool, verifier=None, readmodels=None) -> int:
+async def _rebuild(broker: "NatsSettings", db: Path, diff: Path | None, force: bool, verifier=None,
+                   readmodels=None) -> int:
     import asyncio
 
     from hearth.events.streams import ALL_STREAMS
@@ -327,7 +328,7 @@ async def _rebuild(url: str, db: Path, diff: Path | None, force: bool, verifier=
     from hearth.readmodels.retention import retention_policy
     from hearth.services.replay.query import existing_streams
 
-    async with _jetstream(url) as js:
+    async with _jetstream(broker) as js:
         present, missing = await existing_streams(js, ALL_STREAMS)
         for name in missing:
             typer.echo(f"hearth-replay: stream {name} does not exist yet; nothing to read from it", err=True)
@@ -376,15 +377,15 @@ def verify_command(
         verifier = EventVerifier(Roster.load(roster_file), max_clock_skew_s=current.events.max_clock_skew_s)
     except RosterError as error:
         raise _fail(str(error)) from error
-    raise typer.Exit(_run(_verify(resolve_nats_url(ctx, nats_url), verifier)))
+    raise typer.Exit(_run(_verify(nats_settings_for(ctx, nats_url), verifier)))
 
 
-async def _verify(url: str, verifier) -> int:
+async def _verify(broker: "NatsSettings", verifier) -> int:
     from hearth.events.streams import ALL_STREAMS
     from hearth.services.replay.query import existing_streams
     from hearth.services.replay.verify import verify_streams
 
-    async with _jetstream(url) as js:
+    async with _jetstream(broker) as js:
         present, _ = await existing_streams(js, ALL_STREAMS)
         report = await verify_streams(js, verifier, present, on_bad=lambda bad: typer.echo(bad.line()))
     typer.echo(report.summary())
