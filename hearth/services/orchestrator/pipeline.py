@@ -87,7 +87,7 @@ class PipelineRun:
                 work.cancel()
             await asyncio.gather(work, gone, hops_told, return_exceptions=True)
             if (deadline := passed_deadline()) is not None and not self.call.status.final:  # cancelled for it
-                await self._end_cancelled(CallStatus.aborted, deadline.code, deadline.reason)
+                await self._end_cancelled(CallStatus.past_deadline, deadline.code, deadline.reason)
         if work.cancelled():
             log.info("pipeline %s: the client went away; closing its hops", pipeline_id)
             await self._end_cancelled(CallStatus.client_gone, CLIENT_GONE, "the client stopped listening")

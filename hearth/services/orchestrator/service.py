@@ -262,7 +262,7 @@ class Orchestrator:
         except asyncio.CancelledError:
             raise
         except Exception as error:
-            if not deadline.passed():
+            if not (deadline.passed() and isinstance(error, TimeoutError)):  # else a bug, maybe while unwinding
                 log.exception("request failed")
             with contextlib.suppress(Exception):  # unless a final frame went out as the call unwound (held to last)
                 if client.final_code is None:
