@@ -46,6 +46,8 @@ def init_command(
         community = Community.init(directory, name)
     except (RosterError, ValueError) as error:
         _fail(str(error))
+    except OSError as error:  # a file where the folder goes, no permission
+        _fail(f"cannot create the community in {directory}: {error.strerror or error}")
     typer.echo(f"created community {name!r} in {directory}: roster {community.roster_path}, "
                f"system key {community.system_key_path} (keep it with the broker; never share it)")
 

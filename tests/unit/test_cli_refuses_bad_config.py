@@ -36,6 +36,9 @@ def commands(community: Path) -> list[tuple[object, list[str]]]:
         (app, ["community", "remove", "--name", "kitchen", "--dir", str(community), *broker]),
         (app, ["projector", "--db", str(community / "rm.sqlite"), "--insecure", *broker]),
         (app, ["orchestrator", "--insecure", *broker]),
+        (app, ["shard", "--model", "m", "--layers", "0-1", "--insecure", *broker]),
+        (app, ["host", "--model", "m", "--insecure", *broker]),
+        (app, ["gateway", "--insecure", *broker]),
         (replay_app, ["events", *broker]),
         (replay_app, ["pipeline", "p1", *broker]),
     ]

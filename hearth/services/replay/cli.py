@@ -75,6 +75,8 @@ def _run(coroutine) -> int:
     except Interrupted:
         return 130
     except (nats.errors.NoServersError, ConnectionRefusedError, OSError) as error:
+        if isinstance(error, OSError) and error.filename is not None:  # a file it was given, not the broker
+            raise _fail(f"{error.filename}: {error.strerror or error}") from None
         raise _fail(f"cannot reach NATS: {error}", 3) from error
 
 
@@ -169,15 +171,8 @@ def events_command(
         selections = select_streams(stream, subject, types)
     except QueryError as error:
         raise _fail(str(error)) from error
-    query = LogQuery(
-        selections=selections,
-        types=types,
-        from_seq=from_seq,
-        to_seq=to_seq,
-        from_time=start_time,
-        follow=follow,
-        limit=limit,
-    )
+    query = LogQuery(selections=selections, types=types, from_seq=from_seq, to_seq=to_seq, from_time=start_time,
+                     follow=follow, limit=limit)
     code = _run(_print_events(nats_settings_for(ctx, nats_url), query, output))
     raise typer.Exit(code)
 
@@ -309,6 +304,8 @@ def rebuild_command(
         raise _fail(f"no read-model database at {diff}")
     if diff is not None and db.exists() and db.samefile(diff):  # --force would delete the rows it is to compare
         raise _fail(f"--db and --diff name one file ({diff}); rebuild into another file to compare with it")
+    if db.is_dir():
+        raise _fail(f"{db} is a folder; --db names the file to write (e.g. {db / 'readmodel.sqlite'})")
     if db.exists() and not force:
         raise _fail(f"{db} exists; a rebuild writes a fresh database (use --force to replace it)")
     from hearth.services.common.event_trust import event_verifier
