@@ -62,6 +62,8 @@ def read_reputation(db: Path) -> list[ShardReputationRow]:
         return [ShardReputationRow(*row) for row in connection.execute(REPUTATION_LISTING_SQL)]
     except sqlite3.OperationalError as error:
         raise ReadModelMissing(f"{db} holds no reputation ({error}); run `hearth db upgrade --db {db}`") from None
+    except sqlite3.DatabaseError as error:  # no SQLite database at all (another file given as --db)
+        raise ReadModelMissing(f"{db} is not a read model SQLite can read ({error})") from None
     finally:
         connection.close()
 
