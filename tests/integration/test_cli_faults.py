@@ -375,3 +375,9 @@ def test_an_invalid_configuration_is_one_line_naming_the_setting(args, tmp_path)
                      "invalid configuration: $HEARTH_NATS__CONNECT_TIMEOUT_S: Input should be a valid number",
                      env={"HEARTH_NATS__CONNECT_TIMEOUT_S": "soon"})
     assert not (REPO_ROOT / "rm.sqlite").exists()
+
+
+def test_the_weights_commands_name_an_unreachable_broker_in_one_line():
+    url = unreachable_url()
+    said_in_one_line([HEARTH, "weights", "list", "--nats", url], 2,
+                     f"hearth weights list: cannot reach NATS at {url} within 1 s")
