@@ -262,9 +262,9 @@ class Orchestrator:
         except asyncio.CancelledError:
             raise
         except Exception as error:
-            if not (deadline.passed() and isinstance(error, TimeoutError)):  # else a bug, maybe while unwinding
+            if not (deadline.passed() and isinstance(error, TimeoutError)):  # the deadline's own is no bug
                 log.exception("request failed")
-            with contextlib.suppress(Exception):  # unless a final frame went out as the call unwound (held to last)
+            with contextlib.suppress(Exception):  # one final frame: not if one went out (held to last) already
                 if client.final_code is None:
                     await client.send(deadline.frame() if deadline.passed() else ErrorFrame(
                         seq=0, code="internal_error", message=str(error)[:error_message_chars]))
