@@ -7,7 +7,7 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Optional, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn, Optional, TypeVar
 
 import typer
 
@@ -15,7 +15,7 @@ from hearth.services.common.config import NATS_URL_ENV
 from hearth.services.common.logging import LOG_LEVEL_ENV
 
 if TYPE_CHECKING:
-    from hearth.services.common.config import HearthSettings
+    from hearth.services.common.config import HearthSettings, NatsSettings
 
 F = TypeVar("F", bound=Callable[..., Any])
 T = TypeVar("T")
@@ -79,23 +79,24 @@ class CliState:
 
     config_path: Path | None
     log_level: str
+    program: str = "hearth"  # what a refusal of the configuration starts with: `hearth`, `hearth-replay`
     _settings: "HearthSettings | None" = None
 
     def settings(self) -> "HearthSettings":
         if self._settings is None:
-            from pydantic import ValidationError
-
-            from hearth.protocol.refusals import describe_validation_error
             from hearth.services.common.config import ConfigError, load_settings
 
             try:
                 self._settings = load_settings(self.config_path)
             except ConfigError as error:
-                raise typer.BadParameter(str(error), param_hint="--config") from None
-            except ValidationError as error:  # a key or value of the file, or of a HEARTH_* variable
-                raise typer.BadParameter(f"invalid configuration: {describe_validation_error(error)}",
-                                         param_hint="--config or HEARTH_*") from None
+                refuse_configuration(self.program, error)
         return self._settings
+
+
+def refuse_configuration(program: str, error: Exception) -> NoReturn:
+    """End the command on a configuration it cannot use (a ConfigError): its one line, exit code 2, no traceback."""
+    typer.echo(f"{program}: {error}", err=True)
+    raise typer.Exit(EXIT_BAD_INPUT)
 
 
 def apply_top_level_options(ctx: typer.Context, config: Path | None, log_level: str) -> None:
@@ -106,7 +107,7 @@ def apply_top_level_options(ctx: typer.Context, config: Path | None, log_level: 
         configure_logging(log_level)
     except ValueError as error:
         raise typer.BadParameter(str(error), param_hint="--log-level") from error
-    ctx.obj = CliState(config_path=config, log_level=log_level)
+    ctx.obj = CliState(config_path=config, log_level=log_level, program=ctx.find_root().info_name or "hearth")
 
 
 def cli_state(ctx: typer.Context) -> CliState:
@@ -155,6 +156,7 @@ def long_running(command: str) -> Callable[[F], F]:
             )
             from hearth.events.streams import StreamsMissing
             from hearth.services.broker.connection import BrokerUnreachable
+            from hearth.services.common.config import ConfigError
 
             try:
                 with stop_signals_raise():
@@ -167,6 +169,9 @@ def long_running(command: str) -> Callable[[F], F]:
             except (CommandRefused, StreamsMissing) as error:
                 typer.echo(f"{command}: {error}", err=True)
                 raise typer.Exit(EXIT_REFUSED) from None
+            except ConfigError as error:  # settings a service read itself (`python -m hearth.services.projector`)
+                typer.echo(f"{command}: {error}", err=True)
+                raise typer.Exit(EXIT_BAD_INPUT) from None
             if stop_requested():
                 end_stopped_process()
             return result
@@ -179,6 +184,12 @@ def long_running(command: str) -> Callable[[F], F]:
 def resolve_nats_url(ctx: typer.Context, nats_url: str | None) -> str:
     """--nats / $HEARTH_NATS_URL if given, else the configuration's [nats] url."""
     return nats_url or settings(ctx).nats.url
+
+
+def nats_settings_for(ctx: typer.Context, nats_url: str | None) -> "NatsSettings":
+    """This invocation's [nats] settings (--config, then the environment), reaching the broker that --nats (or
+    $HEARTH_NATS_URL) names."""
+    return settings(ctx).nats.model_copy(update={"url": resolve_nats_url(ctx, nats_url)})
 
 
 CredsOption = Annotated[

@@ -11,6 +11,8 @@ from typing import Annotated, Optional
 
 import typer
 
+from hearth.services.cli_options import settings
+
 community_app = typer.Typer(help="Manage a community: its roster, member keys and the broker's permissions.",
                             rich_markup_mode=None,
                             no_args_is_help=True)
@@ -44,8 +46,8 @@ def init_command(
         community = Community.init(directory, name)
     except (RosterError, ValueError) as error:
         _fail(str(error))
-    except OSError as error:  # the folder is a file, or may not be written
-        _fail(f"cannot write the community into {directory}: {error.strerror}")
+    except OSError as error:  # a file where the folder goes, no permission
+        _fail(f"cannot create the community in {directory}: {error.strerror or error}")
     typer.echo(f"created community {name!r} in {directory}: roster {community.roster_path}, "
                f"system key {community.system_key_path} (keep it with the broker; never share it)")
 
@@ -86,6 +88,7 @@ def add_command(
 
 @community_app.command("remove")
 def remove_command(
+    ctx: typer.Context,
     name: Annotated[str, typer.Option("--name", help="The member to remove (not `system`, the steward's key).")],
     directory: DirOption = DEFAULT_COMMUNITY_DIR,
     nats_url: NatsOption = None,
@@ -115,7 +118,7 @@ def remove_command(
     try:
         community.check_removable(name)  # before anything changes, so a refusal leaves everything as it was
         if not offline:
-            published = publish_community_removal(community, name, nats_url)
+            published = publish_community_removal(community, name, nats_url, settings(ctx))
         # Its API keys go next: a removal that fails there can simply be run again (which finds its events).
         api_keys = revoke_api_keys(directory, name) if (directory / API_KEYS_FILE).is_file() else 0
         # The removal dates from the first run that published it only where each stream holds it (a cut): a stream
@@ -187,6 +190,7 @@ def reputation_command(db: ReadModelOption = DEFAULT_READ_MODEL) -> None:
 
 @community_app.command("clear-quarantine")
 def clear_quarantine_command(
+    ctx: typer.Context,
     shard_id: Annotated[str, typer.Argument(help="The quarantined shard ('<model>:<lo>-<hi>[+<scheme>]@<node>').")],
     reason: Annotated[str, typer.Option("--reason", help="Why it may serve again (kept in the event log).")],
     directory: DirOption = DEFAULT_COMMUNITY_DIR,
@@ -197,7 +201,6 @@ def clear_quarantine_command(
     key (DIR/keys/system.nk). Refused, with nothing published, when the read model does not hold it quarantined. Its
     node serves again once none of its shards is quarantined."""
     from hearth.services.broker.connection import BrokerUnreachable
-    from hearth.services.common.config import load_settings
     from hearth.events.streams import StreamsMissing
     from hearth.services.common.lifecycle import run_event_loop
     from hearth.protocol.subjects import node_of_shard
@@ -216,7 +219,7 @@ def clear_quarantine_command(
     if not community.system_key_path.is_file():
         _fail(f"{community.system_key_path} does not exist: only the steward, with the community's system key, "
               "clears a quarantine", command)
-    nats = load_settings().nats
+    nats = settings(ctx).nats
     nats = nats.model_copy(update={"url": nats_url or nats.url, "roster_file": community.roster_path})
     try:
         key = community.system_key()
@@ -315,6 +318,7 @@ def nats_config_command(
 
 @community_app.command("streams")
 def streams_command(
+    ctx: typer.Context,
     directory: DirOption = DEFAULT_COMMUNITY_DIR,
     nats_url: Annotated[Optional[str], typer.Option(
         "--nats", help="The community's broker (default: $HEARTH_NATS_URL or [nats] url; a cluster's URLs "
@@ -324,7 +328,6 @@ def streams_command(
     system key (DIR/keys/system.nk): on a community broker no other member may. `hearth nats --community` does
     this itself at start; run it for a broker started otherwise (compose.yaml runs it once)."""
     from hearth.services.broker.streams import create_community_streams
-    from hearth.services.common.config import load_settings
     from hearth.services.common.lifecycle import run_event_loop
     from hearth.services.broker.connection import BrokerUnreachable
     from hearth.trust.community import Community
@@ -334,7 +337,7 @@ def streams_command(
     if not system_key.is_file():
         _fail(f"{system_key} does not exist: only the steward, with the community's system key, creates the "
               "streams", command)
-    nats = load_settings().nats
+    nats = settings(ctx).nats
     nats = nats.model_copy(update={"url": nats_url or nats.url, "roster_file": Community(directory).roster_path})
     try:
         run_event_loop(create_community_streams(nats, system_key, ready_timeout_s=nats.streams_create_timeout_s))

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from hearth.events.consume import SkippedMessage, StoredEvent
     from hearth.events.models import MemberRemoved
     from hearth.events.signing import EventVerifier
-    from hearth.services.common.config import NatsSettings
+    from hearth.services.common.config import HearthSettings, NatsSettings
     from hearth.trust.community import Community
     from hearth.trust.keys import MemberKey
 
@@ -184,12 +184,12 @@ async def publish_removal_as_steward(member: Member, steward_key: MemberKey, ver
         return await publish_removal(member, steward_key, removal_log, verifier)
 
 
-def publish_community_removal(community: Community, name: str, nats_url: str | None) -> PublishedRemoval:
+def publish_community_removal(community: Community, name: str, nats_url: str | None,
+                              settings: HearthSettings) -> PublishedRemoval:
     """Put the removal of `community`'s member `name` on the community's broker (`nats_url`, else [nats] url) with
     the steward's system key; KeyFileError without that key, BrokerUnreachable, StreamsMissing,
     RemovalNotPublished."""
     from hearth.events.signing import EventVerifier
-    from hearth.services.common.config import load_settings
     from hearth.services.common.lifecycle import run_event_loop
     from hearth.trust.keys import KeyFileError
 
@@ -200,7 +200,6 @@ def publish_community_removal(community: Community, name: str, nats_url: str | N
     member = roster.by_name(name)
     if member is None:
         raise RosterError(f"no member named {name!r} is in the roster")
-    settings = load_settings()
     nats = settings.nats.model_copy(update={"url": nats_url or settings.nats.url,
                                             "roster_file": community.roster_path})
     # The roster as it stands, with the member still in it: an earlier run's removal verifies as a projection's would.

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
+from hearth.services.cli_options import settings
 from hearth.services.common.config_sections import loopback_host
 
 if TYPE_CHECKING:
@@ -73,6 +74,7 @@ def _tls_block(tls_cert: Path | None, tls_key: Path | None, tls_ca: Path | None)
 
 
 def nats_command(
+    ctx: typer.Context,
     port: Annotated[int, typer.Option("--port", help="Client port to listen on (the first node's, with --cluster).")]
     = 4222,
     store: Annotated[
@@ -122,6 +124,8 @@ def nats_command(
         _fail("--node and --routes go together")
     if node is not None and community is None:
         _fail("--node needs --community: the nodes' route password derives from the community's system key")
+    # Read before any server starts: a configuration the steward's tooling cannot use is refused with nothing running.
+    nats_settings = None if community is None else settings(ctx).nats
     server_options = dict(host=host, authorization=_authorization(community),
                           tls_block=_tls_block(tls_cert, tls_key, tls_ca))
     if cluster is not None:
@@ -148,7 +152,7 @@ def nats_command(
         _fail(str(error))
     sweeper = None
     if community is not None:
-        steward = _steward_settings(servers, community, tls=tls_cert is not None)
+        steward = _steward_settings(nats_settings, servers, community, tls=tls_cert is not None)
         if steward is not None:
             _create_streams(steward, community, one_node=node is not None)
             sweeper = _consumer_sweeper(steward, community)
@@ -210,18 +214,17 @@ def _roster_watch(community: Path, authorization: str | None) -> RosterWatch:
         _fail(str(error))
 
 
-def _steward_settings(servers: "EmbeddedNatsServer", community: Path, *, tls: bool) -> "NatsSettings | None":
+def _steward_settings(nats_settings: "NatsSettings", servers: "EmbeddedNatsServer", community: Path, *,
+                      tls: bool) -> "NatsSettings | None":
     """How the steward's own tooling reaches this broker (None, said why, when it cannot: TLS without a CA)."""
-    from hearth.services.common.config import load_settings
     from hearth.trust.community import Community
 
-    settings = load_settings().nats
-    if tls and settings.tls_ca_file is None:
+    if tls and nats_settings.tls_ca_file is None:
         typer.echo(f"{COMMAND}: no [nats] tls_ca_file to reach this TLS broker with: create the event streams with "
                    f"`hearth community streams --dir {community} --nats URL`; consumers that deliver elsewhere than "
                    "their member's inbox are not swept", err=True)
         return None
-    return settings.model_copy(update={"url": servers.url, "roster_file": Community(community).roster_path})
+    return nats_settings.model_copy(update={"url": servers.url, "roster_file": Community(community).roster_path})
 
 
 def _create_streams(steward: "NatsSettings", community: Path, *, one_node: bool) -> None:

@@ -26,14 +26,15 @@ def _fail(command: str, message: str) -> None:
 def _run(ctx: typer.Context, command: str, nats_url: str | None, work):
     """Connect, run `work(js)`, close; one line and exit code 2 on bad input, an unreachable broker or one that
     refuses this member's key."""
-    from hearth.services.broker.connection import connect_nats
+    from hearth.services.broker.connection import BrokerUnreachable, connect_nats
     from hearth.services.common.lifecycle import run_event_loop
     from hearth.services.weights_store import WeightsStoreError, refusals_told
 
     url = resolve_nats_url(ctx, nats_url)
+    nats_settings = settings(ctx).nats  # read (or refused) before the event loop runs
 
     async def session():
-        nc = await connect_nats(url, name=f"hearth weights {command}", settings=settings(ctx).nats)
+        nc = await connect_nats(url, name=f"hearth weights {command}", settings=nats_settings)
         try:
             async with refusals_told(nc):
                 return await work(nc.jetstream())
@@ -42,7 +43,7 @@ def _run(ctx: typer.Context, command: str, nats_url: str | None, work):
 
     try:
         return run_event_loop(session())
-    except WeightsStoreError as error:
+    except (WeightsStoreError, BrokerUnreachable) as error:  # their messages say it all
         _fail(command, str(error))
     except Exception as error:  # broker refusals and timeouts: one line, not a traceback
         _fail(command, f"{type(error).__name__}: {error}")

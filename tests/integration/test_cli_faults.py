@@ -2,7 +2,9 @@
 URL and exit code 1 after nats.connect_timeout_s (with --wait-for-nats: one waiting line, not one per
 attempt); SIGTERM/SIGINT end shard, orchestrator, projector and demo within 2 s in every state (waiting
 for the broker, loading layers, serving, broker gone) with exit code 0 and no traceback; `hearth chat`
-ends quietly, and fails in one line (a scheme nobody serves, or none at all, included)."""
+ends quietly, and fails in one line (a scheme nobody serves, or none at all, included); a file argument that is not
+what it should be (a file where a folder goes, a folder where a file goes) and an invalid configuration are one line
+too."""
 
 from __future__ import annotations
 
@@ -332,3 +334,50 @@ def test_a_shard_that_may_not_serve_says_why_in_one_line(layers, env, expected):
     said = [line for line in completed.stderr.splitlines() if not LOG_RECORD.match(line)]
     assert len(said) == 1 and said[0].startswith("hearth shard: ") and expected in said[0], completed.stderr
     assert "Traceback" not in completed.stderr
+
+
+# ------------------------------------------------------------------------------- what a household gets wrong
+
+
+HEARTH_REPLAY = str(Path(sys.executable).parent / "hearth-replay")
+
+
+def said_in_one_line(args: list[str], code: int, expected: str, env: dict[str, str] | None = None) -> None:
+    completed = subprocess.run(args, capture_output=True, text=True, env={**ENV, **(env or {})},
+                               timeout=exit_timeout_s, cwd=REPO_ROOT)
+    said = [line for line in completed.stderr.splitlines() if not LOG_RECORD.match(line)]
+    assert completed.returncode == code, completed.stderr
+    assert len(said) == 1 and expected in said[0], completed.stderr
+    assert "Traceback" not in completed.stderr
+
+
+def test_a_file_where_a_folder_goes_is_one_line(tmp_path):
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("not a folder")
+    said_in_one_line([HEARTH, "nats", "--store", str(a_file), "--port", str(free_tcp_port())], 1,
+                     f"hearth nats: cannot use {a_file} as the store folder")
+    said_in_one_line([HEARTH, "community", "init", "--name", "elm", "--dir", str(a_file)], 1,
+                     f"hearth community: cannot create the community in {a_file}")
+
+
+def test_a_folder_where_a_read_model_file_goes_is_one_line(nats_url, tmp_path):
+    said_in_one_line([HEARTH, "orchestrator", "--db", str(tmp_path), "--nats", nats_url], 1,
+                     f"hearth orchestrator: --db {tmp_path}: cannot write it")
+    said_in_one_line([HEARTH_REPLAY, "rebuild", "--db", str(tmp_path), "--force", "--nats", nats_url], 2,
+                     f"hearth-replay: {tmp_path} is a folder; --db names the file to write")
+
+
+@pytest.mark.parametrize("args", [[HEARTH, "projector", "--db", "rm.sqlite"],
+                                  [sys.executable, "-m", "hearth.services.projector", "--db", "rm.sqlite"],
+                                  [HEARTH_REPLAY, "events"]], ids=["hearth", "python-m-projector", "hearth-replay"])
+def test_an_invalid_configuration_is_one_line_naming_the_setting(args, tmp_path):
+    said_in_one_line([*args, "--nats", unreachable_url()], 2,
+                     "invalid configuration: $HEARTH_NATS__CONNECT_TIMEOUT_S: Input should be a valid number",
+                     env={"HEARTH_NATS__CONNECT_TIMEOUT_S": "soon"})
+    assert not (REPO_ROOT / "rm.sqlite").exists()
+
+
+def test_the_weights_commands_name_an_unreachable_broker_in_one_line():
+    url = unreachable_url()
+    said_in_one_line([HEARTH, "weights", "list", "--nats", url], 2,
+                     f"hearth weights list: cannot reach NATS at {url} within 1 s")

@@ -22,15 +22,16 @@ def test_a_call_goes_through_a_failover_to_its_end():
     assert call.status is CallStatus.finished and call.status.final
 
 
+@pytest.mark.parametrize("cancelled", [CallStatus.client_gone, CallStatus.past_deadline])
 @pytest.mark.parametrize("start", [CallStatus.admitted, CallStatus.routing, CallStatus.decoding])
-def test_a_client_can_leave_at_any_point_before_the_end(start):
+def test_a_client_can_leave_and_the_deadline_pass_at_any_point_before_the_end(start, cancelled):
     call = new_call()
     for status in [CallStatus.routing, CallStatus.prefilling, CallStatus.decoding]:
         if call.status is start:
             break
         call.advance(status)
-    call.advance(CallStatus.client_gone)
-    assert call.status is CallStatus.client_gone
+    call.advance(cancelled)
+    assert call.status is cancelled and call.status.final
 
 
 def test_a_status_out_of_the_lifecycle_is_refused():

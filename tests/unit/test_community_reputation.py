@@ -193,3 +193,13 @@ def test_the_listing_counts_accusations_past_their_reporters_bound(tmp_path):
     assert lines[at].startswith("ok") and "mismatches 1" in lines[at]
     assert lines[at + 1].strip() == ("1 confirmed mismatches quarantined nobody: their reporter's checks already held "
                                      "2 nodes; read them with hearth-replay shard")
+
+
+def test_a_file_that_is_no_database_given_as_the_read_model_is_one_line(tmp_path):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("not a database")
+    result = CliRunner().invoke(community_app, ["reputation", "--db", str(notes)])
+    assert result.exit_code == 1, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+    assert result.output.strip().splitlines() == [
+        f"hearth community reputation: {notes} is not a hearth read model (file is not a database)"]

@@ -163,13 +163,13 @@ def test_a_command_given_a_bad_configuration_file_says_so_in_one_line(tmp_path, 
 def test_typos_and_invalid_values_are_rejected_with_the_field_named(tmp_path, toml, field):
     path = tmp_path / "bad.toml"
     path.write_text(toml)
-    with pytest.raises(pydantic.ValidationError, match=field):
+    with pytest.raises(ConfigError, match=re.escape(field)):
         load_settings(path)
 
 
 def test_an_invalid_environment_value_is_rejected(monkeypatch):
     monkeypatch.setenv("HEARTH_TRANSPORT__STEP_TIMEOUT_S", "soon")
-    with pytest.raises(pydantic.ValidationError, match="step_timeout_s"):
+    with pytest.raises(ConfigError, match=re.escape("$HEARTH_TRANSPORT__STEP_TIMEOUT_S: Input should be a valid")):
         load_settings()
 
 
@@ -229,11 +229,11 @@ def test_a_new_name_in_the_environment_wins_over_an_old_one_in_the_file(tmp_path
 def test_a_key_given_under_two_of_its_names_is_refused_naming_both(tmp_path, toml, names):
     both = tmp_path / "both.toml"
     both.write_text(toml)
-    with pytest.raises(pydantic.ValidationError, match=re.escape(names)):
+    with pytest.raises(ConfigError, match=re.escape(names)):
         load_settings(both)
 
 
 def test_a_key_given_under_both_its_names_in_keyword_arguments_is_refused():
-    with pytest.raises(pydantic.ValidationError, match="give it once, as \\[shard\\] serve_shards"):
+    with pytest.raises(ConfigError, match="give it once, as \\[shard\\] serve_shards"):
         load_settings(shard={"serve_shards": True},
                       research={"distributed_inference": {"host": {"serve_shards": False}}})

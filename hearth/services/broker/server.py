@@ -157,8 +157,7 @@ class EmbeddedNatsServer:
     def start(self) -> "EmbeddedNatsServer":
         if self.is_running():
             return self
-        self.store_dir.mkdir(parents=True, exist_ok=True)
-        config_path = self._write_config()
+        config_path = self._prepare_store()
         binary = find_nats_server_binary()
         log_path = self.store_dir / "nats-server.log"
         self._log_file = open(log_path, "ab")
@@ -195,11 +194,20 @@ class EmbeddedNatsServer:
         self.config_path.write_text(self.render_config())
         return self.config_path
 
+    def _prepare_store(self) -> Path:
+        """The store folder made and the configuration written in it (the path); NatsServerError, naming the folder,
+        when it cannot be (a file is there, no permission)."""
+        try:
+            self.store_dir.mkdir(parents=True, exist_ok=True)
+            return self._write_config()
+        except OSError as error:
+            raise NatsServerError(
+                f"cannot use {self.store_dir} as the store folder: {error.strerror or error}") from None
+
     def check_config(self) -> None:
         """Write the configuration and have nats-server test it (`-t`) without serving; NatsServerError if it
         does not parse or names files that cannot be used."""
-        self.store_dir.mkdir(parents=True, exist_ok=True)
-        config_path = self._write_config()
+        config_path = self._prepare_store()
         result = subprocess.run([str(find_nats_server_binary()), "-t", "-c", str(config_path)],
                                 capture_output=True, text=True, timeout=server_start_timeout_s,
                                 env={**os.environ, **self.config_environment()})

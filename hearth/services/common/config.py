@@ -4,7 +4,9 @@ Where the file comes from: `load_settings(path)`, else `$HEARTH_CONFIG`, else no
 Precedence, highest first: keyword arguments to `load_settings`, environment variables, the TOML file,
 the defaults below. Nested keys join with `__` under the `HEARTH_` prefix, e.g.
 `HEARTH_RESEARCH__DISTRIBUTED_INFERENCE__ALLOW_SELF_AS_SHARD=true` or `HEARTH_TRANSPORT__WINDOW_CHUNKS=32`.
-Unknown keys in the file are errors, so a typo never silently falls back to a default.
+Unknown keys in the file are errors, so a typo never silently falls back to a default. An invalid configuration (a
+value of the wrong type or range, an unknown key, a file that is not TOML) raises ConfigError, one line naming each
+wrong setting by its environment variable or file key; every command refuses it with that line and exit code 2.
 
 Keys that moved keep their old place as an alias (hearth/services/common/config_aliases.py): a shard's own settings
 moved from `[research.distributed_inference.host]` into `[shard]`, and `_seconds` names became `_s`. Each key below
@@ -20,17 +22,19 @@ from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import AliasChoices, Field, model_validator
+from pydantic import AliasChoices, Field, ValidationError, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
+    SettingsError,
     TomlConfigSettingsSource,
 )
 
 from hearth.events.envelope import max_event_hops
 from hearth.events.streams import MiB, pipelines_max_age_s, seconds_per_day, shards_max_age_s
 from hearth.services.common.config_aliases import KeysMovedSource, move_aliased_keys
+from hearth.services.common.config_errors import describe_invalid_configuration
 from hearth.services.common.config_processes import (
     OrchestratorSettings,
     PrefixCacheSettings,
@@ -57,7 +61,7 @@ def default_nats_url() -> str:
 
 
 class ConfigError(ValueError):
-    """The configuration file is missing or unreadable."""
+    """The configuration file is missing, unreadable or not TOML, or a setting is invalid (one line says which)."""
 
 
 class HostSettings(ConfigSection):
@@ -332,18 +336,27 @@ def config_path_from_env() -> Path | None:
 def load_settings(path: str | Path | None = None, **overrides: Any) -> HearthSettings:
     """Settings from the TOML file at `path` (or `$HEARTH_CONFIG`, or none), then env vars, then `overrides`.
 
-    Raises ConfigError when a named file does not exist or cannot be read as TOML, pydantic.ValidationError when a
-    value is invalid.
+    Raises ConfigError, one line saying what is wrong, when a named file does not exist, cannot be read or is not
+    TOML, or when a setting is invalid or unknown.
     """
     toml_path = Path(path) if path is not None else config_path_from_env()
+    if toml_path is not None and toml_path.is_dir():
+        raise ConfigError(f"configuration file {toml_path} is a folder, not a file")
     if toml_path is not None and not toml_path.is_file():
         raise ConfigError(f"configuration file {toml_path} does not exist")
     token = _toml_path_being_loaded.set(toml_path)
     try:
         return HearthSettings(**overrides)
+    except ValidationError as error:
+        raise ConfigError(
+            describe_invalid_configuration(error, toml_path, ENV_PREFIX, ENV_NESTED_DELIMITER)) from None
     except tomllib.TOMLDecodeError as error:
         raise ConfigError(f"configuration file {toml_path} is not valid TOML: {error}") from None
-    except (OSError, UnicodeDecodeError) as error:
+    except UnicodeDecodeError as error:
         raise ConfigError(f"cannot read configuration file {toml_path}: {error}") from None
+    except OSError as error:
+        raise ConfigError(f"cannot read configuration file {toml_path}: {error.strerror or error}") from None
+    except SettingsError as error:  # an environment variable holding a whole table that is not JSON
+        raise ConfigError(f"invalid configuration: {error}") from None
     finally:
         _toml_path_being_loaded.reset(token)

@@ -26,7 +26,9 @@ class OrchestratorSettings(ConfigSection):
         default="member", description="on a community mesh, the least trust a caller's signed call needs")
 
     request_deadline_s: float = Field(
-        default=3600.0, gt=0, description="a call still running after this ends (leaves room to load a head)")
+        default=3600.0, gt=0,
+        description="a call still running after this (queued, loading a head, generating) is cancelled, its hops "
+                    "closed, and ends pipeline_stalled naming this setting (leaves room to load a head)")
     client_resubscribe_grace_s: float = Field(
         default=5.0, ge=0,
         description="after a reconnect, 'no responders' on a client inbox is not yet a leave, nor on the control "

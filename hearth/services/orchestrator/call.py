@@ -42,10 +42,15 @@ class CallStatus(enum.Enum):
     finished = "finished"  # the done frame went out
     aborted = "aborted"  # the aborted frame went out
     client_gone = "client_gone"  # the client stopped listening; the call was cancelled
+    past_deadline = "past_deadline"  # it ran past [orchestrator] request_deadline_s; the call was cancelled
 
     @property
     def final(self) -> bool:
-        return self in (CallStatus.finished, CallStatus.aborted, CallStatus.client_gone)
+        return self in (CallStatus.finished, CallStatus.aborted, CallStatus.client_gone, CallStatus.past_deadline)
+
+
+# What may end a call in any status: a cancellation from outside the call's loop.
+CANCELLED_STATUSES = frozenset({CallStatus.client_gone, CallStatus.past_deadline})
 
 
 NEXT_STATUSES: dict[CallStatus, frozenset[CallStatus]] = {
@@ -58,6 +63,7 @@ NEXT_STATUSES: dict[CallStatus, frozenset[CallStatus]] = {
     CallStatus.finished: frozenset(),
     CallStatus.aborted: frozenset(),
     CallStatus.client_gone: frozenset(),
+    CallStatus.past_deadline: frozenset(),
 }
 
 
@@ -147,7 +153,7 @@ class Call:
         previous = self.status
         if status is previous:
             return previous
-        if status is not CallStatus.client_gone and status not in NEXT_STATUSES[previous]:
+        if status not in CANCELLED_STATUSES and status not in NEXT_STATUSES[previous]:
             raise RuntimeError(f"call {self.pipeline_id}: {previous.value} -> {status.value} is no step of a call")
         if previous.final:
             raise RuntimeError(f"call {self.pipeline_id} already ended {previous.value}")

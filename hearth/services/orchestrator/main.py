@@ -6,6 +6,7 @@ import asyncio
 from dataclasses import dataclass
 from pathlib import Path
 
+from hearth.readmodels.db import ReadModelUnusable
 from hearth.services.common.config import HearthSettings
 from hearth.services.common.lifecycle import CommandRefused, unless_stopped
 from hearth.services.common.metrics import serve_process_metrics
@@ -89,7 +90,10 @@ async def run_orchestrator(settings: HearthSettings, options: OrchestratorOption
     try:
         metrics_server = serve_process_metrics(options.metrics_port, f"orchestrator {options.node_id}",
                                                host=settings.metrics.host)
-        await orchestrator.start()
+        try:
+            await orchestrator.start()
+        except ReadModelUnusable as error:  # --db a folder, a damaged file: one line, the file left as it was
+            raise CommandRefused(f"--db {error}") from None
         await orchestrator.catalog.start_local_fetch()  # listed by llm.models once it has arrived
         for model in preload:
             try:

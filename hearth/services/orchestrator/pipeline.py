@@ -31,23 +31,15 @@ from hearth.events.models import (
 )
 from hearth.inference.compute_thread import on_compute_thread
 from hearth.inference.head_batch import HeadRow
-from hearth.protocol.chat import (
-    DoneFrame,
-    PipelineAbortedFrame,
-    PipelineFrame,
-    ShardFailoverFrame,
-    ShardStatusFrame,
-    Timing,
-    TokenDeltaFrame,
-    TokensWithdrawnFrame,
-    Usage,
-)
+from hearth.protocol.chat import (DoneFrame, PipelineAbortedFrame, PipelineFrame, ShardFailoverFrame, ShardStatusFrame,
+                                  Timing, TokenDeltaFrame, TokensWithdrawnFrame, Usage)
 from hearth.services.orchestrator.answer_kv import close_keeping
 from hearth.services.orchestrator.call import Call, CallStatus
 from hearth.services.orchestrator.chain import HopChain
 from hearth.services.orchestrator.local_chain import LocalChain
 from hearth.services.orchestrator.construct import ChainBuilder
 from hearth.services.orchestrator.context import RunContext
+from hearth.services.orchestrator.deadline import passed_deadline
 from hearth.services.orchestrator.metrics import CLIENT_GONE, observe_event
 from hearth.services.orchestrator.outcomes import (Failure, Finished, RoutingFailure, SampledToken, StepFailure,
                                                    StepOutcome)
@@ -94,9 +86,11 @@ class PipelineRun:
             if not work.done():
                 work.cancel()
             await asyncio.gather(work, gone, hops_told, return_exceptions=True)
+            if (deadline := passed_deadline()) is not None and not self.call.status.final:  # cancelled for it
+                await self._end_cancelled(CallStatus.past_deadline, deadline.code, deadline.reason)
         if work.cancelled():
             log.info("pipeline %s: the client went away; closing its hops", pipeline_id)
-            await self._end_client_gone()
+            await self._end_cancelled(CallStatus.client_gone, CLIENT_GONE, "the client stopped listening")
             return
         work.result()
 
@@ -392,9 +386,9 @@ class PipelineRun:
         await self.call.client.send(PipelineAbortedFrame(seq=0, code=code, reason=reason))
         self._enter(CallStatus.aborted)
 
-    async def _end_client_gone(self) -> None:
-        """The run was cancelled because nobody reads its frames any more: record how it ended."""
-        self._enter(CallStatus.client_gone)
+    async def _end_cancelled(self, status: CallStatus, code: str, reason: str) -> None:
+        """The run was cancelled (its client left, or the call ran past its deadline): record how it ended."""
+        self._enter(status)
         await self._record_checks()
-        await self._record(PipelineAborted(node_id=self.ctx.node_id, pipeline_id=self.call.pipeline_id,
-                                           code=CLIENT_GONE, reason="the client stopped listening"))
+        await self._record(PipelineAborted(node_id=self.ctx.node_id, pipeline_id=self.call.pipeline_id, code=code,
+                                           reason=reason))

@@ -60,6 +60,7 @@ from hearth.services.orchestrator.canaries import CanaryLibrary, CanaryRunner
 from hearth.services.orchestrator.choices import ChoiceClient, ChoiceGroup, choice_request
 from hearth.services.orchestrator.kept_inputs import KeptInputs
 from hearth.services.orchestrator.context import RunContext
+from hearth.services.orchestrator.deadline import CallDeadline
 from hearth.services.orchestrator.guards import RangeGuards
 from hearth.services.orchestrator.discovery import describe_models, is_advertised
 from hearth.services.orchestrator.head_batcher import HeadSteps
@@ -254,15 +255,19 @@ class Orchestrator:
                                     missing_grace_s=self.settings.orchestrator.client_missing_grace_s,
                                     probe_timeout_s=self.settings.transport.gone_check_timeout_s).start()
         keepalive = asyncio.create_task(self._keep_client_told(client), name="client-keepalive")
+        deadline = CallDeadline(self.settings.orchestrator.request_deadline_s)
         try:
-            await asyncio.wait_for(self._serve_request(msg, client, caller),
-                                   timeout=self.settings.orchestrator.request_deadline_s)
+            async with deadline.held():
+                await self._serve_request(msg, client, caller)
         except asyncio.CancelledError:
             raise
         except Exception as error:
-            log.exception("request failed")
-            with contextlib.suppress(Exception):
-                await client.send(ErrorFrame(seq=0, code="internal_error", message=str(error)[:error_message_chars]))
+            if not (deadline.passed() and isinstance(error, TimeoutError)):  # the deadline's own is no bug
+                log.exception("request failed")
+            with contextlib.suppress(Exception):  # one final frame: not if one went out (held to last) already
+                if client.final_code is None:
+                    await client.send(deadline.frame() if deadline.passed() else ErrorFrame(
+                        seq=0, code="internal_error", message=str(error)[:error_message_chars]))
         finally:
             count_request(client.final_code, client.client_gone.is_set())
             keepalive.cancel()

@@ -4,19 +4,23 @@ restart of it once connected, and a request refused to this member said as such 
 from __future__ import annotations
 
 import contextlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from hearth.services.common.config import NatsSettings
 
 # A reader says soon that the broker is away.
 replay_connect_timeout_s = 5.0
 
 
-async def _connect(url: str):
+async def _connect(broker: "NatsSettings"):
     from hearth.services.broker.connection import connect_nats
-    from hearth.services.common.config import load_settings
 
-    # The member key from $HEARTH_NATS__CREDS_FILE (an auditor's, on a community mesh). A reader says soon when the
-    # broker is away, and, once connected, rides out a restart of it as every hearth process does (--follow).
-    nats_settings = load_settings(None).nats.model_copy(update={"connect_timeout_s": replay_connect_timeout_s})
-    return await connect_nats(url, name="hearth-replay", settings=nats_settings, wait_for_broker=False)
+    # The invocation's [nats] settings: its member key (an auditor's, on a community mesh) and the broker's URL. A
+    # reader says soon when the broker is away, and, once connected, rides out a restart of it as every hearth
+    # process does (--follow).
+    nats_settings = broker.model_copy(update={"connect_timeout_s": replay_connect_timeout_s})
+    return await connect_nats(broker.url, name="hearth-replay", settings=nats_settings, wait_for_broker=False)
 
 
 class MemberRefused(Exception):
@@ -24,11 +28,11 @@ class MemberRefused(Exception):
 
 
 @contextlib.asynccontextmanager
-async def jetstream(url: str):
-    """A JetStream context on a connection of its own to `url`, closed on the way out."""
+async def jetstream(broker: "NatsSettings"):
+    """A JetStream context on a connection of its own to the broker `broker` names, closed on the way out."""
     import nats.errors
 
-    nc = await _connect(url)
+    nc = await _connect(broker)
     try:
         yield nc.jetstream()
     except nats.errors.TimeoutError:  # a refused request is never answered: the refusal came as an error of its own

@@ -15,14 +15,18 @@ import sys
 from datetime import datetime, timezone
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
 from hearth.events.consume import first_stream_seq
 from hearth.services.replay.broker import jetstream
 from hearth.services.cli_options import (ConfigOption, CredsOption, LogLevelOption, NatsUrlOption,
-                                         apply_top_level_options, resolve_nats_url, roster_checked, settings)
+                                         apply_top_level_options, nats_settings_for, roster_checked,
+                                         settings)
+
+if TYPE_CHECKING:
+    from hearth.services.common.config import NatsSettings
 
 # hearth-replay is a reading tool: quieter than the services (and quick to say when the broker is not there).
 replay_log_level = "WARNING"
@@ -76,6 +80,8 @@ def _run(coroutine) -> int:
     except (BrokerUnreachable, MemberRefused) as error:
         raise _fail(str(error), 3) from None
     except (nats.errors.NoServersError, ConnectionRefusedError, OSError) as error:
+        if isinstance(error, OSError) and error.filename is not None:  # a file it was given, not the broker
+            raise _fail(f"{error.filename}: {error.strerror or error}") from None
         raise _fail(f"cannot reach NATS: {error}", 3) from error
     except nats.errors.Error as error:  # reached, but it did not answer as a JetStream broker does
         raise _fail(broker_failure_line(error), 3) from None
@@ -136,28 +142,20 @@ def events_command(
         selections = select_streams(stream, subject, types)
     except QueryError as error:
         raise _fail(str(error)) from error
-    query = LogQuery(
-        selections=selections,
-        types=types,
-        from_seq=from_seq,
-        to_seq=to_seq,
-        from_time=start_time,
-        follow=follow,
-        limit=limit,
-    )
-    url = resolve_nats_url(ctx, nats_url)
-    code = _run(_print_events(url, query, output))
+    query = LogQuery(selections=selections, types=types, from_seq=from_seq, to_seq=to_seq, from_time=start_time,
+                     follow=follow, limit=limit)
+    code = _run(_print_events(nats_settings_for(ctx, nats_url), query, output))
     raise typer.Exit(code)
 
 
-async def _print_events(url: str, query, output: OutputFormat) -> int:
+async def _print_events(broker: "NatsSettings", query, output: OutputFormat) -> int:
     from dataclasses import replace
 
     from hearth.events.streams import wait_for_streams
     from hearth.services.replay.query import existing_streams, read_log
     from hearth.services.replay.render import jsonl_line, table_row
 
-    async with jetstream(url) as js:
+    async with jetstream(broker) as js:
         present, missing = await existing_streams(js, [s.stream for s in query.selections])
         if missing and query.follow:  # following is waiting for what comes: the first event creates them
             await wait_for_streams(js, missing, wait_s=None)
@@ -188,10 +186,10 @@ def pipeline_command(
 
     if not re.match(SUBJECT_TOKEN_PATTERN, pipeline_id):
         raise _fail(f"pipeline_id {pipeline_id!r} must match {SUBJECT_TOKEN_PATTERN}")
-    raise typer.Exit(_run(_print_pipeline(resolve_nats_url(ctx, nats_url), pipeline_id, output)))
+    raise typer.Exit(_run(_print_pipeline(nats_settings_for(ctx, nats_url), pipeline_id, output)))
 
 
-async def _print_pipeline(url: str, pipeline_id: str, output: OutputFormat) -> int:
+async def _print_pipeline(broker: "NatsSettings", pipeline_id: str, output: OutputFormat) -> int:
     from hearth.events.consume import StoredEvent, read_stream
     from hearth.events.streams import PIPELINES_STREAM
     from hearth.protocol.subjects import EVENTS_PREFIX
@@ -200,7 +198,7 @@ async def _print_pipeline(url: str, pipeline_id: str, output: OutputFormat) -> i
     from hearth.services.replay.reports import pipeline_outcome, pipeline_timeline
 
     filters = [f"{EVENTS_PREFIX}.pipeline.{pipeline_id}.>", f"{EVENTS_PREFIX}.integrity.{pipeline_id}.>"]
-    async with jetstream(url) as js:
+    async with jetstream(broker) as js:
         present, _ = await existing_streams(js, [PIPELINES_STREAM])
         events: list[StoredEvent] = []
         if present:
@@ -249,13 +247,14 @@ def shard_command(
 
     # The live projectors' check, so the evidence shown is what the read model applied.
     verifier = roster_checked("hearth-replay", lambda: event_verifier(settings(ctx)))
-    raise typer.Exit(_run(_print_shard(resolve_nats_url(ctx, nats_url), shard, key, float(timeout_s), verifier)))
+    raise typer.Exit(_run(_print_shard(nats_settings_for(ctx, nats_url), shard, key, float(timeout_s),
+                                       verifier)))
 
 
-async def _print_shard(url: str, shard: str, key: str, health_timeout_s: float, verifier) -> int:
+async def _print_shard(broker: "NatsSettings", shard: str, key: str, health_timeout_s: float, verifier) -> int:
     from hearth.services.replay.shard_view import read_shard_log, shard_view_lines
 
-    async with jetstream(url) as js:
+    async with jetstream(broker) as js:
         own, outcomes = await read_shard_log(js, shard, key)
     lines = shard_view_lines(shard, key, own, outcomes, health_timeout_s, now=datetime.now(timezone.utc),
                              verifier=verifier)
@@ -282,7 +281,7 @@ def rebuild_command(
     if diff is not None and db.exists() and db.samefile(diff):  # --force would delete the rows it is to compare
         raise _fail(f"--db and --diff name one file ({diff}); rebuild into another file to compare with it")
     if db.is_dir():
-        raise _fail(f"{db} is a directory; --db names the read model's file")
+        raise _fail(f"{db} is a folder; --db names the file to write (e.g. {db / 'readmodel.sqlite'})")
     if db.exists() and not force:
         raise _fail(f"{db} exists; a rebuild writes a fresh database (use --force to replace it)")
     from hearth.services.common.event_trust import event_verifier
@@ -290,10 +289,11 @@ def rebuild_command(
     # The live projectors' check (when the community's roster is at hand), so the rebuilt rows match theirs.
     verifier = roster_checked("hearth-replay", lambda: event_verifier(settings(ctx)))
     readmodels = settings(ctx).readmodels  # and the live projectors' retention
-    raise typer.Exit(_run(_rebuild(resolve_nats_url(ctx, nats_url), db, diff, force, verifier, readmodels)))
+    raise typer.Exit(_run(_rebuild(nats_settings_for(ctx, nats_url), db, diff, force, verifier, readmodels)))
 
 
-async def _rebuild(url: str, db: Path, diff: Path | None, force: bool, verifier=None, readmodels=None) -> int:
+async def _rebuild(broker: "NatsSettings", db: Path, diff: Path | None, force: bool, verifier=None,
+                   readmodels=None) -> int:
     import asyncio
 
     from hearth.events.streams import ALL_STREAMS
@@ -301,7 +301,7 @@ async def _rebuild(url: str, db: Path, diff: Path | None, force: bool, verifier=
     from hearth.readmodels.retention import retention_policy
     from hearth.services.replay.query import existing_streams
 
-    async with jetstream(url) as js:
+    async with jetstream(broker) as js:
         present, missing = await existing_streams(js, ALL_STREAMS)
         for name in missing:
             typer.echo(f"hearth-replay: stream {name} does not exist yet; nothing to read from it", err=True)
@@ -350,15 +350,15 @@ def verify_command(
         verifier = EventVerifier(Roster.load(roster_file), max_clock_skew_s=current.events.max_clock_skew_s)
     except RosterError as error:
         raise _fail(str(error)) from error
-    raise typer.Exit(_run(_verify(resolve_nats_url(ctx, nats_url), verifier)))
+    raise typer.Exit(_run(_verify(nats_settings_for(ctx, nats_url), verifier)))
 
 
-async def _verify(url: str, verifier) -> int:
+async def _verify(broker: "NatsSettings", verifier) -> int:
     from hearth.events.streams import ALL_STREAMS
     from hearth.services.replay.query import existing_streams
     from hearth.services.replay.verify import verify_streams
 
-    async with jetstream(url) as js:
+    async with jetstream(broker) as js:
         present, missing = await existing_streams(js, ALL_STREAMS)
         for name in missing:  # deleted, or never created: an audit says what it could not read
             typer.echo(f"hearth-replay: stream {name} does not exist; nothing verified there", err=True)
