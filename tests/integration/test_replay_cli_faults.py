@@ -155,5 +155,5 @@ def test_a_rebuild_onto_a_directory_is_one_line_and_leaves_nothing_beside_it(nat
 
     result = replay(nats_url, "rebuild", "--db", str(target), "--force")
 
-    assert result.exit_code == 2 and "is a directory" in result.stderr, result.output
+    assert result.exit_code == 2 and "is a folder" in result.stderr, result.output
     assert sorted(path.name for path in tmp_path.iterdir() if path.name != "nats") == ["models"]
