@@ -52,6 +52,11 @@ class AckWindowSender(SubscribingEndpoint):
     wait, then TransportTimeout) for acks before publishing more. Concurrent send() calls are served one
     whole step at a time, in call order. Use as ``async with AckWindowSender(...) as sender`` or call
     start() / close().
+
+    An ack is cumulative within its session: the receiver takes a link's frames in the order they were published
+    and acks them in that order, so once it acks a chunk, every chunk of that session published before it was acked
+    or lost (an ack or a frame lost while either end's connection dropped). Those are settled with it (counted in
+    stats.acks_lost) instead of holding a slot forever; a receiver that stops acking settles nothing.
     """
 
     def __init__(
@@ -290,11 +295,26 @@ class AckWindowSender(SubscribingEndpoint):
             self.stats.bad_acks += 1
             log.warning("ignoring ack for pipeline %s hop %s on %s", ack.pipeline_id, ack.hop, self.ack_subject)
             return
-        sent_at = self._in_flight.pop((ack.session, ack.step, ack.chunk_index), None)
+        acked = (ack.session, ack.step, ack.chunk_index)
+        sent_at = self._in_flight.get(acked)
         if sent_at is None:
             return  # a duplicate ack, or one for a chunk we stopped waiting for
         self.stats.ack_rtt.add(time.perf_counter() - sent_at)
+        self.stats.acks_lost += self._settle_through(acked)
         self._after_release()
+
+    def _settle_through(self, acked: ChunkKey) -> int:
+        """Drop `acked` and every chunk of its session published before it (the window is in publishing order);
+        how many of those earlier ones were settled without their own ack."""
+        earlier = []
+        for key in self._in_flight:
+            if key == acked:
+                break
+            if key[0] == acked[0]:
+                earlier.append(key)
+        for key in [*earlier, acked]:
+            del self._in_flight[key]
+        return len(earlier)
 
     def _after_release(self) -> None:
         waiter = self._space_waiter
