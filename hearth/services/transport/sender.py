@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +43,15 @@ class SentStep:
     total_bytes: int
     encode_s: float
     window_wait_s: float
+
+
+@dataclass(frozen=True)
+class WindowCheck:
+    """What a send looks at every `every_s` while it waits for window space: `check` raises to give the step up
+    (the orchestrator's stall watch, which finds a dead hop long before the ack timeout)."""
+
+    every_s: float
+    check: Callable[[], Awaitable[None]]
 
 
 class AckWindowSender(SubscribingEndpoint):
@@ -120,8 +130,10 @@ class AckWindowSender(SubscribingEndpoint):
         tensor: torch.Tensor | None,
         *,
         wire_dtype: WireDtype | None = None,
+        while_waiting: WindowCheck | None = None,
     ) -> SentStep:
-        """Publish one step (all its chunks); returns once every chunk is published, not acked."""
+        """Publish one step (all its chunks); returns once every chunk is published, not acked. While it waits
+        for window space, `while_waiting` is checked (whatever it raises ends the send)."""
         if self._closed:
             raise TransportClosed(f"sender to hop {self.hop} of pipeline {self.pipeline_id} is closed")
         if self._sub is None:
@@ -132,7 +144,7 @@ class AckWindowSender(SubscribingEndpoint):
         self.stats.encode.add(encode_s)
         await self._acquire_send_lock(info)
         try:
-            window_wait_s = await self._publish(encoded)
+            window_wait_s = await self._publish(encoded, while_waiting)
         finally:
             self._send_lock.release()
         # nats-py writes to the socket from its flusher task, which runs only when we yield: yield now, so the
@@ -219,14 +231,14 @@ class AckWindowSender(SubscribingEndpoint):
             self.stats.timeouts += 1
             raise self._timeout(info, "another step's send held the hop", self.ack_timeout_s) from None
 
-    async def _publish(self, encoded: EncodedStep) -> float:
+    async def _publish(self, encoded: EncodedStep, while_waiting: WindowCheck | None) -> float:
         info = encoded.info
         headers = encoded.header(self.pipeline_id, self.hop, 0).to_nats_headers()
         count = encoded.chunk_count
         waited_s = 0.0
         for index, chunk in enumerate(encoded.chunks):
             if len(self._in_flight) >= self.window_chunks:
-                waited_s += await self._wait_for_space(info)
+                waited_s += await self._wait_for_space(info, while_waiting)
             # nats-py serialises the headers inside publish() before it yields, so reusing the dict is safe.
             headers[HEADER_CHUNK] = f"{index}/{count}"
             if HEADER_OFFSET in headers:
@@ -247,21 +259,23 @@ class AckWindowSender(SubscribingEndpoint):
             self.stats.bytes_sent += len(chunk)
         return waited_s
 
-    async def _wait_for_space(self, info: StepInfo) -> float:
+    async def _wait_for_space(self, info: StepInfo, while_waiting: WindowCheck | None) -> float:
         started = time.perf_counter()
         deadline = started + self.ack_timeout_s
         self.stats.window_waits += 1
         while len(self._in_flight) >= self.window_chunks:
             remaining_s = deadline - time.perf_counter()
+            if remaining_s <= 0:
+                self.stats.timeouts += 1
+                raise self._timeout(info, "no ack freed the window", self.ack_timeout_s)
             waiter = asyncio.get_running_loop().create_future()
             self._space_waiter = waiter
             try:
-                if remaining_s <= 0:
-                    raise asyncio.TimeoutError
-                await asyncio.wait_for(waiter, remaining_s)
+                slice_s = remaining_s if while_waiting is None else min(remaining_s, while_waiting.every_s)
+                await asyncio.wait_for(waiter, slice_s)
             except asyncio.TimeoutError:
-                self.stats.timeouts += 1
-                raise self._timeout(info, "no ack freed the window", self.ack_timeout_s) from None
+                if while_waiting is not None:
+                    await while_waiting.check()
             finally:
                 self._space_waiter = None
         waited_s = time.perf_counter() - started
