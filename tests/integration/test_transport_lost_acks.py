@@ -62,3 +62,37 @@ async def test_an_ack_of_another_session_settles_nothing_and_a_silent_session_st
         with pytest.raises(TransportTimeout):
             await sender.send(StepInfo(session="silent", step=1, kind=FrameKind.prefill), torch.randn(2, 256))
     await sub.unsubscribe()
+
+
+async def test_a_window_full_of_acks_lost_in_our_reconnect_is_settled_and_the_step_goes_on(nats_server):
+    """The sender's connection drops in the middle of a step of more chunks than the window: the hop took every frame
+    and acked each while our ack subscription was gone, so no later ack of the session can come (the window is full
+    and nothing more is sent). Before, the step waited out the ack timeout and the healthy hop after was blamed; now
+    the chunks published before our reconnect are settled once it happened."""
+    import asyncio
+
+    from hearth.services.broker.connection import connect_nats
+
+    source = await connect_nats(nats_server.url, name="test-source")
+    hop = await connect_nats(nats_server.url, name="test-hop")
+    acks_lost = asyncio.Event()  # the first window's acks never reach us: they went out while we were away
+    try:
+        sub, arrived = await _acking_hop(hop, lambda header: not acks_lost.is_set())
+        sending_side = AckWindowSender(source, PIPELINE, 0, window_chunks=4, ack_timeout_s=10.0, chunk_bytes=1024)
+        async with sending_side as sender:
+            sending = asyncio.ensure_future(
+                sender.send(StepInfo(session="s1", step=0, kind=FrameKind.prefill), torch.randn(8, 256)))  # 8 chunks
+            deadline = asyncio.get_running_loop().time() + wait_s
+            while len(arrived) < 4 and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.01)
+            assert len(arrived) == 4 and not sending.done() and sender.in_flight_chunks == 4
+            acks_lost.set()
+            reconnects = source.stats["reconnects"]
+            await asyncio.to_thread(nats_server.restart)
+            sent = await asyncio.wait_for(sending, wait_s)
+            assert source.stats["reconnects"] > reconnects
+            assert sent.chunk_count == 8 and sender.stats.acks_lost >= 4 and sender.stats.timeouts == 0
+        await sub.unsubscribe()
+    finally:
+        await source.close()
+        await hop.close()

@@ -32,6 +32,8 @@ log = logging.getLogger(__name__)
 _defaults = TransportSettings()
 
 ChunkKey = tuple[str, int, int]  # (session, step, chunk index): what an ack names
+# How often a send waiting for window space looks whether our connection reconnected (and lost the acks meanwhile).
+reconnect_check_s = 0.25
 
 
 @dataclass(frozen=True)
@@ -66,7 +68,10 @@ class AckWindowSender(SubscribingEndpoint):
     An ack is cumulative within its session: the receiver takes a link's frames in the order they were published
     and acks them in that order, so once it acks a chunk, every chunk of that session published before it was acked
     or lost (an ack or a frame lost while either end's connection dropped). Those are settled with it (counted in
-    stats.acks_lost) instead of holding a slot forever; a receiver that stops acking settles nothing.
+    stats.acks_lost) instead of holding a slot forever; a receiver that stops acking settles nothing. Once our own
+    connection has reconnected, the chunks published before are settled too: the acks sent while our ack
+    subscription was gone from the broker are lost, and a window full of them would wait for a later ack that is
+    never sent (at most one window more in flight per reconnect).
     """
 
     def __init__(
@@ -112,6 +117,7 @@ class AckWindowSender(SubscribingEndpoint):
         self._send_lock = asyncio.Lock()
         self._sub: Subscription | None = None
         self._closed = False
+        self._reconnects: int | None = None  # our connection's reconnect count at the last look (none before a send)
 
     @property
     def in_flight_chunks(self) -> int:
@@ -237,6 +243,7 @@ class AckWindowSender(SubscribingEndpoint):
         count = encoded.chunk_count
         waited_s = 0.0
         for index, chunk in enumerate(encoded.chunks):
+            self._settle_if_reconnected()
             if len(self._in_flight) >= self.window_chunks:
                 waited_s += await self._wait_for_space(info, while_waiting)
             # nats-py serialises the headers inside publish() before it yields, so reusing the dict is safe.
@@ -263,7 +270,7 @@ class AckWindowSender(SubscribingEndpoint):
         started = time.perf_counter()
         deadline = started + self.ack_timeout_s
         self.stats.window_waits += 1
-        while len(self._in_flight) >= self.window_chunks:
+        while not self._settle_if_reconnected() and len(self._in_flight) >= self.window_chunks:
             remaining_s = deadline - time.perf_counter()
             if remaining_s <= 0:
                 self.stats.timeouts += 1
@@ -271,7 +278,7 @@ class AckWindowSender(SubscribingEndpoint):
             waiter = asyncio.get_running_loop().create_future()
             self._space_waiter = waiter
             try:
-                slice_s = remaining_s if while_waiting is None else min(remaining_s, while_waiting.every_s)
+                slice_s = min(remaining_s, reconnect_check_s if while_waiting is None else while_waiting.every_s)
                 await asyncio.wait_for(waiter, slice_s)
             except asyncio.TimeoutError:
                 if while_waiting is not None:
@@ -316,6 +323,16 @@ class AckWindowSender(SubscribingEndpoint):
         self.stats.ack_rtt.add(time.perf_counter() - sent_at)
         self.stats.acks_lost += self._settle_through(acked)
         self._after_release()
+
+    def _settle_if_reconnected(self) -> bool:
+        """Settle every chunk in flight when our connection reconnected since the last look; whether it did."""
+        reconnects, self._reconnects = self._reconnects, self.nc.stats["reconnects"]
+        if reconnects is None or reconnects == self._reconnects:
+            return False
+        self.stats.acks_lost += len(self._in_flight)
+        self._in_flight.clear()
+        self._after_release()
+        return True
 
     def _settle_through(self, acked: ChunkKey) -> int:
         """Drop `acked` and every chunk of its session published before it (the window is in publishing order);
