@@ -278,8 +278,8 @@ class AckWindowSender(SubscribingEndpoint):
             waiter = asyncio.get_running_loop().create_future()
             self._space_waiter = waiter
             try:
-                slice_s = min(remaining_s, reconnect_check_s if while_waiting is None else while_waiting.every_s)
-                await asyncio.wait_for(waiter, slice_s)
+                every_s = reconnect_check_s if while_waiting is None else min(reconnect_check_s, while_waiting.every_s)
+                await asyncio.wait_for(waiter, min(remaining_s, every_s))
             except asyncio.TimeoutError:
                 if while_waiting is not None:
                     await while_waiting.check()
