@@ -223,3 +223,30 @@ async def test_a_last_hop_flooding_the_sink_with_other_steps_is_still_failed_ove
         await asyncio.gather(flooding, return_exceptions=True)
         await flood.close()
         await chain.close()
+
+
+async def test_a_hop_0_that_dies_while_a_step_waits_for_window_space_is_found_by_the_gone_check(connections):
+    """A step of more chunks than the window (a prefill chunk of a wide model, or a whole prompt with chunked prefill
+    off) into a hop 0 that died after `open`: before, send_step waited for window space without a look at the stall
+    watch, and the dead hop was failed over only after step_timeout_s as `stalled`; now the gone check finds it."""
+    orchestrator, shard = connections
+    hop = _hop("dies")
+
+    async def answer(msg) -> None:
+        await shard.publish(msg.reply, ControlReply(ok=True).model_dump_json().encode())
+
+    control = await shard.subscribe(hop.control_subject, cb=answer)
+    await flush_ordered(shard)
+    transport = TransportSettings(step_timeout_s=3.0, gone_check_after_s=0.1, gone_check_timeout_s=0.2,
+                                  probe_timeout_s=0.2, window_chunks=2, chunk_bytes=1024)
+    chain = HopChain(orchestrator, "p-dies", [hop], node_id="orch", model_id="m", weights_sha256="0" * 64,
+                     transport=transport, wire_dtype="fp32")
+    try:
+        assert await chain.open() is None
+        await control.unsubscribe()  # its host dies: no responder, and nobody takes (or acks) its frames
+        await flush_ordered(shard)
+        sent = await asyncio.wait_for(chain.send_step(FrameKind.prefill, 0, torch.zeros(1, 4, 256)),  # 4 chunks
+                                      10 * transport.step_timeout_s)
+        assert isinstance(sent, StepFailure) and sent.kind == "gone" and sent.shard_id == "dies", sent
+    finally:
+        await chain.close()

@@ -40,7 +40,7 @@ from hearth.services.orchestrator.placement import ChainPlacement
 from hearth.services.orchestrator.prefix import behind_hops
 from hearth.services.orchestrator.recording import ChainRecorder
 from hearth.services.orchestrator.router import Hop
-from hearth.services.orchestrator.stall import StallWatch
+from hearth.services.orchestrator.stall import HopHeld, StallWatch
 from hearth.services.transport import (
     AckObserver, AckWindowSender, ActivationReceiver, FrameHeader, FrameKind, ReceivedStep, StepInfo, StepLimits,
     StepRefusal, TransportError, TransportTimeout, WaitInterrupted, receiver_settings, wire_dtype_from_setting,
@@ -51,10 +51,6 @@ from hearth.services.transport.mac import ack_witness_key, encode_link_key, new_
 from hearth.services.transport.notices import read_notice
 
 log = logging.getLogger(__name__)
-
-# How often (a fraction of the step timeout) a waiting step looks at the acks for a hop holding it too long.
-stall_poll_fraction = 0.1
-shortest_poll_s = 0.01
 
 
 def _encoded(link_key: bytes | None) -> str | None:
@@ -326,8 +322,12 @@ class HopChain:
         if self.recorder is not None:
             self.recorder.sent(info, hidden)
         try:
-            await self._sender.send(info, hidden)
+            await self._sender.send(info, hidden, while_waiting=self._watch.window_check(info, time.monotonic(),
+                                                                                        timeout_s))
             self._latencies.step_sent(kind)
+        except HopHeld as held:  # hop 0 gone (or our own link cut) while the step waited for window space
+            self._forget_outstanding()
+            return held.failure
         except TransportTimeout as error:
             self._forget_outstanding()
             return self._broker_failure(epoch, f"step {self._step} was out") or StepFailure(
@@ -357,14 +357,12 @@ class HopChain:
     async def _await_output(self, sent: SentStep) -> torch.Tensor | StepFailure:
         info, epoch, doing = sent.info, sent.epoch, f"step {sent.info.step} was out"
         self._watch.cancel()
-        poll_s = max(shortest_poll_s, min(self.transport.step_timeout_s * stall_poll_fraction,
-                                          self.transport.gone_check_after_s / 2))
         while True:
             if self._notices:
                 return self._notice_failure()
             if self._refused_output is not None:
                 return self._refused_output
-            received = self._early.pop(info.step, None) or await self._next_output(poll_s)
+            received = self._early.pop(info.step, None) or await self._next_output(self._watch.poll_s)
             if isinstance(received, StepFailure):
                 return received
             ours = received is not None and received.session == self.session_id and received.step in self._outstanding

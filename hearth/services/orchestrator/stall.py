@@ -19,6 +19,10 @@ check and a second probe of `probe_timeout_s` is failed over too, unless the ste
 connection did not answer a ping meanwhile either: then our link is the one cut, a `broker` failure blaming nobody.
 A busy host is not taken for one: its control loop answers `stat` while its compute thread runs a step (even a long
 prefill). A merely slow host answers, and is left to the step timeout.
+
+The watch looks on every `poll_s` while a step's output is awaited, and also while the step is still being sent and
+waits for window space (hop 0 stopped acking: a step of more chunks than the window, or the first chunks of a
+pipelined prefill): a hop 0 that died then is failed over as soon as it would be once the step was out.
 """
 
 from __future__ import annotations
@@ -32,8 +36,20 @@ from hearth.services.broker.connection import answers_ping
 from hearth.services.common.config import TransportSettings
 from hearth.services.orchestrator.outcomes import StepFailure
 from hearth.services.orchestrator.router import Hop
-from hearth.services.transport import AckObserver, StepInfo
+from hearth.services.transport import AckObserver, StepInfo, TransportError, WindowCheck
 from hearth.services.transport.probe import ProbeOutcome, probe_outcome
+
+# How often (a fraction of the step timeout, and at least twice per gone check) a waiting step is looked at.
+stall_poll_fraction = 0.1
+shortest_poll_s = 0.01
+
+
+class HopHeld(TransportError):
+    """The watch's verdict on a step still being sent, raised out of its wait for window space."""
+
+    def __init__(self, failure: StepFailure) -> None:
+        super().__init__(f"{failure.kind}: {failure.reason}")
+        self.failure = failure
 
 
 class StallWatch:
@@ -53,6 +69,21 @@ class StallWatch:
         # The (step, holder hop) whose suspects were last checked for a lost connection, and when to check again.
         self._gone_checked: tuple[int, int] | None = None
         self._next_gone_check = 0.0
+
+    @property
+    def poll_s(self) -> float:
+        """How often a step held somewhere is looked at."""
+        return max(shortest_poll_s, min(self.transport.step_timeout_s * stall_poll_fraction,
+                                        self.transport.gone_check_after_s / 2))
+
+    def window_check(self, info: StepInfo, sent_at: float, timeout_s: float) -> WindowCheck:
+        """The check of a step whose send waits for window space: raises HopHeld once the watch fails it."""
+        async def check() -> None:
+            failure = await self.check(info, sent_at, timeout_s)
+            if failure is not None:
+                raise HopHeld(failure)
+
+        return WindowCheck(self.poll_s, check)
 
     def cancel(self) -> None:
         if self._probe is not None:

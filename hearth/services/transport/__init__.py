@@ -27,7 +27,7 @@ from hearth.services.transport.headers import AckHeader, FrameHeader, FrameKind,
 from hearth.services.transport.limits import StepLimits, StepRefusal, receiver_settings
 from hearth.services.transport.frames import ReceivedStep
 from hearth.services.transport.receiver import ActivationReceiver
-from hearth.services.transport.sender import AckWindowSender, SentStep
+from hearth.services.transport.sender import AckWindowSender, SentStep, WindowCheck
 from hearth.services.transport.stats import LatencySamples, LatencySummary, ReceiverStats, SenderStats
 from hearth.services.transport.wire import WireDtype, wire_dtype_from_setting
 
@@ -54,6 +54,7 @@ __all__ = [
     "TransportError",
     "TransportTimeout",
     "WaitInterrupted",
+    "WindowCheck",
     "WireDtype",
     "decode_frames",
     "encode_step",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +32,8 @@ log = logging.getLogger(__name__)
 _defaults = TransportSettings()
 
 ChunkKey = tuple[str, int, int]  # (session, step, chunk index): what an ack names
+# How often a send waiting for window space looks whether our connection reconnected (and lost the acks meanwhile).
+reconnect_check_s = 0.25
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,15 @@ class SentStep:
     window_wait_s: float
 
 
+@dataclass(frozen=True)
+class WindowCheck:
+    """What a send looks at every `every_s` while it waits for window space: `check` raises to give the step up
+    (the orchestrator's stall watch, which finds a dead hop long before the ack timeout)."""
+
+    every_s: float
+    check: Callable[[], Awaitable[None]]
+
+
 class AckWindowSender(SubscribingEndpoint):
     """Sends steps to ``hearth.act.<receiving node>.<pipeline_id>.<hop>`` and frees its window on
     ``hearth.ack.<sending node>.<pipeline_id>.<hop>``.
@@ -52,6 +64,14 @@ class AckWindowSender(SubscribingEndpoint):
     wait, then TransportTimeout) for acks before publishing more. Concurrent send() calls are served one
     whole step at a time, in call order. Use as ``async with AckWindowSender(...) as sender`` or call
     start() / close().
+
+    An ack is cumulative within its session: the receiver takes a link's frames in the order they were published
+    and acks them in that order, so once it acks a chunk, every chunk of that session published before it was acked
+    or lost (an ack or a frame lost while either end's connection dropped). Those are settled with it (counted in
+    stats.acks_lost) instead of holding a slot forever; a receiver that stops acking settles nothing. Once our own
+    connection has reconnected, the chunks published before are settled too: the acks sent while our ack
+    subscription was gone from the broker are lost, and a window full of them would wait for a later ack that is
+    never sent (at most one window more in flight per reconnect).
     """
 
     def __init__(
@@ -97,6 +117,7 @@ class AckWindowSender(SubscribingEndpoint):
         self._send_lock = asyncio.Lock()
         self._sub: Subscription | None = None
         self._closed = False
+        self._reconnects: int | None = None  # our connection's reconnect count at the last look (none before a send)
 
     @property
     def in_flight_chunks(self) -> int:
@@ -115,8 +136,10 @@ class AckWindowSender(SubscribingEndpoint):
         tensor: torch.Tensor | None,
         *,
         wire_dtype: WireDtype | None = None,
+        while_waiting: WindowCheck | None = None,
     ) -> SentStep:
-        """Publish one step (all its chunks); returns once every chunk is published, not acked."""
+        """Publish one step (all its chunks); returns once every chunk is published, not acked. While it waits
+        for window space, `while_waiting` is checked (whatever it raises ends the send)."""
         if self._closed:
             raise TransportClosed(f"sender to hop {self.hop} of pipeline {self.pipeline_id} is closed")
         if self._sub is None:
@@ -127,7 +150,7 @@ class AckWindowSender(SubscribingEndpoint):
         self.stats.encode.add(encode_s)
         await self._acquire_send_lock(info)
         try:
-            window_wait_s = await self._publish(encoded)
+            window_wait_s = await self._publish(encoded, while_waiting)
         finally:
             self._send_lock.release()
         # nats-py writes to the socket from its flusher task, which runs only when we yield: yield now, so the
@@ -214,14 +237,15 @@ class AckWindowSender(SubscribingEndpoint):
             self.stats.timeouts += 1
             raise self._timeout(info, "another step's send held the hop", self.ack_timeout_s) from None
 
-    async def _publish(self, encoded: EncodedStep) -> float:
+    async def _publish(self, encoded: EncodedStep, while_waiting: WindowCheck | None) -> float:
         info = encoded.info
         headers = encoded.header(self.pipeline_id, self.hop, 0).to_nats_headers()
         count = encoded.chunk_count
         waited_s = 0.0
         for index, chunk in enumerate(encoded.chunks):
+            self._settle_if_reconnected()
             if len(self._in_flight) >= self.window_chunks:
-                waited_s += await self._wait_for_space(info)
+                waited_s += await self._wait_for_space(info, while_waiting)
             # nats-py serialises the headers inside publish() before it yields, so reusing the dict is safe.
             headers[HEADER_CHUNK] = f"{index}/{count}"
             if HEADER_OFFSET in headers:
@@ -242,21 +266,23 @@ class AckWindowSender(SubscribingEndpoint):
             self.stats.bytes_sent += len(chunk)
         return waited_s
 
-    async def _wait_for_space(self, info: StepInfo) -> float:
+    async def _wait_for_space(self, info: StepInfo, while_waiting: WindowCheck | None) -> float:
         started = time.perf_counter()
         deadline = started + self.ack_timeout_s
         self.stats.window_waits += 1
-        while len(self._in_flight) >= self.window_chunks:
+        while not self._settle_if_reconnected() and len(self._in_flight) >= self.window_chunks:
             remaining_s = deadline - time.perf_counter()
+            if remaining_s <= 0:
+                self.stats.timeouts += 1
+                raise self._timeout(info, "no ack freed the window", self.ack_timeout_s)
             waiter = asyncio.get_running_loop().create_future()
             self._space_waiter = waiter
             try:
-                if remaining_s <= 0:
-                    raise asyncio.TimeoutError
-                await asyncio.wait_for(waiter, remaining_s)
+                every_s = reconnect_check_s if while_waiting is None else min(reconnect_check_s, while_waiting.every_s)
+                await asyncio.wait_for(waiter, min(remaining_s, every_s))
             except asyncio.TimeoutError:
-                self.stats.timeouts += 1
-                raise self._timeout(info, "no ack freed the window", self.ack_timeout_s) from None
+                if while_waiting is not None:
+                    await while_waiting.check()
             finally:
                 self._space_waiter = None
         waited_s = time.perf_counter() - started
@@ -290,11 +316,36 @@ class AckWindowSender(SubscribingEndpoint):
             self.stats.bad_acks += 1
             log.warning("ignoring ack for pipeline %s hop %s on %s", ack.pipeline_id, ack.hop, self.ack_subject)
             return
-        sent_at = self._in_flight.pop((ack.session, ack.step, ack.chunk_index), None)
+        acked = (ack.session, ack.step, ack.chunk_index)
+        sent_at = self._in_flight.get(acked)
         if sent_at is None:
             return  # a duplicate ack, or one for a chunk we stopped waiting for
         self.stats.ack_rtt.add(time.perf_counter() - sent_at)
+        self.stats.acks_lost += self._settle_through(acked)
         self._after_release()
+
+    def _settle_if_reconnected(self) -> bool:
+        """Settle every chunk in flight when our connection reconnected since the last look; whether it did."""
+        reconnects, self._reconnects = self._reconnects, self.nc.stats["reconnects"]
+        if reconnects is None or reconnects == self._reconnects:
+            return False
+        self.stats.acks_lost += len(self._in_flight)
+        self._in_flight.clear()
+        self._after_release()
+        return True
+
+    def _settle_through(self, acked: ChunkKey) -> int:
+        """Drop `acked` and every chunk of its session published before it (the window is in publishing order);
+        how many of those earlier ones were settled without their own ack."""
+        earlier = []
+        for key in self._in_flight:
+            if key == acked:
+                break
+            if key[0] == acked[0]:
+                earlier.append(key)
+        for key in [*earlier, acked]:
+            del self._in_flight[key]
+        return len(earlier)
 
     def _after_release(self) -> None:
         waiter = self._space_waiter

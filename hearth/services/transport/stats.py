@@ -58,6 +58,8 @@ class SenderStats:
     window_waits: int = 0
     timeouts: int = 0
     bad_acks: int = 0
+    # Chunks settled by a later ack of their session because their own ack never came (lost in a reconnect).
+    acks_lost: int = 0
     encode: LatencySamples = field(default_factory=LatencySamples)
     window_wait: LatencySamples = field(default_factory=LatencySamples)
     ack_rtt: LatencySamples = field(default_factory=LatencySamples)
