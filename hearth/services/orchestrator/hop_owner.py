@@ -38,8 +38,9 @@ def owner_key(pipeline_id: str, shard_id: str) -> str:
 
 class OpenSigner:
     """Signs an `open` (its control subject, its body) with this orchestrator's member key, signed as a call is with no
-    reply subject (only the shard reads its control subject), and seals the open's keys to its host's member key
-    first (hearth/services/transport/key_seal.py): the broker and every subscriber to `>` read the open too."""
+    reply subject (of the members only the shard listens on its control subject), and seals the open's keys to its
+    host's member key first (hearth/services/transport/key_seal.py): the broker and the steward's `system` role read
+    the open too."""
 
     def __init__(self, key: MemberKey, member_keys: Callable[[str], str | None] | None) -> None:
         self.key, self._member_keys = key, member_keys  # a member's public key by its name (= its node id)
