@@ -20,6 +20,12 @@ from hearth.protocol.quantization_labels import QUANTIZATION_LABEL_PATTERN
 from hearth.protocol.subjects import LOCAL_NODE
 
 LINK_KEY_PATTERN = r"^[A-Za-z0-9_-]{43}=$"
+# An open's keys sealed to its host's member key (OpenHop.sealed_keys): urlsafe base64 of a libsodium sealed box of
+# hearth/services/transport/key_seal.py's HopKeys; far more than its four keys and the ids it is bound to need.
+max_sealed_keys_chars = 2048
+SEALED_KEYS_PATTERN = rf"^[A-Za-z0-9_-]{{1,{max_sealed_keys_chars}}}={{0,2}}$"
+# A close's or keep's proof that it comes from the hop's orchestrator: HMAC-SHA256 under the owner key, hex.
+OWNER_PROOF_PATTERN = r"^[0-9a-f]{64}$"
 # More open pipelines than a ShardStat can list: far more than any shard's max_concurrent_streams.
 max_open_pipelines = 4096
 # A kept prefix's block names (hearth/services/orchestrator/prefix.py): 128-bit hex digests, as many as a session's
@@ -73,8 +79,8 @@ class OpenHop(BaseModel):
     # either end): activation and ack subjects carry the node they are addressed to (hearth/protocol/subjects.py).
     upstream_node: str = Field(default=LOCAL_NODE, pattern=SUBJECT_TOKEN_PATTERN)
     downstream_node: str = Field(default=LOCAL_NODE, pattern=SUBJECT_TOKEN_PATTERN)
-    # Fresh keys (urlsafe base64 of 32 bytes) for the MACs on this hop's inbound and outbound links: this
-    # control subject is readable by this shard alone, so no other member can forge or alter its activations.
+    # Fresh keys (urlsafe base64 of 32 bytes) for the MACs on this hop's inbound and outbound links, told to their two
+    # ends alone (on a community mesh sealed, `sealed_keys`), so no other member can forge or alter its activations.
     inbound_link_key: str | None = Field(default=None, pattern=LINK_KEY_PATTERN)
     outbound_link_key: str | None = Field(default=None, pattern=LINK_KEY_PATTERN)
     # A fresh key for the MAC on this hop's HopNotices, told to this hop alone (a link key is shared with the hop
@@ -83,6 +89,10 @@ class OpenHop(BaseModel):
     # A secret of the pipeline's orchestrator for this shard, the same for every chain of the pipeline (a re-open too):
     # a `close`, `keep` or re-open of an open hop counts only with it, so no other member ends or copies this hop.
     owner_key: str | None = Field(default=None, pattern=LINK_KEY_PATTERN)
+    # On a community mesh the four keys above travel here instead, sealed to the host member's key (only its seed
+    # opens them): the broker's machine and every subscriber to `>` would otherwise read them in clear and could
+    # open sealed frames, forge notices and end other members' hops (hearth/services/transport/key_seal.py).
+    sealed_keys: str | None = Field(default=None, pattern=SEALED_KEYS_PATTERN)
     # Whether this hop's inbound and outbound links are sealed (frames encrypted end to end with keys derived from
     # the link keys, hearth/services/transport/seal.py) or MAC-only. Both ends of every link learn it from their `open`,
     # so they agree; a host that does not know this field refuses the open rather than read ciphertext as a tensor.
@@ -98,9 +108,16 @@ class OpenHop(BaseModel):
             raise ValueError("layer_hi must be >= layer_lo")
         if self.hop >= self.hop_count:
             raise ValueError("hop must be < hop_count")
-        if self.seal_activations and (self.inbound_link_key is None or self.outbound_link_key is None):
+        if self.sealed_keys is not None and any(self.plain_keys()):
+            raise ValueError("an open carries its keys either sealed (sealed_keys) or in clear, not both")
+        if (self.seal_activations and self.sealed_keys is None
+                and (self.inbound_link_key is None or self.outbound_link_key is None)):
             raise ValueError("seal_activations needs inbound_link_key and outbound_link_key (seal keys come from them)")
         return self
+
+    def plain_keys(self) -> tuple[str | None, ...]:
+        """The keys this open carries in clear (what `sealed_keys` seals instead)."""
+        return self.inbound_link_key, self.outbound_link_key, self.notice_key, self.owner_key
 
 
 class CloseHop(BaseModel):
@@ -112,7 +129,11 @@ class CloseHop(BaseModel):
     op: Literal["close"] = "close"
     pipeline_id: str = Field(pattern=SUBJECT_TOKEN_PATTERN)
     session_id: str | None = Field(default=None, pattern=SUBJECT_TOKEN_PATTERN)
-    owner_key: str | None = Field(default=None, pattern=LINK_KEY_PATTERN)  # the open's (OpenHop.owner_key)
+    # The open's owner key (OpenHop.owner_key), sent by orchestrators from before `owner_proof`.
+    owner_key: str | None = Field(default=None, pattern=LINK_KEY_PATTERN)
+    # What orchestrators send instead, never revealing the key (hearth/services/transport/key_seal.py): a MAC under
+    # it over this request, session id included, so it counts for this session's hop alone.
+    owner_proof: str | None = Field(default=None, pattern=OWNER_PROOF_PATTERN)
     # The session's blocks to keep for later calls beginning the same way (a call that ended well); the shard
     # keeps those it holds whole, within its KV budget, and frees the rest.
     keep: PrefixBlocks | None = None
@@ -127,7 +148,8 @@ class KeepHop(BaseModel):
     op: Literal["keep"] = "keep"
     pipeline_id: str = Field(pattern=SUBJECT_TOKEN_PATTERN)
     session_id: str = Field(pattern=SUBJECT_TOKEN_PATTERN)
-    owner_key: str | None = Field(default=None, pattern=LINK_KEY_PATTERN)  # the open's (OpenHop.owner_key)
+    owner_key: str | None = Field(default=None, pattern=LINK_KEY_PATTERN)  # as CloseHop's
+    owner_proof: str | None = Field(default=None, pattern=OWNER_PROOF_PATTERN)  # as CloseHop's
     keep: PrefixBlocks
 
 

@@ -1,5 +1,5 @@
 """A member's Ed25519 key pair as a NATS nkey: create it, keep its seed in a mode-0600 file, sign, and verify a
-signature from a public key alone.
+signature from a public key alone, and seal a secret to a member so only its seed opens it.
 
 The seed file is the same one nats-server's nkey authentication reads (`nkeys_seed` in nats-py), so one file
 both logs a process into the broker and signs what it says. nkeys' own KeyPair cannot verify from a public key
@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import nacl.exceptions
+import nacl.public
 import nacl.signing
 import nkeys
 
@@ -80,6 +81,16 @@ class MemberKey:
     def sign_b64(self, data: bytes) -> str:
         return base64.b64encode(self.sign(data)).decode()
 
+    def unseal(self, ciphertext: bytes) -> bytes | None:
+        """What `sealed_to(this member's public key, ...)` sealed; None when it was sealed to another key or altered.
+        The Ed25519 seed's X25519 counterpart opens it (libsodium's crypto_sign_ed25519_sk_to_curve25519)."""
+        _prefix, raw_seed = nkeys.decode_seed(bytearray(self.seed))
+        box = nacl.public.SealedBox(nacl.signing.SigningKey(bytes(raw_seed)).to_curve25519_private_key())
+        try:
+            return box.decrypt(ciphertext)
+        except (nacl.exceptions.CryptoError, nacl.exceptions.ValueError, nacl.exceptions.TypeError):
+            return None
+
     def __repr__(self) -> str:  # never the seed
         return f"MemberKey(public_key={self.public_key!r})"
 
@@ -132,3 +143,14 @@ def verify_b64(public_key: str, data: bytes, signature_b64: str) -> bool:
     except (binascii.Error, ValueError):
         return False
     return verify(public_key, data, signature)
+
+
+def sealed_to(public_key: str, plaintext: bytes) -> bytes:
+    """`plaintext` encrypted to a member's public key with libsodium's anonymous sealed box (X25519 of the Ed25519 key,
+    crypto_sign_ed25519_pk_to_curve25519): only that member's seed opens it (MemberKey.unseal); ValueError for a
+    malformed key. The box does not say who sealed it: authenticate the sender otherwise (a signature)."""
+    try:
+        recipient = _verify_key(public_key).to_curve25519_public_key()
+    except (binascii.Error, nacl.exceptions.CryptoError, nacl.exceptions.ValueError) as error:
+        raise ValueError(f"not a NATS user public key: {error}") from None
+    return nacl.public.SealedBox(recipient).encrypt(plaintext)

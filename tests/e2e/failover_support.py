@@ -27,7 +27,7 @@ from hearth.services.client.chat import answer_tokens, stream_chat
 from hearth.protocol.chat import ChatParams, ChatRequest, TokenDeltaFrame
 from hearth.protocol.control import ControlReply, OpenHop, ShardStat, StatShard
 from hearth.services.broker.connection import connect_nats
-from hearth.services.orchestrator.hop_owner import open_signer
+from hearth.services.orchestrator.hop_owner import open_message, open_signer
 from hearth.trust.keys import MemberKey
 from tests.e2e.conftest import TINY_MODEL_NAME, start_orchestrator
 from tests.e2e.event_log_support import (
@@ -66,13 +66,21 @@ def failover_env() -> dict[str, str]:
 
 async def open_hop_as_orchestrator(nc, cluster: LocalCluster, control_subject: str, request: OpenHop,
                                    timeout_s: float = 5.0) -> ControlReply:
-    """Send `request` to a shard as an orchestrator does: on a community mesh signed with an orchestrator member's
-    key (a shard there refuses an open no member signed)."""
+    """Send `request` to a shard as an orchestrator does: on a community mesh its keys sealed to the host's member key
+    and signed with an orchestrator member's key (a shard there refuses an open no member signed, or keys in clear)."""
     key_file = cluster.member_key("test-orchestrator", "orchestrator")
-    body = request.model_dump_json().encode()
-    sign = open_signer(MemberKey.load(key_file) if key_file is not None else None)
-    reply = await nc.request(control_subject, body, timeout=timeout_s,
-                             headers=sign(control_subject, body) if sign is not None else None)
+    roster = cluster.community.roster() if cluster.community is not None else None
+
+    def public_key_of(name: str) -> str | None:
+        member = roster.by_name(name) if roster is not None else None
+        return member.public_key if member is not None else None
+
+    sign = open_signer(MemberKey.load(key_file) if key_file is not None else None, public_key_of)
+    host_node = control_subject.split(".")[2]  # hearth.ctl.<node>.<shard_key>
+    sent = open_message(request, host_node, control_subject, sign)
+    if isinstance(sent, ControlReply):
+        return sent
+    reply = await nc.request(control_subject, sent[0], timeout=timeout_s, headers=sent[1])
     return ControlReply.model_validate_json(reply.data)
 
 

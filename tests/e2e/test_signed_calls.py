@@ -1,6 +1,7 @@
 """Signed calls on a community mesh: an orchestrator answers only calls signed by a roster member with enough
 trust, refuses unsigned, foreign, tampered and replayed ones as `unauthorized`, and records who called (never
-the prompt) in the pipeline's events."""
+the prompt) in the pipeline's events; the steward's `system` role, reading every control subject, sees no key a hop
+was opened with (docs/protocol.md, Sealed hop keys)."""
 
 from __future__ import annotations
 
@@ -49,18 +50,35 @@ async def final_frame(nc, body: bytes, headers: dict | None):
 
 
 async def test_a_member_s_signed_call_is_answered_and_its_caller_recorded(mesh):
+    # The steward's `system` role may subscribe to everything: it watches the shards' control subjects.
+    watcher = await connect_nats(mesh.nats_url, name="watcher", settings=mesh.nats_settings())
+    seen: list[dict] = []
+
+    async def heard(message) -> None:
+        seen.append(json.loads(message.data))
+
+    await watcher.subscribe("hearth.ctl.>", cb=heard)
     nc = await connect_as(mesh, "alice")
     try:
         result = await chat(nc, REQUEST)
-    finally:
-        await nc.close()
-    assert result.ok, result.final
-    watcher = await connect_nats(mesh.nats_url, name="watcher", settings=mesh.nats_settings())
-    try:
+        assert result.ok, result.final
         pipeline_id = result.frames_of("pipeline")[0].pipeline_id
         events = [stored.event for stored in await pipeline_events(watcher, pipeline_id)]
+        for _ in range(100):  # closes go out without waiting for answers: they may come after the last frame
+            if any(request.get("op") == "close" and request["pipeline_id"] == pipeline_id for request in seen):
+                break
+            await asyncio.sleep(0.05)
     finally:
+        await nc.close()
         await watcher.close()
+    # It saw the call's opens and closes, but no key a hop was opened with: sealed to each host, proven by HMAC.
+    opens = [request for request in seen if request.get("op") == "open" and request["pipeline_id"] == pipeline_id]
+    closes = [request for request in seen if request.get("op") == "close" and request["pipeline_id"] == pipeline_id]
+    assert opens and closes
+    for request in opens:
+        assert request.get("sealed_keys") and not any(request.get(name) for name in (
+            "inbound_link_key", "outbound_link_key", "notice_key", "owner_key"))
+    assert all(request.get("owner_key") is None and request.get("owner_proof") for request in closes)
     constructed = next(event for event in events if event.type == "pipeline.constructed")
     assert constructed.caller == "alice"
     assert all(REQUEST.prompt not in json.dumps(event.model_dump(mode="json")) for event in events)

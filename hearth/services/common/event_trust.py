@@ -102,6 +102,21 @@ def node_membership(settings: HearthSettings) -> Callable[[str], str | None] | N
     return why_not_a_member
 
 
+def member_public_keys(settings: HearthSettings) -> Callable[[str], str | None] | None:
+    """On a community mesh, a member's public key by its name (a node's member: what an orchestrator seals an open's
+    keys to, hearth/services/transport/key_seal.py), read from the roster file as it changes; None on an open mesh."""
+    roster_file = community_roster_file(settings.nats)
+    if roster_file is None:
+        return None
+    roster = RosterFile(roster_file)
+
+    def public_key_of(name: str) -> str | None:
+        member = roster.current().by_name(name) or roster.current(recheck_now=True).by_name(name)
+        return member.public_key if member is not None else None
+
+    return public_key_of
+
+
 def event_verifier(settings: HearthSettings, roster_file: Path | None = None) -> EventVerifier | None:
     """The check a projection runs on every event, from `roster_file` or the community's roster; None without
     a roster (an open mesh), where every event is applied as it comes."""

@@ -18,7 +18,6 @@ from hearth.inference.activation_compare import (evidence_digest, first_mismatch
                                           tolerance_for)
 from hearth.protocol.quarantine import Held
 from hearth.services.orchestrator.guards import RangeKey
-from hearth.services.orchestrator.hop_owner import open_signer
 from hearth.services.orchestrator.metrics import verification_checks_total
 from hearth.services.orchestrator.mirror import Mirror, serves_range
 from hearth.services.orchestrator.outcomes import StepFailure
@@ -139,7 +138,7 @@ class CanaryRunner:
                         wire_dtype=canary.wire_dtype, hidden_size=int(canary.inputs.shape[-1]),
                         max_session_tokens=session_tokens, chunk_tokens=settings.orchestrator.prefill_chunk_tokens,
                         dtype=canary.dtype, placement=canary.placement,
-                        sign_open=open_signer(self.ctx.outbox.signing_key))
+                        sign_open=self.ctx.open_signer)
         try:
             failure = await mirror.open()
             output = failure if failure is not None else await mirror.run(canary.inputs, 0, canary.kinds,

@@ -34,7 +34,7 @@ from hearth.services.common.config import TransportSettings
 from hearth.services.broker.connection import flush_ordered
 from hearth.services.orchestrator.metrics import HopLatencies, hop_notices_refused_total
 from hearth.services.orchestrator.hop_notices import notice_failure
-from hearth.services.orchestrator.hop_owner import owner_key
+from hearth.services.orchestrator.hop_owner import OpenSigner, open_message, owner_key, proven
 from hearth.services.orchestrator.outcomes import StepFailure, output_failure
 from hearth.services.orchestrator.placement import ChainPlacement
 from hearth.services.orchestrator.prefix import behind_hops
@@ -78,8 +78,8 @@ class HopChain:
                  max_session_tokens: int | None = None, on_round_trip: Callable[[str, float], None] | None = None,
                  accusers: set[str] | None = None, record_budget_bytes: int | None = None,
                  placement: ChainPlacement | None = None, prefix: PrefixBlocks | None = None,
-                 sign_open: Callable[[str, bytes], dict[str, str]] | None = None) -> None:
-        self.nc, self.sign_open = nc, sign_open  # signs each `open` on a community mesh (hop_owner.open_signer)
+                 sign_open: OpenSigner | None = None) -> None:
+        self.nc, self.sign_open = nc, sign_open  # seals and signs each `open` on a community mesh (hop_owner.py)
         # The blocks its hops may start from (hearth/services/orchestrator/prefix.py) and the positions every hop holds
         # of them once opened: where the chain's first prefill starts; whether every hop takes `replay` steps.
         self.prefix = prefix
@@ -208,20 +208,22 @@ class HopChain:
             notice_key=encode_link_key(self.notice_keys[index]), seal_activations=self.sealed,
             prefix=behind_hops(self.prefix, self.hops, index),
             owner_key=owner_key(self.pipeline_id, hop.shard_id))
+        sent = open_message(request, hop.node_id, hop.control_subject, self.sign_open)  # on a community mesh: sealed
+        if isinstance(sent, ControlReply):
+            return sent
         asked_at = time.perf_counter()
-        body = request.model_dump_json().encode()
-        message = await self.nc.request(hop.control_subject, body, timeout=self.transport.control_timeout_s,
-                                        headers=self.sign_open and self.sign_open(hop.control_subject, body))
+        message = await self.nc.request(hop.control_subject, sent[0], timeout=self.transport.control_timeout_s,
+                                        headers=sent[1])
         if self.on_round_trip is not None:
             self.on_round_trip(hop.shard_id, time.perf_counter() - asked_at)
         return ControlReply.model_validate_json(message.data)
 
     async def keep_now(self, keep: PrefixBlocks) -> bool:
         """Have every hop keep a copy of its session's whole blocks of `keep` while it goes on; whether all did."""
-        asks = [self.nc.request(hop.control_subject, KeepHop(
-            pipeline_id=self.pipeline_id, session_id=self.session_id, keep=behind_hops(keep, self.hops, index),
-            owner_key=owner_key(self.pipeline_id, hop.shard_id)).model_dump_json().encode(),
-            timeout=self.transport.control_timeout_s) for index, hop in enumerate(self.hops)]
+        asks = [self.nc.request(hop.control_subject, proven(KeepHop(
+            pipeline_id=self.pipeline_id, session_id=self.session_id, keep=behind_hops(keep, self.hops, index)),
+            hop.shard_id).model_dump_json().encode(), timeout=self.transport.control_timeout_s)
+            for index, hop in enumerate(self.hops)]
         replies = await asyncio.gather(*asks, return_exceptions=True)  # a hop gone: the others prefill the rest
         return all(not isinstance(r, BaseException) and reply_says_ok(r.data) for r in replies)
 
@@ -243,9 +245,8 @@ class HopChain:
         hops = self.hops if self._open_sent else []
         self._open_sent = False
         for index, hop in enumerate(hops):
-            request = CloseHop(pipeline_id=self.pipeline_id, session_id=self.session_id,
-                               keep=behind_hops(keep, self.hops, index),
-                               owner_key=owner_key(self.pipeline_id, hop.shard_id))
+            request = proven(CloseHop(pipeline_id=self.pipeline_id, session_id=self.session_id,
+                                      keep=behind_hops(keep, self.hops, index)), hop.shard_id)
             with contextlib.suppress(Exception):
                 await self.nc.publish(hop.control_subject, request.model_dump_json().encode())
         if hops:
@@ -316,8 +317,7 @@ class HopChain:
         self._step += 1
         info = StepInfo(session=self.session_id, step=self._step, kind=kind, pos=pos, prompt_tokens=prompt_tokens)
         timeout_s = self._step_timeout_s(kind, int(hidden.shape[1]) + queued_tokens)
-        epoch = self.nc.stats["reconnects"]
-        queued_behind = bool(self._outstanding)
+        epoch, queued_behind = self.nc.stats["reconnects"], bool(self._outstanding)
         self._outstanding.add(self._step)
         if self.recorder is not None:
             self.recorder.sent(info, hidden)

@@ -26,7 +26,6 @@ from hearth.services.orchestrator.capacity import ShardLoad
 from hearth.services.orchestrator.chain import HopChain
 from hearth.protocol.quarantine import Held
 from hearth.services.orchestrator.context import RunContext
-from hearth.services.orchestrator.hop_owner import open_signer
 from hearth.services.orchestrator.prefix import (
     CallPrefix,
     caller_scope,
@@ -206,7 +205,7 @@ class ChainBuilder:
                         hidden_size=model.head.info.hidden_size,
                         max_session_tokens=len(self.call.prompt_ids) + self.call.request.max_tokens,
                         on_round_trip=self.ctx.load.observe_round_trip, record_budget_bytes=self.record_budget_bytes,
-                        prefix=self._reusable(naming), sign_open=open_signer(self.ctx.outbox.signing_key))
+                        prefix=self._reusable(naming), sign_open=self.ctx.open_signer)
 
     def _mark_keeper(self) -> MemberKey | None:
         """Whose hops keep our calls' blocks, as marks are drawn: our member key (None on an open mesh, where shards

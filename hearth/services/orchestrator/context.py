@@ -17,6 +17,7 @@ from hearth.services.orchestrator.guards import RangeGuards
 from hearth.services.orchestrator.catalog import ModelCatalog
 from hearth.services.orchestrator.head_batcher import HeadSteps
 from hearth.services.orchestrator.health import RecentFailures
+from hearth.services.orchestrator.hop_owner import OpenSigner
 from hearth.services.orchestrator.kept_inputs import KeptInputs
 from hearth.services.orchestrator.prefix import KeptChains
 from hearth.services.orchestrator.router import ShardRouter
@@ -46,6 +47,8 @@ class RunContext:
     # Confirmed work kept for replay to other hosts (hearth/services/orchestrator/canaries.py).
     canaries: CanaryLibrary
     running_calls: int = 0
+    # Seals and signs our `open`s on a community mesh (hop_owner.py; set by the service); None: unsigned, keys in clear.
+    open_signer: OpenSigner | None = None
     # Which of our chains kept which blocks of their calls (hearth/services/orchestrator/prefix.py), for routing.
     kept_chains: KeptChains = field(default_factory=KeptChains)
     # What entered each hop over kept prefixes, so hops that begin from them can be checked (set by the service).

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 from nats.aio.client import Client as NatsClient
@@ -26,6 +26,7 @@ from hearth.protocol.quarantine import Held
 from hearth.services.common.config import TransportSettings
 from hearth.services.orchestrator.call import new_pipeline_id
 from hearth.services.orchestrator.chain import HopChain
+from hearth.services.orchestrator.hop_owner import OpenSigner
 from hearth.services.orchestrator.outcomes import StepFailure
 from hearth.services.orchestrator.placement import ChainPlacement
 from hearth.services.orchestrator.prefill import prompt_ends, steps_as_sent
@@ -43,7 +44,7 @@ class Mirror:
     def __init__(self, nc: NatsClient, replica: Hop, *, node_id: str, model_id: str, weights_sha256: str,
                  transport: TransportSettings, wire_dtype: str, hidden_size: int, max_session_tokens: int,
                  chunk_tokens: int, dtype: str, placement: ChainPlacement | None = None,
-                 sign_open: Callable[[str, bytes], dict[str, str]] | None = None) -> None:
+                 sign_open: OpenSigner | None = None) -> None:
         self.replica = replica
         self.dtype = dtype
         self.chunk_tokens = chunk_tokens

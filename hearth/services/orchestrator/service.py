@@ -57,6 +57,7 @@ from hearth.services.orchestrator.capacity import ShardLoad
 from hearth.services.orchestrator.catalog import LoadedModel, ModelCatalog, UnknownModel
 from hearth.events.streams import MiB
 from hearth.services.orchestrator.canaries import CanaryLibrary, CanaryRunner
+from hearth.services.orchestrator.hop_owner import community_open_signer
 from hearth.services.orchestrator.choices import ChoiceClient, ChoiceGroup, choice_request
 from hearth.services.orchestrator.kept_inputs import KeptInputs
 from hearth.services.orchestrator.context import RunContext
@@ -147,7 +148,8 @@ class Orchestrator:
             load=ShardLoad(retry_s=self.settings.orchestrator.at_capacity_retry_s),
             guards=RangeGuards(verification.guard_margin, verification.guard_min_positions),
             canaries=CanaryLibrary(verification.canaries_per_range, verification.canary_max_positions),
-            kept_inputs=KeptInputs(int(verification.kept_inputs_mb * MiB)))
+            kept_inputs=KeptInputs(int(verification.kept_inputs_mb * MiB)),
+            open_signer=community_open_signer(self.outbox.signing_key, self.settings))
         self._canaries = CanaryRunner(self.context, self._record_event)
         self._canaries.start()
         await read_model_caught_up(self.projector, self.settings.orchestrator.start_catch_up_timeout_s,

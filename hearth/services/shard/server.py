@@ -40,7 +40,7 @@ from hearth.protocol.control import (
     StatShard,
     control_request_adapter,
 )
-from hearth.services.common.call_signing import CallRefused
+from hearth.services.common.call_signing import HEADER_CALLER, CallRefused
 from hearth.services.common.event_trust import event_signing_key, open_verifier, stream_setup
 from hearth.services.common.lifecycle import event_within, owned_task
 from hearth.services.broker.connection import flush_ordered
@@ -51,6 +51,7 @@ from hearth.services.shard.hops import HopLimits, ServedHop
 from hearth.services.shard.identity import ShardIdentity, open_refusal
 from hearth.services.shard.opens_in_flight import OpensInFlight
 from hearth.services.shard.watchdog import watch_hops
+from hearth.services.transport.key_seal import keys_for_host, proves_owner
 
 log = logging.getLogger(__name__)
 
@@ -236,7 +237,7 @@ class ShardServer:
         elif isinstance(request, KeepHop):
             hop = self._hops.get(request.pipeline_id)
             if (hop is None or not hop.open_settled.is_set() or hop.request.session_id != request.session_id
-                    or not _opened_by(hop, request.owner_key)):
+                    or not _opened_by(hop, request)):
                 await self._reply(msg, ControlReply(ok=False, code="unknown_pipeline",
                                                     message="no such session open here"))
             else:
@@ -250,7 +251,7 @@ class ShardServer:
                 hop = self._hops.get(request.pipeline_id)
                 # A close naming an older session (sent before a failover re-opened this pipeline) is stale.
                 if (hop is not None and request.session_id in (None, hop.request.session_id)
-                        and _opened_by(hop, request.owner_key)):
+                        and _opened_by(hop, request)):
                     hop = self._detach_hop(request.pipeline_id)
                 else:
                     hop = None
@@ -258,9 +259,9 @@ class ShardServer:
                 await self._finish_closing(request.pipeline_id, hop, request.keep)
             await self._reply(msg, ControlReply(ok=True))
         else:
-            opener = self._opener(msg)
-            reply = opener if isinstance(opener, ControlReply) else await self._opens.answer(
-                opener, lambda: self._open_hop(request, opener))
+            opened = self._opened(msg, request)
+            reply = opened if isinstance(opened, ControlReply) else await self._opens.answer(
+                opened[0], lambda: self._open_hop(opened[1], opened[0]))
             await self._reply(msg, reply)
 
     async def _reply(self, msg: Msg, reply: ControlReply | ShardStat) -> None:
@@ -279,17 +280,21 @@ class ShardServer:
                          open_pipelines=sorted(self._hops), cached_sessions=cache.sessions,
                          cache_bytes=cache.cache_bytes, **(self._claim.answer_fields() if answering_claim else {}))
 
-    def _opener(self, msg: Msg) -> str | ControlReply | None:
-        """Whose `open` this is: the roster member whose key signed it; None on an open mesh, where opens are not told
-        apart. An open no member signed (or one heard before) is refused: counted apart from the members, it would let
-        one member at its share take the streams left to the others (every orchestrator of a community signs)."""
-        if self.open_verifier is None:
-            return None
-        checked = self.open_verifier.check(msg.subject, "", msg.data, msg.headers)
-        if isinstance(checked, CallRefused):
-            return ControlReply(ok=False, code="unauthorized",
-                                message=f"the open is not signed by a member ({checked.reason}): {checked.message}")
-        return checked.name
+    def _opened(self, msg: Msg, request: OpenHop) -> tuple[str | None, OpenHop] | ControlReply:
+        """Whose `open` this is (the roster member whose key signed it; None on an open mesh, where opens are not told
+        apart) and the open with its keys unsealed (hearth/services/transport/key_seal.py). An open no member signed
+        (or one heard before) is refused: counted apart from the members, it would let one member at its share take
+        the streams left to the others (every orchestrator of a community signs); so is one whose keys do not count."""
+        opener = None
+        if self.open_verifier is not None:
+            checked = self.open_verifier.check(msg.subject, "", msg.data, msg.headers)
+            if isinstance(checked, CallRefused):
+                return ControlReply(ok=False, code="unauthorized",
+                                    message=f"the open is not signed by a member ({checked.reason}): {checked.message}")
+            opener = checked.name
+        opened = keys_for_host(request, self.signing_key, (msg.headers or {}).get(HEADER_CALLER))
+        return (opener, opened) if isinstance(opened, OpenHop) else ControlReply(ok=False, code="unauthorized",
+                                                                               message=f"the open is refused: {opened}")
 
     async def _open_hop(self, request: OpenHop, opener: str | None = None) -> ControlReply:
         """Reserve the hop under `_hop_changes`, wait for the compute thread (the replaced hop's reset, the kept prefix)
@@ -331,7 +336,7 @@ class ShardServer:
     def _reserve_hop(self, request: OpenHop, opener: str | None) -> ControlReply | tuple[ServedHop, ServedHop | None]:
         """Under `_hop_changes`: the new hop, counted as open, and the hop of its pipeline it replaces, detached."""
         replaced = self._hops.get(request.pipeline_id)
-        if replaced is not None and not _opened_by(replaced, request.owner_key):
+        if replaced is not None and not _opened_by(replaced, request):
             return ControlReply(ok=False, code="pipeline_taken",
                                 message=f"pipeline {request.pipeline_id} is open here for another orchestrator")
         limit = self.settings.max_concurrent_streams
@@ -385,8 +390,11 @@ def _one_line(error: ValidationError) -> str:
     return "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in error.errors())[:max_reason_chars]
 
 
-def _opened_by(hop: ServedHop, owner_key: str | None) -> bool:
-    """Whether a request about an open hop comes from the orchestrator that opened it: it repeats the open's owner key
-    (OpenHop.owner_key). A hop opened without one (an orchestrator from before owner keys) is anyone's, as before."""
+def _opened_by(hop: ServedHop, request: OpenHop | CloseHop | KeepHop) -> bool:
+    """Whether a request about an open hop comes from the orchestrator that opened it: a re-open repeats the open's
+    owner key (OpenHop.owner_key), a close or keep proves it holds it (key_seal.py). A hop opened without one (an
+    orchestrator from before owner keys) is anyone's, as before."""
     expected = hop.request.owner_key
-    return expected is None or (owner_key is not None and hmac.compare_digest(expected, owner_key))
+    if expected is None or not isinstance(request, OpenHop):
+        return expected is None or proves_owner(request, expected)
+    return request.owner_key is not None and hmac.compare_digest(expected, request.owner_key)
