@@ -24,7 +24,7 @@ from collections import deque
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
-from hearth.protocol.chat import KeepaliveFrame, TokenDeltaFrame
+from hearth.protocol.chat import KeepaliveFrame, QueuedFrame, TokenDeltaFrame
 from hearth.services.broker.connection import NO_RESPONDERS_STATUS, answers_ping
 from hearth.services.orchestrator.metrics import final_frame_code
 
@@ -111,6 +111,11 @@ class ClientStream:
         self._kept.append(data)
         self.last_sent_at = time.monotonic()
         await self.nc.publish(self.reply_subject, data, reply=self._status_subject(str(numbered.seq)))
+
+    async def tell_position(self, position: int, queued: int) -> None:
+        """Tell the client its place in the queue (a `queued` frame; the queue's position callback)."""
+        with contextlib.suppress(Exception):  # the client or the broker is gone: its call leaves the queue anyway
+            await self.send(QueuedFrame(seq=0, position=position, queued_requests=queued))
 
     async def keep_alive(self, interval_s: float) -> None:
         """A keepalive frame when nothing else went out for `interval_s` (and what the client missed, once it

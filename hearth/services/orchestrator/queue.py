@@ -7,7 +7,9 @@ the next round, so one caller's burst never holds back another caller's single c
 
 Shares, so that one member can never lock the others out: a caller runs at most `max_per_caller` calls and
 never every running place (at most `max_running - 1` when there are several), and waits with at most
-`max_queued_per_caller` calls; one more is refused (`Overloaded`), never queued. When all `max_queued` places
+`max_queued_per_caller` calls; one more is refused (`Overloaded`), never queued. A member's calls are counted from
+their arrival (`arrive`, `leave`): at most its running share plus its share of the queue are held here at once, those
+not queued yet (a head loading) included. When all `max_queued` places
 are taken, a caller with fewer waiting calls still gets in: the newest call of the caller waiting with the most
 is refused in its stead. The running share is derived rather than validated because its two settings live in
 different sections with their own defaults, and either may be set alone.
@@ -79,6 +81,8 @@ class FairQueue:
         self.retry_after_s = retry_after_s
         self.running = 0
         self._running_by_caller: dict[str, int] = {}
+        # member -> its calls held from arrival to end (running, waiting, or not yet queued: a head loading).
+        self._arrived: dict[str, int] = {}
         # caller -> its waiting calls; the order of the keys is the round-robin order (next to serve first).
         self._lanes: OrderedDict[str, deque[_Waiter]] = OrderedDict()
         self._position_tasks: set[asyncio.Task] = set()
@@ -108,9 +112,34 @@ class FairQueue:
         finally:
             self._finish(lane_key)
 
+    def arrive(self, caller: str | None) -> Overloaded | None:
+        """Count a member's call from its arrival until `leave`, or the refusal when its share of the queue is full
+        or its calls held here (running, waiting, or before the queue, as while a head loads) fill its running share
+        and its share of the queue: checked before any work on the call, so that a flooding member's surplus costs
+        none. Unsigned callers are bounded by the whole queue only."""
+        if not caller:
+            return None
+        refusal = self.share_refusal(caller)
+        held = self._arrived.get(caller, 0)
+        if refusal is None and held >= self.member_running_share + self.max_queued_per_caller:
+            refusal = Overloaded(f"{held} calls of this caller are already on this orchestrator, running, waiting "
+                                 f"or arriving (max_streams_per_caller + max_queued_per_caller)", self.retry_after_s)
+        if refusal is None:
+            self._arrived[caller] = held + 1
+        return refusal
+
+    def leave(self, caller: str | None) -> None:
+        """A call counted by `arrive` ended, however it ended."""
+        if caller:
+            left = self._arrived.get(caller, 0) - 1
+            if left > 0:
+                self._arrived[caller] = left
+            else:
+                self._arrived.pop(caller, None)
+
     def share_refusal(self, caller: str | None) -> Overloaded | None:
         """The refusal `place` would give this member's call at once because its share of the queue is full, or
-        None: checked as a call arrives, so that a flooding member's surplus costs no further work."""
+        None."""
         lane_key = caller or ANONYMOUS_CALLER
         if lane_key == ANONYMOUS_CALLER or self._can_start(lane_key):
             return None

@@ -32,7 +32,6 @@ from hearth.protocol.chat import (
     ChatRequest,
     ErrorFrame,
     ModelsRequest,
-    QueuedFrame,
     describe_validation_error,
     parse_chat_request,
 )
@@ -250,10 +249,14 @@ class Orchestrator:
                 await self.nc.publish(msg.reply, refusal.model_dump_json().encode())
             count_request(refusal.code, False)
             return
-        client = await ClientStream(self.nc, msg.reply,
-                                    resubscribe_grace_s=self.settings.orchestrator.client_resubscribe_grace_s,
-                                    missing_grace_s=self.settings.orchestrator.client_missing_grace_s,
-                                    probe_timeout_s=self.settings.transport.gone_check_timeout_s).start()
+        try:  # counted in its caller's share from its arrival (FairQueue.arrive) until it ends, however it ends
+            client = await ClientStream(self.nc, msg.reply,
+                                        resubscribe_grace_s=self.settings.orchestrator.client_resubscribe_grace_s,
+                                        missing_grace_s=self.settings.orchestrator.client_missing_grace_s,
+                                        probe_timeout_s=self.settings.transport.gone_check_timeout_s).start()
+        except BaseException:
+            self.queue.leave(caller)
+            raise
         keepalive = asyncio.create_task(self._keep_client_told(client), name="client-keepalive")
         deadline = CallDeadline(self.settings.orchestrator.request_deadline_s)
         try:
@@ -269,6 +272,7 @@ class Orchestrator:
                     await client.send(deadline.frame() if deadline.passed() else ErrorFrame(
                         seq=0, code="internal_error", message=str(error)[:error_message_chars]))
         finally:
+            self.queue.leave(caller)  # at once: its final frame is out, and its caller may call again
             count_request(client.final_code, client.client_gone.is_set())
             keepalive.cancel()
             await asyncio.gather(keepalive, return_exceptions=True)
@@ -285,7 +289,7 @@ class Orchestrator:
 
     def _caller_admitted(self, msg: Msg) -> str | None | ErrorFrame:
         """The calling member's name (None on an open mesh), or the frame refusing the call: its body or headers
-        over their limits, its signature refused, or its caller's share of the queue full."""
+        over their limits, its signature refused, or its caller's share full (else it is counted in it)."""
         refusal = self._oversized(msg)
         if refusal is not None:
             return refusal
@@ -297,7 +301,7 @@ class Orchestrator:
                 return ErrorFrame(seq=0, code="unauthorized", message=checked.message)
             caller = checked.name
             calls_by_caller_total.labels(caller).inc()  # roster names only: a bounded label set
-        overloaded = self.queue.share_refusal(caller)
+        overloaded = self.queue.arrive(caller)
         if overloaded is not None:
             return ErrorFrame(seq=0, code="overloaded", message=str(overloaded), retry_after_s=overloaded.retry_after_s)
         return caller
@@ -333,7 +337,7 @@ class Orchestrator:
             return
         ran = False
         try:
-            async with client.final_frame_last(), self.queue.place(caller, _position_teller(client),
+            async with client.final_frame_last(), self.queue.place(caller, client.tell_position,
                                                                    client.client_gone) as admission:
                 try:
                     prompt_ids = await admit_prompt(request, model)
@@ -387,12 +391,3 @@ class Orchestrator:
         if self.context.running_calls == 0:
             await self.catalog.release_freed_heap()
 
-
-def _position_teller(client: ClientStream):
-    """Tells the client its place in the queue (a `queued` frame) each time it changes."""
-
-    async def tell(position: int, queued: int) -> None:
-        with contextlib.suppress(Exception):  # the client or the broker is gone: its call leaves the queue anyway
-            await client.send(QueuedFrame(seq=0, position=position, queued_requests=queued))
-
-    return tell
