@@ -6,7 +6,7 @@ them to those hops (hearth/services/orchestrator/affinity.py) and each prefills 
 before it samples on its own (with `seed`, choice i draws with seed + i). Every choice's frames go to the one client
 tagged with its `choice`; the group's last frame comes once every choice has ended: one done frame (choice 0's finish
 reason and timing, every choice's tokens counted, how each ended in `choices`), or, when a choice did not end well,
-its final frame. The group holds one running place of the caller's, as one call does.
+its final frame (none when the client went away). The group holds one running place of the caller's, as one call does.
 """
 
 from __future__ import annotations
@@ -86,6 +86,8 @@ class ChoiceGroup:
             for task in (first, prefilled, *others):
                 task.cancel()
             await asyncio.gather(first, prefilled, *others, return_exceptions=True)
+        if self.client.client_gone.is_set():
+            return  # its choices ended client_gone, with no final frame, as a single call does: nobody to tell
         await self.client.send(self._last_frame(calls))
 
     async def _serve(self, run: PipelineRun) -> None:
