@@ -73,7 +73,7 @@ def orchestrator_loading_a_head(monkeypatch, connection: Connection, head_loaded
     monkeypatch.setattr(orchestrator_service, "prompt_room", lambda request, model: None)
     monkeypatch.setattr(orchestrator_service, "admit_prompt", admit_prompt)
 
-    async def run_admitted(request, model, client, caller, prompt_ids, queue_wait_s):
+    async def run_admitted(request, model, client, caller, prompt_ids, admission):
         await client.send(DoneFrame(seq=0, finish_reason="length", usage=Usage(prompt_tokens=3, completion_tokens=1)))
 
     orchestrator._run_admitted = run_admitted

@@ -66,7 +66,7 @@ from hearth.services.orchestrator.head_batcher import HeadSteps
 from hearth.services.orchestrator.health import RecentFailures
 from hearth.services.orchestrator.metrics import calls_in_flight, count_request, observe_event
 from hearth.services.orchestrator.pipeline import PipelineRun
-from hearth.services.orchestrator.queue import FairQueue, LeftQueue, Overloaded
+from hearth.services.orchestrator.queue import Admission, FairQueue, LeftQueue, Overloaded
 from hearth.services.transport.headers import header_bytes
 from hearth.services.orchestrator.router import ShardRouter
 
@@ -337,8 +337,8 @@ class Orchestrator:
             return
         ran = False
         try:
-            async with client.final_frame_last(), self.queue.place(caller, client.tell_position,
-                                                                   client.client_gone) as admission:
+            async with client.final_frame_last(), self.queue.place(caller, client.tell_position, client.client_gone,
+                                                                   pipelines=request.n) as admission:
                 try:
                     prompt_ids = await admit_prompt(request, model)
                 except BadRequest as error:
@@ -346,7 +346,7 @@ class Orchestrator:
                     return
                 ran = True
                 async with self._counted_as_running():
-                    await self._run_admitted(request, model, client, caller, prompt_ids, admission.queue_wait_s)
+                    await self._run_admitted(request, model, client, caller, prompt_ids, admission)
         except Overloaded as error:
             await client.send(ErrorFrame(seq=0, code="overloaded", message=str(error),
                                          retry_after_s=error.retry_after_s))
@@ -357,10 +357,12 @@ class Orchestrator:
             await self._release_heap_when_idle()
 
     async def _run_admitted(self, request: ChatRequest, model: LoadedModel, client: ClientStream, caller: str | None,
-                            prompt_ids: list[int], queue_wait_s: float) -> None:
-        """Serve an admitted call (its `n` choices as one group); its hops are freed whatever way it ended."""
+                            prompt_ids: list[int], admission: Admission) -> None:
+        """Serve an admitted call (its `n` choices as one group, as many at once as it holds places); its hops are
+        freed whatever way it ended."""
+        queue_wait_s = admission.queue_wait_s
         if request.n > 1:
-            group = ChoiceGroup(client, self.context)
+            group = ChoiceGroup(client, self.context, at_once=admission.places)
             calls = [Call(request=choice_request(request, index), model=model, client=ChoiceClient(group, index),
                           prompt_ids=prompt_ids, caller=caller, queue_wait_s=queue_wait_s)
                      for index in range(request.n)]
