@@ -28,6 +28,8 @@ class Connection:
     def __init__(self) -> None:
         self.frames: dict[str, list[dict]] = defaultdict(list)
         self.fail_subscribe = False
+        self.seen_with = lambda: None
+        self.seen: list[tuple[str, object]] = []
 
     def jetstream(self):
         return object()
@@ -42,6 +44,7 @@ class Connection:
 
     async def publish(self, subject: str, data: bytes, reply: str = "", headers=None) -> None:
         self.frames[subject].append(json.loads(data))
+        self.seen.append((self.frames[subject][-1]["type"], self.seen_with()))
 
     def finals(self, inbox: str) -> list[dict]:
         return [frame for frame in self.frames[inbox] if frame["type"] not in ("keepalive", "queued")]
@@ -133,6 +136,21 @@ async def test_a_call_that_fails_before_the_queue_gives_its_place_back(monkeypat
         connection.fail_subscribe = False
         await asyncio.wait_for(orchestrator._serve(message("alice", 10)), timeout=30)
         assert connection.finals("_INBOX.alice.10")[0]["type"] == "done"
+    finally:
+        if orchestrator._tmp_dir is not None:
+            orchestrator._tmp_dir.cleanup()
+
+
+async def test_a_caller_that_saw_its_call_end_may_call_again_at_once_within_its_whole_share(monkeypatch):
+    connection, head_loaded = Connection(), asyncio.Event()
+    head_loaded.set()
+    orchestrator = orchestrator_loading_a_head(monkeypatch, connection, head_loaded)
+    connection.seen_with = lambda: dict(orchestrator.queue._arrived)
+    try:
+        await asyncio.wait_for(orchestrator._serve(message("alice", 0)), timeout=30)
+        # When its done frame went out, the call no longer counted in alice's share (the frame is what lets her
+        # send the next: a burst sent on it must find her whole share).
+        assert [(kind, held) for kind, held in connection.seen if kind == "done"] == [("done", {})]
     finally:
         if orchestrator._tmp_dir is not None:
             orchestrator._tmp_dir.cleanup()

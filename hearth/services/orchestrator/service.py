@@ -257,6 +257,7 @@ class Orchestrator:
         except BaseException:
             self.queue.leave(caller)
             raise
+        client.on_final(functools.partial(self.queue.leave, caller))  # before its final frame: see ClientStream
         keepalive = asyncio.create_task(self._keep_client_told(client), name="client-keepalive")
         deadline = CallDeadline(self.settings.orchestrator.request_deadline_s)
         try:
@@ -272,7 +273,7 @@ class Orchestrator:
                     await client.send(deadline.frame() if deadline.passed() else ErrorFrame(
                         seq=0, code="internal_error", message=str(error)[:error_message_chars]))
         finally:
-            self.queue.leave(caller)  # at once: its final frame is out, and its caller may call again
+            client.final_going()  # the caller's share back, unless its final frame gave it back already
             count_request(client.final_code, client.client_gone.is_set())
             keepalive.cancel()
             await asyncio.gather(keepalive, return_exceptions=True)
