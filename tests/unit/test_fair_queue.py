@@ -223,3 +223,59 @@ async def test_when_the_queue_is_full_the_caller_waiting_with_the_most_gives_up_
         await recorder.finish(name)
     assert recorder.started == ["running", "alice-1", "bob-1", "carol-1"]
     assert recorder.queue.running == 0 and recorder.queue.queued == 0
+
+
+async def hold(queue: FairQueue, caller: str | None, pipelines: int, started: list, release: asyncio.Event) -> None:
+    async with queue.place(caller, pipelines=pipelines) as admission:
+        started.append((caller, admission.places))
+        await release.wait()
+
+
+async def test_a_call_of_several_pipelines_holds_a_place_for_each_within_its_callers_share():
+    queue = fair_queue(max_running=4, max_per_caller=10)
+    started: list = []
+    release = asyncio.Event()
+    tasks = [asyncio.create_task(hold(queue, "alice", 8, started, release))]  # n = 8: her share is 3 of 4
+    await settle()
+    assert started == [("alice", 3)] and queue.running == 3
+    tasks.append(asyncio.create_task(hold(queue, "bob", 2, started, release)))
+    await settle()
+    assert started == [("alice", 3)] and queue.queued == 1  # one place is free, bob's call needs two
+    release.set()
+    await asyncio.gather(*tasks)
+    assert started == [("alice", 3), ("bob", 2)] and queue.running == 0
+
+
+async def test_places_freed_one_by_one_are_kept_for_the_call_waiting_for_several():
+    queue = fair_queue(max_running=4, max_per_caller=10)
+    started: list = []
+    releases = {name: asyncio.Event() for name in ("bob-0", "bob-1", "alice", "carol")}
+    bob = [asyncio.create_task(hold(queue, "bob", 1, started, releases[f"bob-{i}"])) for i in range(2)]
+    await settle()
+    alice = asyncio.create_task(hold(queue, "alice", 3, started, releases["alice"]))
+    await settle()
+    carol = asyncio.create_task(hold(queue, "carol", 1, started, releases["carol"]))
+    await settle()
+    # Two places are free, but alice's call waits for three first: carol's single call does not take them.
+    assert started == [("bob", 1), ("bob", 1)] and queue.queued == 2
+    releases["bob-0"].set()
+    await bob[0]
+    await settle()
+    assert started[-1] == ("alice", 3) and queue.running == 4 and queue.queued == 1
+    releases["alice"].set()
+    await alice
+    await settle()
+    assert started[-1] == ("carol", 1)
+    for event in releases.values():
+        event.set()
+    await asyncio.gather(*bob, carol)
+    assert queue.running == 0 and queue.queued == 0
+
+
+async def test_an_unsigned_call_never_waits_for_more_places_than_there_are():
+    queue = fair_queue(max_running=2, max_per_caller=4)
+    started: list = []
+    release = asyncio.Event()
+    release.set()
+    await asyncio.wait_for(hold(queue, None, 8, started, release), timeout=5)
+    assert started == [(None, 2)]

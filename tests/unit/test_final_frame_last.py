@@ -76,7 +76,7 @@ async def test_a_caller_sees_its_call_end_only_once_the_call_has_left_its_runnin
 
     monkeypatch.setattr(orchestrator_service, "admit_prompt", admit_prompt)
 
-    async def run_admitted(request, model, client, caller, prompt_ids, queue_wait_s):
+    async def run_admitted(request, model, client, caller, prompt_ids, admission):
         await client.send(TokenDeltaFrame(seq=0, text="a", token_id=1))
         await client.send(done())
 

@@ -64,7 +64,7 @@ async def test_a_call_past_its_deadline_ends_pipeline_stalled_naming_the_setting
     monkeypatch.setattr(orchestrator_service, "admit_prompt", admit_prompt)
     seen_unwinding = []
 
-    async def run_admitted(request, model, client, caller, prompt_ids, queue_wait_s):
+    async def run_admitted(request, model, client, caller, prompt_ids, admission):
         await client.send(TokenDeltaFrame(seq=0, text="a", token_id=1))
         try:
             await asyncio.sleep(60)  # a call far slower than its deadline

@@ -138,11 +138,13 @@ async def close_keeping(ctx, builder, chain: HopChain, ended_well: bool) -> None
     """Close the call's `chain`; when the call ended well its hops keep the prompt's blocks (with what entered them,
     for checks) and the answer's warm-up starts."""
     kept = builder.kept if ended_well else None
-    if kept is not None:
-        await keep_chain_inputs(ctx.kept_inputs, chain, kept)
     started = False
     try:
-        await chain.close(keep=kept)
+        try:
+            if kept is not None:
+                await keep_chain_inputs(ctx.kept_inputs, chain, kept)
+        finally:  # the hops are told to close even when keeping the inputs for checks failed
+            await chain.close(keep=kept)
         if ended_well and builder.warm_up is not None:
             ctx.warm_ups.start(ctx, builder, list(chain.hops))
             started = True

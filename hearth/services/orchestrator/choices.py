@@ -6,7 +6,9 @@ them to those hops (hearth/services/orchestrator/affinity.py) and each prefills 
 before it samples on its own (with `seed`, choice i draws with seed + i). Every choice's frames go to the one client
 tagged with its `choice`; the group's last frame comes once every choice has ended: one done frame (choice 0's finish
 reason and timing, every choice's tokens counted, how each ended in `choices`), or, when a choice did not end well,
-its final frame. The group holds one running place of the caller's, as one call does.
+its final frame (none when the client went away). The request holds a running place of its caller's for each choice, up
+to the caller's share (hearth/services/orchestrator/queue.py), and runs as many choices at once as it holds places: the
+others start as those end, each still beginning from the prompt's kept blocks.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import asyncio
 import logging
 
 from hearth.protocol.chat import (
-    ChatRequest, ChoiceEnd, DoneFrame, ErrorFrame, PipelineAbortedFrame, TokenDeltaFrame, Usage,
+    ChatRequest, ChoiceEnd, DoneFrame, ErrorFrame, PipelineAbortedFrame, TokenDeltaFrame, Usage, max_choices,
 )
 from hearth.services.orchestrator.affinity import hop_ranges
 from hearth.services.orchestrator.call import Call
@@ -62,11 +64,13 @@ class ChoiceClient:
 class ChoiceGroup:
     """Serves one request's `n` choices over one client stream."""
 
-    def __init__(self, client: ClientStream, ctx: RunContext) -> None:
+    def __init__(self, client: ClientStream, ctx: RunContext, at_once: int | None = None) -> None:
         self.client = client
         self.ctx = ctx
         self.finals: dict[int, object] = {}
         self._prefilled = asyncio.Event()
+        # The choices run at once: one per running place the request holds (FairQueue.place); the others wait.
+        self._room = asyncio.Semaphore(at_once or max_choices)
 
     async def serve(self, calls: list[Call]) -> None:
         """Run every choice (the first alone until its prompt's blocks are kept), then send the group's last frame;
@@ -86,14 +90,17 @@ class ChoiceGroup:
             for task in (first, prefilled, *others):
                 task.cancel()
             await asyncio.gather(first, prefilled, *others, return_exceptions=True)
+        if self.client.client_gone.is_set():
+            return  # its choices ended client_gone, with no final frame, as a single call does: nobody to tell
         await self.client.send(self._last_frame(calls))
 
     async def _serve(self, run: PipelineRun) -> None:
-        try:
-            await run.serve()
-        finally:
-            # Shielded: a cancelled request (shutdown) must still free its hops' sessions.
-            await asyncio.shield(run.close())
+        async with self._room:
+            try:
+                await run.serve()
+            finally:
+                # Shielded: a cancelled request (shutdown) must still free its hops' sessions.
+                await asyncio.shield(run.close())
 
     async def _share_prefill(self, run: PipelineRun) -> None:
         """The first choice's first token came: its hops keep the prompt's blocks, and the others may start."""

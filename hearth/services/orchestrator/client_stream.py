@@ -20,11 +20,12 @@ import contextlib
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
-from hearth.protocol.chat import KeepaliveFrame, TokenDeltaFrame
+from hearth.protocol.chat import KeepaliveFrame, QueuedFrame, TokenDeltaFrame
 from hearth.services.broker.connection import NO_RESPONDERS_STATUS, answers_ping
 from hearth.services.orchestrator.metrics import final_frame_code
 
@@ -72,6 +73,8 @@ class ClientStream:
         self._kept: deque[bytes] = deque(maxlen=replayable_frames)
         # Whether the kept frames are to be sent again once the client listens again.
         self._replay_due = False
+        # Called once, just before the final frame goes out (or by `final_going` if none does): see `on_final`.
+        self._on_final: Callable[[], None] | None = None
 
     async def start(self) -> "ClientStream":
         self._status_inbox = self.nc.new_inbox()
@@ -91,10 +94,23 @@ class ClientStream:
             if held is not None:
                 await self.send(held)
 
+    def on_final(self, callback: Callable[[], None]) -> None:
+        """Have `callback` run once, just before the call's final frame goes out (or at `final_going`): what the call
+        gives back then (its caller's share) is back before a client that saw the frame can call again."""
+        self._on_final = callback
+
+    def final_going(self) -> None:
+        """Run the `on_final` callback unless it ran already (the call ends without a final frame, or with one)."""
+        callback, self._on_final = self._on_final, None
+        if callback is not None:
+            callback()
+
     async def send(self, frame) -> None:
-        if self._holding_final and final_frame_code(frame) is not None:
-            self._held_final = frame
-            return
+        if final_frame_code(frame) is not None:
+            if self._holding_final:
+                self._held_final = frame
+                return
+            self.final_going()
         self._reconnected_recently()
         await self._replay_missed()
         if isinstance(frame, KeepaliveFrame):
@@ -111,6 +127,11 @@ class ClientStream:
         self._kept.append(data)
         self.last_sent_at = time.monotonic()
         await self.nc.publish(self.reply_subject, data, reply=self._status_subject(str(numbered.seq)))
+
+    async def tell_position(self, position: int, queued: int) -> None:
+        """Tell the client its place in the queue (a `queued` frame; the queue's position callback)."""
+        with contextlib.suppress(Exception):  # the client or the broker is gone: its call leaves the queue anyway
+            await self.send(QueuedFrame(seq=0, position=position, queued_requests=queued))
 
     async def keep_alive(self, interval_s: float) -> None:
         """A keepalive frame when nothing else went out for `interval_s` (and what the client missed, once it

@@ -1,6 +1,7 @@
 """The model an orchestrator may run whole (its --local-model, the local fallback): where it is on this machine and the
 id llm.models lists it under, its background fetch when it must be fetched first (local_fetch.py), and the model
-itself, loaded on first use.
+itself, loaded on first use (with its weights' digest, in a task of its own: a call cancelled meanwhile leaves the load
+to the next call, and a model is never held without its digest).
 
 It is found, fetched and named through its catalog (hearth/services/orchestrator/catalog.py): the catalog's `resolve`
 (blocking, never the network), `folder` (fetching what must be) and `advertised_id`.
@@ -51,6 +52,10 @@ class LocalModelHolder:
         self._model: LocalModel | None = None
         self.weights_sha256: str | None = None
         self._lock = asyncio.Lock()
+        # The load under way: a task of its own, so that a call cancelled while it runs (its client left) neither
+        # wastes it nor leaves the model held without its digest; the next call awaits the same load.
+        self._loading: asyncio.Task | None = None
+        self._closed = False
 
     def _fetch_whole(self) -> Awaitable[Path]:
         return self._folder(self.spec, None)
@@ -79,20 +84,47 @@ class LocalModelHolder:
         use_compute); None while it is fetched (unless `wait_for_fetch`), or when it cannot be found now."""
         async with self._lock:
             if self._model is None:
+                if self._loading is None:
+                    try:
+                        path = await (self.fetch.folder_at_hand(wait=wait_for_fetch) if self.fetch
+                                      else self._folder(self.spec, None))
+                    except LookupError as error:  # the catalog's UnknownModel: no local fallback now
+                        log.warning("local model unavailable: %s", error)
+                        return None
+                    if path is None:  # still being fetched, or its fetch failed (logged)
+                        return None
+                    self._loading = asyncio.create_task(self._load(path, compute), name="local-model-load")
+                    # Its failure is the next awaiting call's to raise; none may come (shutdown): never "unretrieved".
+                    self._loading.add_done_callback(lambda task: task.cancelled() or task.exception())
+                loading = self._loading
                 try:
-                    path = await (self.fetch.folder_at_hand(wait=wait_for_fetch) if self.fetch
-                                  else self._folder(self.spec, None))
-                except LookupError as error:  # the catalog's UnknownModel: no local fallback now
-                    log.warning("local model unavailable: %s", error)
-                    return None
-                if path is None:  # still being fetched, or its fetch failed (logged)
-                    return None
-                self._model = await on_compute_thread(
-                    load_full, path, model_id=self._advertised_id(self.spec, path), **compute, **self._kv_limits)
-                self.weights_sha256 = await asyncio.to_thread(weights_sha256, path)
+                    await asyncio.shield(loading)
+                finally:  # also when this call was cancelled: a load that finished meanwhile is kept
+                    if loading.done():
+                        self._settle(loading)
             return self._model
 
+    def _settle(self, loading: asyncio.Task) -> None:
+        """A finished load: its model and digest held, or (it failed) nothing, and the next fallback tries again."""
+        self._loading = None
+        if not loading.cancelled() and loading.exception() is None:
+            self._model, self.weights_sha256 = loading.result()
+
+    async def _load(self, path: Path, compute: dict) -> tuple[LocalModel, str]:
+        """The model at `path` and its weights' digest, held together or not at all."""
+        model = await on_compute_thread(
+            load_full, path, model_id=self._advertised_id(self.spec, path), **compute, **self._kv_limits)
+        try:
+            digest = await asyncio.to_thread(weights_sha256, path)
+            if self._closed:
+                raise RuntimeError("the orchestrator stopped while its local model loaded")
+        except BaseException:
+            model.close()
+            raise
+        return model, digest
+
     def close(self) -> None:
+        self._closed = True  # a load still under way closes what it loaded
         if self.fetch is not None:
             self.fetch.close()
         if self._model is not None:

@@ -113,16 +113,18 @@ class PipelineRun:
     async def close(self) -> None:
         """End the chain's checks and free every hop's session (called whatever way the call ended); a call that
         ended well has its hops keep the blocks of its positions for calls that begin the same way."""
-        await self.verifier.detach()
-        chain, self.chain = self.chain, None
-        if isinstance(chain, HopChain):
-            await close_keeping(self.ctx, self.builder, chain, self.call.status is CallStatus.finished)
-        elif chain is not None:
-            await chain.close()
-        held, self._held = self._held, []
-        if held:
-            # After the closes went out: the shards read them before any later open of ours.
-            self.ctx.load.release(held)
+        try:
+            await self.verifier.detach()
+            chain, self.chain = self.chain, None
+            if isinstance(chain, HopChain):
+                await close_keeping(self.ctx, self.builder, chain, self.call.status is CallStatus.finished)
+            elif chain is not None:
+                await chain.close()
+        finally:  # whatever failed on the way: a stream counted for good would make its shards look full forever
+            held, self._held = self._held, []
+            if held:
+                # After the closes went out: the shards read them before any later open of ours.
+                self.ctx.load.release(held)
 
     # ------------------------------------------------------------------ outcomes
 

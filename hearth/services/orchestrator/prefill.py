@@ -111,6 +111,8 @@ async def prefill(chain: HopChain | LocalChain, hidden: torch.Tensor, chunk_toke
         output = None
         for (first, end, kind), prompt in zip(spans, prompt_tokens, strict=True):
             output = await chain.step(kind, start + first, hidden[:, first:end], prompt)
+            if isinstance(output, StepFailure):
+                return output
         return output
     depth = chunks_in_flight(len(chain.hops), chain.transport.max_ready_steps)
     out: deque[tuple[SentStep, int]] = deque()

@@ -3,11 +3,15 @@
 A call starts at once when the orchestrator runs fewer than `max_running` calls and its caller fewer than its
 running share; otherwise it waits in its caller's lane and is told its place (`on_position`), and again
 whenever that place changes. Lanes are served in turn: one call of each caller with something runnable, then
-the next round, so one caller's burst never holds back another caller's single call.
+the next round, so one caller's burst never holds back another caller's single call. A call running several pipelines
+(`n` choices) holds a place for each, up to its caller's running share; places that free while the call next in turn
+needs more of them than are free are kept for it, so calls needing one place cannot take each as it frees.
 
 Shares, so that one member can never lock the others out: a caller runs at most `max_per_caller` calls and
 never every running place (at most `max_running - 1` when there are several), and waits with at most
-`max_queued_per_caller` calls; one more is refused (`Overloaded`), never queued. When all `max_queued` places
+`max_queued_per_caller` calls; one more is refused (`Overloaded`), never queued. A member's calls are counted from
+their arrival (`arrive`, `leave`): at most its running share plus its share of the queue are held here at once, those
+not queued yet (a head loading) included. When all `max_queued` places
 are taken, a caller with fewer waiting calls still gets in: the newest call of the caller waiting with the most
 is refused in its stead. The running share is derived rather than validated because its two settings live in
 different sections with their own defaults, and either may be set alone.
@@ -53,16 +57,19 @@ class Overloaded(Exception):
 class _Waiter:
     caller: str
     on_position: PositionCallback | None
+    places: int
     admitted: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     position: int = 0
 
 
 @dataclass
 class Admission:
-    """A call's place among the running ones; `queue_wait_s` is how long it waited for it."""
+    """A call's places among the running ones (`places`: one per pipeline it may run at once, its `n` choices'); how
+    long it waited for them."""
 
     caller: str
     queue_wait_s: float
+    places: int
 
 
 class FairQueue:
@@ -79,6 +86,8 @@ class FairQueue:
         self.retry_after_s = retry_after_s
         self.running = 0
         self._running_by_caller: dict[str, int] = {}
+        # member -> its calls held from arrival to end (running, waiting, or not yet queued: a head loading).
+        self._arrived: dict[str, int] = {}
         # caller -> its waiting calls; the order of the keys is the round-robin order (next to serve first).
         self._lanes: OrderedDict[str, deque[_Waiter]] = OrderedDict()
         self._position_tasks: set[asyncio.Task] = set()
@@ -89,30 +98,58 @@ class FairQueue:
 
     @contextlib.asynccontextmanager
     async def place(self, caller: str | None, on_position: PositionCallback | None = None,
-                    client_gone: asyncio.Event | None = None) -> AsyncIterator[Admission]:
-        """Hold a running place for the body's duration, waiting for one first when needed; Overloaded when the
-        queue or the caller's share of it is full (or later, while waiting, when another caller's call took its
-        place), LeftQueue when `client_gone` is set while waiting. A call cancelled while waiting leaves the queue."""
+                    client_gone: asyncio.Event | None = None, pipelines: int = 1) -> AsyncIterator[Admission]:
+        """Hold running places for the body's duration, one per pipeline the call runs at once (`pipelines`, at
+        most its caller's running share: Admission.places says how many), waiting for them first when needed;
+        Overloaded when the queue or the caller's share of it is full (or later, while waiting, when another
+        caller's call took its place), LeftQueue when `client_gone` is set while waiting. A call cancelled while
+        waiting leaves the queue."""
         lane_key = caller or ANONYMOUS_CALLER
+        places = max(1, min(pipelines, self.running_share(lane_key), self.max_running))
         started = time.monotonic()
-        # At rest no waiting call could start (each change dispatches), so a call that can start now jumps
-        # nobody's turn.
-        if self._can_start(lane_key):
-            self._start(lane_key)
+        # At rest no waiting call could start (each change dispatches) but one waiting for more places than are
+        # free, which they are kept for: a call that can start now jumps nobody's turn.
+        if self._can_start(lane_key, places) and self._waiting_for_room() is None:
+            self._start(lane_key, places)
         else:
-            await self._wait(lane_key, on_position, client_gone)
+            await self._wait(lane_key, on_position, client_gone, places)
         waited_s = time.monotonic() - started
         queue_wait_seconds.observe(waited_s)
         try:
-            yield Admission(lane_key, waited_s)
+            yield Admission(lane_key, waited_s, places)
         finally:
-            self._finish(lane_key)
+            self._finish(lane_key, places)
+
+    def arrive(self, caller: str | None) -> Overloaded | None:
+        """Count a member's call from its arrival until `leave`, or the refusal when its share of the queue is full
+        or its calls held here (running, waiting, or before the queue, as while a head loads) fill its running share
+        and its share of the queue: checked before any work on the call, so that a flooding member's surplus costs
+        none. Unsigned callers are bounded by the whole queue only."""
+        if not caller:
+            return None
+        refusal = self.share_refusal(caller)
+        held = self._arrived.get(caller, 0)
+        if refusal is None and held >= self.member_running_share + self.max_queued_per_caller:
+            refusal = Overloaded(f"{held} calls of this caller are already on this orchestrator, running, waiting "
+                                 f"or arriving (max_streams_per_caller + max_queued_per_caller)", self.retry_after_s)
+        if refusal is None:
+            self._arrived[caller] = held + 1
+        return refusal
+
+    def leave(self, caller: str | None) -> None:
+        """A call counted by `arrive` ended, however it ended."""
+        if caller:
+            left = self._arrived.get(caller, 0) - 1
+            if left > 0:
+                self._arrived[caller] = left
+            else:
+                self._arrived.pop(caller, None)
 
     def share_refusal(self, caller: str | None) -> Overloaded | None:
         """The refusal `place` would give this member's call at once because its share of the queue is full, or
-        None: checked as a call arrives, so that a flooding member's surplus costs no further work."""
+        None."""
         lane_key = caller or ANONYMOUS_CALLER
-        if lane_key == ANONYMOUS_CALLER or self._can_start(lane_key):
+        if lane_key == ANONYMOUS_CALLER or (self._can_start(lane_key, 1) and self._waiting_for_room() is None):
             return None
         waiting = len(self._lanes.get(lane_key, ()))
         if waiting < self.max_queued_per_caller:
@@ -137,17 +174,25 @@ class FairQueue:
         """How many calls of this caller may run at once."""
         return self.max_per_caller if lane_key == ANONYMOUS_CALLER else self.member_running_share
 
-    def _can_start(self, lane_key: str) -> bool:
-        return (self.running < self.max_running
-                and self._running_by_caller.get(lane_key, 0) < self.running_share(lane_key))
+    def _can_start(self, lane_key: str, places: int) -> bool:
+        return self.running + places <= self.max_running and self._within_share(lane_key, places)
 
-    def _start(self, lane_key: str) -> None:
-        self.running += 1
-        self._running_by_caller[lane_key] = self._running_by_caller.get(lane_key, 0) + 1
+    def _within_share(self, lane_key: str, places: int) -> bool:
+        return self._running_by_caller.get(lane_key, 0) + places <= self.running_share(lane_key)
 
-    def _finish(self, lane_key: str) -> None:
-        self.running -= 1
-        left = self._running_by_caller[lane_key] - 1
+    def _waiting_for_room(self) -> str | None:
+        """The first lane in turn whose next call its caller's share allows but needs more places than are free:
+        they are kept for it (else calls needing one place would take each as it frees, and it would never start)."""
+        return next((key for key, lane in self._lanes.items()
+                     if self._within_share(key, lane[0].places) and not self._can_start(key, lane[0].places)), None)
+
+    def _start(self, lane_key: str, places: int) -> None:
+        self.running += places
+        self._running_by_caller[lane_key] = self._running_by_caller.get(lane_key, 0) + places
+
+    def _finish(self, lane_key: str, places: int) -> None:
+        self.running -= places
+        left = self._running_by_caller[lane_key] - places
         if left:
             self._running_by_caller[lane_key] = left
         else:
@@ -155,9 +200,9 @@ class FairQueue:
         self._dispatch()
 
     async def _wait(self, lane_key: str, on_position: PositionCallback | None,
-                    client_gone: asyncio.Event | None) -> None:
+                    client_gone: asyncio.Event | None, places: int) -> None:
         self._make_room_for(lane_key)
-        waiter = _Waiter(lane_key, on_position)
+        waiter = _Waiter(lane_key, on_position, places)
         self._lanes.setdefault(lane_key, deque()).append(waiter)
         self._dispatch()
         gone = asyncio.ensure_future(client_gone.wait()) if client_gone is not None else None
@@ -197,7 +242,7 @@ class FairQueue:
     def _abandon(self, waiter: _Waiter) -> None:
         admitted = waiter.admitted
         if admitted.done() and not admitted.cancelled() and admitted.exception() is None:
-            self._finish(waiter.caller)  # admitted just as it left: give the place back
+            self._finish(waiter.caller, waiter.places)  # admitted just as it left: give the places back
         else:
             admitted.cancel()
             self._remove(waiter)
@@ -217,17 +262,18 @@ class FairQueue:
         while progressed and self._lanes and self.running < self.max_running:
             progressed = False
             for lane_key in list(self._lanes):
-                if self.running >= self.max_running:
-                    break
-                if not self._can_start(lane_key):
-                    continue
                 lane = self._lanes[lane_key]
+                if not self._within_share(lane_key, lane[0].places):
+                    continue
+                if not self._can_start(lane_key, lane[0].places):
+                    progressed = False  # the free places are kept for this call, which needs more of them
+                    break
                 waiter = lane.popleft()
                 # This lane was served: it goes to the back of the round.
                 del self._lanes[lane_key]
                 if lane:
                     self._lanes[lane_key] = lane
-                self._start(lane_key)
+                self._start(lane_key, waiter.places)
                 waiter.admitted.set_result(None)
                 progressed = True
         self._tell_positions()

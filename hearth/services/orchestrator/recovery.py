@@ -4,9 +4,9 @@
 |--------------------------------------------------|-------------------------------------------|--------------------|
 | routing found no chain                           | fallback allowed (config and request)     | fall back to local |
 | routing found no chain                           | otherwise                                 | abort              |
-| a hop's session evicted (`evicted`)              | re-prefills < max_eviction_reprefills     | re-prefill         |
+| a hop's (or the local model's) session evicted   | re-prefills < max_eviction_reprefills     | re-prefill         |
 | broker connection lost (no shard to blame)       | hops to reopen, repairs < max_broker_...  | rebuild            |
-| broker connection lost                           | otherwise                                 | abort (stalled)    |
+| broker connection lost, local session evicted    | otherwise                                 | abort (stalled)    |
 | a shard failed (any other kind, evicted too)     | failovers < fallback_to_local_after_...   | fail over          |
 | a shard failed                                   | otherwise, fallback allowed               | fall back to local |
 | a shard failed                                   | otherwise                                 | abort              |
@@ -90,8 +90,9 @@ def decide(failure: Failure, call: CallCounters, limits: RecoveryLimits) -> Deci
     if failure.shard_id is None:
         if call.has_hops and call.broker_repairs < limits.max_broker_repairs:
             return Decision(Action.rebuild)
-        return Decision(Action.abort, code=PIPELINE_STALLED,
-                        reason=f"{failure.reason} (rebuilt {call.broker_repairs} times)")
+        # A local chain's (its session evicted once too often) has no hops to rebuild.
+        rebuilt = f" (rebuilt {call.broker_repairs} times)" if call.has_hops else ""
+        return Decision(Action.abort, code=PIPELINE_STALLED, reason=f"{failure.reason}{rebuilt}")
     # `fallback_to_local_after_failures` failovers are allowed; the failure after them falls back.
     if call.failovers < limits.fallback_to_local_after_failures:
         return Decision(Action.fail_over, route_around=failure.shard_id)

@@ -32,7 +32,6 @@ from hearth.protocol.chat import (
     ChatRequest,
     ErrorFrame,
     ModelsRequest,
-    QueuedFrame,
     describe_validation_error,
     parse_chat_request,
 )
@@ -68,7 +67,7 @@ from hearth.services.orchestrator.head_batcher import HeadSteps
 from hearth.services.orchestrator.health import RecentFailures
 from hearth.services.orchestrator.metrics import calls_in_flight, count_request, observe_event
 from hearth.services.orchestrator.pipeline import PipelineRun
-from hearth.services.orchestrator.queue import FairQueue, LeftQueue, Overloaded
+from hearth.services.orchestrator.queue import Admission, FairQueue, LeftQueue, Overloaded
 from hearth.services.transport.headers import header_bytes
 from hearth.services.orchestrator.router import ShardRouter
 
@@ -252,10 +251,15 @@ class Orchestrator:
                 await self.nc.publish(msg.reply, refusal.model_dump_json().encode())
             count_request(refusal.code, False)
             return
-        client = await ClientStream(self.nc, msg.reply,
-                                    resubscribe_grace_s=self.settings.orchestrator.client_resubscribe_grace_s,
-                                    missing_grace_s=self.settings.orchestrator.client_missing_grace_s,
-                                    probe_timeout_s=self.settings.transport.gone_check_timeout_s).start()
+        try:  # counted in its caller's share from its arrival (FairQueue.arrive) until it ends, however it ends
+            client = await ClientStream(self.nc, msg.reply,
+                                        resubscribe_grace_s=self.settings.orchestrator.client_resubscribe_grace_s,
+                                        missing_grace_s=self.settings.orchestrator.client_missing_grace_s,
+                                        probe_timeout_s=self.settings.transport.gone_check_timeout_s).start()
+        except BaseException:
+            self.queue.leave(caller)
+            raise
+        client.on_final(functools.partial(self.queue.leave, caller))  # before its final frame: see ClientStream
         keepalive = asyncio.create_task(self._keep_client_told(client), name="client-keepalive")
         deadline = CallDeadline(self.settings.orchestrator.request_deadline_s)
         try:
@@ -271,6 +275,7 @@ class Orchestrator:
                     await client.send(deadline.frame() if deadline.passed() else ErrorFrame(
                         seq=0, code="internal_error", message=str(error)[:error_message_chars]))
         finally:
+            client.final_going()  # the caller's share back, unless its final frame gave it back already
             count_request(client.final_code, client.client_gone.is_set())
             keepalive.cancel()
             await asyncio.gather(keepalive, return_exceptions=True)
@@ -287,7 +292,7 @@ class Orchestrator:
 
     def _caller_admitted(self, msg: Msg) -> str | None | ErrorFrame:
         """The calling member's name (None on an open mesh), or the frame refusing the call: its body or headers
-        over their limits, its signature refused, or its caller's share of the queue full."""
+        over their limits, its signature refused, or its caller's share full (else it is counted in it)."""
         refusal = self._oversized(msg)
         if refusal is not None:
             return refusal
@@ -299,7 +304,7 @@ class Orchestrator:
                 return ErrorFrame(seq=0, code="unauthorized", message=checked.message)
             caller = checked.name
             calls_by_caller_total.labels(caller).inc()  # roster names only: a bounded label set
-        overloaded = self.queue.share_refusal(caller)
+        overloaded = self.queue.arrive(caller)
         if overloaded is not None:
             return ErrorFrame(seq=0, code="overloaded", message=str(overloaded), retry_after_s=overloaded.retry_after_s)
         return caller
@@ -335,8 +340,8 @@ class Orchestrator:
             return
         ran = False
         try:
-            async with client.final_frame_last(), self.queue.place(caller, _position_teller(client),
-                                                                   client.client_gone) as admission:
+            async with client.final_frame_last(), self.queue.place(caller, client.tell_position, client.client_gone,
+                                                                   pipelines=request.n) as admission:
                 try:
                     prompt_ids = await admit_prompt(request, model)
                 except BadRequest as error:
@@ -344,7 +349,7 @@ class Orchestrator:
                     return
                 ran = True
                 async with self._counted_as_running():
-                    await self._run_admitted(request, model, client, caller, prompt_ids, admission.queue_wait_s)
+                    await self._run_admitted(request, model, client, caller, prompt_ids, admission)
         except Overloaded as error:
             await client.send(ErrorFrame(seq=0, code="overloaded", message=str(error),
                                          retry_after_s=error.retry_after_s))
@@ -355,10 +360,12 @@ class Orchestrator:
             await self._release_heap_when_idle()
 
     async def _run_admitted(self, request: ChatRequest, model: LoadedModel, client: ClientStream, caller: str | None,
-                            prompt_ids: list[int], queue_wait_s: float) -> None:
-        """Serve an admitted call (its `n` choices as one group); its hops are freed whatever way it ended."""
+                            prompt_ids: list[int], admission: Admission) -> None:
+        """Serve an admitted call (its `n` choices as one group, as many at once as it holds places); its hops are
+        freed whatever way it ended."""
+        queue_wait_s = admission.queue_wait_s
         if request.n > 1:
-            group = ChoiceGroup(client, self.context)
+            group = ChoiceGroup(client, self.context, at_once=admission.places)
             calls = [Call(request=choice_request(request, index), model=model, client=ChoiceClient(group, index),
                           prompt_ids=prompt_ids, caller=caller, queue_wait_s=queue_wait_s)
                      for index in range(request.n)]
@@ -389,12 +396,3 @@ class Orchestrator:
         if self.context.running_calls == 0:
             await self.catalog.release_freed_heap()
 
-
-def _position_teller(client: ClientStream):
-    """Tells the client its place in the queue (a `queued` frame) each time it changes."""
-
-    async def tell(position: int, queued: int) -> None:
-        with contextlib.suppress(Exception):  # the client or the broker is gone: its call leaves the queue anyway
-            await client.send(QueuedFrame(seq=0, position=position, queued_requests=queued))
-
-    return tell
