@@ -133,6 +133,31 @@ def test_a_tensor_whose_shape_the_config_contradicts_is_refused_by_name(tiny_ggu
         "blk.0.attn_q.weight", "shape.gguf", f"({rows}, 64)", "q_proj.weight (64, 64)")), message
 
 
+@pytest.mark.parametrize(("name_length", "byte", "why"), [
+    (200, None, "tensor {index}'s name is 200 bytes long; GGUF names are shorter than 64"),
+    (None, b"\n", "tensor {index}'s name 'blk.0.attn_q\\nweight' is no printable UTF-8"),
+    (None, b"\xff", "tensor {index}'s name 'blk.0.attn_q\\ufffdweight' is no printable UTF-8"),
+], ids=["length-swallowing-the-next-infos", "newline", "not-utf-8"])
+def test_a_tensor_name_that_is_too_long_or_not_printable_is_refused_without_printing_it(source, tmp_path,
+                                                                                         name_length, byte, why):
+    """A corrupt name length took the next tensor infos' bytes as the name, and every refusal naming the tensor
+    printed them (newlines and control bytes): many lines, no line saying what was wrong."""
+    data = bytearray(source.read_bytes())
+    name = b"blk.0.attn_q.weight"
+    at = data.index(struct.pack("<Q", len(name)) + name)
+    index = [tensor.name for tensor in gguf.GGUFReader(source).tensors].index(name.decode())
+    if name_length is not None:
+        struct.pack_into("<Q", data, at, name_length)
+    else:
+        data[at + 8 + len(b"blk.0.attn_q")] = byte[0]
+    path = tmp_path / "name.gguf"
+    path.write_bytes(bytes(data))
+    refused(path, "name.gguf's header is corrupt", why.format(index=index))
+    with pytest.raises(CheckpointError) as refusal:
+        load_layer_range(path, 0, 0, **RUNNER_KV_LIMITS)
+    assert str(refusal.value).isascii() and str(refusal.value).isprintable(), str(refusal.value)
+
+
 def test_a_file_cut_in_its_metadata_is_refused_by_the_head_in_one_line(source, tmp_path):
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(source.read_bytes()[:200])
