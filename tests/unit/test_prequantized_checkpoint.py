@@ -1,6 +1,7 @@
 """A safetensors checkpoint stored quantized by another library (its config.json states a quantization_config: FP8,
 GPTQ, AWQ, bitsandbytes) is refused in one line wherever hearth opens one: its Linear weights are codes whose scales
-lie in tensors of their own, which hearth's reader used to serve as the weights themselves."""
+lie in tensors of their own, which hearth's reader used to serve as the weights themselves. Integer codes saved
+without one are refused in one line too, where torch's copy into the model raised a multi-line error."""
 
 from __future__ import annotations
 
@@ -60,3 +61,19 @@ def test_a_hub_repository_stored_quantized_is_refused_while_sizing_from_its_head
     with pytest.raises(CheckpointError, match=r"^tiny-org/tiny-fp8 is stored quantized \(fp8 in its config.json\)"):
         hub_layout("tiny-org/tiny-fp8")
     assert not [name for name in fake_hub.downloaded("tiny-org/tiny-fp8") if name.endswith(".safetensors")]
+
+
+@pytest.mark.parametrize("name", ["model.layers.0.self_attn.q_proj.weight", "model.embed_tokens.weight"])
+def test_integer_codes_where_the_model_has_floats_are_refused_in_one_line(tmp_path, name):
+    """Codes saved without a quantization_config: torch's state-dict copy raised a multi-line RuntimeError."""
+    folder = write_tiny_model(tmp_path / "tiny-int8", "llama", with_tokenizer=False)
+    weights = folder / "model.safetensors"
+    stored = load_file(weights)
+    stored[name] = (stored[name] * 100).to(torch.int8)
+    save_file(stored, str(weights), metadata={"format": "pt"})
+    load = (lambda: load_head(folder, load_tokenizer=False)) if "embed" in name else (
+        lambda: load_layer_range(folder, 0, 0, quantization="int8", **RUNNER_KV_LIMITS))
+    with pytest.raises(CheckpointError) as refusal:
+        load()
+    assert str(refusal.value) == (f"the checkpoint's {name} is stored as torch.int8, where the model's config makes "
+                                  "it torch.float32")
