@@ -296,8 +296,8 @@ QuantizeOption = Annotated[
     Optional[str],
     typer.Option("--quantize", callback=checked_quantize, show_default=False,
                  help="none|int8|int4|int4/gN: weights held as full precision, int8 per output channel or int4 in "
-                      "groups of N inputs; the CPU, and CUDA (int4 from compute capability 8.0) (default: "
-                      "[research.distributed_inference.host] quantize)."),
+                      "groups of N inputs (32, 64, 128 or 256; int4 alone: 32); the CPU, and CUDA (int4 from "
+                      "compute capability 8.0) (default: [research.distributed_inference.host] quantize)."),
 ]
 
 TorchThreadsOption = Annotated[
