@@ -16,6 +16,7 @@ from .checkpoint_files import (
     HUB_ALLOW_PATTERNS,
     SAFETENSORS_INDEX_NAME,
     SAFETENSORS_SINGLE_NAME,
+    check_full_precision,
     checked_weight_map,
     opened_safetensors,
 )
@@ -169,13 +170,16 @@ def resolve_model_path(
 
 
 def read_config_dict(path: Path) -> dict:
-    """The raw config.json of a checkpoint folder, or the same built from a GGUF file's metadata."""
+    """The raw config.json of a checkpoint folder, or the same built from a GGUF file's metadata; CheckpointError
+    for a folder stored quantized by another library (check_full_precision)."""
     if is_gguf_file(path):
         return gguf_config_dict(path)
     config_file = path / "config.json"
     if not config_file.is_file():
         raise CheckpointError(f"{path} has no config.json")
-    return json.loads(config_file.read_text())
+    config = json.loads(config_file.read_text())
+    check_full_precision(config, path.name)
+    return config
 
 
 def default_model_id(path: Path) -> str:

@@ -1,5 +1,6 @@
 """The names of a safetensors checkpoint's files, what its index may name, opening one as a CheckpointError when it
-does not read, and the patterns of the hub files hearth fetches."""
+does not read, the refusal of one stored quantized by another library, and the patterns of the hub files hearth
+fetches."""
 
 import contextlib
 from collections.abc import Iterator
@@ -25,6 +26,19 @@ def checked_weight_map(weight_map: object, index: Path) -> dict[str, str]:
         if not isinstance(file, str) or file in ("", ".", "..") or "/" in file or "\\" in file:
             raise CheckpointError(f"{index} maps {str(name)[:80]!r} to {str(file)[:120]!r}, not a file of its folder")
     return weight_map
+
+
+def check_full_precision(config: object, name: str) -> None:
+    """CheckpointError (one line) when a config.json states a ``quantization_config`` (FP8, GPTQ, AWQ,
+    bitsandbytes ...): its Linear weights are codes whose scales lie in tensors of their own, which transformers'
+    quantizers apply and hearth's reader does not (it would serve the codes as the weights: a wrong model)."""
+    stated = config.get("quantization_config") if isinstance(config, dict) else None
+    if stated is not None:
+        method = stated.get("quant_method") if isinstance(stated, dict) else None
+        raise CheckpointError(
+            f"{name} is stored quantized ({method if isinstance(method, str) else 'a quantization_config'} in its "
+            "config.json), which hearth does not read: serve its full-precision checkpoint (--quantize int8 or int4 "
+            "holds it quantized) or a GGUF of it")
 
 
 @contextlib.contextmanager

@@ -100,8 +100,7 @@ def open_reader(path: Path):
 
 
 def _field_value(reader, key: str):
-    field = reader.fields.get(key)
-    return None if field is None else field.contents()
+    return None if (field := reader.fields.get(key)) is None else field.contents()
 
 
 def gguf_config_dict(path: Path) -> dict:
@@ -314,6 +313,7 @@ class GGUFCheckpoint:
         self._processor = TENSOR_PROCESSORS.get(self._table.architecture, TensorProcessor)(config=config)
         hf_name_of = _gguf_to_hf_names(model, self._table.architecture, config["num_hidden_layers"])
         self._tensor_of = {hf_name_of[t.name]: t for t in self._table.tensors if t.name in hf_name_of}
+        self._config_shape_of = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
 
     def __contains__(self, name: str) -> bool:
         return name in self._tensor_of
@@ -368,10 +368,14 @@ class GGUFCheckpoint:
         return tensors
 
     def _stored(self, name: str) -> StoredTensor:
-        """The GGUF's tensor behind HF name `name`; CheckpointError when the file lacks it."""
+        """The GGUF's tensor behind HF name `name`; CheckpointError when the file lacks it or holds it in another
+        shape than the config's (before its values are read: transformers reorders Q and K by the head counts)."""
         stored = self._tensor_of.get(name)
         if stored is None:
             raise CheckpointError(f"tensor {name} is missing from the GGUF {self.path.name}")
+        if stored.shape != (expected := self._config_shape_of[name]):
+            raise CheckpointError(f"tensor {stored.name} of {self.path.name} is {stored.shape}, where the model's "
+                                  f"config makes {name} {expected}")
         return stored
 
     def _stored_bytes(self, stored: StoredTensor) -> np.memmap:

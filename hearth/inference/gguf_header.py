@@ -33,6 +33,8 @@ SPLIT_NO_KEY = "split.no"
 MAX_TENSOR_COUNT = 1 << 20
 MAX_KV_COUNT = 1 << 20
 MAX_TENSOR_DIMS = 8
+# llama.cpp refuses a tensor name of GGML_MAX_NAME (64) bytes or more.
+MAX_TENSOR_NAME_BYTES = 64
 # What read_gguf_header reads first; a header with a large vocabulary takes more, read as it asks.
 FIRST_HEADER_READ_BYTES = 1 << 20
 # A header beyond this is refused: no tokenizer needs it, and a bogus file must not make a host read without end.
@@ -287,9 +289,9 @@ def parse_gguf_header(buffer: bytes, file_size: int, file_name: str, *, check_te
     check_not_split(metadata, file_name)
     kv_end = cursor.position
     infos = []
-    for _ in range(tensor_count):
+    for index in range(tensor_count):
         info_start = cursor.position
-        name = cursor.string().decode("utf-8", errors="replace")
+        name = _tensor_name(cursor, index, file_name)
         n_dims = cursor.unpack("<I")
         if n_dims > MAX_TENSOR_DIMS:
             raise CheckpointError(f"{file_name}'s header is corrupt (tensor {name} has {n_dims} dimensions)")
@@ -324,6 +326,21 @@ def parse_gguf_header(buffer: bytes, file_size: int, file_name: str, *, check_te
     architecture = metadata.get(ARCHITECTURE_KEY)
     return ParsedGGUFHeader(split=split, architecture=architecture if isinstance(architecture, str) else None,
                             metadata=metadata)
+
+
+def _tensor_name(cursor: _Cursor, index: int, file_name: str) -> str:
+    """The name of tensor info `index` at the cursor; CheckpointError when it is as long as llama.cpp refuses, or no
+    printable UTF-8 (a corrupt length swallows the next infos' bytes: every refusal naming the tensor would then
+    print them, control bytes included)."""
+    length = cursor.unpack("<Q")
+    if length >= MAX_TENSOR_NAME_BYTES:
+        raise CheckpointError(f"{file_name}'s header is corrupt (tensor {index}'s name is {length} bytes long; "
+                              f"GGUF names are shorter than {MAX_TENSOR_NAME_BYTES})")
+    name = cursor.take(length).decode("utf-8", errors="replace")
+    if not name.isprintable() or "\ufffd" in name:
+        raise CheckpointError(f"{file_name}'s header is corrupt (tensor {index}'s name {ascii(name)} is no printable "
+                              "UTF-8)")
+    return name
 
 
 def read_gguf_header(path: Path, *, check_tensors: bool = False) -> ParsedGGUFHeader:

@@ -32,7 +32,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from .checkpoint_files import SAFETENSORS_INDEX_NAME, checked_weight_map
+from .checkpoint_files import SAFETENSORS_INDEX_NAME, check_full_precision, checked_weight_map
 from .cache_ranges import held_complete_folder, hold_range, remove_superseded_ranges
 from .cache_versions import hold_version, is_held, release_version, remove_unused_versions
 from .checksum import GGUF_DIGEST_NAME, PARTIAL_CHECKPOINT_MARKER, digest_of_files, file_sha256
@@ -154,6 +154,7 @@ def hub_layout(model: str, *, revision: str | None = None, cache_dir: str | Path
         if gguf_file is not None or not weights:
             return _gguf_hub_layout(_hub_gguf(repo_id, commit, listing, gguf_file, root), listing)
         config = json.loads(_downloader(repo_id, commit, root, listing)("config.json").read_text())
+        check_full_precision(config, repo_id)
         tensors = [(name, info.dtype, list(info.shape))
                    for file in sorted(weights)
                    for name, info in api.parse_safetensors_file_metadata(repo_id, file, revision=commit)

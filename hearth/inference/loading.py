@@ -72,6 +72,9 @@ class _Skeleton:
             if tuple(tensor.shape) != tuple(expected[local].shape):
                 raise CheckpointError(f"the checkpoint's {prefix + local} is {tuple(tensor.shape)}, where the "
                                       f"model's config makes it {tuple(expected[local].shape)}")
+            if tensor.is_floating_point() != expected[local].is_floating_point():  # torch would refuse the copy
+                raise CheckpointError(f"the checkpoint's {prefix + local} is stored as {tensor.dtype}, where the "
+                                      f"model's config makes it {expected[local].dtype}")
         module.load_state_dict(state, strict=not except_names, assign=True)
         module.requires_grad_(False)
         return checkpoint_names

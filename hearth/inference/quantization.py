@@ -44,6 +44,7 @@ DEFAULT_QUANTIZATION = "none"
 # Faithful to the 4-bit GGUF blocks (Q4_0, Q4_1: groups of 32) and measured best on their models (BENCHMARKS.md
 # "Quantized shards: quality").
 DEFAULT_INT4_GROUP_SIZE = 32
+# Mirrored by hearth/protocol/quantization_labels.py (which the CLI and configuration check against, without torch).
 INT4_GROUP_SIZES: tuple[int, ...] = (32, 64, 128, 256)
 QUANTIZATION_KINDS: tuple[str, ...] = ("none", "int8", "int4")
 # Weights are quantized this many output rows at a time, so the float temporaries stay small and reuse the same

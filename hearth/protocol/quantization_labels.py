@@ -16,6 +16,10 @@ from pydantic_core import PydanticCustomError
 # What parse_quantization accepts: none, int8, int4 (its default group size) or int4/gN.
 QUANTIZATION_LABEL_PATTERN = r"^(none|int8|int4(/g[1-9][0-9]{0,4})?)$"
 _label_re = re.compile(QUANTIZATION_LABEL_PATTERN)
+# The int4 group sizes hearth's kernels serve: hearth/inference/quantization.py's, mirrored (the import rules keep
+# torch's side out of here; tests check them equal). A label on the wire may name another (a request routes to
+# whatever shards advertise it); a scheme to run here may not (check_runnable_label).
+INT4_GROUP_SIZES: tuple[int, ...] = (32, 64, 128, 256)
 # Most precise first: full precision, then 8-bit, then 4-bit weights.
 _KIND_ORDER = ("none", "int8", "int4")
 
@@ -33,6 +37,17 @@ def check_quantization_label(text: str) -> str:
     ValueError naming it and the forms expected."""
     if not isinstance(text, str) or not is_quantization_label(text):
         raise ValueError(f"{text!r} names no scheme: {QUANTIZATION_LABEL_EXPECTED}")
+    return text
+
+
+def check_runnable_label(text: str) -> str:
+    """`text` when it is a scheme's label (check_quantization_label) that this version has kernels for: an int4
+    group size of INT4_GROUP_SIZES; else ValueError naming it, in one line."""
+    check_quantization_label(text)
+    _, _, group = text.partition("/g")
+    if group and int(group) not in INT4_GROUP_SIZES:
+        raise ValueError(f"{text!r} names no scheme hearth runs: int4 group size {group} is not one of "
+                         f"{', '.join(map(str, INT4_GROUP_SIZES))}")
     return text
 
 

@@ -279,13 +279,14 @@ DtypeOption = Annotated[
 
 def checked_quantize(value: str | list[str] | None) -> str | list[str] | None:
     """Every command's --quantize check (a list: each scheme): a label exactly as written on the wire, as the
-    configuration and requests take it, else a usage error before anything starts."""
-    from hearth.protocol.quantization_labels import check_quantization_label
+    configuration and requests take it, of a scheme this version runs (its int4 group size served), else a usage
+    error before anything starts."""
+    from hearth.protocol.quantization_labels import check_runnable_label
 
     for label in value if isinstance(value, list) else [value]:
         if label is not None:
             try:
-                check_quantization_label(label)
+                check_runnable_label(label)
             except ValueError as error:
                 raise typer.BadParameter(str(error)) from None
     return value
@@ -295,8 +296,8 @@ QuantizeOption = Annotated[
     Optional[str],
     typer.Option("--quantize", callback=checked_quantize, show_default=False,
                  help="none|int8|int4|int4/gN: weights held as full precision, int8 per output channel or int4 in "
-                      "groups of N inputs; the CPU, and CUDA (int4 from compute capability 8.0) (default: "
-                      "[research.distributed_inference.host] quantize)."),
+                      "groups of N inputs (32, 64, 128 or 256; int4 alone: 32); the CPU, and CUDA (int4 from "
+                      "compute capability 8.0) (default: [research.distributed_inference.host] quantize)."),
 ]
 
 TorchThreadsOption = Annotated[

@@ -20,7 +20,7 @@ from hearth.inference.gguf_parts import stored_parts, write_gguf_folder
 from hearth.services.devtools.demo_model import real_demo_model_path
 from tests.runner_limits import RUNNER_KV_LIMITS
 
-from .gguf_files import own_cache, tiny_gguf  # noqa: F401  (fixtures)
+from .gguf_files import own_cache, rewrite_gguf, tiny_gguf  # noqa: F401  (fixtures)
 
 DROP = object()
 
@@ -111,13 +111,51 @@ def test_head_counts_that_make_no_model_are_refused(source, tmp_path, keys):
     refused(rewritten(source, tmp_path / "heads.gguf", keys=keys), "heads.gguf")
 
 
-def test_a_tensor_whose_shape_the_config_contradicts_is_refused_by_name(source, tmp_path):
-    reader = gguf.GGUFReader(source)
-    query = next(np.array(tensor.data) for tensor in reader.tensors if tensor.name == "blk.0.attn_q.weight")
-    path = rewritten(source, tmp_path / "shape.gguf", tensors={"blk.0.attn_q.weight": query[: query.shape[0] // 2]})
+@pytest.mark.parametrize("rows", [32, 36], ids=["half-rows", "rows-no-head-count-divides"])
+@pytest.mark.parametrize(("block_type", "quantization"), [(GGMLQuantizationType.F32, "none"),
+                                                          (GGMLQuantizationType.Q4_0, "int8")], ids=["f32", "q4_0"])
+def test_a_tensor_whose_shape_the_config_contradicts_is_refused_by_name(tiny_gguf, tmp_path, rows, block_type,
+                                                                        quantization):
+    """Refused before transformers' Q/K reordering reshapes it by the config's head counts (which raised a bare
+    ValueError for 36 rows), and before a Q4 file's codes are held as stored (which blamed the quantization)."""
+    def shrunk(name: str, values: np.ndarray):
+        if name != "blk.0.attn_q.weight":
+            return values, None if values.dtype == np.float32 else block_type
+        wrong = np.random.default_rng(0).standard_normal((rows, 64)).astype(np.float32)
+        return (wrong, None) if block_type == GGMLQuantizationType.F32 else (
+            gguf.quants.quantize(wrong, block_type), block_type)
+
+    path = rewrite_gguf(tiny_gguf("llama", block_type)[0], tmp_path / "shape.gguf", "llama", shrunk)
+    with pytest.raises(CheckpointError) as refusal:
+        load_layer_range(path, 0, 0, quantization=quantization, **RUNNER_KV_LIMITS)
+    message = str(refusal.value)
+    assert "\n" not in message and all(part in message for part in (
+        "blk.0.attn_q.weight", "shape.gguf", f"({rows}, 64)", "q_proj.weight (64, 64)")), message
+
+
+@pytest.mark.parametrize(("name_length", "byte", "why"), [
+    (200, None, "tensor {index}'s name is 200 bytes long; GGUF names are shorter than 64"),
+    (None, b"\n", "tensor {index}'s name 'blk.0.attn_q\\nweight' is no printable UTF-8"),
+    (None, b"\xff", "tensor {index}'s name 'blk.0.attn_q\\ufffdweight' is no printable UTF-8"),
+], ids=["length-swallowing-the-next-infos", "newline", "not-utf-8"])
+def test_a_tensor_name_that_is_too_long_or_not_printable_is_refused_without_printing_it(source, tmp_path,
+                                                                                         name_length, byte, why):
+    """A corrupt name length took the next tensor infos' bytes as the name, and every refusal naming the tensor
+    printed them (newlines and control bytes): many lines, no line saying what was wrong."""
+    data = bytearray(source.read_bytes())
+    name = b"blk.0.attn_q.weight"
+    at = data.index(struct.pack("<Q", len(name)) + name)
+    index = [tensor.name for tensor in gguf.GGUFReader(source).tensors].index(name.decode())
+    if name_length is not None:
+        struct.pack_into("<Q", data, at, name_length)
+    else:
+        data[at + 8 + len(b"blk.0.attn_q")] = byte[0]
+    path = tmp_path / "name.gguf"
+    path.write_bytes(bytes(data))
+    refused(path, "name.gguf's header is corrupt", why.format(index=index))
     with pytest.raises(CheckpointError) as refusal:
         load_layer_range(path, 0, 0, **RUNNER_KV_LIMITS)
-    assert "\n" not in str(refusal.value) and "q_proj.weight" in str(refusal.value)
+    assert str(refusal.value).isascii() and str(refusal.value).isprintable(), str(refusal.value)
 
 
 def test_a_file_cut_in_its_metadata_is_refused_by_the_head_in_one_line(source, tmp_path):

@@ -11,7 +11,8 @@ from typer.testing import CliRunner
 from hearth.services.cli import app
 from hearth.services.common.config import HostSettings
 from hearth.inference.memory import layer_weight_bytes
-from hearth.inference.quantization import DEFAULT_INT4_GROUP_SIZE
+from hearth.inference.quantization import DEFAULT_INT4_GROUP_SIZE, INT4_GROUP_SIZES
+from hearth.protocol import quantization_labels as labels
 from hearth.services.host.planner import choose_range, replicas_per_layer
 from hearth.services.shard.main import ShardRefused, resolve_quantization
 from tests.unit.inference_tiny_models import write_tiny_model
@@ -44,6 +45,16 @@ def test_the_config_key_refuses_a_malformed_scheme():
         HostSettings(quantize="int3")
 
 
+def test_the_group_sizes_checked_without_torch_are_those_the_kernels_serve():
+    assert labels.INT4_GROUP_SIZES == INT4_GROUP_SIZES
+
+
+def test_the_config_key_refuses_a_group_size_no_kernel_serves():
+    with pytest.raises(ValidationError, match="int4 group size 16 is not one of 32, 64, 128, 256"):
+        HostSettings(quantize="int4/g16")
+    assert HostSettings(quantize="int4/g128").quantize == "int4/g128"
+
+
 @pytest.mark.parametrize("command", [["shard", "--model", "m", "--layers", "0-1"], ["host", "--model", "m"],
                                      ["orchestrator"], ["demo"], ["bench"], ["eval", "--model", "m"]],
                          ids=lambda command: command[0])
@@ -53,6 +64,20 @@ def test_every_command_refuses_a_malformed_scheme_alike_before_starting_anything
     assert result.exit_code == 2, result.output
     assert f"Invalid value for '--quantize': {label!r} names no scheme: expected none, int8, int4 or int4/gN" \
         in result.output, result.output
+    assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("command", [["shard", "--model", "m", "--layers", "0-1"], ["host", "--model", "m"],
+                                     ["orchestrator"], ["demo"], ["bench"], ["eval", "--model", "m"]],
+                         ids=lambda command: command[0])
+@pytest.mark.parametrize("label", ["int4/g16", "int4/g48", "int4/g512"])
+def test_every_command_refuses_a_group_size_no_kernel_serves_before_starting_anything(command, label):
+    """A well-formed label of a group size without a kernel was let through to the shards a demo or bench starts,
+    each then refusing it after the broker and the projector had started."""
+    result = CliRunner().invoke(app, [*command, "--quantize", label])
+    assert result.exit_code == 2, result.output
+    group = label.partition("/g")[2]
+    assert f"int4 group size {group} is not one of 32, 64, 128, 256" in " ".join(result.output.split()), result.output
     assert "Traceback" not in result.output
 
 

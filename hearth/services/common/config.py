@@ -20,9 +20,9 @@ import os
 import tomllib
 from contextvars import ContextVar
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import AliasChoices, Field, ValidationError, model_validator
+from pydantic import AfterValidator, AliasChoices, Field, ValidationError, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -43,7 +43,7 @@ from hearth.services.common.config_processes import (
 )
 from hearth.services.common.config_sections import ClientSettings, ConfigSection, GatewaySettings, MetricsSettings
 from hearth.protocol.bounds import max_int8_block_elems
-from hearth.protocol.quantization_labels import QUANTIZATION_LABEL_PATTERN
+from hearth.protocol.quantization_labels import QUANTIZATION_LABEL_PATTERN, check_runnable_label
 
 
 CONFIG_PATH_ENV = "HEARTH_CONFIG"
@@ -81,11 +81,11 @@ class HostSettings(ConfigSection):
     dtype: Literal["auto", "fp32", "bf16", "fp16"] = Field(
         default="auto", description="compute dtype: auto is bf16 on CUDA (fp16 where bf16 is unsupported), fp32 on "
                                     "the CPU; --dtype wins")
-    quantize: str = Field(
+    quantize: Annotated[str, AfterValidator(check_runnable_label)] = Field(
         default="none", pattern=QUANTIZATION_LABEL_PATTERN,
         description="weights of the layers this machine serves (shards, an orchestrator's head and local model): "
-                    "none, int8 (per output channel) or int4, int4/gN (groups of N inputs); CPU, and CUDA (int4 from "
-                    "compute capability 8.0); --quantize wins")
+                    "none, int8 (per output channel) or int4, int4/gN (groups of N inputs: 32, 64, 128 or 256); "
+                    "CPU, and CUDA (int4 from compute capability 8.0); --quantize wins")
 
 
 class DistributedInferenceSettings(ConfigSection):
