@@ -4,7 +4,7 @@
 # memory per shard in the report) and the CPU figure of the same machine. Everything lands under $OUT.
 #
 # Here first (wheels the GPU machine's image lacks; it reaches no registry):
-#   bash ../shared/gpu/fetch-wheels.sh nkeys cryptography rich starlette uvicorn pytest-timeout hypothesis PyYAML setproctitle py-spy
+#   bash ../shared/gpu/fetch-wheels.sh nkeys cryptography rich starlette uvicorn pytest-timeout hypothesis PyYAML setproctitle py-spy pynacl
 # Then `device run` calls carrying .whl, each naming one or more stages (run in order; the wheels install once):
 #   bash scripts/gpu_session.sh checkpoints  # write the random TinyLlama-1.1B and Llama-3-8B checkpoints (can run
 #                                            # in the background beside `tests`: the benches then find them written)
