@@ -45,7 +45,6 @@ INJECT_AFTER_TOKENS = 2
 INJECTION_ROUNDS = 40
 RSS_ALLOWANCE_BYTES = 50 * 1024 * 1024
 REFUSED_METRIC = "hearth_activation_frames_refused_total"
-DROPPED_METRIC = "hearth_nats_slow_consumer_drops_total"
 
 # (reason the receiver gives, what the forged frame claims)
 FORGERIES = [
@@ -109,7 +108,6 @@ async def test_injected_frames_are_refused_without_allocation_and_the_answer_is_
     # The injector has no link key, so every forgery is dropped for its MAC before its declared sizes are even
     # read (tests/integration/test_transport_refusals.py checks those limits on a receiver without a key).
     refused_before = scrape_metric(h1.metrics_port, REFUSED_METRIC, {"reason": "mac"})
-    dropped_before = scrape_metric(h1.metrics_port, DROPPED_METRIC, {})
     measured: dict[str, int] = {}
 
     async def inject(pipeline: PipelineFrame) -> None:
@@ -146,10 +144,7 @@ async def test_injected_frames_are_refused_without_allocation_and_the_answer_is_
     assert shard_after - measured["shard_before"] < RSS_ALLOWANCE_BYTES
     assert orchestrator_after - measured["orchestrator_before"] < RSS_ALLOWANCE_BYTES
     counted = scrape_metric(h1.metrics_port, REFUSED_METRIC, {"reason": "mac"}) - refused_before
-    # A burst past the hop's bounded subscription queue is dropped by the client before anything reads it (counted
-    # as a slow consumer's drops); every other forgery is refused for its MAC.
-    dropped = scrape_metric(h1.metrics_port, DROPPED_METRIC, {}) - dropped_before
-    assert counted > 0 and counted + dropped == INJECTION_ROUNDS * len(FORGERIES), (counted, dropped)
+    assert counted == INJECTION_ROUNDS * len(FORGERIES)
 
 
 @pytest.mark.parametrize("fault, hop", [("empty", 1), ("misshape", 1), ("empty", 2), ("misshape", 2)])
