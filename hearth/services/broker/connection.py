@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -16,7 +15,6 @@ from nats.aio.client import DEFAULT_FLUSH_TIMEOUT
 from nats.aio.client import Client as NatsClient
 
 from hearth.services.common.config import DEFAULT_NATS_URL, NATS_URL_ENV, NatsSettings, default_nats_url
-from hearth.services.common.metrics import counter
 from hearth.services.common.identity import Identity, load_identity
 from hearth.services.common.lifecycle import CommandRefused
 from hearth.services.broker.tls import client_ssl_context
@@ -43,22 +41,6 @@ pong_wait_cap_s = 600.0
 _unawaited_flushes: set[asyncio.Task] = set()
 # Errors that announce a disconnect the disconnected callback reports anyway.
 _DISCONNECTING_ERRORS = (nats_errors.UnexpectedEOF, nats_errors.StaleConnectionError)
-# A subscription's queue is full (transport/limits.py bounds an activation receiver's): the client drops the message.
-slow_consumer_drops_total = counter(
-    "hearth_nats_slow_consumer_drops_total",
-    "Messages the NATS client dropped because their subscription's queue was full (a flood on an activation "
-    "subject while its receiver held a step back: each is a lost frame).")
-slow_consumer_log_every = 100
-_slow_consumer_drops = itertools.count(1)
-
-
-def _slow_consumer_drop(name: str, error: nats_errors.SlowConsumerError) -> None:
-    """Count a dropped message; warn of the first and every hundredth only (a flood must not flood the log)."""
-    slow_consumer_drops_total.inc()
-    dropped = next(_slow_consumer_drops)
-    log.log(logging.WARNING if dropped == 1 or dropped % slow_consumer_log_every == 0 else logging.DEBUG,
-            "%s: the NATS client dropped a message on %s: its subscription's queue is full (%d so far)", name,
-            error.subject, dropped)
 
 
 class BrokerUnreachable(ConnectionError):
@@ -181,8 +163,6 @@ async def connect_nats(
                 log.warning("%s: NATS at %s is not reachable yet (%s); waiting for it", name, target, error)
             else:
                 log.debug("%s: connecting to NATS %s failed: %s", name, target, error)
-        elif isinstance(error, nats_errors.SlowConsumerError):
-            _slow_consumer_drop(name, error)
         elif nc.is_reconnecting or nc.is_closed or isinstance(error, _DISCONNECTING_ERRORS):
             # The disconnected callback says it once; each failed reconnect attempt is no news.
             log.debug("%s: NATS error while reconnecting: %s", name, error)

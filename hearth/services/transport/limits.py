@@ -15,7 +15,6 @@ import math
 from dataclasses import dataclass
 
 from hearth.services.common.config import TransportSettings, smallest_chunk_bytes
-from hearth.services.transport.frames import header_budget_bytes
 from hearth.services.transport.headers import (
     HEADER_CHUNK, HEADER_DTYPE, HEADER_POS, HEADER_PROMPT_TOKENS, HEADER_SHAPE, FrameHeader, FrameKind,
 )
@@ -24,11 +23,6 @@ from hearth.services.transport.wire import WireDtype, wire_dtype_from_setting
 _FLOAT_DTYPES = frozenset({WireDtype.float32, WireDtype.bfloat16, WireDtype.float16})
 # Largest wire bytes per element: float32 (4), or int8 (1) plus its float32 scale when a block is one element.
 _max_bytes_per_element = 5
-_defaults = TransportSettings()
-# Frames a receiver's subscription may queue, in windows: its sender's window (the frames it has not acked), and room
-# for a second sender's (the session of a failover while the old one's last frames drain) and for hosts configured
-# with larger windows.
-pending_frames_per_window = 4
 
 
 @dataclass(frozen=True)
@@ -99,40 +93,9 @@ class StepLimits:
         return None
 
 
-def step_refusal(header: FrameHeader, step_limits: StepLimits | None, max_step_bytes: int) -> StepRefusal | None:
-    """Why the step a frame starts cannot be taken in by a receiver with these bounds (checked before anything is
-    allocated for it)."""
-    refusal = step_limits.refusal(header) if step_limits is not None else None
-    if refusal is None and header.total_bytes > max_step_bytes:
-        return StepRefusal("size", f"step of {header.total_bytes} bytes exceeds max_step_bytes {max_step_bytes}")
-    return refusal
-
-
-@dataclass(frozen=True)
-class PendingFrames:
-    """What a receiver's subscription may queue while its callback holds a step back (backpressure): `frames`
-    frames of at most `frame_bytes` each (a chunk and its headers). Beyond that nats-py drops a message as a slow
-    consumer, so a flood costs a bounded queue, not nats-py's own 65 536 messages (with their headers) and 64 MiB."""
-
-    frames: int = pending_frames_per_window * _defaults.window_chunks
-    frame_bytes: int = _defaults.chunk_bytes + header_budget_bytes
-
-    @classmethod
-    def of(cls, transport: TransportSettings) -> "PendingFrames":
-        return cls(pending_frames_per_window * transport.window_chunks, transport.chunk_bytes + header_budget_bytes)
-
-    def subscription_limits(self, max_step_bytes: int, max_payload_bytes: int | None) -> dict[str, int]:
-        """nats-py's pending limits; a frame is no larger than the pipeline's largest step (nor the server's
-        max_payload) either."""
-        frame_bytes = min(self.frame_bytes, max_step_bytes + header_budget_bytes, max_payload_bytes or self.frame_bytes)
-        # nats-py drops a message that brings the queued bytes to the limit, not only past it.
-        return {"pending_msgs_limit": self.frames, "pending_bytes_limit": self.frames * frame_bytes + 1}
-
-
 def receiver_settings(transport: TransportSettings) -> dict:
     """The `[transport]` bounds of an ActivationReceiver, as keyword arguments: what a host configured applies to every
     receiver of its process, a shard's hops and an orchestrator's sinks and taps alike."""
     return {"max_ready_steps": transport.max_ready_steps, "ready_wait_timeout_s": transport.ready_wait_timeout_s,
             "max_step_bytes": transport.max_step_bytes, "max_partial_steps": transport.max_partial_steps,
-            "max_tracked_sessions": transport.max_tracked_sessions,
-            "pending": PendingFrames.of(transport)}
+            "max_tracked_sessions": transport.max_tracked_sessions}

@@ -21,7 +21,7 @@ from hearth.services.transport.errors import (FrameError, TransportClosed, Trans
 from hearth.services.transport.frames import AddOutcome, ReceivedStep, StepAssembler
 from hearth.services.transport.headers import AckHeader, FrameHeader
 from hearth.services.transport.link_auth import LinkAuth
-from hearth.services.transport.limits import PendingFrames, StepLimits, StepRefusal, step_refusal
+from hearth.services.transport.limits import StepLimits, StepRefusal
 from hearth.services.transport.ready import ReadySteps, ready_budget_steps
 from hearth.services.transport.stats import ReceiverStats
 from hearth.services.transport.subscription import SubscribingEndpoint
@@ -74,8 +74,6 @@ class ActivationReceiver(SubscribingEndpoint):
     Backpressure: at most `max_ready_steps` complete steps, two of the largest at most in bytes (ready.py), wait for
     the consumer; beyond that the receiver stops taking (and acking) frames, which blocks the sender once its window
     is full. A step that finds no room within `ready_wait_timeout_s` is dropped (counted in stats.dropped_steps).
-    Meanwhile the client queues at most `pending` frames (limits.py) and drops a flood beyond them as a slow
-    consumer: a lost chunk, whose step is abandoned as any unfinished one is.
 
     Memory: a frame that starts a step is checked before anything is allocated for the step: against
     `step_limits` (the pipeline's hidden size, positions, wire dtype and chunk count,
@@ -95,8 +93,7 @@ class ActivationReceiver(SubscribingEndpoint):
                  max_partial_steps: int = _defaults.max_partial_steps,
                  max_tracked_sessions: int = _defaults.max_tracked_sessions, step_limits: StepLimits | None = None,
                  on_refused: RefusalListener | None = None, link_key: bytes | None = None, seal: bool = False,
-                 acks: bool = True, ack_witness_key: bytes | None = None,
-                 pending: PendingFrames = PendingFrames()) -> None:
+                 acks: bool = True, ack_witness_key: bytes | None = None) -> None:
         if max_ready_steps < 1 or (seal and link_key is None):
             raise ValueError(f"max_ready_steps must be at least 1 (got {max_ready_steps}); a sealed link needs its key")
         self.nc = nc
@@ -111,7 +108,7 @@ class ActivationReceiver(SubscribingEndpoint):
         self.max_partial_steps = max_partial_steps
         self.step_limits = step_limits
         self._on_refused = on_refused
-        self.max_tracked_sessions, self.pending = max_tracked_sessions, pending
+        self.max_tracked_sessions = max_tracked_sessions
         self.nodes = nodes
         self.acks = acks  # False: a tap (see the class docstring)
         # With a key, only frames carrying its MAC are taken (`seal`: only frames sealed with its seal key), and
@@ -132,10 +129,6 @@ class ActivationReceiver(SubscribingEndpoint):
 
     def _subscription(self):
         return self.subject, self._on_frame
-
-    def _pending_limits(self) -> dict[str, int]:
-        # A tap holds nobody back, so its sender's frames are not bounded by a window: it keeps nats-py's bounds.
-        return self.pending.subscription_limits(self.max_step_bytes, self.nc.max_payload) if self.acks else {}
 
     @property
     def ready_steps(self) -> int:
@@ -236,7 +229,7 @@ class ActivationReceiver(SubscribingEndpoint):
             return
         partial = self._partial.get(key)
         if partial is None:
-            refusal = step_refusal(header, self.step_limits, self.max_step_bytes)
+            refusal = self._refusal(header)
             if refusal is not None:
                 await self._refuse(header, refusal)
                 return
@@ -341,6 +334,17 @@ class ActivationReceiver(SubscribingEndpoint):
             if not getter.done():
                 getter.set_result(None)
                 break
+
+    def _refusal(self, header: FrameHeader) -> StepRefusal | None:
+        """Why the step this frame starts cannot be taken in (checked before anything is allocated for it)."""
+        if self.step_limits is not None:
+            refusal = self.step_limits.refusal(header)
+            if refusal is not None:
+                return refusal
+        if header.total_bytes > self.max_step_bytes:
+            return StepRefusal("size", f"step of {header.total_bytes} bytes exceeds max_step_bytes "
+                                       f"{self.max_step_bytes}")
+        return None
 
     async def _refuse(self, header: FrameHeader, refusal: StepRefusal) -> None:
         self.stats.refused_frames += 1

@@ -35,15 +35,10 @@ class SubscribingEndpoint:
     def _start_flush_timeout_s(self) -> float:
         return _subscribe_timeout_s
 
-    def _pending_limits(self) -> dict[str, int]:
-        """How much the client may queue for the callback (nats-py's pending_msgs_limit / pending_bytes_limit; more is
-        dropped by the client as a slow consumer); none given: nats-py's defaults (65 536 messages, 64 MiB)."""
-        return {}
-
     async def start(self) -> Self:
         if self._sub is None:
             subject, callback = self._subscription()
-            self._sub = await self.nc.subscribe(subject, cb=callback, **self._pending_limits())
+            self._sub = await self.nc.subscribe(subject, cb=callback)
             await flush_ordered(self.nc, self._start_flush_timeout_s())
         return self
 
