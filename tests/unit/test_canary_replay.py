@@ -80,7 +80,7 @@ async def test_a_cut_canary_tells_the_replica_the_whole_prompt_length_as_the_hop
     async def record(event) -> None:
         records.append(event)
 
-    ctx = SimpleNamespace(nc=None, node_id="orchestrator", quarantined=set(), canaries=library,
+    ctx = SimpleNamespace(nc=None, node_id="orchestrator", quarantined=set(), canaries=library, open_signer=None,
                           outbox=SimpleNamespace(signing_key=None), settings=SimpleNamespace(
                               transport=None, orchestrator=SimpleNamespace(prefill_chunk_tokens=4)))
     host = Hop(shard_id="x", control_subject="hearth.ctl.x", node_id="x", layer_lo_to_run=0, layer_hi_to_run=3,
