@@ -14,8 +14,8 @@ from types import SimpleNamespace
 
 from hearth.protocol.chat import ChatRequest, DoneFrame, Usage
 from hearth.services.common.config import HearthSettings
-from hearth.services.orchestrator import service as orchestrator_service
 from hearth.services.orchestrator.service import Orchestrator
+from tests.orchestrator_stand_ins import admit_every_prompt
 
 
 class Connection:
@@ -64,17 +64,7 @@ def orchestrator_loading_a_head(monkeypatch, connection: Connection, head_loaded
         await asyncio.wait_for(head_loaded.wait(), timeout=30)  # the model's head is loading
         return SimpleNamespace()
 
-    async def admit_prompt(request, model):
-        return [1, 2, 3]
-
-    async def no_release():
-        return None
-
-    orchestrator.catalog.close()
-    orchestrator.catalog = SimpleNamespace(get_requested=get_requested, release_freed_heap=no_release,
-                                           close=lambda: None)
-    monkeypatch.setattr(orchestrator_service, "prompt_room", lambda request, model: None)
-    monkeypatch.setattr(orchestrator_service, "admit_prompt", admit_prompt)
+    admit_every_prompt(orchestrator, monkeypatch, get_requested)
 
     async def run_admitted(request, model, client, caller, prompt_ids, admission):
         await client.send(DoneFrame(seq=0, finish_reason="length", usage=Usage(prompt_tokens=3, completion_tokens=1)))

@@ -13,10 +13,10 @@ from unittest.mock import MagicMock
 from hearth.protocol.chat import ChatRequest, DoneFrame, Usage
 from hearth.services.common.config import HearthSettings
 from hearth.services.orchestrator import choices
-from hearth.services.orchestrator import service as orchestrator_service
 from hearth.services.orchestrator.choices import ChoiceClient, ChoiceGroup
 from hearth.services.orchestrator.client_stream import ClientStream
 from hearth.services.orchestrator.service import Orchestrator
+from tests.orchestrator_stand_ins import admit_every_prompt
 
 
 class _Client:
@@ -77,18 +77,7 @@ async def test_a_request_of_n_choices_holds_a_running_place_for_each_within_its_
     orchestrator.enabled = True
     orchestrator.context = SimpleNamespace(running_calls=0)
 
-    async def get_requested(name):
-        return SimpleNamespace()
-
-    async def admit_prompt(request, model):
-        return [1, 2, 3]
-
-    async def no_release():
-        return None
-
-    orchestrator.catalog = SimpleNamespace(get_requested=get_requested, release_freed_heap=no_release)
-    monkeypatch.setattr(orchestrator_service, "prompt_room", lambda request, model: None)
-    monkeypatch.setattr(orchestrator_service, "admit_prompt", admit_prompt)
+    admit_every_prompt(orchestrator, monkeypatch)
     held = []
 
     async def run_admitted(request, model, client, caller, prompt_ids, admission):

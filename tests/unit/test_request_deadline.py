@@ -12,9 +12,9 @@ from types import SimpleNamespace
 from hearth.protocol.chat import ChatRequest, TokenDeltaFrame
 from hearth.services.common.config import HearthSettings
 from hearth.services.common.metrics import sample_value
-from hearth.services.orchestrator import service as orchestrator_service
 from hearth.services.orchestrator.deadline import passed_deadline
 from hearth.services.orchestrator.service import Orchestrator
+from tests.orchestrator_stand_ins import admit_every_prompt
 
 DEADLINE_S = 0.2
 
@@ -49,19 +49,7 @@ async def test_a_call_past_its_deadline_ends_pipeline_stalled_naming_the_setting
     orchestrator.enabled = True
     orchestrator.context = SimpleNamespace(running_calls=0)
 
-    async def get_requested(name):
-        return SimpleNamespace()
-
-    async def admit_prompt(request, model):
-        return [1, 2, 3]
-
-    async def no_release():
-        return None
-
-    orchestrator.catalog.close()
-    orchestrator.catalog = SimpleNamespace(get_requested=get_requested, release_freed_heap=no_release, close=no_release)
-    monkeypatch.setattr(orchestrator_service, "prompt_room", lambda request, model: None)
-    monkeypatch.setattr(orchestrator_service, "admit_prompt", admit_prompt)
+    admit_every_prompt(orchestrator, monkeypatch)
     seen_unwinding = []
 
     async def run_admitted(request, model, client, caller, prompt_ids, admission):

@@ -1,0 +1,30 @@
+"""Stand-ins that let an Orchestrator's request path run without a model: a catalog whose head is any object, and
+every prompt admitted as three tokens with room to spare."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from types import SimpleNamespace
+
+from hearth.services.orchestrator import service as orchestrator_service
+
+
+def admit_every_prompt(orchestrator, monkeypatch,
+                       get_requested: Callable[[str], Awaitable[object]] | None = None) -> None:
+    """Swap `orchestrator`'s catalog for one answering `get_requested` (default: any head at once), and admit every
+    prompt as [1, 2, 3]."""
+
+    async def any_head(name):
+        return SimpleNamespace()
+
+    async def admit_prompt(request, model):
+        return [1, 2, 3]
+
+    async def no_release():
+        return None
+
+    orchestrator.catalog.close()
+    orchestrator.catalog = SimpleNamespace(get_requested=get_requested or any_head, release_freed_heap=no_release,
+                                           close=lambda: None)
+    monkeypatch.setattr(orchestrator_service, "prompt_room", lambda request, model: None)
+    monkeypatch.setattr(orchestrator_service, "admit_prompt", admit_prompt)
