@@ -4,6 +4,7 @@ has no streams yet, one that lost a stream `verify` is to check, one that refuse
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import queue
@@ -12,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 import sqlalchemy
@@ -49,19 +51,26 @@ def test_a_broker_without_jetstream_is_one_line_not_a_traceback(command, tmp_pat
 def test_events_follow_carries_on_across_a_broker_restart(nats_server):
     before, after = shard_history()[:2]
     publish(nats_server.url, [(None, before)])
-    process = subprocess.Popen(
-        [sys.executable, "-m", "hearth.services.replay.cli", "events", "--follow", "-o", "jsonl",
-         "--nats", nats_server.url],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(line) for line in process.stdout], daemon=True).start()
-    try:
+    with events_followed(nats_server.url) as lines:
         assert json.loads(lines.get(timeout=30))["event"]["event_id"] == before.event_id
         nats_server.restart()
         publish(nats_server.url, [(None, after)])
 
         assert json.loads(lines.get(timeout=30))["event"]["event_id"] == after.event_id
+
+
+@contextlib.contextmanager
+def events_followed(url: str) -> Iterator[queue.Queue[str]]:
+    """`hearth-replay events --follow -o jsonl` on the broker at `url`: the lines it prints, as they come; stopped
+    with SIGTERM on the way out, which it must end with exit code 130."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "hearth.services.replay.cli", "events", "--follow", "-o", "jsonl", "--nats", url],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in process.stdout], daemon=True).start()
+    try:
+        yield lines
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=15) == 130
     finally:
@@ -92,24 +101,12 @@ async def _only_the_shards_stream(url: str) -> None:
 
 
 def test_events_follow_on_a_broker_without_the_streams_yet_waits_for_them(nats_url):
-    process = subprocess.Popen(
-        [sys.executable, "-m", "hearth.services.replay.cli", "events", "--follow", "-o", "jsonl", "--nats", nats_url],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(line) for line in process.stdout], daemon=True).start()
-    try:
+    with events_followed(nats_url) as lines:
         time.sleep(2)  # it has looked for the streams and found none
         first = shard_history()[0]
         publish(nats_url, [(None, first)])  # creates both streams, as the first process on an open mesh does
 
         assert json.loads(lines.get(timeout=30))["event"]["event_id"] == first.event_id
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=15) == 130
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
 
 
 def test_a_member_the_broker_refuses_is_told_so_in_one_line_not_a_timeout(tmp_path, monkeypatch):
