@@ -148,8 +148,11 @@ class OrderedPushReader:
     async def _wait_for_message(self) -> tuple[int, Msg] | None:
         silence_limit_s = consumer_idle_heartbeat_s * missed_heartbeats_before_reset
         try:
-            return await asyncio.wait_for(self._queue.get(), timeout=quiet_check_interval_s)
-        except asyncio.TimeoutError:
+            # asyncio.timeout, not wait_for: Python 3.11's wait_for returns a message that arrives in the turn a
+            # cancellation lands and drops the cancellation, and a follow stopped by a signal would go on reading.
+            async with asyncio.timeout(quiet_check_interval_s):
+                return await self._queue.get()
+        except TimeoutError:
             pass
         now = time.monotonic()
         if not self._follow and now - max(self._last_data, self._waiting_since) > self._idle_timeout_s:
@@ -271,10 +274,9 @@ class OrderedPushReader:
             self._queue.get_nowait()
         if name is not None and not self._nc.is_closed:
             try:
-                await asyncio.wait_for(
-                    self._js.delete_consumer(self._stream, name), timeout=consumer_delete_timeout_s
-                )
-            except (nats.errors.Error, asyncio.TimeoutError) as error:
+                async with asyncio.timeout(consumer_delete_timeout_s):
+                    await self._js.delete_consumer(self._stream, name)
+            except (nats.errors.Error, TimeoutError) as error:
                 # It is in-memory and ack-less: the server drops it after the inactive threshold.
                 log.debug("%s: could not delete consumer %s: %s", self._stream, name, error)
 
