@@ -1,8 +1,9 @@
-"""Stand-ins that let an Orchestrator's request path run without a model: a catalog whose head is any object, and
-every prompt admitted as three tokens with room to spare."""
+"""Stand-ins that let an Orchestrator's request path run without a model: a catalog whose head is any object, every
+prompt admitted as three tokens with room to spare, and a client that records what it is sent."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from types import SimpleNamespace
 
@@ -28,3 +29,17 @@ def admit_every_prompt(orchestrator, monkeypatch,
                                            close=lambda: None)
     monkeypatch.setattr(orchestrator_service, "prompt_room", lambda request, model: None)
     monkeypatch.setattr(orchestrator_service, "admit_prompt", admit_prompt)
+
+
+class RecordingClient:
+    """A call's client stream that keeps every frame sent to it (`sent`) and is always there to hear them."""
+
+    def __init__(self) -> None:
+        self.client_gone = asyncio.Event()
+        self.sent: list = []
+
+    async def send(self, frame) -> None:
+        self.sent.append(frame)
+
+    async def reachable(self, timeout_s: float) -> bool:
+        return True

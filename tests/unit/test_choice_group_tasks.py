@@ -9,6 +9,7 @@ from types import SimpleNamespace
 from hearth.protocol.chat import ErrorFrame
 from hearth.services.orchestrator import choices
 from hearth.services.orchestrator.choices import ChoiceClient, ChoiceGroup
+from tests.orchestrator_stand_ins import RecordingClient
 
 
 class _FailingRun:
@@ -25,18 +26,9 @@ class _FailingRun:
         pass
 
 
-class _Client:
-    def __init__(self) -> None:
-        self.client_gone = asyncio.Event()
-        self.sent: list = []
-
-    async def send(self, frame) -> None:
-        self.sent.append(frame)
-
-
 async def test_a_first_choice_failing_before_its_first_token_leaves_no_task_pending(monkeypatch):
     monkeypatch.setattr(choices, "PipelineRun", _FailingRun)
-    client = _Client()
+    client = RecordingClient()
     group = ChoiceGroup(client, ctx=None)
     calls = [SimpleNamespace(pipeline_id=f"p{index}", client=ChoiceClient(group, index)) for index in range(2)]
     before = asyncio.all_tasks()

@@ -16,16 +16,7 @@ from hearth.services.orchestrator import choices
 from hearth.services.orchestrator.choices import ChoiceClient, ChoiceGroup
 from hearth.services.orchestrator.client_stream import ClientStream
 from hearth.services.orchestrator.service import Orchestrator
-from tests.orchestrator_stand_ins import admit_every_prompt
-
-
-class _Client:
-    def __init__(self) -> None:
-        self.client_gone = asyncio.Event()
-        self.sent: list = []
-
-    async def send(self, frame) -> None:
-        self.sent.append(frame)
+from tests.orchestrator_stand_ins import RecordingClient, admit_every_prompt
 
 
 class _CountedRun:
@@ -58,7 +49,7 @@ class _CountedRun:
 async def test_a_group_runs_as_many_choices_at_once_as_it_holds_places(monkeypatch):
     monkeypatch.setattr(choices, "PipelineRun", _CountedRun)
     monkeypatch.setattr(ChoiceGroup, "_share_prefill", lambda self, run: _prefilled(self))
-    client = _Client()
+    client = RecordingClient()
     group = ChoiceGroup(client, ctx=None, at_once=2)
     calls = [SimpleNamespace(pipeline_id=f"p{index}", client=ChoiceClient(group, index)) for index in range(5)]
 

@@ -4,7 +4,6 @@ for until `broker_wait_s` ends the call `pipeline_stalled` (hearth/services/orch
 
 from __future__ import annotations
 
-import asyncio
 import time
 from types import SimpleNamespace
 
@@ -14,23 +13,12 @@ from hearth.services.orchestrator.call import Call, CallStatus
 from hearth.services.orchestrator.outcomes import StepFailure
 from hearth.services.orchestrator.pipeline import PipelineRun
 from hearth.services.orchestrator.router import Hop
+from tests.orchestrator_stand_ins import RecordingClient
 
 HOPS = [Hop(shard_id=f"s{index}", control_subject=f"test.control.s{index}", node_id=f"n{index}", layer_lo_to_run=index,
             layer_hi_to_run=index) for index in range(2)]
 BROKER_WAIT_S = 4.0
 RESUBSCRIBE_GRACE_S = 0.3
-
-
-class _Client:
-    def __init__(self) -> None:
-        self.client_gone = asyncio.Event()
-        self.sent: list = []
-
-    async def send(self, frame) -> None:
-        self.sent.append(frame)
-
-    async def reachable(self, timeout_s: float) -> bool:
-        return True
 
 
 class _HopGoneChain:
@@ -61,7 +49,7 @@ async def test_a_hop_gone_after_the_broker_came_back_is_failed_over_around_befor
     ctx = SimpleNamespace(settings=settings, nc=SimpleNamespace(is_connected=True), outbox=_Outbox(), node_id="orch",
                           proved_wrong=[])
     call = Call(request=ChatRequest(request_id="r1", model="m", prompt="hello", max_tokens=4),
-                model=SimpleNamespace(model_id="m"), client=_Client(), status=CallStatus.recovering)
+                model=SimpleNamespace(model_id="m"), client=RecordingClient(), status=CallStatus.recovering)
     run = PipelineRun(call, ctx)
     run.builder = SimpleNamespace(over=_HopGoneChain)
     started = time.monotonic()
