@@ -36,8 +36,7 @@ def _run(ctx: typer.Context, command: str, nats_url: str | None, work):
     async def session():
         nc = await connect_nats(url, name=f"hearth weights {command}", settings=nats_settings)
         try:
-            async with refusals_told(nc):
-                return await work(nc.jetstream())
+            return await refusals_told(nc, work(nc.jetstream()))
         finally:
             await nc.close()
 

@@ -20,8 +20,9 @@ import contextlib
 import hashlib
 import logging
 import re
+from collections.abc import Awaitable
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Literal, TypeVar
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
@@ -38,6 +39,7 @@ from hearth.services.weights_objects import ObjectMissing, WeightsStoreError, fe
     read_small_object
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 STORE_MODEL_PREFIX = "store:"
 STORE_CACHE_FOLDER = "store"
@@ -335,20 +337,36 @@ def _write_gguf(manifest: WeightsManifest, target: Path, gguf_name: str, files: 
         raise WeightsStoreError(f"{manifest.name!r}: {error}") from None
 
 
-@contextlib.asynccontextmanager
-async def refusals_told(nc):
-    """The block, its error turned into WeightsStoreError naming what the broker refused `nc` (made by connect_nats)
-    for its key's permissions, if it did: nats-py tells that only to the error callback, and the JetStream request
-    it refused just times out."""
-    from hearth.services.broker.connection import broker_refusal
+async def refusals_told(nc, work: Awaitable[T]) -> T:
+    """What `work` gives, or WeightsStoreError naming what the broker refused `nc` (made by connect_nats) for its
+    key's permissions, as soon as it does: nats-py tells that only to the error callback, and the JetStream
+    request it refused would just time out."""
+    from hearth.services.broker.connection import broker_refusal, refused_event
 
+    work_task = asyncio.ensure_future(work)
+    refused = refused_event(nc) or asyncio.Event()
+    refused_task = asyncio.ensure_future(refused.wait())
     try:
-        yield
+        await asyncio.wait((work_task, refused_task), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        refused_task.cancel()
+        if not work_task.done():
+            work_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await work_task
+    if work_task.cancelled() and refused.is_set():
+        raise _refused_error(broker_refusal(nc))
+    try:
+        return work_task.result()
     except Exception as error:
         if isinstance(error, WeightsStoreError) or (refusal := broker_refusal(nc)) is None:
             raise
-        raise WeightsStoreError(f"the broker refused this key ({refusal}): on a community mesh only the steward's "
-                                "system key publishes, and shard hosts and orchestrators read") from None
+        raise _refused_error(refusal) from None
+
+
+def _refused_error(refusal: str | None) -> WeightsStoreError:
+    return WeightsStoreError(f"the broker refused this key ({refusal}): on a community mesh only the steward's "
+                             "system key publishes, and shard hosts and orchestrators read")
 
 
 async def resolve_model_source(model: str, needed: NeededTensors, *, nats_url: str | None, settings) -> Path:
@@ -362,7 +380,6 @@ async def resolve_model_source(model: str, needed: NeededTensors, *, nats_url: s
         return await asyncio.to_thread(resolve_model_path, model, needed_layers=needed)
     nc = await connect_nats(nats_url, name=f"hearth weights {name}", settings=settings.nats)
     try:
-        async with refusals_told(nc):
-            return await fetch_stored_model(nc.jetstream(), name, needed)
+        return await refusals_told(nc, fetch_stored_model(nc.jetstream(), name, needed))
     finally:
         await close_quietly(nc, settings.nats.close_timeout_s)

@@ -70,11 +70,18 @@ _identities: "weakref.WeakKeyDictionary[NatsClient, Identity]" = weakref.WeakKey
 # The broker's last refusal on each connection (a publish or subscribe its permissions deny): nats-py tells it only
 # to the error callback, and a JetStream request refused so shows as a bare timeout.
 _refusals: "weakref.WeakKeyDictionary[NatsClient, str]" = weakref.WeakKeyDictionary()
+# Set at each connection's first such refusal, so that a wait can end on it instead of on its timeout.
+_refused_events: "weakref.WeakKeyDictionary[NatsClient, asyncio.Event]" = weakref.WeakKeyDictionary()
 
 
 def broker_refusal(nc: NatsClient) -> str | None:
     """The last thing the broker refused `nc` (made by connect_nats) for its permissions, as nats-py words it."""
     return _refusals.get(nc)
+
+
+def refused_event(nc: NatsClient) -> asyncio.Event | None:
+    """Set once the broker refuses `nc` (made by connect_nats) something for its permissions; None for another."""
+    return _refused_events.get(nc)
 
 
 def connection_identity(nc: NatsClient) -> Identity | None:
@@ -144,6 +151,7 @@ async def connect_nats(
     target = url or settings.url
     nc = NatsClient()
     closed_event = _closed_events.setdefault(nc, asyncio.Event())
+    _refused_events[nc] = asyncio.Event()
     state = {"connected": False, "told_waiting": False}
     refused = asyncio.Event()  # the broker kept saying our credentials are not good: no point trying again
     loop = asyncio.get_running_loop()
@@ -169,6 +177,7 @@ async def connect_nats(
         else:
             if "permissions violation" in str(error).lower():
                 _refusals[nc] = str(error)
+                _refused_events[nc].set()
             log.warning("%s: NATS error: %s", name, error)
 
     async def disconnected() -> None:

@@ -91,7 +91,6 @@ async def _store_manifest(name: str, nats_url: str | None, settings: HearthSetti
 
     nc = await connect_nats(nats_url, name=f"hearth host {name}", settings=settings.nats)
     try:
-        async with refusals_told(nc):
-            return await read_manifest(nc.jetstream(), name)
+        return await refusals_told(nc, read_manifest(nc.jetstream(), name))
     finally:
         await close_quietly(nc, settings.nats.close_timeout_s)
