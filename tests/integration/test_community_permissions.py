@@ -60,12 +60,10 @@ class Member:
         """Whether the server answers `action` (a subscribe or publish) with a permissions violation."""
         self.violation.clear()
         await action(self.nc)
+        # The server answers a command it refuses with -ERR before it answers the PING that follows it, and nats-py
+        # runs the error callback before it reads further: once the PONG is in, a refusal would have been heard.
         await flush_ordered(self.nc, VIOLATION_WAIT_S)
-        try:
-            await asyncio.wait_for(self.violation.wait(), VIOLATION_WAIT_S)
-        except asyncio.TimeoutError:
-            return False
-        return True
+        return self.violation.is_set()
 
 
 async def test_no_credentials_no_connection(community_server):
