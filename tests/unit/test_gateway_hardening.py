@@ -163,6 +163,12 @@ async def test_a_client_that_never_reads_the_answers_to_a_few_pipelined_requests
         client.connect(address)
         try:
             deadline = asyncio.get_running_loop().time() + CLOSE_WAIT_S
+            while not connections:
+                assert asyncio.get_running_loop().time() < deadline, "the connection was never accepted"
+                await asyncio.sleep(0.01)
+            # A small kernel buffer on the server's side too, so that a few hundred answers fill it, not thousands.
+            for connection in connections:
+                connection.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
             # Until an answer waits in the server's own buffer, the socket's being full.
             while not any(connection.transport.get_write_buffer_size() for connection in connections):
                 assert asyncio.get_running_loop().time() < deadline, "no answer ever waited"
