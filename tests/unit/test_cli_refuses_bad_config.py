@@ -39,6 +39,7 @@ def commands(community: Path) -> list[tuple[object, list[str]]]:
         (app, ["shard", "--model", "m", "--layers", "0-1", "--insecure", *broker]),
         (app, ["host", "--model", "m", "--insecure", *broker]),
         (app, ["gateway", "--insecure", *broker]),
+        (app, ["demo", "--max-tokens", "1"]),  # before, it started its NATS first, and a process it started refused
         (replay_app, ["events", *broker]),
         (replay_app, ["pipeline", "p1", *broker]),
     ]
@@ -102,3 +103,17 @@ def test_load_settings_raises_one_line_config_errors(monkeypatch, env, named):
     with pytest.raises(ConfigError) as refused:
         load_settings()
     assert named in str(refused.value) and "\n" not in str(refused.value)
+
+
+def test_the_demo_hands_the_configuration_it_was_given_to_the_processes_it_starts(tmp_path, monkeypatch):
+    """Before, `hearth --config FILE demo` ran its mesh on the defaults, while HEARTH_CONFIG reached its processes."""
+    from hearth.services.devtools.demo import DemoRun
+
+    monkeypatch.delenv("HEARTH_CONFIG", raising=False)
+    config = tmp_path / "hearth.toml"
+    config.write_text("[nats]\nconnect_timeout_s = 7\n")
+    given: list[dict[str, str]] = []
+    monkeypatch.setattr(DemoRun, "run", lambda self: given.append(self.configuration_env) or 0)
+    assert CliRunner().invoke(app, ["--config", str(config), "demo"]).exit_code == 0
+    assert CliRunner().invoke(app, ["demo"]).exit_code == 0
+    assert given == [{"HEARTH_CONFIG": str(config.resolve())}, {}]

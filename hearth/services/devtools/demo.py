@@ -21,7 +21,7 @@ import sqlite3
 import sys
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from hearth.protocol.subjects import parse_shard_id
@@ -97,6 +97,8 @@ class DemoRun:
     dtype: str | None = None
     # --quantize of every shard host and the orchestrator (None: their default).
     quantize: str | None = None
+    # What the started processes' environment adds: the configuration file the command was given.
+    configuration_env: dict[str, str] = field(default_factory=dict)
 
     def run(self) -> int:
         # This process only supervises and prints; its own INFO lines would bury the answer (the
@@ -118,7 +120,7 @@ class DemoRun:
             # Forked from one process that imported torch once, so no process imports it again (how much sooner
             # the demo is ready: BENCHMARKS.md, "`hearth demo`"); HEARTH_PREFORK=0 starts each process fresh.
             cluster = LocalCluster(work_dir=self.work_dir, torch_threads=self.torch_threads,
-                                   log_level=self.log_level, start_new_session=True,
+                                   extra_env=self.configuration_env, log_level=self.log_level, start_new_session=True,
                                    prefork=prefork_from_environment(default=True))
             self._start(cluster, demo_model)
             # Signals cancel the answer's loop (not raise inside it); _Stop after, as everywhere else.
