@@ -17,8 +17,8 @@ from nats.js.errors import APIError
 from hearth.events.streams import StreamSetup
 from hearth.protocol.chat import ChatRequest, DoneFrame, ErrorFrame, Usage, decode_frame
 from hearth.protocol.subjects import CHAT_REQUEST_SUBJECT
-from hearth.services.common.call_nonces import CALL_NONCES_BUCKET, MeshNonces
-from hearth.services.common.call_signing import signed_call_headers
+from hearth.services.common.call_nonces import CALL_NONCES_BUCKET, CALL_NONCES_STREAM, MeshNonces
+from hearth.services.common.call_signing import HEADER_CALLER_NONCE, signed_call_headers
 from hearth.services.common.config import HearthSettings
 from hearth.services.orchestrator.service import Orchestrator
 from hearth.trust.keys import MemberKey
@@ -85,6 +85,10 @@ async def test_a_signed_call_replayed_to_another_orchestrator_is_refused(nats_se
         await asyncio.wait_for(second._serve(captured), FRAME_WAIT_S)
         replay = (await frames_until_final(subscription))[-1]
         assert served == ["orch-a"]
+        # Kept for the nonce window (2 x 30 s) and one clock skew more: orch-b's clock may run behind orch-a's.
+        stored = await first.js.get_last_msg(CALL_NONCES_STREAM, f"$KV.{CALL_NONCES_BUCKET}.{alice.public_key}."
+                                                                 f"{captured.headers[HEADER_CALLER_NONCE]}")
+        assert stored.headers["Nats-TTL"] == "90" and stored.data == b"orch-a"
         assert (replay.type, replay.code) == ("error", "unauthorized"), replay
         assert "already" in replay.message
     finally:

@@ -3,8 +3,10 @@ per call it admits (`<signer>.<nonce>`), create-only (a create of an existing ke
 member re-publishes to the queue group is refused by whichever orchestrator gets it, not only by the one that saw it
 first (CallVerifier's own nonce cache: hearth/services/common/call_signing.py).
 
-Each record lives for the orchestrator's nonce window (twice [events] max_clock_skew_s, the same as its own cache:
-past it the call's timestamp is refused as stale anyway), as a per-message TTL, within the bucket's own max age.
+Each record lives, as a per-message TTL within the bucket's own max age, for the orchestrator's nonce window (twice
+[events] max_clock_skew_s, as its own cache: past it the call's timestamp is refused as stale anyway) and one more
+max_clock_skew_s: the orchestrator that gets a replay may run that far behind the one that recorded the call, and
+would take the call's timestamp as fresh for that much longer.
 The steward creates the bucket with the event streams (hearth/services/broker/streams.py); only orchestrators may
 write it (hearth/services/broker/permissions.py). It refuses rollups and purges: no member can take a record back,
 and a delete marker still counts as a record (a create expects no message at all on the key).
@@ -27,7 +29,7 @@ from nats.js.api import DiscardPolicy, Header, RetentionPolicy, StorageType, Str
 from nats.js.errors import APIError
 
 from hearth.events.streams import MiB, StreamSetup, cluster_stream_replicas, ensure_stream, wait_for_streams
-from hearth.services.common.call_signing import HEADER_CALLER, HEADER_CALLER_NONCE, CallRefused
+from hearth.services.common.call_signing import HEADER_CALLER, HEADER_CALLER_NONCE, CallRefused, CallVerifier
 from hearth.trust.roster import Member
 
 log = logging.getLogger(__name__)
@@ -84,6 +86,11 @@ class MeshNonces:
         self._js = js
         self._value = recorded_by.encode()[:call_nonce_value_max_bytes]
         self.timeout_s = timeout_s
+
+    @classmethod
+    def for_calls_of(cls, verifier: CallVerifier, js: JetStreamContext, *, recorded_by: str) -> "MeshNonces":
+        """The record for the calls `verifier` checks: kept for its nonce window and one clock skew more."""
+        return cls(js, window_s=verifier.nonce_window_s + verifier.max_clock_skew_s, recorded_by=recorded_by)
 
     async def ready(self, setup: StreamSetup) -> None:
         """Make sure the bucket exists as the event streams are made sure of: created here on an open broker, the

@@ -107,8 +107,8 @@ class Orchestrator:
                                   signing_key=event_signing_key(settings.nats))
         # Calls signed by a roster member, each nonce recorded mesh-wide, on a community mesh; None on an open one.
         self.call_verifier = call_verifier(settings)
-        self.call_nonces = None if self.call_verifier is None else MeshNonces(
-            self.js, window_s=self.call_verifier.nonce_window_s, recorded_by=node_id)
+        self.call_nonces = None if self.call_verifier is None else MeshNonces.for_calls_of(
+            self.call_verifier, self.js, recorded_by=node_id)
         # Calls beyond what may run now wait here, round-robin by caller (hearth/services/orchestrator/queue.py).
         limits = settings.orchestrator
         self.queue = FairQueue(max_running=distributed.max_concurrent_pipelines,
