@@ -37,13 +37,15 @@ log = logging.getLogger(__name__)
 CALL_NONCES_BUCKET = "hearth-call-nonces"
 CALL_NONCES_STREAM = f"KV_{CALL_NONCES_BUCKET}"
 CALL_NONCES_SUBJECTS = f"$KV.{CALL_NONCES_BUCKET}.>"
-# The longest any record is kept, whatever window an orchestrator asks for (the default window is 60 s).
+# The longest any record is kept, whatever window an orchestrator asks for (by default it asks 90 s).
 call_nonces_max_age_s = 3600.0
 # The bucket's size on disk: about a million records. When full it refuses new ones (calls are then refused,
 # `overloaded`) rather than forgetting records before their time, which would let replays through.
 call_nonces_max_bytes = 256 * MiB
-# A record's value: the name of the orchestrator that admitted the call (for whoever reads the bucket).
+# A record's value: the name of the orchestrator that admitted the call (for whoever reads the bucket). The broker
+# counts a message's headers (the expected sequence, the TTL) in its size too: the stream's limit leaves them room.
 call_nonce_value_max_bytes = 128
+call_nonce_message_max_bytes = 1024
 # How long an orchestrator waits for the broker to record a nonce before it refuses the call.
 call_nonce_timeout_s = 2.0
 # A call refused because its nonce could not be recorded may be retried (newly signed) after this long.
@@ -58,7 +60,7 @@ def call_nonces_config(*, replicas: int = cluster_stream_replicas) -> StreamConf
         name=CALL_NONCES_STREAM, description="hearth: nonces of the signed calls orchestrators admitted",
         subjects=[CALL_NONCES_SUBJECTS], retention=RetentionPolicy.LIMITS, storage=StorageType.FILE,
         discard=DiscardPolicy.NEW, max_age=call_nonces_max_age_s, max_bytes=call_nonces_max_bytes,
-        max_msg_size=call_nonce_value_max_bytes, max_msgs_per_subject=1, num_replicas=replicas,
+        max_msg_size=call_nonce_message_max_bytes, max_msgs_per_subject=1, num_replicas=replicas,
         allow_msg_ttl=True, allow_rollup_hdrs=False, deny_delete=True, deny_purge=True, allow_direct=True)
 
 
@@ -80,7 +82,7 @@ class MeshNonces:
         # The broker counts a TTL in whole seconds; never below one, never past what the bucket keeps.
         self.window_s = max(1, min(math.ceil(window_s), int(call_nonces_max_age_s)))
         if window_s > call_nonces_max_age_s:
-            log.warning("the nonce window (%g s, twice [events] max_clock_skew_s) is longer than the mesh-wide "
+            log.warning("the nonce window (%g s, three times [events] max_clock_skew_s) is longer than the mesh-wide "
                         "record keeps nonces (%g s): a call replayed to another orchestrator later than that is "
                         "not refused", window_s, call_nonces_max_age_s)
         self._js = js
