@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from nats.js import JetStreamContext
@@ -154,12 +154,19 @@ async def ensure_streams(js: JetStreamContext, *, replicas: int = cluster_stream
     On a cluster each stream gets `replicas` copies (an R1 stream of an earlier single server is scaled up);
     a single server, which refuses more than one, gets one: every process can call this, wherever it runs."""
     for spec in STREAM_SPECS:
-        try:
-            await _ensure_stream(js, spec.config(replicas=replicas))
-        except APIError as error:
-            if error.err_code != _REPLICAS_NEED_A_CLUSTER_ERR_CODE or replicas == 1:
-                raise
-            await _ensure_stream(js, spec.config(replicas=1))
+        await ensure_stream(js, spec.config, replicas=replicas)
+
+
+async def ensure_stream(js: JetStreamContext, config: Callable[..., StreamConfig], *,
+                        replicas: int = cluster_stream_replicas) -> None:
+    """Create the stream `config(replicas=...)` renders, or bring an existing one to it: `replicas` copies on a
+    cluster, one on a single server (which refuses more)."""
+    try:
+        await _ensure_stream(js, config(replicas=replicas))
+    except APIError as error:
+        if error.err_code != _REPLICAS_NEED_A_CLUSTER_ERR_CODE or replicas == 1:
+            raise
+        await _ensure_stream(js, config(replicas=1))
 
 
 async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:

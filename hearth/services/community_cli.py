@@ -324,9 +324,10 @@ def streams_command(
         "--nats", help="The community's broker (default: $HEARTH_NATS_URL or [nats] url; a cluster's URLs "
                        "comma-separated); TLS as [nats] tls_* say.", show_default=False)] = None,
 ) -> None:
-    """Create the event streams on the community's broker, or bring them to the current spec, with the steward's
-    system key (DIR/keys/system.nk): on a community broker no other member may. `hearth nats --community` does
-    this itself at start; run it for a broker started otherwise (compose.yaml runs it once)."""
+    """Create the event streams and the orchestrators' call-nonce bucket on the community's broker, or bring them to
+    the current spec, with the steward's system key (DIR/keys/system.nk): on a community broker no other member may.
+    `hearth nats --community` does this itself at start; run it for a broker started otherwise (compose.yaml runs it
+    once)."""
     from hearth.services.broker.streams import create_community_streams
     from hearth.services.common.lifecycle import run_event_loop
     from hearth.services.broker.connection import BrokerUnreachable

@@ -1,5 +1,6 @@
 """A community folder on disk: `roster.json` (shared with every member) and `keys/<name>.nk` for the member keys
-generated here (each mode 0600, handed to its member), among them `keys/system.nk`, the steward's own key."""
+generated here (each mode 0600 in a folder of mode 0700, handed to its member), among them `keys/system.nk`, the
+steward's own key; each written atomically (hearth/trust/keys.py, write_private_file)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """A member's Ed25519 key pair as a NATS nkey: create it, keep its seed in a mode-0600 file, sign, and verify a
-signature from a public key alone, and seal a secret to a member so only its seed opens it.
+signature from a public key alone, and seal a secret to a member so only its seed opens it; and the files only their
+owner may read (write_private_file, read_private_file), seeds among them.
 
 The seed file is the same one nats-server's nkey authentication reads (`nkeys_seed` in nats-py), so one file
 both logs a process into the broker and signs what it says. nkeys' own KeyPair cannot verify from a public key
@@ -10,8 +11,11 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
+import errno
 import os
 import secrets
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,7 +24,9 @@ import nacl.public
 import nacl.signing
 import nkeys
 
-SEED_FILE_MODE = 0o600
+# A file only its owner may read, and a folder of them only its owner may enter.
+PRIVATE_FILE_MODE = 0o600
+PRIVATE_FOLDER_MODE = 0o700
 USER_PUBLIC_KEY_LENGTH = 56  # base32 of prefix byte + 32 key bytes + 2 CRC bytes
 PUBLIC_KEY_PATTERN = r"^U[A-Z2-7]{55}$"
 
@@ -66,14 +72,13 @@ class MemberKey:
             raise KeyFileError(f"{path}: {error}") from None
 
     def save(self, path: Path) -> None:
-        """Write the seed to a new file created with mode 0600 (never replacing an existing key)."""
-        path.parent.mkdir(parents=True, exist_ok=True)
+        """Write the seed to a new private file (write_private_file), never replacing an existing key; a folder made
+        for it is private too."""
+        path.parent.mkdir(mode=PRIVATE_FOLDER_MODE, parents=True, exist_ok=True)
         try:
-            descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, SEED_FILE_MODE)
+            write_private_file(path, self.seed + b"\n", replace=False)
         except FileExistsError:
             raise KeyFileError(f"{path} exists; not replacing a key") from None
-        with os.fdopen(descriptor, "wb") as handle:
-            handle.write(self.seed + b"\n")
 
     def sign(self, data: bytes) -> bytes:
         return self._pair.sign(data)
@@ -93,6 +98,29 @@ class MemberKey:
 
     def __repr__(self) -> str:  # never the seed
         return f"MemberKey(public_key={self.public_key!r})"
+
+
+def write_private_file(path: Path, data: bytes, *, replace: bool = True) -> None:
+    """Write `data` to `path` atomically and privately: through a temporary file in the same folder, created mode
+    0600 whatever the umask (mkstemp) and synced, then renamed over `path`, so that no one else can read it at any
+    moment and a reader sees the old file or the whole new one, never part of it; a failed write leaves nothing
+    behind. `replace=False`: FileExistsError when `path` exists (linked in, which never replaces). A link found at
+    `path` is refused (OSError ELOOP), not written through nor silently replaced: someone planted it."""
+    if path.is_symlink():
+        raise OSError(errno.ELOOP, "a link is where a private file goes", str(path))
+    descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(descriptor, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        if replace:
+            os.replace(temporary, path)
+        else:
+            os.link(temporary, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temporary)
 
 
 def read_private_file(path: Path, what: str) -> bytes:

@@ -4,8 +4,6 @@ community shares, plus the folder layout `hearth community` writes (roster and g
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from collections.abc import Sequence
 from datetime import datetime, timezone
 from pathlib import Path
@@ -13,7 +11,7 @@ from typing import Literal
 
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from hearth.trust.keys import PUBLIC_KEY_PATTERN, check_public_key
+from hearth.trust.keys import PUBLIC_KEY_PATTERN, check_public_key, write_private_file
 
 Role = Literal["shard", "orchestrator", "projector", "client", "auditor", "system"]
 # The roles `hearth community add` gives; `system` is the steward's own key, made once by `community init`, which
@@ -186,12 +184,10 @@ class Roster(BaseModel):
             raise RosterError(f"{path} is not a hearth roster: {where}: {first['msg']}") from None
 
     def save(self, path: Path) -> None:
-        """Replace the file atomically, so a reader never sees half a roster."""
+        """Replace the file atomically, so a reader never sees half a roster, mode 0600 (write_private_file): it
+        holds only public keys, but names a household's members and machines, and every member has its own copy."""
         path.parent.mkdir(parents=True, exist_ok=True)
-        text = json.dumps(self.model_dump(mode="json"), indent=2) + "\n"
-        with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=".roster-", delete=False) as handle:
-            handle.write(text)
-        os.replace(handle.name, path)
+        write_private_file(path, (json.dumps(self.model_dump(mode="json"), indent=2) + "\n").encode())
 
 
 def new_roster(community: str) -> Roster:

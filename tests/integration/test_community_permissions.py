@@ -9,10 +9,13 @@ import nats
 import pytest
 from nats.errors import NoServersError
 
+from hearth.events.streams import StreamSetup
 from hearth.protocol.subjects import orchestrator_request_subject, shard_events_subject_of_node
 from hearth.services.common.config import NatsSettings
 from hearth.services.broker.connection import BrokerRefusedCredentials, connect_nats, flush_ordered
 from hearth.services.broker.permissions import render_authorization
+from hearth.services.broker.streams import create_community_streams
+from hearth.services.common.call_nonces import CALL_NONCES_BUCKET, CALL_NONCES_STREAM, MeshNonces
 from hearth.services.broker.server import EmbeddedNatsServer, NatsServerError, server_start_timeout_s
 from hearth.trust.community import Community
 from hearth.trust.keys import MemberKey
@@ -126,6 +129,37 @@ async def test_each_role_gets_only_its_own_subjects(community_server):
             await orchestrator.nc.close()
     finally:
         for member in (shard, client, auditor):
+            await member.nc.close()
+
+
+async def test_only_orchestrators_record_call_nonces_and_nobody_reads_or_clears_them(community_server):
+    community, server = community_server
+    await create_community_streams(NatsSettings(url=server.url), community.system_key_path, ready_timeout_s=10)
+    settings = NatsSettings(url=server.url, creds_file=community.directory / "keys" / "orch.nk", connect_timeout_s=5)
+    nc = await connect_nats(settings=settings, name="test-orch")
+    try:  # through its own inbox and the steward's bucket, as a running orchestrator records one
+        nonces = MeshNonces(nc.jetstream(), window_s=60, recorded_by="orch")
+        await nonces.ready(StreamSetup(create=False, wait_s=5))
+        signer = MemberKey.load(community.directory / "keys" / "alice.nk").public_key
+        assert await nonces.first_on_mesh(signer, "ab" * 16)
+        assert not await nonces.first_on_mesh(signer, "ab" * 16)
+    finally:
+        await nc.close()
+    record = f"$KV.{CALL_NONCES_BUCKET}.{signer}.{'cd' * 16}"
+    members = [await Member(community, name).connect(server.url) for name in ("alice", "shard-a", "eve", "orch")]
+    client, shard, auditor, orchestrator = members
+    try:
+        for member in (client, shard, auditor):
+            assert await member.refused(lambda nc: nc.publish(record, b"x")), member.name
+            assert await member.refused(lambda nc: nc.publish(f"$JS.API.STREAM.INFO.{CALL_NONCES_STREAM}", b"")), \
+                member.name
+        assert not await orchestrator.refused(lambda nc: nc.publish(record, b"orch"))
+        for verb in ("DIRECT.GET", "STREAM.MSG.GET", "STREAM.PURGE", "STREAM.DELETE", "STREAM.UPDATE",
+                     "CONSUMER.CREATE"):
+            api_subject = f"$JS.API.{verb}.{CALL_NONCES_STREAM}"
+            assert await orchestrator.refused(lambda nc: nc.publish(api_subject, b"{}")), verb
+    finally:
+        for member in members:
             await member.nc.close()
 
 

@@ -65,6 +65,7 @@ def test_every_service_logs_in_with_a_key_the_community_service_made_for_its_rol
     assert local(gateway[gateway.index("--community") + 1]) == community_dir
     api_key = (community_dir / "you.api-key").read_text().strip()
     assert api_key and api_key not in (community_dir / "api_keys.json").read_text()
+    assert (community_dir / "you.api-key").stat().st_mode & 0o077 == 0  # the shell writes it under umask 077
     assert "you" in (community_dir / "api_keys.json").read_text()
     for node in NATS_NODES:
         for option in ("--tls-cert", "--tls-key", "--tls-ca"):

@@ -33,13 +33,13 @@ def call_on(subject: str, signed_for: str, key: MemberKey) -> SimpleNamespace:
                            headers=signed_call_headers(key, signed_for, REPLY, BODY))
 
 
-def test_a_call_on_the_orchestrator_s_own_subject_is_checked_against_that_subject():
+async def test_a_call_on_the_orchestrator_s_own_subject_is_checked_against_that_subject():
     orchestrator, alice = orchestrator_of_a_community()
     own = orchestrator_request_subject("orch-a")
-    assert orchestrator._caller_admitted(call_on(own, own, alice)) == "alice"
+    assert await orchestrator._caller_admitted(call_on(own, own, alice)) == "alice"
     # Signed for the queue group's subject and sent on to ours (or the other way round): not what was signed.
     for subject, signed_for in ((own, CHAT_REQUEST_SUBJECT), (CHAT_REQUEST_SUBJECT, own)):
-        refusal = orchestrator._caller_admitted(call_on(subject, signed_for, alice))
+        refusal = await orchestrator._caller_admitted(call_on(subject, signed_for, alice))
         assert isinstance(refusal, ErrorFrame) and refusal.code == "unauthorized", (subject, signed_for)
 
 

@@ -12,6 +12,10 @@ streams its role needs. Creating, updating, deleting, purging or sealing a strea
 every other verb belong to the `system` member alone (the steward's own key, made by `hearth community init`,
 which also creates the streams: hearth/events/streams.py), which is also the only one that may subscribe to `>`.
 
+The orchestrators' record of signed calls' nonces (hearth/services/common/call_nonces.py, a key-value bucket): only
+orchestrators write it (call_nonces_recording: publish into the bucket and look its stream up), nobody reads it
+through the API, and only `system` administers it.
+
 The community's weights (hearth/services/weights_store.py, the object store WEIGHTS_BUCKET): shard hosts and
 orchestrators read them (weights_store_reading); only `system` writes them (`hearth weights publish` with the steward's
 key).
@@ -24,6 +28,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from hearth.events.streams import ALL_STREAMS, SHARDS_STREAM
+from hearth.services.common.call_nonces import CALL_NONCES_STREAM, CALL_NONCES_SUBJECTS
 from hearth.protocol.subjects import (
     INTEGRITY_EVENTS_WILDCARD,
     PIPELINE_EVENTS_WILDCARD,
@@ -108,6 +113,12 @@ def weights_store_reading() -> tuple[str, ...]:
             f"{JS_API}.CONSUMER.CREATE.{WEIGHTS_STREAM}", f"{JS_API}.STREAM.NAMES")
 
 
+def call_nonces_recording() -> tuple[str, ...]:
+    """Record a call's nonce (a create into the bucket; the ack comes back to one's own inbox) and look the bucket's
+    stream up at start (wait_for_streams): no read, no consumer, no administration."""
+    return (CALL_NONCES_SUBJECTS, f"{JS_API}.STREAM.INFO.{CALL_NONCES_STREAM}")
+
+
 def role_permissions(role: Role, name: str, caller_inboxes: Iterable[str] = ()) -> Permissions:
     """What a member of `role` named `name` may publish and subscribe to; `caller_inboxes`: the inbox prefixes
     of the members that may call an orchestrator (its frames go there)."""
@@ -135,7 +146,7 @@ def role_permissions(role: Role, name: str, caller_inboxes: Iterable[str] = ()) 
             publish=(PIPELINE_EVENTS_WILDCARD, INTEGRITY_EVENTS_WILDCARD, "hearth.ctl.>", "hearth.act.>",
                      "hearth.ack.>", "hearth.keepalive.>",
                      *(f"{prefix}.>" for prefix in sorted(set(caller_inboxes))), *stream_reading(ALL_STREAMS),
-                     *weights_store_reading()),
+                     *weights_store_reading(), *call_nonces_recording()),
             # Every activation link, not only those into itself: it taps the links between its pipelines' hops to
             # check what each hop computed (hearth/services/orchestrator/recording.py). Another orchestrator's links are
             # sealed under keys it never had, so it learns nothing from them.

@@ -1,7 +1,7 @@
-"""Creates (or brings to the current spec) the event streams on a community's broker with the steward's own key,
-the `system` member's: on a community broker no other member may administer a stream
-(hearth/services/broker/permissions.py), so `hearth nats --community`, `hearth community streams` and LocalCluster
-call this once the broker is up."""
+"""Creates (or brings to the current spec) the event streams and the orchestrators' call-nonce bucket
+(hearth/services/common/call_nonces.py) on a community's broker with the steward's own key, the `system` member's: on a
+community broker no other member may administer a stream (hearth/services/broker/permissions.py), so `hearth nats
+--community`, `hearth community streams` and LocalCluster call this once the broker is up."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from hearth.events.streams import StreamsIncompatible, ensure_streams
+from hearth.services.common.call_nonces import ensure_call_nonces
 from hearth.services.common.config import NatsSettings
 from hearth.services.broker.connection import steward_connection
 
@@ -22,13 +23,15 @@ retry_interval_s = 0.5
 
 
 async def create_community_streams(nats: NatsSettings, system_key: Path, *, ready_timeout_s: float) -> None:
-    """Connect to `nats.url` as the steward (`system_key`) and ensure both streams (three copies on a cluster,
-    one on a single server), trying again for up to `ready_timeout_s` while JetStream is not ready yet."""
+    """Connect to `nats.url` as the steward (`system_key`) and ensure both streams and the call-nonce bucket (three
+    copies on a cluster, one on a single server), trying again for up to `ready_timeout_s` while JetStream is not
+    ready yet."""
     async with steward_connection(nats, system_key) as nc:
         deadline = time.monotonic() + ready_timeout_s
         while True:
             try:
                 await ensure_streams(nc.jetstream())
+                await ensure_call_nonces(nc.jetstream())
                 return
             except StreamsIncompatible:  # no later try passes: say so now
                 raise

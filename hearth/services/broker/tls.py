@@ -4,13 +4,14 @@ authority (CA, a server certificate for the broker's host names, a client certif
 from __future__ import annotations
 
 import datetime
-import os
 import ipaddress
 import re
 import ssl
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from hearth.trust.keys import PRIVATE_FOLDER_MODE, write_private_file
 
 if TYPE_CHECKING:
     from cryptography import x509
@@ -91,7 +92,7 @@ def write_throwaway_ca(directory: Path, host_names: tuple[str, ...] = ("localhos
     from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
     alt_names = [certificate_host_name(host) for host in host_names]
-    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    directory.mkdir(mode=PRIVATE_FOLDER_MODE, parents=True, exist_ok=True)
     now = datetime.datetime.now(datetime.timezone.utc)
     valid_until = now + datetime.timedelta(days=validity_days)
 
@@ -99,12 +100,10 @@ def write_throwaway_ca(directory: Path, host_names: tuple[str, ...] = ("localhos
         return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
 
     def write_key(path: Path, key) -> None:
-        # Created mode 0600 (never readable by others, not even for a moment), never through a link planted there.
-        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-        with os.fdopen(descriptor, "wb") as handle:
-            os.fchmod(handle.fileno(), 0o600)
-            handle.write(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
+        # Created mode 0600 and renamed into place (never readable by others, not even for a moment; a key made
+        # again replaces the old one whole), never through a link planted there.
+        write_private_file(path, key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                   serialization.NoEncryption()))
 
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_name = name("hearth throwaway CA")

@@ -3,7 +3,8 @@ an Ed25519 signature over subject, reply inbox, timestamp, nonce and body), and 
 signer against the roster, the trust it requires, the clock and the nonces it has seen.
 
 The signature covers the reply inbox, so a captured call replayed elsewhere cannot send its answer to a new
-place; the nonce cache (kept for twice the allowed clock skew) refuses a replay to the same place.
+place; the nonce cache (kept for twice the allowed clock skew) refuses a replay to the same place, and an
+orchestrator's mesh-wide record (hearth/services/common/call_nonces.py) one to another orchestrator of the mesh.
 
 Each header must have exactly the form signers write (a member's public key, a finite decimal timestamp, 32 hex
 characters of nonce, a base64 Ed25519 signature) before anything else is done with it: a call with a huge nonce
@@ -79,10 +80,12 @@ def signed_by(public_key: str, subject: str, reply: str, body: bytes, headers: M
 
 @dataclass(frozen=True)
 class CallRefused:
-    """Why a call is not accepted; `reason` is a short code for metrics, `message` for the caller."""
+    """Why a call is not accepted; `reason` is a short code for metrics, `message` for the caller; `retry_after_s`
+    set: it may be retried (newly signed) after that long, nothing was wrong with it."""
 
     reason: str
     message: str
+    retry_after_s: float | None = None
 
 
 class CallVerifier:
@@ -102,6 +105,12 @@ class CallVerifier:
         # What is signed and who checks it, as refusals name them ("the open's timestamp ... this shard's clock").
         self.signed, self.receiver = signed, receiver
         self._seen: OrderedDict[str, float] = OrderedDict()
+
+    @property
+    def nonce_window_s(self) -> float:
+        """How long a nonce is remembered: a call's timestamp may be max_clock_skew_s ahead of this clock when it
+        first comes, and is refused as stale once it is max_clock_skew_s behind."""
+        return 2 * self.max_clock_skew_s
 
     def check(self, subject: str, reply: str, body: bytes, headers: Mapping[str, str] | None,
               now_s: float | None = None) -> Member | CallRefused:
@@ -146,7 +155,7 @@ class CallVerifier:
         return member.role if member is not None else None
 
     def _remember(self, nonce: str, now_s: float) -> bool:
-        horizon_s = now_s - 2 * self.max_clock_skew_s
+        horizon_s = now_s - self.nonce_window_s
         while self._seen and (next(iter(self._seen.values())) < horizon_s
                               or len(self._seen) >= max_remembered_nonces):
             self._seen.popitem(last=False)

@@ -12,9 +12,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
-import os
 import secrets
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,13 +22,12 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from hearth.trust.keys import KeyFileError, MemberKey, read_private_file
+from hearth.trust.keys import KeyFileError, MemberKey, read_private_file, write_private_file
 from hearth.trust.roster import CALLER_ROLES, MEMBER_NAME_PATTERN, ROSTER_FILE, Roster, RosterError, seed_path
 
 log = logging.getLogger(__name__)
 
 API_KEYS_FILE = "api_keys.json"
-API_KEYS_FILE_MODE = 0o600
 API_KEY_PREFIX = "hearth-"
 api_key_random_bytes = 32
 BEARER = "bearer "
@@ -79,13 +76,9 @@ def _read_keys_file(path: Path) -> ApiKeysFile:
 
 
 def _write_keys_file(path: Path, keys: ApiKeysFile) -> None:
-    """Replace the file atomically, created mode 0600 (a reader never sees half of it)."""
+    """Replace the file atomically, created mode 0600 (write_private_file: a reader never sees half of it)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=".api_keys-")
-    with os.fdopen(descriptor, "w") as handle:  # mkstemp creates it mode 0600
-        handle.write(keys.model_dump_json(indent=2) + "\n")
-    os.replace(temporary, path)
-    os.chmod(path, API_KEYS_FILE_MODE)
+    write_private_file(path, (keys.model_dump_json(indent=2) + "\n").encode())
 
 
 def _member_key(community_dir: Path, roster: Roster, name: str) -> MemberKey:

@@ -26,6 +26,7 @@ from hearth.inference.compute_thread import StepThreads
 from hearth.readmodels.catch_up import read_model_caught_up
 from hearth.readmodels.retention import retention_policy
 from hearth.readmodels.runner import Projector
+from hearth.services.common.call_nonces import MeshNonces
 from hearth.services.common.call_signing import CallRefused
 from hearth.protocol.chat import (
     BadRequest,
@@ -44,7 +45,6 @@ from hearth.services.common.event_trust import (
     node_membership,
     stream_setup,
 )
-from hearth.services.common.metrics import counter
 from hearth.services.common.lifecycle import owned_task
 from hearth.services.common.scratch_folders import ScratchFolder
 from hearth.services.broker.connection import flush_ordered
@@ -65,19 +65,14 @@ from hearth.services.orchestrator.guards import RangeGuards
 from hearth.services.orchestrator.discovery import describe_models, is_advertised
 from hearth.services.orchestrator.head_batcher import HeadSteps
 from hearth.services.orchestrator.health import RecentFailures
-from hearth.services.orchestrator.metrics import calls_in_flight, count_request, observe_event
+from hearth.services.orchestrator.metrics import (calls_by_caller_total, calls_in_flight, calls_refused_total,
+                                                  count_request, observe_event)
 from hearth.services.orchestrator.pipeline import PipelineRun
 from hearth.services.orchestrator.queue import Admission, FairQueue, LeftQueue, Overloaded
 from hearth.services.transport.headers import header_bytes
 from hearth.services.orchestrator.router import ShardRouter
 
 log = logging.getLogger(__name__)
-calls_refused_total = counter("hearth_calls_refused_total", "Calls refused as unauthorized, by reason", ["reason"])
-calls_by_caller_total = counter("hearth_calls_total", "Signed calls accepted, by the calling member", ["caller"])
-# foreign_reply: a request whose reply subject is not a caller's inbox; it gets no answer at all.
-for _reason in ("unsigned", "malformed", "unknown_signer", "bad_signature", "stale", "replayed", "untrusted",
-                "role_may_not_call", "foreign_reply"):
-    calls_refused_total.labels(_reason)  # read 0, not nothing, before any refusal
 
 ORCHESTRATOR_QUEUE_GROUP = "hearth-orchestrators"
 error_message_chars = 500
@@ -110,8 +105,10 @@ class Orchestrator:
                                   retry_wait_s=settings.orchestrator.event_retry_wait_s,
                                   publish_delay_s=settings.orchestrator.event_publish_delay_s,
                                   signing_key=event_signing_key(settings.nats))
-        # Calls must be signed by a roster member on a community mesh; None on an open one.
+        # Calls signed by a roster member, each nonce recorded mesh-wide, on a community mesh; None on an open one.
         self.call_verifier = call_verifier(settings)
+        self.call_nonces = None if self.call_verifier is None else MeshNonces.for_calls_of(
+            self.call_verifier, self.js, recorded_by=node_id)
         # Calls beyond what may run now wait here, round-robin by caller (hearth/services/orchestrator/queue.py).
         limits = settings.orchestrator
         self.queue = FairQueue(max_running=distributed.max_concurrent_pipelines,
@@ -128,6 +125,8 @@ class Orchestrator:
 
     async def start(self) -> None:
         await self.projector.start()
+        if self.call_nonces is not None:
+            await self.call_nonces.ready(stream_setup(self.settings.nats))
         self.outbox.start()
         distributed = self.settings.research.distributed_inference
         verification = self.settings.verification
@@ -242,7 +241,7 @@ class Orchestrator:
             return
         if self._reply_refused(msg):
             return
-        caller = self._caller_admitted(msg)
+        caller = await self._caller_admitted(msg)
         if isinstance(caller, ErrorFrame):
             refusal = caller
             # Refused before any work on the call (no inbox watch, no keepalives, no parsing): one frame and done,
@@ -290,18 +289,21 @@ class Orchestrator:
             with contextlib.suppress(Exception):  # the broker may be away; the next one tries again
                 await client.keep_alive(interval_s)
 
-    def _caller_admitted(self, msg: Msg) -> str | None | ErrorFrame:
+    async def _caller_admitted(self, msg: Msg) -> str | None | ErrorFrame:
         """The calling member's name (None on an open mesh), or the frame refusing the call: its body or headers
-        over their limits, its signature refused, or its caller's share full (else it is counted in it)."""
+        over their limits, its signature or its nonce (seen on the mesh) refused, or its caller's share full."""
         refusal = self._oversized(msg)
         if refusal is not None:
             return refusal
         caller = None
         if self.call_verifier is not None:
             checked = self.call_verifier.check(msg.subject, msg.reply, msg.data, msg.headers)
+            if self.call_nonces is not None and not isinstance(checked, CallRefused):  # before its share is spent
+                checked = await self.call_nonces.admitted(checked, msg.headers)
             if isinstance(checked, CallRefused):
                 calls_refused_total.labels(checked.reason).inc()
-                return ErrorFrame(seq=0, code="unauthorized", message=checked.message)
+                return ErrorFrame(seq=0, code="overloaded" if checked.retry_after_s else "unauthorized",
+                                  message=checked.message, retry_after_s=checked.retry_after_s)
             caller = checked.name
             calls_by_caller_total.labels(caller).inc()  # roster names only: a bounded label set
         overloaded = self.queue.arrive(caller)
