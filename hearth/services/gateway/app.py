@@ -250,8 +250,7 @@ class GatewayApp:
             raise self._error(frame)
         choices = [ChoiceAnswer(answer.text, [token.logprobs for token in answer.frames if token.logprobs is not None]
                                 if with_logprobs else None) for answer in answers]
-        completion_tokens = sum(len(answer.frames) for answer in answers) if withdrawals else None
-        return JSONResponse(shape.whole_choices(choices, frame, completion_tokens).model_dump())
+        return JSONResponse(shape.whole_choices(choices, frame, _kept_tokens(answers, withdrawals)).model_dump())
 
     async def _events(self, route: str, call: MeshCall, shape: AnswerShape, first: AnswerFrame,
                       answers: list[AnswerTokens], include_usage: bool) -> AsyncIterator[bytes]:
@@ -271,12 +270,14 @@ class GatewayApp:
         # Per choice: tokens of its answer up to the last one that made a chunk (what a withdrawal must not reach).
         shown_tokens = [0] * len(answers)
         opened: set[int] = set()
+        withdrawals = False
         frame = first
         while isinstance(frame, (TokenDeltaFrame, TokensWithdrawnFrame)):
             answer = _take(answers, frame)
             if answer is None:
                 pass  # a choice the request did not ask for: nothing of it is shown
             elif isinstance(frame, TokensWithdrawnFrame):
+                withdrawals = True
                 if frame.kept_tokens < shown_tokens[answer.choice]:
                     # Sent chunks cannot be taken back: the client must learn the text is not to be trusted.
                     error = tokens_withdrawn(frame, len(answer.text))
@@ -303,7 +304,9 @@ class GatewayApp:
                 if rest is not None:
                     ending += sse_event(rest)
                 ending += sse_event(shape.ending(frame, choice))
-            yield ending + (sse_event(shape.usage(frame)) if include_usage else b"")
+            if include_usage:
+                ending += sse_event(shape.usage(frame, _kept_tokens(answers, withdrawals)))
+            yield ending
             yield SSE_DONE
         else:
             # Too late for an HTTP status: the stream ends with an error event, as OpenAI's does.
@@ -319,6 +322,11 @@ def _take(answers: list[AnswerTokens], frame: TokenDeltaFrame | TokensWithdrawnF
         return None
     answers[choice].take(frame)
     return answers[choice]
+
+
+def _kept_tokens(answers: list[AnswerTokens], withdrawals: bool) -> int | None:
+    """The answer's tokens that stand, every choice's, when some were withdrawn (None: the orchestrator's count)."""
+    return sum(len(answer.frames) for answer in answers) if withdrawals else None
 
 
 def _opening(shape: AnswerShape, choice: int, opened: set[int]) -> bytes:
