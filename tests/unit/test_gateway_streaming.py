@@ -1,15 +1,24 @@
 """The gateway's streams as OpenAI's own client reads them, over scripted frame streams without a network: a
-streamed answer says what the whole answer says."""
+streamed answer says what the whole answer says, and a refusal the client may send again says when."""
 
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
+import httpx2
 import pytest
+from nats.errors import ConnectionClosedError, NoRespondersError
+from nats.errors import TimeoutError as NatsTimeoutError
 
-from tests.unit.test_gateway_openai_conformance import openai_client
+from hearth.protocol.chat import ErrorFrame, PipelineAbortedFrame
+from hearth.services.common.config import HearthSettings
+from hearth.services.gateway.app import create_app
+from hearth.services.gateway.errors import GatewayError
+from hearth.services.gateway.mesh import Gateway
+from tests.unit.test_gateway_openai_conformance import BrokerClosedGateway, openai_client
 from tests.unit.test_withdrawn_tokens import (  # noqa: F401 (gateway is a fixture)
-    MODEL, done, events_of, failover, gateway, token, withdrawn,
+    MODEL, ScriptedGateway, chat_body, done, events_of, failover, gateway, token, withdrawn,
 )
 
 LOOKUP = {"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}
@@ -77,3 +86,44 @@ async def test_a_stream_s_usage_leaves_withdrawn_tokens_out_as_the_whole_answer_
 
 async def scripted_completion(http, **fields):
     return await http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", **fields})
+
+
+@pytest.mark.parametrize("final", [
+    ErrorFrame(seq=1, code="shard_unavailable", message="no live shards cover layers 0-1"),
+    PipelineAbortedFrame(seq=1, code="pipeline_stalled", reason="broker gone"),
+    ErrorFrame(seq=1, code="orchestrator_gone", message="silent"),
+])
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_503_says_when_to_try_again(gateway, final, stream):
+    """Retry-After goes with a 503 as with a 429 ([gateway] retry_after_s): the mesh cannot serve the call now."""
+    http, scripted = gateway
+    scripted.scripts.append([final])
+    response = await http.post("/v1/chat/completions", json=chat_body(stream=stream))
+    assert (response.status_code, response.headers.get("retry-after")) == (503, "1")
+    assert response.json()["error"]["code"] == final.code
+
+
+async def test_a_503_of_the_gateway_s_own_broker_connection_or_of_the_model_list_says_when_to_try_again():
+    class SilentCatalogGateway(ScriptedGateway):
+        async def models(self):
+            raise ConnectionClosedError
+
+    for scripted, path in ((BrokerClosedGateway(tokens=0), "/v1/chat/completions"),
+                           (SilentCatalogGateway(), "/v1/models")):
+        transport = httpx2.ASGITransport(app=create_app(scripted), raise_app_exceptions=False)
+        async with httpx2.AsyncClient(transport=transport, base_url="http://gateway") as http:
+            response = await (http.post(path, json=chat_body()) if path.endswith("completions") else http.get(path))
+        assert (response.status_code, response.headers.get("retry-after")) == (503, "1"), path
+        assert response.json()["error"]["code"] == "nats_disconnected"
+
+
+@pytest.mark.parametrize("failure", [NoRespondersError, NatsTimeoutError])
+async def test_a_model_list_no_orchestrator_answers_says_when_to_try_again(failure):
+    async def request(subject, data, timeout):
+        raise failure
+
+    gateway = Gateway(SimpleNamespace(is_connected=True, request=request), HearthSettings(), keyring=None)
+    with pytest.raises(GatewayError) as refused:
+        await gateway.models()
+    response = refused.value.response()
+    assert (response.status_code, response.headers.get("retry-after")) == (503, "1")

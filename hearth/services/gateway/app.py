@@ -165,7 +165,7 @@ class GatewayApp:
         except GatewayError:
             raise
         except Exception as error:
-            raise _unforeseen(request.url.path, error) from None
+            raise self._unforeseen(request.url.path, error) from None
         return [ModelCard(id=model.id) for model in reply.models if model.complete or model.runnable_locally]
 
     async def chat_completions(self, request: Request) -> Response:
@@ -216,7 +216,7 @@ class GatewayApp:
         except (ClientGone, ClientDisconnect):
             return Response(status_code=CLIENT_CLOSED_STATUS)
         except Exception as error:
-            return _unforeseen(request.url.path, error).response()
+            return self._unforeseen(request.url.path, error).response()
         finally:
             if call is not None:
                 with anyio.CancelScope(shield=True):
@@ -225,6 +225,9 @@ class GatewayApp:
 
     def _error(self, frame) -> GatewayError:
         return from_frame(frame, self.gateway.settings.gateway.retry_after_s)
+
+    def _unforeseen(self, route: str, error: Exception) -> GatewayError:
+        return _unforeseen(route, error, self.gateway.settings.gateway.retry_after_s)
 
     async def _body(self, request: Request, body_model):
         limit = self.gateway.settings.orchestrator.max_request_bytes
@@ -263,7 +266,7 @@ class GatewayApp:
                 yield sse_event(error.body())
             except Exception as error:
                 # Too late for a status: an error event, which the client raises, not a stream that just stops.
-                yield sse_event(_unforeseen(route, error).body())
+                yield sse_event(self._unforeseen(route, error).body())
 
     async def _events_of_answer(self, route: str, call: MeshCall, shape: AnswerShape, first: AnswerFrame,
                                 answers: list[AnswerTokens], include_usage: bool) -> AsyncIterator[bytes]:
@@ -343,10 +346,10 @@ def _carries(frame: TokenDeltaFrame) -> bool:
     return bool(frame.text) or frame.logprobs is not None
 
 
-def _unforeseen(route: str, error: Exception) -> GatewayError:
-    """`error` as an OpenAI error, logged by its type and where it was raised: never its message, which may quote
-    the request."""
-    answer = unforeseen(error)
+def _unforeseen(route: str, error: Exception, retry_after_s: float) -> GatewayError:
+    """`error` as an OpenAI error (a 503's Retry-After `retry_after_s`), logged by its type and where it was raised:
+    never its message, which may quote the request."""
+    answer = unforeseen(error, retry_after_s)
     if answer.status >= 500 and answer.code == "internal_error":
         log.error("%s: %s raised at\n%s", route, type(error).__name__,
                   "".join(traceback.format_tb(error.__traceback__)).rstrip())

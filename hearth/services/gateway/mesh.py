@@ -37,7 +37,7 @@ from hearth.protocol.chat import (
 from hearth.protocol.subjects import MODELS_REQUEST_SUBJECT
 from hearth.services.common.config import HearthSettings
 from hearth.services.gateway.errors import (
-    GatewayError, bad_request, from_frame, overloaded, unauthenticated, unknown_model,
+    GatewayError, bad_request, from_frame, overloaded, unauthenticated, unavailable, unknown_model,
 )
 from hearth.services.gateway.conversations import ConversationPins
 from hearth.services.gateway.keys import Caller, WatchedApiKeyring, bearer_token
@@ -81,15 +81,15 @@ class Gateway:
 
     async def models(self) -> ModelsReply:
         """What `llm.models` answers now; 503 when no orchestrator answers."""
-        timeout_s = self.settings.gateway.models_timeout_s
+        timeout_s, retry_after_s = self.settings.gateway.models_timeout_s, self.settings.gateway.retry_after_s
         try:
             reply = await list_models(self.nc, timeout_s)
         except NoRespondersError:
-            raise GatewayError(503, "orchestrator_gone", f"no orchestrator is listening on {MODELS_REQUEST_SUBJECT}",
-                               type="service_unavailable_error") from None
+            raise unavailable("orchestrator_gone", f"no orchestrator is listening on {MODELS_REQUEST_SUBJECT}",
+                              retry_after_s) from None
         except (NatsTimeoutError, asyncio.TimeoutError):
-            raise GatewayError(503, "orchestrator_gone", f"no orchestrator answered {MODELS_REQUEST_SUBJECT} "
-                               f"within {timeout_s:g} s", type="service_unavailable_error") from None
+            raise unavailable("orchestrator_gone", f"no orchestrator answered {MODELS_REQUEST_SUBJECT} within "
+                              f"{timeout_s:g} s", retry_after_s) from None
         except ModelsRefused as refused:
             if refused.frame is not None:
                 raise from_frame(refused.frame, self.settings.gateway.retry_after_s) from None
