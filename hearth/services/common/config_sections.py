@@ -44,7 +44,8 @@ class GatewaySettings(ConfigSection):
     models_timeout_s: float = Field(
         default=5.0, gt=0, description="how long asking `llm.models` (GET /v1/models, a model check) may take")
     shutdown_grace_s: float = Field(
-        default=1.0, ge=0, description="at shutdown, how long calls in flight may take to finish")
+        default=1.0, ge=0, description="at shutdown, how long calls in flight may take to finish; those still open "
+        "then are answered 503 `gateway_stopping` (an error event mid-stream)")
     max_open_requests_per_caller: int = Field(
         default=4, ge=1, description="calls in flight at once of one member (all its API keys together); one "
                                      "more is refused with 429 `overloaded` and a Retry-After")

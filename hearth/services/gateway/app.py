@@ -161,7 +161,8 @@ class GatewayApp:
         try:
             caller = self.gateway.caller(request.headers.get("authorization"))
             with self.gateway.open_call(caller):  # each asks the mesh: within the member's share of calls
-                reply = await self.gateway.models()
+                async with self.gateway.stops.watch():
+                    reply = await self.gateway.models()
         except GatewayError:
             raise
         except Exception as error:
@@ -184,31 +185,33 @@ class GatewayApp:
             # cannot keep the event loop busy with more of them at once. Asking the mesh about a model name it has
             # not seen counts as an open call too.
             slot.enter_context(self.gateway.open_call(caller))
-            body = await self._body(request, body_model)
-            try:
-                chat_request = body.to_chat_request()
-            except Unsupported as error:
-                raise bad_request(str(error), error.param) from None
-            except BadRequest as error:
-                raise bad_request(str(error)) from None
-            # The size as published first: an oversized request naming an unknown model asks the mesh nothing.
-            call = self.gateway.call(chat_request, caller)
-            await self.gateway.check_model(chat_request.model)
-            model = chat_request.model or (await self.gateway.models()).default_model or "default"
-            shape = shape_class(id=id_prefix + chat_request.request_id, model=model)
-            if isinstance(shape, ChatShape):
-                shape.tools = body.may_call_tools
-            first = await unless_disconnected(request.receive, call.first_answer())
-            if not isinstance(first, (TokenDeltaFrame, DoneFrame)):
-                raise self._error(first)
-            answers = [AnswerTokens(choice=choice) for choice in range(chat_request.n)]
-            if body.stream:
-                stream = SseResponse(self._events(request.url.path, call, shape, first, answers, body.include_usage),
-                                     call, slot)
-                call, slot = None, ExitStack()  # the response owns them now
-                return stream
-            return await unless_disconnected(request.receive,
-                                             self._whole(call, shape, first, answers, chat_request.logprobs))
+            # A gateway that stops while the call is open answers it itself (CallStops), not uvicorn.
+            async with self.gateway.stops.watch():
+                body = await self._body(request, body_model)
+                try:
+                    chat_request = body.to_chat_request()
+                except Unsupported as error:
+                    raise bad_request(str(error), error.param) from None
+                except BadRequest as error:
+                    raise bad_request(str(error)) from None
+                # The size as published first: an oversized request naming an unknown model asks the mesh nothing.
+                call = self.gateway.call(chat_request, caller)
+                await self.gateway.check_model(chat_request.model)
+                model = chat_request.model or (await self.gateway.models()).default_model or "default"
+                shape = shape_class(id=id_prefix + chat_request.request_id, model=model)
+                if isinstance(shape, ChatShape):
+                    shape.tools = body.may_call_tools
+                first = await unless_disconnected(request.receive, call.first_answer())
+                if not isinstance(first, (TokenDeltaFrame, DoneFrame)):
+                    raise self._error(first)
+                answers = [AnswerTokens(choice=choice) for choice in range(chat_request.n)]
+                if body.stream:
+                    events = self._events(request.url.path, call, shape, first, answers, body.include_usage)
+                    stream = SseResponse(events, call, slot)
+                    call, slot = None, ExitStack()  # the response owns them now
+                    return stream
+                return await unless_disconnected(request.receive,
+                                                 self._whole(call, shape, first, answers, chat_request.logprobs))
         except GatewayError as error:
             if error.status >= 500 or error.status == 429:
                 log.info("%s: %s", request.url.path, error)  # the code and message only: never the prompt
@@ -298,7 +301,8 @@ class GatewayApp:
                     yield chunk
                 if frame is first:
                     first_token_seconds.labels(route).observe(time.perf_counter() - call.started)
-            frame = await call.next()
+            async with self.gateway.stops.watch():
+                frame = await call.next()
         if isinstance(frame, DoneFrame):
             ending = b""
             for choice in range(len(answers)):

@@ -86,6 +86,11 @@ def unavailable(code: str, message: str, retry_after_s: float) -> GatewayError:
     return GatewayError(503, code, message, type="service_unavailable_error", retry_after_s=retry_after_s)
 
 
+def gateway_stopping(retry_after_s: float) -> GatewayError:
+    return unavailable("gateway_stopping", "this gateway is shutting down and ended the call: send it again (to "
+                       "another gateway, or once this one is back)", retry_after_s)
+
+
 def from_frame(frame: ErrorFrame | PipelineAbortedFrame,
                default_retry_after_s: float = default_retry_after_s) -> GatewayError:
     """The HTTP error for the frame a call ended with; a 429's or 503's Retry-After is the frame's `retry_after_s`

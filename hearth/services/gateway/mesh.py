@@ -16,7 +16,7 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable
 from typing import TypeVar
 
 from nats.aio.client import Client as NatsClient
@@ -37,7 +37,7 @@ from hearth.protocol.chat import (
 from hearth.protocol.subjects import MODELS_REQUEST_SUBJECT
 from hearth.services.common.config import HearthSettings
 from hearth.services.gateway.errors import (
-    GatewayError, bad_request, from_frame, overloaded, unauthenticated, unavailable, unknown_model,
+    GatewayError, bad_request, from_frame, gateway_stopping, overloaded, unauthenticated, unavailable, unknown_model,
 )
 from hearth.services.gateway.conversations import ConversationPins
 from hearth.services.gateway.keys import Caller, WatchedApiKeyring, bearer_token
@@ -53,6 +53,42 @@ class ClientGone(Exception):
     """The HTTP client disconnected while its call was under way."""
 
 
+class CallStops:
+    """Ends the calls still open when the gateway stops (`stop()`, once `[gateway] shutdown_grace_s` has passed),
+    each with an answer of its own: 503 `gateway_stopping` with Retry-After, or that error event mid-stream. uvicorn's
+    own end of the grace would cancel them instead, which answers a plain-text 500 or cuts a stream short."""
+
+    def __init__(self, retry_after_s: float) -> None:
+        self.retry_after_s = retry_after_s
+        self.stopped = False
+        self._timeouts: set[asyncio.Timeout] = set()
+
+    @contextlib.asynccontextmanager
+    async def watch(self) -> AsyncIterator[None]:
+        """Runs its body unless the gateway stops first: GatewayError 503 `gateway_stopping` then (and at once,
+        after a stop)."""
+        if self.stopped:
+            raise gateway_stopping(self.retry_after_s)
+        # A timeout, expired by stop(): it cancels the body once, and tells that cancellation from any other.
+        try:
+            async with asyncio.timeout(None) as timeout:
+                self._timeouts.add(timeout)
+                try:
+                    yield
+                finally:
+                    self._timeouts.discard(timeout)
+        except TimeoutError:
+            if not timeout.expired():
+                raise
+            raise gateway_stopping(self.retry_after_s) from None
+
+    def stop(self) -> None:
+        self.stopped = True
+        now = asyncio.get_running_loop().time()
+        for timeout in list(self._timeouts):
+            timeout.reschedule(now)
+
+
 class Gateway:
     """State shared by every HTTP call: the connection, the keyring (None on an open mesh), the model list."""
 
@@ -63,6 +99,7 @@ class Gateway:
         self.open_calls = 0
         self.open_calls_by_member: Counter[str] = Counter()
         self._known_models: set[str] = set()
+        self.stops = CallStops(settings.gateway.retry_after_s)
         # Which orchestrator answered each recent conversation: its next turn goes there first.
         self.pins = ConversationPins(settings.gateway.remembered_conversations)
 
