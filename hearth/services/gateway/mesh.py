@@ -1,6 +1,6 @@
 """The gateway's side of the mesh: one NATS connection, who may call (API keys), which models exist, how many
-calls are open (in all and per member), and MeshCall, one `llm.chat.request` (its body within the orchestrator's
-max_request_bytes) whose frames the HTTP side reads.
+calls are open (in all and per member) and which are ended when the gateway stops (CallStops), and MeshCall, one
+`llm.chat.request` (its body within the orchestrator's max_request_bytes) whose frames the HTTP side reads.
 
 A call is signed for the member its API key belongs to (services.client.chat signs with that key), so the
 orchestrator records that member as the caller. Frames the HTTP answer does not carry (pipeline, shard status,
