@@ -37,14 +37,15 @@ class GatewaySettings(ConfigSection):
     max_open_requests: int = Field(
         default=1024, ge=1, description="calls in flight at once; one more is refused with 429 `overloaded`")
     retry_after_s: float = Field(
-        default=1.0, gt=0, description="the Retry-After of a 429 when the refusal names no wait of its own")
+        default=1.0, gt=0, description="the Retry-After of a 429 or 503 whose refusal names no wait of its own")
     api_keys_recheck_s: float = Field(
         default=1.0, gt=0, description="how often at most the gateway looks whether api_keys.json or the roster "
                                        "changed (a key made or revoked takes effect within this, no restart)")
     models_timeout_s: float = Field(
         default=5.0, gt=0, description="how long asking `llm.models` (GET /v1/models, a model check) may take")
     shutdown_grace_s: float = Field(
-        default=1.0, ge=0, description="at shutdown, how long calls in flight may take to finish")
+        default=1.0, ge=0, description="at shutdown, how long calls in flight may take to finish; those still open "
+        "then are answered 503 `gateway_stopping` (an error event mid-stream)")
     max_open_requests_per_caller: int = Field(
         default=4, ge=1, description="calls in flight at once of one member (all its API keys together); one "
                                      "more is refused with 429 `overloaded` and a Retry-After")

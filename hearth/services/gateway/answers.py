@@ -130,9 +130,10 @@ class ChatShape:
     def ending(self, done: DoneFrame, choice: int = 0) -> ChatCompletionChunk:
         return self._chunk(ChunkDelta(), choice, finish_reason(done, choice))
 
-    def usage(self, done: DoneFrame) -> ChatCompletionChunk:
+    def usage(self, done: DoneFrame, completion_tokens: int | None = None) -> ChatCompletionChunk:
+        """The usage chunk; `completion_tokens`: the answer's, when tokens were withdrawn (None: `done`'s)."""
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[],
-                                   usage=usage_of(done))
+                                   usage=usage_of(done, completion_tokens))
 
 
 @dataclass
@@ -183,8 +184,10 @@ class CompletionShape:
     def ending(self, done: DoneFrame, choice: int = 0) -> Completion:
         return self._chunk("", choice, finish_reason(done, choice))
 
-    def usage(self, done: DoneFrame) -> Completion:
-        return Completion(id=self.id, created=self.created, model=self.model, choices=[], usage=usage_of(done))
+    def usage(self, done: DoneFrame, completion_tokens: int | None = None) -> Completion:
+        """The usage chunk; `completion_tokens`: the answer's, when tokens were withdrawn (None: `done`'s)."""
+        return Completion(id=self.id, created=self.created, model=self.model, choices=[],
+                          usage=usage_of(done, completion_tokens))
 
 
 AnswerShape = ChatShape | CompletionShape

@@ -161,11 +161,12 @@ class GatewayApp:
         try:
             caller = self.gateway.caller(request.headers.get("authorization"))
             with self.gateway.open_call(caller):  # each asks the mesh: within the member's share of calls
-                reply = await self.gateway.models()
+                async with self.gateway.stops.watch():
+                    reply = await self.gateway.models()
         except GatewayError:
             raise
         except Exception as error:
-            raise _unforeseen(request.url.path, error) from None
+            raise self._unforeseen(request.url.path, error) from None
         return [ModelCard(id=model.id) for model in reply.models if model.complete or model.runnable_locally]
 
     async def chat_completions(self, request: Request) -> Response:
@@ -184,31 +185,33 @@ class GatewayApp:
             # cannot keep the event loop busy with more of them at once. Asking the mesh about a model name it has
             # not seen counts as an open call too.
             slot.enter_context(self.gateway.open_call(caller))
-            body = await self._body(request, body_model)
-            try:
-                chat_request = body.to_chat_request()
-            except Unsupported as error:
-                raise bad_request(str(error), error.param) from None
-            except BadRequest as error:
-                raise bad_request(str(error)) from None
-            # The size as published first: an oversized request naming an unknown model asks the mesh nothing.
-            call = self.gateway.call(chat_request, caller)
-            await self.gateway.check_model(chat_request.model)
-            model = chat_request.model or (await self.gateway.models()).default_model or "default"
-            shape = shape_class(id=id_prefix + chat_request.request_id, model=model)
-            if isinstance(shape, ChatShape):
-                shape.tools = body.may_call_tools
-            first = await unless_disconnected(request.receive, call.first_answer())
-            if not isinstance(first, (TokenDeltaFrame, DoneFrame)):
-                raise self._error(first)
-            answers = [AnswerTokens(choice=choice) for choice in range(chat_request.n)]
-            if body.stream:
-                stream = SseResponse(self._events(request.url.path, call, shape, first, answers, body.include_usage),
-                                     call, slot)
-                call, slot = None, ExitStack()  # the response owns them now
-                return stream
-            return await unless_disconnected(request.receive,
-                                             self._whole(call, shape, first, answers, chat_request.logprobs))
+            # A gateway that stops while the call is open answers it itself (CallStops), not uvicorn.
+            async with self.gateway.stops.watch():
+                body = await self._body(request, body_model)
+                try:
+                    chat_request = body.to_chat_request()
+                except Unsupported as error:
+                    raise bad_request(str(error), error.param) from None
+                except BadRequest as error:
+                    raise bad_request(str(error)) from None
+                # The size as published first: an oversized request naming an unknown model asks the mesh nothing.
+                call = self.gateway.call(chat_request, caller)
+                await self.gateway.check_model(chat_request.model)
+                model = chat_request.model or (await self.gateway.models()).default_model or "default"
+                shape = shape_class(id=id_prefix + chat_request.request_id, model=model)
+                if isinstance(shape, ChatShape):
+                    shape.tools = body.may_call_tools
+                first = await unless_disconnected(request.receive, call.first_answer())
+                if not isinstance(first, (TokenDeltaFrame, DoneFrame)):
+                    raise self._error(first)
+                answers = [AnswerTokens(choice=choice) for choice in range(chat_request.n)]
+                if body.stream:
+                    events = self._events(request.url.path, call, shape, first, answers, body.include_usage)
+                    stream = SseResponse(events, call, slot)
+                    call, slot = None, ExitStack()  # the response owns them now
+                    return stream
+                return await unless_disconnected(request.receive,
+                                                 self._whole(call, shape, first, answers, chat_request.logprobs))
         except GatewayError as error:
             if error.status >= 500 or error.status == 429:
                 log.info("%s: %s", request.url.path, error)  # the code and message only: never the prompt
@@ -216,7 +219,7 @@ class GatewayApp:
         except (ClientGone, ClientDisconnect):
             return Response(status_code=CLIENT_CLOSED_STATUS)
         except Exception as error:
-            return _unforeseen(request.url.path, error).response()
+            return self._unforeseen(request.url.path, error).response()
         finally:
             if call is not None:
                 with anyio.CancelScope(shield=True):
@@ -225,6 +228,9 @@ class GatewayApp:
 
     def _error(self, frame) -> GatewayError:
         return from_frame(frame, self.gateway.settings.gateway.retry_after_s)
+
+    def _unforeseen(self, route: str, error: Exception) -> GatewayError:
+        return _unforeseen(route, error, self.gateway.settings.gateway.retry_after_s)
 
     async def _body(self, request: Request, body_model):
         limit = self.gateway.settings.orchestrator.max_request_bytes
@@ -250,8 +256,7 @@ class GatewayApp:
             raise self._error(frame)
         choices = [ChoiceAnswer(answer.text, [token.logprobs for token in answer.frames if token.logprobs is not None]
                                 if with_logprobs else None) for answer in answers]
-        completion_tokens = sum(len(answer.frames) for answer in answers) if withdrawals else None
-        return JSONResponse(shape.whole_choices(choices, frame, completion_tokens).model_dump())
+        return JSONResponse(shape.whole_choices(choices, frame, _kept_tokens(answers, withdrawals)).model_dump())
 
     async def _events(self, route: str, call: MeshCall, shape: AnswerShape, first: AnswerFrame,
                       answers: list[AnswerTokens], include_usage: bool) -> AsyncIterator[bytes]:
@@ -264,19 +269,21 @@ class GatewayApp:
                 yield sse_event(error.body())
             except Exception as error:
                 # Too late for a status: an error event, which the client raises, not a stream that just stops.
-                yield sse_event(_unforeseen(route, error).body())
+                yield sse_event(self._unforeseen(route, error).body())
 
     async def _events_of_answer(self, route: str, call: MeshCall, shape: AnswerShape, first: AnswerFrame,
                                 answers: list[AnswerTokens], include_usage: bool) -> AsyncIterator[bytes]:
         # Per choice: tokens of its answer up to the last one that made a chunk (what a withdrawal must not reach).
         shown_tokens = [0] * len(answers)
         opened: set[int] = set()
+        withdrawals = False
         frame = first
         while isinstance(frame, (TokenDeltaFrame, TokensWithdrawnFrame)):
             answer = _take(answers, frame)
             if answer is None:
                 pass  # a choice the request did not ask for: nothing of it is shown
             elif isinstance(frame, TokensWithdrawnFrame):
+                withdrawals = True
                 if frame.kept_tokens < shown_tokens[answer.choice]:
                     # Sent chunks cannot be taken back: the client must learn the text is not to be trusted.
                     error = tokens_withdrawn(frame, len(answer.text))
@@ -294,7 +301,8 @@ class GatewayApp:
                     yield chunk
                 if frame is first:
                     first_token_seconds.labels(route).observe(time.perf_counter() - call.started)
-            frame = await call.next()
+            async with self.gateway.stops.watch():
+                frame = await call.next()
         if isinstance(frame, DoneFrame):
             ending = b""
             for choice in range(len(answers)):
@@ -303,7 +311,9 @@ class GatewayApp:
                 if rest is not None:
                     ending += sse_event(rest)
                 ending += sse_event(shape.ending(frame, choice))
-            yield ending + (sse_event(shape.usage(frame)) if include_usage else b"")
+            if include_usage:
+                ending += sse_event(shape.usage(frame, _kept_tokens(answers, withdrawals)))
+            yield ending
             yield SSE_DONE
         else:
             # Too late for an HTTP status: the stream ends with an error event, as OpenAI's does.
@@ -321,6 +331,11 @@ def _take(answers: list[AnswerTokens], frame: TokenDeltaFrame | TokensWithdrawnF
     return answers[choice]
 
 
+def _kept_tokens(answers: list[AnswerTokens], withdrawals: bool) -> int | None:
+    """The answer's tokens that stand, every choice's, when some were withdrawn (None: the orchestrator's count)."""
+    return sum(len(answer.frames) for answer in answers) if withdrawals else None
+
+
 def _opening(shape: AnswerShape, choice: int, opened: set[int]) -> bytes:
     """`choice`'s opening event the first time it is asked for (nothing after, nor where the shape has none)."""
     if choice in opened:
@@ -335,10 +350,10 @@ def _carries(frame: TokenDeltaFrame) -> bool:
     return bool(frame.text) or frame.logprobs is not None
 
 
-def _unforeseen(route: str, error: Exception) -> GatewayError:
-    """`error` as an OpenAI error, logged by its type and where it was raised: never its message, which may quote
-    the request."""
-    answer = unforeseen(error)
+def _unforeseen(route: str, error: Exception, retry_after_s: float) -> GatewayError:
+    """`error` as an OpenAI error (a 503's Retry-After `retry_after_s`), logged by its type and where it was raised:
+    never its message, which may quote the request."""
+    answer = unforeseen(error, retry_after_s)
     if answer.status >= 500 and answer.code == "internal_error":
         log.error("%s: %s raised at\n%s", route, type(error).__name__,
                   "".join(traceback.format_tb(error.__traceback__)).rstrip())

@@ -65,7 +65,7 @@ async def run_gateway(hearth_settings, nats_url: str, *, community_dir: Path | N
     from hearth.services.common.metrics import serve_process_metrics
     from hearth.services.broker.connection import connect_nats, drain_or_close
     from hearth.services.gateway.app import create_app
-    from hearth.services.gateway.http_server import server_config
+    from hearth.services.gateway.http_server import server_config, stop_serving
     from hearth.services.gateway.keys import ApiKeyError, WatchedApiKeyring
     from hearth.services.gateway.mesh import Gateway
 
@@ -81,7 +81,8 @@ async def run_gateway(hearth_settings, nats_url: str, *, community_dir: Path | N
             raise CommandRefused(str(error)) from None
     nc = await unless_stopped(connect_nats(nats_url, name="hearth-gateway", settings=hearth_settings.nats), stop_event)
     gateway_settings = hearth_settings.gateway
-    server = Server(server_config(create_app(Gateway(nc, hearth_settings, keyring)), gateway_settings))
+    gateway = Gateway(nc, hearth_settings, keyring)
+    server = Server(server_config(create_app(gateway), gateway_settings))
     serving = asyncio.create_task(server.serve(sockets=[sock]), name="uvicorn")
     metrics_server = None
     try:
@@ -103,9 +104,7 @@ async def run_gateway(hearth_settings, nats_url: str, *, community_dir: Path | N
     finally:
         if metrics_server is not None:
             metrics_server.stop()
-        server.should_exit = True
-        with contextlib.suppress(Exception, asyncio.CancelledError):
-            await asyncio.wait_for(serving, timeout=gateway_settings.shutdown_grace_s + 1.0)
+        await stop_serving(server, serving, gateway_settings.shutdown_grace_s, gateway.stops.stop)
         await drain_or_close(nc, hearth_settings.nats.drain_timeout_s)
 
 

@@ -40,7 +40,7 @@ _BROKER_DOWN = (ConnectionClosedError, ConnectionDrainingError, ConnectionReconn
 
 @dataclass
 class GatewayError(Exception):
-    """A call that ends in an HTTP error; `retry_after_s` sets Retry-After (429)."""
+    """A call that ends in an HTTP error; `retry_after_s` sets Retry-After (429, 503: the call may be sent again)."""
 
     status: int
     code: str
@@ -81,10 +81,20 @@ def overloaded(message: str, retry_after_s: float) -> GatewayError:
     return GatewayError(429, "overloaded", message, type="rate_limit_error", retry_after_s=retry_after_s)
 
 
+def unavailable(code: str, message: str, retry_after_s: float) -> GatewayError:
+    """A 503: the mesh cannot serve the call now; Retry-After says when to send it again."""
+    return GatewayError(503, code, message, type="service_unavailable_error", retry_after_s=retry_after_s)
+
+
+def gateway_stopping(retry_after_s: float) -> GatewayError:
+    return unavailable("gateway_stopping", "this gateway is shutting down and ended the call: send it again (to "
+                       "another gateway, or once this one is back)", retry_after_s)
+
+
 def from_frame(frame: ErrorFrame | PipelineAbortedFrame,
                default_retry_after_s: float = default_retry_after_s) -> GatewayError:
-    """The HTTP error for the frame a call ended with; a 429's Retry-After is the frame's `retry_after_s` (an
-    orchestrator's admission queue names one) or `default_retry_after_s` ([gateway] retry_after_s)."""
+    """The HTTP error for the frame a call ended with; a 429's or 503's Retry-After is the frame's `retry_after_s`
+    (an orchestrator's admission queue names one) or `default_retry_after_s` ([gateway] retry_after_s)."""
     message = frame.message if isinstance(frame, ErrorFrame) else frame.reason
     if frame.code == "bad_request" and message.startswith(_UNKNOWN_MODEL_PREFIX):
         return GatewayError(404, "model_not_found", message, param="model")
@@ -93,7 +103,7 @@ def from_frame(frame: ErrorFrame | PipelineAbortedFrame,
         code = "context_length_exceeded" if CONTEXT_EXCEEDED in message else "bad_request"
         return GatewayError(400, code, message, param=field[1] if field else None)
     status, error_type = _FRAME_STATUS.get(frame.code, (500, "server_error"))
-    retry_after_s = (getattr(frame, "retry_after_s", None) or default_retry_after_s) if status == 429 else None
+    retry_after_s = (getattr(frame, "retry_after_s", None) or default_retry_after_s) if status in (429, 503) else None
     return GatewayError(status, frame.code, message, type=error_type, retry_after_s=retry_after_s)
 
 
@@ -106,12 +116,12 @@ def tokens_withdrawn(frame: TokensWithdrawnFrame, kept_characters: int) -> Gatew
                         "request again for a whole answer", type="server_error")
 
 
-def unforeseen(error: Exception) -> GatewayError:
-    """The OpenAI error for an exception no other answer covers: 503 `nats_disconnected` when the broker connection
-    cannot carry the call, else 500 `internal_error` (its message only names the exception's type: a message may
-    quote the request)."""
+def unforeseen(error: Exception, retry_after_s: float = default_retry_after_s) -> GatewayError:
+    """The OpenAI error for an exception no other answer covers: 503 `nats_disconnected` (with `retry_after_s`) when
+    the broker connection cannot carry the call, else 500 `internal_error` (its message only names the exception's
+    type: a message may quote the request)."""
     if isinstance(error, _BROKER_DOWN):
-        return GatewayError(503, "nats_disconnected", "the gateway's connection to the mesh's broker is down "
-                            f"({type(error).__name__}); try again", type="service_unavailable_error")
+        return unavailable("nats_disconnected", "the gateway's connection to the mesh's broker is down "
+                           f"({type(error).__name__}); try again", retry_after_s)
     return GatewayError(500, "internal_error", f"the gateway failed ({type(error).__name__}); its log says where",
                         type="server_error")

@@ -10,11 +10,17 @@ uvicorn has no write timeout either: a client that stops reading a streamed answ
 answers to requests it pipelined, would hold its connection (and a call's slot) as long as it likes, so the
 transport's own flow control, pausing as soon as a byte waits, arms a second timer while it holds writing paused, and
 drops the connection when the client has not read for that long.
+At shutdown calls in flight have `[gateway] shutdown_grace_s` to finish; the gateway then ends those still open with
+an answer of its own (503 `gateway_stopping`, or that error event mid-stream: services.gateway.mesh.CallStops), and
+uvicorn cancels only what has not answered `stopped_calls_answer_s` later (its cancellation answers a plain-text 500,
+or cuts a stream short).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Callable
 
 import h11
 import uvicorn
@@ -34,6 +40,8 @@ _REQUEST_TIMEOUT_BODY = b"request read timeout"
 _REQUEST_TIMEOUT_RESPONSE = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: text/plain; charset=utf-8\r\n"
                              b"content-length: %d\r\nconnection: close\r\n\r\n%s"
                              % (len(_REQUEST_TIMEOUT_BODY), _REQUEST_TIMEOUT_BODY))
+# How long after the grace the calls ended by the gateway have to answer before uvicorn cancels them.
+stopped_calls_answer_s = 2.0
 # The client's states in which its request is still arriving (h11: nothing yet, or its body).
 _RECEIVING = (h11.IDLE, h11.SEND_BODY)
 
@@ -133,6 +141,18 @@ def server_config(app, settings: GatewaySettings) -> uvicorn.Config:
     return uvicorn.Config(
         app, http=request_deadline_protocol(settings.request_read_timeout_s, settings.write_stall_timeout_s),
         ws="none", lifespan="off",
-        access_log=False, log_level="warning", timeout_graceful_shutdown=settings.shutdown_grace_s,
+        access_log=False, log_level="warning",
+        timeout_graceful_shutdown=settings.shutdown_grace_s + stopped_calls_answer_s,
         timeout_keep_alive=settings.keep_alive_timeout_s, limit_concurrency=settings.max_connections,
         backlog=settings.listen_backlog, h11_max_incomplete_event_size=settings.max_header_bytes)
+
+
+async def stop_serving(server: uvicorn.Server, serving: asyncio.Task, grace_s: float,
+                       end_open_calls: Callable[[], None]) -> None:
+    """Stop `server` (`serving`: its serve() task): calls in flight have `grace_s` to finish, then `end_open_calls`
+    ends the rest with answers of their own, which they have `stopped_calls_answer_s` to send."""
+    server.should_exit = True
+    await asyncio.wait((serving,), timeout=grace_s)
+    end_open_calls()
+    with contextlib.suppress(Exception, asyncio.CancelledError):
+        await asyncio.wait_for(serving, timeout=stopped_calls_answer_s + 1.0)

@@ -1,6 +1,6 @@
 """The gateway's side of the mesh: one NATS connection, who may call (API keys), which models exist, how many
-calls are open (in all and per member), and MeshCall, one `llm.chat.request` (its body within the orchestrator's
-max_request_bytes) whose frames the HTTP side reads.
+calls are open (in all and per member) and which are ended when the gateway stops (CallStops), and MeshCall, one
+`llm.chat.request` (its body within the orchestrator's max_request_bytes) whose frames the HTTP side reads.
 
 A call is signed for the member its API key belongs to (services.client.chat signs with that key), so the
 orchestrator records that member as the caller. Frames the HTTP answer does not carry (pipeline, shard status,
@@ -16,7 +16,7 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable
 from typing import TypeVar
 
 from nats.aio.client import Client as NatsClient
@@ -37,7 +37,7 @@ from hearth.protocol.chat import (
 from hearth.protocol.subjects import MODELS_REQUEST_SUBJECT
 from hearth.services.common.config import HearthSettings
 from hearth.services.gateway.errors import (
-    GatewayError, bad_request, from_frame, overloaded, unauthenticated, unknown_model,
+    GatewayError, bad_request, from_frame, gateway_stopping, overloaded, unauthenticated, unavailable, unknown_model,
 )
 from hearth.services.gateway.conversations import ConversationPins
 from hearth.services.gateway.keys import Caller, WatchedApiKeyring, bearer_token
@@ -53,6 +53,42 @@ class ClientGone(Exception):
     """The HTTP client disconnected while its call was under way."""
 
 
+class CallStops:
+    """Ends the calls still open when the gateway stops (`stop()`, once `[gateway] shutdown_grace_s` has passed),
+    each with an answer of its own: 503 `gateway_stopping` with Retry-After, or that error event mid-stream. uvicorn's
+    own end of the grace would cancel them instead, which answers a plain-text 500 or cuts a stream short."""
+
+    def __init__(self, retry_after_s: float) -> None:
+        self.retry_after_s = retry_after_s
+        self.stopped = False
+        self._timeouts: set[asyncio.Timeout] = set()
+
+    @contextlib.asynccontextmanager
+    async def watch(self) -> AsyncIterator[None]:
+        """Runs its body unless the gateway stops first: GatewayError 503 `gateway_stopping` then (and at once,
+        after a stop)."""
+        if self.stopped:
+            raise gateway_stopping(self.retry_after_s)
+        # A timeout, expired by stop(): it cancels the body once, and tells that cancellation from any other.
+        try:
+            async with asyncio.timeout(None) as timeout:
+                self._timeouts.add(timeout)
+                try:
+                    yield
+                finally:
+                    self._timeouts.discard(timeout)
+        except TimeoutError:
+            if not timeout.expired():
+                raise
+            raise gateway_stopping(self.retry_after_s) from None
+
+    def stop(self) -> None:
+        self.stopped = True
+        now = asyncio.get_running_loop().time()
+        for timeout in list(self._timeouts):
+            timeout.reschedule(now)
+
+
 class Gateway:
     """State shared by every HTTP call: the connection, the keyring (None on an open mesh), the model list."""
 
@@ -63,6 +99,7 @@ class Gateway:
         self.open_calls = 0
         self.open_calls_by_member: Counter[str] = Counter()
         self._known_models: set[str] = set()
+        self.stops = CallStops(settings.gateway.retry_after_s)
         # Which orchestrator answered each recent conversation: its next turn goes there first.
         self.pins = ConversationPins(settings.gateway.remembered_conversations)
 
@@ -81,15 +118,15 @@ class Gateway:
 
     async def models(self) -> ModelsReply:
         """What `llm.models` answers now; 503 when no orchestrator answers."""
-        timeout_s = self.settings.gateway.models_timeout_s
+        timeout_s, retry_after_s = self.settings.gateway.models_timeout_s, self.settings.gateway.retry_after_s
         try:
             reply = await list_models(self.nc, timeout_s)
         except NoRespondersError:
-            raise GatewayError(503, "orchestrator_gone", f"no orchestrator is listening on {MODELS_REQUEST_SUBJECT}",
-                               type="service_unavailable_error") from None
+            raise unavailable("orchestrator_gone", f"no orchestrator is listening on {MODELS_REQUEST_SUBJECT}",
+                              retry_after_s) from None
         except (NatsTimeoutError, asyncio.TimeoutError):
-            raise GatewayError(503, "orchestrator_gone", f"no orchestrator answered {MODELS_REQUEST_SUBJECT} "
-                               f"within {timeout_s:g} s", type="service_unavailable_error") from None
+            raise unavailable("orchestrator_gone", f"no orchestrator answered {MODELS_REQUEST_SUBJECT} within "
+                              f"{timeout_s:g} s", retry_after_s) from None
         except ModelsRefused as refused:
             if refused.frame is not None:
                 raise from_frame(refused.frame, self.settings.gateway.retry_after_s) from None

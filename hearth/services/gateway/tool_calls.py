@@ -46,9 +46,10 @@ def tool_call_of(text: str) -> ToolCallBody | None:
 
 
 class ToolCallStream:
-    """Splits a streamed answer into text or one tool call: until its first character that is not blank it holds
-    the text back; an answer opening with ``{`` is a call, whose name goes out once its arguments start and whose
-    arguments go out as they come (all but the object's closing brace, which only the end may release)."""
+    """Splits a streamed answer into text or one tool call by its first character, as the orchestrator's grammar
+    does (hearth/services/orchestrator/constrained.py): an answer opening with ``{`` is a call, whose name goes out
+    once its arguments start and whose arguments go out as they come (all but the object's closing brace, which only
+    the end may release); one opening with anything else, a blank included, is text, sent as it comes."""
 
     def __init__(self) -> None:
         self.is_call: bool | None = None
@@ -60,13 +61,9 @@ class ToolCallStream:
     def take(self, text: str) -> tuple[str, list[ToolCallBody]]:
         """Text to send as content, and tool-call fragments to send, for the answer's next piece of text."""
         self.text += text
-        if self.is_call is None:
-            stripped = self.text.lstrip()
-            if not stripped:
-                return "", []
-            self.is_call = stripped.startswith("{")
-            if not self.is_call:
-                return self.text, []
+        if self.is_call is None and self.text:
+            # Not after blanks: a text answer may open with " {" (the grammar's text is anything but "{" first).
+            self.is_call = self.text.startswith("{")
         if not self.is_call:
             return text, []
         return "", self._fragments(final=False)
@@ -75,7 +72,7 @@ class ToolCallStream:
         """What is still held back when the answer ends."""
         if self.is_call:
             return "", self._fragments(final=True)
-        return ("" if self.is_call is not None else self.text), []
+        return "", []  # text went out as it came
 
     def _fragments(self, *, final: bool) -> list[ToolCallBody]:
         start = self.text.find(_ARGUMENTS_KEY)
