@@ -1,6 +1,7 @@
 """The Mesh panels against the router: on stand-in read-model rows, a panel's SQL (macros expanded as Grafana's
 SQLite plugin expands them) shows a shard live, a layer covered and a model servable exactly when the router
-(hearth/services/orchestrator/router.py) would use them."""
+(hearth/services/orchestrator/router.py) would use them; and the Pipelines panels count every call, routed or
+not."""
 
 from __future__ import annotations
 
@@ -12,11 +13,13 @@ from pathlib import Path
 import pytest
 from sqlalchemy.orm import sessionmaker
 
+from hearth.events.models import PipelineAborted, PipelineFallbackLocal
 from hearth.services.common.config import DistributedInferenceSettings
 from hearth.services.common.sqlite_read_only import open_read_only
 from hearth.services.dashboards.grafana_json import dashboard_json
 from hearth.services.dashboards.macros import TimeRange, run_panel_sql
 from hearth.services.dashboards.panels import DASHBOARDS
+from hearth.services.dashboards.status import status_tables
 from hearth.services.orchestrator.router import RoutingError, ShardRouter
 from tests.readmodel_helpers import (MODEL_ID, WEIGHTS_SHA, LogBuilder, advertised, apply_all, at, heartbeat,
                                      migrated_engine)
@@ -138,3 +141,20 @@ def test_the_routing_settings_decide_liveness_and_every_one_a_panel_names_is_a_d
         assert set(constants) == named, dashboard.title
         for name in named:
             assert constants[name]["type"] == "constant" and float(constants[name]["query"]) == getattr(ROUTING, name)
+
+
+def test_a_call_that_never_got_a_chain_is_counted_where_it_ended(tmp_path):
+    refused = PipelineAborted(node_id="hub", pipeline_id="p-refused", code="shard_unavailable",
+                              reason="no healthy shard covers layers 4-7", occurred_at=at(30))
+    gone_local = PipelineFallbackLocal(node_id="hub", pipeline_id="p-local", reason="no healthy shard",
+                                       occurred_at=at(90))
+    db = read_model(tmp_path / "rm.sqlite", [advertised(0, 3, "a"), refused, gone_local])
+    now_s = epoch(120)
+    assert panel_rows(db, "Aborts by code", now_s) == [{"code": "shard_unavailable", "aborts": 1}]
+    assert [(row["time"], row["outcome"], row["calls"]) for row in panel_rows(
+        db, "Calls per minute by outcome", now_s)] == [(epoch(0), "aborted", 1), (epoch(60), "fallback_local", 1)]
+    assert [(row["time"], row["kind"], row["events"]) for row in panel_rows(
+        db, "Failovers and fallbacks per minute", now_s)] == [(epoch(60), "fallback_local", 1)]
+    with contextlib.closing(open_read_only(db)) as connection:
+        calls = status_tables(connection, now_s)[-1]
+    assert calls.row_count == 2

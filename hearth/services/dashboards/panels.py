@@ -26,15 +26,34 @@ def in_range(column: str) -> str:
     return f"{column} BETWEEN $__from / 1000 AND $__to / 1000"
 
 
+# When a call counts (its CALL_AT): when its pipeline was built or, for a call that never got one (refused at routing,
+# then aborted or fallen back to local: no constructed_at), when it ended or last changed, so the calls the mesh
+# could not route are not missing from the panels that count calls: COALESCE(constructed_at, finished_at, updated_at).
+# CALL_AT in the dashboard's range, as two ranges the constructed_at index serves (SQLite's OR by union).
+CALLS_IN_RANGE = (f"({in_range('constructed_at')} OR (constructed_at IS NULL AND "
+                  f"{in_range('COALESCE(finished_at, updated_at)')}))")
+
+
+def calls_per_minute(label: str, condition: str = "1") -> str:
+    """(time, label, calls): the calls meeting `condition` per minute of CALL_AT in the dashboard's range, by
+    `label` (an expression on pipelines' columns). Two branches, so the routed calls, nearly all, are counted from
+    the covering index alone; the unrouted ones are looked up by their NULL constructed_at."""
+    return f"""SELECT time, label, SUM(calls) AS calls FROM (
+  SELECT $__unixEpochGroupSeconds(constructed_at, 60) AS time, {label} AS label, COUNT(*) AS calls FROM pipelines
+  WHERE {in_range('constructed_at')} AND {condition} GROUP BY 1, 2
+  UNION ALL
+  SELECT $__unixEpochGroupSeconds(ended_at, 60) AS time, {label} AS label, COUNT(*) AS calls FROM (
+    SELECT COALESCE(finished_at, updated_at) AS ended_at, * FROM pipelines WHERE constructed_at IS NULL AND {condition})
+  WHERE {in_range('ended_at')} GROUP BY 1, 2
+) GROUP BY 1, 2"""
+
+
 # Every shard verification has spoken about (hearth/readmodels/reputation.py), quarantined ones first.
 REPUTATION_SQL = """SELECT COALESCE(node_id, '') AS node, shard_id AS shard, status, checks, verified_positions,
        mismatches, disputes, datetime(status_since, 'unixepoch') AS since, COALESCE(status_reason, '') AS reason
 FROM shard_reputation ORDER BY status = 'quarantined' DESC, mismatches DESC, disputes DESC, shard"""
 
-CALLS_BY_OUTCOME_SQL = f"""SELECT $__unixEpochGroupSeconds(constructed_at, 60) AS time, status AS outcome,
-       COUNT(*) AS calls
-FROM pipelines WHERE {in_range('constructed_at')}
-GROUP BY 1, 2 ORDER BY 1, 2"""
+CALLS_BY_OUTCOME_SQL = f"""SELECT time, label AS outcome, calls FROM ({calls_per_minute('status')}) ORDER BY 1, 2"""
 
 
 def minute_percentiles_sql(prefix: str, unit_suffix: str = "") -> str:
@@ -102,8 +121,9 @@ PIPELINES = Dashboard(
     panels=(
         SqlPanel(
             "Calls per minute by outcome", "timeseries", CALLS_BY_OUTCOME_SQL, ("time", "outcome", "calls"),
-            "Calls by the minute they started; outcome is the pipeline's status (completed, aborted, "
-            "fallback_local, or still streaming).", bars=True,
+            "Calls by the minute their pipeline was built, or, for a call no chain could be built for (refused "
+            "at routing, then aborted or fallen back to local), the minute it ended; outcome is the pipeline's "
+            "status (completed, aborted, fallback_local, or still streaming).", bars=True,
         ),
         SqlPanel(
             "Time to first token p50 / p95", "timeseries", minute_percentiles_sql("ttft", "_ms"),
@@ -119,16 +139,16 @@ PIPELINES = Dashboard(
             f"""SELECT $__unixEpochGroupSeconds(occurred_at, 60) AS time, 'failover' AS kind, COUNT(*) AS events
 FROM failovers WHERE {in_range('occurred_at')} GROUP BY 1
 UNION ALL
-SELECT $__unixEpochGroupSeconds(constructed_at, 60) AS time, 'fallback_local' AS kind, COUNT(*) AS events
-FROM pipelines WHERE {in_range('constructed_at')} AND fell_back_to_local = 1 GROUP BY 1
+SELECT time, label AS kind, calls AS events FROM ({calls_per_minute("'fallback_local'", 'fell_back_to_local = 1')})
 ORDER BY time""",
             ("time", "kind", "events"), bars=True,
         ),
         SqlPanel(
             "Aborts by code", "barchart",
             f"""SELECT error_code AS code, COUNT(*) AS aborts FROM pipelines
-WHERE status = 'aborted' AND {in_range('constructed_at')} GROUP BY error_code ORDER BY aborts DESC, code""",
-            ("code", "aborts"),
+WHERE status = 'aborted' AND {CALLS_IN_RANGE} GROUP BY error_code ORDER BY aborts DESC, code""",
+            ("code", "aborts"), "Calls counted as in Calls per minute by outcome, so those refused at routing "
+            "(shard_unavailable, weights_mismatch) are here too.",
         ),
         PromPanel(
             "Calls in flight and queued",

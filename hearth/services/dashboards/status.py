@@ -22,7 +22,7 @@ from hearth.protocol.quarantine import quarantined_nodes
 from hearth.services.common.display import display_cell
 from hearth.services.common.sqlite_read_only import open_read_only
 from hearth.services.dashboards.macros import TimeRange, run_panel_sql
-from hearth.services.dashboards.panels import REPUTATION_SQL
+from hearth.services.dashboards.panels import CALLS_IN_RANGE, REPUTATION_SQL
 from hearth.services.dashboards.routing_sql import (LAYER_REPLICAS_CTE, MODELS_SQL, ROUTING_VARIABLES,
                                                     SHARDS_ADVERTISED_SQL)
 
@@ -31,9 +31,9 @@ RECENT_CALLS_S = 3600
 LAYER_REPLICAS_SQL = f"""{LAYER_REPLICAS_CTE}
 SELECT model_id, quantization, substr(weights_sha256, 1, 12), layer, replicas FROM layer_replicas
 ORDER BY model_id, quantization, weights_sha256, layer"""
-CALLS_BY_OUTCOME_SQL = """SELECT status AS outcome, COUNT(*) AS calls, ROUND(AVG(ttft_ms)) AS mean_ttft_ms,
+CALLS_BY_OUTCOME_SQL = f"""SELECT status AS outcome, COUNT(*) AS calls, ROUND(AVG(ttft_ms)) AS mean_ttft_ms,
        ROUND(AVG(tokens_per_second), 1) AS mean_tokens_per_s
-FROM pipelines WHERE constructed_at BETWEEN $__from / 1000 AND $__to / 1000 GROUP BY status ORDER BY calls DESC"""
+FROM pipelines WHERE {CALLS_IN_RANGE} GROUP BY status ORDER BY calls DESC"""
 
 
 def coverage_text(layer_replicas: list[tuple[int, int]]) -> str:
