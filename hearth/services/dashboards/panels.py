@@ -48,6 +48,12 @@ def calls_per_minute(label: str, condition: str = "1") -> str:
 ) GROUP BY 1, 2"""
 
 
+def node_of_shard_sql(column: str) -> str:
+    """hearth/protocol/subjects.py's node_of_shard in SQL: what follows the shard id's last `@` (the id itself when it
+    has none), for the shards whose rows the retention pruned while their totals stay."""
+    return f"substr({column}, length(rtrim({column}, replace({column}, '@', ''))) + 1)"
+
+
 # Every shard verification has spoken about (hearth/readmodels/reputation.py), quarantined ones first.
 REPUTATION_SQL = """SELECT COALESCE(node_id, '') AS node, shard_id AS shard, status, checks, verified_positions,
        mismatches, disputes, datetime(status_since, 'unixepoch') AS since, COALESCE(status_reason, '') AS reason
@@ -193,18 +199,22 @@ SHARD_HOSTS = Dashboard(
         ),
         SqlPanel(
             "Tokens through each host per day", "timeseries",
-            """SELECT shard_tokens_daily.day AS time, COALESCE(shards.node_id, shard_tokens_daily.shard_id) AS host,
+            f"""SELECT shard_tokens_daily.day AS time,
+       COALESCE(shards.node_id, {node_of_shard_sql('shard_tokens_daily.shard_id')}) AS host,
        SUM(shard_tokens_daily.tokens) AS tokens
 FROM shard_tokens_daily LEFT JOIN shards ON shards.shard_id = shard_tokens_daily.shard_id
 WHERE shard_tokens_daily.day BETWEEN $__from / 1000 - 86399 AND $__to / 1000
 GROUP BY 1, 2 ORDER BY 1, 2""",
             ("time", "host", "tokens"),
             "Prompt and generated tokens of completed calls per UTC day, on the hops that finished them (a "
-            "failed-over host's part is counted on its replacement; shard_tokens_daily).", bars=True,
+            "failed-over host's part is counted on its replacement; a host holding two hops of a call counts it "
+            "on each; shard_tokens_daily). A host is its shards' node, also once the retention pruned their "
+            "advertisements (the node the shard id names).", bars=True,
         ),
         SqlPanel(
             "Reputation: pipelines joined, failovers caused, corruption detected", "table",
-            """SELECT COALESCE(shards.node_id, '') AS node, shard_stats.shard_id AS shard,
+            f"""SELECT COALESCE(shards.node_id, {node_of_shard_sql('shard_stats.shard_id')}) AS node,
+       shard_stats.shard_id AS shard,
        shard_stats.tokens_served AS tokens_served, shard_stats.pipelines_joined AS pipelines_joined,
        shard_stats.failovers_caused AS failovers_caused,
        shard_stats.corruption_detections AS corruption_detections
