@@ -111,9 +111,9 @@ REPUTATION_OF_SHARD = """CASE WHEN shard_states.reputation_status = 'quarantined
 
 SHARDS_ADVERTISED_SQL = f"""WITH {SHARD_STATES_CTE}
 SELECT node_id AS node, model_id AS model, quantization, layer_lo || '-' || layer_hi AS layers, dtype,
-       state, {NOW_S} - last_seen AS heartbeat_age_s, memory_required_mb AS memory_mb,
-       active_streams, queue_depth, p95_latency_ms AS p95_step_ms, shard_id AS shard,
-       {SHORT_WEIGHTS.format(column='weights_sha256')} AS weights, {REPUTATION_OF_SHARD} AS reputation
+       state, {NOW_S} - last_seen AS heartbeat_age_s, p95_latency_ms AS p95_step_ms,
+       {REPUTATION_OF_SHARD} AS reputation, memory_required_mb AS memory_mb, active_streams, queue_depth,
+       shard_id AS shard, {SHORT_WEIGHTS.format(column='weights_sha256')} AS weights
 FROM shard_states WHERE {LISTED}
 ORDER BY model_id, quantization, layer_lo, node_id"""
 
