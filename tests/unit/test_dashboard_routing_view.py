@@ -8,12 +8,15 @@ from __future__ import annotations
 import contextlib
 import re
 import sqlite3
+import time
 from pathlib import Path
 
 import pytest
 from sqlalchemy.orm import sessionmaker
+from typer.testing import CliRunner
 
 from hearth.events.models import PipelineAborted, PipelineFallbackLocal
+from hearth.services.cli import app
 from hearth.services.common.config import DistributedInferenceSettings
 from hearth.services.common.sqlite_read_only import open_read_only
 from hearth.services.dashboards.grafana_json import dashboard_json
@@ -21,7 +24,7 @@ from hearth.services.dashboards.macros import TimeRange, run_panel_sql
 from hearth.services.dashboards.panels import DASHBOARDS
 from hearth.services.dashboards.status import status_tables
 from hearth.services.orchestrator.router import RoutingError, ShardRouter
-from tests.readmodel_helpers import (MODEL_ID, WEIGHTS_SHA, LogBuilder, advertised, apply_all, at, heartbeat,
+from tests.readmodel_helpers import (MODEL_ID, T0, WEIGHTS_SHA, LogBuilder, advertised, apply_all, at, heartbeat,
                                      migrated_engine)
 
 PANELS = {panel.title: panel for dashboard in DASHBOARDS for panel in dashboard.sql_panels}
@@ -175,3 +178,22 @@ def test_a_hosts_tokens_and_counters_stay_under_its_name_once_its_shard_rows_are
     nodes = [row["node"] for row in panel_rows(
         db, "Reputation: pipelines joined, failovers caused, corruption detected", epoch(0))]
     assert nodes == ["a", "a"]
+
+
+def test_hearth_status_judges_liveness_with_its_configurations_health_timeout(tmp_path, monkeypatch):
+    now_rel = time.time() - T0.timestamp()  # the command reads the wall clock
+    db = read_model(tmp_path / "rm.sqlite", [
+        advertised(0, 7, "quiet", t=now_rel - 45), advertised(0, 7, "chatty", t=now_rel - 45),
+        heartbeat(f"{MODEL_ID}:0-7@chatty", t=now_rel - 1, node="chatty")])
+    monkeypatch.setenv("COLUMNS", "250")
+    config = tmp_path / "hearth.toml"
+    config.write_text("[research.distributed_inference]\nshard_health_timeout_s = 120\n")
+
+    def state_of_quiet(*options: str) -> str:
+        result = CliRunner().invoke(app, [*options, "status", "--db", str(db)])
+        assert result.exit_code == 0, result.output
+        [row] = [line for line in result.output.splitlines() if "│ quiet " in line]
+        return row
+
+    assert " stale " in state_of_quiet()  # silent 45 s: past the default 30 s
+    assert " live " in state_of_quiet("--config", str(config))
