@@ -163,7 +163,7 @@ def test_hearth_status_shows_models_shards_and_calls(read_model):
     assert "completed" in screen and "aborted" in screen, screen
     cli = subprocess.run([sys.executable, "-m", "hearth.services.cli", "status", "--db", str(read_model)], cwd=ROOT,
                          capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "200"})
-    assert cli.returncode == 0 and "Shards online" in cli.stdout, cli.stdout + cli.stderr
+    assert cli.returncode == 0 and "Shards advertised" in cli.stdout, cli.stdout + cli.stderr
 
 
 def test_each_dashboard_renders_as_a_png(read_model, tmp_path):

@@ -1,4 +1,4 @@
-"""Reputation on `hearth status` and the dashboards: the shards online carry their status, the reputation table
+"""Reputation on `hearth status` and the dashboards: the shards advertised carry their status, the reputation table
 counts verified and quarantined shards (and the nodes they hold) and lists the ones with a mismatch or a dispute, a
 shard held out by its node's quarantine says which shard holds it, the panel runs."""
 
@@ -10,7 +10,8 @@ from rich.console import Console
 
 from hearth.services.common.sqlite_read_only import open_read_only
 from hearth.services.dashboards.macros import TimeRange, run_panel_sql
-from hearth.services.dashboards.panels import MODELS_SQL, REPUTATION_SQL, SHARD_HOSTS, SHARDS_ONLINE_SQL
+from hearth.services.dashboards.panels import REPUTATION_SQL, SHARD_HOSTS
+from hearth.services.dashboards.routing_sql import MODELS_SQL, SHARDS_ADVERTISED_SQL
 from hearth.protocol.quarantine import node_quarantine_reason
 from hearth.services.dashboards.status import run_status_command
 from tests.readmodel_helpers import LogBuilder, advertised, apply_all, heartbeat, migrated_engine
@@ -42,7 +43,7 @@ def test_status_shows_reputation(tmp_path):
     rows = {line.split("│")[1].strip(): line for line in screen.splitlines() if line.count("│") > 5}
     assert "quarantined" in rows["node-a"] and "relative error 0.42" in screen
     with contextlib.closing(open_read_only(path)) as connection:
-        columns, online = run_panel_sql(connection, SHARDS_ONLINE_SQL, TimeRange(now_s - 60, now_s))
+        columns, online = run_panel_sql(connection, SHARDS_ADVERTISED_SQL, TimeRange(now_s - 60, now_s))
         by_node = {row[columns.index("node")]: row[columns.index("reputation")] for row in online}
         assert by_node == {"node-a": "quarantined", "node-b": "ok", "node-c": "ok", "node-d": "unchecked"}
         columns, listed = run_panel_sql(connection, REPUTATION_SQL, TimeRange(now_s - 60, now_s))
@@ -62,7 +63,7 @@ def test_a_shard_of_a_quarantined_node_says_which_shard_holds_it(tmp_path):
     engine.dispose()
     now_s = int(shards[0].occurred_at.timestamp()) + 5
     with contextlib.closing(open_read_only(path)) as connection:
-        columns, online = run_panel_sql(connection, SHARDS_ONLINE_SQL, TimeRange(now_s - 60, now_s))
+        columns, online = run_panel_sql(connection, SHARDS_ADVERTISED_SQL, TimeRange(now_s - 60, now_s))
     by_shard = {row[columns.index("shard")]: row[columns.index("reputation")] for row in online}
     assert by_shard[restarted.shard_id] == node_quarantine_reason("node-a", shards[0].shard_id)
     assert by_shard[shards[0].shard_id] == "quarantined" and by_shard[shards[1].shard_id] == "ok"
@@ -81,4 +82,4 @@ def test_replicas_count_only_shards_routing_may_use(tmp_path):
         columns, models = run_panel_sql(connection, MODELS_SQL, TimeRange(now_s - 60, now_s))
     [row] = models
     assert row[columns.index("min_replicas")] == 3  # node-a's is not one routing would use
-    assert row[columns.index("shards_online")] == 4
+    assert row[columns.index("shards_advertised")] == 4

@@ -45,10 +45,15 @@ def render_command(
         typer.echo(f"wrote {path}")
 
 
-def status_command(db: ReadModelOption = Path("readmodel.sqlite")) -> None:
-    """One screen from a read model: models and their layer coverage, shards online (heartbeat age, p95 step,
-    reputation), the shards verification found fault with (quarantined, mismatches, disputes), calls in the last
-    hour by outcome."""
+def status_command(ctx: typer.Context, db: ReadModelOption = Path("readmodel.sqlite")) -> None:
+    """One screen from a read model: models and their layer coverage per quantization scheme and weights, shards
+    advertised (state by the router's rule, heartbeat age, p95 step, reputation), the shards verification found
+    fault with (quarantined, mismatches, disputes), calls in the last hour by outcome."""
+    from hearth.services.cli_options import settings
     from hearth.services.dashboards.status import run_status_command
 
-    raise typer.Exit(run_status_command(db))
+    # Which shards are live is the router's rule, with the orchestrators' settings (this invocation's configuration).
+    distributed = settings(ctx).research.distributed_inference
+    routing = {"shard_health_timeout_s": distributed.shard_health_timeout_s,
+               "silent_log_grace_s": distributed.silent_log_grace_s}
+    raise typer.Exit(run_status_command(db, routing=routing))

@@ -15,6 +15,7 @@ from hearth.services.dashboards.model import (
     PROMETHEUS_DATASOURCE, READ_MODEL_DATASOURCE, Dashboard, PromPanel, SqlPanel,
 )
 from hearth.services.dashboards.panels import DASHBOARDS
+from hearth.services.dashboards.routing_sql import ROUTING_VARIABLES
 from hearth.services.common.hearth_files import data_dir
 
 DASHBOARDS_DIR = data_dir("grafana") / "dashboards"
@@ -39,7 +40,18 @@ def dashboard_json(dashboard: Dashboard) -> dict[str, Any]:
         "schemaVersion": GRAFANA_SCHEMA_VERSION,
         "time": {"from": "now-6h", "to": "now"},
         "panels": panels,
+        "templating": {"list": _routing_constants(dashboard)},
     }
+
+
+def _routing_constants(dashboard: Dashboard) -> list[dict[str, Any]]:
+    """The routing settings its SQL names (`${name}`), as hidden constants: only an editor changes them (to the
+    mesh's [research.distributed_inference] values), and a viewer cannot put text into a query through them."""
+    used = [name for name in ROUTING_VARIABLES if any(f"${{{name}}}" in panel.sql for panel in dashboard.sql_panels)]
+    return [{"type": "constant", "name": name, "hide": 2, "query": f"{ROUTING_VARIABLES[name]:g}",
+             "current": {"text": f"{ROUTING_VARIABLES[name]:g}", "value": f"{ROUTING_VARIABLES[name]:g}"},
+             "description": f"[research.distributed_inference] {name} of the mesh's orchestrators (routing_sql.py)"}
+            for name in used]
 
 
 def _panel_json(panel: SqlPanel | PromPanel, panel_id: int, grid: dict[str, int]) -> dict[str, Any]:

@@ -2,7 +2,8 @@
 
 SQL panels read the read model (hearth/readmodels/tables.py: instants are INTEGER epoch seconds, which the SQLite
 plugin turns into times itself) and are preferred wherever the read model holds the data; "now" is the end of
-the dashboard's time range (`$__to / 1000`), so a panel shows the mesh as it was at the end of the range.
+the dashboard's time range (`$__to / 1000`), so a panel shows the mesh as it was at the end of the range. Which
+shards are live and which layers they cover is the router's own rule (hearth/services/dashboards/routing_sql.py).
 PromQL panels use only the metric names agreed with the metrics side (orchestrator, shard and projector
 metrics), for what only live processes know (calls in flight, step compute histograms, KV cache, lag).
 
@@ -14,8 +15,8 @@ its table exists (until then `hearth_queued_requests` is drawn beside calls in f
 from __future__ import annotations
 
 from hearth.services.dashboards.model import Dashboard, PromPanel, PromTarget, SqlPanel
-
-NOW_S = "$__to / 1000"
+from hearth.services.dashboards.routing_sql import (LAYER_REPLICAS_SQL, MODELS_SQL, NOW_S,
+                                                    P95_STEP_OF_LIVE_SHARDS_SQL, SHARDS_ADVERTISED_SQL)
 
 
 def in_range(column: str) -> str:
@@ -23,57 +24,42 @@ def in_range(column: str) -> str:
     wraps the column in CAST(CASE ...), which no index can serve; this BETWEEN uses the read model's indexes
     (scripts/bench_dashboard_queries.py). `$__from`/`$__to` are epoch milliseconds, replaced by Grafana."""
     return f"{column} BETWEEN $__from / 1000 AND $__to / 1000"
-LIVE_SHARD = f"shards.status = 'advertised' AND shards.expires_at >= {NOW_S}"
-# A live shard routing may use: no shard of its node is quarantined (a quarantine holds the node).
-ROUTABLE_SHARD = (f"{LIVE_SHARD} AND NOT EXISTS (SELECT 1 FROM shard_reputation AS held "
-                  "WHERE held.node_id = shards.node_id AND held.status = 'quarantined')")
 
-# Every layer of every model with how many routable shards hold it (a recursive CTE enumerates the layers).
-LAYER_REPLICAS_CTE = f"""WITH RECURSIVE layers(model_id, layer, total_layers) AS (
-  SELECT model_id, 0, MAX(total_layers) FROM shards GROUP BY model_id
+
+# When a call counts (its CALL_AT): when its pipeline was built or, for a call that never got one (refused at routing,
+# then aborted or fallen back to local: no constructed_at), when it ended or last changed, so the calls the mesh
+# could not route are not missing from the panels that count calls: COALESCE(constructed_at, finished_at, updated_at).
+# CALL_AT in the dashboard's range, as two ranges the constructed_at index serves (SQLite's OR by union).
+CALLS_IN_RANGE = (f"({in_range('constructed_at')} OR (constructed_at IS NULL AND "
+                  f"{in_range('COALESCE(finished_at, updated_at)')}))")
+
+
+def calls_per_minute(label: str, condition: str = "1") -> str:
+    """(time, label, calls): the calls meeting `condition` per minute of CALL_AT in the dashboard's range, by
+    `label` (an expression on pipelines' columns). Two branches, so the routed calls, nearly all, are counted from
+    the covering index alone; the unrouted ones are looked up by their NULL constructed_at."""
+    return f"""SELECT time, label, SUM(calls) AS calls FROM (
+  SELECT $__unixEpochGroupSeconds(constructed_at, 60) AS time, {label} AS label, COUNT(*) AS calls FROM pipelines
+  WHERE {in_range('constructed_at')} AND {condition} GROUP BY 1, 2
   UNION ALL
-  SELECT model_id, layer + 1, total_layers FROM layers WHERE layer + 1 < total_layers
-), layer_replicas AS (
-  SELECT layers.model_id AS model_id, layers.layer AS layer, COUNT(shards.shard_id) AS replicas
-  FROM layers LEFT JOIN shards
-    ON shards.model_id = layers.model_id AND {ROUTABLE_SHARD}
-   AND layers.layer BETWEEN shards.layer_lo AND shards.layer_hi
-  GROUP BY layers.model_id, layers.layer
-)"""
+  SELECT $__unixEpochGroupSeconds(ended_at, 60) AS time, {label} AS label, COUNT(*) AS calls FROM (
+    SELECT COALESCE(finished_at, updated_at) AS ended_at, * FROM pipelines WHERE constructed_at IS NULL AND {condition})
+  WHERE {in_range('ended_at')} GROUP BY 1, 2
+) GROUP BY 1, 2"""
 
-MODELS_SQL = f"""{LAYER_REPLICAS_CTE}
-SELECT layer_replicas.model_id AS model, COUNT(*) AS layers, SUM(replicas > 0) AS covered_layers,
-       MIN(replicas) AS min_replicas,
-       (SELECT COUNT(*) FROM shards WHERE shards.model_id = layer_replicas.model_id AND {LIVE_SHARD}) AS shards_online
-FROM layer_replicas GROUP BY layer_replicas.model_id ORDER BY model"""
 
-# A shard's reputation as routing reads it: its own status, or the quarantine of another shard of its node that holds
-# it out (worded as hearth/protocol/quarantine.py's node_quarantine_reason).
-REPUTATION_OF_SHARD = """CASE WHEN shard_reputation.status = 'quarantined' THEN 'quarantined' ELSE COALESCE(
-         (SELECT 'node ' || shards.node_id || ' quarantined (shard ' || MIN(held.shard_id) || ' mismatched)'
-          FROM shard_reputation AS held WHERE held.node_id = shards.node_id AND held.status = 'quarantined'),
-         shard_reputation.status, 'unchecked') END"""
+def node_of_shard_sql(column: str) -> str:
+    """hearth/protocol/subjects.py's node_of_shard in SQL: what follows the shard id's last `@` (the id itself when it
+    has none), for the shards whose rows the retention pruned while their totals stay."""
+    return f"substr({column}, length(rtrim({column}, replace({column}, '@', ''))) + 1)"
 
-SHARDS_ONLINE_SQL = f"""SELECT shards.node_id AS node, shards.model_id AS model,
-       shards.layer_lo || '-' || shards.layer_hi AS layers, shards.dtype AS dtype,
-       shards.memory_required_mb AS memory_mb, {NOW_S} - shard_health.last_seen AS heartbeat_age_s,
-       shard_health.active_streams AS active_streams, shard_health.queue_depth AS queue_depth,
-       shard_health.p95_latency_ms AS p95_step_ms, shards.shard_id AS shard,
-       {REPUTATION_OF_SHARD} AS reputation
-FROM shards LEFT JOIN shard_health ON shard_health.shard_id = shards.shard_id
-     LEFT JOIN shard_reputation ON shard_reputation.shard_id = shards.shard_id
-WHERE {LIVE_SHARD}
-ORDER BY shards.model_id, shards.layer_lo, shards.node_id"""
 
 # Every shard verification has spoken about (hearth/readmodels/reputation.py), quarantined ones first.
 REPUTATION_SQL = """SELECT COALESCE(node_id, '') AS node, shard_id AS shard, status, checks, verified_positions,
        mismatches, disputes, datetime(status_since, 'unixepoch') AS since, COALESCE(status_reason, '') AS reason
 FROM shard_reputation ORDER BY status = 'quarantined' DESC, mismatches DESC, disputes DESC, shard"""
 
-CALLS_BY_OUTCOME_SQL = f"""SELECT $__unixEpochGroupSeconds(constructed_at, 60) AS time, status AS outcome,
-       COUNT(*) AS calls
-FROM pipelines WHERE {in_range('constructed_at')}
-GROUP BY 1, 2 ORDER BY 1, 2"""
+CALLS_BY_OUTCOME_SQL = f"""SELECT time, label AS outcome, calls FROM ({calls_per_minute('status')}) ORDER BY 1, 2"""
 
 
 def minute_percentiles_sql(prefix: str, unit_suffix: str = "") -> str:
@@ -94,24 +80,27 @@ MESH = Dashboard(
     panels=(
         SqlPanel(
             "Models", "table", MODELS_SQL,
-            ("model", "layers", "covered_layers", "min_replicas", "shards_online"),
-            "A model can be served when covered_layers = layers; min_replicas is its weakest layer. Replicas "
-            "count the shards routing may use (not those of a quarantined node); shards_online counts every one.",
+            ("model", "quantization", "weights", "layers", "covered_layers", "min_replicas", "shards_advertised"),
+            "One row per model, quantization scheme and weights (a pipeline never mixes them): the model can be "
+            "served in that scheme when covered_layers = layers; min_replicas is its weakest layer. Replicas count "
+            "the live shards, those routing may use (see Shards advertised); shards_advertised counts every "
+            "advertised one whose advertisement has not expired.",
         ),
         SqlPanel(
-            "Live replicas per layer", "barchart",
-            f"""{LAYER_REPLICAS_CTE}
-SELECT model_id || ' L' || layer AS layer, replicas FROM layer_replicas ORDER BY model_id, layer""",
-            ("layer", "replicas"),
-            "0: that layer (and the model) cannot be served; 1: no failover possible. A quarantined node's "
-            "shards are not counted.",
+            "Live replicas per layer", "barchart", LAYER_REPLICAS_SQL, ("layer", "replicas"),
+            "Per model, quantization scheme and weights (12 hex digits): 0: that layer, and the model in that "
+            "scheme, cannot be served; 1: no failover possible. Only live shards count.",
         ),
         SqlPanel(
-            "Shards online", "table", SHARDS_ONLINE_SQL,
-            ("node", "layers", "memory_mb", "heartbeat_age_s", "p95_step_ms", "reputation"),
-            "Advertised and not expired. memory_mb is what the range needs (from its advertisement); the "
-            "device is not advertised yet. reputation: ok, quarantined (never routed), unchecked, or node N "
-            "quarantined (shard X mismatched): a quarantine holds the node, so none of its shards is routed.",
+            "Shards advertised", "table", SHARDS_ADVERTISED_SQL,
+            ("node", "quantization", "layers", "state", "heartbeat_age_s", "memory_mb", "p95_step_ms",
+             "reputation"),
+            "Every shard whose advertisement has not expired, with its state by the router's rule: live (routing "
+            "may use it), stale (not heard from for over shard_health_timeout_s), quarantined, node quarantined "
+            "or member removed. heartbeat_age_s: empty before its first heartbeat (the advertisement counts). "
+            "The dashboard's constants shard_health_timeout_s and silent_log_grace_s must be the orchestrators' "
+            "[research.distributed_inference] values. memory_mb is what the range needs (from its advertisement); "
+            "the device is not advertised yet.",
         ),
         PromPanel(
             "KV cache by shard", (PromTarget("sum by (shard_id) (hearth_shard_kv_cache_bytes)", "{{shard_id}}"),),
@@ -138,8 +127,9 @@ PIPELINES = Dashboard(
     panels=(
         SqlPanel(
             "Calls per minute by outcome", "timeseries", CALLS_BY_OUTCOME_SQL, ("time", "outcome", "calls"),
-            "Calls by the minute they started; outcome is the pipeline's status (completed, aborted, "
-            "fallback_local, or still streaming).", bars=True,
+            "Calls by the minute their pipeline was built, or, for a call no chain could be built for (refused "
+            "at routing, then aborted or fallen back to local), the minute it ended; outcome is the pipeline's "
+            "status (completed, aborted, fallback_local, or still streaming).", bars=True,
         ),
         SqlPanel(
             "Time to first token p50 / p95", "timeseries", minute_percentiles_sql("ttft", "_ms"),
@@ -155,16 +145,16 @@ PIPELINES = Dashboard(
             f"""SELECT $__unixEpochGroupSeconds(occurred_at, 60) AS time, 'failover' AS kind, COUNT(*) AS events
 FROM failovers WHERE {in_range('occurred_at')} GROUP BY 1
 UNION ALL
-SELECT $__unixEpochGroupSeconds(constructed_at, 60) AS time, 'fallback_local' AS kind, COUNT(*) AS events
-FROM pipelines WHERE {in_range('constructed_at')} AND fell_back_to_local = 1 GROUP BY 1
+SELECT time, label AS kind, calls AS events FROM ({calls_per_minute("'fallback_local'", 'fell_back_to_local = 1')})
 ORDER BY time""",
             ("time", "kind", "events"), bars=True,
         ),
         SqlPanel(
             "Aborts by code", "barchart",
             f"""SELECT error_code AS code, COUNT(*) AS aborts FROM pipelines
-WHERE status = 'aborted' AND {in_range('constructed_at')} GROUP BY error_code ORDER BY aborts DESC, code""",
-            ("code", "aborts"),
+WHERE status = 'aborted' AND {CALLS_IN_RANGE} GROUP BY error_code ORDER BY aborts DESC, code""",
+            ("code", "aborts"), "Calls counted as in Calls per minute by outcome, so those refused at routing "
+            "(shard_unavailable, weights_mismatch) are here too.",
         ),
         PromPanel(
             "Calls in flight and queued",
@@ -204,27 +194,27 @@ SHARD_HOSTS = Dashboard(
     description="Each host's speed, the tokens it served and what went wrong on it.",
     panels=(
         SqlPanel(
-            "p95 step latency by shard (latest heartbeat)", "barchart",
-            f"""SELECT shards.node_id || ' ' || shards.layer_lo || '-' || shards.layer_hi AS shard,
-       shard_health.p95_latency_ms AS p95_step_ms
-FROM shard_health JOIN shards ON shards.shard_id = shard_health.shard_id
-WHERE {LIVE_SHARD} ORDER BY shard""",
-            ("shard", "p95_step_ms"), unit="ms",
+            "p95 step latency by shard (latest heartbeat)", "barchart", P95_STEP_OF_LIVE_SHARDS_SQL,
+            ("shard", "p95_step_ms"), "Live shards only (the Mesh dashboard's Shards advertised).", unit="ms",
         ),
         SqlPanel(
             "Tokens through each host per day", "timeseries",
-            """SELECT shard_tokens_daily.day AS time, COALESCE(shards.node_id, shard_tokens_daily.shard_id) AS host,
+            f"""SELECT shard_tokens_daily.day AS time,
+       COALESCE(shards.node_id, {node_of_shard_sql('shard_tokens_daily.shard_id')}) AS host,
        SUM(shard_tokens_daily.tokens) AS tokens
 FROM shard_tokens_daily LEFT JOIN shards ON shards.shard_id = shard_tokens_daily.shard_id
 WHERE shard_tokens_daily.day BETWEEN $__from / 1000 - 86399 AND $__to / 1000
 GROUP BY 1, 2 ORDER BY 1, 2""",
             ("time", "host", "tokens"),
             "Prompt and generated tokens of completed calls per UTC day, on the hops that finished them (a "
-            "failed-over host's part is counted on its replacement; shard_tokens_daily).", bars=True,
+            "failed-over host's part is counted on its replacement; a host holding two hops of a call counts it "
+            "on each; shard_tokens_daily). A host is its shards' node, also once the retention pruned their "
+            "advertisements (the node the shard id names).", bars=True,
         ),
         SqlPanel(
             "Reputation: pipelines joined, failovers caused, corruption detected", "table",
-            """SELECT COALESCE(shards.node_id, '') AS node, shard_stats.shard_id AS shard,
+            f"""SELECT COALESCE(shards.node_id, {node_of_shard_sql('shard_stats.shard_id')}) AS node,
+       shard_stats.shard_id AS shard,
        shard_stats.tokens_served AS tokens_served, shard_stats.pipelines_joined AS pipelines_joined,
        shard_stats.failovers_caused AS failovers_caused,
        shard_stats.corruption_detections AS corruption_detections

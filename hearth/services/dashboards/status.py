@@ -1,5 +1,6 @@
-"""`hearth status`: one screen from a read model: models and their layer coverage, shards online (with their
-reputation), shards verification has found fault with, recent calls.
+"""`hearth status`: one screen from a read model: models and their layer coverage (per quantization scheme and
+weights), shards advertised (with their state by the router's rule and their reputation), shards verification has
+found fault with, recent calls.
 
 It runs the Mesh dashboard's own SQL (hearth/services/dashboards/panels.py) on a read-only connection, with "now"
 as the end of the time range, so the screen and the dashboard never disagree. Heartbeat ages are from this
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import sqlite3
 import time
+from collections.abc import Mapping
 from itertools import groupby
 from pathlib import Path
 
@@ -20,15 +22,18 @@ from hearth.protocol.quarantine import quarantined_nodes
 from hearth.services.common.display import display_cell
 from hearth.services.common.sqlite_read_only import open_read_only
 from hearth.services.dashboards.macros import TimeRange, run_panel_sql
-from hearth.services.dashboards.panels import LAYER_REPLICAS_CTE, MODELS_SQL, REPUTATION_SQL, SHARDS_ONLINE_SQL
+from hearth.services.dashboards.panels import CALLS_IN_RANGE, REPUTATION_SQL
+from hearth.services.dashboards.routing_sql import (LAYER_REPLICAS_CTE, MODELS_SQL, ROUTING_VARIABLES,
+                                                    SHARDS_ADVERTISED_SQL)
 
 RECENT_CALLS_S = 3600
 
 LAYER_REPLICAS_SQL = f"""{LAYER_REPLICAS_CTE}
-SELECT model_id, layer, replicas FROM layer_replicas ORDER BY model_id, layer"""
-CALLS_BY_OUTCOME_SQL = """SELECT status AS outcome, COUNT(*) AS calls, ROUND(AVG(ttft_ms)) AS mean_ttft_ms,
+SELECT model_id, quantization, substr(weights_sha256, 1, 12), layer, replicas FROM layer_replicas
+ORDER BY model_id, quantization, weights_sha256, layer"""
+CALLS_BY_OUTCOME_SQL = f"""SELECT status AS outcome, COUNT(*) AS calls, ROUND(AVG(ttft_ms)) AS mean_ttft_ms,
        ROUND(AVG(tokens_per_second), 1) AS mean_tokens_per_s
-FROM pipelines WHERE constructed_at BETWEEN $__from / 1000 AND $__to / 1000 GROUP BY status ORDER BY calls DESC"""
+FROM pipelines WHERE {CALLS_IN_RANGE} GROUP BY status ORDER BY calls DESC"""
 
 
 def coverage_text(layer_replicas: list[tuple[int, int]]) -> str:
@@ -41,32 +46,36 @@ def coverage_text(layer_replicas: list[tuple[int, int]]) -> str:
     return ", ".join(runs)
 
 
-def status_tables(connection: sqlite3.Connection, now_s: int) -> list[Table]:
-    """The four tables of the screen, read from one connection at `now_s` (epoch seconds)."""
+def status_tables(connection: sqlite3.Connection, now_s: int,
+                  routing: Mapping[str, float] = ROUTING_VARIABLES) -> list[Table]:
+    """The four tables of the screen, read from one connection at `now_s` (epoch seconds); `routing`: the
+    orchestrators' shard_health_timeout_s and silent_log_grace_s, which decide which shards are live."""
     time_range = TimeRange(now_s - RECENT_CALLS_S, now_s)
-    _, per_layer = run_panel_sql(connection, LAYER_REPLICAS_SQL, time_range)
-    coverage = {model: coverage_text([(layer, n) for _, layer, n in rows])
-                for model, rows in groupby(per_layer, key=lambda row: row[0])}
+    _, per_layer = run_panel_sql(connection, LAYER_REPLICAS_SQL, time_range, routing)
+    coverage = {group: coverage_text([(layer, n) for *_, layer, n in rows])
+                for group, rows in groupby(per_layer, key=lambda row: row[:3])}
 
-    models = Table(title="Models", title_justify="left")
-    for name in ("model", "layers covered", "min replicas", "shards", "coverage (layers x replicas)"):
+    models = Table(title="Models (per quantization and weights)", title_justify="left")
+    for name in ("model", "quantization", "weights", "layers covered", "min replicas", "shards",
+                 "coverage (layers x live replicas)"):
         models.add_column(name)
-    for model, layers, covered, min_replicas, shards in run_panel_sql(connection, MODELS_SQL, time_range)[1]:
+    for model, scheme, weights, layers, covered, min_replicas, shards in run_panel_sql(
+            connection, MODELS_SQL, time_range, routing)[1]:
         style = None if covered == layers else "bold red"
-        _add_row(models, model, f"{covered}/{layers}", str(min_replicas), str(shards), coverage.get(model, ""),
-                       style=style)
+        _add_row(models, model, scheme, weights, f"{covered}/{layers}", str(min_replicas), str(shards),
+                 coverage.get((model, scheme, weights), ""), style=style)
 
-    shards = Table(title="Shards online", title_justify="left")
-    for name in ("node", "model", "layers", "dtype", "memory MB", "heartbeat age s", "active", "p95 step ms",
-                 "reputation"):
+    shards = Table(title="Shards advertised", title_justify="left")
+    for name in ("node", "model", "quantization", "layers", "dtype", "state", "memory MB", "heartbeat age s",
+                 "active", "p95 step ms", "reputation"):
         shards.add_column(name, justify="right" if name[0].isdigit() or " " in name else "left")
-    columns, rows = run_panel_sql(connection, SHARDS_ONLINE_SQL, time_range)
+    columns, rows = run_panel_sql(connection, SHARDS_ADVERTISED_SQL, time_range, routing)
     for row in rows:
         value = dict(zip(columns, row))
-        _add_row(shards, value["node"], value["model"], value["layers"], value["dtype"],
-                       _number(value["memory_mb"]), _number(value["heartbeat_age_s"]),
-                       _number(value["active_streams"]), _number(value["p95_step_ms"]), value["reputation"],
-                       style="bold red" if "quarantined" in value["reputation"] else None)
+        _add_row(shards, value["node"], value["model"], value["quantization"], value["layers"], value["dtype"],
+                 value["state"], _number(value["memory_mb"]), _number(value["heartbeat_age_s"]),
+                 _number(value["active_streams"]), _number(value["p95_step_ms"]), value["reputation"],
+                 style=None if value["state"] == "live" else "bold red")
 
     return [models, shards, reputation_table(connection, time_range), _calls_table(connection, time_range)]
 
@@ -114,7 +123,8 @@ def _number(value) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
-def run_status_command(db: Path, *, now_s: int | None = None, console: Console | None = None) -> int:
+def run_status_command(db: Path, *, now_s: int | None = None, console: Console | None = None,
+                       routing: Mapping[str, float] = ROUTING_VARIABLES) -> int:
     """Print the screen; 1 with a one-line reason when `db` is not a read model."""
     console = console or Console()
     if not db.is_file():
@@ -122,7 +132,7 @@ def run_status_command(db: Path, *, now_s: int | None = None, console: Console |
         return 1
     connection = open_read_only(db)
     try:
-        tables = status_tables(connection, int(time.time()) if now_s is None else now_s)
+        tables = status_tables(connection, int(time.time()) if now_s is None else now_s, routing)
     except sqlite3.DatabaseError as error:  # tables missing, or no SQLite database at all (OperationalError's base)
         console.print(f"hearth status: {db} is not a migrated read model ({error})", markup=False)
         return 1

@@ -24,7 +24,9 @@ Rules, in order:
    shards holding them that were left out, each with why; a requested scheme no live shard serves is
    `shard_unavailable` naming it (and the shards of it that were left out, each with why).
 
-All instants are epoch seconds (the read model floors them to whole seconds).
+All instants are epoch seconds (the read model floors them to whole seconds). Rule 1 is repeated in SQL for the
+dashboards and `hearth status` (hearth/services/dashboards/routing_sql.py): change both together
+(tests/unit/test_dashboard_routing_view.py compares them).
 """
 
 from __future__ import annotations
