@@ -93,6 +93,17 @@ class CliState:
         return self._settings
 
 
+def configuration_env(ctx: typer.Context) -> dict[str, str]:
+    """The environment that gives the processes a command starts (`hearth demo`, `hearth bench`) the configuration
+    it was given (--config or HEARTH_CONFIG), read here first: one they could not use is refused in one line before
+    anything starts."""
+    from hearth.services.common.config import CONFIG_PATH_ENV
+
+    state = cli_state(ctx)
+    state.settings()
+    return {CONFIG_PATH_ENV: str(state.config_path.resolve())} if state.config_path is not None else {}
+
+
 def refuse_configuration(program: str, error: Exception) -> NoReturn:
     """End the command on a configuration it cannot use (a ConfigError): its one line, exit code 2, no traceback."""
     typer.echo(f"{program}: {error}", err=True)

@@ -40,6 +40,7 @@ def commands(community: Path) -> list[tuple[object, list[str]]]:
         (app, ["host", "--model", "m", "--insecure", *broker]),
         (app, ["gateway", "--insecure", *broker]),
         (app, ["demo", "--max-tokens", "1"]),  # before, it started its NATS first, and a process it started refused
+        (app, ["bench", "--model", "random:tiny", "--repeats", "1"]),
         (replay_app, ["events", *broker]),
         (replay_app, ["pipeline", "p1", *broker]),
     ]
@@ -105,8 +106,11 @@ def test_load_settings_raises_one_line_config_errors(monkeypatch, env, named):
     assert named in str(refused.value) and "\n" not in str(refused.value)
 
 
-def test_the_demo_hands_the_configuration_it_was_given_to_the_processes_it_starts(tmp_path, monkeypatch):
-    """Before, `hearth --config FILE demo` ran its mesh on the defaults, while HEARTH_CONFIG reached its processes."""
+def test_the_demo_and_the_bench_hand_the_configuration_they_were_given_to_the_processes_they_start(tmp_path,
+                                                                                                   monkeypatch):
+    """Before, `hearth --config FILE demo` (and `bench`) ran its mesh on the defaults, while HEARTH_CONFIG reached
+    its processes."""
+    from hearth.services.devtools.bench import command
     from hearth.services.devtools.demo import DemoRun
 
     monkeypatch.delenv("HEARTH_CONFIG", raising=False)
@@ -117,3 +121,7 @@ def test_the_demo_hands_the_configuration_it_was_given_to_the_processes_it_start
     assert CliRunner().invoke(app, ["--config", str(config), "demo"]).exit_code == 0
     assert CliRunner().invoke(app, ["demo"]).exit_code == 0
     assert given == [{"HEARTH_CONFIG": str(config.resolve())}, {}]
+    benched: list[dict[str, str]] = []
+    monkeypatch.setattr(command, "run_bench_command", lambda options, as_json: benched.append(options.child_env) or 0)
+    assert CliRunner().invoke(app, ["--config", str(config), "bench", "--env", "A=1"]).exit_code == 0
+    assert benched == [{"HEARTH_CONFIG": str(config.resolve()), "A": "1"}]

@@ -9,7 +9,8 @@ from typing import Annotated, Optional
 import click
 import typer
 
-from hearth.services.cli_options import DeviceOption, DtypeOption, QuantizeOption, TorchThreadsOption, cli_state
+from hearth.services.cli_options import DeviceOption, DtypeOption, QuantizeOption, TorchThreadsOption, cli_state, \
+    configuration_env
 from hearth.services.devtools.bench.cli import bench_command
 from hearth.services.devtools.bench.eval_cli import eval_command
 from hearth.services.devtools.demo import default_max_tokens as default_demo_max_tokens
@@ -51,18 +52,8 @@ def demo_command(
 
     code = DemoRun(model=model, shards=shards, prompt=prompt, max_tokens=max_tokens, serve=serve, raw=raw,
                    torch_threads=torch_threads, log_level=cli_state(ctx).log_level, device=device, dtype=dtype,
-                   quantize=quantize, configuration_env=_configuration_env(ctx)).run()
+                   quantize=quantize, configuration_env=configuration_env(ctx)).run()
     raise typer.Exit(code)
-
-
-def _configuration_env(ctx: typer.Context) -> dict[str, str]:
-    """The environment that gives the processes a dev command starts the configuration it was given (--config or
-    HEARTH_CONFIG), read here first: one it cannot use is refused in one line before anything starts."""
-    from hearth.services.common.config import CONFIG_PATH_ENV
-
-    state = cli_state(ctx)
-    state.settings()
-    return {CONFIG_PATH_ENV: str(state.config_path.resolve())} if state.config_path is not None else {}
 
 
 @functools.cache

@@ -8,7 +8,8 @@ from typing import Annotated, Optional, get_args
 
 import typer
 
-from hearth.services.cli_options import DeviceOption, DtypeOption, QuantizeOption, TorchThreadsOption
+from hearth.services.cli_options import DeviceOption, DtypeOption, QuantizeOption, TorchThreadsOption, \
+    configuration_env
 from hearth.protocol.chat import VerifyLevel
 from hearth.services.devtools.bench.defaults import (
     default_new_tokens,
@@ -22,6 +23,7 @@ from hearth.services.devtools.demo import default_shards
 
 
 def bench_command(
+    ctx: typer.Context,
     model: Annotated[
         Optional[str], typer.Option("--model", help="Checkpoint folder, hub id in the local cache, or random:<shape> "
                                     "(llama-250m, tinyllama-1.1b, llama3-8b, tiny) for random weights (default: the "
@@ -96,7 +98,7 @@ def bench_command(
     shards together vs one process on one core."""
     from hearth.services.devtools.bench.command import BenchOptions, run_bench_command, run_together_command
 
-    child_env = {}
+    child_env = configuration_env(ctx)
     for item in env or []:
         key, separator, value = item.partition("=")
         if not separator or not key:
