@@ -88,7 +88,7 @@ class Orchestrator:
 
     def __init__(self, nc: NatsClient, settings: HearthSettings, *, node_id: str, db_path: Path | None = None,
                  model_search_dirs: list[Path] | None = None, local_model: str | None = None,
-                 busy_threads: int | None = None) -> None:
+                 busy_threads: int | None = None, outbox_dir: Path | None = None) -> None:
         self.nc = nc
         self.js = nc.jetstream()
         self.settings = settings
@@ -110,6 +110,7 @@ class Orchestrator:
                                   retry_wait_s=settings.orchestrator.event_retry_wait_s,
                                   publish_delay_s=settings.orchestrator.event_publish_delay_s,
                                   signing_key=event_signing_key(settings.nats))
+        self.outbox_dir = outbox_dir  # its events kept there until stored, across a kill; None: in memory only
         # Calls must be signed by a roster member on a community mesh; None on an open one.
         self.call_verifier = call_verifier(settings)
         # Calls beyond what may run now wait here, round-robin by caller (hearth/services/orchestrator/queue.py).
@@ -127,8 +128,9 @@ class Orchestrator:
         self._step_threads = StepThreads(busy_threads)
 
     async def start(self) -> None:
+        """Start serving; OutboxFileUnavailable when `outbox_dir` has no file this process may claim."""
+        await self.outbox.start_in(self.outbox_dir, owner=self.node_id)
         await self.projector.start()
-        self.outbox.start()
         distributed = self.settings.research.distributed_inference
         verification = self.settings.verification
         router = ShardRouter(
