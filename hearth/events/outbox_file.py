@@ -1,17 +1,18 @@
 """OutboxFile: the durable half of the event outbox, a small SQLite file that holds each recorded event until
 JetStream acknowledged it, so that a process killed with events still queued leaves them to its next run.
 
-Why SQLite and not an append-only file: an event is removed from the middle of its life (once acked) and the file
-must stay bounded; SQLite gives an atomic append, a removal and a reuse of the freed pages without a compaction
-of our own, and a torn write at a kill is rolled back, never read back half. In WAL mode with `synchronous=NORMAL`
+Why SQLite and not an append-only file: events leave the file from its front as they are acked, and it must stay
+bounded; SQLite gives an atomic append, a removal and a reuse of the freed pages without a compaction of our own,
+and a write torn by a kill is rolled back, never read back half. In WAL mode with `synchronous=NORMAL`
 a committed append is in the operating system's hands before `append` returns: it survives the process being
 killed (SIGKILL, the OOM killer, a crash); a power cut of the machine may lose the last moments' appends (an fsync
 per event would put a disk flush on every call's path).
 
 One process per file: a process claims the first file of its owner's (`<owner>.sqlite`, `<owner>.2.sqlite`, ...)
 whose lock it can take (flock, dropped by the kernel however the process ends), so two processes of one member
-never share a file and a restarted one takes over the file its killed predecessor held. Every method but `claim`
-runs on the outbox's one file thread (hearth/events/outbox.py), never on the event loop.
+never share a file and a restarted one takes over the file its killed predecessor held (of N processes of one owner
+killed, a file waits until N are started again). Every method but `claim` runs on the outbox's one file thread
+(hearth/events/outbox.py), never on the event loop.
 """
 
 from __future__ import annotations
@@ -57,8 +58,12 @@ class OutboxFile:
         self.path = path
         self._connection = connection
         self._lock_file = lock_file
-        # What the previous process left, oldest first, read when the file was claimed.
-        self.left: list[LeftEvent] = self._read_left()
+        try:
+            # What the previous process left, oldest first, read when the file was claimed.
+            self.left: list[LeftEvent] = self._read_left()
+        except sqlite3.Error:
+            connection.close()
+            raise
 
     @classmethod
     def claim(cls, folder: Path, owner: str) -> OutboxFile:
@@ -74,7 +79,11 @@ class OutboxFile:
                 except BlockingIOError:
                     lock_file.close()
                     continue
-                return cls(path, _open_database(path), lock_file)
+                try:
+                    return cls(path, _open_database(path), lock_file)
+                except BaseException:
+                    lock_file.close()
+                    raise
         except (OSError, sqlite3.Error) as error:
             raise OutboxFileUnavailable(f"event outbox folder {folder}: {error}") from None
         raise OutboxFileUnavailable(f"event outbox folder {folder}: {max_files_per_owner} processes of {owner!r} "
