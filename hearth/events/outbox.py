@@ -74,8 +74,8 @@ class EventOutbox:
         # Testing only: every write waits this long first, as a slow or distant broker would make it.
         self.publish_delay_s = publish_delay_s
         self._queue: asyncio.Queue[_Queued] = asyncio.Queue()
-        # Room for `max_queued` events, recorded or left by a previous run (those take what there is; more of them
-        # than that wait all the same, written first): the file never holds more than the larger of the two.
+        # Room for `max_queued` events, recorded or left by a previous run (those take what there is, and more of them
+        # are written all the same, first): the file holds at most `max_queued`, or what was left when that was more.
         self.max_queued = max_queued
         self._room = asyncio.Semaphore(max_queued)
         self._writer: asyncio.Task | None = None
