@@ -4,6 +4,7 @@ and a real three-node cluster of them; and the markers every test of a folder ca
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +18,11 @@ from hearth.services.broker.server import EmbeddedNatsServer
 # from a launcher that imported torch and transformers once: a mesh starts in seconds instead of paying 5-7 s
 # of imports per process (tests/integration/test_prefork.py checks the children are real, separate processes).
 os.environ.setdefault(PREFORK_ENV, "1")
+# What hearth processes keep across restarts (an orchestrator's event outbox: hearth_files.state_dir) goes to a folder
+# of this test run, never the user's: an event one test's process left would reach another test's broker. Set at
+# import, before any test module copies the environment for its processes; removed when the run ends.
+_TEST_STATE_FOLDER = tempfile.TemporaryDirectory(prefix="hearth-test-state-")
+os.environ["XDG_STATE_HOME"] = _TEST_STATE_FOLDER.name
 
 TESTS = Path(__file__).resolve().parent
 # Every test under these folders carries the folder's marker, so that no test module can forget it.

@@ -19,7 +19,8 @@ events_published_total = Counter(
 
 event_outbox_depth = Gauge(
     "hearth_event_outbox_depth",
-    "Audit events recorded by this process and waiting to be written to JetStream.",
+    "Audit events recorded by this process (or left in its outbox file by a previous one) and waiting to be written "
+    "to JetStream.",
 )
 
 events_rejected_total = Counter(

@@ -11,6 +11,14 @@ Nothing is stored twice either: a write that failed may have been stored all the
 broker went down right after storing it), and the server drops a re-publish of the same `Nats-Msg-Id` only within
 the stream's duplicate window, so a retry later than `unchecked_retry_horizon_s` first looks for the event in the
 stream.
+
+Nothing is lost when the process is killed either, given a file (`start(file=...)`, hearth/events/outbox_file.py):
+`record` returns once the event is appended to it, the writer removes it once JetStream acked it, and the next
+process of the same owner writes what was left first, in order, with the same `Nats-Msg-Id`. The oldest of what
+was left may have been stored already (the kill came between an ack and the event's removal, which the writer does
+not wait for), perhaps longer ago than the duplicate window: they are looked for in the stream, oldest first, until
+one is not there. The writer writes one event at a time, in order, so none after that one was ever tried. The
+file's reads and writes run on one thread of their own, never on the event loop.
 """
 
 from __future__ import annotations
@@ -19,12 +27,16 @@ import asyncio
 import contextlib
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
 
 from nats.js import JetStreamContext
 
 from hearth.events.consume import StoredEvent, read_stream
 from hearth.events.metrics import event_outbox_depth
 from hearth.events.models import EventEnvelope
+from hearth.events.outbox_file import OutboxFile
 from hearth.events.publish import MSG_ID_HEADER, publish_event, publish_timeout_s, publish_total_deadline_s
 from hearth.events.streams import duplicate_window_s, stream_for_subject
 from hearth.protocol.subjects import event_subject
@@ -35,10 +47,23 @@ log = logging.getLogger(__name__)
 # Past this long after an event's first write, a retry may come more than the duplicate window after an earlier try
 # that was stored (one publish_event call retries up to its deadline plus one timeout): it looks in the stream first.
 unchecked_retry_horizon_s = duplicate_window_s - publish_total_deadline_s - publish_timeout_s
+# `record` waits this long at most for its event's append to the file (a hung disk): the event is written all the same.
+append_wait_s = 5.0
+
+
+@dataclass
+class _Queued:
+    """An event waiting to be written: its row in the outbox file (the file thread's future of it, for a recorded
+    one; None without a file), and whether a previous process left it (and may have stored it)."""
+
+    event: EventEnvelope
+    row: Future[int | None] | int | None = None
+    left_by_previous_run: bool = False
+    holds_room: bool = True  # one of the `max_queued` places, given back once it is stored
 
 
 class EventOutbox:
-    """One ordered, bounded queue of events and the task that writes it."""
+    """One ordered, bounded queue of events (kept in a file too, when given one) and the task that writes it."""
 
     def __init__(self, js: JetStreamContext, *, max_queued: int, retry_wait_s: float,
                  publish_delay_s: float = 0.0, signing_key: MemberKey | None = None) -> None:
@@ -48,23 +73,66 @@ class EventOutbox:
         self.retry_wait_s = retry_wait_s
         # Testing only: every write waits this long first, as a slow or distant broker would make it.
         self.publish_delay_s = publish_delay_s
-        self._queue: asyncio.Queue[EventEnvelope] = asyncio.Queue(maxsize=max_queued)
+        self._queue: asyncio.Queue[_Queued] = asyncio.Queue()
+        # Room for `max_queued` events, recorded or left by a previous run (those take what there is, and more of them
+        # are written all the same, first): the file holds at most `max_queued`, or what was left when that was more.
+        self.max_queued = max_queued
+        self._room = asyncio.Semaphore(max_queued)
         self._writer: asyncio.Task | None = None
-        self._writing: EventEnvelope | None = None
+        self._writing: _Queued | None = None
+        self.file: OutboxFile | None = None
+        self._file_thread: ThreadPoolExecutor | None = None
+        # Whether the next event a previous run left may have been stored by it: until one is found not stored.
+        self._left_maybe_stored = True
 
     @property
     def depth(self) -> int:
-        """Events recorded and not yet stored (the one being written included)."""
+        """Events recorded and not yet stored (the one being written, and those a previous run left, included)."""
         return self._queue.qsize() + (self._writing is not None)
 
-    def start(self) -> None:
-        if self._writer is None:
-            self._writer = asyncio.create_task(self._write_forever(), name="event-outbox")
+    def start(self, file: OutboxFile | None = None) -> None:
+        """Start the writer; with `file` (claimed by this process), every event is kept in it until stored, and
+        what a previous process left in it is written first."""
+        if self._writer is not None:
+            return
+        if file is not None:
+            if self.depth:  # what a previous run left goes first, and takes its room before any new event
+                raise RuntimeError("an outbox with a file is started before it records")
+            self.file = file
+            self._file_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="event-outbox-file")
+            holding = min(len(file.left), self.max_queued)
+            self._room = asyncio.Semaphore(self.max_queued - holding)
+            for number, left in enumerate(file.left):
+                self._queue.put_nowait(_Queued(left.event, row=left.row_id, left_by_previous_run=True,
+                                               holds_room=number < holding))
+            if file.left:
+                log.warning("event outbox %s: writing %d event(s) a previous run left", file.path, len(file.left))
+            event_outbox_depth.set(self.depth)
+        self._writer = asyncio.create_task(self._write_forever(), name="event-outbox")
+
+    async def start_in(self, folder: Path | None, *, owner: str) -> None:
+        """`start` with the file of `owner`'s that this process claims in `folder` (hearth/events/outbox_file.py; off
+        the event loop), or in memory only when `folder` is None; OutboxFileUnavailable when none may be claimed."""
+        self.start(await asyncio.to_thread(OutboxFile.claim, folder, owner) if folder is not None else None)
 
     async def record(self, event: EventEnvelope) -> None:
-        """Queue `event` for writing; returns at once unless `max_queued` events are already waiting."""
-        await self._queue.put(event)
+        """Queue `event` for writing (and, with a file, append it to the file first); returns at once unless
+        `max_queued` events are already waiting."""
+        await self._room.acquire()
+        queued = _Queued(event)
+        if self._file_thread is not None:
+            # Submitted now, in the order of the calls: the file's rows keep the queue's order.
+            queued.row = self._file_thread.submit(self._append, event)
+        self._queue.put_nowait(queued)
         event_outbox_depth.set(self.depth)
+        if queued.row is not None:
+            try:
+                async with asyncio.timeout(append_wait_s):
+                    # Shielded: a cancelled caller's event is still appended (and written).
+                    await asyncio.shield(asyncio.wrap_future(queued.row))
+            except TimeoutError:
+                log.warning("event outbox %s: %s %s not appended within %.0f s (the disk is slow); going on",
+                            self.file.path, event.type, event.event_id, append_wait_s)
 
     async def flush(self, timeout_s: float) -> bool:
         """Wait until every event recorded so far is stored; False when `timeout_s` passed first."""
@@ -78,40 +146,77 @@ class EventOutbox:
         return self.depth == 0
 
     async def stop(self, timeout_s: float) -> None:
-        """Write what is left within `timeout_s`, then stop the writer."""
+        """Write what is left within `timeout_s`, then stop the writer (and close the file: what is still in it is
+        the next run's to write)."""
         if self._writer is None:
             return
         if not await self.flush(timeout_s):
-            log.error("%d audit event(s) not written before shutdown", self.depth)
+            kept = f"; kept in {self.file.path} for the next run" if self.file is not None else ""
+            log.error("%d audit event(s) not written before shutdown%s", self.depth, kept)
         self._writer.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._writer
         self._writer = None
+        if self._file_thread is not None:
+            self._file_thread.submit(self.file.close)
+            await asyncio.get_running_loop().run_in_executor(None, self._file_thread.shutdown)
+            self._file_thread = None
+
+    def _append(self, event: EventEnvelope) -> int | None:
+        """On the file thread: the event's row, or None when the file refused it (full disk): the event is still
+        written from memory, only not kept across a kill."""
+        try:
+            return self.file.append(event)
+        except Exception as error:
+            log.error("event outbox %s: %s %s not kept in the file (%s); it is written all the same",
+                      self.file.path, event.type, event.event_id, error)
+            return None
+
+    def _remove(self, row: Future[int | None] | int) -> None:
+        """On the file thread, after the row's append (the thread runs its jobs in order): the row, stored."""
+        row_id = row.result() if isinstance(row, Future) else row
+        if row_id is None:
+            return
+        try:
+            self.file.remove(row_id)
+        except Exception as error:  # stored all the same: the next run finds it in the stream
+            log.error("event outbox %s: row %d stored but not removed (%s)", self.file.path, row_id, error)
 
     async def _write_forever(self) -> None:
         while True:
-            event = await self._queue.get()
-            self._writing = event
+            queued = await self._queue.get()
+            self._writing = queued
             try:
-                await self._write(event)
+                # Written without waiting for its append: a kill between the two leaves it stored and in the file,
+                # which the next run finds in the stream.
+                maybe_stored = queued.left_by_previous_run and self._left_maybe_stored
+                if not await self._write(queued.event, maybe_stored=maybe_stored) and maybe_stored:
+                    self._left_maybe_stored = False  # we stored it: the previous run never tried the ones after it
+                if queued.row is not None:
+                    # Not waited for (one thread hop less per event): a kill before it is what recovery looks for.
+                    self._file_thread.submit(self._remove, queued.row)
             finally:
                 self._writing = None
                 self._queue.task_done()
+                if queued.holds_room:
+                    self._room.release()
                 event_outbox_depth.set(self.depth)
 
-    async def _write(self, event: EventEnvelope) -> None:
+    async def _write(self, event: EventEnvelope, *, maybe_stored: bool = False) -> bool:
+        """Write `event` until it is stored; True when it was found stored by an earlier try, or by an earlier process
+        (`maybe_stored`: that one may have stored it at any time)."""
         if self.publish_delay_s:
             await asyncio.sleep(self.publish_delay_s)
         first_try_at = time.monotonic()
         failures = 0
         while True:
             try:
-                if (failures and time.monotonic() - first_try_at > unchecked_retry_horizon_s
+                if ((maybe_stored or (failures and time.monotonic() - first_try_at > unchecked_retry_horizon_s))
                         and await self._stored_already(event)):
                     log.info("event %s %s was stored by an earlier try", event.type, event.event_id)
-                    return
+                    return True
                 await publish_event(self.js, event, signing_key=self.signing_key)
-                return
+                return False
             except Exception as error:  # publish_event already retried the transient ones; keep the order
                 failures += 1
                 if failures == 1:

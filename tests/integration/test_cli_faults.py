@@ -367,6 +367,14 @@ def test_a_folder_where_a_read_model_file_goes_is_one_line(nats_url, tmp_path):
                      f"hearth-replay: {tmp_path} is a folder; --db names the file to write")
 
 
+def test_an_event_outbox_folder_that_cannot_be_written_is_one_line_naming_the_setting(nats_url, tmp_path):
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("not a folder")
+    said_in_one_line([HEARTH, "orchestrator", "--nats", nats_url], 1,
+                     f"hearth orchestrator: event outbox folder {a_file}: ",
+                     {"HEARTH_ORCHESTRATOR__EVENT_OUTBOX_DIR": str(a_file)})
+
+
 @pytest.mark.parametrize("args", [[HEARTH, "projector", "--db", "rm.sqlite"],
                                   [sys.executable, "-m", "hearth.services.projector", "--db", "rm.sqlite"],
                                   [HEARTH_REPLAY, "events"]], ids=["hearth", "python-m-projector", "hearth-replay"])

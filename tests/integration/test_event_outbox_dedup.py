@@ -1,6 +1,7 @@
 """The event outbox and publish_event against a real nats-server: an event whose write was stored with its ack lost,
-and retried past the stream's duplicate window, is stored once; a publish given up on while the broker was away is
-not sent when it returns."""
+and retried past the stream's duplicate window, is stored once, and so is one stored by a process that ended before
+it removed the event from its outbox file, written again by the next process past the window; a publish given up on
+while the broker was away is not sent when it returns."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import hearth.events.streams
 from hearth.events.consume import StoredEvent, read_stream
 from hearth.events.models import PipelineCompleted
 from hearth.events.outbox import EventOutbox
+from hearth.events.outbox_file import OutboxFile
 from hearth.events.publish import publish_event
 from hearth.events.streams import PIPELINES_STREAM, ensure_streams
 from hearth.services.broker.connection import connect_nats
@@ -76,6 +78,42 @@ async def test_an_event_stored_with_its_ack_lost_and_retried_past_the_duplicate_
         stored = [item.event.event_id async for item in items if isinstance(item, StoredEvent)]
     assert stored == [event.event_id]
 
+
+class StoredThenGone:
+    """A JetStream context whose publishes are stored and never answered: its process ends between storing an event
+    and removing it from the outbox file."""
+
+    def __init__(self, js) -> None:
+        self._js = js
+
+    def __getattr__(self, name):
+        return getattr(self._js, name)
+
+    async def publish(self, *args, **kwargs):
+        await self._js.publish(*args, **kwargs)
+        await asyncio.Event().wait()
+
+
+async def test_an_event_stored_by_a_process_that_ended_before_removing_it_is_stored_once(js, tmp_path):
+    event = completed("p-stored-then-gone")
+    ended = EventOutbox(StoredThenGone(js), max_queued=4, retry_wait_s=0.2)
+    ended.start(OutboxFile.claim(tmp_path, "orch"))
+    await ended.record(event)
+    assert not await ended.flush(timeout_s=0.5)
+    await ended.stop(timeout_s=0)  # what a kill leaves: the event stored, and still in the file
+    await asyncio.sleep(2 * short_duplicate_window_s)  # the server would keep a re-publish now
+
+    restarted = EventOutbox(js, max_queued=4, retry_wait_s=0.2)
+    restarted.start(OutboxFile.claim(tmp_path, "orch"))
+    try:
+        assert restarted.depth == 1
+        assert await restarted.flush(timeout_s=30)
+    finally:
+        await restarted.stop(timeout_s=1)
+
+    async with contextlib.aclosing(read_stream(js, PIPELINES_STREAM)) as items:
+        stored = [item.event.event_id async for item in items if isinstance(item, StoredEvent)]
+    assert stored == [event.event_id]
 
 
 async def test_a_publish_that_failed_while_the_broker_was_away_is_not_sent_when_it_returns(nats_server, js):

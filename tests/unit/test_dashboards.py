@@ -34,6 +34,7 @@ AGREED_METRICS = {
     "hearth_shard_kv_cache_bytes", "hearth_shard_tokens_served_total", "hearth_projector_events_applied_total",
     "hearth_projector_lag_events", "hearth_projector_lag_seconds", "hearth_events_rejected_total",
     "hearth_shard_prefix_lookups_total", "hearth_orchestrator_turn_seconds", "hearth_head_step_seconds",
+    "hearth_event_outbox_depth",
 }
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 ALL_PANELS = [panel for dashboard in DASHBOARDS for panel in dashboard.panels]

@@ -1,4 +1,5 @@
-"""hearth's own files are found wherever a command runs: a bundled model by its name from any folder."""
+"""hearth's own files are found wherever a command runs: a bundled model by its name from any folder; what a process
+keeps across restarts goes to the XDG state folder."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from hearth.services.common.hearth_files import bundled_model_or, data_dir
+from hearth.services.common.hearth_files import bundled_model_or, data_dir, state_dir
 
 BUNDLED = "hearth-tiny-llama"
 command_timeout_s = 120
@@ -48,3 +49,12 @@ def test_hearth_host_plans_over_the_bundled_model_by_its_name_outside_the_checko
          "100", "--insecure", "--nats", "nats://127.0.0.1:1"], cwd=tmp_path, env=environment, capture_output=True,
         text=True, timeout=command_timeout_s)
     assert "cannot reach NATS" in completed.stderr, completed.stderr
+
+
+def test_the_state_folder_is_xdg_state_home_s_when_absolute_else_the_xdg_default(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
+    assert state_dir("event-outbox") == tmp_path / "state" / "hearth" / "event-outbox"
+    for ignored in ("", "relative/state"):
+        monkeypatch.setenv("XDG_STATE_HOME", ignored)
+        assert state_dir("event-outbox") == tmp_path / "home" / ".local" / "state" / "hearth" / "event-outbox"

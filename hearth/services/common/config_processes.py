@@ -5,6 +5,7 @@ itself). hearth/services/common/config.py composes them with the rest into Heart
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 from pydantic import Field
@@ -57,6 +58,11 @@ class OrchestratorSettings(ConfigSection):
         default=1.5, gt=0, description="at shutdown, how long the audit events still queued may take to write")
     event_publish_delay_s: float = Field(
         default=0.0, ge=0, description="testing only: every audit event write waits this long first")
+    event_outbox_dir: Path | None = Field(
+        default=None,
+        description="where the orchestrator keeps each audit event until it is stored, to write it after a kill "
+                    "(a SQLite file per process, locked; default $XDG_STATE_HOME/hearth/event-outbox, else "
+                    "~/.local/state/hearth/event-outbox)")
     broker_wait_s: float = Field(
         default=30.0, gt=0,
         description="a call whose broker connection dropped waits this long for it (and its hops) to come back")

@@ -1,4 +1,5 @@
-"""Where hearth's own files are: its data folders (models/, nats/, grafana/, prometheus/).
+"""Where hearth's own files are: its data folders (models/, nats/, grafana/, prometheus/), and the folder of the
+state a process keeps across its restarts (`state_dir`).
 
 In a checkout the data folders lie beside the `hearth` package; a wheel installs them as the data package
 `hearth_data` (pyproject.toml, [tool.setuptools]), so beside it too, one level down.
@@ -6,6 +7,7 @@ In a checkout the data folders lie beside the `hearth` package; a wheel installs
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 # The folder holding the `hearth` package: the checkout, or site-packages.
@@ -32,3 +34,13 @@ def bundled_model_or(model: str) -> str:
     if name and "/" not in name and (data_dir("models") / name / "config.json").is_file():
         return str(data_dir("models") / name)
     return model
+
+
+def state_dir(folder: str) -> Path:
+    """`folder` in the folder of what hearth processes keep across restarts: $XDG_STATE_HOME/hearth, else
+    ~/.local/state/hearth (the XDG base directory default; a relative XDG_STATE_HOME is ignored, as it says);
+    not created here."""
+    base = Path(os.environ.get("XDG_STATE_HOME") or "")
+    if not base.is_absolute():
+        base = Path.home() / ".local" / "state"
+    return base / "hearth" / folder

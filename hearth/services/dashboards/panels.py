@@ -290,6 +290,13 @@ FROM projection_positions ORDER BY projection, stream""",
              PromTarget("max(hearth_projector_lag_seconds)", "seconds behind")),
         ),
         PromPanel(
+            "Audit events waiting in orchestrator outboxes",
+            (PromTarget("max by (instance) (hearth_event_outbox_depth)", "{{instance}}"),),
+            "Events each orchestrator recorded (or found left by its previous run) and JetStream has not stored yet; "
+            "kept in its outbox file meanwhile (docs/operations.md, \"The event outbox\"). One that stays above 0: "
+            "the broker is not taking its events, and calls wait once it reaches [orchestrator] event_queue_max.",
+        ),
+        PromPanel(
             "Events applied per second by type (live)",
             (PromTarget("sum by (event_type) (rate(hearth_projector_events_applied_total[1m]))", "{{event_type}}"),
              # max, not sum: every process that projects the log (the projector, each orchestrator's routing read

@@ -78,6 +78,7 @@ shared_machine_busy_threads = 1
 # through hops that take turns on the same cores.
 shared_machine_batch_merge_window_ms = 200.0
 BATCH_MERGE_WINDOW_ENV = f"{ENV_PREFIX}SHARD{ENV_NESTED_DELIMITER}BATCH_MERGE_WINDOW_MS"
+OUTBOX_DIR_ENV = f"{ENV_PREFIX}ORCHESTRATOR{ENV_NESTED_DELIMITER}EVENT_OUTBOX_DIR"  # in work_dir, with the broker
 def _metrics_port_in(args: list[str]) -> int | None:
     """The port a `--metrics-port` among `args` names (the last one wins, as for the command), or None."""
     port = None
@@ -353,10 +354,9 @@ class LocalCluster:
     def start_orchestrator(self, *, node_id: str = "orchestrator", extra_args: list[str] = (),
                            wait_ready: bool = True, command_prefix: Sequence[str] = ()) -> ManagedProcess:
         args = ["orchestrator", "--node-id", node_id, "--busy-threads", str(shared_machine_busy_threads), *extra_args]
-        if self.torch_threads:
-            args += ["--torch-threads", str(self.torch_threads)]
-        return self._spawn(f"orchestrator-{node_id}", args, wait_ready=wait_ready,
-                           member=(node_id, "orchestrator"), command_prefix=command_prefix)
+        args += ["--torch-threads", str(self.torch_threads)] if self.torch_threads else []
+        return self._spawn(f"orchestrator-{node_id}", args, wait_ready=wait_ready, member=(node_id, "orchestrator"),
+                           command_prefix=command_prefix, env={OUTBOX_DIR_ENV: str(self.work_dir / "event-outbox")})
 
     def start_gateway(self, *, name: str = "gateway", extra_args: list[str] = (), env: dict[str, str] | None = None,
                       wait_ready: bool = True) -> ManagedProcess:

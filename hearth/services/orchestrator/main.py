@@ -6,8 +6,10 @@ import asyncio
 from dataclasses import dataclass
 from pathlib import Path
 
+from hearth.events.outbox_file import OutboxFileUnavailable
 from hearth.readmodels.db import ReadModelUnusable
 from hearth.services.common.config import HearthSettings
+from hearth.services.common.hearth_files import state_dir
 from hearth.services.common.lifecycle import CommandRefused, unless_stopped
 from hearth.services.common.metrics import serve_process_metrics
 from hearth.services.broker.connection import connect_nats, drain_or_close
@@ -83,7 +85,8 @@ async def run_orchestrator(settings: HearthSettings, options: OrchestratorOption
         connect_nats(nats_url, name=f"hearth-orchestrator {options.node_id}", settings=settings.nats), stop_event)
     orchestrator = Orchestrator(nc, settings, node_id=options.node_id, db_path=options.db_path,
                                 model_search_dirs=list(options.model_search_dirs), local_model=options.local_model,
-                                busy_threads=options.busy_threads)
+                                busy_threads=options.busy_threads,
+                                outbox_dir=settings.orchestrator.event_outbox_dir or state_dir("event-outbox"))
     orchestrator.catalog.use_compute(device, dtype, quantization=scheme)
     orchestrator.catalog.use_store(nc.jetstream())  # `store:NAME` models come through this connection
     metrics_server = None
@@ -94,6 +97,9 @@ async def run_orchestrator(settings: HearthSettings, options: OrchestratorOption
             await orchestrator.start()
         except ReadModelUnusable as error:  # --db a folder, a damaged file: one line, the file left as it was
             raise CommandRefused(f"--db {error}") from None
+        except OutboxFileUnavailable as error:
+            raise CommandRefused(f"{error} (give [orchestrator] event_outbox_dir, "
+                                 "HEARTH_ORCHESTRATOR__EVENT_OUTBOX_DIR, a folder this process may write)") from None
         await orchestrator.catalog.start_local_fetch()  # listed by llm.models once it has arrived
         for model in preload:
             try:

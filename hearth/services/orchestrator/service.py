@@ -83,7 +83,7 @@ class Orchestrator:
 
     def __init__(self, nc: NatsClient, settings: HearthSettings, *, node_id: str, db_path: Path | None = None,
                  model_search_dirs: list[Path] | None = None, local_model: str | None = None,
-                 busy_threads: int | None = None) -> None:
+                 busy_threads: int | None = None, outbox_dir: Path | None = None) -> None:
         self.nc = nc
         self.js = nc.jetstream()
         self.settings = settings
@@ -105,6 +105,7 @@ class Orchestrator:
                                   retry_wait_s=settings.orchestrator.event_retry_wait_s,
                                   publish_delay_s=settings.orchestrator.event_publish_delay_s,
                                   signing_key=event_signing_key(settings.nats))
+        self.outbox_dir = outbox_dir  # its events kept there until stored, across a kill; None: in memory only
         # Calls signed by a roster member, each nonce recorded mesh-wide, on a community mesh; None on an open one.
         self.call_verifier = call_verifier(settings)
         self.call_nonces = None if self.call_verifier is None else MeshNonces.for_calls_of(
@@ -115,19 +116,18 @@ class Orchestrator:
                                max_per_caller=limits.max_streams_per_caller, max_queued=limits.max_queued_requests,
                                max_queued_per_caller=limits.max_queued_per_caller,
                                retry_after_s=limits.overloaded_retry_after_s)
-        self._subscription = None
-        self._own_subscription = None
-        self._models_subscription = None
+        self._subscription = self._own_subscription = self._models_subscription = None
         self._requests: set[asyncio.Task] = set()
         self.context: RunContext | None = None
         self._canaries: CanaryRunner | None = None
         self._step_threads = StepThreads(busy_threads)
 
     async def start(self) -> None:
+        """Start serving; OutboxFileUnavailable when `outbox_dir` has no file this process may claim."""
+        await self.outbox.start_in(self.outbox_dir, owner=self.node_id)
         await self.projector.start()
         if self.call_nonces is not None:
             await self.call_nonces.ready(stream_setup(self.settings.nats))
-        self.outbox.start()
         distributed = self.settings.research.distributed_inference
         verification = self.settings.verification
         router = ShardRouter(
