@@ -189,12 +189,14 @@ def shard_command(
     """Host one contiguous layer range of a model: advertise it, heartbeat, serve activation streams."""
     from hearth.services.common.hearth_files import bundled_model_or
     from hearth.services.common.lifecycle import run_until_stopped
-    from hearth.services.shard.main import run_shard
 
     model = bundled_model_or(model)
     wait_for_nats(ctx, wait_for_nats_flag)
     use_metrics_host(ctx, metrics_host)
     node_id = node_id_for("hearth shard", use_credentials(ctx, "hearth shard", creds, insecure), node_id, "shard")
+    # torch comes with it: a refusal of the options or the key above is said at once, not after that import.
+    from hearth.services.shard.main import run_shard
+
     url = resolve_nats_url(ctx, nats_url)
     run_until_stopped(lambda stop_event: run_shard(
         model=model, layers=layers, nats_url=url, settings=settings(ctx), node_id=node_id, model_id=model_id,
@@ -243,13 +245,15 @@ def orchestrator_command(
 ) -> None:
     """Answer llm.chat.request: route over shard hosts, embed and sample locally, stream frames back."""
     from hearth.services.common.lifecycle import run_until_stopped
-    from hearth.services.orchestrator.main import OrchestratorOptions, run_orchestrator, with_step_timeout
-    from hearth.services.shard.main import configure_torch_threads, default_node_id
 
     wait_for_nats(ctx, wait_for_nats_flag)
     use_metrics_host(ctx, metrics_host)
     node_id = node_id_for("hearth orchestrator", use_credentials(ctx, "hearth orchestrator", creds, insecure), node_id,
                           "orchestrator")
+    # torch comes with these: a refusal of the options or the key above is said at once, not after that import.
+    from hearth.services.orchestrator.main import OrchestratorOptions, run_orchestrator, with_step_timeout
+    from hearth.services.shard.main import configure_torch_threads, default_node_id
+
     configure_torch_threads(torch_threads)
     options = OrchestratorOptions(node_id=node_id or default_node_id(), db_path=db,
                                   model_search_dirs=tuple(models_dir or ()), local_model=local_model,

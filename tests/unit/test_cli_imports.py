@@ -71,3 +71,14 @@ def test_python_dash_m_hearth_is_the_hearth_command_and_loads_no_torch():
     result = subprocess.run([sys.executable, "-m", "hearth", "--help"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert "Usage: " in result.stdout and "shard" in result.stdout
+
+
+@pytest.mark.parametrize("args", [["shard", "--model", "m", "--layers", "0-1"], ["orchestrator"]])
+def test_a_serving_command_refuses_missing_credentials_before_it_loads_torch(args):
+    """Before, `hearth shard` and `hearth orchestrator` imported torch (seconds) and only then said they had no key."""
+    code = (
+        f"import sys; sys.argv = ['prog', *{args!r}, '--nats', 'nats://127.0.0.1:1']\n"
+        "import hearth.services.cli as cli\n"
+        "try:\n    cli.main()\nexcept SystemExit as exit_:\n    assert exit_.code not in (0, None), exit_.code\n"
+    )
+    assert loaded_heavy_modules(code) == []
