@@ -1,6 +1,7 @@
 """Canaries: work whose honest outputs are known (a check confirmed them: two hosts agreed) replayed from time to
 time to another host of the same layers, as a session it cannot tell from a call's hop, and compared (EdgeLlama's
-fortification check). A host is only ever sent work it never saw, recorded from other hosts."""
+fortification check). A host is only ever sent work recorded from other hosts that no shard of its node saw (nor
+sent to the hop), in a session as long as the hop's, so that nothing tells it the work is a replay."""
 
 from __future__ import annotations
 
@@ -17,11 +18,13 @@ from hearth.events.models import IntegrityMismatchConfirmed, IntegrityShardsVeri
 from hearth.inference.activation_compare import (evidence_digest, first_mismatch, position_errors, reportable_error,
                                           tolerance_for)
 from hearth.protocol.quarantine import Held
+from hearth.services.orchestrator.chain import HopChain
 from hearth.services.orchestrator.guards import RangeKey
 from hearth.services.orchestrator.metrics import verification_checks_total
 from hearth.services.orchestrator.mirror import Mirror, serves_range
 from hearth.services.orchestrator.outcomes import StepFailure
 from hearth.services.orchestrator.placement import ChainPlacement
+from hearth.services.orchestrator.recording import HopSpan
 from hearth.services.orchestrator.router import Hop
 from hearth.services.transport import FrameKind
 
@@ -45,10 +48,28 @@ class Canary:
     # The prompt length its prefill chunks were told (Hearth-Prompt-Tokens): a canary cut inside a long prompt
     # still tells the whole one, as the hop was told, since a LongRoPE model rotates by it.
     prompt_tokens: int | None = None
+    # The session length the hop was opened with (the call's prompt and max_tokens): a canary opens its host's
+    # session as long, since one only as long as its prompt (no room to decode) is one no call opens.
+    session_tokens: int | None = None
+    # The nodes that saw its inputs (the hop's, every mirror's, the one that sent them to the hop) or were named as
+    # its neighbours: none of them is sent it, since a liar could recognise the work and answer just that honestly.
+    seen_by_nodes: frozenset[str] = frozenset()
 
     @property
     def positions(self) -> int:
         return int(self.inputs.shape[1])
+
+
+def confirmed_canary(key: RangeKey, weights_sha256: str, chain: HopChain, index: int, span: HopSpan,
+                     mirrors: list[Mirror]) -> Canary:
+    """The canary a check of hop `index` of `chain` that every mirror confirmed over `span` (from position 0)
+    makes."""
+    hop, placement = chain.hops[index], ChainPlacement.of_hop(chain.hops, index)
+    seen_by = {hop.node_id, placement.upstream_node, placement.downstream_node,
+               *(mirror.replica.node_id for mirror in mirrors)} - {None}
+    return Canary(key, weights_sha256, mirrors[0].dtype, chain.wire_dtype, placement, span.kinds, span.inputs,
+                  span.outputs, (hop.shard_id, mirrors[0].shard_id), span.prompt_tokens,
+                  session_tokens=chain.max_session_tokens, seen_by_nodes=frozenset(seen_by))
 
 
 class CanaryLibrary:
@@ -125,14 +146,15 @@ class CanaryRunner:
         return [Hop(shard_id=c.shard_id, control_subject=c.control_subject, node_id=c.node_id, layer_lo_to_run=lo,
                     layer_hi_to_run=hi, quantization=quantization)
                 for c in candidates
-                if c.shard_id not in canary.parties and not held.holds(c.shard_id, c.node_id)
+                if c.shard_id not in canary.parties and c.node_id not in canary.seen_by_nodes
+                and not held.holds(c.shard_id, c.node_id)
                 and self.ctx.router.alive(c, now)
                 and serves_range(c, canary.weights_sha256, quantization, canary.dtype, lo, hi)]
 
     async def _replay(self, canary: Canary, host: Hop) -> None:
         settings = self.ctx.settings
-        # A session as long as the told prompt: a host refuses a prompt length beyond its session's.
-        session_tokens = max(canary.positions, canary.prompt_tokens or 0)
+        # As long as the hop's session was (a host refuses a prompt length beyond its session's).
+        session_tokens = max(canary.positions, canary.prompt_tokens or 0, canary.session_tokens or 0)
         mirror = Mirror(self.ctx.nc, host, node_id=self.ctx.node_id, model_id=canary.key[0],
                         weights_sha256=canary.weights_sha256, transport=settings.transport,
                         wire_dtype=canary.wire_dtype, hidden_size=int(canary.inputs.shape[-1]),

@@ -36,14 +36,13 @@ from hearth.events.models import (IntegrityMismatchConfirmed, IntegrityMismatchD
 from hearth.inference.activation_compare import (evidence_digest, first_mismatch, position_errors, reportable_error,
                                           tolerance_for)
 from hearth.protocol.quarantine import Held
-from hearth.services.orchestrator.canaries import Canary
+from hearth.services.orchestrator.canaries import confirmed_canary
 from hearth.services.orchestrator.chain import HopChain
 from hearth.services.orchestrator.check_policy import MIRRORS_PER_LEVEL, sampled_check_due
 from hearth.services.orchestrator.guards import RangeKey
 from hearth.services.orchestrator.metrics import verification_checks_total
 from hearth.services.orchestrator.mirror import Mirror, open_mirror
 from hearth.services.orchestrator.outcomes import StepFailure
-from hearth.services.orchestrator.placement import ChainPlacement
 from hearth.services.orchestrator.recording import HopSpan
 
 log = logging.getLogger(__name__)
@@ -278,10 +277,8 @@ class CallVerifier:
             for mirror, _, _ in outcomes:
                 self._confirm(mirror.shard_id, span, None)
             if span.first_pos == 0:
-                self.ctx.canaries.keep(Canary(
-                    self._range_key(index), self.call.model.weights_sha256, mirrors[0].dtype, chain.wire_dtype,
-                    ChainPlacement.of_hop(chain.hops, index), span.kinds, span.inputs, span.outputs,
-                    (chain.hops[index].shard_id, mirrors[0].shard_id), span.prompt_tokens))
+                self.ctx.canaries.keep(confirmed_canary(self._range_key(index), self.call.model.weights_sha256,
+                                                        chain, index, span, mirrors))
             return
         mirror, reference, _ = next(outcome for outcome in outcomes if outcome[2] is not None)
         await self._settle_mismatch(chain, index, span, mirror, reference, tolerance, outcomes)

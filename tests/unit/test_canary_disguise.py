@@ -1,0 +1,114 @@
+"""A canary must not give itself away to the host it tests: it opens a session as long as the call's hop had (a
+session no longer than its prompt, with no room for one decoded token, is one no call opens), and it goes only to
+nodes that never saw its inputs (not the hop's, nor any mirror's, nor the node that sent the hop those inputs), so
+that a liar cannot recognise replayed work and answer just that honestly."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from hearth.protocol.subjects import shard_id_for
+from hearth.readmodels.queries import ShardCandidate
+from hearth.services.orchestrator import mirror as mirror_module
+from hearth.services.orchestrator.canaries import CanaryLibrary, CanaryRunner, confirmed_canary
+from hearth.services.orchestrator.recording import HopSpan
+from hearth.services.orchestrator.router import Hop
+from hearth.services.transport import FrameKind
+
+HIDDEN = 8
+PROMPT_TOKENS = 40
+MAX_TOKENS = 200
+WEIGHTS = "ab" * 32
+RANGE = ("m", 4, 7, "int8")
+
+
+def hop_on(node: str, lo: int, hi: int) -> Hop:
+    return Hop(shard_id=shard_id_for("m", lo, hi, node, quantization="int8"), control_subject=f"c.{node}",
+               node_id=node, layer_lo_to_run=lo, layer_hi_to_run=hi, quantization="int8")
+
+
+def mirror_on(node: str) -> SimpleNamespace:
+    replica = hop_on(node, 4, 7)
+    return SimpleNamespace(shard_id=replica.shard_id, dtype="float32", replica=replica)
+
+
+def checked_canary(mirror_nodes=("mirror",)):
+    """What a clean check of hop 1 (layers 4-7, on node `hop`) of a three-hop chain keeps: a call of a 40-token
+    prompt and up to 200 tokens, checked from position 0 over the prompt and 3 decoded tokens."""
+    chain = SimpleNamespace(hops=[hop_on("upstream", 0, 3), hop_on("hop", 4, 7), hop_on("downstream", 8, 11)],
+                            wire_dtype="auto", max_session_tokens=PROMPT_TOKENS + MAX_TOKENS)
+    inputs = torch.randn(1, PROMPT_TOKENS + 3, HIDDEN, generator=torch.Generator().manual_seed(3))
+    span = HopSpan(1, 0, inputs, inputs * 2, (FrameKind.prefill,) * PROMPT_TOKENS + (FrameKind.decode,) * 3,
+                   prompt_tokens=PROMPT_TOKENS)
+    return confirmed_canary(RANGE, WEIGHTS, chain, 1, span, [mirror_on(node) for node in mirror_nodes])
+
+
+class RecordingChain:
+    """The replica's chain, standing in for HopChain: answers each step as the hop did."""
+
+    opened: list["RecordingChain"] = []
+
+    def __init__(self, nc, pipeline_id, hops, *, max_session_tokens, **_settings) -> None:
+        self.pipeline_id = pipeline_id
+        self.max_session_tokens = max_session_tokens
+        self.replay_steps = True
+        RecordingChain.opened.append(self)
+
+    async def open(self):
+        return None
+
+    async def step(self, kind, pos, hidden, prompt_tokens=None):
+        return hidden * 2
+
+    async def close(self) -> None:
+        return None
+
+
+@pytest.fixture
+def recording_chain(monkeypatch):
+    RecordingChain.opened = []
+    monkeypatch.setattr(mirror_module, "HopChain", RecordingChain)
+    return RecordingChain
+
+
+@pytest.mark.parametrize("kept_positions", [6, 256])
+async def test_a_canary_opens_a_session_as_long_as_the_calls_hop_had(recording_chain, kept_positions):
+    library = CanaryLibrary(per_range=2, max_positions=kept_positions)
+    library.keep(checked_canary())
+    [kept] = library.all()
+    ctx = SimpleNamespace(nc=None, node_id="orchestrator", quarantined=set(), canaries=library, open_signer=None,
+                          settings=SimpleNamespace(transport=None,
+                                                   orchestrator=SimpleNamespace(prefill_chunk_tokens=16)))
+
+    async def record(event) -> None:
+        return None
+
+    await CanaryRunner(ctx, record)._replay(kept, hop_on("fresh", 4, 7))
+    [chain] = recording_chain.opened
+    # Cut inside the prompt or not, the host is opened as the checked hop was, not as long as the prompt.
+    assert chain.max_session_tokens == PROMPT_TOKENS + MAX_TOKENS
+
+
+def candidate(node: str, lo: int = 4, hi: int = 7) -> ShardCandidate:
+    return ShardCandidate(shard_id=shard_id_for("m", lo, hi, node, quantization="int8"), model_id="m",
+                          weights_sha256=WEIGHTS, node_id=node, layer_lo=lo, layer_hi=hi, total_layers=12,
+                          control_subject=f"c.{node}", hop_weight=1.0, max_concurrent_streams=1, status="advertised",
+                          advertised_at=0, expires_at=10, last_seen=None, queue_depth=None, active_streams=None,
+                          quantization="int8", dtype="float32")
+
+
+async def test_a_canary_goes_only_to_nodes_that_never_saw_its_inputs():
+    canary = checked_canary(mirror_nodes=("mirror", "second-mirror"))  # a `vote` check: two mirrors saw it
+    candidates = [
+        candidate("hop", 0, 11),  # another shard (a wider range) of the checked hop's node
+        candidate("mirror", 0, 7),  # another shard of the first mirror's node
+        candidate("second-mirror"),  # the vote's second mirror: it ran these very inputs
+        candidate("upstream", 0, 7),  # it computed these inputs and sent them to the hop
+        candidate("fresh"),
+    ]
+    router = SimpleNamespace(candidates=lambda model_id: candidates, now=lambda: 0.0, alive=lambda shard, now: True)
+    hosts = await CanaryRunner(SimpleNamespace(router=router, quarantined=set()), None)._hosts(canary)
+    assert [hop.node_id for hop in hosts] == ["fresh"]
