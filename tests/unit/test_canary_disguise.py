@@ -1,10 +1,12 @@
 """A canary must not give itself away to the host it tests: it opens a session as long as the call's hop had (a
 session no longer than its prompt, with no room for one decoded token, is one no call opens), and it goes only to
 nodes that never saw its inputs (not the hop's, nor any mirror's, nor the node that sent the hop those inputs), so
-that a liar cannot recognise replayed work and answer just that honestly."""
+that a liar cannot recognise replayed work and answer just that honestly. And however many ranges shards advertise,
+the canaries kept stay within the library's budget."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -112,3 +114,15 @@ async def test_a_canary_goes_only_to_nodes_that_never_saw_its_inputs():
     router = SimpleNamespace(candidates=lambda model_id: candidates, now=lambda: 0.0, alive=lambda shard, now: True)
     hosts = await CanaryRunner(SimpleNamespace(router=router, quarantined=set()), None)._hosts(canary)
     assert [hop.node_id for hop in hosts] == ["fresh"]
+
+
+def test_the_canaries_of_every_range_together_stay_within_the_library_budget():
+    # A member can advertise shards of many ranges, and each range a call runs keeps its own canaries.
+    one = checked_canary()
+    library = CanaryLibrary(per_range=4, max_positions=256, budget_bytes=3 * one.nbytes)
+    for lo in range(40):
+        library.keep(replace(one, key=("m", lo, lo + 3, "int8")))
+    assert library.total_bytes <= 3 * one.nbytes and len(library.all()) == 3
+    assert ("m", 39, 42, "int8") in {canary.key for canary in library.all()}, "the newest is kept"
+    library.keep(replace(one, inputs=torch.zeros(1, 200, 64), outputs=torch.zeros(1, 200, 64)))
+    assert len(library.all()) == 3, "one beyond the whole budget is not kept"

@@ -139,6 +139,10 @@ class VerificationSettings(ConfigSection):
         default=4, ge=0, description="confirmed runs kept per layer range for replay (in memory only)")
     canary_max_positions: int = Field(
         default=256, ge=1, description="a kept run is cut to this many positions")
+    canary_memory_mb: float = Field(
+        default=128.0, gt=0,
+        description="what the kept runs of every layer range together may hold in memory (random ones dropped "
+                    "beyond it: shards may advertise many ranges)")
 
 
 class PrefixCacheSettings(ConfigSection):

@@ -59,6 +59,10 @@ class Canary:
     def positions(self) -> int:
         return int(self.inputs.shape[1])
 
+    @property
+    def nbytes(self) -> int:
+        return sum(tensor.numel() * tensor.element_size() for tensor in (self.inputs, self.outputs))
+
 
 def confirmed_canary(key: RangeKey, weights_sha256: str, chain: HopChain, index: int, span: HopSpan,
                      mirrors: list[Mirror]) -> Canary:
@@ -73,13 +77,20 @@ def confirmed_canary(key: RangeKey, weights_sha256: str, chain: HopChain, index:
 
 
 class CanaryLibrary:
-    """A few canaries per layer range (a new one replaces a random old one), each cut to `max_positions`."""
+    """A few canaries per layer range (a new one replaces a random old one), each cut to `max_positions`, all of them
+    within `budget_bytes` (random ones of any range dropped beyond it: the ranges calls run are as many as the ranges
+    shards advertise, which no budget per range bounds)."""
 
-    def __init__(self, per_range: int, max_positions: int) -> None:
+    def __init__(self, per_range: int, max_positions: int, budget_bytes: int | None = None) -> None:
         self.per_range = per_range
         self.max_positions = max_positions
+        self.budget_bytes = budget_bytes
         self._kept: dict[RangeKey, list[Canary]] = {}
         self._chance = random.SystemRandom()
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(canary.nbytes for canary in self.all())
 
     def keep(self, canary: Canary) -> None:
         if self.per_range == 0:
@@ -87,14 +98,25 @@ class CanaryLibrary:
         cut = min(canary.positions, self.max_positions)
         canary = replace(canary, kinds=canary.kinds[:cut], inputs=canary.inputs[:, :cut].clone(),
                          outputs=canary.outputs[:, :cut].clone())
+        if self.budget_bytes is not None and canary.nbytes > self.budget_bytes:
+            return  # one beyond the whole budget would push out every other canary, then itself
         kept = self._kept.setdefault(canary.key, [])
         if len(kept) < self.per_range:
             kept.append(canary)
         else:
             kept[self._chance.randrange(len(kept))] = canary
+        while self.budget_bytes is not None and self.total_bytes > self.budget_bytes:
+            self._drop_one_but(canary)
 
     def all(self) -> list[Canary]:
         return [canary for kept in self._kept.values() for canary in kept]
+
+    def _drop_one_but(self, newest: Canary) -> None:
+        key, index = self._chance.choice([(key, index) for key, kept in self._kept.items()
+                                          for index, canary in enumerate(kept) if canary is not newest])
+        del self._kept[key][index]
+        if not self._kept[key]:
+            del self._kept[key]
 
 
 class CanaryRunner:
