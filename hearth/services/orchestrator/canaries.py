@@ -14,7 +14,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from hearth.events.models import IntegrityMismatchConfirmed, IntegrityShardsVerified, ShardVerification
+from hearth.events.models import (IntegrityMismatchConfirmed, IntegrityMismatchDisputed, IntegrityShardsVerified,
+                                  ShardVerification)
 from hearth.inference.activation_compare import (evidence_digest, first_mismatch, position_errors, reportable_error,
                                           tolerance_for)
 from hearth.protocol.quarantine import Held
@@ -29,6 +30,9 @@ from hearth.services.orchestrator.router import Hop
 from hearth.services.transport import FrameKind
 
 log = logging.getLogger(__name__)
+
+# Third hosts asked to settle a canary answered otherwise, one after another until one answers.
+witness_tries = 2
 
 
 @dataclass(frozen=True)
@@ -111,6 +115,14 @@ class CanaryLibrary:
     def all(self) -> list[Canary]:
         return [canary for kept in self._kept.values() for canary in kept]
 
+    def drop(self, canary: Canary) -> None:
+        """Replay `canary` no more (a witness contradicted it)."""
+        kept = [other for other in self._kept.get(canary.key, []) if other is not canary]  # by identity: tensors
+        if kept:
+            self._kept[canary.key] = kept
+        else:
+            self._kept.pop(canary.key, None)
+
     def _drop_one_but(self, newest: Canary) -> None:
         key, index = self._chance.choice([(key, index) for key, kept in self._kept.items()
                                           for index, canary in enumerate(kept) if canary is not newest])
@@ -121,7 +133,8 @@ class CanaryLibrary:
 
 class CanaryRunner:
     """Every `[verification] canary_interval_s` (jittered), replays one canary to one host that did not record it;
-    a host that answers it wrongly is quarantined with the canary's two parties as witnesses."""
+    a host that answers it wrongly is quarantined with the canary's two parties as witnesses, unless a third host
+    (a witness) answers otherwise than those two (then the canary is dropped and nobody blamed)."""
 
     def __init__(self, ctx, record: Callable[[object], Awaitable[None]]) -> None:
         self.ctx = ctx
@@ -174,6 +187,60 @@ class CanaryRunner:
                 and serves_range(c, canary.weights_sha256, quantization, canary.dtype, lo, hi)]
 
     async def _replay(self, canary: Canary, host: Hop) -> None:
+        output, pipeline_id = await self._answer(canary, host)
+        if isinstance(output, StepFailure):
+            log.info("canary to %s did not come back: %s", host.shard_id, output)
+            return
+        tolerance = tolerance_for(None, canary.dtype, canary.key[3], canary.wire_dtype)
+        errors = position_errors(output, canary.outputs)
+        bad = first_mismatch(errors, tolerance)
+        if bad is None:
+            verification_checks_total.labels("canary_confirmed").inc()
+            await self._record(IntegrityShardsVerified(node_id=self.ctx.node_id, pipeline_id=pipeline_id, shards=[
+                ShardVerification(shard_id=host.shard_id, checks=1, verified_positions=canary.positions)]))
+            return
+        evidence = dict(node_id=self.ctx.node_id, pipeline_id=pipeline_id, layer_lo=canary.key[1],
+                        layer_hi=canary.key[2], quantization=canary.key[3], dtype=canary.dtype, position=bad,
+                        step_kind=canary.kinds[bad].value, relative_error=reportable_error(errors[bad]),
+                        tolerance=tolerance, evidence_sha256=evidence_digest(canary.inputs, output, canary.outputs))
+        # The canary's two parties (a call's hop and its mirror) may have agreed on a lie, colluding: a third host
+        # settles it where one answers (else the two parties' word stands), lest a lie kept as a canary get every
+        # honest host it is replayed to quarantined.
+        witness = await self._witness(canary, host)
+        if witness is not None:
+            witness_id, witnessed = witness
+            sides_with_canary = first_mismatch(position_errors(witnessed, canary.outputs), tolerance) is None
+            if not sides_with_canary or first_mismatch(position_errors(witnessed, output), tolerance) is None:
+                log.warning("%s answered a canary of layers %d-%d otherwise than its parties %s, and witness %s "
+                            "did not side with them; the canary is dropped, nobody blamed", host.shard_id,
+                            canary.key[1], canary.key[2], ", ".join(canary.parties), witness_id)
+                verification_checks_total.labels("disputed").inc()
+                self.ctx.canaries.drop(canary)
+                await self._record(IntegrityMismatchDisputed(shard_ids=[host.shard_id, canary.parties[0]],
+                                                             **evidence))
+                return
+        witnesses = [*canary.parties, *([witness[0]] if witness is not None else [])]
+        log.warning("%s answered a canary of layers %d-%d wrongly (position %d, relative error %.3g; witnesses %s); "
+                    "quarantined", host.shard_id, canary.key[1], canary.key[2], bad, float(errors[bad]),
+                    ", ".join(witnesses))
+        verification_checks_total.labels("canary_mismatch").inc()
+        self.ctx.prove_wrong(host.shard_id)
+        await self._record(IntegrityMismatchConfirmed(shard_id=host.shard_id, witnesses=witnesses, **evidence))
+
+    async def _witness(self, canary: Canary, host: Hop) -> tuple[str, torch.Tensor] | None:
+        """A third host's answer to `canary` (one on another node than `host`'s that never saw it either): (its
+        shard id, its outputs), or None when none answered."""
+        candidates = [other for other in await self._hosts(canary) if other.node_id != host.node_id]
+        self._chance.shuffle(candidates)
+        for candidate in candidates[:witness_tries]:
+            output, _ = await self._answer(canary, candidate)
+            if not isinstance(output, StepFailure):
+                return candidate.shard_id, output
+            log.info("canary witness %s did not answer: %s", candidate.shard_id, output)
+        return None
+
+    async def _answer(self, canary: Canary, host: Hop) -> tuple[torch.Tensor | StepFailure, str]:
+        """`host`'s outputs for `canary`'s inputs, or why they did not come; and the session's pipeline id."""
         settings = self.ctx.settings
         # As long as the hop's session was (a host refuses a prompt length beyond its session's).
         session_tokens = max(canary.positions, canary.prompt_tokens or 0, canary.session_tokens or 0)
@@ -189,24 +256,4 @@ class CanaryRunner:
                                                                           canary.prompt_tokens)
         finally:
             await mirror.close()
-        if isinstance(output, StepFailure):
-            log.info("canary to %s did not come back: %s", host.shard_id, output)
-            return
-        tolerance = tolerance_for(None, canary.dtype, canary.key[3], canary.wire_dtype)
-        errors = position_errors(output, canary.outputs)
-        bad = first_mismatch(errors, tolerance)
-        pipeline_id = mirror.chain.pipeline_id
-        if bad is None:
-            verification_checks_total.labels("canary_confirmed").inc()
-            await self._record(IntegrityShardsVerified(node_id=self.ctx.node_id, pipeline_id=pipeline_id, shards=[
-                ShardVerification(shard_id=host.shard_id, checks=1, verified_positions=canary.positions)]))
-            return
-        log.warning("%s answered a canary of layers %d-%d wrongly (position %d, relative error %.3g); quarantined",
-                    host.shard_id, canary.key[1], canary.key[2], bad, float(errors[bad]))
-        verification_checks_total.labels("canary_mismatch").inc()
-        self.ctx.prove_wrong(host.shard_id)
-        await self._record(IntegrityMismatchConfirmed(
-            node_id=self.ctx.node_id, pipeline_id=pipeline_id, shard_id=host.shard_id, witnesses=list(canary.parties),
-            layer_lo=canary.key[1], layer_hi=canary.key[2], quantization=canary.key[3], dtype=canary.dtype,
-            position=bad, step_kind=canary.kinds[bad].value, relative_error=reportable_error(errors[bad]),
-            tolerance=tolerance, evidence_sha256=evidence_digest(canary.inputs, output, canary.outputs)))
+        return output, mirror.chain.pipeline_id
