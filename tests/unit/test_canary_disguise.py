@@ -1,11 +1,13 @@
 """A canary must not give itself away to the host it tests: it opens a session as long as the call's hop had (a
-session no longer than its prompt, with no room for one decoded token, is one no call opens), and it goes only to
+session no longer than its prompt, with no room for one decoded token, is one no call opens) and keeps it told
+that it lives as a call's hops are (one silent for longer than a keepalive interval is no call's), and it goes only to
 nodes that never saw its inputs (not the hop's, nor any mirror's, nor the node that sent the hop those inputs), so
 that a liar cannot recognise replayed work and answer just that honestly. And however many ranges shards advertise,
 the canaries kept stay within the library's budget."""
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -13,9 +15,11 @@ import pytest
 import torch
 
 from hearth.protocol.subjects import shard_id_for
+from hearth.services.common.config import TransportSettings
 from hearth.readmodels.queries import ShardCandidate
 from hearth.services.orchestrator import mirror as mirror_module
 from hearth.services.orchestrator.canaries import CanaryLibrary, CanaryRunner, confirmed_canary
+from hearth.services.orchestrator.outcomes import StepFailure
 from hearth.services.orchestrator.recording import HopSpan
 from hearth.services.orchestrator.router import Hop
 from hearth.services.transport import FrameKind
@@ -65,6 +69,9 @@ class RecordingChain:
     async def step(self, kind, pos, hidden, prompt_tokens=None):
         return hidden * 2
 
+    async def keep_alive(self) -> None:
+        return None
+
     async def close(self) -> None:
         return None
 
@@ -82,7 +89,7 @@ async def test_a_canary_opens_a_session_as_long_as_the_calls_hop_had(recording_c
     library.keep(checked_canary())
     [kept] = library.all()
     ctx = SimpleNamespace(nc=None, node_id="orchestrator", quarantined=set(), canaries=library, open_signer=None,
-                          settings=SimpleNamespace(transport=None,
+                          settings=SimpleNamespace(transport=TransportSettings(),
                                                    orchestrator=SimpleNamespace(prefill_chunk_tokens=16)))
 
     async def record(event) -> None:
@@ -126,3 +133,41 @@ def test_the_canaries_of_every_range_together_stay_within_the_library_budget():
     assert ("m", 39, 42, "int8") in {canary.key for canary in library.all()}, "the newest is kept"
     library.keep(replace(one, inputs=torch.zeros(1, 200, 64), outputs=torch.zeros(1, 200, 64)))
     assert len(library.all()) == 3, "one beyond the whole budget is not kept"
+
+
+class TalkativeChain(RecordingChain):
+    """A replica's chain whose host answers a step only once it heard the session's orchestrator is alive, as a
+    call's hops hear every `keepalive_interval_s`: a session that runs longer with no keepalive is no call's."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.told = asyncio.Event()
+
+    async def keep_alive(self) -> None:
+        self.told.set()
+
+    async def step(self, kind, pos, hidden, prompt_tokens=None):
+        try:
+            await asyncio.wait_for(self.told.wait(), timeout=5.0)
+        except TimeoutError:
+            return StepFailure("stalled", "x", "never told the session lives")
+        self.told.clear()
+        return hidden * 2
+
+
+async def test_a_canary_keeps_its_host_told_that_the_session_lives(monkeypatch):
+    TalkativeChain.opened = []
+    monkeypatch.setattr(mirror_module, "HopChain", TalkativeChain)
+    library = CanaryLibrary(per_range=2, max_positions=256)
+    library.keep(checked_canary())
+    [kept] = library.all()
+    ctx = SimpleNamespace(nc=None, node_id="orchestrator", quarantined=set(), canaries=library, open_signer=None,
+                          settings=SimpleNamespace(transport=SimpleNamespace(keepalive_interval_s=0.01),
+                                                   orchestrator=SimpleNamespace(prefill_chunk_tokens=16)))
+    records = []
+
+    async def record(event) -> None:
+        records.append(event)
+
+    await CanaryRunner(ctx, record)._replay(kept, hop_on("fresh", 4, 7))
+    assert [type(event).__name__ for event in records] == ["IntegrityShardsVerified"]

@@ -13,6 +13,7 @@ import torch
 
 from hearth.events.models import IntegrityMismatchConfirmed, IntegrityMismatchDisputed
 from hearth.protocol.subjects import shard_id_for
+from hearth.services.common.config import TransportSettings
 from hearth.readmodels.queries import ShardCandidate
 from hearth.services.orchestrator import mirror as mirror_module
 from hearth.services.orchestrator.canaries import Canary, CanaryLibrary, CanaryRunner
@@ -49,6 +50,9 @@ class HostChain:
 
     async def step(self, kind, pos, hidden, prompt_tokens=None):
         return computed_by(self.node, hidden)
+
+    async def keep_alive(self) -> None:
+        return None
 
     async def close(self) -> None:
         return None
@@ -87,7 +91,7 @@ def runner_with(canary: Canary, nodes: list[str]) -> tuple[CanaryRunner, SimpleN
                              alive=lambda shard, now: True)
     ctx = SimpleNamespace(nc=None, node_id="orchestrator", quarantined=quarantined, prove_wrong=quarantined.add,
                           canaries=library, open_signer=None, router=router,
-                          settings=SimpleNamespace(transport=None,
+                          settings=SimpleNamespace(transport=TransportSettings(),
                                                    orchestrator=SimpleNamespace(prefill_chunk_tokens=4)))
     return CanaryRunner(ctx, record), ctx, records
 

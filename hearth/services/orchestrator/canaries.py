@@ -28,6 +28,7 @@ from hearth.services.orchestrator.placement import ChainPlacement
 from hearth.services.orchestrator.recording import HopSpan
 from hearth.services.orchestrator.router import Hop
 from hearth.services.transport import FrameKind
+from hearth.services.transport.keepalives import telling_while
 
 log = logging.getLogger(__name__)
 
@@ -252,8 +253,10 @@ class CanaryRunner:
                         sign_open=self.ctx.open_signer)
         try:
             failure = await mirror.open()
-            output = failure if failure is not None else await mirror.run(canary.inputs, 0, canary.kinds,
-                                                                          canary.prompt_tokens)
+            # Told it lives as a call's hops are (every keepalive_interval_s): a session without is no call's.
+            output = failure if failure is not None else await telling_while(
+                asyncio.ensure_future(mirror.run(canary.inputs, 0, canary.kinds, canary.prompt_tokens)),
+                mirror.chain.keep_alive, settings.transport.keepalive_interval_s)
         finally:
             await mirror.close()
         return output, mirror.chain.pipeline_id
