@@ -8,6 +8,7 @@ the canaries kept stay within the library's budget."""
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -20,9 +21,9 @@ from hearth.readmodels.queries import ShardCandidate
 from hearth.services.orchestrator import mirror as mirror_module
 from hearth.services.orchestrator.canaries import CanaryLibrary, CanaryRunner, confirmed_canary
 from hearth.services.orchestrator.outcomes import StepFailure
-from hearth.services.orchestrator.recording import HopSpan
+from hearth.services.orchestrator.recording import ChainRecorder, HopSpan
 from hearth.services.orchestrator.router import Hop
-from hearth.services.transport import FrameKind
+from hearth.services.transport import FrameKind, StepInfo
 
 HIDDEN = 8
 PROMPT_TOKENS = 40
@@ -61,12 +62,14 @@ class RecordingChain:
         self.pipeline_id = pipeline_id
         self.max_session_tokens = max_session_tokens
         self.replay_steps = True
+        self.sent_at: list[float] = []
         RecordingChain.opened.append(self)
 
     async def open(self):
         return None
 
     async def step(self, kind, pos, hidden, prompt_tokens=None):
+        self.sent_at.append(time.monotonic())
         return hidden * 2
 
     async def keep_alive(self) -> None:
@@ -162,7 +165,7 @@ async def test_a_canary_keeps_its_host_told_that_the_session_lives(monkeypatch):
     library.keep(checked_canary())
     [kept] = library.all()
     ctx = SimpleNamespace(nc=None, node_id="orchestrator", quarantined=set(), canaries=library, open_signer=None,
-                          settings=SimpleNamespace(transport=SimpleNamespace(keepalive_interval_s=0.01),
+                          settings=SimpleNamespace(transport=TransportSettings(keepalive_interval_s=0.01),
                                                    orchestrator=SimpleNamespace(prefill_chunk_tokens=16)))
     records = []
 
@@ -171,3 +174,36 @@ async def test_a_canary_keeps_its_host_told_that_the_session_lives(monkeypatch):
 
     await CanaryRunner(ctx, record)._replay(kept, hop_on("fresh", 4, 7))
     assert [type(event).__name__ for event in records] == ["IntegrityShardsVerified"]
+
+
+async def test_a_canary_sends_each_step_no_sooner_after_its_first_than_the_call_did(recording_chain):
+    # A call's hop gets its next decode step only after the rest of the chain and the sampling; a canary sending
+    # them back to back would be told from one by its cadence.
+    recorder = ChainRecorder(None, "p", ["hop"], link_keys=[None], sealed=False, step_limits=None)
+    await recorder.start("s")
+    inputs = torch.randn(1, 5, HIDDEN, generator=torch.Generator().manual_seed(9))
+    called: list[float] = []
+    steps = [(FrameKind.prefill, 0, 2), (FrameKind.decode, 2, 1), (FrameKind.decode, 3, 1), (FrameKind.decode, 4, 1)]
+    for number, (kind, pos, tokens) in enumerate(steps, start=1):
+        if kind is FrameKind.decode:
+            await asyncio.sleep(0.05)  # the chain's other hops and the sampling, between two decode steps
+        info = StepInfo(session="s", step=number, kind=kind, pos=pos,
+                        prompt_tokens=2 if kind is FrameKind.prefill else None)
+        called.append(time.monotonic())
+        recorder.sent(info, inputs[:, pos:pos + tokens])
+        recorder.completed(info, inputs[:, pos:pos + tokens] * 2)
+    chain = SimpleNamespace(hops=[hop_on("hop", 4, 7)], wire_dtype="auto", max_session_tokens=10)
+    canary = confirmed_canary(RANGE, WEIGHTS, chain, 0, recorder.span(0, 0, len(steps)), [mirror_on("mirror")])
+    ctx = SimpleNamespace(nc=None, node_id="orchestrator", quarantined=set(), canaries=None, open_signer=None,
+                          settings=SimpleNamespace(transport=TransportSettings(),
+                                                   orchestrator=SimpleNamespace(prefill_chunk_tokens=16)))
+
+    async def record(event) -> None:
+        return None
+
+    await CanaryRunner(ctx, record)._replay(canary, hop_on("fresh", 4, 7))
+    [replica] = recording_chain.opened
+    assert len(replica.sent_at) == len(steps)
+    for sent, call_sent in zip(replica.sent_at, called, strict=True):
+        # The recorder notes a step's time as it goes out, just after the test's note: a millisecond's slack.
+        assert sent - replica.sent_at[0] >= call_sent - called[0] - 1e-3

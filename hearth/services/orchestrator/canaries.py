@@ -59,6 +59,9 @@ class Canary:
     # The nodes that saw its inputs (the hop's, every mirror's, the one that sent them to the hop) or were named as
     # its neighbours: none of them is sent it, since a liar could recognise the work and answer just that honestly.
     seen_by_nodes: frozenset[str] = frozenset()
+    # When the call sent the step that ran each position (monotonic s): replayed no faster, since a call's hop gets
+    # its next decode step only after the rest of the chain and the sampling.
+    sent_at: tuple[float, ...] = ()
 
     @property
     def positions(self) -> int:
@@ -78,7 +81,7 @@ def confirmed_canary(key: RangeKey, weights_sha256: str, chain: HopChain, index:
                *(mirror.replica.node_id for mirror in mirrors)} - {None}
     return Canary(key, weights_sha256, mirrors[0].dtype, chain.wire_dtype, placement, span.kinds, span.inputs,
                   span.outputs, (hop.shard_id, mirrors[0].shard_id), span.prompt_tokens,
-                  session_tokens=chain.max_session_tokens, seen_by_nodes=frozenset(seen_by))
+                  session_tokens=chain.max_session_tokens, seen_by_nodes=frozenset(seen_by), sent_at=span.sent_at)
 
 
 class CanaryLibrary:
@@ -102,7 +105,7 @@ class CanaryLibrary:
             return
         cut = min(canary.positions, self.max_positions)
         canary = replace(canary, kinds=canary.kinds[:cut], inputs=canary.inputs[:, :cut].clone(),
-                         outputs=canary.outputs[:, :cut].clone())
+                         outputs=canary.outputs[:, :cut].clone(), sent_at=canary.sent_at[:cut])
         if self.budget_bytes is not None and canary.nbytes > self.budget_bytes:
             return  # one beyond the whole budget would push out every other canary, then itself
         kept = self._kept.setdefault(canary.key, [])
@@ -255,7 +258,9 @@ class CanaryRunner:
             failure = await mirror.open()
             # Told it lives as a call's hops are (every keepalive_interval_s): a session without is no call's.
             output = failure if failure is not None else await telling_while(
-                asyncio.ensure_future(mirror.run(canary.inputs, 0, canary.kinds, canary.prompt_tokens)),
+                asyncio.ensure_future(mirror.run(canary.inputs, 0, canary.kinds, canary.prompt_tokens,
+                                                 paced_by=canary.sent_at,
+                                                 longest_wait_s=settings.transport.step_timeout_s)),
                 mirror.chain.keep_alive, settings.transport.keepalive_interval_s)
         finally:
             await mirror.close()

@@ -41,6 +41,8 @@ class RecordedStep:
     output: torch.Tensor | None = None
     # The prompt's length a prefill step was sent with (Hearth-Prompt-Tokens).
     prompt_tokens: int | None = None
+    # When it went out (monotonic s): a canary of it keeps the call's cadence.
+    sent_at: float = 0.0
 
     def hop_output(self, hop: int) -> torch.Tensor | None:
         """What hop `hop` sent on: the next hop's input, or the chain's output for the last hop."""
@@ -60,6 +62,8 @@ class HopSpan:
     last_step: int = 0
     # The prompt's length its prefill positions were sent with, if it holds any.
     prompt_tokens: int | None = None
+    # When the step that computed each position went out (monotonic s).
+    sent_at: tuple[float, ...] = field(default=())
 
     @property
     def positions(self) -> int:
@@ -131,7 +135,7 @@ class ChainRecorder:
         self.held_bytes += step_bytes
         self.steps[info.step] = RecordedStep(info.step, info.kind, info.pos, int(hidden.shape[1]),
                                              [hidden.detach()] + [None] * (self.hop_count - 1),
-                                             prompt_tokens=info.prompt_tokens)
+                                             prompt_tokens=info.prompt_tokens, sent_at=time.monotonic())
         for unfiled in self._unfiled.values():
             unfiled.add(info.step)
 
@@ -173,7 +177,7 @@ class ChainRecorder:
         nothing new, or the record has a hole)."""
         steps = sorted((s for s in self.steps.values() if s.step <= upto_step and s.pos + s.tokens > from_pos),
                        key=lambda s: s.pos)
-        inputs, outputs, kinds = [], [], []
+        inputs, outputs, kinds, sent_at = [], [], [], []
         expected_pos = from_pos
         for recorded in steps:
             hop_input, hop_output = recorded.inputs[hop], recorded.hop_output(hop)
@@ -183,12 +187,14 @@ class ChainRecorder:
             inputs.append(hop_input[:, skip:])
             outputs.append(hop_output[:, skip:])
             kinds += [recorded.kind] * (recorded.tokens - skip)
+            sent_at += [recorded.sent_at] * (recorded.tokens - skip)
             expected_pos = recorded.pos + recorded.tokens
         if not inputs:
             return None
         return HopSpan(hop, from_pos, torch.cat(inputs, dim=1), torch.cat(outputs, dim=1), tuple(kinds),
                        last_step=max(s.step for s in steps),
-                       prompt_tokens=max((s.prompt_tokens for s in steps if s.prompt_tokens), default=None))
+                       prompt_tokens=max((s.prompt_tokens for s in steps if s.prompt_tokens), default=None),
+                       sent_at=tuple(sent_at))
 
     def resized_by(self, step: int, tokens: int) -> int | None:
         """The hop that passed `step` (sent with `tokens` positions) on with other positions, as the taps saw it (a hop
