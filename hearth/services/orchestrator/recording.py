@@ -43,6 +43,8 @@ class RecordedStep:
     prompt_tokens: int | None = None
     # When it went out (monotonic s): a canary of it keeps the call's cadence.
     sent_at: float = 0.0
+    # What the record holds of it, all hops' inputs and the output counted.
+    nbytes: int = 0
 
     def hop_output(self, hop: int) -> torch.Tensor | None:
         """What hop `hop` sent on: the next hop's input, or the chain's output for the last hop."""
@@ -73,6 +75,10 @@ class HopSpan:
     def end_pos(self) -> int:
         return self.first_pos + self.positions
 
+    def tail_of(self, output: torch.Tensor) -> torch.Tensor:
+        """A mirror's outputs over this span: the last `positions` it ran (it may have run more)."""
+        return output[:, output.shape[1] - self.positions:]
+
 
 class ChainRecorder:
     """Records one chain's steps; `generation` moves on whenever the chain starts again from position 0 (a re-prefill
@@ -99,9 +105,12 @@ class ChainRecorder:
                                          **bounds)
                       for hop in range(1, self.hop_count)]
         self._session: str | None = None
-        # What the record may hold; beyond it nothing more is recorded and no hop can be checked any more.
+        # What the record may hold: past half of it, the steps every hop's checks consumed are forgotten (and the
+        # checks are made, `filling`); beyond it nothing more is recorded and no hop can be checked any more.
         self.budget_bytes = budget_bytes
         self.held_bytes = 0
+        # The position every hop's mirrors were fed to (the verifier moves it): no check reads before it again.
+        self.needed_from = 0
         self._latest: int | None = None
 
     async def start(self, session_id: str) -> None:
@@ -124,8 +133,10 @@ class ChainRecorder:
             self._forget_steps()
             self.broken.clear()
             self.generation += 1
-            self.held_bytes, self._latest = 0, None
+            self.held_bytes, self._latest, self.needed_from = 0, None, 0
         step_bytes = hidden.numel() * hidden.element_size() * (self.hop_count + 1)
+        if self.budget_bytes is not None and (self.held_bytes + step_bytes) * 2 > self.budget_bytes:
+            self._forget_before(self.needed_from)
         if self.budget_bytes is not None and self.held_bytes + step_bytes > self.budget_bytes:
             if len(self.broken) < self.hop_count:
                 log.info("pipeline %s: its record reached its budget (%d MiB); no more checks on this chain",
@@ -135,7 +146,8 @@ class ChainRecorder:
         self.held_bytes += step_bytes
         self.steps[info.step] = RecordedStep(info.step, info.kind, info.pos, int(hidden.shape[1]),
                                              [hidden.detach()] + [None] * (self.hop_count - 1),
-                                             prompt_tokens=info.prompt_tokens, sent_at=time.monotonic())
+                                             prompt_tokens=info.prompt_tokens, sent_at=time.monotonic(),
+                                             nbytes=step_bytes)
         for unfiled in self._unfiled.values():
             unfiled.add(info.step)
 
@@ -147,6 +159,11 @@ class ChainRecorder:
             self._latest = max(self._latest or 0, info.step)
         self._file_tapped()
         return recorded
+
+    @property
+    def filling(self) -> bool:
+        """Whether the record holds more than half its budget: checks are due, so that it can forget what they read."""
+        return self.budget_bytes is not None and self.held_bytes * 2 > self.budget_bytes
 
     def latest_step(self) -> int | None:
         """The newest step whose output arrived."""
@@ -221,6 +238,14 @@ class ChainRecorder:
 
     def _missing(self, hop: int, upto_step: int) -> bool:
         return any(step <= upto_step for step in self._unfiled[hop])
+
+    def _forget_before(self, position: int) -> None:
+        """Forget the whole steps before `position` that every tap filed (a check can no longer begin before it)."""
+        for number, recorded in list(self.steps.items()):
+            if (recorded.pos + recorded.tokens <= position and recorded.output is not None
+                    and all(hop_input is not None for hop_input in recorded.inputs)):
+                del self.steps[number]
+                self.held_bytes -= recorded.nbytes
 
     def _forget_steps(self) -> None:
         self.steps.clear()

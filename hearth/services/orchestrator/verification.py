@@ -176,7 +176,8 @@ class CallVerifier:
             output = recorded.hop_output(index) if recorded is not None else None
             why = sampled_check_due(first_step=self._chain_steps == 1, learned=self.ctx.guards.learned(key),
                                     suspect=output is not None and self.ctx.guards.suspect(key, output),
-                                    draw=self._chance.random(), sample_rate=self.settings.sample_rate)
+                                    draw=self._chance.random(), sample_rate=self.settings.sample_rate,
+                                    record_filling=recorder.filling)
             if why is not None:
                 self._start_check(index, why)
 
@@ -272,7 +273,7 @@ class CallVerifier:
         def tolerance(dtype: str) -> float:
             return tolerance_for(None, dtype, chain.hops[index].quantization, chain.wire_dtype)
 
-        outcomes = [(mirror, _tail(output, span), first_mismatch(position_errors(claimed, _tail(output, span)),
+        outcomes = [(mirror, span.tail_of(output), first_mismatch(position_errors(claimed, span.tail_of(output)),
                                                                   tolerance(mirror.dtype)))
                     for mirror, _, output in runs]
         if all(bad is None for _, _, bad in outcomes):
@@ -377,6 +378,8 @@ class CallVerifier:
         if index is not None:
             self.ctx.guards.learn(self._range_key(index), span.outputs)
             self._hops[index].confirmed_pos = max(self._hops[index].confirmed_pos, span.end_pos)
+            # What every hop's mirrors were fed: the record may forget it (a witness can then not be fed from 0).
+            self.chain.recorder.needed_from = min(min((m.fed_pos for m in h.mirrors), default=0) for h in self._hops)
 
     async def _quarantine(self, shard_id: str, witnesses: list[str], evidence: dict) -> None:
         log.warning("pipeline %s: %s computed layers %d-%d wrongly (witnesses %s); quarantined",
@@ -393,8 +396,3 @@ class CallVerifier:
     def _range_key(self, index: int) -> RangeKey:
         hop = self.chain.hops[index]
         return (self.call.model.model_id, hop.layer_lo_to_run, hop.layer_hi_to_run, hop.quantization)
-
-
-def _tail(output: torch.Tensor, span: HopSpan) -> torch.Tensor:
-    """A mirror's outputs over the last `span.positions` positions it ran (mirrors may have run more)."""
-    return output[:, output.shape[1] - span.positions:]
