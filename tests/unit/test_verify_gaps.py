@@ -2,7 +2,9 @@
 is made again at the next step on a fresh mirror; the last step has no next one, so before the answer's last frame
 what a failed check left unchecked is checked again, and a lie on the last step is still refuted (its token
 withdrawn) rather than reaching the client unchecked. And a chain's record, bounded, forgets what every hop's
-checks read rather than stop: a host that sees how long a session may grow cannot lie past the budget unchecked."""
+checks read rather than stop: a host that sees how long a session may grow cannot lie past the budget unchecked.
+A hop that passes a step on told otherwise than it was sent leaves its successor unchecked: the call routes around
+it and withdraws what was computed from there."""
 
 from __future__ import annotations
 
@@ -130,3 +132,44 @@ async def test_a_lie_past_what_the_record_may_hold_at_once_is_still_refuted(repl
     # No witness can be fed the positions the record forgot: nobody is blamed, but the call routes around the liar.
     assert refuted.kind in ("refuted", "disputed")
     assert recorder.held_bytes <= 10 * STEP_BYTES
+
+
+class RetellingTap:
+    """The tap of hop 1's input: hands over step 1 once, told with another prompt length than it was sent with."""
+
+    def __init__(self, recorder: ChainRecorder) -> None:
+        self.recorder, self.handed = recorder, False
+
+    def take_ready(self) -> list:
+        if self.handed:
+            return []
+        self.handed = True
+        sent = self.recorder.steps[1]
+        told = StepInfo(session="s", step=1, kind=sent.kind, pos=sent.pos, prompt_tokens=80)
+        return [SimpleNamespace(session="s", step=1, tensor=torch.zeros(1, PROMPT, HIDDEN), info=told)]
+
+    async def close(self) -> None:
+        return None
+
+
+async def test_a_hop_that_passes_a_step_on_told_otherwise_is_routed_around_and_its_work_withdrawn(replicas):
+    # Told another prompt length, a LongRoPE layer rotates otherwise: hop 1 computes what no replica told as the
+    # orchestrator sent it would, so it cannot be checked on this chain. Left at that, hop 0 would corrupt every
+    # answer through an honest hop 1 (or cover a colluding one) while its own checks pass.
+    verifier, _, _ = await verifier_of("sampled")
+    recorder = ChainRecorder(None, "p", ["liar", "honest"], link_keys=[None, None], sealed=False, step_limits=None)
+    recorder._session = "s"
+    recorder._taps = [RetellingTap(recorder)]
+    honest = Hop(shard_id="m:4-7@honest", control_subject="c", node_id="honest", layer_lo_to_run=4,
+                 layer_hi_to_run=7, quantization="none")
+    await verifier.attach(SimpleNamespace(hops=[LIAR, honest], recorder=recorder, wire_dtype="auto",
+                                          max_session_tokens=64))
+    hidden = torch.randn(1, PROMPT, HIDDEN)
+    info = StepInfo(session="s", step=1, kind=FrameKind.prefill, pos=0, prompt_tokens=PROMPT)
+    recorder.sent(info, hidden)
+    recorder.completed(info, hidden * 2)
+    assert recorder.broken == {1}
+    failure = verifier.refuted()
+    assert failure is not None and failure.shard_id == LIAR.shard_id and failure.rewind_to == 0
+    assert failure.kind == "reported" and not failure.verified, "the tap cannot tell which end of the link wrote it"
+    assert verifier.refuted() is None, "said once"

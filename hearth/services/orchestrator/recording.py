@@ -96,6 +96,8 @@ class ChainRecorder:
         self._unfiled: dict[int, set[int]] = {hop: set() for hop in range(1, self.hop_count)}
         # Hops whose input a tap missed: their record has a hole, so they cannot be checked on this chain any more.
         self.broken: set[int] = set()
+        # Hop -> the position of the first step the hop before passed on to it told otherwise than it was sent.
+        self._retold: dict[int, int] = {}
         # The host's `[transport]` bounds, but for the steps held: a tap never drops one for want of room.
         bounds = {**receiver_settings(transport or TransportSettings()), "max_ready_steps": tap_ready_steps}
         self._taps = [ActivationReceiver(nc, pipeline_id, hop,
@@ -132,6 +134,7 @@ class ChainRecorder:
             # Everything before belongs to an earlier run of the chain's positions.
             self._forget_steps()
             self.broken.clear()
+            self._retold.clear()
             self.generation += 1
             self.held_bytes, self._latest, self.needed_from = 0, None, 0
         step_bytes = hidden.numel() * hidden.element_size() * (self.hop_count + 1)
@@ -164,6 +167,14 @@ class ChainRecorder:
     def filling(self) -> bool:
         """Whether the record holds more than half its budget: checks are due, so that it can forget what they read."""
         return self.budget_bytes is not None and self.held_bytes * 2 > self.budget_bytes
+
+    def take_retold(self) -> tuple[int, int] | None:
+        """(hop, position) of the first hop the hop before passed a step on to told otherwise (kind, position or
+        prompt length) than it was sent, from that step's position; each said once, None when there is none."""
+        if not self._retold:
+            return None
+        hop = min(self._retold)
+        return hop, self._retold.pop(hop)
 
     def latest_step(self) -> int | None:
         """The newest step whose output arrived."""
@@ -272,6 +283,7 @@ class ChainRecorder:
                                 hop - 1, received.step, told.kind.value, told.pos, told.prompt_tokens,
                                 recorded.kind.value, recorded.pos, recorded.prompt_tokens, hop)
                 self.broken.add(hop)
+                self._retold.setdefault(hop, recorded.pos)
             recorded.inputs[hop] = received.tensor
             self._unfiled[hop].discard(received.step)
 

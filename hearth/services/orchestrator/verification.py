@@ -42,7 +42,7 @@ from hearth.services.orchestrator.check_policy import MIRRORS_PER_LEVEL, sampled
 from hearth.services.orchestrator.guards import RangeKey
 from hearth.services.orchestrator.metrics import verification_checks_total
 from hearth.services.orchestrator.mirror import Mirror, open_mirror
-from hearth.services.orchestrator.outcomes import StepFailure
+from hearth.services.orchestrator.outcomes import StepFailure, retold_failure
 from hearth.services.orchestrator.recording import HopSpan
 
 log = logging.getLogger(__name__)
@@ -160,6 +160,9 @@ class CallVerifier:
                                  "quarantined meanwhile (another check proved it, or its node, wrong); its unconfirmed "
                                  "work here is withdrawn")
                     break
+        retold = self.chain.recorder.take_retold() if self._refutation is None and self.chain is not None else None
+        if retold is not None:  # its successor computed what no replica would: unchecked, so withdrawn
+            self._refutation = retold_failure(self.chain.hops[retold[0] - 1].shard_id, *retold)
         failure, self._refutation = self._refutation, None
         return failure
 
@@ -255,8 +258,7 @@ class CallVerifier:
         if any(span is None for span in spans):
             return
         # A vote's two mirrors run at once: the check takes the time of the slower, not of both.
-        outputs = await asyncio.gather(*(mirror.check(span)
-                                         for mirror, span in zip(mirrors, spans)))
+        outputs = await asyncio.gather(*(mirror.check(span) for mirror, span in zip(mirrors, spans)))
         for mirror, output in zip(mirrors, outputs):
             if isinstance(output, StepFailure):
                 log.info("pipeline %s: mirror %s of hop %d failed (%s); dropped", self.call.pipeline_id,
