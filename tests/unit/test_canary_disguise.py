@@ -1,5 +1,6 @@
 """A canary must not give itself away to the host it tests: it opens a session as long as the call's hop had (a
-session no longer than its prompt, with no room for one decoded token, is one no call opens) and keeps it told
+session no longer than its prompt, with no room for one decoded token, is one no call opens), naming as many kept
+blocks as the hop's open did, and keeps it told
 that it lives as a call's hops are (one silent for longer than a keepalive interval is no call's), and it goes only to
 nodes that never saw its inputs (not the hop's, nor any mirror's, nor the node that sent the hop those inputs), so
 that a liar cannot recognise replayed work and answer just that honestly. And however many ranges shards advertise,
@@ -15,6 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from hearth.protocol.control import PrefixBlocks
 from hearth.protocol.subjects import shard_id_for
 from hearth.services.common.config import TransportSettings
 from hearth.readmodels.queries import ShardCandidate
@@ -42,11 +44,15 @@ def mirror_on(node: str) -> SimpleNamespace:
     return SimpleNamespace(shard_id=replica.shard_id, dtype="float32", replica=replica)
 
 
+CALL_BLOCKS = PrefixBlocks(block_tokens=16, hashes=["0123456789abcdef" * 2, "fedcba9876543210" * 2])
+
+
 def checked_canary(mirror_nodes=("mirror",)):
     """What a clean check of hop 1 (layers 4-7, on node `hop`) of a three-hop chain keeps: a call of a 40-token
-    prompt and up to 200 tokens, checked from position 0 over the prompt and 3 decoded tokens."""
+    prompt and up to 200 tokens, whose hops were told its two whole blocks' names, checked from position 0 over
+    the prompt and 3 decoded tokens."""
     chain = SimpleNamespace(hops=[hop_on("upstream", 0, 3), hop_on("hop", 4, 7), hop_on("downstream", 8, 11)],
-                            wire_dtype="auto", max_session_tokens=PROMPT_TOKENS + MAX_TOKENS)
+                            wire_dtype="auto", max_session_tokens=PROMPT_TOKENS + MAX_TOKENS, prefix=CALL_BLOCKS)
     inputs = torch.randn(1, PROMPT_TOKENS + 3, HIDDEN, generator=torch.Generator().manual_seed(3))
     span = HopSpan(1, 0, inputs, inputs * 2, (FrameKind.prefill,) * PROMPT_TOKENS + (FrameKind.decode,) * 3,
                    prompt_tokens=PROMPT_TOKENS)
@@ -58,9 +64,10 @@ class RecordingChain:
 
     opened: list["RecordingChain"] = []
 
-    def __init__(self, nc, pipeline_id, hops, *, max_session_tokens, **_settings) -> None:
+    def __init__(self, nc, pipeline_id, hops, *, max_session_tokens, prefix=None, **_settings) -> None:
         self.pipeline_id = pipeline_id
         self.max_session_tokens = max_session_tokens
+        self.prefix = prefix
         self.replay_steps = True
         self.sent_at: list[float] = []
         RecordingChain.opened.append(self)
@@ -102,6 +109,11 @@ async def test_a_canary_opens_a_session_as_long_as_the_calls_hop_had(recording_c
     [chain] = recording_chain.opened
     # Cut inside the prompt or not, the host is opened as the checked hop was, not as long as the prompt.
     assert chain.max_session_tokens == PROMPT_TOKENS + MAX_TOKENS
+    # A call whose prompt has whole blocks names them to its hops: a canary names as many (fresh ones, which no
+    # host keeps and which tell it nothing of the call's), since an open that names none would give it away.
+    assert chain.prefix is not None and chain.prefix.block_tokens == CALL_BLOCKS.block_tokens
+    assert len(chain.prefix.hashes) == len(CALL_BLOCKS.hashes)
+    assert not set(chain.prefix.hashes) & set(CALL_BLOCKS.hashes)
 
 
 def candidate(node: str, lo: int = 4, hi: int = 7) -> ShardCandidate:
@@ -192,7 +204,7 @@ async def test_a_canary_sends_each_step_no_sooner_after_its_first_than_the_call_
         called.append(time.monotonic())
         recorder.sent(info, inputs[:, pos:pos + tokens])
         recorder.completed(info, inputs[:, pos:pos + tokens] * 2)
-    chain = SimpleNamespace(hops=[hop_on("hop", 4, 7)], wire_dtype="auto", max_session_tokens=10)
+    chain = SimpleNamespace(hops=[hop_on("hop", 4, 7)], wire_dtype="auto", max_session_tokens=10, prefix=None)
     canary = confirmed_canary(RANGE, WEIGHTS, chain, 0, recorder.span(0, 0, len(steps)), [mirror_on("mirror")])
     ctx = SimpleNamespace(nc=None, node_id="orchestrator", quarantined=set(), canaries=None, open_signer=None,
                           settings=SimpleNamespace(transport=TransportSettings(),

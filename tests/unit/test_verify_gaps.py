@@ -72,7 +72,7 @@ async def verifier_of(level: str, budget_bytes: int | None = None, sample_rate: 
     recorder = ChainRecorder(None, "p", ["liar"], link_keys=[None], sealed=False, step_limits=None,
                              budget_bytes=budget_bytes)
     await recorder.start("s")
-    chain = SimpleNamespace(hops=[LIAR], recorder=recorder, wire_dtype="auto", max_session_tokens=64)
+    chain = SimpleNamespace(hops=[LIAR], recorder=recorder, wire_dtype="auto", max_session_tokens=64, prefix=None)
     proved_wrong: list[str] = []
     ctx = SimpleNamespace(
         node_id="orchestrator", proved_wrong=proved_wrong, prove_wrong=proved_wrong.append,
@@ -163,7 +163,7 @@ async def test_a_hop_that_passes_a_step_on_told_otherwise_is_routed_around_and_i
     honest = Hop(shard_id="m:4-7@honest", control_subject="c", node_id="honest", layer_lo_to_run=4,
                  layer_hi_to_run=7, quantization="none")
     await verifier.attach(SimpleNamespace(hops=[LIAR, honest], recorder=recorder, wire_dtype="auto",
-                                          max_session_tokens=64))
+                                          max_session_tokens=64, prefix=None))
     hidden = torch.randn(1, PROMPT, HIDDEN)
     info = StepInfo(session="s", step=1, kind=FrameKind.prefill, pos=0, prompt_tokens=PROMPT)
     recorder.sent(info, hidden)

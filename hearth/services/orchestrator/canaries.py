@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import logging
 import random
+import secrets
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 
@@ -18,6 +19,7 @@ from hearth.events.models import (IntegrityMismatchConfirmed, IntegrityMismatchD
                                   ShardVerification)
 from hearth.inference.activation_compare import (evidence_digest, first_mismatch, position_errors, reportable_error,
                                           tolerance_for)
+from hearth.protocol.control import PrefixBlocks
 from hearth.protocol.quarantine import Held
 from hearth.services.orchestrator.chain import HopChain
 from hearth.services.orchestrator.guards import RangeKey
@@ -62,6 +64,9 @@ class Canary:
     # When the call sent the step that ran each position (monotonic s): replayed no faster, since a call's hop gets
     # its next decode step only after the rest of the chain and the sampling.
     sent_at: tuple[float, ...] = ()
+    # (tokens per block, blocks) of the kept-prefix names the hop's open carried, None when it named none: a canary
+    # names as many, fresh, since an open that names none where calls do would give it away.
+    named_blocks: tuple[int, int] | None = None
 
     @property
     def positions(self) -> int:
@@ -81,7 +86,13 @@ def confirmed_canary(key: RangeKey, weights_sha256: str, chain: HopChain, index:
                *(mirror.replica.node_id for mirror in mirrors)} - {None}
     return Canary(key, weights_sha256, mirrors[0].dtype, chain.wire_dtype, placement, span.kinds, span.inputs,
                   span.outputs, (hop.shard_id, mirrors[0].shard_id), span.prompt_tokens,
-                  session_tokens=chain.max_session_tokens, seen_by_nodes=frozenset(seen_by), sent_at=span.sent_at)
+                  session_tokens=chain.max_session_tokens, seen_by_nodes=frozenset(seen_by), sent_at=span.sent_at,
+                  named_blocks=None if chain.prefix is None else (chain.prefix.block_tokens, len(chain.prefix.hashes)))
+
+
+def fresh_names(block_tokens: int, blocks: int) -> PrefixBlocks:
+    """`blocks` block names no host keeps, of the form a call's are (random 128-bit digests)."""
+    return PrefixBlocks(block_tokens=block_tokens, hashes=[secrets.token_hex(16) for _ in range(blocks)])
 
 
 class CanaryLibrary:
@@ -252,8 +263,8 @@ class CanaryRunner:
                         weights_sha256=canary.weights_sha256, transport=settings.transport,
                         wire_dtype=canary.wire_dtype, hidden_size=int(canary.inputs.shape[-1]),
                         max_session_tokens=session_tokens, chunk_tokens=settings.orchestrator.prefill_chunk_tokens,
-                        dtype=canary.dtype, placement=canary.placement,
-                        sign_open=self.ctx.open_signer)
+                        dtype=canary.dtype, placement=canary.placement, sign_open=self.ctx.open_signer,
+                        prefix=fresh_names(*canary.named_blocks) if canary.named_blocks is not None else None)
         try:
             failure = await mirror.open()
             # Told it lives as a call's hops are (every keepalive_interval_s): a session without is no call's.

@@ -23,6 +23,7 @@ from nats.aio.client import Client as NatsClient
 
 from hearth.inference.activation_compare import looser_dtype
 from hearth.inference.compute_thread import on_compute_thread
+from hearth.protocol.control import PrefixBlocks
 from hearth.protocol.quarantine import Held
 from hearth.services.common.config import TransportSettings
 from hearth.services.orchestrator.call import new_pipeline_id
@@ -45,7 +46,7 @@ class Mirror:
     def __init__(self, nc: NatsClient, replica: Hop, *, node_id: str, model_id: str, weights_sha256: str,
                  transport: TransportSettings, wire_dtype: str, hidden_size: int, max_session_tokens: int,
                  chunk_tokens: int, dtype: str, placement: ChainPlacement | None = None,
-                 sign_open: OpenSigner | None = None) -> None:
+                 sign_open: OpenSigner | None = None, prefix: PrefixBlocks | None = None) -> None:
         self.replica = replica
         self.dtype = dtype
         self.chunk_tokens = chunk_tokens
@@ -55,7 +56,7 @@ class Mirror:
         self.chain = HopChain(nc, new_pipeline_id(), [replica], node_id=node_id,
                               model_id=model_id, weights_sha256=weights_sha256, transport=transport,
                               wire_dtype=wire_dtype, hidden_size=hidden_size, max_session_tokens=max_session_tokens,
-                              placement=placement, sign_open=sign_open)
+                              placement=placement, sign_open=sign_open, prefix=prefix)
 
     @property
     def shard_id(self) -> str:
