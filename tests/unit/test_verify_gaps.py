@@ -173,3 +173,19 @@ async def test_a_hop_that_passes_a_step_on_told_otherwise_is_routed_around_and_i
     assert failure is not None and failure.shard_id == LIAR.shard_id and failure.rewind_to == 0
     assert failure.kind == "reported" and not failure.verified, "the tap cannot tell which end of the link wrote it"
     assert verifier.refuted() is None, "said once"
+
+
+async def test_a_record_forgets_no_prompt_step_whose_inputs_a_next_turn_is_checked_from(replicas):
+    # What entered each hop over the prompt is kept at the call's end (kept_inputs.py), so that a next turn whose
+    # hops begin from the prompt's kept KV can still be mirrored: the record forgets only decoded positions.
+    replicas[0].fails_once = False
+    verifier, recorder, _ = await verifier_of("all", budget_bytes=10 * STEP_BYTES)
+    run_step(recorder, 1, FrameKind.prefill, 0, PROMPT)
+    verifier.after_step()
+    await verifier.verify_step()
+    for number in range(2, 30):
+        run_step(recorder, number, FrameKind.decode, PROMPT + number - 2, 1)
+        verifier.after_step()
+        assert await verifier.verify_step() is None
+    assert not recorder.broken and recorder.span(0, 0, 1).positions == PROMPT
+    assert recorder.held_bytes <= 10 * STEP_BYTES

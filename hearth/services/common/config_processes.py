@@ -130,9 +130,9 @@ class VerificationSettings(ConfigSection):
     record_budget_mb: float = Field(
         default=128.0, gt=0,
         description="what a call's chain may hold in memory of its hops' inputs and outputs for checks; past half "
-                    "of it, the steps every hop's checks have read are forgotten (a `sampled` call checks its hops "
-                    "then; a mismatch found later has no witness fed from position 0, so it is disputed); beyond it "
-                    "(a prompt longer than it holds) the chain is not checked any more")
+                    "of what its prompt leaves, the decoded steps every hop's checks have read are forgotten (a "
+                    "`sampled` call checks its hops then; a mismatch found later has no witness fed from position 0, "
+                    "so it is disputed); beyond it (a prompt longer than it holds) the chain is not checked any more")
     canary_interval_s: float = Field(
         default=60.0, ge=0,
         description="about this often (jittered) one confirmed piece of work is replayed to a host of the same "

@@ -107,10 +107,11 @@ class ChainRecorder:
                                          **bounds)
                       for hop in range(1, self.hop_count)]
         self._session: str | None = None
-        # What the record may hold: past half of it, the steps every hop's checks consumed are forgotten (and the
-        # checks are made, `filling`); beyond it nothing more is recorded and no hop can be checked any more.
+        # What the record may hold: past half of what the prompt's steps leave of it, the decoded steps every hop's
+        # checks consumed are forgotten (and the checks are made, `filling`; the prompt's are kept, for the kept
+        # inputs of a next turn); beyond it nothing more is recorded and no hop can be checked any more.
         self.budget_bytes = budget_bytes
-        self.held_bytes = 0
+        self.held_bytes = self._prompt_bytes = 0
         # The position every hop's mirrors were fed to (the verifier moves it): no check reads before it again.
         self.needed_from = 0
         self._latest: int | None = None
@@ -136,9 +137,9 @@ class ChainRecorder:
             self.broken.clear()
             self._retold.clear()
             self.generation += 1
-            self.held_bytes, self._latest, self.needed_from = 0, None, 0
+            self.held_bytes, self._prompt_bytes, self._latest, self.needed_from = 0, 0, None, 0
         step_bytes = hidden.numel() * hidden.element_size() * (self.hop_count + 1)
-        if self.budget_bytes is not None and (self.held_bytes + step_bytes) * 2 > self.budget_bytes:
+        if self._past_half(step_bytes):
             self._forget_before(self.needed_from)
         if self.budget_bytes is not None and self.held_bytes + step_bytes > self.budget_bytes:
             if len(self.broken) < self.hop_count:
@@ -147,6 +148,8 @@ class ChainRecorder:
             self.broken.update(range(self.hop_count))
             return
         self.held_bytes += step_bytes
+        if info.kind is FrameKind.prefill:
+            self._prompt_bytes += step_bytes
         self.steps[info.step] = RecordedStep(info.step, info.kind, info.pos, int(hidden.shape[1]),
                                              [hidden.detach()] + [None] * (self.hop_count - 1),
                                              prompt_tokens=info.prompt_tokens, sent_at=time.monotonic(),
@@ -165,8 +168,13 @@ class ChainRecorder:
 
     @property
     def filling(self) -> bool:
-        """Whether the record holds more than half its budget: checks are due, so that it can forget what they read."""
-        return self.budget_bytes is not None and self.held_bytes * 2 > self.budget_bytes
+        """Whether decoded steps fill more than half what the prompt's leave of the budget: checks are due, so that
+        the record can forget what they read."""
+        return self._past_half(0)
+
+    def _past_half(self, more_bytes: int) -> bool:
+        return (self.budget_bytes is not None
+                and (self.held_bytes - self._prompt_bytes + more_bytes) * 2 > self.budget_bytes - self._prompt_bytes)
 
     def take_retold(self) -> tuple[int, int] | None:
         """(hop, position) of the first hop the hop before passed a step on to told otherwise (kind, position or
@@ -251,9 +259,11 @@ class ChainRecorder:
         return any(step <= upto_step for step in self._unfiled[hop])
 
     def _forget_before(self, position: int) -> None:
-        """Forget the whole steps before `position` that every tap filed (a check can no longer begin before it)."""
+        """Forget the decoded steps before `position` that every tap filed (a check can no longer begin before it);
+        never a prefill step (what entered each hop over the prompt is kept when the call ends: kept_inputs.py)."""
         for number, recorded in list(self.steps.items()):
-            if (recorded.pos + recorded.tokens <= position and recorded.output is not None
+            if (recorded.pos + recorded.tokens <= position and recorded.kind is not FrameKind.prefill
+                    and recorded.output is not None
                     and all(hop_input is not None for hop_input in recorded.inputs)):
                 del self.steps[number]
                 self.held_bytes -= recorded.nbytes
