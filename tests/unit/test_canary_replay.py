@@ -11,6 +11,7 @@ import torch
 
 from hearth.events.models import IntegrityShardsVerified
 from hearth.protocol.subjects import shard_id_for
+from hearth.services.common.config import TransportSettings
 from hearth.readmodels.queries import ShardCandidate
 from hearth.services.orchestrator import mirror as mirror_module
 from hearth.services.orchestrator.canaries import Canary, CanaryLibrary, CanaryRunner
@@ -52,6 +53,9 @@ class RecordingChain:
         self.steps.append((kind, pos, int(hidden.shape[1]), prompt_tokens))
         return hidden * 2
 
+    async def keep_alive(self) -> None:
+        return None
+
     async def close(self) -> None:
         return None
 
@@ -82,7 +86,7 @@ async def test_a_cut_canary_tells_the_replica_the_whole_prompt_length_as_the_hop
 
     ctx = SimpleNamespace(nc=None, node_id="orchestrator", quarantined=set(), canaries=library, open_signer=None,
                           outbox=SimpleNamespace(signing_key=None), settings=SimpleNamespace(
-                              transport=None, orchestrator=SimpleNamespace(prefill_chunk_tokens=4)))
+                              transport=TransportSettings(), orchestrator=SimpleNamespace(prefill_chunk_tokens=4)))
     host = Hop(shard_id="x", control_subject="hearth.ctl.x", node_id="x", layer_lo_to_run=0, layer_hi_to_run=3,
                quantization="int8")
     await CanaryRunner(ctx, record)._replay(kept, host)

@@ -21,6 +21,8 @@ def test_a_chain_is_checked_at_its_first_step_until_its_range_learned_and_then_b
     assert sampled_check_due(first_step=True, learned=True, **due) is None
     assert sampled_check_due(first_step=False, learned=True, **{**due, "suspect": True}) == "guard"
     assert sampled_check_due(first_step=False, learned=True, **{**due, "draw": 0.01}) == "sampled"
+    # A record past half its budget forgets only what checks read: they are made, whatever the draw.
+    assert sampled_check_due(first_step=False, learned=True, record_filling=True, **due) == "record filling"
 
 
 def caught_within(calls: int, chance: random.Random, sample_rate: float) -> bool:

@@ -228,6 +228,10 @@ async def test_every_shard_of_a_node_our_checks_proved_wrong_hands_over_though_n
     assert [hop.shard_id for hop in chain.hops] == [f"{MODEL_ID}:0-7@only"]
 
 
+# A chain's record whose taps saw no step passed on told otherwise (all the verifier reads of it here).
+NO_RETELLING = SimpleNamespace(take_retold=lambda: None)
+
+
 async def test_a_call_running_on_a_shard_proved_wrong_meanwhile_withdraws_its_work_there_once_it_is_handed_over(
         engine):
     # Another call's check proves the hop wrong, the read model quarantines it and a construction hands it over,
@@ -235,7 +239,7 @@ async def test_a_call_running_on_a_shard_proved_wrong_meanwhile_withdraws_its_wo
     running = builder(engine, failing_opens=0)
     chain = await running.build()
     verifier = CallVerifier(running.call, running.ctx, record=None)
-    await verifier.attach(SimpleNamespace(hops=chain.hops, recorder=object()))
+    await verifier.attach(SimpleNamespace(hops=chain.hops, recorder=NO_RETELLING))
     [hop] = chain.hops
     running.ctx.prove_wrong(hop.shard_id)
     with engine.begin() as connection:
@@ -251,5 +255,5 @@ async def test_a_call_running_on_a_shard_proved_wrong_meanwhile_withdraws_its_wo
     assert refuted is not None and refuted.shard_id == hop.shard_id and "quarantined meanwhile" in refuted.reason
     # A call that begins after the proof was never routed there: nothing of it to refute.
     later = CallVerifier(running.call, running.ctx, record=None)
-    await later.attach(SimpleNamespace(hops=chain.hops, recorder=object()))
+    await later.attach(SimpleNamespace(hops=chain.hops, recorder=NO_RETELLING))
     assert later.refuted() is None

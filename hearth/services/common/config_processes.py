@@ -135,8 +135,10 @@ class VerificationSettings(ConfigSection):
                     "a call's that alone exceeds it never kept; such a hop is not checked then)")
     record_budget_mb: float = Field(
         default=128.0, gt=0,
-        description="what a call's chain may hold in memory of its hops' inputs and outputs for checks; beyond "
-                    "it the chain is not checked any more")
+        description="what a call's chain may hold in memory of its hops' inputs and outputs for checks; past half "
+                    "of what its prompt leaves, the decoded steps every hop's checks have read are forgotten (a "
+                    "`sampled` call checks its hops then; a mismatch found later has no witness fed from position 0, "
+                    "so it is disputed); beyond it (a prompt longer than it holds) the chain is not checked any more")
     canary_interval_s: float = Field(
         default=60.0, ge=0,
         description="about this often (jittered) one confirmed piece of work is replayed to a host of the same "
@@ -145,6 +147,10 @@ class VerificationSettings(ConfigSection):
         default=4, ge=0, description="confirmed runs kept per layer range for replay (in memory only)")
     canary_max_positions: int = Field(
         default=256, ge=1, description="a kept run is cut to this many positions")
+    canary_memory_mb: float = Field(
+        default=128.0, gt=0,
+        description="what the kept runs of every layer range together may hold in memory (random ones dropped "
+                    "beyond it: shards may advertise many ranges)")
 
 
 class PrefixCacheSettings(ConfigSection):

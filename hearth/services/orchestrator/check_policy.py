@@ -12,11 +12,15 @@ MIRRORS_PER_LEVEL = {"none": 0, "sampled": 1, "all": 1, "vote": 2}
 
 
 def sampled_check_due(*, first_step: bool, learned: bool, suspect: bool, draw: float,
-                      sample_rate: float) -> str | None:
+                      sample_rate: float, record_filling: bool = False) -> str | None:
     """Why a hop of a `sampled` call is checked after a step (None: it is not): the chain's first step while its
-    range's guard has not learned, an output the guard finds suspect, or a draw in [0, 1) under the sample rate."""
+    range's guard has not learned, an output the guard finds suspect, the chain's record past half its budget (it
+    forgets only what checks read: else it would stop, and a host that sees a session's length would lie past it),
+    or a draw in [0, 1) under the sample rate."""
     if first_step and not learned:
         return "first step"
     if suspect:
         return "guard"
+    if record_filling:
+        return "record filling"
     return "sampled" if draw < sample_rate else None

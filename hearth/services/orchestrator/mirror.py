@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 from collections.abc import Sequence
 
 import torch
@@ -22,6 +23,7 @@ from nats.aio.client import Client as NatsClient
 
 from hearth.inference.activation_compare import looser_dtype
 from hearth.inference.compute_thread import on_compute_thread
+from hearth.protocol.control import PrefixBlocks
 from hearth.protocol.quarantine import Held
 from hearth.services.common.config import TransportSettings
 from hearth.services.orchestrator.call import new_pipeline_id
@@ -44,7 +46,7 @@ class Mirror:
     def __init__(self, nc: NatsClient, replica: Hop, *, node_id: str, model_id: str, weights_sha256: str,
                  transport: TransportSettings, wire_dtype: str, hidden_size: int, max_session_tokens: int,
                  chunk_tokens: int, dtype: str, placement: ChainPlacement | None = None,
-                 sign_open: OpenSigner | None = None) -> None:
+                 sign_open: OpenSigner | None = None, prefix: PrefixBlocks | None = None) -> None:
         self.replica = replica
         self.dtype = dtype
         self.chunk_tokens = chunk_tokens
@@ -54,7 +56,7 @@ class Mirror:
         self.chain = HopChain(nc, new_pipeline_id(), [replica], node_id=node_id,
                               model_id=model_id, weights_sha256=weights_sha256, transport=transport,
                               wire_dtype=wire_dtype, hidden_size=hidden_size, max_session_tokens=max_session_tokens,
-                              placement=placement, sign_open=sign_open)
+                              placement=placement, sign_open=sign_open, prefix=prefix)
 
     @property
     def shard_id(self) -> str:
@@ -64,19 +66,27 @@ class Mirror:
         return await self.chain.open()
 
     async def run(self, inputs: torch.Tensor, first_pos: int, kinds: Sequence[FrameKind] = (),
-                  prompt_tokens: int | None = None) -> torch.Tensor | StepFailure:
+                  prompt_tokens: int | None = None, *, paced_by: Sequence[float] = (),
+                  longest_wait_s: float = 0.0) -> torch.Tensor | StepFailure:
         """Run `inputs` ([1, positions, hidden], from `first_pos` = `fed_pos`) through the replica's layers, each
         position as the kind of step that ran it on the checked hop (`kinds`; prefill when not given): prefill and
         replay positions in chunks of one kind (prefill chunks for a replica that takes no replay steps), decode
         positions one step each, as a call sends them; prefill chunks told `prompt_tokens` as their prompt's length
-        (the end of their run when not given). The outputs for every position, or why they did not come."""
+        (the end of their run when not given); each step sent no sooner after the first than the call sent it
+        (`paced_by`: per position, when the call sent it; each wait at most `longest_wait_s`). The outputs for
+        every position, or why they did not come."""
         if first_pos != self.fed_pos:
             raise ValueError(f"a mirror fed up to position {self.fed_pos} cannot run from {first_pos}")
         if not self.chain.replay_steps:
             kinds = [FrameKind.prefill if kind is FrameKind.replay else kind for kind in kinds]
         outputs = []
         steps = steps_as_sent(int(inputs.shape[1]), kinds, self.chunk_tokens)
+        began = time.monotonic()
         for (start, end, kind), prompt_end in zip(steps, prompt_ends(steps), strict=True):
+            if start < len(paced_by):
+                due_s = began + paced_by[start] - paced_by[0] - time.monotonic()
+                if due_s > 0:
+                    await asyncio.sleep(min(due_s, longest_wait_s))
             told = None if prompt_end is None else max(prompt_tokens or 0, first_pos + prompt_end)
             output = await self.chain.step(kind, first_pos + start, inputs[:, start:end].contiguous(), told)
             if isinstance(output, StepFailure):

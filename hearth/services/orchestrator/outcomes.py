@@ -107,6 +107,15 @@ def output_failure(output: torch.Tensor | None, step: int, sent_tokens: int, sha
     return None
 
 
+def retold_failure(shard_id: str, next_hop: int, position: int) -> StepFailure:
+    """`shard_id` passed a step on to hop `next_hop` told otherwise (kind, position or prompt length) than it was
+    sent, as the link's tap saw: what that hop computed from `position` on no replica told as sent would, so it is
+    withdrawn and the hop before routed around for the call. Blamed nowhere: either end of a link holds its key."""
+    return StepFailure(UNVERIFIED_REPORT, shard_id, f"it passed a step on to hop {next_hop} told otherwise than it "
+                                                    f"was sent (as that link's tap saw): routed around, blamed nowhere",
+                       rewind_to=position)
+
+
 StepOutcome = SampledToken | Finished | StepFailure
 # What the recovery policy decides on.
 Failure = StepFailure | RoutingFailure

@@ -41,6 +41,10 @@ class RecordedStep:
     output: torch.Tensor | None = None
     # The prompt's length a prefill step was sent with (Hearth-Prompt-Tokens).
     prompt_tokens: int | None = None
+    # When it went out (monotonic s): a canary of it keeps the call's cadence.
+    sent_at: float = 0.0
+    # What the record holds of it, all hops' inputs and the output counted.
+    nbytes: int = 0
 
     def hop_output(self, hop: int) -> torch.Tensor | None:
         """What hop `hop` sent on: the next hop's input, or the chain's output for the last hop."""
@@ -60,6 +64,8 @@ class HopSpan:
     last_step: int = 0
     # The prompt's length its prefill positions were sent with, if it holds any.
     prompt_tokens: int | None = None
+    # When the step that computed each position went out (monotonic s).
+    sent_at: tuple[float, ...] = field(default=())
 
     @property
     def positions(self) -> int:
@@ -68,6 +74,10 @@ class HopSpan:
     @property
     def end_pos(self) -> int:
         return self.first_pos + self.positions
+
+    def tail_of(self, output: torch.Tensor) -> torch.Tensor:
+        """A mirror's outputs over this span: the last `positions` it ran (it may have run more)."""
+        return output[:, output.shape[1] - self.positions:]
 
 
 class ChainRecorder:
@@ -86,6 +96,8 @@ class ChainRecorder:
         self._unfiled: dict[int, set[int]] = {hop: set() for hop in range(1, self.hop_count)}
         # Hops whose input a tap missed: their record has a hole, so they cannot be checked on this chain any more.
         self.broken: set[int] = set()
+        # Hop -> the position of the first step the hop before passed on to it told otherwise than it was sent.
+        self._retold: dict[int, int] = {}
         # The host's `[transport]` bounds, but for the steps held: a tap never drops one for want of room.
         bounds = {**receiver_settings(transport or TransportSettings()), "max_ready_steps": tap_ready_steps}
         self._taps = [ActivationReceiver(nc, pipeline_id, hop,
@@ -95,9 +107,13 @@ class ChainRecorder:
                                          **bounds)
                       for hop in range(1, self.hop_count)]
         self._session: str | None = None
-        # What the record may hold; beyond it nothing more is recorded and no hop can be checked any more.
+        # What the record may hold: past half of what the prompt's steps leave of it, the decoded steps every hop's
+        # checks consumed are forgotten (and the checks are made, `filling`; the prompt's are kept, for the kept
+        # inputs of a next turn); beyond it nothing more is recorded and no hop can be checked any more.
         self.budget_bytes = budget_bytes
-        self.held_bytes = 0
+        self.held_bytes = self._prompt_bytes = 0
+        # The position every hop's mirrors were fed to (the verifier moves it): no check reads before it again.
+        self.needed_from = 0
         self._latest: int | None = None
 
     async def start(self, session_id: str) -> None:
@@ -119,9 +135,12 @@ class ChainRecorder:
             # Everything before belongs to an earlier run of the chain's positions.
             self._forget_steps()
             self.broken.clear()
+            self._retold.clear()
             self.generation += 1
-            self.held_bytes, self._latest = 0, None
+            self.held_bytes, self._prompt_bytes, self._latest, self.needed_from = 0, 0, None, 0
         step_bytes = hidden.numel() * hidden.element_size() * (self.hop_count + 1)
+        if self._past_half(step_bytes):
+            self._forget_before(self.needed_from)
         if self.budget_bytes is not None and self.held_bytes + step_bytes > self.budget_bytes:
             if len(self.broken) < self.hop_count:
                 log.info("pipeline %s: its record reached its budget (%d MiB); no more checks on this chain",
@@ -129,9 +148,12 @@ class ChainRecorder:
             self.broken.update(range(self.hop_count))
             return
         self.held_bytes += step_bytes
+        if info.kind is FrameKind.prefill:
+            self._prompt_bytes += step_bytes
         self.steps[info.step] = RecordedStep(info.step, info.kind, info.pos, int(hidden.shape[1]),
                                              [hidden.detach()] + [None] * (self.hop_count - 1),
-                                             prompt_tokens=info.prompt_tokens)
+                                             prompt_tokens=info.prompt_tokens, sent_at=time.monotonic(),
+                                             nbytes=step_bytes)
         for unfiled in self._unfiled.values():
             unfiled.add(info.step)
 
@@ -143,6 +165,24 @@ class ChainRecorder:
             self._latest = max(self._latest or 0, info.step)
         self._file_tapped()
         return recorded
+
+    @property
+    def filling(self) -> bool:
+        """Whether decoded steps fill more than half what the prompt's leave of the budget: checks are due, so that
+        the record can forget what they read."""
+        return self._past_half(0)
+
+    def _past_half(self, more_bytes: int) -> bool:
+        return (self.budget_bytes is not None
+                and (self.held_bytes - self._prompt_bytes + more_bytes) * 2 > self.budget_bytes - self._prompt_bytes)
+
+    def take_retold(self) -> tuple[int, int] | None:
+        """(hop, position) of the first hop the hop before passed a step on to told otherwise (kind, position or
+        prompt length) than it was sent, from that step's position; each said once, None when there is none."""
+        if not self._retold:
+            return None
+        hop = min(self._retold)
+        return hop, self._retold.pop(hop)
 
     def latest_step(self) -> int | None:
         """The newest step whose output arrived."""
@@ -173,7 +213,7 @@ class ChainRecorder:
         nothing new, or the record has a hole)."""
         steps = sorted((s for s in self.steps.values() if s.step <= upto_step and s.pos + s.tokens > from_pos),
                        key=lambda s: s.pos)
-        inputs, outputs, kinds = [], [], []
+        inputs, outputs, kinds, sent_at = [], [], [], []
         expected_pos = from_pos
         for recorded in steps:
             hop_input, hop_output = recorded.inputs[hop], recorded.hop_output(hop)
@@ -183,12 +223,14 @@ class ChainRecorder:
             inputs.append(hop_input[:, skip:])
             outputs.append(hop_output[:, skip:])
             kinds += [recorded.kind] * (recorded.tokens - skip)
+            sent_at += [recorded.sent_at] * (recorded.tokens - skip)
             expected_pos = recorded.pos + recorded.tokens
         if not inputs:
             return None
         return HopSpan(hop, from_pos, torch.cat(inputs, dim=1), torch.cat(outputs, dim=1), tuple(kinds),
                        last_step=max(s.step for s in steps),
-                       prompt_tokens=max((s.prompt_tokens for s in steps if s.prompt_tokens), default=None))
+                       prompt_tokens=max((s.prompt_tokens for s in steps if s.prompt_tokens), default=None),
+                       sent_at=tuple(sent_at))
 
     def resized_by(self, step: int, tokens: int) -> int | None:
         """The hop that passed `step` (sent with `tokens` positions) on with other positions, as the taps saw it (a hop
@@ -216,6 +258,16 @@ class ChainRecorder:
     def _missing(self, hop: int, upto_step: int) -> bool:
         return any(step <= upto_step for step in self._unfiled[hop])
 
+    def _forget_before(self, position: int) -> None:
+        """Forget the decoded steps before `position` that every tap filed (a check can no longer begin before it);
+        never a prefill step (what entered each hop over the prompt is kept when the call ends: kept_inputs.py)."""
+        for number, recorded in list(self.steps.items()):
+            if (recorded.pos + recorded.tokens <= position and recorded.kind is not FrameKind.prefill
+                    and recorded.output is not None
+                    and all(hop_input is not None for hop_input in recorded.inputs)):
+                del self.steps[number]
+                self.held_bytes -= recorded.nbytes
+
     def _forget_steps(self) -> None:
         self.steps.clear()
         for unfiled in self._unfiled.values():
@@ -241,6 +293,7 @@ class ChainRecorder:
                                 hop - 1, received.step, told.kind.value, told.pos, told.prompt_tokens,
                                 recorded.kind.value, recorded.pos, recorded.prompt_tokens, hop)
                 self.broken.add(hop)
+                self._retold.setdefault(hop, recorded.pos)
             recorded.inputs[hop] = received.tensor
             self._unfiled[hop].discard(received.step)
 

@@ -36,14 +36,13 @@ from hearth.events.models import (IntegrityMismatchConfirmed, IntegrityMismatchD
 from hearth.inference.activation_compare import (evidence_digest, first_mismatch, position_errors, reportable_error,
                                           tolerance_for)
 from hearth.protocol.quarantine import Held
-from hearth.services.orchestrator.canaries import Canary
+from hearth.services.orchestrator.canaries import confirmed_canary
 from hearth.services.orchestrator.chain import HopChain
 from hearth.services.orchestrator.check_policy import MIRRORS_PER_LEVEL, sampled_check_due
 from hearth.services.orchestrator.guards import RangeKey
 from hearth.services.orchestrator.metrics import verification_checks_total
 from hearth.services.orchestrator.mirror import Mirror, open_mirror
-from hearth.services.orchestrator.outcomes import StepFailure
-from hearth.services.orchestrator.placement import ChainPlacement
+from hearth.services.orchestrator.outcomes import StepFailure, retold_failure
 from hearth.services.orchestrator.recording import HopSpan
 
 log = logging.getLogger(__name__)
@@ -161,6 +160,9 @@ class CallVerifier:
                                  "quarantined meanwhile (another check proved it, or its node, wrong); its unconfirmed "
                                  "work here is withdrawn")
                     break
+        retold = self.chain.recorder.take_retold() if self._refutation is None and self.chain is not None else None
+        if retold is not None:  # its successor computed what no replica would: unchecked, so withdrawn
+            self._refutation = retold_failure(self.chain.hops[retold[0] - 1].shard_id, *retold)
         failure, self._refutation = self._refutation, None
         return failure
 
@@ -177,7 +179,8 @@ class CallVerifier:
             output = recorded.hop_output(index) if recorded is not None else None
             why = sampled_check_due(first_step=self._chain_steps == 1, learned=self.ctx.guards.learned(key),
                                     suspect=output is not None and self.ctx.guards.suspect(key, output),
-                                    draw=self._chance.random(), sample_rate=self.settings.sample_rate)
+                                    draw=self._chance.random(), sample_rate=self.settings.sample_rate,
+                                    record_filling=recorder.filling)
             if why is not None:
                 self._start_check(index, why)
 
@@ -189,7 +192,10 @@ class CallVerifier:
         return self.refuted()
 
     async def settle(self) -> StepFailure | None:
-        """Before the call's last frame: wait for the checks still running (at most `settle_timeout_s`)."""
+        """Before the call's last frame: wait for the checks still running (at most `settle_timeout_s`); `all` and
+        `vote` check again what a failed check left unchecked, as no next step will (caught-up hops cost nothing)."""
+        if self.level in ("all", "vote"):
+            return await self.verify_step()
         running = [hop.task for hop in self._hops if hop.task is not None and not hop.task.done()]
         if running:
             done, pending = await asyncio.wait(running, timeout=self.settings.settle_timeout_s)
@@ -252,8 +258,7 @@ class CallVerifier:
         if any(span is None for span in spans):
             return
         # A vote's two mirrors run at once: the check takes the time of the slower, not of both.
-        outputs = await asyncio.gather(*(mirror.check(span)
-                                         for mirror, span in zip(mirrors, spans)))
+        outputs = await asyncio.gather(*(mirror.check(span) for mirror, span in zip(mirrors, spans)))
         for mirror, output in zip(mirrors, outputs):
             if isinstance(output, StepFailure):
                 log.info("pipeline %s: mirror %s of hop %d failed (%s); dropped", self.call.pipeline_id,
@@ -270,7 +275,7 @@ class CallVerifier:
         def tolerance(dtype: str) -> float:
             return tolerance_for(None, dtype, chain.hops[index].quantization, chain.wire_dtype)
 
-        outcomes = [(mirror, _tail(output, span), first_mismatch(position_errors(claimed, _tail(output, span)),
+        outcomes = [(mirror, span.tail_of(output), first_mismatch(position_errors(claimed, span.tail_of(output)),
                                                                   tolerance(mirror.dtype)))
                     for mirror, _, output in runs]
         if all(bad is None for _, _, bad in outcomes):
@@ -278,10 +283,8 @@ class CallVerifier:
             for mirror, _, _ in outcomes:
                 self._confirm(mirror.shard_id, span, None)
             if span.first_pos == 0:
-                self.ctx.canaries.keep(Canary(
-                    self._range_key(index), self.call.model.weights_sha256, mirrors[0].dtype, chain.wire_dtype,
-                    ChainPlacement.of_hop(chain.hops, index), span.kinds, span.inputs, span.outputs,
-                    (chain.hops[index].shard_id, mirrors[0].shard_id), span.prompt_tokens))
+                self.ctx.canaries.keep(confirmed_canary(self._range_key(index), self.call.model.weights_sha256,
+                                                        chain, index, span, mirrors))
             return
         mirror, reference, _ = next(outcome for outcome in outcomes if outcome[2] is not None)
         await self._settle_mismatch(chain, index, span, mirror, reference, tolerance, outcomes)
@@ -377,6 +380,8 @@ class CallVerifier:
         if index is not None:
             self.ctx.guards.learn(self._range_key(index), span.outputs)
             self._hops[index].confirmed_pos = max(self._hops[index].confirmed_pos, span.end_pos)
+            # What every hop's mirrors were fed: the record may forget it (a witness can then not be fed from 0).
+            self.chain.recorder.needed_from = min(min((m.fed_pos for m in h.mirrors), default=0) for h in self._hops)
 
     async def _quarantine(self, shard_id: str, witnesses: list[str], evidence: dict) -> None:
         log.warning("pipeline %s: %s computed layers %d-%d wrongly (witnesses %s); quarantined",
@@ -393,8 +398,3 @@ class CallVerifier:
     def _range_key(self, index: int) -> RangeKey:
         hop = self.chain.hops[index]
         return (self.call.model.model_id, hop.layer_lo_to_run, hop.layer_hi_to_run, hop.quantization)
-
-
-def _tail(output: torch.Tensor, span: HopSpan) -> torch.Tensor:
-    """A mirror's outputs over the last `span.positions` positions it ran (mirrors may have run more)."""
-    return output[:, output.shape[1] - span.positions:]
