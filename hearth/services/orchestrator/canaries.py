@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from hearth.events.streams import MiB
 from hearth.events.models import (IntegrityMismatchConfirmed, IntegrityMismatchDisputed, IntegrityShardsVerified,
                                   ShardVerification)
 from hearth.inference.activation_compare import (evidence_digest, first_mismatch, position_errors, reportable_error,
@@ -106,6 +107,12 @@ class CanaryLibrary:
         self.budget_bytes = budget_bytes
         self._kept: dict[RangeKey, list[Canary]] = {}
         self._chance = random.SystemRandom()
+
+    @classmethod
+    def configured(cls, verification) -> "CanaryLibrary":
+        """The library as `[verification]` (canaries_per_range, canary_max_positions, canary_memory_mb) sizes it."""
+        return cls(verification.canaries_per_range, verification.canary_max_positions,
+                   int(verification.canary_memory_mb * MiB))
 
     @property
     def total_bytes(self) -> int:

@@ -145,8 +145,7 @@ class Orchestrator:
             sink_bounds={},
             load=ShardLoad(retry_s=self.settings.orchestrator.at_capacity_retry_s),
             guards=RangeGuards(verification.guard_margin, verification.guard_min_positions),
-            canaries=CanaryLibrary(verification.canaries_per_range, verification.canary_max_positions,
-                                   int(verification.canary_memory_mb * MiB)),
+            canaries=CanaryLibrary.configured(verification),
             kept_inputs=KeptInputs(int(verification.kept_inputs_mb * MiB)),
             open_signer=community_open_signer(self.outbox.signing_key, self.settings))
         self._canaries = CanaryRunner(self.context, self._record_event)
