@@ -59,7 +59,9 @@ class OrchestratorSettings(ConfigSection):
         default=0.0, ge=0, description="testing only: every audit event write waits this long first")
     broker_wait_s: float = Field(
         default=30.0, gt=0,
-        description="a call whose broker connection dropped waits this long for it (and its hops) to come back")
+        description="a call whose broker connection dropped waits this long for it (and its hops) to come back; a "
+                    "gateway's call waits out its own connection's outages this long in all, then ends "
+                    "pipeline_stalled")
     max_request_bytes: int = Field(
         default=1 * MiB, ge=1024,
         description="an `llm.chat.request` body larger than this is refused (`bad_request`) before it is parsed")

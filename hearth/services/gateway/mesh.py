@@ -193,7 +193,8 @@ class MeshCall:
         self._frames = stream_chat_pinned_raw(gateway.nc, payload, orchestrator=pinned,
                                               signer=caller.key if caller else None,
                                               first_frame_timeout=client.first_frame_timeout_s,
-                                              frame_gap_timeout=client.silence_timeout_s)
+                                              frame_gap_timeout=client.silence_timeout_s,
+                                              broker_wait=gateway.settings.orchestrator.broker_wait_s)
 
     async def next(self) -> AnswerFrame:
         async for frame in self._frames:
