@@ -291,9 +291,10 @@ class GatewayApp:
                     yield sse_event(error.body())
                     return
             else:
-                # A choice's opening chunk goes with its first token: one write less before that token.
-                chunk = _opening(shape, answer.choice, opened)
+                # A choice's opening chunk goes with its first token: one write less before that token. The token
+                # is read first: whether it opens a tool call decides the opening's content.
                 piece = shape.text(frame.text, frame.logprobs, answer.choice) if _carries(frame) else None
+                chunk = _opening(shape, answer.choice, opened)
                 if piece is not None:
                     shown_tokens[answer.choice] = len(answer.frames)
                     chunk += sse_event(piece)
