@@ -162,9 +162,9 @@ class _BrokerOutage:
         return self.waited_s >= self.limit_s
 
     def ending(self, after_seq: int) -> ErrorFrame:
-        return _ending("pipeline_stalled", f"the connection to the NATS broker was down for {self.waited_s:.1f} s of "
-                                           f"this call, over [orchestrator] broker_wait_s {self.limit_s:g} s",
-                       after_seq)
+        return _ending("pipeline_stalled", f"this call waited {self.waited_s:.1f} s in all while its connection to "
+                                           f"the NATS broker was down, over [orchestrator] broker_wait_s "
+                                           f"{self.limit_s:g} s", after_seq)
 
 
 class _FrameOrder:
