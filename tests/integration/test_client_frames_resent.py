@@ -3,7 +3,8 @@ client_stream.py, hearth/services/client/chat.py), over a real nats-server: when
 orchestrator's connection is back long before the caller's), and when only the caller's connection is cut for a
 while (its broker node went away), the frames sent meanwhile find nobody on the caller's inbox ("no responders").
 Once the caller resubscribed they are sent again, and the caller sees every frame once, in order, and the call's
-end. A caller that leaves for good is still noticed once the grace is over.
+end. A caller that leaves for good is still noticed once the grace is over, and one whose own connection stays
+down ends its call `pipeline_stalled` once it waited `[orchestrator] broker_wait_s` for it.
 """
 
 from __future__ import annotations
@@ -196,3 +197,41 @@ async def test_a_caller_that_does_not_come_back_is_gone_once_the_grace_is_over(n
     assert client.client_gone.is_set()
     assert gone_after_s >= short_grace_s  # "no responders" within the grace was waited out
     assert client.frames_sent_again == 0  # nobody to send them to
+
+
+async def test_a_caller_cut_off_for_longer_than_broker_wait_s_ends_pipeline_stalled(nats_server):
+    """The caller waited without any bound while its own connection was down: a gateway's HTTP client got nothing
+    until the broker came back, however long."""
+    link = CuttableLink(nats_server.host, nats_server.port)
+    link_url = await link.start()
+    orchestrator = await connect_nats(nats_server.url, name="orchestrator")
+    caller = await connect_nats(link_url, name="caller", settings=NatsSettings(reconnect_wait_s=0.1))
+
+    async def answer(msg) -> None:
+        await orchestrator.publish(msg.reply, TokenDeltaFrame(seq=0, text=" t0", token_id=0).model_dump_json().encode())
+
+    await orchestrator.subscribe(CHAT_REQUEST_SUBJECT, cb=answer)
+    await flush_ordered(orchestrator)
+    payload = ChatRequest(prompt="hello", max_tokens=TOKENS).model_dump_json().encode()
+    frames, cut = [], None
+
+    async def read_the_call() -> None:
+        nonlocal cut
+        async for frame in stream_chat_raw(caller, payload, frame_gap_timeout=0.2, broker_wait=1.0):
+            frames.append(frame)
+            if cut is None:  # the first token is in: the caller's link goes down for longer than the test
+                cut = asyncio.create_task(link.cut_for(call_timeout_s))
+
+    try:
+        await asyncio.wait_for(read_the_call(), timeout=call_timeout_s / 2)
+        still_cut = link.down
+    finally:
+        if cut is not None:
+            cut.cancel()
+        await close_quietly(orchestrator)
+        await close_quietly(caller)
+        await link.close()
+
+    assert still_cut  # it ended while its connection was down, not once it came back
+    assert [frame.type for frame in frames] == ["token_delta", "error"]
+    assert frames[-1].code == "pipeline_stalled" and "broker_wait_s" in frames[-1].message

@@ -127,14 +127,14 @@ async def test_frames_sent_again_after_a_gap_make_the_answer_once_and_in_order(s
 async def test_a_body_within_the_limit_that_the_mapping_grows_past_it_is_refused_by_the_gateway_unpublished(scripted):
     """What the gateway publishes carries hearth's defaults for every field the client left out (and a request id),
     so a compact body just within [orchestrator] max_request_bytes is over it once mapped: the gateway refuses it
-    itself, naming that size and the limit, rather than passing on the orchestrator's refusal of a size the client
+    itself (413), naming that size and the limit, rather than passing on the orchestrator's refusal of a size the client
     never sent."""
     http, _, received, _ = scripted
     limit = HearthSettings().orchestrator.max_request_bytes
     sent = compact_body_at_the_limit(model=MODEL)
     response = await http.post("/v1/chat/completions", content=sent, headers={"Content-Type": "application/json"})
     error = response.json()["error"]
-    assert (response.status_code, error["code"], error["type"]) == (400, "bad_request", "invalid_request_error")
+    assert (response.status_code, error["code"], error["type"]) == (413, "request_too_large", "invalid_request_error")
     size = re.match(r"body: (\d+) bytes as sent on to the mesh", error["message"])
     assert size and int(size[1]) > limit, error["message"]
     assert f"max_request_bytes {limit}" in error["message"]
@@ -148,7 +148,7 @@ async def test_an_oversized_request_naming_an_unknown_model_is_refused_for_its_s
     sent = compact_body_at_the_limit(model="never-served")
     response = await http.post("/v1/chat/completions", content=sent, headers={"Content-Type": "application/json"})
     error = response.json()["error"]
-    assert (response.status_code, error["code"]) == (400, "bad_request"), error
+    assert (response.status_code, error["code"]) == (413, "request_too_large"), error
     assert "as sent on to the mesh" in error["message"]
     assert not received and not models_asked
 

@@ -16,6 +16,7 @@ from nats.aio.client import Client as NatsClient
 from pydantic import ValidationError
 
 from hearth.services.common.call_signing import signed_call_headers
+from hearth.services.common.config_processes import OrchestratorSettings
 from hearth.services.common.config_sections import ClientSettings
 from hearth.services.broker.connection import NO_RESPONDERS_STATUS, connection_identity
 from hearth.protocol.chat import (
@@ -37,6 +38,7 @@ from hearth.trust.keys import MemberKey
 
 log = logging.getLogger(__name__)
 _client_defaults = ClientSettings()
+_broker_wait_default_s = OrchestratorSettings().broker_wait_s
 # Frames held after a gap before the call is given up (the orchestrator keeps about as many to send again).
 max_held_frames = 1024
 
@@ -52,6 +54,7 @@ async def stream_chat_raw(
     *,
     first_frame_timeout: float = _client_defaults.first_frame_timeout_s,
     frame_gap_timeout: float = _client_defaults.silence_timeout_s,
+    broker_wait: float = _broker_wait_default_s,
     include_keepalives: bool = False,
     signer: MemberKey | None = None,
     subject: str = CHAT_REQUEST_SUBJECT,
@@ -69,10 +72,12 @@ async def stream_chat_raw(
     The orchestrator sends a frame or a keepalive at least every `[transport] keepalive_interval_s`, so a
     silence of `frame_gap_timeout` means it is gone: the stream then ends with an `orchestrator_gone` error
     frame of its own (as it does at once when no orchestrator listens at all). A silence while our own
-    connection to the broker was down proves nothing and is waited out. Frames lost while a broker node was away
-    (a gap in `seq`) are sent again by the orchestrator once this inbox is listened to again: frames after a gap
-    are held until it is filled, and a frame seen before is skipped. A gap not filled within `frame_gap_timeout`
-    ends the stream with `pipeline_stalled`: the text would be missing a piece.
+    connection to the broker was down (or came back meanwhile) proves nothing and is waited out, for `broker_wait`
+    seconds in all (`[orchestrator] broker_wait_s`, which an orchestrator waits for its own broker): then the stream
+    ends with a `pipeline_stalled` error frame of its own, as the orchestrator's call would. Frames lost while a
+    broker node was away (a gap in `seq`) are sent again by the orchestrator once this inbox is listened to again:
+    frames after a gap are held until it is filled, and a frame seen before is skipped. A gap not filled within
+    `frame_gap_timeout` ends the stream with `pipeline_stalled`: the text would be missing a piece.
     """
     inbox = nc.new_inbox()
     subscription = await nc.subscribe(inbox)
@@ -84,17 +89,20 @@ async def stream_chat_raw(
     try:
         await nc.publish(subject, payload, reply=inbox, headers=headers)
         order = _FrameOrder(frame_gap_timeout)
+        outage = _BrokerOutage(nc, broker_wait)
         timeout = first_frame_timeout
-        reconnects = nc.stats["reconnects"]
         while True:
+            waited_from = time.monotonic()
             try:
-                message = await subscription.next_msg(timeout=order.wait_s(timeout))
+                message = await subscription.next_msg(timeout=order.wait_s(outage.wait_s(timeout)))
             except (asyncio.TimeoutError, TimeoutError):
                 if order.gap_overdue():
                     yield order.stalled()
                     return
-                if not nc.is_connected or nc.stats["reconnects"] != reconnects:
-                    reconnects = nc.stats["reconnects"]
+                if outage.excuses(time.monotonic() - waited_from):
+                    if outage.over():
+                        yield outage.ending(order.last_seq)
+                        return
                     continue
                 yield _ending("orchestrator_gone", f"no frame and no keepalive from the orchestrator for "
                                                    f"{timeout} s", order.last_seq)
@@ -122,6 +130,41 @@ async def stream_chat_raw(
     finally:
         with contextlib.suppress(Exception):
             await subscription.unsubscribe()
+
+
+class _BrokerOutage:
+    """The silences a call waited out because its own broker connection was down, or came back meanwhile (its
+    frames may come again then), counted together up to `limit_s`."""
+
+    def __init__(self, nc: NatsClient, limit_s: float) -> None:
+        self.nc = nc
+        self.limit_s = limit_s
+        self.waited_s = 0.0
+        self._reconnects = nc.stats["reconnects"]
+
+    def wait_s(self, timeout_s: float) -> float:
+        """How long to wait for the next message: `timeout_s`, or while the connection is down no longer than the
+        outage may still last."""
+        if self.nc.is_connected:
+            return timeout_s
+        return max(0.0, min(timeout_s, self.limit_s - self.waited_s))
+
+    def excuses(self, silence_s: float) -> bool:
+        """Whether a silence of `silence_s` is the outage's, not the orchestrator's (then it counts)."""
+        reconnects = self.nc.stats["reconnects"]
+        if self.nc.is_connected and reconnects == self._reconnects:
+            return False
+        self._reconnects = reconnects
+        self.waited_s += silence_s
+        return True
+
+    def over(self) -> bool:
+        return self.waited_s >= self.limit_s
+
+    def ending(self, after_seq: int) -> ErrorFrame:
+        return _ending("pipeline_stalled", f"this call waited {self.waited_s:.1f} s in all while its connection to "
+                                           f"the NATS broker was down, over [orchestrator] broker_wait_s "
+                                           f"{self.limit_s:g} s", after_seq)
 
 
 class _FrameOrder:

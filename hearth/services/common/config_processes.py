@@ -65,7 +65,9 @@ class OrchestratorSettings(ConfigSection):
                     "~/.local/state/hearth/event-outbox)")
     broker_wait_s: float = Field(
         default=30.0, gt=0,
-        description="a call whose broker connection dropped waits this long for it (and its hops) to come back")
+        description="a call whose broker connection dropped waits this long for it (and its hops) to come back; a "
+                    "gateway's call waits out its own connection's outages this long in all, then ends "
+                    "pipeline_stalled")
     max_request_bytes: int = Field(
         default=1 * MiB, ge=1024,
         description="an `llm.chat.request` body larger than this is refused (`bad_request`) before it is parsed")

@@ -17,7 +17,7 @@ from pydantic import BaseModel
 
 from hearth.protocol.chat import DoneFrame, TokenLogprobs
 from hearth.services.gateway.logprobs import chat_logprobs, completion_logprobs
-from hearth.services.gateway.tool_calls import ToolCallBody, ToolCallStream, tool_call_of
+from hearth.services.gateway.tool_calls import ToolCallBody, ToolCallStream, call_so_far, tool_call_of
 from hearth.services.gateway.openai_models import (
     AssistantMessage,
     ChatChoice,
@@ -87,13 +87,20 @@ class ChatShape:
         choices = []
         for index, answer in enumerate(answers):
             reason = finish_reason(done, index)
-            call = tool_call_of(answer.text) if self.tools and reason == "tool_calls" else None
+            call = self._call_of(answer.text, reason)
             message = (AssistantMessage(content=None, tool_calls=[call]) if call is not None
                        else AssistantMessage(content=answer.text))
             choices.append(ChatChoice(index=index, message=message, finish_reason=reason, logprobs=None
                                       if answer.logprobs is None else chat_logprobs(answer.logprobs)))
         return ChatCompletion(id=self.id, created=self.created, model=self.model,
                               usage=usage_of(done, completion_tokens), choices=choices)
+
+    def _call_of(self, text: str, reason: FinishReason) -> ToolCallBody | None:
+        """The tool call a whole answer makes (None: text): a call the grammar completed, else what its stream
+        would have sent (a call cut in its arguments)."""
+        if not self.tools:
+            return None
+        return (tool_call_of(text) if reason == "tool_calls" else None) or call_so_far(text)
 
     def _chunk(self, delta: ChunkDelta, choice: int, reason: FinishReason | None = None,
                logprobs: TokenLogprobs | None = None) -> ChatCompletionChunk:
@@ -102,7 +109,10 @@ class ChatShape:
                         logprobs=None if logprobs is None else chat_logprobs([logprobs]))])
 
     def opening(self, choice: int = 0) -> ChatCompletionChunk | None:
-        return self._chunk(ChunkDelta(role="assistant", content=""), choice)
+        """The role chunk, sent with the choice's first token (after `text` read it): its `content` is null when
+        that token opened a tool call, as OpenAI sends it, else "" (a client adds the text to it)."""
+        is_call = self.tools and self._tool_stream(choice).is_call
+        return self._chunk(ChunkDelta(role="assistant", content=None if is_call else ""), choice)
 
     def text(self, text: str, logprobs: TokenLogprobs | None = None, choice: int = 0) -> ChatCompletionChunk | None:
         """The chunk of a token's text (None: a tool call's text held back for now)."""

@@ -35,7 +35,7 @@ from hearth.services.client.chat import AnswerTokens, choice_of
 from hearth.services.common.metrics import counter, histogram
 from hearth.services.gateway.answers import SSE_DONE, AnswerShape, ChatShape, ChoiceAnswer, CompletionShape, sse_event
 from hearth.services.gateway.errors import (
-    GatewayError, bad_request, from_frame, tokens_withdrawn, unforeseen, unknown_model,
+    GatewayError, bad_request, from_frame, tokens_withdrawn, too_large, unforeseen, unknown_model,
 )
 from hearth.services.gateway.mesh import AnswerFrame, ClientGone, Gateway, MeshCall, unless_disconnected
 from hearth.services.gateway.openai_models import (
@@ -238,7 +238,7 @@ class GatewayApp:
         async for piece in request.stream():
             data += piece
             if len(data) > limit:
-                raise bad_request(f"body: over {limit} bytes ([orchestrator] max_request_bytes)")
+                raise too_large(f"body: over {limit} bytes ([orchestrator] max_request_bytes)")
         try:
             return body_model.model_validate_json(data)
         except ValidationError as error:
@@ -291,9 +291,10 @@ class GatewayApp:
                     yield sse_event(error.body())
                     return
             else:
-                # A choice's opening chunk goes with its first token: one write less before that token.
-                chunk = _opening(shape, answer.choice, opened)
+                # A choice's opening chunk goes with its first token: one write less before that token. The token
+                # is read first: whether it opens a tool call decides the opening's content.
                 piece = shape.text(frame.text, frame.logprobs, answer.choice) if _carries(frame) else None
+                chunk = _opening(shape, answer.choice, opened)
                 if piece is not None:
                     shown_tokens[answer.choice] = len(answer.frames)
                     chunk += sse_event(piece)

@@ -68,6 +68,11 @@ def bad_request(message: str, param: str | None = None) -> GatewayError:
     return GatewayError(400, "bad_request", message, param=param)
 
 
+def too_large(message: str) -> GatewayError:
+    """A 413 (Payload Too Large): the request is over `[orchestrator] max_request_bytes`."""
+    return GatewayError(413, "request_too_large", message)
+
+
 def unknown_model(model: str) -> GatewayError:
     return GatewayError(404, "model_not_found", f"the model {model!r} does not exist on this mesh; GET /v1/models "
                                                 "lists the ones it can serve", param="model")

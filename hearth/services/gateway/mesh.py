@@ -37,7 +37,7 @@ from hearth.protocol.chat import (
 from hearth.protocol.subjects import MODELS_REQUEST_SUBJECT
 from hearth.services.common.config import HearthSettings
 from hearth.services.gateway.errors import (
-    GatewayError, bad_request, from_frame, gateway_stopping, overloaded, unauthenticated, unavailable, unknown_model,
+    GatewayError, from_frame, gateway_stopping, overloaded, too_large, unauthenticated, unavailable, unknown_model,
 )
 from hearth.services.gateway.conversations import ConversationPins
 from hearth.services.gateway.keys import Caller, WatchedApiKeyring, bearer_token
@@ -168,13 +168,13 @@ class Gateway:
                     del self.open_calls_by_member[member]
 
     def call(self, request: ChatRequest, caller: Caller | None) -> "MeshCall":
-        """`request` as a call of `caller`, published when its frames are first read; 400 when the body it is
+        """`request` as a call of `caller`, published when its frames are first read; 413 when the body it is
         published as is over `[orchestrator] max_request_bytes`, which the orchestrator would refuse. That body
         is not the client's: hearth's defaults and request id add to it, so one within the limit can grow past it."""
         payload = request_payload(request)
         limit = self.settings.orchestrator.max_request_bytes
         if len(payload) > limit:
-            raise bad_request(f"body: {len(payload)} bytes as sent on to the mesh (with hearth's defaults for the "
+            raise too_large(f"body: {len(payload)} bytes as sent on to the mesh (with hearth's defaults for the "
                               f"fields left out), over [orchestrator] max_request_bytes {limit}: shorten the request "
                               f"by {len(payload) - limit} bytes")
         return MeshCall(self, request, payload, caller)
@@ -193,7 +193,8 @@ class MeshCall:
         self._frames = stream_chat_pinned_raw(gateway.nc, payload, orchestrator=pinned,
                                               signer=caller.key if caller else None,
                                               first_frame_timeout=client.first_frame_timeout_s,
-                                              frame_gap_timeout=client.silence_timeout_s)
+                                              frame_gap_timeout=client.silence_timeout_s,
+                                              broker_wait=gateway.settings.orchestrator.broker_wait_s)
 
     async def next(self) -> AnswerFrame:
         async for frame in self._frames:

@@ -1,7 +1,9 @@
 """Tool calls in OpenAI's form, from the text of an answer that called a tool: hearth's models answer a call as the
 compact JSON object ``{"name": ..., "arguments": {...}}`` (hearth/services/orchestrator/constrained.py), which the
 gateway turns into `tool_calls` (one call, id `call_<hex>`) of the whole answer, or streams as OpenAI does: the call's
-id and function name first, then its arguments in fragments as they come, and finish_reason `tool_calls`."""
+id and function name first, then its arguments in fragments as they come, and finish_reason `tool_calls`. A call cut
+short (`max_tokens`: finish_reason `length`) is, streamed and whole alike, the call with its arguments as far as they
+came once they began, as OpenAI's are, and before that its text: no name is sure until the arguments start."""
 
 from __future__ import annotations
 
@@ -33,6 +35,17 @@ def new_tool_call_id() -> str:
     return "call_" + uuid.uuid4().hex[:24]
 
 
+def call_so_far(text: str) -> ToolCallBody | None:
+    """The call a cut answer's text makes as a stream sends it (None: the text is no call, or one cut before its
+    arguments began)."""
+    stream = ToolCallStream()
+    fragments = stream.take(text)[1] + stream.finish()[1]
+    if not fragments:
+        return None
+    return ToolCallBody(id=stream.id, type="function", function=FunctionCallBody(
+        name=fragments[0].function.name, arguments="".join(fragment.function.arguments for fragment in fragments)))
+
+
 def tool_call_of(text: str) -> ToolCallBody | None:
     """The tool call an answer's text makes (None: the text is no call)."""
     try:
@@ -43,6 +56,14 @@ def tool_call_of(text: str) -> ToolCallBody | None:
         return None
     return ToolCallBody(id=new_tool_call_id(), type="function",
                         function=FunctionCallBody(name=call["name"], arguments=json.dumps(call["arguments"])))
+
+
+def _is_whole_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
 
 
 class ToolCallStream:
@@ -69,8 +90,10 @@ class ToolCallStream:
         return "", self._fragments(final=False)
 
     def finish(self) -> tuple[str, list[ToolCallBody]]:
-        """What is still held back when the answer ends."""
+        """What is still held back when the answer ends: a call cut before its arguments is its text."""
         if self.is_call:
+            if _ARGUMENTS_KEY not in self.text:
+                return self.text, []
             return "", self._fragments(final=True)
         return "", []  # text went out as it came
 
@@ -88,7 +111,12 @@ class ToolCallStream:
                                           function=FunctionCallBody(name=str(name), arguments="")))
             self._name_sent = True
             self._sent_arguments_to = start + len(_ARGUMENTS_KEY)
-        end = len(self.text.rstrip()) - 1 if final else len(self.text) - 1
+        # All but the last character, which may be the object's closing brace (no part of the arguments); at the
+        # end, all but that brace, or all of it for a call cut short, which has none.
+        if not final:
+            end = len(self.text) - 1
+        else:
+            end = len(self.text.rstrip()) - 1 if _is_whole_json(self.text) else len(self.text)
         if end > self._sent_arguments_to:
             fragments.append(ToolCallBody(index=0, function=FunctionCallBody(
                 arguments=self.text[self._sent_arguments_to:end])))
