@@ -76,8 +76,8 @@ class HostSettings(ConfigSection):
         default=5.0, gt=0, description="`hearth host`: how often it reads the mesh's coverage for a hole to fill")
     rebalance_hold_s: float = Field(
         default=15.0, ge=0,
-        description="`hearth host`: a hole must be seen this long (and this host's layers held elsewhere) before "
-                    "it moves to fill it")
+        description="`hearth host`: a hole must be seen this long (and a range keeping the layers only this host "
+                    "holds must fill some of it) before it moves there")
     dtype: Literal["auto", "fp32", "bf16", "fp16"] = Field(
         default="auto", description="compute dtype: auto is bf16 on CUDA (fp16 where bf16 is unsupported), fp32 on "
                                     "the CPU; --dtype wins")

@@ -1,6 +1,6 @@
 """The `hearth host` process: read the mesh's coverage, load the contiguous layer range that fits this host's memory
 budget and most improves it (hearth/services/host/planner.py), serve it as `hearth shard` would, and move to fill a hole
-when one opens (a host left) and this host's layers are all held elsewhere, after the hole has lasted
+when one opens (a host left), to a range that keeps every layer only this host holds, after the hole has lasted
 `rebalance_hold_s`.
 
 The model may be a folder, a GGUF file, a hub id or `store:NAME`: its layers' sizes come from hearth/services/host/
@@ -166,7 +166,8 @@ async def earlier_shards_gone(coverage: CoverageReader, nc: NatsClient, node: st
 async def wait_for_hole(coverage: CoverageReader, current: LayerRange, shard_id: str, layer_bytes: list[int],
                         weights_budget: int, settings: HearthSettings,
                         leave_out: Set[str] = frozenset()) -> LayerRange:
-    """The range to move to, once a hole has lasted `rebalance_hold_s` and this host's layers are held elsewhere.
+    """The range to move to, once a hole has lasted `rebalance_hold_s` and a range keeping this host's last replicas
+    fills some of it (planner.better_range).
 
     Hosts that saw the same hole and hold the same layers must not all move at once (each sees the other holding
     their layers, and together they would drop the last replica): they take turns, the n-th in shard-id order among
@@ -311,7 +312,8 @@ async def _serve_until_moved(chosen: LayerRange, coverage: CoverageReader, nc: N
                 lost.append(hole_task.exception())  # serving on blind to holes, or ending as if moved, hides it
             elif hole_task in done:
                 moved.append(hole_task.result())
-                log.info("host %s: layers %s are held elsewhere and %s is a hole: moving", node, chosen, moved[0])
+                log.info("host %s: moving from layers %s to %s, which fills a hole and drops no last replica", node,
+                         chosen, moved[0])
             elif stop_task.exception() is not None:
                 lost.append(stop_task.exception())
         finally:
