@@ -78,6 +78,10 @@ class HostSettings(ConfigSection):
         default=15.0, ge=0,
         description="`hearth host`: a hole must be seen this long (and a range keeping the layers only this host "
                     "holds must fill some of it) before it moves there")
+    move_drain_timeout_s: float = Field(
+        default=120.0, ge=0,
+        description="`hearth host`: moving, it withdraws its range at once (no new call is routed to it) and waits "
+                    "this long at most for the calls going through it to end before it stops serving it")
     dtype: Literal["auto", "fp32", "bf16", "fp16"] = Field(
         default="auto", description="compute dtype: auto is bf16 on CUDA (fp16 where bf16 is unsupported), fp32 on "
                                     "the CPU; --dtype wins")

@@ -322,11 +322,16 @@ async def _serve_until_moved(chosen: LayerRange, coverage: CoverageReader, nc: N
             await asyncio.gather(stop_task, hole_task, return_exceptions=True)
             leave.set()
 
+    def drain_s() -> float:  # a move lets the calls going through the range end first; a stop does not wait
+        moving = moved and not stop_event.is_set()
+        return settings.research.distributed_inference.host.move_drain_timeout_s if moving else 0.0
+
     watcher = asyncio.create_task(watch(), name="host-rebalance")
     try:
         await serve_loaded_shard(loaded, nats_url=nats_url, settings=settings, busy_threads=busy_threads,
                                  ready_file=ready_file, stop_event=leave,
-                                 withdraw_reason=lambda: "moved" if moved else "shutdown")
+                                 withdraw_reason=lambda: "moved" if moved else "shutdown", drain_s=drain_s,
+                                 drain_interrupted=stop_event)
     finally:
         watcher.cancel()
         await asyncio.gather(watcher, return_exceptions=True)
