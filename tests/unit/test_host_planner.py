@@ -197,11 +197,44 @@ async def test_hosts_that_started_together_on_the_same_layers_spread_out_one_mov
             six.withdraw(shard_id, node, reason="moved")
             held[node] = (target, six.add(target.lo, target.hi, node))
 
-    tasks = [asyncio.create_task(host(node)) for node in "abc"]
+    await run_for(1.5, *(host(node) for node in "abc"))
+    assert sorted(str(current) for current, _ in held.values()) == ["0-1", "2-3", "4-5"]
+
+
+async def run_for(seconds: float, *coroutines) -> None:
+    tasks = [asyncio.create_task(coroutine) for coroutine in coroutines]
     try:
-        await asyncio.sleep(1.5)
+        await asyncio.sleep(seconds)
+        for task in tasks:
+            if task.done():
+                task.result()  # a host that failed fails the test
     finally:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def test_a_host_waits_for_a_move_under_way_rather_than_following_it_into_the_same_hole(mesh):
+    """A move withdraws the old range, then loads the new one (fetching it, perhaps: minutes), and only then
+    advertises it. Before, the next host in turn saw the hole still open meanwhile and moved into it too: with three
+    hosts on 0-1, two ended on 2-3 and one of them moved again. A move under way (withdrawn `moved`, its node not
+    advertised since) now holds the others' decisions until it has landed."""
+    from hearth.services.host.main import wait_for_hole
+
+    settings = host_settings(rebalance_hold_s=0.1, rebalance_check_interval_s=0.01)
+    six = Mesh(mesh.engine, layers=6)
+    held = {node: (LayerRange(0, 1), six.add(0, 1, node)) for node in "abc"}
+    moves: list[str] = []
+
+    async def host(node: str) -> None:
+        while True:
+            current, shard_id = held[node]
+            target = await wait_for_hole(six.coverage(), current, shard_id, [100] * 6, 250, settings)
+            moves.append(f"{node}: {current} -> {target}")
+            six.withdraw(shard_id, node, reason="moved")
+            await asyncio.sleep(0.6)  # loading the new range: longer than the holds
+            held[node] = (target, six.add(target.lo, target.hi, node))
+
+    await run_for(3.0, *(host(node) for node in "abc"))
     assert sorted(str(current) for current, _ in held.values()) == ["0-1", "2-3", "4-5"]
+    assert len(moves) == 2, moves

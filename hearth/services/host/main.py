@@ -60,6 +60,9 @@ from hearth.services.weights_store import WeightsStoreError
 log = logging.getLogger(__name__)
 
 
+# The reason a host's withdrawal gives when it leaves a range to move to another (what other hosts wait for).
+MOVED = "moved"
+
 # A KV reserve left at its default takes at most this share of a `--memory-budget-mb` (the default alone can exceed
 # a small budget, leaving no room for any layer).
 DEFAULT_KV_RESERVE_MAX_BUDGET_SHARE = 0.25
@@ -125,6 +128,21 @@ class CoverageReader:
                    if shard.shard_id < shard_id and self._counted(shard, alive)
                    and shard.layer_lo <= current.hi and current.lo <= shard.layer_hi)
 
+    async def move_under_way(self, within_s: float) -> bool:
+        """Whether a host is moving: it withdrew a range of these weights and scheme as MOVED under `within_s` ago,
+        and its node has advertised no other range since (it drains, then loads the new one, a hole until then)."""
+        shards, _ = await self._live_shards()
+        now = self.router.now()
+        ours = [shard for shard in shards
+                if shard.weights_sha256 == self.weights_sha256 and shard.quantization == self.quantization]
+
+        def landed(moved: ShardCandidate) -> bool:
+            return any(shard.node_id == moved.node_id and shard.shard_id != moved.shard_id
+                       and shard.advertised_at >= moved.withdrawn_at for shard in ours)
+
+        return any(shard.withdrawn_reason == MOVED and shard.withdrawn_at is not None
+                   and now - shard.withdrawn_at < within_s and not landed(shard) for shard in ours)
+
     def _counted(self, shard: ShardCandidate, alive: Callable[[ShardCandidate], bool]) -> bool:
         return (shard.weights_sha256 == self.weights_sha256 and shard.quantization == self.quantization
                 and alive(shard))
@@ -173,22 +191,32 @@ async def wait_for_hole(coverage: CoverageReader, current: LayerRange, shard_id:
     their layers, and together they would drop the last replica): they take turns, the n-th in shard-id order among
     the live holders of its layers (`CoverageReader.turn`) waiting n + 1 holds, so the first's move is in every read
     model before the next one decides, and the next sees no hole any more, or its layers held nowhere else. The
-    checks are jittered so that hosts do not look in step. `leave_out`: shards of this node not to count besides
-    `shard_id`, those of an earlier run that no longer answered at start (earlier_shards_gone): counted, their
-    adverts (alive until the health timeout) passed for other replicas of this host's layers."""
+    checks are jittered so that hosts do not look in step. While another host moves (CoverageReader.move_under_way),
+    the hold starts over once its new range is advertised: before, the next host in turn, seeing the hole still open
+    while the first loaded it, moved into it too; never longer than `move_wait_max_s` per hole.
+
+    `leave_out`: shards of this node not to count besides `shard_id`, those of an earlier run that no longer answered
+    at start (earlier_shards_gone): counted, their adverts (alive until the health timeout) passed for other replicas
+    of this host's layers."""
     host = settings.research.distributed_inference.host
     hold_s: float | None = None
-    seen_since: float | None = None
+    seen_since: float | None = None  # the hole, held for hold_s before moving
+    hole_since: float | None = None  # the hole, however long other hosts' moves held this one back
     while True:
         await asyncio.sleep(host.rebalance_check_interval_s * random.uniform(0.5, 1.5))
         target = better_range(current, await coverage.replicas(leave_out={shard_id, *leave_out}), layer_bytes,
                               weights_budget)
+        now = time.monotonic()
         if target is None:
+            seen_since = hole_since = None
+            continue
+        hole_since = now if hole_since is None else hole_since
+        if now - hole_since < host.move_wait_max_s and await coverage.move_under_way(host.move_wait_max_s):
             seen_since = None
         elif seen_since is None:
-            seen_since = time.monotonic()
+            seen_since = now
             hold_s = host.rebalance_hold_s * (1 + await coverage.turn(current, shard_id))
-        elif time.monotonic() - seen_since >= hold_s:
+        elif now - seen_since >= hold_s:
             return target
 
 
@@ -330,7 +358,7 @@ async def _serve_until_moved(chosen: LayerRange, coverage: CoverageReader, nc: N
     try:
         await serve_loaded_shard(loaded, nats_url=nats_url, settings=settings, busy_threads=busy_threads,
                                  ready_file=ready_file, stop_event=leave,
-                                 withdraw_reason=lambda: "moved" if moved else "shutdown", drain_s=drain_s,
+                                 withdraw_reason=lambda: MOVED if moved else "shutdown", drain_s=drain_s,
                                  drain_interrupted=stop_event)
     finally:
         watcher.cancel()
