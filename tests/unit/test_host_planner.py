@@ -11,10 +11,10 @@ from sqlalchemy.orm import sessionmaker
 from hearth.events.models import ShardWithdrawn
 from hearth.readmodels.projection import epoch_s
 from hearth.services.common.config import HearthSettings
-from hearth.services.host.main import CoverageReader
+from hearth.services.host.coverage import CoverageReader
 from hearth.services.host.planner import LayerRange, better_range, choose_range, widest_fit
 from hearth.services.orchestrator.router import ShardRouter
-from tests.readmodel_helpers import MODEL_ID, T0, WEIGHTS_SHA, LogBuilder, advertised, apply_all, migrated_engine
+from tests.readmodel_helpers import MODEL_ID, T0, WEIGHTS_SHA, LogBuilder, advertised, apply_all, at, migrated_engine
 
 LAYERS = 8
 LAYER_BYTES = [100] * LAYERS
@@ -31,9 +31,9 @@ class Mesh:
         apply_all(self.engine, [self.log.stored(event)])
         return event.shard_id
 
-    def withdraw(self, shard_id: str, node: str, reason: str = "shutdown") -> None:
+    def withdraw(self, shard_id: str, node: str, reason: str = "shutdown", t: float = 0.0) -> None:
         apply_all(self.engine, [self.log.stored(ShardWithdrawn(shard_id=shard_id, node_id=node, reason=reason,
-                                                               occurred_at=T0))])  # log order decides
+                                                               occurred_at=at(t)))])
 
     def coverage(self) -> CoverageReader:
         router = ShardRouter(sessionmaker(self.engine), health_timeout_s=30.0, allow_self_as_shard=True,
@@ -238,3 +238,21 @@ async def test_a_host_waits_for_a_move_under_way_rather_than_following_it_into_t
     await run_for(3.0, *(host(node) for node in "abc"))
     assert sorted(str(current) for current, _ in held.values()) == ["0-1", "2-3", "4-5"]
     assert len(moves) == 2, moves
+
+
+async def test_a_move_is_under_way_until_its_node_advertises_another_range_or_says_it_will_not_land(mesh):
+    coverage = mesh.coverage()  # its clock reads 5 s after the log's start
+    left = mesh.add(0, 1, "a")
+    mesh.add(2, 3, "b")
+    assert not await coverage.move_under_way(600)
+    mesh.withdraw(left, "a", reason="moved", t=1)
+    assert await coverage.move_under_way(600)
+    assert not await coverage.move_under_way(1)  # withdrawn 4 s ago: waited for long enough
+    mesh.add(4, 5, "a", quantization="int8", t=2)  # another scheme's range is not where this move lands
+    assert await coverage.move_under_way(600)
+    landed = mesh.add(4, 5, "a", t=2)
+    assert not await coverage.move_under_way(600)
+    mesh.withdraw(landed, "a", reason="moved", t=3)  # moving on again: under way until it says it will not land
+    assert await coverage.move_under_way(600)
+    mesh.withdraw(landed, "a", reason="shutdown", t=4)
+    assert not await coverage.move_under_way(600)
