@@ -184,16 +184,17 @@ async def run_host(*, model: str, memory_budget_mb: float | None, nats_url: str 
         try:
             # Served once for the host's life: its figures carry on across a move (the range is a label).
             metrics_server = serve_process_metrics(metrics_port, f"host {node}", host=settings.metrics.host)
-            await projector.start()
+            # Each step before serving ends at a stop (SIGTERM), through the shutdown below.
+            await unless_stopped(projector.start(), stop_event)
             # The first choice reads the whole log first (its live adverts come last): within the short catch-up of
             # later reads, a long log left it choosing as if no host served any layer.
-            await read_model_caught_up(projector, settings.orchestrator.start_catch_up_timeout_s,
-                                       going_on="choosing layers on what it has read")
+            await unless_stopped(read_model_caught_up(projector, settings.orchestrator.start_catch_up_timeout_s,
+                                                      going_on="choosing layers on what it has read"), stop_event)
             coverage = coverage_from(projector, settings, node, model_id=served_id, weights_sha256=digest,
                                      total_layers=total_layers, quantization=scheme.label)
             # A run of this host that crashed left its advert alive until the health timeout: counted, its layers
             # would pass for held and the host would choose others, leaving them held by nobody.
-            gone = await earlier_shards_gone(coverage, nc, node, settings)
+            gone = await unless_stopped(earlier_shards_gone(coverage, nc, node, settings), stop_event)
             chosen = choose_range(await coverage.replicas(leave_out=gone), layer_bytes, weights_budget)
             taken: set[LayerRange] = set()
             arriving_from: str | None = None  # the shard this host withdrew as MOVED to serve `chosen`
