@@ -256,3 +256,27 @@ async def test_a_move_is_under_way_until_its_node_advertises_another_range_or_sa
     assert await coverage.move_under_way(600)
     mesh.withdraw(landed, "a", reason="shutdown", t=4)
     assert not await coverage.move_under_way(600)
+
+
+async def test_a_host_that_looked_gone_and_comes_back_makes_nobody_move_back(mesh):
+    """Adverts and heartbeats that arrive late: b's range looks dead (heard from 45 s ago, past the 30 s health
+    timeout), a host holding duplicated layers fills its hole, then b is heard from again. Its layers are held twice
+    now and there is no hole: nobody moves again (no flapping), whichever host looks."""
+    from hearth.services.host.main import wait_for_hole
+
+    settings = host_settings(rebalance_hold_s=0.05, rebalance_check_interval_s=0.01)
+    six = Mesh(mesh.engine, layers=6)
+    held = {"a": six.add(0, 1, "a"), "c": six.add(0, 1, "c"), "d": six.add(4, 5, "d")}
+    late = six.add(2, 3, "b", t=-40)
+    target = await asyncio.wait_for(wait_for_hole(six.coverage(), LayerRange(0, 1), held["a"], [100] * 6, 250,
+                                                  settings), timeout=5)
+    assert target == LayerRange(2, 3)
+    six.withdraw(held["a"], "a", reason="moved")
+    held["a"] = six.add(2, 3, "a")
+    assert six.add(2, 3, "b") == late  # heard from again
+    ranges = {"a": LayerRange(2, 3), "c": LayerRange(0, 1), "d": LayerRange(4, 5), "b": LayerRange(2, 3)}
+    held["b"] = late
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(asyncio.gather(*(
+            wait_for_hole(six.coverage(), ranges[node], shard_id, [100] * 6, 250, settings)
+            for node, shard_id in held.items())), timeout=1)
