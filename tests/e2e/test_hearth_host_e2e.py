@@ -1,8 +1,8 @@
 """`hearth host` over real processes: three hosts whose memory budgets are each 40 % of the model's weights choose
 their own layers from the mesh's coverage and together serve a model none of them could hold, with generate()'s
 greedy output and each host's measured memory within its budget; when a host leaves, one of two hosts holding the
-same layers moves to fill the hole; a host killed and restarted at once takes its own layers back; a host killed for good has its layers taken
-over once its silence passes the health timeout."""
+same layers moves to fill the hole; a host killed and restarted at once takes its own layers back; a host killed
+for good has its layers taken over once its silence passes the health timeout."""
 
 from __future__ import annotations
 
