@@ -83,7 +83,7 @@ class HostSettings(ConfigSection):
         description="`hearth host`: moving, it withdraws its range at once (no new call is routed to it) and waits "
                     "this long at most for the calls going through it to end before it stops serving it")
     move_wait_max_s: float = Field(
-        default=600.0, ge=0,
+        default=300.0, ge=0,
         description="`hearth host`: while another host moves (its old range withdrawn, its new one not yet "
                     "advertised: draining, then loading), it decides no move of its own, so that both do not fill "
                     "the same hole; for at most this long per hole, whatever the mesh says")
