@@ -38,9 +38,11 @@ max_claim_time_ns = 2**63 - 1
 max_prefix_blocks = 8192
 max_prefix_block_tokens = 4096
 # `pipeline_taken`: the pipeline is open on this shard for another orchestrator (its ids travel in plain headers, so a
-# member may have opened it first): the refused orchestrator routes around the shard without blaming it.
+# member may have opened it first): the refused orchestrator routes around the shard without blaming it. `withdrawn`:
+# the shard has said it leaves (a `hearth host` moving lets the calls open there end first) and opens nothing new; the
+# orchestrator's read model had not heard it yet, and routes around it without blame.
 RefusalCode = Literal["at_capacity", "weights_mismatch", "bad_range", "bad_request", "unknown_pipeline",
-                      "pipeline_taken", "unauthorized"]
+                      "pipeline_taken", "unauthorized", "withdrawn"]
 
 
 class PrefixBlocks(BaseModel):

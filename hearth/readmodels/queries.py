@@ -49,6 +49,9 @@ class ShardCandidate:
     node_quarantined_by: str | None = None
     # The dtype it computes in: two replicas' outputs are compared within that dtype's honest tolerance.
     dtype: str = "float32"
+    # When (epoch s) and why it was withdrawn, if it was: "moved" is a `hearth host` moving to another range.
+    withdrawn_at: int | None = None
+    withdrawn_reason: str | None = None
 
 
 def shards_of_model(session: Session, model_id: str) -> list[ShardCandidate]:
@@ -100,6 +103,8 @@ def _shards(session: Session, condition) -> list[ShardCandidate]:
             ShardHealth.decode_step_ms,
             Shard.quantization,
             Shard.dtype,
+            Shard.withdrawn_at,
+            Shard.withdrawn_reason,
             func.coalesce(ShardReputation.status == QUARANTINED, False).label("quarantined"),
             node_quarantined_by.label("node_quarantined_by"),
         )

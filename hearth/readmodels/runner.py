@@ -179,19 +179,18 @@ class Projector:
         """Return once `stream` is applied up to `seq` (e.g. a PubAck's seq); TimeoutError otherwise."""
         if stream not in self.positions:
             raise ValueError(f"this projector does not follow {stream!r} (it follows {self.streams})")
-        async with self._progress:
-            await asyncio.wait_for(
-                self._progress.wait_for(lambda: self.positions[stream] >= seq), timeout=timeout_s
-            )
+        # asyncio.timeout, not wait_for, here and below: on Python 3.11 a wait_for whose wait ends in the very turn a
+        # cancellation lands swallows it, and the task being stopped goes on (a host's watch for holes, for ever).
+        async with self._progress, asyncio.timeout(timeout_s):
+            await self._progress.wait_for(lambda: self.positions[stream] >= seq)
 
     async def wait_until_caught_up(self, timeout_s: float) -> dict[str, int]:
         """Wait until every stream is applied up to its last sequence as of this call; returns those."""
         deadline = time.monotonic() + timeout_s
         targets = {}
         for stream in self.streams:
-            targets[stream] = await asyncio.wait_for(
-                stream_last_seq(self._js, stream), timeout=max(0.0, deadline - time.monotonic())
-            )
+            async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                targets[stream] = await stream_last_seq(self._js, stream)
         for stream, seq in targets.items():
             await self.wait_for_position(stream, seq, max(0.0, deadline - time.monotonic()))
         return targets
@@ -368,7 +367,8 @@ class Projector:
     async def _check_stream(self, stream: str) -> None:
         """Poll `stream`'s last sequence, and whether it is still the stream the position was taken in."""
         try:
-            state = await asyncio.wait_for(stream_state(self._js, stream), timeout=stream_info_timeout_s)
+            async with asyncio.timeout(stream_info_timeout_s):  # the stop's cancellation is never lost (see above)
+                state = await stream_state(self._js, stream)
             self.stream_last_seqs[stream] = max(state.last_seq, self.positions[stream])
             await self._check_identity(stream, state)
         except asyncio.CancelledError:

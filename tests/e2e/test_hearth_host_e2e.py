@@ -1,7 +1,8 @@
 """`hearth host` over real processes: three hosts whose memory budgets are each 40 % of the model's weights choose
 their own layers from the mesh's coverage and together serve a model none of them could hold, with generate()'s
 greedy output and each host's measured memory within its budget; when a host leaves, one of two hosts holding the
-same layers moves to fill the hole; a host killed and restarted at once takes its own layers back."""
+same layers moves to fill the hole; a host killed and restarted at once takes its own layers back; a host killed
+for good has its layers taken over once its silence passes the health timeout."""
 
 from __future__ import annotations
 
@@ -140,3 +141,28 @@ async def test_two_hosts_of_one_node_started_together_serve_different_layers(clu
         await asyncio.sleep(0.5)
     assert all(host.alive for host in hosts)
     assert {shard_id.split(":")[-1] for shard_id in served} == {"0-1@two-gpu-pc", "2-3@two-gpu-pc"}
+
+
+async def test_a_killed_hosts_layers_are_taken_over_once_its_silence_passes_the_health_timeout(cluster,
+                                                                                              tiny_models_dir):
+    """A host killed (no withdrawal) leaves its advert alive until `shard_health_timeout_s` passes without a
+    heartbeat; then its layers are a hole, and a host whose layers are held elsewhere moves there: the model is
+    served whole again, with the same tokens."""
+    path = tiny_models_dir / TINY_MODEL_NAME
+    budget_mb = 0.4 * checkpoint_weight_bytes(path) / 2**20  # two of the six layers
+    cluster.extra_env.update({SHARD_ENV + "KV_CACHE_BUDGET_MB": "0.02", HOST_ENV + "REBALANCE_CHECK_INTERVAL_S": "0.3",
+                              HOST_ENV + "REBALANCE_HOLD_S": "1",
+                              "HEARTH_RESEARCH__DISTRIBUTED_INFERENCE__SHARD_HEALTH_TIMEOUT_S": "4"})
+    hosts = [cluster.start_host(str(path), budget_mb, node_id=f"host-{name}") for name in "abcd"]  # d: 0-1 again
+    start_orchestrator(cluster, tiny_models_dir, wait_ready=True)
+    expected = await asyncio.to_thread(greedy_reference, path, NEW_TOKENS)
+    hosts[1].signal(signal.SIGKILL)
+    hosts[1].popen.wait(timeout=30)
+    killed_at = time.monotonic()
+    while not {a.node_id for a in await advertisements(cluster) if a.layer_lo == 2} - {"host-b"}:
+        assert time.monotonic() - killed_at < MOVE_TIMEOUT_S, "no host took layers 2-3 over"
+        await asyncio.sleep(0.5)
+    print(f"layers 2-3 advertised again {time.monotonic() - killed_at:.1f} s after their host was killed")
+    token_ids, hops = await ask(cluster)
+    assert token_ids == expected
+    assert len(hops) == 3 and "@host-b" not in hops[1]

@@ -10,10 +10,11 @@ from sqlalchemy.orm import sessionmaker
 
 from hearth.events.models import ShardWithdrawn
 from hearth.readmodels.projection import epoch_s
-from hearth.services.host.main import CoverageReader
+from hearth.services.common.config import HearthSettings
+from hearth.services.host.coverage import CoverageReader
 from hearth.services.host.planner import LayerRange, better_range, choose_range, widest_fit
 from hearth.services.orchestrator.router import ShardRouter
-from tests.readmodel_helpers import MODEL_ID, T0, WEIGHTS_SHA, LogBuilder, advertised, apply_all, migrated_engine
+from tests.readmodel_helpers import MODEL_ID, T0, WEIGHTS_SHA, LogBuilder, advertised, apply_all, at, migrated_engine
 
 LAYERS = 8
 LAYER_BYTES = [100] * LAYERS
@@ -21,23 +22,32 @@ TWO_LAYERS = 250  # a budget that holds two layers, not three
 
 
 class Mesh:
-    def __init__(self, engine) -> None:
-        self.engine, self.log = engine, LogBuilder()
+    def __init__(self, engine, layers: int = LAYERS) -> None:
+        self.engine, self.log, self.layers = engine, LogBuilder(), layers
         self.now = epoch_s(T0) + 5.0
 
     def add(self, lo: int, hi: int, node: str, **fields) -> str:
-        event = advertised(lo, hi, node, total=LAYERS, **fields)
+        event = advertised(lo, hi, node, total=self.layers, **fields)
         apply_all(self.engine, [self.log.stored(event)])
         return event.shard_id
 
-    def withdraw(self, shard_id: str, node: str) -> None:
-        apply_all(self.engine, [self.log.stored(ShardWithdrawn(shard_id=shard_id, node_id=node, reason="shutdown",
-                                                               occurred_at=T0.replace(second=3)))])
+    def withdraw(self, shard_id: str, node: str, reason: str = "shutdown", t: float = 0.0) -> None:
+        apply_all(self.engine, [self.log.stored(ShardWithdrawn(shard_id=shard_id, node_id=node, reason=reason,
+                                                               occurred_at=at(t)))])
 
     def coverage(self) -> CoverageReader:
         router = ShardRouter(sessionmaker(self.engine), health_timeout_s=30.0, allow_self_as_shard=True,
                              self_node_id="me", clock=lambda: self.now)
-        return CoverageReader(router, model_id=MODEL_ID, weights_sha256=WEIGHTS_SHA, total_layers=LAYERS)
+        return CoverageReader(router, model_id=MODEL_ID, weights_sha256=WEIGHTS_SHA, total_layers=self.layers)
+
+
+def host_settings(**host) -> HearthSettings:
+    """Settings with these `[research.distributed_inference.host]` fields (quick holds and checks)."""
+    settings = HearthSettings()
+    distributed = settings.research.distributed_inference
+    research = settings.research.model_copy(update={"distributed_inference": distributed.model_copy(
+        update={"host": distributed.host.model_copy(update=host)})})
+    return settings.model_copy(update={"research": research})
 
 
 @pytest.fixture
@@ -123,15 +133,9 @@ async def test_hosts_holding_the_same_layers_take_turns_to_move_in_shard_id_orde
 
 
 async def test_a_host_waits_one_hold_more_per_host_before_it_in_turn(mesh):
-    from hearth.services.common.config import HearthSettings
     from hearth.services.host.main import wait_for_hole
 
-    host = {"rebalance_hold_s": 0.2, "rebalance_check_interval_s": 0.02}
-    settings = HearthSettings()
-    research = settings.research.model_copy(update={"distributed_inference": settings.research.distributed_inference
-                                                    .model_copy(update={"host": settings.research.distributed_inference
-                                                                        .host.model_copy(update=host)})})
-    settings = settings.model_copy(update={"research": research})
+    settings = host_settings(rebalance_hold_s=0.2, rebalance_check_interval_s=0.02)
     mesh.add(0, 1, "a")
     mine = mesh.add(0, 1, "d")
     for lo in (2, 6):
@@ -162,3 +166,117 @@ async def test_a_restarted_host_leaves_out_its_own_earlier_shard_that_no_longer_
     replicas = await coverage.replicas(leave_out=left_out)
     assert replicas == [1, 1, 1, 1, 0, 0, 1, 1]
     assert choose_range(replicas, LAYER_BYTES, TWO_LAYERS) == LayerRange(4, 5)
+
+
+def test_a_host_with_spare_budget_widens_over_a_hole_next_to_layers_only_it_holds():
+    """A host at the model's end serves fewer layers than its budget holds. When the host before it left, it stayed:
+    its layers had no other replica, and a move was refused whatever the range, even one keeping all of them."""
+    mine = LayerRange(6, 7)  # a budget of three layers: 5-7 keeps 6-7 and covers layer 5 of the hole
+    assert better_range(mine, [1, 1, 1, 0, 0, 0, 0, 0], LAYER_BYTES, 300) == LayerRange(5, 7)
+    # A range that drops one of its last replicas is still never taken, however many holes it covers.
+    assert better_range(LayerRange(0, 2), [0, 1, 1, 0, 0, 0, 1, 1], LAYER_BYTES, 300) is None
+    # Layers held elsewhere too may be dropped on the way (6 is), the last replica of 7 is kept.
+    assert better_range(LayerRange(6, 7), [1, 1, 1, 1, 1, 0, 1, 0], LAYER_BYTES, 300) == LayerRange(5, 7)
+
+
+async def test_hosts_that_started_together_on_the_same_layers_spread_out_one_move_at_a_time(mesh):
+    """Three hosts that chose 0-1 at the same moment (none saw the others): each watches for holes; a move is
+    carried out in the mesh (withdrawn, then advertised on its new range) as soon as it is decided. They end on
+    three different ranges, covering the model, and nobody drops a last replica on the way."""
+    from hearth.services.host.main import wait_for_hole
+
+    settings = host_settings(rebalance_hold_s=0.1, rebalance_check_interval_s=0.01)
+    layer_bytes, budget = [100] * 6, 250
+    six = Mesh(mesh.engine, layers=6)
+    held = {node: (LayerRange(0, 1), six.add(0, 1, node)) for node in "abc"}
+
+    async def host(node: str) -> None:
+        while True:
+            current, shard_id = held[node]
+            target = await wait_for_hole(six.coverage(), current, shard_id, layer_bytes, budget, settings)
+            six.withdraw(shard_id, node, reason="moved")
+            held[node] = (target, six.add(target.lo, target.hi, node))
+
+    await run_for(1.5, *(host(node) for node in "abc"))
+    assert sorted(str(current) for current, _ in held.values()) == ["0-1", "2-3", "4-5"]
+
+
+async def run_for(seconds: float, *coroutines) -> None:
+    tasks = [asyncio.create_task(coroutine) for coroutine in coroutines]
+    try:
+        await asyncio.sleep(seconds)
+        for task in tasks:
+            if task.done():
+                task.result()  # a host that failed fails the test
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def test_a_host_waits_for_a_move_under_way_rather_than_following_it_into_the_same_hole(mesh):
+    """A move withdraws the old range, then loads the new one (fetching it, perhaps: minutes), and only then
+    advertises it. Before, the next host in turn saw the hole still open meanwhile and moved into it too: with three
+    hosts on 0-1, two ended on 2-3 and one of them moved again. A move under way (withdrawn `moved`, its node not
+    advertised since) now holds the others' decisions until it has landed."""
+    from hearth.services.host.main import wait_for_hole
+
+    settings = host_settings(rebalance_hold_s=0.1, rebalance_check_interval_s=0.01)
+    six = Mesh(mesh.engine, layers=6)
+    held = {node: (LayerRange(0, 1), six.add(0, 1, node)) for node in "abc"}
+    moves: list[str] = []
+
+    async def host(node: str) -> None:
+        while True:
+            current, shard_id = held[node]
+            target = await wait_for_hole(six.coverage(), current, shard_id, [100] * 6, 250, settings)
+            moves.append(f"{node}: {current} -> {target}")
+            six.withdraw(shard_id, node, reason="moved")
+            await asyncio.sleep(0.6)  # loading the new range: longer than the holds
+            held[node] = (target, six.add(target.lo, target.hi, node))
+
+    await run_for(3.0, *(host(node) for node in "abc"))
+    assert sorted(str(current) for current, _ in held.values()) == ["0-1", "2-3", "4-5"]
+    assert len(moves) == 2, moves
+
+
+async def test_a_move_is_under_way_until_its_node_advertises_another_range_or_says_it_will_not_land(mesh):
+    coverage = mesh.coverage()  # its clock reads 5 s after the log's start
+    left = mesh.add(0, 1, "a")
+    mesh.add(2, 3, "b")
+    assert not await coverage.move_under_way(600)
+    mesh.withdraw(left, "a", reason="moved", t=1)
+    assert await coverage.move_under_way(600)
+    assert not await coverage.move_under_way(1)  # withdrawn 4 s ago: waited for long enough
+    mesh.add(4, 5, "a", quantization="int8", t=2)  # another scheme's range is not where this move lands
+    assert await coverage.move_under_way(600)
+    landed = mesh.add(4, 5, "a", t=2)
+    assert not await coverage.move_under_way(600)
+    mesh.withdraw(landed, "a", reason="moved", t=3)  # moving on again: under way until it says it will not land
+    assert await coverage.move_under_way(600)
+    mesh.withdraw(landed, "a", reason="shutdown", t=4)
+    assert not await coverage.move_under_way(600)
+
+
+async def test_a_host_that_looked_gone_and_comes_back_makes_nobody_move_back(mesh):
+    """Adverts and heartbeats that arrive late: b's range looks dead (heard from 45 s ago, past the 30 s health
+    timeout), a host holding duplicated layers fills its hole, then b is heard from again. Its layers are held twice
+    now and there is no hole: nobody moves again (no flapping), whichever host looks."""
+    from hearth.services.host.main import wait_for_hole
+
+    settings = host_settings(rebalance_hold_s=0.05, rebalance_check_interval_s=0.01)
+    six = Mesh(mesh.engine, layers=6)
+    held = {"a": six.add(0, 1, "a"), "c": six.add(0, 1, "c"), "d": six.add(4, 5, "d")}
+    late = six.add(2, 3, "b", t=-40)
+    target = await asyncio.wait_for(wait_for_hole(six.coverage(), LayerRange(0, 1), held["a"], [100] * 6, 250,
+                                                  settings), timeout=5)
+    assert target == LayerRange(2, 3)
+    six.withdraw(held["a"], "a", reason="moved")
+    held["a"] = six.add(2, 3, "a")
+    assert six.add(2, 3, "b") == late  # heard from again
+    ranges = {"a": LayerRange(2, 3), "c": LayerRange(0, 1), "d": LayerRange(4, 5), "b": LayerRange(2, 3)}
+    held["b"] = late
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(asyncio.gather(*(
+            wait_for_hole(six.coverage(), ranges[node], shard_id, [100] * 6, 250, settings)
+            for node, shard_id in held.items())), timeout=1)

@@ -76,8 +76,17 @@ class HostSettings(ConfigSection):
         default=5.0, gt=0, description="`hearth host`: how often it reads the mesh's coverage for a hole to fill")
     rebalance_hold_s: float = Field(
         default=15.0, ge=0,
-        description="`hearth host`: a hole must be seen this long (and this host's layers held elsewhere) before "
-                    "it moves to fill it")
+        description="`hearth host`: a hole must be seen this long (and a range keeping the layers only this host "
+                    "holds must fill some of it) before it moves there")
+    move_drain_timeout_s: float = Field(
+        default=120.0, ge=0,
+        description="`hearth host`: moving, it withdraws its range at once (no new call is routed to it) and waits "
+                    "this long at most for the calls going through it to end before it stops serving it")
+    move_wait_max_s: float = Field(
+        default=300.0, ge=0,
+        description="`hearth host`: while another host moves (its old range withdrawn, its new one not yet "
+                    "advertised: draining, then loading), it decides no move of its own, so that both do not fill "
+                    "the same hole; for at most this long per hole, whatever the mesh says")
     dtype: Literal["auto", "fp32", "bf16", "fp16"] = Field(
         default="auto", description="compute dtype: auto is bf16 on CUDA (fp16 where bf16 is unsupported), fp32 on "
                                     "the CPU; --dtype wins")

@@ -9,7 +9,7 @@ that count.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Set
+from collections.abc import Callable, Iterable, Sequence, Set
 from dataclasses import dataclass
 
 from hearth.readmodels.queries import ShardCandidate
@@ -64,12 +64,14 @@ def _score(window: LayerRange, replicas: list[int]) -> tuple:
     return (-sum(1 for count in counts if count == 0), -len(counts), sum(counts), window.lo)
 
 
-def choose_range(replicas: list[int], layer_bytes: list[int], budget_bytes: int) -> LayerRange | None:
-    """The range this host should load: of the widest ranges that fit from each start, the best for coverage."""
+def choose_range(replicas: list[int], layer_bytes: list[int], budget_bytes: int,
+                 keeping: Sequence[int] = ()) -> LayerRange | None:
+    """The range this host should load: of the widest ranges that fit from each start (and hold every layer of
+    `keeping`), the best for coverage."""
     windows = []
-    for lo in range(len(replicas)):
+    for lo in range(min(keeping, default=len(replicas) - 1) + 1):
         hi = widest_fit(lo, layer_bytes, budget_bytes)
-        if hi is not None:
+        if hi is not None and hi >= max(keeping, default=lo):
             windows.append(LayerRange(lo, hi))
     if not windows:
         return None
@@ -82,13 +84,15 @@ def uncovered(replicas: list[int], window: LayerRange) -> int:
 
 def better_range(current: LayerRange, replicas_without_me: list[int], layer_bytes: list[int],
                  budget_bytes: int) -> LayerRange | None:
-    """A range worth moving to, or None. Never when a layer of `current` has no other replica (moving would drop
-    its last one); only to a range that covers layers nobody serves (a hole), so balanced meshes stay put."""
-    if any(replicas_without_me[layer] == 0 for layer in current.layers()):
-        return None
+    """A range worth moving to, or None: one that keeps every layer of `current` with no other replica (a move
+    never drops a last replica; a host with budget to spare may widen over a hole next to them) and holds more
+    layers nobody else serves than `current` does (it fills some of a hole, so balanced meshes stay put, and each
+    move leaves fewer uncovered layers: moves cannot go back and forth)."""
     if not any(count == 0 for count in replicas_without_me):
         return None
-    candidate = choose_range(replicas_without_me, layer_bytes, budget_bytes)
+    last_replicas = [layer for layer in current.layers() if replicas_without_me[layer] == 0]
+    candidate = choose_range(replicas_without_me, layer_bytes, budget_bytes, keeping=last_replicas)
     if candidate is None or candidate == current:
         return None
-    return candidate if uncovered(replicas_without_me, candidate) > 0 else None
+    gain = uncovered(replicas_without_me, candidate) - uncovered(replicas_without_me, current)
+    return candidate if gain > 0 else None

@@ -23,8 +23,9 @@ FailureKind = Literal["stalled", "step_failed", "corrupt", "reported", "gone", "
 # Failures the orchestrator did not see for itself: nobody is blamed in events or kept out of other calls' routing.
 UNVERIFIED_KINDS = frozenset({UNVERIFIED_REPORT, "disputed"})
 # Refusals that are no fault of the shard (protocol/control.py): another member opened the pipeline there first;
-# the open's signature did not verify there (this orchestrator's key or clock, not the shard, is at fault).
-UNBLAMED_REFUSALS = frozenset({"pipeline_taken", "unauthorized"})
+# the open's signature did not verify there (this orchestrator's key or clock, not the shard, is at fault); the shard
+# had withdrawn (it is leaving) and this orchestrator's read model had not heard it yet.
+UNBLAMED_REFUSALS = frozenset({"pipeline_taken", "unauthorized", "withdrawn"})
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
 import time
 from dataclasses import dataclass
@@ -31,7 +32,7 @@ from nats.aio.msg import Msg
 from hearth.protocol.subjects import LinkNodes
 from hearth.inference import SessionEvictedError, SessionStateError
 from hearth.services.common.config import TransportSettings
-from hearth.protocol.control import HopNotice, HopProblem, OpenHop, PrefixBlocks
+from hearth.protocol.control import CloseHop, HopNotice, HopProblem, KeepHop, OpenHop, PrefixBlocks
 from hearth.protocol.subjects import hop_notice_subject, keepalive_subject
 from hearth.services.shard.compute import ShardCompute
 from hearth.services.transport import (
@@ -50,6 +51,7 @@ from hearth.services.transport import (
 )
 from hearth.services.transport.integrity import count_integrity_failure
 from hearth.services.transport.keepalives import keepalive_key, keepalive_number
+from hearth.services.transport.key_seal import proves_owner
 from hearth.services.transport.mac import ack_witness_key, decode_link_key
 from hearth.services.transport.notices import notice_message
 
@@ -275,3 +277,13 @@ class ServedHop:
 def _first_line(error: Exception) -> str:
     """An exception's first line, cut short: what a notice and the log say of it (never tensor contents)."""
     return (str(error).splitlines() or [""])[0][:300]
+
+
+def opened_by(hop: ServedHop, request: OpenHop | CloseHop | KeepHop) -> bool:
+    """Whether a request about an open hop comes from the orchestrator that opened it: a re-open repeats the open's
+    owner key (OpenHop.owner_key), a close or keep proves it holds it (key_seal.py). A hop opened without one (an
+    orchestrator from before owner keys) is anyone's, as before."""
+    expected = hop.request.owner_key
+    if expected is None or not isinstance(request, OpenHop):
+        return expected is None or proves_owner(request, expected)
+    return request.owner_key is not None and hmac.compare_digest(expected, request.owner_key)

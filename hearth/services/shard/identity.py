@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hearth.events.models import ShardAdvertised
 from hearth.protocol.control import ControlReply, OpenHop
+from hearth.services.common.config_processes import ShardSettings
 
 
 @dataclass(frozen=True)
@@ -26,6 +28,17 @@ class ShardIdentity:
     kv_cache_budget_mb: float | None = None
     # The weight quantization scheme's label ("none", "int8", "int4/g64").
     quantization: str = "none"
+
+
+def advertisement(ident: ShardIdentity, settings: ShardSettings, hop_weight: float) -> ShardAdvertised:
+    """The event that says this shard serves (published at start and again well inside its TTL)."""
+    return ShardAdvertised(
+        node_id=ident.node_id, shard_id=ident.shard_id, model_id=ident.model_id, weights_sha256=ident.weights_sha256,
+        layer_lo=ident.layer_lo, layer_hi=ident.layer_hi, total_layers=ident.total_layers, dtype=ident.dtype,
+        memory_required_mb=ident.memory_required_mb, max_concurrent_streams=settings.max_concurrent_streams,
+        control_subject=ident.control_subject, hop_weight=hop_weight, ttl_s=settings.advertisement_ttl_s,
+        device_kind=ident.device_kind, device_name=ident.device_name, kv_cache_budget_mb=ident.kv_cache_budget_mb,
+        quantization=ident.quantization)
 
 
 def open_refusal(request: OpenHop, ident: ShardIdentity, context: int | None,

@@ -254,8 +254,12 @@ async def serve_loaded_shard(loaded: LoadedShard, *, nats_url: str | None, setti
                              busy_threads: int | None = None,
                              ready_file: str | None = None, metrics_port: int | None = None,
                              stop_event: asyncio.Event,
-                             withdraw_reason: Callable[[], str] = lambda: "shutdown") -> None:
-    """Connect, advertise and serve a loaded range until `stop_event`; then withdraw and free it."""
+                             withdraw_reason: Callable[[], str] = lambda: "shutdown",
+                             drain_s: Callable[[], float] = lambda: 0.0,
+                             drain_interrupted: asyncio.Event | None = None) -> None:
+    """Connect, advertise and serve a loaded range until `stop_event`; then withdraw and free it. When `drain_s()` is
+    more than 0 then (a `hearth host` moving), it withdraws first and lets the calls open here end (at most that
+    long, less if `drain_interrupted` is set: the process is stopping) before it closes what is left."""
     runner, identity = loaded.runner, loaded.identity
     shard_id, lo, hi = identity.shard_id, identity.layer_lo, identity.layer_hi
     settings = within_kv_budget(settings, runner, shard_id)
@@ -286,6 +290,11 @@ async def serve_loaded_shard(loaded: LoadedShard, *, nats_url: str | None, setti
         # A connection nats-py closed for good would leave the shard advertised but unreachable: it stops instead. So
         # does one that learns late that another process keeps its id (hearth/services/shard/claim.py).
         await server.serve_until(until_stopped_or_closed(nc, stop_event, f"shard {shard_id}"))
+        if (drain_timeout_s := drain_s()) > 0:
+            await server.withdraw(withdraw_reason())
+            log.info("shard %s withdrawn: letting its %d open calls end (at most %.0f s)", shard_id,
+                     server.active_streams, drain_timeout_s)
+            await server.drain(drain_timeout_s, drain_interrupted or asyncio.Event())
     finally:
         await server.stop(withdraw_reason())
         await compute.close()

@@ -10,14 +10,14 @@ never overtakes the re-open after a failover; but neither waits for the compute 
 reserves its hop under it and attaches its kept prefix (or resets the hop it replaces) outside it, and a `close`
 closes outside it what it detached under it. Until it knows it keeps its shard id (hearth/services/shard/claim.py) it
 answers the claims it outranks at once and holds every other request until then; a process that gave way, then or
-later, answers nothing and withdraws nothing.
+later, answers nothing and withdraws nothing. Once withdrawn (a `hearth host` moving: `withdraw`, then `drain`) it opens
+no new pipeline and lets the calls open here end before it stops.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 from collections.abc import Awaitable
 
@@ -25,10 +25,11 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from pydantic import ValidationError
 
-from hearth.events.models import ShardAdvertised, ShardHeartbeat, ShardWithdrawn, default_hop_weight
+from hearth.events.models import ShardHeartbeat, ShardWithdrawn, default_hop_weight
 from hearth.events.publish import publish_event
 from hearth.events.streams import SHARDS_STREAM, ensure_streams
 from hearth.protocol.bounds import max_reason_chars
+from hearth.protocol.refusals import describe_validation_error
 from hearth.services.common.config import HearthSettings
 from hearth.protocol.control import (
     CloseHop,
@@ -47,15 +48,17 @@ from hearth.services.broker.connection import flush_ordered
 from hearth.services.broker.permissions import reply_allowed
 from hearth.services.shard.claim import ClaimQuestion, ShardClaim, taken, unless_taken
 from hearth.services.shard.compute import ShardCompute
-from hearth.services.shard.hops import HopLimits, ServedHop
-from hearth.services.shard.identity import ShardIdentity, open_refusal
+from hearth.services.shard.hops import HopLimits, ServedHop, opened_by
+from hearth.services.shard.identity import ShardIdentity, advertisement, open_refusal
 from hearth.services.shard.opens_in_flight import OpensInFlight
 from hearth.services.shard.watchdog import watch_hops
-from hearth.services.transport.key_seal import keys_for_host, proves_owner
+from hearth.services.transport.key_seal import keys_for_host
 
 log = logging.getLogger(__name__)
 
 withdraw_max_attempts = 2
+# How often a draining shard looks whether its last hop has closed.
+drain_poll_s = 0.1
 
 
 class ShardServer:
@@ -91,6 +94,7 @@ class ShardServer:
         self._readvertise = asyncio.Event()
         self._hop_changes = asyncio.Lock()
         self._stopped = False
+        self._withdrawn = False  # it said it leaves (withdraw): no new pipeline opens here, no advertisement follows
         self._claim = ShardClaim(self.signing_key)
         self._question = ClaimQuestion(nc, identity.control_subject, self._claim)
 
@@ -128,16 +132,8 @@ class ShardServer:
         self._readvertise.set()
 
     async def advertise(self) -> None:
-        ident = self.identity
-        await publish_event(self.js, ShardAdvertised(
-            node_id=ident.node_id, shard_id=ident.shard_id, model_id=ident.model_id,
-            weights_sha256=ident.weights_sha256, layer_lo=ident.layer_lo, layer_hi=ident.layer_hi,
-            total_layers=ident.total_layers, dtype=ident.dtype, memory_required_mb=ident.memory_required_mb,
-            max_concurrent_streams=self.settings.max_concurrent_streams, control_subject=ident.control_subject,
-            hop_weight=self.hop_weight, ttl_s=self.settings.advertisement_ttl_s, device_kind=ident.device_kind,
-            device_name=ident.device_name, kv_cache_budget_mb=ident.kv_cache_budget_mb,
-            quantization=ident.quantization,
-        ), signing_key=self.signing_key)
+        await publish_event(self.js, advertisement(self.identity, self.settings, self.hop_weight),
+                            signing_key=self.signing_key)
 
     async def heartbeat(self) -> None:
         stats = self.compute.stats
@@ -164,7 +160,7 @@ class ShardServer:
             await event_within(self._readvertise, self.settings.advertisement_ttl_s / 3)  # a stop is never lost
             reconnected = self._readvertise.is_set()
             self._readvertise.clear()
-            if not self._claim.kept:  # it gave way: the id is another process's
+            if not self._claim.kept or self._withdrawn:  # it gave way (the id is another process's), or it leaves
                 return
             try:
                 if reconnected:  # claims sent while this process was cut off never reached it: ask again
@@ -200,8 +196,15 @@ class ShardServer:
         await self._question.close()
         for pipeline_id in list(self._hops):
             await self._close_hop(pipeline_id)
-        if not self._claim.kept:  # the id is another process's (or was never claimed): its withdrawal is not ours
+        await self.withdraw(reason)
+
+    async def withdraw(self, reason: str) -> None:
+        """Say once that this shard leaves (routing stops choosing it); from then on it opens no new pipeline and
+        advertises no more, while the hops open go on until they close or stop() closes them. Nothing when the id
+        is another process's (or was never claimed): its withdrawal is not ours."""
+        if self._withdrawn or not self._claim.kept:
             return
+        self._withdrawn = True
         try:
             await publish_event(self.js, ShardWithdrawn(
                 node_id=self.identity.node_id, shard_id=self.identity.shard_id, reason=reason),
@@ -209,6 +212,14 @@ class ShardServer:
                 signing_key=self.signing_key)
         except Exception as error:
             log.warning("withdrawal not published: %s", error)
+
+    async def drain(self, timeout_s: float, interrupted: asyncio.Event) -> None:
+        """Withdrawn, wait until the orchestrators have closed every hop open here (their calls ended), `timeout_s`
+        passed or `interrupted` is set; the watchdog still closes the hops of orchestrators gone silent."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout_s):
+                while self._hops and not await event_within(interrupted, drain_poll_s):
+                    pass
 
     # ---------------------------------------------------------------- control
 
@@ -222,7 +233,8 @@ class ShardServer:
         try:
             request = control_request_adapter.validate_json(msg.data)
         except ValidationError as error:
-            await self._reply(msg, ControlReply(ok=False, code="bad_request", message=_one_line(error)))
+            refused = describe_validation_error(error)[:max_reason_chars]  # one line naming the fields, not values
+            await self._reply(msg, ControlReply(ok=False, code="bad_request", message=refused))
             return
         if isinstance(request, StatShard) and request.claim is not None and self._claim.from_this_node(msg):
             # Another process under this id: answered at once when this one outranks it (it then gives way), else this
@@ -237,7 +249,7 @@ class ShardServer:
         elif isinstance(request, KeepHop):
             hop = self._hops.get(request.pipeline_id)
             if (hop is None or not hop.open_settled.is_set() or hop.request.session_id != request.session_id
-                    or not _opened_by(hop, request)):
+                    or not opened_by(hop, request)):
                 await self._reply(msg, ControlReply(ok=False, code="unknown_pipeline",
                                                     message="no such session open here"))
             else:
@@ -251,7 +263,7 @@ class ShardServer:
                 hop = self._hops.get(request.pipeline_id)
                 # A close naming an older session (sent before a failover re-opened this pipeline) is stale.
                 if (hop is not None and request.session_id in (None, hop.request.session_id)
-                        and _opened_by(hop, request)):
+                        and opened_by(hop, request)):
                     hop = self._detach_hop(request.pipeline_id)
                 else:
                     hop = None
@@ -336,9 +348,11 @@ class ShardServer:
     def _reserve_hop(self, request: OpenHop, opener: str | None) -> ControlReply | tuple[ServedHop, ServedHop | None]:
         """Under `_hop_changes`: the new hop, counted as open, and the hop of its pipeline it replaces, detached."""
         replaced = self._hops.get(request.pipeline_id)
-        if replaced is not None and not _opened_by(replaced, request):
+        if replaced is not None and not opened_by(replaced, request):
             return ControlReply(ok=False, code="pipeline_taken",
                                 message=f"pipeline {request.pipeline_id} is open here for another orchestrator")
+        if replaced is None and self._withdrawn:  # a re-open goes on with a call already here (its failover)
+            return ControlReply(ok=False, code="withdrawn", message="this shard is leaving: open it elsewhere")
         limit = self.settings.max_concurrent_streams
         if replaced is None and len(self._hops) >= limit:  # a re-open takes the place of the hop it replaces
             return ControlReply(ok=False, code="at_capacity", message=f"{len(self._hops)} of {limit} streams in use")
@@ -383,18 +397,3 @@ class ShardServer:
         await hop.open_settled.wait()
         kept = await hop.close(keep)
         log.info("closed pipeline %s (%d positions kept for later calls)", pipeline_id, kept)
-
-
-def _one_line(error: ValidationError) -> str:
-    """A refused request's errors in one line, naming each field and never echoing its (perhaps huge) value."""
-    return "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in error.errors())[:max_reason_chars]
-
-
-def _opened_by(hop: ServedHop, request: OpenHop | CloseHop | KeepHop) -> bool:
-    """Whether a request about an open hop comes from the orchestrator that opened it: a re-open repeats the open's
-    owner key (OpenHop.owner_key), a close or keep proves it holds it (key_seal.py). A hop opened without one (an
-    orchestrator from before owner keys) is anyone's, as before."""
-    expected = hop.request.owner_key
-    if expected is None or not isinstance(request, OpenHop):
-        return expected is None or proves_owner(request, expected)
-    return request.owner_key is not None and hmac.compare_digest(expected, request.owner_key)

@@ -1,0 +1,112 @@
+"""How many live replicas of a model's weights hold each layer, as a `hearth host` reads them from its own read model
+with the routing rules' idea of a live shard (hearth/services/orchestrator/router.py): the coverage its choices are
+made on (hearth/services/host/planner.py), where it stands in turn among the hosts holding its layers, whether
+another host's move is under way, and which of its own node's earlier shards no longer answer."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable, Set
+
+from nats.aio.client import Client as NatsClient
+from sqlalchemy.orm import sessionmaker
+
+from hearth.readmodels.queries import ShardCandidate
+from hearth.readmodels.runner import Projector
+from hearth.services.common.config import HearthSettings
+from hearth.services.host.planner import LayerRange, replicas_per_layer
+from hearth.services.orchestrator.router import ShardRouter
+from hearth.services.transport.probe import ProbeOutcome, probe_outcome
+
+log = logging.getLogger(__name__)
+
+# The reason a host's withdrawal gives when it leaves a range to move to another (what other hosts wait for).
+MOVED = "moved"
+
+
+class CoverageReader:
+    """How many live replicas hold each layer of one model, read through `router` (the routing rules' idea of a
+    live shard) after `catch_up` (waiting for the read model to reach the event log's end) when given."""
+
+    def __init__(self, router: ShardRouter, *, model_id: str, weights_sha256: str, total_layers: int,
+                 catch_up: Callable[[], Awaitable[object]] | None = None, quantization: str = "none") -> None:
+        self.router, self.catch_up = router, catch_up
+        self.model_id, self.weights_sha256, self.total_layers = model_id, weights_sha256, total_layers
+        self.quantization = quantization
+
+    async def replicas(self, leave_out: Set[str] = frozenset()) -> list[int]:
+        shards, alive = await self._live_shards()
+        return replicas_per_layer(shards, total_layers=self.total_layers, weights_sha256=self.weights_sha256,
+                                  alive=alive, leave_out=leave_out, quantization=self.quantization)
+
+    async def unanswering_shards_of(self, node_id: str,
+                                    answers: Callable[[ShardCandidate], Awaitable[bool]]) -> frozenset[str]:
+        """The shards of `node_id` that replicas() counts but that do not `answers` (are not served any more): a
+        crashed run's, whose advert lives on until the health timeout. A node may run other processes, whose
+        shards answer and stay counted."""
+        shards, alive = await self._live_shards()
+        mine = [shard for shard in shards if shard.node_id == node_id and self._counted(shard, alive)]
+        answered = await asyncio.gather(*(answers(shard) for shard in mine))
+        return frozenset(shard.shard_id for shard, answer in zip(mine, answered) if not answer)
+
+    async def turn(self, current: LayerRange, shard_id: str) -> int:
+        """This host's place among the live hosts holding any of `current`'s layers (0: first), in shard-id order:
+        hosts that could all leave the same layers move one after another (wait_for_hole), never together."""
+        shards, alive = await self._live_shards()
+        return sum(1 for shard in shards
+                   if shard.shard_id < shard_id and self._counted(shard, alive)
+                   and shard.layer_lo <= current.hi and current.lo <= shard.layer_hi)
+
+    async def move_under_way(self, within_s: float) -> bool:
+        """Whether a host is moving: it withdrew a range of these weights and scheme as MOVED under `within_s` ago,
+        and its node has advertised no other range since (it drains, then loads the new one, a hole until then)."""
+        shards, _ = await self._live_shards()
+        now = self.router.now()
+        ours = [shard for shard in shards
+                if shard.weights_sha256 == self.weights_sha256 and shard.quantization == self.quantization]
+
+        def landed(moved: ShardCandidate) -> bool:
+            return any(shard.node_id == moved.node_id and shard.shard_id != moved.shard_id
+                       and shard.advertised_at >= moved.withdrawn_at for shard in ours)
+
+        return any(shard.withdrawn_reason == MOVED and shard.withdrawn_at is not None
+                   and now - shard.withdrawn_at < within_s and not landed(shard) for shard in ours)
+
+    def _counted(self, shard: ShardCandidate, alive: Callable[[ShardCandidate], bool]) -> bool:
+        return (shard.weights_sha256 == self.weights_sha256 and shard.quantization == self.quantization
+                and alive(shard))
+
+    async def _live_shards(self) -> tuple[list[ShardCandidate], Callable[[ShardCandidate], bool]]:
+        if self.catch_up is not None:
+            with contextlib.suppress(asyncio.TimeoutError, TimeoutError):
+                await self.catch_up()
+        shards = await asyncio.to_thread(self.router.candidates, self.model_id)
+        now = self.router.now()
+        return shards, lambda shard: self.router.alive(shard, now)
+
+
+def coverage_from(projector: Projector, settings: HearthSettings, node_id: str, **model) -> CoverageReader:
+    """A CoverageReader over this host's own projector (started)."""
+    router = ShardRouter(sessionmaker(projector.engine), allow_self_as_shard=True, self_node_id=node_id,
+                         health_timeout_s=settings.research.distributed_inference.shard_health_timeout_s,
+                         silent_log_grace_s=settings.research.distributed_inference.silent_log_grace_s,
+                         read_model_version=lambda: projector.batches_total)
+    timeout_s = settings.orchestrator.catch_up_timeout_s
+    return CoverageReader(router, catch_up=lambda: projector.wait_until_caught_up(timeout_s=timeout_s), **model)
+
+
+async def earlier_shards_gone(coverage: CoverageReader, nc: NatsClient, node: str,
+                              settings: HearthSettings) -> frozenset[str]:
+    """This node's shards in `coverage` whose control subject has no responder or stays silent to `stat`: what a
+    crashed run of this host left advertised, which its first choice must not take for a replica."""
+    timeout_s = settings.transport.probe_timeout_s
+
+    async def answers(shard: ShardCandidate) -> bool:
+        return await probe_outcome(nc, shard, timeout_s) is ProbeOutcome.answered
+
+    gone = await coverage.unanswering_shards_of(node, answers)
+    if gone:
+        log.info("host %s: not counting its earlier shards that no longer answer: %s", node, ", ".join(sorted(gone)))
+    return gone
