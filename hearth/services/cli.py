@@ -297,13 +297,16 @@ def chat_command(
 
     Exit code 0 after a complete answer, 1 on an error, 2 when no answer came in time (NATS unreachable
     within nats.connect_timeout_s, or no orchestrator)."""
+    from hearth.services.client.chat import configured_waits
     from hearth.services.client.command import run_chat_command
 
     use_credentials(ctx, "hearth chat", creds, insecure)
     url = resolve_nats_url(ctx, nats_url)
+    configured = settings(ctx)
     code = run_chat_command(url, prompt=prompt, model=model, max_tokens=max_tokens, temperature=temperature,
-                            seed=seed, raw=raw, as_json=as_json, nats_settings=settings(ctx).nats,
-                            choices=choices, quantization=quantization, interactive=interactive)
+                            seed=seed, raw=raw, as_json=as_json, nats_settings=configured.nats,
+                            choices=choices, quantization=quantization, interactive=interactive,
+                            waits=configured_waits(configured.client, configured.orchestrator))
     raise typer.Exit(code)
 
 

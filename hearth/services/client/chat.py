@@ -232,6 +232,13 @@ def request_payload(request: ChatRequest) -> bytes:
     return request.model_dump_json(exclude_none=True).encode()
 
 
+def configured_waits(client: ClientSettings, orchestrator: OrchestratorSettings) -> dict[str, float]:
+    """stream_chat's waits as the configuration sets them ([client] first_frame_timeout_s and silence_timeout_s,
+    [orchestrator] broker_wait_s): one reading for `hearth chat` and the gateway."""
+    return {"first_frame_timeout": client.first_frame_timeout_s, "frame_gap_timeout": client.silence_timeout_s,
+            "broker_wait": orchestrator.broker_wait_s}
+
+
 async def stream_chat(nc: NatsClient, request: ChatRequest, *, signer: MemberKey | None = None,
                       subject: str = CHAT_REQUEST_SUBJECT, **timeouts: float) -> AsyncIterator[ChatFrame]:
     # aclosing: a caller that stops early unsubscribes the inbox now, not at garbage collection.

@@ -41,7 +41,7 @@ requested_choices = ChatRequest.model_fields["n"].default
 def run_chat_command(nats_url: str, *, prompt: str, model: str | None, max_tokens: int, temperature: float,
                      seed: int | None, raw: bool, as_json: bool, choices: int,
                      nats_settings: NatsSettings | None = None, quantization: str | None = None,
-                     interactive: bool = False) -> int:
+                     interactive: bool = False, waits: dict[str, float] | None = None) -> int:
     """`hearth chat`: stream one answer to stdout, everything else one line each to stderr; with `choices` > 1
     (the request's `n`), each choice's answer is printed once the call ended, under a `[choice I]` line.
 
@@ -54,6 +54,7 @@ def run_chat_command(nats_url: str, *, prompt: str, model: str | None, max_token
 
     With `interactive`, each line then read from stdin is the conversation's next turn (an empty line or EOF ends
     it, exit code 0), sent to the orchestrator that answered the last turn (hearth/services/client/pinned.py).
+    `waits`: stream_chat's timeouts (chat.configured_waits), else their defaults.
     """
     try:  # the request's own field checks the label (QuantizationLabel); its refusal names the option given
         params = ChatParams(quantization=quantization)
@@ -72,11 +73,12 @@ def run_chat_command(nats_url: str, *, prompt: str, model: str | None, max_token
         _say(f"error bad_request: {describe_validation_error(error)}")
         return EXIT_ERROR
     if interactive:
-        return run_event_loop(_conversation(nats_url, request, nats_settings=nats_settings))
-    return run_event_loop(_chat(nats_url, request, as_json=as_json, nats_settings=nats_settings))
+        return run_event_loop(_conversation(nats_url, request, nats_settings=nats_settings, waits=waits or {}))
+    return run_event_loop(_chat(nats_url, request, as_json=as_json, nats_settings=nats_settings, waits=waits or {}))
 
 
-async def _chat(nats_url: str, request: ChatRequest, *, as_json: bool, nats_settings: NatsSettings | None) -> int:
+async def _chat(nats_url: str, request: ChatRequest, *, as_json: bool, nats_settings: NatsSettings | None,
+                waits: dict[str, float]) -> int:
     try:
         nc = await connect_nats(nats_url, name="hearth-chat", settings=nats_settings, wait_for_broker=False)
     except BrokerUnreachable as error:
@@ -85,7 +87,7 @@ async def _chat(nats_url: str, request: ChatRequest, *, as_json: bool, nats_sett
     printer = ChatPrinter(request.n)
     try:
         # aclosing: the inbox is unsubscribed here, before the connection closes, not by a finalizer later.
-        async with contextlib.aclosing(stream_chat(nc, request)) as frames:
+        async with contextlib.aclosing(stream_chat(nc, request, **waits)) as frames:
             async for frame in frames:
                 if as_json:
                     print(frame.model_dump_json(exclude_none=True), flush=True)
@@ -98,7 +100,8 @@ async def _chat(nats_url: str, request: ChatRequest, *, as_json: bool, nats_sett
         await close_quietly(nc, (nats_settings or NatsSettings()).close_timeout_s)
 
 
-async def _conversation(nats_url: str, request: ChatRequest, *, nats_settings: NatsSettings | None) -> int:
+async def _conversation(nats_url: str, request: ChatRequest, *, nats_settings: NatsSettings | None,
+                        waits: dict[str, float]) -> int:
     """`hearth chat --interactive`: `request`'s turn, then one turn per line of stdin, each sent to the orchestrator
     that answered the one before (its member's hops keep the history's KV)."""
     try:
@@ -111,7 +114,7 @@ async def _conversation(nats_url: str, request: ChatRequest, *, nats_settings: N
         while True:
             printer = ChatPrinter()
             turn = request.model_copy(update={"messages": messages, "request_id": uuid.uuid4().hex})
-            async with contextlib.aclosing(stream_chat_pinned(nc, turn, orchestrator=orchestrator)) as frames:
+            async with contextlib.aclosing(stream_chat_pinned(nc, turn, orchestrator=orchestrator, **waits)) as frames:
                 async for frame in frames:
                     exit_code = printer.show(frame)
                     if exit_code is not None:

@@ -23,7 +23,7 @@ from nats.aio.client import Client as NatsClient
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
-from hearth.services.client.chat import ModelsRefused, list_models, request_payload
+from hearth.services.client.chat import ModelsRefused, configured_waits, list_models, request_payload
 from hearth.services.client.pinned import stream_chat_pinned_raw
 from hearth.protocol.chat import (
     ChatRequest,
@@ -192,9 +192,7 @@ class MeshCall:
         pinned = self._pins.pinned(self._member, request)
         self._frames = stream_chat_pinned_raw(gateway.nc, payload, orchestrator=pinned,
                                               signer=caller.key if caller else None,
-                                              first_frame_timeout=client.first_frame_timeout_s,
-                                              frame_gap_timeout=client.silence_timeout_s,
-                                              broker_wait=gateway.settings.orchestrator.broker_wait_s)
+                                              **configured_waits(client, gateway.settings.orchestrator))
 
     async def next(self) -> AnswerFrame:
         async for frame in self._frames:
