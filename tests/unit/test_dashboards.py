@@ -185,8 +185,9 @@ def test_status_on_a_file_that_is_not_a_database_is_one_line(tmp_path, capsys):
     corrupt = tmp_path / "corrupt.sqlite"
     corrupt.write_bytes(b"not a database " * 512)
     assert run_status_command(corrupt) == 1
-    said = " ".join(capsys.readouterr().out.split())  # the console wraps it at its width
-    assert said == f"hearth status: {corrupt} is not a migrated read model (file is not a database)"
+    # One line whatever the console's width: before, a long path was broken across lines, even inside a name.
+    said = capsys.readouterr().out
+    assert said == f"hearth status: {corrupt} is not a migrated read model (file is not a database)\n"
 
 
 @pytest.mark.parametrize("name", ["read#model.sqlite", "read?mode=rwc.sqlite", "read%20model.sqlite"])

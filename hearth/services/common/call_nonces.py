@@ -11,9 +11,14 @@ The steward creates the bucket with the event streams (hearth/services/broker/st
 write it (hearth/services/broker/permissions.py). It refuses rollups and purges: no member can take a record back,
 and a delete marker still counts as a record (a create expects no message at all on the key).
 
-When the broker does not answer within call_nonce_timeout_s (reconnecting, JetStream without a leader), the call is
-refused with `overloaded` and a retry-after: the check fails closed. Failing open would let a replay through exactly
-when a broker node is made to stumble, and the call's answer could not go out on a broker that is away anyway.
+When the broker does not record the nonce within call_nonce_timeout_s (reconnecting, JetStream electing a leader for
+the bucket while a household link is cut, the bucket full), the call is admitted all the same, counted
+(`hearth_call_nonces_unrecorded_total`) and logged, and its nonce is recorded in the background until the broker
+takes it (or its window passes): the calls' answers travel on core NATS, which such an outage leaves working, and
+refusing every call for the seconds an election takes would turn a household's cut link into a mesh-wide outage.
+What that leaves open: a replay to another orchestrator inside the outage itself, which costs the caller a share of
+its quota, never its answer (the signature binds the reply inbox); this orchestrator's own nonce cache still refuses
+a replay to it.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from nats.js.errors import APIError
 
 from hearth.events.streams import MiB, StreamSetup, cluster_stream_replicas, ensure_stream, wait_for_streams
 from hearth.services.common.call_signing import HEADER_CALLER, HEADER_CALLER_NONCE, CallRefused, CallVerifier
+from hearth.services.common.metrics import counter
 from hearth.trust.roster import Member
 
 log = logging.getLogger(__name__)
@@ -48,10 +54,21 @@ call_nonce_value_max_bytes = 128
 call_nonce_message_max_bytes = 1024
 # How long an orchestrator waits for the broker to record a nonce before it refuses the call.
 call_nonce_timeout_s = 2.0
-# A call refused because its nonce could not be recorded may be retried (newly signed) after this long.
-call_nonce_retry_after_s = 1.0
+# A nonce the broker did not record in time is tried again this often, in the background, until its window passes;
+# at most this many such nonces are held at once (past them, one more is only counted and logged).
+call_nonce_rerecord_every_s = 1.0
+max_nonces_recorded_later = 1024
 # JetStream's "wrong last sequence" errors: the key has a record already.
 _KEY_EXISTS_ERR_CODES = (10071, 10164)
+
+nonces_unrecorded_total = counter(
+    "hearth_call_nonces_unrecorded_total",
+    "Signed calls admitted while the broker did not record their nonce mesh-wide in time (recorded later, in the "
+    "background); `found_recorded`: the later record found one already (the first try's, its answer lost, or "
+    "another orchestrator's: a replay)",
+    ["outcome"])
+for _outcome in ("admitted", "found_recorded", "never_recorded"):
+    nonces_unrecorded_total.labels(_outcome)  # read 0, not nothing, before any
 
 
 def call_nonces_config(*, replicas: int = cluster_stream_replicas) -> StreamConfig:
@@ -88,6 +105,7 @@ class MeshNonces:
         self._js = js
         self._value = recorded_by.encode()[:call_nonce_value_max_bytes]
         self.timeout_s = timeout_s
+        self._recording_later: set[asyncio.Task] = set()
 
     @classmethod
     def for_calls_of(cls, verifier: CallVerifier, js: JetStreamContext, *, recorded_by: str) -> "MeshNonces":
@@ -104,13 +122,16 @@ class MeshNonces:
 
     async def admitted(self, member: Member, headers: Mapping[str, str]) -> Member | CallRefused:
         """`member`'s call, checked by CallVerifier, once its nonce is recorded; refused when an orchestrator of the
-        mesh had it already (`replayed`), or for now when the broker did not record it (`nonce_unrecorded`)."""
+        mesh had it already (`replayed`); admitted when the broker did not record it in time, and recorded later."""
+        signer, nonce = headers[HEADER_CALLER], headers[HEADER_CALLER_NONCE]
         try:
-            first = await self.first_on_mesh(headers[HEADER_CALLER], headers[HEADER_CALLER_NONCE])
+            first = await self.first_on_mesh(signer, nonce)
         except NonceUnrecorded as error:
-            log.warning("a call of %s refused: its nonce could not be recorded mesh-wide (%s)", member.name, error)
-            return CallRefused("nonce_unrecorded", "this orchestrator could not check with the broker that the call "
-                                                   "is not a replay; retry it", retry_after_s=call_nonce_retry_after_s)
+            nonces_unrecorded_total.labels("admitted").inc()
+            log.warning("a call of %s admitted without its nonce recorded mesh-wide (%s); recording it in the "
+                        "background", member.name, error)
+            self._record_later(member.name, signer, nonce)
+            return member
         if not first:
             return CallRefused("replayed", "this call was already received by an orchestrator of this mesh "
                                            "(same nonce)")
@@ -132,3 +153,35 @@ class MeshNonces:
         except (NatsError, TimeoutError) as error:
             raise NonceUnrecorded(str(error) or f"no answer within {self.timeout_s:g} s") from None
         return True
+
+    def _record_later(self, caller: str, signer: str, nonce: str) -> None:
+        if len(self._recording_later) >= max_nonces_recorded_later:
+            nonces_unrecorded_total.labels("never_recorded").inc()
+            log.warning("a nonce of %s is not recorded mesh-wide: %d others wait for the broker already", caller,
+                        len(self._recording_later))
+            return
+        task = asyncio.ensure_future(self._keep_recording(caller, signer, nonce))
+        self._recording_later.add(task)
+        task.add_done_callback(self._recording_later.discard)
+
+    async def _keep_recording(self, caller: str, signer: str, nonce: str) -> None:
+        loop = asyncio.get_running_loop()
+        until = loop.time() + self.window_s
+        while loop.time() < until:
+            await asyncio.sleep(call_nonce_rerecord_every_s)
+            try:
+                first = await self.first_on_mesh(signer, nonce)
+            except NonceUnrecorded:
+                continue
+            if not first:
+                nonces_unrecorded_total.labels("found_recorded").inc()
+                log.warning("the nonce of a call of %s admitted while the broker was away was recorded already: by "
+                            "the first try, whose answer was lost, or by another orchestrator that took it too", caller)
+            return
+        nonces_unrecorded_total.labels("never_recorded").inc()
+
+    async def close(self) -> None:
+        """Stop recording nonces in the background (their calls are served; what is left unrecorded stays so)."""
+        for task in list(self._recording_later):
+            task.cancel()
+        await asyncio.gather(*self._recording_later, return_exceptions=True)

@@ -128,13 +128,14 @@ def run_status_command(db: Path, *, now_s: int | None = None, console: Console |
     """Print the screen; 1 with a one-line reason when `db` is not a read model."""
     console = console or Console()
     if not db.is_file():
-        console.print(f"hearth status: no read model at {db} (run `hearth projector --db {db}`)", markup=False)
+        console.print(f"hearth status: no read model at {db} (run `hearth projector --db {db}`)", markup=False,
+                      soft_wrap=True)
         return 1
     connection = open_read_only(db)
     try:
         tables = status_tables(connection, int(time.time()) if now_s is None else now_s, routing)
     except sqlite3.DatabaseError as error:  # tables missing, or no SQLite database at all (OperationalError's base)
-        console.print(f"hearth status: {db} is not a migrated read model ({error})", markup=False)
+        console.print(f"hearth status: {db} is not a migrated read model ({error})", markup=False, soft_wrap=True)
         return 1
     finally:
         connection.close()

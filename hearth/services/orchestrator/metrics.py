@@ -72,10 +72,9 @@ shard_latency_seconds = histogram(
 calls_refused_total = counter("hearth_calls_refused_total", "Calls refused by their signature check, by reason",
                               ["reason"])
 calls_by_caller_total = counter("hearth_calls_total", "Signed calls accepted, by the calling member", ["caller"])
-# foreign_reply: a request whose reply subject is not a caller's inbox; it gets no answer at all. nonce_unrecorded:
-# the broker did not record the call's nonce mesh-wide in time (hearth/services/common/call_nonces.py).
+# foreign_reply: a request whose reply subject is not a caller's inbox; it gets no answer at all.
 for _reason in ("unsigned", "malformed", "unknown_signer", "bad_signature", "stale", "replayed", "untrusted",
-                "role_may_not_call", "foreign_reply", "nonce_unrecorded"):
+                "role_may_not_call", "foreign_reply"):
     calls_refused_total.labels(_reason)  # read 0, not nothing, before any refusal
 failovers_total = counter(
     "hearth_failovers_total", "Pipelines repaired around a failed shard, by what went wrong with it.", ["reason"])

@@ -154,8 +154,7 @@ class Orchestrator:
                                    going_on="answering calls anyway")
         self._subscription = await self.nc.subscribe(CHAT_REQUEST_SUBJECT, queue=ORCHESTRATOR_QUEUE_GROUP,
                                                      cb=self._on_request)
-        # Our own subject too (a conversation's next turn, where our member's hops keep its history); in the queue
-        # group as well, so that of two processes of one member only one answers a call.
+        # Our own subject (a conversation's next turn) too, in the queue group: one process of a member answers.
         self._own_subscription = await self.nc.subscribe(orchestrator_request_subject(self.node_id),
                                                          queue=ORCHESTRATOR_QUEUE_GROUP, cb=self._on_request)
         self._models_subscription = await self.nc.subscribe(MODELS_REQUEST_SUBJECT, queue=ORCHESTRATOR_QUEUE_GROUP,
@@ -179,8 +178,9 @@ class Orchestrator:
         if self._requests:
             await asyncio.gather(*self._requests, return_exceptions=True)
         await self.queue.close()
-        if self._canaries is not None:
-            await self._canaries.close()
+        for closing in (self._canaries, self.call_nonces):
+            if closing is not None:
+                await closing.close()
         if self.context is not None:
             await self.context.warm_ups.close()
             await self.context.head_steps.close()
