@@ -42,10 +42,14 @@ $(PROMTOOL):
 		|| echo "make tools: could not fetch Debian's prometheus package; the tests that need it will skip"
 	rm -rf $(PROMETHEUS_DIR).download
 
+# Two pytest workers, each given whole test files: most of the suite waits on processes and the broker, so two
+# share two cores well (README, "Tests"). TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= 2
+
 # --durations: CI's log then says where the suite's minutes go (it must stay well under 20).
 test: $(STAMP) $(DEMO_MODEL_STAMP)
 	-$(MAKE) --no-print-directory tools
-	$(PY) -m pytest -q --durations=25
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=25
 
 test-unit: $(STAMP)
 	$(PY) -m pytest -q tests/unit
