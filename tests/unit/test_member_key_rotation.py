@@ -8,10 +8,12 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import stat
 
 import pytest
 from sqlalchemy import select
 from sqlalchemy.orm import Session
+from typer.testing import CliRunner
 
 from hearth.events.consume import StoredEvent
 from hearth.events.models import MemberKeyRotated, decode_event, encode_event
@@ -21,6 +23,8 @@ from hearth.protocol.subjects import event_subject, shard_control_subject, shard
 from hearth.readmodels.projection import ReadModelProjection
 from hearth.readmodels.rebuild import diff_databases
 from hearth.readmodels.tables import RejectedEvent
+from hearth.services.broker.permissions import render_authorization
+from hearth.services.cli import app
 from hearth.services.common.call_signing import CallVerifier, signed_call_headers
 from hearth.services.common.identity import IdentityError, load_identity
 from hearth.services.community_removal import publish_removal, rotation_events
@@ -34,12 +38,59 @@ from tests.unit.test_community_removal import FakeBroker
 SHARD_ID = shard_id_for(MODEL_ID, 0, 3, "attic")
 
 
+def run(*args: str):
+    return CliRunner().invoke(app, ["community", *args])
+
+
 @pytest.fixture
 def community(tmp_path) -> Community:
     community = Community.init(tmp_path / "c", "elm-street")
     community.add("attic", "shard")
     community.add("alice", "client")
     return community
+
+
+def test_without_a_rotation_a_member_removed_for_a_leaked_key_cannot_come_back_under_its_name(community):
+    assert run("remove", "--name", "attic", "--offline", "--dir", str(community.directory)).exit_code == 0
+    again = run("add", "--name", "attic", "--role", "shard", "--dir", str(community.directory))
+    assert again.exit_code == 1 and "choose another name" in again.output
+
+
+def test_rotate_key_offline_writes_a_new_private_seed_retires_the_old_key_and_deletes_its_seed(community):
+    old = community.roster().by_name("attic")
+    old_seed = community.directory / "keys" / "attic.nk"
+    result = run("rotate-key", "attic", "--offline", "--dir", str(community.directory))
+    assert result.exit_code == 0, result.output
+    roster = community.roster()
+    attic = roster.by_name("attic")
+    new_key = MemberKey.load(old_seed)  # the new seed, where the old one was, mode 0600
+    assert stat.S_IMODE(old_seed.stat().st_mode) == 0o600
+    assert attic.public_key == new_key.public_key != old.public_key
+    assert (attic.role, attic.trust, attic.added_at) == (old.role, old.trust, old.added_at)
+    assert [retired.public_key for retired in attic.retired_keys] == [old.public_key]
+    assert f"its new seed: {old_seed}" in result.output
+    assert f"the old key's seed at {old_seed} is deleted" in result.output
+    assert "no rotation event published (--offline)" in result.output
+    assert list((community.directory / "keys").glob("attic.nk.*")) == []  # nothing left beside it
+    authorization = render_authorization(roster)
+    assert new_key.public_key in authorization and old.public_key not in authorization
+    assert roster.by_key(old.public_key) is None and roster.former_keys()[old.public_key].member.name == "attic"
+
+
+@pytest.mark.parametrize(("args", "says"), [
+    (["nobody"], "no member named 'nobody'"),
+    (["system"], "the steward's system key, which rotate-key does not replace"),
+    (["attic", "--public-key", "UNOTAKEY"], "not a NATS user public key"),
+    (["gone"], "'gone' was removed from the community"),
+])
+def test_bad_input_is_one_line_and_changes_nothing(community, args, says):
+    community.add("gone", "client")
+    community.remove("gone")
+    before = community.roster_path.read_bytes()
+    result = run("rotate-key", *args, "--offline", "--dir", str(community.directory))
+    assert result.exit_code == 1 and says in result.output
+    assert len(result.output.strip().splitlines()) == 1
+    assert community.roster_path.read_bytes() == before
 
 
 def test_a_key_once_held_never_comes_back(community):
@@ -182,3 +233,22 @@ def test_hearth_replay_verify_passes_the_old_keys_events_before_the_rotation_onl
     verifier, removals = EventVerifier(community.roster(), max_clock_skew_s=30), set()
     verdicts = [_verdict(verifier, stored(event, seq), removals) for seq, event in enumerate(events, 1)]
     assert [None if bad is None else bad.reason for bad in verdicts] == [None, None, "removed_signer"]
+
+
+def test_rotate_key_publishes_first_and_says_where_the_old_key_was_retired(community, monkeypatch):
+    from hearth.services import community_removal
+
+    broker = FakeBroker()
+
+    async def as_steward(member, steward_key, verifier, nats, system_key, make_event):
+        return await publish_removal(member, steward_key, broker, verifier, make_event=make_event)
+
+    monkeypatch.setattr(community_removal, "publish_removal_as_steward", as_steward)
+    old = community.roster().by_name("attic").public_key
+    result = run("rotate-key", "attic", "--dir", str(community.directory), "--nats", "nats://hub:4222")
+    assert result.exit_code == 0, result.output
+    [retired] = community.roster().by_name("attic").retired_keys
+    assert retired.public_key == old and [(cut.stream, cut.seq) for cut in retired.cuts] == [
+        (stream, seq) for stream, seq, *_ in broker.stored]
+    assert "(at HEARTH_SHARDS #40, HEARTH_PIPELINES #41)" in result.output
+    assert {event.new_public_key for *_, event in broker.stored} == {community.roster().by_name("attic").public_key}
