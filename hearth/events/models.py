@@ -283,6 +283,16 @@ class MemberRemoved(EventEnvelope):
     stream: Label
 
 
+class MemberKeyRotated(MemberRemoved):
+    """A steward (a `system` member) replaced `member`'s key (`hearth community rotate-key`): `public_key` is the key
+    it retired and `new_public_key` the one it holds from now on. To the log it is the removal of the old key alone
+    (a MemberRemoved: what that key signed and `stream` stores after this event is not applied), while the member,
+    its node and its record stay under the new key."""
+
+    type: Literal["member.key_rotated"] = "member.key_rotated"  # type: ignore[assignment]
+    new_public_key: str = Field(max_length=USER_PUBLIC_KEY_LENGTH, pattern=PUBLIC_KEY_PATTERN)
+
+
 EVENT_CLASSES: tuple[type[EventEnvelope], ...] = (
     ShardAdvertised,
     ShardHeartbeat,
@@ -300,6 +310,7 @@ EVENT_CLASSES: tuple[type[EventEnvelope], ...] = (
     IntegrityMismatchDisputed,
     IntegrityQuarantineCleared,
     MemberRemoved,
+    MemberKeyRotated,
 )
 Event = Annotated[Union[EVENT_CLASSES], Field(discriminator="type")]  # type: ignore[valid-type]
 EVENT_TYPES: dict[str, type[EventEnvelope]] = {model.model_fields["type"].default: model for model in EVENT_CLASSES}

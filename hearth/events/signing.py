@@ -43,7 +43,8 @@ REJECTION_REASONS: tuple[RejectionReason, ...] = (
 # (projectors, auditors and clients only read or ask). A type named in EMITTING_ROLE_BY_TYPE overrides its family's
 # rule.
 EMITTING_ROLE: dict[str, Role] = {"shard": "shard", "pipeline": "orchestrator", "integrity": "orchestrator"}
-EMITTING_ROLE_BY_TYPE: dict[str, Role] = {"integrity.quarantine_cleared": "system", "member.removed": "system"}
+EMITTING_ROLE_BY_TYPE: dict[str, Role] = {"integrity.quarantine_cleared": "system", "member.removed": "system",
+                                          "member.key_rotated": "system"}
 
 # How often a long-running verifier looks at its roster file for a change (a member added or removed).
 roster_recheck_interval_s = 1.0
@@ -130,7 +131,7 @@ class EventVerifier:
         self.max_clock_skew = timedelta(seconds=max_clock_skew_s)
         self._members_of: Roster | None = None
         self._members_by_key: dict[str, Member] = {}
-        self._removed_by_key: dict[str, RemovedMember] = {}
+        self._removed_by_key: dict[str, RemovedMember] = {}  # every key no longer accepted (Roster.former_keys)
 
     @classmethod
     def from_roster_file(cls, path: Path, *, max_clock_skew_s: float) -> "EventVerifier":
@@ -146,7 +147,7 @@ class EventVerifier:
         roster = self._fixed_roster or self._roster_file.current(recheck_now=recheck_now)  # type: ignore[union-attr]
         if roster is not self._members_of:
             self._members_by_key = {member.public_key: member for member in roster.members}
-            self._removed_by_key = {gone.member.public_key: gone for gone in roster.removed}
+            self._removed_by_key = roster.former_keys()  # removed members' keys and retired ones
             self._members_of = roster
         return self._members_by_key.get(public_key) or self._removed_by_key.get(public_key)
 

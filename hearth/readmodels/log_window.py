@@ -38,8 +38,8 @@ OLDER_THAN_LOG_RULES: tuple[OlderThanLogRule, ...] = (
     # A bucket (minute, day) that began before the window holds a part the log dropped.
     OlderThanLogRule("event_counts", SHARDS_STREAM, "minute < :start AND type LIKE 'shard.%'"),
     OlderThanLogRule("event_counts", PIPELINES_STREAM, "minute < :start AND type NOT LIKE 'shard.%'"),
-    # A member's removal is published in both streams, and its minute sums both copies.
-    OlderThanLogRule("event_counts", SHARDS_STREAM, "minute < :start AND type = 'member.removed'"),
+    # A member's removal (or key rotation) is published in both streams, and its minute sums both copies.
+    OlderThanLogRule("event_counts", SHARDS_STREAM, "minute < :start AND type LIKE 'member.%'"),
     OlderThanLogRule("pipelines", PIPELINES_STREAM, f"{_CALL_BEGAN} < :start"),
     OlderThanLogRule("failovers", PIPELINES_STREAM, "occurred_at < :start OR pipeline_id IN (SELECT pipeline_id FROM "
                      f"pipelines WHERE {_CALL_BEGAN} < :start)"),

@@ -1,8 +1,8 @@
-"""`hearth community`: create a community, add and remove members (each with an nkey; a removal is also published in
-the event log, hearth/services/community_removal.py), list them, render the NATS server's authorization block from
-the roster (`hearth nats`, hearth/services/nats_cli.py, runs a broker for it and applies a changed roster at once),
-show shard hosts' reputation from a read model and let a steward clear a quarantine
-(hearth/services/community_reputation.py)."""
+"""`hearth community`: create a community, add and remove members and replace their keys (each an nkey; a removal
+or a key's retirement is also published in the event log, hearth/services/community_removal.py), list them, render
+the NATS server's authorization block from the roster (`hearth nats`, hearth/services/nats_cli.py, runs a broker for
+it and applies a changed roster at once), show shard hosts' reputation from a read model and let a steward clear a
+quarantine (hearth/services/community_reputation.py)."""
 
 from __future__ import annotations
 
@@ -146,6 +146,57 @@ def remove_command(
                    "off by this machine's clock", err=True)
     if offline:
         typer.echo(f"{command}: warning: no removal event published (--offline): its events are cut off by this "
+                   "machine's clock", err=True)
+
+
+@community_app.command("rotate-key")
+def rotate_key_command(
+    ctx: typer.Context,
+    name: Annotated[str, typer.Argument(help="The member whose key is replaced (not `system`, the steward's key).")],
+    directory: DirOption = DEFAULT_COMMUNITY_DIR,
+    nats_url: NatsOption = None,
+    public_key: Annotated[Optional[str], typer.Option(
+        "--public-key", help="The member's own new nkey public key (U...), when it made its key itself; else a key "
+                             "pair is generated and its seed written to keys/NAME.nk (mode 0600).")] = None,
+    offline: Annotated[bool, typer.Option(
+        "--offline", help="Change the roster only, publishing no rotation event: projections then cut the old key "
+                          "off by this machine's clock, not by a position in the log.")] = False,
+) -> None:
+    """Replace a member's key (leaked, or its machine replaced), keeping its name, node, shards' reputation and
+    record: a signed member.key_rotated (the steward's system key) goes on each event stream, then the roster holds
+    the new key and keeps the old one among its retired keys. What the old key signed before still verifies; from
+    then on the broker, signed calls, events, sealed hop keys and the gateway refuse it. The old key's seed here, if
+    any, is deleted (a retired seed still opens hop keys sealed to it before)."""
+    from hearth.events.streams import StreamsMissing
+    from hearth.services.broker.connection import BrokerUnreachable
+    from hearth.services.community_removal import RemovalNotPublished
+    from hearth.services.community_rotation import rotate_member_key
+    from hearth.trust.community import Community
+    from hearth.trust.keys import KeyFileError
+    from hearth.trust.roster import RosterError
+
+    command = "hearth community rotate-key"
+    try:
+        rotated, published = rotate_member_key(Community(directory), name, public_key=public_key, nats_url=nats_url,
+                                               settings=settings(ctx), offline=offline)
+    except (RosterError, KeyFileError, ValueError) as error:
+        _fail(str(error), command)
+    except (BrokerUnreachable, StreamsMissing, RemovalNotPublished) as error:
+        _fail(f"{error}; nothing was changed. Give the broker with --nats, or --offline to change the roster alone",
+              command)
+    except OSError as error:  # a seed or the roster could not be written: both are as they were
+        _fail(f"{error.strerror}: {name} keeps its old key; run it again", command)
+    where = ", ".join(f"{cut.stream} #{cut.seq}" for cut in rotated.retired.cuts) or "no stream (--offline)"
+    seed = f"; its new seed: {rotated.seed_file} (give it to {name}, then delete it here)" if rotated.seed_file else ""
+    deleted = f"; the old key's seed at {rotated.old_seed_deleted} is deleted" if rotated.old_seed_deleted else ""
+    typer.echo(f"rotated the key of {name}: retired {rotated.retired.public_key} (at {where}), now "
+               f"{rotated.member.public_key}{seed}{deleted}. A broker run by `hearth nats --community` applies it at "
+               "once; any other: render `hearth community nats-config` and reload it.")
+    for stream, why in published.failures.items():
+        typer.echo(f"{command}: warning: {stream} did not take the rotation event ({why}): there, the old key is "
+                   "cut off by this machine's clock", err=True)
+    if offline:
+        typer.echo(f"{command}: warning: no rotation event published (--offline): the old key is cut off by this "
                    "machine's clock", err=True)
 
 

@@ -1,14 +1,14 @@
-"""The steward's removal of a member as the event log records it: a `member.removed` signed with the system key,
-published on each event stream before the roster changes (or, where an earlier run already published it, found
-there), whose positions (the cuts) the roster then keeps; the streams are handed in as an object so the logic is
-tested without a broker."""
+"""The steward's removal of a member's key as the event log records it: a `member.removed` (or, for a key rotation,
+a `member.key_rotated`, the removal of the old key alone) signed with the system key, published on each event stream
+before the roster changes (or, where an earlier run already published one, found there), whose positions (the cuts)
+the roster then keeps; the streams are handed in as an object so the logic is tested without a broker."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -64,6 +64,10 @@ class PublishedRemoval:
     failures: dict[str, str] = field(default_factory=dict)
 
 
+# The signed event that cuts `member`'s key off on `stream`, signed with the steward's key.
+RemovalEventMaker = Callable[[Member, str, "MemberKey"], "MemberRemoved"]
+
+
 def removal_event(member: Member, stream: str, steward_key: MemberKey) -> MemberRemoved:
     """The signed event that cuts `member` off on `stream`."""
     from hearth.events.models import MemberRemoved
@@ -71,6 +75,20 @@ def removal_event(member: Member, stream: str, steward_key: MemberKey) -> Member
 
     event = MemberRemoved(node_id=SYSTEM_MEMBER, member=member.name, public_key=member.public_key, stream=stream)
     return sign_event(event, steward_key)  # type: ignore[return-value]
+
+
+def rotation_events(new_public_key: str) -> RemovalEventMaker:
+    """What makes the signed event that retires `member`'s key on `stream` for `new_public_key`."""
+
+    def rotation_event(member: Member, stream: str, steward_key: MemberKey) -> MemberRemoved:
+        from hearth.events.models import MemberKeyRotated
+        from hearth.events.signing import sign_event
+
+        event = MemberKeyRotated(node_id=SYSTEM_MEMBER, member=member.name, public_key=member.public_key,
+                                 new_public_key=new_public_key, stream=stream)
+        return sign_event(event, steward_key)  # type: ignore[return-value]
+
+    return rotation_event
 
 
 def first_removal(member: Member, stream: str, messages: Sequence[StoredEvent | SkippedMessage],
@@ -93,11 +111,12 @@ def first_removal(member: Member, stream: str, messages: Sequence[StoredEvent | 
 
 
 async def publish_removal(member: Member, steward_key: MemberKey, removal_log: RemovalLog, verifier: EventVerifier,
-                          streams: tuple[str, ...] = ALL_STREAMS) -> PublishedRemoval:
-    """Put `member`'s removal on every stream (whichever it could write to: a removal costs one small event each),
-    publishing it only where no earlier run did: a projection cuts at the first removal of a key, so the roster must
-    too. StreamsMissing when a stream does not exist (nothing published); RemovalNotPublished when no stream took
-    it."""
+                          streams: tuple[str, ...] = ALL_STREAMS,
+                          make_event: RemovalEventMaker = removal_event) -> PublishedRemoval:
+    """Put `member`'s removal (`make_event`'s: a rotation retires its key alone) on every stream (whichever it could
+    write to: a removal costs one small event each), publishing it only where no earlier run did: a projection cuts
+    at the first removal of a key, so the roster must too. StreamsMissing when a stream does not exist (nothing
+    published); RemovalNotPublished when no stream took it."""
     missing = await removal_log.missing(streams)
     if missing:
         raise streams_missing(missing, removal_log.where)
@@ -115,7 +134,7 @@ async def publish_removal(member: Member, steward_key: MemberKey, removal_log: R
             since = earlier.event.occurred_at
             published.found_since = min(published.found_since or since, since)
             continue
-        event = removal_event(member, stream, steward_key)
+        event = make_event(member, stream, steward_key)
         try:
             stored_in, seq, stored_at = await removal_log.publish(event, MEMBER_REMOVAL_SUBJECTS[stream])
         except Exception as error:  # that stream refused or did not answer: the others may still take it
@@ -179,23 +198,25 @@ async def steward_removal_log(nats: NatsSettings, system_key: Path) -> AsyncIter
 
 
 async def publish_removal_as_steward(member: Member, steward_key: MemberKey, verifier: EventVerifier,
-                                     nats: NatsSettings, system_key: Path) -> PublishedRemoval:
+                                     nats: NatsSettings, system_key: Path,
+                                     make_event: RemovalEventMaker = removal_event) -> PublishedRemoval:
     async with steward_removal_log(nats, system_key) as removal_log:
-        return await publish_removal(member, steward_key, removal_log, verifier)
+        return await publish_removal(member, steward_key, removal_log, verifier, make_event=make_event)
 
 
 def publish_community_removal(community: Community, name: str, nats_url: str | None,
-                              settings: HearthSettings) -> PublishedRemoval:
-    """Put the removal of `community`'s member `name` on the community's broker (`nats_url`, else [nats] url) with
-    the steward's system key; KeyFileError without that key, BrokerUnreachable, StreamsMissing,
-    RemovalNotPublished."""
+                              settings: HearthSettings, make_event: RemovalEventMaker = removal_event
+                              ) -> PublishedRemoval:
+    """Put the removal of `community`'s member `name` (or of its key alone: `make_event`) on the community's broker
+    (`nats_url`, else [nats] url) with the steward's system key; KeyFileError without that key, BrokerUnreachable,
+    StreamsMissing, RemovalNotPublished."""
     from hearth.events.signing import EventVerifier
     from hearth.services.common.lifecycle import run_event_loop
     from hearth.trust.keys import KeyFileError
 
     if not community.system_key_path.is_file():
         raise KeyFileError(f"{community.system_key_path} does not exist: only the steward, with the community's "
-                           "system key, publishes a removal (or give --offline)")
+                           "system key, publishes a removal or a key rotation (or give --offline)")
     roster = community.roster()
     member = roster.by_name(name)
     if member is None:
@@ -205,4 +226,4 @@ def publish_community_removal(community: Community, name: str, nats_url: str | N
     # The roster as it stands, with the member still in it: an earlier run's removal verifies as a projection's would.
     verifier = EventVerifier(roster, max_clock_skew_s=settings.events.max_clock_skew_s)
     return run_event_loop(publish_removal_as_steward(member, community.system_key(), verifier, nats,
-                                                     community.system_key_path))
+                                                     community.system_key_path, make_event))

@@ -4,6 +4,8 @@ steward's own key; each written atomically (hearth/trust/keys.py, write_private_
 
 from __future__ import annotations
 
+import contextlib
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -16,6 +18,7 @@ from hearth.trust.roster import (
     Member,
     RemovalCut,
     RemovedMember,
+    RetiredKey,
     Role,
     Roster,
     RosterError,
@@ -26,11 +29,18 @@ from hearth.trust.roster import (
 )
 
 
-
 @dataclass(frozen=True)
 class AddedMember:
     member: Member
     seed_file: Path | None  # None when the member brought its own public key
+
+
+@dataclass(frozen=True)
+class RotatedKey:
+    member: Member  # holding its new key
+    retired: RetiredKey
+    seed_file: Path | None  # the new seed; None when the member brought its own new public key
+    old_seed_deleted: Path | None  # the retired key's seed that was here, now deleted; None: there was none
 
 
 @dataclass(frozen=True)
@@ -100,3 +110,38 @@ class Community:
         except FileNotFoundError:
             seed_file = None
         return updated.removed[-1], seed_file
+
+    def rotate_key(self, name: str, new_key: MemberKey | str, cuts: Sequence[RemovalCut] = (),
+                   retired_at: datetime | None = None) -> RotatedKey:
+        """Give member `name` a new key (a generated MemberKey, its seed written to keys/<name>.nk, or the public key
+        the member made itself), its old key retired at `retired_at` (default now) where the rotation events went
+        (`cuts`). The old key's seed, if one is here, is deleted once the roster is saved: a retired seed still opens
+        every hop key sealed to it before (captured traffic) and signs nothing that counts, so keeping it only keeps
+        that risk. A failure leaves the old seed and roster as they were."""
+        public_key = new_key.public_key if isinstance(new_key, MemberKey) else new_key
+        updated = self.roster().with_rotated_key(name, public_key, retired_at=retired_at or datetime.now(timezone.utc),
+                                                 cuts=cuts)  # refuses before any file is touched
+        seed_file = seed_path(self.directory, name)
+        set_aside = None
+        if seed_file.exists() or seed_file.is_symlink():
+            # Renamed, not overwritten, until the roster names the new key: a failure puts it back.
+            set_aside = seed_file.with_name(f"{seed_file.name}.retired-{datetime.now(timezone.utc):%Y%m%dT%H%M%S%fZ}")
+            os.rename(seed_file, set_aside)
+        written = None
+        try:
+            if isinstance(new_key, MemberKey):
+                new_key.save(seed_file)
+                written = seed_file
+            updated.save(self.roster_path)
+        except BaseException:
+            if written is not None:
+                written.unlink(missing_ok=True)
+            if set_aside is not None:
+                os.rename(set_aside, seed_file)
+            raise
+        if set_aside is not None:
+            with contextlib.suppress(FileNotFoundError):
+                set_aside.unlink()
+        member = updated.by_name(name)
+        return RotatedKey(member, member.retired_keys[-1], written,  # type: ignore[union-attr]
+                          seed_file if set_aside is not None else None)

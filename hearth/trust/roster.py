@@ -9,7 +9,17 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Literal
 
-from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    AwareDatetime,
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from hearth.trust.keys import PUBLIC_KEY_PATTERN, check_public_key, write_private_file
 
@@ -42,23 +52,6 @@ def trust_at_least(level: TrustLevel, minimum: TrustLevel) -> bool:
     return TRUST_ORDER[level] >= TRUST_ORDER[minimum]
 
 
-class Member(BaseModel):
-    """One member: `name` is also its node id and NATS inbox token; `public_key` its nkey (`U...`)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    name: str = Field(pattern=MEMBER_NAME_PATTERN)
-    role: Role
-    trust: TrustLevel
-    public_key: str = Field(pattern=PUBLIC_KEY_PATTERN)
-    added_at: datetime
-
-    @field_validator("public_key")
-    @classmethod
-    def _well_formed_key(cls, value: str) -> str:
-        return check_public_key(value)
-
-
 class RemovalCut(BaseModel):
     """Where a member's removal falls in one event stream: the sequence of the signed `member.removed` the steward
     published there (hearth/events/models.py, MemberRemoved), and when the broker stored it (its clock, not the
@@ -77,6 +70,55 @@ class RemovalCut(BaseModel):
         """Whether a message of this stream stored at `seq`, at `stored_at` by the broker's clock, came after the
         removal: after it in the stream, or stored later (a stream created again since)."""
         return seq > self.seq or (self.stored_at is not None and stored_at > self.stored_at)
+
+
+class RetiredKey(BaseModel):
+    """A key a member held before `hearth community rotate-key` replaced it: what it signed before its retirement
+    still verifies (the audit trail), nothing after. Its place in each stream is the steward's signed
+    `member.key_rotated` there (`cuts`, as a removal's); without one, `retired_at`, the steward's clock."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    public_key: str = Field(pattern=PUBLIC_KEY_PATTERN)
+    retired_at: AwareDatetime
+    cuts: list[RemovalCut] = Field(default_factory=list, max_length=8)
+
+    @field_validator("public_key")
+    @classmethod
+    def _well_formed_key(cls, value: str) -> str:
+        return check_public_key(value)
+
+
+class Member(BaseModel):
+    """One member: `name` is also its node id and NATS inbox token; `public_key` its nkey (`U...`)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(pattern=MEMBER_NAME_PATTERN)
+    role: Role
+    trust: TrustLevel
+    public_key: str = Field(pattern=PUBLIC_KEY_PATTERN)
+    added_at: datetime
+    # Oldest first; absent from a roster written before key rotation (and left out of the file while empty, so a
+    # roster that never rotated a key still reads in an older hearth).
+    retired_keys: list[RetiredKey] = Field(default_factory=list, max_length=1000)
+
+    @field_validator("public_key")
+    @classmethod
+    def _well_formed_key(cls, value: str) -> str:
+        return check_public_key(value)
+
+    @model_serializer(mode="wrap")
+    def _without_empty_retired_keys(self, handler: SerializerFunctionWrapHandler) -> dict:
+        dumped = handler(self)
+        if not self.retired_keys:
+            dumped.pop("retired_keys", None)
+        return dumped
+
+    def as_retired(self, retired: RetiredKey) -> "RemovedMember":
+        """This member as the holder of its retired key: a removal of that key alone, cut where it was retired."""
+        holder = self.model_copy(update={"public_key": retired.public_key, "retired_keys": []})
+        return RemovedMember(member=holder, removed_at=retired.retired_at, cuts=list(retired.cuts))
 
 
 class RemovedMember(BaseModel):
@@ -122,10 +164,15 @@ class Roster(BaseModel):
             duplicated = sorted({value for value in values if values.count(value) > 1})
             if duplicated:
                 raise ValueError(f"members share a {attribute}: {', '.join(duplicated)}")
-        revoked = {gone.member.public_key for gone in self.removed}
+        revoked = set(self.former_keys())
         reused = sorted(member.name for member in self.members if member.public_key in revoked)
         if reused:
-            raise ValueError(f"members hold the key of a removed member: {', '.join(reused)}")
+            raise ValueError(f"members hold the key of a removed member or a retired key: {', '.join(reused)}")
+        every_key = [member.public_key for member in self.members] + [
+            retired.public_key for holder in self._holders() for retired in holder.retired_keys] + [
+            gone.member.public_key for gone in self.removed]
+        if len(every_key) != len(set(every_key)):
+            raise ValueError("a retired key is held again (by its member, another one or a removed member)")
         gone_names = {gone.member.name for gone in self.removed}
         renamed = sorted(member.name for member in self.members if member.name in gone_names)
         if renamed:
@@ -144,15 +191,63 @@ class Roster(BaseModel):
         """The removed member that held `public_key`, if one did."""
         return next((gone for gone in self.removed if gone.member.public_key == public_key), None)
 
-    def with_member(self, member: Member) -> "Roster":
-        if self.by_name(member.name) is not None:
-            raise RosterError(f"a member named {member.name!r} is already in the roster")
-        if self.by_key(member.public_key) is not None:
-            raise RosterError(f"that public key already belongs to {self.by_key(member.public_key).name!r}")
-        gone = self.removed_by_key(member.public_key)
+    def _holders(self) -> list[Member]:
+        """Every member that held keys, current or removed."""
+        return [*self.members, *(gone.member for gone in self.removed)]
+
+    def former_keys(self) -> dict[str, RemovedMember]:
+        """Each key no longer accepted, with when and where it stopped counting: removed members' keys, and every
+        key a member (current or removed) retired by a rotation, as the removal of that key alone."""
+        former = {gone.member.public_key: gone for gone in self.removed}
+        for holder in self._holders():
+            former.update({retired.public_key: holder.as_retired(retired) for retired in holder.retired_keys})
+        return former
+
+    def retired_key_of(self, public_key: str) -> tuple[Member, RetiredKey] | None:
+        """The member (current or removed) that retired `public_key` by a rotation, and its retirement."""
+        for holder in self._holders():
+            for retired in holder.retired_keys:
+                if retired.public_key == public_key:
+                    return holder, retired
+        return None
+
+    def with_rotated_key(self, name: str, public_key: str, *, retired_at: datetime,
+                         cuts: Sequence[RemovalCut] = ()) -> "Roster":
+        """The roster with member `name` holding `public_key` and its key until now retired at `retired_at`, where
+        the rotation events went (`cuts`). The steward's own `system` key is not rotated this way: it signs the
+        rotation itself and runs the broker's own connections."""
+        member = self.by_name(name)
+        if member is None:
+            gone = any(removed.member.name == name for removed in self.removed)
+            raise RosterError(f"{name!r} was removed from the community: its key is retired for good" if gone
+                              else f"no member named {name!r} is in the roster")
+        if member.role == "system":
+            raise RosterError(f"{name!r} is the steward's system key, which rotate-key does not replace (it signs the "
+                              "rotation and runs the broker's own connections); see docs/operations.md")
+        self._check_new_key(public_key)
+        retired = RetiredKey(public_key=member.public_key, retired_at=retired_at, cuts=list(cuts))
+        rotated = member.model_copy(update={"public_key": check_public_key(public_key),
+                                            "retired_keys": [*member.retired_keys, retired]})
+        return self.model_copy(update={"members": [rotated if kept.name == name else kept for kept in self.members]})
+
+    def _check_new_key(self, public_key: str) -> None:
+        """RosterError when `public_key` was ever held in this community."""
+        holder = self.by_key(public_key)
+        if holder is not None:
+            raise RosterError(f"that public key already belongs to {holder.name!r}")
+        gone = self.removed_by_key(public_key)
         if gone is not None:
             raise RosterError(f"that public key belonged to {gone.member.name!r}, removed at "
                               f"{gone.removed_at:%Y-%m-%d %H:%M:%S} UTC; a member coming back needs a new key")
+        retired = self.retired_key_of(public_key)
+        if retired is not None:
+            raise RosterError(f"that public key is one {retired[0].name!r} retired at "
+                              f"{retired[1].retired_at:%Y-%m-%d %H:%M:%S} UTC; a retired key never counts again")
+
+    def with_member(self, member: Member) -> "Roster":
+        if self.by_name(member.name) is not None:
+            raise RosterError(f"a member named {member.name!r} is already in the roster")
+        self._check_new_key(member.public_key)
         gone = next((removed for removed in self.removed if removed.member.name == member.name), None)
         if gone is not None:
             # Its node id, shards, reputation and signed events are that member's: a new member must not inherit them.

@@ -1,5 +1,6 @@
 """The broker enforces the community's roles: a real nats-server configured by `render_authorization` refuses
-a connection without credentials and refuses each member what its role may not do."""
+a connection without credentials (or with a key `hearth community rotate-key` retired) and refuses each member what
+its role may not do."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ import nats
 import pytest
 from nats.errors import NoServersError
 
-from hearth.events.streams import StreamSetup
+from hearth.events.streams import ALL_STREAMS, StreamSetup
 from hearth.protocol.subjects import orchestrator_request_subject, shard_events_subject_of_node
-from hearth.services.common.config import NatsSettings
+from hearth.services.common.config import HearthSettings, NatsSettings
+from hearth.services.community_rotation import rotate_member_key
 from hearth.services.broker.connection import BrokerRefusedCredentials, connect_nats, flush_ordered
 from hearth.services.broker.permissions import render_authorization
 from hearth.services.broker.streams import create_community_streams
@@ -232,3 +234,30 @@ async def test_a_reload_nats_server_refuses_is_said_at_once_and_the_old_users_st
     nc = await connect_nats(settings=NatsSettings(url=server.url, creds_file=community.directory / "keys" / "alice.nk",
                                                   connect_timeout_s=5))
     await nc.close()
+
+
+async def test_a_rotated_key_is_refused_at_login_and_its_connections_closed_while_the_new_key_logs_in(
+        community_server, tmp_path):
+    community, server = community_server
+    await create_community_streams(NatsSettings(url=server.url), community.system_key_path, ready_timeout_s=10)
+    leaked = tmp_path / "leaked" / "alice.nk"  # the copy whoever took the key kept
+    MemberKey.load(community.directory / "keys" / "alice.nk").save(leaked)
+    old_connection = await nats.connect(server.url, nkeys_seed_str=leaked.read_text(), inbox_prefix="_INBOX.alice",
+                                        allow_reconnect=False, connect_timeout=2)
+    rotated, published = await asyncio.to_thread(
+        rotate_member_key, community, "alice", public_key=None, nats_url=server.url, settings=HearthSettings(),
+        offline=False)
+    assert [cut.stream for cut in rotated.retired.cuts] == list(ALL_STREAMS) and published.failures == {}
+    await asyncio.to_thread(server.reload, render_authorization(community.roster()))
+    with pytest.raises(BrokerRefusedCredentials, match="refused the connection"):
+        await connect_nats(settings=NatsSettings(url=server.url, creds_file=leaked, connect_timeout_s=5))
+    for _ in range(100):  # nats-server closes a connection whose user a reload removed
+        if old_connection.is_closed:
+            break
+        await asyncio.sleep(0.1)
+    assert old_connection.is_closed
+    nc = await connect_nats(settings=NatsSettings(url=server.url, creds_file=rotated.seed_file, connect_timeout_s=5))
+    try:
+        assert nc.new_inbox().startswith("_INBOX.alice.")
+    finally:
+        await nc.close()

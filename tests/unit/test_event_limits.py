@@ -87,7 +87,7 @@ def largest(event_class: type[BaseModel]) -> BaseModel:
         if name == "evidence_sha256":
             values[name] = "0" * limit  # a digest: hex digits only
             continue
-        if name in ("member", "public_key"):  # a member's name and nkey: plain letters, by their patterns
+        if name in ("member", "public_key", "new_public_key"):  # names and nkeys: plain letters, by their patterns
             values[name] = "U" + "A" * (limit - 1)
             continue
         if name in ("layer_lo", "layer_hi", "total_layers"):  # a range of the largest model an event names

@@ -55,6 +55,12 @@ def load_identity(creds_file: Path, roster_file: Path | None = None) -> Identity
         raise IdentityError(f"the key in {creds_file} belonged to {gone.member.name!r}, removed from the "
                             f"community at {gone.removed_at:%Y-%m-%d %H:%M:%S} UTC; a member coming back needs a new "
                             "name and key")
+    retired = roster.retired_key_of(key.public_key)
+    if retired is not None:
+        holder, retirement = retired
+        raise IdentityError(f"the key in {creds_file} is one {holder.name!r} retired at "
+                            f"{retirement.retired_at:%Y-%m-%d %H:%M:%S} UTC (`hearth community rotate-key`); use "
+                            "the new seed the steward gave it")
     if member is None:
         raise IdentityError(f"the key in {creds_file} ({key.public_key[:12]}...) is not a member of the roster "
                             f"{roster_file}; ask a steward to run `hearth community add`")
