@@ -140,7 +140,9 @@ class VerificationSettings(ConfigSection):
         description="what a call's chain may hold in memory of its hops' inputs and outputs for checks; past half "
                     "of what its prompt leaves, the decoded steps every hop's checks have read are forgotten (a "
                     "`sampled` call checks its hops then; a mismatch found later has no witness fed from position 0, "
-                    "so it is disputed); beyond it (a prompt longer than it holds) the chain is not checked any more")
+                    "so it is disputed); a prompt longer than it holds is checked as it streams, each prefill chunk "
+                    "waiting for the checks that make it room; it must hold one chunk of every hop's input and "
+                    "output, else the chain is not checked")
     canary_interval_s: float = Field(
         default=60.0, ge=0,
         description="about this often (jittered) one confirmed piece of work is replayed to a host of the same "
