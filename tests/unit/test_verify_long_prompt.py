@@ -70,13 +70,16 @@ def honest_replicas(monkeypatch):
     return queue
 
 
-async def run_long_prompt(level: str, lie_from: int | None):
-    """Prefill a long prompt through the liar as a call does, then the call's checks of that step; (the refutation
-    or None, the verifier, the chain)."""
+async def run_long_prompt(level: str, lie_from: int | None, chunk_tokens: int = CHUNK):
+    """Prefill a long prompt through the liar as a call does (`chunk_tokens`: `[orchestrator]
+    prefill_chunk_tokens`), then the call's checks of that step; (the refutation or None, the verifier, the
+    chain)."""
     verifier, recorder, proved_wrong = await verifier_of(level, budget_bytes=BUDGET_BYTES)
     chain = LongPromptLiar(recorder, lie_from)
     await verifier.attach(chain)
-    output = await prefill(chain, torch.randn(1, LONG_PROMPT, HIDDEN), CHUNK, make_room=verifier.make_room)
+    hidden = torch.randn(1, LONG_PROMPT, HIDDEN)
+    chunk_tokens = verifier.prefill_chunk_tokens(chunk_tokens, hidden)
+    output = await prefill(chain, hidden, chunk_tokens, make_room=verifier.make_room)
     if isinstance(output, StepFailure):
         return output, verifier, chain, proved_wrong
     verifier.after_step()
@@ -111,4 +114,11 @@ async def test_an_honest_long_prompt_is_checked_whole_within_the_budget(honest_r
     # `sampled` checks the prompt's tail, still recorded, as any step: by its draw (here never).
     checked_at_least = LONG_PROMPT - BUDGET_POSITIONS if level == "sampled" else LONG_PROMPT
     assert LONG_PROMPT >= host.verified_positions >= checked_at_least
+    assert chain.most_held <= BUDGET_BYTES
+
+
+async def test_a_long_prompt_configured_to_go_in_one_step_goes_in_chunks_the_record_holds(honest_replicas):
+    # One step longer than the record holds could never be recorded: its chunks are cut to half the budget.
+    refuted, _, chain, _ = await run_long_prompt("all", lie_from=BUDGET_POSITIONS + 8, chunk_tokens=0)
+    assert refuted is not None and refuted.shard_id == LIAR.shard_id and refuted.rewind_to == BUDGET_POSITIONS + 8
     assert chain.most_held <= BUDGET_BYTES

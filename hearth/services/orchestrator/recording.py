@@ -170,6 +170,14 @@ class ChainRecorder:
         forgotten (the prompt's steps too, when nothing else makes room)."""
         return self._room_for(self._bytes_of(hidden))
 
+    def chunk_within(self, chunk_tokens: int, hidden: torch.Tensor) -> int:
+        """The positions of `hidden` a prefill step may carry: `chunk_tokens` (0: all in one step), at most what
+        takes half the budget, so that a chunk always finds room once the checks made it (CallVerifier.make_room)."""
+        if self.budget_bytes is None:
+            return chunk_tokens
+        fitting = max(1, self.budget_bytes // 2 // self._bytes_of(hidden[:, :1]))
+        return min(chunk_tokens or fitting, fitting)
+
     def crowded(self, hidden: torch.Tensor) -> bool:
         """Whether, with a step sending `hidden`, the record would hold more than half its budget: checks of the
         prompt are due as it streams, so that the record can forget what they read before it runs out of room."""

@@ -163,6 +163,11 @@ class CallVerifier:
             if why is not None:
                 self._start_check(index, why)
 
+    def prefill_chunk_tokens(self, configured: int, hidden: torch.Tensor) -> int:
+        """The chunks the prompt `hidden` goes out in: `configured` (0: one step), fewer positions where a chunk
+        would take more than half the chain's record (one that never fits would leave the chain unchecked)."""
+        return self.chain.recorder.chunk_within(configured, hidden) if self.chain is not None else configured
+
     async def make_room(self, chunk: torch.Tensor, others_out: bool) -> bool | StepFailure:
         """Before a prompt's `chunk` goes out (prefill.py's MakeRoom), at every level that checks: once the record
         would hold more than half its budget, every hop is checked on what it ran so far, so that the record forgets
