@@ -14,7 +14,8 @@ from hearth.services.orchestrator import verification as verification_module
 from hearth.services.orchestrator.outcomes import StepFailure
 from hearth.services.orchestrator.prefill import prefill
 from hearth.services.orchestrator.recording import ChainRecorder
-from hearth.services.transport import FrameKind, StepInfo
+from hearth.services.orchestrator.router import Hop
+from hearth.services.transport import FrameKind, StepInfo, TransportError
 from tests.unit.test_verify_gaps import HIDDEN, LIAR, StandInMirror, verifier_of
 
 CHUNK = 4
@@ -29,8 +30,8 @@ class LongPromptLiar:
 
     replay_steps = True
 
-    def __init__(self, recorder: ChainRecorder, lie_from: int | None) -> None:
-        self.hops, self.recorder, self.lie_from = [LIAR], recorder, lie_from
+    def __init__(self, recorder: ChainRecorder, lie_from: int | None, hops=(LIAR,)) -> None:
+        self.hops, self.recorder, self.lie_from = list(hops), recorder, lie_from
         self.transport = SimpleNamespace(max_ready_steps=8)
         self.wire_dtype, self.max_session_tokens, self.prefix, self.reused_tokens = "auto", 64, None, 0
         self._step = 0
@@ -52,11 +53,34 @@ class LongPromptLiar:
         if lies:
             first = max(0, self.lie_from - info.pos)
             output[:, first:] *= 1.01
+        for tap in self.recorder._taps:  # a later hop (honest: doubles its input) got hop 0's output on its link
+            tap.ready.append(SimpleNamespace(session="s", step=info.step, tensor=output, info=info))
+            output = output * 2
         self.recorder.completed(info, output)
         return output
 
     async def step(self, kind, pos, hidden, prompt_tokens=None):
         return await self.await_step(await self.send_step(kind, pos, hidden, prompt_tokens=prompt_tokens))
+
+
+class StandInTap:
+    """The tap of hop 1's input: what hop 0 sent on, as the link carried it."""
+
+    def __init__(self) -> None:
+        self.ready: list = []
+
+    async def start(self) -> None:
+        return None
+
+    def take_ready(self) -> list:
+        ready, self.ready = self.ready, []
+        return ready
+
+    async def next_step(self, timeout_s: float):
+        raise TransportError("nothing more on the link")
+
+    async def close(self) -> None:
+        return None
 
 
 @pytest.fixture
@@ -122,3 +146,30 @@ async def test_a_long_prompt_configured_to_go_in_one_step_goes_in_chunks_the_rec
     refuted, _, chain, _ = await run_long_prompt("all", lie_from=BUDGET_POSITIONS + 8, chunk_tokens=0)
     assert refuted is not None and refuted.shard_id == LIAR.shard_id and refuted.rewind_to == BUDGET_POSITIONS + 8
     assert chain.most_held <= BUDGET_BYTES
+
+
+async def test_a_hop_no_replica_can_check_leaves_the_others_checked_past_the_budget(monkeypatch):
+    # Hop 1's layers have no other replica: it is not checked, and what its record holds must not stop the record
+    # from forgetting what hop 0's checks read (else the long prompt would leave hop 0 unchecked too).
+    async def open_mirror(ctx, call, chain, index, avoid, chance):
+        return StandInMirror(f"r{len(avoid)}") if index == 0 else None
+
+    monkeypatch.setattr(verification_module, "open_mirror", open_mirror)
+    budget = BUDGET_POSITIONS * HIDDEN * 4 * 3  # hop 0's input, hop 1's, the chain's output
+    verifier, _, _ = await verifier_of("all")
+    recorder = ChainRecorder(None, "p", ["liar", "lone"], link_keys=[None, None], sealed=False, step_limits=None,
+                             budget_bytes=budget)
+    recorder._taps = [StandInTap()]
+    await recorder.start("s")
+    lone = Hop(shard_id="m:4-7@lone", control_subject="c", node_id="lone", layer_lo_to_run=4, layer_hi_to_run=7,
+               quantization="none")
+    chain = LongPromptLiar(recorder, None, hops=(LIAR, lone))
+    await verifier.attach(chain)
+    hidden = torch.randn(1, LONG_PROMPT, HIDDEN)
+    output = await prefill(chain, hidden, verifier.prefill_chunk_tokens(CHUNK, hidden), make_room=verifier.make_room)
+    assert not isinstance(output, StepFailure)
+    verifier.after_step()
+    assert await verifier.verify_step() is None
+    assert not recorder.broken and chain.most_held <= budget
+    (summary,) = verifier.summaries()
+    assert {shard.shard_id: shard.verified_positions for shard in summary.shards}[LIAR.shard_id] == LONG_PROMPT

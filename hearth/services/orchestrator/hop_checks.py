@@ -26,6 +26,8 @@ class HopChecks:
     avoid: set[str] = field(default_factory=set)
     # The positions before this one were confirmed by a check.
     confirmed_pos: int = 0
+    # Its last check found fewer replicas to mirror it than its level asks: it is not checked meanwhile.
+    unmirrored: bool = False
 
     @property
     def running(self) -> bool:
@@ -52,16 +54,17 @@ async def end_checks(hops: Sequence[HopChecks]) -> None:
                 await mirror.close()
 
 
-async def checks_ran(hops: Sequence[HopChecks], timeout_s: float, pipeline_id: str) -> None:
-    """Wait for the hops' checks running (at most `timeout_s`; those still running then are cancelled, their work
-    left unchecked)."""
+async def checks_ran(hops: Sequence[HopChecks], timeout_s: float, pipeline_id: str, *, cancel: bool) -> None:
+    """Wait for the hops' checks running, at most `timeout_s`; those still running then are cancelled (`cancel`:
+    their work left unchecked, their mirrors free for another check) or left running."""
     running = [hop.task for hop in hops if hop.running]
     if not running:
         return
     _, pending = await asyncio.wait(running, timeout=timeout_s)
     if pending:
-        log.warning("pipeline %s: %d checks still running after %.0f s; left unchecked there", pipeline_id,
-                    len(pending), timeout_s)
+        log.warning("pipeline %s: %d checks still running after %.0f s%s", pipeline_id, len(pending), timeout_s,
+                    "; cancelled, their steps unchecked" if cancel else "")
+    if pending and cancel:
         for task in pending:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)

@@ -190,12 +190,12 @@ class CallVerifier:
         """Levels `all` and `vote`: check every hop up to the step just done, now; the refutation, if any."""
         if self.chain is None or self.level not in ("all", "vote"):
             return None
-        await self._checks_ran()  # a hop's mirror runs one check at a time
+        await self._checks_ran(cancel=True)  # a hop's mirror runs one check at a time
         await asyncio.gather(*(self._check(index) for index in range(len(self.chain.hops))))
         return self.refuted()
 
-    async def _checks_ran(self) -> None:
-        await checks_ran(self._hops, self.settings.settle_timeout_s, self.call.pipeline_id)
+    async def _checks_ran(self, *, cancel: bool = False) -> None:
+        await checks_ran(self._hops, self.settings.settle_timeout_s, self.call.pipeline_id, cancel=cancel)
 
     async def settle(self) -> StepFailure | None:
         """Before the call's last frame: wait for the checks still running (at most `settle_timeout_s`); `all` and
@@ -359,7 +359,8 @@ class CallVerifier:
             if mirror is None:
                 break
             hop.mirrors.append(mirror)
-        return list(hop.mirrors) if len(hop.mirrors) == self.mirrors_per_hop else []
+        hop.unmirrored = len(hop.mirrors) < self.mirrors_per_hop
+        return [] if hop.unmirrored else list(hop.mirrors)
 
     async def _open_mirror(self, chain: HopChain, index: int, avoid: set[str]) -> Mirror | None:
         return await open_mirror(self.ctx, self.call, chain, index, avoid | self.call.excluded.keys(), self._chance)
@@ -374,8 +375,12 @@ class CallVerifier:
         if index is not None:
             self.ctx.guards.learn(self._range_key(index), span.outputs)
             self._hops[index].confirmed_pos = max(self._hops[index].confirmed_pos, span.end_pos)
-            # What every hop's mirrors were fed: the record may forget it (a witness can then not be fed from 0).
-            self.chain.recorder.needed_from = min(min((m.fed_pos for m in h.mirrors), default=0) for h in self._hops)
+            # What every hop's mirrors were fed: the record may forget it (a witness can then not be fed from 0). A hop
+            # without the replicas to check it, or a record, holds nothing back (else it would leave the others
+            # unchecked past the budget); one whose mirrors are still opening does.
+            recorder = self.chain.recorder
+            recorder.needed_from = min((min((m.fed_pos for m in h.mirrors), default=0) for i, h in enumerate(self._hops)
+                                        if i not in recorder.broken and not h.unmirrored), default=0)
 
     async def _quarantine(self, shard_id: str, witnesses: list[str], evidence: dict) -> None:
         log.warning("pipeline %s: %s computed layers %d-%d wrongly (witnesses %s); quarantined",
