@@ -101,7 +101,8 @@ class OrchestratorSettings(ConfigSection):
     prefill_chunk_tokens: int = Field(
         default=256, ge=0,
         description="a prompt is prefilled in steps of at most this many tokens, pipelined through the hops, so "
-                    "other calls' tokens are computed between them; 0 prefills it in one step")
+                    "other calls' tokens are computed between them; 0 prefills it in one step (a call that checks "
+                    "its hops sends at most half of [verification] record_budget_mb in a step)")
     head_batch_sessions: int = Field(
         default=8, ge=1,
         description="the head steps (final norm + lm_head, sampling) of this many calls at most run as one batch "
@@ -140,7 +141,8 @@ class VerificationSettings(ConfigSection):
         description="what a call's chain may hold in memory of its hops' inputs and outputs for checks; past half "
                     "of what its prompt leaves, the decoded steps every hop's checks have read are forgotten (a "
                     "`sampled` call checks its hops then; a mismatch found later has no witness fed from position 0, "
-                    "so it is disputed); beyond it (a prompt longer than it holds) the chain is not checked any more")
+                    "so it is disputed); a prompt longer than it holds is checked as it streams, each prefill chunk "
+                    "(at most half of it) waiting for the checks that make it room")
     canary_interval_s: float = Field(
         default=60.0, ge=0,
         description="about this often (jittered) one confirmed piece of work is replayed to a host of the same "

@@ -143,8 +143,10 @@ class PipelineRun:
             # A fresh chain's hops may hold the first positions already (kept prefixes): only the rest is sent.
             start = self.chain.take_reused_tokens() if isinstance(self.chain, HopChain) else 0
             hidden = await on_compute_thread(call.model.head.embed, call.known_ids[start:])
-            output = await prefill(self.chain, hidden, self.ctx.settings.orchestrator.prefill_chunk_tokens,
-                                   start=start, replay_from=len(call.prompt_ids))
+            chunk_tokens = self.verifier.prefill_chunk_tokens(self.ctx.settings.orchestrator.prefill_chunk_tokens,
+                                                              hidden)
+            output = await prefill(self.chain, hidden, chunk_tokens, start=start, replay_from=len(call.prompt_ids),
+                                   make_room=self.verifier.make_room)
         elif call.finish_reason is not None:
             # The answer is final only once the checks of its steps are in.
             return await self.verifier.settle() or Finished(call.finish_reason)

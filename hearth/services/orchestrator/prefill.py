@@ -8,7 +8,9 @@ most one chunk.
 Why pipelined: chunk k+1 is sent into hop 0 while chunk k is still in later hops, so with h hops up to h chunks
 compute at once (hop 1 on chunk k while hop 0 runs chunk k+1), which also shortens the long prompt's own time to
 first token. At most `hops + 1` chunks are out at once (and never more than a receiver holds ready,
-`max_ready_steps`): enough to keep every hop busy, few enough that a chunk's timeout stays bounded.
+`max_ready_steps`): enough to keep every hop busy, few enough that a chunk's timeout stays bounded. A call that
+checks its hops may hold a chunk back until the checks of those before made it room in the chain's bounded record
+(`make_room`: CallVerifier.make_room), so a prompt longer than the record holds is checked as it streams.
 
 The transport keeps them in order: one sender per link publishes whole steps in call order, and NATS delivers a
 connection's messages on a subject in order, so every hop (and the sink) sees chunk k complete before chunk k+1.
@@ -27,7 +29,7 @@ call goes on with the tokens an uninterrupted run would give (BENCHMARKS.md, "Fa
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import torch
 
@@ -97,14 +99,24 @@ def step_spans(total_tokens: int, chunk_tokens: int, start: int = 0,
     return steps_as_sent(total_tokens, kinds, chunk_tokens)
 
 
+# Before a chunk goes out: True to send it, False to take the output of a chunk out first (there are some), or the
+# failure that ends the prefill (CallVerifier.make_room: a long prompt's checks as it streams).
+MakeRoom = Callable[[torch.Tensor, bool], Awaitable["bool | StepFailure"]]
+
+
 async def prefill(chain: HopChain | LocalChain, hidden: torch.Tensor, chunk_tokens: int,
-                  start: int = 0, replay_from: int | None = None) -> torch.Tensor | StepFailure:
+                  start: int = 0, replay_from: int | None = None,
+                  make_room: MakeRoom | None = None) -> torch.Tensor | StepFailure:
     """Prefill `hidden` ([1, tokens, hidden], positions from `start`: the chain's hops hold those before) through
     `chain` in chunks, positions from `replay_from` on as replay steps where every hop takes them (step_spans), as
-    prefill chunks where one does not; the last chunk's output, or the failure that stopped it."""
+    prefill chunks where one does not, each sent once `make_room` lets it; the last chunk's output, or the failure
+    that stopped it."""
     spans = step_spans(int(hidden.shape[1]), chunk_tokens, start, replay_from if chain.replay_steps else None)
     prompt_tokens = [None if end is None else start + end for end in prompt_ends(spans)]
     if len(spans) == 1:
+        room = True if make_room is None else await make_room(hidden, False)
+        if isinstance(room, StepFailure):
+            return room
         return await chain.step(spans[0][2], start, hidden, prompt_tokens[0])
     if isinstance(chain, LocalChain):
         # One compute-thread trip per chunk: the orchestrator's other calls get the thread in between.
@@ -120,7 +132,13 @@ async def prefill(chain: HopChain | LocalChain, hidden: torch.Tensor, chunk_toke
     while True:
         while next_span < len(spans) and len(out) < depth:
             first, end, kind = spans[next_span]
-            sent = await chain.send_step(kind, start + first, hidden[:, first:end].contiguous(),
+            chunk = hidden[:, first:end].contiguous()
+            room = True if make_room is None else await make_room(chunk, bool(out))
+            if isinstance(room, StepFailure):
+                return room
+            if not room:
+                break
+            sent = await chain.send_step(kind, start + first, chunk,
                                          queued_tokens=sum(tokens for _, tokens in out),
                                          prompt_tokens=prompt_tokens[next_span])
             if isinstance(sent, StepFailure):

@@ -109,7 +109,8 @@ class ChainRecorder:
         self._session: str | None = None
         # What the record may hold: past half of what the prompt's steps leave of it, the decoded steps every hop's
         # checks consumed are forgotten (and the checks are made, `filling`; the prompt's are kept, for the kept
-        # inputs of a next turn); beyond it nothing more is recorded and no hop can be checked any more.
+        # inputs of a next turn, unless a long prompt's own chunks need their room: its checks run as it streams,
+        # `crowded`); what still finds no room is not recorded, and no hop can be checked any more.
         self.budget_bytes = budget_bytes
         self.held_bytes = self._prompt_bytes = 0
         # The position every hop's mirrors were fed to (the verifier moves it): no check reads before it again.
@@ -138,10 +139,8 @@ class ChainRecorder:
             self._retold.clear()
             self.generation += 1
             self.held_bytes, self._prompt_bytes, self._latest, self.needed_from = 0, 0, None, 0
-        step_bytes = hidden.numel() * hidden.element_size() * (self.hop_count + 1)
-        if self._past_half(step_bytes):
-            self._forget_before(self.needed_from)
-        if self.budget_bytes is not None and self.held_bytes + step_bytes > self.budget_bytes:
+        step_bytes = self._bytes_of(hidden)
+        if not self._room_for(step_bytes):
             if len(self.broken) < self.hop_count:
                 log.info("pipeline %s: its record reached its budget (%d MiB); no more checks on this chain",
                          self.pipeline_id, self.budget_bytes >> 20)
@@ -165,6 +164,24 @@ class ChainRecorder:
             self._latest = max(self._latest or 0, info.step)
         self._file_tapped()
         return recorded
+
+    def fits(self, hidden: torch.Tensor) -> bool:
+        """Whether a step sending `hidden` into hop 0 would be recorded, once what every hop's checks read is
+        forgotten (the prompt's steps too, when nothing else makes room)."""
+        return self._room_for(self._bytes_of(hidden))
+
+    def chunk_within(self, chunk_tokens: int, hidden: torch.Tensor) -> int:
+        """The positions of `hidden` a prefill step may carry: `chunk_tokens` (0: all in one step), at most what
+        takes half the budget, so that a chunk always finds room once the checks made it (CallVerifier.make_room)."""
+        if self.budget_bytes is None:
+            return chunk_tokens
+        fitting = max(1, self.budget_bytes // 2 // self._bytes_of(hidden[:, :1]))
+        return min(chunk_tokens or fitting, fitting)
+
+    def crowded(self, hidden: torch.Tensor) -> bool:
+        """Whether, with a step sending `hidden`, the record would hold more than half its budget: checks of the
+        prompt are due as it streams, so that the record can forget what they read before it runs out of room."""
+        return self.budget_bytes is not None and (self.held_bytes + self._bytes_of(hidden)) * 2 > self.budget_bytes
 
     @property
     def filling(self) -> bool:
@@ -258,15 +275,34 @@ class ChainRecorder:
     def _missing(self, hop: int, upto_step: int) -> bool:
         return any(step <= upto_step for step in self._unfiled[hop])
 
-    def _forget_before(self, position: int) -> None:
-        """Forget the decoded steps before `position` that every tap filed (a check can no longer begin before it);
-        never a prefill step (what entered each hop over the prompt is kept when the call ends: kept_inputs.py)."""
+    def _bytes_of(self, hidden: torch.Tensor) -> int:
+        """What the record holds of a step sending `hidden`: every hop's input and the chain's output."""
+        return hidden.numel() * hidden.element_size() * (self.hop_count + 1)
+
+    def _room_for(self, step_bytes: int) -> bool:
+        """Forget what the checks read as the budget calls for; whether `step_bytes` more then fit. Past half of
+        what the prompt leaves, the decoded steps; when even so it would not fit (a prompt longer than the budget
+        holds), the prompt's steps too: a next turn's kept inputs are lost then, not the checks of this one."""
+        if self._past_half(step_bytes):
+            self._forget_before(self.needed_from)
+        if self.budget_bytes is None or self.held_bytes + step_bytes <= self.budget_bytes:
+            return True
+        self._forget_before(self.needed_from, prompt_too=True)
+        return self.held_bytes + step_bytes <= self.budget_bytes
+
+    def _forget_before(self, position: int, *, prompt_too: bool = False) -> None:
+        """Forget the decoded steps (and prefill steps, `prompt_too`) before `position` that every tap filed (a check
+        can no longer begin before it); a prefill step only when there is no other room (what entered each hop over
+        the prompt is kept when the call ends: kept_inputs.py)."""
         for number, recorded in list(self.steps.items()):
-            if (recorded.pos + recorded.tokens <= position and recorded.kind is not FrameKind.prefill
+            if (recorded.pos + recorded.tokens <= position
+                    and (prompt_too or recorded.kind is not FrameKind.prefill)
                     and recorded.output is not None
                     and all(hop_input is not None for hop_input in recorded.inputs)):
                 del self.steps[number]
                 self.held_bytes -= recorded.nbytes
+                if recorded.kind is FrameKind.prefill:
+                    self._prompt_bytes -= recorded.nbytes
 
     def _forget_steps(self) -> None:
         self.steps.clear()

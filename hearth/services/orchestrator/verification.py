@@ -23,11 +23,10 @@ and fails over around the hop. A replica that fails to answer is no evidence; it
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import random
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -40,26 +39,13 @@ from hearth.services.orchestrator.canaries import confirmed_canary
 from hearth.services.orchestrator.chain import HopChain
 from hearth.services.orchestrator.check_policy import MIRRORS_PER_LEVEL, sampled_check_due
 from hearth.services.orchestrator.guards import RangeKey
+from hearth.services.orchestrator.hop_checks import HopChecks, checks_ran, end_checks
 from hearth.services.orchestrator.metrics import verification_checks_total
 from hearth.services.orchestrator.mirror import Mirror, open_mirror
 from hearth.services.orchestrator.outcomes import StepFailure, retold_failure
 from hearth.services.orchestrator.recording import HopSpan
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _HopChecks:
-    """What the verifier keeps for one hop of the current chain."""
-
-    mirrors: list[Mirror] = field(default_factory=list)
-    task: asyncio.Task | None = None
-    # Another check was asked for while one ran: it runs right after.
-    again: bool = False
-    # Replicas that failed or lost a dispute on this hop: not asked again in this call.
-    avoid: set[str] = field(default_factory=set)
-    # The positions before this one were confirmed by a check.
-    confirmed_pos: int = 0
 
 
 @dataclass
@@ -79,7 +65,7 @@ class CallVerifier:
         self.level = call.request.params.verify
         self.settings = ctx.settings.verification
         self.chain: HopChain | None = None
-        self._hops: list[_HopChecks] = []
+        self._hops: list[HopChecks] = []
         self._tally: dict[str, _Tally] = {}
         self._refutation: StepFailure | None = None
         self._chain_steps = 0
@@ -104,20 +90,13 @@ class CallVerifier:
         if chain.recorder is None:
             return
         self.chain = chain
-        self._hops = [_HopChecks() for _ in chain.hops]
+        self._hops = [HopChecks() for _ in chain.hops]
         self._chain_steps = 0
 
     async def detach(self) -> None:
         """Stop checking the current chain: cancel its checks, close its mirrors."""
         hops, self._hops, self.chain = self._hops, [], None
-        for hop in hops:
-            if hop.task is not None:
-                hop.task.cancel()
-        await asyncio.gather(*(hop.task for hop in hops if hop.task is not None), return_exceptions=True)
-        for hop in hops:
-            for mirror in hop.mirrors:
-                with contextlib.suppress(Exception):
-                    await mirror.close()
+        await end_checks(hops)
 
     async def check_report(self, accused: str) -> None:
         """A hop reported that its input, the output of `accused`, failed a check: check `accused` on everything up
@@ -184,24 +163,46 @@ class CallVerifier:
             if why is not None:
                 self._start_check(index, why)
 
+    def prefill_chunk_tokens(self, configured: int, hidden: torch.Tensor) -> int:
+        """The chunks the prompt `hidden` goes out in: `configured` (0: one step), fewer positions where a chunk
+        would take more than half the chain's record (one that never fits would leave the chain unchecked)."""
+        return self.chain.recorder.chunk_within(configured, hidden) if self.chain is not None else configured
+
+    async def make_room(self, chunk: torch.Tensor, others_out: bool) -> bool | StepFailure:
+        """Before a prompt's `chunk` goes out (prefill.py's MakeRoom), at every level that checks: once the record
+        would hold more than half its budget, every hop is checked on what it ran so far, so that the record forgets
+        it; when the chunk would not fit, those checks are waited for (then the output of a chunk out, `others_out`:
+        False). A prompt longer than the record holds is thus checked as it streams, not left unchecked (a host sees
+        its length); the refutation a check found ends the prefill."""
+        if self.chain is None:
+            return True
+        recorder = self.chain.recorder
+        if recorder.crowded(chunk):
+            for index in range(len(self.chain.hops)):
+                self._start_check(index, "prompt streaming")
+            if not recorder.fits(chunk):
+                await self._checks_ran()
+        if self._refutation is not None:
+            return self.refuted()
+        return recorder.fits(chunk) or not others_out
+
     async def verify_step(self) -> StepFailure | None:
         """Levels `all` and `vote`: check every hop up to the step just done, now; the refutation, if any."""
         if self.chain is None or self.level not in ("all", "vote"):
             return None
+        await self._checks_ran(cancel=True)  # a hop's mirror runs one check at a time
         await asyncio.gather(*(self._check(index) for index in range(len(self.chain.hops))))
         return self.refuted()
+
+    async def _checks_ran(self, *, cancel: bool = False) -> None:
+        await checks_ran(self._hops, self.settings.settle_timeout_s, self.call.pipeline_id, cancel=cancel)
 
     async def settle(self) -> StepFailure | None:
         """Before the call's last frame: wait for the checks still running (at most `settle_timeout_s`); `all` and
         `vote` check again what a failed check left unchecked, as no next step will (caught-up hops cost nothing)."""
         if self.level in ("all", "vote"):
             return await self.verify_step()
-        running = [hop.task for hop in self._hops if hop.task is not None and not hop.task.done()]
-        if running:
-            done, pending = await asyncio.wait(running, timeout=self.settings.settle_timeout_s)
-            if pending:
-                log.warning("pipeline %s: %d checks still running after %.0f s; the answer goes out unchecked "
-                            "there", self.call.pipeline_id, len(pending), self.settings.settle_timeout_s)
+        await self._checks_ran()
         return self.refuted()
 
     def summaries(self) -> list[IntegrityShardsVerified]:
@@ -216,7 +217,7 @@ class CallVerifier:
 
     def _start_check(self, index: int, why: str) -> None:
         hop = self._hops[index]
-        if hop.task is not None and not hop.task.done():
+        if hop.running:
             hop.again = True
             return
         log.debug("pipeline %s: checking hop %d (%s)", self.call.pipeline_id, index, why)
@@ -263,7 +264,7 @@ class CallVerifier:
             if isinstance(output, StepFailure):
                 log.info("pipeline %s: mirror %s of hop %d failed (%s); dropped", self.call.pipeline_id,
                          mirror.shard_id, index, output)
-                await self._drop_mirror(hop, mirror)
+                await hop.drop(mirror)
         if any(isinstance(output, StepFailure) for output in outputs):
             return
         runs = list(zip(mirrors, spans, outputs))
@@ -322,14 +323,14 @@ class CallVerifier:
                 return
             if sides_with_hop and not sides_with_mirror:
                 await self._quarantine(mirror.shard_id, [primary, witness.shard_id], evidence)
-                await self._drop_mirror(hop, mirror)
+                await hop.drop(mirror)
                 if witness not in hop.mirrors:  # a fresh witness takes the dropped mirror's place
                     hop.mirrors.append(witness)
                 self._confirm(primary, span, index)
                 return
         await self._record(IntegrityMismatchDisputed(shard_ids=[primary, mirror.shard_id], **evidence))
         verification_checks_total.labels("disputed").inc()
-        await self._drop_mirror(hop, mirror)
+        await hop.drop(mirror)
         for witness, _ in others:
             if witness not in hop.mirrors:
                 await witness.close()
@@ -358,17 +359,11 @@ class CallVerifier:
             if mirror is None:
                 break
             hop.mirrors.append(mirror)
-        return list(hop.mirrors) if len(hop.mirrors) == self.mirrors_per_hop else []
+        hop.unmirrored = len(hop.mirrors) < self.mirrors_per_hop
+        return [] if hop.unmirrored else list(hop.mirrors)
 
     async def _open_mirror(self, chain: HopChain, index: int, avoid: set[str]) -> Mirror | None:
         return await open_mirror(self.ctx, self.call, chain, index, avoid | self.call.excluded.keys(), self._chance)
-
-    async def _drop_mirror(self, hop: _HopChecks, mirror: Mirror) -> None:
-        hop.avoid.add(mirror.shard_id)
-        if mirror in hop.mirrors:
-            hop.mirrors.remove(mirror)
-        with contextlib.suppress(Exception):
-            await mirror.close()
 
     # ------------------------------------------------------------------ outcomes
 
@@ -380,8 +375,12 @@ class CallVerifier:
         if index is not None:
             self.ctx.guards.learn(self._range_key(index), span.outputs)
             self._hops[index].confirmed_pos = max(self._hops[index].confirmed_pos, span.end_pos)
-            # What every hop's mirrors were fed: the record may forget it (a witness can then not be fed from 0).
-            self.chain.recorder.needed_from = min(min((m.fed_pos for m in h.mirrors), default=0) for h in self._hops)
+            # What every hop's mirrors were fed: the record may forget it (a witness can then not be fed from 0). A hop
+            # without the replicas to check it, or a record, holds nothing back (else it would leave the others
+            # unchecked past the budget); one whose mirrors are still opening does.
+            recorder = self.chain.recorder
+            recorder.needed_from = min((min((m.fed_pos for m in h.mirrors), default=0) for i, h in enumerate(self._hops)
+                                        if i not in recorder.broken and not h.unmirrored), default=0)
 
     async def _quarantine(self, shard_id: str, witnesses: list[str], evidence: dict) -> None:
         log.warning("pipeline %s: %s computed layers %d-%d wrongly (witnesses %s); quarantined",

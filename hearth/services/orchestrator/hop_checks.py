@@ -1,0 +1,70 @@
+"""HopChecks: what a call's verifier (hearth/services/orchestrator/verification.py) keeps for one hop of its current
+chain: the mirrors that check it, the check running on it, the replicas it no longer asks, what is confirmed."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from hearth.services.orchestrator.mirror import Mirror
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class HopChecks:
+    """The checks of one hop of the current chain."""
+
+    mirrors: list[Mirror] = field(default_factory=list)
+    task: asyncio.Task | None = None
+    # Another check was asked for while one ran: it runs right after.
+    again: bool = False
+    # Replicas that failed or lost a dispute on this hop: not asked again in this call.
+    avoid: set[str] = field(default_factory=set)
+    # The positions before this one were confirmed by a check.
+    confirmed_pos: int = 0
+    # Its last check found fewer replicas to mirror it than its level asks: it is not checked meanwhile.
+    unmirrored: bool = False
+
+    @property
+    def running(self) -> bool:
+        return self.task is not None and not self.task.done()
+
+    async def drop(self, mirror: Mirror) -> None:
+        """Ask `mirror`'s replica no more in this call, and close it."""
+        self.avoid.add(mirror.shard_id)
+        if mirror in self.mirrors:
+            self.mirrors.remove(mirror)
+        with contextlib.suppress(Exception):
+            await mirror.close()
+
+
+async def end_checks(hops: Sequence[HopChecks]) -> None:
+    """Cancel the hops' checks and close their mirrors (the chain is no longer checked)."""
+    for hop in hops:
+        if hop.task is not None:
+            hop.task.cancel()
+    await asyncio.gather(*(hop.task for hop in hops if hop.task is not None), return_exceptions=True)
+    for hop in hops:
+        for mirror in hop.mirrors:
+            with contextlib.suppress(Exception):
+                await mirror.close()
+
+
+async def checks_ran(hops: Sequence[HopChecks], timeout_s: float, pipeline_id: str, *, cancel: bool) -> None:
+    """Wait for the hops' checks running, at most `timeout_s`; those still running then are cancelled (`cancel`:
+    their work left unchecked, their mirrors free for another check) or left running."""
+    running = [hop.task for hop in hops if hop.running]
+    if not running:
+        return
+    _, pending = await asyncio.wait(running, timeout=timeout_s)
+    if pending:
+        log.warning("pipeline %s: %d checks still running after %.0f s%s", pipeline_id, len(pending), timeout_s,
+                    "; cancelled, their steps unchecked" if cancel else "")
+    if pending and cancel:
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
