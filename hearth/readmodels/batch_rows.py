@@ -15,6 +15,7 @@ from sqlalchemy import Table
 from sqlalchemy.orm import Session
 
 from hearth.readmodels.tables import (
+    AppliedEvent,
     EventCount,
     Failover,
     IntegrityEvidence,
@@ -43,6 +44,7 @@ SHARD_REPUTATION: Table = ShardReputation.__table__
 INTEGRITY_EVIDENCE: Table = IntegrityEvidence.__table__
 KEPT_PREFIXES: Table = KeptPrefixRecord.__table__
 MEMBER_REMOVALS: Table = MemberRemoval.__table__
+APPLIED_EVENTS: Table = AppliedEvent.__table__
 
 Row = dict[str, Any]
 
@@ -82,7 +84,7 @@ TABLE_SQL = {
     table.name: TableSql(table)
     for table in (SHARDS, SHARD_HEALTH, SHARD_STATS, PIPELINES, FAILOVERS, REJECTED_EVENTS, REJECTED_EVENT_COUNTS,
                   EVENT_COUNTS, SHARD_TOKENS_DAILY, SHARD_REPUTATION, INTEGRITY_EVIDENCE, KEPT_PREFIXES,
-                  MEMBER_REMOVALS)
+                  MEMBER_REMOVALS, APPLIED_EVENTS)
 }
 
 

@@ -76,6 +76,17 @@ def _daily_totals(policy: RetentionPolicy) -> float:
     return policy.daily_totals_retention_days
 
 
+# Each stream's history retention: what a read model keeps of that stream, the ids of the events it applied included.
+STREAM_RETENTION: dict[str, Callable[[RetentionPolicy], float]] = {SHARDS_STREAM: _shards, PIPELINES_STREAM: _pipelines}
+
+
+def history_kept_s(policy: RetentionPolicy | None, stream: str) -> float | None:
+    """How long (s, by the stream's clock) the read models keep `stream`'s history; None: for ever (no policy, or a
+    stream no rule prunes)."""
+    retention = None if policy is None else STREAM_RETENTION.get(stream)
+    return None if retention is None else retention(policy) * seconds_per_day
+
+
 _NOT_QUARANTINED = "shard_id NOT IN (SELECT shard_id FROM shard_reputation WHERE status = 'quarantined')"
 
 # In order: a rule that reads another table (shard_health reads shards) comes after that table's own rule.
@@ -103,9 +114,11 @@ PRUNE_RULES: tuple[PruneRule, ...] = (
     # and the log no longer holds it. Deleting a signer's latest lowers its pruning bound, but a record applied later
     # that the latest would have pruned expired before it was kept, so before this cutoff too: the next pass takes it.
     PruneRule("kept_prefixes", PIPELINES_STREAM, "expires_at < :cutoff", _pipelines),
+    # An applied event's id goes once a copy of it would be refused as too old anyway (readmodels.applied_events).
     *(PruneRule(table, stream, f"stream = :stream AND {column} < :cutoff", retention)
-      for stream, retention in ((SHARDS_STREAM, _shards), (PIPELINES_STREAM, _pipelines))
-      for table, column in (("rejected_events", "rejected_at"), ("rejected_event_counts", "minute"))),
+      for stream, retention in STREAM_RETENTION.items()
+      for table, column in (("rejected_events", "rejected_at"), ("rejected_event_counts", "minute"),
+                            ("applied_events", "occurred_at"))),
 )
 
 

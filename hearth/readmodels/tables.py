@@ -187,7 +187,7 @@ class RejectedEvent(Base):
     reason: Mapped[str] = mapped_column(
         String, nullable=False,
         comment="unsigned | unknown_signer | removed_signer | bad_signature | role_may_not_emit | node_mismatch | "
-                "wrong_stream | future_dated | unapplicable",
+                "wrong_stream | future_dated | unapplicable | duplicate | too_old",
     )
     occurred_at: Mapped[int] = mapped_column(Integer, nullable=False, comment="epoch s the event claims")
     rejected_at: Mapped[int] = mapped_column(
@@ -221,6 +221,20 @@ class MemberRemoval(Base):
     member: Mapped[str] = mapped_column(String, nullable=False, comment="its name (node id)")
     event_id: Mapped[str] = mapped_column(String, nullable=False, comment="the first removal event of it there")
     removed_at: Mapped[int] = mapped_column(Integer, nullable=False, comment="epoch s the steward says")
+
+
+class AppliedEvent(Base):
+    """An event a projection applied, by its id on its stream (hearth/readmodels/applied_events.py): a copy stored
+    again past the broker's duplicate window is rejected `duplicate`, not counted twice. Kept as long as its stream's
+    history; an event older than that is refused `too_old`, so no copy outlives its id."""
+
+    __tablename__ = "applied_events"
+
+    stream: Mapped[str] = mapped_column(String, primary_key=True)
+    event_id: Mapped[str] = mapped_column(String, primary_key=True)
+    occurred_at: Mapped[int] = mapped_column(Integer, nullable=False, comment="epoch s the event claims")
+
+    __table_args__ = (Index(None, "stream", "occurred_at"),)
 
 
 class EventCount(Base):
