@@ -1,6 +1,6 @@
 """The projector against a real nats-server whose duplicate window has passed: a signed event published a second
 time is a second stream message, and the read models (live and rebuilt) still count it once, the copy rejected as
-`duplicate`."""
+`duplicate`, and `hearth-replay verify` reports each copy."""
 
 from __future__ import annotations
 
@@ -16,10 +16,12 @@ from hearth.events.models import IntegrityShardsVerified, PipelineCompleted, Pip
 from hearth.events.publish import publish_event
 from hearth.events.signing import EventVerifier, sign_event
 from hearth.events.streams import PIPELINES_STREAM, ensure_streams
+from hearth.readmodels.db import open_engine
 from hearth.readmodels.rebuild import diff_databases, rebuild_database
 from hearth.readmodels.runner import Projector
 from hearth.readmodels.tables import RejectedEvent, ShardReputation, ShardTokensDaily
 from hearth.services.broker.connection import connect_nats
+from hearth.services.replay.verify import verify_streams
 from hearth.trust.keys import MemberKey
 from hearth.trust.roster import new_member, new_roster
 from tests.readmodel_helpers import MODEL_ID, WEIGHTS_SHA
@@ -83,3 +85,13 @@ async def test_an_event_published_again_past_the_duplicate_window_is_counted_onc
     rebuilt = tmp_path / "rebuilt.db"
     await rebuild_database(js, rebuilt, verifier=verifier)
     assert diff_databases(rebuilt, live) == []
+    engine = open_engine(rebuilt)
+    try:
+        with Session(engine) as session:  # not vacuous: the rebuild counted the tokens once too
+            assert session.scalars(select(ShardTokensDaily.tokens)).one() == 12
+    finally:
+        engine.dispose()
+
+    report = await verify_streams(js, verifier, [PIPELINES_STREAM])
+    assert [(bad.seq, bad.event_id, bad.reason) for bad in report.bad] == [
+        (4, completed.event_id, "duplicate"), (5, verified.event_id, "duplicate")]

@@ -15,6 +15,7 @@ from hearth.events.streams import PIPELINES_STREAM, seconds_per_day
 from hearth.readmodels.projection import ReadModelProjection
 from hearth.readmodels.retention import history_kept_s, prune_all, retention_policy
 from hearth.services.common.config import ReadModelSettings
+from hearth.services.replay import verify
 from tests.readmodel_helpers import LogBuilder, advertised, apply_all, at, constructed, migrated_engine
 from tests.reputation_events import verified
 
@@ -99,3 +100,15 @@ def test_an_id_is_pruned_only_once_a_copy_would_be_too_old(tmp_path):
     assert scalar(engine, "SELECT COUNT(*) FROM applied_events") == 1  # p-1's id went with the stream's history
     apply_all(engine, [stored_later(log, done, KEPT_S + 60)], projection)
     assert rejected(engine) == [(3, done.event_id, "too_old")]
+
+
+def test_verify_tells_copies_and_too_old_events_as_a_projection_does(monkeypatch):
+    monkeypatch.setattr(verify, "forget_every_events", 2)  # forget often, to show it forgets only what aged out
+    log = LogBuilder()
+    passed = verify.PassedEvents(KEPT_S)
+    old, recent = completed("p-old", t=0.0), completed("p-new", t=KEPT_S)
+    assert passed.repeat(log.stored(old)) is None
+    assert passed.repeat(log.stored(recent)) is None  # the second: forgets what aged past the kept window
+    assert passed.repeat(stored_later(log, recent, 60.0)) == "duplicate"
+    assert passed.repeat(stored_later(log, old, KEPT_S + 60)) == "too_old"
+    assert verify.PassedEvents(None).repeat(stored_later(log, old, 10 * KEPT_S)) is None
