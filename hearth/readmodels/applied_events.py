@@ -13,13 +13,14 @@ the id that would have caught it.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from hearth.events.signing import RejectionReason
 from hearth.readmodels.batch_rows import APPLIED_EVENTS, BatchRows
 
 if TYPE_CHECKING:
-    from hearth.events.consume import StoredEvent
+    from hearth.events.consume import SkippedMessage, StoredEvent
 
 DUPLICATE: RejectionReason = "duplicate"
 TOO_OLD: RejectionReason = "too_old"
@@ -31,11 +32,16 @@ def older_than_kept(message: StoredEvent, kept_s: float | None) -> bool:
     return kept_s is not None and message.event.occurred_at.timestamp() < message.time.timestamp() - kept_s
 
 
+def preload_applied(messages: Iterable[StoredEvent | SkippedMessage], rows: BatchRows) -> None:
+    """Look the batch's events up in applied_events at once (a query per few hundred, not one per event)."""
+    rows.preload(APPLIED_EVENTS, (_key(message) for message in messages if getattr(message, "event", None) is not None))
+
+
 def repeat_rejection(message: StoredEvent, rows: BatchRows, kept_s: float | None) -> RejectionReason | None:
     """`too_old` or `duplicate` when `message` must not be applied for being (perhaps) a copy; None: apply it."""
     if older_than_kept(message, kept_s):
         return TOO_OLD
-    if rows.get(APPLIED_EVENTS, (message.stream, message.event.event_id)) is not None:
+    if rows.get(APPLIED_EVENTS, _key(message)) is not None:
         return DUPLICATE
     return None
 
@@ -43,6 +49,11 @@ def repeat_rejection(message: StoredEvent, rows: BatchRows, kept_s: float | None
 def record_applied(message: StoredEvent, rows: BatchRows) -> None:
     """Keep the id of the event `message` holds, applied in this batch (only an applied one: a forged copy rejected
     first must not block the real event)."""
-    event = message.event
-    rows.put(APPLIED_EVENTS, (message.stream, event.event_id), dict(
-        stream=message.stream, event_id=event.event_id, occurred_at=math.floor(event.occurred_at.timestamp())))
+    stream, occurred_at, event_id = key = _key(message)
+    rows.put(APPLIED_EVENTS, key, dict(stream=stream, occurred_at=occurred_at, event_id=event_id))
+
+
+def _key(message: StoredEvent) -> tuple[str, int, str]:
+    """Its row's key: a copy of a signed event claims the same time as the original (the signature covers it), and a
+    sender that would change the time could as well mint a new id."""
+    return message.stream, math.floor(message.event.occurred_at.timestamp()), message.event.event_id

@@ -51,7 +51,7 @@ from hearth.events.models import (
 )
 from hearth.events.signing import EventVerifier, RejectionReason
 from hearth.readmodels.admission import Rejection, record_member_removal, rejection
-from hearth.readmodels.applied_events import record_applied, repeat_rejection
+from hearth.readmodels.applied_events import preload_applied, record_applied, repeat_rejection
 from hearth.events.streams import seconds_per_day
 from hearth.readmodels.batch_rows import (
     EVENT_COUNTS,
@@ -139,7 +139,9 @@ class ReadModelProjection:
         last_event_at: dict[str, int] = {}
         applied = 0
         rows = BatchRows(session)
+        messages = tuple(messages)
         try:
+            preload_applied(messages, rows)
             for message in messages:
                 if message.seq <= positions.get(message.stream, 0):
                     continue

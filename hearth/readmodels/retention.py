@@ -62,6 +62,7 @@ class PruneRule:
     where: str
     retention: Callable[[RetentionPolicy], float]
     align_s: int = seconds_per_minute
+    row: str = "rowid"  # the columns that name a row (a table without a rowid: its key's)
 
 
 def _shards(policy: RetentionPolicy) -> float:
@@ -114,11 +115,12 @@ PRUNE_RULES: tuple[PruneRule, ...] = (
     # and the log no longer holds it. Deleting a signer's latest lowers its pruning bound, but a record applied later
     # that the latest would have pruned expired before it was kept, so before this cutoff too: the next pass takes it.
     PruneRule("kept_prefixes", PIPELINES_STREAM, "expires_at < :cutoff", _pipelines),
-    # An applied event's id goes once a copy of it would be refused as too old anyway (readmodels.applied_events).
     *(PruneRule(table, stream, f"stream = :stream AND {column} < :cutoff", retention)
       for stream, retention in STREAM_RETENTION.items()
-      for table, column in (("rejected_events", "rejected_at"), ("rejected_event_counts", "minute"),
-                            ("applied_events", "occurred_at"))),
+      for table, column in (("rejected_events", "rejected_at"), ("rejected_event_counts", "minute"))),
+    # An applied event's id goes once a copy of it would be refused as too old anyway (readmodels.applied_events).
+    *(PruneRule("applied_events", stream, "stream = :stream AND occurred_at < :cutoff", retention,
+                row="stream, occurred_at, event_id") for stream, retention in STREAM_RETENTION.items()),
 )
 
 
@@ -149,8 +151,9 @@ def prune_once(session: Session, policy: RetentionPolicy, projection: str) -> in
             if cutoff is None:
                 continue
             cursor.execute(
-                f"DELETE FROM {rule.table} WHERE rowid IN (SELECT rowid FROM {rule.table} WHERE {rule.where} "
-                "LIMIT :limit)", dict(cutoff=cutoff, stream=rule.stream, limit=policy.prune_batch_rows))
+                f"DELETE FROM {rule.table} WHERE ({rule.row}) IN (SELECT {rule.row} FROM {rule.table} "
+                f"WHERE {rule.where} LIMIT :limit)",
+                dict(cutoff=cutoff, stream=rule.stream, limit=policy.prune_batch_rows))
             if cursor.rowcount > 0:
                 return cursor.rowcount
         return 0

@@ -226,15 +226,18 @@ class MemberRemoval(Base):
 class AppliedEvent(Base):
     """An event a projection applied, by its id on its stream (hearth/readmodels/applied_events.py): a copy stored
     again past the broker's duplicate window is rejected `duplicate`, not counted twice. Kept as long as its stream's
-    history; an event older than that is refused `too_old`, so no copy outlives its id."""
+    history; an event older than that is refused `too_old`, so no copy outlives its id.
+
+    Keyed by time first, without a rowid: one B-tree, appended to at its end as events come in time order, pruned
+    from its start. A copy of a signed event claims the time the original did (the signature covers it)."""
 
     __tablename__ = "applied_events"
 
     stream: Mapped[str] = mapped_column(String, primary_key=True)
+    occurred_at: Mapped[int] = mapped_column(Integer, primary_key=True, comment="epoch s the event claims")
     event_id: Mapped[str] = mapped_column(String, primary_key=True)
-    occurred_at: Mapped[int] = mapped_column(Integer, nullable=False, comment="epoch s the event claims")
 
-    __table_args__ = (Index(None, "stream", "occurred_at"),)
+    __table_args__ = {"sqlite_with_rowid": False}
 
 
 class EventCount(Base):

@@ -21,20 +21,19 @@ down_revision: str | None = "0016"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
-_INDEX = "ix_applied_events_stream_occurred_at"
 
 
 def upgrade() -> None:
+    # Keyed by time first and without a rowid: one B-tree, appended to at its end, pruned from its start.
     op.create_table(
         "applied_events",
         sa.Column("stream", sa.String(), nullable=False),
-        sa.Column("event_id", sa.String(), nullable=False),
         sa.Column("occurred_at", sa.Integer(), nullable=False, comment="epoch s the event claims"),
-        sa.PrimaryKeyConstraint("stream", "event_id", name=op.f("pk_applied_events")),
+        sa.Column("event_id", sa.String(), nullable=False),
+        sa.PrimaryKeyConstraint("stream", "occurred_at", "event_id", name=op.f("pk_applied_events")),
+        sqlite_with_rowid=False,
     )
-    op.create_index(_INDEX, "applied_events", ["stream", "occurred_at"])
 
 
 def downgrade() -> None:
-    op.drop_index(_INDEX, table_name="applied_events")
     op.drop_table("applied_events")
