@@ -172,9 +172,9 @@ class ProjectionPosition(Base):
 
 class RejectedEvent(Base):
     """An event a projection did not apply: unsigned, signed by a non-member or a removed one, by a role that may not
-    emit its type, for another node or stream, or dated in the future (hearth/events/signing.py). Its position still
-    advanced. A sample: the first few of each reason in each minute of each stream (rejected_event_counts counts them
-    all)."""
+    emit its type, for another node or stream, or dated in the future (hearth/events/signing.py); or a copy of an
+    event applied already, or older than its id is kept (applied_events). Its position still advanced. A sample: the
+    first few of each reason in each minute of each stream (rejected_event_counts counts them all)."""
 
     __tablename__ = "rejected_events"
 
