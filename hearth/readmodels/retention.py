@@ -31,6 +31,9 @@ log = logging.getLogger(__name__)
 seconds_per_minute = 60
 # How long a cancelled pruner waits for its transaction under way (a few hundred rows) to end.
 prune_finish_timeout_s = 10.0
+# Applied event ids are kept this much past their stream's retention, the window beyond which a copy is too_old: a
+# broker clock stepped back (a stream's leader moving to a machine whose clock is behind) cannot let one in between.
+applied_ids_margin_s = 3600.0
 # Free pages given back to the disk per transaction: a step short beside an applier's batch (2 MiB of 4 KiB pages).
 release_step_pages = 500
 
@@ -81,6 +84,10 @@ def _daily_totals(policy: RetentionPolicy) -> float:
 STREAM_RETENTION: dict[str, Callable[[RetentionPolicy], float]] = {SHARDS_STREAM: _shards, PIPELINES_STREAM: _pipelines}
 
 
+def _ids_kept(retention: Callable[[RetentionPolicy], float]) -> Callable[[RetentionPolicy], float]:
+    return lambda policy: retention(policy) + applied_ids_margin_s / seconds_per_day
+
+
 def history_kept_s(policy: RetentionPolicy | None, stream: str) -> float | None:
     """How long (s, by the stream's clock) the read models keep `stream`'s history; None: for ever (no policy, or a
     stream no rule prunes)."""
@@ -119,7 +126,7 @@ PRUNE_RULES: tuple[PruneRule, ...] = (
       for stream, retention in STREAM_RETENTION.items()
       for table, column in (("rejected_events", "rejected_at"), ("rejected_event_counts", "minute"))),
     # An applied event's id goes once a copy of it would be refused as too old anyway (readmodels.applied_events).
-    *(PruneRule("applied_events", stream, "stream = :stream AND occurred_at < :cutoff", retention,
+    *(PruneRule("applied_events", stream, "stream = :stream AND occurred_at < :cutoff", _ids_kept(retention),
                 row="stream, occurred_at, event_id") for stream, retention in STREAM_RETENTION.items()),
 )
 

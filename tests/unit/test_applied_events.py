@@ -13,7 +13,7 @@ from sqlalchemy.orm import sessionmaker
 from hearth.events.models import PipelineCompleted
 from hearth.events.streams import PIPELINES_STREAM, seconds_per_day
 from hearth.readmodels.projection import ReadModelProjection
-from hearth.readmodels.retention import history_kept_s, prune_all, retention_policy
+from hearth.readmodels.retention import applied_ids_margin_s, history_kept_s, prune_all, retention_policy
 from hearth.services.common.config import ReadModelSettings
 from hearth.services.replay import verify
 from tests.readmodel_helpers import LogBuilder, advertised, apply_all, at, constructed, migrated_engine
@@ -97,9 +97,13 @@ def test_an_id_is_pruned_only_once_a_copy_would_be_too_old(tmp_path):
     done = completed("p-1", t=0.0)
     apply_all(engine, [log.stored(done), log.stored(completed("p-2", t=KEPT_S + 60))], projection)
     prune_all(sessionmaker(engine), POLICY, projection.name)
-    assert scalar(engine, "SELECT COUNT(*) FROM applied_events") == 1  # p-1's id went with the stream's history
-    apply_all(engine, [stored_later(log, done, KEPT_S + 60)], projection)
-    assert rejected(engine) == [(3, done.event_id, "too_old")]
+    # Kept a margin past the window (a broker clock stepped back): a copy now is both too old and known.
+    assert scalar(engine, "SELECT COUNT(*) FROM applied_events") == 2
+    apply_all(engine, [log.stored(completed("p-3", t=KEPT_S + applied_ids_margin_s + 60))], projection)
+    prune_all(sessionmaker(engine), POLICY, projection.name)
+    assert scalar(engine, "SELECT COUNT(*) FROM applied_events") == 2  # p-1's id went with the stream's history
+    apply_all(engine, [stored_later(log, done, KEPT_S + applied_ids_margin_s + 60)], projection)
+    assert rejected(engine) == [(4, done.event_id, "too_old")]
 
 
 def test_verify_tells_copies_and_too_old_events_as_a_projection_does(monkeypatch):
