@@ -29,7 +29,9 @@ MODEL_LAYERS = 8  # what advertised() says the model has
 # What a loaded head's `info` tells of that model (for stand-ins of an orchestrator's LoadedModel).
 MODEL_INFO = SimpleNamespace(num_layers=MODEL_LAYERS)
 WEIGHTS_SHA = "ab" * 32
-T0 = datetime(2026, 11, 21, 12, 0, 0, tzinfo=timezone.utc)
+# Noon yesterday: recent, because a projector with a retention policy refuses an event older than it keeps history by
+# when the stream stored it (too_old, readmodels.applied_events), and a real stream stores a test's events now.
+T0 = (datetime.now(timezone.utc) - timedelta(days=1)).replace(hour=12, minute=0, second=0, microsecond=0)
 
 
 def migrated_engine(path: Path) -> Engine:

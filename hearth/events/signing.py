@@ -28,14 +28,16 @@ log = logging.getLogger(__name__)
 
 SIGNATURE_FIELD = "signature"
 
-# The verifier's reasons, and `unapplicable`: an event no handler could apply (hearth/readmodels/unapplicable.py).
+# The verifier's reasons; `unapplicable`, an event no handler could apply (hearth/readmodels/unapplicable.py); and
+# `duplicate` and `too_old`, a copy of an event applied already or one older than its id is kept
+# (hearth/readmodels/applied_events.py).
 RejectionReason = Literal[
     "unsigned", "unknown_signer", "removed_signer", "bad_signature", "role_may_not_emit", "node_mismatch",
-    "wrong_stream", "future_dated", "unapplicable",
+    "wrong_stream", "future_dated", "unapplicable", "duplicate", "too_old",
 ]
 REJECTION_REASONS: tuple[RejectionReason, ...] = (
     "unsigned", "unknown_signer", "removed_signer", "bad_signature", "role_may_not_emit", "node_mismatch",
-    "wrong_stream", "future_dated", "unapplicable",
+    "wrong_stream", "future_dated", "unapplicable", "duplicate", "too_old",
 )
 
 # Who may say what: a shard host its own shard events; an orchestrator the pipeline and integrity events of the

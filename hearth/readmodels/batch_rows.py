@@ -8,13 +8,14 @@ the caller's transaction.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from sqlalchemy import Table
 from sqlalchemy.orm import Session
 
 from hearth.readmodels.tables import (
+    AppliedEvent,
     EventCount,
     Failover,
     IntegrityEvidence,
@@ -43,9 +44,13 @@ SHARD_REPUTATION: Table = ShardReputation.__table__
 INTEGRITY_EVIDENCE: Table = IntegrityEvidence.__table__
 KEPT_PREFIXES: Table = KeptPrefixRecord.__table__
 MEMBER_REMOVALS: Table = MemberRemoval.__table__
+APPLIED_EVENTS: Table = AppliedEvent.__table__
 
 Row = dict[str, Any]
 
+
+# Keys looked up per query by BatchRows.preload: three key columns stay within the 999 parameters of an older SQLite.
+preload_chunk_keys = 300
 
 # The most a count a read model sums over events holds: sums stop there (saturating_add), well inside SQLite's 64-bit
 # INTEGER, so no number of events, each within the events' own bounds, can make a row unwritable.
@@ -82,7 +87,7 @@ TABLE_SQL = {
     table.name: TableSql(table)
     for table in (SHARDS, SHARD_HEALTH, SHARD_STATS, PIPELINES, FAILOVERS, REJECTED_EVENTS, REJECTED_EVENT_COUNTS,
                   EVENT_COUNTS, SHARD_TOKENS_DAILY, SHARD_REPUTATION, INTEGRITY_EVIDENCE, KEPT_PREFIXES,
-                  MEMBER_REMOVALS)
+                  MEMBER_REMOVALS, APPLIED_EVENTS)
 }
 
 
@@ -110,6 +115,28 @@ class BatchRows:
             found = self._cursor.fetchone()
             rows[key] = dict(zip(sql.columns, found)) if found is not None else None
         return rows[key]
+
+    def preload(self, table: Table, keys: Iterable[Any]) -> None:
+        """Load the rows of many keys at once, a query per `preload_chunk_keys` rather than one per key; a key without
+        a row is then held as None, so `get` of it asks the database nothing."""
+        sql = TABLE_SQL[table.name]
+        rows = self._rows[table.name]
+        missing = [key for key in dict.fromkeys(keys) if key not in rows]
+        width = len(sql.key_columns)
+        one_key = "(" + ", ".join("?" * width) + ")"
+        # CROSS JOIN: the listed keys drive, each a search of the primary key (a row-value IN would scan the table).
+        on = " AND ".join(f"t.{name} = v.column{i + 1}" for i, name in enumerate(sql.key_columns))
+        columns = ", ".join(f"t.{name}" for name in sql.columns)
+        for start in range(0, len(missing), preload_chunk_keys):
+            chunk = missing[start:start + preload_chunk_keys]
+            rows.update(dict.fromkeys(chunk))
+            self._cursor.execute(
+                f"SELECT {columns} FROM (VALUES {', '.join([one_key] * len(chunk))}) AS v CROSS JOIN {table.name} AS t "
+                f"ON {on}", [part for key in chunk for part in (key if width > 1 else (key,))])
+            for found in self._cursor.fetchall():
+                row = dict(zip(sql.columns, found))
+                key = tuple(row[name] for name in sql.key_columns)
+                rows[key if width > 1 else key[0]] = row
 
     def where(self, table: Table, column: str, value: Any) -> list[Row]:
         """Every current row whose `column` is `value`: the stored ones loaded into the batch (a row it already

@@ -3,7 +3,8 @@
 `ReadModelProjection.apply_many(session, messages)` runs inside the caller's transaction: for each message
 whose sequence is beyond its stream's stored position it runs the handler of its event class (one small
 method per type, dispatched with functools.singledispatchmethod) and then moves that stream's position
-forward; messages at or below the position (redeliveries, a replay over an up-to-date database) are no-ops.
+forward; messages at or below the position (redeliveries, a replay over an up-to-date database) are no-ops, and a
+copy of an event applied before, stored again past the broker's duplicate window, is rejected (applied_events).
 The caller commits once, so a crash between two batches leaves rows and positions consistent.
 
 Handlers do not talk SQL: they edit plain dict rows held by a readmodels.batch_rows.BatchRows unit of
@@ -50,6 +51,7 @@ from hearth.events.models import (
 )
 from hearth.events.signing import EventVerifier, RejectionReason
 from hearth.readmodels.admission import Rejection, record_member_removal, rejection
+from hearth.readmodels.applied_events import preload_applied, record_applied, repeat_rejection
 from hearth.events.streams import seconds_per_day
 from hearth.readmodels.batch_rows import (
     EVENT_COUNTS,
@@ -70,7 +72,7 @@ from hearth.readmodels.pipeline_minutes import refresh_minutes
 from hearth.readmodels.positions import PROJECTION_NAME, load_positions, save_position
 from hearth.readmodels.rejections import record_rejection
 from hearth.readmodels.reputation import ReputationEvent, apply_reputation_event
-from hearth.readmodels.retention import RetentionPolicy
+from hearth.readmodels.retention import RetentionPolicy, history_kept_s
 
 if TYPE_CHECKING:
     from hearth.events.consume import SkippedMessage, StoredEvent
@@ -112,6 +114,7 @@ class ReadModelProjection:
         self.verifier = verifier
         # Rejected events kept as rows per minute, stream and reason (None, no policy: every one).
         self.rejected_samples_per_minute = None if retention is None else retention.rejected_samples_per_minute
+        self.retention = retention  # how long applied event ids are kept, so how old an event may be (applied_events)
 
     # ---- applying messages -------------------------------------------------------------------------------
 
@@ -126,7 +129,8 @@ class ReadModelProjection:
 
         With a verifier, an event that fails it is not applied: it becomes a rejected_events row (and is
         appended to `rejections`, for the caller to count once it has committed) and its position advances; with
-        `reject_as`, so is every event, for that reason (readmodels.unapplicable).
+        `reject_as`, so is every event, for that reason (readmodels.unapplicable). So is a copy of an event applied
+        before, or one older than applied ids are kept (readmodels.applied_events: `duplicate`, `too_old`).
         Returns how many messages moved a position (skipped, undecodable and rejected ones included). The
         caller commits; if it rolls back instead, neither rows nor positions change.
         """
@@ -135,7 +139,9 @@ class ReadModelProjection:
         last_event_at: dict[str, int] = {}
         applied = 0
         rows = BatchRows(session)
+        messages = tuple(messages)
         try:
+            preload_applied(messages, rows)
             for message in messages:
                 if message.seq <= positions.get(message.stream, 0):
                     continue
@@ -145,7 +151,8 @@ class ReadModelProjection:
                         "%s: skipping undecodable message %s #%d on %s: %s",
                         self.name, message.stream, message.seq, message.subject, message.error,
                     )
-                elif (reason := reject_as or rejection(self.verifier, message, rows)) is not None:
+                elif (reason := reject_as or rejection(self.verifier, message, rows) or repeat_rejection(
+                        message, rows, history_kept_s(self.retention, message.stream))) is not None:
                     record_rejection(message, reason, rows, projection=self.name,
                                      samples_per_minute=self.rejected_samples_per_minute)
                     if rejections is not None:
@@ -153,6 +160,7 @@ class ReadModelProjection:
                 else:
                     self.handle(event, rows)
                     _count_event(event, rows)
+                    record_applied(message, rows)
                 positions[message.stream] = message.seq
                 last_event_at[message.stream] = epoch_s(message.time)
                 applied += 1

@@ -6,9 +6,9 @@ pruned by the same retention policy (readmodels.retention), so it holds what a l
 `diff_databases(new, live)` then lists every row that differs, is missing from live or is extra in live,
 per table; `diff_within_log` leaves out the rows older than the log's window (readmodels.log_window), which a
 live read model keeps from events the streams have since dropped and no rebuild can make. `projection_positions`
-is left out by default: it records how far each file has read, not what the log says, and a live database that
-kept running after the rebuild is legitimately ahead; compare positions with `include_positions=True` (a live
-projector that is ahead explains differences in rows touched by the newer events).
+and `applied_events` are left out by default: they record how far each file has read and what it applied, not what
+the log says, and a live database that kept running after the rebuild is legitimately ahead; compare them with
+`include_positions=True` (a live projector that is ahead explains differences in rows touched by the newer events).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from hearth.readmodels.positions import record_stream_identity
 from hearth.readmodels.projection import PROJECTION_NAME, ReadModelProjection
 from hearth.readmodels.retention import RetentionPolicy, prune_all
 from hearth.readmodels.stream_identity import stream_state
-from hearth.readmodels.tables import Base, ProjectionPosition
+from hearth.readmodels.tables import AppliedEvent, Base, ProjectionPosition
 from hearth.readmodels.unapplicable import apply_rejecting_the_unapplicable
 
 log = logging.getLogger(__name__)
@@ -43,7 +43,9 @@ rebuild_batch_events = 5_000
 # Where a rebuild writes until it is whole (beside the file it makes), and the files SQLite keeps for one database.
 partial_suffix = ".partial"
 _SQLITE_COMPANIONS = ("", "-wal", "-shm")
-_BOOKKEEPING_TABLES = frozenset({ProjectionPosition.__tablename__})
+# What a file records of its own reading, not what the log says: positions, and the ids of the events it applied (a file
+# migrated from before applied_events knows none of the ids it applied then).
+_BOOKKEEPING_TABLES = frozenset({ProjectionPosition.__tablename__, AppliedEvent.__tablename__})
 
 
 async def rebuild_database(

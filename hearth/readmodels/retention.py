@@ -31,6 +31,9 @@ log = logging.getLogger(__name__)
 seconds_per_minute = 60
 # How long a cancelled pruner waits for its transaction under way (a few hundred rows) to end.
 prune_finish_timeout_s = 10.0
+# Applied event ids are kept this much past their stream's retention, the window beyond which a copy is too_old: a
+# broker clock stepped back (a stream's leader moving to a machine whose clock is behind) cannot let one in between.
+applied_ids_margin_s = 3600.0
 # Free pages given back to the disk per transaction: a step short beside an applier's batch (2 MiB of 4 KiB pages).
 release_step_pages = 500
 
@@ -62,6 +65,7 @@ class PruneRule:
     where: str
     retention: Callable[[RetentionPolicy], float]
     align_s: int = seconds_per_minute
+    row: str = "rowid"  # the columns that name a row (a table without a rowid: its key's)
 
 
 def _shards(policy: RetentionPolicy) -> float:
@@ -74,6 +78,21 @@ def _pipelines(policy: RetentionPolicy) -> float:
 
 def _daily_totals(policy: RetentionPolicy) -> float:
     return policy.daily_totals_retention_days
+
+
+# Each stream's history retention: what a read model keeps of that stream, the ids of the events it applied included.
+STREAM_RETENTION: dict[str, Callable[[RetentionPolicy], float]] = {SHARDS_STREAM: _shards, PIPELINES_STREAM: _pipelines}
+
+
+def _ids_kept(retention: Callable[[RetentionPolicy], float]) -> Callable[[RetentionPolicy], float]:
+    return lambda policy: retention(policy) + applied_ids_margin_s / seconds_per_day
+
+
+def history_kept_s(policy: RetentionPolicy | None, stream: str) -> float | None:
+    """How long (s, by the stream's clock) the read models keep `stream`'s history; None: for ever (no policy, or a
+    stream no rule prunes)."""
+    retention = None if policy is None else STREAM_RETENTION.get(stream)
+    return None if retention is None else retention(policy) * seconds_per_day
 
 
 _NOT_QUARANTINED = "shard_id NOT IN (SELECT shard_id FROM shard_reputation WHERE status = 'quarantined')"
@@ -104,8 +123,11 @@ PRUNE_RULES: tuple[PruneRule, ...] = (
     # that the latest would have pruned expired before it was kept, so before this cutoff too: the next pass takes it.
     PruneRule("kept_prefixes", PIPELINES_STREAM, "expires_at < :cutoff", _pipelines),
     *(PruneRule(table, stream, f"stream = :stream AND {column} < :cutoff", retention)
-      for stream, retention in ((SHARDS_STREAM, _shards), (PIPELINES_STREAM, _pipelines))
+      for stream, retention in STREAM_RETENTION.items()
       for table, column in (("rejected_events", "rejected_at"), ("rejected_event_counts", "minute"))),
+    # An applied event's id goes once a copy of it would be refused as too old anyway (readmodels.applied_events).
+    *(PruneRule("applied_events", stream, "stream = :stream AND occurred_at < :cutoff", _ids_kept(retention),
+                row="stream, occurred_at, event_id") for stream, retention in STREAM_RETENTION.items()),
 )
 
 
@@ -136,8 +158,9 @@ def prune_once(session: Session, policy: RetentionPolicy, projection: str) -> in
             if cutoff is None:
                 continue
             cursor.execute(
-                f"DELETE FROM {rule.table} WHERE rowid IN (SELECT rowid FROM {rule.table} WHERE {rule.where} "
-                "LIMIT :limit)", dict(cutoff=cutoff, stream=rule.stream, limit=policy.prune_batch_rows))
+                f"DELETE FROM {rule.table} WHERE ({rule.row}) IN (SELECT {rule.row} FROM {rule.table} "
+                f"WHERE {rule.where} LIMIT :limit)",
+                dict(cutoff=cutoff, stream=rule.stream, limit=policy.prune_batch_rows))
             if cursor.rowcount > 0:
                 return cursor.rowcount
         return 0

@@ -172,9 +172,9 @@ class ProjectionPosition(Base):
 
 class RejectedEvent(Base):
     """An event a projection did not apply: unsigned, signed by a non-member or a removed one, by a role that may not
-    emit its type, for another node or stream, or dated in the future (hearth/events/signing.py). Its position still
-    advanced. A sample: the first few of each reason in each minute of each stream (rejected_event_counts counts them
-    all)."""
+    emit its type, for another node or stream, or dated in the future (hearth/events/signing.py); or a copy of an
+    event applied already, or older than its id is kept (applied_events). Its position still advanced. A sample: the
+    first few of each reason in each minute of each stream (rejected_event_counts counts them all)."""
 
     __tablename__ = "rejected_events"
 
@@ -187,7 +187,7 @@ class RejectedEvent(Base):
     reason: Mapped[str] = mapped_column(
         String, nullable=False,
         comment="unsigned | unknown_signer | removed_signer | bad_signature | role_may_not_emit | node_mismatch | "
-                "wrong_stream | future_dated | unapplicable",
+                "wrong_stream | future_dated | unapplicable | duplicate | too_old",
     )
     occurred_at: Mapped[int] = mapped_column(Integer, nullable=False, comment="epoch s the event claims")
     rejected_at: Mapped[int] = mapped_column(
@@ -221,6 +221,23 @@ class MemberRemoval(Base):
     member: Mapped[str] = mapped_column(String, nullable=False, comment="its name (node id)")
     event_id: Mapped[str] = mapped_column(String, nullable=False, comment="the first removal event of it there")
     removed_at: Mapped[int] = mapped_column(Integer, nullable=False, comment="epoch s the steward says")
+
+
+class AppliedEvent(Base):
+    """An event a projection applied, by its id on its stream (hearth/readmodels/applied_events.py): a copy stored
+    again past the broker's duplicate window is rejected `duplicate`, not counted twice. Kept as long as its stream's
+    history; an event older than that is refused `too_old`, so no copy outlives its id.
+
+    Keyed by time first, without a rowid: one B-tree, appended to at its end as events come in time order, pruned
+    from its start. A copy of a signed event claims the time the original did (the signature covers it)."""
+
+    __tablename__ = "applied_events"
+
+    stream: Mapped[str] = mapped_column(String, primary_key=True)
+    occurred_at: Mapped[int] = mapped_column(Integer, primary_key=True, comment="epoch s the event claims")
+    event_id: Mapped[str] = mapped_column(String, primary_key=True)
+
+    __table_args__ = {"sqlite_with_rowid": False}
 
 
 class EventCount(Base):

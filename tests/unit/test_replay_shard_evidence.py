@@ -9,7 +9,7 @@ from datetime import timedelta
 from hearth.events.consume import StoredEvent
 from hearth.protocol.subjects import event_subject, shard_key
 from hearth.services.replay.shard_view import evidence_lines, names_shard, shapes_quarantines, shard_view_lines
-from tests.readmodel_helpers import advertised, at
+from tests.readmodel_helpers import T0, advertised, at
 from tests.reputation_events import EVIDENCE_SHA, cleared, confirmed, disputed, verified
 
 A, B, C = (advertised(0, 3, node).shard_id for node in ("node-a", "node-b", "node-c"))
@@ -24,7 +24,7 @@ def test_a_quarantined_shard_shows_its_evidence_and_how_to_clear_it():
     outcomes = stored([verified("p1", {A: (2, 40), B: (1, 9)}, t=1.0), verified("p2", {A: (1, 8)}, t=2.0),
                        disputed("p3", [A, C], t=3.0), confirmed("p4", A, [B, C], t=4.0)])
     lines = evidence_lines(A, outcomes)
-    assert lines[0].startswith("verification: status QUARANTINED since 2026-11-21T12:00:04.000Z (event ")
+    assert lines[0].startswith(f"verification: status QUARANTINED since {T0:%Y-%m-%d}T12:00:04.000Z (event ")
     assert lines[1] == ("  3 checks found nothing wrong in 2 calls, 48 positions verified; 1 mismatches confirmed "
                         "against it, 1 disputed")
     assert f"disputed with {C} in pipeline p3" in lines[2]
@@ -39,7 +39,7 @@ def test_clearings_say_whether_they_lifted_anything():
     outcomes = stored([cleared(A, t=1.0, clearing_id="clear-early"), confirmed("p1", A, [B, C], t=4.0),
                        cleared(A, t=9.0, reason="new GPU", clearing_id="clear-late")])
     lines = evidence_lines(A, outcomes)
-    assert lines[0].startswith("verification: status ok since 2026-11-21T12:00:09.000Z")
+    assert lines[0].startswith(f"verification: status ok since {T0:%Y-%m-%d}T12:00:09.000Z")
     early, late = (line for line in lines if "cleared by system" in line)
     assert "clear-early" in early and "changed nothing" in early
     assert "clear-late" in late and "'new GPU'; lifted the quarantine" in late

@@ -263,12 +263,15 @@ class ReadModelSettings(ConfigSection):
     shards_retention_days: float = Field(
         default=shards_max_age_s / seconds_per_day, gt=0,
         description="history of the shards stream (shards withdrawn or expired, their heartbeats, rejected "
-                    "events, events per minute) is pruned this long after it; the stream's own max age, so a "
-                    "rebuild from the log gives the same rows")
+                    "events, events per minute, the ids of applied events) is pruned this long after it, and an "
+                    "event stored longer than this after it occurred is rejected (too_old); the stream's own max "
+                    "age, so a rebuild from the log gives the same rows")
     pipelines_retention_days: float = Field(
         default=pipelines_max_age_s / seconds_per_day, gt=0,
         description="history of the pipelines stream (calls, failovers, per-minute rollups, integrity evidence of "
-                    "no quarantine in force, rejected events) is pruned this long after it; the stream's own max age")
+                    "no quarantine in force, rejected events, the ids of applied events) is pruned this long after "
+                    "it, and an event stored longer than this after it occurred is rejected (too_old); the stream's "
+                    "own max age")
     daily_totals_retention_days: float = Field(
         default=400.0, gt=0,
         description="tokens through each host per day (shard_tokens_daily) are kept this long: one row per shard "

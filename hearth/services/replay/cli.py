@@ -337,7 +337,8 @@ def verify_command(
     nats_url: NatsUrlOption = None,
 ) -> None:
     """Check every stored event: signed by a roster member whose role may emit it, for its own node, not dated
-    more than events.max_clock_skew_s after it was stored. Prints each bad one; exit 1 if there is any."""
+    more than events.max_clock_skew_s after it was stored, not a copy of one before it (duplicate) nor older than
+    the [readmodels] retention of its stream (too_old). Prints each bad one; exit 1 if there is any."""
     from hearth.events.signing import EventVerifier
     from hearth.services.common.event_trust import community_roster_file
     from hearth.trust.roster import Roster, RosterError
@@ -350,11 +351,12 @@ def verify_command(
         verifier = EventVerifier(Roster.load(roster_file), max_clock_skew_s=current.events.max_clock_skew_s)
     except RosterError as error:
         raise _fail(str(error)) from error
-    raise typer.Exit(_run(_verify(nats_settings_for(ctx, nats_url), verifier)))
+    raise typer.Exit(_run(_verify(nats_settings_for(ctx, nats_url), verifier, current.readmodels)))
 
 
-async def _verify(broker: "NatsSettings", verifier) -> int:
+async def _verify(broker: "NatsSettings", verifier, readmodels) -> int:
     from hearth.events.streams import ALL_STREAMS
+    from hearth.readmodels.retention import retention_policy
     from hearth.services.replay.query import existing_streams
     from hearth.services.replay.verify import verify_streams
 
@@ -362,7 +364,8 @@ async def _verify(broker: "NatsSettings", verifier) -> int:
         present, missing = await existing_streams(js, ALL_STREAMS)
         for name in missing:  # deleted, or never created: an audit says what it could not read
             typer.echo(f"hearth-replay: stream {name} does not exist; nothing verified there", err=True)
-        report = await verify_streams(js, verifier, present, on_bad=lambda bad: typer.echo(bad.line()))
+        report = await verify_streams(js, verifier, present, on_bad=lambda bad: typer.echo(bad.line()),
+                                      retention=retention_policy(readmodels))
     typer.echo(report.summary())
     return 0 if report.ok else 1
 

@@ -1,6 +1,7 @@
 """`hearth-replay verify`: checks every stored event of the event streams by the rule a projection applies
 (hearth/events/signing.py: signed, by a member of the roster whose role may emit the type, for its own node, not
-stored after its signer's removal, not dated after the broker stored it) and reports each event that fails it."""
+stored after its signer's removal, not dated after the broker stored it; and not a copy of an event that passed before
+nor older than a read model keeps its id, hearth/readmodels/applied_events.py) and reports each event that fails it."""
 
 from __future__ import annotations
 
@@ -13,11 +14,15 @@ from typing import Any
 from hearth.events.consume import SkippedMessage, read_stream
 from hearth.events.models import MemberRemoved
 from hearth.events.signing import EventVerifier, StreamPosition
+from hearth.readmodels.applied_events import DUPLICATE, TOO_OLD, older_than_kept
+from hearth.readmodels.retention import RetentionPolicy, history_kept_s
 from hearth.services.common.display import display_text
 
 # Not a signature verdict, but just as bad for an audit: a stored message that is no event at all.
 UNDECODABLE = "undecodable"
 signer_shown_chars = 12
+# Ids that aged past what a read model keeps are forgotten every this many events (their copies are too_old anyway).
+forget_every_events = 10_000
 
 
 @dataclass(frozen=True)
@@ -65,31 +70,58 @@ class VerifyReport:
 
 
 async def verify_streams(js: Any, verifier: EventVerifier, streams: Iterable[str], *,
-                         on_bad: Callable[[BadEvent], None] = lambda bad: None) -> VerifyReport:
+                         on_bad: Callable[[BadEvent], None] = lambda bad: None,
+                         retention: RetentionPolicy | None = None) -> VerifyReport:
     """Read each stream from its first stored message to its end and check every message; `on_bad` hears of
-    each bad one as it is found."""
+    each bad one as it is found. `retention`: the read models' (how long they keep applied ids; None: for ever)."""
     report = VerifyReport()
     removals: set[tuple[str, str]] = set()  # (stream, key) of each verified member.removed read so far
     for stream in streams:
         report.checked[stream] = 0
+        passed = PassedEvents(history_kept_s(retention, stream))
         async with contextlib.aclosing(read_stream(js, stream, from_seq=1, follow=False)) as messages:
             async for message in messages:
                 report.checked[stream] += 1
-                bad = _verdict(verifier, message, removals)
+                bad = _verdict(verifier, message, removals, passed)
                 if bad is not None:
                     report.bad.append(bad)
                     on_bad(bad)
     return report
 
 
-def _verdict(verifier: EventVerifier, message: Any, removals: set[tuple[str, str]]) -> BadEvent | None:
+class PassedEvents:
+    """The ids of one stream's events that passed so far, as a read model keeps them: what tells a copy."""
+
+    def __init__(self, kept_s: float | None) -> None:
+        self.kept_s = kept_s
+        self._occurred_s: dict[str, float] = {}
+        self._until_forget = forget_every_events
+
+    def repeat(self, message: Any) -> str | None:
+        """`too_old` or `duplicate` as a projection would reject `message`, else None (and it is remembered)."""
+        if older_than_kept(message, self.kept_s):
+            return TOO_OLD
+        event_id = message.event.event_id
+        if event_id in self._occurred_s:
+            return DUPLICATE
+        self._occurred_s[event_id] = message.event.occurred_at.timestamp()
+        self._until_forget -= 1
+        if self._until_forget <= 0 and self.kept_s is not None:
+            self._until_forget = forget_every_events
+            oldest_kept = message.time.timestamp() - self.kept_s
+            self._occurred_s = {key: at for key, at in self._occurred_s.items() if at >= oldest_kept}
+        return None
+
+
+def _verdict(verifier: EventVerifier, message: Any, removals: set[tuple[str, str]],
+             passed: PassedEvents) -> BadEvent | None:
     if isinstance(message, SkippedMessage):
         return BadEvent(message.stream, message.seq, UNDECODABLE, detail=message.error)
     event = message.event
     # The broker's storage time and position, and the removals this stream showed before, as in the live projection.
     reason = verifier.rejection(event, received_at=message.time, stored_data=message.data,
                                 position=StreamPosition(message.stream, message.seq, message.subject),
-                                removal_logged=(message.stream, event.signer) in removals)
+                                removal_logged=(message.stream, event.signer) in removals) or passed.repeat(message)
     if reason is None:
         if isinstance(event, MemberRemoved):
             removals.add((event.stream, event.public_key))
