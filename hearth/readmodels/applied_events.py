@@ -8,6 +8,10 @@ transaction with the handler's rows and the position, so a copy is rejected `dup
 and after a restart alike. The ids are kept as long as the stream's history (readmodels.retention); an event that
 claims to be older than that, measured from when the stream stored it, is rejected `too_old`, so no copy can outlive
 the id that would have caught it.
+
+Heartbeats keep no id: each one states a shard's latest figures, its handler ignores one older than what it knows, so a
+copy changes nothing but the per-minute event count, and their ids (one every few seconds per shard, for the whole
+history) would be most of the table.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import math
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+from hearth.events.models import ShardHeartbeat
 from hearth.events.signing import RejectionReason
 from hearth.readmodels.batch_rows import APPLIED_EVENTS, BatchRows
 
@@ -24,6 +29,8 @@ if TYPE_CHECKING:
 
 DUPLICATE: RejectionReason = "duplicate"
 TOO_OLD: RejectionReason = "too_old"
+# Event types whose handlers state a value rather than add to one: a copy changes nothing, and no id is kept.
+IDEMPOTENT_TYPES = frozenset({ShardHeartbeat.model_fields["type"].default})
 
 
 def older_than_kept(message: StoredEvent, kept_s: float | None) -> bool:
@@ -34,14 +41,15 @@ def older_than_kept(message: StoredEvent, kept_s: float | None) -> bool:
 
 def preload_applied(messages: Iterable[StoredEvent | SkippedMessage], rows: BatchRows) -> None:
     """Look the batch's events up in applied_events at once (a query per few hundred, not one per event)."""
-    rows.preload(APPLIED_EVENTS, (_key(message) for message in messages if getattr(message, "event", None) is not None))
+    rows.preload(APPLIED_EVENTS, (_key(message) for message in messages
+                                  if getattr(message, "event", None) is not None and _keeps_id(message)))
 
 
 def repeat_rejection(message: StoredEvent, rows: BatchRows, kept_s: float | None) -> RejectionReason | None:
     """`too_old` or `duplicate` when `message` must not be applied for being (perhaps) a copy; None: apply it."""
     if older_than_kept(message, kept_s):
         return TOO_OLD
-    if rows.get(APPLIED_EVENTS, _key(message)) is not None:
+    if _keeps_id(message) and rows.get(APPLIED_EVENTS, _key(message)) is not None:
         return DUPLICATE
     return None
 
@@ -49,6 +57,8 @@ def repeat_rejection(message: StoredEvent, rows: BatchRows, kept_s: float | None
 def record_applied(message: StoredEvent, rows: BatchRows) -> None:
     """Keep the id of the event `message` holds, applied in this batch (only an applied one: a forged copy rejected
     first must not block the real event)."""
+    if not _keeps_id(message):
+        return
     stream, occurred_at, event_id = key = _key(message)
     rows.put(APPLIED_EVENTS, key, dict(stream=stream, occurred_at=occurred_at, event_id=event_id))
 
@@ -57,3 +67,7 @@ def _key(message: StoredEvent) -> tuple[str, int, str]:
     """Its row's key: a copy of a signed event claims the same time as the original (the signature covers it), and a
     sender that would change the time could as well mint a new id."""
     return message.stream, math.floor(message.event.occurred_at.timestamp()), message.event.event_id
+
+
+def _keeps_id(message: StoredEvent) -> bool:
+    return message.event.type not in IDEMPOTENT_TYPES

@@ -16,7 +16,7 @@ from hearth.readmodels.projection import ReadModelProjection
 from hearth.readmodels.retention import applied_ids_margin_s, history_kept_s, prune_all, retention_policy
 from hearth.services.common.config import ReadModelSettings
 from hearth.services.replay import verify
-from tests.readmodel_helpers import LogBuilder, advertised, apply_all, at, constructed, migrated_engine
+from tests.readmodel_helpers import LogBuilder, advertised, apply_all, at, constructed, heartbeat, migrated_engine
 from tests.reputation_events import verified
 
 POLICY = retention_policy(ReadModelSettings())
@@ -116,3 +116,17 @@ def test_verify_tells_copies_and_too_old_events_as_a_projection_does(monkeypatch
     assert passed.repeat(stored_later(log, recent, 60.0)) == "duplicate"
     assert passed.repeat(stored_later(log, old, KEPT_S + 60)) == "too_old"
     assert verify.PassedEvents(None).repeat(stored_later(log, old, 10 * KEPT_S)) is None
+
+
+def test_heartbeats_keep_no_id_and_a_copy_changes_no_figure(tmp_path):
+    """A heartbeat states a shard's latest figures: its copy changes nothing, so no id is kept for it (they would be
+    most of the table: one every few seconds per shard)."""
+    engine = migrated_engine(tmp_path / "rm.db")
+    shard = advertised(0, 3, "host0")
+    beat = heartbeat(shard.shard_id, t=10.0, active_streams=2)
+    log = LogBuilder()
+    apply_all(engine, [log.stored(shard), log.stored(beat), stored_later(log, beat, 300.0)])
+    assert scalar(engine, "SELECT COUNT(*) FROM applied_events") == 1  # the advert's alone
+    last_seen = int(at(10.0).timestamp())
+    assert scalar(engine, "SELECT active_streams || '@' || last_seen FROM shard_health") == f"2@{last_seen}"
+    assert rejected(engine) == []
