@@ -73,12 +73,12 @@ def run_chat_command(nats_url: str, *, prompt: str, model: str | None, max_token
         _say(f"error bad_request: {describe_validation_error(error)}")
         return EXIT_ERROR
     if interactive:
-        return run_event_loop(_conversation(nats_url, request, nats_settings=nats_settings, waits=waits or {}))
-    return run_event_loop(_chat(nats_url, request, as_json=as_json, nats_settings=nats_settings, waits=waits or {}))
+        return run_event_loop(_conversation(nats_url, request, nats_settings=nats_settings, waits=waits))
+    return run_event_loop(_chat(nats_url, request, as_json=as_json, nats_settings=nats_settings, waits=waits))
 
 
 async def _chat(nats_url: str, request: ChatRequest, *, as_json: bool, nats_settings: NatsSettings | None,
-                waits: dict[str, float]) -> int:
+                waits: dict[str, float] | None = None) -> int:
     try:
         nc = await connect_nats(nats_url, name="hearth-chat", settings=nats_settings, wait_for_broker=False)
     except BrokerUnreachable as error:
@@ -87,7 +87,7 @@ async def _chat(nats_url: str, request: ChatRequest, *, as_json: bool, nats_sett
     printer = ChatPrinter(request.n)
     try:
         # aclosing: the inbox is unsubscribed here, before the connection closes, not by a finalizer later.
-        async with contextlib.aclosing(stream_chat(nc, request, **waits)) as frames:
+        async with contextlib.aclosing(stream_chat(nc, request, **(waits or {}))) as frames:
             async for frame in frames:
                 if as_json:
                     print(frame.model_dump_json(exclude_none=True), flush=True)
@@ -101,7 +101,7 @@ async def _chat(nats_url: str, request: ChatRequest, *, as_json: bool, nats_sett
 
 
 async def _conversation(nats_url: str, request: ChatRequest, *, nats_settings: NatsSettings | None,
-                        waits: dict[str, float]) -> int:
+                        waits: dict[str, float] | None = None) -> int:
     """`hearth chat --interactive`: `request`'s turn, then one turn per line of stdin, each sent to the orchestrator
     that answered the one before (its member's hops keep the history's KV)."""
     try:
@@ -114,7 +114,8 @@ async def _conversation(nats_url: str, request: ChatRequest, *, nats_settings: N
         while True:
             printer = ChatPrinter()
             turn = request.model_copy(update={"messages": messages, "request_id": uuid.uuid4().hex})
-            async with contextlib.aclosing(stream_chat_pinned(nc, turn, orchestrator=orchestrator, **waits)) as frames:
+            frames_of_turn = stream_chat_pinned(nc, turn, orchestrator=orchestrator, **(waits or {}))
+            async with contextlib.aclosing(frames_of_turn) as frames:
                 async for frame in frames:
                     exit_code = printer.show(frame)
                     if exit_code is not None:
