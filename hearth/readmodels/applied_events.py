@@ -42,14 +42,14 @@ def older_than_kept(message: StoredEvent, kept_s: float | None) -> bool:
 def preload_applied(messages: Iterable[StoredEvent | SkippedMessage], rows: BatchRows) -> None:
     """Look the batch's events up in applied_events at once (a query per few hundred, not one per event)."""
     rows.preload(APPLIED_EVENTS, (_key(message) for message in messages
-                                  if getattr(message, "event", None) is not None and _keeps_id(message)))
+                                  if getattr(message, "event", None) is not None and keeps_id(message)))
 
 
 def repeat_rejection(message: StoredEvent, rows: BatchRows, kept_s: float | None) -> RejectionReason | None:
     """`too_old` or `duplicate` when `message` must not be applied for being (perhaps) a copy; None: apply it."""
     if older_than_kept(message, kept_s):
         return TOO_OLD
-    if _keeps_id(message) and rows.get(APPLIED_EVENTS, _key(message)) is not None:
+    if keeps_id(message) and rows.get(APPLIED_EVENTS, _key(message)) is not None:
         return DUPLICATE
     return None
 
@@ -57,7 +57,7 @@ def repeat_rejection(message: StoredEvent, rows: BatchRows, kept_s: float | None
 def record_applied(message: StoredEvent, rows: BatchRows) -> None:
     """Keep the id of the event `message` holds, applied in this batch (only an applied one: a forged copy rejected
     first must not block the real event)."""
-    if not _keeps_id(message):
+    if not keeps_id(message):
         return
     stream, occurred_at, event_id = key = _key(message)
     rows.put(APPLIED_EVENTS, key, dict(stream=stream, occurred_at=occurred_at, event_id=event_id))
@@ -69,5 +69,6 @@ def _key(message: StoredEvent) -> tuple[str, int, str]:
     return message.stream, math.floor(message.event.occurred_at.timestamp()), message.event.event_id
 
 
-def _keeps_id(message: StoredEvent) -> bool:
+def keeps_id(message: StoredEvent) -> bool:
+    """Whether the id of the event `message` holds is kept, and a copy of it rejected (not for IDEMPOTENT_TYPES)."""
     return message.event.type not in IDEMPOTENT_TYPES

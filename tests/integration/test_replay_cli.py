@@ -58,9 +58,15 @@ def publish(url: str, items, raw=()) -> None:
     asyncio.run(_publish(url, list(items), list(raw)))
 
 
-def seed_examples(url: str, raw=()) -> list[dict]:
+def seed_examples(url: str, raw=(), *, dated_now: bool = False) -> list[dict]:
+    """Publish the contract's example events; `dated_now`: moved in time so that the newest occurred now (as they
+    were written they are older than a read model keeps, and a rebuild rejects them `too_old`)."""
     records = example_records()
-    publish(url, [(r["subject"], decode_event(r["event"])) for r in records], raw)
+    events = [decode_event(r["event"]) for r in records]
+    if dated_now:
+        shift = datetime.now(timezone.utc) - max(event.occurred_at for event in events)
+        events = [event.model_copy(update={"occurred_at": event.occurred_at + shift}) for event in events]
+    publish(url, [(r["subject"], event) for r, event in zip(records, events)], raw)
     return records
 
 
@@ -317,7 +323,7 @@ def test_events_follow_prints_new_events_of_both_streams_and_stops_cleanly_on_si
 
 
 def test_rebuild_diff_against_a_file_it_cannot_compare_says_so_in_one_line(nats_url, tmp_path):
-    seed_examples(nats_url)
+    seed_examples(nats_url, dated_now=True)
     corrupt = tmp_path / "corrupt.sqlite"
     corrupt.write_bytes(b"not a database " * 512)
     older = tmp_path / "older.sqlite"

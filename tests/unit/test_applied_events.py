@@ -130,3 +130,5 @@ def test_heartbeats_keep_no_id_and_a_copy_changes_no_figure(tmp_path):
     last_seen = int(at(10.0).timestamp())
     assert scalar(engine, "SELECT active_streams || '@' || last_seen FROM shard_health") == f"2@{last_seen}"
     assert rejected(engine) == []
+    passed = verify.PassedEvents(KEPT_S)  # and `hearth-replay verify` takes the copy as the projection does
+    assert [passed.repeat(log.stored(beat)), passed.repeat(stored_later(log, beat, 300.0))] == [None, None]

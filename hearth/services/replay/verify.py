@@ -14,7 +14,7 @@ from typing import Any
 from hearth.events.consume import SkippedMessage, read_stream
 from hearth.events.models import MemberRemoved
 from hearth.events.signing import EventVerifier, StreamPosition
-from hearth.readmodels.applied_events import DUPLICATE, TOO_OLD, older_than_kept
+from hearth.readmodels.applied_events import DUPLICATE, TOO_OLD, keeps_id, older_than_kept
 from hearth.readmodels.retention import RetentionPolicy, history_kept_s
 from hearth.services.common.display import display_text
 
@@ -102,6 +102,8 @@ class PassedEvents:
         if older_than_kept(message, self.kept_s):
             return TOO_OLD
         event_id = message.event.event_id
+        if not keeps_id(message):  # a heartbeat's copy changes nothing: a read model applies it again too
+            return None
         if event_id in self._occurred_s:
             return DUPLICATE
         self._occurred_s[event_id] = message.event.occurred_at.timestamp()
