@@ -255,7 +255,7 @@ def test_shard_reports_advertisement_gaps_over_the_health_timeout_and_withdrawal
 
 
 def test_rebuild_writes_a_fresh_read_model_and_diff_reports_every_differing_row(nats_url, tmp_path):
-    seed_examples(nats_url)
+    seed_examples(nats_url, dated_now=True)
     live = tmp_path / "live.sqlite"
 
     first = replay(nats_url, "rebuild", "--db", str(live))
@@ -337,7 +337,7 @@ def test_rebuild_diff_against_a_file_it_cannot_compare_says_so_in_one_line(nats_
 
 
 def test_rebuild_onto_a_full_disk_says_so_in_one_line(nats_url, tmp_path):
-    seed_examples(nats_url)
+    seed_examples(nats_url, dated_now=True)
 
     def cap(dbapi_connection, _record) -> None:
         dbapi_connection.execute("PRAGMA max_page_count = 4")
@@ -352,7 +352,7 @@ def test_rebuild_onto_a_full_disk_says_so_in_one_line(nats_url, tmp_path):
 
 
 def test_rebuild_refuses_to_replace_the_read_model_it_is_asked_to_diff(nats_url, tmp_path):
-    seed_examples(nats_url)
+    seed_examples(nats_url, dated_now=True)
     live = tmp_path / "live.sqlite"
     assert replay(nats_url, "rebuild", "--db", str(live)).exit_code == 0
     before = live.read_bytes()
