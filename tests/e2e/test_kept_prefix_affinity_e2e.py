@@ -92,7 +92,9 @@ async def test_a_conversation_s_next_turn_through_another_orchestrator_goes_wher
     await wait_for_kept_record(other_db)
     _, elsewhere = await ask_constructed(cluster, tiny_models_dir, second_turn)
     assert elsewhere.node_id == "orchestrator-c"
-    assert elsewhere.hops == [replica_id] and elsewhere.cached_prompt_tokens == 0
+    # Which host it picks is cost's (measured step times, noisy on a loaded machine); the keeper, if picked, attaches
+    # nothing of the first member's history to this member's hop.
+    assert elsewhere.hops in ([replica_id], [keeper_id]) and elsewhere.cached_prompt_tokens == 0
 
 
 async def test_a_conversation_s_turns_stay_with_the_orchestrator_whose_member_keeps_its_history(
