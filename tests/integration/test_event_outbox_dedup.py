@@ -19,8 +19,8 @@ from hearth.events.models import PipelineCompleted
 from hearth.events.outbox import EventOutbox
 from hearth.events.outbox_file import OutboxFile
 from hearth.events.publish import publish_event
-from hearth.events.streams import PIPELINES_STREAM, ensure_streams
-from hearth.services.broker.connection import connect_nats
+from hearth.events.streams import PIPELINES_STREAM
+from tests.event_streams import jetstream_with_streams
 
 pytestmark = pytest.mark.integration
 
@@ -54,13 +54,8 @@ async def js(nats_url, monkeypatch):
     # The 120 s window and the outbox's horizon shrunk alike, so the test takes seconds.
     monkeypatch.setattr(hearth.events.streams, "duplicate_window_s", short_duplicate_window_s)
     monkeypatch.setattr(hearth.events.outbox, "unchecked_retry_horizon_s", short_duplicate_window_s / 2)
-    nc = await connect_nats(nats_url, name="test-outbox-dedup")
-    jetstream = nc.jetstream()
-    await ensure_streams(jetstream)
-    try:
+    async with jetstream_with_streams(nats_url, "test-outbox-dedup") as jetstream:
         yield jetstream
-    finally:
-        await nc.close()
 
 
 async def test_an_event_stored_with_its_ack_lost_and_retried_past_the_duplicate_window_is_stored_once(js):

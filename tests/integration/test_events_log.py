@@ -29,6 +29,7 @@ from hearth.events.models import EVENT_TYPES, PipelineFirstToken, ShardHeartbeat
 from hearth.events.streams import STREAM_SPECS, duplicate_window_s, shards_max_msgs_per_subject, stream_for_subject
 from hearth.services.common.metrics import sample_value
 from hearth.services.broker.connection import connect_nats, flush_ordered
+from tests.event_streams import jetstream_with_streams
 
 pytestmark = pytest.mark.integration
 
@@ -42,13 +43,8 @@ def example_records() -> list[dict]:
 
 @pytest.fixture
 async def js(nats_url):
-    nc = await connect_nats(nats_url, name="test-events")
-    jetstream = nc.jetstream()
-    await ensure_streams(jetstream)
-    try:
+    async with jetstream_with_streams(nats_url, "test-events") as jetstream:
         yield jetstream
-    finally:
-        await nc.close()
 
 
 async def read_all(js, stream: str, **kwargs) -> list[StoredEvent | SkippedMessage]:

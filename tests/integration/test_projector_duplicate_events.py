@@ -15,16 +15,16 @@ import hearth.events.streams
 from hearth.events.models import IntegrityShardsVerified, PipelineCompleted, PipelineConstructed, ShardVerification
 from hearth.events.publish import publish_event
 from hearth.events.signing import EventVerifier, sign_event
-from hearth.events.streams import PIPELINES_STREAM, ensure_streams
+from hearth.events.streams import PIPELINES_STREAM
 from hearth.readmodels.db import open_engine
 from hearth.readmodels.rebuild import diff_databases, rebuild_database
 from hearth.readmodels.runner import Projector
 from hearth.readmodels.tables import RejectedEvent, ShardReputation, ShardTokensDaily
-from hearth.services.broker.connection import connect_nats
 from hearth.services.replay.verify import verify_streams
 from hearth.trust.keys import MemberKey
 from hearth.trust.roster import new_member, new_roster
 from tests.readmodel_helpers import MODEL_ID, WEIGHTS_SHA
+from tests.event_streams import jetstream_with_streams
 
 pytestmark = pytest.mark.integration
 
@@ -38,13 +38,8 @@ SHARD = "tiny/llama-test:0-3@host0"
 async def js(nats_url, monkeypatch):
     # The stream's 120 s window shrunk, so a re-publish past it takes a second.
     monkeypatch.setattr(hearth.events.streams, "duplicate_window_s", short_duplicate_window_s)
-    nc = await connect_nats(nats_url, name="test-projector-duplicates")
-    jetstream = nc.jetstream()
-    await ensure_streams(jetstream)
-    try:
+    async with jetstream_with_streams(nats_url, "test-projector-duplicates") as jetstream:
         yield jetstream
-    finally:
-        await nc.close()
 
 
 def call_events(now: datetime) -> list:

@@ -14,12 +14,12 @@ import pytest
 from sqlalchemy import text
 
 from hearth.events.publish import publish_event
-from hearth.events.streams import PIPELINES_STREAM, SHARDS_STREAM, ensure_streams
+from hearth.events.streams import PIPELINES_STREAM, SHARDS_STREAM
 from hearth.readmodels.db import open_engine
 from hearth.readmodels.rebuild import diff_databases, rebuild_database
 from hearth.readmodels.runner import Projector
-from hearth.services.broker.connection import connect_nats
 from tests.readmodel_helpers import dump_rows, heartbeat, synthetic_events
+from tests.event_streams import jetstream_with_streams
 
 pytestmark = pytest.mark.integration
 
@@ -29,11 +29,8 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture
 async def js(nats_url):
-    nc = await connect_nats(nats_url, name="test-projector")
-    jetstream = nc.jetstream()
-    await ensure_streams(jetstream)
-    yield jetstream
-    await nc.close()
+    async with jetstream_with_streams(nats_url, "test-projector") as jetstream:
+        yield jetstream
 
 
 async def publish_all(js, events) -> dict[str, int]:
