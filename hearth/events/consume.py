@@ -20,6 +20,7 @@ from datetime import datetime
 from nats.js import JetStreamContext
 from pydantic import ValidationError
 
+from hearth.events.cancellation import keeping_cancellation
 from hearth.events.metrics import events_undecodable_total
 from hearth.events.models import Event, decode_event
 from hearth.events.ordered_reader import OrderedPushReader, StreamReadStalled
@@ -69,7 +70,7 @@ class SkippedMessage:
 
 async def stream_last_seq(js: JetStreamContext, stream: str) -> int:
     """The sequence of the newest message in `stream` (0 when it never held one)."""
-    info = await js.stream_info(stream)
+    info = await keeping_cancellation(js.stream_info(stream))
     return int(info.state.last_seq)
 
 

@@ -35,6 +35,8 @@ from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, ReplayPolicy
 
+from hearth.events.cancellation import keeping_cancellation
+
 log = logging.getLogger(__name__)
 
 # Heartbeats let us notice a vanished consumer (server restart) within ~3 intervals.
@@ -252,7 +254,8 @@ class OrderedPushReader:
         elif self._filters:
             config.filter_subjects = list(self._filters)
         try:
-            info = await self._js.add_consumer(self._stream, config=config, timeout=jetstream_api_timeout_s)
+            info = await keeping_cancellation(
+                self._js.add_consumer(self._stream, config=config, timeout=jetstream_api_timeout_s))
         except BaseException:
             await _quietly(subscription.unsubscribe())
             raise
@@ -275,7 +278,7 @@ class OrderedPushReader:
         if name is not None and not self._nc.is_closed:
             try:
                 async with asyncio.timeout(consumer_delete_timeout_s):
-                    await self._js.delete_consumer(self._stream, name)
+                    await keeping_cancellation(self._js.delete_consumer(self._stream, name))
             except (nats.errors.Error, TimeoutError) as error:
                 # It is in-memory and ack-less: the server drops it after the inactive threshold.
                 log.debug("%s: could not delete consumer %s: %s", self._stream, name, error)

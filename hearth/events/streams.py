@@ -15,6 +15,7 @@ from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfi
 from nats.errors import Error as NatsError
 from nats.js.errors import APIError, NotFoundError
 
+from hearth.events.cancellation import keeping_cancellation
 from hearth.protocol.subjects import (
     EVENTS_PREFIX,
     INTEGRITY_EVENTS_WILDCARD,
@@ -226,7 +227,8 @@ async def missing_streams(js: JetStreamContext, names: Iterable[str]) -> list[st
     missing = []
     for name in names:
         try:
-            await asyncio.wait_for(js.stream_info(name), timeout=stream_info_timeout_s)
+            async with asyncio.timeout(stream_info_timeout_s):
+                await keeping_cancellation(js.stream_info(name))
         except NotFoundError:
             missing.append(name)
         except (NatsError, asyncio.TimeoutError) as error:

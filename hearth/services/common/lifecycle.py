@@ -28,6 +28,9 @@ STOP_EXIT_CODE = 0
 # Once a stop is requested, the process is gone after this long whatever it is doing (loading a model on
 # a worker thread, waiting for a broker that is down): its own shutdown gets until then.
 stop_deadline_s = 1.5
+# A command stopped by a signal (run_cancelling_on_signal) is cancelled again this often until it ends: its own
+# clean-up (deleting its consumers) fits well inside.
+stop_repeat_s = 5.0
 # libuv's event loop (uvloop) is used where it is installed: every activation frame crosses two event loops
 # per hop, and uvloop's loopback round trip is shorter (BENCHMARKS.md, "`hearth bench`": its gain mostly goes after
 # an idle gap, "Compute thread and OpenMP spinning").
@@ -244,19 +247,30 @@ def run_cancelling_on_signal(coroutine: Coroutine[Any, Any, T]) -> T:
     """Run `coroutine` (run_event_loop); SIGINT/SIGTERM cancel it (its `finally` runs) and raise Interrupted."""
 
     async def runner() -> T:
+        loop = asyncio.get_running_loop()
         task = asyncio.ensure_future(coroutine)
         signalled: list[int] = []
+        repeats: list[asyncio.TimerHandle] = []
+
+        def cancel_until_done() -> None:
+            # A cancellation can be lost on the way (events.cancellation): it is sent again until the task ends.
+            if not task.done():
+                task.cancel()
+                repeats.append(loop.call_later(stop_repeat_s, cancel_until_done))
 
         def cancel(signum: int) -> None:
             signalled.append(signum)
-            task.cancel()
+            cancel_until_done()
 
-        with _loop_signal_handlers(asyncio.get_running_loop(), cancel):
+        with _loop_signal_handlers(loop, cancel):
             try:
                 return await task
             except asyncio.CancelledError:
                 if signalled:
                     raise Interrupted(f"stopped by signal {signalled[0]}") from None
                 raise
+            finally:
+                for repeat in repeats:
+                    repeat.cancel()
 
     return run_event_loop(runner())

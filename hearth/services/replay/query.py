@@ -17,6 +17,7 @@ from datetime import datetime, timedelta, timezone
 
 import nats.js.errors
 
+from hearth.events.cancellation import keeping_cancellation
 from hearth.events.consume import SkippedMessage, StoredEvent, first_stream_seq, read_stream
 from hearth.events.models import EVENT_TYPES
 from hearth.events.streams import ALL_STREAMS, MEMBER_REMOVAL_SUBJECTS, STREAM_SPECS
@@ -194,7 +195,7 @@ async def existing_streams(js, names: Sequence[str]) -> tuple[list[str], list[st
     present, missing = [], []
     for name in names:
         try:
-            await js.stream_info(name)
+            await keeping_cancellation(js.stream_info(name))
             present.append(name)
         except nats.js.errors.NotFoundError:
             missing.append(name)
