@@ -255,8 +255,12 @@ def _consumer_sweeper(steward: "NatsSettings", community: Path) -> "ConsumerSwee
         typer.echo(display_text(f"{COMMAND}: deleted consumer {swept.name} of {swept.stream}: {swept.why}"), err=True)
 
     community_files = Community(community)
-    return ConsumerSweeper(steward, community_files.system_key_path, community_files.roster_path,
-                           report=report).start()
+    sweeper = ConsumerSweeper(steward, community_files.system_key_path, community_files.roster_path,
+                              report=report).start()
+    if not sweeper.watching.wait(steward.connect_timeout_s):  # it goes on trying; consumers are swept once it runs
+        typer.echo(f"{COMMAND}: the consumer sweep has not connected yet; a consumer created before it does is "
+                   "swept then, its creator unnamed", err=True)
+    return sweeper
 
 
 def _stop_on_signals() -> "threading.Event":

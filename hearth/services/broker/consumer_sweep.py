@@ -232,6 +232,9 @@ class ConsumerSweeper:
         self.report = report
         self.interval_s = interval_s
         self.creators = ConsumerCreators()
+        # Set once the broker's audit of consumer creations is subscribed to: from then on every consumer's creator
+        # is known, and a broker is ready for members only after it (`hearth nats` waits for it).
+        self.watching = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=lambda: asyncio.run(self._sweep_until_stopped()),
                                         name="hearth-consumer-sweep", daemon=True)
@@ -268,6 +271,8 @@ class ConsumerSweeper:
                         connection = await connect_nats(self.settings.url, name="hearth consumer sweep",
                                                         settings=self.settings)
                         await connection.subscribe(API_AUDIT_ADVISORIES, cb=api_audited)
+                        await connection.flush(api_timeout_s)
+                        self.watching.set()
                     created.clear()
                     for swept in await sweep_consumers(connection, self.roster_file.current(),
                                                        creators=self.creators):
