@@ -2,7 +2,9 @@
 
 SQL panels read the read model (hearth/readmodels/tables.py: instants are INTEGER epoch seconds, which the SQLite
 plugin turns into times itself) and are preferred wherever the read model holds the data; "now" is the end of
-the dashboard's time range (`$__to / 1000`), so a panel shows the mesh as it was at the end of the range. Which
+the dashboard's time range (`$__to / 1000`), so a panel shows the mesh as it was at the end of the range. The read
+model keeps only the newest of each shard's heartbeats and each stream's position, so an age measured to a past
+range's end is 0 where the newest came since, never negative (routing_sql.age_at_range_end). Which
 shards are live and which layers they cover is the router's own rule (hearth/services/dashboards/routing_sql.py).
 PromQL panels use only the metric names agreed with the metrics side (orchestrator, shard and projector
 metrics), for what only live processes know (calls in flight, step compute histograms, KV cache, lag).
@@ -15,8 +17,8 @@ its table exists (until then `hearth_queued_requests` is drawn beside calls in f
 from __future__ import annotations
 
 from hearth.services.dashboards.model import Dashboard, PromPanel, PromTarget, SqlPanel
-from hearth.services.dashboards.routing_sql import (LAYER_REPLICAS_SQL, MODELS_SQL, NOW_S,
-                                                    P95_STEP_OF_LIVE_SHARDS_SQL, SHARDS_ADVERTISED_SQL)
+from hearth.services.dashboards.routing_sql import (LAYER_REPLICAS_SQL, MODELS_SQL, P95_STEP_OF_LIVE_SHARDS_SQL,
+                                                    SHARDS_ADVERTISED_SQL, age_at_range_end)
 
 
 def in_range(column: str) -> str:
@@ -97,7 +99,9 @@ MESH = Dashboard(
              "reputation"),
             "Every shard whose advertisement has not expired, with its state by the router's rule: live (routing "
             "may use it), stale (not heard from for over shard_health_timeout_s), quarantined, node quarantined "
-            "or member removed. heartbeat_age_s: empty before its first heartbeat (the advertisement counts). "
+            "or member removed. heartbeat_age_s: seconds from its newest heartbeat to the end of the time range; 0 "
+            "when that heartbeat came at or after the end (the read model keeps only the newest, so a past range "
+            "shows 0 for a shard heard from since); empty before its first heartbeat (the advertisement counts). "
             "The dashboard's constants shard_health_timeout_s and silent_log_grace_s must be the orchestrators' "
             "[research.distributed_inference] values. memory_mb is what the range needs (from its advertisement); "
             "the device is not advertised yet.",
@@ -279,10 +283,12 @@ FROM rejected_events WHERE {in_range('rejected_at')} ORDER BY rejected_at DESC, 
         ),
         SqlPanel(
             "Projection positions", "table",
-            f"""SELECT projection, stream, last_seq, {NOW_S} - last_event_at AS newest_event_age_s
+            f"""SELECT projection, stream, last_seq, {age_at_range_end('last_event_at')} AS newest_event_age_s
 FROM projection_positions ORDER BY projection, stream""",
             ("stream", "last_seq", "newest_event_age_s"),
-            "How far this read model has read each stream; the lag itself is the Prometheus panel beside.",
+            "How far this read model has read each stream; the lag itself is the Prometheus panel beside. "
+            "newest_event_age_s: seconds from when the stream stored the newest event read to the end of the time "
+            "range; 0 when the read model has read past that end (a past range).",
         ),
         PromPanel(
             "Projector lag",
