@@ -203,17 +203,14 @@ SHARD_HOSTS = Dashboard(
         ),
         SqlPanel(
             "Tokens through each host per day", "timeseries",
-            f"""SELECT shard_tokens_daily.day AS time,
-       COALESCE(shards.node_id, {node_of_shard_sql('shard_tokens_daily.shard_id')}) AS host,
-       SUM(shard_tokens_daily.tokens) AS tokens
-FROM shard_tokens_daily LEFT JOIN shards ON shards.shard_id = shard_tokens_daily.shard_id
-WHERE shard_tokens_daily.day BETWEEN $__from / 1000 - 86399 AND $__to / 1000
-GROUP BY 1, 2 ORDER BY 1, 2""",
+            """SELECT day AS time, node_id AS host, tokens FROM host_tokens_daily
+WHERE day BETWEEN $__from / 1000 - 86399 AND $__to / 1000 ORDER BY 1, 2""",
             ("time", "host", "tokens"),
-            "Prompt and generated tokens of completed calls per UTC day, on the hops that finished them (a "
-            "failed-over host's part is counted on its replacement; a host holding two hops of a call counts it "
-            "on each; shard_tokens_daily). A host is its shards' node, also once the retention pruned their "
-            "advertisements (the node the shard id names).", bars=True,
+            "Prompt and generated tokens of completed calls per UTC day, on the hosts whose hops finished them: a "
+            "call counts once on each such host, however many of its hops (shard processes, layer ranges) that "
+            "host held; a failed-over host's part is counted on its replacement (host_tokens_daily). A host is the "
+            "node its shards' ids name, so it stays under its name once the retention pruned their advertisements.",
+            bars=True,
         ),
         SqlPanel(
             "Reputation: pipelines joined, failovers caused, corruption detected", "table",
