@@ -151,7 +151,9 @@ FROM failovers WHERE {in_range('occurred_at')} GROUP BY 1
 UNION ALL
 SELECT time, label AS kind, calls AS events FROM ({calls_per_minute("'fallback_local'", 'fell_back_to_local = 1')})
 ORDER BY time""",
-            ("time", "kind", "events"), bars=True,
+            ("time", "kind", "events"),
+            "Failovers by the minute each happened (failovers); calls that fell back to local by their minute as "
+            "in Calls per minute by outcome (the read model keeps no time of the fallback itself).", bars=True,
         ),
         SqlPanel(
             "Aborts by code", "barchart",
