@@ -260,7 +260,8 @@ EVENT_LOG = Dashboard(
             "Events per minute by type", "timeseries",
             f"""SELECT minute AS time, type, events FROM event_counts
 WHERE {in_range('minute')} ORDER BY minute, type""",
-            ("time", "type", "events"), "Applied events, by the minute they occurred (event_counts).",
+            ("time", "type", "events"), "Applied events, by the minute they occurred (event_counts). A member's "
+            "removal or key rotation is published in both streams and applied in each, so it counts twice.",
             bars=True,
         ),
         SqlPanel(
