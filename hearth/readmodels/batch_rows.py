@@ -18,6 +18,7 @@ from hearth.readmodels.tables import (
     AppliedEvent,
     EventCount,
     Failover,
+    HostTokensDaily,
     IntegrityEvidence,
     KeptPrefixRecord,
     MemberRemoval,
@@ -28,7 +29,6 @@ from hearth.readmodels.tables import (
     ShardHealth,
     ShardReputation,
     ShardStats,
-    ShardTokensDaily,
 )
 
 SHARDS: Table = Shard.__table__
@@ -39,7 +39,7 @@ FAILOVERS: Table = Failover.__table__
 REJECTED_EVENTS: Table = RejectedEvent.__table__
 REJECTED_EVENT_COUNTS: Table = RejectedEventCount.__table__
 EVENT_COUNTS: Table = EventCount.__table__
-SHARD_TOKENS_DAILY: Table = ShardTokensDaily.__table__
+HOST_TOKENS_DAILY: Table = HostTokensDaily.__table__
 SHARD_REPUTATION: Table = ShardReputation.__table__
 INTEGRITY_EVIDENCE: Table = IntegrityEvidence.__table__
 KEPT_PREFIXES: Table = KeptPrefixRecord.__table__
@@ -86,7 +86,7 @@ class TableSql:
 TABLE_SQL = {
     table.name: TableSql(table)
     for table in (SHARDS, SHARD_HEALTH, SHARD_STATS, PIPELINES, FAILOVERS, REJECTED_EVENTS, REJECTED_EVENT_COUNTS,
-                  EVENT_COUNTS, SHARD_TOKENS_DAILY, SHARD_REPUTATION, INTEGRITY_EVIDENCE, KEPT_PREFIXES,
+                  EVENT_COUNTS, HOST_TOKENS_DAILY, SHARD_REPUTATION, INTEGRITY_EVIDENCE, KEPT_PREFIXES,
                   MEMBER_REMOVALS, APPLIED_EVENTS)
 }
 

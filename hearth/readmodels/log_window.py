@@ -52,7 +52,7 @@ OLDER_THAN_LOG_RULES: tuple[OlderThanLogRule, ...] = (
     # is its latest heartbeat's: gone once that is older than the window.
     OlderThanLogRule("shard_stats", SHARDS_STREAM, "(tokens_served != 0 OR last_counted_at IS NULL) AND shard_id "
                      "NOT IN (SELECT shard_id FROM shard_health WHERE last_seen >= :start)"),
-    OlderThanLogRule("shard_tokens_daily", PIPELINES_STREAM, "day < :start"),
+    OlderThanLogRule("host_tokens_daily", PIPELINES_STREAM, "day < :start"),
     OlderThanLogRule("kept_prefixes", PIPELINES_STREAM, "kept_at < :start"),
     *(OlderThanLogRule(table, stream, f"stream = :stream AND {column} < :start")
       for stream in (SHARDS_STREAM, PIPELINES_STREAM)

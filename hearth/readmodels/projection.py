@@ -53,13 +53,14 @@ from hearth.events.signing import EventVerifier, RejectionReason
 from hearth.readmodels.admission import Rejection, record_member_removal, rejection
 from hearth.readmodels.applied_events import preload_applied, record_applied, repeat_rejection
 from hearth.events.streams import seconds_per_day
+from hearth.protocol.subjects import node_of_shard
 from hearth.readmodels.batch_rows import (
     EVENT_COUNTS,
     FAILOVERS,
+    HOST_TOKENS_DAILY,
     PIPELINES,
     SHARD_HEALTH,
     SHARD_STATS,
-    SHARD_TOKENS_DAILY,
     SHARDS,
     TABLE_SQL,
     BatchRows,
@@ -301,9 +302,11 @@ class ReadModelProjection:
     def _pipeline_completed(self, event: PipelineCompleted, rows: BatchRows) -> None:
         pipeline = self._pipeline(rows, event)
         day = epoch_s(event.occurred_at) // seconds_per_day * seconds_per_day
-        for shard_id in dict.fromkeys(_hops(pipeline)):
-            tokens = rows.edit(SHARD_TOKENS_DAILY, (day, shard_id),
-                               lambda shard_id=shard_id: dict(day=day, shard_id=shard_id, tokens=0))
+        # Once per host, however many hops it held; the host from the shard id, not the shards row, so the pipelines
+        # stream alone decides it (a rebuild gives the same rows whatever the two streams' interleaving).
+        for node_id in dict.fromkeys(node_of_shard(shard_id) or shard_id for shard_id in _hops(pipeline)):
+            tokens = rows.edit(HOST_TOKENS_DAILY, (day, node_id),
+                               lambda node_id=node_id: dict(day=day, node_id=node_id, tokens=0))
             tokens["tokens"] = saturating_add(tokens["tokens"], event.prompt_tokens + event.completion_tokens)
         pipeline.update(
             status="completed",

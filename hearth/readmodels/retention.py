@@ -117,7 +117,7 @@ PRUNE_RULES: tuple[PruneRule, ...] = (
     PruneRule("shard_stats", PIPELINES_STREAM,
               "(last_counted_at IS NULL OR last_counted_at < :cutoff) AND shard_id NOT IN (SELECT shard_id FROM "
               "shards) AND shard_id NOT IN (SELECT shard_id FROM shard_health)", _pipelines),
-    PruneRule("shard_tokens_daily", PIPELINES_STREAM, "day < :cutoff", _daily_totals, align_s=seconds_per_day),
+    PruneRule("host_tokens_daily", PIPELINES_STREAM, "day < :cutoff", _daily_totals, align_s=seconds_per_day),
     # A kept record expired that long ago: its signer kept nothing since (a later record of its would have pruned it)
     # and the log no longer holds it. Deleting a signer's latest lowers its pruning bound, but a record applied later
     # that the latest would have pruned expired before it was kept, so before this cutoff too: the next pass takes it.

@@ -251,14 +251,16 @@ class EventCount(Base):
     events: Mapped[int] = mapped_column(Integer, nullable=False)
 
 
-class ShardTokensDaily(Base):
-    """Tokens (prompt + generated) of completed calls per shard per UTC day, counted on the hops that finished
-    each call (a failed-over shard's part is counted on its replacement): tokens through each host per day."""
+class HostTokensDaily(Base):
+    """Tokens (prompt + generated) of completed calls per host per UTC day, counted once on each host that held a
+    hop finishing the call, however many of its hops that host held (two shard processes, or two ranges, on one
+    node); a failed-over host's part is counted on its replacement's. The host is the node the shard id names."""
 
-    __tablename__ = "shard_tokens_daily"
+    __tablename__ = "host_tokens_daily"
 
     day: Mapped[int] = mapped_column(Integer, primary_key=True, comment="epoch s of 00:00 UTC that day")
-    shard_id: Mapped[str] = mapped_column(String, primary_key=True)
+    node_id: Mapped[str] = mapped_column(
+        String, primary_key=True, comment="the node its hops' shard ids name (a shard id naming none: itself)")
     tokens: Mapped[int] = mapped_column(Integer, nullable=False)
 
 

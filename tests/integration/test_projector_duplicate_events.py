@@ -19,7 +19,7 @@ from hearth.events.streams import PIPELINES_STREAM
 from hearth.readmodels.db import open_engine
 from hearth.readmodels.rebuild import diff_databases, rebuild_database
 from hearth.readmodels.runner import Projector
-from hearth.readmodels.tables import RejectedEvent, ShardReputation, ShardTokensDaily
+from hearth.readmodels.tables import HostTokensDaily, RejectedEvent, ShardReputation
 from hearth.services.replay.verify import verify_streams
 from hearth.trust.keys import MemberKey
 from hearth.trust.roster import new_member, new_roster
@@ -70,7 +70,7 @@ async def test_an_event_published_again_past_the_duplicate_window_is_counted_onc
         await projector.wait_for_position(PIPELINES_STREAM, last.seq, timeout_s=WAIT_S)
         assert projector.rejected_total == {"duplicate": 2}
         with Session(projector.engine) as session:
-            assert session.scalars(select(ShardTokensDaily.tokens)).one() == 12
+            assert session.scalars(select(HostTokensDaily.tokens)).one() == 12
             reputation = session.get(ShardReputation, SHARD)
             assert (reputation.checks, reputation.verified_positions) == (2, 9)
             assert sorted((row.stream_seq, row.event_id, row.reason)
@@ -83,7 +83,7 @@ async def test_an_event_published_again_past_the_duplicate_window_is_counted_onc
     engine = open_engine(rebuilt)
     try:
         with Session(engine) as session:  # not vacuous: the rebuild counted the tokens once too
-            assert session.scalars(select(ShardTokensDaily.tokens)).one() == 12
+            assert session.scalars(select(HostTokensDaily.tokens)).one() == 12
     finally:
         engine.dispose()
 

@@ -52,7 +52,7 @@ def test_a_copy_stored_again_is_counted_once_in_one_batch_or_the_next(tmp_path):
     copies = [stored_later(log, event, 300.0) for event in (done, checks, done)]
     assert apply_all(engine, first + copies[:1]) == 4  # a copy in the batch that applied the event
     assert apply_all(engine, copies[1:]) == 2  # and copies in a later transaction
-    assert scalar(engine, "SELECT tokens FROM shard_tokens_daily") == 12
+    assert scalar(engine, "SELECT tokens FROM host_tokens_daily") == 12
     assert scalar(engine, "SELECT checks || '/' || verified_positions FROM shard_reputation") == "2/9"
     assert scalar(engine, "SELECT SUM(events) FROM event_counts WHERE type = 'pipeline.completed'") == 1
     assert rejected(engine) == [(4, done.event_id, "duplicate"), (5, checks.event_id, "duplicate"),

@@ -112,12 +112,12 @@ def test_event_counts_count_each_applied_event_once(synthetic_read_model):
     assert counted == dict(expected)
 
 
-def test_shard_tokens_daily_counts_each_completed_call_on_each_of_its_hops(synthetic_read_model):
+def test_host_tokens_daily_counts_each_completed_call_on_each_of_its_hosts(synthetic_read_model):
     with contextlib.closing(open_read_only(synthetic_read_model)) as connection:
         expected = connection.execute(
-            "SELECT SUM((prompt_tokens + completion_tokens) * (SELECT COUNT(DISTINCT value) FROM json_each(hops))) "
-            "FROM pipelines WHERE status = 'completed'").fetchone()[0]
-        counted, days = connection.execute("SELECT SUM(tokens), COUNT(DISTINCT day) FROM shard_tokens_daily").fetchone()
+            "SELECT SUM((prompt_tokens + completion_tokens) * (SELECT COUNT(DISTINCT substr(value, instr(value, '@') "
+            "+ 1)) FROM json_each(hops))) FROM pipelines WHERE status = 'completed'").fetchone()[0]
+        counted, days = connection.execute("SELECT SUM(tokens), COUNT(DISTINCT day) FROM host_tokens_daily").fetchone()
     assert counted == expected and expected > 0
     assert days == 1
 

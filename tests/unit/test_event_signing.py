@@ -290,7 +290,7 @@ def test_a_signed_event_counts_only_on_its_own_subject(verifier):
 
 
 def test_the_projection_does_not_count_a_completed_call_again_from_another_subject(tmp_path, verifier):
-    """A pipeline.completed adds its tokens to each hop's day (shard_tokens_daily): a copy re-published under
+    """A pipeline.completed adds its tokens to each hop's host's day (host_tokens_daily): a copy re-published under
     another pipeline's subject (after the broker's de-duplication window) must not add them again."""
     engine = migrated_engine(tmp_path / "copy.db")
     done = sign_event(completed("hub"), KEYS["hub"])

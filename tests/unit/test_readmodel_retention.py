@@ -120,7 +120,7 @@ def test_pruning_removes_old_history_and_keeps_state(engine):
     assert count(engine, "SELECT COUNT(*) FROM integrity_evidence") == 1
     assert count(engine, "SELECT COUNT(*) FROM shard_reputation WHERE shard_id = 'ok-shard'") == 0
     # Daily totals outlive the calls they sum.
-    assert count(engine, "SELECT MIN(day) FROM shard_tokens_daily") < pipelines_cutoff
+    assert count(engine, "SELECT MIN(day) FROM host_tokens_daily") < pipelines_cutoff
     assert prune(engine) == 0  # nothing is left to prune
 
 

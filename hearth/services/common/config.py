@@ -274,7 +274,7 @@ class ReadModelSettings(ConfigSection):
                     "own max age")
     daily_totals_retention_days: float = Field(
         default=400.0, gt=0,
-        description="tokens through each host per day (shard_tokens_daily) are kept this long: one row per shard "
+        description="tokens through each host per day (host_tokens_daily) are kept this long: one row per host "
                     "per day, a year's accounting and more, which the log no longer holds past the pipelines' "
                     "retention")
     rejected_samples_per_minute: int = Field(

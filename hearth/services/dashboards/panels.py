@@ -2,7 +2,9 @@
 
 SQL panels read the read model (hearth/readmodels/tables.py: instants are INTEGER epoch seconds, which the SQLite
 plugin turns into times itself) and are preferred wherever the read model holds the data; "now" is the end of
-the dashboard's time range (`$__to / 1000`), so a panel shows the mesh as it was at the end of the range. Which
+the dashboard's time range (`$__to / 1000`), so a panel shows the mesh as it was at the end of the range. The read
+model keeps only the newest of each shard's heartbeats and each stream's position, so an age measured to a past
+range's end is 0 where the newest came since, never negative (routing_sql.age_at_range_end). Which
 shards are live and which layers they cover is the router's own rule (hearth/services/dashboards/routing_sql.py).
 PromQL panels use only the metric names agreed with the metrics side (orchestrator, shard and projector
 metrics), for what only live processes know (calls in flight, step compute histograms, KV cache, lag).
@@ -15,8 +17,8 @@ its table exists (until then `hearth_queued_requests` is drawn beside calls in f
 from __future__ import annotations
 
 from hearth.services.dashboards.model import Dashboard, PromPanel, PromTarget, SqlPanel
-from hearth.services.dashboards.routing_sql import (LAYER_REPLICAS_SQL, MODELS_SQL, NOW_S,
-                                                    P95_STEP_OF_LIVE_SHARDS_SQL, SHARDS_ADVERTISED_SQL)
+from hearth.services.dashboards.routing_sql import (LAYER_REPLICAS_SQL, MODELS_SQL, P95_STEP_OF_LIVE_SHARDS_SQL,
+                                                    SHARDS_ADVERTISED_SQL, age_at_range_end)
 
 
 def in_range(column: str) -> str:
@@ -97,7 +99,9 @@ MESH = Dashboard(
              "reputation"),
             "Every shard whose advertisement has not expired, with its state by the router's rule: live (routing "
             "may use it), stale (not heard from for over shard_health_timeout_s), quarantined, node quarantined "
-            "or member removed. heartbeat_age_s: empty before its first heartbeat (the advertisement counts). "
+            "or member removed. heartbeat_age_s: seconds from its newest heartbeat to the end of the time range; 0 "
+            "when that heartbeat came at or after the end (the read model keeps only the newest, so a past range "
+            "shows 0 for a shard heard from since); empty before its first heartbeat (the advertisement counts). "
             "The dashboard's constants shard_health_timeout_s and silent_log_grace_s must be the orchestrators' "
             "[research.distributed_inference] values. memory_mb is what the range needs (from its advertisement); "
             "the device is not advertised yet.",
@@ -147,7 +151,9 @@ FROM failovers WHERE {in_range('occurred_at')} GROUP BY 1
 UNION ALL
 SELECT time, label AS kind, calls AS events FROM ({calls_per_minute("'fallback_local'", 'fell_back_to_local = 1')})
 ORDER BY time""",
-            ("time", "kind", "events"), bars=True,
+            ("time", "kind", "events"),
+            "Failovers by the minute each happened (failovers); calls that fell back to local by their minute as "
+            "in Calls per minute by outcome (the read model keeps no time of the fallback itself).", bars=True,
         ),
         SqlPanel(
             "Aborts by code", "barchart",
@@ -199,17 +205,14 @@ SHARD_HOSTS = Dashboard(
         ),
         SqlPanel(
             "Tokens through each host per day", "timeseries",
-            f"""SELECT shard_tokens_daily.day AS time,
-       COALESCE(shards.node_id, {node_of_shard_sql('shard_tokens_daily.shard_id')}) AS host,
-       SUM(shard_tokens_daily.tokens) AS tokens
-FROM shard_tokens_daily LEFT JOIN shards ON shards.shard_id = shard_tokens_daily.shard_id
-WHERE shard_tokens_daily.day BETWEEN $__from / 1000 - 86399 AND $__to / 1000
-GROUP BY 1, 2 ORDER BY 1, 2""",
+            """SELECT day AS time, node_id AS host, tokens FROM host_tokens_daily
+WHERE day BETWEEN $__from / 1000 - 86399 AND $__to / 1000 ORDER BY 1, 2""",
             ("time", "host", "tokens"),
-            "Prompt and generated tokens of completed calls per UTC day, on the hops that finished them (a "
-            "failed-over host's part is counted on its replacement; a host holding two hops of a call counts it "
-            "on each; shard_tokens_daily). A host is its shards' node, also once the retention pruned their "
-            "advertisements (the node the shard id names).", bars=True,
+            "Prompt and generated tokens of completed calls per UTC day, on the hosts whose hops finished them: a "
+            "call counts once on each such host, however many of its hops (shard processes, layer ranges) that "
+            "host held; a failed-over host's part is counted on its replacement (host_tokens_daily). A host is the "
+            "node its shards' ids name, so it stays under its name once the retention pruned their advertisements.",
+            bars=True,
         ),
         SqlPanel(
             "Reputation: pipelines joined, failovers caused, corruption detected", "table",
@@ -257,7 +260,8 @@ EVENT_LOG = Dashboard(
             "Events per minute by type", "timeseries",
             f"""SELECT minute AS time, type, events FROM event_counts
 WHERE {in_range('minute')} ORDER BY minute, type""",
-            ("time", "type", "events"), "Applied events, by the minute they occurred (event_counts).",
+            ("time", "type", "events"), "Applied events, by the minute they occurred (event_counts). A member's "
+            "removal or key rotation is published in both streams and applied in each, so it counts twice.",
             bars=True,
         ),
         SqlPanel(
@@ -279,10 +283,12 @@ FROM rejected_events WHERE {in_range('rejected_at')} ORDER BY rejected_at DESC, 
         ),
         SqlPanel(
             "Projection positions", "table",
-            f"""SELECT projection, stream, last_seq, {NOW_S} - last_event_at AS newest_event_age_s
+            f"""SELECT projection, stream, last_seq, {age_at_range_end('last_event_at')} AS newest_event_age_s
 FROM projection_positions ORDER BY projection, stream""",
             ("stream", "last_seq", "newest_event_age_s"),
-            "How far this read model has read each stream; the lag itself is the Prometheus panel beside.",
+            "How far this read model has read each stream; the lag itself is the Prometheus panel beside. "
+            "newest_event_age_s: seconds from when the stream stored the newest event read to the end of the time "
+            "range; 0 when the read model has read past that end (a past range).",
         ),
         PromPanel(
             "Projector lag",

@@ -19,6 +19,13 @@ from hearth.services.common.config import DistributedInferenceSettings
 
 NOW_S = "$__to / 1000"
 
+
+def age_at_range_end(column: str) -> str:
+    """Seconds from the instant in `column` to the end of the time range (NULL where it is NULL). The read model keeps
+    only the newest of each thing (a shard's latest heartbeat, a stream's latest event), so in a past range it may be
+    after the end: that age is 0 (heard from then or since), never negative."""
+    return f"MAX(0, {NOW_S} - {column})"
+
 # The routing settings the SQL needs, as Grafana dashboard variables (`${name}`) with the configuration's defaults:
 # a mesh configured otherwise edits the dashboards' constants, and `hearth status` passes its configuration's values.
 ROUTING_VARIABLES: dict[str, float] = {
@@ -111,7 +118,7 @@ REPUTATION_OF_SHARD = """CASE WHEN shard_states.reputation_status = 'quarantined
 
 SHARDS_ADVERTISED_SQL = f"""WITH {SHARD_STATES_CTE}
 SELECT node_id AS node, model_id AS model, quantization, layer_lo || '-' || layer_hi AS layers, dtype,
-       state, {NOW_S} - last_seen AS heartbeat_age_s, p95_latency_ms AS p95_step_ms,
+       state, {age_at_range_end('last_seen')} AS heartbeat_age_s, p95_latency_ms AS p95_step_ms,
        {REPUTATION_OF_SHARD} AS reputation, memory_required_mb AS memory_mb, active_streams, queue_depth,
        shard_id AS shard, {SHORT_WEIGHTS.format(column='weights_sha256')} AS weights
 FROM shard_states WHERE {LISTED}
