@@ -17,6 +17,7 @@ from pathlib import Path
 
 import openai
 import pytest
+from transformers import AutoTokenizer
 
 from hearth.events.streams import PIPELINES_STREAM
 from hearth.services.devtools.local_cluster import LocalCluster
@@ -235,6 +236,25 @@ async def test_a_client_that_disconnects_frees_the_shards_and_the_caller_is_reco
         assert all(PROMPT not in json.dumps(stored.event.model_dump(mode="json")) for stored in events)
     finally:
         await nc.close()
+
+
+def test_an_answer_cut_inside_a_character_ends_before_it_streamed_or_not(mesh, tiny_models_dir):
+    """max_tokens 1 and a token that is the first byte of a three-byte character (logit_bias all but forces it):
+    the answer's text is empty, not U+FFFD, streamed or not, and it still ends `length` with that token counted."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_models_dir / TINY_MODEL_NAME)
+    first_byte = tokenizer("東", add_special_tokens=False)["input_ids"][0]
+    assert tokenizer.decode([first_byte]) == "\ufffd"
+    request = {"model": TINY_MODEL_NAME, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 1,
+               "logit_bias": {str(first_byte): 100}}
+    answer = mesh.client().chat.completions.create(**request)
+    assert (answer.choices[0].message.content, answer.choices[0].finish_reason) == ("", "length")
+    assert answer.usage.completion_tokens == 1
+    completion = mesh.client().completions.create(model=TINY_MODEL_NAME, prompt=PROMPT, max_tokens=1,
+                                                  logit_bias={str(first_byte): 100})
+    assert (completion.choices[0].text, completion.choices[0].finish_reason) == ("", "length")
+    chunks = [chunk for chunk in mesh.client().chat.completions.create(**request, stream=True) if chunk.choices]
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in chunks) == ""
+    assert chunks[-1].choices[0].finish_reason == "length"
 
 
 def test_health_and_metrics(mesh):
