@@ -5,7 +5,7 @@ several tokens (a partial UTF-8 sequence decodes to U+FFFD until it completes) a
 space depends on what precedes it. The stream therefore re-decodes a short window of recent tokens and
 emits only the new, complete suffix (the approach of text-generation-inference and vLLM). Text that
 could still become the start of a stop string is held back until it is clear, so a client never sees
-a stop string or a piece of one.
+a stop string or a piece of one. A stream cut inside a character (max_tokens) ends with the characters before it.
 """
 
 from __future__ import annotations
@@ -66,12 +66,14 @@ class TextStream:
         return self._release(token_id)
 
     def finish(self, finish_reason: str = FINISH_LENGTH) -> TextDelta:
-        """End the stream (e.g. at max_tokens): returns whatever text was still held back or undecoded."""
+        """End the stream (e.g. at max_tokens): returns whatever text was still held back or undecoded, less a
+        character whose bytes did not all come (the stream was cut inside it): dropped, never sent as U+FFFD."""
         if self.finished:
             return TextDelta(token_id=-1, text="", finished=True, finish_reason=self.finish_reason)
         prefix_text = self._decode(self._token_ids[self._prefix_offset : self._read_offset])
         tail = self._decode(self._token_ids[self._prefix_offset :])[len(prefix_text) :]
-        return self._finish(-1, self._held_back + tail, finish_reason)
+        # Text left undecoded ends in U+FFFD (_decode_new_text waits while it does): bytes of an unfinished character.
+        return self._finish(-1, self._held_back + tail.rstrip(_INCOMPLETE_CHARACTER), finish_reason)
 
     def _decode(self, token_ids: list[int]) -> str:
         return self._tokenizer.decode(token_ids, skip_special_tokens=True)

@@ -7,9 +7,20 @@ from pydantic import ValidationError
 # The wrong fields a refusal names at most (then how many more): a body of many wrong items must not draw an answer
 # many times its size.
 max_described_problems = 8
-# What the refusal of a prompt too long for its model's context says (hearth/services/orchestrator/admission.py): the
-# gateway answers it with OpenAI's code for it, `context_length_exceeded`.
+# What a refusal of a request for its size says, so that a client can tell each reason from the text alone (an error
+# frame has no field for it): the gateway answers each with OpenAI's status and code for it (hearth/services/gateway/
+# errors.py). A prompt too long for its model's context (hearth/services/orchestrator/admission.py):
 CONTEXT_EXCEEDED = "exceed the model's context"
+# A body over the orchestrator's max_request_bytes (body_too_large):
+OVER_MAX_REQUEST_BYTES = "is over max_request_bytes"
+# A list (`messages`, `stop`, ...) or a string longer than its bound allows (describe_validation_error):
+ARRAY_TOO_LONG = "array too long"
+STRING_TOO_LONG = "string too long"
+
+
+def body_too_large(size: int, limit: int) -> str:
+    """The refusal of a request body of `size` bytes, over the orchestrator's max_request_bytes `limit`."""
+    return f"body: {size} bytes {OVER_MAX_REQUEST_BYTES} {limit}"
 
 
 def describe_validation_error(error: ValidationError) -> str:
@@ -20,9 +31,21 @@ def describe_validation_error(error: ValidationError) -> str:
         if item["type"] == "json_invalid":
             problems.append(f"body is not valid JSON: {item['msg']}")
         elif location:
-            problems.append(f"field '{location}': {item['msg']}")
+            problems.append(f"field '{location}': {_problem(item)}")
         else:
             problems.append(item["msg"])
     if error.error_count() > max_described_problems:
         problems.append(f"and {error.error_count() - max_described_problems} more")
     return "; ".join(problems)
+
+
+def _problem(item: dict) -> str:
+    """What is wrong with one field: a list or a string over its length in words of our own (ARRAY_TOO_LONG,
+    STRING_TOO_LONG: what a client tells them by), anything else as pydantic says it."""
+    context = item.get("ctx") or {}
+    if item["type"] == "too_long" and context.get("field_type") == "List":
+        actual = context.get("actual_length")
+        return f"{ARRAY_TOO_LONG}: at most {context['max_length']} items" + (f", not {actual}" if actual else "")
+    if item["type"] == "string_too_long":
+        return f"{STRING_TOO_LONG}: at most {context['max_length']} characters"
+    return item["msg"]

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import openai
 import pytest
+from transformers import AutoTokenizer
 
 from hearth.events.streams import PIPELINES_STREAM
 from hearth.services.devtools.local_cluster import LocalCluster
@@ -178,11 +179,26 @@ def chat_body(**changes) -> dict:
     ({"temperature": 3}, 400, "bad_request", "temperature"),
     ({"model": "no-such-model"}, 404, "model_not_found", "no-such-model"),
     ({"model": PARTIAL_MODEL}, 503, "shard_unavailable", "layers 2-5"),
-], ids=["n", "tools", "temperature", "unknown-model", "partial-model"])
+    ({"max_tokens": 4096}, 400, "context_length_exceeded", "leaves no room for a prompt"),
+    ({"messages": [{"role": "user", "content": PROMPT * 200}]}, 400, "context_length_exceeded", "exceed the model"),
+], ids=["n", "tools", "temperature", "unknown-model", "partial-model", "max-tokens-over-context",
+        "prompt-over-context"])
 def test_each_error_has_its_status(mesh, changes, status, code, says):
     got, _, body = http(mesh, "/v1/chat/completions", chat_body(**changes), mesh.keys["alice"])
     assert (got, body["error"]["code"]) == (status, code), body
     assert says in body["error"]["message"]
+
+
+def test_a_body_the_orchestrator_refuses_for_its_size_is_413_as_the_gateway_s_own_refusal(mesh):
+    """A gateway whose [orchestrator] max_request_bytes is above the orchestrator's passes a body the orchestrator
+    refuses for its size: the client gets 413 `request_too_large`, as when the gateway refuses it, not a 400."""
+    lenient = mesh.cluster.start_gateway(name="lenient-gateway",
+                                         env={"HEARTH_ORCHESTRATOR__MAX_REQUEST_BYTES": str(4 * 1024 * 1024)})
+    lenient_mesh = Mesh(mesh.cluster, lenient.ready_file.read_text(), mesh.keys)
+    big = chat_body(messages=[{"role": "user", "content": "x" * 700_000}, {"role": "user", "content": "y" * 700_000}])
+    status, _, body = http(lenient_mesh, "/v1/chat/completions", big, mesh.keys["alice"])
+    assert (status, body["error"]["code"]) == (413, "request_too_large"), body
+    assert "max_request_bytes 1048576" in body["error"]["message"]
 
 
 def test_calls_without_a_known_api_key_are_401(mesh):
@@ -235,6 +251,25 @@ async def test_a_client_that_disconnects_frees_the_shards_and_the_caller_is_reco
         assert all(PROMPT not in json.dumps(stored.event.model_dump(mode="json")) for stored in events)
     finally:
         await nc.close()
+
+
+def test_an_answer_cut_inside_a_character_ends_before_it_streamed_or_not(mesh, tiny_models_dir):
+    """max_tokens 1 and a token that is the first byte of a three-byte character (logit_bias all but forces it):
+    the answer's text is empty, not U+FFFD, streamed or not, and it still ends `length` with that token counted."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_models_dir / TINY_MODEL_NAME)
+    first_byte = tokenizer("東", add_special_tokens=False)["input_ids"][0]
+    assert tokenizer.decode([first_byte]) == "\ufffd"
+    request = {"model": TINY_MODEL_NAME, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 1,
+               "logit_bias": {str(first_byte): 100}}
+    answer = mesh.client().chat.completions.create(**request)
+    assert (answer.choices[0].message.content, answer.choices[0].finish_reason) == ("", "length")
+    assert answer.usage.completion_tokens == 1
+    completion = mesh.client().completions.create(model=TINY_MODEL_NAME, prompt=PROMPT, max_tokens=1,
+                                                  logit_bias={str(first_byte): 100})
+    assert (completion.choices[0].text, completion.choices[0].finish_reason) == ("", "length")
+    chunks = [chunk for chunk in mesh.client().chat.completions.create(**request, stream=True) if chunk.choices]
+    assert "".join(chunk.choices[0].delta.content or "" for chunk in chunks) == ""
+    assert chunks[-1].choices[0].finish_reason == "length"
 
 
 def test_health_and_metrics(mesh):

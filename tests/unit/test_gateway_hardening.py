@@ -183,6 +183,8 @@ async def test_a_client_that_never_reads_the_answers_to_a_few_pipelined_requests
 
 
 async def test_a_head_growing_past_the_limit_is_refused():
+    """400, not 431: uvicorn answers every error of its h11 parser with 400 (h11's hint of 431 unread), and no
+    setting of uvicorn changes that (docs/gateway.md, "Limits on clients")."""
     async with serving(gateway_with(max_header_bytes=1024)) as address:
         received = await received_until_closed(address, b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Padding: "
                                                         + b"a" * 4096)

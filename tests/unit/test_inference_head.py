@@ -142,6 +142,21 @@ def test_multi_byte_characters_split_over_tokens_stream_without_garbage(head):
     assert deltas[-1].finish_reason == FINISH_LENGTH
 
 
+@pytest.mark.parametrize("text", ["naïve café", "東京", "🔥🙂"])
+def test_an_answer_cut_in_the_middle_of_a_character_ends_before_it_not_in_a_replacement_character(head, text):
+    """max_tokens may end an answer after some of a character's bytes: its text ends with the characters before
+    that one, never with a U+FFFD for the bytes that came, and the stream still ends `length`."""
+    ids = head.tokenizer(text, add_special_tokens=False)["input_ids"]
+    cuts = [cut for cut in range(1, len(ids)) if head.tokenizer.decode(ids[:cut]).endswith("\ufffd")]
+    assert cuts, "no token boundary falls inside a character"
+    for cut in cuts:
+        deltas = stream_all(head.text_stream(SamplingParams()), ids[:cut])
+        visible = "".join(d.text for d in deltas)
+        assert "\ufffd" not in visible, (cut, visible)
+        assert text.startswith(visible) and len(visible) == len(head.tokenizer.decode(ids[:cut]).rstrip("\ufffd"))
+        assert deltas[-1].finish_reason == FINISH_LENGTH
+
+
 def test_stop_string_spanning_tokens_ends_the_text_before_it(head):
     text = "hello there, the quick brown fox"
     ids = head.tokenizer(text, add_special_tokens=False)["input_ids"]

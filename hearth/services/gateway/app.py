@@ -35,7 +35,7 @@ from hearth.services.client.chat import AnswerTokens, choice_of
 from hearth.services.common.metrics import counter, histogram
 from hearth.services.gateway.answers import SSE_DONE, AnswerShape, ChatShape, ChoiceAnswer, CompletionShape, sse_event
 from hearth.services.gateway.errors import (
-    GatewayError, bad_request, from_frame, tokens_withdrawn, too_large, unforeseen, unknown_model,
+    GatewayError, from_frame, refused, tokens_withdrawn, too_large, unforeseen, unknown_model,
 )
 from hearth.services.gateway.mesh import AnswerFrame, ClientGone, Gateway, MeshCall, unless_disconnected
 from hearth.services.gateway.openai_models import (
@@ -191,9 +191,9 @@ class GatewayApp:
                 try:
                     chat_request = body.to_chat_request()
                 except Unsupported as error:
-                    raise bad_request(str(error), error.param) from None
+                    raise refused(str(error), error.param) from None
                 except BadRequest as error:
-                    raise bad_request(str(error)) from None
+                    raise refused(str(error)) from None
                 # The size as published first: an oversized request naming an unknown model asks the mesh nothing.
                 call = self.gateway.call(chat_request, caller)
                 await self.gateway.check_model(chat_request.model)
@@ -242,7 +242,7 @@ class GatewayApp:
         try:
             return body_model.model_validate_json(data)
         except ValidationError as error:
-            raise bad_request(describe_validation_error(error), _first_param(error)) from None
+            raise refused(describe_validation_error(error), _first_param(error)) from None
 
     async def _whole(self, call: MeshCall, shape: AnswerShape, first: AnswerFrame, answers: list[AnswerTokens],
                      with_logprobs: bool) -> Response:

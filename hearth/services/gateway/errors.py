@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from nats.errors import (
@@ -16,7 +17,7 @@ from nats.errors import (
 from starlette.responses import JSONResponse
 
 from hearth.protocol.chat import ErrorFrame, PipelineAbortedFrame, TokensWithdrawnFrame
-from hearth.protocol.refusals import CONTEXT_EXCEEDED
+from hearth.protocol.refusals import ARRAY_TOO_LONG, CONTEXT_EXCEEDED, OVER_MAX_REQUEST_BYTES, STRING_TOO_LONG
 from hearth.services.gateway.openai_models import ErrorBody, ErrorDetail
 
 # Error codes of the mesh (chat_protocol.ErrorCode) -> (HTTP status, OpenAI error type); the rest are 500.
@@ -68,9 +69,31 @@ def bad_request(message: str, param: str | None = None) -> GatewayError:
     return GatewayError(400, "bad_request", message, param=param)
 
 
-def too_large(message: str) -> GatewayError:
+def too_large(message: str, param: str | None = None) -> GatewayError:
     """A 413 (Payload Too Large): the request is over `[orchestrator] max_request_bytes`."""
-    return GatewayError(413, "request_too_large", message)
+    return GatewayError(413, "request_too_large", message, param=param)
+
+
+# Why a request was refused, as its refusal says it (hearth/protocol/refusals.py) -> OpenAI's status and code for
+# that reason, which clients act on (trim a conversation on `context_length_exceeded`, never retry a 413).
+_REFUSAL_ANSWERS: tuple[tuple[str, Callable[[str, str | None], GatewayError]], ...] = (
+    (OVER_MAX_REQUEST_BYTES, too_large),
+    (CONTEXT_EXCEEDED, lambda message, param: GatewayError(400, "context_length_exceeded", message, param=param)),
+    (ARRAY_TOO_LONG, lambda message, param: GatewayError(400, "array_above_max_length", message, param=param)),
+    (STRING_TOO_LONG, lambda message, param: GatewayError(400, "string_above_max_length", message, param=param)),
+)
+
+
+def refused(message: str, param: str | None = None) -> GatewayError:
+    """The answer to a refusal of the request, the gateway's own or the mesh's (its `bad_request` frame), so that
+    both read alike: OpenAI's status and code for the reason of the first problem `message` names, else 400
+    `bad_request`; `param` (else the field the message names first) is OpenAI's `param`."""
+    if param is None:
+        field = _REFUSED_FIELD.match(message)
+        param = field[1] if field else None
+    first_problem = message.split("; ", 1)[0]  # describe_validation_error's separator
+    answer = next((answer for reason, answer in _REFUSAL_ANSWERS if reason in first_problem), bad_request)
+    return answer(message, param)
 
 
 def unknown_model(model: str) -> GatewayError:
@@ -104,9 +127,7 @@ def from_frame(frame: ErrorFrame | PipelineAbortedFrame,
     if frame.code == "bad_request" and message.startswith(_UNKNOWN_MODEL_PREFIX):
         return GatewayError(404, "model_not_found", message, param="model")
     if frame.code == "bad_request":
-        field = _REFUSED_FIELD.match(message)
-        code = "context_length_exceeded" if CONTEXT_EXCEEDED in message else "bad_request"
-        return GatewayError(400, code, message, param=field[1] if field else None)
+        return refused(message)
     status, error_type = _FRAME_STATUS.get(frame.code, (500, "server_error"))
     retry_after_s = (getattr(frame, "retry_after_s", None) or default_retry_after_s) if status in (429, 503) else None
     return GatewayError(status, frame.code, message, type=error_type, retry_after_s=retry_after_s)

@@ -45,8 +45,8 @@ def prompt_room(request: ChatRequest, model: LoadedModel) -> int | None:
     context = model.context_length
     room = None if context is None else context - request.max_tokens
     if room is not None and room < 1:
-        raise BadRequest(f"field 'max_tokens': max_tokens {request.max_tokens} leaves no room for a prompt in the "
-                         f"model's context of {context} tokens")
+        raise BadRequest(f"field 'max_tokens': max_tokens {request.max_tokens} leaves no room for a prompt: with one "
+                         f"prompt token they {CONTEXT_EXCEEDED} of {context} tokens")
     return room
 
 

@@ -37,6 +37,7 @@ from hearth.protocol.chat import (
     parse_chat_request,
 )
 from hearth.protocol.subjects import CHAT_REQUEST_SUBJECT, MODELS_REQUEST_SUBJECT, orchestrator_request_subject
+from hearth.protocol.refusals import body_too_large
 from hearth.services.common.config import HearthSettings
 from hearth.services.common.event_trust import (
     call_verifier,
@@ -214,9 +215,8 @@ class Orchestrator:
         """A `bad_request` for a request whose body or headers are over their limits, checked before either is
         parsed or read: a large body costs many times its size once decoded."""
         limits = self.settings.orchestrator
-        if len(msg.data) > limits.max_request_bytes:
-            return ErrorFrame(seq=0, code="bad_request", message=(
-                f"body: {len(msg.data)} bytes is over max_request_bytes {limits.max_request_bytes}"))
+        if len(msg.data) > (limit := limits.max_request_bytes):
+            return ErrorFrame(seq=0, code="bad_request", message=body_too_large(len(msg.data), limit))
         size = header_bytes(msg.headers)
         if size > limits.max_request_header_bytes:
             return ErrorFrame(seq=0, code="bad_request", message=(
