@@ -1,35 +1,29 @@
 """`hearth community`: create a community, add and remove members and replace their keys (each an nkey; a removal
-or a key's retirement is also published in the event log, hearth/services/community_removal.py), list them, render
-the NATS server's authorization block from the roster (`hearth nats`, hearth/services/nats_cli.py, runs a broker for
-it and applies a changed roster at once), show shard hosts' reputation from a read model and let a steward clear a
-quarantine (hearth/services/community_reputation.py)."""
+or a key's retirement is also published in the event log, hearth/services/community_removal.py), list them, show
+shard hosts' reputation from a read model and let a steward clear a quarantine
+(hearth/services/community_reputation.py); the commands that set up the broker's and the gateway's files (API keys,
+TLS, the authorization block, the streams) are hearth/services/community_broker_cli.py's."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
 from hearth.services.cli_options import settings
+from hearth.services.community_broker_cli import api_key_command, nats_config_command, streams_command, tls_command
+from hearth.services.community_cli_options import (
+    DEFAULT_COMMUNITY_DIR,
+    DEFAULT_READ_MODEL,
+    DirOption,
+    NatsOption,
+    ReadModelOption,
+    fail,
+)
 
 community_app = typer.Typer(help="Manage a community: its roster, member keys and the broker's permissions.",
                             rich_markup_mode=None,
                             no_args_is_help=True)
-DirOption = Annotated[Path, typer.Option("--dir", help="The community folder (roster.json, keys/).")]
-DEFAULT_COMMUNITY_DIR = Path("community")
-ReadModelOption = Annotated[Path, typer.Option(
-    "--db", help="The read model (the file `hearth projector --db` keeps) that holds the shards' reputation.")]
-DEFAULT_READ_MODEL = Path("readmodel.sqlite")
-NatsOption = Annotated[Optional[str], typer.Option(
-    "--nats", help="The community's broker (default: $HEARTH_NATS_URL or [nats] url; a cluster's URLs "
-                   "comma-separated); TLS as [nats] tls_* say.", show_default=False)]
-tls_validity_days = 365
-
-
-def _fail(message: str, command: str = "hearth community") -> None:
-    typer.echo(f"{command}: {message}", err=True)
-    raise typer.Exit(1)
 
 
 @community_app.command("init")
@@ -45,9 +39,9 @@ def init_command(
     try:
         community = Community.init(directory, name)
     except (RosterError, ValueError) as error:
-        _fail(str(error))
+        fail(str(error))
     except OSError as error:  # a file where the folder goes, no permission
-        _fail(f"cannot create the community in {directory}: {error.strerror or error}")
+        fail(f"cannot create the community in {directory}: {error.strerror or error}")
     typer.echo(f"created community {name!r} in {directory}: roster {community.roster_path}, "
                f"system key {community.system_key_path} (keep it with the broker; never share it)")
 
@@ -72,15 +66,15 @@ def add_command(
     from hearth.trust.roster import ROLES, TRUST_ORDER, RosterError
 
     if role not in ROLES:
-        _fail(f"--role must be one of {', '.join(ROLES)}, not {role!r}")
+        fail(f"--role must be one of {', '.join(ROLES)}, not {role!r}")
     if trust is not None and trust not in TRUST_ORDER:
-        _fail(f"--trust must be one of {', '.join(TRUST_ORDER)}, not {trust!r}")
+        fail(f"--trust must be one of {', '.join(TRUST_ORDER)}, not {trust!r}")
     try:
         added = Community(directory).add(name, role, trust=trust, public_key=public_key)  # type: ignore[arg-type]
     except (RosterError, KeyFileError, ValueError) as error:
-        _fail(str(error))
+        fail(str(error))
     except OSError as error:
-        _fail(f"cannot write the roster or the key in {directory}: {error.strerror}; nothing was added")
+        fail(f"cannot write the roster or the key in {directory}: {error.strerror}; nothing was added")
     member = added.member
     where = f"; its key: {added.seed_file} (give it to {name}, then delete it here)" if added.seed_file else ""
     typer.echo(f"added {member.name} as {member.role} ({member.trust}), public key {member.public_key}{where}")
@@ -126,12 +120,12 @@ def remove_command(
         began = published.found_since if not published.failures else None
         removed, seed_file = community.remove(name, cuts=published.cuts, removed_at=began)
     except (RosterError, ApiKeyError, KeyFileError) as error:
-        _fail(str(error), command)
+        fail(str(error), command)
     except (BrokerUnreachable, StreamsMissing, RemovalNotPublished) as error:
-        _fail(f"{error}; nothing was changed. Give the broker with --nats, or --offline to change the roster alone "
+        fail(f"{error}; nothing was changed. Give the broker with --nats, or --offline to change the roster alone "
               "(projections then cut its events off by this machine's clock)", command)
     except OSError as error:  # the roster (or the API keys file) could not be written
-        _fail(f"{error.strerror}: {name} is still in the roster; run it again (it keeps the removal events "
+        fail(f"{error.strerror}: {name} is still in the roster; run it again (it keeps the removal events "
               "already published)", command)
     member = removed.member
     deleted = f"; deleted {seed_file}" if seed_file else ""
@@ -180,12 +174,12 @@ def rotate_key_command(
         rotated, published = rotate_member_key(Community(directory), name, public_key=public_key, nats_url=nats_url,
                                                settings=settings(ctx), offline=offline)
     except (RosterError, KeyFileError, ValueError) as error:
-        _fail(str(error), command)
+        fail(str(error), command)
     except (BrokerUnreachable, StreamsMissing, RemovalNotPublished) as error:
-        _fail(f"{error}; nothing was changed. Give the broker with --nats, or --offline to change the roster alone",
+        fail(f"{error}; nothing was changed. Give the broker with --nats, or --offline to change the roster alone",
               command)
     except OSError as error:  # a seed or the roster could not be written: both are as they were
-        _fail(f"{error.strerror}: {name} keeps its old key; run it again", command)
+        fail(f"{error.strerror}: {name} keeps its old key; run it again", command)
     where = ", ".join(f"{cut.stream} #{cut.seq}" for cut in rotated.retired.cuts) or "no stream (--offline)"
     seed = f"; its new seed: {rotated.seed_file} (give it to {name}, then delete it here)" if rotated.seed_file else ""
     deleted = f"; the old key's seed at {rotated.old_seed_deleted} is deleted" if rotated.old_seed_deleted else ""
@@ -212,7 +206,7 @@ def list_command(directory: DirOption = DEFAULT_COMMUNITY_DIR, db: ReadModelOpti
     try:
         roster = Community(directory).roster()
     except RosterError as error:
-        _fail(str(error))
+        fail(str(error))
     quarantined = quarantined_shards_by_node(db)
     typer.echo(f"community {roster.community!r}: {len(roster.members)} members")
     for member in roster.members:
@@ -234,7 +228,7 @@ def reputation_command(db: ReadModelOption = DEFAULT_READ_MODEL) -> None:
     try:
         rows = read_reputation(db)
     except ReadModelMissing as error:
-        _fail(str(error), "hearth community reputation")
+        fail(str(error), "hearth community reputation")
     for line in reputation_lines(rows):
         typer.echo(line)
 
@@ -268,7 +262,7 @@ def clear_quarantine_command(
     command = "hearth community clear-quarantine"
     community = Community(directory)
     if not community.system_key_path.is_file():
-        _fail(f"{community.system_key_path} does not exist: only the steward, with the community's system key, "
+        fail(f"{community.system_key_path} does not exist: only the steward, with the community's system key, "
               "clears a quarantine", command)
     nats = settings(ctx).nats
     nats = nats.model_copy(update={"url": nats_url or nats.url, "roster_file": community.roster_path})
@@ -277,11 +271,11 @@ def clear_quarantine_command(
         event = run_event_loop(clear_quarantine(shard_id, reason, db=db, steward_key=key,
                                                 publish=steward_publisher(nats, community.system_key_path)))
     except (NotQuarantined, ReadModelMissing, KeyFileError, BrokerUnreachable) as error:
-        _fail(str(error), command)
+        fail(str(error), command)
     except StreamsMissing as error:
-        _fail(f"{error}; nothing was changed", command)
+        fail(f"{error}; nothing was changed", command)
     except Exception as error:  # JetStream refused or timed out: say so in one line
-        _fail(f"the clearing was not published: {error}", command)
+        fail(f"the clearing was not published: {error}", command)
     node = node_of_shard(shard_id)
     still = [other for other in quarantined_shards_by_node(db).get(node or "", []) if other != shard_id]
     typer.echo(f"cleared the quarantine of {shard_id} (event {event.event_id}, clearing {event.pipeline_id}); "
@@ -290,111 +284,7 @@ def clear_quarantine_command(
                   "routers plan it again once their read model applies it"))
 
 
-@community_app.command("api-key")
-def api_key_command(
-    name: Annotated[str, typer.Option("--name", help="The member whose calls the key makes: a client (or system), "
-                                      "whose key is in DIR/keys/NAME.nk (the gateway signs its calls with it).")],
-    directory: DirOption = DEFAULT_COMMUNITY_DIR,
-    revoke: Annotated[bool, typer.Option("--revoke", help="Remove every API key of NAME instead.")] = False,
-) -> None:
-    """Make an API key for `hearth gateway` (printed once; only its SHA-256 is kept, in DIR/api_keys.json, mode
-    0600), or revoke a member's keys. A running gateway applies the change within `[gateway] api_keys_recheck_s`,
-    with no restart."""
-    from hearth.services.gateway.keys import ApiKeyError, create_api_key, revoke_api_keys
-
-    try:
-        if revoke:
-            typer.echo(f"revoked {revoke_api_keys(directory, name)} API keys of {name}", err=True)
-            return
-        api_key = create_api_key(directory, name)
-    except ApiKeyError as error:
-        _fail(str(error))
-    typer.echo(f"API key for {name} (shown only now; {directory}/api_keys.json keeps its hash):", err=True)
-    typer.echo(api_key)
-
-
-@community_app.command("tls")
-def tls_command(
-    host: Annotated[list[str], typer.Option("--host", help="A name or address the broker is reached by "
-                                            "(repeat); e.g. --host nats --host 192.168.1.10.")],
-    directory: DirOption = DEFAULT_COMMUNITY_DIR,
-) -> None:
-    """Make a small certificate authority in DIR/tls: a broker certificate for the given hosts and one client
-    certificate for the members (for a LAN without a CA of its own; keys mode 0600)."""
-    from hearth.services.broker.tls import TlsConfigError, write_throwaway_ca
-
-    if (directory / "tls" / "ca.pem").exists():
-        _fail(f"{directory / 'tls'} already holds a CA; not replacing it")
-    try:
-        files = write_throwaway_ca(directory / "tls", tuple(host), validity_days=tls_validity_days)
-    except TlsConfigError as error:
-        _fail(f"--host: {error}")
-    except OSError as error:
-        _fail(f"cannot write {directory / 'tls'}: {error.strerror}")
-    typer.echo(f"wrote {files.ca_file}, {files.server_cert_file} (for {', '.join(host)}) and {files.client_cert_file};"
-               f" valid {tls_validity_days} days")
-
-
-@community_app.command("nats-config")
-def nats_config_command(
-    directory: DirOption = DEFAULT_COMMUNITY_DIR,
-    out: Annotated[Optional[Path], typer.Option("--out", help="Write to this file (default: stdout).")] = None,
-) -> None:
-    """Render nats-server's authorization block (one nkey user per member, permissions by role); include it
-    in the server's configuration and reload the server (`nats-server --signal reload`)."""
-    from hearth.services.broker.permissions import refused_members, render_authorization
-    from hearth.trust.community import Community
-    from hearth.trust.keys import KeyFileError
-    from hearth.trust.roster import RosterError
-
-    community = Community(directory)
-    try:
-        roster = community.roster()
-    except (RosterError, KeyFileError) as error:
-        _fail(str(error))
-    for member in refused_members(roster):
-        typer.echo(f"warning: {member.name} ({member.role}, {member.trust}) gets no broker user: only trusted "
-                   "or higher may serve shards or orchestrate", err=True)
-    text = render_authorization(roster)
-    if out is None:
-        typer.echo(text, nl=False)
-        return
-    try:
-        out.write_text(text)
-    except OSError as error:
-        _fail(f"cannot write {out}: {error.strerror}")
-    typer.echo(f"wrote {out}", err=True)
-
-
-
-@community_app.command("streams")
-def streams_command(
-    ctx: typer.Context,
-    directory: DirOption = DEFAULT_COMMUNITY_DIR,
-    nats_url: Annotated[Optional[str], typer.Option(
-        "--nats", help="The community's broker (default: $HEARTH_NATS_URL or [nats] url; a cluster's URLs "
-                       "comma-separated); TLS as [nats] tls_* say.", show_default=False)] = None,
-) -> None:
-    """Create the event streams and the orchestrators' call-nonce bucket on the community's broker, or bring them to
-    the current spec, with the steward's system key (DIR/keys/system.nk): on a community broker no other member may.
-    `hearth nats --community` does this itself at start; run it for a broker started otherwise (compose.yaml runs it
-    once)."""
-    from hearth.services.broker.streams import create_community_streams
-    from hearth.services.common.lifecycle import run_event_loop
-    from hearth.services.broker.connection import BrokerUnreachable
-    from hearth.trust.community import Community
-
-    command = "hearth community streams"
-    system_key = Community(directory).system_key_path
-    if not system_key.is_file():
-        _fail(f"{system_key} does not exist: only the steward, with the community's system key, creates the "
-              "streams", command)
-    nats = settings(ctx).nats
-    nats = nats.model_copy(update={"url": nats_url or nats.url, "roster_file": Community(directory).roster_path})
-    try:
-        run_event_loop(create_community_streams(nats, system_key, ready_timeout_s=nats.streams_create_timeout_s))
-    except BrokerUnreachable as error:
-        _fail(str(error), command)
-    except Exception as error:  # JetStream refused or never became ready: say so in one line
-        _fail(f"the event streams were not created: {error}", command)
-    typer.echo(f"event streams ready on {nats.url}", err=True)
+community_app.command("api-key")(api_key_command)
+community_app.command("tls")(tls_command)
+community_app.command("nats-config")(nats_config_command)
+community_app.command("streams")(streams_command)
