@@ -7,16 +7,16 @@ import json
 from collections.abc import Sequence
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import (
+    AfterValidator,
     AwareDatetime,
     BaseModel,
     ConfigDict,
     Field,
     SerializerFunctionWrapHandler,
     ValidationError,
-    field_validator,
     model_serializer,
     model_validator,
 )
@@ -42,6 +42,9 @@ MEMBER_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$"
 ROSTER_FILE = "roster.json"
 KEYS_DIR = "keys"
 SEED_SUFFIX = ".nk"
+# A member's nkey public key as the roster holds it: the pattern (in its JSON schema too), then the checksum and
+# prefix byte, so a mistyped key is refused where the roster is read, not where a signature later fails.
+MemberPublicKey = Annotated[str, Field(pattern=PUBLIC_KEY_PATTERN), AfterValidator(check_public_key)]
 
 
 class RosterError(ValueError):
@@ -79,14 +82,9 @@ class RetiredKey(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    public_key: str = Field(pattern=PUBLIC_KEY_PATTERN)
+    public_key: MemberPublicKey
     retired_at: AwareDatetime
     cuts: list[RemovalCut] = Field(default_factory=list, max_length=8)
-
-    @field_validator("public_key")
-    @classmethod
-    def _well_formed_key(cls, value: str) -> str:
-        return check_public_key(value)
 
 
 class Member(BaseModel):
@@ -97,16 +95,11 @@ class Member(BaseModel):
     name: str = Field(pattern=MEMBER_NAME_PATTERN)
     role: Role
     trust: TrustLevel
-    public_key: str = Field(pattern=PUBLIC_KEY_PATTERN)
+    public_key: MemberPublicKey
     added_at: datetime
     # Oldest first; absent from a roster written before key rotation (and left out of the file while empty, so a
     # roster that never rotated a key still reads in an older hearth).
     retired_keys: list[RetiredKey] = Field(default_factory=list, max_length=1000)
-
-    @field_validator("public_key")
-    @classmethod
-    def _well_formed_key(cls, value: str) -> str:
-        return check_public_key(value)
 
     @model_serializer(mode="wrap")
     def _without_empty_retired_keys(self, handler: SerializerFunctionWrapHandler) -> dict:
