@@ -6,7 +6,8 @@ TLS, the authorization block, the streams) are hearth/services/community_broker_
 
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Annotated, NoReturn, Optional
 
 import typer
 
@@ -20,6 +21,10 @@ from hearth.services.community_cli_options import (
     ReadModelOption,
     fail,
 )
+
+if TYPE_CHECKING:
+    from hearth.services.community_removal import PublishedRemoval
+    from hearth.trust.roster import RemovalCut
 
 community_app = typer.Typer(help="Manage a community: its roster, member keys and the broker's permissions.",
                             rich_markup_mode=None,
@@ -122,25 +127,17 @@ def remove_command(
     except (RosterError, ApiKeyError, KeyFileError) as error:
         fail(str(error), command)
     except (BrokerUnreachable, StreamsMissing, RemovalNotPublished) as error:
-        fail(f"{error}; nothing was changed. Give the broker with --nats, or --offline to change the roster alone "
-              "(projections then cut its events off by this machine's clock)", command)
+        _not_published(error, command, cut_off="its events")
     except OSError as error:  # the roster (or the API keys file) could not be written
         fail(f"{error.strerror}: {name} is still in the roster; run it again (it keeps the removal events "
               "already published)", command)
     member = removed.member
     deleted = f"; deleted {seed_file}" if seed_file else ""
-    earlier = {stream: " (published by an earlier run)" for stream in published.found}
-    where = ", ".join(f"{cut.stream} #{cut.seq}{earlier.get(cut.stream, '')}" for cut in removed.cuts)
+    where = _log_positions(removed.cuts, published)
     logged = f"; its removal is at {where}" if where else ""
     typer.echo(f"removed {member.name} ({member.role}, {member.trust}), public key {member.public_key}{deleted}; "
-               f"revoked its {api_keys} API keys{logged}. A broker run by `hearth nats --community` applies it at "
-               "once; any other: render `hearth community nats-config` and reload it.")
-    for stream, why in published.failures.items():
-        typer.echo(f"{command}: warning: {stream} did not take the removal event ({why}): there, its events are cut "
-                   "off by this machine's clock", err=True)
-    if offline:
-        typer.echo(f"{command}: warning: no removal event published (--offline): its events are cut off by this "
-                   "machine's clock", err=True)
+               f"revoked its {api_keys} API keys{logged}. {BROKER_APPLIES_IT}")
+    _warn_where_the_log_lacks_it(command, published, offline, event="removal", cut_off="its events are")
 
 
 @community_app.command("rotate-key")
@@ -176,22 +173,15 @@ def rotate_key_command(
     except (RosterError, KeyFileError, ValueError) as error:
         fail(str(error), command)
     except (BrokerUnreachable, StreamsMissing, RemovalNotPublished) as error:
-        fail(f"{error}; nothing was changed. Give the broker with --nats, or --offline to change the roster alone",
-              command)
+        _not_published(error, command, cut_off="the old key")
     except OSError as error:  # a seed or the roster could not be written: both are as they were
         fail(f"{error.strerror}: {name} keeps its old key; run it again", command)
-    where = ", ".join(f"{cut.stream} #{cut.seq}" for cut in rotated.retired.cuts) or "no stream (--offline)"
+    where = _log_positions(rotated.retired.cuts, published) or "no stream (--offline)"
     seed = f"; its new seed: {rotated.seed_file} (give it to {name}, then delete it here)" if rotated.seed_file else ""
     deleted = f"; the old key's seed at {rotated.old_seed_deleted} is deleted" if rotated.old_seed_deleted else ""
     typer.echo(f"rotated the key of {name}: retired {rotated.retired.public_key} (at {where}), now "
-               f"{rotated.member.public_key}{seed}{deleted}. A broker run by `hearth nats --community` applies it at "
-               "once; any other: render `hearth community nats-config` and reload it.")
-    for stream, why in published.failures.items():
-        typer.echo(f"{command}: warning: {stream} did not take the rotation event ({why}): there, the old key is "
-                   "cut off by this machine's clock", err=True)
-    if offline:
-        typer.echo(f"{command}: warning: no rotation event published (--offline): the old key is cut off by this "
-                   "machine's clock", err=True)
+               f"{rotated.member.public_key}{seed}{deleted}. {BROKER_APPLIES_IT}")
+    _warn_where_the_log_lacks_it(command, published, offline, event="rotation", cut_off="the old key is")
 
 
 @community_app.command("list")
@@ -282,6 +272,35 @@ def clear_quarantine_command(
                + (f"node {node} stays held (no shard of it is routed) while {', '.join(still)} "
                   f"{'is' if len(still) == 1 else 'are'} quarantined" if still else
                   "routers plan it again once their read model applies it"))
+
+
+# What the roster's change needs on the broker, said after a removal or a key's rotation.
+BROKER_APPLIES_IT = ("A broker run by `hearth nats --community` applies it at once; any other: render "
+                     "`hearth community nats-config` and reload it.")
+
+
+def _not_published(error: Exception, command: str, *, cut_off: str) -> NoReturn:
+    """The refusal of a removal or rotation whose event no stream took: nothing changed, and the two ways out."""
+    fail(f"{error}; nothing was changed. Give the broker with --nats, or --offline to change the roster alone "
+         f"(projections then cut {cut_off} off by this machine's clock)", command)
+
+
+def _log_positions(cuts: Sequence[RemovalCut], published: PublishedRemoval) -> str:
+    """Where the removal or rotation event is in each stream, naming those an earlier run published."""
+    earlier = {stream: " (published by an earlier run)" for stream in published.found}
+    return ", ".join(f"{cut.stream} #{cut.seq}{earlier.get(cut.stream, '')}" for cut in cuts)
+
+
+def _warn_where_the_log_lacks_it(command: str, published: PublishedRemoval, offline: bool, *, event: str,
+                                 cut_off: str) -> None:
+    """One warning for each stream that did not take the `event` event (or for --offline, none did): there the key
+    is cut off by the steward's clock, not by a position in the log."""
+    for stream, why in published.failures.items():
+        typer.echo(f"{command}: warning: {stream} did not take the {event} event ({why}): there, {cut_off} cut off "
+                   "by this machine's clock", err=True)
+    if offline:
+        typer.echo(f"{command}: warning: no {event} event published (--offline): {cut_off} cut off by this "
+                   "machine's clock", err=True)
 
 
 community_app.command("api-key")(api_key_command)
