@@ -7,6 +7,7 @@ TLS, the authorization block, the streams) are hearth/services/community_broker_
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import datetime
 from typing import TYPE_CHECKING, Annotated, NoReturn, Optional
 
 import typer
@@ -24,7 +25,7 @@ from hearth.services.community_cli_options import (
 
 if TYPE_CHECKING:
     from hearth.services.community_removal import PublishedRemoval
-    from hearth.trust.roster import RemovalCut
+    from hearth.trust.roster import Member, RemovalCut
 
 community_app = typer.Typer(help="Manage a community: its roster, member keys and the broker's permissions.",
                             rich_markup_mode=None,
@@ -188,7 +189,7 @@ def rotate_key_command(
 def list_command(directory: DirOption = DEFAULT_COMMUNITY_DIR, db: ReadModelOption = DEFAULT_READ_MODEL) -> None:
     """Print the roster: name, role, trust, public key, and (from the read model, when there is one) the shards of
     each member that are quarantined, which hold the member's node (none of its shards is routed); then the members
-    removed, when, and where in each stream."""
+    removed and the keys retired by a rotation (whose, when, and where in each stream)."""
     from hearth.services.community_reputation import quarantined_shards_by_node
     from hearth.trust.community import Community
     from hearth.trust.roster import RosterError
@@ -204,9 +205,9 @@ def list_command(directory: DirOption = DEFAULT_COMMUNITY_DIR, db: ReadModelOpti
         note = f"  node held, none of its shards routed; QUARANTINED: {', '.join(shards)}" if shards else ""
         typer.echo(f"{member.name:24} {member.role:13} {member.trust:8} {member.public_key}{note}")
     for gone in roster.removed:
-        cuts = "".join(f", {cut.stream} #{cut.seq}" for cut in gone.cuts)
-        typer.echo(f"{gone.member.name:24} {gone.member.role:13} {'removed':8} {gone.member.public_key}  "
-                   f"at {gone.removed_at:%Y-%m-%d %H:%M:%S} UTC{cuts}")
+        typer.echo(_former_key_row(gone.member, "removed", gone.member.public_key, gone.removed_at, gone.cuts))
+    for holder, retired in roster.retirements():
+        typer.echo(_former_key_row(holder, "retired", retired.public_key, retired.retired_at, retired.cuts))
 
 
 @community_app.command("reputation")
@@ -289,6 +290,13 @@ def _log_positions(cuts: Sequence[RemovalCut], published: PublishedRemoval) -> s
     """Where the removal or rotation event is in each stream, naming those an earlier run published."""
     earlier = {stream: " (published by an earlier run)" for stream in published.found}
     return ", ".join(f"{cut.stream} #{cut.seq}{earlier.get(cut.stream, '')}" for cut in cuts)
+
+
+def _former_key_row(member: Member, status: str, public_key: str, since: datetime,
+                    cuts: Sequence[RemovalCut]) -> str:
+    """`list`'s row of a key that no longer counts: its member, why (removed, retired), since when and where."""
+    where = "".join(f", {cut.stream} #{cut.seq}" for cut in cuts)
+    return f"{member.name:24} {member.role:13} {status:8} {public_key}  at {since:%Y-%m-%d %H:%M:%S} UTC{where}"
 
 
 def _warn_where_the_log_lacks_it(command: str, published: PublishedRemoval, offline: bool, *, event: str,

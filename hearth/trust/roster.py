@@ -196,13 +196,14 @@ class Roster(BaseModel):
             former.update({retired.public_key: holder.as_retired(retired) for retired in holder.retired_keys})
         return former
 
+    def retirements(self) -> list[tuple[Member, RetiredKey]]:
+        """Every key retired by a rotation, with the member (current or removed) that held it, oldest first each."""
+        return [(holder, retired) for holder in self._holders() for retired in holder.retired_keys]
+
     def retired_key_of(self, public_key: str) -> tuple[Member, RetiredKey] | None:
         """The member (current or removed) that retired `public_key` by a rotation, and its retirement."""
-        for holder in self._holders():
-            for retired in holder.retired_keys:
-                if retired.public_key == public_key:
-                    return holder, retired
-        return None
+        return next(((holder, retired) for holder, retired in self.retirements() if retired.public_key == public_key),
+                    None)
 
     def with_rotated_key(self, name: str, public_key: str, *, retired_at: datetime,
                          cuts: Sequence[RemovalCut] = ()) -> "Roster":
