@@ -43,7 +43,7 @@ def tls_command(
     directory: DirOption = DEFAULT_COMMUNITY_DIR,
 ) -> None:
     """Make a small certificate authority in DIR/tls: a broker certificate for the given hosts and one client
-    certificate for the members (for a LAN without a CA of its own; keys mode 0600)."""
+    certificate for the members (for a LAN without a CA of its own; every file mode 0600, the folder 0700)."""
     from hearth.services.broker.tls import TlsConfigError, write_throwaway_ca
 
     if (directory / "tls" / "ca.pem").exists():

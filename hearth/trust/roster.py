@@ -21,7 +21,7 @@ from pydantic import (
     model_validator,
 )
 
-from hearth.trust.keys import PUBLIC_KEY_PATTERN, check_public_key, write_private_file
+from hearth.trust.keys import PRIVATE_FOLDER_MODE, PUBLIC_KEY_PATTERN, check_public_key, write_private_file
 
 Role = Literal["shard", "orchestrator", "projector", "client", "auditor", "system"]
 # The roles `hearth community add` gives; `system` is the steward's own key, made once by `community init`, which
@@ -275,7 +275,7 @@ class Roster(BaseModel):
     def save(self, path: Path) -> None:
         """Replace the file atomically, so a reader never sees half a roster, mode 0600 (write_private_file): it
         holds only public keys, but names a household's members and machines, and every member has its own copy."""
-        path.parent.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(mode=PRIVATE_FOLDER_MODE, parents=True, exist_ok=True)  # a member's copy: left as it is
         write_private_file(path, (json.dumps(self.model_dump(mode="json"), indent=2) + "\n").encode())
 
 
