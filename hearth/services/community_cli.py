@@ -144,7 +144,7 @@ def remove_command(
 @community_app.command("rotate-key")
 def rotate_key_command(
     ctx: typer.Context,
-    name: Annotated[str, typer.Argument(help="The member whose key is replaced (not `system`, the steward's key).")],
+    name: Annotated[str, typer.Argument(help="The member whose key is replaced (`system`: the steward's own).")],
     directory: DirOption = DEFAULT_COMMUNITY_DIR,
     nats_url: NatsOption = None,
     public_key: Annotated[Optional[str], typer.Option(
@@ -158,7 +158,10 @@ def rotate_key_command(
     record: a signed member.key_rotated (the steward's system key) goes on each event stream, then the roster holds
     the new key and keeps the old one among its retired keys. What the old key signed before still verifies; from
     then on the broker, signed calls, events, sealed hop keys and the gateway refuse it. The old key's seed here, if
-    any, is deleted (a retired seed still opens hop keys sealed to it before)."""
+    any, is deleted (a retired seed still opens hop keys sealed to it before). The steward's own key (`system`) is
+    rotated the same way: its old key signs the rotation naming the new one, whose seed is made here in
+    keys/system.nk; then every machine with the steward's tooling needs the new folder, every member the new roster,
+    and every node of a cluster a restart (its route password derives from the key)."""
     from hearth.events.streams import StreamsMissing
     from hearth.services.broker.connection import BrokerUnreachable
     from hearth.services.community_removal import RemovalNotPublished
@@ -183,6 +186,12 @@ def rotate_key_command(
     typer.echo(f"rotated the key of {name}: retired {rotated.retired.public_key} (at {where}), now "
                f"{rotated.member.public_key}{seed}{deleted}. {BROKER_APPLIES_IT}")
     _warn_where_the_log_lacks_it(command, published, offline, event="rotation", cut_off="the old key is")
+    if rotated.member.role == "system":
+        typer.echo(f"The steward's key changed: copy {rotated.seed_file} and {directory / 'roster.json'} to every "
+                   "machine that runs the broker or the steward's tooling, hand the roster to every member (their "
+                   "projectors accept the new key's events only once their roster names it), and restart every "
+                   "node of a cluster with the new folder (their route password derives from this key: nodes on "
+                   "the old and the new one do not route to each other).")
 
 
 @community_app.command("list")

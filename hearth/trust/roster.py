@@ -69,9 +69,13 @@ class RemovalCut(BaseModel):
     # None in a roster written before cuts held it.
     stored_at: AwareDatetime | None = None
 
-    def passed_by(self, seq: int, stored_at: datetime) -> bool:
+    def passed_by(self, seq: int, stored_at: datetime, event_id: str | None = None) -> bool:
         """Whether a message of this stream stored at `seq`, at `stored_at` by the broker's clock, came after the
-        removal: after it in the stream, or stored later (a stream created again since)."""
+        removal: after it in the stream, or stored later (a stream created again since). The removal event itself
+        (`event_id` at the cut's place) never does: the rotation of the steward's own key is signed by that key, and
+        its storage time as a reader sees it may be a microsecond off the one kept here (read back another way)."""
+        if seq == self.seq and event_id == self.event_id:
+            return False
         return seq > self.seq or (self.stored_at is not None and stored_at > self.stored_at)
 
 
@@ -130,12 +134,14 @@ class RemovedMember(BaseModel):
     def cut_in(self, stream: str) -> RemovalCut | None:
         return next((cut for cut in self.cuts if cut.stream == stream), None)
 
-    def stored_after_removal(self, stored_at: datetime, stream: str | None = None, seq: int | None = None) -> bool:
-        """Whether an event of this member's key that `stream` stored at `seq` (at `stored_at`, by the broker's clock)
-        came after its removal: by the removal event's position where the stream has one, else by `removed_at`."""
+    def stored_after_removal(self, stored_at: datetime, stream: str | None = None, seq: int | None = None,
+                             event_id: str | None = None) -> bool:
+        """Whether an event (`event_id`) of this member's key that `stream` stored at `seq` (at `stored_at`, by the
+        broker's clock) came after its removal: by the removal event's position where the stream has one, else by
+        `removed_at`."""
         cut = self.cut_in(stream) if stream is not None and seq is not None else None
         if cut is not None:
-            return cut.passed_by(seq, stored_at)  # type: ignore[arg-type]
+            return cut.passed_by(seq, stored_at, event_id)  # type: ignore[arg-type]
         return stored_at >= self.removed_at
 
 
@@ -208,16 +214,13 @@ class Roster(BaseModel):
     def with_rotated_key(self, name: str, public_key: str, *, retired_at: datetime,
                          cuts: Sequence[RemovalCut] = ()) -> "Roster":
         """The roster with member `name` holding `public_key` and its key until now retired at `retired_at`, where
-        the rotation events went (`cuts`). The steward's own `system` key is not rotated this way: it signs the
-        rotation itself and runs the broker's own connections."""
+        the rotation events went (`cuts`). The steward's own `system` key too: its old key signed those events, so
+        the log chains it to the new one."""
         member = self.by_name(name)
         if member is None:
             gone = any(removed.member.name == name for removed in self.removed)
             raise RosterError(f"{name!r} was removed from the community: its key is retired for good" if gone
                               else f"no member named {name!r} is in the roster")
-        if member.role == "system":
-            raise RosterError(f"{name!r} is the steward's system key, which rotate-key does not replace (it signs the "
-                              "rotation and runs the broker's own connections); see docs/operations.md")
         self._check_new_key(public_key)
         retired = RetiredKey(public_key=member.public_key, retired_at=retired_at, cuts=list(cuts))
         rotated = member.model_copy(update={"public_key": check_public_key(public_key),

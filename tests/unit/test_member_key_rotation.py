@@ -79,7 +79,7 @@ def test_rotate_key_offline_writes_a_new_private_seed_retires_the_old_key_and_de
 
 @pytest.mark.parametrize(("args", "says"), [
     (["nobody"], "no member named 'nobody'"),
-    (["system"], "the steward's system key, which rotate-key does not replace"),
+    (["system", "--public-key", MemberKey.generate().public_key], "run it without --public-key"),
     (["attic", "--public-key", "UNOTAKEY"], "not a NATS user public key"),
     (["gone"], "'gone' was removed from the community"),
 ])
