@@ -19,13 +19,11 @@ from hearth.events.streams import ALL_STREAMS, MEMBER_REMOVAL_SUBJECTS, PIPELINE
 from hearth.services.broker.connection import BrokerRefusedCredentials, connect_nats
 from hearth.services.broker.consumer_sweep import ConsumerSweeper, listed_consumers
 from hearth.services.broker.permissions import render_authorization
-from hearth.services.broker.server import EmbeddedNatsServer
-from hearth.services.broker.streams import create_community_streams
 from hearth.services.common.config import NatsSettings
 from hearth.services.community_cli import community_app
 from hearth.services.replay.verify import verify_streams
-from hearth.trust.community import Community
 from hearth.trust.roster import SYSTEM_MEMBER
+from tests.community_log import community_on_a_broker
 
 pytestmark = pytest.mark.integration
 SWEEP_WAIT_S = 15.0
@@ -33,12 +31,7 @@ SWEEP_WAIT_S = 15.0
 
 @pytest.fixture
 def community_broker(tmp_path):
-    community = Community.init(tmp_path / "community", "elm-street")
-    community.add("eve", "auditor")
-    with EmbeddedNatsServer(store_dir=tmp_path / "nats", authorization=render_authorization(community.roster())) \
-            as server:
-        asyncio.run(create_community_streams(NatsSettings(url=server.url), community.system_key_path,
-                                             ready_timeout_s=10))
+    with community_on_a_broker(tmp_path, (("eve", "auditor"),)) as (community, server):
         yield community, server
 
 
