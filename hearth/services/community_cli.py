@@ -181,12 +181,14 @@ def rotate_key_command(
     except OSError as error:  # a seed or the roster could not be written: both are as they were
         fail(f"{error.strerror}: {name} keeps its old key; run it again", command)
     where = _log_positions(rotated.retired.cuts, published) or "no stream (--offline)"
-    seed = f"; its new seed: {rotated.seed_file} (give it to {name}, then delete it here)" if rotated.seed_file else ""
+    steward = rotated.member.role == "system"
+    handed = "keep it with the broker; never share it" if steward else f"give it to {name}, then delete it here"
+    seed = f"; its new seed: {rotated.seed_file} ({handed})" if rotated.seed_file else ""
     deleted = f"; the old key's seed at {rotated.old_seed_deleted} is deleted" if rotated.old_seed_deleted else ""
     typer.echo(f"rotated the key of {name}: retired {rotated.retired.public_key} (at {where}), now "
                f"{rotated.member.public_key}{seed}{deleted}. {BROKER_APPLIES_IT}")
     _warn_where_the_log_lacks_it(command, published, offline, event="rotation", cut_off="the old key is")
-    if rotated.member.role == "system":
+    if steward:
         typer.echo(f"The steward's key changed: copy {rotated.seed_file} and {directory / 'roster.json'} to every "
                    "machine that runs the broker or the steward's tooling, hand the roster to every member (their "
                    "projectors accept the new key's events only once their roster names it), and restart every "

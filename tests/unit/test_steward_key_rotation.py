@@ -71,6 +71,7 @@ def test_the_old_steward_key_signs_its_rotation_and_the_folder_then_holds_only_t
                                                                           new_key.public_key)
     # The steward's tooling on other machines needs the new folder; a cluster's routes follow the key.
     assert "restart every node" in result.output and "roster" in result.output
+    assert "delete it here" not in result.output  # the folder must keep the steward's seed
     with pytest.raises(IdentityError, match="'system' retired at"):
         load_identity(old_copy, community.roster_path)
 
