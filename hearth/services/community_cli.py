@@ -1,5 +1,6 @@
-"""`hearth community`: create a community, add and remove members and replace their keys (each an nkey; a removal
-or a key's retirement is also published in the event log, hearth/services/community_removal.py), list them, show
+"""`hearth community`: create a community, add and remove members and replace their keys, the steward's own too
+(each an nkey; a removal or a key's retirement is also published in the event log,
+hearth/services/community_removal.py), list them with the keys removed or retired, show
 shard hosts' reputation from a read model and let a steward clear a quarantine
 (hearth/services/community_reputation.py); the commands that set up the broker's and the gateway's files (API keys,
 TLS, the authorization block, the streams) are hearth/services/community_broker_cli.py's."""
@@ -37,8 +38,8 @@ def init_command(
     name: Annotated[str, typer.Option("--name", help="The community's name, e.g. 'elm-street'.")],
     directory: DirOption = DEFAULT_COMMUNITY_DIR,
 ) -> None:
-    """Create a community folder: a roster whose one member is `system`, the steward's own key (keys/system.nk,
-    mode 0600), which the broker lets do anything."""
+    """Create a community folder (mode 0700): a roster whose one member is `system`, the steward's own key
+    (keys/system.nk, mode 0600), which the broker lets do anything."""
     from hearth.trust.community import Community
     from hearth.trust.roster import RosterError
 
