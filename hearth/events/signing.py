@@ -176,7 +176,7 @@ class EventVerifier:
         if isinstance(member, RemovedMember):
             # What it signed before its removal stays valid, so a rebuild applies what the live projection did.
             stream, seq = (position.stream, position.seq) if position is not None else (None, None)
-            if member.stored_after_removal(received_at, stream, seq):
+            if member.stored_after_removal(received_at, stream, seq, event.event_id):
                 return "removed_signer"
             member = member.member
         signed = stored_canonical_bytes(stored_data) if stored_data else canonical_bytes(event)

@@ -1,35 +1,36 @@
-"""`hearth community`: create a community, add and remove members and replace their keys (each an nkey; a removal
-or a key's retirement is also published in the event log, hearth/services/community_removal.py), list them, render
-the NATS server's authorization block from the roster (`hearth nats`, hearth/services/nats_cli.py, runs a broker for
-it and applies a changed roster at once), show shard hosts' reputation from a read model and let a steward clear a
-quarantine (hearth/services/community_reputation.py)."""
+"""`hearth community`: create a community, add and remove members and replace their keys, the steward's own too
+(each an nkey; a removal or a key's retirement is also published in the event log,
+hearth/services/community_removal.py), list them with the keys removed or retired, show
+shard hosts' reputation from a read model and let a steward clear a quarantine
+(hearth/services/community_reputation.py); the commands that set up the broker's and the gateway's files (API keys,
+TLS, the authorization block, the streams) are hearth/services/community_broker_cli.py's."""
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Annotated, Optional
+from collections.abc import Sequence
+from datetime import datetime
+from typing import TYPE_CHECKING, Annotated, NoReturn, Optional
 
 import typer
 
 from hearth.services.cli_options import settings
+from hearth.services.community_broker_cli import api_key_command, nats_config_command, streams_command, tls_command
+from hearth.services.community_cli_options import (
+    DEFAULT_COMMUNITY_DIR,
+    DEFAULT_READ_MODEL,
+    DirOption,
+    NatsOption,
+    ReadModelOption,
+    fail,
+)
+
+if TYPE_CHECKING:
+    from hearth.services.community_removal import PublishedRemoval
+    from hearth.trust.roster import Member, RemovalCut
 
 community_app = typer.Typer(help="Manage a community: its roster, member keys and the broker's permissions.",
                             rich_markup_mode=None,
                             no_args_is_help=True)
-DirOption = Annotated[Path, typer.Option("--dir", help="The community folder (roster.json, keys/).")]
-DEFAULT_COMMUNITY_DIR = Path("community")
-ReadModelOption = Annotated[Path, typer.Option(
-    "--db", help="The read model (the file `hearth projector --db` keeps) that holds the shards' reputation.")]
-DEFAULT_READ_MODEL = Path("readmodel.sqlite")
-NatsOption = Annotated[Optional[str], typer.Option(
-    "--nats", help="The community's broker (default: $HEARTH_NATS_URL or [nats] url; a cluster's URLs "
-                   "comma-separated); TLS as [nats] tls_* say.", show_default=False)]
-tls_validity_days = 365
-
-
-def _fail(message: str, command: str = "hearth community") -> None:
-    typer.echo(f"{command}: {message}", err=True)
-    raise typer.Exit(1)
 
 
 @community_app.command("init")
@@ -37,17 +38,17 @@ def init_command(
     name: Annotated[str, typer.Option("--name", help="The community's name, e.g. 'elm-street'.")],
     directory: DirOption = DEFAULT_COMMUNITY_DIR,
 ) -> None:
-    """Create a community folder: a roster whose one member is `system`, the steward's own key (keys/system.nk,
-    mode 0600), which the broker lets do anything."""
+    """Create a community folder (mode 0700): a roster whose one member is `system`, the steward's own key
+    (keys/system.nk, mode 0600), which the broker lets do anything."""
     from hearth.trust.community import Community
     from hearth.trust.roster import RosterError
 
     try:
         community = Community.init(directory, name)
     except (RosterError, ValueError) as error:
-        _fail(str(error))
+        fail(str(error))
     except OSError as error:  # a file where the folder goes, no permission
-        _fail(f"cannot create the community in {directory}: {error.strerror or error}")
+        fail(f"cannot create the community in {directory}: {error.strerror or error}")
     typer.echo(f"created community {name!r} in {directory}: roster {community.roster_path}, "
                f"system key {community.system_key_path} (keep it with the broker; never share it)")
 
@@ -72,15 +73,15 @@ def add_command(
     from hearth.trust.roster import ROLES, TRUST_ORDER, RosterError
 
     if role not in ROLES:
-        _fail(f"--role must be one of {', '.join(ROLES)}, not {role!r}")
+        fail(f"--role must be one of {', '.join(ROLES)}, not {role!r}")
     if trust is not None and trust not in TRUST_ORDER:
-        _fail(f"--trust must be one of {', '.join(TRUST_ORDER)}, not {trust!r}")
+        fail(f"--trust must be one of {', '.join(TRUST_ORDER)}, not {trust!r}")
     try:
         added = Community(directory).add(name, role, trust=trust, public_key=public_key)  # type: ignore[arg-type]
     except (RosterError, KeyFileError, ValueError) as error:
-        _fail(str(error))
+        fail(str(error))
     except OSError as error:
-        _fail(f"cannot write the roster or the key in {directory}: {error.strerror}; nothing was added")
+        fail(f"cannot write the roster or the key in {directory}: {error.strerror}; nothing was added")
     member = added.member
     where = f"; its key: {added.seed_file} (give it to {name}, then delete it here)" if added.seed_file else ""
     typer.echo(f"added {member.name} as {member.role} ({member.trust}), public key {member.public_key}{where}")
@@ -126,33 +127,25 @@ def remove_command(
         began = published.found_since if not published.failures else None
         removed, seed_file = community.remove(name, cuts=published.cuts, removed_at=began)
     except (RosterError, ApiKeyError, KeyFileError) as error:
-        _fail(str(error), command)
+        fail(str(error), command)
     except (BrokerUnreachable, StreamsMissing, RemovalNotPublished) as error:
-        _fail(f"{error}; nothing was changed. Give the broker with --nats, or --offline to change the roster alone "
-              "(projections then cut its events off by this machine's clock)", command)
+        _not_published(error, command, cut_off="its events")
     except OSError as error:  # the roster (or the API keys file) could not be written
-        _fail(f"{error.strerror}: {name} is still in the roster; run it again (it keeps the removal events "
+        fail(f"{error.strerror}: {name} is still in the roster; run it again (it keeps the removal events "
               "already published)", command)
     member = removed.member
     deleted = f"; deleted {seed_file}" if seed_file else ""
-    earlier = {stream: " (published by an earlier run)" for stream in published.found}
-    where = ", ".join(f"{cut.stream} #{cut.seq}{earlier.get(cut.stream, '')}" for cut in removed.cuts)
+    where = _log_positions(removed.cuts, published)
     logged = f"; its removal is at {where}" if where else ""
     typer.echo(f"removed {member.name} ({member.role}, {member.trust}), public key {member.public_key}{deleted}; "
-               f"revoked its {api_keys} API keys{logged}. A broker run by `hearth nats --community` applies it at "
-               "once; any other: render `hearth community nats-config` and reload it.")
-    for stream, why in published.failures.items():
-        typer.echo(f"{command}: warning: {stream} did not take the removal event ({why}): there, its events are cut "
-                   "off by this machine's clock", err=True)
-    if offline:
-        typer.echo(f"{command}: warning: no removal event published (--offline): its events are cut off by this "
-                   "machine's clock", err=True)
+               f"revoked its {api_keys} API keys{logged}. {BROKER_APPLIES_IT}")
+    _warn_where_the_log_lacks_it(command, published, offline, event="removal", cut_off="its events are")
 
 
 @community_app.command("rotate-key")
 def rotate_key_command(
     ctx: typer.Context,
-    name: Annotated[str, typer.Argument(help="The member whose key is replaced (not `system`, the steward's key).")],
+    name: Annotated[str, typer.Argument(help="The member whose key is replaced (`system`: the steward's own).")],
     directory: DirOption = DEFAULT_COMMUNITY_DIR,
     nats_url: NatsOption = None,
     public_key: Annotated[Optional[str], typer.Option(
@@ -166,7 +159,10 @@ def rotate_key_command(
     record: a signed member.key_rotated (the steward's system key) goes on each event stream, then the roster holds
     the new key and keeps the old one among its retired keys. What the old key signed before still verifies; from
     then on the broker, signed calls, events, sealed hop keys and the gateway refuse it. The old key's seed here, if
-    any, is deleted (a retired seed still opens hop keys sealed to it before)."""
+    any, is deleted (a retired seed still opens hop keys sealed to it before). The steward's own key (`system`) is
+    rotated the same way: its old key signs the rotation naming the new one, whose seed is made here in
+    keys/system.nk; then every machine with the steward's tooling needs the new folder, every member the new roster,
+    and every node of a cluster a restart (its route password derives from the key)."""
     from hearth.events.streams import StreamsMissing
     from hearth.services.broker.connection import BrokerUnreachable
     from hearth.services.community_removal import RemovalNotPublished
@@ -180,31 +176,32 @@ def rotate_key_command(
         rotated, published = rotate_member_key(Community(directory), name, public_key=public_key, nats_url=nats_url,
                                                settings=settings(ctx), offline=offline)
     except (RosterError, KeyFileError, ValueError) as error:
-        _fail(str(error), command)
+        fail(str(error), command)
     except (BrokerUnreachable, StreamsMissing, RemovalNotPublished) as error:
-        _fail(f"{error}; nothing was changed. Give the broker with --nats, or --offline to change the roster alone",
-              command)
+        _not_published(error, command, cut_off="the old key")
     except OSError as error:  # a seed or the roster could not be written: both are as they were
-        _fail(f"{error.strerror}: {name} keeps its old key; run it again", command)
-    where = ", ".join(f"{cut.stream} #{cut.seq}" for cut in rotated.retired.cuts) or "no stream (--offline)"
-    seed = f"; its new seed: {rotated.seed_file} (give it to {name}, then delete it here)" if rotated.seed_file else ""
+        fail(f"{error.strerror}: {name} keeps its old key; run it again", command)
+    where = _log_positions(rotated.retired.cuts, published) or "no stream (--offline)"
+    steward = rotated.member.role == "system"
+    handed = "keep it with the broker; never share it" if steward else f"give it to {name}, then delete it here"
+    seed = f"; its new seed: {rotated.seed_file} ({handed})" if rotated.seed_file else ""
     deleted = f"; the old key's seed at {rotated.old_seed_deleted} is deleted" if rotated.old_seed_deleted else ""
     typer.echo(f"rotated the key of {name}: retired {rotated.retired.public_key} (at {where}), now "
-               f"{rotated.member.public_key}{seed}{deleted}. A broker run by `hearth nats --community` applies it at "
-               "once; any other: render `hearth community nats-config` and reload it.")
-    for stream, why in published.failures.items():
-        typer.echo(f"{command}: warning: {stream} did not take the rotation event ({why}): there, the old key is "
-                   "cut off by this machine's clock", err=True)
-    if offline:
-        typer.echo(f"{command}: warning: no rotation event published (--offline): the old key is cut off by this "
-                   "machine's clock", err=True)
+               f"{rotated.member.public_key}{seed}{deleted}. {BROKER_APPLIES_IT}")
+    _warn_where_the_log_lacks_it(command, published, offline, event="rotation", cut_off="the old key is")
+    if steward:
+        typer.echo(f"The steward's key changed: copy {rotated.seed_file} and {directory / 'roster.json'} to every "
+                   "machine that runs the broker or the steward's tooling, hand the roster to every member (their "
+                   "projectors accept the new key's events only once their roster names it), and restart every "
+                   "node of a cluster with the new folder (their route password derives from this key: nodes on "
+                   "the old and the new one do not route to each other).")
 
 
 @community_app.command("list")
 def list_command(directory: DirOption = DEFAULT_COMMUNITY_DIR, db: ReadModelOption = DEFAULT_READ_MODEL) -> None:
     """Print the roster: name, role, trust, public key, and (from the read model, when there is one) the shards of
     each member that are quarantined, which hold the member's node (none of its shards is routed); then the members
-    removed, when, and where in each stream."""
+    removed and the keys retired by a rotation (whose, when, and where in each stream)."""
     from hearth.services.community_reputation import quarantined_shards_by_node
     from hearth.trust.community import Community
     from hearth.trust.roster import RosterError
@@ -212,7 +209,7 @@ def list_command(directory: DirOption = DEFAULT_COMMUNITY_DIR, db: ReadModelOpti
     try:
         roster = Community(directory).roster()
     except RosterError as error:
-        _fail(str(error))
+        fail(str(error))
     quarantined = quarantined_shards_by_node(db)
     typer.echo(f"community {roster.community!r}: {len(roster.members)} members")
     for member in roster.members:
@@ -220,9 +217,9 @@ def list_command(directory: DirOption = DEFAULT_COMMUNITY_DIR, db: ReadModelOpti
         note = f"  node held, none of its shards routed; QUARANTINED: {', '.join(shards)}" if shards else ""
         typer.echo(f"{member.name:24} {member.role:13} {member.trust:8} {member.public_key}{note}")
     for gone in roster.removed:
-        cuts = "".join(f", {cut.stream} #{cut.seq}" for cut in gone.cuts)
-        typer.echo(f"{gone.member.name:24} {gone.member.role:13} {'removed':8} {gone.member.public_key}  "
-                   f"at {gone.removed_at:%Y-%m-%d %H:%M:%S} UTC{cuts}")
+        typer.echo(_former_key_row(gone.member, "removed", gone.member.public_key, gone.removed_at, gone.cuts))
+    for holder, retired in roster.retirements():
+        typer.echo(_former_key_row(holder, "retired", retired.public_key, retired.retired_at, retired.cuts))
 
 
 @community_app.command("reputation")
@@ -234,7 +231,7 @@ def reputation_command(db: ReadModelOption = DEFAULT_READ_MODEL) -> None:
     try:
         rows = read_reputation(db)
     except ReadModelMissing as error:
-        _fail(str(error), "hearth community reputation")
+        fail(str(error), "hearth community reputation")
     for line in reputation_lines(rows):
         typer.echo(line)
 
@@ -268,7 +265,7 @@ def clear_quarantine_command(
     command = "hearth community clear-quarantine"
     community = Community(directory)
     if not community.system_key_path.is_file():
-        _fail(f"{community.system_key_path} does not exist: only the steward, with the community's system key, "
+        fail(f"{community.system_key_path} does not exist: only the steward, with the community's system key, "
               "clears a quarantine", command)
     nats = settings(ctx).nats
     nats = nats.model_copy(update={"url": nats_url or nats.url, "roster_file": community.roster_path})
@@ -277,11 +274,11 @@ def clear_quarantine_command(
         event = run_event_loop(clear_quarantine(shard_id, reason, db=db, steward_key=key,
                                                 publish=steward_publisher(nats, community.system_key_path)))
     except (NotQuarantined, ReadModelMissing, KeyFileError, BrokerUnreachable) as error:
-        _fail(str(error), command)
+        fail(str(error), command)
     except StreamsMissing as error:
-        _fail(f"{error}; nothing was changed", command)
+        fail(f"{error}; nothing was changed", command)
     except Exception as error:  # JetStream refused or timed out: say so in one line
-        _fail(f"the clearing was not published: {error}", command)
+        fail(f"the clearing was not published: {error}", command)
     node = node_of_shard(shard_id)
     still = [other for other in quarantined_shards_by_node(db).get(node or "", []) if other != shard_id]
     typer.echo(f"cleared the quarantine of {shard_id} (event {event.event_id}, clearing {event.pipeline_id}); "
@@ -290,111 +287,43 @@ def clear_quarantine_command(
                   "routers plan it again once their read model applies it"))
 
 
-@community_app.command("api-key")
-def api_key_command(
-    name: Annotated[str, typer.Option("--name", help="The member whose calls the key makes: a client (or system), "
-                                      "whose key is in DIR/keys/NAME.nk (the gateway signs its calls with it).")],
-    directory: DirOption = DEFAULT_COMMUNITY_DIR,
-    revoke: Annotated[bool, typer.Option("--revoke", help="Remove every API key of NAME instead.")] = False,
-) -> None:
-    """Make an API key for `hearth gateway` (printed once; only its SHA-256 is kept, in DIR/api_keys.json, mode
-    0600), or revoke a member's keys. A running gateway applies the change within `[gateway] api_keys_recheck_s`,
-    with no restart."""
-    from hearth.services.gateway.keys import ApiKeyError, create_api_key, revoke_api_keys
-
-    try:
-        if revoke:
-            typer.echo(f"revoked {revoke_api_keys(directory, name)} API keys of {name}", err=True)
-            return
-        api_key = create_api_key(directory, name)
-    except ApiKeyError as error:
-        _fail(str(error))
-    typer.echo(f"API key for {name} (shown only now; {directory}/api_keys.json keeps its hash):", err=True)
-    typer.echo(api_key)
+# What the roster's change needs on the broker, said after a removal or a key's rotation.
+BROKER_APPLIES_IT = ("A broker run by `hearth nats --community` applies it at once; any other: render "
+                     "`hearth community nats-config` and reload it.")
 
 
-@community_app.command("tls")
-def tls_command(
-    host: Annotated[list[str], typer.Option("--host", help="A name or address the broker is reached by "
-                                            "(repeat); e.g. --host nats --host 192.168.1.10.")],
-    directory: DirOption = DEFAULT_COMMUNITY_DIR,
-) -> None:
-    """Make a small certificate authority in DIR/tls: a broker certificate for the given hosts and one client
-    certificate for the members (for a LAN without a CA of its own; keys mode 0600)."""
-    from hearth.services.broker.tls import TlsConfigError, write_throwaway_ca
-
-    if (directory / "tls" / "ca.pem").exists():
-        _fail(f"{directory / 'tls'} already holds a CA; not replacing it")
-    try:
-        files = write_throwaway_ca(directory / "tls", tuple(host), validity_days=tls_validity_days)
-    except TlsConfigError as error:
-        _fail(f"--host: {error}")
-    except OSError as error:
-        _fail(f"cannot write {directory / 'tls'}: {error.strerror}")
-    typer.echo(f"wrote {files.ca_file}, {files.server_cert_file} (for {', '.join(host)}) and {files.client_cert_file};"
-               f" valid {tls_validity_days} days")
+def _not_published(error: Exception, command: str, *, cut_off: str) -> NoReturn:
+    """The refusal of a removal or rotation whose event no stream took: nothing changed, and the two ways out."""
+    fail(f"{error}; nothing was changed. Give the broker with --nats, or --offline to change the roster alone "
+         f"(projections then cut {cut_off} off by this machine's clock)", command)
 
 
-@community_app.command("nats-config")
-def nats_config_command(
-    directory: DirOption = DEFAULT_COMMUNITY_DIR,
-    out: Annotated[Optional[Path], typer.Option("--out", help="Write to this file (default: stdout).")] = None,
-) -> None:
-    """Render nats-server's authorization block (one nkey user per member, permissions by role); include it
-    in the server's configuration and reload the server (`nats-server --signal reload`)."""
-    from hearth.services.broker.permissions import refused_members, render_authorization
-    from hearth.trust.community import Community
-    from hearth.trust.keys import KeyFileError
-    from hearth.trust.roster import RosterError
-
-    community = Community(directory)
-    try:
-        roster = community.roster()
-    except (RosterError, KeyFileError) as error:
-        _fail(str(error))
-    for member in refused_members(roster):
-        typer.echo(f"warning: {member.name} ({member.role}, {member.trust}) gets no broker user: only trusted "
-                   "or higher may serve shards or orchestrate", err=True)
-    text = render_authorization(roster)
-    if out is None:
-        typer.echo(text, nl=False)
-        return
-    try:
-        out.write_text(text)
-    except OSError as error:
-        _fail(f"cannot write {out}: {error.strerror}")
-    typer.echo(f"wrote {out}", err=True)
+def _log_positions(cuts: Sequence[RemovalCut], published: PublishedRemoval) -> str:
+    """Where the removal or rotation event is in each stream, naming those an earlier run published."""
+    earlier = {stream: " (published by an earlier run)" for stream in published.found}
+    return ", ".join(f"{cut.stream} #{cut.seq}{earlier.get(cut.stream, '')}" for cut in cuts)
 
 
+def _former_key_row(member: Member, status: str, public_key: str, since: datetime,
+                    cuts: Sequence[RemovalCut]) -> str:
+    """`list`'s row of a key that no longer counts: its member, why (removed, retired), since when and where."""
+    where = "".join(f", {cut.stream} #{cut.seq}" for cut in cuts)
+    return f"{member.name:24} {member.role:13} {status:8} {public_key}  at {since:%Y-%m-%d %H:%M:%S} UTC{where}"
 
-@community_app.command("streams")
-def streams_command(
-    ctx: typer.Context,
-    directory: DirOption = DEFAULT_COMMUNITY_DIR,
-    nats_url: Annotated[Optional[str], typer.Option(
-        "--nats", help="The community's broker (default: $HEARTH_NATS_URL or [nats] url; a cluster's URLs "
-                       "comma-separated); TLS as [nats] tls_* say.", show_default=False)] = None,
-) -> None:
-    """Create the event streams and the orchestrators' call-nonce bucket on the community's broker, or bring them to
-    the current spec, with the steward's system key (DIR/keys/system.nk): on a community broker no other member may.
-    `hearth nats --community` does this itself at start; run it for a broker started otherwise (compose.yaml runs it
-    once)."""
-    from hearth.services.broker.streams import create_community_streams
-    from hearth.services.common.lifecycle import run_event_loop
-    from hearth.services.broker.connection import BrokerUnreachable
-    from hearth.trust.community import Community
 
-    command = "hearth community streams"
-    system_key = Community(directory).system_key_path
-    if not system_key.is_file():
-        _fail(f"{system_key} does not exist: only the steward, with the community's system key, creates the "
-              "streams", command)
-    nats = settings(ctx).nats
-    nats = nats.model_copy(update={"url": nats_url or nats.url, "roster_file": Community(directory).roster_path})
-    try:
-        run_event_loop(create_community_streams(nats, system_key, ready_timeout_s=nats.streams_create_timeout_s))
-    except BrokerUnreachable as error:
-        _fail(str(error), command)
-    except Exception as error:  # JetStream refused or never became ready: say so in one line
-        _fail(f"the event streams were not created: {error}", command)
-    typer.echo(f"event streams ready on {nats.url}", err=True)
+def _warn_where_the_log_lacks_it(command: str, published: PublishedRemoval, offline: bool, *, event: str,
+                                 cut_off: str) -> None:
+    """One warning for each stream that did not take the `event` event (or for --offline, none did): there the key
+    is cut off by the steward's clock, not by a position in the log."""
+    for stream, why in published.failures.items():
+        typer.echo(f"{command}: warning: {stream} did not take the {event} event ({why}): there, {cut_off} cut off "
+                   "by this machine's clock", err=True)
+    if offline:
+        typer.echo(f"{command}: warning: no {event} event published (--offline): {cut_off} cut off by this "
+                   "machine's clock", err=True)
+
+
+community_app.command("api-key")(api_key_command)
+community_app.command("tls")(tls_command)
+community_app.command("nats-config")(nats_config_command)
+community_app.command("streams")(streams_command)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from hearth.trust.keys import MemberKey
+from hearth.trust.keys import MemberKey, make_private_folder
 from hearth.trust.roster import (
     ROSTER_FILE,
     SYSTEM_MEMBER,
@@ -64,6 +64,7 @@ class Community:
             raise RosterError(f"{community.roster_path} exists: {directory} already holds a community")
         system_key = MemberKey.generate()
         roster = new_roster(name).with_member(new_member(SYSTEM_MEMBER, "system", system_key.public_key))
+        make_private_folder(directory)  # it will hold the steward's key, API keys' digests, TLS keys
         system_key.save(community.system_key_path)  # never replaces a key
         roster.save(community.roster_path)
         return community

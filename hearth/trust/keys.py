@@ -1,6 +1,7 @@
 """A member's Ed25519 key pair as a NATS nkey: create it, keep its seed in a mode-0600 file, sign, and verify a
 signature from a public key alone, and seal a secret to a member so only its seed opens it; and the files only their
-owner may read (write_private_file, read_private_file), seeds among them.
+owner may read (write_private_file, read_private_file), seeds among them, and the folders that hold them
+(make_private_folder).
 
 The seed file is the same one nats-server's nkey authentication reads (`nkeys_seed` in nats-py), so one file
 both logs a process into the broker and signs what it says. nkeys' own KeyPair cannot verify from a public key
@@ -72,9 +73,9 @@ class MemberKey:
             raise KeyFileError(f"{path}: {error}") from None
 
     def save(self, path: Path) -> None:
-        """Write the seed to a new private file (write_private_file), never replacing an existing key; a folder made
-        for it is private too."""
-        path.parent.mkdir(mode=PRIVATE_FOLDER_MODE, parents=True, exist_ok=True)
+        """Write the seed to a new private file (write_private_file), never replacing an existing key, in a private
+        folder (make_private_folder)."""
+        make_private_folder(path.parent)
         try:
             write_private_file(path, self.seed + b"\n", replace=False)
         except FileExistsError:
@@ -121,6 +122,16 @@ def write_private_file(path: Path, data: bytes, *, replace: bool = True) -> None
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(temporary)
+
+
+def make_private_folder(path: Path) -> None:
+    """Make `path` a folder only its owner may enter, mode 0700 whatever the umask: created so (missing parents as
+    `mkdir -p` makes them), or, when it exists and others may enter it, tightened to 0700, since it is about to hold
+    secrets. OSError when it cannot be (a file there, a folder of another user's)."""
+    path.mkdir(mode=PRIVATE_FOLDER_MODE, parents=True, exist_ok=True)
+    mode = path.stat().st_mode & 0o777
+    if mode & 0o077:
+        os.chmod(path, mode & PRIVATE_FOLDER_MODE)
 
 
 def read_private_file(path: Path, what: str) -> bytes:

@@ -7,21 +7,21 @@ import json
 from collections.abc import Sequence
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import (
+    AfterValidator,
     AwareDatetime,
     BaseModel,
     ConfigDict,
     Field,
     SerializerFunctionWrapHandler,
     ValidationError,
-    field_validator,
     model_serializer,
     model_validator,
 )
 
-from hearth.trust.keys import PUBLIC_KEY_PATTERN, check_public_key, write_private_file
+from hearth.trust.keys import PRIVATE_FOLDER_MODE, PUBLIC_KEY_PATTERN, check_public_key, write_private_file
 
 Role = Literal["shard", "orchestrator", "projector", "client", "auditor", "system"]
 # The roles `hearth community add` gives; `system` is the steward's own key, made once by `community init`, which
@@ -42,6 +42,9 @@ MEMBER_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$"
 ROSTER_FILE = "roster.json"
 KEYS_DIR = "keys"
 SEED_SUFFIX = ".nk"
+# A member's nkey public key as the roster holds it: the pattern (in its JSON schema too), then the checksum and
+# prefix byte, so a mistyped key is refused where the roster is read, not where a signature later fails.
+MemberPublicKey = Annotated[str, Field(pattern=PUBLIC_KEY_PATTERN), AfterValidator(check_public_key)]
 
 
 class RosterError(ValueError):
@@ -66,9 +69,13 @@ class RemovalCut(BaseModel):
     # None in a roster written before cuts held it.
     stored_at: AwareDatetime | None = None
 
-    def passed_by(self, seq: int, stored_at: datetime) -> bool:
+    def passed_by(self, seq: int, stored_at: datetime, event_id: str | None = None) -> bool:
         """Whether a message of this stream stored at `seq`, at `stored_at` by the broker's clock, came after the
-        removal: after it in the stream, or stored later (a stream created again since)."""
+        removal: after it in the stream, or stored later (a stream created again since). The removal event itself
+        (`event_id` at the cut's place) never does: the rotation of the steward's own key is signed by that key, and
+        its storage time as a reader sees it may be a microsecond off the one kept here (read back another way)."""
+        if seq == self.seq and event_id == self.event_id:
+            return False
         return seq > self.seq or (self.stored_at is not None and stored_at > self.stored_at)
 
 
@@ -79,14 +86,9 @@ class RetiredKey(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    public_key: str = Field(pattern=PUBLIC_KEY_PATTERN)
+    public_key: MemberPublicKey
     retired_at: AwareDatetime
     cuts: list[RemovalCut] = Field(default_factory=list, max_length=8)
-
-    @field_validator("public_key")
-    @classmethod
-    def _well_formed_key(cls, value: str) -> str:
-        return check_public_key(value)
 
 
 class Member(BaseModel):
@@ -97,16 +99,11 @@ class Member(BaseModel):
     name: str = Field(pattern=MEMBER_NAME_PATTERN)
     role: Role
     trust: TrustLevel
-    public_key: str = Field(pattern=PUBLIC_KEY_PATTERN)
+    public_key: MemberPublicKey
     added_at: datetime
     # Oldest first; absent from a roster written before key rotation (and left out of the file while empty, so a
     # roster that never rotated a key still reads in an older hearth).
     retired_keys: list[RetiredKey] = Field(default_factory=list, max_length=1000)
-
-    @field_validator("public_key")
-    @classmethod
-    def _well_formed_key(cls, value: str) -> str:
-        return check_public_key(value)
 
     @model_serializer(mode="wrap")
     def _without_empty_retired_keys(self, handler: SerializerFunctionWrapHandler) -> dict:
@@ -137,12 +134,14 @@ class RemovedMember(BaseModel):
     def cut_in(self, stream: str) -> RemovalCut | None:
         return next((cut for cut in self.cuts if cut.stream == stream), None)
 
-    def stored_after_removal(self, stored_at: datetime, stream: str | None = None, seq: int | None = None) -> bool:
-        """Whether an event of this member's key that `stream` stored at `seq` (at `stored_at`, by the broker's clock)
-        came after its removal: by the removal event's position where the stream has one, else by `removed_at`."""
+    def stored_after_removal(self, stored_at: datetime, stream: str | None = None, seq: int | None = None,
+                             event_id: str | None = None) -> bool:
+        """Whether an event (`event_id`) of this member's key that `stream` stored at `seq` (at `stored_at`, by the
+        broker's clock) came after its removal: by the removal event's position where the stream has one, else by
+        `removed_at`."""
         cut = self.cut_in(stream) if stream is not None and seq is not None else None
         if cut is not None:
-            return cut.passed_by(seq, stored_at)  # type: ignore[arg-type]
+            return cut.passed_by(seq, stored_at, event_id)  # type: ignore[arg-type]
         return stored_at >= self.removed_at
 
 
@@ -203,27 +202,25 @@ class Roster(BaseModel):
             former.update({retired.public_key: holder.as_retired(retired) for retired in holder.retired_keys})
         return former
 
+    def retirements(self) -> list[tuple[Member, RetiredKey]]:
+        """Every key retired by a rotation, with the member (current or removed) that held it, oldest first each."""
+        return [(holder, retired) for holder in self._holders() for retired in holder.retired_keys]
+
     def retired_key_of(self, public_key: str) -> tuple[Member, RetiredKey] | None:
         """The member (current or removed) that retired `public_key` by a rotation, and its retirement."""
-        for holder in self._holders():
-            for retired in holder.retired_keys:
-                if retired.public_key == public_key:
-                    return holder, retired
-        return None
+        return next(((holder, retired) for holder, retired in self.retirements() if retired.public_key == public_key),
+                    None)
 
     def with_rotated_key(self, name: str, public_key: str, *, retired_at: datetime,
                          cuts: Sequence[RemovalCut] = ()) -> "Roster":
         """The roster with member `name` holding `public_key` and its key until now retired at `retired_at`, where
-        the rotation events went (`cuts`). The steward's own `system` key is not rotated this way: it signs the
-        rotation itself and runs the broker's own connections."""
+        the rotation events went (`cuts`). The steward's own `system` key too: its old key signed those events, so
+        the log chains it to the new one."""
         member = self.by_name(name)
         if member is None:
             gone = any(removed.member.name == name for removed in self.removed)
             raise RosterError(f"{name!r} was removed from the community: its key is retired for good" if gone
                               else f"no member named {name!r} is in the roster")
-        if member.role == "system":
-            raise RosterError(f"{name!r} is the steward's system key, which rotate-key does not replace (it signs the "
-                              "rotation and runs the broker's own connections); see docs/operations.md")
         self._check_new_key(public_key)
         retired = RetiredKey(public_key=member.public_key, retired_at=retired_at, cuts=list(cuts))
         rotated = member.model_copy(update={"public_key": check_public_key(public_key),
@@ -281,7 +278,7 @@ class Roster(BaseModel):
     def save(self, path: Path) -> None:
         """Replace the file atomically, so a reader never sees half a roster, mode 0600 (write_private_file): it
         holds only public keys, but names a household's members and machines, and every member has its own copy."""
-        path.parent.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(mode=PRIVATE_FOLDER_MODE, parents=True, exist_ok=True)  # a member's copy: left as it is
         write_private_file(path, (json.dumps(self.model_dump(mode="json"), indent=2) + "\n").encode())
 
 

@@ -21,16 +21,13 @@ from hearth.readmodels.db import open_engine, upgrade_database
 from hearth.readmodels.rebuild import diff_databases, rebuild_database
 from hearth.readmodels.tables import RejectedEvent
 from hearth.services.broker.connection import connect_nats
-from hearth.services.broker.permissions import render_authorization
-from hearth.services.broker.server import EmbeddedNatsServer
-from hearth.services.broker.streams import create_community_streams
 from hearth.services.common.config import NatsSettings
 from hearth.services.community_cli import community_app
 from hearth.services.replay.verify import verify_streams
 from hearth.trust.community import Community
 from hearth.trust.keys import MemberKey
 from hearth.trust.roster import Roster
-from tests.community_log import apply_new_messages, as_auditor
+from tests.community_log import apply_new_messages, as_auditor, community_on_a_broker
 from tests.readmodel_helpers import advertised, heartbeat
 
 pytestmark = pytest.mark.integration
@@ -39,17 +36,10 @@ ATTIC_SHARD = advertised(0, 3, "attic").shard_id
 
 @pytest.fixture
 def community_broker(tmp_path):
-    community = Community.init(tmp_path / "community", "elm-street")
-    for name, role in (("attic", "shard"), ("eve", "auditor")):
-        community.add(name, role)
     # The authorization is rendered once and never reloaded: the removed host keeps publishing, as it may into a
     # broker the steward reloads by hand, and the cut alone keeps its later events out.
-    attic_seed = (community.directory / "keys" / "attic.nk").read_text()
-    with EmbeddedNatsServer(store_dir=tmp_path / "nats", authorization=render_authorization(community.roster())) \
-            as server:
-        asyncio.run(create_community_streams(NatsSettings(url=server.url), community.system_key_path,
-                                             ready_timeout_s=10))
-        yield community, server, attic_seed
+    with community_on_a_broker(tmp_path, (("attic", "shard"), ("eve", "auditor"))) as (community, server):
+        yield community, server, (community.directory / "keys" / "attic.nk").read_text()
 
 
 async def publish_as_attic(url: str, seed_file, events) -> None:

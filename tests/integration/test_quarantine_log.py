@@ -19,14 +19,11 @@ from hearth.readmodels.db import open_engine
 from hearth.readmodels.rebuild import diff_databases, rebuild_database
 from hearth.readmodels.tables import RejectedEvent, ShardReputation
 from hearth.services.broker.connection import connect_nats
-from hearth.services.broker.permissions import render_authorization
-from hearth.services.broker.server import EmbeddedNatsServer
-from hearth.services.broker.streams import create_community_streams
 from hearth.services.common.config import NatsSettings
 from hearth.services.community_cli import community_app
 from hearth.services.community_reputation import quarantine_clearing
 from hearth.services.replay.cli import app as replay_app
-from tests.community_log import apply_new_messages, as_auditor
+from tests.community_log import apply_new_messages, as_auditor, community_on_a_broker
 from tests.readmodel_helpers import advertised
 from tests.reputation_events import confirmed, verified
 from hearth.trust.community import Community
@@ -40,13 +37,8 @@ GARAGE_INT8 = advertised(0, 3, "garage-pc", quantization="int8").shard_id  # the
 
 @pytest.fixture
 def community_broker(tmp_path):
-    community = Community.init(tmp_path / "community", "elm-street")
-    for name, role in (("hub", "orchestrator"), ("kitchen-pc", "shard"), ("garage-pc", "shard"), ("eve", "auditor")):
-        community.add(name, role)
-    with EmbeddedNatsServer(store_dir=tmp_path / "nats", authorization=render_authorization(community.roster())) \
-            as server:
-        asyncio.run(create_community_streams(NatsSettings(url=server.url), community.system_key_path,
-                                             ready_timeout_s=10))
+    with community_on_a_broker(tmp_path, (("hub", "orchestrator"), ("kitchen-pc", "shard"), ("garage-pc", "shard"),
+                                          ("eve", "auditor"))) as (community, server):
         yield community, server
 
 

@@ -1,7 +1,7 @@
 """`hearth community rotate-key`: a member's key replaced in place (its name, node and record kept), the old key
 retired at a position in each stream, so that what it signed before still verifies and nothing it signs after does
-(events, calls, sealed hop keys, the gateway's API keys); and what an operator could do before it (remove the member
-and add it again) cost the member its name."""
+(events, calls, sealed hop keys, the gateway's API keys), and `hearth community list` shows the retired keys; and what
+an operator could do before it (remove the member and add it again) cost the member its name."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import asyncio
 import json
 import shutil
 import stat
+from datetime import datetime, timezone
 
 import pytest
 from sqlalchemy import select
@@ -79,7 +80,7 @@ def test_rotate_key_offline_writes_a_new_private_seed_retires_the_old_key_and_de
 
 @pytest.mark.parametrize(("args", "says"), [
     (["nobody"], "no member named 'nobody'"),
-    (["system"], "the steward's system key, which rotate-key does not replace"),
+    (["system", "--public-key", MemberKey.generate().public_key], "run it without --public-key"),
     (["attic", "--public-key", "UNOTAKEY"], "not a NATS user public key"),
     (["gone"], "'gone' was removed from the community"),
 ])
@@ -253,3 +254,34 @@ def test_rotate_key_publishes_first_and_says_where_the_old_key_was_retired(commu
         (stream, seq) for stream, seq, *_ in broker.stored]
     assert "(at HEARTH_SHARDS #40, HEARTH_PIPELINES #41)" in result.output
     assert {event.new_public_key for *_, event in broker.stored} == {community.roster().by_name("attic").public_key}
+
+
+def listed(community: Community) -> list[str]:
+    result = CliRunner().invoke(app, ["community", "list", "--dir", str(community.directory),
+                                      "--db", str(community.directory / "no-readmodel.sqlite")])
+    assert result.exit_code == 0, result.output
+    return result.output.splitlines()
+
+
+def test_list_shows_each_retired_key_with_its_member_time_and_place(community):
+    """`hearth community list` shows the keys that no longer count without a look into roster.json."""
+    old_attic = community.roster().by_name("attic").public_key
+    retired_at = datetime(2026, 3, 1, 12, 30, tzinfo=timezone.utc)
+    cut = RemovalCut(stream="HEARTH_SHARDS", seq=812, event_id="e1", stored_at=retired_at)
+    community.rotate_key("attic", MemberKey.generate(), cuts=[cut], retired_at=retired_at)
+    old_alice = community.roster().by_name("alice").public_key
+    community.rotate_key("alice", MemberKey.generate())
+    community.remove("alice")  # a removed member's retired keys are still retired keys
+
+    lines = listed(community)
+    [attic_row] = [line for line in lines if old_attic in line]
+    assert attic_row.split()[:3] == ["attic", "shard", "retired"]
+    assert "at 2026-03-01 12:30:00 UTC, HEARTH_SHARDS #812" in attic_row
+    [alice_row] = [line for line in lines if old_alice in line]
+    assert alice_row.split()[:3] == ["alice", "client", "retired"]
+    current = community.roster().by_name("attic").public_key
+    assert [line.split()[2] for line in lines if current in line] == ["trusted"]  # its current key, a member's row
+
+
+def test_a_roster_without_rotations_lists_no_retired_rows(community):
+    assert not any(" retired " in line for line in listed(community))

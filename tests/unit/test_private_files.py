@@ -17,7 +17,7 @@ from hearth.services.broker.tls import write_throwaway_ca
 from hearth.services.gateway.keys import API_KEYS_FILE, create_api_key, revoke_api_keys
 from hearth.trust.community import Community
 from hearth.trust.keys import KeyFileError, MemberKey, write_private_file
-from hearth.trust.roster import seed_path
+from hearth.trust.roster import SYSTEM_MEMBER, seed_path
 
 ROOT = Path(__file__).resolve().parents[2]
 # Small enough that a seed (59 bytes) or a roster cannot be written whole.
@@ -78,7 +78,11 @@ def test_every_file_with_a_secret_and_the_roster_is_created_0600(tmp_path, permi
     for path in (community.system_key_path, added.seed_file, community.roster_path,
                  community.directory / API_KEYS_FILE, tls.server_key_file, tls.client_key_file):
         assert mode(path) == 0o600, path
-    assert mode(community.directory / "keys") == 0o700
+    assert mode(community.directory) == 0o700 and mode(community.directory / "keys") == 0o700
+    assert mode(community.directory / "tls") == 0o700
+    # The certificates are public, but under this umask they would be anyone's to replace (a CA swapped in).
+    for certificate in (tls.ca_file, tls.server_cert_file, tls.client_cert_file):
+        assert mode(certificate) & 0o022 == 0, certificate
     # Rewritten (a member added, a key revoked, the CA made again): still 0600, and nothing left beside them.
     community.add("erin", "client")
     revoke_api_keys(community.directory, "dave")
@@ -100,3 +104,18 @@ def test_a_file_already_there_is_replaced_not_opened_and_never_replaced_when_it_
     with pytest.raises(KeyFileError, match="exists"):
         MemberKey.generate().save(path)
     assert path.read_bytes() == b"new" and sorted(tmp_path.iterdir()) == [path]
+
+
+def test_community_folders_that_others_may_enter_are_made_private(tmp_path):
+    """A folder made before (by hand, by another tool, under a loose umask) is tightened when hearth writes its
+    secrets there, not left as it was."""
+    directory = tmp_path / "community"
+    for folder in (directory, directory / "keys", directory / "tls"):
+        folder.mkdir()
+        folder.chmod(0o755)
+    community = Community.init(directory, "files")
+    write_throwaway_ca(directory / "tls")
+    assert [mode(folder) for folder in (directory, directory / "keys", directory / "tls")] == [0o700] * 3
+    directory.chmod(0o755)
+    create_api_key(directory, SYSTEM_MEMBER)
+    assert mode(directory) == 0o700 and mode(community.directory / API_KEYS_FILE) == 0o600

@@ -14,6 +14,7 @@ from hearth.services.cli import app
 from hearth.services.common.identity import IdentityError, load_identity
 from hearth.services.gateway.keys import ApiKeyring, create_api_key
 from hearth.trust.community import Community
+from hearth.trust.keys import MemberKey
 from hearth.trust.roster import SYSTEM_MEMBER, Roster, RosterError
 
 
@@ -119,3 +120,16 @@ def test_a_process_started_with_a_removed_members_key_says_so_in_one_line(commun
     community.remove("kitchen")
     with pytest.raises(IdentityError, match="belonged to 'kitchen', removed from the community at .* new name and key"):
         load_identity(kept_key, community.roster_path)
+
+
+@pytest.mark.parametrize("where", ["member", "retired"])
+def test_a_roster_key_with_a_bad_checksum_is_refused_where_it_is_read(community, where):
+    """A member's key and a retired key are held to the same check (the pattern, then the checksum)."""
+    community.rotate_key("kitchen", MemberKey.generate())
+    document = json.loads(community.roster_path.read_text())
+    kitchen = next(member for member in document["members"] if member["name"] == "kitchen")
+    held = kitchen if where == "member" else kitchen["retired_keys"][0]
+    held["public_key"] = held["public_key"][:-1] + ("A" if held["public_key"][-1] != "A" else "B")
+    community.roster_path.write_text(json.dumps(document))
+    with pytest.raises(RosterError, match="public_key: Value error, not a NATS user public key"):
+        community.roster()

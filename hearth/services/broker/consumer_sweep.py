@@ -27,7 +27,7 @@ from pathlib import Path
 
 from hearth.events.signing import RosterFile
 from hearth.events.streams import ALL_STREAMS, consumer_inactive_limit_s, weights_consumer_inactive_limit_s
-from hearth.services.broker.connection import close_quietly, connect_nats
+from hearth.services.broker.connection import close_quietly, connect_nats, connection_identity
 from hearth.services.broker.permissions import (
     JS_API,
     WEIGHTS_STREAM,
@@ -36,7 +36,7 @@ from hearth.services.broker.permissions import (
     role_permissions,
 )
 from hearth.services.common.config import NatsSettings
-from hearth.trust.roster import Roster
+from hearth.trust.roster import SYSTEM_MEMBER, Roster
 
 log = logging.getLogger(__name__)
 
@@ -267,6 +267,10 @@ class ConsumerSweeper:
         try:
             while not self._stop.is_set():
                 try:
+                    if connection is not None and not connection.is_closed and self._key_retired(connection):
+                        # nats-py would log in again with the retired seed for ever: the file holds the new one.
+                        log.info("consumer sweep: the steward's key was rotated; logging in with the new one")
+                        await close_quietly(connection, self.settings.close_timeout_s)
                     if connection is None or connection.is_closed:
                         connection = await connect_nats(self.settings.url, name="hearth consumer sweep",
                                                         settings=self.settings)
@@ -283,6 +287,12 @@ class ConsumerSweeper:
         finally:
             if connection is not None:
                 await close_quietly(connection, self.settings.close_timeout_s)
+
+    def _key_retired(self, connection) -> bool:
+        """Whether `connection` logged in with a steward key the roster no longer holds (`rotate-key system`)."""
+        identity = connection_identity(connection)
+        steward = self.roster_file.current().by_name(SYSTEM_MEMBER)
+        return identity is not None and steward is not None and identity.key.public_key != steward.public_key
 
     async def _wait_for_next_sweep(self, created: asyncio.Event) -> None:
         """Until a consumer is created, `interval_s` passed or a stop was asked for."""

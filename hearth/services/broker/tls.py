@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from hearth.trust.keys import PRIVATE_FOLDER_MODE, write_private_file
+from hearth.trust.keys import make_private_folder, write_private_file
 
 if TYPE_CHECKING:
     from cryptography import x509
@@ -84,15 +84,15 @@ def certificate_host_name(host: str) -> "x509.GeneralName":
 
 def write_throwaway_ca(directory: Path, host_names: tuple[str, ...] = ("localhost", "127.0.0.1"), *,
                        validity_days: int = throwaway_validity_days) -> TlsFiles:
-    """A new CA with one server certificate (for `host_names`) and one client certificate, keys mode 0600;
-    TlsConfigError, with nothing written, for a host name no certificate can hold."""
+    """A new CA with one server certificate (for `host_names`) and one client certificate, each file mode 0600 in a
+    folder of mode 0700; TlsConfigError, with nothing written, for a host name no certificate can hold."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
     alt_names = [certificate_host_name(host) for host in host_names]
-    directory.mkdir(mode=PRIVATE_FOLDER_MODE, parents=True, exist_ok=True)
+    make_private_folder(directory)
     now = datetime.datetime.now(datetime.timezone.utc)
     valid_until = now + datetime.timedelta(days=validity_days)
 
@@ -125,11 +125,13 @@ def write_throwaway_ca(directory: Path, host_names: tuple[str, ...] = ("localhos
 
     files = TlsFiles(directory / "ca.pem", directory / "server.pem", directory / "server-key.pem",
                      directory / "client.pem", directory / "client-key.pem")
-    files.ca_file.write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
+    # The certificates are public, but one others could replace (a CA swapped in) is not: written as the keys are,
+    # whatever the umask, never through a planted link; the CA's own key is never written (nothing more is issued).
+    write_private_file(files.ca_file, ca_cert.public_bytes(serialization.Encoding.PEM))
     server_pem, server_key = issue("hearth broker", ExtendedKeyUsageOID.SERVER_AUTH, alt_names)
-    files.server_cert_file.write_bytes(server_pem)
+    write_private_file(files.server_cert_file, server_pem)
     write_key(files.server_key_file, server_key)
     client_pem, client_key = issue("hearth member", ExtendedKeyUsageOID.CLIENT_AUTH, [])
-    files.client_cert_file.write_bytes(client_pem)
+    write_private_file(files.client_cert_file, client_pem)
     write_key(files.client_key_file, client_key)
     return files

@@ -22,7 +22,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from hearth.trust.keys import KeyFileError, MemberKey, read_private_file, write_private_file
+from hearth.trust.keys import KeyFileError, MemberKey, make_private_folder, read_private_file, write_private_file
 from hearth.trust.roster import CALLER_ROLES, MEMBER_NAME_PATTERN, ROSTER_FILE, Roster, RosterError, seed_path
 
 log = logging.getLogger(__name__)
@@ -77,7 +77,7 @@ def _read_keys_file(path: Path) -> ApiKeysFile:
 
 def _write_keys_file(path: Path, keys: ApiKeysFile) -> None:
     """Replace the file atomically, created mode 0600 (write_private_file: a reader never sees half of it)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    make_private_folder(path.parent)  # the community folder
     write_private_file(path, (keys.model_dump_json(indent=2) + "\n").encode())
 
 

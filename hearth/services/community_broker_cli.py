@@ -1,0 +1,118 @@
+"""The `hearth community` commands that set up what the broker and the gateway need from the community folder:
+API keys (`api-key`), a small certificate authority (`tls`), nats-server's authorization block (`nats-config`) and
+the event streams (`streams`); hearth/services/community_cli.py registers them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from hearth.services.cli_options import settings
+from hearth.services.community_cli_options import DEFAULT_COMMUNITY_DIR, DirOption, NatsOption, fail
+
+tls_validity_days = 365
+
+
+def api_key_command(
+    name: Annotated[str, typer.Option("--name", help="The member whose calls the key makes: a client (or system), "
+                                      "whose key is in DIR/keys/NAME.nk (the gateway signs its calls with it).")],
+    directory: DirOption = DEFAULT_COMMUNITY_DIR,
+    revoke: Annotated[bool, typer.Option("--revoke", help="Remove every API key of NAME instead.")] = False,
+) -> None:
+    """Make an API key for `hearth gateway` (printed once; only its SHA-256 is kept, in DIR/api_keys.json, mode
+    0600), or revoke a member's keys. A running gateway applies the change within `[gateway] api_keys_recheck_s`,
+    with no restart."""
+    from hearth.services.gateway.keys import ApiKeyError, create_api_key, revoke_api_keys
+
+    try:
+        if revoke:
+            typer.echo(f"revoked {revoke_api_keys(directory, name)} API keys of {name}", err=True)
+            return
+        api_key = create_api_key(directory, name)
+    except ApiKeyError as error:
+        fail(str(error))
+    typer.echo(f"API key for {name} (shown only now; {directory}/api_keys.json keeps its hash):", err=True)
+    typer.echo(api_key)
+
+
+def tls_command(
+    host: Annotated[list[str], typer.Option("--host", help="A name or address the broker is reached by "
+                                            "(repeat); e.g. --host nats --host 192.168.1.10.")],
+    directory: DirOption = DEFAULT_COMMUNITY_DIR,
+) -> None:
+    """Make a small certificate authority in DIR/tls: a broker certificate for the given hosts and one client
+    certificate for the members (for a LAN without a CA of its own; every file mode 0600, the folder 0700)."""
+    from hearth.services.broker.tls import TlsConfigError, write_throwaway_ca
+
+    if (directory / "tls" / "ca.pem").exists():
+        fail(f"{directory / 'tls'} already holds a CA; not replacing it")
+    try:
+        files = write_throwaway_ca(directory / "tls", tuple(host), validity_days=tls_validity_days)
+    except TlsConfigError as error:
+        fail(f"--host: {error}")
+    except OSError as error:
+        fail(f"cannot write {directory / 'tls'}: {error.strerror}")
+    typer.echo(f"wrote {files.ca_file}, {files.server_cert_file} (for {', '.join(host)}) and {files.client_cert_file};"
+               f" valid {tls_validity_days} days")
+
+
+def nats_config_command(
+    directory: DirOption = DEFAULT_COMMUNITY_DIR,
+    out: Annotated[Optional[Path], typer.Option("--out", help="Write to this file (default: stdout).")] = None,
+) -> None:
+    """Render nats-server's authorization block (one nkey user per member, permissions by role); include it
+    in the server's configuration and reload the server (`nats-server --signal reload`)."""
+    from hearth.services.broker.permissions import refused_members, render_authorization
+    from hearth.trust.community import Community
+    from hearth.trust.keys import KeyFileError
+    from hearth.trust.roster import RosterError
+
+    community = Community(directory)
+    try:
+        roster = community.roster()
+    except (RosterError, KeyFileError) as error:
+        fail(str(error))
+    for member in refused_members(roster):
+        typer.echo(f"warning: {member.name} ({member.role}, {member.trust}) gets no broker user: only trusted "
+                   "or higher may serve shards or orchestrate", err=True)
+    text = render_authorization(roster)
+    if out is None:
+        typer.echo(text, nl=False)
+        return
+    try:
+        out.write_text(text)
+    except OSError as error:
+        fail(f"cannot write {out}: {error.strerror}")
+    typer.echo(f"wrote {out}", err=True)
+
+
+def streams_command(
+    ctx: typer.Context,
+    directory: DirOption = DEFAULT_COMMUNITY_DIR,
+    nats_url: NatsOption = None,
+) -> None:
+    """Create the event streams and the orchestrators' call-nonce bucket on the community's broker, or bring them to
+    the current spec, with the steward's system key (DIR/keys/system.nk): on a community broker no other member may.
+    `hearth nats --community` does this itself at start; run it for a broker started otherwise (compose.yaml runs it
+    once)."""
+    from hearth.services.broker.streams import create_community_streams
+    from hearth.services.common.lifecycle import run_event_loop
+    from hearth.services.broker.connection import BrokerUnreachable
+    from hearth.trust.community import Community
+
+    command = "hearth community streams"
+    system_key = Community(directory).system_key_path
+    if not system_key.is_file():
+        fail(f"{system_key} does not exist: only the steward, with the community's system key, creates the "
+              "streams", command)
+    nats = settings(ctx).nats
+    nats = nats.model_copy(update={"url": nats_url or nats.url, "roster_file": Community(directory).roster_path})
+    try:
+        run_event_loop(create_community_streams(nats, system_key, ready_timeout_s=nats.streams_create_timeout_s))
+    except BrokerUnreachable as error:
+        fail(str(error), command)
+    except Exception as error:  # JetStream refused or never became ready: say so in one line
+        fail(f"the event streams were not created: {error}", command)
+    typer.echo(f"event streams ready on {nats.url}", err=True)
