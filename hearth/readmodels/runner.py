@@ -34,6 +34,7 @@ from hearth.events.consume import SkippedMessage, StoredEvent, read_stream, stre
 from hearth.events.metrics import events_rejected_total
 from hearth.events.signing import REJECTION_REASONS, EventVerifier, RejectionReason
 from hearth.events.streams import ALL_STREAMS, StreamSetup, stream_info_timeout_s
+from hearth.readmodels.applied_backfill import record_ids_applied_before
 from hearth.readmodels.db import open_engine, storage_fault, upgrade_database
 from hearth.readmodels.positions import ConcurrentProjectionError, load_stream_identities, record_stream_identity
 from hearth.readmodels.projection import PROJECTION_NAME, ReadModelProjection, Rejection, load_positions
@@ -131,6 +132,9 @@ class Projector:
         await self._load_positions()
         for stream in self.streams:  # a stream created again is reported before any of its messages is read
             await self._check_stream(stream)
+        # Before anything is applied: the ids of what a read model from before applied_events applied.
+        await record_ids_applied_before(self._js, self.session_factory, self.projection, {
+            stream: position for stream, position in self.positions.items() if stream not in self.replaced_streams})
         self._started = True
         for stream in self.streams:
             self._start_follower(stream)
