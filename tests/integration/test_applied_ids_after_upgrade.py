@@ -4,19 +4,23 @@ applied before, read back from the stream, so a copy of one published past the d
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from datetime import datetime, timezone
 
 import pytest
 from alembic import command
-from sqlalchemy import func, select
-from sqlalchemy.orm import Session
+from sqlalchemy import delete, func, select
+from sqlalchemy.orm import Session, sessionmaker
 
 import hearth.events.streams
+import hearth.readmodels.applied_backfill
 from hearth.events.models import PipelineCompleted, PipelineConstructed
 from hearth.events.publish import publish_event
-from hearth.events.streams import PIPELINES_STREAM
-from hearth.readmodels.db import alembic_config
+from hearth.events.streams import PIPELINES_STREAM, seconds_per_day
+from hearth.readmodels.applied_backfill import record_stream_ids_applied_before
+from hearth.readmodels.db import alembic_config, open_engine
+from hearth.readmodels.projection import ReadModelProjection
 from hearth.readmodels.retention import retention_policy
 from hearth.readmodels.runner import Projector
 from hearth.readmodels.tables import AppliedEvent, EventCount, RejectedEvent, ShardTokensDaily
@@ -69,3 +73,34 @@ async def test_a_copy_of_an_event_applied_before_the_upgrade_counts_once(js, tmp
                     (copy.seq, "duplicate")]
                 assert session.scalars(select(func.count()).select_from(AppliedEvent)).one() == 2
     assert f"recorded the ids of 2 applied events of {PIPELINES_STREAM}" in caplog.text
+
+
+async def test_only_events_a_copy_can_still_be_counted_for_are_read(js, tmp_path, monkeypatch):
+    """An event stored longer ago than the ids are kept cannot have a copy counted (it is `too_old`): not read."""
+    monkeypatch.setattr(hearth.readmodels.applied_backfill, "applied_ids_margin_s", 0.0)
+    kept_s = 1.0
+    retention = dataclasses.replace(retention_policy(ReadModelSettings()),
+                                    pipelines_retention_days=kept_s / seconds_per_day)
+    old = PipelineCompleted(pipeline_id="p-old", prompt_tokens=5, completion_tokens=7, duration_ms=3.0,
+                            tokens_per_second=4.0, finish_reason="length", node_id="hub",
+                            occurred_at=datetime.now(timezone.utc))
+    await publish_event(js, old)
+    await asyncio.sleep(2 * kept_s)
+    recent = old.model_copy(update={"event_id": "e-recent", "pipeline_id": "p-recent",
+                                    "occurred_at": datetime.now(timezone.utc)})
+    last = await publish_event(js, recent)
+    projector = Projector(tmp_path / "rm.db", js, retention=retention)
+    await projector.start()  # nothing applied yet: nothing recorded
+    await projector.wait_for_position(PIPELINES_STREAM, last.seq, timeout_s=WAIT_S)
+    await projector.stop()
+    engine = open_engine(tmp_path / "rm.db")
+    try:
+        with Session(engine) as session:  # as a read model from before applied_events
+            session.execute(delete(AppliedEvent))
+            session.commit()
+        recorded = await record_stream_ids_applied_before(js, sessionmaker(engine),
+                                                          ReadModelProjection(retention=retention), PIPELINES_STREAM,
+                                                          last.seq)
+    finally:
+        engine.dispose()
+    assert recorded == 1  # the recent event's; the old one was not read
