@@ -41,7 +41,6 @@ from hearth.protocol.control import (
     StatShard,
     control_request_adapter,
 )
-from hearth.services.common.call_signing import HEADER_CALLER, CallRefused
 from hearth.services.common.event_trust import event_signing_key, open_verifier, stream_setup
 from hearth.services.common.lifecycle import event_within, owned_task
 from hearth.services.broker.connection import flush_ordered
@@ -50,9 +49,9 @@ from hearth.services.shard.claim import ClaimQuestion, ShardClaim, taken, unless
 from hearth.services.shard.compute import ShardCompute
 from hearth.services.shard.hops import HopLimits, ServedHop, opened_by
 from hearth.services.shard.identity import ShardIdentity, advertisement, open_refusal
+from hearth.services.shard.open_check import checked_open
 from hearth.services.shard.opens_in_flight import OpensInFlight
 from hearth.services.shard.watchdog import watch_hops
-from hearth.services.transport.key_seal import keys_for_host
 
 log = logging.getLogger(__name__)
 
@@ -271,7 +270,7 @@ class ShardServer:
                 await self._finish_closing(request.pipeline_id, hop, request.keep)
             await self._reply(msg, ControlReply(ok=True))
         else:
-            opened = self._opened(msg, request)
+            opened = checked_open(msg, request, self.open_verifier, self.signing_key)
             reply = opened if isinstance(opened, ControlReply) else await self._opens.answer(
                 opened[0], lambda: self._open_hop(opened[1], opened[0]))
             await self._reply(msg, reply)
@@ -291,22 +290,6 @@ class ShardServer:
         return ShardStat(shard_id=self.identity.shard_id, active_streams=self.active_streams,
                          open_pipelines=sorted(self._hops), cached_sessions=cache.sessions,
                          cache_bytes=cache.cache_bytes, **(self._claim.answer_fields() if answering_claim else {}))
-
-    def _opened(self, msg: Msg, request: OpenHop) -> tuple[str | None, OpenHop] | ControlReply:
-        """Whose `open` this is (the roster member whose key signed it; None on an open mesh, where opens are not told
-        apart) and the open with its keys unsealed (hearth/services/transport/key_seal.py). An open no member signed
-        (or one heard before) is refused: counted apart from the members, it would let one member at its share take
-        the streams left to the others (every orchestrator of a community signs); so is one whose keys do not count."""
-        opener = None
-        if self.open_verifier is not None:
-            checked = self.open_verifier.check(msg.subject, "", msg.data, msg.headers)
-            if isinstance(checked, CallRefused):
-                return ControlReply(ok=False, code="unauthorized",
-                                    message=f"the open is not signed by a member ({checked.reason}): {checked.message}")
-            opener = checked.name
-        opened = keys_for_host(request, self.signing_key, (msg.headers or {}).get(HEADER_CALLER))
-        return (opener, opened) if isinstance(opened, OpenHop) else ControlReply(ok=False, code="unauthorized",
-                                                                               message=f"the open is refused: {opened}")
 
     async def _open_hop(self, request: OpenHop, opener: str | None = None) -> ControlReply:
         """Reserve the hop under `_hop_changes`, wait for the compute thread (the replaced hop's reset, the kept prefix)
