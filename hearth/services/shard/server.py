@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable
+from pathlib import Path
 
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
@@ -49,13 +50,13 @@ from hearth.services.shard.claim import ClaimQuestion, ShardClaim, taken, unless
 from hearth.services.shard.compute import ShardCompute
 from hearth.services.shard.hops import HopLimits, ServedHop, opened_by
 from hearth.services.shard.identity import ShardIdentity, advertisement, open_refusal
+from hearth.services.shard.kept_events import say_once, shard_outbox, start_outbox
 from hearth.services.shard.open_check import checked_open
 from hearth.services.shard.opens_in_flight import OpensInFlight
 from hearth.services.shard.watchdog import watch_hops
 
 log = logging.getLogger(__name__)
 
-withdraw_max_attempts = 2
 # How often a draining shard looks whether its last hop has closed.
 drain_poll_s = 0.1
 
@@ -64,7 +65,7 @@ class ShardServer:
     """Serves `open`/`close`/`stat` on its control subject and runs each open hop through ShardCompute."""
 
     def __init__(self, nc: NatsClient, compute: ShardCompute, identity: ShardIdentity, settings: HearthSettings, *,
-                 hop_weight: float = default_hop_weight) -> None:
+                 hop_weight: float = default_hop_weight, outbox_dir: Path | None = None) -> None:
         self.nc = nc
         self.js = nc.jetstream()
         self.compute = compute
@@ -77,6 +78,9 @@ class ShardServer:
         self.hop_weight = hop_weight
         # This host's member key signs its advertisements, heartbeats and withdrawals (None on an open mesh).
         self.signing_key = event_signing_key(settings.nats)
+        # What it says once (its withdrawal) is kept in a file in `outbox_dir` until stored (None: in memory only).
+        self.outbox = shard_outbox(self.js, self.signing_key)
+        self.outbox_dir = outbox_dir
         # On a community broker the steward creates the streams; on an open one this host does.
         self.stream_setup = stream_setup(settings.nats)
         # On a community mesh, who signed each `open`: one orchestrator holds at most its share of the hops here.
@@ -113,6 +117,8 @@ class ShardServer:
                 await self._control_sub.unsubscribe()
             await self._question.close()
             raise taken(self.identity.shard_id)
+        # What the node's previous shard host left (a withdrawal the broker never took) goes first.
+        await start_outbox(self.outbox, self.outbox_dir, self.identity.node_id, self.settings.withdraw_timeout_s)
         await self.advertise()
         self._background = [
             asyncio.create_task(self._heartbeat_loop(), name="shard-heartbeat"),
@@ -196,6 +202,7 @@ class ShardServer:
         for pipeline_id in list(self._hops):
             await self._close_hop(pipeline_id)
         await self.withdraw(reason)
+        await self.outbox.stop(0.0)  # the withdrawal had its wait: what is left is kept in the file
 
     async def withdraw(self, reason: str) -> None:
         """Say once that this shard leaves (routing stops choosing it); from then on it opens no new pipeline and
@@ -204,13 +211,12 @@ class ShardServer:
         if self._withdrawn or not self._claim.kept:
             return
         self._withdrawn = True
-        try:
-            await publish_event(self.js, ShardWithdrawn(
-                node_id=self.identity.node_id, shard_id=self.identity.shard_id, reason=reason),
-                timeout_s=self.settings.withdraw_timeout_s, max_attempts=withdraw_max_attempts,
-                signing_key=self.signing_key)
-        except Exception as error:
-            log.warning("withdrawal not published: %s", error)
+        # Said once (advertisements are sent again, it is not): kept in the outbox until stored, across an outage.
+        if not await say_once(self.outbox, ShardWithdrawn(node_id=self.identity.node_id,
+                                                          shard_id=self.identity.shard_id, reason=reason),
+                              self.settings.withdraw_timeout_s):
+            log.warning("withdrawal of %s not stored within %.1f s: kept in the event outbox until the broker takes it",
+                        self.identity.shard_id, self.settings.withdraw_timeout_s)
 
     async def drain(self, timeout_s: float, interrupted: asyncio.Event) -> None:
         """Withdrawn, wait until the orchestrators have closed every hop open here (their calls ended), `timeout_s`
