@@ -107,6 +107,8 @@ class ShardServer:
 
     async def start(self) -> None:
         await self.stream_setup.ready(self.js, (SHARDS_STREAM,))
+        # What the node's previous shard host left (a withdrawal the broker never took) goes before any advertisement.
+        await start_outbox(self.outbox, self.outbox_dir, self.identity.node_id, self.settings.withdraw_timeout_s)
         # One id, one process (hearth/services/shard/claim.py): listening first, then asking who else answers.
         self._control_sub = await self.nc.subscribe(self.identity.control_subject, cb=self._on_control)
         await flush_ordered(self.nc, self.control_timeout_s)
@@ -116,9 +118,8 @@ class ShardServer:
             with contextlib.suppress(Exception):
                 await self._control_sub.unsubscribe()
             await self._question.close()
+            await self.outbox.stop(0.0)  # this process says nothing more; what is kept waits for the next
             raise taken(self.identity.shard_id)
-        # What the node's previous shard host left (a withdrawal the broker never took) goes first.
-        await start_outbox(self.outbox, self.outbox_dir, self.identity.node_id, self.settings.withdraw_timeout_s)
         await self.advertise()
         self._background = [
             asyncio.create_task(self._heartbeat_loop(), name="shard-heartbeat"),
