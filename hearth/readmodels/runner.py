@@ -6,12 +6,13 @@ context and never opens connections itself; metrics are read from its public cou
 (hearth/services/projector/metrics.py), so this module imports neither nats nor prometheus-client (events it rejects
 are counted in events.metrics' `hearth_events_rejected_total`, shared with every process that projects).
 
-Flow: one follower task per stream reads `read_stream(..., follow=True)` from `position + 1` into a bounded
-queue; one applier task drains the queue in batches of up to `batch_max_events` and applies each batch in a
-worker thread in ONE transaction (rows + positions). A follower whose read fails (broker gone) starts again from
-the last sequence it handed over; an applier whose transaction fails reloads the positions from the database and
-restarts the followers from there, so nothing is lost or applied twice. A batch that fails on a message's content
-is applied message by message instead, and the one no handler can apply is recorded as rejected
+Flow: at start, a read model from before applied_events first has the ids of what it applied recorded
+(readmodels.applied_backfill); then one follower task per stream reads `read_stream(..., follow=True)` from
+`position + 1` into a bounded queue; one applier task drains the queue in batches of up to `batch_max_events` and
+applies each batch in a worker thread in ONE transaction (rows + positions). A follower whose read fails (broker
+gone) starts again from the last sequence it handed over; an applier whose transaction fails reloads the positions
+from the database and restarts the followers from there, so nothing is lost or applied twice. A batch that fails on
+a message's content is applied message by message instead, and the one no handler can apply is recorded as rejected
 (readmodels.unapplicable). A stream deleted and created again is told by its creation time and reported
 (readmodels.stream_identity, `replaced_streams`), for a rebuild. With a retention policy, a third task prunes
 history every `prune_interval_s` (readmodels.retention), in short transactions taken in turn with the applier's.
