@@ -19,6 +19,12 @@ was left may have been stored already (the kill came between an ack and the even
 not wait for), perhaps longer ago than the duplicate window: they are looked for in the stream, oldest first, until
 one is not there. The writer writes one event at a time, in order, so none after that one was ever tried. The
 file's reads and writes run on one thread of their own, never on the event loop.
+
+An event is signed by the member that made it: it is kept in the file signed (by the key of the process that recorded
+it), and what a previous run left goes out as it was kept, never signed again, whatever key the next process has (a
+member's key replaced or rotated in between: the roster judges the maker's). One left unsigned while this process
+signs (made on an open mesh, or kept by a version that signed only when writing) is dropped, its count said at ERROR:
+it has no maker's signature, and this process must not sign it as its own.
 """
 
 from __future__ import annotations
@@ -36,8 +42,9 @@ from nats.js import JetStreamContext
 from hearth.events.consume import StoredEvent, read_stream
 from hearth.events.metrics import event_outbox_depth
 from hearth.events.models import EventEnvelope
-from hearth.events.outbox_file import OutboxFile
+from hearth.events.outbox_file import LeftEvent, OutboxFile
 from hearth.events.publish import MSG_ID_HEADER, publish_event, publish_timeout_s, publish_total_deadline_s
+from hearth.events.signing import sign_event
 from hearth.events.streams import duplicate_window_s, stream_for_subject
 from hearth.protocol.subjects import event_subject
 from hearth.trust.keys import MemberKey
@@ -68,7 +75,8 @@ class EventOutbox:
     def __init__(self, js: JetStreamContext, *, max_queued: int, retry_wait_s: float,
                  publish_delay_s: float = 0.0, signing_key: MemberKey | None = None) -> None:
         self.js = js
-        # Events are signed by the writer task, off the caller's path, like the write itself.
+        # The member key events go out signed by: with a file, on its thread as each is appended (what is kept carries
+        # its maker's signature); without, by the writer task, off the caller's path like the write itself.
         self.signing_key = signing_key
         self.retry_wait_s = retry_wait_s
         # Testing only: every write waits this long first, as a slow or distant broker would make it.
@@ -100,15 +108,30 @@ class EventOutbox:
                 raise RuntimeError("an outbox with a file is started before it records")
             self.file = file
             self._file_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="event-outbox-file")
-            holding = min(len(file.left), self.max_queued)
+            left_events = self._left_to_write(file)
+            holding = min(len(left_events), self.max_queued)
             self._room = asyncio.Semaphore(self.max_queued - holding)
-            for number, left in enumerate(file.left):
+            for number, left in enumerate(left_events):
                 self._queue.put_nowait(_Queued(left.event, row=left.row_id, left_by_previous_run=True,
                                                holds_room=number < holding))
-            if file.left:
-                log.warning("event outbox %s: writing %d event(s) a previous run left", file.path, len(file.left))
+            if left_events:
+                log.warning("event outbox %s: writing %d event(s) a previous run left", file.path, len(left_events))
             event_outbox_depth.set(self.depth)
         self._writer = asyncio.create_task(self._write_forever(), name="event-outbox")
+
+    def _left_to_write(self, file: OutboxFile) -> list[LeftEvent]:
+        """What a previous run left, less what it left unsigned while this process signs: it carries no signature of
+        the member that made it, and signing it now would put it under this member's name (removed from the file)."""
+        if self.signing_key is None:
+            return file.left
+        unsigned = [left for left in file.left if not left.event.signature]
+        if unsigned:
+            for left in unsigned:
+                self._file_thread.submit(file.remove, left.row_id)
+            log.error("event outbox %s: %d event(s) a previous run left unsigned dropped (%s): no signature of the "
+                      "member that made them, and this process must not sign them as its own", file.path,
+                      len(unsigned), ", ".join(sorted({left.event.type for left in unsigned})))
+        return [left for left in file.left if left.event.signature]
 
     async def start_in(self, folder: Path | None, *, owner: str) -> None:
         """`start` with the file of `owner`'s that this process claims in `folder` (hearth/events/outbox_file.py; off
@@ -122,7 +145,7 @@ class EventOutbox:
         queued = _Queued(event)
         if self._file_thread is not None:
             # Submitted now, in the order of the calls: the file's rows keep the queue's order.
-            queued.row = self._file_thread.submit(self._append, event)
+            queued.row = self._file_thread.submit(self._append, queued)
         self._queue.put_nowait(queued)
         event_outbox_depth.set(self.depth)
         if queued.row is not None:
@@ -162,15 +185,21 @@ class EventOutbox:
             await asyncio.get_running_loop().run_in_executor(None, self._file_thread.shutdown)
             self._file_thread = None
 
-    def _append(self, event: EventEnvelope) -> int | None:
-        """On the file thread: the event's row, or None when the file refused it (full disk): the event is still
-        written from memory, only not kept across a kill."""
+    def _append(self, queued: _Queued) -> int | None:
+        """On the file thread: the event signed (by the member that made it: a process after a kill writes it as it is,
+        never as its own), then its row, or None when the file refused it (full disk): the event is still written from
+        memory, only not kept across a kill."""
+        event = queued.event = self._signed(queued.event)  # the writer then signs it no more (the same bytes if it did)
         try:
             return self.file.append(event)
         except Exception as error:
             log.error("event outbox %s: %s %s not kept in the file (%s); it is written all the same",
                       self.file.path, event.type, event.event_id, error)
             return None
+
+    def _signed(self, event: EventEnvelope) -> EventEnvelope:
+        """`event` as it goes out: signed by this process's key, unless it carries its maker's signature already."""
+        return event if self.signing_key is None or event.signature else sign_event(event, self.signing_key)
 
     def _remove(self, row: Future[int | None] | int) -> None:
         """On the file thread, after the row's append (the thread runs its jobs in order): the row, stored."""
@@ -215,7 +244,7 @@ class EventOutbox:
                         and await self._stored_already(event)):
                     log.info("event %s %s was stored by an earlier try", event.type, event.event_id)
                     return True
-                await publish_event(self.js, event, signing_key=self.signing_key)
+                await publish_event(self.js, self._signed(event))
                 return False
             except Exception as error:  # publish_event already retried the transient ones; keep the order
                 failures += 1

@@ -9,9 +9,11 @@ and after a restart alike. The ids are kept as long as the stream's history (rea
 claims to be older than that, measured from when the stream stored it, is rejected `too_old`, so no copy can outlive
 the id that would have caught it.
 
-Heartbeats keep no id: each one states a shard's latest figures, its handler ignores one older than what it knows, so a
-copy changes nothing but the per-minute event count, and their ids (one every few seconds per shard, for the whole
-history) would be most of the table.
+Heartbeats keep no id: each one states a shard's latest figures, and their ids (one every few seconds per shard, for
+the whole history) would be most of the table. Their shard's shard_health row tells a repeat instead: one older than
+the heartbeat the row states, or a copy of that one (its `heartbeat_id`), changes no figure and is not counted in
+event_counts either (`repeats_what_is_known`). Not told apart: a copy of an earlier heartbeat of the same whole second
+as the row's (only with `heartbeat_interval_s` under 1 s), which is taken as news.
 """
 
 from __future__ import annotations
@@ -20,9 +22,9 @@ import math
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from hearth.events.models import ShardHeartbeat
+from hearth.events.models import EventEnvelope, ShardHeartbeat
 from hearth.events.signing import RejectionReason
-from hearth.readmodels.batch_rows import APPLIED_EVENTS, BatchRows
+from hearth.readmodels.batch_rows import APPLIED_EVENTS, SHARD_HEALTH, BatchRows
 
 if TYPE_CHECKING:
     from hearth.events.consume import SkippedMessage, StoredEvent
@@ -61,6 +63,17 @@ def record_applied(message: StoredEvent, rows: BatchRows) -> None:
         return
     stream, occurred_at, event_id = key = _key(message)
     rows.put(APPLIED_EVENTS, key, dict(stream=stream, occurred_at=occurred_at, event_id=event_id))
+
+
+def repeats_what_is_known(event: EventEnvelope, rows: BatchRows) -> bool:
+    """Whether `event` is a heartbeat its shard's row has news of already: older than the heartbeat the row states
+    (by a whole second), or a copy of that one; it is then neither applied nor counted (its position still advances)."""
+    if event.type not in IDEMPOTENT_TYPES:
+        return False
+    health = rows.get(SHARD_HEALTH, event.shard_id)  # type: ignore[attr-defined]
+    if health is None:
+        return False
+    return health["last_seen"] > math.floor(event.occurred_at.timestamp()) or health["heartbeat_id"] == event.event_id
 
 
 def _key(message: StoredEvent) -> tuple[str, int, str]:

@@ -4,7 +4,8 @@
 whose sequence is beyond its stream's stored position it runs the handler of its event class (one small
 method per type, dispatched with functools.singledispatchmethod) and then moves that stream's position
 forward; messages at or below the position (redeliveries, a replay over an up-to-date database) are no-ops, and a
-copy of an event applied before, stored again past the broker's duplicate window, is rejected (applied_events).
+copy of an event applied before, stored again past the broker's duplicate window, is rejected (applied_events), and a
+heartbeat's copy changes and counts nothing.
 The caller commits once, so a crash between two batches leaves rows and positions consistent.
 
 Handlers do not talk SQL: they edit plain dict rows held by a readmodels.batch_rows.BatchRows unit of
@@ -51,7 +52,12 @@ from hearth.events.models import (
 )
 from hearth.events.signing import EventVerifier, RejectionReason
 from hearth.readmodels.admission import Rejection, record_member_removal, rejection
-from hearth.readmodels.applied_events import preload_applied, record_applied, repeat_rejection
+from hearth.readmodels.applied_events import (
+    preload_applied,
+    record_applied,
+    repeat_rejection,
+    repeats_what_is_known,
+)
 from hearth.events.streams import seconds_per_day
 from hearth.protocol.subjects import node_of_shard
 from hearth.readmodels.batch_rows import (
@@ -158,7 +164,7 @@ class ReadModelProjection:
                                      samples_per_minute=self.rejected_samples_per_minute)
                     if rejections is not None:
                         rejections.append(Rejection(message.stream, message.seq, event.type, reason))
-                else:
+                elif not repeats_what_is_known(event, rows):  # a heartbeat's copy: no figure, no count
                     self.handle(event, rows)
                     _count_event(event, rows)
                     record_applied(message, rows)
@@ -214,10 +220,10 @@ class ReadModelProjection:
 
     @handle.register
     def _shard_heartbeat(self, event: ShardHeartbeat, rows: BatchRows) -> None:
-        if _older_than_what_is_known(rows.get(SHARD_HEALTH, event.shard_id), event, "last_seen"):
-            return
+        # One older than the row's, or a copy of the row's, never comes here (applied_events.repeats_what_is_known).
         rows.put(SHARD_HEALTH, event.shard_id, dict(
             shard_id=event.shard_id,
+            heartbeat_id=event.event_id,
             last_seen=epoch_s(event.occurred_at),
             queue_depth=event.queue_depth,
             active_streams=event.active_streams,

@@ -6,12 +6,13 @@ context and never opens connections itself; metrics are read from its public cou
 (hearth/services/projector/metrics.py), so this module imports neither nats nor prometheus-client (events it rejects
 are counted in events.metrics' `hearth_events_rejected_total`, shared with every process that projects).
 
-Flow: one follower task per stream reads `read_stream(..., follow=True)` from `position + 1` into a bounded
-queue; one applier task drains the queue in batches of up to `batch_max_events` and applies each batch in a
-worker thread in ONE transaction (rows + positions). A follower whose read fails (broker gone) starts again from
-the last sequence it handed over; an applier whose transaction fails reloads the positions from the database and
-restarts the followers from there, so nothing is lost or applied twice. A batch that fails on a message's content
-is applied message by message instead, and the one no handler can apply is recorded as rejected
+Flow: at start, a read model from before applied_events first has the ids of what it applied recorded
+(readmodels.applied_backfill); then one follower task per stream reads `read_stream(..., follow=True)` from
+`position + 1` into a bounded queue; one applier task drains the queue in batches of up to `batch_max_events` and
+applies each batch in a worker thread in ONE transaction (rows + positions). A follower whose read fails (broker
+gone) starts again from the last sequence it handed over; an applier whose transaction fails reloads the positions
+from the database and restarts the followers from there, so nothing is lost or applied twice. A batch that fails on
+a message's content is applied message by message instead, and the one no handler can apply is recorded as rejected
 (readmodels.unapplicable). A stream deleted and created again is told by its creation time and reported
 (readmodels.stream_identity, `replaced_streams`), for a rebuild. With a retention policy, a third task prunes
 history every `prune_interval_s` (readmodels.retention), in short transactions taken in turn with the applier's.
@@ -34,11 +35,12 @@ from hearth.events.consume import SkippedMessage, StoredEvent, read_stream, stre
 from hearth.events.metrics import events_rejected_total
 from hearth.events.signing import REJECTION_REASONS, EventVerifier, RejectionReason
 from hearth.events.streams import ALL_STREAMS, StreamSetup, stream_info_timeout_s
+from hearth.readmodels.applied_backfill import record_ids_applied_before
 from hearth.readmodels.db import open_engine, storage_fault, upgrade_database
 from hearth.readmodels.positions import ConcurrentProjectionError, load_stream_identities, record_stream_identity
 from hearth.readmodels.projection import PROJECTION_NAME, ReadModelProjection, Rejection, load_positions
 from hearth.readmodels.retention import RetentionPolicy, keep_pruning
-from hearth.readmodels.stream_identity import StreamState, replaced, stream_state
+from hearth.readmodels.stream_identity import StreamIdentities, stream_state
 from hearth.readmodels.task_cancel import cancel_within
 from hearth.readmodels.unapplicable import apply_rejecting_the_unapplicable
 
@@ -102,13 +104,8 @@ class Projector:
         # The applier and the pruner write in turn: one SQLite writer at a time, neither waiting on the other's lock.
         self._write_turn = asyncio.Lock()
         self._handed_over: dict[str, int] = {}
-        # The creation time of the stream each position was taken in (readmodels.stream_identity).
-        self._stream_created: dict[str, str | None] = {stream: None for stream in self.streams}
-        # The creation time of each stream as first seen, before anything of it was read: what a fresh position
-        # was taken in, recorded once it exists (a stream created again meanwhile then shows as replaced).
-        self._first_seen_created: dict[str, str] = {}
-        # Streams found deleted and created again since the position was taken in them, with their new creation time.
-        self.replaced_streams: dict[str, str] = {}
+        # The stream each position was taken in, and those created again since (readmodels.stream_identity).
+        self._identities = StreamIdentities(self.streams)
         # One resume (followers replaced) at a time: two at once left followers no one stopped.
         self._resume_lock = asyncio.Lock()
         # Per stream, (seq, stored at epoch s) of every message handed to the applier and not applied yet: how old
@@ -136,6 +133,9 @@ class Projector:
         await self._load_positions()
         for stream in self.streams:  # a stream created again is reported before any of its messages is read
             await self._check_stream(stream)
+        # Before anything is applied: the ids of what a read model from before applied_events applied.
+        await record_ids_applied_before(self._js, self.session_factory, self.projection, {
+            stream: position for stream, position in self.positions.items() if stream not in self.replaced_streams})
         self._started = True
         for stream in self.streams:
             self._start_follower(stream)
@@ -195,6 +195,12 @@ class Projector:
             await self.wait_for_position(stream, seq, max(0.0, deadline - time.monotonic()))
         return targets
 
+    @property
+    def replaced_streams(self) -> dict[str, str]:
+        """Streams found deleted and created again since the position was taken in them, with their new creation
+        time (a rebuild is due)."""
+        return self._identities.replaced
+
     def lag(self, stream: str) -> int:
         """Events stored in `stream` but not applied yet (as of the last poll of its last sequence)."""
         return max(0, self.stream_last_seqs[stream] - self.positions[stream])
@@ -218,7 +224,7 @@ class Projector:
         stored, identities = await asyncio.to_thread(read)
         for stream in self.streams:
             self.positions[stream] = stored.get(stream, 0)
-            self._stream_created[stream] = identities.get(stream)
+            self._identities.recorded[stream] = identities.get(stream)
             self._handed_over[stream] = self.positions[stream]
 
     def _start_follower(self, stream: str) -> None:
@@ -370,30 +376,15 @@ class Projector:
             async with asyncio.timeout(stream_info_timeout_s):  # the stop's cancellation is never lost (see above)
                 state = await stream_state(self._js, stream)
             self.stream_last_seqs[stream] = max(state.last_seq, self.positions[stream])
-            await self._check_identity(stream, state)
+            await self._identities.check(stream, state, self.positions[stream], record=self._record_stream_identity)
         except asyncio.CancelledError:
             raise
         except Exception as error:
             log.debug("projector: cannot read %s's state: %s", stream, error)
 
-    async def _check_identity(self, stream: str, state: StreamState) -> None:
-        position, recorded = self.positions[stream], self._stream_created[stream]
-        if state.created is not None:
-            self._first_seen_created.setdefault(stream, state.created)
-        if position > 0 and recorded is None and state.created is not None:
-            created = self._first_seen_created[stream]
+    async def _record_stream_identity(self, stream: str, created: str) -> None:
+        def record() -> None:
+            with self.session_factory() as session, session.begin():
+                record_stream_identity(session, self.projection.name, stream, created)
 
-            def record() -> None:
-                with self.session_factory() as session, session.begin():
-                    record_stream_identity(session, self.projection.name, stream, created)
-
-            await asyncio.to_thread(record)
-            self._stream_created[stream] = recorded = created
-        if replaced(state, position=position, recorded=recorded) and self.replaced_streams.get(stream) != (
-                state.created):
-            self.replaced_streams[stream] = state.created
-            log.error("projector: %s was deleted and created again (at %s; this read model's position %d was taken "
-                      "in the stream created at %s): its sequences started over, so this read model no longer "
-                      "follows the log; rebuild it (`hearth-replay rebuild`; a process whose read model is "
-                      "temporary, restarted)", stream, state.created, position, recorded)
-
+        await asyncio.to_thread(record)

@@ -15,8 +15,12 @@ now gives the rows it holds (`hearth-replay rebuild`).
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from datetime import timezone
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -36,3 +40,34 @@ async def stream_state(js, stream: str) -> StreamState:
 def replaced(state: StreamState, *, position: int, recorded: str | None) -> bool:
     """Whether the stream `state` describes is not the one `position` was taken in (created at `recorded`)."""
     return position > 0 and state.created is not None and recorded is not None and state.created != recorded
+
+
+class StreamIdentities:
+    """One projector's record of the stream each position was taken in, and of the streams found created again."""
+
+    def __init__(self, streams: Iterable[str]) -> None:
+        # The creation time of the stream each position was taken in (None: not recorded yet).
+        self.recorded: dict[str, str | None] = {stream: None for stream in streams}
+        # The creation time of each stream as first seen, before anything of it was read: what a fresh position
+        # was taken in, recorded once it exists (a stream created again meanwhile then shows as replaced).
+        self._first_seen: dict[str, str] = {}
+        # Streams found deleted and created again since the position was taken in them, with their new creation time.
+        self.replaced: dict[str, str] = {}
+
+    async def check(self, stream: str, state: StreamState, position: int, *,
+                    record: Callable[[str, str], Awaitable[None]]) -> None:
+        """Record the stream `position` was taken in once there is one (`record(stream, created)` writes it to the
+        read model), and say once (at ERROR) when `stream` is no longer that one."""
+        recorded = self.recorded[stream]
+        if state.created is not None:
+            self._first_seen.setdefault(stream, state.created)
+        if position > 0 and recorded is None and state.created is not None:
+            created = self._first_seen[stream]
+            await record(stream, created)
+            self.recorded[stream] = recorded = created
+        if replaced(state, position=position, recorded=recorded) and self.replaced.get(stream) != state.created:
+            self.replaced[stream] = state.created
+            log.error("projector: %s was deleted and created again (at %s; this read model's position %d was taken "
+                      "in the stream created at %s): its sequences started over, so this read model no longer "
+                      "follows the log; rebuild it (`hearth-replay rebuild`; a process whose read model is "
+                      "temporary, restarted)", stream, state.created, position, recorded)

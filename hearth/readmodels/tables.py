@@ -68,6 +68,8 @@ class ShardHealth(Base):
     tokens_served_total: Mapped[int] = mapped_column(Integer, nullable=False)
     decode_step_ms: Mapped[float | None] = mapped_column(
         Float, comment="duration: median decode step over the shard's range (NULL: not measured yet)")
+    heartbeat_id: Mapped[str | None] = mapped_column(
+        String, comment="event id of the heartbeat the row states (NULL: written before 0018)")
 
 
 class Pipeline(Base):

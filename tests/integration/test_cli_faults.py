@@ -373,6 +373,10 @@ def test_an_event_outbox_folder_that_cannot_be_written_is_one_line_naming_the_se
     said_in_one_line([HEARTH, "orchestrator", "--nats", nats_url], 1,
                      f"hearth orchestrator: event outbox folder {a_file}: ",
                      {"HEARTH_ORCHESTRATOR__EVENT_OUTBOX_DIR": str(a_file)})
+    said_in_one_line([HEARTH, "shard", "--model", str(REPO_ROOT / "models" / "hearth-tiny-llama"), "--layers", "0-1",
+                      "--node-id", "n0", "--nats", nats_url], 1,
+                     f"hearth shard: event outbox folder {a_file}: ",
+                     {"HEARTH_SHARD__EVENT_OUTBOX_DIR": str(a_file)})
 
 
 @pytest.mark.parametrize("args", [[HEARTH, "projector", "--db", "rm.sqlite"],

@@ -48,7 +48,7 @@ async def test_a_stream_created_again_under_a_running_projector_is_said_and_its_
         await wait_for_metric(registry, "hearth_projector_position", second, resume_timeout_s)
         assert {stream: metric(registry, REPLACED, stream) for stream in ALL_STREAMS} == dict.fromkeys(ALL_STREAMS, 0)
 
-        with caplog.at_level(logging.ERROR, logger="hearth.readmodels.runner"):
+        with caplog.at_level(logging.ERROR, logger="hearth.readmodels.stream_identity"):
             await recreate_streams(js)
             await wait_for_metric(registry, REPLACED, dict.fromkeys(ALL_STREAMS, 1), resume_timeout_s)
         assert "rebuild it" in caplog.text and "deleted and created again" in caplog.text

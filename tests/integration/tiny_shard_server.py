@@ -33,9 +33,10 @@ class TinyShard:
 
 
 @contextlib.asynccontextmanager
-async def tiny_shard_server(nats_url: str, *, prefix_ttl_s: float | None = None) -> AsyncIterator[TinyShard]:
-    """Started (keeping ended sessions' blocks for `prefix_ttl_s` when given); stopped, its connections closed and its
-    runner closed on exit."""
+async def tiny_shard_server(nats_url: str, *, prefix_ttl_s: float | None = None,
+                            outbox_dir: Path | None = None) -> AsyncIterator[TinyShard]:
+    """Started (keeping ended sessions' blocks for `prefix_ttl_s` when given, its withdrawals kept in `outbox_dir` until
+    stored when given); stopped, its connections closed and its runner closed on exit."""
     runner = await on_compute_thread(load_layer_range, MODEL, 0, 1, prefix_ttl_s=prefix_ttl_s, **RUNNER_KV_LIMITS)
     settings = load_settings()
     nc = await connect_nats(nats_url, name="shard-under-test", settings=settings.nats)
@@ -44,7 +45,7 @@ async def tiny_shard_server(nats_url: str, *, prefix_ttl_s: float | None = None)
     server = ShardServer(nc, ShardCompute(runner, "tiny-0-1", settings.shard), ShardIdentity(
         shard_id="tiny-0-1", model_id="tiny", node_id="node0", weights_sha256="0" * 64, layer_lo=0, layer_hi=1,
         total_layers=runner.info.num_layers, dtype="float32", memory_required_mb=1.0, control_subject=subject),
-        settings)
+        settings, **({} if outbox_dir is None else {"outbox_dir": outbox_dir}))
     try:
         await server.start()
         yield TinyShard(server, runner, client, subject)

@@ -132,3 +132,18 @@ def test_heartbeats_keep_no_id_and_a_copy_changes_no_figure(tmp_path):
     assert rejected(engine) == []
     passed = verify.PassedEvents(KEPT_S)  # and `hearth-replay verify` takes the copy as the projection does
     assert [passed.repeat(log.stored(beat)), passed.repeat(stored_later(log, beat, 300.0))] == [None, None]
+
+
+def test_a_heartbeats_copy_adds_nothing_to_the_per_minute_count(tmp_path):
+    """event_counts counts a heartbeat its shard's state took: not a copy of the latest one, nor a copy of an older one
+    (both change nothing), while a second heartbeat in the same second, its own event, counts."""
+    engine = migrated_engine(tmp_path / "rm.db")
+    shard = advertised(0, 3, "host0")
+    first, same_second, later = (heartbeat(shard.shard_id, t=t, active_streams=n)
+                                 for n, t in ((1, 10.0), (2, 10.5), (3, 12.0)))
+    log = LogBuilder()
+    apply_all(engine, [log.stored(shard), log.stored(first), log.stored(same_second)])
+    apply_all(engine, [stored_later(log, same_second, 300.0), log.stored(later), stored_later(log, first, 400.0)])
+    assert scalar(engine, "SELECT SUM(events) FROM event_counts WHERE type = 'shard.heartbeat'") == 3
+    assert scalar(engine, "SELECT active_streams FROM shard_health") == 3
+    assert rejected(engine) == []

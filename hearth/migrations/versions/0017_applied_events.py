@@ -5,8 +5,8 @@ Revision ID: 0017
 Revises: 0016
 Create Date: 2026-12-06
 
-A database migrated from an earlier revision starts with no ids: an event it applied before is not known to it, so a
-copy of one stored after the upgrade is applied once more (the gap this revision closes from now on).
+A database migrated from an earlier revision starts with no ids; a migration cannot read the stream, so its projector's
+next start records the ids of the retained events it applied before (hearth/readmodels/applied_backfill.py).
 """
 
 from __future__ import annotations

@@ -238,6 +238,11 @@ class ShardSettings(ConfigSection):
     hop_close_timeout_s: float = Field(
         default=5.0, gt=0, description="closing a hop waits this long for a step being computed to finish")
     withdraw_timeout_s: float = Field(default=2.0, gt=0, description="how long stopping waits to say it leaves")
+    event_outbox_dir: Path | None = Field(
+        default=None,
+        description="where a shard host keeps each event it says once (its withdrawal) until it is stored, to write "
+                    "it once the broker takes it, after a kill too (a SQLite file per process, locked; default "
+                    "$XDG_STATE_HOME/hearth/shard-event-outbox, else ~/.local/state/hearth/shard-event-outbox)")
     max_batch_sessions: int = Field(
         default=8, ge=1, description="steps of this many sessions at most run as one batched step: decode steps, "
                                       "and on a CPU prefills shorter than prefill_slice_min_tokens (1: none)")

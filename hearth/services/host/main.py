@@ -25,7 +25,6 @@ import torch
 from nats.aio.client import Client as NatsClient
 
 from hearth.events.models import ShardWithdrawn
-from hearth.events.publish import publish_event
 from hearth.events.streams import SHARDS_STREAM
 from hearth.inference import InferenceError
 from hearth.inference.cache_ranges import release_range
@@ -54,6 +53,7 @@ from hearth.services.shard.main import (
     serve_loaded_shard,
 )
 from hearth.services.shard.claim import ShardIdTaken
+from hearth.services.shard.kept_events import say_once_alone, shard_outbox_dir
 from hearth.services.shard.memory_plan import kv_reserve_bytes
 from hearth.services.weights_store import WeightsStoreError
 
@@ -308,9 +308,9 @@ async def say_move_abandoned(nc: NatsClient, settings: HearthSettings, node: str
     """Withdraw `shard_id`, withdrawn as MOVED, again as a shutdown: the move will not land (the host stops, or the new
     range did not load), and hosts waiting for it (CoverageReader.move_under_way) decide again now, not after
     `move_wait_max_s`."""
-    try:
-        await publish_event(nc.jetstream(), ShardWithdrawn(node_id=node, shard_id=shard_id, reason="shutdown"),
-                            timeout_s=settings.shard.withdraw_timeout_s, max_attempts=1,
-                            signing_key=event_signing_key(settings.nats))
-    except Exception as error:  # the broker may be gone; they wait at most move_wait_max_s then
+    try:  # kept in the shard outbox until stored (said once): a broker gone now takes it later, from this node
+        await say_once_alone(nc.jetstream(), ShardWithdrawn(node_id=node, shard_id=shard_id, reason="shutdown"),
+                             folder=shard_outbox_dir(settings), node_id=node,
+                             signing_key=event_signing_key(settings.nats), timeout_s=settings.shard.withdraw_timeout_s)
+    except Exception as error:  # no outbox file: they wait at most move_wait_max_s then
         log.warning("host %s: could not say that its move from %s is abandoned: %s", node, shard_id, error)

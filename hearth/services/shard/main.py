@@ -29,6 +29,7 @@ from hearth.services.broker.connection import connect_nats, drain_or_close, unti
 from hearth.services.shard.faults import ShardFault
 from hearth.services.shard.memory_plan import estimated_need, kv_reserve_bytes, measured_need, refusal
 from hearth.services.shard.compute import ShardCompute
+from hearth.services.shard.kept_events import shard_outbox_dir
 from hearth.services.shard.server import ShardIdentity, ShardServer
 from hearth.services.weights_store import WeightsStoreError, resolve_model_source, store_model_name
 
@@ -274,7 +275,7 @@ async def serve_loaded_shard(loaded: LoadedShard, *, nats_url: str | None, setti
     compute = ShardCompute(runner, shard_id, settings.shard, fault=ShardFault.parse(fault),
                            step_threads=StepThreads(busy_threads),
                            range_layers=min(hi, identity.total_layers - 1) - lo + 1)
-    server = ShardServer(nc, compute, identity, settings, hop_weight=hop_weight)
+    server = ShardServer(nc, compute, identity, settings, hop_weight=hop_weight, outbox_dir=shard_outbox_dir(settings))
     server_ref.append(server)
     metrics_server = None
     try:

@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable
+from pathlib import Path
 
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
@@ -41,7 +42,6 @@ from hearth.protocol.control import (
     StatShard,
     control_request_adapter,
 )
-from hearth.services.common.call_signing import HEADER_CALLER, CallRefused
 from hearth.services.common.event_trust import event_signing_key, open_verifier, stream_setup
 from hearth.services.common.lifecycle import event_within, owned_task
 from hearth.services.broker.connection import flush_ordered
@@ -50,13 +50,13 @@ from hearth.services.shard.claim import ClaimQuestion, ShardClaim, taken, unless
 from hearth.services.shard.compute import ShardCompute
 from hearth.services.shard.hops import HopLimits, ServedHop, opened_by
 from hearth.services.shard.identity import ShardIdentity, advertisement, open_refusal
+from hearth.services.shard.kept_events import say_once, shard_outbox, start_outbox
+from hearth.services.shard.open_check import checked_open
 from hearth.services.shard.opens_in_flight import OpensInFlight
 from hearth.services.shard.watchdog import watch_hops
-from hearth.services.transport.key_seal import keys_for_host
 
 log = logging.getLogger(__name__)
 
-withdraw_max_attempts = 2
 # How often a draining shard looks whether its last hop has closed.
 drain_poll_s = 0.1
 
@@ -65,7 +65,7 @@ class ShardServer:
     """Serves `open`/`close`/`stat` on its control subject and runs each open hop through ShardCompute."""
 
     def __init__(self, nc: NatsClient, compute: ShardCompute, identity: ShardIdentity, settings: HearthSettings, *,
-                 hop_weight: float = default_hop_weight) -> None:
+                 hop_weight: float = default_hop_weight, outbox_dir: Path | None = None) -> None:
         self.nc = nc
         self.js = nc.jetstream()
         self.compute = compute
@@ -78,6 +78,9 @@ class ShardServer:
         self.hop_weight = hop_weight
         # This host's member key signs its advertisements, heartbeats and withdrawals (None on an open mesh).
         self.signing_key = event_signing_key(settings.nats)
+        # What it says once (its withdrawal) is kept in a file in `outbox_dir` until stored (None: in memory only).
+        self.outbox = shard_outbox(self.js, self.signing_key)
+        self.outbox_dir = outbox_dir
         # On a community broker the steward creates the streams; on an open one this host does.
         self.stream_setup = stream_setup(settings.nats)
         # On a community mesh, who signed each `open`: one orchestrator holds at most its share of the hops here.
@@ -104,6 +107,8 @@ class ShardServer:
 
     async def start(self) -> None:
         await self.stream_setup.ready(self.js, (SHARDS_STREAM,))
+        # What the node's previous shard host left (a withdrawal the broker never took) goes before any advertisement.
+        await start_outbox(self.outbox, self.outbox_dir, self.identity.node_id, self.settings.withdraw_timeout_s)
         # One id, one process (hearth/services/shard/claim.py): listening first, then asking who else answers.
         self._control_sub = await self.nc.subscribe(self.identity.control_subject, cb=self._on_control)
         await flush_ordered(self.nc, self.control_timeout_s)
@@ -113,6 +118,7 @@ class ShardServer:
             with contextlib.suppress(Exception):
                 await self._control_sub.unsubscribe()
             await self._question.close()
+            await self.outbox.stop(0.0)  # this process says nothing more; what is kept waits for the next
             raise taken(self.identity.shard_id)
         await self.advertise()
         self._background = [
@@ -197,6 +203,7 @@ class ShardServer:
         for pipeline_id in list(self._hops):
             await self._close_hop(pipeline_id)
         await self.withdraw(reason)
+        await self.outbox.stop(0.0)  # the withdrawal had its wait: what is left is kept in the file
 
     async def withdraw(self, reason: str) -> None:
         """Say once that this shard leaves (routing stops choosing it); from then on it opens no new pipeline and
@@ -205,13 +212,12 @@ class ShardServer:
         if self._withdrawn or not self._claim.kept:
             return
         self._withdrawn = True
-        try:
-            await publish_event(self.js, ShardWithdrawn(
-                node_id=self.identity.node_id, shard_id=self.identity.shard_id, reason=reason),
-                timeout_s=self.settings.withdraw_timeout_s, max_attempts=withdraw_max_attempts,
-                signing_key=self.signing_key)
-        except Exception as error:
-            log.warning("withdrawal not published: %s", error)
+        # Said once (advertisements are sent again, it is not): kept in the outbox until stored, across an outage.
+        if not await say_once(self.outbox, ShardWithdrawn(node_id=self.identity.node_id,
+                                                          shard_id=self.identity.shard_id, reason=reason),
+                              self.settings.withdraw_timeout_s):
+            log.warning("withdrawal of %s not stored within %.1f s: kept in the event outbox until the broker takes it",
+                        self.identity.shard_id, self.settings.withdraw_timeout_s)
 
     async def drain(self, timeout_s: float, interrupted: asyncio.Event) -> None:
         """Withdrawn, wait until the orchestrators have closed every hop open here (their calls ended), `timeout_s`
@@ -271,7 +277,7 @@ class ShardServer:
                 await self._finish_closing(request.pipeline_id, hop, request.keep)
             await self._reply(msg, ControlReply(ok=True))
         else:
-            opened = self._opened(msg, request)
+            opened = checked_open(msg, request, self.open_verifier, self.signing_key)
             reply = opened if isinstance(opened, ControlReply) else await self._opens.answer(
                 opened[0], lambda: self._open_hop(opened[1], opened[0]))
             await self._reply(msg, reply)
@@ -291,22 +297,6 @@ class ShardServer:
         return ShardStat(shard_id=self.identity.shard_id, active_streams=self.active_streams,
                          open_pipelines=sorted(self._hops), cached_sessions=cache.sessions,
                          cache_bytes=cache.cache_bytes, **(self._claim.answer_fields() if answering_claim else {}))
-
-    def _opened(self, msg: Msg, request: OpenHop) -> tuple[str | None, OpenHop] | ControlReply:
-        """Whose `open` this is (the roster member whose key signed it; None on an open mesh, where opens are not told
-        apart) and the open with its keys unsealed (hearth/services/transport/key_seal.py). An open no member signed
-        (or one heard before) is refused: counted apart from the members, it would let one member at its share take
-        the streams left to the others (every orchestrator of a community signs); so is one whose keys do not count."""
-        opener = None
-        if self.open_verifier is not None:
-            checked = self.open_verifier.check(msg.subject, "", msg.data, msg.headers)
-            if isinstance(checked, CallRefused):
-                return ControlReply(ok=False, code="unauthorized",
-                                    message=f"the open is not signed by a member ({checked.reason}): {checked.message}")
-            opener = checked.name
-        opened = keys_for_host(request, self.signing_key, (msg.headers or {}).get(HEADER_CALLER))
-        return (opener, opened) if isinstance(opened, OpenHop) else ControlReply(ok=False, code="unauthorized",
-                                                                               message=f"the open is refused: {opened}")
 
     async def _open_hop(self, request: OpenHop, opener: str | None = None) -> ControlReply:
         """Reserve the hop under `_hop_changes`, wait for the compute thread (the replaced hop's reset, the kept prefix)
