@@ -187,7 +187,7 @@ def _brief(row: dict[str, Any] | None, limit: int = 6) -> str:
 
 # Columns no projection of the log writes: the stream a position was taken in is recorded by whichever process
 # looked at the broker, when it looked (readmodels.stream_identity). And bookkeeping that tells copies, no figure: the
-# heartbeat a shard_health row states is NULL in a row written before migration 0018 (readmodels.applied_events).
+# heartbeat a shard_health row states is NULL in a row written before migration 0019 (readmodels.applied_events).
 UNCOMPARED_COLUMNS: dict[str, tuple[str, ...]] = {"projection_positions": ("stream_created",),
                                                   "shard_health": ("heartbeat_id",)}
 

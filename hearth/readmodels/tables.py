@@ -69,7 +69,7 @@ class ShardHealth(Base):
     decode_step_ms: Mapped[float | None] = mapped_column(
         Float, comment="duration: median decode step over the shard's range (NULL: not measured yet)")
     heartbeat_id: Mapped[str | None] = mapped_column(
-        String, comment="event id of the heartbeat the row states (NULL: written before 0018)")
+        String, comment="event id of the heartbeat the row states (NULL: written before 0019)")
 
 
 class Pipeline(Base):

@@ -23,7 +23,7 @@ from hearth.readmodels.db import alembic_config, open_engine
 from hearth.readmodels.projection import ReadModelProjection
 from hearth.readmodels.retention import retention_policy
 from hearth.readmodels.runner import Projector
-from hearth.readmodels.tables import AppliedEvent, EventCount, RejectedEvent, ShardTokensDaily
+from hearth.readmodels.tables import AppliedEvent, EventCount, RejectedEvent, HostTokensDaily
 from hearth.services.common.config import ReadModelSettings
 from tests.event_streams import jetstream_with_streams
 from tests.readmodel_helpers import MODEL_ID, WEIGHTS_SHA
@@ -66,7 +66,7 @@ async def test_a_copy_of_an_event_applied_before_the_upgrade_counts_once(js, tmp
             await projector.wait_for_position(PIPELINES_STREAM, copy.seq, timeout_s=WAIT_S)
             assert projector.rejected_total == {"duplicate": 1}
             with Session(projector.engine) as session:
-                assert session.scalars(select(ShardTokensDaily.tokens)).one() == 12
+                assert session.scalars(select(HostTokensDaily.tokens)).one() == 12
                 assert session.scalars(select(func.sum(EventCount.events)).where(
                     EventCount.type == "pipeline.completed")).one() == 1
                 assert [(row.stream_seq, row.reason) for row in session.scalars(select(RejectedEvent))] == [
