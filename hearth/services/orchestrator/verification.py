@@ -26,17 +26,16 @@ import asyncio
 import logging
 import random
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 
 import torch
 
-from hearth.events.models import (IntegrityMismatchConfirmed, IntegrityMismatchDisputed, IntegrityShardsVerified,
-                           ShardVerification, max_verified_shards)
+from hearth.events.models import IntegrityShardsVerified
 from hearth.inference.activation_compare import (evidence_digest, first_mismatch, position_errors, reportable_error,
                                           tolerance_for)
 from hearth.protocol.quarantine import Held
 from hearth.services.orchestrator.canaries import confirmed_canary
 from hearth.services.orchestrator.chain import HopChain
+from hearth.services.orchestrator.check_findings import CheckFindings
 from hearth.services.orchestrator.check_policy import MIRRORS_PER_LEVEL, sampled_check_due
 from hearth.services.orchestrator.guards import RangeKey
 from hearth.services.orchestrator.hop_checks import HopChecks, checks_ran, end_checks
@@ -48,12 +47,6 @@ from hearth.services.orchestrator.recording import HopSpan
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class _Tally:
-    checks: int = 0
-    verified_positions: int = 0
-
-
 class CallVerifier:
     """The checks of one call (PipelineRun owns it): `attach` each chain it opens, `after_step` after each step's
     output, `verify_step` (levels `all`, `vote`) before sampling from it, `settle` before the last frame, and
@@ -61,13 +54,11 @@ class CallVerifier:
 
     def __init__(self, call, ctx, record: Callable[[object], Awaitable[None]]) -> None:
         self.call, self.ctx = call, ctx
-        self._record = record  # records an event the call's own way: counted in metrics, then into the outbox
+        self.found = CheckFindings(call, ctx, record)
         self.level = call.request.params.verify
         self.settings = ctx.settings.verification
         self.chain: HopChain | None = None
         self._hops: list[HopChecks] = []
-        self._tally: dict[str, _Tally] = {}
-        self._refutation: StepFailure | None = None
         self._chain_steps = 0
         self._proofs_before = len(ctx.proved_wrong)  # those shards were out of its routing from the start
         # Unpredictable to the hosts: a liar must not know which steps are checked.
@@ -123,27 +114,23 @@ class CallVerifier:
 
     def refutation_of(self, shard_id: str) -> StepFailure | None:
         """The pending refutation of `shard_id` (then forgotten): the call is routing around it already."""
-        if self._refutation is not None and self._refutation.shard_id == shard_id:
-            failure, self._refutation = self._refutation, None
-            return failure
-        return None
+        return self.found.take_of(shard_id)
 
     def refuted(self) -> StepFailure | None:
         """The refutation a check found since the last turn (then forgotten), or None. A hop that another call's
         check (or a canary) proved wrong meanwhile is refuted from the first position this call did not confirm."""
-        if self._refutation is None and self.chain is not None:
+        if self.found.refutation is None and self.chain is not None:
             held = Held.of(self.ctx.proved_wrong[self._proofs_before:])
             for index, hop in enumerate(self.chain.hops):
                 if held.holds(hop.shard_id, hop.node_id):
-                    self._refute("refuted", hop.shard_id, self._hops[index].confirmed_pos,
-                                 "quarantined meanwhile (another check proved it, or its node, wrong); its unconfirmed "
-                                 "work here is withdrawn")
+                    self.found.refute("refuted", hop.shard_id, self._hops[index].confirmed_pos,
+                                      "quarantined meanwhile (another check proved it, or its node, wrong); its "
+                                      "unconfirmed work here is withdrawn")
                     break
-        retold = self.chain.recorder.take_retold() if self._refutation is None and self.chain is not None else None
+        retold = self.chain.recorder.take_retold() if self.found.refutation is None and self.chain is not None else None
         if retold is not None:  # its successor computed what no replica would: unchecked, so withdrawn
-            self._refutation = retold_failure(self.chain.hops[retold[0] - 1].shard_id, *retold)
-        failure, self._refutation = self._refutation, None
-        return failure
+            self.found.refutation = retold_failure(self.chain.hops[retold[0] - 1].shard_id, *retold)
+        return self.found.take()
 
     def after_step(self) -> None:
         """A step's output came: start the checks this step calls for (level `sampled`)."""
@@ -182,7 +169,7 @@ class CallVerifier:
                 self._start_check(index, "prompt streaming")
             if not recorder.fits(chunk):
                 await self._checks_ran()
-        if self._refutation is not None:
+        if self.found.refutation is not None:
             return self.refuted()
         return recorder.fits(chunk) or not others_out
 
@@ -206,14 +193,8 @@ class CallVerifier:
         return self.refuted()
 
     def summaries(self) -> list[IntegrityShardsVerified]:
-        """The call's checks that found nothing wrong, per shard: one event per call (more only past the most
-        shards one event may name)."""
-        shards = [ShardVerification(shard_id=shard_id, checks=tally.checks,
-                                    verified_positions=tally.verified_positions)
-                  for shard_id, tally in self._tally.items() if tally.checks]
-        return [IntegrityShardsVerified(node_id=self.ctx.node_id, pipeline_id=self.call.pipeline_id,
-                                        shards=shards[start:start + max_verified_shards])
-                for start in range(0, len(shards), max_verified_shards)]
+        """The call's checks that found nothing wrong (CheckFindings.summaries)."""
+        return self.found.summaries(self.ctx.node_id)
 
     def _start_check(self, index: int, why: str) -> None:
         hop = self._hops[index]
@@ -229,7 +210,7 @@ class CallVerifier:
         while True:
             hop.again = False
             await self._check(index)
-            if not hop.again or self._refutation is not None:
+            if not hop.again or self.found.refutation is not None:
                 return
 
     async def _check(self, index: int) -> None:
@@ -313,31 +294,30 @@ class CallVerifier:
             sides_with_mirror = first_mismatch(position_errors(witnessed, reference), judged) is None
             sides_with_hop = first_mismatch(position_errors(witnessed, span.outputs), judged) is None
             if sides_with_mirror and not sides_with_hop:
-                await self._quarantine(primary, [mirror.shard_id, witness.shard_id], evidence)
+                await self.found.quarantine(primary, [mirror.shard_id, witness.shard_id], evidence)
                 if witness not in hop.mirrors:  # the call leaves this chain: a fresh witness has no more to do
                     await witness.close()
-                self._refute("refuted", primary, span.first_pos + bad,
-                             f"its output at position {span.first_pos + bad} was refuted by {mirror.shard_id} and "
-                             f"{witness.shard_id} (relative error {float(errors[bad]):.3g} > {tolerance:g}); "
-                             f"quarantined")
+                self.found.refute("refuted", primary, span.first_pos + bad,
+                                  f"its output at position {span.first_pos + bad} was refuted by {mirror.shard_id} "
+                                  f"and {witness.shard_id} (relative error {float(errors[bad]):.3g} > "
+                                  f"{tolerance:g}); quarantined")
                 return
             if sides_with_hop and not sides_with_mirror:
-                await self._quarantine(mirror.shard_id, [primary, witness.shard_id], evidence)
+                await self.found.quarantine(mirror.shard_id, [primary, witness.shard_id], evidence)
                 await hop.drop(mirror)
                 if witness not in hop.mirrors:  # a fresh witness takes the dropped mirror's place
                     hop.mirrors.append(witness)
                 self._confirm(primary, span, index)
                 return
-        await self._record(IntegrityMismatchDisputed(shard_ids=[primary, mirror.shard_id], **evidence))
-        verification_checks_total.labels("disputed").inc()
+        await self.found.dispute([primary, mirror.shard_id], evidence)
         await hop.drop(mirror)
         for witness, _ in others:
             if witness not in hop.mirrors:
                 await witness.close()
-        self._refute("disputed", primary, span.first_pos + bad,
-                     f"its output at position {span.first_pos + bad} differs from {mirror.shard_id}'s (relative "
-                     f"error {float(errors[bad]):.3g} > {tolerance:g}) and no third replica settled it: routed "
-                     f"around for this call, nobody blamed")
+        self.found.refute("disputed", primary, span.first_pos + bad,
+                          f"its output at position {span.first_pos + bad} differs from {mirror.shard_id}'s (relative "
+                          f"error {float(errors[bad]):.3g} > {tolerance:g}) and no third replica settled it: routed "
+                          f"around for this call, nobody blamed")
 
     async def _witness(self, chain: HopChain, index: int, span: HopSpan, avoid: set[str]):
         """A third replica fed the hop's inputs from position 0 through `span`: (mirror, its outputs over `span`)."""
@@ -368,10 +348,7 @@ class CallVerifier:
     # ------------------------------------------------------------------ outcomes
 
     def _confirm(self, shard_id: str, span: HopSpan, index: int | None) -> None:
-        tally = self._tally.setdefault(shard_id, _Tally())
-        tally.checks += 1
-        tally.verified_positions += span.positions
-        verification_checks_total.labels("confirmed").inc()
+        self.found.confirmed(shard_id, span.positions)
         if index is not None:
             self.ctx.guards.learn(self._range_key(index), span.outputs)
             self._hops[index].confirmed_pos = max(self._hops[index].confirmed_pos, span.end_pos)
@@ -381,18 +358,6 @@ class CallVerifier:
             recorder = self.chain.recorder
             recorder.needed_from = min((min((m.fed_pos for m in h.mirrors), default=0) for i, h in enumerate(self._hops)
                                         if i not in recorder.broken and not h.unmirrored), default=0)
-
-    async def _quarantine(self, shard_id: str, witnesses: list[str], evidence: dict) -> None:
-        log.warning("pipeline %s: %s computed layers %d-%d wrongly (witnesses %s); quarantined",
-                    self.call.pipeline_id, shard_id, evidence["layer_lo"], evidence["layer_hi"],
-                    ", ".join(witnesses))
-        self.ctx.prove_wrong(shard_id)
-        verification_checks_total.labels("mismatch").inc()
-        await self._record(IntegrityMismatchConfirmed(shard_id=shard_id, witnesses=witnesses, **evidence))
-
-    def _refute(self, kind: str, shard_id: str, position: int, reason: str) -> None:
-        if self._refutation is None or position < (self._refutation.rewind_to or 0):
-            self._refutation = StepFailure(kind, shard_id, reason, check="mismatch", rewind_to=position)
 
     def _range_key(self, index: int) -> RangeKey:
         hop = self.chain.hops[index]
