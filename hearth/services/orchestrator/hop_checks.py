@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 from hearth.services.orchestrator.mirror import Mirror
@@ -28,10 +28,24 @@ class HopChecks:
     confirmed_pos: int = 0
     # Its last check found fewer replicas to mirror it than its level asks: it is not checked meanwhile.
     unmirrored: bool = False
+    # Held by the check running on it (`turn`).
+    _one_check: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     @property
     def running(self) -> bool:
         return self.task is not None and not self.task.done()
+
+    @contextlib.asynccontextmanager
+    async def turn(self, timeout_s: float | None = None) -> AsyncIterator[None]:
+        """Check the hop, one check at a time: a check feeds its mirrors from where they stopped, so two at once (a
+        report's and a background one) would feed them the same positions twice. TimeoutError when no turn came
+        within `timeout_s` (None: as long as the running check takes, itself bounded)."""
+        async with asyncio.timeout(timeout_s):
+            await self._one_check.acquire()
+        try:
+            yield
+        finally:
+            self._one_check.release()
 
     async def drop(self, mirror: Mirror) -> None:
         """Ask `mirror`'s replica no more in this call, and close it."""

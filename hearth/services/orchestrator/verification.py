@@ -100,9 +100,14 @@ class CallVerifier:
         if index is None:
             return
         try:
-            # The reporting hop had the output already, so the tap has it too (or refused it): no long wait.
+            # The reporting hop had the output already, so the tap has it too (or refused it): no long wait. A check
+            # running on the hop is waited for (as a last frame waits for the checks), then this one takes its turn.
             await self._check_hop(chain, index, upto=max(chain.recorder.steps),
-                                  settle_s=self.ctx.settings.transport.probe_timeout_s)
+                                  settle_s=self.ctx.settings.transport.probe_timeout_s,
+                                  turn_within_s=self.settings.settle_timeout_s)
+        except TimeoutError:
+            log.warning("pipeline %s: the check running on the hop accused by a report did not end within %.0f s; "
+                        "the report is left unchecked", self.call.pipeline_id, self.settings.settle_timeout_s)
         except Exception:  # a check must never take the call down with it
             log.exception("pipeline %s: checking the hop accused by a report failed", self.call.pipeline_id)
 
@@ -223,8 +228,12 @@ class CallVerifier:
         except Exception:  # a check must never take the call down with it
             log.exception("pipeline %s: checking hop %d failed", self.call.pipeline_id, index)
 
-    async def _check_hop(self, chain: HopChain, index: int, upto: int | None = None,
-                         settle_s: float | None = None) -> None:
+    async def _check_hop(self, chain: HopChain, index: int, upto: int | None = None, settle_s: float | None = None,
+                         turn_within_s: float | None = None) -> None:
+        async with self._hops[index].turn(turn_within_s):
+            await self._check_mirrored(chain, index, upto, settle_s)
+
+    async def _check_mirrored(self, chain: HopChain, index: int, upto: int | None, settle_s: float | None) -> None:
         recorder, hop = chain.recorder, self._hops[index]
         latest = upto if upto is not None else recorder.latest_step()
         if latest is None:
