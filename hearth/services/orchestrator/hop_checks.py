@@ -28,6 +28,8 @@ class HopChecks:
     confirmed_pos: int = 0
     # Its last check found fewer replicas to mirror it than its level asks: it is not checked meanwhile.
     unmirrored: bool = False
+    # The recorder generation a second mirror (a witness fed from the start) was last sought in.
+    witness_sought_in: int | None = None
     # Held by the check running on it (`turn`).
     _one_check: asyncio.Lock = field(default_factory=asyncio.Lock)
 

@@ -60,6 +60,8 @@ class CallVerifier:
         self.chain: HopChain | None = None
         self._hops: list[HopChecks] = []
         self._chain_steps = 0
+        # The chain's record may forget positions: a witness must then be fed from the start (`_mirrors`).
+        self._witness_due = False
         self._proofs_before = len(ctx.proved_wrong)  # those shards were out of its routing from the start
         # Unpredictable to the hosts: a liar must not know which steps are checked.
         self._chance = random.SystemRandom()
@@ -82,7 +84,7 @@ class CallVerifier:
             return
         self.chain = chain
         self._hops = [HopChecks() for _ in chain.hops]
-        self._chain_steps = 0
+        self._chain_steps, self._witness_due = 0, False
 
     async def detach(self) -> None:
         """Stop checking the current chain: cancel its checks, close its mirrors."""
@@ -157,8 +159,15 @@ class CallVerifier:
 
     def prefill_chunk_tokens(self, configured: int, hidden: torch.Tensor) -> int:
         """The chunks the prompt `hidden` goes out in: `configured` (0: one step), fewer positions where a chunk
-        would take more than half the chain's record (one that never fits would leave the chain unchecked)."""
-        return self.chain.recorder.chunk_within(configured, hidden) if self.chain is not None else configured
+        would take more than half the chain's record (one that never fits would leave the chain unchecked). Where
+        the record may have to forget positions, every hop's checks feed a witness beside its mirror (`_mirrors`)."""
+        if self.chain is None:
+            return configured
+        call, recorder = self.call, self.chain.recorder
+        start = len(call.known_ids) - int(hidden.shape[1])  # the positions its hops hold already (a kept prefix)
+        later = max(0, (self.chain.max_session_tokens or 0) - len(call.known_ids))
+        self._witness_due = recorder.may_forget(hidden, max(0, len(call.prompt_ids) - start), later)
+        return recorder.chunk_within(configured, hidden)
 
     async def make_room(self, chunk: torch.Tensor, others_out: bool) -> bool | StepFailure:
         """Before a prompt's `chunk` goes out (prefill.py's MakeRoom), at every level that checks: once the record
@@ -342,7 +351,13 @@ class CallVerifier:
         for mirror in [m for m in hop.mirrors if m.generation != generation]:
             hop.mirrors.remove(mirror)
             await mirror.close()
-        while len(hop.mirrors) < self.mirrors_per_hop:
+        # A mismatch past what the record forgot has no fresh witness to be fed from the start: when it may forget,
+        # a second replica is fed from the start beside the mirror (sought once per run of the chain's positions),
+        # and settles a mismatch as a vote's does. None found: a mismatch is disputed, as on a short prompt.
+        wanted = self.mirrors_per_hop
+        if self._witness_due and hop.witness_sought_in != generation:
+            hop.witness_sought_in, wanted = generation, max(wanted, 2)
+        while len(hop.mirrors) < wanted:
             avoid = {chain.hops[index].shard_id} | hop.avoid | {m.shard_id for m in hop.mirrors}
             mirror = await self._open_mirror(chain, index, avoid)
             if mirror is None:
