@@ -16,7 +16,7 @@ from hearth.services.orchestrator.prefill import prefill
 from hearth.services.orchestrator.recording import ChainRecorder
 from hearth.services.orchestrator.router import Hop
 from hearth.services.transport import FrameKind, StepInfo, TransportError
-from tests.unit.test_verify_gaps import HIDDEN, LIAR, StandInMirror, verifier_of
+from tests.unit.test_verify_gaps import HIDDEN, LIAR, STEP_BYTES, StandInMirror, run_step, verifier_of
 
 CHUNK = 4
 BUDGET_POSITIONS = 12  # what the record holds of a one-hop chain: its input and output at each position
@@ -184,3 +184,24 @@ async def test_a_hop_no_replica_can_check_leaves_the_others_checked_past_the_bud
     assert not recorder.broken and chain.most_held <= budget
     (summary,) = verifier.summaries()
     assert {shard.shard_id: shard.verified_positions for shard in summary.shards}[LIAR.shard_id] == LONG_PROMPT
+
+
+async def test_a_witness_is_fed_only_once_the_record_needs_room(honest_replicas):
+    # A session that may outgrow the record costs a second replica only once it does: until then the record forgets
+    # nothing, so the witness can still be fed from position 0 when it comes.
+    verifier, recorder, _ = await verifier_of("all", budget_bytes=10 * STEP_BYTES)
+    verifier.prefill_chunk_tokens(0, torch.zeros(1, 3, HIDDEN))  # a session of 64 positions may outgrow 10
+    run_step(recorder, 1, FrameKind.prefill, 0, 3)
+    assert await verifier.verify_step() is None
+    assert len(honest_replicas) == 3, "one mirror while the record has room"
+    number = 1
+    while not recorder.filling:
+        number += 1
+        run_step(recorder, number, FrameKind.decode, number + 1, 1)
+        assert await verifier.verify_step() is None
+    assert len(honest_replicas) == 2, "the witness joined once the record needed room"
+    for _ in range(12):  # well past the budget: the record forgets what both read, and nothing breaks
+        number += 1
+        run_step(recorder, number, FrameKind.decode, number + 1, 1)
+        assert await verifier.verify_step() is None
+    assert not recorder.broken and recorder.held_bytes <= 10 * STEP_BYTES

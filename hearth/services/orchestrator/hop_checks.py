@@ -58,6 +58,17 @@ class HopChecks:
             await mirror.close()
 
 
+def record_needed_from(hops: Sequence[HopChecks], broken: set[int], witness_due: bool, generation: int) -> int:
+    """The first position a check of `hops` may still read (ChainRecorder.needed_from): what every hop's mirrors were
+    fed, the record may forget (a fresh witness can then not be fed from 0). A hop without the replicas to check it,
+    or a record (`broken`), holds nothing back (else it would leave the others unchecked past the budget); one whose
+    mirrors are still opening does, and so does one whose witness is due (`witness_due`) and not yet sought in this
+    run of the chain's positions (`generation`): it is fed from the start once the record needs room."""
+    return min((0 if witness_due and hop.witness_sought_in != generation
+                else min((mirror.fed_pos for mirror in hop.mirrors), default=0)
+                for index, hop in enumerate(hops) if index not in broken and not hop.unmirrored), default=0)
+
+
 async def end_checks(hops: Sequence[HopChecks]) -> None:
     """Cancel the hops' checks and close their mirrors (the chain is no longer checked)."""
     for hop in hops:

@@ -38,7 +38,7 @@ from hearth.services.orchestrator.chain import HopChain
 from hearth.services.orchestrator.check_findings import CheckFindings
 from hearth.services.orchestrator.check_policy import MIRRORS_PER_LEVEL, sampled_check_due
 from hearth.services.orchestrator.guards import RangeKey
-from hearth.services.orchestrator.hop_checks import HopChecks, checks_ran, end_checks
+from hearth.services.orchestrator.hop_checks import HopChecks, checks_ran, end_checks, record_needed_from
 from hearth.services.orchestrator.metrics import verification_checks_total
 from hearth.services.orchestrator.mirror import Mirror, open_mirror
 from hearth.services.orchestrator.outcomes import StepFailure, retold_failure
@@ -60,8 +60,9 @@ class CallVerifier:
         self.chain: HopChain | None = None
         self._hops: list[HopChecks] = []
         self._chain_steps = 0
-        # The chain's record may forget positions: a witness must then be fed from the start (`_mirrors`).
-        self._witness_due = False
+        # The chain's record may forget positions: a witness is then fed from the start, once it needs room
+        # (`_room_needed`: a long prompt's chunks crowd it; or decoded steps fill it).
+        self._witness_due = self._room_needed = False
         self._proofs_before = len(ctx.proved_wrong)  # those shards were out of its routing from the start
         # Unpredictable to the hosts: a liar must not know which steps are checked.
         self._chance = random.SystemRandom()
@@ -84,7 +85,7 @@ class CallVerifier:
             return
         self.chain = chain
         self._hops = [HopChecks() for _ in chain.hops]
-        self._chain_steps, self._witness_due = 0, False
+        self._chain_steps, self._witness_due, self._room_needed = 0, False, False
 
     async def detach(self) -> None:
         """Stop checking the current chain: cancel its checks, close its mirrors."""
@@ -167,6 +168,7 @@ class CallVerifier:
         start = len(call.known_ids) - int(hidden.shape[1])  # the positions its hops hold already (a kept prefix)
         later = max(0, (self.chain.max_session_tokens or 0) - len(call.known_ids))
         self._witness_due = recorder.may_forget(hidden, max(0, len(call.prompt_ids) - start), later)
+        self._room_needed = False
         return recorder.chunk_within(configured, hidden)
 
     async def make_room(self, chunk: torch.Tensor, others_out: bool) -> bool | StepFailure:
@@ -179,6 +181,7 @@ class CallVerifier:
             return True
         recorder = self.chain.recorder
         if recorder.crowded(chunk):
+            self._room_needed = True
             for index in range(len(self.chain.hops)):
                 self._start_check(index, "prompt streaming")
             if not recorder.fits(chunk):
@@ -351,11 +354,13 @@ class CallVerifier:
         for mirror in [m for m in hop.mirrors if m.generation != generation]:
             hop.mirrors.remove(mirror)
             await mirror.close()
-        # A mismatch past what the record forgot has no fresh witness to be fed from the start: when it may forget,
-        # a second replica is fed from the start beside the mirror (sought once per run of the chain's positions),
-        # and settles a mismatch as a vote's does. None found: a mismatch is disputed, as on a short prompt.
+        # A mismatch past what the record forgot has no fresh witness to be fed from the start: once it needs room
+        # (it holds back what it may forget until then), a second replica is fed from the start beside the mirror
+        # (sought once per run of the chain's positions) and settles a mismatch as a vote's does. None found: a
+        # mismatch is disputed, as on a short prompt.
         wanted = self.mirrors_per_hop
-        if self._witness_due and hop.witness_sought_in != generation:
+        if (self._witness_due and hop.witness_sought_in != generation
+                and (self._room_needed or chain.recorder.filling)):
             hop.witness_sought_in, wanted = generation, max(wanted, 2)
         while len(hop.mirrors) < wanted:
             avoid = {chain.hops[index].shard_id} | hop.avoid | {m.shard_id for m in hop.mirrors}
@@ -376,12 +381,9 @@ class CallVerifier:
         if index is not None:
             self.ctx.guards.learn(self._range_key(index), span.outputs)
             self._hops[index].confirmed_pos = max(self._hops[index].confirmed_pos, span.end_pos)
-            # What every hop's mirrors were fed: the record may forget it (a witness can then not be fed from 0). A hop
-            # without the replicas to check it, or a record, holds nothing back (else it would leave the others
-            # unchecked past the budget); one whose mirrors are still opening does.
             recorder = self.chain.recorder
-            recorder.needed_from = min((min((m.fed_pos for m in h.mirrors), default=0) for i, h in enumerate(self._hops)
-                                        if i not in recorder.broken and not h.unmirrored), default=0)
+            recorder.needed_from = record_needed_from(self._hops, recorder.broken, self._witness_due,
+                                                      recorder.generation)
 
     def _range_key(self, index: int) -> RangeKey:
         hop = self.chain.hops[index]
