@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from hearth.services.orchestrator.mirror import Mirror
@@ -48,6 +48,28 @@ class HopChecks:
             yield
         finally:
             self._one_check.release()
+
+    async def mirrors_of_run(self, generation: int, required: int, witness_due: bool,
+                             open_mirror: Callable[[set[str]], Awaitable[Mirror | None]]) -> list[Mirror]:
+        """The mirrors that check the hop in the chain's run of positions `generation` (those of an earlier run are
+        closed), `required` of them, opened as needed by `open_mirror` (avoiding the replicas given); none when fewer
+        could be had (`unmirrored`). A mismatch past what the record forgot has no fresh witness to be fed from the
+        start: once the record needs room (`witness_due`; it holds back what it may forget until then), a second
+        replica is fed from the start beside the mirror (sought once per run) and settles a mismatch as a vote's
+        does. None found: a mismatch is disputed, as on a short prompt."""
+        for mirror in [m for m in self.mirrors if m.generation != generation]:
+            self.mirrors.remove(mirror)
+            await mirror.close()
+        wanted = required
+        if witness_due and self.witness_sought_in != generation:
+            self.witness_sought_in, wanted = generation, max(wanted, 2)
+        while len(self.mirrors) < wanted:
+            mirror = await open_mirror(self.avoid | {m.shard_id for m in self.mirrors})
+            if mirror is None:
+                break
+            self.mirrors.append(mirror)
+        self.unmirrored = len(self.mirrors) < required
+        return [] if self.unmirrored else list(self.mirrors)
 
     async def drop(self, mirror: Mirror) -> None:
         """Ask `mirror`'s replica no more in this call, and close it."""

@@ -349,27 +349,10 @@ class CallVerifier:
 
     async def _mirrors(self, chain: HopChain, index: int) -> list[Mirror]:
         """The hop's mirrors (opened as needed): the replicas that check it, fed from where they stopped."""
-        hop = self._hops[index]
-        generation = chain.recorder.generation
-        for mirror in [m for m in hop.mirrors if m.generation != generation]:
-            hop.mirrors.remove(mirror)
-            await mirror.close()
-        # A mismatch past what the record forgot has no fresh witness to be fed from the start: once it needs room
-        # (it holds back what it may forget until then), a second replica is fed from the start beside the mirror
-        # (sought once per run of the chain's positions) and settles a mismatch as a vote's does. None found: a
-        # mismatch is disputed, as on a short prompt.
-        wanted = self.mirrors_per_hop
-        if (self._witness_due and hop.witness_sought_in != generation
-                and (self._room_needed or chain.recorder.filling)):
-            hop.witness_sought_in, wanted = generation, max(wanted, 2)
-        while len(hop.mirrors) < wanted:
-            avoid = {chain.hops[index].shard_id} | hop.avoid | {m.shard_id for m in hop.mirrors}
-            mirror = await self._open_mirror(chain, index, avoid)
-            if mirror is None:
-                break
-            hop.mirrors.append(mirror)
-        hop.unmirrored = len(hop.mirrors) < self.mirrors_per_hop
-        return [] if hop.unmirrored else list(hop.mirrors)
+        recorder = chain.recorder
+        return await self._hops[index].mirrors_of_run(
+            recorder.generation, self.mirrors_per_hop, self._witness_due and (self._room_needed or recorder.filling),
+            lambda avoid: self._open_mirror(chain, index, avoid | {chain.hops[index].shard_id}))
 
     async def _open_mirror(self, chain: HopChain, index: int, avoid: set[str]) -> Mirror | None:
         return await open_mirror(self.ctx, self.call, chain, index, avoid | self.call.excluded.keys(), self._chance)
