@@ -31,6 +31,8 @@ class CheckFindings:
         self._tally: dict[str, _Tally] = {}
         # The earliest refutation of the call's work not yet taken by the call.
         self.refutation: StepFailure | None = None
+        # The shards whose work in the call was not checked as its level asks, with why (its level was `unmet`).
+        self.unmet: dict[str, str] = {}
 
     def confirmed(self, shard_id: str, positions: int) -> None:
         """A check found `positions` of `shard_id`'s work right."""
@@ -38,6 +40,13 @@ class CheckFindings:
         tally.checks += 1
         tally.verified_positions += positions
         verification_checks_total.labels("confirmed").inc()
+
+    def fell_short(self, shard_id: str, why: str) -> None:
+        """`shard_id`'s work in this call was not checked as the call's `verify` level asks, for `why`."""
+        if shard_id not in self.unmet:
+            log.info("pipeline %s: %s not checked as verify=%s asks: %s", self.call.pipeline_id, shard_id,
+                     self.call.request.params.verify, why)
+            self.unmet[shard_id] = why
 
     async def quarantine(self, shard_id: str, witnesses: list[str], evidence: dict) -> None:
         """`shard_id` was proved wrong by `witnesses`: kept out of this orchestrator's routing at once, recorded."""

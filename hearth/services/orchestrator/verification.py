@@ -32,6 +32,7 @@ import torch
 from hearth.events.models import IntegrityShardsVerified
 from hearth.inference.activation_compare import (evidence_digest, first_mismatch, position_errors, reportable_error,
                                           tolerance_for)
+from hearth.protocol.chat import VerificationOutcome
 from hearth.protocol.quarantine import Held
 from hearth.services.orchestrator.canaries import confirmed_canary
 from hearth.services.orchestrator.chain import HopChain
@@ -205,9 +206,25 @@ class CallVerifier:
         """Before the call's last frame: wait for the checks still running (at most `settle_timeout_s`); `all` and
         `vote` check again what a failed check left unchecked, as no next step will (caught-up hops cost nothing)."""
         if self.level in ("all", "vote"):
-            return await self.verify_step()
-        await self._checks_ran()
-        return self.refuted()
+            refuted = await self.verify_step()
+        else:
+            await self._checks_ran()
+            refuted = self.refuted()
+        if refuted is None and self.chain is not None:
+            # What the answer rests on: at `all` and `vote` every position checked, at `sampled` no check left over.
+            steps = self.chain.recorder.steps.values()
+            end = max((step.pos + step.tokens for step in steps if step.output is not None), default=0)
+            for hop, checks in zip(self.chain.hops, self._hops):
+                if checks.running or (self.level != "sampled" and checks.confirmed_pos < end):
+                    self.found.fell_short(hop.shard_id, "its last work was left unchecked")
+        return refuted
+
+    def outcome(self) -> VerificationOutcome | None:
+        """Whether the call's hops were checked as its level asks (its last frame's `verification`): `unmet` when
+        some hop's were not (CheckFindings.fell_short); None at level `none`."""
+        if self.level == "none":
+            return None
+        return "unmet" if self.found.unmet else "met"
 
     def summaries(self) -> list[IntegrityShardsVerified]:
         """The call's checks that found nothing wrong (CheckFindings.summaries)."""
@@ -252,10 +269,13 @@ class CallVerifier:
             return
         await recorder.settled(latest, settle_s or self.ctx.settings.transport.step_timeout_s, hops={index, index + 1})
         if index in recorder.broken:
+            self.found.fell_short(chain.hops[index].shard_id, "its record has a hole (a tap missed a step, a step was "
+                                                               "retold, or the record had no room)")
             return
         mirrors = await self._mirrors(chain, index)
         if not mirrors:
             verification_checks_total.labels("no_replica").inc()
+            self.found.fell_short(chain.hops[index].shard_id, f"fewer other replicas than {self.level} asks")
             return
         spans = [recorder.span(index, mirror.fed_pos, latest) for mirror in mirrors]
         if any(span is None for span in spans):
