@@ -26,20 +26,21 @@ class CallEnding:
         call = self.call
         duration_ms = call.seconds_since_start() * 1000.0
         tokens_per_second = call.decode_tokens_per_second()
+        verification = self.verifier.outcome()  # once: a check left running must not make the event say otherwise
         await call.client.send(DoneFrame(
             seq=0, finish_reason=finish_reason,
             usage=Usage(prompt_tokens=len(call.prompt_ids), completion_tokens=call.completion_tokens),
             timing=Timing(ttft_ms=call.ttft_ms(), tokens_per_second=tokens_per_second, duration_ms=duration_ms,
                           construct_ms=call.construct_ms, failovers=call.failovers,
                           queue_wait_ms=call.queue_wait_ms()), orchestrator=self.ctx.node_id,
-            verification=self.verifier.outcome(),
+            verification=verification,
         ))
         await self._record_checks()
         await self._record(PipelineCompleted(
             node_id=self.ctx.node_id, pipeline_id=call.pipeline_id, prompt_tokens=len(call.prompt_ids),
             completion_tokens=call.completion_tokens, duration_ms=duration_ms,
             tokens_per_second=tokens_per_second, finish_reason=finish_reason, kept_prefix=kept,
-            verification=self.verifier.outcome()))
+            verification=verification))
 
     async def abort(self, code: str, reason: str) -> None:
         """`pipeline.aborted` (after the checks' summaries), then the `pipeline_aborted` frame."""
