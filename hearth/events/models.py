@@ -19,6 +19,7 @@ from hearth.events.envelope import (
     max_event_hops,
 )
 from hearth.protocol.bounds import SUBJECT_TOKEN_PATTERN
+from hearth.protocol.chat import VerificationOutcome
 from hearth.trust.keys import PUBLIC_KEY_PATTERN, USER_PUBLIC_KEY_LENGTH
 from hearth.trust.roster import MEMBER_NAME_PATTERN
 
@@ -188,6 +189,8 @@ class PipelineCompleted(_PipelineEvent):
     finish_reason: Label
     # The blocks its chain's hops were asked to keep (None: nothing kept: kept prefixes off, or too short a call).
     kept_prefix: KeptPrefix | None = None
+    # Whether its hops' work was checked as its `verify` level asks (the done frame's `verification`; None: `none`).
+    verification: VerificationOutcome | None = None
 
 
 class PipelineAborted(_PipelineEvent):

@@ -65,8 +65,9 @@ ErrorCode = Literal[
 ]
 
 
-# How much of the shards' work a call has checked on other replicas (ChatParams.verify).
+# How much of the shards' work a call has checked on other replicas (ChatParams.verify), and whether it was held to it.
 VerifyLevel = Literal["none", "sampled", "all", "vote"]
+VerificationOutcome = Literal["met", "unmet"]
 
 
 class ChatMessage(BaseModel):
@@ -319,6 +320,8 @@ class DoneFrame(_Frame):
     choices: list[ChoiceEnd] | None = Field(default=None, max_length=max_choices, exclude_if=_is_none)
     # The orchestrator that answered (its node id): a conversation's next turn goes to its own subject first.
     orchestrator: str | None = Field(default=None, min_length=1, max_length=max_id_chars, exclude_if=_is_none)
+    # `unmet`: some hop's work was not checked as `params.verify` asks (no replica to check it, say); absent at `none`.
+    verification: VerificationOutcome | None = Field(default=None, exclude_if=_is_none)
 
 
 class KeepaliveFrame(_Frame):

@@ -1,7 +1,8 @@
 """A host lying on a prompt longer than the chain's record holds, over real processes: the record
 (`[verification] record_budget_mb`, tiny here) stopped at such a prompt, so its chain went unchecked and a host, which
 sees a prompt's length, could lie there unseen. Checked as it streams, the lie is found in the prompt's first chunks
-(still recorded from position 0, so a witness settles it): the liar is quarantined and the answer stays honest. One
+(still recorded from position 0, so a witness settles it), or past what the record forgot (a second replica fed beside
+the mirror from the start settles it): the liar is quarantined and the answer stays honest. One
 mesh serves the module: honest shards over layers 0-1 and 4-5, two honest replicas of layers 2-3; each test starts
 a subtle liar (1 % noise: no guard sees it) for layers 2-3, preferred by the router."""
 
@@ -86,3 +87,24 @@ async def test_a_liar_on_a_prompt_longer_than_the_record_is_caught_as_the_prompt
     stored = await wait_for_event(nc, PIPELINES_STREAM, lambda item: item.event.type == "integrity.mismatch_confirmed"
                                   and item.event.shard_id == x.shard_id, timeout_s=30)
     assert x.shard_id not in stored.event.witnesses
+
+
+# What the record holds of the chain at once, in positions (1 KiB each): past its first half it forgets what the checks
+# read, so a lie found there has no fresh witness that can be fed from position 0.
+RECORD_POSITIONS = int(float(MESH_ENV["HEARTH_VERIFICATION__RECORD_BUDGET_MB"]) * 2**20) // 1024
+
+
+@pytest.mark.parametrize("level", ["sampled", "all"])
+async def test_a_liar_past_the_records_first_half_of_a_long_prompt_is_quarantined(mesh, reference, nc, liar, level):
+    # Honest on the prompt's first two chunks (half the record each), lying from the third: the record forgot the
+    # first by then; the second replica fed beside the mirror from the start settles the mismatch.
+    x = await liar(f"late-long-liar-{level}", "after_steps=2,noise=0.01")
+    call = await stream_with_action(nc, long_request(level))
+    assert call.final.type == "done", call.final
+    assert x.shard_id in call.hops, "the router was to pick the preferred liar first"
+    assert call.of_type("shard_failover"), "the refuted call fails over around the liar"
+    assert call.answer_token_ids == reference.token_ids
+    stored = await wait_for_event(nc, PIPELINES_STREAM, lambda item: item.event.type == "integrity.mismatch_confirmed"
+                                  and item.event.shard_id == x.shard_id, timeout_s=30)
+    assert x.shard_id not in stored.event.witnesses
+    assert stored.event.position >= RECORD_POSITIONS // 2, "the lie was to come past the record's first half"

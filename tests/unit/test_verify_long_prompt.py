@@ -16,7 +16,7 @@ from hearth.services.orchestrator.prefill import prefill
 from hearth.services.orchestrator.recording import ChainRecorder
 from hearth.services.orchestrator.router import Hop
 from hearth.services.transport import FrameKind, StepInfo, TransportError
-from tests.unit.test_verify_gaps import HIDDEN, LIAR, StandInMirror, verifier_of
+from tests.unit.test_verify_gaps import HIDDEN, LIAR, STEP_BYTES, StandInMirror, run_step, verifier_of
 
 CHUNK = 4
 BUDGET_POSITIONS = 12  # what the record holds of a one-hop chain: its input and output at each position
@@ -98,7 +98,7 @@ async def run_long_prompt(level: str, lie_from: int | None, chunk_tokens: int = 
     """Prefill a long prompt through the liar as a call does (`chunk_tokens`: `[orchestrator]
     prefill_chunk_tokens`), then the call's checks of that step; (the refutation or None, the verifier, the
     chain)."""
-    verifier, recorder, proved_wrong = await verifier_of(level, budget_bytes=BUDGET_BYTES)
+    verifier, recorder, proved_wrong = await verifier_of(level, budget_bytes=BUDGET_BYTES, prompt_tokens=LONG_PROMPT)
     chain = LongPromptLiar(recorder, lie_from)
     await verifier.attach(chain)
     hidden = torch.randn(1, LONG_PROMPT, HIDDEN)
@@ -112,13 +112,24 @@ async def run_long_prompt(level: str, lie_from: int | None, chunk_tokens: int = 
 
 
 @pytest.mark.parametrize("level", ["sampled", "all", "vote"])
-async def test_a_liar_on_prompts_longer_than_the_record_holds_is_caught(honest_replicas, level):
-    refuted, _, chain, _ = await run_long_prompt(level, lie_from=BUDGET_POSITIONS + 8)
+async def test_a_liar_on_prompts_longer_than_the_record_holds_is_quarantined(honest_replicas, level):
+    # The record forgot the positions a fresh witness would be fed from: a second replica fed alongside the mirror
+    # from the start (a vote's second mirror) is the witness, so a lie there is proven as on a short prompt.
+    refuted, _, chain, proved_wrong = await run_long_prompt(level, lie_from=BUDGET_POSITIONS + 8)
     assert refuted is not None and refuted.shard_id == LIAR.shard_id
     assert refuted.rewind_to == BUDGET_POSITIONS + 8
-    # The record forgot the positions a witness would be fed from: a single mirror's mismatch is disputed (routed
-    # around); a vote's second mirror is the witness.
-    assert refuted.kind == ("refuted" if level == "vote" else "disputed")
+    assert refuted.kind == "refuted"
+    assert proved_wrong == [LIAR.shard_id]
+    assert chain.most_held <= BUDGET_BYTES
+
+
+@pytest.mark.parametrize("level", ["sampled", "all"])
+async def test_with_no_third_replica_a_lie_on_a_long_prompt_is_disputed_as_on_a_short_one(honest_replicas, level):
+    del honest_replicas[1:]  # the mirror only: nobody to settle a mismatch, however long the prompt
+    refuted, _, chain, proved_wrong = await run_long_prompt(level, lie_from=BUDGET_POSITIONS + 8)
+    assert refuted is not None and refuted.kind == "disputed" and refuted.shard_id == LIAR.shard_id
+    assert refuted.rewind_to == BUDGET_POSITIONS + 8
+    assert proved_wrong == []
     assert chain.most_held <= BUDGET_BYTES
 
 
@@ -156,7 +167,7 @@ async def test_a_hop_no_replica_can_check_leaves_the_others_checked_past_the_bud
 
     monkeypatch.setattr(verification_module, "open_mirror", open_mirror)
     budget = BUDGET_POSITIONS * HIDDEN * 4 * 3  # hop 0's input, hop 1's, the chain's output
-    verifier, _, _ = await verifier_of("all")
+    verifier, _, _ = await verifier_of("all", prompt_tokens=LONG_PROMPT)
     recorder = ChainRecorder(None, "p", ["liar", "lone"], link_keys=[None, None], sealed=False, step_limits=None,
                              budget_bytes=budget)
     recorder._taps = [StandInTap()]
@@ -173,3 +184,24 @@ async def test_a_hop_no_replica_can_check_leaves_the_others_checked_past_the_bud
     assert not recorder.broken and chain.most_held <= budget
     (summary,) = verifier.summaries()
     assert {shard.shard_id: shard.verified_positions for shard in summary.shards}[LIAR.shard_id] == LONG_PROMPT
+
+
+async def test_a_witness_is_fed_only_once_the_record_needs_room(honest_replicas):
+    # A session that may outgrow the record costs a second replica only once it does: until then the record forgets
+    # nothing, so the witness can still be fed from position 0 when it comes.
+    verifier, recorder, _ = await verifier_of("all", budget_bytes=10 * STEP_BYTES)
+    verifier.prefill_chunk_tokens(0, torch.zeros(1, 3, HIDDEN))  # a session of 64 positions may outgrow 10
+    run_step(recorder, 1, FrameKind.prefill, 0, 3)
+    assert await verifier.verify_step() is None
+    assert len(honest_replicas) == 3, "one mirror while the record has room"
+    number = 1
+    while not recorder.filling:
+        number += 1
+        run_step(recorder, number, FrameKind.decode, number + 1, 1)
+        assert await verifier.verify_step() is None
+    assert len(honest_replicas) == 2, "the witness joined once the record needed room"
+    for _ in range(12):  # well past the budget: the record forgets what both read, and nothing breaks
+        number += 1
+        run_step(recorder, number, FrameKind.decode, number + 1, 1)
+        assert await verifier.verify_step() is None
+    assert not recorder.broken and recorder.held_bytes <= 10 * STEP_BYTES

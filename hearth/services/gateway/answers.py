@@ -33,6 +33,9 @@ from hearth.services.gateway.openai_models import (
 )
 
 SSE_DONE = b"data: [DONE]\n\n"
+# Whether the call's hops were checked as its `verify` level asks (the done frame's `verification`: `met` / `unmet`),
+# on a whole answer; a streamed one's headers go out before its last frame.
+VERIFICATION_HEADER = "Hearth-Verification"
 
 
 def sse_event(model: BaseModel) -> bytes:
@@ -46,6 +49,11 @@ def finish_reason(done: DoneFrame, choice: int = 0) -> FinishReason:
     if reason.endswith("tool_calls"):
         return "tool_calls"
     return "length" if reason.endswith("length") else "stop"
+
+
+def verification_headers(done: DoneFrame) -> dict[str, str] | None:
+    """The headers of a whole answer that tell how its `verify` level was held to (None: level `none`)."""
+    return None if done.verification is None else {VERIFICATION_HEADER: done.verification}
 
 
 def usage_of(done: DoneFrame, completion_tokens: int | None = None) -> UsageBody:

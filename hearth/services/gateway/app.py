@@ -33,7 +33,8 @@ from starlette.routing import Route
 from hearth.protocol.chat import BadRequest, DoneFrame, TokenDeltaFrame, TokensWithdrawnFrame, describe_validation_error
 from hearth.services.client.chat import AnswerTokens, choice_of
 from hearth.services.common.metrics import counter, histogram
-from hearth.services.gateway.answers import SSE_DONE, AnswerShape, ChatShape, ChoiceAnswer, CompletionShape, sse_event
+from hearth.services.gateway.answers import (SSE_DONE, AnswerShape, ChatShape, ChoiceAnswer, CompletionShape, sse_event,
+                                             verification_headers)
 from hearth.services.gateway.errors import (
     GatewayError, from_frame, refused, tokens_withdrawn, too_large, unforeseen, unknown_model,
 )
@@ -256,7 +257,8 @@ class GatewayApp:
             raise self._error(frame)
         choices = [ChoiceAnswer(answer.text, [token.logprobs for token in answer.frames if token.logprobs is not None]
                                 if with_logprobs else None) for answer in answers]
-        return JSONResponse(shape.whole_choices(choices, frame, _kept_tokens(answers, withdrawals)).model_dump())
+        return JSONResponse(shape.whole_choices(choices, frame, _kept_tokens(answers, withdrawals)).model_dump(),
+                            headers=verification_headers(frame))
 
     async def _events(self, route: str, call: MeshCall, shape: AnswerShape, first: AnswerFrame,
                       answers: list[AnswerTokens], include_usage: bool) -> AsyncIterator[bytes]:

@@ -128,4 +128,7 @@ class ChoiceGroup:
                            completion_tokens=sum(frame.usage.completion_tokens for frame in ended)),
             "choices": [ChoiceEnd(choice=index, finish_reason=frame.finish_reason,
                                   completion_tokens=frame.usage.completion_tokens)
-                        for index, frame in enumerate(ended)]})
+                        for index, frame in enumerate(ended)],
+            # Unmet when any choice's checks fell short of the level.
+            "verification": next((frame.verification for frame in ended if frame.verification == "unmet"),
+                                 first.verification)})

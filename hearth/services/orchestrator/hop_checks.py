@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from hearth.services.orchestrator.mirror import Mirror
@@ -28,10 +28,48 @@ class HopChecks:
     confirmed_pos: int = 0
     # Its last check found fewer replicas to mirror it than its level asks: it is not checked meanwhile.
     unmirrored: bool = False
+    # The recorder generation a second mirror (a witness fed from the start) was last sought in.
+    witness_sought_in: int | None = None
+    # Held by the check running on it (`turn`).
+    _one_check: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     @property
     def running(self) -> bool:
         return self.task is not None and not self.task.done()
+
+    @contextlib.asynccontextmanager
+    async def turn(self, timeout_s: float | None = None) -> AsyncIterator[None]:
+        """Check the hop, one check at a time: a check feeds its mirrors from where they stopped, so two at once (a
+        report's and a background one) would feed them the same positions twice. TimeoutError when no turn came
+        within `timeout_s` (None: as long as the running check takes, itself bounded)."""
+        async with asyncio.timeout(timeout_s):
+            await self._one_check.acquire()
+        try:
+            yield
+        finally:
+            self._one_check.release()
+
+    async def mirrors_of_run(self, generation: int, required: int, witness_due: bool,
+                             open_mirror: Callable[[set[str]], Awaitable[Mirror | None]]) -> list[Mirror]:
+        """The mirrors that check the hop in the chain's run of positions `generation` (those of an earlier run are
+        closed), `required` of them, opened as needed by `open_mirror` (avoiding the replicas given); none when fewer
+        could be had (`unmirrored`). A mismatch past what the record forgot has no fresh witness to be fed from the
+        start: once the record needs room (`witness_due`; it holds back what it may forget until then), a second
+        replica is fed from the start beside the mirror (sought once per run) and settles a mismatch as a vote's
+        does. None found: a mismatch is disputed, as on a short prompt."""
+        for mirror in [m for m in self.mirrors if m.generation != generation]:
+            self.mirrors.remove(mirror)
+            await mirror.close()
+        wanted = required
+        if witness_due and self.witness_sought_in != generation:
+            self.witness_sought_in, wanted = generation, max(wanted, 2)
+        while len(self.mirrors) < wanted:
+            mirror = await open_mirror(self.avoid | {m.shard_id for m in self.mirrors})
+            if mirror is None:
+                break
+            self.mirrors.append(mirror)
+        self.unmirrored = len(self.mirrors) < required
+        return [] if self.unmirrored else list(self.mirrors)
 
     async def drop(self, mirror: Mirror) -> None:
         """Ask `mirror`'s replica no more in this call, and close it."""
@@ -40,6 +78,17 @@ class HopChecks:
             self.mirrors.remove(mirror)
         with contextlib.suppress(Exception):
             await mirror.close()
+
+
+def record_needed_from(hops: Sequence[HopChecks], broken: set[int], witness_due: bool, generation: int) -> int:
+    """The first position a check of `hops` may still read (ChainRecorder.needed_from): what every hop's mirrors were
+    fed, the record may forget (a fresh witness can then not be fed from 0). A hop without the replicas to check it,
+    or a record (`broken`), holds nothing back (else it would leave the others unchecked past the budget); one whose
+    mirrors are still opening does, and so does one whose witness is due (`witness_due`) and not yet sought in this
+    run of the chain's positions (`generation`): it is fed from the start once the record needs room."""
+    return min((0 if witness_due and hop.witness_sought_in != generation
+                else min((mirror.fed_pos for mirror in hop.mirrors), default=0)
+                for index, hop in enumerate(hops) if index not in broken and not hop.unmirrored), default=0)
 
 
 async def end_checks(hops: Sequence[HopChecks]) -> None:

@@ -7,7 +7,7 @@ around the shard at fault, fall back to a local model, or abort. The first token
 (re-)prefill of everything known so far (the prompt and every token generated), the others from decode steps, so a
 failover or a fallback continues the same text. The call's checks of its hosts' work (verification.py) run beside the
 loop; a step they refute is a failure too: the tokens sampled from it on are withdrawn and the call fails over. Frames
-go to the call's client, events to the orchestrator's outbox.
+go to the call's client, events to the orchestrator's outbox; its last frame and events are pipeline_endings.py's.
 """
 
 from __future__ import annotations
@@ -21,8 +21,6 @@ from collections.abc import Awaitable, Callable
 
 from hearth.events.models import (
     IntegrityCorruptionDetected,
-    PipelineAborted,
-    PipelineCompleted,
     PipelineConstructed,
     PipelineFailover,
     PipelineFallbackLocal,
@@ -31,8 +29,8 @@ from hearth.events.models import (
 )
 from hearth.inference.compute_thread import on_compute_thread
 from hearth.inference.head_batch import HeadRow
-from hearth.protocol.chat import (DoneFrame, PipelineAbortedFrame, PipelineFrame, ShardFailoverFrame, ShardStatusFrame,
-                                  Timing, TokenDeltaFrame, TokensWithdrawnFrame, Usage)
+from hearth.protocol.chat import (PipelineFrame, ShardFailoverFrame, ShardStatusFrame, TokenDeltaFrame,
+                                  TokensWithdrawnFrame)
 from hearth.services.orchestrator.answer_kv import close_keeping
 from hearth.services.orchestrator.call import Call, CallStatus
 from hearth.services.orchestrator.chain import HopChain
@@ -43,6 +41,7 @@ from hearth.services.orchestrator.deadline import passed_deadline
 from hearth.services.orchestrator.metrics import CLIENT_GONE, observe_event
 from hearth.services.orchestrator.outcomes import (Failure, Finished, RoutingFailure, SampledToken, StepFailure,
                                                    StepOutcome)
+from hearth.services.orchestrator.pipeline_endings import CallEnding
 from hearth.services.orchestrator.prefill import prefill
 from hearth.services.orchestrator.recovery import (PIPELINE_STALLED, Action, CallCounters, Decision, RecoveryLimits,
                                                    decide)
@@ -62,6 +61,7 @@ class PipelineRun:
         self.limits = RecoveryLimits.from_settings(ctx.settings)
         self.verifier = CallVerifier(call, ctx, self._record)
         self.builder = ChainBuilder(call, ctx, record=self.verifier.records)
+        self.ending = CallEnding(call, ctx, self.verifier, self._record)
         self.chain: HopChain | LocalChain | None = None
         # The shards of the open chain counted in the context's ShardLoad (released on close).
         self._held: list[str] = []
@@ -354,45 +354,21 @@ class PipelineRun:
                 await self.chain.keep_alive()
             await self.verifier.keep_alive()
 
-    async def _record_checks(self) -> None:
-        """What the call's checks confirmed, recorded before its final event (which stays the pipeline's last)."""
-        for summary in self.verifier.summaries():
-            await self._record(summary)
-
     async def _record(self, event) -> None:
         observe_event(event)
         await self.ctx.outbox.record(event)
 
     async def _complete(self, finish_reason: str) -> None:
-        call = self.call
-        duration_ms = call.seconds_since_start() * 1000.0
-        tokens_per_second = call.decode_tokens_per_second()
         # Before the last frame, which lets the caller send its next turn: that turn waits for the answer's warm-up.
         kept = self.builder.keep_on_completion(self.chain) if isinstance(self.chain, HopChain) else None
-        await call.client.send(DoneFrame(
-            seq=0, finish_reason=finish_reason,
-            usage=Usage(prompt_tokens=len(call.prompt_ids), completion_tokens=call.completion_tokens),
-            timing=Timing(ttft_ms=call.ttft_ms(), tokens_per_second=tokens_per_second, duration_ms=duration_ms,
-                          construct_ms=call.construct_ms, failovers=call.failovers,
-                          queue_wait_ms=call.queue_wait_ms()), orchestrator=self.ctx.node_id,
-        ))
-        await self._record_checks()
-        await self._record(PipelineCompleted(
-            node_id=self.ctx.node_id, pipeline_id=call.pipeline_id, prompt_tokens=len(call.prompt_ids),
-            completion_tokens=call.completion_tokens, duration_ms=duration_ms,
-            tokens_per_second=tokens_per_second, finish_reason=finish_reason, kept_prefix=kept))
+        await self.ending.complete(finish_reason, kept)
         self._enter(CallStatus.finished)
 
     async def _abort(self, code: str, reason: str) -> None:
-        await self._record_checks()
-        await self._record(PipelineAborted(node_id=self.ctx.node_id, pipeline_id=self.call.pipeline_id, code=code,
-                                           reason=reason))
-        await self.call.client.send(PipelineAbortedFrame(seq=0, code=code, reason=reason))
+        await self.ending.abort(code, reason)
         self._enter(CallStatus.aborted)
 
     async def _end_cancelled(self, status: CallStatus, code: str, reason: str) -> None:
         """The run was cancelled (its client left, or the call ran past its deadline): record how it ended."""
         self._enter(status)
-        await self._record_checks()
-        await self._record(PipelineAborted(node_id=self.ctx.node_id, pipeline_id=self.call.pipeline_id, code=code,
-                                           reason=reason))
+        await self.ending.cancelled(code, reason)

@@ -178,6 +178,15 @@ class ChainRecorder:
         fitting = max(1, self.budget_bytes // 2 // self._bytes_of(hidden[:, :1]))
         return min(chunk_tokens or fitting, fitting)
 
+    def may_forget(self, hidden: torch.Tensor, prompt_positions: int, later_positions: int) -> bool:
+        """Whether a chain whose first step sends `hidden` (its first `prompt_positions` the prompt's, the rest
+        replayed tokens), then up to `later_positions` decoded ones, may have to forget positions: past half of what
+        the prompt leaves (the decoded ones), or past the budget (the prompt's)."""
+        if self.budget_bytes is None:
+            return False
+        decoded = int(hidden.shape[1]) - prompt_positions + later_positions
+        return (prompt_positions + 2 * decoded) * self._bytes_of(hidden[:, :1]) > self.budget_bytes
+
     def crowded(self, hidden: torch.Tensor) -> bool:
         """Whether, with a step sending `hidden`, the record would hold more than half its budget: checks of the
         prompt are due as it streams, so that the record can forget what they read before it runs out of room."""

@@ -26,32 +26,26 @@ import asyncio
 import logging
 import random
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 
 import torch
 
-from hearth.events.models import (IntegrityMismatchConfirmed, IntegrityMismatchDisputed, IntegrityShardsVerified,
-                           ShardVerification, max_verified_shards)
+from hearth.events.models import IntegrityShardsVerified
 from hearth.inference.activation_compare import (evidence_digest, first_mismatch, position_errors, reportable_error,
                                           tolerance_for)
+from hearth.protocol.chat import VerificationOutcome
 from hearth.protocol.quarantine import Held
 from hearth.services.orchestrator.canaries import confirmed_canary
 from hearth.services.orchestrator.chain import HopChain
+from hearth.services.orchestrator.check_findings import CheckFindings
 from hearth.services.orchestrator.check_policy import MIRRORS_PER_LEVEL, sampled_check_due
 from hearth.services.orchestrator.guards import RangeKey
-from hearth.services.orchestrator.hop_checks import HopChecks, checks_ran, end_checks
+from hearth.services.orchestrator.hop_checks import HopChecks, checks_ran, end_checks, record_needed_from
 from hearth.services.orchestrator.metrics import verification_checks_total
 from hearth.services.orchestrator.mirror import Mirror, open_mirror
 from hearth.services.orchestrator.outcomes import StepFailure, retold_failure
 from hearth.services.orchestrator.recording import HopSpan
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _Tally:
-    checks: int = 0
-    verified_positions: int = 0
 
 
 class CallVerifier:
@@ -61,14 +55,15 @@ class CallVerifier:
 
     def __init__(self, call, ctx, record: Callable[[object], Awaitable[None]]) -> None:
         self.call, self.ctx = call, ctx
-        self._record = record  # records an event the call's own way: counted in metrics, then into the outbox
+        self.found = CheckFindings(call, ctx, record)
         self.level = call.request.params.verify
         self.settings = ctx.settings.verification
         self.chain: HopChain | None = None
         self._hops: list[HopChecks] = []
-        self._tally: dict[str, _Tally] = {}
-        self._refutation: StepFailure | None = None
         self._chain_steps = 0
+        # The chain's record may forget positions: a witness is then fed from the start, once it needs room
+        # (`_room_needed`: a long prompt's chunks crowd it; or decoded steps fill it).
+        self._witness_due = self._room_needed = False
         self._proofs_before = len(ctx.proved_wrong)  # those shards were out of its routing from the start
         # Unpredictable to the hosts: a liar must not know which steps are checked.
         self._chance = random.SystemRandom()
@@ -91,7 +86,7 @@ class CallVerifier:
             return
         self.chain = chain
         self._hops = [HopChecks() for _ in chain.hops]
-        self._chain_steps = 0
+        self._chain_steps, self._witness_due, self._room_needed = 0, False, False
 
     async def detach(self) -> None:
         """Stop checking the current chain: cancel its checks, close its mirrors."""
@@ -109,9 +104,14 @@ class CallVerifier:
         if index is None:
             return
         try:
-            # The reporting hop had the output already, so the tap has it too (or refused it): no long wait.
+            # The reporting hop had the output already, so the tap has it too (or refused it): no long wait. A check
+            # running on the hop is waited for (as a last frame waits for the checks), then this one takes its turn.
             await self._check_hop(chain, index, upto=max(chain.recorder.steps),
-                                  settle_s=self.ctx.settings.transport.probe_timeout_s)
+                                  settle_s=self.ctx.settings.transport.probe_timeout_s,
+                                  turn_within_s=self.settings.settle_timeout_s)
+        except TimeoutError:
+            log.warning("pipeline %s: the check running on the hop accused by a report did not end within %.0f s; "
+                        "the report is left unchecked", self.call.pipeline_id, self.settings.settle_timeout_s)
         except Exception:  # a check must never take the call down with it
             log.exception("pipeline %s: checking the hop accused by a report failed", self.call.pipeline_id)
 
@@ -123,27 +123,23 @@ class CallVerifier:
 
     def refutation_of(self, shard_id: str) -> StepFailure | None:
         """The pending refutation of `shard_id` (then forgotten): the call is routing around it already."""
-        if self._refutation is not None and self._refutation.shard_id == shard_id:
-            failure, self._refutation = self._refutation, None
-            return failure
-        return None
+        return self.found.take_of(shard_id)
 
     def refuted(self) -> StepFailure | None:
         """The refutation a check found since the last turn (then forgotten), or None. A hop that another call's
         check (or a canary) proved wrong meanwhile is refuted from the first position this call did not confirm."""
-        if self._refutation is None and self.chain is not None:
+        if self.found.refutation is None and self.chain is not None:
             held = Held.of(self.ctx.proved_wrong[self._proofs_before:])
             for index, hop in enumerate(self.chain.hops):
                 if held.holds(hop.shard_id, hop.node_id):
-                    self._refute("refuted", hop.shard_id, self._hops[index].confirmed_pos,
-                                 "quarantined meanwhile (another check proved it, or its node, wrong); its unconfirmed "
-                                 "work here is withdrawn")
+                    self.found.refute("refuted", hop.shard_id, self._hops[index].confirmed_pos,
+                                      "quarantined meanwhile (another check proved it, or its node, wrong); its "
+                                      "unconfirmed work here is withdrawn")
                     break
-        retold = self.chain.recorder.take_retold() if self._refutation is None and self.chain is not None else None
+        retold = self.chain.recorder.take_retold() if self.found.refutation is None and self.chain is not None else None
         if retold is not None:  # its successor computed what no replica would: unchecked, so withdrawn
-            self._refutation = retold_failure(self.chain.hops[retold[0] - 1].shard_id, *retold)
-        failure, self._refutation = self._refutation, None
-        return failure
+            self.found.refutation = retold_failure(self.chain.hops[retold[0] - 1].shard_id, *retold)
+        return self.found.take()
 
     def after_step(self) -> None:
         """A step's output came: start the checks this step calls for (level `sampled`)."""
@@ -165,8 +161,16 @@ class CallVerifier:
 
     def prefill_chunk_tokens(self, configured: int, hidden: torch.Tensor) -> int:
         """The chunks the prompt `hidden` goes out in: `configured` (0: one step), fewer positions where a chunk
-        would take more than half the chain's record (one that never fits would leave the chain unchecked)."""
-        return self.chain.recorder.chunk_within(configured, hidden) if self.chain is not None else configured
+        would take more than half the chain's record (one that never fits would leave the chain unchecked). Where
+        the record may have to forget positions, every hop's checks feed a witness beside its mirror (`_mirrors`)."""
+        if self.chain is None:
+            return configured
+        call, recorder = self.call, self.chain.recorder
+        start = len(call.known_ids) - int(hidden.shape[1])  # the positions its hops hold already (a kept prefix)
+        later = max(0, (self.chain.max_session_tokens or 0) - len(call.known_ids))
+        self._witness_due = recorder.may_forget(hidden, max(0, len(call.prompt_ids) - start), later)
+        self._room_needed = False
+        return recorder.chunk_within(configured, hidden)
 
     async def make_room(self, chunk: torch.Tensor, others_out: bool) -> bool | StepFailure:
         """Before a prompt's `chunk` goes out (prefill.py's MakeRoom), at every level that checks: once the record
@@ -178,11 +182,12 @@ class CallVerifier:
             return True
         recorder = self.chain.recorder
         if recorder.crowded(chunk):
+            self._room_needed = True
             for index in range(len(self.chain.hops)):
                 self._start_check(index, "prompt streaming")
             if not recorder.fits(chunk):
                 await self._checks_ran()
-        if self._refutation is not None:
+        if self.found.refutation is not None:
             return self.refuted()
         return recorder.fits(chunk) or not others_out
 
@@ -201,19 +206,29 @@ class CallVerifier:
         """Before the call's last frame: wait for the checks still running (at most `settle_timeout_s`); `all` and
         `vote` check again what a failed check left unchecked, as no next step will (caught-up hops cost nothing)."""
         if self.level in ("all", "vote"):
-            return await self.verify_step()
-        await self._checks_ran()
-        return self.refuted()
+            refuted = await self.verify_step()
+        else:
+            await self._checks_ran()
+            refuted = self.refuted()
+        if refuted is None and self.chain is not None:
+            # What the answer rests on: at `all` and `vote` every position checked, at `sampled` no check left over.
+            steps = self.chain.recorder.steps.values()
+            end = max((step.pos + step.tokens for step in steps if step.output is not None), default=0)
+            for hop, checks in zip(self.chain.hops, self._hops):
+                if checks.running or (self.level != "sampled" and checks.confirmed_pos < end):
+                    self.found.fell_short(hop.shard_id, "its last work was left unchecked")
+        return refuted
+
+    def outcome(self) -> VerificationOutcome | None:
+        """Whether the call's hops were checked as its level asks (its last frame's `verification`): `unmet` when
+        some hop's were not (CheckFindings.fell_short); None at level `none`."""
+        if self.level == "none":
+            return None
+        return "unmet" if self.found.unmet else "met"
 
     def summaries(self) -> list[IntegrityShardsVerified]:
-        """The call's checks that found nothing wrong, per shard: one event per call (more only past the most
-        shards one event may name)."""
-        shards = [ShardVerification(shard_id=shard_id, checks=tally.checks,
-                                    verified_positions=tally.verified_positions)
-                  for shard_id, tally in self._tally.items() if tally.checks]
-        return [IntegrityShardsVerified(node_id=self.ctx.node_id, pipeline_id=self.call.pipeline_id,
-                                        shards=shards[start:start + max_verified_shards])
-                for start in range(0, len(shards), max_verified_shards)]
+        """The call's checks that found nothing wrong (CheckFindings.summaries)."""
+        return self.found.summaries(self.ctx.node_id)
 
     def _start_check(self, index: int, why: str) -> None:
         hop = self._hops[index]
@@ -229,7 +244,7 @@ class CallVerifier:
         while True:
             hop.again = False
             await self._check(index)
-            if not hop.again or self._refutation is not None:
+            if not hop.again or self.found.refutation is not None:
                 return
 
     async def _check(self, index: int) -> None:
@@ -242,18 +257,25 @@ class CallVerifier:
         except Exception:  # a check must never take the call down with it
             log.exception("pipeline %s: checking hop %d failed", self.call.pipeline_id, index)
 
-    async def _check_hop(self, chain: HopChain, index: int, upto: int | None = None,
-                         settle_s: float | None = None) -> None:
+    async def _check_hop(self, chain: HopChain, index: int, upto: int | None = None, settle_s: float | None = None,
+                         turn_within_s: float | None = None) -> None:
+        async with self._hops[index].turn(turn_within_s):
+            await self._check_mirrored(chain, index, upto, settle_s)
+
+    async def _check_mirrored(self, chain: HopChain, index: int, upto: int | None, settle_s: float | None) -> None:
         recorder, hop = chain.recorder, self._hops[index]
         latest = upto if upto is not None else recorder.latest_step()
         if latest is None:
             return
         await recorder.settled(latest, settle_s or self.ctx.settings.transport.step_timeout_s, hops={index, index + 1})
         if index in recorder.broken:
+            self.found.fell_short(chain.hops[index].shard_id, "its record has a hole (a tap missed a step, a step was "
+                                                               "retold, or the record had no room)")
             return
         mirrors = await self._mirrors(chain, index)
         if not mirrors:
             verification_checks_total.labels("no_replica").inc()
+            self.found.fell_short(chain.hops[index].shard_id, f"fewer other replicas than {self.level} asks")
             return
         spans = [recorder.span(index, mirror.fed_pos, latest) for mirror in mirrors]
         if any(span is None for span in spans):
@@ -313,31 +335,30 @@ class CallVerifier:
             sides_with_mirror = first_mismatch(position_errors(witnessed, reference), judged) is None
             sides_with_hop = first_mismatch(position_errors(witnessed, span.outputs), judged) is None
             if sides_with_mirror and not sides_with_hop:
-                await self._quarantine(primary, [mirror.shard_id, witness.shard_id], evidence)
+                await self.found.quarantine(primary, [mirror.shard_id, witness.shard_id], evidence)
                 if witness not in hop.mirrors:  # the call leaves this chain: a fresh witness has no more to do
                     await witness.close()
-                self._refute("refuted", primary, span.first_pos + bad,
-                             f"its output at position {span.first_pos + bad} was refuted by {mirror.shard_id} and "
-                             f"{witness.shard_id} (relative error {float(errors[bad]):.3g} > {tolerance:g}); "
-                             f"quarantined")
+                self.found.refute("refuted", primary, span.first_pos + bad,
+                                  f"its output at position {span.first_pos + bad} was refuted by {mirror.shard_id} "
+                                  f"and {witness.shard_id} (relative error {float(errors[bad]):.3g} > "
+                                  f"{tolerance:g}); quarantined")
                 return
             if sides_with_hop and not sides_with_mirror:
-                await self._quarantine(mirror.shard_id, [primary, witness.shard_id], evidence)
+                await self.found.quarantine(mirror.shard_id, [primary, witness.shard_id], evidence)
                 await hop.drop(mirror)
                 if witness not in hop.mirrors:  # a fresh witness takes the dropped mirror's place
                     hop.mirrors.append(witness)
                 self._confirm(primary, span, index)
                 return
-        await self._record(IntegrityMismatchDisputed(shard_ids=[primary, mirror.shard_id], **evidence))
-        verification_checks_total.labels("disputed").inc()
+        await self.found.dispute([primary, mirror.shard_id], evidence)
         await hop.drop(mirror)
         for witness, _ in others:
             if witness not in hop.mirrors:
                 await witness.close()
-        self._refute("disputed", primary, span.first_pos + bad,
-                     f"its output at position {span.first_pos + bad} differs from {mirror.shard_id}'s (relative "
-                     f"error {float(errors[bad]):.3g} > {tolerance:g}) and no third replica settled it: routed "
-                     f"around for this call, nobody blamed")
+        self.found.refute("disputed", primary, span.first_pos + bad,
+                          f"its output at position {span.first_pos + bad} differs from {mirror.shard_id}'s (relative "
+                          f"error {float(errors[bad]):.3g} > {tolerance:g}) and no third replica settled it: routed "
+                          f"around for this call, nobody blamed")
 
     async def _witness(self, chain: HopChain, index: int, span: HopSpan, avoid: set[str]):
         """A third replica fed the hop's inputs from position 0 through `span`: (mirror, its outputs over `span`)."""
@@ -348,19 +369,10 @@ class CallVerifier:
 
     async def _mirrors(self, chain: HopChain, index: int) -> list[Mirror]:
         """The hop's mirrors (opened as needed): the replicas that check it, fed from where they stopped."""
-        hop = self._hops[index]
-        generation = chain.recorder.generation
-        for mirror in [m for m in hop.mirrors if m.generation != generation]:
-            hop.mirrors.remove(mirror)
-            await mirror.close()
-        while len(hop.mirrors) < self.mirrors_per_hop:
-            avoid = {chain.hops[index].shard_id} | hop.avoid | {m.shard_id for m in hop.mirrors}
-            mirror = await self._open_mirror(chain, index, avoid)
-            if mirror is None:
-                break
-            hop.mirrors.append(mirror)
-        hop.unmirrored = len(hop.mirrors) < self.mirrors_per_hop
-        return [] if hop.unmirrored else list(hop.mirrors)
+        recorder = chain.recorder
+        return await self._hops[index].mirrors_of_run(
+            recorder.generation, self.mirrors_per_hop, self._witness_due and (self._room_needed or recorder.filling),
+            lambda avoid: self._open_mirror(chain, index, avoid | {chain.hops[index].shard_id}))
 
     async def _open_mirror(self, chain: HopChain, index: int, avoid: set[str]) -> Mirror | None:
         return await open_mirror(self.ctx, self.call, chain, index, avoid | self.call.excluded.keys(), self._chance)
@@ -368,31 +380,13 @@ class CallVerifier:
     # ------------------------------------------------------------------ outcomes
 
     def _confirm(self, shard_id: str, span: HopSpan, index: int | None) -> None:
-        tally = self._tally.setdefault(shard_id, _Tally())
-        tally.checks += 1
-        tally.verified_positions += span.positions
-        verification_checks_total.labels("confirmed").inc()
+        self.found.confirmed(shard_id, span.positions)
         if index is not None:
             self.ctx.guards.learn(self._range_key(index), span.outputs)
             self._hops[index].confirmed_pos = max(self._hops[index].confirmed_pos, span.end_pos)
-            # What every hop's mirrors were fed: the record may forget it (a witness can then not be fed from 0). A hop
-            # without the replicas to check it, or a record, holds nothing back (else it would leave the others
-            # unchecked past the budget); one whose mirrors are still opening does.
             recorder = self.chain.recorder
-            recorder.needed_from = min((min((m.fed_pos for m in h.mirrors), default=0) for i, h in enumerate(self._hops)
-                                        if i not in recorder.broken and not h.unmirrored), default=0)
-
-    async def _quarantine(self, shard_id: str, witnesses: list[str], evidence: dict) -> None:
-        log.warning("pipeline %s: %s computed layers %d-%d wrongly (witnesses %s); quarantined",
-                    self.call.pipeline_id, shard_id, evidence["layer_lo"], evidence["layer_hi"],
-                    ", ".join(witnesses))
-        self.ctx.prove_wrong(shard_id)
-        verification_checks_total.labels("mismatch").inc()
-        await self._record(IntegrityMismatchConfirmed(shard_id=shard_id, witnesses=witnesses, **evidence))
-
-    def _refute(self, kind: str, shard_id: str, position: int, reason: str) -> None:
-        if self._refutation is None or position < (self._refutation.rewind_to or 0):
-            self._refutation = StepFailure(kind, shard_id, reason, check="mismatch", rewind_to=position)
+            recorder.needed_from = record_needed_from(self._hops, recorder.broken, self._witness_due,
+                                                      recorder.generation)
 
     def _range_key(self, index: int) -> RangeKey:
         hop = self.chain.hops[index]
