@@ -33,16 +33,8 @@ from .errors import CheckpointError, first_line
 from .file_version import FileVersion, file_version
 from .gguf_cache import gguf_cache_entry
 from .gguf_config import completed_config_of_file
-from .gguf_header import (
-    FLOAT_GGUF_TYPE_NAMES,
-    GGUF_SUFFIX,
-    SUPPORTED_GGUF_ARCHITECTURES,
-    SplitGGUFError,
-    check_block_types,
-    checked_gguf_header,
-    is_gguf_file,
-    read_gguf_header,
-)
+from .gguf_header import SUPPORTED_GGUF_ARCHITECTURES, checked_gguf_header, read_gguf_header
+from .gguf_layout import FLOAT_GGUF_TYPE_NAMES, GGUF_SUFFIX, SplitGGUFError, check_block_types, is_gguf_file
 from .gguf_int4 import STORED_INT4_GROUP_SIZES, int4_groups_of_blocks
 from .quantization import Int4Groups
 

@@ -155,7 +155,7 @@ def _checkpoint_in(path: Path) -> Path:
 
 
 def is_gguf_file(path: Path) -> bool:
-    """Whether `path` is a GGUF file, as hearth/inference/gguf_header.py tells one (its name or its magic)."""
+    """Whether `path` is a GGUF file, as hearth/inference/gguf_layout.py tells one (its name or its magic)."""
     if not path.is_file():
         return False
     if path.suffix.lower() == GGUF_SUFFIX:
