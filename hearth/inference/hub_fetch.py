@@ -366,7 +366,8 @@ def _gguf_layout(path: Path) -> HubLayout:
     """The HubLayout of a downloaded GGUF: each layer tensor with its block type, as the loader holds it
     (hearth/inference/memory.py)."""
     from .checksum import weights_sha256
-    from .gguf_checkpoint import gguf_config_dict, gguf_layer_tensors, layer_tensor_blocks
+    from .gguf_checkpoint import gguf_config_dict
+    from .gguf_tensor_table import gguf_layer_tensors, layer_tensor_blocks
 
     return HubLayout(config=gguf_config_dict(path), tensors=gguf_layer_tensors(layer_tensor_blocks(path)),
                      weights_sha256=weights_sha256(path))
