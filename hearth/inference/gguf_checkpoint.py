@@ -12,16 +12,15 @@ hearth/inference/gguf_int4.py) and held as stored, never re-rounded into more bi
 Names, the config and the tokenizer come from transformers' own GGUF support (the same name mapping and Q/K row
 order its ``from_pretrained(..., gguf_file=...)`` uses), so a GGUF loads into the very layers a safetensors
 checkpoint of the same model would. What is parsed from a file's metadata (config, tensor table, tokenizer) is kept
-on disk per file version (hearth/inference/gguf_cache.py) and in memory per process.
+on disk per file version (hearth/inference/gguf_cache.py) and in memory per process; the tensor table is
+hearth/inference/gguf_tensor_table.py's.
 """
 
 from __future__ import annotations
 
 import functools
 import json
-import struct
 from collections.abc import Iterable
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -33,39 +32,19 @@ from .errors import CheckpointError, first_line
 from .file_version import FileVersion, file_version
 from .gguf_cache import gguf_cache_entry
 from .gguf_config import completed_config_of_file
-from .gguf_header import (
-    FLOAT_GGUF_TYPE_NAMES,
-    GGUF_SUFFIX,
-    SUPPORTED_GGUF_ARCHITECTURES,
-    SplitGGUFError,
-    check_block_types,
-    checked_gguf_header,
-    is_gguf_file,
-    read_gguf_header,
-)
+from .gguf_header import SUPPORTED_GGUF_ARCHITECTURES, checked_gguf_header, read_gguf_header
+from .gguf_layout import FLOAT_GGUF_TYPE_NAMES, GGUF_SUFFIX, SplitGGUFError, check_block_types, is_gguf_file
 from .gguf_int4 import STORED_INT4_GROUP_SIZES, int4_groups_of_blocks
+from .gguf_tensor_table import METADATA_CACHE_ENTRIES, StoredTensor, gguf_package, gguf_table
 from .quantization import Int4Groups
 
 # Where a checkpoint reader puts the tensors it reads unless told (the loader asks for its device).
 default_read_device = "cpu"
 # The HF model types the architectures hearth serves (gguf_header.SUPPORTED_GGUF_ARCHITECTURES) load as.
 SUPPORTED_GGUF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
-# GGUF metadata keys naming end-of-generation tokens besides eos (chat models end turns with them).
-STOP_TOKEN_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id",
-                   "tokenizer.ggml.eos_token_ids")  # the last an array: Ollama's files list end-of-turn tokens there
-# Parsed metadata kept per process (a shard's memory planning and loading, a head and a local model share it).
-METADATA_CACHE_ENTRIES = 4
 # What each parse is stored as in a file's disk cache entry (hearth/inference/gguf_cache.py).
 CONFIG_CACHE_NAME = "config"
-TABLE_CACHE_NAME = "table"
 TOKENIZER_CACHE_NAME = "tokenizer"
-
-
-def _gguf():
-    # Imported on first use: safetensors-only hosts never pay for it.
-    import gguf
-
-    return gguf
 
 
 def single_gguf_in(folder: Path) -> Path | None:
@@ -86,21 +65,6 @@ def single_gguf_in(folder: Path) -> Path | None:
         names = ", ".join(p.name for p in found)
         raise CheckpointError(f"{folder} holds several GGUF files ({names}); pass the one to serve as --model")
     return found[0] if found else None
-
-
-def open_reader(path: Path):
-    """The gguf package's memory-mapped reader over `path`; CheckpointError when it is truncated, not GGUF, or of
-    an architecture hearth does not serve (checked_gguf_header first)."""
-    checked_gguf_header(path)
-    try:
-        reader = _gguf().GGUFReader(path)
-    except (ValueError, IndexError, OSError, TypeError, KeyError, struct.error, RecursionError) as exc:
-        raise CheckpointError(f"{path.name} is not a readable GGUF file (truncated or corrupt?): {exc}") from None
-    return reader
-
-
-def _field_value(reader, key: str):
-    return None if (field := reader.fields.get(key)) is None else field.contents()
 
 
 def gguf_config_dict(path: Path) -> dict:
@@ -177,109 +141,10 @@ def _parsed_tokenizer(path: Path):
     return AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
 
 
-@dataclass(frozen=True)
-class StoredTensor:
-    """Where one tensor lies in a GGUF file and how it is stored."""
-
-    name: str
-    block_type: object  # gguf.GGMLQuantizationType
-    data_offset: int
-    n_bytes: int
-    stored_dtype: np.dtype  # of the array the stored bytes form (uint8 for blocks)
-    stored_shape: tuple[int, ...]  # of that array
-    shape: tuple[int, ...]  # of the tensor, in torch order
-
-
-@dataclass(frozen=True)
-class GGUFTable:
-    """A GGUF's architecture, tensor table and stop tokens: everything but the tensor data."""
-
-    architecture: str
-    tensors: tuple[StoredTensor, ...]
-    stop_token_ids: frozenset[int]
-
-
-def gguf_table(path: Path) -> GGUFTable:
-    """The GGUF's tensor table (parsed once per file version, then read from the disk cache; the reader is dropped,
-    so no mapping of the file outlives the call)."""
-    path = Path(path).resolve()
-    return _cached_table(str(path), file_version(path.stat()))
-
-
-@functools.lru_cache(maxsize=METADATA_CACHE_ENTRIES)
-def _cached_table(path_text: str, version: FileVersion) -> GGUFTable:
-    entry = gguf_cache_entry(path_text)
-    with entry.parsing(TABLE_CACHE_NAME):
-        try:
-            return _table_from_json(entry.read_json(TABLE_CACHE_NAME))
-        except (KeyError, TypeError, ValueError):
-            pass  # none yet, or an old or damaged one
-        table = _parsed_table(Path(path_text))
-        entry.write_json(TABLE_CACHE_NAME, _table_to_json(table))
-        return table
-
-
-def _parsed_table(path: Path) -> GGUFTable:
-    reader = open_reader(path)
-    tensors = tuple(
-        StoredTensor(t.name, t.tensor_type, int(t.data_offset), int(t.n_bytes), t.data.dtype, tuple(t.data.shape),
-                     tuple(int(d) for d in reversed(t.shape.tolist())))
-        for t in reader.tensors
-    )
-    stated = (_field_value(reader, key) for key in STOP_TOKEN_KEYS)
-    stop_ids = frozenset(int(token) for value in stated if value is not None
-                         for token in (value if isinstance(value, list) else [value]))
-    return GGUFTable(_field_value(reader, "general.architecture"), tensors, stop_ids)
-
-
-def _table_to_json(table: GGUFTable) -> dict:
-    return {
-        "architecture": table.architecture,
-        "stop_token_ids": sorted(table.stop_token_ids),
-        "tensors": [[t.name, t.block_type.name, t.data_offset, t.n_bytes, t.stored_dtype.str, list(t.stored_shape),
-                     list(t.shape)] for t in table.tensors],
-    }
-
-
-def _table_from_json(stored) -> GGUFTable:
-    """The table `_table_to_json` wrote; KeyError, TypeError or ValueError when `stored` is anything else."""
-    block_types = _gguf().GGMLQuantizationType
-    tensors = tuple(
-        StoredTensor(str(name), block_types[block_type], int(offset), int(n_bytes), np.dtype(dtype),
-                     tuple(int(d) for d in stored_shape), tuple(int(d) for d in shape))
-        for name, block_type, offset, n_bytes, dtype, stored_shape, shape in stored["tensors"]
-    )
-    return GGUFTable(str(stored["architecture"]), tensors, frozenset(int(t) for t in stored["stop_token_ids"]))
-
-
-def layer_tensor_blocks(path: Path) -> dict[int, list[tuple[tuple[int, ...], str]]]:
-    """(shape in torch order, GGUF block type name) of each decoder layer's tensors, from the tensor table alone."""
-    blocks: dict[int, list[tuple[tuple[int, ...], str]]] = {}
-    for tensor in gguf_table(path).tensors:
-        parts = tensor.name.split(".")
-        if parts[0] == "blk" and len(parts) > 2 and parts[1].isdigit():
-            blocks.setdefault(int(parts[1]), []).append((tensor.shape, tensor.block_type.name))
-    return blocks
-
-
-def check_layer_block_types(path: Path) -> None:
-    """CheckpointError naming the GGUF's first decoder-layer tensor in a block type hearth does not read, from the
-    tensor table alone (a command refuses it at start rather than when a layer is loaded)."""
-    layer_tensors = (tensor for tensor in gguf_table(path).tensors if tensor.name.startswith("blk."))
-    check_block_types(((tensor.name, tensor.block_type.name) for tensor in layer_tensors), path.name)
-
-
-def gguf_layer_tensors(blocks: dict[int, list[tuple[tuple[int, ...], str]]]) -> list[tuple[str, str, list[int]]]:
-    """The (name, stored type, shape) that hearth/inference/memory.py's layer_weight_bytes_of counts, of a GGUF's layer
-    tensors given as {layer: [(shape, block type)]} (layer_tensor_blocks)."""
-    return [(f"layers.{layer}.{index}", block_type, list(shape))
-            for layer, tensors in blocks.items() for index, (shape, block_type) in enumerate(tensors)]
-
-
 def _gguf_to_hf_names(model: nn.Module, architecture: str, num_layers: int) -> dict[str, str]:
     """GGUF tensor name -> HF name for every tensor of `model`, through the gguf package's name map (the mapping
     transformers' get_gguf_hf_weights_map applies, built once instead of once per submodule)."""
-    gguf = _gguf()
+    gguf = gguf_package()
     arch = next(key for key, value in gguf.MODEL_ARCH_NAMES.items() if value == architecture)
     name_map = gguf.get_tensor_name_map(arch, num_layers)
     mapping = {}
@@ -340,7 +205,7 @@ class GGUFCheckpoint:
             raise CheckpointError(f"tensor {stored.name} of {self.path.name} is stored as {stored.block_type.name}, "
                                   "not in 4-bit groups")
         rows = stored.shape[0]
-        blocks = np.array(self._stored_bytes(stored)).reshape(-1, _gguf().GGML_QUANT_SIZES[stored.block_type][1])
+        blocks = np.array(self._stored_bytes(stored)).reshape(-1, gguf_package().GGML_QUANT_SIZES[stored.block_type][1])
         parts = [self._processor.process(weights=part.reshape(rows, -1), name=stored.name).weights
                  for part in int4_groups_of_blocks(blocks, stored.block_type.name)]
         codes, scales, minimums = (torch.from_numpy(np.ascontiguousarray(part)).to(device) for part in parts)
@@ -388,7 +253,7 @@ class GGUFCheckpoint:
             values = data  # F32, F16, F64 are numpy's own floats (the gguf package has no F64 dequantizer)
         else:
             try:
-                values = _gguf().quants.dequantize(data, stored.block_type)
+                values = gguf_package().quants.dequantize(data, stored.block_type)
             except (ValueError, NotImplementedError) as exc:
                 raise CheckpointError(
                     f"tensor {stored.name} of {self.path.name} cannot be dequantized: {exc}") from None

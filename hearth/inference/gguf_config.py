@@ -18,7 +18,8 @@ from pathlib import Path
 import numpy as np
 
 from .errors import CheckpointError
-from .gguf_header import LONGROPE_TENSORS, ROPE_FREQS_TENSOR, read_gguf_header
+from .gguf_header import read_gguf_header
+from .gguf_layout import LONGROPE_TENSORS, ROPE_FREQS_TENSOR
 
 EMBEDDING_TENSOR = "token_embd.weight"
 # What llama.cpp's converter puts in the name of every tensor holding a layer's experts (ffn_gate_exps, ...).

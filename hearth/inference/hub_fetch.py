@@ -36,7 +36,7 @@ from .checkpoint_files import SAFETENSORS_INDEX_NAME, check_full_precision, chec
 from .cache_ranges import held_complete_folder, hold_range, remove_superseded_ranges
 from .cache_versions import hold_version, is_held, release_version, remove_unused_versions
 from .checksum import GGUF_DIGEST_NAME, PARTIAL_CHECKPOINT_MARKER, digest_of_files, file_sha256
-from .gguf_header import GGUF_SUFFIX
+from .gguf_layout import GGUF_SUFFIX
 from .errors import CheckpointError
 from .hub_cache import complete_hub_snapshot, hub_cache_gguf
 from .hub_gguf import HubGGUF, RangesUnsupported, cached_gguf_part, fetch_gguf_part, gguf_header, \
@@ -366,7 +366,8 @@ def _gguf_layout(path: Path) -> HubLayout:
     """The HubLayout of a downloaded GGUF: each layer tensor with its block type, as the loader holds it
     (hearth/inference/memory.py)."""
     from .checksum import weights_sha256
-    from .gguf_checkpoint import gguf_config_dict, gguf_layer_tensors, layer_tensor_blocks
+    from .gguf_checkpoint import gguf_config_dict
+    from .gguf_tensor_table import gguf_layer_tensors, layer_tensor_blocks
 
     return HubLayout(config=gguf_config_dict(path), tensors=gguf_layer_tensors(layer_tensor_blocks(path)),
                      weights_sha256=weights_sha256(path))

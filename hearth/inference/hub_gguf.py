@@ -37,14 +37,8 @@ from pathlib import Path
 from .cache_ranges import SELECTION_NAME, needed_of, remove_superseded_ranges
 from .checksum import GGUF_DIGEST_NAME, digest_of_files
 from .errors import CheckpointError
-from .gguf_header import (
-    EVERY_LAYER_TENSORS,
-    MAX_GGUF_HEADER_BYTES,
-    GGUFPartTensor,
-    HeaderIncomplete,
-    ParsedGGUFHeader,
-    parse_gguf_header,
-)
+from .gguf_header import MAX_GGUF_HEADER_BYTES, HeaderIncomplete, ParsedGGUFHeader, parse_gguf_header
+from .gguf_layout import EVERY_LAYER_TENSORS, GGUFPartTensor
 from .gguf_parts import StoredLayout, TensorPlacement, write_gguf_folder, write_gguf_part
 from .hub_download import PARTIAL_SUFFIX, TRANSFER_RETRIES, byte_progress, is_sized, lock_after_twin
 from .hub_ids import HUB_ENDPOINT_ENV

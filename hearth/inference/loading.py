@@ -29,8 +29,9 @@ from .checkpoint import ModelInfo, SafetensorsCheckpoint, default_model_id, open
     resolve_dtype, resolve_model_path
 from .cpu_kernels import DEFAULT_CPU_LINEAR_KERNEL, use_cpu_linear_kernel
 from .errors import CheckpointError, first_line
-from .gguf_checkpoint import GGUFCheckpoint, check_layer_block_types, gguf_config, load_gguf_tokenizer
-from .gguf_header import is_gguf_file
+from .gguf_checkpoint import GGUFCheckpoint, gguf_config, load_gguf_tokenizer
+from .gguf_layout import is_gguf_file
+from .gguf_tensor_table import check_layer_block_types
 from .ollama_models import served_model_id
 from .head import Head
 from .quantization import QuantizationScheme, QuantizedLinear, check_device_supports, \

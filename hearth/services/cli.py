@@ -368,7 +368,7 @@ def schema_command(
     ] = False,
 ) -> None:
     """Generate the JSON Schemas of the wire messages (docs/schemas/) and docs/configuration.md from the models."""
-    from hearth.services.schema import run_schema_command
+    from hearth.services.schema.files import run_schema_command
 
     raise typer.Exit(run_schema_command(out, check=check))
 

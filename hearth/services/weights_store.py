@@ -29,7 +29,7 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 from hearth.inference.cache_ranges import hold_range, remove_superseded_ranges
 from hearth.inference.cache_versions import hold_version, remove_unused_versions
 from hearth.inference.checksum import PARTIAL_CHECKPOINT_MARKER
-from hearth.inference.gguf_header import GGUF_SUFFIX
+from hearth.inference.gguf_layout import GGUF_SUFFIX
 from hearth.inference.gguf_checkpoint import default_read_device
 from hearth.inference.gguf_parts import StoredLayout
 from hearth.inference.partial_checkpoint import NeededTensors, assemble_partial_folder, check_needed, \
@@ -143,7 +143,7 @@ class WeightsManifest(BaseModel):
     def layer_weight_bytes(self, compute_dtype, quantization, device=default_read_device) -> list[int]:
         """Bytes each decoder layer takes once loaded in `compute_dtype` under `quantization` on `device`
         (inference.memory.layer_weight_bytes_of), from the manifest alone."""
-        from hearth.inference.gguf_header import gguf_layer_of
+        from hearth.inference.gguf_layout import gguf_layer_of
         from hearth.inference.memory import layer_weight_bytes_of
 
         if not self.tensors:

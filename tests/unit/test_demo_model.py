@@ -94,9 +94,9 @@ def test_a_file_that_is_not_a_gguf_is_refused(tmp_path):
 
 
 def test_a_gguf_named_by_its_digest_is_told_by_its_magic(tmp_path):
-    from hearth.inference import gguf_header
+    from hearth.inference import gguf_layout
 
-    assert demo_model.GGUF_MAGIC == gguf_header.GGUF_MAGIC  # the demo's copy (it keeps torch out)
+    assert demo_model.GGUF_MAGIC == gguf_layout.GGUF_MAGIC  # the demo's copy (it keeps torch out)
     blob = write_metadata_only_gguf(tmp_path / "model.gguf", layers=5).rename(tmp_path / "sha256-0f0f")
     model = resolve_demo_model(str(blob))
     assert (model.path, model.num_layers, model.is_gguf, model.name) == (blob.resolve(), 5, True, "sha256-0f0f")

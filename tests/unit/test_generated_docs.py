@@ -16,7 +16,7 @@ from pydantic import BaseModel
 from typer.testing import CliRunner
 
 from hearth.events.models import EVENT_TYPES
-from hearth.services import schema
+from hearth.services.schema import files as schema_files
 from hearth.protocol import chat as chat_protocol
 from hearth.services.common.config import HearthSettings, load_settings
 from hearth.services.common.config_aliases import MOVED_KEYS, dotted
@@ -36,7 +36,7 @@ def configuration_page() -> str:
 
 
 def settings_keys(model: type[BaseModel] = HearthSettings, path: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
-    """Every key of the settings as its path from the root, found without services.schema's own walk."""
+    """Every key of the settings as its path from the root, found without services.schema.configuration's own walk."""
     keys = []
     for name, field in model.model_fields.items():
         if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
@@ -54,7 +54,7 @@ def row_of(page: str, variable: str) -> list[str]:
 
 
 def test_the_committed_docs_are_what_the_models_generate_now():
-    differing = schema.differing_files(DOCS)
+    differing = schema_files.differing_files(DOCS)
     assert not differing, (
         "these generated files differ from the models (or are no longer produced):\n"
         + "\n".join(f"  docs/{name}" for name in differing)
@@ -159,18 +159,18 @@ def test_the_example_file_on_the_page_is_complete_and_loads_to_the_defaults(tmp_
 
 
 def test_check_reports_what_differs_and_writing_repairs_it(tmp_path, capsys):
-    assert schema.run_schema_command(tmp_path, check=True) == 1
-    assert schema.run_schema_command(tmp_path, check=False) == 0
-    assert schema.run_schema_command(tmp_path, check=True) == 0
+    assert schema_files.run_schema_command(tmp_path, check=True) == 1
+    assert schema_files.run_schema_command(tmp_path, check=False) == 0
+    assert schema_files.run_schema_command(tmp_path, check=True) == 0
     (tmp_path / "schemas" / "frame.done.json").write_text("{}\n")
     (tmp_path / "schemas" / "frame.gone.json").write_text("{}\n")
     capsys.readouterr()
-    assert schema.run_schema_command(tmp_path, check=True) == 1
+    assert schema_files.run_schema_command(tmp_path, check=True) == 1
     err = capsys.readouterr().err
     assert "frame.done.json" in err and "frame.gone.json" in err and "hearth schema --out" in err
-    assert schema.write_files(tmp_path) == ["schemas/frame.done.json", "schemas/frame.gone.json"]
+    assert schema_files.write_files(tmp_path) == ["schemas/frame.done.json", "schemas/frame.gone.json"]
     assert not (tmp_path / "schemas" / "frame.gone.json").exists()
-    assert schema.differing_files(tmp_path) == []
+    assert schema_files.differing_files(tmp_path) == []
 
 
 def test_the_hearth_schema_command(tmp_path):
@@ -184,8 +184,8 @@ def test_the_hearth_schema_command(tmp_path):
     assert CliRunner().invoke(app, ["schema", "--check", "--out", str(tmp_path)]).exit_code == 0
 
 
-@pytest.mark.parametrize("code", ["import hearth.services.schema",
-                                  "import hearth.services.schema as s; s.generated_files()"])
+@pytest.mark.parametrize("code", ["import hearth.services.schema.files",
+                                  "import hearth.services.schema.files as s; s.generated_files()"])
 def test_the_generator_loads_no_torch(code):
     heavy = ("torch", "transformers", "hearth.inference")
     probe = f"{code}\nimport sys\nprint(sorted(m for m in {heavy!r} if m in sys.modules))"

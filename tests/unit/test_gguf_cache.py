@@ -12,10 +12,11 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 
-from hearth.inference import gguf_cache, gguf_checkpoint, load_head, load_layer_range
+from hearth.inference import gguf_cache, gguf_checkpoint, gguf_tensor_table, load_head, load_layer_range
 from tests.runner_limits import RUNNER_KV_LIMITS
 from hearth.inference.gguf_cache import GGUFCacheEntry, gguf_cache_entry
-from hearth.inference.gguf_checkpoint import gguf_config_dict, gguf_table, load_gguf_tokenizer
+from hearth.inference.gguf_checkpoint import gguf_config_dict, load_gguf_tokenizer
+from hearth.inference.gguf_tensor_table import gguf_table
 from hearth.services.devtools import demo_model
 from hearth.services.devtools.demo_model import resolve_demo_model
 
@@ -42,7 +43,7 @@ def tiny_gguf_file(tmp_path_factory):
 def new_process():
     """Forget what this process parsed, as a process started afresh would."""
     gguf_checkpoint._cached_config.cache_clear()
-    gguf_checkpoint._cached_table.cache_clear()
+    gguf_tensor_table._cached_table.cache_clear()
 
 
 @pytest.fixture
@@ -57,7 +58,7 @@ def parses(monkeypatch):
         return wrapper
 
     monkeypatch.setattr(gguf_checkpoint, "_parsed_config", counted("config", gguf_checkpoint._parsed_config))
-    monkeypatch.setattr(gguf_checkpoint, "_parsed_table", counted("table", gguf_checkpoint._parsed_table))
+    monkeypatch.setattr(gguf_tensor_table, "_parsed_table", counted("table", gguf_tensor_table._parsed_table))
     monkeypatch.setattr(gguf_checkpoint, "_parsed_tokenizer",
                         counted("tokenizer", gguf_checkpoint._parsed_tokenizer))
     return counts

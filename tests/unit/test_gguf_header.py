@@ -10,7 +10,7 @@ from gguf import GGMLQuantizationType
 
 from hearth.inference import CheckpointError
 from hearth.inference.gguf_header import HeaderIncomplete, parse_gguf_header, read_gguf_header
-from hearth.inference.gguf_header import GGUFPartTensor
+from hearth.inference.gguf_layout import GGUFPartTensor
 from hearth.inference.gguf_parts import split_gguf
 from hearth.inference.hub_gguf import coalesced_spans
 

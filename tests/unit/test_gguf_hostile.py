@@ -1,4 +1,4 @@
-"""GGUF files that lie in their header (hearth/inference/gguf_checkpoint.py `checked_gguf_header`, the loader's shape
+"""GGUF files that lie in their header (hearth/inference/gguf_header.py `checked_gguf_header`, the loader's shape
 and config checks): each is refused in one line by a shard's load and by the head's, before the gguf package's
 reader or transformers trust what the file declares (a metadata array of 2^62 items ran a shard out of memory; a
 tensor info stating another block type or offset than its bytes have loaded a neighbour's bytes silently). Files laid

@@ -15,7 +15,7 @@ from gguf import GGMLQuantizationType
 
 from hearth.inference import CheckpointError, load_head, load_layer_range, read_config_dict, resolve_model_path, \
     weights_sha256
-from hearth.inference.gguf_checkpoint import open_reader
+from hearth.inference.gguf_tensor_table import open_reader
 from hearth.inference.gguf_parts import split_gguf
 from hearth.inference.hub_fetch import hub_layout
 from hearth.inference.hub_gguf import METADATA_FOLDER, SPANS_FOLDER, coalesced_spans

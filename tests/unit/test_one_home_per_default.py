@@ -57,7 +57,7 @@ MIRRORS = (
     (("hearth/inference/sampling.py", "DEFAULT_MAX_TOKENS"), ("hearth/protocol/chat.py", "default_max_tokens")),
     (("hearth/inference/sampling.py", "top_p"), ("hearth/protocol/chat.py", "top_p")),
     (("hearth/inference/sampling.py", "repetition_penalty"), ("hearth/protocol/chat.py", "repetition_penalty")),
-    (("hearth/inference/gguf_header.py", "GGUF_SUFFIX"), ("hearth/services/devtools/demo_model.py", "GGUF_SUFFIX")),
+    (("hearth/inference/gguf_layout.py", "GGUF_SUFFIX"), ("hearth/services/devtools/demo_model.py", "GGUF_SUFFIX")),
     (("hearth/inference/ollama_models.py", "OLLAMA_MODEL_PREFIX"),
      ("hearth/services/devtools/demo_model.py", "OLLAMA_MODEL_PREFIX")),
     (("hearth/inference/gguf_cache.py", "GGUF_CACHE_DIR_NAME"),

@@ -155,7 +155,7 @@ def _checkpoint_in(path: Path) -> Path:
 
 
 def is_gguf_file(path: Path) -> bool:
-    """Whether `path` is a GGUF file, as hearth/inference/gguf_header.py tells one (its name or its magic)."""
+    """Whether `path` is a GGUF file, as hearth/inference/gguf_layout.py tells one (its name or its magic)."""
     if not path.is_file():
         return False
     if path.suffix.lower() == GGUF_SUFFIX:
@@ -240,7 +240,7 @@ def gguf_cache_entry_folder(path: Path) -> Path:
 def _read_gguf_description(path: Path) -> dict:
     """num_layers (`<architecture>.block_count`) and whether a chat template is stored, from the GGUF's metadata;
     whether hearth serves its architecture and block types is the shard's check
-    (hearth/inference/gguf_checkpoint.py)."""
+    (hearth/inference/gguf_header.py, hearth/inference/gguf_tensor_table.py)."""
     import gguf
 
     # Told apart first, in plain words: the gguf package's own errors for these ("cannot mmap an empty

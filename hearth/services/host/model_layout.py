@@ -19,8 +19,9 @@ import torch
 from hearth.inference import read_config_dict, resolve_model_path, weights_sha256
 from hearth.inference.checkpoint import looks_like_local_path, default_model_id
 from hearth.inference.errors import CheckpointError
-from hearth.inference.gguf_checkpoint import check_layer_block_types, default_read_device
-from hearth.inference.gguf_header import is_gguf_file
+from hearth.inference.gguf_checkpoint import default_read_device
+from hearth.inference.gguf_layout import is_gguf_file
+from hearth.inference.gguf_tensor_table import check_layer_block_types
 from hearth.inference.hub_cache import complete_hub_snapshot, hub_cache_gguf
 from hearth.inference.hub_fetch import hub_layout
 from hearth.inference.memory import layer_weight_bytes, layer_weight_bytes_of

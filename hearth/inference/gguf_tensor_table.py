@@ -1,0 +1,146 @@
+"""A GGUF's tensor table (each tensor's block type, where its bytes lie, its shapes) and stop tokens, read by the gguf
+package's reader once per file version and kept in hearth's GGUF cache (hearth/inference/gguf_cache.py)."""
+
+from __future__ import annotations
+
+import functools
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .errors import CheckpointError
+from .file_version import FileVersion, file_version
+from .gguf_cache import gguf_cache_entry
+from .gguf_header import checked_gguf_header
+from .gguf_layout import check_block_types
+
+# GGUF metadata keys naming end-of-generation tokens besides eos (chat models end turns with them).
+STOP_TOKEN_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id",
+                   "tokenizer.ggml.eos_token_ids")  # the last an array: Ollama's files list end-of-turn tokens there
+# Parsed metadata kept per process (a shard's memory planning and loading, a head and a local model share it).
+METADATA_CACHE_ENTRIES = 4
+# What the table is stored as in a file's disk cache entry (hearth/inference/gguf_cache.py).
+TABLE_CACHE_NAME = "table"
+
+
+def gguf_package():
+    """The gguf package, imported on first use: safetensors-only hosts never pay for it."""
+    import gguf
+
+    return gguf
+
+
+def open_reader(path: Path):
+    """The gguf package's memory-mapped reader over `path`; CheckpointError when it is truncated, not GGUF, or of
+    an architecture hearth does not serve (checked_gguf_header first)."""
+    checked_gguf_header(path)
+    try:
+        reader = gguf_package().GGUFReader(path)
+    except (ValueError, IndexError, OSError, TypeError, KeyError, struct.error, RecursionError) as exc:
+        raise CheckpointError(f"{path.name} is not a readable GGUF file (truncated or corrupt?): {exc}") from None
+    return reader
+
+
+def _field_value(reader, key: str):
+    return None if (field := reader.fields.get(key)) is None else field.contents()
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """Where one tensor lies in a GGUF file and how it is stored."""
+
+    name: str
+    block_type: object  # gguf.GGMLQuantizationType
+    data_offset: int
+    n_bytes: int
+    stored_dtype: np.dtype  # of the array the stored bytes form (uint8 for blocks)
+    stored_shape: tuple[int, ...]  # of that array
+    shape: tuple[int, ...]  # of the tensor, in torch order
+
+
+@dataclass(frozen=True)
+class GGUFTable:
+    """A GGUF's architecture, tensor table and stop tokens: everything but the tensor data."""
+
+    architecture: str
+    tensors: tuple[StoredTensor, ...]
+    stop_token_ids: frozenset[int]
+
+
+def gguf_table(path: Path) -> GGUFTable:
+    """The GGUF's tensor table (parsed once per file version, then read from the disk cache; the reader is dropped,
+    so no mapping of the file outlives the call)."""
+    path = Path(path).resolve()
+    return _cached_table(str(path), file_version(path.stat()))
+
+
+@functools.lru_cache(maxsize=METADATA_CACHE_ENTRIES)
+def _cached_table(path_text: str, version: FileVersion) -> GGUFTable:
+    entry = gguf_cache_entry(path_text)
+    with entry.parsing(TABLE_CACHE_NAME):
+        try:
+            return _table_from_json(entry.read_json(TABLE_CACHE_NAME))
+        except (KeyError, TypeError, ValueError):
+            pass  # none yet, or an old or damaged one
+        table = _parsed_table(Path(path_text))
+        entry.write_json(TABLE_CACHE_NAME, _table_to_json(table))
+        return table
+
+
+def _parsed_table(path: Path) -> GGUFTable:
+    reader = open_reader(path)
+    tensors = tuple(
+        StoredTensor(t.name, t.tensor_type, int(t.data_offset), int(t.n_bytes), t.data.dtype, tuple(t.data.shape),
+                     tuple(int(d) for d in reversed(t.shape.tolist())))
+        for t in reader.tensors
+    )
+    stated = (_field_value(reader, key) for key in STOP_TOKEN_KEYS)
+    stop_ids = frozenset(int(token) for value in stated if value is not None
+                         for token in (value if isinstance(value, list) else [value]))
+    return GGUFTable(_field_value(reader, "general.architecture"), tensors, stop_ids)
+
+
+def _table_to_json(table: GGUFTable) -> dict:
+    return {
+        "architecture": table.architecture,
+        "stop_token_ids": sorted(table.stop_token_ids),
+        "tensors": [[t.name, t.block_type.name, t.data_offset, t.n_bytes, t.stored_dtype.str, list(t.stored_shape),
+                     list(t.shape)] for t in table.tensors],
+    }
+
+
+def _table_from_json(stored) -> GGUFTable:
+    """The table `_table_to_json` wrote; KeyError, TypeError or ValueError when `stored` is anything else."""
+    block_types = gguf_package().GGMLQuantizationType
+    tensors = tuple(
+        StoredTensor(str(name), block_types[block_type], int(offset), int(n_bytes), np.dtype(dtype),
+                     tuple(int(d) for d in stored_shape), tuple(int(d) for d in shape))
+        for name, block_type, offset, n_bytes, dtype, stored_shape, shape in stored["tensors"]
+    )
+    return GGUFTable(str(stored["architecture"]), tensors, frozenset(int(t) for t in stored["stop_token_ids"]))
+
+
+def layer_tensor_blocks(path: Path) -> dict[int, list[tuple[tuple[int, ...], str]]]:
+    """(shape in torch order, GGUF block type name) of each decoder layer's tensors, from the tensor table alone."""
+    blocks: dict[int, list[tuple[tuple[int, ...], str]]] = {}
+    for tensor in gguf_table(path).tensors:
+        parts = tensor.name.split(".")
+        if parts[0] == "blk" and len(parts) > 2 and parts[1].isdigit():
+            blocks.setdefault(int(parts[1]), []).append((tensor.shape, tensor.block_type.name))
+    return blocks
+
+
+def check_layer_block_types(path: Path) -> None:
+    """CheckpointError naming the GGUF's first decoder-layer tensor in a block type hearth does not read, from the
+    tensor table alone (a command refuses it at start rather than when a layer is loaded)."""
+    layer_tensors = (tensor for tensor in gguf_table(path).tensors if tensor.name.startswith("blk."))
+    check_block_types(((tensor.name, tensor.block_type.name) for tensor in layer_tensors), path.name)
+
+
+def gguf_layer_tensors(blocks: dict[int, list[tuple[tuple[int, ...], str]]]) -> list[tuple[str, str, list[int]]]:
+    """The (name, stored type, shape) that hearth/inference/memory.py's layer_weight_bytes_of counts, of a GGUF's layer
+    tensors given as {layer: [(shape, block type)]} (layer_tensor_blocks)."""
+    return [(f"layers.{layer}.{index}", block_type, list(shape))
+            for layer, tensors in blocks.items() for index, (shape, block_type) in enumerate(tensors)]
