@@ -1,7 +1,8 @@
 """A `hearth host` that moves to fill a hole while a call goes through its range lets that call end first: the range
 is withdrawn at once (new calls are routed elsewhere, and an `open` that still reaches it is refused `withdrawn`),
 the open hop keeps being served until its orchestrator closes it, and only then is the range stopped; a call that
-does not end within `move_drain_timeout_s` is closed then. Real nats-server, the bundled tiny model's layers."""
+does not end within `move_drain_timeout_s` is closed then; a host stopped while it drains lets the call end too
+(within `[shard] stop_drain_timeout_s`). Real nats-server, the bundled tiny model's layers."""
 
 from __future__ import annotations
 
@@ -122,7 +123,8 @@ async def test_a_call_that_outlasts_the_drain_is_closed_and_the_host_moves_on(na
 async def test_a_host_stopped_while_it_drains_says_its_move_will_not_land(nats_server):
     """Its range was withdrawn as `moved`: other hosts hold their own moves while one is under way. Stopped before
     the new range was loaded, the host withdraws it again as a shutdown, and they decide again at once (before,
-    they had no way to tell, and would wait the whole move_wait_max_s)."""
+    they had no way to tell, and would wait the whole move_wait_max_s). The call going through it still ends well:
+    a stop too lets it end, for at most `[shard] stop_drain_timeout_s`."""
     async with moving_host(nats_server.url, drain_s=60.0) as (served, coverage, client, subject):
         assert (await ask(client, subject, open_request("call"))).ok
         coverage.hole.set()
@@ -131,6 +133,10 @@ async def test_a_host_stopped_while_it_drains_says_its_move_will_not_land(nats_s
                 await ask(client, subject, CloseHop(pipeline_id="later-call").model_dump_json().encode())
                 await asyncio.sleep(0.1)
         coverage.stop_event.set()  # SIGTERM while the call goes on
+        await asyncio.sleep(0.5)
+        stat = await client.request(subject, StatShard().model_dump_json().encode(), timeout=reply_timeout_s)
+        assert ShardStat.model_validate_json(stat.data).open_pipelines == ["call"] and not served.done()
+        assert (await ask(client, subject, CloseHop(pipeline_id="call").model_dump_json().encode())).ok
         assert await asyncio.wait_for(served, timeout=30) is None
     shard_id = shard_id_for("tiny", 0, 1, NODE)
     assert [event.reason for event in await shard_events(nats_server.url)

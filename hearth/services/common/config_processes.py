@@ -238,6 +238,12 @@ class ShardSettings(ConfigSection):
     hop_close_timeout_s: float = Field(
         default=5.0, gt=0, description="closing a hop waits this long for a step being computed to finish")
     withdraw_timeout_s: float = Field(default=2.0, gt=0, description="how long stopping waits to say it leaves")
+    stop_drain_timeout_s: float = Field(
+        default=10.0, ge=0, le=max_event_duration_s,
+        description="stopped (SIGTERM, Ctrl-C), a shard (`hearth shard`, `hearth host`) withdraws at once (no new "
+                    "call is routed to it) and waits this long at most for the calls going through it to end before "
+                    "it closes what is left and exits (0: it closes them at once, and they fail over); a second "
+                    "signal ends the wait")
     max_batch_sessions: int = Field(
         default=8, ge=1, description="steps of this many sessions at most run as one batched step: decode steps, "
                                       "and on a CPU prefills shorter than prefill_slice_min_tokens (1: none)")

@@ -245,7 +245,8 @@ async def _serve_until_moved(chosen: LayerRange, coverage: CoverageReader, nc: N
     """Serve `chosen` until stopped (returns None) or until a hole is worth moving to (returns the Move, once the
     calls going through `chosen` have ended); `arriving_from`: the shard this host withdrew as MOVED to come here,
     whose move is said abandoned (say_move_abandoned) when `chosen` does not load, as is this one's when a stop
-    comes while it drains. BrokerConnectionClosed when the host's own connection `nc` is closed for good (it could
+    comes while it drains (it then lets the calls end for at most `[shard] stop_drain_timeout_s`, as any stop does:
+    shard.main.drain_for_stop). BrokerConnectionClosed when the host's own connection `nc` is closed for good (it could
     no longer see holes), and the error of a failed read of the coverage likewise."""
     try:
         loaded = await load_shard(model=model, lo=chosen.lo, hi=chosen.hi, node=node, settings=settings,
@@ -280,7 +281,7 @@ async def _serve_until_moved(chosen: LayerRange, coverage: CoverageReader, nc: N
             await asyncio.gather(stop_task, hole_task, return_exceptions=True)
             leave.set()
 
-    def moving() -> bool:  # a move lets the calls going through the range end first; a stop does not wait
+    def moving() -> bool:  # a move lets the calls going through the range end first (a stop too, for less long)
         return bool(moved) and not stop_event.is_set()
 
     def drain_s() -> float:
@@ -291,7 +292,7 @@ async def _serve_until_moved(chosen: LayerRange, coverage: CoverageReader, nc: N
         await serve_loaded_shard(loaded, nats_url=nats_url, settings=settings, busy_threads=busy_threads,
                                  ready_file=ready_file, stop_event=leave,
                                  withdraw_reason=lambda: MOVED if moving() else "shutdown", drain_s=drain_s,
-                                 drain_interrupted=stop_event)
+                                 process_stop=stop_event)
     finally:
         watcher.cancel()
         await asyncio.gather(watcher, return_exceptions=True)
