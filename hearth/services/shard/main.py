@@ -32,6 +32,7 @@ from hearth.services.broker.connection import connect_nats, drain_or_close, unti
 from hearth.services.shard.faults import ShardFault
 from hearth.services.shard.memory_plan import estimated_need, kv_reserve_bytes, measured_need, refusal
 from hearth.services.shard.compute import ShardCompute
+from hearth.services.shard.metrics import ServingStats
 from hearth.services.shard.server import ShardIdentity, ShardServer
 from hearth.services.weights_store import WeightsStoreError, resolve_model_source, store_model_name
 
@@ -259,11 +260,13 @@ async def serve_loaded_shard(loaded: LoadedShard, *, nats_url: str | None, setti
                              stop_event: asyncio.Event,
                              withdraw_reason: Callable[[], str] = lambda: "shutdown",
                              drain_s: Callable[[], float] = lambda: 0.0,
-                             process_stop: asyncio.Event | None = None) -> None:
+                             process_stop: asyncio.Event | None = None,
+                             serving: asyncio.Event | None = None) -> ServingStats:
     """Connect, advertise and serve a loaded range until `stop_event`; then withdraw and free it. When `drain_s()` is
     more than 0 then (a `hearth host` moving), it withdraws first and lets the calls open here end (at most that
     long, less if the process is stopped meanwhile) before it closes what is left. `process_stop`: the process's stop
-    (SIGTERM), when it is not `stop_event` itself; a stop too lets the calls open here end first (drain_for_stop)."""
+    (SIGTERM), when it is not `stop_event` itself; a stop too lets the calls open here end first (drain_for_stop).
+    `serving` is set once the range is advertised. Returns the figures it served with (its heartbeats')."""
     process_stop = stop_event if process_stop is None else process_stop
     runner, identity = loaded.runner, loaded.identity
     shard_id, lo, hi = identity.shard_id, identity.layer_lo, identity.layer_hi
@@ -292,6 +295,8 @@ async def serve_loaded_shard(loaded: LoadedShard, *, nats_url: str | None, setti
         if ready_file:
             with open(ready_file, "w") as handle:
                 handle.write(shard_id)
+        if serving is not None:
+            serving.set()
         # A connection nats-py closed for good would leave the shard advertised but unreachable: it stops instead. So
         # does one that learns late that another process keeps its id (hearth/services/shard/claim.py).
         await server.serve_until(until_stopped_or_closed(nc, stop_event, f"shard {shard_id}"))
@@ -302,6 +307,7 @@ async def serve_loaded_shard(loaded: LoadedShard, *, nats_url: str | None, setti
             await server.drain(drain_timeout_s, process_stop)
         if process_stop.is_set():
             await drain_for_stop(server, settings.shard.stop_drain_timeout_s, withdraw_reason(), process_stop)
+        return compute.stats
     finally:
         await server.stop(withdraw_reason())
         await compute.close()
