@@ -20,6 +20,7 @@ from hearth.protocol.control import CloseHop, ControlReply, OpenHop, ShardStat, 
 from hearth.protocol.subjects import shard_control_subject, shard_id_for
 from hearth.services.broker.connection import connect_nats
 from hearth.services.common.config import HearthSettings
+from hearth.services.common.lifecycle import stop_deadline_s
 from tests.integration.test_cli_faults import HEARTH, MODEL, Process, needs_model, started  # noqa: F401 (fixture)
 from tests.integration.tiny_shard_server import CONTEXT
 
@@ -96,6 +97,7 @@ async def test_a_stopped_shard_withdraws_and_serves_the_call_in_flight_until_it_
                 await ask(client, CloseHop(pipeline_id="later-call").model_dump_json().encode(), subject)
                 await asyncio.sleep(0.1)
         assert refused.code == "withdrawn", refused
+        await asyncio.sleep(stop_deadline_s + 1)  # past the stop deadline a process without calls gets
         # Before, the stop closed the call's hop at once (the orchestrator failed over, blaming this shard).
         stat = await client.request(subject, StatShard().model_dump_json().encode(), timeout=reply_timeout_s)
         assert ShardStat.model_validate_json(stat.data).open_pipelines == ["call"]
@@ -109,14 +111,16 @@ async def test_a_stopped_shard_withdraws_and_serves_the_call_in_flight_until_it_
 
 
 @needs_model
-async def test_a_second_sigterm_ends_a_draining_shard_at_once(nats_server, started):
-    process = started(shard_args(nats_server.url), **ENV)
+@pytest.mark.parametrize("command", ["shard", "host"])
+async def test_a_second_sigterm_ends_a_draining_shard_at_once(command, nats_server, started):
+    process = started(shard_args(nats_server.url, command), **ENV)
+    subject = shard_control_subject(NODE, SHARD_IDS[command])
     async with client_of(nats_server.url) as client:
-        await serving_a_call(process, client)
+        await serving_a_call(process, client, command)
         process.popen.send_signal(signal.SIGTERM)
         async with asyncio.timeout(30):
-            while (await ask(client, open_request("later-call"))).ok:
-                await ask(client, CloseHop(pipeline_id="later-call").model_dump_json().encode())
+            while (await ask(client, open_request("later-call"), subject)).ok:
+                await ask(client, CloseHop(pipeline_id="later-call").model_dump_json().encode(), subject)
                 await asyncio.sleep(0.1)
         assert process.popen.poll() is None, process.output()
         process.popen.send_signal(signal.SIGTERM)
