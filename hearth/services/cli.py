@@ -27,6 +27,7 @@ from hearth.services.cli_options import (
     EXIT_BAD_INPUT,
     HostNodeIdOption,
     ModelIdOption,
+    SHARD_STOPPING_HELP,
     STOPPING_HELP,
     ConfigOption,
     CredsOption,
@@ -108,7 +109,7 @@ def main_options(
 app.command("nats", epilog=NATS_HELP_EPILOG)(nats_command)
 app.command("status")(status_command)
 app.command("gateway", epilog=STOPPING_HELP)(gateway_command)
-app.command("host", epilog=STOPPING_HELP)(host_command)
+app.command("host", epilog=SHARD_STOPPING_HELP)(host_command)
 
 
 @app.command("projector", epilog=STOPPING_HELP)
@@ -144,7 +145,7 @@ def projector_command(
 
 
 
-@app.command("shard", epilog=STOPPING_HELP)
+@app.command("shard", epilog=SHARD_STOPPING_HELP)
 @long_running("hearth shard")
 def shard_command(
     ctx: typer.Context,

@@ -65,6 +65,10 @@ WaitForNatsOption = Annotated[
 STOPPING_HELP = ("SIGINT (Ctrl-C) or SIGTERM stops it within 2 s with exit code 0. NATS unreachable for "
                  "nats.connect_timeout_s of the configuration ends it with one line and exit code 1, unless "
                  "--wait-for-nats.")
+SHARD_STOPPING_HELP = ("SIGINT (Ctrl-C) or SIGTERM withdraws it at once and lets the calls going through it end, "
+                       "for at most shard.stop_drain_timeout_s of the configuration, before it exits with code 0 "
+                       "(without calls: within 2 s); a second signal exits at once. NATS unreachable for "
+                       "nats.connect_timeout_s ends it with one line and exit code 1, unless --wait-for-nats.")
 EXIT_BROKER_UNREACHABLE = 1
 EXIT_BAD_INPUT = 2
 EXIT_REFUSED = 1

@@ -1,5 +1,6 @@
 """Failover from shards that stay connected but misbehave: frozen (SIGSTOP), slow (`--fault delay_s`), returning
-NaN or activations x 1e4; routing health: re-advertisement, withdrawal; and, last, a broker restart mid-run.
+NaN or activations x 1e4; routing health: re-advertisement, withdrawal, a stopped shard's drain; and, last, a broker
+restart mid-run.
 One mesh serves the module: honest shards h0-h2 (hop_weight 1, with /metrics) over layers 0-1, 2-3, 4-5, an
 orchestrator with a 1 s step timeout, and a `hearth projector` process. Each fault test starts its own
 preferred shard x (hop_weight 0.5, so it is the one routed to), breaks it mid-generation, and stops it at the
@@ -187,6 +188,27 @@ async def test_withdrawn_shard_is_not_routed_to_until_it_advertises_again(mesh, 
     back = await preferred("x-withdraws", 2)  # same node, same shard_id: it advertises again
     again = await stream_with_action(nc, chat_request(max_tokens=2))
     assert back.shard_id == node.shard_id and back.shard_id in again.first_hops
+
+
+async def test_a_shard_stopped_mid_call_lets_the_call_end_and_takes_no_new_one(mesh, reference, nc, preferred):
+    """SIGTERM reaches a shard a call goes through: it withdraws at once and serves the call to its end (same greedy
+    tokens, no failover, nobody blamed), then exits; the next call is routed around it. Before, it stopped at once
+    and the call failed over."""
+    leaving = await preferred("x-leaves", 1)
+    call = await stream_with_action(nc, chat_request(), lambda: leaving.process.signal(signal.SIGTERM))
+    assert leaving.shard_id in call.first_hops
+    assert call.final.type == "done", call.final
+    assert call.token_ids == reference.token_ids
+    assert call.of_type("shard_failover") == [] and call.of_type("shard_status") == []
+    events = await pipeline_events(nc, call.pipeline_id)
+    assert not [e.event.type for e in events if e.event.type in ("pipeline.failover", "pipeline.shard_status")]
+    assert await asyncio.to_thread(leaving.process.popen.wait, 30) == 0
+    withdrawals = [e.event.reason for e in await read_events(nc, SHARDS_STREAM)
+                   if isinstance(e.event, ShardWithdrawn) and e.event.shard_id == leaving.shard_id]
+    assert withdrawals == ["shutdown"]
+    await mesh.wait_routing("shards", leaving.shard_id, lambda row: row["status"] == "withdrawn")
+    after = await stream_with_action(nc, chat_request(max_tokens=2))
+    assert after.final.type == "done" and leaving.shard_id not in after.first_hops
 
 
 async def test_shards_re_advertise_within_their_ttl(mesh, nc):

@@ -2,7 +2,8 @@
 their own layers from the mesh's coverage and together serve a model none of them could hold, with generate()'s
 greedy output and each host's measured memory within its budget; when a host leaves, one of two hosts holding the
 same layers moves to fill the hole; a host killed and restarted at once takes its own layers back; a host killed
-for good has its layers taken over once its silence passes the health timeout."""
+for good has its layers taken over once its silence passes the health timeout; a host killed while it moves holds
+the others back only until its silence passes the health timeout."""
 
 from __future__ import annotations
 
@@ -17,13 +18,17 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hearth.events.consume import read_stream
-from hearth.events.models import ShardAdvertised
+from hearth.events.models import ShardAdvertised, ShardWithdrawn
+from hearth.inference import weights_sha256
+from hearth.protocol.control import OpenHop
+from hearth.protocol.subjects import shard_control_subject
 from hearth.events.streams import SHARDS_STREAM
 from hearth.services.devtools.local_cluster import LocalCluster
 from hearth.services.client.chat import chat
 from hearth.protocol.chat import ChatRequest
 from hearth.services.broker.connection import connect_nats
 from tests.e2e.conftest import TINY_MODEL_NAME, start_orchestrator
+from tests.e2e.failover_support import open_hop_as_orchestrator
 
 pytestmark = pytest.mark.e2e
 
@@ -62,11 +67,11 @@ async def ask(cluster: LocalCluster):
     return result.token_ids, result.frames_of("pipeline")[0].hops
 
 
-async def advertisements(cluster: LocalCluster) -> list[ShardAdvertised]:
+async def advertisements(cluster: LocalCluster, of_type: type = ShardAdvertised) -> list:
     nc = await connect_nats(cluster.nats_url, name="e2e-reader", settings=cluster.nats_settings())
     try:
         async with contextlib.aclosing(read_stream(nc.jetstream(), SHARDS_STREAM)) as messages:
-            return [m.event async for m in messages if isinstance(getattr(m, "event", None), ShardAdvertised)]
+            return [m.event async for m in messages if isinstance(getattr(m, "event", None), of_type)]
     finally:
         await asyncio.wait_for(nc.close(), timeout=5)
 
@@ -166,3 +171,48 @@ async def test_a_killed_hosts_layers_are_taken_over_once_its_silence_passes_the_
     token_ids, hops = await ask(cluster)
     assert token_ids == expected
     assert len(hops) == 3 and "@host-b" not in hops[1]
+
+
+async def test_a_host_killed_while_it_moves_holds_the_others_back_only_until_its_silence_passes_the_health_timeout(
+        cluster, tiny_models_dir):
+    """While a host moves (its range withdrawn as `moved`, its new one not advertised yet) the others decide no move
+    of their own. One killed then (SIGKILL: it says nothing more) held them back the whole `move_wait_max_s` (300 s)
+    before they filled the hole it was going to; now its move counts only while it is heard from (its heartbeats go
+    on while it drains and loads), and another host fills the hole once its silence passes the health timeout."""
+    path = tiny_models_dir / TINY_MODEL_NAME
+    budget_mb = 0.4 * checkpoint_weight_bytes(path) / 2**20  # two of the six layers
+    cluster.extra_env.update({SHARD_ENV + "KV_CACHE_BUDGET_MB": "0.02", HOST_ENV + "REBALANCE_CHECK_INTERVAL_S": "0.3",
+                              HOST_ENV + "REBALANCE_HOLD_S": "1", SHARD_ENV + "HEARTBEAT_INTERVAL_S": "1",
+                              "HEARTH_RESEARCH__DISTRIBUTED_INFERENCE__SHARD_HEALTH_TIMEOUT_S": "5",
+                              # The test's hop on the mover sends no keepalives: it keeps the mover draining.
+                              "HEARTH_TRANSPORT__ORPHAN_TIMEOUT_S": "600"})
+    mover = cluster.start_host(str(path), budget_mb, node_id="host-a")  # 0-1, the first to move (hold 1 s)
+    cluster.extra_env[HOST_ENV + "REBALANCE_HOLD_S"] = "6"
+    leaving = [cluster.start_host(str(path), budget_mb, node_id=f"host-{name}") for name in "bc"][1]  # 2-3, 4-5
+    for name in "de":  # 0-1 and 2-3 again: host-e (turn 1 on 2-3) can fill a hole only after host-b has
+        cluster.start_host(str(path), budget_mb, node_id=f"host-{name}")
+    held = [(a.node_id, a.layer_lo) for a in await advertisements(cluster)]
+    assert held == [("host-a", 0), ("host-b", 2), ("host-c", 4), ("host-d", 0), ("host-e", 2)], held
+    client = await connect_nats(cluster.nats_url, name="e2e-client", settings=cluster.nats_settings())
+    try:  # a call going through host-a's layers keeps it draining once it moves
+        opened = await open_hop_as_orchestrator(
+            client, cluster, shard_control_subject("host-a", f"{TINY_MODEL_NAME}:0-1@host-a"), OpenHop(
+                pipeline_id="call", session_id="s", hop=0, hop_count=1, model_id=TINY_MODEL_NAME,
+                weights_sha256=weights_sha256(path), layer_lo=0, layer_hi=1, max_session_tokens=64), timeout_s=10)
+        assert opened.ok, opened
+        leaving.stop()  # host-c withdraws: layers 4-5 are a hole, and host-a moves first to fill it
+        deadline = time.monotonic() + MOVE_TIMEOUT_S
+        while not [w for w in await advertisements(cluster, ShardWithdrawn)
+                   if w.node_id == "host-a" and w.reason == "moved"]:
+            assert time.monotonic() < deadline, "host-a did not move"
+            await asyncio.sleep(0.3)
+        mover.signal(signal.SIGKILL)  # while it drains its call
+        mover.popen.wait(timeout=30)
+        killed_at = time.monotonic()
+        while not (fillers := {a.node_id for a in await advertisements(cluster) if a.layer_lo == 4} - {"host-c"}):
+            assert time.monotonic() - killed_at < MOVE_TIMEOUT_S, "nobody filled layers 4-5"
+            await asyncio.sleep(0.5)
+    finally:
+        await asyncio.wait_for(client.close(), timeout=5)
+    print(f"layers 4-5 advertised again {time.monotonic() - killed_at:.1f} s after their mover was killed")
+    assert fillers == {"host-b"}, fillers

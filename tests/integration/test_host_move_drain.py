@@ -1,7 +1,8 @@
 """A `hearth host` that moves to fill a hole while a call goes through its range lets that call end first: the range
 is withdrawn at once (new calls are routed elsewhere, and an `open` that still reaches it is refused `withdrawn`),
 the open hop keeps being served until its orchestrator closes it, and only then is the range stopped; a call that
-does not end within `move_drain_timeout_s` is closed then. Real nats-server, the bundled tiny model's layers."""
+does not end within `move_drain_timeout_s` is closed then; a host stopped while it drains lets the call end too
+(within `[shard] stop_drain_timeout_s`). Real nats-server, the bundled tiny model's layers."""
 
 from __future__ import annotations
 
@@ -9,15 +10,16 @@ import asyncio
 import contextlib
 
 from hearth.events.consume import read_stream
-from hearth.events.models import ShardWithdrawn
-from hearth.events.streams import SHARDS_STREAM
+from hearth.events.models import ShardHeartbeat, ShardWithdrawn
+from hearth.events.streams import SHARDS_STREAM, ensure_streams
 from hearth.inference import weights_sha256
 from hearth.protocol.control import CloseHop, ControlReply, OpenHop, ShardStat, StatShard
 from hearth.protocol.subjects import shard_control_subject, shard_id_for
 from hearth.services.broker.connection import connect_nats
 from hearth.services.common.config import HearthSettings
-from hearth.services.host.main import _serve_until_moved
+from hearth.services.host.main import Move, _serve_until_moved, heartbeats_while_moving
 from hearth.services.host.planner import LayerRange
+from hearth.services.shard.metrics import ServingStats
 from tests.integration.tiny_shard_server import CONTEXT, MODEL
 
 LAYERS = 6
@@ -122,7 +124,8 @@ async def test_a_call_that_outlasts_the_drain_is_closed_and_the_host_moves_on(na
 async def test_a_host_stopped_while_it_drains_says_its_move_will_not_land(nats_server):
     """Its range was withdrawn as `moved`: other hosts hold their own moves while one is under way. Stopped before
     the new range was loaded, the host withdraws it again as a shutdown, and they decide again at once (before,
-    they had no way to tell, and would wait the whole move_wait_max_s)."""
+    they had no way to tell, and would wait the whole move_wait_max_s). The call going through it still ends well:
+    a stop too lets it end, for at most `[shard] stop_drain_timeout_s`."""
     async with moving_host(nats_server.url, drain_s=60.0) as (served, coverage, client, subject):
         assert (await ask(client, subject, open_request("call"))).ok
         coverage.hole.set()
@@ -131,10 +134,43 @@ async def test_a_host_stopped_while_it_drains_says_its_move_will_not_land(nats_s
                 await ask(client, subject, CloseHop(pipeline_id="later-call").model_dump_json().encode())
                 await asyncio.sleep(0.1)
         coverage.stop_event.set()  # SIGTERM while the call goes on
+        await asyncio.sleep(0.5)
+        stat = await client.request(subject, StatShard().model_dump_json().encode(), timeout=reply_timeout_s)
+        assert ShardStat.model_validate_json(stat.data).open_pipelines == ["call"] and not served.done()
+        assert (await ask(client, subject, CloseHop(pipeline_id="call").model_dump_json().encode())).ok
         assert await asyncio.wait_for(served, timeout=30) is None
     shard_id = shard_id_for("tiny", 0, 1, NODE)
     assert [event.reason for event in await shard_events(nats_server.url)
             if isinstance(event, ShardWithdrawn) and event.shard_id == shard_id] == ["moved", "shutdown"]
+
+
+async def test_a_moving_host_heartbeats_the_range_it_left_until_its_new_one_is_advertised(nats_server):
+    """Others hold their moves while one is under way, only while they hear from the mover (CoverageReader.
+    move_under_way): while it loads the new range its heartbeats of the range it left go on, with the figures that
+    range served with (the read model's token count of that shard stays), and stop once the new range is
+    advertised."""
+    settings = HearthSettings()
+    settings = settings.model_copy(update={"shard": settings.shard.model_copy(update={"heartbeat_interval_s": 0.2})})
+    served = ServingStats(tokens_served_total=7)
+    left = shard_id_for("tiny", 0, 1, NODE)
+    landed = asyncio.Event()
+    nc = await connect_nats(nats_server.url, name="host-under-test", settings=settings.nats)
+    try:
+        await ensure_streams(nc.jetstream())
+        beating = asyncio.create_task(heartbeats_while_moving(nc, settings, NODE, Move(LayerRange(2, 3), left, served),
+                                                              landed))
+        await asyncio.sleep(1.0)  # loading
+        landed.set()
+        await asyncio.wait_for(beating, timeout=5)
+        beats = [event for event in await shard_events(nats_server.url) if isinstance(event, ShardHeartbeat)]
+        assert len(beats) >= 3, beats
+        assert {(beat.shard_id, beat.node_id, beat.tokens_served_total, beat.active_streams) for beat in beats} == {
+            (left, NODE, 7, 0)}
+        await asyncio.sleep(0.6)
+        assert len([event for event in await shard_events(nats_server.url) if isinstance(event, ShardHeartbeat)]) \
+            == len(beats)
+    finally:
+        await nc.close()
 
 
 async def shard_events(nats_url: str) -> list:

@@ -14,7 +14,9 @@ from hearth.services.common.config import HearthSettings
 from hearth.services.host.coverage import CoverageReader
 from hearth.services.host.planner import LayerRange, better_range, choose_range, widest_fit
 from hearth.services.orchestrator.router import ShardRouter
-from tests.readmodel_helpers import MODEL_ID, T0, WEIGHTS_SHA, LogBuilder, advertised, apply_all, at, migrated_engine
+from tests.readmodel_helpers import (
+    MODEL_ID, T0, WEIGHTS_SHA, LogBuilder, advertised, apply_all, at, heartbeat, migrated_engine,
+)
 
 LAYERS = 8
 LAYER_BYTES = [100] * LAYERS
@@ -255,6 +257,23 @@ async def test_a_move_is_under_way_until_its_node_advertises_another_range_or_sa
     mesh.withdraw(landed, "a", reason="moved", t=3)  # moving on again: under way until it says it will not land
     assert await coverage.move_under_way(600)
     mesh.withdraw(landed, "a", reason="shutdown", t=4)
+    assert not await coverage.move_under_way(600)
+
+
+async def test_a_move_is_under_way_only_while_its_host_is_heard_from(mesh):
+    """A mover killed mid-move (SIGKILL: no withdrawal `shutdown` follows) held the others back for the whole
+    `move_wait_max_s`; its heartbeats of the range it left go on while it moves, and the move counts only while they
+    do (the health timeout, 30 s here), as a killed host's own range does."""
+    coverage = mesh.coverage()
+    left = mesh.add(0, 1, "a")
+    mesh.withdraw(left, "a", reason="moved", t=1)
+    mesh.now = epoch_s(T0) + 30
+    assert await coverage.move_under_way(600)  # withdrawn 29 s ago: within the health timeout
+    mesh.now = epoch_s(T0) + 40
+    assert not await coverage.move_under_way(600)  # silent 39 s: killed, it will not land
+    apply_all(mesh.engine, [mesh.log.stored(heartbeat(left, t=38, node="a"))])  # draining or loading: alive
+    assert await coverage.move_under_way(600)
+    mesh.now = epoch_s(T0) + 70
     assert not await coverage.move_under_way(600)
 
 

@@ -85,8 +85,9 @@ class HostSettings(ConfigSection):
     move_wait_max_s: float = Field(
         default=300.0, ge=0,
         description="`hearth host`: while another host moves (its old range withdrawn, its new one not yet "
-                    "advertised: draining, then loading), it decides no move of its own, so that both do not fill "
-                    "the same hole; for at most this long per hole, whatever the mesh says")
+                    "advertised: draining, then loading) and is heard from (its heartbeats, within "
+                    "shard_health_timeout_s), it decides no move of its own, so that both do not fill the same "
+                    "hole; for at most this long per hole, whatever the mesh says")
     dtype: Literal["auto", "fp32", "bf16", "fp16"] = Field(
         default="auto", description="compute dtype: auto is bf16 on CUDA (fp16 where bf16 is unsupported), fp32 on "
                                     "the CPU; --dtype wins")

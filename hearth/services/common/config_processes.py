@@ -244,6 +244,12 @@ class ShardSettings(ConfigSection):
         description="where a shard host keeps each event it says once (its withdrawal) until it is stored, to write "
                     "it once the broker takes it, after a kill too (a SQLite file per process, locked; default "
                     "$XDG_STATE_HOME/hearth/shard-event-outbox, else ~/.local/state/hearth/shard-event-outbox)")
+    stop_drain_timeout_s: float = Field(
+        default=10.0, ge=0, le=max_event_duration_s,
+        description="stopped (SIGTERM, Ctrl-C), a shard (`hearth shard`, `hearth host`) withdraws at once (no new "
+                    "call is routed to it) and waits this long at most for the calls going through it to end before "
+                    "it closes what is left and exits (0: it closes them at once, and they fail over); a second "
+                    "signal ends the wait")
     max_batch_sessions: int = Field(
         default=8, ge=1, description="steps of this many sessions at most run as one batched step: decode steps, "
                                       "and on a CPU prefills shorter than prefill_slice_min_tokens (1: none)")

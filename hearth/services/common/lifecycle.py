@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from typing import Any, NoReturn, TypeVar
@@ -64,6 +65,7 @@ class StopRequested(BaseException):
 
 _deadline_lock = threading.Lock()
 _deadline_timer: threading.Timer | None = None
+_deadline_due = 0.0  # time.monotonic() when it fires
 
 
 def start_stop_deadline(seconds: float | None = None) -> None:
@@ -72,11 +74,28 @@ def start_stop_deadline(seconds: float | None = None) -> None:
     The shutdown a process does itself (withdraw, drain, flush) is bounded by its own timeouts; this is the
     bound on everything else: a worker thread still loading weights keeps an interpreter from exiting.
     """
-    global _deadline_timer
+    global _deadline_timer, _deadline_due
     with _deadline_lock:
         if _deadline_timer is not None:
             return
-        _deadline_timer = threading.Timer(stop_deadline_s if seconds is None else seconds, _exit_now)
+        seconds = stop_deadline_s if seconds is None else seconds
+        _deadline_timer, _deadline_due = threading.Timer(seconds, _exit_now), time.monotonic() + seconds
+        _deadline_timer.daemon = True
+        _deadline_timer.start()
+
+
+def restart_stop_deadline(wait_s: float = 0.0, *, only_sooner: bool = False) -> None:
+    """Once a stop is requested (its deadline started), put the deadline stop_deadline_s after `wait_s` from now
+    (`only_sooner`: unless it is due sooner already): later while a shard drains its calls (`wait_s`, its own bound),
+    sooner at a second signal. Nothing before a stop."""
+    global _deadline_timer, _deadline_due
+    with _deadline_lock:
+        seconds = wait_s + stop_deadline_s
+        due = time.monotonic() + seconds
+        if _deadline_timer is None or (only_sooner and due >= _deadline_due):
+            return
+        _deadline_timer.cancel()
+        _deadline_timer, _deadline_due = threading.Timer(seconds, _exit_now), due
         _deadline_timer.daemon = True
         _deadline_timer.start()
 
@@ -153,6 +172,21 @@ def _loop_signal_handlers(loop: asyncio.AbstractEventLoop, handler: Callable[...
                 signal.signal(signum, previous[signum])
 
 
+class StopEvent(asyncio.Event):
+    """The stop of a process run by run_until_stopped: set by the first SIGINT/SIGTERM; `again` is set by a later one,
+    which asks for the stop at once (a draining shard closes what it still serves)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.again = asyncio.Event()
+
+
+def stop_again_event(stop_event: asyncio.Event) -> asyncio.Event:
+    """What a second signal sets: `stop_event.again` for a StopEvent, else an event never set (a stop set in-process,
+    by a test or a caller of its own, has no second signal)."""
+    return stop_event.again if isinstance(stop_event, StopEvent) else asyncio.Event()
+
+
 async def event_within(event: asyncio.Event, timeout_s: float) -> bool:
     """Whether `event` is set within `timeout_s`. Not asyncio.wait_for: on Python 3.11 one whose wait is over in the
     very turn a cancellation lands swallows it, and the task being stopped goes on (its stop waits for ever)."""
@@ -219,14 +253,20 @@ async def unless_stopped(awaitable: Awaitable[T], stop_event: asyncio.Event) -> 
 def run_until_stopped(main: Callable[[asyncio.Event], Awaitable[T]]) -> T | None:
     """Run `main(stop_event)` (run_event_loop) until it returns; None after a requested stop.
 
-    SIGINT/SIGTERM set the event and start the stop deadline; `main` does its own shutdown, and wraps
-    its start-up steps in `unless_stopped` so that a stop before it serves ends it as well.
+    SIGINT/SIGTERM set the event (a StopEvent) and start the stop deadline; `main` does its own shutdown, and wraps
+    its start-up steps in `unless_stopped` so that a stop before it serves ends it as well. A later signal sets the
+    event's `again` and puts the deadline stop_deadline_s from then (a shard that drains its calls past the first
+    deadline, restart_stop_deadline, stops draining).
     """
 
     async def runner() -> T | None:
-        stop_event = asyncio.Event()
+        stop_event = StopEvent()
 
         def stop(signum: int) -> None:
+            if stop_event.is_set():
+                stop_event.again.set()
+                restart_stop_deadline(only_sooner=True)
+                return
             start_stop_deadline()
             stop_event.set()
 

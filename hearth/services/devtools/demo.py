@@ -9,7 +9,8 @@ Output: progress lines while starting go to stderr; the hop chain, the streamed 
 mark wherever the chain of shard hosts changes, e.g. after a failover), and a summary go to stdout.
 Exit code 0 after a complete answer and after a requested stop (Ctrl-C, SIGTERM, a closed terminal) at
 any point, 1 when something failed to start or the answer ended in an error. A stop ends every process
-the demo started, each within services.common.lifecycle.stop_deadline_s.
+the demo started, each within services.common.lifecycle.stop_deadline_s (a shard that a call still goes through,
+once the stopping orchestrator has closed its hops, or the shard dropped them as orphans: shard.main.drain_for_stop).
 """
 
 from __future__ import annotations

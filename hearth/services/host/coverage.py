@@ -61,7 +61,10 @@ class CoverageReader:
 
     async def move_under_way(self, within_s: float) -> bool:
         """Whether a host is moving: it withdrew a range of these weights and scheme as MOVED under `within_s` ago,
-        and its node has advertised no other range since (it drains, then loads the new one, a hole until then)."""
+        its node has advertised no other range since (it drains, then loads the new one, a hole until then), and it
+        is still heard from: the moving host heartbeats the range it left until the new one is advertised
+        (host.main.heartbeats_while_moving), so one killed mid-move holds the others back for the health timeout,
+        as a killed host's range does, not for `within_s`."""
         shards, _ = await self._live_shards()
         now = self.router.now()
         ours = [shard for shard in shards
@@ -71,8 +74,12 @@ class CoverageReader:
             return any(shard.node_id == moved.node_id and shard.shard_id != moved.shard_id
                        and shard.advertised_at >= moved.withdrawn_at for shard in ours)
 
+        def heard_from(moved: ShardCandidate) -> bool:
+            return now - max(moved.withdrawn_at, moved.last_seen or 0) <= self.router.health_timeout_s
+
         return any(shard.withdrawn_reason == MOVED and shard.withdrawn_at is not None
-                   and now - shard.withdrawn_at < within_s and not landed(shard) for shard in ours)
+                   and now - shard.withdrawn_at < within_s and not landed(shard) and heard_from(shard)
+                   for shard in ours)
 
     def _counted(self, shard: ShardCandidate, alive: Callable[[ShardCandidate], bool]) -> bool:
         return (shard.weights_sha256 == self.weights_sha256 and shard.quantization == self.quantization

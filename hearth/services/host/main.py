@@ -8,7 +8,8 @@ model_layout.py before anything is fetched, and only the chosen range is then do
 
 Coverage comes from a read model this process keeps itself (an in-process projector of the shard events on a
 temporary SQLite file), read as hearth/services/host/coverage.py says. A move withdraws the old range at once, lets
-the calls going through it end, then loads the new one; the others wait for it meanwhile.
+the calls going through it end, then loads the new one; the others wait for it meanwhile, while they hear its
+heartbeats of the range it left (heartbeats_while_moving).
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ from pathlib import Path
 import torch
 from nats.aio.client import Client as NatsClient
 
-from hearth.events.models import ShardWithdrawn
+from hearth.events.cancellation import keeping_cancellation
+from hearth.events.models import ShardHeartbeat, ShardWithdrawn
+from hearth.events.publish import publish_event
 from hearth.events.streams import SHARDS_STREAM
 from hearth.inference import InferenceError
 from hearth.inference.cache_ranges import release_range
@@ -36,7 +39,7 @@ from hearth.readmodels.runner import Projector
 from hearth.services.common.config import HearthSettings
 from hearth.services.common.config_processes import ShardSettings, serve_shards_refused
 from hearth.services.common.event_trust import event_signing_key, event_verifier, stream_setup
-from hearth.services.common.lifecycle import Stopped, unless_stopped
+from hearth.services.common.lifecycle import Stopped, event_within, unless_stopped
 from hearth.services.common.metrics import serve_process_metrics
 from hearth.services.common.scratch_folders import ScratchFolder
 from hearth.services.broker.connection import connect_nats, drain_or_close, until_stopped_or_closed
@@ -55,6 +58,7 @@ from hearth.services.shard.main import (
 from hearth.services.shard.claim import ShardIdTaken
 from hearth.services.shard.kept_events import say_once_alone, shard_outbox_dir
 from hearth.services.shard.memory_plan import kv_reserve_bytes
+from hearth.services.shard.metrics import ServingStats
 from hearth.services.weights_store import WeightsStoreError
 
 log = logging.getLogger(__name__)
@@ -62,10 +66,12 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Move:
-    """A move decided and drained: the range to serve next, and the shard left for it (withdrawn as MOVED)."""
+    """A move decided and drained: the range to serve next, the shard left for it (withdrawn as MOVED) and the
+    figures that shard served with (its heartbeats go on while the host moves: heartbeats_while_moving)."""
 
     to: LayerRange
     left: str
+    served: ServingStats
 
 
 # A KV reserve left at its default takes at most this share of a `--memory-budget-mb` (the default alone can exceed
@@ -197,7 +203,7 @@ async def run_host(*, model: str, memory_budget_mb: float | None, nats_url: str 
             gone = await unless_stopped(earlier_shards_gone(coverage, nc, node, settings), stop_event)
             chosen = choose_range(await coverage.replicas(leave_out=gone), layer_bytes, weights_budget)
             taken: set[LayerRange] = set()
-            arriving_from: str | None = None  # the shard this host withdrew as MOVED to serve `chosen`
+            arriving: Move | None = None  # the move this host is making to serve `chosen`
             while chosen is not None and not stop_event.is_set():  # None: stopped (a layer fits, checked above)
                 log.info("host %s: serving layers %s of %s in %s (coverage: %s)", node, chosen, served_id,
                          scheme.label, await coverage.replicas())
@@ -207,8 +213,8 @@ async def run_host(*, model: str, memory_budget_mb: float | None, nats_url: str 
                                                     nats_url=nats_url, layer_bytes=layer_bytes,
                                                     weights_budget=weights_budget, busy_threads=busy_threads,
                                                     ready_file=ready_file, stop_event=stop_event, gone=gone,
-                                                    arriving_from=arriving_from)
-                    chosen, arriving_from = (move.to, move.left) if move is not None else (None, None)
+                                                    arriving=arriving)
+                    chosen, arriving = (move.to if move is not None else None), move
                 except ShardIdTaken:
                     taken.add(chosen)
                     if (chosen := await range_besides_taken(coverage, taken, gone, layer_bytes,
@@ -241,19 +247,41 @@ async def _serve_until_moved(chosen: LayerRange, coverage: CoverageReader, nc: N
                              settings: HearthSettings, device: str | None, dtype: str | None, nats_url: str | None,
                              layer_bytes: list[int], weights_budget: int, busy_threads: int | None,
                              ready_file: str | None, stop_event: asyncio.Event,
-                             gone: Set[str] = frozenset(), arriving_from: str | None = None) -> Move | None:
+                             gone: Set[str] = frozenset(), arriving: Move | None = None) -> Move | None:
     """Serve `chosen` until stopped (returns None) or until a hole is worth moving to (returns the Move, once the
-    calls going through `chosen` have ended); `arriving_from`: the shard this host withdrew as MOVED to come here,
-    whose move is said abandoned (say_move_abandoned) when `chosen` does not load, as is this one's when a stop
-    comes while it drains. BrokerConnectionClosed when the host's own connection `nc` is closed for good (it could
-    no longer see holes), and the error of a failed read of the coverage likewise."""
+    calls going through `chosen` have ended); `arriving`: the move that brings this host here, whose left shard
+    goes on heartbeating until `chosen` is advertised (heartbeats_while_moving), and whose move is said abandoned
+    (say_move_abandoned) when `chosen` does not load, as is this one's when a stop comes while it drains (it then
+    lets the calls end for at most `[shard] stop_drain_timeout_s`, as any stop does: shard.main.drain_for_stop).
+    BrokerConnectionClosed when the host's own connection `nc` is closed for good (it could no longer see holes),
+    and the error of a failed read of the coverage likewise."""
+    landed = asyncio.Event()  # `chosen` advertised: the move that brought the host here is over
+    beats = None if arriving is None else asyncio.create_task(
+        heartbeats_while_moving(nc, settings, node, arriving, landed), name="host-move-heartbeats")
+    try:
+        return await _serve_range(chosen, coverage, nc, model=model, model_id=model_id, node=node, settings=settings,
+                                  device=device, dtype=dtype, nats_url=nats_url, layer_bytes=layer_bytes,
+                                  weights_budget=weights_budget, busy_threads=busy_threads, ready_file=ready_file,
+                                  stop_event=stop_event, gone=gone, arriving=arriving, landed=landed)
+    finally:
+        if beats is not None:
+            beats.cancel()
+            await asyncio.gather(beats, return_exceptions=True)
+
+
+async def _serve_range(chosen: LayerRange, coverage: CoverageReader, nc: NatsClient, *, model: str, model_id: str,
+                       node: str, settings: HearthSettings, device: str | None, dtype: str | None,
+                       nats_url: str | None, layer_bytes: list[int], weights_budget: int, busy_threads: int | None,
+                       ready_file: str | None, stop_event: asyncio.Event, gone: Set[str], arriving: Move | None,
+                       landed: asyncio.Event) -> Move | None:
+    """_serve_until_moved's work; `landed` is set once `chosen` is advertised."""
     try:
         loaded = await load_shard(model=model, lo=chosen.lo, hi=chosen.hi, node=node, settings=settings,
                                   model_id=model_id, device=device, dtype=dtype, quantize=coverage.quantization,
                                   stop_event=stop_event, nats_url=nats_url)
     except BaseException:
-        if arriving_from is not None:
-            await say_move_abandoned(nc, settings, node, arriving_from)
+        if arriving is not None:
+            await say_move_abandoned(nc, settings, node, arriving.left)
         raise
     shard_id = loaded.identity.shard_id
     leave = asyncio.Event()
@@ -280,7 +308,7 @@ async def _serve_until_moved(chosen: LayerRange, coverage: CoverageReader, nc: N
             await asyncio.gather(stop_task, hole_task, return_exceptions=True)
             leave.set()
 
-    def moving() -> bool:  # a move lets the calls going through the range end first; a stop does not wait
+    def moving() -> bool:  # a move lets the calls going through the range end first (a stop too, for less long)
         return bool(moved) and not stop_event.is_set()
 
     def drain_s() -> float:
@@ -288,10 +316,10 @@ async def _serve_until_moved(chosen: LayerRange, coverage: CoverageReader, nc: N
 
     watcher = asyncio.create_task(watch(), name="host-rebalance")
     try:
-        await serve_loaded_shard(loaded, nats_url=nats_url, settings=settings, busy_threads=busy_threads,
-                                 ready_file=ready_file, stop_event=leave,
-                                 withdraw_reason=lambda: MOVED if moving() else "shutdown", drain_s=drain_s,
-                                 drain_interrupted=stop_event)
+        served = await serve_loaded_shard(loaded, nats_url=nats_url, settings=settings, busy_threads=busy_threads,
+                                          ready_file=ready_file, stop_event=leave,
+                                          withdraw_reason=lambda: MOVED if moving() else "shutdown",
+                                          drain_s=drain_s, process_stop=stop_event, serving=landed)
     finally:
         watcher.cancel()
         await asyncio.gather(watcher, return_exceptions=True)
@@ -301,7 +329,27 @@ async def _serve_until_moved(chosen: LayerRange, coverage: CoverageReader, nc: N
         raise lost[0]
     if moved and stop_event.is_set():  # stopped while it drained: the move it said it was making will not land
         await say_move_abandoned(nc, settings, node, shard_id)
-    return Move(moved[0], shard_id) if moving() else None
+    return Move(moved[0], shard_id, served) if moving() else None
+
+
+async def heartbeats_while_moving(nc: NatsClient, settings: HearthSettings, node: str, move: Move,
+                                  landed: asyncio.Event) -> None:
+    """Heartbeats of the shard `move` left (withdrawn as MOVED: routing does not count it), with the figures it served
+    with and no stream open, every `[shard] heartbeat_interval_s` from now until `landed` (the new range
+    advertised): they say the host is still moving (it drains, then loads, perhaps fetching), and the hosts holding
+    their own moves meanwhile (CoverageReader.move_under_way) go on once they stop, after the health timeout (the
+    host was killed), not after `move_wait_max_s`. The drain's heartbeats are the shard's own (ShardServer)."""
+    js, signing_key = nc.jetstream(), event_signing_key(settings.nats)
+    while not landed.is_set():
+        beat = ShardHeartbeat(node_id=node, shard_id=move.left, queue_depth=0, active_streams=0,
+                              p95_latency_ms=move.served.p95_latency_ms(),
+                              tokens_served_total=move.served.tokens_served_total,
+                              decode_step_ms=move.served.decode_step_ms())
+        try:  # a loop ended by cancellation: nats-py may drop one that lands as its ack does (events.cancellation)
+            await keeping_cancellation(publish_event(js, beat, signing_key=signing_key))
+        except Exception as error:  # the broker may be restarting; the next beat tries again
+            log.warning("host %s: heartbeat of %s while moving not published: %s", node, move.left, error)
+        await event_within(landed, settings.shard.heartbeat_interval_s)
 
 
 async def say_move_abandoned(nc: NatsClient, settings: HearthSettings, node: str, shard_id: str) -> None:

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import re
 import socket
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,13 +24,16 @@ from hearth.inference.quantization import (
 )
 from hearth.services.common.config import HearthSettings, HostSettings
 from hearth.services.common.config_processes import ShardSettings, serve_shards_refused
-from hearth.services.common.lifecycle import CommandRefused, Stopped, unless_stopped
+from hearth.services.common.lifecycle import (
+    CommandRefused, Stopped, restart_stop_deadline, stop_again_event, unless_stopped,
+)
 from hearth.services.common.metrics import serve_process_metrics
 from hearth.services.broker.connection import connect_nats, drain_or_close, until_stopped_or_closed
 from hearth.services.shard.faults import ShardFault
 from hearth.services.shard.memory_plan import estimated_need, kv_reserve_bytes, measured_need, refusal
 from hearth.services.shard.compute import ShardCompute
 from hearth.services.shard.kept_events import shard_outbox_dir
+from hearth.services.shard.metrics import ServingStats
 from hearth.services.shard.server import ShardIdentity, ShardServer
 from hearth.services.weights_store import WeightsStoreError, resolve_model_source, store_model_name
 
@@ -257,10 +261,14 @@ async def serve_loaded_shard(loaded: LoadedShard, *, nats_url: str | None, setti
                              stop_event: asyncio.Event,
                              withdraw_reason: Callable[[], str] = lambda: "shutdown",
                              drain_s: Callable[[], float] = lambda: 0.0,
-                             drain_interrupted: asyncio.Event | None = None) -> None:
+                             process_stop: asyncio.Event | None = None,
+                             serving: asyncio.Event | None = None) -> ServingStats:
     """Connect, advertise and serve a loaded range until `stop_event`; then withdraw and free it. When `drain_s()` is
     more than 0 then (a `hearth host` moving), it withdraws first and lets the calls open here end (at most that
-    long, less if `drain_interrupted` is set: the process is stopping) before it closes what is left."""
+    long, less if the process is stopped meanwhile) before it closes what is left. `process_stop`: the process's stop
+    (SIGTERM), when it is not `stop_event` itself; a stop too lets the calls open here end first (drain_for_stop).
+    `serving` is set once the range is advertised. Returns the figures it served with (its heartbeats')."""
+    process_stop = stop_event if process_stop is None else process_stop
     runner, identity = loaded.runner, loaded.identity
     shard_id, lo, hi = identity.shard_id, identity.layer_lo, identity.layer_hi
     settings = within_kv_budget(settings, runner, shard_id)
@@ -288,6 +296,8 @@ async def serve_loaded_shard(loaded: LoadedShard, *, nats_url: str | None, setti
         if ready_file:
             with open(ready_file, "w") as handle:
                 handle.write(shard_id)
+        if serving is not None:
+            serving.set()
         # A connection nats-py closed for good would leave the shard advertised but unreachable: it stops instead. So
         # does one that learns late that another process keeps its id (hearth/services/shard/claim.py).
         await server.serve_until(until_stopped_or_closed(nc, stop_event, f"shard {shard_id}"))
@@ -295,7 +305,10 @@ async def serve_loaded_shard(loaded: LoadedShard, *, nats_url: str | None, setti
             await server.withdraw(withdraw_reason())
             log.info("shard %s withdrawn: letting its %d open calls end (at most %.0f s)", shard_id,
                      server.active_streams, drain_timeout_s)
-            await server.drain(drain_timeout_s, drain_interrupted or asyncio.Event())
+            await server.drain(drain_timeout_s, process_stop)
+        if process_stop.is_set():
+            await drain_for_stop(server, settings.shard.stop_drain_timeout_s, withdraw_reason(), process_stop)
+        return compute.stats
     finally:
         await server.stop(withdraw_reason())
         await compute.close()
@@ -303,3 +316,19 @@ async def serve_loaded_shard(loaded: LoadedShard, *, nats_url: str | None, setti
             metrics_server.stop()
         await drain_or_close(nc, settings.nats.drain_timeout_s)
         runner.close()
+
+
+async def drain_for_stop(server: ShardServer, timeout_s: float, reason: str, stop_event: asyncio.Event) -> None:
+    """A stopped shard with calls going through it withdraws (routing sends new calls elsewhere) and serves them until
+    they end, for at most `timeout_s` or until a second signal (lifecycle.StopEvent.again): stopping at once, it broke
+    them (each failed over). The process's stop deadline is put past the wait; without the broker (the calls cannot go
+    on) it stops at once."""
+    stop_again = stop_again_event(stop_event)
+    if timeout_s <= 0 or not server.active_streams or stop_again.is_set() or not server.nc.is_connected:
+        return
+    restart_stop_deadline(timeout_s)
+    ends_at = time.monotonic() + timeout_s  # the withdrawal's publish counts in the wait the deadline leaves room for
+    await server.withdraw(reason)
+    log.info("shard %s stopping: withdrawn, letting its %d open calls end (at most %.0f s; a second signal stops it "
+             "now)", server.identity.shard_id, server.active_streams, timeout_s)
+    await server.drain(max(0.0, ends_at - time.monotonic()), stop_again)

@@ -220,11 +220,12 @@ class ShardServer:
                         self.identity.shard_id, self.settings.withdraw_timeout_s)
 
     async def drain(self, timeout_s: float, interrupted: asyncio.Event) -> None:
-        """Withdrawn, wait until the orchestrators have closed every hop open here (their calls ended), `timeout_s`
-        passed or `interrupted` is set; the watchdog still closes the hops of orchestrators gone silent."""
+        """Withdrawn, wait until the orchestrators have closed every hop open here (their calls ended) and had their
+        answers (stop() cancels the requests still being answered), `timeout_s` passed or `interrupted` is set; the
+        watchdog still closes the hops of orchestrators gone silent."""
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(timeout_s):
-                while self._hops and not await event_within(interrupted, drain_poll_s):
+                while (self._hops or self._control_tasks) and not await event_within(interrupted, drain_poll_s):
                     pass
 
     # ---------------------------------------------------------------- control
