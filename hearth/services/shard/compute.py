@@ -8,12 +8,7 @@ Other steps (alone, or a long prefill in turns) run from the hop's own task: the
 `LayerRangeRunner.begin_forward` and `advance`.
 
 Integrity: every step's input is checked (NaN, Inf, per-position L2 norm far above what this shard has
-received before) before its layers run. The norm bounds are kept per shard, across pipelines, keyed by
-the first layer the hop runs (the input of layer L has the same scale whoever sends it, and a shard used
-from different first layers sees different inputs): a per-pipeline bound would learn nothing before a
-pipeline's first frame, so a shard corrupting from its first step on would pass. Each pipeline is a source of
-its own (transport.integrity.NormBounds): no one pipeline's frames lower the bound the others are checked against
-or ratchet it up.
+received before) before its layers run (hearth/services/shard/input_checks.py).
 
 Why a cache snapshot: the runner's lock may be held for a whole forward (a batched decode step), so asking
 the runner how many sessions it caches would make a liveness probe wait behind it. The compute thread records
@@ -25,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -45,7 +39,7 @@ from hearth.services.shard.batcher import QueuedStep, StepQueue
 from hearth.services.shard.faults import ShardFault
 from hearth.services.shard.metrics import ServingStats, ShardStepMetrics, watch_serving
 from hearth.services.transport import FrameKind, ReceivedStep
-from hearth.services.transport.integrity import NormBounds
+from hearth.services.shard.input_checks import HopInputChecks
 
 
 
@@ -91,10 +85,7 @@ class ShardCompute:
         self.cache = CacheSnapshot()
         # Hops open on this shard (set by the server): steps get fewer threads while several run (StepThreads).
         self.active_streams = 0
-        # Running bounds of the inputs received, per first layer run (see the module docstring).
-        self._input_bounds: dict[int, NormBounds] = {}
-        # The prefill thread checks inputs beside the compute thread; a bound must not lose what either learnt.
-        self._bounds_lock = threading.Lock()
+        self.input_checks = HopInputChecks()
         # A prefill step of at least `prefill_slice_min_tokens` runs `prefill_slice_layers` layers per compute-thread
         # trip, so other hops' steps run between its slices (hearth/inference/layer_pass.py); 0 layers: always whole.
         self.prefill_slice_layers = settings.prefill_slice_layers
@@ -377,9 +368,7 @@ class ShardCompute:
     def _check_input(self, request: OpenHop, received: ReceivedStep) -> str | None:
         if self.fault.accuse and self.fault.active:
             return "norm"
-        with self._bounds_lock:
-            bounds = self._input_bounds.setdefault(request.layer_lo, NormBounds())
-            return bounds.check(received.tensor, request.pipeline_id)
+        return self.input_checks.check(request, received)
 
     def _reset_and_measure(self, session_id: str) -> int:
         freed = self.runner.reset(session_id)
