@@ -181,13 +181,13 @@ class ShardCompute:
         return self.ready.figures(FrameKind.prefill) if self.ready is not None else (0, 0)
 
     async def run(self, request: OpenHop, received: ReceivedStep,
-                  still_open: Callable[[], bool] = lambda: True) -> StepResult:
+                  still_open: Callable[[], bool] = lambda: True, opener: str | None = None) -> StepResult:
         """Check and run one prefill/decode step; raises what the layers raise (the caller reports it). `still_open`:
-        whether the step's hop is still open (`_trip` says why it is asked)."""
+        whether the step's hop is still open (`_trip` says why it is asked); `opener`: who opened it (ServedHop)."""
         if self.ready is not None and self._batchable(received):
             if self._scheduler is None:
                 raise RuntimeError("batched steps run on the scheduler loop: ShardCompute.start() was not called")
-            return await self.ready.put(request, received)
+            return await self.ready.put(request, received, opener)
         started = time.perf_counter()
         self.stats.steps_in_compute += 1
         try:
@@ -203,7 +203,7 @@ class ShardCompute:
             try:
                 trip = functools.partial(self._trip, request, still_open if on_prefill_thread else None)
                 failed_check, step, output = await on_thread(thread, trip, self._check_and_forward, request, received,
-                                                             threads, slice_layers)
+                                                             opener, threads, slice_layers)
                 while step is not None and output is None:
                     output = await on_thread(thread, trip, self._continue, step, threads, slice_layers)
             finally:
@@ -284,12 +284,12 @@ class ShardCompute:
             return self.prefill_slice_layers
         return None
 
-    def _check_and_forward(self, request: OpenHop, received: ReceivedStep, threads: int, slice_layers: int | None,
-                           ) -> tuple[str | None, SteppedForward | None, torch.Tensor | None]:
+    def _check_and_forward(self, request: OpenHop, received: ReceivedStep, opener: str | None, threads: int,
+                           slice_layers: int | None) -> tuple[str | None, SteppedForward | None, torch.Tensor | None]:
         """On the compute thread: check the step's input and run the layers (all, or the first slice of them) only if
         it is sound (never garbage); the failed check, or the step begun and its output once it has run whole."""
         use_intra_op_threads(threads)
-        failed_check = self._check_input(request, received)
+        failed_check = self._check_input(request, received, opener)
         if failed_check is not None:
             return failed_check, None, None
         self.fault.raise_if_failing()
@@ -347,7 +347,7 @@ class ShardCompute:
         outcomes: list = [None] * len(batch)
         rows, sound = [], []
         for index, queued in enumerate(batch):
-            failed_check = self._check_input(queued.request, queued.received)
+            failed_check = self._check_input(queued.request, queued.received, queued.opener)
             if failed_check is not None:
                 outcomes[index] = (failed_check, None)
                 continue
@@ -365,10 +365,10 @@ class ShardCompute:
             outcomes[index] = result if isinstance(result, Exception) else (None, to_host(result))
         return outcomes
 
-    def _check_input(self, request: OpenHop, received: ReceivedStep) -> str | None:
+    def _check_input(self, request: OpenHop, received: ReceivedStep, opener: str | None) -> str | None:
         if self.fault.accuse and self.fault.active:
             return "norm"
-        return self.input_checks.check(request, received)
+        return self.input_checks.check(request, received, opener)
 
     def _reset_and_measure(self, session_id: str) -> int:
         freed = self.runner.reset(session_id)

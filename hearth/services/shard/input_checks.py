@@ -4,8 +4,11 @@ L2 norms far above what this shard has received before), with the norm bounds it
 The norm bounds are kept per shard, across pipelines, keyed by the first layer the hop runs (the input of layer L has
 the same scale whoever sends it, and a shard used from different first layers sees different inputs): a per-pipeline
 bound would learn nothing before a pipeline's first frame, so a shard corrupting from its first step on would pass.
-Each pipeline is a source of its own (transport.integrity.NormBounds): no one pipeline's frames lower the bound the
-others are checked against or ratchet it up.
+The source a frame counts for (transport.integrity.NormBounds) is the member that opened its hop (its orchestrator,
+which chose the hops before it): a member may open as many pipelines as it likes, so a source per pipeline let one
+member set the median of the sources and raise the bound until another member's corrupted input passed. One member is
+one source: it cannot lower the bound the others are checked against, nor raise it alone. On an open mesh, where opens
+are not told apart, each pipeline is still a source of its own.
 """
 
 from __future__ import annotations
@@ -25,8 +28,10 @@ class HopInputChecks:
         # The prefill thread checks inputs beside the compute thread; a bound must not lose what either learnt.
         self._lock = threading.Lock()
 
-    def check(self, request: OpenHop, received: ReceivedStep) -> str | None:
-        """The check the step's input failed, or None (then its bound has learnt from it)."""
+    def check(self, request: OpenHop, received: ReceivedStep, opener: str | None) -> str | None:
+        """The check the step's input failed, or None (then its bound has learnt from it). `opener`: the member whose
+        signature the hop's open verified under (None on an open mesh)."""
+        source = ("member", opener) if opener is not None else ("pipeline", request.pipeline_id)
         with self._lock:
             bounds = self._bounds.setdefault(request.layer_lo, NormBounds())
-            return bounds.check(received.tensor, request.pipeline_id)
+            return bounds.check(received.tensor, source)

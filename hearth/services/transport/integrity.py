@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import heapq
 import math
 import statistics
 from collections import OrderedDict
@@ -35,16 +36,19 @@ def count_integrity_failure(check: IntegrityCheck, checked_at: str) -> None:
 
 class NormBounds:
     """Bounds on the per-position L2 norms at one point of the pipeline (a hop's input, the last hop's output), learnt
-    from the frames that passed, per source: the pipeline or the shard a frame comes from.
+    from the frames that passed, per source: whoever answers for a frame (the member that opened a shard's hop, or its
+    pipeline on an open mesh; the shard a sink's frame comes from).
 
     Until `min_sources` sources are known, a frame is checked against its own source's running maximum only (its
     first frame passes: nothing is known of it yet), so one source's frames never fail another's. From then on it is
-    checked against the shared bound: the largest norm any source passed with, never lowered (a first frame of
-    zeros, or many sources of near-zero frames, cannot make honest frames fail, and a first token's large norms stay
-    covered however many later calls started from kept prefixes), and raised only by norms within `factor` of the
-    median of the sources' maxima (no one source ratchets it up a little every step until corruption passes). Frames
-    of zeros teach nothing. The most recent `max_sources` sources are remembered. What remains: the first sources on
-    a fresh shard, if they are one member's, set the bound."""
+    checked against the shared bound: the largest norm that at least two sources passed with (the second largest of
+    their maxima, so no one source raises it alone, however large the frames it got through), capped at `factor`
+    times the median of the sources' maxima (no two sources ratchet it up a little every step until corruption passes
+    while the others are honest), and never lowered (a first frame of zeros, or many sources of near-zero frames,
+    cannot make honest frames fail, and a first token's large norms stay covered however many later calls started
+    from kept prefixes). Frames of zeros teach nothing. The most recent `max_sources` sources are remembered. What
+    remains: once most known sources collude they set the median, and on an open mesh a source is a pipeline, which
+    anyone may open as many of as they like."""
 
     def __init__(self, factor: float = norm_bound_factor, *, min_sources: int = 3, max_sources: int = 64) -> None:
         self.factor = factor
@@ -83,7 +87,15 @@ class NormBounds:
             if len(self._maxima) > self.max_sources:
                 self._maxima.popitem(last=False)
             self._median = statistics.median(self._maxima.values())
+            self._raise_bound()
         self._maxima.move_to_end(source)
-        if (self._bound is None or largest > self._bound) and largest <= self._median * self.factor:
-            self._bound = largest
         return None
+
+    def _raise_bound(self) -> None:
+        """Raise the shared bound to what a second source reached too, within `factor` of the median; never lower it."""
+        if len(self._maxima) < 2:
+            return
+        second_largest = heapq.nlargest(2, self._maxima.values())[1]
+        candidate = min(second_largest, self._median * self.factor)
+        if self._bound is None or candidate > self._bound:
+            self._bound = candidate
