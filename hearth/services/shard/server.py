@@ -354,7 +354,8 @@ class ShardServer:
                                 message=f"pipeline {request.pipeline_id} is open here for another orchestrator")
         if replaced is None and self._withdrawn:  # a re-open goes on with a call already here (its failover)
             return ControlReply(ok=False, code="withdrawn", message="this shard is leaving: open it elsewhere")
-        if replaced is None and (refused := admission_refusal(self._hops.values(), opener, self.settings)):
+        refused = admission_refusal(self._hops.values(), request, opener, replaced, self.settings, self.compute.runner)
+        if refused is not None:
             return refused
         if replaced is not None:  # a re-open (failover reuses this hop with a new session): start over cleanly
             self._detach_hop(request.pipeline_id)
