@@ -54,3 +54,20 @@ def test_on_an_open_mesh_each_pipeline_is_a_source() -> None:
     assert checks.check(_hop("p-0"), _step("p-0", 0, 1e-4), opener=None) is None
     assert checks.check(_hop("p-1"), _step("p-1", 1), opener=None) is None  # its own first frame: nothing known
     assert checks.check(_hop("p-1"), _step("p-1", 2, 1e4), opener=None) == "norm"
+
+
+def test_a_host_before_one_of_a_members_pipelines_does_not_ratchet_that_members_bound() -> None:
+    """With fewer than three members (one household's orchestrator), a member's own bounds are shared by its pipelines:
+    frames raised 40x a step each on one pipeline fail before a 1e4x one could pass, there and on its other ones."""
+    checks = HopInputChecks()
+    for index in range(3):
+        assert checks.check(_hop(f"solo-{index}"), _step(f"solo-{index}", index), opener="solo") is None
+    scale, failed = 1.0, None
+    for step in range(4):
+        scale *= 40.0
+        failed = checks.check(_hop("solo-liar"), _step("solo-liar", 10 + step, scale), opener="solo")
+        if failed is not None:
+            break
+    assert failed == "norm" and scale <= 40.0 ** 2
+    assert checks.check(_hop("solo-1"), _step("solo-1", 20, 1e4), opener="solo") == "norm"
+    assert checks.check(_hop("solo-2"), _step("solo-2", 21), opener="solo") is None
