@@ -43,6 +43,14 @@ class RunnerChecks:
                 raise SessionStateError(f"session {session_id!r}: layer {layer_index} has {cached} cached tokens but "
                                         f"the step starts at position {start_pos}; re-prefill from position 0")
 
+    def session_kv_bytes(self, positions: int, layers: tuple[int, int]) -> int:
+        """The most KV-cache bytes a session of `positions` positions holds in the inclusive sub-range `layers`
+        (sliding-window layers may hold less; a static cache holds all its positions from the start)."""
+        run_lo, run_hi = self._validate_sub_range(layers)
+        if self._static is not None:
+            return self._static.cache_bytes_per_session(self._kv_bytes_per_token_per_layer, run_hi - run_lo + 1)
+        return positions * self._kv_bytes_per_token_per_layer * (run_hi - run_lo + 1)
+
     def _check_fits(self, start_pos: int, num_tokens: int, run_lo: int, run_hi: int, *, cached_bytes: int) -> None:
         # Upper bound (sliding-window layers stop growing); enough to refuse a hopeless session up front. A static
         # cache takes all its positions at once, and a step past them fails here (a batched row alone, not its batch).

@@ -34,10 +34,13 @@ class TinyShard:
 
 @contextlib.asynccontextmanager
 async def tiny_shard_server(nats_url: str, *, prefix_ttl_s: float | None = None,
-                            outbox_dir: Path | None = None) -> AsyncIterator[TinyShard]:
-    """Started (keeping ended sessions' blocks for `prefix_ttl_s` when given, its withdrawals kept in `outbox_dir` until
-    stored when given); stopped, its connections closed and its runner closed on exit."""
-    runner = await on_compute_thread(load_layer_range, MODEL, 0, 1, prefix_ttl_s=prefix_ttl_s, **RUNNER_KV_LIMITS)
+                            outbox_dir: Path | None = None,
+                            cache_budget_bytes: int | None = None) -> AsyncIterator[TinyShard]:
+    """Started (keeping ended sessions' blocks for `prefix_ttl_s` when given; its withdrawals kept in `outbox_dir` until
+    stored when given; its sessions' KV caches within `cache_budget_bytes` when given, else the configured default);
+    stopped, its connections closed and its runner closed on exit."""
+    limits = {**RUNNER_KV_LIMITS, **({} if cache_budget_bytes is None else {"cache_budget_bytes": cache_budget_bytes})}
+    runner = await on_compute_thread(load_layer_range, MODEL, 0, 1, prefix_ttl_s=prefix_ttl_s, **limits)
     settings = load_settings()
     nc = await connect_nats(nats_url, name="shard-under-test", settings=settings.nats)
     client = await connect_nats(nats_url, name="orchestrator-stand-in", settings=settings.nats)

@@ -99,3 +99,28 @@ def test_a_first_tokens_large_norms_stay_covered_after_many_sources_without_them
     for later in range(80):  # more than the sources remembered
         assert bounds.check(honest_step(100 + later), source=f"kept-prefix-{later}") is None
     assert bounds.check(honest_step(200) * 100.0, source="fresh-again") is None
+
+
+def test_one_source_alone_does_not_raise_the_shared_bound() -> None:
+    """Before, one source's frames just under 50x the bound raised it for everyone: a 2000x corrupted frame from another
+    source then passed. The bound rises only to what a second source reached too."""
+    bounds = NormBounds()
+    for seed in range(3):
+        assert bounds.check(honest_step(seed), source=f"honest-{seed}") is None
+    assert bounds.check(honest_step(5) * 45.0, source="attacker") is None  # within 50x of the bound: it passes
+    assert bounds.check(honest_step(6) * 2000.0, source="honest-1") == "norm"
+    assert bounds.check(honest_step(7) * 2000.0, source="attacker") == "norm"
+
+
+def test_honest_sources_are_never_refused() -> None:
+    """No false refusals from learning only what two sources reached: honest sources whose frames differ a few times in
+    scale (what they are about), each session beginning with a first token 100x its other positions (as position 0's
+    norms run in many models), members joining after the bound is shared, all pass."""
+    bounds = NormBounds()
+    for round_ in range(6):
+        for index, scale in enumerate((0.5, 1.0, 2.0, 3.0, 1.5)[:3 + min(round_, 2)]):
+            seed = 100 * round_ + index
+            frame = honest_step(seed) * scale
+            if round_ % 2 == 0 or index >= 3:  # a fresh session (kept-prefix ones start past position 0)
+                frame = torch.cat([honest_step(seed + 50) * scale * 100.0, frame], dim=1)
+            assert bounds.check(frame, source=f"member-{index}") is None, (round_, index)

@@ -236,6 +236,15 @@ class ShardSettings(ConfigSection):
                                      "member fills every stream with hops it keeps alive. 0: all but one of "
                                      "max_concurrent_streams (all of one). On an open mesh (no roster) opens are "
                                      "not told apart and only max_concurrent_streams applies")
+    max_kv_share_per_opener: float = Field(
+        default=0, ge=0, le=1, allow_inf_nan=False,
+        description="the part of kv_cache_budget_mb that the sessions of one orchestrator's hops may reserve on this "
+                    "shard, on a community mesh (as max_hops_per_opener): each hop reserves the KV cache its session "
+                    "may reach (its open's max_session_tokens in the layers it runs; a static cache's whole size), and "
+                    "an open (or a re-open) that would take its opener past its share is refused at_capacity, so no "
+                    "member's sessions fill the cache and have every other member's evicted. 0: the part of "
+                    "max_concurrent_streams that max_hops_per_opener gives one orchestrator (3/4 by default, all of "
+                    "one stream). On an open mesh opens are not told apart and only kv_cache_budget_mb applies")
     hop_close_timeout_s: float = Field(
         default=5.0, gt=0, description="closing a hop waits this long for a step being computed to finish")
     withdraw_timeout_s: float = Field(default=2.0, gt=0, description="how long stopping waits to say it leaves")
@@ -290,6 +299,13 @@ class ShardSettings(ConfigSection):
         """The hops one opener may hold (max_hops_per_opener, its 0 resolved), never more than the shard serves."""
         share = self.max_hops_per_opener or max(1, self.max_concurrent_streams - 1)
         return min(share, self.max_concurrent_streams)
+
+    def kv_share_bytes(self, budget_bytes: int) -> int:
+        """The KV bytes one opener's hops may reserve of `budget_bytes` (max_kv_share_per_opener, its 0 resolved in
+        whole numbers: a budget that holds N static caches leaves an opener the room of its hops_per_opener of them)."""
+        if self.max_kv_share_per_opener:
+            return int(self.max_kv_share_per_opener * budget_bytes)
+        return budget_bytes * self.hops_per_opener // self.max_concurrent_streams
 
     @property
     def kv_cache_budget_bytes(self) -> int:

@@ -34,6 +34,7 @@ class QueuedStep:
 
     request: OpenHop
     received: ReceivedStep
+    opener: str | None = None  # who opened the hop (ServedHop.opener): whom its input counts for
 
     @property
     def layers(self) -> tuple[int, int]:
@@ -66,10 +67,10 @@ class StepQueue:
         """Batches of `kind` taken so far and the session rows in them."""
         return self._batches[kind], self._rows[kind]
 
-    def put(self, request: OpenHop, received: ReceivedStep) -> asyncio.Future:
+    def put(self, request: OpenHop, received: ReceivedStep, opener: str | None = None) -> asyncio.Future:
         """Queue one step for the next batch of its group; the future its StepResult (or its row's exception) is set
         on."""
-        return self._ready.put(QueuedStep(request, received))
+        return self._ready.put(QueuedStep(request, received, opener))
 
     async def next_batch(self) -> ReadyBatch[QueuedStep] | None:
         """The next batch of steps to run (None when none came for a while: ReadyQueue.next_batch)."""

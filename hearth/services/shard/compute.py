@@ -8,12 +8,7 @@ Other steps (alone, or a long prefill in turns) run from the hop's own task: the
 `LayerRangeRunner.begin_forward` and `advance`.
 
 Integrity: every step's input is checked (NaN, Inf, per-position L2 norm far above what this shard has
-received before) before its layers run. The norm bounds are kept per shard, across pipelines, keyed by
-the first layer the hop runs (the input of layer L has the same scale whoever sends it, and a shard used
-from different first layers sees different inputs): a per-pipeline bound would learn nothing before a
-pipeline's first frame, so a shard corrupting from its first step on would pass. Each pipeline is a source of
-its own (transport.integrity.NormBounds): no one pipeline's frames lower the bound the others are checked against
-or ratchet it up.
+received before) before its layers run (hearth/services/shard/input_checks.py).
 
 Why a cache snapshot: the runner's lock may be held for a whole forward (a batched decode step), so asking
 the runner how many sessions it caches would make a liveness probe wait behind it. The compute thread records
@@ -25,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -45,7 +39,7 @@ from hearth.services.shard.batcher import QueuedStep, StepQueue
 from hearth.services.shard.faults import ShardFault
 from hearth.services.shard.metrics import ServingStats, ShardStepMetrics, watch_serving
 from hearth.services.transport import FrameKind, ReceivedStep
-from hearth.services.transport.integrity import NormBounds
+from hearth.services.shard.input_checks import HopInputChecks
 
 
 
@@ -91,10 +85,7 @@ class ShardCompute:
         self.cache = CacheSnapshot()
         # Hops open on this shard (set by the server): steps get fewer threads while several run (StepThreads).
         self.active_streams = 0
-        # Running bounds of the inputs received, per first layer run (see the module docstring).
-        self._input_bounds: dict[int, NormBounds] = {}
-        # The prefill thread checks inputs beside the compute thread; a bound must not lose what either learnt.
-        self._bounds_lock = threading.Lock()
+        self.input_checks = HopInputChecks()
         # A prefill step of at least `prefill_slice_min_tokens` runs `prefill_slice_layers` layers per compute-thread
         # trip, so other hops' steps run between its slices (hearth/inference/layer_pass.py); 0 layers: always whole.
         self.prefill_slice_layers = settings.prefill_slice_layers
@@ -190,13 +181,13 @@ class ShardCompute:
         return self.ready.figures(FrameKind.prefill) if self.ready is not None else (0, 0)
 
     async def run(self, request: OpenHop, received: ReceivedStep,
-                  still_open: Callable[[], bool] = lambda: True) -> StepResult:
+                  still_open: Callable[[], bool] = lambda: True, opener: str | None = None) -> StepResult:
         """Check and run one prefill/decode step; raises what the layers raise (the caller reports it). `still_open`:
-        whether the step's hop is still open (`_trip` says why it is asked)."""
+        whether the step's hop is still open (`_trip` says why it is asked); `opener`: who opened it (ServedHop)."""
         if self.ready is not None and self._batchable(received):
             if self._scheduler is None:
                 raise RuntimeError("batched steps run on the scheduler loop: ShardCompute.start() was not called")
-            return await self.ready.put(request, received)
+            return await self.ready.put(request, received, opener)
         started = time.perf_counter()
         self.stats.steps_in_compute += 1
         try:
@@ -212,7 +203,7 @@ class ShardCompute:
             try:
                 trip = functools.partial(self._trip, request, still_open if on_prefill_thread else None)
                 failed_check, step, output = await on_thread(thread, trip, self._check_and_forward, request, received,
-                                                             threads, slice_layers)
+                                                             opener, threads, slice_layers)
                 while step is not None and output is None:
                     output = await on_thread(thread, trip, self._continue, step, threads, slice_layers)
             finally:
@@ -293,12 +284,12 @@ class ShardCompute:
             return self.prefill_slice_layers
         return None
 
-    def _check_and_forward(self, request: OpenHop, received: ReceivedStep, threads: int, slice_layers: int | None,
-                           ) -> tuple[str | None, SteppedForward | None, torch.Tensor | None]:
+    def _check_and_forward(self, request: OpenHop, received: ReceivedStep, opener: str | None, threads: int,
+                           slice_layers: int | None) -> tuple[str | None, SteppedForward | None, torch.Tensor | None]:
         """On the compute thread: check the step's input and run the layers (all, or the first slice of them) only if
         it is sound (never garbage); the failed check, or the step begun and its output once it has run whole."""
         use_intra_op_threads(threads)
-        failed_check = self._check_input(request, received)
+        failed_check = self._check_input(request, received, opener)
         if failed_check is not None:
             return failed_check, None, None
         self.fault.raise_if_failing()
@@ -356,7 +347,7 @@ class ShardCompute:
         outcomes: list = [None] * len(batch)
         rows, sound = [], []
         for index, queued in enumerate(batch):
-            failed_check = self._check_input(queued.request, queued.received)
+            failed_check = self._check_input(queued.request, queued.received, queued.opener)
             if failed_check is not None:
                 outcomes[index] = (failed_check, None)
                 continue
@@ -374,12 +365,10 @@ class ShardCompute:
             outcomes[index] = result if isinstance(result, Exception) else (None, to_host(result))
         return outcomes
 
-    def _check_input(self, request: OpenHop, received: ReceivedStep) -> str | None:
+    def _check_input(self, request: OpenHop, received: ReceivedStep, opener: str | None) -> str | None:
         if self.fault.accuse and self.fault.active:
             return "norm"
-        with self._bounds_lock:
-            bounds = self._input_bounds.setdefault(request.layer_lo, NormBounds())
-            return bounds.check(received.tensor, request.pipeline_id)
+        return self.input_checks.check(request, received, opener)
 
     def _reset_and_measure(self, session_id: str) -> int:
         freed = self.runner.reset(session_id)

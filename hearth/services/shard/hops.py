@@ -114,8 +114,8 @@ class ServedHop:
                                       wire_dtype=wire_dtype_from_setting(request.wire_dtype))
         self.last_heard = self.last_step = time.monotonic()
         self.closed = False
-        # Who opened it (ShardServer._opener; None on an open mesh): the share of the shard's hops it counts against,
-        # and whose hops alone may attach the blocks it keeps.
+        # Who opened it (ShardServer._opened; None on an open mesh): the share of the shard's hops it counts against,
+        # whose hops alone may attach the blocks it keeps, and the source its inputs teach the norm bounds for.
         self.opener = opener
         self._keeping = False  # a `keep` of this hop is running on the compute thread
         # Set once the server's `open` of this hop has ended (served, failed or cancelled): a close waits for it.
@@ -207,7 +207,8 @@ class ServedHop:
                                message="input refused: a reset step (no orchestrator sends one)")
             return
         try:
-            result = await self.compute.run(self.request, received, still_open=lambda: not self.closed)
+            result = await self.compute.run(self.request, received, still_open=lambda: not self.closed,
+                                            opener=self.opener)
         except SessionEvictedError as error:
             log.info("pipeline %s hop %d: step %d: %s", self.pipeline_id, self.request.hop, received.step, error)
             await self._notify(received, "session_evicted", message=str(error))

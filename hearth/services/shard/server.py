@@ -46,6 +46,7 @@ from hearth.services.common.event_trust import event_signing_key, open_verifier,
 from hearth.services.common.lifecycle import event_within, owned_task
 from hearth.services.broker.connection import flush_ordered
 from hearth.services.broker.permissions import reply_allowed
+from hearth.services.shard.admission import admission_refusal
 from hearth.services.shard.claim import ClaimQuestion, ShardClaim, taken, unless_taken
 from hearth.services.shard.compute import ShardCompute
 from hearth.services.shard.hops import HopLimits, ServedHop, opened_by
@@ -344,13 +345,9 @@ class ShardServer:
                                 message=f"pipeline {request.pipeline_id} is open here for another orchestrator")
         if replaced is None and self._withdrawn:  # a re-open goes on with a call already here (its failover)
             return ControlReply(ok=False, code="withdrawn", message="this shard is leaving: open it elsewhere")
-        limit = self.settings.max_concurrent_streams
-        if replaced is None and len(self._hops) >= limit:  # a re-open takes the place of the hop it replaces
-            return ControlReply(ok=False, code="at_capacity", message=f"{len(self._hops)} of {limit} streams in use")
-        held, share = sum(hop.opener == opener for hop in self._hops.values()), self.settings.hops_per_opener
-        if replaced is None and opener is not None and held >= share:  # see [shard] max_hops_per_opener
-            return ControlReply(ok=False, code="at_capacity",
-                                message=f"this orchestrator holds {held} of the {limit} streams here, its most")
+        refused = admission_refusal(self._hops.values(), request, opener, replaced, self.settings, self.compute.runner)
+        if refused is not None:
+            return refused
         if replaced is not None:  # a re-open (failover reuses this hop with a new session): start over cleanly
             self._detach_hop(request.pipeline_id)
         hop = ServedHop(self.nc, request, self.compute, self.limits, self.identity.node_id, opener=opener)
