@@ -31,12 +31,12 @@ async def test_a_hop_closed_during_its_prefill_on_the_niced_thread_keeps_no_cach
         in_check, release = threading.Event(), threading.Event()
         check_input = compute._check_input
 
-        def held_check(request, received):
+        def held_check(*check_args):
             # The prefill's trip has begun on the niced thread but not yet made the session: hold it there.
             if threading.current_thread().name.startswith("hearth-prefill"):
                 in_check.set()
                 assert release.wait(20.0)
-            return check_input(request, received)
+            return check_input(*check_args)
 
         monkeypatch.setattr(compute, "_check_input", held_check)
         opened = OpenHop(pipeline_id="pipe", session_id="s", hop=0, hop_count=1, model_id="tiny",
