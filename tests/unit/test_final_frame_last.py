@@ -10,7 +10,8 @@ from unittest.mock import MagicMock
 
 import pytest
 
-from hearth.protocol.chat import ChatRequest, DoneFrame, ErrorFrame, TokenDeltaFrame, Usage
+from hearth.protocol.chat import ChatRequest
+from hearth.protocol.chat_frames import DoneFrame, ErrorFrame, TokenDeltaFrame, Usage
 from hearth.services.common.config import HearthSettings
 from hearth.services.orchestrator import service as orchestrator_service
 from hearth.services.orchestrator.client_stream import ClientStream

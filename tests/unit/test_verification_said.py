@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from hearth.protocol.chat import DoneFrame, TokenDeltaFrame, Usage
+from hearth.protocol.chat_frames import DoneFrame, TokenDeltaFrame, Usage
 from hearth.services.orchestrator import verification as verification_module
 from hearth.services.orchestrator.choices import ChoiceGroup
 from hearth.services.transport import FrameKind

@@ -30,7 +30,8 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from hearth.protocol.chat import BadRequest, DoneFrame, TokenDeltaFrame, TokensWithdrawnFrame, describe_validation_error
+from hearth.protocol.chat import BadRequest, describe_validation_error
+from hearth.protocol.chat_frames import DoneFrame, TokenDeltaFrame, TokensWithdrawnFrame
 from hearth.services.client.chat import AnswerTokens, choice_of
 from hearth.services.common.metrics import counter, histogram
 from hearth.services.gateway.answers import (SSE_DONE, AnswerShape, ChatShape, ChoiceAnswer, CompletionShape, sse_event,

@@ -28,14 +28,9 @@ from hearth.readmodels.retention import retention_policy
 from hearth.readmodels.runner import Projector
 from hearth.services.common.call_nonces import MeshNonces
 from hearth.services.common.call_signing import CallRefused
-from hearth.protocol.chat import (
-    BadRequest,
-    ChatRequest,
-    ErrorFrame,
-    ModelsRequest,
-    describe_validation_error,
-    parse_chat_request,
-)
+from hearth.protocol.chat import BadRequest, ChatRequest, describe_validation_error, parse_chat_request
+from hearth.protocol.discovery import ModelsRequest
+from hearth.protocol.chat_frames import ErrorFrame
 from hearth.protocol.subjects import CHAT_REQUEST_SUBJECT, MODELS_REQUEST_SUBJECT, orchestrator_request_subject
 from hearth.protocol.refusals import body_too_large
 from hearth.services.common.config import HearthSettings

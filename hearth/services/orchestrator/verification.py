@@ -32,7 +32,7 @@ import torch
 from hearth.events.models import IntegrityShardsVerified
 from hearth.inference.activation_compare import (evidence_digest, first_mismatch, position_errors, reportable_error,
                                           tolerance_for)
-from hearth.protocol.chat import VerificationOutcome
+from hearth.protocol.chat_frames import VerificationOutcome
 from hearth.protocol.quarantine import Held
 from hearth.services.orchestrator.canaries import confirmed_canary
 from hearth.services.orchestrator.chain import HopChain
