@@ -41,7 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hearth.services.devtools.local_cluster import LocalCluster, even_layer_ranges  # noqa: E402
 from hearth.services.client.chat import stream_chat  # noqa: E402
-from hearth.protocol.chat import ChatParams, ChatRequest, TokenDeltaFrame  # noqa: E402
+from hearth.protocol.chat import ChatParams, ChatRequest  # noqa: E402
+from hearth.protocol.chat_frames import TokenDeltaFrame  # noqa: E402
 from hearth.services.broker.connection import connect_nats  # noqa: E402
 from hearth.services.devtools.random_models import RANDOM_PREFIX, RANDOM_SHAPES, random_checkpoint  # noqa: E402
 

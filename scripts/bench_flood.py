@@ -26,7 +26,8 @@ from transformers import AutoTokenizer  # noqa: E402
 
 from hearth.services.devtools.local_cluster import LocalCluster  # noqa: E402
 from hearth.services.client.chat import stream_chat  # noqa: E402
-from hearth.protocol.chat import ChatMessage, ChatParams, ChatRequest, ErrorFrame  # noqa: E402
+from hearth.protocol.chat import ChatMessage, ChatParams, ChatRequest  # noqa: E402
+from hearth.protocol.chat_frames import ErrorFrame  # noqa: E402
 from hearth.services.common.config import HearthSettings, NatsSettings  # noqa: E402
 from hearth.services.common.lifecycle import run_event_loop  # noqa: E402
 from hearth.services.broker.connection import connect_nats  # noqa: E402

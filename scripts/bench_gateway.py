@@ -28,7 +28,8 @@ import openai  # noqa: E402
 
 from hearth.services.devtools.local_cluster import LocalCluster  # noqa: E402
 from hearth.services.client.chat import stream_chat  # noqa: E402
-from hearth.protocol.chat import ChatMessage, ChatRequest, TokenDeltaFrame  # noqa: E402
+from hearth.protocol.chat import ChatMessage, ChatRequest  # noqa: E402
+from hearth.protocol.chat_frames import TokenDeltaFrame  # noqa: E402
 from hearth.services.common.lifecycle import run_event_loop  # noqa: E402
 from hearth.services.broker.connection import connect_nats  # noqa: E402
 from hearth.services.devtools.demo import default_shards, resolve_demo_model  # noqa: E402

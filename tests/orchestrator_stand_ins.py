@@ -7,7 +7,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from types import SimpleNamespace
 
-from hearth.services.orchestrator import service as orchestrator_service
+from hearth.services.orchestrator import call_serving
 
 
 def admit_every_prompt(orchestrator, monkeypatch,
@@ -27,8 +27,8 @@ def admit_every_prompt(orchestrator, monkeypatch,
     orchestrator.catalog.close()
     orchestrator.catalog = SimpleNamespace(get_requested=get_requested or any_head, release_freed_heap=no_release,
                                            close=lambda: None)
-    monkeypatch.setattr(orchestrator_service, "prompt_room", lambda request, model: None)
-    monkeypatch.setattr(orchestrator_service, "admit_prompt", admit_prompt)
+    monkeypatch.setattr(call_serving, "prompt_room", lambda request, model: None)
+    monkeypatch.setattr(call_serving, "admit_prompt", admit_prompt)
 
 
 class RecordingClient:

@@ -19,7 +19,7 @@ from hearth.events.envelope import (
     max_event_hops,
 )
 from hearth.protocol.bounds import SUBJECT_TOKEN_PATTERN
-from hearth.protocol.chat import VerificationOutcome
+from hearth.protocol.chat_frames import VerificationOutcome
 from hearth.trust.keys import PUBLIC_KEY_PATTERN, USER_PUBLIC_KEY_LENGTH
 from hearth.trust.roster import MEMBER_NAME_PATTERN
 

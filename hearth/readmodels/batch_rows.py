@@ -8,7 +8,9 @@ the caller's transaction.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import Table
@@ -60,6 +62,11 @@ max_summed_count = 2**62
 def saturating_add(total: int, amount: int) -> int:
     """`total + amount`, but never past max_summed_count."""
     return min(total + amount, max_summed_count)
+
+
+def epoch_s(instant: datetime) -> int:
+    """Floor to whole epoch seconds (the read models' INTEGER timestamp convention)."""
+    return math.floor(instant.timestamp())
 
 
 def session_cursor(session: Session):

@@ -24,7 +24,8 @@ from hearth.events.streams import PIPELINES_STREAM, SHARDS_STREAM
 from hearth.protocol.subjects import shard_control_subject
 from hearth.services.devtools.local_cluster import LocalCluster, ManagedProcess
 from hearth.services.client.chat import answer_tokens, stream_chat
-from hearth.protocol.chat import ChatParams, ChatRequest, TokenDeltaFrame
+from hearth.protocol.chat import ChatParams, ChatRequest
+from hearth.protocol.chat_frames import TokenDeltaFrame
 from hearth.protocol.control import ControlReply, OpenHop, ShardStat, StatShard
 from hearth.services.broker.connection import connect_nats
 from hearth.services.orchestrator.hop_owner import open_message, open_signer

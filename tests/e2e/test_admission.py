@@ -17,7 +17,8 @@ import pytest
 from hearth.inference import weights_sha256
 from hearth.services.devtools.local_cluster import LocalCluster
 from hearth.services.client.chat import ChatResult, chat, stream_chat
-from hearth.protocol.chat import ChatParams, ChatRequest, ErrorFrame, QueuedFrame
+from hearth.protocol.chat import ChatParams, ChatRequest
+from hearth.protocol.chat_frames import ErrorFrame, QueuedFrame
 from hearth.protocol.control import CloseHop, OpenHop
 from hearth.services.broker.connection import connect_nats
 from tests.e2e.conftest import TINY_MODEL_NAME, start_orchestrator, three_shard_mesh

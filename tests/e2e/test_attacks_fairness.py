@@ -16,7 +16,8 @@ import pytest
 
 from hearth.services.devtools.local_cluster import LocalCluster
 from hearth.services.client.chat import ChatResult, stream_chat
-from hearth.protocol.chat import ChatParams, ChatRequest, ErrorFrame
+from hearth.protocol.chat import ChatParams, ChatRequest
+from hearth.protocol.chat_frames import ErrorFrame
 from hearth.services.broker.connection import connect_nats
 from tests.e2e.conftest import TINY_CONTEXT_LENGTH, TINY_MODEL_NAME, three_shard_mesh
 

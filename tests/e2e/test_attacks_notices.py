@@ -22,7 +22,8 @@ from hearth.services.common.call_signing import (
     HEADER_CALLER_TIME,
     signed_call_headers,
 )
-from hearth.protocol.chat import ChatRequest, decode_frame
+from hearth.protocol.chat import ChatRequest
+from hearth.protocol.chat_frames import decode_frame
 from hearth.protocol.subjects import CHAT_REQUEST_SUBJECT
 from hearth.protocol.control import HopNotice
 from hearth.protocol.subjects import hop_notice_subject

@@ -16,7 +16,7 @@ import pytest
 
 from hearth.protocol.subjects import LinkNodes, activation_subject
 from hearth.services.client.chat import stream_chat
-from hearth.protocol.chat import PipelineFrame, TokenDeltaFrame
+from hearth.protocol.chat_frames import PipelineFrame, TokenDeltaFrame
 from hearth.services.broker.connection import flush_ordered
 from hearth.services.broker.server import free_tcp_port
 from hearth.services.transport import FrameHeader, FrameKind

@@ -14,7 +14,8 @@ import signal
 
 import pytest
 
-from hearth.protocol.chat import ChatParams, ChatRequest, TokenDeltaFrame
+from hearth.protocol.chat import ChatParams, ChatRequest
+from hearth.protocol.chat_frames import TokenDeltaFrame
 from tests.e2e.conftest import THREE_SHARD_RANGES, TINY_LAYERS
 from tests.e2e.failover_support import (  # noqa: F401 (nc is a fixture)
     PRIMARY_WEIGHT,

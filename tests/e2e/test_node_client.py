@@ -19,7 +19,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hearth.services.devtools.local_cluster import LocalCluster
 from hearth.services.client.chat import chat
-from hearth.protocol.chat import ChatRequest, ModelsReply, ServedModel
+from hearth.protocol.chat import ChatRequest
+from hearth.protocol.discovery import ModelsReply, ServedModel
 from hearth.protocol.subjects import CHAT_REQUEST_SUBJECT, MODELS_REQUEST_SUBJECT, orchestrator_request_subject
 from hearth.services.broker.connection import connect_nats, flush_ordered
 from tests.e2e.conftest import TINY_MODEL_NAME, three_shard_mesh

@@ -13,7 +13,8 @@ import pytest
 from hearth.services.devtools.local_cluster import LocalCluster
 from hearth.services.common.call_signing import signed_call_headers
 from hearth.services.client.chat import chat
-from hearth.protocol.chat import ChatRequest, decode_frame
+from hearth.protocol.chat import ChatRequest
+from hearth.protocol.chat_frames import decode_frame
 from hearth.protocol.subjects import CHAT_REQUEST_SUBJECT
 from hearth.services.broker.connection import connect_nats
 from tests.e2e.conftest import TINY_MODEL_NAME, three_shard_mesh

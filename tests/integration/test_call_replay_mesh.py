@@ -15,7 +15,8 @@ import pytest
 from nats.js.errors import APIError
 
 from hearth.events.streams import StreamSetup
-from hearth.protocol.chat import ChatRequest, DoneFrame, Usage, decode_frame
+from hearth.protocol.chat import ChatRequest
+from hearth.protocol.chat_frames import DoneFrame, Usage, decode_frame
 from hearth.protocol.subjects import CHAT_REQUEST_SUBJECT
 from hearth.services.common.call_nonces import CALL_NONCES_BUCKET, CALL_NONCES_STREAM, MeshNonces
 from hearth.services.common.call_signing import HEADER_CALLER_NONCE, signed_call_headers

@@ -15,7 +15,8 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from hearth.protocol.chat import ChatRequest, DoneFrame, TokenDeltaFrame, Usage
+from hearth.protocol.chat import ChatRequest
+from hearth.protocol.chat_frames import DoneFrame, TokenDeltaFrame, Usage
 from hearth.protocol.subjects import CHAT_REQUEST_SUBJECT
 from hearth.services.broker.connection import close_quietly, connect_nats, flush_ordered
 from hearth.services.client.chat import stream_chat_raw

@@ -13,7 +13,8 @@ import re
 import httpx2
 import pytest
 
-from hearth.protocol.chat import ChatRequest, ModelsReply, ServedModel
+from hearth.protocol.chat import ChatRequest
+from hearth.protocol.discovery import ModelsReply, ServedModel
 from hearth.protocol.subjects import CHAT_REQUEST_SUBJECT, MODELS_REQUEST_SUBJECT
 from hearth.services.common.config import HearthSettings
 from hearth.services.broker.connection import connect_nats, flush_ordered

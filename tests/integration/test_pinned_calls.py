@@ -14,7 +14,8 @@ import time
 import httpx2
 import pytest
 
-from hearth.protocol.chat import ChatRequest, ModelsReply, ServedModel, max_prompt_chars
+from hearth.protocol.chat import ChatRequest, max_prompt_chars
+from hearth.protocol.discovery import ModelsReply, ServedModel
 from hearth.protocol.subjects import CHAT_REQUEST_SUBJECT, MODELS_REQUEST_SUBJECT, orchestrator_request_subject
 from hearth.services.broker.connection import connect_nats, flush_ordered
 from hearth.services.client.chat import ChatResult

@@ -12,7 +12,8 @@ import json
 from collections import defaultdict
 from types import SimpleNamespace
 
-from hearth.protocol.chat import ChatRequest, DoneFrame, Usage
+from hearth.protocol.chat import ChatRequest
+from hearth.protocol.chat_frames import DoneFrame, Usage
 from hearth.services.common.config import HearthSettings
 from hearth.services.orchestrator.service import Orchestrator
 from tests.orchestrator_stand_ins import admit_every_prompt

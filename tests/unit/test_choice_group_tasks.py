@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
-from hearth.protocol.chat import ErrorFrame
+from hearth.protocol.chat_frames import ErrorFrame
 from hearth.services.orchestrator import choices
 from hearth.services.orchestrator.choices import ChoiceClient, ChoiceGroup
 from tests.orchestrator_stand_ins import RecordingClient

@@ -10,7 +10,8 @@ import asyncio
 from types import SimpleNamespace
 from unittest.mock import MagicMock
 
-from hearth.protocol.chat import ChatRequest, DoneFrame, Usage
+from hearth.protocol.chat import ChatRequest
+from hearth.protocol.chat_frames import DoneFrame, Usage
 from hearth.services.common.config import HearthSettings
 from hearth.services.orchestrator import choices
 from hearth.services.orchestrator.choices import ChoiceClient, ChoiceGroup

@@ -11,7 +11,9 @@ import httpx2
 import openai
 import pytest
 
-from hearth.protocol.chat import ChatRequest, ErrorFrame, ModelsReply, ServedModel, TokenDeltaFrame
+from hearth.protocol.chat import ChatRequest
+from hearth.protocol.discovery import ModelsReply, ServedModel
+from hearth.protocol.chat_frames import ErrorFrame, TokenDeltaFrame
 from hearth.services.client.chat import request_payload, stream_chat_raw
 from hearth.services.common.config import HearthSettings
 from hearth.services.gateway.app import create_app

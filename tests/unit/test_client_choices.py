@@ -4,7 +4,8 @@ printing each choice under its label; `hearth chat --quantization`."""
 
 from __future__ import annotations
 
-from hearth.protocol.chat import ChatRequest, ChoiceEnd, DoneFrame, TokenDeltaFrame, TokensWithdrawnFrame, Usage
+from hearth.protocol.chat import ChatRequest
+from hearth.protocol.chat_frames import ChoiceEnd, DoneFrame, TokenDeltaFrame, TokensWithdrawnFrame, Usage
 from hearth.services.client.chat import ChatResult, answer_tokens
 from hearth.services.client.command import ChatPrinter
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
-from hearth.protocol.chat import DoneFrame, TokenDeltaFrame, Usage
+from hearth.protocol.chat_frames import DoneFrame, TokenDeltaFrame, Usage
 from hearth.services.broker.connection import NO_RESPONDERS_STATUS
 from hearth.services.orchestrator import client_stream
 from hearth.services.orchestrator.client_stream import ClientStream

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from hearth.events.models import EVENT_CLASSES
-from hearth.protocol.chat import ChatFrame, ErrorCode
+from hearth.protocol.chat_frames import ChatFrame, ErrorCode
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
@@ -62,9 +62,9 @@ def test_the_code_defines_what_is_checked():
 
 
 @pytest.mark.parametrize("kind,names", [
-    ("frame types (ChatFrame in hearth/protocol/chat.py)", frame_types()),
+    ("frame types (ChatFrame in hearth/protocol/chat_frames.py)", frame_types()),
     ("event types (EVENT_CLASSES in hearth/events/models.py)", event_types()),
-    ("error codes (ErrorCode in hearth/protocol/chat.py)", error_codes()),
+    ("error codes (ErrorCode in hearth/protocol/chat_frames.py)", error_codes()),
 ])
 def test_every_name_the_code_defines_is_documented(kind, names):
     missing = _undocumented(names)

@@ -10,9 +10,10 @@ from unittest.mock import MagicMock
 
 import pytest
 
-from hearth.protocol.chat import ChatRequest, DoneFrame, ErrorFrame, TokenDeltaFrame, Usage
+from hearth.protocol.chat import ChatRequest
+from hearth.protocol.chat_frames import DoneFrame, ErrorFrame, TokenDeltaFrame, Usage
 from hearth.services.common.config import HearthSettings
-from hearth.services.orchestrator import service as orchestrator_service
+from hearth.services.orchestrator import call_serving
 from hearth.services.orchestrator.client_stream import ClientStream
 from hearth.services.orchestrator.service import Orchestrator
 
@@ -69,12 +70,12 @@ async def test_a_caller_sees_its_call_end_only_once_the_call_has_left_its_runnin
         return None
 
     orchestrator.catalog = SimpleNamespace(get_requested=get_requested, release_freed_heap=no_release)
-    monkeypatch.setattr(orchestrator_service, "prompt_room", lambda request, model: None)
+    monkeypatch.setattr(call_serving, "prompt_room", lambda request, model: None)
 
     async def admit_prompt(request, model):
         return [1, 2, 3]
 
-    monkeypatch.setattr(orchestrator_service, "admit_prompt", admit_prompt)
+    monkeypatch.setattr(call_serving, "admit_prompt", admit_prompt)
 
     async def run_admitted(request, model, client, caller, prompt_ids, admission):
         await client.send(TokenDeltaFrame(seq=0, text="a", token_id=1))

@@ -9,7 +9,7 @@ import json
 
 import openai
 
-from hearth.protocol.chat import (
+from hearth.protocol.chat_frames import (
     ChatFrame,
     ChoiceEnd,
     DoneFrame,

@@ -101,7 +101,7 @@ class EndlessAnswerGateway(Gateway):
     """A gateway whose every call streams a long answer, without a mesh."""
 
     async def models(self):
-        from hearth.protocol.chat import ModelsReply, ServedModel
+        from hearth.protocol.discovery import ModelsReply, ServedModel
 
         self._known_models = {"m"}
         return ModelsReply(models=[ServedModel(id="m", total_layers=2, complete=True)], default_model="m")
@@ -114,7 +114,7 @@ class EndlessAnswer(MeshCall):
     """A call whose answer is 20 MB of tokens, more than the socket buffers hold."""
 
     def __init__(self, request) -> None:
-        from hearth.protocol.chat import DoneFrame, TokenDeltaFrame, Usage
+        from hearth.protocol.chat_frames import DoneFrame, TokenDeltaFrame, Usage
 
         async def frames():
             for seq in range(2_000):
@@ -282,7 +282,7 @@ async def test_asking_the_mesh_about_an_unseen_model_counts_as_an_open_call():
             self.asked, self.release = asyncio.Event(), asyncio.Event()
 
         async def models(self):
-            from hearth.protocol.chat import ModelsReply
+            from hearth.protocol.discovery import ModelsReply
 
             self.asked.set()
             await self.release.wait()

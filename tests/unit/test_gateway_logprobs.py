@@ -8,16 +8,8 @@ import json
 
 import pytest
 
-from hearth.protocol.chat import (
-    BadRequest,
-    ChatRequest,
-    DoneFrame,
-    TokenAlternative,
-    TokenDeltaFrame,
-    TokenLogprobs,
-    Usage,
-    parse_chat_request,
-)
+from hearth.protocol.chat import BadRequest, ChatRequest, parse_chat_request
+from hearth.protocol.chat_frames import DoneFrame, TokenAlternative, TokenDeltaFrame, TokenLogprobs, Usage
 from hearth.services.gateway.answers import ChatShape, CompletionShape
 from hearth.services.gateway.openai_models import ChatCompletionRequest, CompletionRequest
 

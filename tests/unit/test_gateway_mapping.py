@@ -8,7 +8,8 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from hearth.protocol.chat import BadRequest, DoneFrame, ErrorFrame, PipelineAbortedFrame, Usage
+from hearth.protocol.chat import BadRequest
+from hearth.protocol.chat_frames import DoneFrame, ErrorFrame, PipelineAbortedFrame, Usage
 from hearth.services.gateway.answers import ChatShape, CompletionShape, finish_reason
 from hearth.services.gateway.errors import from_frame
 from hearth.services.gateway.keys import (

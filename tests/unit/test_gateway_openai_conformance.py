@@ -13,7 +13,8 @@ import openai
 import pytest
 from nats.errors import ConnectionClosedError
 
-from hearth.protocol.chat import BadRequest, ErrorFrame, max_tokens_limit, parse_chat_request
+from hearth.protocol.chat import BadRequest, max_tokens_limit, parse_chat_request
+from hearth.protocol.chat_frames import ErrorFrame
 from hearth.services.gateway.app import create_app
 from tests.unit.test_gateway_hardening import CLOSE_WAIT_S, serving
 from tests.unit.test_withdrawn_tokens import (  # noqa: F401 (gateway is a fixture)

@@ -11,7 +11,8 @@ from types import SimpleNamespace
 import openai
 import pytest
 
-from hearth.protocol.chat import BadRequest, ChatRequest, ErrorFrame, max_messages, max_prompt_chars, parse_chat_request
+from hearth.protocol.chat import BadRequest, ChatRequest, max_messages, max_prompt_chars, parse_chat_request
+from hearth.protocol.chat_frames import ErrorFrame
 from hearth.protocol.refusals import body_too_large
 from hearth.services.orchestrator.admission import prompt_room
 from tests.unit.test_gateway_openai_conformance import openai_client

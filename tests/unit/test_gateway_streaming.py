@@ -11,7 +11,7 @@ import pytest
 from nats.errors import ConnectionClosedError, NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
-from hearth.protocol.chat import ErrorFrame, PipelineAbortedFrame
+from hearth.protocol.chat_frames import ErrorFrame, PipelineAbortedFrame
 from hearth.services.common.config import HearthSettings
 from hearth.services.gateway.app import create_app
 from hearth.services.gateway.errors import GatewayError

@@ -18,6 +18,8 @@ from typer.testing import CliRunner
 from hearth.events.models import EVENT_TYPES
 from hearth.services.schema import files as schema_files
 from hearth.protocol import chat as chat_protocol
+from hearth.protocol.chat_frames import ChatFrame
+from hearth.protocol.discovery import DISCOVERY_MESSAGES
 from hearth.services.common.config import HearthSettings, load_settings
 from hearth.services.common.config_aliases import MOVED_KEYS, dotted
 
@@ -73,7 +75,7 @@ def test_the_chat_request_schema_carries_the_protocol_limits():
 
 
 def test_every_frame_type_and_every_event_type_has_its_schema_file():
-    frame_union = typing.get_args(chat_protocol.ChatFrame)[0]
+    frame_union = typing.get_args(ChatFrame)[0]
     frame_types = [cls.model_fields["type"].default for cls in typing.get_args(frame_union)]
     assert "token_delta" in frame_types and "done" in frame_types
     for frame_type in frame_types:
@@ -83,10 +85,10 @@ def test_every_frame_type_and_every_event_type_has_its_schema_file():
         assert load_schema(f"event.{event_type}.json")["properties"]["type"]["const"] == event_type
 
 
-def test_the_discovery_messages_have_schema_files_when_the_protocol_has_them():
-    discovery = getattr(chat_protocol, "DISCOVERY_MESSAGES", ())
+def test_the_discovery_messages_have_schema_files():
     models = {entry["model"] for entry in load_schema("index.json")["schemas"]}
-    for model in discovery:
+    assert DISCOVERY_MESSAGES
+    for model in DISCOVERY_MESSAGES:
         assert f"{model.__module__}.{model.__qualname__}" in models
 
 

@@ -9,7 +9,7 @@ import pytest
 from sqlalchemy.orm import sessionmaker
 
 from hearth.events.models import ShardWithdrawn
-from hearth.readmodels.projection import epoch_s
+from hearth.readmodels.batch_rows import epoch_s
 from hearth.services.common.config import HearthSettings
 from hearth.services.host.coverage import CoverageReader
 from hearth.services.host.planner import LayerRange, better_range, choose_range, widest_fit

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
-from hearth.protocol.chat import ErrorFrame
+from hearth.protocol.chat_frames import ErrorFrame
 from hearth.services.common.config import HearthSettings
 from hearth.services.orchestrator.service import Orchestrator
 

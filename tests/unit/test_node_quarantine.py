@@ -11,7 +11,7 @@ import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
 from hearth.protocol.quarantine import node_quarantine_reason, quarantined_nodes
-from hearth.readmodels.projection import epoch_s
+from hearth.readmodels.batch_rows import epoch_s
 from hearth.readmodels.queries import shards_of_model
 from hearth.services.orchestrator.discovery import describe_models
 from hearth.services.orchestrator.router import RoutingError, ShardRouter

@@ -8,7 +8,7 @@ from datetime import datetime, timezone
 from types import SimpleNamespace
 from unittest.mock import MagicMock
 
-from hearth.protocol.chat import DoneFrame, ErrorFrame, Usage, decode_frame
+from hearth.protocol.chat_frames import DoneFrame, ErrorFrame, Usage, decode_frame
 from hearth.protocol.subjects import CHAT_REQUEST_SUBJECT, orchestrator_request_subject
 from hearth.services.common.call_signing import CallVerifier, signed_call_headers
 from hearth.services.common.config import HearthSettings

@@ -13,7 +13,7 @@ from hearth.events.models import (
 )
 from hearth.services.devtools.bench.transport_metrics import cache_event_counts
 from hearth.services.devtools.local_cluster import _metrics_port_in
-from hearth.protocol.chat import DoneFrame, ErrorFrame, KeepaliveFrame, Timing, Usage
+from hearth.protocol.chat_frames import DoneFrame, ErrorFrame, KeepaliveFrame, Timing, Usage
 from hearth.services.common.metrics import (
     counter,
     metrics_observed,

@@ -23,7 +23,8 @@ from hearth.events.models import (
 from hearth.events.streams import PIPELINES_STREAM, SHARDS_STREAM
 from hearth.readmodels.pipeline_hops import hops_after_failover
 from hearth.readmodels.positions import ConcurrentProjectionError, load_positions
-from hearth.readmodels.projection import ReadModelProjection, epoch_s
+from hearth.readmodels.projection import ReadModelProjection
+from hearth.readmodels.batch_rows import epoch_s
 from hearth.readmodels.tables import Failover, Pipeline, Shard, ShardHealth, ShardStats
 from tests.readmodel_helpers import (
     T0,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
-from hearth.services.orchestrator import verification as verification_module
+from hearth.services.orchestrator import mirrored_checks
 from hearth.services.transport import FrameKind
 from tests.unit.test_verify_gaps import LIAR, StandInMirror, run_step, verifier_of
 
@@ -49,7 +49,7 @@ async def test_a_report_check_waits_for_the_background_check_on_the_same_mirror(
     async def open_mirror(ctx, call, chain, index, avoid, chance):
         return mirror
 
-    monkeypatch.setattr(verification_module, "open_mirror", open_mirror)
+    monkeypatch.setattr(mirrored_checks, "open_mirror", open_mirror)
     verifier, recorder, proved_wrong = await verifier_of("sampled")
     run_step(recorder, 1, FrameKind.prefill, 0, 3)
     verifier.after_step()  # the chain's first step, the range's guard not learned: a background check starts
@@ -74,7 +74,7 @@ async def test_a_report_check_gives_up_when_the_running_check_does_not_end(monke
     async def open_mirror(ctx, call, chain, index, avoid, chance):
         return mirror
 
-    monkeypatch.setattr(verification_module, "open_mirror", open_mirror)
+    monkeypatch.setattr(mirrored_checks, "open_mirror", open_mirror)
     verifier, recorder, _ = await verifier_of("sampled")
     verifier.settings.settle_timeout_s = 0.2
     run_step(recorder, 1, FrameKind.prefill, 0, 3)

@@ -9,7 +9,8 @@ import asyncio
 import json
 from types import SimpleNamespace
 
-from hearth.protocol.chat import ChatRequest, TokenDeltaFrame
+from hearth.protocol.chat import ChatRequest
+from hearth.protocol.chat_frames import TokenDeltaFrame
 from hearth.services.common.config import HearthSettings
 from hearth.services.common.metrics import sample_value
 from hearth.services.orchestrator.deadline import passed_deadline

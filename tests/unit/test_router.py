@@ -9,7 +9,7 @@ from sqlalchemy.orm import sessionmaker
 
 from hearth.events.models import ShardWithdrawn
 from hearth.events.signing import roster_recheck_interval_s
-from hearth.readmodels.projection import epoch_s
+from hearth.readmodels.batch_rows import epoch_s
 from hearth.services.common.config import HearthSettings
 from hearth.services.common.event_trust import node_membership
 from hearth.services.orchestrator.capacity import ShardLoad

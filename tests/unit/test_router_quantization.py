@@ -10,7 +10,7 @@ import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
 from hearth.events.models import ShardAdvertised
-from hearth.readmodels.projection import epoch_s
+from hearth.readmodels.batch_rows import epoch_s
 from hearth.readmodels.queries import ShardCandidate
 from hearth.readmodels.tables import Shard
 from hearth.protocol.chat import BadRequest, ChatRequest, parse_chat_request

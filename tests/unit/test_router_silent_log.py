@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from sqlalchemy.orm import sessionmaker
 
-from hearth.readmodels.projection import epoch_s
+from hearth.readmodels.batch_rows import epoch_s
 from hearth.services.orchestrator.router import RoutingError, ShardRouter, judged_instant
 from tests.readmodel_helpers import (
     MODEL_ID,

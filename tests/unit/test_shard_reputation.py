@@ -11,7 +11,7 @@ from sqlalchemy import inspect, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from hearth.readmodels.db import open_engine, upgrade_database
-from hearth.readmodels.projection import epoch_s
+from hearth.readmodels.batch_rows import epoch_s
 from hearth.readmodels.queries import shard_reputations, shards_of_model
 from hearth.protocol.subjects import node_of_shard
 from hearth.readmodels.reputation import ReputationLog

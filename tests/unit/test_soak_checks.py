@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hearth.protocol.chat import DoneFrame, ErrorFrame, PipelineAbortedFrame, TokenDeltaFrame
+from hearth.protocol.chat_frames import DoneFrame, ErrorFrame, PipelineAbortedFrame, TokenDeltaFrame
 from hearth.services.devtools.soak import ENDING_BOUNDS_S, classify
 from hearth.services.devtools.soak_checks import memory_trends, rss_min_judged_load_s, slope_per_minute
 

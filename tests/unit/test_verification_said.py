@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from hearth.protocol.chat import DoneFrame, TokenDeltaFrame, Usage
-from hearth.services.orchestrator import verification as verification_module
+from hearth.protocol.chat_frames import DoneFrame, TokenDeltaFrame, Usage
+from hearth.services.orchestrator import mirrored_checks
 from hearth.services.orchestrator.choices import ChoiceGroup
 from hearth.services.transport import FrameKind
 from tests.unit.test_report_check_race import HeldMirror
@@ -51,7 +51,7 @@ async def verifier_with(monkeypatch, level: str, replicas: list):
     async def open_mirror(ctx, call, chain, index, avoid, chance):
         return replicas.pop(0) if replicas else None
 
-    monkeypatch.setattr(verification_module, "open_mirror", open_mirror)
+    monkeypatch.setattr(mirrored_checks, "open_mirror", open_mirror)
     verifier, recorder, _ = await verifier_of(level)
     run_step(recorder, 1, FrameKind.prefill, 0, 3)
     verifier.after_step()

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hearth.services.orchestrator import verification as verification_module
+from hearth.services.orchestrator import mirrored_checks
 from hearth.services.orchestrator.guards import RangeGuards
 from hearth.services.orchestrator.outcomes import StepFailure
 from hearth.services.orchestrator.recording import ChainRecorder
@@ -58,7 +58,7 @@ def replicas(monkeypatch):
     async def open_mirror(ctx, call, chain, index, avoid, chance):
         return queue.pop(0) if queue else None
 
-    monkeypatch.setattr(verification_module, "open_mirror", open_mirror)
+    monkeypatch.setattr(mirrored_checks, "open_mirror", open_mirror)
     return queue
 
 

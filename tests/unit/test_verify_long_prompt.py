@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hearth.services.orchestrator import verification as verification_module
+from hearth.services.orchestrator import mirrored_checks
 from hearth.services.orchestrator.outcomes import StepFailure
 from hearth.services.orchestrator.prefill import prefill
 from hearth.services.orchestrator.recording import ChainRecorder
@@ -90,7 +90,7 @@ def honest_replicas(monkeypatch):
     async def open_mirror(ctx, call, chain, index, avoid, chance):
         return queue.pop(0) if queue else None
 
-    monkeypatch.setattr(verification_module, "open_mirror", open_mirror)
+    monkeypatch.setattr(mirrored_checks, "open_mirror", open_mirror)
     return queue
 
 
@@ -165,7 +165,7 @@ async def test_a_hop_no_replica_can_check_leaves_the_others_checked_past_the_bud
     async def open_mirror(ctx, call, chain, index, avoid, chance):
         return StandInMirror(f"r{len(avoid)}") if index == 0 else None
 
-    monkeypatch.setattr(verification_module, "open_mirror", open_mirror)
+    monkeypatch.setattr(mirrored_checks, "open_mirror", open_mirror)
     budget = BUDGET_POSITIONS * HIDDEN * 4 * 3  # hop 0's input, hop 1's, the chain's output
     verifier, _, _ = await verifier_of("all", prompt_tokens=LONG_PROMPT)
     recorder = ChainRecorder(None, "p", ["liar", "lone"], link_keys=[None, None], sealed=False, step_limits=None,

@@ -13,13 +13,12 @@ import httpx2
 import openai
 import pytest
 
-from hearth.protocol.chat import (
+from hearth.protocol.chat import ChatRequest
+from hearth.protocol.discovery import ModelsReply, ServedModel
+from hearth.protocol.chat_frames import (
     ChatFrame,
-    ChatRequest,
     DoneFrame,
     ErrorFrame,
-    ModelsReply,
-    ServedModel,
     ShardFailoverFrame,
     TokenDeltaFrame,
     TokenLogprobs,

@@ -19,15 +19,14 @@ from hearth.services.common.call_signing import signed_call_headers
 from hearth.services.common.config_processes import OrchestratorSettings
 from hearth.services.common.config_sections import ClientSettings
 from hearth.services.broker.connection import NO_RESPONDERS_STATUS, connection_identity
-from hearth.protocol.chat import (
+from hearth.protocol.chat import ChatRequest
+from hearth.protocol.discovery import ModelsReply, ModelsRequest
+from hearth.protocol.chat_frames import (
     FINAL_FRAME_TYPES,
     ChatFrame,
-    ChatRequest,
     DoneFrame,
     ErrorFrame,
     KeepaliveFrame,
-    ModelsReply,
-    ModelsRequest,
     PipelineAbortedFrame,
     TokenDeltaFrame,
     TokensWithdrawnFrame,

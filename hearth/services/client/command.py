@@ -14,18 +14,15 @@ from pydantic import ValidationError
 from hearth.services.client.chat import AnswerTokens, ModelsRefused, choice_of, list_models, stream_chat
 from hearth.services.client.pinned import answered_by, stream_chat_pinned
 from hearth.services.common.display import display_text
-from hearth.protocol.chat import (
+from hearth.protocol.chat import ChatMessage, ChatParams, ChatRequest, describe_validation_error
+from hearth.protocol.chat_frames import (
     ChatFrame,
-    ChatMessage,
-    ChatParams,
-    ChatRequest,
     DoneFrame,
     ErrorFrame,
     PipelineAbortedFrame,
     QueuedFrame,
     TokenDeltaFrame,
     TokensWithdrawnFrame,
-    describe_validation_error,
 )
 from hearth.protocol.subjects import MODELS_REQUEST_SUBJECT
 from hearth.services.common.config import HearthSettings, NatsSettings

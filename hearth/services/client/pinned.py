@@ -9,7 +9,8 @@ from collections.abc import AsyncIterator
 
 from nats.aio.client import Client as NatsClient
 
-from hearth.protocol.chat import FINAL_FRAME_TYPES, ChatFrame, ChatRequest, DoneFrame, TokenDeltaFrame
+from hearth.protocol.chat import ChatRequest
+from hearth.protocol.chat_frames import FINAL_FRAME_TYPES, ChatFrame, DoneFrame, TokenDeltaFrame
 from hearth.protocol.subjects import CHAT_REQUEST_SUBJECT, orchestrator_request_subject
 from hearth.services.client.chat import request_payload, stream_chat_raw
 from hearth.services.common.config_sections import ClientSettings

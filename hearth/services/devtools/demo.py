@@ -314,7 +314,7 @@ class _AnswerView:
 
     def show(self, frame) -> bool | None:
         """Print one frame; True/False once the answer is complete/failed, None while it streams."""
-        from hearth.protocol.chat import (
+        from hearth.protocol.chat_frames import (
             DoneFrame,
             ErrorFrame,
             PipelineAbortedFrame,

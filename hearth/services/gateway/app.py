@@ -9,16 +9,15 @@ the mesh withdrew (a whole answer just leaves them out), and one cut by a failur
 broker connection closed): a stream never just stops, which a client would take for a whole answer. A client that
 disconnects, while waiting or mid-stream, has its call's inbox closed at once, which ends the call on the
 orchestrator and frees the hops. No CORS headers are sent unless `[gateway] cors_allowed_origins` names the web
-origins that may call from a browser.
+origins that may call from a browser. How an answer leaves, whole or streamed, is answer_delivery.py; the HTTP
+metrics and their middleware are http_metrics.py.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 import traceback
-from collections.abc import AsyncIterator
-from contextlib import ExitStack, aclosing
+from contextlib import ExitStack
 
 import anyio
 from pydantic import BaseModel, ValidationError
@@ -27,25 +26,24 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from hearth.protocol.chat import BadRequest, DoneFrame, TokenDeltaFrame, TokensWithdrawnFrame, describe_validation_error
-from hearth.services.client.chat import AnswerTokens, choice_of
-from hearth.services.common.metrics import counter, histogram
-from hearth.services.gateway.answers import (SSE_DONE, AnswerShape, ChatShape, ChoiceAnswer, CompletionShape, sse_event,
-                                             verification_headers)
+from hearth.protocol.chat import BadRequest, describe_validation_error
+from hearth.protocol.chat_frames import DoneFrame, TokenDeltaFrame
+from hearth.services.client.chat import AnswerTokens
+from hearth.services.gateway.answers import AnswerShape, ChatShape, CompletionShape
+from hearth.services.gateway.answer_delivery import AnswerDelivery, SseResponse
 from hearth.services.gateway.errors import (
-    GatewayError, from_frame, refused, tokens_withdrawn, too_large, unforeseen, unknown_model,
+    GatewayError, from_frame, refused, too_large, unforeseen, unknown_model,
 )
-from hearth.services.gateway.mesh import AnswerFrame, ClientGone, Gateway, MeshCall, unless_disconnected
+from hearth.services.gateway.http_metrics import MODEL_ROUTE_PREFIX, MetricsMiddleware
+from hearth.services.gateway.mesh import ClientGone, Gateway, MeshCall, unless_disconnected
 from hearth.services.gateway.openai_models import (
     ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, Unsupported,
 )
 
 log = logging.getLogger(__name__)
-ROUTES = ("/v1/models", "/v1/chat/completions", "/v1/completions", "/healthz")
-MODEL_ROUTE_PREFIX = "/v1/models/"
 # What a browser page from an allowed origin may do ([gateway] cors_allowed_origins): the headers are those OpenAI's
 # JavaScript SDK sends, which a preflight must allow or the browser sends nothing (the gateway reads only the first
 # two). Named rather than "*", so that a header no client of ours sends stays refused.
@@ -60,14 +58,6 @@ CORS_HEADERS = (
 )
 # nginx's "client closed request": recorded in /metrics for calls whose client left before the answer.
 CLIENT_CLOSED_STATUS = 499
-latency_buckets_s = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
-requests_total = counter("hearth_gateway_requests_total", "HTTP requests answered, by route and status",
-                         ["route", "status"])
-request_seconds = histogram("hearth_gateway_request_seconds", "From request to the last byte of the answer "
-                            "(a streamed one included), by route and status", ["route", "status"],
-                            buckets=latency_buckets_s)
-first_token_seconds = histogram("hearth_gateway_first_token_seconds", "From request to the first token leaving "
-                                "the gateway, by route", ["route"], buckets=latency_buckets_s)
 
 
 class Health(BaseModel):
@@ -76,56 +66,7 @@ class Health(BaseModel):
     open_calls: int
 
 
-class SseResponse(StreamingResponse):
-    """Server-sent events of one call; the call is closed however the response ends (a disconnect cancels the
-    stream, possibly before its first event: the events' own `finally` would then never run)."""
-
-    media_type = "text/event-stream"
-
-    def __init__(self, events: AsyncIterator[bytes], call: MeshCall, slot: ExitStack) -> None:
-        super().__init__(events, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self.call = call
-        self.slot = slot
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            with anyio.CancelScope(shield=True):
-                await self.body_iterator.aclose()
-                await self.call.aclose()
-            self.slot.close()
-
-
-class MetricsMiddleware:
-    """Counts every HTTP request and times it to its last byte, labelled by route and status."""
-
-    def __init__(self, app) -> None:
-        self.app = app
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        path = scope["path"]
-        route = path if path in ROUTES else MODEL_ROUTE_PREFIX + "{model}" if path.startswith(MODEL_ROUTE_PREFIX) \
-            else "other"
-        status = [500]
-
-        async def sending(message) -> None:
-            if message["type"] == "http.response.start":
-                status[0] = message["status"]
-            await send(message)
-
-        started = time.perf_counter()
-        try:
-            await self.app(scope, receive, sending)
-        finally:
-            requests_total.labels(route, str(status[0])).inc()
-            request_seconds.labels(route, str(status[0])).observe(time.perf_counter() - started)
-
-
-class GatewayApp:
+class GatewayApp(AnswerDelivery):
     """The routes' handlers over one Gateway."""
 
     def __init__(self, gateway: Gateway) -> None:
@@ -244,114 +185,6 @@ class GatewayApp:
             return body_model.model_validate_json(data)
         except ValidationError as error:
             raise refused(describe_validation_error(error), _first_param(error)) from None
-
-    async def _whole(self, call: MeshCall, shape: AnswerShape, first: AnswerFrame, answers: list[AnswerTokens],
-                     with_logprobs: bool) -> Response:
-        withdrawals = False
-        frame = first
-        while isinstance(frame, (TokenDeltaFrame, TokensWithdrawnFrame)):
-            _take(answers, frame)
-            withdrawals = withdrawals or isinstance(frame, TokensWithdrawnFrame)
-            frame = await call.next()
-        if not isinstance(frame, DoneFrame):
-            raise self._error(frame)
-        choices = [ChoiceAnswer(answer.text, [token.logprobs for token in answer.frames if token.logprobs is not None]
-                                if with_logprobs else None) for answer in answers]
-        return JSONResponse(shape.whole_choices(choices, frame, _kept_tokens(answers, withdrawals)).model_dump(),
-                            headers=verification_headers(frame))
-
-    async def _events(self, route: str, call: MeshCall, shape: AnswerShape, first: AnswerFrame,
-                      answers: list[AnswerTokens], include_usage: bool) -> AsyncIterator[bytes]:
-        async with aclosing(self._events_of_answer(route, call, shape, first, answers, include_usage)) as events:
-            try:
-                async for event in events:
-                    yield event
-            except GatewayError as error:
-                log.info("%s: stream ended by %s", route, error)
-                yield sse_event(error.body())
-            except Exception as error:
-                # Too late for a status: an error event, which the client raises, not a stream that just stops.
-                yield sse_event(self._unforeseen(route, error).body())
-
-    async def _events_of_answer(self, route: str, call: MeshCall, shape: AnswerShape, first: AnswerFrame,
-                                answers: list[AnswerTokens], include_usage: bool) -> AsyncIterator[bytes]:
-        # Per choice: tokens of its answer up to the last one that made a chunk (what a withdrawal must not reach).
-        shown_tokens = [0] * len(answers)
-        opened: set[int] = set()
-        withdrawals = False
-        frame = first
-        while isinstance(frame, (TokenDeltaFrame, TokensWithdrawnFrame)):
-            answer = _take(answers, frame)
-            if answer is None:
-                pass  # a choice the request did not ask for: nothing of it is shown
-            elif isinstance(frame, TokensWithdrawnFrame):
-                withdrawals = True
-                if frame.kept_tokens < shown_tokens[answer.choice]:
-                    # Sent chunks cannot be taken back: the client must learn the text is not to be trusted.
-                    error = tokens_withdrawn(frame, len(answer.text))
-                    log.info("%s: stream ended by %s", route, error)
-                    yield sse_event(error.body())
-                    return
-            else:
-                # A choice's opening chunk goes with its first token: one write less before that token. The token
-                # is read first: whether it opens a tool call decides the opening's content.
-                piece = shape.text(frame.text, frame.logprobs, answer.choice) if _carries(frame) else None
-                chunk = _opening(shape, answer.choice, opened)
-                if piece is not None:
-                    shown_tokens[answer.choice] = len(answer.frames)
-                    chunk += sse_event(piece)
-                if chunk:
-                    yield chunk
-                if frame is first:
-                    first_token_seconds.labels(route).observe(time.perf_counter() - call.started)
-            async with self.gateway.stops.watch():
-                frame = await call.next()
-        if isinstance(frame, DoneFrame):
-            ending = b""
-            for choice in range(len(answers)):
-                ending += _opening(shape, choice, opened)
-                rest = shape.held_back(choice)
-                if rest is not None:
-                    ending += sse_event(rest)
-                ending += sse_event(shape.ending(frame, choice))
-            if include_usage:
-                ending += sse_event(shape.usage(frame, _kept_tokens(answers, withdrawals)))
-            yield ending
-            yield SSE_DONE
-        else:
-            # Too late for an HTTP status: the stream ends with an error event, as OpenAI's does.
-            error = self._error(frame)
-            log.info("%s: stream ended by %s", route, error)
-            yield sse_event(error.body())
-
-
-def _take(answers: list[AnswerTokens], frame: TokenDeltaFrame | TokensWithdrawnFrame) -> AnswerTokens | None:
-    """The answer of `frame`'s choice, `frame` applied to it (None: a choice the request did not ask for)."""
-    choice = choice_of(frame)
-    if choice >= len(answers):
-        return None
-    answers[choice].take(frame)
-    return answers[choice]
-
-
-def _kept_tokens(answers: list[AnswerTokens], withdrawals: bool) -> int | None:
-    """The answer's tokens that stand, every choice's, when some were withdrawn (None: the orchestrator's count)."""
-    return sum(len(answer.frames) for answer in answers) if withdrawals else None
-
-
-def _opening(shape: AnswerShape, choice: int, opened: set[int]) -> bytes:
-    """`choice`'s opening event the first time it is asked for (nothing after, nor where the shape has none)."""
-    if choice in opened:
-        return b""
-    opened.add(choice)
-    opening = shape.opening(choice)
-    return sse_event(opening) if opening is not None else b""
-
-
-def _carries(frame: TokenDeltaFrame) -> bool:
-    """Whether a token's frame makes a chunk: it has text, or the log-probabilities of its token."""
-    return bool(frame.text) or frame.logprobs is not None
-
 
 def _unforeseen(route: str, error: Exception, retry_after_s: float) -> GatewayError:
     """`error` as an OpenAI error (a 503's Retry-After `retry_after_s`), logged by its type and where it was raised:

@@ -16,11 +16,11 @@ from nats.errors import (
 )
 from starlette.responses import JSONResponse
 
-from hearth.protocol.chat import ErrorFrame, PipelineAbortedFrame, TokensWithdrawnFrame
+from hearth.protocol.chat_frames import ErrorFrame, PipelineAbortedFrame, TokensWithdrawnFrame
 from hearth.protocol.refusals import ARRAY_TOO_LONG, CONTEXT_EXCEEDED, OVER_MAX_REQUEST_BYTES, STRING_TOO_LONG
 from hearth.services.gateway.openai_models import ErrorBody, ErrorDetail
 
-# Error codes of the mesh (chat_protocol.ErrorCode) -> (HTTP status, OpenAI error type); the rest are 500.
+# Error codes of the mesh (ErrorCode in protocol.chat_frames) -> (HTTP status, OpenAI error type); the rest are 500.
 _FRAME_STATUS: dict[str, tuple[int, str]] = {
     "bad_request": (400, "invalid_request_error"),
     "unauthorized": (403, "permission_error"),

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from pydantic import BaseModel
 
-from hearth.protocol.chat import TokenLogprobs
+from hearth.protocol.chat_frames import TokenLogprobs
 
 
 class TopLogprob(BaseModel):

@@ -25,11 +25,11 @@ from nats.errors import TimeoutError as NatsTimeoutError
 
 from hearth.services.client.chat import ModelsRefused, configured_waits, list_models, request_payload
 from hearth.services.client.pinned import stream_chat_pinned_raw
-from hearth.protocol.chat import (
-    ChatRequest,
+from hearth.protocol.chat import ChatRequest
+from hearth.protocol.discovery import ModelsReply
+from hearth.protocol.chat_frames import (
     DoneFrame,
     ErrorFrame,
-    ModelsReply,
     PipelineAbortedFrame,
     TokenDeltaFrame,
     TokensWithdrawnFrame,

@@ -15,7 +15,8 @@ import torch
 from hearth.inference import SamplingParams, TextStream
 from hearth.inference.grammar import GrammarState
 from hearth.inference.logit_shaping import LogitShaping
-from hearth.protocol.chat import ChatRequest, TokenAlternative, TokenLogprobs
+from hearth.protocol.chat import ChatRequest
+from hearth.protocol.chat_frames import TokenAlternative, TokenLogprobs
 from hearth.services.orchestrator.catalog import LoadedModel
 from hearth.services.orchestrator.client_stream import ClientStream
 from hearth.services.orchestrator.constrained import FINISH_TOOL_CALLS, OutputGrammar, output_grammar

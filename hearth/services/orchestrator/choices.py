@@ -16,9 +16,8 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from hearth.protocol.chat import (
-    ChatRequest, ChoiceEnd, DoneFrame, ErrorFrame, PipelineAbortedFrame, TokenDeltaFrame, Usage, max_choices,
-)
+from hearth.protocol.chat import ChatRequest, max_choices
+from hearth.protocol.chat_frames import ChoiceEnd, DoneFrame, ErrorFrame, PipelineAbortedFrame, TokenDeltaFrame, Usage
 from hearth.services.orchestrator.affinity import hop_ranges
 from hearth.services.orchestrator.call import Call
 from hearth.services.orchestrator.client_stream import ClientStream

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
-from hearth.protocol.chat import KeepaliveFrame, QueuedFrame, TokenDeltaFrame
+from hearth.protocol.chat_frames import KeepaliveFrame, QueuedFrame, TokenDeltaFrame
 from hearth.services.broker.connection import NO_RESPONDERS_STATUS, answers_ping
 from hearth.services.orchestrator.metrics import final_frame_code
 

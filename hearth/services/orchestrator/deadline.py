@@ -11,7 +11,7 @@ import contextlib
 from collections.abc import AsyncIterator
 from contextvars import ContextVar
 
-from hearth.protocol.chat import PipelineAbortedFrame
+from hearth.protocol.chat_frames import PipelineAbortedFrame
 from hearth.services.orchestrator.recovery import PIPELINE_STALLED
 
 # The deadline of the call the current task serves; a context variable because the call's parts (its runs, its

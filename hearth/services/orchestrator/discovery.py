@@ -14,7 +14,7 @@ import logging
 from collections import defaultdict
 
 from hearth.readmodels.queries import ShardCandidate
-from hearth.protocol.chat import ModelsReply, ServedModel
+from hearth.protocol.discovery import ModelsReply, ServedModel
 from hearth.protocol.quantization_labels import precision_order
 from hearth.services.orchestrator.catalog import ModelCatalog, context_length
 from hearth.services.orchestrator.router import ShardRouter

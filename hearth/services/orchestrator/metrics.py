@@ -26,7 +26,7 @@ from hearth.events.models import (
     PipelineFallbackLocal,
     PipelineFirstToken,
 )
-from hearth.protocol.chat import DoneFrame, ErrorCode, ErrorFrame, PipelineAbortedFrame
+from hearth.protocol.chat_frames import DoneFrame, ErrorCode, ErrorFrame, PipelineAbortedFrame
 from hearth.services.common.metrics import counter, gauge, histogram, metrics_observed
 from hearth.services.orchestrator.check_policy import CHECK_OUTCOMES, VERIFICATION_CHECKS_METRIC
 from hearth.services.orchestrator.outcomes import FailureKind

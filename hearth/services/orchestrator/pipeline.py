@@ -29,8 +29,13 @@ from hearth.events.models import (
 )
 from hearth.inference.compute_thread import on_compute_thread
 from hearth.inference.head_batch import HeadRow
-from hearth.protocol.chat import (PipelineFrame, ShardFailoverFrame, ShardStatusFrame, TokenDeltaFrame,
-                                  TokensWithdrawnFrame)
+from hearth.protocol.chat_frames import (
+    PipelineFrame,
+    ShardFailoverFrame,
+    ShardStatusFrame,
+    TokenDeltaFrame,
+    TokensWithdrawnFrame,
+)
 from hearth.services.orchestrator.answer_kv import close_keeping
 from hearth.services.orchestrator.call import Call, CallStatus
 from hearth.services.orchestrator.chain import HopChain

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 
 from hearth.events.models import KeptPrefix, PipelineAborted, PipelineCompleted
-from hearth.protocol.chat import DoneFrame, PipelineAbortedFrame, Timing, Usage
+from hearth.protocol.chat_frames import DoneFrame, PipelineAbortedFrame, Timing, Usage
 from hearth.services.orchestrator.call import Call
 from hearth.services.orchestrator.context import RunContext
 from hearth.services.orchestrator.verification import CallVerifier

@@ -1,8 +1,8 @@
 """The orchestrator service: answers `llm.chat.request` in a queue group (and on its own subject, where a
-conversation's next turn comes back to it), validates and admits each request, turns
-it into a Call served by a PipelineRun (hearth/services/orchestrator/pipeline.py) over its in-process routing read
-model, and keeps the call's client told that it is alive (keepalives) until its final frame; answers `llm.models`
-(hearth/services/orchestrator/discovery.py).
+conversation's next turn comes back to it), admits each request (its size, reply subject, signature and its
+caller's share), and has CallServing (call_serving.py) validate it, turn it into a Call served by a PipelineRun
+(hearth/services/orchestrator/pipeline.py) over its in-process routing read model, and keep the call's client told
+that it is alive (keepalives) until its final frame; answers `llm.models` (hearth/services/orchestrator/discovery.py).
 
 A call ends early when its client goes away (ClientStream notices "no responders" on the client's inbox): its
 run ends it `client_gone` and, as for every other ending, every hop's session is closed and its KV cache freed.
@@ -28,16 +28,10 @@ from hearth.readmodels.retention import retention_policy
 from hearth.readmodels.runner import Projector
 from hearth.services.common.call_nonces import MeshNonces
 from hearth.services.common.call_signing import CallRefused
-from hearth.protocol.chat import (
-    BadRequest,
-    ChatRequest,
-    ErrorFrame,
-    ModelsRequest,
-    describe_validation_error,
-    parse_chat_request,
-)
+from hearth.protocol.discovery import ModelsRequest
+from hearth.protocol.chat_frames import ErrorFrame
 from hearth.protocol.subjects import CHAT_REQUEST_SUBJECT, MODELS_REQUEST_SUBJECT, orchestrator_request_subject
-from hearth.protocol.refusals import body_too_large
+from hearth.protocol.refusals import body_too_large, describe_validation_error
 from hearth.services.common.config import HearthSettings
 from hearth.services.common.event_trust import (
     call_verifier,
@@ -50,36 +44,29 @@ from hearth.services.common.lifecycle import owned_task
 from hearth.services.common.scratch_folders import ScratchFolder
 from hearth.services.broker.connection import flush_ordered
 from hearth.services.broker.permissions import reply_allowed
-from hearth.services.orchestrator.admission import admit_prompt, prompt_room
-from hearth.services.orchestrator.call import Call
-from hearth.services.orchestrator.client_stream import ClientStream
+from hearth.services.orchestrator.call_serving import CallServing, error_message_chars
 from hearth.services.orchestrator.capacity import ShardLoad
-from hearth.services.orchestrator.catalog import LoadedModel, ModelCatalog, UnknownModel
+from hearth.services.orchestrator.catalog import ModelCatalog
 from hearth.events.streams import MiB
 from hearth.services.orchestrator.canaries import CanaryLibrary, CanaryRunner
 from hearth.services.orchestrator.hop_owner import community_open_signer
-from hearth.services.orchestrator.choices import ChoiceClient, ChoiceGroup, choice_request
 from hearth.services.orchestrator.kept_inputs import KeptInputs
 from hearth.services.orchestrator.context import RunContext
-from hearth.services.orchestrator.deadline import CallDeadline
 from hearth.services.orchestrator.guards import RangeGuards
 from hearth.services.orchestrator.discovery import describe_models, is_advertised
 from hearth.services.orchestrator.head_batcher import HeadSteps
 from hearth.services.orchestrator.health import RecentFailures
-from hearth.services.orchestrator.metrics import (calls_by_caller_total, calls_in_flight, calls_refused_total,
-                                                  count_request, observe_event)
-from hearth.services.orchestrator.pipeline import PipelineRun
-from hearth.services.orchestrator.queue import Admission, FairQueue, LeftQueue, Overloaded
+from hearth.services.orchestrator.metrics import calls_by_caller_total, calls_refused_total, observe_event
+from hearth.services.orchestrator.queue import FairQueue
 from hearth.services.transport.headers import header_bytes
 from hearth.services.orchestrator.router import ShardRouter
 
 log = logging.getLogger(__name__)
 
 ORCHESTRATOR_QUEUE_GROUP = "hearth-orchestrators"
-error_message_chars = 500
 
 
-class Orchestrator:
+class Orchestrator(CallServing):
     """One orchestrator process's service: its subscription, its routing read model, its calls."""
 
     def __init__(self, nc: NatsClient, settings: HearthSettings, *, node_id: str, db_path: Path | None = None,
@@ -235,60 +222,6 @@ class Orchestrator:
     async def _on_request(self, msg: Msg) -> None:
         owned_task(self._requests, self._serve(msg), name="chat-request")
 
-    async def _serve(self, msg: Msg) -> None:
-        if not msg.reply:
-            log.warning("chat request without a reply subject dropped")
-            return
-        if self._reply_refused(msg):
-            return
-        caller = await self._caller_admitted(msg)
-        if isinstance(caller, ErrorFrame):
-            refusal = caller
-            # Refused before any work on the call (no inbox watch, no keepalives, no parsing): one frame and done,
-            # so that a member flooding the mesh spends little of the time other members' calls need.
-            with contextlib.suppress(Exception):  # the asker or the broker is gone: nobody to tell
-                await self.nc.publish(msg.reply, refusal.model_dump_json().encode())
-            count_request(refusal.code, False)
-            return
-        try:  # counted in its caller's share from its arrival (FairQueue.arrive) until it ends, however it ends
-            client = await ClientStream(self.nc, msg.reply,
-                                        resubscribe_grace_s=self.settings.orchestrator.client_resubscribe_grace_s,
-                                        missing_grace_s=self.settings.orchestrator.client_missing_grace_s,
-                                        probe_timeout_s=self.settings.transport.gone_check_timeout_s).start()
-        except BaseException:
-            self.queue.leave(caller)
-            raise
-        client.on_final(functools.partial(self.queue.leave, caller))  # before its final frame: see ClientStream
-        keepalive = asyncio.create_task(self._keep_client_told(client), name="client-keepalive")
-        deadline = CallDeadline(self.settings.orchestrator.request_deadline_s)
-        try:
-            async with deadline.held():
-                await self._serve_request(msg, client, caller)
-        except asyncio.CancelledError:
-            raise
-        except Exception as error:
-            if not (deadline.passed() and isinstance(error, TimeoutError)):  # the deadline's own is no bug
-                log.exception("request failed")
-            with contextlib.suppress(Exception):  # one final frame: not if one went out (held to last) already
-                if client.final_code is None:
-                    await client.send(deadline.frame() if deadline.passed() else ErrorFrame(
-                        seq=0, code="internal_error", message=str(error)[:error_message_chars]))
-        finally:
-            client.final_going()  # the caller's share back, unless its final frame gave it back already
-            count_request(client.final_code, client.client_gone.is_set())
-            keepalive.cancel()
-            await asyncio.gather(keepalive, return_exceptions=True)
-            await client.settle()
-            await client.close()
-
-    async def _keep_client_told(self, client: ClientStream) -> None:
-        """Keepalives while the call waits for something (a head loading, a slow step, a failover)."""
-        interval_s = self.settings.transport.keepalive_interval_s
-        while True:
-            await asyncio.sleep(interval_s)
-            with contextlib.suppress(Exception):  # the broker may be away; the next one tries again
-                await client.keep_alive(interval_s)
-
     async def _caller_admitted(self, msg: Msg) -> str | None | ErrorFrame:
         """The calling member's name (None on an open mesh), or the frame refusing the call: its body or headers
         over their limits, its signature or its nonce (seen on the mesh) refused, or its caller's share full."""
@@ -310,91 +243,3 @@ class Orchestrator:
         if overloaded is not None:
             return ErrorFrame(seq=0, code="overloaded", message=str(overloaded), retry_after_s=overloaded.retry_after_s)
         return caller
-
-    async def _serve_request(self, msg: Msg, client: ClientStream, caller: str | None) -> None:
-        try:
-            request = parse_chat_request(msg.data)
-        except BadRequest as error:
-            await client.send(ErrorFrame(seq=0, code="bad_request", message=str(error)))
-            return
-        if not self.enabled:
-            await client.send(ErrorFrame(seq=0, code="experimental_disabled",
-                                         message="distributed inference is disabled on this orchestrator"))
-            return
-        if request.model is None:
-            served = await describe_models(self.context.router, self.catalog)
-            if served.default_model is None:
-                servable = [m.id for m in served.models if m.complete or m.runnable_locally]
-                await client.send(ErrorFrame(seq=0, code="bad_request", message=(
-                    f"field 'model': required when the mesh does not serve exactly one model (it serves "
-                    f"{len(servable)}: {', '.join(servable) or 'none'}; ask {MODELS_REQUEST_SUBJECT})")))
-                return
-            request = request.model_copy(update={"model": served.default_model})
-        try:
-            model = await self.catalog.get_requested(request.model)
-            # Only cheap checks before the queue: the prompt is tokenized when the call's turn comes.
-            prompt_room(request, model)
-        except UnknownModel as error:
-            await client.send(ErrorFrame(seq=0, code="bad_request", message=f"field 'model': {error}"))
-            return
-        except BadRequest as error:
-            await client.send(ErrorFrame(seq=0, code="bad_request", message=str(error)))
-            return
-        ran = False
-        try:
-            async with client.final_frame_last(), self.queue.place(caller, client.tell_position, client.client_gone,
-                                                                   pipelines=request.n) as admission:
-                try:
-                    prompt_ids = await admit_prompt(request, model)
-                except BadRequest as error:
-                    await client.send(ErrorFrame(seq=0, code="bad_request", message=str(error)))
-                    return
-                ran = True
-                async with self._counted_as_running():
-                    await self._run_admitted(request, model, client, caller, prompt_ids, admission)
-        except Overloaded as error:
-            await client.send(ErrorFrame(seq=0, code="overloaded", message=str(error),
-                                         retry_after_s=error.retry_after_s))
-        except LeftQueue:
-            log.info("request %s: the client went away while it was queued", request.request_id)
-        if ran:
-            # After the final frame: the client need not wait for the release.
-            await self._release_heap_when_idle()
-
-    async def _run_admitted(self, request: ChatRequest, model: LoadedModel, client: ClientStream, caller: str | None,
-                            prompt_ids: list[int], admission: Admission) -> None:
-        """Serve an admitted call (its `n` choices as one group, as many at once as it holds places); its hops are
-        freed whatever way it ended."""
-        queue_wait_s = admission.queue_wait_s
-        if request.n > 1:
-            group = ChoiceGroup(client, self.context, at_once=admission.places)
-            calls = [Call(request=choice_request(request, index), model=model, client=ChoiceClient(group, index),
-                          prompt_ids=prompt_ids, caller=caller, queue_wait_s=queue_wait_s)
-                     for index in range(request.n)]
-            await group.serve(calls)
-            return
-        run = PipelineRun(Call(request=request, model=model, client=client, prompt_ids=prompt_ids, caller=caller,
-                               queue_wait_s=queue_wait_s), self.context)
-        try:
-            await run.serve()
-        finally:
-            # Shielded: a cancelled request (shutdown) must still free its hops' sessions.
-            await asyncio.shield(run.close())
-
-    @contextlib.asynccontextmanager
-    async def _counted_as_running(self):
-        """Counts a call as running while it runs."""
-        self.context.running_calls += 1
-        calls_in_flight.inc()
-        try:
-            yield
-        finally:
-            self.context.running_calls -= 1
-            calls_in_flight.dec()
-
-    async def _release_heap_when_idle(self) -> None:
-        """When no call runs (the last one ended, not cancelled), the heap their head steps freed goes back to the
-        OS (ModelCatalog.release_freed_heap)."""
-        if self.context.running_calls == 0:
-            await self.catalog.release_freed_heap()
-

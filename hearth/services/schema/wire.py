@@ -12,7 +12,9 @@ from pydantic import BaseModel
 
 from hearth.events.models import EVENT_CLASSES
 from hearth.events.streams import MEMBER_REMOVAL_SUBJECTS
-from hearth.protocol import chat as chat_protocol
+from hearth.protocol.chat import ChatRequest
+from hearth.protocol.chat_frames import ChatFrame
+from hearth.protocol.discovery import DISCOVERY_MESSAGES
 from hearth.protocol.subjects import CHAT_REQUEST_SUBJECT, EVENTS_PREFIX, MODELS_REQUEST_SUBJECT
 from hearth.services.schema import COMMAND, qualified_name
 
@@ -58,13 +60,13 @@ def _reply_inbox(subject: str) -> str:
 
 def frame_classes() -> list[type[BaseModel]]:
     """The members of the `ChatFrame` discriminated union, in declaration order."""
-    union = typing.get_args(chat_protocol.ChatFrame)[0]  # Annotated[Union[...], Field(discriminator="type")]
+    union = typing.get_args(ChatFrame)[0]  # Annotated[Union[...], Field(discriminator="type")]
     return list(typing.get_args(union))
 
 
 def discovery_messages() -> list[type[BaseModel]]:
-    """The model-discovery messages chat_protocol lists in DISCOVERY_MESSAGES (none while it has no such tuple)."""
-    return list(getattr(chat_protocol, "DISCOVERY_MESSAGES", ()))
+    """The model-discovery messages, as protocol.discovery lists them in DISCOVERY_MESSAGES."""
+    return list(DISCOVERY_MESSAGES)
 
 
 def _discovery_schema(model: type[BaseModel]) -> WireSchema:
@@ -88,7 +90,7 @@ def _event_subject_pattern(event_type: str) -> str:
 def wire_schemas() -> list[WireSchema]:
     """Every schema file, in the order the index lists them."""
     request_subject = CHAT_REQUEST_SUBJECT
-    schemas = [WireSchema(f"{request_subject}.json", "request", chat_protocol.ChatRequest, request_subject)]
+    schemas = [WireSchema(f"{request_subject}.json", "request", ChatRequest, request_subject)]
     schemas += [_discovery_schema(model) for model in discovery_messages()]
     for frame in frame_classes():
         frame_type = _type_default(frame)

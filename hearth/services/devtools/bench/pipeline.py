@@ -16,14 +16,8 @@ async def pipeline_generation(nc, model_ref: str, prompt: str, new_tokens: int, 
     `verify` (None: asking none, the protocol's default applies); a call that does not complete raises BenchError,
     or (`refusal_is_error` False) comes back with its `error_code`."""
     from hearth.services.client.chat import stream_chat_raw
-    from hearth.protocol.chat import (
-        ChatRequest,
-        DoneFrame,
-        ErrorFrame,
-        PipelineAbortedFrame,
-        QueuedFrame,
-        TokenDeltaFrame,
-    )
+    from hearth.protocol.chat import ChatRequest
+    from hearth.protocol.chat_frames import DoneFrame, ErrorFrame, PipelineAbortedFrame, QueuedFrame, TokenDeltaFrame
 
     request = ChatRequest(model=model_ref, prompt=prompt, max_tokens=new_tokens, temperature=0.0,
                           params={"fallback_to_local": False, **({"verify": verify} if verify else {})})

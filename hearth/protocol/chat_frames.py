@@ -1,0 +1,184 @@
+"""The frames an orchestrator streams back for an `llm.chat.request` (docs/protocol.md), and decoding them."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+
+from hearth.protocol.bounds import max_id_chars
+from hearth.protocol.chat import is_none, max_choices
+
+ErrorCode = Literal[
+    "experimental_disabled", "shard_unavailable", "pipeline_stalled", "weights_mismatch", "bad_request",
+    "internal_error", "overloaded", "orchestrator_gone", "unauthorized",
+]
+# Whether a call was held to the verification its ChatParams.verify asked for.
+VerificationOutcome = Literal["met", "unmet"]
+
+
+def _is_first_choice(value: object) -> bool:
+    return value == 0
+
+
+class _Frame(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    seq: int = Field(ge=0)
+
+
+class PipelineFrame(_Frame):
+    type: Literal["pipeline"] = "pipeline"
+    pipeline_id: str
+    hops: list[str]
+    # Which of the request's `n` choices this frame is about (left out for the first).
+    choice: int = Field(default=0, ge=0, lt=max_choices, exclude_if=_is_first_choice)
+
+
+class TokenAlternative(BaseModel):
+    """A token and its log-probability at one step (`text`: the token decoded alone)."""
+
+    token_id: int
+    text: str
+    logprob: float
+
+
+class TokenLogprobs(BaseModel):
+    """The sampled token's log-probability and the best alternatives at its step, most likely first (sent when the
+    request asked for `logprobs`). Log-probabilities are those of the logits after `logit_bias` and the penalties,
+    before temperature, top-k and top-p; a token the logits rule out entirely (-infinity) is reported as -9999.0, as
+    OpenAI does."""
+
+    # The sampled token decoded alone (the frame's `text` is what the stop rules released with it).
+    text: str
+    logprob: float
+    top_logprobs: list[TokenAlternative] = Field(default_factory=list)
+
+
+class TokenDeltaFrame(_Frame):
+    type: Literal["token_delta"] = "token_delta"
+    text: str
+    token_id: int
+    # Which shard hosts ran the step that produced this token (shard ids, in hop order).
+    hops: list[str] | None = None
+    # Only when the request asked for `logprobs`; absent otherwise.
+    logprobs: TokenLogprobs | None = Field(default=None, exclude_if=is_none)
+    # Which of the request's `n` choices this frame is about (left out for the first).
+    choice: int = Field(default=0, ge=0, lt=max_choices, exclude_if=_is_first_choice)
+
+
+class ShardStatusFrame(_Frame):
+    type: Literal["shard_status"] = "shard_status"
+    shard_id: str
+    status: Literal["degraded", "healthy"]
+    reason: str
+    # Which of the request's `n` choices this frame is about (left out for the first).
+    choice: int = Field(default=0, ge=0, lt=max_choices, exclude_if=_is_first_choice)
+
+
+class ShardFailoverFrame(_Frame):
+    type: Literal["shard_failover"] = "shard_failover"
+    failed_shard_id: str
+    replacement_hops: list[str]
+    resumed_at_token: int
+    # Which of the request's `n` choices this frame is about (left out for the first).
+    choice: int = Field(default=0, ge=0, lt=max_choices, exclude_if=_is_first_choice)
+
+
+class TokensWithdrawnFrame(_Frame):
+    """A check refuted a shard's output at a step the answer already used: the answer is the first `kept_tokens`
+    token_delta frames sent, those after them are withdrawn, and the text goes on after the kept ones (a
+    shard_failover frame follows)."""
+
+    type: Literal["tokens_withdrawn"] = "tokens_withdrawn"
+    kept_tokens: int = Field(ge=0)
+    shard_id: str
+    reason: str
+    # Which of the request's `n` choices this frame is about (left out for the first).
+    choice: int = Field(default=0, ge=0, lt=max_choices, exclude_if=_is_first_choice)
+
+
+class PipelineAbortedFrame(_Frame):
+    type: Literal["pipeline_aborted"] = "pipeline_aborted"
+    code: ErrorCode
+    reason: str
+    # Which of the request's `n` choices this frame is about (left out for the first).
+    choice: int = Field(default=0, ge=0, lt=max_choices, exclude_if=_is_first_choice)
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class Timing(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    ttft_ms: float | None = None
+    # How long the call waited in the orchestrator's queue before it started.
+    queue_wait_ms: float | None = None
+    tokens_per_second: float | None = None
+    duration_ms: float | None = None
+
+
+class ChoiceEnd(BaseModel):
+    """How one of a request's `n` choices ended."""
+
+    choice: int = Field(ge=0, lt=max_choices)
+    finish_reason: str
+    completion_tokens: int = Field(ge=0)
+
+
+class DoneFrame(_Frame):
+    """The call's last frame when it ended well. With `n` > 1 it ends every choice: `finish_reason` and `timing` are
+    the first choice's, `usage.completion_tokens` counts every choice's tokens, and `choices` says how each ended."""
+
+    type: Literal["done"] = "done"
+    finish_reason: Literal["stop", "length", "fallback_stop", "fallback_length"] | str
+    usage: Usage
+    timing: Timing = Field(default_factory=Timing)
+    choices: list[ChoiceEnd] | None = Field(default=None, max_length=max_choices, exclude_if=is_none)
+    # The orchestrator that answered (its node id): a conversation's next turn goes to its own subject first.
+    orchestrator: str | None = Field(default=None, min_length=1, max_length=max_id_chars, exclude_if=is_none)
+    # `unmet`: some hop's work was not checked as `params.verify` asks (no replica to check it, say); absent at `none`.
+    verification: VerificationOutcome | None = Field(default=None, exclude_if=is_none)
+
+
+class KeepaliveFrame(_Frame):
+    """Sent when no other frame went out for `[transport] keepalive_interval_s` (a slow step, a failover, a head
+    loading): a client that hears nothing at all for `[client] silence_timeout_s` knows the orchestrator is gone."""
+
+    type: Literal["keepalive"] = "keepalive"
+
+
+class QueuedFrame(_Frame):
+    """The call waits for room (the mesh runs as many calls as it can); sent when it joins the queue and again
+    whenever its place changes. `position` 1 is the next call to start."""
+
+    type: Literal["queued"] = "queued"
+    position: int = Field(ge=1)
+    # Calls waiting on this orchestrator in all (this one included).
+    queued_requests: int = Field(ge=1)
+
+
+class ErrorFrame(_Frame):
+    type: Literal["error"] = "error"
+    code: ErrorCode
+    message: str
+    # With `overloaded`: how long the client should wait before sending the call again.
+    retry_after_s: float | None = Field(default=None, ge=0)
+
+
+ChatFrame = Annotated[
+    Union[PipelineFrame, TokenDeltaFrame, ShardStatusFrame, ShardFailoverFrame, TokensWithdrawnFrame,
+          PipelineAbortedFrame, DoneFrame, ErrorFrame, KeepaliveFrame, QueuedFrame],
+    Field(discriminator="type"),
+]
+_frame_adapter: TypeAdapter[ChatFrame] = TypeAdapter(ChatFrame)
+FINAL_FRAME_TYPES = frozenset({"done", "error", "pipeline_aborted"})
+
+
+def decode_frame(data: bytes | dict[str, Any]) -> ChatFrame:
+    if isinstance(data, dict):
+        return _frame_adapter.validate_python(data)
+    return _frame_adapter.validate_json(data)
