@@ -77,6 +77,15 @@ async def serving_a_call(process: Process, client, command: str = "shard") -> No
     assert (await ask(client, open_request("call"), shard_control_subject(NODE, shard_id))).ok
 
 
+async def refused_once_withdrawn(client, subject: str):
+    """The refusal of a new call's open once the stopping shard has withdrawn (opens before that are closed again)."""
+    async with asyncio.timeout(30):
+        while (refused := await ask(client, open_request("later-call"), subject)).ok:
+            await ask(client, CloseHop(pipeline_id="later-call").model_dump_json().encode(), subject)
+            await asyncio.sleep(0.1)
+    return refused
+
+
 async def exited(process: Process, timeout_s: float) -> int | None:
     deadline = time.monotonic() + timeout_s
     while process.popen.poll() is None and time.monotonic() < deadline:
@@ -92,10 +101,7 @@ async def test_a_stopped_shard_withdraws_and_serves_the_call_in_flight_until_it_
     async with client_of(nats_server.url) as client:
         await serving_a_call(process, client, command)
         process.popen.send_signal(signal.SIGTERM)
-        async with asyncio.timeout(30):  # withdrawn: a new call is refused, and goes elsewhere
-            while (refused := await ask(client, open_request("later-call"), subject)).ok:
-                await ask(client, CloseHop(pipeline_id="later-call").model_dump_json().encode(), subject)
-                await asyncio.sleep(0.1)
+        refused = await refused_once_withdrawn(client, subject)
         assert refused.code == "withdrawn", refused
         await asyncio.sleep(stop_deadline_s + 1)  # past the stop deadline a process without calls gets
         # Before, the stop closed the call's hop at once (the orchestrator failed over, blaming this shard).
@@ -118,10 +124,7 @@ async def test_a_second_sigterm_ends_a_draining_shard_at_once(command, nats_serv
     async with client_of(nats_server.url) as client:
         await serving_a_call(process, client, command)
         process.popen.send_signal(signal.SIGTERM)
-        async with asyncio.timeout(30):
-            while (await ask(client, open_request("later-call"), subject)).ok:
-                await ask(client, CloseHop(pipeline_id="later-call").model_dump_json().encode(), subject)
-                await asyncio.sleep(0.1)
+        await refused_once_withdrawn(client, subject)
         assert process.popen.poll() is None, process.output()
         process.popen.send_signal(signal.SIGTERM)
         assert await exited(process, STOP_WITHIN_S) == 0, process.output()

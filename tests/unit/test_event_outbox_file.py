@@ -12,35 +12,13 @@ import pytest
 from hearth.events.models import ShardWithdrawn
 from hearth.events.outbox import EventOutbox
 from hearth.events.outbox_file import OutboxFile, file_stem
-
-
-class _Connected:
-    is_reconnecting = False
-
-
-class _BrokerStoringNothing:
-    _nc = _Connected()
-
-    async def publish(self, *args, **kwargs):
-        raise RuntimeError("no stream answers")
-
-
-class _RecordingBroker:
-    """Stores every publish: the ids (Nats-Msg-Id) in the order written."""
-
-    _nc = _Connected()
-
-    def __init__(self) -> None:
-        self.msg_ids: list[str] = []
-
-    async def publish(self, subject, payload, timeout, headers):
-        self.msg_ids.append(headers["Nats-Msg-Id"])
+from tests.outbox_brokers import BrokerStoringNothing, RecordingBroker
 
 
 class _OutboxLookingInTheRecording(EventOutbox):
     """Looks for an event in what the recording broker stored, and notes which events it looked for."""
 
-    def __init__(self, broker: _RecordingBroker, **kwargs) -> None:
+    def __init__(self, broker: RecordingBroker, **kwargs) -> None:
         super().__init__(broker, **kwargs)
         self.looked_for: list[str] = []
 
@@ -58,14 +36,14 @@ async def claim(folder, owner="orch") -> OutboxFile:
 
 
 async def test_what_one_process_left_in_its_file_is_written_first_by_the_next_in_order_with_the_same_ids(tmp_path):
-    ended = EventOutbox(_BrokerStoringNothing(), max_queued=8, retry_wait_s=0.01)
+    ended = EventOutbox(BrokerStoringNothing(), max_queued=8, retry_wait_s=0.01)
     ended.start(await claim(tmp_path))
     left = [withdrawn(f"s{number}") for number in range(3)]
     for event in left:
         await ended.record(event)
     await ended.stop(timeout_s=0.05)
 
-    broker = _RecordingBroker()
+    broker = RecordingBroker()
     restarted = _OutboxLookingInTheRecording(broker, max_queued=8, retry_wait_s=0.01)
     file = await claim(tmp_path)
     assert file.path == ended.file.path
@@ -86,14 +64,14 @@ async def test_what_one_process_left_in_its_file_is_written_first_by_the_next_in
 async def test_events_stored_by_the_previous_process_and_left_in_its_file_are_looked_for_and_not_written_again(
         tmp_path):
     """The kill came after the acks of the two oldest and before their removal from the file."""
-    ended = EventOutbox(_BrokerStoringNothing(), max_queued=8, retry_wait_s=0.01)
+    ended = EventOutbox(BrokerStoringNothing(), max_queued=8, retry_wait_s=0.01)
     ended.start(await claim(tmp_path))
     left = [withdrawn(f"s{number}") for number in range(4)]
     for event in left:
         await ended.record(event)
     await ended.stop(timeout_s=0.05)
 
-    broker = _RecordingBroker()
+    broker = RecordingBroker()
     broker.msg_ids = [left[0].event_id, left[1].event_id]
     restarted = _OutboxLookingInTheRecording(broker, max_queued=8, retry_wait_s=0.01)
     restarted.start(await claim(tmp_path))
@@ -105,7 +83,7 @@ async def test_events_stored_by_the_previous_process_and_left_in_its_file_are_lo
 
 
 async def test_record_returns_with_the_event_in_the_file(tmp_path):
-    outbox = EventOutbox(_BrokerStoringNothing(), max_queued=8, retry_wait_s=0.01)
+    outbox = EventOutbox(BrokerStoringNothing(), max_queued=8, retry_wait_s=0.01)
     outbox.start(await claim(tmp_path))
     event = withdrawn("s1")
     await outbox.record(event)
@@ -128,7 +106,7 @@ async def test_two_processes_of_one_owner_never_share_a_file_and_a_released_one_
 
 
 async def test_the_file_holds_at_most_max_queued_recorded_events(tmp_path):
-    outbox = EventOutbox(_BrokerStoringNothing(), max_queued=2, retry_wait_s=0.01)
+    outbox = EventOutbox(BrokerStoringNothing(), max_queued=2, retry_wait_s=0.01)
     outbox.start(await claim(tmp_path))
     for shard_id in ("s1", "s2"):
         await outbox.record(withdrawn(shard_id))
@@ -142,7 +120,7 @@ async def test_the_file_holds_at_most_max_queued_recorded_events(tmp_path):
 async def test_what_a_previous_run_left_takes_its_room_so_kills_while_the_broker_is_down_never_grow_the_file(
         tmp_path):
     for run in range(2):
-        outbox = EventOutbox(_BrokerStoringNothing(), max_queued=2, retry_wait_s=0.01)
+        outbox = EventOutbox(BrokerStoringNothing(), max_queued=2, retry_wait_s=0.01)
         outbox.start(await claim(tmp_path))
         if run == 0:
             for shard_id in ("s1", "s2"):

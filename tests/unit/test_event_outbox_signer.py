@@ -11,31 +11,9 @@ from hearth.events.outbox import EventOutbox
 from hearth.events.outbox_file import OutboxFile
 from hearth.events.signing import canonical_bytes
 from hearth.trust.keys import MemberKey, verify_b64
+from tests.outbox_brokers import BrokerStoringNothing, RecordingBroker
 
 MAKER, RESTARTED = MemberKey.generate(), MemberKey.generate()
-
-
-class _Connected:
-    is_reconnecting = False
-
-
-class _BrokerStoringNothing:
-    _nc = _Connected()
-
-    async def publish(self, *args, **kwargs):
-        raise RuntimeError("no stream answers")
-
-
-class _RecordingBroker:
-    """Stores every publish's body, in the order written."""
-
-    _nc = _Connected()
-
-    def __init__(self) -> None:
-        self.payloads: list[bytes] = []
-
-    async def publish(self, subject, payload, timeout, headers):
-        self.payloads.append(payload)
 
 
 class _Restarted(EventOutbox):
@@ -53,7 +31,7 @@ async def claim(folder) -> OutboxFile:
 
 async def leave(folder, events, signing_key: MemberKey | None) -> None:
     """A process that records `events` and ends before the broker stored any of them."""
-    ended = EventOutbox(_BrokerStoringNothing(), max_queued=8, retry_wait_s=0.01, signing_key=signing_key)
+    ended = EventOutbox(BrokerStoringNothing(), max_queued=8, retry_wait_s=0.01, signing_key=signing_key)
     ended.start(await claim(folder))
     for event in events:
         await ended.record(event)
@@ -62,7 +40,7 @@ async def leave(folder, events, signing_key: MemberKey | None) -> None:
 
 async def restart(folder, signing_key: MemberKey | None, *also) -> list:
     """The next process, another member's key, writing what was left (and `also`, its own); the events stored."""
-    broker = _RecordingBroker()
+    broker = RecordingBroker()
     restarted = _Restarted(broker, max_queued=8, retry_wait_s=0.01, signing_key=signing_key)
     restarted.start(await claim(folder))
     for event in also:

@@ -6,21 +6,11 @@ import asyncio
 
 from hearth.events.models import ShardWithdrawn
 from hearth.events.outbox import EventOutbox
-
-
-class _Connected:
-    is_reconnecting = False
-
-
-class _BrokerStoringNothing:
-    _nc = _Connected()
-
-    async def publish(self, *args, **kwargs):
-        raise RuntimeError("no stream answers")
+from tests.outbox_brokers import BrokerStoringNothing
 
 
 async def test_stop_after_its_timeout_leaves_no_task_pending():
-    outbox = EventOutbox(_BrokerStoringNothing(), max_queued=4, retry_wait_s=0.01)
+    outbox = EventOutbox(BrokerStoringNothing(), max_queued=4, retry_wait_s=0.01)
     before = asyncio.all_tasks()
     outbox.start()
     for shard_id in ("s1", "s2"):  # one being written, one waiting behind it
