@@ -242,9 +242,11 @@ class ShardSettings(ConfigSection):
                     "shard, on a community mesh (as max_hops_per_opener): each hop reserves the KV cache its session "
                     "may reach (its open's max_session_tokens in the layers it runs; a static cache's whole size), and "
                     "an open (or a re-open) that would take its opener past its share is refused at_capacity, so no "
-                    "member's sessions fill the cache and have every other member's evicted. 0: the part of "
-                    "max_concurrent_streams that max_hops_per_opener gives one orchestrator (3/4 by default, all of "
-                    "one stream). On an open mesh opens are not told apart and only kv_cache_budget_mb applies")
+                    "member's sessions fill the cache and have every other member's evicted. 0: no share (a shard "
+                    "over-commits its KV budget and evicts the least recently used idle session, whoever's, as a "
+                    "mesh with one orchestrator member wants; set it where several members' orchestrators share the "
+                    "shards, e.g. 0.75). On an open mesh opens are not told apart and only kv_cache_budget_mb "
+                    "applies")
     hop_close_timeout_s: float = Field(
         default=5.0, gt=0, description="closing a hop waits this long for a step being computed to finish")
     withdraw_timeout_s: float = Field(default=2.0, gt=0, description="how long stopping waits to say it leaves")
@@ -300,12 +302,9 @@ class ShardSettings(ConfigSection):
         share = self.max_hops_per_opener or max(1, self.max_concurrent_streams - 1)
         return min(share, self.max_concurrent_streams)
 
-    def kv_share_bytes(self, budget_bytes: int) -> int:
-        """The KV bytes one opener's hops may reserve of `budget_bytes` (max_kv_share_per_opener, its 0 resolved in
-        whole numbers: a budget that holds N static caches leaves an opener the room of its hops_per_opener of them)."""
-        if self.max_kv_share_per_opener:
-            return int(self.max_kv_share_per_opener * budget_bytes)
-        return budget_bytes * self.hops_per_opener // self.max_concurrent_streams
+    def kv_share_bytes(self, budget_bytes: int) -> int | None:
+        """The KV bytes one opener's hops may reserve of `budget_bytes` (max_kv_share_per_opener; None: no share)."""
+        return int(self.max_kv_share_per_opener * budget_bytes) if self.max_kv_share_per_opener else None
 
     @property
     def kv_cache_budget_bytes(self) -> int:

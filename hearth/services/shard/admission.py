@@ -2,10 +2,12 @@
 
 The KV share: every hop reserves the KV cache its session may reach (its open's `max_session_tokens` in the layers it
 runs: no step of it goes further, hearth/services/transport/limits.py), and one opener's hops together reserve at most
-`[shard] max_kv_share_per_opener` of the runner's budget. Why reserve rather than measure: caches grow step by step, so
-a member admitted while its sessions were short would grow them past its share afterwards, and the runner then evicts
-the least recently used sessions, whoever's they are (hearth/inference/sessions.py). A re-open counts too (its new
-session may be declared longer), less the hop it replaces.
+`[shard] max_kv_share_per_opener` of the runner's budget, when that is set (without it a shard over-commits its budget
+and evicts the least recently used idle session, which suits a mesh of one orchestrator member). Why reserve rather
+than measure: caches grow step by step, so a member admitted while its sessions were short would grow them past its
+share afterwards, and the runner then evicts the least recently used sessions, whoever's they are
+(hearth/inference/sessions.py). A re-open counts too (its new session may be declared longer), less the hop it
+replaces.
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ def kv_reserve_bytes(request: OpenHop, runner: LayerRangeRunner) -> int:
 def _kv_share_refusal(open_hops: Collection[ServedHop], request: OpenHop, opener: str, replaced: ServedHop | None,
                       settings: ShardSettings, runner: LayerRangeRunner) -> ControlReply | None:
     share = settings.kv_share_bytes(runner.cache_budget_bytes)
+    if share is None:
+        return None
     held = sum(kv_reserve_bytes(hop.request, runner) for hop in open_hops
                if hop.opener == opener and hop is not replaced)
     need = kv_reserve_bytes(request, runner)
