@@ -1,8 +1,9 @@
 """A `hearth host` that moves to fill a hole while a call goes through its range lets that call end first: the range
 is withdrawn at once (new calls are routed elsewhere, and an `open` that still reaches it is refused `withdrawn`),
 the open hop keeps being served until its orchestrator closes it, and only then is the range stopped; a call that
-does not end within `move_drain_timeout_s` is closed then; a host stopped while it drains lets the call end too
-(within `[shard] stop_drain_timeout_s`). Real nats-server, the bundled tiny model's layers."""
+does not end within `move_drain_timeout_s` is closed then; a host stopped while it drains says at once that its move
+will not land, and lets the call end too (within `[shard] stop_drain_timeout_s`). Real nats-server, the bundled
+tiny model's layers."""
 
 from __future__ import annotations
 
@@ -134,14 +135,23 @@ async def test_a_host_stopped_while_it_drains_says_its_move_will_not_land(nats_s
                 await ask(client, subject, CloseHop(pipeline_id="later-call").model_dump_json().encode())
                 await asyncio.sleep(0.1)
         coverage.stop_event.set()  # SIGTERM while the call goes on
-        await asyncio.sleep(0.5)
+        # Said as the stop begins, while the call still goes on (before, only once the stop's drain had ended: the
+        # others waited up to stop_drain_timeout_s longer).
+        async with asyncio.timeout(10):
+            while await withdrawals(nats_server.url) != ["moved", "shutdown"]:
+                await asyncio.sleep(0.1)
         stat = await client.request(subject, StatShard().model_dump_json().encode(), timeout=reply_timeout_s)
         assert ShardStat.model_validate_json(stat.data).open_pipelines == ["call"] and not served.done()
         assert (await ask(client, subject, CloseHop(pipeline_id="call").model_dump_json().encode())).ok
         assert await asyncio.wait_for(served, timeout=30) is None
+    assert await withdrawals(nats_server.url) == ["moved", "shutdown"]  # said once
+
+
+async def withdrawals(nats_url: str) -> list[str]:
+    """The reasons of the withdrawals of the host's first range, in order."""
     shard_id = shard_id_for("tiny", 0, 1, NODE)
-    assert [event.reason for event in await shard_events(nats_server.url)
-            if isinstance(event, ShardWithdrawn) and event.shard_id == shard_id] == ["moved", "shutdown"]
+    return [event.reason for event in await shard_events(nats_url)
+            if isinstance(event, ShardWithdrawn) and event.shard_id == shard_id]
 
 
 async def test_a_moving_host_heartbeats_the_range_it_left_until_its_new_one_is_advertised(nats_server):

@@ -251,8 +251,8 @@ async def _serve_until_moved(chosen: LayerRange, coverage: CoverageReader, nc: N
     """Serve `chosen` until stopped (returns None) or until a hole is worth moving to (returns the Move, once the
     calls going through `chosen` have ended); `arriving`: the move that brings this host here, whose left shard
     goes on heartbeating until `chosen` is advertised (heartbeats_while_moving), and whose move is said abandoned
-    (say_move_abandoned) when `chosen` does not load, as is this one's when a stop comes while it drains (it then
-    lets the calls end for at most `[shard] stop_drain_timeout_s`, as any stop does: shard.main.drain_for_stop).
+    (say_move_abandoned) when `chosen` does not load, as is this one's as soon as a stop comes while it drains (it
+    then lets the calls end for at most `[shard] stop_drain_timeout_s`, as any stop does: shard.main.drain_for_stop).
     BrokerConnectionClosed when the host's own connection `nc` is closed for good (it could no longer see holes),
     and the error of a failed read of the coverage likewise."""
     landed = asyncio.Event()  # `chosen` advertised: the move that brought the host here is over
@@ -314,21 +314,31 @@ async def _serve_range(chosen: LayerRange, coverage: CoverageReader, nc: NatsCli
     def drain_s() -> float:
         return settings.research.distributed_inference.host.move_drain_timeout_s if moving() else 0.0
 
+    async def abandon_if_stopped() -> None:
+        # Stopped while it drains, the move it said it was making will not land: said as the stop begins, so that
+        # the hosts waiting for it need not wait out the stop's drain too ([shard] stop_drain_timeout_s).
+        await leave.wait()  # this task's waits end with it (cancelled once the range is no longer served)
+        if moved:
+            await stop_event.wait()
+            await say_move_abandoned(nc, settings, node, shard_id)
+
     watcher = asyncio.create_task(watch(), name="host-rebalance")
+    abandoning = asyncio.create_task(abandon_if_stopped(), name="host-move-abandoned")
     try:
         served = await serve_loaded_shard(loaded, nats_url=nats_url, settings=settings, busy_threads=busy_threads,
                                           ready_file=ready_file, stop_event=leave,
                                           withdraw_reason=lambda: MOVED if moving() else "shutdown",
                                           drain_s=drain_s, process_stop=stop_event, serving=landed)
+        if moved and stop_event.is_set():  # the stop came as the drain ended: said all the same, and said once
+            await abandoning
     finally:
-        watcher.cancel()
-        await asyncio.gather(watcher, return_exceptions=True)
+        for task in (watcher, abandoning):
+            task.cancel()
+        await asyncio.gather(watcher, abandoning, return_exceptions=True)
     if moved:  # served no more by this process: a process fetching another range may remove its folder
         release_range(loaded.runner.info.path)
     if lost:
         raise lost[0]
-    if moved and stop_event.is_set():  # stopped while it drained: the move it said it was making will not land
-        await say_move_abandoned(nc, settings, node, shard_id)
     return Move(moved[0], shard_id, served) if moving() else None
 
 
