@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -15,7 +14,7 @@ from hearth.services.broker.streams import create_community_streams_blocking
 from hearth.services.common.child_processes import ends_with_this_process
 from hearth.services.common.config import ENV_NESTED_DELIMITER, ENV_PREFIX, NatsSettings
 from hearth.services.common.hearth_files import SOURCES_ROOT
-from hearth.services.common.logging import default_log_level, log_tail_chars
+from hearth.services.common.logging import default_log_level
 from hearth.services.common.scratch_folders import ScratchFolder
 from hearth.services.broker.permissions import render_authorization
 from hearth.services.broker.cluster import EmbeddedNatsCluster
@@ -23,11 +22,11 @@ from hearth.services.broker.server import EmbeddedNatsServer, free_tcp_port
 from hearth.services.devtools.prefork import HEARTH_MODULE, PreforkedProcess, SpawnRequest, prefork_launcher
 from hearth.services.broker.tls import TlsFiles, write_throwaway_ca
 from hearth.services.devtools.core_sharing import pinned_command, quiet_torch_environment
+from hearth.services.devtools.managed_process import ManagedProcess, metrics_port_in
 from hearth.trust.community import Community
 from hearth.trust.roster import Role
 
 process_ready_timeout_s = 120.0
-process_stop_timeout_s = 15.0
 ready_poll_interval_s = 0.05
 # Set to 1 (the test suite does): LocalCluster forks its processes from a prefork launcher by default.
 PREFORK_ENV = "HEARTH_PREFORK"
@@ -79,60 +78,12 @@ shared_machine_busy_threads = 1
 shared_machine_batch_merge_window_ms = 200.0
 BATCH_MERGE_WINDOW_ENV = f"{ENV_PREFIX}SHARD{ENV_NESTED_DELIMITER}BATCH_MERGE_WINDOW_MS"
 OUTBOX_DIR_ENV = f"{ENV_PREFIX}ORCHESTRATOR{ENV_NESTED_DELIMITER}EVENT_OUTBOX_DIR"  # in work_dir, with the broker
-def _metrics_port_in(args: list[str]) -> int | None:
-    """The port a `--metrics-port` among `args` names (the last one wins, as for the command), or None."""
-    port = None
-    for index, arg in enumerate(args):
-        if arg == "--metrics-port" and index + 1 < len(args):
-            port = int(args[index + 1])
-        elif arg.startswith("--metrics-port="):
-            port = int(arg.partition("=")[2])
-    return port
 
 
 def prefork_from_environment(*, default: bool) -> bool:
     """HEARTH_PREFORK's choice (1/true/yes or 0/false/no), `default` when it is unset or empty."""
     value = os.environ.get(PREFORK_ENV, "").strip().lower()
     return default if not value else value in ("1", "true", "yes")
-
-
-@dataclass
-class ManagedProcess:
-    name: str
-    popen: subprocess.Popen | PreforkedProcess
-    log_path: Path
-    ready_file: Path | None = None
-    # Where it serves Prometheus /metrics on 127.0.0.1 (None: it serves none).
-    metrics_port: int | None = None
-
-    @property
-    def metrics_url(self) -> str | None:
-        return f"http://127.0.0.1:{self.metrics_port}/metrics" if self.metrics_port else None
-
-    def log_tail(self, chars: int = log_tail_chars) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-chars:]
-        except OSError:
-            return ""
-
-    @property
-    def alive(self) -> bool:
-        return self.popen.poll() is None
-
-    def signal(self, signum: int) -> None:
-        if self.alive:
-            self.popen.send_signal(signum)
-
-    def stop(self, timeout_s: float = process_stop_timeout_s) -> int | None:
-        if self.alive:
-            self.popen.send_signal(signal.SIGCONT)  # a frozen process cannot act on SIGTERM
-            self.popen.terminate()
-            try:
-                self.popen.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait(timeout=timeout_s)
-        return self.popen.returncode
 
 
 @dataclass
@@ -265,7 +216,7 @@ class LocalCluster:
         hearth_args = ["--log-level", self.log_level, *args, "--nats", nats_url or self.nats_url]
         if writes_ready_file:
             hearth_args += ["--ready-file", str(ready_file)]
-        metrics_port = _metrics_port_in(args)
+        metrics_port = metrics_port_in(args)
         if metrics_port is None and self.metrics:
             metrics_port = free_tcp_port()
             hearth_args += ["--metrics-port", str(metrics_port)]
