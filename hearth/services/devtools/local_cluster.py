@@ -77,7 +77,10 @@ shared_machine_busy_threads = 1
 # through hops that take turns on the same cores.
 shared_machine_batch_merge_window_ms = 200.0
 BATCH_MERGE_WINDOW_ENV = f"{ENV_PREFIX}SHARD{ENV_NESTED_DELIMITER}BATCH_MERGE_WINDOW_MS"
-OUTBOX_DIR_ENV = f"{ENV_PREFIX}ORCHESTRATOR{ENV_NESTED_DELIMITER}EVENT_OUTBOX_DIR"  # in work_dir, with the broker
+# What the processes keep across restarts lives in work_dir, with the broker: in the default state folder, what one
+# mesh's process left would be written to the next mesh's broker by a process of the same node id.
+OUTBOX_DIR_ENV = f"{ENV_PREFIX}ORCHESTRATOR{ENV_NESTED_DELIMITER}EVENT_OUTBOX_DIR"
+SHARD_OUTBOX_DIR_ENV = f"{ENV_PREFIX}SHARD{ENV_NESTED_DELIMITER}EVENT_OUTBOX_DIR"
 
 
 def prefork_from_environment(*, default: bool) -> bool:
@@ -269,7 +272,7 @@ class LocalCluster:
         if self.torch_threads:
             args += ["--torch-threads", str(self.torch_threads)]
         return self._spawn(f"shard-{node_id}-{lo}-{hi}", args, wait_ready=wait_ready, member=(node_id, "shard"),
-                           cpus=cpus, env=self.shared_machine_shard_env(cpus, _device_argument(args)),
+                           cpus=cpus, env=self.shard_host_env(cpus, _device_argument(args)),
                            command_prefix=command_prefix, nats_url=nats_url)
 
     def start_host(self, model: str, memory_budget_mb: float, *, node_id: str, extra_args: list[str] = (),
@@ -281,7 +284,12 @@ class LocalCluster:
         if self.torch_threads:
             args += ["--torch-threads", str(self.torch_threads)]
         return self._spawn(name or f"host-{node_id}", args, wait_ready=wait_ready, member=(node_id, "shard"),
-                           env=self.shared_machine_shard_env(None, _device_argument(args)))
+                           env=self.shard_host_env(None, _device_argument(args)))
+
+    def shard_host_env(self, cpus: Sequence[int] | None, device: str | None) -> dict[str, str]:
+        """A shard host's settings: its event outbox in work_dir, and sharing the machine's cores with the others."""
+        return {SHARD_OUTBOX_DIR_ENV: str(self.work_dir / "shard-event-outbox"),
+                **self.shared_machine_shard_env(cpus, device)}
 
     def shared_machine_shard_env(self, cpus: Sequence[int] | None, device: str | None = None) -> dict[str, str]:
         """A shard's settings for sharing the machine's cores with the others (unless pinned to cores of its own,
