@@ -23,6 +23,12 @@ def body_too_large(size: int, limit: int) -> str:
     return f"body: {size} bytes {OVER_MAX_REQUEST_BYTES} {limit}"
 
 
+def array_too_long(max_length: int, actual: int | None = None) -> str:
+    """What is wrong with a list of `actual` items over its bound of `max_length`, in the words (ARRAY_TOO_LONG) a
+    client tells the reason by."""
+    return f"{ARRAY_TOO_LONG}: at most {max_length} items" + (f", not {actual}" if actual else "")
+
+
 def describe_validation_error(error: ValidationError) -> str:
     """One line naming the fields `error` refused, the first `max_described_problems` of them."""
     problems = []
@@ -44,8 +50,7 @@ def _problem(item: dict) -> str:
     STRING_TOO_LONG: what a client tells them by), anything else as pydantic says it."""
     context = item.get("ctx") or {}
     if item["type"] == "too_long" and context.get("field_type") == "List":
-        actual = context.get("actual_length")
-        return f"{ARRAY_TOO_LONG}: at most {context['max_length']} items" + (f", not {actual}" if actual else "")
+        return array_too_long(context["max_length"], context.get("actual_length"))
     if item["type"] == "string_too_long":
         return f"{STRING_TOO_LONG}: at most {context['max_length']} characters"
     return item["msg"]

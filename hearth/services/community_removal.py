@@ -170,7 +170,9 @@ class BrokerRemovalLog:
                                                        follow=False)) as messages:
                 return [message async for message in messages]
 
-        return await asyncio.wait_for(read(), timeout=removal_lookup_timeout_s)
+        # asyncio.timeout, not wait_for: on 3.11 wait_for drops a cancellation that lands as the read ends.
+        async with asyncio.timeout(removal_lookup_timeout_s):
+            return await read()
 
     async def publish(self, event: MemberRemoved, subject: str) -> tuple[str, int, datetime | None]:
         from hearth.events.publish import publish_event

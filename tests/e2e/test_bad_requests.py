@@ -22,7 +22,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hearth.services.devtools.local_cluster import LocalCluster, ManagedProcess
+from hearth.services.devtools.local_cluster import LocalCluster
+from hearth.services.devtools.managed_process import ManagedProcess
 from hearth.services.client.chat import stream_chat_raw
 from hearth.protocol.chat import max_prompt_chars
 from hearth.services.common.config import OrchestratorSettings

@@ -17,7 +17,8 @@ import torch
 
 from hearth.protocol.subjects import LinkNodes
 from hearth.inference import weights_sha256
-from hearth.services.devtools.local_cluster import LocalCluster, ManagedProcess
+from hearth.services.devtools.local_cluster import LocalCluster
+from hearth.services.devtools.managed_process import ManagedProcess
 from hearth.protocol.chat import ChatMessage, ChatParams, ChatRequest
 from hearth.services.common.config import TransportSettings
 from hearth.services.common.config_sections import ClientSettings

@@ -205,3 +205,22 @@ def test_grafana_gets_the_sqlite_plugin_the_provisioning_the_dashboards_and_the_
     paths = [source["jsonData"]["path"] for file in datasources.glob("*.y*ml")
              for source in yaml.safe_load(file.read_text())["datasources"] if "path" in source.get("jsonData", {})]
     assert paths == [option(SERVICES["projector"]["command"], "--db")]
+
+
+# The processes that keep events in an outbox until the broker stores them, and the setting naming its folder.
+OUTBOX_SETTINGS = {"orchestrator": "HEARTH_ORCHESTRATOR__EVENT_OUTBOX_DIR", "shard": "HEARTH_SHARD__EVENT_OUTBOX_DIR"}
+
+
+@pytest.mark.parametrize("name", [name for name in HEARTH_SERVICES if SERVICES[name]["command"][0] in OUTBOX_SETTINGS])
+def test_every_event_outbox_is_on_a_named_volume_of_its_own(name):
+    """What a process said once and the broker had not stored yet (a shard's withdrawal, an orchestrator's audit
+    events) must outlive its container: its own folder, the default under $XDG_STATE_HOME, does not outlive a
+    re-create (`docker compose up` after a change). One volume per container, as each node keeps its own file."""
+    service = SERVICES[name]
+    outbox_dir = service["environment"][OUTBOX_SETTINGS[service["command"][0]]]
+    named_volumes = [volume.split(":")[:2] for volume in service["volumes"] if not volume.startswith((".", "/"))]
+    holding = [source for source, target in named_volumes if outbox_dir.startswith(target.rstrip("/") + "/")]
+    assert len(holding) == 1 and holding[0] in COMPOSE["volumes"], (name, outbox_dir, service["volumes"])
+    others = [source for other, each in SERVICES.items() if other != name
+              for source, *_ in (volume.split(":") for volume in each.get("volumes") or [])]
+    assert holding[0] not in others, (name, holding[0])

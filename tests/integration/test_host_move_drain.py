@@ -1,8 +1,9 @@
 """A `hearth host` that moves to fill a hole while a call goes through its range lets that call end first: the range
 is withdrawn at once (new calls are routed elsewhere, and an `open` that still reaches it is refused `withdrawn`),
 the open hop keeps being served until its orchestrator closes it, and only then is the range stopped; a call that
-does not end within `move_drain_timeout_s` is closed then; a host stopped while it drains lets the call end too
-(within `[shard] stop_drain_timeout_s`). Real nats-server, the bundled tiny model's layers."""
+does not end within `move_drain_timeout_s` is closed then; a host stopped while it drains says at once that its move
+will not land, and lets the call end too (within `[shard] stop_drain_timeout_s`). Real nats-server, the bundled
+tiny model's layers."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from hearth.services.broker.connection import connect_nats
 from hearth.services.common.config import HearthSettings
 from hearth.services.host.main import Move, _serve_until_moved, heartbeats_while_moving
 from hearth.services.host.planner import LayerRange
+from hearth.services.shard.kept_events import shard_outbox, start_outbox
 from hearth.services.shard.metrics import ServingStats
 from tests.integration.tiny_shard_server import CONTEXT, MODEL
 
@@ -46,8 +48,9 @@ class HoleWhenTold:
         return False
 
 
-def settings_for(drain_s: float) -> HearthSettings:
+def settings_for(drain_s: float, **shard_settings) -> HearthSettings:
     settings = HearthSettings()
+    settings = settings.model_copy(update={"shard": settings.shard.model_copy(update=shard_settings)})
     distributed = settings.research.distributed_inference
     host = distributed.host.model_copy(update={"rebalance_hold_s": 0.0, "rebalance_check_interval_s": 0.05,
                                                "move_drain_timeout_s": drain_s})
@@ -69,10 +72,10 @@ async def ask(client, subject: str, request: bytes) -> ControlReply:
 
 
 @contextlib.asynccontextmanager
-async def moving_host(nats_url: str, drain_s: float):
+async def moving_host(nats_url: str, drain_s: float, **shard_settings):
     """The host serving layers 0-1 (a task running _serve_until_moved), its coverage, a client and the control
     subject, once the shard answers; all stopped and closed on exit."""
-    settings = settings_for(drain_s)
+    settings = settings_for(drain_s, **shard_settings)
     coverage = HoleWhenTold()
     host_nc = await connect_nats(nats_url, name="host-under-test", settings=settings.nats)
     client = await connect_nats(nats_url, name="orchestrator-stand-in", settings=settings.nats)
@@ -134,14 +137,47 @@ async def test_a_host_stopped_while_it_drains_says_its_move_will_not_land(nats_s
                 await ask(client, subject, CloseHop(pipeline_id="later-call").model_dump_json().encode())
                 await asyncio.sleep(0.1)
         coverage.stop_event.set()  # SIGTERM while the call goes on
-        await asyncio.sleep(0.5)
+        # Said as the stop begins, while the call still goes on (before, only once the stop's drain had ended: the
+        # others waited up to stop_drain_timeout_s longer).
+        async with asyncio.timeout(10):
+            while await withdrawals(nats_server.url) != ["moved", "shutdown"]:
+                await asyncio.sleep(0.1)
         stat = await client.request(subject, StatShard().model_dump_json().encode(), timeout=reply_timeout_s)
         assert ShardStat.model_validate_json(stat.data).open_pipelines == ["call"] and not served.done()
         assert (await ask(client, subject, CloseHop(pipeline_id="call").model_dump_json().encode())).ok
         assert await asyncio.wait_for(served, timeout=30) is None
+    assert await withdrawals(nats_server.url) == ["moved", "shutdown"]  # said once
+
+
+async def test_a_move_abandoned_while_the_broker_is_down_is_kept_for_the_node_s_next_host(nats_server, tmp_path):
+    """Said while the shard's own outbox held the node's first file, the withdrawal the broker did not take was kept
+    in a second one, which only a second host of the node at once would write: it is kept in the first too, once
+    the shard has stopped, and the node's next host writes it."""
+    outbox_dir = tmp_path / "shard-outbox"
+    async with moving_host(nats_server.url, drain_s=60.0, event_outbox_dir=outbox_dir,
+                           withdraw_timeout_s=0.5) as (served, coverage, client, subject):
+        assert (await ask(client, subject, open_request("call"))).ok
+        coverage.hole.set()
+        async with asyncio.timeout(30):
+            while await withdrawals(nats_server.url) != ["moved"]:
+                await asyncio.sleep(0.1)
+        nats_server.stop()
+        coverage.stop_event.set()
+        assert await asyncio.wait_for(served, timeout=30) is None
+    nats_server.start()
+    nc = await connect_nats(nats_server.url, name="node-s-next-host", settings=HearthSettings().nats)
+    try:  # as the node's next shard host starts: what the node's first file holds is written first
+        await start_outbox(shard_outbox(nc.jetstream(), None), outbox_dir, NODE, timeout_s=10)
+    finally:
+        await nc.close()
+    assert await withdrawals(nats_server.url) == ["moved", "shutdown"]
+
+
+async def withdrawals(nats_url: str) -> list[str]:
+    """The reasons of the withdrawals of the host's first range, in order."""
     shard_id = shard_id_for("tiny", 0, 1, NODE)
-    assert [event.reason for event in await shard_events(nats_server.url)
-            if isinstance(event, ShardWithdrawn) and event.shard_id == shard_id] == ["moved", "shutdown"]
+    return [event.reason for event in await shard_events(nats_url)
+            if isinstance(event, ShardWithdrawn) and event.shard_id == shard_id]
 
 
 async def test_a_moving_host_heartbeats_the_range_it_left_until_its_new_one_is_advertised(nats_server):

@@ -14,6 +14,7 @@ import pytest
 from hearth.protocol.chat import BadRequest, ChatRequest, max_messages, max_prompt_chars, parse_chat_request
 from hearth.protocol.chat_frames import ErrorFrame
 from hearth.protocol.refusals import body_too_large
+from hearth.services.gateway.openai_models import openai_max_stop_strings
 from hearth.services.orchestrator.admission import prompt_room
 from tests.unit.test_gateway_openai_conformance import openai_client
 from tests.unit.test_withdrawn_tokens import MODEL, chat_body, gateway  # noqa: F401 (a fixture)
@@ -61,7 +62,8 @@ async def test_the_mesh_s_refusal_for_a_size_is_openai_s_status_and_code(gateway
     ({"messages": [MESSAGE] * (max_messages + 1)}, "array_above_max_length", "messages"),
     ({"messages": [{"role": "user", "content": "x" * (max_prompt_chars + 1)}]}, "string_above_max_length",
      "messages"),
-], ids=["messages", "content"])
+    ({"stop": ["x"] * (openai_max_stop_strings + 1)}, "array_above_max_length", "stop"),
+], ids=["messages", "content", "stop"])
 async def test_the_gateway_s_own_refusal_for_a_size_is_the_same_status_and_code_unpublished(
         gateway, changes, code, param):
     http, scripted = gateway

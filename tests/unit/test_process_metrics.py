@@ -12,7 +12,7 @@ from hearth.events.models import (
     IntegrityCorruptionDetected, PipelineFailover, PipelineFallbackLocal, PipelineFirstToken,
 )
 from hearth.services.devtools.bench.transport_metrics import cache_event_counts
-from hearth.services.devtools.local_cluster import _metrics_port_in
+from hearth.services.devtools.managed_process import metrics_port_in
 from hearth.protocol.chat_frames import DoneFrame, ErrorFrame, KeepaliveFrame, Timing, Usage
 from hearth.services.common.metrics import (
     counter,
@@ -185,7 +185,7 @@ def test_a_registry_made_after_another_was_freed_gets_its_own_collectors():
     (["projector", "--metrics-port=0", "--metrics-port", "9"], 9),
 ])
 def test_local_cluster_reads_a_metrics_port_given_in_the_arguments(args, port):
-    assert _metrics_port_in(args) == port
+    assert metrics_port_in(args) == port
 
 
 def test_a_shards_heartbeat_p95_is_the_nearest_rank_one_not_the_slowest_step():

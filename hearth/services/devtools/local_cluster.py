@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -15,7 +14,7 @@ from hearth.services.broker.streams import create_community_streams_blocking
 from hearth.services.common.child_processes import ends_with_this_process
 from hearth.services.common.config import ENV_NESTED_DELIMITER, ENV_PREFIX, NatsSettings
 from hearth.services.common.hearth_files import SOURCES_ROOT
-from hearth.services.common.logging import default_log_level, log_tail_chars
+from hearth.services.common.logging import default_log_level
 from hearth.services.common.scratch_folders import ScratchFolder
 from hearth.services.broker.permissions import render_authorization
 from hearth.services.broker.cluster import EmbeddedNatsCluster
@@ -23,11 +22,11 @@ from hearth.services.broker.server import EmbeddedNatsServer, free_tcp_port
 from hearth.services.devtools.prefork import HEARTH_MODULE, PreforkedProcess, SpawnRequest, prefork_launcher
 from hearth.services.broker.tls import TlsFiles, write_throwaway_ca
 from hearth.services.devtools.core_sharing import pinned_command, quiet_torch_environment
+from hearth.services.devtools.managed_process import ManagedProcess, metrics_port_in
 from hearth.trust.community import Community
 from hearth.trust.roster import Role
 
 process_ready_timeout_s = 120.0
-process_stop_timeout_s = 15.0
 ready_poll_interval_s = 0.05
 # Set to 1 (the test suite does): LocalCluster forks its processes from a prefork launcher by default.
 PREFORK_ENV = "HEARTH_PREFORK"
@@ -78,61 +77,16 @@ shared_machine_busy_threads = 1
 # through hops that take turns on the same cores.
 shared_machine_batch_merge_window_ms = 200.0
 BATCH_MERGE_WINDOW_ENV = f"{ENV_PREFIX}SHARD{ENV_NESTED_DELIMITER}BATCH_MERGE_WINDOW_MS"
-OUTBOX_DIR_ENV = f"{ENV_PREFIX}ORCHESTRATOR{ENV_NESTED_DELIMITER}EVENT_OUTBOX_DIR"  # in work_dir, with the broker
-def _metrics_port_in(args: list[str]) -> int | None:
-    """The port a `--metrics-port` among `args` names (the last one wins, as for the command), or None."""
-    port = None
-    for index, arg in enumerate(args):
-        if arg == "--metrics-port" and index + 1 < len(args):
-            port = int(args[index + 1])
-        elif arg.startswith("--metrics-port="):
-            port = int(arg.partition("=")[2])
-    return port
+# What the processes keep across restarts lives in work_dir, with the broker: in the default state folder, what one
+# mesh's process left would be written to the next mesh's broker by a process of the same node id.
+OUTBOX_DIR_ENV = f"{ENV_PREFIX}ORCHESTRATOR{ENV_NESTED_DELIMITER}EVENT_OUTBOX_DIR"
+SHARD_OUTBOX_DIR_ENV = f"{ENV_PREFIX}SHARD{ENV_NESTED_DELIMITER}EVENT_OUTBOX_DIR"
 
 
 def prefork_from_environment(*, default: bool) -> bool:
     """HEARTH_PREFORK's choice (1/true/yes or 0/false/no), `default` when it is unset or empty."""
     value = os.environ.get(PREFORK_ENV, "").strip().lower()
     return default if not value else value in ("1", "true", "yes")
-
-
-@dataclass
-class ManagedProcess:
-    name: str
-    popen: subprocess.Popen | PreforkedProcess
-    log_path: Path
-    ready_file: Path | None = None
-    # Where it serves Prometheus /metrics on 127.0.0.1 (None: it serves none).
-    metrics_port: int | None = None
-
-    @property
-    def metrics_url(self) -> str | None:
-        return f"http://127.0.0.1:{self.metrics_port}/metrics" if self.metrics_port else None
-
-    def log_tail(self, chars: int = log_tail_chars) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-chars:]
-        except OSError:
-            return ""
-
-    @property
-    def alive(self) -> bool:
-        return self.popen.poll() is None
-
-    def signal(self, signum: int) -> None:
-        if self.alive:
-            self.popen.send_signal(signum)
-
-    def stop(self, timeout_s: float = process_stop_timeout_s) -> int | None:
-        if self.alive:
-            self.popen.send_signal(signal.SIGCONT)  # a frozen process cannot act on SIGTERM
-            self.popen.terminate()
-            try:
-                self.popen.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait(timeout=timeout_s)
-        return self.popen.returncode
 
 
 @dataclass
@@ -265,7 +219,7 @@ class LocalCluster:
         hearth_args = ["--log-level", self.log_level, *args, "--nats", nats_url or self.nats_url]
         if writes_ready_file:
             hearth_args += ["--ready-file", str(ready_file)]
-        metrics_port = _metrics_port_in(args)
+        metrics_port = metrics_port_in(args)
         if metrics_port is None and self.metrics:
             metrics_port = free_tcp_port()
             hearth_args += ["--metrics-port", str(metrics_port)]
@@ -318,7 +272,7 @@ class LocalCluster:
         if self.torch_threads:
             args += ["--torch-threads", str(self.torch_threads)]
         return self._spawn(f"shard-{node_id}-{lo}-{hi}", args, wait_ready=wait_ready, member=(node_id, "shard"),
-                           cpus=cpus, env=self.shared_machine_shard_env(cpus, _device_argument(args)),
+                           cpus=cpus, env=self.shard_host_env(cpus, _device_argument(args)),
                            command_prefix=command_prefix, nats_url=nats_url)
 
     def start_host(self, model: str, memory_budget_mb: float, *, node_id: str, extra_args: list[str] = (),
@@ -330,7 +284,12 @@ class LocalCluster:
         if self.torch_threads:
             args += ["--torch-threads", str(self.torch_threads)]
         return self._spawn(name or f"host-{node_id}", args, wait_ready=wait_ready, member=(node_id, "shard"),
-                           env=self.shared_machine_shard_env(None, _device_argument(args)))
+                           env=self.shard_host_env(None, _device_argument(args)))
+
+    def shard_host_env(self, cpus: Sequence[int] | None, device: str | None) -> dict[str, str]:
+        """A shard host's settings: its event outbox in work_dir, and sharing the machine's cores with the others."""
+        return {SHARD_OUTBOX_DIR_ENV: str(self.work_dir / "shard-event-outbox"),
+                **self.shared_machine_shard_env(cpus, device)}
 
     def shared_machine_shard_env(self, cpus: Sequence[int] | None, device: str | None = None) -> dict[str, str]:
         """A shard's settings for sharing the machine's cores with the others (unless pinned to cores of its own,

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hearth.services.broker.cluster import ClusterNodeServer, EmbeddedNatsCluster
-from hearth.services.devtools.local_cluster import LocalCluster, ManagedProcess
+from hearth.services.devtools.local_cluster import LocalCluster
+from hearth.services.devtools.managed_process import ManagedProcess
 from hearth.services.devtools.netbed import NetBed
 
 # The tiny model's six layers as two ranges, each served by two replicas (shard hosts s<range><replica>).

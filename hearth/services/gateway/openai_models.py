@@ -35,6 +35,7 @@ from hearth.protocol.chat import (
     max_top_logprobs,
 )
 from hearth.protocol.quantization_labels import QuantizationLabel
+from hearth.protocol.refusals import array_too_long
 from hearth.services.gateway.logprobs import ChatLogprobs, CompletionLogprobs
 from hearth.services.gateway.tool_calls import ToolCallBody
 
@@ -157,7 +158,9 @@ class _Sampling(BaseModel):
             raise Unsupported("n", f"'n' must be at most {max_choices}: hearth answers at most {max_choices} choices "
                                    f"per request (got {self.n})")
         if isinstance(self.stop, list) and len(self.stop) > openai_max_stop_strings:
-            raise Unsupported("stop", f"'stop' takes at most {openai_max_stop_strings} strings")
+            # In the mesh's words for a list over its bound, so that it is answered as OpenAI does (errors.refused).
+            raise Unsupported("stop", f"field 'stop': {array_too_long(openai_max_stop_strings, len(self.stop))} "
+                                      "(OpenAI's API takes at most that many stop strings)")
 
     def _chat_request(self, *, max_tokens: int | None, **inputs: Any) -> ChatRequest:
         greedy = self.top_p == 0  # hearth's top_p must keep some mass: the greedy answer is what 0 asks for

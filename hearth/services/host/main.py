@@ -251,8 +251,8 @@ async def _serve_until_moved(chosen: LayerRange, coverage: CoverageReader, nc: N
     """Serve `chosen` until stopped (returns None) or until a hole is worth moving to (returns the Move, once the
     calls going through `chosen` have ended); `arriving`: the move that brings this host here, whose left shard
     goes on heartbeating until `chosen` is advertised (heartbeats_while_moving), and whose move is said abandoned
-    (say_move_abandoned) when `chosen` does not load, as is this one's when a stop comes while it drains (it then
-    lets the calls end for at most `[shard] stop_drain_timeout_s`, as any stop does: shard.main.drain_for_stop).
+    (say_move_abandoned) when `chosen` does not load, as is this one's as soon as a stop comes while it drains (it
+    then lets the calls end for at most `[shard] stop_drain_timeout_s`, as any stop does: shard.main.drain_for_stop).
     BrokerConnectionClosed when the host's own connection `nc` is closed for good (it could no longer see holes),
     and the error of a failed read of the coverage likewise."""
     landed = asyncio.Event()  # `chosen` advertised: the move that brought the host here is over
@@ -281,7 +281,8 @@ async def _serve_range(chosen: LayerRange, coverage: CoverageReader, nc: NatsCli
                                   stop_event=stop_event, nats_url=nats_url)
     except BaseException:
         if arriving is not None:
-            await say_move_abandoned(nc, settings, node, arriving.left)
+            await say_move_abandoned(nc, settings, ShardWithdrawn(node_id=node, shard_id=arriving.left,
+                                                                  reason="shutdown"))
         raise
     shard_id = loaded.identity.shard_id
     leave = asyncio.Event()
@@ -314,21 +315,38 @@ async def _serve_range(chosen: LayerRange, coverage: CoverageReader, nc: NatsCli
     def drain_s() -> float:
         return settings.research.distributed_inference.host.move_drain_timeout_s if moving() else 0.0
 
+    abandoned: list[ShardWithdrawn] = []  # one event, however often said: its event_id is its Nats-Msg-Id
+
+    async def abandon_if_stopped() -> bool:
+        # Stopped while it drains, the move it said it was making will not land: said as the stop begins, so that
+        # the hosts waiting for it need not wait out the stop's drain too ([shard] stop_drain_timeout_s).
+        await leave.wait()  # this task's waits end with it (cancelled once the range is no longer served)
+        if not moved:
+            return True
+        await stop_event.wait()
+        abandoned.append(ShardWithdrawn(node_id=node, shard_id=shard_id, reason="shutdown"))
+        return await say_move_abandoned(nc, settings, abandoned[0])
+
     watcher = asyncio.create_task(watch(), name="host-rebalance")
+    abandoning = asyncio.create_task(abandon_if_stopped(), name="host-move-abandoned")
     try:
         served = await serve_loaded_shard(loaded, nats_url=nats_url, settings=settings, busy_threads=busy_threads,
                                           ready_file=ready_file, stop_event=leave,
                                           withdraw_reason=lambda: MOVED if moving() else "shutdown",
                                           drain_s=drain_s, process_stop=stop_event, serving=landed)
+        # A stop that came as the drain ended is said all the same. One the broker did not take was kept in an
+        # outbox file besides the shard's own (which held the node's first file then), one only a second host of the
+        # node would write: kept again in the first, which the node's next host writes.
+        if moved and stop_event.is_set() and not await abandoning:
+            await say_move_abandoned(nc, settings, abandoned[0])
     finally:
-        watcher.cancel()
-        await asyncio.gather(watcher, return_exceptions=True)
+        for task in (watcher, abandoning):
+            task.cancel()
+        await asyncio.gather(watcher, abandoning, return_exceptions=True)
     if moved:  # served no more by this process: a process fetching another range may remove its folder
         release_range(loaded.runner.info.path)
     if lost:
         raise lost[0]
-    if moved and stop_event.is_set():  # stopped while it drained: the move it said it was making will not land
-        await say_move_abandoned(nc, settings, node, shard_id)
     return Move(moved[0], shard_id, served) if moving() else None
 
 
@@ -352,13 +370,15 @@ async def heartbeats_while_moving(nc: NatsClient, settings: HearthSettings, node
         await event_within(landed, settings.shard.heartbeat_interval_s)
 
 
-async def say_move_abandoned(nc: NatsClient, settings: HearthSettings, node: str, shard_id: str) -> None:
-    """Withdraw `shard_id`, withdrawn as MOVED, again as a shutdown: the move will not land (the host stops, or the new
-    range did not load), and hosts waiting for it (CoverageReader.move_under_way) decide again now, not after
-    `move_wait_max_s`."""
+async def say_move_abandoned(nc: NatsClient, settings: HearthSettings, withdrawal: ShardWithdrawn) -> bool:
+    """Say `withdrawal`: a shard withdrawn as MOVED, withdrawn again as a shutdown: the move will not land (the host
+    stops, or the new range did not load), and hosts waiting for it (CoverageReader.move_under_way) decide again
+    now, not after `move_wait_max_s`. Whether the broker stored it within `[shard] withdraw_timeout_s`."""
     try:  # kept in the shard outbox until stored (said once): a broker gone now takes it later, from this node
-        await say_once_alone(nc.jetstream(), ShardWithdrawn(node_id=node, shard_id=shard_id, reason="shutdown"),
-                             folder=shard_outbox_dir(settings), node_id=node,
-                             signing_key=event_signing_key(settings.nats), timeout_s=settings.shard.withdraw_timeout_s)
+        return await say_once_alone(nc.jetstream(), withdrawal, folder=shard_outbox_dir(settings),
+                                    node_id=withdrawal.node_id, signing_key=event_signing_key(settings.nats),
+                                    timeout_s=settings.shard.withdraw_timeout_s)
     except Exception as error:  # no outbox file: they wait at most move_wait_max_s then
-        log.warning("host %s: could not say that its move from %s is abandoned: %s", node, shard_id, error)
+        log.warning("host %s: could not say that its move from %s is abandoned: %s", withdrawal.node_id,
+                    withdrawal.shard_id, error)
+        return False

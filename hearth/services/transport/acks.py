@@ -135,8 +135,10 @@ class AckObserver(SubscribingEndpoint):
         waiters = self._waiters.setdefault((session, step), [])
         waiters.append((hop, waiter))
         try:
-            return await asyncio.wait_for(waiter, timeout_s)
-        except asyncio.TimeoutError:
+            # asyncio.timeout, not wait_for: on 3.11 wait_for drops a cancellation that lands as the ack comes.
+            async with asyncio.timeout(timeout_s):
+                return await waiter
+        except TimeoutError:
             held_by = self.holder(session, step)
             raise TransportTimeout(
                 f"pipeline {self.pipeline_id}: step {step} of session {session} did not reach hop {hop} within "

@@ -284,9 +284,12 @@ class ActivationReceiver(SubscribingEndpoint, ReceiverDrops):
             self._room_waiter = waiter
             try:
                 if remaining_s <= 0:
-                    raise asyncio.TimeoutError
-                await asyncio.wait_for(waiter, remaining_s)
-            except asyncio.TimeoutError:
+                    raise TimeoutError
+                # asyncio.timeout, not wait_for: on 3.11 wait_for drops a cancellation (a receive loop stopped)
+                # that lands as room is made.
+                async with asyncio.timeout(remaining_s):
+                    await waiter
+            except TimeoutError:
                 self.stats.dropped_steps += 1
                 log.warning(
                     "hop %s of pipeline %s: consumer took no step for %s s; dropping step %s of session %s",

@@ -171,8 +171,10 @@ class AckWindowSender(SubscribingEndpoint):
         self._drained_waiters.append(waiter)
         limit_s = self.ack_timeout_s if timeout_s is None else timeout_s
         try:
-            await asyncio.wait_for(waiter, limit_s)
-        except asyncio.TimeoutError:
+            # asyncio.timeout, not wait_for: on 3.11 wait_for drops a cancellation that lands as the last ack comes.
+            async with asyncio.timeout(limit_s):
+                await waiter
+        except TimeoutError:
             self.stats.timeouts += 1
             oldest = min(self._in_flight, key=self._in_flight.__getitem__, default=None)
             session, step = (oldest[0], oldest[1]) if oldest else (None, None)
@@ -232,8 +234,9 @@ class AckWindowSender(SubscribingEndpoint):
             await self._send_lock.acquire()
             return
         try:
-            await asyncio.wait_for(self._send_lock.acquire(), self.ack_timeout_s)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(self.ack_timeout_s):  # not wait_for: it may drop a cancellation (3.11)
+                await self._send_lock.acquire()
+        except TimeoutError:
             self.stats.timeouts += 1
             raise self._timeout(info, "another step's send held the hop", self.ack_timeout_s) from None
 
@@ -279,8 +282,9 @@ class AckWindowSender(SubscribingEndpoint):
             self._space_waiter = waiter
             try:
                 every_s = reconnect_check_s if while_waiting is None else min(reconnect_check_s, while_waiting.every_s)
-                await asyncio.wait_for(waiter, min(remaining_s, every_s))
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(min(remaining_s, every_s)):  # not wait_for: it may drop a cancellation
+                    await waiter
+            except TimeoutError:
                 if while_waiting is not None:
                     await while_waiting.check()
             finally:

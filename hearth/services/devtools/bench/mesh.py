@@ -6,7 +6,8 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
-from hearth.services.devtools.local_cluster import LocalCluster, ManagedProcess, even_layer_ranges
+from hearth.services.devtools.local_cluster import LocalCluster, even_layer_ranges
+from hearth.services.devtools.managed_process import ManagedProcess
 
 # The node of a range's first replica keeps the name it had before ranges had replicas.
 BENCH_NODE_PREFIX = "bench-host"
