@@ -8,6 +8,7 @@ from sqlalchemy.orm import Session
 from hearth.events.models import PipelineCompleted
 from hearth.readmodels.rebuild import diff_databases
 from hearth.readmodels.tables import Pipeline
+from hearth.services.replay.reports import PipelineEnd, pipeline_end, pipeline_outcome
 from tests.readmodel_helpers import LogBuilder, apply_all, at, constructed, migrated_engine
 
 OUTCOMES = {"p-met": "met", "p-unmet": "unmet", "p-unchecked": None}
@@ -40,3 +41,13 @@ def test_the_pipelines_row_keeps_the_outcome_and_a_rebuild_gives_the_same_rows(t
     live.dispose()
     rebuilt.dispose()
     assert diff_databases(tmp_path / "rebuilt.db", tmp_path / "live.db") == []
+
+
+def test_replays_pipeline_outcome_names_a_completed_calls_verification():
+    log = LogBuilder()
+    for verification, outcome in (("unmet", "completed, verification unmet"), ("met", "completed, verification met"),
+                                  (None, "completed")):
+        events = [log.stored(constructed("p-1", ["m:0-7@a"])), log.stored(completed("p-1", verification))]
+        assert pipeline_outcome(events) == outcome
+        assert pipeline_end(events) == PipelineEnd("completed", verification)
+    assert pipeline_end(events[:1]) == PipelineEnd("running")
