@@ -3,13 +3,18 @@ read model (and a rebuild of it), hearth-replay's pipeline view, the Pipelines d
 
 from __future__ import annotations
 
+import contextlib
+
 from sqlalchemy.orm import Session
 
 from hearth.events.models import PipelineCompleted
 from hearth.readmodels.rebuild import diff_databases
 from hearth.readmodels.tables import Pipeline
+from hearth.services.common.sqlite_read_only import open_read_only
+from hearth.services.dashboards.macros import TimeRange, run_panel_sql
+from hearth.services.dashboards.panels import UNMET_VERIFICATION_SQL
 from hearth.services.replay.reports import PipelineEnd, pipeline_end, pipeline_outcome
-from tests.readmodel_helpers import LogBuilder, apply_all, at, constructed, migrated_engine
+from tests.readmodel_helpers import MODEL_ID, LogBuilder, apply_all, at, constructed, migrated_engine
 
 OUTCOMES = {"p-met": "met", "p-unmet": "unmet", "p-unchecked": None}
 
@@ -51,3 +56,29 @@ def test_replays_pipeline_outcome_names_a_completed_calls_verification():
         assert pipeline_outcome(events) == outcome
         assert pipeline_end(events) == PipelineEnd("completed", verification)
     assert pipeline_end(events[:1]) == PipelineEnd("running")
+
+
+def test_the_unmet_panel_counts_each_hours_unmet_calls_by_model_and_zero_where_all_met(tmp_path):
+    hour = 3600
+    log, events = LogBuilder(), []
+    calls = [  # (when, model, verification)
+        (10, MODEL_ID, "unmet"), (20, MODEL_ID, "unmet"), (30, MODEL_ID, "met"), (40, "other/m", "unmet"),
+        (50, MODEL_ID, None),  # verify none: not a checked call
+        (hour + 10, MODEL_ID, "met"),  # the next hour: checked, none unmet
+        (2 * hour + 10, MODEL_ID, None),
+    ]
+    for index, (t, model, verification) in enumerate(calls):
+        pipeline_id = f"p-{index}"
+        events += [constructed(pipeline_id, ["m:0-7@a"], t=t).model_copy(update={"model_id": model}),
+                   completed(pipeline_id, verification, t=t + 1)]
+    # A call whose constructed event aged out of the log: counted by when it ended, under no model.
+    events.append(completed("p-aged", "unmet", t=hour + 20))
+    engine = migrated_engine(tmp_path / "rm.db")
+    apply_all(engine, [log.stored(event) for event in sorted(events, key=lambda event: event.occurred_at)])
+    engine.dispose()
+    start = int(at(0).timestamp()) // hour * hour
+    with contextlib.closing(open_read_only(tmp_path / "rm.db")) as connection:
+        columns, rows = run_panel_sql(connection, UNMET_VERIFICATION_SQL, TimeRange(start, start + 3 * hour))
+    counted = {(time - start, model): calls for time, model, calls in (
+        (row[columns.index("time")], row[columns.index("model")], row[columns.index("unmet_calls")]) for row in rows)}
+    assert counted == {(0, MODEL_ID): 2, (0, "other/m"): 1, (hour, MODEL_ID): 0, (hour, ""): 1}
