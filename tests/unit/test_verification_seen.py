@@ -8,8 +8,10 @@ import contextlib
 from sqlalchemy.orm import Session
 
 from hearth.events.models import PipelineCompleted
+from hearth.protocol.chat_frames import DoneFrame, TokenDeltaFrame, Usage
 from hearth.readmodels.rebuild import diff_databases
 from hearth.readmodels.tables import Pipeline
+from hearth.services.client.command import ChatPrinter
 from hearth.services.common.sqlite_read_only import open_read_only
 from hearth.services.dashboards.macros import TimeRange, run_panel_sql
 from hearth.services.dashboards.panels import UNMET_VERIFICATION_SQL
@@ -82,3 +84,19 @@ def test_the_unmet_panel_counts_each_hours_unmet_calls_by_model_and_zero_where_a
     counted = {(time - start, model): calls for time, model, calls in (
         (row[columns.index("time")], row[columns.index("model")], row[columns.index("unmet_calls")]) for row in rows)}
     assert counted == {(0, MODEL_ID): 2, (0, "other/m"): 1, (hour, MODEL_ID): 0, (hour, ""): 1}
+
+
+def test_hearth_chat_notes_an_unmet_verification_on_stderr_only(capsys):
+    def answer(verification: str | None) -> tuple[str, str]:
+        printer = ChatPrinter()
+        frames = [TokenDeltaFrame(seq=0, text="Hello", token_id=1),
+                  DoneFrame(seq=1, finish_reason="stop", usage=Usage(prompt_tokens=3, completion_tokens=1),
+                            verification=verification)]
+        assert [printer.show(frame) for frame in frames] == [None, None]
+        return capsys.readouterr()
+
+    out, err = answer("unmet")
+    assert out == "Hello\n" and err.splitlines()[-1].startswith("[verification unmet: ")
+    for verification in ("met", None):
+        out, err = answer(verification)
+        assert out == "Hello\n" and "verification" not in err
