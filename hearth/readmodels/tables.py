@@ -97,7 +97,8 @@ class Pipeline(Base):
     tokens_per_second: Mapped[float | None] = mapped_column(Float)
     finish_reason: Mapped[str | None] = mapped_column(String)
     verification: Mapped[str | None] = mapped_column(
-        String, comment="met | unmet: its hops checked as its verify level asks (NULL: none)")
+        String, comment="met | unmet: its hops checked as its verify level asks (NULL: none or "
+                        "not ended; unrecorded: completed before migration 0020)")
     failovers: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
     fell_back_to_local: Mapped[int] = mapped_column(Integer, nullable=False, default=0, comment="0/1")
     fallback_reason: Mapped[str | None] = mapped_column(Text)

@@ -4,11 +4,14 @@ read model (and a rebuild of it), hearth-replay's pipeline view, the Pipelines d
 from __future__ import annotations
 
 import contextlib
+import sqlite3
 
+from alembic import command
 from sqlalchemy.orm import Session
 
 from hearth.events.models import PipelineCompleted
 from hearth.protocol.chat_frames import DoneFrame, TokenDeltaFrame, Usage
+from hearth.readmodels.db import alembic_config, open_engine, upgrade_database
 from hearth.readmodels.rebuild import diff_databases
 from hearth.readmodels.tables import Pipeline
 from hearth.services.client.command import ChatPrinter
@@ -100,3 +103,28 @@ def test_hearth_chat_notes_an_unmet_verification_on_stderr_only(capsys):
     for verification in ("met", None):
         out, err = answer(verification)
         assert out == "Hello\n" and "verification" not in err
+
+
+def test_a_rebuild_diff_leaves_out_the_outcome_of_calls_completed_before_the_upgrade_and_only_that(tmp_path):
+    live_path, rebuilt_path = tmp_path / "live.db", tmp_path / "rebuilt.db"
+    messages = calls_log()
+    live = migrated_engine(live_path)
+    apply_all(live, messages[:4])  # p-met and p-unmet completed before the upgrade, p-unchecked after it
+    live.dispose()
+    command.downgrade(alembic_config(live_path), "0019")  # as the projector of before 0020 left the file
+    upgrade_database(live_path)
+    live = open_engine(live_path)
+    apply_all(live, messages[4:])
+    live.dispose()
+    rebuilt = migrated_engine(rebuilt_path)
+    apply_all(rebuilt, messages)
+    rebuilt.dispose()
+    with contextlib.closing(sqlite3.connect(live_path)) as connection:
+        assert dict(connection.execute("SELECT pipeline_id, verification FROM pipelines")) == {
+            "p-met": "unrecorded", "p-unmet": "unrecorded", "p-unchecked": None}
+    assert diff_databases(rebuilt_path, live_path) == []
+    # A live row that does say its outcome is still compared.
+    with contextlib.closing(sqlite3.connect(live_path)) as connection, connection:
+        connection.execute("UPDATE pipelines SET verification = 'met' WHERE pipeline_id = 'p-unchecked'")
+    assert [(difference.key, difference.columns) for difference in diff_databases(rebuilt_path, live_path)] == [
+        ({"pipeline_id": "p-unchecked"}, ("verification",))]

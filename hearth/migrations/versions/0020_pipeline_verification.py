@@ -5,8 +5,9 @@ Revision ID: 0020
 Revises: 0019
 Create Date: 2026-12-06
 
-Pipelines projected before this revision keep NULL; `hearth-replay rebuild` fills it from the log (a call completed
-before the outcome was recorded reads NULL there too).
+A call completed before this revision gets `unrecorded` (its outcome is unknown): `hearth-replay rebuild --diff` does
+not compare the column there (hearth/readmodels/log_window.py), and the dashboards count only `met` and `unmet`. A
+call not yet ended keeps NULL until its pipeline.completed sets it.
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ depends_on: str | Sequence[str] | None = None
 def upgrade() -> None:
     with op.batch_alter_table("pipelines") as batch:
         batch.add_column(sa.Column("verification", sa.String(), nullable=True,
-                                   comment="met | unmet: its hops checked as its verify level asks (NULL: none)"))
+                                   comment="met | unmet: its hops checked as its verify level asks (NULL: none or "
+                                           "not ended; unrecorded: completed before migration 0020)"))
+    op.execute("UPDATE pipelines SET verification = 'unrecorded' WHERE status = 'completed'")
     op.create_index(op.f("ix_pipelines_verification_constructed_at_model_id"), "pipelines",
                     ["verification", "constructed_at", "model_id"])
 
