@@ -5,8 +5,9 @@
 Builds the read model through the real projection (readmodels.projection.ReadModelProjection, the handlers the
 projector runs, in batches of 2 000 as it applies them): 12 shards (4 layer ranges x 3 replicas) heartbeating
 every 10 s, and pipelines spread evenly over `--hours` (constructed, first token, 5 % failed over, 90 %
-completed, 5 % aborted, 5 % fallen back to local) until `--events` pipeline events are stored. 1 000
-rejected_events rows are inserted directly (rejecting needs a roster; the panel only reads the table).
+completed (every tenth call's verification unmet, the others met), 5 % aborted, 5 % fallen back to local) until
+`--events` pipeline events are stored. 1 000 rejected_events rows are inserted directly (rejecting needs a roster;
+the panel only reads the table).
 Then each panel's SQL, expanded as the Grafana SQLite plugin expands it, runs `--runs` times on a read-only
 connection over two time ranges: the whole data (every row in range, the worst case) and the last 6 hours
 (Grafana's default). Prints a Markdown section for BENCHMARKS.md.
@@ -114,7 +115,8 @@ def pipeline_events(target: int, hours: float, rng: random.Random) -> list:
             events.append(PipelineCompleted(pipeline_id=pid, prompt_tokens=rng.randint(10, 400),
                                             completion_tokens=rng.randint(10, 256), duration_ms=1500.0,
                                             tokens_per_second=rng.uniform(5, 60), finish_reason="length",
-                                            node_id="hub", occurred_at=end))
+                                            node_id="hub", occurred_at=end,
+                                            verification="unmet" if p % 10 == 0 else "met"))
         elif fate < 0.95:
             events.append(PipelineAborted(pipeline_id=pid, code=rng.choice(["client_gone", "shard_unavailable"]),
                                           reason="bench", node_id="hub", occurred_at=end))

@@ -178,7 +178,8 @@ def synthetic_events(*, shards: int = 4, pipelines: int = 20, heartbeats_per_sha
             events.append(PipelineCompleted(pipeline_id=pid, prompt_tokens=rng.randint(5, 50),
                                             completion_tokens=rng.randint(1, 64), duration_ms=rng.uniform(50, 900),
                                             tokens_per_second=rng.uniform(5, 40), finish_reason="length",
-                                            node_id="hub", occurred_at=at(t + 0.2)))
+                                            node_id="hub", occurred_at=at(t + 0.2),
+                                            verification=(None, "met", "unmet")[p % 3]))
         timed += [(e.occurred_at.timestamp(), e) for e in events]
     if shards > 2:
         timed.append((at(t0 + 10_000).timestamp(), ShardWithdrawn(shard_id=ids[-1], reason="shutdown",

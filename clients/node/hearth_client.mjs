@@ -360,7 +360,8 @@ async function chatPinned(nc, request, keyPair, orchestrator) {
 }
 
 // One call's summary line: the first choice's text and token ids as they stand, its ending, the orchestrator that
-// answered (the done frame's `orchestrator`, null when none is named) and the subjects the call was sent on.
+// answered (the done frame's `orchestrator`, null when none is named), its verification outcome (the done frame's
+// `verification`, null when absent) and the subjects the call was sent on.
 function summarize(models, { frames, subjects, fell_back }, choices) {
   const final = frames.at(-1);
   // Each choice's deltas as they stand (a frame without `choice` is the first choice's): a tokens_withdrawn
@@ -384,6 +385,8 @@ function summarize(models, { frames, subjects, fell_back }, choices) {
     finish_reason: final.finish_reason ?? null,
     usage: final.usage ?? null,
     orchestrator: final.orchestrator ?? null,
+    // `met` or `unmet`: whether the shards' work was checked as the call's `params.verify` asks (null: `none`).
+    verification: final.verification ?? null,
     subjects,
     ...(fell_back ? { fell_back } : {}),
     ...(final.type === "done"
@@ -456,6 +459,10 @@ async function main() {
       const final = answer.frames.at(-1);
       if (final.type === "error" && final.code === "unauthorized") {
         console.error(`hearth_client: ${explainUnauthorized(final)}`);
+      }
+      if (final.type === "done" && final.verification === "unmet") {
+        console.error("hearth_client: verification unmet: some of the shards' work on this answer was not checked "
+                      + "as the call's verify level asks");
       }
       const summary = summarize(models, answer, choices);
       console.log(JSON.stringify(conversation ? { turn, ...summary } : summary));

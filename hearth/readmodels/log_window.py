@@ -61,19 +61,24 @@ OLDER_THAN_LOG_RULES: tuple[OlderThanLogRule, ...] = (
 )
 
 
-# Per table, the column that says when a row's sums began. A row summed before that was recorded holds
-# `sums_began_unrecorded` there (migration 0014): its beginning is unknown, so a diff does not compare that column.
-SUMS_BEGAN_AT: dict[str, str] = {"shard_stats": "first_counted_at", "shard_reputation": "first_event_at"}
+# A row written before a column was recorded holds a mark there (set by the migration that added it): its value is
+# unknown, so a diff does not compare that column where either row holds the mark. When a row's sums began
+# (migration 0014: a row summed before holds 0) and a completed call's verification (migration 0020).
 sums_began_unrecorded = 0
+verification_unrecorded = "unrecorded"
+UNRECORDED_MARKS: dict[str, dict[str, Any]] = {
+    "shard_stats": {"first_counted_at": sums_began_unrecorded},
+    "shard_reputation": {"first_event_at": sums_began_unrecorded},
+    "pipelines": {"verification": verification_unrecorded},
+}
 
 
 def compared_columns(table: str, new_row: Mapping[str, Any], live_row: Mapping[str, Any]) -> tuple[str, ...]:
-    """The columns whose values differ between two rows of `table` with one key, leaving out when its sums began where
-    either row does not know that."""
-    unknown = SUMS_BEGAN_AT.get(table)
-    if unknown is not None and sums_began_unrecorded not in (new_row.get(unknown), live_row.get(unknown)):
-        unknown = None
-    return tuple(column for column in new_row if column != unknown and new_row[column] != live_row.get(column))
+    """The columns whose values differ between two rows of `table` with one key, leaving out those either row holds
+    the unrecorded mark in."""
+    marks = UNRECORDED_MARKS.get(table, {})
+    unknown = {column for column, mark in marks.items() if mark in (new_row.get(column), live_row.get(column))}
+    return tuple(column for column in new_row if column not in unknown and new_row[column] != live_row.get(column))
 
 
 def window_start(first: StoredEvent | SkippedMessage | None, last_seq: int) -> int | None:

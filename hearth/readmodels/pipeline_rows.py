@@ -129,6 +129,7 @@ def _pipeline_completed(event: PipelineCompleted, rows: BatchRows) -> None:
         duration_ms=event.duration_ms,
         tokens_per_second=event.tokens_per_second,
         finish_reason=event.finish_reason,
+        verification=event.verification,
         finished_at=epoch_s(event.occurred_at),
     )
     record_kept_prefix(event, rows)

@@ -96,6 +96,9 @@ class Pipeline(Base):
     duration_ms: Mapped[float | None] = mapped_column(Float, comment="duration")
     tokens_per_second: Mapped[float | None] = mapped_column(Float)
     finish_reason: Mapped[str | None] = mapped_column(String)
+    verification: Mapped[str | None] = mapped_column(
+        String, comment="met | unmet: its hops checked as its verify level asks (NULL: none or "
+                        "not ended; unrecorded: completed before migration 0020)")
     failovers: Mapped[int] = mapped_column(Integer, nullable=False, default=0)
     fell_back_to_local: Mapped[int] = mapped_column(Integer, nullable=False, default=0, comment="0/1")
     fallback_reason: Mapped[str | None] = mapped_column(Text)
@@ -110,10 +113,11 @@ class Pipeline(Base):
 
     # The second index covers every dashboard query over a time range of pipelines
     # (hearth/services/dashboards/panels.py) so those read no table rows: one index to maintain, instead of one per
-    # panel.
+    # panel. The third covers the checked calls of a range by model (the unmet-verification panel).
     __table_args__ = (
         Index(None, "status"),
         Index(None, "constructed_at", "status", "error_code", "fell_back_to_local", "ttft_ms", "tokens_per_second"),
+        Index(None, "verification", "constructed_at", "model_id"),
     )
 
 

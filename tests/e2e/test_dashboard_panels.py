@@ -1,8 +1,9 @@
 """Every dashboard panel's SQL against a read model a real run filled: a mesh of real processes (three primaries,
 a replica for layers 2-3, an orchestrator, a projector) serves two calls, a call whose middle shard is killed
 mid-generation (a failover), a call whose client goes away (an abort), and an unsigned event a broker user
-slipped in (a rejected event). Each panel's query, expanded as the Grafana SQLite plugin expands it, must
-return the columns the panel draws and at least one row; `hearth status` and the PNG renders read the same file.
+slipped in (a rejected event); layers 0-1 have no replica, so every completed call's verification is unmet. Each
+panel's query, expanded as the Grafana SQLite plugin expands it, must return the columns the panel draws and at
+least one row; `hearth status` and the PNG renders read the same file.
 
 Set HEARTH_DASHBOARDS_PNG_OUT=docs/img to refresh the README's pictures from this run.
 """
@@ -140,6 +141,9 @@ def test_the_run_shows_on_the_panels_as_it_happened(read_model):
             outcomes[outcome] = outcomes.get(outcome, 0) + calls
         assert outcomes == {"completed": 3, "aborted": 1}, outcomes
         assert rows("Aborts by code") == [("client_gone", 1)]
+        # Layers 0-1 have no replica to check them on: every completed call's verification (sampled) is unmet.
+        unmet = rows("Calls per hour whose verification was unmet, by model")
+        assert {model for _t, model, _n in unmet} == {TINY_MODEL_NAME} and sum(n for *_, n in unmet) == 3, unmet
         assert sum(events for _t, kind, events in rows("Failovers and fallbacks per minute") if kind == "failover") == 1
         assert {reason for _t, reason, _n in rows("Rejected events per minute by reason")} == {"unsigned"}
         assert [model for model, *_ in rows("Models")] == [TINY_MODEL_NAME]

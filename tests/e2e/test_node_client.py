@@ -229,6 +229,22 @@ async def test_node_client_skips_frames_sent_again_and_waits_for_a_gap_to_fill(n
     assert "frames were lost: seq 1 to 1 never came" in completed.stderr
 
 
+async def test_node_client_accepts_and_exposes_the_done_frames_verification(node_client, scripted_orchestrator,
+                                                                             nats_url):
+    """The done frame's `verification` passes the schema check and is the summary's `verification` (null when the
+    frame has none); an unmet one is said on stderr too."""
+    done = {"type": "done", "seq": 1, "finish_reason": "stop", "usage": {"prompt_tokens": 1, "completion_tokens": 1}}
+    command = [*node_client, "--nats", nats_url, *NODE_TIMEOUT_ARGS, PROMPT]
+    for verification in ("unmet", "met", None):
+        scripted_orchestrator.append([scripted_token(0, "Hi"),
+                                      {**done, **({"verification": verification} if verification else {})}])
+        completed = await asyncio.to_thread(subprocess.run, command, capture_output=True, text=True, timeout=120)
+        assert completed.returncode == 0, f"stdout: {completed.stdout}\nstderr: {completed.stderr}"
+        summary = json.loads(completed.stdout.strip().splitlines()[-1])
+        assert (summary["text"], summary["verification"]) == ("Hi", verification)
+        assert ("verification unmet" in completed.stderr) == (verification == "unmet")
+
+
 def summaries(completed: subprocess.CompletedProcess) -> list[dict]:
     return [json.loads(line) for line in completed.stdout.strip().splitlines()]
 

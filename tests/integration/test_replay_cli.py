@@ -189,7 +189,11 @@ def test_pipeline_prints_its_timeline_relative_to_the_first_event(nats_url):
         ["+4.000s", "pipeline.completed"],
     ]
     assert "resumed_at_token=17" in lines[4]
-    assert lines[-1] == "outcome: completed"
+    assert lines[-1] == "outcome: completed, verification met"
+    as_jsonl = [json.loads(line)
+                for line in replay(nats_url, "pipeline", "p-7f3a9c", "-o", "jsonl").stdout.splitlines()]
+    assert (as_jsonl[-1]["outcome"], as_jsonl[-1]["verification"]) == ("completed", "met")
+    assert all("outcome" not in row for row in as_jsonl[:-1])
 
     integrity = replay(nats_url, "pipeline", "p-00cc33")
     assert integrity.exit_code == 0
@@ -197,6 +201,7 @@ def test_pipeline_prints_its_timeline_relative_to_the_first_event(nats_url):
     aborted = replay(nats_url, "pipeline", "p-00aa11", "-o", "jsonl")
     (row,) = [json.loads(line) for line in aborted.stdout.splitlines()]
     assert row["event"]["code"] == "shard_unavailable" and row["offset_s"] == 0
+    assert row["outcome"] == "aborted" and "verification" not in row
 
     unknown = replay(nats_url, "pipeline", "p-nope")
     assert unknown.exit_code == 1 and "no events for pipeline p-nope" in unknown.output

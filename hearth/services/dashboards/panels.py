@@ -36,15 +36,15 @@ CALLS_IN_RANGE = (f"({in_range('constructed_at')} OR (constructed_at IS NULL AND
                   f"{in_range('COALESCE(finished_at, updated_at)')}))")
 
 
-def calls_per_minute(label: str, condition: str = "1") -> str:
-    """(time, label, calls): the calls meeting `condition` per minute of CALL_AT in the dashboard's range, by
-    `label` (an expression on pipelines' columns). Two branches, so the routed calls, nearly all, are counted from
-    the covering index alone; the unrouted ones are looked up by their NULL constructed_at."""
+def calls_per_bucket(label: str, condition: str = "1", *, bucket_s: int = 60, counted: str = "COUNT(*)") -> str:
+    """(time, label, calls): `counted` over the calls meeting `condition` per `bucket_s` seconds of CALL_AT in the
+    dashboard's range, by `label` (an expression on pipelines' columns). Two branches, so the routed calls, nearly
+    all, are counted from an index alone; the unrouted ones are looked up by their NULL constructed_at."""
     return f"""SELECT time, label, SUM(calls) AS calls FROM (
-  SELECT $__unixEpochGroupSeconds(constructed_at, 60) AS time, {label} AS label, COUNT(*) AS calls FROM pipelines
-  WHERE {in_range('constructed_at')} AND {condition} GROUP BY 1, 2
+  SELECT $__unixEpochGroupSeconds(constructed_at, {bucket_s}) AS time, {label} AS label, {counted} AS calls
+  FROM pipelines WHERE {in_range('constructed_at')} AND {condition} GROUP BY 1, 2
   UNION ALL
-  SELECT $__unixEpochGroupSeconds(ended_at, 60) AS time, {label} AS label, COUNT(*) AS calls FROM (
+  SELECT $__unixEpochGroupSeconds(ended_at, {bucket_s}) AS time, {label} AS label, {counted} AS calls FROM (
     SELECT COALESCE(finished_at, updated_at) AS ended_at, * FROM pipelines WHERE constructed_at IS NULL AND {condition})
   WHERE {in_range('ended_at')} GROUP BY 1, 2
 ) GROUP BY 1, 2"""
@@ -61,7 +61,13 @@ REPUTATION_SQL = """SELECT COALESCE(node_id, '') AS node, shard_id AS shard, sta
        mismatches, disputes, datetime(status_since, 'unixepoch') AS since, COALESCE(status_reason, '') AS reason
 FROM shard_reputation ORDER BY status = 'quarantined' DESC, mismatches DESC, disputes DESC, shard"""
 
-CALLS_BY_OUTCOME_SQL = f"""SELECT time, label AS outcome, calls FROM ({calls_per_minute('status')}) ORDER BY 1, 2"""
+CALLS_BY_OUTCOME_SQL = f"""SELECT time, label AS outcome, calls FROM ({calls_per_bucket('status')}) ORDER BY 1, 2"""
+
+# The calls checked at all (verify not `none`), so an hour of checked calls none of which was unmet shows 0; the
+# (verification, constructed_at, model_id) index covers it.
+UNMET_VERIFICATION_SQL = f"""SELECT time, label AS model, calls AS unmet_calls FROM ({calls_per_bucket(
+    "COALESCE(model_id, '')", "verification IN ('met', 'unmet')", bucket_s=3600,
+    counted="SUM(verification = 'unmet')")}) ORDER BY 1, 2"""
 
 
 def minute_percentiles_sql(prefix: str, unit_suffix: str = "") -> str:
@@ -149,11 +155,19 @@ PIPELINES = Dashboard(
             f"""SELECT $__unixEpochGroupSeconds(occurred_at, 60) AS time, 'failover' AS kind, COUNT(*) AS events
 FROM failovers WHERE {in_range('occurred_at')} GROUP BY 1
 UNION ALL
-SELECT time, label AS kind, calls AS events FROM ({calls_per_minute("'fallback_local'", 'fell_back_to_local = 1')})
+SELECT time, label AS kind, calls AS events FROM ({calls_per_bucket("'fallback_local'", 'fell_back_to_local = 1')})
 ORDER BY time""",
             ("time", "kind", "events"),
             "Failovers by the minute each happened (failovers); calls that fell back to local by their minute as "
             "in Calls per minute by outcome (the read model keeps no time of the fallback itself).", bars=True,
+        ),
+        SqlPanel(
+            "Calls per hour whose verification was unmet, by model", "timeseries", UNMET_VERIFICATION_SQL,
+            ("time", "model", "unmet_calls"),
+            "Completed calls whose hops' work was not all checked as their verify level asked (pipeline.completed's "
+            "verification unmet: no other replica to check a hop, say), by the hour counted as in Calls per minute "
+            "by outcome; 0 in an hour of checked calls that all met it. Calls at verify none are not counted; "
+            "model is empty for a call whose pipeline.constructed aged out of the log.", bars=True,
         ),
         SqlPanel(
             "Aborts by code", "barchart",

@@ -179,7 +179,9 @@ def pipeline_command(
     output: Annotated[OutputFormat, typer.Option("--output", "-o", help="table or jsonl.")] = OutputFormat.table,
     nats_url: NatsUrlOption = None,
 ) -> None:
-    """One pipeline's timeline: constructed, first token, shard status, failovers, fallback, end, integrity."""
+    """One pipeline's timeline: constructed, first token, shard status, failovers, fallback, end, integrity; then its
+    outcome (completed, aborted, fallback_local, running; a completed call's verification met or unmet when it says),
+    which -o jsonl puts on its last line as `outcome` and `verification`."""
     import re
 
     from hearth.protocol.bounds import SUBJECT_TOKEN_PATTERN
@@ -195,7 +197,7 @@ async def _print_pipeline(broker: "NatsSettings", pipeline_id: str, output: Outp
     from hearth.protocol.subjects import EVENTS_PREFIX
     from hearth.services.replay.query import existing_streams
     from hearth.services.replay.render import jsonl_line
-    from hearth.services.replay.reports import pipeline_outcome, pipeline_timeline
+    from hearth.services.replay.reports import pipeline_end, pipeline_timeline
 
     filters = [f"{EVENTS_PREFIX}.pipeline.{pipeline_id}.>", f"{EVENTS_PREFIX}.integrity.{pipeline_id}.>"]
     async with jetstream(broker) as js:
@@ -207,14 +209,18 @@ async def _print_pipeline(broker: "NatsSettings", pipeline_id: str, output: Outp
     if not events:
         typer.echo(f"hearth-replay: no events for pipeline {pipeline_id}", err=True)
         return 1
+    end = pipeline_end(events)
     if output is OutputFormat.jsonl:
         start = events[0].event.occurred_at
-        for item in events:
-            typer.echo(jsonl_line(item, offset_s=round((item.event.occurred_at - start).total_seconds(), 6)))
+        # The last line carries the outcome the table's last line states.
+        ending = {"outcome": end.outcome, **({"verification": end.verification} if end.verification else {})}
+        for index, item in enumerate(events, 1):
+            typer.echo(jsonl_line(item, offset_s=round((item.event.occurred_at - start).total_seconds(), 6),
+                                  **(ending if index == len(events) else {})))
         return 0
     for line in pipeline_timeline(pipeline_id, events):
         typer.echo(line)
-    typer.echo(f"outcome: {pipeline_outcome(events)}")
+    typer.echo(f"outcome: {end}")
     return 0
 
 

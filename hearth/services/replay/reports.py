@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 
 from hearth.events.consume import StoredEvent
-from hearth.events.models import ShardAdvertised, ShardHeartbeat, ShardWithdrawn
+from hearth.events.models import PipelineCompleted, ShardAdvertised, ShardHeartbeat, ShardWithdrawn
 from hearth.events.streams import shards_max_msgs_per_subject
 from hearth.services.common.display import display_text
 from hearth.services.replay.render import format_time, summarize_event
@@ -37,16 +37,36 @@ def pipeline_timeline(pipeline_id: str, events: Sequence[StoredEvent]) -> list[s
     return [display_text(line) for line in lines]  # members wrote parts of them: no escape takes effect
 
 
-def pipeline_outcome(events: Sequence[StoredEvent]) -> str:
-    """`completed`, `aborted`, `fallback_local` or `running` (no terminal event yet)."""
-    outcome = "running"
+@dataclass(frozen=True)
+class PipelineEnd:
+    """How a pipeline's log says it ended: `completed`, `aborted`, `fallback_local` or `running` (no terminal event
+    yet), and for a completed call whether its hops were checked as its verify level asks (None: `none`, or an
+    orchestrator that does not say)."""
+
+    outcome: str
+    verification: str | None = None
+
+    def __str__(self) -> str:
+        return self.outcome if self.verification is None else f"{self.outcome}, verification {self.verification}"
+
+
+def pipeline_end(events: Sequence[StoredEvent]) -> PipelineEnd:
+    end = PipelineEnd("running")
     for item in events:
-        kind = item.event.type
-        if kind in ("pipeline.completed", "pipeline.aborted"):
-            outcome = kind.split(".", 1)[1]
-        elif kind == "pipeline.fallback_local" and outcome == "running":
-            outcome = "fallback_local"
-    return outcome
+        event = item.event
+        if isinstance(event, PipelineCompleted):
+            end = PipelineEnd("completed", event.verification)
+        elif event.type == "pipeline.aborted":
+            end = PipelineEnd("aborted")
+        elif event.type == "pipeline.fallback_local" and end.outcome == "running":
+            end = PipelineEnd("fallback_local")
+    return end
+
+
+def pipeline_outcome(events: Sequence[StoredEvent]) -> str:
+    """The table's outcome: `completed` (`completed, verification met` / `... unmet` when the call says),
+    `aborted`, `fallback_local` or `running`."""
+    return str(pipeline_end(events))
 
 
 @dataclass(frozen=True)
