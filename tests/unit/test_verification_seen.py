@@ -99,7 +99,7 @@ def test_hearth_chat_notes_an_unmet_verification_on_stderr_only(capsys):
         return capsys.readouterr()
 
     out, err = answer("unmet")
-    assert out == "Hello\n" and err.splitlines()[-1].startswith("[verification unmet: ")
+    assert out == "Hello\n" and err.splitlines()[-1].endswith(" ms, verification unmet]")
     for verification in ("met", None):
         out, err = answer(verification)
         assert out == "Hello\n" and "verification" not in err

@@ -42,7 +42,7 @@ def run_chat_command(nats_url: str, *, prompt: str, model: str | None, max_token
     """`hearth chat`: stream one answer to stdout, everything else one line each to stderr; with `choices` > 1
     (the request's `n`), each choice's answer is printed once the call ended, under a `[choice I]` line.
 
-    A `done` frame whose `verification` is `unmet` adds a `[verification unmet: ...]` line on stderr.
+    A `done` frame whose `verification` is `unmet` ends its summary line on stderr with `, verification unmet`.
 
     Exit code 0 on `done`; 1 on an error frame or a request that is not valid; 2 when no answer came in
     time (NATS not reachable within nats.connect_timeout_s, or no orchestrator answering).
@@ -166,11 +166,10 @@ class ChatPrinter:
             if not streams:
                 self._print_choices(frame)
             self._end_line()
+            # One summary line: a mesh without replicas has every call unmet, and a line each would be noise.
+            unmet = ", verification unmet" if frame.verification == "unmet" else ""
             _say(f"[{frame.finish_reason}: {frame.usage.completion_tokens} tokens, "
-                 f"{timing.tokens_per_second or 0:.1f} tokens/s, ttft {timing.ttft_ms or 0:.0f} ms]")
-            if frame.verification == "unmet":
-                _say("[verification unmet: some of the shards' work on this answer was not checked as the call's "
-                     "verify level asks (no other replica to check it, say)]")
+                 f"{timing.tokens_per_second or 0:.1f} tokens/s, ttft {timing.ttft_ms or 0:.0f} ms{unmet}]")
         elif isinstance(frame, QueuedFrame):
             _say(f"[queued: position {frame.position} of {frame.queued_requests}]")
         elif isinstance(frame, (ErrorFrame, PipelineAbortedFrame)):
