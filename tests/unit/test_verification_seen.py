@@ -1,5 +1,6 @@
 """A call's verification outcome (`met`, `unmet`, none at verify=none) where operators and users look: the pipelines
-read model (and a rebuild of it), hearth-replay's pipeline view, the Pipelines dashboard and `hearth chat`."""
+read model (and a rebuild of it), hearth-replay's pipeline view, the Pipelines dashboard, `hearth status` and
+`hearth chat`."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import contextlib
 import sqlite3
 
 from alembic import command
+from rich.console import Console
 from sqlalchemy.orm import Session
 
 from hearth.events.models import PipelineCompleted
@@ -18,6 +20,7 @@ from hearth.services.client.command import ChatPrinter
 from hearth.services.common.sqlite_read_only import open_read_only
 from hearth.services.dashboards.macros import TimeRange, run_panel_sql
 from hearth.services.dashboards.panels import UNMET_VERIFICATION_SQL
+from hearth.services.dashboards.status import RECENT_CALLS_S, run_status_command
 from hearth.services.replay.reports import PipelineEnd, pipeline_end, pipeline_outcome
 from tests.readmodel_helpers import MODEL_ID, LogBuilder, apply_all, at, constructed, migrated_engine
 
@@ -87,6 +90,39 @@ def test_the_unmet_panel_counts_each_hours_unmet_calls_by_model_and_zero_where_a
     counted = {(time - start, model): calls for time, model, calls in (
         (row[columns.index("time")], row[columns.index("model")], row[columns.index("unmet_calls")]) for row in rows)}
     assert counted == {(0, MODEL_ID): 2, (0, "other/m"): 1, (hour, MODEL_ID): 0, (hour, ""): 1}
+
+
+def status_screen(path, now_s: int) -> str:
+    console = Console(width=400, record=True)
+    assert run_status_command(path, now_s=now_s, console=console) == 0
+    return console.export_text()
+
+
+def test_hearth_status_counts_the_unmet_calls_among_those_checked_in_its_window(tmp_path):
+    log, events = LogBuilder(), []
+    calls = [(-10, "unmet"), (10, "unmet"), (20, "met"), (30, None), (40, "met"), (50, "met")]  # (when, verification)
+    for index, (t, verification) in enumerate(calls):
+        events += [constructed(f"p-{index}", ["m:0-7@a"], t=t), completed(f"p-{index}", verification, t=t + 1)]
+    path = tmp_path / "rm.db"
+    engine = migrated_engine(path)
+    apply_all(engine, [log.stored(event) for event in sorted(events, key=lambda event: event.occurred_at)])
+    engine.dispose()
+    now_s = int(at(0).timestamp()) + RECENT_CALLS_S  # the call at -10 s is before the window
+    with contextlib.closing(sqlite3.connect(path)) as connection, connection:  # completed before migration 0020
+        connection.execute("UPDATE pipelines SET verification = 'unrecorded' WHERE pipeline_id = 'p-5'")
+    rows = calls_rows(status_screen(path, now_s))
+    assert rows == {"completed": ["completed", "5", "-", "80", "1 of 3 checked"]}  # hop names: the orchestrator's log
+    assert calls_rows(status_screen(path, now_s + 15))["completed"][-1] == "0 of 2 checked"  # the unmet call left it
+    with contextlib.closing(sqlite3.connect(path)) as connection, connection:
+        connection.execute("UPDATE pipelines SET verification = NULL")  # verify none throughout
+    assert calls_rows(status_screen(path, now_s))["completed"][-1] == "-"
+
+
+def calls_rows(screen: str) -> dict[str, list[str]]:
+    """The calls table's rows of a status screen, by outcome."""
+    calls = screen[screen.index("Calls in the last"):]
+    cells = [[cell.strip() for cell in line.split("│")[1:-1]] for line in calls.splitlines() if line.startswith("│")]
+    return {row[0]: row for row in cells}
 
 
 def test_hearth_chat_notes_an_unmet_verification_on_stderr_only(capsys):

@@ -48,7 +48,8 @@ def render_command(
 def status_command(ctx: typer.Context, db: ReadModelOption = Path("readmodel.sqlite")) -> None:
     """One screen from a read model: models and their layer coverage per quantization scheme and weights, shards
     advertised (state by the router's rule, heartbeat age, p95 step, reputation), the shards verification found
-    fault with (quarantined, mismatches, disputes), calls in the last hour by outcome."""
+    fault with (quarantined, mismatches, disputes), calls in the last hour by outcome (and how many of the checked
+    ones had their verification unmet)."""
     from hearth.services.cli_options import settings
     from hearth.services.dashboards.status import run_status_command
 

@@ -63,11 +63,11 @@ FROM shard_reputation ORDER BY status = 'quarantined' DESC, mismatches DESC, dis
 
 CALLS_BY_OUTCOME_SQL = f"""SELECT time, label AS outcome, calls FROM ({calls_per_bucket('status')}) ORDER BY 1, 2"""
 
-# The calls checked at all (verify not `none`), so an hour of checked calls none of which was unmet shows 0; the
-# (verification, constructed_at, model_id) index covers it.
+# The calls checked at all (verify not `none`; not `unrecorded`, whose outcome is unknown), so an hour of checked calls
+# none of which was unmet shows 0; the (verification, constructed_at, model_id) index covers it.
+CHECKED_CALL = "verification IN ('met', 'unmet')"
 UNMET_VERIFICATION_SQL = f"""SELECT time, label AS model, calls AS unmet_calls FROM ({calls_per_bucket(
-    "COALESCE(model_id, '')", "verification IN ('met', 'unmet')", bucket_s=3600,
-    counted="SUM(verification = 'unmet')")}) ORDER BY 1, 2"""
+    "COALESCE(model_id, '')", CHECKED_CALL, bucket_s=3600, counted="SUM(verification = 'unmet')")}) ORDER BY 1, 2"""
 
 
 def minute_percentiles_sql(prefix: str, unit_suffix: str = "") -> str:

@@ -1,6 +1,6 @@
 """`hearth status`: one screen from a read model: models and their layer coverage (per quantization scheme and
 weights), shards advertised (with their state by the router's rule and their reputation), shards verification has
-found fault with, recent calls.
+found fault with, recent calls (by outcome, and how many of the checked ones had their verification unmet).
 
 It runs the Mesh dashboard's own SQL (hearth/services/dashboards/panels.py) on a read-only connection, with "now"
 as the end of the time range, so the screen and the dashboard never disagree. Heartbeat ages are from this
@@ -22,7 +22,7 @@ from hearth.protocol.quarantine import quarantined_nodes
 from hearth.services.common.display import display_cell
 from hearth.services.common.sqlite_read_only import open_read_only
 from hearth.services.dashboards.macros import TimeRange, run_panel_sql
-from hearth.services.dashboards.panels import CALLS_IN_RANGE, REPUTATION_SQL
+from hearth.services.dashboards.panels import CALLS_IN_RANGE, CHECKED_CALL, REPUTATION_SQL
 from hearth.services.dashboards.routing_sql import (LAYER_REPLICAS_CTE, MODELS_SQL, ROUTING_VARIABLES,
                                                     SHARDS_ADVERTISED_SQL)
 
@@ -31,8 +31,10 @@ RECENT_CALLS_S = 3600
 LAYER_REPLICAS_SQL = f"""{LAYER_REPLICAS_CTE}
 SELECT model_id, quantization, substr(weights_sha256, 1, 12), layer, replicas FROM layer_replicas
 ORDER BY model_id, quantization, weights_sha256, layer"""
+# A call's verification counts as the Pipelines dashboard's unmet panel counts it: among the calls checked at all.
 CALLS_BY_OUTCOME_SQL = f"""SELECT status AS outcome, COUNT(*) AS calls, ROUND(AVG(ttft_ms)) AS mean_ttft_ms,
-       ROUND(AVG(tokens_per_second), 1) AS mean_tokens_per_s
+       ROUND(AVG(tokens_per_second), 1) AS mean_tokens_per_s, SUM({CHECKED_CALL}) AS checked_calls,
+       SUM(verification = 'unmet') AS unmet_calls
 FROM pipelines WHERE {CALLS_IN_RANGE} GROUP BY status ORDER BY calls DESC"""
 
 
@@ -104,11 +106,18 @@ def reputation_table(connection: sqlite3.Connection, time_range: TimeRange) -> T
 
 def _calls_table(connection: sqlite3.Connection, time_range: TimeRange) -> Table:
     calls = Table(title=f"Calls in the last {RECENT_CALLS_S // 60} minutes", title_justify="left")
-    for name in ("outcome", "calls", "mean ttft ms", "mean tokens/s"):
+    for name in ("outcome", "calls", "mean ttft ms", "mean tokens/s", "verification unmet"):
         calls.add_column(name)
-    for outcome, count, ttft, rate in run_panel_sql(connection, CALLS_BY_OUTCOME_SQL, time_range)[1]:
-        _add_row(calls, outcome, str(count), _number(ttft), _number(rate))
+    for outcome, count, ttft, rate, checked, unmet in run_panel_sql(connection, CALLS_BY_OUTCOME_SQL, time_range)[1]:
+        _add_row(calls, outcome, str(count), _number(ttft), _number(rate), _unmet_of_checked(checked, unmet),
+                 style="bold red" if unmet else None)
     return calls
+
+
+def _unmet_of_checked(checked: int, unmet: int) -> str:
+    """`2 of 5 checked`; `-` when no call was checked (verify `none`, or an outcome that never completed). Which hop
+    went unchecked and why is only in the orchestrator's log, so the screen does not guess at it."""
+    return f"{unmet} of {checked} checked" if checked else "-"
 
 
 def _add_row(table: Table, *cells: object, style: str | None = None) -> None:
