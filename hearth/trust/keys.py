@@ -105,8 +105,9 @@ def write_private_file(path: Path, data: bytes, *, replace: bool = True) -> None
     """Write `data` to `path` atomically and privately: through a temporary file in the same folder, created mode
     0600 whatever the umask (mkstemp) and synced, then renamed over `path`, so that no one else can read it at any
     moment and a reader sees the old file or the whole new one, never part of it; a failed write leaves nothing
-    behind. `replace=False`: FileExistsError when `path` exists (linked in, which never replaces). A link found at
-    `path` is refused (OSError ELOOP), not written through nor silently replaced: someone planted it."""
+    behind. `replace=False`: FileExistsError when `path` exists (linked in, which never replaces; where the
+    filesystem has no hard links, created exclusively instead: _create_exclusively). A link found at `path` is
+    refused (OSError ELOOP), not written through nor silently replaced: someone planted it."""
     if path.is_symlink():
         raise OSError(errno.ELOOP, "a link is where a private file goes", str(path))
     descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -118,10 +119,35 @@ def write_private_file(path: Path, data: bytes, *, replace: bool = True) -> None
         if replace:
             os.replace(temporary, path)
         else:
-            os.link(temporary, path)
+            try:
+                os.link(temporary, path)
+            except OSError as error:
+                if error.errno not in _NO_HARD_LINKS:
+                    raise
+                _create_exclusively(path, data)
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(temporary)
+
+
+# What os.link raises on a filesystem that has no hard links (FAT, some network and FUSE mounts); not EEXIST.
+_NO_HARD_LINKS = frozenset({errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.ENOSYS})
+
+
+def _create_exclusively(path: Path, data: bytes) -> None:
+    """Write `data` to a new file at `path`, created mode 0600 (which no umask widens): O_EXCL, so an existing file
+    (or a link) is never replaced (FileExistsError). Not atomic as a link is: a reader may see part of it while it is
+    written, so a failed write removes the file it created rather than leave a partial one behind."""
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, PRIVATE_FILE_MODE)
+    try:
+        with os.fdopen(descriptor, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        raise
 
 
 def make_private_folder(path: Path) -> None:

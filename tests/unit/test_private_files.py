@@ -6,6 +6,7 @@ member again ("exists; not replacing a key") and did not load."""
 
 from __future__ import annotations
 
+import errno
 import os
 import subprocess
 import sys
@@ -119,3 +120,51 @@ def test_community_folders_that_others_may_enter_are_made_private(tmp_path):
     directory.chmod(0o755)
     create_api_key(directory, SYSTEM_MEMBER)
     assert mode(directory) == 0o700 and mode(community.directory / API_KEYS_FILE) == 0o600
+
+
+@pytest.mark.parametrize("error_number", [errno.EPERM, errno.ENOTSUP, errno.EXDEV, errno.ENOSYS])
+def test_a_seed_is_saved_where_the_filesystem_has_no_hard_links_and_still_never_replaces_a_key(
+        tmp_path, monkeypatch, permissive_umask, error_number):
+    """Some network and FUSE mounts refuse os.link; a seed is then created exclusively (O_EXCL), mode 0600 whatever
+    the umask, so saving still works and an existing key is still never replaced."""
+    monkeypatch.setattr(os, "link", link_failing_with(error_number))
+    path = tmp_path / "keys" / "member.nk"
+    key = MemberKey.generate()
+    key.save(path)
+    assert MemberKey.load(path) == key and mode(path) == 0o600
+    assert sorted(path.parent.iterdir()) == [path]  # no temporary file left
+    with pytest.raises(KeyFileError, match="exists"):
+        MemberKey.generate().save(path)
+    assert MemberKey.load(path) == key and sorted(path.parent.iterdir()) == [path]
+
+
+def test_a_seed_write_that_fails_without_hard_links_leaves_nothing_behind(tmp_path, monkeypatch):
+    monkeypatch.setattr(os, "link", link_failing_with(errno.ENOTSUP))
+    synced = os.fsync
+
+    def fsync_failing_the_second_time(descriptor):  # the first is the temporary file's, the second the seed's own
+        if fsync_failing_the_second_time.calls:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        fsync_failing_the_second_time.calls += 1
+        synced(descriptor)
+
+    fsync_failing_the_second_time.calls = 0
+    monkeypatch.setattr(os, "fsync", fsync_failing_the_second_time)
+    with pytest.raises(OSError, match="Input/output"):
+        MemberKey.generate().save(tmp_path / "member.nk")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_link_refused_for_another_reason_is_not_worked_around(tmp_path, monkeypatch):
+    monkeypatch.setattr(os, "link", link_failing_with(errno.EIO))
+    path = tmp_path / "member.nk"
+    with pytest.raises(OSError) as raised:
+        MemberKey.generate().save(path)
+    assert raised.value.errno == errno.EIO and list(tmp_path.iterdir()) == []
+
+
+def link_failing_with(error_number: int):
+    """os.link as a filesystem that refuses it with `error_number` has it."""
+    def link(source, destination, *args, **kwargs):
+        raise OSError(error_number, os.strerror(error_number))
+    return link
