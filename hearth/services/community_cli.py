@@ -165,7 +165,7 @@ def rotate_key_command(
     and every node of a cluster a restart (its route password derives from the key)."""
     from hearth.events.streams import StreamsMissing
     from hearth.services.broker.connection import BrokerUnreachable
-    from hearth.services.community_removal import RemovalNotPublished
+    from hearth.services.community_removal import EarlierRemovalDiffers, RemovalNotPublished
     from hearth.services.community_rotation import rotate_member_key
     from hearth.trust.community import Community
     from hearth.trust.keys import KeyFileError
@@ -175,7 +175,7 @@ def rotate_key_command(
     try:
         rotated, published = rotate_member_key(Community(directory), name, public_key=public_key, nats_url=nats_url,
                                                settings=settings(ctx), offline=offline)
-    except (RosterError, KeyFileError, ValueError) as error:
+    except (RosterError, KeyFileError, ValueError, EarlierRemovalDiffers) as error:
         fail(str(error), command)
     except (BrokerUnreachable, StreamsMissing, RemovalNotPublished) as error:
         _not_published(error, command, cut_off="the old key")

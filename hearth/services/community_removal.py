@@ -53,6 +53,11 @@ class RemovalNotPublished(Exception):
     """No stream took the removal event: nothing was changed."""
 
 
+class EarlierRemovalDiffers(Exception):
+    """A stream already holds an earlier run's removal of the key that is not the one this run stands for (a rotation
+    naming another new key): nothing was published or changed."""
+
+
 @dataclass
 class PublishedRemoval:
     """Where the removal is in each stream that holds it (`cuts`), which of those an earlier run had published
@@ -75,6 +80,30 @@ def removal_event(member: Member, stream: str, steward_key: MemberKey) -> Member
 
     event = MemberRemoved(node_id=SYSTEM_MEMBER, member=member.name, public_key=member.public_key, stream=stream)
     return sign_event(event, steward_key)  # type: ignore[return-value]
+
+
+# Why an earlier run's removal of the key, found on a stream, is not the one this run stands for; None: it is.
+EarlierRemovalCheck = Callable[["MemberRemoved"], "str | None"]
+
+
+def any_removal(earlier: MemberRemoved) -> str | None:
+    """A removal stands for any earlier removal of the key."""
+    return None
+
+
+def rotation_differs(new_public_key: str) -> EarlierRemovalCheck:
+    """What says why an earlier run's rotation does not name `new_public_key`: the roster must name the key the log's
+    rotation does (its chain: the steward's own rotation is signed by the old key naming the new one)."""
+
+    def check(earlier: MemberRemoved) -> str | None:
+        named = getattr(earlier, "new_public_key", None)
+        if named is None or named == new_public_key:
+            return None
+        return (f"already rotates {earlier.member}'s key to {named} (an earlier run's), not to {new_public_key}, "
+                f"and the roster must name the key the log does: run it again with --public-key {named} (then, if "
+                "no one holds that key's seed, rotate the key once more)")
+
+    return check
 
 
 def rotation_events(new_public_key: str) -> RemovalEventMaker:
@@ -112,28 +141,37 @@ def first_removal(member: Member, stream: str, messages: Sequence[StoredEvent | 
 
 async def publish_removal(member: Member, steward_key: MemberKey, removal_log: RemovalLog, verifier: EventVerifier,
                           streams: tuple[str, ...] = ALL_STREAMS,
-                          make_event: RemovalEventMaker = removal_event) -> PublishedRemoval:
+                          make_event: RemovalEventMaker = removal_event,
+                          differs: EarlierRemovalCheck = any_removal) -> PublishedRemoval:
     """Put `member`'s removal (`make_event`'s: a rotation retires its key alone) on every stream (whichever it could
     write to: a removal costs one small event each), publishing it only where no earlier run did: a projection cuts
     at the first removal of a key, so the roster must too. StreamsMissing when a stream does not exist (nothing
-    published); RemovalNotPublished when no stream took it."""
+    published); EarlierRemovalDiffers (nothing published) when `differs` says why an earlier run's event is not the
+    one this run stands for (a rotation naming another new key); RemovalNotPublished when no stream took it."""
     missing = await removal_log.missing(streams)
     if missing:
         raise streams_missing(missing, removal_log.where)
     published = PublishedRemoval()
+    unpublished = []
+    # Every stream is read before any is written: an earlier run's event this one would contradict refuses it whole.
     for stream in streams:
         try:
             earlier = first_removal(member, stream, await removal_log.removals(stream), verifier)
         except Exception as error:  # publishing blind could move the cut past the member's events since
             published.failures[stream] = f"could not read the removals it holds ({str(error) or type(error).__name__})"
             continue
-        if earlier is not None:
-            published.cuts.append(RemovalCut(stream=stream, seq=earlier.seq, event_id=earlier.event.event_id,
-                                             stored_at=earlier.time))
-            published.found.append(stream)
-            since = earlier.event.occurred_at
-            published.found_since = min(published.found_since or since, since)
+        if earlier is None:
+            unpublished.append(stream)
             continue
+        reason = differs(earlier.event)  # type: ignore[arg-type]
+        if reason is not None:
+            raise EarlierRemovalDiffers(f"{stream} #{earlier.seq} {reason}")
+        published.cuts.append(RemovalCut(stream=stream, seq=earlier.seq, event_id=earlier.event.event_id,
+                                         stored_at=earlier.time))
+        published.found.append(stream)
+        since = earlier.event.occurred_at
+        published.found_since = min(published.found_since or since, since)
+    for stream in unpublished:
         event = make_event(member, stream, steward_key)
         try:
             stored_in, seq, stored_at = await removal_log.publish(event, MEMBER_REMOVAL_SUBJECTS[stream])
@@ -201,17 +239,19 @@ async def steward_removal_log(nats: NatsSettings, system_key: Path) -> AsyncIter
 
 async def publish_removal_as_steward(member: Member, steward_key: MemberKey, verifier: EventVerifier,
                                      nats: NatsSettings, system_key: Path,
-                                     make_event: RemovalEventMaker = removal_event) -> PublishedRemoval:
+                                     make_event: RemovalEventMaker = removal_event,
+                                     differs: EarlierRemovalCheck = any_removal) -> PublishedRemoval:
     async with steward_removal_log(nats, system_key) as removal_log:
-        return await publish_removal(member, steward_key, removal_log, verifier, make_event=make_event)
+        return await publish_removal(member, steward_key, removal_log, verifier, make_event=make_event,
+                                     differs=differs)
 
 
 def publish_community_removal(community: Community, name: str, nats_url: str | None,
-                              settings: HearthSettings, make_event: RemovalEventMaker = removal_event
-                              ) -> PublishedRemoval:
+                              settings: HearthSettings, make_event: RemovalEventMaker = removal_event,
+                              differs: EarlierRemovalCheck = any_removal) -> PublishedRemoval:
     """Put the removal of `community`'s member `name` (or of its key alone: `make_event`) on the community's broker
     (`nats_url`, else [nats] url) with the steward's system key; KeyFileError without that key, BrokerUnreachable,
-    StreamsMissing, RemovalNotPublished."""
+    StreamsMissing, EarlierRemovalDiffers, RemovalNotPublished."""
     from hearth.events.signing import EventVerifier
     from hearth.services.common.lifecycle import run_event_loop
     from hearth.trust.keys import KeyFileError
@@ -228,4 +268,4 @@ def publish_community_removal(community: Community, name: str, nats_url: str | N
     # The roster as it stands, with the member still in it: an earlier run's removal verifies as a projection's would.
     verifier = EventVerifier(roster, max_clock_skew_s=settings.events.max_clock_skew_s)
     return run_event_loop(publish_removal_as_steward(member, community.system_key(), verifier, nats,
-                                                     community.system_key_path, make_event))
+                                                     community.system_key_path, make_event, differs))

@@ -1,6 +1,7 @@
 """A community folder on disk: `roster.json` (shared with every member) and `keys/<name>.nk` for the member keys
 generated here (each mode 0600 in a folder of mode 0700, handed to its member), among them `keys/system.nk`, the
-steward's own key; each written atomically (hearth/trust/keys.py, write_private_file)."""
+steward's own key, and `keys/<name>.nk.pending` while a rotation of that member's key is under way
+(hearth/trust/pending_rotation.py); each written atomically (hearth/trust/keys.py, write_private_file)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from hearth.trust.keys import MemberKey, make_private_folder
+from hearth.trust.pending_rotation import discard_pending_seed
 from hearth.trust.roster import (
     ROSTER_FILE,
     SYSTEM_MEMBER,
@@ -102,9 +104,10 @@ class Community:
                removed_at: datetime | None = None) -> tuple[RemovedMember, Path | None]:
         """Move `name` to the roster's removed members, removed at `removed_at` (default now), with the positions of
         the removal events published for it (`cuts`), and delete its seed file if one was left here; returns the
-        removal and the seed file deleted (None: there was none)."""
+        removal and the seed file deleted (None: there was none), and any seed kept for a rotation of its key."""
         updated = self.roster().without_member(name, removed_at=removed_at or datetime.now(timezone.utc), cuts=cuts)
         updated.save(self.roster_path)
+        discard_pending_seed(self.directory, name)
         seed_file = seed_path(self.directory, name)
         try:
             seed_file.unlink()
@@ -118,7 +121,8 @@ class Community:
         the member made itself), its old key retired at `retired_at` (default now) where the rotation events went
         (`cuts`). The old key's seed, if one is here, is deleted once the roster is saved: a retired seed still opens
         every hop key sealed to it before (captured traffic) and signs nothing that counts, so keeping it only keeps
-        that risk. A failure leaves the old seed and roster as they were."""
+        that risk, and so is the seed kept pending for this rotation (hearth/trust/pending_rotation.py), now in
+        keys/<name>.nk. A failure leaves the old seed, the pending one and the roster as they were."""
         public_key = new_key.public_key if isinstance(new_key, MemberKey) else new_key
         updated = self.roster().with_rotated_key(name, public_key, retired_at=retired_at or datetime.now(timezone.utc),
                                                  cuts=cuts)  # refuses before any file is touched
@@ -140,6 +144,7 @@ class Community:
             if set_aside is not None:
                 os.rename(set_aside, seed_file)
             raise
+        discard_pending_seed(self.directory, name)  # the roster names the new key: a rerun has nothing to reuse
         if set_aside is not None:
             with contextlib.suppress(FileNotFoundError):
                 set_aside.unlink()

@@ -195,7 +195,7 @@ def test_a_rerun_leaving_a_stream_without_its_removal_cuts_it_off_there_when_the
     attic_key = MemberKey.load(community.directory / "keys" / "attic.nk")
     broker = FakeBroker(refusing=(SHARDS_STREAM,))
 
-    async def as_steward(member, steward_key, verifier, nats, system_key, make_event=removal_event):
+    async def as_steward(member, steward_key, verifier, nats, system_key, make_event=removal_event, differs=None):
         return await publish_removal(member, steward_key, broker, verifier, make_event=make_event)
 
     monkeypatch.setattr(community_removal, "publish_removal_as_steward", as_steward)

@@ -242,8 +242,8 @@ def test_rotate_key_publishes_first_and_says_where_the_old_key_was_retired(commu
 
     broker = FakeBroker()
 
-    async def as_steward(member, steward_key, verifier, nats, system_key, make_event):
-        return await publish_removal(member, steward_key, broker, verifier, make_event=make_event)
+    async def as_steward(member, steward_key, verifier, nats, system_key, make_event, differs):
+        return await publish_removal(member, steward_key, broker, verifier, make_event=make_event, differs=differs)
 
     monkeypatch.setattr(community_removal, "publish_removal_as_steward", as_steward)
     old = community.roster().by_name("attic").public_key

@@ -37,8 +37,8 @@ def broker(monkeypatch) -> FakeBroker:
 
     fake = FakeBroker()
 
-    async def as_steward(member, steward_key, verifier, nats, system_key, make_event):
-        return await publish_removal(member, steward_key, fake, verifier, make_event=make_event)
+    async def as_steward(member, steward_key, verifier, nats, system_key, make_event, differs):
+        return await publish_removal(member, steward_key, fake, verifier, make_event=make_event, differs=differs)
 
     monkeypatch.setattr(community_removal, "publish_removal_as_steward", as_steward)
     return fake
