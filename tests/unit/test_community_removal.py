@@ -26,6 +26,7 @@ from hearth.services.cli import app
 from hearth.services.community_removal import (
     PublishedRemoval,
     RemovalNotPublished,
+    any_removal,
     publish_removal,
     removal_event,
 )
@@ -75,6 +76,17 @@ class FakeBroker:
         seq = 40 + len(self.stored)
         self.stored.append((stream, seq, subject, event))
         return stream, seq, broker_time(event)
+
+
+def steward_publishes_to(broker: FakeBroker, monkeypatch) -> FakeBroker:
+    """`broker` as the streams `hearth community remove` / `rotate-key --nats` publish on, as the steward."""
+
+    async def as_steward(member, steward_key, verifier, nats, system_key, make_event=removal_event,
+                         differs=any_removal):
+        return await publish_removal(member, steward_key, broker, verifier, make_event=make_event, differs=differs)
+
+    monkeypatch.setattr(community_removal, "publish_removal_as_steward", as_steward)
+    return broker
 
 
 def remove(community: Community, broker: FakeBroker) -> PublishedRemoval:
@@ -193,12 +205,7 @@ def test_a_rerun_leaving_a_stream_without_its_removal_cuts_it_off_there_when_the
     """On a stream no removal event reached, the roster's time cuts the member off. Until the rerun wrote the roster,
     projections applied what it stored there; a time from the first run would make a rebuild reject that."""
     attic_key = MemberKey.load(community.directory / "keys" / "attic.nk")
-    broker = FakeBroker(refusing=(SHARDS_STREAM,))
-
-    async def as_steward(member, steward_key, verifier, nats, system_key, make_event=removal_event, differs=None):
-        return await publish_removal(member, steward_key, broker, verifier, make_event=make_event)
-
-    monkeypatch.setattr(community_removal, "publish_removal_as_steward", as_steward)
+    broker = steward_publishes_to(FakeBroker(refusing=(SHARDS_STREAM,)), monkeypatch)
     remove(community, broker)  # the first run: its roster write did not happen
     [(_, _, _, first_event)] = broker.stored
     between = first_event.occurred_at + timedelta(microseconds=1)

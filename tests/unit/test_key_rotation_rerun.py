@@ -10,14 +10,12 @@ import stat
 import pytest
 from typer.testing import CliRunner
 
-from hearth.services import community_removal
 from hearth.services.cli import app
-from hearth.services.community_removal import publish_removal
 from hearth.trust.community import Community
 from hearth.trust.keys import MemberKey
 from hearth.trust.pending_rotation import keep_pending_seed, pending_seed_path
 from hearth.trust.roster import Roster
-from tests.unit.test_community_removal import FakeBroker
+from tests.unit.test_community_removal import FakeBroker, steward_publishes_to
 
 
 @pytest.fixture
@@ -30,13 +28,7 @@ def community(tmp_path) -> Community:
 
 @pytest.fixture
 def broker(monkeypatch) -> FakeBroker:
-    broker = FakeBroker()
-
-    async def as_steward(member, steward_key, verifier, nats, system_key, make_event, differs):
-        return await publish_removal(member, steward_key, broker, verifier, make_event=make_event, differs=differs)
-
-    monkeypatch.setattr(community_removal, "publish_removal_as_steward", as_steward)
-    return broker
+    return steward_publishes_to(FakeBroker(), monkeypatch)
 
 
 def rotate(community: Community, name: str, *args: str):

@@ -34,7 +34,7 @@ from hearth.trust.community import Community
 from hearth.trust.keys import MemberKey, sealed_to
 from hearth.trust.roster import RemovalCut, Roster, RosterError
 from tests.readmodel_helpers import MODEL_ID, advertised, at, heartbeat, migrated_engine
-from tests.unit.test_community_removal import FakeBroker
+from tests.unit.test_community_removal import FakeBroker, steward_publishes_to
 
 SHARD_ID = shard_id_for(MODEL_ID, 0, 3, "attic")
 
@@ -238,14 +238,7 @@ def test_hearth_replay_verify_passes_the_old_keys_events_before_the_rotation_onl
 
 
 def test_rotate_key_publishes_first_and_says_where_the_old_key_was_retired(community, monkeypatch):
-    from hearth.services import community_removal
-
-    broker = FakeBroker()
-
-    async def as_steward(member, steward_key, verifier, nats, system_key, make_event, differs):
-        return await publish_removal(member, steward_key, broker, verifier, make_event=make_event, differs=differs)
-
-    monkeypatch.setattr(community_removal, "publish_removal_as_steward", as_steward)
+    broker = steward_publishes_to(FakeBroker(), monkeypatch)
     old = community.roster().by_name("attic").public_key
     result = run("rotate-key", "attic", "--dir", str(community.directory), "--nats", "nats://hub:4222")
     assert result.exit_code == 0, result.output

@@ -16,11 +16,10 @@ from hearth.events.streams import MEMBER_REMOVAL_SUBJECTS, PIPELINES_STREAM
 from hearth.protocol.subjects import event_subject
 from hearth.services.cli import app
 from hearth.services.common.identity import IdentityError, load_identity
-from hearth.services.community_removal import publish_removal
 from hearth.trust.community import Community
 from hearth.trust.keys import MemberKey
 from hearth.trust.roster import SYSTEM_MEMBER, RemovalCut
-from tests.unit.test_community_removal import FakeBroker
+from tests.unit.test_community_removal import FakeBroker, steward_publishes_to
 
 
 @pytest.fixture
@@ -33,15 +32,7 @@ def community(tmp_path) -> Community:
 @pytest.fixture
 def broker(monkeypatch) -> FakeBroker:
     """The streams `hearth community rotate-key --nats` publishes on."""
-    from hearth.services import community_removal
-
-    fake = FakeBroker()
-
-    async def as_steward(member, steward_key, verifier, nats, system_key, make_event, differs):
-        return await publish_removal(member, steward_key, fake, verifier, make_event=make_event, differs=differs)
-
-    monkeypatch.setattr(community_removal, "publish_removal_as_steward", as_steward)
-    return fake
+    return steward_publishes_to(FakeBroker(), monkeypatch)
 
 
 def run(*args: str):
