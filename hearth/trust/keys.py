@@ -112,10 +112,7 @@ def write_private_file(path: Path, data: bytes, *, replace: bool = True) -> None
         raise OSError(errno.ELOOP, "a link is where a private file goes", str(path))
     descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(descriptor, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
+        _write_to_disk(descriptor, data)
         if replace:
             os.replace(temporary, path)
         else:
@@ -140,14 +137,19 @@ def _create_exclusively(path: Path, data: bytes) -> None:
     written, so a failed write removes the file it created rather than leave a partial one behind."""
     descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, PRIVATE_FILE_MODE)
     try:
-        with os.fdopen(descriptor, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
+        _write_to_disk(descriptor, data)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
         raise
+
+
+def _write_to_disk(descriptor: int, data: bytes) -> None:
+    """Write `data` to the open file `descriptor` and have it on disk before the file is closed."""
+    with os.fdopen(descriptor, "wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
 
 
 def make_private_folder(path: Path) -> None:
