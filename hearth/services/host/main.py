@@ -26,7 +26,7 @@ import torch
 from nats.aio.client import Client as NatsClient
 
 from hearth.events.cancellation import keeping_cancellation
-from hearth.events.models import ShardHeartbeat, ShardWithdrawn
+from hearth.events.models import ShardWithdrawn
 from hearth.events.publish import publish_event
 from hearth.events.streams import SHARDS_STREAM
 from hearth.inference import InferenceError
@@ -359,10 +359,7 @@ async def heartbeats_while_moving(nc: NatsClient, settings: HearthSettings, node
     host was killed), not after `move_wait_max_s`. The drain's heartbeats are the shard's own (ShardServer)."""
     js, signing_key = nc.jetstream(), event_signing_key(settings.nats)
     while not landed.is_set():
-        beat = ShardHeartbeat(node_id=node, shard_id=move.left, queue_depth=0, active_streams=0,
-                              p95_latency_ms=move.served.p95_latency_ms(),
-                              tokens_served_total=move.served.tokens_served_total,
-                              decode_step_ms=move.served.decode_step_ms())
+        beat = move.served.heartbeat(node, move.left)
         try:  # a loop ended by cancellation: nats-py may drop one that lands as its ack does (events.cancellation)
             await keeping_cancellation(publish_event(js, beat, signing_key=signing_key))
         except Exception as error:  # the broker may be restarting; the next beat tries again

@@ -44,6 +44,7 @@ from prometheus_client import REGISTRY, CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from hearth.events.models import ShardHeartbeat
 from hearth.services.common.metrics import histogram, metrics_observed
 from hearth.services.common.percentiles import nearest_rank
 
@@ -97,6 +98,14 @@ class ServingStats:
         """Nearest-rank p95 of the kept steps in ms, as every p95 hearth reports (0.0 before the first step)."""
         p95 = nearest_rank(sorted(self.step_latencies_s), 0.95)
         return 0.0 if p95 is None else 1000.0 * p95
+
+    def heartbeat(self, node_id: str, shard_id: str, *, queue_depth: int = 0,
+                  active_streams: int = 0) -> ShardHeartbeat:
+        """The shard's heartbeat with these figures (queue and streams as its server counts them; none when it
+        serves nothing)."""
+        return ShardHeartbeat(node_id=node_id, shard_id=shard_id, queue_depth=queue_depth,
+                              active_streams=active_streams, p95_latency_ms=self.p95_latency_ms(),
+                              tokens_served_total=self.tokens_served_total, decode_step_ms=self.decode_step_ms())
 
 
 class ShardStepMetrics:

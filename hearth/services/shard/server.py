@@ -26,7 +26,7 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from pydantic import ValidationError
 
-from hearth.events.models import ShardHeartbeat, ShardWithdrawn, default_hop_weight
+from hearth.events.models import ShardWithdrawn, default_hop_weight
 from hearth.events.publish import publish_event
 from hearth.events.streams import SHARDS_STREAM, ensure_streams
 from hearth.protocol.bounds import max_reason_chars
@@ -145,11 +145,9 @@ class ShardServer:
     async def heartbeat(self) -> None:
         stats = self.compute.stats
         queue_depth = stats.steps_in_compute + sum(h.receiver.ready_steps for h in self._hops.values())
-        await publish_event(self.js, ShardHeartbeat(
-            node_id=self.identity.node_id, shard_id=self.identity.shard_id, queue_depth=queue_depth,
-            active_streams=self.active_streams, p95_latency_ms=stats.p95_latency_ms(),
-            tokens_served_total=stats.tokens_served_total, decode_step_ms=stats.decode_step_ms(),
-        ), signing_key=self.signing_key)
+        await publish_event(self.js, stats.heartbeat(self.identity.node_id, self.identity.shard_id,
+                                                     queue_depth=queue_depth, active_streams=self.active_streams),
+                            signing_key=self.signing_key)
 
     async def _heartbeat_loop(self) -> None:
         while True:
