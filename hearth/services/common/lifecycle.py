@@ -74,30 +74,29 @@ def start_stop_deadline(seconds: float | None = None) -> None:
     The shutdown a process does itself (withdraw, drain, flush) is bounded by its own timeouts; this is the
     bound on everything else: a worker thread still loading weights keeps an interpreter from exiting.
     """
-    global _deadline_timer, _deadline_due
     with _deadline_lock:
-        if _deadline_timer is not None:
-            return
-        seconds = stop_deadline_s if seconds is None else seconds
-        _deadline_timer, _deadline_due = threading.Timer(seconds, _exit_now), time.monotonic() + seconds
-        _deadline_timer.daemon = True
-        _deadline_timer.start()
+        if _deadline_timer is None:
+            _arm_deadline(stop_deadline_s if seconds is None else seconds)
 
 
 def restart_stop_deadline(wait_s: float = 0.0, *, only_sooner: bool = False) -> None:
     """Once a stop is requested (its deadline started), put the deadline stop_deadline_s after `wait_s` from now
     (`only_sooner`: unless it is due sooner already): later while a shard drains its calls (`wait_s`, its own bound),
     sooner at a second signal. Nothing before a stop."""
-    global _deadline_timer, _deadline_due
     with _deadline_lock:
         seconds = wait_s + stop_deadline_s
-        due = time.monotonic() + seconds
-        if _deadline_timer is None or (only_sooner and due >= _deadline_due):
+        if _deadline_timer is None or (only_sooner and time.monotonic() + seconds >= _deadline_due):
             return
         _deadline_timer.cancel()
-        _deadline_timer, _deadline_due = threading.Timer(seconds, _exit_now), due
-        _deadline_timer.daemon = True
-        _deadline_timer.start()
+        _arm_deadline(seconds)
+
+
+def _arm_deadline(seconds: float) -> None:
+    """Exit the process `seconds` from now (the caller holds _deadline_lock)."""
+    global _deadline_timer, _deadline_due
+    _deadline_timer, _deadline_due = threading.Timer(seconds, _exit_now), time.monotonic() + seconds
+    _deadline_timer.daemon = True
+    _deadline_timer.start()
 
 
 def stop_requested() -> bool:
@@ -290,13 +289,13 @@ def run_cancelling_on_signal(coroutine: Coroutine[Any, Any, T]) -> T:
         loop = asyncio.get_running_loop()
         task = asyncio.ensure_future(coroutine)
         signalled: list[int] = []
-        repeats: list[asyncio.TimerHandle] = []
+        repeat: list[asyncio.TimerHandle] = []  # the next cancellation, once a signal came
 
         def cancel_until_done() -> None:
             # A cancellation can be lost on the way (events.cancellation): it is sent again until the task ends.
             if not task.done():
                 task.cancel()
-                repeats.append(loop.call_later(stop_repeat_s, cancel_until_done))
+                repeat[:] = [loop.call_later(stop_repeat_s, cancel_until_done)]
 
         def cancel(signum: int) -> None:
             signalled.append(signum)
@@ -310,7 +309,7 @@ def run_cancelling_on_signal(coroutine: Coroutine[Any, Any, T]) -> T:
                     raise Interrupted(f"stopped by signal {signalled[0]}") from None
                 raise
             finally:
-                for repeat in repeats:
-                    repeat.cancel()
+                for handle in repeat:
+                    handle.cancel()
 
     return run_event_loop(runner())
