@@ -5,7 +5,8 @@ checks counter, which a bench reads back; this module imports nothing heavy)."""
 from __future__ import annotations
 
 # The outcomes of hearth_verification_checks_total (hearth/services/orchestrator/metrics.py).
-CHECK_OUTCOMES = ("confirmed", "mismatch", "disputed", "no_replica", "canary_confirmed", "canary_mismatch")
+CHECK_OUTCOMES = ("confirmed", "mismatch", "disputed", "no_replica", "canary_confirmed", "canary_mismatch",
+                  "history_forgotten")
 VERIFICATION_CHECKS_METRIC = "hearth_verification_checks_total"
 # Other replicas that check each hop at a level: `vote` asks two (three replicas, majority).
 MIRRORS_PER_LEVEL = {"none": 0, "sampled": 1, "all": 1, "vote": 2}

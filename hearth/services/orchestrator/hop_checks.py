@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from hearth.services.orchestrator.mirror import Mirror
+from hearth.services.orchestrator.recording import ChainRecorder
 
 log = logging.getLogger(__name__)
 
@@ -26,9 +27,9 @@ class HopChecks:
     avoid: set[str] = field(default_factory=set)
     # The positions before this one were confirmed by a check.
     confirmed_pos: int = 0
-    # Its last check found fewer replicas to mirror it than its level asks: it is not checked meanwhile.
+    # Its last check found no replica to mirror it: it is not checked meanwhile.
     unmirrored: bool = False
-    # The recorder generation a second mirror (a witness fed from the start) was last sought in.
+    # The recorder generation one mirror more than its level asks (a witness fed from the start) was last sought in.
     witness_sought_in: int | None = None
     # Held by the check running on it (`turn`).
     _one_check: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -49,27 +50,35 @@ class HopChecks:
         finally:
             self._one_check.release()
 
-    async def mirrors_of_run(self, generation: int, required: int, witness_due: bool,
+    async def mirrors_of_run(self, recorder: ChainRecorder, required: int, witness_due: bool,
                              open_mirror: Callable[[set[str]], Awaitable[Mirror | None]]) -> list[Mirror]:
-        """The mirrors that check the hop in the chain's run of positions `generation` (those of an earlier run are
-        closed), `required` of them, opened as needed by `open_mirror` (avoiding the replicas given); none when fewer
-        could be had (`unmirrored`). A mismatch past what the record forgot has no fresh witness to be fed from the
-        start: once the record needs room (`witness_due`; it holds back what it may forget until then), a second
-        replica is fed from the start beside the mirror (sought once per run) and settles a mismatch as a vote's
-        does. None found: a mismatch is disputed, as on a short prompt."""
+        """The mirrors that check the hop in the chain's run of positions `recorder.generation` (those of an earlier
+        run are closed), `required` of them, opened as needed by `open_mirror` (avoiding the replicas given) while the
+        record still holds the run from its start (a fresh replica is fed what the hop ran from there); fewer when
+        fewer could be had (none: `unmirrored`). A mismatch, or a mirror lost, past what the record forgot has no
+        fresh replica to be fed from the start: once the record needs room (`witness_due`; it holds back what it may
+        forget until then), one replica more than `required` is fed from the start beside them (sought once per run):
+        it settles a mismatch as a vote's second mirror does, and takes the place of a mirror that fails. None found:
+        a mismatch is disputed, as on a short prompt, and a mirror lost is not replaced."""
+        generation = recorder.generation
         for mirror in [m for m in self.mirrors if m.generation != generation]:
             self.mirrors.remove(mirror)
             await mirror.close()
         wanted = required
         if witness_due and self.witness_sought_in != generation:
-            self.witness_sought_in, wanted = generation, max(wanted, 2)
-        while len(self.mirrors) < wanted:
+            self.witness_sought_in, wanted = generation, required + 1
+        while len(self.mirrors) < wanted and recorder.forgot_to == 0:
             mirror = await open_mirror(self.avoid | {m.shard_id for m in self.mirrors})
             if mirror is None:
                 break
             self.mirrors.append(mirror)
-        self.unmirrored = len(self.mirrors) < required
-        return [] if self.unmirrored else list(self.mirrors)
+        # One that finished opening after the record forgot what it would be fed next can check nothing (nor hold the
+        # record back); its replica is not to blame.
+        for mirror in [m for m in self.mirrors if m.fed_pos < recorder.forgot_to]:
+            self.mirrors.remove(mirror)
+            await mirror.close()
+        self.unmirrored = not self.mirrors
+        return list(self.mirrors)
 
     async def drop(self, mirror: Mirror) -> None:
         """Ask `mirror`'s replica no more in this call, and close it."""
@@ -82,8 +91,8 @@ class HopChecks:
 
 def record_needed_from(hops: Sequence[HopChecks], broken: set[int], witness_due: bool, generation: int) -> int:
     """The first position a check of `hops` may still read (ChainRecorder.needed_from): what every hop's mirrors were
-    fed, the record may forget (a fresh witness can then not be fed from 0). A hop without the replicas to check it,
-    or a record (`broken`), holds nothing back (else it would leave the others unchecked past the budget); one whose
+    fed, the record may forget (a fresh witness can then not be fed from 0). A hop without a replica to check it, or
+    a record (`broken`), holds nothing back (else it would leave the others unchecked past the budget); one whose
     mirrors are still opening does, and so does one whose witness is due (`witness_due`) and not yet sought in this
     run of the chain's positions (`generation`): it is fed from the start once the record needs room."""
     return min((0 if witness_due and hop.witness_sought_in != generation

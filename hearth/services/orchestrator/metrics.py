@@ -106,8 +106,10 @@ verification_checks_total = counter(
     VERIFICATION_CHECKS_METRIC,
     "Checks of a hop's work on other replicas, by outcome: `confirmed` (per shard confirmed), `mismatch` (a shard "
     "proved wrong and quarantined), `disputed` (two replicas disagreed, nobody could say who was right), "
-    "`no_replica` (no other replica could check it), `canary_confirmed` / `canary_mismatch` (a host answered a "
-    "replayed canary right / wrongly).", ["outcome"])
+    "`no_replica` (fewer other replicas than its level asks could check it), `canary_confirmed` / "
+    "`canary_mismatch` (a host answered a replayed canary right / wrongly), `history_forgotten` (a hop checked by "
+    "fewer mirrors than its level asks: the chain's record forgot what a fresh replica would be fed in a lost "
+    "mirror's place).", ["outcome"])
 calls_in_flight = gauge("hearth_calls_in_flight", "Calls running through a pipeline now (queued ones excluded).")
 
 for _outcome in CHECK_OUTCOMES:

@@ -38,9 +38,9 @@ class MirroredChecks:
                                                                "retold, or the record had no room)")
             return
         mirrors = await self._mirrors(chain, index)
+        if len(mirrors) < self.mirrors_per_hop:
+            self._mirrored_short(chain, index, len(mirrors))
         if not mirrors:
-            verification_checks_total.labels("no_replica").inc()
-            self.found.fell_short(chain.hops[index].shard_id, f"fewer other replicas than {self.level} asks")
             return
         spans = [recorder.span(index, mirror.fed_pos, latest) for mirror in mirrors]
         if any(span is None for span in spans):
@@ -127,6 +127,8 @@ class MirroredChecks:
 
     async def _witness(self, chain: HopChain, index: int, span: HopSpan, avoid: set[str]):
         """A third replica fed the hop's inputs from position 0 through `span`: (mirror, its outputs over `span`)."""
+        if chain.recorder.forgot_to > 0:  # the record no longer holds what a fresh replica would be fed first
+            return None
         witness = await self._open_mirror(chain, index, avoid)
         return await witness.witness(chain.recorder, index, span) if witness is not None else None
 
@@ -136,8 +138,17 @@ class MirroredChecks:
         """The hop's mirrors (opened as needed): the replicas that check it, fed from where they stopped."""
         recorder = chain.recorder
         return await self._hops[index].mirrors_of_run(
-            recorder.generation, self.mirrors_per_hop, self._witness_due and (self._room_needed or recorder.filling),
+            recorder, self.mirrors_per_hop, self._witness_due and (self._room_needed or recorder.filling),
             lambda avoid: self._open_mirror(chain, index, avoid | {chain.hops[index].shard_id}))
+
+    def _mirrored_short(self, chain: HopChain, index: int, mirrors: int) -> None:
+        """Hop `index` has `mirrors` mirrors, fewer than its level asks: checked by those alone, the level unmet."""
+        forgot_to = chain.recorder.forgot_to
+        verification_checks_total.labels("history_forgotten" if forgot_to else "no_replica").inc()
+        why = (f"its record forgot the positions before {forgot_to}, so no fresh replica could be fed them in a lost "
+               f"mirror's place" if forgot_to else f"fewer other replicas than {self.level} asks")
+        self.found.fell_short(chain.hops[index].shard_id,
+                              f"{why}; checked by {mirrors} mirror{'s' if mirrors > 1 else ''}" if mirrors else why)
 
     async def _open_mirror(self, chain: HopChain, index: int, avoid: set[str]) -> Mirror | None:
         return await open_mirror(self.ctx, self.call, chain, index, avoid | self.call.excluded.keys(), self._chance)

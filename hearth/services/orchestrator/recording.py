@@ -115,6 +115,8 @@ class ChainRecorder:
         self.held_bytes = self._prompt_bytes = 0
         # The position every hop's mirrors were fed to (the verifier moves it): no check reads before it again.
         self.needed_from = 0
+        # The end of the last position this run forgot (0: none): a replica fed less cannot be fed on from here.
+        self.forgot_to = 0
         self._latest: int | None = None
 
     async def start(self, session_id: str) -> None:
@@ -138,7 +140,7 @@ class ChainRecorder:
             self.broken.clear()
             self._retold.clear()
             self.generation += 1
-            self.held_bytes, self._prompt_bytes, self._latest, self.needed_from = 0, 0, None, 0
+            self.held_bytes, self._prompt_bytes, self._latest, self.needed_from, self.forgot_to = 0, 0, None, 0, 0
         step_bytes = self._bytes_of(hidden)
         if not self._room_for(step_bytes):
             if len(self.broken) < self.hop_count:
@@ -310,6 +312,7 @@ class ChainRecorder:
                     and all(hop_input is not None for hop_input in recorded.inputs)):
                 del self.steps[number]
                 self.held_bytes -= recorded.nbytes
+                self.forgot_to = max(self.forgot_to, recorded.pos + recorded.tokens)
                 if recorded.kind is FrameKind.prefill:
                     self._prompt_bytes -= recorded.nbytes
 

@@ -159,7 +159,7 @@ class CallVerifier(MirroredChecks):
     def prefill_chunk_tokens(self, configured: int, hidden: torch.Tensor) -> int:
         """The chunks the prompt `hidden` goes out in: `configured` (0: one step), fewer positions where a chunk
         would take more than half the chain's record (one that never fits would leave the chain unchecked). Where
-        the record may have to forget positions, every hop's checks feed a witness beside its mirror (`_mirrors`)."""
+        the record may have to forget positions, every hop's checks feed a witness beside its mirrors (`_mirrors`)."""
         if self.chain is None:
             return configured
         call, recorder = self.call, self.chain.recorder
