@@ -142,8 +142,8 @@ class VerificationSettings(ConfigSection):
                     "of what its prompt leaves, the decoded steps every hop's checks have read are forgotten (a "
                     "`sampled` call checks its hops then); a prompt longer than it holds is checked as it streams, "
                     "each prefill chunk (at most half of it) waiting for the checks that make it room; once a call "
-                    "needs room in it, each hop's checks feed a second replica too, from position 0, so that a "
-                    "mismatch past what it forgot still has a witness")
+                    "needs room in it, each hop's checks feed one replica more than the level asks, from position "
+                    "0, so that a mismatch past what it forgot still has a witness and a failed mirror a stand-in")
     canary_interval_s: float = Field(
         default=60.0, ge=0,
         description="about this often (jittered) one confirmed piece of work is replayed to a host of the same "
