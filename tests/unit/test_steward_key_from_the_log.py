@@ -11,17 +11,19 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from hearth.events.consume import StoredEvent
-from hearth.events.models import MemberKeyRotated, MemberRemoved
+from hearth.events.models import MemberKeyRotated, MemberRemoved, encode_event
 from hearth.events.signing import EventVerifier, sign_event
-from hearth.events.streams import SHARDS_STREAM
-from hearth.protocol.subjects import shard_control_subject, shard_id_for
+from hearth.events.streams import MEMBER_REMOVAL_SUBJECTS, PIPELINES_STREAM, SHARDS_STREAM
+from hearth.protocol.subjects import event_subject, shard_control_subject, shard_id_for
 from hearth.readmodels.projection import ReadModelProjection
 from hearth.readmodels.rebuild import diff_databases
 from hearth.readmodels.tables import MemberRemoval, RejectedEvent
+from hearth.services.replay.shard_view import evidence_lines
 from hearth.services.replay.verify import LoggedKeys, PassedEvents, _verdict
 from hearth.trust.keys import MemberKey
 from hearth.trust.roster import SYSTEM_MEMBER, RemovalCut, Roster, new_member, new_roster
 from tests.readmodel_helpers import MODEL_ID, advertised, at, heartbeat, migrated_engine
+from tests.reputation_events import cleared, confirmed
 from tests.unit.test_member_removal_cut import stored
 
 SKEW_S = 30.0
@@ -144,3 +146,19 @@ def test_hearth_replay_verify_with_the_old_roster_follows_the_same_chain():
     verifier = EventVerifier(old_roster(), max_clock_skew_s=SKEW_S)
     verdicts = [_verdict(verifier, message, logged, passed) for message in steward_log()]
     assert [(bad.seq, bad.reason) for bad in verdicts if bad is not None] == EXPECTED_REJECTIONS
+
+
+def test_hearth_replay_shard_shows_a_clearing_the_new_steward_key_signed_as_lifting_the_quarantine():
+    """The evidence view reads the pipelines stream's rotations with its outcomes: with the old roster, a clearing
+    signed by the new steward key lifts the quarantine, as in a projection (it was shown REJECTED unknown_signer)."""
+    witnesses = [advertised(0, 3, node).shard_id for node in ("node-b", "node-c")]
+    rotated = rotation(STEWARD_0, STEWARD_1, t=5).model_copy(update={"stream": PIPELINES_STREAM})
+    events = [sign_event(confirmed("p1", SHARD_ID, witnesses, t=4.0), HUB), sign_event(rotated, STEWARD_0),
+              sign_event(cleared(SHARD_ID, t=9.0), STEWARD_1)]
+    outcomes = [StoredEvent(stream=PIPELINES_STREAM, seq=seq, time=event.occurred_at, headers={}, event=event,
+                            subject=MEMBER_REMOVAL_SUBJECTS[PIPELINES_STREAM] if isinstance(event, MemberRemoved)
+                            else event_subject(event), data=encode_event(event))
+                for seq, event in enumerate(events, 1)]
+    lines = evidence_lines(SHARD_ID, outcomes, EventVerifier(old_roster(), max_clock_skew_s=SKEW_S))
+    assert lines[0].startswith("verification: status ok")
+    assert not any("REJECTED" in line for line in lines)

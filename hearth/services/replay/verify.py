@@ -15,7 +15,7 @@ from typing import Any
 from hearth.events.consume import SkippedMessage, read_stream
 from hearth.events.models import MemberRemoved
 from hearth.events.signing import EventVerifier, StreamPosition
-from hearth.events.steward_keys import passed_steward_key
+from hearth.events.steward_keys import Succession, passed_steward_key
 from hearth.readmodels.applied_events import DUPLICATE, TOO_OLD, keeps_id, older_than_kept
 from hearth.readmodels.retention import RetentionPolicy, history_kept_s
 from hearth.services.common.display import display_text
@@ -108,6 +108,13 @@ class LoggedKeys:
         if passed is not None:
             self.steward_keys[(stream, passed[0])] = passed[1]
 
+    def removal_logged(self, stream: str, signer: str | None) -> bool:
+        return (stream, signer) in self.removed
+
+    def succession(self, stream: str) -> Succession:
+        """The steward keys `stream`'s log named so far, for EventVerifier.rejection."""
+        return lambda key: self.steward_keys.get((stream, key))
+
 
 class PassedEvents:
     """The ids of one stream's events that passed so far, as a read model keeps them: what tells a copy."""
@@ -143,9 +150,8 @@ def _verdict(verifier: EventVerifier, message: Any, logged: LoggedKeys, passed: 
     # live projection.
     reason = verifier.rejection(event, received_at=message.time, stored_data=message.data,
                                 position=StreamPosition(message.stream, message.seq, message.subject),
-                                removal_logged=(message.stream, event.signer) in logged.removed,
-                                steward_succession=lambda key: logged.steward_keys.get((message.stream, key))
-                                ) or passed.repeat(message)
+                                removal_logged=logged.removal_logged(message.stream, event.signer),
+                                steward_succession=logged.succession(message.stream)) or passed.repeat(message)
     if reason is None:
         if isinstance(event, MemberRemoved):
             logged.record(event)
