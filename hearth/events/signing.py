@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
 from hearth.events.models import EventEnvelope, MemberRemoved
+from hearth.events.steward_keys import Succession, steward_by_log
 from hearth.events.streams import MEMBER_REMOVAL_SUBJECTS, stream_for_subject
 from hearth.protocol.subjects import event_subject, shard_control_subject
 from hearth.trust.keys import MemberKey, verify_b64
@@ -145,8 +146,11 @@ class EventVerifier:
             member = self._lookup(public_key, recheck_now=True)  # perhaps a member added since the last look
         return member
 
+    def _current_roster(self, *, recheck_now: bool = False) -> Roster:
+        return self._fixed_roster or self._roster_file.current(recheck_now=recheck_now)  # type: ignore[union-attr]
+
     def _lookup(self, public_key: str, *, recheck_now: bool) -> Member | RemovedMember | None:
-        roster = self._fixed_roster or self._roster_file.current(recheck_now=recheck_now)  # type: ignore[union-attr]
+        roster = self._current_roster(recheck_now=recheck_now)
         if roster is not self._members_of:
             self._members_by_key = {member.public_key: member for member in roster.members}
             self._removed_by_key = roster.former_keys()  # removed members' keys and retired ones
@@ -154,13 +158,16 @@ class EventVerifier:
         return self._members_by_key.get(public_key) or self._removed_by_key.get(public_key)
 
     def rejection(self, event: EventEnvelope, *, received_at: datetime, stored_data: bytes = b"",
-                  position: StreamPosition | None = None, removal_logged: bool = False) -> RejectionReason | None:
+                  position: StreamPosition | None = None, removal_logged: bool = False,
+                  steward_succession: Succession | None = None) -> RejectionReason | None:
         """Why `event` must not be applied, or None. `received_at` is when the broker stored it (the clock that
         bounds `occurred_at`); `stored_data` is the stored body the signature is checked over (without it, the
         event's own canonical bytes); `position` is where it is stored, which a removed member's cut on that stream
         is set against (without it, or without a cut there, the removal's time is). `removal_logged`: a verified
         `member.removed` of its signer came earlier in the same stream, so it is rejected whatever the roster says
-        yet (the steward saves the roster after publishing the removal)."""
+        yet (the steward saves the roster after publishing the removal). `steward_succession`: the steward keys the
+        same stream's verified rotations named so far (hearth/events/steward_keys.py), so a signer the roster does
+        not know yet is the steward when the log passed the roster's steward key on to it."""
         if not event.signer or not event.signature:
             return "unsigned"
         if removal_logged:
@@ -171,6 +178,8 @@ class EventVerifier:
             # Stored since the file was last looked at: a removal saved meanwhile must count, as it will in a rebuild.
             self._roster_file.current(recheck_now=True)
         member = self._member(event.signer)
+        if member is None and steward_succession is not None:
+            member = steward_by_log(self._current_roster(), event.signer, steward_succession)
         if member is None:
             return "unknown_signer"
         if isinstance(member, RemovedMember):

@@ -1,11 +1,15 @@
 """Which stored events a projection applies on a community mesh: the verifier's verdict on each
-(hearth/events/signing.py), told of the member removals the stream's own log has shown before it, and the record of
-each removal (`member.removed`) as the stream shows it (an event turned away is recorded by rejections.py).
+(hearth/events/signing.py), told of the member removals and the steward keys the stream's own log has shown before
+it, and the record of each removal (`member.removed`, `member.key_rotated`) as the stream shows it (an event turned
+away is recorded by rejections.py).
 
 A removal is a position in each stream, not a time: the first verified `member.removed` of a key on a stream is kept
 in member_removals in the batch's transaction, and every later event of that key on that stream is rejected
 (`removed_signer`), whatever the roster file says yet. A rebuild reads the same events in the same order, so it
 rejects exactly what the live projection did.
+
+A rotation of the steward's own key is kept the same way (steward_keys): the key it names is the steward's on that
+stream from there on (hearth/events/steward_keys.py), before the roster file names it and after a restart.
 """
 
 from __future__ import annotations
@@ -17,7 +21,8 @@ from typing import TYPE_CHECKING
 
 from hearth.events.models import MemberRemoved
 from hearth.events.signing import EventVerifier, RejectionReason, StreamPosition
-from hearth.readmodels.batch_rows import MEMBER_REMOVALS, BatchRows
+from hearth.events.steward_keys import Succession, passed_steward_key
+from hearth.readmodels.batch_rows import MEMBER_REMOVALS, STEWARD_KEYS, BatchRows, epoch_s
 
 if TYPE_CHECKING:
     from hearth.events.consume import StoredEvent
@@ -45,7 +50,16 @@ def rejection(verifier: EventVerifier | None, message: StoredEvent, rows: BatchR
     # what the live projection rejected.
     return verifier.rejection(event, received_at=message.time, stored_data=message.data,
                               position=StreamPosition(message.stream, message.seq, message.subject),
-                              removal_logged=removal_logged)
+                              removal_logged=removal_logged,
+                              steward_succession=steward_succession(message.stream, rows))
+
+
+def steward_succession(stream: str, rows: BatchRows) -> Succession:
+    """The steward keys `stream`'s log named so far (steward_keys): each with the one it succeeded."""
+    def succeeded(public_key: str) -> str | None:
+        row = rows.get(STEWARD_KEYS, (stream, public_key))
+        return row["succeeds"] if row is not None else None
+    return succeeded
 
 
 def record_member_removal(event: MemberRemoved, rows: BatchRows) -> None:
@@ -57,3 +71,16 @@ def record_member_removal(event: MemberRemoved, rows: BatchRows) -> None:
     rows.put(MEMBER_REMOVALS, key, dict(stream=event.stream, public_key=event.public_key, member=event.member,
                                         event_id=event.event_id,
                                         removed_at=math.floor(event.occurred_at.timestamp())))
+    record_steward_key(event, rows)
+
+
+def record_steward_key(event: MemberRemoved, rows: BatchRows) -> None:
+    """Keep the key the steward's first rotation of its own key on this stream names (none for another event)."""
+    passed = passed_steward_key(event, lambda key: rows.get(MEMBER_REMOVALS, (event.stream, key)) is not None
+                                or rows.get(STEWARD_KEYS, (event.stream, key)) is not None)
+    if passed is None:
+        return
+    new_key, succeeds = passed
+    rows.put(STEWARD_KEYS, (event.stream, new_key), dict(stream=event.stream, public_key=new_key, succeeds=succeeds,
+                                                         event_id=event.event_id,
+                                                         rotated_at=epoch_s(event.occurred_at)))

@@ -229,6 +229,20 @@ class MemberRemoval(Base):
     removed_at: Mapped[int] = mapped_column(Integer, nullable=False, comment="epoch s the steward says")
 
 
+class StewardKey(Base):
+    """A steward key as one stream's log names it: a verified `member.key_rotated` of the `system` member, signed by
+    the key it retires, passes the steward's role to its new key there (hearth/events/steward_keys.py), whatever the
+    roster file says yet."""
+
+    __tablename__ = "steward_keys"
+
+    stream: Mapped[str] = mapped_column(String, primary_key=True, comment="the stream whose log names it")
+    public_key: Mapped[str] = mapped_column(String, primary_key=True, comment="the new steward key")
+    succeeds: Mapped[str] = mapped_column(String, nullable=False, comment="the steward key it replaced there")
+    event_id: Mapped[str] = mapped_column(String, nullable=False, comment="the rotation that named it")
+    rotated_at: Mapped[int] = mapped_column(Integer, nullable=False, comment="epoch s the steward says")
+
+
 class AppliedEvent(Base):
     """An event a projection applied, by its id on its stream (hearth/readmodels/applied_events.py): a copy stored
     again past the broker's duplicate window is rejected `duplicate`, not counted twice. Kept as long as its stream's

@@ -161,8 +161,9 @@ def rotate_key_command(
     then on the broker, signed calls, events, sealed hop keys and the gateway refuse it. The old key's seed here, if
     any, is deleted (a retired seed still opens hop keys sealed to it before). The steward's own key (`system`) is
     rotated the same way: its old key signs the rotation naming the new one, whose seed is made here in
-    keys/system.nk; then every machine with the steward's tooling needs the new folder, every member the new roster,
-    and every node of a cluster a restart (its route password derives from the key)."""
+    keys/system.nk; then every machine with the steward's tooling needs the new folder and every node of a cluster a
+    restart (its route password derives from the key); members' projectors learn the new key from the rotation in
+    the log, and the new roster is still best handed to every member."""
     from hearth.events.streams import StreamsMissing
     from hearth.services.broker.connection import BrokerUnreachable
     from hearth.services.community_removal import EarlierRemovalDiffers, RemovalNotPublished
@@ -191,10 +192,11 @@ def rotate_key_command(
     _warn_where_the_log_lacks_it(command, published, offline, event="rotation", cut_off="the old key is")
     if steward:
         typer.echo(f"The steward's key changed: copy {rotated.seed_file} and {directory / 'roster.json'} to every "
-                   "machine that runs the broker or the steward's tooling, hand the roster to every member (their "
-                   "projectors accept the new key's events only once their roster names it), and restart every "
-                   "node of a cluster with the new folder (their route password derives from this key: nodes on "
-                   "the old and the new one do not route to each other).")
+                   "machine that runs the broker or the steward's tooling, and restart every node of a cluster "
+                   "with the new folder (their route password derives from this key: nodes on the old and the new "
+                   "one do not route to each other). Members' projectors learn the new key from the rotation on "
+                   "each stream that took it; hand the roster to every member too, as a stream that did not take "
+                   "it, and signed calls, go by the roster alone.")
 
 
 @community_app.command("list")

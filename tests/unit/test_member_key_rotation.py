@@ -220,7 +220,7 @@ def test_after_the_rotation_calls_sealed_hop_keys_the_gateway_and_a_process_refu
 
 
 def test_hearth_replay_verify_passes_the_old_keys_events_before_the_rotation_only(community):
-    from hearth.services.replay.verify import PassedEvents, _verdict
+    from hearth.services.replay.verify import LoggedKeys, PassedEvents, _verdict
 
     old_key = MemberKey.load(community.directory / "keys" / "attic.nk")
     advert = advertised(0, 3, "attic", control_subject=shard_control_subject("attic", SHARD_ID), t=0)
@@ -231,7 +231,7 @@ def test_hearth_replay_verify_passes_the_old_keys_events_before_the_rotation_onl
               sign_event(heartbeat(SHARD_ID, t=30, node="attic"), old_key)]
     community.rotate_key("attic", rotation.new_public_key,
                          cuts=[RemovalCut(stream=SHARDS_STREAM, seq=2, event_id=rotation.event_id)])
-    verifier, removals = EventVerifier(community.roster(), max_clock_skew_s=30), set()
+    verifier, removals = EventVerifier(community.roster(), max_clock_skew_s=30), LoggedKeys()
     passed = PassedEvents(None)
     verdicts = [_verdict(verifier, stored(event, seq), removals, passed) for seq, event in enumerate(events, 1)]
     assert [None if bad is None else bad.reason for bad in verdicts] == [None, None, "removed_signer"]

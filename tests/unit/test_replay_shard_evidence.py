@@ -79,7 +79,8 @@ def test_the_whole_view_has_the_life_then_the_evidence_and_works_from_the_key_al
 class RejectsClearingsFromOrchestrators:
     """Stands in for the community's EventVerifier: a clearing not from the steward is refused."""
 
-    def rejection(self, event, *, received_at, stored_data=b"", position=None):
+    def rejection(self, event, *, received_at, stored_data=b"", position=None, removal_logged=False,
+                  steward_succession=None):
         return "role_may_not_emit" if event.type.endswith("quarantine_cleared") and event.node_id != "system" else None
 
 

@@ -5,7 +5,8 @@ and whether another shard of its node is quarantined (a quarantine holds the nod
 
 Integrity events are addressed by pipeline, not by shard, so every outcome event is read and those naming the
 shard are kept, with the mismatches and clearings of its node's other shards. Their times are the orchestrators'
-(or the steward's) clocks, printed as instants.
+(or the steward's) clocks, printed as instants. The stream's removals and key rotations are read with them, so a
+removal, and a steward key the log names, count from where they stand in it, as in a projection.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from hearth.events.models import (
     IntegrityMismatchDisputed,
     IntegrityQuarantineCleared,
     IntegrityShardsVerified,
+    MemberRemoved,
 )
 from hearth.events.signing import EventVerifier, StreamPosition
 from hearth.services.common.display import display_text
@@ -30,6 +32,7 @@ from hearth.protocol.subjects import EVENTS_PREFIX, node_of_shard, shard_key
 from hearth.readmodels.reputation import QUARANTINED, ReputationLog, mismatch_summary, nodes_held_by
 from hearth.services.replay.render import format_time
 from hearth.services.replay.reports import shard_report
+from hearth.services.replay.verify import LoggedKeys
 
 OUTCOME_KINDS = ("shards_verified", "mismatch_confirmed", "mismatch_disputed", "quarantine_cleared")
 
@@ -59,7 +62,7 @@ async def read_shard_log(js: Any, shard: str, key: str) -> tuple[list[StoredEven
     """The shard's own events and the verification outcomes naming it or shaping quarantines, each in stream
     order."""
     from hearth.events.consume import read_stream
-    from hearth.events.streams import PIPELINES_STREAM, SHARDS_STREAM
+    from hearth.events.streams import MEMBER_REMOVAL_SUBJECTS, PIPELINES_STREAM, SHARDS_STREAM
     from hearth.protocol.subjects import shard_events_filter
     from hearth.services.replay.query import existing_streams
 
@@ -71,10 +74,12 @@ async def read_shard_log(js: Any, shard: str, key: str) -> tuple[list[StoredEven
         async with contextlib.aclosing(read_stream(js, SHARDS_STREAM, subject_filter=shard_filter)) as items:
             own = [item async for item in items if isinstance(item, StoredEvent)]
     if PIPELINES_STREAM in present:
-        filters = [f"{EVENTS_PREFIX}.integrity.*.{kind}" for kind in OUTCOME_KINDS]
+        filters = [*(f"{EVENTS_PREFIX}.integrity.*.{kind}" for kind in OUTCOME_KINDS),
+                   MEMBER_REMOVAL_SUBJECTS[PIPELINES_STREAM]]
         async with contextlib.aclosing(read_stream(js, PIPELINES_STREAM, subject_filter=filters)) as items:
             outcomes = [item async for item in items if isinstance(item, StoredEvent)
-                        and (names_shard(item.event, shard, key) or shapes_quarantines(item.event))]
+                        and (names_shard(item.event, shard, key) or shapes_quarantines(item.event)
+                             or isinstance(item.event, MemberRemoved))]
     return own, outcomes
 
 
@@ -106,15 +111,21 @@ def evidence_lines(shard_id: str, outcomes: Sequence[StoredEvent], verifier: Eve
     the node's other quarantined shards (outcomes about those only are applied, not listed). With the community's
     `verifier` an event a projector would reject is listed as rejected and not applied."""
     log = ReputationLog()
+    logged = LoggedKeys()
     details: list[str] = []
     calls_checked = naming = 0
     for item in outcomes:
         event = item.event
         when = f"  {format_time(event.occurred_at)}"
-        # Removals are judged by the roster's cuts: this view reads only the events naming the shard or its node.
         rejection = verifier.rejection(event, received_at=item.time, stored_data=getattr(item, "data", b""),
-                                       position=StreamPosition(item.stream, item.seq, item.subject)) \
+                                       position=StreamPosition(item.stream, item.seq, item.subject),
+                                       removal_logged=logged.removal_logged(item.stream, event.signer),
+                                       steward_succession=logged.succession(item.stream)) \
             if verifier is not None else None
+        if isinstance(event, MemberRemoved):  # not shown: it cuts a key off, or names the steward's next one
+            if rejection is None:
+                logged.record(event)
+            continue
         if not names_shard(event, shard_id, shard_key(shard_id)):
             if rejection is None:  # another shard's quarantine or clearing: it holds or frees this shard's node, or
                 log.apply(event)  # counts towards its reporter's bound

@@ -1,7 +1,8 @@
 """`hearth-replay verify`: checks every stored event of the event streams by the rule a projection applies
 (hearth/events/signing.py: signed, by a member of the roster whose role may emit the type, for its own node, not
 stored after its signer's removal, not dated after the broker stored it; and not a copy of an event that passed before
-nor older than a read model keeps its id, hearth/readmodels/applied_events.py) and reports each event that fails it."""
+nor older than a read model keeps its id, hearth/readmodels/applied_events.py) and reports each event that fails it.
+The removals and the steward keys each stream's log shows count from where they stand in it, as in a projection."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import Any
 from hearth.events.consume import SkippedMessage, read_stream
 from hearth.events.models import MemberRemoved
 from hearth.events.signing import EventVerifier, StreamPosition
+from hearth.events.steward_keys import Succession, passed_steward_key
 from hearth.readmodels.applied_events import DUPLICATE, TOO_OLD, keeps_id, older_than_kept
 from hearth.readmodels.retention import RetentionPolicy, history_kept_s
 from hearth.services.common.display import display_text
@@ -75,18 +77,43 @@ async def verify_streams(js: Any, verifier: EventVerifier, streams: Iterable[str
     """Read each stream from its first stored message to its end and check every message; `on_bad` hears of
     each bad one as it is found. `retention`: the read models' (how long they keep applied ids; None: for ever)."""
     report = VerifyReport()
-    removals: set[tuple[str, str]] = set()  # (stream, key) of each verified member.removed read so far
+    logged = LoggedKeys()
     for stream in streams:
         report.checked[stream] = 0
         passed = PassedEvents(history_kept_s(retention, stream))
         async with contextlib.aclosing(read_stream(js, stream, from_seq=1, follow=False)) as messages:
             async for message in messages:
                 report.checked[stream] += 1
-                bad = _verdict(verifier, message, removals, passed)
+                bad = _verdict(verifier, message, logged, passed)
                 if bad is not None:
                     report.bad.append(bad)
                     on_bad(bad)
     return report
+
+
+@dataclass
+class LoggedKeys:
+    """The keys the verified removals and steward rotations read so far retired, and the steward keys they named."""
+
+    removed: set[tuple[str, str]] = field(default_factory=set)  # (stream, key)
+    steward_keys: dict[tuple[str, str], str] = field(default_factory=dict)  # (stream, key) -> the key it succeeded
+
+    def record(self, event: MemberRemoved) -> None:
+        stream = event.stream
+        if (stream, event.public_key) in self.removed:
+            return  # only the first removal of a key on a stream counts
+        self.removed.add((stream, event.public_key))
+        passed = passed_steward_key(event, lambda key: (stream, key) in self.removed or (stream, key) in
+                                    self.steward_keys)
+        if passed is not None:
+            self.steward_keys[(stream, passed[0])] = passed[1]
+
+    def removal_logged(self, stream: str, signer: str | None) -> bool:
+        return (stream, signer) in self.removed
+
+    def succession(self, stream: str) -> Succession:
+        """The steward keys `stream`'s log named so far, for EventVerifier.rejection."""
+        return lambda key: self.steward_keys.get((stream, key))
 
 
 class PassedEvents:
@@ -115,18 +142,19 @@ class PassedEvents:
         return None
 
 
-def _verdict(verifier: EventVerifier, message: Any, removals: set[tuple[str, str]],
-             passed: PassedEvents) -> BadEvent | None:
+def _verdict(verifier: EventVerifier, message: Any, logged: LoggedKeys, passed: PassedEvents) -> BadEvent | None:
     if isinstance(message, SkippedMessage):
         return BadEvent(message.stream, message.seq, UNDECODABLE, detail=message.error)
     event = message.event
-    # The broker's storage time and position, and the removals this stream showed before, as in the live projection.
+    # The broker's storage time and position, and the removals and steward keys this stream showed before, as in the
+    # live projection.
     reason = verifier.rejection(event, received_at=message.time, stored_data=message.data,
                                 position=StreamPosition(message.stream, message.seq, message.subject),
-                                removal_logged=(message.stream, event.signer) in removals) or passed.repeat(message)
+                                removal_logged=logged.removal_logged(message.stream, event.signer),
+                                steward_succession=logged.succession(message.stream)) or passed.repeat(message)
     if reason is None:
         if isinstance(event, MemberRemoved):
-            removals.add((event.stream, event.public_key))
+            logged.record(event)
         return None
     return BadEvent(message.stream, message.seq, reason, event_type=event.type, event_id=event.event_id,
                     node_id=event.node_id, signer=event.signer)
