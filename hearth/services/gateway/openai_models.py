@@ -34,6 +34,7 @@ from hearth.protocol.chat import (
     max_tokens_limit,
     max_top_logprobs,
 )
+from hearth.protocol.chat_frames import VerificationOutcome
 from hearth.protocol.quantization_labels import QuantizationLabel
 from hearth.protocol.refusals import RefusalReason, array_too_long
 from hearth.services.gateway.logprobs import ChatLogprobs, CompletionLogprobs
@@ -295,17 +296,25 @@ class ChatChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
 
 
-class ChatCompletion(BaseModel):
+def _is_none(value: object) -> bool:
+    return value is None
+
+
+class _Verified(BaseModel):
+    """An answer, or a stream's chunk sent once the call ended, that says whether the call's hops were checked as
+    its `hearth.verify` asked: hearth's extension field, absent at `none` (OpenAI's clients keep a field they do not
+    know: openai-python's `model_extra`)."""
+
+    hearth_verification: VerificationOutcome | None = Field(default=None, exclude_if=_is_none)
+
+
+class ChatCompletion(_Verified):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[ChatChoice]
     usage: UsageBody
-
-
-def _is_none(value: object) -> bool:
-    return value is None
 
 
 class ChunkDelta(BaseModel):
@@ -323,7 +332,7 @@ class ChunkChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
 
 
-class ChatCompletionChunk(BaseModel):
+class ChatCompletionChunk(_Verified):
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
@@ -339,7 +348,7 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
 
 
-class Completion(BaseModel):
+class Completion(_Verified):
     """A text completion, and (object `text_completion` too, as OpenAI sends it) one chunk of a streamed one."""
 
     id: str
