@@ -392,7 +392,10 @@ function summarize(models, { frames, subjects, fell_back }, choices) {
     ...(final.type === "done"
       ? {}
       : { error: { type: final.type, code: final.code, detail: final.message ?? final.reason,
-                   ...(final.retry_after_s != null ? { retry_after_s: final.retry_after_s } : {}) } }),
+                   ...(final.retry_after_s != null ? { retry_after_s: final.retry_after_s } : {}),
+                   // A bad_request's field and, where a program acts on it, its reason (docs/protocol.md, `error`).
+                   ...(final.param != null ? { param: final.param } : {}),
+                   ...(final.refusal != null ? { refusal: final.refusal } : {}) } }),
   };
 }
 

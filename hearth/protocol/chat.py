@@ -10,7 +10,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 
 from hearth.protocol.chat_tools import ResponseFormat, ToolCallList, ToolChoice, ToolList
 from hearth.protocol.quantization_labels import QuantizationLabel
-from hearth.protocol.refusals import describe_validation_error
+from hearth.protocol.refusals import RefusalReason, describe_validation_error, refused_field, validation_reason
 
 max_tokens_limit = 8192
 # What a call generates at most when it does not say (hearth/inference/sampling.py mirrors it).
@@ -177,7 +177,19 @@ class ChatRequest(BaseModel):
 
 
 class BadRequest(ValueError):
-    """A request that cannot be served as sent; the message names the offending field."""
+    """A request that cannot be served as sent; the message names the offending field, `param` names it for a
+    program (its top-level name: OpenAI's `param`), and `reason` says why where a client acts on it."""
+
+    def __init__(self, message: str, *, param: str | None = None, reason: RefusalReason | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+        self.reason = reason
+
+    @classmethod
+    def of_validation(cls, error: ValidationError, param: str | None = None) -> "BadRequest":
+        """The refusal of what `error` refused, naming `param` (else the first field it refused)."""
+        return cls(describe_validation_error(error), param=param or refused_field(error),
+                   reason=validation_reason(error))
 
 
 def parse_chat_request(data: bytes) -> ChatRequest:
@@ -185,4 +197,4 @@ def parse_chat_request(data: bytes) -> ChatRequest:
     try:
         return ChatRequest.model_validate_json(data)
     except ValidationError as error:
-        raise BadRequest(describe_validation_error(error)) from None
+        raise BadRequest.of_validation(error) from None

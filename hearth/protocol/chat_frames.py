@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal, Union, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator
 
 from hearth.protocol.bounds import max_id_chars
-from hearth.protocol.chat import is_none, max_choices
+from hearth.protocol.chat import BadRequest, is_none, max_choices
+from hearth.protocol.refusals import RefusalReason, max_param_chars
 
 ErrorCode = Literal[
     "experimental_disabled", "shard_unavailable", "pipeline_stalled", "weights_mismatch", "bad_request",
@@ -167,6 +168,22 @@ class ErrorFrame(_Frame):
     message: str
     # With `overloaded`: how long the client should wait before sending the call again.
     retry_after_s: float | None = Field(default=None, ge=0)
+    # With `bad_request`: why, where a client acts on the reason (a program reads this, never the message's words),
+    # and the field refused (its top-level name); absent where the refusal has none.
+    refusal: RefusalReason | None = Field(default=None, exclude_if=is_none)
+    param: str | None = Field(default=None, min_length=1, max_length=max_param_chars, exclude_if=is_none)
+
+    @field_validator("refusal", mode="before")
+    @classmethod
+    def _unknown_refusal_is_none(cls, value: object) -> object:
+        """A reason a newer orchestrator names and this side does not know reads as none given: the frame (and its
+        code and message) still counts, rather than failing to decode."""
+        return value if value is None or value in get_args(RefusalReason) else None
+
+    @classmethod
+    def refusing(cls, error: BadRequest) -> "ErrorFrame":
+        """The `bad_request` frame of `error`, its field and reason carried as they are."""
+        return cls(seq=0, code="bad_request", message=str(error), refusal=error.reason, param=error.param)
 
 
 ChatFrame = Annotated[

@@ -1,15 +1,25 @@
-"""How a message refused by its validation is described: one line naming each wrong field, a few of them at most."""
+"""How a refused request is described: one line naming each wrong field (a few of them at most), and for a program
+the field it names first and, where a client acts on it, why (RefusalReason)."""
 
 from __future__ import annotations
+
+from typing import Literal
 
 from pydantic import ValidationError
 
 # The wrong fields a refusal names at most (then how many more): a body of many wrong items must not draw an answer
 # many times its size.
 max_described_problems = 8
-# What a refusal of a request for its size says, so that a client can tell each reason from the text alone (an error
-# frame has no field for it): the gateway answers each with OpenAI's status and code for it (hearth/services/gateway/
-# errors.py). A prompt too long for its model's context (hearth/services/orchestrator/admission.py):
+# Why a request was refused, where a client acts on the reason (trims a conversation, never sends the body again):
+# an `error` frame's `refusal` (hearth/protocol/chat_frames.py), which the gateway answers with OpenAI's status and
+# code for it (hearth/services/gateway/errors.py). `unknown_model`: the request names a model the orchestrator does
+# not serve; the others are the sizes below.
+RefusalReason = Literal["request_too_large", "context_exceeded", "array_too_long", "string_too_long", "unknown_model"]
+# The longest `param` (the field a refusal names, at its top level) an error frame carries.
+max_param_chars = 256
+# What a refusal for each size says: the words a gateway tells the reason by in a frame with no `refusal` (between
+# an orchestrator and a gateway of which one is older than the field). A prompt too long for its model's context
+# (hearth/services/orchestrator/admission.py):
 CONTEXT_EXCEEDED = "exceed the model's context"
 # A body over the orchestrator's max_request_bytes (body_too_large):
 OVER_MAX_REQUEST_BYTES = "is over max_request_bytes"
@@ -25,7 +35,7 @@ def body_too_large(size: int, limit: int) -> str:
 
 def array_too_long(max_length: int, actual: int | None = None) -> str:
     """What is wrong with a list of `actual` items over its bound of `max_length`, in the words (ARRAY_TOO_LONG) a
-    client tells the reason by."""
+    frame without `refusal` is told by."""
     return f"{ARRAY_TOO_LONG}: at most {max_length} items" + (f", not {actual}" if actual else "")
 
 
@@ -45,12 +55,37 @@ def describe_validation_error(error: ValidationError) -> str:
     return "; ".join(problems)
 
 
-def _problem(item: dict) -> str:
-    """What is wrong with one field: a list or a string over its length in words of our own (ARRAY_TOO_LONG,
-    STRING_TOO_LONG: what a client tells them by), anything else as pydantic says it."""
+def refused_field(error: ValidationError) -> str | None:
+    """The field `error` refused first, by its top-level name (OpenAI's `param`); None when no problem names one, or
+    when the name is none a frame can carry (an unknown key of the client's, empty or over max_param_chars)."""
+    locations = [item["loc"] for item in error.errors(include_url=False) if item["loc"]]
+    name = str(locations[0][0]) if locations else ""
+    return name if 0 < len(name) <= max_param_chars else None
+
+
+def validation_reason(error: ValidationError) -> RefusalReason | None:
+    """Why `error` refused the request, as its first problem (the one describe_validation_error names first) says:
+    a list or a string over its bound, else None."""
+    problems = error.errors(include_url=False)
+    return _reason(problems[0]) if problems else None
+
+
+def _reason(item: dict) -> RefusalReason | None:
     context = item.get("ctx") or {}
     if item["type"] == "too_long" and context.get("field_type") == "List":
-        return array_too_long(context["max_length"], context.get("actual_length"))
+        return "array_too_long"
     if item["type"] == "string_too_long":
+        return "string_too_long"
+    return None
+
+
+def _problem(item: dict) -> str:
+    """What is wrong with one field: a list or a string over its length in words of our own (ARRAY_TOO_LONG,
+    STRING_TOO_LONG: what a frame without `refusal` is told by), anything else as pydantic says it."""
+    context = item.get("ctx") or {}
+    reason = _reason(item)
+    if reason == "array_too_long":
+        return array_too_long(context["max_length"], context.get("actual_length"))
+    if reason == "string_too_long":
         return f"{STRING_TOO_LONG}: at most {context['max_length']} characters"
     return item["msg"]

@@ -133,6 +133,12 @@ def test_error_frames_map_onto_statuses(code, status):
 def test_an_unknown_model_is_404_and_overloaded_names_its_wait():
     unknown = from_frame(ErrorFrame(seq=0, code="bad_request", message="field 'model': no model 'x'"))
     assert (unknown.status, unknown.code, unknown.param) == (404, "model_not_found", "model")
+    said = ErrorFrame(seq=0, code="bad_request", message="no model 'x'", refusal="unknown_model", param="model")
+    assert (from_frame(said).status, from_frame(said).code) == (404, "model_not_found")
+    # A model left out where the mesh serves several names the field and no reason: not an unknown model.
+    left_out = ErrorFrame(seq=0, code="bad_request", message="field 'model': required when ...", param="model")
+    assert (from_frame(left_out).status, from_frame(left_out).code, from_frame(left_out).param) == (
+        400, "bad_request", "model")
 
     class QueuedOut(ErrorFrame):  # an orchestrator with an admission queue says how long to wait
         retry_after_s: float

@@ -1,22 +1,28 @@
 """Whether a call's hops were checked as its `verify` level asks reaches its client: the done frame's
 `verification` (`met` / `unmet`, absent at `none`), one `unmet` choice making a request of `n` choices `unmet`, and
-the gateway's `Hearth-Verification` header on a whole answer (a streamed one's headers go out before its last frame).
+the gateway's `Hearth-Verification` header on a whole answer (a streamed one's headers go out before its last frame)
+and `hearth_verification` field of a whole answer and of a stream's chunks sent once the call ended, read by
+OpenAI's own client.
 `unmet`: a hop that no replica (or, for `vote`, not two) could check, whose record broke, or whose last work went
 unchecked when the answer ended. Over real processes: tests/e2e/test_verification_unmet.py."""
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import pytest
 
-from hearth.protocol.chat_frames import DoneFrame, TokenDeltaFrame, Usage
+from hearth.protocol.chat_frames import ChoiceEnd, DoneFrame, TokenDeltaFrame, Usage
 from hearth.services.orchestrator import mirrored_checks
 from hearth.services.orchestrator.choices import ChoiceGroup
 from hearth.services.transport import FrameKind
 from tests.unit.test_report_check_race import HeldMirror
 from tests.unit.test_verify_gaps import StandInMirror, run_step, verifier_of
-from tests.unit.test_withdrawn_tokens import chat_body, gateway  # noqa: F401 (a fixture)
+from tests.unit.test_gateway_openai_conformance import openai_client
+from tests.unit.test_withdrawn_tokens import MODEL, chat_body, events_of, gateway  # noqa: F401 (a fixture)
+
+MESSAGES = [{"role": "user", "content": "hi"}]
 
 
 def done(verification: str | None) -> DoneFrame:
@@ -45,6 +51,45 @@ async def test_a_whole_answer_carries_the_verification_header(gateway):
         response = await http.post("/v1/chat/completions", json=chat_body())
         assert response.status_code == 200
         assert response.headers.get("hearth-verification") == header
+
+
+@pytest.mark.parametrize("said", ["met", "unmet", None])
+async def test_a_whole_answer_s_body_carries_it_for_openai_s_client(gateway, said):
+    http, scripted = gateway
+    scripted.scripts.append([TokenDeltaFrame(seq=0, text="Hi", token_id=1), done(said)])
+    answer = await openai_client(http).chat.completions.create(model=MODEL, messages=MESSAGES)
+    assert answer.choices[0].message.content == "Hi"
+    assert (answer.model_extra or {}).get("hearth_verification") == said
+
+
+@pytest.mark.parametrize("said", ["met", "unmet", None])
+@pytest.mark.parametrize("include_usage", [False, True])
+async def test_a_streamed_answer_s_last_chunks_carry_it_for_openai_s_client(gateway, said, include_usage):
+    """The chunk that ends each choice (its finish_reason) and the usage chunk: the call's verification is known
+    only once it ended, so no chunk before them says it."""
+    http, scripted = gateway
+    ends = [ChoiceEnd(choice=choice, finish_reason="stop", completion_tokens=1) for choice in (0, 1)]
+    scripted.scripts.append([TokenDeltaFrame(seq=0, text="Hi", token_id=1),
+                             TokenDeltaFrame(seq=1, text="!", token_id=2, choice=1),
+                             done(said).model_copy(update={"seq": 2, "choices": ends})])
+    stream = await openai_client(http).chat.completions.create(
+        model=MODEL, messages=MESSAGES, n=2, stream=True,
+        stream_options={"include_usage": True} if include_usage else None)
+    chunks = [chunk async for chunk in stream]
+    ending = [chunk for chunk in chunks if chunk.usage is not None or any(c.finish_reason for c in chunk.choices)]
+    assert len(ending) == 2 + include_usage and ending == chunks[-len(ending):]
+    assert [(chunk.model_extra or {}).get("hearth_verification") for chunk in chunks] == \
+        [None] * (len(chunks) - len(ending)) + [said] * len(ending)
+
+
+async def test_a_streamed_completion_s_last_chunks_carry_it(gateway):
+    http, scripted = gateway
+    scripted.scripts.append([TokenDeltaFrame(seq=0, text="Hi", token_id=1), done("unmet")])
+    response = await http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "stream": True,
+                                                         "stream_options": {"include_usage": True}})
+    chunks = [json.loads(event) for event in events_of(response)[:-1]]
+    assert [chunk.get("hearth_verification") for chunk in chunks] == [None, "unmet", "unmet"]
+    assert chunks[-2]["choices"][0]["finish_reason"] == "stop" and chunks[-1]["usage"]["completion_tokens"] == 1
 
 
 async def verifier_with(monkeypatch, level: str, replicas: list):

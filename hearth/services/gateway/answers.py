@@ -1,7 +1,8 @@
 """The shape of an answer for each endpoint: the whole object of a non-streamed call, and the server-sent events
 of a streamed one (a chunk per token, a last chunk with the finish reason, the usage chunk when asked for, and
-`data: [DONE]`). A call that asked for logprobs gets them in OpenAI's form: in the choice of the whole answer, and
-in each chunk for that chunk's token (a token whose text is held back, or is none, gets a chunk with empty text).
+`data: [DONE]`). The whole object and the chunks sent once the call ended say its `hearth_verification`. A call
+that asked for logprobs gets them in OpenAI's form: in the choice of the whole answer, and in each chunk for that
+chunk's token (a token whose text is held back, or is none, gets a chunk with empty text).
 A chat call that may call tools has its answer read by hearth/services/gateway/tool_calls.py: a call becomes
 `tool_calls` (streamed as fragments), finish_reason `tool_calls`. A call with `n` > 1 has a choice per answer (`index`
 i, its own finish reason, logprobs and tool call); streamed, each choice's chunks carry its index, interleaved as they
@@ -34,7 +35,8 @@ from hearth.services.gateway.openai_models import (
 
 SSE_DONE = b"data: [DONE]\n\n"
 # Whether the call's hops were checked as its `verify` level asks (the done frame's `verification`: `met` / `unmet`),
-# on a whole answer; a streamed one's headers go out before its last frame.
+# as a header of a whole answer (a streamed one's headers go out before its last frame), besides the answer's (and a
+# stream's last chunks') `hearth_verification`.
 VERIFICATION_HEADER = "Hearth-Verification"
 
 
@@ -101,7 +103,8 @@ class ChatShape:
             choices.append(ChatChoice(index=index, message=message, finish_reason=reason, logprobs=None
                                       if answer.logprobs is None else chat_logprobs(answer.logprobs)))
         return ChatCompletion(id=self.id, created=self.created, model=self.model,
-                              usage=usage_of(done, completion_tokens), choices=choices)
+                              usage=usage_of(done, completion_tokens), choices=choices,
+                              hearth_verification=done.verification)
 
     def _call_of(self, text: str, reason: FinishReason) -> ToolCallBody | None:
         """The tool call a whole answer makes (None: text): a call the grammar completed, else what its stream
@@ -146,12 +149,16 @@ class ChatShape:
                            choice, logprobs=logprobs)
 
     def ending(self, done: DoneFrame, choice: int = 0) -> ChatCompletionChunk:
-        return self._chunk(ChunkDelta(), choice, finish_reason(done, choice))
+        """`choice`'s last chunk: its finish reason, and the call's verification."""
+        ending = self._chunk(ChunkDelta(), choice, finish_reason(done, choice))
+        ending.hearth_verification = done.verification
+        return ending
 
     def usage(self, done: DoneFrame, completion_tokens: int | None = None) -> ChatCompletionChunk:
-        """The usage chunk; `completion_tokens`: the answer's, when tokens were withdrawn (None: `done`'s)."""
+        """The usage chunk (with the call's verification); `completion_tokens`: the answer's, when tokens were
+        withdrawn (None: `done`'s)."""
         return ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[],
-                                   usage=usage_of(done, completion_tokens))
+                                   usage=usage_of(done, completion_tokens), hearth_verification=done.verification)
 
 
 @dataclass
@@ -175,7 +182,7 @@ class CompletionShape:
         """The answer, `answers[i]` being choice i's; `completion_tokens`: all choices' tokens, when tokens were
         withdrawn (None: `done`'s count)."""
         return Completion(id=self.id, created=self.created, model=self.model,
-                          usage=usage_of(done, completion_tokens), choices=[
+                          usage=usage_of(done, completion_tokens), hearth_verification=done.verification, choices=[
             CompletionChoice(index=index, text=answer.text, finish_reason=finish_reason(done, index),
                              logprobs=None if answer.logprobs is None else completion_logprobs(answer.logprobs))
             for index, answer in enumerate(answers)])
@@ -200,12 +207,16 @@ class CompletionShape:
         return None
 
     def ending(self, done: DoneFrame, choice: int = 0) -> Completion:
-        return self._chunk("", choice, finish_reason(done, choice))
+        """`choice`'s last chunk: its finish reason, and the call's verification."""
+        ending = self._chunk("", choice, finish_reason(done, choice))
+        ending.hearth_verification = done.verification
+        return ending
 
     def usage(self, done: DoneFrame, completion_tokens: int | None = None) -> Completion:
-        """The usage chunk; `completion_tokens`: the answer's, when tokens were withdrawn (None: `done`'s)."""
+        """The usage chunk (with the call's verification); `completion_tokens`: the answer's, when tokens were
+        withdrawn (None: `done`'s)."""
         return Completion(id=self.id, created=self.created, model=self.model, choices=[],
-                          usage=usage_of(done, completion_tokens))
+                          usage=usage_of(done, completion_tokens), hearth_verification=done.verification)
 
 
 AnswerShape = ChatShape | CompletionShape

@@ -29,18 +29,18 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from hearth.protocol.chat import BadRequest, describe_validation_error
+from hearth.protocol.chat import BadRequest
 from hearth.protocol.chat_frames import DoneFrame, TokenDeltaFrame
 from hearth.services.client.chat import AnswerTokens
 from hearth.services.gateway.answers import AnswerShape, ChatShape, CompletionShape
 from hearth.services.gateway.answer_delivery import AnswerDelivery, SseResponse
 from hearth.services.gateway.errors import (
-    GatewayError, from_frame, refused, too_large, unforeseen, unknown_model,
+    GatewayError, from_frame, refusal_of, too_large, unforeseen, unknown_model,
 )
 from hearth.services.gateway.http_metrics import MODEL_ROUTE_PREFIX, MetricsMiddleware
 from hearth.services.gateway.mesh import ClientGone, Gateway, MeshCall, unless_disconnected
 from hearth.services.gateway.openai_models import (
-    ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, Unsupported,
+    ChatCompletionRequest, CompletionRequest, ModelCard, ModelList,
 )
 
 log = logging.getLogger(__name__)
@@ -132,10 +132,8 @@ class GatewayApp(AnswerDelivery):
                 body = await self._body(request, body_model)
                 try:
                     chat_request = body.to_chat_request()
-                except Unsupported as error:
-                    raise refused(str(error), error.param) from None
                 except BadRequest as error:
-                    raise refused(str(error)) from None
+                    raise refusal_of(error) from None
                 # The size as published first: an oversized request naming an unknown model asks the mesh nothing.
                 call = self.gateway.call(chat_request, caller)
                 await self.gateway.check_model(chat_request.model)
@@ -184,7 +182,7 @@ class GatewayApp(AnswerDelivery):
         try:
             return body_model.model_validate_json(data)
         except ValidationError as error:
-            raise refused(describe_validation_error(error), _first_param(error)) from None
+            raise refusal_of(BadRequest.of_validation(error)) from None
 
 def _unforeseen(route: str, error: Exception, retry_after_s: float) -> GatewayError:
     """`error` as an OpenAI error (a 503's Retry-After `retry_after_s`), logged by its type and where it was raised:
@@ -196,11 +194,6 @@ def _unforeseen(route: str, error: Exception, retry_after_s: float) -> GatewayEr
     else:
         log.info("%s: %s", route, answer)
     return answer
-
-
-def _first_param(error: ValidationError) -> str | None:
-    locations = [item["loc"] for item in error.errors(include_url=False) if item["loc"]]
-    return str(locations[0][0]) if locations else None
 
 
 def create_app(gateway: Gateway) -> MetricsMiddleware:

@@ -16,8 +16,11 @@ from nats.errors import (
 )
 from starlette.responses import JSONResponse
 
+from hearth.protocol.chat import BadRequest
 from hearth.protocol.chat_frames import ErrorFrame, PipelineAbortedFrame, TokensWithdrawnFrame
-from hearth.protocol.refusals import ARRAY_TOO_LONG, CONTEXT_EXCEEDED, OVER_MAX_REQUEST_BYTES, STRING_TOO_LONG
+from hearth.protocol.refusals import (
+    ARRAY_TOO_LONG, CONTEXT_EXCEEDED, OVER_MAX_REQUEST_BYTES, STRING_TOO_LONG, RefusalReason,
+)
 from hearth.services.gateway.openai_models import ErrorBody, ErrorDetail
 
 # Error codes of the mesh (ErrorCode in protocol.chat_frames) -> (HTTP status, OpenAI error type); the rest are 500.
@@ -29,9 +32,10 @@ _FRAME_STATUS: dict[str, tuple[int, str]] = {
     "pipeline_stalled": (503, "service_unavailable_error"),
     "orchestrator_gone": (503, "service_unavailable_error"),
 }
-# What the orchestrator says when a request names a model its catalog does not know (hearth/services/orchestrator).
+# A frame with no `refusal` nor `param` (from an orchestrator older than them) is told by its words instead: how an
+# unknown model's refusal begins (hearth/services/orchestrator/call_serving.py), and how a refusal names its field
+# ("field 'stop.0': ...", "fields 'messages' and 'max_tokens': ..."): OpenAI's `param`.
 _UNKNOWN_MODEL_PREFIX = "field 'model':"
-# How a refusal names its field ("field 'stop.0': ...", "fields 'messages' and 'max_tokens': ..."): OpenAI's `param`.
 _REFUSED_FIELD = re.compile(r"fields? '([^'.]+)")
 default_retry_after_s = 1.0
 # The gateway's NATS connection cannot carry a call now (closed, draining at shutdown, reconnecting): a 503.
@@ -74,26 +78,42 @@ def too_large(message: str, param: str | None = None) -> GatewayError:
     return GatewayError(413, "request_too_large", message, param=param)
 
 
-# Why a request was refused, as its refusal says it (hearth/protocol/refusals.py) -> OpenAI's status and code for
-# that reason, which clients act on (trim a conversation on `context_length_exceeded`, never retry a 413).
-_REFUSAL_ANSWERS: tuple[tuple[str, Callable[[str, str | None], GatewayError]], ...] = (
-    (OVER_MAX_REQUEST_BYTES, too_large),
-    (CONTEXT_EXCEEDED, lambda message, param: GatewayError(400, "context_length_exceeded", message, param=param)),
-    (ARRAY_TOO_LONG, lambda message, param: GatewayError(400, "array_above_max_length", message, param=param)),
-    (STRING_TOO_LONG, lambda message, param: GatewayError(400, "string_above_max_length", message, param=param)),
+# Why a request was refused (hearth/protocol/refusals.py) -> OpenAI's status and code for that reason, which
+# clients act on (trim a conversation on `context_length_exceeded`, never retry a 413).
+_REFUSAL_ANSWERS: dict[RefusalReason, Callable[[str, str | None], GatewayError]] = {
+    "request_too_large": too_large,
+    "context_exceeded": lambda message, param: GatewayError(400, "context_length_exceeded", message, param=param),
+    "array_too_long": lambda message, param: GatewayError(400, "array_above_max_length", message, param=param),
+    "string_too_long": lambda message, param: GatewayError(400, "string_above_max_length", message, param=param),
+    "unknown_model": lambda message, param: GatewayError(404, "model_not_found", message, param=param),
+}
+# The words each reason is told by in a frame that does not name it (see _UNKNOWN_MODEL_PREFIX).
+_WORDED_REASONS: tuple[tuple[str, RefusalReason], ...] = (
+    (OVER_MAX_REQUEST_BYTES, "request_too_large"), (CONTEXT_EXCEEDED, "context_exceeded"),
+    (ARRAY_TOO_LONG, "array_too_long"), (STRING_TOO_LONG, "string_too_long"),
 )
 
 
-def refused(message: str, param: str | None = None) -> GatewayError:
+def refused(message: str, param: str | None = None, reason: RefusalReason | None = None) -> GatewayError:
     """The answer to a refusal of the request, the gateway's own or the mesh's (its `bad_request` frame), so that
-    both read alike: OpenAI's status and code for the reason of the first problem `message` names, else 400
-    `bad_request`; `param` (else the field the message names first) is OpenAI's `param`."""
-    if param is None:
-        field = _REFUSED_FIELD.match(message)
-        param = field[1] if field else None
+    both read alike: OpenAI's status and code for `reason`, else 400 `bad_request`; `param` is OpenAI's `param`."""
+    return (_REFUSAL_ANSWERS[reason] if reason else bad_request)(message, param)
+
+
+def refusal_of(error: BadRequest) -> GatewayError:
+    """The answer to a request the gateway refused itself (`error`'s field and reason as it names them)."""
+    return refused(str(error), error.param, error.reason)
+
+
+def _worded_refusal(message: str) -> tuple[str | None, RefusalReason | None]:
+    """The field and the reason of a refusal in an older orchestrator's frame, told by its words: the field it names
+    first, and the reason of its first problem."""
+    if message.startswith(_UNKNOWN_MODEL_PREFIX):
+        return "model", "unknown_model"
+    field = _REFUSED_FIELD.match(message)
     first_problem = message.split("; ", 1)[0]  # describe_validation_error's separator
-    answer = next((answer for reason, answer in _REFUSAL_ANSWERS if reason in first_problem), bad_request)
-    return answer(message, param)
+    reason = next((reason for words, reason in _WORDED_REASONS if words in first_problem), None)
+    return (field[1] if field else None), reason
 
 
 def unknown_model(model: str) -> GatewayError:
@@ -124,10 +144,10 @@ def from_frame(frame: ErrorFrame | PipelineAbortedFrame,
     """The HTTP error for the frame a call ended with; a 429's or 503's Retry-After is the frame's `retry_after_s`
     (an orchestrator's admission queue names one) or `default_retry_after_s` ([gateway] retry_after_s)."""
     message = frame.message if isinstance(frame, ErrorFrame) else frame.reason
-    if frame.code == "bad_request" and message.startswith(_UNKNOWN_MODEL_PREFIX):
-        return GatewayError(404, "model_not_found", message, param="model")
     if frame.code == "bad_request":
-        return refused(message)
+        if isinstance(frame, ErrorFrame) and (frame.refusal is not None or frame.param is not None):
+            return refused(message, frame.param, frame.refusal)
+        return refused(message, *_worded_refusal(message))
     status, error_type = _FRAME_STATUS.get(frame.code, (500, "server_error"))
     retry_after_s = (getattr(frame, "retry_after_s", None) or default_retry_after_s) if status in (429, 503) else None
     return GatewayError(status, frame.code, message, type=error_type, retry_after_s=retry_after_s)

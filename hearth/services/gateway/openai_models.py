@@ -34,8 +34,9 @@ from hearth.protocol.chat import (
     max_tokens_limit,
     max_top_logprobs,
 )
+from hearth.protocol.chat_frames import VerificationOutcome
 from hearth.protocol.quantization_labels import QuantizationLabel
-from hearth.protocol.refusals import array_too_long
+from hearth.protocol.refusals import RefusalReason, array_too_long
 from hearth.services.gateway.logprobs import ChatLogprobs, CompletionLogprobs
 from hearth.services.gateway.tool_calls import ToolCallBody
 
@@ -51,9 +52,8 @@ FailFastList = Annotated[list[Item], Field(fail_fast=True)]
 class Unsupported(BadRequest):
     """A request field hearth refuses (one it cannot honour, or a value it does not take); `param` names it."""
 
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param = param
+    def __init__(self, param: str, message: str, reason: RefusalReason | None = None) -> None:
+        super().__init__(message, param=param, reason=reason)
 
 
 class ContentPart(BaseModel):
@@ -158,9 +158,9 @@ class _Sampling(BaseModel):
             raise Unsupported("n", f"'n' must be at most {max_choices}: hearth answers at most {max_choices} choices "
                                    f"per request (got {self.n})")
         if isinstance(self.stop, list) and len(self.stop) > openai_max_stop_strings:
-            # In the mesh's words for a list over its bound, so that it is answered as OpenAI does (errors.refused).
+            # In the mesh's words and reason for a list over its bound: answered as OpenAI does (errors.refused).
             raise Unsupported("stop", f"field 'stop': {array_too_long(openai_max_stop_strings, len(self.stop))} "
-                                      "(OpenAI's API takes at most that many stop strings)")
+                                      "(OpenAI's API takes at most that many stop strings)", "array_too_long")
 
     def _chat_request(self, *, max_tokens: int | None, **inputs: Any) -> ChatRequest:
         greedy = self.top_p == 0  # hearth's top_p must keep some mass: the greedy answer is what 0 asks for
@@ -180,7 +180,8 @@ class _Sampling(BaseModel):
         try:
             return ChatRequest(**fields)
         except ValidationError as error:
-            raise _refusal(error) from None
+            # The request's fields carry the body's names: the field refused is the one the client sent.
+            raise BadRequest.of_validation(error) from None
 
     def _hearth_options(self) -> HearthOptions:
         try:
@@ -194,15 +195,6 @@ class _HearthField(BaseModel):
     """The body's `hearth` alone, so that a refusal names each option as `hearth.NAME`."""
 
     hearth: HearthOptions
-
-
-def _refusal(error: ValidationError, param: str | None = None) -> BadRequest:
-    """A request hearth's own bounds refuse, naming the field (`param`, else the first one refused) as the
-    client sent it: the request's fields carry the body's names."""
-    locations = [item["loc"] for item in error.errors(include_url=False) if item["loc"]]
-    param = param or (str(locations[0][0]) if locations else None)
-    message = describe_validation_error(error)
-    return Unsupported(param, message) if param else BadRequest(message)
 
 
 class ChatCompletionRequest(_Sampling):
@@ -242,7 +234,7 @@ class ChatCompletionRequest(_Sampling):
         try:
             messages = [message.to_chat_message(index) for index, message in enumerate(self.messages)]
         except ValidationError as error:
-            raise _refusal(error, "messages") from None
+            raise BadRequest.of_validation(error, "messages") from None
         return self._chat_request(max_tokens=max_tokens, messages=messages, logprobs=bool(self.logprobs),
                                   top_logprobs=self.top_logprobs or 0, **structured)
 
@@ -304,17 +296,25 @@ class ChatChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
 
 
-class ChatCompletion(BaseModel):
+def _is_none(value: object) -> bool:
+    return value is None
+
+
+class _Verified(BaseModel):
+    """An answer, or a stream's chunk sent once the call ended, that says whether the call's hops were checked as
+    its `hearth.verify` asked: hearth's extension field, absent at `none` (OpenAI's clients keep a field they do not
+    know: openai-python's `model_extra`)."""
+
+    hearth_verification: VerificationOutcome | None = Field(default=None, exclude_if=_is_none)
+
+
+class ChatCompletion(_Verified):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[ChatChoice]
     usage: UsageBody
-
-
-def _is_none(value: object) -> bool:
-    return value is None
 
 
 class ChunkDelta(BaseModel):
@@ -332,7 +332,7 @@ class ChunkChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
 
 
-class ChatCompletionChunk(BaseModel):
+class ChatCompletionChunk(_Verified):
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     created: int
@@ -348,7 +348,7 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
 
 
-class Completion(BaseModel):
+class Completion(_Verified):
     """A text completion, and (object `text_completion` too, as OpenAI sends it) one chunk of a streamed one."""
 
     id: str

@@ -41,12 +41,13 @@ def prompt_room(request: ChatRequest, model: LoadedModel) -> int | None:
     beyond = sorted(token_id for token_id in request.logit_bias if token_id >= vocab_size)
     if beyond:
         raise BadRequest(f"field 'logit_bias.{beyond[0]}': token id {beyond[0]} is not in the model's vocabulary of "
-                         f"{vocab_size} tokens")
+                         f"{vocab_size} tokens", param="logit_bias")
     context = model.context_length
     room = None if context is None else context - request.max_tokens
     if room is not None and room < 1:
         raise BadRequest(f"field 'max_tokens': max_tokens {request.max_tokens} leaves no room for a prompt: with one "
-                         f"prompt token they {CONTEXT_EXCEEDED} of {context} tokens")
+                         f"prompt token they {CONTEXT_EXCEEDED} of {context} tokens", param="max_tokens",
+                         reason="context_exceeded")
     return room
 
 
@@ -62,13 +63,14 @@ async def admit_prompt(request: ChatRequest, model: LoadedModel) -> list[int]:
         await on_compute_thread(grammar.check, model)
     if prompt_ids is None:
         raise BadRequest(f"fields '{field}' and 'max_tokens': the prompt's at least {at_least} tokens plus "
-                         f"max_tokens {request.max_tokens} {CONTEXT_EXCEEDED} of {context} tokens")
+                         f"max_tokens {request.max_tokens} {CONTEXT_EXCEEDED} of {context} tokens", param=field,
+                         reason="context_exceeded")
     if not prompt_ids:
-        raise BadRequest(f"field '{field}': the prompt encodes to no tokens")
+        raise BadRequest(f"field '{field}': the prompt encodes to no tokens", param=field)
     if room is not None and len(prompt_ids) > room:
         raise BadRequest(f"fields '{field}' and 'max_tokens': the prompt's {len(prompt_ids)} tokens plus max_tokens "
                          f"{request.max_tokens} = {len(prompt_ids) + request.max_tokens} {CONTEXT_EXCEEDED} "
-                         f"of {context} tokens")
+                         f"of {context} tokens", param=field, reason="context_exceeded")
     return prompt_ids
 
 
@@ -80,12 +82,15 @@ def _tokenize_within(request: ChatRequest, model: LoadedModel, room: int | None)
     try:
         messages = [m.for_template() for m in request.messages] if request.messages is not None else None
     except _INPUT_ERRORS as error:
-        raise BadRequest(f"field 'messages': {type(error).__name__}: {str(error)[:template_error_chars]}") from None
+        raise BadRequest(f"field 'messages': {type(error).__name__}: {str(error)[:template_error_chars]}",
+                         param="messages") from None
     tools = [tool.model_dump(exclude_none=True) for tool in request.tools] if request.tools else None
     if not head.has_tokenizer:
-        raise BadRequest(f"field 'model': model {model.model_id} has no tokenizer on this orchestrator")
+        raise BadRequest(f"field 'model': model {model.model_id} has no tokenizer on this orchestrator",
+                         param="model")
     if messages is not None and not getattr(head.tokenizer, "chat_template", None):
-        raise BadRequest(f"field 'messages': model {model.model_id} has no chat template; send 'prompt' instead")
+        raise BadRequest(f"field 'messages': model {model.model_id} has no chat template; send 'prompt' instead",
+                         param="messages")
     if messages is not None:
         _refuse_control_tokens(head, messages, tools)
     try:
@@ -100,11 +105,12 @@ def _tokenize_within(request: ChatRequest, model: LoadedModel, room: int | None)
         ids = head.encode_chat(messages, tools=tools) if messages is not None else head.encode_prompt(text)
     except _INPUT_ERRORS as error:
         first_line = (str(error).splitlines() or [type(error).__name__])[0][:template_error_chars]
-        raise BadRequest(f"field '{field}': the model's tokenizer or chat template refused it: {first_line}") from None
+        raise BadRequest(f"field '{field}': the model's tokenizer or chat template refused it: {first_line}",
+                         param=field) from None
     # A tokenizer may know tokens the model has no embedding for (Ollama's Gemma 3 files list image tokens beyond it).
     if ids and (beyond := max(ids)) >= model.head.info.vocab_size:
         raise BadRequest(f"field '{field}': it encodes to token {beyond}, which model {model.model_id} has no "
-                         f"embedding for (it has {model.head.info.vocab_size})")
+                         f"embedding for (it has {model.head.info.vocab_size})", param=field)
     return list(ids), 0
 
 
@@ -115,10 +121,10 @@ def _refuse_control_tokens(head: Head, messages: list[dict], tools: list[dict] |
     written = head.control_tokens_in(_json_parts(messages, keys=False))
     if written > max_control_tokens_in_messages:
         raise BadRequest(f"field 'messages': {written} control tokens of the chat template written as text, more than "
-                         f"{max_control_tokens_in_messages}")
+                         f"{max_control_tokens_in_messages}", param="messages")
     if head.control_tokens_in(_json_parts([messages, tools], keys=True)):
         raise BadRequest("fields 'messages' and 'tools': a key of a tool call's arguments or of a tool's parameters "
-                         "writes a control token of the chat template")
+                         "writes a control token of the chat template", param="messages")
 
 
 def _json_parts(value, *, keys: bool) -> Iterator[str]:

@@ -93,7 +93,7 @@ class CallServing:
         try:
             request = parse_chat_request(msg.data)
         except BadRequest as error:
-            await client.send(ErrorFrame(seq=0, code="bad_request", message=str(error)))
+            await client.send(ErrorFrame.refusing(error))
             return
         if not self.enabled:
             await client.send(ErrorFrame(seq=0, code="experimental_disabled",
@@ -105,7 +105,8 @@ class CallServing:
                 servable = [m.id for m in served.models if m.complete or m.runnable_locally]
                 await client.send(ErrorFrame(seq=0, code="bad_request", message=(
                     f"field 'model': required when the mesh does not serve exactly one model (it serves "
-                    f"{len(servable)}: {', '.join(servable) or 'none'}; ask {MODELS_REQUEST_SUBJECT})")))
+                    f"{len(servable)}: {', '.join(servable) or 'none'}; ask {MODELS_REQUEST_SUBJECT})"),
+                    param="model"))
                 return
             request = request.model_copy(update={"model": served.default_model})
         try:
@@ -113,10 +114,11 @@ class CallServing:
             # Only cheap checks before the queue: the prompt is tokenized when the call's turn comes.
             prompt_room(request, model)
         except UnknownModel as error:
-            await client.send(ErrorFrame(seq=0, code="bad_request", message=f"field 'model': {error}"))
+            await client.send(ErrorFrame(seq=0, code="bad_request", message=f"field 'model': {error}",
+                                         refusal="unknown_model", param="model"))
             return
         except BadRequest as error:
-            await client.send(ErrorFrame(seq=0, code="bad_request", message=str(error)))
+            await client.send(ErrorFrame.refusing(error))
             return
         ran = False
         try:
@@ -125,7 +127,7 @@ class CallServing:
                 try:
                     prompt_ids = await admit_prompt(request, model)
                 except BadRequest as error:
-                    await client.send(ErrorFrame(seq=0, code="bad_request", message=str(error)))
+                    await client.send(ErrorFrame.refusing(error))
                     return
                 ran = True
                 async with self._counted_as_running():

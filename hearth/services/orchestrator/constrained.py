@@ -40,7 +40,8 @@ class OutputGrammar:
         try:
             GrammarState(_table(model), self.grammar, []).compile()
         except GrammarError as error:
-            raise BadRequest(f"field '{self.field}': hearth cannot constrain output to it: {error}") from None
+            raise BadRequest(f"field '{self.field}': hearth cannot constrain output to it: {error}",
+                             param=self.field.split(".")[0]) from None
 
     def state(self, model: LoadedModel, generated: list[int]) -> GrammarState:
         """The call's matcher over its `generated` tokens (compiled at its first use; `check` made the token
@@ -84,7 +85,8 @@ def _tool_grammar(request: ChatRequest) -> OutputGrammar:
     try:
         grammar = lark_grammar(lark)
     except GrammarError as error:
-        raise BadRequest(f"field 'tools': hearth cannot constrain a call's arguments to it: {error}") from None
+        raise BadRequest(f"field 'tools': hearth cannot constrain a call's arguments to it: {error}",
+                         param="tools") from None
     return OutputGrammar(grammar, "tools", FINISH_TOOL_CALLS)
 
 
@@ -92,7 +94,8 @@ def _schema_grammar(schema: dict, field: str) -> str:
     try:
         return json_schema_grammar(schema)
     except GrammarError as error:
-        raise BadRequest(f"field '{field}': hearth cannot constrain output to it: {error}") from None
+        raise BadRequest(f"field '{field}': hearth cannot constrain output to it: {error}",
+                         param=field.split(".")[0]) from None
 
 
 def _table(model: LoadedModel):

@@ -28,10 +28,11 @@ from hearth.readmodels.retention import retention_policy
 from hearth.readmodels.runner import Projector
 from hearth.services.common.call_nonces import MeshNonces
 from hearth.services.common.call_signing import CallRefused
+from hearth.protocol.chat import BadRequest
 from hearth.protocol.discovery import ModelsRequest
 from hearth.protocol.chat_frames import ErrorFrame
 from hearth.protocol.subjects import CHAT_REQUEST_SUBJECT, MODELS_REQUEST_SUBJECT, orchestrator_request_subject
-from hearth.protocol.refusals import body_too_large, describe_validation_error
+from hearth.protocol.refusals import body_too_large
 from hearth.services.common.config import HearthSettings
 from hearth.services.common.event_trust import (
     call_verifier,
@@ -191,7 +192,7 @@ class Orchestrator(CallServing):
                     ModelsRequest.model_validate_json(msg.data)
                 reply = await describe_models(self.context.router, self.catalog)
         except ValidationError as error:
-            reply = ErrorFrame(seq=0, code="bad_request", message=describe_validation_error(error))
+            reply = ErrorFrame.refusing(BadRequest.of_validation(error))
         except Exception as error:  # the read model or the catalog failed us: said, as a chat request's failure is
             log.exception("models request failed")
             reply = ErrorFrame(seq=0, code="internal_error", message=str(error)[:error_message_chars])
@@ -203,7 +204,8 @@ class Orchestrator(CallServing):
         parsed or read: a large body costs many times its size once decoded."""
         limits = self.settings.orchestrator
         if len(msg.data) > (limit := limits.max_request_bytes):
-            return ErrorFrame(seq=0, code="bad_request", message=body_too_large(len(msg.data), limit))
+            return ErrorFrame(seq=0, code="bad_request", message=body_too_large(len(msg.data), limit),
+                              refusal="request_too_large")
         size = header_bytes(msg.headers)
         if size > limits.max_request_header_bytes:
             return ErrorFrame(seq=0, code="bad_request", message=(
