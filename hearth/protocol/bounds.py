@@ -4,6 +4,8 @@
 SUBJECT_TOKEN_PATTERN = r"^[A-Za-z0-9_-]{1,128}$"
 max_id_chars = 256  # node ids, model ids, digests, subjects, request ids
 max_shard_id_chars = 2 * max_id_chars + 32  # "<model_id>:<lo>-<hi>[+<scheme>]@<node_id>"
+# The longest wait a refusal may suggest before a call is sent again (`retry_after_s`): an hour.
+max_retry_after_s = 3600.0
 max_reason_chars = 2000  # free text; an emitter's longer text is cut to this, never refused
 # Hops of a pipeline (also the most [research.distributed_inference] max_shards_per_request): a shard builds subjects
 # from a hop's number, so an unbounded one could outgrow the broker's control line and cost the shard its connection.

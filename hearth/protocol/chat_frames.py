@@ -6,7 +6,7 @@ from typing import Annotated, Any, Literal, Union, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator
 
-from hearth.protocol.bounds import max_id_chars
+from hearth.protocol.bounds import max_id_chars, max_retry_after_s
 from hearth.protocol.chat import BadRequest, is_none, max_choices
 from hearth.protocol.refusals import RefusalReason, max_param_chars
 
@@ -166,12 +166,23 @@ class ErrorFrame(_Frame):
     type: Literal["error"] = "error"
     code: ErrorCode
     message: str
-    # With `overloaded`: how long the client should wait before sending the call again.
-    retry_after_s: float | None = Field(default=None, ge=0)
+    # With `overloaded`: how long the client should wait before sending the call again (at most an hour).
+    retry_after_s: float | None = Field(default=None, ge=0, le=max_retry_after_s)
     # With `bad_request`: why, where a client acts on the reason (a program reads this, never the message's words),
     # and the field refused (its top-level name); absent where the refusal has none.
     refusal: RefusalReason | None = Field(default=None, exclude_if=is_none)
     param: str | None = Field(default=None, min_length=1, max_length=max_param_chars, exclude_if=is_none)
+
+    @field_validator("retry_after_s", mode="before")
+    @classmethod
+    def _longest_wait(cls, value: object) -> object:
+        """A longer wait than any client would keep (an infinite one too) reads as the longest: the frame still
+        counts, and a client's Retry-After stays a number it can send."""
+        try:
+            longer = not isinstance(value, bool) and float(value) > max_retry_after_s  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            return value  # not a number: the field's own check refuses it
+        return max_retry_after_s if longer else value
 
     @field_validator("refusal", mode="before")
     @classmethod

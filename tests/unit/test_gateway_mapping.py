@@ -9,7 +9,8 @@ import pytest
 from pydantic import ValidationError
 
 from hearth.protocol.chat import BadRequest
-from hearth.protocol.chat_frames import DoneFrame, ErrorFrame, PipelineAbortedFrame, Usage
+from hearth.protocol.bounds import max_retry_after_s
+from hearth.protocol.chat_frames import DoneFrame, ErrorFrame, PipelineAbortedFrame, Usage, decode_frame
 from hearth.services.gateway.answers import ChatShape, CompletionShape, finish_reason
 from hearth.services.gateway.errors import from_frame
 from hearth.services.gateway.keys import (
@@ -149,6 +150,19 @@ def test_an_unknown_model_is_404_and_overloaded_names_its_wait():
     assert json.loads(response.body)["error"] == {"message": "full", "type": "rate_limit_error", "param": None,
                                                   "code": "overloaded"}
 
+
+
+@pytest.mark.parametrize("named", ["1e308", '"Infinity"', "86400"])
+def test_a_frame_naming_a_wait_past_an_hour_asks_an_hour(named):
+    """An orchestrator (a member, or a bug) naming an endless wait must not break the gateway's answer: the frame
+    still counts, and its Retry-After is the longest wait hearth suggests."""
+    frame = decode_frame(f'{{"type": "error", "seq": 0, "code": "overloaded", "message": "full", '
+                         f'"retry_after_s": {named}}}'.encode())
+    assert frame.retry_after_s == max_retry_after_s
+    response = from_frame(frame).response()
+    assert (response.status_code, response.headers["retry-after"]) == (429, str(int(max_retry_after_s)))
+    with pytest.raises(ValidationError):
+        decode_frame(b'{"type": "error", "seq": 0, "code": "overloaded", "message": "full", "retry_after_s": -1}')
 
 def test_answers_have_openai_s_shape():
     done = DoneFrame(seq=4, finish_reason="fallback_length", usage=Usage(prompt_tokens=5, completion_tokens=2))

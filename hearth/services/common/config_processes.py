@@ -12,6 +12,7 @@ from pydantic import Field
 
 from hearth.events.envelope import max_event_duration_s
 from hearth.events.streams import MiB
+from hearth.protocol.bounds import max_retry_after_s
 from hearth.services.common.config_sections import ConfigSection
 
 
@@ -90,7 +91,8 @@ class OrchestratorSettings(ConfigSection):
                     "for a member never every running place (at most max_concurrent_pipelines - 1); the rest "
                     "of its calls wait in the queue")
     overloaded_retry_after_s: float = Field(
-        default=5.0, gt=0, description="`retry_after_s` an `overloaded` answer suggests to its client")
+        default=5.0, gt=0, le=max_retry_after_s,
+        description="`retry_after_s` an `overloaded` answer suggests to its client")
     at_capacity_retry_s: float = Field(
         default=0.5, gt=0,
         description="a shard that answered `at_capacity` is tried again after this, or when one of our own "

@@ -8,6 +8,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from hearth.protocol.bounds import max_retry_after_s
+
 
 # Where a listener binds unless told otherwise: this machine only.
 loopback_host = "127.0.0.1"
@@ -37,7 +39,8 @@ class GatewaySettings(ConfigSection):
     max_open_requests: int = Field(
         default=1024, ge=1, description="calls in flight at once; one more is refused with 429 `overloaded`")
     retry_after_s: float = Field(
-        default=1.0, gt=0, description="the Retry-After of a 429 or 503 whose refusal names no wait of its own")
+        default=1.0, gt=0, le=max_retry_after_s,
+        description="the Retry-After of a 429 or 503 whose refusal names no wait of its own")
     api_keys_recheck_s: float = Field(
         default=1.0, gt=0, description="how often at most the gateway looks whether api_keys.json or the roster "
                                        "changed (a key made or revoked takes effect within this, no restart)")
