@@ -7,14 +7,13 @@ import uuid
 from datetime import datetime, timezone
 from typing import Annotated
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from hearth.protocol.bounds import max_id_chars, max_pipeline_hops, max_reason_chars, max_shard_id_chars
+from hearth.protocol.bounds import max_id_chars, max_label_chars, max_pipeline_hops, max_shard_id_chars
 from hearth.trust.keys import PUBLIC_KEY_PATTERN, USER_PUBLIC_KEY_LENGTH
 
 # Every string and list an event carries is bounded (docs/events.md, "Limits"), so no event, forged or buggy, can
 # fill the log or a read model: the largest event fits the streams' max_msg_size (hearth/events/streams.py).
-max_label_chars = 64  # dtypes, statuses, codes, finish reasons
 max_event_hops = max_pipeline_hops  # hops of a pipeline (hearth/protocol/bounds.py)
 max_signature_chars = 128  # an Ed25519 signature is 88 base64 characters; a longer one is refused
 # The largest magnitude of any number an event carries: no honest one comes near it, and the read models' 64-bit
@@ -25,18 +24,9 @@ max_event_number = 2**40
 max_event_duration_s = 10**7
 
 
-def _cut_to_reason_chars(value: object) -> object:
-    if not isinstance(value, str):
-        return value
-    # A lone surrogate (a JSON escape such as \ud800) is text no database or log can encode: it becomes "?".
-    return value[:max_reason_chars].encode("utf-8", "replace").decode("utf-8")
-
-
 Id = Annotated[str, Field(max_length=max_id_chars)]
 ShardId = Annotated[str, Field(max_length=max_shard_id_chars)]
 Label = Annotated[str, Field(max_length=max_label_chars)]
-# A reason is for people to read: cut rather than refused, so a long error text never loses its event.
-Reason = Annotated[str, BeforeValidator(_cut_to_reason_chars), Field(max_length=max_reason_chars)]
 Hops = Annotated[list[ShardId], Field(max_length=max_event_hops)]
 
 

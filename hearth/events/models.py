@@ -13,11 +13,11 @@ from hearth.events.envelope import (
     Hops,
     Id,
     Label,
-    Reason,
     ShardId,
     max_event_duration_s,
     max_event_hops,
 )
+from hearth.protocol.bounded_values import Reason
 from hearth.protocol.bounds import SUBJECT_TOKEN_PATTERN
 from hearth.protocol.chat_frames import VerificationOutcome
 from hearth.trust.keys import PUBLIC_KEY_PATTERN, USER_PUBLIC_KEY_LENGTH

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, TypeAdapter, field_validator, model_validator
 
-from hearth.protocol.bounds import max_id_chars, max_retry_after_s
-from hearth.protocol.chat import BadRequest, is_none, max_choices
+from hearth.protocol.bounded_values import (
+    Count, CutHops, CutId, CutLabel, CutShardId, Logprob, Measure, Place, Reason, absent_unless_fits, clamped, cut_list,
+    read_measure,
+)
+from hearth.protocol.bounds import max_id_chars, max_label_chars, max_retry_after_s
+from hearth.protocol.chat import BadRequest, is_none, max_choices, max_top_logprobs
 from hearth.protocol.refusals import RefusalReason, max_param_chars
 
 ErrorCode = Literal[
@@ -16,6 +20,8 @@ ErrorCode = Literal[
 ]
 # Whether a call was held to the verification its ChatParams.verify asked for.
 VerificationOutcome = Literal["met", "unmet"]
+# Keys of a done frame's `timing` besides those Timing names that a reader keeps.
+max_timing_extras = 16
 
 
 def _is_first_choice(value: object) -> bool:
@@ -30,8 +36,8 @@ class _Frame(BaseModel):
 
 class PipelineFrame(_Frame):
     type: Literal["pipeline"] = "pipeline"
-    pipeline_id: str
-    hops: list[str]
+    pipeline_id: CutId
+    hops: CutHops
     # Which of the request's `n` choices this frame is about (left out for the first).
     choice: int = Field(default=0, ge=0, lt=max_choices, exclude_if=_is_first_choice)
 
@@ -41,7 +47,7 @@ class TokenAlternative(BaseModel):
 
     token_id: int
     text: str
-    logprob: float
+    logprob: Logprob
 
 
 class TokenLogprobs(BaseModel):
@@ -52,8 +58,9 @@ class TokenLogprobs(BaseModel):
 
     # The sampled token decoded alone (the frame's `text` is what the stop rules released with it).
     text: str
-    logprob: float
-    top_logprobs: list[TokenAlternative] = Field(default_factory=list)
+    logprob: Logprob
+    top_logprobs: Annotated[list[TokenAlternative], BeforeValidator(cut_list(max_top_logprobs))] = Field(
+        default_factory=list, max_length=max_top_logprobs)
 
 
 class TokenDeltaFrame(_Frame):
@@ -61,7 +68,7 @@ class TokenDeltaFrame(_Frame):
     text: str
     token_id: int
     # Which shard hosts ran the step that produced this token (shard ids, in hop order).
-    hops: list[str] | None = None
+    hops: CutHops | None = None
     # Only when the request asked for `logprobs`; absent otherwise.
     logprobs: TokenLogprobs | None = Field(default=None, exclude_if=is_none)
     # Which of the request's `n` choices this frame is about (left out for the first).
@@ -70,18 +77,18 @@ class TokenDeltaFrame(_Frame):
 
 class ShardStatusFrame(_Frame):
     type: Literal["shard_status"] = "shard_status"
-    shard_id: str
+    shard_id: CutShardId
     status: Literal["degraded", "healthy"]
-    reason: str
+    reason: Reason
     # Which of the request's `n` choices this frame is about (left out for the first).
     choice: int = Field(default=0, ge=0, lt=max_choices, exclude_if=_is_first_choice)
 
 
 class ShardFailoverFrame(_Frame):
     type: Literal["shard_failover"] = "shard_failover"
-    failed_shard_id: str
-    replacement_hops: list[str]
-    resumed_at_token: int
+    failed_shard_id: CutShardId
+    replacement_hops: CutHops
+    resumed_at_token: Count
     # Which of the request's `n` choices this frame is about (left out for the first).
     choice: int = Field(default=0, ge=0, lt=max_choices, exclude_if=_is_first_choice)
 
@@ -92,9 +99,9 @@ class TokensWithdrawnFrame(_Frame):
     shard_failover frame follows)."""
 
     type: Literal["tokens_withdrawn"] = "tokens_withdrawn"
-    kept_tokens: int = Field(ge=0)
-    shard_id: str
-    reason: str
+    kept_tokens: Count
+    shard_id: CutShardId
+    reason: Reason
     # Which of the request's `n` choices this frame is about (left out for the first).
     choice: int = Field(default=0, ge=0, lt=max_choices, exclude_if=_is_first_choice)
 
@@ -102,32 +109,48 @@ class TokensWithdrawnFrame(_Frame):
 class PipelineAbortedFrame(_Frame):
     type: Literal["pipeline_aborted"] = "pipeline_aborted"
     code: ErrorCode
-    reason: str
+    reason: Reason
     # Which of the request's `n` choices this frame is about (left out for the first).
     choice: int = Field(default=0, ge=0, lt=max_choices, exclude_if=_is_first_choice)
 
 
 class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
+    prompt_tokens: Count
+    completion_tokens: Count
 
 
 class Timing(BaseModel):
+    """How the call went; more keys may appear (a reader keeps at most 16 of them, `max_timing_extras`, each a number
+    or null, read as the fields are)."""
+
     model_config = ConfigDict(extra="allow")
 
-    ttft_ms: float | None = None
+    ttft_ms: Measure = None
     # How long the call waited in the orchestrator's queue before it started.
-    queue_wait_ms: float | None = None
-    tokens_per_second: float | None = None
-    duration_ms: float | None = None
+    queue_wait_ms: Measure = None
+    tokens_per_second: Measure = None
+    duration_ms: Measure = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bounded_extras(cls, data: object) -> object:
+        """Keys this side does not know are kept only as numbers (or null), at most `max_timing_extras` of them:
+        a frame cannot make a reader print or hold text of any size under a name it does not know."""
+        if not isinstance(data, dict):
+            return data
+        known = {key: value for key, value in data.items() if key in cls.model_fields}
+        extras = [(key, read_measure(value)) for key, value in data.items()
+                  if key not in cls.model_fields and isinstance(key, str) and len(key) <= max_label_chars
+                  and (value is None or (isinstance(value, (int, float)) and not isinstance(value, bool)))]
+        return {**known, **dict(extras[:max_timing_extras])}
 
 
 class ChoiceEnd(BaseModel):
     """How one of a request's `n` choices ended."""
 
     choice: int = Field(ge=0, lt=max_choices)
-    finish_reason: str
-    completion_tokens: int = Field(ge=0)
+    finish_reason: CutLabel
+    completion_tokens: Count
 
 
 class DoneFrame(_Frame):
@@ -135,12 +158,13 @@ class DoneFrame(_Frame):
     the first choice's, `usage.completion_tokens` counts every choice's tokens, and `choices` says how each ended."""
 
     type: Literal["done"] = "done"
-    finish_reason: Literal["stop", "length", "fallback_stop", "fallback_length"] | str
+    finish_reason: Literal["stop", "length", "fallback_stop", "fallback_length"] | CutLabel
     usage: Usage
     timing: Timing = Field(default_factory=Timing)
     choices: list[ChoiceEnd] | None = Field(default=None, max_length=max_choices, exclude_if=is_none)
     # The orchestrator that answered (its node id): a conversation's next turn goes to its own subject first.
-    orchestrator: str | None = Field(default=None, min_length=1, max_length=max_id_chars, exclude_if=is_none)
+    orchestrator: Annotated[str | None, BeforeValidator(absent_unless_fits(max_id_chars))] = Field(
+        default=None, min_length=1, max_length=max_id_chars, exclude_if=is_none)
     # `unmet`: some hop's work was not checked as `params.verify` asks (no replica to check it, say); absent at `none`.
     verification: VerificationOutcome | None = Field(default=None, exclude_if=is_none)
 
@@ -157,32 +181,34 @@ class QueuedFrame(_Frame):
     whenever its place changes. `position` 1 is the next call to start."""
 
     type: Literal["queued"] = "queued"
-    position: int = Field(ge=1)
+    position: Place
     # Calls waiting on this orchestrator in all (this one included).
-    queued_requests: int = Field(ge=1)
+    queued_requests: Place
 
 
 class ErrorFrame(_Frame):
     type: Literal["error"] = "error"
     code: ErrorCode
-    message: str
+    message: Reason
     # With `overloaded`: how long the client should wait before sending the call again (at most an hour).
     retry_after_s: float | None = Field(default=None, ge=0, le=max_retry_after_s)
     # With `bad_request`: why, where a client acts on the reason (a program reads this, never the message's words),
     # and the field refused (its top-level name); absent where the refusal has none.
     refusal: RefusalReason | None = Field(default=None, exclude_if=is_none)
-    param: str | None = Field(default=None, min_length=1, max_length=max_param_chars, exclude_if=is_none)
+    param: Annotated[str | None, BeforeValidator(absent_unless_fits(max_param_chars))] = Field(
+        default=None, min_length=1, max_length=max_param_chars, exclude_if=is_none)
 
     @field_validator("retry_after_s", mode="before")
     @classmethod
-    def _longest_wait(cls, value: object) -> object:
-        """A longer wait than any client would keep (an infinite one too) reads as the longest: the frame still
-        counts, and a client's Retry-After stays a number it can send."""
+    def _wait_within_bounds(cls, value: object) -> object:
+        """A longer wait than any client would keep (an infinite one too) reads as the longest, a negative one as
+        none, one that is no number (NaN) as absent: the frame still counts, and a client's Retry-After stays a
+        number it can send."""
         try:
-            longer = not isinstance(value, bool) and float(value) > max_retry_after_s  # type: ignore[arg-type]
+            wait = value if isinstance(value, bool) else float(value)  # type: ignore[arg-type]
         except (TypeError, ValueError):
             return value  # not a number: the field's own check refuses it
-        return max_retry_after_s if longer else value
+        return clamped(0.0, max_retry_after_s)(wait)
 
     @field_validator("refusal", mode="before")
     @classmethod

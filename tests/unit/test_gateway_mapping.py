@@ -161,8 +161,10 @@ def test_a_frame_naming_a_wait_past_an_hour_asks_an_hour(named):
     assert frame.retry_after_s == max_retry_after_s
     response = from_frame(frame).response()
     assert (response.status_code, response.headers["retry-after"]) == (429, str(int(max_retry_after_s)))
-    with pytest.raises(ValidationError):
-        decode_frame(b'{"type": "error", "seq": 0, "code": "overloaded", "message": "full", "retry_after_s": -1}')
+    # A negative wait reads as none (docs/protocol.md, "Reading a frame"): Retry-After's shortest, a second.
+    negative = decode_frame(b'{"type": "error", "seq": 0, "code": "overloaded", "message": "full", '
+                            b'"retry_after_s": -1}')
+    assert (negative.retry_after_s, from_frame(negative).response().headers["retry-after"]) == (0.0, "1")
 
 def test_answers_have_openai_s_shape():
     done = DoneFrame(seq=4, finish_reason="fallback_length", usage=Usage(prompt_tokens=5, completion_tokens=2))

@@ -22,8 +22,6 @@ from hearth.services.orchestrator.client_stream import ClientStream
 from hearth.services.orchestrator.constrained import FINISH_TOOL_CALLS, OutputGrammar, output_grammar
 from hearth.services.orchestrator.outcomes import SampledToken
 
-# What OpenAI reports for a log-probability too small for a float (JSON has no -Infinity).
-lowest_reported_logprob = -9999.0
 pipeline_id_random_bytes = 16
 
 
@@ -221,12 +219,10 @@ class Call:
         if step is None or step.token_id != token_id:
             return None
         head = self.model.head
-
-        def reported(logprob: float) -> float:
-            return max(logprob, lowest_reported_logprob)
-
-        return TokenLogprobs(text=head.token_text(token_id), logprob=reported(step.logprob), top_logprobs=[
-            TokenAlternative(token_id=alternative, text=head.token_text(alternative), logprob=reported(logprob))
+        # A log-probability of -infinity (JSON has none) is reported as OpenAI does: the frames' Logprob reads it as
+        # hearth.protocol.bounds.lowest_logprob.
+        return TokenLogprobs(text=head.token_text(token_id), logprob=step.logprob, top_logprobs=[
+            TokenAlternative(token_id=alternative, text=head.token_text(alternative), logprob=logprob)
             for alternative, logprob in step.top])
 
     @property
