@@ -2,11 +2,12 @@
 key it retires, passes the steward's role to its `new_public_key` on that stream from there on, so a reader whose
 roster still names an older steward key verifies what the new one signs without a new roster copy. The log chains the
 keys (each rotation is signed by the key as it stood); a reader follows the chain back to the roster's current steward
-key, so a roster that names a later steward key overrides what an older one let a stream name."""
+key, so a roster that names a later steward key overrides what an older one let a stream name. Signed calls and
+opens, at no position in a log, follow every stream's chain together (steward_key_for_calls, caller_by_logs)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from hearth.events.models import EventEnvelope, MemberKeyRotated
 from hearth.trust.roster import SYSTEM_MEMBER, Member, Roster
@@ -47,4 +48,46 @@ def steward_by_log(roster: Roster, public_key: str, succeeded: Succession) -> Me
         if predecessor == steward.public_key:
             return steward.model_copy(update={"public_key": public_key, "retired_keys": []})
         key = predecessor
+    return None
+
+
+def steward_key_for_calls(steward_key: str, named: Iterable[tuple[str, str]]) -> tuple[str | None, frozenset[str]]:
+    """The steward key a signed call or open counts as the steward's, and the keys it retired, from the roster's
+    current steward key and the steward keys the streams' logs named (`named`: each with the one it succeeded, every
+    stream's together). A call stands at no position in a log: the chain of rotations is followed from the roster's
+    key to its end, and each key it passes is retired. A key two streams name different successors of (a leaked key
+    got its own rotation into one of them first) is retired, and no key after it is the steward's (None) until a
+    roster names one."""
+    successors: dict[str, set[str]] = {}
+    for new_key, succeeded in named:
+        successors.setdefault(succeeded, set()).add(new_key)
+    key, retired = steward_key, set()
+    for _ in range(max_chain_length):
+        following = successors.get(key)
+        if not following:
+            return key, frozenset(retired)
+        retired.add(key)
+        if len(following) > 1:
+            return None, frozenset(retired)
+        (key,) = following
+        if key in retired:  # no log chains a key back to itself (passed_steward_key); a bound all the same
+            return None, frozenset(retired)
+    return None, frozenset(retired)
+
+
+def caller_by_logs(roster: Roster, public_key: str, named: Iterable[tuple[str, str]]) -> Member | None:
+    """The member whose call or open `public_key` signed: the roster's holder of the key, unless the logs retired it
+    as the steward's (steward_key_for_calls), or the steward where the logs' chain from the roster's steward key ends
+    at it. Only the steward's own keys follow the logs: a key the roster gives another member stays that member's."""
+    member = roster.by_key(public_key)
+    steward = roster.by_name(SYSTEM_MEMBER)
+    if steward is None or (member is not None and member.name != SYSTEM_MEMBER):
+        return member
+    current, retired = steward_key_for_calls(steward.public_key, named)
+    if public_key in retired:
+        return None
+    if member is not None:
+        return member
+    if public_key == current:
+        return steward.model_copy(update={"public_key": public_key, "retired_keys": []})
     return None

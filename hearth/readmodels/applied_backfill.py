@@ -11,7 +11,9 @@ messages stored that long ago (and `applied_ids_margin_s` more, for an emitter's
 ends at the position; without a retention policy (ids kept for ever) it is all the stream still holds up to there.
 Each message is read once, the ids written a few thousand per short transaction, with a progress line at INFO.
 On a community mesh only an event the verifier passes is recorded: a forged event rejected then must not make the real
-one, stored later, a duplicate.
+one, stored later, a duplicate. It is judged as a projection judges it now, after the removals and steward rotations
+the stream stored before it (hearth/events/logged_keys.py): those are read first, from the stream's first message, as
+the part read for ids may start after a rotation whose new steward key signed events in it.
 """
 
 from __future__ import annotations
@@ -25,7 +27,10 @@ from datetime import datetime, timedelta, timezone
 from sqlalchemy.orm import Session, sessionmaker
 
 from hearth.events.consume import StoredEvent, read_stream
-from hearth.events.signing import EventVerifier, StreamPosition
+from hearth.events.logged_keys import LoggedKeys
+from hearth.events.models import MemberRemoved
+from hearth.events.signing import EventVerifier
+from hearth.events.streams import MEMBER_REMOVAL_SUBJECTS
 from hearth.readmodels.applied_events import keeps_id, record_applied
 from hearth.readmodels.batch_rows import APPLIED_EVENTS, BatchRows, session_cursor
 from hearth.readmodels.projection import ReadModelProjection
@@ -68,11 +73,13 @@ async def record_stream_ids_applied_before(js, session_factory: sessionmaker[Ses
     read = recorded = 0
     pending: list[StoredEvent] = []
     said_at = time.monotonic()
+    logged = None if projection.verifier is None else LoggedRemovals(
+        projection.verifier, await _removals(js, stream, position))
     async with contextlib.aclosing(read_stream(js, stream, to_seq=position, from_time=from_time)) as messages:
         async for message in messages:
             read += 1
             if (isinstance(message, StoredEvent) and keeps_id(message)
-                    and _passes(projection.verifier, message)):
+                    and (logged is None or logged.passes(message))):
                 pending.append(message)
             if len(pending) >= ids_per_transaction:
                 recorded += await asyncio.to_thread(_record, session_factory, pending)
@@ -98,13 +105,32 @@ def _keeps_ids_of(session_factory: sessionmaker[Session], stream: str) -> bool:
             cursor.close()
 
 
-def _passes(verifier: EventVerifier | None, message: StoredEvent) -> bool:
-    """Whether the projection may have applied `message` (its removal cuts aside: an id too many only rejects a copy
-    of an event already rejected)."""
-    if verifier is None:
-        return True
-    return verifier.rejection(message.event, received_at=message.time, stored_data=message.data,
-                              position=StreamPosition(message.stream, message.seq, message.subject)) is None
+async def _removals(js, stream: str, position: int) -> list[StoredEvent]:
+    """`stream`'s removals and key rotations up to `position`, from its first message (few: one a removal)."""
+    removal_subject = MEMBER_REMOVAL_SUBJECTS.get(stream)
+    if removal_subject is None:
+        return []
+    async with contextlib.aclosing(read_stream(js, stream, to_seq=position, subject_filter=removal_subject)) as items:
+        return [item async for item in items if isinstance(item, StoredEvent) and isinstance(item.event, MemberRemoved)]
+
+
+class LoggedRemovals:
+    """The verdicts of a projection on a stream's events read in order, told of the removals and steward rotations
+    stored before each (read ahead, `removals`, and taken in as the read passes their positions)."""
+
+    def __init__(self, verifier: EventVerifier, removals: list[StoredEvent]) -> None:
+        self.verifier = verifier
+        self._ahead = iter(removals)
+        self._next = next(self._ahead, None)
+        self._logged = LoggedKeys()
+
+    def passes(self, message: StoredEvent) -> bool:
+        """Whether the projection may have applied `message`."""
+        while self._next is not None and self._next.seq < message.seq:
+            if self._logged.rejection(self.verifier, self._next) is None:
+                self._logged.record(self._next.event)  # type: ignore[arg-type]
+            self._next = next(self._ahead, None)
+        return self._logged.rejection(self.verifier, message) is None
 
 
 def _record(session_factory: sessionmaker[Session], messages: list[StoredEvent]) -> int:

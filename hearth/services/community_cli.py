@@ -162,8 +162,8 @@ def rotate_key_command(
     any, is deleted (a retired seed still opens hop keys sealed to it before). The steward's own key (`system`) is
     rotated the same way: its old key signs the rotation naming the new one, whose seed is made here in
     keys/system.nk; then every machine with the steward's tooling needs the new folder and every node of a cluster a
-    restart (its route password derives from the key); members' projectors learn the new key from the rotation in
-    the log, and the new roster is still best handed to every member."""
+    restart (its route password derives from the key); members' projectors, orchestrators (calls) and shard hosts
+    (opens) learn the new key from the rotation in the log, and the new roster is still best handed to every member."""
     from hearth.events.streams import StreamsMissing
     from hearth.services.broker.connection import BrokerUnreachable
     from hearth.services.community_removal import EarlierRemovalDiffers, RemovalNotPublished
@@ -195,8 +195,8 @@ def rotate_key_command(
                    "machine that runs the broker or the steward's tooling, and restart every node of a cluster "
                    "with the new folder (their route password derives from this key: nodes on the old and the new "
                    "one do not route to each other). Members' projectors learn the new key from the rotation on "
-                   "each stream that took it; hand the roster to every member too, as a stream that did not take "
-                   "it, and signed calls, go by the roster alone.")
+                   "each stream that took it, and their orchestrators and shard hosts for signed calls and opens; "
+                   "hand the roster to every member too, as a stream that did not take it goes by the roster alone.")
 
 
 @community_app.command("list")

@@ -76,3 +76,62 @@ def test_a_household_with_the_old_roster_applies_what_the_new_steward_key_signs(
         assert diff_databases(fresh, live) == []
         report = asyncio.run(as_auditor(community, server.url, lambda js: verify_streams(js, verifier, ALL_STREAMS)))
         assert report.bad == []
+
+
+def test_calls_and_opens_follow_the_stewards_rotation_in_the_log_with_the_old_roster(tmp_path):
+    """An orchestrator following the log while the steward rotates its key, and a shard host started after it, both
+    with the roster from before: the old steward key's call and open are refused, the new one's accepted. Before,
+    both went by the roster alone (the retired key accepted, the new one `unknown_signer`)."""
+    from hearth.services.broker.connection import connect_nats
+    from hearth.services.common.call_signing import CallRefused, signed_call_headers
+    from hearth.services.common.config import HearthSettings, NatsSettings
+    from hearth.services.common.event_trust import call_verifier, open_verifier, steward_keys_from_the_log
+    from hearth.events.streams import SHARDS_STREAM
+
+    with community_on_a_broker(tmp_path, (("hub", "orchestrator"), ("attic", "shard"))) as (community, server):
+        household_roster = tmp_path / "household" / "roster.json"
+        household_roster.parent.mkdir()
+        shutil.copy(community.roster_path, household_roster)
+        old_key = community.system_key()
+
+        def settings_of(member: str) -> HearthSettings:
+            return HearthSettings(nats=NatsSettings(url=server.url, roster_file=household_roster,
+                                                    creds_file=community.directory / "keys" / f"{member}.nk"))
+
+        def signer(verifier, key, subject: str, reply: str) -> str:
+            checked = verifier.check(subject, reply, b"{}", signed_call_headers(key, subject, reply, b"{}"))
+            return checked.reason if isinstance(checked, CallRefused) else checked.name
+
+        async def as_member(member: str, streams, work):
+            settings = settings_of(member)
+            connection = await connect_nats(server.url, name=f"test-{member}", settings=settings.nats)
+            follower = steward_keys_from_the_log(settings, connection.jetstream(), streams)
+            try:
+                await follower.start()
+                return await work(settings, follower)
+            finally:
+                await follower.stop()
+                await connection.close()
+
+        async def orchestrator(settings, follower):
+            verifier = call_verifier(settings, follower)
+            call = ("llm.chat.request", "_INBOX.system.x")
+            before = signer(verifier, old_key, *call)
+            rotated = await asyncio.to_thread(steward, "rotate-key", SYSTEM_MEMBER, "--dir", str(community.directory),
+                                              "--nats", server.url)
+            assert rotated.exit_code == 0, rotated.output
+            async with asyncio.timeout(10):
+                while len(follower.named()) < len(ALL_STREAMS):  # the rotation, as each stream stores it
+                    await asyncio.sleep(0.05)
+            return before, signer(verifier, old_key, *call), signer(verifier, community.system_key(), *call)
+
+        assert asyncio.run(as_member("hub", ALL_STREAMS, orchestrator)) == (
+            SYSTEM_MEMBER, "unknown_signer", SYSTEM_MEMBER)
+
+        async def shard_host(settings, follower):
+            verifier = open_verifier(settings, follower)
+            opening = ("hearth.ctl.attic.x", "")
+            return signer(verifier, old_key, *opening), signer(verifier, community.system_key(), *opening)
+
+        assert asyncio.run(as_member("attic", (SHARDS_STREAM,), shard_host)) == ("unknown_signer", SYSTEM_MEMBER)
+        assert Roster.load(household_roster).by_name(SYSTEM_MEMBER).public_key == old_key.public_key

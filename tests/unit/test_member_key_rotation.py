@@ -220,7 +220,8 @@ def test_after_the_rotation_calls_sealed_hop_keys_the_gateway_and_a_process_refu
 
 
 def test_hearth_replay_verify_passes_the_old_keys_events_before_the_rotation_only(community):
-    from hearth.services.replay.verify import LoggedKeys, PassedEvents, _verdict
+    from hearth.events.logged_keys import LoggedKeys
+    from hearth.services.replay.verify import PassedEvents, _verdict
 
     old_key = MemberKey.load(community.directory / "keys" / "attic.nk")
     advert = advertised(0, 3, "attic", control_subject=shard_control_subject("attic", SHARD_ID), t=0)

@@ -19,7 +19,8 @@ from hearth.readmodels.projection import ReadModelProjection
 from hearth.readmodels.rebuild import diff_databases
 from hearth.readmodels.tables import MemberRemoval, RejectedEvent
 from hearth.services.replay.shard_view import evidence_lines
-from hearth.services.replay.verify import LoggedKeys, PassedEvents, _verdict
+from hearth.events.logged_keys import LoggedKeys
+from hearth.services.replay.verify import PassedEvents, _verdict
 from hearth.trust.keys import MemberKey
 from hearth.trust.roster import SYSTEM_MEMBER, RemovalCut, Roster, new_member, new_roster
 from tests.readmodel_helpers import MODEL_ID, advertised, at, heartbeat, migrated_engine

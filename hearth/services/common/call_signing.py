@@ -1,6 +1,8 @@
 """Signed calls: a client signs each `llm.chat.request` in NATS headers (its public key, a timestamp, a nonce,
 an Ed25519 signature over subject, reply inbox, timestamp, nonce and body), and the orchestrator checks the
-signer against the roster, the trust it requires, the clock and the nonces it has seen.
+signer against the roster, the trust it requires, the clock and the nonces it has seen. The steward's own key follows
+the rotations the event streams' logs show (hearth/events/steward_keys.py, caller_by_logs), when the checker is told
+of them (hearth/services/common/logged_steward_keys.py).
 
 The signature covers the reply inbox, so a captured call replayed elsewhere cannot send its answer to a new
 place; the nonce cache (kept for twice the allowed clock skew) refuses a replay to the same place, and an
@@ -18,9 +20,10 @@ import re
 import secrets
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
+from hearth.events.steward_keys import caller_by_logs
 from hearth.trust.keys import PUBLIC_KEY_PATTERN, MemberKey, verify_b64
 from hearth.trust.roster import MEMBER_NAME_PATTERN, Member, Role, Roster, TrustLevel, trust_at_least
 
@@ -91,11 +94,14 @@ class CallRefused:
 class CallVerifier:
     """Checks signed calls against a roster: a known signer, a valid signature, a fresh timestamp, an unseen
     nonce, trust at least `min_caller_trust`, and a role among `caller_roles` (None: any role; an orchestrator's
-    check of calls gives CALLER_ROLES: hearth/services/common/event_trust.py, call_verifier)."""
+    check of calls gives CALLER_ROLES: hearth/services/common/event_trust.py, call_verifier).
+    `logged_steward_keys`: the steward keys the event streams' logs named so far, each with the one it succeeded
+    (None: the roster alone says whose key is the steward's)."""
 
     def __init__(self, roster: Roster | Callable[[bool], Roster], *, max_clock_skew_s: float,
                  min_caller_trust: TrustLevel, signed: str = "call", receiver: str = "orchestrator",
-                 caller_roles: tuple[Role, ...] | None = None) -> None:
+                 caller_roles: tuple[Role, ...] | None = None,
+                 logged_steward_keys: Callable[[], Iterable[tuple[str, str]]] | None = None) -> None:
         # A callable (given `recheck`: look at the roster file again now) is asked on every call: a long-running
         # orchestrator must know the members a steward added since it started.
         self._roster = roster if callable(roster) else (lambda recheck: roster)
@@ -105,6 +111,7 @@ class CallVerifier:
         # What is signed and who checks it, as refusals name them ("the open's timestamp ... this shard's clock").
         self.signed, self.receiver = signed, receiver
         self._seen: OrderedDict[str, float] = OrderedDict()
+        self._logged_steward_keys = logged_steward_keys or tuple
 
     @property
     def nonce_window_s(self) -> float:
@@ -131,7 +138,8 @@ class CallVerifier:
             return CallRefused("stale", f"the {self.signed}'s timestamp is {skew_s:.0f} s from this "
                                         f"{self.receiver}'s clock (at most {self.max_clock_skew_s:g} s allowed): "
                                         "are both clocks set by NTP?")
-        member = self._roster(False).by_key(signer) or self._roster(True).by_key(signer)
+        named = list(self._logged_steward_keys())
+        member = caller_by_logs(self._roster(False), signer, named) or caller_by_logs(self._roster(True), signer, named)
         if member is None:
             return CallRefused("unknown_signer", f"the {self.signed}'s key is not a member of this community")
         if not verify_b64(signer, _signed_bytes(subject, reply, timestamp, nonce, body), signature):

@@ -1,18 +1,21 @@
 """This process's part in signed events and calls: the member key it signs its events with, the verifier its
-projections check events with, the one an orchestrator checks calls with and the membership it routes by, all found
-from its [nats] credentials and the community roster."""
+projections check events with, the one an orchestrator checks calls with (and a shard host opens, both told of the
+steward keys the logs name) and the membership it routes by, all found from its [nats] credentials and the community
+roster."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from hearth.events.signing import EventVerifier, RosterFile
 from hearth.events.streams import StreamSetup
 from hearth.services.common.call_signing import CallVerifier
 from hearth.services.common.config import HearthSettings, NatsSettings
 from hearth.services.common.identity import IdentityError, default_roster_for, load_identity
+from hearth.services.common.logged_steward_keys import StewardKeysFromTheLog
 from hearth.trust.keys import MemberKey
 from hearth.trust.roster import CALLER_ROLES
 
@@ -49,21 +52,37 @@ def community_roster_file(nats: NatsSettings) -> Path | None:
     return roster_file
 
 
-def call_verifier(settings: HearthSettings) -> CallVerifier | None:
-    """The check an orchestrator runs on every `llm.chat.request`, from the community's roster; None on an open
-    mesh (no roster), where calls are answered unsigned."""
+def steward_keys_from_the_log(settings: HearthSettings, js: Any,
+                              streams: Sequence[str]) -> StewardKeysFromTheLog | None:
+    """What follows the steward keys `streams`' logs name, for the calls or opens this process checks (started and
+    stopped by it); None on an open mesh, or when the roster does not read (then opens are not told apart at all)."""
+    roster_file = community_roster_file(settings.nats)
+    if roster_file is None:
+        return None
+    try:
+        verifier = EventVerifier.from_roster_file(roster_file, max_clock_skew_s=settings.events.max_clock_skew_s)
+    except Exception:  # said by open_verifier; an orchestrator refuses to start on it in its projector's verifier
+        return None
+    return StewardKeysFromTheLog(js, verifier, streams)
+
+
+def call_verifier(settings: HearthSettings, steward_keys: StewardKeysFromTheLog | None = None) -> CallVerifier | None:
+    """The check an orchestrator runs on every `llm.chat.request`, from the community's roster and the steward keys
+    the logs name (`steward_keys`); None on an open mesh (no roster), where calls are answered unsigned."""
     roster_file = community_roster_file(settings.nats)
     if roster_file is None:
         return None
     roster = RosterFile(roster_file)
     return CallVerifier(lambda recheck: roster.current(recheck_now=recheck),
                         max_clock_skew_s=settings.events.max_clock_skew_s,
-                        min_caller_trust=settings.orchestrator.min_caller_trust, caller_roles=CALLER_ROLES)
+                        min_caller_trust=settings.orchestrator.min_caller_trust, caller_roles=CALLER_ROLES,
+                        logged_steward_keys=steward_keys.named if steward_keys is not None else None)
 
 
-def open_verifier(settings: HearthSettings) -> CallVerifier | None:
+def open_verifier(settings: HearthSettings, steward_keys: StewardKeysFromTheLog | None = None) -> CallVerifier | None:
     """The check a shard host runs on the signature of every `open` (an orchestrator signs it as a client signs a
-    call, with no reply subject), to tell whose hops it holds ([shard] max_hops_per_opener); None on an open mesh, or
+    call, with no reply subject), to tell whose hops it holds ([shard] max_hops_per_opener), told of the steward keys
+    the logs name (`steward_keys`, as call_verifier); None on an open mesh, or
     when the roster does not read (then opens are not told apart, as on an open mesh); IdentityError for a member
     key with no roster at all (community_roster_file)."""
     roster_file = community_roster_file(settings.nats)
@@ -76,7 +95,7 @@ def open_verifier(settings: HearthSettings) -> CallVerifier | None:
         return None
     return CallVerifier(lambda recheck: roster.current(recheck_now=recheck),
                         max_clock_skew_s=settings.events.max_clock_skew_s, min_caller_trust="member", signed="open",
-                        receiver="shard")
+                        receiver="shard", logged_steward_keys=steward_keys.named if steward_keys is not None else None)
 
 
 def node_membership(settings: HearthSettings) -> Callable[[str], str | None] | None:

@@ -22,6 +22,7 @@ from pydantic import ValidationError
 from sqlalchemy.orm import sessionmaker
 
 from hearth.events.outbox import EventOutbox
+from hearth.events.streams import ALL_STREAMS
 from hearth.inference.compute_thread import StepThreads
 from hearth.readmodels.catch_up import read_model_caught_up
 from hearth.readmodels.retention import retention_policy
@@ -39,6 +40,7 @@ from hearth.services.common.event_trust import (
     event_signing_key,
     event_verifier,
     node_membership,
+    steward_keys_from_the_log,
     stream_setup,
 )
 from hearth.services.common.lifecycle import owned_task
@@ -96,7 +98,9 @@ class Orchestrator(CallServing):
                                   signing_key=event_signing_key(settings.nats))
         self.outbox_dir = outbox_dir  # its events kept there until stored, across a kill; None: in memory only
         # Calls signed by a roster member, each nonce recorded mesh-wide, on a community mesh; None on an open one.
-        self.call_verifier = call_verifier(settings)
+        # The steward's key as the logs rotate it counts for calls too, with a roster that does not name it yet.
+        self.steward_keys = steward_keys_from_the_log(settings, self.js, ALL_STREAMS)
+        self.call_verifier = call_verifier(settings, self.steward_keys)
         self.call_nonces = None if self.call_verifier is None else MeshNonces.for_calls_of(
             self.call_verifier, self.js, recorded_by=node_id)
         # Calls beyond what may run now wait here, round-robin by caller (hearth/services/orchestrator/queue.py).
@@ -117,6 +121,8 @@ class Orchestrator(CallServing):
         await self.projector.start()
         if self.call_nonces is not None:
             await self.call_nonces.ready(stream_setup(self.settings.nats))
+        if self.steward_keys is not None:
+            await self.steward_keys.start()
         distributed = self.settings.research.distributed_inference
         verification = self.settings.verification
         router = ShardRouter(
@@ -174,6 +180,8 @@ class Orchestrator(CallServing):
             await self.context.warm_ups.close()
             await self.context.head_steps.close()
         await self.outbox.stop(self.settings.orchestrator.event_flush_timeout_s)
+        if self.steward_keys is not None:
+            await self.steward_keys.stop()
         await self.projector.stop()
         self.catalog.close()
         if self._tmp_dir is not None:

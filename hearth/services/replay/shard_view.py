@@ -25,14 +25,14 @@ from hearth.events.models import (
     IntegrityShardsVerified,
     MemberRemoved,
 )
-from hearth.events.signing import EventVerifier, StreamPosition
+from hearth.events.logged_keys import LoggedKeys
+from hearth.events.signing import EventVerifier
 from hearth.services.common.display import display_text
 from hearth.protocol.quarantine import node_quarantine_reason, unheld_reason
 from hearth.protocol.subjects import EVENTS_PREFIX, node_of_shard, shard_key
 from hearth.readmodels.reputation import QUARANTINED, ReputationLog, mismatch_summary, nodes_held_by
 from hearth.services.replay.render import format_time
 from hearth.services.replay.reports import shard_report
-from hearth.services.replay.verify import LoggedKeys
 
 OUTCOME_KINDS = ("shards_verified", "mismatch_confirmed", "mismatch_disputed", "quarantine_cleared")
 
@@ -117,11 +117,7 @@ def evidence_lines(shard_id: str, outcomes: Sequence[StoredEvent], verifier: Eve
     for item in outcomes:
         event = item.event
         when = f"  {format_time(event.occurred_at)}"
-        rejection = verifier.rejection(event, received_at=item.time, stored_data=getattr(item, "data", b""),
-                                       position=StreamPosition(item.stream, item.seq, item.subject),
-                                       removal_logged=logged.removal_logged(item.stream, event.signer),
-                                       steward_succession=logged.succession(item.stream)) \
-            if verifier is not None else None
+        rejection = logged.rejection(verifier, item) if verifier is not None else None
         if isinstance(event, MemberRemoved):  # not shown: it cuts a key off, or names the steward's next one
             if rejection is None:
                 logged.record(event)

@@ -14,8 +14,8 @@ from typing import Any
 
 from hearth.events.consume import SkippedMessage, read_stream
 from hearth.events.models import MemberRemoved
-from hearth.events.signing import EventVerifier, StreamPosition
-from hearth.events.steward_keys import Succession, passed_steward_key
+from hearth.events.signing import EventVerifier
+from hearth.events.logged_keys import LoggedKeys
 from hearth.readmodels.applied_events import DUPLICATE, TOO_OLD, keeps_id, older_than_kept
 from hearth.readmodels.retention import RetentionPolicy, history_kept_s
 from hearth.services.common.display import display_text
@@ -91,31 +91,6 @@ async def verify_streams(js: Any, verifier: EventVerifier, streams: Iterable[str
     return report
 
 
-@dataclass
-class LoggedKeys:
-    """The keys the verified removals and steward rotations read so far retired, and the steward keys they named."""
-
-    removed: set[tuple[str, str]] = field(default_factory=set)  # (stream, key)
-    steward_keys: dict[tuple[str, str], str] = field(default_factory=dict)  # (stream, key) -> the key it succeeded
-
-    def record(self, event: MemberRemoved) -> None:
-        stream = event.stream
-        if (stream, event.public_key) in self.removed:
-            return  # only the first removal of a key on a stream counts
-        self.removed.add((stream, event.public_key))
-        passed = passed_steward_key(event, lambda key: (stream, key) in self.removed or (stream, key) in
-                                    self.steward_keys)
-        if passed is not None:
-            self.steward_keys[(stream, passed[0])] = passed[1]
-
-    def removal_logged(self, stream: str, signer: str | None) -> bool:
-        return (stream, signer) in self.removed
-
-    def succession(self, stream: str) -> Succession:
-        """The steward keys `stream`'s log named so far, for EventVerifier.rejection."""
-        return lambda key: self.steward_keys.get((stream, key))
-
-
 class PassedEvents:
     """The ids of one stream's events that passed so far, as a read model keeps them: what tells a copy."""
 
@@ -148,10 +123,7 @@ def _verdict(verifier: EventVerifier, message: Any, logged: LoggedKeys, passed: 
     event = message.event
     # The broker's storage time and position, and the removals and steward keys this stream showed before, as in the
     # live projection.
-    reason = verifier.rejection(event, received_at=message.time, stored_data=message.data,
-                                position=StreamPosition(message.stream, message.seq, message.subject),
-                                removal_logged=logged.removal_logged(message.stream, event.signer),
-                                steward_succession=logged.succession(message.stream)) or passed.repeat(message)
+    reason = logged.rejection(verifier, message) or passed.repeat(message)
     if reason is None:
         if isinstance(event, MemberRemoved):
             logged.record(event)

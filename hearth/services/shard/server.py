@@ -42,7 +42,12 @@ from hearth.protocol.control import (
     StatShard,
     control_request_adapter,
 )
-from hearth.services.common.event_trust import event_signing_key, open_verifier, stream_setup
+from hearth.services.common.event_trust import (
+    event_signing_key,
+    open_verifier,
+    steward_keys_from_the_log,
+    stream_setup,
+)
 from hearth.services.common.lifecycle import event_within, owned_task
 from hearth.services.broker.connection import flush_ordered
 from hearth.services.broker.permissions import reply_allowed
@@ -85,7 +90,9 @@ class ShardServer:
         # On a community broker the steward creates the streams; on an open one this host does.
         self.stream_setup = stream_setup(settings.nats)
         # On a community mesh, who signed each `open`: one orchestrator holds at most its share of the hops here.
-        self.open_verifier = open_verifier(settings)
+        # The steward's key as the shards stream's log rotates it counts for opens too (a shard reads that stream).
+        self.steward_keys = steward_keys_from_the_log(settings, self.js, (SHARDS_STREAM,))
+        self.open_verifier = open_verifier(settings, self.steward_keys)
         self._opens = OpensInFlight(settings.shard.max_concurrent_streams)  # each opener's, in progress at once
         self.limits = HopLimits(
             idle_timeout_s=settings.shard.eviction_idle_s,
@@ -108,6 +115,8 @@ class ShardServer:
 
     async def start(self) -> None:
         await self.stream_setup.ready(self.js, (SHARDS_STREAM,))
+        if self.steward_keys is not None:
+            await self.steward_keys.start()
         # What the node's previous shard host left (a withdrawal the broker never took) goes before any advertisement.
         await start_outbox(self.outbox, self.outbox_dir, self.identity.node_id, self.settings.withdraw_timeout_s)
         # One id, one process (hearth/services/shard/claim.py): listening first, then asking who else answers.
@@ -199,6 +208,8 @@ class ShardServer:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await self._question.close()
+        if self.steward_keys is not None:
+            await self.steward_keys.stop()
         for pipeline_id in list(self._hops):
             await self._close_hop(pipeline_id)
         await self.withdraw(reason)

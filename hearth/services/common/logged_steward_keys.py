@@ -1,0 +1,91 @@
+"""The steward keys the event streams' logs name, for a process with no read model that checks signed calls or opens
+(an orchestrator's calls, a shard host's opens): it reads each stream's removals subject from its first message and
+follows it, judging each removal and rotation as a projection does (hearth/events/logged_keys.py), so the steward's
+rotation of its own key retires the old key for calls and opens, and names the new one, with no new roster copy."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from hearth.events.consume import StoredEvent, read_stream
+from hearth.events.logged_keys import LoggedKeys
+from hearth.events.models import MemberRemoved
+from hearth.events.signing import EventVerifier
+from hearth.events.streams import MEMBER_REMOVAL_SUBJECTS
+
+log = logging.getLogger(__name__)
+
+# How long a process's start waits for the logs' steward keys before it serves with what it has (the roster alone,
+# for a stream not read yet): the removals subjects hold one message per removal, read in a moment.
+steward_keys_catch_up_s = 10.0
+# How long a read that failed (a broker away, a stream not there yet) waits before it is tried again, at most.
+retry_initial_s, retry_max_s = 0.5, 10.0
+
+
+class StewardKeysFromTheLog:
+    """Reads and follows the removals subject of each of `streams` (those a member of this role may read), from its
+    first message: named() is what CallVerifier's `logged_steward_keys` asks."""
+
+    def __init__(self, js: Any, verifier: EventVerifier, streams: Sequence[str]) -> None:
+        self._js = js
+        self._verifier = verifier
+        self.streams = [stream for stream in streams if stream in MEMBER_REMOVAL_SUBJECTS]
+        self._logged = LoggedKeys()
+        self._caught_up = {stream: asyncio.Event() for stream in self.streams}
+        self._tasks: list[asyncio.Task] = []
+
+    def named(self) -> list[tuple[str, str]]:
+        """Each steward key the logs named so far, with the one it succeeded (every stream's)."""
+        return [(key, succeeded) for (_, key), succeeded in self._logged.steward_keys.items()]
+
+    async def start(self, catch_up_timeout_s: float = steward_keys_catch_up_s) -> None:
+        """Start following; return once every stream was read to its end, or after `catch_up_timeout_s` (said)."""
+        self._tasks = [asyncio.create_task(self._follow(stream), name=f"steward-keys-{stream}")
+                       for stream in self.streams]
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(catch_up_timeout_s):
+                await asyncio.gather(*(caught_up.wait() for caught_up in self._caught_up.values()))
+        behind = [stream for stream, caught_up in self._caught_up.items() if not caught_up.is_set()]
+        if behind:
+            log.warning("the removals of %s were not read within %.0f s: until they are, a steward key they rotate "
+                        "counts for signed calls and opens as the roster says", ", ".join(behind), catch_up_timeout_s)
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+
+    async def _follow(self, stream: str) -> None:
+        next_seq, retry_s = 1, retry_initial_s
+        while True:
+            # First to the end as it stands (so start() knows when it has caught up), then following it.
+            follow = self._caught_up[stream].is_set()
+            try:
+                messages = read_stream(self._js, stream, from_seq=next_seq, follow=follow,
+                                       subject_filter=MEMBER_REMOVAL_SUBJECTS[stream])
+                async with contextlib.aclosing(messages) as reader:
+                    async for message in reader:
+                        next_seq = message.seq + 1
+                        self._take_in(message)
+                        retry_s = retry_initial_s
+                if not follow:
+                    self._caught_up[stream].set()
+                    continue
+            except asyncio.CancelledError:
+                raise
+            except Exception as error:  # the follower must outlive any broker or stream trouble
+                log.warning("steward keys: reading %s's removals from seq %d failed (%s: %s); retrying in %.1f s",
+                            stream, next_seq, type(error).__name__, error, retry_s)
+            await asyncio.sleep(retry_s)
+            retry_s = min(retry_s * 2, retry_max_s)
+
+    def _take_in(self, message: Any) -> None:
+        if not isinstance(message, StoredEvent) or not isinstance(message.event, MemberRemoved):
+            return
+        if self._logged.rejection(self._verifier, message) is None:
+            self._logged.record(message.event)
