@@ -103,9 +103,13 @@ def test_the_wheel_carries_every_code_package_and_the_data_files(installed):
 def test_installed_hearth_finds_its_data_in_the_venv_not_the_checkout(installed):
     completed = subprocess.run(
         [str(installed["venv"] / "bin" / "python"), "-c",
-         "from hearth.services.common.hearth_files import data_dir\n"
+         "from hearth.services.common.hearth_files import data_dir, installed_from_wheel\n"
+         "from hearth.services.devtools.demo_model import real_demo_model_hint\n"
+         "assert installed_from_wheel(), 'an installed hearth takes itself for a checkout'\n"
+         "assert 'make' not in real_demo_model_hint(), real_demo_model_hint()\n"
          "for f in ('models', 'nats', 'grafana'): print(data_dir(f))"],
-        cwd=installed["cwd"], capture_output=True, text=True, check=True, env=outside_environment())
+        cwd=installed["cwd"], capture_output=True, text=True, env=outside_environment())
+    assert completed.returncode == 0, completed.stderr
     for line in completed.stdout.split():
         assert Path(line).is_dir() and Path(line).is_relative_to(installed["venv"]), completed.stdout
 

@@ -40,10 +40,10 @@ from hearth.services.devtools.local_cluster import (
 from hearth.services.devtools.prefork import LauncherError
 from hearth.services.devtools.random_models import UnknownRandomShape
 from hearth.services.devtools.demo_model import (
-    REAL_DEMO_MODEL_HINT,
     DemoError,
     DemoModel,
     default_prompt,
+    real_demo_model_hint,
     resolve_demo_model,
 )
 
@@ -114,7 +114,7 @@ class DemoRun:
         try:
             demo_model = resolve_demo_model(self.model, prefer_real=True)
             if self.model is None and not demo_model.is_gguf:
-                _say(f"hearth demo: running the bundled toy model; {REAL_DEMO_MODEL_HINT}")
+                _say(f"hearth demo: running the bundled toy model; {real_demo_model_hint()}")
             self.prompt = self.prompt or default_prompt(demo_model)
             if not 1 <= self.shards <= demo_model.num_layers:
                 raise DemoError(f"--shards must be between 1 and the model's {demo_model.num_layers} layers")
