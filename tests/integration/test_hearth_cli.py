@@ -109,6 +109,21 @@ def test_hearth_nats_reports_a_port_in_use(tmp_path):
     assert f"hearth nats: cannot listen on 127.0.0.1:{port}: the port is in use" in result.stderr, result.stderr
 
 
+def test_hearth_nats_keeps_its_store_in_the_state_folder_whatever_folder_it_starts_from(tmp_path, monkeypatch):
+    """A household runs `hearth nats` from any folder: without --store, a restart from another folder finds the same
+    store (its streams, the community's published weights) in hearth's state folder, one per client port."""
+    port = free_tcp_port()
+    stores = []
+    for folder in ("here", "elsewhere"):
+        (tmp_path / folder).mkdir()
+        monkeypatch.chdir(tmp_path / folder)
+        result = CliRunner().invoke(app, ["nats", "--check", "--port", str(port)],
+                                    env={"XDG_STATE_HOME": str(tmp_path / "state")})
+        assert result.exit_code == 0, result.output
+        stores.append({path.parent for path in tmp_path.rglob("hearth-nats.conf")})
+    assert stores[0] == stores[1] == {tmp_path / "state" / "hearth" / f"nats-{port}"}
+
+
 def test_hearth_db_upgrade_creates_the_read_model_schema(tmp_path):
     db = tmp_path / "read.sqlite"
     result = CliRunner().invoke(app, ["db", "upgrade", "--db", str(db)])
