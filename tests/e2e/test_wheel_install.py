@@ -138,11 +138,13 @@ def test_installed_db_upgrade_and_dashboards_check_use_the_shipped_migrations_an
     assert checked.returncode == 0, checked.stdout + checked.stderr
 
 
-def test_installed_demo_answers_with_the_bundled_model(installed):
+def test_installed_demo_answers_with_the_bundled_model_and_keeps_its_logs_where_asked(installed, tmp_path):
+    work_dir = tmp_path / "demo"
     completed = run_hearth(installed, "demo", "--model", "hearth-tiny-llama", "--shards", "1", "--max-tokens", "4",
-                           "--torch-threads", "1", timeout=demo_timeout_s)
+                           "--torch-threads", "1", "--work-dir", str(work_dir), timeout=demo_timeout_s)
     assert completed.returncode == 0, f"stdout:\n{completed.stdout}\nstderr:\n{completed.stderr}"
-    assert "hearth-tiny-llama" in completed.stderr
+    assert "hearth-tiny-llama (6 layers) over 1 shard host on this machine; logs in " in completed.stderr
+    assert "removed when" not in completed.stderr and any(work_dir.rglob("*.log")), completed.stderr
     summary = re.search(r"^\[(length|stop): (\d+) tokens, ", completed.stdout, re.M)
     assert summary and int(summary.group(2)) >= 1, completed.stdout
 

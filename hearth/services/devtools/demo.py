@@ -164,8 +164,9 @@ class DemoRun:
     def _start(self, cluster: LocalCluster, model: DemoModel) -> None:
         ranges = even_layer_ranges(model.num_layers, self.shards)
         total = 3 + len(ranges)
-        _say(f"hearth demo: {model.name} ({model.num_layers} layers) over {len(ranges)} shard hosts "
-             f"on this machine; logs in {cluster.work_dir}")
+        kept = "" if self.work_dir is not None else " (removed when the demo ends; --work-dir keeps them)"
+        _say(f"hearth demo: {model.name} ({model.num_layers} layers) over {len(ranges)} shard "
+             f"host{'' if len(ranges) == 1 else 's'} on this machine; logs in {cluster.work_dir}{kept}")
         started = time.monotonic()
         url = cluster.start_nats()
         _say(f"  [1/{total}] nats-server (JetStream) listening on {url}")
