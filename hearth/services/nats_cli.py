@@ -160,6 +160,12 @@ def nats_command(
         servers.start()
     except NatsServerError as error:
         _fail(str(error))
+    if community is None:  # as every member process run with --insecure warns at each start
+        import logging
+
+        logging.getLogger("hearth").warning(
+            "%s: an open broker (no --community): anyone who reaches %s can read prompts and activations and forge "
+            "routing", COMMAND, servers.url)
     sweeper = None
     if community is not None:
         steward = _steward_settings(nats_settings, servers, community, tls=tls_cert is not None)

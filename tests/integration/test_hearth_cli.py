@@ -83,6 +83,8 @@ def test_hearth_nats_serves_jetstream_and_stops_cleanly_on_a_signal_keeping_its_
         process.send_signal(signum)
         assert process.wait(timeout=15) == 0
         assert not port_is_open(port)
+        # Without --community it is open, and says so as the processes run with --insecure do.
+        assert "an open broker (no --community): anyone who reaches" in process.stderr.read()
 
         # The same store on restart: the events are still there (file storage).
         process, url = start_hearth_nats(port, store)
