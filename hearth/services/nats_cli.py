@@ -11,6 +11,7 @@ import typer
 
 from hearth.services.cli_options import settings
 from hearth.services.common.config_sections import loopback_host
+from hearth.services.common.hearth_files import state_dir
 
 if TYPE_CHECKING:
     import threading
@@ -28,6 +29,12 @@ NATS_HELP_EPILOG = (
     "HEARTH_NATS_URL take as they are. Each node runs nats/hearth-cluster.conf; the event streams then keep three "
     "copies, and losing one node loses no acknowledged event. SIGINT/SIGTERM stops every node."
 )
+
+
+def default_store(port: int) -> Path:
+    """Where `hearth nats` keeps JetStream data without --store: in hearth's state folder, so that a restart from
+    another folder finds its streams, and per client port, so that two brokers on one machine never share one."""
+    return state_dir(f"nats-{port}")
 
 
 def _fail(message: str) -> None:
@@ -77,9 +84,11 @@ def nats_command(
     ctx: typer.Context,
     port: Annotated[int, typer.Option("--port", help="Client port to listen on (the first node's, with --cluster).")]
     = 4222,
-    store: Annotated[
-        Path, typer.Option("--store", help="Directory for JetStream data (kept across restarts).")
-    ] = Path(".hearth/nats"),
+    store: Annotated[Optional[Path], typer.Option(
+        "--store", show_default=False,
+        help="Directory for JetStream data, kept across restarts (default: nats-PORT in hearth's state folder, "
+             "$XDG_STATE_HOME/hearth, else ~/.local/state/hearth: the same whatever folder it starts from).")]
+    = None,
     host: Annotated[
         str, typer.Option("--host", help="Interface to listen on; 0.0.0.0 to accept other machines.")
     ] = loopback_host,
@@ -118,6 +127,7 @@ def nats_command(
     from hearth.services.broker.server import EmbeddedNatsServer, NatsServerError
 
     stop_requested = _stop_on_signals()  # from now on: a stop while the servers start lets them start, then stops
+    store = store if store is not None else default_store(port)
     if cluster is not None and node is not None:
         _fail("give --cluster (every node here) or --node (one node), not both")
     if (node is None) != (routes is None):
@@ -150,6 +160,12 @@ def nats_command(
         servers.start()
     except NatsServerError as error:
         _fail(str(error))
+    if community is None:  # as every member process run with --insecure warns at each start
+        import logging
+
+        logging.getLogger("hearth").warning(
+            "%s: an open broker (no --community): anyone who reaches %s can read prompts and activations and forge "
+            "routing", COMMAND, servers.url)
     sweeper = None
     if community is not None:
         steward = _steward_settings(nats_settings, servers, community, tls=tls_cert is not None)

@@ -20,6 +20,7 @@ import contextlib
 import hashlib
 import logging
 import re
+import time
 from collections.abc import Awaitable
 from pathlib import Path
 from typing import Annotated, Literal, TypeVar
@@ -292,10 +293,17 @@ async def _fetch_publication(js, manifest: WeightsManifest, needed: NeededTensor
     for folder in {file.parent for file in files.values()}:
         folder.mkdir(parents=True, exist_ok=True)
     missing = [stored for stored in wanted if not await asyncio.to_thread(object_intact, files[stored.file], stored)]
-    with progress_bar(sum(stored.size for stored in missing), f"fetching {name}") as bar:
+    missing_bytes, started = sum(stored.size for stored in missing), time.monotonic()
+    part = selection_name(needed).replace("layers-", "layers ", 1)  # "layers 2-3", "head" or "all"
+    if missing:  # said in the log too: a service's log is a file, where the bar below is not drawn
+        log.info("fetching %s of %s from the community's store: %d objects, %.1f MB", part, name, len(missing),
+                 missing_bytes / 1e6)
+    with progress_bar(missing_bytes, f"fetching {name}") as bar:
         for stored in missing:
             await fetch_object(js, object_key(name, stored.file, manifest.objects_version), name, stored,
                                files[stored.file].parent, progress=bar.update)
+    if missing:
+        log.info("fetched %s of %s in %.1f s", part, name, time.monotonic() - started)
     if manifest.gguf is not None:
         fetched = await asyncio.to_thread(_write_gguf, manifest, target, gguf_name, files)
     else:

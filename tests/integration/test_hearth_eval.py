@@ -85,6 +85,16 @@ def test_bad_input_is_one_line_and_exit_code_2(tiny_llama, args, named):
     assert "Traceback" not in result.output
 
 
+def test_a_gguf_file_is_evaluated_and_the_help_says_it_may_be_one(tmp_path, monkeypatch):
+    monkeypatch.setenv("HEARTH_CACHE_DIR", str(tmp_path / "cache"))
+    path, _ = write_tiny_gguf(tmp_path, "llama", GGMLQuantizationType.F32)
+    result = run_eval("--model", str(path), "--text", str(SAMPLE_TEXT), "--quantize", "int8", "--max-tokens", "16",
+                      "--json")
+    assert result.exit_code == 0, result.output
+    assert [row["scheme"] for row in json.loads(result.stdout)["schemes"]] == ["int8"]
+    assert "GGUF file" in " ".join(run_eval("--help").stdout.split())
+
+
 def test_a_gguf_in_a_block_type_hearth_does_not_read_is_bad_input(tmp_path, monkeypatch):
     monkeypatch.setenv("HEARTH_CACHE_DIR", str(tmp_path / "cache"))  # its parsed metadata, not in the user's cache
     source, _ = write_tiny_gguf(tmp_path, "llama", GGMLQuantizationType.F32)

@@ -1,7 +1,8 @@
 """`store:NAME` models where they are used, against a real nats-server: `hearth host` sizes its range from the
 manifest alone, the orchestrator's catalog fetches only the head (the whole model for its local fallback) and
-serves it under NAME, a shard loads only its range's objects, `hearth weights fetch` takes NAME or store:NAME, and
-an unreadable GGUF is refused at publishing (GGUFs that load: tests/integration/test_weights_store_gguf.py)."""
+serves it under NAME, a shard loads only its range's objects (its log saying what it fetches), `hearth weights
+fetch` takes NAME or store:NAME, and an unreadable GGUF is refused at publishing (GGUFs that load:
+tests/integration/test_weights_store_gguf.py)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from hearth.services.weights_store import (
     HEAD_OBJECT,
     LAYER_OBJECT_FORMAT,
     WeightsStoreError,
+    fetch_stored_model,
 )
 from tests.integration.test_weights_store import js  # noqa: F401  (a fixture)
 from tests.unit.inference_tiny_models import one_torch_thread, tiny_model_dir  # noqa: F401  (fixtures)
@@ -125,3 +127,19 @@ def test_weights_fetch_takes_a_stored_model_as_every_model_option_names_it(publi
     result = CliRunner().invoke(app, ["weights", "fetch", "store:no such name", "--nats", nats_url])
     assert result.exit_code == 2 and result.stderr.strip().splitlines()[-1].startswith(
         "hearth weights fetch: model name 'no such name' must be"), result.output
+
+
+async def test_a_fetch_says_in_the_log_what_it_fetches_and_when_it_is_done_and_a_cached_part_says_nothing(
+        js, published, tmp_path, caplog):
+    """A shard host or orchestrator runs with its log in a file, where no progress bar is drawn: a fetch of a big
+    model over the LAN would otherwise be minutes without a line between the start and `ready`."""
+    caplog.set_level("INFO", logger="hearth.services.weights_store")
+    await fetch_stored_model(js, NAME, (2, 3), cache_dir=tmp_path)
+    said = [record.getMessage() for record in caplog.records]
+    assert any(line.startswith(f"fetching layers 2-3 of {NAME} from the community's store: ") and " MB" in line
+               for line in said), said
+    assert any(line.startswith(f"fetched layers 2-3 of {NAME} in ") for line in said), said
+
+    caplog.clear()
+    await fetch_stored_model(js, NAME, (2, 3), cache_dir=tmp_path)
+    assert not any("fetch" in record.getMessage() for record in caplog.records)

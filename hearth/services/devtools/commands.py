@@ -4,6 +4,7 @@ them runs or the help lists them."""
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 from typing import Annotated, Optional
 
 import click
@@ -46,13 +47,17 @@ def demo_command(
     device: DeviceOption = None,
     dtype: DtypeOption = None,
     quantize: QuantizeOption = None,
+    work_dir: Annotated[Optional[Path], typer.Option(
+        "--work-dir", show_default=False,
+        help="Keep the processes' logs and state here (default: a temporary folder, removed when the demo ends).")]
+    = None,
 ) -> None:
     """Run the whole mesh on this machine (NATS, projector, shard hosts, orchestrator) and stream one answer."""
     from hearth.services.devtools.demo import DemoRun
 
     code = DemoRun(model=model, shards=shards, prompt=prompt, max_tokens=max_tokens, serve=serve, raw=raw,
                    torch_threads=torch_threads, log_level=cli_state(ctx).log_level, device=device, dtype=dtype,
-                   quantize=quantize, configuration_env=configuration_env(ctx)).run()
+                   quantize=quantize, configuration_env=configuration_env(ctx), work_dir=work_dir).run()
     raise typer.Exit(code)
 
 

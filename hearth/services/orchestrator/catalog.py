@@ -131,6 +131,8 @@ class ModelCatalog:
         self._hub_folders: dict[str, dict[NeededTensors, Path]] = {}
         # Whether live shards advertise a model id (use_advertised); a read of the routing read model.
         self._is_advertised: Callable[[str], bool] | None = None
+        # Advertised models a request named that this orchestrator has no head for: its operator was told.
+        self._headless_warned: set[str] = set()
 
     def use_compute(self, device, dtype, quantization: QuantizationScheme | str = "none") -> None:
         """Load heads and the local model onto `device` (a torch.device) in `dtype` (inference.devices), their
@@ -288,6 +290,7 @@ class ModelCatalog:
         if path is None and is_hub_id(name):
             return await self._get_advertised_hub_model(name)
         if path is None:
+            await self._refuse_headless_advertised(name)
             raise UnknownModel(f"unknown model {name!r}: not one this orchestrator serves (ask llm.models; a model "
                                f"is named by its id, never by a path)")
         # Only names that exist get a lock: a flood of made-up names leaves nothing behind.
@@ -300,6 +303,18 @@ class ModelCatalog:
                     log.warning("model %s could not be loaded from %s: %s", name, path, error)
                     raise UnknownModel(f"model {name!r} cannot be loaded on this orchestrator") from None
             return self._loaded[name]
+
+    async def _refuse_headless_advertised(self, name: str) -> None:
+        """UnknownModel saying so when live shards serve `name` but this orchestrator has no head for it (a GGUF's
+        shards advertise the file's stem, which only `--preload PATH` names here); its operator is told once."""
+        if self._is_advertised is None or not await asyncio.to_thread(self._is_advertised, name):
+            return
+        if name not in self._headless_warned:  # bounded: only names live shards advertise get here
+            self._headless_warned.add(name)
+            log.warning("a request asked for %s, which live shards serve, but this orchestrator has no head for it: "
+                        "start it with --preload naming that model (its path, or store:NAME)", name)
+        raise UnknownModel(f"model {name!r} is served by live shards, but this orchestrator has no head for it "
+                           f"(its operator starts it with --preload naming the model)")
 
     async def _get_advertised_hub_model(self, name: str) -> LoadedModel:
         """A hub id a request names that the operator did not configure: loaded (its head only, from the hub

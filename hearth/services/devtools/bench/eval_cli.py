@@ -21,8 +21,8 @@ from hearth.services.devtools.bench.eval_options import (
 
 def eval_command(
     model: Annotated[
-        Optional[str], typer.Option("--model", help="Checkpoint folder, hub id in the local cache, or random:<shape> "
-                                    "(default: the bundled model).", show_default=False)
+        Optional[str], typer.Option("--model", help="Checkpoint folder, GGUF file, hub id in the local cache, or "
+                                    "random:<shape> (default: the bundled model).", show_default=False)
     ] = None,
     text: Annotated[
         Path, typer.Option("--text", help="UTF-8 text to predict (random:<shape> models and checkpoints without a "
