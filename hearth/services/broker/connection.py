@@ -152,7 +152,7 @@ async def connect_nats(
     nc = NatsClient()
     closed_event = _closed_events.setdefault(nc, asyncio.Event())
     _refused_events[nc] = asyncio.Event()
-    state = {"connected": False, "told_waiting": False}
+    state = {"connected": False, "told_waiting": False, "told_refused": False}
     refused = asyncio.Event()  # the broker kept saying our credentials are not good: no point trying again
     loop = asyncio.get_running_loop()
     refusals_s: list[float] = []  # when the broker refused them (loop time)
@@ -171,6 +171,14 @@ async def connect_nats(
                 log.warning("%s: NATS at %s is not reachable yet (%s); waiting for it", name, target, error)
             else:
                 log.debug("%s: connecting to NATS %s failed: %s", name, target, error)
+        elif nc.is_connecting and "authorization violation" in str(error).lower():
+            # A reconnect the broker refuses (nats-py is CONNECTING while it logs in): this member was removed, or
+            # its key rotated. nats-py tries again every reconnect_wait_s for ever: say it once per outage.
+            if not state["told_refused"]:
+                state["told_refused"] = True
+                log.warning("%s: NATS at %s refuses this member's key now (removed from the community, or its key "
+                            "rotated?); still trying to reconnect", name, target)
+            log.debug("%s: reconnecting to NATS %s refused: %s", name, target, error)
         elif nc.is_reconnecting or nc.is_closed or isinstance(error, _DISCONNECTING_ERRORS):
             # The disconnected callback says it once; each failed reconnect attempt is no news.
             log.debug("%s: NATS error while reconnecting: %s", name, error)
@@ -190,6 +198,7 @@ async def connect_nats(
         closed_event.set()
 
     async def reconnected() -> None:
+        state["told_refused"] = False
         log.info("%s: reconnected to NATS %s", name, target)
         if on_reconnected is not None:
             result = on_reconnected()
