@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import ssl
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -46,8 +47,11 @@ _DISCONNECTING_ERRORS = (nats_errors.UnexpectedEOF, nats_errors.StaleConnectionE
 class BrokerUnreachable(ConnectionError):
     """The first connect did not reach the broker within [nats] connect_timeout_s (wait_for_broker was off)."""
 
-    def __init__(self, url: str, timeout_s: float) -> None:
-        super().__init__(f"cannot reach NATS at {url} within {timeout_s:g} s")
+    def __init__(self, url: str, timeout_s: float, tls_failure: BaseException | None = None) -> None:
+        # A broker reached whose TLS handshake failed is the commonest misconfiguration, and looks unreachable.
+        cause = (f": its TLS handshake failed ({tls_failure}; see [nats] tls_ca_file, tls_cert_file, tls_key_file)"
+                 if tls_failure is not None else "")
+        super().__init__(f"cannot reach NATS at {url} within {timeout_s:g} s{cause}")
         self.url = url
         self.timeout_s = timeout_s
 
@@ -153,12 +157,15 @@ async def connect_nats(
     closed_event = _closed_events.setdefault(nc, asyncio.Event())
     _refused_events[nc] = asyncio.Event()
     state = {"connected": False, "told_waiting": False, "told_refused": False}
+    tls_failures: list[ssl.SSLError] = []  # the first connect's failed TLS handshakes
     refused = asyncio.Event()  # the broker kept saying our credentials are not good: no point trying again
     loop = asyncio.get_running_loop()
     refusals_s: list[float] = []  # when the broker refused them (loop time)
 
     async def errored(error: Exception) -> None:
         if not state["connected"]:
+            if isinstance(error, ssl.SSLError):
+                tls_failures[:] = [error]
             if "authorization violation" in str(error).lower():
                 # A broker that is reloading its configuration can refuse a key it knows before and after (of 400
                 # connects made while 4 members were added: 3 with nats-server 2.15.1, 1 with 2.10.26): only a
@@ -231,7 +238,7 @@ async def connect_nats(
             await close_quietly(nc)
             if refusals_s:
                 raise BrokerRefusedCredentials(target, settings.creds_file)
-            raise BrokerUnreachable(target, settings.connect_timeout_s)
+            raise BrokerUnreachable(target, settings.connect_timeout_s, tls_failures[-1] if tls_failures else None)
         connect_task.result()
     except BaseException:  # cancelled (a requested stop) or a refusal nats-py does not retry
         connect_task.cancel()
