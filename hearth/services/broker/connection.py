@@ -38,6 +38,12 @@ flush_ordered_poll_interval_s = 0.001
 # How long nats-py itself waits for a flush's PONG: far beyond any caller's wait and beyond the pings that reveal a
 # dead link (a reconnect forgets the PING), so it never gives up on a PONG that may still come (flush_ordered).
 pong_wait_cap_s = 600.0
+# nats-py starts TLS on a connection opened in clear (the broker's INFO comes first), so asyncio's stream protocol
+# answers an end of file as for plain TCP and asyncio logs, as each TLS connection ends, that the answer has no
+# effect: a WARNING after every command on a TLS broker, about nothing wrong. Only that record is dropped.
+_TLS_EOF_NOTICE = "returning true from eof_received() has no effect when using ssl"
+logging.getLogger("asyncio").addFilter(lambda record: record.getMessage() != _TLS_EOF_NOTICE)
+
 # Every flush under way, held until its PONG (or the cap) ends it: a caller that stops waiting leaves it running.
 _unawaited_flushes: set[asyncio.Task] = set()
 # Errors that announce a disconnect the disconnected callback reports anyway.
