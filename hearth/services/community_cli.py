@@ -1,4 +1,5 @@
-"""`hearth community`: create a community, add and remove members and replace their keys, the steward's own too
+"""`hearth community`: create a community, add and remove members (a member may make its key itself: `keygen`)
+and replace their keys, the steward's own too
 (each an nkey; a removal or a key's retirement is also published in the event log,
 hearth/services/community_removal.py), list them with the keys removed or retired, show
 shard hosts' reputation from a read model and let a steward clear a quarantine
@@ -85,6 +86,34 @@ def add_command(
     member = added.member
     where = f"; its key: {added.seed_file} (give it to {name}, then delete it here)" if added.seed_file else ""
     typer.echo(f"added {member.name} as {member.role} ({member.trust}), public key {member.public_key}{where}")
+
+
+@community_app.command("keygen")
+def keygen_command(
+    name: Annotated[str, typer.Option("--name", help="This member's name, as the steward will add it.")],
+    directory: DirOption = DEFAULT_COMMUNITY_DIR,
+) -> None:
+    """Make this machine's member key, for a steward to add with `hearth community add --public-key`: the seed goes
+    to DIR/keys/NAME.nk (mode 0600; never replaced) and stays here; the public key, all the steward needs, is
+    printed on stdout. Put the roster the steward sends back beside it, as DIR/roster.json."""
+    import re
+
+    from hearth.trust.keys import KeyFileError, MemberKey, make_private_folder
+    from hearth.trust.roster import MEMBER_NAME_PATTERN, seed_path
+
+    if not re.match(MEMBER_NAME_PATTERN, name):
+        fail(f"--name {name!r} is no member name (letters, digits, '_' and '-', at most 63)")
+    key, seed_file = MemberKey.generate(), seed_path(directory, name)
+    try:
+        make_private_folder(directory)  # the roster will join the seed here: the folder as `community init` makes it
+        key.save(seed_file)
+    except KeyFileError as error:
+        fail(str(error))
+    except OSError as error:
+        fail(f"cannot write the key in {directory}: {error.strerror or error}")
+    typer.echo(f"wrote this member's key to {seed_file} (keep it here); give the steward its public key for "
+               f"`hearth community add --name {name} --role ROLE --public-key ...`:", err=True)
+    typer.echo(key.public_key)
 
 
 @community_app.command("remove")

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 
 import pytest
@@ -154,3 +155,25 @@ def test_a_rebuild_onto_a_directory_is_one_line_and_leaves_nothing_beside_it(nat
 
     assert result.exit_code == 2 and "is a folder" in result.stderr, result.output
     assert sorted(path.name for path in tmp_path.iterdir() if path.name != "nats") == ["models"]
+
+
+def test_a_reader_that_stops_reading_ends_it_quietly_not_as_a_broker_failure(nats_url):
+    # `hearth-replay events | head -1`: the pipe's reader leaves after one line; that is no fault of the broker's.
+    # More events than a pipe's buffer holds (64 KiB), so that printing them must meet the closed pipe.
+    heartbeat = shard_history()[1]
+    publish(nats_url, [(None, heartbeat.model_copy(update={"event_id": uuid.uuid4().hex, "tokens_served_total": n}))
+                       for n in range(400)])
+    reader, writer = os.pipe()
+    process = subprocess.Popen([sys.executable, "-m", "hearth.services.replay.cli", "events", "--nats", nats_url],
+                               stdout=writer, stderr=subprocess.PIPE, text=True)
+    os.close(writer)
+    with os.fdopen(reader, "rb") as pipe:
+        assert pipe.read(1)  # the first byte of the first event, then the reader goes away
+    try:
+        assert process.wait(timeout=30) == 0
+        stderr = process.stderr.read()
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert stderr == "", stderr

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import ssl
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -37,6 +38,12 @@ flush_ordered_poll_interval_s = 0.001
 # How long nats-py itself waits for a flush's PONG: far beyond any caller's wait and beyond the pings that reveal a
 # dead link (a reconnect forgets the PING), so it never gives up on a PONG that may still come (flush_ordered).
 pong_wait_cap_s = 600.0
+# nats-py starts TLS on a connection opened in clear (the broker's INFO comes first), so asyncio's stream protocol
+# answers an end of file as for plain TCP and asyncio logs, as each TLS connection ends, that the answer has no
+# effect: a WARNING after every command on a TLS broker, about nothing wrong. Only that record is dropped.
+_TLS_EOF_NOTICE = "returning true from eof_received() has no effect when using ssl"
+logging.getLogger("asyncio").addFilter(lambda record: record.getMessage() != _TLS_EOF_NOTICE)
+
 # Every flush under way, held until its PONG (or the cap) ends it: a caller that stops waiting leaves it running.
 _unawaited_flushes: set[asyncio.Task] = set()
 # Errors that announce a disconnect the disconnected callback reports anyway.
@@ -46,8 +53,11 @@ _DISCONNECTING_ERRORS = (nats_errors.UnexpectedEOF, nats_errors.StaleConnectionE
 class BrokerUnreachable(ConnectionError):
     """The first connect did not reach the broker within [nats] connect_timeout_s (wait_for_broker was off)."""
 
-    def __init__(self, url: str, timeout_s: float) -> None:
-        super().__init__(f"cannot reach NATS at {url} within {timeout_s:g} s")
+    def __init__(self, url: str, timeout_s: float, tls_failure: BaseException | None = None) -> None:
+        # A broker reached whose TLS handshake failed is the commonest misconfiguration, and looks unreachable.
+        cause = (f": its TLS handshake failed ({tls_failure}; see [nats] tls_ca_file, tls_cert_file, tls_key_file)"
+                 if tls_failure is not None else "")
+        super().__init__(f"cannot reach NATS at {url} within {timeout_s:g} s{cause}")
         self.url = url
         self.timeout_s = timeout_s
 
@@ -152,13 +162,16 @@ async def connect_nats(
     nc = NatsClient()
     closed_event = _closed_events.setdefault(nc, asyncio.Event())
     _refused_events[nc] = asyncio.Event()
-    state = {"connected": False, "told_waiting": False}
+    state = {"connected": False, "told_waiting": False, "told_refused": False}
+    tls_failures: list[ssl.SSLError] = []  # the first connect's failed TLS handshakes
     refused = asyncio.Event()  # the broker kept saying our credentials are not good: no point trying again
     loop = asyncio.get_running_loop()
     refusals_s: list[float] = []  # when the broker refused them (loop time)
 
     async def errored(error: Exception) -> None:
         if not state["connected"]:
+            if isinstance(error, ssl.SSLError):
+                tls_failures[:] = [error]
             if "authorization violation" in str(error).lower():
                 # A broker that is reloading its configuration can refuse a key it knows before and after (of 400
                 # connects made while 4 members were added: 3 with nats-server 2.15.1, 1 with 2.10.26): only a
@@ -171,6 +184,14 @@ async def connect_nats(
                 log.warning("%s: NATS at %s is not reachable yet (%s); waiting for it", name, target, error)
             else:
                 log.debug("%s: connecting to NATS %s failed: %s", name, target, error)
+        elif nc.is_connecting and "authorization violation" in str(error).lower():
+            # A reconnect the broker refuses (nats-py is CONNECTING while it logs in): this member was removed, or
+            # its key rotated. nats-py tries again every reconnect_wait_s for ever: say it once per outage.
+            if not state["told_refused"]:
+                state["told_refused"] = True
+                log.warning("%s: NATS at %s refuses this member's key now (removed from the community, or its key "
+                            "rotated?); still trying to reconnect", name, target)
+            log.debug("%s: reconnecting to NATS %s refused: %s", name, target, error)
         elif nc.is_reconnecting or nc.is_closed or isinstance(error, _DISCONNECTING_ERRORS):
             # The disconnected callback says it once; each failed reconnect attempt is no news.
             log.debug("%s: NATS error while reconnecting: %s", name, error)
@@ -190,6 +211,7 @@ async def connect_nats(
         closed_event.set()
 
     async def reconnected() -> None:
+        state["told_refused"] = False
         log.info("%s: reconnected to NATS %s", name, target)
         if on_reconnected is not None:
             result = on_reconnected()
@@ -222,7 +244,7 @@ async def connect_nats(
             await close_quietly(nc)
             if refusals_s:
                 raise BrokerRefusedCredentials(target, settings.creds_file)
-            raise BrokerUnreachable(target, settings.connect_timeout_s)
+            raise BrokerUnreachable(target, settings.connect_timeout_s, tls_failures[-1] if tls_failures else None)
         connect_task.result()
     except BaseException:  # cancelled (a requested stop) or a refusal nats-py does not retry
         connect_task.cancel()

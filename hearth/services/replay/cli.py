@@ -77,6 +77,10 @@ def _run(coroutine) -> int:
         return run_cancelling_on_signal(coroutine)
     except Interrupted:
         return 130
+    except BrokenPipeError:
+        # Whoever read stdout went away (`| head`): it took what it wanted, which is no fault of the broker's.
+        _stdout_to_devnull()
+        return 0
     except (BrokerUnreachable, MemberRefused) as error:
         raise _fail(str(error), 3) from None
     except (nats.errors.NoServersError, ConnectionRefusedError, OSError) as error:
@@ -85,6 +89,14 @@ def _run(coroutine) -> int:
         raise _fail(f"cannot reach NATS: {error}", 3) from error
     except nats.errors.Error as error:  # reached, but it did not answer as a JetStream broker does
         raise _fail(broker_failure_line(error), 3) from None
+
+
+def _stdout_to_devnull() -> None:
+    """Point stdout at /dev/null, so that the interpreter's last flush of what is still buffered meets no broken
+    pipe (Python's own advice: docs.python.org/3/library/signal.html#note-on-sigpipe)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 EVENTS_HELP = (
