@@ -22,15 +22,31 @@ T = TypeVar("T")
 
 CONFIG_ENV = "HEARTH_CONFIG"
 
+def checked_nats_url_option(value: str | None) -> str | None:
+    """--nats / $HEARTH_NATS_URL as nats-py can connect to it (services.common.nats_urls), else a usage error."""
+    from hearth.services.common.nats_urls import checked_nats_url
+
+    try:
+        return None if value is None else checked_nats_url(value)
+    except ValueError as error:
+        raise typer.BadParameter(str(error)) from None
+
+
 NatsUrlOption = Annotated[
     Optional[str],
     typer.Option(
         "--nats",
         envvar=NATS_URL_ENV,
+        callback=checked_nats_url_option,
         help="NATS server URL (default: nats.url of the configuration, else nats://127.0.0.1:4222).",
         show_default=False,
     ),
 ]
+# The `hearth community` commands' broker (hearth/services/community_cli_options.py holds their other options).
+CommunityNatsOption = Annotated[Optional[str], typer.Option(
+    "--nats", callback=checked_nats_url_option, show_default=False,
+    help="The community's broker (default: $HEARTH_NATS_URL or [nats] url; a cluster's URLs comma-separated); TLS "
+         "as [nats] tls_* say.")]
 ConfigOption = Annotated[
     Optional[Path],
     typer.Option(
