@@ -16,7 +16,6 @@ from typing import Annotated, Optional
 
 import click
 import typer
-from typer.core import TyperGroup
 
 from hearth.services.community_cli import community_app
 from hearth.services.db_cli import db_app
@@ -40,6 +39,7 @@ from hearth.services.cli_options import (
     MetricsPortOption,
     BusyThreadsOption,
     NatsUrlOption,
+    OneLineErrorsGroup,
     ReadyFileOption,
     TorchThreadsOption,
     WaitForNatsOption,
@@ -58,9 +58,10 @@ from hearth.services.nats_cli import NATS_HELP_EPILOG, nats_command
 from hearth.events.models import default_hop_weight
 from hearth.services.weights_cli import weights_app
 
-class CommandsWithDevTools(TyperGroup):
-    """The `hearth` commands, and the dev tooling's (hearth/services/devtools/commands.py: bench, eval, demo) imported
-    only when one of them runs or the help lists them: nothing else the CLI starts loads the tooling."""
+class CommandsWithDevTools(OneLineErrorsGroup):
+    """The `hearth` commands (a file system error: one line, as OneLineErrorsGroup says), and the dev tooling's
+    (hearth/services/devtools/commands.py: bench, eval, demo) imported only when one of them runs or the help lists
+    them: nothing else the CLI starts loads the tooling."""
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted({*super().list_commands(ctx), *DEV_COMMANDS})
