@@ -15,6 +15,7 @@ import typer
 from typer.core import TyperGroup
 
 from hearth.services.common.config import NATS_URL_ENV
+from hearth.services.common.config_sections import max_tcp_port
 from hearth.services.common.logging import LOG_LEVEL_ENV
 
 if TYPE_CHECKING:
@@ -61,7 +62,7 @@ ConfigOption = Annotated[
 ]
 MetricsPortOption = Annotated[
     int,
-    typer.Option("--metrics-port", min=0, max=65535,
+    typer.Option("--metrics-port", min=0, max=max_tcp_port,
                  help="Serve Prometheus /metrics on this port, on the interface --metrics-host names "
                       "(docs/metrics.md); 0 = off."),
 ]
