@@ -17,6 +17,7 @@ from typing import Annotated, Optional
 import click
 import typer
 
+from hearth.services.cli_errors import OneLineErrorsGroup
 from hearth.services.community_cli import community_app
 from hearth.services.db_cli import db_app
 from hearth.services.dashboards.cli import dashboards_app, status_command
@@ -39,7 +40,6 @@ from hearth.services.cli_options import (
     MetricsPortOption,
     BusyThreadsOption,
     NatsUrlOption,
-    OneLineErrorsGroup,
     ReadyFileOption,
     TorchThreadsOption,
     WaitForNatsOption,

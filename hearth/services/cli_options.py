@@ -3,16 +3,13 @@ the per-invocation settings they lead to (typer only; commands import their heav
 
 from __future__ import annotations
 
-import errno
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn, Optional, TypeVar
 
-import click
 import typer
-from typer.core import TyperGroup
 
 from hearth.services.common.config import NATS_URL_ENV
 from hearth.services.common.config_sections import max_tcp_port
@@ -143,26 +140,6 @@ def apply_top_level_options(ctx: typer.Context, config: Path | None, log_level: 
     except ValueError as error:
         raise typer.BadParameter(str(error), param_hint="--log-level") from error
     ctx.obj = CliState(config_path=config, log_level=log_level, program=ctx.find_root().info_name or "hearth")
-
-
-class OneLineErrorsGroup(TyperGroup):
-    """A command line (`hearth`, `hearth-replay`) whose commands end on a file they cannot create, read or write that
-    nothing nearer handled (a read-only or full folder, a file where a folder goes) with one line naming the file and
-    why, exit code 1, instead of a traceback (logged at DEBUG)."""
-
-    def invoke(self, ctx: click.Context):
-        try:
-            return super().invoke(ctx)
-        except OSError as error:
-            if error.errno == errno.EPIPE:  # stdout closed by a pager: click's own quiet exit
-                raise
-            import logging
-
-            logging.getLogger("hearth").debug("the command ended on a file system error", exc_info=True)
-            command = " ".join(filter(None, ((ctx.info_name or self.name), ctx.invoked_subcommand)))
-            where = f"{error.filename}: " if error.filename is not None else ""
-            typer.echo(f"{command}: {where}{error.strerror or error}", err=True)
-            raise typer.Exit(EXIT_REFUSED) from None
 
 
 def cli_state(ctx: typer.Context) -> CliState:

@@ -1,5 +1,5 @@
 """Files a command cannot use end it in one line, no traceback, nothing half-written left behind: a folder it cannot
-create (services.cli_options.OneLineErrorsGroup, `hearth`'s and `hearth-replay`'s), `hearth-replay --creds` naming
+create (services.cli_errors.OneLineErrorsGroup, `hearth`'s and `hearth-replay`'s), `hearth-replay --creds` naming
 a key file that is missing or readable by others, and a random checkpoint whose writing a stop or a full disk cut
 short."""
 

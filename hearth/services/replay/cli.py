@@ -21,8 +21,9 @@ import typer
 
 from hearth.events.consume import first_stream_seq
 from hearth.services.replay.broker import jetstream
+from hearth.services.cli_errors import OneLineErrorsGroup
 from hearth.services.cli_options import (ConfigOption, CredsOption, LogLevelOption, NatsUrlOption,
-                                         OneLineErrorsGroup, apply_top_level_options, nats_settings_for, roster_checked,
+                                         apply_top_level_options, nats_settings_for, roster_checked,
                                          settings)
 
 if TYPE_CHECKING:
