@@ -101,6 +101,7 @@ class CliState:
     config_path: Path | None
     log_level: str
     program: str = "hearth"  # what a refusal of the configuration starts with: `hearth`, `hearth-replay`
+    creds_file: Path | None = None  # a top-level --creds (`hearth-replay`): wins over [nats] creds_file
     _settings: "HearthSettings | None" = None
 
     def settings(self) -> "HearthSettings":
@@ -108,9 +109,13 @@ class CliState:
             from hearth.services.common.config import ConfigError, load_settings
 
             try:
-                self._settings = load_settings(self.config_path)
+                loaded = load_settings(self.config_path)
             except ConfigError as error:
                 refuse_configuration(self.program, error)
+            if self.creds_file is not None:
+                loaded = loaded.model_copy(update={"nats": loaded.nats.model_copy(
+                    update={"creds_file": self.creds_file})})
+            self._settings = loaded
         return self._settings
 
 

@@ -10,7 +10,6 @@ with `--follow` the two are interleaved as messages arrive.
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 from datetime import datetime, timezone
 from enum import Enum
@@ -23,7 +22,7 @@ from hearth.events.consume import first_stream_seq
 from hearth.services.replay.broker import jetstream
 from hearth.services.cli_errors import OneLineErrorsGroup
 from hearth.services.cli_options import (ConfigOption, CredsOption, LogLevelOption, NatsUrlOption,
-                                         apply_top_level_options, nats_settings_for, roster_checked,
+                                         apply_top_level_options, cli_state, nats_settings_for, roster_checked,
                                          settings)
 
 if TYPE_CHECKING:
@@ -57,9 +56,9 @@ def main_options(
 ) -> None:
     """Read hearth's event log (audit, debugging) and rebuild read models from it."""
     apply_top_level_options(ctx, config, log_level)
-    if creds is not None:
-        # The connection reads [nats] from the settings; this invocation's --creds wins over file and env.
-        os.environ["HEARTH_NATS__CREDS_FILE"] = str(creds)
+    # The connection reads [nats] from the settings; this invocation's --creds wins over file and env (set in
+    # this invocation's state, not the process's environment, which outlives it in tests).
+    cli_state(ctx).creds_file = creds
 
 
 def _fail(message: str, code: int = 2) -> typer.Exit:
