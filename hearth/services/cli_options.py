@@ -4,6 +4,7 @@ the per-invocation settings they lead to (typer only; commands import their heav
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -312,6 +313,15 @@ DtypeOption = Annotated[
     typer.Option("--dtype", help="auto|fp32|bf16|fp16 (auto: bf16 on CUDA, fp16 where bf16 is unsupported, fp32 on "
                  "the CPU; default: [research.distributed_inference.host] dtype).", show_default=False),
 ]
+
+
+def above_zero(value: float | None) -> float | None:
+    """Every command's check of an option that is a duration or a weight: a finite number above 0, as the settings
+    and wire messages it ends up in take it, else a usage error before anything starts (before, `hearth shard
+    --hop-weight -5` loaded its layers and ended in a traceback, and `--heartbeat-s 0` heartbeated without pause)."""
+    if value is not None and not (math.isfinite(value) and value > 0):
+        raise typer.BadParameter(f"expected a number above 0, got {value:g}")
+    return value
 
 
 def checked_quantize(value: str | list[str] | None) -> str | list[str] | None:

@@ -25,6 +25,13 @@ from hearth.services.replay.cli import app as replay_app
     (app, ["dashboards", "render"], "dashboards render", "Missing option '--db'"),
     (app, ["community", "add", "--name", "x"], "community add", "Missing option '--role'"),
     (app, ["bench", "--replicas", "0"], "bench", "expected at least 1 shard process per layer range"),
+    # Before, these loaded the layers and ended in a traceback (hop weight, ttl), or heartbeated without pause.
+    (app, ["shard", "--model", "m", "--layers", "0-1", "--hop-weight", "-5"], "shard",
+     "Invalid value for '--hop-weight': expected a number above 0, got -5"),
+    (app, ["shard", "--model", "m", "--layers", "0-1", "--hop-weight", "nan"], "shard", "got nan"),
+    (app, ["shard", "--model", "m", "--layers", "0-1", "--ttl-s", "0"], "shard", "'--ttl-s': expected a number"),
+    (app, ["shard", "--model", "m", "--layers", "0-1", "--heartbeat-s", "0"], "shard", "'--heartbeat-s': expected"),
+    (app, ["orchestrator", "--step-timeout-s", "inf"], "orchestrator", "'--step-timeout-s': expected a number"),
     (replay_app, ["events", "--bogus"], "events", "No such option: --bogus"),
 ], ids=lambda value: value if isinstance(value, str) else None)
 def test_a_usage_error_is_one_line_naming_the_command(application, argv, command, said):
