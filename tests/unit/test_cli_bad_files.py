@@ -59,3 +59,9 @@ def test_a_random_checkpoint_cut_short_leaves_nothing_half_written(failure, tmp_
     with pytest.raises(type(failure) if isinstance(failure, BaseException) else failure):
         random_models.random_checkpoint("random:tiny", cache_dir=tmp_path)
     assert list((tmp_path / "random-models").iterdir()) == []
+
+
+@pytest.mark.parametrize(("command", "code"), [("upgrade", 1), ("vacuum", 2)])
+def test_hearth_db_names_itself_in_its_refusal(command, code, tmp_path):
+    said_in_one_line(CliRunner().invoke(app, ["db", command, "--db", str(tmp_path)]), code,
+                     f"hearth db {command}: {tmp_path}: ")
