@@ -16,8 +16,8 @@ from typing import Annotated, Optional
 
 import click
 import typer
-from typer.core import TyperGroup
 
+from hearth.services.cli_errors import OneLineErrorsGroup
 from hearth.services.community_cli import community_app
 from hearth.services.db_cli import db_app
 from hearth.services.dashboards.cli import dashboards_app, status_command
@@ -43,6 +43,7 @@ from hearth.services.cli_options import (
     ReadyFileOption,
     TorchThreadsOption,
     WaitForNatsOption,
+    above_zero,
     apply_top_level_options,
     long_running,
     node_id_for,
@@ -58,9 +59,10 @@ from hearth.services.nats_cli import NATS_HELP_EPILOG, nats_command
 from hearth.events.models import default_hop_weight
 from hearth.services.weights_cli import weights_app
 
-class CommandsWithDevTools(TyperGroup):
-    """The `hearth` commands, and the dev tooling's (hearth/services/devtools/commands.py: bench, eval, demo) imported
-    only when one of them runs or the help lists them: nothing else the CLI starts loads the tooling."""
+class CommandsWithDevTools(OneLineErrorsGroup):
+    """The `hearth` commands (a file system error: one line, as OneLineErrorsGroup says), and the dev tooling's
+    (hearth/services/devtools/commands.py: bench, eval, demo) imported only when one of them runs or the help lists
+    them: nothing else the CLI starts loads the tooling."""
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted({*super().list_commands(ctx), *DEV_COMMANDS})
@@ -160,17 +162,17 @@ def shard_command(
     node_id: HostNodeIdOption = None,
     model_id: ModelIdOption = None,
     hop_weight: Annotated[
-        float, typer.Option("--hop-weight", help="1.0 = same LAN; larger = farther.")
+        float, typer.Option("--hop-weight", callback=above_zero, help="1.0 = same LAN; larger = farther.")
     ] = default_hop_weight,
     device: DeviceOption = None,
     dtype: DtypeOption = None,
     quantize: QuantizeOption = None,
     heartbeat_s: Annotated[Optional[float], typer.Option(
-        "--heartbeat-s", help="Seconds between heartbeats (default: [shard] heartbeat_interval_s).",
-        show_default=False)] = None,
+        "--heartbeat-s", callback=above_zero, show_default=False,
+        help="Seconds between heartbeats (default: [shard] heartbeat_interval_s).")] = None,
     ttl_s: Annotated[Optional[float], typer.Option(
-        "--ttl-s", help="Advertisement time-to-live, seconds (default: [shard] advertisement_ttl_s).",
-        show_default=False)] = None,
+        "--ttl-s", callback=above_zero, show_default=False,
+        help="Advertisement time-to-live, seconds (default: [shard] advertisement_ttl_s).")] = None,
     fault: Annotated[
         Optional[str],
         typer.Option("--fault", hidden=True,
@@ -230,7 +232,8 @@ def orchestrator_command(
                                           "store:NAME fetches only the head from the community's store).")
     ] = None,
     step_timeout_s: Annotated[
-        Optional[float], typer.Option("--step-timeout-s", help="A hop holding a step longer is stalled.")
+        Optional[float], typer.Option("--step-timeout-s", callback=above_zero,
+                                      help="A hop holding a step longer is stalled.")
     ] = None,
     torch_threads: TorchThreadsOption = None,
     busy_threads: BusyThreadsOption = None,

@@ -4,6 +4,7 @@ the per-invocation settings they lead to (typer only; commands import their heav
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,6 +13,7 @@ from typing import TYPE_CHECKING, Annotated, Any, NoReturn, Optional, TypeVar
 import typer
 
 from hearth.services.common.config import NATS_URL_ENV
+from hearth.services.common.config_sections import max_tcp_port
 from hearth.services.common.logging import LOG_LEVEL_ENV
 
 if TYPE_CHECKING:
@@ -22,15 +24,31 @@ T = TypeVar("T")
 
 CONFIG_ENV = "HEARTH_CONFIG"
 
+def checked_nats_url_option(value: str | None) -> str | None:
+    """--nats / $HEARTH_NATS_URL as nats-py can connect to it (services.common.nats_urls), else a usage error."""
+    from hearth.services.common.nats_urls import checked_nats_url
+
+    try:
+        return None if value is None else checked_nats_url(value)
+    except ValueError as error:
+        raise typer.BadParameter(str(error)) from None
+
+
 NatsUrlOption = Annotated[
     Optional[str],
     typer.Option(
         "--nats",
         envvar=NATS_URL_ENV,
+        callback=checked_nats_url_option,
         help="NATS server URL (default: nats.url of the configuration, else nats://127.0.0.1:4222).",
         show_default=False,
     ),
 ]
+# The `hearth community` commands' broker (hearth/services/community_cli_options.py holds their other options).
+CommunityNatsOption = Annotated[Optional[str], typer.Option(
+    "--nats", callback=checked_nats_url_option, show_default=False,
+    help="The community's broker (default: $HEARTH_NATS_URL or [nats] url; a cluster's URLs comma-separated); TLS "
+         "as [nats] tls_* say.")]
 ConfigOption = Annotated[
     Optional[Path],
     typer.Option(
@@ -42,7 +60,7 @@ ConfigOption = Annotated[
 ]
 MetricsPortOption = Annotated[
     int,
-    typer.Option("--metrics-port", min=0, max=65535,
+    typer.Option("--metrics-port", min=0, max=max_tcp_port,
                  help="Serve Prometheus /metrics on this port, on the interface --metrics-host names "
                       "(docs/metrics.md); 0 = off."),
 ]
@@ -84,6 +102,7 @@ class CliState:
     config_path: Path | None
     log_level: str
     program: str = "hearth"  # what a refusal of the configuration starts with: `hearth`, `hearth-replay`
+    creds_file: Path | None = None  # a top-level --creds (`hearth-replay`): wins over [nats] creds_file
     _settings: "HearthSettings | None" = None
 
     def settings(self) -> "HearthSettings":
@@ -91,9 +110,13 @@ class CliState:
             from hearth.services.common.config import ConfigError, load_settings
 
             try:
-                self._settings = load_settings(self.config_path)
+                loaded = load_settings(self.config_path)
             except ConfigError as error:
                 refuse_configuration(self.program, error)
+            if self.creds_file is not None:
+                loaded = loaded.model_copy(update={"nats": loaded.nats.model_copy(
+                    update={"creds_file": self.creds_file})})
+            self._settings = loaded
         return self._settings
 
 
@@ -290,6 +313,15 @@ DtypeOption = Annotated[
     typer.Option("--dtype", help="auto|fp32|bf16|fp16 (auto: bf16 on CUDA, fp16 where bf16 is unsupported, fp32 on "
                  "the CPU; default: [research.distributed_inference.host] dtype).", show_default=False),
 ]
+
+
+def above_zero(value: float | None) -> float | None:
+    """Every command's check of an option that is a duration or a weight: a finite number above 0, as the settings
+    and wire messages it ends up in take it, else a usage error before anything starts (before, `hearth shard
+    --hop-weight -5` loaded its layers and ended in a traceback, and `--heartbeat-s 0` heartbeated without pause)."""
+    if value is not None and not (math.isfinite(value) and value > 0):
+        raise typer.BadParameter(f"expected a number above 0, got {value:g}")
+    return value
 
 
 def checked_quantize(value: str | list[str] | None) -> str | list[str] | None:

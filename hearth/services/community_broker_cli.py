@@ -9,8 +9,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from hearth.services.cli_options import settings
-from hearth.services.community_cli_options import DEFAULT_COMMUNITY_DIR, DirOption, NatsOption, fail
+from hearth.services.cli_options import CommunityNatsOption, settings
+from hearth.services.community_cli_options import DEFAULT_COMMUNITY_DIR, DirOption, fail
 
 tls_validity_days = 365
 
@@ -91,7 +91,7 @@ def nats_config_command(
 def streams_command(
     ctx: typer.Context,
     directory: DirOption = DEFAULT_COMMUNITY_DIR,
-    nats_url: NatsOption = None,
+    nats_url: CommunityNatsOption = None,
 ) -> None:
     """Create the event streams and the orchestrators' call-nonce bucket on the community's broker, or bring them to
     the current spec, with the steward's system key (DIR/keys/system.nk): on a community broker no other member may.

@@ -14,13 +14,12 @@ from typing import TYPE_CHECKING, Annotated, NoReturn, Optional
 
 import typer
 
-from hearth.services.cli_options import settings
+from hearth.services.cli_options import CommunityNatsOption, settings
 from hearth.services.community_broker_cli import api_key_command, nats_config_command, streams_command, tls_command
 from hearth.services.community_cli_options import (
     DEFAULT_COMMUNITY_DIR,
     DEFAULT_READ_MODEL,
     DirOption,
-    NatsOption,
     ReadModelOption,
     fail,
 )
@@ -121,7 +120,7 @@ def remove_command(
     ctx: typer.Context,
     name: Annotated[str, typer.Option("--name", help="The member to remove (not `system`, the steward's key).")],
     directory: DirOption = DEFAULT_COMMUNITY_DIR,
-    nats_url: NatsOption = None,
+    nats_url: CommunityNatsOption = None,
     offline: Annotated[bool, typer.Option(
         "--offline", help="Change the roster only, publishing no removal event (no broker to reach): projections "
                           "then cut the member's events off by this machine's clock, not by a position in the log."
@@ -176,7 +175,7 @@ def rotate_key_command(
     ctx: typer.Context,
     name: Annotated[str, typer.Argument(help="The member whose key is replaced (`system`: the steward's own).")],
     directory: DirOption = DEFAULT_COMMUNITY_DIR,
-    nats_url: NatsOption = None,
+    nats_url: CommunityNatsOption = None,
     public_key: Annotated[Optional[str], typer.Option(
         "--public-key", help="The member's own new nkey public key (U...), when it made its key itself; else a key "
                              "pair is generated and its seed written to keys/NAME.nk (mode 0600).")] = None,
@@ -274,7 +273,7 @@ def clear_quarantine_command(
     reason: Annotated[str, typer.Option("--reason", help="Why it may serve again (kept in the event log).")],
     directory: DirOption = DEFAULT_COMMUNITY_DIR,
     db: ReadModelOption = DEFAULT_READ_MODEL,
-    nats_url: NatsOption = None,
+    nats_url: CommunityNatsOption = None,
 ) -> None:
     """Let a quarantined shard serve again: publish a signed integrity.quarantine_cleared with the steward's system
     key (DIR/keys/system.nk). Refused, with nothing published, when the read model does not hold it quarantined. Its

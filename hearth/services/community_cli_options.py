@@ -1,10 +1,10 @@
-"""The options the `hearth community` commands share (the community folder, the read model, the broker) and their
-one-line refusal (`fail`)."""
+"""The options the `hearth community` commands share (the community folder, the read model; the broker's is
+services.cli_options.CommunityNatsOption, checked as every --nats is) and their one-line refusal (`fail`)."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, NoReturn, Optional
+from typing import Annotated, NoReturn
 
 import typer
 
@@ -13,9 +13,6 @@ DEFAULT_COMMUNITY_DIR = Path("community")
 ReadModelOption = Annotated[Path, typer.Option(
     "--db", help="The read model (the file `hearth projector --db` keeps) that holds the shards' reputation.")]
 DEFAULT_READ_MODEL = Path("readmodel.sqlite")
-NatsOption = Annotated[Optional[str], typer.Option(
-    "--nats", help="The community's broker (default: $HEARTH_NATS_URL or [nats] url; a cluster's URLs "
-                   "comma-separated); TLS as [nats] tls_* say.", show_default=False)]
 
 
 def fail(message: str, command: str = "hearth community") -> NoReturn:

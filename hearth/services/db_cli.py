@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, NoReturn
 
 import typer
 
@@ -23,8 +23,7 @@ def db_upgrade_command(
     try:
         upgrade_database(db)
     except ReadModelUnusable as error:
-        typer.echo(str(error), err=True)
-        raise typer.Exit(EXIT_REFUSED) from None
+        _refuse("upgrade", str(error), EXIT_REFUSED)
     typer.echo(f"{db}: schema at the latest revision")
 
 
@@ -39,22 +38,25 @@ def db_vacuum_command(
     from hearth.readmodels.db import ReadModelUnusable, open_engine, vacuum_database
 
     if not db.is_file():
-        typer.echo(f"{db}: no such read-model file", err=True)
-        raise typer.Exit(EXIT_BAD_INPUT)
+        _refuse("vacuum", f"{db}: no such read-model file", EXIT_BAD_INPUT)
     before = _bytes_on_disk(db)
     engine = open_engine(db)
     try:
         vacuum_database(engine)
     except OperationalError as error:
-        typer.echo(f"{db}: not vacuumed: {error.orig} (another writer, or no room for the two copies it writes)",
-                   err=True)
-        raise typer.Exit(EXIT_REFUSED) from None
+        _refuse("vacuum", f"{db}: not vacuumed: {error.orig} (another writer, or no room for the two copies it "
+                "writes)", EXIT_REFUSED)
     except ReadModelUnusable as error:
-        typer.echo(str(error), err=True)
-        raise typer.Exit(EXIT_REFUSED) from None
+        _refuse("vacuum", str(error), EXIT_REFUSED)
     finally:
         engine.dispose()
     typer.echo(f"{db}: vacuumed, {before:,} bytes before, {_bytes_on_disk(db):,} now (with its WAL)")
+
+
+def _refuse(command: str, why: str, code: int) -> NoReturn:
+    """End `hearth db COMMAND` with its one line, named as every command's refusal is."""
+    typer.echo(f"hearth db {command}: {why}", err=True)
+    raise typer.Exit(code)
 
 
 def _bytes_on_disk(db: Path) -> int:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Annotated, Optional
 import typer
 
 from hearth.services.cli_options import settings
-from hearth.services.common.config_sections import loopback_host
+from hearth.services.common.config_sections import loopback_host, max_tcp_port
 from hearth.services.common.hearth_files import state_dir
 
 if TYPE_CHECKING:
@@ -82,8 +82,8 @@ def _tls_block(tls_cert: Path | None, tls_key: Path | None, tls_ca: Path | None)
 
 def nats_command(
     ctx: typer.Context,
-    port: Annotated[int, typer.Option("--port", help="Client port to listen on (the first node's, with --cluster).")]
-    = 4222,
+    port: Annotated[int, typer.Option("--port", min=1, max=max_tcp_port,
+                                      help="Client port to listen on (the first node's, with --cluster).")] = 4222,
     store: Annotated[Optional[Path], typer.Option(
         "--store", show_default=False,
         help="Directory for JetStream data, kept across restarts (default: nats-PORT in hearth's state folder, "
@@ -113,11 +113,13 @@ def nats_command(
         help="With --node: every node's cluster address, this one's included, comma-separated "
              "(nats-0:6222,nats-1:6222,nats-2:6222).")] = None,
     cluster_port: Annotated[int, typer.Option(
-        "--cluster-port", help="Port the nodes connect to each other on (with --cluster: the first node's).")]
+        "--cluster-port", min=1, max=max_tcp_port,
+        help="Port the nodes connect to each other on (with --cluster: the first node's).")]
     = 6222,
     monitor_port: Annotated[int, typer.Option(
-        "--monitor-port", help="A node's monitoring port on 127.0.0.1: /healthz, /jsz, /routez (with --cluster: "
-                               "the first node's).")] = 8222,
+        "--monitor-port", min=1, max=max_tcp_port,
+        help="A node's monitoring port on 127.0.0.1: /healthz, /jsz, /routez (with --cluster: the first node's).")]
+    = 8222,
     check: Annotated[bool, typer.Option(
         "--check", help="Write the configuration, have nats-server test it (-t) and exit: 0 when it is valid.")]
     = False,
@@ -132,6 +134,9 @@ def nats_command(
         _fail("give --cluster (every node here) or --node (one node), not both")
     if (node is None) != (routes is None):
         _fail("--node and --routes go together")
+    if cluster is not None and max(port, cluster_port, monitor_port) + cluster - 1 > max_tcp_port:
+        _fail(f"--cluster {cluster} numbers its nodes' ports up from --port, --cluster-port and --monitor-port: "
+              f"each must leave {cluster - 1} ports above it below {max_tcp_port + 1}")
     if node is not None and community is None:
         _fail("--node needs --community: the nodes' route password derives from the community's system key")
     # Read before any server starts: a configuration the steward's tooling cannot use is refused with nothing running.

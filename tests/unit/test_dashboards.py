@@ -178,7 +178,7 @@ def test_a_read_only_reader_never_blocks_the_projector(tmp_path):
 def test_status_screen_pieces(tmp_path, capsys):
     assert coverage_text([(0, 2), (1, 2), (2, 1), (3, 0)]) == "0-1 x2, 2 x1, 3 MISSING"
     assert run_status_command(tmp_path / "absent.sqlite") == 1
-    assert "no read model" in capsys.readouterr().out
+    assert "no read model" in capsys.readouterr().err  # a refusal, on stderr as every command's
 
 
 def test_status_on_a_file_that_is_not_a_database_is_one_line(tmp_path, capsys):
@@ -186,7 +186,7 @@ def test_status_on_a_file_that_is_not_a_database_is_one_line(tmp_path, capsys):
     corrupt.write_bytes(b"not a database " * 512)
     assert run_status_command(corrupt) == 1
     # One line whatever the console's width: before, a long path was broken across lines, even inside a name.
-    said = capsys.readouterr().out
+    said = capsys.readouterr().err
     assert said == f"hearth status: {corrupt} is not a migrated read model (file is not a database)\n"
 
 

@@ -27,6 +27,7 @@ from hearth.services.broker.server import (
     NatsServerError,
     free_tcp_port,
     readiness_poll_interval_s,
+    why_it_exited,
 )
 from hearth.services.common.config_sections import loopback_host
 from hearth.services.common.hearth_files import data_dir
@@ -119,7 +120,8 @@ class ClusterNodeServer(EmbeddedNatsServer):
         deadline = time.monotonic() + timeout_s
         while not self.is_healthy():
             if not self.is_running():
-                raise NatsServerError(f"nats-server {self.name} exited:\n{self.log_tail()}")
+                raise NatsServerError(f"nats-server {self.name} exited: {why_it_exited(self.log_tail())} (its log: "
+                                      f"{self.store_dir / 'nats-server.log'})")
             if time.monotonic() > deadline:
                 raise NatsServerError(f"nats-server {self.name} not healthy within {timeout_s} s:\n{self.log_tail()}")
             time.sleep(readiness_poll_interval_s * 5)

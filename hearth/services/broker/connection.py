@@ -18,6 +18,7 @@ from nats.aio.client import Client as NatsClient
 from hearth.services.common.config import DEFAULT_NATS_URL, NATS_URL_ENV, NatsSettings, default_nats_url
 from hearth.services.common.identity import Identity, load_identity
 from hearth.services.common.lifecycle import CommandRefused
+from hearth.services.common.nats_urls import server_urls
 from hearth.services.broker.tls import client_ssl_context
 
 # The status of the answer the server sends in place of a reply when nothing subscribes to the subject.
@@ -120,14 +121,6 @@ def keepalive_options(settings: NatsSettings) -> dict:
     return {"ping_interval": settings.ping_interval_s, "max_outstanding_pings": settings.max_outstanding_pings}
 
 
-def server_urls(url: str) -> list[str]:
-    """A comma-separated list of NATS URLs (a cluster's nodes; `--nats`, HEARTH_NATS_URL) as nats-py's `servers`."""
-    urls = [part.strip() for part in url.split(",") if part.strip()]
-    if not urls:
-        raise ValueError(f"no NATS URL in {url!r}")
-    return urls
-
-
 class BrokerRefusedCredentials(BrokerUnreachable):
     """The broker answered, but refused the connection: no credentials, or a key it does not know."""
 
@@ -159,6 +152,10 @@ async def connect_nats(
         settings = _nats_defaults
     wait = settings.wait_for_broker if wait_for_broker is None else wait_for_broker
     target = url or settings.url
+    try:
+        servers = server_urls(target)
+    except ValueError as error:  # not from --nats or the configuration, both checked: $HEARTH_NATS_URL, read here
+        raise CommandRefused(str(error)) from None
     nc = NatsClient()
     closed_event = _closed_events.setdefault(nc, asyncio.Event())
     _refused_events[nc] = asyncio.Event()
@@ -220,7 +217,7 @@ async def connect_nats(
 
     identity = load_identity(settings.creds_file, settings.roster_file) if settings.creds_file else None
     connecting = nc.connect(
-        servers=server_urls(target),
+        servers=servers,
         **credential_options(settings, identity),
         name=name,
         connect_timeout=settings.connect_timeout_s,

@@ -5,7 +5,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+
 import random
+import re
 import shutil
 import signal
 import socket
@@ -40,6 +42,23 @@ def _read_from(path: Path, offset: int) -> str:
 
 class NatsServerError(RuntimeError):
     """The nats-server binary is missing, would not start, or died."""
+
+
+# A log record's prefix ("[pid] date time [FTL] ") before what it says.
+_LOG_RECORD_PREFIX = re.compile(r"^\[\d+\] \S+ \S+ \[(?P<level>[A-Z]{3})\] ")
+
+
+def why_it_exited(log_text: str) -> str:
+    """What a nats-server that exited said last about why, as one line: its last fatal or error record, or the
+    configuration error it printed ("nats-server: FILE:LINE: ..."), else its last line."""
+    lines = [line.strip() for line in log_text.splitlines() if line.strip()]
+    for line in reversed(lines):
+        record = _LOG_RECORD_PREFIX.match(line)
+        if record is not None and record["level"] in ("FTL", "ERR"):
+            return line[record.end():]
+        if line.startswith("nats-server: "):
+            return line.removeprefix("nats-server: ")
+    return _LOG_RECORD_PREFIX.sub("", lines[-1]).strip() if lines else "it said nothing"
 
 
 def find_nats_server_binary() -> Path:
@@ -257,7 +276,8 @@ class EmbeddedNatsServer:
                 if _ADDRESS_IN_USE in log_text:
                     raise NatsServerError(f"cannot listen on {self.host}:{self.port}: the port is in use (another "
                                           "nats-server, or another program)")
-                raise NatsServerError(f"nats-server exited with {self._process.returncode}:\n{log_text[-2000:]}")
+                raise NatsServerError(f"nats-server exited with {self._process.returncode}: {why_it_exited(log_text)} "
+                                      f"(its log: {log_path})")
             if _READY_LINE in _read_from(log_path, log_start):
                 try:
                     with socket.create_connection((self.host, self.port), timeout=0.2):

@@ -41,6 +41,7 @@ from hearth.services.common.config_processes import (
     ShardSettings,
     VerificationSettings,
 )
+from hearth.services.common.nats_urls import checked_nats_url
 from hearth.services.common.config_sections import ClientSettings, ConfigSection, GatewaySettings, MetricsSettings
 from hearth.protocol.bounds import max_int8_block_elems
 from hearth.protocol.quantization_labels import QUANTIZATION_LABEL_PATTERN, check_runnable_label
@@ -201,7 +202,9 @@ class TransportSettings(ConfigSection):
 class NatsSettings(ConfigSection):
     """[nats]: where the broker is; `--nats` and `$HEARTH_NATS_URL` on the command line win over this."""
 
-    url: str = Field(default_factory=default_nats_url)
+    # nats-py's own parse of a bad URL ends in a traceback. $HEARTH_NATS_URL, this default, is checked where it is
+    # read as --nats (services.cli_options) and by connect_nats.
+    url: Annotated[str, AfterValidator(checked_nats_url)] = Field(default_factory=default_nats_url)
     connect_timeout_s: float = Field(
         default=10.0, gt=0,
         description="a long-running command that cannot reach the broker within this exits with one line")

@@ -13,6 +13,8 @@ from hearth.protocol.bounds import max_retry_after_s
 
 # Where a listener binds unless told otherwise: this machine only.
 loopback_host = "127.0.0.1"
+# The largest TCP port: every port option and setting is bounded by it.
+max_tcp_port = 65535
 
 
 class ConfigSection(BaseModel):
@@ -33,7 +35,7 @@ class GatewaySettings(ConfigSection):
     """[gateway]: the OpenAI-compatible HTTP gateway (`hearth gateway`, hearth/services/gateway/)."""
 
     host: str = Field(default=loopback_host, description="interface to listen on; 0.0.0.0 to accept other machines")
-    port: int = Field(default=8000, ge=0, le=65535, description="TCP port to listen on (0: any free port)")
+    port: int = Field(default=8000, ge=0, le=max_tcp_port, description="TCP port to listen on (0: any free port)")
     community_dir: Path | None = Field(
         default=None, description="community folder holding api_keys.json and the keys of the members it names")
     max_open_requests: int = Field(

@@ -10,6 +10,7 @@ machine's clock.
 from __future__ import annotations
 
 import sqlite3
+import sys
 import time
 from collections.abc import Mapping
 from itertools import groupby
@@ -132,19 +133,23 @@ def _number(value) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
+def _refuse(why: str) -> None:
+    """The one line saying why there is no screen: on stderr, as every command's refusal, whatever the width."""
+    print(f"hearth status: {why}", file=sys.stderr)
+
+
 def run_status_command(db: Path, *, now_s: int | None = None, console: Console | None = None,
                        routing: Mapping[str, float] = ROUTING_VARIABLES) -> int:
     """Print the screen; 1 with a one-line reason when `db` is not a read model."""
     console = console or Console()
     if not db.is_file():
-        console.print(f"hearth status: no read model at {db} (run `hearth projector --db {db}`)", markup=False,
-                      soft_wrap=True)
+        _refuse(f"no read model at {db} (run `hearth projector --db {db}`)")
         return 1
     connection = open_read_only(db)
     try:
         tables = status_tables(connection, int(time.time()) if now_s is None else now_s, routing)
     except sqlite3.DatabaseError as error:  # tables missing, or no SQLite database at all (OperationalError's base)
-        console.print(f"hearth status: {db} is not a migrated read model ({error})", markup=False, soft_wrap=True)
+        _refuse(f"{db} is not a migrated read model ({error})")
         return 1
     finally:
         connection.close()

@@ -97,16 +97,21 @@ def random_checkpoint(spec: str, cache_dir: Path | None = None) -> Path:
     staging = folder.with_name(folder.name + f".writing-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     print(f"writing random checkpoint {spec} to {folder} (once) ...", file=sys.stderr, flush=True)
-    torch.manual_seed(random_init_seed)
-    model = random_bf16_llama(config) if shape in BIG_SHAPES else LlamaForCausalLM(config).to(torch.float32).eval()
-    model.save_pretrained(staging)
-    del model
-    write_random_tokenizer(staging, dims["vocab_size"])
-    (staging / RANDOM_MARKER_FILE).write_text(json.dumps({"shape": shape, **dims, "seed": random_init_seed,
-                                                          "tokenizer": RANDOM_TOKENIZER_VERSION}))
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    shutil.rmtree(folder, ignore_errors=True)
-    staging.rename(folder)
+    try:
+        torch.manual_seed(random_init_seed)
+        model = (random_bf16_llama(config) if shape in BIG_SHAPES
+                 else LlamaForCausalLM(config).to(torch.float32).eval())
+        model.save_pretrained(staging)
+        del model
+        write_random_tokenizer(staging, dims["vocab_size"])
+        (staging / RANDOM_MARKER_FILE).write_text(json.dumps({"shape": shape, **dims, "seed": random_init_seed,
+                                                              "tokenizer": RANDOM_TOKENIZER_VERSION}))
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(folder, ignore_errors=True)
+        staging.rename(folder)
+    except BaseException:  # a stop (Ctrl-C) or a full disk midway: no half-written gigabytes left in the cache
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     return folder
 
 

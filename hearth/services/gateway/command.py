@@ -12,6 +12,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from hearth.services.common.config_sections import max_tcp_port
 from hearth.services.cli_options import (
     CredsOption,
     InsecureOption,
@@ -114,7 +115,7 @@ def gateway_command(
     host: Annotated[Optional[str], typer.Option("--host", help="Interface to listen on (default: [gateway] host, "
                                                 "127.0.0.1); 0.0.0.0 to accept other machines.",
                                                 show_default=False)] = None,
-    port: Annotated[Optional[int], typer.Option("--port", min=0, max=65535, help="TCP port (default: [gateway] "
+    port: Annotated[Optional[int], typer.Option("--port", min=0, max=max_tcp_port, help="TCP port (default: [gateway] "
                                                 "port, 8000; 0: any free port).", show_default=False)] = None,
     community: Annotated[Optional[Path], typer.Option(
         "--community", help="Community folder with api_keys.json (`hearth community api-key`) and the keys of the "

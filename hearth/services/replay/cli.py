@@ -10,7 +10,6 @@ with `--follow` the two are interleaved as messages arrive.
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 from datetime import datetime, timezone
 from enum import Enum
@@ -21,8 +20,9 @@ import typer
 
 from hearth.events.consume import first_stream_seq
 from hearth.services.replay.broker import jetstream
+from hearth.services.cli_errors import OneLineErrorsGroup
 from hearth.services.cli_options import (ConfigOption, CredsOption, LogLevelOption, NatsUrlOption,
-                                         apply_top_level_options, nats_settings_for, roster_checked,
+                                         apply_top_level_options, cli_state, nats_settings_for, roster_checked,
                                          settings)
 
 if TYPE_CHECKING:
@@ -33,6 +33,7 @@ replay_log_level = "WARNING"
 
 app = typer.Typer(
     name="hearth-replay",
+    cls=OneLineErrorsGroup,
     help="Read hearth's event log (audit, debugging) and rebuild read models from it.",
     no_args_is_help=True,
     add_completion=False,
@@ -55,9 +56,9 @@ def main_options(
 ) -> None:
     """Read hearth's event log (audit, debugging) and rebuild read models from it."""
     apply_top_level_options(ctx, config, log_level)
-    if creds is not None:
-        # The connection reads [nats] from the settings; this invocation's --creds wins over file and env.
-        os.environ["HEARTH_NATS__CREDS_FILE"] = str(creds)
+    # The connection reads [nats] from the settings; this invocation's --creds wins over file and env (set in
+    # this invocation's state, not the process's environment, which outlives it in tests).
+    cli_state(ctx).creds_file = creds
 
 
 def _fail(message: str, code: int = 2) -> typer.Exit:
@@ -69,6 +70,7 @@ def _run(coroutine) -> int:
     """Run one command's coroutine; SIGINT/SIGTERM stop it cleanly (consumers are deleted on the way out)."""
     import nats.errors
     from hearth.services.broker.connection import BrokerUnreachable
+    from hearth.services.common.identity import IdentityError
     from hearth.services.common.lifecycle import Interrupted, run_cancelling_on_signal
     from hearth.services.replay.broker import MemberRefused
     from hearth.services.replay.render import broker_failure_line
@@ -83,6 +85,8 @@ def _run(coroutine) -> int:
         return 0
     except (BrokerUnreachable, MemberRefused) as error:
         raise _fail(str(error), 3) from None
+    except IdentityError as error:  # the key file (--creds, [nats] creds_file) or its roster: read as it connects
+        raise _fail(str(error)) from None
     except (nats.errors.NoServersError, ConnectionRefusedError, OSError) as error:
         if isinstance(error, OSError) and error.filename is not None:  # a file it was given, not the broker
             raise _fail(f"{error.filename}: {error.strerror or error}") from None

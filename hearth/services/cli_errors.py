@@ -1,0 +1,62 @@
+"""How the command lines (`hearth`, `hearth-replay`) end a command that nothing nearer refused: one line, no
+traceback; a usage error included (one line instead of click's usage, hint and error lines)."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+
+import click
+import typer
+from typer.core import TyperGroup
+
+# A file a command cannot use: as services.cli_options.EXIT_REFUSED.
+EXIT_FILE_ERROR = 1
+# The usage error typer's parser raises (typer.BadParameter's base): typer 0.2x carries its own copy of click, whose
+# exceptions are not click's.
+UsageError = typer.BadParameter.__mro__[1]
+
+
+class OneLineUsageError(UsageError):
+    """A usage error (a bad option value, an option missing or unknown) said in one line naming the command and
+    where its help is; exit code 2."""
+
+    def show(self, file=None) -> None:
+        command = self.ctx.command_path if self.ctx is not None else "hearth"
+        typer.echo(f"{command}: {self.format_message()} (see {command} --help)", file=file, err=file is None)
+
+
+@contextlib.contextmanager
+def usage_errors_in_one_line():
+    try:
+        yield
+    except UsageError as error:
+        # One with a display of its own keeps it: a command given no arguments shows its help.
+        if type(error).show is not UsageError.show:
+            raise
+        raise OneLineUsageError(error.format_message(), error.ctx) from None
+
+
+class OneLineErrorsGroup(TyperGroup):
+    """A command line (`hearth`, `hearth-replay`) whose refusals are one line each: a usage error (exit code 2), and
+    a file a command cannot create, read or write that nothing nearer handled (a read-only or full folder, a file
+    where a folder goes): the file and why, exit code 1, instead of a traceback (logged at DEBUG)."""
+
+    def make_context(self, info_name, args, parent=None, **extra):
+        with usage_errors_in_one_line():  # the top-level options' own
+            return super().make_context(info_name, args, parent, **extra)
+
+    def invoke(self, ctx: click.Context):
+        try:
+            with usage_errors_in_one_line():  # every command's, and the sub-apps' (`hearth community ...`)
+                return super().invoke(ctx)
+        except OSError as error:
+            if error.errno == errno.EPIPE:  # stdout closed by a pager: click's own quiet exit
+                raise
+            import logging
+
+            logging.getLogger("hearth").debug("the command ended on a file system error", exc_info=True)
+            command = " ".join(filter(None, ((ctx.info_name or self.name), ctx.invoked_subcommand)))
+            where = f"{error.filename}: " if error.filename is not None else ""
+            typer.echo(f"{command}: {where}{error.strerror or error}", err=True)
+            raise typer.Exit(EXIT_FILE_ERROR) from None
