@@ -10,6 +10,7 @@ with `--follow` the two are interleaved as messages arrive.
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 from datetime import datetime, timezone
 from enum import Enum
