@@ -1,10 +1,13 @@
 """How the command lines (`hearth`, `hearth-replay`) end a command that nothing nearer refused: one line, no
-traceback; a usage error included (one line instead of click's usage, hint and error lines)."""
+traceback; a usage error included (one line instead of click's usage, hint and error lines); and quietly, on a
+stdout whose reader closed it."""
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import os
+import sys
 
 import click
 import typer
@@ -60,3 +63,12 @@ class OneLineErrorsGroup(TyperGroup):
             where = f"{error.filename}: " if error.filename is not None else ""
             typer.echo(f"{command}: {where}{error.strerror or error}", err=True)
             raise typer.Exit(EXIT_FILE_ERROR) from None
+
+
+def stdout_to_devnull() -> None:
+    """Point stdout at /dev/null, so that the interpreter's last flush of what is still buffered meets no broken
+    pipe when a reader such as `head` closed it early (Python's own advice:
+    docs.python.org/3/library/signal.html#note-on-sigpipe)."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)

@@ -10,7 +10,6 @@ with `--follow` the two are interleaved as messages arrive.
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 from datetime import datetime, timezone
 from enum import Enum
@@ -21,7 +20,7 @@ import typer
 
 from hearth.events.consume import first_stream_seq
 from hearth.services.replay.broker import jetstream
-from hearth.services.cli_errors import OneLineErrorsGroup
+from hearth.services.cli_errors import OneLineErrorsGroup, stdout_to_devnull
 from hearth.services.cli_options import (ConfigOption, CredsOption, LogLevelOption, NatsUrlOption,
                                          apply_top_level_options, cli_state, nats_settings_for, roster_checked,
                                          settings)
@@ -82,7 +81,7 @@ def _run(coroutine) -> int:
         return 130
     except BrokenPipeError:
         # Whoever read stdout went away (`| head`): it took what it wanted, which is no fault of the broker's.
-        _stdout_to_devnull()
+        stdout_to_devnull()
         return 0
     except (BrokerUnreachable, MemberRefused) as error:
         raise _fail(str(error), 3) from None
@@ -94,14 +93,6 @@ def _run(coroutine) -> int:
         raise _fail(f"cannot reach NATS: {error}", 3) from error
     except nats.errors.Error as error:  # reached, but it did not answer as a JetStream broker does
         raise _fail(broker_failure_line(error), 3) from None
-
-
-def _stdout_to_devnull() -> None:
-    """Point stdout at /dev/null, so that the interpreter's last flush of what is still buffered meets no broken
-    pipe (Python's own advice: docs.python.org/3/library/signal.html#note-on-sigpipe)."""
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, sys.stdout.fileno())
-    os.close(devnull)
 
 
 EVENTS_HELP = (
