@@ -1,8 +1,10 @@
 """A call's last frame says whether its `verify` level was held to, over real processes: a call at a level that needs
 other replicas of its hops' layers, on a mesh without them, ends `done` with `verification: unmet` (its hops' work
 unchecked), and so does its `pipeline.completed`; with a replica of every range, `all` is `met` (and `vote`, which
-asks two, is still `unmet`); at `none` nothing is said. One mesh serves the module: two shards over layers 0-2 and
-3-5; the second test starts a replica of each."""
+asks two, is still `unmet`); at `none` nothing is said. A replica of the whole model beside the two is not routed
+alone where checks are asked (nobody could check it): the call gets a chain every hop of which another node can
+check, and is `met`. One mesh serves the module: two shards over layers 0-2 and 3-5; the later tests start the
+replicas they need."""
 
 from __future__ import annotations
 
@@ -66,3 +68,20 @@ async def test_a_level_the_replicas_hold_is_said_met(mesh, nc):
         # A vote asks two other replicas of each range: one is not enough.
         vote = await stream_with_action(nc, request("vote"))
         assert vote.final.type == "done" and vote.final.verification == "unmet"
+
+
+async def test_a_whole_replica_beside_partial_shards_gets_a_chain_it_can_check(mesh, nc):
+    """A replica of every layer beside the two partial shards: alone it is the cheapest chain (one hop), which no other
+    replica could check; a call that asks checks is routed over a chain every hop of which another node can mirror."""
+    async with mesh.extra_shards() as start:
+        whole = await start("whole", 0, 5, PRIMARY_WEIGHT)
+        call = await stream_with_action(nc, request("all"))
+        assert call.final.type == "done", call.final
+        (pipeline,) = call.of_type("pipeline")
+        assert call.final.verification == "met", pipeline.hops
+        assert (await completed_event(nc, pipeline.pipeline_id)).verification == "met"
+        assert len(pipeline.hops) == 2
+        # A call that asks no checks still takes the cheapest chain: the whole replica alone.
+        unchecked = await stream_with_action(nc, request("none"))
+        (pipeline,) = unchecked.of_type("pipeline")
+        assert pipeline.hops == [whole.shard_id], pipeline.hops

@@ -24,6 +24,7 @@ from hearth.services.orchestrator.affinity import hop_ranges, longer_kept, prefe
 from hearth.services.orchestrator.call import Call
 from hearth.services.orchestrator.capacity import ShardLoad
 from hearth.services.orchestrator.chain import HopChain
+from hearth.services.orchestrator.check_policy import MIRRORS_PER_LEVEL
 from hearth.protocol.quarantine import Held
 from hearth.services.orchestrator.context import RunContext
 from hearth.services.orchestrator.prefix import (
@@ -244,8 +245,10 @@ class ChainBuilder:
 
     def _plan(self, candidates, *, load: ShardLoad | None) -> list[Hop]:
         router, model, excluded = self.ctx.router, self.call.model, self.call.excluded
+        # A chain its checks can be made on, where the call asks them (router.py rule 2).
         route = dict(now=router.now(), load=load, quantization=self.call.quantization,
-                     model_layers=model.head.info.num_layers)
+                     model_layers=model.head.info.num_layers,
+                     mirrors_per_hop=MIRRORS_PER_LEVEL[self.call.request.params.verify])
         # Shards a check proved wrong, and the other shards of their nodes, are out at once, until the read model
         # quarantines them too (handed over in `build`).
         held = Held.of(self.ctx.quarantined)

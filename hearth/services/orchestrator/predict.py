@@ -21,7 +21,10 @@ A hop running `n` layers of shard `s` costs, per token,
   being tried before its replicas.
 
 The chain minimises the sum; ties go to fewer hops, then to longer reach early (a shard's whole range), then
-to unmeasured shards and shard ids, so equal plans are stable.
+to unmeasured shards and shard ids, so equal plans are stable. For a call whose `verify` level asks other replicas to
+check each hop (hearth/services/orchestrator/verification.py), the chain lacking the fewest of those replicas comes
+before any cost (`MirrorShortfall`): a whole-model replica alone is the cheapest chain beside two half-model shards,
+but nobody could check it, while each half of it can be checked by the other side.
 """
 
 from __future__ import annotations
@@ -86,9 +89,28 @@ class HopCosts:
         return min(self._step_per_layer(s) for s in peers), min(trips, default=None), weight
 
 
+class MirrorShortfall:
+    """How many of the other replicas a hop's checks ask for (`mirrors_per_hop`, by the call's `verify` level) it
+    would lack among `candidates`: those on other nodes (one per node: a host cannot vouch for itself, nor one mirror's
+    host twice) whose range covers the layers the hop runs, as a mirror is chosen (mirror.py `open_mirror`)."""
+
+    def __init__(self, candidates: list[ShardCandidate], mirrors_per_hop: int) -> None:
+        self.candidates = candidates
+        self.mirrors_per_hop = mirrors_per_hop
+
+    def __call__(self, shard: ShardCandidate, layer_lo: int, layer_hi: int) -> int:
+        if self.mirrors_per_hop <= 0:
+            return 0
+        nodes = {c.node_id for c in self.candidates
+                 if c.node_id != shard.node_id and c.layer_lo <= layer_lo and layer_hi <= c.layer_hi}
+        return max(0, self.mirrors_per_hop - len(nodes))
+
+
 def cheapest_chain(candidates: list[ShardCandidate], costs: HopCosts,
-                   may_be_hop_zero: Callable[[ShardCandidate], bool]) -> list[PlannedHop] | None:
-    """The chain covering layers 0..total-1 with the least predicted time per token, or None when none does.
+                   may_be_hop_zero: Callable[[ShardCandidate], bool],
+                   shortfall: MirrorShortfall | None = None) -> list[PlannedHop] | None:
+    """The chain covering layers 0..total-1 with the least predicted time per token, or None when none does; with
+    `shortfall`, the one whose hops lack the fewest replicas to check them first, then the least time.
 
     Positions a chain can reach are 0 and every shard's layer_lo and layer_hi + 1, so a hop ends at its
     shard's last layer or just before another shard's range begins: O(shards^3) work at most.
@@ -97,18 +119,24 @@ def cheapest_chain(candidates: list[ShardCandidate], costs: HopCosts,
     cuts = sorted({0, total} | {s.layer_lo for s in candidates if s.layer_lo < total}
                   | {min(s.layer_hi, total - 1) + 1 for s in candidates})
     # position -> (ordering key, chain reaching it)
-    best: dict[int, tuple[tuple, list[PlannedHop]]] = {0: ((0.0, 0, (), ()), [])}
+    best: dict[int, tuple[tuple, list[PlannedHop]]] = {0: ((0, 0.0, 0, (), ()), [])}
     for cursor in cuts:
         if cursor not in best or cursor >= total:
             continue
-        (cost, hops, ends, names), chain = best[cursor]
+        (lacking, cost, hops, ends, names), chain = best[cursor]
         for shard in candidates:
             if not shard.layer_lo <= cursor <= shard.layer_hi or (cursor == 0 and not may_be_hop_zero(shard)):
                 continue
+            if any(hop.shard is shard for hop in chain):
+                continue  # a shard holds one hop of a pipeline (checks alone would split one in two, each checked)
             reach = min(shard.layer_hi, total - 1)
             for end in [cut - 1 for cut in cuts if cursor < cut <= reach + 1]:
-                key = (round(cost + costs.hop_ms(shard, end - cursor + 1), 6), hops + 1, ends + (-end,),
+                key = (lacking + (shortfall(shard, cursor, end) if shortfall is not None else 0),
+                       round(cost + costs.hop_ms(shard, end - cursor + 1), 6), hops + 1, ends + (-end,),
                        names + ((costs.measured(shard), shard.shard_id),))
                 if end + 1 not in best or key < best[end + 1][0]:
                     best[end + 1] = (key, chain + [PlannedHop(shard, cursor, end)])
-    return best[total][1] if total in best else None
+    if total not in best:
+        # A chain that skipped a shard already on it may have cut off the only way on: the cheapest chain, unchecked.
+        return cheapest_chain(candidates, costs, may_be_hop_zero) if shortfall is not None else None
+    return best[total][1]

@@ -17,7 +17,9 @@ Rules, in order:
 2. the chain covering every layer with the least predicted time per token, by dynamic programming over
    layer ranges (hearth/services/orchestrator/predict.py: each shard's measured decode step time from its
    heartbeat, the round trip this orchestrator measured to it, and its queue, which also spreads load
-   over replicas); a hop may run part of its shard's range;
+   over replicas); a hop may run part of its shard's range; for a call whose `verify` level asks other replicas
+   to check each hop, first the chain whose hops lack the fewest such replicas (predict.py `MirrorShortfall`), so
+   a whole-model replica beside partial shards is not routed alone, where nobody could check it;
 3. a shard on the orchestrator's own node is not hop 0 unless `allow_self_as_shard`;
 4. a layer no candidate can run is `shard_unavailable`, or `weights_mismatch` when a shard with other
    weights would otherwise have been usable; the message names the uncovered layers (and the scheme), and the
@@ -43,7 +45,7 @@ from hearth.readmodels.queries import (ShardCandidate, all_shards, newest_sign_o
 from hearth.protocol.quarantine import node_quarantine_reason
 from hearth.protocol.quantization_labels import accepts, precision_order
 from hearth.services.orchestrator.capacity import ShardLoad
-from hearth.services.orchestrator.predict import HopCosts, cheapest_chain
+from hearth.services.orchestrator.predict import HopCosts, MirrorShortfall, cheapest_chain
 
 RoutingErrorCode = Literal["shard_unavailable", "weights_mismatch", "overloaded"]
 
@@ -202,13 +204,15 @@ class ShardRouter:
         load: ShardLoad | None = None,
         quantization: str | None = None,
         model_layers: int | None = None,
+        mirrors_per_hop: int = 0,
     ) -> list[Hop]:
         """The routing decision itself, on rows already read (pure, for tests and what-if tools); `load`: the
         live room of each shard (None: every live shard has room); `quantization`: the scheme the chain must
         serve (a label of hearth/protocol/quantization_labels.py; None: the most precise one that covers);
         `model_layers`: the layers of the model as the orchestrator loaded it (None: as the shards advertise), so
         one shard advertising another count cannot make the model unroutable; `exclude`: shards not to use, each
-        with why when a mapping (a failure to route repeats it)."""
+        with why when a mapping (a failure to route repeats it); `mirrors_per_hop`: the other replicas the call's
+        `verify` level has check each hop (check_policy.py MIRRORS_PER_LEVEL), which the chain should have."""
         excluded = dict(exclude) if isinstance(exclude, Mapping) else dict.fromkeys(exclude, "")
         left_out = {s.shard_id: why for s in shards if (why := self.left_out_because(s, excluded, now, load))}
         if model_layers is not None:
@@ -238,6 +242,7 @@ class ShardRouter:
             chain = cheapest_chain(
                 candidates, HopCosts(candidates, total_layers, load),
                 may_be_hop_zero=lambda s: self.allow_self_as_shard or s.node_id != self.self_node_id,
+                shortfall=MirrorShortfall(candidates, mirrors_per_hop) if mirrors_per_hop else None,
             )
             if chain is None:
                 continue

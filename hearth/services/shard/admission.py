@@ -53,6 +53,6 @@ def _kv_share_refusal(open_hops: Collection[ServedHop], request: OpenHop, opener
     if held + need <= share:
         return None
     return ControlReply(ok=False, code="at_capacity", message=(
-        f"this orchestrator's hops here reserve {megabytes(held):.1f} MB of KV cache; this session of "
-        f"{request.max_session_tokens} positions would reserve {megabytes(need):.1f} MB more, past its share of "
-        f"{megabytes(share):.1f} MB ([shard] max_kv_share_per_opener)"))
+        f"this orchestrator's hops here reserve {megabytes(held):.2f} MB of KV cache; this session of "
+        f"{request.max_session_tokens} positions would reserve {megabytes(need):.2f} MB more, past its share of "
+        f"{megabytes(share):.2f} MB ([shard] max_kv_share_per_opener)"))

@@ -1,0 +1,80 @@
+"""Routing a call that asks checks (its `verify` level: other replicas mirror each hop) over a chain they can be made
+on: a whole-model replica beside two half-model shards on other nodes is the cheapest chain alone, but nobody could
+check it; each half of the model can be checked on the other side (docs/design.md §5, router.py rule 2)."""
+
+from __future__ import annotations
+
+import pytest
+
+from hearth.services.orchestrator.check_policy import MIRRORS_PER_LEVEL
+from hearth.services.orchestrator.predict import MirrorShortfall
+from hearth.services.orchestrator.router import Hop
+from tests.readmodel_helpers import MODEL_ID, WEIGHTS_SHA, migrated_engine
+from tests.unit.test_router import Mesh
+
+
+@pytest.fixture
+def mesh(tmp_path):
+    engine = migrated_engine(tmp_path / "router.db")
+    yield Mesh(engine)
+    engine.dispose()
+
+
+def plan(mesh: Mesh, verify: str) -> list[Hop]:
+    router = mesh.router()
+    return router.plan(router.candidates(MODEL_ID), MODEL_ID, WEIGHTS_SHA, now=mesh.now,
+                       mirrors_per_hop=MIRRORS_PER_LEVEL[verify])
+
+
+def named(hops: list[Hop]) -> list[tuple[str, int, int]]:
+    return [(hop.shard_id.split("@")[1], hop.layer_lo_to_run, hop.layer_hi_to_run) for hop in hops]
+
+
+def shortfall(mesh: Mesh, hops: list[Hop], verify: str) -> int:
+    """The replicas the chain's hops lack for the level's checks, counted as a mirror is chosen."""
+    candidates = mesh.router().candidates(MODEL_ID)
+    by_id = {c.shard_id: c for c in candidates}
+    lacking = MirrorShortfall(candidates, MIRRORS_PER_LEVEL[verify])
+    return sum(lacking(by_id[hop.shard_id], hop.layer_lo_to_run, hop.layer_hi_to_run) for hop in hops)
+
+
+def test_a_whole_replica_is_not_routed_alone_where_its_halves_could_be_checked(mesh):
+    mesh.add(0, 3, "front")
+    mesh.add(4, 7, "back")
+    mesh.add(0, 7, "whole")
+    assert named(plan(mesh, "none")) == [("whole", 0, 7)]  # one hop: the cheapest, and nothing asks checks
+    for verify in ("sampled", "all"):
+        hops = plan(mesh, verify)
+        assert len(hops) == 2 and shortfall(mesh, hops, verify) == 0, named(hops)
+    # `vote` asks two other nodes per hop, which no chain has here: the cheapest chain, as before.
+    assert named(plan(mesh, "vote")) == [("whole", 0, 7)]
+
+
+def test_a_replica_on_the_hops_own_node_does_not_count(mesh):
+    # The whole-model replica shares the front half's node: it cannot vouch for that node's work.
+    mesh.add(0, 3, "home")
+    mesh.add(4, 7, "back")
+    mesh.add(0, 7, "home")
+    # Layers 0-3 run on "home" in every chain, and no other node has them: every chain lacks one replica, so the
+    # cheapest is taken, as without checks.
+    hops = plan(mesh, "all")
+    assert named(hops) == [("home", 0, 7)] and shortfall(mesh, hops, "all") == 1
+
+
+def test_checkability_comes_before_speed_and_speed_decides_among_checkable_chains(mesh):
+    mesh.add(0, 7, "whole", decode_step_ms=4.0)
+    mesh.add(0, 3, "front", decode_step_ms=80.0)
+    mesh.add(4, 7, "back", decode_step_ms=8.0)
+    assert named(plan(mesh, "none")) == [("whole", 0, 7)]
+    # Of the chains every hop of which can be checked, the fastest: the whole replica's front half (checked by
+    # "front"), then "back" (checked by the whole replica).
+    assert named(plan(mesh, "sampled")) == [("whole", 0, 3), ("back", 4, 7)]
+
+
+def test_a_shard_holds_at_most_one_hop_of_a_chain(mesh):
+    # A fast shard of two middle layers inside a slow whole-model one: whole, fast, whole would be the cheapest
+    # prediction, but a shard keeps one hop per pipeline (a second open of it replaces the first).
+    mesh.add(0, 7, "whole", decode_step_ms=80.0)
+    mesh.add(2, 3, "middle", decode_step_ms=2.0)
+    for verify in ("none", "sampled"):
+        assert named(plan(mesh, verify)) == [("whole", 0, 7)], verify
