@@ -36,6 +36,7 @@ DATA_FILES = (
     "hearth_data/prometheus/prometheus.yml",
     "hearth/migrations/alembic.ini",
 )
+LICENSE_IN_WHEEL = "hearth-0.1.0.dist-info/licenses/LICENSE"
 build_timeout_s = 180
 command_timeout_s = 120
 demo_timeout_s = 200
@@ -99,6 +100,9 @@ def test_the_wheel_carries_every_code_package_and_the_data_files(installed):
     sources = {name for name in installed["files"] if name.split("/")[0] == CODE_NAMESPACE and name.endswith(".py")}
     assert sources - names == set(), "add the package to [tool.setuptools] packages in pyproject.toml"
     assert set(DATA_FILES) - names == set()
+    # pyproject.toml's license-files: the Apache License text itself, as the checkout holds it.
+    with zipfile.ZipFile(installed["wheel"]) as wheel:
+        assert wheel.read(LICENSE_IN_WHEEL) == (REPO_ROOT / "LICENSE").read_bytes()
     # Nothing of the checkout's own (tests, scripts, docs) lands at the top of site-packages, and no generic name.
     assert {name.split("/")[0] for name in names} == {CODE_NAMESPACE, "hearth_data", "hearth-0.1.0.dist-info"}
 
