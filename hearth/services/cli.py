@@ -223,7 +223,9 @@ def orchestrator_command(
         Optional[Path], typer.Option("--db", help="Routing read-model file (default: a temporary one).")
     ] = None,
     models_dir: Annotated[
-        Optional[list[Path]], typer.Option("--models-dir", help="Folder holding checkpoints by name (repeatable).")
+        Optional[list[Path]],
+        typer.Option("--models-dir", help="Folder of checkpoints a request may name (repeatable): checkpoint folders "
+                                          "and folders holding one GGUF by name, GGUF files by stem."),
     ] = None,
     preload: Annotated[
         Optional[list[str]], typer.Option("--preload", help="Load this model's head before serving (repeatable; "
