@@ -55,7 +55,7 @@ from hearth.services.cli_options import (
 from hearth.protocol.chat import ChatRequest, default_max_tokens, max_choices
 from hearth.services.common.logging import default_log_level
 from hearth.services.nats_cli import NATS_HELP_EPILOG, nats_command
-from hearth.services.schema.cli import schema_command
+from hearth.services.schema.cli import docs_command, schema_command
 from hearth.events.models import default_hop_weight
 from hearth.services.weights_cli import weights_app
 
@@ -91,6 +91,7 @@ app.add_typer(community_app, name="community")
 app.add_typer(dashboards_app, name="dashboards")
 app.add_typer(weights_app, name="weights")
 app.command("schema")(schema_command)
+app.command("docs")(docs_command)
 # Decorated with @long_running: SIGINT/SIGTERM stop them quietly from the moment `hearth` starts.
 LONG_RUNNING_COMMANDS = ("projector", "shard", "orchestrator", "gateway", "host")
 
