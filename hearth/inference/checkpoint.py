@@ -169,6 +169,23 @@ def resolve_model_path(
     return fetch_hub_selection(model, None, revision=revision, cache_dir=cache_dir, local_files_only=offline)
 
 
+def models_folder_entry(folder: Path, name: str) -> Path | None:
+    """The checkpoint a models folder (`--models-dir`) holds under `name`, as `--model` would load it: a folder
+    with a config.json, the one GGUF file of a folder holding one, or the GGUF file `name`.gguf (named by its stem,
+    the id its shards advertise); None when it holds none (or a folder of several GGUFs: which to serve is a guess)."""
+    entry = folder / name
+    if (entry / "config.json").is_file():
+        return entry.resolve()
+    if entry.is_dir():
+        try:
+            found = single_gguf_in(entry)
+        except CheckpointError:
+            return None
+        return found.resolve() if found is not None else None
+    gguf_file = folder / f"{name}{GGUF_SUFFIX}"
+    return gguf_file.resolve() if gguf_file.is_file() else None
+
+
 def read_config_dict(path: Path) -> dict:
     """The raw config.json of a checkpoint folder, or the same built from a GGUF file's metadata; CheckpointError
     for a folder stored quantized by another library (check_full_precision)."""

@@ -56,6 +56,7 @@ from hearth.services.cli_options import (
 from hearth.protocol.chat import ChatRequest, default_max_tokens, max_choices
 from hearth.services.common.logging import default_log_level
 from hearth.services.nats_cli import NATS_HELP_EPILOG, nats_command
+from hearth.services.schema.cli import docs_command, schema_command
 from hearth.events.models import default_hop_weight
 from hearth.services.weights_cli import weights_app
 
@@ -91,6 +92,8 @@ app.add_typer(db_app, name="db")
 app.add_typer(community_app, name="community")
 app.add_typer(dashboards_app, name="dashboards")
 app.add_typer(weights_app, name="weights")
+app.command("schema")(schema_command)
+app.command("docs")(docs_command)
 # Decorated with @long_running: SIGINT/SIGTERM stop them quietly from the moment `hearth` starts.
 LONG_RUNNING_COMMANDS = ("projector", "shard", "orchestrator", "gateway", "host")
 
@@ -225,7 +228,9 @@ def orchestrator_command(
         Optional[Path], typer.Option("--db", help="Routing read-model file (default: a temporary one).")
     ] = None,
     models_dir: Annotated[
-        Optional[list[Path]], typer.Option("--models-dir", help="Folder holding checkpoints by name (repeatable).")
+        Optional[list[Path]],
+        typer.Option("--models-dir", help="Folder of checkpoints a request may name (repeatable): checkpoint folders "
+                                          "and folders holding one GGUF by name, GGUF files by stem."),
     ] = None,
     preload: Annotated[
         Optional[list[str]], typer.Option("--preload", help="Load this model's head before serving (repeatable; "
@@ -362,19 +367,6 @@ def ollama_command(
                      if model.architecture else "")
         verdict = "served" if model.problem is None else f"not served: {model.problem}"
         typer.echo(f"{model.name:<{width}}  {described + '; ' if described else ''}{verdict}")
-
-
-@app.command("schema")
-def schema_command(
-    out: Annotated[Path, typer.Option("--out", help="Docs folder to write into.")] = Path("docs"),
-    check: Annotated[
-        bool, typer.Option("--check", help="Write nothing; exit 1 listing the files that differ from the models.")
-    ] = False,
-) -> None:
-    """Generate the JSON Schemas of the wire messages (docs/schemas/) and docs/configuration.md from the models."""
-    from hearth.services.schema.files import run_schema_command
-
-    raise typer.Exit(run_schema_command(out, check=check))
 
 
 def main() -> None:

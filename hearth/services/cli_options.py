@@ -54,7 +54,8 @@ ConfigOption = Annotated[
     typer.Option(
         "--config",
         envvar=CONFIG_ENV,
-        help="TOML configuration file (docs/configuration.md); HEARTH_* environment variables override it.",
+        help="TOML configuration file (every key: `hearth docs configuration`); HEARTH_* environment variables "
+             "override it.",
         show_default=False,
     ),
 ]
@@ -62,7 +63,7 @@ MetricsPortOption = Annotated[
     int,
     typer.Option("--metrics-port", min=0, max=max_tcp_port,
                  help="Serve Prometheus /metrics on this port, on the interface --metrics-host names "
-                      "(docs/metrics.md); 0 = off."),
+                      "(every metric: `hearth docs metrics`); 0 = off."),
 ]
 MetricsHostOption = Annotated[
     Optional[str],

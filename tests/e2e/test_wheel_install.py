@@ -35,7 +35,12 @@ DATA_FILES = (
     "hearth_data/grafana/provisioning/dashboards/hearth.yaml",
     "hearth_data/prometheus/prometheus.yml",
     "hearth/migrations/alembic.ini",
+    "hearth_data/docs/configuration.md",
+    "hearth_data/docs/metrics.md",
+    "hearth_data/docs/schemas/index.json",
+    "hearth_data/docs/examples/chat_request.json",
 )
+LICENSE_IN_WHEEL = "hearth-0.1.0.dist-info/licenses/LICENSE"
 build_timeout_s = 180
 command_timeout_s = 120
 demo_timeout_s = 200
@@ -99,6 +104,10 @@ def test_the_wheel_carries_every_code_package_and_the_data_files(installed):
     sources = {name for name in installed["files"] if name.split("/")[0] == CODE_NAMESPACE and name.endswith(".py")}
     assert sources - names == set(), "add the package to [tool.setuptools] packages in pyproject.toml"
     assert set(DATA_FILES) - names == set()
+    assert not any(name.startswith("hearth_data/docs/img/") for name in names), "the README's pictures stay out"
+    # pyproject.toml's license-files: the Apache License text itself, as the checkout holds it.
+    with zipfile.ZipFile(installed["wheel"]) as wheel:
+        assert wheel.read(LICENSE_IN_WHEEL) == (REPO_ROOT / "LICENSE").read_bytes()
     # Nothing of the checkout's own (tests, scripts, docs) lands at the top of site-packages, and no generic name.
     assert {name.split("/")[0] for name in names} == {CODE_NAMESPACE, "hearth_data", "hearth-0.1.0.dist-info"}
 
@@ -136,6 +145,28 @@ def test_installed_db_upgrade_and_dashboards_check_use_the_shipped_migrations_an
     assert upgraded.returncode == 0 and db.is_file(), upgraded.stderr
     checked = run_hearth(installed, "dashboards", "build", "--check")
     assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+def test_installed_hearth_points_at_its_shipped_docs(installed):
+    page = run_hearth(installed, "docs", "configuration")
+    assert page.returncode == 0, page.stderr
+    assert Path(page.stdout.strip()).is_file() and Path(page.stdout.strip()).is_relative_to(installed["venv"])
+    assert "hearth docs configuration" in " ".join(run_hearth(installed, "--help").stdout.split())
+
+
+def test_installed_hearth_checks_its_own_files_but_writes_only_where_told(installed, tmp_path):
+    """Given no --out, `schema` and `dashboards build` write into site-packages no more (--check still checks what
+    the wheel ships); with --out they write there."""
+    shipped = sorted((path, path.stat().st_mtime_ns) for path in installed["venv"].rglob("hearth_data/**/*.*"))
+    assert run_hearth(installed, "schema", "--check").returncode == 0
+    for command in (("schema",), ("dashboards", "build"), ("dashboards", "render", "--db", "no.sqlite")):
+        refused = run_hearth(installed, *command)
+        assert refused.returncode == 2 and "--out DIR" in refused.stderr, (command, refused.stderr)
+    assert sorted((path, path.stat().st_mtime_ns) for path in installed["venv"].rglob("hearth_data/**/*.*")) == shipped
+    assert list(installed["cwd"].iterdir()) in ([], [installed["cwd"] / "readmodel.sqlite"])
+    assert run_hearth(installed, "schema", "--out", str(tmp_path / "docs")).returncode == 0
+    assert run_hearth(installed, "dashboards", "build", "--out", str(tmp_path / "dashboards")).returncode == 0
+    assert (tmp_path / "docs" / "configuration.md").is_file() and any((tmp_path / "dashboards").glob("*.json"))
 
 
 def test_installed_demo_answers_with_the_bundled_model_and_keeps_its_logs_where_asked(installed, tmp_path):

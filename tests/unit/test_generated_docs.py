@@ -194,3 +194,13 @@ def test_the_generator_loads_no_torch(code):
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_hearth_schema_without_out_is_the_checkouts_docs_from_any_folder(tmp_path, monkeypatch):
+    """Its default folder is this checkout's docs/, not a docs/ of whatever folder it runs in."""
+    from hearth.services.cli import app
+
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(app, ["schema", "--check"])
+    assert result.exit_code == 0, result.output
+    assert not (tmp_path / "docs").exists()

@@ -130,7 +130,7 @@ class CallVerifier:
         malformed = malformed_signing_header(headers)
         if malformed is not None:
             return CallRefused("malformed", f"the {self.signed}'s {malformed} header is not of the form signers write "
-                                            "(docs/protocol.md, Signed calls)")
+                                            "(protocol.md of hearth's docs, Signed calls)")
         signed_at_s = float(timestamp)
         skew_s = abs(now_s - signed_at_s)
         # The form admits only finite decimals; checked again because a NaN compares False with everything.

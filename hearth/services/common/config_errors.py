@@ -20,7 +20,7 @@ def describe_invalid_configuration(error: ValidationError, toml_path: Path | Non
     """One line naming the settings `error` refused, the first `max_described_problems` of them."""
     problems = []
     for item in error.errors(include_url=False)[:max_described_problems]:
-        message = ("unknown key (a typo? docs/configuration.md lists every key)"
+        message = ("unknown key (a typo? `hearth docs configuration` names the page listing every key)"
                    if item["type"] == _UNKNOWN_KEY_TYPE else str(item["msg"]).removeprefix(_VALUE_ERROR_PREFIX))
         location = tuple(str(part) for part in item["loc"])
         where = _where_given(location, toml_path, env_prefix, env_delimiter)

@@ -1,5 +1,5 @@
-"""Where hearth's own files are: its data folders (models/, nats/, grafana/, prometheus/), and the folder of the
-state a process keeps across its restarts (`state_dir`).
+"""Where hearth's own files are: its data folders (models/, nats/, grafana/, prometheus/, docs/), and the folder of
+the state a process keeps across its restarts (`state_dir`).
 
 In a checkout the data folders lie beside the `hearth` package; a wheel installs them as the data package
 `hearth_data` (pyproject.toml, [tool.setuptools]), so beside it too, one level down.
@@ -13,7 +13,7 @@ from pathlib import Path
 # The folder holding the `hearth` package: the checkout, or site-packages.
 SOURCES_ROOT = Path(__file__).resolve().parents[3]
 DATA_PACKAGE = "hearth_data"
-DATA_FOLDERS = ("models", "nats", "grafana", "prometheus")
+DATA_FOLDERS = ("models", "nats", "grafana", "prometheus", "docs")
 
 
 def data_dir(folder: str) -> Path:
@@ -27,6 +27,16 @@ def data_dir(folder: str) -> Path:
 def installed_from_wheel() -> bool:
     """Whether this hearth runs from an installed wheel (its data package beside it) rather than from a checkout."""
     return (SOURCES_ROOT / DATA_PACKAGE).is_dir()
+
+
+def installed_files_refusal(command: str, folder: Path) -> str | None:
+    """Why `command`, given no --out, may not write into `folder`, its default among hearth's own files: an installed
+    hearth's are part of its package (site-packages), never rewritten in place; None in a checkout, where writing
+    them is how they are made."""
+    if not installed_from_wheel():
+        return None
+    return (f"{command}: this hearth is installed, and {folder} is part of its package; pass --out DIR to write "
+            "into a folder of your own")
 
 
 def bundled_model_or(model: str) -> str:

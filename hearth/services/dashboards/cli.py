@@ -13,15 +13,28 @@ dashboards_app = typer.Typer(help="The Grafana dashboards of a mesh (grafana/das
 ReadModelOption = Annotated[Path, typer.Option("--db", help="The read-model SQLite file (hearth projector --db).")]
 
 
+def refuse_installed_default(command: str, folder: Path) -> None:
+    """Exit 2 saying why when `folder`, the default of `command` given no --out, is an installed hearth's own."""
+    from hearth.services.common.hearth_files import installed_files_refusal
+
+    if refusal := installed_files_refusal(command, folder):
+        typer.echo(refusal, err=True)
+        raise typer.Exit(2)
+
+
 @dashboards_app.command("build")
 def build_command(
-    out: Annotated[Optional[Path], typer.Option("--out", help="Folder to write into (default: grafana/dashboards).",
-                                                show_default=False)] = None,
+    out: Annotated[Optional[Path], typer.Option(
+        "--out", help="Folder to write into (default: this checkout's grafana/dashboards; an installed hearth writes "
+                      "only into --out, and --check alone checks the dashboards it ships).",
+        show_default=False)] = None,
     check: Annotated[bool, typer.Option("--check", help="Write nothing; exit 1 naming files that differ.")] = False,
 ) -> None:
     """Write each dashboard's Grafana JSON from hearth/services/dashboards/panels.py."""
     from hearth.services.dashboards.grafana_json import DASHBOARDS_DIR, write_dashboards
 
+    if out is None and not check:
+        refuse_installed_default("hearth dashboards build", DASHBOARDS_DIR)
     stale = write_dashboards(out or DASHBOARDS_DIR, check=check)
     for name in stale:
         typer.echo(f"{'differs' if check else 'wrote'}: {name}")
@@ -31,11 +44,17 @@ def build_command(
 @dashboards_app.command("render")
 def render_command(
     db: ReadModelOption,
-    out: Annotated[Path, typer.Option("--out", help="Folder for one PNG per dashboard.")] = Path("docs/img"),
+    out: Annotated[Optional[Path], typer.Option(
+        "--out", help="Folder for one PNG per dashboard (default: this checkout's docs/img, the README's pictures; "
+                      "an installed hearth needs --out).", show_default=False)] = None,
 ) -> None:
     """Draw each dashboard as a PNG (matplotlib) from the same panel queries Grafana runs, on `--db`."""
+    from hearth.services.common.hearth_files import data_dir
     from hearth.services.dashboards.render import RenderRefused, render_all
 
+    if out is None:
+        out = data_dir("docs") / "img"
+        refuse_installed_default("hearth dashboards render", out)
     try:
         paths = render_all(db, out)
     except RenderRefused as error:

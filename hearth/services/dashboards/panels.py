@@ -313,8 +313,8 @@ FROM projection_positions ORDER BY projection, stream""",
             "Audit events waiting in orchestrator outboxes",
             (PromTarget("max by (instance) (hearth_event_outbox_depth)", "{{instance}}"),),
             "Events each orchestrator recorded (or found left by its previous run) and JetStream has not stored yet; "
-            "kept in its outbox file meanwhile (docs/operations.md, \"The event outbox\"). One that stays above 0: "
-            "the broker is not taking its events, and calls wait once it reaches [orchestrator] event_queue_max.",
+            "kept in its outbox file meanwhile (`hearth docs operations`, \"The event outbox\"). One that stays above "
+            "0: the broker is not taking its events, and calls wait once it reaches [orchestrator] event_queue_max.",
         ),
         PromPanel(
             "Events applied per second by type (live)",

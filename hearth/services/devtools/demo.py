@@ -208,7 +208,7 @@ class DemoRun:
                 sys.stderr.write(f"\r\033[K  ... {time.monotonic() - started:4.0f} s, waiting for {len(waiting)}")
                 sys.stderr.flush()
             time.sleep(progress_poll_interval_s)
-        _say("  Prometheus /metrics (docs/metrics.md):")
+        _say("  Prometheus /metrics (every metric: `hearth docs metrics`):")
         for name, url in cluster.metrics_urls().items():
             _say(f"    {name:28s} {url}")
 

@@ -5,10 +5,11 @@ may be a folder path, `store:NAME` (fetched from the community's store: the head
 the local fallback) or a hub id (`org/name`, `org/name:FILE.gguf`; when not in the local hub cache, fetched as
 shard hosts fetch their ranges: the head only, a GGUF's by byte ranges, or the whole model for the local
 fallback). A name in a request is only ever looked up in the catalog: a configured name (NAME for a configured
-`store:NAME`, the local model's id), the id of a loaded model, a folder name inside a models folder (`--models-dir`,
-`models/`), a hub id (`org/name`) already in the local hub cache, or a hub id (`org/name`, `org/name:FILE.gguf`) that
-live shards advertise (its head fetched then, as for the operator's). A request's name is never opened as a path,
-and what a request is told about a name it may not use carries no path of this machine.
+`store:NAME`, the local model's id), the id of a loaded model, a name inside a models folder (`--models-dir`,
+`models/`: a checkpoint folder's or a folder's holding one GGUF, a GGUF file's stem), a hub id (`org/name`) already in
+the local hub cache, or a hub id (`org/name`, `org/name:FILE.gguf`) that live shards advertise (its head fetched then,
+as for the operator's). A request's name is never opened as a path, and what a request is told about a name it may
+not use carries no path of this machine.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pathlib import Path
 import torch
 
 from hearth.inference import CheckpointError, Head, LocalModel, load_head, resolve_model_path, weights_sha256
-from hearth.inference.checkpoint import read_config_dict
+from hearth.inference.checkpoint import models_folder_entry, read_config_dict
 from hearth.inference.checkpoint_files import HUB_ALLOW_PATTERNS
 from hearth.inference.errors import InferenceError, first_line
 from hearth.inference.hub_ids import is_hub_gguf_id
@@ -202,15 +203,17 @@ class ModelCatalog:
                 return resolve_model_path(as_path)  # a folder, or the GGUF file it (or the path) names
             except CheckpointError as error:
                 raise UnknownModel(f"unknown model {model!r}: {error}") from None
-        if "/" not in model.strip("/") or model.count("/") == 1:
-            for directory in self.search_dirs:
-                candidate = directory / model
-                if (candidate / "config.json").is_file():
-                    return candidate.resolve()
+        if ("/" not in model.strip("/") or model.count("/") == 1) and (found := self._in_search_dirs(model)):
+            return found
         try:
             return resolve_model_path(model, local_files_only=True)
         except CheckpointError as error:
             raise UnknownModel(f"unknown model {model!r}: {error}") from None
+
+    def _in_search_dirs(self, name: str) -> Path | None:
+        """The checkpoint the first models folder holding `name` holds under it (models_folder_entry), or None."""
+        return next((found for directory in self.search_dirs
+                     if (found := models_folder_entry(directory, name)) is not None), None)
 
     def advertised_id(self, model: str, path: Path) -> str | None:
         """The model id shards loading `model` advertise: the hub id itself, a stored model's name, or None (the
@@ -218,7 +221,7 @@ class ModelCatalog:
         if (name := stored_name(model)) is not None:
             return name
         as_given = Path(model).expanduser()
-        if as_given.exists() or any(path == (d / model).resolve() for d in self.search_dirs):
+        if as_given.exists() or path == self._in_search_dirs(model):
             return None
         return served_model_id(model)
 
@@ -238,11 +241,8 @@ class ModelCatalog:
 
     def catalog_path(self, name: str) -> Path | None:
         """The folder of a catalog name (see the module docstring), or None; never takes `name` as a path."""
-        if FOLDER_NAME_PATTERN.match(name):
-            for directory in self.search_dirs:
-                candidate = directory / name
-                if (candidate / "config.json").is_file():
-                    return candidate.resolve()
+        if FOLDER_NAME_PATTERN.match(name) and (found := self._in_search_dirs(name)):
+            return found
         if HUB_ID_PATTERN.match(name) and ".." not in name:
             from huggingface_hub import snapshot_download
 
@@ -306,13 +306,15 @@ class ModelCatalog:
 
     async def _refuse_headless_advertised(self, name: str) -> None:
         """UnknownModel saying so when live shards serve `name` but this orchestrator has no head for it (a GGUF's
-        shards advertise the file's stem, which only `--preload PATH` names here); its operator is told once."""
+        shards advertise the file's stem, which only `--preload PATH` or the file in a `--models-dir` names here); its
+        operator is told once."""
         if self._is_advertised is None or not await asyncio.to_thread(self._is_advertised, name):
             return
         if name not in self._headless_warned:  # bounded: only names live shards advertise get here
             self._headless_warned.add(name)
             log.warning("a request asked for %s, which live shards serve, but this orchestrator has no head for it: "
-                        "start it with --preload naming that model (its path, or store:NAME)", name)
+                        "start it with --preload naming that model (its path, or store:NAME), or with a --models-dir "
+                        "holding it", name)
         raise UnknownModel(f"model {name!r} is served by live shards, but this orchestrator has no head for it "
                            f"(its operator starts it with --preload naming the model)")
 

@@ -8,11 +8,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from hearth.services.common.hearth_files import data_dir
 from hearth.services.schema import COMMAND
 from hearth.services.schema.configuration import configuration_page
 from hearth.services.schema.wire import INDEX_FILE, wire_schemas
 
-DEFAULT_DOCS_DIR = Path("docs")
 SCHEMAS_DIR = "schemas"
 CONFIG_PAGE = "configuration.md"
 
@@ -67,10 +67,12 @@ def write_files(out: Path, files: dict[str, str] | None = None) -> list[str]:
     return changed
 
 
-def run_schema_command(out: Path, *, check: bool) -> int:
-    """`hearth schema [--out DIR] [--check]`: the exit code (1: --check found files that differ)."""
+def run_schema_command(out: Path | None, *, check: bool) -> int:
+    """`hearth schema [--out DIR] [--check]`: the exit code (1: --check found files that differ); `out` None is
+    hearth's own docs folder (the checkout's docs/, or the copy an installed hearth ships)."""
     files = generated_files()
-    regenerate = COMMAND if out == DEFAULT_DOCS_DIR else f"{COMMAND} --out {out}"
+    regenerate = COMMAND if out is None else f"{COMMAND} --out {out}"
+    out = data_dir("docs") if out is None else out
     if check:
         differing = differing_files(out, files)
         for name in differing:
