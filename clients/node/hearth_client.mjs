@@ -24,7 +24,8 @@
 // hearth/services/client/pinned.py is the reference. Each turn prints its own summary line.
 //
 // Exit codes: 0 the stream ended with `done`; 1 it ended with `error` or `pipeline_aborted` (the summary
-// is still printed); 2 a schema violation, a seq gap not filled in time, a timeout, no orchestrator, a refused
+// is still printed); 2 a schema violation, an answer past its request's bound (more token_delta frames than
+// max_tokens, or more text than they can make), a seq gap not filled in time, a timeout, no orchestrator, a refused
 // login or permission, or bad arguments. An `unauthorized` error frame also says why on stderr (exit code 1).
 import { randomBytes, randomUUID } from "node:crypto";
 import { readFileSync, realpathSync } from "node:fs";
@@ -39,6 +40,11 @@ const CHAT_REQUEST_SUBJECT = "llm.chat.request";
 // Endings of a pinned call before any token after which the call goes to the queue group instead (pinned.py).
 const FALLBACK_CODES = new Set(["orchestrator_gone", "overloaded"]);
 const MAX_HELD_FRAMES = 1024; // frames held after a gap before the call is given up
+// How long a choice's answer may be (docs/protocol.md, "How long an answer may be"; the reference is
+// hearth/services/client/answer_bound.py): at most max_tokens token_delta frames as it stands, and at most
+// max_tokens * MAX_TEXT_BYTES_PER_TOKEN + HELD_BACK_SLACK_BYTES bytes of UTF-8 text.
+const MAX_TEXT_BYTES_PER_TOKEN = 128;
+const HELD_BACK_SLACK_BYTES = 1024;
 
 class Failure extends Error {}
 // No orchestrator answered the call before its first token: nobody listens on its subject (`no_responders`), or none
@@ -81,8 +87,8 @@ options:
   --self-test-invalid         send a request that breaks the schema, to prove the check is real
   -h, --help                  print this and exit
 
-exit codes: 0 done; 1 error or pipeline_aborted (the summary is still printed); 2 a schema violation, a lost
-frame, a timeout, no orchestrator, a refused login or permission, or bad arguments.
+exit codes: 0 done; 1 error or pipeline_aborted (the summary is still printed); 2 a schema violation, an answer
+past its request's bound, a lost frame, a timeout, no orchestrator, a refused login or permission, or bad arguments.
 `;
 
 const OPTIONS = {
@@ -264,6 +270,7 @@ async function streamChat(nc, request, keyPair, subject, pinned = false) {
   if (keyPair) publishOptions.headers = signedCallHeaders(keyPair, subject, inbox, body);
   nc.publish(subject, body, publishOptions);
   const seen = [];
+  const withinBound = answerBound(request);
   let lastSeq = -1;
   // After a broker node went away the orchestrator sends again what we missed (docs/protocol.md, "Frames"):
   // frames after a gap wait here until it is filled; a frame seen before is skipped.
@@ -320,6 +327,7 @@ async function streamChat(nc, request, keyPair, subject, pinned = false) {
           console.error(`[skipped a '${ready.frame.type.slice(0, 64)}' frame: a type this client does not know]`);
           continue;
         }
+        withinBound(ready.frame);
         seen.push(ready.frame);
         if (ready.frame.type === "queued") {
           console.error(`[queued: ${ready.frame.position} of ${ready.frame.queued_requests}]`);
@@ -331,6 +339,40 @@ async function streamChat(nc, request, keyPair, subject, pinned = false) {
   } finally {
     subscription.unsubscribe();
   }
+}
+
+// Each choice's answer as it stands (token_delta frames less those a tokens_withdrawn frame took back) against
+// the request's bound: a frame past it is a violation (a Failure, exit code 2), as a frame past a schema's bound is.
+function answerBound(request) {
+  const maxTokens = Number(request.max_tokens ?? 128); // the request schema's default
+  const maxTextBytes = maxTokens * MAX_TEXT_BYTES_PER_TOKEN + HELD_BACK_SLACK_BYTES;
+  const choices = Array.from({ length: request.n ?? 1 }, () => ({ tokenBytes: [], textBytes: 0 }));
+  return (frame) => {
+    if (frame.type !== "token_delta" && frame.type !== "tokens_withdrawn") return;
+    const choice = frame.choice ?? 0;
+    const size = choices[choice];
+    if (!size) {
+      if (frame.type === "token_delta") {
+        throw new Failure(`a token of choice ${choice}, but the request asked for ${choices.length} choices`);
+      }
+      return;
+    }
+    if (frame.type === "tokens_withdrawn") {
+      for (const bytes of size.tokenBytes.splice(frame.kept_tokens)) size.textBytes -= bytes;
+      return;
+    }
+    if (size.tokenBytes.length >= maxTokens) {
+      throw new Failure(`choice ${choice} got more token_delta frames than the request's max_tokens ${maxTokens}`);
+    }
+    // A UTF-8 text is never shorter in bytes than in UTF-16 units: a frame of megabytes is refused unencoded.
+    const bytes = frame.text.length > maxTextBytes ? frame.text.length : encoder.encode(frame.text).length;
+    if (size.textBytes + bytes > maxTextBytes) {
+      throw new Failure(`choice ${choice} got more than ${maxTextBytes} bytes of text, the most max_tokens ` +
+                        `${maxTokens} allows`);
+    }
+    size.tokenBytes.push(bytes);
+    size.textBytes += bytes;
+  };
 }
 
 // One call, sent first to `orchestrator`'s own subject when given, and to the queue group instead when that one

@@ -245,6 +245,27 @@ async def test_node_client_accepts_and_exposes_the_done_frames_verification(node
         assert ("verification unmet" in completed.stderr) == (verification == "unmet")
 
 
+async def test_node_client_refuses_an_answer_past_its_request_s_bound(node_client, scripted_orchestrator, nats_url):
+    """More token_delta frames than max_tokens, or more text than they can make (docs/protocol.md, "How long an
+    answer may be"), is a violation (exit code 2) however the frames fit their schema; an answer within the bound
+    stands, withdrawn tokens left out."""
+    done = {"type": "done", "finish_reason": "length", "usage": {"prompt_tokens": 1, "completion_tokens": 2}}
+    withdrawn = {"type": "tokens_withdrawn", "seq": 2, "kept_tokens": 1, "shard_id": "m:0-1@liar", "reason": "r"}
+    command = [*node_client, "--nats", nats_url, *NODE_TIMEOUT_ARGS, "--max-tokens", "2", PROMPT]
+    scripts = {"within": [scripted_token(0, "a"), scripted_token(1, "X"), withdrawn, scripted_token(3, "b"),
+                          {**done, "seq": 4}],
+               "frames": [scripted_token(0, "a"), scripted_token(1, "b"), scripted_token(2, "c"), {**done, "seq": 3}],
+               "text": [scripted_token(0, "x" * 1500), {**done, "seq": 1}]}
+    for case, frames in scripts.items():
+        scripted_orchestrator.append(frames)
+        completed = await asyncio.to_thread(subprocess.run, command, capture_output=True, text=True, timeout=120)
+        outcome = f"{case}: stdout: {completed.stdout}\nstderr: {completed.stderr}"
+        if case == "within":
+            assert completed.returncode == 0 and json.loads(completed.stdout)["text"] == "ab", outcome
+        else:
+            assert completed.returncode == 2 and "choice 0 got more" in completed.stderr, outcome
+
+
 def summaries(completed: subprocess.CompletedProcess) -> list[dict]:
     return [json.loads(line) for line in completed.stdout.strip().splitlines()]
 

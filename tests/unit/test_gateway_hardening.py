@@ -20,7 +20,7 @@ from hearth.services.common.config import HearthSettings
 from hearth.services.gateway.app import create_app
 from hearth.services.gateway.errors import GatewayError
 from hearth.services.gateway.http_server import server_config, write_stall_timeouts_total
-from hearth.protocol.chat import max_messages
+from hearth.protocol.chat import max_choices, max_messages, max_tokens_limit
 from hearth.services.gateway.keys import Caller
 from hearth.services.gateway.mesh import Gateway, MeshCall
 
@@ -111,15 +111,18 @@ class EndlessAnswerGateway(Gateway):
 
 
 class EndlessAnswer(MeshCall):
-    """A call whose answer is 20 MB of tokens, more than the socket buffers hold."""
+    """A call whose answer is the longest a request allows (max_choices choices of max_tokens_limit tokens of
+    max_text_bytes_per_token bytes each: 8 MiB), more than the socket buffers hold."""
 
     def __init__(self, request) -> None:
         from hearth.protocol.chat_frames import DoneFrame, TokenDeltaFrame, Usage
+        from hearth.services.client.answer_bound import max_text_bytes_per_token
 
         async def frames():
-            for seq in range(2_000):
-                yield TokenDeltaFrame(seq=seq, text="x" * 10_000, token_id=1)
-            yield DoneFrame(seq=2_000, finish_reason="stop", usage=Usage(prompt_tokens=1, completion_tokens=2_000))
+            tokens = request.max_tokens * request.n
+            for seq in range(tokens):
+                yield TokenDeltaFrame(seq=seq, text="x" * max_text_bytes_per_token, token_id=1, choice=seq % request.n)
+            yield DoneFrame(seq=tokens, finish_reason="length", usage=Usage(prompt_tokens=1, completion_tokens=tokens))
 
         self.request, self.started, self._frames = request, 0.0, frames()
 
@@ -133,8 +136,8 @@ async def test_a_client_that_stops_reading_its_answer_is_dropped_and_frees_its_c
         client = socket.socket()
         client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a window the answer fills at once
         client.connect(address)
-        body = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": %s}' % (
-            b"true" if stream else b"false")
+        body = (b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": %d, "n": %d, '
+                b'"stream": %s}' % (max_tokens_limit, max_choices, b"true" if stream else b"false"))
         client.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                        b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
         try:

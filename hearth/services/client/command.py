@@ -11,10 +11,11 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 from pydantic import ValidationError
 
+from hearth.services.client.answer_bound import AnswerBound, AnswerTooLong, warn_answer_too_long
 from hearth.services.client.chat import AnswerTokens, ModelsRefused, choice_of, list_models, stream_chat
 from hearth.services.client.pinned import answered_by, stream_chat_pinned
 from hearth.services.common.display import display_text
-from hearth.protocol.chat import ChatMessage, ChatParams, ChatRequest, describe_validation_error
+from hearth.protocol.chat import ChatMessage, ChatParams, ChatRequest, default_max_tokens, describe_validation_error
 from hearth.protocol.chat_frames import (
     ChatFrame,
     DoneFrame,
@@ -44,8 +45,9 @@ def run_chat_command(nats_url: str, *, prompt: str, model: str | None, max_token
 
     A `done` frame whose `verification` is `unmet` ends its summary line on stderr with `, verification unmet`.
 
-    Exit code 0 on `done`; 1 on an error frame or a request that is not valid; 2 when no answer came in
-    time (NATS not reachable within nats.connect_timeout_s, or no orchestrator answering).
+    Exit code 0 on `done`; 1 on an error frame, an answer past its bound (AnswerBound) or a request that is not
+    valid; 2 when no answer came in time (NATS not reachable within nats.connect_timeout_s, or no orchestrator
+    answering).
 
     Text already printed cannot be taken back: when a tokens_withdrawn frame comes, the line ends, a
     `[tokens_withdrawn ...]` line goes to stderr, and the answer's kept text is printed again on stdout, where
@@ -83,12 +85,15 @@ async def _chat(nats_url: str, request: ChatRequest, *, as_json: bool, nats_sett
     except BrokerUnreachable as error:
         _say(f"hearth chat: {error}")
         return EXIT_NO_ANSWER
-    printer = ChatPrinter(request.n)
+    printer = ChatPrinter.of(request)
     try:
         # aclosing: the inbox is unsubscribed here, before the connection closes, not by a finalizer later.
         async with contextlib.aclosing(stream_chat(nc, request, **(waits or {}))) as frames:
             async for frame in frames:
                 if as_json:
+                    exit_code = printer.past_bound(frame)
+                    if exit_code is not None:
+                        return exit_code
                     print(frame.model_dump_json(exclude_none=True), flush=True)
                     continue
                 exit_code = printer.show(frame)
@@ -111,8 +116,8 @@ async def _conversation(nats_url: str, request: ChatRequest, *, nats_settings: N
     messages, orchestrator = list(request.messages), None
     try:
         while True:
-            printer = ChatPrinter()
             turn = request.model_copy(update={"messages": messages, "request_id": uuid.uuid4().hex})
+            printer = ChatPrinter.of(turn, asked_first=orchestrator)
             frames_of_turn = stream_chat_pinned(nc, turn, orchestrator=orchestrator, **(waits or {}))
             async with contextlib.aclosing(frames_of_turn) as frames:
                 async for frame in frames:
@@ -136,18 +141,42 @@ async def _conversation(nats_url: str, request: ChatRequest, *, nats_settings: N
 class ChatPrinter:
     """Prints one call's frames: the text to stdout as it streams, every other thing one line each to stderr
     (the text's line ended first). With `choices` > 1 the choices' texts interleave on the wire, so each is
-    printed whole, under a `[choice I]` line, once the call is done."""
+    printed whole, under a `[choice I]` line, once the call is done. A choice whose answer grows past what the
+    request allows (AnswerBound) ends the call with an error line (and a WARNING naming the orchestrator)."""
 
-    def __init__(self, choices: int = requested_choices) -> None:
+    def __init__(self, choices: int = requested_choices, *, max_tokens: int = default_max_tokens,
+                 request_id: str = "", asked_first: str | None = None) -> None:
         self.answers = [AnswerTokens(choice=choice) for choice in range(choices)]
         self.line_open = False
+        self.bound = AnswerBound(max_tokens, choices)
+        # What the WARNING of an answer past its bound names: the call, and the orchestrator it was sent to first.
+        self.request_id, self.asked_first = request_id, asked_first
+
+    @classmethod
+    def of(cls, request: ChatRequest, asked_first: str | None = None) -> "ChatPrinter":
+        return cls(request.n, max_tokens=request.max_tokens, request_id=request.request_id, asked_first=asked_first)
 
     @property
     def answer(self) -> AnswerTokens:
         return self.answers[0]
 
+    def past_bound(self, frame: ChatFrame) -> int | None:
+        """EXIT_ERROR, its error line printed, once `frame` takes its choice's answer past the request's bound."""
+        try:
+            self.bound.take(frame)
+        except AnswerTooLong as error:
+            warn_answer_too_long(error, self.request_id, self.asked_first)
+            self._end_line()
+            _say(f"error answer_too_long: {error}")
+            return EXIT_ERROR
+        return None
+
     def show(self, frame: ChatFrame) -> int | None:
-        """Print `frame`; the exit code once an error frame ended the call, None otherwise."""
+        """Print `frame`; the exit code once an error frame ended the call (or a frame past the request's bound),
+        None otherwise."""
+        exit_code = self.past_bound(frame)
+        if exit_code is not None:
+            return exit_code
         choice = choice_of(frame)
         withdrawn = self.answers[choice].take(frame) if choice < len(self.answers) else []
         streams = len(self.answers) == 1

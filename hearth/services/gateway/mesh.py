@@ -6,13 +6,15 @@ A call is signed for the member its API key belongs to (services.client.chat sig
 orchestrator records that member as the caller. Frames the HTTP answer does not carry (pipeline, shard status,
 failover, keepalive, queued, and types added later) are skipped: a failover is a pause in the text, nothing more;
 so is anything on the inbox that is no frame at all (services.client.chat skips it). A tokens_withdrawn frame is
-part of the answer: it takes back tokens the call already gave (docs/gateway.md, "Withdrawn tokens").
+part of the answer: it takes back tokens the call already gave (docs/gateway.md, "Withdrawn tokens"). A choice
+whose answer grows past what the request allows (services.client.answer_bound) ends the call with a 502.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections import Counter
@@ -23,6 +25,7 @@ from nats.aio.client import Client as NatsClient
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
 
+from hearth.services.client.answer_bound import AnswerBound, AnswerTooLong, warn_answer_too_long
 from hearth.services.client.chat import ModelsRefused, configured_waits, list_models, request_payload
 from hearth.services.client.pinned import stream_chat_pinned_raw
 from hearth.protocol.chat import ChatRequest
@@ -183,22 +186,36 @@ class Gateway:
 class MeshCall:
     """One `llm.chat.request` under way; `next()` gives its answer frames one by one, the last one final."""
 
+    # The orchestrator the call went to first (None: the queue group).
+    asked_first: str | None = None
+
     def __init__(self, gateway: Gateway, request: ChatRequest, payload: bytes, caller: Caller | None) -> None:
         client = gateway.settings.client
         self.request = request
         self.started = time.perf_counter()
         self._pins, self._member = gateway.pins, caller.name if caller else None
         # Not wrapped as stream_chat wraps it: aclose() below closes this generator itself.
-        pinned = self._pins.pinned(self._member, request)
+        pinned = self.asked_first = self._pins.pinned(self._member, request)
         self._frames = stream_chat_pinned_raw(gateway.nc, payload, orchestrator=pinned,
                                               signer=caller.key if caller else None,
                                               **configured_waits(client, gateway.settings.orchestrator))
 
+    @functools.cached_property
+    def _answer_bound(self) -> AnswerBound:
+        return AnswerBound.of(self.request)
+
     async def next(self) -> AnswerFrame:
+        """The next answer frame; GatewayError 502 once a choice's answer grows past what the request allows (the
+        call's stream ends then: the client learns the text is broken, not just cut)."""
         async for frame in self._frames:
             if isinstance(frame, DoneFrame) and frame.orchestrator is not None:
                 self._pins.remember(self._member, self.request, frame.orchestrator)
             if isinstance(frame, (TokenDeltaFrame, TokensWithdrawnFrame, *FINAL)):
+                try:
+                    self._answer_bound.take(frame)
+                except AnswerTooLong as error:
+                    warn_answer_too_long(error, self.request.request_id, self.asked_first)
+                    raise GatewayError(502, "internal_error", str(error), type="server_error") from None
                 return frame
         # stream_chat_raw always ends with a final frame (one of its own when the orchestrator sends none).
         raise GatewayError(500, "internal_error", "the call's frames ended without a final frame", type="server_error")
