@@ -10,7 +10,6 @@ with `--follow` the two are interleaved as messages arrive.
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 from datetime import datetime, timezone
 from enum import Enum
@@ -24,7 +23,7 @@ from hearth.services.replay.broker import jetstream
 from hearth.services.replay.exits import fail, run_command
 from hearth.services.cli_options import (ConfigOption, CredsOption, LogLevelOption, NatsUrlOption,
                                          apply_top_level_options, nats_settings_for, roster_checked,
-                                         settings)
+                                         settings, use_creds)
 
 if TYPE_CHECKING:
     from hearth.services.common.config import NatsSettings
@@ -56,9 +55,7 @@ def main_options(
 ) -> None:
     """Read hearth's event log (audit, debugging) and rebuild read models from it."""
     apply_top_level_options(ctx, config, log_level)
-    if creds is not None:
-        # The connection reads [nats] from the settings; this invocation's --creds wins over file and env.
-        os.environ["HEARTH_NATS__CREDS_FILE"] = str(creds)
+    use_creds(ctx, creds)  # each subcommand takes --creds too, as every other command does
 
 
 EVENTS_HELP = (
@@ -100,8 +97,10 @@ def events_command(
     follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing new messages until Ctrl-C.")] = False,
     output: Annotated[OutputFormat, typer.Option("--output", "-o", help="table or jsonl.")] = OutputFormat.table,
     nats_url: NatsUrlOption = None,
+    creds: CredsOption = None,
 ) -> None:
     """Print stored events (with stream, sequence, subject, time); stops at the end of the log unless --follow."""
+    use_creds(ctx, creds)
     from hearth.services.replay.query import LogQuery, QueryError, parse_since, parse_timestamp, select_streams
 
     if since and from_time:
@@ -152,10 +151,12 @@ def pipeline_command(
     pipeline_id: Annotated[str, typer.Argument(help="The pipeline_id (from a `pipeline` frame or the events).")],
     output: Annotated[OutputFormat, typer.Option("--output", "-o", help="table or jsonl.")] = OutputFormat.table,
     nats_url: NatsUrlOption = None,
+    creds: CredsOption = None,
 ) -> None:
     """One pipeline's timeline: constructed, first token, shard status, failovers, fallback, end, integrity; then its
     outcome (completed, aborted, fallback_local, running; a completed call's verification met or unmet when it says),
     which -o jsonl puts on its last line as `outcome` and `verification`."""
+    use_creds(ctx, creds)
     import re
 
     from hearth.protocol.bounds import SUBJECT_TOKEN_PATTERN
@@ -212,9 +213,11 @@ def shard_command(
         ),
     ] = None,
     nats_url: NatsUrlOption = None,
+    creds: CredsOption = None,
 ) -> None:
     """One shard's life (advertisements, heartbeat gaps longer than the health timeout, withdrawal) and the
     verification evidence about it (checks, mismatches with witnesses, error against tolerance, digest, clearings)."""
+    use_creds(ctx, creds)
     import re
 
     from hearth.protocol.subjects import shard_key
@@ -254,8 +257,10 @@ def rebuild_command(
         "--diff", help="A live read model to compare with; exit 1 when a row the log holds differs.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing --db file.")] = False,
     nats_url: NatsUrlOption = None,
+    creds: CredsOption = None,
 ) -> None:
     """Build a fresh read model from the whole event log; with --diff, print every row that differs."""
+    use_creds(ctx, creds)
     if diff is not None and not diff.is_file():
         raise fail(f"no read-model database at {diff}")
     if diff is not None and db.exists() and db.samefile(diff):  # --force would delete the rows it is to compare
@@ -315,10 +320,12 @@ def verify_command(
         "--roster", help="The community roster (default: nats.roster_file, or the one beside the key).",
         show_default=False)] = None,
     nats_url: NatsUrlOption = None,
+    creds: CredsOption = None,
 ) -> None:
     """Check every stored event: signed by a roster member whose role may emit it, for its own node, not dated
     more than events.max_clock_skew_s after it was stored, not a copy of one before it (duplicate) nor older than
     the [readmodels] retention of its stream (too_old). Prints each bad one; exit 1 if there is any."""
+    use_creds(ctx, creds)
     from hearth.events.signing import EventVerifier
     from hearth.services.common.event_trust import community_roster_file
     from hearth.trust.roster import Roster, RosterError

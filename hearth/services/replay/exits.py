@@ -1,5 +1,5 @@
-"""How a hearth-replay command ends: its exit code, and a failure said in one line (2: bad input, 3: the broker
-unreachable or refusing), never a traceback."""
+"""How a hearth-replay command ends: its exit code, and a failure said in one line (1: a member key it cannot use, 2:
+bad input, 3: the broker unreachable or refusing), never a traceback."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import os
 import sys
 
 import typer
+
+from hearth.services.cli_options import EXIT_REFUSED
 
 
 def fail(message: str, code: int = 2) -> typer.Exit:
@@ -18,6 +20,7 @@ def run_command(coroutine) -> int:
     """Run one command's coroutine; SIGINT/SIGTERM stop it cleanly (consumers are deleted on the way out)."""
     import nats.errors
     from hearth.services.broker.connection import BrokerUnreachable
+    from hearth.services.common.identity import IdentityError
     from hearth.services.common.lifecycle import Interrupted, run_cancelling_on_signal
     from hearth.services.replay.broker import MemberRefused
     from hearth.services.replay.render import broker_failure_line
@@ -30,6 +33,8 @@ def run_command(coroutine) -> int:
         # Whoever read stdout went away (`| head`): it took what it wanted, which is no fault of the broker's.
         stdout_to_devnull()
         return 0
+    except IdentityError as error:  # the key --creds names, unreadable or not a member's: as a roster check says it
+        raise fail(str(error), EXIT_REFUSED) from None
     except (BrokerUnreachable, MemberRefused) as error:
         raise fail(str(error), 3) from None
     except (nats.errors.NoServersError, ConnectionRefusedError, OSError) as error:
