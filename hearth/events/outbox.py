@@ -74,8 +74,12 @@ class EventOutbox:
     """One ordered, bounded queue of events (kept in a file too, when given one) and the task that writes it."""
 
     def __init__(self, js: JetStreamContext, *, max_queued: int, retry_wait_s: float,
-                 publish_delay_s: float = 0.0, signing_key: MemberKey | None = None) -> None:
+                 publish_delay_s: float = 0.0, signing_key: MemberKey | None = None,
+                 unsendable: asyncio.Event | None = None) -> None:
         self.js = js
+        # Set while nothing written can be stored (the broker refuses this process's key at its reconnects: its member
+        # removed, or the key rotated): `flush` does not wait then; what waits stays in the file for the next run.
+        self.unsendable = unsendable
         # The member key events go out signed by: with a file, on its thread as each is appended (what is kept carries
         # its maker's signature); without, by the writer task, off the caller's path like the write itself.
         self.signing_key = signing_key
@@ -168,14 +172,18 @@ class EventOutbox:
                             self.file.path, event.type, event.event_id, append_wait_s)
 
     async def flush(self, timeout_s: float) -> bool:
-        """Wait until every event recorded so far is stored; False when `timeout_s` passed first."""
-        if self.depth:
-            # One join, cancelled however the wait ends: left running, it would wait for events nobody writes now.
-            joined = asyncio.ensure_future(self._queue.join())
+        """Wait until every event recorded so far is stored; False when `timeout_s` passed first, or once `unsendable`
+        is set (none of them can be stored then)."""
+        if self.depth and not (self.unsendable is not None and self.unsendable.is_set()):
+            # Waits cancelled however it ends: left running, a join would wait for events nobody writes now.
+            waits = {asyncio.ensure_future(self._queue.join())}
+            if self.unsendable is not None:
+                waits.add(asyncio.ensure_future(self.unsendable.wait()))
             try:
-                await asyncio.wait({joined}, timeout=timeout_s)
+                await asyncio.wait(waits, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
             finally:
-                joined.cancel()
+                for wait in waits:
+                    wait.cancel()
         return self.depth == 0
 
     async def stop(self, timeout_s: float) -> None:
