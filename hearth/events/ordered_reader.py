@@ -16,8 +16,9 @@ Here, any gap in the consumer sequence, a missed heartbeat, a reconnect (the ser
 or a deletion notice makes the reader delete its consumer and create a new one from the next stream
 sequence it still needs (or the start time, before the first message), so the caller sees every stored
 message exactly once and in order; `close()` deletes the consumer. A connection closed for good ends the read
-(ConnectionClosedError): no consumer can be made on it again. If the process dies instead, the
-server drops it after `consumer_inactive_threshold_s`.
+(ConnectionClosedError): no consumer can be made on it again. If the process dies instead, or the reader is closed
+while its connection is down (a broker restarting, or refusing the member's key: the delete could only wait its
+timeout out), the server drops it after `consumer_inactive_threshold_s`.
 """
 
 from __future__ import annotations
@@ -275,7 +276,7 @@ class OrderedPushReader:
             await _quietly(subscription.unsubscribe())
         while not self._queue.empty():
             self._queue.get_nowait()
-        if name is not None and not self._nc.is_closed:
+        if name is not None and self._nc.is_connected:
             try:
                 async with asyncio.timeout(consumer_delete_timeout_s):
                     await keeping_cancellation(self._js.delete_consumer(self._stream, name))

@@ -21,10 +21,11 @@ one is not there. The writer writes one event at a time, in order, so none after
 file's reads and writes run on one thread of their own, never on the event loop.
 
 An event is signed by the member that made it: it is kept in the file signed (by the key of the process that recorded
-it), and what a previous run left goes out as it was kept, never signed again, whatever key the next process has (a
-member's key replaced or rotated in between: the roster judges the maker's). One left unsigned while this process
-signs (made on an open mesh, or kept by a version that signed only when writing) is dropped, its count said at ERROR:
-it has no maker's signature, and this process must not sign it as its own.
+it), and what a previous run left goes out as it was kept, never signed again. One left signed by a key this process
+does not hold (the member's key rotated in between) is dropped, its count said at WARNING: stored now, after that
+key's cut, it would be rejected `removed_signer`, and signing it again would vouch for what the retired key signed.
+One left unsigned while this process signs (made on an open mesh, or kept by a version that signed only when writing)
+is dropped, its count said at ERROR: it has no maker's signature, and this process must not sign it as its own.
 """
 
 from __future__ import annotations
@@ -73,8 +74,12 @@ class EventOutbox:
     """One ordered, bounded queue of events (kept in a file too, when given one) and the task that writes it."""
 
     def __init__(self, js: JetStreamContext, *, max_queued: int, retry_wait_s: float,
-                 publish_delay_s: float = 0.0, signing_key: MemberKey | None = None) -> None:
+                 publish_delay_s: float = 0.0, signing_key: MemberKey | None = None,
+                 unsendable: asyncio.Event | None = None) -> None:
         self.js = js
+        # Set while nothing written can be stored (the broker refuses this process's key at its reconnects: its member
+        # removed, or the key rotated): `flush` does not wait then; what waits stays in the file for the next run.
+        self.unsendable = unsendable
         # The member key events go out signed by: with a file, on its thread as each is appended (what is kept carries
         # its maker's signature); without, by the writer task, off the caller's path like the write itself.
         self.signing_key = signing_key
@@ -120,18 +125,27 @@ class EventOutbox:
         self._writer = asyncio.create_task(self._write_forever(), name="event-outbox")
 
     def _left_to_write(self, file: OutboxFile) -> list[LeftEvent]:
-        """What a previous run left, less what it left unsigned while this process signs: it carries no signature of
-        the member that made it, and signing it now would put it under this member's name (removed from the file)."""
+        """What a previous run left, less what this process (which signs) must not send, each removed from the file:
+        one left unsigned carries no signature of the member that made it (signing it now would put it under this
+        member's name), and one signed by a key this process does not hold (the member's old key, rotated meanwhile)
+        would be stored after that key's cut, so rejected `removed_signer`; re-signing it would vouch for what the
+        retired key signed (perhaps a thief's)."""
         if self.signing_key is None:
             return file.left
         unsigned = [left for left in file.left if not left.event.signature]
+        other_key = [left for left in file.left if left.event.signature
+                     and left.event.signer != self.signing_key.public_key]
+        for left in (*unsigned, *other_key):
+            self._file_thread.submit(file.remove, left.row_id)
         if unsigned:
-            for left in unsigned:
-                self._file_thread.submit(file.remove, left.row_id)
             log.error("event outbox %s: %d event(s) a previous run left unsigned dropped (%s): no signature of the "
                       "member that made them, and this process must not sign them as its own", file.path,
-                      len(unsigned), ", ".join(sorted({left.event.type for left in unsigned})))
-        return [left for left in file.left if left.event.signature]
+                      len(unsigned), _types(unsigned))
+        if other_key:
+            log.warning("event outbox %s: %d event(s) a previous run left signed by a key this process does not hold "
+                        "dropped (%s): the key was rotated meanwhile, and stored now they would be rejected "
+                        "removed_signer", file.path, len(other_key), _types(other_key))
+        return [left for left in file.left if left.event.signer == self.signing_key.public_key and left.event.signature]
 
     async def start_in(self, folder: Path | None, *, owner: str) -> None:
         """`start` with the file of `owner`'s that this process claims in `folder` (hearth/events/outbox_file.py; off
@@ -158,14 +172,18 @@ class EventOutbox:
                             self.file.path, event.type, event.event_id, append_wait_s)
 
     async def flush(self, timeout_s: float) -> bool:
-        """Wait until every event recorded so far is stored; False when `timeout_s` passed first."""
-        if self.depth:
-            # One join, cancelled however the wait ends: left running, it would wait for events nobody writes now.
-            joined = asyncio.ensure_future(self._queue.join())
+        """Wait until every event recorded so far is stored; False when `timeout_s` passed first, or once `unsendable`
+        is set (none of them can be stored then)."""
+        if self.depth and not (self.unsendable is not None and self.unsendable.is_set()):
+            # Waits cancelled however it ends: left running, a join would wait for events nobody writes now.
+            waits = {asyncio.ensure_future(self._queue.join())}
+            if self.unsendable is not None:
+                waits.add(asyncio.ensure_future(self.unsendable.wait()))
             try:
-                await asyncio.wait({joined}, timeout=timeout_s)
+                await asyncio.wait(waits, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
             finally:
-                joined.cancel()
+                for wait in waits:
+                    wait.cancel()
         return self.depth == 0
 
     async def stop(self, timeout_s: float) -> None:
@@ -262,3 +280,7 @@ class EventOutbox:
                 if isinstance(item, StoredEvent) and item.headers.get(MSG_ID_HEADER) == event.event_id:
                     return True
         return False
+
+
+def _types(events: list[LeftEvent]) -> str:
+    return ", ".join(sorted({left.event.type for left in events}))

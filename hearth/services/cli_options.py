@@ -103,22 +103,24 @@ class CliState:
     config_path: Path | None
     log_level: str
     program: str = "hearth"  # what a refusal of the configuration starts with: `hearth`, `hearth-replay`
-    creds_file: Path | None = None  # a top-level --creds (`hearth-replay`): wins over [nats] creds_file
     _settings: "HearthSettings | None" = None
+    # --creds of this invocation (`use_creds`): wins over [nats] creds_file of the file and the environment.
+    creds_file: Path | None = None
 
     def settings(self) -> "HearthSettings":
         if self._settings is None:
             from hearth.services.common.config import ConfigError, load_settings
 
             try:
-                loaded = load_settings(self.config_path)
+                self._settings = self._with_creds(load_settings(self.config_path))
             except ConfigError as error:
                 refuse_configuration(self.program, error)
-            if self.creds_file is not None:
-                loaded = loaded.model_copy(update={"nats": loaded.nats.model_copy(
-                    update={"creds_file": self.creds_file})})
-            self._settings = loaded
         return self._settings
+
+    def _with_creds(self, current: "HearthSettings") -> "HearthSettings":
+        if self.creds_file is None:
+            return current
+        return current.model_copy(update={"nats": current.nats.model_copy(update={"creds_file": self.creds_file})})
 
 
 def configuration_env(ctx: typer.Context) -> dict[str, str]:
@@ -169,6 +171,16 @@ def wait_for_nats(ctx: typer.Context, wait: bool) -> None:
         current = state.settings()
         state._settings = current.model_copy(
             update={"nats": current.nats.model_copy(update={"wait_for_broker": True})})
+
+
+def use_creds(ctx: typer.Context, creds: Path | None) -> None:
+    """`--creds` given (before a subcommand or after it; the later one wins): this invocation's settings say [nats]
+    creds_file = it, read with the configuration when first needed."""
+    if creds is not None:
+        state = cli_state(ctx)
+        state.creds_file = creds
+        if state._settings is not None:
+            state._settings = state._with_creds(state._settings)
 
 
 def use_metrics_host(ctx: typer.Context, host: str | None) -> None:

@@ -167,7 +167,7 @@ async def test_a_move_abandoned_while_the_broker_is_down_is_kept_for_the_node_s_
     nats_server.start()
     nc = await connect_nats(nats_server.url, name="node-s-next-host", settings=HearthSettings().nats)
     try:  # as the node's next shard host starts: what the node's first file holds is written first
-        await start_outbox(shard_outbox(nc.jetstream(), None), outbox_dir, NODE, timeout_s=10)
+        await start_outbox(shard_outbox(nc, None), outbox_dir, NODE, timeout_s=10)
     finally:
         await nc.close()
     assert await withdrawals(nats_server.url) == ["moved", "shutdown"]

@@ -1,5 +1,5 @@
-"""Who signs what a process left in its outbox file: the member that made each event, never the process that writes
-it after a restart (hearth/events/outbox.py, outbox_file.py)."""
+"""Who signs what a process left in its outbox file: the member key that made each event, never the process that
+writes it after a restart; what another key (or none) signed is dropped (hearth/events/outbox.py, outbox_file.py)."""
 
 from __future__ import annotations
 
@@ -54,14 +54,28 @@ def signed_by(event, key: MemberKey) -> bool:
     return event.signer == key.public_key and verify_b64(key.public_key, canonical_bytes(event), event.signature)
 
 
-async def test_what_a_member_left_goes_out_signed_by_it_not_by_the_member_that_restarted(tmp_path):
+async def test_what_a_member_left_goes_out_as_it_signed_it_when_it_restarts_with_the_same_key(tmp_path):
     left = [withdrawn("s1"), withdrawn("s2")]
     await leave(tmp_path, left, MAKER)
     own = withdrawn("s-own")
-    stored = await restart(tmp_path, RESTARTED, own)
+    stored = await restart(tmp_path, MAKER, own)
     assert [event.event_id for event in stored] == [event.event_id for event in [*left, own]]
-    assert [signed_by(event, MAKER) for event in stored] == [True, True, False]
-    assert signed_by(stored[-1], RESTARTED)
+    assert all(signed_by(event, MAKER) for event in stored)
+
+
+async def test_what_a_key_the_restarted_process_does_not_hold_left_is_dropped_never_signed_again(tmp_path, caplog):
+    """The member's key was rotated meanwhile: stored now, after the old key's cut, the events would be rejected
+    `removed_signer` (an audit after an ordinary rotation would fail), and signing them again with the new key would
+    vouch for whatever the retired key signed."""
+    await leave(tmp_path, [withdrawn("s1"), withdrawn("s2")], MAKER)
+    own = withdrawn("s-own")
+    with caplog.at_level(logging.WARNING, logger="hearth.events.outbox"):
+        stored = await restart(tmp_path, RESTARTED, own)
+    assert [event.event_id for event in stored] == [own.event_id]
+    assert signed_by(stored[0], RESTARTED)
+    assert "2 event(s) a previous run left signed by a key this process does not hold dropped (shard.withdrawn)" \
+        in caplog.text
+    assert await restart(tmp_path, MAKER) == []  # removed from the file, not only skipped
 
 
 async def test_what_was_left_unsigned_is_not_signed_by_a_process_that_signs_but_dropped_and_counted(tmp_path, caplog):

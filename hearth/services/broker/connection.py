@@ -26,7 +26,7 @@ NO_RESPONDERS_STATUS = "503"
 
 __all__ = ["DEFAULT_NATS_URL", "NATS_URL_ENV", "BrokerConnectionClosed", "BrokerRefusedCredentials",
            "BrokerUnreachable", "close_quietly", "connect_nats", "default_nats_url", "drain_or_close", "flush_ordered",
-           "keepalive_options", "until_stopped_or_closed"]
+           "keepalive_options", "key_refused_event", "until_stopped_or_closed"]
 _nats_defaults = NatsSettings()
 
 log = logging.getLogger(__name__)
@@ -83,6 +83,16 @@ _identities: "weakref.WeakKeyDictionary[NatsClient, Identity]" = weakref.WeakKey
 _refusals: "weakref.WeakKeyDictionary[NatsClient, str]" = weakref.WeakKeyDictionary()
 # Set at each connection's first such refusal, so that a wait can end on it instead of on its timeout.
 _refused_events: "weakref.WeakKeyDictionary[NatsClient, asyncio.Event]" = weakref.WeakKeyDictionary()
+
+
+# Set while the broker refuses each connection's key at its reconnects (its member removed, or the key rotated), cleared
+# once it reconnects: nothing sent on it meanwhile is taken, so no shutdown waits for it.
+_key_refusals: "weakref.WeakKeyDictionary[NatsClient, asyncio.Event]" = weakref.WeakKeyDictionary()
+
+
+def key_refused_event(nc: NatsClient) -> asyncio.Event | None:
+    """Set while the broker refuses `nc`'s key (made by connect_nats) at its reconnects; None for another connection."""
+    return _key_refusals.get(nc)
 
 
 def broker_refusal(nc: NatsClient) -> str | None:
@@ -159,6 +169,7 @@ async def connect_nats(
     nc = NatsClient()
     closed_event = _closed_events.setdefault(nc, asyncio.Event())
     _refused_events[nc] = asyncio.Event()
+    key_refused = _key_refusals[nc] = asyncio.Event()
     state = {"connected": False, "told_waiting": False, "told_refused": False}
     tls_failures: list[ssl.SSLError] = []  # the first connect's failed TLS handshakes
     refused = asyncio.Event()  # the broker kept saying our credentials are not good: no point trying again
@@ -184,6 +195,7 @@ async def connect_nats(
         elif nc.is_connecting and "authorization violation" in str(error).lower():
             # A reconnect the broker refuses (nats-py is CONNECTING while it logs in): this member was removed, or
             # its key rotated. nats-py tries again every reconnect_wait_s for ever: say it once per outage.
+            key_refused.set()
             if not state["told_refused"]:
                 state["told_refused"] = True
                 log.warning("%s: NATS at %s refuses this member's key now (removed from the community, or its key "
@@ -209,6 +221,7 @@ async def connect_nats(
 
     async def reconnected() -> None:
         state["told_refused"] = False
+        key_refused.clear()
         log.info("%s: reconnected to NATS %s", name, target)
         if on_reconnected is not None:
             result = on_reconnected()

@@ -372,7 +372,7 @@ async def say_move_abandoned(nc: NatsClient, settings: HearthSettings, withdrawa
     stops, or the new range did not load), and hosts waiting for it (CoverageReader.move_under_way) decide again
     now, not after `move_wait_max_s`. Whether the broker stored it within `[shard] withdraw_timeout_s`."""
     try:  # kept in the shard outbox until stored (said once): a broker gone now takes it later, from this node
-        return await say_once_alone(nc.jetstream(), withdrawal, folder=shard_outbox_dir(settings),
+        return await say_once_alone(nc, withdrawal, folder=shard_outbox_dir(settings),
                                     node_id=withdrawal.node_id, signing_key=event_signing_key(settings.nats),
                                     timeout_s=settings.shard.withdraw_timeout_s)
     except Exception as error:  # no outbox file: they wait at most move_wait_max_s then

@@ -45,7 +45,7 @@ from hearth.services.common.event_trust import (
 )
 from hearth.services.common.lifecycle import owned_task
 from hearth.services.common.scratch_folders import ScratchFolder
-from hearth.services.broker.connection import flush_ordered
+from hearth.services.broker.connection import flush_ordered, key_refused_event
 from hearth.services.broker.permissions import reply_allowed
 from hearth.services.orchestrator.call_serving import CallServing, error_message_chars
 from hearth.services.orchestrator.capacity import ShardLoad
@@ -95,7 +95,7 @@ class Orchestrator(CallServing):
         self.outbox = EventOutbox(self.js, max_queued=settings.orchestrator.event_queue_max,
                                   retry_wait_s=settings.orchestrator.event_retry_wait_s,
                                   publish_delay_s=settings.orchestrator.event_publish_delay_s,
-                                  signing_key=event_signing_key(settings.nats))
+                                  signing_key=event_signing_key(settings.nats), unsendable=key_refused_event(nc))
         self.outbox_dir = outbox_dir  # its events kept there until stored, across a kill; None: in memory only
         # Calls signed by a roster member, each nonce recorded mesh-wide, on a community mesh; None on an open one.
         # The steward's key as the logs rotate it counts for calls too, with a roster that does not name it yet.

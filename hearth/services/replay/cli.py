@@ -20,10 +20,11 @@ import typer
 
 from hearth.events.consume import first_stream_seq
 from hearth.services.replay.broker import jetstream
-from hearth.services.cli_errors import OneLineErrorsGroup, stdout_to_devnull
+from hearth.services.cli_errors import OneLineErrorsGroup
+from hearth.services.replay.exits import fail, run_command
 from hearth.services.cli_options import (ConfigOption, CredsOption, LogLevelOption, NatsUrlOption,
-                                         apply_top_level_options, cli_state, nats_settings_for, roster_checked,
-                                         settings)
+                                         apply_top_level_options, nats_settings_for, roster_checked,
+                                         settings, use_creds)
 
 if TYPE_CHECKING:
     from hearth.services.common.config import NatsSettings
@@ -56,43 +57,7 @@ def main_options(
 ) -> None:
     """Read hearth's event log (audit, debugging) and rebuild read models from it."""
     apply_top_level_options(ctx, config, log_level)
-    # The connection reads [nats] from the settings; this invocation's --creds wins over file and env (set in
-    # this invocation's state, not the process's environment, which outlives it in tests).
-    cli_state(ctx).creds_file = creds
-
-
-def _fail(message: str, code: int = 2) -> typer.Exit:
-    typer.echo(f"hearth-replay: {message}", err=True)
-    return typer.Exit(code)
-
-
-def _run(coroutine) -> int:
-    """Run one command's coroutine; SIGINT/SIGTERM stop it cleanly (consumers are deleted on the way out)."""
-    import nats.errors
-    from hearth.services.broker.connection import BrokerUnreachable
-    from hearth.services.common.identity import IdentityError
-    from hearth.services.common.lifecycle import Interrupted, run_cancelling_on_signal
-    from hearth.services.replay.broker import MemberRefused
-    from hearth.services.replay.render import broker_failure_line
-
-    try:
-        return run_cancelling_on_signal(coroutine)
-    except Interrupted:
-        return 130
-    except BrokenPipeError:
-        # Whoever read stdout went away (`| head`): it took what it wanted, which is no fault of the broker's.
-        stdout_to_devnull()
-        return 0
-    except (BrokerUnreachable, MemberRefused) as error:
-        raise _fail(str(error), 3) from None
-    except IdentityError as error:  # the key file (--creds, [nats] creds_file) or its roster: read as it connects
-        raise _fail(str(error)) from None
-    except (nats.errors.NoServersError, ConnectionRefusedError, OSError) as error:
-        if isinstance(error, OSError) and error.filename is not None:  # a file it was given, not the broker
-            raise _fail(f"{error.filename}: {error.strerror or error}") from None
-        raise _fail(f"cannot reach NATS: {error}", 3) from error
-    except nats.errors.Error as error:  # reached, but it did not answer as a JetStream broker does
-        raise _fail(broker_failure_line(error), 3) from None
+    use_creds(ctx, creds)  # each subcommand takes --creds too, as every other command does
 
 
 EVENTS_HELP = (
@@ -134,12 +99,14 @@ def events_command(
     follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing new messages until Ctrl-C.")] = False,
     output: Annotated[OutputFormat, typer.Option("--output", "-o", help="table or jsonl.")] = OutputFormat.table,
     nats_url: NatsUrlOption = None,
+    creds: CredsOption = None,
 ) -> None:
     """Print stored events (with stream, sequence, subject, time); stops at the end of the log unless --follow."""
+    use_creds(ctx, creds)
     from hearth.services.replay.query import LogQuery, QueryError, parse_since, parse_timestamp, select_streams
 
     if since and from_time:
-        raise _fail("give --since or --from-time, not both")
+        raise fail("give --since or --from-time, not both")
     try:
         start_time = None
         if since:
@@ -149,10 +116,10 @@ def events_command(
         types = tuple(event_type or ())
         selections = select_streams(stream, subject, types)
     except QueryError as error:
-        raise _fail(str(error)) from error
+        raise fail(str(error)) from error
     query = LogQuery(selections=selections, types=types, from_seq=from_seq, to_seq=to_seq, from_time=start_time,
                      follow=follow, limit=limit)
-    code = _run(_print_events(nats_settings_for(ctx, nats_url), query, output))
+    code = run_command(_print_events(nats_settings_for(ctx, nats_url), query, output))
     raise typer.Exit(code)
 
 
@@ -186,17 +153,19 @@ def pipeline_command(
     pipeline_id: Annotated[str, typer.Argument(help="The pipeline_id (from a `pipeline` frame or the events).")],
     output: Annotated[OutputFormat, typer.Option("--output", "-o", help="table or jsonl.")] = OutputFormat.table,
     nats_url: NatsUrlOption = None,
+    creds: CredsOption = None,
 ) -> None:
     """One pipeline's timeline: constructed, first token, shard status, failovers, fallback, end, integrity; then its
     outcome (completed, aborted, fallback_local, running; a completed call's verification met or unmet when it says),
     which -o jsonl puts on its last line as `outcome` and `verification`."""
+    use_creds(ctx, creds)
     import re
 
     from hearth.protocol.bounds import SUBJECT_TOKEN_PATTERN
 
     if not re.match(SUBJECT_TOKEN_PATTERN, pipeline_id):
-        raise _fail(f"pipeline_id {pipeline_id!r} must match {SUBJECT_TOKEN_PATTERN}")
-    raise typer.Exit(_run(_print_pipeline(nats_settings_for(ctx, nats_url), pipeline_id, output)))
+        raise fail(f"pipeline_id {pipeline_id!r} must match {SUBJECT_TOKEN_PATTERN}")
+    raise typer.Exit(run_command(_print_pipeline(nats_settings_for(ctx, nats_url), pipeline_id, output)))
 
 
 async def _print_pipeline(broker: "NatsSettings", pipeline_id: str, output: OutputFormat) -> int:
@@ -246,9 +215,11 @@ def shard_command(
         ),
     ] = None,
     nats_url: NatsUrlOption = None,
+    creds: CredsOption = None,
 ) -> None:
     """One shard's life (advertisements, heartbeat gaps longer than the health timeout, withdrawal) and the
     verification evidence about it (checks, mismatches with witnesses, error against tolerance, digest, clearings)."""
+    use_creds(ctx, creds)
     import re
 
     from hearth.protocol.subjects import shard_key
@@ -261,7 +232,7 @@ def shard_command(
 
     # The live projectors' check, so the evidence shown is what the read model applied.
     verifier = roster_checked("hearth-replay", lambda: event_verifier(settings(ctx)))
-    raise typer.Exit(_run(_print_shard(nats_settings_for(ctx, nats_url), shard, key, float(timeout_s),
+    raise typer.Exit(run_command(_print_shard(nats_settings_for(ctx, nats_url), shard, key, float(timeout_s),
                                        verifier)))
 
 
@@ -288,22 +259,24 @@ def rebuild_command(
         "--diff", help="A live read model to compare with; exit 1 when a row the log holds differs.")] = None,
     force: Annotated[bool, typer.Option("--force", help="Replace an existing --db file.")] = False,
     nats_url: NatsUrlOption = None,
+    creds: CredsOption = None,
 ) -> None:
     """Build a fresh read model from the whole event log; with --diff, print every row that differs."""
+    use_creds(ctx, creds)
     if diff is not None and not diff.is_file():
-        raise _fail(f"no read-model database at {diff}")
+        raise fail(f"no read-model database at {diff}")
     if diff is not None and db.exists() and db.samefile(diff):  # --force would delete the rows it is to compare
-        raise _fail(f"--db and --diff name one file ({diff}); rebuild into another file to compare with it")
+        raise fail(f"--db and --diff name one file ({diff}); rebuild into another file to compare with it")
     if db.is_dir():
-        raise _fail(f"{db} is a folder; --db names the file to write (e.g. {db / 'readmodel.sqlite'})")
+        raise fail(f"{db} is a folder; --db names the file to write (e.g. {db / 'readmodel.sqlite'})")
     if db.exists() and not force:
-        raise _fail(f"{db} exists; a rebuild writes a fresh database (use --force to replace it)")
+        raise fail(f"{db} exists; a rebuild writes a fresh database (use --force to replace it)")
     from hearth.services.common.event_trust import event_verifier
 
     # The live projectors' check (when the community's roster is at hand), so the rebuilt rows match theirs.
     verifier = roster_checked("hearth-replay", lambda: event_verifier(settings(ctx)))
     readmodels = settings(ctx).readmodels  # and the live projectors' retention
-    raise typer.Exit(_run(_rebuild(nats_settings_for(ctx, nats_url), db, diff, force, verifier, readmodels)))
+    raise typer.Exit(run_command(_rebuild(nats_settings_for(ctx, nats_url), db, diff, force, verifier, readmodels)))
 
 
 async def _rebuild(broker: "NatsSettings", db: Path, diff: Path | None, force: bool, verifier=None,
@@ -325,14 +298,14 @@ async def _rebuild(broker: "NatsSettings", db: Path, diff: Path | None, force: b
             applied = await rebuild_database(js, db, overwrite=force, streams=present, verifier=verifier,
                                              retention=retention, window=window)
         except ReadModelUnusable as error:  # no room for it, say
-            raise _fail(str(error), 1) from None
+            raise fail(str(error), 1) from None
     typer.echo(f"rebuilt {db} from {applied} messages")
     if diff is None:
         return 0
     try:
         compared = await asyncio.to_thread(diff_within_log, db, diff, window)
     except ReadModelUnusable as error:  # a damaged --diff file, or one of another schema revision
-        raise _fail(f"cannot compare with {diff}: {error}") from None
+        raise fail(f"cannot compare with {diff}: {error}") from None
     for line in [*compared.window_lines(db, diff), *map(str, compared.differences)]:
         typer.echo(line)
     if compared.differences:
@@ -349,10 +322,12 @@ def verify_command(
         "--roster", help="The community roster (default: nats.roster_file, or the one beside the key).",
         show_default=False)] = None,
     nats_url: NatsUrlOption = None,
+    creds: CredsOption = None,
 ) -> None:
     """Check every stored event: signed by a roster member whose role may emit it, for its own node, not dated
     more than events.max_clock_skew_s after it was stored, not a copy of one before it (duplicate) nor older than
     the [readmodels] retention of its stream (too_old). Prints each bad one; exit 1 if there is any."""
+    use_creds(ctx, creds)
     from hearth.events.signing import EventVerifier
     from hearth.services.common.event_trust import community_roster_file
     from hearth.trust.roster import Roster, RosterError
@@ -360,12 +335,12 @@ def verify_command(
     current = settings(ctx)
     roster_file = roster or roster_checked("hearth-replay", lambda: community_roster_file(current.nats))
     if roster_file is None:
-        raise _fail("verify needs the community roster: give --roster FILE (or [nats] roster_file)")
+        raise fail("verify needs the community roster: give --roster FILE (or [nats] roster_file)")
     try:
         verifier = EventVerifier(Roster.load(roster_file), max_clock_skew_s=current.events.max_clock_skew_s)
     except RosterError as error:
-        raise _fail(str(error)) from error
-    raise typer.Exit(_run(_verify(nats_settings_for(ctx, nats_url), verifier, current.readmodels)))
+        raise fail(str(error)) from error
+    raise typer.Exit(run_command(_verify(nats_settings_for(ctx, nats_url), verifier, current.readmodels)))
 
 
 async def _verify(broker: "NatsSettings", verifier, readmodels) -> int:

@@ -9,11 +9,12 @@ import logging
 import time
 from pathlib import Path
 
-from nats.js import JetStreamContext
+from nats.aio.client import Client as NatsClient
 
 from hearth.events.models import EventEnvelope
 from hearth.events.outbox import EventOutbox
 from hearth.events.outbox_file import OutboxFileUnavailable
+from hearth.services.broker.connection import key_refused_event
 from hearth.services.common.config import HearthSettings
 from hearth.services.common.hearth_files import state_dir
 from hearth.services.common.lifecycle import CommandRefused
@@ -32,8 +33,11 @@ def shard_outbox_dir(settings: HearthSettings) -> Path:
     return settings.shard.event_outbox_dir or state_dir("shard-event-outbox")
 
 
-def shard_outbox(js: JetStreamContext, signing_key: MemberKey | None) -> EventOutbox:
-    return EventOutbox(js, max_queued=outbox_max_events, retry_wait_s=outbox_retry_wait_s, signing_key=signing_key)
+def shard_outbox(nc: NatsClient, signing_key: MemberKey | None) -> EventOutbox:
+    """An outbox writing on `nc`, which waits for nothing while the broker refuses its key (the host's member removed,
+    or its key rotated): a host stopping then keeps its withdrawal for the node's next host at once."""
+    return EventOutbox(nc.jetstream(), max_queued=outbox_max_events, retry_wait_s=outbox_retry_wait_s,
+                       signing_key=signing_key, unsendable=key_refused_event(nc))
 
 
 async def start_outbox(outbox: EventOutbox, folder: Path | None, node_id: str, timeout_s: float) -> None:
@@ -62,10 +66,10 @@ async def say_once(outbox: EventOutbox, event: EventEnvelope, timeout_s: float) 
     return await outbox.flush(max(0.0, deadline - time.monotonic()))
 
 
-async def say_once_alone(js: JetStreamContext, event: EventEnvelope, *, folder: Path | None, node_id: str,
+async def say_once_alone(nc: NatsClient, event: EventEnvelope, *, folder: Path | None, node_id: str,
                          signing_key: MemberKey | None, timeout_s: float) -> bool:
     """`say_once` through an outbox of its own, for a process whose shard server has stopped (and closed its own)."""
-    outbox = shard_outbox(js, signing_key)
+    outbox = shard_outbox(nc, signing_key)
     await start_outbox(outbox, folder, node_id, timeout_s)
     try:
         return await say_once(outbox, event, timeout_s)

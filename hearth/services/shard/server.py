@@ -85,7 +85,7 @@ class ShardServer:
         # This host's member key signs its advertisements, heartbeats and withdrawals (None on an open mesh).
         self.signing_key = event_signing_key(settings.nats)
         # What it says once (its withdrawal) is kept in a file in `outbox_dir` until stored (None: in memory only).
-        self.outbox = shard_outbox(self.js, self.signing_key)
+        self.outbox = shard_outbox(nc, self.signing_key)
         self.outbox_dir = outbox_dir
         # On a community broker the steward creates the streams; on an open one this host does.
         self.stream_setup = stream_setup(settings.nats)
@@ -226,8 +226,8 @@ class ShardServer:
         if not await say_once(self.outbox, ShardWithdrawn(node_id=self.identity.node_id,
                                                           shard_id=self.identity.shard_id, reason=reason),
                               self.settings.withdraw_timeout_s):
-            log.warning("withdrawal of %s not stored within %.1f s: kept in the event outbox until the broker takes it",
-                        self.identity.shard_id, self.settings.withdraw_timeout_s)
+            log.warning("withdrawal of %s not stored (in %.1f s, or the broker refuses this host's key): kept in the "
+                        "event outbox for the broker", self.identity.shard_id, self.settings.withdraw_timeout_s)
 
     async def drain(self, timeout_s: float, interrupted: asyncio.Event) -> None:
         """Withdrawn, wait until the orchestrators have closed every hop open here (their calls ended) and had their
