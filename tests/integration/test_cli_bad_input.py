@@ -60,5 +60,6 @@ def test_a_work_folder_that_cannot_be_created_is_one_line(tmp_path):
 
 
 def test_hearth_replay_refuses_a_missing_key_file_in_one_line(tmp_path):
-    said([HEARTH_REPLAY, "--creds", "member.nk", "events", "--nats", "nats://127.0.0.1:1"], tmp_path, 2,
+    # EXIT_REFUSED (1), as every command that cannot use its key file
+    said([HEARTH_REPLAY, "--creds", "member.nk", "events", "--nats", "nats://127.0.0.1:1"], tmp_path, 1,
          "hearth-replay: cannot read the key file member.nk")
