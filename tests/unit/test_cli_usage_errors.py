@@ -18,6 +18,11 @@ from hearth.services.replay.cli import app as replay_app
     (app, ["host", "--model", "m", "--memory-budget-mb", "0"], "host", "Invalid value for '--memory-budget-mb'"),
     (app, ["gateway", "--port", "65536"], "gateway", "Invalid value for '--port'"),
     (app, ["chat", "hi", "--temperature", "-1"], "chat", "Invalid value for '--temperature'"),
+    # Before, refused by the request's own checks: `error bad_request: ...`, exit code 1.
+    (app, ["chat", "hi", "--temperature", "1e308"], "chat",
+     "Invalid value for '--temperature': Input should be less than or equal to 10"),
+    (app, ["chat", "hi", "--seed", "-1"], "chat", "Invalid value for '--seed': Input should be greater than or equal"),
+    (app, ["chat", "hi", "--seed", str(2**63)], "chat", "Invalid value for '--seed': Input should be less than"),
     (app, ["chat"], "chat", "Missing argument 'prompt'"),
     (app, ["shard", "--bogus"], "shard", "No such option: --bogus"),
     (app, ["nosuch"], "", "No such command 'nosuch'"),
