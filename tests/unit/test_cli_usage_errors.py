@@ -16,6 +16,12 @@ from hearth.services.replay.cli import app as replay_app
     (app, ["shard", "--model", "m", "--layers", "0-1", "--metrics-port", "-1"], "shard",
      "Invalid value for '--metrics-port': Input should be greater than or equal to 0"),
     (app, ["host", "--model", "m", "--memory-budget-mb", "0"], "host", "Invalid value for '--memory-budget-mb'"),
+    # Before, "Input should be less than or equal to 1000000000000": NaN compares false with either bound.
+    (app, ["host", "--model", "m", "--memory-budget-mb", "nan"], "host",
+     "Invalid value for '--memory-budget-mb': Input should be a finite number"),
+    (app, ["host", "--model", "m", "--memory-budget-mb", "inf"], "host", "Input should be a finite number"),
+    (app, ["chat", "hi", "--temperature", "nan"], "chat",
+     "Invalid value for '--temperature': Input should be a finite number"),
     (app, ["gateway", "--port", "65536"], "gateway", "Invalid value for '--port'"),
     (app, ["chat", "hi", "--temperature", "-1"], "chat", "Invalid value for '--temperature'"),
     # Before, refused by the request's own checks: `error bad_request: ...`, exit code 1.
