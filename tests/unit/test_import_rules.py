@@ -59,7 +59,7 @@ ALLOWED_IMPORTS: dict[str, tuple[str, ...]] = {
     "services.cli_errors": (),
     "services.shard": (*_MODEL_SIDE, "services.cli_options"),
     "services.orchestrator": (*_MODEL_SIDE, "readmodels"),
-    "services.projector": (*_BROKER_SIDE, "readmodels", "services.cli_options"),
+    "services.projector": (*_BROKER_SIDE, "readmodels", "services.cli_options", "services.cli_errors"),
     "services.replay": (*_BROKER_SIDE, "readmodels", "services.cli_options", "services.cli_errors"),
     "services.dashboards": (*_BROKER_SIDE, "readmodels", "services.cli_options"),
     "services.gateway": (*_BROKER_SIDE, "services.client", "services.cli_options"),
