@@ -24,7 +24,7 @@ from .errors import CheckpointError
 from .hub_ids import HUB_ENDPOINT_ENV, is_hub_gguf_id
 from .ollama_models import is_ollama_model, resolve_ollama_model
 from .gguf_checkpoint import GGUFCheckpoint, default_read_device, gguf_config_dict, single_gguf_in
-from .gguf_layout import GGUF_SUFFIX, is_gguf_file
+from hearth.formats.gguf_support import GGUF_SUFFIX, is_gguf_file
 
 HUB_DOWNLOAD_WORKERS = 4
 # Host bytes one read of a tensor that is converted or sent to a GPU stages at most (one row when a row is larger).

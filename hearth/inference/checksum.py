@@ -12,7 +12,7 @@ from pathlib import Path
 
 from .errors import CheckpointError
 from .file_version import file_version
-from .gguf_layout import is_gguf_file
+from hearth.formats.gguf_support import is_gguf_file
 
 WEIGHTS_CACHE_DIR_ENV = "HEARTH_CACHE_DIR"
 DEFAULT_WEIGHTS_CACHE_DIR = Path("~/.cache/hearth")

@@ -32,15 +32,16 @@ from .errors import CheckpointError, first_line
 from .file_version import FileVersion, file_version
 from .gguf_cache import gguf_cache_entry
 from .gguf_config import completed_config_of_file
-from .gguf_header import SUPPORTED_GGUF_ARCHITECTURES, checked_gguf_header, read_gguf_header
-from .gguf_layout import FLOAT_GGUF_TYPE_NAMES, GGUF_SUFFIX, SplitGGUFError, check_block_types, is_gguf_file
+from hearth.formats.gguf_support import FLOAT_GGUF_TYPE_NAMES, GGUF_SUFFIX, SUPPORTED_GGUF_ARCHITECTURES, is_gguf_file
+from .gguf_header import checked_gguf_header, read_gguf_header
+from .gguf_layout import SplitGGUFError, check_block_types
 from .gguf_int4 import STORED_INT4_GROUP_SIZES, int4_groups_of_blocks
 from .gguf_tensor_table import METADATA_CACHE_ENTRIES, StoredTensor, gguf_package, gguf_table
 from .quantization import Int4Groups
 
 # Where a checkpoint reader puts the tensors it reads unless told (the loader asks for its device).
 default_read_device = "cpu"
-# The HF model types the architectures hearth serves (gguf_header.SUPPORTED_GGUF_ARCHITECTURES) load as.
+# The HF model types the architectures hearth serves (gguf_support.SUPPORTED_GGUF_ARCHITECTURES) load as.
 SUPPORTED_GGUF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
 # What each parse is stored as in a file's disk cache entry (hearth/inference/gguf_cache.py).
 CONFIG_CACHE_NAME = "config"

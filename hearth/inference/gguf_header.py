@@ -16,17 +16,17 @@ import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hearth.formats.gguf_support import GGUF_MAGIC, is_text_model_tensor, unsupported_architecture
+
 from .errors import CheckpointError
 from .file_version import FileVersion, file_version
 from .gguf_layout import (
-    GGUF_MAGIC,
     GGUFPartTensor,
     GGUFSplit,
     check_block_types,
     check_data_layout,
     check_not_split,
     gguf_layer_of,
-    is_text_model_tensor,
     truncated_refusal,
 )
 
@@ -45,8 +45,6 @@ FIRST_HEADER_READ_BYTES = 1 << 20
 MAX_GGUF_HEADER_BYTES = 64 << 20
 # Arrays of arrays nested deeper than this are refused: no model's metadata nests them, and the parser recurses.
 MAX_ARRAY_NESTING = 8
-# general.architecture values hearth serves (llama.cpp writes Mistral models as "llama").
-SUPPORTED_GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
 # The most layers a GGUF may declare: a skeleton is built for every one it declares (and the mesh's adverts allow
 # no more).
 MAX_GGUF_BLOCK_COUNT = 4096
@@ -248,11 +246,9 @@ def _checked_header(path_text: str, version: FileVersion) -> ParsedGGUFHeader:
     # by the parser, for every tensor.
     header = read_gguf_header(path, check_tensors=False)
     architecture = header.architecture
-    if architecture not in SUPPORTED_GGUF_ARCHITECTURES:
-        raise CheckpointError(
-            f"GGUF {path.name} holds a {architecture!r} model; hearth serves "
-            f"{', '.join(SUPPORTED_GGUF_ARCHITECTURES)} GGUFs (Mistral is written as llama)"
-        )
+    refusal = unsupported_architecture(architecture, path.name)
+    if refusal is not None:
+        raise CheckpointError(refusal)
     block_count = header.metadata.get(f"{architecture}.block_count")
     if type(block_count) is not int or not 1 <= block_count <= MAX_GGUF_BLOCK_COUNT:
         raise CheckpointError(f"GGUF {path.name} states {architecture}.block_count {block_count!r}: a model's layer "

@@ -1,30 +1,22 @@
-"""What a GGUF lays out: its tensors and where each one's bytes lie (GGUFSplit), the names and block types hearth
-reads, how a GGUF file is told, and the checks refusing a layout llama.cpp would not load (block types, data
-layout, a part of a split GGUF).
+"""What a GGUF lays out: its tensors and where each one's bytes lie (GGUFSplit), the tensor names hearth reads, and
+the checks refusing a layout llama.cpp would not load (block types, data layout, a part of a split GGUF).
 
 hearth/inference/gguf_header.py parses a header into these; hearth/inference/gguf_parts.py writes parts from them.
+Which files, architectures and block types hearth serves is hearth/formats/gguf_support.py's (light, for the demo).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from pathlib import Path
+
+from hearth.formats.gguf_support import unsupported_block_type
 
 from .errors import CheckpointError
 
-GGUF_MAGIC = b"GGUF"
-GGUF_SUFFIX = ".gguf"
 # llama.cpp's gguf-split states in every part of a GGUF split into several files its index and the parts' count.
 SPLIT_COUNT_KEY = "split.count"
 SPLIT_NO_KEY = "split.no"
-# Storage types hearth reads: plain floats, and the legacy and K-quant block types gguf.quants dequantizes (its IQ
-# and TQ types are left out until tested; integer tensors are no weights).
-SUPPORTED_GGUF_TYPE_NAMES = (
-    "F32", "F16", "BF16", "F64", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
-)
-# Block types that hold plain floats; every other supported type is a quantized block.
-FLOAT_GGUF_TYPE_NAMES = frozenset({"F32", "F16", "BF16", "F64"})
 LAYER_PREFIX = "blk"
 ROPE_FREQS_TENSOR = "rope_freqs.weight"
 # Phi-3's LongRoPE factors (its long and short contexts' frequency divisors).
@@ -32,30 +24,6 @@ LONGROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 # Tensors every decoder layer reads though none owns them (its RoPE's frequencies): a layer range's part of a GGUF
 # holds them too, so a shard's config states the RoPE the whole file does (hearth/inference/gguf_config.py).
 EVERY_LAYER_TENSORS = (ROPE_FREQS_TENSOR, *LONGROPE_TENSORS)
-# Tensors of other modalities that Ollama's files hold beside a model's text weights (a vision tower and its
-# projector, an audio encoder). hearth serves the text model: no split, part, fetched range or memory figure of a
-# GGUF counts them.
-OTHER_MODALITY_PREFIXES = ("v.", "mm.", "a.")
-
-
-def is_text_model_tensor(tensor_name: str) -> bool:
-    """Whether a GGUF tensor belongs to the text model (not to a bundled vision or audio encoder)."""
-    return not tensor_name.startswith(OTHER_MODALITY_PREFIXES)
-
-
-def is_gguf_file(path: str | Path) -> bool:
-    """Whether `path` is a GGUF file: named *.gguf, or starting with the GGUF magic (Ollama keeps its models' GGUFs
-    as blobs named by their digest)."""
-    path = Path(path)
-    if not path.is_file():
-        return False
-    if path.suffix.lower() == GGUF_SUFFIX:
-        return True
-    try:
-        with path.open("rb") as handle:
-            return handle.read(len(GGUF_MAGIC)) == GGUF_MAGIC
-    except OSError:
-        return False
 
 
 def gguf_layer_of(tensor_name: str) -> int | None:
@@ -98,13 +66,10 @@ class GGUFSplit:
 
 def check_block_types(tensors: Iterable[tuple[str, str]], file_name: str) -> None:
     """CheckpointError (one line) naming the first of `tensors` ((GGUF name, GGML type name)) stored in a block type
-    hearth does not read."""
-    for name, block_type in tensors:
-        if block_type not in SUPPORTED_GGUF_TYPE_NAMES:
-            raise CheckpointError(
-                f"tensor {name} of {file_name} is stored as {block_type}, a GGUF type hearth does not read (it "
-                f"reads {', '.join(SUPPORTED_GGUF_TYPE_NAMES)})"
-            )
+    hearth does not read (hearth/formats/gguf_support.py)."""
+    refusal = unsupported_block_type(tensors, file_name)
+    if refusal is not None:
+        raise CheckpointError(refusal)
 
 
 def truncated_refusal(file_name: str, what_it_needs: str, file_size: int) -> CheckpointError:

@@ -3,7 +3,7 @@
 Every byte stays as the GGUF holds it. The header is the file's bytes before its tensor data (magic, version,
 counts, metadata key/values, tensor infos); a decoder layer's data is its tensors' (``blk.N.*``) bytes in the file's
 order, concatenated; the head's is every other tensor's (embedding, final norm, output), except a vision or audio
-encoder's that Ollama bundles (gguf_layout.is_text_model_tensor), which no part holds. A part written back is a
+encoder's that Ollama bundles (gguf_support.is_text_model_tensor), which no part holds. A part written back is a
 GGUF holding the original's metadata and only the chosen tensors, each tensor info copied with only its data offset
 changed and the tensors in their block types (Q4_1 stays Q4_1), so the loader reads it as it reads the original
 (hearth/inference/gguf_checkpoint.py). Written whole, in the original's order, a GGUF laid out as llama.cpp and the gguf
@@ -22,7 +22,8 @@ from pathlib import Path
 
 from .errors import CheckpointError
 from .gguf_header import read_gguf_header
-from .gguf_layout import EVERY_LAYER_TENSORS, GGUFPartTensor, GGUFSplit, is_gguf_file
+from hearth.formats.gguf_support import is_gguf_file
+from .gguf_layout import EVERY_LAYER_TENSORS, GGUFPartTensor, GGUFSplit
 from .partial_checkpoint import complete_partial_folder, staged_partial_folder
 
 # After the magic and the version: the tensor count, a little-endian u64 (GGUF versions 2 and 3).

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from .checkpoint_files import SAFETENSORS_INDEX_NAME, checked_weight_map
 from .errors import CheckpointError
-from .gguf_layout import GGUF_SUFFIX
+from hearth.formats.gguf_support import GGUF_SUFFIX
 from .hub_ids import split_hub_model
 
 

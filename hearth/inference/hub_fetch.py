@@ -36,7 +36,7 @@ from .checkpoint_files import SAFETENSORS_INDEX_NAME, check_full_precision, chec
 from .cache_ranges import held_complete_folder, hold_range, remove_superseded_ranges
 from .cache_versions import hold_version, is_held, release_version, remove_unused_versions
 from .checksum import GGUF_DIGEST_NAME, PARTIAL_CHECKPOINT_MARKER, digest_of_files, file_sha256
-from .gguf_layout import GGUF_SUFFIX
+from hearth.formats.gguf_support import GGUF_SUFFIX
 from .errors import CheckpointError
 from .hub_cache import complete_hub_snapshot, hub_cache_gguf
 from .hub_gguf import HubGGUF, RangesUnsupported, cached_gguf_part, fetch_gguf_part, gguf_header, \

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from .gguf_layout import GGUF_SUFFIX
+from hearth.formats.gguf_support import GGUF_SUFFIX
 
 # Read at each call (huggingface_hub reads it once, at import): a mirror or a test server may be named later.
 HUB_ENDPOINT_ENV = "HF_ENDPOINT"

@@ -30,7 +30,7 @@ from .checkpoint import ModelInfo, SafetensorsCheckpoint, default_model_id, open
 from .cpu_kernels import DEFAULT_CPU_LINEAR_KERNEL, use_cpu_linear_kernel
 from .errors import CheckpointError, first_line
 from .gguf_checkpoint import GGUFCheckpoint, gguf_config, load_gguf_tokenizer
-from .gguf_layout import is_gguf_file
+from hearth.formats.gguf_support import is_gguf_file
 from .gguf_tensor_table import check_layer_block_types
 from .ollama_models import served_model_id
 from .head import Head

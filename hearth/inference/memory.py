@@ -20,7 +20,7 @@ from .checkpoint_files import opened_safetensors
 from .devices import MiB
 from .gguf_checkpoint import default_read_device
 from .gguf_tensor_table import gguf_layer_tensors, layer_tensor_blocks
-from .gguf_layout import FLOAT_GGUF_TYPE_NAMES, SUPPORTED_GGUF_TYPE_NAMES, is_gguf_file
+from hearth.formats.gguf_support import FLOAT_GGUF_TYPE_NAMES, SUPPORTED_GGUF_TYPE_NAMES, is_gguf_file
 from .gguf_int4 import STORED_INT4_GROUP_SIZES
 from .quantization import QuantizationScheme, held_as_stored, parse_quantization
 from .weight_codes import int4_held_bytes, int8_held_bytes

@@ -152,7 +152,9 @@ def pulled_ollama_models(models_dir: Path | None = None) -> list[PulledModel]:
     """Every model whose manifest lies under Ollama's models folder, in name order, each with its weights' GGUF
     described from its header alone (what a shard would refuse at load beyond the architecture and block types,
     such as a RoPE hearth does not read, is not checked here)."""
-    from .gguf_header import SUPPORTED_GGUF_ARCHITECTURES, read_gguf_header
+    from hearth.formats.gguf_support import SUPPORTED_GGUF_ARCHITECTURES
+
+    from .gguf_header import read_gguf_header
     from .gguf_layout import check_block_types
 
     folder = models_dir or ollama_models_dir()

@@ -32,6 +32,9 @@ min_repetition_penalty = 0.01
 max_repetition_penalty = 10.0
 # Choices one request may ask for (`n`): each is a pipeline of its own that shares the prompt's prefill.
 max_choices = 8
+max_temperature = 10.0
+# Seeds are below this (a signed 64-bit integer's range, what torch's generators take).
+seed_limit = 2**63
 
 
 def _not_subnormal(value: float) -> float:
@@ -110,10 +113,10 @@ class ChatRequest(BaseModel):
     messages: list[ChatMessage] | None = Field(default=None, min_length=1, max_length=max_messages)
     prompt: str | None = Field(default=None, min_length=1, max_length=max_prompt_chars)
     max_tokens: int = Field(default=default_max_tokens, ge=1, le=max_tokens_limit)
-    temperature: FiniteFloat = Field(default=0.0, ge=0.0, le=10.0)
+    temperature: FiniteFloat = Field(default=0.0, ge=0.0, le=max_temperature)
     top_p: FiniteFloat = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=0, le=max_top_k)
-    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    seed: int | None = Field(default=None, ge=0, lt=seed_limit)
     stop: list[StopString] = Field(default_factory=list, max_length=max_stop_strings)
     # Each token_delta frame carries the sampled token's log-probability and its `top_logprobs` best alternatives.
     logprobs: bool = False

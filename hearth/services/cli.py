@@ -35,6 +35,7 @@ from hearth.services.cli_options import (
     DtypeOption,
     InsecureOption,
     QuantizeOption,
+    finite_between,
     LogLevelOption,
     MetricsHostOption,
     MetricsPortOption,
@@ -53,7 +54,7 @@ from hearth.services.cli_options import (
     use_metrics_host,
     wait_for_nats,
 )
-from hearth.protocol.chat import ChatRequest, default_max_tokens, max_choices
+from hearth.protocol.chat import ChatRequest, default_max_tokens, max_choices, max_temperature, seed_limit
 from hearth.services.common.logging import default_log_level
 from hearth.services.nats_cli import NATS_HELP_EPILOG, nats_command
 from hearth.services.schema.cli import docs_command, schema_command
@@ -285,8 +286,10 @@ def chat_command(
     ] = None,
     max_tokens: Annotated[int, typer.Option("--max-tokens", min=1, help="Most tokens to generate.")] = \
         default_max_tokens,
-    temperature: Annotated[float, typer.Option("--temperature", min=0.0, help="0 = greedy.")] = 0.0,
-    seed: Annotated[Optional[int], typer.Option("--seed", help="Makes sampling reproducible.")] = None,
+    temperature: Annotated[Optional[finite_between(0.0, max_temperature)], typer.Option(
+        "--temperature", help="0 = greedy.")] = 0.0,
+    seed: Annotated[Optional[int], typer.Option("--seed", min=0, max=seed_limit - 1,
+                                                help="Makes sampling reproducible.")] = None,
     raw: Annotated[bool, typer.Option("--raw", help="Send PROMPT as raw text, no chat template.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print every frame as one JSON line.")] = False,
     interactive: Annotated[bool, typer.Option("--interactive", "-i", help="Go on with the conversation: each "
@@ -304,8 +307,9 @@ def chat_command(
 ) -> None:
     """Send one chat request and print the answer as it streams (stdout; status lines on stderr).
 
-    Exit code 0 after a complete answer, 1 on an error, 2 when no answer came in time (NATS unreachable
-    within nats.connect_timeout_s, or no orchestrator)."""
+    Exit code 0 after a complete answer, 1 on an error, 2 on a request refused as not valid (bad_request, here or
+    by the mesh) or when no answer came in time (NATS unreachable within nats.connect_timeout_s, or no
+    orchestrator)."""
     from hearth.services.client.chat import configured_waits
     from hearth.services.client.command import run_chat_command
 

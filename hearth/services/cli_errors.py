@@ -1,6 +1,6 @@
-"""How the command lines (`hearth`, `hearth-replay`) end a command that nothing nearer refused: one line, no
-traceback; a usage error included (one line instead of click's usage, hint and error lines); and quietly, on a
-stdout whose reader closed it."""
+"""How the command lines (`hearth`, `hearth-replay`, `python -m hearth.services.projector`) end a command that
+nothing nearer refused: one line, no traceback; a usage error included (one line instead of click's usage, hint and
+error lines); and quietly, on a stdout whose reader closed it."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import sys
 
 import click
 import typer
-from typer.core import TyperGroup
+from typer.core import TyperCommand, TyperGroup
 
 # A file a command cannot use: as services.cli_options.EXIT_REFUSED.
 EXIT_FILE_ERROR = 1
@@ -40,7 +40,7 @@ def usage_errors_in_one_line():
         raise OneLineUsageError(error.format_message(), error.ctx) from None
 
 
-class OneLineErrorsGroup(TyperGroup):
+class _OneLineErrors:
     """A command line (`hearth`, `hearth-replay`) whose refusals are one line each: a usage error (exit code 2), and
     a file a command cannot create, read or write that nothing nearer handled (a read-only or full folder, a file
     where a folder goes): the file and why, exit code 1, instead of a traceback (logged at DEBUG)."""
@@ -63,6 +63,15 @@ class OneLineErrorsGroup(TyperGroup):
             where = f"{error.filename}: " if error.filename is not None else ""
             typer.echo(f"{command}: {where}{error.strerror or error}", err=True)
             raise typer.Exit(EXIT_FILE_ERROR) from None
+
+
+class OneLineErrorsGroup(_OneLineErrors, TyperGroup):
+    """A command line of several commands (`hearth`, `hearth-replay`) that refuses in one line (_OneLineErrors)."""
+
+
+class OneLineErrorsCommand(_OneLineErrors, TyperCommand):
+    """A command line of one command (`python -m hearth.services.projector`) that refuses in one line, as
+    OneLineErrorsGroup's do (_OneLineErrors)."""
 
 
 def stdout_to_devnull() -> None:

@@ -328,6 +328,16 @@ DtypeOption = Annotated[
 ]
 
 
+def finite_between(minimum: float, maximum: float) -> Any:
+    """The type of a float option taking a finite number from `minimum` to `maximum`: NaN and infinity are refused
+    as "Input should be a finite number" (with typer's min/max, NaN, which compares false, was refused as past a
+    bound it is not: `--memory-budget-mb nan` "should be less than or equal to 1e12"). Used as Optional[...]: typer
+    drops the bounds of an Annotated type given bare."""
+    from pydantic import Field
+
+    return Annotated[float, Field(allow_inf_nan=False, ge=minimum, le=maximum)]
+
+
 def above_zero(value: float | None) -> float | None:
     """Every command's check of an option that is a duration or a weight: a finite number above 0, as the settings
     and wire messages it ends up in take it, else a usage error before anything starts (before, `hearth shard

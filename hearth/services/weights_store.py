@@ -30,7 +30,7 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 from hearth.inference.cache_ranges import hold_range, remove_superseded_ranges
 from hearth.inference.cache_versions import hold_version, remove_unused_versions
 from hearth.inference.checksum import PARTIAL_CHECKPOINT_MARKER
-from hearth.inference.gguf_layout import GGUF_SUFFIX
+from hearth.formats.gguf_support import GGUF_SUFFIX
 from hearth.inference.gguf_checkpoint import default_read_device
 from hearth.inference.gguf_parts import StoredLayout
 from hearth.inference.partial_checkpoint import NeededTensors, assemble_partial_folder, check_needed, \

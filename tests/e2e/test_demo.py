@@ -141,5 +141,5 @@ def test_demo_with_a_missing_model_says_so_and_starts_nothing(tmp_path):
     completed = subprocess.run(
         [sys.executable, "-m", "hearth.services.cli", "demo", "--model", str(tmp_path / "nowhere"), "--shards", "3"],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
-    assert completed.returncode == 1
+    assert completed.returncode == 2  # the caller's input
     assert "hearth demo:" in completed.stderr and "nowhere" in completed.stderr

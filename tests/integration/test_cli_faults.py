@@ -269,9 +269,9 @@ def test_chat_against_a_live_mesh_ends_quietly(mesh_url):
     assert re.fullmatch(r"\[(length|stop): \d+ tokens, .*\]", result.stderr.strip()), result.stderr
 
 
-def test_chat_with_an_unknown_model_is_one_line_and_a_failure(mesh_url):
+def test_chat_with_an_unknown_model_is_one_line_and_an_input_error(mesh_url):
     result = chat(mesh_url, "--model", "nope", "Tell me a fortune.")
-    assert result.returncode == 1, result.stderr
+    assert result.returncode == 2, result.stderr  # the mesh's bad_request: the caller's input
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error bad_request: field 'model': "), result.stderr
 

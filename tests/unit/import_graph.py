@@ -14,7 +14,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 NAMESPACE = "hearth"
 SOURCES = ROOT / NAMESPACE
-PACKAGES = ("inference", "events", "protocol", "readmodels", "services", "trust")
+PACKAGES = ("formats", "inference", "events", "protocol", "readmodels", "services", "trust")
 
 
 @dataclass(frozen=True)

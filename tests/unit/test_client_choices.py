@@ -72,7 +72,22 @@ def test_hearth_chat_asks_for_the_scheme_it_is_given_and_refuses_a_malformed_one
     assert [request.params.quantization for request in sent] == ["int4/g32"]
 
     refused = CliRunner().invoke(app, ["chat", "hi", "--quantization", "int7", *options])
-    assert refused.exit_code == 1, refused.output
+    assert refused.exit_code == 2, refused.output  # the caller's input, as a usage error
     lines = [line for line in refused.output.splitlines() if "bad_request" in line]
     assert len(lines) == 1 and "quantization" in lines[0] and "Traceback" not in refused.output
     assert len(sent) == 1
+
+
+def test_a_request_the_mesh_refuses_as_not_valid_ends_with_the_input_error_code_and_other_errors_keep_theirs():
+    """`bad_request` from the mesh (a model it does not serve, a prompt past the context) is the caller's input: exit
+    code 2, as a request refused before it is sent; every other error keeps 1, and `orchestrator_gone` 2."""
+    from hearth.protocol.chat_frames import ErrorFrame, PipelineAbortedFrame
+
+    def ended(frame) -> int | None:
+        return ChatPrinter().show(frame)
+
+    assert ended(ErrorFrame(seq=0, code="bad_request", message="no model 'x'", param="model")) == 2
+    assert ended(ErrorFrame(seq=0, code="overloaded", message="queue full", retry_after_s=1.0)) == 1
+    assert ended(ErrorFrame(seq=0, code="internal_error", message="bug")) == 1
+    assert ended(ErrorFrame(seq=0, code="orchestrator_gone", message="no orchestrator")) == 2
+    assert ended(PipelineAbortedFrame(seq=0, code="shard_unavailable", reason="layers 3-5 uncovered")) == 1

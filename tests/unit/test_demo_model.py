@@ -8,6 +8,7 @@ from importlib import metadata
 from pathlib import Path
 
 import gguf
+import numpy as np
 import pytest
 
 from hearth.services.devtools import demo_model
@@ -96,12 +97,64 @@ def test_a_file_that_is_not_a_gguf_is_refused(tmp_path):
 
 
 def test_a_gguf_named_by_its_digest_is_told_by_its_magic(tmp_path):
-    from hearth.inference import gguf_layout
-
-    assert demo_model.GGUF_MAGIC == gguf_layout.GGUF_MAGIC  # the demo's copy (it keeps torch out)
     blob = write_metadata_only_gguf(tmp_path / "model.gguf", layers=5).rename(tmp_path / "sha256-0f0f")
     model = resolve_demo_model(str(blob))
     assert (model.path, model.num_layers, model.is_gguf, model.name) == (blob.resolve(), 5, True, "sha256-0f0f")
+
+
+def write_gguf(path: Path, architecture: str, *, layers: int, tensors: dict) -> Path:
+    """A GGUF of `architecture` holding `tensors` (name: (array, GGML type or None for the array's own))."""
+    writer = gguf.GGUFWriter(path, architecture)
+    writer.add_block_count(layers)
+    for name, (array, raw_type) in tensors.items():
+        writer.add_tensor(name, array, raw_dtype=raw_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.fixture
+def unservable_ggufs(tmp_path):
+    """A one-layer mamba GGUF, and a llama GGUF with a layer tensor in IQ4_NL (32 values in 18 bytes a block)."""
+    mamba = write_gguf(tmp_path / "mamba.gguf", "mamba", layers=1,
+                       tensors={"blk.0.ssm_in.weight": (np.zeros((4, 32), np.float32), None)})
+    iq4 = write_gguf(tmp_path / "iq4.gguf", "llama", layers=2, tensors={
+        "blk.0.attn_q.weight": (np.zeros((4, 18), np.uint8), gguf.GGMLQuantizationType.IQ4_NL),
+        # A vision tower's tensor is no part of the text model hearth serves: its type is not checked.
+        "v.patch_embd.weight": (np.zeros((4, 18), np.uint8), gguf.GGMLQuantizationType.IQ4_NL),
+    })
+    return mamba, iq4
+
+
+def test_a_gguf_no_shard_serves_is_refused_in_the_shards_words(unservable_ggufs):
+    from hearth.inference.errors import CheckpointError
+    from hearth.inference.gguf_header import checked_gguf_header, read_gguf_header
+
+    mamba, iq4 = unservable_ggufs
+    with pytest.raises(DemoError, match=r"^GGUF mamba.gguf holds a 'mamba' model; hearth serves llama, ") as refused:
+        resolve_demo_model(str(mamba))
+    assert refused.value.exit_code == 2
+    with pytest.raises(CheckpointError) as shard:
+        checked_gguf_header(mamba)
+    assert str(shard.value) == str(refused.value)
+
+    with pytest.raises(DemoError, match=r"^tensor blk.0.attn_q.weight of iq4.gguf is stored as IQ4_NL, a GGUF type "
+                                        r"hearth does not read \(it reads F32, ") as refused:
+        resolve_demo_model(str(iq4))
+    with pytest.raises(CheckpointError) as shard:
+        read_gguf_header(iq4, check_tensors=True)
+    assert str(shard.value) == str(refused.value)
+
+
+def test_a_description_kept_before_the_checks_ran_is_read_again(unservable_ggufs):
+    mamba, _ = unservable_ggufs
+    kept = demo_model.gguf_cache_entry_folder(mamba.resolve()) / demo_model.GGUF_DESCRIPTION_CACHE_FILE
+    kept.parent.mkdir(parents=True)
+    kept.write_text('{"num_layers": 1, "has_chat_template": false}')
+    with pytest.raises(DemoError, match="holds a 'mamba' model"):
+        resolve_demo_model(str(mamba))
 
 
 def test_the_description_is_read_once_per_file_version(tmp_path, monkeypatch):

@@ -191,4 +191,5 @@ def test_the_demo_keeps_its_description_in_the_same_entry(tiny_gguf_file):
 
     entry = gguf_cache_entry(tiny_gguf_file)
     assert demo_model.gguf_cache_entry_folder(tiny_gguf_file.resolve()) == entry.folder
-    assert entry.read_json("demo-description") == {"num_layers": model.num_layers, "has_chat_template": True}
+    assert entry.read_json("demo-description") == {"architecture": "llama", "num_layers": model.num_layers,
+                                                   "has_chat_template": True}

@@ -34,14 +34,15 @@ from tests.unit.import_graph import (
 HEAVY_MODULES = ("torch", "transformers")
 _FOUNDATIONS = ("protocol", "trust")
 _BROKER_SIDE = (*_FOUNDATIONS, "events", "services.common", "services.broker")
-_MODEL_SIDE = (*_BROKER_SIDE, "inference", "services.transport", "services.weights_store")
+_MODEL_SIDE = (*_BROKER_SIDE, "formats", "inference", "services.transport", "services.weights_store")
 
 # What each package (or top-level module) may import of the project besides itself: the architecture, bottom up.
 # The dev tooling (services.devtools) may use everything; only the CLI entry may import it, lazily.
 ALLOWED_IMPORTS: dict[str, tuple[str, ...]] = {
     "trust": (),
     "protocol": (),
-    "inference": (),
+    "formats": (),
+    "inference": ("formats",),
     "events": _FOUNDATIONS,
     "readmodels": (*_FOUNDATIONS, "events"),
     "services": (),
@@ -49,15 +50,16 @@ ALLOWED_IMPORTS: dict[str, tuple[str, ...]] = {
     "services.broker": _BROKER_SIDE,
     "services.client": _BROKER_SIDE,
     "services.transport": _BROKER_SIDE,
-    "services.weights_store": (*_BROKER_SIDE, "inference", "services.weights_objects"),
+    "services.weights_store": (*_BROKER_SIDE, "formats", "inference", "services.weights_objects"),
     "services.weights_objects": (*_BROKER_SIDE, "inference"),
-    "services.weights_publish": (*_BROKER_SIDE, "inference", "services.weights_store", "services.weights_objects"),
+    "services.weights_publish": (*_BROKER_SIDE, "formats", "inference", "services.weights_store",
+                                 "services.weights_objects"),
     "services.schema": _BROKER_SIDE,
     "services.cli_options": _BROKER_SIDE,
     "services.cli_errors": (),
     "services.shard": (*_MODEL_SIDE, "services.cli_options"),
     "services.orchestrator": (*_MODEL_SIDE, "readmodels"),
-    "services.projector": (*_BROKER_SIDE, "readmodels", "services.cli_options"),
+    "services.projector": (*_BROKER_SIDE, "readmodels", "services.cli_options", "services.cli_errors"),
     "services.replay": (*_BROKER_SIDE, "readmodels", "services.cli_options", "services.cli_errors"),
     "services.dashboards": (*_BROKER_SIDE, "readmodels", "services.cli_options"),
     "services.gateway": (*_BROKER_SIDE, "services.client", "services.cli_options"),
@@ -85,6 +87,7 @@ ALLOWED_IMPORTS: dict[str, tuple[str, ...]] = {
 THIRD_PARTY_BANS: dict[str, tuple[str, ...]] = {
     "trust": ("torch", "nats"),
     "protocol": ("torch", "transformers", "nats"),
+    "formats": ("torch", "transformers", "nats"),
     "inference": ("nats",),
     "events": ("torch",),
     "readmodels": ("torch",),
@@ -94,8 +97,8 @@ THIRD_PARTY_BANS: dict[str, tuple[str, ...]] = {
 }
 
 # Modules whose whole import must leave torch and transformers unloaded (they start fast, run where no model is).
-LIGHT_PACKAGES = ("events", "protocol", "readmodels", "services.broker", "services.client", "services.common",
-                  "services.projector", "services.replay", "trust")
+LIGHT_PACKAGES = ("events", "formats", "protocol", "readmodels", "services.broker", "services.client",
+                  "services.common", "services.projector", "services.replay", "trust")
 LIGHT_MODULES = ("services.cli",)
 
 

@@ -13,7 +13,7 @@ import torch
 from gguf import GGMLQuantizationType
 
 from hearth.inference import CheckpointError, load_layer_range, resolve_model_path, weights_sha256
-from hearth.inference.gguf_layout import is_gguf_file
+from hearth.formats.gguf_support import is_gguf_file
 from hearth.inference.gguf_parts import publishable_gguf
 from hearth.inference.ollama_models import OLLAMA_MODELS_ENV, ollama_manifest_parts
 from hearth.inference.quantization import parse_quantization

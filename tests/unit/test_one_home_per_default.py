@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = tuple(f"hearth/{name}" for name in ("inference", "events", "protocol", "readmodels", "services", "trust"))
+PACKAGES = tuple(f"hearth/{name}"
+                 for name in ("formats", "inference", "events", "protocol", "readmodels", "services", "trust"))
 
 # Names shared by unrelated things; each with why its defaults are not one concept.
 GENERIC_NAMES = {
@@ -57,7 +58,6 @@ MIRRORS = (
     (("hearth/inference/sampling.py", "DEFAULT_MAX_TOKENS"), ("hearth/protocol/chat.py", "default_max_tokens")),
     (("hearth/inference/sampling.py", "top_p"), ("hearth/protocol/chat.py", "top_p")),
     (("hearth/inference/sampling.py", "repetition_penalty"), ("hearth/protocol/chat.py", "repetition_penalty")),
-    (("hearth/inference/gguf_layout.py", "GGUF_SUFFIX"), ("hearth/services/devtools/demo_model.py", "GGUF_SUFFIX")),
     (("hearth/inference/ollama_models.py", "OLLAMA_MODEL_PREFIX"),
      ("hearth/services/devtools/demo_model.py", "OLLAMA_MODEL_PREFIX")),
     (("hearth/inference/gguf_cache.py", "GGUF_CACHE_DIR_NAME"),

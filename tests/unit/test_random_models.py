@@ -45,3 +45,35 @@ def test_the_big_shape_path_writes_bf16_llama_init_that_the_loader_reads(tmp_pat
     assert torch.equal(loaded[name], weights[name])
     output = runner.forward("s", torch.randn(1, 3, config.hidden_size, dtype=torch.bfloat16), 0, "prefill")
     assert torch.isfinite(output.float()).all()
+
+
+def test_staging_folders_of_writes_killed_on_this_host_are_removed_and_no_live_ones(tmp_path):
+    """A write SIGKILLed (or cut by a power loss) leaves its staging folder; the next use of the cache removes those
+    whose process is gone, never one of a process alive here, of another host (its process ids mean nothing here)
+    or another name."""
+    import json
+    import subprocess
+
+    from hearth.services.devtools import random_models
+    from hearth.services.devtools.random_models import RANDOM_MARKER_FILE, RANDOM_TOKENIZER_VERSION
+
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    alive = subprocess.Popen(["sleep", "60"])
+    try:
+        models = tmp_path / "random-models"
+        (models / "tiny").mkdir(parents=True)
+        (models / "tiny" / RANDOM_MARKER_FILE).write_text(json.dumps({"tokenizer": RANDOM_TOKENIZER_VERSION}))
+        host = random_models.staging_host()
+        gone = [f"tiny.writing-{ended.pid}", f"tiny.writing-{host}-{ended.pid}", f"tiny.tokenizer-{host}-{ended.pid}",
+                f"llama-250m.writing-{host}-{ended.pid}"]
+        kept = [f"tiny.writing-{host}-{alive.pid}", f"tiny.writing-{alive.pid}", f"tiny.writing-elsewhere-{ended.pid}",
+                "tiny.notes", "tiny.writing-notes"]
+        for name in gone + kept:
+            (models / name).mkdir()
+            (models / name / "model.safetensors").write_bytes(b"half")
+        assert random_checkpoint("random:tiny", cache_dir=tmp_path) == models / "tiny"
+        assert sorted(path.name for path in models.iterdir()) == sorted(["tiny", *kept])
+    finally:
+        alive.kill()
+        alive.wait()

@@ -32,6 +32,9 @@ from hearth.services.broker.connection import BrokerUnreachable, close_quietly, 
 
 EXIT_ERROR = 1
 EXIT_NO_ANSWER = 2
+# A request refused as not valid (bad_request), here or by the mesh: the caller's input, as a usage error is (as
+# services.cli_options.EXIT_BAD_INPUT, which this package may not import).
+EXIT_BAD_REQUEST = 2
 # What a request asks for when it does not say: one choice.
 requested_choices = ChatRequest.model_fields["n"].default
 
@@ -45,9 +48,9 @@ def run_chat_command(nats_url: str, *, prompt: str, model: str | None, max_token
 
     A `done` frame whose `verification` is `unmet` ends its summary line on stderr with `, verification unmet`.
 
-    Exit code 0 on `done`; 1 on an error frame, an answer past its bound (AnswerBound) or a request that is not
-    valid; 2 when no answer came in time (NATS not reachable within nats.connect_timeout_s, or no orchestrator
-    answering).
+    Exit code 0 on `done`; 2 on a request refused as not valid (here, or a `bad_request` frame from the mesh: the
+    caller's input); 1 on any other error frame or an answer past its bound (AnswerBound); 2 when no answer came in
+    time (NATS not reachable within nats.connect_timeout_s, or no orchestrator answering).
 
     Text already printed cannot be taken back: when a tokens_withdrawn frame comes, the line ends, a
     `[tokens_withdrawn ...]` line goes to stderr, and the answer's kept text is printed again on stdout, where
@@ -61,10 +64,10 @@ def run_chat_command(nats_url: str, *, prompt: str, model: str | None, max_token
         params = ChatParams(quantization=quantization)
     except ValidationError as error:
         _say(f"error bad_request: --quantization {error.errors(include_url=False)[0]['msg']}")
-        return EXIT_ERROR
+        return EXIT_BAD_REQUEST
     if interactive and (raw or as_json or choices != requested_choices):
         _say("error bad_request: --interactive goes on with a conversation of messages: not with --raw, --json or --n")
-        return EXIT_ERROR
+        return EXIT_BAD_REQUEST
     try:
         request = ChatRequest(model=model, max_tokens=max_tokens, temperature=temperature, seed=seed, n=choices,
                               params=params,
@@ -72,7 +75,7 @@ def run_chat_command(nats_url: str, *, prompt: str, model: str | None, max_token
                                  {"messages": [ChatMessage(role="user", content=prompt)]}))
     except ValidationError as error:
         _say(f"error bad_request: {describe_validation_error(error)}")
-        return EXIT_ERROR
+        return EXIT_BAD_REQUEST
     if interactive:
         return run_event_loop(_conversation(nats_url, request, nats_settings=nats_settings, waits=waits))
     return run_event_loop(_chat(nats_url, request, as_json=as_json, nats_settings=nats_settings, waits=waits))
@@ -133,7 +136,7 @@ async def _conversation(nats_url: str, request: ChatRequest, *, nats_settings: N
                 messages.append(ChatMessage(role="user", content=line.rstrip("\n")))
             except ValidationError as error:  # a line no message may carry (too long; bytes that are not UTF-8)
                 _say(f"error bad_request: {describe_validation_error(error)}")
-                return EXIT_ERROR
+                return EXIT_BAD_REQUEST
     finally:
         await close_quietly(nc, (nats_settings or NatsSettings()).close_timeout_s)
 
@@ -210,7 +213,9 @@ class ChatPrinter:
             self._end_line()
             _say(f"error {frame.code}: {message}")
             # No orchestrator answered, or it went silent: no answer in time, as for a broker away.
-            return EXIT_NO_ANSWER if frame.code == "orchestrator_gone" else EXIT_ERROR
+            if frame.code == "orchestrator_gone":
+                return EXIT_NO_ANSWER
+            return EXIT_BAD_REQUEST if frame.code == "bad_request" else EXIT_ERROR
         elif frame.type in ("shard_status", "shard_failover"):
             self._end_line()
             _say(f"[{frame.type}: {frame.model_dump_json(exclude={'seq', 'type'})}]")

@@ -1,5 +1,6 @@
-"""Child processes that end with the process that started them: a `hearth demo` (or a test) killed with SIGKILL
-leaves no nats-server or hearth process of its own running on (Linux's parent-death signal)."""
+"""Processes of this host: child processes that end with the process that started them (a `hearth demo`, or a test,
+killed with SIGKILL leaves no nats-server or hearth process of its own running on: Linux's parent-death signal), and
+whether a process id still names a live process."""
 
 from __future__ import annotations
 
@@ -42,3 +43,16 @@ def ends_with_this_process(then: Callable[[], None] | None = None) -> Callable[[
             then()
 
     return preexec
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process `pid` (above 0) lives on this host; another user's counts (signal 0 is refused it, not
+    unknown). An id reused by a newer process reads as alive: a caller may only leave something behind, never take
+    a live process's."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -8,9 +8,11 @@ layers are split evenly (services.devtools.local_cluster.even_layer_ranges): sha
 Output: progress lines while starting go to stderr; the hop chain, the streamed answer (with an inline
 mark wherever the chain of shard hosts changes, e.g. after a failover), and a summary go to stdout.
 Exit code 0 after a complete answer and after a requested stop (Ctrl-C, SIGTERM, a closed terminal) at
-any point, 1 when something failed to start or the answer ended in an error. A stop ends every process
-the demo started, each within services.common.lifecycle.stop_deadline_s (a shard that a call still goes through,
-once the stopping orchestrator has closed its hops, or the shard dropped them as orphans: shard.main.drain_for_stop).
+any point, 2 when the model or --shards is refused before anything starts (a model it cannot find, a GGUF no shard
+could serve, more shards than layers), 1 when something failed to start or the answer ended in an error. A stop
+ends every process the demo started, each within services.common.lifecycle.stop_deadline_s (a shard that a call
+still goes through, once the stopping orchestrator has closed its hops, or the shard dropped them as orphans:
+shard.main.drain_for_stop).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from pathlib import Path
 
 from hearth.protocol.subjects import parse_shard_id
 from hearth.services.broker.server import NatsServerError
+from hearth.services.cli_options import EXIT_BAD_INPUT
 from hearth.services.common.lifecycle import STOP_EXIT_CODE, Interrupted, run_cancelling_on_signal
 from hearth.services.common.logging import default_log_level
 from hearth.services.common.sqlite_read_only import open_read_only
@@ -132,9 +135,12 @@ class DemoRun:
             if self.serve:
                 self._serve_until_stopped(cluster, demo_model)
             return 0 if answered else 1
-        except (DemoError, UnknownRandomShape) as error:
+        except DemoError as error:  # refused before anything started
             _say(f"hearth demo: {error}")
-            return 1
+            return error.exit_code
+        except UnknownRandomShape as error:
+            _say(f"hearth demo: {error}")
+            return EXIT_BAD_INPUT
         except (ClusterError, NatsServerError, LauncherError) as error:  # a part of the mesh did not start
             _say(f"hearth demo: {error}")
             return 1

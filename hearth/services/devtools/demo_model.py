@@ -4,9 +4,11 @@ With no --model the demo runs SmolLM2-135M-Instruct, the GGUF that the `llm-smol
 package is installed, else the bundled toy model (models/hearth-tiny-llama). The supervising demo process stays
 free of torch (importing inference would add seconds before anything starts), so a checkpoint is described here
 from its files alone: config.json for a folder, the GGUF's own metadata (the gguf package's reader, its result
-cached per file version in hearth's GGUF cache, beside what shards and heads keep of the same file) for a GGUF.
-Only a GGUF that reader fails on is passed to hearth's own header check (hearth/inference/gguf_header.py, which
-brings torch), so a truncated file is refused in the same line every other command gives.
+cached per file version in hearth's GGUF cache, beside what shards and heads keep of the same file) for a GGUF,
+whose architecture and block types are checked there against what shards serve (hearth/formats/gguf_support.py):
+a GGUF no shard could serve is refused before anything starts. Only a GGUF that reader fails on is passed to
+hearth's own header check (hearth/inference/gguf_header.py, which brings torch), so a truncated file is refused in
+the same line every other command gives.
 """
 
 from __future__ import annotations
@@ -19,14 +21,20 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
+from hearth.formats.gguf_support import (
+    GGUF_MAGIC,
+    GGUF_SUFFIX,
+    is_gguf_file,
+    is_text_model_tensor,
+    unsupported_architecture,
+    unsupported_block_type,
+)
+from hearth.services.cli_options import EXIT_BAD_INPUT, EXIT_REFUSED
 from hearth.services.common.hearth_files import bundled_model_or, data_dir, installed_from_wheel
 from hearth.services.devtools.random_models import cache_root, random_checkpoint
 
 BUNDLED_MODELS_DIR = data_dir("models")
 BUNDLED_MODEL_NAME = "hearth-tiny-llama"
-GGUF_SUFFIX = ".gguf"
-# How a GGUF file begins: Ollama keeps its models' GGUFs as blobs named by their digest, without the suffix.
-GGUF_MAGIC = b"GGUF"
 # A model Ollama pulled onto this machine (hearth/inference/ollama_models.py, not imported here until one is named).
 OLLAMA_MODEL_PREFIX = "ollama:"
 # The real demo model: the distribution that ships it and its file. Installed without its own dependencies (the
@@ -53,7 +61,16 @@ FACTUAL_QUESTION = "What is the capital of France?"
 
 
 class DemoError(RuntimeError):
-    """The demo cannot run as asked (missing model, bad shard count); the message says what to do."""
+    """The demo cannot run as asked (a model it cannot find or serve, a bad shard count); the message says what to
+    do. `exit_code`: 2, the caller's input, unless a subclass says otherwise."""
+
+    exit_code = EXIT_BAD_INPUT
+
+
+class BundledModelMissing(DemoError):
+    """The toy model a checkout bundles is not there (not the caller's input: exit code 1)."""
+
+    exit_code = EXIT_REFUSED
 
 
 @dataclass(frozen=True)
@@ -135,7 +152,7 @@ def resolve_demo_model(spec: str | None, *, prefer_real: bool = False) -> DemoMo
         real = real_demo_model_path() if prefer_real else None
         path = real or bundled_model_path()
         if real is None and not (path / "config.json").is_file():
-            raise DemoError(f"the bundled model {path} is missing: train it with "
+            raise BundledModelMissing(f"the bundled model {path} is missing: train it with "
                             "`.venv/bin/python scripts/train_tiny_model.py` or pass --model PATH")
     elif spec.startswith("random:"):
         path = random_checkpoint(spec)
@@ -166,19 +183,6 @@ def _checkpoint_in(path: Path) -> Path:
         raise DemoError(f"{path} holds several GGUF files ({', '.join(p.name for p in found)}); "
                         "pass the one to serve as --model")
     return found[0] if found else path
-
-
-def is_gguf_file(path: Path) -> bool:
-    """Whether `path` is a GGUF file, as hearth/inference/gguf_layout.py tells one (its name or its magic)."""
-    if not path.is_file():
-        return False
-    if path.suffix.lower() == GGUF_SUFFIX:
-        return True
-    try:
-        with path.open("rb") as handle:
-            return handle.read(len(GGUF_MAGIC)) == GGUF_MAGIC
-    except OSError:
-        return False
 
 
 def _ollama_blob(spec: str) -> tuple[Path, str]:
@@ -223,11 +227,14 @@ def _has_chat_template(path: Path) -> bool:
 
 
 def _describe_gguf(path: Path) -> dict:
-    """num_layers and has_chat_template of a GGUF, from its GGUF cache entry when the file is unchanged."""
+    """num_layers and has_chat_template of a GGUF, from its GGUF cache entry when the file is unchanged (and its
+    architecture still one hearth serves)."""
     cache_file = gguf_cache_entry_folder(path) / GGUF_DESCRIPTION_CACHE_FILE
     try:
         cached = json.loads(cache_file.read_text())
-        return {"num_layers": int(cached["num_layers"]), "has_chat_template": bool(cached["has_chat_template"])}
+        # Only a file that passed the checks is kept; one kept before they ran states no architecture: read again.
+        if unsupported_architecture(cached["architecture"], path.name) is None:
+            return {"num_layers": int(cached["num_layers"]), "has_chat_template": bool(cached["has_chat_template"])}
     except (OSError, ValueError, KeyError, TypeError):
         pass
     description = _read_gguf_description(path)
@@ -238,7 +245,7 @@ def _describe_gguf(path: Path) -> dict:
         partial.replace(cache_file)  # atomic: a process reading the same entry never sees a torn file
     except OSError:
         pass  # a read-only cache only costs the next run the same parse
-    return description
+    return {key: description[key] for key in ("num_layers", "has_chat_template")}
 
 
 def gguf_cache_entry_folder(path: Path) -> Path:
@@ -252,9 +259,9 @@ def gguf_cache_entry_folder(path: Path) -> Path:
 
 
 def _read_gguf_description(path: Path) -> dict:
-    """num_layers (`<architecture>.block_count`) and whether a chat template is stored, from the GGUF's metadata;
-    whether hearth serves its architecture and block types is the shard's check
-    (hearth/inference/gguf_header.py, hearth/inference/gguf_tensor_table.py)."""
+    """The architecture, num_layers (`<architecture>.block_count`) and whether a chat template is stored, from the
+    GGUF's metadata; DemoError (one line) for a file no shard could serve: an architecture or a text tensor's block
+    type hearth does not read, refused in the words a shard would use (hearth/formats/gguf_support.py)."""
     import gguf
 
     # Told apart first, in plain words: the gguf package's own errors for these ("cannot mmap an empty
@@ -271,12 +278,19 @@ def _read_gguf_description(path: Path) -> dict:
     try:
         reader = gguf.GGUFReader(path)
         architecture = reader.fields[GGUF_ARCHITECTURE_KEY].contents()
+        # Before its layer count: a model of another architecture has no layers to split.
+        refusal = unsupported_architecture(architecture, path.name) or unsupported_block_type(
+            ((tensor.name, tensor.tensor_type.name) for tensor in reader.tensors if is_text_model_tensor(tensor.name)),
+            path.name)
+        if refusal is not None:
+            raise DemoError(refusal)
         layers = reader.fields[f"{architecture}.block_count"].contents()
     except (ValueError, IndexError, KeyError, OSError, TypeError) as error:
         raise DemoError(_why_unreadable(path, error)) from None
     if not isinstance(layers, int) or layers < 1:
         raise DemoError(f"{path.name} has no layer count ({architecture}.block_count)")
-    return {"num_layers": layers, "has_chat_template": bool(reader.fields.get(GGUF_CHAT_TEMPLATE_KEY))}
+    return {"architecture": architecture, "num_layers": layers,
+            "has_chat_template": bool(reader.fields.get(GGUF_CHAT_TEMPLATE_KEY))}
 
 
 def _why_unreadable(path: Path, error: Exception) -> str:

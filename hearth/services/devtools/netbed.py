@@ -31,6 +31,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from hearth.services.common.child_processes import process_alive
 from hearth.services.devtools.netbed_relay import Link, RelayProcess
 
 # The benchmarking range (RFC 2544): never routed on the internet, and here only inside the bed's namespaces.
@@ -89,16 +90,6 @@ def _run(*args: str) -> None:
         raise NetBedError(f"`{' '.join(args)}` failed: {result.stderr.strip()}")
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def sweep_stale() -> list[str]:
     """Delete the namespaces of beds whose creating process is gone (a run killed before it cleaned up)."""
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
@@ -106,7 +97,7 @@ def sweep_stale() -> list[str]:
     for line in listed.stdout.splitlines():
         name = line.split()[0] if line.split() else ""
         match = re.fullmatch(rf"{NAME_PREFIX}(\d+)x\d+-\w+", name)
-        if match and not _pid_alive(int(match.group(1))):
+        if match and not process_alive(int(match.group(1))):
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
             removed.append(name)
     return removed

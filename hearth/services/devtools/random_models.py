@@ -9,15 +9,23 @@ The highest ids are not words: the printable ASCII characters, space and newline
 with them, docs/gateway.md "Structured output") and the two control tokens of a minimal ChatML chat template with a
 tools section (RANDOM_CHAT_TEMPLATE), so chat features are testable without a trained model. A word is decoded
 with a space before it, a character without; an unknown word encodes as ``t0``.
+
+A checkpoint is written into a staging folder beside its own (``<shape>.writing-<host>-<pid>``, a new tokenizer into
+``<shape>.tokenizer-<host>-<pid>``) and moved in whole; a stop or an error removes the staging folder, and one left
+by a writer that could not (SIGKILL, a power cut) is removed by the next use of the cache on the same host.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import socket
 import sys
 from pathlib import Path
+
+from hearth.services.common.child_processes import process_alive
 
 RANDOM_SHAPES: dict[str, dict[str, int]] = {
     # ~271M parameters (205M in the layers); the shape of scripts/bench_inference_memory.py.
@@ -59,6 +67,11 @@ RANDOM_CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
+# A staging folder's name: what it is staging, its kind, the writer's host and process id; a name without the host is
+# an older hearth's, written on this host (they were named so before the host was added).
+STAGING_NAME = re.compile(r"(?P<shape>.+)\.(?:writing|tokenizer)-(?:(?P<host>.+)-)?(?P<pid>[0-9]+)")
+
+
 class UnknownRandomShape(ValueError):
     """`random:<shape>` names no shape of RANDOM_SHAPES."""
 
@@ -75,13 +88,14 @@ def random_checkpoint(spec: str, cache_dir: Path | None = None) -> Path:
     if shape not in RANDOM_SHAPES:
         raise UnknownRandomShape(f"unknown random shape {shape!r}; known: {', '.join(sorted(RANDOM_SHAPES))}")
     folder = cache_root(cache_dir) / "random-models" / shape
+    remove_abandoned_staging(folder.parent)
     dims = RANDOM_SHAPES[shape]
     marker = folder / RANDOM_MARKER_FILE
     if marker.is_file():
         written = json.loads(marker.read_text())
         if written.get("tokenizer") != RANDOM_TOKENIZER_VERSION:
             # Written beside the folder and moved in file by file: a reader sees whole files, old or new.
-            staging = folder.with_name(folder.name + f".tokenizer-{os.getpid()}")
+            staging = _staging_folder(folder, "tokenizer")
             shutil.rmtree(staging, ignore_errors=True)
             write_random_tokenizer(staging, dims["vocab_size"])
             for written_file in staging.iterdir():
@@ -94,7 +108,7 @@ def random_checkpoint(spec: str, cache_dir: Path | None = None) -> Path:
 
     config = LlamaConfig(**dims, max_position_embeddings=random_max_positions, bos_token_id=None,
                          eos_token_id=None, pad_token_id=None, tie_word_embeddings=False)
-    staging = folder.with_name(folder.name + f".writing-{os.getpid()}")
+    staging = _staging_folder(folder, "writing")
     shutil.rmtree(staging, ignore_errors=True)
     print(f"writing random checkpoint {spec} to {folder} (once) ...", file=sys.stderr, flush=True)
     try:
@@ -113,6 +127,35 @@ def random_checkpoint(spec: str, cache_dir: Path | None = None) -> Path:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return folder
+
+
+def staging_host() -> str:
+    """This host's name as staging folders carry it (characters a folder name takes, no separator)."""
+    return re.sub(r"[^\w.-]", "_", socket.gethostname()) or "localhost"
+
+
+def _staging_folder(folder: Path, kind: str) -> Path:
+    return folder.with_name(f"{folder.name}.{kind}-{staging_host()}-{os.getpid()}")
+
+
+def remove_abandoned_staging(models: Path) -> list[Path]:
+    """Remove the staging folders in `models` whose writer, a process of this host, has ended (SIGKILL, a power cut);
+    the removed. One of a live process (or of a reused id) and one of another host sharing the cache are left."""
+    removed = []
+    try:
+        entries = list(models.iterdir())
+    except OSError:  # no cache yet (or none readable): nothing to remove
+        return removed
+    host = staging_host()
+    for entry in entries:
+        found = STAGING_NAME.fullmatch(entry.name)
+        if found is None or found["host"] not in (None, host) or entry.is_symlink() or not entry.is_dir():
+            continue
+        pid = int(found["pid"])
+        if pid > 0 and pid != os.getpid() and not process_alive(pid):
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
+    return removed
 
 
 def write_random_tokenizer(folder: Path, vocab_size: int) -> None:

@@ -20,7 +20,7 @@ from hearth.inference import read_config_dict, resolve_model_path, weights_sha25
 from hearth.inference.checkpoint import looks_like_local_path, default_model_id
 from hearth.inference.errors import CheckpointError
 from hearth.inference.gguf_checkpoint import default_read_device
-from hearth.inference.gguf_layout import is_gguf_file
+from hearth.formats.gguf_support import is_gguf_file
 from hearth.inference.gguf_tensor_table import check_layer_block_types
 from hearth.inference.hub_cache import complete_hub_snapshot, hub_cache_gguf
 from hearth.inference.hub_fetch import hub_layout

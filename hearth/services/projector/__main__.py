@@ -7,13 +7,15 @@ from typing import Optional
 
 import typer
 
+from hearth.services.cli_errors import OneLineErrorsCommand
 from hearth.services.cli_options import checked_nats_url_option, long_running
 from hearth.services.projector.main import main
 
-app = typer.Typer(add_completion=False)
+# As hearth's and hearth-replay's: errors shown by their own show() (one line), not in rich's box; no traceback.
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None)
 
 
-@app.command()
+@app.command(cls=OneLineErrorsCommand)  # its usage errors in one line, as every hearth command's
 @long_running("projector")
 def projector(
     db: Path = typer.Option(..., help="SQLite read-model database (created and migrated if missing)"),
