@@ -22,6 +22,7 @@ from tests.e2e.failover_support import (  # noqa: F401 (nc is a fixture)
     PRIMARY_WEIGHT,
     REPLICA_WEIGHT,
     STEP_TIMEOUT_S,
+    StreamedCall,
     chat_request,
     leaving_client_request,
     failover_mesh,
@@ -165,9 +166,17 @@ async def test_a_failure_after_the_allowed_failovers_falls_back_to_the_local_mod
         await asyncio.to_thread(mesh.cluster.wait_ready, handle.process)
         await mesh.wait_advertised(handle)
     first, second = fresh[0], mesh.shards["r0"]
-    call = await stream_with_action(
-        nc, chat_request(fallback_to_local=True), lambda: first.process.signal(signal.SIGKILL),
-        more_actions={2 * ACT_AFTER_TOKENS: lambda: second.process.signal(signal.SIGKILL)})
+    # The second kill waits for the failover onto `second`: timed by a token count instead, it could land before
+    # a loaded orchestrator even noticed the first, leaving no replica to fail over to at all.
+    call, tokens = StreamedCall(), 0
+    async for frame in stream_chat(nc, chat_request(fallback_to_local=True), first_frame_timeout=60.0,
+                                   frame_gap_timeout=30.0):
+        call.frames.append(frame)
+        tokens += frame.type == "token_delta"
+        if frame.type == "token_delta" and tokens == ACT_AFTER_TOKENS:
+            first.process.signal(signal.SIGKILL)
+        elif frame.type == "shard_failover" and second.shard_id in frame.replacement_hops:
+            second.process.signal(signal.SIGKILL)
 
     assert first.shard_id in call.first_hops
     assert call.final.type == "done", call.final
