@@ -1,11 +1,14 @@
 """Routing a call that asks checks (its `verify` level: other replicas mirror each hop) over a chain they can be made
 on: a whole-model replica beside two half-model shards on other nodes is the cheapest chain alone, but nobody could
-check it; each half of the model can be checked on the other side (docs/design.md §5, router.py rule 2)."""
+check it; each half of the model can be checked on the other side (docs/design.md §5, router.py rule 2). A
+conversation's kept prefix (affinity.py) does not move a call onto a chain less checkable than that."""
 
 from __future__ import annotations
 
 import pytest
 
+from hearth.readmodels.queries import KeptChain
+from hearth.services.orchestrator.affinity import prefer_kept
 from hearth.services.orchestrator.check_policy import MIRRORS_PER_LEVEL
 from hearth.services.orchestrator.predict import MirrorShortfall
 from hearth.services.orchestrator.router import Hop
@@ -78,3 +81,36 @@ def test_a_shard_holds_at_most_one_hop_of_a_chain(mesh):
     mesh.add(2, 3, "middle", decode_step_ms=2.0)
     for verify in ("none", "sampled"):
         assert named(plan(mesh, verify)) == [("whole", 0, 7)], verify
+
+
+def with_affinity(mesh: Mesh, verify: str, kept: list[tuple[str, int, int]]) -> list[Hop]:
+    """The chain a call opens when `kept` (node, layers) holds its long prompt's leading blocks: the planned chain or,
+    when the prefill it saves outweighs its cost, the kept one (affinity.py)."""
+    router = mesh.router()
+    candidates = router.candidates(MODEL_ID)
+    by_node = {c.node_id: c.shard_id for c in candidates}
+    holding = KeptChain(hops=tuple((by_node[node], lo, hi) for node, lo, hi in kept), blocks=32)
+    planned = plan(mesh, verify)
+    chosen, _ = prefer_kept(planned, holding, {c.shard_id: c for c in candidates}, load=None, block_tokens=32,
+                            prompt_positions=1025, max_tokens=40, prefill_token_cost=0.25,
+                            mirrors_per_hop=MIRRORS_PER_LEVEL[verify])
+    return chosen
+
+
+def test_a_conversation_s_kept_chain_is_not_taken_where_it_could_not_be_checked(mesh):
+    # An earlier turn (at `none`) kept its prompt on the whole-model replica alone, which nobody can check.
+    mesh.add(0, 3, "front")
+    mesh.add(4, 7, "back")
+    mesh.add(0, 7, "whole")
+    # At `none` nothing asks checks: the saved prefill decides, as before (here for the two halves' chain).
+    assert named(with_affinity(mesh, "none", [("front", 0, 3), ("back", 4, 7)])) == [("front", 0, 3), ("back", 4, 7)]
+    # At `sampled` (the default) the kept chain would leave the call `unmet`: the checkable chain, re-prefilled.
+    for verify in ("sampled", "all"):
+        hops = with_affinity(mesh, verify, [("whole", 0, 7)])
+        assert hops == plan(mesh, verify) and shortfall(mesh, hops, verify) == 0, named(hops)
+    # Among chains as checkable as the planned one, the kept prefix still decides.
+    for kept in ([("front", 0, 3), ("whole", 4, 7)], [("whole", 0, 3), ("back", 4, 7)],
+                 [("front", 0, 3), ("back", 4, 7)]):
+        assert named(with_affinity(mesh, "sampled", kept)) == kept
+    # Where no chain has the replicas (`vote` asks two other nodes per hop), every chain lacks them alike: the kept one.
+    assert named(with_affinity(mesh, "vote", [("front", 0, 3), ("back", 4, 7)])) == [("front", 0, 3), ("back", 4, 7)]

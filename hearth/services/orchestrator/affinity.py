@@ -9,7 +9,10 @@ is taken to cost `[prefix_cache] prefill_token_cost` of that (prefill runs many 
 
     call_ms(chain) = time_per_token(chain) * (prefill_token_cost * positions to prefill + max_tokens)
 
-and the kept chain wins when its call_ms, prefilling only past the blocks it holds, is the smaller.
+and the kept chain wins when its call_ms, prefilling only past the blocks it holds, is the smaller. Checks come first,
+as in routing (router.py rule 2): a kept chain whose hops lack more of the replicas the call's `verify` level asks
+(`MirrorShortfall`) than the planned chain's is no option, since the prefill it saves would cost the call its checks
+(`verification: unmet`); the call re-prefills on the planned chain instead.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from collections.abc import Iterable
 
 from hearth.readmodels.queries import KeptChain, ShardCandidate
 from hearth.services.orchestrator.capacity import ShardLoad
-from hearth.services.orchestrator.predict import HopCosts
+from hearth.services.orchestrator.predict import HopCosts, MirrorShortfall
 from hearth.services.orchestrator.router import Hop
 
 
@@ -44,10 +47,26 @@ def kept_hops(kept: KeptChain, usable: dict[str, ShardCandidate], quantization: 
     return hops
 
 
+def lacks_more_checks(candidate: list[Hop], planned: list[Hop], usable: dict[str, ShardCandidate],
+                      mirrors_per_hop: int) -> bool:
+    """Whether `candidate`'s hops lack more of the replicas that would check them than `planned`'s, counted over the
+    usable shards of the chains' scheme as routing counts them (router.py `plan`)."""
+    if mirrors_per_hop <= 0:
+        return False
+    scheme = planned[0].quantization
+    lacking = MirrorShortfall([c for c in usable.values() if c.quantization == scheme], mirrors_per_hop)
+
+    def shortfall(hops: list[Hop]) -> int:
+        return sum(lacking(usable[hop.shard_id], hop.layer_lo_to_run, hop.layer_hi_to_run) for hop in hops)
+
+    return shortfall(candidate) > shortfall(planned)
+
+
 def prefer_kept(planned: list[Hop], kept: KeptChain | None, usable: dict[str, ShardCandidate], *,
                 load: ShardLoad | None, block_tokens: int, prompt_positions: int, max_tokens: int,
-                prefill_token_cost: float) -> tuple[list[Hop], int]:
-    """The chain to open (`planned`, the cheapest, or the kept one) and the blocks it is expected to hold."""
+                prefill_token_cost: float, mirrors_per_hop: int = 0) -> tuple[list[Hop], int]:
+    """The chain to open (`planned`, the cheapest of the most checkable, or the kept one when it is as checkable) and
+    the blocks it is expected to hold; `mirrors_per_hop`: the replicas the call's `verify` level has check each hop."""
     if kept is None or not planned:
         return planned, 0
     candidate = kept_hops(kept, usable, planned[0].quantization)
@@ -55,6 +74,8 @@ def prefer_kept(planned: list[Hop], kept: KeptChain | None, usable: dict[str, Sh
         return planned, 0
     if hop_ranges(planned) == tuple(kept.hops):
         return planned, kept.blocks
+    if lacks_more_checks(candidate, planned, usable, mirrors_per_hop):
+        return planned, 0
     total_layers = max(hop.layer_hi_to_run for hop in planned) + 1
     costs = HopCosts(list(usable.values()), total_layers, load)
     reused = min(kept.blocks * block_tokens, max(prompt_positions - 1, 0))

@@ -282,7 +282,8 @@ class ChainBuilder:
         chosen, _ = prefer_kept(hops, kept, usable, load=load,
                                 block_tokens=reusable.block_tokens, prompt_positions=len(self.call.known_ids),
                                 max_tokens=self.call.request.max_tokens,
-                                prefill_token_cost=self.ctx.settings.prefix_cache.prefill_token_cost)
+                                prefill_token_cost=self.ctx.settings.prefix_cache.prefill_token_cost,
+                                mirrors_per_hop=MIRRORS_PER_LEVEL[self.call.request.params.verify])
         return chosen
 
     async def _recorded_kept(self, reusable_by_scheme: dict[str, PrefixBlocks]) -> dict[str, KeptChain]:

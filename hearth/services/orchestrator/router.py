@@ -19,7 +19,8 @@ Rules, in order:
    heartbeat, the round trip this orchestrator measured to it, and its queue, which also spreads load
    over replicas); a hop may run part of its shard's range; for a call whose `verify` level asks other replicas
    to check each hop, first the chain whose hops lack the fewest such replicas (predict.py `MirrorShortfall`), so
-   a whole-model replica beside partial shards is not routed alone, where nobody could check it;
+   a whole-model replica beside partial shards is not routed alone, where nobody could check it (nor moved onto
+   it by a conversation's kept prefix: affinity.py);
 3. a shard on the orchestrator's own node is not hop 0 unless `allow_self_as_shard`;
 4. a layer no candidate can run is `shard_unavailable`, or `weights_mismatch` when a shard with other
    weights would otherwise have been usable; the message names the uncovered layers (and the scheme), and the
