@@ -225,5 +225,6 @@ async def _finished_even_if_cancelled(work: Awaitable[int]) -> int:
         return await asyncio.shield(running)
     except asyncio.CancelledError:
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(running, timeout=prune_finish_timeout_s)
+            async with asyncio.timeout(prune_finish_timeout_s):
+                await running
         raise

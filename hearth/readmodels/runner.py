@@ -300,7 +300,8 @@ class Projector:
         except asyncio.CancelledError:
             # Let an in-flight transaction finish so the in-memory positions match the database.
             with contextlib.suppress(Exception):
-                newly_applied = await asyncio.wait_for(work, timeout=stop_timeout_s)
+                async with asyncio.timeout(stop_timeout_s):
+                    newly_applied = await work
                 await self._record(batch, newly_applied)
             raise
         await self._record(batch, newly_applied)

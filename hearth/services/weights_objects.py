@@ -25,6 +25,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Protocol
 
+from hearth.events.cancellation import keeping_cancellation
 from hearth.services.broker.permissions import WEIGHTS_BUCKET, WEIGHTS_STREAM
 
 log = logging.getLogger(__name__)
@@ -111,7 +112,8 @@ async def _read_chunks(js, key: str, info, what: str, write: Callable[[bytes], A
     try:
         while True:
             try:  # the caller bounds the whole read; this, a stall (nothing left to come, or a broker gone quiet)
-                message = await sub.next_msg(timeout=OBJECT_CHUNK_IDLE_S)
+                # keeping_cancellation: next_msg's own wait_for could drop the caller's timeout (or a stop) on 3.11.
+                message = await keeping_cancellation(sub.next_msg(timeout=OBJECT_CHUNK_IDLE_S))
             except NatsTimeoutError:
                 if (await stored_meta(js, key)).chunks_nuid != info.nuid:
                     raise ObjectMissing(f"{what} was deleted while it was read") from None
@@ -137,9 +139,9 @@ async def read_small_object(js, key: str, what: str, max_bytes: int) -> bytes:
         bounded.write(data)
 
     try:
-        digest = await asyncio.wait_for(_read_chunks(js, key, info, what, write),
-                                        timeout=object_fetch_timeout_s(info.size))
-    except (asyncio.TimeoutError, TimeoutError):
+        async with asyncio.timeout(object_fetch_timeout_s(info.size)):
+            digest = await _read_chunks(js, key, info, what, write)
+    except TimeoutError:
         raise WeightsStoreError(f"{what} did not arrive within {object_fetch_timeout_s(info.size):.0f} s") from None
     data = buffer.getvalue()
     if len(data) != info.size or _info_digest(info) != digest.digest():
@@ -192,8 +194,8 @@ async def fetch_object(js, key: str, name: str, stored: StoredObject, objects_di
                 progress(len(data))
 
             info = await _checked_info(js, key, what, stored.size)
-            digest = await asyncio.wait_for(_read_chunks(js, key, info, what, write),
-                                            timeout=object_fetch_timeout_s(stored.size))
+            async with asyncio.timeout(object_fetch_timeout_s(stored.size)):
+                digest = await _read_chunks(js, key, info, what, write)
             if bounded.written != stored.size or digest.hexdigest() != stored.sha256:
                 raise WeightsStoreError(f"{what} does not match the SHA-256 in its manifest (republished or tampered "
                                         "with): nothing loaded")

@@ -15,6 +15,7 @@ from nats import errors as nats_errors
 from nats.aio.client import DEFAULT_FLUSH_TIMEOUT
 from nats.aio.client import Client as NatsClient
 
+from hearth.events.cancellation import keeping_cancellation
 from hearth.services.common.config import DEFAULT_NATS_URL, NATS_URL_ENV, NatsSettings, default_nats_url
 from hearth.services.common.identity import Identity, load_identity
 from hearth.services.common.lifecycle import CommandRefused
@@ -291,7 +292,8 @@ async def until_stopped_or_closed(nc: NatsClient, stop_event: asyncio.Event, nam
 async def close_quietly(nc: NatsClient, timeout_s: float = _nats_defaults.close_timeout_s) -> None:
     """Close a client without waiting long or raising (its broker may be gone, its first connect given up)."""
     with contextlib.suppress(Exception, asyncio.CancelledError):
-        await asyncio.wait_for(nc.close(), timeout=timeout_s)
+        async with asyncio.timeout(timeout_s):
+            await nc.close()
 
 
 @contextlib.asynccontextmanager
@@ -312,7 +314,10 @@ async def drain_or_close(nc: NatsClient, timeout_s: float) -> None:
     if nc.is_closed:
         return
     try:
-        await asyncio.wait_for(nc.drain(), timeout=timeout_s)
+        # In this task, not wait_for's (3.11: it drops a cancellation landing as the drain ends); nats-py's drain
+        # swallows a CancelledError, so keeping_cancellation tells the timeout's and a stop's apart from it.
+        async with asyncio.timeout(timeout_s):
+            await keeping_cancellation(nc.drain())
     except Exception as error:
         log.debug("draining the NATS connection failed (%s); closing it", error)
         await close_quietly(nc)

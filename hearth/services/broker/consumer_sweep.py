@@ -15,7 +15,6 @@ JSON, not through a client's models: a member chooses what its consumer's settin
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import threading
@@ -36,6 +35,7 @@ from hearth.services.broker.permissions import (
     role_permissions,
 )
 from hearth.services.common.config import NatsSettings
+from hearth.services.common.lifecycle import event_within
 from hearth.trust.roster import SYSTEM_MEMBER, Roster
 
 log = logging.getLogger(__name__)
@@ -301,5 +301,4 @@ class ConsumerSweeper:
             left = deadline - asyncio.get_running_loop().time()
             if left <= 0:
                 return
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(created.wait(), min(left, stop_poll_s))
+            await event_within(created, min(left, stop_poll_s))

@@ -131,9 +131,9 @@ class LatencyRelay:
         task = asyncio.current_task()
         self._connections.add(task)
         try:
-            up_reader, up_writer = await asyncio.wait_for(
-                asyncio.open_connection(self.host, link.upstream_port), timeout=upstream_connect_timeout_s)
-        except (OSError, asyncio.TimeoutError):
+            async with asyncio.timeout(upstream_connect_timeout_s):
+                up_reader, up_writer = await asyncio.open_connection(self.host, link.upstream_port)
+        except (OSError, TimeoutError):
             writer.close()
             self._connections.discard(task)
             return

@@ -144,7 +144,8 @@ class Soak:
             load_s = time.monotonic() - load_began
             self.log(f"soak: load done ({len(self.calls)} calls, {len(injector.faults)} faults); checking")
         finally:
-            await asyncio.wait_for(nc.close(), timeout=5)
+            async with asyncio.timeout(5):
+                await nc.close()
         checks, numbers = await final_checks(mesh)
         return self._report(injector, checks, numbers, load_s, time.monotonic() - began_at)
 

@@ -140,7 +140,8 @@ async def final_checks(mesh: SoakMesh) -> tuple[list[CheckResult], dict]:
         checks.append(CheckResult("jetstream_within_limits", not problems, "; ".join(problems) or "retention limits,"
                                   " max_bytes and max_age set, every stream below its max_bytes"))
     finally:
-        await asyncio.wait_for(nc.close(), timeout=5)
+        async with asyncio.timeout(5):
+            await nc.close()
     audit = await asyncio.to_thread(replay_verify, mesh)
     checks.append(CheckResult("replay_verify_exit_0", audit.returncode == 0,
                               f"exit {audit.returncode}: {(audit.stdout + audit.stderr).strip()[-1500:]}"))

@@ -73,9 +73,11 @@ class FaultInjector:
         fault = Fault(kind, target_name, self._now())
         self.faults.append(fault)
         try:
-            await asyncio.wait_for(asyncio.to_thread(begin), timeout=fault_heal_timeout_s)
+            async with asyncio.timeout(fault_heal_timeout_s):
+                await asyncio.to_thread(begin)
             await asyncio.sleep(hold_s)
-            await asyncio.wait_for(heal(), timeout=fault_heal_timeout_s)
+            async with asyncio.timeout(fault_heal_timeout_s):
+                await heal()
         except Exception as error:  # recorded in the report: a fault that could not be healed fails the soak
             fault.error = f"{type(error).__name__}: {error}"
         fault.healed_s = self._now()
@@ -140,6 +142,8 @@ async def wait_streams_current(mesh: SoakMesh, node_name: str, timeout_s: float 
     nc = await connect_nats(mesh.cluster.nats_url, name="soak-faults", settings=mesh.cluster.nats_settings())
     try:
         node = next(node for node in mesh.nats.nodes if node.name == node_name)
-        await asyncio.wait_for(wait_caught_up(nc.jetstream(), node), timeout=timeout_s)
+        async with asyncio.timeout(timeout_s):
+            await wait_caught_up(nc.jetstream(), node)
     finally:
-        await asyncio.wait_for(nc.close(), timeout=5)
+        async with asyncio.timeout(5):
+            await nc.close()

@@ -154,5 +154,6 @@ async def stop_serving(server: uvicorn.Server, serving: asyncio.Task, grace_s: f
     server.should_exit = True
     await asyncio.wait((serving,), timeout=grace_s)
     end_open_calls()
-    with contextlib.suppress(Exception, asyncio.CancelledError):
-        await asyncio.wait_for(serving, timeout=stopped_calls_answer_s + 1.0)
+    with contextlib.suppress(Exception, asyncio.CancelledError):  # serve()'s own end, its timeout's cancel included
+        async with asyncio.timeout(stopped_calls_answer_s + 1.0):
+            await serving

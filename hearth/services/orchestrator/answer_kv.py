@@ -123,8 +123,9 @@ class AnswerWarmUps:
     async def _run(self, ctx, builder, hops: list[Hop]) -> None:
         timeout_s = ctx.settings.prefix_cache.warm_up_timeout_s
         try:
-            outcome = await asyncio.wait_for(warm_up(ctx, builder, hops), timeout=timeout_s)
-        except (asyncio.TimeoutError, TimeoutError):
+            async with asyncio.timeout(timeout_s):
+                outcome = await warm_up(ctx, builder, hops)
+        except TimeoutError:
             log.info("pipeline %s: its answer's warm-up took over %s s; only its prompt's blocks stay kept",
                      builder.call.pipeline_id, timeout_s)
             outcome = FAILED

@@ -24,8 +24,8 @@ __all__ = ["Projector", "run_projector", "main"]
 
 log = logging.getLogger(__name__)
 
-# Stopping the followers normally takes milliseconds; a follower that missed its cancellation (asyncio.wait_for
-# in Python 3.11 can swallow one) is cancelled again when this runs out, so a stop stays inside the deadline.
+# Stopping the followers normally takes milliseconds; a follower that missed its cancellation (a wait_for inside
+# nats-py can swallow one on Python 3.11) is cancelled again when this runs out, so a stop stays inside the deadline.
 projector_stop_timeout_s = 1.0
 
 
@@ -86,8 +86,9 @@ async def run_projector(
             # The broker is gone: closing first spares the stop waiting for it to delete the consumers.
             await close_quietly(nc, settings.close_timeout_s)
         try:
-            await asyncio.wait_for(projector.stop(), timeout=projector_stop_timeout_s)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(projector_stop_timeout_s):
+                await projector.stop()
+        except TimeoutError:
             log.debug("projector: stopping the followers took over %.1f s", projector_stop_timeout_s)
         await drain_or_close(nc, settings.drain_timeout_s)
 

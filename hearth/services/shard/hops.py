@@ -158,8 +158,9 @@ class ServedHop:
         task = self._task
         if task is not None and task is not asyncio.current_task():
             task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, asyncio.TimeoutError, Exception):
-                await asyncio.wait_for(asyncio.shield(task), timeout=self.limits.close_timeout_s)
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                async with asyncio.timeout(self.limits.close_timeout_s):
+                    await asyncio.shield(task)
         return await self.compute.end_session(self.request, keep, self.opener)
 
     async def keep_now(self, keep: PrefixBlocks) -> int:

@@ -247,7 +247,8 @@ class Bench:
             _progress("the resident memory of a shard's imports alone ...")
             imports = await asyncio.to_thread(shard_imports_memory)
         finally:
-            await asyncio.wait_for(nc.close(), timeout=5)
+            async with asyncio.timeout(5):
+                await nc.close()
         mono, pipe = side_figures(mono_runs), side_figures(pipe_runs)
         ratios = [p.decode_tokens_per_s / m.decode_tokens_per_s for p, m in zip(pipe_runs, mono_runs)]
         constructs = sorted(r.construct_ms for r in pipe_runs if r.construct_ms is not None)

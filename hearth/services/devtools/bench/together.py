@@ -263,7 +263,8 @@ class TogetherBench:
                               f"aggregate, ratio {run.ratio:.3f} (paired {run.paired_ratio:.3f}), "
                               f"same as solo: {run.outputs_match_solo}")
         finally:
-            await asyncio.wait_for(nc.close(), timeout=5)
+            async with asyncio.timeout(5):
+                await nc.close()
         info = baseline.info
         return TogetherReport(
             started_at="",
