@@ -4,11 +4,13 @@ answer may be")."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 
 from hearth.protocol.chat import ChatRequest, max_stop_chars
-from hearth.protocol.chat_frames import ChatFrame, TokenDeltaFrame, TokensWithdrawnFrame
+from hearth.protocol.chat_frames import ChatFrame, ErrorFrame, TokenDeltaFrame, TokensWithdrawnFrame
 
 log = logging.getLogger(__name__)
 
@@ -92,3 +94,21 @@ def warn_answer_too_long(error: AnswerTooLong, request_id: str, asked_first: str
     sent_to = f"orchestrator {asked_first}" if asked_first else "the orchestrator of the queue group that took it"
     log.warning("request %s, sent to %s: %s (its pipeline.constructed event names the orchestrator that answered)",
                 request_id, sent_to, error)
+
+
+async def within_bound(frames: AsyncGenerator[ChatFrame, None], request: ChatRequest,
+                       asked_first: str | None = None) -> AsyncIterator[ChatFrame]:
+    """`frames` (a call of `request`'s) as they come, up to the first that takes its choice's answer past the bound:
+    that one is replaced by an `internal_error` frame of the client's own, which ends the call (and the WARNING is
+    logged), as the gateway ends it; for readers that collect or show frames (ChatResult, `hearth demo`, `hearth
+    bench`). `frames` is closed when this ends."""
+    bound = AnswerBound.of(request)
+    async with contextlib.aclosing(frames):
+        async for frame in frames:
+            try:
+                bound.take(frame)
+            except AnswerTooLong as error:
+                warn_answer_too_long(error, request.request_id, asked_first)
+                yield ErrorFrame(seq=frame.seq, code="internal_error", message=str(error))
+                return
+            yield frame
