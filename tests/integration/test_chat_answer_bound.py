@@ -15,6 +15,7 @@ import nats
 import pytest
 
 from hearth.protocol.chat import ChatRequest
+from hearth.protocol.chat_frames import max_withdrawals_per_choice
 from hearth.protocol.subjects import CHAT_REQUEST_SUBJECT
 from hearth.services.client.chat import chat
 from hearth.services.common.config import NatsSettings
@@ -127,3 +128,34 @@ async def test_hearth_demo_ends_a_hostile_orchestrator_s_answer_at_max_tokens(na
         await hostile.close()
     out = capsys.readouterr().out
     assert "LEAK" not in out and "okok\nerror internal_error: the orchestrator sent choice 0 more token frames" in out
+
+
+async def test_hearth_chat_ends_a_call_withdrawn_without_end_printing_the_answer_a_bounded_number_of_times(nats_url):
+    """An orchestrator that sends the whole allowance, takes it back and sends it again forever: `hearth chat` prints
+    the kept text again after each withdrawal, so past the protocol's bound it ends the call."""
+    hostile = await nats.connect(nats_url)
+
+    async def answer(msg) -> None:
+        await hostile.publish(msg.reply, json.dumps({"type": "token_delta", "seq": 0, "text": "ok",
+                                                     "token_id": 1}).encode())
+        for round_ in range(1000):
+            for frame in ({"type": "tokens_withdrawn", "seq": 2 * round_ + 1, "kept_tokens": 0, "shard_id": "m:0-1@x",
+                           "reason": "refuted"},
+                          {"type": "token_delta", "seq": 2 * round_ + 2, "text": "ok", "token_id": 1}):
+                await hostile.publish(msg.reply, json.dumps(frame).encode())
+
+    try:
+        await hostile.subscribe(CHAT_REQUEST_SUBJECT, queue="hearth-orchestrators", cb=answer)
+        await hostile.flush()
+        env = {**{k: v for k, v in os.environ.items() if not k.startswith("HEARTH_")}, "HEARTH_NATS__INSECURE": "1"}
+        completed = await asyncio.to_thread(
+            subprocess.run, [HEARTH, "chat", "--nats", nats_url, "--max-tokens", "1", "hello"],
+            capture_output=True, text=True, env=env, timeout=60)
+    finally:
+        await hostile.close()
+    assert completed.returncode == 1, completed.stderr
+    assert completed.stdout == "ok\n" * (max_withdrawals_per_choice + 1)
+    errors = [line for line in completed.stderr.splitlines() if line.startswith("error ")]
+    assert errors == [f"error answer_too_long: the orchestrator sent choice 0 more than {max_withdrawals_per_choice} "
+                      "tokens_withdrawn frames, the most the protocol lets a choice have: no correct orchestrator "
+                      "does, so the call was ended"], completed.stderr
