@@ -159,3 +159,28 @@ async def test_hearth_chat_ends_a_call_withdrawn_without_end_printing_the_answer
     assert errors == [f"error answer_too_long: the orchestrator sent choice 0 more than {max_withdrawals_per_choice} "
                       "tokens_withdrawn frames, the most the protocol lets a choice have: no correct orchestrator "
                       "does, so the call was ended"], completed.stderr
+
+
+async def test_hearth_bench_leaves_withdrawn_tokens_out_of_a_generation(nats_url):
+    """A refuted step's tokens are no part of the answer bench compares with the monolithic model's."""
+    scripted = await nats.connect(nats_url)
+    frames = [{"type": "token_delta", "seq": 0, "text": "a", "token_id": 10},
+              {"type": "token_delta", "seq": 1, "text": "X", "token_id": 66},
+              {"type": "tokens_withdrawn", "seq": 2, "kept_tokens": 1, "shard_id": "m:0-1@x", "reason": "refuted"},
+              {"type": "token_delta", "seq": 3, "text": "b", "token_id": 11},
+              {"type": "done", "seq": 4, "finish_reason": "length",
+               "usage": {"prompt_tokens": 1, "completion_tokens": 2}}]
+
+    async def answer(msg) -> None:
+        for frame in frames:
+            await scripted.publish(msg.reply, json.dumps(frame).encode())
+
+    client = await nats.connect(nats_url)
+    try:
+        await scripted.subscribe(CHAT_REQUEST_SUBJECT, queue="hearth-orchestrators", cb=answer)
+        await scripted.flush()
+        timing = await pipeline_generation(client, "scripted", "hello", 2)
+    finally:
+        await client.close()
+        await scripted.close()
+    assert timing.token_ids == [10, 11] and timing.tokens == 2
