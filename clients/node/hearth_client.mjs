@@ -42,9 +42,11 @@ const FALLBACK_CODES = new Set(["orchestrator_gone", "overloaded"]);
 const MAX_HELD_FRAMES = 1024; // frames held after a gap before the call is given up
 // How long a choice's answer may be (docs/protocol.md, "How long an answer may be"; the reference is
 // hearth/services/client/answer_bound.py): at most max_tokens token_delta frames as it stands, and at most
-// max_tokens * MAX_TEXT_BYTES_PER_TOKEN + HELD_BACK_SLACK_BYTES bytes of UTF-8 text.
+// max_tokens * MAX_TEXT_BYTES_PER_TOKEN + HELD_BACK_SLACK_BYTES bytes of UTF-8 text, and at most
+// MAX_WITHDRAWALS_PER_CHOICE tokens_withdrawn frames (hearth/protocol/chat_frames.py, max_withdrawals_per_choice).
 const MAX_TEXT_BYTES_PER_TOKEN = 128;
 const HELD_BACK_SLACK_BYTES = 1024;
+const MAX_WITHDRAWALS_PER_CHOICE = 16;
 
 class Failure extends Error {}
 // No orchestrator answered the call before its first token: nobody listens on its subject (`no_responders`), or none
@@ -346,7 +348,7 @@ async function streamChat(nc, request, keyPair, subject, pinned = false) {
 function answerBound(request) {
   const maxTokens = Number(request.max_tokens ?? 128); // the request schema's default
   const maxTextBytes = maxTokens * MAX_TEXT_BYTES_PER_TOKEN + HELD_BACK_SLACK_BYTES;
-  const choices = Array.from({ length: request.n ?? 1 }, () => ({ tokenBytes: [], textBytes: 0 }));
+  const choices = Array.from({ length: request.n ?? 1 }, () => ({ tokenBytes: [], textBytes: 0, withdrawals: 0 }));
   return (frame) => {
     if (frame.type !== "token_delta" && frame.type !== "tokens_withdrawn") return;
     const choice = frame.choice ?? 0;
@@ -358,6 +360,11 @@ function answerBound(request) {
       return;
     }
     if (frame.type === "tokens_withdrawn") {
+      if (size.withdrawals >= MAX_WITHDRAWALS_PER_CHOICE) {
+        throw new Failure(`choice ${choice} got more than ${MAX_WITHDRAWALS_PER_CHOICE} tokens_withdrawn frames, ` +
+                          "the most the protocol lets a choice have");
+      }
+      size.withdrawals += 1;
       for (const bytes of size.tokenBytes.splice(frame.kept_tokens)) size.textBytes -= bytes;
       return;
     }

@@ -93,6 +93,12 @@ class ShardFailoverFrame(_Frame):
     choice: int = Field(default=0, ge=0, lt=max_choices, exclude_if=_is_first_choice)
 
 
+# tokens_withdrawn frames one choice may get: an orchestrator withdraws at most once per refuted step, and ends a choice
+# (pipeline_aborted, shard_unavailable) whose work is refuted once more, so a client that reprints the kept text after
+# each (`hearth chat`) prints a bounded answer; one more is the frame of a hostile or broken orchestrator.
+max_withdrawals_per_choice = 16
+
+
 class TokensWithdrawnFrame(_Frame):
     """A check refuted a shard's output at a step the answer already used: the answer is the first `kept_tokens`
     token_delta frames sent, those after them are withdrawn, and the text goes on after the kept ones (a

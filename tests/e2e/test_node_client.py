@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from hearth.services.devtools.local_cluster import LocalCluster
 from hearth.services.client.chat import chat
 from hearth.protocol.chat import ChatRequest
+from hearth.protocol.chat_frames import max_withdrawals_per_choice
 from hearth.protocol.discovery import ModelsReply, ServedModel
 from hearth.protocol.subjects import CHAT_REQUEST_SUBJECT, MODELS_REQUEST_SUBJECT, orchestrator_request_subject
 from hearth.services.broker.connection import connect_nats, flush_ordered
@@ -246,16 +247,22 @@ async def test_node_client_accepts_and_exposes_the_done_frames_verification(node
 
 
 async def test_node_client_refuses_an_answer_past_its_request_s_bound(node_client, scripted_orchestrator, nats_url):
-    """More token_delta frames than max_tokens, or more text than they can make (docs/protocol.md, "How long an
-    answer may be"), is a violation (exit code 2) however the frames fit their schema; an answer within the bound
-    stands, withdrawn tokens left out."""
+    """More token_delta frames than max_tokens, or more text than they can make, or more tokens_withdrawn frames than
+    the protocol lets a choice have (docs/protocol.md, "How long an answer may be"), is a violation (exit code 2)
+    however the frames fit their schema; an answer within the bound stands, withdrawn tokens left out."""
     done = {"type": "done", "finish_reason": "length", "usage": {"prompt_tokens": 1, "completion_tokens": 2}}
     withdrawn = {"type": "tokens_withdrawn", "seq": 2, "kept_tokens": 1, "shard_id": "m:0-1@liar", "reason": "r"}
     command = [*node_client, "--nats", nats_url, *NODE_TIMEOUT_ARGS, "--max-tokens", "2", PROMPT]
     scripts = {"within": [scripted_token(0, "a"), scripted_token(1, "X"), withdrawn, scripted_token(3, "b"),
                           {**done, "seq": 4}],
                "frames": [scripted_token(0, "a"), scripted_token(1, "b"), scripted_token(2, "c"), {**done, "seq": 3}],
-               "text": [scripted_token(0, "x" * 1500), {**done, "seq": 1}]}
+               "text": [scripted_token(0, "x" * 1500), {**done, "seq": 1}],
+               # The answer sent, taken back and sent again, once more than any orchestrator may.
+               "withdrawals": [scripted_token(0, "a"), *[frame for round_ in range(max_withdrawals_per_choice + 1)
+                                                         for frame in ({**withdrawn, "seq": 2 * round_ + 1,
+                                                                        "kept_tokens": 0},
+                                                                       scripted_token(2 * round_ + 2, "a"))],
+                               {**done, "seq": 2 * max_withdrawals_per_choice + 3}]}
     for case, frames in scripts.items():
         scripted_orchestrator.append(frames)
         completed = await asyncio.to_thread(subprocess.run, command, capture_output=True, text=True, timeout=120)

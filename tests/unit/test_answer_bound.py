@@ -11,7 +11,9 @@ import logging
 import pytest
 
 from hearth.protocol.chat import ChatRequest
-from hearth.protocol.chat_frames import ChoiceEnd, DoneFrame, TokenDeltaFrame, TokensWithdrawnFrame, Usage
+from hearth.protocol.chat_frames import (
+    ChoiceEnd, DoneFrame, TokenDeltaFrame, TokensWithdrawnFrame, Usage, max_withdrawals_per_choice,
+)
 from hearth.services.client.answer_bound import AnswerBound, AnswerTooLong, max_answer_text_bytes
 from hearth.services.client.command import EXIT_ERROR, ChatPrinter
 from tests.unit.test_withdrawn_tokens import (  # noqa: F401 (gateway is a fixture)
@@ -58,6 +60,25 @@ def test_withdrawn_tokens_leave_the_answer_and_its_text():
         bound.take(token(6, "c"))
 
 
+def resent(withdrawals: int, text: str = "ok") -> list[TokenDeltaFrame | TokensWithdrawnFrame]:
+    """A token, then `withdrawals` times: it taken back and sent again (each withdrawal within max_tokens 1)."""
+    frames: list[TokenDeltaFrame | TokensWithdrawnFrame] = [token(0, text)]
+    for round_ in range(withdrawals):
+        frames += [withdrawn(2 * round_ + 1, 0), token(2 * round_ + 2, text)]
+    return frames
+
+
+def test_a_choice_may_have_the_protocol_s_withdrawals_and_one_more_ends_it():
+    bound = AnswerBound(max_tokens=1, choices=2)
+    for frame in resent(max_withdrawals_per_choice):
+        bound.take(frame)
+    # Each choice has withdrawals of its own.
+    bound.take(TokensWithdrawnFrame(seq=100, kept_tokens=0, shard_id="s", reason="r", choice=1))
+    with pytest.raises(AnswerTooLong, match=f"sent choice 0 more than {max_withdrawals_per_choice} tokens_withdrawn "
+                                            "frames"):
+        bound.take(withdrawn(101, 0))
+
+
 def test_each_of_n_choices_has_its_own_bound_and_a_choice_not_asked_for_has_none():
     bound = AnswerBound(max_tokens=2, choices=2)
     for frame in [of_choice(0, 0, "a"), of_choice(1, 1, "b"), of_choice(2, 0, "c"), of_choice(3, 1, "d")]:
@@ -87,6 +108,15 @@ async def test_the_gateway_answers_502_to_an_answer_past_max_tokens(gateway, cap
     request_id = scripted.received[-1].request_id
     assert [record.levelno for record in caplog.records] == [logging.WARNING]
     assert request_id in caplog.text and "the orchestrator of the queue group" in caplog.text
+
+
+async def test_the_gateway_answers_502_to_an_answer_withdrawn_more_often_than_the_protocol_allows(gateway):
+    http, scripted = gateway
+    frames = resent(max_withdrawals_per_choice + 1)
+    scripted.scripts.append([*frames, done(len(frames), 1)])
+    response = await http.post("/v1/chat/completions", json=chat_body(max_tokens=1))
+    assert response.status_code == 502
+    assert f"more than {max_withdrawals_per_choice} tokens_withdrawn frames" in response.json()["error"]["message"]
 
 
 async def test_a_gateway_stream_ends_with_an_error_event_before_any_text_past_the_bound(gateway):
@@ -131,3 +161,16 @@ def test_hearth_chat_json_lines_stop_at_the_bound_too(capsys):
     printer = ChatPrinter.of(ChatRequest(prompt="p", max_tokens=1))
     assert printer.past_bound(token(0, "a")) is None
     assert printer.past_bound(token(1, "b")) == EXIT_ERROR
+
+
+def test_hearth_chat_ends_a_call_withdrawn_once_too_often_before_printing_its_text_again(capsys):
+    """An orchestrator that sends the whole allowance, withdraws it and sends it again without end cannot make
+    `hearth chat` print the kept text again without end."""
+    printer = ChatPrinter.of(ChatRequest(prompt="p", max_tokens=1))
+    frames = resent(max_withdrawals_per_choice + 1)
+    codes = [printer.show(frame) for frame in frames[:-1]]  # the call ends at the withdrawal past the bound
+    out, err = capsys.readouterr()
+    assert codes == [None] * (len(frames) - 2) + [EXIT_ERROR]
+    assert out.count("ok") == max_withdrawals_per_choice + 1
+    assert err.splitlines()[-1].startswith(f"error answer_too_long: the orchestrator sent choice 0 more than "
+                                           f"{max_withdrawals_per_choice} tokens_withdrawn frames")

@@ -1,14 +1,22 @@
-"""The most answer a request lets a correct orchestrator send (token frames and text, per choice), and the check
-every Python client makes of the frames it reads against it (docs/protocol.md, "Reading a frame": "How long an
-answer may be")."""
+"""The most answer a request lets a correct orchestrator send (token frames, text and withdrawals, per choice), and
+the check every Python client makes of the frames it reads against it (docs/protocol.md, "Reading a frame": "How long
+an answer may be")."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 
 from hearth.protocol.chat import ChatRequest, max_stop_chars
-from hearth.protocol.chat_frames import ChatFrame, TokenDeltaFrame, TokensWithdrawnFrame
+from hearth.protocol.chat_frames import (
+    ChatFrame,
+    ErrorFrame,
+    TokenDeltaFrame,
+    TokensWithdrawnFrame,
+    max_withdrawals_per_choice,
+)
 
 log = logging.getLogger(__name__)
 
@@ -37,17 +45,20 @@ class AnswerTooLong(Exception):
 
 @dataclass
 class _ChoiceSize:
-    """The text bytes of each token frame of one choice's answer as it stands."""
+    """The text bytes of each token frame of one choice's answer as it stands, and its tokens_withdrawn frames."""
 
     token_bytes: list[int] = field(default_factory=list)
     text_bytes: int = 0
+    withdrawals: int = 0
 
 
 class AnswerBound:
     """Each choice's answer as it stands (token frames less those a tokens_withdrawn frame took back) against the
     request's bound: at most `max_tokens` token frames (a correct orchestrator sends one per token at most: held back
     text rides on a later token's frame, and a token that ends the call with no text sends none), at most
-    max_answer_text_bytes(max_tokens) of text, and no token of a choice the request did not ask for."""
+    max_answer_text_bytes(max_tokens) of text, and no token of a choice the request did not ask for; and at most
+    max_withdrawals_per_choice tokens_withdrawn frames a choice (a reader that shows the kept text again after each
+    shows it at most that often)."""
 
     def __init__(self, max_tokens: int, choices: int = 1) -> None:
         self.max_tokens = max_tokens
@@ -69,6 +80,10 @@ class AnswerBound:
             return
         size = self._choices[choice]
         if isinstance(frame, TokensWithdrawnFrame):
+            if size.withdrawals >= max_withdrawals_per_choice:
+                raise AnswerTooLong(choice, f"more than {max_withdrawals_per_choice} tokens_withdrawn frames, the "
+                                            "most the protocol lets a choice have")
+            size.withdrawals += 1
             size.text_bytes -= sum(size.token_bytes[frame.kept_tokens:])
             del size.token_bytes[frame.kept_tokens:]
             return
@@ -92,3 +107,21 @@ def warn_answer_too_long(error: AnswerTooLong, request_id: str, asked_first: str
     sent_to = f"orchestrator {asked_first}" if asked_first else "the orchestrator of the queue group that took it"
     log.warning("request %s, sent to %s: %s (its pipeline.constructed event names the orchestrator that answered)",
                 request_id, sent_to, error)
+
+
+async def within_bound(frames: AsyncGenerator[ChatFrame, None], request: ChatRequest,
+                       asked_first: str | None = None) -> AsyncIterator[ChatFrame]:
+    """`frames` (a call of `request`'s) as they come, up to the first that takes its choice's answer past the bound:
+    that one is replaced by an `internal_error` frame of the client's own, which ends the call (and the WARNING is
+    logged), as the gateway ends it; for readers that collect or show frames (ChatResult, `hearth demo`, `hearth
+    bench`). `frames` is closed when this ends."""
+    bound = AnswerBound.of(request)
+    async with contextlib.aclosing(frames):
+        async for frame in frames:
+            try:
+                bound.take(frame)
+            except AnswerTooLong as error:
+                warn_answer_too_long(error, request.request_id, asked_first)
+                yield ErrorFrame(seq=frame.seq, code="internal_error", message=str(error))
+                return
+            yield frame

@@ -1,6 +1,6 @@
 """A small async client for `llm.chat.request`: publish a request, iterate the frames from its inbox, and the
 answer those frames make for each of the request's choices (token_delta frames, less those a tokens_withdrawn frame
-took back)."""
+took back; `chat` collects them within the request's bound, answer_bound.py)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from nats.aio.client import Client as NatsClient
 from pydantic import ValidationError
 
+from hearth.services.client.answer_bound import within_bound
 from hearth.services.common.call_signing import signed_call_headers
 from hearth.services.common.config_processes import OrchestratorSettings
 from hearth.services.common.config_sections import ClientSettings
@@ -345,8 +346,10 @@ class ChatResult:
 
 
 async def chat(nc: NatsClient, request: ChatRequest, **timeouts: float) -> ChatResult:
+    """Every frame of `request`'s call; one that takes a choice's answer past the request's bound (AnswerBound) ends
+    it, as an `internal_error` frame of this client's own."""
     result = ChatResult()
-    async for frame in stream_chat(nc, request, **timeouts):
+    async for frame in within_bound(stream_chat(nc, request, **timeouts), request):
         result.frames.append(frame)
     return result
 

@@ -234,6 +234,7 @@ class DemoRun:
 
     async def _ask(self, cluster: LocalCluster, model: DemoModel) -> bool:
         """Stream one answer to stdout; True when it ended with `done`."""
+        from hearth.services.client.answer_bound import within_bound
         from hearth.services.client.chat import stream_chat_raw
         from hearth.services.broker.connection import close_quietly, connect_nats
 
@@ -243,8 +244,9 @@ class DemoRun:
         view = _AnswerView(self)
         try:
             print(f"\n> {self.prompt}" + ("" if request.messages else "   (raw prompt: no chat template)"))
-            # stream_chat_raw directly: closing it here unsubscribes before the connection closes.
-            frames = stream_chat_raw(nc, request.model_dump_json(exclude_none=True).encode())
+            # stream_chat_raw directly: closing it here unsubscribes before the connection closes. Within the
+            # request's bound: a frame past it ends the call as an internal_error (answer_bound.py).
+            frames = within_bound(stream_chat_raw(nc, request.model_dump_json(exclude_none=True).encode()), request)
             async with contextlib.aclosing(frames):
                 async for frame in frames:
                     outcome = view.show(frame)

@@ -91,6 +91,8 @@ class Call:
     queue_wait_s: float | None = None
     construct_ms: float | None = None
     failovers: int = 0
+    # tokens_withdrawn frames sent (at most the protocol's max_withdrawals_per_choice: the call ends instead).
+    withdrawals: int = 0
     broker_repairs: int = 0
     # Re-prefills on the same chain after a hop answered `session_evicted`.
     eviction_reprefills: int = 0

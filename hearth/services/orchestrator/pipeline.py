@@ -6,7 +6,8 @@ decision the loop carries out: re-prefill on the same chain, rebuild the chain a
 around the shard at fault, fall back to a local model, or abort. The first token of every chain comes from the
 (re-)prefill of everything known so far (the prompt and every token generated), the others from decode steps, so a
 failover or a fallback continues the same text. The call's checks of its hosts' work (verification.py) run beside the
-loop; a step they refute is a failure too: the tokens sampled from it on are withdrawn and the call fails over. Frames
+loop; a step they refute is a failure too: the tokens sampled from it on are withdrawn and the call fails over (at
+most the protocol's max_withdrawals_per_choice withdrawals: the call ends at a refutation past them). Frames
 go to the call's client, events to the orchestrator's outbox; its last frame and events are pipeline_endings.py's.
 """
 
@@ -35,6 +36,7 @@ from hearth.protocol.chat_frames import (
     ShardStatusFrame,
     TokenDeltaFrame,
     TokensWithdrawnFrame,
+    max_withdrawals_per_choice,
 )
 from hearth.services.orchestrator.answer_kv import close_keeping
 from hearth.services.orchestrator.call import Call, CallStatus
@@ -48,8 +50,8 @@ from hearth.services.orchestrator.outcomes import (Failure, Finished, RoutingFai
                                                    StepOutcome)
 from hearth.services.orchestrator.pipeline_endings import CallEnding
 from hearth.services.orchestrator.prefill import prefill
-from hearth.services.orchestrator.recovery import (PIPELINE_STALLED, Action, CallCounters, Decision, RecoveryLimits,
-                                                   decide)
+from hearth.services.orchestrator.recovery import (PIPELINE_STALLED, SHARD_UNAVAILABLE, Action, CallCounters,
+                                                   Decision, RecoveryLimits, decide)
 from hearth.services.orchestrator.router import Hop, RoutingError
 from hearth.services.orchestrator.verification import CallVerifier
 from hearth.services.transport import FrameKind
@@ -223,8 +225,10 @@ class PipelineRun:
             refuted = self.verifier.refutation_of(decision.route_around)
             if refuted is not None and failure.rewind_to is None:
                 failure = dataclasses.replace(failure, rewind_to=refuted.rewind_to, reason=refuted.reason)
-        if isinstance(failure, StepFailure) and failure.rewind_to is not None:
-            await self._withdraw(failure)
+        if isinstance(failure, StepFailure) and failure.rewind_to is not None and not await self._withdraw(failure):
+            decision = Decision(Action.abort, code=SHARD_UNAVAILABLE,
+                                reason=f"{failure}; the call's tokens were withdrawn {max_withdrawals_per_choice} "
+                                       f"times already, the most the protocol lets a choice have")
         hops = list(self.chain.hops) if isinstance(self.chain, HopChain) else []
         await self.close()
         if decision.action is Action.rebuild:
@@ -280,18 +284,24 @@ class PipelineRun:
         await call.client.send(ShardStatusFrame(seq=0, **status))
         call.excluded[failure.shard_id] = failure.reason
 
-    async def _withdraw(self, failure: StepFailure) -> None:
+    async def _withdraw(self, failure: StepFailure) -> bool:
         """A check refuted the output at `failure.rewind_to`: the tokens sampled from it on are withdrawn (the client
-        is told how many it keeps) and the call goes on from the last token before it."""
+        is told how many it keeps) and the call goes on from the last token before it. False, withdrawing nothing,
+        when the call withdrew tokens max_withdrawals_per_choice times already: a client takes no more (the call
+        ends)."""
         call = self.call
         keep = max(0, failure.rewind_to - len(call.prompt_ids) + 1)
         if keep >= len(call.generated):
-            return
+            return True
+        if call.withdrawals >= max_withdrawals_per_choice:
+            return False
+        call.withdrawals += 1
         withdrawn = len(call.generated) - keep
         call.rewind(keep)
         log.warning("pipeline %s: withdrawing %d tokens computed from a refuted step", call.pipeline_id, withdrawn)
         await call.client.send(TokensWithdrawnFrame(seq=0, kept_tokens=keep, shard_id=failure.shard_id,
                                                     reason=failure.reason))
+        return True
 
     async def _rebuild(self, hops: list[Hop], failure: StepFailure) -> StepFailure | None:
         """Our broker connection dropped mid-step (no shard to blame): once we, the hops and the client are reachable,

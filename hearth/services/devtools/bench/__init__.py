@@ -13,7 +13,7 @@ One invocation, one model, one prompt:
    pipeline request] with the same prompt ids and greedy decoding, rotating which goes first so
    drifting machine load hits all alike. Time is measured where a user sees it: for generate() by a
    streamer that timestamps every token, for the pipeline by the client timestamping every
-   `token_delta` frame. Decode tokens/s
+   `token_delta` frame (those a `tokens_withdrawn` frame took back left out). Decode tokens/s
    is (tokens - 1) / (last token time - first token time); time to first token runs from the call
    (generate() / publishing the request) to the first token;
 3. reads pipeline construction ms from each `done` frame (timing.construct_ms, as in the
