@@ -286,7 +286,7 @@ def test_chat_asking_for_a_scheme_nobody_serves_is_one_line_naming_it(mesh_url):
 
 def test_chat_naming_no_scheme_is_one_line_before_connecting():
     result = chat(unreachable_url(), "--quantization", "int7", "Tell me a fortune.")
-    assert result.returncode == 1, result.stderr
+    assert result.returncode == 2, result.stderr  # a request refused as not valid: the caller's input
     assert result.stderr.strip().splitlines() == [
         "error bad_request: --quantization 'int7' names no scheme: expected none, int8, int4 or int4/gN (N: a group "
         "size)"]

@@ -19,7 +19,7 @@ from hearth.protocol.discovery import ModelsReply, ServedModel
 from hearth.protocol.subjects import CHAT_REQUEST_SUBJECT, MODELS_REQUEST_SUBJECT, orchestrator_request_subject
 from hearth.services.broker.connection import connect_nats, flush_ordered
 from hearth.services.client.chat import ChatResult
-from hearth.services.client.command import EXIT_ERROR, _conversation
+from hearth.services.client.command import EXIT_BAD_REQUEST, _conversation
 from hearth.services.client.pinned import stream_chat_pinned
 from hearth.services.common.config import HearthSettings
 from hearth.services.gateway.app import create_app
@@ -180,6 +180,6 @@ async def test_hearth_chat_interactive_refuses_a_line_no_message_may_carry_in_on
     await orchestrators.start("orch-a")
     monkeypatch.setattr("sys.stdin", io.StringIO(f"{line}\nnever sent\n"))
     first_turn = ChatRequest(model=MODEL, messages=[{"role": "user", "content": "hello"}])
-    assert await _conversation(nats_url, first_turn, nats_settings=None) == EXIT_ERROR
+    assert await _conversation(nats_url, first_turn, nats_settings=None) == EXIT_BAD_REQUEST  # the caller's input
     err = capsys.readouterr().err.splitlines()
     assert err[-1].startswith("error bad_request: ") and len(orchestrators.requests) == 1
