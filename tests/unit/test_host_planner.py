@@ -4,6 +4,7 @@ range that fits the budget and most improves coverage, and when (not) to move.""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import pytest
 from sqlalchemy.orm import sessionmaker
@@ -199,14 +200,23 @@ async def test_hosts_that_started_together_on_the_same_layers_spread_out_one_mov
             six.withdraw(shard_id, node, reason="moved")
             held[node] = (target, six.add(target.lo, target.hi, node))
 
-    await run_for(1.5, *(host(node) for node in "abc"))
+    def spread_out() -> bool:
+        return sorted(str(current) for current, _ in held.values()) == ["0-1", "2-3", "4-5"]
+
+    await run_for(30.0, *(host(node) for node in "abc"), until=spread_out)
     assert sorted(str(current) for current, _ in held.values()) == ["0-1", "2-3", "4-5"]
 
 
-async def run_for(seconds: float, *coroutines) -> None:
+async def run_for(seconds: float, *coroutines, until: Callable[[], bool] | None = None) -> None:
+    """Run the hosts for `seconds`, or until `until()` holds (checked every 10 ms), whichever comes first: a loaded
+    machine gets as long as it needs, an idle one stops as soon as the mesh has settled."""
     tasks = [asyncio.create_task(coroutine) for coroutine in coroutines]
     try:
-        await asyncio.sleep(seconds)
+        deadline = asyncio.get_running_loop().time() + seconds
+        while asyncio.get_running_loop().time() < deadline and not (until is not None and until()):
+            await asyncio.sleep(0.01)
+            if any(task.done() for task in tasks):
+                break
         for task in tasks:
             if task.done():
                 task.result()  # a host that failed fails the test
