@@ -28,14 +28,15 @@ pytestmark = pytest.mark.integration
 HEARTH = str(Path(sys.executable).parent / "hearth")
 
 
-async def test_hearth_chat_ends_a_hostile_orchestrator_s_answer_at_max_tokens(nats_url):
+async def hearth_chat_against(nats_url: str, frames_of, max_tokens: int) -> subprocess.CompletedProcess:
+    """Run `hearth chat --max-tokens max_tokens hello` against a hostile orchestrator that answers a request with
+    `frames_of(request)` (frame dicts, published in order); the requests it got are appended to `.requests`."""
     hostile = await nats.connect(nats_url)
     requests: list[dict] = []
 
     async def answer(msg) -> None:
         requests.append(json.loads(msg.data))
-        for seq in range(1000):  # far more tokens than the call's max_tokens 2
-            frame = {"type": "token_delta", "seq": seq, "text": "ok" if seq < 2 else "LEAK", "token_id": 1}
+        for frame in frames_of(requests[-1]):
             await hostile.publish(msg.reply, json.dumps(frame).encode())
 
     try:
@@ -43,17 +44,26 @@ async def test_hearth_chat_ends_a_hostile_orchestrator_s_answer_at_max_tokens(na
         await hostile.flush()
         env = {**{k: v for k, v in os.environ.items() if not k.startswith("HEARTH_")}, "HEARTH_NATS__INSECURE": "1"}
         completed = await asyncio.to_thread(
-            subprocess.run, [HEARTH, "chat", "--nats", nats_url, "--max-tokens", "2", "hello"],
+            subprocess.run, [HEARTH, "chat", "--nats", nats_url, "--max-tokens", str(max_tokens), "hello"],
             capture_output=True, text=True, env=env, timeout=60)
     finally:
         await hostile.close()
+    completed.requests = requests
+    return completed
+
+
+async def test_hearth_chat_ends_a_hostile_orchestrator_s_answer_at_max_tokens(nats_url):
+    completed = await hearth_chat_against(nats_url, lambda request: (
+        # far more tokens than the call's max_tokens 2
+        {"type": "token_delta", "seq": seq, "text": "ok" if seq < 2 else "LEAK", "token_id": 1} for seq in range(1000)),
+        max_tokens=2)
     assert completed.returncode == 1, completed.stderr
     assert completed.stdout == "okok\n"
     errors = [line for line in completed.stderr.splitlines() if line.startswith("error ")]
     assert errors == ["error answer_too_long: the orchestrator sent choice 0 more token frames than the request's "
                       "max_tokens 2: no correct orchestrator does, so the call was ended"], completed.stderr
     warnings = [line for line in completed.stderr.splitlines() if "WARNING hearth.services.client" in line]
-    assert len(warnings) == 1 and requests[0]["request_id"] in warnings[0], completed.stderr
+    assert len(warnings) == 1 and completed.requests[0]["request_id"] in warnings[0], completed.stderr
 
 
 # --- the other readers: ChatResult (chat()), `hearth bench`, `hearth demo` --------------------------------------
@@ -133,26 +143,14 @@ async def test_hearth_demo_ends_a_hostile_orchestrator_s_answer_at_max_tokens(na
 async def test_hearth_chat_ends_a_call_withdrawn_without_end_printing_the_answer_a_bounded_number_of_times(nats_url):
     """An orchestrator that sends the whole allowance, takes it back and sends it again forever: `hearth chat` prints
     the kept text again after each withdrawal, so past the protocol's bound it ends the call."""
-    hostile = await nats.connect(nats_url)
-
-    async def answer(msg) -> None:
-        await hostile.publish(msg.reply, json.dumps({"type": "token_delta", "seq": 0, "text": "ok",
-                                                     "token_id": 1}).encode())
+    def withdrawn_again_and_again(request: dict):
+        yield {"type": "token_delta", "seq": 0, "text": "ok", "token_id": 1}
         for round_ in range(1000):
-            for frame in ({"type": "tokens_withdrawn", "seq": 2 * round_ + 1, "kept_tokens": 0, "shard_id": "m:0-1@x",
-                           "reason": "refuted"},
-                          {"type": "token_delta", "seq": 2 * round_ + 2, "text": "ok", "token_id": 1}):
-                await hostile.publish(msg.reply, json.dumps(frame).encode())
+            yield {"type": "tokens_withdrawn", "seq": 2 * round_ + 1, "kept_tokens": 0, "shard_id": "m:0-1@x",
+                   "reason": "refuted"}
+            yield {"type": "token_delta", "seq": 2 * round_ + 2, "text": "ok", "token_id": 1}
 
-    try:
-        await hostile.subscribe(CHAT_REQUEST_SUBJECT, queue="hearth-orchestrators", cb=answer)
-        await hostile.flush()
-        env = {**{k: v for k, v in os.environ.items() if not k.startswith("HEARTH_")}, "HEARTH_NATS__INSECURE": "1"}
-        completed = await asyncio.to_thread(
-            subprocess.run, [HEARTH, "chat", "--nats", nats_url, "--max-tokens", "1", "hello"],
-            capture_output=True, text=True, env=env, timeout=60)
-    finally:
-        await hostile.close()
+    completed = await hearth_chat_against(nats_url, withdrawn_again_and_again, max_tokens=1)
     assert completed.returncode == 1, completed.stderr
     assert completed.stdout == "ok\n" * (max_withdrawals_per_choice + 1)
     errors = [line for line in completed.stderr.splitlines() if line.startswith("error ")]
