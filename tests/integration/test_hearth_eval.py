@@ -15,6 +15,7 @@ from gguf import GGMLQuantizationType
 from typer.testing import CliRunner
 
 from hearth.services.cli import app
+from hearth.services.common.hearth_files import data_dir
 from hearth.services.devtools.random_models import CACHE_DIR_ENV
 from tests.unit.gguf_files import rewrite_gguf, write_tiny_gguf
 from tests.unit.inference_tiny_models import one_torch_thread, write_tiny_model  # noqa: F401  (fixture by name)
@@ -69,6 +70,16 @@ def test_a_random_shape_reads_bytes_and_full_precision_matches_itself(random_cac
     assert "(utf8_bytes): 126 positions in 2 windows" in lines[0]
     assert lines[3].split()[:4] == ["none", "0.000000", "0.0000", "100.00"]
     assert lines[4].split()[0] == "int4/g32"
+
+
+def test_without_a_text_it_reads_the_design_document_hearth_ships(random_cache):
+    result = run_eval("--model", "random:tiny", "--quantize", "none", "--context-tokens", "32", "--max-tokens", "64",
+                      "--json", env=random_cache)
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert Path(report["text"]) == data_dir("docs") / "design.md"
+    assert report["windows"] == 2 and report["positions"] == 62  # the text had the 64 tokens asked for
+    assert "hearth's own docs/design.md" in " ".join(run_eval("--help").stdout.split())
 
 
 @pytest.mark.parametrize(("args", "named"), [

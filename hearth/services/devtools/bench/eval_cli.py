@@ -12,8 +12,9 @@ from hearth.services.cli_options import checked_quantize
 from hearth.services.devtools.bench.eval_options import (
     EVAL_DEFAULT_CONTEXT_TOKENS,
     EVAL_DEFAULT_MAX_TOKENS,
-    EVAL_DEFAULT_TEXT,
     EVAL_DEFAULT_SCHEMES,
+    EVAL_DEFAULT_TEXT,
+    EVAL_DEFAULT_TEXT_SHOWN,
     EVAL_MAX_TOKENS_LIMIT,
     EvalOptions,
 )
@@ -25,8 +26,9 @@ def eval_command(
                                     "random:<shape> (default: the bundled model).", show_default=False)
     ] = None,
     text: Annotated[
-        Path, typer.Option("--text", help="UTF-8 text to predict (random:<shape> models and checkpoints without a "
-                           "tokenizer read its UTF-8 bytes as token ids).")
+        Path, typer.Option("--text", show_default=EVAL_DEFAULT_TEXT_SHOWN,
+                           help="UTF-8 text to predict (random:<shape> models and checkpoints without a tokenizer "
+                                "read its UTF-8 bytes as token ids); the default ships with hearth.")
     ] = EVAL_DEFAULT_TEXT,
     quantize: Annotated[
         Optional[list[str]], typer.Option("--quantize", callback=checked_quantize, show_default=False,

@@ -5,8 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-# Debian's fortunes corpus (the bundled model's training text), where the `fortunes` package is installed.
-EVAL_DEFAULT_TEXT = Path("/usr/share/games/fortunes/fortunes")
+from hearth.services.common.hearth_files import data_dir
+
+# Text every hearth has, in a checkout and in its wheel: docs/design.md, about 150 kB of English prose (some 60 000
+# tokens of the bundled model's, 150 000 UTF-8 bytes of a random model's), far more than EVAL_DEFAULT_MAX_TOKENS.
+EVAL_DEFAULT_TEXT = data_dir("docs") / "design.md"
+EVAL_DEFAULT_TEXT_SHOWN = "hearth's own docs/design.md"
 EVAL_DEFAULT_SCHEMES = ("int8", "int4")
 EVAL_DEFAULT_CONTEXT_TOKENS = 256
 EVAL_DEFAULT_MAX_TOKENS = 4096
