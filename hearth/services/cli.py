@@ -89,10 +89,11 @@ app = typer.Typer(
     # Help texts name configuration tables as `[shard]`: shown as written, not read as markup.
     rich_markup_mode=None,
 )
-app.add_typer(db_app, name="db")
-app.add_typer(community_app, name="community")
-app.add_typer(dashboards_app, name="dashboards")
-app.add_typer(weights_app, name="weights")
+# Each group refuses in one line too, so that a file error names the whole command (`hearth db upgrade: ...`).
+app.add_typer(db_app, name="db", cls=OneLineErrorsGroup)
+app.add_typer(community_app, name="community", cls=OneLineErrorsGroup)
+app.add_typer(dashboards_app, name="dashboards", cls=OneLineErrorsGroup)
+app.add_typer(weights_app, name="weights", cls=OneLineErrorsGroup)
 app.command("schema")(schema_command)
 app.command("docs")(docs_command)
 # Decorated with @long_running: SIGINT/SIGTERM stop them quietly from the moment `hearth` starts.

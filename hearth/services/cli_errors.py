@@ -8,6 +8,7 @@ import contextlib
 import errno
 import os
 import sys
+from pathlib import Path
 
 import click
 import typer
@@ -43,7 +44,9 @@ def usage_errors_in_one_line():
 class _OneLineErrors:
     """A command line (`hearth`, `hearth-replay`) whose refusals are one line each: a usage error (exit code 2), and
     a file a command cannot create, read or write that nothing nearer handled (a read-only or full folder, a file
-    where a folder goes): the file and why, exit code 1, instead of a traceback (logged at DEBUG)."""
+    where a folder goes): the whole command, the file and why, exit code 1, instead of a traceback (logged at
+    DEBUG). A command line's nested groups (`hearth db`) are of this class too, so the one nearest the failing
+    command names it whole (`hearth db upgrade: ...`)."""
 
     def make_context(self, info_name, args, parent=None, **extra):
         with usage_errors_in_one_line():  # the top-level options' own
@@ -59,10 +62,26 @@ class _OneLineErrors:
             import logging
 
             logging.getLogger("hearth").debug("the command ended on a file system error", exc_info=True)
-            command = " ".join(filter(None, ((ctx.info_name or self.name), ctx.invoked_subcommand)))
-            where = f"{error.filename}: " if error.filename is not None else ""
-            typer.echo(f"{command}: {where}{error.strerror or error}", err=True)
+            # The whole command (`hearth db upgrade`): every group of a command line is one of these, so the one
+            # nearest the command that failed says it.
+            command = " ".join(filter(None, (ctx.command_path or self.name, ctx.invoked_subcommand)))
+            typer.echo(f"{command}: {file_error_said_plainly(error)}", err=True)
             raise typer.Exit(EXIT_FILE_ERROR) from None
+
+
+def file_error_said_plainly(error: OSError) -> str:
+    """The file of ``error`` and why it could not be used; a file where a folder goes (which mkdir calls "File
+    exists" and open "Not a directory") said as such, naming that file."""
+    if error.filename is None:
+        return error.strerror or str(error)
+    path = os.fsdecode(error.filename)
+    if error.errno in (errno.EEXIST, errno.ENOTDIR):
+        not_a_folder = next((part for part in (path, *map(str, Path(path).parents))
+                             if os.path.lexists(part) and not os.path.isdir(part)), None)
+        if not_a_folder is not None:
+            return f"{not_a_folder} is not a folder" if not_a_folder == path else (
+                f"{path}: {not_a_folder} is not a folder")
+    return f"{path}: {error.strerror or error}"
 
 
 class OneLineErrorsGroup(_OneLineErrors, TyperGroup):

@@ -56,7 +56,7 @@ def test_hearth_nats_refuses_a_port_out_of_range_before_starting(tmp_path):
 def test_a_work_folder_that_cannot_be_created_is_one_line(tmp_path):
     (tmp_path / "notes.txt").write_text("not a folder")
     said([HEARTH, "bench", "--work-dir", "notes.txt/work", "--repeats", "1"], tmp_path, 1,
-         "hearth bench: notes.txt/work: Not a directory")
+         "hearth bench: notes.txt/work: notes.txt is not a folder")
 
 
 def test_hearth_replay_refuses_a_missing_key_file_in_one_line(tmp_path):

@@ -1,5 +1,6 @@
 """Files a command cannot use end it in one line, no traceback, nothing half-written left behind: a folder it cannot
-create (services.cli_errors.OneLineErrorsGroup, `hearth`'s and `hearth-replay`'s), `hearth-replay --creds` naming
+create (services.cli_errors.OneLineErrorsGroup, `hearth`'s, each of its groups', and `hearth-replay`'s), named by
+the whole command and, where a file stands where a folder goes, said plainly, `hearth-replay --creds` naming
 a key file that is missing or readable by others, and a random checkpoint whose writing a stop or a full disk cut
 short."""
 
@@ -8,9 +9,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import typer
+from typer.core import TyperGroup
 from typer.testing import CliRunner
 
 from hearth.services.cli import app
+from hearth.services.cli_errors import OneLineErrorsGroup
 from hearth.services.devtools import random_models
 from hearth.services.replay.cli import app as replay_app
 
@@ -30,12 +34,6 @@ def a_file(tmp_path) -> Path:
     path = tmp_path / "notes.txt"
     path.write_text("not a folder")
     return path
-
-
-def test_a_folder_a_command_cannot_create_is_one_line_naming_it(a_file):
-    line = said_in_one_line(CliRunner().invoke(app, ["dashboards", "build", "--out", str(a_file / "dashboards")]),
-                            1, f"{a_file / 'dashboards'}: Not a directory")
-    assert line.split(":")[0].endswith("dashboards"), line
 
 
 @pytest.mark.parametrize("key", ["missing", "readable-by-others"])
@@ -65,3 +63,25 @@ def test_a_random_checkpoint_cut_short_leaves_nothing_half_written(failure, tmp_
 def test_hearth_db_names_itself_in_its_refusal(command, code, tmp_path):
     said_in_one_line(CliRunner().invoke(app, ["db", command, "--db", str(tmp_path)]), code,
                      f"hearth db {command}: {tmp_path}: ")
+
+
+@pytest.mark.parametrize(("args", "under"), [(["db", "upgrade", "--db"], "readmodel.sqlite"),
+                                             (["dashboards", "build", "--out"], "dashboards")],
+                         ids=["db-upgrade", "dashboards-build"])
+def test_a_file_where_a_folder_goes_is_named_by_the_whole_command_and_said_plainly(args, under, a_file):
+    line = said_in_one_line(CliRunner().invoke(app, [*args, str(a_file / under)]), 1)
+    assert line.startswith(f"{app.info.name} {args[0]} {args[1]}: "), line
+    assert line.endswith(f"{a_file} is not a folder"), line
+    assert "File exists" not in line and "Not a directory" not in line, line
+
+
+def test_every_group_of_hearth_ends_a_file_error_in_one_line_of_its_own():
+    def groups(command):
+        if isinstance(command, TyperGroup):  # typer's own copy of click's Group: as every group typer builds
+            yield command
+            for name in command.list_commands(typer.Context(command)):
+                yield from groups(command.get_command(typer.Context(command), name))
+
+    every_group = list(groups(typer.main.get_command(app)))
+    assert {group.name for group in every_group} >= {"hearth", "db", "community", "dashboards", "weights"}
+    assert [group.name for group in every_group if not isinstance(group, OneLineErrorsGroup)] == []
