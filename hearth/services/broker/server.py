@@ -17,6 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from hearth.services.broker.store_lock import StoreFolderInUse, StoreFolderLock
 from hearth.services.common.child_processes import ends_with_this_process
 from hearth.services.common.config_sections import loopback_host
 
@@ -157,10 +158,13 @@ class EmbeddedNatsServer:
             self._owned_tmp = tempfile.TemporaryDirectory(prefix="hearth-nats-")
             store_dir = self._owned_tmp.name
         self.store_dir = Path(store_dir)
+        # Held while a server of this object runs on the store (hearth/services/broker/store_lock.py).
+        self._store_lock = StoreFolderLock(self.store_dir)
         self.max_payload_bytes = max_payload_bytes
         # True: the server does not get the terminal's Ctrl-C, so its owner can stop it after its clients.
         self.start_new_session = start_new_session
         self._process: subprocess.Popen | None = None
+        self._log_file = None
 
     @property
     def url(self) -> str:
@@ -176,22 +180,30 @@ class EmbeddedNatsServer:
     def start(self) -> "EmbeddedNatsServer":
         if self.is_running():
             return self
+        self.stop()  # a server of this object that died: its log file closed, its hold on the store let go
         config_path = self._prepare_store()
-        binary = find_nats_server_binary()
-        log_path = self.store_dir / "nats-server.log"
-        self._log_file = open(log_path, "ab")
-        log_start = self._log_file.tell()  # the log is kept across restarts: only this start's lines count
-        self._process = subprocess.Popen(
-            [str(binary), "-c", str(config_path)],
-            stdout=self._log_file,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=self.start_new_session,
-            env={**os.environ, **self.config_environment()},
-            # Its owner killed (a demo's SIGKILL), it would serve on with nobody to stop it.
-            preexec_fn=ends_with_this_process(),
-        )
-        self._wait_until_accepting(log_path, log_start)
+        try:
+            binary = find_nats_server_binary()
+            log_path = self.store_dir / "nats-server.log"
+            self._log_file = open(log_path, "ab")
+            log_start = self._log_file.tell()  # the log is kept across restarts: only this start's lines count
+            held = self._store_lock.fileno
+            self._process = subprocess.Popen(
+                [str(binary), "-c", str(config_path)],
+                stdout=self._log_file,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=self.start_new_session,
+                env={**os.environ, **self.config_environment()},
+                # Its owner killed (a demo's SIGKILL), it would serve on with nobody to stop it.
+                preexec_fn=ends_with_this_process(),
+                # The server holds the store's lock too: a server outliving its owner still keeps others off.
+                pass_fds=() if held is None else (held,),
+            )
+            self._wait_until_accepting(log_path, log_start)
+        except BaseException:
+            self.stop()
+            raise
         log.info("nats-server %s listening on %s (store %s)", binary, self.url, self.store_dir)
         return self
 
@@ -214,22 +226,35 @@ class EmbeddedNatsServer:
         return self.config_path
 
     def _prepare_store(self) -> Path:
-        """The store folder made and the configuration written in it (the path); NatsServerError, naming the folder,
-        when it cannot be (a file is there, no permission)."""
+        """The store folder made, locked for this server (store_lock.py) and the configuration written in it (the
+        path); NatsServerError, naming the folder, when it cannot be (a file is there, no permission) or another
+        broker uses it. The lock comes first: the configuration file is the running broker's."""
         try:
             self.store_dir.mkdir(parents=True, exist_ok=True)
+            self._store_lock.take()
+        except StoreFolderInUse as error:
+            raise NatsServerError(str(error)) from None
+        except OSError as error:
+            raise NatsServerError(
+                f"cannot use {self.store_dir} as the store folder: {error.strerror or error}") from None
+        try:
             return self._write_config()
         except OSError as error:
+            self._store_lock.release()
             raise NatsServerError(
                 f"cannot use {self.store_dir} as the store folder: {error.strerror or error}") from None
 
     def check_config(self) -> None:
         """Write the configuration and have nats-server test it (`-t`) without serving; NatsServerError if it
-        does not parse or names files that cannot be used."""
+        does not parse or names files that cannot be used, or the store is another running broker's."""
         config_path = self._prepare_store()
-        result = subprocess.run([str(find_nats_server_binary()), "-t", "-c", str(config_path)],
-                                capture_output=True, text=True, timeout=server_start_timeout_s,
-                                env={**os.environ, **self.config_environment()})
+        try:
+            result = subprocess.run([str(find_nats_server_binary()), "-t", "-c", str(config_path)],
+                                    capture_output=True, text=True, timeout=server_start_timeout_s,
+                                    env={**os.environ, **self.config_environment()})
+        finally:
+            if not self.is_running():
+                self._store_lock.release()
         if result.returncode != 0:
             raise NatsServerError(f"{config_path}: {(result.stderr or result.stdout).strip()}")
 
@@ -290,9 +315,10 @@ class EmbeddedNatsServer:
                               f"within {server_start_timeout_s} s")
 
     def stop(self, *, kill: bool = False) -> None:
-        """SIGTERM (or SIGKILL when kill=True) and wait; the store is kept for a restart."""
+        """SIGTERM (or SIGKILL when kill=True) and wait; the store is kept for a restart, and let go."""
         process, self._process = self._process, None
-        if process is None:
+        if process is None:  # never started, or its start failed before the process did
+            self._close_log_and_let_go()
             return
         if process.poll() is None:
             process.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
@@ -301,7 +327,13 @@ class EmbeddedNatsServer:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait(timeout=server_stop_timeout_s)
-        self._log_file.close()
+        self._close_log_and_let_go()
+
+    def _close_log_and_let_go(self) -> None:
+        log_file, self._log_file = self._log_file, None
+        if log_file is not None:
+            log_file.close()
+        self._store_lock.release()
 
     def restart(self) -> None:
         self.stop()
