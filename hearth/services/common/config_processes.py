@@ -224,8 +224,8 @@ class ShardSettings(ConfigSection):
         description="float32 layers on the CPU: torch runs their projections as transformers builds them; "
                     "onednn-batched runs batched decode steps on oneDNN (faster) and one session's steps as torch "
                     "does (bitwise equal to generate()); onednn runs every step on oneDNN (faster alone too, not "
-                    "bitwise equal; greedy tokens matched in every run measured). hearth/inference/cpu_kernels.py, "
-                    "BENCHMARKS.md")
+                    "bitwise equal; greedy tokens matched in every run measured; the source's BENCHMARKS.md, "
+                    "\"oneDNN for batched steps\")")
 
     heartbeat_interval_s: float = Field(default=2.0, gt=0, description="between shard.heartbeat events")
     advertisement_ttl_s: float = Field(default=60.0, gt=0, le=max_event_duration_s,
